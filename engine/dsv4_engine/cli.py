@@ -1,0 +1,180 @@
+"""The `dsv4` command line: one typer app; each command imports its implementation lazily so
+that `dsv4 --help` stays fast and a command only pays for what it uses."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="dsv4: serve DeepSeek-style MoE models with prefill/decode disaggregation.",
+)
+model_app = typer.Typer(no_args_is_help=True, help="Make and inspect model checkpoints.")
+app.add_typer(model_app, name="model")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (us vs the peer, side by side).")
+app.add_typer(bench_app, name="bench")
+
+
+def _fail(msg: str) -> None:
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(code=2)
+
+
+def _check_model_dir(model: Path) -> None:
+    if not (model / "config.json").is_file():
+        _fail(f"no model at {model} (expected {model / 'config.json'}); make one with `dsv4 model init DIR`")
+
+
+@model_app.command("init")
+def model_init(
+    out_dir: Path = typer.Argument(..., help="Folder to write the checkpoint into."),
+    preset: str = typer.Option("tiny", help="Model preset: tiny | mla512."),
+    seed: int = typer.Option(0, help="Seed; the same seed writes the same checkpoint."),
+) -> None:
+    """Write a Hugging Face-format DeepSeek-V3 checkpoint (config, safetensors, tokenizer)."""
+    from dsv4_engine.checkpoint import PRESETS, init_checkpoint
+
+    if preset not in PRESETS:
+        _fail(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    init_checkpoint(out_dir, preset=preset, seed=seed)
+    typer.echo(f"wrote {preset} checkpoint (seed {seed}) to {out_dir}")
+
+
+@app.command()
+def serve(
+    model: Path = typer.Option(..., help="Checkpoint folder (from `dsv4 model init` or save_pretrained)."),
+    role: str = typer.Option("mono", help="mono | prefill | decode"),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8100),
+    bootstrap_port: Optional[int] = typer.Option(None, help="Prefill: port of the bootstrap endpoint (default port+1000)."),
+    dtype: str = typer.Option("float32", help="float32 | bfloat16"),
+    served_model_name: Optional[str] = typer.Option(None, help="Name in /v1/models (default: folder name)."),
+    kv_pages: Optional[int] = typer.Option(None, help="KV pool size in pages (default: from --kv-memory-gb)."),
+    kv_memory_gb: float = typer.Option(1.0, help="KV pool size in GiB when --kv-pages is not given."),
+    page_size: int = typer.Option(16, help="Tokens per KV page."),
+    max_num_seqs: int = typer.Option(64, help="Most requests running at once."),
+    max_num_batched_tokens: int = typer.Option(1024, help="Token budget of one step (chunked prefill)."),
+    max_model_len: Optional[int] = typer.Option(None, help="Context limit (default: the model's)."),
+    kernel_backend: Optional[str] = typer.Option(None, help="torch | triton (default: triton on CUDA, else torch)."),
+    device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when present)."),
+    bootstrap_timeout: float = typer.Option(30.0, help="Seconds a PD request may wait for its peer."),
+    transfer_timeout: float = typer.Option(30.0, help="Seconds a KV transfer may take."),
+    waiting_timeout: float = typer.Option(60.0, help="Seconds decode waits for the KV of a request."),
+    no_deadlines: bool = typer.Option(False, "--no-deadlines", help="Disable PD deadlines (reproduces the wedge; tests only)."),
+    enable_fault_injection: bool = typer.Option(False, "--enable-fault-injection", help="Expose POST /admin/faults."),
+    admin_token: Optional[str] = typer.Option(None, envvar="DSV4_ADMIN_TOKEN", help="Token required by /admin and /debug."),
+    seed: int = typer.Option(0, help="Default sampling seed."),
+) -> None:
+    """Run one engine (monolithic, prefill or decode) with the OpenAI-compatible HTTP API."""
+    if role not in ("mono", "prefill", "decode"):
+        _fail(f"--role must be mono, prefill or decode, not {role!r}")
+    if dtype not in ("float32", "bfloat16"):
+        _fail(f"--dtype must be float32 or bfloat16, not {dtype!r}")
+    if kernel_backend not in (None, "torch", "triton"):
+        _fail(f"--kernel-backend must be torch or triton, not {kernel_backend!r}")
+    _check_model_dir(model)
+    from dsv4_engine.server import ServerArgs, run_server
+
+    run_server(
+        ServerArgs(
+            model=str(model), role=role, host=host, port=port,
+            bootstrap_port=bootstrap_port if bootstrap_port is not None else port + 1000,
+            dtype=dtype, served_model_name=served_model_name or model.resolve().name,
+            kv_pages=kv_pages, kv_memory_gb=kv_memory_gb, page_size=page_size,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, kernel_backend=kernel_backend, device=device,
+            bootstrap_timeout=bootstrap_timeout, transfer_timeout=transfer_timeout,
+            waiting_timeout=waiting_timeout, deadlines=not no_deadlines,
+            enable_fault_injection=enable_fault_injection, admin_token=admin_token, seed=seed,
+        )
+    )
+
+
+@app.command()
+def router(
+    prefill: List[str] = typer.Option([], help="Prefill engine URL (repeat for more)."),
+    decode: List[str] = typer.Option([], help="Decode engine URL (repeat for more)."),
+    mono: List[str] = typer.Option([], help="Monolithic engine URL (repeat for more)."),
+    host: str = typer.Option("127.0.0.1"),
+    port: int = typer.Option(8000),
+    discover_namespace: Optional[str] = typer.Option(None, help="Find engine pods in this Kubernetes namespace."),
+    selector: Optional[str] = typer.Option(None, help="Label selector for discovery, e.g. app.kubernetes.io/instance=x."),
+    health_interval: float = typer.Option(2.0, help="Seconds between /ready checks of each worker."),
+    admin_token: Optional[str] = typer.Option(None, envvar="DSV4_ADMIN_TOKEN"),
+) -> None:
+    """Run the PD router: OpenAI API front, pairs prefill + decode per request."""
+    if not (prefill or decode or mono or discover_namespace):
+        _fail("give --prefill and --decode URLs (or --mono URLs, or --discover-namespace)")
+    if bool(prefill) != bool(decode):
+        _fail("PD routing needs at least one --prefill and one --decode")
+    from dsv4_engine.router import RouterArgs, run_router
+
+    run_router(
+        RouterArgs(
+            prefill=list(prefill), decode=list(decode), mono=list(mono), host=host, port=port,
+            discover_namespace=discover_namespace, selector=selector,
+            health_interval=health_interval, admin_token=admin_token,
+        )
+    )
+
+
+@app.command()
+def up(
+    model: Optional[Path] = typer.Option(None, help="Checkpoint folder (default: the tiny model, built into a cache)."),
+    prefill: int = typer.Option(1, help="Prefill engines."),
+    decode: int = typer.Option(1, help="Decode engines."),
+    port: int = typer.Option(8000, help="Router port (the one to curl)."),
+    host: str = typer.Option("127.0.0.1"),
+    mono: bool = typer.Option(False, "--mono", help="One monolithic engine behind the router instead of PD."),
+    enable_fault_injection: bool = typer.Option(False, "--enable-fault-injection"),
+    no_deadlines: bool = typer.Option(False, "--no-deadlines", help="Disable engine PD deadlines (reproduce the wedge)."),
+    watchdog: bool = typer.Option(True, "--watchdog/--no-watchdog", help="Run the wedge watchdog on the engines."),
+    detection_window: float = typer.Option(20.0, help="Seconds without progress before a pod is wedged."),
+    scrape_interval: float = typer.Option(2.0),
+    evidence_dir: Optional[Path] = typer.Option(None, help="Where evidence of wedges is written."),
+    engine_arg: List[str] = typer.Option([], help="Extra argument passed to every engine (repeat)."),
+) -> None:
+    """Run router + prefill + decode engines as local processes, watched by the wedge policy."""
+    if model is not None:
+        _check_model_dir(model)
+    if prefill < 1 or decode < 1:
+        _fail("--prefill and --decode must be at least 1")
+    from dsv4_operator.local import UpArgs, run_up
+
+    run_up(
+        UpArgs(
+            model=model, prefill=prefill, decode=decode, port=port, host=host, mono=mono,
+            enable_fault_injection=enable_fault_injection, deadlines=not no_deadlines,
+            watchdog=watchdog, detection_window=detection_window, scrape_interval=scrape_interval,
+            evidence_dir=evidence_dir, engine_args=list(engine_arg),
+        )
+    )
+
+
+@app.command("operator")
+def operator_cmd(
+    namespace: List[str] = typer.Option([], help="Namespace to watch (repeat); default all namespaces."),
+    standalone: bool = typer.Option(False, "--standalone", help="Single replica, no peering."),
+    health_port: int = typer.Option(8080, help="Port of /healthz and /metrics."),
+    log_format: str = typer.Option("json", help="json | plain"),
+) -> None:
+    """Run the kopf operator for DSV4Deployment (KUBECONFIG or in-cluster config)."""
+    from dsv4_operator.main import run_operator
+
+    run_operator(namespaces=list(namespace), standalone=standalone, health_port=health_port, log_format=log_format)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
