@@ -1,0 +1,88 @@
+"""Model configuration: the fields of a DeepSeek-V3 `config.json` that the engine uses."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # dense MLP width
+    moe_intermediate_size: int  # width of one routed (and each shared) expert
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: Optional[int]  # None: q is projected directly (DeepSeek-V2-Lite style)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    first_k_dense_replace: int
+    moe_layer_freq: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    scoring_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 4096
+    bos_token_id: Optional[int] = 0
+    eos_token_id: Any = 1
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "float32"
+    extra: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Width of one cached token in one layer: the latent followed by the rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.eos_token_id
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (
+            self.n_routed_experts > 0
+            and layer >= self.first_k_dense_replace
+            and layer % self.moe_layer_freq == 0
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        if d.get("model_type") not in ("deepseek_v3", "deepseek_v2", None):
+            raise ValueError(f"unsupported model_type {d.get('model_type')!r} (expected deepseek_v3)")
+        known = {f.name for f in fields(cls)} - {"extra"}
+        kwargs = {k: v for k, v in d.items() if k in known}
+        if "torch_dtype" not in d and "dtype" in d:
+            kwargs["torch_dtype"] = d["dtype"]
+        kwargs.setdefault("n_group", 1)
+        kwargs.setdefault("topk_group", 1)
+        kwargs.setdefault("n_shared_experts", 0)
+        kwargs.setdefault("first_k_dense_replace", 0)
+        kwargs.setdefault("q_lora_rank", None)
+        cfg = cls(**kwargs)
+        cfg.extra = {k: v for k, v in d.items() if k not in known}
+        return cfg
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        with open(Path(path) / "config.json") as f:
+            return cls.from_dict(json.load(f))
