@@ -71,6 +71,11 @@ class ModelConfig:
             raise ValueError(f"unsupported model_type {d.get('model_type')!r} (expected deepseek_v3)")
         known = {f.name for f in fields(cls)} - {"extra"}
         kwargs = {k: v for k, v in d.items() if k in known}
+        rp = d.get("rope_parameters")
+        if isinstance(rp, dict):  # transformers >= 5 keeps theta and scaling together here
+            kwargs.setdefault("rope_theta", rp.get("rope_theta", 10000.0))
+            if rp.get("rope_type", "default") != "default" and not d.get("rope_scaling"):
+                kwargs["rope_scaling"] = rp
         if "torch_dtype" not in d and "dtype" in d:
             kwargs["torch_dtype"] = d["dtype"]
         kwargs.setdefault("n_group", 1)

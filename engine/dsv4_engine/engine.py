@@ -1,0 +1,259 @@
+"""The engine loop: one thread owns the model, the KV pool and every queue.
+
+Other threads talk to it only through `submit` and `abort` (a command inbox), and hear back
+through each request's sink, so no lock guards the scheduler state. The loop also keeps the
+live gauges current while idle: a stuck request must be visible without traffic.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from dsv4_engine.kv_cache import KVPool, pages_for_memory
+from dsv4_engine.metrics import EngineMetrics
+from dsv4_engine.model_runner import ModelRunner
+from dsv4_engine.scheduler import Scheduler
+from dsv4_engine.sequence import RequestOutput, Sequence, SeqStatus
+from dsv4_engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("dsv4.engine")
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    role: str = "mono"
+    dtype: str = "float32"
+    served_model_name: str = "dsv4"
+    kv_pages: Optional[int] = None
+    kv_memory_gb: float = 1.0
+    page_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: Optional[int] = None
+    kernel_backend: Optional[str] = None
+    device: Optional[str] = None
+    seed: int = 0
+
+
+class Engine:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self.runner = ModelRunner(args.model, args.dtype, args.device, args.kernel_backend)
+        self.cfg = self.runner.cfg
+        self.tokenizer = Tokenizer.from_dir(args.model)
+        num_pages = args.kv_pages or pages_for_memory(self.cfg, args.page_size, self.runner.dtype, args.kv_memory_gb)
+        self.pool = KVPool(self.cfg, num_pages, args.page_size, self.runner.dtype, self.runner.device)
+        self.scheduler = Scheduler(self.pool.allocator, args.page_size, args.max_num_seqs, args.max_num_batched_tokens)
+        # The context limit is the model's, but never more than the pool can hold for one request.
+        pool_tokens = num_pages * args.page_size
+        self.max_model_len = min(args.max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings, pool_tokens)
+        self.metrics = EngineMetrics(args.role, args.served_model_name)
+        self.metrics.set("kv_pages_total", num_pages)
+        self.pd = None  # role controller for prefill/decode, attached by dsv4_engine.pd
+        self.seqs: dict[str, Sequence] = {}
+        self.inbox: "queue.Queue[tuple]" = queue.Queue()
+        self.draining = False
+        self.last_iteration = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.eos_ids = set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_ids)
+
+    # ---- thread-safe entry points ----------------------------------------------------------------
+
+    def submit(self, seq: Sequence) -> None:
+        self.inbox.put(("add", seq))
+
+    def abort(self, rid: Optional[str] = None, reason: str = "aborted", all_: bool = False) -> None:
+        self.inbox.put(("abort", rid, reason, all_))
+
+    def call(self, fn) -> None:
+        """Run fn() on the engine thread (for role controllers and admin actions)."""
+        self.inbox.put(("call", fn))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.run, name="dsv4-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step()
+            except Exception:  # the loop must outlive any one bad step
+                log.error("engine step failed:\n%s", traceback.format_exc())
+                time.sleep(0.01)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self.inbox.get(timeout=0.02) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(item)
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item: tuple) -> None:
+        kind = item[0]
+        if kind == "add":
+            self._add(item[1])
+        elif kind == "abort":
+            _, rid, reason, all_ = item
+            targets = list(self.seqs.values()) if all_ else [self.seqs[rid]] if rid in self.seqs else []
+            for seq in targets:
+                self.finish(seq, "abort", error=reason, error_code=499)
+                self.metrics.inc("num_aborted_reqs")
+        elif kind == "call":
+            item[1]()
+
+    def _add(self, seq: Sequence) -> None:
+        if seq.rid in self.seqs:
+            seq.sink(RequestOutput(seq.rid, [], "", True, "error", f"duplicate request id {seq.rid}", 400))
+            return
+        self.seqs[seq.rid] = seq
+        seq.detok = IncrementalDetokenizer(self.tokenizer)
+        if seq.params.seed is not None or not seq.params.greedy:
+            seed = seq.params.seed if seq.params.seed is not None else self.args.seed + len(self.seqs)
+            seq.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.metrics.inc("prompt_tokens", len(seq.prompt_ids))
+        if self.pd is not None:
+            self.pd.on_new(seq)
+        else:
+            self.scheduler.add(seq)
+
+    def step(self) -> None:
+        idle = not self.scheduler.has_work() and (self.pd is None or not self.pd.busy())
+        self._drain_inbox(block=idle)
+        if self.pd is not None:
+            self.pd.poll()
+        batch = self.scheduler.schedule()
+        if batch:
+            try:
+                tokens = self.runner.step(batch, self.pool)
+            except Exception as e:  # fail this step's requests, keep serving the rest
+                log.error("forward failed:\n%s", traceback.format_exc())
+                for b in batch:
+                    self.finish(b.seq, "error", error=f"engine error: {e}", error_code=500)
+                tokens = []
+            for b, tok in zip(batch, tokens):
+                b.seq.num_computed += b.num_new
+                if tok is not None and not b.seq.finished:
+                    self._append_token(b.seq, tok)
+        self.metrics.inc("scheduler_loop_iterations")
+        self.last_iteration = time.monotonic()
+        self.update_gauges()
+
+    # ---- per-token bookkeeping -------------------------------------------------------------------
+
+    def _append_token(self, seq: Sequence, tok: int) -> None:
+        now = time.monotonic()
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.metrics.observe("time_to_first_token_seconds", now - seq.arrival)
+        else:
+            self.metrics.observe("inter_token_latency_seconds", now - seq.last_token_time)
+        seq.last_token_time = now
+        seq.output_ids.append(tok)
+        self.metrics.inc("generation_tokens")
+        if seq.prefill_only:
+            # PD prefill: the first token travels with the KV; decode judges every stop condition.
+            self.pd.on_prefill_done(seq)
+            return
+        reason = self._stop_reason(seq, tok)
+        if reason is not None:
+            self.finish(seq, reason, new_token=tok)
+        else:
+            self._emit(seq, [tok])
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> Optional[str]:
+        p = seq.params
+        if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
+            return "stop"
+        seq.text += seq.detok.add(tok)
+        if p.stop:
+            start = max(0, seq.emitted_text_len - max(len(s) for s in p.stop))
+            hits = [i for i in (seq.text.find(s, start) for s in p.stop) if i >= 0]
+            if hits:
+                seq.text = seq.text[: min(hits)]
+                return "stop"
+        if len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _emit(self, seq: Sequence, toks: list[int], finished: bool = False, reason: Optional[str] = None,
+              error: Optional[str] = None, error_code: int = 500) -> None:
+        # Hold back text that could still turn into a stop string, until the request ends.
+        hold = 0 if finished else max((len(s) - 1 for s in seq.params.stop), default=0)
+        upto = max(seq.emitted_text_len, len(seq.text) - hold)
+        delta = seq.text[seq.emitted_text_len:upto]
+        seq.emitted_text_len = upto
+        seq.sink(RequestOutput(seq.rid, toks, delta, finished, reason, error, error_code,
+                               len(seq.prompt_ids), len(seq.output_ids)))
+
+    def finish(self, seq: Sequence, reason: str, error: Optional[str] = None, error_code: int = 500,
+               new_token: Optional[int] = None) -> None:
+        """End a request wherever it is: out of every queue, pages back, the client told once."""
+        if seq.finished:
+            return
+        self.scheduler.remove(seq)
+        if self.pd is not None:
+            self.pd.on_finish(seq)
+        if seq.pages:
+            self.pool.allocator.free(seq.pages)
+            seq.pages = []
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.seqs.pop(seq.rid, None)
+        if reason in ("stop", "length"):
+            self.metrics.observe("e2e_request_latency_seconds", time.monotonic() - seq.arrival)
+        self._emit(seq, [new_token] if new_token is not None else [], True, reason, error, error_code)
+
+    # ---- live state ------------------------------------------------------------------------------
+
+    def update_gauges(self) -> None:
+        m = self.metrics
+        m.set("num_running_reqs", len(self.scheduler.running))
+        m.set("num_queue_reqs", len(self.scheduler.waiting))
+        m.set("kv_pages_free", self.pool.allocator.num_free)
+        if self.pd is not None:
+            self.pd.update_gauges(m)
+
+    def loads(self) -> dict:
+        """Live view for /v1/loads (read from another thread: plain reads of ints are safe)."""
+        queues = {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running)}
+        extra: dict = {}
+        if self.pd is not None:
+            q, extra = self.pd.loads()
+            queues.update(q)
+        return {
+            "role": self.args.role,
+            "model": self.args.served_model_name,
+            "queues": queues,
+            "kv_pages_free": self.pool.allocator.num_free,
+            "kv_pages_total": self.pool.num_pages,
+            "draining": self.draining,
+            "seconds_since_last_iteration": round(time.monotonic() - self.last_iteration, 3),
+            "counters": dict(self.metrics.totals),
+            **extra,
+        }

@@ -1,0 +1,233 @@
+"""DeepSeek-V3 forward pass over a paged latent KV cache.
+
+Attention is MLA in its weight-absorbed form for every token, prefill included: the cache holds
+only the compressed latent and the rope key per token, the query's no-position part is folded
+through W_UK into latent space, and the value is the latent itself, lifted back through W_UV
+after attention. One attention path serves prefill, chunked prefill and decode.
+
+The hot operations (attention, MoE routing and experts, RMSNorm, rotary embedding) go through
+`ops`, a module from dsv4_kernels with the same functions for the torch and triton backends.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from dsv4_engine.config import ModelConfig
+
+
+@dataclass
+class ForwardBatch:
+    """One step's tokens, flattened over requests in order."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, absolute position of each token
+    slot_mapping: torch.Tensor  # [T] int64, page * page_size + offset where its KV is written
+    block_table: torch.Tensor  # [B, max_pages] int32
+    seq_lens: torch.Tensor  # [B] int32, tokens in cache after this step
+    extend_lens: torch.Tensor  # [B] int32, new tokens of each request in this step
+    logits_indices: torch.Tensor  # [B] int64, the row of each request's last new token
+    all_decode: bool  # every request has exactly one new token
+
+
+def yarn_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and cos/sin scale of the rope, with yarn scaling when configured."""
+    dim = cfg.qk_rope_head_dim
+    base = cfg.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    rs = cfg.rope_scaling or {}
+    rope_type = rs.get("rope_type", rs.get("type", "default"))
+    if rope_type in (None, "default"):
+        return 1.0 / pos_freqs, 1.0
+    if rope_type != "yarn":
+        raise ValueError(f"unsupported rope_scaling type {rope_type!r} (default or yarn)")
+    factor = float(rs["factor"])
+    orig_max = rs.get("original_max_position_embeddings", cfg.max_position_embeddings)
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn_factor = rs.get("attention_factor")
+    if attn_factor is None:
+        m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        attn_factor = get_mscale(factor, m) / get_mscale(factor, m_all) if (m and m_all) else get_mscale(factor)
+    beta_fast = rs.get("beta_fast") or 32
+    beta_slow = rs.get("beta_slow") or 1
+
+    def correction_dim(rot: float) -> float:
+        return (dim * math.log(orig_max / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attn_factor)
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    scale = cfg.qk_head_dim ** -0.5
+    rs = cfg.rope_scaling or {}
+    if rs.get("rope_type", rs.get("type", "default")) not in (None, "default"):
+        m_all = rs.get("mscale_all_dim", 0)
+        factor = float(rs.get("factor", 1.0))
+        if m_all and factor > 1:
+            m = 0.1 * m_all * math.log(factor) + 1.0
+            scale *= m * m
+    return scale
+
+
+class DeepseekV3:
+    """Weights plus the forward pass; holds no per-request state (that lives in the KV pool)."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], ops, dtype: torch.dtype, device: torch.device):
+        self.cfg = cfg
+        self.ops = ops
+        self.dtype = dtype
+        self.device = device
+        self.scale = softmax_scale(cfg)
+        inv_freq, attn_factor = yarn_inv_freq(cfg)
+        max_pos = max(cfg.max_position_embeddings, 1)
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+        self.cos = (freqs.cos() * attn_factor).to(device)
+        self.sin = (freqs.sin() * attn_factor).to(device)
+        self._build(weights)
+
+    # ---- weights -------------------------------------------------------------------------------
+
+    def _build(self, w: dict[str, torch.Tensor]) -> None:
+        cfg, dt, dev = self.cfg, self.dtype, self.device
+
+        def take(name: str, dtype: torch.dtype = dt) -> torch.Tensor:
+            if name not in w:
+                raise KeyError(f"checkpoint lacks tensor {name}")
+            return w[name].to(device=dev, dtype=dtype).contiguous()
+
+        self.embed = take("model.embed_tokens.weight")
+        self.final_norm = take("model.norm.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings and "lm_head.weight" not in w else take("lm_head.weight")
+        H, nope, rope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        interleaved = cfg.extra.get("rope_interleave", True)
+        self.layers = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            L: dict[str, torch.Tensor] = {
+                "input_norm": take(p + "input_layernorm.weight"),
+                "post_norm": take(p + "post_attention_layernorm.weight"),
+                "kv_a": take(p + "self_attn.kv_a_proj_with_mqa.weight"),
+                "kv_a_norm": take(p + "self_attn.kv_a_layernorm.weight"),
+                "o": take(p + "self_attn.o_proj.weight"),
+            }
+            if cfg.q_lora_rank:
+                L["q_a"] = take(p + "self_attn.q_a_proj.weight")
+                L["q_a_norm"] = take(p + "self_attn.q_a_layernorm.weight")
+                q_b = take(p + "self_attn.q_b_proj.weight")
+            else:
+                q_b = take(p + "self_attn.q_proj.weight")
+            if not interleaved:
+                # The ops rotate interleaved pairs; a half-split checkpoint becomes interleaved by
+                # permuting its rope rows, which leaves every q.k dot product unchanged.
+                perm = torch.stack([torch.arange(rope // 2), torch.arange(rope // 2) + rope // 2], 1).reshape(-1)
+                qb = q_b.view(H, nope + rope, -1)
+                qb[:, nope:] = qb[:, nope:][:, perm]
+                L["kv_a"][cfg.kv_lora_rank:] = L["kv_a"][cfg.kv_lora_rank:][perm]
+            L["q_b"] = q_b
+            kv_b = take(p + "self_attn.kv_b_proj.weight").view(H, nope + v, cfg.kv_lora_rank)
+            L["w_uk"] = kv_b[:, :nope].contiguous()  # [H, nope, C]: q_nope -> latent space
+            L["w_uv"] = kv_b[:, nope:].contiguous()  # [H, v, C]: latent -> value per head
+            if cfg.is_moe_layer(i):
+                L["gate"] = take(p + "mlp.gate.weight", torch.float32)
+                L["bias"] = take(p + "mlp.gate.e_score_correction_bias", torch.float32)
+                L["w13"], L["w2"] = self._experts(w, p + "mlp.experts", take)
+                if cfg.n_shared_experts:
+                    s = p + "mlp.shared_experts."
+                    L["s_w13"] = torch.cat([take(s + "gate_proj.weight"), take(s + "up_proj.weight")], 0)
+                    L["s_w2"] = take(s + "down_proj.weight")
+            else:
+                L["d_w13"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0)
+                L["d_w2"] = take(p + "mlp.down_proj.weight")
+            self.layers.append(L)
+
+    def _experts(self, w, prefix: str, take) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stack experts into [E, 2I, hidden] and [E, hidden, I]; reads DeepSeek's per-expert
+        tensors or the fused ones some transformers versions write."""
+        if prefix + ".gate_up_proj" in w:
+            return take(prefix + ".gate_up_proj"), take(prefix + ".down_proj")
+        E = self.cfg.n_routed_experts
+        w13 = torch.stack(
+            [torch.cat([take(f"{prefix}.{e}.gate_proj.weight"), take(f"{prefix}.{e}.up_proj.weight")], 0) for e in range(E)]
+        )
+        w2 = torch.stack([take(f"{prefix}.{e}.down_proj.weight") for e in range(E)])
+        return w13.contiguous(), w2.contiguous()
+
+    # ---- forward -------------------------------------------------------------------------------
+
+    def _mlp(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, w13).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, w2)
+
+    def _attention(self, L: dict, x: torch.Tensor, fb: ForwardBatch, kv_layer: torch.Tensor) -> torch.Tensor:
+        cfg, ops = self.cfg, self.ops
+        T = x.shape[0]
+        H, nope, C = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        if cfg.q_lora_rank:
+            qa, _ = ops.rmsnorm(F.linear(x, L["q_a"]), L["q_a_norm"], cfg.rms_norm_eps)
+            q = F.linear(qa, L["q_b"])
+        else:
+            q = F.linear(x, L["q_b"])
+        q = q.view(T, H, cfg.qk_head_dim)
+        ckv = F.linear(x, L["kv_a"])
+        latent, _ = ops.rmsnorm(ckv[:, :C], L["kv_a_norm"], cfg.rms_norm_eps)
+        k_rope = ckv[:, C:].unsqueeze(1)  # [T, 1, R]
+        q_rope = q[:, :, nope:]
+        ops.rope_interleaved_(q_rope, fb.positions, self.cos, self.sin)
+        ops.rope_interleaved_(k_rope, fb.positions, self.cos, self.sin)
+        # Write this step's latent + rope key into the pages before attending, so new tokens
+        # see themselves and each other through the same paged read as the prefix.
+        page_size = kv_layer.shape[1]
+        pages, offs = fb.slot_mapping // page_size, fb.slot_mapping % page_size
+        kv_layer[pages, offs] = torch.cat([latent, k_rope.squeeze(1)], dim=-1).to(kv_layer.dtype)
+        q_latent = torch.bmm(q[:, :, :nope].transpose(0, 1), L["w_uk"]).transpose(0, 1)  # [T, H, C]
+        q_full = torch.cat([q_latent, q_rope], dim=-1)
+        if fb.all_decode:
+            o = ops.mla_decode(q_full, kv_layer, fb.block_table, fb.seq_lens, self.scale, C)
+        else:
+            o = ops.mla_extend(q_full, kv_layer, fb.block_table, fb.seq_lens, fb.extend_lens, self.scale, C)
+        o = torch.bmm(o.to(x.dtype).transpose(0, 1), L["w_uv"].transpose(1, 2))  # [H, T, v]
+        return F.linear(o.transpose(0, 1).reshape(T, -1), L["o"])
+
+    def _moe(self, L: dict, x: torch.Tensor) -> torch.Tensor:
+        cfg, ops = self.cfg, self.ops
+        logits = F.linear(x.float(), L["gate"])
+        weights, ids = ops.moe_route(
+            logits, L["bias"], cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok,
+            cfg.norm_topk_prob, cfg.routed_scaling_factor,
+        )
+        out = ops.moe_experts(x, L["w13"], L["w2"], weights, ids)
+        if "s_w13" in L:
+            out = out + self._mlp(x, L["s_w13"], L["s_w2"])
+        return out
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor:
+        """Run one step; returns fp32 logits of each request's last new token, [B, vocab]."""
+        cfg, ops = self.cfg, self.ops
+        x = F.embedding(fb.input_ids, self.embed)
+        residual: Optional[torch.Tensor] = None
+        for i, L in enumerate(self.layers):
+            h, residual = ops.rmsnorm(x, L["input_norm"], cfg.rms_norm_eps, residual)
+            x = self._attention(L, h, fb, kv_pool[:, i])
+            h, residual = ops.rmsnorm(x, L["post_norm"], cfg.rms_norm_eps, residual)
+            x = self._moe(L, h) if "gate" in L else self._mlp(h, L["d_w13"], L["d_w2"])
+        h = x[fb.logits_indices] + residual[fb.logits_indices]
+        h, _ = ops.rmsnorm(h, self.final_norm, cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()

@@ -1,0 +1,82 @@
+"""Turns a scheduled step into tensors, runs the model and samples one token per request that
+reached its last known token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from dsv4_engine.config import ModelConfig
+from dsv4_engine.kv_cache import KVPool
+from dsv4_engine.model import DeepseekV3, ForwardBatch
+from dsv4_engine.sampling import sample
+from dsv4_engine.scheduler import ScheduledSeq
+from dsv4_engine.weights import load_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_kernel_backend(device: torch.device) -> str:
+    return "triton" if device.type == "cuda" else "torch"
+
+
+def get_ops(backend: str):
+    from dsv4_kernels import get_ops as kernels_get_ops
+
+    return kernels_get_ops(backend)
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str | Path, dtype: str = "float32", device: Optional[str] = None,
+                 kernel_backend: Optional[str] = None):
+        self.cfg = ModelConfig.from_dir(model_dir)
+        self.device = torch.device(device) if device else default_device()
+        self.dtype = DTYPES[dtype]
+        self.kernel_backend = kernel_backend or default_kernel_backend(self.device)
+        self.model = DeepseekV3(self.cfg, load_weights(model_dir), get_ops(self.kernel_backend), self.dtype, self.device)
+
+    def build_batch(self, batch: list[ScheduledSeq], page_size: int) -> ForwardBatch:
+        ids, pos, slots, seq_lens, ext, last = [], [], [], [], [], []
+        max_pages = max(len(b.seq.pages) for b in batch)
+        table = torch.zeros(len(batch), max_pages, dtype=torch.int32)
+        for i, b in enumerate(batch):
+            s, start = b.seq, b.seq.num_computed
+            end = start + b.num_new
+            ids.extend(s.token_at(j) for j in range(start, end))
+            pos.extend(range(start, end))
+            slots.extend(s.pages[j // page_size] * page_size + j % page_size for j in range(start, end))
+            table[i, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
+            seq_lens.append(end)
+            ext.append(b.num_new)
+            last.append(len(ids) - 1)
+        dev = self.device
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_table=table.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            extend_lens=torch.tensor(ext, dtype=torch.int32, device=dev),
+            logits_indices=torch.tensor(last, dtype=torch.int64, device=dev),
+            all_decode=all(n == 1 for n in ext),
+        )
+
+    def forward(self, batch: list[ScheduledSeq], pool: KVPool) -> torch.Tensor:
+        return self.model.forward(self.build_batch(batch, pool.page_size), pool.tensor)
+
+    def step(self, batch: list[ScheduledSeq], pool: KVPool) -> list[Optional[int]]:
+        """Forward the step; returns a sampled token for each request that samples, else None."""
+        logits = self.forward(batch, pool)
+        rows = [i for i, b in enumerate(batch) if b.samples]
+        tokens: list[Optional[int]] = [None] * len(batch)
+        if rows:
+            picked = sample(logits[rows], [batch[i].seq.params for i in rows], [batch[i].seq.generator for i in rows])
+            for i, t in zip(rows, picked):
+                tokens[i] = t
+        return tokens

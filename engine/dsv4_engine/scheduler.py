@@ -1,0 +1,111 @@
+"""Continuous batching: which requests run this step and how many of their tokens.
+
+Every step, running requests that are decoding take one token each first (decode latency is
+what users feel), then chunked prefills continue and waiting requests are admitted FCFS while
+the token budget, the request limit and free pages allow. When pages run out, the newest
+running request is preempted: its pages are freed and it is recomputed later from its tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from dsv4_engine.kv_cache import PageAllocator
+from dsv4_engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int  # tokens of this request computed this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the request's last known token (so a new one is sampled)."""
+        return self.seq.num_computed + self.num_new == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int, max_num_batched_tokens: int):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A request whose KV is already in its pages (PD decode after the transfer)."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a request out of the queues (finish/abort); the caller frees its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def _pages_needed(self, seq: Sequence, upto_tokens: int) -> int:
+        return max(0, -(-upto_tokens // self.page_size) - len(seq.pages))
+
+    def _grow(self, seq: Sequence, upto_tokens: int) -> bool:
+        need = self._pages_needed(seq, upto_tokens)
+        if need == 0:
+            return True
+        pages = self.allocator.allocate(need)
+        if pages is None:
+            return False
+        seq.pages.extend(pages)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq.pages)
+        seq.pages = []
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        batch: list[ScheduledSeq] = []
+        # Decoding requests first, then running chunked prefills, both in admission order.
+        order = sorted(self.running, key=lambda s: s.num_tokens - s.num_computed > 1)
+        for seq in order:
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if n <= 0:
+                continue
+            while not self._grow(seq, seq.num_computed + n):
+                victim = next((s for s in reversed(self.running) if s is not seq and all(b.seq is not s for b in batch)), None)
+                if victim is None:
+                    self._preempt(seq)
+                    break
+                self._preempt(victim)
+            if seq.status is SeqStatus.RUNNING:
+                batch.append(ScheduledSeq(seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._grow(seq, seq.num_computed + n):
+                break  # FCFS: later requests wait behind it
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            batch.append(ScheduledSeq(seq, n))
+            budget -= n
+        return batch

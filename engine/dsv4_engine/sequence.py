@@ -1,0 +1,68 @@
+"""A request as the engine sees it: tokens, pages, progress and how it ended."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from dsv4_engine.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request; delivered to the request's sink."""
+
+    rid: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: Optional[str] = None  # stop | length | abort | error
+    error: Optional[str] = None
+    error_code: int = 500
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(eq=False)
+class Sequence:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[RequestOutput], None] = lambda out: None
+    output_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in `pages`
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: Optional[str] = None
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    generator: Optional[torch.Generator] = None
+    detok: Any = None  # IncrementalDetokenizer, set by the engine
+    text: str = ""  # generated text so far, for stop strings
+    emitted_text_len: int = 0
+    num_preemptions: int = 0
+    prefill_only: bool = False  # PD prefill: stop after the first token, KV goes to decode
+    pd: Any = None  # PD bookkeeping (room, peer, deadlines), owned by dsv4_engine.pd
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

@@ -1,0 +1,420 @@
+"""The engine's HTTP server: the OpenAI API, health/readiness, metrics, live loads and admin.
+
+Handlers validate everything before a request reaches the engine thread, and talk to it only
+through `EngineClient` (submit + a per-request asyncio queue fed from the engine thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from dsv4_engine.engine import Engine, EngineArgs
+from dsv4_engine.protocol import APIError, ChatCompletionRequest, CompletionRequest, _Common
+from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.sequence import RequestOutput, Sequence
+
+log = logging.getLogger("dsv4.server")
+
+
+@dataclass
+class ServerArgs:
+    model: str
+    role: str = "mono"
+    host: str = "127.0.0.1"
+    port: int = 8100
+    bootstrap_port: int = 9100
+    dtype: str = "float32"
+    served_model_name: str = "dsv4"
+    kv_pages: Optional[int] = None
+    kv_memory_gb: float = 1.0
+    page_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: Optional[int] = None
+    kernel_backend: Optional[str] = None
+    device: Optional[str] = None
+    bootstrap_timeout: float = 30.0
+    transfer_timeout: float = 30.0
+    waiting_timeout: float = 60.0
+    deadlines: bool = True
+    enable_fault_injection: bool = False
+    admin_token: Optional[str] = None
+    seed: int = 0
+
+    def engine_args(self) -> EngineArgs:
+        return EngineArgs(
+            model=self.model, role=self.role, dtype=self.dtype, served_model_name=self.served_model_name,
+            kv_pages=self.kv_pages, kv_memory_gb=self.kv_memory_gb, page_size=self.page_size,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len, kernel_backend=self.kernel_backend, device=self.device,
+            seed=self.seed,
+        )
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+class EngineClient:
+    """The asyncio side of the engine: one queue per request, filled from the engine thread."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    async def generate(self, seq: Sequence) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        seq.sink = lambda out: loop.call_soon_threadsafe(q.put_nowait, out)
+        self.engine.submit(seq)
+        finished = False
+        try:
+            while True:
+                out = await q.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:  # the client went away (or the handler was cancelled): free its pages
+                self.engine.abort(seq.rid, reason="client disconnected")
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, engine: Engine, args: ServerArgs):
+        self.engine = engine
+        self.client = EngineClient(engine)
+        self.args = args
+        self.model_name = args.served_model_name
+        self.vocab = engine.cfg.vocab_size
+
+    # ---- validation ------------------------------------------------------------------------------
+
+    def _check_model(self, req: _Common) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(f"The model `{req.model}` does not exist.", 404, "NotFoundError", "model", "model_not_found")
+
+    def _prompts(self, req: CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        if isinstance(p, str):
+            prompts = [self.engine.tokenizer.encode(p)]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]
+        elif p and all(isinstance(x, str) for x in p):
+            prompts = [self.engine.tokenizer.encode(x) for x in p]
+        elif p and all(isinstance(x, list) for x in p):
+            prompts = [list(x) for x in p]
+        else:
+            raise APIError("prompt must be a non-empty string, list of token ids, or list of those", param="prompt")
+        for ids in prompts:
+            if not ids:
+                raise APIError("prompt must not be empty", param="prompt")
+            bad = [t for t in ids if not (0 <= t < self.vocab)]
+            if bad:
+                raise APIError(f"token id {bad[0]} is out of range [0, {self.vocab})", param="prompt")
+        return prompts
+
+    def _params(self, req: _Common, prompt_len: int, default_max: Optional[int]) -> SamplingParams:
+        limit = self.engine.max_model_len
+        if prompt_len >= limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{prompt_len} tokens, leaving no room for a completion.", param="prompt", code="context_length_exceeded")
+        params = req.sampling_params(default_max if default_max is not None else limit - prompt_len)
+        if prompt_len + params.max_tokens > limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the prompt, {params.max_tokens} "
+                f"in the completion). Please reduce the prompt or max_tokens.", param="max_tokens",
+                code="context_length_exceeded")
+        return params
+
+    def _seq(self, req: _Common, ids: list[int], params: SamplingParams, rid: str) -> Sequence:
+        seq = Sequence(rid=rid, prompt_ids=ids, params=params)
+        if self.args.role != "mono":
+            from dsv4_engine.pd.common import PDRequestInfo
+
+            if req.bootstrap_room is None:
+                raise APIError(f"this is a {self.args.role} engine: send requests through the dsv4 router", param="bootstrap_room")
+            seq.pd = PDRequestInfo(req.bootstrap_host or "127.0.0.1", req.bootstrap_port or 0, req.bootstrap_room)
+            seq.prefill_only = self.args.role == "prefill"
+        return seq
+
+    # ---- completions -----------------------------------------------------------------------------
+
+    async def completions(self, req: CompletionRequest, http: Request) -> Response:
+        self._check_model(req)
+        prompts = self._prompts(req)
+        params = [self._params(req, len(ids), 16) for ids in prompts]
+        base = req.rid or f"cmpl-{uuid.uuid4().hex}"
+        seqs = [self._seq(req, ids, p, base if len(prompts) == 1 else f"{base}-{i}")
+                for i, (ids, p) in enumerate(zip(prompts, params))]
+        if req.stream:
+            return StreamingResponse(self._stream(req, seqs, base, chat=False), media_type="text/event-stream")
+        return await self._complete(req, seqs, base, http, chat=False)
+
+    async def chat(self, req: ChatCompletionRequest, http: Request) -> Response:
+        self._check_model(req)
+        msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+        text = self.engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt)
+        ids = self.engine.tokenizer.encode(text, add_bos=False)
+        if req.max_completion_tokens is not None and req.max_tokens is None:
+            req.max_tokens = req.max_completion_tokens
+        params = self._params(req, len(ids), None)
+        rid = req.rid or f"chatcmpl-{uuid.uuid4().hex}"
+        seqs = [self._seq(req, ids, params, rid)]
+        if req.stream:
+            return StreamingResponse(self._stream(req, seqs, rid, chat=True), media_type="text/event-stream")
+        return await self._complete(req, seqs, rid, http, chat=True)
+
+    async def _merged(self, seqs: list[Sequence]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of several requests as they come, tagged with the request's index."""
+        if len(seqs) == 1:
+            async for out in self.client.generate(seqs[0]):
+                yield 0, out
+            return
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, seq: Sequence) -> None:
+            async for out in self.client.generate(seq):
+                await q.put((i, out))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(seqs)]
+        try:
+            remaining = len(seqs)
+            while remaining:
+                i, out = await q.get()
+                remaining -= out.finished
+                yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _collect(self, seqs: list[Sequence]) -> list[dict]:
+        results = [{"text": "", "token_ids": [], "finish_reason": None, "prompt": 0, "completion": 0} for _ in seqs]
+        async for i, out in self._merged(seqs):
+            r = results[i]
+            r["text"] += out.text
+            r["token_ids"] += out.token_ids
+            if out.finished:
+                if out.finish_reason in ("error", "abort"):
+                    raise APIError(out.error or "request failed", out.error_code if out.error_code >= 400 else 500,
+                                   "server_error" if out.error_code >= 500 else "invalid_request_error")
+                r.update(finish_reason=out.finish_reason, prompt=out.prompt_tokens, completion=out.completion_tokens)
+        return results
+
+    async def _complete(self, req: _Common, seqs: list[Sequence], rid: str, http: Request, chat: bool) -> Response:
+        work = asyncio.ensure_future(self._collect(seqs))
+        gone = asyncio.ensure_future(self._wait_disconnect(http))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not work.done():  # client went away: cancelling the generators aborts the requests
+            work.cancel()
+            return Response(status_code=499)
+        results = work.result()
+        usage = _usage(sum(r["prompt"] for r in results), sum(r["completion"] for r in results))
+        created = int(time.time())
+        choices = []
+        for i, (r, seq) in enumerate(zip(results, seqs)):
+            if chat:
+                c = {"index": i, "message": {"role": "assistant", "content": r["text"]}, "finish_reason": r["finish_reason"], "logprobs": None}
+            else:
+                text = (self.engine.tokenizer.decode(seq.prompt_ids) if getattr(req, "echo", False) else "") + r["text"]
+                c = {"index": i, "text": text, "finish_reason": r["finish_reason"], "logprobs": None}
+            if req.return_token_ids:
+                c["token_ids"] = r["token_ids"]
+                c["prompt_token_ids"] = seq.prompt_ids
+            choices.append(c)
+        body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                "model": self.model_name, "choices": choices, "usage": usage}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = seqs[0].prompt_ids
+        return JSONResponse(body)
+
+    @staticmethod
+    async def _wait_disconnect(http: Request) -> None:
+        while not await http.is_disconnected():
+            await asyncio.sleep(0.05)
+
+    async def _stream(self, req: _Common, seqs: list[Sequence], rid: str, chat: bool) -> AsyncIterator[str]:
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        usage = [0, 0]
+
+        def chunk(choices: list, usage_: Optional[dict] = None) -> dict:
+            c = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
+            if usage_ is not None or include_usage:
+                c["usage"] = usage_
+            return c
+
+        if chat:
+            yield _sse(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]))
+        async for i, out in self._merged(seqs):
+            if out.finished and out.finish_reason in ("error", "abort"):
+                err = APIError(out.error or "request failed", out.error_code, "server_error")
+                yield _sse(err.body())
+                yield _sse("[DONE]")
+                return
+            if not (out.text or out.token_ids or out.finished):
+                continue
+            c: dict = {"index": i, "finish_reason": out.finish_reason if out.finished else None, "logprobs": None}
+            if chat:
+                c["delta"] = {"content": out.text} if out.text else {}
+            else:
+                c["text"] = out.text
+            if req.return_token_ids:
+                c["token_ids"] = out.token_ids
+            yield _sse(chunk([c]))
+            if out.finished:
+                usage[0] += out.prompt_tokens
+                usage[1] += out.completion_tokens
+        if include_usage:
+            yield _sse(chunk([], _usage(*usage)))
+        yield _sse("[DONE]")
+
+
+def _admin_guard(args: ServerArgs, http: Request) -> None:
+    if not args.admin_token:
+        return
+    auth = http.headers.get("authorization", "")
+    token = auth[7:] if auth.lower().startswith("bearer ") else http.headers.get("x-admin-token")
+    if token != args.admin_token:
+        raise APIError("admin token required", 401, "authentication_error")
+
+
+def thread_stacks() -> str:
+    import threading
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        parts.append(f"--- thread {names.get(ident, '?')} ({ident}) ---\n" + "".join(traceback.format_stack(frame)))
+    return "\n".join(parts)
+
+
+def build_app(engine: Engine, args: ServerArgs) -> FastAPI:
+    app = FastAPI(title="dsv4 engine", docs_url=None, redoc_url=None)
+    serving = OpenAIServing(engine, args)
+    app.state.engine = engine
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError):
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+        msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
+        return error_response(APIError(msg, 400, param=loc or None))
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, http: Request):
+        return await serving.completions(req, http)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, http: Request):
+        return await serving.chat(req, http)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": serving.model_name, "object": "model", "created": 0,
+                                            "owned_by": "dsv4", "max_model_len": engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return JSONResponse({"status": "engine loop stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        stalled = time.monotonic() - engine.last_iteration
+        if not engine.alive or stalled > 10:
+            return JSONResponse({"ready": False, "reason": f"engine loop not progressing ({stalled:.1f}s)"}, status_code=503)
+        if engine.draining:
+            return JSONResponse({"ready": False, "reason": "draining"}, status_code=503)
+        return {"ready": True}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/loads")
+    async def loads():
+        return engine.loads()
+
+    @app.post("/admin/drain")
+    async def drain(http: Request):
+        _admin_guard(args, http)
+        engine.draining = True
+        return {"draining": True}
+
+    @app.post("/admin/abort")
+    async def abort(http: Request):
+        _admin_guard(args, http)
+        try:
+            body = await http.json()
+        except Exception:
+            raise APIError("body must be JSON: {\"rid\": ...} or {\"all\": true}")
+        if not isinstance(body, dict) or not (body.get("all") is True or isinstance(body.get("rid"), str)):
+            raise APIError("give {\"rid\": \"...\"} or {\"all\": true}")
+        engine.abort(body.get("rid"), reason=body.get("reason", "aborted by admin"), all_=body.get("all") is True)
+        return {"aborted": body.get("rid") or "all"}
+
+    @app.get("/debug/stacks")
+    async def stacks(http: Request):
+        _admin_guard(args, http)
+        return PlainTextResponse(thread_stacks())
+
+    return app
+
+
+def make_engine(args: ServerArgs) -> Engine:
+    engine = Engine(args.engine_args())
+    if args.role != "mono":
+        from dsv4_engine.pd import attach_role
+
+        attach_role(engine, args)
+    return engine
+
+
+def run_server(args: ServerArgs) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = make_engine(args)
+    engine.start()
+    app = build_app(engine, args)
+    if args.role != "mono":
+        from dsv4_engine.pd import extend_app
+
+        extend_app(app, engine, args)
+    print(f"dsv4 serve: {args.role} engine for {args.served_model_name} on http://{args.host}:{args.port} "
+          f"({engine.pool.num_pages} KV pages of {args.page_size} tokens, max_model_len {engine.max_model_len})", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
+    finally:
+        engine.stop()
