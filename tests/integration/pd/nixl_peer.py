@@ -1,0 +1,99 @@
+"""A KV-transfer peer in its own process, driven from a test over a multiprocessing Pipe.
+
+The child hosts KVTransferAgents (by name) and keeps polling their notifications, as an
+engine loop would, except for agents the test has paused (to hold back connection setup).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from typing import Any
+
+REPLY_TIMEOUT_S = 60.0  # spawning imports torch and NIXL: slow on a busy 2-core machine
+
+
+def _serve(conn: Any) -> None:
+    import torch
+
+    from dsv4_engine.pd.transfer import KVTransferAgent
+
+    agents: dict[str, KVTransferAgent] = {}
+    paused: set[str] = set()
+    notifs: dict[str, list[tuple[str, bytes]]] = {}
+    while True:
+        for name, agent in agents.items():
+            if name not in paused:
+                notifs[name].extend(agent.poll_notifs())
+        if not conn.poll(0.0005):
+            continue
+        cmd, *args = conn.recv()
+        if cmd == "create":
+            name, shape, dtype, start_paused = args
+            agent = KVTransferAgent(name, torch.zeros(shape, dtype=getattr(torch, dtype)))
+            agents[name], notifs[name] = agent, []
+            if start_paused:
+                paused.add(name)
+            conn.send(agent.descriptor())
+        elif cmd == "add_peer":
+            conn.send(agents[args[0]].add_peer(args[1]))
+        elif cmd == "pages":  # raw bytes of the given pages, for byte-exact comparison
+            name, pages = args
+            pool = agents[name]._pool
+            conn.send(pool[torch.tensor(pages)].contiguous().view(torch.uint8).numpy().tobytes())
+        elif cmd == "notifs":
+            conn.send(notifs[args[0]])
+            notifs[args[0]] = []
+        elif cmd == "pause":
+            name, on = args
+            (paused.add if on else paused.discard)(name)
+            conn.send(True)
+        elif cmd == "send_notif":
+            conn.send(agents[args[0]].send_notif(args[1], args[2]))
+        elif cmd == "exit":
+            for agent in agents.values():
+                agent.close()
+            conn.send(True)
+            return
+
+
+class PeerProcess:
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child,), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def call(self, *cmd: Any, timeout: float = REPLY_TIMEOUT_S) -> Any:
+        self._conn.send(cmd)
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"peer process did not answer {cmd[0]!r} within {timeout} s")
+        return self._conn.recv()
+
+    def create(self, name: str, shape: tuple, dtype: str = "float32", paused: bool = False) -> dict:
+        return self.call("create", name, shape, dtype, paused)
+
+    def wait_notifs(self, name: str, expected: int, timeout: float = 20.0) -> list[tuple[str, bytes]]:
+        """Collect notifications for agent `name` until `expected` have arrived (or time out)."""
+        got: list[tuple[str, bytes]] = []
+        deadline = time.monotonic() + timeout
+        while len(got) < expected and time.monotonic() < deadline:
+            got.extend(self.call("notifs", name))
+        return got
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("exit", timeout=10)
+            except (TimeoutError, EOFError, BrokenPipeError, OSError):
+                pass
+            self.proc.join(5)
+            if self.proc.is_alive():
+                self.kill()

@@ -1,0 +1,194 @@
+"""KVTransferAgent between real processes over real NIXL (UCX on host memory).
+
+The test process is the writing (prefill) side; a spawned child hosts the receiving (decode)
+side and polls its notifications like an engine loop. Waiting is always a poll with a deadline.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from dsv4_engine.pd.transfer import KVTransferAgent, TransferState
+from nixl_peer import PeerProcess
+
+SHAPE = (32, 2, 16, 64)  # 32 pages of [layers=2, page_size=16, kv_dim=64]: 8 KiB fp32, 4 KiB bf16
+DEADLINE_S = 15.0
+
+
+def wait_terminal(agent: KVTransferAgent, handle: int, timeout: float = DEADLINE_S) -> TransferState:
+    deadline = time.monotonic() + timeout
+    state = agent.poll(handle)
+    while state is TransferState.PENDING and time.monotonic() < deadline:
+        state = agent.poll(handle)
+    return state
+
+
+def page_bytes(pool: torch.Tensor, pages: list[int]) -> bytes:
+    return pool[torch.tensor(pages)].contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def filled_pool(dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(SHAPE, generator=g).to(dtype)
+
+
+@pytest.fixture(scope="module")
+def peer():
+    p = PeerProcess()
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def writer():
+    agent = KVTransferAgent("writer", filled_pool(torch.float32, 1))
+    yield agent
+    agent.close()
+
+
+@pytest.fixture(scope="module")
+def target(peer, writer):
+    """A receiving agent in the peer process, loaded into the writer."""
+    desc = peer.create("target", SHAPE, "float32")
+    assert writer.add_peer(desc) == "target"
+    return desc
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_paged_write_random_mapping_is_byte_exact(peer, dtype):
+    name = f"dst-{dtype}"
+    with KVTransferAgent(f"src-{dtype}", filled_pool(getattr(torch, dtype), 7)) as src:
+        src.add_peer(peer.create(name, SHAPE, dtype))
+        g = torch.Generator().manual_seed(3)
+        src_pages = torch.randperm(SHAPE[0], generator=g)[:20].tolist()
+        dst_pages = torch.randperm(SHAPE[0], generator=g)[:20].tolist()
+        h = src.write_pages(name, src_pages, dst_pages, b"kv-ready")
+        assert wait_terminal(src, h) is TransferState.DONE, src.error(h)
+        info = src.info(h)
+        assert info.nbytes == 20 * src.page_nbytes and info.error is None
+        src.release(h)
+        assert peer.wait_notifs(name, 1) == [(src.name, b"kv-ready")]
+        assert peer.call("pages", name, dst_pages) == page_bytes(src._pool, src_pages)
+        untouched = sorted(set(range(SHAPE[0])) - set(dst_pages))
+        assert peer.call("pages", name, untouched) == bytes(len(untouched) * src.page_nbytes)
+
+
+def test_hundred_sequential_transfers_notify_exactly_once(peer, writer, target):
+    expected = []
+    for i in range(100):
+        page = i % SHAPE[0]
+        h = writer.write_pages("target", [page], [(page * 7 + 3) % SHAPE[0]], b"t%03d" % i)
+        assert wait_terminal(writer, h) is TransferState.DONE, writer.error(h)
+        writer.release(h)
+        expected.append(("writer", b"t%03d" % i))
+    got = peer.wait_notifs("target", 100)
+    mapping = {(p * 7 + 3) % SHAPE[0]: p for p in range(SHAPE[0])}  # dst page -> src page
+    # A marker sent after everything else: once it arrives, a duplicate would have too.
+    h = writer.write_pages("target", [mapping[0]], [0], b"marker")
+    assert wait_terminal(writer, h) is TransferState.DONE
+    writer.release(h)
+    got += peer.wait_notifs("target", 1)
+    assert got == expected + [("writer", b"marker")]
+    dst = sorted(mapping)
+    assert peer.call("pages", "target", dst) == page_bytes(writer._pool, [mapping[d] for d in dst])
+
+
+def test_bad_pages_raise_before_anything_starts(peer, writer, target):
+    before = peer.call("pages", "target", [5])
+    for src, dst in ([[0], [SHAPE[0]]], [[-1], [5]], [[0, 1], [5]], [[0, 1], [5, 5]], [[], []], [[0.5], [5]]):
+        with pytest.raises(ValueError):
+            writer.write_pages("target", src, dst, b"bad")
+    with pytest.raises(ValueError):
+        writer.write_pages("nobody", [0], [5], b"bad")
+    h = writer.write_pages("target", [1], [6], b"after-bad")
+    assert wait_terminal(writer, h) is TransferState.DONE
+    writer.release(h)
+    assert peer.wait_notifs("target", 1) == [("writer", b"after-bad")]
+    assert peer.call("pages", "target", [5]) == before
+
+
+def test_incompatible_layout_is_refused(peer, writer):
+    desc = peer.create("other-layout", SHAPE, "bfloat16")
+    with pytest.raises(ValueError, match="incompatible KV layout"):
+        writer.add_peer(desc)
+    assert "other-layout" not in writer.peers()
+
+
+def test_add_peer_is_idempotent_and_notifs_flow_back(peer, writer, target):
+    assert writer.add_peer(target) == "target"
+    assert writer.peers().count("target") == 1
+    # The receiving side loads the writer too and answers with a standalone message.
+    assert peer.call("add_peer", "target", writer.descriptor()) == "writer"
+    assert peer.call("send_notif", "target", "writer", b"abort:room-7") is True
+    got = []
+    deadline = time.monotonic() + DEADLINE_S
+    while not got and time.monotonic() < deadline:
+        got = writer.poll_notifs()
+    assert got == [("target", b"abort:room-7")]
+
+
+def test_stalled_transfer_times_out_then_peer_recovers(peer, writer):
+    # The peer does not poll, so the connection cannot be set up: the transfer stays pending.
+    writer.add_peer(peer.create("stalled", SHAPE, "float32", paused=True))
+    t0 = time.monotonic()
+    h = writer.write_pages("stalled", [2], [3], b"never", timeout_s=0.3)
+    state = wait_terminal(writer, h)
+    assert state is TransferState.FAILED
+    assert time.monotonic() - t0 >= 0.3
+    assert "timed out" in writer.error(h)
+    writer.release(h)
+    peer.call("pause", "stalled", False)
+    h = writer.write_pages("stalled", [2], [3], b"now")
+    assert wait_terminal(writer, h) is TransferState.DONE, writer.error(h)
+    writer.release(h)
+    assert ("writer", b"now") in peer.wait_notifs("stalled", 1)
+    assert peer.call("pages", "stalled", [3]) == page_bytes(writer._pool, [2])
+
+
+def test_killed_peer_fails_transfers_and_restarted_peer_reconnects():
+    pool = filled_pool(torch.float32, 11)
+    with KVTransferAgent("prefill", pool) as agent:
+        victim = PeerProcess()
+        try:
+            # Paused: the connection is not set up, so the transfer is surely still in flight.
+            agent.add_peer(victim.create("decode", SHAPE, "float32", paused=True))
+            h = agent.write_pages("decode", [0, 1, 2], [3, 4, 5], b"lost")
+            assert agent.poll(h) is TransferState.PENDING
+            victim.kill()
+            t0 = time.monotonic()
+            assert wait_terminal(agent, h, timeout=10.0) is TransferState.FAILED
+            assert time.monotonic() - t0 < 10.0
+            assert agent.error(h)
+            agent.release(h)
+            # Writing to the dead peer neither raises nor hangs.
+            h = agent.write_pages("decode", [0], [0], b"still-dead")
+            assert wait_terminal(agent, h, timeout=10.0) is TransferState.FAILED
+            agent.release(h)
+        finally:
+            victim.stop()
+
+        reborn = PeerProcess()
+        try:
+            assert agent.add_peer(reborn.create("decode", SHAPE, "float32")) == "decode"
+            for i in range(3):
+                h = agent.write_pages("decode", [i, i + 8], [i + 16, i + 24], b"back%d" % i)
+                assert wait_terminal(agent, h) is TransferState.DONE, agent.error(h)
+                agent.release(h)
+            assert reborn.wait_notifs("decode", 3) == [("prefill", b"back%d" % i) for i in range(3)]
+            assert reborn.call("pages", "decode", [16, 24, 18, 26]) == page_bytes(pool, [0, 8, 2, 10])
+
+            # Killed while transfers stream over an established connection: every handle still
+            # ends (DONE before the kill, FAILED after), and none raises.
+            states = []
+            reborn.proc.kill()
+            deadline = time.monotonic() + 10.0
+            while TransferState.FAILED not in states and time.monotonic() < deadline:
+                h = agent.write_pages("decode", [1], [1], b"stream")
+                states.append(wait_terminal(agent, h, timeout=10.0))
+                agent.release(h)
+            assert states[-1] is TransferState.FAILED
+        finally:
+            reborn.stop()
