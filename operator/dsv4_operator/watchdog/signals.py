@@ -1,0 +1,319 @@
+"""One scrape of one engine, reduced to the numbers the wedge detector reads.
+
+Two sources per scrape: the Prometheus text of ``/metrics`` and the JSON of ``/v1/loads``.
+Gauges come from ``/v1/loads`` when it has them, because it is the live view (SGLang writes its
+PD gauges only when a batch runs, so an idle wedged prefill shows a stale count there); counters
+come from ``/metrics`` and fall back to the ``counters`` object of our own ``/v1/loads``.
+
+Every field of :class:`EngineSample` is ``None`` when no source reported it: the detector treats an
+unknown signal as "no evidence", never as zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from prometheus_client.parser import text_string_to_metric_families
+
+BUILTIN = "builtin"
+SGLANG = "sglang"
+
+GAUGE_FIELDS = (
+    "num_running",
+    "num_queue",
+    "bootstrap_queue",
+    "prefill_inflight",
+    "decode_prealloc",
+    "decode_transfer",
+    "prefill_inflight_oldest_age_seconds",
+    "kv_pages_free",
+    "kv_pages_total",
+)
+
+# Monotonic counters; a value lower than the previous scrape's means the engine restarted.
+COUNTER_FIELDS = (
+    "transfers_completed",
+    "transfer_bytes",
+    "transfer_failed",
+    "transfer_timeout",
+    "bootstrap_failed",
+    "generation_tokens",
+    "prompt_tokens",
+    "aborted",
+    "requests_completed",
+    "loop_iterations",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSample:
+    timestamp: float
+    role: str
+    reachable: bool
+    kind: str = BUILTIN
+    error: str | None = None
+    # gauges
+    num_running: float | None = None
+    num_queue: float | None = None
+    bootstrap_queue: float | None = None
+    prefill_inflight: float | None = None
+    decode_prealloc: float | None = None
+    decode_transfer: float | None = None
+    prefill_inflight_oldest_age_seconds: float | None = None
+    kv_pages_free: float | None = None
+    kv_pages_total: float | None = None
+    # counters
+    transfers_completed: float | None = None
+    transfer_bytes: float | None = None
+    transfer_failed: float | None = None
+    transfer_timeout: float | None = None
+    bootstrap_failed: float | None = None
+    generation_tokens: float | None = None
+    prompt_tokens: float | None = None
+    aborted: float | None = None
+    requests_completed: float | None = None
+    loop_iterations: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def unreachable_sample(timestamp: float, role: str, kind: str = BUILTIN,
+                       error: str | None = None) -> EngineSample:
+    return EngineSample(timestamp=timestamp, role=role, reachable=False, kind=kind, error=error)
+
+
+# --- /metrics ----------------------------------------------------------------------------------
+# Sample names (as exposed, with `_total`/`_count` suffixes) -> EngineSample field.  We match on
+# *sample* names, not family names: the parser strips `_total` from a counter's family name but
+# leaves it on the sample, and an exposition without `# TYPE` lines yields untyped families named
+# after the full sample name.  Counters are also accepted without `_total` (untyped old style).
+
+def _with_bare_counters(table: dict[str, str]) -> dict[str, str]:
+    out = dict(table)
+    for name, field in table.items():
+        if name.endswith("_total"):
+            out.setdefault(name[: -len("_total")], field)
+    return out
+
+
+_BUILTIN_NAMES = _with_bare_counters({
+    "dsv4:num_running_reqs": "num_running",
+    "dsv4:num_queue_reqs": "num_queue",
+    "dsv4:num_prefill_bootstrap_queue_reqs": "bootstrap_queue",
+    "dsv4:num_prefill_inflight_queue_reqs": "prefill_inflight",
+    "dsv4:num_decode_prealloc_queue_reqs": "decode_prealloc",
+    "dsv4:num_decode_transfer_queue_reqs": "decode_transfer",
+    "dsv4:prefill_inflight_oldest_age_seconds": "prefill_inflight_oldest_age_seconds",
+    "dsv4:kv_pages_free": "kv_pages_free",
+    "dsv4:kv_pages_total": "kv_pages_total",
+    "dsv4:kv_transfers_completed_total": "transfers_completed",
+    "dsv4:kv_transfer_bytes_total": "transfer_bytes",
+    "dsv4:num_transfer_failed_reqs_total": "transfer_failed",
+    "dsv4:num_transfer_timeout_reqs_total": "transfer_timeout",
+    "dsv4:num_bootstrap_failed_reqs_total": "bootstrap_failed",
+    "dsv4:generation_tokens_total": "generation_tokens",
+    "dsv4:prompt_tokens_total": "prompt_tokens",
+    "dsv4:num_aborted_reqs_total": "aborted",
+    "dsv4:e2e_request_latency_seconds_count": "requests_completed",
+    "dsv4:scheduler_loop_iterations_total": "loop_iterations",
+})
+
+# SGLang: the bootstrap gauge had an older name; completed transfers are the observation count of
+# its KV-transfer latency histogram (counted on the sending, prefill side); KV capacity is in
+# tokens (max_total_num_tokens / num_used_tokens), reported here in the kv_pages_* fields.
+_SGLANG_NAMES = _with_bare_counters({
+    "sglang:num_running_reqs": "num_running",
+    "sglang:num_queue_reqs": "num_queue",
+    "sglang:num_prefill_bootstrap_queue_reqs": "bootstrap_queue",
+    "sglang:num_prefill_prealloc_queue_reqs": "bootstrap_queue",
+    "sglang:num_prefill_inflight_queue_reqs": "prefill_inflight",
+    "sglang:num_decode_prealloc_queue_reqs": "decode_prealloc",
+    "sglang:num_decode_transfer_queue_reqs": "decode_transfer",
+    "sglang:max_total_num_tokens": "kv_pages_total",
+    "sglang:num_used_tokens": "_kv_used",
+    "sglang:kv_transfer_latency_ms_count": "transfers_completed",
+    "sglang:num_transfer_failed_reqs_total": "transfer_failed",
+    "sglang:num_bootstrap_failed_reqs_total": "bootstrap_failed",
+    "sglang:generation_tokens_total": "generation_tokens",
+    "sglang:prompt_tokens_total": "prompt_tokens",
+    "sglang:num_aborted_requests_total": "aborted",
+    "sglang:num_requests_total": "requests_completed",
+})
+
+_NAMES = {BUILTIN: _BUILTIN_NAMES, SGLANG: _SGLANG_NAMES}
+
+# Fields where summing over label sets would be wrong: the oldest age is a maximum.
+_MAX_FIELDS = frozenset({"prefill_inflight_oldest_age_seconds"})
+
+
+def _metric_name(line: str) -> str:
+    end = len(line)
+    for stop in ("{", " ", "\t"):
+        i = line.find(stop)
+        if 0 <= i < end:
+            end = i
+    return line[:end]
+
+
+def parse_metrics(text: str, kind: str = BUILTIN) -> dict[str, float]:
+    """Prometheus text -> {EngineSample field: value}, summed over label sets (per-rank series
+    such as SGLang's tp_rank add up), the oldest-inflight age taken as the maximum."""
+    names = _NAMES[kind]
+    # Engines expose hundreds of series (histogram buckets, process_*); hand the parser only the
+    # lines we read.  Comment lines go too: we key on sample names, which need no # TYPE.
+    wanted = [ln for ln in text.splitlines()
+              if ln and ln[0] != "#" and _metric_name(ln) in names]
+    out: dict[str, float] = {}
+    if not wanted:
+        return out
+    for family in text_string_to_metric_families("\n".join(wanted) + "\n"):
+        for sample in family.samples:
+            field = names.get(sample.name)
+            if field is None or sample.value != sample.value:  # skip NaN
+                continue
+            value = float(sample.value)
+            if field in _MAX_FIELDS:
+                out[field] = max(out.get(field, value), value)
+            else:
+                out[field] = out.get(field, 0.0) + value
+    used = out.pop("_kv_used", None)
+    if used is not None and "kv_pages_total" in out:
+        out["kv_pages_free"] = max(out["kv_pages_total"] - used, 0.0)
+    return out
+
+
+# --- /v1/loads ---------------------------------------------------------------------------------
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return None if value != value else value
+
+
+_OWN_QUEUE_KEYS = {
+    "running": "num_running",
+    "waiting": "num_queue",
+    "bootstrap": "bootstrap_queue",
+    "inflight": "prefill_inflight",
+    "prealloc": "decode_prealloc",
+    "transfer": "decode_transfer",
+}
+
+# Our engine's `counters` object: accept the EngineSample name, the metric's short name with or
+# without `_total`, so the engine side can use either spelling.
+_OWN_COUNTER_KEYS: dict[str, str] = {}
+for _field in COUNTER_FIELDS:
+    _OWN_COUNTER_KEYS[_field] = _field
+for _metric, _field in _BUILTIN_NAMES.items():
+    if _field in COUNTER_FIELDS:
+        short = _metric.split(":", 1)[1]
+        _OWN_COUNTER_KEYS.setdefault(short, _field)
+        if short.endswith("_total"):
+            _OWN_COUNTER_KEYS.setdefault(short[: -len("_total")], _field)
+
+
+def _parse_own_loads(payload: Mapping[str, Any]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    queues = payload.get("queues")
+    if isinstance(queues, Mapping):
+        for key, field in _OWN_QUEUE_KEYS.items():
+            v = _number(queues.get(key))
+            if v is not None:
+                out[field] = v
+    for key in ("prefill_inflight_oldest_age_seconds", "kv_pages_free", "kv_pages_total"):
+        v = _number(payload.get(key))
+        if v is not None:
+            out[key] = v
+    counters = payload.get("counters")
+    if isinstance(counters, Mapping):
+        for key, value in counters.items():
+            field = _OWN_COUNTER_KEYS.get(key)
+            v = _number(value)
+            if field is not None and v is not None:
+                out["counter:" + field] = out.get("counter:" + field, 0.0) + v
+    return out
+
+
+# SGLang /v1/loads: {"timestamp", "version", "loads": [one object per DP rank]}; each rank has the
+# core scalars and, with include=disagg, a "disaggregation" object (null when absent).  The
+# bootstrap queue was called prefill_prealloc_queue_reqs in older releases.
+_SGLANG_DISAGG_KEYS = {
+    "prefill_bootstrap_queue_reqs": "bootstrap_queue",
+    "prefill_prealloc_queue_reqs": "bootstrap_queue",
+    "prefill_inflight_queue_reqs": "prefill_inflight",
+    "decode_prealloc_queue_reqs": "decode_prealloc",
+    "decode_transfer_queue_reqs": "decode_transfer",
+}
+
+
+def _parse_sglang_loads(payload: Mapping[str, Any]) -> dict[str, float]:
+    loads = payload.get("loads")
+    if not isinstance(loads, list):
+        return {}
+    out: dict[str, float] = {}
+
+    def add(field: str, value: Any) -> None:
+        v = _number(value)
+        if v is not None:
+            out[field] = out.get(field, 0.0) + v
+
+    used_seen = False
+    for rank in loads:
+        if not isinstance(rank, Mapping):
+            continue
+        add("num_running", rank.get("num_running_reqs"))
+        queues = rank.get("queues")
+        # num_waiting_reqs counts the PD queues too in PD mode; queues.waiting is the main queue.
+        if isinstance(queues, Mapping) and _number(queues.get("waiting")) is not None:
+            add("num_queue", queues.get("waiting"))
+        else:
+            add("num_queue", rank.get("num_waiting_reqs"))
+        add("kv_pages_total", rank.get("max_total_num_tokens"))
+        if _number(rank.get("num_used_tokens")) is not None:
+            used_seen = True
+            add("_kv_used", rank.get("num_used_tokens"))
+        disagg = rank.get("disaggregation")
+        if isinstance(disagg, Mapping):
+            seen: set[str] = set()
+            for key, field in _SGLANG_DISAGG_KEYS.items():
+                if field not in seen and _number(disagg.get(key)) is not None:
+                    seen.add(field)
+                    add(field, disagg.get(key))
+    used = out.pop("_kv_used", None)
+    if used_seen and "kv_pages_total" in out:
+        out["kv_pages_free"] = max(out["kv_pages_total"] - (used or 0.0), 0.0)
+    return out
+
+
+def parse_loads(payload: Any, kind: str = BUILTIN) -> dict[str, float]:
+    """/v1/loads JSON -> {field: value}; keys of our engine's ``counters`` come back prefixed
+    ``counter:`` (a fallback for /metrics).  Tolerates missing keys and wrong types."""
+    if not isinstance(payload, Mapping):
+        return {}
+    if kind == SGLANG or "loads" in payload:
+        return _parse_sglang_loads(payload)
+    return _parse_own_loads(payload)
+
+
+def build_sample(timestamp: float, role: str, kind: str = BUILTIN, *,
+                 metrics_text: str | None = None, loads: Any = None,
+                 error: str | None = None) -> EngineSample:
+    """Merge one scrape's two sources into a sample.  Reachable when either source answered."""
+    if metrics_text is None and loads is None:
+        return unreachable_sample(timestamp, role, kind, error)
+    from_metrics = parse_metrics(metrics_text, kind) if metrics_text else {}
+    from_loads = parse_loads(loads, kind) if loads is not None else {}
+    values: dict[str, float] = {}
+    for field in GAUGE_FIELDS:
+        v = from_loads.get(field, from_metrics.get(field))
+        if v is not None:
+            values[field] = v
+    for field in COUNTER_FIELDS:
+        v = from_metrics.get(field, from_loads.get("counter:" + field))
+        if v is not None:
+            values[field] = v
+    return EngineSample(timestamp=timestamp, role=role, reachable=True, kind=kind, error=error,
+                        **values)
