@@ -186,6 +186,12 @@ class Engine:
         else:
             self._emit(seq, [tok])
 
+    def accept_first_token(self, seq: Sequence, tok: int) -> None:
+        """PD decode: the KV of the prompt has landed with the token prefill sampled."""
+        self._append_token(seq, tok)
+        if not seq.finished:
+            self.scheduler.add_running(seq)
+
     def _stop_reason(self, seq: Sequence, tok: int) -> Optional[str]:
         p = seq.params
         if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:

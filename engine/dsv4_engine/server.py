@@ -270,8 +270,8 @@ class OpenAIServing:
                 c["usage"] = usage_
             return c
 
-        if chat:
-            yield _sse(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]))
+        sent_role = not chat  # the role chunk goes out with the first output, so a request that
+        # fails before producing anything streams nothing but its error (the router can retry it)
         async for i, out in self._merged(seqs):
             if out.finished and out.finish_reason in ("error", "abort"):
                 err = APIError(out.error or "request failed", out.error_code, "server_error")
@@ -280,6 +280,9 @@ class OpenAIServing:
                 return
             if not (out.text or out.token_ids or out.finished):
                 continue
+            if not sent_role:
+                sent_role = True
+                yield _sse(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]))
             c: dict = {"index": i, "finish_reason": out.finish_reason if out.finished else None, "logprobs": None}
             if chat:
                 c["delta"] = {"content": out.text} if out.text else {}
@@ -364,6 +367,14 @@ def build_app(engine: Engine, args: ServerArgs) -> FastAPI:
     async def metrics():
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/server_info")
+    async def server_info():
+        from dsv4_engine.pd.common import BOOT_ID
+
+        return {"role": args.role, "model": serving.model_name, "bootstrap_port": args.bootstrap_port if args.role == "prefill" else None,
+                "boot_id": BOOT_ID, "max_model_len": engine.max_model_len, "page_size": args.page_size,
+                "kernel_backend": engine.runner.kernel_backend}
+
     @app.get("/v1/loads")
     async def loads():
         return engine.loads()
@@ -407,14 +418,26 @@ def run_server(args: ServerArgs) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = make_engine(args)
     engine.start()
-    app = build_app(engine, args)
+    apps = [(build_app(engine, args), args.port)]
     if args.role != "mono":
-        from dsv4_engine.pd import extend_app
+        from dsv4_engine.pd import build_bootstrap_app, extend_app
 
-        extend_app(app, engine, args)
-    print(f"dsv4 serve: {args.role} engine for {args.served_model_name} on http://{args.host}:{args.port} "
-          f"({engine.pool.num_pages} KV pages of {args.page_size} tokens, max_model_len {engine.max_model_len})", flush=True)
+        extend_app(apps[0][0], engine, args)
+        if args.role == "prefill":
+            apps.append((build_bootstrap_app(engine), args.bootstrap_port))
+    servers = [uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level="warning",
+                                             timeout_graceful_shutdown=2)) for app, port in apps]
+    extra = f", bootstrap on port {args.bootstrap_port}" if args.role == "prefill" else ""
+    print(f"dsv4 serve: {args.role} engine for {args.served_model_name} on http://{args.host}:{args.port}{extra} "
+          f"({engine.pool.num_pages} KV pages of {args.page_size} tokens, max_model_len {engine.max_model_len}, "
+          f"kernels {engine.runner.kernel_backend})", flush=True)
+
+    async def serve_all() -> None:
+        await asyncio.gather(*(s.serve() for s in servers))
+
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=2)
+        asyncio.run(serve_all())
     finally:
         engine.stop()
+        if engine.pd is not None:
+            engine.pd.close()
