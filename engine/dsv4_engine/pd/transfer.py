@@ -14,6 +14,10 @@ dies, which becomes FAILED with the reason kept. A peer that restarts under the 
 comes back through ``add_peer`` with its new descriptor, which drops the old connection and
 makes a new one. Bad page indices raise ValueError before anything starts.
 
+Cost on the owner's thread: on host memory UCX copies by CMA (process_vm_writev) inside
+``write_pages`` itself, about 10 ms per 32 MiB here, so keep one request's pages per call; with
+GPU memory over RDMA or NVLink the call only posts the work and ``poll`` sees it finish.
+
 Threading contract: one owner thread (the engine's scheduler loop) drives the agent. There is
 no NIXL progress thread (it would spin a core), so the owner must call ``poll_notifs`` (and
 ``poll`` for its transfers) regularly: that is also what lets peers' connection setup progress.

@@ -18,7 +18,7 @@ REPLY_TIMEOUT_S = 60.0  # spawning imports torch and NIXL: slow on a busy 2-core
 def _serve(conn: Any) -> None:
     import torch
 
-    from dsv4_engine.pd.transfer import KVTransferAgent
+    from dsv4_engine.pd.transfer import KVTransferAgent, TransferState
 
     agents: dict[str, KVTransferAgent] = {}
     paused: set[str] = set()
@@ -31,8 +31,12 @@ def _serve(conn: Any) -> None:
             continue
         cmd, *args = conn.recv()
         if cmd == "create":
-            name, shape, dtype, start_paused = args
-            agent = KVTransferAgent(name, torch.zeros(shape, dtype=getattr(torch, dtype)))
+            name, shape, dtype, start_paused, seed = args
+            if seed is None:
+                pool = torch.zeros(shape, dtype=getattr(torch, dtype))
+            else:
+                pool = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(getattr(torch, dtype))
+            agent = KVTransferAgent(name, pool)
             agents[name], notifs[name] = agent, []
             if start_paused:
                 paused.add(name)
@@ -50,6 +54,15 @@ def _serve(conn: Any) -> None:
             name, on = args
             (paused.add if on else paused.discard)(name)
             conn.send(True)
+        elif cmd == "write":  # a whole transfer from this side; returns (state name, error)
+            name, peer, src, dst, notif = args
+            agent = agents[name]
+            h = agent.write_pages(peer, src, dst, notif)
+            deadline = time.monotonic() + 15
+            while agent.poll(h) is TransferState.PENDING and time.monotonic() < deadline:
+                notifs[name].extend(agent.poll_notifs())
+            conn.send((agent.poll(h).name, agent.error(h)))
+            agent.release(h)
         elif cmd == "send_notif":
             conn.send(agents[args[0]].send_notif(args[1], args[2]))
         elif cmd == "exit":
@@ -59,22 +72,43 @@ def _serve(conn: Any) -> None:
             return
 
 
+def _context() -> Any:
+    """A forkserver that has imported torch and NIXL once: each peer is a fresh process forked
+    from it (no agent exists before the fork), without paying those imports every time."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "nixl_cu12", "dsv4_engine.pd.transfer", __name__])
+    return ctx
+
+
 class PeerProcess:
     def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(child,), daemon=True)
         self.proc.start()
         child.close()
 
     def call(self, *cmd: Any, timeout: float = REPLY_TIMEOUT_S) -> Any:
+        self.send(*cmd)
+        return self.reply(timeout, cmd[0])
+
+    def send(self, *cmd: Any) -> None:
+        """Start a command without waiting (while this side must keep polling its own agent)."""
         self._conn.send(cmd)
+
+    def replied(self) -> bool:
+        return self._conn.poll()
+
+    def reply(self, timeout: float = REPLY_TIMEOUT_S, what: str = "command") -> Any:
         if not self._conn.poll(timeout):
-            raise TimeoutError(f"peer process did not answer {cmd[0]!r} within {timeout} s")
+            raise TimeoutError(f"peer process did not answer {what!r} within {timeout} s")
         return self._conn.recv()
 
-    def create(self, name: str, shape: tuple, dtype: str = "float32", paused: bool = False) -> dict:
-        return self.call("create", name, shape, dtype, paused)
+    def create(
+        self, name: str, shape: tuple, dtype: str = "float32", paused: bool = False, seed: int | None = None
+    ) -> dict:
+        """A KVTransferAgent in the child over a pool of zeros (or seeded random values)."""
+        return self.call("create", name, shape, dtype, paused, seed)
 
     def wait_notifs(self, name: str, expected: int, timeout: float = 20.0) -> list[tuple[str, bytes]]:
         """Collect notifications for agent `name` until `expected` have arrived (or time out)."""

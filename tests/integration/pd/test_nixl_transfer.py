@@ -192,3 +192,38 @@ def test_killed_peer_fails_transfers_and_restarted_peer_reconnects():
             assert states[-1] is TransferState.FAILED
         finally:
             reborn.stop()
+
+
+def test_receiver_keeps_working_when_the_writer_restarts():
+    """The decode side (here) loaded the prefill side for abort messages; prefill restarts."""
+    with KVTransferAgent("decode-r", torch.zeros(SHAPE)) as decode:
+
+        def wait_notif(timeout: float = DEADLINE_S) -> list[tuple[str, bytes]]:
+            got, deadline = [], time.monotonic() + timeout
+            while not got and time.monotonic() < deadline:
+                got = decode.poll_notifs()
+            return got
+
+        for incarnation in (1, 2):
+            prefill = PeerProcess()
+            try:
+                desc = prefill.create("prefill-r", SHAPE, "float32", seed=incarnation)
+                assert decode.add_peer(desc) == "prefill-r"  # reconnects on the second round
+                assert prefill.call("add_peer", "prefill-r", decode.descriptor()) == "decode-r"
+                # Connection setup needs the receiver's progress: keep polling, as an engine
+                # loop does, while the child runs its transfer.
+                prefill.send("write", "prefill-r", "decode-r", [0, 1], [4, 9], b"kv%d" % incarnation)
+                got, deadline = [], time.monotonic() + DEADLINE_S
+                while not prefill.replied() and time.monotonic() < deadline:
+                    got += decode.poll_notifs()
+                state, error = prefill.reply()
+                assert state == "DONE", error
+                if not got:
+                    got = wait_notif()
+                assert got == [("prefill-r", b"kv%d" % incarnation)]
+                expect = torch.randn(SHAPE, generator=torch.Generator().manual_seed(incarnation))[[0, 1]]
+                assert torch.equal(decode._pool[[4, 9]], expect)
+                assert decode.send_notif("prefill-r", b"abort:%d" % incarnation) is True
+                assert prefill.wait_notifs("prefill-r", 1) == [("decode-r", b"abort:%d" % incarnation)]
+            finally:
+                prefill.kill() if incarnation == 1 else prefill.stop()
