@@ -1,0 +1,377 @@
+"""Pure builders: a DSV4Deployment spec -> the Kubernetes objects that run it.
+
+Children of a DSV4Deployment `<name>` in its namespace:
+  <name>-prefill  StatefulSet + headless Service   (engines, role prefill)
+  <name>-decode   StatefulSet + headless Service   (engines, role decode)
+  <name>-router   Deployment + Service             (the PD router)
+  <name>-router   ServiceAccount + Role + RoleBinding (the router lists engine pods to find them)
+
+Every child carries an ownerReference to the DSV4Deployment, so deleting the resource deletes
+them (the API server's garbage collector does it; the operator needs no finalizer).
+No I/O here: the handlers apply what these functions return.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from dsv4_operator import spec as S
+from dsv4_operator.spec import DSV4DeploymentSpec, EnvVar, RoleSpec
+
+APP = "dsv4"
+MANAGER = "dsv4-operator"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_ROLE = "serving.dsv4.dev/role"
+LABEL_ENGINE_KIND = "serving.dsv4.dev/engine-kind"
+ANNOTATION_REVISION = "serving.dsv4.dev/revision"
+SGLANG_BOOTSTRAP_ANNOTATION = "sglang.ai/bootstrap-port"  # where sgl-router's discovery reads it
+
+ENGINE_CONTAINER = "engine"
+ROUTER_CONTAINER = "router"
+HTTP_PORT_NAME = "http"
+BOOTSTRAP_PORT_NAME = "bootstrap"
+SGLANG_ROUTER_METRICS_PORT = 29000
+ENGINE_ROLES = ("prefill", "decode")
+
+# The longest CR name whose children stay valid: a StatefulSet's pods carry the label
+# controller-revision-hash=<sts name>-<10 chars>, which must fit in 63 characters.
+MAX_NAME_LENGTH = 52 - len("-prefill")
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The DSV4Deployment the children belong to."""
+
+    name: str
+    namespace: str
+    uid: str
+
+
+def child_name(name: str, role: str) -> str:
+    return f"{name}-{role}"
+
+
+def selector_labels(name: str, role: str) -> dict[str, str]:
+    return {LABEL_NAME: APP, LABEL_INSTANCE: name, LABEL_ROLE: role}
+
+
+def labels(name: str, role: str, spec: DSV4DeploymentSpec | None = None) -> dict[str, str]:
+    out = {**selector_labels(name, role), LABEL_COMPONENT: role, LABEL_MANAGED_BY: MANAGER}
+    if spec is not None and role in ENGINE_ROLES:
+        out[LABEL_ENGINE_KIND] = spec.engine.kind
+    return out
+
+
+def unbuildable_reasons(name: str, spec: DSV4DeploymentSpec) -> list[str]:
+    """What in a (schema-valid) resource the operator cannot turn into children."""
+    reasons = []
+    if not _DNS1035.match(name):
+        reasons.append(f"name {name!r} must be a DNS-1035 label (lower case, starts with a letter): "
+                       "it names the Services")
+    if len(name) > MAX_NAME_LENGTH:
+        reasons.append(f"name {name!r} is longer than {MAX_NAME_LENGTH} characters, too long for the "
+                       "StatefulSet pod labels")
+    vol = spec.model.volume
+    if vol is not None:
+        sources = [s for s in (vol.persistent_volume_claim, vol.host_path, vol.image) if s is not None]
+        if len(sources) != 1:
+            reasons.append("model.volume must give exactly one of persistentVolumeClaim, hostPath, image")
+    if spec.engine.port == spec.transfer.bootstrap_port:
+        reasons.append(f"engine.port and transfer.bootstrapPort are both {spec.engine.port}")
+    return reasons
+
+
+def owner_reference(owner: Owner) -> dict[str, Any]:
+    return {"apiVersion": S.API_VERSION, "kind": S.KIND, "name": owner.name, "uid": owner.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _meta(owner: Owner, name: str, role: str, spec: DSV4DeploymentSpec, revision: str | None = None) -> dict:
+    meta: dict[str, Any] = {"name": name, "namespace": owner.namespace, "labels": labels(owner.name, role, spec),
+                            "ownerReferences": [owner_reference(owner)]}
+    if revision is not None:
+        meta["annotations"] = {ANNOTATION_REVISION: revision}
+    return meta
+
+
+def merge_env(*groups: Iterable[EnvVar | dict[str, Any]]) -> list[dict[str, Any]]:
+    """Env lists merged by name: a later group overrides an earlier one, first position kept."""
+    merged: dict[str, dict[str, Any]] = {}
+    for group in groups:
+        for var in group:
+            item = S.dump(var) if isinstance(var, EnvVar) else dict(var)
+            merged[item["name"]] = item
+    return list(merged.values())
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def engine_env(spec: DSV4DeploymentSpec, role: str) -> list[dict[str, Any]]:
+    t = spec.transfer
+    base: list[dict[str, Any]] = [
+        _field_env("POD_NAME", "metadata.name"),
+        _field_env("POD_NAMESPACE", "metadata.namespace"),
+        _field_env("POD_IP", "status.podIP"),
+    ]
+    if t.ucx_net_devices:  # multi-NIC nodes: without it NIXL transfers can hang until timeouts
+        base.append({"name": "UCX_NET_DEVICES", "value": t.ucx_net_devices})
+    if role == "decode":  # do not keep a dead prefill's KV mapped after it restarts
+        base.append({"name": "UCX_CUDA_IPC_CACHE", "value": "n"})
+    if spec.engine.kind == "sglang":  # SGLang reads its PD deadlines from the environment
+        base.append({"name": "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "value": str(t.bootstrap_timeout_seconds)})
+        base.append({"name": "SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "value": str(t.transfer_timeout_seconds)})
+    return merge_env(base, t.env, spec.engine.env, spec.role(role).env)
+
+
+def engine_command(spec: DSV4DeploymentSpec, role: str) -> list[str]:
+    m, e, t, r = spec.model, spec.engine, spec.transfer, spec.role(role)
+    if e.kind == "builtin":
+        cmd = ["dsv4", "serve", "--model", m.path, "--role", role, "--host", "0.0.0.0",
+               "--port", str(e.port), "--bootstrap-port", str(t.bootstrap_port),
+               "--served-model-name", m.served,
+               "--bootstrap-timeout", str(t.bootstrap_timeout_seconds),
+               "--transfer-timeout", str(t.transfer_timeout_seconds)]
+        if role == "decode":  # decode waits for its peer's bootstrap and then the transfer
+            cmd += ["--waiting-timeout", str(t.bootstrap_timeout_seconds + t.transfer_timeout_seconds)]
+        if r.gpus_per_pod > 0:
+            cmd += ["--dtype", "bfloat16"]
+    else:
+        cmd = ["python3", "-m", "sglang.launch_server", "--model-path", m.path,
+               "--served-model-name", m.served, "--host", "0.0.0.0", "--port", str(e.port),
+               "--disaggregation-mode", role, "--disaggregation-transfer-backend", t.backend,
+               "--enable-metrics"]
+        if role == "prefill":
+            cmd += ["--disaggregation-bootstrap-port", str(t.bootstrap_port)]
+        if r.gpus_per_pod > 1:
+            cmd += ["--tp-size", str(r.gpus_per_pod)]
+    # User arguments last: for repeated flags the last one wins.
+    return cmd + list(e.args) + list(r.args)
+
+
+def router_command(spec: DSV4DeploymentSpec, owner: Owner) -> list[str]:
+    instance = f"{LABEL_INSTANCE}={owner.name}"
+    if spec.engine.kind == "builtin":
+        cmd = ["dsv4", "router", "--host", "0.0.0.0", "--port", str(spec.router.port),
+               "--discover-namespace", owner.namespace, "--selector", instance]
+    else:
+        cmd = ["python3", "-m", "sglang_router.launch_router", "--pd-disaggregation",
+               "--host", "0.0.0.0", "--port", str(spec.router.port),
+               "--service-discovery", "--service-discovery-namespace", owner.namespace,
+               "--service-discovery-port", str(spec.engine.port),
+               "--prefill-selector", instance, f"{LABEL_ROLE}=prefill",
+               "--decode-selector", instance, f"{LABEL_ROLE}=decode",
+               "--prometheus-host", "0.0.0.0", "--prometheus-port", str(SGLANG_ROUTER_METRICS_PORT)]
+    return cmd + list(spec.router.args)
+
+
+def _http_probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": HTTP_PORT_NAME}, "periodSeconds": period,
+            "timeoutSeconds": 5, "failureThreshold": failures}
+
+
+def engine_probes(spec: DSV4DeploymentSpec) -> dict[str, Any]:
+    # SGLang has no /ready; its /health answers once the scheduler serves.
+    ready = "/ready" if spec.engine.kind == "builtin" else "/health"
+    return {
+        # Loading a large checkpoint takes minutes: allow 30 before liveness applies.
+        "startupProbe": _http_probe("/health", 10, 180),
+        "livenessProbe": _http_probe("/health", 10, 3),
+        "readinessProbe": _http_probe(ready, 5, 3),
+    }
+
+
+def _resources(res: S.Resources, gpus: int) -> dict[str, Any]:
+    limits = dict(res.limits)
+    requests = dict(res.requests)
+    if gpus > 0:
+        limits["nvidia.com/gpu"] = gpus
+        requests["nvidia.com/gpu"] = gpus
+    out: dict[str, Any] = {}
+    if limits:
+        out["limits"] = limits
+    if requests:
+        out["requests"] = requests
+    return out
+
+
+def _model_volume(spec: DSV4DeploymentSpec) -> tuple[list[dict], list[dict]]:
+    vol = spec.model.volume
+    if vol is None:
+        return [], []
+    if vol.persistent_volume_claim is not None:
+        pvc = vol.persistent_volume_claim
+        source: dict[str, Any] = {"persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": pvc.read_only}}
+        read_only = pvc.read_only
+    elif vol.host_path is not None:
+        source = {"hostPath": S.dump(vol.host_path)}
+        read_only = True
+    else:
+        assert vol.image is not None
+        source = {"image": S.dump(vol.image)}
+        read_only = True  # image volumes are always read-only
+    return ([{"name": "model", **source}],
+            [{"name": "model", "mountPath": spec.model.mount_path, "readOnly": read_only}])
+
+
+def _engine_pod(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict[str, Any]:
+    r: RoleSpec = spec.role(role)
+    ports = [{"name": HTTP_PORT_NAME, "containerPort": spec.engine.port, "protocol": "TCP"}]
+    if role == "prefill":
+        ports.append({"name": BOOTSTRAP_PORT_NAME, "containerPort": spec.transfer.bootstrap_port, "protocol": "TCP"})
+    model_volumes, model_mounts = _model_volume(spec)
+    container = {
+        "name": ENGINE_CONTAINER,
+        "image": spec.engine.image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": engine_command(spec, role),
+        "ports": ports,
+        "env": engine_env(spec, role),
+        "resources": _resources(r.resources, r.gpus_per_pod),
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts],
+        **engine_probes(spec),
+    }
+    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(spec.engine.port),
+                   "prometheus.io/path": "/metrics"}
+    if role == "prefill" and spec.engine.kind == "sglang":
+        annotations[SGLANG_BOOTSTRAP_ANNOTATION] = str(spec.transfer.bootstrap_port)
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        # NCCL / NIXL use shared memory; the container default of 64Mi is far too small.
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": r.shm_size}}, *model_volumes],
+        "nodeSelector": dict(r.node_selector),
+        "tolerations": [S.dump(t) for t in r.tolerations],
+        "automountServiceAccountToken": False,  # engines never talk to the API server
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 60,
+    }
+    if r.affinity:
+        pod_spec["affinity"] = dict(r.affinity)
+    return {"metadata": {"labels": labels(owner.name, role, spec), "annotations": annotations}, "spec": pod_spec}
+
+
+def engine_statefulset(spec: DSV4DeploymentSpec, owner: Owner, role: str, revision: str | None = None) -> dict:
+    name = child_name(owner.name, role)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _meta(owner, name, role, spec, revision),
+        "spec": {
+            "serviceName": name,
+            "replicas": spec.role(role).replicas,
+            # Engines are interchangeable: start (and load models) in parallel, not one by one.
+            "podManagementPolicy": "Parallel",
+            "updateStrategy": {"type": "RollingUpdate"},
+            "selector": {"matchLabels": selector_labels(owner.name, role)},
+            "template": _engine_pod(spec, owner, role),
+        },
+    }
+
+
+def engine_service(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict:
+    name = child_name(owner.name, role)
+    ports = [{"name": HTTP_PORT_NAME, "port": spec.engine.port, "targetPort": HTTP_PORT_NAME, "protocol": "TCP"}]
+    if role == "prefill":
+        ports.append({"name": BOOTSTRAP_PORT_NAME, "port": spec.transfer.bootstrap_port,
+                      "targetPort": BOOTSTRAP_PORT_NAME, "protocol": "TCP"})
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, name, role, spec),
+        "spec": {
+            "clusterIP": "None",  # headless: stable per-pod DNS names for the StatefulSet
+            "publishNotReadyAddresses": True,
+            "selector": selector_labels(owner.name, role),
+            "ports": ports,
+        },
+    }
+
+
+def router_deployment(spec: DSV4DeploymentSpec, owner: Owner, revision: str | None = None) -> dict:
+    name = child_name(owner.name, "router")
+    builtin = spec.engine.kind == "builtin"
+    ports = [{"name": HTTP_PORT_NAME, "containerPort": spec.router.port, "protocol": "TCP"}]
+    if not builtin:
+        ports.append({"name": "metrics", "containerPort": SGLANG_ROUTER_METRICS_PORT, "protocol": "TCP"})
+    live, ready = ("/health", "/ready") if builtin else ("/liveness", "/readiness")
+    container = {
+        "name": ROUTER_CONTAINER,
+        "image": spec.router.image or spec.engine.image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": router_command(spec, owner),
+        "ports": ports,
+        "env": merge_env([_field_env("POD_NAMESPACE", "metadata.namespace")], spec.router.env),
+        "resources": _resources(spec.router.resources, 0),
+        "livenessProbe": _http_probe(live, 10, 3),
+        "readinessProbe": _http_probe(ready, 5, 3),
+    }
+    metrics_port = spec.router.port if builtin else SGLANG_ROUTER_METRICS_PORT
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(owner, name, "router", spec, revision),
+        "spec": {
+            "replicas": spec.router.replicas,
+            "selector": {"matchLabels": selector_labels(owner.name, "router")},
+            # Never drop below the desired routers during an update.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {"labels": labels(owner.name, "router", spec),
+                             "annotations": {"prometheus.io/scrape": "true",
+                                             "prometheus.io/port": str(metrics_port),
+                                             "prometheus.io/path": "/metrics"}},
+                "spec": {"serviceAccountName": name, "containers": [container], "enableServiceLinks": False},
+            },
+        },
+    }
+
+
+def router_service(spec: DSV4DeploymentSpec, owner: Owner) -> dict:
+    name = child_name(owner.name, "router")
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(owner, name, "router", spec),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(owner.name, "router"),
+            "ports": [{"name": HTTP_PORT_NAME, "port": spec.router.port, "targetPort": HTTP_PORT_NAME,
+                       "protocol": "TCP"}],
+        },
+    }
+
+
+def router_rbac(spec: DSV4DeploymentSpec, owner: Owner) -> list[dict]:
+    """The router discovers engine pods by label: it may read pods in its own namespace."""
+    name = child_name(owner.name, "router")
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(owner, name, "router", spec)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(owner, name, "router", spec),
+         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": _meta(owner, name, "router", spec),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}]},
+    ]
+
+
+def build_children(spec: DSV4DeploymentSpec, owner: Owner) -> list[dict[str, Any]]:
+    """Every object a DSV4Deployment owns, in the order to apply them (RBAC and Services
+    before the workloads that use them)."""
+    revision = S.spec_revision(spec)
+    return [
+        *router_rbac(spec, owner),
+        engine_service(spec, owner, "prefill"),
+        engine_service(spec, owner, "decode"),
+        router_service(spec, owner),
+        engine_statefulset(spec, owner, "prefill", revision),
+        engine_statefulset(spec, owner, "decode", revision),
+        router_deployment(spec, owner, revision),
+    ]

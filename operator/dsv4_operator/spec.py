@@ -1,0 +1,256 @@
+"""The DSV4Deployment resource in code: pydantic models of its spec and status.
+
+This is the in-code twin of the CustomResourceDefinition: `dsv4_operator.crd` generates the
+CRD's openAPIV3Schema from these models, so a field, default, enum or minimum lives here once.
+Field names are the user-facing camelCase names (aliases); Python code uses snake_case.
+
+Unknown fields are ignored, as the API server prunes them from a structural schema: the
+operator must accept whatever a newer CRD lets through rather than crash on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "serving.dsv4.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "DSV4Deployment"
+PLURAL = "dsv4deployments"
+SINGULAR = "dsv4deployment"
+SHORT_NAMES = ["dsv4d"]
+
+# GPU feature discovery labels every NVIDIA node with its architecture family; Blackwell is the
+# default target, and tolerating the GPU taint lets the pods onto dedicated GPU pools.
+DEFAULT_NODE_SELECTOR = {"nvidia.com/gpu.family": "blackwell"}
+DEFAULT_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
+Quantity = Union[int, str]  # a Kubernetes resource quantity: 4, "16Gi", "500m"
+
+
+def _nested(model: type[BaseModel]) -> Any:
+    """An optional sub-object: absent means all its defaults (the CRD says `default: {}`)."""
+    return Field(default_factory=model, json_schema_extra={"default": {}})
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=False
+    )
+
+
+class _OpenModel(_Model):
+    """A record another component may extend (status written by the watchdog)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+# ---- Kubernetes building blocks used inside the spec --------------------------------------
+
+
+class EnvVar(_Model):
+    name: str = Field(min_length=1, description="Environment variable name.")
+    value: Optional[str] = Field(None, description="Literal value.")
+    value_from: Optional[dict[str, Any]] = Field(
+        None, description="A Kubernetes EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef, ...)."
+    )
+
+
+class Toleration(_Model):
+    key: Optional[str] = None
+    operator: Optional[Literal["Exists", "Equal"]] = None
+    value: Optional[str] = None
+    effect: Optional[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]] = None
+    toleration_seconds: Optional[int] = None
+
+
+class Resources(_Model):
+    limits: dict[str, Quantity] = {}
+    requests: dict[str, Quantity] = {}
+
+
+class PVCSource(_Model):
+    claim_name: str = Field(min_length=1)
+    read_only: bool = True
+
+
+class HostPathSource(_Model):
+    path: str = Field(pattern=r"^/")
+    type: Optional[str] = None
+
+
+class ImageSource(_Model):
+    reference: str = Field(min_length=1, description="OCI image (or artifact) holding the checkpoint.")
+    pull_policy: Optional[Literal["Always", "IfNotPresent", "Never"]] = None
+
+
+class ModelVolume(_Model):
+    """Where the checkpoint comes from; give exactly one source."""
+
+    persistent_volume_claim: Optional[PVCSource] = None
+    host_path: Optional[HostPathSource] = None
+    image: Optional[ImageSource] = None
+
+
+# ---- The spec ------------------------------------------------------------------------------
+
+
+class ModelSpec(_Model):
+    name: str = Field(min_length=1, description="Model name; the served name unless servedName is set.")
+    path: str = Field(pattern=r"^/", description="Checkpoint folder inside the engine container.")
+    served_name: Optional[str] = Field(None, description="Name clients use in requests (default: name).")
+    volume: Optional[ModelVolume] = Field(
+        None, description="Volume holding the checkpoint, mounted at mountPath (omit if the image has it)."
+    )
+    mount_path: str = Field("/models", pattern=r"^/")
+
+    @property
+    def served(self) -> str:
+        return self.served_name or self.name
+
+
+class EngineSpec(_Model):
+    kind: Literal["builtin", "sglang"] = Field(
+        "builtin", description="builtin runs `dsv4 serve`; sglang runs SGLang's own launch_server."
+    )
+    image: str = Field(min_length=1)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    port: int = Field(8100, ge=1, le=65535, description="Engine HTTP port (API, /health, /metrics).")
+    args: list[str] = Field([], description="Extra arguments for every engine.")
+    env: list[EnvVar] = []
+
+
+class RoleSpec(_Model):
+    replicas: int = Field(1, ge=0)
+    gpus_per_pod: int = Field(4, ge=0, description="nvidia.com/gpu per pod (0: no GPU request).")
+    resources: Resources = _nested(Resources)
+    node_selector: dict[str, str] = Field(
+        DEFAULT_NODE_SELECTOR,
+        description="Replaces the Blackwell default when set ({} for none).",
+    )
+    tolerations: list[Toleration] = Field(
+        [Toleration.model_validate(t) for t in DEFAULT_TOLERATIONS],
+        description="Replaces the default GPU-taint toleration when set ([] for none).",
+    )
+    affinity: dict[str, Any] = Field({}, description="A Kubernetes Affinity.")
+    env: list[EnvVar] = []
+    args: list[str] = []
+    shm_size: str = Field("32Gi", description="Size limit of the memory-backed /dev/shm.")
+
+
+class RouterSpec(_Model):
+    replicas: int = Field(1, ge=0)
+    port: int = Field(8000, ge=1, le=65535)
+    image: Optional[str] = Field(None, description="Router image (default: the engine image).")
+    args: list[str] = []
+    env: list[EnvVar] = []
+    resources: Resources = _nested(Resources)
+
+
+class TransferSpec(_Model):
+    backend: Literal["nixl"] = "nixl"
+    ucx_net_devices: str = Field(
+        "", description="UCX_NET_DEVICES for the engines; set it on multi-NIC nodes or transfers hang."
+    )
+    bootstrap_port: int = Field(8998, ge=1, le=65535)
+    bootstrap_timeout_seconds: int = Field(300, ge=1)
+    transfer_timeout_seconds: int = Field(300, ge=1)
+    env: list[EnvVar] = Field([], description="More UCX/NIXL environment.")
+
+
+class MaxUnavailable(_Model):
+    prefill: int = Field(1, ge=0)
+    decode: int = Field(1, ge=0)
+
+
+class RemediationSpec(_Model):
+    enabled: bool = True
+    dry_run: bool = False
+    scrape_interval_seconds: int = Field(10, ge=1)
+    detection_window_seconds: int = Field(120, ge=1)
+    transfer_failure_rate_threshold: float = Field(0.5, ge=0, le=1)
+    max_unavailable: MaxUnavailable = _nested(MaxUnavailable)
+    cooldown_seconds: int = Field(300, ge=0)
+    capture_evidence: bool = True
+    rollback: Literal["off", "suggest", "auto"] = "suggest"
+
+
+class DSV4DeploymentSpec(_Model):
+    model: ModelSpec
+    engine: EngineSpec
+    prefill: RoleSpec = _nested(RoleSpec)
+    decode: RoleSpec = _nested(RoleSpec)
+    router: RouterSpec = _nested(RouterSpec)
+    transfer: TransferSpec = _nested(TransferSpec)
+    remediation: RemediationSpec = _nested(RemediationSpec)
+
+    def role(self, role: str) -> RoleSpec:
+        return {"prefill": self.prefill, "decode": self.decode}[role]
+
+
+# ---- The status ----------------------------------------------------------------------------
+
+ConditionType = Literal["Available", "Progressing", "Degraded", "Wedged"]
+CONDITION_TYPES: tuple[str, ...] = ("Available", "Progressing", "Degraded", "Wedged")
+
+
+class Condition(_Model):
+    type: ConditionType
+    status: Literal["True", "False", "Unknown"]
+    reason: str = ""
+    message: str = ""
+    last_transition_time: Optional[str] = None
+    observed_generation: Optional[int] = None
+
+
+class RoleStatus(_Model):
+    replicas: int = 0
+    ready_replicas: int = 0
+    updated_replicas: int = 0
+    ready: str = Field("0/0", description="ready/desired, as kubectl shows it.")
+
+
+class RemediationRecord(_OpenModel):
+    time: Optional[str] = None
+    pod: Optional[str] = None
+    role: Optional[str] = None
+    action: Optional[str] = None
+    reason: Optional[str] = None
+    dry_run: Optional[bool] = None
+
+
+class DSV4DeploymentStatus(_Model):
+    observed_generation: Optional[int] = None
+    conditions: list[Condition] = Field(
+        [],
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    prefill: Optional[RoleStatus] = None
+    decode: Optional[RoleStatus] = None
+    router: Optional[RoleStatus] = None
+    revision: Optional[str] = Field(None, description="Hash of the spec last applied.")
+    stable_revision: Optional[str] = Field(None, description="Last revision that ran without wedges.")
+    wedged_pods: Optional[int] = Field(None, ge=0)
+    last_remediation: Optional[RemediationRecord] = None
+    remediations_total: Optional[int] = Field(None, ge=0)
+
+
+def parse_spec(raw: Any) -> DSV4DeploymentSpec:
+    """Validate a CR's raw spec (raises pydantic.ValidationError)."""
+    return DSV4DeploymentSpec.model_validate(raw if raw is not None else {})
+
+
+def dump(model: BaseModel) -> dict[str, Any]:
+    """The user-facing form of a model: camelCase, unset optionals left out."""
+    return model.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+def spec_revision(spec: DSV4DeploymentSpec) -> str:
+    """A short, stable hash of the spec (defaults applied), for status.revision."""
+    canonical = json.dumps(dump(spec), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:12]

@@ -1,0 +1,163 @@
+"""Pure: what the children look like -> the DSV4Deployment's status.
+
+Conditions (metav1.Condition shape; lastTransitionTime moves only when status flips):
+  Available    every role (prefill, decode, router) has at least one ready replica.
+  Progressing  the operator has not yet acted on the latest spec, or a role is not yet at its
+               desired replicas, all updated and ready.
+  Degraded     the operator cannot act: the spec is invalid or applying the children failed.
+  Wedged       owned by the wedge watchdog; carried over unchanged, Unknown until it reports.
+Fields the watchdog owns (wedgedPods, lastRemediation, remediationsTotal, stableRevision) are
+carried over from the previous status as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional
+
+from dsv4_operator.manifests import LABEL_ROLE
+from dsv4_operator.spec import CONDITION_TYPES, DSV4DeploymentSpec
+
+ROLES = ("prefill", "decode", "router")
+WATCHDOG_FIELDS = ("wedgedPods", "lastRemediation", "remediationsTotal", "stableRevision")
+
+
+@dataclass(frozen=True)
+class ChildObservation:
+    """What a workload child (StatefulSet or Deployment) reports about itself."""
+
+    role: str
+    kind: str
+    name: str
+    spec_replicas: int
+    generation: int
+    observed_generation: int
+    ready: int
+    updated: int
+
+    @property
+    def settled(self) -> bool:
+        """Its controller has seen the latest spec and every replica runs it."""
+        return self.observed_generation >= self.generation and self.updated >= self.spec_replicas
+
+
+def observe(body: Mapping[str, Any]) -> Optional[ChildObservation]:
+    """A StatefulSet / Deployment body -> an observation (None if it is not one of ours)."""
+    meta = body.get("metadata") or {}
+    role = (meta.get("labels") or {}).get(LABEL_ROLE)
+    if role not in ROLES or body.get("kind") not in ("StatefulSet", "Deployment"):
+        return None
+    spec = body.get("spec") or {}
+    status = body.get("status") or {}
+    return ChildObservation(
+        role=role,
+        kind=body["kind"],
+        name=meta.get("name", ""),
+        spec_replicas=int(spec.get("replicas", 1)),
+        generation=int(meta.get("generation") or 0),
+        observed_generation=int(status.get("observedGeneration") or 0),
+        ready=int(status.get("readyReplicas") or 0),
+        updated=int(status.get("updatedReplicas") or 0),
+    )
+
+
+def _condition(ctype: str, ok: Optional[bool], reason: str, message: str) -> dict[str, Any]:
+    status = "Unknown" if ok is None else "True" if ok else "False"
+    return {"type": ctype, "status": status, "reason": reason, "message": message}
+
+
+def role_status(desired: int, child: Optional[ChildObservation]) -> dict[str, Any]:
+    ready = child.ready if child else 0
+    updated = child.updated if child else 0
+    return {"replicas": desired, "readyReplicas": ready, "updatedReplicas": updated, "ready": f"{ready}/{desired}"}
+
+
+def compute_status(
+    *,
+    spec: Optional[DSV4DeploymentSpec],
+    generation: int,
+    observed_generation: Optional[int],
+    children: Iterable[ChildObservation],
+    previous: Optional[Mapping[str, Any]],
+    now: str,
+    spec_error: Optional[str] = None,
+    apply_error: Optional[str] = None,
+    revision: Optional[str] = None,
+) -> dict[str, Any]:
+    """The whole new status. `spec` is None when the spec is invalid (then `spec_error` says why);
+    `observed_generation` is the generation the operator last acted on (applied or rejected)."""
+    previous = dict(previous or {})
+    by_role: dict[str, ChildObservation] = {}
+    for child in children:
+        by_role[child.role] = child
+
+    desired = {role: (spec.role(role).replicas if role in ("prefill", "decode") else spec.router.replicas)
+               if spec is not None else (by_role[role].spec_replicas if role in by_role else 0)
+               for role in ROLES}
+    roles = {role: role_status(desired[role], by_role.get(role)) for role in ROLES}
+
+    unavailable = [role for role in ROLES if roles[role]["readyReplicas"] < 1]
+    available = _condition(
+        "Available", not unavailable,
+        "MinimumReplicasAvailable" if not unavailable else "NoReadyReplicas",
+        "every role has a ready replica" if not unavailable else f"no ready replica: {', '.join(unavailable)}")
+
+    summary = ", ".join(f"{role} {roles[role]['ready']} ready" for role in ROLES)
+    if spec is None:
+        progressing = _condition("Progressing", False, "InvalidSpec", "the spec cannot be acted on")
+    else:
+        behind = [role for role in ROLES
+                  if role not in by_role
+                  or by_role[role].spec_replicas != desired[role]
+                  or not by_role[role].settled
+                  or by_role[role].ready < desired[role]]
+        pending = observed_generation is None or observed_generation < generation
+        if pending:
+            progressing = _condition("Progressing", True, "SpecChanged", f"generation {generation} not yet applied")
+        elif behind:
+            progressing = _condition("Progressing", True, "RollingOut", summary)
+        else:
+            progressing = _condition("Progressing", False, "RolloutComplete", summary)
+
+    if spec_error is not None:
+        degraded = _condition("Degraded", True, "InvalidSpec", spec_error)
+    elif apply_error is not None:
+        degraded = _condition("Degraded", True, "ApplyFailed", apply_error)
+    else:
+        degraded = _condition("Degraded", False, "AsExpected", "the operator can act on the spec")
+
+    prev_conditions = {c.get("type"): c for c in previous.get("conditions") or []}
+    wedged = prev_conditions.get("Wedged") or _condition(
+        "Wedged", None, "NotEvaluated", "the wedge watchdog has not reported")
+
+    conditions = []
+    for cond in (available, progressing, degraded, wedged):
+        cond = dict(cond)
+        before = prev_conditions.get(cond["type"])
+        if before is not None and before.get("status") == cond["status"] and before.get("lastTransitionTime"):
+            cond["lastTransitionTime"] = before["lastTransitionTime"]
+        else:
+            cond.setdefault("lastTransitionTime", now)
+        if cond["type"] != "Wedged" and observed_generation is not None:
+            cond["observedGeneration"] = observed_generation
+        conditions.append(cond)
+    assert [c["type"] for c in conditions] == list(CONDITION_TYPES)
+
+    status: dict[str, Any] = {"conditions": conditions, **roles}
+    if observed_generation is not None:
+        status["observedGeneration"] = observed_generation
+    if revision is not None:
+        status["revision"] = revision
+    elif previous.get("revision") is not None:
+        status["revision"] = previous["revision"]
+    for key in WATCHDOG_FIELDS:
+        if key in previous:
+            status[key] = previous[key]
+    status.setdefault("wedgedPods", 0)
+    return status
+
+
+def status_changed(old: Optional[Mapping[str, Any]], new: Mapping[str, Any]) -> bool:
+    """True when writing `new` would change what is stored."""
+    old = dict(old or {})
+    return any(old.get(k) != v for k, v in new.items())

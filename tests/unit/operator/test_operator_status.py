@@ -1,0 +1,144 @@
+"""status.compute_status: children as observed -> conditions and per-role counts."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from dsv4_operator.spec import parse_spec
+from dsv4_operator.status import ChildObservation, compute_status, observe, status_changed
+
+T0, T1 = "2026-11-29T10:00:00Z", "2026-11-29T10:05:00Z"
+
+
+def spec(**roles: int):
+    return parse_spec({"model": {"name": "m", "path": "/m"}, "engine": {"image": "i"},
+                       "prefill": {"replicas": roles.get("prefill", 1)}, "decode": {"replicas": roles.get("decode", 1)},
+                       "router": {"replicas": roles.get("router", 1)}})
+
+
+def child(role: str, replicas: int = 1, ready: int = 1, updated: Optional[int] = None, gen: int = 1,
+          observed: int = 1) -> ChildObservation:
+    return ChildObservation(role=role, kind="Deployment" if role == "router" else "StatefulSet", name=f"x-{role}",
+                            spec_replicas=replicas, generation=gen, observed_generation=observed, ready=ready,
+                            updated=replicas if updated is None else updated)
+
+
+def all_ready(n: int = 1) -> list[ChildObservation]:
+    return [child(r, n, n) for r in ("prefill", "decode", "router")]
+
+
+def cond(status: dict, ctype: str) -> dict:
+    return next(c for c in status["conditions"] if c["type"] == ctype)
+
+
+def compute(**kw: Any) -> dict:
+    args: dict[str, Any] = dict(spec=spec(), generation=1, observed_generation=1, children=[], previous=None, now=T0)
+    args.update(kw)
+    return compute_status(**args)
+
+
+def test_nothing_running_yet() -> None:
+    st = compute()
+    assert cond(st, "Available")["status"] == "False"
+    assert "prefill, decode, router" in cond(st, "Available")["message"]
+    assert cond(st, "Progressing").items() >= {"status": "True", "reason": "RollingOut"}.items()
+    assert cond(st, "Degraded")["status"] == "False"
+    assert cond(st, "Wedged") == {"type": "Wedged", "status": "Unknown", "reason": "NotEvaluated",
+                                  "message": "the wedge watchdog has not reported", "lastTransitionTime": T0}
+    assert st["prefill"] == {"replicas": 1, "readyReplicas": 0, "updatedReplicas": 0, "ready": "0/1"}
+    assert st["observedGeneration"] == 1 and st["wedgedPods"] == 0
+    assert [c["type"] for c in st["conditions"]] == ["Available", "Progressing", "Degraded", "Wedged"]
+
+
+def test_all_ready_is_available_and_complete() -> None:
+    st = compute(spec=spec(prefill=2, decode=3), children=[child("prefill", 2, 2), child("decode", 3, 3),
+                                                            child("router", 1, 1)])
+    assert cond(st, "Available")["status"] == "True"
+    assert cond(st, "Progressing")["status"] == "False"
+    assert cond(st, "Progressing")["reason"] == "RolloutComplete"
+    assert st["decode"]["ready"] == "3/3" and st["router"]["ready"] == "1/1"
+    assert all(c.get("observedGeneration") == 1 for c in st["conditions"] if c["type"] != "Wedged")
+
+
+def test_partially_ready_is_available_but_progressing() -> None:
+    st = compute(spec=spec(decode=2), children=[child("prefill"), child("decode", 2, 1), child("router")])
+    assert cond(st, "Available")["status"] == "True"
+    assert cond(st, "Progressing")["status"] == "True"
+    assert st["decode"]["ready"] == "1/2"
+
+
+def test_child_not_yet_at_new_replicas_or_generation_is_progressing() -> None:
+    stale_replicas = [child("prefill", 1, 1), child("decode"), child("router")]
+    assert cond(compute(spec=spec(prefill=2), children=stale_replicas), "Progressing")["status"] == "True"
+    not_observed = [child("prefill", gen=2, observed=1), child("decode"), child("router")]
+    assert cond(compute(children=not_observed), "Progressing")["status"] == "True"
+    not_updated = [child("prefill", 1, 1, updated=0), child("decode"), child("router")]
+    assert cond(compute(children=not_updated), "Progressing")["status"] == "True"
+
+
+def test_spec_not_yet_acted_on() -> None:
+    st = compute(generation=3, observed_generation=2, children=all_ready())
+    assert cond(st, "Progressing").items() >= {"status": "True", "reason": "SpecChanged"}.items()
+    assert st["observedGeneration"] == 2
+
+
+def test_invalid_spec_is_degraded_not_progressing_and_keeps_counting_children() -> None:
+    st = compute(spec=None, spec_error="spec.prefill.replicas: must be >= 0", children=all_ready(2))
+    assert cond(st, "Degraded").items() >= {"status": "True", "reason": "InvalidSpec",
+                                         "message": "spec.prefill.replicas: must be >= 0"}.items()
+    assert cond(st, "Progressing").items() >= {"status": "False", "reason": "InvalidSpec"}.items()
+    assert cond(st, "Available")["status"] == "True"  # what runs keeps serving
+    assert st["prefill"]["ready"] == "2/2"
+
+
+def test_apply_failure_is_degraded() -> None:
+    st = compute(apply_error="422 Invalid: bad affinity")
+    assert cond(st, "Degraded").items() >= {"status": "True", "reason": "ApplyFailed"}.items()
+
+
+def test_transition_time_moves_only_on_flips() -> None:
+    first = compute(children=[], now=T0)
+    same = compute(children=[], previous=first, now=T1)
+    assert cond(same, "Available")["lastTransitionTime"] == T0
+    flipped = compute(children=all_ready(), previous=first, now=T1)
+    assert cond(flipped, "Available")["lastTransitionTime"] == T1
+    assert cond(flipped, "Degraded")["lastTransitionTime"] == T0
+
+
+def test_watchdog_owned_fields_are_carried_over() -> None:
+    wedged = {"type": "Wedged", "status": "True", "reason": "InflightStuck", "message": "x-prefill-0",
+              "lastTransitionTime": T0}
+    previous = {"conditions": [wedged], "wedgedPods": 1, "remediationsTotal": 4, "stableRevision": "abc",
+                "lastRemediation": {"pod": "x-prefill-0", "action": "restart", "extra": {"kept": True}}}
+    st = compute(previous=previous, now=T1, revision="def")
+    assert cond(st, "Wedged") == wedged
+    assert st["wedgedPods"] == 1 and st["remediationsTotal"] == 4 and st["stableRevision"] == "abc"
+    assert st["lastRemediation"]["extra"] == {"kept": True}
+    assert st["revision"] == "def"
+    assert compute(previous={"revision": "old"})["revision"] == "old"
+
+
+def test_router_scaled_to_zero_is_not_available() -> None:
+    st = compute(spec=spec(router=0), children=[child("prefill"), child("decode"), child("router", 0, 0)])
+    assert cond(st, "Available")["status"] == "False"
+    assert "router" in cond(st, "Available")["message"]
+
+
+def test_observe_reads_workloads_and_ignores_others() -> None:
+    sts = {"kind": "StatefulSet", "metadata": {"name": "x-decode", "generation": 4,
+                                               "labels": {"serving.dsv4.dev/role": "decode"}},
+           "spec": {"replicas": 3}, "status": {"observedGeneration": 3, "readyReplicas": 2, "updatedReplicas": 1}}
+    assert observe(sts) == ChildObservation(role="decode", kind="StatefulSet", name="x-decode", spec_replicas=3,
+                                            generation=4, observed_generation=3, ready=2, updated=1)
+    fresh = {"kind": "Deployment", "metadata": {"name": "x-router", "labels": {"serving.dsv4.dev/role": "router"}},
+             "spec": {"replicas": 1}}
+    assert observe(fresh).ready == 0 and not observe(fresh).settled
+    assert observe({"kind": "Service", "metadata": {"labels": {"serving.dsv4.dev/role": "router"}}}) is None
+    assert observe({"kind": "StatefulSet", "metadata": {"labels": {}}}) is None
+
+
+def test_status_changed() -> None:
+    st = compute()
+    assert not status_changed(st, compute())
+    assert status_changed(st, compute(children=all_ready()))
+    assert not status_changed(dict(st, kopf={"x": 1}), st)  # fields others own do not count
