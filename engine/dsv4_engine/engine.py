@@ -102,9 +102,9 @@ class Engine:
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 time.sleep(0.01)
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _drain_inbox(self, wait: float) -> None:
         try:
-            item = self.inbox.get(timeout=0.02) if block else self.inbox.get_nowait()
+            item = self.inbox.get(timeout=wait) if wait > 0 else self.inbox.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -143,8 +143,15 @@ class Engine:
             self.scheduler.add(seq)
 
     def step(self) -> None:
-        idle = not self.scheduler.has_work() and (self.pd is None or not self.pd.busy())
-        self._drain_inbox(block=idle)
+        # Block on the inbox only as long as nothing else needs us: not at all with a batch to
+        # run, briefly while PD transfers are pending (they are polled, not pushed), else 20 ms.
+        if self.scheduler.has_work():
+            wait = 0.0
+        elif self.pd is not None and self.pd.busy():
+            wait = 0.001
+        else:
+            wait = 0.02
+        self._drain_inbox(wait)
         if self.pd is not None:
             self.pd.poll()
         batch = self.scheduler.schedule()
