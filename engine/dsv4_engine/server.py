@@ -116,6 +116,8 @@ class OpenAIServing:
 
     def _prompts(self, req: CompletionRequest) -> list[list[int]]:
         p = req.prompt
+        if p == "" or (isinstance(p, list) and any(x == "" or x == [] for x in p)):
+            raise APIError("prompt must not be empty", param="prompt")
         if isinstance(p, str):
             prompts = [self.engine.tokenizer.encode(p)]
         elif p and all(isinstance(x, int) for x in p):
