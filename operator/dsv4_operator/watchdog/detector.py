@@ -171,8 +171,13 @@ class Detector:
 
     # -- the verdict -----------------------------------------------------------------------------
 
-    def observe(self, pod_key: str, sample: EngineSample) -> Verdict:
+    def observe(self, pod_key: str, sample: EngineSample, *,
+                answered_before: bool = False) -> Verdict:
+        """``answered_before``: the caller knows the engine served before this detector saw
+        it (e.g. its pod was Ready, or the operator restarted), so a silence from the start may
+        still end in ``unresponsive``; a pod never known to answer is only Unreachable."""
         pod = self._pods.setdefault(pod_key, _PodWindow())
+        pod.ever_reachable = pod.ever_reachable or answered_before
         now = sample.timestamp
         if not sample.reachable:
             if pod.unreachable_since is None:

@@ -310,6 +310,14 @@ def test_never_reachable_pod_is_never_wedged():
     assert all(isinstance(v, Unreachable) for _, v in results)
 
 
+def test_silent_from_the_start_but_known_to_have_served():
+    # The operator restarted while an engine was already hung: its pod had been Ready.
+    det = Detector(window_s=WINDOW)
+    results = [(t, det.observe("p", down(t), answered_before=True)) for t in times(300)]
+    t, v = first_wedged(results)
+    assert v.reason == "unresponsive" and t == WINDOW
+
+
 def test_reachable_again_clears_unreachable():
     det = Detector(window_s=WINDOW)
     run([builtin_prefill(t) for t in times(50)], det)

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from dsv4_operator.watchdog.scrape import ScrapeTarget, make_client, scrape_all, scrape_engine
+from dsv4_operator.watchdog.scrape import ScrapeTarget, make_session, scrape_all, scrape_engine
 from dsv4_operator.watchdog.signals import BUILTIN, SGLANG
 
 METRICS = """\
@@ -78,7 +78,7 @@ def closed_port_url():
 
 
 async def test_scrape_engine_merges_both_endpoints(engine):
-    async with httpx.AsyncClient() as client:
+    async with make_session() as client:
         s = await scrape_engine(client, engine.url, "prefill", BUILTIN, clock=lambda: 42.0)
     assert s.reachable and s.error is None and s.timestamp == 42.0
     assert s.prefill_inflight == 2  # live /v1/loads wins over the gauge
@@ -92,7 +92,7 @@ async def test_sglang_asks_for_disagg_section(engine):
                                                "disaggregation": {
                                                    "mode": "prefill",
                                                    "prefill_inflight_queue_reqs": 1}}]})
-    async with httpx.AsyncClient() as client:
+    async with make_session() as client:
         s = await scrape_engine(client, engine.url + "/", "prefill", SGLANG)
     assert "/v1/loads?include=disagg" in engine.requests
     assert s.prefill_inflight == 1
@@ -100,7 +100,7 @@ async def test_sglang_asks_for_disagg_section(engine):
 
 async def test_one_endpoint_failing_is_still_reachable(engine):
     engine.metrics_status = 500
-    async with httpx.AsyncClient() as client:
+    async with make_session() as client:
         s = await scrape_engine(client, engine.url, "prefill")
     assert s.reachable and s.prefill_inflight == 2 and s.transfers_completed is None
     assert "HTTP 500" in s.error
@@ -108,21 +108,22 @@ async def test_one_endpoint_failing_is_still_reachable(engine):
 
 async def test_bad_json_loads_falls_back_to_metrics(engine):
     engine.loads_body = "{not json"
-    async with httpx.AsyncClient() as client:
+    async with make_session() as client:
         s = await scrape_engine(client, engine.url, "prefill")
     assert s.reachable and s.prefill_inflight == 9 and "invalid JSON" in s.error
 
 
 async def test_nothing_listening_is_unreachable():
-    async with httpx.AsyncClient() as client:
-        s = await scrape_engine(client, closed_port_url(), "decode")
+    url = closed_port_url()
+    async with make_session() as client:
+        s = await scrape_engine(client, url, "decode")
     assert not s.reachable and s.role == "decode"
-    assert "ConnectError" in s.error
+    assert s.error.startswith(url + "/metrics: ClientConnectorError")
 
 
 async def test_slow_engine_times_out(engine):
     engine.delay = 1.0
-    async with httpx.AsyncClient() as client:
+    async with make_session() as client:
         t0 = time.monotonic()
         s = await scrape_engine(client, engine.url, "prefill", timeout=0.2)
         elapsed = time.monotonic() - t0
@@ -134,19 +135,27 @@ async def test_scrape_all_bounded_concurrency(engine):
     engine.delay = 0.05
     targets = [ScrapeTarget(f"pod-{i}", engine.url, "prefill") for i in range(12)]
     targets.append(ScrapeTarget("dead", closed_port_url(), "decode"))
-    client = make_client(len(targets), concurrency=3)
-    try:
+    async with make_session(concurrency=3) as client:
         samples = await scrape_all(targets, concurrency=3, timeout=2.0, client=client)
-    finally:
-        await client.aclose()
+        # A second round reuses the kept-alive connections.
+        again = await scrape_all(targets[:12], concurrency=3, timeout=2.0, client=client)
     assert set(samples) == {t.key for t in targets}
     assert all(samples[f"pod-{i}"].reachable for i in range(12))
     assert not samples["dead"].reachable
     # 3 engines at a time, 2 requests each.
     assert engine.max_inflight <= 6
-    assert len(engine.requests) == 24
+    assert len(engine.requests) == 48
+    assert all(s.reachable for s in again.values())
 
 
 async def test_scrape_all_makes_and_closes_its_own_client(engine):
     samples = await scrape_all([ScrapeTarget("a", engine.url, "prefill")])
     assert samples["a"].reachable
+
+
+async def test_an_httpx_client_works_too(engine):
+    async with httpx.AsyncClient() as client:
+        s = await scrape_engine(client, engine.url, "prefill")
+        dead = await scrape_engine(client, closed_port_url(), "prefill")
+    assert s.reachable and s.prefill_inflight == 2 and s.transfers_completed == 41
+    assert not dead.reachable and "ConnectError" in dead.error

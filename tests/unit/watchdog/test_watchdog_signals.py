@@ -7,6 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dsv4_operator.watchdog.signals import (
     BUILTIN, COUNTER_FIELDS, GAUGE_FIELDS, SGLANG, build_sample, parse_loads, parse_metrics,
+    parse_metrics_reference,
 )
 
 
@@ -103,6 +104,32 @@ def test_nan_and_unknown_series_ignored():
     assert parse_metrics("", BUILTIN) == {}
 
 
+# Label values may hold braces, quotes, spaces and '#'; values may be +Inf or carry timestamps.
+TRICKY = """\
+# TYPE dsv4:num_queue_reqs gauge
+dsv4:num_queue_reqs{model_name="a } b",role="p"} 2
+dsv4:num_queue_reqs{model_name="say \\"hi\\" {x}",role="d"} 3 1700000000000
+dsv4:num_running_reqs +Inf
+dsv4:kv_pages_free{a="#"} 5
+dsv4:kv_pages_total\t9
+dsv4:num_decode_transfer_queue_reqs{a="b"}   -1.5e1
+dsv4:kv_transfers_completed_total{role="p"} 7 # {trace_id="abc"} 1.0 1700000000.0
+"""
+
+
+def test_tricky_lines_read_like_the_reference_parser():
+    assert parse_metrics(TRICKY) == parse_metrics_reference(TRICKY) == {
+        "num_queue": 5, "num_running": float("inf"), "kv_pages_free": 5, "kv_pages_total": 9,
+        "decode_transfer": -15, "transfers_completed": 7}
+
+
+def test_unreadable_line_goes_to_the_reference_parser():
+    # An unclosed label set: the scan gives up, prometheus_client's parser reads up to it.
+    bad = 'dsv4:num_queue_reqs{role="p"} 2\ndsv4:num_running_reqs{role="p" 3\n'
+    assert parse_metrics(bad) == {"num_queue": 2}
+    assert parse_metrics('dsv4:num_queue_reqs{role="p"} two\n') == {}
+
+
 # SGLang as its metrics collector writes it: one series per TP rank, counters with _created,
 # a KV-transfer latency histogram; this older release names the bootstrap gauge "prealloc".
 SGLANG_METRICS = """\
@@ -160,6 +187,12 @@ def test_sglang_metrics_sum_ranks_and_accept_old_bootstrap_name():
     assert values["prompt_tokens"] == 90000 and values["aborted"] == 3
     assert values["requests_completed"] == 40
     assert "loop_iterations" not in values and "prefill_inflight_oldest_age_seconds" not in values
+
+
+def test_fast_scan_equals_prometheus_client_parser():
+    for text, kind in ((dsv4_metrics_text(), BUILTIN), (SGLANG_METRICS, SGLANG),
+                       (dsv4_metrics_text(role="decode", inflight=0, age=0.0), BUILTIN)):
+        assert parse_metrics(text, kind) == parse_metrics_reference(text, kind)
 
 
 def test_sglang_current_bootstrap_name():
