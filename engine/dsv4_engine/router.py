@@ -242,14 +242,15 @@ class Router:
                     return Response(content, resp.status_code, media_type="application/json")
                 return Retry(resp.status_code, content)
             if body.get("stream"):
-                first = await self._first_event(resp)
+                chunks = resp.aiter_raw()
+                first = await self._first_event(chunks)
                 event = first.split(b"\n\n", 1)[0]
                 if not event.startswith(b"data: ") or b'"error"' in event:
                     # failed before producing anything (e.g. the KV transfer): another pair may do
                     await resp.aclose()
                     return Retry(502, event[6:] if event.startswith(b"data: ") else b"")
                 handed_off = True
-                return StreamingResponse(self._relay(first, resp, d), media_type="text/event-stream")
+                return StreamingResponse(self._relay(first, chunks, resp, d), media_type="text/event-stream")
             content = await resp.aread()
             await resp.aclose()
             return Response(content, 200, media_type="application/json")
@@ -274,18 +275,18 @@ class Router:
             p.inflight -= 1
 
     @staticmethod
-    async def _first_event(resp: httpx.Response) -> bytes:
+    async def _first_event(chunks: AsyncIterator[bytes]) -> bytes:
         buf = b""
-        async for chunk in resp.aiter_raw():
+        async for chunk in chunks:
             buf += chunk
             if b"\n\n" in buf:
                 break
         return buf
 
-    async def _relay(self, first: bytes, resp: httpx.Response, d: Worker) -> AsyncIterator[bytes]:
+    async def _relay(self, first: bytes, chunks: AsyncIterator[bytes], resp: httpx.Response, d: Worker) -> AsyncIterator[bytes]:
         try:
             yield first
-            async for chunk in resp.aiter_raw():
+            async for chunk in chunks:
                 yield chunk
         finally:
             d.inflight -= 1
@@ -374,6 +375,7 @@ def build_app(router: Router) -> FastAPI:
 
 def run_router(args: RouterArgs) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     router = Router(args)
     print(f"dsv4 router on http://{args.host}:{args.port} "
           f"(prefill {len(args.prefill)}, decode {len(args.decode)}, mono {len(args.mono)}"

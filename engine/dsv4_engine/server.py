@@ -418,6 +418,7 @@ def make_engine(args: ServerArgs) -> Engine:
 
 def run_server(args: ServerArgs) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     engine = make_engine(args)
     engine.start()
     apps = [(build_app(engine, args), args.port)]
