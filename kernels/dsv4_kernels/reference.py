@@ -1,0 +1,219 @@
+"""Pure-torch implementations of the kernel API: the oracle for the Triton kernels and the
+engine's CPU backend.
+
+Every function computes in fp32 and returns the input dtype. They are vectorised over tokens:
+the only Python loops are over requests (extend, where padding a batch would cost more than it
+saves) and over experts that received tokens (MoE).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Upper bound on fp32 elements of gathered keys/scores held at once; bounds memory on long
+# contexts without changing results.
+_MAX_GATHER_ELEMS = 1 << 25
+
+
+def _gather_pages(kv_cache: torch.Tensor, pages: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Rows 0..num_tokens-1 of the paged cache along ``pages`` ([..., n_pages]) as fp32."""
+    rows = kv_cache[pages]  # [..., n_pages, page_size, D]; works on strided views of a pool
+    rows = rows.reshape(*pages.shape[:-1], -1, kv_cache.shape[-1])[..., :num_tokens, :]
+    return rows.float()
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    v_dim: int,
+) -> torch.Tensor:
+    """One query token per request over its paged latent cache (MQA: all heads share it).
+
+    q [B, H, D], kv_cache [num_pages, page_size, D] (any strides, last dim contiguous),
+    block_table [B, max_pages], seq_lens [B] -> [B, H, v_dim]; value = first v_dim columns.
+    A request with seq_len 0 (batch padding) gets zeros.
+    """
+    batch, heads, dim = q.shape
+    out = torch.zeros(batch, heads, v_dim, dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    page_size = kv_cache.shape[1]
+    lens = seq_lens.to(device=q.device, dtype=torch.long)
+    max_len = int(lens.max())
+    if max_len == 0:
+        return out
+    n_pages = -(-max_len // page_size)
+    positions = torch.arange(n_pages, device=q.device)
+    # Table slots past a request's last page may hold anything (padding, -1): point them at page 0.
+    used = positions[None, :] * page_size < lens[:, None]
+    pages = torch.where(used, block_table[:, :n_pages].to(torch.long), 0)
+    masked = torch.arange(max_len, device=q.device)[None, :] >= lens[:, None]  # [B, L]
+
+    chunk = max(1, _MAX_GATHER_ELEMS // (max_len * max(dim, heads)))
+    for b0 in range(0, batch, chunk):
+        b1 = min(batch, b0 + chunk)
+        keys = _gather_pages(kv_cache, pages[b0:b1], max_len)  # [b, L, D]
+        scores = torch.bmm(q[b0:b1].float(), keys.transpose(1, 2)) * sm_scale  # [b, H, L]
+        scores.masked_fill_(masked[b0:b1, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        probs = probs.masked_fill((lens[b0:b1] == 0)[:, None, None], 0.0)
+        out[b0:b1] = torch.bmm(probs, keys[..., :v_dim]).to(q.dtype)
+    return out
+
+
+def mla_extend(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    sm_scale: float,
+    v_dim: int,
+) -> torch.Tensor:
+    """Causal attention of new tokens over their whole (already cached) sequence.
+
+    q [T, H, D] concatenates the new tokens of every request; request b's extend_lens[b] tokens
+    are the last positions of its seq_lens[b] cached tokens, and the token at absolute position
+    p attends to positions 0..p. Returns [T, H, v_dim].
+    """
+    total, heads, dim = q.shape
+    out = torch.empty(total, heads, v_dim, dtype=q.dtype, device=q.device)
+    page_size = kv_cache.shape[1]
+    lens = seq_lens.tolist()
+    exts = extend_lens.tolist()
+    if sum(exts) != total:
+        raise ValueError(f"sum(extend_lens)={sum(exts)} does not match q.shape[0]={total}")
+    start = 0
+    for b, (seq_len, ext) in enumerate(zip(lens, exts)):
+        if ext == 0:
+            continue
+        n_pages = -(-seq_len // page_size)
+        keys = _gather_pages(kv_cache, block_table[b, :n_pages].to(torch.long), seq_len)  # [S, D]
+        values = keys[:, :v_dim]
+        key_pos = torch.arange(seq_len, device=q.device)
+        # Chunk the new tokens so the [tokens, H, S] score block stays bounded.
+        step = max(1, _MAX_GATHER_ELEMS // (heads * seq_len))
+        for t0 in range(0, ext, step):
+            t1 = min(ext, t0 + step)
+            qb = q[start + t0 : start + t1].float()  # [n, H, D]
+            scores = torch.matmul(qb, keys.t()) * sm_scale  # [n, H, S]
+            q_pos = torch.arange(seq_len - ext + t0, seq_len - ext + t1, device=q.device)
+            future = key_pos[None, :] > q_pos[:, None]  # [n, S]
+            scores.masked_fill_(future[:, None, :], float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[start + t0 : start + t1] = torch.matmul(probs, values).to(q.dtype)
+        start += ext
+    return out
+
+
+def moe_route(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    n_group: int,
+    topk_group: int,
+    top_k: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 ``noaux_tc`` routing: sigmoid scores, bias-corrected grouped top-k.
+
+    Returns (weights fp32 [T, top_k], expert ids int32 [T, top_k]), ordered by descending
+    bias-corrected score. Matches transformers' DeepseekV3TopkRouter up to ties.
+    """
+    num_tokens, num_experts = router_logits.shape
+    scores = router_logits.float().sigmoid()
+    choice = scores + correction_bias.float()
+    per_group = num_experts // n_group
+    group_scores = choice.view(num_tokens, n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = group_scores.topk(topk_group, dim=-1)[1]
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+    expert_mask = group_mask.repeat_interleave(per_group, dim=1)
+    choice = choice.masked_fill(~expert_mask, float("-inf"))
+    topk_ids = choice.topk(top_k, dim=-1)[1]
+    weights = scores.gather(1, topk_ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, topk_ids.to(torch.int32)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Routed experts: out[t] = sum_k w[t,k] * w2[e] @ (silu(gate_e x) * (up_e x)), e = ids[t,k].
+
+    x [T, hidden], w13 [E, 2I, hidden] (gate rows, then up rows), w2 [E, hidden, I].
+    Loops over the experts that received tokens; each does one gathered matmul pair.
+    """
+    num_tokens, hidden = x.shape
+    inter = w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
+    flat_ids = topk_ids.reshape(-1).to(torch.long)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    flat_weights = topk_weights.reshape(-1).float()[order]
+    tokens_sorted = order // top_k
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        tokens = tokens_sorted[start : start + count]
+        xs = x.index_select(0, tokens).float()
+        gate_up = xs @ w13[expert].float().t()
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        ys = act @ w2[expert].float().t()
+        out.index_add_(0, tokens, ys * flat_weights[start : start + count, None])
+        start += count
+    return out.to(x.dtype)
+
+
+def rmsnorm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm with an optional fused residual add, rounded like HF's DeepseekV3RMSNorm.
+
+    With a residual: residual_out = x + residual (in x's dtype) and out normalises it;
+    without: residual_out is x. The normalised value is cast to x's dtype before the weight
+    multiply, as HF does; out has x's dtype.
+    """
+    hidden = x if residual is None else x + residual
+    h32 = hidden.float()
+    normed = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
+    out = (weight.float() * normed.to(x.dtype).float()).to(x.dtype)
+    return out, hidden
+
+
+def rope_interleaved_(
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate interleaved pairs (x[..., 2i], x[..., 2i+1]) in place by angle i at each position.
+
+    x [T, H, R] (may be a strided view), positions [T], cos/sin [max_pos, R // 2] fp32.
+    The result stays interleaved.
+    """
+    c = cos[positions].float().unsqueeze(1)  # [T, 1, R/2]
+    s = sin[positions].float().unsqueeze(1)
+    even = x[..., 0::2]
+    odd = x[..., 1::2]
+    a = even.float()
+    b = odd.float()
+    # Both results exist before either write: for fp32, a and b alias x.
+    new_even = a * c - b * s
+    new_odd = a * s + b * c
+    even.copy_(new_even)
+    odd.copy_(new_odd)
+    return x

@@ -1,0 +1,221 @@
+"""Routed experts as two fused grouped GEMMs over (token, slot) pairs sorted by expert.
+
+The launcher sorts the T*top_k pairs by expert and pads each expert's run to a multiple of
+BLOCK_M, so every M-block belongs to one expert (all on the device, no host sync; the grid
+covers the worst-case padding and spare blocks exit at once). Then:
+1. gate/up GEMM with SiLU(gate) * up fused in the epilogue -> intermediate [pairs, I];
+2. down GEMM scaled by each pair's routing weight -> [pairs, hidden] in fp32,
+and the top_k rows of each token are summed (a fixed-order reduction: deterministic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import KernelVariant, check_launchable, next_pow2, on_interpreter
+
+
+@triton.jit
+def moe_gate_up_kernel(
+    x_ptr, w13_ptr, inter_ptr, sorted_pairs_ptr, block_expert_ptr,
+    num_pairs, hidden, inter_size,
+    stride_x_t, stride_w_e, stride_w_n, stride_i_p,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= 0:
+        pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        p_mask = pairs < num_pairs
+        tokens = pairs // TOP_K
+        pairs = pairs.to(tl.int64)  # pairs * row stride can pass 2**31 on long prefills
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < inter_size
+        w_base = w13_ptr + expert.to(tl.int64) * stride_w_e
+        gate_cols = w_base + offs_n[None, :] * stride_w_n
+        up_cols = w_base + (inter_size + offs_n)[None, :] * stride_w_n
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < hidden
+            a = tl.load(x_ptr + tokens[:, None] * stride_x_t + offs_k[None, :],
+                        mask=p_mask[:, None] & k_mask[None, :], other=0.0)
+            w_mask = k_mask[:, None] & n_mask[None, :]
+            wg = tl.load(gate_cols + offs_k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+            wu = tl.load(up_cols + offs_k[:, None], mask=w_mask, other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                wg = wg.to(tl.float32)
+                wu = wu.to(tl.float32)
+            acc_gate = tl.dot(a, wg, acc_gate, input_precision="ieee")
+            acc_up = tl.dot(a, wu, acc_up, input_precision="ieee")
+        act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+        tl.store(inter_ptr + pairs[:, None] * stride_i_p + offs_n[None, :],
+                 act.to(inter_ptr.dtype.element_ty), mask=p_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def moe_down_kernel(
+    inter_ptr, w2_ptr, topk_weights_ptr, y_ptr, sorted_pairs_ptr, block_expert_ptr,
+    num_pairs, hidden, inter_size,
+    stride_i_p, stride_w_e, stride_w_n, stride_y_p,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= 0:
+        pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        p_mask = pairs < num_pairs
+        pairs = pairs.to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hidden
+        w_cols = w2_ptr + expert.to(tl.int64) * stride_w_e + offs_n[None, :] * stride_w_n
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, inter_size, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = offs_k < inter_size
+            a = tl.load(inter_ptr + pairs[:, None] * stride_i_p + offs_k[None, :],
+                        mask=p_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_cols + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        route_w = tl.load(topk_weights_ptr + pairs, mask=p_mask, other=0.0).to(tl.float32)
+        acc = acc * route_w[:, None]
+        tl.store(y_ptr + pairs[:, None] * stride_y_p + offs_n[None, :], acc, mask=p_mask[:, None] & n_mask[None, :])
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def experts_config(num_pairs: int, num_experts: int) -> ExpertsConfig:
+    """Small M-blocks when experts get few rows each (decode): the padding is wasted work and the
+    GEMM is bound by reading weights anyway."""
+    rows_per_expert = num_pairs / max(1, num_experts)
+    if rows_per_expert <= 16:
+        return ExpertsConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+    if rows_per_expert <= 64:
+        return ExpertsConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3)
+    return ExpertsConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+def align_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort (token, slot) pairs by expert and pad each expert's run to a multiple of block_m.
+
+    Returns sorted_pairs [num_blocks * block_m] (flat pair index t * top_k + k; padding holds
+    num_pairs) and block_expert [num_blocks] (the block's expert, -1 past the last block used).
+    num_blocks is the worst case, known from shapes alone.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_pairs = flat.numel()
+    device = flat.device
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    run_start = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(num_pairs, device=device) - run_start[sorted_experts]
+    dest = (padded_end - padded)[sorted_experts] + rank
+    num_blocks = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
+    sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs[dest] = order.to(torch.int32)
+    block_start = torch.arange(num_blocks, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end, block_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_pairs, block_expert
+
+
+def moe_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    config: ExpertsConfig | None = None,
+) -> torch.Tensor:
+    check_launchable(moe_gate_up_kernel, x)
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter_size = two_inter // 2
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if num_tokens == 0:
+        return torch.empty_like(x)
+    for name, t in (("x", x), ("w13", w13), ("w2", w2)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"moe_experts needs the last dim of {name} contiguous")
+    cfg = config or experts_config(num_pairs, num_experts)
+    sorted_pairs, block_expert = align_pairs_by_expert(topk_ids, num_experts, cfg.block_m)
+    num_blocks = block_expert.shape[0]
+    upcast = on_interpreter(x)
+
+    inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
+    moe_gate_up_kernel[(num_blocks, triton.cdiv(inter_size, cfg.block_n))](
+        x, w13, inter, sorted_pairs, block_expert,
+        num_pairs, hidden, inter_size,
+        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
+        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=upcast,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    moe_down_kernel[(num_blocks, triton.cdiv(hidden, cfg.block_n))](
+        inter, w2, weights, y, sorted_pairs, block_expert,
+        num_pairs, hidden, inter_size,
+        inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=upcast,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)
+
+
+def aot_variants(arch: int) -> list[KernelVariant]:
+    """bf16 experts at both ends of the M range (decode and prefill tiles)."""
+    variants = []
+    for cfg, label in ((experts_config(8, 256), "decode"), (experts_config(8192, 64), "prefill")):
+        common = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        variants.append(KernelVariant(
+            name=f"moe_gate_up[bf16,{label}]",
+            kernel=moe_gate_up_kernel,
+            types={
+                "x_ptr": "*bf16", "w13_ptr": "*bf16", "inter_ptr": "*bf16",
+                "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32",
+                "num_pairs": "i32", "hidden": "i32", "inter_size": "i32",
+                "stride_x_t": "i32", "stride_w_e": "i64", "stride_w_n": "i32", "stride_i_p": "i32",
+            },
+            constexprs=dict(TOP_K=8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=False),
+            divisible=("hidden", "inter_size"),
+            **common,
+        ))
+        variants.append(KernelVariant(
+            name=f"moe_down[bf16,{label}]",
+            kernel=moe_down_kernel,
+            types={
+                "inter_ptr": "*bf16", "w2_ptr": "*bf16", "topk_weights_ptr": "*fp32", "y_ptr": "*fp32",
+                "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32",
+                "num_pairs": "i32", "hidden": "i32", "inter_size": "i32",
+                "stride_i_p": "i32", "stride_w_e": "i64", "stride_w_n": "i32", "stride_y_p": "i32",
+            },
+            constexprs=dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=False),
+            divisible=("hidden", "inter_size"),
+            **common,
+        ))
+    return variants
