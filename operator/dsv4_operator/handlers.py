@@ -1,0 +1,288 @@
+"""kopf handlers for DSV4Deployment: thin shells around `manifests` and `status`.
+
+- create / update / resume: validate the spec, server-side-apply every child, write the status.
+- events of the children (StatefulSets, Deployment): recompute the owner's status; re-apply the
+  children when one of them was deleted by hand.
+- a spec the operator cannot act on becomes Degraded=True (reason InvalidSpec) and a Warning
+  Event, once per generation: no exception, so no retry loop and no crash loop.
+Deleting a DSV4Deployment needs no handler: every child has an ownerReference to it and the
+API server's garbage collector removes them (no finalizer, so deletion never waits on us).
+
+All handlers live in `registry`, which `dsv4_operator.main` runs; the wedge watchdog can add
+its own handlers to the same registry.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any, Callable, Iterable, Optional
+
+import kopf
+from pydantic import ValidationError
+
+from dsv4_operator import spec as S
+from dsv4_operator.kube import ApiError, KubeApi, connection_info, load_configuration
+from dsv4_operator.manifests import (
+    APP, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_NAME, MANAGER, Owner, build_children, unbuildable_reasons,
+)
+from dsv4_operator.status import ChildObservation, compute_status, observe, status_changed
+from dsv4_operator.telemetry import OperatorMetrics
+
+registry = kopf.OperatorRegistry()
+
+CR = (S.GROUP, S.VERSION, S.PLURAL)
+CHILD_LABELS = {LABEL_NAME: APP, LABEL_MANAGED_BY: MANAGER}
+# Normal Events go through kopf.event: kopf.info obeys settings.posting.level, which main sets to
+# WARNING so that kopf's own per-handler "succeeded" lines do not become Events.
+STATUS_WRITE_ATTEMPTS = 5
+
+
+def now_rfc3339() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def describe_validation_error(err: ValidationError) -> str:
+    """One line per problem, with the user-facing field path."""
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "spec"
+        lines.append(f"spec.{where}: {e['msg']}")
+    return "; ".join(lines)
+
+
+def check_spec(name: str, raw_spec: Any) -> tuple[Optional[S.DSV4DeploymentSpec], Optional[str]]:
+    """(spec, None) when the operator can act on it, else (None, why not)."""
+    try:
+        spec = S.parse_spec(dict(raw_spec or {}))
+    except ValidationError as e:
+        return None, describe_validation_error(e)
+    reasons = unbuildable_reasons(name, spec)
+    if reasons:
+        return None, "; ".join(reasons)
+    return spec, None
+
+
+def _metrics(memo: kopf.Memo) -> OperatorMetrics:
+    if getattr(memo, "metrics", None) is None:
+        memo.metrics = OperatorMetrics()
+    return memo.metrics
+
+
+def _api(memo: kopf.Memo) -> KubeApi:
+    api = getattr(memo, "api", None)
+    if api is None:
+        raise kopf.TemporaryError("not logged in to the API server yet", delay=2)
+    return api
+
+
+def _children(namespace: str, name: str, *indices: Any) -> list[ChildObservation]:
+    found: list[ChildObservation] = []
+    for index in indices:
+        found.extend(obs for obs in index.get((namespace, name), []) if obs is not None)
+    return found
+
+
+def _carried_apply_error(previous: dict[str, Any], observed_generation: Optional[int]) -> Optional[str]:
+    """An apply failure stands until the operator applies again (a new generation or a retry)."""
+    for cond in previous.get("conditions") or []:
+        if (cond.get("type") == "Degraded" and cond.get("reason") == "ApplyFailed"
+                and cond.get("observedGeneration") == observed_generation):
+            return cond.get("message") or "apply failed"
+    return None
+
+
+async def refresh_status(api: KubeApi, metrics: OperatorMetrics, namespace: str, name: str,
+                         children: Callable[[], Iterable[ChildObservation]], *,
+                         observed_generation: Optional[int] = None,
+                         apply_error: Optional[str] = None, revision: Optional[str] = None,
+                         acted: bool = False) -> Optional[dict[str, Any]]:
+    """Read the resource, compute its status from the children, write it if it changed.
+
+    `acted` marks a call from the reconciler, which speaks for `observed_generation`, its
+    apply error and revision; other callers carry those over from the stored status. The write
+    names the resourceVersion it read, so a concurrent writer (the reconciler, the watchdog)
+    makes it re-read instead of being overwritten. `children` is read again on every attempt:
+    the indexes move on while we wait for the API server."""
+    for _ in range(STATUS_WRITE_ATTEMPTS):
+        cr = await api.get(S.API_VERSION, S.KIND, namespace, name)
+        if cr is None or cr["metadata"].get("deletionTimestamp"):
+            return None
+        meta = cr["metadata"]
+        previous = cr.get("status") or {}
+        spec, spec_error = check_spec(name, cr.get("spec"))
+        observed = observed_generation if acted else previous.get("observedGeneration")
+        new = compute_status(
+            spec=spec, spec_error=spec_error, generation=int(meta.get("generation") or 0),
+            observed_generation=observed, children=list(children()), previous=previous, now=now_rfc3339(),
+            apply_error=apply_error if acted else _carried_apply_error(previous, observed),
+            revision=revision if acted else None,
+        )
+        if not status_changed(previous, new):
+            return new
+        try:
+            await api.patch_status(cr, new, meta.get("resourceVersion"))
+        except ApiError as e:
+            if e.status == 409:
+                continue  # someone wrote in between: re-read and recompute
+            raise
+        metrics.status_writes.inc()
+        return new
+    raise kopf.TemporaryError(f"status of {namespace}/{name} kept changing under us", delay=1)
+
+
+async def apply_children(api: KubeApi, metrics: OperatorMetrics, spec: S.DSV4DeploymentSpec,
+                         owner: Owner) -> list[dict[str, Any]]:
+    applied = []
+    for manifest in build_children(spec, owner):
+        applied.append(await api.apply(manifest))
+        metrics.applied.labels(manifest["kind"]).inc()
+    return applied
+
+
+# ---- Activities ------------------------------------------------------------------------------
+
+
+@kopf.on.startup(registry=registry)
+async def check_crd_installed(memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """Fail fast, with one clear line, when the CRD is missing: with CRD scanning off, the
+    operator would otherwise run and serve nothing."""
+    _metrics(memo)
+    api = KubeApi(await load_configuration(getattr(memo, "kubeconfig", None)))
+    try:
+        served = await api.served_resources(S.API_VERSION)
+    except ApiError as e:
+        raise kopf.PermanentError(f"cannot reach the Kubernetes API: {e}") from None
+    finally:
+        await api.close()
+    if not served or S.PLURAL not in served:
+        raise kopf.PermanentError(
+            f"the CRD {S.PLURAL}.{S.GROUP} ({S.API_VERSION}) is not installed; "
+            "apply crds/dsv4deployment.yaml first")
+    logger.info(f"{S.KIND} ({S.API_VERSION}) is served by the API server.")
+
+
+@kopf.on.login(registry=registry)
+async def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+    """KUBECONFIG, else the pod's service account, else ~/.kube/config — for kopf and for the
+    handlers' own client alike. Called again by kopf when the credentials stop working."""
+    cfg = await load_configuration(getattr(memo, "kubeconfig", None))
+    old = getattr(memo, "api", None)
+    memo.api = KubeApi(cfg)
+    if old is not None:
+        await old.close()
+    return await connection_info(cfg)
+
+
+@kopf.on.cleanup(registry=registry)
+async def close_client(memo: kopf.Memo, **_: Any) -> None:
+    api = getattr(memo, "api", None)
+    if api is not None:
+        await api.close()
+        memo.api = None
+
+
+# ---- Indexes: what the children look like, kept current by kopf's watches ----------------------
+
+
+def _index_child(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> Optional[dict]:
+    obs = observe(body)
+    instance = labels.get(LABEL_INSTANCE)
+    if obs is None or not instance:
+        return None
+    return {(namespace, instance): obs}
+
+
+dsv4_statefulsets = kopf.index("apps", "v1", "statefulsets", id="dsv4_statefulsets", labels=CHILD_LABELS,
+                               registry=registry)(_index_child)
+dsv4_deployments = kopf.index("apps", "v1", "deployments", id="dsv4_deployments", labels=CHILD_LABELS,
+                              registry=registry)(_index_child)
+
+
+@kopf.index(*CR, id="dsv4_resources", registry=registry)
+def _index_resource(namespace: str, name: str, **_: Any) -> dict:
+    return {(namespace, name): True}
+
+
+# ---- The reconciler --------------------------------------------------------------------------
+
+
+@kopf.on.resume(*CR, registry=registry)
+@kopf.on.create(*CR, registry=registry)
+@kopf.on.update(*CR, registry=registry)
+async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, name: str, namespace: str, uid: str,
+                    memo: kopf.Memo, logger: kopf.Logger, dsv4_statefulsets: kopf.Index,
+                    dsv4_deployments: kopf.Index, dsv4_resources: kopf.Index, **_: Any) -> None:
+    metrics = _metrics(memo)
+    metrics.deployments.set(len(dsv4_resources))
+    api = _api(memo)
+    generation = int(meta.get("generation") or 0)
+    def children() -> list[ChildObservation]:
+        return _children(namespace, name, dsv4_statefulsets, dsv4_deployments)
+
+    parsed, problem = check_spec(name, spec)
+    if parsed is None:
+        metrics.reconciles.labels("invalid_spec").inc()
+        kopf.warn(body, reason="InvalidSpec", message=problem or "invalid spec")
+        logger.warning(f"Not acting on generation {generation}: {problem}")
+        await refresh_status(api, metrics, namespace, name, children, observed_generation=generation, acted=True)
+        return
+
+    revision = S.spec_revision(parsed)
+    started = time.monotonic()
+    try:
+        applied = await apply_children(api, metrics, parsed, Owner(name, namespace, uid))
+    except ApiError as e:
+        metrics.api_errors.labels(str(e.status)).inc()
+        metrics.reconciles.labels("apply_failed").inc()
+        kopf.warn(body, reason="ApplyFailed", message=str(e))
+        await refresh_status(api, metrics, namespace, name, children, observed_generation=generation,
+                             apply_error=str(e), acted=True)
+        if e.transient:
+            raise kopf.TemporaryError(f"applying the children failed: {e}", delay=10) from None
+        return  # the spec produced something the API server refuses: wait for a new spec
+    metrics.reconcile_seconds.observe(time.monotonic() - started)
+    metrics.reconciles.labels("applied").inc()
+    kinds = ", ".join(f"{m['kind']}/{m['metadata']['name']}" for m in applied if m)
+    kopf.event(body, type="Normal", reason="Applied", message=f"revision {revision}, generation {generation}: {kinds}")
+    await refresh_status(api, metrics, namespace, name, children, observed_generation=generation,
+                         revision=revision, acted=True)
+
+
+# ---- Children ---------------------------------------------------------------------------------
+
+
+async def _child_changed(event: kopf.RawEvent, namespace: str, labels: kopf.Labels, memo: kopf.Memo,
+                         logger: kopf.Logger, dsv4_statefulsets: kopf.Index, dsv4_deployments: kopf.Index,
+                         **_: Any) -> None:
+    owner_name = labels.get(LABEL_INSTANCE)
+    api = getattr(memo, "api", None)
+    if not owner_name or api is None:
+        return
+    metrics = _metrics(memo)
+    if event.get("type") == "DELETED":
+        await _restore_children(api, metrics, namespace, owner_name, logger)
+    await refresh_status(api, metrics, namespace, owner_name,
+                         lambda: _children(namespace, owner_name, dsv4_statefulsets, dsv4_deployments))
+
+
+async def _restore_children(api: KubeApi, metrics: OperatorMetrics, namespace: str, name: str,
+                            logger: kopf.Logger) -> None:
+    """A child was deleted while its owner lives on: put it back (the owner's deletion removes
+    children too, and then the owner is gone or marked for deletion, so nothing is restored)."""
+    cr = await api.get(S.API_VERSION, S.KIND, namespace, name)
+    if cr is None or cr["metadata"].get("deletionTimestamp"):
+        return
+    spec, problem = check_spec(name, cr.get("spec"))
+    if spec is None:
+        return
+    owner = Owner(name, namespace, cr["metadata"]["uid"])
+    await apply_children(api, metrics, spec, owner)
+    kopf.event(cr, type="Normal", reason="Restored", message="re-applied children after one was deleted")
+    logger.info(f"Re-applied the children of {namespace}/{name} after one was deleted.")
+
+
+kopf.on.event("apps", "v1", "statefulsets", id="statefulset_changed", labels=CHILD_LABELS,
+              registry=registry)(_child_changed)
+kopf.on.event("apps", "v1", "deployments", id="deployment_changed", labels=CHILD_LABELS,
+              registry=registry)(_child_changed)

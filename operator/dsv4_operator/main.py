@@ -1,0 +1,145 @@
+"""`dsv4 operator`: run the kopf operator for DSV4Deployment.
+
+- credentials: KUBECONFIG, else in-cluster (the pod's service account), else ~/.kube/config;
+- scope: `--namespace NS` (repeatable) or, without it, every namespace;
+- `--standalone`: a single replica that does not look for peers;
+- logs: one JSON object per line (or plain text);
+- GET /healthz (liveness) and GET /metrics (the operator's own Prometheus metrics) on
+  `--health-port`.
+CRD scanning is off: the CRD must be installed before the operator starts (the Helm chart does
+that); a missing CRD stops the operator with one clear line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import threading
+import time
+from typing import Any, Optional, Sequence, Union
+
+import kopf
+
+from dsv4_operator import handlers
+from dsv4_operator.manifests import APP, LABEL_MANAGED_BY, LABEL_NAME, MANAGER
+from dsv4_operator.telemetry import HealthState, OperatorMetrics, start_health_server
+
+Flag = Union[asyncio.Event, threading.Event, None]
+ANNOTATION_PREFIX = "serving.dsv4.dev"
+LOG_FORMATS = {"json": kopf.LogFormat.JSON, "plain": kopf.LogFormat.FULL}
+
+
+def make_settings(standalone: bool) -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    settings.peering.standalone = standalone
+    # Watch only the resources the handlers name; do not list CRDs or namespaces (less RBAC).
+    settings.scanning.disabled = True
+    # kopf's bookkeeping under our own prefix, in annotations (status is a structural schema).
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/operator"
+    # Events: ours (Applied, InvalidSpec, ...) plus kopf's warnings, not every handler's info line.
+    settings.posting.level = logging.WARNING
+    settings.posting.reporting_component = MANAGER
+    # Only our own children come over the wire, not every StatefulSet in the cluster.
+    ours = f"{LABEL_NAME}={APP},{LABEL_MANAGED_BY}={MANAGER}"
+    settings.watching.label_selectors["apps", "statefulsets"] = ours
+    settings.watching.label_selectors["apps", "deployments"] = ours
+    return settings
+
+
+async def serve_operator(
+    *,
+    namespaces: Sequence[str] = (),
+    standalone: bool = False,
+    health_host: str = "0.0.0.0",
+    health_port: Optional[int] = 8080,
+    kubeconfig: Optional[str] = None,
+    stop_flag: Flag = None,
+    ready_flag: Flag = None,
+    settings: Optional[kopf.OperatorSettings] = None,
+    state: Optional[HealthState] = None,
+    metrics: Optional[OperatorMetrics] = None,
+) -> None:
+    """Run the operator (and its health server) until stopped. Tests call this directly, with
+    a stop flag and an explicit kubeconfig path."""
+    state = state or HealthState()
+    metrics = metrics or OperatorMetrics()
+    runner = None
+    if health_port is not None:
+        runner = await start_health_server(state, metrics, health_host, health_port)
+    started = asyncio.Event()
+
+    async def watch_ready() -> None:
+        await started.wait()
+        state.started_at = time.monotonic()
+        metrics.up.set(1)
+        if isinstance(ready_flag, (asyncio.Event, threading.Event)):
+            ready_flag.set()
+
+    watcher = asyncio.create_task(watch_ready())
+    memo = kopf.Memo(metrics=metrics, kubeconfig=kubeconfig, api=None)
+    try:
+        await kopf.operator(
+            registry=handlers.registry,
+            settings=settings or make_settings(standalone),
+            clusterwide=not namespaces,
+            namespaces=list(namespaces),
+            standalone=standalone,
+            memo=memo,
+            stop_flag=stop_flag,
+            ready_flag=started,
+        )
+    except Exception as e:
+        state.failure = failure_reason(e)
+        raise
+    finally:
+        state.stopped_at = time.monotonic()
+        metrics.up.set(0)
+        watcher.cancel()
+        if runner is not None:
+            await runner.cleanup()
+
+
+def run_operator(namespaces: list[str], standalone: bool, health_port: int, log_format: str = "json") -> None:
+    """The `dsv4 operator` command."""
+    if log_format not in LOG_FORMATS:
+        print(f"error: --log-format must be json or plain, not {log_format!r}", file=sys.stderr)
+        sys.exit(2)
+    if not 0 < health_port < 65536:
+        print(f"error: --health-port must be a TCP port, not {health_port}", file=sys.stderr)
+        sys.exit(2)
+    kopf.configure(log_format=LOG_FORMATS[log_format], log_refkey="object" if log_format == "json" else None)
+    try:
+        asyncio.run(serve_operator(namespaces=namespaces, standalone=standalone, health_port=health_port))
+    except KeyboardInterrupt:
+        pass
+    except Exception as e:  # kopf already logged the details; leave one line and a failing exit code
+        print(f"error: the operator stopped: {failure_reason(e)}", file=sys.stderr)
+        sys.exit(1)
+
+
+def failure_reason(e: BaseException) -> str:
+    """The cause worth a line: for a failed kopf activity (e.g. the startup check), the handlers'
+    own errors rather than kopf's "One or more handlers failed"."""
+    outcomes = getattr(e, "outcomes", None) or {}
+    causes = [str(o.exception) for o in outcomes.values() if getattr(o, "exception", None) is not None]
+    return "; ".join(causes) if causes else (str(e) or type(e).__name__)
+
+
+def main(argv: Optional[list[str]] = None) -> Any:  # `python -m dsv4_operator.main` without the CLI
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--namespace", action="append", default=[])
+    parser.add_argument("--standalone", action="store_true")
+    parser.add_argument("--health-port", type=int, default=8080)
+    parser.add_argument("--log-format", default="json")
+    args = parser.parse_args(argv)
+    run_operator(args.namespace, args.standalone, args.health_port, args.log_format)
+
+
+if __name__ == "__main__":
+    main()

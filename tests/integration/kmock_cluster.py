@@ -1,0 +1,776 @@
+"""A Kubernetes API server for integration tests: kmock 0.8's KubernetesEmulator, real HTTP on
+127.0.0.1, with the gaps that matter to an operator filled in.
+
+What this adds to kmock (each is what a real API server does):
+- metadata: uid, creationTimestamp, a cluster-wide resourceVersion bumped on every write (and
+  not on a no-op write), generation (1 on create, +1 when anything but metadata/status changes),
+  generateName, namespace from the URL;
+- create answers 201; duplicate create 409; unknown object 404;
+- PATCH by content type: JSON merge patch (null deletes), JSON patch (a failed `test` -> 422),
+  strategic merge patch (approximated by merge patch: lists are replaced, not merged by key),
+  server-side apply (creates the object if absent; prunes the fields the same field manager
+  applied before and no longer applies; lists are atomic). A resourceVersion in the body is a
+  precondition (409 on mismatch). PUT replaces, with the same precondition;
+- the status subresource: writes to /status change only status, other writes never do;
+- deletion: finalizers hold an object with a deletionTimestamp; removing the last one deletes it;
+  the garbage collector deletes dependents whose ownerReferences all point to owners that do not
+  exist (background cascade on the owner's deletion, and for dependents written after it), as
+  kube-controller-manager does;
+- list and watch honour labelSelector and fieldSelector (metadata.name / metadata.namespace); a
+  watch with a resourceVersion replays only newer objects; an object whose labels stop (start)
+  matching a watch's selector is sent as DELETED (ADDED); timeoutSeconds ends a watch;
+- discovery: the bundled builtin resources, `groupVersion: v1` for the core group, and CRDs
+  (registered with `register_crd` or by creating a CustomResourceDefinition), whose schema
+  defaults, prunes and validates custom objects (422 Invalid) unless registered without it;
+- every API call is recorded as (verb, group, resource[/subresource]) for RBAC checks.
+Still missing: controllers other than the garbage collector (a StatefulSet makes no pods: tests
+stand in for them), admission beyond CRD schemas, RBAC enforcement, watch bookmarks.
+
+Use: `from kmock_cluster import *` in a conftest.py next to the tests (see
+tests/integration/operator/conftest.py) for the `kube_cluster`, `kube_client`, `kubeconfig`
+and `api_calls` fixtures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import json
+import random
+import re
+import string
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional
+
+import aiohttp
+import aiohttp.web
+import attrs
+import jsonpatch
+import jsonpointer
+import jsonschema
+import kmock
+import pytest
+import pytest_asyncio
+import yaml
+from kmock._internal import rendering  # the request type kmock hands to handlers
+
+from dsv4_operator.crd import apply_defaults, prune_unknown, to_jsonschema
+
+TEST_AGENT = "dsv4-tests"
+CRD_RESOURCE = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+MUTATING_METHODS = ("POST", "PUT", "PATCH", "DELETE")
+
+
+# ---- Label and field selectors ------------------------------------------------------------------
+
+_SELECTOR_TERM = re.compile(
+    r"^\s*(?P<neg>!)?\s*(?P<key>[A-Za-z0-9./_-]+)\s*"
+    r"(?:(?P<op>==|!=|=|\s+in\s+|\s+notin\s+)\s*(?P<val>\([^)]*\)|[A-Za-z0-9._-]*))?\s*$")
+
+
+def _split_selector(selector: str) -> list[str]:
+    """Split on commas outside parentheses: `a in (x,y),b=c` -> two terms."""
+    terms, depth, cur = [], 0, ""
+    for ch in selector:
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            terms.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        terms.append(cur)
+    return terms
+
+
+def label_selector_matches(selector: Optional[str], labels: Mapping[str, str]) -> bool:
+    """Kubernetes label selector semantics: =, ==, !=, in, notin, exists, !exists."""
+    for term in _split_selector(selector or ""):
+        m = _SELECTOR_TERM.match(term)
+        if not m:
+            raise ValueError(f"bad label selector term: {term!r}")
+        key, op, val = m["key"], (m["op"] or "").strip(), m["val"]
+        if m["neg"]:
+            ok = key not in labels
+        elif not op:
+            ok = key in labels
+        elif op in ("=", "=="):
+            ok = labels.get(key) == val
+        elif op == "!=":
+            ok = labels.get(key) != val
+        else:
+            values = {v.strip() for v in val.strip("()").split(",") if v.strip()}
+            ok = (labels.get(key) in values) if op == "in" else (labels.get(key) not in values)
+        if not ok:
+            return False
+    return True
+
+
+def field_selector_matches(selector: Optional[str], obj: Mapping[str, Any]) -> bool:
+    meta = obj.get("metadata") or {}
+    for term in _split_selector(selector or ""):
+        neg = "!=" in term
+        key, _, val = term.replace("!=", "=").replace("==", "=").partition("=")
+        actual = {"metadata.name": meta.get("name"), "metadata.namespace": meta.get("namespace")}.get(key.strip())
+        if (actual == val.strip()) == neg:
+            return False
+    return True
+
+
+# ---- Patch semantics ---------------------------------------------------------------------------
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch: objects merge recursively, null deletes, anything else replaces."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
+
+
+def _leaf_paths(obj: Any, prefix: tuple = ()) -> set[tuple]:
+    """Paths of the fields a config sets; lists are atomic (one leaf), as for SSA."""
+    if isinstance(obj, dict) and obj:
+        paths: set[tuple] = set()
+        for key, value in obj.items():
+            paths |= _leaf_paths(value, prefix + (key,))
+        return paths
+    return {prefix}
+
+
+def _drop_path(obj: Any, path: tuple) -> None:
+    for key in path[:-1]:
+        if not isinstance(obj, dict) or key not in obj:
+            return
+        obj = obj[key]
+    if isinstance(obj, dict):
+        obj.pop(path[-1], None)
+
+
+def server_side_apply(live: Optional[dict], applied: dict, previously_applied: Optional[dict]) -> dict:
+    """Server-side apply for one field manager: the fields it applied before but no longer applies
+    are removed, then the new configuration is merged in (dicts by key, lists replaced)."""
+    out = copy.deepcopy(live) if live else {}
+    if previously_applied:
+        for path in _leaf_paths(previously_applied) - _leaf_paths(applied):
+            if path and path[0] not in ("apiVersion", "kind"):
+                _drop_path(out, path)
+    return merge_patch(out, applied)
+
+
+# ---- The API call recorder -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ApiCall:
+    verb: str  # the RBAC verb: get list watch create update patch delete deletecollection
+    group: str
+    resource: str  # plural, or plural/subresource
+    namespace: Optional[str]
+    name: Optional[str]
+    agent: str
+
+
+def rbac_verb(method: str, name: Optional[str], params: Mapping[str, str]) -> str:
+    if method == "GET":
+        if params.get("watch") in ("true", "1"):
+            return "watch"
+        return "get" if name else "list"
+    return {"POST": "create", "PUT": "update", "PATCH": "patch",
+            "DELETE": "delete" if name else "deletecollection"}.get(method, method.lower())
+
+
+@dataclass
+class ApiCallRecorder:
+    """Every resource request the emulator served, as RBAC sees it."""
+
+    calls: list[ApiCall] = field(default_factory=list)
+
+    def record(self, request: rendering.Request, verb: Optional[str] = None) -> None:
+        res = request.resource
+        if res is None or res.plural is None:
+            return  # discovery (/api, /apis/...): readable by every authenticated user
+        resource = res.plural + (f"/{request.subresource}" if request.subresource else "")
+        self.calls.append(ApiCall(
+            verb=verb or rbac_verb(str(request.method.value), request.name, request.params),
+            group=res.group or "", resource=resource, namespace=request.namespace, name=request.name,
+            agent=str(request.headers.get("User-Agent", "")),
+        ))
+
+    def observed(self, exclude_agents: Iterable[str] = (TEST_AGENT, "kmock/")) -> set[tuple[str, str, str]]:
+        """{(verb, apiGroup, resource)} made by anyone but the tests themselves."""
+        skip = tuple(exclude_agents)
+        return {(c.verb, c.group, c.resource) for c in self.calls if not c.agent.startswith(skip)}
+
+    def rules(self, exclude_agents: Iterable[str] = (TEST_AGENT, "kmock/")) -> dict[tuple[str, str], set[str]]:
+        """{(apiGroup, resource): {verbs}}, the shape of RBAC rules."""
+        out: dict[tuple[str, str], set[str]] = {}
+        for verb, group, resource in self.observed(exclude_agents):
+            out.setdefault((group, resource), set()).add(verb)
+        return out
+
+    def to_json(self, exclude_agents: Iterable[str] = (TEST_AGENT, "kmock/")) -> str:
+        rules = self.rules(exclude_agents)
+        return json.dumps([{"apiGroup": g, "resource": r, "verbs": sorted(v)} for (g, r), v in sorted(rules.items())],
+                          indent=2)
+
+
+# ---- The emulator ---------------------------------------------------------------------------------
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _without(obj: Mapping[str, Any], *keys: str) -> dict:
+    return {k: v for k, v in obj.items() if k not in keys}
+
+
+def _generation_relevant(obj: Mapping[str, Any]) -> dict:
+    return _without(obj, "metadata", "status")
+
+
+@attrs.define(kw_only=True)
+class KubeCluster(kmock.KubernetesEmulator):
+    recorder: ApiCallRecorder = attrs.field(factory=ApiCallRecorder, init=False)
+    _rv: int = attrs.field(default=0, init=False)
+    _schemas: dict = attrs.field(factory=dict, init=False)  # resource -> openAPIV3Schema
+    _applied: dict = attrs.field(factory=dict, init=False)  # (key, manager) -> last applied config
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.resources.load_bundled()
+
+    # -- custom resources --
+
+    def register_crd(self, crd: Mapping[str, Any], *, validate: bool = True) -> None:
+        """Serve a CRD's resource (as the API server does once the CRD is established)."""
+        spec = crd["spec"]
+        names = spec["names"]
+        for version in spec["versions"]:
+            res = kmock.resource(spec["group"], version["name"], names["plural"])
+            self.resources[res] = kmock.ResourceInfo(
+                kind=names["kind"], singular=names.get("singular") or names["kind"].lower(),
+                namespaced=spec.get("scope", "Namespaced") == "Namespaced",
+                shortnames=names.get("shortNames", []), categories=names.get("categories", []),
+                subresources=list((version.get("subresources") or {}).keys()),
+                verbs=["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"])
+            schema = (version.get("schema") or {}).get("openAPIV3Schema")
+            if validate and schema:
+                self._schemas[res] = schema
+            else:
+                self._schemas.pop(res, None)
+
+    def objects_of(self, resource: Any, namespace: Optional[str] = None) -> list[dict]:
+        res = kmock.resource(resource) if isinstance(resource, str) else resource
+        return [obj.raw for (r, ns, _), obj in self.objects.items()
+                if r == res and not obj.deleted and (namespace is None or ns == namespace)]
+
+    # -- request routing --
+
+    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        res = request.resource
+        if res is None or res.plural is None or str(request.method.value) not in MUTATING_METHODS:
+            self.recorder.record(request)
+            return await super()._handle(request)
+        try:
+            status, body = await self._mutate(request)
+        except kmock.KubernetesError as e:
+            self.recorder.record(request)
+            return await self._render_error(e)
+        return aiohttp.web.json_response(body, status=status)
+
+    async def _mutate(self, request: rendering.Request) -> tuple[int, dict]:
+        method = str(request.method.value)
+        res = request.resource
+        async with self._lock:
+            if method == "POST" and request.name is None:
+                self.recorder.record(request)
+                return 201, await self._create(res, request.namespace, self._body(request))
+            if request.name is None:
+                raise kmock.KubernetesError(405, "MethodNotAllowed", f"{method} needs an object name")
+            if request.subresource not in (None, "status"):
+                raise kmock.KubernetesNotFoundError(message=f"subresource {request.subresource} is not served")
+            key = (res, request.namespace, request.name)
+            live = self._live(key)
+            if method == "DELETE":
+                self.recorder.record(request)
+                if live is None:
+                    raise kmock.KubernetesObjectNotFoundError()
+                return 200, await self._delete(key)
+            if method == "PATCH":
+                ctype = str(request.headers.get("Content-Type", "")).split(";")[0].strip()
+                body = self._body(request, allow_list=ctype == "application/json-patch+json")
+                if ctype == "application/apply-patch+yaml":
+                    manager = request.params.get("fieldManager")
+                    if not manager:
+                        raise kmock.KubernetesError(400, "BadRequest", "fieldManager is required for apply")
+                    if live is None:  # apply creates; RBAC then checks `create` as well as `patch`
+                        self.recorder.record(request, verb="create")
+                    self.recorder.record(request)
+                    return 200, await self._apply(key, request.subresource, body, manager)
+                self.recorder.record(request)
+                if live is None:
+                    raise kmock.KubernetesObjectNotFoundError()
+                return 200, await self._patch(key, request.subresource, body, ctype)
+            if method == "PUT":
+                self.recorder.record(request)
+                if live is None:
+                    raise kmock.KubernetesObjectNotFoundError()
+                body = self._body(request)
+                self._check_precondition(live, body)
+                new = self._scoped_write(live, body, request.subresource)
+                return 200, await self._store(key, new, live)
+        raise kmock.KubernetesError(405, "MethodNotAllowed", f"{method} is not served")
+
+    @staticmethod
+    def _body(request: rendering.Request, allow_list: bool = False) -> Any:
+        data = request.data
+        if data is None and request.text:
+            try:
+                data = yaml.safe_load(request.text)
+            except yaml.YAMLError:
+                data = None
+        if isinstance(data, list) and allow_list:
+            return data
+        if not isinstance(data, dict):
+            raise kmock.KubernetesError(400, "BadRequest", "the request body must be a JSON object")
+        return copy.deepcopy(data)
+
+    def _live(self, key: tuple) -> Optional[dict]:
+        obj = self.objects._objects.get(key)
+        return None if obj is None or obj.deleted else copy.deepcopy(obj.raw)
+
+    def _has_status_subresource(self, res: Any) -> bool:
+        return res in self.resources and "status" in self.resources[res].subresources
+
+    # -- writes --
+
+    async def _create(self, res: Any, url_namespace: Optional[str], body: dict) -> dict:
+        meta = body.setdefault("metadata", {})
+        if url_namespace and meta.get("namespace") not in (None, url_namespace):
+            raise kmock.KubernetesError(400, "BadRequest", "the namespace of the object does not match the URL")
+        namespace = url_namespace or meta.get("namespace")
+        name = meta.get("name")
+        if not name and meta.get("generateName"):
+            suffix = "".join(random.choices(string.ascii_lowercase + string.digits, k=5))
+            name = meta["generateName"] + suffix
+        if not name:
+            raise kmock.KubernetesError(422, "Invalid", "metadata.name or metadata.generateName is required")
+        key = (res, namespace, name)
+        if self._live(key) is not None:
+            raise kmock.KubernetesError(409, "AlreadyExists", f"{res.plural} {name!r} already exists")
+        meta.update(name=name, uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
+        if namespace:
+            meta["namespace"] = namespace
+        for server_owned in ("resourceVersion", "deletionTimestamp", "managedFields"):
+            meta.pop(server_owned, None)
+        if self._has_status_subresource(res):
+            body.pop("status", None)
+        return await self._store(key, body, None)
+
+    async def _apply(self, key: tuple, subresource: Optional[str], applied: dict, manager: str) -> dict:
+        res, namespace, name = key
+        live = self._live(key)
+        previous = self._applied.get((key, manager))
+        if live is None:
+            applied_meta = dict(applied.get("metadata") or {}, name=name)
+            obj = await self._create(res, namespace, dict(applied, metadata=applied_meta))
+            self._applied[(key, manager)] = copy.deepcopy(applied)
+            return obj
+        self._check_precondition(live, applied)
+        merged = server_side_apply(live, applied, previous)
+        new = self._scoped_write(live, merged, subresource)
+        self._applied[(key, manager)] = copy.deepcopy(applied)
+        return await self._store(key, new, live)
+
+    async def _patch(self, key: tuple, subresource: Optional[str], body: Any, ctype: str) -> dict:
+        live = self._live(key)
+        assert live is not None
+        if isinstance(body, list):
+            try:
+                patched = jsonpatch.apply_patch(live, body)
+            except jsonpatch.JsonPatchTestFailed as e:
+                raise kmock.KubernetesError(422, "Invalid", f"the JSON patch test failed: {e}") from None
+            except (jsonpatch.JsonPatchConflict, jsonpointer.JsonPointerException) as e:
+                raise kmock.KubernetesError(422, "Invalid", f"the JSON patch does not apply: {e}") from None
+        elif ctype in ("application/merge-patch+json", "application/strategic-merge-patch+json", ""):
+            self._check_precondition(live, body)
+            patched = merge_patch(live, body)
+        else:
+            raise kmock.KubernetesError(415, "UnsupportedMediaType", f"unsupported patch type {ctype!r}")
+        return await self._store(key, self._scoped_write(live, patched, subresource), live)
+
+    @staticmethod
+    def _check_precondition(live: dict, body: Mapping[str, Any]) -> None:
+        wanted = (body.get("metadata") or {}).get("resourceVersion")
+        if wanted and wanted != live["metadata"].get("resourceVersion"):
+            raise kmock.KubernetesError(
+                409, "Conflict", "the object has been modified; please apply your changes to the latest version")
+
+    def _scoped_write(self, live: dict, new: dict, subresource: Optional[str]) -> dict:
+        """A /status write changes only status; other writes never change status (when the
+        resource has a status subresource) nor the server-owned metadata."""
+        out = copy.deepcopy(new)
+        if subresource == "status":
+            out = copy.deepcopy(dict(live, status=new.get("status")))
+            if out["status"] is None:
+                out.pop("status")
+        elif self._status_is_separate(live):
+            out.pop("status", None)
+            if "status" in live:
+                out["status"] = copy.deepcopy(live["status"])
+        meta = out.setdefault("metadata", {})
+        for owned in ("uid", "creationTimestamp", "name", "namespace", "generation", "deletionTimestamp"):
+            if owned in live["metadata"]:
+                meta[owned] = live["metadata"][owned]
+            else:
+                meta.pop(owned, None)
+        return out
+
+    def _status_is_separate(self, live: dict) -> bool:
+        api_version = live.get("apiVersion", "")
+        group, _, version = api_version.rpartition("/")
+        for res, info in self.resources.items():
+            if res.group == group and res.version == version and info.kind == live.get("kind"):
+                return "status" in info.subresources
+        return False
+
+    async def _store(self, key: tuple, new: dict, live: Optional[dict]) -> dict:
+        res = key[0]
+        if res in self._schemas:
+            new = self._admit_custom(res, new)
+        if res == CRD_RESOURCE and live is None:
+            self.register_crd(new)
+        meta = new.setdefault("metadata", {})
+        if live is not None:
+            old_gen = int(live["metadata"].get("generation") or 1)
+            changed = _generation_relevant(new) != _generation_relevant(live)
+            meta["generation"] = old_gen + 1 if changed else old_gen
+            meta["resourceVersion"] = live["metadata"].get("resourceVersion")
+            if new == live:
+                return live  # a no-op write: nothing stored, no event, same resourceVersion
+        self._rv += 1
+        meta["resourceVersion"] = str(self._rv)
+        if live is None:
+            if key in self.objects._objects:
+                self.objects._objects[key].create(new)
+            else:
+                self.objects[key] = new
+            await self._buses[res].put({"type": "ADDED", "object": copy.deepcopy(new)})
+        else:
+            self.objects._objects[key].create(new)
+            await self._buses[res].put({"type": "MODIFIED", "object": copy.deepcopy(new), "old": live})
+            if meta.get("deletionTimestamp") and not meta.get("finalizers"):
+                await self._remove(key)
+                return new
+        refs = meta.get("ownerReferences") or []
+        if refs and not any(self._uid_alive(r.get("uid")) for r in refs):
+            # The garbage collector deletes dependents of owners that no longer exist, also when
+            # they are (re)created after the owner is gone (a late reconcile, for instance).
+            await self._delete(key)
+        return new
+
+    def _admit_custom(self, res: Any, obj: dict) -> dict:
+        schema = self._schemas[res]
+        obj = prune_unknown(apply_defaults(obj, schema), schema)
+        validator = jsonschema.Draft202012Validator(to_jsonschema(schema))
+        errors = sorted(validator.iter_errors(obj), key=lambda e: list(e.absolute_path))
+        if errors:
+            message = "; ".join(f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
+                                for e in errors)
+            raise kmock.KubernetesError(422, "Invalid", message)
+        return obj
+
+    async def _delete(self, key: tuple) -> dict:
+        live = self._live(key)
+        assert live is not None
+        meta = live["metadata"]
+        if meta.get("finalizers"):
+            if meta.get("deletionTimestamp"):
+                return live
+            new = copy.deepcopy(live)
+            new["metadata"]["deletionTimestamp"] = _now()
+            return await self._store(key, new, live)
+        await self._remove(key)
+        return live
+
+    async def _remove(self, key: tuple) -> None:
+        """Delete for real, then let the garbage collector at the dependents."""
+        live = self._live(key)
+        if live is None:
+            return
+        res = key[0]
+        self.objects._objects[key].delete()
+        self._applied = {k: v for k, v in self._applied.items() if k[0] != key}
+        self._rv += 1
+        gone = dict(live, metadata=dict(live["metadata"], resourceVersion=str(self._rv)))
+        await self._buses[res].put({"type": "DELETED", "object": gone})
+        await self._collect_garbage(live["metadata"].get("uid"))
+
+    async def _collect_garbage(self, owner_uid: Optional[str]) -> None:
+        if not owner_uid:
+            return
+        for key, obj in list(self.objects._objects.items()):
+            if obj.deleted:
+                continue
+            live = copy.deepcopy(obj.raw)
+            refs = live.get("metadata", {}).get("ownerReferences") or []
+            if not any(r.get("uid") == owner_uid for r in refs):
+                continue
+            remaining = [r for r in refs if r.get("uid") != owner_uid and self._uid_alive(r.get("uid"))]
+            if remaining:
+                new = copy.deepcopy(live)
+                new["metadata"]["ownerReferences"] = remaining
+                await self._store(key, new, live)
+            else:
+                await self._delete(key)
+
+    def _uid_alive(self, uid: Optional[str]) -> bool:
+        return any(not obj.deleted and obj.raw.get("metadata", {}).get("uid") == uid
+                   for obj in self.objects._objects.values())
+
+    # -- reads --
+
+    def _matching(self, request: rendering.Request) -> list[dict]:
+        selector = request.params.get("labelSelector")
+        fields = request.params.get("fieldSelector")
+        out = []
+        for (res, ns, _), obj in self.objects._objects.items():
+            if res != request.resource or obj.deleted:
+                continue
+            if request.namespace is not None and ns != request.namespace:
+                continue
+            raw = obj.raw
+            if label_selector_matches(selector, raw.get("metadata", {}).get("labels") or {}) and \
+                    field_selector_matches(fields, raw):
+                out.append(copy.deepcopy(raw))
+        return sorted(out, key=lambda o: (o["metadata"].get("namespace") or "", o["metadata"]["name"]))
+
+    def _kind_of(self, res: Any) -> str:
+        info = self.resources[res] if res in self.resources else None
+        return (info.kind if info is not None and info.kind else res.plural.capitalize())
+
+    async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
+        if request.resource not in self.resources and not any(r == request.resource for r, _, _ in self.objects):
+            raise kmock.KubernetesResourceNotFoundError()
+        async with self._lock:
+            items = self._matching(request)
+            rv = str(self._rv)
+        res = request.resource
+        return {"apiVersion": f"{res.group}/{res.version}" if res.group else res.version,
+                "kind": f"{self._kind_of(res)}List", "metadata": {"resourceVersion": rv}, "items": items}
+
+    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[rendering.Payload]:
+        yield b""  # send the headers now: the stream may stay quiet for a while
+        res = request.resource
+        selector = request.params.get("labelSelector")
+        fields = request.params.get("fieldSelector")
+        since = request.params.get("resourceVersion")
+        timeout = request.params.get("timeoutSeconds")
+        deadline = time.monotonic() + float(timeout) if timeout else None
+        bus = self._buses[res]
+        async with self._lock:  # no write can slip between the snapshot and the bus mark
+            snapshot = self._matching(request)
+            marker = await bus.mark()
+        try:
+            for obj in snapshot:
+                if not since or since == "0" or int(obj["metadata"]["resourceVersion"]) > int(since):
+                    yield {"type": "ADDED", "object": obj}
+            stream = bus.stream(since=marker).__aiter__()
+            while True:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return
+                try:
+                    event = await asyncio.wait_for(stream.__anext__(), remaining)
+                except asyncio.TimeoutError:
+                    return
+                out = self._filter_event(event, request.namespace, selector, fields)
+                if out is not None:
+                    yield out
+        finally:
+            await bus.unmark(marker)
+
+    @staticmethod
+    def _filter_event(event: Mapping[str, Any], namespace: Optional[str], selector: Optional[str],
+                      fields: Optional[str]) -> Optional[dict]:
+        obj = event["object"]
+        if namespace is not None and obj.get("metadata", {}).get("namespace") != namespace:
+            return None
+
+        def matches(o: Optional[Mapping[str, Any]]) -> bool:
+            return o is not None and label_selector_matches(
+                selector, (o.get("metadata") or {}).get("labels") or {}) and field_selector_matches(fields, o)
+
+        now_in, was_in = matches(obj), matches(event.get("old"))
+        if event["type"] == "MODIFIED":
+            if now_in and not was_in:
+                return {"type": "ADDED", "object": obj}
+            if was_in and not now_in:
+                return {"type": "DELETED", "object": obj}
+        if not now_in:
+            return None
+        return {"type": event["type"], "object": obj}
+
+    async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
+        payload = await super()._serve_version(request)
+        if request.resource is not None and request.resource.group == "":
+            payload["groupVersion"] = "v1"  # kmock says "/v1" for the core group
+        return payload
+
+
+# ---- A client for the tests themselves ------------------------------------------------------------
+
+
+class ClusterError(Exception):
+    def __init__(self, status: int, body: Any) -> None:
+        super().__init__(f"{status}: {body}")
+        self.status = status
+        self.body = body
+
+
+def object_path(api_version: str, plural: str, namespace: Optional[str] = None, name: Optional[str] = None,
+                subresource: Optional[str] = None) -> str:
+    path = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    if namespace:
+        path += f"/namespaces/{namespace}"
+    path += f"/{plural}"
+    if name:
+        path += f"/{name}"
+    if subresource:
+        path += f"/{subresource}"
+    return path
+
+
+class ClusterClient:
+    """The tests' own kubectl: plain HTTP to the emulator, marked with its own User-Agent so the
+    API call recorder can tell its calls from the operator's."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._session: Optional[aiohttp.ClientSession] = None
+
+    async def __aenter__(self) -> "ClusterClient":
+        self._session = aiohttp.ClientSession(headers={"User-Agent": TEST_AGENT})
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        assert self._session is not None
+        await self._session.close()
+
+    async def call(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
+                   params: Optional[Mapping[str, str]] = None) -> Any:
+        assert self._session is not None
+        data = None if body is None else json.dumps(body)
+        async with self._session.request(method, self.base_url + path, data=data, params=params,
+                                         headers={"Content-Type": content_type}) as resp:
+            text = await resp.text()
+            doc = json.loads(text) if text else None
+            if resp.status >= 400:
+                raise ClusterError(resp.status, doc)
+            return doc
+
+    async def create(self, obj: Mapping[str, Any], plural: str) -> dict:
+        ns = (obj.get("metadata") or {}).get("namespace")
+        return await self.call("POST", object_path(obj["apiVersion"], plural, ns), obj)
+
+    async def get(self, api_version: str, plural: str, namespace: Optional[str], name: str) -> Optional[dict]:
+        try:
+            return await self.call("GET", object_path(api_version, plural, namespace, name))
+        except ClusterError as e:
+            if e.status == 404:
+                return None
+            raise
+
+    async def list(self, api_version: str, plural: str, namespace: Optional[str] = None,
+                   label_selector: Optional[str] = None) -> list[dict]:
+        params = {"labelSelector": label_selector} if label_selector else None
+        doc = await self.call("GET", object_path(api_version, plural, namespace), params=params)
+        return doc["items"]
+
+    async def patch(self, api_version: str, plural: str, namespace: Optional[str], name: str, patch: Any,
+                    subresource: Optional[str] = None) -> dict:
+        return await self.call("PATCH", object_path(api_version, plural, namespace, name, subresource), patch,
+                               content_type="application/merge-patch+json")
+
+    async def delete(self, api_version: str, plural: str, namespace: Optional[str], name: str) -> dict:
+        return await self.call("DELETE", object_path(api_version, plural, namespace, name))
+
+
+async def eventually(check: Any, timeout: float = 10.0, interval: float = 0.05) -> Any:
+    """Poll an async (or sync) check until it returns something truthy; its last error or a
+    timeout otherwise. The loop keeps serving the emulator while it waits."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            result = check()
+            if asyncio.iscoroutine(result):
+                result = await result
+            if result:
+                return result
+            last = result
+        except AssertionError as e:
+            last = e
+        if time.monotonic() > deadline:
+            if isinstance(last, AssertionError):
+                raise last
+            raise AssertionError(f"not true within {timeout}s (last: {last!r})")
+        await asyncio.sleep(interval)
+
+
+def write_kubeconfig(path: Path, server: str, token: str = "test-token", namespace: str = "default") -> Path:
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+        "clusters": [{"name": "kmock", "cluster": {"server": server}}],
+        "users": [{"name": "operator", "user": {"token": token}}],
+        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "operator", "namespace": namespace}}],
+    }))
+    return path
+
+
+# ---- Fixtures ---------------------------------------------------------------------------------------
+
+
+@pytest_asyncio.fixture
+async def kube_cluster() -> AsyncIterator[KubeCluster]:
+    """The emulator, listening on 127.0.0.1 (random port); `.url` is its base URL."""
+    async with KubeCluster() as cluster, kmock.Server(cluster):
+        yield cluster
+
+
+@pytest_asyncio.fixture
+async def kube_client(kube_cluster: KubeCluster) -> AsyncIterator[ClusterClient]:
+    async with ClusterClient(str(kube_cluster.url)) as client:
+        yield client
+
+
+@pytest.fixture
+def kubeconfig(kube_cluster: KubeCluster, tmp_path: Path) -> Path:
+    """A kubeconfig file pointing at the emulator."""
+    return write_kubeconfig(tmp_path / "kubeconfig", str(kube_cluster.url).rstrip("/"))
+
+
+@pytest.fixture
+def api_calls(kube_cluster: KubeCluster) -> ApiCallRecorder:
+    """What was called on the emulator, as (verb, apiGroup, resource) — for RBAC checks."""
+    return kube_cluster.recorder
+
+
+__all__ = [
+    "ApiCall", "ApiCallRecorder", "ClusterClient", "ClusterError", "KubeCluster", "TEST_AGENT", "api_calls",
+    "eventually", "kube_client", "kube_cluster", "kubeconfig", "label_selector_matches", "merge_patch",
+    "object_path", "server_side_apply", "write_kubeconfig",
+]
