@@ -122,7 +122,7 @@ class Engine:
             _, rid, reason, all_ = item
             targets = list(self.seqs.values()) if all_ else [self.seqs[rid]] if rid in self.seqs else []
             for seq in targets:
-                self.finish(seq, "abort", error=reason, error_code=499)
+                self.finish(seq, "abort", error=f"request aborted: {reason}", error_code=503)
                 self.metrics.inc("num_aborted_reqs")
         elif kind == "call":
             item[1]()

@@ -1,0 +1,90 @@
+"""One watchdog round, shared by the Kubernetes operator and `dsv4 up`:
+scrape every engine -> detector verdicts -> policy actions -> the executor acts, step by step.
+
+The executor is where the two worlds differ (delete a pod vs restart a process); this module
+only sequences it and records each step in the policy state, so a crash mid-remediation
+resumes from the first step not yet done.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Protocol
+
+from .detector import Detector, Verdict, verdict_to_dict
+from .policy import (
+    ABORT, CAPTURE_EVIDENCE, DRAIN, HELD, REPORT, RESTART, Action, PodInfo, PolicyState,
+    RemediationSettings, complete_step, decide,
+)
+from .scrape import ScrapeTarget, scrape_all
+
+log = logging.getLogger("dsv4.watchdog")
+
+
+class Executor(Protocol):
+    """Carries out one action; returns (ok, note). Reports and holds are informational."""
+
+    async def run(self, action: Action, verdict: Optional[Verdict]) -> tuple[bool, Optional[str]]: ...
+
+
+@dataclass
+class RoundResult:
+    verdicts: dict[str, Verdict]
+    actions: list[Action]
+    results: list[tuple[Action, bool, Optional[str]]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "verdicts": {k: verdict_to_dict(v) for k, v in self.verdicts.items()},
+            "actions": [dict(a.to_dict(), ok=ok, note=note) for a, ok, note in self.results],
+        }
+
+
+class WatchdogLoop:
+    def __init__(self, settings: RemediationSettings, detector: Detector, executor: Executor,
+                 state: Optional[PolicyState] = None, scrape_timeout: float = 2.0, concurrency: int = 64):
+        self.settings = settings
+        self.detector = detector
+        self.executor = executor
+        self.state = state or PolicyState()
+        self.scrape_timeout = scrape_timeout
+        self.concurrency = concurrency
+        self.session = None
+
+    async def round(self, targets: list[ScrapeTarget], pods: Mapping[str, PodInfo], now: Optional[float] = None,
+                    answered_before: Mapping[str, bool] | None = None) -> RoundResult:
+        if self.session is None:
+            from .scrape import make_session
+
+            self.session = make_session(self.concurrency)
+        samples = await scrape_all(targets, self.concurrency, self.scrape_timeout, client=self.session)
+        now = time.time() if now is None else now
+        verdicts = {key: self.detector.observe(key, s, answered_before=(answered_before or {}).get(key, False))
+                    for key, s in samples.items()}
+        for key in set(self.detector.pods()) - set(samples):
+            self.detector.forget(key)  # a pod that is gone takes its window with it
+        decision = decide(verdicts, pods, self.state, now, self.settings)
+        self.state = decision.state
+        result = RoundResult(verdicts, decision.actions)
+        for action in decision.actions:
+            try:
+                ok, note = await self.executor.run(action, verdicts.get(action.pod))
+            except Exception as e:  # an executor bug must not stop the watchdog
+                log.exception("action %s on %s failed", action.kind, action.pod)
+                ok, note = False, f"{type(e).__name__}: {e}"
+            result.results.append((action, ok, note))
+            if action.kind in (CAPTURE_EVIDENCE, DRAIN, ABORT, RESTART):
+                self.state = complete_step(self.state, action.pod, action.kind, time.time(), ok=ok, note=note)
+            if action.kind == RESTART and not ok:
+                break  # retried next round; later actions of this round may depend on it
+        return result
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+
+__all__ = ["WatchdogLoop", "Executor", "RoundResult", "REPORT", "HELD"]
