@@ -49,20 +49,24 @@ def choose_login_source(kubeconfig_env: Optional[str], in_cluster: bool, home_co
     return None
 
 
-def in_cluster_available(env: Mapping[str, str] = os.environ) -> bool:
-    return bool(env.get("KUBERNETES_SERVICE_HOST")) and (SERVICE_ACCOUNT_DIR / "token").is_file()
+def in_cluster_available(env: Mapping[str, str] = os.environ, sa_dir: Path = SERVICE_ACCOUNT_DIR) -> bool:
+    return bool(env.get("KUBERNETES_SERVICE_HOST")) and (sa_dir / "token").is_file()
 
 
-async def load_configuration(kubeconfig: Optional[str] = None) -> k8s.Configuration:
+async def load_configuration(kubeconfig: Optional[str] = None, *, env: Mapping[str, str] = os.environ,
+                             sa_dir: Path = SERVICE_ACCOUNT_DIR, home: Optional[Path] = None) -> k8s.Configuration:
     """A kubernetes_asyncio Configuration from KUBECONFIG / in-cluster / ~/.kube/config."""
-    kubeconfig = kubeconfig or os.environ.get("KUBECONFIG")
-    home = Path("~/.kube/config").expanduser()
-    source = choose_login_source(kubeconfig, in_cluster_available(), home.is_file())
+    kubeconfig = kubeconfig or env.get("KUBECONFIG")
+    home_config = home if home is not None else Path("~/.kube/config").expanduser()
+    source = choose_login_source(kubeconfig, in_cluster_available(env, sa_dir), home_config.is_file())
     cfg = k8s.Configuration()
     if source == "in-cluster":
-        k8s_config.load_incluster_config(client_configuration=cfg, try_refresh_token=True)
+        # The service-account token is rotated on disk; the loader re-reads it when it expires.
+        k8s_config.load_incluster_config(client_configuration=cfg, try_refresh_token=True,
+                                         token_filename=str(sa_dir / "token"),
+                                         cert_filename=str(sa_dir / "ca.crt"), environ=env)
     elif source == "kubeconfig":
-        await k8s_config.load_kube_config(config_file=kubeconfig or str(home), client_configuration=cfg,
+        await k8s_config.load_kube_config(config_file=kubeconfig or str(home_config), client_configuration=cfg,
                                           persist_config=False)
     else:
         raise kopf.LoginError("no Kubernetes credentials: set KUBECONFIG, run in a pod with a service "
@@ -73,7 +77,7 @@ async def load_configuration(kubeconfig: Optional[str] = None) -> k8s.Configurat
 async def connection_info(cfg: k8s.Configuration) -> kopf.ConnectionInfo:
     """kopf's view of the same credentials."""
     header = await cfg.get_api_key_with_prefix("BearerToken") or await cfg.get_api_key_with_prefix("authorization")
-    parts = header.split(" ", 1) if header else []
+    parts = header.strip().split(" ", 1) if header else []  # token files may end in a newline
     scheme, token = (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
     return kopf.ConnectionInfo(
         server=cfg.host,

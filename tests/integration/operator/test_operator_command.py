@@ -14,7 +14,7 @@ from typing import Optional
 
 import httpx
 
-from conftest import free_port
+from operator_runner import free_port
 from kmock_cluster import ClusterClient, KubeCluster, eventually
 
 API = "serving.dsv4.dev/v1alpha1"

@@ -105,3 +105,23 @@ def test_operator_settings() -> None:
     assert s.peering.standalone is True and s.scanning.disabled is True
     assert list(s.watching.label_selectors.values()) == [
         "app.kubernetes.io/name=dsv4,app.kubernetes.io/managed-by=dsv4-operator"] * 2
+
+
+async def test_in_cluster_service_account_login(tmp_path: Path) -> None:
+    sa = tmp_path / "serviceaccount"
+    sa.mkdir()
+    (sa / "token").write_text("pod-token\n")
+    (sa / "ca.crt").write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}
+    info = await kube.connection_info(await kube.load_configuration(env=env, sa_dir=sa, home=tmp_path / "none"))
+    assert info.server == "https://10.96.0.1:443"
+    assert info.token == "pod-token" and info.ca_path == str(sa / "ca.crt")
+    # A KUBECONFIG in the environment still wins over the pod's identity.
+    assert kube.choose_login_source("/x", kube.in_cluster_available(env, sa), False) == "kubeconfig"
+
+
+async def test_no_credentials_is_a_login_error(tmp_path: Path) -> None:
+    import kopf
+
+    with pytest.raises(kopf.LoginError):
+        await kube.load_configuration(env={}, sa_dir=tmp_path, home=tmp_path / "none")
