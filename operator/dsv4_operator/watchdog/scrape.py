@@ -13,12 +13,14 @@ the whole 1 ms per pod per scrape budget of the watchdog (bench/watchdog_scale.p
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import aiohttp
+import yarl
 
 from .signals import BUILTIN, SGLANG, EngineSample, build_sample
 
@@ -38,10 +40,20 @@ def _describe(url: str, exc: BaseException) -> str:
     return f"{url}: {type(exc).__name__}" + (f": {detail}" if detail else "")
 
 
+@functools.lru_cache(maxsize=4096)
+def _url(url: str) -> yarl.URL:
+    return yarl.URL(url)  # parsed once per engine endpoint, not on every scrape
+
+
+@functools.lru_cache(maxsize=64)
+def _timeout(seconds: float) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=seconds)
+
+
 async def _get_aiohttp(session: aiohttp.ClientSession, url: str,
                        timeout: float) -> tuple[str | None, str | None]:
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with session.get(_url(url), timeout=_timeout(timeout)) as resp:
             body = await resp.read()
             if resp.status != 200:
                 return None, f"{url}: HTTP {resp.status}"
