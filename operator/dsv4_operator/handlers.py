@@ -193,10 +193,9 @@ def _index_child(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any)
     return {(namespace, instance): obs}
 
 
-dsv4_statefulsets = kopf.index("apps", "v1", "statefulsets", id="dsv4_statefulsets", labels=CHILD_LABELS,
-                               registry=registry)(_index_child)
-dsv4_deployments = kopf.index("apps", "v1", "deployments", id="dsv4_deployments", labels=CHILD_LABELS,
-                              registry=registry)(_index_child)
+# Handlers receive these indexes by their ids: dsv4_statefulsets[(namespace, instance)] -> observations.
+kopf.index("apps", "v1", "statefulsets", id="dsv4_statefulsets", labels=CHILD_LABELS, registry=registry)(_index_child)
+kopf.index("apps", "v1", "deployments", id="dsv4_deployments", labels=CHILD_LABELS, registry=registry)(_index_child)
 
 
 @kopf.index(*CR, id="dsv4_resources", registry=registry)

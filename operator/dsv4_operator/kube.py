@@ -7,6 +7,7 @@ sides talk to the same cluster as the same identity.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from dataclasses import dataclass
@@ -153,6 +154,8 @@ class KubeApi:
             raise _api_error(e) from None
         except OSError as e:  # connection refused / reset: the API server is not there right now
             raise ApiError(0, "ConnectionError", str(e)) from None
+        except asyncio.TimeoutError:
+            raise ApiError(0, "Timeout", f"{method} {path} took longer than 30s") from None
 
     async def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
         """Server-side apply: creates the object or makes our fields match; force takes back
