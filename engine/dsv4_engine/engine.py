@@ -229,6 +229,7 @@ class Engine:
         """End a request wherever it is: out of every queue, pages back, the client told once."""
         if seq.finished:
             return
+        seq.error = error
         self.scheduler.remove(seq)
         if self.pd is not None:
             self.pd.on_finish(seq)

@@ -44,6 +44,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in `pages`
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: Optional[str] = None
+    error: Optional[str] = None  # why it failed, when it did (told to the PD peer too)
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None

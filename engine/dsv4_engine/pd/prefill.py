@@ -218,7 +218,7 @@ class PrefillController:
             self.agent.release(pd.handle)
             pd.handle = None
         if pd.state is not PDState.SUCCESS and pd.peer_url:
-            self.out.post(f"{pd.peer_url}/pd/abort", {"room": pd.room, "reason": seq.rid + " failed on prefill"})
+            self.out.post(f"{pd.peer_url}/pd/abort", {"room": pd.room, "reason": seq.error or "aborted on prefill"})
 
     # ---- live state ------------------------------------------------------------------------------
 

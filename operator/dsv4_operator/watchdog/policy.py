@@ -11,6 +11,8 @@ For each Wedged pod, in order: capture evidence -> drain -> abort -> restart.  L
   remediation and pods not Ready both count (the wedged pod itself counts once);
 * per pod, a cooldown after each finished remediation that doubles with every further one
   (``cooldown * 2**(n-1)``, capped), forgotten after a quiet period without wedges;
+* a decode stuck waiting for KV is held (``prefill_first``) while a prefill's hand-off is stuck
+  or under remediation: the prefill is the cause, and its aborts reach the decode;
 * ``dry_run``: a Report per wedge episode and RemediationHeld when a limit blocks; nothing else.
 
 The executor runs a decision's step actions in order and records each with ``complete_step``.
@@ -28,7 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Mapping, NamedTuple
 
-from .detector import Verdict, Wedged
+from .detector import Slow, Verdict, Wedged
 
 STATE_ANNOTATION = "serving.dsv4.dev/remediation-state"
 
@@ -42,6 +44,7 @@ HELD = "remediation_held"
 
 HOLD_BUDGET = "budget"
 HOLD_COOLDOWN = "cooldown"
+HOLD_PREFILL_FIRST = "prefill_first"
 
 
 @dataclass(frozen=True)
@@ -232,6 +235,10 @@ def decide(verdicts: Mapping[str, Verdict], pods: Mapping[str, PodInfo | str],
             actions.extend(_step_actions(active[pod], settings))
 
     # 6. New wedges.
+    prefill_trouble = sorted(
+        p for p, v in verdicts.items() if p in info and info[p].role == "prefill"
+        and ((isinstance(v, Wedged) and v.reason == "stuck_inflight")
+             or (isinstance(v, Slow) and v.reason == "handoff_slow") or p in active))
     for pod in sorted(wedged):
         if pod in active or pod not in info:
             continue
@@ -243,6 +250,10 @@ def decide(verdicts: Mapping[str, Verdict], pods: Mapping[str, PodInfo | str],
                                   dry_run=settings.dry_run, details=dict(verdict.details)))
         hold, hold_details = _hold_reason(pod, role, history.get(pod), unavailable, role_size,
                                           now, settings)
+        if hold is None and role == "decode" and verdict.reason == "stuck_transfer" and prefill_trouble:
+            # A decode waiting for KV is the victim of a prefill whose hand-off is stuck; fixing
+            # the prefill (whose aborts reach this decode) heals it, restarting it would not.
+            hold, hold_details = HOLD_PREFILL_FIRST, {"prefill_pods": prefill_trouble}
         if hold is not None:
             if held.get(pod) != hold:
                 held[pod] = hold

@@ -309,3 +309,20 @@ def test_complete_step_ignores_unknown_pod_and_duplicate():
     _, state = decide({"p0": WEDGED}, pods(p0="prefill"), state, 0.0, SETTINGS)
     once = complete_step(state, "p0", DRAIN, 1.0)
     assert complete_step(once, "p0", DRAIN, 2.0) is once
+
+
+def test_decode_waiting_for_kv_is_held_while_a_prefill_handoff_is_stuck():
+    from dsv4_operator.watchdog.policy import HOLD_PREFILL_FIRST
+
+    pm = pods(p0="prefill", d0="decode")
+    victim = Wedged("stuck_transfer", {"stuck_seconds": 130.0})
+    # The decode's window fills first while the prefill is only Slow: the decode is still held.
+    actions, state = decide({"d0": victim, "p0": Slow("handoff_slow")}, pm, PolicyState(), 1000.0, SETTINGS)
+    assert not [a for a in actions if a.kind in STEPS]
+    assert [(a.kind, a.reason) for a in actions if a.kind == HELD] == [(HELD, HOLD_PREFILL_FIRST)]
+    # Next round the prefill is Wedged: only the prefill is remediated.
+    actions, state = decide({"d0": victim, "p0": WEDGED}, pm, state, 1001.0, SETTINGS)
+    assert {a.pod for a in actions if a.kind in STEPS} == {"p0"}
+    # With no prefill in trouble, a decode stuck on its own is remediated.
+    actions, _ = decide({"d0": victim, "p0": Healthy()}, pm, PolicyState(), 2000.0, SETTINGS)
+    assert [a.kind for a in actions if a.pod == "d0" and a.kind in STEPS] == list(STEPS)
