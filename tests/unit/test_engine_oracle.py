@@ -120,3 +120,46 @@ def test_chunked_prefill_and_preemption_match_hf(model_dir, hf):
     for rid, prompt in zip("abc", ps):
         assert outs[rid] == hf_greedy(hf, prompt, NEW_TOKENS), rid
     assert engine.pool.allocator.num_free == engine.pool.num_pages
+
+
+def test_checkpoint_saved_by_transformers_loads_and_matches(tmp_path):
+    """A checkpoint written by transformers' own save_pretrained (its names, its config with
+    rope_parameters) runs in the engine with the same logits."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(vocab_size=300, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48,
+                           kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                           n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                           routed_scaling_factor=2.0, max_position_embeddings=512, initializer_range=0.1)
+    hf = DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for mod in hf.modules():
+            if hasattr(mod, "e_score_correction_bias"):
+                mod.e_score_correction_bias.normal_(0, 0.05)
+    hf.save_pretrained(tmp_path)
+    runner = ModelRunner(tmp_path, "float32", "cpu", "torch")
+    pool = KVPool(runner.cfg, 16, 16, torch.float32, torch.device("cpu"))
+    sched = Scheduler(pool.allocator, 16, 4, 1024)
+    prompt = prompts(300, [23], seed=4)[0]
+    sched.add(Sequence("a", prompt, SamplingParams(max_tokens=4, temperature=0)))
+    ours = runner.forward(sched.schedule(), pool)[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0, -1].float()
+    assert torch.allclose(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_tracks_float32(tiny_model):
+    prompt = prompts(512, [40], seed=6)[0]
+    logits = {}
+    for dtype in ("float32", "bfloat16"):
+        runner = ModelRunner(tiny_model, dtype, "cpu", "torch")
+        pool = KVPool(runner.cfg, 16, 16, runner.dtype, torch.device("cpu"))
+        sched = Scheduler(pool.allocator, 16, 4, 1024)
+        sched.add(Sequence("a", prompt, SamplingParams(max_tokens=4, temperature=0)))
+        logits[dtype] = runner.forward(sched.schedule(), pool)[0]
+    f32, bf16 = logits["float32"], logits["bfloat16"]
+    assert bf16.dtype == torch.float32 and torch.isfinite(bf16).all()
+    assert (bf16 - f32).abs().max() < 0.1 * f32.abs().max()
+    assert torch.corrcoef(torch.stack([f32, bf16]))[0, 1] > 0.99
