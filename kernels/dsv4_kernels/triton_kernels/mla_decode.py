@@ -125,17 +125,20 @@ class DecodeConfig:
     programs_per_sm: int = 2  # expected occupancy, for sizing the split count
 
 
-def decode_config(v_dim: int, heads: int, arch: int | None) -> DecodeConfig:
+def decode_config(v_dim: int, heads: int, arch: int | None, elem_size: int = 2) -> DecodeConfig:
     """Tiles for the split kernel, sized from AOT register/shared-memory reports.
 
     At the real latent width a [32, 512] bf16 KV tile is 32 KiB a stage. BLOCK_H 16 (4 warps,
     mma.sync, ~200 registers, two programs an SM) suits the usual 16 heads a GPU under tensor
     parallelism; 64 heads a program (8 warps) lets Hopper/Blackwell use wgmma/tcgen05 and reads
     each tile once for more heads, but needs ~210 KiB of shared memory on sm_100, which sm_120
-    (~99 KiB) lacks: there 32 heads a program is the most.
+    (~99 KiB) lacks: there 32 heads a program is the most. fp32 (the engine's exactness mode;
+    its dots run on FMA units) takes 16-row tiles on 8 warps to stay in ~75 KiB, unspilled.
     """
     if next_pow2(v_dim) < 256:
         return DecodeConfig(block_h=16, block_n=64, num_warps=4, programs_per_sm=4)
+    if elem_size > 2:
+        return DecodeConfig(block_h=16, block_n=16, num_warps=8, programs_per_sm=2)
     if heads > 32 and not small_shared(arch):
         return DecodeConfig(block_h=64, block_n=32, num_warps=8, programs_per_sm=1)
     if heads > 16:
@@ -172,7 +175,7 @@ def mla_decode(
     out = torch.empty(batch, heads, v_dim, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
-    cfg = config or decode_config(v_dim, heads, cuda_arch(q.device))
+    cfg = config or decode_config(v_dim, heads, cuda_arch(q.device), q.element_size())
     head_blocks = triton.cdiv(heads, cfg.block_h)
     if num_splits is None:
         num_splits = default_num_splits(batch, head_blocks, block_table.shape[1] * page_size, cfg, q.device)
@@ -201,16 +204,16 @@ def mla_decode(
 
 
 def aot_variants(arch: int) -> list[KernelVariant]:
-    """The real latent width (512 + 64) in bf16 at 16 and 128 heads, and the tiny test
-    model's (64 + 16)."""
+    """The real latent width (512 + 64) in bf16 at 16 and 128 heads and in fp32, and the tiny
+    test model's (64 + 16)."""
     variants = []
-    for v_dim, rope_dim, heads in ((512, 64, 16), (512, 64, 128), (64, 16, 4)):
-        cfg = decode_config(v_dim, heads, arch)
+    for dtype, v_dim, rope_dim, heads in (("bf16", 512, 64, 16), ("bf16", 512, 64, 128), ("bf16", 64, 16, 4), ("fp32", 512, 64, 16)):
+        cfg = decode_config(v_dim, heads, arch, 4 if dtype == "fp32" else 2)
         variants.append(KernelVariant(
-            name=f"mla_decode_split[bf16,d{v_dim + rope_dim},h{heads}]",
+            name=f"mla_decode_split[{dtype},d{v_dim + rope_dim},h{heads}]",
             kernel=mla_decode_split_kernel,
             types={
-                "q_ptr": "*bf16", "kv_ptr": "*bf16", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+                "q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
                 "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
                 "qk_scale": "fp32", "num_heads": "i32", "num_splits": "i32",
                 **{name: "i32" for name in (

@@ -99,11 +99,13 @@ class ExtendConfig:
     num_stages: int = 2
 
 
-def extend_config(v_dim: int, arch: int | None) -> ExtendConfig:
+def extend_config(v_dim: int, arch: int | None, elem_size: int = 2) -> ExtendConfig:
     """A [64, 512] fp32 accumulator is 128 registers a thread at 8 warps (wgmma/tcgen05 on
     sm_90/sm_100). sm_120 has no wgmma and ~99 KiB of shared memory: 32 rows, 32 keys a tile,
-    8 warps compiles without spills there."""
+    8 warps compiles without spills there. fp32 (FMA dots) takes 16 x 16 tiles on 8 warps."""
     if next_pow2(v_dim) >= 256:
+        if elem_size > 2:
+            return ExtendConfig(block_m=16, block_n=16, num_warps=8)
         if small_shared(arch):
             return ExtendConfig(block_m=32, block_n=32, num_warps=8)
         return ExtendConfig(block_m=64, block_n=32, num_warps=8)
@@ -131,7 +133,7 @@ def mla_extend(
     batch = extend_lens.shape[0]
     if total == 0 or batch == 0:
         return out
-    cfg = config or extend_config(v_dim, cuda_arch(q.device))
+    cfg = config or extend_config(v_dim, cuda_arch(q.device), q.element_size())
     extend_lens = extend_lens.to(device=q.device, dtype=torch.int32)
     seq_lens = seq_lens.to(device=q.device, dtype=torch.int32)
     block_table = block_table.to(torch.int32)
@@ -155,21 +157,25 @@ def mla_extend(
 
 
 def aot_variants(arch: int) -> list[KernelVariant]:
-    cfg = extend_config(512, arch)
-    return [KernelVariant(
-        name="mla_extend[bf16,d576]",
-        kernel=mla_extend_kernel,
-        types={
-            "q_ptr": "*bf16", "kv_ptr": "*bf16", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
-            "extend_lens_ptr": "*i32", "q_start_ptr": "*i32", "out_ptr": "*bf16",
-            "qk_scale": "fp32", "num_heads": "i32",
-            **{name: "i32" for name in (
-                "stride_q_t", "stride_q_h", "stride_kv_page", "stride_kv_slot", "stride_bt_b",
-                "stride_o_t", "stride_o_h")},
-        },
-        constexprs=dict(
-            PAGE_SIZE=64, V_DIM=512, ROPE_DIM=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_V=512, BLOCK_R=64, UPCAST=False,
-        ),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )]
+    """The real latent width (512 + 64), in bf16 and fp32."""
+    variants = []
+    for dtype in ("bf16", "fp32"):
+        cfg = extend_config(512, arch, 4 if dtype == "fp32" else 2)
+        variants.append(KernelVariant(
+            name=f"mla_extend[{dtype},d576]",
+            kernel=mla_extend_kernel,
+            types={
+                "q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+                "extend_lens_ptr": "*i32", "q_start_ptr": "*i32", "out_ptr": f"*{dtype}",
+                "qk_scale": "fp32", "num_heads": "i32",
+                **{name: "i32" for name in (
+                    "stride_q_t", "stride_q_h", "stride_kv_page", "stride_kv_slot", "stride_bt_b",
+                    "stride_o_t", "stride_o_h")},
+            },
+            constexprs=dict(
+                PAGE_SIZE=64, V_DIM=512, ROPE_DIM=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                BLOCK_V=512, BLOCK_R=64, UPCAST=False,
+            ),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ))
+    return variants

@@ -104,10 +104,17 @@ class ExpertsConfig:
     num_stages: int = 3
 
 
-def experts_config(num_pairs: int, num_experts: int) -> ExpertsConfig:
+def experts_config(num_pairs: int, num_experts: int, elem_size: int = 2) -> ExpertsConfig:
     """Small M-blocks when experts get few rows each (decode): the padding is wasted work and the
-    GEMM is bound by reading weights anyway."""
+    GEMM is bound by reading weights anyway. fp32 halves the K-tiles to fit sm_120's ~99 KiB of
+    shared memory without spilling (AOT report)."""
     rows_per_expert = num_pairs / max(1, num_experts)
+    if elem_size > 2:
+        if rows_per_expert <= 16:
+            return ExpertsConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3)
+        if rows_per_expert <= 64:
+            return ExpertsConfig(block_m=32, block_n=64, block_k=32, num_warps=4, num_stages=3)
+        return ExpertsConfig(block_m=64, block_n=64, block_k=32, num_warps=8, num_stages=3)
     if rows_per_expert <= 16:
         return ExpertsConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
     if rows_per_expert <= 64:
@@ -162,7 +169,7 @@ def moe_experts(
     for name, t in (("x", x), ("w13", w13), ("w2", w2)):
         if t.stride(-1) != 1:
             raise ValueError(f"moe_experts needs the last dim of {name} contiguous")
-    cfg = config or experts_config(num_pairs, num_experts)
+    cfg = config or experts_config(num_pairs, num_experts, x.element_size())
     sorted_pairs, block_expert = align_pairs_by_expert(topk_ids, num_experts, cfg.block_m)
     num_blocks = block_expert.shape[0]
     upcast = on_interpreter(x)
@@ -188,15 +195,17 @@ def moe_experts(
 
 
 def aot_variants(arch: int) -> list[KernelVariant]:
-    """bf16 experts at both ends of the M range (decode and prefill tiles)."""
+    """Experts at both ends of the M range (decode and prefill tiles), in bf16 and fp32."""
     variants = []
-    for cfg, label in ((experts_config(8, 256), "decode"), (experts_config(8192, 64), "prefill")):
+    for dtype, pairs, label in (("bf16", 8, "decode"), ("bf16", 65536, "prefill"), ("fp32", 8, "decode"), ("fp32", 65536, "prefill")):
+        cfg = experts_config(pairs, 256, 4 if dtype == "fp32" else 2)
+        label = f"{dtype},{label}"
         common = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         variants.append(KernelVariant(
-            name=f"moe_gate_up[bf16,{label}]",
+            name=f"moe_gate_up[{label}]",
             kernel=moe_gate_up_kernel,
             types={
-                "x_ptr": "*bf16", "w13_ptr": "*bf16", "inter_ptr": "*bf16",
+                "x_ptr": f"*{dtype}", "w13_ptr": f"*{dtype}", "inter_ptr": f"*{dtype}",
                 "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32",
                 "num_pairs": "i32", "hidden": "i32", "inter_size": "i32",
                 "stride_x_t": "i32", "stride_w_e": "i64", "stride_w_n": "i32", "stride_i_p": "i32",
@@ -206,10 +215,10 @@ def aot_variants(arch: int) -> list[KernelVariant]:
             **common,
         ))
         variants.append(KernelVariant(
-            name=f"moe_down[bf16,{label}]",
+            name=f"moe_down[{label}]",
             kernel=moe_down_kernel,
             types={
-                "inter_ptr": "*bf16", "w2_ptr": "*bf16", "topk_weights_ptr": "*fp32", "y_ptr": "*fp32",
+                "inter_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}", "topk_weights_ptr": "*fp32", "y_ptr": "*fp32",
                 "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32",
                 "num_pairs": "i32", "hidden": "i32", "inter_size": "i32",
                 "stride_i_p": "i32", "stride_w_e": "i64", "stride_w_n": "i32", "stride_y_p": "i32",
