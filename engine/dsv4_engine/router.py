@@ -192,6 +192,25 @@ class Router:
             return self._error(APIError(f"request body is not valid JSON: {e}"))
         if not isinstance(body, dict):
             return self._error(APIError("request body must be a JSON object"))
+        # A client that hangs up cancels the attempt: closing the upstream connections is what
+        # makes the engines abort (and, through them, the PD peer).
+        work = asyncio.ensure_future(self._route(path, body))
+        gone = asyncio.ensure_future(self._wait_disconnect(http))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if work.done():
+            return work.result()
+        work.cancel()
+        return Response(status_code=499)
+
+    @staticmethod
+    async def _wait_disconnect(http: Request) -> None:
+        while not await http.is_disconnected():
+            await asyncio.sleep(0.05)
+
+    async def _route(self, path: str, body: dict) -> Response:
         rid = body.get("rid") or f"{'chatcmpl' if 'chat' in path else 'cmpl'}-{uuid.uuid4().hex}"
         tried: set[str] = set()
         last: Optional[Retry] = None
@@ -203,7 +222,7 @@ class Router:
             tried.update({d.url} | ({p.url} if p else set()))
             if attempt:
                 self.metrics.retries.inc()
-            result = await self._attempt(path, body, rid if not attempt else f"{rid}-r{attempt}", p, d, http)
+            result = await self._attempt(path, body, rid if not attempt else f"{rid}-r{attempt}", p, d)
             if not isinstance(result, Retry):
                 return result
             last = result
@@ -216,7 +235,7 @@ class Router:
         self.metrics.errors.labels(str(e.status)).inc()
         return JSONResponse(e.body(), status_code=e.status)
 
-    async def _attempt(self, path: str, body: dict, rid: str, p: Optional[Worker], d: Worker, http: Request) -> "Response | Retry":
+    async def _attempt(self, path: str, body: dict, rid: str, p: Optional[Worker], d: Worker) -> "Response | Retry":
         """One try on one pair; Retry means it failed before the first byte."""
         body = dict(body, rid=rid)
         prefill_task = None
