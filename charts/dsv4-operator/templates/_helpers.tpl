@@ -1,0 +1,95 @@
+{{/* Names and labels shared by the chart's templates. */}}
+
+{{- define "dsv4-operator.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* <release>-dsv4-operator, or the release name alone when it already says dsv4-operator. */}}
+{{- define "dsv4-operator.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "dsv4-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "dsv4-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "dsv4-operator.labels" -}}
+{{ include "dsv4-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: dsv4
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "dsv4-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "dsv4-operator.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "dsv4-operator.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* The namespaces a namespaced operator watches: the list given, else the release namespace. */}}
+{{- define "dsv4-operator.watchedNamespaces" -}}
+{{- if .Values.watch.namespaces -}}
+{{- toJson (uniq .Values.watch.namespaces) -}}
+{{- else -}}
+{{- toJson (list .Release.Namespace) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The operator's API access: exactly what it calls, no wildcards. tests/integration/test_rbac.py
+records the operator's calls against an API server and checks this list against them.
+*/}}
+{{- define "dsv4-operator.rules" -}}
+# DSV4Deployments: kopf lists and watches them and keeps its bookkeeping in annotations (patch);
+# the handlers read one before writing its status; the watchdog patches the spec for rollback.
+- apiGroups: ["serving.dsv4.dev"]
+  resources: ["dsv4deployments"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["serving.dsv4.dev"]
+  resources: ["dsv4deployments/status"]
+  verbs: ["patch"]
+# The children, by server-side apply (create when absent, patch otherwise); kopf watches the
+# workloads to keep the owner's status current.
+- apiGroups: ["apps"]
+  resources: ["statefulsets", "deployments"]
+  verbs: ["list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["services", "serviceaccounts"]
+  verbs: ["create", "patch"]
+# The router's own Role and RoleBinding (it lists engine pods to find them). The API server
+# lets the operator grant only what it holds itself: pods get/list/watch, below.
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["create", "patch"]
+# The wedge watchdog: reads engine pods, labels one draining, deletes (restarts) it, and keeps
+# its last log lines as evidence.
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch", "patch", "delete"]
+- apiGroups: [""]
+  resources: ["pods/log"]
+  verbs: ["get"]
+# Evidence ConfigMaps (label serving.dsv4.dev/evidence=true), with retention.
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get", "list", "create", "delete"]
+# Events: kopf posts core/v1 Events; the watchdog posts events.k8s.io/v1 Events.
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+- apiGroups: ["events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end -}}
