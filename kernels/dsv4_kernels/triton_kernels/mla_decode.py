@@ -172,6 +172,8 @@ def mla_decode(
     page_size = kv_cache.shape[1]
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("mla_decode needs the last dim of q and kv_cache contiguous")
+    if q.dtype != kv_cache.dtype:
+        raise ValueError(f"mla_decode: q is {q.dtype} but kv_cache is {kv_cache.dtype}")
     out = torch.empty(batch, heads, v_dim, dtype=q.dtype, device=q.device)
     if batch == 0:
         return out

@@ -129,6 +129,8 @@ def mla_extend(
     page_size = kv_cache.shape[1]
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("mla_extend needs the last dim of q and kv_cache contiguous")
+    if q.dtype != kv_cache.dtype:
+        raise ValueError(f"mla_extend: q is {q.dtype} but kv_cache is {kv_cache.dtype}")
     out = torch.empty(total, heads, v_dim, dtype=q.dtype, device=q.device)
     batch = extend_lens.shape[0]
     if total == 0 or batch == 0:

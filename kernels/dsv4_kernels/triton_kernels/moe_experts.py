@@ -169,6 +169,8 @@ def moe_experts(
     for name, t in (("x", x), ("w13", w13), ("w2", w2)):
         if t.stride(-1) != 1:
             raise ValueError(f"moe_experts needs the last dim of {name} contiguous")
+        if t.dtype != x.dtype:
+            raise ValueError(f"moe_experts: {name} is {t.dtype} but x is {x.dtype}")
     cfg = config or experts_config(num_pairs, num_experts, x.element_size())
     sorted_pairs, block_expert = align_pairs_by_expert(topk_ids, num_experts, cfg.block_m)
     num_blocks = block_expert.shape[0]

@@ -1,6 +1,9 @@
-"""RMSNorm with a fused residual add, one row per program, rounded like HF's DeepseekV3RMSNorm:
-the sum x + residual is rounded to the input dtype (that is the residual the next layer sees),
-the normalised row is rounded to the input dtype before the weight multiply."""
+"""RMSNorm with a fused residual add, rounded like HF's DeepseekV3RMSNorm: the sum
+x + residual is rounded to the input dtype (that is the residual the next layer sees), and the
+normalised row is rounded to the input dtype before the weight multiply.
+
+A program normalises ROWS rows of up to BLOCK columns: one row at DeepSeek-V3's 7168, several
+at narrow widths (the 512-wide latent norm), so small rows still fill a program."""
 
 from __future__ import annotations
 
@@ -14,27 +17,31 @@ from .common import KernelVariant, check_launchable, next_pow2
 @triton.jit
 def rmsnorm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-    hidden, eps,
+    num_rows, hidden, eps,
     stride_x, stride_r, stride_o, stride_ro,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < hidden
-    h = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows < num_rows)[:, None] & (cols < hidden)[None, :]
+    h = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        r = tl.load(residual_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0)
         h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(residual_out_ptr + row * stride_ro + offs, h, mask=mask)
+        tl.store(residual_out_ptr + rows[:, None] * stride_ro + cols[None, :], h, mask=mask)
     h32 = h.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(h32 * h32, 0) / hidden + eps)
-    normed = (h32 * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    inv_rms = tl.rsqrt(tl.sum(h32 * h32, 1) / hidden + eps)
+    normed = (h32 * inv_rms[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=cols < hidden, other=0.0).to(tl.float32)
+    out = (normed * w[None, :]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], out, mask=mask)
 
 
-def _num_warps(block: int) -> int:
-    return max(1, min(16, block // 256))
+def _tiles(hidden: int) -> tuple[int, int, int]:
+    """(ROWS, BLOCK, num_warps): about 4k elements a program, 16 warps at most."""
+    block = next_pow2(hidden)
+    rows = max(1, 4096 // block)
+    return rows, block, max(1, min(16, rows * block // 256))
 
 
 def rmsnorm(
@@ -56,14 +63,15 @@ def rmsnorm(
         if res2.stride(-1) != 1:
             res2 = res2.contiguous()
         res_out = torch.empty_like(out)
-    if x2.shape[0]:
-        block = next_pow2(hidden)
-        rmsnorm_kernel[(x2.shape[0],)](
+    num_rows = x2.shape[0]
+    if num_rows:
+        rows, block, warps = _tiles(hidden)
+        rmsnorm_kernel[(triton.cdiv(num_rows, rows),)](
             x2, res2, weight.contiguous(), out, res_out,
-            hidden, float(eps),
+            num_rows, hidden, float(eps),
             x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=_num_warps(block),
+            HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK=block,
+            num_warps=warps,
         )
     if residual is None:
         return out.view(x.shape), x
@@ -71,19 +79,21 @@ def rmsnorm(
 
 
 def aot_variants(arch: int) -> list[KernelVariant]:
-    """DeepSeek-V3's hidden size 7168, bf16, with and without the residual."""
+    """bf16 at DeepSeek-V3's hidden size 7168 with and without the residual, and at the
+    512-wide latent (several rows a program)."""
     variants = []
-    for has_residual in (True, False):
+    for hidden, has_residual in ((7168, True), (7168, False), (512, False)):
+        rows, block, warps = _tiles(hidden)
         variants.append(KernelVariant(
-            name=f"rmsnorm[bf16,7168,{'residual' if has_residual else 'plain'}]",
+            name=f"rmsnorm[bf16,{hidden},{'residual' if has_residual else 'plain'}]",
             kernel=rmsnorm_kernel,
             types={
                 "x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16",
-                "residual_out_ptr": "*bf16", "hidden": "i32", "eps": "fp32",
+                "residual_out_ptr": "*bf16", "num_rows": "i32", "hidden": "i32", "eps": "fp32",
                 "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_ro": "i32",
             },
-            constexprs=dict(HAS_RESIDUAL=has_residual, BLOCK=8192),
+            constexprs=dict(HAS_RESIDUAL=has_residual, ROWS=rows, BLOCK=block),
             divisible=("hidden",),
-            num_warps=_num_warps(8192), num_stages=1,
+            num_warps=warps, num_stages=1,
         ))
     return variants

@@ -41,7 +41,7 @@ def test_reference_rmsnorm_matches_per_row_loop():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("shape", [(6, 100), (2, 3, 64)], ids=["2d-odd-width", "3d"])
+@pytest.mark.parametrize("shape", [(70, 100), (2, 3, 64)], ids=["2d-odd-width-many-rows", "3d"])
 def test_triton_rmsnorm_matches_reference(device, tol, dtype, shape):
     from dsv4_kernels import triton_ops
 
@@ -120,3 +120,14 @@ def test_triton_rope_matches_reference_on_a_strided_view(device, tol, dtype):
         assert out.data_ptr() == view(got_base).data_ptr()
         torch.testing.assert_close(got_base.float(), want_base.float(), **tol[dtype])
         assert torch.equal(got_base[..., :16], base[..., :16])  # outside the view: untouched
+
+
+def test_triton_rope_covers_many_tokens_and_heads(device, tol):
+    """More tokens and heads than one program takes."""
+    from dsv4_kernels import triton_ops
+
+    cos, sin = (t.to(device) for t in rope_table(300, 32))
+    positions = torch.randint(0, 300, (150,), generator=torch.Generator().manual_seed(16)).to(device)
+    x = randn(150, 20, 64, device=device, seed=17)
+    want = reference.rope_interleaved_(x.clone(), positions, cos, sin)
+    torch.testing.assert_close(triton_ops.rope_interleaved_(x, positions, cos, sin), want, **tol[torch.float32])
