@@ -23,6 +23,20 @@ def _gather_pages(kv_cache: torch.Tensor, pages: torch.Tensor, num_tokens: int) 
     return rows.float()
 
 
+def _length_buckets(lens: list[int], row_elems: int) -> list[list[int]]:
+    """Requests grouped by length, longest first, so that padding a group to its longest
+    member at most doubles its work, and a group's gathered keys stay bounded."""
+    order = sorted((b for b, n in enumerate(lens) if n > 0), key=lambda b: -lens[b])
+    buckets: list[list[int]] = []
+    for b in order:
+        cur = buckets[-1] if buckets else None
+        if cur is None or 2 * lens[b] < lens[cur[0]] or (len(cur) + 1) * lens[cur[0]] * row_elems > _MAX_GATHER_ELEMS:
+            buckets.append([b])
+        else:
+            cur.append(b)
+    return buckets
+
+
 def mla_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -35,33 +49,27 @@ def mla_decode(
 
     q [B, H, D], kv_cache [num_pages, page_size, D] (any strides, last dim contiguous),
     block_table [B, max_pages], seq_lens [B] -> [B, H, v_dim]; value = first v_dim columns.
-    A request with seq_len 0 (batch padding) gets zeros.
+    A request with seq_len 0 (batch padding) gets zeros. Requests of similar length are
+    batched together (one bmm per bucket), so one long request does not pad all the others.
     """
     batch, heads, dim = q.shape
     out = torch.zeros(batch, heads, v_dim, dtype=q.dtype, device=q.device)
-    if batch == 0:
-        return out
     page_size = kv_cache.shape[1]
-    lens = seq_lens.to(device=q.device, dtype=torch.long)
-    max_len = int(lens.max())
-    if max_len == 0:
-        return out
-    n_pages = -(-max_len // page_size)
-    positions = torch.arange(n_pages, device=q.device)
-    # Table slots past a request's last page may hold anything (padding, -1): point them at page 0.
-    used = positions[None, :] * page_size < lens[:, None]
-    pages = torch.where(used, block_table[:, :n_pages].to(torch.long), 0)
-    masked = torch.arange(max_len, device=q.device)[None, :] >= lens[:, None]  # [B, L]
-
-    chunk = max(1, _MAX_GATHER_ELEMS // (max_len * max(dim, heads)))
-    for b0 in range(0, batch, chunk):
-        b1 = min(batch, b0 + chunk)
-        keys = _gather_pages(kv_cache, pages[b0:b1], max_len)  # [b, L, D]
-        scores = torch.bmm(q[b0:b1].float(), keys.transpose(1, 2)) * sm_scale  # [b, H, L]
-        scores.masked_fill_(masked[b0:b1, None, :], float("-inf"))
+    lens = seq_lens.tolist()
+    for bucket in _length_buckets(lens, max(dim, heads)):
+        idx = torch.tensor(bucket, device=q.device)
+        max_len = lens[bucket[0]]
+        n_pages = -(-max_len // page_size)
+        blens = seq_lens.to(device=q.device, dtype=torch.long)[idx]
+        # Table slots past a request's last page may hold anything (padding, -1): use page 0.
+        used = torch.arange(n_pages, device=q.device)[None, :] * page_size < blens[:, None]
+        pages = torch.where(used, block_table[idx, :n_pages].to(torch.long), 0)
+        keys = _gather_pages(kv_cache, pages, max_len)  # [b, L, D]
+        scores = torch.bmm(q[idx].float(), keys.transpose(1, 2)) * sm_scale  # [b, H, L]
+        masked = torch.arange(max_len, device=q.device)[None, :] >= blens[:, None]
+        scores.masked_fill_(masked[:, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        probs = probs.masked_fill((lens[b0:b1] == 0)[:, None, None], 0.0)
-        out[b0:b1] = torch.bmm(probs, keys[..., :v_dim]).to(q.dtype)
+        out[idx] = torch.bmm(probs, keys[..., :v_dim]).to(q.dtype)
     return out
 
 

@@ -127,12 +127,14 @@ def align_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
     Returns sorted_pairs [num_blocks * block_m] (flat pair index t * top_k + k; padding holds
     num_pairs) and block_expert [num_blocks] (the block's expert, -1 past the last block used).
-    num_blocks is the worst case, known from shapes alone.
+    num_blocks is the worst case, known from shapes alone: nothing here waits on the device.
     """
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_pairs = flat.numel()
     device = flat.device
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount reads the max id back to the host, which would
+    # break CUDA-graph capture of decode steps.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
