@@ -64,9 +64,6 @@ def small_shared(arch: int | None) -> bool:
     return arch is not None and SHARED_LIMIT.get(arch, 232448) < 200_000
 
 
-TL_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
 @dataclass(frozen=True)
 class KernelVariant:
     """One concrete compilation of a kernel: what scripts/compile_kernels.py builds for a GPU

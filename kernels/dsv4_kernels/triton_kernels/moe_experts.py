@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import KernelVariant, check_launchable, next_pow2, on_interpreter
+from .common import KernelVariant, check_launchable, on_interpreter
 
 
 @triton.jit
