@@ -157,6 +157,31 @@ class KubeApi:
         except asyncio.TimeoutError:
             raise ApiError(0, "Timeout", f"{method} {path} took longer than 30s") from None
 
+    async def get_text(self, path: str, query: Sequence[tuple[str, str]] = (), timeout: float = 10) -> str:
+        """A plain-text read, e.g. pods/log (kept as text: a log line may look like JSON)."""
+        try:
+            resp = await self._client.call_api(
+                path, "GET", query_params=list(query), header_params={"Accept": "text/plain, */*"},
+                auth_settings=["BearerToken"], _preload_content=False, _request_timeout=timeout)
+            try:
+                body = await resp.read()
+            finally:
+                resp.release()
+        except OSError as e:
+            raise ApiError(0, "ConnectionError", str(e)) from None
+        except asyncio.TimeoutError:
+            raise ApiError(0, "Timeout", f"GET {path} took longer than {timeout}s") from None
+        text = body.decode("utf-8", "replace")
+        if not 200 <= resp.status <= 299:
+            reason, message = "", text[:300]
+            try:
+                doc = json.loads(text)
+                reason, message = str(doc.get("reason") or ""), str(doc.get("message") or message)
+            except (ValueError, AttributeError):
+                pass
+            raise ApiError(resp.status, reason, message)
+        return text
+
     async def apply(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
         """Server-side apply: creates the object or makes our fields match; force takes back
         fields someone else changed (the operator owns its children)."""

@@ -171,7 +171,8 @@ class MaxUnavailable(_Model):
 class RemediationSpec(_Model):
     enabled: bool = True
     dry_run: bool = False
-    scrape_interval_seconds: int = Field(10, ge=1)
+    scrape_interval_seconds: float = Field(
+        10, ge=0.1, description="How often every engine pod is scraped (fractions allowed, e.g. 0.5).")
     detection_window_seconds: int = Field(120, ge=1)
     transfer_failure_rate_threshold: float = Field(0.5, ge=0, le=1)
     max_unavailable: MaxUnavailable = _nested(MaxUnavailable)

@@ -36,6 +36,23 @@ class OperatorMetrics:
         self.deployments = Gauge(
             "dsv4_operator_deployments", "DSV4Deployments the operator currently serves.", registry=self.registry)
         self.up = Gauge("dsv4_operator_up", "1 while the operator runs its handlers.", registry=self.registry)
+        # The wedge watchdog (dsv4_operator.remediation).
+        self.wedges_detected = Counter(
+            "dsv4_operator_wedges_detected_total", "Wedge episodes detected on engine pods, by role and reason.",
+            ["role", "reason"], registry=self.registry)
+        self.remediations = Counter(
+            "dsv4_operator_remediations_total",
+            "Remediation steps taken (capture_evidence, drain, abort, restart, rollback) or held, by result.",
+            ["action", "role", "result"], registry=self.registry)
+        self.scrape_seconds = Histogram(
+            "dsv4_operator_scrape_duration_seconds", "Time to scrape every engine pod of a deployment, concurrently.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0), registry=self.registry)
+        self.scrape_errors = Counter(
+            "dsv4_operator_scrape_errors_total", "Engine scrapes with an unanswered or failed endpoint, by role.",
+            ["role"], registry=self.registry)
+        self.wedged_pods = Gauge(
+            "dsv4_operator_wedged_pods", "Engine pods wedged or under remediation now, per deployment.",
+            ["namespace", "deployment"], registry=self.registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

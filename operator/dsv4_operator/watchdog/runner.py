@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Protocol
+from typing import Any, Awaitable, Callable, Mapping, Optional, Protocol
 
 from .detector import Detector, Verdict, verdict_to_dict
 from .policy import (
@@ -19,6 +19,7 @@ from .policy import (
     RemediationSettings, complete_step, decide,
 )
 from .scrape import ScrapeTarget, scrape_all
+from .signals import EngineSample
 
 log = logging.getLogger("dsv4.watchdog")
 
@@ -34,6 +35,8 @@ class RoundResult:
     verdicts: dict[str, Verdict]
     actions: list[Action]
     results: list[tuple[Action, bool, Optional[str]]] = field(default_factory=list)
+    samples: dict[str, EngineSample] = field(default_factory=dict)
+    scrape_seconds: float = 0.0  # wall time of the concurrent scrape of every engine
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -42,15 +45,24 @@ class RoundResult:
         }
 
 
+StateSink = Callable[[PolicyState], Awaitable[None]]
+
+
 class WatchdogLoop:
+    """``on_state``, when given, is awaited with the policy state after each decision and after
+    each recorded step, before the next step runs: the operator persists it there, so a restart
+    mid-remediation resumes after the last step done instead of repeating it."""
+
     def __init__(self, settings: RemediationSettings, detector: Detector, executor: Executor,
-                 state: Optional[PolicyState] = None, scrape_timeout: float = 2.0, concurrency: int = 64):
+                 state: Optional[PolicyState] = None, scrape_timeout: float = 2.0, concurrency: int = 64,
+                 on_state: Optional[StateSink] = None):
         self.settings = settings
         self.detector = detector
         self.executor = executor
         self.state = state or PolicyState()
         self.scrape_timeout = scrape_timeout
         self.concurrency = concurrency
+        self.on_state = on_state
         self.session = None
 
     async def round(self, targets: list[ScrapeTarget], pods: Mapping[str, PodInfo], now: Optional[float] = None,
@@ -59,7 +71,9 @@ class WatchdogLoop:
             from .scrape import make_session
 
             self.session = make_session(self.concurrency)
+        started = time.monotonic()
         samples = await scrape_all(targets, self.concurrency, self.scrape_timeout, client=self.session)
+        scrape_seconds = time.monotonic() - started
         now = time.time() if now is None else now
         verdicts = {key: self.detector.observe(key, s, answered_before=(answered_before or {}).get(key, False))
                     for key, s in samples.items()}
@@ -67,7 +81,9 @@ class WatchdogLoop:
             self.detector.forget(key)  # a pod that is gone takes its window with it
         decision = decide(verdicts, pods, self.state, now, self.settings)
         self.state = decision.state
-        result = RoundResult(verdicts, decision.actions)
+        if self.on_state is not None:
+            await self.on_state(self.state)
+        result = RoundResult(verdicts, decision.actions, samples=samples, scrape_seconds=scrape_seconds)
         for action in decision.actions:
             try:
                 ok, note = await self.executor.run(action, verdicts.get(action.pod))
@@ -77,6 +93,8 @@ class WatchdogLoop:
             result.results.append((action, ok, note))
             if action.kind in (CAPTURE_EVIDENCE, DRAIN, ABORT, RESTART):
                 self.state = complete_step(self.state, action.pod, action.kind, time.time(), ok=ok, note=note)
+                if self.on_state is not None:
+                    await self.on_state(self.state)
             if action.kind == RESTART and not ok:
                 break  # retried next round; later actions of this round may depend on it
         return result
