@@ -6,15 +6,18 @@
 - a spec the operator cannot act on becomes Degraded=True (reason InvalidSpec) and a Warning
   Event, once per generation: no exception, so no retry loop and no crash loop.
 Deleting a DSV4Deployment needs no handler: every child has an ownerReference to it and the
-API server's garbage collector removes them (no finalizer, so deletion never waits on us).
+API server's garbage collector removes them.
 
-All handlers live in `registry`, which `dsv4_operator.main` runs; the wedge watchdog can add
-its own handlers to the same registry.
+- a daemon per DSV4Deployment runs its wedge watchdog (dsv4_operator.remediation). kopf keeps
+  a finalizer on resources with daemons, to stop the daemon before the resource goes.
+
+All handlers live in `registry`, which `dsv4_operator.main` runs.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from typing import Any, Callable, Iterable, Optional
 
@@ -26,6 +29,7 @@ from dsv4_operator.kube import ApiError, KubeApi, connection_info, load_configur
 from dsv4_operator.manifests import (
     APP, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_NAME, MANAGER, Owner, build_children, unbuildable_reasons,
 )
+from dsv4_operator.remediation.daemon import DeploymentWatchdog
 from dsv4_operator.status import ChildObservation, compute_status, observe, status_changed
 from dsv4_operator.telemetry import OperatorMetrics
 
@@ -285,3 +289,19 @@ kopf.on.event("apps", "v1", "statefulsets", id="statefulset_changed", labels=CHI
               registry=registry)(_child_changed)
 kopf.on.event("apps", "v1", "deployments", id="deployment_changed", labels=CHILD_LABELS,
               registry=registry)(_child_changed)
+
+
+# ---- The wedge watchdog -----------------------------------------------------------------------
+
+
+@kopf.daemon(*CR, id="wedge_watchdog", registry=registry, cancellation_backoff=1.0, cancellation_timeout=10.0)
+async def wedge_watchdog(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger,
+                         **_: Any) -> None:
+    """Scrape, judge and heal this deployment's engine pods for as long as it exists. `body` is
+    kopf's live view of the resource: spec edits reach the running loop."""
+    def post(type_: str, reason: str, message: str) -> None:
+        kopf.event(body, type=type_, reason=reason, message=message)
+
+    watchdog = DeploymentWatchdog(lambda: _api(memo), _metrics(memo), body, post, logger,
+                                  admin_token=os.environ.get("DSV4_ADMIN_TOKEN") or None)
+    await watchdog.run(stopped)

@@ -23,7 +23,9 @@ import kopf
 
 from dsv4_operator import handlers
 from dsv4_operator.manifests import APP, LABEL_MANAGED_BY, LABEL_NAME, MANAGER
+from dsv4_operator.remediation.daemon import REVISIONS_ANNOTATION
 from dsv4_operator.telemetry import HealthState, OperatorMetrics, start_health_server
+from dsv4_operator.watchdog.policy import STATE_ANNOTATION
 
 Flag = Union[asyncio.Event, threading.Event, None]
 ANNOTATION_PREFIX = "serving.dsv4.dev"
@@ -37,8 +39,10 @@ def make_settings(standalone: bool) -> kopf.OperatorSettings:
     settings.scanning.disabled = True
     # kopf's bookkeeping under our own prefix, in annotations (status is a structural schema).
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+    # The watchdog's bookkeeping annotations are no change to act on.
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration",
+        ignored_fields=[("metadata", "annotations", key) for key in (STATE_ANNOTATION, REVISIONS_ANNOTATION)])
     settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/operator"
     # Events: ours (Applied, InvalidSpec, ...) plus kopf's warnings, not every handler's info line.
     settings.posting.level = logging.WARNING

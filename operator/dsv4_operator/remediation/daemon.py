@@ -1,0 +1,347 @@
+"""One DSV4Deployment's wedge watchdog: the loop a kopf daemon runs while the resource exists.
+
+Every `scrapeIntervalSeconds`: list the engine pods, run one watchdog round (scrape -> detect ->
+decide -> act through KubernetesExecutor; the round is shared with `dsv4 up`), then
+- persist the policy state in the resource's STATE_ANNOTATION after each decision and each step,
+  so a restarted operator resumes after the last step done instead of repeating it;
+- record the running spec revision and mark it stable after a quiet period; when wedges begin
+  soon after a spec change, name the change in the Wedged condition, and with `rollback: auto`
+  patch the spec back to the stable revision, at most once per bad revision (the history, with
+  what was rolled back, persists in REVISIONS_ANNOTATION);
+- write the Wedged condition and the watchdog's status fields when they change.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+from pydantic import ValidationError
+
+from dsv4_operator import spec as S
+from dsv4_operator.kube import ApiError, KubeApi, resource_path
+from dsv4_operator.remediation.executor import DeploymentContext, EventSink, KubernetesExecutor
+from dsv4_operator.remediation.pods import (
+    EnginePod, engine_pod, pod_selector, remediation_settings, scrape_timeout, stable_after_seconds, watch_plan,
+)
+from dsv4_operator.remediation.report import (
+    iso, merged_status, round_records, wedged_condition, wedged_pod_count,
+)
+from dsv4_operator.status import status_changed
+from dsv4_operator.telemetry import OperatorMetrics
+from dsv4_operator.watchdog.detector import Detector, Wedged
+from dsv4_operator.watchdog.policy import STATE_ANNOTATION, PolicyState
+from dsv4_operator.watchdog.revisions import (
+    ROLLBACK_AUTO, ROLLBACK_OFF, ROLLBACK_SUGGEST, RevisionTracker, RollbackDecision, SuspectChange, correlate,
+    decide_rollback, describe_change, merge_patch, serving_spec, spec_hash,
+)
+from dsv4_operator.watchdog.runner import RoundResult, WatchdogLoop
+
+REVISIONS_ANNOTATION = "serving.dsv4.dev/revisions"
+MAX_REVISIONS = 6  # kept in an annotation: a few specs, well below the 256 KiB annotation limit
+IDLE_INTERVAL = 10.0  # seconds between looks at a resource whose spec cannot be read
+CORRELATE_WITHIN_S = 3600.0
+STATUS_WRITE_ATTEMPTS = 5
+
+Stopped = Any  # kopf.DaemonStopped: truthy once stopping, `await stopped.wait(t)`
+
+
+@dataclass
+class Episode:
+    """Wedges (or remediations) on one running revision, from their first round on."""
+
+    revision: str
+    started_at: float
+    suspect: Optional[SuspectChange]
+
+
+class DeploymentWatchdog:
+    def __init__(self, api: Callable[[], KubeApi], metrics: OperatorMetrics, body: Mapping[str, Any],
+                 events: EventSink, logger: logging.Logger | logging.LoggerAdapter, *,
+                 clock: Callable[[], float] = time.time, admin_token: Optional[str] = None) -> None:
+        meta = body["metadata"]
+        self.api, self.metrics, self.body, self.events, self.logger, self.clock = api, metrics, body, events, logger, clock
+        self.namespace, self.name = meta["namespace"], meta["name"]
+        annotations = dict(meta.get("annotations") or {})
+        self.persisted_state: Optional[str] = annotations.get(STATE_ANNOTATION)
+        self.state = self._load_state(self.persisted_state)
+        self.tracker = self._load_tracker(annotations.get(REVISIONS_ANNOTATION))
+        self.persisted_tracker: tuple[Optional[str], Optional[float]] = (self._tracker_key(), self.tracker.last_wedge_at)
+        self.ctx = DeploymentContext(self.namespace, self.name, meta["uid"])
+        self.executor = KubernetesExecutor(api, self.ctx, events, metrics, admin_token=admin_token)
+        self.loop: Optional[WatchdogLoop] = None
+        self._detector_params: Optional[tuple[float, float]] = None
+        self.uids: dict[str, Optional[str]] = {}
+        self.episode: Optional[Episode] = None
+        self.rollback_note: Optional[tuple[str, str, str]] = None  # (revision rolled back to, change, what was done)
+        self.suggested: set[str] = set()
+
+    # ---- the daemon's loop ------------------------------------------------------------------------
+
+    async def run(self, stopped: Stopped) -> None:
+        try:
+            while not stopped:
+                started = time.monotonic()
+                interval = IDLE_INTERVAL
+                try:
+                    interval = await self.tick()
+                except ApiError as e:
+                    self.metrics.api_errors.labels(str(e.status)).inc()
+                    self.logger.warning(f"Watchdog round failed: {e}")
+                except Exception:  # one bad round must not end the watchdog
+                    self.logger.exception("Watchdog round failed")
+                await stopped.wait(max(0.0, interval - (time.monotonic() - started)))
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        if self.loop is not None:
+            await self.loop.close()
+        await self.executor.close()
+        try:
+            self.metrics.wedged_pods.remove(self.namespace, self.name)
+        except KeyError:
+            pass
+
+    async def tick(self) -> float:
+        """One round; returns the seconds until the next."""
+        try:
+            spec = S.parse_spec(self.body.get("spec"))
+        except ValidationError:
+            return IDLE_INTERVAL  # the reconciler reports it (Degraded); nothing to watch by
+        rem = spec.remediation
+        now = self.clock()
+        raw_spec = copy.deepcopy(dict(self.body.get("spec") or {}))
+        generation = int(self.body["metadata"].get("generation") or 0)
+        self.tracker.quiet_period_s = stable_after_seconds(rem)
+        revision = self.tracker.observe(generation, raw_spec, now)
+
+        if not rem.enabled:
+            self.episode = None
+            await self._persist_tracker()
+            await self._write_status(wedged_condition(enabled=False, pods=0, verdicts={}, active={}, dry_run=False),
+                                     {"wedgedPods": 0}, restarts=0)
+            self.metrics.wedged_pods.labels(self.namespace, self.name).set(0)
+            return float(rem.scrape_interval_seconds)
+
+        loop = self._loop_for(rem)
+        pods = await self._engine_pods(spec.engine.port)
+        plan = watch_plan(pods, spec.engine.kind)
+        for pod in pods:
+            if self.uids.get(pod.name, pod.uid) != pod.uid:
+                loop.detector.forget(pod.name)  # a new incarnation starts with a fresh window
+            self.uids[pod.name] = pod.uid
+        self.ctx.kind, self.ctx.pods, self.ctx.revision = spec.engine.kind, {p.name: p for p in pods}, revision.hash
+        self.ctx.spec_diff = self._spec_diff(raw_spec)
+
+        result = await loop.round(plan.targets, plan.pods, now=now, answered_before=plan.answered_before)
+        self._count_scrapes(result)
+
+        wedged = [p for p, v in result.verdicts.items() if isinstance(v, Wedged)]
+        if wedged or loop.state.active:
+            self.tracker.note_wedge(now)
+            if self.episode is None or self.episode.revision != revision.hash:
+                self.episode = Episode(revision.hash, now, correlate(now, self.tracker.revisions, CORRELATE_WITHIN_S))
+        else:
+            self.episode, self.rollback_note = None, None
+            self.tracker.tick(now)
+
+        rollback_record, suspect_words, rollback_words = None, None, None
+        if self.episode is not None and self.episode.suspect is not None:
+            suspect_words = self.episode.suspect.summary()
+            rollback_record, rollback_words = await self._consider_rollback(rem, raw_spec, self.episode.suspect)
+        elif self.rollback_note is not None and self.rollback_note[0] == revision.hash:
+            # Still wedged after rolling back: keep saying which change it was and what was done.
+            _, suspect_words, rollback_words = self.rollback_note
+        await self._persist_tracker()
+
+        last, restarts = round_records(result.results, self.clock(), self.executor.evidence)
+        count = wedged_pod_count(result.verdicts, loop.state.active)
+        condition = wedged_condition(
+            enabled=True, pods=len(pods), verdicts=result.verdicts, active=loop.state.active, dry_run=rem.dry_run,
+            suspect=suspect_words, rollback=rollback_words)
+        fields: dict[str, Any] = {"wedgedPods": count}
+        if rollback_record is not None or last is not None:
+            fields["lastRemediation"] = rollback_record or last
+        await self._write_status(condition, fields, restarts)
+        self.metrics.wedged_pods.labels(self.namespace, self.name).set(count)
+        return float(rem.scrape_interval_seconds)
+
+    # ---- pieces of a round ------------------------------------------------------------------------
+
+    def _loop_for(self, rem: S.RemediationSpec) -> WatchdogLoop:
+        params = (float(rem.detection_window_seconds), float(rem.transfer_failure_rate_threshold))
+        settings = remediation_settings(rem)
+        if self.loop is None:
+            self.loop = WatchdogLoop(settings, Detector(*params), self.executor, state=self.state,
+                                     scrape_timeout=scrape_timeout(rem), on_state=self._persist_state)
+        else:
+            self.loop.settings, self.loop.scrape_timeout = settings, scrape_timeout(rem)
+            if params != self._detector_params:
+                self.loop.detector = Detector(*params)  # a new window length: judge from fresh windows
+        self._detector_params = params
+        return self.loop
+
+    async def _engine_pods(self, default_port: int) -> list[EnginePod]:
+        doc = await self.api().request("GET", resource_path("v1", "pods", self.namespace),
+                                       query=[("labelSelector", pod_selector(self.name))])
+        pods = (engine_pod(obj, default_port) for obj in (doc or {}).get("items") or [])
+        return [p for p in pods if p is not None]
+
+    def _count_scrapes(self, result: RoundResult) -> None:
+        self.metrics.scrape_seconds.observe(result.scrape_seconds)
+        for sample in result.samples.values():
+            if sample.error:
+                self.metrics.scrape_errors.labels(sample.role).inc()
+
+    def _spec_diff(self, raw_spec: Mapping[str, Any]) -> list[str] | str:
+        stable = self.tracker.stable
+        if stable is None:
+            return "(no stable revision yet: nothing to compare with)\n"
+        if stable.hash == spec_hash(raw_spec):
+            return f"(running the stable revision {stable.hash}: no serving change)\n"
+        changes = describe_change(stable.spec, serving_spec(raw_spec))
+        return [f"since stable revision {stable.hash} (generation {stable.generation}):", *changes]
+
+    # ---- rollback ---------------------------------------------------------------------------------
+
+    async def _consider_rollback(self, rem: S.RemediationSpec, raw_spec: Mapping[str, Any],
+                                 suspect: SuspectChange) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+        mode = rem.rollback
+        if rem.dry_run and mode == ROLLBACK_AUTO:
+            mode = ROLLBACK_SUGGEST  # dry run acts on nothing, the spec included
+        decision = decide_rollback(mode, suspect, self.tracker.stable, raw_spec, self.tracker.rolled_back)
+        if decision.action == "patch":
+            return await self._roll_back(decision, suspect)
+        if decision.action == "suggest" and suspect.revision not in self.suggested:
+            self.suggested.add(suspect.revision)
+            self.events("Warning", "RollbackSuggested", f"{suspect.summary()}; {decision.message}")
+        return None, (decision.message if mode != ROLLBACK_OFF else None)
+
+    async def _roll_back(self, decision: RollbackDecision, suspect: SuspectChange
+                         ) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+        stable = self.tracker.stable
+        assert stable is not None and decision.from_revision is not None
+        # At most once per bad revision: the mark is stored before the spec is touched, so a crash
+        # in between leaves a suggestion, never a second rollback.
+        self.tracker.mark_rolled_back(decision.from_revision)
+        try:
+            await self._persist_tracker(force=True)
+        except ApiError as e:
+            self.tracker.rolled_back.discard(decision.from_revision)
+            return None, f"rollback postponed: {e}"
+        api = self.api()
+        for _ in range(STATUS_WRITE_ATTEMPTS):
+            cr = await api.get(S.API_VERSION, S.KIND, self.namespace, self.name)
+            if cr is None:
+                return None, None
+            current = cr.get("spec") or {}
+            if spec_hash(current) != decision.from_revision:
+                return None, "the spec changed before the rollback: not rolled back"
+            body = {"metadata": {"resourceVersion": cr["metadata"]["resourceVersion"]},
+                    "spec": merge_patch(current, stable.spec)}
+            try:
+                await api.request("PATCH", resource_path(S.API_VERSION, S.PLURAL, self.namespace, self.name),
+                                  body=body, content_type="application/merge-patch+json")
+                break
+            except ApiError as e:
+                if e.status != 409:
+                    self.metrics.remediations.labels("rollback", "spec", "failed").inc()
+                    return None, f"rollback failed: {e}"
+        else:
+            self.metrics.remediations.labels("rollback", "spec", "failed").inc()
+            return None, "rollback failed: the resource kept changing"
+        words = f"rolled back to stable revision {stable.hash} (generation {stable.generation})"
+        self.rollback_note = (stable.hash, suspect.summary(), words)
+        self.metrics.remediations.labels("rollback", "spec", "ok").inc()
+        self.events("Warning", "RolledBack", f"{suspect.summary()}; {words}")
+        self.logger.warning(f"{suspect.summary()}; {words}")
+        record = {"time": iso(self.clock()), "action": "rollback", "reason": suspect.summary(), "dryRun": False,
+                  "result": "ok", "fromRevision": decision.from_revision, "toRevision": stable.hash,
+                  "changes": list(suspect.changes_since_stable or suspect.changes)}
+        return record, words
+
+    # ---- persistence ------------------------------------------------------------------------------
+
+    def _load_state(self, text: Optional[str]) -> PolicyState:
+        try:
+            return PolicyState.from_json(text)
+        except (ValueError, TypeError, KeyError) as e:
+            self.logger.warning(f"Ignoring an unreadable {STATE_ANNOTATION}: {e}")
+            return PolicyState()
+
+    def _load_tracker(self, text: Optional[str]) -> RevisionTracker:
+        try:
+            return RevisionTracker.from_dict(json.loads(text) if text else None, max_revisions=MAX_REVISIONS)
+        except (ValueError, TypeError, KeyError) as e:
+            self.logger.warning(f"Ignoring an unreadable {REVISIONS_ANNOTATION}: {e}")
+            return RevisionTracker(max_revisions=MAX_REVISIONS)
+
+    def _tracker_key(self) -> str:
+        doc = self.tracker.to_dict()
+        doc.pop("last_wedge_at", None)
+        return json.dumps(doc, sort_keys=True, default=str)
+
+    async def _persist_state(self, state: PolicyState) -> None:
+        """The WatchdogLoop's sink: called after each decision and each step."""
+        text = state.to_json()
+        if text == self.persisted_state:
+            return
+        try:
+            await self._patch_annotations({STATE_ANNOTATION: text})
+        except ApiError as e:  # healing goes on; only a restart in this window could repeat a step
+            self.metrics.api_errors.labels(str(e.status)).inc()
+            self.logger.warning(f"Could not persist the remediation state: {e}")
+            return
+        self.persisted_state = text
+
+    async def _persist_tracker(self, force: bool = False) -> None:
+        key, wedge_at = self._tracker_key(), self.tracker.last_wedge_at
+        old_key, old_wedge_at = self.persisted_tracker
+        # The last wedge time moves every round of a wedge; storing it once per quiet-period
+        # fifth is enough to keep a restarted operator from calling a bad revision stable.
+        wedge_moved = wedge_at is not None and (old_wedge_at is None
+                                                or wedge_at - old_wedge_at >= self.tracker.quiet_period_s / 5)
+        if not force and key == old_key and not wedge_moved:
+            return
+        await self._patch_annotations({REVISIONS_ANNOTATION: json.dumps(self.tracker.to_dict(), sort_keys=True,
+                                                                        separators=(",", ":"), default=str)})
+        self.persisted_tracker = (key, wedge_at)
+
+    async def _patch_annotations(self, annotations: Mapping[str, str]) -> None:
+        await self.api().request("PATCH", resource_path(S.API_VERSION, S.PLURAL, self.namespace, self.name),
+                                 body={"metadata": {"annotations": dict(annotations)}},
+                                 content_type="application/merge-patch+json")
+
+    # ---- status -----------------------------------------------------------------------------------
+
+    async def _write_status(self, condition: Mapping[str, Any], fields: dict[str, Any], restarts: int) -> None:
+        if self.tracker.stable is not None:
+            fields["stableRevision"] = self.tracker.stable.hash
+        live = dict(self.body.get("status") or {})
+        if not restarts and not status_changed(live, merged_status(live, condition, fields, "")) \
+                and "remediationsTotal" in live:
+            return  # nothing new (lastTransitionTime is kept when the status does not flip)
+        api = self.api()
+        for _ in range(STATUS_WRITE_ATTEMPTS):
+            cr = await api.get(S.API_VERSION, S.KIND, self.namespace, self.name)
+            if cr is None or cr["metadata"].get("deletionTimestamp"):
+                return
+            previous = cr.get("status") or {}
+            full = dict(fields, remediationsTotal=int(previous.get("remediationsTotal") or 0) + restarts)
+            new = merged_status(previous, condition, full, iso(self.clock()))
+            if not status_changed(previous, new):
+                return
+            try:
+                await api.patch_status(cr, new, cr["metadata"].get("resourceVersion"))
+            except ApiError as e:
+                if e.status == 409:
+                    continue  # the reconciler wrote in between: re-read
+                raise
+            self.metrics.status_writes.inc()
+            return
+        self.logger.warning("The status kept changing under the watchdog; will write next round")

@@ -1,0 +1,261 @@
+"""Carries out the policy's actions on Kubernetes: the twin of `dsv4_operator.local.LocalExecutor`.
+
+- capture evidence: /debug/stacks, /v1/loads and /metrics from the engine, the pod's last log
+  lines (pods/log), the spec diff since the stable revision -> a ConfigMap labelled
+  `serving.dsv4.dev/evidence=true`, owned by the DSV4Deployment;
+- drain: label the pod `serving.dsv4.dev/draining=true` (the router drops it), POST /admin/drain;
+- abort: POST /admin/abort {"all": true} (SGLang: /abort_request {"abort_all": true});
+- restart: delete the pod with a UID precondition (its StatefulSet recreates it).
+
+Every step acts only on the incarnation the policy judged (the action's UID): a step replayed
+after an operator restart never touches the pod's replacement. Steps before the restart are best
+effort — a dead engine answers nothing, yet must still be restarted — so they report what failed
+in a note rather than failing. Each step is an Event on the resource and a metric.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import aiohttp
+
+from dsv4_operator import spec as S
+from dsv4_operator.kube import ApiError, KubeApi, resource_path
+from dsv4_operator.remediation.pods import DRAINING_LABEL, EnginePod
+from dsv4_operator.remediation.report import hold_message, wedge_message
+from dsv4_operator.telemetry import OperatorMetrics
+from dsv4_operator.watchdog.detector import Verdict, verdict_to_dict
+from dsv4_operator.watchdog.evidence import build_evidence_configmap
+from dsv4_operator.watchdog.policy import ABORT, CAPTURE_EVIDENCE, DRAIN, HELD, REPORT, RESTART, Action
+from dsv4_operator.watchdog.scrape import LOADS_PATH
+from dsv4_operator.watchdog.signals import SGLANG
+
+EventSink = Callable[[str, str, str], None]  # (type, reason, message)
+LOG_LINES = 200
+
+
+@dataclass(frozen=True)
+class EngineAdmin:
+    """An engine kind's admin endpoints (None: it has none)."""
+
+    drain: Optional[str]
+    abort: str
+    abort_body: Mapping[str, Any]
+    stacks: Optional[str]
+
+
+ADMIN = {
+    "builtin": EngineAdmin("/admin/drain", "/admin/abort", {"all": True, "reason": "wedge remediation"},
+                           "/debug/stacks"),
+    SGLANG: EngineAdmin(None, "/abort_request", {"rid": "", "abort_all": True}, None),
+}
+
+
+@dataclass
+class DeploymentContext:
+    """What the executor knows of the deployment, refreshed by the daemon every round."""
+
+    namespace: str
+    name: str
+    uid: str
+    kind: str = "builtin"
+    pods: dict[str, EnginePod] = field(default_factory=dict)
+    spec_diff: Sequence[str] | str = "(no spec history yet)"
+    revision: Optional[str] = None
+
+    def owner_reference(self) -> dict[str, Any]:
+        # Not a controller reference and no blockOwnerDeletion: evidence only has to go when
+        # the resource goes, and creating it then needs no rights on the resource's finalizers.
+        return {"apiVersion": S.API_VERSION, "kind": S.KIND, "name": self.name, "uid": self.uid}
+
+
+class KubernetesExecutor:
+    def __init__(self, api: Callable[[], KubeApi], context: DeploymentContext, events: EventSink,
+                 metrics: OperatorMetrics, *, admin_token: Optional[str] = None, http_timeout: float = 5.0,
+                 log_lines: int = LOG_LINES) -> None:
+        self.api = api
+        self.ctx = context
+        self.events = events
+        self.metrics = metrics
+        self.http_timeout = http_timeout
+        self.log_lines = log_lines
+        self.headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self.evidence: dict[str, str] = {}  # pod -> name of its latest evidence ConfigMap
+        self._http: Optional[aiohttp.ClientSession] = None
+
+    async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    # ---- the Executor protocol of dsv4_operator.watchdog.runner ----------------------------------
+
+    async def run(self, action: Action, verdict: Optional[Verdict]) -> tuple[bool, Optional[str]]:
+        if action.kind == REPORT:
+            self.events("Warning", "WedgeDetected", wedge_message(action))
+            self.metrics.wedges_detected.labels(action.role, action.reason).inc()
+            return True, None
+        if action.kind == HELD:
+            self.events("Warning", "RemediationHeld", hold_message(action))
+            self.metrics.remediations.labels("held", action.role, action.reason).inc()
+            return True, None
+        step = {CAPTURE_EVIDENCE: self.capture, DRAIN: self.drain, ABORT: self.abort, RESTART: self.restart}.get(action.kind)
+        if step is None:
+            return False, f"unknown action {action.kind}"
+        ok, note = await step(action, verdict)
+        self.metrics.remediations.labels(action.kind, action.role, "ok" if ok else "failed").inc()
+        return ok, note
+
+    # ---- steps ----------------------------------------------------------------------------------
+
+    def _current(self, action: Action) -> tuple[Optional[EnginePod], Optional[str]]:
+        """The pod the action is about, or why it is not there any more."""
+        pod = self.ctx.pods.get(action.pod)
+        if pod is None:
+            return None, "pod is gone"
+        if action.uid and pod.uid and pod.uid != action.uid:
+            return None, f"pod was replaced (uid {pod.uid}, not {action.uid})"
+        return pod, None
+
+    async def capture(self, action: Action, verdict: Optional[Verdict]) -> tuple[bool, Optional[str]]:
+        pod, gone = self._current(action)
+        admin = ADMIN.get(self.ctx.kind, ADMIN["builtin"])
+        missing: list[str] = []
+        url = pod.url if pod else None
+
+        async def fetch(path: Optional[str], what: str) -> Optional[str]:
+            if path is None:
+                missing.append(f"{what} (the engine has no such endpoint)")
+                return None
+            if url is None:
+                missing.append(f"{what} ({gone or 'no pod IP'})")
+                return None
+            text, err = await self._http_text("GET", url + path)
+            if err:
+                missing.append(f"{what} ({err})")
+            return text
+
+        stacks, loads_text, metrics_text, logs = await asyncio.gather(
+            fetch(admin.stacks, "stacks"), fetch(LOADS_PATH.get(self.ctx.kind, "/v1/loads"), "loads"),
+            fetch("/metrics", "metrics"), self._pod_log(action.pod, missing))
+        loads: Any = loads_text
+        if loads_text:
+            try:
+                loads = json.loads(loads_text)
+            except ValueError:
+                pass
+        verdict_doc = verdict_to_dict(verdict) if verdict is not None else {
+            # Resumed after an operator restart: the detector's window is gone, the policy's
+            # record of why is not.
+            "state": "Wedged", "reason": action.reason, "details": dict(action.details), "resumed": True}
+        now = time.time()
+        cm = build_evidence_configmap(
+            deployment=self.ctx.name, namespace=self.ctx.namespace, pod=action.pod, role=action.role,
+            captured_at=now, verdict=verdict_doc, stacks=stacks, loads=loads, metrics=metrics_text, logs=logs,
+            spec_diff=self.ctx.spec_diff, revision=self.ctx.revision, owner_references=[self.ctx.owner_reference()])
+        name = cm["metadata"]["name"]
+        try:
+            await self.api().request("POST", resource_path("v1", "configmaps", self.ctx.namespace), body=cm,
+                                     content_type="application/json")
+        except ApiError as e:
+            if e.status != 409:  # 409: this very capture was written already (a replayed step)
+                return False, f"evidence ConfigMap {name} not written: {e}"
+        self.evidence[action.pod] = name
+        note = f"not captured: {'; '.join(missing)}" if missing else None
+        self.events("Normal", "EvidenceCaptured",
+                    f"{action.pod} ({action.role}): ConfigMap {name}" + (f"; {note}" if note else ""))
+        return True, note
+
+    async def drain(self, action: Action, verdict: Optional[Verdict]) -> tuple[bool, Optional[str]]:
+        pod, gone = self._current(action)
+        if pod is None:
+            return True, gone
+        # A JSON patch whose first operation tests the UID: the label lands on this incarnation
+        # or nowhere (a replacement pod must not leave the router for good).
+        patch = [{"op": "test", "path": "/metadata/uid", "value": action.uid or pod.uid},
+                 {"op": "add", "path": "/metadata/labels/" + DRAINING_LABEL.replace("~", "~0").replace("/", "~1"),
+                  "value": "true"}]
+        try:
+            await self.api().request("PATCH", resource_path("v1", "pods", self.ctx.namespace, action.pod),
+                                     body=patch, content_type="application/json-patch+json")
+        except ApiError as e:
+            if e.status in (404, 409, 422):  # gone, or not the same pod any more
+                return True, f"not labelled: {e}"
+            return False, f"labelling failed: {e}"
+        admin = ADMIN.get(self.ctx.kind, ADMIN["builtin"])
+        note = None
+        if admin.drain is not None and pod.url:
+            _, err = await self._http_text("POST", pod.url + admin.drain)
+            note = f"engine drain: {err}" if err else None
+        self.events("Normal", "Drained", f"{action.pod} ({action.role}): labelled {DRAINING_LABEL}=true, out of "
+                    f"the router" + (f"; {note}" if note else ""))
+        return True, note
+
+    async def abort(self, action: Action, verdict: Optional[Verdict]) -> tuple[bool, Optional[str]]:
+        pod, gone = self._current(action)
+        if pod is None or not pod.url:
+            return True, gone or "no pod IP"
+        admin = ADMIN.get(self.ctx.kind, ADMIN["builtin"])
+        _, err = await self._http_text("POST", pod.url + admin.abort, body=admin.abort_body)
+        self.events("Normal", "Aborted", f"{action.pod} ({action.role}): " +
+                    (f"abort failed: {err}" if err else "aborted every request it held"))
+        return True, f"abort: {err}" if err else None
+
+    async def restart(self, action: Action, verdict: Optional[Verdict]) -> tuple[bool, Optional[str]]:
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}
+        if action.uid:
+            body["preconditions"] = {"uid": action.uid}
+        try:
+            await self.api().request("DELETE", resource_path("v1", "pods", self.ctx.namespace, action.pod),
+                                     body=body, content_type="application/json")
+        except ApiError as e:
+            if e.status == 404:
+                return True, "already gone"
+            if e.status == 409:  # the UID precondition failed: this incarnation is gone already
+                return True, "already replaced"
+            return False, f"delete failed: {e}"
+        self.events("Normal", "Restarted", f"{action.pod} ({action.role}): deleted (uid {action.uid}); its "
+                    f"StatefulSet recreates it")
+        return True, None
+
+    # ---- I/O helpers ----------------------------------------------------------------------------
+
+    async def _http_text(self, method: str, url: str, body: Any = None) -> tuple[Optional[str], Optional[str]]:
+        if self._http is None:
+            self._http = aiohttp.ClientSession(trust_env=False, headers=self.headers)
+        try:
+            async with self._http.request(method, url, json=body,
+                                          timeout=aiohttp.ClientTimeout(total=self.http_timeout)) as resp:
+                text = await resp.text(errors="replace")
+                if resp.status >= 400:
+                    return None, f"HTTP {resp.status} from {url}: {text[:200]}"
+                return text, None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            return None, f"{url}: {type(e).__name__}{': ' + str(e) if str(e) else ''}"
+
+    async def _pod_log(self, pod: str, missing: list[str]) -> str:
+        path = resource_path("v1", "pods", self.ctx.namespace, pod, "log")
+        try:
+            text = await self.api().get_text(path, [("tailLines", str(self.log_lines))])
+        except ApiError as e:
+            missing.append(f"logs ({e})")
+            return f"(pod logs unavailable: {e})\n"
+        if _is_pod_object(text):
+            # An API server (or emulator) that answers pods/log with the Pod object serves no logs.
+            missing.append("logs (the API server serves no pod logs)")
+            return "(pod logs unavailable: the API server answered pods/log without log text)\n"
+        return text
+
+
+def _is_pod_object(text: str) -> bool:
+    if not text.lstrip().startswith("{"):
+        return False
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return False  # log lines, even JSON ones: more than one document
+    return isinstance(doc, dict) and doc.get("kind") == "Pod" and "metadata" in doc

@@ -1,0 +1,118 @@
+"""Pure: a DSV4Deployment's engine pods as the watchdog sees them, and its remediation settings.
+
+A pod is scraped at ``status.podIP`` on the engine container's port named ``http``. It counts as
+Ready only when Kubernetes says so (its readiness probe hit the engine's /ready), and a Ready pod
+is known to have answered, so a silence from the first scrape can still end in ``unresponsive``.
+Pods keep their names across restarts (StatefulSet), so the policy keys on the name; a new UID
+is a new incarnation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional
+
+from dsv4_operator.manifests import HTTP_PORT_NAME, LABEL_INSTANCE, LABEL_ROLE
+from dsv4_operator.spec import RemediationSpec
+from dsv4_operator.watchdog.policy import PodInfo, RemediationSettings
+from dsv4_operator.watchdog.scrape import ScrapeTarget
+
+ENGINE_ROLES = ("prefill", "decode")
+ENGINE_CONTAINER = "engine"
+# dsv4_engine.router drops a pod carrying this label from its rotation (SGLang's router drops a
+# pod that stops matching its selector, which the label also does for a `!draining` selector).
+DRAINING_LABEL = "serving.dsv4.dev/draining"
+# A revision that runs this many detection windows without a wedge becomes the stable revision
+# (the rollback target): 10 minutes with the default window of 120 s.
+STABLE_AFTER_WINDOWS = 5
+
+
+@dataclass(frozen=True)
+class EnginePod:
+    name: str
+    uid: Optional[str]
+    role: str
+    ip: Optional[str]
+    port: Optional[int]
+    ready: bool
+    terminating: bool
+    draining: bool
+
+    @property
+    def url(self) -> Optional[str]:
+        if not self.ip or not self.port:
+            return None
+        host = f"[{self.ip}]" if ":" in self.ip else self.ip  # IPv6 pod IPs
+        return f"http://{host}:{self.port}"
+
+
+def pod_selector(instance: str) -> str:
+    """The label selector of a deployment's engine pods."""
+    return f"{LABEL_INSTANCE}={instance},{LABEL_ROLE} in ({','.join(ENGINE_ROLES)})"
+
+
+def _http_port(pod_spec: Mapping[str, Any], default_port: Optional[int]) -> Optional[int]:
+    containers = list(pod_spec.get("containers") or [])
+    ordered = [c for c in containers if c.get("name") == ENGINE_CONTAINER] + \
+              [c for c in containers if c.get("name") != ENGINE_CONTAINER]
+    for container in ordered:
+        for port in container.get("ports") or []:
+            if port.get("name") == HTTP_PORT_NAME and port.get("containerPort"):
+                return int(port["containerPort"])
+    return default_port
+
+
+def _is_ready(status: Mapping[str, Any]) -> bool:
+    if status.get("phase") not in (None, "Running"):
+        return False
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+
+
+def engine_pod(obj: Mapping[str, Any], default_port: Optional[int] = None) -> Optional[EnginePod]:
+    """A Pod object -> an EnginePod (None for a pod that is not a prefill/decode engine)."""
+    meta = obj.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    role = labels.get(LABEL_ROLE)
+    if role not in ENGINE_ROLES or not meta.get("name"):
+        return None
+    status = obj.get("status") or {}
+    terminating = bool(meta.get("deletionTimestamp"))
+    return EnginePod(
+        name=meta["name"], uid=meta.get("uid"), role=role, ip=status.get("podIP") or None,
+        port=_http_port(obj.get("spec") or {}, default_port), ready=_is_ready(status) and not terminating,
+        terminating=terminating, draining=labels.get(DRAINING_LABEL) == "true",
+    )
+
+
+@dataclass(frozen=True)
+class WatchPlan:
+    targets: list[ScrapeTarget]  # pods with an address, not terminating
+    pods: dict[str, PodInfo]  # every engine pod, for the policy's budget
+    answered_before: dict[str, bool]
+
+
+def watch_plan(pods: Iterable[EnginePod], kind: str) -> WatchPlan:
+    targets, infos, answered = [], {}, {}
+    for pod in sorted(pods, key=lambda p: p.name):
+        infos[pod.name] = PodInfo(role=pod.role, ready=pod.ready, uid=pod.uid)
+        answered[pod.name] = pod.ready
+        if pod.url is not None and not pod.terminating:
+            targets.append(ScrapeTarget(pod.name, pod.url, pod.role, kind))
+    return WatchPlan(targets, infos, answered)
+
+
+def remediation_settings(rem: RemediationSpec) -> RemediationSettings:
+    return RemediationSettings(
+        enabled=rem.enabled, dry_run=rem.dry_run,
+        max_unavailable={"prefill": rem.max_unavailable.prefill, "decode": rem.max_unavailable.decode},
+        cooldown_s=float(rem.cooldown_seconds), capture_evidence=rem.capture_evidence,
+    )
+
+
+def scrape_timeout(rem: RemediationSpec) -> float:
+    """Long enough for a busy engine, short enough that a hung one does not stall the round."""
+    return min(5.0, max(1.0, float(rem.scrape_interval_seconds)))
+
+
+def stable_after_seconds(rem: RemediationSpec) -> float:
+    return STABLE_AFTER_WINDOWS * float(rem.detection_window_seconds)
