@@ -1,0 +1,289 @@
+"""What the watchdog's integration tests stand on: the API server with a kubelet's pods/log and
+DELETE preconditions, scripted engines, a StatefulSet controller and kubelet for the tests' pods,
+and small readers of the resource, its Events and evidence.
+
+Besides the shared emulator (tests/integration/kmock_cluster.py) this adds two API server
+behaviours the watchdog relies on: DELETE honours `preconditions.uid` (409 on a mismatch), and
+pods/log serves text for pods whose log the test registers (other pods get kmock's own answer,
+the Pod object, which is the "no logs served" case the operator must survive).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable, Optional
+
+import aiohttp.web
+import attrs
+import kmock
+
+from kmock_cluster import ClusterClient, KubeCluster
+from operator_runner import free_port
+
+API = "serving.dsv4.dev/v1alpha1"
+PLURAL = "dsv4deployments"
+NS = "serving"
+
+
+# ---- The API server, with a kubelet's pods/log and DELETE preconditions --------------------------
+
+
+@attrs.define(kw_only=True)
+class WatchdogCluster(KubeCluster):
+    pod_logs: dict = attrs.field(factory=dict, init=False)  # (namespace, pod) -> () -> str
+    removed: list = attrs.field(factory=list, init=False)  # (monotonic time, object) of every deletion
+
+    async def _handle(self, request: Any) -> aiohttp.web.StreamResponse:
+        res = request.resource
+        method = str(request.method.value)
+        if res is not None and res.plural == "pods" and request.name:
+            key = (request.namespace, request.name)
+            if method == "GET" and request.subresource == "log" and key in self.pod_logs:
+                self.recorder.record(request)
+                lines = self.pod_logs[key]().splitlines(keepends=True)
+                tail = request.params.get("tailLines")
+                return aiohttp.web.Response(text="".join(lines[-int(tail):] if tail else lines),
+                                            content_type="text/plain")
+            if method == "DELETE" and isinstance(request.data, dict):
+                wanted = (request.data.get("preconditions") or {}).get("uid")
+                live = self._live((res, request.namespace, request.name))
+                if wanted and live is not None and live["metadata"].get("uid") != wanted:
+                    self.recorder.record(request)
+                    return await self._render_error(kmock.KubernetesError(
+                        409, "Conflict", f"Precondition failed: UID in precondition: {wanted}, "
+                                         f"UID in object meta: {live['metadata'].get('uid')}"))
+        return await super()._handle(request)
+
+    async def _remove(self, key: tuple) -> None:
+        live = self._live(key)
+        if live is not None:
+            self.removed.append((time.monotonic(), live))
+        await super()._remove(key)
+
+    def removed_pods(self) -> list[tuple[float, dict]]:
+        return [(t, o) for t, o in self.removed if o.get("kind") == "Pod"]
+
+
+# ---- Scripted engines ---------------------------------------------------------------------------
+
+
+class ScriptedEngine:
+    """A stand-in for one engine's HTTP surface (/metrics, /v1/loads, /ready, /health, the admin
+    endpoints), on 127.0.0.1, whose state the test sets: healthy and idle, wedged (a request
+    pinned in the prefill inflight queue while the loop keeps iterating — the incident), a long
+    prefill (running, prompt tokens growing, nothing inflight), or a busy decode. It stands in
+    for many engine states cheaply; the real engine's wedge is reproduced in
+    test_watchdog_real_engines.py. An abort empties it, as the real engine's abort does."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.port = free_port()
+        self.calls: list[tuple[float, str, str]] = []  # (monotonic, method, path) of all but the scrapes
+        self.scrapes = 0
+        self.abort_gate: Optional[asyncio.Event] = None  # set: /admin/abort waits until it opens
+        self.abort_started = asyncio.Event()
+        self._runner: Optional[aiohttp.web.AppRunner] = None
+        self.reset("healthy")
+
+    def reset(self, mode: str) -> None:
+        """A new engine incarnation (counters from zero) in ``mode``."""
+        self.mode = mode
+        self.t0 = self.since = time.monotonic()
+        self.transfers = 0.0
+
+    def set_mode(self, mode: str) -> None:
+        if mode != self.mode:
+            self.transfers += 3  # some hand-offs completed before
+            self.mode, self.since = mode, time.monotonic()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def loads(self) -> dict[str, Any]:
+        now = time.monotonic()
+        up = now - self.t0
+        since = now - self.since
+        queues = {"waiting": 0, "running": 0, "bootstrap": 0, "inflight": 0} if self.role == "prefill" else \
+            {"waiting": 0, "running": 0, "prealloc": 0, "transfer": 0}
+        counters = {"kv_transfers_completed": self.transfers, "prompt_tokens": 0.0, "generation_tokens": 0.0,
+                    "num_transfer_failed_reqs": 0.0, "num_transfer_timeout_reqs": 0.0,
+                    "scheduler_loop_iterations": round(up * 50)}
+        age = 0.0
+        if self.mode == "wedged":
+            queues["inflight" if self.role == "prefill" else "transfer"] = 1
+            age = since if self.role == "prefill" else 0.0
+        elif self.mode == "long_prefill":
+            queues["running"] = 1
+            counters["prompt_tokens"] = round(since * 400)
+        elif self.mode == "busy_decode":
+            queues["running"] = 4
+            counters["generation_tokens"] = round(since * 120)
+            counters["kv_transfers_completed"] = self.transfers + round(since * 2)
+        return {"role": self.role, "queues": queues, "counters": counters, "prefill_inflight_oldest_age_seconds": age,
+                "kv_pages_free": 100, "kv_pages_total": 128}
+
+    def metrics(self) -> str:
+        ld = self.loads()
+        labels = f'{{model_name="m",role="{self.role}"}}'
+        lines = [f"dsv4:num_running_reqs{labels} {ld['queues']['running']}"]
+        if self.role == "prefill":
+            lines.append(f"dsv4:num_prefill_inflight_queue_reqs{labels} {ld['queues']['inflight']}")
+            lines.append(f"dsv4:prefill_inflight_oldest_age_seconds{labels} {ld['prefill_inflight_oldest_age_seconds']}")
+        else:
+            lines.append(f"dsv4:num_decode_transfer_queue_reqs{labels} {ld['queues']['transfer']}")
+        names = {"kv_transfers_completed": "kv_transfers_completed_total", "prompt_tokens": "prompt_tokens_total",
+                 "generation_tokens": "generation_tokens_total",
+                 "scheduler_loop_iterations": "scheduler_loop_iterations_total"}
+        lines += [f"dsv4:{names[k]}{labels} {v}" for k, v in ld["counters"].items() if k in names]
+        return "\n".join(lines) + "\n"
+
+    async def start(self) -> "ScriptedEngine":
+        app = aiohttp.web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/loads", self._loads)
+        app.router.add_get("/ready", self._ready)
+        app.router.add_route("*", "/{tail:.*}", self._admin)  # everything else is recorded
+        self._runner = aiohttp.web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await aiohttp.web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _metrics(self, _: aiohttp.web.Request) -> aiohttp.web.Response:
+        self.scrapes += 1
+        return aiohttp.web.Response(text=self.metrics())
+
+    async def _ready(self, _: aiohttp.web.Request) -> aiohttp.web.Response:
+        return aiohttp.web.json_response({"ready": True})
+
+    async def _loads(self, _: aiohttp.web.Request) -> aiohttp.web.Response:
+        return aiohttp.web.json_response(self.loads())
+
+    async def _admin(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
+        self.calls.append((time.monotonic(), request.method, request.path))
+        if request.path == "/debug/stacks":
+            return aiohttp.web.Response(text=f"--- thread dsv4-engine-loop ---\n  scripted {self.role} engine\n")
+        if request.path in ("/admin/abort", "/abort_request"):
+            self.abort_started.set()
+            if self.abort_gate is not None:
+                await self.abort_gate.wait()
+            self.set_mode("healthy")
+            return aiohttp.web.json_response({"aborted": "all"})
+        return aiohttp.web.json_response({"ok": True})
+
+    def admin_calls(self) -> list[str]:
+        return [path for _, _, path in self.calls]
+
+
+# ---- Pods: a StatefulSet controller and kubelet for the tests ----------------------------------------
+
+
+def pod_body(deployment: str, name: str, role: str, port: int) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS, "labels": {
+                "app.kubernetes.io/name": "dsv4", "app.kubernetes.io/instance": deployment,
+                "serving.dsv4.dev/role": role}},
+            "spec": {"containers": [{"name": "engine", "image": "reg/dsv4:1",
+                                     "ports": [{"name": "http", "containerPort": port}]}]}}
+
+
+class PodFarm:
+    """Creates engine pods that are Running and Ready at 127.0.0.1:<port>, and — standing in for
+    the StatefulSet controller — recreates a deleted pod (same name, new UID) after
+    ``recreate_after`` seconds, calling ``on_recreate(name)`` first (a new pod is a new engine)."""
+
+    def __init__(self, client: ClusterClient, cluster: WatchdogCluster, deployment: str) -> None:
+        self.client, self.cluster, self.deployment = client, cluster, deployment
+        self.pods: dict[str, tuple[str, int]] = {}  # name -> (role, port)
+        self.recreate_after: Optional[float] = None
+        self.on_recreate: Callable[[str], None] = lambda name: None
+        self.timeline: list[tuple[float, str, str]] = []  # (monotonic, "deleted"|"ready", pod)
+        self._task: Optional[asyncio.Task] = None
+
+    async def add(self, name: str, role: str, port: int) -> dict:
+        self.pods[name] = (role, port)
+        await self.client.create(pod_body(self.deployment, name, role, port), "pods")
+        pod = await self.client.patch("v1", "pods", NS, name, {"status": {
+            "phase": "Running", "podIP": "127.0.0.1",
+            "conditions": [{"type": "Ready", "status": "True"}]}}, subresource="status")
+        self.timeline.append((time.monotonic(), "ready", name))
+        return pod
+
+    def start(self) -> "PodFarm":
+        self._task = asyncio.create_task(self._controller())
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _controller(self) -> None:
+        seen = 0
+        while True:
+            await asyncio.sleep(0.05)
+            removed = self.cluster.removed_pods()
+            for when, obj in removed[seen:]:
+                name = obj["metadata"]["name"]
+                if name in self.pods:
+                    self.timeline.append((when, "deleted", name))
+                    if self.recreate_after is not None:
+                        asyncio.create_task(self._recreate(name))
+            seen = len(removed)
+
+    async def _recreate(self, name: str) -> None:
+        await asyncio.sleep(self.recreate_after or 0)
+        self.on_recreate(name)
+        role, port = self.pods[name]
+        await self.add(name, role, port)
+
+    async def get(self, name: str) -> Optional[dict]:
+        return await self.client.get("v1", "pods", NS, name)
+
+
+# ---- The operator ---------------------------------------------------------------------------------
+
+
+# ---- Resources ------------------------------------------------------------------------------------
+
+
+def deployment(name: str, *, remediation: dict, decode_env: Optional[list] = None) -> dict:
+    spec: dict[str, Any] = {
+        "model": {"name": "m", "path": "/models/m"}, "engine": {"image": "reg/dsv4:1"},
+        "remediation": {"scrapeIntervalSeconds": 0.5, "detectionWindowSeconds": 2, "cooldownSeconds": 0,
+                        **remediation}}
+    if decode_env is not None:
+        spec["decode"] = {"env": decode_env}
+    return {"apiVersion": API, "kind": "DSV4Deployment", "metadata": {"name": name, "namespace": NS}, "spec": spec}
+
+
+async def get_cr(client: ClusterClient, name: str) -> dict:
+    return await client.get(API, PLURAL, NS, name)
+
+
+def condition(cr: Optional[dict], ctype: str = "Wedged") -> dict:
+    for c in ((cr or {}).get("status") or {}).get("conditions") or []:
+        if c["type"] == ctype:
+            return c
+    return {}
+
+
+def events(cluster: KubeCluster, name: str, reason: Optional[str] = None) -> list[dict]:
+    found = [e for e in cluster.objects_of("v1/events", NS) if e["involvedObject"].get("name") == name]
+    return [e for e in found if reason is None or e["reason"] == reason]
+
+
+def evidence_maps(cluster: KubeCluster) -> list[dict]:
+    return [c for c in cluster.objects_of("v1/configmaps", NS)
+            if (c["metadata"].get("labels") or {}).get("serving.dsv4.dev/evidence") == "true"]
+
+
+def operator_calls(cluster: KubeCluster, verb: str, resource: str) -> list:
+    """The operator's (not the tests') calls of one verb on one resource."""
+    return [c for c in cluster.recorder.calls if c.verb == verb and c.resource == resource
+            and not c.agent.startswith(("dsv4-tests", "kmock/"))]
