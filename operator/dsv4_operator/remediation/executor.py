@@ -2,7 +2,8 @@
 
 - capture evidence: /debug/stacks, /v1/loads and /metrics from the engine, the pod's last log
   lines (pods/log), the spec diff since the stable revision -> a ConfigMap labelled
-  `serving.dsv4.dev/evidence=true`, owned by the DSV4Deployment;
+  `serving.dsv4.dev/evidence=true`, owned by the DSV4Deployment; only the newest
+  ``evidence_kept`` of a deployment are kept;
 - drain: label the pod `serving.dsv4.dev/draining=true` (the router drops it), POST /admin/drain;
 - abort: POST /admin/abort {"all": true} (SGLang: /abort_request {"abort_all": true});
 - restart: delete the pod with a UID precondition (its StatefulSet recreates it).
@@ -29,13 +30,15 @@ from dsv4_operator.remediation.pods import DRAINING_LABEL, EnginePod
 from dsv4_operator.remediation.report import hold_message, wedge_message
 from dsv4_operator.telemetry import OperatorMetrics
 from dsv4_operator.watchdog.detector import Verdict, verdict_to_dict
-from dsv4_operator.watchdog.evidence import build_evidence_configmap
+from dsv4_operator.watchdog.evidence import DEPLOYMENT_LABEL, EVIDENCE_LABEL, build_evidence_configmap
 from dsv4_operator.watchdog.policy import ABORT, CAPTURE_EVIDENCE, DRAIN, HELD, REPORT, RESTART, Action
 from dsv4_operator.watchdog.scrape import LOADS_PATH
 from dsv4_operator.watchdog.signals import SGLANG
 
 EventSink = Callable[[str, str, str], None]  # (type, reason, message)
 LOG_LINES = 200
+EVIDENCE_KEPT = 20  # per deployment: the newest evidence ConfigMaps; older ones are deleted
+CAPTURED_AT = "serving.dsv4.dev/captured-at"
 
 
 @dataclass(frozen=True)
@@ -76,13 +79,16 @@ class DeploymentContext:
 class KubernetesExecutor:
     def __init__(self, api: Callable[[], KubeApi], context: DeploymentContext, events: EventSink,
                  metrics: OperatorMetrics, *, admin_token: Optional[str] = None, http_timeout: float = 5.0,
-                 log_lines: int = LOG_LINES) -> None:
+                 log_lines: int = LOG_LINES, evidence_kept: int = EVIDENCE_KEPT,
+                 clock: Callable[[], float] = time.time) -> None:
         self.api = api
         self.ctx = context
         self.events = events
         self.metrics = metrics
         self.http_timeout = http_timeout
         self.log_lines = log_lines
+        self.evidence_kept = max(int(evidence_kept), 1)
+        self.clock = clock
         self.headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self.evidence: dict[str, str] = {}  # pod -> name of its latest evidence ConfigMap
         self._http: Optional[aiohttp.ClientSession] = None
@@ -152,7 +158,7 @@ class KubernetesExecutor:
             # Resumed after an operator restart: the detector's window is gone, the policy's
             # record of why is not.
             "state": "Wedged", "reason": action.reason, "details": dict(action.details), "resumed": True}
-        now = time.time()
+        now = self.clock()
         cm = build_evidence_configmap(
             deployment=self.ctx.name, namespace=self.ctx.namespace, pod=action.pod, role=action.role,
             captured_at=now, verdict=verdict_doc, stacks=stacks, loads=loads, metrics=metrics_text, logs=logs,
@@ -165,7 +171,11 @@ class KubernetesExecutor:
             if e.status != 409:  # 409: this very capture was written already (a replayed step)
                 return False, f"evidence ConfigMap {name} not written: {e}"
         self.evidence[action.pod] = name
-        note = f"not captured: {'; '.join(missing)}" if missing else None
+        notes = [f"not captured: {'; '.join(missing)}"] if missing else []
+        pruned = await self._prune_evidence(cm["metadata"]["labels"][DEPLOYMENT_LABEL])
+        if pruned:
+            notes.append(pruned)
+        note = "; ".join(notes) or None
         self.events("Normal", "EvidenceCaptured",
                     f"{action.pod} ({action.role}): ConfigMap {name}" + (f"; {note}" if note else ""))
         return True, note
@@ -236,6 +246,28 @@ class KubernetesExecutor:
                 return text, None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             return None, f"{url}: {type(e).__name__}{': ' + str(e) if str(e) else ''}"
+
+    async def _prune_evidence(self, deployment_label: str) -> Optional[str]:
+        """Delete the deployment's evidence beyond the newest ``evidence_kept``; best effort
+        (returns what went wrong, if anything)."""
+        api = self.api()
+        selector = f"{EVIDENCE_LABEL}=true,{DEPLOYMENT_LABEL}={deployment_label}"
+        try:
+            doc = await api.request("GET", resource_path("v1", "configmaps", self.ctx.namespace),
+                                    query=[("labelSelector", selector)])
+            items = sorted((doc or {}).get("items") or [], key=lambda cm: (
+                (cm["metadata"].get("annotations") or {}).get(CAPTURED_AT, ""),
+                cm["metadata"].get("creationTimestamp", ""), cm["metadata"]["name"]))
+            for old in items[:-self.evidence_kept]:
+                try:
+                    await api.request("DELETE", resource_path("v1", "configmaps", self.ctx.namespace,
+                                                              old["metadata"]["name"]))
+                except ApiError as e:
+                    if e.status != 404:
+                        raise
+        except ApiError as e:
+            return f"old evidence not pruned ({e})"
+        return None
 
     async def _pod_log(self, pod: str, missing: list[str]) -> str:
         path = resource_path("v1", "pods", self.ctx.namespace, pod, "log")

@@ -153,3 +153,15 @@ async def test_sglang_engines_are_aborted_their_way(kube_cluster: WatchdogCluste
         await h.executor.close()
     finally:
         await api.close()
+
+
+async def test_only_the_newest_evidence_is_kept(harness: Harness, kube_cluster: WatchdogCluster) -> None:
+    h = harness
+    clock = iter(range(1_800_000_000, 1_800_000_100, 7))
+    h.executor.evidence_kept, h.executor.clock = 2, lambda: float(next(clock))
+    for pod in ("flash-prefill-0", "flash-prefill-1", "flash-prefill-2"):
+        h.ctx.pods[pod] = dataclasses.replace(h.ctx.pods["flash-prefill-0"], name=pod)
+        assert (await h.executor.run(h.action(CAPTURE_EVIDENCE, pod), None))[0]
+    kept = sorted(c["metadata"]["labels"]["serving.dsv4.dev/pod"] for c in kube_cluster.objects_of("v1/configmaps", NS))
+    assert kept == ["flash-prefill-1", "flash-prefill-2"]
+    assert {("list", "", "configmaps"), ("delete", "", "configmaps")} <= kube_cluster.recorder.observed()
