@@ -16,7 +16,8 @@ app = typer.Typer(
 )
 model_app = typer.Typer(no_args_is_help=True, help="Make and inspect model checkpoints.")
 app.add_typer(model_app, name="model")
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (us vs the peer, side by side).")
+from dsv4_engine.bench_cli import app as bench_app  # noqa: E402  (light: typer only)
+
 app.add_typer(bench_app, name="bench")
 
 
