@@ -16,7 +16,7 @@ from typing import Any, List, Optional
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Benchmarks (us vs the peer, side by side).")
+app = typer.Typer(rich_markup_mode=None, add_completion=False, no_args_is_help=True, help="Benchmarks (us vs the peer, side by side).")
 
 
 def bench_dir() -> Path:

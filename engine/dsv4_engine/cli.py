@@ -9,12 +9,14 @@ from typing import List, Optional
 
 import typer
 
+# rich_markup_mode=None: a bad flag is click's plain "Error: ..." line, not a drawn box.
 app = typer.Typer(
+    rich_markup_mode=None,
     add_completion=False,
     no_args_is_help=True,
     help="dsv4: serve DeepSeek-style MoE models with prefill/decode disaggregation.",
 )
-model_app = typer.Typer(no_args_is_help=True, help="Make and inspect model checkpoints.")
+model_app = typer.Typer(rich_markup_mode=None, no_args_is_help=True, help="Make and inspect model checkpoints.")
 app.add_typer(model_app, name="model")
 from dsv4_engine.bench_cli import app as bench_app  # noqa: E402  (light: typer only)
 

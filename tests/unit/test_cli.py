@@ -1,0 +1,43 @@
+"""The CLI contract: every command has --help; a bad flag or a missing model exits non-zero
+with a clear error line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+COMMANDS = [["model", "init"], ["serve"], ["router"], ["up"], ["operator"], ["bench", "serve"], ["bench", "pd"], ["bench", "nixl"]]
+
+
+def dsv4(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dsv4_engine.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=" ".join)
+def test_help(cmd):
+    r = dsv4(*cmd, "--help")
+    assert r.returncode == 0 and "Usage:" in r.stdout
+
+
+@pytest.mark.parametrize("cmd", COMMANDS, ids=" ".join)
+def test_bad_flag_is_one_clear_error(cmd):
+    r = dsv4(*cmd, "--no-such-flag")
+    assert r.returncode == 2
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("Error:")]
+    assert errors == ["Error: No such option: --no-such-flag"] or (len(errors) == 1 and "--no-such-flag" in errors[0]), r.stderr
+
+
+@pytest.mark.parametrize("args", [["serve", "--model", "/nonexistent"], ["up", "--model", "/nonexistent"]])
+def test_missing_model_is_one_line(args):
+    r = dsv4(*args)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == ["error: no model at /nonexistent (expected /nonexistent/config.json); make one with `dsv4 model init DIR`"]
+
+
+def test_bad_values():
+    assert "--role must be" in dsv4("serve", "--model", "/x", "--role", "chef").stderr
+    assert "unknown preset" in dsv4("model", "init", "/tmp/never", "--preset", "huge").stderr
+    r = dsv4("router", "--prefill", "http://127.0.0.1:1")
+    assert r.returncode == 2 and "needs at least one --prefill and one --decode" in r.stderr
