@@ -20,7 +20,10 @@ app = typer.Typer(rich_markup_mode=None, add_completion=False, no_args_is_help=T
 
 
 def bench_dir() -> Path:
-    d = Path(os.environ.get("DSV4_BENCH_DIR") or Path(__file__).resolve().parents[2] / "bench")
+    # An installed wheel has no bench/: look beside the sources, then in the current checkout.
+    candidates = [Path(os.environ["DSV4_BENCH_DIR"])] if os.environ.get("DSV4_BENCH_DIR") else [
+        Path(__file__).resolve().parents[2] / "bench", Path.cwd() / "bench"]
+    d = next((c for c in candidates if (c / "serve_bench.py").is_file()), candidates[0])
     if not (d / "serve_bench.py").is_file():
         typer.echo(f"error: no benchmarks at {d}; run from a dsv4 source checkout or set DSV4_BENCH_DIR", err=True)
         raise typer.Exit(code=2)
