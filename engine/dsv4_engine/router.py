@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import random
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional

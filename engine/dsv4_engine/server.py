@@ -13,7 +13,7 @@ import sys
 import time
 import traceback
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import AsyncIterator, Optional
 
 import uvicorn
@@ -30,38 +30,21 @@ log = logging.getLogger("dsv4.server")
 
 
 @dataclass
-class ServerArgs:
-    model: str
-    role: str = "mono"
+class ServerArgs(EngineArgs):
+    """Everything `dsv4 serve` takes: the engine's arguments plus the server's and PD's."""
+
     host: str = "127.0.0.1"
     port: int = 8100
     bootstrap_port: int = 9100
-    dtype: str = "float32"
-    served_model_name: str = "dsv4"
-    kv_pages: Optional[int] = None
-    kv_memory_gb: float = 1.0
-    page_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    max_model_len: Optional[int] = None
-    kernel_backend: Optional[str] = None
-    device: Optional[str] = None
     bootstrap_timeout: float = 30.0
     transfer_timeout: float = 30.0
     waiting_timeout: float = 60.0
     deadlines: bool = True
     enable_fault_injection: bool = False
     admin_token: Optional[str] = None
-    seed: int = 0
 
     def engine_args(self) -> EngineArgs:
-        return EngineArgs(
-            model=self.model, role=self.role, dtype=self.dtype, served_model_name=self.served_model_name,
-            kv_pages=self.kv_pages, kv_memory_gb=self.kv_memory_gb, page_size=self.page_size,
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=self.max_model_len, kernel_backend=self.kernel_backend, device=self.device,
-            seed=self.seed,
-        )
+        return EngineArgs(**{f.name: getattr(self, f.name) for f in fields(EngineArgs)})
 
 
 def error_response(e: APIError) -> JSONResponse:

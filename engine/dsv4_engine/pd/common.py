@@ -60,6 +60,15 @@ class PDRequestInfo:
         return self.deadline is not None and now >= self.deadline
 
 
+def fail_request(engine, seq, code: int, msg: str, counter: Optional[str] = None) -> None:
+    """End a PD request with an error the client can read; `counter` is the metric it moves."""
+    if counter:
+        engine.metrics.inc(counter)
+    seq.pd.state = PDState.FAILED
+    log.warning("request %s room %s failed: %s", seq.rid, seq.pd.room, msg)
+    engine.finish(seq, "error", error=msg, error_code=code)
+
+
 FAULTS = ("stall_transfer", "fail_transfer", "drop_notification", "delay_bootstrap", "crash", "disable_deadlines")
 
 

@@ -18,7 +18,7 @@ from collections import deque
 from typing import Optional
 
 from dsv4_engine.pd.common import (
-    BOOT_ID, HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, FaultInjector, Outbound, PDState,
+    BOOT_ID, HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, FaultInjector, Outbound, PDState, fail_request,
 )
 from dsv4_engine.pd.transfer import KVTransferAgent
 from dsv4_engine.sequence import Sequence
@@ -155,11 +155,7 @@ class DecodeController:
             self._fail(seq, 502, f"prefill failed this request: {reason}", "num_transfer_failed_reqs")
 
     def _fail(self, seq: Sequence, code: int, msg: str, counter: Optional[str] = None) -> None:
-        if counter:
-            self.engine.metrics.inc(counter)
-        seq.pd.state = PDState.FAILED
-        log.warning("request %s room %s failed: %s", seq.rid, seq.pd.room, msg)
-        self.engine.finish(seq, "error", error=msg, error_code=code)
+        fail_request(self.engine, seq, code, msg, counter)
 
     def on_finish(self, seq: Sequence) -> None:
         pd = seq.pd
