@@ -96,6 +96,51 @@ def _seqs(engine, batch: int, prompt_len: int, max_tokens: int, seed: int):
             for i, p in enumerate(prompts)]
 
 
+def closed_loop(engine, concurrency: int, total: int, prompt_len: int, new_tokens: int, seed: int = 3) -> dict:
+    """The serving pattern without HTTP: `concurrency` requests in flight, each finished one
+    replaced by the next, the engine stepped from here. Also counts the steps that mixed
+    prefill with decode (those run every request through mla_extend, not mla_decode)."""
+    from dsv4_engine import model_runner
+
+    prompts = loadgen.random_prompts(total, prompt_len, engine.cfg.vocab_size, seed)
+    finished: list = []
+    kinds = {"decode_only": 0, "mixed_or_prefill": 0}
+    build = model_runner.ModelRunner.build_batch
+
+    def counting_build(self, batch, page_size):
+        fb = build(self, batch, page_size)
+        kinds["decode_only" if fb.all_decode else "mixed_or_prefill"] += 1
+        return fb
+
+    def add(i: int) -> None:
+        from dsv4_engine.sampling import SamplingParams
+        from dsv4_engine.sequence import Sequence
+
+        seq = Sequence(rid=f"loop-{seed}-{i}", prompt_ids=prompts[i],
+                       params=SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+        seq.sink = lambda out: finished.append(out) if out.finished else None
+        engine._add(seq)
+
+    model_runner.ModelRunner.build_batch = counting_build
+    try:
+        nxt = min(concurrency, total)
+        for i in range(nxt):
+            add(i)
+        t0 = time.perf_counter()
+        while len(finished) < total:
+            before = len(finished)
+            engine.step()
+            for _ in range(len(finished) - before):
+                if nxt < total:
+                    add(nxt)
+                    nxt += 1
+        wall = time.perf_counter() - t0
+    finally:
+        model_runner.ModelRunner.build_batch = build
+    return {"concurrency": concurrency, "requests": total, "wall_s": round(wall, 3),
+            "output_tok_s": round(total * new_tokens / wall, 1), "steps": kinds}
+
+
 def profile(model: Path, batch: int = 32, prompt_len: int = 128, steps: int = 32, out_dir: Optional[Path] = None,
             dtype: str = "float32", max_num_batched_tokens: int = 1024, top: int = 20) -> dict:
     import torch
@@ -160,7 +205,12 @@ def profile(model: Path, batch: int = 32, prompt_len: int = 128, steps: int = 32
     ops_rows = sorted(tp.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
     op_total = sum(e.self_cpu_time_total for e in tp.key_averages()) or 1
 
+    engine.abort(all_=True)  # the profiled requests still hold slots and pages
+    engine.step()
+    loop = closed_loop(engine, batch, 2 * batch, prompt_len, steps)
+
     result = {
+        "closed_loop_in_process": loop,
         "batch": batch, "prompt_len": prompt_len, "decode_steps": steps, "dtype": dtype,
         "torch_threads": torch.get_num_threads(),
         "prefill": {"steps": n_prefill, "wall_s": round(prefill_wall, 4),
@@ -182,6 +232,7 @@ def profile(model: Path, batch: int = 32, prompt_len: int = 128, steps: int = 32
                 f"\ndecode: {result['decode']['step_ms']} ms/step with timers+cProfile, "
                 f"{result['decode']['step_ms_without_cprofile_or_timers']} ms/step without",
                 *(f"  {r['function']:60s} {r['ms_per_step']:9.2f} ms/step {r['share_of_step']:6.1%}" for r in decode_breakdown),
+                f"\nclosed loop in process (no HTTP): {loop}",
                 "\ndecode, python functions by own time (cProfile):", python_top,
                 "decode, torch ops by self CPU time (torch.profiler):", ops_top]
         (out_dir / "serve_profile.txt").write_text("\n".join(text))

