@@ -1,12 +1,15 @@
 """RBAC proof: the Helm chart grants the operator every API call it makes, and nothing broader
 than a list justified here.
 
-The real operator (kopf, handlers, health server, `serve_operator` as `dsv4 operator` runs it)
-works through a scenario against the kmock-based API server (tests/integration/kmock_cluster.py),
-which records every call as RBAC sees it: (verb, apiGroup, resource[/subresource]). The scenario
-covers what the operator does today: create, update, a deleted child put back, a spec it cannot
-act on, status as the children become ready, and deletion. Then, for each watch scope of the
-chart, `helm template` renders the (Cluster)Role and this test checks:
+The real operator (kopf, handlers, the wedge watchdog daemon, health server, `serve_operator` as
+`dsv4 operator` runs it) works through a scenario against the kmock-based API server
+(tests/integration/kmock_cluster.py, with the watchdog harness's pods/log and DELETE
+preconditions), which records every call as RBAC sees it: (verb, apiGroup, resource[/subresource]).
+Two parts run side by side in one operator: the reconciler's (create, update, a deleted child put
+back, a spec it cannot act on, status as the children become ready, deletion) and the watchdog's
+(a wedged prefill pod captured, drained, aborted and restarted end to end, with evidence past its
+retention pruned). Then, for each watch scope of the chart, `helm template` renders the
+(Cluster)Role and this test checks:
 - every recorded call is granted, and (namespaced scope) every call stays inside the watched
   namespaces, so a Role in each of them is enough;
 - every grant was either recorded or is in JUSTIFIED below, with its reason; no wildcards.
@@ -20,39 +23,38 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, AsyncIterator, Optional
 
+import kmock
 import pytest
+import pytest_asyncio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: chart_testutil
+sys.path.insert(0, str(Path(__file__).resolve().parent / "watchdog"))  # watchdog_harness
 
 from chart_testutil import grants, helm_template, rbac_rules  # noqa: E402
-from kmock_cluster import *  # noqa: E402,F401,F403  (fixtures: kube_cluster, kube_client, api_calls)
-from kmock_cluster import ApiCallRecorder, ClusterClient, KubeCluster, eventually  # noqa: E402
+from kmock_cluster import *  # noqa: E402,F401,F403  (fixtures: kube_client, kubeconfig, api_calls)
+from kmock_cluster import ApiCallRecorder, ClusterClient, eventually  # noqa: E402
+from watchdog_harness import (  # noqa: E402
+    NS, PodFarm, ScriptedEngine, WatchdogCluster, deployment, events, evidence_maps,
+)
 
 from dsv4_operator.crd import build_crd  # noqa: E402
 from dsv4_operator.main import make_settings, serve_operator  # noqa: E402
+from dsv4_operator.remediation.executor import EVIDENCE_KEPT  # noqa: E402
+from dsv4_operator.watchdog.evidence import build_evidence_configmap  # noqa: E402
 
 API = "serving.dsv4.dev/v1alpha1"
 PLURAL = "dsv4deployments"
-NAMESPACES = ["ns1", "ns2"]
+NAMESPACES = ["ns1", "ns2", NS]  # NS: the watchdog part's namespace
 
-# Granted although the scenario does not call them (yet), each for a reason. An entry here that
-# the chart stops granting fails the test, so the list cannot outlive the grants it explains.
-WATCHDOG = "the wedge watchdog (issue 5), not yet wired into the kopf operator"
+# Granted although the scenario does not call them, each for a reason. An entry here that the
+# chart stops granting fails the test, so the list cannot outlive the grants it explains.
+ROUTER_ROLE = ("the operator creates the router's Role, which grants it; the API server refuses a Role granting "
+               "what its creator does not hold (an escalation check the emulator does not make)")
 JUSTIFIED: dict[tuple[str, str, str], str] = {
-    ("", "pods", "get"): f"{WATCHDOG}: reads a pod before acting; also held so that the operator may create the "
-                         "router's Role (get/list/watch pods): RBAC only lets a subject grant what it holds",
-    ("", "pods", "list"): f"{WATCHDOG}: finds the engine pods of a deployment; router Role, as above",
-    ("", "pods", "watch"): f"{WATCHDOG}: follows the engine pods; router Role, as above",
-    ("", "pods", "patch"): f"{WATCHDOG}: labels a wedged pod serving.dsv4.dev/draining=true",
-    ("", "pods", "delete"): f"{WATCHDOG}: restarts a wedged pod (its StatefulSet recreates it)",
-    ("", "pods/log", "get"): f"{WATCHDOG}: the pod's last log lines go into the evidence",
-    ("", "configmaps", "create"): f"{WATCHDOG}: writes the evidence ConfigMap",
-    ("", "configmaps", "get"): f"{WATCHDOG}: reads back its evidence record (resumable remediation)",
-    ("", "configmaps", "list"): f"{WATCHDOG}: lists evidence ConfigMaps by label for retention",
-    ("", "configmaps", "delete"): f"{WATCHDOG}: deletes evidence past its retention",
-    ("events.k8s.io", "events", "create"): f"{WATCHDOG}: posts WedgeDetected/Restarted/... as events.k8s.io/v1",
+    ("", "pods", "get"): ROUTER_ROLE,
+    ("", "pods", "watch"): ROUTER_ROLE,
 }
 # What the scenario must have seen, or it did not exercise the operator and proves nothing.
 MUST_RECORD = {
@@ -61,7 +63,21 @@ MUST_RECORD = {
     ("apps", "statefulsets", "patch"), ("apps", "statefulsets", "watch"), ("apps", "deployments", "create"),
     ("rbac.authorization.k8s.io", "roles", "create"), ("rbac.authorization.k8s.io", "rolebindings", "create"),
     ("", "services", "create"), ("", "serviceaccounts", "create"), ("", "events", "create"),
+    # The watchdog: finds the engine pods, labels the wedged one draining, restarts it, keeps its
+    # log and the rest as an evidence ConfigMap, prunes evidence past retention, reads and writes
+    # the resource (state annotations, status).
+    ("", "pods", "list"), ("", "pods", "patch"), ("", "pods", "delete"), ("", "pods/log", "get"),
+    ("", "configmaps", "create"), ("", "configmaps", "list"), ("", "configmaps", "delete"),
+    ("serving.dsv4.dev", "dsv4deployments", "get"), ("serving.dsv4.dev", "dsv4deployments", "patch"),
 }
+
+
+@pytest_asyncio.fixture
+async def kube_cluster() -> AsyncIterator[WatchdogCluster]:
+    """The shared emulator plus what the watchdog needs of an API server: pods/log text and
+    DELETE preconditions (replaces kmock_cluster's fixture of the same name)."""
+    async with WatchdogCluster() as cluster, kmock.Server(cluster):
+        yield cluster
 
 
 def free_port() -> int:
@@ -116,40 +132,70 @@ async def children(client: ClusterClient, ns: str, name: str) -> list[dict]:
     return [*await client.list("apps/v1", "statefulsets", ns, sel), *await client.list("apps/v1", "deployments", ns, sel)]
 
 
-async def run_scenario(cluster: KubeCluster, client: ClusterClient, kubeconfig: Path, namespaces: list[str]) -> None:
+async def run_scenario(cluster: WatchdogCluster, client: ClusterClient, kubeconfig: Path,
+                       namespaces: list[str]) -> None:
     # A CRD without the replicas minimum, so that a spec the operator refuses can reach it.
     crd = copy.deepcopy(build_crd())
     crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["prefill"][
         "properties"]["replicas"].pop("minimum")
     cluster.register_crd(crd)
     async with Operator(kubeconfig, namespaces):
-        await client.create(resource("flash", "ns1"), PLURAL)
-        await eventually(lambda: observed(client, "ns1", "flash", 1), timeout=20)
-        # The controllers report ready workloads (the emulator has none): status follows.
-        for obj in await children(client, "ns1", "flash"):
-            plural = "statefulsets" if obj["kind"] == "StatefulSet" else "deployments"
-            n = obj["spec"].get("replicas", 1)
-            await client.patch("apps/v1", plural, "ns1", obj["metadata"]["name"], {"status": {
-                "observedGeneration": obj["metadata"]["generation"], "replicas": n, "readyReplicas": n,
-                "updatedReplicas": n, "availableReplicas": n}}, subresource="status")
-        # An update rolls through; a deleted child is put back.
-        await client.patch(API, PLURAL, "ns1", "flash", {"spec": {"decode": {"replicas": 2}}})
-        await eventually(lambda: observed(client, "ns1", "flash", 2), timeout=20)
-        old = await client.get("apps/v1", "statefulsets", "ns1", "flash-decode")
-        await client.delete("apps/v1", "statefulsets", "ns1", "flash-decode")
-
-        async def restored() -> bool:
-            sts = await client.get("apps/v1", "statefulsets", "ns1", "flash-decode")
-            return sts is not None and sts["metadata"]["uid"] != old["metadata"]["uid"]
-
-        await eventually(restored, timeout=20)
-        # A spec it cannot act on: a condition and a Warning Event, no children.
-        await client.create(resource("broken", "ns2", prefill={"replicas": -1}), PLURAL)
-        await eventually(lambda: observed(client, "ns2", "broken", 1), timeout=20)
-        # Deletion: the garbage collector takes the children; the operator must not fight it.
-        await client.delete(API, PLURAL, "ns1", "flash")
-        await eventually(lambda: _none_left(client), timeout=20)
+        await asyncio.gather(reconcile_scenario(client), watchdog_scenario(cluster, client))
         await asyncio.sleep(0.3)
+
+
+async def reconcile_scenario(client: ClusterClient) -> None:
+    await client.create(resource("flash", "ns1"), PLURAL)
+    await eventually(lambda: observed(client, "ns1", "flash", 1), timeout=20)
+    # The controllers report ready workloads (the emulator has none): status follows.
+    for obj in await children(client, "ns1", "flash"):
+        plural = "statefulsets" if obj["kind"] == "StatefulSet" else "deployments"
+        n = obj["spec"].get("replicas", 1)
+        await client.patch("apps/v1", plural, "ns1", obj["metadata"]["name"], {"status": {
+            "observedGeneration": obj["metadata"]["generation"], "replicas": n, "readyReplicas": n,
+            "updatedReplicas": n, "availableReplicas": n}}, subresource="status")
+    # An update rolls through; a deleted child is put back.
+    await client.patch(API, PLURAL, "ns1", "flash", {"spec": {"decode": {"replicas": 2}}})
+    await eventually(lambda: observed(client, "ns1", "flash", 2), timeout=20)
+    old = await client.get("apps/v1", "statefulsets", "ns1", "flash-decode")
+    await client.delete("apps/v1", "statefulsets", "ns1", "flash-decode")
+
+    async def restored() -> bool:
+        sts = await client.get("apps/v1", "statefulsets", "ns1", "flash-decode")
+        return sts is not None and sts["metadata"]["uid"] != old["metadata"]["uid"]
+
+    await eventually(restored, timeout=20)
+    # A spec it cannot act on: a condition and a Warning Event, no children.
+    await client.create(resource("broken", "ns2", prefill={"replicas": -1}), PLURAL)
+    await eventually(lambda: observed(client, "ns2", "broken", 1), timeout=20)
+    # Deletion: the garbage collector takes the children; the operator must not fight it.
+    await client.delete(API, PLURAL, "ns1", "flash")
+    await eventually(lambda: _none_left(client), timeout=20)
+
+
+async def watchdog_scenario(cluster: WatchdogCluster, client: ClusterClient) -> None:
+    """A wedged prefill pod remediated end to end, with as much old evidence as is kept already,
+    so that the new record pushes the oldest out."""
+    name, pod = "healer", "healer-prefill-0"
+    for i in range(EVIDENCE_KEPT):
+        await client.create(build_evidence_configmap(
+            deployment=name, namespace=NS, pod=pod, role="prefill", captured_at=1_000_000_000 + 60 * i,
+            verdict={"reason": "stuck_inflight"}), "configmaps")
+    oldest = min(evidence_maps(cluster), key=lambda cm: cm["metadata"]["name"])["metadata"]["name"]
+    await client.create(deployment(name, remediation={"scrapeIntervalSeconds": 0.25, "detectionWindowSeconds": 1}),
+                        "dsv4deployments")
+    engine = await ScriptedEngine("prefill").start()
+    farm = PodFarm(client, cluster, name)
+    try:
+        engine.reset("wedged")
+        cluster.pod_logs[(NS, pod)] = lambda: "engine log line\n"
+        await farm.add(pod, "prefill", engine.port)
+        await eventually(lambda: events(cluster, name, "Restarted"), timeout=20)
+    finally:
+        await engine.stop()
+    assert engine.admin_calls() == ["/debug/stacks", "/admin/drain", "/admin/abort"]
+    kept = {cm["metadata"]["name"] for cm in evidence_maps(cluster)}
+    assert len(kept) == EVIDENCE_KEPT and oldest not in kept, "the watchdog pruned the oldest evidence"
 
 
 async def _none_left(client: ClusterClient) -> bool:
@@ -161,7 +207,7 @@ def recorded_grants(recorder: ApiCallRecorder) -> set[tuple[str, str, str]]:
 
 
 @pytest.mark.parametrize("scope", ["cluster", "namespaces"])
-async def test_the_chart_grants_exactly_what_the_operator_calls(scope: str, kube_cluster: KubeCluster,
+async def test_the_chart_grants_exactly_what_the_operator_calls(scope: str, kube_cluster: WatchdogCluster,
                                                                 kube_client: ClusterClient, kubeconfig: Path,
                                                                 api_calls: ApiCallRecorder) -> None:
     namespaces = [] if scope == "cluster" else NAMESPACES
@@ -184,6 +230,12 @@ async def test_the_chart_grants_exactly_what_the_operator_calls(scope: str, kube
     stale = set(JUSTIFIED) - granted
     assert not stale, f"JUSTIFIED explains grants the chart no longer makes: {sorted(stale)}"
     assert not any("*" in part for g in granted for part in g), "no wildcards"
+    # The router-Role reason holds: the operator did write a Role that grants each of those.
+    router_roles = kube_cluster.objects_of("rbac.authorization.k8s.io/v1/roles")
+    assert router_roles, "the scenario created no router Role"
+    written = grants(rule for role in router_roles for rule in role["rules"])
+    for grant, why in JUSTIFIED.items():
+        assert why != ROUTER_ROLE or grant in written, f"no Role the operator wrote grants {grant}"
 
     operator_calls = [c for c in api_calls.calls if not c.agent.startswith(("dsv4-tests", "kmock/"))]
     assert operator_calls

@@ -73,23 +73,21 @@ records the operator's calls against an API server and checks this list against 
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["create", "patch"]
-# The wedge watchdog: reads engine pods, labels one draining, deletes (restarts) it, and keeps
-# its last log lines as evidence.
+# The wedge watchdog: lists engine pods, labels one draining, deletes (restarts) it, and keeps
+# its last log lines as evidence. get and watch it never calls: the router's Role grants them.
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch", "patch", "delete"]
 - apiGroups: [""]
   resources: ["pods/log"]
   verbs: ["get"]
-# Evidence ConfigMaps (label serving.dsv4.dev/evidence=true), with retention.
+# Evidence ConfigMaps (label serving.dsv4.dev/evidence=true): written, then listed by label and
+# the oldest deleted past retention; never read back one by one.
 - apiGroups: [""]
   resources: ["configmaps"]
-  verbs: ["get", "list", "create", "delete"]
-# Events: kopf posts core/v1 Events; the watchdog posts events.k8s.io/v1 Events.
+  verbs: ["list", "create", "delete"]
+# Events: kopf posts core/v1 Events, the watchdog's included (through kopf.event).
 - apiGroups: [""]
-  resources: ["events"]
-  verbs: ["create"]
-- apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create"]
 {{- end -}}
