@@ -72,14 +72,16 @@ def pyplot():
     return plt
 
 
-def grouped_bars(ax, groups: list[str], series: dict[str, list[Optional[float]]], title: str, ylabel: str) -> None:
-    """One bar per series in each group; a missing value leaves a gap (and says n/a)."""
+def grouped_bars(ax, groups: list[str], series: dict[str, list[Optional[float]]], title: str, ylabel: str,
+                 colors: Optional[dict[str, str]] = None) -> None:
+    """One bar per series in each group; a missing value leaves a gap (and says n/a). `colors`
+    keeps a side's colour the same in every panel."""
     n = max(1, len(series))
     width = 0.8 / n
     for k, (label, values) in enumerate(series.items()):
         xs = [i + (k - (n - 1) / 2) * width for i in range(len(groups))]
         ys = [v if v is not None else 0.0 for v in values]
-        bars = ax.bar(xs, ys, width, label=label)
+        bars = ax.bar(xs, ys, width, label=label, color=(colors or {}).get(label))
         for b, v in zip(bars, values):
             ax.annotate("n/a" if v is None else f"{v:,.0f}" if v >= 10 else f"{v:.2f}",
                         (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=7)

