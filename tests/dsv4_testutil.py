@@ -12,6 +12,30 @@ from pathlib import Path
 import httpx
 
 
+def free_port_block(offsets=(0, 1, 2, 3, 100, 101)) -> int:
+    """A base port P with P+offset free for every offset (`dsv4 up --port P` puts engines on
+    P+1.. and prefill bootstrap ports on P+100..). Drawn below the kernel's ephemeral range so
+    outgoing connections of other tests do not take them meanwhile."""
+    import random
+
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 30000)
+        socks = []
+        try:
+            for off in offsets:
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + off))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free block of ports found")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

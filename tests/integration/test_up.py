@@ -11,13 +11,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dsv4_testutil import Proc, free_port
+from dsv4_testutil import Proc, free_port_block
 
 WINDOW = 4.0
 
 
 def start_up(tmp: Path, model: Path, *extra: str) -> tuple[Proc, str, Path]:
-    port = free_port()
+    port = free_port_block()
     evidence = tmp / "evidence"
     proc = Proc(["up", "--model", model, "--port", port, "--enable-fault-injection", "--detection-window", WINDOW,
                  "--scrape-interval", 0.5, "--evidence-dir", evidence, *extra], tmp / "up.log",
