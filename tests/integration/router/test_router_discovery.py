@@ -4,11 +4,9 @@ Kubernetes API (kmock): pods join, draining pods and deleted pods leave."""
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from pathlib import Path
 
-import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/integration: shared helpers
 
