@@ -362,6 +362,13 @@ def build_app(engine: Engine, args: ServerArgs) -> FastAPI:
 
     @app.get("/v1/loads")
     async def loads():
+        # Read without stopping the engine thread: a queue that changes size mid-read raises
+        # RuntimeError, and the next read is consistent again.
+        for _ in range(5):
+            try:
+                return engine.loads()
+            except RuntimeError:
+                await asyncio.sleep(0.001)
         return engine.loads()
 
     @app.post("/admin/drain")
