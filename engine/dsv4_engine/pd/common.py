@@ -18,7 +18,7 @@ log = logging.getLogger("dsv4.pd")
 
 BOOT_ID = uuid.uuid4().hex[:12]  # one per process: a restarted peer is a different peer
 HEARTBEAT_INTERVAL_S = 1.0
-HEARTBEAT_MISSES = 3  # this many intervals without an answer and the peer is declared dead
+HEARTBEAT_MISSES = 5  # this many intervals without an answer and the peer is declared dead (3 was too tight on busy 2-core machines)
 
 
 class PDState(enum.Enum):
