@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any, Mapping, Optional
 
 log = logging.getLogger("dsv4.router.discovery")
@@ -62,7 +63,8 @@ async def watch_pods(router, namespace: str, selector: Optional[str]) -> None:
     try:
         config.load_incluster_config()
     except ConfigException:
-        await config.load_kube_config()
+        # KUBECONFIG read now: the library's default path was fixed when it was first imported.
+        await config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
     async with client.ApiClient() as api_client:
         api = client.CoreV1Api(api_client)
         while True:
