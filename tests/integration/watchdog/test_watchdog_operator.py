@@ -236,7 +236,14 @@ async def test_wedges_after_a_spec_change_name_it_and_roll_back_once(
     change = "decode.env SPLIT_KV_TARGET changed from 256 to 512"
     assert change in rolled["message"] and f"rolled back to stable revision {good}" in rolled["message"]
     assert await _decode_env(kube_client) == [{"name": "SPLIT_KV_TARGET", "value": "256"}]
-    cr = await get_cr(kube_client, "flash")
+
+    async def status_after_rollback() -> Optional[dict]:
+        # The RolledBack event is posted before that round's status write lands.
+        cr = await get_cr(kube_client, "flash")
+        last = (cr.get("status") or {}).get("lastRemediation") or {}
+        return cr if last.get("action") == "rollback" and condition(cr).get("status") == "True" else None
+
+    cr = await eventually(status_after_rollback, timeout=DETECT)
     cond = condition(cr)
     assert cond["status"] == "True" and cond["reason"] == "WedgedAfterSpecChange"
     assert change in cond["message"] and good in cond["message"]
