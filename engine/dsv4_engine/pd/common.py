@@ -69,6 +69,31 @@ def fail_request(engine, seq, code: int, msg: str, counter: Optional[str] = None
     engine.finish(seq, "error", error=msg, error_code=code)
 
 
+class PDController:
+    """What the prefill and decode controllers share: their NIXL agent, outbound HTTP, the
+    deadline switch and how a request fails."""
+
+    def __init__(self, engine, args, faults: "FaultInjector", role: str):
+        from dsv4_engine.pd.transfer import KVTransferAgent
+
+        self.engine = engine
+        self.args = args
+        self.faults = faults
+        self.deadlines = args.deadlines
+        self.agent = KVTransferAgent(f"{role}-{BOOT_ID}", engine.pool.tensor, default_timeout_s=None)
+        self.out = Outbound(engine.call)
+
+    def _timeout(self, seconds: float) -> Optional[float]:
+        return seconds if self.deadlines and not self.faults.active("disable_deadlines") else None
+
+    def _fail(self, seq, code: int, msg: str, counter: Optional[str] = None) -> None:
+        fail_request(self.engine, seq, code, msg, counter)
+
+    def close(self) -> None:
+        self.out.close()
+        self.agent.close()
+
+
 FAULTS = ("stall_transfer", "fail_transfer", "drop_notification", "delay_bootstrap", "crash", "disable_deadlines")
 
 

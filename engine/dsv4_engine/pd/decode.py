@@ -18,31 +18,23 @@ from collections import deque
 from typing import Optional
 
 from dsv4_engine.pd.common import (
-    BOOT_ID, HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, FaultInjector, Outbound, PDState, fail_request,
+    BOOT_ID, HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, FaultInjector, PDController, PDState,
 )
-from dsv4_engine.pd.transfer import KVTransferAgent
+
 from dsv4_engine.sequence import Sequence
 
 log = logging.getLogger("dsv4.pd.decode")
 
 
-class DecodeController:
+class DecodeController(PDController):
     def __init__(self, engine, args, faults: FaultInjector):
-        self.engine = engine
-        self.args = args
-        self.faults = faults
-        self.deadlines = args.deadlines
-        self.agent = KVTransferAgent(f"decode-{BOOT_ID}", engine.pool.tensor, default_timeout_s=None)
-        self.out = Outbound(engine.call)
+        super().__init__(engine, args, faults, "decode")
         self.url = f"http://{args.host}:{args.port}"
         self.prealloc: deque[Sequence] = deque()
         self.registering: dict[int, Sequence] = {}
         self.transfer: dict[int, Sequence] = {}
         # Per prefill bootstrap address: its boot id, when it last answered, heartbeat in flight.
         self.prefills: dict[str, dict] = {}
-
-    def _timeout(self, seconds: float) -> Optional[float]:
-        return seconds if self.deadlines and not self.faults.active("disable_deadlines") else None
 
     def on_new(self, seq: Sequence) -> None:
         seq.pd.enter(PDState.BOOTSTRAPPING, self._timeout(self.args.bootstrap_timeout))
@@ -154,9 +146,6 @@ class DecodeController:
             seq.pd.peer_url = "told"  # no echo back
             self._fail(seq, 502, f"prefill failed this request: {reason}", "num_transfer_failed_reqs")
 
-    def _fail(self, seq: Sequence, code: int, msg: str, counter: Optional[str] = None) -> None:
-        fail_request(self.engine, seq, code, msg, counter)
-
     def on_finish(self, seq: Sequence) -> None:
         pd = seq.pd
         was_waiting = pd.room in self.transfer or pd.room in self.registering or seq in self.prealloc
@@ -174,7 +163,3 @@ class DecodeController:
     def loads(self) -> tuple[dict, dict]:
         return ({"prealloc": len(self.prealloc) + len(self.registering), "transfer": len(self.transfer)},
                 {"deadlines": self._timeout(1.0) is not None, "boot_id": BOOT_ID})
-
-    def close(self) -> None:
-        self.out.close()
-        self.agent.close()

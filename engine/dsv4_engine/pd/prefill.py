@@ -15,12 +15,11 @@ import os
 import queue
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 from dsv4_engine.pd.common import (
-    BOOT_ID, HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, FaultInjector, Outbound, PDState, fail_request,
+    BOOT_ID, HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, FaultInjector, PDController, PDState,
 )
-from dsv4_engine.pd.transfer import KVTransferAgent, TransferState
+from dsv4_engine.pd.transfer import TransferState
 from dsv4_engine.sequence import Sequence
 
 log = logging.getLogger("dsv4.pd.prefill")
@@ -40,14 +39,9 @@ class Registration:
     apply_at: float
 
 
-class PrefillController:
+class PrefillController(PDController):
     def __init__(self, engine, args, faults: FaultInjector):
-        self.engine = engine
-        self.args = args
-        self.faults = faults
-        self.deadlines = args.deadlines
-        self.agent = KVTransferAgent(f"prefill-{BOOT_ID}", engine.pool.tensor, default_timeout_s=None)
-        self.out = Outbound(engine.call)
+        super().__init__(engine, args, faults, "prefill")
         self.bootstrap: dict[int, Sequence] = {}
         self.inflight: dict[int, Sequence] = {}
         self.registrations: "queue.Queue[Registration]" = queue.Queue()  # filled by the bootstrap server
@@ -71,9 +65,6 @@ class PrefillController:
         self.decode_heartbeats[decode_boot] = time.monotonic()
 
     # ---- engine-thread hooks ---------------------------------------------------------------------
-
-    def _timeout(self, seconds: float) -> Optional[float]:
-        return seconds if self.deadlines and not self.faults.active("disable_deadlines") else None
 
     def on_new(self, seq: Sequence) -> None:
         seq.pd.enter(PDState.BOOTSTRAPPING, self._timeout(self.args.bootstrap_timeout))
@@ -203,9 +194,6 @@ class PrefillController:
             self.engine.metrics.inc("num_aborted_reqs")
             self.engine.finish(seq, "abort", error=f"aborted by decode: {reason}", error_code=503)
 
-    def _fail(self, seq: Sequence, code: int, msg: str, counter: Optional[str] = None) -> None:
-        fail_request(self.engine, seq, code, msg, counter)
-
     def on_finish(self, seq: Sequence) -> None:
         pd = seq.pd
         self.bootstrap.pop(pd.room, None)
@@ -236,7 +224,3 @@ class PrefillController:
                 {"prefill_inflight_oldest_age_seconds": round(self.oldest_inflight_age(), 3),
                  "inflight_requests": inflight, "deadlines": self._timeout(1.0) is not None,
                  "boot_id": BOOT_ID})
-
-    def close(self) -> None:
-        self.out.close()
-        self.agent.close()
