@@ -20,7 +20,6 @@ from typing import Optional
 from dsv4_engine.pd.common import (
     BOOT_ID, HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, FaultInjector, PDController, PDState,
 )
-
 from dsv4_engine.sequence import Sequence
 
 log = logging.getLogger("dsv4.pd.decode")
