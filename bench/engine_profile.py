@@ -68,7 +68,7 @@ class Timers:
 
 def instrument(engine) -> Timers:
     from dsv4_engine import engine as engine_mod
-    from dsv4_engine import model as model_mod
+    from dsv4_engine.models import deepseek_v3 as model_mod
     from dsv4_engine import model_runner
 
     t = Timers()

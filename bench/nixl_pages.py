@@ -40,7 +40,7 @@ def page_shape(page_bytes: int, element_size: int) -> tuple[int, int, int]:
 
 def peer_main(conn, name: str, shape: tuple, dtype: str, device: str) -> None:
     """The receiving engine: registers its pool and polls notifications until told to stop."""
-    from dsv4_engine.pd.transfer import KVTransferAgent
+    from dsv4_engine.pd.nixl.agent import KVTransferAgent
 
     agent = KVTransferAgent(name, torch.zeros(shape, dtype=getattr(torch, dtype), device=device))
     conn.send(agent.descriptor())
@@ -62,7 +62,7 @@ def peer_main(conn, name: str, shape: tuple, dtype: str, device: str) -> None:
 
 
 def bench_size(page_bytes: int, args, ctx) -> dict:
-    from dsv4_engine.pd.transfer import KVTransferAgent, TransferState
+    from dsv4_engine.pd.nixl.agent import KVTransferAgent, TransferState
 
     dtype = getattr(torch, args.dtype)
     shape_page = page_shape(page_bytes, dtype.itemsize)

@@ -81,7 +81,7 @@ class Server:
 
     @classmethod
     def dsv4(cls, name: str, args: list, port: int, log_dir: Path, env: Optional[dict] = None) -> "Server":
-        return cls(name, [sys.executable, "-m", "dsv4_engine.cli", *map(str, args)], port, log_dir, env)
+        return cls(name, [sys.executable, "-m", "dsv4_cli", *map(str, args)], port, log_dir, env)
 
     @property
     def pid(self) -> int:

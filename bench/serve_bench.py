@@ -93,7 +93,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def runtime_floor_rss() -> Optional[int]:
     """RSS of a Python that only imported what the engine server imports (torch, FastAPI, ...):
     the part of our overhead that is the runtime, not the engine."""
-    code = ("import psutil, torch, uvicorn, fastapi, dsv4_engine.server, dsv4_engine.engine;"
+    code = ("import psutil, torch, uvicorn, fastapi, dsv4_serve.server, dsv4_engine.engine;"
             "print(psutil.Process().memory_info().rss)")
     try:
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

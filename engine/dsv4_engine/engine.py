@@ -50,8 +50,9 @@ class Engine:
         self.runner = ModelRunner(args.model, args.dtype, args.device, args.kernel_backend)
         self.cfg = self.runner.cfg
         self.tokenizer = Tokenizer.from_dir(args.model)
-        num_pages = args.kv_pages or pages_for_memory(self.cfg, args.page_size, self.runner.dtype, args.kv_memory_gb)
-        self.pool = KVPool(self.cfg, num_pages, args.page_size, self.runner.dtype, self.runner.device)
+        specs = self.runner.state_specs
+        num_pages = args.kv_pages or pages_for_memory(specs, args.page_size, self.runner.dtype, args.kv_memory_gb)
+        self.pool = KVPool(specs, num_pages, args.page_size, self.runner.dtype, self.runner.device)
         self.scheduler = Scheduler(self.pool.allocator, args.page_size, args.max_num_seqs, args.max_num_batched_tokens)
         # The context limit is the model's, but never more than the pool can hold for one request.
         pool_tokens = num_pages * args.page_size

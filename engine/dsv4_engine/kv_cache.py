@@ -1,8 +1,9 @@
-"""The paged latent KV cache: one page-major pool and the allocator that hands its pages out.
+"""The paged per-request state pool and the allocator that hands its pages out.
 
-Pool layout [num_pages, num_layers, page_size, kv_dim]: a page holds its tokens for every layer
-in one contiguous byte range, so moving a request's KV to another engine is one descriptor per
-page. A layer's view pool[:, layer] is what attention reads.
+The model declares its states (`StateSpec`); the pool holds one page-major tensor per state,
+[num_pages, num_layers, entries_per_page, *entry_shape], all indexed by the same page ids. A page
+of one state is one contiguous byte range, so moving a request's state to another engine is one
+descriptor per page per state. A layer's view states[name][:, layer] is what attention reads.
 """
 
 from __future__ import annotations
@@ -11,25 +12,43 @@ import threading
 
 import torch
 
-from dsv4_engine.config import ModelConfig
+from dsv4_engine.models.state import StateSpec
 
 
-def pages_for_memory(cfg: ModelConfig, page_size: int, dtype: torch.dtype, memory_gb: float) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    page_bytes = cfg.num_hidden_layers * page_size * cfg.kv_cache_dim * elem
-    return max(1, int(memory_gb * (1 << 30)) // page_bytes)
+def page_nbytes(specs: list[StateSpec], page_size: int, dtype: torch.dtype) -> int:
+    """Bytes one page costs across every state."""
+    return sum(spec.page_nbytes(page_size, dtype) for spec in specs)
+
+
+def pages_for_memory(specs: list[StateSpec], page_size: int, dtype: torch.dtype, memory_gb: float) -> int:
+    return max(1, int(memory_gb * (1 << 30)) // page_nbytes(specs, page_size, dtype))
 
 
 class KVPool:
-    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, specs: list[StateSpec], num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
+        if not specs:
+            raise ValueError("a model must declare at least one state")
+        self.specs = {spec.name: spec for spec in specs}
         self.page_size = page_size
         self.num_pages = num_pages
-        self.tensor = torch.zeros(num_pages, cfg.num_hidden_layers, page_size, cfg.kv_cache_dim, dtype=dtype, device=device)
+        self.states: dict[str, torch.Tensor] = {
+            spec.name: torch.zeros(num_pages, *spec.page_shape(page_size), dtype=dtype, device=device) for spec in specs
+        }
         self.allocator = PageAllocator(num_pages)
 
     @property
+    def tensor(self) -> torch.Tensor:
+        """The first declared state (the only one for DeepSeek-V3)."""
+        return next(iter(self.states.values()))
+
+    @property
     def page_nbytes(self) -> int:
-        return self.tensor[0].numel() * self.tensor.element_size()
+        """Bytes of one page across every state."""
+        return sum(t[0].numel() * t.element_size() for t in self.states.values())
+
+    def bytes_per_token(self) -> dict[str, float]:
+        """What each state costs per token of context (for /v1/loads and sizing)."""
+        return {name: t[0].numel() * t.element_size() / self.page_size for name, t in self.states.items()}
 
 
 class PageAllocator:

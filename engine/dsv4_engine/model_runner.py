@@ -8,9 +8,10 @@ from typing import Optional
 
 import torch
 
-from dsv4_engine.config import ModelConfig
 from dsv4_engine.kv_cache import KVPool
-from dsv4_engine.model import DeepseekV3, ForwardBatch
+from dsv4_engine.models import entry_for_dir
+from dsv4_engine.models.deepseek_v3 import ForwardBatch
+from dsv4_engine.models.state import StateSpec
 from dsv4_engine.sampling import sample
 from dsv4_engine.scheduler import ScheduledSeq
 from dsv4_engine.weights import load_weights
@@ -35,11 +36,15 @@ def get_ops(backend: str):
 class ModelRunner:
     def __init__(self, model_dir: str | Path, dtype: str = "float32", device: Optional[str] = None,
                  kernel_backend: Optional[str] = None):
-        self.cfg = ModelConfig.from_dir(model_dir)
+        entry = entry_for_dir(model_dir)
+        self.model_type = entry.model_type
+        self.cfg = entry.config_class().from_dir(model_dir)
+        model_cls = entry.model_class()
+        self.state_specs: list[StateSpec] = model_cls.state_specs(self.cfg)
         self.device = torch.device(device) if device else default_device()
         self.dtype = DTYPES[dtype]
         self.kernel_backend = kernel_backend or default_kernel_backend(self.device)
-        self.model = DeepseekV3(self.cfg, load_weights(model_dir), get_ops(self.kernel_backend), self.dtype, self.device)
+        self.model = model_cls(self.cfg, load_weights(model_dir), get_ops(self.kernel_backend), self.dtype, self.device)
 
     def build_batch(self, batch: list[ScheduledSeq], page_size: int) -> ForwardBatch:
         ids, pos, slots, seq_lens, ext, last = [], [], [], [], [], []
@@ -68,7 +73,7 @@ class ModelRunner:
         )
 
     def forward(self, batch: list[ScheduledSeq], pool: KVPool) -> torch.Tensor:
-        return self.model.forward(self.build_batch(batch, pool.page_size), pool.tensor)
+        return self.model.forward(self.build_batch(batch, pool.page_size), pool.states)
 
     def step(self, batch: list[ScheduledSeq], pool: KVPool) -> list[Optional[int]]:
         """Forward the step; returns a sampled token for each request that samples, else None."""

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,6 +21,9 @@ from typing import Optional
 
 import httpx
 from rich.console import Console
+
+from dsv4_wire import EngineFlags as F
+from dsv4_wire import Paths
 
 from dsv4_operator.watchdog.detector import Detector, Verdict, verdict_to_dict
 from dsv4_operator.watchdog.evidence import build_evidence_configmap
@@ -39,20 +41,11 @@ def cache_dir() -> Path:
     return Path(base)
 
 
-def default_model() -> Path:
-    """The tiny model, built once into the cache folder."""
-    out = cache_dir() / "models" / "tiny-0"
-    if not (out / "config.json").exists():
-        from dsv4_engine.checkpoint import init_checkpoint
-
-        console.print(f"[dim]dsv4 up: building the tiny model into {out}[/dim]")
-        init_checkpoint(out, preset="tiny", seed=0)
-    return out
-
-
 @dataclass
 class UpArgs:
-    model: Optional[Path] = None
+    model: Path  # the CLI builds the default tiny model before handing it over
+    # How to start `dsv4` (the CLI passes its own entry point: the operator never imports it).
+    dsv4_command: list[str] = field(default_factory=lambda: ["dsv4"])
     prefill: int = 1
     decode: int = 1
     port: int = 8000
@@ -135,18 +128,18 @@ class LocalExecutor:
             self.up.event("EvidenceCaptured", action.pod, str(path))
             return True, None
         if action.kind == DRAIN:
-            ok = await self.post(f"{self.up.router_url}/admin/workers", "DELETE", {"url": eng.url})
-            await self.post(f"{eng.url}/admin/drain", "POST", None)
+            ok = await self.post(self.up.router_url + Paths.ADMIN_WORKERS, "DELETE", {"url": eng.url})
+            await self.post(eng.url + Paths.ADMIN_DRAIN, "POST", None)
             self.up.event("Drained", action.pod, "removed from the router")
             return ok, None if ok else "router did not drop the worker"
         if action.kind == ABORT:
-            ok = await self.post(f"{eng.url}/admin/abort", "POST", {"all": True, "reason": "wedge remediation"})
+            ok = await self.post(eng.url + Paths.ADMIN_ABORT, "POST", {"all": True, "reason": "wedge remediation"})
             self.up.event("Aborted", action.pod, "aborted all requests" if ok else "engine did not answer")
             return True, None if ok else "engine did not answer the abort"
         if action.kind == RESTART:
             await asyncio.to_thread(eng.stop)
             eng.start()
-            await self.post(f"{self.up.router_url}/admin/workers", "POST", {"url": eng.url, "role": eng.role})
+            await self.post(self.up.router_url + Paths.ADMIN_WORKERS, "POST", {"url": eng.url, "role": eng.role})
             self.up.event("Restarted", action.pod, f"new process {eng.uid}")
             return True, None
         return False, f"unknown action {action.kind}"
@@ -166,7 +159,7 @@ class LocalExecutor:
             except httpx.HTTPError:
                 return None
 
-        stacks, loads, metrics = await asyncio.gather(text("/debug/stacks"), text("/v1/loads"), text("/metrics"))
+        stacks, loads, metrics = await asyncio.gather(text(Paths.DEBUG_STACKS), text(Paths.LOADS), text(Paths.METRICS))
         now = time.time()
         cm = build_evidence_configmap(
             deployment="local", namespace="local", pod=eng.key, role=eng.role, captured_at=now,
@@ -185,7 +178,7 @@ class LocalExecutor:
 class LocalDeployment:
     def __init__(self, args: UpArgs):
         self.args = args
-        self.model = Path(args.model) if args.model else default_model()
+        self.model = Path(args.model)
         self.state_dir = cache_dir() / "up" / str(args.port)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.evidence_dir = Path(args.evidence_dir) if args.evidence_dir else self.state_dir / "evidence"
@@ -197,20 +190,20 @@ class LocalDeployment:
         for role, n in roles:
             for i in range(n):
                 key = f"{role}-{i}"
-                cmd = [sys.executable, "-m", "dsv4_engine.cli", "serve", "--model", str(self.model), "--role", role,
-                       "--host", "127.0.0.1", "--port", str(port), "--served-model-name", self.model.name]
+                cmd = [*args.dsv4_command, "serve", F.MODEL, str(self.model), F.ROLE, role,
+                       F.HOST, "127.0.0.1", F.PORT, str(port), F.SERVED_MODEL_NAME, self.model.name]
                 bport = None
                 if role == "prefill":
                     bport = args.port + 100 + i
-                    cmd += ["--bootstrap-port", str(bport)]
+                    cmd += [F.BOOTSTRAP_PORT, str(bport)]
                 if args.enable_fault_injection:
-                    cmd.append("--enable-fault-injection")
+                    cmd.append(F.ENABLE_FAULT_INJECTION)
                 if not args.deadlines:
-                    cmd.append("--no-deadlines")
+                    cmd.append(F.NO_DEADLINES)
                 cmd += list(args.engine_args)
                 self.engines[key] = EngineProc(key, role, port, cmd, self.state_dir / f"{key}.log", bport)
                 port += 1
-        router_cmd = [sys.executable, "-m", "dsv4_engine.cli", "router", "--host", args.host, "--port", str(args.port),
+        router_cmd = [*args.dsv4_command, "router", "--host", args.host, "--port", str(args.port),
                       "--health-interval", "1"]
         for e in self.engines.values():
             router_cmd += [f"--{e.role}", e.url]
@@ -231,7 +224,7 @@ class LocalDeployment:
         if eng.popen is None or eng.popen.poll() is not None:
             return False
         try:
-            ok = (await client.get(f"{eng.url}/ready", timeout=2.0)).status_code == 200
+            ok = (await client.get(eng.url + Paths.READY, timeout=2.0)).status_code == 200
         except httpx.HTTPError:
             ok = False
         eng.ever_ready = eng.ever_ready or ok

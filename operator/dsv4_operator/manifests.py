@@ -19,24 +19,17 @@ from typing import Any, Iterable
 
 from dsv4_operator import spec as S
 from dsv4_operator.spec import DSV4DeploymentSpec, EnvVar, RoleSpec
+from dsv4_wire import (  # noqa: F401  (re-exported: the operator's modules read them from here)
+    ANNOTATION_REVISION, APP, ENGINE_CONTAINER, ENGINE_ROLES, LABEL_COMPONENT, LABEL_ENGINE_KIND, LABEL_INSTANCE,
+    LABEL_MANAGED_BY, LABEL_NAME, LABEL_ROLE, MANAGER, EngineFlags, Paths,
+)
 
-APP = "dsv4"
-MANAGER = "dsv4-operator"
-LABEL_NAME = "app.kubernetes.io/name"
-LABEL_INSTANCE = "app.kubernetes.io/instance"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-LABEL_ROLE = "serving.dsv4.dev/role"
-LABEL_ENGINE_KIND = "serving.dsv4.dev/engine-kind"
-ANNOTATION_REVISION = "serving.dsv4.dev/revision"
 SGLANG_BOOTSTRAP_ANNOTATION = "sglang.ai/bootstrap-port"  # where sgl-router's discovery reads it
 
-ENGINE_CONTAINER = "engine"
 ROUTER_CONTAINER = "router"
 HTTP_PORT_NAME = "http"
 BOOTSTRAP_PORT_NAME = "bootstrap"
 SGLANG_ROUTER_METRICS_PORT = 29000
-ENGINE_ROLES = ("prefill", "decode")
 
 # The longest CR name whose children stay valid: a StatefulSet's pods carry the label
 # controller-revision-hash=<sts name>-<10 chars>, which must fit in 63 characters.
@@ -134,15 +127,16 @@ def engine_env(spec: DSV4DeploymentSpec, role: str) -> list[dict[str, Any]]:
 def engine_command(spec: DSV4DeploymentSpec, role: str) -> list[str]:
     m, e, t, r = spec.model, spec.engine, spec.transfer, spec.role(role)
     if e.kind == "builtin":
-        cmd = ["dsv4", "serve", "--model", m.path, "--role", role, "--host", "0.0.0.0",
-               "--port", str(e.port), "--bootstrap-port", str(t.bootstrap_port),
-               "--served-model-name", m.served,
-               "--bootstrap-timeout", str(t.bootstrap_timeout_seconds),
-               "--transfer-timeout", str(t.transfer_timeout_seconds)]
+        F = EngineFlags
+        cmd = ["dsv4", "serve", F.MODEL, m.path, F.ROLE, role, F.HOST, "0.0.0.0",
+               F.PORT, str(e.port), F.BOOTSTRAP_PORT, str(t.bootstrap_port),
+               F.SERVED_MODEL_NAME, m.served,
+               F.BOOTSTRAP_TIMEOUT, str(t.bootstrap_timeout_seconds),
+               F.TRANSFER_TIMEOUT, str(t.transfer_timeout_seconds)]
         if role == "decode":  # decode waits for its peer's bootstrap and then the transfer
-            cmd += ["--waiting-timeout", str(t.bootstrap_timeout_seconds + t.transfer_timeout_seconds)]
+            cmd += [F.WAITING_TIMEOUT, str(t.bootstrap_timeout_seconds + t.transfer_timeout_seconds)]
         if r.gpus_per_pod > 0:
-            cmd += ["--dtype", "bfloat16"]
+            cmd += [F.DTYPE, "bfloat16"]
     else:
         cmd = ["python3", "-m", "sglang.launch_server", "--model-path", m.path,
                "--served-model-name", m.served, "--host", "0.0.0.0", "--port", str(e.port),
@@ -179,11 +173,11 @@ def _http_probe(path: str, period: int, failures: int) -> dict[str, Any]:
 
 def engine_probes(spec: DSV4DeploymentSpec) -> dict[str, Any]:
     # SGLang has no /ready; its /health answers once the scheduler serves.
-    ready = "/ready" if spec.engine.kind == "builtin" else "/health"
+    ready = Paths.READY if spec.engine.kind == "builtin" else Paths.HEALTH
     return {
         # Loading a large checkpoint takes minutes: allow 30 before liveness applies.
-        "startupProbe": _http_probe("/health", 10, 180),
-        "livenessProbe": _http_probe("/health", 10, 3),
+        "startupProbe": _http_probe(Paths.HEALTH, 10, 180),
+        "livenessProbe": _http_probe(Paths.HEALTH, 10, 3),
         "readinessProbe": _http_probe(ready, 5, 3),
     }
 
@@ -239,7 +233,7 @@ def _engine_pod(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict[str, 
         **engine_probes(spec),
     }
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(spec.engine.port),
-                   "prometheus.io/path": "/metrics"}
+                   "prometheus.io/path": Paths.METRICS}
     if role == "prefill" and spec.engine.kind == "sglang":
         annotations[SGLANG_BOOTSTRAP_ANNOTATION] = str(spec.transfer.bootstrap_port)
     pod_spec: dict[str, Any] = {
@@ -300,7 +294,7 @@ def router_deployment(spec: DSV4DeploymentSpec, owner: Owner, revision: str | No
     ports = [{"name": HTTP_PORT_NAME, "containerPort": spec.router.port, "protocol": "TCP"}]
     if not builtin:
         ports.append({"name": "metrics", "containerPort": SGLANG_ROUTER_METRICS_PORT, "protocol": "TCP"})
-    live, ready = ("/health", "/ready") if builtin else ("/liveness", "/readiness")
+    live, ready = (Paths.HEALTH, Paths.READY) if builtin else ("/liveness", "/readiness")
     container = {
         "name": ROUTER_CONTAINER,
         "image": spec.router.image or spec.engine.image,
@@ -326,7 +320,7 @@ def router_deployment(spec: DSV4DeploymentSpec, owner: Owner, revision: str | No
                 "metadata": {"labels": labels(owner.name, "router", spec),
                              "annotations": {"prometheus.io/scrape": "true",
                                              "prometheus.io/port": str(metrics_port),
-                                             "prometheus.io/path": "/metrics"}},
+                                             "prometheus.io/path": Paths.METRICS}},
                 "spec": {"serviceAccountName": name, "containers": [container], "enableServiceLinks": False},
             },
         },

@@ -21,7 +21,7 @@ sys.path.insert(0, str(BENCH))
 import loadgen  # noqa: E402
 import prom  # noqa: E402
 
-from dsv4_engine.bench_cli import script_argv  # noqa: E402
+from dsv4_cli.bench import script_argv  # noqa: E402
 
 SUMMARY_FIELDS = {"requests", "errors", "completion_tokens", "wall_s", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms",
                   "itl_p50_ms", "runs_tok_s", "load_average"}
@@ -106,7 +106,7 @@ def test_cli_forwards_only_the_options_given():
 
 
 def bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, "-m", "dsv4_engine.bench_cli", *args], capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run([sys.executable, "-m", "dsv4_cli.bench", *args], capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 

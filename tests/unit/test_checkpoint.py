@@ -149,7 +149,7 @@ def test_greedy_decoding_has_clear_margins(ckpt, hf_model):
 
 def test_same_seed_same_bytes_also_in_another_process(tiny_model, tmp_path):
     init_checkpoint(tmp_path / "a", preset="tiny", seed=0)
-    subprocess.run([sys.executable, "-m", "dsv4_engine.cli", "model", "init", str(tmp_path / "b"),
+    subprocess.run([sys.executable, "-m", "dsv4_cli", "model", "init", str(tmp_path / "b"),
                     "--preset", "tiny", "--seed", "0"], check=True, capture_output=True)
     init_checkpoint(tmp_path / "c", preset="tiny", seed=1)
     for name in FILES:

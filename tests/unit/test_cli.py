@@ -12,7 +12,7 @@ COMMANDS = [["model", "init"], ["serve"], ["router"], ["up"], ["operator"], ["be
 
 
 def dsv4(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dsv4_engine.cli", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "dsv4_cli", *args], capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.parametrize("cmd", COMMANDS, ids=" ".join)

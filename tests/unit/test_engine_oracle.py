@@ -52,7 +52,7 @@ def prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 def test_logits_match_every_step(model_dir, hf):
     runner = ModelRunner(model_dir, "float32", "cpu", "torch")
-    pool = KVPool(runner.cfg, 64, 16, torch.float32, torch.device("cpu"))
+    pool = KVPool(runner.state_specs, 64, 16, torch.float32, torch.device("cpu"))
     sched = Scheduler(pool.allocator, 16, 4, 1024)
     prompt = prompts(runner.cfg.vocab_size, [37])[0]
     seq = Sequence("a", prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0))
@@ -140,7 +140,7 @@ def test_checkpoint_saved_by_transformers_loads_and_matches(tmp_path):
                 mod.e_score_correction_bias.normal_(0, 0.05)
     hf.save_pretrained(tmp_path)
     runner = ModelRunner(tmp_path, "float32", "cpu", "torch")
-    pool = KVPool(runner.cfg, 16, 16, torch.float32, torch.device("cpu"))
+    pool = KVPool(runner.state_specs, 16, 16, torch.float32, torch.device("cpu"))
     sched = Scheduler(pool.allocator, 16, 4, 1024)
     prompt = prompts(300, [23], seed=4)[0]
     sched.add(Sequence("a", prompt, SamplingParams(max_tokens=4, temperature=0)))
@@ -155,7 +155,7 @@ def test_bfloat16_tracks_float32(tiny_model):
     logits = {}
     for dtype in ("float32", "bfloat16"):
         runner = ModelRunner(tiny_model, dtype, "cpu", "torch")
-        pool = KVPool(runner.cfg, 16, 16, runner.dtype, torch.device("cpu"))
+        pool = KVPool(runner.state_specs, 16, 16, runner.dtype, torch.device("cpu"))
         sched = Scheduler(pool.allocator, 16, 4, 1024)
         sched.add(Sequence("a", prompt, SamplingParams(max_tokens=4, temperature=0)))
         logits[dtype] = runner.forward(sched.schedule(), pool)[0]

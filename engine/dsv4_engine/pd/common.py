@@ -14,6 +14,8 @@ from typing import Any, Callable, Optional
 
 import httpx
 
+from dsv4_wire import authorization_header
+
 log = logging.getLogger("dsv4.pd")
 
 BOOT_ID = uuid.uuid4().hex[:12]  # one per process: a restarted peer is a different peer
@@ -74,14 +76,14 @@ class PDController:
     deadline switch and how a request fails."""
 
     def __init__(self, engine, args, faults: "FaultInjector", role: str):
-        from dsv4_engine.pd.transfer import KVTransferAgent
+        from dsv4_engine.pd.nixl.agent import KVTransferAgent
 
         self.engine = engine
         self.args = args
         self.faults = faults
         self.deadlines = args.deadlines
         self.agent = KVTransferAgent(f"{role}-{BOOT_ID}", engine.pool.tensor, default_timeout_s=None)
-        self.out = Outbound(engine.call)
+        self.out = Outbound(engine.call, headers=authorization_header(getattr(args, "pd_secret", None)))
 
     def _timeout(self, seconds: float) -> Optional[float]:
         return seconds if self.deadlines and not self.faults.active("disable_deadlines") else None
@@ -141,10 +143,11 @@ class Outbound:
     """Outbound HTTP on worker threads; each result is handed back on the engine thread via
     `deliver` (Engine.call), so controllers never touch their state from two threads."""
 
-    def __init__(self, deliver: Callable[[Callable[[], None]], None], timeout: float = 3.0):
+    def __init__(self, deliver: Callable[[Callable[[], None]], None], timeout: float = 3.0,
+                 headers: Optional[dict[str, str]] = None):
         self._deliver = deliver
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="dsv4-pd-http")
-        self._client = httpx.Client(timeout=timeout)
+        self._client = httpx.Client(timeout=timeout, headers=headers or {})
 
     def post(self, url: str, body: dict, done: Optional[Callable[[Optional[dict], Optional[str]], None]] = None) -> None:
         self._pool.submit(self._call, "POST", url, body, done)

@@ -21,6 +21,7 @@ from dsv4_engine.pd.common import (
     BOOT_ID, HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, FaultInjector, PDController, PDState,
 )
 from dsv4_engine.sequence import Sequence
+from dsv4_wire import Paths
 
 log = logging.getLogger("dsv4.pd.decode")
 
@@ -70,7 +71,7 @@ class DecodeController(PDController):
             self.registering[seq.pd.room] = seq
             body = {"room": seq.pd.room, "rid": seq.rid, "desc": self.agent.descriptor(), "dst_pages": pages,
                     "decode_url": self.url, "decode_boot": BOOT_ID}
-            self.out.post(f"{seq.pd.bootstrap_addr}/bootstrap/register", body,
+            self.out.post(seq.pd.bootstrap_addr + Paths.BOOTSTRAP_REGISTER, body,
                           lambda res, err, seq=seq: self._registered(seq, res, err))
 
     def _registered(self, seq: Sequence, res: Optional[dict], err: Optional[str]) -> None:
@@ -119,7 +120,7 @@ class DecodeController(PDController):
                 continue
             if not peer["busy"] and now - peer.get("asked", 0) >= HEARTBEAT_INTERVAL_S:
                 peer["busy"], peer["asked"] = True, now
-                self.out.get(f"{addr}/bootstrap/heartbeat?decode_boot={BOOT_ID}",
+                self.out.get(f"{addr}{Paths.BOOTSTRAP_HEARTBEAT}?decode_boot={BOOT_ID}",
                              lambda res, err, addr=addr: self._heartbeat_answer(addr, res, err))
 
     def _heartbeat_answer(self, addr: str, res: Optional[dict], err: Optional[str]) -> None:
@@ -153,7 +154,7 @@ class DecodeController(PDController):
         if seq in self.prealloc:
             self.prealloc.remove(seq)
         if was_waiting and pd.peer_url != "told":
-            self.out.post(f"{pd.bootstrap_addr}/bootstrap/abort", {"room": pd.room, "reason": seq.finish_reason or "aborted"})
+            self.out.post(pd.bootstrap_addr + Paths.BOOTSTRAP_ABORT, {"room": pd.room, "reason": seq.finish_reason or "aborted"})
 
     def update_gauges(self, m) -> None:
         m.set("num_decode_prealloc_queue_reqs", len(self.prealloc) + len(self.registering))

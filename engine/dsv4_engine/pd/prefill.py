@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from dsv4_engine.pd.common import (
     BOOT_ID, HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, FaultInjector, PDController, PDState,
 )
-from dsv4_engine.pd.transfer import TransferState
+from dsv4_engine.pd.nixl.agent import TransferState
 from dsv4_engine.sequence import Sequence
+from dsv4_wire import Paths
 
 log = logging.getLogger("dsv4.pd.prefill")
 PENDING_REGISTRATION_TTL_S = 60.0
@@ -202,7 +203,7 @@ class PrefillController(PDController):
             self.agent.release(pd.handle)
             pd.handle = None
         if pd.state is not PDState.SUCCESS and pd.peer_url:
-            self.out.post(f"{pd.peer_url}/pd/abort", {"room": pd.room, "reason": seq.error or "aborted on prefill"})
+            self.out.post(pd.peer_url + Paths.PD_ABORT, {"room": pd.room, "reason": seq.error or "aborted on prefill"})
 
     # ---- live state ------------------------------------------------------------------------------
 

@@ -22,6 +22,8 @@ from typing import Any, Callable, Mapping, Optional
 
 from pydantic import ValidationError
 
+from dsv4_wire import ANNOTATION_REVISIONS
+
 from dsv4_operator import spec as S
 from dsv4_operator.kube import ApiError, KubeApi, resource_path
 from dsv4_operator.remediation.executor import DeploymentContext, EventSink, KubernetesExecutor
@@ -41,7 +43,7 @@ from dsv4_operator.watchdog.revisions import (
 )
 from dsv4_operator.watchdog.runner import RoundResult, WatchdogLoop
 
-REVISIONS_ANNOTATION = "serving.dsv4.dev/revisions"
+REVISIONS_ANNOTATION = ANNOTATION_REVISIONS
 MAX_REVISIONS = 6  # kept in an annotation: a few specs, well below the 256 KiB annotation limit
 IDLE_INTERVAL = 10.0  # seconds between looks at a resource whose spec cannot be read
 CORRELATE_WITHIN_S = 3600.0

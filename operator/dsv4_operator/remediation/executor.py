@@ -24,6 +24,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import aiohttp
 
+from dsv4_wire import Paths
+
 from dsv4_operator import spec as S
 from dsv4_operator.kube import ApiError, KubeApi, resource_path
 from dsv4_operator.remediation.pods import DRAINING_LABEL, EnginePod
@@ -52,8 +54,8 @@ class EngineAdmin:
 
 
 ADMIN = {
-    "builtin": EngineAdmin("/admin/drain", "/admin/abort", {"all": True, "reason": "wedge remediation"},
-                           "/debug/stacks"),
+    "builtin": EngineAdmin(Paths.ADMIN_DRAIN, Paths.ADMIN_ABORT, {"all": True, "reason": "wedge remediation"},
+                           Paths.DEBUG_STACKS),
     SGLANG: EngineAdmin(None, "/abort_request", {"rid": "", "abort_all": True}, None),
 }
 
@@ -146,7 +148,7 @@ class KubernetesExecutor:
             return text
 
         stacks, loads_text, metrics_text, logs = await asyncio.gather(
-            fetch(admin.stacks, "stacks"), fetch(LOADS_PATH.get(self.ctx.kind, "/v1/loads"), "loads"),
+            fetch(admin.stacks, "stacks"), fetch(LOADS_PATH.get(self.ctx.kind, Paths.LOADS), "loads"),
             fetch("/metrics", "metrics"), self._pod_log(action.pod, missing))
         loads: Any = loads_text
         if loads_text:

@@ -16,12 +16,9 @@ from dsv4_operator.manifests import HTTP_PORT_NAME, LABEL_INSTANCE, LABEL_ROLE
 from dsv4_operator.spec import RemediationSpec
 from dsv4_operator.watchdog.policy import PodInfo, RemediationSettings
 from dsv4_operator.watchdog.scrape import ScrapeTarget
+from dsv4_wire import ENGINE_CONTAINER, ENGINE_ROLES  # noqa: F401
+from dsv4_wire import LABEL_DRAINING as DRAINING_LABEL  # noqa: F401
 
-ENGINE_ROLES = ("prefill", "decode")
-ENGINE_CONTAINER = "engine"
-# dsv4_engine.router drops a pod carrying this label from its rotation (SGLang's router drops a
-# pod that stops matching its selector, which the label also does for a `!draining` selector).
-DRAINING_LABEL = "serving.dsv4.dev/draining"
 # A revision that runs this many detection windows without a wedge becomes the stable revision
 # (the rollback target): 10 minutes with the default window of 120 s.
 STABLE_AFTER_WINDOWS = 5

@@ -15,10 +15,11 @@ import re
 import time
 from typing import Any, Iterable, Mapping
 
-EVIDENCE_LABEL = "serving.dsv4.dev/evidence"
-DEPLOYMENT_LABEL = "serving.dsv4.dev/deployment"
-POD_LABEL = "serving.dsv4.dev/pod"
-ROLE_LABEL = "serving.dsv4.dev/role"
+from dsv4_wire import ANNOTATION_REVISION
+from dsv4_wire import LABEL_DEPLOYMENT as DEPLOYMENT_LABEL
+from dsv4_wire import LABEL_EVIDENCE as EVIDENCE_LABEL
+from dsv4_wire import LABEL_POD as POD_LABEL
+from dsv4_wire import LABEL_ROLE as ROLE_LABEL
 
 # Room for metadata and JSON/YAML overhead below the API server's 1 MiB object limit.
 DEFAULT_DATA_BUDGET = 900 * 1024
@@ -147,7 +148,7 @@ def build_evidence_configmap(
             ROLE_LABEL: _label_value(role),
         },
         "annotations": {
-            "serving.dsv4.dev/pod": pod,
+            POD_LABEL: pod,
             "serving.dsv4.dev/captured-at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                           time.gmtime(captured_at)),
             "serving.dsv4.dev/reason": str(verdict.get("reason", verdict.get("state", ""))),
@@ -155,7 +156,7 @@ def build_evidence_configmap(
         },
     }
     if revision:
-        metadata["annotations"]["serving.dsv4.dev/revision"] = revision
+        metadata["annotations"][ANNOTATION_REVISION] = revision
     if owner_references:
         metadata["ownerReferences"] = [dict(o) for o in owner_references]
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data}

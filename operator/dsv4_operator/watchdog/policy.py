@@ -30,9 +30,11 @@ from dataclasses import asdict, dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Mapping, NamedTuple
 
+from dsv4_wire import ANNOTATION_REMEDIATION_STATE
+
 from .detector import Slow, Verdict, Wedged
 
-STATE_ANNOTATION = "serving.dsv4.dev/remediation-state"
+STATE_ANNOTATION = ANNOTATION_REMEDIATION_STATE
 
 CAPTURE_EVIDENCE = "capture_evidence"
 DRAIN = "drain"

@@ -22,9 +22,11 @@ from typing import Any, Callable, Iterable
 import aiohttp
 import yarl
 
+from dsv4_wire import Paths
+
 from .signals import BUILTIN, SGLANG, EngineSample, build_sample
 
-LOADS_PATH = {BUILTIN: "/v1/loads", SGLANG: "/v1/loads?include=disagg"}
+LOADS_PATH = {BUILTIN: Paths.LOADS, SGLANG: Paths.LOADS + "?include=disagg"}
 
 
 @dataclass(frozen=True)
@@ -82,10 +84,10 @@ async def scrape_engine(client: aiohttp.ClientSession | Any, base_url: str, role
     base = base_url.rstrip("/")
     stamp = clock()
     # Both requests in flight at once; the loads request gets a task, /metrics runs in ours.
-    loads_req = asyncio.ensure_future(get(client, base + LOADS_PATH.get(kind, "/v1/loads"),
+    loads_req = asyncio.ensure_future(get(client, base + LOADS_PATH.get(kind, Paths.LOADS),
                                           timeout))
     try:
-        metrics_text, metrics_err = await get(client, base + "/metrics", timeout)
+        metrics_text, metrics_err = await get(client, base + Paths.METRICS, timeout)
     except BaseException:
         loads_req.cancel()
         raise

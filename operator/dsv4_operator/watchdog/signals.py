@@ -17,6 +17,8 @@ from typing import Any, Mapping
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from dsv4_wire.metrics import metric_name
+
 BUILTIN = "builtin"
 SGLANG = "sglang"
 
@@ -100,25 +102,25 @@ def _with_bare_counters(table: dict[str, str]) -> dict[str, str]:
 
 
 _BUILTIN_NAMES = _with_bare_counters({
-    "dsv4:num_running_reqs": "num_running",
-    "dsv4:num_queue_reqs": "num_queue",
-    "dsv4:num_prefill_bootstrap_queue_reqs": "bootstrap_queue",
-    "dsv4:num_prefill_inflight_queue_reqs": "prefill_inflight",
-    "dsv4:num_decode_prealloc_queue_reqs": "decode_prealloc",
-    "dsv4:num_decode_transfer_queue_reqs": "decode_transfer",
-    "dsv4:prefill_inflight_oldest_age_seconds": "prefill_inflight_oldest_age_seconds",
-    "dsv4:kv_pages_free": "kv_pages_free",
-    "dsv4:kv_pages_total": "kv_pages_total",
-    "dsv4:kv_transfers_completed_total": "transfers_completed",
-    "dsv4:kv_transfer_bytes_total": "transfer_bytes",
-    "dsv4:num_transfer_failed_reqs_total": "transfer_failed",
-    "dsv4:num_transfer_timeout_reqs_total": "transfer_timeout",
-    "dsv4:num_bootstrap_failed_reqs_total": "bootstrap_failed",
-    "dsv4:generation_tokens_total": "generation_tokens",
-    "dsv4:prompt_tokens_total": "prompt_tokens",
-    "dsv4:num_aborted_reqs_total": "aborted",
-    "dsv4:e2e_request_latency_seconds_count": "requests_completed",
-    "dsv4:scheduler_loop_iterations_total": "loop_iterations",
+    metric_name("num_running_reqs"): "num_running",
+    metric_name("num_queue_reqs"): "num_queue",
+    metric_name("num_prefill_bootstrap_queue_reqs"): "bootstrap_queue",
+    metric_name("num_prefill_inflight_queue_reqs"): "prefill_inflight",
+    metric_name("num_decode_prealloc_queue_reqs"): "decode_prealloc",
+    metric_name("num_decode_transfer_queue_reqs"): "decode_transfer",
+    metric_name("prefill_inflight_oldest_age_seconds"): "prefill_inflight_oldest_age_seconds",
+    metric_name("kv_pages_free"): "kv_pages_free",
+    metric_name("kv_pages_total"): "kv_pages_total",
+    metric_name("kv_transfers_completed", "_total"): "transfers_completed",
+    metric_name("kv_transfer_bytes", "_total"): "transfer_bytes",
+    metric_name("num_transfer_failed_reqs", "_total"): "transfer_failed",
+    metric_name("num_transfer_timeout_reqs", "_total"): "transfer_timeout",
+    metric_name("num_bootstrap_failed_reqs", "_total"): "bootstrap_failed",
+    metric_name("generation_tokens", "_total"): "generation_tokens",
+    metric_name("prompt_tokens", "_total"): "prompt_tokens",
+    metric_name("num_aborted_reqs", "_total"): "aborted",
+    metric_name("e2e_request_latency_seconds", "_count"): "requests_completed",
+    metric_name("scheduler_loop_iterations", "_total"): "loop_iterations",
 })
 
 # SGLang: the bootstrap gauge had an older name; completed transfers are the observation count of

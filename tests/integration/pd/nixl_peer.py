@@ -18,7 +18,7 @@ REPLY_TIMEOUT_S = 60.0  # spawning imports torch and NIXL: slow on a busy 2-core
 def _serve(conn: Any) -> None:
     import torch
 
-    from dsv4_engine.pd.transfer import KVTransferAgent, TransferState
+    from dsv4_engine.pd.nixl.agent import KVTransferAgent, TransferState
 
     agents: dict[str, KVTransferAgent] = {}
     paused: set[str] = set()
@@ -76,7 +76,7 @@ def _context() -> Any:
     """A forkserver that has imported torch and NIXL once: each peer is a fresh process forked
     from it (no agent exists before the fork), without paying those imports every time."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "nixl_cu12", "dsv4_engine.pd.transfer", __name__])
+    ctx.set_forkserver_preload(["torch", "nixl_cu12", "dsv4_engine.pd.nixl.agent", __name__])
     return ctx
 
 

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from dsv4_engine.pd.transfer import KVTransferAgent, TransferState
+from dsv4_engine.pd.nixl.agent import KVTransferAgent, TransferState
 from nixl_peer import PeerProcess
 
 SHAPE = (32, 2, 16, 64)  # 32 pages of [layers=2, page_size=16, kv_dim=64]: 8 KiB fp32, 4 KiB bf16

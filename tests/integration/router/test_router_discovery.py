@@ -13,8 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/integra
 from kmock_cluster import *  # noqa: E402,F401,F403  (fixtures: kube_cluster, kube_client, kubeconfig)
 from kmock_cluster import eventually  # noqa: E402
 
-from dsv4_engine.router import Router, RouterArgs  # noqa: E402
-from dsv4_engine.router_discovery import pod_worker, sync, watch_pods  # noqa: E402
+from dsv4_router.router import Router, RouterArgs  # noqa: E402
+from dsv4_router.discovery import pod_worker, sync, watch_pods  # noqa: E402
 
 
 def pod(name, role="prefill", ip="10.0.0.1", phase="Running", port=8100, draining=False, instance="flash"):

@@ -192,7 +192,7 @@ def test_the_operator_cli_accepts_the_rendered_args(monkeypatch: pytest.MonkeyPa
     from typer.testing import CliRunner
 
     import dsv4_operator.main as operator_main
-    from dsv4_engine.cli import app
+    from dsv4_cli.main import app
 
     args = operator_container(helm_template({"watch.scope": "namespaces", "watch.namespaces": ["a"]}))["args"]
     called: dict[str, Any] = {}

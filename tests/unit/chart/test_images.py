@@ -94,7 +94,7 @@ def test_the_dockerignore_keeps_heavy_local_folders_out() -> None:
     patterns = dockerignore_patterns()
     for heavy in (".venv", ".venv-ci", ".tools", ".git", "tests", "engine/dsv4_engine/__pycache__"):
         assert ignored(heavy, patterns), heavy
-    assert not ignored("engine/dsv4_engine/cli.py", patterns)
+    assert not ignored("engine/dsv4_cli/main.py", patterns)
 
 
 def test_the_operator_requirements_leave_out_only_engine_packages() -> None:
@@ -124,7 +124,7 @@ def test_the_operator_runs_without_the_engine_packages() -> None:
         import dsv4_operator.watchdog
         for mod in pkgutil.iter_modules(dsv4_operator.watchdog.__path__, "dsv4_operator.watchdog."):
             importlib.import_module(mod.name)
-        from dsv4_engine.cli import app
+        from dsv4_cli.main import app
         try:
             app(["operator", "--help"])
         except SystemExit as e:
@@ -146,7 +146,7 @@ def test_the_block_is_real() -> None:
                 if name.split(".")[0] == "torch":
                     raise ImportError("blocked")
         sys.meta_path.insert(0, Block())
-        import dsv4_engine.model
+        import dsv4_engine.models.deepseek_v3
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode != 0 and "blocked" in proc.stderr

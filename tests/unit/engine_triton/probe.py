@@ -14,7 +14,7 @@ out = {}
 for backend in ("torch", "triton"):
     t0 = time.time()
     r = ModelRunner(model, "float32", "cpu", backend)
-    pool = KVPool(r.cfg, 8, 16, torch.float32, torch.device("cpu"))
+    pool = KVPool(r.state_specs, 8, 16, torch.float32, torch.device("cpu"))
     sch = Scheduler(pool.allocator, 16, 4, 64)
     seqs = [Sequence("a", [5, 17, 42, 99, 7, 300, 12, 8, 77], SamplingParams(max_tokens=4, temperature=0)),
             Sequence("b", [9, 3, 250], SamplingParams(max_tokens=4, temperature=0))]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from dsv4_engine.router import DRAINING_LABEL as ROUTER_DRAINING_LABEL
+from dsv4_wire import LABEL_DRAINING as ROUTER_DRAINING_LABEL
 from dsv4_operator.remediation.executor import _is_pod_object
 from dsv4_operator.remediation.pods import (
     DRAINING_LABEL, EnginePod, engine_pod, pod_selector, remediation_settings, scrape_timeout, stable_after_seconds,

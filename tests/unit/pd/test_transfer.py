@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsv4_engine.pd.transfer import PeerDescriptor, check_page_mapping, page_table
+from dsv4_engine.pd.nixl.agent import PeerDescriptor, check_page_mapping, page_table
 
 
 def descriptor(**over) -> PeerDescriptor:

@@ -9,9 +9,9 @@ import logging
 import os
 from typing import Any, Mapping, Optional
 
+from dsv4_wire import LABEL_DRAINING, LABEL_ROLE
+
 log = logging.getLogger("dsv4.router.discovery")
-ROLE_LABEL = "serving.dsv4.dev/role"
-DRAINING_LABEL = "serving.dsv4.dev/draining"
 DEFAULT_PORT = 8100
 
 
@@ -26,10 +26,10 @@ def _get(obj: Any, *path: str) -> Any:
 def pod_worker(pod: Mapping) -> Optional[tuple[str, str]]:
     """(url, role) of an engine pod that should take traffic, else None. Pure."""
     labels = _get(pod, "metadata", "labels") or {}
-    role = labels.get(ROLE_LABEL)
+    role = labels.get(LABEL_ROLE)
     if role not in ("prefill", "decode", "mono"):
         return None
-    if str(labels.get(DRAINING_LABEL, "")).lower() == "true" or _get(pod, "metadata", "deletionTimestamp"):
+    if str(labels.get(LABEL_DRAINING, "")).lower() == "true" or _get(pod, "metadata", "deletionTimestamp"):
         return None
     ip = _get(pod, "status", "podIP")
     if _get(pod, "status", "phase") != "Running" or not ip:

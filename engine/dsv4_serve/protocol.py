@@ -8,19 +8,7 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsv4_engine.sampling import SamplingParams
-
-
-class APIError(Exception):
-    """An error the client caused or must hear about, rendered as an OpenAI-style body."""
-
-    def __init__(self, message: str, status: int = 400, type_: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None):
-        super().__init__(message)
-        self.message, self.status, self.type, self.param, self.code = message, status, type_, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code if self.code is not None else self.status}}
+from dsv4_wire.errors import APIError
 
 
 class StreamOptions(BaseModel):

@@ -18,7 +18,8 @@ app = typer.Typer(
 )
 model_app = typer.Typer(rich_markup_mode=None, no_args_is_help=True, help="Make and inspect model checkpoints.")
 app.add_typer(model_app, name="model")
-from dsv4_engine.bench_cli import app as bench_app  # noqa: E402  (light: typer only)
+from dsv4_cli.bench import app as bench_app  # noqa: E402  (light: typer only)
+from dsv4_wire import ADMIN_TOKEN_ENV  # noqa: E402
 
 app.add_typer(bench_app, name="bench")
 
@@ -31,6 +32,30 @@ def _fail(msg: str) -> None:
 def _check_model_dir(model: Path) -> None:
     if not (model / "config.json").is_file():
         _fail(f"no model at {model} (expected {model / 'config.json'}); make one with `dsv4 model init DIR`")
+    from dsv4_engine.models import UnsupportedModel, entry_for_dir
+
+    try:
+        entry_for_dir(model)
+    except UnsupportedModel as e:
+        _fail(f"{model}: {e}")
+
+
+def _dsv4_command() -> list[str]:
+    """How child processes start this same CLI (the interpreter we run under, not PATH's)."""
+    return [sys.executable, "-m", "dsv4_cli"]
+
+
+def _default_model() -> Path:
+    """The tiny model, built once into the cache folder (what `dsv4 up` serves by default)."""
+    from dsv4_operator.local import cache_dir
+
+    out = cache_dir() / "models" / "tiny-0"
+    if not (out / "config.json").exists():
+        from dsv4_engine.checkpoint import init_checkpoint
+
+        typer.echo(f"dsv4 up: building the tiny model into {out}", err=True)
+        init_checkpoint(out, preset="tiny", seed=0)
+    return out
 
 
 @model_app.command("init")
@@ -70,7 +95,7 @@ def serve(
     waiting_timeout: float = typer.Option(60.0, help="Seconds decode waits for the KV of a request."),
     no_deadlines: bool = typer.Option(False, "--no-deadlines", help="Disable PD deadlines (reproduces the wedge; tests only)."),
     enable_fault_injection: bool = typer.Option(False, "--enable-fault-injection", help="Expose POST /admin/faults."),
-    admin_token: Optional[str] = typer.Option(None, envvar="DSV4_ADMIN_TOKEN", help="Token required by /admin and /debug."),
+    admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV, help="Token required by /admin and /debug."),
     seed: int = typer.Option(0, help="Default sampling seed."),
 ) -> None:
     """Run one engine (monolithic, prefill or decode) with the OpenAI-compatible HTTP API."""
@@ -81,7 +106,7 @@ def serve(
     if kernel_backend not in (None, "torch", "triton"):
         _fail(f"--kernel-backend must be torch or triton, not {kernel_backend!r}")
     _check_model_dir(model)
-    from dsv4_engine.server import ServerArgs, run_server
+    from dsv4_serve.server import ServerArgs, run_server
 
     run_server(
         ServerArgs(
@@ -108,14 +133,14 @@ def router(
     discover_namespace: Optional[str] = typer.Option(None, help="Find engine pods in this Kubernetes namespace."),
     selector: Optional[str] = typer.Option(None, help="Label selector for discovery, e.g. app.kubernetes.io/instance=x."),
     health_interval: float = typer.Option(2.0, help="Seconds between /ready checks of each worker."),
-    admin_token: Optional[str] = typer.Option(None, envvar="DSV4_ADMIN_TOKEN"),
+    admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV),
 ) -> None:
     """Run the PD router: OpenAI API front, pairs prefill + decode per request."""
     if not (prefill or decode or mono or discover_namespace):
         _fail("give --prefill and --decode URLs (or --mono URLs, or --discover-namespace)")
     if bool(prefill) != bool(decode):
         _fail("PD routing needs at least one --prefill and one --decode")
-    from dsv4_engine.router import RouterArgs, run_router
+    from dsv4_router.router import RouterArgs, run_router
 
     run_router(
         RouterArgs(
@@ -151,7 +176,7 @@ def up(
 
     run_up(
         UpArgs(
-            model=model, prefill=prefill, decode=decode, port=port, host=host, mono=mono,
+            model=model if model is not None else _default_model(), dsv4_command=_dsv4_command(), prefill=prefill, decode=decode, port=port, host=host, mono=mono,
             enable_fault_injection=enable_fault_injection, deadlines=not no_deadlines,
             watchdog=watchdog, detection_window=detection_window, scrape_interval=scrape_interval,
             evidence_dir=evidence_dir, engine_args=list(engine_arg),

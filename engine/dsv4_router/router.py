@@ -24,10 +24,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from dsv4_engine.protocol import APIError
+from dsv4_wire import APIError, Paths, token_matches
 
 log = logging.getLogger("dsv4.router")
-DRAINING_LABEL = "serving.dsv4.dev/draining"
 
 
 @dataclass
@@ -125,7 +124,7 @@ class Router:
         await self.check_all()
         self._tasks.append(asyncio.create_task(self._health_loop()))
         if self.args.discover_namespace:
-            from dsv4_engine.router_discovery import watch_pods
+            from dsv4_router.discovery import watch_pods
 
             self._tasks.append(asyncio.create_task(watch_pods(self, self.args.discover_namespace, self.args.selector)))
 
@@ -150,11 +149,11 @@ class Router:
 
     async def check(self, w: Worker) -> None:
         try:
-            r = await self.client.get(f"{w.url}/ready", timeout=3.0)
+            r = await self.client.get(w.url + Paths.READY, timeout=3.0)
             body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
             if r.status_code == 200:
                 if w.role == "prefill" and w.bootstrap_port is None:
-                    info = (await self.client.get(f"{w.url}/server_info", timeout=3.0)).json()
+                    info = (await self.client.get(w.url + Paths.SERVER_INFO, timeout=3.0)).json()
                     w.bootstrap_port = info.get("bootstrap_port")
                 w.healthy, w.reason, w.failures = True, "ready", 0
             else:
@@ -323,35 +322,34 @@ def build_app(router: Router) -> FastAPI:
     app = FastAPI(title="dsv4 router", docs_url=None, redoc_url=None, lifespan=lifespan)
 
     def guard(http: Request) -> Optional[JSONResponse]:
-        tok = router.args.admin_token
-        if tok and http.headers.get("authorization", "") != f"Bearer {tok}":
+        if not token_matches(http.headers, router.args.admin_token):
             return router._error(APIError("admin token required", 401, "authentication_error"))
         return None
 
-    @app.post("/v1/completions")
+    @app.post(Paths.COMPLETIONS)
     async def completions(http: Request):
-        return await router.handle("/v1/completions", http)
+        return await router.handle(Paths.COMPLETIONS, http)
 
-    @app.post("/v1/chat/completions")
+    @app.post(Paths.CHAT_COMPLETIONS)
     async def chat(http: Request):
-        return await router.handle("/v1/chat/completions", http)
+        return await router.handle(Paths.CHAT_COMPLETIONS, http)
 
-    @app.get("/v1/models")
+    @app.get(Paths.MODELS)
     async def models():
         for w in router.pool.workers.values():
             if w.healthy and w.role in ("decode", "mono"):
                 try:
-                    r = await router.client.get(f"{w.url}/v1/models", timeout=3.0)
+                    r = await router.client.get(w.url + Paths.MODELS, timeout=3.0)
                     return JSONResponse(r.json(), r.status_code)
                 except httpx.HTTPError:
                     continue
         return router._error(APIError("no healthy engine is available", 503, "service_unavailable"))
 
-    @app.get("/health")
+    @app.get(Paths.HEALTH)
     async def health():
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get(Paths.READY)
     async def ready():
         try:
             router._pair(set())
@@ -359,15 +357,15 @@ def build_app(router: Router) -> FastAPI:
             return JSONResponse({"ready": False, "reason": e.message}, 503)
         return {"ready": True}
 
-    @app.get("/metrics")
+    @app.get(Paths.METRICS)
     async def metrics():
         return Response(generate_latest(router.metrics.registry), media_type="text/plain; version=0.0.4")
 
-    @app.get("/admin/workers")
+    @app.get(Paths.ADMIN_WORKERS)
     async def list_workers(http: Request):
         return guard(http) or {"workers": [w.view() for w in router.pool.workers.values()]}
 
-    @app.post("/admin/workers")
+    @app.post(Paths.ADMIN_WORKERS)
     async def add_worker(http: Request):
         if (err := guard(http)) is not None:
             return err
@@ -378,7 +376,7 @@ def build_app(router: Router) -> FastAPI:
         await router.check(w)
         return w.view()
 
-    @app.delete("/admin/workers")
+    @app.delete(Paths.ADMIN_WORKERS)
     async def remove_worker(http: Request):
         if (err := guard(http)) is not None:
             return err

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4_engine.config import ModelConfig
+from dsv4_engine.models.state import StateSpec
 
 
 @dataclass
@@ -88,6 +89,13 @@ def softmax_scale(cfg: ModelConfig) -> float:
 
 class DeepseekV3:
     """Weights plus the forward pass; holds no per-request state (that lives in the KV pool)."""
+
+    LATENT_KV = "latent_kv"
+
+    @classmethod
+    def state_specs(cls, cfg: ModelConfig) -> list[StateSpec]:
+        """Per request: the MLA latent and the rope key of every token in every layer."""
+        return [StateSpec(cls.LATENT_KV, cfg.num_hidden_layers, (cfg.kv_cache_dim,))]
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], ops, dtype: torch.dtype, device: torch.device):
         self.cfg = cfg
@@ -218,9 +226,10 @@ class DeepseekV3:
         return out
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, kv_pool: torch.Tensor) -> torch.Tensor:
+    def forward(self, fb: ForwardBatch, states: dict[str, torch.Tensor]) -> torch.Tensor:
         """Run one step; returns fp32 logits of each request's last new token, [B, vocab]."""
         cfg, ops = self.cfg, self.ops
+        kv_pool = states[self.LATENT_KV]
         x = F.embedding(fb.input_ids, self.embed)
         residual: Optional[torch.Tensor] = None
         for i, L in enumerate(self.layers):

@@ -9,9 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sys
 import time
-import traceback
 import uuid
 from dataclasses import dataclass, fields
 from typing import AsyncIterator, Optional
@@ -22,9 +20,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from dsv4_engine.engine import Engine, EngineArgs
-from dsv4_engine.protocol import APIError, ChatCompletionRequest, CompletionRequest, _Common
 from dsv4_engine.sampling import SamplingParams
 from dsv4_engine.sequence import RequestOutput, Sequence
+from dsv4_serve.admin import error_response, require_token, thread_stacks
+from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest, _Common
+from dsv4_wire import APIError, Paths
 
 log = logging.getLogger("dsv4.server")
 
@@ -42,13 +42,10 @@ class ServerArgs(EngineArgs):
     deadlines: bool = True
     enable_fault_injection: bool = False
     admin_token: Optional[str] = None
+    pd_secret: Optional[str] = None  # engine-to-engine PD endpoints require it when set
 
     def engine_args(self) -> EngineArgs:
         return EngineArgs(**{f.name: getattr(self, f.name) for f in fields(EngineArgs)})
-
-
-def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
 
 
 class EngineClient:
@@ -284,25 +281,6 @@ class OpenAIServing:
         yield _sse("[DONE]")
 
 
-def _admin_guard(args: ServerArgs, http: Request) -> None:
-    if not args.admin_token:
-        return
-    auth = http.headers.get("authorization", "")
-    token = auth[7:] if auth.lower().startswith("bearer ") else http.headers.get("x-admin-token")
-    if token != args.admin_token:
-        raise APIError("admin token required", 401, "authentication_error")
-
-
-def thread_stacks() -> str:
-    import threading
-
-    names = {t.ident: t.name for t in threading.enumerate()}
-    parts = []
-    for ident, frame in sys._current_frames().items():
-        parts.append(f"--- thread {names.get(ident, '?')} ({ident}) ---\n" + "".join(traceback.format_stack(frame)))
-    return "\n".join(parts)
-
-
 def build_app(engine: Engine, args: ServerArgs) -> FastAPI:
     app = FastAPI(title="dsv4 engine", docs_url=None, redoc_url=None)
     serving = OpenAIServing(engine, args)
@@ -320,26 +298,26 @@ def build_app(engine: Engine, args: ServerArgs) -> FastAPI:
         msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
         return error_response(APIError(msg, 400, param=loc or None))
 
-    @app.post("/v1/completions")
+    @app.post(Paths.COMPLETIONS)
     async def completions(req: CompletionRequest, http: Request):
         return await serving.completions(req, http)
 
-    @app.post("/v1/chat/completions")
+    @app.post(Paths.CHAT_COMPLETIONS)
     async def chat(req: ChatCompletionRequest, http: Request):
         return await serving.chat(req, http)
 
-    @app.get("/v1/models")
+    @app.get(Paths.MODELS)
     async def models():
         return {"object": "list", "data": [{"id": serving.model_name, "object": "model", "created": 0,
                                             "owned_by": "dsv4", "max_model_len": engine.max_model_len}]}
 
-    @app.get("/health")
+    @app.get(Paths.HEALTH)
     async def health():
         if not engine.alive:
             return JSONResponse({"status": "engine loop stopped"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get(Paths.READY)
     async def ready():
         stalled = time.monotonic() - engine.last_iteration
         if not engine.alive or stalled > 10:
@@ -348,19 +326,19 @@ def build_app(engine: Engine, args: ServerArgs) -> FastAPI:
             return JSONResponse({"ready": False, "reason": "draining"}, status_code=503)
         return {"ready": True}
 
-    @app.get("/metrics")
+    @app.get(Paths.METRICS)
     async def metrics():
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/server_info")
+    @app.get(Paths.SERVER_INFO)
     async def server_info():
-        from dsv4_engine.pd.common import BOOT_ID
+        from dsv4_engine.pd import BOOT_ID
 
         return {"role": args.role, "model": serving.model_name, "bootstrap_port": args.bootstrap_port if args.role == "prefill" else None,
                 "boot_id": BOOT_ID, "max_model_len": engine.max_model_len, "page_size": args.page_size,
                 "kernel_backend": engine.runner.kernel_backend}
 
-    @app.get("/v1/loads")
+    @app.get(Paths.LOADS)
     async def loads():
         # Read without stopping the engine thread: a queue that changes size mid-read raises
         # RuntimeError, and the next read is consistent again.
@@ -371,15 +349,15 @@ def build_app(engine: Engine, args: ServerArgs) -> FastAPI:
                 await asyncio.sleep(0.001)
         return engine.loads()
 
-    @app.post("/admin/drain")
+    @app.post(Paths.ADMIN_DRAIN)
     async def drain(http: Request):
-        _admin_guard(args, http)
+        require_token(http, args.admin_token)
         engine.draining = True
         return {"draining": True}
 
-    @app.post("/admin/abort")
+    @app.post(Paths.ADMIN_ABORT)
     async def abort(http: Request):
-        _admin_guard(args, http)
+        require_token(http, args.admin_token)
         try:
             body = await http.json()
         except Exception:
@@ -389,9 +367,9 @@ def build_app(engine: Engine, args: ServerArgs) -> FastAPI:
         engine.abort(body.get("rid"), reason=body.get("reason", "aborted by admin"), all_=body.get("all") is True)
         return {"aborted": body.get("rid") or "all"}
 
-    @app.get("/debug/stacks")
+    @app.get(Paths.DEBUG_STACKS)
     async def stacks(http: Request):
-        _admin_guard(args, http)
+        require_token(http, args.admin_token)
         return PlainTextResponse(thread_stacks())
 
     return app
@@ -413,11 +391,11 @@ def run_server(args: ServerArgs) -> None:
     engine.start()
     apps = [(build_app(engine, args), args.port)]
     if args.role != "mono":
-        from dsv4_engine.pd import build_bootstrap_app, extend_app
+        from dsv4_serve.pd_routes import build_bootstrap_app, extend_app
 
         extend_app(apps[0][0], engine, args)
         if args.role == "prefill":
-            apps.append((build_bootstrap_app(engine), args.bootstrap_port))
+            apps.append((build_bootstrap_app(engine, args), args.bootstrap_port))
     servers = [uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level="warning",
                                              timeout_graceful_shutdown=2)) for app, port in apps]
     extra = f", bootstrap on port {args.bootstrap_port}" if args.role == "prefill" else ""

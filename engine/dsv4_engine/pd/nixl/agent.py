@@ -40,7 +40,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from dsv4_engine.pd import nixl_compat
+from dsv4_engine.pd.nixl import compat as nixl_compat
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,3 @@
+from dsv4_cli.main import main
+
+main()

@@ -1,0 +1,48 @@
+"""What a model keeps per request, declared by the model and honoured by everything else.
+
+A model class declares its per-request state as a list of `StateSpec`s. The pool allocates one
+page-major tensor per paged state, memory sizing sums their bytes, the scheduler and preemption
+hand out and take back pages for all of them together, and PD moves every region of a page.
+DeepSeek-V3 declares one state (the MLA latent + rope key of each token in each layer); V4 adds
+windowed and compressed states, which is why this is a list and not one shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One kind of per-request state.
+
+    kind "paged": `entry_shape` per cached entry per layer, one entry per `tokens_per_entry`
+    tokens (1 for a plain KV cache; a compressed state stores one entry per window), held in
+    pages of `page_size` tokens. Every paged state shares the request's page ids.
+    """
+
+    name: str
+    num_layers: int
+    entry_shape: tuple[int, ...]
+    kind: str = "paged"
+    tokens_per_entry: int = 1
+
+    def entries_per_page(self, page_size: int) -> int:
+        if page_size % self.tokens_per_entry:
+            raise ValueError(f"state {self.name}: page size {page_size} is not a multiple of {self.tokens_per_entry}")
+        return page_size // self.tokens_per_entry
+
+    def page_shape(self, page_size: int) -> tuple[int, ...]:
+        """Shape of one page of this state: [num_layers, entries, *entry_shape]."""
+        return (self.num_layers, self.entries_per_page(page_size), *self.entry_shape)
+
+    def page_nbytes(self, page_size: int, dtype: torch.dtype) -> int:
+        n = 1
+        for d in self.page_shape(page_size):
+            n *= d
+        return n * torch.empty((), dtype=dtype).element_size()
+
+    def bytes_per_token(self, dtype: torch.dtype) -> float:
+        return self.page_nbytes(self.tokens_per_entry, dtype) / self.tokens_per_entry

@@ -1,0 +1,1 @@
+"""The real KV transport: NIXL (UCX) agents that WRITE pages between engines."""

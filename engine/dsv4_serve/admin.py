@@ -1,0 +1,31 @@
+"""Admin-surface helpers shared by the engine's routes: the token check and thread stacks."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import traceback
+from typing import Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from dsv4_wire import APIError, token_matches
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+def require_token(http: Request, token: Optional[str], what: str = "admin token") -> None:
+    """Raise a 401 unless the request carries `Authorization: Bearer <token>` (or none is set)."""
+    if not token_matches(http.headers, token):
+        raise APIError(f"{what} required", 401, "authentication_error")
+
+
+def thread_stacks() -> str:
+    names = {t.ident: t.name for t in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        parts.append(f"--- thread {names.get(ident, '?')} ({ident}) ---\n" + "".join(traceback.format_stack(frame)))
+    return "\n".join(parts)

@@ -1,0 +1,100 @@
+"""HTTP endpoints PD adds to an engine: peer aborts, fault injection (when enabled), and the
+prefill's bootstrap server (decode engines register rooms, abort them, heartbeat)."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+
+from dsv4_engine.pd import BOOT_ID
+from dsv4_serve.admin import error_response, require_token
+from dsv4_wire import APIError, Paths
+
+
+def _room(body) -> tuple[int, str]:
+    if not isinstance(body, dict) or not isinstance(body.get("room"), int) or isinstance(body.get("room"), bool):
+        raise APIError("body must be {\"room\": int, \"reason\": str}")
+    return body["room"], str(body.get("reason", "aborted by peer"))
+
+
+async def _json(http: Request):
+    try:
+        return await http.json()
+    except Exception:
+        raise APIError("body must be JSON") from None
+
+
+def extend_app(app: FastAPI, engine, args) -> None:
+    """Endpoints every PD engine adds: peer aborts and, when enabled, fault injection."""
+
+    @app.post(Paths.PD_ABORT)
+    async def pd_abort(http: Request):
+        require_token(http, args.pd_secret, "PD secret")
+        room, reason = _room(await _json(http))
+        engine.call(lambda: engine.pd.abort_room(room, reason))
+        return {"aborted": room}
+
+    if not args.enable_fault_injection:
+        return
+
+    @app.post(Paths.ADMIN_FAULTS)
+    async def arm_fault(http: Request):
+        require_token(http, args.admin_token)
+        try:
+            body = await http.json()
+            name, count = body["fault"], int(body.get("count", 1))
+            params = {k: v for k, v in body.items() if k not in ("fault", "count")}
+            engine.faults.arm(name, count, **params)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise APIError(f"bad fault request: {e}")
+        return {"armed": engine.faults.snapshot()}
+
+    @app.delete(Paths.ADMIN_FAULTS)
+    async def clear_faults(http: Request):
+        require_token(http, args.admin_token)
+        engine.faults.clear()
+        return {"armed": {}}
+
+    @app.get(Paths.ADMIN_FAULTS)
+    async def list_faults(http: Request):
+        require_token(http, args.admin_token)
+        return {"armed": engine.faults.snapshot()}
+
+
+def build_bootstrap_app(engine, args) -> FastAPI:
+    """The prefill's bootstrap endpoint: decode engines register rooms, abort them, heartbeat."""
+    app = FastAPI(title="dsv4 bootstrap", docs_url=None, redoc_url=None)
+    ctl = engine.pd
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError):
+        return error_response(e)
+
+    @app.post(Paths.BOOTSTRAP_REGISTER)
+    async def register(http: Request):
+        require_token(http, args.pd_secret, "PD secret")
+        body = await _json(http)
+        try:
+            ctl.register(body)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise APIError(f"bad registration: {e}")
+        return {"ok": True, "boot_id": BOOT_ID}
+
+    @app.post(Paths.BOOTSTRAP_ABORT)
+    async def abort(http: Request):
+        require_token(http, args.pd_secret, "PD secret")
+        room, reason = _room(await _json(http))
+        engine.call(lambda: ctl.abort_room(room, reason))
+        return {"aborted": room}
+
+    @app.get(Paths.BOOTSTRAP_HEARTBEAT)
+    async def heartbeat(http: Request, decode_boot: str = ""):
+        require_token(http, args.pd_secret, "PD secret")
+        if decode_boot:
+            ctl.heartbeat(decode_boot)
+        return {"boot_id": BOOT_ID}
+
+    @app.get(Paths.HEALTH)
+    async def health():
+        return {"status": "ok", "boot_id": BOOT_ID}
+
+    return app

@@ -1,0 +1,28 @@
+"""Kubernetes names both sides read: labels the operator writes and the router selects on,
+annotations the operator keeps its own state in, the engine container and the roles."""
+
+APP = "dsv4"
+MANAGER = "dsv4-operator"
+
+# Standard labels.
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+
+# Ours. The router drops a pod labelled draining=true from its rotation (SGLang's router drops a
+# pod that stops matching its selector, which the label also does for a `!draining` selector).
+LABEL_ROLE = "serving.dsv4.dev/role"
+LABEL_DRAINING = "serving.dsv4.dev/draining"
+LABEL_ENGINE_KIND = "serving.dsv4.dev/engine-kind"
+LABEL_EVIDENCE = "serving.dsv4.dev/evidence"
+LABEL_DEPLOYMENT = "serving.dsv4.dev/deployment"
+LABEL_POD = "serving.dsv4.dev/pod"
+
+ANNOTATION_REVISION = "serving.dsv4.dev/revision"
+ANNOTATION_REVISIONS = "serving.dsv4.dev/revisions"
+ANNOTATION_REMEDIATION_STATE = "serving.dsv4.dev/remediation-state"
+
+ENGINE_CONTAINER = "engine"
+ENGINE_ROLES = ("prefill", "decode")
+ROLES = ("mono", "prefill", "decode")

@@ -1,0 +1,44 @@
+"""Engine metric names (prefix `dsv4:`, names follow SGLang's so dashboards translate 1:1).
+
+Keys are the names without the prefix; counters are exposed with `_total` appended, histograms
+with `_bucket`/`_sum`/`_count`. The engine registers them, the operator's watchdog and the
+dashboards read them: both import them from here.
+"""
+
+PREFIX = "dsv4:"
+
+GAUGES = {
+    "num_running_reqs": "Requests running in the batch",
+    "num_queue_reqs": "Requests waiting to be scheduled",
+    "num_prefill_bootstrap_queue_reqs": "Prefill: requests waiting for their decode peer",
+    "num_prefill_inflight_queue_reqs": "Prefill: requests whose KV is being sent to decode",
+    "num_decode_prealloc_queue_reqs": "Decode: requests waiting for pages / the prefill handshake",
+    "num_decode_transfer_queue_reqs": "Decode: requests waiting for their KV to arrive",
+    "prefill_inflight_oldest_age_seconds": "Age of the oldest request in the prefill inflight queue",
+    "kv_pages_free": "Free KV cache pages",
+    "kv_pages_total": "Total KV cache pages",
+}
+COUNTERS = {
+    "num_bootstrap_failed_reqs": "Requests failed during the PD bootstrap",
+    "num_transfer_failed_reqs": "Requests whose KV transfer failed",
+    "num_transfer_timeout_reqs": "Requests whose KV transfer hit its deadline",
+    "kv_transfers_completed": "KV transfers completed",
+    "kv_transfer_bytes": "Bytes of KV moved between engines",
+    "prompt_tokens": "Prompt tokens processed",
+    "generation_tokens": "Tokens generated",
+    "num_aborted_reqs": "Requests aborted (client gone, admin, peer)",
+    "scheduler_loop_iterations": "Iterations of the scheduler loop",
+}
+HISTOGRAMS = {
+    "time_to_first_token_seconds": "Time to first token",
+    "inter_token_latency_seconds": "Time between tokens of one request",
+    "e2e_request_latency_seconds": "Arrival to finish",
+    "kv_transfer_latency_seconds": "KV transfer start to completion",
+}
+
+
+def metric_name(key: str, suffix: str = "") -> str:
+    """The exposed name of a metric key: metric_name("kv_transfers_completed", "_total")."""
+    if key not in GAUGES and key not in COUNTERS and key not in HISTOGRAMS:
+        raise KeyError(f"no dsv4 metric {key!r}")
+    return f"{PREFIX}{key}{suffix}"

@@ -1,0 +1,25 @@
+"""HTTP paths of the engines, the prefill bootstrap server and the router."""
+
+
+class Paths:
+    # OpenAI surface (engines and router)
+    COMPLETIONS = "/v1/completions"
+    CHAT_COMPLETIONS = "/v1/chat/completions"
+    MODELS = "/v1/models"
+    # live state (every engine)
+    HEALTH = "/health"
+    READY = "/ready"
+    METRICS = "/metrics"
+    LOADS = "/v1/loads"
+    SERVER_INFO = "/server_info"
+    # admin (behind the admin token when one is set)
+    ADMIN_DRAIN = "/admin/drain"
+    ADMIN_ABORT = "/admin/abort"
+    ADMIN_FAULTS = "/admin/faults"  # only with --enable-fault-injection
+    DEBUG_STACKS = "/debug/stacks"
+    ADMIN_WORKERS = "/admin/workers"  # router
+    # engine to engine (behind the PD secret when one is set)
+    PD_ABORT = "/pd/abort"
+    BOOTSTRAP_REGISTER = "/bootstrap/register"
+    BOOTSTRAP_ABORT = "/bootstrap/abort"
+    BOOTSTRAP_HEARTBEAT = "/bootstrap/heartbeat"

@@ -1,0 +1,131 @@
+"""The package architecture, checked from the source: which dsv4 package may import which, and
+no import circles between modules (lazy, function-level imports count too)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+ROOTS = [REPO / "engine", REPO / "kernels", REPO / "operator"]
+
+# Layers, bottom up. The engine core knows no HTTP server, router or operator; the operator knows
+# only the wire contract; the CLI is the one place that knows everything.
+ALLOWED = {
+    "dsv4_wire": set(),
+    "dsv4_kernels": set(),
+    "dsv4_engine": {"dsv4_wire", "dsv4_kernels"},
+    "dsv4_serve": {"dsv4_wire", "dsv4_engine"},
+    "dsv4_router": {"dsv4_wire"},
+    "dsv4_operator": {"dsv4_wire"},
+    "dsv4_cli": {"dsv4_wire", "dsv4_kernels", "dsv4_engine", "dsv4_serve", "dsv4_router", "dsv4_operator"},
+}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for root in ROOTS:
+        for path in root.rglob("*.py"):
+            rel = path.relative_to(root).with_suffix("")
+            parts = list(rel.parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            if parts and parts[0].startswith("dsv4_"):
+                out[".".join(parts)] = path
+    return out
+
+
+def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    is_pkg = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+        else:
+            continue
+        for t in targets:
+            if t.split(".")[0].startswith("dsv4_"):
+                # the deepest known module this import names
+                parts = t.split(".")
+                while parts and ".".join(parts) not in known:
+                    parts.pop()
+                if parts:
+                    found.add(".".join(parts))
+    found.discard(name)
+    return found
+
+
+GRAPH = {name: imports_of(name, path, modules()) for name, path in modules().items()}
+
+
+def test_every_package_is_placed_in_a_layer() -> None:
+    assert {m.split(".")[0] for m in GRAPH} <= set(ALLOWED)
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_package_imports_only_lower_layers(package: str) -> None:
+    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if m.split(".")[0] == package
+                 for t in ts if t.split(".")[0] not in ALLOWED[package] | {package})
+    assert not bad, "imports across layers:\n" + "\n".join(bad)
+
+
+def test_engine_and_operator_are_independent() -> None:
+    for a, b in (("dsv4_engine", "dsv4_operator"), ("dsv4_operator", "dsv4_engine")):
+        bad = [f"{m} -> {t}" for m, ts in GRAPH.items() if m.startswith(a) for t in ts if t.startswith(b)]
+        assert not bad, bad
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles() -> None:
+    assert _cycles(GRAPH) == []
+
+
+def test_the_cycle_finder_finds_one() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
