@@ -19,7 +19,7 @@ app = typer.Typer(
 model_app = typer.Typer(rich_markup_mode=None, no_args_is_help=True, help="Make and inspect model checkpoints.")
 app.add_typer(model_app, name="model")
 from dsv4_cli.bench import app as bench_app  # noqa: E402  (light: typer only)
-from dsv4_wire import ADMIN_TOKEN_ENV  # noqa: E402
+from dsv4_wire import ADMIN_TOKEN_ENV, PD_SECRET_ENV  # noqa: E402
 
 app.add_typer(bench_app, name="bench")
 
@@ -96,6 +96,7 @@ def serve(
     no_deadlines: bool = typer.Option(False, "--no-deadlines", help="Disable PD deadlines (reproduces the wedge; tests only)."),
     enable_fault_injection: bool = typer.Option(False, "--enable-fault-injection", help="Expose POST /admin/faults."),
     admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV, help="Token required by /admin and /debug."),
+    pd_secret: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV, help="Shared secret of engine-to-engine PD calls and the router's internal requests."),
     seed: int = typer.Option(0, help="Default sampling seed."),
 ) -> None:
     """Run one engine (monolithic, prefill or decode) with the OpenAI-compatible HTTP API."""
@@ -118,7 +119,7 @@ def serve(
             max_model_len=max_model_len, kernel_backend=kernel_backend, device=device,
             bootstrap_timeout=bootstrap_timeout, transfer_timeout=transfer_timeout,
             waiting_timeout=waiting_timeout, deadlines=not no_deadlines,
-            enable_fault_injection=enable_fault_injection, admin_token=admin_token, seed=seed,
+            enable_fault_injection=enable_fault_injection, admin_token=admin_token, pd_secret=pd_secret, seed=seed,
         )
     )
 
@@ -133,7 +134,8 @@ def router(
     discover_namespace: Optional[str] = typer.Option(None, help="Find engine pods in this Kubernetes namespace."),
     selector: Optional[str] = typer.Option(None, help="Label selector for discovery, e.g. app.kubernetes.io/instance=x."),
     health_interval: float = typer.Option(2.0, help="Seconds between /ready checks of each worker."),
-    admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV),
+    admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV, help="Token required by /admin."),
+    pd_secret: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV, help="Shared secret sent with internal requests to PD engines."),
 ) -> None:
     """Run the PD router: OpenAI API front, pairs prefill + decode per request."""
     if not (prefill or decode or mono or discover_namespace):
@@ -146,7 +148,7 @@ def router(
         RouterArgs(
             prefill=list(prefill), decode=list(decode), mono=list(mono), host=host, port=port,
             discover_namespace=discover_namespace, selector=selector,
-            health_interval=health_interval, admin_token=admin_token,
+            health_interval=health_interval, admin_token=admin_token, pd_secret=pd_secret,
         )
     )
 

@@ -40,6 +40,7 @@ class RouterArgs:
     selector: Optional[str] = None
     health_interval: float = 2.0
     admin_token: Optional[str] = None
+    pd_secret: Optional[str] = None  # sent with internal requests to prefill/decode engines
     request_timeout: float = 600.0
 
 
