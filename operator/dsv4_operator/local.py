@@ -361,10 +361,17 @@ class LocalDeployment:
     async def watch(self, stop: asyncio.Event) -> None:
         executor = LocalExecutor(self)
         loop = WatchdogLoop(self.settings, self.detector, executor)
+        incarnation: dict[str, Optional[str]] = {}
         async with httpx.AsyncClient() as client:
             try:
                 while not stop.is_set():
                     started = time.monotonic()
+                    for k, e in self.engines.items():
+                        if incarnation.get(k, e.uid) != e.uid:
+                            # A new process is a new pod: what the old one did (or its silence
+                            # after a crash) says nothing about it.
+                            self.detector.forget(k)
+                        incarnation[k] = e.uid
                     ready = dict(zip(self.engines, await asyncio.gather(*(self._ready(client, e) for e in self.engines.values()))))
                     pods = {k: PodInfo(role=e.role, ready=ready[k], uid=e.uid) for k, e in self.engines.items()}
                     # A process that is not running is the supervisor's: crash is not a wedge.
