@@ -174,7 +174,8 @@ def up(
     engine_arg: List[str] = typer.Option([], help="Extra argument passed to every engine (repeat)."),
     admin_token: Optional[str] = typer.Option(
         None, envvar=ADMIN_TOKEN_ENV, help="Admin token of the engines and router (default: generated and kept, "
-        "mode 0600, in the state folder ~/.cache/dsv4/up/PORT)."),
+        "mode 0600, in the state folder ~/.cache/dsv4/up/PORT). Prefer the environment variable: "
+        "a command line is visible to every user in `ps`."),
     pd_secret: Optional[str] = typer.Option(
         None, envvar=PD_SECRET_ENV, help="Secret of engine-to-engine PD calls (default: generated and kept, "
         "mode 0600, in the state folder)."),

@@ -217,6 +217,7 @@ class LocalExecutor:
         if action.uid is None or eng.uid == action.uid:
             await asyncio.to_thread(eng.stop)
             eng.start()
+            self.up.write_processes()
         else:  # the supervisor replaced it already (it crashed): leave the new process alone
             note = f"already replaced (process {eng.uid}, not {action.uid})"
         await self.call(self.up.router_url + Paths.ADMIN_WORKERS, "POST", {"url": eng.url, "role": eng.role})

@@ -136,9 +136,15 @@ class Supervisor:
                             f"{p.restart_at - now:.0f} s (crash {p.crashes} in a row)")
                 changed = True
             if p.restart_at is not None and now >= p.restart_at:
-                p.start()
-                p.restarts += 1
-                self.events("Started", p.key, f"new process {p.uid}")
+                try:
+                    p.start()
+                except OSError as e:  # could not even spawn it: counts as one more crash
+                    p.crashes += 1
+                    p.restart_at = now + self.backoff.delay(p.crashes)
+                    self.events("StartFailed", p.key, f"{e}; next try in {p.restart_at - now:.0f} s")
+                else:
+                    p.restarts += 1
+                    self.events("Started", p.key, f"new process {p.uid}")
                 changed = True
         return changed
 
