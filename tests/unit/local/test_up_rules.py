@@ -159,3 +159,16 @@ def test_startup_lines_never_break_a_path_at_80_columns(tmp_path, monkeypatch) -
         assert str(path) in text, f"{path} broken in:\n{text}"
     assert up.admin_token not in text and up.pd_secret not in text  # where, never what
     assert "detection window 75 s" in text
+
+
+def test_a_process_that_cannot_be_spawned_backs_off_instead_of_stopping_the_supervisor(tmp_path) -> None:
+    events: list = []
+    p = _proc(tmp_path, "router", "pass")
+    sup = Supervisor([p], lambda *e: events.append(e), CrashBackoff(first_s=1.0, cap_s=30.0, stable_s=100.0))
+    p.start()
+    p.popen.wait(10)
+    p.cmd = [str(tmp_path / "no-such-program")]
+    t0 = p.started_at + 0.1
+    sup.tick(t0)
+    assert [e[0] for e in events] == ["Crashed", "StartFailed"]
+    assert p.crashes == 2 and p.restart_at == pytest.approx(t0 + 1.0)
