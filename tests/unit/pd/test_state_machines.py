@@ -121,9 +121,16 @@ class Pair:
         for _ in range(n):
             self.clock.now += dt
             if "p" in sides and "p" not in self.dead:
-                self.p.step()
+                self._step(self.p)
             if "d" in sides and "d" not in self.dead:
-                self.d.step()
+                self._step(self.d)
+
+    @staticmethod
+    def _step(e: Engine) -> None:
+        if e.inbox.empty() and not e.scheduler.has_work() and not e.pd.busy():
+            e.pd.poll()  # all an idle step does, without its 20 ms wait for input
+        else:
+            e.step()
 
     def run_until(self, cond: Callable[[], bool], dt: float = 0.05, limit: float = 30.0, sides: str = "pd") -> float:
         """Step both loops, moving the clock dt per step, until cond(); returns fake seconds spent."""
@@ -624,3 +631,30 @@ def test_faulty_transport_consumes_each_armed_fault_once():
     assert exits == [17]
     with pytest.raises(ValueError):
         faults.arm("no_such_fault", 1)
+
+
+# ---- peer death in every state ---------------------------------------------------------------------
+
+# state -> (side that dies, status the survivor's client hears, text, counter, aborts sent to the dead)
+DEATHS = {
+    "prefill-bootstrap": ("d", 502, "remote disconnect", "num_transfer_failed_reqs", 1),
+    "prefill-waiting-for-input": ("d", 502, "remote disconnect", "num_transfer_failed_reqs", 1),
+    "prefill-inflight/decode-transfer": ("d", 502, "remote disconnect", "num_transfer_failed_reqs", 1),
+    "decode-prealloc": ("p", 502, "cannot register with prefill", "num_bootstrap_failed_reqs", 0),
+    "decode-registering": ("p", 502, "stopped answering", "num_transfer_failed_reqs", 1),
+}
+
+
+@pytest.mark.parametrize("state", list(DEATHS))
+def test_peer_death_in_every_state(pair, state):
+    ps, pc, ds, dc = STATES[state](pair)
+    dies, status, text, counter, aborts = DEATHS[state]
+    pair.kill(dies)
+    survivor, client, seq = ("p", pc, ps) if dies == "d" else ("d", dc, ds)
+    spent = pair.run_until(lambda: client.ends, sides=survivor, dt=0.1)
+    assert spent <= HEARTBEAT_LIMIT + 1.5 and spent < SETTINGS.waiting_timeout
+    assert_error(client, status, text)
+    assert pair.moved(survivor, counter) == 1
+    dead_addr = DECODE_URL if dies == "d" else BOOTSTRAP_ADDR
+    assert pair.fabric.aborts_to(dead_addr, seq.pd.room) == aborts
+    pair.assert_clean(survivor)
