@@ -658,3 +658,15 @@ def test_peer_death_in_every_state(pair, state):
     dead_addr = DECODE_URL if dies == "d" else BOOTSTRAP_ADDR
     assert pair.fabric.aborts_to(dead_addr, seq.pd.room) == aborts
     pair.assert_clean(survivor)
+
+
+def test_layout_mismatch_is_refused_at_bootstrap_and_both_sides_hear_why(pair):
+    odd = {name: torch.zeros(*t.shape[:-1], t.shape[-1] + 1) for name, t in pair.d.pool.states.items()}
+    pair.d.pd.transport = pair.fabric.transport("decode-x", odd)  # a decode whose state has another shape
+    ps, pc, ds, dc = pair.both()
+    pair.run_until(lambda: pc.ends and dc.ends)
+    assert_error(pc, 502, "incompatible KV layout")
+    assert_error(dc, 502, "incompatible KV layout")
+    assert pair.moved("p", "num_bootstrap_failed_reqs") == 1
+    assert pair.fabric.aborts_to(DECODE_URL, ps.pd.room) == 1 and pair.fabric.aborts_to(BOOTSTRAP_ADDR, ps.pd.room) == 0
+    pair.assert_clean("p", "d")
