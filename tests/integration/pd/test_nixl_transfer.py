@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dsv4_engine.pd.nixl.agent import KVTransferAgent, TransferState
+from dsv4_engine.pd.transport import KVTransport
 from nixl_peer import PeerProcess
 
 SHAPE = (32, 2, 16, 64)  # 32 pages of [layers=2, page_size=16, kv_dim=64]: 8 KiB fp32, 4 KiB bf16
@@ -83,6 +84,7 @@ def test_every_state_region_moves_with_one_notification(peer):
     g = torch.Generator().manual_seed(9)
     states = {name: torch.randn(shape, generator=g).to(getattr(torch, dt)) for name, (shape, dt) in layout.items()}
     with KVTransferAgent("multi-src", states) as src:
+        assert isinstance(src, KVTransport)  # the production transport keeps the declared seam
         src.add_peer(peer.create("multi-dst", layout))
         h = src.write_pages("multi-dst", [1, 7, 3], [4, 0, 15], b"all-regions")
         assert wait_terminal(src, h) is TransferState.DONE, src.error(h)

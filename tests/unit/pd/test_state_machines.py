@@ -22,6 +22,7 @@ from dsv4_engine.pd.decode import DecodeController
 from dsv4_engine.pd.fake import FakeFabric
 from dsv4_engine.pd.faults import Deadlines, FaultInjector, FaultyChannel, FaultyTransport
 from dsv4_engine.pd.prefill import PrefillController
+from dsv4_engine.pd.transport import KVTransport
 from dsv4_engine.sampling import SamplingParams
 from dsv4_engine.sequence import RequestOutput, Sequence
 
@@ -587,6 +588,7 @@ def test_fake_fabric_moves_every_region_and_obeys_commands():
     src_states = {"latent": torch.randn(8, 2, 4, 3, generator=g), "ring": torch.randn(8, 3, 2, generator=g).bfloat16()}
     dst_states = {k: torch.zeros_like(v) for k, v in src_states.items()}
     a, b = fabric.transport("a", src_states), fabric.transport("b", dst_states)
+    assert isinstance(a, KVTransport) and isinstance(FaultyTransport(a, FaultInjector()), KVTransport)
     assert a.add_peer(b.descriptor()) == "b"
     h = a.write_pages("b", [1, 5], [7, 0], b"n1")
     assert a.poll(h).value == "done" and b.poll_notifs() == [("a", b"n1")]
