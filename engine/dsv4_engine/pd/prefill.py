@@ -101,6 +101,9 @@ class PrefillController(PDController):
         for room, when in list(self.dropped.items()):
             if now - when > GONE_ROOM_TTL_S:
                 del self.dropped[room]
+        for boot, when in list(self.decode_heartbeats.items()):  # decodes long gone (restarted, scaled in)
+            if now - when > GONE_ROOM_TTL_S:
+                self.decode_heartbeats.pop(boot, None)
 
     def _take_registrations(self, now: float) -> None:
         deferred = []
