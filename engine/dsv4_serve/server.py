@@ -24,7 +24,7 @@ from dsv4_engine.sampling import SamplingParams
 from dsv4_engine.sequence import RequestOutput, Sequence
 from dsv4_serve.admin import error_response, require_token, thread_stacks
 from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest, _Common
-from dsv4_wire import APIError, Paths
+from dsv4_wire import APIError, Paths, token_matches
 
 log = logging.getLogger("dsv4.server")
 
@@ -131,14 +131,13 @@ class OpenAIServing:
                 code="context_length_exceeded")
         return params
 
-    def _seq(self, req: _Common, ids: list[int], params: SamplingParams, rid: str) -> Sequence:
+    def _seq(self, req: _Common, ids: list[int], params: SamplingParams, rid: str, http: Request) -> Sequence:
         seq = Sequence(rid=rid, prompt_ids=ids, params=params)
         if self.args.role != "mono":
-            from dsv4_engine.pd.common import PDRequestInfo
+            from dsv4_engine.pd import bootstrap_target
 
-            if req.bootstrap_room is None:
-                raise APIError(f"this is a {self.args.role} engine: send requests through the dsv4 router", param="bootstrap_room")
-            seq.pd = PDRequestInfo(req.bootstrap_host or "127.0.0.1", req.bootstrap_port or 0, req.bootstrap_room)
+            seq.pd = bootstrap_target(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, role=self.args.role,
+                                      secret_set=bool(self.args.pd_secret), authorized=token_matches(http.headers, self.args.pd_secret))
             seq.prefill_only = self.args.role == "prefill"
         return seq
 
@@ -149,7 +148,7 @@ class OpenAIServing:
         prompts = self._prompts(req)
         params = [self._params(req, len(ids), 16) for ids in prompts]
         base = req.rid or f"cmpl-{uuid.uuid4().hex}"
-        seqs = [self._seq(req, ids, p, base if len(prompts) == 1 else f"{base}-{i}")
+        seqs = [self._seq(req, ids, p, base if len(prompts) == 1 else f"{base}-{i}", http)
                 for i, (ids, p) in enumerate(zip(prompts, params))]
         if req.stream:
             return StreamingResponse(self._stream(req, seqs, base, chat=False), media_type="text/event-stream")
@@ -164,7 +163,7 @@ class OpenAIServing:
             req.max_tokens = req.max_completion_tokens
         params = self._params(req, len(ids), None)
         rid = req.rid or f"chatcmpl-{uuid.uuid4().hex}"
-        seqs = [self._seq(req, ids, params, rid)]
+        seqs = [self._seq(req, ids, params, rid, http)]
         if req.stream:
             return StreamingResponse(self._stream(req, seqs, rid, chat=True), media_type="text/event-stream")
         return await self._complete(req, seqs, rid, http, chat=True)
