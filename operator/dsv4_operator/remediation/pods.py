@@ -34,6 +34,7 @@ class EnginePod:
     ready: bool
     terminating: bool
     draining: bool
+    restarting: bool = False  # the kubelet is restarting a container (it agrees something is wrong)
 
     @property
     def url(self) -> Optional[str]:
@@ -65,6 +66,15 @@ def _is_ready(status: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
 
 
+def _is_restarting(status: Mapping[str, Any]) -> bool:
+    for c in status.get("containerStatuses") or []:
+        if (c.get("state") or {}).get("waiting"):
+            return True  # CrashLoopBackOff, or coming back after a restart
+        if int(c.get("restartCount") or 0) > 0 and not c.get("ready", True):
+            return True
+    return False
+
+
 def engine_pod(obj: Mapping[str, Any], default_port: Optional[int] = None) -> Optional[EnginePod]:
     """A Pod object -> an EnginePod (None for a pod that is not a prefill/decode engine)."""
     meta = obj.get("metadata") or {}
@@ -78,6 +88,7 @@ def engine_pod(obj: Mapping[str, Any], default_port: Optional[int] = None) -> Op
         name=meta["name"], uid=meta.get("uid"), role=role, ip=status.get("podIP") or None,
         port=_http_port(obj.get("spec") or {}, default_port), ready=_is_ready(status) and not terminating,
         terminating=terminating, draining=labels.get(DRAINING_LABEL) == "true",
+        restarting=_is_restarting(status),
     )
 
 
@@ -91,7 +102,7 @@ class WatchPlan:
 def watch_plan(pods: Iterable[EnginePod], kind: str) -> WatchPlan:
     targets, infos, answered = [], {}, {}
     for pod in sorted(pods, key=lambda p: p.name):
-        infos[pod.name] = PodInfo(role=pod.role, ready=pod.ready, uid=pod.uid)
+        infos[pod.name] = PodInfo(role=pod.role, ready=pod.ready, uid=pod.uid, restarting=pod.restarting)
         answered[pod.name] = pod.ready
         if pod.url is not None and not pod.terminating:
             targets.append(ScrapeTarget(pod.name, pod.url, pod.role, kind))
