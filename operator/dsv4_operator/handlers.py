@@ -30,6 +30,7 @@ from dsv4_operator.manifests import (
     APP, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_NAME, MANAGER, Owner, build_children, unbuildable_reasons,
 )
 from dsv4_operator.remediation.daemon import DeploymentWatchdog
+from dsv4_operator.remediation.pods import engine_pod_index_key, pod_snapshot
 from dsv4_operator.status import ChildObservation, compute_status, observe, status_changed
 from dsv4_operator.telemetry import OperatorMetrics
 
@@ -296,12 +297,23 @@ kopf.on.event("apps", "v1", "deployments", id="deployment_changed", labels=CHILD
 
 @kopf.daemon(*CR, id="wedge_watchdog", registry=registry, cancellation_backoff=1.0, cancellation_timeout=10.0)
 async def wedge_watchdog(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger,
-                         **_: Any) -> None:
+                         dsv4_pods: kopf.Index, **_: Any) -> None:
     """Scrape, judge and heal this deployment's engine pods for as long as it exists. `body` is
     kopf's live view of the resource: spec edits reach the running loop."""
     def post(type_: str, reason: str, message: str) -> None:
         kopf.event(body, type=type_, reason=reason, message=message)
 
+    def pods(namespace: str, instance: str) -> list:
+        return list(dsv4_pods.get((namespace, instance), []))
+
     watchdog = DeploymentWatchdog(lambda: _api(memo), _metrics(memo), body, post, logger,
-                                  admin_token=os.environ.get("DSV4_ADMIN_TOKEN") or None)
+                                  admin_token=os.environ.get("DSV4_ADMIN_TOKEN") or None,
+                                  fleet=getattr(memo, "fleet", None), pods=pods)
     await watchdog.run(stopped)
+
+
+# The watchdog's engine pods, from one pod watch (main narrows it by label selector).
+@kopf.index("", "v1", "pods", id="dsv4_pods", labels={LABEL_NAME: APP}, registry=registry)
+def _index_engine_pod(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> Optional[dict]:
+    key = engine_pod_index_key(namespace, labels)
+    return None if key is None else {key: pod_snapshot(body)}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import threading
 import time
@@ -24,11 +25,15 @@ import kopf
 from dsv4_operator import handlers
 from dsv4_operator.manifests import APP, LABEL_MANAGED_BY, LABEL_NAME, MANAGER
 from dsv4_operator.remediation.daemon import REVISIONS_ANNOTATION
+from dsv4_operator.remediation.pods import engine_pod_watch_selector
 from dsv4_operator.telemetry import HealthState, OperatorMetrics, start_health_server
+from dsv4_operator.watchdog.corroboration import Fleet, RestartRateLimit
 from dsv4_operator.watchdog.policy import STATE_ANNOTATION
 
 Flag = Union[asyncio.Event, threading.Event, None]
 ANNOTATION_PREFIX = "serving.dsv4.dev"
+# "COUNT/SECONDS": at most COUNT remediations start in any SECONDS, across every deployment.
+RESTART_RATE_LIMIT_ENV = "DSV4_RESTART_RATE_LIMIT"
 LOG_FORMATS = {"json": kopf.LogFormat.JSON, "plain": kopf.LogFormat.FULL}
 
 
@@ -51,6 +56,8 @@ def make_settings(standalone: bool) -> kopf.OperatorSettings:
     ours = f"{LABEL_NAME}={APP},{LABEL_MANAGED_BY}={MANAGER}"
     settings.watching.label_selectors["apps", "statefulsets"] = ours
     settings.watching.label_selectors["apps", "deployments"] = ours
+    # The watchdog's pod index: engine pods only, one watch for every deployment.
+    settings.watching.label_selectors["v1", "pods"] = engine_pod_watch_selector()
     return settings
 
 
@@ -66,6 +73,7 @@ async def serve_operator(
     settings: Optional[kopf.OperatorSettings] = None,
     state: Optional[HealthState] = None,
     metrics: Optional[OperatorMetrics] = None,
+    fleet: Optional[Fleet] = None,
 ) -> None:
     """Run the operator (and its health server) until stopped. Tests call this directly, with
     a stop flag and an explicit kubeconfig path."""
@@ -84,7 +92,8 @@ async def serve_operator(
             ready_flag.set()
 
     watcher = asyncio.create_task(watch_ready())
-    memo = kopf.Memo(metrics=metrics, kubeconfig=kubeconfig, api=None)
+    memo = kopf.Memo(metrics=metrics, kubeconfig=kubeconfig, api=None, fleet=fleet or Fleet(
+        restarts=RestartRateLimit.parse(os.environ.get(RESTART_RATE_LIMIT_ENV))))
     try:
         await kopf.operator(
             registry=handlers.registry,

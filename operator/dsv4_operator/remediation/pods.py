@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
-from dsv4_operator.manifests import HTTP_PORT_NAME, LABEL_INSTANCE, LABEL_ROLE
+from dsv4_operator.manifests import APP, HTTP_PORT_NAME, LABEL_INSTANCE, LABEL_NAME, LABEL_ROLE
 from dsv4_operator.spec import RemediationSpec
 from dsv4_operator.watchdog.policy import PodInfo, RemediationSettings
 from dsv4_operator.watchdog.scrape import ScrapeTarget
@@ -42,6 +42,26 @@ class EnginePod:
             return None
         host = f"[{self.ip}]" if ":" in self.ip else self.ip  # IPv6 pod IPs
         return f"http://{host}:{self.port}"
+
+
+def engine_pod_index_key(namespace: str, labels: Mapping[str, str]) -> Optional[tuple[str, str]]:
+    """The watchdog's pod index: (namespace, instance) -> that deployment's engine pods, kept
+    current by one pod watch for the operator instead of a LIST per scrape per deployment."""
+    instance = labels.get(LABEL_INSTANCE)
+    if not instance or labels.get(LABEL_ROLE) not in ENGINE_ROLES:
+        return None
+    return namespace, instance
+
+
+def pod_snapshot(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The parts of a Pod the watchdog reads, copied out of kopf's live body."""
+    return {"metadata": dict(body.get("metadata") or {}), "spec": dict(body.get("spec") or {}),
+            "status": dict(body.get("status") or {})}
+
+
+def engine_pod_watch_selector() -> str:
+    """The label selector of the operator's one pod watch (engine pods of every deployment)."""
+    return f"{LABEL_NAME}={APP},{LABEL_ROLE} in ({','.join(ENGINE_ROLES)})"
 
 
 def pod_selector(instance: str) -> str:
