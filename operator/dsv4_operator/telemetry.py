@@ -36,6 +36,8 @@ class OperatorMetrics:
         self.deployments = Gauge(
             "dsv4_operator_deployments", "DSV4Deployments the operator currently serves.", registry=self.registry)
         self.up = Gauge("dsv4_operator_up", "1 while the operator runs its handlers.", registry=self.registry)
+        self.leader = Gauge("dsv4_operator_leader", "1 while this replica holds the leader Lease.",
+                            registry=self.registry)
         # The wedge watchdog (dsv4_operator.remediation).
         self.wedges_detected = Counter(
             "dsv4_operator_wedges_detected_total", "Wedge episodes detected on engine pods, by role and reason.",
@@ -65,6 +67,7 @@ class HealthState:
     started_at: Optional[float] = None  # kopf's startup handlers finished
     stopped_at: Optional[float] = None
     failure: Optional[str] = None  # why the operator stopped working, if it did
+    standby: bool = False  # a candidate waiting for the leader Lease: alive, not acting
     created_at: float = field(default_factory=time.monotonic)
 
 
@@ -74,6 +77,8 @@ def health_verdict(state: HealthState) -> tuple[bool, str]:
         return False, f"failed: {state.failure}"
     if state.stopped_at is not None:
         return False, "stopped"
+    if state.standby:
+        return True, "standby"
     if state.started_at is None:
         return False, "starting"
     return True, "ok"

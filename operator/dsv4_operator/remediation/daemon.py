@@ -134,6 +134,8 @@ class DeploymentWatchdog:
 
     async def tick(self) -> float:
         """One round; returns the seconds until the next."""
+        if self.fleet is not None and not self.fleet.may_act():
+            return IDLE_INTERVAL  # not the leader (any more): look, act and write nothing
         try:
             spec = S.parse_spec(self.body.get("spec"))
         except ValidationError:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 from .detector import Unreachable, Verdict, Wedged
 from .policy import UNRESPONSIVE, PodInfo
@@ -115,8 +115,9 @@ class RestartRateLimit:
 
 @dataclass
 class Fleet:
-    """What the watchdogs of one operator share: the silence of every deployment and the
-    restart rate limit."""
+    """What the watchdogs of one operator share: the silence of every deployment, the restart
+    rate limit, and whether this replica may act at all (it holds the leader Lease)."""
 
     silence: FleetSilence = field(default_factory=FleetSilence)
     restarts: RestartRateLimit = field(default_factory=RestartRateLimit)
+    may_act: Callable[[], bool] = lambda: True

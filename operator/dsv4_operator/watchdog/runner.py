@@ -106,6 +106,9 @@ class WatchdogLoop:
         result = RoundResult(verdicts, decision.actions, samples=samples, scrape_seconds=scrape_seconds,
                              silence=silence, blind=blind)
         for action in decision.actions:
+            if self.fleet is not None and not self.fleet.may_act():
+                log.warning("no longer the leader: the rest of this round is not acted on")
+                break
             try:
                 ok, note = await self.executor.run(action, verdicts.get(action.pod))
             except Exception as e:  # an executor bug must not stop the watchdog
