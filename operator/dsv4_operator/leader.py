@@ -12,8 +12,8 @@ The rules (client-go's, in a few lines):
 * a candidate takes the Lease when it is free or its holder has not renewed it for
   ``lease_s`` *as observed on the candidate's own clock* (the time the candidate first saw the
   current renewTime, not the renewTime itself: no trust in the other node's clock);
-* the holder renews every ``retry_s``; every write names the resourceVersion it read, so of two
-  racing candidates one gets 409 and stays a candidate;
+* the holder renews every ``retry_s``; every write (a merge patch: RBAC verbs get, create, patch)
+  names the resourceVersion it read, so of two racing candidates one gets 409 and stays one;
 * the holder counts itself leader only until ``renew_deadline_s`` (< ``lease_s``) after its last
   successful renewal began: a partitioned holder stops acting before anyone else may take over;
 * on a clean stop the holder releases the Lease (holder cleared) so the standby takes over at once.
@@ -166,10 +166,7 @@ class LeaderElector:
                     "apiVersion": LEASE_API, "kind": "Lease",
                     "metadata": {"name": self.config.name, "namespace": self.config.namespace}, "spec": spec})
             else:
-                await api.request("PUT", f"{self.path}/{self.config.name}", content_type="application/json", body={
-                    "apiVersion": LEASE_API, "kind": "Lease",
-                    "metadata": {"name": self.config.name, "namespace": self.config.namespace,
-                                 "resourceVersion": lease["metadata"]["resourceVersion"]}, "spec": spec})
+                await self._patch(api, lease, spec)
         except ApiError as e:
             if e.status == 409:  # another candidate wrote first
                 return False
@@ -179,6 +176,12 @@ class LeaderElector:
             log.info(f"{self.identity} now leads ({self.config.namespace}/{self.config.name})")
         self._valid_until = started + self.config.renew_deadline_s
         return True
+
+    async def _patch(self, api: KubeApi, lease: Mapping[str, Any], spec: Mapping[str, Any]) -> None:
+        """A merge patch naming the resourceVersion read: of two writers racing, one gets 409."""
+        await api.request("PATCH", f"{self.path}/{self.config.name}", content_type="application/merge-patch+json",
+                          body={"metadata": {"resourceVersion": lease["metadata"]["resourceVersion"]},
+                                "spec": dict(spec)})
 
     async def _attempt(self) -> bool:
         try:
@@ -215,8 +218,6 @@ class LeaderElector:
             lease = await self.api().request("GET", f"{self.path}/{self.config.name}")
             if LeaseView.of(lease).holder != self.identity:
                 return
-            spec = dict(lease["spec"], holderIdentity=None, leaseDurationSeconds=1)
-            await self.api().request("PUT", f"{self.path}/{self.config.name}", content_type="application/json",
-                                     body=dict(lease, spec=spec))
+            await self._patch(self.api(), lease, {"holderIdentity": None, "leaseDurationSeconds": 1})
         except ApiError as e:
             log.warning(f"Lease not released ({e}); the standby takes over after it expires")

@@ -117,7 +117,6 @@ async def serve_operator(
             if not await elector.acquire(lambda: _is_set(stop_flag)):
                 return  # stopped while standing by
             state.standby = False
-            metrics.leader.set(1)
             kopf_stop = asyncio.Event()
 
             async def keep(stop: asyncio.Event = kopf_stop) -> None:
@@ -144,7 +143,6 @@ async def serve_operator(
     finally:
         state.stopped_at = time.monotonic()
         metrics.up.set(0)
-        metrics.leader.set(0)
         watcher.cancel()
         if holder is not None:
             holder.cancel()

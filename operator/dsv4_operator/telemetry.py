@@ -36,8 +36,6 @@ class OperatorMetrics:
         self.deployments = Gauge(
             "dsv4_operator_deployments", "DSV4Deployments the operator currently serves.", registry=self.registry)
         self.up = Gauge("dsv4_operator_up", "1 while the operator runs its handlers.", registry=self.registry)
-        self.leader = Gauge("dsv4_operator_leader", "1 while this replica holds the leader Lease.",
-                            registry=self.registry)
         # The wedge watchdog (dsv4_operator.remediation).
         self.wedges_detected = Counter(
             "dsv4_operator_wedges_detected_total", "Wedge episodes detected on engine pods, by role and reason.",
