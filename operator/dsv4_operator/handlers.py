@@ -109,9 +109,11 @@ async def refresh_status(api: KubeApi, metrics: OperatorMetrics, namespace: str,
     names the resourceVersion it read, so a concurrent writer (the reconciler, the watchdog)
     makes it re-read instead of being overwritten. `children` is read again on every attempt:
     the indexes move on while we wait for the API server."""
-    for _ in range(STATUS_WRITE_ATTEMPTS):
-        cr = await api.get(S.API_VERSION, S.KIND, namespace, name)
-        if cr is None or cr["metadata"].get("deletionTimestamp"):
+    computed: list[tuple[dict[str, Any], bool]] = []
+
+    def status_patch(cr: dict) -> Optional[dict]:
+        computed.clear()
+        if cr["metadata"].get("deletionTimestamp"):
             return None
         meta = cr["metadata"]
         previous = cr.get("status") or {}
@@ -123,17 +125,23 @@ async def refresh_status(api: KubeApi, metrics: OperatorMetrics, namespace: str,
             apply_error=apply_error if acted else _carried_apply_error(previous, observed),
             revision=revision if acted else None,
         )
-        if not status_changed(previous, new):
-            return new
-        try:
-            await api.patch_status(cr, new, meta.get("resourceVersion"))
-        except ApiError as e:
-            if e.status == 409:
-                continue  # someone wrote in between: re-read and recompute
-            raise
+        changed = status_changed(previous, new)
+        computed.append((new, changed))
+        return {"status": new} if changed else None
+
+    try:
+        written = await api.patch_with_retry(S.API_VERSION, S.KIND, namespace, name, status_patch,
+                                             subresource="status", attempts=STATUS_WRITE_ATTEMPTS)
+    except ApiError as e:
+        if e.status == 409:
+            raise kopf.TemporaryError(f"status of {namespace}/{name} kept changing under us", delay=1) from None
+        raise
+    if written is None or not computed:
+        return None  # gone, or being deleted
+    new, changed = computed[0]
+    if changed:
         metrics.status_writes.inc()
-        return new
-    raise kopf.TemporaryError(f"status of {namespace}/{name} kept changing under us", delay=1)
+    return new
 
 
 async def apply_children(api: KubeApi, metrics: OperatorMetrics, spec: S.DSV4DeploymentSpec,

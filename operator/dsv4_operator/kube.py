@@ -206,21 +206,6 @@ class KubeApi:
                 return None
             raise
 
-    async def patch_status(self, obj: Mapping[str, Any], status: Mapping[str, Any],
-                           resource_version: Optional[str]) -> Optional[dict]:
-        """Merge-patch the status subresource; with a resourceVersion the write fails with 409 if
-        the object changed since it was read (the caller re-reads and recomputes)."""
-        body: dict[str, Any] = {"status": dict(status)}
-        if resource_version:
-            body["metadata"] = {"resourceVersion": resource_version}
-        try:
-            return await self.request("PATCH", path_of(obj, "status"), body=body,
-                                      content_type="application/merge-patch+json")
-        except ApiError as e:
-            if e.status == 404:
-                return None
-            raise
-
     async def patch_with_retry(self, api_version: str, kind: str, namespace: Optional[str], name: str,
                                build: PatchBuilder, *, subresource: Optional[str] = None,
                                attempts: int = PATCH_ATTEMPTS) -> Optional[dict]:
