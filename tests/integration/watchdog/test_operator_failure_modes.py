@@ -50,6 +50,9 @@ async def test_ready_but_unreachable_pods_are_never_restarted_and_the_operator_s
     assert len(held) == 4 and all("went silent together" in e["message"] for e in held)  # once per pod
     cr = await get_cr(kube_client, "flash")
     assert "operator's own network" in condition(cr)["message"] and cr["status"]["wedgedPods"] == 0
+    # Dozens of rounds, and the pods came from one watch (kopf's index), not a LIST per round.
+    assert len(operator_calls(kube_cluster, "list", "pods")) <= 2
+    assert operator_calls(kube_cluster, "watch", "pods")
 
 
 async def test_a_wedged_pod_among_unreachable_ones_is_still_remediated(
