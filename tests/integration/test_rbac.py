@@ -106,7 +106,7 @@ class Operator:
             asyncio.run(serve_operator(namespaces=namespaces, standalone=True, health_host="127.0.0.1",
                                        health_port=free_port(), kubeconfig=kubeconfig, stop_flag=self.stop_flag,
                                        ready_flag=self.ready_flag, settings=settings,
-                                       leader_election=LeaderElection(namespace=NS, lease_s=3, renew_deadline_s=2,
+                                       leader_election=LeaderElection(namespace=NS, lease_s=10, renew_deadline_s=8,
                                                                       retry_s=0.5)))
         except BaseException as e:  # reported by the test
             self.error = e

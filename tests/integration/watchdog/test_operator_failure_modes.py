@@ -130,7 +130,7 @@ async def test_two_electors_one_leader_and_a_partitioned_leader_stops_first(
 
 async def test_two_operators_one_wedge_one_remediation(
         kube_cluster: WatchdogCluster, kube_client: ClusterClient, kubeconfig: Path, pod_farm, engines) -> None:
-    election = LeaderElection(namespace=NS, lease_s=3.0, renew_deadline_s=2.0, retry_s=0.3)
+    election = LeaderElection(namespace=NS, lease_s=8.0, renew_deadline_s=6.0, retry_s=0.3)  # roomy: a busy CI
     ops = [OperatorThread(kubeconfig, [NS], free_port(), leader_election=election) for _ in range(2)]
     try:
         await ops[0].start()  # leads: kopf runs
