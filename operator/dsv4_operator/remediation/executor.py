@@ -8,7 +8,8 @@ What each action asks of the engine (paths, bodies, evidence) is the shared tabl
 - drain: label the pod `serving.dsv4.dev/draining=true` (the router drops it), then the table's
   engine calls;
 - abort: the table's engine calls;
-- restart: delete the pod with a UID precondition (its StatefulSet recreates it).
+- restart: evict the pod (policy/v1 Eviction: PodDisruptionBudgets hold it, 429 = retry later)
+  with a UID precondition (its StatefulSet recreates it).
 
 Every step acts only on the incarnation the policy judged (the action's UID): a step replayed
 after an operator restart never touches the pod's replacement. Steps before the restart are best
@@ -77,6 +78,7 @@ class KubernetesExecutor:
         self.clock = clock
         self.headers = authorization_header(admin_token)
         self.evidence: dict[str, str] = {}  # pod -> name of its latest evidence ConfigMap
+        self.blocked: dict[str, Optional[str]] = {}  # pod -> uid whose eviction a PDB blocked (said once)
         self._http: Optional[aiohttp.ClientSession] = None
 
     async def close(self) -> None:
@@ -205,19 +207,33 @@ class KubernetesExecutor:
         return True, f"abort: {err}" if err else None
 
     async def restart(self, action: Action, verdict: Optional[Verdict]) -> tuple[bool, Optional[str]]:
-        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}
+        """Evict the pod (policy/v1 Eviction, which honours PodDisruptionBudgets) with a UID
+        precondition; its StatefulSet recreates it. A PDB that allows no disruption now answers
+        429: the restart stays pending and is retried next round (an Event says so once)."""
+        body: dict[str, Any] = {"apiVersion": "policy/v1", "kind": "Eviction",
+                                "metadata": {"name": action.pod, "namespace": self.ctx.namespace}}
         if action.uid:
-            body["preconditions"] = {"uid": action.uid}
+            body["deleteOptions"] = {"preconditions": {"uid": action.uid}}
         try:
-            await self.api().request("DELETE", resource_path("v1", "pods", self.ctx.namespace, action.pod),
+            await self.api().request("POST", resource_path("v1", "pods", self.ctx.namespace, action.pod, "eviction"),
                                      body=body, content_type="application/json")
         except ApiError as e:
             if e.status == 404:
                 return True, "already gone"
             if e.status == 409:  # the UID precondition failed: this incarnation is gone already
                 return True, "already replaced"
-            return False, f"delete failed: {e}"
-        self.events("Normal", "Restarted", f"{action.pod} ({action.role}): deleted (uid {action.uid}); its "
+            if e.status == 429:
+                note = f"eviction blocked by a PodDisruptionBudget: {e.message or e.reason}"
+                if self.blocked.get(action.pod) != action.uid:
+                    self.blocked[action.pod] = action.uid
+                    self.events("Warning", "EvictionBlocked", f"{action.pod} ({action.role}): {note}; retried "
+                                f"every round until the budget allows it")
+                self.metrics.remediations.labels("eviction_blocked", action.role, action.reason).inc()
+                return False, note
+            return False, f"eviction failed: {e}"
+        self.blocked.pop(action.pod, None)
+        self.events("Normal", step_for(action.kind, self.engine_kind).event,
+                    f"{action.pod} ({action.role}): evicted (uid {action.uid}); its "
                     f"StatefulSet recreates it")
         return True, None
 
