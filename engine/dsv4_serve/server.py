@@ -28,7 +28,7 @@ from dsv4_engine.sampling import SamplingParams
 from dsv4_engine.sequence import RequestOutput, Sequence
 from dsv4_serve.admin import error_response, require_token, thread_stacks
 from dsv4_serve.gate import DEFAULT_MAX_REQUEST_BYTES, Gate, Lifecycle
-from dsv4_serve.logprobs import chat_logprobs, completion_logprobs, next_offset
+from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completion_logprobs, next_offset, text_of_bytes
 from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest, _Common, parse_request
 from dsv4_wire import APIError, Paths
 
@@ -117,15 +117,28 @@ class OpenAIServing:
         self.args = args
         self.model_name = args.served_model_name
         self.vocab = engine.cfg.vocab_size
-        self._token_texts: dict[int, str] = {}
+        self._token_bytes: dict[int, bytes] = {}
+        from tokenizers import decoders
+
+        self._byte_level = isinstance(getattr(engine.tokenizer.backend, "decoder", None), decoders.ByteLevel)
+        # No token spells more characters than its longest vocabulary entry: a text longer than
+        # that times the context cannot fit, and is refused without spending seconds tokenising it.
+        self._max_token_chars = max(len(k) for k in engine.tokenizer.backend.get_vocab(with_added_tokens=True))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (for logprobs), cached: the vocabulary is bounded."""
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            raw = None
+            if self._byte_level:
+                raw = byte_level_token_bytes(self.engine.tokenizer.backend.id_to_token(token_id) or "")
+            if raw is None:  # special tokens, or a tokenizer that is not byte-level
+                raw = self.engine.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
+            self._token_bytes[token_id] = raw
+        return raw
 
     def token_text(self, token_id: int) -> str:
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
-            if len(self._token_texts) < 1_000_000:
-                self._token_texts[token_id] = text
-        return text
+        return text_of_bytes(self.token_bytes(token_id))
 
     # ---- validation (runs in a worker thread: JSON, tokenising and templating can be slow) -------
 
@@ -133,16 +146,25 @@ class OpenAIServing:
         if req.model is not None and req.model != self.model_name:
             raise APIError(f"The model `{req.model}` does not exist.", 404, "NotFoundError", "model", "model_not_found")
 
+    def _encode(self, text: str, add_bos: bool = True, param: str = "prompt") -> list[int]:
+        limit = self.engine.max_model_len
+        if len(text) > limit * self._max_token_chars:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has at least "
+                f"{len(text) // self._max_token_chars} tokens ({len(text)} characters).", param=param,
+                code="context_length_exceeded")
+        return self.engine.tokenizer.encode(text, add_bos=add_bos)
+
     def _prompts(self, req: CompletionRequest) -> list[list[int]]:
         p = req.prompt
         if p == "" or (isinstance(p, list) and any(x == "" or x == [] for x in p)):
             raise APIError("prompt must not be empty", param="prompt")
         if isinstance(p, str):
-            prompts = [self.engine.tokenizer.encode(p)]
+            prompts = [self._encode(p)]
         elif p and all(isinstance(x, int) for x in p):
             prompts = [list(p)]
         elif p and all(isinstance(x, str) for x in p):
-            prompts = [self.engine.tokenizer.encode(x) for x in p]
+            prompts = [self._encode(x) for x in p]
         elif p and all(isinstance(x, list) for x in p):
             prompts = [list(x) for x in p]
         else:
@@ -199,7 +221,7 @@ class OpenAIServing:
             text = self.engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt)
         except Exception as e:  # the template refused these messages (roles, order, ...)
             raise APIError(f"messages could not be rendered by the chat template: {e}", param="messages") from None
-        ids = self.engine.tokenizer.encode(text, add_bos=False)
+        ids = self._encode(text, add_bos=False, param="messages")
         if not ids:
             raise APIError("the rendered chat prompt is empty", param="messages")
         params = self._params(req, len(ids), None)
@@ -270,7 +292,7 @@ class OpenAIServing:
             logprobs = None
             if chat:
                 if seq.params.logprobs is not None:
-                    logprobs = chat_logprobs(r["logprobs"], self.token_text)
+                    logprobs = chat_logprobs(r["logprobs"], self.token_bytes)
                 c = {"index": i, "message": {"role": "assistant", "content": r["text"]}, "finish_reason": r["finish_reason"],
                      "logprobs": logprobs}
             else:
@@ -335,7 +357,7 @@ class OpenAIServing:
             if chat:
                 c["delta"] = {"content": out.text} if out.text else {}
                 if wants_logprobs:
-                    c["logprobs"] = chat_logprobs(out.logprobs or [], self.token_text)
+                    c["logprobs"] = chat_logprobs(out.logprobs or [], self.token_bytes)
             else:
                 c["text"] = out.text
                 if wants_logprobs:
