@@ -108,6 +108,7 @@ HOSTILE = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 123}]}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": {"nested": "dict"}}]}, 400),
     ("/v1/chat/completions", {"messages": [{}]}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "the template refuses tool messages"}]}, 400),
     ("/v1/chat/completions", {"messages": [123]}, 400),
     ("/v1/chat/completions", {"messages": "hello"}, 400),
     ("/v1/chat/completions", {"messages": []}, 400),
