@@ -171,7 +171,8 @@ class Engine:
         seq.detok = IncrementalDetokenizer(self.tokenizer)
         if seq.params.seed is not None or not seq.params.greedy:
             seed = seq.params.seed if seq.params.seed is not None else self.args.seed + len(self.seqs)
-            seq.generator = torch.Generator(device="cpu").manual_seed(seed)
+            # On the logits' device: torch.multinomial refuses a generator of another device.
+            seq.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
         self.seqs[seq.rid] = seq
         self.metrics.inc("prompt_tokens", len(seq.prompt_ids))
         if self.pd is not None:

@@ -2,6 +2,13 @@
 
 Handlers validate everything before a request reaches the engine thread, and talk to it only
 through `EngineClient` (submit + a per-request asyncio queue fed from the engine thread).
+Parsing, chat templating and tokenising run on a worker thread, so /health and /ready answer
+while a multi-megabyte prompt is processed. Every error a client sees is an OpenAI error body
+(`dsv4_wire.APIError`), in a stream too (an error event, then [DONE]).
+
+Shutdown: SIGTERM (or SIGINT) drains — new generation requests get a 503, /ready says
+"draining", running requests get `--shutdown-grace` seconds to finish, the rest are then ended
+with an error — and the process exits 0. A second signal cuts the grace short.
 """
 
 from __future__ import annotations
