@@ -61,6 +61,7 @@ HOSTILE = [
     ("/v1/completions", X + '"temperature": Infinity}', 400),
     ("/v1/completions", X + '"top_p": -Infinity}', 400),
     ("/v1/completions", X + '"temperature": 1e999}', 400),
+    ("/v1/completions", X + '"stream": true, "temperature": NaN}', 400),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400),
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**30}, 400),
@@ -181,42 +182,7 @@ class NormalTraffic:
             t.join(120)
 
 
-def test_hostile_matrix_under_normal_traffic(server, client):
-    with NormalTraffic(server) as traffic:
-        for path, body, status in HOSTILE:
-            r = post(client, path, body)
-            assert_openai_error(r, status)
-            # A 4xx never marks the engine unready.
-            assert client.get("/ready").status_code == 200
-        for body in EXTREME_VALID:
-            r = client.post("/v1/completions", json=body)
-            assert r.status_code == 200, (body, r.text[:300])
-            assert r.json()["usage"]["completion_tokens"] >= 1
-        # Keep the normal traffic going a little after the last hostile request.
-        deadline = time.monotonic() + 60
-        start_ok = traffic.ok
-        while traffic.ok < start_ok + 6 and time.monotonic() < deadline:
-            time.sleep(0.05)
-    assert traffic.failures == [], traffic.failures[:5]
-    assert traffic.ok >= 6
-    assert client.get("/ready").status_code == 200
-    loads = client.get("/v1/loads").json()
-    deadline = time.monotonic() + 10
-    while loads["kv_pages_free"] != loads["kv_pages_total"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-        loads = client.get("/v1/loads").json()
-    assert loads["kv_pages_free"] == loads["kv_pages_total"]
-
-
-def test_unknown_path_wrong_method_bad_admin_body_are_openai_errors(client):
-    assert_openai_error(client.get("/v1/nothing-here"), 404)
-    assert_openai_error(client.post("/v1/embeddings", json={}), 404)
-    assert_openai_error(client.get("/v1/completions"), 405)
-    assert_openai_error(client.delete("/v1/chat/completions"), 405)
-    assert_openai_error(client.post("/admin/abort", content=b"[" * 5000), 400)
-
-
-def test_body_over_the_limit_is_413(server, client):
+def check_bodies_over_the_limit_are_413(server: str, client: httpx.Client) -> None:
     # Declared too large: refused before the body is read.
     host, port = server.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as s:
@@ -241,7 +207,45 @@ def test_body_over_the_limit_is_413(server, client):
 
     r = client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
     assert_openai_error(r, 413)
+
+
+def test_hostile_matrix_under_normal_traffic(server, client):
+    with NormalTraffic(server) as traffic:
+        for path, body, status in HOSTILE:
+            r = post(client, path, body)
+            assert_openai_error(r, status)
+            # A 4xx never marks the engine unready.
+            assert client.get("/ready").status_code == 200
+        check_bodies_over_the_limit_are_413(server, client)
+        assert client.get("/ready").status_code == 200
+        for body in EXTREME_VALID:
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 200, (body, r.text[:300])
+            assert r.json()["usage"]["completion_tokens"] >= 1
+        # Keep the normal traffic going a little after the last hostile request.
+        deadline = time.monotonic() + 60
+        start_ok = traffic.ok
+        while traffic.ok < start_ok + 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    print(f"{len(HOSTILE)} hostile + {len(EXTREME_VALID)} extreme-valid requests; {traffic.ok} normal requests, "
+          f"{len(traffic.failures)} failed")
+    assert traffic.failures == [], traffic.failures[:5]
+    assert traffic.ok >= 6
     assert client.get("/ready").status_code == 200
+    loads = client.get("/v1/loads").json()
+    deadline = time.monotonic() + 10
+    while loads["kv_pages_free"] != loads["kv_pages_total"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+        loads = client.get("/v1/loads").json()
+    assert loads["kv_pages_free"] == loads["kv_pages_total"]
+
+
+def test_unknown_path_wrong_method_bad_admin_body_are_openai_errors(client):
+    assert_openai_error(client.get("/v1/nothing-here"), 404)
+    assert_openai_error(client.post("/v1/embeddings", json={}), 404)
+    assert_openai_error(client.get("/v1/completions"), 405)
+    assert_openai_error(client.delete("/v1/chat/completions"), 405)
+    assert_openai_error(client.post("/admin/abort", content=b"[" * 5000), 400)
 
 
 def test_completion_logprobs(client):
