@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
@@ -28,6 +28,9 @@ from dsv4_engine.model_runner import ModelRunner
 from dsv4_engine.scheduler import Scheduler
 from dsv4_engine.sequence import RequestOutput, Sequence, SeqStatus
 from dsv4_engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    from dsv4_engine.pd.role import RoleController
 
 log = logging.getLogger("dsv4.engine")
 
@@ -86,7 +89,7 @@ class Engine:
         self.max_model_len = min(args.max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings, pool_tokens)
         self.metrics = EngineMetrics(args.role, args.served_model_name)
         self.metrics.set("kv_pages_total", num_pages)
-        self.pd = None  # role controller for prefill/decode, attached by dsv4_engine.pd
+        self.pd: Optional["RoleController"] = None  # prefill/decode controller, attached by dsv4_engine.pd
         self.seqs: dict[str, Sequence] = {}
         self.inbox: "queue.Queue[Command]" = queue.Queue()
         self.draining = False

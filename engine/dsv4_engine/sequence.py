@@ -5,11 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from dsv4_engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from dsv4_engine.pd.common import PDRequestInfo
 
 
 class SeqStatus(enum.Enum):
@@ -59,7 +62,7 @@ class Sequence:
     emitted_text_len: int = 0
     num_preemptions: int = 0
     prefill_only: bool = False  # PD prefill: stop after the first token, KV goes to decode
-    pd: Any = None  # PD bookkeeping (room, peer, deadlines), owned by dsv4_engine.pd
+    pd: Optional["PDRequestInfo"] = None  # PD bookkeeping (room, peer, deadlines), owned by dsv4_engine.pd
 
     @property
     def num_tokens(self) -> int:

@@ -22,7 +22,7 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass, fields
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Mapping, Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -37,7 +37,7 @@ from dsv4_serve.admin import error_response, require_token, thread_stacks
 from dsv4_serve.gate import DEFAULT_MAX_REQUEST_BYTES, Gate, Lifecycle
 from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completion_logprobs, next_offset, text_of_bytes
 from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest, _Common, parse_request
-from dsv4_wire import APIError, Paths
+from dsv4_wire import APIError, Paths, token_matches
 
 log = logging.getLogger("dsv4.server")
 
@@ -199,28 +199,27 @@ class OpenAIServing:
                 code="context_length_exceeded")
         return params
 
-    def _seq(self, req: _Common, ids: list[int], params: SamplingParams, rid: str) -> Sequence:
+    def _seq(self, req: _Common, ids: list[int], params: SamplingParams, rid: str, headers: Mapping[str, str]) -> Sequence:
         seq = Sequence(rid=rid, prompt_ids=ids, params=params)
         if self.args.role != "mono":
-            from dsv4_engine.pd.common import PDRequestInfo
+            from dsv4_engine.pd import bootstrap_target
 
-            if req.bootstrap_room is None:
-                raise APIError(f"this is a {self.args.role} engine: send requests through the dsv4 router", param="bootstrap_room")
-            seq.pd = PDRequestInfo(req.bootstrap_host or "127.0.0.1", req.bootstrap_port or 0, req.bootstrap_room)
+            seq.pd = bootstrap_target(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, role=self.args.role,
+                                      secret_set=bool(self.args.pd_secret), authorized=token_matches(headers, self.args.pd_secret))
             seq.prefill_only = self.args.role == "prefill"
         return seq
 
-    def prepare_completion(self, body: bytes) -> Prepared:
+    def prepare_completion(self, body: bytes, headers: Mapping[str, str]) -> Prepared:
         req = parse_request(CompletionRequest, body)
         self._check_model(req)
         prompts = self._prompts(req)
         params = [self._params(req, len(ids), 16) for ids in prompts]
         base = req.rid or f"cmpl-{uuid.uuid4().hex}"
-        seqs = [self._seq(req, ids, p, base if len(prompts) == 1 else f"{base}-{i}")
+        seqs = [self._seq(req, ids, p, base if len(prompts) == 1 else f"{base}-{i}", headers)
                 for i, (ids, p) in enumerate(zip(prompts, params))]
         return Prepared(req, seqs, base, chat=False)
 
-    def prepare_chat(self, body: bytes) -> Prepared:
+    def prepare_chat(self, body: bytes, headers: Mapping[str, str]) -> Prepared:
         req = parse_request(ChatCompletionRequest, body)
         self._check_model(req)
         msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -233,13 +232,13 @@ class OpenAIServing:
             raise APIError("the rendered chat prompt is empty", param="messages")
         params = self._params(req, len(ids), None)
         rid = req.rid or f"chatcmpl-{uuid.uuid4().hex}"
-        return Prepared(req, [self._seq(req, ids, params, rid)], rid, chat=True)
+        return Prepared(req, [self._seq(req, ids, params, rid, headers)], rid, chat=True)
 
     # ---- serving -------------------------------------------------------------------------------
 
     async def serve(self, prepare, http: Request) -> Response:
         body = await http.body()
-        p: Prepared = await asyncio.to_thread(prepare, body)
+        p: Prepared = await asyncio.to_thread(prepare, body, http.headers)
         if p.req.stream:
             return StreamingResponse(self._stream(p), media_type="text/event-stream")
         return await self._complete(p, http)
