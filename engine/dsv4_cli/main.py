@@ -19,7 +19,7 @@ app = typer.Typer(
 model_app = typer.Typer(rich_markup_mode=None, no_args_is_help=True, help="Make and inspect model checkpoints.")
 app.add_typer(model_app, name="model")
 from dsv4_cli.bench import app as bench_app  # noqa: E402  (light: typer only)
-from dsv4_wire import ADMIN_TOKEN_ENV, PD_SECRET_ENV  # noqa: E402
+from dsv4_wire import ADMIN_TOKEN_ENV, PD_SECRET_ENV, EngineFlags  # noqa: E402
 
 app.add_typer(bench_app, name="bench")
 
@@ -98,6 +98,11 @@ def serve(
     admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV, help="Token required by /admin and /debug."),
     pd_secret: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV, help="Shared secret of engine-to-engine PD calls and the router's internal requests."),
     seed: int = typer.Option(0, help="Default sampling seed."),
+    max_request_bytes: int = typer.Option(16 * 1024 * 1024, "--max-request-bytes", min=1,
+                                          help="Largest request body accepted (bigger: 413)."),
+    shutdown_grace: float = typer.Option(30.0, EngineFlags.SHUTDOWN_GRACE, min=0.0,
+                                         help="On SIGTERM: seconds running requests get to finish before they "
+                                              "are ended with an error (Kubernetes' default termination grace)."),
 ) -> None:
     """Run one engine (monolithic, prefill or decode) with the OpenAI-compatible HTTP API."""
     if role not in ("mono", "prefill", "decode"):
@@ -120,6 +125,7 @@ def serve(
             bootstrap_timeout=bootstrap_timeout, transfer_timeout=transfer_timeout,
             waiting_timeout=waiting_timeout, deadlines=not no_deadlines,
             enable_fault_injection=enable_fault_injection, admin_token=admin_token, pd_secret=pd_secret, seed=seed,
+            max_request_bytes=max_request_bytes, shutdown_grace=shutdown_grace,
         )
     )
 

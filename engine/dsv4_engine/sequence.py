@@ -34,6 +34,9 @@ class RequestOutput:
     error_code: int = 500
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # One entry per token in token_ids when the request asked for logprobs (else None):
+    # {"token_id": int, "logprob": float, "top": [[token_id, logprob], ...]}.
+    logprobs: Optional[list[dict]] = None
 
 
 @dataclass(eq=False)
@@ -43,6 +46,8 @@ class Sequence:
     params: SamplingParams
     sink: Callable[[RequestOutput], None] = lambda out: None
     output_ids: list[int] = field(default_factory=list)
+    # Parallel to output_ids when params.logprobs is set (see RequestOutput.logprobs).
+    output_logprobs: list[dict] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in `pages`
     status: SeqStatus = SeqStatus.WAITING
