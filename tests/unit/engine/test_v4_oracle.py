@@ -49,9 +49,10 @@ class Driver:
     """What the engine loop will do for V4, minus scheduling policy: a slot row per running
     request, pages allocated as its context grows, one varlen batch per step."""
 
-    def __init__(self, model: DeepseekV4, max_requests: int = 8, num_pages: int = 32):
+    def __init__(self, model: DeepseekV4, max_requests: int = 8, num_pages: int = 32, page_size: int = PAGE):
         self.model = model
-        self.states = allocate_states(DeepseekV4.state_specs(model.cfg), num_pages, PAGE, max_requests, torch.float32)
+        self.page_size = page_size
+        self.states = allocate_states(DeepseekV4.state_specs(model.cfg), num_pages, page_size, max_requests, torch.float32)
         # Rows and pages start as garbage, not zeros: nothing may read state it did not write.
         for t in self.states.values():
             t.normal_()
@@ -70,7 +71,7 @@ class Driver:
         for rid, n in plan.items():
             r = self.reqs[rid]
             start = r["done"]
-            while len(r["pages"]) * PAGE < start + n:
+            while len(r["pages"]) * self.page_size < start + n:
                 r["pages"].append(self.free_pages.pop())
             ids += r["tokens"][start:start + n]
             pos += range(start, start + n)
@@ -188,3 +189,26 @@ def test_indexer_top_k_changes_the_answer(tiny):
     finally:
         cfg.index_topk = saved
     assert float((narrow.finish(0) - wide.finish(0)).abs().max()) > 1e-2
+
+
+@pytest.mark.slow
+def test_flash_shape_matches_transformers(tmp_path):
+    """V4-Flash's real widths (hidden 4096, 64 x 512 heads, q LoRA 1024, 8 output groups, indexer
+    64 x 128, window 128, HCA every 128): a prompt past the window and the first HCA entry, split
+    mid-window, then greedy decode. ~0.8 GB checkpoint, ~6 GB RSS, about a minute."""
+    d = init_checkpoint(tmp_path / "flash", preset="v4-flash-shape", seed=0)
+    cfg = DeepseekV4Config.from_dir(d)
+    ours = DeepseekV4(cfg, load_v4_weights(d))
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    prompt = _prompt(131, seed=3)
+    want = oracle(hf, prompt, 3)
+    del hf
+    drv = Driver(ours, max_requests=1, num_pages=4, page_size=128)
+    drv.admit(0, prompt)
+    for n in (60, 68, 3):  # ends at 60, 128 (= W = the first HCA window), 131
+        drv.step({0: n})
+    for _ in range(3):
+        drv.step({0: 1})
+    got = drv.finish(0)
+    assert float((got - want).abs().max()) < TOL
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
