@@ -20,8 +20,9 @@ Per-request state (`state_specs`), all of it fixed-size per request or paged by 
 A "slot" state is one row per running request ([max_requests, layers, slots, *entry]) found
 by `V4Batch.slot_ids`; the engine hands a row out at admission and takes it back on finish,
 abort or preemption (a row needs no clearing: every read is masked by position). A "paged"
-state is page-major ([num_pages, layers, page_size // tokens_per_entry, *entry]) and shares the
-request's page ids: compressed entry w lives in page block_table[w // entries_per_page].
+state is page-major ([num_pages, layers, entries_per_page, *entry]) and shares the request's
+page ids: compressed entry w lives in the page of its window's first token, block_table[w * rate
+// page_size] (`StateSpec.entry_location`), so any page size works, 128-token HCA windows included.
 
 Why these shapes: a query at t sees keys (t - W, t], so the ring holds the last W tokens' kv
 (read before this step's tokens overwrite it). A compressed entry closes when the last token of
@@ -47,7 +48,9 @@ from dsv4_engine.weights import load_weights
 
 @dataclass
 class V4Batch:
-    """One step's tokens, flattened over requests in order (varlen)."""
+    """One step's tokens, flattened over requests in order (varlen). The engine's ForwardBatch
+    has every field but `slot_ids` and `page_size`; with those two it serves V4 as is (the model
+    reads only these attributes)."""
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64; a request's new tokens are consecutive positions
@@ -55,6 +58,7 @@ class V4Batch:
     logits_indices: torch.Tensor  # [B] row of each request's last new token
     block_table: torch.Tensor  # [B, max_pages] page ids of the paged states
     slot_ids: torch.Tensor  # [B] row of each request in the slot states
+    page_size: int  # tokens per page
 
 
 # ---- weights: release names, and what transformers' save_pretrained / state_dict write -----------
@@ -329,7 +333,7 @@ class DeepseekV4:
     # ---- compressors ---------------------------------------------------------------------------
 
     def _compress(self, kvp: torch.Tensor, gp: torch.Tensor, start: int, stage: torch.Tensor, params,
-                  rate: int, overlap: bool, out: torch.Tensor, pages: torch.Tensor) -> None:
+                  rate: int, overlap: bool, out: torch.Tensor, pages: torch.Tensor, page_size: int) -> None:
         """Close every window whose last token is in this chunk and write its entry to `out`.
 
         kvp, gp [n, width]: this chunk's projections at positions start..start+n-1. stage
@@ -372,19 +376,22 @@ class DeepseekV4:
             entries = _rms(pooled, norm_w, self.cfg.rms_norm_eps)
             w_ids = torch.arange(first_w, last_w, device=kvp.device)
             entries = _rope(entries, w_ids * rate, self.inv_freq["compress"])
-            epp = out.shape[1]
-            out[pages[w_ids // epp].long(), w_ids % epp] = entries.to(out.dtype)
+            page, off = self._locate(w_ids, rate, page_size, out.shape[1])
+            out[pages[page].long(), off] = entries.to(out.dtype)
         # keep this chunk's last `slots` projections for windows that close later
         keep = min(n, slots)
         pos = torch.arange(end - keep, end, device=stage.device)
         stage[pos % slots] = torch.cat([kvp[n - keep:], gp[n - keep:]], dim=-1).to(stage.dtype)
 
     @staticmethod
-    def _entries(store: torch.Tensor, pages: torch.Tensor, count: int) -> torch.Tensor:
+    def _locate(w: torch.Tensor, rate: int, page_size: int, epp: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # as StateSpec.entry_location: the page of the window's first token
+        return (w * rate) // page_size, w % epp
+
+    def _entries(self, store: torch.Tensor, pages: torch.Tensor, count: int, rate: int, page_size: int) -> torch.Tensor:
         """Entries 0..count-1 of one request from a paged store [num_pages, epp, dim]."""
-        epp = store.shape[1]
-        w = torch.arange(count, device=store.device)
-        return store[pages[w // epp].long(), w % epp]
+        page, off = self._locate(torch.arange(count, device=store.device), rate, page_size, store.shape[1])
+        return store[pages[page].long(), off]
 
     # ---- attention -----------------------------------------------------------------------------
 
@@ -427,15 +434,15 @@ class DeepseekV4:
                 name = self.CSA_KV if kind == CSA else self.HCA_KV
                 stage = states[self.CSA_STAGE if kind == CSA else self.HCA_STAGE][slot, j]
                 self._compress(ckv_all[sl], cgate_all[sl], start, stage, L["comp"], rate, kind == CSA,
-                               states[name][:, j], pages)
+                               states[name][:, j], pages, fb.page_size)
                 count = end // rate  # entries closed so far; query t sees entry w iff w < (t+1)//rate
                 visible = torch.arange(count, device=h.device)[None] < ((qpos + 1) // rate)[:, None]
                 if kind == CSA:
                     self._compress(ikv_all[sl], igate_all[sl], start, states[self.CSA_INDEX_STAGE][slot, j],
-                                   L["icomp"], rate, True, states[self.CSA_INDEX_K][:, j], pages)
+                                   L["icomp"], rate, True, states[self.CSA_INDEX_K][:, j], pages, fb.page_size)
                 if kind == CSA and count:
                     # lightning indexer: sum_h w_h * relu(q_h . k) over entries; keep the top-k visible
-                    ikeys = self._entries(states[self.CSA_INDEX_K][:, j], pages, count).float()
+                    ikeys = self._entries(states[self.CSA_INDEX_K][:, j], pages, count, rate, fb.page_size).float()
                     score = torch.matmul(iq_all[sl].float(), ikeys.t())  # [n, IH, count]
                     score = (F.relu(score) * cfg.index_head_dim ** -0.5 * iw_all[sl].unsqueeze(-1)).sum(dim=1)
                     score = score.masked_fill(~visible, float("-inf"))
@@ -443,7 +450,8 @@ class DeepseekV4:
                     chosen = torch.zeros_like(visible).scatter_(1, top, True)
                     visible = visible & chosen
                 if count:
-                    keys = torch.cat([keys, self._entries(states[name][:, j], pages, count).to(kv.dtype)], 0)
+                    entries = self._entries(states[name][:, j], pages, count, rate, fb.page_size)
+                    keys = torch.cat([keys, entries.to(kv.dtype)], 0)
                     allowed = torch.cat([allowed, visible], 1)
             logits = torch.einsum("nhd,kd->nhk", q[sl], keys) * hd ** -0.5
             logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))

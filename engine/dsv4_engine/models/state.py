@@ -54,9 +54,19 @@ class StateSpec:
         return n * torch.empty((), dtype=dtype).element_size()
 
     def entries_per_page(self, page_size: int) -> int:
-        if page_size % self.tokens_per_entry:
-            raise ValueError(f"state {self.name}: page size {page_size} is not a multiple of {self.tokens_per_entry}")
-        return page_size // self.tokens_per_entry
+        tpe = self.tokens_per_entry
+        if tpe > page_size and tpe % page_size == 0:
+            return 1  # a window spans several pages; its entry lives in the window's first page
+        if page_size % tpe:
+            raise ValueError(
+                f"state {self.name}: page size {page_size} and {tpe} tokens per entry: one must divide the other"
+            )
+        return page_size // tpe
+
+    def entry_location(self, entry, page_size: int):
+        """(index into the request's pages, offset in that page) of entry number `entry`
+        (an int or a tensor of them): the page holding the entry's first token."""
+        return (entry * self.tokens_per_entry) // page_size, entry % self.entries_per_page(page_size)
 
     def page_shape(self, page_size: int) -> tuple[int, ...]:
         """Shape of one page of this state: [num_layers, entries, *entry_shape]."""

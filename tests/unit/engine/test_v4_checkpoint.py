@@ -145,3 +145,8 @@ def test_v4_state_specs_of_flash_shape():
     assert specs["csa_kv"].tokens_per_entry == 4 and specs["hca_kv"].tokens_per_entry == 128
     assert specs["csa_kv"].bytes_per_token(torch.bfloat16) == 512 * 2 / 4
     assert specs["csa_stage"].slot_shape() == (1, 8, 2048) and specs["hca_stage"].slot_shape() == (1, 128, 1024)
+    # HCA windows (128) span 8 pages of 16 tokens: the entry lives in its window's first page
+    assert specs["hca_kv"].entries_per_page(16) == 1 and specs["hca_kv"].entry_location(3, 16) == (24, 0)
+    assert specs["csa_kv"].entries_per_page(16) == 4 and specs["csa_kv"].entry_location(5, 16) == (1, 1)
+    with pytest.raises(ValueError, match="divide"):
+        specs["hca_kv"].entries_per_page(48)

@@ -82,7 +82,7 @@ class Driver:
         width = max(len(t) for t in table)
         bt = torch.tensor([t + [0] * (width - len(t)) for t in table], dtype=torch.int32)
         fb = V4Batch(torch.tensor(ids), torch.tensor(pos), torch.tensor(lens), torch.tensor(last), bt,
-                     torch.tensor(slots))
+                     torch.tensor(slots), self.page_size)
         logits = self.model.forward(fb, self.states)
         for (rid, n), lg in zip(plan.items(), logits):
             r = self.reqs[rid]
@@ -142,14 +142,15 @@ def test_requests_of_different_lengths_and_phases_share_batches(tiny):
     """Prompts shorter than the window, exactly at and one past the window (8) and the HCA
     window (8, 16), one past a CSA window; they arrive staggered into 3 slot rows, prefill in
     random chunk sizes while others decode, all in the same batches; rows and pages of finished
-    requests are reused at once, and one request is preempted mid-decode and recomputed."""
+    requests are reused at once, and one request is preempted mid-decode and recomputed. Pages
+    of 4 tokens: an HCA window (8) spans two pages."""
     cfg, ours, hf = tiny
     lengths = [5, 8, 9, 16, 17, 13]
     steps = 6
     prompts = {i: _prompt(n, seed=10 + i) for i, n in enumerate(lengths)}
     want = {i: oracle(hf, p, steps) for i, p in prompts.items()}
     rng = random.Random(0)
-    drv = Driver(ours, max_requests=3)
+    drv = Driver(ours, max_requests=3, num_pages=64, page_size=4)
     pending = list(prompts)
     got: dict[int, torch.Tensor] = {}
     preempted = False
@@ -203,7 +204,7 @@ def test_flash_shape_matches_transformers(tmp_path):
     prompt = _prompt(131, seed=3)
     want = oracle(hf, prompt, 3)
     del hf
-    drv = Driver(ours, max_requests=1, num_pages=4, page_size=128)
+    drv = Driver(ours, max_requests=1, num_pages=16, page_size=16)  # HCA windows span 8 pages
     drv.admit(0, prompt)
     for n in (60, 68, 3):  # ends at 60, 128 (= W = the first HCA window), 131
         drv.step({0: n})
