@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -73,7 +75,10 @@ def test_legacy_flat_config_forms():
 
 
 def test_v4_tiny_is_deterministic_per_seed(tmp_path, tiny_dir):
-    again = init_checkpoint(tmp_path / "again", preset="v4-tiny", seed=0)
+    """Same seed, same bytes, also through `dsv4 model init` in another process."""
+    again = tmp_path / "again"
+    subprocess.run([sys.executable, "-m", "dsv4_cli", "model", "init", str(again), "--preset", "v4-tiny", "--seed", "0"],
+                   check=True, capture_output=True, timeout=300)
     other = init_checkpoint(tmp_path / "other", preset="v4-tiny", seed=1)
     assert _digest(again) == _digest(tiny_dir)
     assert _digest(other)["model.safetensors"] != _digest(tiny_dir)["model.safetensors"]
