@@ -24,6 +24,10 @@ state is page-major ([num_pages, layers, entries_per_page, *entry]) and shares t
 page ids: compressed entry w lives in the page of its window's first token, block_table[w * rate
 // page_size] (`StateSpec.entry_location`), so any page size works, 128-token HCA windows included.
 
+What it costs, v4-flash-shape in bf16 (one layer of each type): paged state 328 B per token
+(csa_kv 256, csa_index_k 64, hca_kv 8) where DeepSeek-V3's 576-wide latent costs 3456 B over 3
+layers; slot rows 680 KiB per running request (swa_kv 384, hca_stage 256, CSA stages 40).
+
 Why these shapes: a query at t sees keys (t - W, t], so the ring holds the last W tokens' kv
 (read before this step's tokens overwrite it). A compressed entry closes when the last token of
 its window arrives; CSA entry w also needs window w-1's first series, so its stage ring keeps
@@ -475,6 +479,11 @@ class DeepseekV4:
     @torch.inference_mode()
     def forward(self, fb: V4Batch, states: dict[str, torch.Tensor]) -> torch.Tensor:
         """Run one step; returns fp32 logits of each request's last new token, [B, vocab]."""
+        if getattr(fb, "slot_ids", None) is None or getattr(fb, "page_size", None) is None:
+            raise NotImplementedError(
+                "DeepSeek-V4 needs a batch with slot_ids and page_size (its ring and compressor states are "
+                "per-request slot rows); this engine loop does not hand them out yet"
+            )
         cfg = self.cfg
         lens = [int(n) for n in fb.extend_lens.tolist()]
         spans, row = [], 0

@@ -155,3 +155,11 @@ def test_v4_state_specs_of_flash_shape():
     assert specs["csa_kv"].entries_per_page(16) == 4 and specs["csa_kv"].entry_location(5, 16) == (1, 1)
     with pytest.raises(ValueError, match="divide"):
         specs["hca_kv"].entries_per_page(48)
+
+
+def test_registry_serves_v4_checkpoints(tiny_dir):
+    from dsv4_engine.models import entry_for_dir
+
+    entry = entry_for_dir(tiny_dir)
+    assert entry.model_class() is DeepseekV4
+    assert entry.config_class().from_dir(tiny_dir).layer_types == PRESETS["v4-tiny"]["layer_types"]

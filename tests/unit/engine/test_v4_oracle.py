@@ -238,3 +238,13 @@ def test_bf16_tracks_fp32(tiny):
     err = (la - lb).abs().max(dim=-1).values
     agree = (la.argmax(-1) == lb.argmax(-1)).float().mean()
     assert float(err.mean()) < 1.5 and float(agree) >= 0.85, (err.tolist(), float(agree))
+
+
+def test_a_batch_without_slot_rows_is_refused_clearly(tiny):
+    from dsv4_engine.models.deepseek_v3 import ForwardBatch
+
+    cfg, ours, hf = tiny
+    fb = ForwardBatch(torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), torch.zeros(1, 1, dtype=torch.int32),
+                      torch.tensor([1]), torch.tensor([1]), torch.tensor([0]), True)
+    with pytest.raises(NotImplementedError, match="slot_ids"):
+        ours.forward(fb, {})
