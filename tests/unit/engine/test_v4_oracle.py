@@ -24,6 +24,16 @@ TOL = 1e-4
 PAGE = 16
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models are tiny: on a shared 2-core machine, intra-op threads only fight each other
+    (one thread runs this file ~15x faster under load)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     d = init_checkpoint(tmp_path_factory.mktemp("v4o") / "tiny", preset="v4-tiny", seed=0)
@@ -123,15 +133,22 @@ def _check(ours: torch.Tensor, theirs: torch.Tensor) -> None:
     assert float((top2[:, 0] - top2[:, 1]).min()) > 20 * TOL
 
 
-def test_long_prompt_in_awkward_chunks_then_48_greedy_tokens(tiny):
-    """40 tokens = 10 CSA entries (top-4 keeps fewer than exist) and 5 HCA entries; chunks end
-    mid-window, at and one past the sliding window and compression boundaries."""
+@pytest.mark.parametrize("length,chunks", [
+    (40, (3, 5, 1, 7, 1, 8, 9, 6)),  # ends at 3, 8 (=W), 9, 16, 17, 25, 34, 40
+    (64, (1,) * 64),  # token by token: every boundary crossed by a one-token step
+    (33, (33,)),  # one past a CSA, HCA and window boundary, in one go
+    (71, (31, 40)),  # 17 CSA entries for top-4, split mid-window
+])
+def test_prompt_in_awkward_chunks_then_48_greedy_tokens(tiny, length, chunks):
+    """Long enough that top-4 keeps fewer CSA entries than exist (40 tokens = 10 entries, 5 HCA
+    entries); chunks end mid-window and at and one past the window and compression boundaries."""
     cfg, ours, hf = tiny
-    prompt = _prompt(40, seed=1)
+    assert sum(chunks) == length
+    prompt = _prompt(length, seed=length)
     want = oracle(hf, prompt, 48)
     drv = Driver(ours)
     drv.admit(0, prompt)
-    for n in (3, 5, 1, 7, 1, 8, 9, 6):  # ends at 3, 8 (=W), 9, 16, 17, 25, 34, 40
+    for n in chunks:
         drv.step({0: n})
     for _ in range(48):
         drv.step({0: 1})
