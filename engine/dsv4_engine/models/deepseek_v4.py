@@ -68,6 +68,7 @@ class V4Batch:
 # ---- weights: release names, and what transformers' save_pretrained / state_dict write -----------
 
 _MTP = re.compile(r"(^|\.)mtp\.")
+_QUANTIZED = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn_x2") if hasattr(torch, n)}
 
 # Native transformers module names -> DeepSeek release names (the inverse of transformers'
 # conversion mapping for deepseek_v4). Applied in order, after "model." is stripped.
@@ -234,6 +235,10 @@ class DeepseekV4:
         def take(name: str, dtype: Optional[torch.dtype] = dt) -> torch.Tensor:
             if name not in w:
                 raise KeyError(f"checkpoint lacks tensor {name}")
+            if w[name].dtype in _QUANTIZED:
+                raise NotImplementedError(
+                    f"{name} is stored as {w[name].dtype}: quantized V4 releases must be dequantized to bf16 first"
+                )
             t = w[name].to(device=dev)
             return (t.to(dtype) if dtype is not None else t).contiguous()
 

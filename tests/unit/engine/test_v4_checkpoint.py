@@ -163,3 +163,11 @@ def test_registry_serves_v4_checkpoints(tiny_dir):
     entry = entry_for_dir(tiny_dir)
     assert entry.model_class() is DeepseekV4
     assert entry.config_class().from_dir(tiny_dir).layer_types == PRESETS["v4-tiny"]["layer_types"]
+
+
+def test_quantized_tensors_are_refused_not_misread(tiny_dir):
+    cfg = DeepseekV4Config.from_dir(tiny_dir)
+    w = load_v4_weights(tiny_dir)
+    w["layers.0.attn.wq_a.weight"] = w["layers.0.attn.wq_a.weight"].to(torch.float8_e4m3fn)
+    with pytest.raises(NotImplementedError, match="dequantized"):
+        DeepseekV4(cfg, w)
