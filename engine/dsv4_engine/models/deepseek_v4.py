@@ -408,7 +408,7 @@ class DeepseekV4:
                    spans: list[tuple[int, int, int]]) -> torch.Tensor:
         cfg = self.cfg
         T = h.shape[0]
-        H, hd, W, eps = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window, cfg.rms_norm_eps
+        H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
         kind = L["type"]
         inv = self.inv_freq["main" if kind == SLIDING else "compress"]
         pos = fb.positions
@@ -416,14 +416,68 @@ class DeepseekV4:
         q = _unweighted_rms(F.linear(qr, L["wq_b"]).view(T, H, hd), eps)
         q = _rope(q, pos, inv)
         kv = _rope(_rms(F.linear(h, L["wkv"]), L["kv_norm"], eps), pos, inv)  # [T, hd]: key == value
-        j = self.type_index.get(i)
+        proj = {}
         if kind in (CSA, HCA):
-            ckv_all, cgate_all = F.linear(h, L["comp"][0]), F.linear(h, L["comp"][1])
+            proj["comp"] = (F.linear(h, L["comp"][0]), F.linear(h, L["comp"][1]))
         if kind == CSA:
-            ikv_all, igate_all = F.linear(h, L["icomp"][0]), F.linear(h, L["icomp"][1])
-            iq_all = _rope(F.linear(qr, L["idx_wq_b"]).view(T, cfg.index_n_heads, cfg.index_head_dim), pos,
-                           self.inv_freq["compress"])
-            iw_all = F.linear(h, L["idx_w"]).float() * cfg.index_n_heads ** -0.5
+            proj["icomp"] = (F.linear(h, L["icomp"][0]), F.linear(h, L["icomp"][1]))
+            proj["iq"] = _rope(F.linear(qr, L["idx_wq_b"]).view(T, cfg.index_n_heads, cfg.index_head_dim), pos,
+                               self.inv_freq["compress"])
+            proj["iw"] = F.linear(h, L["idx_w"]).float() * cfg.index_n_heads ** -0.5
+        if all(n == 1 for _, n, _ in spans):
+            out = self._attend_decode(i, L, q, kv, proj, fb, states)
+        else:
+            out = self._attend_varlen(i, L, q, kv, proj, fb, states, spans)
+        out = _rope(out, pos, inv, conj=True)
+        G = cfg.o_groups
+        grouped = out.reshape(T, G, -1).transpose(0, 1)  # [G, T, H*hd/G]
+        wa = L["wo_a"].view(G, -1, grouped.shape[-1]).transpose(1, 2)  # [G, in, o_lora]
+        o = torch.bmm(grouped, wa).transpose(0, 1).reshape(T, -1)
+        return F.linear(o, L["wo_b"])
+
+    def _close_windows(self, i: int, L: dict, proj: dict, rows: slice, start: int, slot: int, pages: torch.Tensor,
+                       fb: V4Batch, states: dict[str, torch.Tensor]) -> None:
+        """Feed tokens rows (positions start..) of one request to the layer's compressor(s)."""
+        kind, j = L["type"], self.type_index[i]
+        rate = self.cfg.compress_rates[kind]
+        if kind == CSA:
+            self._compress(*(p[rows] for p in proj["comp"]), start, states[self.CSA_STAGE][slot, j], L["comp"], rate,
+                           True, states[self.CSA_KV][:, j], pages, fb.page_size)
+            self._compress(*(p[rows] for p in proj["icomp"]), start, states[self.CSA_INDEX_STAGE][slot, j],
+                           L["icomp"], rate, True, states[self.CSA_INDEX_K][:, j], pages, fb.page_size)
+        else:
+            self._compress(*(p[rows] for p in proj["comp"]), start, states[self.HCA_STAGE][slot, j], L["comp"], rate,
+                           False, states[self.HCA_KV][:, j], pages, fb.page_size)
+
+    def _select(self, L: dict, iq: torch.Tensor, iw: torch.Tensor, ikeys: torch.Tensor,
+                visible: torch.Tensor) -> torch.Tensor:
+        """Lightning indexer: score sum_h w_h * relu(q_h . k) * scale per entry, keep the top-k
+        visible entries of each query. iq [..., IH, d], iw [..., IH], ikeys [..., C, d], visible [..., C]."""
+        cfg = self.cfg
+        score = torch.matmul(iq.float(), ikeys.float().transpose(-1, -2))  # [..., IH, C]
+        score = (F.relu(score) * cfg.index_head_dim ** -0.5 * iw.unsqueeze(-1)).sum(dim=-2)
+        score = score.masked_fill(~visible, float("-inf"))
+        top = score.topk(min(cfg.index_topk, score.shape[-1]), dim=-1).indices
+        return visible & torch.zeros_like(visible).scatter_(-1, top, True)
+
+    def _softmax_attend(self, L: dict, q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """q [..., H, hd] over keys (== values) [..., K, hd] with allowed [..., K] and the
+        per-head sink as one more logit whose value is dropped."""
+        H, hd = q.shape[-2], q.shape[-1]
+        logits = torch.matmul(q, keys.transpose(-1, -2)) * hd ** -0.5  # [..., H, K]
+        logits = logits.masked_fill(~allowed.unsqueeze(-2), float("-inf"))
+        sink = L["sink"].to(logits.dtype).view(H, 1).expand(*logits.shape[:-1], 1)
+        logits = torch.cat([logits, sink], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = F.softmax(logits, dim=-1)[..., :-1]
+        return torch.matmul(probs.to(keys.dtype), keys)
+
+    def _attend_varlen(self, i: int, L: dict, q: torch.Tensor, kv: torch.Tensor, proj: dict, fb: V4Batch,
+                       states: dict[str, torch.Tensor], spans: list[tuple[int, int, int]]) -> torch.Tensor:
+        """Any mix of prefill chunks and decode tokens: one request at a time."""
+        cfg = self.cfg
+        W, kind, j = cfg.sliding_window, L["type"], self.type_index.get(i)
+        pos = fb.positions
         ring_store = states[self.SWA_KV]
         out = torch.empty_like(q)
         for r, (row, n, start) in enumerate(spans):
@@ -434,50 +488,77 @@ class DeepseekV4:
             qpos = pos[sl]
             # window keys: the ring (positions < start) then this chunk's own tokens
             ring = ring_store[slot, i]
-            ring_pos = _ring_positions(start, W, h.device)
+            ring_pos = _ring_positions(start, W, q.device)
             keys = torch.cat([ring.to(kv.dtype), kv[sl]], 0)
             kpos = torch.cat([ring_pos, qpos])
             allowed = (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - W) & (kpos[None] >= 0)
             if kind in (CSA, HCA):
                 rate = cfg.compress_rates[kind]
-                name = self.CSA_KV if kind == CSA else self.HCA_KV
-                stage = states[self.CSA_STAGE if kind == CSA else self.HCA_STAGE][slot, j]
-                self._compress(ckv_all[sl], cgate_all[sl], start, stage, L["comp"], rate, kind == CSA,
-                               states[name][:, j], pages, fb.page_size)
+                self._close_windows(i, L, proj, sl, start, slot, pages, fb, states)
                 count = end // rate  # entries closed so far; query t sees entry w iff w < (t+1)//rate
-                visible = torch.arange(count, device=h.device)[None] < ((qpos + 1) // rate)[:, None]
-                if kind == CSA:
-                    self._compress(ikv_all[sl], igate_all[sl], start, states[self.CSA_INDEX_STAGE][slot, j],
-                                   L["icomp"], rate, True, states[self.CSA_INDEX_K][:, j], pages, fb.page_size)
-                if kind == CSA and count:
-                    # lightning indexer: sum_h w_h * relu(q_h . k) over entries; keep the top-k visible
-                    ikeys = self._entries(states[self.CSA_INDEX_K][:, j], pages, count, rate, fb.page_size).float()
-                    score = torch.matmul(iq_all[sl].float(), ikeys.t())  # [n, IH, count]
-                    score = (F.relu(score) * cfg.index_head_dim ** -0.5 * iw_all[sl].unsqueeze(-1)).sum(dim=1)
-                    score = score.masked_fill(~visible, float("-inf"))
-                    top = score.topk(min(cfg.index_topk, count), dim=-1).indices
-                    chosen = torch.zeros_like(visible).scatter_(1, top, True)
-                    visible = visible & chosen
                 if count:
-                    entries = self._entries(states[name][:, j], pages, count, rate, fb.page_size)
+                    visible = torch.arange(count, device=q.device)[None] < ((qpos + 1) // rate)[:, None]
+                    if kind == CSA:
+                        ikeys = self._entries(states[self.CSA_INDEX_K][:, j], pages, count, rate, fb.page_size)
+                        visible = self._select(L, proj["iq"][sl], proj["iw"][sl], ikeys, visible)
+                    store = states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j]
+                    entries = self._entries(store, pages, count, rate, fb.page_size)
                     keys = torch.cat([keys, entries.to(kv.dtype)], 0)
                     allowed = torch.cat([allowed, visible], 1)
-            logits = torch.einsum("nhd,kd->nhk", q[sl], keys) * hd ** -0.5
-            logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
-            logits = torch.cat([logits, L["sink"].view(1, H, 1).expand(n, H, 1).to(logits.dtype)], dim=-1)
-            logits = logits - logits.max(dim=-1, keepdim=True).values
-            probs = F.softmax(logits, dim=-1)[..., :-1]
-            out[sl] = torch.einsum("nhk,kd->nhd", probs.to(keys.dtype), keys)
+            out[sl] = self._softmax_attend(L, q[sl], keys.unsqueeze(0), allowed)
             # the ring keeps the last W tokens (written after the reads above)
             keep = min(n, W)
-            wpos = torch.arange(end - keep, end, device=h.device)
+            wpos = torch.arange(end - keep, end, device=q.device)
             ring[wpos % W] = kv[row + n - keep: row + n].to(ring.dtype)
-        out = _rope(out, pos, inv, conj=True)
-        G = cfg.o_groups
-        grouped = out.reshape(T, G, -1).transpose(0, 1)  # [G, T, H*hd/G]
-        wa = L["wo_a"].view(G, -1, grouped.shape[-1]).transpose(1, 2)  # [G, in, o_lora]
-        o = torch.bmm(grouped, wa).transpose(0, 1).reshape(T, -1)
-        return F.linear(o, L["wo_b"])
+        return out
+
+    def _attend_decode(self, i: int, L: dict, q: torch.Tensor, kv: torch.Tensor, proj: dict, fb: V4Batch,
+                       states: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One new token per request: every request at once (a loop only over the few requests
+        whose token closes a compression window)."""
+        cfg = self.cfg
+        W, kind, j = cfg.sliding_window, L["type"], self.type_index.get(i)
+        t = fb.positions  # [B]
+        slots = fb.slot_ids.long()
+        ring_store = states[self.SWA_KV]
+        ring_pos = (t[:, None] - 1) - torch.remainder(t[:, None] - 1 - torch.arange(W, device=t.device), W)
+        keys = torch.cat([ring_store[slots, i].to(kv.dtype), kv[:, None]], 1)  # [B, W+1, hd]
+        kpos = torch.cat([ring_pos, t[:, None]], 1)
+        allowed = (kpos <= t[:, None]) & (kpos > t[:, None] - W) & (kpos >= 0)
+        if kind in (CSA, HCA):
+            rate = cfg.compress_rates[kind]
+            closing = ((t + 1) % rate == 0).tolist()
+            for b, closes in enumerate(closing):
+                if closes:
+                    self._close_windows(i, L, proj, slice(b, b + 1), int(t[b]), int(slots[b]), fb.block_table[b],
+                                        fb, states)
+            still = ~torch.tensor(closing, dtype=torch.bool, device=t.device)
+            if still.any():  # the others only stage their projections
+                stages = [(self.CSA_STAGE, "comp"), (self.CSA_INDEX_STAGE, "icomp")] if kind == CSA \
+                    else [(self.HCA_STAGE, "comp")]
+                for name, key in stages:
+                    st = states[name]
+                    st[slots[still], j, t[still] % st.shape[2]] = torch.cat(
+                        [p[still] for p in proj[key]], dim=-1).to(st.dtype)
+            counts = (t + 1) // rate
+            C = int(counts.max())
+            if C:
+                w = torch.arange(C, device=t.device)
+                visible = w[None] < counts[:, None]  # [B, C]
+
+                def gather(store: torch.Tensor) -> torch.Tensor:
+                    page, off = self._locate(w, rate, fb.page_size, store.shape[1])
+                    return store[fb.block_table[:, page].long(), off[None].expand(len(t), -1)]
+
+                if kind == CSA:
+                    ikeys = gather(states[self.CSA_INDEX_K][:, j])  # [B, C, ihd]
+                    visible = self._select(L, proj["iq"], proj["iw"], ikeys, visible)
+                entries = gather(states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j])
+                keys = torch.cat([keys, entries.to(kv.dtype)], 1)
+                allowed = torch.cat([allowed, visible], 1)
+        out = self._softmax_attend(L, q.unsqueeze(1), keys.unsqueeze(1), allowed.unsqueeze(1)).squeeze(1)
+        ring_store[slots, i, t % W] = kv.to(ring_store.dtype)
+        return out
 
     # ---- the step ------------------------------------------------------------------------------
 

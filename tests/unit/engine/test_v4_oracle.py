@@ -155,7 +155,7 @@ def test_prompt_in_awkward_chunks_then_48_greedy_tokens(tiny, length, chunks):
     _check(drv.finish(0), want)
 
 
-def test_requests_of_different_lengths_and_phases_share_batches(tiny):
+def test_requests_of_different_lengths_and_phases_share_batches(tiny, monkeypatch):
     """Prompts shorter than the window, exactly at and one past the window (8) and the HCA
     window (8, 16), one past a CSA window; they arrive staggered into 3 slot rows, prefill in
     random chunk sizes while others decode, all in the same batches; rows and pages of finished
@@ -168,6 +168,14 @@ def test_requests_of_different_lengths_and_phases_share_batches(tiny):
     want = {i: oracle(hf, p, steps) for i, p in prompts.items()}
     rng = random.Random(0)
     drv = Driver(ours, max_requests=3, num_pages=64, page_size=4)
+    decode_batches = []  # the batched all-decode path must have run with several requests
+    batched = ours._attend_decode
+
+    def spy(i, L, q, *rest):
+        decode_batches.append(q.shape[0])
+        return batched(i, L, q, *rest)
+
+    monkeypatch.setattr(ours, "_attend_decode", spy)
     pending = list(prompts)
     got: dict[int, torch.Tensor] = {}
     preempted = False
@@ -185,7 +193,7 @@ def test_requests_of_different_lengths_and_phases_share_batches(tiny):
         if not preempted and 3 in drv.reqs and len(drv.reqs[3]["logits"]) == 3:
             drv.preempt(3)
             preempted = True
-    assert preempted
+    assert preempted and max(decode_batches) == 3
     for rid in prompts:
         _check(got[rid], want[rid])
 
