@@ -273,3 +273,31 @@ def test_a_batch_without_slot_rows_is_refused_clearly(tiny):
                       torch.tensor([1]), torch.tensor([1]), torch.tensor([0]), True)
     with pytest.raises(NotImplementedError, match="slot_ids"):
         ours.forward(fb, {})
+
+
+def test_a_transformers_built_model_saved_by_save_pretrained_runs_the_same(tiny, tmp_path):
+    """A model transformers initialises itself from the v4-tiny config, written by its
+    save_pretrained (transformers' own tensor names), read by our loader: same logits."""
+    cfg, _, hf_release = tiny
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV4ForCausalLM(hf_release.config).eval()
+    with torch.no_grad():  # transformers' init leaves biases, sinks and the hash table at zero
+        for name, p in hf.named_parameters():
+            if name.endswith(("position_bias", "sinks", "base")):
+                p.normal_(0, 0.5)
+        for layer in hf.model.layers:
+            if hasattr(layer.mlp.gate, "tid2eid"):
+                layer.mlp.gate.tid2eid.copy_(torch.rand(cfg.vocab_size, cfg.n_routed_experts).argsort(1)[:, :2])
+    hf.save_pretrained(tmp_path / "hf")
+    ours = DeepseekV4(DeepseekV4Config.from_dir(tmp_path / "hf"), load_v4_weights(tmp_path / "hf"))
+    prompt = _prompt(37, seed=5)
+    want = oracle(hf, prompt, 12)
+    drv = Driver(ours)
+    drv.admit(0, prompt)
+    drv.step({0: 20})
+    drv.step({0: 17})
+    for s in range(12):
+        drv.reqs[0]["tokens"][-1] = int(want[s].argmax())  # follow transformers' tokens (its init leaves near-ties)
+        drv.step({0: 1})
+    got = drv.finish(0)
+    assert float((got - want).abs().max()) < TOL
