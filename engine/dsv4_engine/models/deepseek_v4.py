@@ -45,7 +45,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from dsv4_engine.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config, RopeConfig
+from dsv4_engine.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.weights import load_weights
 
@@ -281,8 +281,9 @@ class DeepseekV4:
                 L["tid2eid"] = take(f + "gate.tid2eid", None).long()
             else:
                 L["bias"] = take(f + "gate.bias", f32)
+            ex = f + "experts."
             L["w13"] = torch.stack(
-                [torch.cat([take(f + f"experts.{e}.w1.weight"), take(f + f"experts.{e}.w3.weight")], 0) for e in range(E)]
+                [torch.cat([take(ex + f"{e}.w1.weight"), take(ex + f"{e}.w3.weight")], 0) for e in range(E)]
             )
             L["w2"] = torch.stack([take(f + f"experts.{e}.w2.weight") for e in range(E)])
             L["s_w13"] = torch.cat([take(f + "shared_experts.w1.weight"), take(f + "shared_experts.w3.weight")], 0)

@@ -146,7 +146,9 @@ class DeepseekV4Config:
             n_hash = int(d["num_hash_layers"]) if d.get("num_hash_layers") is not None else 3
             mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
         mlp_types = list(mlp_types[:n])
-        for name, types, allowed in (("layer_types", layer_types, LAYER_TYPES), ("mlp_layer_types", mlp_types, MLP_TYPES)):
+        for name, types, allowed in (
+            ("layer_types", layer_types, LAYER_TYPES), ("mlp_layer_types", mlp_types, MLP_TYPES)
+        ):
             if len(types) != n:
                 raise ValueError(f"{name} has {len(types)} entries for {n} layers")
             bad = sorted({t for t in types if t not in allowed})

@@ -17,7 +17,7 @@ from dsv4_engine.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4C
 from dsv4_engine.weights import load_weights
 
 transformers = pytest.importorskip("transformers")
-from transformers import AutoConfig, DeepseekV4Config as HFConfig  # noqa: E402
+from transformers import DeepseekV4Config as HFConfig  # noqa: E402
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding  # noqa: E402
 
 
@@ -28,6 +28,10 @@ def _digest(folder) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return init_checkpoint(tmp_path_factory.mktemp("v4") / "tiny", preset="v4-tiny", seed=0)
+
+
+def _hf_config(d: dict) -> HFConfig:
+    return HFConfig(**{k: v for k, v in d.items() if k not in ("model_type", "architectures")})
 
 
 def _assert_same_as_transformers(ours: DeepseekV4Config, theirs) -> None:
@@ -45,7 +49,7 @@ def _assert_same_as_transformers(ours: DeepseekV4Config, theirs) -> None:
 def test_preset_config_reads_as_transformers_reads_it(preset):
     d = json.loads(json.dumps(PRESETS[preset]))
     ours = DeepseekV4Config.from_dict(d)
-    _assert_same_as_transformers(ours, HFConfig(**{k: v for k, v in d.items() if k not in ("model_type", "architectures")}))
+    _assert_same_as_transformers(ours, _hf_config(d))
     assert set(ours.layer_types) == {SLIDING, CSA, HCA}  # every attention path present
     assert set(ours.mlp_layer_types) == {"hash_moe", "moe"}
 
@@ -54,7 +58,8 @@ def test_legacy_flat_config_forms():
     """compress_ratios / compress_rate_* / num_hash_layers / qk_rope_head_dim / rope_scaling, and a
     flat rope_parameters, resolve as in transformers; the nested form is taken as given."""
     base = {k: v for k, v in PRESETS["v4-tiny"].items()
-            if k not in ("layer_types", "mlp_layer_types", "compress_rates", "rope_parameters", "partial_rotary_factor")}
+            if k not in ("layer_types", "mlp_layer_types", "compress_rates", "rope_parameters",
+                         "partial_rotary_factor")}
     legacy = {**base, "compress_ratios": [0, 4, 128, 4], "compress_rate_csa": 4, "compress_rate_hca": 128,
               "num_hash_layers": 1, "qk_rope_head_dim": 16,
               "rope_scaling": {"type": "yarn", "factor": 8, "original_max_position_embeddings": 128,
@@ -65,8 +70,7 @@ def test_legacy_flat_config_forms():
     plain = {**base, "qk_rope_head_dim": 8}  # no layer types at all: transformers' default schedule
     for d in (legacy, flat_params, plain):
         ours = DeepseekV4Config.from_dict(json.loads(json.dumps(d)))
-        theirs = HFConfig(**{k: v for k, v in json.loads(json.dumps(d)).items() if k not in ("model_type", "architectures")})
-        _assert_same_as_transformers(ours, theirs)
+        _assert_same_as_transformers(ours, _hf_config(json.loads(json.dumps(d))))
     assert DeepseekV4Config.from_dict(legacy).mlp_layer_types == ["hash_moe", "moe", "moe", "moe"]
     with pytest.raises(ValueError, match="compress_ratios"):
         DeepseekV4Config.from_dict({**base, "compress_ratios": [0, 8, 0, 0]})
@@ -77,8 +81,10 @@ def test_legacy_flat_config_forms():
 def test_v4_tiny_is_deterministic_per_seed(tmp_path, tiny_dir):
     """Same seed, same bytes, also through `dsv4 model init` in another process."""
     again = tmp_path / "again"
-    subprocess.run([sys.executable, "-m", "dsv4_cli", "model", "init", str(again), "--preset", "v4-tiny", "--seed", "0"],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "dsv4_cli", "model", "init", str(again), "--preset", "v4-tiny", "--seed", "0"],
+        check=True, capture_output=True, timeout=300,
+    )
     other = init_checkpoint(tmp_path / "other", preset="v4-tiny", seed=1)
     assert _digest(again) == _digest(tiny_dir)
     assert _digest(other)["model.safetensors"] != _digest(tiny_dir)["model.safetensors"]
@@ -91,7 +97,8 @@ def test_v4_tiny_is_in_the_release_layout_and_transformers_loads_it_whole(tiny_d
     with safe_open(str(tiny_dir / "model.safetensors"), "pt") as f:
         names = set(f.keys())
     assert names == set(v4_tensor_shapes(PRESETS["v4-tiny"]))
-    for n in ("embed.weight", "head.weight", "hc_head_fn", "layers.0.attn.wq_a.weight", "layers.1.attn.indexer.wq_b.weight",
+    for n in ("embed.weight", "head.weight", "hc_head_fn", "layers.0.attn.wq_a.weight",
+              "layers.1.attn.indexer.wq_b.weight",
               "layers.1.attn.indexer.compressor.ape", "layers.2.attn.compressor.wgate.weight",
               "layers.0.ffn.gate.tid2eid", "layers.3.ffn.gate.bias", "layers.3.ffn.experts.3.w2.weight"):
         assert n in names

@@ -62,7 +62,8 @@ class Driver:
     def __init__(self, model: DeepseekV4, max_requests: int = 8, num_pages: int = 32, page_size: int = PAGE):
         self.model = model
         self.page_size = page_size
-        self.states = allocate_states(DeepseekV4.state_specs(model.cfg), num_pages, page_size, max_requests, torch.float32)
+        specs = DeepseekV4.state_specs(model.cfg)
+        self.states = allocate_states(specs, num_pages, page_size, max_requests, torch.float32)
         # Rows and pages start as garbage, not zeros: nothing may read state it did not write.
         for t in self.states.values():
             t.normal_()
