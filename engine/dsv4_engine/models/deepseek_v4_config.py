@@ -238,8 +238,8 @@ class DeepseekV4Config:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
         )
-        if cfg.scoring_func not in ("sqrtsoftplus", "sigmoid", "softmax"):
-            raise ValueError(f"unsupported scoring_func {cfg.scoring_func!r}")
+        if cfg.scoring_func not in ("sqrtsoftplus", "sigmoid"):
+            raise ValueError(f"unsupported scoring_func {cfg.scoring_func!r} (sqrtsoftplus or sigmoid)")
         if cfg.num_attention_heads % cfg.o_groups:
             raise ValueError("num_attention_heads must be a multiple of o_groups")
         cfg.extra = {k: v for k, v in d.items()}

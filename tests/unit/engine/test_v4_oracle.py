@@ -302,3 +302,25 @@ def test_a_transformers_built_model_saved_by_save_pretrained_runs_the_same(tiny,
         drv.step({0: 1})
     got = drv.finish(0)
     assert float((got - want).abs().max()) < TOL
+
+
+def test_sigmoid_routing_variant(tiny, tmp_path):
+    """The config's other router scoring function, on the same weights."""
+    import json
+    import shutil
+
+    cfg, _, hf_release = tiny
+    d = tmp_path / "sigmoid"
+    shutil.copytree(hf_release.name_or_path, d)
+    conf = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**conf, "scoring_func": "sigmoid"}))
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    ours = DeepseekV4(DeepseekV4Config.from_dir(d), load_v4_weights(d))
+    prompt = _prompt(21, seed=7)
+    want = oracle(hf, prompt, 8)
+    drv = Driver(ours)
+    drv.admit(0, prompt)
+    drv.step({0: 21})
+    for _ in range(8):
+        drv.step({0: 1})
+    _check(drv.finish(0), want)
