@@ -61,10 +61,12 @@ def _default_model() -> Path:
 @model_app.command("init")
 def model_init(
     out_dir: Path = typer.Argument(..., help="Folder to write the checkpoint into."),
-    preset: str = typer.Option("tiny", help="Model preset: tiny | mla512."),
+    preset: str = typer.Option(
+        "tiny", help="Model preset: tiny | mla512 (DeepSeek-V3) | v4-tiny | v4-flash-shape (DeepSeek-V4, release layout)."
+    ),
     seed: int = typer.Option(0, help="Seed; the same seed writes the same checkpoint."),
 ) -> None:
-    """Write a Hugging Face-format DeepSeek-V3 checkpoint (config, safetensors, tokenizer)."""
+    """Write a Hugging Face-format DeepSeek-V3 or -V4 checkpoint (config, safetensors, tokenizer)."""
     from dsv4_engine.checkpoint import PRESETS, init_checkpoint
 
     if preset not in PRESETS:

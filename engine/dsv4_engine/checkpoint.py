@@ -1,7 +1,8 @@
-"""Make DeepSeek-V3 checkpoints here, without downloading anything: `dsv4 model init`.
+"""Make DeepSeek-V3 and DeepSeek-V4 checkpoints here, without downloading anything: `dsv4 model init`.
 
 A checkpoint is a Hugging Face folder with the same file and tensor layout as a real DeepSeek-V3
-release (per-expert weights, `e_score_correction_bias`, `kv_a_proj_with_mqa`, ...), random weights
+release (per-expert weights, `e_score_correction_bias`, `kv_a_proj_with_mqa`, ...; for V4 DeepSeek's
+release names: `embed`, `layers.N.attn.wq_a`, `ffn.experts.E.w1`, `hc_*`, ...), random weights
 from a seed, and a byte-level BPE tokenizer trained on the corpus shipped in `data/`. The same
 preset and seed always give byte-identical files.
 """
@@ -102,6 +103,107 @@ PRESETS: dict[str, dict] = {
     },
 }
 
+# DeepSeek-V4 presets, in the spelling of V4's config.json. Layer and MLP types are listed so that
+# every path (sliding / CSA / HCA attention, hash-routed and learned-routed MoE) is present.
+_V4_COMMON = {
+    "model_type": "deepseek_v4",
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "vocab_size": TOKENIZER_VOCAB_SIZE,
+    "num_key_value_heads": 1,
+    "hidden_act": "silu",
+    "scoring_func": "sqrtsoftplus",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "n_shared_experts": 1,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "num_nextn_predict_layers": 0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "use_cache": True,
+    "initializer_range": 0.02,
+}
+
+V4_PRESETS: dict[str, dict] = {
+    # Window 8, CSA every 4 tokens (top-4 of its entries), HCA every 8: a prompt of tens of tokens
+    # crosses every window and compression boundary and makes the indexer drop entries. A small
+    # swiglu_limit makes the clamp bite. Written in transformers' current config spelling.
+    "v4-tiny": {
+        **_V4_COMMON,
+        "hidden_size": 128,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "head_dim": 64,
+        "partial_rotary_factor": 0.25,  # 16 rope channels
+        "q_lora_rank": 64,
+        "o_groups": 2,
+        "o_lora_rank": 32,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "swiglu_limit": 1.5,
+        "sliding_window": 8,
+        "layer_types": [
+            "sliding_attention", "compressed_sparse_attention",
+            "heavily_compressed_attention", "compressed_sparse_attention",
+        ],
+        "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        "index_n_heads": 8,
+        "index_head_dim": 32,
+        "index_topk": 4,
+        "max_position_embeddings": 1024,
+        "rope_parameters": {
+            "main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+            "compress": {
+                "rope_type": "yarn", "rope_theta": 160000.0, "partial_rotary_factor": 0.25, "factor": 4.0,
+                "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1,
+                "attention_factor": 1.0,
+            },
+        },
+        "torch_dtype": "float32",
+    },
+    # V4-Flash's per-layer widths (hidden 4096, 64 heads of 512 with 64 rope channels, q LoRA 1024,
+    # 8 output groups of 1024, indexer 64 x 128 top-512, window 128, CSA 4 / HCA 128) with one
+    # layer of each attention type and 4 small experts, stored in bf16 (~0.8 GB). Written in
+    # the release config spelling (compress_ratios, num_hash_layers, qk_rope_head_dim, rope_scaling).
+    "v4-flash-shape": {
+        **_V4_COMMON,
+        "hidden_size": 4096,
+        "moe_intermediate_size": 256,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 64,
+        "head_dim": 512,
+        "qk_rope_head_dim": 64,
+        "q_lora_rank": 1024,
+        "o_groups": 8,
+        "o_lora_rank": 1024,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "swiglu_limit": 10.0,
+        "sliding_window": 128,
+        "compress_ratios": [0, 4, 128],
+        "num_hash_layers": 1,
+        "index_n_heads": 64,
+        "index_head_dim": 128,
+        "index_topk": 512,
+        "max_position_embeddings": 65536,
+        "rope_scaling": {
+            "type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+            "beta_fast": 32, "beta_slow": 1,
+        },
+        "torch_dtype": "bfloat16",
+    },
+}
+PRESETS.update(V4_PRESETS)
+
 # Init scales. Linear weights get std 1/sqrt(fan_in), so activations keep unit size through every
 # layer. The lm_head gets a larger one: logits with std ~LOGIT_STD leave greedy decoding clear
 # top-1/top-2 gaps (transformers' 0.02 gives gaps of ~0.04, i.e. near ties that flip under
@@ -177,7 +279,115 @@ def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little")
 
 
+def v4_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a DeepSeek-V4 checkpoint, named as in DeepSeek's release files (the names
+    transformers' conversion mapping for deepseek_v4 renames from). No MTP layers."""
+    from dsv4_engine.models.deepseek_v4_config import CSA, HCA, DeepseekV4Config
+
+    c = DeepseekV4Config.from_dict(config)
+    D, H, hd, ql, hc = c.hidden_size, c.num_attention_heads, c.head_dim, c.q_lora_rank, c.hc_mult
+    E, inter = c.n_routed_experts, c.moe_intermediate_size
+    n_mix = (2 + hc) * hc
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (c.vocab_size, D)}
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes[p + "attn_norm.weight"] = (D,)
+        shapes[p + "ffn_norm.weight"] = (D,)
+        for site in ("attn", "ffn"):
+            shapes[p + f"hc_{site}_fn"] = (n_mix, hc * D)
+            shapes[p + f"hc_{site}_base"] = (n_mix,)
+            shapes[p + f"hc_{site}_scale"] = (3,)
+        a = p + "attn."
+        shapes[a + "wq_a.weight"] = (ql, D)
+        shapes[a + "q_norm.weight"] = (ql,)
+        shapes[a + "wq_b.weight"] = (H * hd, ql)
+        shapes[a + "wkv.weight"] = (hd, D)
+        shapes[a + "kv_norm.weight"] = (hd,)
+        shapes[a + "wo_a.weight"] = (c.o_groups * c.o_lora_rank, H * hd // c.o_groups)
+        shapes[a + "wo_b.weight"] = (D, c.o_groups * c.o_lora_rank)
+        shapes[a + "attn_sink"] = (H,)
+        kind = c.layer_types[i]
+        if kind in (CSA, HCA):
+            rate = c.compress_rates[kind]
+            width = 2 * hd if kind == CSA else hd  # CSA carries two overlapping series
+            shapes[a + "compressor.wkv.weight"] = (width, D)
+            shapes[a + "compressor.wgate.weight"] = (width, D)
+            shapes[a + "compressor.ape"] = (rate, width)
+            shapes[a + "compressor.norm.weight"] = (hd,)
+        if kind == CSA:
+            ihd, IH = c.index_head_dim, c.index_n_heads
+            shapes[a + "indexer.wq_b.weight"] = (IH * ihd, ql)
+            shapes[a + "indexer.weights_proj.weight"] = (IH, D)
+            shapes[a + "indexer.compressor.wkv.weight"] = (2 * ihd, D)
+            shapes[a + "indexer.compressor.wgate.weight"] = (2 * ihd, D)
+            shapes[a + "indexer.compressor.ape"] = (c.csa_rate, 2 * ihd)
+            shapes[a + "indexer.compressor.norm.weight"] = (ihd,)
+        f = p + "ffn."
+        shapes[f + "gate.weight"] = (E, D)
+        if c.mlp_layer_types[i] == "hash_moe":
+            shapes[f + "gate.tid2eid"] = (c.vocab_size, c.num_experts_per_tok)
+        else:
+            shapes[f + "gate.bias"] = (E,)
+        for e in range(E):
+            shapes[f + f"experts.{e}.w1.weight"] = (inter, D)
+            shapes[f + f"experts.{e}.w2.weight"] = (D, inter)
+            shapes[f + f"experts.{e}.w3.weight"] = (inter, D)
+        shapes[f + "shared_experts.w1.weight"] = (inter, D)
+        shapes[f + "shared_experts.w2.weight"] = (D, inter)
+        shapes[f + "shared_experts.w3.weight"] = (inter, D)
+    shapes["norm.weight"] = (D,)
+    shapes["hc_head_fn"] = (hc, hc * D)
+    shapes["hc_head_base"] = (hc,)
+    shapes["hc_head_scale"] = (1,)
+    shapes["head.weight"] = (c.vocab_size, D)
+    return shapes
+
+
+def _v4_mean_std(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
+    leaf = name.removesuffix(".weight").rsplit(".", 1)[-1]
+    if name.endswith("norm.weight"):
+        return 1.0, NORM_NOISE_STD
+    if name == "embed.weight":
+        return 0.0, 1.0
+    if name == "head.weight":
+        return 0.0, LOGIT_STD / math.sqrt(shape[1])
+    if name.endswith("ffn.gate.weight"):
+        return 0.0, ROUTER_LOGIT_STD / math.sqrt(shape[1])
+    if name.endswith("gate.bias"):
+        return 0.0, SCORE_BIAS_STD
+    if leaf.endswith("_scale"):  # mHC scales multiply unit-size mixing logits
+        return 1.0, NORM_NOISE_STD
+    if leaf.endswith("_base"):
+        return 0.0, 0.5
+    if leaf in ("attn_sink", "ape"):
+        return 0.0, 0.5
+    return 0.0, 1.0 / math.sqrt(shape[1])
+
+
+def init_v4_weights(config: dict, seed: int = 0) -> dict[str, "torch.Tensor"]:
+    import torch
+
+    store = {"float32": torch.float32, "bfloat16": torch.bfloat16}[config.get("torch_dtype", "float32")]
+    weights = {}
+    for name, shape in v4_tensor_shapes(config).items():
+        gen = torch.Generator().manual_seed(_tensor_seed(seed, name))
+        if name.endswith("tid2eid"):
+            # A frozen token -> experts table: distinct experts per token, as a hash would give.
+            weights[name] = torch.rand(shape[0], config["n_routed_experts"], generator=gen).argsort(dim=1)[
+                :, : shape[1]
+            ].to(torch.int32).contiguous()
+            continue
+        mean, std = _v4_mean_std(name, shape)
+        t = torch.randn(shape, generator=gen, dtype=torch.float32) * std + mean
+        # mHC, sinks, position biases and norms stay fp32 in V4's release; the rest is stored as configured.
+        fp32 = any(k in name for k in ("hc_", "attn_sink", ".ape", "norm.weight", "gate.bias"))
+        weights[name] = t.to(torch.float32 if fp32 else store).contiguous()
+    return weights
+
+
 def init_weights(config: dict, seed: int = 0) -> dict[str, "torch.Tensor"]:
+    if config.get("model_type") == "deepseek_v4":
+        return init_v4_weights(config, seed)
     import torch  # here, not at the top: reading PRESETS (e.g. `dsv4 model init --help`) stays fast
 
     weights = {}

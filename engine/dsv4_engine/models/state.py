@@ -21,6 +21,10 @@ class StateSpec:
     kind "paged": `entry_shape` per cached entry per layer, one entry per `tokens_per_entry`
     tokens (1 for a plain KV cache; a compressed state stores one entry per window), held in
     pages of `page_size` tokens. Every paged state shares the request's page ids.
+
+    kind "slot": `slots` entries per layer per request whatever its length (a ring of the last
+    tokens' sliding-window KV, a compressor's not-yet-closed window), held in one row per running
+    request, [max_requests, num_layers, slots, *entry_shape], indexed by the request's slot id.
     """
 
     name: str
@@ -28,11 +32,41 @@ class StateSpec:
     entry_shape: tuple[int, ...]
     kind: str = "paged"
     tokens_per_entry: int = 1
+    slots: int = 0  # kind "slot" only
+
+    @property
+    def paged(self) -> bool:
+        return self.kind == "paged"
+
+    def slot_shape(self) -> tuple[int, ...]:
+        """Shape of one request's row of a slot state: [num_layers, slots, *entry_shape]."""
+        if self.kind != "slot":
+            raise ValueError(f"state {self.name} is {self.kind}, not slot")
+        return (self.num_layers, self.slots, *self.entry_shape)
+
+    def request_nbytes(self, dtype: torch.dtype) -> int:
+        """Bytes a slot state costs per running request (0 for a paged state: that is per token)."""
+        if self.kind != "slot":
+            return 0
+        n = 1
+        for d in self.slot_shape():
+            n *= d
+        return n * torch.empty((), dtype=dtype).element_size()
 
     def entries_per_page(self, page_size: int) -> int:
-        if page_size % self.tokens_per_entry:
-            raise ValueError(f"state {self.name}: page size {page_size} is not a multiple of {self.tokens_per_entry}")
-        return page_size // self.tokens_per_entry
+        tpe = self.tokens_per_entry
+        if tpe > page_size and tpe % page_size == 0:
+            return 1  # a window spans several pages; its entry lives in the window's first page
+        if page_size % tpe:
+            raise ValueError(
+                f"state {self.name}: page size {page_size} and {tpe} tokens per entry: one must divide the other"
+            )
+        return page_size // tpe
+
+    def entry_location(self, entry, page_size: int):
+        """(index into the request's pages, offset in that page) of entry number `entry`
+        (an int or a tensor of them): the page holding the entry's first token."""
+        return (entry * self.tokens_per_entry) // page_size, entry % self.entries_per_page(page_size)
 
     def page_shape(self, page_size: int) -> tuple[int, ...]:
         """Shape of one page of this state: [num_layers, entries, *entry_shape]."""
@@ -45,4 +79,6 @@ class StateSpec:
         return n * torch.empty((), dtype=dtype).element_size()
 
     def bytes_per_token(self, dtype: torch.dtype) -> float:
+        if self.kind == "slot":
+            return 0.0  # fixed per request: see request_nbytes
         return self.page_nbytes(self.tokens_per_entry, dtype) / self.tokens_per_entry
