@@ -37,6 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from dsv4_router.admission import Admission, Overloaded, Slot
 from dsv4_router.body import parse_body, read_limited
@@ -266,6 +267,8 @@ class Router:
             body = parse_body(raw)
         except APIError as e:
             return self.error(e)
+        except ClientDisconnect:
+            return Response(status_code=499)
         for k in ROUTER_FIELDS:
             body.pop(k, None)
         # A client that hangs up (queued or not) cancels the work: closing the upstream
@@ -485,6 +488,8 @@ def build_app(router: Router) -> FastAPI:
             return parse_body(await read_limited(http.headers.get("content-length"), http.stream(), 64 * 1024))
         except APIError as e:
             return router.error(e)
+        except ClientDisconnect:
+            return Response(status_code=499)
 
     @app.post(Paths.COMPLETIONS)
     async def completions(http: Request):
