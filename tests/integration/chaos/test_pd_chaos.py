@@ -1,0 +1,160 @@
+"""PD under hostile load, through real processes on 127.0.0.1: prefill + decode engines on the
+tiny model and the router.
+
+- hundreds of concurrent streams, some clients hanging up mid-stream or while queued: no 5xx,
+  no error event, no hang, no 429; the engines' queues and KV pages go back to idle and the
+  router serves a fresh request within seconds;
+- deliberate overload of a router with a low in-flight limit: the surplus gets 429 with
+  Retry-After and an OpenAI-shaped body, everyone else is served, nothing hangs;
+- bad requests mixed into the load never take the pair out of rotation;
+- kill -9 of the decode engine mid-stream: every streaming client gets an error event (or its
+  refusal), none hangs; after the restart, service is back within RECOVERY_S.
+
+The long version (`-m slow`) runs more rounds with more requests and kills an engine twice.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from pd_chaos import (
+    PDStack, StormSpec, loads, server_errors, storm, tally, wait_engines_idle, wait_router_idle, wait_service,
+)
+
+SECRET = "chaos-pd-secret"
+IDLE_S = 20.0  # engines back to empty queues and all pages free after the load
+SERVICE_S = 10.0  # router ready and a fresh request served after the load (seconds, on 2 busy cores)
+RECOVERY_S = 15.0  # service back after the killed engine answers /ready again
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, tmp_path_factory):
+    s = PDStack(tiny_model, tmp_path_factory.mktemp("chaos"), pd_secret=SECRET)
+    yield s
+    s.stop()
+
+
+def _explain(stack, outcomes) -> str:
+    bad = server_errors(outcomes)
+    return f"{tally(outcomes)}\nfirst failures: {bad[:3]}\n{stack.logs()}"
+
+
+def _settles(stack, router_url=None) -> None:
+    router_url = router_url or stack.r_url
+    wait_engines_idle(stack.p_url, stack.d_url, timeout=IDLE_S)
+    wait_router_idle(router_url)
+    assert wait_service(router_url, timeout=SERVICE_S) < SERVICE_S
+
+
+def test_hundreds_of_streams_with_disconnects(stack):
+    outcomes = storm(stack.r_url, StormSpec(requests=300, max_tokens=8, seed=1, deadline_s=120))
+    assert not server_errors(outcomes), _explain(stack, outcomes)
+    kinds = tally(outcomes)["outcomes"]
+    assert "http_429" not in kinds, _explain(stack, outcomes)  # no overload at this size
+    assert kinds.get("ok", 0) >= 200 and kinds.get("left", 0) >= 30, kinds
+    _settles(stack)
+    assert loads(stack.d_url)["counters"]["num_aborted_reqs"] >= 1  # hang-ups reached the engine
+
+
+def test_deliberate_overload_gets_429_with_retry_after(stack):
+    """A second router on the same engines, with room for 4 requests and 4 waiting."""
+    proc, url = stack.another_router(["--max-inflight", 4, "--max-queue", 4, "--queue-timeout", 2], name="tight")
+    try:
+        outcomes = storm(url, StormSpec(requests=120, max_tokens=8, leave_mid_stream=0.1, leave_on_timer=0.0,
+                                        seed=2, deadline_s=60))
+        assert not server_errors(outcomes), _explain(stack, outcomes) + proc.log()
+        refused = [o for o in outcomes if o.kind == "http"]
+        assert refused and all(o.status == 429 for o in refused), tally(outcomes)
+        assert all(o.retry_after and int(o.retry_after) >= 1 and o.openai_error for o in refused)
+        assert sum(o.kind == "ok" for o in outcomes) >= 4  # the admitted ones were served
+        assert max(o.elapsed for o in outcomes) < 30  # refused quickly or served: nobody waits long
+        assert "dsv4_router:rejected_total" in httpx.get(f"{url}/metrics").text
+        _settles(stack, url)
+    finally:
+        proc.stop()
+
+
+def test_bad_requests_in_the_load_keep_the_pair_in_rotation(stack):
+    bad_bodies = [{"prompt": "x", "max_tokens": 0}, {"prompt": [10 ** 9], "max_tokens": 2},
+                  {"messages": [{"role": "user", "content": {"nested": [1, 2]}}], "max_tokens": 2},
+                  {"prompt": "x", "temperature": -5}]
+    stop = threading.Event()
+    statuses: list[int] = []
+
+    def hostile():
+        with httpx.Client(timeout=30) as c:
+            for i in range(200):
+                if stop.is_set():
+                    return
+                body = bad_bodies[i % len(bad_bodies)]
+                path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+                statuses.append(c.post(f"{stack.r_url}{path}", json=body).status_code)
+
+    t = threading.Thread(target=hostile)
+    t.start()
+    try:
+        outcomes = storm(stack.r_url, StormSpec(requests=100, max_tokens=8, seed=3, deadline_s=120))
+    finally:
+        stop.set()
+        t.join(60)
+    assert not server_errors(outcomes), _explain(stack, outcomes)
+    assert statuses, "no hostile request was answered"
+    # whatever the engine makes of them (4xx, or a 5xx of its own), the router never ran out of
+    # healthy pairs because of them
+    assert 503 not in statuses, sorted(set(statuses))
+    workers = httpx.get(f"{stack.r_url}/admin/workers").json()["workers"]
+    assert all(w["healthy"] for w in workers), workers
+    _settles(stack)
+
+
+def _kill_decode_mid_stream(stack, requests: int, seed: int) -> dict:
+    """Streams running, then kill -9 of decode; returns the figures."""
+    box: dict = {}
+    spec = StormSpec(requests=requests, max_tokens=400, leave_mid_stream=0.0, leave_on_timer=0.0, seed=seed,
+                     prompt_len=(4, 12), deadline_s=60)
+    t = threading.Thread(target=lambda: box.update(out=storm(stack.r_url, spec)))
+    t.start()
+    deadline = time.monotonic() + 60
+    while loads(stack.d_url)["queues"].get("running", 0) < min(requests, 8):  # streams are mid-flight
+        assert time.monotonic() < deadline and t.is_alive(), "streams never started"
+        time.sleep(0.05)
+    killed_at = time.monotonic()
+    stack.kill_decode()
+    t.join(90)
+    assert not t.is_alive(), "a client hangs after the decode engine was killed"
+    outcomes = box["out"]
+    ended = [o for o in outcomes if o.kind != "ok"]
+    # every client whose stream was cut got an error event; none hung, none was cut silently
+    assert all(o.kind in ("sse_error", "http") for o in ended), _explain(stack, outcomes)
+    assert any(o.kind == "sse_error" for o in ended), tally(outcomes)
+    assert all(o.openai_error for o in ended)
+    assert all(o.status in (502, 503) for o in ended if o.kind == "http"), tally(outcomes)
+    errors_done = time.monotonic() - killed_at
+    t0 = time.monotonic()
+    stack.restart_decode()
+    engine_up = time.monotonic() - t0
+    back = wait_service(stack.r_url, timeout=RECOVERY_S)
+    _settles(stack)
+    return {"clients_told_s": round(errors_done, 2), "decode_restart_s": round(engine_up, 2),
+            "service_back_after_ready_s": round(back, 2), "outcomes": tally(outcomes)["outcomes"]}
+
+
+def test_kill_decode_mid_stream_then_restart(stack):
+    figures = _kill_decode_mid_stream(stack, requests=24, seed=4)
+    assert figures["service_back_after_ready_s"] < RECOVERY_S, figures
+    print("kill -9 decode:", figures)
+
+
+@pytest.mark.slow
+def test_soak_rounds_of_storms_and_kills(stack):
+    for round_ in range(3):
+        outcomes = storm(stack.r_url, StormSpec(requests=800, max_tokens=16, seed=100 + round_, deadline_s=300))
+        assert not server_errors(outcomes), _explain(stack, outcomes)
+        assert "http_429" not in tally(outcomes)["outcomes"]
+        _settles(stack)
+        figures = _kill_decode_mid_stream(stack, requests=64, seed=200 + round_)
+        assert figures["service_back_after_ready_s"] < RECOVERY_S, figures
