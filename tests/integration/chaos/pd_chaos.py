@@ -14,6 +14,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -177,13 +178,14 @@ class PDStack:
     by default it is `dsv4 router` from this tree with `router_args`."""
 
     def __init__(self, model: Path, tmp: Path, *, router_args=(), engine_args=(), pd_secret: Optional[str] = None,
-                 router_python_path: Optional[str] = None, start_router: bool = True):
+                 router_python_path: Optional[str] = None, start_router: bool = True, health_interval: float = 0.5):
         self.model, self.tmp = Path(model), Path(tmp)
         self.p_port, self.b_port, self.d_port, self.r_port = (free_port() for _ in range(4))
         self.engine_args = [*ENGINE_ARGS, *engine_args]
         self.env = {"DSV4_PD_SECRET": pd_secret} if pd_secret else {}
         self.router_args = list(router_args)
         self.router_python_path = router_python_path
+        self.health_interval = health_interval
         self.restarts = 0
         self.prefill = self._engine("prefill", ["--port", self.p_port, "--bootstrap-port", self.b_port])
         self.decode = self._engine("decode", ["--port", self.d_port])
@@ -211,7 +213,7 @@ class PDStack:
             env["PYTHONPATH"] = self.router_python_path + os.pathsep + os.environ.get("PYTHONPATH", "")
         port = port or free_port()
         proc = Proc(["router", "--prefill", self.p_url, "--decode", self.d_url, "--port", port,
-                     "--health-interval", "0.5", *router_args], self.tmp / f"{name}-{port}.log", env=env)
+                     "--health-interval", self.health_interval, *router_args], self.tmp / f"{name}-{port}.log", env=env)
         url = f"http://127.0.0.1:{port}"
         try:
             proc.wait_ready(url, timeout=60)
@@ -306,3 +308,34 @@ def wait_router_idle(router_url: str, timeout: float = 10.0) -> float:
             return time.monotonic() - t0
         time.sleep(0.1)
     raise TimeoutError(f"router still holds requests after {timeout}s: {last}")
+
+
+def kill_decode_mid_stream(stack: PDStack, *, requests: int, seed: int, recovery_s: float,
+                           max_tokens: int = 400) -> tuple[dict, list[Outcome]]:
+    """Streams running through the router, then kill -9 of the decode engine, then its restart.
+
+    Returns the figures (how long until every client had its answer, the engine's restart,
+    service through the router after the engine is ready again) and the clients' outcomes."""
+    box: dict = {}
+    spec = StormSpec(requests=requests, max_tokens=max_tokens, leave_mid_stream=0.0, leave_on_timer=0.0, seed=seed,
+                     prompt_len=(4, 12), deadline_s=60)
+    t = threading.Thread(target=lambda: box.update(out=storm(stack.r_url, spec)))
+    t.start()
+    deadline = time.monotonic() + 60
+    while loads(stack.d_url)["queues"].get("running", 0) < min(requests, 8):  # streams are mid-flight
+        if time.monotonic() > deadline or not t.is_alive():
+            t.join(90)
+            raise TimeoutError("streams never started")
+        time.sleep(0.05)
+    killed_at = time.monotonic()
+    stack.kill_decode()
+    t.join(90)
+    if t.is_alive():
+        raise TimeoutError("a client hangs after the decode engine was killed")
+    told = time.monotonic() - killed_at
+    t0 = time.monotonic()
+    stack.restart_decode()
+    engine_up = time.monotonic() - t0
+    back = wait_service(stack.r_url, timeout=recovery_s)
+    return ({"clients_told_s": round(told, 2), "decode_restart_s": round(engine_up, 2),
+             "service_back_after_ready_s": round(back, 2), "outcomes": tally(box["out"])["outcomes"]}, box["out"])

@@ -16,13 +16,12 @@ The long version (`-m slow`) runs more rounds with more requests and kills an en
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
 
 from pd_chaos import (
-    PDStack, StormSpec, loads, server_errors, storm, tally, wait_engines_idle, wait_router_idle, wait_service,
+    PDStack, StormSpec, kill_decode_mid_stream, loads, server_errors, storm, tally, wait_engines_idle, wait_router_idle, wait_service,
 )
 
 SECRET = "chaos-pd-secret"
@@ -112,35 +111,16 @@ def test_bad_requests_in_the_load_keep_the_pair_in_rotation(stack):
 
 
 def _kill_decode_mid_stream(stack, requests: int, seed: int) -> dict:
-    """Streams running, then kill -9 of decode; returns the figures."""
-    box: dict = {}
-    spec = StormSpec(requests=requests, max_tokens=400, leave_mid_stream=0.0, leave_on_timer=0.0, seed=seed,
-                     prompt_len=(4, 12), deadline_s=60)
-    t = threading.Thread(target=lambda: box.update(out=storm(stack.r_url, spec)))
-    t.start()
-    deadline = time.monotonic() + 60
-    while loads(stack.d_url)["queues"].get("running", 0) < min(requests, 8):  # streams are mid-flight
-        assert time.monotonic() < deadline and t.is_alive(), "streams never started"
-        time.sleep(0.05)
-    killed_at = time.monotonic()
-    stack.kill_decode()
-    t.join(90)
-    assert not t.is_alive(), "a client hangs after the decode engine was killed"
-    outcomes = box["out"]
+    figures, outcomes = kill_decode_mid_stream(stack, requests=requests, seed=seed, recovery_s=RECOVERY_S)
     ended = [o for o in outcomes if o.kind != "ok"]
-    # every client whose stream was cut got an error event; none hung, none was cut silently
+    # every client whose stream was cut got an error event; none hung, none was cut silently;
+    # those not yet streaming were told the pair is gone (503 + Retry-After) or the try failed (502)
     assert all(o.kind in ("sse_error", "http") for o in ended), _explain(stack, outcomes)
     assert any(o.kind == "sse_error" for o in ended), tally(outcomes)
     assert all(o.openai_error for o in ended)
     assert all(o.status in (502, 503) for o in ended if o.kind == "http"), tally(outcomes)
-    errors_done = time.monotonic() - killed_at
-    t0 = time.monotonic()
-    stack.restart_decode()
-    engine_up = time.monotonic() - t0
-    back = wait_service(stack.r_url, timeout=RECOVERY_S)
     _settles(stack)
-    return {"clients_told_s": round(errors_done, 2), "decode_restart_s": round(engine_up, 2),
-            "service_back_after_ready_s": round(back, 2), "outcomes": tally(outcomes)["outcomes"]}
+    return figures
 
 
 def test_kill_decode_mid_stream_then_restart(stack):
