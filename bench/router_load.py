@@ -98,11 +98,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--client-deadline", type=float, default=45.0, help="a client without an answer by then hangs")
     ap.add_argument("--recovery-timeout", type=float, default=120.0)
-    ap.add_argument("--old-ref", default="main")
+    ap.add_argument("--waiting-timeout", type=float, default=10.0,
+                    help="the engines' KV waiting deadline (decode sometimes misses a KV notification; "
+                         "this bounds what that costs a request, the same for both routers)")
+    ap.add_argument("--old-ref", default=None,
+                    help="git ref of the router before (default: where this branch left main; "
+                         "its router is main's)")
     ap.add_argument("--skip-old", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "router_load.json")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
+    engine_args = ["--waiting-timeout", args.waiting_timeout]
 
     tmp = Path(tempfile.mkdtemp(prefix="router-load-"))
     model = tmp / "tiny"
@@ -110,15 +116,20 @@ def main() -> None:
                    capture_output=True)
     # the CLI's default health interval (2 s), as a user running `dsv4 router` would have it
     result: dict = {"levels": levels, "max_tokens": args.max_tokens, "client_deadline_s": args.client_deadline,
+                    "engine_waiting_timeout_s": args.waiting_timeout,
                     "machine": {"cpus": __import__("os").cpu_count(), "python": platform.python_version()},
                     "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
     if not args.skip_old:
+        if args.old_ref is None:
+            args.old_ref = subprocess.run(["git", "-C", str(ROOT), "merge-base", "main", "HEAD"], check=True,
+                                          capture_output=True, text=True).stdout.strip()
         commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", args.old_ref], check=True,
                                 capture_output=True, text=True).stdout.strip()
         print(f"before: router of {args.old_ref} ({commit})", flush=True)
         old_path = extract_ref(args.old_ref, tmp / "old")
-        stack = PDStack(model, tmp / "old-run", router_python_path=str(old_path), health_interval=2.0)
+        stack = PDStack(model, tmp / "old-run", router_python_path=str(old_path), health_interval=2.0,
+                        engine_args=engine_args)
         try:
             rows = run_levels(stack, levels, args, stop_at_failure=True)
         finally:
@@ -126,7 +137,7 @@ def main() -> None:
         result["before"] = {"ref": args.old_ref, "commit": commit, "holds_up_to": held(rows), "runs": rows}
 
     print("after: this tree's router", flush=True)
-    stack = PDStack(model, tmp / "new-run", health_interval=2.0, pd_secret="bench-secret")
+    stack = PDStack(model, tmp / "new-run", health_interval=2.0, pd_secret="bench-secret", engine_args=engine_args)
     try:
         rows = run_levels(stack, levels, args, stop_at_failure=False)
         result["after"] = {"holds_up_to": held(rows), "runs": rows}

@@ -180,6 +180,7 @@ class PDStack:
     def __init__(self, model: Path, tmp: Path, *, router_args=(), engine_args=(), pd_secret: Optional[str] = None,
                  router_python_path: Optional[str] = None, start_router: bool = True, health_interval: float = 0.5):
         self.model, self.tmp = Path(model), Path(tmp)
+        self.tmp.mkdir(parents=True, exist_ok=True)
         self.p_port, self.b_port, self.d_port, self.r_port = (free_port() for _ in range(4))
         self.engine_args = [*ENGINE_ARGS, *engine_args]
         self.env = {"DSV4_PD_SECRET": pd_secret} if pd_secret else {}

@@ -27,12 +27,16 @@ from pd_chaos import (
 SECRET = "chaos-pd-secret"
 IDLE_S = 20.0  # engines back to empty queues and all pages free after the load
 SERVICE_S = 10.0  # router ready and a fresh request served after the load (seconds, on 2 busy cores)
+WAITING_S = 8.0  # the engines' --waiting-timeout
 RECOVERY_S = 15.0  # service back after the killed engine answers /ready again
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory):
-    s = PDStack(tiny_model, tmp_path_factory.mktemp("chaos"), pd_secret=SECRET)
+    # A short KV waiting deadline: decode occasionally never hears that a request's KV landed (an
+    # engine race, reported separately); the deadline turns that into an error before the first
+    # byte, which the router retries, instead of a minute's wait.
+    s = PDStack(tiny_model, tmp_path_factory.mktemp("chaos"), pd_secret=SECRET, engine_args=["--waiting-timeout", WAITING_S])
     yield s
     s.stop()
 
