@@ -40,6 +40,12 @@ def first_event_error(event: bytes) -> Optional[bytes]:
     return data if isinstance(obj, dict) and "error" in obj else None
 
 
+def split_events(buf: bytes) -> tuple[bytes, bytes]:
+    """(the whole SSE events at the front of buf, the partial rest). Pure."""
+    cut = buf.rfind(b"\n\n") + 2
+    return (buf[:cut], buf[cut:]) if cut >= 2 else (b"", buf)
+
+
 class RelayResponse(StreamingResponse):
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], "asyncio.Future | None"]):
         super().__init__(content, media_type="text/event-stream")

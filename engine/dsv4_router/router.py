@@ -41,7 +41,7 @@ from starlette.requests import ClientDisconnect
 
 from dsv4_router.admission import Admission, Overloaded, Slot
 from dsv4_router.body import parse_body, read_limited
-from dsv4_router.relay import RelayResponse, error_events, first_event_error
+from dsv4_router.relay import RelayResponse, error_events, first_event_error, split_events
 from dsv4_router.upstream import BROKEN_CONNECTIONS, CONNECTION_FAILURES, Upstreams
 from dsv4_wire import APIError, Paths, token_matches
 
@@ -434,14 +434,25 @@ class Router:
             p.inflight -= 1
 
     async def _relay(self, first: bytes, chunks: AsyncIterator[bytes], d: Worker) -> AsyncIterator[bytes]:
-        yield first
+        # Whole events only: if the stream breaks mid-event, the client gets no half event
+        # before the error event.
+        pending = first
         try:
-            async for chunk in chunks:
-                yield chunk
+            while True:
+                whole, pending = split_events(pending)
+                if whole:
+                    yield whole
+                chunk = await anext(chunks, None)
+                if chunk is None:
+                    break
+                pending += chunk
         except httpx.HTTPError as e:
             # the decode engine died or the connection broke: the client hears it, then [DONE]
             self._connection_failed(d, e)
             yield error_events(f"the decode engine's stream broke off: {type(e).__name__}")
+            return
+        if pending:
+            yield pending
 
     async def _stream_closed(self, resp: httpx.Response, d: Worker, prefill: Optional[asyncio.Task], slot: Slot) -> None:
         d.inflight -= 1

@@ -326,13 +326,13 @@ def kill_decode_mid_stream(stack: PDStack, *, requests: int, seed: int, recovery
     while loads(stack.d_url)["queues"].get("running", 0) < min(requests, 8):  # streams are mid-flight
         if time.monotonic() > deadline or not t.is_alive():
             t.join(90)
-            raise TimeoutError("streams never started")
+            raise TimeoutError(f"streams never started\n{stack.logs()}")
         time.sleep(0.05)
     killed_at = time.monotonic()
     stack.kill_decode()
     t.join(90)
     if t.is_alive():
-        raise TimeoutError("a client hangs after the decode engine was killed")
+        raise TimeoutError(f"a client hangs after the decode engine was killed\n{stack.logs()}")
     told = time.monotonic() - killed_at
     t0 = time.monotonic()
     stack.restart_decode()

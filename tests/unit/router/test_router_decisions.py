@@ -10,7 +10,7 @@ import pytest
 
 from dsv4_router.admission import Admission, Overloaded, Slot, decide
 from dsv4_router.body import MAX_DEPTH, parse_body, read_limited
-from dsv4_router.relay import first_event_error
+from dsv4_router.relay import first_event_error, split_events
 from dsv4_router.router import UNANSWERED_CHECKS, Worker, health_after_check, is_loopback
 from dsv4_router.upstream import plan_pools
 from dsv4_wire import APIError
@@ -132,3 +132,9 @@ def test_first_event_error():
 def test_loopback():
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("127.8.0.1")
     assert not is_loopback("10.0.0.1") and not is_loopback(None) and not is_loopback("testclient")
+
+
+def test_only_whole_events_are_relayed():
+    assert split_events(b'data: {"a": 1}\n\ndata: {"b"') == (b'data: {"a": 1}\n\n', b'data: {"b"')
+    assert split_events(b"data: {") == (b"", b"data: {")
+    assert split_events(b"data: 1\n\ndata: 2\n\n") == (b"data: 1\n\ndata: 2\n\n", b"")
