@@ -10,7 +10,11 @@ tiny model and the router.
 - kill -9 of the decode engine mid-stream: every streaming client gets an error event (or its
   refusal), none hangs; after the restart, service is back within RECOVERY_S.
 
-The long version (`-m slow`) runs more rounds with more requests and kills an engine twice.
+The long version (`-m slow`) runs three rounds of 500 streams, each followed by a kill -9 of
+decode. Known engine issue it can hit (about one run in six on 2 cores): decode now and then
+never hears that a request's KV landed although prefill finished the transfer; the engines'
+--waiting-timeout fails that try and the router retries it once, and a request whose retry hits
+the same loss ends in a 502 -- which this test reports, as it should.
 """
 
 from __future__ import annotations
