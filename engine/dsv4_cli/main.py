@@ -144,8 +144,16 @@ def router(
     health_interval: float = typer.Option(2.0, help="Seconds between /ready checks of each worker."),
     admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV, help="Token required by /admin."),
     pd_secret: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV, help="Shared secret sent with internal requests to PD engines."),
+    max_inflight: int = typer.Option(256, min=1, help="Most requests inside the router at once; more wait in the queue."),
+    max_queue: int = typer.Option(256, min=0, help="Most requests waiting for a slot; more get 429 with Retry-After."),
+    queue_timeout: float = typer.Option(30.0, min=0.001, help="Seconds a request may wait for a slot before 429."),
+    max_body_bytes: int = typer.Option(16 * 1024 * 1024, min=1, help="Largest request body accepted (413 beyond)."),
+    health_timeout: float = typer.Option(2.0, min=0.1, help="Seconds one /ready check of a worker may take."),
+    request_timeout: float = typer.Option(600.0, min=1.0, help="Seconds an engine may stay silent on a request."),
 ) -> None:
-    """Run the PD router: OpenAI API front, pairs prefill + decode per request."""
+    """Run the PD router: OpenAI API front, pairs prefill + decode per request.
+
+    Without --admin-token, /admin/workers answers loopback clients only."""
     if not (prefill or decode or mono or discover_namespace):
         _fail("give --prefill and --decode URLs (or --mono URLs, or --discover-namespace)")
     if bool(prefill) != bool(decode):
@@ -157,6 +165,8 @@ def router(
             prefill=list(prefill), decode=list(decode), mono=list(mono), host=host, port=port,
             discover_namespace=discover_namespace, selector=selector,
             health_interval=health_interval, admin_token=admin_token, pd_secret=pd_secret,
+            max_inflight=max_inflight, max_queue=max_queue, queue_timeout=queue_timeout,
+            max_body_bytes=max_body_bytes, health_timeout=health_timeout, request_timeout=request_timeout,
         )
     )
 

@@ -3,15 +3,28 @@
 Each request gets a prefill and a decode worker (least busy, by the router's own count of
 requests in flight) and a random bootstrap room, and goes to both at once; the client reads the
 decode's answer. A request that fails before its first byte is retried once on another pair.
-Workers that fail /ready checks or report draining leave the rotation; with Kubernetes
-discovery, pods labelled serving.dsv4.dev/draining=true leave it too.
+
+Holding under load (see admission.py, upstream.py, relay.py): at most --max-inflight requests
+are inside the router, up to --max-queue more wait up to --queue-timeout seconds, the rest get
+429 with Retry-After. Prefill legs, decode streams and control traffic (health checks,
+/v1/models) have separate connection pools, the data ones sized so an admitted request never
+waits for a connection.
+
+Health: a worker is in rotation while its own /ready says so. A request that cannot connect to
+a worker takes it out until its next /ready check passes; an HTTP error answer to a request
+(a 4xx for bad input, a 5xx) never does. Workers that report draining leave the rotation; with
+Kubernetes discovery, pods labelled serving.dsv4.dev/draining=true leave it too.
+
+Admin (/admin/workers): with an admin token, every call needs `Authorization: Bearer <token>`;
+without one, only loopback clients (127.0.0.1, ::1) may call it, so a router bound to a public
+address without a token cannot be handed workers by strangers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import ipaddress
 import logging
 import random
 import uuid
@@ -21,12 +34,21 @@ from typing import AsyncIterator, Optional
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
+from dsv4_router.admission import Admission, Overloaded, Slot
+from dsv4_router.body import parse_body, read_limited
+from dsv4_router.relay import RelayResponse, error_events, first_event_error, split_events
+from dsv4_router.upstream import BROKEN_CONNECTIONS, CONNECTION_FAILURES, Upstreams
 from dsv4_wire import APIError, Paths, token_matches
 
 log = logging.getLogger("dsv4.router")
+
+# Fields only the router may set: a client must not choose which prefill a decode dials.
+ROUTER_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
 @dataclass
@@ -39,9 +61,14 @@ class RouterArgs:
     discover_namespace: Optional[str] = None
     selector: Optional[str] = None
     health_interval: float = 2.0
+    health_timeout: float = 2.0  # per /ready check; checks use their own pool
     admin_token: Optional[str] = None
     pd_secret: Optional[str] = None  # sent with internal requests to prefill/decode engines
     request_timeout: float = 600.0
+    max_inflight: int = 256  # requests inside the router at once (prefill + decode legs)
+    max_queue: int = 256  # requests waiting for a slot; more get 429
+    queue_timeout: float = 30.0  # seconds a request may wait for a slot before 429
+    max_body_bytes: int = 16 * 1024 * 1024
 
 
 @dataclass
@@ -52,7 +79,7 @@ class Worker:
     reason: str = "not checked yet"
     bootstrap_port: Optional[int] = None
     inflight: int = 0
-    failures: int = 0
+    failures: int = 0  # consecutive /ready checks that got no answer
     source: str = "static"  # static | admin | kubernetes
 
     @property
@@ -72,6 +99,26 @@ class Retry:
     content: bytes
 
 
+# /ready checks in a row that get no answer (a timeout, not a refused connection) before a
+# worker leaves the rotation: an engine busy for a moment is not a dead one.
+UNANSWERED_CHECKS = 3
+
+
+def health_after_check(w: Worker, status: Optional[int], reason: str, refused: bool) -> tuple[bool, str, int]:
+    """(healthy, reason, failures) after one /ready check. Pure.
+
+    status: the HTTP status /ready answered, or None when there was no answer; refused: the
+    connection itself failed (the process is gone), which takes the worker out at once."""
+    if status == 200:
+        return True, "ready", 0
+    if status is not None:
+        return False, reason or f"/ready answered {status}", 0
+    failures = w.failures + 1
+    if refused or failures >= UNANSWERED_CHECKS or not w.healthy:
+        return False, reason, failures
+    return w.healthy, w.reason, failures
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -80,6 +127,9 @@ class RouterMetrics:
         self.retries = Counter("dsv4_router:retries", "Requests retried on another pair", registry=self.registry)
         self.worker_requests = Counter("dsv4_router:worker_requests", "Requests sent per worker", ["worker", "role"], registry=self.registry)
         self.worker_healthy = Gauge("dsv4_router:worker_healthy", "1 when the worker is in rotation", ["worker", "role"], registry=self.registry)
+        self.inflight = Gauge("dsv4_router:inflight_requests", "Requests holding an admission slot", registry=self.registry)
+        self.queued = Gauge("dsv4_router:queued_requests", "Requests waiting for an admission slot", registry=self.registry)
+        self.rejected = Counter("dsv4_router:rejected", "Requests refused with 429 (router at its limit)", registry=self.registry)
 
 
 class WorkerPool:
@@ -106,6 +156,13 @@ class WorkerPool:
         return random.choice([w for w in ready if w.inflight == least])
 
 
+def is_loopback(host: Optional[str]) -> bool:
+    try:
+        return host is not None and ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class Router:
     def __init__(self, args: RouterArgs):
         self.args = args
@@ -117,11 +174,15 @@ class Router:
         for u in args.mono:
             self.pool.add(u, "mono")
         self.metrics = RouterMetrics()
-        self.client: Optional[httpx.AsyncClient] = None
+        self.admission = Admission(args.max_inflight, args.max_queue, args.queue_timeout)
+        self.metrics.inflight.set_function(lambda: self.admission.inflight)
+        self.metrics.queued.set_function(lambda: self.admission.queued)
+        self.up: Optional[Upstreams] = None
         self._tasks: list[asyncio.Task] = []
+        self._checking: dict[str, asyncio.Task] = {}
 
     async def start(self) -> None:
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.args.request_timeout, connect=5.0))
+        self.up = Upstreams(self.args.max_inflight, self.args.request_timeout, self.args.health_timeout, self.args.pd_secret)
         await self.check_all()
         self._tasks.append(asyncio.create_task(self._health_loop()))
         if self.args.discover_namespace:
@@ -130,10 +191,10 @@ class Router:
             self._tasks.append(asyncio.create_task(watch_pods(self, self.args.discover_namespace, self.args.selector)))
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        for t in [*self._tasks, *self._checking.values()]:
             t.cancel()
-        if self.client:
-            await self.client.aclose()
+        if self.up:
+            await self.up.aclose()
 
     # ---- health ----------------------------------------------------------------------------------
 
@@ -149,26 +210,42 @@ class Router:
         await asyncio.gather(*(self.check(w) for w in list(self.pool.workers.values())))
 
     async def check(self, w: Worker) -> None:
+        """One /ready check on the control pool (never behind request traffic)."""
+        status: Optional[int] = None
+        reason, refused = "", False
         try:
-            r = await self.client.get(w.url + Paths.READY, timeout=3.0)
-            body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
-            if r.status_code == 200:
-                if w.role == "prefill" and w.bootstrap_port is None:
-                    info = (await self.client.get(w.url + Paths.SERVER_INFO, timeout=3.0)).json()
-                    w.bootstrap_port = info.get("bootstrap_port")
-                w.healthy, w.reason, w.failures = True, "ready", 0
-            else:
-                w.healthy, w.reason = False, str(body.get("reason", f"/ready answered {r.status_code}"))
-        except Exception as e:
-            w.failures += 1
-            if w.failures >= 2 or not w.healthy:
-                w.healthy, w.reason = False, f"unreachable: {type(e).__name__}"
+            r = await self.up.control.get(w.url + Paths.READY)
+            status = r.status_code
+            if status == 200 and w.role == "prefill" and w.bootstrap_port is None:
+                info = (await self.up.control.get(w.url + Paths.SERVER_INFO)).json()
+                w.bootstrap_port = info.get("bootstrap_port")
+            elif status != 200 and r.headers.get("content-type", "").startswith("application/json"):
+                body = r.json()
+                reason = str(body.get("reason", "")) if isinstance(body, dict) else ""
+        except CONNECTION_FAILURES as e:
+            reason, refused = f"unreachable: {type(e).__name__}", True
+        except (httpx.HTTPError, ValueError) as e:
+            status, reason = None, f"no answer to /ready: {type(e).__name__}"
+        w.healthy, w.reason, w.failures = health_after_check(w, status, reason, refused)
         self.metrics.worker_healthy.labels(w.url, w.role).set(1 if w.healthy else 0)
 
+    def check_soon(self, w: Worker) -> None:
+        """A connection broke mid-answer: check that worker now rather than at the next round."""
+        if w.url not in self._checking:
+            t = asyncio.create_task(self.check(w))
+            self._checking[w.url] = t
+            t.add_done_callback(lambda _: self._checking.pop(w.url, None))
+
     def mark_failed(self, w: Worker, reason: str) -> None:
-        """A connection failure in a live request: out of rotation until /ready says otherwise."""
+        """A request could not connect: out of rotation until /ready says otherwise."""
         w.healthy, w.reason = False, reason
         self.metrics.worker_healthy.labels(w.url, w.role).set(0)
+
+    def _connection_failed(self, w: Worker, e: Exception) -> None:
+        if isinstance(e, CONNECTION_FAILURES):
+            self.mark_failed(w, f"request failed: {type(e).__name__}")
+        elif isinstance(e, BROKEN_CONNECTIONS):
+            self.check_soon(w)
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -186,72 +263,134 @@ class Router:
     async def handle(self, path: str, http: Request) -> Response:
         self.metrics.requests.labels(path).inc()
         try:
-            body = json.loads(await http.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return self._error(APIError(f"request body is not valid JSON: {e}"))
-        if not isinstance(body, dict):
-            return self._error(APIError("request body must be a JSON object"))
-        # A client that hangs up cancels the attempt: closing the upstream connections is what
-        # makes the engines abort (and, through them, the PD peer).
-        work = asyncio.ensure_future(self._route(path, body))
+            raw = await read_limited(http.headers.get("content-length"), http.stream(), self.args.max_body_bytes)
+            body = parse_body(raw)
+        except APIError as e:
+            return self.error(e)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        for k in ROUTER_FIELDS:
+            body.pop(k, None)
+        # A client that hangs up (queued or not) cancels the work: closing the upstream
+        # connections is what makes the engines abort (and, through them, the PD peer).
+        slot = Slot(self.admission)
+        work = asyncio.ensure_future(self._admitted(path, body, slot))
         gone = asyncio.ensure_future(self._wait_disconnect(http))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-        if work.done():
-            return work.result()
-        work.cancel()
-        return Response(status_code=499)
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+        if work.cancelled():
+            slot.release()
+            return Response(status_code=499)
+        try:
+            result = work.result()
+        except BaseException:
+            slot.release()
+            raise
+        if not isinstance(result, RelayResponse):
+            slot.release()  # a stream keeps its slot until it ends
+        return result
 
     @staticmethod
     async def _wait_disconnect(http: Request) -> None:
-        while not await http.is_disconnected():
-            await asyncio.sleep(0.05)
+        # The body is read: the next ASGI message is the disconnect, whenever it comes.
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
 
-    async def _route(self, path: str, body: dict) -> Response:
-        rid = body.get("rid") or f"{'chatcmpl' if 'chat' in path else 'cmpl'}-{uuid.uuid4().hex}"
+    async def _admitted(self, path: str, body: dict, slot: Slot) -> Response:
+        try:
+            await slot.acquire()
+        except Overloaded as e:
+            self.metrics.rejected.inc()
+            return self.error(APIError(e.reason, 429, "rate_limit_exceeded", code="router_overloaded"),
+                              {"Retry-After": str(e.retry_after)})
+        return await self._route(path, body, slot)
+
+    async def _route(self, path: str, body: dict, slot: Slot) -> Response:
+        rid = body.get("rid") if isinstance(body.get("rid"), str) else None
+        rid = rid or f"{'chatcmpl' if 'chat' in path else 'cmpl'}-{uuid.uuid4().hex}"
         tried: set[str] = set()
         last: Optional[Retry] = None
         for attempt in range(2):
             try:
                 p, d = self._pair(tried)
             except APIError as e:
-                return self._error(e)
+                return self.error(e, {"Retry-After": "2"})
             tried.update({d.url} | ({p.url} if p else set()))
             if attempt:
                 self.metrics.retries.inc()
-            result = await self._attempt(path, body, rid if not attempt else f"{rid}-r{attempt}", p, d)
+            result = await self._attempt(path, body, rid if not attempt else f"{rid}-r{attempt}", p, d, slot)
             if not isinstance(result, Retry):
                 return result
             last = result
         if last is not None and last.content:
             self.metrics.errors.labels(str(last.status)).inc()
             return Response(last.content, last.status, media_type="application/json")
-        return self._error(APIError("the request failed on two prefill/decode pairs; see the engines' logs", 503, "service_unavailable"))
+        return self.error(APIError("the request failed on two prefill/decode pairs; see the engines' logs", 503, "service_unavailable"),
+                          {"Retry-After": "2"})
 
-    def _error(self, e: APIError) -> JSONResponse:
+    def error(self, e: APIError, headers: Optional[dict] = None) -> JSONResponse:
         self.metrics.errors.labels(str(e.status)).inc()
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
-    async def _attempt(self, path: str, body: dict, rid: str, p: Optional[Worker], d: Worker) -> "Response | Retry":
+    async def _attempt(self, path: str, body: dict, rid: str, p: Optional[Worker], d: Worker, slot: Slot) -> "Response | Retry":
         """One try on one pair; Retry means it failed before the first byte."""
         body = dict(body, rid=rid)
-        prefill_task = None
+        prefill: Optional[asyncio.Task] = None
         if p is not None:
-            room = random.getrandbits(63)
-            body.update(bootstrap_host=p.host, bootstrap_port=p.bootstrap_port, bootstrap_room=room)
-            prefill_task = asyncio.create_task(self._prefill(path, dict(body, stream=False), p))
+            body.update(bootstrap_host=p.host, bootstrap_port=p.bootstrap_port, bootstrap_room=random.getrandbits(63))
+            prefill = asyncio.create_task(self._prefill(path, dict(body, stream=False), p))
         d.inflight += 1
         self.metrics.worker_requests.labels(d.url, d.role).inc()
+        opening = asyncio.create_task(self._open_decode(path, body, d))
         handed_off = False
         try:
-            req = self.client.build_request("POST", f"{d.url}{path}", json=body)
-            try:
-                resp = await self.client.send(req, stream=True)
-            except httpx.HTTPError as e:
-                self.mark_failed(d, f"request failed: {type(e).__name__}")
-                return Retry(502, b"")
+            if prefill is not None:
+                # A prefill leg that cannot even connect dooms the attempt: retry now instead of
+                # letting the decode wait out its bootstrap deadline.
+                await asyncio.wait({opening, prefill}, return_when=asyncio.FIRST_COMPLETED)
+                if not opening.done() and prefill.exception() is None and prefill.result() == (0, b""):
+                    opening.cancel()
+                    await asyncio.gather(opening, return_exceptions=True)
+                    return Retry(502, b"")
+            opened = await opening
+            if not isinstance(opened, tuple):
+                return opened
+            resp, chunks, first = opened
+            if body.get("stream"):
+                handed_off = True
+                return RelayResponse(self._relay(first, chunks, d), on_close=lambda: self._stream_closed(resp, d, prefill, slot))
+            content = await resp.aread()
+            await resp.aclose()
+            return Response(content, 200, media_type="application/json")
+        except httpx.HTTPError as e:  # the body of a non-streaming answer broke off
+            self._connection_failed(d, e)
+            return self.error(APIError(f"the decode engine's answer broke off: {type(e).__name__}", 502, "server_error"))
+        finally:
+            if not opening.done():
+                opening.cancel()  # it closes its response itself
+            elif not handed_off and not opening.cancelled() and opening.exception() is None \
+                    and isinstance(opening.result(), tuple):
+                await opening.result()[0].aclose()  # opened, then abandoned (client left)
+            if not handed_off:
+                d.inflight -= 1
+                if prefill is not None and not prefill.done():
+                    prefill.cancel()  # closing the connection aborts the request on prefill
+
+    async def _open_decode(self, path: str, body: dict, d: Worker) -> "tuple[httpx.Response, AsyncIterator[bytes], bytes] | Response | Retry":
+        """Send to decode and read up to its first event: (response, its byte stream, first
+        bytes) when it is on its way, else the final answer or a Retry."""
+        client = self.up.decode
+        try:
+            resp = await client.send(client.build_request("POST", f"{d.url}{path}", json=body), stream=True)
+        except httpx.HTTPError as e:
+            self._connection_failed(d, e)
+            return Retry(502, b"")
+        try:
             if resp.status_code != 200:
                 content = await resp.aread()
                 await resp.aclose()
@@ -259,56 +398,68 @@ class Router:
                     self.metrics.errors.labels(str(resp.status_code)).inc()
                     return Response(content, resp.status_code, media_type="application/json")
                 return Retry(resp.status_code, content)
-            if body.get("stream"):
-                chunks = resp.aiter_raw()
-                first = await self._first_event(chunks)
-                event = first.split(b"\n\n", 1)[0]
-                if not event.startswith(b"data: ") or b'"error"' in event:
-                    # failed before producing anything (e.g. the KV transfer): another pair may do
-                    await resp.aclose()
-                    return Retry(502, event[6:] if event.startswith(b"data: ") else b"")
-                handed_off = True
-                return StreamingResponse(self._relay(first, chunks, resp, d), media_type="text/event-stream")
-            content = await resp.aread()
+            if not body.get("stream"):
+                return resp, None, b""
+            first = b""
+            chunks = resp.aiter_raw()
+            async for chunk in chunks:
+                first += chunk
+                if b"\n\n" in first:
+                    break
+            err = first_event_error(first.split(b"\n\n", 1)[0])
+            if err is not None:
+                # failed before producing anything (e.g. the KV transfer): another pair may do
+                await resp.aclose()
+                return Retry(502, err)
+            return resp, chunks, first
+        except httpx.HTTPError as e:
             await resp.aclose()
-            return Response(content, 200, media_type="application/json")
-        except asyncio.CancelledError:
+            self._connection_failed(d, e)
+            return Retry(502, b"")
+        except BaseException:
+            await resp.aclose()
             raise
-        finally:
-            if not handed_off:
-                d.inflight -= 1
-            if prefill_task is not None and not prefill_task.done():
-                prefill_task.cancel()  # closing the connection aborts the request on prefill
 
     async def _prefill(self, path: str, body: dict, p: Worker) -> tuple[int, bytes]:
+        """The prefill leg; (0, b"") when the prefill engine could not be reached."""
         p.inflight += 1
         self.metrics.worker_requests.labels(p.url, p.role).inc()
         try:
-            r = await self.client.post(f"{p.url}{path}", json=body)
+            r = await self.up.prefill.post(f"{p.url}{path}", json=body)
             return r.status_code, r.content
         except httpx.HTTPError as e:
-            self.mark_failed(p, f"request failed: {type(e).__name__}")
-            return 502, b""
+            self._connection_failed(p, e)
+            return (0, b"") if isinstance(e, CONNECTION_FAILURES) else (502, b"")
         finally:
             p.inflight -= 1
 
-    @staticmethod
-    async def _first_event(chunks: AsyncIterator[bytes]) -> bytes:
-        buf = b""
-        async for chunk in chunks:
-            buf += chunk
-            if b"\n\n" in buf:
-                break
-        return buf
-
-    async def _relay(self, first: bytes, chunks: AsyncIterator[bytes], resp: httpx.Response, d: Worker) -> AsyncIterator[bytes]:
+    async def _relay(self, first: bytes, chunks: AsyncIterator[bytes], d: Worker) -> AsyncIterator[bytes]:
+        # Whole events only: if the stream breaks mid-event, the client gets no half event
+        # before the error event.
+        pending = first
         try:
-            yield first
-            async for chunk in chunks:
-                yield chunk
-        finally:
-            d.inflight -= 1
-            await resp.aclose()  # a client that left closes the decode stream: decode aborts
+            while True:
+                whole, pending = split_events(pending)
+                if whole:
+                    yield whole
+                chunk = await anext(chunks, None)
+                if chunk is None:
+                    break
+                pending += chunk
+        except httpx.HTTPError as e:
+            # the decode engine died or the connection broke: the client hears it, then [DONE]
+            self._connection_failed(d, e)
+            yield error_events(f"the decode engine's stream broke off: {type(e).__name__}")
+            return
+        if pending:
+            yield pending
+
+    async def _stream_closed(self, resp: httpx.Response, d: Worker, prefill: Optional[asyncio.Task], slot: Slot) -> None:
+        d.inflight -= 1
+        slot.release()
+        if prefill is not None and not prefill.done():
+            prefill.cancel()
+        await resp.aclose()  # a client that left closes the decode stream: decode aborts
 
 
 def build_app(router: Router) -> FastAPI:
@@ -322,10 +473,34 @@ def build_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="dsv4 router", docs_url=None, redoc_url=None, lifespan=lifespan)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(http: Request, e: StarletteHTTPException):
+        # unknown paths and methods answer in the OpenAI shape too
+        msg = f"Invalid URL ({http.method} {http.url.path})" if e.status_code in (404, 405) else str(e.detail)
+        return router.error(APIError(msg, e.status_code, "invalid_request_error"), dict(e.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, e: Exception):
+        log.exception("router error")
+        return router.error(APIError(f"internal router error: {type(e).__name__}", 500, "server_error"))
+
     def guard(http: Request) -> Optional[JSONResponse]:
-        if not token_matches(http.headers, router.args.admin_token):
-            return router._error(APIError("admin token required", 401, "authentication_error"))
+        if router.args.admin_token:
+            if not token_matches(http.headers, router.args.admin_token):
+                return router.error(APIError("admin token required", 401, "authentication_error"))
+            return None
+        if not is_loopback(http.client.host if http.client else None):
+            return router.error(APIError("no admin token is configured: /admin answers loopback clients only",
+                                         403, "permission_error"))
         return None
+
+    async def admin_body(http: Request) -> dict | JSONResponse:
+        try:
+            return parse_body(await read_limited(http.headers.get("content-length"), http.stream(), 64 * 1024))
+        except APIError as e:
+            return router.error(e)
+        except ClientDisconnect:
+            return Response(status_code=499)
 
     @app.post(Paths.COMPLETIONS)
     async def completions(http: Request):
@@ -340,11 +515,11 @@ def build_app(router: Router) -> FastAPI:
         for w in router.pool.workers.values():
             if w.healthy and w.role in ("decode", "mono"):
                 try:
-                    r = await router.client.get(w.url + Paths.MODELS, timeout=3.0)
+                    r = await router.up.control.get(w.url + Paths.MODELS)
                     return JSONResponse(r.json(), r.status_code)
-                except httpx.HTTPError:
+                except (httpx.HTTPError, ValueError):
                     continue
-        return router._error(APIError("no healthy engine is available", 503, "service_unavailable"))
+        return router.error(APIError("no healthy engine is available", 503, "service_unavailable"), {"Retry-After": "2"})
 
     @app.get(Paths.HEALTH)
     async def health():
@@ -356,7 +531,7 @@ def build_app(router: Router) -> FastAPI:
             router._pair(set())
         except APIError as e:
             return JSONResponse({"ready": False, "reason": e.message}, 503)
-        return {"ready": True}
+        return {"ready": True, "inflight": router.admission.inflight, "queued": router.admission.queued}
 
     @app.get(Paths.METRICS)
     async def metrics():
@@ -370,9 +545,12 @@ def build_app(router: Router) -> FastAPI:
     async def add_worker(http: Request):
         if (err := guard(http)) is not None:
             return err
-        body = await http.json()
-        if not isinstance(body, dict) or body.get("role") not in ("prefill", "decode", "mono") or not isinstance(body.get("url"), str):
-            return router._error(APIError('give {"url": "http://host:port", "role": "prefill|decode|mono"}'))
+        body = await admin_body(http)
+        if isinstance(body, JSONResponse):
+            return body
+        if body.get("role") not in ("prefill", "decode", "mono") or not isinstance(body.get("url"), str) \
+                or httpx.URL(body["url"]).scheme not in ("http", "https"):
+            return router.error(APIError('give {"url": "http://host:port", "role": "prefill|decode|mono"}'))
         w = router.pool.add(body["url"], body["role"], source="admin")
         await router.check(w)
         return w.view()
@@ -381,10 +559,12 @@ def build_app(router: Router) -> FastAPI:
     async def remove_worker(http: Request):
         if (err := guard(http)) is not None:
             return err
-        body = await http.json()
-        url = body.get("url") if isinstance(body, dict) else None
+        body = await admin_body(http)
+        if isinstance(body, JSONResponse):
+            return body
+        url = body.get("url")
         if not isinstance(url, str) or not router.pool.remove(url):
-            return router._error(APIError(f"no such worker: {url}", 404, "not_found"))
+            return router.error(APIError(f"no such worker: {url}", 404, "not_found_error"))
         return {"removed": url}
 
     return app
@@ -396,5 +576,6 @@ def run_router(args: RouterArgs) -> None:
     router = Router(args)
     print(f"dsv4 router on http://{args.host}:{args.port} "
           f"(prefill {len(args.prefill)}, decode {len(args.decode)}, mono {len(args.mono)}"
-          f"{', discovering in ' + args.discover_namespace if args.discover_namespace else ''})", flush=True)
+          f"{', discovering in ' + args.discover_namespace if args.discover_namespace else ''}; "
+          f"up to {args.max_inflight} requests in flight, {args.max_queue} queued)", flush=True)
     uvicorn.run(build_app(router), host=args.host, port=args.port, log_level="warning")

@@ -1,0 +1,104 @@
+"""The router as a real process in front of a real monolithic engine: what it answers by itself
+(bad bodies, unknown paths, size limit) is OpenAI-shaped, and who may use /admin/workers."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from dsv4_testutil import free_port
+
+TOKEN = "s3cret-admin"
+
+
+@pytest.fixture(scope="module")
+def routers(tiny_model, tmp_path_factory):
+    from dsv4_testutil import Proc
+
+    tmp = tmp_path_factory.mktemp("router-edges")
+    e_port, r_port, t_port = free_port(), free_port(), free_port()
+    engine = Proc(["serve", "--model", tiny_model, "--role", "mono", "--port", e_port, "--served-model-name", "m"], tmp / "mono.log")
+    open_router = Proc(["router", "--mono", f"http://127.0.0.1:{e_port}", "--port", r_port, "--health-interval", "0.5",
+                        "--max-body-bytes", 8192], tmp / "router.log")
+    token_router = Proc(["router", "--mono", f"http://127.0.0.1:{e_port}", "--port", t_port, "--health-interval", "0.5",
+                         "--admin-token", TOKEN], tmp / "router-token.log")
+    procs = [engine, open_router, token_router]
+    try:
+        engine.wait_ready(f"http://127.0.0.1:{e_port}")
+        open_router.wait_ready(f"http://127.0.0.1:{r_port}")
+        token_router.wait_ready(f"http://127.0.0.1:{t_port}")
+        yield {"engine": f"http://127.0.0.1:{e_port}", "open": f"http://127.0.0.1:{r_port}", "token": f"http://127.0.0.1:{t_port}"}
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def assert_openai_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"] and "type" in err and "param" in err and "code" in err
+    return err
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "top_p": Infinity}', b'{"prompt": "x", "temperature": 1e999}',
+    b'{"prompt": "x", "max_tokens": ' + b"1" * 5000 + b"}",
+    b'{"prompt": ' + b"[" * 3000 + b"]" * 3000 + b"}",
+    b"{nope", b"[1, 2]",
+])
+def test_hostile_json_is_400_not_500(routers, raw):
+    r = httpx.post(f"{routers['open']}/v1/completions", content=raw, headers={"content-type": "application/json"}, timeout=10)
+    assert_openai_error(r, 400)
+
+
+def test_body_size_limit_is_413(routers):
+    r = httpx.post(f"{routers['open']}/v1/completions", json={"prompt": "x" * 20000, "max_tokens": 1}, timeout=10)
+    assert assert_openai_error(r, 413)["code"] == "request_too_large"
+
+    def chunked():  # no Content-Length: refused while reading
+        for _ in range(10):
+            yield b" " * 2000
+
+    r = httpx.post(f"{routers['open']}/v1/completions", content=chunked(), headers={"content-type": "application/json"}, timeout=10)
+    assert_openai_error(r, 413)
+
+
+def test_unknown_paths_and_methods_are_openai_shaped(routers):
+    assert_openai_error(httpx.post(f"{routers['open']}/v1/nope", json={}), 404)
+    assert_openai_error(httpx.get(f"{routers['open']}/v1/completions"), 405)
+    assert_openai_error(httpx.put(f"{routers['open']}/admin/workers", json={}), 405)
+
+
+def test_client_supplied_bootstrap_fields_are_not_forwarded(routers):
+    # a mono engine would refuse nothing here; what matters is that the request is served normally
+    r = httpx.post(f"{routers['open']}/v1/completions", timeout=30, json={
+        "prompt": [5, 6, 7], "max_tokens": 2, "bootstrap_host": "203.0.113.9", "bootstrap_port": 1, "bootstrap_room": 7})
+    assert r.status_code == 200, r.text
+
+
+def test_admin_without_token_configured_is_loopback_only(routers, tiny_model):
+    # the test talks over 127.0.0.1: allowed
+    r = httpx.get(f"{routers['open']}/admin/workers")
+    assert r.status_code == 200 and r.json()["workers"][0]["healthy"]
+    bad = httpx.post(f"{routers['open']}/admin/workers", json={"url": "file:///etc/passwd", "role": "mono"})
+    assert_openai_error(bad, 400)
+
+
+def test_admin_with_token_refuses_without_it(routers):
+    url = f"{routers['token']}/admin/workers"
+    assert_openai_error(httpx.get(url), 401)
+    assert_openai_error(httpx.post(url, json={"url": "http://127.0.0.1:1", "role": "mono"}), 401)
+    assert_openai_error(httpx.request("DELETE", url, json={"url": routers["engine"]}), 401)
+    assert_openai_error(httpx.get(url, headers={"Authorization": "Bearer wrong"}), 401)
+    ok = httpx.get(url, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert ok.status_code == 200 and len(ok.json()["workers"]) == 1
+
+
+def test_engine_4xx_does_not_take_the_worker_out(routers):
+    for body in ({"prompt": "x", "max_tokens": 0}, {"prompt": "x", "model": "nope"}, {"prompt": [10 ** 9]}):
+        r = httpx.post(f"{routers['open']}/v1/completions", json=body, timeout=30)
+        assert 400 <= r.status_code < 500, r.text
+        assert "error" in r.json()
+    workers = httpx.get(f"{routers['open']}/admin/workers").json()["workers"]
+    assert all(w["healthy"] for w in workers), workers
+    assert httpx.post(f"{routers['open']}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=30).status_code == 200
