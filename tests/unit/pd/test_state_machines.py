@@ -239,6 +239,22 @@ def test_first_request_after_an_idle_spell_succeeds(pair):
     pair.assert_clean("p", "d")
 
 
+def test_kv_that_lands_before_decode_hears_its_registration_answer_is_not_lost(pair, engines):
+    """Under load prefill can prefill and write before decode's engine thread has taken in the
+    answer to its registration: the notification then arrives for a room still registering.
+    It must be kept and applied, not dropped (the request would wait for its deadline)."""
+    ps, pc, ds, dc = _decode_registering(pair)  # the answer waits in decode's inbox
+    pair.run_until(lambda: pc.ends, sides="p")  # prefill forwards and writes the KV meanwhile
+    assert pc.end.error is None and ds.pd.room in pair.d.pd.registering
+    pair.d.pd.poll()  # decode reads the notification before its inbox
+    assert ds.pd.room in pair.d.pd.early and not dc.outputs
+    pair.run_until(lambda: dc.ends, dt=0.01, limit=1.0, sides="d")  # far inside the 8 s deadline
+    assert dc.end.error is None and dc.end.finish_reason == "length"
+    assert dc.tokens == mono_tokens(engines)
+    assert pair.moved("d", "num_transfer_timeout_reqs") == 0 and not pair.d.pd.early
+    pair.assert_clean("p", "d")
+
+
 def test_logprobs_of_the_first_token_travel_in_the_notification(pair, monkeypatch):
     """When the serving layer records logprobs, the prefill's entry reaches decode's engine."""
     entry = {"token_id": 0, "logprob": -0.5, "top": [[0, -0.5], [1, -1.5]]}
