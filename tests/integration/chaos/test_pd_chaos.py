@@ -11,10 +11,10 @@ tiny model and the router.
   refusal), none hangs; after the restart, service is back within RECOVERY_S.
 
 The long version (`-m slow`) runs three rounds of 500 streams, each followed by a kill -9 of
-decode. Known engine issue it can hit (about one run in six on 2 cores): decode now and then
-never hears that a request's KV landed although prefill finished the transfer; the engines'
---waiting-timeout fails that try and the router retries it once, and a request whose retry hits
-the same loss ends in a 502 -- which this test reports, as it should.
+decode. The engines keep their default deadlines: under this load a request can queue on the
+prefill for many seconds, and slow is not failed (an 8 s waiting deadline once turned queueing
+into 502s here, and hid a real race: a KV notification that landed before decode took in its
+registration answer was dropped; tests/unit/pd covers that race now).
 """
 
 from __future__ import annotations
@@ -31,16 +31,12 @@ from pd_chaos import (
 SECRET = "chaos-pd-secret"
 IDLE_S = 20.0  # engines back to empty queues and all pages free after the load
 SERVICE_S = 10.0  # router ready and a fresh request served after the load (seconds, on 2 busy cores)
-WAITING_S = 8.0  # the engines' --waiting-timeout
 RECOVERY_S = 15.0  # service back after the killed engine answers /ready again
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_model, tmp_path_factory):
-    # A short KV waiting deadline: decode occasionally never hears that a request's KV landed (an
-    # engine race, reported separately); the deadline turns that into an error before the first
-    # byte, which the router retries, instead of a minute's wait.
-    s = PDStack(tiny_model, tmp_path_factory.mktemp("chaos"), pd_secret=SECRET, engine_args=["--waiting-timeout", WAITING_S])
+    s = PDStack(tiny_model, tmp_path_factory.mktemp("chaos"), pd_secret=SECRET)
     yield s
     s.stop()
 
