@@ -29,12 +29,13 @@ SGLANG_BOOTSTRAP_ANNOTATION = "sglang.ai/bootstrap-port"  # where sgl-router's d
 ROUTER_CONTAINER = "router"
 HTTP_PORT_NAME = "http"
 BOOTSTRAP_PORT_NAME = "bootstrap"
-SGLANG_ROUTER_METRICS_PORT = 29000
+SGLANG_ROUTER_METRICS_PORT = S.SGLANG_ROUTER_METRICS_PORT
 
 # The longest CR name whose children stay valid: a StatefulSet's pods carry the label
 # controller-revision-hash=<sts name>-<10 chars>, which must fit in 63 characters.
 MAX_NAME_LENGTH = 52 - len("-prefill")
-_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+DNS1035_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+_DNS1035 = re.compile(DNS1035_PATTERN)
 
 
 @dataclass(frozen=True)
@@ -70,14 +71,26 @@ def unbuildable_reasons(name: str, spec: DSV4DeploymentSpec) -> list[str]:
     if len(name) > MAX_NAME_LENGTH:
         reasons.append(f"name {name!r} is longer than {MAX_NAME_LENGTH} characters, too long for the "
                        "StatefulSet pod labels")
+    # The CRD's CEL rules (spec.py) refuse the rest at admission; checked here too for a CRD
+    # older than the operator, or an API server without CEL.
     vol = spec.model.volume
     if vol is not None:
         sources = [s for s in (vol.persistent_volume_claim, vol.host_path, vol.image) if s is not None]
         if len(sources) != 1:
-            reasons.append("model.volume must give exactly one of persistentVolumeClaim, hostPath, image")
+            reasons.append(S.MSG_ONE_VOLUME_SOURCE)
     if spec.engine.port == spec.transfer.bootstrap_port:
-        reasons.append(f"engine.port and transfer.bootstrapPort are both {spec.engine.port}")
-    return reasons
+        reasons.append(f"{S.MSG_PORT_CLASH} (both {spec.engine.port})")
+    if spec.engine.kind == "sglang" and spec.router.port == SGLANG_ROUTER_METRICS_PORT:
+        reasons.append(S.MSG_ROUTER_PORT_CLASH)
+    envs = [*spec.engine.env, *spec.transfer.env, *spec.router.env, *spec.prefill.env, *spec.decode.env]
+    if any(e.value is not None and e.value_from is not None for e in envs):
+        reasons.append(S.MSG_ENV_VALUE_AND_FROM)
+    for t in [*spec.prefill.tolerations, *spec.decode.tolerations]:
+        if t.operator == "Exists" and t.value:
+            reasons.append(S.MSG_EXISTS_WITH_VALUE)
+        if not t.key and t.operator != "Exists":
+            reasons.append(S.MSG_EMPTY_KEY_NEEDS_EXISTS)
+    return list(dict.fromkeys(reasons))
 
 
 def owner_reference(owner: Owner) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -30,7 +30,49 @@ SHORT_NAMES = ["dsv4d"]
 DEFAULT_NODE_SELECTOR = {"nvidia.com/gpu.family": "blackwell"}
 DEFAULT_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
 
-Quantity = Union[int, str]  # a Kubernetes resource quantity: 4, "16Gi", "500m"
+# ---- Field syntax the API server checks at admission (patterns; map keys become CEL rules) ---
+# Regexes avoid backslashes so they read the same in a CEL string literal, and use only syntax
+# common to RE2 (CEL), Rust's regex (pydantic) and Python's re (jsonschema).
+
+# A Kubernetes resource quantity, as apimachinery parses it: 4, "16Gi", "500m", "1e3".
+QUANTITY_PATTERN = (r"^[+-]?(([0-9]+([.][0-9]*)?)|([.][0-9]+))"
+                    r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+([.][0-9]*)?)|([.][0-9]+))))?$")
+# An environment variable name (the C identifier rule, plus '-' and '.', as the API server takes).
+ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+# A label / node-selector / resource key: [DNS-subdomain prefix "/"] name of up to 63 characters.
+QUALIFIED_NAME_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                          r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+# A label value: empty, or up to 63 alphanumerics with '-', '_', '.' inside.
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
+MAX_MAP_ENTRIES = 64  # bounds the maps the CEL rules walk (the API server budgets rule cost)
+
+Quantity = Union[int, Annotated[str, Field(pattern=QUANTITY_PATTERN)]]  # 4, "16Gi", "500m"
+QualifiedName = Annotated[str, Field(pattern=QUALIFIED_NAME_PATTERN, max_length=317)]
+LabelValue = Annotated[str, Field(pattern=LABEL_VALUE_PATTERN, max_length=63)]
+
+
+def cel(rule: str, message: str, field_path: Optional[str] = None) -> dict[str, str]:
+    """One `x-kubernetes-validations` entry: the API server rejects an object where `rule`
+    (CEL, `self` = this node) is false, with `message`."""
+    out = {"rule": rule, "message": message}
+    if field_path:
+        out["fieldPath"] = field_path
+    return out
+
+
+def _rules(*rules: dict[str, str]) -> dict[str, Any]:
+    return {"x-kubernetes-validations": list(rules)}
+
+
+# Rules the operator also checks at reconcile time (manifests.unbuildable_reasons); the CRD
+# carries them as CEL so that `kubectl apply` refuses the resource instead.
+MSG_ONE_VOLUME_SOURCE = "model.volume must give exactly one of persistentVolumeClaim, hostPath, image"
+MSG_PORT_CLASH = "engine.port and transfer.bootstrapPort must differ: both are ports of the prefill pod"
+MSG_ENV_VALUE_AND_FROM = "an env var gives value or valueFrom, not both"
+MSG_EXISTS_WITH_VALUE = "a toleration with operator Exists must not give a value"
+MSG_EMPTY_KEY_NEEDS_EXISTS = "a toleration without a key must use operator Exists"
+SGLANG_ROUTER_METRICS_PORT = 29000  # sgl-router's Prometheus port, beside router.port in its pod
+MSG_ROUTER_PORT_CLASH = f"router.port must not be {SGLANG_ROUTER_METRICS_PORT}: the SGLang router serves metrics there"
 
 
 def _nested(model: type[BaseModel]) -> Any:
@@ -54,7 +96,10 @@ class _OpenModel(_Model):
 
 
 class EnvVar(_Model):
-    name: str = Field(min_length=1, description="Environment variable name.")
+    model_config = ConfigDict(json_schema_extra=_rules(
+        cel("!(has(self.value) && has(self.valueFrom))", MSG_ENV_VALUE_AND_FROM)))
+
+    name: str = Field(min_length=1, pattern=ENV_NAME_PATTERN, description="Environment variable name.")
     value: Optional[str] = Field(None, description="Literal value.")
     value_from: Optional[dict[str, Any]] = Field(
         None, description="A Kubernetes EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef, ...)."
@@ -62,7 +107,13 @@ class EnvVar(_Model):
 
 
 class Toleration(_Model):
-    key: Optional[str] = None
+    model_config = ConfigDict(json_schema_extra=_rules(
+        cel("!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
+            MSG_EXISTS_WITH_VALUE),
+        cel("(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
+            MSG_EMPTY_KEY_NEEDS_EXISTS)))
+
+    key: Optional[Annotated[str, Field(pattern="^(" + QUALIFIED_NAME_PATTERN[1:-1] + ")?$")]] = None
     operator: Optional[Literal["Exists", "Equal"]] = None
     value: Optional[str] = None
     effect: Optional[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]] = None
@@ -70,8 +121,8 @@ class Toleration(_Model):
 
 
 class Resources(_Model):
-    limits: dict[str, Quantity] = {}
-    requests: dict[str, Quantity] = {}
+    limits: dict[QualifiedName, Quantity] = Field({}, max_length=MAX_MAP_ENTRIES)
+    requests: dict[QualifiedName, Quantity] = Field({}, max_length=MAX_MAP_ENTRIES)
 
 
 class PVCSource(_Model):
@@ -91,6 +142,10 @@ class ImageSource(_Model):
 
 class ModelVolume(_Model):
     """Where the checkpoint comes from; give exactly one source."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(cel(
+        "(has(self.persistentVolumeClaim) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) + (has(self.image) ? 1 : 0) == 1",
+        MSG_ONE_VOLUME_SOURCE)))
 
     persistent_volume_claim: Optional[PVCSource] = None
     host_path: Optional[HostPathSource] = None
@@ -129,8 +184,8 @@ class RoleSpec(_Model):
     replicas: int = Field(1, ge=0)
     gpus_per_pod: int = Field(4, ge=0, description="nvidia.com/gpu per pod (0: no GPU request).")
     resources: Resources = _nested(Resources)
-    node_selector: dict[str, str] = Field(
-        DEFAULT_NODE_SELECTOR,
+    node_selector: dict[QualifiedName, LabelValue] = Field(
+        DEFAULT_NODE_SELECTOR, max_length=MAX_MAP_ENTRIES,
         description="Replaces the Blackwell default when set ({} for none).",
     )
     tolerations: list[Toleration] = Field(
@@ -140,7 +195,7 @@ class RoleSpec(_Model):
     affinity: dict[str, Any] = Field({}, description="A Kubernetes Affinity.")
     env: list[EnvVar] = []
     args: list[str] = []
-    shm_size: str = Field("32Gi", description="Size limit of the memory-backed /dev/shm.")
+    shm_size: str = Field("32Gi", pattern=QUANTITY_PATTERN, description="Size limit of the memory-backed /dev/shm.")
 
 
 class RouterSpec(_Model):
@@ -182,6 +237,11 @@ class RemediationSpec(_Model):
 
 
 class DSV4DeploymentSpec(_Model):
+    model_config = ConfigDict(json_schema_extra=_rules(
+        cel("self.engine.port != self.transfer.bootstrapPort", MSG_PORT_CLASH, ".transfer.bootstrapPort"),
+        cel(f"self.engine.kind != 'sglang' || self.router.port != {SGLANG_ROUTER_METRICS_PORT}",
+            MSG_ROUTER_PORT_CLASH, ".router.port")))
+
     model: ModelSpec
     engine: EngineSpec
     prefill: RoleSpec = _nested(RoleSpec)

@@ -21,7 +21,8 @@ What this adds to kmock (each is what a real API server does):
   matching a watch's selector is sent as DELETED (ADDED); timeoutSeconds ends a watch;
 - discovery: the bundled builtin resources, `groupVersion: v1` for the core group, and CRDs
   (registered with `register_crd` or by creating a CustomResourceDefinition), whose schema
-  defaults, prunes and validates custom objects (422 Invalid) unless registered without it;
+  defaults, prunes and validates custom objects (422 Invalid) unless registered without it,
+  including the schema's CEL rules (`x-kubernetes-validations`, evaluated with cel-python);
 - every API call is recorded as (verb, group, resource[/subresource]) for RBAC checks.
 Still missing: controllers other than the garbage collector (a StatefulSet makes no pods: tests
 stand in for them), admission beyond CRD schemas, RBAC enforcement, watch bookmarks.
@@ -59,7 +60,7 @@ import pytest_asyncio
 import yaml
 from kmock._internal import rendering  # the request type kmock hands to handlers
 
-from dsv4_operator.crd import apply_defaults, prune_unknown, to_jsonschema
+from dsv4_operator.crd import apply_defaults, cel_violations, prune_unknown, to_jsonschema
 
 TEST_AGENT = "dsv4-tests"
 CRD_RESOURCE = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
@@ -491,6 +492,9 @@ class KubeCluster(kmock.KubernetesEmulator):
             message = "; ".join(f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
                                 for e in errors)
             raise kmock.KubernetesError(422, "Invalid", message)
+        broken = cel_violations(obj, schema)
+        if broken:
+            raise kmock.KubernetesError(422, "Invalid", "; ".join(broken))
         return obj
 
     async def _delete(self, key: tuple) -> dict:

@@ -15,7 +15,9 @@ import yaml
 from pydantic import ValidationError
 
 from dsv4_operator import spec as S
-from dsv4_operator.crd import apply_defaults, build_crd, crd_jsonschema, prune_unknown, render_crd_yaml, to_jsonschema
+from dsv4_operator.crd import (
+    apply_defaults, build_crd, cel_violations, crd_jsonschema, prune_unknown, render_crd_yaml, to_jsonschema,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 CRD_FILE = ROOT / "crds" / "dsv4deployment.yaml"
@@ -89,9 +91,12 @@ BAD = {
 
 
 def crd_accepts(cr: dict, crd: dict) -> bool:
+    """What the API server admits: defaulted, pruned, then the schema and its CEL rules."""
     schema = schema_of(crd)
     obj = prune_unknown(apply_defaults(cr, schema), schema)
-    return not list(jsonschema.Draft202012Validator(to_jsonschema(schema)).iter_errors(obj))
+    if list(jsonschema.Draft202012Validator(to_jsonschema(schema)).iter_errors(obj)):
+        return False
+    return not cel_violations(obj, schema)
 
 
 def pydantic_accepts(cr: dict) -> bool:
