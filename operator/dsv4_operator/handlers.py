@@ -16,8 +16,10 @@ All handlers live in `registry`, which `dsv4_operator.main` runs.
 
 from __future__ import annotations
 
+import base64
 import datetime
 import os
+import secrets
 import time
 from typing import Any, Callable, Iterable, Optional
 
@@ -25,9 +27,10 @@ import kopf
 from pydantic import ValidationError
 
 from dsv4_operator import spec as S
-from dsv4_operator.kube import ApiError, KubeApi, connection_info, load_configuration
+from dsv4_operator.kube import ApiError, KubeApi, connection_info, load_configuration, path_of, resource_path
 from dsv4_operator.manifests import (
-    APP, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_NAME, MANAGER, Owner, build_children, unbuildable_reasons,
+    ADMIN_TOKEN_KEY, APP, AUTH_SECRET_KEYS, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_NAME, MANAGER, Owner,
+    absent_children, auth_secret, auth_secret_name, build_children, unbuildable_reasons,
 )
 from dsv4_operator.remediation.daemon import DeploymentWatchdog
 from dsv4_operator.status import ChildObservation, compute_status, observe, status_changed
@@ -135,13 +138,77 @@ async def refresh_status(api: KubeApi, metrics: OperatorMetrics, namespace: str,
     raise kopf.TemporaryError(f"status of {namespace}/{name} kept changing under us", delay=1)
 
 
+def operator_namespace() -> Optional[str]:
+    """Where the operator runs (the chart sets POD_NAMESPACE): the NetworkPolicy admits it."""
+    return os.environ.get("POD_NAMESPACE") or None
+
+
+async def ensure_auth_secret(api: KubeApi, spec: S.DSV4DeploymentSpec, owner: Owner) -> dict[str, str]:
+    """The deployment's admin token and PD secret: read from its Secret, which is created with
+    random values when absent; a key missing from an existing Secret is added. Never replaced,
+    so a user's own values (or a rotation) stand. Returns {key: value}."""
+    name = auth_secret_name(spec, owner.name)
+    for _ in range(3):
+        live = await api.get("v1", "Secret", owner.namespace, name)
+        if live is None:
+            values = {key: secrets.token_urlsafe(32) for key in AUTH_SECRET_KEYS}
+            try:
+                await api.request("POST", resource_path("v1", "secrets", owner.namespace),
+                                  body=auth_secret(spec, owner, values))
+            except ApiError as e:
+                if e.status == 409:
+                    continue  # made by a concurrent call (the watchdog daemon): read it
+                raise
+            return values
+        data = {k: base64.b64decode(v).decode() for k, v in (live.get("data") or {}).items()}
+        missing = {key: secrets.token_urlsafe(32) for key in AUTH_SECRET_KEYS if not data.get(key)}
+        if missing:
+            await api.request("PATCH", path_of(live), body={"metadata": {"resourceVersion": live["metadata"]
+                                                                         ["resourceVersion"]},
+                                                            "stringData": missing},
+                              content_type="application/merge-patch+json")
+            data.update(missing)
+        return data
+    raise kopf.TemporaryError(f"the Secret {owner.namespace}/{name} kept changing", delay=2)
+
+
+async def deployment_admin_token(api: KubeApi, namespace: str, name: str) -> Optional[str]:
+    """The admin token of a deployment, for the operator's own calls to its engines (the watchdog's
+    drain and abort). None when the resource is gone or its spec cannot be acted on."""
+    cr = await api.get(S.API_VERSION, S.KIND, namespace, name)
+    if cr is None:
+        return None
+    spec, _ = check_spec(name, cr.get("spec"))
+    if spec is None:
+        return None
+    values = await ensure_auth_secret(api, spec, Owner(name, namespace, cr["metadata"]["uid"]))
+    return values.get(ADMIN_TOKEN_KEY)
+
+
 async def apply_children(api: KubeApi, metrics: OperatorMetrics, spec: S.DSV4DeploymentSpec,
                          owner: Owner) -> list[dict[str, Any]]:
+    await ensure_auth_secret(api, spec, owner)
     applied = []
-    for manifest in build_children(spec, owner):
+    for manifest in build_children(spec, owner, operator_namespace()):
         applied.append(await api.apply(manifest))
         metrics.applied.labels(manifest["kind"]).inc()
+    for api_version, kind, child in absent_children(spec, owner):
+        await delete_if_present(api, api_version, kind, owner.namespace, child)
     return applied
+
+
+async def delete_if_present(api: KubeApi, api_version: str, kind: str, namespace: str, name: str) -> bool:
+    """Delete a child the spec turned off; only one the operator made (it carries our
+    managed-by label), so a user's object of the same name is left alone."""
+    live = await api.get(api_version, kind, namespace, name)
+    if live is None or (live["metadata"].get("labels") or {}).get(LABEL_MANAGED_BY) != MANAGER:
+        return False
+    try:
+        await api.request("DELETE", path_of(live), body={"preconditions": {"uid": live["metadata"]["uid"]}})
+    except ApiError as e:
+        if e.status not in (404, 409):
+            raise
+    return True
 
 
 # ---- Activities ------------------------------------------------------------------------------
@@ -302,6 +369,16 @@ async def wedge_watchdog(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kop
     def post(type_: str, reason: str, message: str) -> None:
         kopf.event(body, type=type_, reason=reason, message=message)
 
-    watchdog = DeploymentWatchdog(lambda: _api(memo), _metrics(memo), body, post, logger,
-                                  admin_token=os.environ.get("DSV4_ADMIN_TOKEN") or None)
+    admin_token = None
+    while admin_token is None and not stopped:
+        try:
+            admin_token = await deployment_admin_token(_api(memo), body["metadata"]["namespace"],
+                                                       body["metadata"]["name"])
+        except (ApiError, kopf.TemporaryError) as e:
+            logger.warning(f"Cannot read the deployment's admin token yet: {e}")
+        if admin_token is None:
+            await stopped.wait(2.0)
+    if stopped:
+        return
+    watchdog = DeploymentWatchdog(lambda: _api(memo), _metrics(memo), body, post, logger, admin_token=admin_token)
     await watchdog.run(stopped)

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from dsv4_operator import spec as S
 from dsv4_operator.spec import DSV4DeploymentSpec, EnvVar, RoleSpec
 from dsv4_wire import (  # noqa: F401  (re-exported: the operator's modules read them from here)
-    ANNOTATION_REVISION, APP, ENGINE_CONTAINER, ENGINE_ROLES, LABEL_COMPONENT, LABEL_ENGINE_KIND, LABEL_INSTANCE,
+    ADMIN_TOKEN_ENV, PD_SECRET_ENV, ANNOTATION_REVISION, APP, ENGINE_CONTAINER, ENGINE_ROLES, LABEL_COMPONENT, LABEL_ENGINE_KIND, LABEL_INSTANCE,
     LABEL_MANAGED_BY, LABEL_NAME, LABEL_ROLE, MANAGER, EngineFlags, Paths,
 )
 
@@ -120,13 +120,72 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
-def engine_env(spec: DSV4DeploymentSpec, role: str) -> list[dict[str, Any]]:
+# ---- The deployment's shared secrets ------------------------------------------------------------
+
+ADMIN_TOKEN_KEY = "admin-token"  # keys of the deployment's auth Secret
+PD_SECRET_KEY = "pd-secret"
+AUTH_SECRET_KEYS = (ADMIN_TOKEN_KEY, PD_SECRET_KEY)
+
+
+def auth_secret_name(spec: DSV4DeploymentSpec, name: str) -> str:
+    return spec.security.secret_name or child_name(name, "auth")
+
+
+def auth_secret(spec: DSV4DeploymentSpec, owner: Owner, values: dict[str, str]) -> dict[str, Any]:
+    """The Secret the operator creates when absent (values: one random string per key). Owned by
+    the resource, so it goes with it; a Secret the user made is never replaced."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _meta(owner, auth_secret_name(spec, owner.name), "auth", spec),
+        "stringData": dict(values),
+    }
+
+
+def _secret_env(env: str, secret: str, key: str) -> dict[str, Any]:
+    return {"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def auth_env(spec: DSV4DeploymentSpec, name: str) -> list[dict[str, Any]]:
+    """The admin token (engines require it on /admin and /debug; the router and the operator
+    send it) and the PD secret (engine-to-engine calls), both from the deployment's Secret."""
+    secret = auth_secret_name(spec, name)
+    return [_secret_env(ADMIN_TOKEN_ENV, secret, ADMIN_TOKEN_KEY), _secret_env(PD_SECRET_ENV, secret, PD_SECRET_KEY)]
+
+
+# ---- Security contexts ---------------------------------------------------------------------------
+
+
+def pod_security_context(spec: DSV4DeploymentSpec, builtin_image: bool) -> dict[str, Any]:
+    """The pod-level part of PSA "restricted". runAsNonRoot is promised only where we know the
+    image runs as a user (ours does, as 10001; SGLang's runs as root) or the spec names a UID."""
+    out: dict[str, Any] = {"seccompProfile": {"type": "RuntimeDefault"}}
+    if spec.security.run_as_user is not None:
+        out.update(runAsNonRoot=True, runAsUser=spec.security.run_as_user)
+    elif builtin_image:
+        out["runAsNonRoot"] = True
+    return out
+
+
+def container_security_context(spec: DSV4DeploymentSpec, engine: bool) -> dict[str, Any]:
+    """No privilege escalation and no capabilities: GPUs reach the container as device files
+    (the NVIDIA device plugin / CDI), which needs none. IPC_LOCK only when asked (RDMA)."""
+    caps: dict[str, Any] = {"drop": ["ALL"]}
+    if engine and spec.security.ipc_lock:
+        caps["add"] = ["IPC_LOCK"]
+    return {"allowPrivilegeEscalation": False, "capabilities": caps}
+
+
+def engine_env(spec: DSV4DeploymentSpec, role: str, name: Optional[str] = None) -> list[dict[str, Any]]:
     t = spec.transfer
     base: list[dict[str, Any]] = [
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_NAMESPACE", "metadata.namespace"),
         _field_env("POD_IP", "status.podIP"),
     ]
+    if name is not None:
+        base += auth_env(spec, name)
     if t.ucx_net_devices:  # multi-NIC nodes: without it NIXL transfers can hang until timeouts
         base.append({"name": "UCX_NET_DEVICES", "value": t.ucx_net_devices})
     if role == "decode":  # do not keep a dead prefill's KV mapped after it restarts
@@ -184,12 +243,55 @@ def _http_probe(path: str, period: int, failures: int) -> dict[str, Any]:
             "timeoutSeconds": 5, "failureThreshold": failures}
 
 
-def engine_probes(spec: DSV4DeploymentSpec) -> dict[str, Any]:
+STARTUP_PROBE_PERIOD = 10
+DRAIN_RESERVE_SECONDS = 10  # of the grace period, left to the engine's own SIGTERM shutdown
+
+# The preStop hook of a builtin engine: ask it to drain (it stops taking requests and turns
+# unready, so the router and Services drop it), then wait until its queues are empty or the
+# budget is spent. Python, because the engine image has it and no curl is promised.
+_DRAIN_SCRIPT = """\
+import json, os, time, urllib.request as u
+base = 'http://127.0.0.1:{port}'
+token = os.environ.get('{token_env}')
+headers = {{'Authorization': 'Bearer ' + token}} if token else {{}}
+deadline = time.monotonic() + {budget}
+try:
+    u.urlopen(u.Request(base + '{drain}', data=b'', headers=headers, method='POST'), timeout=5)
+except Exception:
+    pass
+while time.monotonic() < deadline:
+    try:
+        queues = json.load(u.urlopen(base + '{loads}', timeout=5)).get('queues', {{}})
+        if not any(queues.values()):
+            break
+    except Exception:
+        break
+    time.sleep(1)
+"""
+
+
+def drain_budget_seconds(role: RoleSpec) -> int:
+    return max(1, role.termination_grace_period_seconds - DRAIN_RESERVE_SECONDS)
+
+
+def engine_lifecycle(spec: DSV4DeploymentSpec, role: str) -> dict[str, Any]:
+    """preStop: drain before SIGTERM. SGLang has no drain endpoint: there the hook only waits a
+    few seconds, for the router's pod watch to drop the terminating pod before it stops serving."""
+    budget = drain_budget_seconds(spec.role(role))
+    if spec.engine.kind != "builtin":
+        return {"preStop": {"exec": {"command": ["sleep", str(min(budget, 15))]}}}
+    script = _DRAIN_SCRIPT.format(port=spec.engine.port, token_env=ADMIN_TOKEN_ENV, budget=budget,
+                                  drain=Paths.ADMIN_DRAIN, loads=Paths.LOADS)
+    return {"preStop": {"exec": {"command": ["python3", "-c", script]}}}
+
+
+def engine_probes(spec: DSV4DeploymentSpec, role: str = "prefill") -> dict[str, Any]:
     # SGLang has no /ready; its /health answers once the scheduler serves.
     ready = Paths.READY if spec.engine.kind == "builtin" else Paths.HEALTH
+    startup_failures = -(-spec.role(role).startup_timeout_seconds // STARTUP_PROBE_PERIOD)
     return {
-        # Loading a large checkpoint takes minutes: allow 30 before liveness applies.
-        "startupProbe": _http_probe(Paths.HEALTH, 10, 180),
+        # Loading a large checkpoint takes minutes: liveness applies only once /health answered.
+        "startupProbe": _http_probe(Paths.HEALTH, STARTUP_PROBE_PERIOD, startup_failures),
         "livenessProbe": _http_probe(Paths.HEALTH, 10, 3),
         "readinessProbe": _http_probe(ready, 5, 3),
     }
@@ -240,10 +342,12 @@ def _engine_pod(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict[str, 
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": engine_command(spec, role),
         "ports": ports,
-        "env": engine_env(spec, role),
+        "env": engine_env(spec, role, owner.name),
         "resources": _resources(r.resources, r.gpus_per_pod),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts],
-        **engine_probes(spec),
+        **engine_probes(spec, role),
+        "lifecycle": engine_lifecycle(spec, role),
+        "securityContext": container_security_context(spec, engine=True),
     }
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(spec.engine.port),
                    "prometheus.io/path": Paths.METRICS}
@@ -257,7 +361,8 @@ def _engine_pod(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict[str, 
         "tolerations": [S.dump(t) for t in r.tolerations],
         "automountServiceAccountToken": False,  # engines never talk to the API server
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": r.termination_grace_period_seconds,
+        "securityContext": pod_security_context(spec, builtin_image=spec.engine.kind == "builtin"),
     }
     if r.affinity:
         pod_spec["affinity"] = dict(r.affinity)
@@ -314,8 +419,10 @@ def router_deployment(spec: DSV4DeploymentSpec, owner: Owner, revision: str | No
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": router_command(spec, owner),
         "ports": ports,
-        "env": merge_env([_field_env("POD_NAMESPACE", "metadata.namespace")], spec.router.env),
+        "env": merge_env([_field_env("POD_NAMESPACE", "metadata.namespace"), *auth_env(spec, owner.name)],
+                         spec.router.env),
         "resources": _resources(spec.router.resources, 0),
+        "securityContext": container_security_context(spec, engine=False),
         "livenessProbe": _http_probe(live, 10, 3),
         "readinessProbe": _http_probe(ready, 5, 3),
     }
@@ -334,7 +441,8 @@ def router_deployment(spec: DSV4DeploymentSpec, owner: Owner, revision: str | No
                              "annotations": {"prometheus.io/scrape": "true",
                                              "prometheus.io/port": str(metrics_port),
                                              "prometheus.io/path": Paths.METRICS}},
-                "spec": {"serviceAccountName": name, "containers": [container], "enableServiceLinks": False},
+                "spec": {"serviceAccountName": name, "containers": [container], "enableServiceLinks": False,
+                         "securityContext": pod_security_context(spec, builtin_image=builtin)},
             },
         },
     }
@@ -355,6 +463,49 @@ def router_service(spec: DSV4DeploymentSpec, owner: Owner) -> dict:
     }
 
 
+def engine_disruption_budget(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict:
+    """Voluntary disruptions (node drains, the watchdog's evictions) take at most maxUnavailable
+    pods of a role at once. Pods that are not Ready may always be evicted: a wedged or crashing
+    pod must not hold a node drain (or its own restart) hostage."""
+    name = child_name(owner.name, role)
+    limit = getattr(spec.remediation.max_unavailable, role)
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(owner, name, role, spec),
+        "spec": {"maxUnavailable": limit, "selector": {"matchLabels": selector_labels(owner.name, role)},
+                 "unhealthyPodEvictionPolicy": "AlwaysAllow"},
+    }
+
+
+def engine_network_policy(spec: DSV4DeploymentSpec, owner: Owner,
+                          operator_namespace: Optional[str] = None) -> dict:
+    """Ingress to the engine pods from: the router (HTTP port), the operator (HTTP port: scrape,
+    drain, abort), the deployment's other engines (every port: NIXL/UCX over TCP picks its
+    own), and `allowFrom` (HTTP port). Egress is not limited."""
+    np = spec.security.network_policy
+    http = [{"port": spec.engine.port, "protocol": "TCP"}]
+    namespace = np.operator_namespace or operator_namespace
+    operator_peer: dict[str, Any] = {"podSelector": {"matchLabels": dict(np.operator_pod_labels)},
+                                     "namespaceSelector": (
+                                         {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
+                                         if namespace else {})}
+    engines = {"matchLabels": {LABEL_NAME: APP, LABEL_INSTANCE: owner.name},
+               "matchExpressions": [{"key": LABEL_ROLE, "operator": "In", "values": list(ENGINE_ROLES)}]}
+    ingress = [
+        {"from": [{"podSelector": {"matchLabels": selector_labels(owner.name, "router")}}, operator_peer], "ports": http},
+        {"from": [{"podSelector": engines}]},
+    ]
+    if np.allow_from:
+        ingress.append({"from": [dict(p) for p in np.allow_from], "ports": http})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(owner, child_name(owner.name, "engines"), "engines", spec),
+        "spec": {"podSelector": engines, "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
 def router_rbac(spec: DSV4DeploymentSpec, owner: Owner) -> list[dict]:
     """The router discovers engine pods by label: it may read pods in its own namespace."""
     name = child_name(owner.name, "router")
@@ -369,15 +520,31 @@ def router_rbac(spec: DSV4DeploymentSpec, owner: Owner) -> list[dict]:
     ]
 
 
-def build_children(spec: DSV4DeploymentSpec, owner: Owner) -> list[dict[str, Any]]:
+def absent_children(spec: DSV4DeploymentSpec, owner: Owner) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of the optional children this spec turns off: server-side
+    apply never removes an object, so the handlers delete these (absent already is fine)."""
+    out = []
+    if not spec.remediation.pod_disruption_budget:
+        out += [("policy/v1", "PodDisruptionBudget", child_name(owner.name, role)) for role in ENGINE_ROLES]
+    if not spec.security.network_policy.enabled:
+        out.append(("networking.k8s.io/v1", "NetworkPolicy", child_name(owner.name, "engines")))
+    return out
+
+
+def build_children(spec: DSV4DeploymentSpec, owner: Owner, operator_namespace: Optional[str] = None,
+                   ) -> list[dict[str, Any]]:
     """Every object a DSV4Deployment owns, in the order to apply them (RBAC and Services
-    before the workloads that use them)."""
+    before the workloads that use them). The auth Secret is not among them: it is created
+    once, never applied (see handlers.ensure_auth_secret)."""
     revision = S.spec_revision(spec)
     return [
         *router_rbac(spec, owner),
+        *([engine_network_policy(spec, owner, operator_namespace)] if spec.security.network_policy.enabled else []),
         engine_service(spec, owner, "prefill"),
         engine_service(spec, owner, "decode"),
         router_service(spec, owner),
+        *([engine_disruption_budget(spec, owner, role) for role in ENGINE_ROLES]
+          if spec.remediation.pod_disruption_budget else []),
         engine_statefulset(spec, owner, "prefill", revision),
         engine_statefulset(spec, owner, "decode", revision),
         router_deployment(spec, owner, revision),

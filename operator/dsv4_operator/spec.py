@@ -196,6 +196,14 @@ class RoleSpec(_Model):
     env: list[EnvVar] = []
     args: list[str] = []
     shm_size: str = Field("32Gi", pattern=QUANTITY_PATTERN, description="Size limit of the memory-backed /dev/shm.")
+    termination_grace_period_seconds: int = Field(
+        120, ge=1, le=86400,
+        description="Seconds a stopping pod gets: its preStop hook drains in-flight requests for all but the "
+                    "last 10 of them, then the engine is sent SIGTERM.")
+    startup_timeout_seconds: int = Field(
+        1800, ge=10, le=86400,
+        description="How long an engine may take to load the checkpoint and answer /health before the kubelet "
+                    "restarts it (the startup probe's budget, in 10 s periods).")
 
 
 class RouterSpec(_Model):
@@ -232,8 +240,37 @@ class RemediationSpec(_Model):
     transfer_failure_rate_threshold: float = Field(0.5, ge=0, le=1)
     max_unavailable: MaxUnavailable = _nested(MaxUnavailable)
     cooldown_seconds: int = Field(300, ge=0)
+    pod_disruption_budget: bool = Field(
+        True, description="A PodDisruptionBudget per engine role with maxUnavailable from maxUnavailable; turn off "
+                          "if you manage your own (two budgets on one pod make every eviction fail).")
     capture_evidence: bool = True
     rollback: Literal["off", "suggest", "auto"] = "suggest"
+
+
+class NetworkPolicySpec(_Model):
+    enabled: bool = Field(
+        False, description="Admit to the engine pods only the router, the operator and their PD peers.")
+    operator_namespace: Optional[str] = Field(
+        None, max_length=63, description="Namespace of the operator's pods (default: the operator's own).")
+    operator_pod_labels: dict[QualifiedName, LabelValue] = Field(
+        {"app.kubernetes.io/name": "dsv4-operator"}, max_length=MAX_MAP_ENTRIES,
+        description="Labels of the operator's pods (the chart's default).")
+    allow_from: list[dict[str, Any]] = Field(
+        [], description="More NetworkPolicyPeers allowed to the engine HTTP port (e.g. your Prometheus).")
+
+
+class SecuritySpec(_Model):
+    secret_name: Optional[str] = Field(
+        None, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="Secret with keys admin-token and pd-secret (default <name>-auth); the operator creates it, "
+                    "with random values, when absent, and adds a missing key.")
+    run_as_user: Optional[int] = Field(
+        None, ge=1, description="UID of the engine and router containers (default: the image's; the builtin "
+                                "image runs as 10001). Set it for an SGLang image to run it non-root.")
+    ipc_lock: bool = Field(
+        False, description="Add the IPC_LOCK capability to engines (RDMA memory registration where the runtime's "
+                           "memlock limit is too low); the pods are then PSA baseline, not restricted.")
+    network_policy: NetworkPolicySpec = _nested(NetworkPolicySpec)
 
 
 class DSV4DeploymentSpec(_Model):
@@ -249,6 +286,7 @@ class DSV4DeploymentSpec(_Model):
     router: RouterSpec = _nested(RouterSpec)
     transfer: TransferSpec = _nested(TransferSpec)
     remediation: RemediationSpec = _nested(RemediationSpec)
+    security: SecuritySpec = _nested(SecuritySpec)
 
     def role(self, role: str) -> RoleSpec:
         return {"prefill": self.prefill, "decode": self.decode}[role]

@@ -11,6 +11,7 @@ What this adds to kmock (each is what a real API server does):
   server-side apply (creates the object if absent; prunes the fields the same field manager
   applied before and no longer applies; lists are atomic). A resourceVersion in the body is a
   precondition (409 on mismatch). PUT replaces, with the same precondition;
+- Secrets: stringData is merged into data (base64) and never stored;
 - the status subresource: writes to /status change only status, other writes never do;
 - deletion: finalizers hold an object with a deletionTimestamp; removing the last one deletes it;
   the garbage collector deletes dependents whose ownerReferences all point to owners that do not
@@ -35,6 +36,7 @@ and `api_calls` fixtures.
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import datetime
 import json
@@ -450,6 +452,10 @@ class KubeCluster(kmock.KubernetesEmulator):
 
     async def _store(self, key: tuple, new: dict, live: Optional[dict]) -> dict:
         res = key[0]
+        if new.get("kind") == "Secret" and "stringData" in new:  # write-only: merged into data, base64
+            new = dict(new)
+            encoded = {k: base64.b64encode(str(v).encode()).decode() for k, v in (new.pop("stringData") or {}).items()}
+            new["data"] = {**(new.get("data") or {}), **encoded}
         if res in self._schemas:
             new = self._admit_custom(res, new)
         if res == CRD_RESOURCE and live is None:

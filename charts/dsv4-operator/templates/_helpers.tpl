@@ -68,6 +68,20 @@ records the operator's calls against an API server and checks this list against 
 - apiGroups: [""]
   resources: ["services", "serviceaccounts"]
   verbs: ["create", "patch"]
+# The deployment's auth Secret (admin token, PD secret): read for the operator's own calls to
+# its engines, created with random values when absent, a missing key added. Not listed or
+# watched. RBAC cannot name Secrets that do not exist yet, so this covers the namespace's.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create", "patch"]
+# A PodDisruptionBudget per engine role and the optional engine NetworkPolicy, by server-side
+# apply; read and deleted when the spec turns them off.
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create", "patch", "delete"]
 # The router's own Role and RoleBinding (it lists engine pods to find them). The API server
 # lets the operator grant only what it holds itself: pods get/list/watch, below.
 - apiGroups: ["rbac.authorization.k8s.io"]

@@ -157,7 +157,7 @@ def test_spec_requires_model_and_engine_and_the_issue_fields_exist() -> None:
     spec = schema_of(checked_in_crd())["properties"]["spec"]
     assert spec["required"] == ["model", "engine"]
     props = spec["properties"]
-    assert set(props) == {"model", "engine", "prefill", "decode", "router", "transfer", "remediation"}
+    assert set(props) == {"model", "engine", "prefill", "decode", "router", "transfer", "remediation", "security"}
     assert props["engine"]["properties"]["kind"]["enum"] == ["builtin", "sglang"]
     role = props["prefill"]["properties"]
     assert {"replicas", "gpusPerPod", "resources", "nodeSelector", "tolerations", "affinity", "env", "args"} <= set(role)
@@ -167,7 +167,7 @@ def test_spec_requires_model_and_engine_and_the_issue_fields_exist() -> None:
     rem = props["remediation"]["properties"]
     assert set(rem) == {"enabled", "dryRun", "scrapeIntervalSeconds", "detectionWindowSeconds",
                         "transferFailureRateThreshold", "maxUnavailable", "cooldownSeconds", "captureEvidence",
-                        "rollback"}
+                        "rollback", "podDisruptionBudget"}
     assert rem["rollback"]["enum"] == ["off", "suggest", "auto"] and rem["rollback"]["default"] == "suggest"
     status = schema_of(checked_in_crd())["properties"]["status"]["properties"]
     assert {"observedGeneration", "conditions", "prefill", "decode", "lastRemediation", "remediationsTotal",
