@@ -33,7 +33,7 @@ from dsv4_operator.manifests import (
     absent_children, auth_secret, auth_secret_name, build_children, unbuildable_reasons,
 )
 from dsv4_operator.remediation.daemon import DeploymentWatchdog
-from dsv4_operator.status import ChildObservation, compute_status, observe, status_changed
+from dsv4_operator.status import ChildObservation, compute_status, observe, remediation_counts, status_changed
 from dsv4_operator.telemetry import OperatorMetrics
 
 registry = kopf.OperatorRegistry()
@@ -124,6 +124,7 @@ async def refresh_status(api: KubeApi, metrics: OperatorMetrics, namespace: str,
             observed_generation=observed, children=list(children()), previous=previous, now=now_rfc3339(),
             apply_error=apply_error if acted else _carried_apply_error(previous, observed),
             revision=revision if acted else None,
+            remediation_counts=remediation_counts(meta.get("annotations")),
         )
         if not status_changed(previous, new):
             return new

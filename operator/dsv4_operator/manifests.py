@@ -21,7 +21,7 @@ from dsv4_operator import spec as S
 from dsv4_operator.spec import DSV4DeploymentSpec, EnvVar, RoleSpec
 from dsv4_wire import (  # noqa: F401  (re-exported: the operator's modules read them from here)
     ADMIN_TOKEN_ENV, PD_SECRET_ENV, ANNOTATION_REVISION, APP, ENGINE_CONTAINER, ENGINE_ROLES, LABEL_COMPONENT, LABEL_ENGINE_KIND, LABEL_INSTANCE,
-    LABEL_MANAGED_BY, LABEL_NAME, LABEL_ROLE, MANAGER, EngineFlags, Paths,
+    LABEL_DRAINING, LABEL_MANAGED_BY, LABEL_NAME, LABEL_ROLE, MANAGER, EngineFlags, Paths,
 )
 
 SGLANG_BOOTSTRAP_ANNOTATION = "sglang.ai/bootstrap-port"  # where sgl-router's discovery reads it
@@ -222,8 +222,14 @@ def engine_command(spec: DSV4DeploymentSpec, role: str) -> list[str]:
     return cmd + list(e.args) + list(r.args)
 
 
+# sgl-router's selectors match labels by equality only, so "not draining" is spelled as a label
+# SGLang engines start with (false) and the watchdog flips (true) to take a pod out.
+NOT_DRAINING = "false"
+
+
 def router_command(spec: DSV4DeploymentSpec, owner: Owner) -> list[str]:
     instance = f"{LABEL_INSTANCE}={owner.name}"
+    serving = f"{LABEL_DRAINING}={NOT_DRAINING}"
     if spec.engine.kind == "builtin":
         cmd = ["dsv4", "router", "--host", "0.0.0.0", "--port", str(spec.router.port),
                "--discover-namespace", owner.namespace, "--selector", instance]
@@ -232,8 +238,8 @@ def router_command(spec: DSV4DeploymentSpec, owner: Owner) -> list[str]:
                "--host", "0.0.0.0", "--port", str(spec.router.port),
                "--service-discovery", "--service-discovery-namespace", owner.namespace,
                "--service-discovery-port", str(spec.engine.port),
-               "--prefill-selector", instance, f"{LABEL_ROLE}=prefill",
-               "--decode-selector", instance, f"{LABEL_ROLE}=decode",
+               "--prefill-selector", instance, f"{LABEL_ROLE}=prefill", serving,
+               "--decode-selector", instance, f"{LABEL_ROLE}=decode", serving,
                "--prometheus-host", "0.0.0.0", "--prometheus-port", str(SGLANG_ROUTER_METRICS_PORT)]
     return cmd + list(spec.router.args)
 
@@ -351,6 +357,9 @@ def _engine_pod(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict[str, 
     }
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(spec.engine.port),
                    "prometheus.io/path": Paths.METRICS}
+    pod_labels = labels(owner.name, role, spec)
+    if spec.engine.kind == "sglang":
+        pod_labels[LABEL_DRAINING] = NOT_DRAINING  # see router_command
     if role == "prefill" and spec.engine.kind == "sglang":
         annotations[SGLANG_BOOTSTRAP_ANNOTATION] = str(spec.transfer.bootstrap_port)
     pod_spec: dict[str, Any] = {
@@ -366,7 +375,7 @@ def _engine_pod(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict[str, 
     }
     if r.affinity:
         pod_spec["affinity"] = dict(r.affinity)
-    return {"metadata": {"labels": labels(owner.name, role, spec), "annotations": annotations}, "spec": pod_spec}
+    return {"metadata": {"labels": pod_labels, "annotations": annotations}, "spec": pod_spec}
 
 
 def engine_statefulset(spec: DSV4DeploymentSpec, owner: Owner, role: str, revision: str | None = None) -> dict:

@@ -170,10 +170,20 @@ def test_sglang_commands() -> None:
     assert rc[:4] == ["python3", "-m", "sglang_router.launch_router", "--pd-disaggregation"]
     assert "--service-discovery" in rc and flag(rc, "--service-discovery-namespace") == "serving"
     assert flag(rc, "--service-discovery-port") == "30000"
+    # sgl-router matches labels by equality: a pod the watchdog labels draining=true drops out.
     i = rc.index("--prefill-selector")
-    assert rc[i + 1:i + 3] == ["app.kubernetes.io/instance=flash", "serving.dsv4.dev/role=prefill"]
+    assert rc[i + 1:i + 4] == ["app.kubernetes.io/instance=flash", "serving.dsv4.dev/role=prefill",
+                               "serving.dsv4.dev/draining=false"]
     i = rc.index("--decode-selector")
-    assert rc[i + 1:i + 3] == ["app.kubernetes.io/instance=flash", "serving.dsv4.dev/role=decode"]
+    assert rc[i + 1:i + 4] == ["app.kubernetes.io/instance=flash", "serving.dsv4.dev/role=decode",
+                               "serving.dsv4.dev/draining=false"]
+    assert rc[i + 4].startswith("--")
+    for role in ("prefill", "decode"):
+        labels = M.engine_statefulset(spec, OWNER, role)["spec"]["template"]["metadata"]["labels"]
+        assert labels[M.LABEL_DRAINING] == "false"
+        assert M.LABEL_DRAINING not in M.engine_statefulset(spec, OWNER, role)["spec"]["selector"]["matchLabels"]
+    builtin = M.engine_statefulset(spec_of(), OWNER, "decode")["spec"]["template"]["metadata"]["labels"]
+    assert M.LABEL_DRAINING not in builtin  # dsv4 router reads the label itself; no template change
     assert router["livenessProbe"]["httpGet"]["path"] == "/liveness"
     assert router["image"] == "lmsysorg/sglang:v1"
 
