@@ -29,11 +29,12 @@ from pydantic import ValidationError
 from dsv4_operator import spec as S
 from dsv4_operator.kube import ApiError, KubeApi, connection_info, load_configuration, path_of, resource_path
 from dsv4_operator.manifests import (
-    ADMIN_TOKEN_KEY, APP, AUTH_SECRET_KEYS, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_NAME, MANAGER, Owner,
-    absent_children, auth_secret, auth_secret_name, build_children, unbuildable_reasons,
+    ADMIN_TOKEN_KEY, APP, AUTH_SECRET_KEYS, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_NAME, LABEL_ROLE, MANAGER,
+    SCALE_MANAGER, Owner, absent_children, auth_secret, auth_secret_name, build_children, initial_replicas,
+    scale_handover, unbuildable_reasons,
 )
 from dsv4_operator.remediation.daemon import DeploymentWatchdog
-from dsv4_operator.status import ChildObservation, compute_status, observe, remediation_counts, status_changed
+from dsv4_operator.status import ROLES, ChildObservation, compute_status, observe, remediation_counts, status_changed
 from dsv4_operator.telemetry import OperatorMetrics
 
 registry = kopf.OperatorRegistry()
@@ -186,13 +187,35 @@ async def deployment_admin_token(api: KubeApi, namespace: str, name: str) -> Opt
     return values.get(ADMIN_TOKEN_KEY)
 
 
-async def apply_children(api: KubeApi, metrics: OperatorMetrics, spec: S.DSV4DeploymentSpec,
-                         owner: Owner) -> list[dict[str, Any]]:
+async def hand_over_replicas(api: KubeApi, owner: Owner, role: str, replicas: int) -> None:
+    """Apply a workload's replicas alone as SCALE_MANAGER (see manifests.scale_handover). Not
+    forced: if an autoscaler already set another value, it owns the field, as it should."""
+    manifest = scale_handover(owner, role, replicas)
+    try:
+        await api.request("PATCH", path_of(manifest), body=manifest, content_type="application/apply-patch+yaml",
+                          query=[("fieldManager", SCALE_MANAGER)])
+    except ApiError as e:
+        if e.status != 409:
+            raise
+
+
+async def apply_children(api: KubeApi, metrics: OperatorMetrics, spec: S.DSV4DeploymentSpec, owner: Owner,
+                         existing_replicas: Optional[dict[str, int]] = None) -> list[dict[str, Any]]:
+    """Apply every child. `existing_replicas`: role -> replicas of the workloads that exist now
+    (from the index), for the roles scaled from outside."""
     await ensure_auth_secret(api, spec, owner)
+    existing = existing_replicas or {}
+    external = [role for role in ROLES if spec.scaling_of(role) == "external"]
+    for role in external:  # before our apply stops carrying replicas, so the count stays
+        if role in existing:
+            await hand_over_replicas(api, owner, role, existing[role])
     applied = []
     for manifest in build_children(spec, owner, operator_namespace()):
         applied.append(await api.apply(manifest))
         metrics.applied.labels(manifest["kind"]).inc()
+    for role in external:  # just created (at the default of 1): the starting count
+        if role not in existing:
+            await hand_over_replicas(api, owner, role, initial_replicas(spec, role))
     for api_version, kind, child in absent_children(spec, owner):
         await delete_if_present(api, api_version, kind, owner.namespace, child)
     return applied
@@ -302,7 +325,8 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, name: str
     revision = S.spec_revision(parsed)
     started = time.monotonic()
     try:
-        applied = await apply_children(api, metrics, parsed, Owner(name, namespace, uid))
+        existing = {child.role: child.spec_replicas for child in children()}
+        applied = await apply_children(api, metrics, parsed, Owner(name, namespace, uid), existing)
     except ApiError as e:
         metrics.api_errors.labels(str(e.status)).inc()
         metrics.reconciles.labels("apply_failed").inc()
@@ -320,7 +344,32 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, name: str
                          revision=revision, acted=True)
 
 
-# ---- Children ---------------------------------------------------------------------------------
+# ---- Children: status from the workloads, drift put right ---------------------------------------
+#
+# Every kind of child is watched (by the labels the operator puts on them). A child deleted, or
+# changed by someone else, is re-applied from the owner's spec at once: the one child, not all of
+# them, and a no-op when nothing drifted (server-side apply writes nothing then, so no new event
+# and no loop). Workloads report status changes all the time: those are re-applied only when
+# their generation moved (a spec edit), and their events also refresh the owner's status.
+
+WORKLOAD_KINDS = (("apps", "v1", "statefulsets"), ("apps", "v1", "deployments"))
+OTHER_CHILD_KINDS = (("", "v1", "services"), ("", "v1", "serviceaccounts"),
+                     ("rbac.authorization.k8s.io", "v1", "roles"),
+                     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+                     ("policy", "v1", "poddisruptionbudgets"),
+                     ("networking.k8s.io", "v1", "networkpolicies"))
+
+
+def drift_worth_reapplying(event_type: Optional[str], kind: str, generation: Optional[int],
+                           last_generation: Optional[int]) -> bool:
+    """Pure: whether a child's watch event may mean someone changed what the operator owns."""
+    if event_type == "DELETED":
+        return True
+    if event_type != "MODIFIED":
+        return False  # ADDED: just made by us, or seen at (re)start, where the reconcile applies anyway
+    if kind in ("StatefulSet", "Deployment"):
+        return generation is not None and last_generation is not None and generation != last_generation
+    return True
 
 
 async def _child_changed(event: kopf.RawEvent, namespace: str, labels: kopf.Labels, memo: kopf.Memo,
@@ -328,35 +377,62 @@ async def _child_changed(event: kopf.RawEvent, namespace: str, labels: kopf.Labe
                          **_: Any) -> None:
     owner_name = labels.get(LABEL_INSTANCE)
     api = getattr(memo, "api", None)
-    if not owner_name or api is None:
+    obj = event.get("object") or {}
+    kind, meta = obj.get("kind", ""), obj.get("metadata") or {}
+    if not owner_name or api is None or not kind:
         return
     metrics = _metrics(memo)
+    generations = memo.setdefault("child_generations", {})  # (kind, namespace, name) -> last generation
+    key = (kind, namespace, meta.get("name"))
+    generation = meta.get("generation")
+    last = generations.get(key)
     if event.get("type") == "DELETED":
-        await _restore_children(api, metrics, namespace, owner_name, logger)
-    await refresh_status(api, metrics, namespace, owner_name,
-                         lambda: _children(namespace, owner_name, dsv4_statefulsets, dsv4_deployments))
+        generations.pop(key, None)
+    elif generation is not None:
+        generations[key] = generation
+    if drift_worth_reapplying(event.get("type"), kind, generation, last):
+        try:
+            await _reapply_child(api, metrics, namespace, owner_name, kind, meta.get("name", ""),
+                                 seen_version=None if event.get("type") == "DELETED" else meta.get("resourceVersion"),
+                                 logger=logger)
+        except ApiError as e:  # event handlers are not retried: the next event, or a resume, tries again
+            metrics.api_errors.labels(str(e.status)).inc()
+            logger.warning(f"Could not re-apply {kind} {namespace}/{meta.get('name')}: {e}")
+    if kind in ("StatefulSet", "Deployment"):
+        await refresh_status(api, metrics, namespace, owner_name,
+                             lambda: _children(namespace, owner_name, dsv4_statefulsets, dsv4_deployments))
 
 
-async def _restore_children(api: KubeApi, metrics: OperatorMetrics, namespace: str, name: str,
-                            logger: kopf.Logger) -> None:
-    """A child was deleted while its owner lives on: put it back (the owner's deletion removes
-    children too, and then the owner is gone or marked for deletion, so nothing is restored)."""
-    cr = await api.get(S.API_VERSION, S.KIND, namespace, name)
+async def _reapply_child(api: KubeApi, metrics: OperatorMetrics, namespace: str, owner_name: str, kind: str,
+                         name: str, *, seen_version: Optional[str], logger: kopf.Logger) -> None:
+    """Apply the owner's current version of one child (`seen_version`: the resourceVersion the
+    event showed; None: it was deleted). Nothing when the owner is gone or being deleted (the
+    garbage collector is removing its children), or its spec cannot be acted on."""
+    cr = await api.get(S.API_VERSION, S.KIND, namespace, owner_name)
     if cr is None or cr["metadata"].get("deletionTimestamp"):
         return
-    spec, problem = check_spec(name, cr.get("spec"))
+    spec, _ = check_spec(owner_name, cr.get("spec"))
     if spec is None:
         return
-    owner = Owner(name, namespace, cr["metadata"]["uid"])
-    await apply_children(api, metrics, spec, owner)
-    kopf.event(cr, type="Normal", reason="Restored", message="re-applied children after one was deleted")
-    logger.info(f"Re-applied the children of {namespace}/{name} after one was deleted.")
+    owner = Owner(owner_name, namespace, cr["metadata"]["uid"])
+    wanted = [m for m in build_children(spec, owner, operator_namespace())
+              if m["kind"] == kind and m["metadata"]["name"] == name]
+    if not wanted:
+        return  # not (or no longer) one the spec asks for
+    after = await api.apply(wanted[0])
+    metrics.applied.labels(kind).inc()
+    role = (wanted[0]["metadata"].get("labels") or {}).get(LABEL_ROLE, "")
+    if seen_version is None and kind in ("StatefulSet", "Deployment") and spec.scaling_of(role) == "external":
+        await hand_over_replicas(api, owner, role, initial_replicas(spec, role))  # made anew: starting count
+    if seen_version is None or seen_version != after["metadata"].get("resourceVersion"):
+        what = "deleted" if seen_version is None else "changed by someone else"
+        kopf.event(cr, type="Normal", reason="Restored", message=f"{kind}/{name} was {what}: re-applied")
+        logger.info(f"Re-applied {kind} {namespace}/{name}: it was {what}.")
 
 
-kopf.on.event("apps", "v1", "statefulsets", id="statefulset_changed", labels=CHILD_LABELS,
-              registry=registry)(_child_changed)
-kopf.on.event("apps", "v1", "deployments", id="deployment_changed", labels=CHILD_LABELS,
-              registry=registry)(_child_changed)
+for _group, _version, _plural in (*WORKLOAD_KINDS, *OTHER_CHILD_KINDS):
+    kopf.on.event(_group, _version, _plural, id=f"{_plural}_changed", labels=CHILD_LABELS,
+                  registry=registry)(_child_changed)
 
 
 # ---- The wedge watchdog -----------------------------------------------------------------------

@@ -386,7 +386,7 @@ def engine_statefulset(spec: DSV4DeploymentSpec, owner: Owner, role: str, revisi
         "metadata": _meta(owner, name, role, spec, revision),
         "spec": {
             "serviceName": name,
-            "replicas": spec.role(role).replicas,
+            **_replicas(spec, role),
             # Engines are interchangeable: start (and load models) in parallel, not one by one.
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate"},
@@ -394,6 +394,32 @@ def engine_statefulset(spec: DSV4DeploymentSpec, owner: Owner, role: str, revisi
             "template": _engine_pod(spec, owner, role),
         },
     }
+
+
+SCALE_MANAGER = f"{MANAGER}-scale"  # the field manager that hands replicas over to an autoscaler
+
+
+def initial_replicas(spec: DSV4DeploymentSpec, role: str) -> int:
+    return spec.router.replicas if role == "router" else spec.role(role).replicas
+
+
+def _replicas(spec: DSV4DeploymentSpec, role: str) -> dict[str, int]:
+    """replicas is in the applied config only when the operator owns it: server-side apply then
+    never touches what an HPA, KEDA or `kubectl scale` set (see scale_handover)."""
+    if spec.scaling_of(role) == "external":
+        return {}
+    return {"replicas": initial_replicas(spec, role)}
+
+
+def scale_handover(owner: Owner, role: str, replicas: int) -> dict[str, Any]:
+    """The replicas of a workload alone, applied by SCALE_MANAGER, for a role scaled from outside:
+    applied before the operator's own apply stops carrying replicas, it keeps the field (shared
+    ownership) instead of letting it fall back to 1; after a create, it sets the starting
+    count. Whoever scales next (HPA, kubectl scale) takes the field over."""
+    kind = "Deployment" if role == "router" else "StatefulSet"
+    return {"apiVersion": "apps/v1", "kind": kind,
+            "metadata": {"name": child_name(owner.name, role), "namespace": owner.namespace},
+            "spec": {"replicas": replicas}}
 
 
 def engine_service(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict:
@@ -441,7 +467,7 @@ def router_deployment(spec: DSV4DeploymentSpec, owner: Owner, revision: str | No
         "kind": "Deployment",
         "metadata": _meta(owner, name, "router", spec, revision),
         "spec": {
-            "replicas": spec.router.replicas,
+            **_replicas(spec, "router"),
             "selector": {"matchLabels": selector_labels(owner.name, "router")},
             # Never drop below the desired routers during an update.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},

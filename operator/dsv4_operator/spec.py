@@ -182,6 +182,10 @@ class EngineSpec(_Model):
 
 class RoleSpec(_Model):
     replicas: int = Field(1, ge=0)
+    scaling: Literal["operator", "external"] = Field(
+        "operator",
+        description="operator: replicas is the count, and the operator puts it back if changed. external: an HPA, "
+                    "KEDA or `kubectl scale` owns the workload's replicas; replicas is only the count it starts with.")
     gpus_per_pod: int = Field(4, ge=0, description="nvidia.com/gpu per pod (0: no GPU request).")
     resources: Resources = _nested(Resources)
     node_selector: dict[QualifiedName, LabelValue] = Field(
@@ -208,6 +212,10 @@ class RoleSpec(_Model):
 
 class RouterSpec(_Model):
     replicas: int = Field(1, ge=0)
+    scaling: Literal["operator", "external"] = Field(
+        "operator",
+        description="operator: replicas is the count, and the operator puts it back if changed. external: an HPA, "
+                    "KEDA or `kubectl scale` owns the workload's replicas; replicas is only the count it starts with.")
     port: int = Field(8000, ge=1, le=65535)
     image: Optional[str] = Field(None, description="Router image (default: the engine image).")
     args: list[str] = []
@@ -290,6 +298,10 @@ class DSV4DeploymentSpec(_Model):
 
     def role(self, role: str) -> RoleSpec:
         return {"prefill": self.prefill, "decode": self.decode}[role]
+
+    def scaling_of(self, role: str) -> str:
+        """How `role` (prefill, decode or router) is scaled: by the operator or from outside."""
+        return self.router.scaling if role == "router" else self.role(role).scaling
 
 
 # ---- The status ----------------------------------------------------------------------------

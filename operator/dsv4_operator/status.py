@@ -98,9 +98,14 @@ def compute_status(
     for child in children:
         by_role[child.role] = child
 
-    desired = {role: (spec.role(role).replicas if role in ("prefill", "decode") else spec.router.replicas)
-               if spec is not None else (by_role[role].spec_replicas if role in by_role else 0)
-               for role in ROLES}
+    def wanted(role: str) -> int:
+        """The spec's count; for a role scaled from outside, what its workload says now."""
+        child = by_role.get(role)
+        if spec is None or (spec.scaling_of(role) == "external" and child is not None):
+            return child.spec_replicas if child is not None else 0
+        return spec.router.replicas if role == "router" else spec.role(role).replicas
+
+    desired = {role: wanted(role) for role in ROLES}
     roles = {role: role_status(desired[role], by_role.get(role)) for role in ROLES}
 
     unavailable = [role for role in ROLES if roles[role]["readyReplicas"] < 1

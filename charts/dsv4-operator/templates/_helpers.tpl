@@ -65,9 +65,11 @@ records the operator's calls against an API server and checks this list against 
 - apiGroups: ["apps"]
   resources: ["statefulsets", "deployments"]
   verbs: ["list", "watch", "create", "patch"]
+# Every other kind of child is watched too (list, watch), so a hand-deleted or hand-edited one
+# is re-applied at once rather than at the next change of the resource.
 - apiGroups: [""]
   resources: ["services", "serviceaccounts"]
-  verbs: ["create", "patch"]
+  verbs: ["list", "watch", "create", "patch"]
 # The deployment's auth Secret (admin token, PD secret): read for the operator's own calls to
 # its engines, created with random values when absent, a missing key added. Not listed or
 # watched. RBAC cannot name Secrets that do not exist yet, so this covers the namespace's.
@@ -78,15 +80,15 @@ records the operator's calls against an API server and checks this list against 
 # apply; read and deleted when the spec turns them off.
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The router's own Role and RoleBinding (it lists engine pods to find them). The API server
 # lets the operator grant only what it holds itself: pods get/list/watch, below.
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["create", "patch"]
+  verbs: ["list", "watch", "create", "patch"]
 # The wedge watchdog: lists engine pods, labels one draining, deletes (restarts) it, and keeps
 # its last log lines as evidence. get and watch it never calls: the router's Role grants them.
 - apiGroups: [""]

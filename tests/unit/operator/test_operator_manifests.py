@@ -425,3 +425,20 @@ def test_network_policy_admits_router_operator_and_peers_only() -> None:
         is_engine = pod_labels.get(M.LABEL_ROLE) in sel["matchExpressions"][0]["values"]
         assert is_engine == (role != "router")
         assert all(pod_labels.get(k) == v for k, v in router["podSelector"]["matchLabels"].items()) == (role == "router")
+
+
+# ---- Scaling: who owns replicas -------------------------------------------------------------------
+
+
+def test_external_scaling_leaves_replicas_out_of_the_applied_config() -> None:
+    spec = spec_of(decode={"replicas": 3, "scaling": "external"}, router={"scaling": "external"})
+    children = by_key(M.build_children(spec, OWNER))
+    assert "replicas" not in children[("StatefulSet", "flash-decode")]["spec"]
+    assert "replicas" not in children[("Deployment", "flash-router")]["spec"]
+    assert children[("StatefulSet", "flash-prefill")]["spec"]["replicas"] == 1
+    assert M.initial_replicas(spec, "decode") == 3
+    handover = M.scale_handover(OWNER, "decode", 3)
+    assert handover == {"apiVersion": "apps/v1", "kind": "StatefulSet",
+                        "metadata": {"name": "flash-decode", "namespace": "serving"}, "spec": {"replicas": 3}}
+    assert M.scale_handover(OWNER, "router", 2)["kind"] == "Deployment"
+    assert M.SCALE_MANAGER != M.MANAGER

@@ -175,3 +175,14 @@ def test_repeated_wedges_make_the_deployment_degraded() -> None:
     st4 = compute(spec=None, spec_error="bad", children=all_ready(), remediation_counts={"p": 5})
     assert cond(st4, "Degraded")["reason"] == "InvalidSpec"
     assert remediation_counts({STATE_ANNOTATION: "not json"}) == {}
+
+
+def test_externally_scaled_role_is_measured_against_its_workload() -> None:
+    from dsv4_operator.spec import parse_spec as parse
+
+    ext = parse({"model": {"name": "m", "path": "/m"}, "engine": {"image": "i"},
+                 "decode": {"replicas": 1, "scaling": "external"}})
+    st = compute(spec=ext, children=[child("prefill"), child("decode", 5, 5), child("router")])
+    assert st["decode"]["ready"] == "5/5" and cond(st, "Progressing")["reason"] == "RolloutComplete"
+    st = compute(spec=ext, children=[child("prefill"), child("decode", 5, 3), child("router")])
+    assert st["decode"]["ready"] == "3/5" and cond(st, "Progressing")["reason"] == "RollingOut"
