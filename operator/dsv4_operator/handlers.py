@@ -21,7 +21,7 @@ import datetime
 import os
 import secrets
 import time
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import kopf
 from pydantic import ValidationError
@@ -30,8 +30,8 @@ from dsv4_operator import spec as S
 from dsv4_operator.kube import ApiError, KubeApi, connection_info, load_configuration, path_of, resource_path
 from dsv4_operator.manifests import (
     ADMIN_TOKEN_KEY, APP, AUTH_SECRET_KEYS, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_NAME, LABEL_ROLE, MANAGER,
-    SCALE_MANAGER, Owner, absent_children, auth_secret, auth_secret_name, build_children, initial_replicas,
-    scale_handover, unbuildable_reasons,
+    HOLD_PARTITION, SCALE_MANAGER, Owner, absent_children, auth_secret, auth_secret_name, build_children, child_name, decode_held,
+    engine_statefulset, initial_replicas, prefill_rolled_out, scale_handover, unbuildable_reasons,
 )
 from dsv4_operator.remediation.daemon import DeploymentWatchdog
 from dsv4_operator.status import ROLES, ChildObservation, compute_status, observe, remediation_counts, status_changed
@@ -200,9 +200,11 @@ async def hand_over_replicas(api: KubeApi, owner: Owner, role: str, replicas: in
 
 
 async def apply_children(api: KubeApi, metrics: OperatorMetrics, spec: S.DSV4DeploymentSpec, owner: Owner,
-                         existing_replicas: Optional[dict[str, int]] = None) -> list[dict[str, Any]]:
+                         existing_replicas: Optional[dict[str, int]] = None,
+                         seen: Optional[dict] = None) -> list[dict[str, Any]]:
     """Apply every child. `existing_replicas`: role -> replicas of the workloads that exist now
-    (from the index), for the roles scaled from outside."""
+    (from the index), for the roles scaled from outside; `seen`: where to note the generations
+    our writes gave the workloads (see _child_changed)."""
     await ensure_auth_secret(api, spec, owner)
     existing = existing_replicas or {}
     external = [role for role in ROLES if spec.scaling_of(role) == "external"]
@@ -210,8 +212,18 @@ async def apply_children(api: KubeApi, metrics: OperatorMetrics, spec: S.DSV4Dep
         if role in existing:
             await hand_over_replicas(api, owner, role, existing[role])
     applied = []
+    prefill: Optional[dict[str, Any]] = None
+    prefill_name, decode_name = child_name(owner.name, "prefill"), child_name(owner.name, "decode")
     for manifest in build_children(spec, owner, operator_namespace()):
-        applied.append(await api.apply(manifest))
+        is_sts = manifest["kind"] == "StatefulSet"
+        if is_sts and manifest["metadata"]["name"] == decode_name and \
+                await _hold_decode(api, spec, owner, manifest, prefill or {}):
+            manifest = engine_statefulset(spec, owner, "decode", S.spec_revision(spec), hold=True)
+        result = await api.apply(manifest)
+        _remember_generation(seen, result)
+        if is_sts and manifest["metadata"]["name"] == prefill_name:
+            prefill = result
+        applied.append(result)
         metrics.applied.labels(manifest["kind"]).inc()
     for role in external:  # just created (at the default of 1): the starting count
         if role not in existing:
@@ -219,6 +231,27 @@ async def apply_children(api: KubeApi, metrics: OperatorMetrics, spec: S.DSV4Dep
     for api_version, kind, child in absent_children(spec, owner):
         await delete_if_present(api, api_version, kind, owner.namespace, child)
     return applied
+
+
+async def _hold_decode(api: KubeApi, spec: S.DSV4DeploymentSpec, owner: Owner, wanted: dict[str, Any],
+                       prefill: Optional[dict[str, Any]] = None) -> bool:
+    """Whether to apply decode held (manifests.decode_held); `prefill`: the prefill StatefulSet as
+    just applied, else it is read."""
+    if spec.rollout.order != "prefillFirst":
+        return False  # no reads needed
+    if prefill is None:
+        prefill = await api.get("apps/v1", "StatefulSet", owner.namespace, child_name(owner.name, "prefill"))
+    if prefill_rolled_out(prefill):
+        return False
+    live = await api.get("apps/v1", "StatefulSet", owner.namespace, wanted["metadata"]["name"])
+    return decode_held(spec, False, live, wanted)
+
+
+def _remember_generation(seen: Optional[dict], obj: Mapping[str, Any]) -> None:
+    """Note the generation our own write gave a workload, so its watch event is not taken for drift."""
+    if seen is not None and obj.get("kind") in ("StatefulSet", "Deployment"):
+        meta = obj.get("metadata") or {}
+        seen[(obj["kind"], meta.get("namespace"), meta.get("name"))] = meta.get("generation")
 
 
 async def delete_if_present(api: KubeApi, api_version: str, kind: str, namespace: str, name: str) -> bool:
@@ -243,6 +276,9 @@ async def check_crd_installed(memo: kopf.Memo, logger: kopf.Logger, **_: Any) ->
     """Fail fast, with one clear line, when the CRD is missing: with CRD scanning off, the
     operator would otherwise run and serve nothing."""
     _metrics(memo)
+    # Shared by every handler (kopf gives each object a shallow copy of this memo): workload
+    # generations our own writes produced, so that their watch events are not taken for drift.
+    memo.setdefault("child_generations", {})
     api = KubeApi(await load_configuration(getattr(memo, "kubeconfig", None)))
     try:
         served = await api.served_resources(S.API_VERSION)
@@ -326,7 +362,8 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, name: str
     started = time.monotonic()
     try:
         existing = {child.role: child.spec_replicas for child in children()}
-        applied = await apply_children(api, metrics, parsed, Owner(name, namespace, uid), existing)
+        applied = await apply_children(api, metrics, parsed, Owner(name, namespace, uid), existing,
+                                       memo.setdefault("child_generations", {}))
     except ApiError as e:
         metrics.api_errors.labels(str(e.status)).inc()
         metrics.reconciles.labels("apply_failed").inc()
@@ -390,21 +427,27 @@ async def _child_changed(event: kopf.RawEvent, namespace: str, labels: kopf.Labe
         generations.pop(key, None)
     elif generation is not None:
         generations[key] = generation
-    if drift_worth_reapplying(event.get("type"), kind, generation, last):
+    reapply = drift_worth_reapplying(event.get("type"), kind, generation, last)
+    target, seen = meta.get("name", ""), None if event.get("type") == "DELETED" else meta.get("resourceVersion")
+    if (not reapply and kind == "StatefulSet" and labels.get(LABEL_ROLE) == "prefill"
+            and event.get("type") != "DELETED" and prefill_rolled_out(obj)):
+        # Prefill finished rolling out: a held decode StatefulSet may take its new template now.
+        reapply, target, seen = True, child_name(owner_name, "decode"), ""
+    if reapply:
         try:
-            await _reapply_child(api, metrics, namespace, owner_name, kind, meta.get("name", ""),
-                                 seen_version=None if event.get("type") == "DELETED" else meta.get("resourceVersion"),
-                                 logger=logger)
+            await _reapply_child(api, metrics, namespace, owner_name, kind, target, seen_version=seen,
+                                 generations=generations, logger=logger)
         except ApiError as e:  # event handlers are not retried: the next event, or a resume, tries again
             metrics.api_errors.labels(str(e.status)).inc()
             logger.warning(f"Could not re-apply {kind} {namespace}/{meta.get('name')}: {e}")
-    if kind in ("StatefulSet", "Deployment"):
+    if obj.get("kind") in ("StatefulSet", "Deployment"):
         await refresh_status(api, metrics, namespace, owner_name,
                              lambda: _children(namespace, owner_name, dsv4_statefulsets, dsv4_deployments))
 
 
 async def _reapply_child(api: KubeApi, metrics: OperatorMetrics, namespace: str, owner_name: str, kind: str,
-                         name: str, *, seen_version: Optional[str], logger: kopf.Logger) -> None:
+                         name: str, *, seen_version: Optional[str], generations: Optional[dict] = None,
+                         logger: kopf.Logger) -> None:
     """Apply the owner's current version of one child (`seen_version`: the resourceVersion the
     event showed; None: it was deleted). Nothing when the owner is gone or being deleted (the
     garbage collector is removing its children), or its spec cannot be acted on."""
@@ -419,11 +462,22 @@ async def _reapply_child(api: KubeApi, metrics: OperatorMetrics, namespace: str,
               if m["kind"] == kind and m["metadata"]["name"] == name]
     if not wanted:
         return  # not (or no longer) one the spec asks for
+    if seen_version == "":  # a release: only a decode StatefulSet that is held has anything to take
+        live = await api.get("apps/v1", "StatefulSet", namespace, name)
+        partition = (((live or {}).get("spec") or {}).get("updateStrategy") or {}).get("rollingUpdate") or {}
+        if partition.get("partition") != HOLD_PARTITION:
+            return
+    if kind == "StatefulSet" and name == child_name(owner_name, "decode") and \
+            await _hold_decode(api, spec, owner, wanted[0]):
+        wanted = [engine_statefulset(spec, owner, "decode", S.spec_revision(spec), hold=True)]
     after = await api.apply(wanted[0])
+    _remember_generation(generations, after)
     metrics.applied.labels(kind).inc()
     role = (wanted[0]["metadata"].get("labels") or {}).get(LABEL_ROLE, "")
     if seen_version is None and kind in ("StatefulSet", "Deployment") and spec.scaling_of(role) == "external":
         await hand_over_replicas(api, owner, role, initial_replicas(spec, role))  # made anew: starting count
+    if seen_version == "":
+        return  # a release of decode after prefill rolled out, not a repair
     if seen_version is None or seen_version != after["metadata"].get("resourceVersion"):
         what = "deleted" if seen_version is None else "changed by someone else"
         kopf.event(cr, type="Normal", reason="Restored", message=f"{kind}/{name} was {what}: re-applied")

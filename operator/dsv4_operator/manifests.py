@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 from dsv4_operator import spec as S
 from dsv4_operator.spec import DSV4DeploymentSpec, EnvVar, RoleSpec
@@ -378,8 +378,49 @@ def _engine_pod(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict[str, 
     return {"metadata": {"labels": pod_labels, "annotations": annotations}, "spec": pod_spec}
 
 
-def engine_statefulset(spec: DSV4DeploymentSpec, owner: Owner, role: str, revision: str | None = None) -> dict:
+# A partition no replica count reaches: the StatefulSet keeps every pod on its current template.
+HOLD_PARTITION = 100_000
+
+
+def prefill_rolled_out(prefill: Mapping[str, Any] | None) -> bool:
+    """Pure: the prefill StatefulSet (as the API server returned it) runs its latest template on
+    every pod, all ready. A missing one counts as rolled out (nothing to wait for)."""
+    if not prefill:
+        return True
+    spec, status = prefill.get("spec") or {}, prefill.get("status") or {}
+    replicas = int(spec.get("replicas", 1))
+    return (int(status.get("observedGeneration") or 0) >= int((prefill.get("metadata") or {}).get("generation") or 0)
+            and int(status.get("updatedReplicas") or 0) >= replicas
+            and int(status.get("readyReplicas") or 0) >= replicas)
+
+
+def contains(live: Any, wanted: Any) -> bool:
+    """Pure: `live` has every field of `wanted` with the same value (the API server adds defaults,
+    so equality would never hold); lists item by item, same length."""
+    if isinstance(wanted, dict):
+        return isinstance(live, dict) and all(contains(live.get(k), v) for k, v in wanted.items())
+    if isinstance(wanted, list):
+        return isinstance(live, list) and len(live) == len(wanted) and all(map(contains, live, wanted))
+    return live == wanted
+
+
+def decode_held(spec: DSV4DeploymentSpec, prefill_ready: bool, live_decode: Mapping[str, Any] | None,
+                wanted_decode: Mapping[str, Any]) -> bool:
+    """PD-aware order (docs/operations.md, Rollouts): decode takes a new pod template only once
+    prefill rolled out. Held while prefill is not rolled out and decode has a change to take:
+    its template differs from the wanted one, or its pods are not all on its latest template."""
+    if spec.rollout.order != "prefillFirst" or prefill_ready or not live_decode:
+        return False
+    status = live_decode.get("status") or {}
+    behind = status.get("currentRevision") != status.get("updateRevision")
+    return behind or not contains((live_decode.get("spec") or {}).get("template"), wanted_decode["spec"]["template"])
+
+
+def engine_statefulset(spec: DSV4DeploymentSpec, owner: Owner, role: str, revision: str | None = None,
+                       hold: bool = False) -> dict:
+    """`hold`: keep every pod on its current template (partition past any ordinal)."""
     name = child_name(owner.name, role)
+    partition = HOLD_PARTITION if hold else spec.role(role).partition
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -389,7 +430,7 @@ def engine_statefulset(spec: DSV4DeploymentSpec, owner: Owner, role: str, revisi
             **_replicas(spec, role),
             # Engines are interchangeable: start (and load models) in parallel, not one by one.
             "podManagementPolicy": "Parallel",
-            "updateStrategy": {"type": "RollingUpdate"},
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": partition}},
             "selector": {"matchLabels": selector_labels(owner.name, role)},
             "template": _engine_pod(spec, owner, role),
         },
@@ -567,7 +608,7 @@ def absent_children(spec: DSV4DeploymentSpec, owner: Owner) -> list[tuple[str, s
 
 
 def build_children(spec: DSV4DeploymentSpec, owner: Owner, operator_namespace: Optional[str] = None,
-                   ) -> list[dict[str, Any]]:
+                   hold_decode: bool = False) -> list[dict[str, Any]]:
     """Every object a DSV4Deployment owns, in the order to apply them (RBAC and Services
     before the workloads that use them). The auth Secret is not among them: it is created
     once, never applied (see handlers.ensure_auth_secret)."""
@@ -581,6 +622,6 @@ def build_children(spec: DSV4DeploymentSpec, owner: Owner, operator_namespace: O
         *([engine_disruption_budget(spec, owner, role) for role in ENGINE_ROLES]
           if spec.remediation.pod_disruption_budget else []),
         engine_statefulset(spec, owner, "prefill", revision),
-        engine_statefulset(spec, owner, "decode", revision),
+        engine_statefulset(spec, owner, "decode", revision, hold=hold_decode),
         router_deployment(spec, owner, revision),
     ]

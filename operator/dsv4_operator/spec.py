@@ -200,6 +200,9 @@ class RoleSpec(_Model):
     env: list[EnvVar] = []
     args: list[str] = []
     shm_size: str = Field("32Gi", pattern=QUANTITY_PATTERN, description="Size limit of the memory-backed /dev/shm.")
+    partition: int = Field(
+        0, ge=0, description="Canary: on a change, only pods with ordinal >= partition get the new pod template "
+                             "(the StatefulSet partition); lower it to roll on, 0 rolls every pod.")
     termination_grace_period_seconds: int = Field(
         120, ge=1, le=86400,
         description="Seconds a stopping pod gets: its preStop hook drains in-flight requests for all but the "
@@ -255,6 +258,13 @@ class RemediationSpec(_Model):
     rollback: Literal["off", "suggest", "auto"] = "suggest"
 
 
+class RolloutSpec(_Model):
+    order: Literal["prefillFirst", "together"] = Field(
+        "prefillFirst",
+        description="prefillFirst: a change to the engines rolls prefill, and decode only once every prefill pod "
+                    "is updated and ready. together: both at once (faster; a full outage with one replica each).")
+
+
 class NetworkPolicySpec(_Model):
     enabled: bool = Field(
         False, description="Admit to the engine pods only the router, the operator and their PD peers.")
@@ -294,6 +304,7 @@ class DSV4DeploymentSpec(_Model):
     router: RouterSpec = _nested(RouterSpec)
     transfer: TransferSpec = _nested(TransferSpec)
     remediation: RemediationSpec = _nested(RemediationSpec)
+    rollout: RolloutSpec = _nested(RolloutSpec)
     security: SecuritySpec = _nested(SecuritySpec)
 
     def role(self, role: str) -> RoleSpec:

@@ -76,6 +76,8 @@ MUST_RECORD = {
     ("policy", "poddisruptionbudgets", "get"), ("policy", "poddisruptionbudgets", "delete"),
     ("networking.k8s.io", "networkpolicies", "create"), ("networking.k8s.io", "networkpolicies", "patch"),
     ("networking.k8s.io", "networkpolicies", "get"), ("networking.k8s.io", "networkpolicies", "delete"),
+    # PD-aware rollout: the prefill and decode StatefulSets are read.
+    ("apps", "statefulsets", "get"),
     # Drift: every kind of child is watched.
     ("", "services", "watch"), ("", "serviceaccounts", "watch"), ("rbac.authorization.k8s.io", "roles", "watch"),
     ("rbac.authorization.k8s.io", "rolebindings", "watch"), ("policy", "poddisruptionbudgets", "watch"),

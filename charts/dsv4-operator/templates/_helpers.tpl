@@ -65,6 +65,11 @@ records the operator's calls against an API server and checks this list against 
 - apiGroups: ["apps"]
   resources: ["statefulsets", "deployments"]
   verbs: ["list", "watch", "create", "patch"]
+# PD-aware rollouts read the prefill and decode StatefulSets (has prefill rolled out; is decode
+# to take a new template).
+- apiGroups: ["apps"]
+  resources: ["statefulsets"]
+  verbs: ["get"]
 # Every other kind of child is watched too (list, watch), so a hand-deleted or hand-edited one
 # is re-applied at once rather than at the next change of the resource.
 - apiGroups: [""]

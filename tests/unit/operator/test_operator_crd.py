@@ -157,7 +157,8 @@ def test_spec_requires_model_and_engine_and_the_issue_fields_exist() -> None:
     spec = schema_of(checked_in_crd())["properties"]["spec"]
     assert spec["required"] == ["model", "engine"]
     props = spec["properties"]
-    assert set(props) == {"model", "engine", "prefill", "decode", "router", "transfer", "remediation", "security"}
+    assert set(props) == {"model", "engine", "prefill", "decode", "router", "transfer", "remediation", "rollout",
+                          "security"}
     assert props["engine"]["properties"]["kind"]["enum"] == ["builtin", "sglang"]
     role = props["prefill"]["properties"]
     assert {"replicas", "gpusPerPod", "resources", "nodeSelector", "tolerations", "affinity", "env", "args"} <= set(role)

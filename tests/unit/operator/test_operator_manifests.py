@@ -442,3 +442,46 @@ def test_external_scaling_leaves_replicas_out_of_the_applied_config() -> None:
                         "metadata": {"name": "flash-decode", "namespace": "serving"}, "spec": {"replicas": 3}}
     assert M.scale_handover(OWNER, "router", 2)["kind"] == "Deployment"
     assert M.SCALE_MANAGER != M.MANAGER
+
+
+# ---- Rollout: PD-aware order, partitions ----------------------------------------------------------
+
+
+def test_partition_and_hold() -> None:
+    spec = spec_of(decode={"replicas": 4, "partition": 3})
+    assert M.engine_statefulset(spec, OWNER, "decode")["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"partition": 3}}
+    held = M.engine_statefulset(spec, OWNER, "decode", hold=True)
+    assert held["spec"]["updateStrategy"]["rollingUpdate"]["partition"] == M.HOLD_PARTITION
+    kubernetes_validate.validate(held, K8S_VERSIONS[0], strict=True)
+
+
+def test_prefill_rolled_out() -> None:
+    def sts(gen: int, observed: int, replicas: int, updated: int, ready: int) -> dict:
+        return {"metadata": {"generation": gen}, "spec": {"replicas": replicas},
+                "status": {"observedGeneration": observed, "updatedReplicas": updated, "readyReplicas": ready}}
+
+    assert M.prefill_rolled_out(sts(2, 2, 3, 3, 3)) and M.prefill_rolled_out(None)
+    assert not M.prefill_rolled_out(sts(3, 2, 3, 3, 3))  # the controller has not seen the new template
+    assert not M.prefill_rolled_out(sts(2, 2, 3, 2, 3))  # a pod still on the old template
+    assert not M.prefill_rolled_out(sts(2, 2, 3, 3, 2))  # a new pod not ready yet
+    assert M.prefill_rolled_out(sts(2, 2, 0, 0, 0))
+
+
+def test_decode_is_held_only_with_a_change_to_take_and_prefill_not_rolled_out() -> None:
+    old, new = spec_of(), spec_of(engine={"image": "reg/dsv4:2"})
+    wanted = M.engine_statefulset(new, OWNER, "decode")
+    live_old = M.engine_statefulset(old, OWNER, "decode")
+    live_old["spec"]["template"]["spec"]["containers"][0]["terminationMessagePath"] = "/dev/termination-log"  # a default
+    assert M.decode_held(new, False, live_old, wanted)  # its template is to change, prefill still rolling
+    assert not M.decode_held(new, True, live_old, wanted)  # prefill done
+    assert not M.decode_held(new, False, None, wanted)  # a new deployment: nothing to hold
+    live_new = M.engine_statefulset(new, OWNER, "decode")
+    live_new["spec"]["template"]["spec"]["containers"][0]["terminationMessagePath"] = "/dev/termination-log"
+    assert not M.decode_held(new, False, live_new, wanted)  # template as wanted (defaults added): nothing to take
+    live_new["status"] = {"currentRevision": "d-1", "updateRevision": "d-2"}
+    assert M.decode_held(new, False, live_new, wanted)  # held with the new template, pods still on the old one
+    together = spec_of(engine={"image": "reg/dsv4:2"}, rollout={"order": "together"})
+    assert not M.decode_held(together, False, live_old, wanted)
+    assert M.contains({"a": [{"b": 1, "c": 2}], "d": 3}, {"a": [{"b": 1}]})
+    assert not M.contains({"a": [{"b": 1}, {"b": 2}]}, {"a": [{"b": 1}]})
