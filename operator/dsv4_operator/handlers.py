@@ -17,7 +17,9 @@ All handlers live in `registry`, which `dsv4_operator.main` runs.
 from __future__ import annotations
 
 import base64
+import copy
 import datetime
+import json
 import os
 import secrets
 import time
@@ -36,6 +38,8 @@ from dsv4_operator.manifests import (
 from dsv4_operator.remediation.daemon import DeploymentWatchdog
 from dsv4_operator.status import ROLES, ChildObservation, compute_status, observe, remediation_counts, status_changed
 from dsv4_operator.telemetry import OperatorMetrics
+from dsv4_operator.watchdog.revisions import RevisionTracker
+from dsv4_wire import ANNOTATION_PINNED_REVISION, ANNOTATION_REVISIONS
 
 registry = kopf.OperatorRegistry()
 
@@ -69,6 +73,46 @@ def check_spec(name: str, raw_spec: Any) -> tuple[Optional[S.DSV4DeploymentSpec]
     if reasons:
         return None, "; ".join(reasons)
     return spec, None
+
+
+def pinned_spec(annotations: Optional[Mapping[str, str]], generation: int,
+                raw_spec: Optional[Mapping[str, Any]]) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    """Pure: (the spec to build children from, its revision hash) when a pin applies, else
+    (None, None). A pin (ANNOTATION_PINNED_REVISION, "<hash>@<generation>") applies while the
+    resource is still at that generation, so the user's next edit ends it, and only to a
+    revision the watchdog's history (ANNOTATION_REVISIONS) holds. The remediation section is
+    always the current one (revisions leave it out)."""
+    annotations = annotations or {}
+    pin = annotations.get(ANNOTATION_PINNED_REVISION) or ""
+    revision, _, at = pin.partition("@")
+    if not revision or not at.isdigit() or int(at) != generation:
+        return None, None
+    try:
+        tracker = RevisionTracker.from_dict(json.loads(annotations.get(ANNOTATION_REVISIONS) or "{}"))
+    except (ValueError, TypeError, KeyError):
+        return None, None
+    for rev in tracker.revisions:
+        if rev.hash == revision:
+            spec = copy.deepcopy(dict(rev.spec))
+            if raw_spec and "remediation" in raw_spec:
+                spec["remediation"] = copy.deepcopy(raw_spec["remediation"])
+            return spec, revision
+    return None, None
+
+
+def effective_spec(name: str, raw_spec: Any, annotations: Optional[Mapping[str, str]],
+                   generation: int) -> tuple[Optional[S.DSV4DeploymentSpec], Optional[str], Optional[str]]:
+    """(spec to build from, why not, pinned revision): the user's spec, or a pinned revision's
+    (pinned_spec) when one applies and can be acted on."""
+    spec, problem = check_spec(name, raw_spec)
+    if spec is None:
+        return None, problem, None
+    pinned_raw, revision = pinned_spec(annotations, generation, raw_spec)
+    if pinned_raw is not None:
+        pinned, _ = check_spec(name, pinned_raw)
+        if pinned is not None:
+            return pinned, None, revision
+    return spec, None, None
 
 
 def _metrics(memo: kopf.Memo) -> OperatorMetrics:
@@ -118,7 +162,8 @@ async def refresh_status(api: KubeApi, metrics: OperatorMetrics, namespace: str,
             return None
         meta = cr["metadata"]
         previous = cr.get("status") or {}
-        spec, spec_error = check_spec(name, cr.get("spec"))
+        spec, spec_error, pinned = effective_spec(name, cr.get("spec"), meta.get("annotations"),
+                                                  int(meta.get("generation") or 0))
         observed = observed_generation if acted else previous.get("observedGeneration")
         new = compute_status(
             spec=spec, spec_error=spec_error, generation=int(meta.get("generation") or 0),
@@ -126,6 +171,7 @@ async def refresh_status(api: KubeApi, metrics: OperatorMetrics, namespace: str,
             apply_error=apply_error if acted else _carried_apply_error(previous, observed),
             revision=revision if acted else None,
             remediation_counts=remediation_counts(meta.get("annotations")),
+            pinned_revision=pinned,
         )
         if not status_changed(previous, new):
             return new
@@ -347,10 +393,15 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, name: str
     metrics.deployments.set(len(dsv4_resources))
     api = _api(memo)
     generation = int(meta.get("generation") or 0)
+    memo["seen_pin"] = (meta.get("annotations") or {}).get(ANNOTATION_PINNED_REVISION)
     def children() -> list[ChildObservation]:
         return _children(namespace, name, dsv4_statefulsets, dsv4_deployments)
 
-    parsed, problem = check_spec(name, spec)
+    parsed, problem, pinned = effective_spec(name, spec, meta.get("annotations"), generation)
+    if pinned is not None:
+        kopf.event(body, type="Normal", reason="PinnedRevision",
+                   message=f"generation {generation} runs the pinned revision {pinned}, not the spec as written; "
+                           "the next edit of the spec ends the pin")
     if parsed is None:
         metrics.reconciles.labels("invalid_spec").inc()
         kopf.warn(body, reason="InvalidSpec", message=problem or "invalid spec")
@@ -379,6 +430,22 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, name: str
     kopf.event(body, type="Normal", reason="Applied", message=f"revision {revision}, generation {generation}: {kinds}")
     await refresh_status(api, metrics, namespace, name, children, observed_generation=generation,
                          revision=revision, acted=True)
+
+
+@kopf.on.event(*CR, id="pin_changed", registry=registry)
+async def pin_changed(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any) -> None:
+    """kopf takes no annotation under our prefix for a change (its own bookkeeping lives there),
+    so a rollback pin set or lifted by the watchdog is noticed here and acted on at once."""
+    if event.get("type") not in ("ADDED", "MODIFIED") or body.get("metadata", {}).get("deletionTimestamp"):
+        return
+    pin = (body["metadata"].get("annotations") or {}).get(ANNOTATION_PINNED_REVISION)
+    if "seen_pin" not in memo or memo["seen_pin"] == pin:
+        return  # the reconcile has not run yet (it reads the pin itself), or nothing new
+    logger.info(f"Rollback pin {'set to ' + pin if pin else 'lifted'}: re-applying.")
+    indexes = {k: kwargs[k] for k in ("dsv4_statefulsets", "dsv4_deployments", "dsv4_resources")}
+    meta = body["metadata"]
+    await reconcile(body=body, spec=body.get("spec") or {}, meta=meta, name=meta["name"], namespace=meta["namespace"],
+                    uid=meta["uid"], memo=memo, logger=logger, **indexes)
 
 
 # ---- Children: status from the workloads, drift put right ---------------------------------------
@@ -454,7 +521,8 @@ async def _reapply_child(api: KubeApi, metrics: OperatorMetrics, namespace: str,
     cr = await api.get(S.API_VERSION, S.KIND, namespace, owner_name)
     if cr is None or cr["metadata"].get("deletionTimestamp"):
         return
-    spec, _ = check_spec(owner_name, cr.get("spec"))
+    spec, _, _ = effective_spec(owner_name, cr.get("spec"), cr["metadata"].get("annotations"),
+                                int(cr["metadata"].get("generation") or 0))
     if spec is None:
         return
     owner = Owner(owner_name, namespace, cr["metadata"]["uid"])

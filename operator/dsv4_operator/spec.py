@@ -357,6 +357,8 @@ class DSV4DeploymentStatus(_Model):
     router: Optional[RoleStatus] = None
     revision: Optional[str] = Field(None, description="Hash of the spec last applied.")
     stable_revision: Optional[str] = Field(None, description="Last revision that ran without wedges.")
+    pinned_revision: Optional[str] = Field(
+        None, description="The revision the children run instead of the spec (a rollback pin), while it applies.")
     wedged_pods: Optional[int] = Field(None, ge=0)
     last_remediation: Optional[RemediationRecord] = None
     remediations_total: Optional[int] = Field(None, ge=0)

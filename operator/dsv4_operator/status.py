@@ -89,6 +89,7 @@ def compute_status(
     apply_error: Optional[str] = None,
     revision: Optional[str] = None,
     remediation_counts: Optional[Mapping[str, int]] = None,
+    pinned_revision: Optional[str] = None,
 ) -> dict[str, Any]:
     """The whole new status. `spec` is None when the spec is invalid (then `spec_error` says why);
     `observed_generation` is the generation the operator last acted on (applied or rejected).
@@ -170,6 +171,8 @@ def compute_status(
         status["revision"] = revision
     elif previous.get("revision") is not None:
         status["revision"] = previous["revision"]
+    # Always written (null clears it): whether the children run a pinned revision, not the spec.
+    status["pinnedRevision"] = pinned_revision
     for key in WATCHDOG_FIELDS:
         if key in previous:
             status[key] = previous[key]

@@ -82,3 +82,47 @@ async def test_together_and_canary_partition(cluster_with_crd: KubeCluster, kube
 async def _prefill_status(client: ClusterClient, ready: int) -> Optional[bool]:
     obj = await sts(client, "prefill")
     return (obj.get("status") or {}).get("readyReplicas") == ready or None
+
+
+async def test_a_pinned_revision_rolls_back_without_touching_the_spec(cluster_with_crd: KubeCluster,
+                                                                      kube_client: ClusterClient,
+                                                                      operator_factory) -> None:
+    """`rollback: auto` without a merge patch of the user's spec: the watchdog pins a stored
+    revision (annotation "<hash>@<generation>"), the children follow it, the spec stays as the
+    user (or GitOps) wrote it, and the user's next edit ends the pin."""
+    from dsv4_operator.watchdog.revisions import RevisionTracker, serving_spec, spec_hash
+    from dsv4_wire import ANNOTATION_PINNED_REVISION, ANNOTATION_REVISIONS
+
+    await operator_factory(["ns1"])
+    await kube_client.create(deployment("flash", "ns1", rollout={"order": "together"}), PLURAL)
+    await eventually(lambda: observed(kube_client, 1), timeout=20)
+    good = (await kube_client.get(API, PLURAL, "ns1", "flash"))["spec"]
+    tracker = RevisionTracker()
+    tracker.observe(1, serving_spec(good), now=1.0)
+    await kube_client.patch(API, PLURAL, "ns1", "flash", {"spec": {"engine": {"image": "reg/dsv4:bad"}}})
+    await eventually(lambda: observed(kube_client, 2), timeout=20)
+    assert image(await sts(kube_client, "decode")) == "reg/dsv4:bad"
+
+    import json
+    await kube_client.patch(API, PLURAL, "ns1", "flash", {"metadata": {"annotations": {
+        ANNOTATION_REVISIONS: json.dumps(tracker.to_dict()),
+        ANNOTATION_PINNED_REVISION: f"{spec_hash(good)}@2"}}})
+
+    async def pinned() -> Optional[dict]:
+        cr = await kube_client.get(API, PLURAL, "ns1", "flash")
+        ok = (image(await sts(kube_client, "decode")) == image(await sts(kube_client, "prefill")) == "reg/dsv4:1"
+              and (cr.get("status") or {}).get("pinnedRevision") == spec_hash(good))
+        return cr if ok else None
+
+    cr = await eventually(pinned, timeout=20)
+    assert cr["spec"]["engine"]["image"] == "reg/dsv4:bad" and cr["metadata"]["generation"] == 2, "spec untouched"
+
+    # The user's next edit (a fixed image) ends the pin.
+    await kube_client.patch(API, PLURAL, "ns1", "flash", {"spec": {"engine": {"image": "reg/dsv4:3"}}})
+
+    async def unpinned() -> bool:
+        cr = await kube_client.get(API, PLURAL, "ns1", "flash")
+        return (image(await sts(kube_client, "decode")) == "reg/dsv4:3"
+                and "pinnedRevision" not in (cr.get("status") or {}))
+
+    await eventually(unpinned, timeout=20)
