@@ -45,6 +45,7 @@ QUALIFIED_NAME_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9
 # A label value: empty, or up to 63 alphanumerics with '-', '_', '.' inside.
 LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
 MAX_MAP_ENTRIES = 64  # bounds the maps the CEL rules walk (the API server budgets rule cost)
+MAX_LIST_ITEMS = 256  # likewise for the lists whose items carry rules (env)
 
 Quantity = Union[int, Annotated[str, Field(pattern=QUANTITY_PATTERN)]]  # 4, "16Gi", "500m"
 QualifiedName = Annotated[str, Field(pattern=QUALIFIED_NAME_PATTERN, max_length=317)]
@@ -177,7 +178,7 @@ class EngineSpec(_Model):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     port: int = Field(8100, ge=1, le=65535, description="Engine HTTP port (API, /health, /metrics).")
     args: list[str] = Field([], description="Extra arguments for every engine.")
-    env: list[EnvVar] = []
+    env: list[EnvVar] = Field([], max_length=MAX_LIST_ITEMS)  # bounded: the API server budgets CEL cost
 
 
 class RoleSpec(_Model):
@@ -193,11 +194,11 @@ class RoleSpec(_Model):
         description="Replaces the Blackwell default when set ({} for none).",
     )
     tolerations: list[Toleration] = Field(
-        [Toleration.model_validate(t) for t in DEFAULT_TOLERATIONS],
+        [Toleration.model_validate(t) for t in DEFAULT_TOLERATIONS], max_length=MAX_MAP_ENTRIES,
         description="Replaces the default GPU-taint toleration when set ([] for none).",
     )
     affinity: dict[str, Any] = Field({}, description="A Kubernetes Affinity.")
-    env: list[EnvVar] = []
+    env: list[EnvVar] = Field([], max_length=MAX_LIST_ITEMS)  # bounded: the API server budgets CEL cost
     args: list[str] = []
     shm_size: str = Field("32Gi", pattern=QUANTITY_PATTERN, description="Size limit of the memory-backed /dev/shm.")
     partition: int = Field(
@@ -222,7 +223,7 @@ class RouterSpec(_Model):
     port: int = Field(8000, ge=1, le=65535)
     image: Optional[str] = Field(None, description="Router image (default: the engine image).")
     args: list[str] = []
-    env: list[EnvVar] = []
+    env: list[EnvVar] = Field([], max_length=MAX_LIST_ITEMS)  # bounded: the API server budgets CEL cost
     resources: Resources = _nested(Resources)
 
 
@@ -234,7 +235,7 @@ class TransferSpec(_Model):
     bootstrap_port: int = Field(8998, ge=1, le=65535)
     bootstrap_timeout_seconds: int = Field(300, ge=1)
     transfer_timeout_seconds: int = Field(300, ge=1)
-    env: list[EnvVar] = Field([], description="More UCX/NIXL environment.")
+    env: list[EnvVar] = Field([], max_length=MAX_LIST_ITEMS, description="More UCX/NIXL environment.")
 
 
 class MaxUnavailable(_Model):
