@@ -11,7 +11,7 @@ What this adds to kmock (each is what a real API server does):
   server-side apply (creates the object if absent; prunes the fields the same field manager
   applied before and no longer applies, unless another manager owns them too; lists are atomic).
   Field ownership per leaf path: an apply owns what it applies (alone, when forcing a different
-  value), any other write (PATCH, PUT, /scale) owns alone what it changed, named by its
+  value; without force, a different value for a field another manager owns is a 409 conflict), any other write (PATCH, PUT, /scale) owns alone what it changed, named by its
   fieldManager parameter;
 - the scale subresource of StatefulSets and Deployments (PATCH/PUT spec.replicas), as an HPA
   or `kubectl scale` uses it; A resourceVersion in the body is a
@@ -367,7 +367,8 @@ class KubeCluster(kmock.KubernetesEmulator):
                     if live is None:  # apply creates; RBAC then checks `create` as well as `patch`
                         self.recorder.record(request, verb="create")
                     self.recorder.record(request)
-                    return 200, await self._apply(key, request.subresource, body, manager)
+                    force = str(request.params.get("force", "")).lower() == "true"
+                    return 200, await self._apply(key, request.subresource, body, manager, force)
                 self.recorder.record(request)
                 if live is None:
                     raise kmock.KubernetesObjectNotFoundError()
@@ -430,7 +431,8 @@ class KubeCluster(kmock.KubernetesEmulator):
         self._owners[key] = {p: {manager} for p in _owned_paths(body)}
         return await self._store(key, body, None)
 
-    async def _apply(self, key: tuple, subresource: Optional[str], applied: dict, manager: str) -> dict:
+    async def _apply(self, key: tuple, subresource: Optional[str], applied: dict, manager: str,
+                     force: bool = True) -> dict:
         res, namespace, name = key
         live = self._live(key)
         previous = self._applied.get((key, manager))
@@ -441,6 +443,11 @@ class KubeCluster(kmock.KubernetesEmulator):
             return obj
         self._check_precondition(live, applied)
         owners = self._owners.setdefault(key, {})
+        if not force:  # a different value for a field someone else owns is a conflict
+            taken = sorted(".".join(map(str, p)) for p in _owned_paths(applied)
+                           if owners.get(p, set()) - {manager} and _value_at(live, p) != _value_at(applied, p))
+            if taken:
+                raise kmock.KubernetesError(409, "Conflict", f"Apply failed with conflicts: {', '.join(taken)}")
         # Fields another manager owns stay when this one stops applying them (shared ownership).
         others = {p for p, managers in owners.items() if managers - {manager}}
         merged = server_side_apply(live, applied, previous, kept=others)

@@ -178,3 +178,9 @@ async def test_field_ownership_shared_fields_survive_and_scale_takes_over(kube_c
                                    "application/merge-patch+json", params={"fieldManager": "hpa"})
     assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 9
     assert (await kube_client.get("apps/v1", "statefulsets", "ns", "s"))["spec"]["replicas"] == 9
+    # Without force, applying another value to a field someone else owns is a conflict.
+    with pytest.raises(ClusterError) as err:
+        await kube_client.call("PATCH", path, {"apiVersion": "apps/v1", "kind": "StatefulSet",
+                                               "metadata": {"name": "s", "namespace": "ns"}, "spec": {"replicas": 4}},
+                               apply, params={"fieldManager": "b"})
+    assert err.value.status == 409 and "spec.replicas" in err.value.body["message"]
