@@ -40,7 +40,7 @@ def env_of(container: dict) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
 
 
-@pytest.mark.parametrize("example", ["flash-builtin.yaml", "flash-sglang.yaml"])
+@pytest.mark.parametrize("example", ["flash-builtin.yaml", "flash-sglang.yaml", "flash-production.yaml"])
 @pytest.mark.parametrize("k8s_version", K8S_VERSIONS)
 def test_children_are_valid_kubernetes_strict(example: str, k8s_version: str) -> None:
     spec = parse_spec(yaml.safe_load((EXAMPLES / example).read_text())["spec"])
