@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
-from dsv4_operator.manifests import LABEL_ROLE
+from dsv4_operator.manifests import HOLD_PARTITION, LABEL_ROLE
 from dsv4_operator.spec import CONDITION_TYPES, DSV4DeploymentSpec
 from dsv4_operator.watchdog.policy import STATE_ANNOTATION, PolicyState
 
@@ -39,6 +39,8 @@ class ChildObservation:
     observed_generation: int
     ready: int
     updated: int
+    held: bool = False  # a decode StatefulSet kept on its old template until prefill rolled out
+
 
     @property
     def settled(self) -> bool:
@@ -63,6 +65,7 @@ def observe(body: Mapping[str, Any]) -> Optional[ChildObservation]:
         observed_generation=int(status.get("observedGeneration") or 0),
         ready=int(status.get("readyReplicas") or 0),
         updated=int(status.get("updatedReplicas") or 0),
+        held=((spec.get("updateStrategy") or {}).get("rollingUpdate") or {}).get("partition") == HOLD_PARTITION,
     )
 
 
@@ -129,7 +132,9 @@ def compute_status(
         if pending:
             progressing = _condition("Progressing", True, "SpecChanged", f"generation {generation} not yet applied")
         elif behind:
-            progressing = _condition("Progressing", True, "RollingOut", summary)
+            held = [role for role in behind if role in by_role and by_role[role].held]
+            note = f"; {', '.join(held)} waits for prefill to roll out first" if held else ""
+            progressing = _condition("Progressing", True, "RollingOut", summary + note)
         else:
             progressing = _condition("Progressing", False, "RolloutComplete", summary)
 

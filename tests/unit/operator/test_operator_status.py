@@ -186,3 +186,16 @@ def test_externally_scaled_role_is_measured_against_its_workload() -> None:
     assert st["decode"]["ready"] == "5/5" and cond(st, "Progressing")["reason"] == "RolloutComplete"
     st = compute(spec=ext, children=[child("prefill"), child("decode", 5, 3), child("router")])
     assert st["decode"]["ready"] == "3/5" and cond(st, "Progressing")["reason"] == "RollingOut"
+
+
+def test_a_held_decode_is_named_in_progressing() -> None:
+    from dsv4_operator.manifests import HOLD_PARTITION
+
+    body = {"kind": "StatefulSet", "metadata": {"name": "x-decode", "generation": 3,
+                                                "labels": {"serving.dsv4.dev/role": "decode"}},
+            "spec": {"replicas": 1, "updateStrategy": {"rollingUpdate": {"partition": HOLD_PARTITION}}},
+            "status": {"observedGeneration": 3, "readyReplicas": 1, "updatedReplicas": 0}}
+    decode = observe(body)
+    assert decode is not None and decode.held
+    st = compute(children=[child("prefill", 1, 0), decode, child("router")])
+    assert cond(st, "Progressing")["message"].endswith("decode waits for prefill to roll out first")
