@@ -9,7 +9,7 @@ httpx. Two workloads:
               back to back (so the server sees about `concurrency` requests at all times);
   multiround  conversations running side by side, each round's prompt = the previous prompt +
               the previous answer + fresh tokens, so contexts grow every round (the shape that
-              wedged production, see shared/FIELD.md).
+              wedged production, see docs/design.md).
 """
 
 from __future__ import annotations

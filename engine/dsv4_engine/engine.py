@@ -1,8 +1,13 @@
 """The engine loop: one thread owns the model, the KV pool and every queue.
 
-Other threads talk to it only through `submit` and `abort` (a command inbox), and hear back
-through each request's sink, so no lock guards the scheduler state. The loop also keeps the
-live gauges current while idle: a stuck request must be visible without traffic.
+Other threads talk to it only through `submit`, `abort` and `call` (an inbox of typed
+commands), and hear back through each request's sink, so no lock guards the scheduler state.
+The loop also keeps the live gauges current while idle: a stuck request must be visible without
+traffic.
+
+Failure isolation: whatever goes wrong for one request (adding it, sampling its row, detokenising
+or stop handling) ends that request alone with an error; only a failed forward pass fails the
+requests of that batch, and nothing ends the loop.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
@@ -24,7 +29,32 @@ from dsv4_engine.scheduler import Scheduler
 from dsv4_engine.sequence import RequestOutput, Sequence, SeqStatus
 from dsv4_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
+if TYPE_CHECKING:
+    from dsv4_engine.pd.role import RoleController
+
 log = logging.getLogger("dsv4.engine")
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    seq: Sequence
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    rid: Optional[str]
+    reason: str = "aborted"
+    all: bool = False
+
+
+@dataclass(frozen=True)
+class Call:
+    """Run fn() on the engine thread (role controllers and admin actions)."""
+
+    fn: Callable[[], None]
+
+
+Command = Union[AddRequest, AbortRequest, Call]
 
 
 @dataclass
@@ -59,9 +89,9 @@ class Engine:
         self.max_model_len = min(args.max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings, pool_tokens)
         self.metrics = EngineMetrics(args.role, args.served_model_name)
         self.metrics.set("kv_pages_total", num_pages)
-        self.pd = None  # role controller for prefill/decode, attached by dsv4_engine.pd
+        self.pd: Optional["RoleController"] = None  # prefill/decode controller, attached by dsv4_engine.pd
         self.seqs: dict[str, Sequence] = {}
-        self.inbox: "queue.Queue[tuple]" = queue.Queue()
+        self.inbox: "queue.Queue[Command]" = queue.Queue()
         self.draining = False
         self.last_iteration = time.monotonic()
         self._stop = threading.Event()
@@ -71,14 +101,14 @@ class Engine:
     # ---- thread-safe entry points ----------------------------------------------------------------
 
     def submit(self, seq: Sequence) -> None:
-        self.inbox.put(("add", seq))
+        self.inbox.put(AddRequest(seq))
 
     def abort(self, rid: Optional[str] = None, reason: str = "aborted", all_: bool = False) -> None:
-        self.inbox.put(("abort", rid, reason, all_))
+        self.inbox.put(AbortRequest(rid, reason, all_))
 
-    def call(self, fn) -> None:
+    def call(self, fn: Callable[[], None]) -> None:
         """Run fn() on the engine thread (for role controllers and admin actions)."""
-        self.inbox.put(("call", fn))
+        self.inbox.put(Call(fn))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.run, name="dsv4-engine", daemon=True)
@@ -115,33 +145,74 @@ class Engine:
             except queue.Empty:
                 return
 
-    def _handle(self, item: tuple) -> None:
-        kind = item[0]
-        if kind == "add":
-            self._add(item[1])
-        elif kind == "abort":
-            _, rid, reason, all_ = item
-            targets = list(self.seqs.values()) if all_ else [self.seqs[rid]] if rid in self.seqs else []
+    def _handle(self, cmd: Command) -> None:
+        if isinstance(cmd, AddRequest):
+            try:
+                self._add(cmd.seq)
+            except Exception as e:  # e.g. a seed the generator refuses: fail this request only
+                self.fail_request(cmd.seq, "request could not be started", e)
+        elif isinstance(cmd, AbortRequest):
+            targets = list(self.seqs.values()) if cmd.all else [self.seqs[cmd.rid]] if cmd.rid in self.seqs else []
             for seq in targets:
-                self.finish(seq, "abort", error=f"request aborted: {reason}", error_code=503)
+                try:
+                    self.finish(seq, "abort", error=f"request aborted: {cmd.reason}", error_code=503)
+                except Exception as e:
+                    self.fail_request(seq, "abort failed", e)
                 self.metrics.inc("num_aborted_reqs")
-        elif kind == "call":
-            item[1]()
+        elif isinstance(cmd, Call):
+            try:
+                cmd.fn()
+            except Exception:  # a controller's callback must not take the inbox down with it
+                log.error("engine call failed:\n%s", traceback.format_exc())
+        else:
+            log.error("unknown engine command %r", cmd)
 
     def _add(self, seq: Sequence) -> None:
         if seq.rid in self.seqs:
             seq.sink(RequestOutput(seq.rid, [], "", True, "error", f"duplicate request id {seq.rid}", 400))
             return
-        self.seqs[seq.rid] = seq
         seq.detok = IncrementalDetokenizer(self.tokenizer)
         if seq.params.seed is not None or not seq.params.greedy:
             seed = seq.params.seed if seq.params.seed is not None else self.args.seed + len(self.seqs)
-            seq.generator = torch.Generator(device="cpu").manual_seed(seed)
+            # On the logits' device: torch.multinomial refuses a generator of another device.
+            seq.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+        self.seqs[seq.rid] = seq
         self.metrics.inc("prompt_tokens", len(seq.prompt_ids))
         if self.pd is not None:
             self.pd.on_new(seq)
         else:
             self.scheduler.add(seq)
+
+    def fail_request(self, seq: Sequence, what: str, exc: BaseException, code: int = 500) -> None:
+        """End one request with an error after something went wrong for it alone."""
+        log.error("%s (request %s):\n%s", what, seq.rid,
+                  "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        try:
+            self.finish(seq, "error", error=f"{what}: {exc}", error_code=code)
+            return
+        except Exception:
+            log.error("finishing request %s failed:\n%s", seq.rid, traceback.format_exc())
+        # Last resort: forget it everywhere and tell the client once, without the usual path.
+        if self.seqs.get(seq.rid) is seq:
+            self.seqs.pop(seq.rid, None)
+        try:
+            self.scheduler.remove(seq)
+        except Exception:
+            pass
+        if seq.pages:
+            try:
+                self.pool.allocator.free(seq.pages)
+            except Exception:
+                log.error("freeing pages of %s failed:\n%s", seq.rid, traceback.format_exc())
+            seq.pages = []
+        if not seq.finished:
+            seq.status = SeqStatus.FINISHED
+            seq.finish_reason = "error"
+            try:
+                seq.sink(RequestOutput(seq.rid, [], "", True, "error", f"{what}: {exc}", code,
+                                       len(seq.prompt_ids), len(seq.output_ids)))
+            except Exception:
+                log.error("telling request %s failed:\n%s", seq.rid, traceback.format_exc())
 
     def step(self) -> None:
         # Block on the inbox only as long as nothing else needs us: not at all with a batch to
@@ -158,23 +229,29 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch:
             try:
-                tokens = self.runner.step(batch, self.pool)
-            except Exception as e:  # fail this step's requests, keep serving the rest
+                results = self.runner.step(batch, self.pool)
+            except Exception as e:  # the forward of this batch failed: fail its requests, keep serving
                 log.error("forward failed:\n%s", traceback.format_exc())
                 for b in batch:
-                    self.finish(b.seq, "error", error=f"engine error: {e}", error_code=500)
-                tokens = []
-            for b, tok in zip(batch, tokens):
+                    self.fail_request(b.seq, "engine error", e)
+                results = []
+            for b, r in zip(batch, results):
                 b.seq.num_computed += b.num_new
-                if tok is not None and not b.seq.finished:
-                    self._append_token(b.seq, tok)
+                if r is None or b.seq.finished:
+                    continue
+                try:
+                    if isinstance(r, Exception):
+                        raise r
+                    self._append_token(b.seq, r.token, r.logprob)
+                except Exception as e:  # sampling, detokenising, stop handling: this request only
+                    self.fail_request(b.seq, "generation failed", e)
         self.metrics.inc("scheduler_loop_iterations")
         self.last_iteration = time.monotonic()
         self.update_gauges()
 
     # ---- per-token bookkeeping -------------------------------------------------------------------
 
-    def _append_token(self, seq: Sequence, tok: int) -> None:
+    def _append_token(self, seq: Sequence, tok: int, logprob: Optional[dict] = None) -> None:
         now = time.monotonic()
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -183,6 +260,8 @@ class Engine:
             self.metrics.observe("inter_token_latency_seconds", now - seq.last_token_time)
         seq.last_token_time = now
         seq.output_ids.append(tok)
+        if seq.params.logprobs is not None:
+            seq.output_logprobs.append(logprob if logprob is not None else {"token_id": tok, "logprob": None, "top": []})
         self.metrics.inc("generation_tokens")
         if seq.prefill_only:
             # PD prefill: the first token travels with the KV; decode judges every stop condition.
@@ -194,11 +273,15 @@ class Engine:
         else:
             self._emit(seq, [tok])
 
-    def accept_first_token(self, seq: Sequence, tok: int) -> None:
-        """PD decode: the KV of the prompt has landed with the token prefill sampled."""
-        self._append_token(seq, tok)
-        if not seq.finished:
-            self.scheduler.add_running(seq)
+    def accept_first_token(self, seq: Sequence, tok: int, logprob: Optional[dict] = None) -> None:
+        """PD decode: the KV of the prompt has landed with the token prefill sampled (and, when
+        the request asked for logprobs, that token's entry as prefill computed it)."""
+        try:
+            self._append_token(seq, tok, logprob)
+            if not seq.finished:
+                self.scheduler.add_running(seq)
+        except Exception as e:
+            self.fail_request(seq, "generation failed", e)
 
     def _stop_reason(self, seq: Sequence, tok: int) -> Optional[str]:
         p = seq.params
@@ -222,8 +305,11 @@ class Engine:
         upto = max(seq.emitted_text_len, len(seq.text) - hold)
         delta = seq.text[seq.emitted_text_len:upto]
         seq.emitted_text_len = upto
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs = seq.output_logprobs[len(seq.output_logprobs) - len(toks):] if toks else []
         seq.sink(RequestOutput(seq.rid, toks, delta, finished, reason, error, error_code,
-                               len(seq.prompt_ids), len(seq.output_ids)))
+                               len(seq.prompt_ids), len(seq.output_ids), logprobs))
 
     def finish(self, seq: Sequence, reason: str, error: Optional[str] = None, error_code: int = 500,
                new_token: Optional[int] = None) -> None:

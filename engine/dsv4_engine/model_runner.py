@@ -4,7 +4,7 @@ reached its last known token."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -12,7 +12,7 @@ from dsv4_engine.kv_cache import KVPool
 from dsv4_engine.models import entry_for_dir
 from dsv4_engine.models.deepseek_v3 import ForwardBatch
 from dsv4_engine.models.state import StateSpec
-from dsv4_engine.sampling import sample
+from dsv4_engine.sampling import Sampled, sample
 from dsv4_engine.scheduler import ScheduledSeq
 from dsv4_engine.weights import load_weights
 
@@ -75,13 +75,15 @@ class ModelRunner:
     def forward(self, batch: list[ScheduledSeq], pool: KVPool) -> torch.Tensor:
         return self.model.forward(self.build_batch(batch, pool.page_size), pool.states)
 
-    def step(self, batch: list[ScheduledSeq], pool: KVPool) -> list[Optional[int]]:
-        """Forward the step; returns a sampled token for each request that samples, else None."""
+    def step(self, batch: list[ScheduledSeq], pool: KVPool) -> list[Union[Sampled, Exception, None]]:
+        """Forward the step (a forward failure raises: it fails the batch). For each request that
+        samples: a Sampled, or the exception its row raised (it fails that request alone);
+        None for the others."""
         logits = self.forward(batch, pool)
         rows = [i for i, b in enumerate(batch) if b.samples]
-        tokens: list[Optional[int]] = [None] * len(batch)
+        results: list[Union[Sampled, Exception, None]] = [None] * len(batch)
         if rows:
             picked = sample(logits[rows], [batch[i].seq.params for i in rows], [batch[i].seq.generator for i in rows])
-            for i, t in zip(rows, picked):
-                tokens[i] = t
-        return tokens
+            for i, r in zip(rows, picked):
+                results[i] = r
+        return results

@@ -1,11 +1,24 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds,
+and log-probabilities for the requests that ask for them.
+
+Every row is sampled on its own terms and fails on its own: one request whose row cannot be
+sampled (non-finite logits, an impossible distribution) gets an exception in its slot of the
+result, and every other row of the batch still gets its token.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
+
+# What a logprob of -inf is reported as (JSON has no infinity; vLLM reports the same floor).
+LOGPROB_FLOOR = -9999.0
+MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (vLLM's default cap)
+# Temperatures between 0 and this are raised to it: dividing logits by a denormal turns them
+# into infinities (vLLM clamps the same way).
+MIN_TEMPERATURE = 1e-2
 
 
 @dataclass
@@ -18,41 +31,92 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: Optional[int] = None  # None: none wanted; N: the sampled token's and the top N
 
     def validate(self) -> None:
         """Raise ValueError with a user-facing message for parameters we cannot honour."""
         if self.max_tokens is None or self.max_tokens <= 0:
             raise ValueError("max_tokens must be at least 1")
-        if not (self.temperature >= 0):
-            raise ValueError("temperature must be >= 0")
+        if not (self.temperature >= 0) or self.temperature == float("inf"):
+            raise ValueError("temperature must be a finite number >= 0")
         if not (0 < self.top_p <= 1):
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k is None or self.top_k < -1:
             raise ValueError("top_k must be -1 (disabled) or a positive integer")
         if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be up to 16 non-empty strings")
+        if self.seed is not None and not (-(2**63) <= self.seed < 2**63):
+            raise ValueError("seed must fit in a signed 64-bit integer")
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[Optional[torch.Generator]]) -> list[int]:
-    """One token per row of fp32 logits [B, V]."""
-    out = logits.argmax(dim=-1).tolist()
+@dataclass
+class Sampled:
+    """One row's result: the token and, when the request asked, its logprob entry
+    {"token_id", "logprob", "top": [[token_id, logprob], ...]}."""
+
+    token: int
+    logprob: Optional[dict] = None
+
+
+class SamplingError(RuntimeError):
+    """This row could not be sampled; only its request fails."""
+
+
+def _finite(x: float) -> float:
+    return x if x == x and x != float("-inf") else LOGPROB_FLOOR
+
+
+def logprob_entry(logprobs_row: torch.Tensor, token: int, n: int) -> dict:
+    """The logprob of `token` and the n most likely tokens, from one row of log-softmax."""
+    entry = {"token_id": token, "logprob": _finite(float(logprobs_row[token])), "top": []}
+    if n > 0:
+        vals, idx = torch.topk(logprobs_row, min(n, logprobs_row.numel()))
+        entry["top"] = [[int(i), _finite(float(v))] for v, i in zip(vals.tolist(), idx.tolist())]
+    return entry
+
+
+def _sample_row(row: torch.Tensor, p: SamplingParams, generator: Optional[torch.Generator]) -> int:
+    row = row / max(p.temperature, MIN_TEMPERATURE)
+    if p.top_k and p.top_k > 0:
+        kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sorted_p, dim=-1)
+        drop = cum - sorted_p > p.top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_p[drop] = 0
+        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+        raise SamplingError("the sampling distribution is not finite (check temperature/top_p/top_k)")
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[Optional[torch.Generator]]) -> list[Union[Sampled, Exception]]:
+    """One result per row of fp32 logits [B, V]: a Sampled, or the exception that row raised.
+
+    Logprobs are those of the model's raw distribution (log-softmax of the logits before
+    temperature, top-k and top-p), the choice vLLM documents as its default."""
+    logits = logits.float()
+    greedy = logits.argmax(dim=-1).tolist()
+    nan_rows = torch.isnan(logits).any(dim=-1).tolist()
+    out: list[Union[Sampled, Exception]] = []
     for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        row = logits[i] / p.temperature
-        if p.top_k and p.top_k > 0:
-            kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, idx = torch.sort(probs, descending=True)
-            cum = torch.cumsum(sorted_p, dim=-1)
-            drop = cum - sorted_p > p.top_p  # keep the smallest prefix whose mass reaches top_p
-            sorted_p[drop] = 0
-            probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-        out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+        try:
+            if nan_rows[i]:
+                raise SamplingError("the model produced NaN logits for this request")
+            tok = greedy[i] if p.greedy else _sample_row(logits[i], p, generators[i])
+            entry = None
+            if p.logprobs is not None:
+                entry = logprob_entry(torch.log_softmax(logits[i], dim=-1), tok, p.logprobs)
+            out.append(Sampled(tok, entry))
+        except Exception as e:  # noqa: BLE001 — whatever one row raises fails that row alone
+            out.append(e)
     return out

@@ -5,11 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from dsv4_engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from dsv4_engine.pd.common import PDRequestInfo
 
 
 class SeqStatus(enum.Enum):
@@ -31,6 +34,9 @@ class RequestOutput:
     error_code: int = 500
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # One entry per token in token_ids when the request asked for logprobs (else None):
+    # {"token_id": int, "logprob": float, "top": [[token_id, logprob], ...]}.
+    logprobs: Optional[list[dict]] = None
 
 
 @dataclass(eq=False)
@@ -40,6 +46,8 @@ class Sequence:
     params: SamplingParams
     sink: Callable[[RequestOutput], None] = lambda out: None
     output_ids: list[int] = field(default_factory=list)
+    # Parallel to output_ids when params.logprobs is set (see RequestOutput.logprobs).
+    output_logprobs: list[dict] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in `pages`
     status: SeqStatus = SeqStatus.WAITING
@@ -54,7 +62,7 @@ class Sequence:
     emitted_text_len: int = 0
     num_preemptions: int = 0
     prefill_only: bool = False  # PD prefill: stop after the first token, KV goes to decode
-    pd: Any = None  # PD bookkeeping (room, peer, deadlines), owned by dsv4_engine.pd
+    pd: Optional["PDRequestInfo"] = None  # PD bookkeeping (room, peer, deadlines), owned by dsv4_engine.pd
 
     @property
     def num_tokens(self) -> int:

@@ -169,7 +169,9 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Special-token strings inside `text` become their ids; bos is prepended when asked for and
         the tokenizer uses one (a rendered chat prompt already starts with it: pass add_bos=False)."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        # encode_batch releases the GIL while it works (encode does not): a long prompt tokenised
+        # on a worker thread then leaves the server's event loop free.
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_bos and self.add_bos:
             return [self.bos_id, *ids]
         return ids

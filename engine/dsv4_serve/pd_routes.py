@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
-from dsv4_engine.pd import BOOT_ID
 from dsv4_serve.admin import error_response, require_token
 from dsv4_wire import APIError, Paths
 
@@ -24,7 +23,9 @@ async def _json(http: Request):
 
 
 def extend_app(app: FastAPI, engine, args) -> None:
-    """Endpoints every PD engine adds: peer aborts and, when enabled, fault injection."""
+    """Endpoints every PD engine adds: peer aborts and, when enabled, fault injection (armed on
+    the controller's injector, which its transport, channel and deadline policy consult)."""
+    faults = engine.pd.faults
 
     @app.post(Paths.PD_ABORT)
     async def pd_abort(http: Request):
@@ -43,21 +44,21 @@ def extend_app(app: FastAPI, engine, args) -> None:
             body = await http.json()
             name, count = body["fault"], int(body.get("count", 1))
             params = {k: v for k, v in body.items() if k not in ("fault", "count")}
-            engine.faults.arm(name, count, **params)
+            faults.arm(name, count, **params)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise APIError(f"bad fault request: {e}")
-        return {"armed": engine.faults.snapshot()}
+        return {"armed": faults.snapshot()}
 
     @app.delete(Paths.ADMIN_FAULTS)
     async def clear_faults(http: Request):
         require_token(http, args.admin_token)
-        engine.faults.clear()
+        faults.clear()
         return {"armed": {}}
 
     @app.get(Paths.ADMIN_FAULTS)
     async def list_faults(http: Request):
         require_token(http, args.admin_token)
-        return {"armed": engine.faults.snapshot()}
+        return {"armed": faults.snapshot()}
 
 
 def build_bootstrap_app(engine, args) -> FastAPI:
@@ -77,7 +78,7 @@ def build_bootstrap_app(engine, args) -> FastAPI:
             ctl.register(body)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise APIError(f"bad registration: {e}")
-        return {"ok": True, "boot_id": BOOT_ID}
+        return {"ok": True, "boot_id": ctl.boot_id}
 
     @app.post(Paths.BOOTSTRAP_ABORT)
     async def abort(http: Request):
@@ -91,10 +92,10 @@ def build_bootstrap_app(engine, args) -> FastAPI:
         require_token(http, args.pd_secret, "PD secret")
         if decode_boot:
             ctl.heartbeat(decode_boot)
-        return {"boot_id": BOOT_ID}
+        return {"boot_id": ctl.boot_id}
 
     @app.get(Paths.HEALTH)
     async def health():
-        return {"status": "ok", "boot_id": BOOT_ID}
+        return {"status": "ok", "boot_id": ctl.boot_id}
 
     return app

@@ -2,29 +2,42 @@
 
 Handlers validate everything before a request reaches the engine thread, and talk to it only
 through `EngineClient` (submit + a per-request asyncio queue fed from the engine thread).
+Parsing, chat templating and tokenising run on a worker thread, so /health and /ready answer
+while a multi-megabyte prompt is processed. Every error a client sees is an OpenAI error body
+(`dsv4_wire.APIError`), in a stream too (an error event, then [DONE]).
+
+Shutdown: SIGTERM (or SIGINT) drains — new generation requests get a 503, /ready says
+"draining", running requests get `--shutdown-grace` seconds to finish, the rest are then ended
+with an error — and the process exits 0. A second signal cuts the grace short.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import signal
 import time
+import traceback
 import uuid
 from dataclasses import dataclass, fields
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Mapping, Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsv4_engine.engine import Engine, EngineArgs
 from dsv4_engine.sampling import SamplingParams
 from dsv4_engine.sequence import RequestOutput, Sequence
 from dsv4_serve.admin import error_response, require_token, thread_stacks
-from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest, _Common
-from dsv4_wire import APIError, Paths
+from dsv4_serve.gate import DEFAULT_MAX_REQUEST_BYTES, Gate, Lifecycle
+from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completion_logprobs, next_offset, text_of_bytes
+from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest, _Common, parse_request
+from dsv4_wire import APIError, Paths, token_matches
 
 log = logging.getLogger("dsv4.server")
 
@@ -43,6 +56,8 @@ class ServerArgs(EngineArgs):
     enable_fault_injection: bool = False
     admin_token: Optional[str] = None
     pd_secret: Optional[str] = None  # engine-to-engine PD endpoints require it when set
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    shutdown_grace: float = 30.0  # seconds running requests get to finish after SIGTERM
 
     def engine_args(self) -> EngineArgs:
         return EngineArgs(**{f.name: getattr(self, f.name) for f in fields(EngineArgs)})
@@ -51,10 +66,15 @@ class ServerArgs(EngineArgs):
 class EngineClient:
     """The asyncio side of the engine: one queue per request, filled from the engine thread."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, lifecycle: Lifecycle):
         self.engine = engine
+        self.lifecycle = lifecycle
 
     async def generate(self, seq: Sequence) -> AsyncIterator[RequestOutput]:
+        if self.lifecycle.closed:  # prepared while the drain ran out: never reaches the engine
+            yield RequestOutput(seq.rid, [], "", True, "abort", "request aborted: server shutting down", 503,
+                                len(seq.prompt_ids), 0)
+            return
         loop = asyncio.get_running_loop()
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         seq.sink = lambda out: loop.call_soon_threadsafe(q.put_nowait, out)
@@ -77,33 +97,81 @@ def _usage(prompt: int, completion: int) -> dict:
 
 
 def _sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, allow_nan=False)}\n\n"
+
+
+def _failure(out: RequestOutput) -> APIError:
+    """The client-facing error of a request the engine ended with an error or abort."""
+    code = out.error_code if out.error_code >= 400 else 500
+    return APIError(out.error or "request failed", code, "server_error" if code >= 500 else "invalid_request_error")
+
+
+@dataclass
+class Prepared:
+    """A request validated and tokenised (off the event loop), ready for the engine."""
+
+    req: _Common
+    seqs: list[Sequence]
+    rid: str
+    chat: bool
 
 
 class OpenAIServing:
-    def __init__(self, engine: Engine, args: ServerArgs):
+    def __init__(self, engine: Engine, args: ServerArgs, lifecycle: Optional[Lifecycle] = None):
         self.engine = engine
-        self.client = EngineClient(engine)
+        self.lifecycle = lifecycle or Lifecycle()
+        self.client = EngineClient(engine, self.lifecycle)
         self.args = args
         self.model_name = args.served_model_name
         self.vocab = engine.cfg.vocab_size
+        self._token_bytes: dict[int, bytes] = {}
+        from tokenizers import decoders
 
-    # ---- validation ------------------------------------------------------------------------------
+        self._byte_level = isinstance(getattr(engine.tokenizer.backend, "decoder", None), decoders.ByteLevel)
+        # No token spells more characters than its longest vocabulary entry: a text longer than
+        # that times the context cannot fit, and is refused without spending seconds tokenising it.
+        self._max_token_chars = max(len(k) for k in engine.tokenizer.backend.get_vocab(with_added_tokens=True))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (for logprobs), cached: the vocabulary is bounded."""
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            raw = None
+            if self._byte_level:
+                raw = byte_level_token_bytes(self.engine.tokenizer.backend.id_to_token(token_id) or "")
+            if raw is None:  # special tokens, or a tokenizer that is not byte-level
+                raw = self.engine.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
+            self._token_bytes[token_id] = raw
+        return raw
+
+    def token_text(self, token_id: int) -> str:
+        return text_of_bytes(self.token_bytes(token_id))
+
+    # ---- validation (runs in a worker thread: JSON, tokenising and templating can be slow) -------
 
     def _check_model(self, req: _Common) -> None:
         if req.model is not None and req.model != self.model_name:
             raise APIError(f"The model `{req.model}` does not exist.", 404, "NotFoundError", "model", "model_not_found")
+
+    def _encode(self, text: str, add_bos: bool = True, param: str = "prompt") -> list[int]:
+        limit = self.engine.max_model_len
+        if len(text) > limit * self._max_token_chars:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has at least "
+                f"{len(text) // self._max_token_chars} tokens ({len(text)} characters).", param=param,
+                code="context_length_exceeded")
+        return self.engine.tokenizer.encode(text, add_bos=add_bos)
 
     def _prompts(self, req: CompletionRequest) -> list[list[int]]:
         p = req.prompt
         if p == "" or (isinstance(p, list) and any(x == "" or x == [] for x in p)):
             raise APIError("prompt must not be empty", param="prompt")
         if isinstance(p, str):
-            prompts = [self.engine.tokenizer.encode(p)]
+            prompts = [self._encode(p)]
         elif p and all(isinstance(x, int) for x in p):
             prompts = [list(p)]
         elif p and all(isinstance(x, str) for x in p):
-            prompts = [self.engine.tokenizer.encode(x) for x in p]
+            prompts = [self._encode(x) for x in p]
         elif p and all(isinstance(x, list) for x in p):
             prompts = [list(x) for x in p]
         else:
@@ -122,7 +190,7 @@ class OpenAIServing:
             raise APIError(
                 f"This model's maximum context length is {limit} tokens. However, your prompt has "
                 f"{prompt_len} tokens, leaving no room for a completion.", param="prompt", code="context_length_exceeded")
-        params = req.sampling_params(default_max if default_max is not None else limit - prompt_len)
+        params = req.sampling_params(default_max if default_max is not None else limit - prompt_len, self.vocab)
         if prompt_len + params.max_tokens > limit:
             raise APIError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -131,43 +199,49 @@ class OpenAIServing:
                 code="context_length_exceeded")
         return params
 
-    def _seq(self, req: _Common, ids: list[int], params: SamplingParams, rid: str) -> Sequence:
+    def _seq(self, req: _Common, ids: list[int], params: SamplingParams, rid: str, headers: Mapping[str, str]) -> Sequence:
         seq = Sequence(rid=rid, prompt_ids=ids, params=params)
         if self.args.role != "mono":
-            from dsv4_engine.pd.common import PDRequestInfo
+            from dsv4_engine.pd import bootstrap_target
 
-            if req.bootstrap_room is None:
-                raise APIError(f"this is a {self.args.role} engine: send requests through the dsv4 router", param="bootstrap_room")
-            seq.pd = PDRequestInfo(req.bootstrap_host or "127.0.0.1", req.bootstrap_port or 0, req.bootstrap_room)
+            seq.pd = bootstrap_target(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, role=self.args.role,
+                                      secret_set=bool(self.args.pd_secret), authorized=token_matches(headers, self.args.pd_secret))
             seq.prefill_only = self.args.role == "prefill"
         return seq
 
-    # ---- completions -----------------------------------------------------------------------------
-
-    async def completions(self, req: CompletionRequest, http: Request) -> Response:
+    def prepare_completion(self, body: bytes, headers: Mapping[str, str]) -> Prepared:
+        req = parse_request(CompletionRequest, body)
         self._check_model(req)
         prompts = self._prompts(req)
         params = [self._params(req, len(ids), 16) for ids in prompts]
         base = req.rid or f"cmpl-{uuid.uuid4().hex}"
-        seqs = [self._seq(req, ids, p, base if len(prompts) == 1 else f"{base}-{i}")
+        seqs = [self._seq(req, ids, p, base if len(prompts) == 1 else f"{base}-{i}", headers)
                 for i, (ids, p) in enumerate(zip(prompts, params))]
-        if req.stream:
-            return StreamingResponse(self._stream(req, seqs, base, chat=False), media_type="text/event-stream")
-        return await self._complete(req, seqs, base, http, chat=False)
+        return Prepared(req, seqs, base, chat=False)
 
-    async def chat(self, req: ChatCompletionRequest, http: Request) -> Response:
+    def prepare_chat(self, body: bytes, headers: Mapping[str, str]) -> Prepared:
+        req = parse_request(ChatCompletionRequest, body)
         self._check_model(req)
         msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-        text = self.engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt)
-        ids = self.engine.tokenizer.encode(text, add_bos=False)
-        if req.max_completion_tokens is not None and req.max_tokens is None:
-            req.max_tokens = req.max_completion_tokens
+        try:
+            text = self.engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:  # the template refused these messages (roles, order, ...)
+            raise APIError(f"messages could not be rendered by the chat template: {e}", param="messages") from None
+        ids = self._encode(text, add_bos=False, param="messages")
+        if not ids:
+            raise APIError("the rendered chat prompt is empty", param="messages")
         params = self._params(req, len(ids), None)
         rid = req.rid or f"chatcmpl-{uuid.uuid4().hex}"
-        seqs = [self._seq(req, ids, params, rid)]
-        if req.stream:
-            return StreamingResponse(self._stream(req, seqs, rid, chat=True), media_type="text/event-stream")
-        return await self._complete(req, seqs, rid, http, chat=True)
+        return Prepared(req, [self._seq(req, ids, params, rid, headers)], rid, chat=True)
+
+    # ---- serving -------------------------------------------------------------------------------
+
+    async def serve(self, prepare, http: Request) -> Response:
+        body = await http.body()
+        p: Prepared = await asyncio.to_thread(prepare, body, http.headers)
+        if p.req.stream:
+            return StreamingResponse(self._stream(p), media_type="text/event-stream")
+        return await self._complete(p, http)
 
     async def _merged(self, seqs: list[Sequence]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of several requests as they come, tagged with the request's index."""
@@ -193,19 +267,21 @@ class OpenAIServing:
                 t.cancel()
 
     async def _collect(self, seqs: list[Sequence]) -> list[dict]:
-        results = [{"text": "", "token_ids": [], "finish_reason": None, "prompt": 0, "completion": 0} for _ in seqs]
+        results = [{"text": "", "token_ids": [], "logprobs": [], "finish_reason": None, "prompt": 0, "completion": 0}
+                   for _ in seqs]
         async for i, out in self._merged(seqs):
             r = results[i]
             r["text"] += out.text
             r["token_ids"] += out.token_ids
+            r["logprobs"] += out.logprobs or []
             if out.finished:
                 if out.finish_reason in ("error", "abort"):
-                    raise APIError(out.error or "request failed", out.error_code if out.error_code >= 400 else 500,
-                                   "server_error" if out.error_code >= 500 else "invalid_request_error")
+                    raise _failure(out)
                 r.update(finish_reason=out.finish_reason, prompt=out.prompt_tokens, completion=out.completion_tokens)
         return results
 
-    async def _complete(self, req: _Common, seqs: list[Sequence], rid: str, http: Request, chat: bool) -> Response:
+    async def _complete(self, p: Prepared, http: Request) -> Response:
+        req, seqs, chat = p.req, p.seqs, p.chat
         work = asyncio.ensure_future(self._collect(seqs))
         gone = asyncio.ensure_future(self._wait_disconnect(http))
         try:
@@ -217,19 +293,24 @@ class OpenAIServing:
             return Response(status_code=499)
         results = work.result()
         usage = _usage(sum(r["prompt"] for r in results), sum(r["completion"] for r in results))
-        created = int(time.time())
         choices = []
         for i, (r, seq) in enumerate(zip(results, seqs)):
+            logprobs = None
             if chat:
-                c = {"index": i, "message": {"role": "assistant", "content": r["text"]}, "finish_reason": r["finish_reason"], "logprobs": None}
+                if seq.params.logprobs is not None:
+                    logprobs = chat_logprobs(r["logprobs"], self.token_bytes)
+                c = {"index": i, "message": {"role": "assistant", "content": r["text"]}, "finish_reason": r["finish_reason"],
+                     "logprobs": logprobs}
             else:
                 text = (self.engine.tokenizer.decode(seq.prompt_ids) if getattr(req, "echo", False) else "") + r["text"]
-                c = {"index": i, "text": text, "finish_reason": r["finish_reason"], "logprobs": None}
+                if seq.params.logprobs is not None:
+                    logprobs = completion_logprobs(r["logprobs"], self.token_text)
+                c = {"index": i, "text": text, "finish_reason": r["finish_reason"], "logprobs": logprobs}
             if req.return_token_ids:
                 c["token_ids"] = r["token_ids"]
                 c["prompt_token_ids"] = seq.prompt_ids
             choices.append(c)
-        body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+        body = {"id": p.rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage}
         if req.return_token_ids:
             body["prompt_token_ids"] = seqs[0].prompt_ids
@@ -240,24 +321,36 @@ class OpenAIServing:
         while not await http.is_disconnected():
             await asyncio.sleep(0.05)
 
-    async def _stream(self, req: _Common, seqs: list[Sequence], rid: str, chat: bool) -> AsyncIterator[str]:
+    async def _stream(self, p: Prepared) -> AsyncIterator[str]:
+        try:
+            async for event in self._stream_events(p):
+                yield event
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug must still end the stream the way clients understand
+            log.error("stream %s failed:\n%s", p.rid, traceback.format_exc())
+            yield _sse(APIError(f"internal error: {e}", 500, "server_error").body())
+            yield _sse("[DONE]")
+
+    async def _stream_events(self, p: Prepared) -> AsyncIterator[str]:
+        req, chat = p.req, p.chat
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         usage = [0, 0]
+        offsets = [0] * len(p.seqs)
 
         def chunk(choices: list, usage_: Optional[dict] = None) -> dict:
-            c = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
+            c = {"id": p.rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
             if usage_ is not None or include_usage:
                 c["usage"] = usage_
             return c
 
         sent_role = not chat  # the role chunk goes out with the first output, so a request that
         # fails before producing anything streams nothing but its error (the router can retry it)
-        async for i, out in self._merged(seqs):
+        async for i, out in self._merged(p.seqs):
             if out.finished and out.finish_reason in ("error", "abort"):
-                err = APIError(out.error or "request failed", out.error_code, "server_error")
-                yield _sse(err.body())
+                yield _sse(_failure(out).body())
                 yield _sse("[DONE]")
                 return
             if not (out.text or out.token_ids or out.finished):
@@ -266,10 +359,16 @@ class OpenAIServing:
                 sent_role = True
                 yield _sse(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]))
             c: dict = {"index": i, "finish_reason": out.finish_reason if out.finished else None, "logprobs": None}
+            wants_logprobs = p.seqs[i].params.logprobs is not None
             if chat:
                 c["delta"] = {"content": out.text} if out.text else {}
+                if wants_logprobs:
+                    c["logprobs"] = chat_logprobs(out.logprobs or [], self.token_bytes)
             else:
                 c["text"] = out.text
+                if wants_logprobs:
+                    c["logprobs"] = completion_logprobs(out.logprobs or [], self.token_text, offsets[i])
+                    offsets[i] = next_offset(c["logprobs"], offsets[i])
             if req.return_token_ids:
                 c["token_ids"] = out.token_ids
             yield _sse(chunk([c]))
@@ -281,10 +380,13 @@ class OpenAIServing:
         yield _sse("[DONE]")
 
 
-def build_app(engine: Engine, args: ServerArgs) -> FastAPI:
-    app = FastAPI(title="dsv4 engine", docs_url=None, redoc_url=None)
-    serving = OpenAIServing(engine, args)
+def build_app(engine: Engine, args: ServerArgs, lifecycle: Optional[Lifecycle] = None) -> FastAPI:
+    app = FastAPI(title="dsv4 engine", docs_url=None, redoc_url=None, openapi_url=None)
+    lifecycle = lifecycle or Lifecycle()
+    serving = OpenAIServing(engine, args, lifecycle)
     app.state.engine = engine
+    app.state.serving = serving
+    app.add_middleware(Gate, lifecycle=lifecycle, max_request_bytes=args.max_request_bytes)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
@@ -298,13 +400,28 @@ def build_app(engine: Engine, args: ServerArgs) -> FastAPI:
         msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
         return error_response(APIError(msg, 400, param=loc or None))
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(http: Request, e: StarletteHTTPException):
+        if e.status_code == 404:
+            msg = f"Invalid URL ({http.method} {http.url.path})"
+        elif e.status_code == 405:
+            msg = f"Method {http.method} is not allowed on {http.url.path}"
+        else:
+            msg = str(e.detail)
+        return error_response(APIError(msg, e.status_code, "invalid_request_error" if e.status_code < 500 else "server_error"))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(http: Request, e: Exception):
+        log.error("%s %s failed:\n%s", http.method, http.url.path, traceback.format_exc())
+        return error_response(APIError(f"internal error: {type(e).__name__}: {e}", 500, "server_error"))
+
     @app.post(Paths.COMPLETIONS)
-    async def completions(req: CompletionRequest, http: Request):
-        return await serving.completions(req, http)
+    async def completions(http: Request):
+        return await serving.serve(serving.prepare_completion, http)
 
     @app.post(Paths.CHAT_COMPLETIONS)
-    async def chat(req: ChatCompletionRequest, http: Request):
-        return await serving.chat(req, http)
+    async def chat(http: Request):
+        return await serving.serve(serving.prepare_chat, http)
 
     @app.get(Paths.MODELS)
     async def models():
@@ -322,7 +439,7 @@ def build_app(engine: Engine, args: ServerArgs) -> FastAPI:
         stalled = time.monotonic() - engine.last_iteration
         if not engine.alive or stalled > 10:
             return JSONResponse({"ready": False, "reason": f"engine loop not progressing ({stalled:.1f}s)"}, status_code=503)
-        if engine.draining:
+        if engine.draining or lifecycle.draining:
             return JSONResponse({"ready": False, "reason": "draining"}, status_code=503)
         return {"ready": True}
 
@@ -384,27 +501,73 @@ def make_engine(args: ServerArgs) -> Engine:
     return engine
 
 
+class _Server(uvicorn.Server):
+    """uvicorn without its own SIGTERM/SIGINT handling: `run_server` drains first."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+async def drain(engine: Engine, lifecycle: Lifecycle, grace: float, hurry: asyncio.Event) -> None:
+    """Stop taking requests, let running ones finish for up to `grace` seconds (or until `hurry`
+    is set by a second signal), then end the rest with an error and wait for their answers."""
+    lifecycle.draining = True
+    engine.draining = True
+    start = time.monotonic()
+    busy = lambda: lifecycle.active > 0 or bool(engine.seqs)  # noqa: E731
+    log.warning("draining: %d request(s) running, up to %.1fs to finish", lifecycle.active, grace)
+    while busy() and time.monotonic() - start < grace and not hurry.is_set():
+        await asyncio.sleep(0.05)
+    if busy():
+        log.warning("drain grace over: ending %d running request(s) with an error", lifecycle.active)
+        lifecycle.closed = True
+        engine.abort(reason="server shutting down", all_=True)
+        end = time.monotonic() + 5.0
+        while lifecycle.active > 0 and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+    log.warning("drained in %.1fs", time.monotonic() - start)
+
+
 def run_server(args: ServerArgs) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     engine = make_engine(args)
     engine.start()
-    apps = [(build_app(engine, args), args.port)]
+    lifecycle = Lifecycle()
+    apps = [(build_app(engine, args, lifecycle), args.port)]
     if args.role != "mono":
         from dsv4_serve.pd_routes import build_bootstrap_app, extend_app
 
         extend_app(apps[0][0], engine, args)
         if args.role == "prefill":
             apps.append((build_bootstrap_app(engine, args), args.bootstrap_port))
-    servers = [uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level="warning",
-                                             timeout_graceful_shutdown=2)) for app, port in apps]
+    servers = [_Server(uvicorn.Config(app, host=args.host, port=port, log_level="warning",
+                                      timeout_graceful_shutdown=5)) for app, port in apps]
     extra = f", bootstrap on port {args.bootstrap_port}" if args.role == "prefill" else ""
     print(f"dsv4 serve: {args.role} engine for {args.served_model_name} on http://{args.host}:{args.port}{extra} "
           f"({engine.pool.num_pages} KV pages of {args.page_size} tokens, max_model_len {engine.max_model_len}, "
           f"kernels {engine.runner.kernel_backend})", flush=True)
 
     async def serve_all() -> None:
-        await asyncio.gather(*(s.serve() for s in servers))
+        loop = asyncio.get_running_loop()
+        signalled, hurry = asyncio.Event(), asyncio.Event()
+
+        def on_signal() -> None:
+            (hurry if signalled.is_set() else signalled).set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
+        tasks = [asyncio.create_task(s.serve()) for s in servers]
+        waiter = asyncio.create_task(signalled.wait())
+        done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        if waiter in done:  # SIGTERM/SIGINT: drain, then let uvicorn close the connections
+            await drain(engine, lifecycle, args.shutdown_grace, hurry)
+        else:
+            waiter.cancel()
+        for s in servers:
+            s.should_exit = True
+        await asyncio.gather(*tasks)
 
     try:
         asyncio.run(serve_all())

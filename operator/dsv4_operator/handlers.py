@@ -36,6 +36,7 @@ from dsv4_operator.manifests import (
     engine_statefulset, initial_replicas, prefill_rolled_out, scale_handover, unbuildable_reasons,
 )
 from dsv4_operator.remediation.daemon import DeploymentWatchdog
+from dsv4_operator.remediation.pods import engine_pod_index_key, pod_snapshot
 from dsv4_operator.status import ROLES, ChildObservation, compute_status, observe, remediation_counts, status_changed
 from dsv4_operator.telemetry import OperatorMetrics
 from dsv4_operator.watchdog.revisions import RevisionTracker
@@ -156,9 +157,11 @@ async def refresh_status(api: KubeApi, metrics: OperatorMetrics, namespace: str,
     names the resourceVersion it read, so a concurrent writer (the reconciler, the watchdog)
     makes it re-read instead of being overwritten. `children` is read again on every attempt:
     the indexes move on while we wait for the API server."""
-    for _ in range(STATUS_WRITE_ATTEMPTS):
-        cr = await api.get(S.API_VERSION, S.KIND, namespace, name)
-        if cr is None or cr["metadata"].get("deletionTimestamp"):
+    computed: list[tuple[dict[str, Any], bool]] = []
+
+    def status_patch(cr: dict) -> Optional[dict]:
+        computed.clear()
+        if cr["metadata"].get("deletionTimestamp"):
             return None
         meta = cr["metadata"]
         previous = cr.get("status") or {}
@@ -173,17 +176,23 @@ async def refresh_status(api: KubeApi, metrics: OperatorMetrics, namespace: str,
             remediation_counts=remediation_counts(meta.get("annotations")),
             pinned_revision=pinned,
         )
-        if not status_changed(previous, new):
-            return new
-        try:
-            await api.patch_status(cr, new, meta.get("resourceVersion"))
-        except ApiError as e:
-            if e.status == 409:
-                continue  # someone wrote in between: re-read and recompute
-            raise
+        changed = status_changed(previous, new)
+        computed.append((new, changed))
+        return {"status": new} if changed else None
+
+    try:
+        written = await api.patch_with_retry(S.API_VERSION, S.KIND, namespace, name, status_patch,
+                                             subresource="status", attempts=STATUS_WRITE_ATTEMPTS)
+    except ApiError as e:
+        if e.status == 409:
+            raise kopf.TemporaryError(f"status of {namespace}/{name} kept changing under us", delay=1) from None
+        raise
+    if written is None or not computed:
+        return None  # gone, or being deleted
+    new, changed = computed[0]
+    if changed:
         metrics.status_writes.inc()
-        return new
-    raise kopf.TemporaryError(f"status of {namespace}/{name} kept changing under us", delay=1)
+    return new
 
 
 def operator_namespace() -> Optional[str]:
@@ -562,11 +571,14 @@ for _group, _version, _plural in (*WORKLOAD_KINDS, *OTHER_CHILD_KINDS):
 
 @kopf.daemon(*CR, id="wedge_watchdog", registry=registry, cancellation_backoff=1.0, cancellation_timeout=10.0)
 async def wedge_watchdog(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger,
-                         **_: Any) -> None:
+                         dsv4_pods: kopf.Index, **_: Any) -> None:
     """Scrape, judge and heal this deployment's engine pods for as long as it exists. `body` is
     kopf's live view of the resource: spec edits reach the running loop."""
     def post(type_: str, reason: str, message: str) -> None:
         kopf.event(body, type=type_, reason=reason, message=message)
+
+    def pods(namespace: str, instance: str) -> list:
+        return list(dsv4_pods.get((namespace, instance), []))
 
     admin_token = None
     while admin_token is None and not stopped:
@@ -579,5 +591,13 @@ async def wedge_watchdog(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kop
             await stopped.wait(2.0)
     if stopped:
         return
-    watchdog = DeploymentWatchdog(lambda: _api(memo), _metrics(memo), body, post, logger, admin_token=admin_token)
+    watchdog = DeploymentWatchdog(lambda: _api(memo), _metrics(memo), body, post, logger, admin_token=admin_token,
+                                  fleet=getattr(memo, "fleet", None), pods=pods)
     await watchdog.run(stopped)
+
+
+# The watchdog's engine pods, from one pod watch (main narrows it by label selector).
+@kopf.index("", "v1", "pods", id="dsv4_pods", labels={LABEL_NAME: APP}, registry=registry)
+def _index_engine_pod(namespace: str, labels: kopf.Labels, body: kopf.Body, **_: Any) -> Optional[dict]:
+    key = engine_pod_index_key(namespace, labels)
+    return None if key is None else {key: pod_snapshot(body)}

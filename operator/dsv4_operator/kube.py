@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence, Union
 
 import kopf
 from kubernetes_asyncio import client as k8s
@@ -30,6 +30,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "Service"): "services",
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("v1", "Pod"): "pods",
+    ("coordination.k8s.io/v1", "Lease"): "leases",
     ("apps/v1", "StatefulSet"): "statefulsets",
     ("apps/v1", "Deployment"): "deployments",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
@@ -131,6 +132,14 @@ class ApiError(Exception):
         return self.status in (0, 403, 409, 429) or self.status >= 500
 
 
+class PatchAborted(Exception):
+    """Raised by a ``patch_with_retry`` builder: what it read forbids the write (the message says why)."""
+
+
+PatchBuilder = Callable[[dict], Union[Optional[Mapping[str, Any]], Awaitable[Optional[Mapping[str, Any]]]]]
+PATCH_ATTEMPTS = 5
+
+
 class KubeApi:
     """Server-side apply and the few reads and writes the handlers need."""
 
@@ -200,20 +209,38 @@ class KubeApi:
                 return None
             raise
 
-    async def patch_status(self, obj: Mapping[str, Any], status: Mapping[str, Any],
-                           resource_version: Optional[str]) -> Optional[dict]:
-        """Merge-patch the status subresource; with a resourceVersion the write fails with 409 if
-        the object changed since it was read (the caller re-reads and recomputes)."""
-        body: dict[str, Any] = {"status": dict(status)}
-        if resource_version:
-            body["metadata"] = {"resourceVersion": resource_version}
-        try:
-            return await self.request("PATCH", path_of(obj, "status"), body=body,
-                                      content_type="application/merge-patch+json")
-        except ApiError as e:
-            if e.status == 404:
+    async def patch_with_retry(self, api_version: str, kind: str, namespace: Optional[str], name: str,
+                               build: PatchBuilder, *, subresource: Optional[str] = None,
+                               attempts: int = PATCH_ATTEMPTS) -> Optional[dict]:
+        """Read the object, ``build`` a merge patch from what was read, and write it with the
+        resourceVersion read as a precondition; on 409 (someone wrote in between) read and build
+        again. The one optimistic-concurrency loop of the operator: no write is last-writer-wins.
+
+        ``build`` returns None when there is nothing to write (the object read is returned), or
+        raises ``PatchAborted``. Returns the written object, or None when the object is gone.
+        Raises ApiError 409 when it kept changing for ``attempts`` reads."""
+        path = resource_path(api_version, PLURALS[(api_version, kind)], namespace, name, subresource)
+        for _ in range(max(attempts, 1)):
+            obj = await self.get(api_version, kind, namespace, name)
+            if obj is None:
                 return None
-            raise
+            patch = build(obj)
+            if asyncio.iscoroutine(patch):
+                patch = await patch
+            if patch is None:
+                return obj
+            body = dict(patch)
+            body["metadata"] = dict(body.get("metadata") or {},
+                                    resourceVersion=obj["metadata"].get("resourceVersion"))
+            try:
+                return await self.request("PATCH", path, body=body, content_type="application/merge-patch+json")
+            except ApiError as e:
+                if e.status == 404:
+                    return None
+                if e.status != 409:
+                    raise
+        raise ApiError(409, "Conflict", f"{kind} {namespace}/{name} kept changing: not written after "
+                                        f"{attempts} attempts")
 
     async def served_resources(self, group_version: str) -> Optional[list[str]]:
         """The resource names the API server serves in a group/version (None: not served)."""

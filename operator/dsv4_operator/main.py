@@ -2,7 +2,8 @@
 
 - credentials: KUBECONFIG, else in-cluster (the pod's service account), else ~/.kube/config;
 - scope: `--namespace NS` (repeatable) or, without it, every namespace;
-- `--standalone`: a single replica that does not look for peers;
+- `--standalone`: a single replica that does not look for peers; without it the replicas elect a
+  leader on the Lease `dsv4-operator` in POD_NAMESPACE (dsv4_operator.leader) and only it acts;
 - logs: one JSON object per line (or plain text);
 - GET /healthz (liveness) and GET /metrics (the operator's own Prometheus metrics) on
   `--health-port`.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 import threading
 import time
@@ -22,13 +24,19 @@ from typing import Any, Optional, Sequence, Union
 import kopf
 
 from dsv4_operator import handlers
+from dsv4_operator.kube import KubeApi, load_configuration
+from dsv4_operator.leader import LeaderElection, LeaderElector, lease_namespace
 from dsv4_operator.manifests import APP, LABEL_MANAGED_BY, LABEL_NAME, MANAGER
 from dsv4_operator.remediation.daemon import REVISIONS_ANNOTATION
+from dsv4_operator.remediation.pods import engine_pod_watch_selector
 from dsv4_operator.telemetry import HealthState, OperatorMetrics, start_health_server
+from dsv4_operator.watchdog.corroboration import Fleet, RestartRateLimit
 from dsv4_operator.watchdog.policy import STATE_ANNOTATION
 
 Flag = Union[asyncio.Event, threading.Event, None]
 ANNOTATION_PREFIX = "serving.dsv4.dev"
+# "COUNT/SECONDS": at most COUNT remediations start in any SECONDS, across every deployment.
+RESTART_RATE_LIMIT_ENV = "DSV4_RESTART_RATE_LIMIT"
 LOG_FORMATS = {"json": kopf.LogFormat.JSON, "plain": kopf.LogFormat.FULL}
 
 
@@ -51,6 +59,8 @@ def make_settings(standalone: bool) -> kopf.OperatorSettings:
     ours = f"{LABEL_NAME}={APP},{LABEL_MANAGED_BY}={MANAGER}"
     settings.watching.label_selectors["apps", "statefulsets"] = ours
     settings.watching.label_selectors["apps", "deployments"] = ours
+    # The watchdog's pod index: engine pods only, one watch for every deployment.
+    settings.watching.label_selectors["v1", "pods"] = engine_pod_watch_selector()
     return settings
 
 
@@ -66,9 +76,16 @@ async def serve_operator(
     settings: Optional[kopf.OperatorSettings] = None,
     state: Optional[HealthState] = None,
     metrics: Optional[OperatorMetrics] = None,
+    fleet: Optional[Fleet] = None,
+    leader_election: Optional[LeaderElection] = None,
 ) -> None:
     """Run the operator (and its health server) until stopped. Tests call this directly, with
-    a stop flag and an explicit kubeconfig path."""
+    a stop flag and an explicit kubeconfig path.
+
+    With ``leader_election`` the process is a candidate: it serves /healthz as a standby and starts
+    kopf (reconciler, watchdog) only once it holds the Lease; if it loses the Lease it stops
+    kopf and fails (exit 1: the kubelet restarts it as a fresh candidate), as controller-runtime
+    does. Its watchdogs check the Lease again before every step (``Fleet.may_act``)."""
     state = state or HealthState()
     metrics = metrics or OperatorMetrics()
     runner = None
@@ -84,18 +101,42 @@ async def serve_operator(
             ready_flag.set()
 
     watcher = asyncio.create_task(watch_ready())
-    memo = kopf.Memo(metrics=metrics, kubeconfig=kubeconfig, api=None)
+    fleet = fleet or Fleet(restarts=RestartRateLimit.parse(os.environ.get(RESTART_RATE_LIMIT_ENV)))
+    memo = kopf.Memo(metrics=metrics, kubeconfig=kubeconfig, api=None, fleet=fleet)
+    elector: Optional[LeaderElector] = None
+    lease_api: Optional[KubeApi] = None
+    holder: Optional[asyncio.Task] = None
+    lost = asyncio.Event()
+    kopf_stop: Flag = stop_flag
     try:
+        if leader_election is not None:
+            lease_api = KubeApi(await load_configuration(kubeconfig))
+            elector = LeaderElector(lambda: lease_api, leader_election)
+            fleet.may_act = elector.is_leader
+            state.standby = True
+            if not await elector.acquire(lambda: _is_set(stop_flag)):
+                return  # stopped while standing by
+            state.standby = False
+            kopf_stop = asyncio.Event()
+
+            async def keep(stop: asyncio.Event = kopf_stop) -> None:
+                if not await elector.hold(lambda: _is_set(stop_flag)):
+                    lost.set()
+                stop.set()
+
+            holder = asyncio.create_task(keep())
         await kopf.operator(
             registry=handlers.registry,
-            settings=settings or make_settings(standalone),
+            settings=settings or make_settings(standalone or leader_election is not None),
             clusterwide=not namespaces,
             namespaces=list(namespaces),
-            standalone=standalone,
+            standalone=standalone or leader_election is not None,  # the Lease replaces kopf peering
             memo=memo,
-            stop_flag=stop_flag,
+            stop_flag=kopf_stop,
             ready_flag=started,
         )
+        if lost.is_set():
+            raise LeadershipLost("lost the leader Lease: stopped acting; restart to stand by again")
     except Exception as e:
         state.failure = failure_reason(e)
         raise
@@ -103,8 +144,23 @@ async def serve_operator(
         state.stopped_at = time.monotonic()
         metrics.up.set(0)
         watcher.cancel()
+        if holder is not None:
+            holder.cancel()
+            await asyncio.gather(holder, return_exceptions=True)
+        if elector is not None and not lost.is_set():
+            await elector.release()
+        if lease_api is not None:
+            await lease_api.close()
         if runner is not None:
             await runner.cleanup()
+
+
+class LeadershipLost(RuntimeError):
+    pass
+
+
+def _is_set(flag: Flag) -> bool:
+    return flag is not None and flag.is_set()
 
 
 def run_operator(namespaces: list[str], standalone: bool, health_port: int, log_format: str = "json") -> None:
@@ -117,7 +173,11 @@ def run_operator(namespaces: list[str], standalone: bool, health_port: int, log_
         sys.exit(2)
     kopf.configure(log_format=LOG_FORMATS[log_format], log_refkey="object" if log_format == "json" else None)
     try:
-        asyncio.run(serve_operator(namespaces=namespaces, standalone=standalone, health_port=health_port))
+        # Without --standalone the replicas elect a leader on a Lease (kopf peering would let two
+        # replicas of the same priority both act; see dsv4_operator.leader).
+        election = None if standalone else LeaderElection(namespace=lease_namespace())
+        asyncio.run(serve_operator(namespaces=namespaces, standalone=standalone, health_port=health_port,
+                                   leader_election=election))
     except KeyboardInterrupt:
         pass
     except Exception as e:  # kopf already logged the details; leave one line and a failing exit code

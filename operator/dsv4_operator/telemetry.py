@@ -65,6 +65,7 @@ class HealthState:
     started_at: Optional[float] = None  # kopf's startup handlers finished
     stopped_at: Optional[float] = None
     failure: Optional[str] = None  # why the operator stopped working, if it did
+    standby: bool = False  # a candidate waiting for the leader Lease: alive, not acting
     created_at: float = field(default_factory=time.monotonic)
 
 
@@ -74,6 +75,8 @@ def health_verdict(state: HealthState) -> tuple[bool, str]:
         return False, f"failed: {state.failure}"
     if state.stopped_at is not None:
         return False, "stopped"
+    if state.standby:
+        return True, "standby"
     if state.started_at is None:
         return False, "starting"
     return True, "ok"

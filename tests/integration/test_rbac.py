@@ -40,6 +40,7 @@ from watchdog_harness import (  # noqa: E402
 )
 
 from dsv4_operator.crd import build_crd  # noqa: E402
+from dsv4_operator.leader import LeaderElection  # noqa: E402
 from dsv4_operator.main import make_settings, serve_operator  # noqa: E402
 from dsv4_operator.remediation.executor import EVIDENCE_KEPT  # noqa: E402
 from dsv4_operator.watchdog.evidence import build_evidence_configmap  # noqa: E402
@@ -66,7 +67,8 @@ MUST_RECORD = {
     # The watchdog: finds the engine pods, labels the wedged one draining, restarts it, keeps its
     # log and the rest as an evidence ConfigMap, prunes evidence past retention, reads and writes
     # the resource (state annotations, status).
-    ("", "pods", "list"), ("", "pods", "patch"), ("", "pods", "delete"), ("", "pods/log", "get"),
+    ("", "pods", "list"), ("", "pods", "watch"), ("", "pods", "patch"), ("", "pods/eviction", "create"),
+    ("", "pods/log", "get"),
     ("", "configmaps", "create"), ("", "configmaps", "list"), ("", "configmaps", "delete"),
     ("serving.dsv4.dev", "dsv4deployments", "get"), ("serving.dsv4.dev", "dsv4deployments", "patch"),
     # The auth Secret (created, or a missing key added to the user's), PDBs and the NetworkPolicy
@@ -82,6 +84,9 @@ MUST_RECORD = {
     ("", "services", "watch"), ("", "serviceaccounts", "watch"), ("rbac.authorization.k8s.io", "roles", "watch"),
     ("rbac.authorization.k8s.io", "rolebindings", "watch"), ("policy", "poddisruptionbudgets", "watch"),
     ("networking.k8s.io", "networkpolicies", "watch"),
+    # Leader election on a Lease (the chart's leader-election Role in the release namespace).
+    ("coordination.k8s.io", "leases", "get"), ("coordination.k8s.io", "leases", "create"),
+    ("coordination.k8s.io", "leases", "patch"),
 }
 
 
@@ -113,7 +118,9 @@ class Operator:
         try:
             asyncio.run(serve_operator(namespaces=namespaces, standalone=True, health_host="127.0.0.1",
                                        health_port=free_port(), kubeconfig=kubeconfig, stop_flag=self.stop_flag,
-                                       ready_flag=self.ready_flag, settings=settings))
+                                       ready_flag=self.ready_flag, settings=settings,
+                                       leader_election=LeaderElection(namespace=NS, lease_s=10, renew_deadline_s=8,
+                                                                      retry_s=0.5)))
         except BaseException as e:  # reported by the test
             self.error = e
 
@@ -246,7 +253,8 @@ async def test_the_chart_grants_exactly_what_the_operator_calls(scope: str, kube
     if namespaces:
         values["watch.namespaces"] = namespaces
     docs = helm_template(values)
-    roles = [d for d in docs if d["kind"] in ("Role", "ClusterRole")]
+    roles = [d for d in docs if d["kind"] in ("Role", "ClusterRole")
+             and not d["metadata"]["name"].endswith("-leader-election")]  # the Lease's Role, in the release namespace
     assert {d["kind"] for d in roles} == {"ClusterRole" if scope == "cluster" else "Role"}
     granted = grants(rbac_rules(docs))
 

@@ -94,11 +94,15 @@ records the operator's calls against an API server and checks this list against 
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
   verbs: ["list", "watch", "create", "patch"]
-# The wedge watchdog: lists engine pods, labels one draining, deletes (restarts) it, and keeps
-# its last log lines as evidence. get and watch it never calls: the router's Role grants them.
+# The wedge watchdog: lists and watches engine pods (kopf's pod index), labels one draining,
+# restarts it through the Eviction API (PodDisruptionBudgets apply), and keeps its last log lines
+# as evidence. get it never calls: the router's Role grants it.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch", "patch", "delete"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: [""]
+  resources: ["pods/eviction"]
+  verbs: ["create"]
 - apiGroups: [""]
   resources: ["pods/log"]
   verbs: ["get"]

@@ -1,25 +1,35 @@
 """Prefill/decode disaggregation inside the engine: role controllers that plug into the engine
-loop, their per-request state with deadlines, and the transport seam they move KV over. The HTTP
+loop (`role.RoleController`), their per-request state with deadlines, and the seams they work
+over: the KV transport (`transport`, NIXL in production, `fake` in tests), the control channel
+to the peer (`channel`, HTTP in production) and fault injection at both (`faults`). The HTTP
 endpoints PD needs live in `dsv4_serve.pd_routes`."""
 
 from __future__ import annotations
 
-from dsv4_engine.pd.common import BOOT_ID, FaultInjector
+from dsv4_engine.pd.admission import bootstrap_target
+from dsv4_engine.pd.common import BOOT_ID, PDRequestInfo, PDSettings
+from dsv4_engine.pd.faults import FaultInjector
 
 
 def attach_role(engine, args) -> None:
-    """Give a prefill or decode engine its controller (and transport)."""
-    engine.faults = FaultInjector()
+    """Give a prefill or decode engine its controller, wired to NIXL, HTTP and fault injection."""
+    from dsv4_engine.pd.channel import HttpChannel
+    from dsv4_engine.pd.faults import Deadlines, FaultyChannel, FaultyTransport
+    from dsv4_engine.pd.nixl.agent import KVTransferAgent
+    from dsv4_wire import authorization_header
+
     if args.role == "prefill":
-        from dsv4_engine.pd.prefill import PrefillController
-
-        engine.pd = PrefillController(engine, args, engine.faults)
+        from dsv4_engine.pd.prefill import PrefillController as Controller
     elif args.role == "decode":
-        from dsv4_engine.pd.decode import DecodeController
-
-        engine.pd = DecodeController(engine, args, engine.faults)
+        from dsv4_engine.pd.decode import DecodeController as Controller
     else:
         raise ValueError(f"no PD controller for role {args.role!r}")
+    faults = FaultInjector()
+    # No transport-level timeout: the controllers' deadlines decide (and can be turned off).
+    agent = KVTransferAgent(f"{args.role}-{BOOT_ID}", engine.pool.states, default_timeout_s=None)
+    channel = HttpChannel(engine.call, headers=authorization_header(getattr(args, "pd_secret", None)))
+    engine.pd = Controller(engine, PDSettings.from_args(args), FaultyTransport(agent, faults), FaultyChannel(channel, faults),
+                           deadlines=Deadlines(args.deadlines, faults), faults=faults)
 
 
-__all__ = ["BOOT_ID", "FaultInjector", "attach_role"]
+__all__ = ["BOOT_ID", "FaultInjector", "PDRequestInfo", "PDSettings", "attach_role", "bootstrap_target"]

@@ -2,59 +2,67 @@
 running.
 
 A request reserves pages for its prompt, tells the prefill's bootstrap endpoint where they
-are, and waits for the notification that the KV (and the first token) landed. It then decodes
-like any other request. Waiting has a deadline, a prefill that stops answering its heartbeat
-or comes back as a different process fails its rooms at once, and every failure frees the
-reserved pages and tells prefill to drop the room.
+are, and waits for the notification that the state pages (and the first token) landed. It then
+decodes like any other request. Waiting has a deadline, a prefill that stops answering its
+heartbeat or comes back as a different process fails its rooms at once, and every failure frees
+the reserved pages and tells prefill to drop the room.
+
+Liveness of a prefill is judged only while rooms wait on it: a peer is watched from the moment
+a room starts waiting on it and forgotten when none does, so an idle spell never counts as
+missed heartbeats (the first request after a pause used to fail on a stale clock).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Optional
 
-from dsv4_engine.pd.common import (
-    BOOT_ID, HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, FaultInjector, PDController, PDState,
-)
+from dsv4_engine.pd.common import HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, PDController, PDState
 from dsv4_engine.sequence import Sequence
-from dsv4_wire import Paths
 
 log = logging.getLogger("dsv4.pd.decode")
 
 
+@dataclass
+class PrefillPeer:
+    """A prefill some room waits on: its process identity and when we last heard from it."""
+
+    boot: Optional[str]
+    last_heard: float
+    asked: float = float("-inf")
+    asking: bool = False  # a heartbeat is in flight
+
+
 class DecodeController(PDController):
-    def __init__(self, engine, args, faults: FaultInjector):
-        super().__init__(engine, args, faults, "decode")
-        self.url = f"http://{args.host}:{args.port}"
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.prealloc: deque[Sequence] = deque()
         self.registering: dict[int, Sequence] = {}
         self.transfer: dict[int, Sequence] = {}
-        # Per prefill bootstrap address: its boot id, when it last answered, heartbeat in flight.
-        self.prefills: dict[str, dict] = {}
+        self.prefills: dict[str, PrefillPeer] = {}  # bootstrap address -> peer, while rooms wait on it
 
     def on_new(self, seq: Sequence) -> None:
-        seq.pd.enter(PDState.BOOTSTRAPPING, self._timeout(self.args.bootstrap_timeout))
+        seq.pd.enter(PDState.BOOTSTRAPPING, self._timeout(self.settings.bootstrap_timeout), self.clock())
         self.prealloc.append(seq)
 
     def busy(self) -> bool:
         return bool(self.prealloc or self.registering or self.transfer)
 
     def poll(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         self._preallocate()
-        for peer, msg in self.agent.poll_notifs():
+        for _peer, msg in self.transport.poll_notifs():
             self._on_notif(msg)
         for seq in list(self.prealloc) + list(self.registering.values()):
             if seq.pd.expired(now):
-                self.engine.metrics.inc("num_bootstrap_failed_reqs")
-                self._fail(seq, 504, f"bootstrap with prefill {seq.pd.bootstrap_addr} timed out after {self.args.bootstrap_timeout:g}s")
+                self._fail(seq, 504, f"bootstrap with prefill {seq.pd.bootstrap_addr} timed out after "
+                           f"{self.settings.bootstrap_timeout:g}s", "num_bootstrap_failed_reqs")
         for seq in list(self.transfer.values()):
             if seq.pd.expired(now):
-                self._fail(seq, 504, f"KV from prefill did not arrive within {self.args.waiting_timeout:g}s",
+                self._fail(seq, 504, f"KV from prefill did not arrive within {self.settings.waiting_timeout:g}s",
                            "num_transfer_timeout_reqs")
         self._heartbeats(now)
 
@@ -69,27 +77,26 @@ class DecodeController(PDController):
             self.prealloc.popleft()
             seq.pages = pages
             self.registering[seq.pd.room] = seq
-            body = {"room": seq.pd.room, "rid": seq.rid, "desc": self.agent.descriptor(), "dst_pages": pages,
-                    "decode_url": self.url, "decode_boot": BOOT_ID}
-            self.out.post(seq.pd.bootstrap_addr + Paths.BOOTSTRAP_REGISTER, body,
-                          lambda res, err, seq=seq: self._registered(seq, res, err))
+            body = {"room": seq.pd.room, "rid": seq.rid, "desc": self.transport.descriptor(), "dst_pages": pages,
+                    "decode_url": self.settings.url, "decode_boot": self.boot_id}
+            self.channel.register(seq.pd.bootstrap_addr, body, lambda res, err, seq=seq: self._registered(seq, res, err))
 
     def _registered(self, seq: Sequence, res: Optional[dict], err: Optional[str]) -> None:
         if seq.finished or self.registering.pop(seq.pd.room, None) is None:
             return
         if err is not None:
-            self.engine.metrics.inc("num_bootstrap_failed_reqs")
-            self._fail(seq, 502, f"cannot register with prefill: {err}")
+            self._fail(seq, 502, f"cannot register with prefill: {err}", "num_bootstrap_failed_reqs")
             return
+        now = self.clock()
         seq.pd.peer_boot = res.get("boot_id")
-        peer = self.prefills.setdefault(seq.pd.bootstrap_addr, {"boot": seq.pd.peer_boot, "last": time.monotonic(), "busy": False})
-        peer["boot"] = seq.pd.peer_boot
-        seq.pd.enter(PDState.TRANSFERRING, self._timeout(self.args.waiting_timeout))
-        seq.pd.transfer_started = time.monotonic()
+        peer = self.prefills.get(seq.pd.bootstrap_addr)
+        if peer is None:
+            self.prefills[seq.pd.bootstrap_addr] = PrefillPeer(seq.pd.peer_boot, now)
+        else:  # its answer is news of it: alive now
+            peer.boot, peer.last_heard = seq.pd.peer_boot, now
+        seq.pd.enter(PDState.TRANSFERRING, self._timeout(self.settings.waiting_timeout), now)
+        seq.pd.transfer_started = now
         self.transfer[seq.pd.room] = seq
-        if self.faults.take("crash"):
-            log.error("injected fault: crash while waiting for KV")
-            os._exit(17)
 
     def _on_notif(self, msg: bytes) -> None:
         try:
@@ -104,31 +111,34 @@ class DecodeController(PDController):
         m = self.engine.metrics
         m.inc("kv_transfers_completed")
         m.inc("kv_transfer_bytes", len(seq.pages) * self.engine.pool.page_nbytes)
-        m.observe("kv_transfer_latency_seconds", time.monotonic() - seq.pd.transfer_started)
+        m.observe("kv_transfer_latency_seconds", self.clock() - seq.pd.transfer_started)
         seq.pd.state = PDState.SUCCESS
         seq.num_computed = len(seq.prompt_ids)
-        self.engine.accept_first_token(seq, token)
+        logprobs = note.get("logprobs")
+        if logprobs is not None and hasattr(seq, "output_logprobs"):
+            self.engine.accept_first_token(seq, token, logprobs)
+        else:
+            self.engine.accept_first_token(seq, token)
 
     def _heartbeats(self, now: float) -> None:
         """Ask each prefill we wait on whether it is alive and still the same process."""
         waiting_on = {s.pd.bootstrap_addr for s in self.transfer.values()}
+        for addr in [a for a in self.prefills if a not in waiting_on]:
+            del self.prefills[addr]  # nothing waits on it: silence from it is not a miss
         for addr in waiting_on:
-            peer = self.prefills.setdefault(addr, {"boot": None, "last": now, "busy": False})
-            if self._timeout(1.0) is not None and now - peer["last"] > HEARTBEAT_INTERVAL_S * HEARTBEAT_MISSES:
-                self._fail_prefill(addr, f"prefill {addr} stopped answering for {now - peer['last']:.1f}s")
-                peer["last"] = now
+            peer = self.prefills.setdefault(addr, PrefillPeer(None, now))
+            if self.deadlines.on and now - peer.last_heard > HEARTBEAT_INTERVAL_S * HEARTBEAT_MISSES:
+                self._fail_prefill(addr, f"prefill {addr} stopped answering for {now - peer.last_heard:.1f}s")
                 continue
-            if not peer["busy"] and now - peer.get("asked", 0) >= HEARTBEAT_INTERVAL_S:
-                peer["busy"], peer["asked"] = True, now
-                self.out.get(f"{addr}{Paths.BOOTSTRAP_HEARTBEAT}?decode_boot={BOOT_ID}",
-                             lambda res, err, addr=addr: self._heartbeat_answer(addr, res, err))
+            if not peer.asking and now - peer.asked >= HEARTBEAT_INTERVAL_S:
+                peer.asking, peer.asked = True, now
+                self.channel.heartbeat(addr, self.boot_id, lambda res, err, addr=addr, peer=peer: self._heartbeat_answer(addr, peer, res, err))
 
-    def _heartbeat_answer(self, addr: str, res: Optional[dict], err: Optional[str]) -> None:
-        peer = self.prefills[addr]
-        peer["busy"] = False
-        if err is not None:
+    def _heartbeat_answer(self, addr: str, peer: PrefillPeer, res: Optional[dict], err: Optional[str]) -> None:
+        peer.asking = False
+        if err is not None or self.prefills.get(addr) is not peer:
             return
-        peer["last"] = time.monotonic()
+        peer.last_heard = self.clock()
         boot = res.get("boot_id")
         for seq in [s for s in self.transfer.values() if s.pd.bootstrap_addr == addr and s.pd.peer_boot != boot]:
             self._fail(seq, 502, f"prefill {addr} restarted while sending this request's KV", "num_transfer_failed_reqs")
@@ -143,7 +153,7 @@ class DecodeController(PDController):
         if seq is None:
             seq = next((s for s in self.prealloc if s.pd.room == room), None)
         if seq is not None:
-            seq.pd.peer_url = "told"  # no echo back
+            seq.pd.peer_told = True  # no echo back
             self._fail(seq, 502, f"prefill failed this request: {reason}", "num_transfer_failed_reqs")
 
     def on_finish(self, seq: Sequence) -> None:
@@ -153,8 +163,8 @@ class DecodeController(PDController):
         self.registering.pop(pd.room, None)
         if seq in self.prealloc:
             self.prealloc.remove(seq)
-        if was_waiting and pd.peer_url != "told":
-            self.out.post(pd.bootstrap_addr + Paths.BOOTSTRAP_ABORT, {"room": pd.room, "reason": seq.finish_reason or "aborted"})
+        if was_waiting and not pd.peer_told:
+            self.channel.abort_prefill(pd.bootstrap_addr, pd.room, seq.error or seq.finish_reason or "aborted")
 
     def update_gauges(self, m) -> None:
         m.set("num_decode_prealloc_queue_reqs", len(self.prealloc) + len(self.registering))
@@ -162,4 +172,4 @@ class DecodeController(PDController):
 
     def loads(self) -> tuple[dict, dict]:
         return ({"prealloc": len(self.prealloc) + len(self.registering), "transfer": len(self.transfer)},
-                {"deadlines": self._timeout(1.0) is not None, "boot_id": BOOT_ID})
+                {"deadlines": self.deadlines.on, "boot_id": self.boot_id})

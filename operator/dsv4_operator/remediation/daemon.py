@@ -18,23 +18,24 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 from pydantic import ValidationError
 
 from dsv4_wire import ANNOTATION_REVISIONS
 
 from dsv4_operator import spec as S
-from dsv4_operator.kube import ApiError, KubeApi, resource_path
+from dsv4_operator.kube import ApiError, KubeApi, PatchAborted, resource_path
 from dsv4_operator.remediation.executor import DeploymentContext, EventSink, KubernetesExecutor
 from dsv4_operator.remediation.pods import (
     EnginePod, engine_pod, pod_selector, remediation_settings, scrape_timeout, stable_after_seconds, watch_plan,
 )
 from dsv4_operator.remediation.report import (
-    iso, merged_status, round_records, wedged_condition, wedged_pod_count,
+    OPERATOR_BLIND, blind_message, iso, merged_status, round_records, wedged_condition, wedged_pod_count,
 )
 from dsv4_operator.status import status_changed
 from dsv4_operator.telemetry import OperatorMetrics
+from dsv4_operator.watchdog.corroboration import Fleet
 from dsv4_operator.watchdog.detector import Detector, Wedged
 from dsv4_operator.watchdog.policy import STATE_ANNOTATION, PolicyState
 from dsv4_operator.watchdog.revisions import (
@@ -50,6 +51,15 @@ CORRELATE_WITHIN_S = 3600.0
 STATUS_WRITE_ATTEMPTS = 5
 
 Stopped = Any  # kopf.DaemonStopped: truthy once stopping, `await stopped.wait(t)`
+PodSource = Callable[[str, str], Iterable[Mapping[str, Any]]]  # (namespace, instance) -> Pod objects
+
+
+class StateConflict(Exception):
+    """The stored remediation state is not the one this watchdog wrote last: someone else acts."""
+
+    def __init__(self, stored: Optional[str]) -> None:
+        super().__init__("the remediation state was changed by another writer")
+        self.stored = stored
 
 
 @dataclass
@@ -64,7 +74,8 @@ class Episode:
 class DeploymentWatchdog:
     def __init__(self, api: Callable[[], KubeApi], metrics: OperatorMetrics, body: Mapping[str, Any],
                  events: EventSink, logger: logging.Logger | logging.LoggerAdapter, *,
-                 clock: Callable[[], float] = time.time, admin_token: Optional[str] = None) -> None:
+                 clock: Callable[[], float] = time.time, admin_token: Optional[str] = None,
+                 fleet: Optional[Fleet] = None, pods: Optional[PodSource] = None) -> None:
         meta = body["metadata"]
         self.api, self.metrics, self.body, self.events, self.logger, self.clock = api, metrics, body, events, logger, clock
         self.namespace, self.name = meta["namespace"], meta["name"]
@@ -81,6 +92,9 @@ class DeploymentWatchdog:
         self.episode: Optional[Episode] = None
         self.rollback_note: Optional[tuple[str, str, str]] = None  # (revision rolled back to, change, what was done)
         self.suggested: set[str] = set()
+        self.fleet = fleet
+        self.pod_source = pods
+        self.blind_since: Optional[float] = None  # while the operator judges itself blind
 
     # ---- the daemon's loop ------------------------------------------------------------------------
 
@@ -91,6 +105,13 @@ class DeploymentWatchdog:
                 interval = IDLE_INTERVAL
                 try:
                     interval = await self.tick()
+                except StateConflict as e:
+                    # Adopt what the other writer stored; the next round decides from it.
+                    self.logger.warning(f"{e}: adopting the stored state, no step taken this round")
+                    self.persisted_state = e.stored
+                    self.state = self._load_state(e.stored)
+                    if self.loop is not None:
+                        self.loop.state = self.state
                 except ApiError as e:
                     self.metrics.api_errors.labels(str(e.status)).inc()
                     self.logger.warning(f"Watchdog round failed: {e}")
@@ -101,6 +122,8 @@ class DeploymentWatchdog:
             await self.close()
 
     async def close(self) -> None:
+        if self.fleet is not None:
+            self.fleet.silence.forget(self.key)
         if self.loop is not None:
             await self.loop.close()
         await self.executor.close()
@@ -111,6 +134,8 @@ class DeploymentWatchdog:
 
     async def tick(self) -> float:
         """One round; returns the seconds until the next."""
+        if self.fleet is not None and not self.fleet.may_act():
+            return IDLE_INTERVAL  # not the leader (any more): look, act and write nothing
         try:
             spec = S.parse_spec(self.body.get("spec"))
         except ValidationError:
@@ -162,10 +187,10 @@ class DeploymentWatchdog:
         await self._persist_tracker()
 
         last, restarts = round_records(result.results, self.clock(), self.executor.evidence)
-        count = wedged_pod_count(result.verdicts, loop.state.active)
+        count = wedged_pod_count(result.verdicts, loop.state.active, loop.state.held)
         condition = wedged_condition(
             enabled=True, pods=len(pods), verdicts=result.verdicts, active=loop.state.active, dry_run=rem.dry_run,
-            suspect=suspect_words, rollback=rollback_words)
+            suspect=suspect_words, rollback=rollback_words, held=loop.state.held, blind=self._blindness(result, now))
         fields: dict[str, Any] = {"wedgedPods": count}
         if rollback_record is not None or last is not None:
             fields["lastRemediation"] = rollback_record or last
@@ -180,7 +205,8 @@ class DeploymentWatchdog:
         settings = remediation_settings(rem)
         if self.loop is None:
             self.loop = WatchdogLoop(settings, Detector(*params), self.executor, state=self.state,
-                                     scrape_timeout=scrape_timeout(rem), on_state=self._persist_state)
+                                     scrape_timeout=scrape_timeout(rem), on_state=self._persist_state,
+                                     fleet=self.fleet, name=self.key)
         else:
             self.loop.settings, self.loop.scrape_timeout = settings, scrape_timeout(rem)
             if params != self._detector_params:
@@ -188,11 +214,34 @@ class DeploymentWatchdog:
         self._detector_params = params
         return self.loop
 
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
     async def _engine_pods(self, default_port: int) -> list[EnginePod]:
+        if self.pod_source is not None:  # kopf's pod index, kept current by one watch
+            pods = (engine_pod(obj, default_port) for obj in self.pod_source(self.namespace, self.name))
+            return [p for p in pods if p is not None]
         doc = await self.api().request("GET", resource_path("v1", "pods", self.namespace),
                                        query=[("labelSelector", pod_selector(self.name))])
         pods = (engine_pod(obj, default_port) for obj in (doc or {}).get("items") or [])
         return [p for p in pods if p is not None]
+
+    def _blindness(self, result: RoundResult, now: float) -> Optional[str]:
+        """Why the operator cannot trust its view of this deployment (None: it can). Said once per
+        episode as a Warning Event; the Wedged condition says it every round it lasts."""
+        if not (result.blind and result.silence.silent):
+            if self.blind_since is not None:
+                self.events("Normal", "OperatorSeesAgain", "the operator reaches the engine pods again; "
+                            "silence-based remediation resumes")
+            self.blind_since = None
+            return None
+        words = blind_message(result.silence.silent, result.silence.ready)
+        if self.blind_since is None:
+            self.blind_since = now
+            self.events("Warning", OPERATOR_BLIND, words)
+            self.logger.warning(words)
+        return words
 
     def _count_scrapes(self, result: RoundResult) -> None:
         self.metrics.scrape_seconds.observe(result.scrape_seconds)
@@ -236,27 +285,21 @@ class DeploymentWatchdog:
         except ApiError as e:
             self.tracker.rolled_back.discard(decision.from_revision)
             return None, f"rollback postponed: {e}"
-        api = self.api()
-        for _ in range(STATUS_WRITE_ATTEMPTS):
-            cr = await api.get(S.API_VERSION, S.KIND, self.namespace, self.name)
-            if cr is None:
-                return None, None
+        def spec_back(cr: dict) -> dict:
             current = cr.get("spec") or {}
             if spec_hash(current) != decision.from_revision:
-                return None, "the spec changed before the rollback: not rolled back"
-            body = {"metadata": {"resourceVersion": cr["metadata"]["resourceVersion"]},
-                    "spec": merge_patch(current, stable.spec)}
-            try:
-                await api.request("PATCH", resource_path(S.API_VERSION, S.PLURAL, self.namespace, self.name),
-                                  body=body, content_type="application/merge-patch+json")
-                break
-            except ApiError as e:
-                if e.status != 409:
-                    self.metrics.remediations.labels("rollback", "spec", "failed").inc()
-                    return None, f"rollback failed: {e}"
-        else:
+                raise PatchAborted("the spec changed before the rollback: not rolled back")
+            return {"spec": merge_patch(current, stable.spec)}
+
+        try:
+            written = await self.api().patch_with_retry(S.API_VERSION, S.KIND, self.namespace, self.name, spec_back)
+        except PatchAborted as e:
+            return None, str(e)
+        except ApiError as e:
             self.metrics.remediations.labels("rollback", "spec", "failed").inc()
-            return None, "rollback failed: the resource kept changing"
+            return None, f"rollback failed: {e}"
+        if written is None:
+            return None, None
         words = f"rolled back to stable revision {stable.hash} (generation {stable.generation})"
         self.rollback_note = (stable.hash, suspect.summary(), words)
         self.metrics.remediations.labels("rollback", "spec", "ok").inc()
@@ -289,12 +332,22 @@ class DeploymentWatchdog:
         return json.dumps(doc, sort_keys=True, default=str)
 
     async def _persist_state(self, state: PolicyState) -> None:
-        """The WatchdogLoop's sink: called after each decision and each step."""
+        """The WatchdogLoop's sink: called after each decision and each step. Written with the
+        resourceVersion read, and only over the state this watchdog wrote last: when another
+        writer (a deposed leader, a second operator) changed it, raise StateConflict, which ends
+        the round before any further step."""
         text = state.to_json()
         if text == self.persisted_state:
             return
+
+        def state_patch(cr: dict) -> dict:
+            stored = (cr["metadata"].get("annotations") or {}).get(STATE_ANNOTATION)
+            if stored != self.persisted_state and stored != text:
+                raise StateConflict(stored)
+            return {"metadata": {"annotations": {STATE_ANNOTATION: text}}}
+
         try:
-            await self._patch_annotations({STATE_ANNOTATION: text})
+            await self.api().patch_with_retry(S.API_VERSION, S.KIND, self.namespace, self.name, state_patch)
         except ApiError as e:  # healing goes on; only a restart in this window could repeat a step
             self.metrics.api_errors.labels(str(e.status)).inc()
             self.logger.warning(f"Could not persist the remediation state: {e}")
@@ -315,9 +368,8 @@ class DeploymentWatchdog:
         self.persisted_tracker = (key, wedge_at)
 
     async def _patch_annotations(self, annotations: Mapping[str, str]) -> None:
-        await self.api().request("PATCH", resource_path(S.API_VERSION, S.PLURAL, self.namespace, self.name),
-                                 body={"metadata": {"annotations": dict(annotations)}},
-                                 content_type="application/merge-patch+json")
+        await self.api().patch_with_retry(S.API_VERSION, S.KIND, self.namespace, self.name,
+                                          lambda cr: {"metadata": {"annotations": dict(annotations)}})
 
     # ---- status -----------------------------------------------------------------------------------
 
@@ -328,22 +380,28 @@ class DeploymentWatchdog:
         if not restarts and not status_changed(live, merged_status(live, condition, fields, "")) \
                 and "remediationsTotal" in live:
             return  # nothing new (lastTransitionTime is kept when the status does not flip)
-        api = self.api()
-        for _ in range(STATUS_WRITE_ATTEMPTS):
-            cr = await api.get(S.API_VERSION, S.KIND, self.namespace, self.name)
-            if cr is None or cr["metadata"].get("deletionTimestamp"):
-                return
+        wrote = []
+
+        def status_patch(cr: dict) -> Optional[dict]:
+            wrote.clear()
+            if cr["metadata"].get("deletionTimestamp"):
+                return None
             previous = cr.get("status") or {}
             full = dict(fields, remediationsTotal=int(previous.get("remediationsTotal") or 0) + restarts)
             new = merged_status(previous, condition, full, iso(self.clock()))
             if not status_changed(previous, new):
+                return None
+            wrote.append(True)
+            return {"status": new}
+
+        try:
+            written = await self.api().patch_with_retry(S.API_VERSION, S.KIND, self.namespace, self.name,
+                                                        status_patch, subresource="status",
+                                                        attempts=STATUS_WRITE_ATTEMPTS)
+        except ApiError as e:
+            if e.status == 409:
+                self.logger.warning("The status kept changing under the watchdog; will write next round")
                 return
-            try:
-                await api.patch_status(cr, new, cr["metadata"].get("resourceVersion"))
-            except ApiError as e:
-                if e.status == 409:
-                    continue  # the reconciler wrote in between: re-read
-                raise
+            raise
+        if written is not None and wrote:
             self.metrics.status_writes.inc()
-            return
-        self.logger.warning("The status kept changing under the watchdog; will write next round")

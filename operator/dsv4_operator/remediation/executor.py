@@ -1,12 +1,15 @@
 """Carries out the policy's actions on Kubernetes: the twin of `dsv4_operator.local.LocalExecutor`.
+What each action asks of the engine (paths, bodies, evidence) is the shared table of
+`dsv4_operator.remediation.actions`; this module adds the cluster's side:
 
-- capture evidence: /debug/stacks, /v1/loads and /metrics from the engine, the pod's last log
-  lines (pods/log), the spec diff since the stable revision -> a ConfigMap labelled
-  `serving.dsv4.dev/evidence=true`, owned by the DSV4Deployment; only the newest
-  ``evidence_kept`` of a deployment are kept;
-- drain: label the pod `serving.dsv4.dev/draining=true` (the router drops it), POST /admin/drain;
-- abort: POST /admin/abort {"all": true} (SGLang: /abort_request {"abort_all": true});
-- restart: delete the pod with a UID precondition (its StatefulSet recreates it).
+- capture evidence: the table's fetches, the pod's last log lines (pods/log), the spec diff
+  since the stable revision -> a ConfigMap labelled `serving.dsv4.dev/evidence=true`, owned by
+  the DSV4Deployment; only the newest ``evidence_kept`` of a deployment are kept;
+- drain: label the pod `serving.dsv4.dev/draining=true` (the router drops it), then the table's
+  engine calls;
+- abort: the table's engine calls;
+- restart: evict the pod (policy/v1 Eviction: PodDisruptionBudgets hold it, 429 = retry later)
+  with a UID precondition (its StatefulSet recreates it).
 
 Every step acts only on the incarnation the policy judged (the action's UID): a step replayed
 after an operator restart never touches the pod's replacement. Steps before the restart are best
@@ -20,44 +23,26 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import aiohttp
 
-from dsv4_wire import Paths
+from dsv4_wire import authorization_header
 
 from dsv4_operator import spec as S
 from dsv4_operator.kube import ApiError, KubeApi, resource_path
+from dsv4_operator.remediation.actions import Step, dispatch, step_for
 from dsv4_operator.remediation.pods import DRAINING_LABEL, EnginePod
 from dsv4_operator.remediation.report import hold_message, wedge_message
 from dsv4_operator.telemetry import OperatorMetrics
 from dsv4_operator.watchdog.detector import Verdict, verdict_to_dict
 from dsv4_operator.watchdog.evidence import DEPLOYMENT_LABEL, EVIDENCE_LABEL, build_evidence_configmap
-from dsv4_operator.watchdog.policy import ABORT, CAPTURE_EVIDENCE, DRAIN, HELD, REPORT, RESTART, Action
-from dsv4_operator.watchdog.scrape import LOADS_PATH
-from dsv4_operator.watchdog.signals import SGLANG
+from dsv4_operator.watchdog.policy import STEPS, Action
 
 EventSink = Callable[[str, str, str], None]  # (type, reason, message)
 LOG_LINES = 200
 EVIDENCE_KEPT = 20  # per deployment: the newest evidence ConfigMaps; older ones are deleted
 CAPTURED_AT = "serving.dsv4.dev/captured-at"
-
-
-@dataclass(frozen=True)
-class EngineAdmin:
-    """An engine kind's admin endpoints (None: it has none)."""
-
-    drain: Optional[str]
-    abort: str
-    abort_body: Mapping[str, Any]
-    stacks: Optional[str]
-
-
-ADMIN = {
-    "builtin": EngineAdmin(Paths.ADMIN_DRAIN, Paths.ADMIN_ABORT, {"all": True, "reason": "wedge remediation"},
-                           Paths.DEBUG_STACKS),
-    SGLANG: EngineAdmin(None, "/abort_request", {"rid": "", "abort_all": True}, None),
-}
 
 
 @dataclass
@@ -91,8 +76,9 @@ class KubernetesExecutor:
         self.log_lines = log_lines
         self.evidence_kept = max(int(evidence_kept), 1)
         self.clock = clock
-        self.headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self.headers = authorization_header(admin_token)
         self.evidence: dict[str, str] = {}  # pod -> name of its latest evidence ConfigMap
+        self.blocked: dict[str, Optional[str]] = {}  # pod -> uid whose eviction a PDB blocked (said once)
         self._http: Optional[aiohttp.ClientSession] = None
 
     async def close(self) -> None:
@@ -103,20 +89,24 @@ class KubernetesExecutor:
     # ---- the Executor protocol of dsv4_operator.watchdog.runner ----------------------------------
 
     async def run(self, action: Action, verdict: Optional[Verdict]) -> tuple[bool, Optional[str]]:
-        if action.kind == REPORT:
-            self.events("Warning", "WedgeDetected", wedge_message(action))
-            self.metrics.wedges_detected.labels(action.role, action.reason).inc()
-            return True, None
-        if action.kind == HELD:
-            self.events("Warning", "RemediationHeld", hold_message(action))
-            self.metrics.remediations.labels("held", action.role, action.reason).inc()
-            return True, None
-        step = {CAPTURE_EVIDENCE: self.capture, DRAIN: self.drain, ABORT: self.abort, RESTART: self.restart}.get(action.kind)
-        if step is None:
-            return False, f"unknown action {action.kind}"
-        ok, note = await step(action, verdict)
-        self.metrics.remediations.labels(action.kind, action.role, "ok" if ok else "failed").inc()
+        ok, note = await dispatch(self, action, verdict)
+        if action.kind in STEPS:
+            self.metrics.remediations.labels(action.kind, action.role, "ok" if ok else "failed").inc()
         return ok, note
+
+    @property
+    def engine_kind(self) -> str:
+        return self.ctx.kind
+
+    async def report(self, action: Action, verdict: Optional[Verdict]) -> tuple[bool, Optional[str]]:
+        self.events("Warning", step_for(action.kind, self.engine_kind).event, wedge_message(action))
+        self.metrics.wedges_detected.labels(action.role, action.reason).inc()
+        return True, None
+
+    async def held(self, action: Action, verdict: Optional[Verdict]) -> tuple[bool, Optional[str]]:
+        self.events("Warning", step_for(action.kind, self.engine_kind).event, hold_message(action))
+        self.metrics.remediations.labels("held", action.role, action.reason).inc()
+        return True, None
 
     # ---- steps ----------------------------------------------------------------------------------
 
@@ -131,7 +121,7 @@ class KubernetesExecutor:
 
     async def capture(self, action: Action, verdict: Optional[Verdict]) -> tuple[bool, Optional[str]]:
         pod, gone = self._current(action)
-        admin = ADMIN.get(self.ctx.kind, ADMIN["builtin"])
+        step = step_for(action.kind, self.engine_kind)
         missing: list[str] = []
         url = pod.url if pod else None
 
@@ -147,9 +137,10 @@ class KubernetesExecutor:
                 missing.append(f"{what} ({err})")
             return text
 
-        stacks, loads_text, metrics_text, logs = await asyncio.gather(
-            fetch(admin.stacks, "stacks"), fetch(LOADS_PATH.get(self.ctx.kind, Paths.LOADS), "loads"),
-            fetch("/metrics", "metrics"), self._pod_log(action.pod, missing))
+        *fetched, logs = await asyncio.gather(*(fetch(path, what) for what, path in step.fetch),
+                                              self._pod_log(action.pod, missing))
+        got = dict(zip((what for what, _ in step.fetch), fetched))
+        stacks, loads_text, metrics_text = got.get("stacks"), got.get("loads"), got.get("metrics")
         loads: Any = loads_text
         if loads_text:
             try:
@@ -178,7 +169,7 @@ class KubernetesExecutor:
         if pruned:
             notes.append(pruned)
         note = "; ".join(notes) or None
-        self.events("Normal", "EvidenceCaptured",
+        self.events("Normal", step.event,
                     f"{action.pod} ({action.role}): ConfigMap {name}" + (f"; {note}" if note else ""))
         return True, note
 
@@ -198,12 +189,10 @@ class KubernetesExecutor:
             if e.status in (404, 409, 422):  # gone, or not the same pod any more
                 return True, f"not labelled: {e}"
             return False, f"labelling failed: {e}"
-        admin = ADMIN.get(self.ctx.kind, ADMIN["builtin"])
-        note = None
-        if admin.drain is not None and pod.url:
-            _, err = await self._http_text("POST", pod.url + admin.drain)
-            note = f"engine drain: {err}" if err else None
-        self.events("Normal", "Drained", f"{action.pod} ({action.role}): labelled {DRAINING_LABEL}=true, out of "
+        step = step_for(action.kind, self.engine_kind)
+        errors = await self._engine_calls(pod.url, step) if pod.url else []
+        note = f"engine drain: {'; '.join(errors)}" if errors else None
+        self.events("Normal", step.event, f"{action.pod} ({action.role}): labelled {DRAINING_LABEL}=true, out of "
                     f"the router" + (f"; {note}" if note else ""))
         return True, note
 
@@ -211,30 +200,54 @@ class KubernetesExecutor:
         pod, gone = self._current(action)
         if pod is None or not pod.url:
             return True, gone or "no pod IP"
-        admin = ADMIN.get(self.ctx.kind, ADMIN["builtin"])
-        _, err = await self._http_text("POST", pod.url + admin.abort, body=admin.abort_body)
-        self.events("Normal", "Aborted", f"{action.pod} ({action.role}): " +
+        step = step_for(action.kind, self.engine_kind)
+        err = "; ".join(await self._engine_calls(pod.url, step)) or None
+        self.events("Normal", step.event, f"{action.pod} ({action.role}): " +
                     (f"abort failed: {err}" if err else "aborted every request it held"))
         return True, f"abort: {err}" if err else None
 
     async def restart(self, action: Action, verdict: Optional[Verdict]) -> tuple[bool, Optional[str]]:
-        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}
+        """Evict the pod (policy/v1 Eviction, which honours PodDisruptionBudgets) with a UID
+        precondition; its StatefulSet recreates it. A PDB that allows no disruption now answers
+        429: the restart stays pending and is retried next round (an Event says so once)."""
+        body: dict[str, Any] = {"apiVersion": "policy/v1", "kind": "Eviction",
+                                "metadata": {"name": action.pod, "namespace": self.ctx.namespace}}
         if action.uid:
-            body["preconditions"] = {"uid": action.uid}
+            body["deleteOptions"] = {"preconditions": {"uid": action.uid}}
         try:
-            await self.api().request("DELETE", resource_path("v1", "pods", self.ctx.namespace, action.pod),
+            await self.api().request("POST", resource_path("v1", "pods", self.ctx.namespace, action.pod, "eviction"),
                                      body=body, content_type="application/json")
         except ApiError as e:
             if e.status == 404:
                 return True, "already gone"
             if e.status == 409:  # the UID precondition failed: this incarnation is gone already
                 return True, "already replaced"
-            return False, f"delete failed: {e}"
-        self.events("Normal", "Restarted", f"{action.pod} ({action.role}): deleted (uid {action.uid}); its "
+            if e.status == 429:
+                note = f"eviction blocked by a PodDisruptionBudget: {e.message or e.reason}"
+                if self.blocked.get(action.pod) != action.uid:
+                    self.blocked[action.pod] = action.uid
+                    self.events("Warning", "EvictionBlocked", f"{action.pod} ({action.role}): {note}; retried "
+                                f"every round until the budget allows it")
+                self.metrics.remediations.labels("eviction_blocked", action.role, action.reason).inc()
+                return False, note
+            return False, f"eviction failed: {e}"
+        self.blocked.pop(action.pod, None)
+        self.events("Normal", step_for(action.kind, self.engine_kind).event,
+                    f"{action.pod} ({action.role}): evicted (uid {action.uid}); its "
                     f"StatefulSet recreates it")
         return True, None
 
     # ---- I/O helpers ----------------------------------------------------------------------------
+
+    async def _engine_calls(self, url: str, step: Step) -> list[str]:
+        """The step's admin calls on the engine at ``url``, in order; what went wrong, if anything."""
+        errors = []
+        for call in step.calls:
+            _, err = await self._http_text(call.method, url + call.path,
+                                           body=dict(call.body) if call.body is not None else None)
+            if err:
+                errors.append(err)
+        return errors
 
     async def _http_text(self, method: str, url: str, body: Any = None) -> tuple[Optional[str], Optional[str]]:
         if self._http is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
-from dsv4_operator.manifests import HTTP_PORT_NAME, LABEL_INSTANCE, LABEL_ROLE
+from dsv4_operator.manifests import APP, HTTP_PORT_NAME, LABEL_INSTANCE, LABEL_NAME, LABEL_ROLE
 from dsv4_operator.spec import RemediationSpec
 from dsv4_operator.watchdog.policy import PodInfo, RemediationSettings
 from dsv4_operator.watchdog.scrape import ScrapeTarget
@@ -34,6 +34,7 @@ class EnginePod:
     ready: bool
     terminating: bool
     draining: bool
+    restarting: bool = False  # the kubelet is restarting a container (it agrees something is wrong)
 
     @property
     def url(self) -> Optional[str]:
@@ -41,6 +42,26 @@ class EnginePod:
             return None
         host = f"[{self.ip}]" if ":" in self.ip else self.ip  # IPv6 pod IPs
         return f"http://{host}:{self.port}"
+
+
+def engine_pod_index_key(namespace: str, labels: Mapping[str, str]) -> Optional[tuple[str, str]]:
+    """The watchdog's pod index: (namespace, instance) -> that deployment's engine pods, kept
+    current by one pod watch for the operator instead of a LIST per scrape per deployment."""
+    instance = labels.get(LABEL_INSTANCE)
+    if not instance or labels.get(LABEL_ROLE) not in ENGINE_ROLES:
+        return None
+    return namespace, instance
+
+
+def pod_snapshot(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The parts of a Pod the watchdog reads, copied out of kopf's live body."""
+    return {"metadata": dict(body.get("metadata") or {}), "spec": dict(body.get("spec") or {}),
+            "status": dict(body.get("status") or {})}
+
+
+def engine_pod_watch_selector() -> str:
+    """The label selector of the operator's one pod watch (engine pods of every deployment)."""
+    return f"{LABEL_NAME}={APP},{LABEL_ROLE} in ({','.join(ENGINE_ROLES)})"
 
 
 def pod_selector(instance: str) -> str:
@@ -65,6 +86,15 @@ def _is_ready(status: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
 
 
+def _is_restarting(status: Mapping[str, Any]) -> bool:
+    for c in status.get("containerStatuses") or []:
+        if (c.get("state") or {}).get("waiting"):
+            return True  # CrashLoopBackOff, or coming back after a restart
+        if int(c.get("restartCount") or 0) > 0 and not c.get("ready", True):
+            return True
+    return False
+
+
 def engine_pod(obj: Mapping[str, Any], default_port: Optional[int] = None) -> Optional[EnginePod]:
     """A Pod object -> an EnginePod (None for a pod that is not a prefill/decode engine)."""
     meta = obj.get("metadata") or {}
@@ -78,6 +108,7 @@ def engine_pod(obj: Mapping[str, Any], default_port: Optional[int] = None) -> Op
         name=meta["name"], uid=meta.get("uid"), role=role, ip=status.get("podIP") or None,
         port=_http_port(obj.get("spec") or {}, default_port), ready=_is_ready(status) and not terminating,
         terminating=terminating, draining=labels.get(DRAINING_LABEL) == "true",
+        restarting=_is_restarting(status),
     )
 
 
@@ -91,7 +122,7 @@ class WatchPlan:
 def watch_plan(pods: Iterable[EnginePod], kind: str) -> WatchPlan:
     targets, infos, answered = [], {}, {}
     for pod in sorted(pods, key=lambda p: p.name):
-        infos[pod.name] = PodInfo(role=pod.role, ready=pod.ready, uid=pod.uid)
+        infos[pod.name] = PodInfo(role=pod.role, ready=pod.ready, uid=pod.uid, restarting=pod.restarting)
         answered[pod.name] = pod.ready
         if pod.url is not None and not pod.terminating:
             targets.append(ScrapeTarget(pod.name, pod.url, pod.role, kind))

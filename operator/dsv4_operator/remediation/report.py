@@ -13,11 +13,13 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from dsv4_operator.watchdog.detector import Slow, Unreachable, Verdict, Wedged
 from dsv4_operator.watchdog.policy import (
-    ABORT, CAPTURE_EVIDENCE, DRAIN, HOLD_BUDGET, HOLD_COOLDOWN, HOLD_PREFILL_FIRST, REPORT, RESTART, Action,
-    RemediationRecord,
+    ABORT, CAPTURE_EVIDENCE, DRAIN, HOLD_BUDGET, HOLD_COOLDOWN, HOLD_OPERATOR_BLIND, HOLD_PREFILL_FIRST,
+    HOLD_RATE_LIMIT, HOLD_UNCORROBORATED, REPORT, RESTART, Action, RemediationRecord,
 )
 
 WEDGED = "Wedged"
+OPERATOR_BLIND = "OperatorBlind"  # the Wedged condition's reason (status Unknown) while blind
+SILENCE_HOLDS = (HOLD_UNCORROBORATED, HOLD_OPERATOR_BLIND)
 STEP_ACTIONS = (CAPTURE_EVIDENCE, DRAIN, ABORT, RESTART)
 
 
@@ -29,21 +31,36 @@ def _condition(status: str, reason: str, message: str) -> dict[str, Any]:
     return {"type": WEDGED, "status": status, "reason": reason, "message": message}
 
 
+def blind_message(silent: Sequence[str], ready: int) -> str:
+    shown = ", ".join(sorted(silent)[:5]) + (", ..." if len(silent) > 5 else "")
+    return (f"the operator cannot reach {len(silent)} of {ready} engine pods the kubelet reports Ready "
+            f"({shown}): the operator's own network is the likely fault (NetworkPolicy, CNI, partition), "
+            f"so no silent pod is restarted until it sees them again")
+
+
 def wedged_condition(*, enabled: bool, pods: int, verdicts: Mapping[str, Verdict],
                      active: Mapping[str, RemediationRecord], dry_run: bool,
-                     suspect: Optional[str] = None, rollback: Optional[str] = None) -> dict[str, Any]:
+                     suspect: Optional[str] = None, rollback: Optional[str] = None,
+                     held: Mapping[str, str] | None = None, blind: Optional[str] = None) -> dict[str, Any]:
     """The Wedged condition after a round. ``suspect``: the spec change the wedges follow, in
-    words; ``rollback``: what was done or is suggested about it."""
+    words; ``rollback``: what was done or is suggested about it; ``held``: the policy's holds
+    (pods held for silence alone are not called wedged); ``blind``: why the operator judged
+    itself blind (then the condition is Unknown: the operator cannot tell)."""
     if not enabled:
         return _condition("Unknown", "WatchdogDisabled", "spec.remediation.enabled is false")
     if pods == 0:
         return _condition("Unknown", "NoEnginePods", "no prefill or decode pods to watch")
-    wedged = {p: v for p, v in verdicts.items() if isinstance(v, Wedged)}
+    unconfirmed = {p for p, r in (held or {}).items() if r in SILENCE_HOLDS}
+    wedged = {p: v for p, v in verdicts.items() if isinstance(v, Wedged) and p not in unconfirmed}
     troubled = sorted(set(wedged) | set(active))
     if not troubled:
+        if blind:
+            return _condition("Unknown", OPERATOR_BLIND, blind)
         slow = sum(isinstance(v, Slow) for v in verdicts.values())
-        unreachable = sum(isinstance(v, Unreachable) for v in verdicts.values())
+        unreachable = sum(isinstance(v, Unreachable) for v in verdicts.values()) + len(unconfirmed)
         extra = "".join(f", {n} {what}" for n, what in ((slow, "slow"), (unreachable, "not answering")) if n)
+        if unconfirmed:
+            extra += f" ({', '.join(sorted(unconfirmed))} Ready per the kubelet: not restarted on silence alone)"
         return _condition("False", "NoWedge", f"{pods} engine pods watched, none wedged{extra}")
     parts = []
     for pod in troubled:
@@ -59,11 +76,15 @@ def wedged_condition(*, enabled: bool, pods: int, verdicts: Mapping[str, Verdict
         message += f"; {suspect}"
     if rollback:
         message += f"; {rollback}"
+    if blind:
+        message += f"; {blind}"
     return _condition("True", "WedgedAfterSpecChange" if suspect else "WedgeDetected", message)
 
 
-def wedged_pod_count(verdicts: Mapping[str, Verdict], active: Iterable[str]) -> int:
-    return len({p for p, v in verdicts.items() if isinstance(v, Wedged)} | set(active))
+def wedged_pod_count(verdicts: Mapping[str, Verdict], active: Iterable[str],
+                     held: Mapping[str, str] | None = None) -> int:
+    unconfirmed = {p for p, r in (held or {}).items() if r in SILENCE_HOLDS}
+    return len({p for p, v in verdicts.items() if isinstance(v, Wedged) and p not in unconfirmed} | set(active))
 
 
 def remediation_record(action: Action, ok: bool, note: Optional[str], now: float,
@@ -122,6 +143,16 @@ def hold_message(action: Action) -> str:
         until = d.get("until")
         return (f"{action.pod} ({action.role}) not remediated: cooldown after {d.get('remediations')} "
                 f"remediation(s), until {iso(until) if isinstance(until, (int, float)) else until}")
+    if action.reason == HOLD_UNCORROBORATED:
+        return (f"{action.pod} ({action.role}) not restarted: the operator cannot reach it, but the kubelet "
+                f"reports it Ready and its container is not restarting; silence seen only by the operator is "
+                f"no proof (check NetworkPolicies and the operator's node)")
+    if action.reason == HOLD_OPERATOR_BLIND:
+        return (f"{action.pod} ({action.role}) not restarted: most engine pods went silent together, which "
+                f"points at the operator's own network, not at the pods")
+    if action.reason == HOLD_RATE_LIMIT:
+        return (f"{action.pod} ({action.role}) not remediated yet: the operator-wide restart rate limit is "
+                f"spent; it is retried when the limit allows")
     if action.reason == HOLD_PREFILL_FIRST:
         return (f"{action.pod} ({action.role}) not remediated: it waits for KV from stuck prefill pods "
                 f"({', '.join(d.get('prefill_pods') or [])}), which are remediated first")

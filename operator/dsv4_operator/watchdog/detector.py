@@ -2,7 +2,7 @@
 
 Pure: no clock and no I/O; time is the samples' timestamps.
 
-The rule it encodes (DESIGN.md "Defaults worth knowing"): slow is not wedged.  A pod is Wedged
+The rule it encodes (docs/design.md, "Defaults worth knowing"): slow is not wedged.  A pod is Wedged
 only when, for the whole detection window,
 
 * ``stuck_inflight`` (prefill): requests sit in the inflight queue (KV being sent to decode) and

@@ -13,7 +13,16 @@ For each Wedged pod, in order: capture evidence -> drain -> abort -> restart.  L
   (``cooldown * 2**(n-1)``, capped), forgotten after a quiet period without wedges;
 * a decode stuck waiting for KV is held (``prefill_first``) while a prefill's hand-off is stuck
   or under remediation: the prefill is the cause, and its aborts reach the decode;
-* ``dry_run``: a Report per wedge episode and RemediationHeld when a limit blocks; nothing else.
+* ``dry_run``: a Report per wedge episode and RemediationHeld when a limit blocks; nothing else;
+* corroboration: an ``unresponsive`` pod (silent to the operator) is remediated only when the
+  cluster agrees: the kubelet reports it not Ready (its probes fail) or its container restarts.
+  A silent pod the kubelet reports Ready is held (``uncorroborated``): the operator's own scrape
+  is the only evidence, and the operator's network is as likely at fault as the pod. When the
+  caller judges the operator blind (most Ready pods went silent together, see
+  ``watchdog.corroboration``), every ``unresponsive`` pod is held (``operator_blind``); a pod
+  wedged on its own reachable metrics (stuck inflight, stalled loop) is still remediated;
+* a global restart allowance (the operator-wide rate limit, ``corroboration.RestartRateLimit``):
+  no more new remediations start in a round than the caller allows (``rate_limited``).
 
 The executor runs a decision's step actions in order and records each with ``complete_step``.
 Steps before the restart are best effort (a dead pod answers no /debug/stacks, yet must still be
@@ -47,6 +56,10 @@ HELD = "remediation_held"
 HOLD_BUDGET = "budget"
 HOLD_COOLDOWN = "cooldown"
 HOLD_PREFILL_FIRST = "prefill_first"
+HOLD_UNCORROBORATED = "uncorroborated"
+HOLD_OPERATOR_BLIND = "operator_blind"
+HOLD_RATE_LIMIT = "rate_limited"
+UNRESPONSIVE = "unresponsive"  # the detector's reason for a pod silent for a whole window
 
 
 @dataclass(frozen=True)
@@ -54,6 +67,12 @@ class PodInfo:
     role: str
     ready: bool = True
     uid: str | None = None
+    restarting: bool = False  # the kubelet restarts its container (CrashLoopBackOff, recent restart)
+
+    @property
+    def cluster_sees_trouble(self) -> bool:
+        """The kubelet's own probes agree something is wrong with the pod."""
+        return not self.ready or self.restarting
 
 
 @dataclass(frozen=True)
@@ -185,9 +204,12 @@ def _as_pod_info(value: PodInfo | str) -> PodInfo:
 
 
 def decide(verdicts: Mapping[str, Verdict], pods: Mapping[str, PodInfo | str],
-           state: PolicyState, now: float, settings: RemediationSettings) -> Decision:
+           state: PolicyState, now: float, settings: RemediationSettings, *,
+           blind: bool = False, restart_allowance: int | None = None) -> Decision:
     """One round of the policy.  ``pods``: every engine pod the watchdog sees (a bare role string
-    stands for a Ready pod of that role)."""
+    stands for a Ready pod of that role).  ``blind``: the operator cannot trust its own view of
+    reachability (most Ready pods went silent together): hold every ``unresponsive`` pod.
+    ``restart_allowance``: how many new remediations may start this round (None: no limit)."""
     if not settings.enabled:
         return Decision([], state)
     info = {name: _as_pod_info(p) for name, p in pods.items()}
@@ -246,12 +268,20 @@ def decide(verdicts: Mapping[str, Verdict], pods: Mapping[str, PodInfo | str],
             continue
         verdict = wedged[pod]
         role = info[pod].role
-        if pod not in reported:
+        hold, hold_details = _corroboration_hold(verdict, info[pod], blind)
+        if hold is None and pod not in reported:
+            # A silence the cluster does not confirm is no wedge to report, only a hold.
             reported.add(pod)
             actions.append(Action(REPORT, pod, role, verdict.reason, uid=info[pod].uid,
                                   dry_run=settings.dry_run, details=dict(verdict.details)))
-        hold, hold_details = _hold_reason(pod, role, history.get(pod), unavailable, role_size,
-                                          now, settings)
+        if hold is None:
+            hold, hold_details = _hold_reason(pod, role, history.get(pod), unavailable, role_size,
+                                              now, settings)
+        if hold is None and restart_allowance is not None and not settings.dry_run:
+            if restart_allowance <= 0:
+                hold, hold_details = HOLD_RATE_LIMIT, {}
+            else:
+                restart_allowance -= 1
         if hold is None and role == "decode" and verdict.reason == "stuck_transfer" and prefill_trouble:
             # A decode waiting for KV is the victim of a prefill whose hand-off is stuck; fixing
             # the prefill (whose aborts reach this decode) heals it, restarting it would not.
@@ -293,6 +323,19 @@ def _closing_result(rec: RemediationRecord, pod: PodInfo | None, now: float,
     if now - rec.restarted_at >= settings.recovery_timeout_s:
         return "recovery_timeout"
     return None
+
+
+def _corroboration_hold(verdict: Wedged, pod: PodInfo, blind: bool
+                        ) -> tuple[str | None, dict[str, Any]]:
+    """Silence alone is the operator's evidence, not the cluster's: act on it only when the
+    kubelet agrees, and never while the operator is blind."""
+    if verdict.reason != UNRESPONSIVE:
+        return None, {}  # wedged on its own metrics: the pod answered, the evidence is real
+    if blind:
+        return HOLD_OPERATOR_BLIND, {}
+    if not pod.cluster_sees_trouble:
+        return HOLD_UNCORROBORATED, {"kubelet_ready": pod.ready}
+    return None, {}
 
 
 def _hold_reason(pod: str, role: str, hist: PodHistory | None,

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Optional, Protocol
 
+from .corroboration import Fleet, Silence, observe_silence
 from .detector import Detector, Verdict, verdict_to_dict
 from .policy import (
     ABORT, CAPTURE_EVIDENCE, DRAIN, HELD, REPORT, RESTART, Action, PodInfo, PolicyState,
@@ -37,6 +38,8 @@ class RoundResult:
     results: list[tuple[Action, bool, Optional[str]]] = field(default_factory=list)
     samples: dict[str, EngineSample] = field(default_factory=dict)
     scrape_seconds: float = 0.0  # wall time of the concurrent scrape of every engine
+    silence: Silence = Silence(0, ())  # Ready pods and which of them did not answer
+    blind: bool = False  # the operator judged itself unable to see (silence holds are on)
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -51,11 +54,15 @@ StateSink = Callable[[PolicyState], Awaitable[None]]
 class WatchdogLoop:
     """``on_state``, when given, is awaited with the policy state after each decision and after
     each recorded step, before the next step runs: the operator persists it there, so a restart
-    mid-remediation resumes after the last step done instead of repeating it."""
+    mid-remediation resumes after the last step done instead of repeating it.
+
+    ``fleet`` (shared by every deployment one operator watches, under ``name``) widens the
+    blindness judgement to the whole operator and holds the operator-wide restart rate limit;
+    without it (``dsv4 up``) the round judges blindness from its own pods only."""
 
     def __init__(self, settings: RemediationSettings, detector: Detector, executor: Executor,
                  state: Optional[PolicyState] = None, scrape_timeout: float = 2.0, concurrency: int = 64,
-                 on_state: Optional[StateSink] = None):
+                 on_state: Optional[StateSink] = None, fleet: Optional[Fleet] = None, name: str = ""):
         self.settings = settings
         self.detector = detector
         self.executor = executor
@@ -63,6 +70,8 @@ class WatchdogLoop:
         self.scrape_timeout = scrape_timeout
         self.concurrency = concurrency
         self.on_state = on_state
+        self.fleet = fleet
+        self.name = name
         self.session = None
 
     async def round(self, targets: list[ScrapeTarget], pods: Mapping[str, PodInfo], now: Optional[float] = None,
@@ -79,12 +88,27 @@ class WatchdogLoop:
                     for key, s in samples.items()}
         for key in set(self.detector.pods()) - set(samples):
             self.detector.forget(key)  # a pod that is gone takes its window with it
-        decision = decide(verdicts, pods, self.state, now, self.settings)
+        infos = {k: p if isinstance(p, PodInfo) else PodInfo(role=str(p)) for k, p in pods.items()}
+        silence = observe_silence(verdicts, infos)
+        if self.fleet is not None:
+            blind = self.fleet.silence.judge(self.name, silence, now)
+            allowance: Optional[int] = self.fleet.restarts.allowance(now)
+        else:
+            blind, allowance = silence.blind, None
+        decision = decide(verdicts, infos, self.state, now, self.settings, blind=blind,
+                          restart_allowance=allowance)
+        started = len(set(decision.state.active) - set(self.state.active))
+        if self.fleet is not None and started:
+            self.fleet.restarts.record(now, started)  # before any await: rounds interleave
         self.state = decision.state
         if self.on_state is not None:
             await self.on_state(self.state)
-        result = RoundResult(verdicts, decision.actions, samples=samples, scrape_seconds=scrape_seconds)
+        result = RoundResult(verdicts, decision.actions, samples=samples, scrape_seconds=scrape_seconds,
+                             silence=silence, blind=blind)
         for action in decision.actions:
+            if self.fleet is not None and not self.fleet.may_act():
+                log.warning("no longer the leader: the rest of this round is not acted on")
+                break
             try:
                 ok, note = await self.executor.run(action, verdicts.get(action.pod))
             except Exception as e:  # an executor bug must not stop the watchdog

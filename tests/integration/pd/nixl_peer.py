@@ -32,20 +32,25 @@ def _serve(conn: Any) -> None:
         cmd, *args = conn.recv()
         if cmd == "create":
             name, shape, dtype, start_paused, seed = args
-            if seed is None:
-                pool = torch.zeros(shape, dtype=getattr(torch, dtype))
-            else:
-                pool = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(getattr(torch, dtype))
-            agent = KVTransferAgent(name, pool)
+            # shape: one region's shape, or {region: (shape, dtype)} for a multi-state pool
+            layout = shape if isinstance(shape, dict) else {"kv": (shape, dtype)}
+            states = {}
+            for i, (region, (rshape, rdtype)) in enumerate(layout.items()):
+                if seed is None:
+                    states[region] = torch.zeros(rshape, dtype=getattr(torch, rdtype))
+                else:
+                    g = torch.Generator().manual_seed(seed + i)
+                    states[region] = torch.randn(rshape, generator=g).to(getattr(torch, rdtype))
+            agent = KVTransferAgent(name, states)
             agents[name], notifs[name] = agent, []
             if start_paused:
                 paused.add(name)
             conn.send(agent.descriptor())
         elif cmd == "add_peer":
             conn.send(agents[args[0]].add_peer(args[1]))
-        elif cmd == "pages":  # raw bytes of the given pages, for byte-exact comparison
-            name, pages = args
-            pool = agents[name]._pool
+        elif cmd == "pages":  # raw bytes of the given pages of one region, for byte-exact comparison
+            name, pages, *region = args
+            pool = agents[name]._states[region[0] if region else "kv"]
             conn.send(pool[torch.tensor(pages)].contiguous().view(torch.uint8).numpy().tobytes())
         elif cmd == "notifs":
             conn.send(notifs[args[0]])

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dsv4_engine.pd.nixl.agent import KVTransferAgent, TransferState
+from dsv4_engine.pd.transport import KVTransport
 from nixl_peer import PeerProcess
 
 SHAPE = (32, 2, 16, 64)  # 32 pages of [layers=2, page_size=16, kv_dim=64]: 8 KiB fp32, 4 KiB bf16
@@ -71,9 +72,33 @@ def test_paged_write_random_mapping_is_byte_exact(peer, dtype):
         assert info.nbytes == 20 * src.page_nbytes and info.error is None
         src.release(h)
         assert peer.wait_notifs(name, 1) == [(src.name, b"kv-ready")]
-        assert peer.call("pages", name, dst_pages) == page_bytes(src._pool, src_pages)
+        assert peer.call("pages", name, dst_pages) == page_bytes(src._states["kv"], src_pages)
         untouched = sorted(set(range(SHAPE[0])) - set(dst_pages))
         assert peer.call("pages", name, untouched) == bytes(len(untouched) * src.page_nbytes)
+
+
+def test_every_state_region_moves_with_one_notification(peer):
+    """A pool of several states (what DeepSeek-V4 declares): each page moves in every region."""
+    layout = {"latent": ((16, 2, 16, 64), "float32"), "ring": ((16, 3, 8, 32), "bfloat16"),
+              "index": ((16, 2, 4, 16), "float32")}
+    g = torch.Generator().manual_seed(9)
+    states = {name: torch.randn(shape, generator=g).to(getattr(torch, dt)) for name, (shape, dt) in layout.items()}
+    with KVTransferAgent("multi-src", states) as src:
+        assert isinstance(src, KVTransport)  # the production transport keeps the declared seam
+        src.add_peer(peer.create("multi-dst", layout))
+        h = src.write_pages("multi-dst", [1, 7, 3], [4, 0, 15], b"all-regions")
+        assert wait_terminal(src, h) is TransferState.DONE, src.error(h)
+        assert src.info(h).nbytes == 3 * sum(t[0].numel() * t.element_size() for t in states.values())
+        src.release(h)
+        assert peer.wait_notifs("multi-dst", 1) == [("multi-src", b"all-regions")]
+        for name in layout:
+            assert peer.call("pages", "multi-dst", [4, 0, 15], name) == page_bytes(states[name], [1, 7, 3]), name
+            assert peer.call("pages", "multi-dst", [2], name) == bytes(states[name][0].numel() * states[name].element_size())
+        # A peer that lacks a region, or has it in another shape, is refused at add_peer.
+        for i, other in enumerate(({"latent": layout["latent"], "ring": layout["ring"]},
+                                   {**layout, "ring": ((16, 3, 16, 32), "bfloat16")})):
+            with pytest.raises(ValueError, match="incompatible KV layout"):
+                src.add_peer(peer.create(f"multi-bad{i}", other))
 
 
 def test_hundred_sequential_transfers_notify_exactly_once(peer, writer, target):
@@ -93,7 +118,7 @@ def test_hundred_sequential_transfers_notify_exactly_once(peer, writer, target):
     got += peer.wait_notifs("target", 1)
     assert got == expected + [("writer", b"marker")]
     dst = sorted(mapping)
-    assert peer.call("pages", "target", dst) == page_bytes(writer._pool, [mapping[d] for d in dst])
+    assert peer.call("pages", "target", dst) == page_bytes(writer._states["kv"], [mapping[d] for d in dst])
 
 
 def test_bad_pages_raise_before_anything_starts(peer, writer, target):
@@ -145,7 +170,7 @@ def test_stalled_transfer_times_out_then_peer_recovers(peer, writer):
     assert wait_terminal(writer, h) is TransferState.DONE, writer.error(h)
     writer.release(h)
     assert ("writer", b"now") in peer.wait_notifs("stalled", 1)
-    assert peer.call("pages", "stalled", [3]) == page_bytes(writer._pool, [2])
+    assert peer.call("pages", "stalled", [3]) == page_bytes(writer._states["kv"], [2])
 
 
 def test_killed_peer_fails_transfers_and_restarted_peer_reconnects():
@@ -222,7 +247,7 @@ def test_receiver_keeps_working_when_the_writer_restarts():
                     got = wait_notif()
                 assert got == [("prefill-r", b"kv%d" % incarnation)]
                 expect = torch.randn(SHAPE, generator=torch.Generator().manual_seed(incarnation))[[0, 1]]
-                assert torch.equal(decode._pool[[4, 9]], expect)
+                assert torch.equal(decode._states["kv"][[4, 9]], expect)
                 assert decode.send_notif("prefill-r", b"abort:%d" % incarnation) is True
                 assert prefill.wait_notifs("prefill-r", 1) == [("decode-r", b"abort:%d" % incarnation)]
             finally:

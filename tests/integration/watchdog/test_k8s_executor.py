@@ -82,6 +82,9 @@ async def test_every_step_in_order(harness: Harness, kube_cluster: WatchdogClust
     assert h.engine.admin_calls() == ["/debug/stacks", "/admin/drain", "/admin/abort"]
     assert await h.executor.run(h.action(RESTART), verdict) == (True, None)
     assert await h.client.get("v1", "pods", NS, "flash-prefill-0") is None
+    assert kube_cluster.evictions == [("flash-prefill-0", 201)]  # through the Eviction API, not a bare DELETE
+    assert ("create", "", "pods/eviction") in kube_cluster.recorder.observed()
+    assert ("delete", "", "pods") not in kube_cluster.recorder.observed()
 
     assert [reason for _, reason, _ in h.posted] == ["WedgeDetected", "EvidenceCaptured", "Drained", "Aborted",
                                                       "Restarted"]
@@ -115,6 +118,27 @@ async def test_a_replayed_step_never_touches_the_replacement(harness: Harness) -
     assert h.engine.admin_calls() == []
     await h.client.delete("v1", "pods", NS, "flash-prefill-0")
     assert await h.executor.run(h.action(RESTART, uid=new_uid), None) == (True, "already gone")
+
+
+async def test_an_eviction_a_pdb_blocks_is_held_and_retried(harness: Harness, kube_cluster: WatchdogCluster) -> None:
+    """A PodDisruptionBudget that allows no disruption answers 429: the restart fails (so the policy
+    keeps it pending and retries), an Event says so once, and when the budget allows it goes."""
+    h = harness
+    pdb = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+           "metadata": {"name": "flash-prefill", "namespace": NS},
+           "spec": {"minAvailable": 1, "selector": {"matchLabels": {"serving.dsv4.dev/role": "prefill"}}}}
+    await h.client.create(pdb, "poddisruptionbudgets")
+    for _ in range(3):
+        ok, note = await h.executor.run(h.action(RESTART), None)
+        assert not ok and note.startswith("eviction blocked by a PodDisruptionBudget")
+    assert await h.client.get("v1", "pods", NS, "flash-prefill-0") is not None
+    assert [reason for _, reason, _ in h.posted] == ["EvictionBlocked"]
+    assert kube_cluster.evictions == [("flash-prefill-0", 429)] * 3
+    assert 'action="eviction_blocked"' in h.metrics.render().decode()
+    await h.client.patch("policy/v1", "poddisruptionbudgets", NS, "flash-prefill", {"spec": {"minAvailable": 0}})
+    assert await h.executor.run(h.action(RESTART), None) == (True, None)
+    assert await h.client.get("v1", "pods", NS, "flash-prefill-0") is None
+    assert kube_cluster.evictions[-1] == ("flash-prefill-0", 201)
 
 
 async def test_evidence_from_a_dead_engine_and_no_pod_logs(harness: Harness, kube_cluster: WatchdogCluster) -> None:

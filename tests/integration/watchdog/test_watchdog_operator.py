@@ -70,7 +70,7 @@ async def test_a_long_prefill_and_a_busy_decode_are_never_touched(
         assert b.scrapes - scrapes[pod] >= 2.5 * WINDOW / INTERVAL - 3, "it kept looking"
         assert b.admin_calls() == [], pod
     assert not evidence_maps(kube_cluster) and not kube_cluster.removed_pods()
-    assert not operator_calls(kube_cluster, "patch", "pods") and not operator_calls(kube_cluster, "delete", "pods")
+    assert not operator_calls(kube_cluster, "patch", "pods") and not operator_calls(kube_cluster, "create", "pods/eviction")
     assert not events(kube_cluster, "flash", "WedgeDetected") and not events(kube_cluster, "flash", "RemediationHeld")
     assert cr["status"]["wedgedPods"] == 0
 
@@ -135,10 +135,12 @@ async def test_two_wedged_pods_of_a_role_are_remediated_one_at_a_time(
     assert "dsv4_operator_scrape_duration_seconds_count" in metrics
 
     # What the watchdog called, for the Helm chart's RBAC.
-    assert {("list", "", "pods"), ("patch", "", "pods"), ("delete", "", "pods"), ("get", "", "pods/log"),
+    assert {("list", "", "pods"), ("watch", "", "pods"), ("patch", "", "pods"), ("create", "", "pods/eviction"),
+            ("get", "", "pods/log"),
             ("create", "", "configmaps"), ("create", "", "events"),
             ("get", "serving.dsv4.dev", "dsv4deployments"), ("patch", "serving.dsv4.dev", "dsv4deployments"),
             ("patch", "serving.dsv4.dev", "dsv4deployments/status")} <= kube_cluster.recorder.observed()
+    assert ("delete", "", "pods") not in kube_cluster.recorder.observed()  # evictions only
 
 
 async def test_an_operator_restart_mid_remediation_does_not_act_twice(
@@ -166,7 +168,8 @@ async def test_an_operator_restart_mid_remediation_does_not_act_twice(
     await eventually(lambda: events(kube_cluster, "flash", "Restarted"), timeout=5)
     await asyncio.sleep(4 * INTERVAL)
 
-    assert len(kube_cluster.removed_pods()) == 1 and len(operator_calls(kube_cluster, "delete", "pods")) == 1
+    assert len(kube_cluster.removed_pods()) == 1 and len(operator_calls(kube_cluster, "create", "pods/eviction")) == 1
+    assert not operator_calls(kube_cluster, "delete", "pods")  # evicted, never a bare DELETE
     assert len(evidence_maps(kube_cluster)) == 1
     assert len(operator_calls(kube_cluster, "patch", "pods")) == 1  # the draining label, once
     assert engine.admin_calls() == ["/debug/stacks", "/admin/drain", "/admin/abort", "/admin/abort"]
@@ -196,7 +199,7 @@ async def test_dry_run_reports_and_acts_on_nothing(
     assert cr["status"]["wedgedPods"] == 1 and cr["status"]["remediationsTotal"] == 0
     assert all(b.admin_calls() == [] for b in backends.values())
     assert not evidence_maps(kube_cluster) and not kube_cluster.removed_pods()
-    assert not operator_calls(kube_cluster, "patch", "pods") and not operator_calls(kube_cluster, "delete", "pods")
+    assert not operator_calls(kube_cluster, "patch", "pods") and not operator_calls(kube_cluster, "create", "pods/eviction")
     assert len(events(kube_cluster, "flash", "WedgeDetected")) == 1  # once per wedge, not once per round
     assert remediation_state(cr)["active"] == {}
 

@@ -2,10 +2,13 @@
 DELETE preconditions, scripted engines, a StatefulSet controller and kubelet for the tests' pods,
 and small readers of the resource, its Events and evidence.
 
-Besides the shared emulator (tests/integration/kmock_cluster.py) this adds two API server
-behaviours the watchdog relies on: DELETE honours `preconditions.uid` (409 on a mismatch), and
+Besides the shared emulator (tests/integration/kmock_cluster.py) this adds the API server
+behaviours the watchdog relies on: DELETE honours `preconditions.uid` (409 on a mismatch);
 pods/log serves text for pods whose log the test registers (other pods get kmock's own answer,
-the Pod object, which is the "no logs served" case the operator must survive).
+the Pod object, which is the "no logs served" case the operator must survive); and the
+policy/v1 Eviction subresource (POST pods/NAME/eviction), which deletes the pod unless a
+PodDisruptionBudget selecting it allows no disruption now (429, as the API server answers), with
+`deleteOptions.preconditions.uid` honoured (409).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ NS = "serving"
 class WatchdogCluster(KubeCluster):
     pod_logs: dict = attrs.field(factory=dict, init=False)  # (namespace, pod) -> () -> str
     removed: list = attrs.field(factory=list, init=False)  # (monotonic time, object) of every deletion
+    evictions: list = attrs.field(factory=list, init=False)  # (pod name, HTTP status) of every eviction
 
     async def _handle(self, request: Any) -> aiohttp.web.StreamResponse:
         res = request.resource
@@ -45,6 +49,13 @@ class WatchdogCluster(KubeCluster):
                 tail = request.params.get("tailLines")
                 return aiohttp.web.Response(text="".join(lines[-int(tail):] if tail else lines),
                                             content_type="text/plain")
+            if method == "POST" and request.subresource == "eviction":
+                self.recorder.record(request)
+                status, body = await self._evict(request.namespace, request.name, request.data)
+                self.evictions.append((request.name, status))
+                if status >= 400:
+                    return await self._render_error(kmock.KubernetesError(status, body[0], body[1]))
+                return aiohttp.web.json_response(body, status=status)
             if method == "DELETE" and isinstance(request.data, dict):
                 wanted = (request.data.get("preconditions") or {}).get("uid")
                 live = self._live((res, request.namespace, request.name))
@@ -55,6 +66,22 @@ class WatchdogCluster(KubeCluster):
                                          f"UID in object meta: {live['metadata'].get('uid')}"))
         return await super()._handle(request)
 
+    async def _evict(self, namespace: str, name: str, eviction: Any) -> tuple[int, Any]:
+        pods = kmock.resource("v1", "pods")
+        async with self._lock:
+            live = self._live((pods, namespace, name))
+            if live is None:
+                return 404, ("NotFound", f'pods "{name}" not found')
+            wanted = ((eviction or {}).get("deleteOptions") or {}).get("preconditions", {}).get("uid")
+            if wanted and live["metadata"].get("uid") != wanted:
+                return 409, ("Conflict", f"Precondition failed: UID in precondition: {wanted}")
+            for pdb in self.objects_of("policy/v1/poddisruptionbudgets", namespace):
+                if not _pdb_allows(pdb, live, self.objects_of(pods, namespace)):
+                    return 429, ("TooManyRequests", "Cannot evict pod as it would violate the pod's "
+                                 f"disruption budget {pdb['metadata']['name']}.")
+            await self._delete((pods, namespace, name))
+        return 201, {"kind": "Status", "apiVersion": "v1", "status": "Success"}
+
     async def _remove(self, key: tuple) -> None:
         live = self._live(key)
         if live is not None:
@@ -63,6 +90,36 @@ class WatchdogCluster(KubeCluster):
 
     def removed_pods(self) -> list[tuple[float, dict]]:
         return [(t, o) for t, o in self.removed if o.get("kind") == "Pod"]
+
+
+def _ready(pod: dict) -> bool:
+    return not pod["metadata"].get("deletionTimestamp") and any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def _pdb_allows(pdb: dict, pod: dict, pods: list[dict]) -> bool:
+    """The disruption controller's arithmetic for one PDB (matchLabels selectors, integer or
+    percentage minAvailable / maxUnavailable; an unhealthy pod may go while the budget holds)."""
+    selector = ((pdb.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+    labels = pod["metadata"].get("labels") or {}
+    if not selector or any(labels.get(k) != v for k, v in selector.items()):
+        return True
+    matching = [p for p in pods if all((p["metadata"].get("labels") or {}).get(k) == v for k, v in selector.items())]
+    healthy = sum(_ready(p) for p in matching)
+    spec = pdb["spec"]
+
+    def count(value: Any) -> int:
+        if isinstance(value, str) and value.endswith("%"):
+            return -(-int(value[:-1]) * len(matching) // 100)
+        return int(value)
+
+    if "minAvailable" in spec:
+        desired = count(spec["minAvailable"])
+    else:
+        desired = len(matching) - count(spec.get("maxUnavailable", 1))
+    if not _ready(pod):
+        return healthy >= desired
+    return healthy - 1 >= desired
 
 
 # ---- Scripted engines ---------------------------------------------------------------------------

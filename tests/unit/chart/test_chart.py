@@ -140,7 +140,8 @@ def test_kubernetes_validate_rejects_a_broken_render() -> None:
 def test_optional_objects_follow_their_switches() -> None:
     kinds = lambda docs: sorted(d["kind"] for d in docs)  # noqa: E731
     default = helm_template()
-    assert kinds(default) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+    assert kinds(default) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Role", "RoleBinding", "Service",
+                              "ServiceAccount"]  # Role, RoleBinding: the leader-election Lease
     everything = helm_template(ALL_ON)
     assert kinds(everything) == sorted(kinds(default) + ["ConfigMap", "DSV4Deployment", "ServiceMonitor", "ServiceMonitor"])
     minimal = helm_template(VARIANTS["minimal"])
@@ -206,8 +207,8 @@ def test_the_operator_cli_accepts_the_rendered_args(monkeypatch: pytest.MonkeyPa
 
 
 def test_cluster_scope_uses_a_cluster_role_bound_to_the_service_account() -> None:
-    docs = helm_template()
-    assert not by_kind(docs, "Role") and not by_kind(docs, "RoleBinding")
+    docs = [d for d in helm_template() if not d["metadata"]["name"].endswith("-leader-election")]
+    assert not by_kind(docs, "Role") and not by_kind(docs, "RoleBinding")  # but the Lease's, below
     role, binding = one(docs, "ClusterRole"), one(docs, "ClusterRoleBinding")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                                   "name": role["metadata"]["name"]}
@@ -217,6 +218,10 @@ def test_cluster_scope_uses_a_cluster_role_bound_to_the_service_account() -> Non
 def test_namespaced_scope_uses_a_role_in_each_watched_namespace_and_nothing_cluster_wide() -> None:
     docs = helm_template({"watch.scope": "namespaces", "watch.namespaces": ["team-a", "team-b"]})
     assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
+    election = [d for d in docs if d["metadata"]["name"].endswith("-leader-election")]
+    assert sorted((d["kind"], d["metadata"]["namespace"]) for d in election) == [
+        ("Role", NAMESPACE), ("RoleBinding", NAMESPACE)]  # the leader Lease lives in the release namespace
+    docs = [d for d in docs if d not in election]
     roles, bindings = by_kind(docs, "Role"), by_kind(docs, "RoleBinding")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     for b in bindings:

@@ -104,7 +104,8 @@ def test_operator_settings() -> None:
     s = make_settings(standalone=True)
     assert s.peering.standalone is True and s.scanning.disabled is True
     assert list(s.watching.label_selectors.values()) == [
-        "app.kubernetes.io/name=dsv4,app.kubernetes.io/managed-by=dsv4-operator"] * 2
+        "app.kubernetes.io/name=dsv4,app.kubernetes.io/managed-by=dsv4-operator"] * 2 + [
+        "app.kubernetes.io/name=dsv4,serving.dsv4.dev/role in (prefill,decode)"]  # the watchdog's pod watch
 
 
 async def test_in_cluster_service_account_login(tmp_path: Path) -> None:

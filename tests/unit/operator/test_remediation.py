@@ -169,3 +169,36 @@ def test_an_api_server_answering_pods_log_with_the_pod_is_not_a_log() -> None:
     assert _is_pod_object(json.dumps({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}}))
     assert not _is_pod_object('{"level": "info", "kind": "Pod", "metadata": {}}\n{"level": "info"}\n')
     assert not _is_pod_object("INFO engine started\n")
+
+
+def test_the_kubelet_restarting_a_container_is_the_clusters_word_that_a_pod_is_in_trouble() -> None:
+    crashing = pod()
+    crashing["status"]["containerStatuses"] = [
+        {"name": "engine", "ready": False, "restartCount": 3, "state": {"waiting": {"reason": "CrashLoopBackOff"}}}]
+    assert engine_pod(crashing).restarting
+    steady = pod()
+    steady["status"]["containerStatuses"] = [{"name": "engine", "ready": True, "restartCount": 2,
+                                              "state": {"running": {}}}]
+    assert not engine_pod(steady).restarting  # restarted once, long ago: fine now
+    plan = watch_plan([engine_pod(crashing)], "builtin")
+    assert plan.pods["flash-prefill-0"].restarting and plan.pods["flash-prefill-0"].cluster_sees_trouble
+
+
+def test_pods_held_for_silence_alone_are_not_called_wedged_and_blindness_is_unknown() -> None:
+    silent = {"a": Wedged("unresponsive"), "b": Unreachable(1.0), "c": Healthy()}
+    held = {"a": "uncorroborated"}
+    calm = wedged_condition(enabled=True, pods=3, verdicts=silent, active={}, dry_run=False, held=held)
+    assert calm["status"] == "False" and calm["reason"] == "NoWedge"
+    assert "2 not answering (a Ready per the kubelet: not restarted on silence alone)" in calm["message"]
+    assert wedged_pod_count(silent, [], held) == 0 and wedged_pod_count(silent, []) == 1
+    blind = wedged_condition(enabled=True, pods=3, verdicts=silent, active={}, dry_run=False,
+                             held={"a": "operator_blind"}, blind="the operator cannot reach 2 of 3")
+    assert (blind["status"], blind["reason"], blind["message"]) == ("Unknown", "OperatorBlind",
+                                                                   "the operator cannot reach 2 of 3")
+    # A real wedge among them is still called one, and the blindness is said too.
+    mixed = wedged_condition(enabled=True, pods=3, verdicts=dict(silent, c=Wedged("stuck_inflight")), active={},
+                             dry_run=False, held={"a": "operator_blind"}, blind="blind")
+    assert mixed["status"] == "True" and mixed["message"] == "1 wedged: c (stuck_inflight); blind"
+    for reason, words in (("uncorroborated", "kubelet reports it Ready"), ("operator_blind", "went silent together"),
+                          ("rate_limited", "restart rate limit")):
+        assert words in hold_message(Action(HELD, "a", "prefill", reason))

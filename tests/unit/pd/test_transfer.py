@@ -9,13 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from dsv4_engine.pd.nixl.agent import PeerDescriptor, check_page_mapping, page_table
+from dsv4_engine.pd.nixl.agent import PeerDescriptor, check_page_mapping, page_table, region_rows
+from dsv4_engine.pd.transport import Region, regions_of
+
+KV = Region("kv", "float32", (2, 16, 64), 8192)
 
 
-def descriptor(**over) -> PeerDescriptor:
+def descriptor(regions=(KV,), **over) -> PeerDescriptor:
     fields = dict(
-        agent="decode-0", nixl_metadata=b"\x00md\xff", base_addr=0x7F00_0000_0000, page_nbytes=8192,
-        num_pages=16, mem_type="DRAM", device_id=0, dtype="float32", page_shape=(2, 16, 64),
+        agent="decode-0", nixl_metadata=b"\x00md\xff", num_pages=16, mem_type="DRAM", device_id=0,
+        regions=tuple(regions), base_addrs=tuple(0x7F00_0000_0000 + i * (1 << 30) for i in range(len(regions))),
     )
     fields.update(over)
     return PeerDescriptor(**fields)
@@ -31,16 +34,18 @@ def test_descriptor_round_trips_through_json():
 @pytest.mark.parametrize(
     "change",
     [
-        {"version": 2},
+        {"version": 1},
         {"agent": ""},
         {"nixl_metadata": "not base64!"},
         {"nixl_metadata": ""},
         {"mem_type": "cuda"},
-        {"page_shape": [2, 16]},
-        {"page_shape": [2, 0, 64]},
+        {"regions": []},
+        {"regions": [{"name": "kv", "dtype": "float32", "page_shape": [2, 0, 64], "page_nbytes": 8192, "base_addr": 1}]},
+        {"regions": [{"name": "kv", "dtype": "float32", "page_shape": [2, 16, 64], "page_nbytes": "8192", "base_addr": 1}]},
+        {"regions": [{"name": "kv", "dtype": "float32", "page_shape": [2, 16, 64], "page_nbytes": 8192, "base_addr": True}]},
+        {"regions": [{"name": "", "dtype": "float32", "page_shape": [2, 16, 64], "page_nbytes": 8192, "base_addr": 1}]},
+        {"regions": [{"name": "kv", "dtype": "float32", "page_shape": [2, 16, 64], "page_nbytes": 8192, "base_addr": 1}] * 2},
         {"num_pages": 0},
-        {"page_nbytes": "8192"},
-        {"base_addr": True},
         {"device_id": -1},
     ],
 )
@@ -62,10 +67,31 @@ def test_descriptor_missing_field_is_refused():
 
 def test_layout_mismatch_names_the_difference():
     d = descriptor()
-    assert d.layout_mismatch(descriptor(agent="x", base_addr=1, num_pages=99, mem_type="VRAM")) is None
-    assert "page size" in d.layout_mismatch(descriptor(page_nbytes=4096))
-    assert "dtype" in d.layout_mismatch(descriptor(dtype="bfloat16"))
-    assert "page shape" in d.layout_mismatch(descriptor(page_shape=(4, 8, 64)))
+    assert d.layout_mismatch(descriptor(agent="x", base_addrs=(1,), num_pages=99, mem_type="VRAM")) is None
+    assert "page size" in d.layout_mismatch(descriptor([Region("kv", "float32", (2, 16, 64), 4096)]))
+    assert "dtype" in d.layout_mismatch(descriptor([Region("kv", "bfloat16", (2, 16, 64), 8192)]))
+    assert "page shape" in d.layout_mismatch(descriptor([Region("kv", "float32", (4, 8, 64), 8192)]))
+    ring = Region("ring", "bfloat16", (3, 8, 32), 1536)
+    assert "state regions ['kv'] != ['kv', 'ring']" in d.layout_mismatch(descriptor([KV, ring]))
+    assert "state regions" in d.layout_mismatch(descriptor([Region("latent", "float32", (2, 16, 64), 8192)]))
+    assert descriptor([KV, ring]).layout_mismatch(descriptor([KV, ring], agent="y")) is None
+
+
+def test_multi_region_descriptor_round_trips_and_lays_out_rows_region_by_region():
+    ring = Region("ring", "bfloat16", (3, 8, 32), 1536)
+    d = descriptor([KV, ring], num_pages=4)
+    assert PeerDescriptor.from_dict(json.loads(json.dumps(d.to_dict()))) == d
+    table = d.page_table()
+    assert table.shape == (8, 3)
+    assert table[4:, 0].tolist() == [d.base_addrs[1] + i * 1536 for i in range(4)]
+    assert region_rows(np.array([3, 1]), 2, 4).tolist() == [3, 1, 7, 5]
+
+
+def test_regions_of_a_pool_follow_its_states():
+    states = {"kv": torch.zeros(5, 2, 16, 8), "ring": torch.zeros(5, 3, 4, dtype=torch.bfloat16)}
+    assert regions_of(states) == [Region("kv", "float32", (2, 16, 8), 1024), Region("ring", "bfloat16", (3, 4), 24)]
+    with pytest.raises(ValueError, match="share page ids"):
+        regions_of({"kv": torch.zeros(5, 2), "ring": torch.zeros(4, 2)})
 
 
 def test_page_table_has_one_row_per_page():

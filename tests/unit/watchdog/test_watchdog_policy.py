@@ -69,7 +69,7 @@ def test_open_remediation_reemits_only_remaining_steps_and_never_reports_twice()
 
 
 def test_best_effort_steps_move_on_failed_restart_stays_pending():
-    p = pods(p0="prefill")
+    p = {"p0": PodInfo("prefill", ready=False, uid="p0-1")}  # the kubelet agrees: not Ready
     actions, state = decide({"p0": Unreachable(0.0)}, p, PolicyState(), 0.0, SETTINGS)
     assert actions == []  # unreachable is not (yet) wedged
     actions, state = decide({"p0": Wedged("unresponsive")}, p, state, 130.0, SETTINGS)

@@ -12,7 +12,7 @@ from dsv4_operator.watchdog.signals import (
 
 
 def dsv4_metrics_text(role="prefill", inflight=2, age=12.5, completed=7, failed=1) -> str:
-    """An engine's /metrics as prometheus_client really writes it (DESIGN.md names)."""
+    """An engine's /metrics as prometheus_client really writes it (docs/design.md names)."""
     reg = CollectorRegistry()
     labels = ["role", "model_name"]
     lv = (role, "tiny")

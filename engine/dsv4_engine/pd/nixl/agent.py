@@ -1,13 +1,15 @@
 """KV-page transfer between engines over NIXL: the prefill side WRITEs its KV pages into the
 decode side's pages, and a notification tells decode that they have landed.
 
-The KV pool of an engine is ONE tensor, page-major: ``[num_pages, num_layers, page_size,
-kv_dim]``, so page ``i`` is the contiguous byte range ``pool[i]``. The pool is registered with
-NIXL once; each side's pool is also described once as a list of per-page descriptors
-(``prep_xfer_dlist``: once for the local pool, once per peer), and every transfer then only
-names page indices (``make_prepped_xfer``). Host memory (DRAM) and CUDA memory (VRAM) take the
-same path.
+The pool of an engine is one page-major tensor per declared state (`KVPool.states`), all
+sharing page ids: page ``i`` of each state is one contiguous byte range. Every state is
+registered with NIXL once, and each side is described once as ONE descriptor list holding
+every region's pages back to back (``prep_xfer_dlist``: once for the local pool, once per
+peer): region ``k``'s page ``p`` is row ``k * num_pages + p``. A transfer of pages then names
+those rows for every region in one ``make_prepped_xfer``, so its single notification means
+all regions have landed. Host memory (DRAM) and CUDA memory (VRAM) take the same path.
 
+This is the production `dsv4_engine.pd.transport.KVTransport`; that module states the contract.
 Faults are part of the contract. A transfer ends DONE or FAILED, never raises out of ``poll``
 and never stays PENDING past its timeout: NIXL raises ``nixlRemoteDisconnectError`` when a peer
 dies, which becomes FAILED with the reason kept. A peer that restarts under the same name
@@ -29,29 +31,25 @@ from __future__ import annotations
 
 import base64
 import binascii
-import enum
 import itertools
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from dsv4_engine.pd.nixl import compat as nixl_compat
+from dsv4_engine.pd.transport import (  # noqa: F401  (TransferState, TransferInfo re-exported)
+    LayoutError, Region, TransferInfo, TransferState, check_layout, layout_mismatch, regions_of,
+)
 
 log = logging.getLogger(__name__)
 
-DESCRIPTOR_VERSION = 1
+DESCRIPTOR_VERSION = 2  # 2: one entry per state region
 DEFAULT_TIMEOUT_S = 60.0  # safety net only; the PD state machines keep tighter deadlines
-
-
-class TransferState(enum.Enum):
-    PENDING = "pending"
-    DONE = "done"
-    FAILED = "failed"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,26 +63,21 @@ class PeerDescriptor:
 
     agent: str
     nixl_metadata: bytes
-    base_addr: int
-    page_nbytes: int
     num_pages: int
     mem_type: str  # "DRAM" | "VRAM"
     device_id: int
-    dtype: str  # e.g. "float32", "bfloat16"
-    page_shape: tuple[int, int, int]  # (num_layers, page_size, kv_dim)
+    regions: tuple[Region, ...]  # every state of the pool, in declaration order
+    base_addrs: tuple[int, ...]  # where each region's page 0 is
 
     def to_dict(self) -> dict:
         return {
             "version": DESCRIPTOR_VERSION,
             "agent": self.agent,
             "nixl_metadata": base64.b64encode(self.nixl_metadata).decode("ascii"),
-            "base_addr": self.base_addr,
-            "page_nbytes": self.page_nbytes,
             "num_pages": self.num_pages,
             "mem_type": self.mem_type,
             "device_id": self.device_id,
-            "dtype": self.dtype,
-            "page_shape": list(self.page_shape),
+            "regions": [{**r.to_dict(), "base_addr": addr} for r, addr in zip(self.regions, self.base_addrs)],
         }
 
     @classmethod
@@ -94,10 +87,10 @@ class PeerDescriptor:
         if d.get("version") != DESCRIPTOR_VERSION:
             raise ValueError(f"peer descriptor version {d.get('version')!r} is not {DESCRIPTOR_VERSION}")
 
-        def need(key: str, kind: type) -> Any:
-            if key not in d:
+        def need(key: str, kind: type, src: dict = d) -> Any:
+            if key not in src:
                 raise ValueError(f"peer descriptor lacks {key!r}")
-            value = d[key]
+            value = src[key]
             if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"peer descriptor {key!r} must be an integer, got {value!r}")
             if kind is not int and not isinstance(value, kind):
@@ -116,35 +109,39 @@ class PeerDescriptor:
         mem_type = need("mem_type", str)
         if mem_type not in ("DRAM", "VRAM"):
             raise ValueError(f"peer descriptor mem_type must be DRAM or VRAM, got {mem_type!r}")
-        shape = need("page_shape", list)
-        if len(shape) != 3 or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in shape):
-            raise ValueError(f"peer descriptor page_shape must be 3 positive integers, got {shape!r}")
+        raw_regions = need("regions", list)
+        if not raw_regions:
+            raise ValueError("peer descriptor lists no state regions")
+        regions = tuple(Region.from_dict(r) for r in raw_regions)
+        if len({r.name for r in regions}) != len(regions):
+            raise ValueError("peer descriptor names a region twice")
+        base_addrs = tuple(need("base_addr", int, r) for r in raw_regions)
         desc = cls(
             agent=agent,
             nixl_metadata=metadata,
-            base_addr=need("base_addr", int),
-            page_nbytes=need("page_nbytes", int),
             num_pages=need("num_pages", int),
             mem_type=mem_type,
             device_id=need("device_id", int),
-            dtype=need("dtype", str),
-            page_shape=(shape[0], shape[1], shape[2]),
+            regions=regions,
+            base_addrs=base_addrs,
         )
-        if desc.base_addr <= 0 or desc.page_nbytes <= 0 or desc.num_pages <= 0 or desc.device_id < 0:
-            raise ValueError(
-                "peer descriptor needs base_addr, page_nbytes, num_pages > 0 and device_id >= 0"
-            )
+        if min(desc.base_addrs) <= 0 or desc.num_pages <= 0 or desc.device_id < 0:
+            raise ValueError("peer descriptor needs base_addr, num_pages > 0 and device_id >= 0")
         return desc
 
     def layout_mismatch(self, other: "PeerDescriptor") -> Optional[str]:
         """Why pages of `self` cannot be copied byte for byte into pages of `other`, or None."""
-        if self.page_nbytes != other.page_nbytes:
-            return f"page size {self.page_nbytes} B != {other.page_nbytes} B"
-        if self.dtype != other.dtype:
-            return f"dtype {self.dtype} != {other.dtype}"
-        if self.page_shape != other.page_shape:
-            return f"page shape {list(self.page_shape)} != {list(other.page_shape)}"
-        return None
+        return layout_mismatch(self.regions, other.regions)
+
+    def page_table(self) -> np.ndarray:
+        """Every region's per-page rows, back to back (region k's page p is row k*num_pages+p)."""
+        return np.concatenate([page_table(addr, r.page_nbytes, self.num_pages, self.device_id)
+                               for r, addr in zip(self.regions, self.base_addrs)])
+
+
+def region_rows(pages: np.ndarray, num_regions: int, num_pages: int) -> np.ndarray:
+    """The descriptor rows of `pages` in every region, region by region."""
+    return np.concatenate([pages + k * num_pages for k in range(num_regions)]).astype(np.int32)
 
 
 def page_table(base_addr: int, page_nbytes: int, num_pages: int, device_id: int) -> np.ndarray:
@@ -202,25 +199,6 @@ def _as_index_array(pages: Sequence[int], name: str) -> np.ndarray:
 
 
 @dataclass
-class TransferInfo:
-    """What the owner needs for metrics and logs about one transfer."""
-
-    handle: int
-    peer: str
-    num_pages: int
-    nbytes: int
-    state: TransferState
-    error: Optional[str]
-    started_at: float  # time.monotonic()
-    finished_at: Optional[float]
-
-    @property
-    def elapsed_s(self) -> float:
-        end = self.finished_at if self.finished_at is not None else time.monotonic()
-        return end - self.started_at
-
-
-@dataclass
 class _Peer:
     desc: PeerDescriptor
     remote_dlist: Any  # prepped per-page descriptor list of the peer's pool
@@ -239,19 +217,21 @@ class _Transfer:
 class KVTransferAgent:
     """One engine's NIXL endpoint for its KV pool. See the module docstring for the contract."""
 
-    def __init__(self, name: str, pool: torch.Tensor, *, default_timeout_s: Optional[float] = DEFAULT_TIMEOUT_S):
+    def __init__(self, name: str, states: Union[Mapping[str, torch.Tensor], torch.Tensor], *,
+                 default_timeout_s: Optional[float] = DEFAULT_TIMEOUT_S):
         if not name:
             raise ValueError("agent name must not be empty")
-        if not isinstance(pool, torch.Tensor) or pool.dim() != 4:
-            raise ValueError("pool must be a 4-d tensor [num_pages, num_layers, page_size, kv_dim]")
-        if not pool.is_contiguous() or pool.shape[0] < 1 or pool.numel() == 0:
-            raise ValueError("pool must be contiguous and hold at least one non-empty page")
+        if isinstance(states, torch.Tensor):
+            states = {"kv": states}  # a single-state pool
+        self._regions = regions_of(states)
+        self._states = dict(states)
+        tensors = list(self._states.values())
+        if len({(t.device.type, t.device.index) for t in tensors}) != 1:
+            raise ValueError("every state region must live on the same device")
         self._lock = threading.RLock()
         self._name = name
-        self._pool = pool
         self._default_timeout_s = default_timeout_s
-        self._mem_type, self._device_id = nixl_compat.mem_type_of(pool)
-        self._page_nbytes = pool[0].numel() * pool.element_size()
+        self._mem_type, self._device_id = nixl_compat.mem_type_of(tensors[0])
         self._peers: dict[str, _Peer] = {}
         self._transfers: dict[int, _Transfer] = {}
         self._unreleased: list[Any] = []  # NIXL handles whose release must be retried
@@ -259,12 +239,10 @@ class KVTransferAgent:
         self._closed = False
 
         self._agent = nixl_compat.create_agent(name)
-        self._registration = self._agent.register_memory(pool)
+        self._registration = self._agent.register_memory(tensors)
         try:
             self._local_dlist = self._agent.prep_xfer_dlist(
-                nixl_compat.LOCAL_SIDE,
-                page_table(pool.data_ptr(), self._page_nbytes, self.num_pages, self._device_id),
-                self._mem_type,
+                nixl_compat.LOCAL_SIDE, self._local_descriptor(with_metadata=False).page_table(), self._mem_type,
             )
         except Exception:
             self._agent.deregister_memory(self._registration)
@@ -278,23 +256,22 @@ class KVTransferAgent:
 
     @property
     def num_pages(self) -> int:
-        return int(self._pool.shape[0])
+        return int(next(iter(self._states.values())).shape[0])
 
     @property
     def page_nbytes(self) -> int:
-        return self._page_nbytes
+        """Bytes of one page across every region."""
+        return sum(r.page_nbytes for r in self._regions)
 
-    def _local_descriptor(self) -> PeerDescriptor:
+    def _local_descriptor(self, with_metadata: bool = True) -> PeerDescriptor:
         return PeerDescriptor(
             agent=self._name,
-            nixl_metadata=self._agent.get_agent_metadata(),
-            base_addr=self._pool.data_ptr(),
-            page_nbytes=self._page_nbytes,
+            nixl_metadata=self._agent.get_agent_metadata() if with_metadata else b"-",
             num_pages=self.num_pages,
             mem_type=self._mem_type,
             device_id=self._device_id,
-            dtype=str(self._pool.dtype).removeprefix("torch."),
-            page_shape=tuple(int(x) for x in self._pool.shape[1:]),
+            regions=tuple(self._regions),
+            base_addrs=tuple(t.data_ptr() for t in self._states.values()),
         )
 
     def descriptor(self) -> dict:
@@ -317,9 +294,7 @@ class KVTransferAgent:
             self._check_open()
             if peer_desc.agent == self._name:
                 raise ValueError(f"peer has this agent's own name {self._name!r}")
-            mismatch = self._local_descriptor().layout_mismatch(peer_desc)
-            if mismatch:
-                raise ValueError(f"peer {peer_desc.agent!r} has an incompatible KV layout: {mismatch}")
+            check_layout(self._regions, peer_desc.regions, peer_desc.agent)
             known = self._peers.get(peer_desc.agent)
             if known is not None:
                 if known.desc == peer_desc and not known.disconnected:
@@ -333,11 +308,7 @@ class KVTransferAgent:
                 self._agent.remove_remote_agent(loaded)
                 raise ValueError(f"descriptor names agent {peer_desc.agent!r} but its metadata is {loaded!r}")
             try:
-                remote_dlist = self._agent.prep_xfer_dlist(
-                    loaded,
-                    page_table(peer_desc.base_addr, peer_desc.page_nbytes, peer_desc.num_pages, peer_desc.device_id),
-                    peer_desc.mem_type,
-                )
+                remote_dlist = self._agent.prep_xfer_dlist(loaded, peer_desc.page_table(), peer_desc.mem_type)
             except Exception:
                 self._agent.remove_remote_agent(loaded)
                 raise
@@ -385,8 +356,8 @@ class KVTransferAgent:
         *,
         timeout_s: Optional[float] = None,
     ) -> int:
-        """Start a WRITE of local pages src_pages[i] into the peer's pages dst_pages[i]; the peer
-        receives `notif` (if non-empty) once the data has landed. Returns a handle for poll.
+        """Start a WRITE of local pages src_pages[i] into the peer's pages dst_pages[i], in every
+        state region; the peer receives `notif` (if non-empty) once all of it has landed. Returns a handle for poll.
 
         Raises ValueError for an unknown peer or bad pages, before anything starts. A transfer
         that cannot start (peer gone) returns a handle that is already FAILED. `timeout_s`
@@ -402,14 +373,15 @@ class KVTransferAgent:
             if target is None:
                 raise ValueError(f"unknown peer {peer!r}: add_peer it first")
             src, dst = check_page_mapping(src_pages, dst_pages, self.num_pages, target.desc.num_pages)
-            if self._pool.is_cuda:
-                torch.cuda.current_stream(self._pool.device).synchronize()
+            first = next(iter(self._states.values()))
+            if first.is_cuda:
+                torch.cuda.current_stream(first.device).synchronize()
             timeout = self._default_timeout_s if timeout_s is None else timeout_s
             now = time.monotonic()
             handle = next(self._ids)
             t = _Transfer(
                 info=TransferInfo(
-                    handle=handle, peer=peer, num_pages=len(src), nbytes=len(src) * self._page_nbytes,
+                    handle=handle, peer=peer, num_pages=len(src), nbytes=len(src) * self.page_nbytes,
                     state=TransferState.PENDING, error=None, started_at=now, finished_at=None,
                 ),
                 peer=target,
@@ -418,7 +390,8 @@ class KVTransferAgent:
             self._transfers[handle] = t
             try:
                 t.xfer = self._agent.make_prepped_xfer(
-                    "WRITE", self._local_dlist, src, target.remote_dlist, dst, bytes(notif)
+                    "WRITE", self._local_dlist, region_rows(src, len(self._regions), self.num_pages),
+                    target.remote_dlist, region_rows(dst, len(self._regions), target.desc.num_pages), bytes(notif)
                 )
                 self._apply_status(t, self._agent.transfer(t.xfer))
             except Exception as exc:

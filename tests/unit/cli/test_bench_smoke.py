@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+BENCH = Path(__file__).resolve().parents[3] / "bench"
 sys.path.insert(0, str(BENCH))
 
 import loadgen  # noqa: E402

@@ -1,0 +1,187 @@
+"""Fault injection for PD, applied at the seams rather than inside the state machines.
+
+Faults are armed over /admin/faults (names below; README documents them). Each affects `count`
+uses (-1: until cleared):
+- stall_transfer, fail_transfer, drop_notification: the next KV transfer never finishes, fails
+  at once, or lands without telling decode (`FaultyTransport`);
+- crash: the process exits (status 17) with a transfer in flight (prefill: right after
+  starting it; decode: right after its room is registered, while it waits for the KV);
+- delay_bootstrap: a registration is accepted but applied `seconds` later (default 5);
+- disable_deadlines: the controllers' `Deadlines` policy turns every deadline off (the
+  production wedge, reproduced on purpose).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from dsv4_engine.pd.channel import ControlChannel, Done
+from dsv4_engine.pd.transport import KVTransport, TransferInfo, TransferState
+
+log = logging.getLogger("dsv4.pd.faults")
+
+FAULTS = ("stall_transfer", "fail_transfer", "drop_notification", "delay_bootstrap", "crash", "disable_deadlines")
+CRASH_STATUS = 17
+
+
+class FaultInjector:
+    """Faults armed over /admin/faults: each affects `count` requests (-1: until cleared)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._armed: dict[str, dict[str, Any]] = {}
+
+    def arm(self, name: str, count: int, **params: Any) -> None:
+        if name not in FAULTS:
+            raise ValueError(f"unknown fault {name!r}; known: {', '.join(FAULTS)}")
+        if count == 0 or count < -1:
+            raise ValueError("count must be a positive number of requests or -1 (until cleared)")
+        with self._lock:
+            self._armed[name] = {"count": count, **params}
+
+    def clear(self) -> None:
+        with self._lock:
+            self._armed.clear()
+
+    def active(self, name: str) -> bool:
+        with self._lock:
+            return name in self._armed
+
+    def take(self, name: str) -> Optional[dict[str, Any]]:
+        """Consume one use of a fault; its parameters, or None when it is not armed."""
+        with self._lock:
+            f = self._armed.get(name)
+            if f is None:
+                return None
+            if f["count"] > 0:
+                f["count"] -= 1
+                if f["count"] == 0:
+                    del self._armed[name]
+            return dict(f)
+
+    def bootstrap_delay(self) -> float:
+        """Seconds to hold back a registration being accepted now (delay_bootstrap)."""
+        f = self.take("delay_bootstrap")
+        return float(f.get("seconds", 5.0)) if f else 0.0
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {k: dict(v) for k, v in self._armed.items()}
+
+
+class Deadlines:
+    """Whether the controllers keep deadlines: `--deadlines` and not disable_deadlines."""
+
+    def __init__(self, enabled: bool = True, faults: Optional[FaultInjector] = None):
+        self.enabled = enabled
+        self.faults = faults
+
+    @property
+    def on(self) -> bool:
+        return self.enabled and not (self.faults is not None and self.faults.active("disable_deadlines"))
+
+    def timeout(self, seconds: float) -> Optional[float]:
+        """`seconds`, or None (no deadline) while deadlines are off."""
+        return seconds if self.on else None
+
+
+class FaultyTransport:
+    """A KVTransport that applies armed transfer faults, then defers to the real one."""
+
+    def __init__(self, inner: KVTransport, faults: FaultInjector, exit_fn: Callable[[int], Any] = os._exit):
+        self.inner = inner
+        self.faults = faults
+        self._exit = exit_fn
+        self._ids = itertools.count(1)
+        self._handles: dict[int, int] = {}  # ours -> inner's
+        self._injected: dict[int, TransferInfo] = {}  # stalled or failed here, never started
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def descriptor(self) -> dict:
+        return self.inner.descriptor()
+
+    def add_peer(self, desc: dict) -> str:
+        return self.inner.add_peer(desc)
+
+    def write_pages(self, peer: str, src_pages: Sequence[int], dst_pages: Sequence[int], notif: bytes) -> int:
+        handle = next(self._ids)
+        for fault, state in (("stall_transfer", TransferState.PENDING), ("fail_transfer", TransferState.FAILED)):
+            if self.faults.take(fault):  # stalled: never started, never failed (the production wedge)
+                error = f"injected fault {fault}" if state is TransferState.FAILED else None
+                now = time.monotonic()
+                self._injected[handle] = TransferInfo(handle, peer, len(src_pages), 0, state, error, now,
+                                                      None if state is TransferState.PENDING else now)
+                return handle
+        if self.faults.take("drop_notification"):
+            notif = b""  # the data lands but decode is never told: its deadline must catch it
+        self._handles[handle] = self.inner.write_pages(peer, src_pages, dst_pages, notif)
+        if self.faults.take("crash"):
+            log.error("injected fault: crash with a transfer in flight")
+            self._exit(CRASH_STATUS)
+        return handle
+
+    def poll(self, handle: int) -> TransferState:
+        if handle in self._injected:
+            return self._injected[handle].state
+        return self.inner.poll(self._handles[handle])
+
+    def error(self, handle: int) -> Optional[str]:
+        if handle in self._injected:
+            return self._injected[handle].error
+        return self.inner.error(self._handles[handle])
+
+    def info(self, handle: int) -> TransferInfo:
+        if handle in self._injected:
+            return self._injected[handle]
+        info = self.inner.info(self._handles[handle])
+        info.handle = handle
+        return info
+
+    def release(self, handle: int) -> None:
+        if self._injected.pop(handle, None) is None and handle in self._handles:
+            self.inner.release(self._handles.pop(handle))
+
+    def poll_notifs(self) -> list[tuple[str, bytes]]:
+        return self.inner.poll_notifs()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class FaultyChannel:
+    """A ControlChannel that applies the decode side's crash fault: exit once a room is
+    registered and the KV is on its way."""
+
+    def __init__(self, inner: ControlChannel, faults: FaultInjector, exit_fn: Callable[[int], Any] = os._exit):
+        self.inner = inner
+        self.faults = faults
+        self._exit = exit_fn
+
+    def register(self, bootstrap_addr: str, body: dict, done: Done) -> None:
+        def registered(result: Optional[dict], error: Optional[str]) -> None:
+            done(result, error)
+            if error is None and self.faults.take("crash"):
+                log.error("injected fault: crash while waiting for KV")
+                self._exit(CRASH_STATUS)
+
+        self.inner.register(bootstrap_addr, body, registered)
+
+    def heartbeat(self, bootstrap_addr: str, decode_boot: str, done: Done) -> None:
+        self.inner.heartbeat(bootstrap_addr, decode_boot, done)
+
+    def abort_prefill(self, bootstrap_addr: str, room: int, reason: str) -> None:
+        self.inner.abort_prefill(bootstrap_addr, room, reason)
+
+    def abort_decode(self, decode_url: str, room: int, reason: str) -> None:
+        self.inner.abort_decode(decode_url, room, reason)
+
+    def close(self) -> None:
+        self.inner.close()

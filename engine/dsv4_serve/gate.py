@@ -1,0 +1,91 @@
+"""The door of an engine's HTTP server: a request body size limit, and admission while the
+server drains on SIGTERM.
+
+One ASGI middleware, ahead of routing, so that every path (OpenAI, admin, PD) gets the same
+limit and its 413 is OpenAI-shaped; the generation paths are counted while they run (streams
+included: an ASGI call returns only when its response is fully sent), which is what a drain
+waits for, and refused with a 503 once the drain began.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from dsv4_wire import APIError, Paths
+
+DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
+GENERATION_PATHS = frozenset({Paths.COMPLETIONS, Paths.CHAT_COMPLETIONS})
+
+
+@dataclass
+class Lifecycle:
+    """Where the server stands: serving, draining (no new requests), closed (ending the rest)."""
+
+    draining: bool = False
+    closed: bool = False
+    active: int = 0  # generation requests being answered right now
+
+
+async def send_error(send, e: APIError, headers: tuple = ()) -> None:
+    body = json.dumps(e.body()).encode()
+    await send({"type": "http.response.start", "status": e.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Gate:
+    def __init__(self, app, lifecycle: Lifecycle, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+        self.app = app
+        self.lifecycle = lifecycle
+        self.limit = max_request_bytes
+
+    def _too_large(self, size: int) -> APIError:
+        return APIError(f"request body of {size} bytes exceeds the limit of {self.limit} bytes", 413,
+                        param=None, code="request_too_large")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        generation = scope["method"] == "POST" and scope["path"] in GENERATION_PATHS
+        if generation and self.lifecycle.draining:
+            return await send_error(send, APIError("the server is shutting down; retry on another replica", 503,
+                                                   "server_error", code="shutting_down"),
+                                    ((b"connection", b"close"),))
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                return await send_error(send, APIError("invalid Content-Length header"))
+            if size > self.limit:
+                return await send_error(send, self._too_large(size), ((b"connection", b"close"),))
+        # Read the body here (bounded), then hand it on: a chunked body cannot outgrow the limit.
+        chunks, size, more = [], 0, True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                return await send_error(send, self._too_large(size), ((b"connection", b"close"),))
+            chunks.append(chunk)
+            more = msg.get("more_body", False)
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later reads wait for the client's disconnect, as usual
+
+        if not generation:
+            return await self.app(scope, replay, send)
+        self.lifecycle.active += 1
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            self.lifecycle.active -= 1
