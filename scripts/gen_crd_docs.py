@@ -50,7 +50,7 @@ def constraints(node: dict[str, Any], required: bool) -> str:
         if key in node:
             parts.append(f"{label} {node[key]}")
     for key, label in (("minLength", "min length"), ("maxLength", "max length"), ("minItems", "min items"),
-                       ("maxItems", "max items")):
+                       ("maxItems", "max items"), ("maxProperties", "max entries")):
         if key in node:
             parts.append(f"{label} {node[key]}")
     if "pattern" in node:
@@ -157,7 +157,25 @@ def render(crd: dict[str, Any]) -> str:
             if len(rows) > 2:
                 out += [""] + rows
             out.append("")
+    out += ["", "## Validation rules", "",
+            "CEL rules (`x-kubernetes-validations`) the API server checks on every write, after defaulting; "
+            "`kubectl apply` answers with the message. `<root>` is the whole object.", "",
+            "| Where | Rule | Message |", "|---|---|---|"]
+    for where, rule in cel_rules(schema, "<root>"):
+        out.append(f"| `{cell(where)}` | `{cell(rule['rule'])}` | {cell(rule.get('message', ''))} |")
     return re.sub(r"\n{3,}", "\n\n", "\n".join(out)).rstrip() + "\n"
+
+
+def cel_rules(node: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(where, rule) for every CEL rule of the schema, depth first."""
+    for rule in node.get("x-kubernetes-validations") or []:
+        yield path, rule
+    for name, sub in (node.get("properties") or {}).items():
+        yield from cel_rules(sub, name if path == "<root>" else f"{path}.{name}")
+    if isinstance(node.get("items"), dict):
+        yield from cel_rules(node["items"], path + "[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from cel_rules(node["additionalProperties"], path + ".<key>")
 
 
 def main(argv: list[str] | None = None) -> int:

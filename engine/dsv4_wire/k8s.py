@@ -22,6 +22,9 @@ LABEL_POD = "serving.dsv4.dev/pod"
 ANNOTATION_REVISION = "serving.dsv4.dev/revision"
 ANNOTATION_REVISIONS = "serving.dsv4.dev/revisions"
 ANNOTATION_REMEDIATION_STATE = "serving.dsv4.dev/remediation-state"
+# "<revision hash>@<generation>": while the resource is at that generation, the operator builds its
+# children from that stored revision's spec instead (a rollback that leaves the spec alone).
+ANNOTATION_PINNED_REVISION = "serving.dsv4.dev/pinned-revision"
 
 ENGINE_CONTAINER = "engine"
 ENGINE_ROLES = ("prefill", "decode")

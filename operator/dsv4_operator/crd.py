@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,12 +20,13 @@ from typing import Any
 import yaml
 
 from dsv4_operator import spec as S
+from dsv4_operator.manifests import DNS1035_PATTERN, MAX_NAME_LENGTH
 
 CRD_NAME = f"{S.PLURAL}.{S.GROUP}"
 
 # Keys of a JSON Schema node that a structural OpenAPI v3 schema keeps as they are.
 _KEPT = ("type", "description", "enum", "minimum", "maximum", "minLength", "maxLength", "pattern",
-         "format", "minItems", "maxItems")
+         "format", "minItems", "maxItems", "maxProperties")
 
 PRINTER_COLUMNS = [
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Available")].status',
@@ -59,7 +61,11 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         options = [o for o in node["anyOf"] if o.get("type") != "null"]
         types = sorted(o.get("type", "") for o in options)
         if types == ["integer", "string"]:
-            return _overlay({"x-kubernetes-int-or-string": True}, siblings)
+            out = {"x-kubernetes-int-or-string": True}
+            pattern = next((o["pattern"] for o in options if "pattern" in o), None)
+            if pattern:  # applies to the string form only (e.g. a quantity)
+                out["pattern"] = pattern
+            return _overlay(out, siblings)
         if len(options) != 1:
             raise ValueError(f"cannot express {node} in a structural schema")
         return _overlay(_structural(options[0], defs), siblings)
@@ -73,6 +79,10 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     kind = node.get("type")
     if kind == "object":
         extra = node.get("additionalProperties")
+        keys = dict(node.get("propertyNames") or {})
+        if node.get("patternProperties"):  # pydantic's form of dict[<pattern key>, V]
+            ((key_pattern, extra),) = node["patternProperties"].items()
+            keys["pattern"] = key_pattern
         if "properties" in node:
             out["properties"] = {name: _structural(sub, defs) for name, sub in node["properties"].items()}
             if node.get("required"):
@@ -81,6 +91,13 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
                 out["x-kubernetes-preserve-unknown-fields"] = True
         elif isinstance(extra, dict):
             out["additionalProperties"] = _structural(extra, defs)
+            if "pattern" in keys:  # OpenAPI v3 cannot constrain map keys; CEL can
+                rules = out.setdefault("x-kubernetes-validations", [])
+                rules.append(S.cel(f"self.all(k, k.matches('{keys['pattern']}'))",
+                                   "every key must be a qualified name ([prefix/]name, name at most 63 characters)"))
+                if "maxLength" in keys:
+                    rules.append(S.cel(f"self.all(k, size(k) <= {keys['maxLength']})",
+                                       f"keys are at most {keys['maxLength']} characters"))
         else:  # free-form (dict[str, Any]): e.g. a Kubernetes Affinity
             out["x-kubernetes-preserve-unknown-fields"] = True
     elif kind == "array":
@@ -105,12 +122,24 @@ def openapi_schema(model: type[S.BaseModel]) -> dict[str, Any]:
     return _structural(raw, raw.get("$defs", {}))
 
 
+def name_rules() -> list[dict[str, str]]:
+    """The CR name names the children, so it has their limits (manifests.unbuildable_reasons);
+    only the root of the schema may read metadata.name."""
+    return [
+        S.cel(f"self.metadata.name.matches('{DNS1035_PATTERN}')",
+              "metadata.name must be a DNS-1035 label (lower case, starts with a letter): it names the Services"),
+        S.cel(f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
+              f"metadata.name must be at most {MAX_NAME_LENGTH} characters: the StatefulSet pod labels carry it"),
+    ]
+
+
 def cr_schema() -> dict[str, Any]:
     """The openAPIV3Schema of a whole DSV4Deployment object."""
     return {
         "type": "object",
         "description": "A prefill/decode-disaggregated deployment of a DeepSeek-style MoE model.",
         "required": ["spec"],
+        "x-kubernetes-validations": name_rules(),
         "properties": {
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
@@ -225,6 +254,42 @@ def to_jsonschema(node: dict[str, Any]) -> dict[str, Any]:
 def crd_jsonschema(crd: dict[str, Any] | None = None) -> dict[str, Any]:
     crd = crd if crd is not None else build_crd()
     return to_jsonschema(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+
+
+@functools.lru_cache(maxsize=None)
+def _cel_program(rule: str) -> Any:
+    import celpy  # offline tooling only (tests, the emulated API server): the operator never runs CEL
+
+    env = celpy.Environment()
+    return env.program(env.compile(rule))
+
+
+def cel_violations(obj: Any, schema: dict[str, Any], path: str = "") -> list[str]:
+    """The `x-kubernetes-validations` rules `obj` breaks, evaluated as the API server does after
+    defaulting and pruning: each rule with `self` = the node that carries it, when that node is
+    present. A rule that errors counts as broken (the API server refuses those too)."""
+    import celpy
+
+    out: list[str] = []
+    for rule in schema.get("x-kubernetes-validations") or []:
+        try:
+            ok = _cel_program(rule["rule"]).evaluate({"self": celpy.json_to_cel(obj)})
+        except Exception:  # noqa: BLE001  (celpy raises its evaluation errors)
+            ok = False
+        if ok is not True and not (isinstance(ok, celpy.celtypes.BoolType) and bool(ok)):
+            out.append(f"{path or '<root>'}{rule.get('fieldPath', '')}: {rule.get('message') or rule['rule']}")
+    if isinstance(obj, dict):
+        for name, sub in (schema.get("properties") or {}).items():
+            if name in obj:
+                out += cel_violations(obj[name], sub, f"{path}.{name}")
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for key, value in obj.items():
+                out += cel_violations(value, extra, f"{path}[{key}]")
+    elif isinstance(obj, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(obj):
+            out += cel_violations(item, schema["items"], f"{path}[{i}]")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,23 +16,31 @@ All handlers live in `registry`, which `dsv4_operator.main` runs.
 
 from __future__ import annotations
 
+import base64
+import copy
 import datetime
+import json
 import os
+import secrets
 import time
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import kopf
 from pydantic import ValidationError
 
 from dsv4_operator import spec as S
-from dsv4_operator.kube import ApiError, KubeApi, connection_info, load_configuration
+from dsv4_operator.kube import ApiError, KubeApi, connection_info, load_configuration, path_of, resource_path
 from dsv4_operator.manifests import (
-    APP, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_NAME, MANAGER, Owner, build_children, unbuildable_reasons,
+    ADMIN_TOKEN_KEY, APP, AUTH_SECRET_KEYS, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_NAME, LABEL_ROLE, MANAGER,
+    HOLD_PARTITION, SCALE_MANAGER, Owner, absent_children, auth_secret, auth_secret_name, build_children, child_name, decode_held,
+    engine_statefulset, initial_replicas, prefill_rolled_out, scale_handover, unbuildable_reasons,
 )
 from dsv4_operator.remediation.daemon import DeploymentWatchdog
 from dsv4_operator.remediation.pods import engine_pod_index_key, pod_snapshot
-from dsv4_operator.status import ChildObservation, compute_status, observe, status_changed
+from dsv4_operator.status import ROLES, ChildObservation, compute_status, observe, remediation_counts, status_changed
 from dsv4_operator.telemetry import OperatorMetrics
+from dsv4_operator.watchdog.revisions import RevisionTracker
+from dsv4_wire import ANNOTATION_PINNED_REVISION, ANNOTATION_REVISIONS
 
 registry = kopf.OperatorRegistry()
 
@@ -66,6 +74,46 @@ def check_spec(name: str, raw_spec: Any) -> tuple[Optional[S.DSV4DeploymentSpec]
     if reasons:
         return None, "; ".join(reasons)
     return spec, None
+
+
+def pinned_spec(annotations: Optional[Mapping[str, str]], generation: int,
+                raw_spec: Optional[Mapping[str, Any]]) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    """Pure: (the spec to build children from, its revision hash) when a pin applies, else
+    (None, None). A pin (ANNOTATION_PINNED_REVISION, "<hash>@<generation>") applies while the
+    resource is still at that generation, so the user's next edit ends it, and only to a
+    revision the watchdog's history (ANNOTATION_REVISIONS) holds. The remediation section is
+    always the current one (revisions leave it out)."""
+    annotations = annotations or {}
+    pin = annotations.get(ANNOTATION_PINNED_REVISION) or ""
+    revision, _, at = pin.partition("@")
+    if not revision or not at.isdigit() or int(at) != generation:
+        return None, None
+    try:
+        tracker = RevisionTracker.from_dict(json.loads(annotations.get(ANNOTATION_REVISIONS) or "{}"))
+    except (ValueError, TypeError, KeyError):
+        return None, None
+    for rev in tracker.revisions:
+        if rev.hash == revision:
+            spec = copy.deepcopy(dict(rev.spec))
+            if raw_spec and "remediation" in raw_spec:
+                spec["remediation"] = copy.deepcopy(raw_spec["remediation"])
+            return spec, revision
+    return None, None
+
+
+def effective_spec(name: str, raw_spec: Any, annotations: Optional[Mapping[str, str]],
+                   generation: int) -> tuple[Optional[S.DSV4DeploymentSpec], Optional[str], Optional[str]]:
+    """(spec to build from, why not, pinned revision): the user's spec, or a pinned revision's
+    (pinned_spec) when one applies and can be acted on."""
+    spec, problem = check_spec(name, raw_spec)
+    if spec is None:
+        return None, problem, None
+    pinned_raw, revision = pinned_spec(annotations, generation, raw_spec)
+    if pinned_raw is not None:
+        pinned, _ = check_spec(name, pinned_raw)
+        if pinned is not None:
+            return pinned, None, revision
+    return spec, None, None
 
 
 def _metrics(memo: kopf.Memo) -> OperatorMetrics:
@@ -117,13 +165,16 @@ async def refresh_status(api: KubeApi, metrics: OperatorMetrics, namespace: str,
             return None
         meta = cr["metadata"]
         previous = cr.get("status") or {}
-        spec, spec_error = check_spec(name, cr.get("spec"))
+        spec, spec_error, pinned = effective_spec(name, cr.get("spec"), meta.get("annotations"),
+                                                  int(meta.get("generation") or 0))
         observed = observed_generation if acted else previous.get("observedGeneration")
         new = compute_status(
             spec=spec, spec_error=spec_error, generation=int(meta.get("generation") or 0),
             observed_generation=observed, children=list(children()), previous=previous, now=now_rfc3339(),
             apply_error=apply_error if acted else _carried_apply_error(previous, observed),
             revision=revision if acted else None,
+            remediation_counts=remediation_counts(meta.get("annotations")),
+            pinned_revision=pinned,
         )
         changed = status_changed(previous, new)
         computed.append((new, changed))
@@ -144,13 +195,132 @@ async def refresh_status(api: KubeApi, metrics: OperatorMetrics, namespace: str,
     return new
 
 
-async def apply_children(api: KubeApi, metrics: OperatorMetrics, spec: S.DSV4DeploymentSpec,
-                         owner: Owner) -> list[dict[str, Any]]:
+def operator_namespace() -> Optional[str]:
+    """Where the operator runs (the chart sets POD_NAMESPACE): the NetworkPolicy admits it."""
+    return os.environ.get("POD_NAMESPACE") or None
+
+
+async def ensure_auth_secret(api: KubeApi, spec: S.DSV4DeploymentSpec, owner: Owner) -> dict[str, str]:
+    """The deployment's admin token and PD secret: read from its Secret, which is created with
+    random values when absent; a key missing from an existing Secret is added. Never replaced,
+    so a user's own values (or a rotation) stand. Returns {key: value}."""
+    name = auth_secret_name(spec, owner.name)
+    for _ in range(3):
+        live = await api.get("v1", "Secret", owner.namespace, name)
+        if live is None:
+            values = {key: secrets.token_urlsafe(32) for key in AUTH_SECRET_KEYS}
+            try:
+                await api.request("POST", resource_path("v1", "secrets", owner.namespace),
+                                  body=auth_secret(spec, owner, values))
+            except ApiError as e:
+                if e.status == 409:
+                    continue  # made by a concurrent call (the watchdog daemon): read it
+                raise
+            return values
+        data = {k: base64.b64decode(v).decode() for k, v in (live.get("data") or {}).items()}
+        missing = {key: secrets.token_urlsafe(32) for key in AUTH_SECRET_KEYS if not data.get(key)}
+        if missing:
+            await api.request("PATCH", path_of(live), body={"metadata": {"resourceVersion": live["metadata"]
+                                                                         ["resourceVersion"]},
+                                                            "stringData": missing},
+                              content_type="application/merge-patch+json")
+            data.update(missing)
+        return data
+    raise kopf.TemporaryError(f"the Secret {owner.namespace}/{name} kept changing", delay=2)
+
+
+async def deployment_admin_token(api: KubeApi, namespace: str, name: str) -> Optional[str]:
+    """The admin token of a deployment, for the operator's own calls to its engines (the watchdog's
+    drain and abort). None when the resource is gone or its spec cannot be acted on."""
+    cr = await api.get(S.API_VERSION, S.KIND, namespace, name)
+    if cr is None:
+        return None
+    spec, _ = check_spec(name, cr.get("spec"))
+    if spec is None:
+        return None
+    values = await ensure_auth_secret(api, spec, Owner(name, namespace, cr["metadata"]["uid"]))
+    return values.get(ADMIN_TOKEN_KEY)
+
+
+async def hand_over_replicas(api: KubeApi, owner: Owner, role: str, replicas: int) -> None:
+    """Apply a workload's replicas alone as SCALE_MANAGER (see manifests.scale_handover). Not
+    forced: if an autoscaler already set another value, it owns the field, as it should."""
+    manifest = scale_handover(owner, role, replicas)
+    try:
+        await api.request("PATCH", path_of(manifest), body=manifest, content_type="application/apply-patch+yaml",
+                          query=[("fieldManager", SCALE_MANAGER)])
+    except ApiError as e:
+        if e.status != 409:
+            raise
+
+
+async def apply_children(api: KubeApi, metrics: OperatorMetrics, spec: S.DSV4DeploymentSpec, owner: Owner,
+                         existing_replicas: Optional[dict[str, int]] = None,
+                         seen: Optional[dict] = None) -> list[dict[str, Any]]:
+    """Apply every child. `existing_replicas`: role -> replicas of the workloads that exist now
+    (from the index), for the roles scaled from outside; `seen`: where to note the generations
+    our writes gave the workloads (see _child_changed)."""
+    await ensure_auth_secret(api, spec, owner)
+    existing = existing_replicas or {}
+    external = [role for role in ROLES if spec.scaling_of(role) == "external"]
+    for role in external:  # before our apply stops carrying replicas, so the count stays
+        if role in existing:
+            await hand_over_replicas(api, owner, role, existing[role])
     applied = []
-    for manifest in build_children(spec, owner):
-        applied.append(await api.apply(manifest))
+    prefill: Optional[dict[str, Any]] = None
+    prefill_name, decode_name = child_name(owner.name, "prefill"), child_name(owner.name, "decode")
+    for manifest in build_children(spec, owner, operator_namespace()):
+        is_sts = manifest["kind"] == "StatefulSet"
+        if is_sts and manifest["metadata"]["name"] == decode_name and \
+                await _hold_decode(api, spec, owner, manifest, prefill or {}):
+            manifest = engine_statefulset(spec, owner, "decode", S.spec_revision(spec), hold=True)
+        result = await api.apply(manifest)
+        _remember_generation(seen, result)
+        if is_sts and manifest["metadata"]["name"] == prefill_name:
+            prefill = result
+        applied.append(result)
         metrics.applied.labels(manifest["kind"]).inc()
+    for role in external:  # just created (at the default of 1): the starting count
+        if role not in existing:
+            await hand_over_replicas(api, owner, role, initial_replicas(spec, role))
+    for api_version, kind, child in absent_children(spec, owner):
+        await delete_if_present(api, api_version, kind, owner.namespace, child)
     return applied
+
+
+async def _hold_decode(api: KubeApi, spec: S.DSV4DeploymentSpec, owner: Owner, wanted: dict[str, Any],
+                       prefill: Optional[dict[str, Any]] = None) -> bool:
+    """Whether to apply decode held (manifests.decode_held); `prefill`: the prefill StatefulSet as
+    just applied, else it is read."""
+    if spec.rollout.order != "prefillFirst":
+        return False  # no reads needed
+    if prefill is None:
+        prefill = await api.get("apps/v1", "StatefulSet", owner.namespace, child_name(owner.name, "prefill"))
+    if prefill_rolled_out(prefill):
+        return False
+    live = await api.get("apps/v1", "StatefulSet", owner.namespace, wanted["metadata"]["name"])
+    return decode_held(spec, False, live, wanted)
+
+
+def _remember_generation(seen: Optional[dict], obj: Mapping[str, Any]) -> None:
+    """Note the generation our own write gave a workload, so its watch event is not taken for drift."""
+    if seen is not None and obj.get("kind") in ("StatefulSet", "Deployment"):
+        meta = obj.get("metadata") or {}
+        seen[(obj["kind"], meta.get("namespace"), meta.get("name"))] = meta.get("generation")
+
+
+async def delete_if_present(api: KubeApi, api_version: str, kind: str, namespace: str, name: str) -> bool:
+    """Delete a child the spec turned off; only one the operator made (it carries our
+    managed-by label), so a user's object of the same name is left alone."""
+    live = await api.get(api_version, kind, namespace, name)
+    if live is None or (live["metadata"].get("labels") or {}).get(LABEL_MANAGED_BY) != MANAGER:
+        return False
+    try:
+        await api.request("DELETE", path_of(live), body={"preconditions": {"uid": live["metadata"]["uid"]}})
+    except ApiError as e:
+        if e.status not in (404, 409):
+            raise
+    return True
 
 
 # ---- Activities ------------------------------------------------------------------------------
@@ -161,6 +331,9 @@ async def check_crd_installed(memo: kopf.Memo, logger: kopf.Logger, **_: Any) ->
     """Fail fast, with one clear line, when the CRD is missing: with CRD scanning off, the
     operator would otherwise run and serve nothing."""
     _metrics(memo)
+    # Shared by every handler (kopf gives each object a shallow copy of this memo): workload
+    # generations our own writes produced, so that their watch events are not taken for drift.
+    memo.setdefault("child_generations", {})
     api = KubeApi(await load_configuration(getattr(memo, "kubeconfig", None)))
     try:
         served = await api.served_resources(S.API_VERSION)
@@ -229,10 +402,15 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, name: str
     metrics.deployments.set(len(dsv4_resources))
     api = _api(memo)
     generation = int(meta.get("generation") or 0)
+    memo["seen_pin"] = (meta.get("annotations") or {}).get(ANNOTATION_PINNED_REVISION)
     def children() -> list[ChildObservation]:
         return _children(namespace, name, dsv4_statefulsets, dsv4_deployments)
 
-    parsed, problem = check_spec(name, spec)
+    parsed, problem, pinned = effective_spec(name, spec, meta.get("annotations"), generation)
+    if pinned is not None:
+        kopf.event(body, type="Normal", reason="PinnedRevision",
+                   message=f"generation {generation} runs the pinned revision {pinned}, not the spec as written; "
+                           "the next edit of the spec ends the pin")
     if parsed is None:
         metrics.reconciles.labels("invalid_spec").inc()
         kopf.warn(body, reason="InvalidSpec", message=problem or "invalid spec")
@@ -243,7 +421,9 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, name: str
     revision = S.spec_revision(parsed)
     started = time.monotonic()
     try:
-        applied = await apply_children(api, metrics, parsed, Owner(name, namespace, uid))
+        existing = {child.role: child.spec_replicas for child in children()}
+        applied = await apply_children(api, metrics, parsed, Owner(name, namespace, uid), existing,
+                                       memo.setdefault("child_generations", {}))
     except ApiError as e:
         metrics.api_errors.labels(str(e.status)).inc()
         metrics.reconciles.labels("apply_failed").inc()
@@ -261,7 +441,48 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, name: str
                          revision=revision, acted=True)
 
 
-# ---- Children ---------------------------------------------------------------------------------
+@kopf.on.event(*CR, id="pin_changed", registry=registry)
+async def pin_changed(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any) -> None:
+    """kopf takes no annotation under our prefix for a change (its own bookkeeping lives there),
+    so a rollback pin set or lifted by the watchdog is noticed here and acted on at once."""
+    if event.get("type") not in ("ADDED", "MODIFIED") or body.get("metadata", {}).get("deletionTimestamp"):
+        return
+    pin = (body["metadata"].get("annotations") or {}).get(ANNOTATION_PINNED_REVISION)
+    if "seen_pin" not in memo or memo["seen_pin"] == pin:
+        return  # the reconcile has not run yet (it reads the pin itself), or nothing new
+    logger.info(f"Rollback pin {'set to ' + pin if pin else 'lifted'}: re-applying.")
+    indexes = {k: kwargs[k] for k in ("dsv4_statefulsets", "dsv4_deployments", "dsv4_resources")}
+    meta = body["metadata"]
+    await reconcile(body=body, spec=body.get("spec") or {}, meta=meta, name=meta["name"], namespace=meta["namespace"],
+                    uid=meta["uid"], memo=memo, logger=logger, **indexes)
+
+
+# ---- Children: status from the workloads, drift put right ---------------------------------------
+#
+# Every kind of child is watched (by the labels the operator puts on them). A child deleted, or
+# changed by someone else, is re-applied from the owner's spec at once: the one child, not all of
+# them, and a no-op when nothing drifted (server-side apply writes nothing then, so no new event
+# and no loop). Workloads report status changes all the time: those are re-applied only when
+# their generation moved (a spec edit), and their events also refresh the owner's status.
+
+WORKLOAD_KINDS = (("apps", "v1", "statefulsets"), ("apps", "v1", "deployments"))
+OTHER_CHILD_KINDS = (("", "v1", "services"), ("", "v1", "serviceaccounts"),
+                     ("rbac.authorization.k8s.io", "v1", "roles"),
+                     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+                     ("policy", "v1", "poddisruptionbudgets"),
+                     ("networking.k8s.io", "v1", "networkpolicies"))
+
+
+def drift_worth_reapplying(event_type: Optional[str], kind: str, generation: Optional[int],
+                           last_generation: Optional[int]) -> bool:
+    """Pure: whether a child's watch event may mean someone changed what the operator owns."""
+    if event_type == "DELETED":
+        return True
+    if event_type != "MODIFIED":
+        return False  # ADDED: just made by us, or seen at (re)start, where the reconcile applies anyway
+    if kind in ("StatefulSet", "Deployment"):
+        return generation is not None and last_generation is not None and generation != last_generation
+    return True
 
 
 async def _child_changed(event: kopf.RawEvent, namespace: str, labels: kopf.Labels, memo: kopf.Memo,
@@ -269,35 +490,80 @@ async def _child_changed(event: kopf.RawEvent, namespace: str, labels: kopf.Labe
                          **_: Any) -> None:
     owner_name = labels.get(LABEL_INSTANCE)
     api = getattr(memo, "api", None)
-    if not owner_name or api is None:
+    obj = event.get("object") or {}
+    kind, meta = obj.get("kind", ""), obj.get("metadata") or {}
+    if not owner_name or api is None or not kind:
         return
     metrics = _metrics(memo)
+    generations = memo.setdefault("child_generations", {})  # (kind, namespace, name) -> last generation
+    key = (kind, namespace, meta.get("name"))
+    generation = meta.get("generation")
+    last = generations.get(key)
     if event.get("type") == "DELETED":
-        await _restore_children(api, metrics, namespace, owner_name, logger)
-    await refresh_status(api, metrics, namespace, owner_name,
-                         lambda: _children(namespace, owner_name, dsv4_statefulsets, dsv4_deployments))
+        generations.pop(key, None)
+    elif generation is not None:
+        generations[key] = generation
+    reapply = drift_worth_reapplying(event.get("type"), kind, generation, last)
+    target, seen = meta.get("name", ""), None if event.get("type") == "DELETED" else meta.get("resourceVersion")
+    if (not reapply and kind == "StatefulSet" and labels.get(LABEL_ROLE) == "prefill"
+            and event.get("type") != "DELETED" and prefill_rolled_out(obj)):
+        # Prefill finished rolling out: a held decode StatefulSet may take its new template now.
+        reapply, target, seen = True, child_name(owner_name, "decode"), ""
+    if reapply:
+        try:
+            await _reapply_child(api, metrics, namespace, owner_name, kind, target, seen_version=seen,
+                                 generations=generations, logger=logger)
+        except ApiError as e:  # event handlers are not retried: the next event, or a resume, tries again
+            metrics.api_errors.labels(str(e.status)).inc()
+            logger.warning(f"Could not re-apply {kind} {namespace}/{meta.get('name')}: {e}")
+    if obj.get("kind") in ("StatefulSet", "Deployment"):
+        await refresh_status(api, metrics, namespace, owner_name,
+                             lambda: _children(namespace, owner_name, dsv4_statefulsets, dsv4_deployments))
 
 
-async def _restore_children(api: KubeApi, metrics: OperatorMetrics, namespace: str, name: str,
-                            logger: kopf.Logger) -> None:
-    """A child was deleted while its owner lives on: put it back (the owner's deletion removes
-    children too, and then the owner is gone or marked for deletion, so nothing is restored)."""
-    cr = await api.get(S.API_VERSION, S.KIND, namespace, name)
+async def _reapply_child(api: KubeApi, metrics: OperatorMetrics, namespace: str, owner_name: str, kind: str,
+                         name: str, *, seen_version: Optional[str], generations: Optional[dict] = None,
+                         logger: kopf.Logger) -> None:
+    """Apply the owner's current version of one child (`seen_version`: the resourceVersion the
+    event showed; None: it was deleted). Nothing when the owner is gone or being deleted (the
+    garbage collector is removing its children), or its spec cannot be acted on."""
+    cr = await api.get(S.API_VERSION, S.KIND, namespace, owner_name)
     if cr is None or cr["metadata"].get("deletionTimestamp"):
         return
-    spec, problem = check_spec(name, cr.get("spec"))
+    spec, _, _ = effective_spec(owner_name, cr.get("spec"), cr["metadata"].get("annotations"),
+                                int(cr["metadata"].get("generation") or 0))
     if spec is None:
         return
-    owner = Owner(name, namespace, cr["metadata"]["uid"])
-    await apply_children(api, metrics, spec, owner)
-    kopf.event(cr, type="Normal", reason="Restored", message="re-applied children after one was deleted")
-    logger.info(f"Re-applied the children of {namespace}/{name} after one was deleted.")
+    owner = Owner(owner_name, namespace, cr["metadata"]["uid"])
+    wanted = [m for m in build_children(spec, owner, operator_namespace())
+              if m["kind"] == kind and m["metadata"]["name"] == name]
+    if not wanted:
+        return  # not (or no longer) one the spec asks for
+    if seen_version == "":  # a release: only a decode StatefulSet that is held has anything to take
+        live = await api.get("apps/v1", "StatefulSet", namespace, name)
+        partition = (((live or {}).get("spec") or {}).get("updateStrategy") or {}).get("rollingUpdate") or {}
+        if partition.get("partition") != HOLD_PARTITION:
+            return
+    if kind == "StatefulSet" and name == child_name(owner_name, "decode") and \
+            await _hold_decode(api, spec, owner, wanted[0]):
+        wanted = [engine_statefulset(spec, owner, "decode", S.spec_revision(spec), hold=True)]
+    after = await api.apply(wanted[0])
+    _remember_generation(generations, after)
+    metrics.applied.labels(kind).inc()
+    role = (wanted[0]["metadata"].get("labels") or {}).get(LABEL_ROLE, "")
+    if seen_version is None and kind in ("StatefulSet", "Deployment") and spec.scaling_of(role) == "external":
+        await hand_over_replicas(api, owner, role, initial_replicas(spec, role))  # made anew: starting count
+    if seen_version == "":
+        return  # a release of decode after prefill rolled out, not a repair
+    if seen_version is None or seen_version != after["metadata"].get("resourceVersion"):
+        what = "deleted" if seen_version is None else "changed by someone else"
+        kopf.event(cr, type="Normal", reason="Restored", message=f"{kind}/{name} was {what}: re-applied")
+        logger.info(f"Re-applied {kind} {namespace}/{name}: it was {what}.")
 
 
-kopf.on.event("apps", "v1", "statefulsets", id="statefulset_changed", labels=CHILD_LABELS,
-              registry=registry)(_child_changed)
-kopf.on.event("apps", "v1", "deployments", id="deployment_changed", labels=CHILD_LABELS,
-              registry=registry)(_child_changed)
+for _group, _version, _plural in (*WORKLOAD_KINDS, *OTHER_CHILD_KINDS):
+    kopf.on.event(_group, _version, _plural, id=f"{_plural}_changed", labels=CHILD_LABELS,
+                  registry=registry)(_child_changed)
 
 
 # ---- The wedge watchdog -----------------------------------------------------------------------
@@ -314,8 +580,18 @@ async def wedge_watchdog(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kop
     def pods(namespace: str, instance: str) -> list:
         return list(dsv4_pods.get((namespace, instance), []))
 
-    watchdog = DeploymentWatchdog(lambda: _api(memo), _metrics(memo), body, post, logger,
-                                  admin_token=os.environ.get("DSV4_ADMIN_TOKEN") or None,
+    admin_token = None
+    while admin_token is None and not stopped:
+        try:
+            admin_token = await deployment_admin_token(_api(memo), body["metadata"]["namespace"],
+                                                       body["metadata"]["name"])
+        except (ApiError, kopf.TemporaryError) as e:
+            logger.warning(f"Cannot read the deployment's admin token yet: {e}")
+        if admin_token is None:
+            await stopped.wait(2.0)
+    if stopped:
+        return
+    watchdog = DeploymentWatchdog(lambda: _api(memo), _metrics(memo), body, post, logger, admin_token=admin_token,
                                   fleet=getattr(memo, "fleet", None), pods=pods)
     await watchdog.run(stopped)
 

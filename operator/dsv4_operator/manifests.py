@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping, Optional
 
 from dsv4_operator import spec as S
 from dsv4_operator.spec import DSV4DeploymentSpec, EnvVar, RoleSpec
 from dsv4_wire import (  # noqa: F401  (re-exported: the operator's modules read them from here)
-    ANNOTATION_REVISION, APP, ENGINE_CONTAINER, ENGINE_ROLES, LABEL_COMPONENT, LABEL_ENGINE_KIND, LABEL_INSTANCE,
-    LABEL_MANAGED_BY, LABEL_NAME, LABEL_ROLE, MANAGER, EngineFlags, Paths,
+    ADMIN_TOKEN_ENV, PD_SECRET_ENV, ANNOTATION_REVISION, APP, ENGINE_CONTAINER, ENGINE_ROLES, LABEL_COMPONENT, LABEL_ENGINE_KIND, LABEL_INSTANCE,
+    LABEL_DRAINING, LABEL_MANAGED_BY, LABEL_NAME, LABEL_ROLE, MANAGER, EngineFlags, Paths,
 )
 
 SGLANG_BOOTSTRAP_ANNOTATION = "sglang.ai/bootstrap-port"  # where sgl-router's discovery reads it
@@ -29,12 +29,13 @@ SGLANG_BOOTSTRAP_ANNOTATION = "sglang.ai/bootstrap-port"  # where sgl-router's d
 ROUTER_CONTAINER = "router"
 HTTP_PORT_NAME = "http"
 BOOTSTRAP_PORT_NAME = "bootstrap"
-SGLANG_ROUTER_METRICS_PORT = 29000
+SGLANG_ROUTER_METRICS_PORT = S.SGLANG_ROUTER_METRICS_PORT
 
 # The longest CR name whose children stay valid: a StatefulSet's pods carry the label
 # controller-revision-hash=<sts name>-<10 chars>, which must fit in 63 characters.
 MAX_NAME_LENGTH = 52 - len("-prefill")
-_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+DNS1035_PATTERN = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
+_DNS1035 = re.compile(DNS1035_PATTERN)
 
 
 @dataclass(frozen=True)
@@ -70,14 +71,26 @@ def unbuildable_reasons(name: str, spec: DSV4DeploymentSpec) -> list[str]:
     if len(name) > MAX_NAME_LENGTH:
         reasons.append(f"name {name!r} is longer than {MAX_NAME_LENGTH} characters, too long for the "
                        "StatefulSet pod labels")
+    # The CRD's CEL rules (spec.py) refuse the rest at admission; checked here too for a CRD
+    # older than the operator, or an API server without CEL.
     vol = spec.model.volume
     if vol is not None:
         sources = [s for s in (vol.persistent_volume_claim, vol.host_path, vol.image) if s is not None]
         if len(sources) != 1:
-            reasons.append("model.volume must give exactly one of persistentVolumeClaim, hostPath, image")
+            reasons.append(S.MSG_ONE_VOLUME_SOURCE)
     if spec.engine.port == spec.transfer.bootstrap_port:
-        reasons.append(f"engine.port and transfer.bootstrapPort are both {spec.engine.port}")
-    return reasons
+        reasons.append(f"{S.MSG_PORT_CLASH} (both {spec.engine.port})")
+    if spec.engine.kind == "sglang" and spec.router.port == SGLANG_ROUTER_METRICS_PORT:
+        reasons.append(S.MSG_ROUTER_PORT_CLASH)
+    envs = [*spec.engine.env, *spec.transfer.env, *spec.router.env, *spec.prefill.env, *spec.decode.env]
+    if any(e.value is not None and e.value_from is not None for e in envs):
+        reasons.append(S.MSG_ENV_VALUE_AND_FROM)
+    for t in [*spec.prefill.tolerations, *spec.decode.tolerations]:
+        if t.operator == "Exists" and t.value:
+            reasons.append(S.MSG_EXISTS_WITH_VALUE)
+        if not t.key and t.operator != "Exists":
+            reasons.append(S.MSG_EMPTY_KEY_NEEDS_EXISTS)
+    return list(dict.fromkeys(reasons))
 
 
 def owner_reference(owner: Owner) -> dict[str, Any]:
@@ -107,13 +120,72 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
-def engine_env(spec: DSV4DeploymentSpec, role: str) -> list[dict[str, Any]]:
+# ---- The deployment's shared secrets ------------------------------------------------------------
+
+ADMIN_TOKEN_KEY = "admin-token"  # keys of the deployment's auth Secret
+PD_SECRET_KEY = "pd-secret"
+AUTH_SECRET_KEYS = (ADMIN_TOKEN_KEY, PD_SECRET_KEY)
+
+
+def auth_secret_name(spec: DSV4DeploymentSpec, name: str) -> str:
+    return spec.security.secret_name or child_name(name, "auth")
+
+
+def auth_secret(spec: DSV4DeploymentSpec, owner: Owner, values: dict[str, str]) -> dict[str, Any]:
+    """The Secret the operator creates when absent (values: one random string per key). Owned by
+    the resource, so it goes with it; a Secret the user made is never replaced."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _meta(owner, auth_secret_name(spec, owner.name), "auth", spec),
+        "stringData": dict(values),
+    }
+
+
+def _secret_env(env: str, secret: str, key: str) -> dict[str, Any]:
+    return {"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def auth_env(spec: DSV4DeploymentSpec, name: str) -> list[dict[str, Any]]:
+    """The admin token (engines require it on /admin and /debug; the router and the operator
+    send it) and the PD secret (engine-to-engine calls), both from the deployment's Secret."""
+    secret = auth_secret_name(spec, name)
+    return [_secret_env(ADMIN_TOKEN_ENV, secret, ADMIN_TOKEN_KEY), _secret_env(PD_SECRET_ENV, secret, PD_SECRET_KEY)]
+
+
+# ---- Security contexts ---------------------------------------------------------------------------
+
+
+def pod_security_context(spec: DSV4DeploymentSpec, builtin_image: bool) -> dict[str, Any]:
+    """The pod-level part of PSA "restricted". runAsNonRoot is promised only where we know the
+    image runs as a user (ours does, as 10001; SGLang's runs as root) or the spec names a UID."""
+    out: dict[str, Any] = {"seccompProfile": {"type": "RuntimeDefault"}}
+    if spec.security.run_as_user is not None:
+        out.update(runAsNonRoot=True, runAsUser=spec.security.run_as_user)
+    elif builtin_image:
+        out["runAsNonRoot"] = True
+    return out
+
+
+def container_security_context(spec: DSV4DeploymentSpec, engine: bool) -> dict[str, Any]:
+    """No privilege escalation and no capabilities: GPUs reach the container as device files
+    (the NVIDIA device plugin / CDI), which needs none. IPC_LOCK only when asked (RDMA)."""
+    caps: dict[str, Any] = {"drop": ["ALL"]}
+    if engine and spec.security.ipc_lock:
+        caps["add"] = ["IPC_LOCK"]
+    return {"allowPrivilegeEscalation": False, "capabilities": caps}
+
+
+def engine_env(spec: DSV4DeploymentSpec, role: str, name: Optional[str] = None) -> list[dict[str, Any]]:
     t = spec.transfer
     base: list[dict[str, Any]] = [
         _field_env("POD_NAME", "metadata.name"),
         _field_env("POD_NAMESPACE", "metadata.namespace"),
         _field_env("POD_IP", "status.podIP"),
     ]
+    if name is not None:
+        base += auth_env(spec, name)
     if t.ucx_net_devices:  # multi-NIC nodes: without it NIXL transfers can hang until timeouts
         base.append({"name": "UCX_NET_DEVICES", "value": t.ucx_net_devices})
     if role == "decode":  # do not keep a dead prefill's KV mapped after it restarts
@@ -150,8 +222,14 @@ def engine_command(spec: DSV4DeploymentSpec, role: str) -> list[str]:
     return cmd + list(e.args) + list(r.args)
 
 
+# sgl-router's selectors match labels by equality only, so "not draining" is spelled as a label
+# SGLang engines start with (false) and the watchdog flips (true) to take a pod out.
+NOT_DRAINING = "false"
+
+
 def router_command(spec: DSV4DeploymentSpec, owner: Owner) -> list[str]:
     instance = f"{LABEL_INSTANCE}={owner.name}"
+    serving = f"{LABEL_DRAINING}={NOT_DRAINING}"
     if spec.engine.kind == "builtin":
         cmd = ["dsv4", "router", "--host", "0.0.0.0", "--port", str(spec.router.port),
                "--discover-namespace", owner.namespace, "--selector", instance]
@@ -160,8 +238,8 @@ def router_command(spec: DSV4DeploymentSpec, owner: Owner) -> list[str]:
                "--host", "0.0.0.0", "--port", str(spec.router.port),
                "--service-discovery", "--service-discovery-namespace", owner.namespace,
                "--service-discovery-port", str(spec.engine.port),
-               "--prefill-selector", instance, f"{LABEL_ROLE}=prefill",
-               "--decode-selector", instance, f"{LABEL_ROLE}=decode",
+               "--prefill-selector", instance, f"{LABEL_ROLE}=prefill", serving,
+               "--decode-selector", instance, f"{LABEL_ROLE}=decode", serving,
                "--prometheus-host", "0.0.0.0", "--prometheus-port", str(SGLANG_ROUTER_METRICS_PORT)]
     return cmd + list(spec.router.args)
 
@@ -171,12 +249,55 @@ def _http_probe(path: str, period: int, failures: int) -> dict[str, Any]:
             "timeoutSeconds": 5, "failureThreshold": failures}
 
 
-def engine_probes(spec: DSV4DeploymentSpec) -> dict[str, Any]:
+STARTUP_PROBE_PERIOD = 10
+DRAIN_RESERVE_SECONDS = 10  # of the grace period, left to the engine's own SIGTERM shutdown
+
+# The preStop hook of a builtin engine: ask it to drain (it stops taking requests and turns
+# unready, so the router and Services drop it), then wait until its queues are empty or the
+# budget is spent. Python, because the engine image has it and no curl is promised.
+_DRAIN_SCRIPT = """\
+import json, os, time, urllib.request as u
+base = 'http://127.0.0.1:{port}'
+token = os.environ.get('{token_env}')
+headers = {{'Authorization': 'Bearer ' + token}} if token else {{}}
+deadline = time.monotonic() + {budget}
+try:
+    u.urlopen(u.Request(base + '{drain}', data=b'', headers=headers, method='POST'), timeout=5)
+except Exception:
+    pass
+while time.monotonic() < deadline:
+    try:
+        queues = json.load(u.urlopen(base + '{loads}', timeout=5)).get('queues', {{}})
+        if not any(queues.values()):
+            break
+    except Exception:
+        break
+    time.sleep(1)
+"""
+
+
+def drain_budget_seconds(role: RoleSpec) -> int:
+    return max(1, role.termination_grace_period_seconds - DRAIN_RESERVE_SECONDS)
+
+
+def engine_lifecycle(spec: DSV4DeploymentSpec, role: str) -> dict[str, Any]:
+    """preStop: drain before SIGTERM. SGLang has no drain endpoint: there the hook only waits a
+    few seconds, for the router's pod watch to drop the terminating pod before it stops serving."""
+    budget = drain_budget_seconds(spec.role(role))
+    if spec.engine.kind != "builtin":
+        return {"preStop": {"exec": {"command": ["sleep", str(min(budget, 15))]}}}
+    script = _DRAIN_SCRIPT.format(port=spec.engine.port, token_env=ADMIN_TOKEN_ENV, budget=budget,
+                                  drain=Paths.ADMIN_DRAIN, loads=Paths.LOADS)
+    return {"preStop": {"exec": {"command": ["python3", "-c", script]}}}
+
+
+def engine_probes(spec: DSV4DeploymentSpec, role: str = "prefill") -> dict[str, Any]:
     # SGLang has no /ready; its /health answers once the scheduler serves.
     ready = Paths.READY if spec.engine.kind == "builtin" else Paths.HEALTH
+    startup_failures = -(-spec.role(role).startup_timeout_seconds // STARTUP_PROBE_PERIOD)
     return {
-        # Loading a large checkpoint takes minutes: allow 30 before liveness applies.
-        "startupProbe": _http_probe(Paths.HEALTH, 10, 180),
+        # Loading a large checkpoint takes minutes: liveness applies only once /health answered.
+        "startupProbe": _http_probe(Paths.HEALTH, STARTUP_PROBE_PERIOD, startup_failures),
         "livenessProbe": _http_probe(Paths.HEALTH, 10, 3),
         "readinessProbe": _http_probe(ready, 5, 3),
     }
@@ -227,13 +348,18 @@ def _engine_pod(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict[str, 
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": engine_command(spec, role),
         "ports": ports,
-        "env": engine_env(spec, role),
+        "env": engine_env(spec, role, owner.name),
         "resources": _resources(r.resources, r.gpus_per_pod),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts],
-        **engine_probes(spec),
+        **engine_probes(spec, role),
+        "lifecycle": engine_lifecycle(spec, role),
+        "securityContext": container_security_context(spec, engine=True),
     }
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(spec.engine.port),
                    "prometheus.io/path": Paths.METRICS}
+    pod_labels = labels(owner.name, role, spec)
+    if spec.engine.kind == "sglang":
+        pod_labels[LABEL_DRAINING] = NOT_DRAINING  # see router_command
     if role == "prefill" and spec.engine.kind == "sglang":
         annotations[SGLANG_BOOTSTRAP_ANNOTATION] = str(spec.transfer.bootstrap_port)
     pod_spec: dict[str, Any] = {
@@ -244,29 +370,97 @@ def _engine_pod(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict[str, 
         "tolerations": [S.dump(t) for t in r.tolerations],
         "automountServiceAccountToken": False,  # engines never talk to the API server
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": r.termination_grace_period_seconds,
+        "securityContext": pod_security_context(spec, builtin_image=spec.engine.kind == "builtin"),
     }
     if r.affinity:
         pod_spec["affinity"] = dict(r.affinity)
-    return {"metadata": {"labels": labels(owner.name, role, spec), "annotations": annotations}, "spec": pod_spec}
+    return {"metadata": {"labels": pod_labels, "annotations": annotations}, "spec": pod_spec}
 
 
-def engine_statefulset(spec: DSV4DeploymentSpec, owner: Owner, role: str, revision: str | None = None) -> dict:
+# A partition no replica count reaches: the StatefulSet keeps every pod on its current template.
+HOLD_PARTITION = 100_000
+
+
+def prefill_rolled_out(prefill: Mapping[str, Any] | None) -> bool:
+    """Pure: the prefill StatefulSet (as the API server returned it) runs its latest template on
+    every pod, all ready. A missing one counts as rolled out (nothing to wait for)."""
+    if not prefill:
+        return True
+    spec, status = prefill.get("spec") or {}, prefill.get("status") or {}
+    replicas = int(spec.get("replicas", 1))
+    return (int(status.get("observedGeneration") or 0) >= int((prefill.get("metadata") or {}).get("generation") or 0)
+            and int(status.get("updatedReplicas") or 0) >= replicas
+            and int(status.get("readyReplicas") or 0) >= replicas)
+
+
+def contains(live: Any, wanted: Any) -> bool:
+    """Pure: `live` has every field of `wanted` with the same value (the API server adds defaults,
+    so equality would never hold); lists item by item, same length."""
+    if isinstance(wanted, dict):
+        return isinstance(live, dict) and all(contains(live.get(k), v) for k, v in wanted.items())
+    if isinstance(wanted, list):
+        return isinstance(live, list) and len(live) == len(wanted) and all(map(contains, live, wanted))
+    return live == wanted
+
+
+def decode_held(spec: DSV4DeploymentSpec, prefill_ready: bool, live_decode: Mapping[str, Any] | None,
+                wanted_decode: Mapping[str, Any]) -> bool:
+    """PD-aware order (docs/operations.md, Rollouts): decode takes a new pod template only once
+    prefill rolled out. Held while prefill is not rolled out and decode has a change to take:
+    its template differs from the wanted one, or its pods are not all on its latest template."""
+    if spec.rollout.order != "prefillFirst" or prefill_ready or not live_decode:
+        return False
+    status = live_decode.get("status") or {}
+    behind = status.get("currentRevision") != status.get("updateRevision")
+    return behind or not contains((live_decode.get("spec") or {}).get("template"), wanted_decode["spec"]["template"])
+
+
+def engine_statefulset(spec: DSV4DeploymentSpec, owner: Owner, role: str, revision: str | None = None,
+                       hold: bool = False) -> dict:
+    """`hold`: keep every pod on its current template (partition past any ordinal)."""
     name = child_name(owner.name, role)
+    partition = HOLD_PARTITION if hold else spec.role(role).partition
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": _meta(owner, name, role, spec, revision),
         "spec": {
             "serviceName": name,
-            "replicas": spec.role(role).replicas,
+            **_replicas(spec, role),
             # Engines are interchangeable: start (and load models) in parallel, not one by one.
             "podManagementPolicy": "Parallel",
-            "updateStrategy": {"type": "RollingUpdate"},
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": partition}},
             "selector": {"matchLabels": selector_labels(owner.name, role)},
             "template": _engine_pod(spec, owner, role),
         },
     }
+
+
+SCALE_MANAGER = f"{MANAGER}-scale"  # the field manager that hands replicas over to an autoscaler
+
+
+def initial_replicas(spec: DSV4DeploymentSpec, role: str) -> int:
+    return spec.router.replicas if role == "router" else spec.role(role).replicas
+
+
+def _replicas(spec: DSV4DeploymentSpec, role: str) -> dict[str, int]:
+    """replicas is in the applied config only when the operator owns it: server-side apply then
+    never touches what an HPA, KEDA or `kubectl scale` set (see scale_handover)."""
+    if spec.scaling_of(role) == "external":
+        return {}
+    return {"replicas": initial_replicas(spec, role)}
+
+
+def scale_handover(owner: Owner, role: str, replicas: int) -> dict[str, Any]:
+    """The replicas of a workload alone, applied by SCALE_MANAGER, for a role scaled from outside:
+    applied before the operator's own apply stops carrying replicas, it keeps the field (shared
+    ownership) instead of letting it fall back to 1; after a create, it sets the starting
+    count. Whoever scales next (HPA, kubectl scale) takes the field over."""
+    kind = "Deployment" if role == "router" else "StatefulSet"
+    return {"apiVersion": "apps/v1", "kind": kind,
+            "metadata": {"name": child_name(owner.name, role), "namespace": owner.namespace},
+            "spec": {"replicas": replicas}}
 
 
 def engine_service(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict:
@@ -301,8 +495,10 @@ def router_deployment(spec: DSV4DeploymentSpec, owner: Owner, revision: str | No
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": router_command(spec, owner),
         "ports": ports,
-        "env": merge_env([_field_env("POD_NAMESPACE", "metadata.namespace")], spec.router.env),
+        "env": merge_env([_field_env("POD_NAMESPACE", "metadata.namespace"), *auth_env(spec, owner.name)],
+                         spec.router.env),
         "resources": _resources(spec.router.resources, 0),
+        "securityContext": container_security_context(spec, engine=False),
         "livenessProbe": _http_probe(live, 10, 3),
         "readinessProbe": _http_probe(ready, 5, 3),
     }
@@ -312,7 +508,7 @@ def router_deployment(spec: DSV4DeploymentSpec, owner: Owner, revision: str | No
         "kind": "Deployment",
         "metadata": _meta(owner, name, "router", spec, revision),
         "spec": {
-            "replicas": spec.router.replicas,
+            **_replicas(spec, "router"),
             "selector": {"matchLabels": selector_labels(owner.name, "router")},
             # Never drop below the desired routers during an update.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
@@ -321,7 +517,8 @@ def router_deployment(spec: DSV4DeploymentSpec, owner: Owner, revision: str | No
                              "annotations": {"prometheus.io/scrape": "true",
                                              "prometheus.io/port": str(metrics_port),
                                              "prometheus.io/path": Paths.METRICS}},
-                "spec": {"serviceAccountName": name, "containers": [container], "enableServiceLinks": False},
+                "spec": {"serviceAccountName": name, "containers": [container], "enableServiceLinks": False,
+                         "securityContext": pod_security_context(spec, builtin_image=builtin)},
             },
         },
     }
@@ -342,6 +539,49 @@ def router_service(spec: DSV4DeploymentSpec, owner: Owner) -> dict:
     }
 
 
+def engine_disruption_budget(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict:
+    """Voluntary disruptions (node drains, the watchdog's evictions) take at most maxUnavailable
+    pods of a role at once. Pods that are not Ready may always be evicted: a wedged or crashing
+    pod must not hold a node drain (or its own restart) hostage."""
+    name = child_name(owner.name, role)
+    limit = getattr(spec.remediation.max_unavailable, role)
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(owner, name, role, spec),
+        "spec": {"maxUnavailable": limit, "selector": {"matchLabels": selector_labels(owner.name, role)},
+                 "unhealthyPodEvictionPolicy": "AlwaysAllow"},
+    }
+
+
+def engine_network_policy(spec: DSV4DeploymentSpec, owner: Owner,
+                          operator_namespace: Optional[str] = None) -> dict:
+    """Ingress to the engine pods from: the router (HTTP port), the operator (HTTP port: scrape,
+    drain, abort), the deployment's other engines (every port: NIXL/UCX over TCP picks its
+    own), and `allowFrom` (HTTP port). Egress is not limited."""
+    np = spec.security.network_policy
+    http = [{"port": spec.engine.port, "protocol": "TCP"}]
+    namespace = np.operator_namespace or operator_namespace
+    operator_peer: dict[str, Any] = {"podSelector": {"matchLabels": dict(np.operator_pod_labels)},
+                                     "namespaceSelector": (
+                                         {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
+                                         if namespace else {})}
+    engines = {"matchLabels": {LABEL_NAME: APP, LABEL_INSTANCE: owner.name},
+               "matchExpressions": [{"key": LABEL_ROLE, "operator": "In", "values": list(ENGINE_ROLES)}]}
+    ingress = [
+        {"from": [{"podSelector": {"matchLabels": selector_labels(owner.name, "router")}}, operator_peer], "ports": http},
+        {"from": [{"podSelector": engines}]},
+    ]
+    if np.allow_from:
+        ingress.append({"from": [dict(p) for p in np.allow_from], "ports": http})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(owner, child_name(owner.name, "engines"), "engines", spec),
+        "spec": {"podSelector": engines, "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
 def router_rbac(spec: DSV4DeploymentSpec, owner: Owner) -> list[dict]:
     """The router discovers engine pods by label: it may read pods in its own namespace."""
     name = child_name(owner.name, "router")
@@ -356,16 +596,32 @@ def router_rbac(spec: DSV4DeploymentSpec, owner: Owner) -> list[dict]:
     ]
 
 
-def build_children(spec: DSV4DeploymentSpec, owner: Owner) -> list[dict[str, Any]]:
+def absent_children(spec: DSV4DeploymentSpec, owner: Owner) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of the optional children this spec turns off: server-side
+    apply never removes an object, so the handlers delete these (absent already is fine)."""
+    out = []
+    if not spec.remediation.pod_disruption_budget:
+        out += [("policy/v1", "PodDisruptionBudget", child_name(owner.name, role)) for role in ENGINE_ROLES]
+    if not spec.security.network_policy.enabled:
+        out.append(("networking.k8s.io/v1", "NetworkPolicy", child_name(owner.name, "engines")))
+    return out
+
+
+def build_children(spec: DSV4DeploymentSpec, owner: Owner, operator_namespace: Optional[str] = None,
+                   hold_decode: bool = False) -> list[dict[str, Any]]:
     """Every object a DSV4Deployment owns, in the order to apply them (RBAC and Services
-    before the workloads that use them)."""
+    before the workloads that use them). The auth Secret is not among them: it is created
+    once, never applied (see handlers.ensure_auth_secret)."""
     revision = S.spec_revision(spec)
     return [
         *router_rbac(spec, owner),
+        *([engine_network_policy(spec, owner, operator_namespace)] if spec.security.network_policy.enabled else []),
         engine_service(spec, owner, "prefill"),
         engine_service(spec, owner, "decode"),
         router_service(spec, owner),
+        *([engine_disruption_budget(spec, owner, role) for role in ENGINE_ROLES]
+          if spec.remediation.pod_disruption_budget else []),
         engine_statefulset(spec, owner, "prefill", revision),
-        engine_statefulset(spec, owner, "decode", revision),
+        engine_statefulset(spec, owner, "decode", revision, hold=hold_decode),
         router_deployment(spec, owner, revision),
     ]

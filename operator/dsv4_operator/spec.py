@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -30,7 +30,50 @@ SHORT_NAMES = ["dsv4d"]
 DEFAULT_NODE_SELECTOR = {"nvidia.com/gpu.family": "blackwell"}
 DEFAULT_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
 
-Quantity = Union[int, str]  # a Kubernetes resource quantity: 4, "16Gi", "500m"
+# ---- Field syntax the API server checks at admission (patterns; map keys become CEL rules) ---
+# Regexes avoid backslashes so they read the same in a CEL string literal, and use only syntax
+# common to RE2 (CEL), Rust's regex (pydantic) and Python's re (jsonschema).
+
+# A Kubernetes resource quantity, as apimachinery parses it: 4, "16Gi", "500m", "1e3".
+QUANTITY_PATTERN = (r"^[+-]?(([0-9]+([.][0-9]*)?)|([.][0-9]+))"
+                    r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+([.][0-9]*)?)|([.][0-9]+))))?$")
+# An environment variable name (the C identifier rule, plus '-' and '.', as the API server takes).
+ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+# A label / node-selector / resource key: [DNS-subdomain prefix "/"] name of up to 63 characters.
+QUALIFIED_NAME_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                          r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+# A label value: empty, or up to 63 alphanumerics with '-', '_', '.' inside.
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
+MAX_MAP_ENTRIES = 64  # bounds the maps the CEL rules walk (the API server budgets rule cost)
+MAX_LIST_ITEMS = 256  # likewise for the lists whose items carry rules (env)
+
+Quantity = Union[int, Annotated[str, Field(pattern=QUANTITY_PATTERN)]]  # 4, "16Gi", "500m"
+QualifiedName = Annotated[str, Field(pattern=QUALIFIED_NAME_PATTERN, max_length=317)]
+LabelValue = Annotated[str, Field(pattern=LABEL_VALUE_PATTERN, max_length=63)]
+
+
+def cel(rule: str, message: str, field_path: Optional[str] = None) -> dict[str, str]:
+    """One `x-kubernetes-validations` entry: the API server rejects an object where `rule`
+    (CEL, `self` = this node) is false, with `message`."""
+    out = {"rule": rule, "message": message}
+    if field_path:
+        out["fieldPath"] = field_path
+    return out
+
+
+def _rules(*rules: dict[str, str]) -> dict[str, Any]:
+    return {"x-kubernetes-validations": list(rules)}
+
+
+# Rules the operator also checks at reconcile time (manifests.unbuildable_reasons); the CRD
+# carries them as CEL so that `kubectl apply` refuses the resource instead.
+MSG_ONE_VOLUME_SOURCE = "model.volume must give exactly one of persistentVolumeClaim, hostPath, image"
+MSG_PORT_CLASH = "engine.port and transfer.bootstrapPort must differ: both are ports of the prefill pod"
+MSG_ENV_VALUE_AND_FROM = "an env var gives value or valueFrom, not both"
+MSG_EXISTS_WITH_VALUE = "a toleration with operator Exists must not give a value"
+MSG_EMPTY_KEY_NEEDS_EXISTS = "a toleration without a key must use operator Exists"
+SGLANG_ROUTER_METRICS_PORT = 29000  # sgl-router's Prometheus port, beside router.port in its pod
+MSG_ROUTER_PORT_CLASH = f"router.port must not be {SGLANG_ROUTER_METRICS_PORT}: the SGLang router serves metrics there"
 
 
 def _nested(model: type[BaseModel]) -> Any:
@@ -54,7 +97,10 @@ class _OpenModel(_Model):
 
 
 class EnvVar(_Model):
-    name: str = Field(min_length=1, description="Environment variable name.")
+    model_config = ConfigDict(json_schema_extra=_rules(
+        cel("!(has(self.value) && has(self.valueFrom))", MSG_ENV_VALUE_AND_FROM)))
+
+    name: str = Field(min_length=1, pattern=ENV_NAME_PATTERN, description="Environment variable name.")
     value: Optional[str] = Field(None, description="Literal value.")
     value_from: Optional[dict[str, Any]] = Field(
         None, description="A Kubernetes EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef, ...)."
@@ -62,7 +108,13 @@ class EnvVar(_Model):
 
 
 class Toleration(_Model):
-    key: Optional[str] = None
+    model_config = ConfigDict(json_schema_extra=_rules(
+        cel("!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
+            MSG_EXISTS_WITH_VALUE),
+        cel("(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
+            MSG_EMPTY_KEY_NEEDS_EXISTS)))
+
+    key: Optional[Annotated[str, Field(pattern="^(" + QUALIFIED_NAME_PATTERN[1:-1] + ")?$")]] = None
     operator: Optional[Literal["Exists", "Equal"]] = None
     value: Optional[str] = None
     effect: Optional[Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]] = None
@@ -70,8 +122,8 @@ class Toleration(_Model):
 
 
 class Resources(_Model):
-    limits: dict[str, Quantity] = {}
-    requests: dict[str, Quantity] = {}
+    limits: dict[QualifiedName, Quantity] = Field({}, max_length=MAX_MAP_ENTRIES)
+    requests: dict[QualifiedName, Quantity] = Field({}, max_length=MAX_MAP_ENTRIES)
 
 
 class PVCSource(_Model):
@@ -91,6 +143,10 @@ class ImageSource(_Model):
 
 class ModelVolume(_Model):
     """Where the checkpoint comes from; give exactly one source."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(cel(
+        "(has(self.persistentVolumeClaim) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) + (has(self.image) ? 1 : 0) == 1",
+        MSG_ONE_VOLUME_SOURCE)))
 
     persistent_volume_claim: Optional[PVCSource] = None
     host_path: Optional[HostPathSource] = None
@@ -122,33 +178,52 @@ class EngineSpec(_Model):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     port: int = Field(8100, ge=1, le=65535, description="Engine HTTP port (API, /health, /metrics).")
     args: list[str] = Field([], description="Extra arguments for every engine.")
-    env: list[EnvVar] = []
+    env: list[EnvVar] = Field([], max_length=MAX_LIST_ITEMS)  # bounded: the API server budgets CEL cost
 
 
 class RoleSpec(_Model):
     replicas: int = Field(1, ge=0)
+    scaling: Literal["operator", "external"] = Field(
+        "operator",
+        description="operator: replicas is the count, and the operator puts it back if changed. external: an HPA, "
+                    "KEDA or `kubectl scale` owns the workload's replicas; replicas is only the count it starts with.")
     gpus_per_pod: int = Field(4, ge=0, description="nvidia.com/gpu per pod (0: no GPU request).")
     resources: Resources = _nested(Resources)
-    node_selector: dict[str, str] = Field(
-        DEFAULT_NODE_SELECTOR,
+    node_selector: dict[QualifiedName, LabelValue] = Field(
+        DEFAULT_NODE_SELECTOR, max_length=MAX_MAP_ENTRIES,
         description="Replaces the Blackwell default when set ({} for none).",
     )
     tolerations: list[Toleration] = Field(
-        [Toleration.model_validate(t) for t in DEFAULT_TOLERATIONS],
+        [Toleration.model_validate(t) for t in DEFAULT_TOLERATIONS], max_length=MAX_MAP_ENTRIES,
         description="Replaces the default GPU-taint toleration when set ([] for none).",
     )
     affinity: dict[str, Any] = Field({}, description="A Kubernetes Affinity.")
-    env: list[EnvVar] = []
+    env: list[EnvVar] = Field([], max_length=MAX_LIST_ITEMS)  # bounded: the API server budgets CEL cost
     args: list[str] = []
-    shm_size: str = Field("32Gi", description="Size limit of the memory-backed /dev/shm.")
+    shm_size: str = Field("32Gi", pattern=QUANTITY_PATTERN, description="Size limit of the memory-backed /dev/shm.")
+    partition: int = Field(
+        0, ge=0, description="Canary: on a change, only pods with ordinal >= partition get the new pod template "
+                             "(the StatefulSet partition); lower it to roll on, 0 rolls every pod.")
+    termination_grace_period_seconds: int = Field(
+        120, ge=1, le=86400,
+        description="Seconds a stopping pod gets: its preStop hook drains in-flight requests for all but the "
+                    "last 10 of them, then the engine is sent SIGTERM.")
+    startup_timeout_seconds: int = Field(
+        1800, ge=10, le=86400,
+        description="How long an engine may take to load the checkpoint and answer /health before the kubelet "
+                    "restarts it (the startup probe's budget, in 10 s periods).")
 
 
 class RouterSpec(_Model):
     replicas: int = Field(1, ge=0)
+    scaling: Literal["operator", "external"] = Field(
+        "operator",
+        description="operator: replicas is the count, and the operator puts it back if changed. external: an HPA, "
+                    "KEDA or `kubectl scale` owns the workload's replicas; replicas is only the count it starts with.")
     port: int = Field(8000, ge=1, le=65535)
     image: Optional[str] = Field(None, description="Router image (default: the engine image).")
     args: list[str] = []
-    env: list[EnvVar] = []
+    env: list[EnvVar] = Field([], max_length=MAX_LIST_ITEMS)  # bounded: the API server budgets CEL cost
     resources: Resources = _nested(Resources)
 
 
@@ -160,7 +235,7 @@ class TransferSpec(_Model):
     bootstrap_port: int = Field(8998, ge=1, le=65535)
     bootstrap_timeout_seconds: int = Field(300, ge=1)
     transfer_timeout_seconds: int = Field(300, ge=1)
-    env: list[EnvVar] = Field([], description="More UCX/NIXL environment.")
+    env: list[EnvVar] = Field([], max_length=MAX_LIST_ITEMS, description="More UCX/NIXL environment.")
 
 
 class MaxUnavailable(_Model):
@@ -177,11 +252,52 @@ class RemediationSpec(_Model):
     transfer_failure_rate_threshold: float = Field(0.5, ge=0, le=1)
     max_unavailable: MaxUnavailable = _nested(MaxUnavailable)
     cooldown_seconds: int = Field(300, ge=0)
+    pod_disruption_budget: bool = Field(
+        True, description="A PodDisruptionBudget per engine role with maxUnavailable from maxUnavailable; turn off "
+                          "if you manage your own (two budgets on one pod make every eviction fail).")
     capture_evidence: bool = True
     rollback: Literal["off", "suggest", "auto"] = "suggest"
 
 
+class RolloutSpec(_Model):
+    order: Literal["prefillFirst", "together"] = Field(
+        "prefillFirst",
+        description="prefillFirst: a change to the engines rolls prefill, and decode only once every prefill pod "
+                    "is updated and ready. together: both at once (faster; a full outage with one replica each).")
+
+
+class NetworkPolicySpec(_Model):
+    enabled: bool = Field(
+        False, description="Admit to the engine pods only the router, the operator and their PD peers.")
+    operator_namespace: Optional[str] = Field(
+        None, max_length=63, description="Namespace of the operator's pods (default: the operator's own).")
+    operator_pod_labels: dict[QualifiedName, LabelValue] = Field(
+        {"app.kubernetes.io/name": "dsv4-operator"}, max_length=MAX_MAP_ENTRIES,
+        description="Labels of the operator's pods (the chart's default).")
+    allow_from: list[dict[str, Any]] = Field(
+        [], description="More NetworkPolicyPeers allowed to the engine HTTP port (e.g. your Prometheus).")
+
+
+class SecuritySpec(_Model):
+    secret_name: Optional[str] = Field(
+        None, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="Secret with keys admin-token and pd-secret (default <name>-auth); the operator creates it, "
+                    "with random values, when absent, and adds a missing key.")
+    run_as_user: Optional[int] = Field(
+        None, ge=1, description="UID of the engine and router containers (default: the image's; the builtin "
+                                "image runs as 10001). Set it for an SGLang image to run it non-root.")
+    ipc_lock: bool = Field(
+        False, description="Add the IPC_LOCK capability to engines (RDMA memory registration where the runtime's "
+                           "memlock limit is too low); the pods are then PSA baseline, not restricted.")
+    network_policy: NetworkPolicySpec = _nested(NetworkPolicySpec)
+
+
 class DSV4DeploymentSpec(_Model):
+    model_config = ConfigDict(json_schema_extra=_rules(
+        cel("self.engine.port != self.transfer.bootstrapPort", MSG_PORT_CLASH, ".transfer.bootstrapPort"),
+        cel(f"self.engine.kind != 'sglang' || self.router.port != {SGLANG_ROUTER_METRICS_PORT}",
+            MSG_ROUTER_PORT_CLASH, ".router.port")))
+
     model: ModelSpec
     engine: EngineSpec
     prefill: RoleSpec = _nested(RoleSpec)
@@ -189,9 +305,15 @@ class DSV4DeploymentSpec(_Model):
     router: RouterSpec = _nested(RouterSpec)
     transfer: TransferSpec = _nested(TransferSpec)
     remediation: RemediationSpec = _nested(RemediationSpec)
+    rollout: RolloutSpec = _nested(RolloutSpec)
+    security: SecuritySpec = _nested(SecuritySpec)
 
     def role(self, role: str) -> RoleSpec:
         return {"prefill": self.prefill, "decode": self.decode}[role]
+
+    def scaling_of(self, role: str) -> str:
+        """How `role` (prefill, decode or router) is scaled: by the operator or from outside."""
+        return self.router.scaling if role == "router" else self.role(role).scaling
 
 
 # ---- The status ----------------------------------------------------------------------------
@@ -236,6 +358,8 @@ class DSV4DeploymentStatus(_Model):
     router: Optional[RoleStatus] = None
     revision: Optional[str] = Field(None, description="Hash of the spec last applied.")
     stable_revision: Optional[str] = Field(None, description="Last revision that ran without wedges.")
+    pinned_revision: Optional[str] = Field(
+        None, description="The revision the children run instead of the spec (a rollback pin), while it applies.")
     wedged_pods: Optional[int] = Field(None, ge=0)
     last_remediation: Optional[RemediationRecord] = None
     remediations_total: Optional[int] = Field(None, ge=0)

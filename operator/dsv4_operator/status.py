@@ -1,10 +1,13 @@
 """Pure: what the children look like -> the DSV4Deployment's status.
 
 Conditions (metav1.Condition shape; lastTransitionTime moves only when status flips):
-  Available    every role (prefill, decode, router) has at least one ready replica.
+  Available    prefill and decode each have a ready replica, and so has the router unless it is
+               scaled to zero (a deployment served by its own gateway needs none).
   Progressing  the operator has not yet acted on the latest spec, or a role is not yet at its
                desired replicas, all updated and ready.
-  Degraded     the operator cannot act: the spec is invalid or applying the children failed.
+  Degraded     the operator cannot act (the spec is invalid or applying the children failed), or
+               wedges keep happening: a pod remediated REPEATED_WEDGES times without a quiet
+               spell long enough for the watchdog to forget it (its policy state says so).
   Wedged       owned by the wedge watchdog; carried over unchanged, Unknown until it reports.
 Fields the watchdog owns (wedgedPods, lastRemediation, remediationsTotal, stableRevision) are
 carried over from the previous status as they are.
@@ -15,10 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
-from dsv4_operator.manifests import LABEL_ROLE
+from dsv4_operator.manifests import HOLD_PARTITION, LABEL_ROLE
 from dsv4_operator.spec import CONDITION_TYPES, DSV4DeploymentSpec
+from dsv4_operator.watchdog.policy import STATE_ANNOTATION, PolicyState
 
 ROLES = ("prefill", "decode", "router")
+REPEATED_WEDGES = 2  # remediations of one pod, not yet forgotten, that make the deployment Degraded
 WATCHDOG_FIELDS = ("wedgedPods", "lastRemediation", "remediationsTotal", "stableRevision")
 
 
@@ -34,6 +39,8 @@ class ChildObservation:
     observed_generation: int
     ready: int
     updated: int
+    held: bool = False  # a decode StatefulSet kept on its old template until prefill rolled out
+
 
     @property
     def settled(self) -> bool:
@@ -58,6 +65,7 @@ def observe(body: Mapping[str, Any]) -> Optional[ChildObservation]:
         observed_generation=int(status.get("observedGeneration") or 0),
         ready=int(status.get("readyReplicas") or 0),
         updated=int(status.get("updatedReplicas") or 0),
+        held=((spec.get("updateStrategy") or {}).get("rollingUpdate") or {}).get("partition") == HOLD_PARTITION,
     )
 
 
@@ -83,20 +91,29 @@ def compute_status(
     spec_error: Optional[str] = None,
     apply_error: Optional[str] = None,
     revision: Optional[str] = None,
+    remediation_counts: Optional[Mapping[str, int]] = None,
+    pinned_revision: Optional[str] = None,
 ) -> dict[str, Any]:
     """The whole new status. `spec` is None when the spec is invalid (then `spec_error` says why);
-    `observed_generation` is the generation the operator last acted on (applied or rejected)."""
+    `observed_generation` is the generation the operator last acted on (applied or rejected).
+    `remediation_counts`: pod -> remediations the watchdog still remembers (its policy state)."""
     previous = dict(previous or {})
     by_role: dict[str, ChildObservation] = {}
     for child in children:
         by_role[child.role] = child
 
-    desired = {role: (spec.role(role).replicas if role in ("prefill", "decode") else spec.router.replicas)
-               if spec is not None else (by_role[role].spec_replicas if role in by_role else 0)
-               for role in ROLES}
+    def wanted(role: str) -> int:
+        """The spec's count; for a role scaled from outside, what its workload says now."""
+        child = by_role.get(role)
+        if spec is None or (spec.scaling_of(role) == "external" and child is not None):
+            return child.spec_replicas if child is not None else 0
+        return spec.router.replicas if role == "router" else spec.role(role).replicas
+
+    desired = {role: wanted(role) for role in ROLES}
     roles = {role: role_status(desired[role], by_role.get(role)) for role in ROLES}
 
-    unavailable = [role for role in ROLES if roles[role]["readyReplicas"] < 1]
+    unavailable = [role for role in ROLES if roles[role]["readyReplicas"] < 1
+                   and not (role == "router" and desired[role] == 0)]
     available = _condition(
         "Available", not unavailable,
         "MinimumReplicasAvailable" if not unavailable else "NoReadyReplicas",
@@ -115,7 +132,9 @@ def compute_status(
         if pending:
             progressing = _condition("Progressing", True, "SpecChanged", f"generation {generation} not yet applied")
         elif behind:
-            progressing = _condition("Progressing", True, "RollingOut", summary)
+            held = [role for role in behind if role in by_role and by_role[role].held]
+            note = f"; {', '.join(held)} waits for prefill to roll out first" if held else ""
+            progressing = _condition("Progressing", True, "RollingOut", summary + note)
         else:
             progressing = _condition("Progressing", False, "RolloutComplete", summary)
 
@@ -124,7 +143,14 @@ def compute_status(
     elif apply_error is not None:
         degraded = _condition("Degraded", True, "ApplyFailed", apply_error)
     else:
-        degraded = _condition("Degraded", False, "AsExpected", "the operator can act on the spec")
+        repeated = sorted(p for p, n in (remediation_counts or {}).items() if n >= REPEATED_WEDGES)
+        if repeated:
+            counts = ", ".join(f"{p} x{(remediation_counts or {})[p]}" for p in repeated)
+            degraded = _condition("Degraded", True, "RepeatedWedges",
+                                  f"wedges keep coming back after restarts ({counts}): read the evidence "
+                                  "ConfigMaps and consider a rollback")
+        else:
+            degraded = _condition("Degraded", False, "AsExpected", "the operator can act on the spec")
 
     prev_conditions = {c.get("type"): c for c in previous.get("conditions") or []}
     wedged = prev_conditions.get("Wedged") or _condition(
@@ -150,11 +176,24 @@ def compute_status(
         status["revision"] = revision
     elif previous.get("revision") is not None:
         status["revision"] = previous["revision"]
+    # Always written (null clears it): whether the children run a pinned revision, not the spec.
+    status["pinnedRevision"] = pinned_revision
     for key in WATCHDOG_FIELDS:
         if key in previous:
             status[key] = previous[key]
     status.setdefault("wedgedPods", 0)
     return status
+
+
+def remediation_counts(annotations: Optional[Mapping[str, str]]) -> dict[str, int]:
+    """pod -> remediations remembered, from the watchdog's policy-state annotation (unreadable
+    state counts as none: the watchdog rewrites it)."""
+    text = (annotations or {}).get(STATE_ANNOTATION)
+    try:
+        state = PolicyState.from_json(text)
+    except (ValueError, TypeError, KeyError):
+        return {}
+    return {pod: h.count for pod, h in state.history.items()}
 
 
 def status_changed(old: Optional[Mapping[str, Any]], new: Mapping[str, Any]) -> bool:

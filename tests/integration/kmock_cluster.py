@@ -9,8 +9,14 @@ What this adds to kmock (each is what a real API server does):
 - PATCH by content type: JSON merge patch (null deletes), JSON patch (a failed `test` -> 422),
   strategic merge patch (approximated by merge patch: lists are replaced, not merged by key),
   server-side apply (creates the object if absent; prunes the fields the same field manager
-  applied before and no longer applies; lists are atomic). A resourceVersion in the body is a
+  applied before and no longer applies, unless another manager owns them too; lists are atomic).
+  Field ownership per leaf path: an apply owns what it applies (alone, when forcing a different
+  value; without force, a different value for a field another manager owns is a 409 conflict), any other write (PATCH, PUT, /scale) owns alone what it changed, named by its
+  fieldManager parameter;
+- the scale subresource of StatefulSets and Deployments (PATCH/PUT spec.replicas), as an HPA
+  or `kubectl scale` uses it; A resourceVersion in the body is a
   precondition (409 on mismatch). PUT replaces, with the same precondition;
+- Secrets: stringData is merged into data (base64) and never stored;
 - the status subresource: writes to /status change only status, other writes never do;
 - deletion: finalizers hold an object with a deletionTimestamp; removing the last one deletes it;
   the garbage collector deletes dependents whose ownerReferences all point to owners that do not
@@ -21,7 +27,8 @@ What this adds to kmock (each is what a real API server does):
   matching a watch's selector is sent as DELETED (ADDED); timeoutSeconds ends a watch;
 - discovery: the bundled builtin resources, `groupVersion: v1` for the core group, and CRDs
   (registered with `register_crd` or by creating a CustomResourceDefinition), whose schema
-  defaults, prunes and validates custom objects (422 Invalid) unless registered without it;
+  defaults, prunes and validates custom objects (422 Invalid) unless registered without it,
+  including the schema's CEL rules (`x-kubernetes-validations`, evaluated with cel-python);
 - every API call is recorded as (verb, group, resource[/subresource]) for RBAC checks.
 Still missing: controllers other than the garbage collector (a StatefulSet makes no pods: tests
 stand in for them), admission beyond CRD schemas, RBAC enforcement, watch bookmarks.
@@ -34,6 +41,7 @@ and `api_calls` fixtures.
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import datetime
 import json
@@ -59,7 +67,7 @@ import pytest_asyncio
 import yaml
 from kmock._internal import rendering  # the request type kmock hands to handlers
 
-from dsv4_operator.crd import apply_defaults, prune_unknown, to_jsonschema
+from dsv4_operator.crd import apply_defaults, cel_violations, prune_unknown, to_jsonschema
 
 TEST_AGENT = "dsv4-tests"
 CRD_RESOURCE = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
@@ -158,15 +166,40 @@ def _drop_path(obj: Any, path: tuple) -> None:
         obj.pop(path[-1], None)
 
 
-def server_side_apply(live: Optional[dict], applied: dict, previously_applied: Optional[dict]) -> dict:
+def server_side_apply(live: Optional[dict], applied: dict, previously_applied: Optional[dict],
+                      kept: Iterable[tuple] = ()) -> dict:
     """Server-side apply for one field manager: the fields it applied before but no longer applies
-    are removed, then the new configuration is merged in (dicts by key, lists replaced)."""
+    are removed unless another manager owns them too (`kept`), then the new configuration is
+    merged in (dicts by key, lists replaced)."""
     out = copy.deepcopy(live) if live else {}
+    kept = set(kept)
     if previously_applied:
-        for path in _leaf_paths(previously_applied) - _leaf_paths(applied):
+        for path in _leaf_paths(previously_applied) - _leaf_paths(applied) - kept:
             if path and path[0] not in ("apiVersion", "kind"):
                 _drop_path(out, path)
     return merge_patch(out, applied)
+
+
+_MISSING = object()
+
+
+def _value_at(obj: Any, path: tuple) -> Any:
+    for key in path:
+        if not isinstance(obj, dict) or key not in obj:
+            return _MISSING
+        obj = obj[key]
+    return obj
+
+
+def _owned_paths(obj: Mapping[str, Any]) -> set[tuple]:
+    """Leaf paths a writer can own: not status, not the server's metadata."""
+    server = {"uid", "resourceVersion", "generation", "creationTimestamp", "managedFields", "deletionTimestamp"}
+    return {p for p in _leaf_paths(_without(obj, "status"))
+            if p and p[0] not in ("apiVersion", "kind") and not (p[0] == "metadata" and len(p) > 1 and p[1] in server)}
+
+
+def changed_paths(old: Mapping[str, Any], new: Mapping[str, Any]) -> set[tuple]:
+    return {p for p in _owned_paths(old) | _owned_paths(new) if _value_at(old, p) != _value_at(new, p)}
 
 
 # ---- The API call recorder -----------------------------------------------------------------------
@@ -247,6 +280,7 @@ class KubeCluster(kmock.KubernetesEmulator):
     _rv: int = attrs.field(default=0, init=False)
     _schemas: dict = attrs.field(factory=dict, init=False)  # resource -> openAPIV3Schema
     _applied: dict = attrs.field(factory=dict, init=False)  # (key, manager) -> last applied config
+    _owners: dict = attrs.field(factory=dict, init=False)  # key -> {leaf path: managers owning it}
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -297,13 +331,27 @@ class KubeCluster(kmock.KubernetesEmulator):
         async with self._lock:
             if method == "POST" and request.name is None:
                 self.recorder.record(request)
-                return 201, await self._create(res, request.namespace, self._body(request))
+                return 201, await self._create(res, request.namespace, self._body(request),
+                                               request.params.get("fieldManager") or "unnamed-updater")
             if request.name is None:
                 raise kmock.KubernetesError(405, "MethodNotAllowed", f"{method} needs an object name")
-            if request.subresource not in (None, "status"):
-                raise kmock.KubernetesNotFoundError(message=f"subresource {request.subresource} is not served")
             key = (res, request.namespace, request.name)
             live = self._live(key)
+            updater = request.params.get("fieldManager") or "unnamed-updater"
+            if request.subresource == "scale" and live is not None and method in ("PATCH", "PUT") \
+                    and live.get("kind") in ("StatefulSet", "Deployment", "ReplicaSet"):
+                self.recorder.record(request)
+                replicas = ((self._body(request).get("spec") or {}).get("replicas"))
+                if not isinstance(replicas, int) or replicas < 0:
+                    raise kmock.KubernetesError(422, "Invalid", "spec.replicas must be a non-negative integer")
+                new = copy.deepcopy(live)
+                new["spec"]["replicas"] = replicas
+                stored = await self._store(key, new, live, updater=updater)
+                return 200, {"apiVersion": "autoscaling/v1", "kind": "Scale",
+                             "metadata": {"name": request.name, "namespace": request.namespace},
+                             "spec": {"replicas": stored["spec"]["replicas"]}}
+            if request.subresource not in (None, "status"):
+                raise kmock.KubernetesNotFoundError(message=f"subresource {request.subresource} is not served")
             if method == "DELETE":
                 self.recorder.record(request)
                 if live is None:
@@ -319,11 +367,12 @@ class KubeCluster(kmock.KubernetesEmulator):
                     if live is None:  # apply creates; RBAC then checks `create` as well as `patch`
                         self.recorder.record(request, verb="create")
                     self.recorder.record(request)
-                    return 200, await self._apply(key, request.subresource, body, manager)
+                    force = str(request.params.get("force", "")).lower() == "true"
+                    return 200, await self._apply(key, request.subresource, body, manager, force)
                 self.recorder.record(request)
                 if live is None:
                     raise kmock.KubernetesObjectNotFoundError()
-                return 200, await self._patch(key, request.subresource, body, ctype)
+                return 200, await self._patch(key, request.subresource, body, ctype, updater)
             if method == "PUT":
                 self.recorder.record(request)
                 if live is None:
@@ -331,7 +380,7 @@ class KubeCluster(kmock.KubernetesEmulator):
                 body = self._body(request)
                 self._check_precondition(live, body)
                 new = self._scoped_write(live, body, request.subresource)
-                return 200, await self._store(key, new, live)
+                return 200, await self._store(key, new, live, updater=updater)
         raise kmock.KubernetesError(405, "MethodNotAllowed", f"{method} is not served")
 
     @staticmethod
@@ -357,7 +406,8 @@ class KubeCluster(kmock.KubernetesEmulator):
 
     # -- writes --
 
-    async def _create(self, res: Any, url_namespace: Optional[str], body: dict) -> dict:
+    async def _create(self, res: Any, url_namespace: Optional[str], body: dict,
+                      manager: str = "unnamed-updater") -> dict:
         meta = body.setdefault("metadata", {})
         if url_namespace and meta.get("namespace") not in (None, url_namespace):
             raise kmock.KubernetesError(400, "BadRequest", "the namespace of the object does not match the URL")
@@ -378,24 +428,42 @@ class KubeCluster(kmock.KubernetesEmulator):
             meta.pop(server_owned, None)
         if self._has_status_subresource(res):
             body.pop("status", None)
+        self._owners[key] = {p: {manager} for p in _owned_paths(body)}
         return await self._store(key, body, None)
 
-    async def _apply(self, key: tuple, subresource: Optional[str], applied: dict, manager: str) -> dict:
+    async def _apply(self, key: tuple, subresource: Optional[str], applied: dict, manager: str,
+                     force: bool = True) -> dict:
         res, namespace, name = key
         live = self._live(key)
         previous = self._applied.get((key, manager))
         if live is None:
             applied_meta = dict(applied.get("metadata") or {}, name=name)
-            obj = await self._create(res, namespace, dict(applied, metadata=applied_meta))
+            obj = await self._create(res, namespace, dict(applied, metadata=applied_meta), manager=manager)
             self._applied[(key, manager)] = copy.deepcopy(applied)
             return obj
         self._check_precondition(live, applied)
-        merged = server_side_apply(live, applied, previous)
+        owners = self._owners.setdefault(key, {})
+        if not force:  # a different value for a field someone else owns is a conflict
+            taken = sorted(".".join(map(str, p)) for p in _owned_paths(applied)
+                           if owners.get(p, set()) - {manager} and _value_at(live, p) != _value_at(applied, p))
+            if taken:
+                raise kmock.KubernetesError(409, "Conflict", f"Apply failed with conflicts: {', '.join(taken)}")
+        # Fields another manager owns stay when this one stops applying them (shared ownership).
+        others = {p for p, managers in owners.items() if managers - {manager}}
+        merged = server_side_apply(live, applied, previous, kept=others)
         new = self._scoped_write(live, merged, subresource)
+        for p in _owned_paths(previous or {}) - _owned_paths(applied):
+            owners.get(p, set()).discard(manager)
+        for p in _owned_paths(applied):  # forced: a conflicting value makes this manager the only owner
+            if _value_at(live, p) != _value_at(applied, p):
+                owners[p] = {manager}
+            else:
+                owners.setdefault(p, set()).add(manager)
         self._applied[(key, manager)] = copy.deepcopy(applied)
         return await self._store(key, new, live)
 
-    async def _patch(self, key: tuple, subresource: Optional[str], body: Any, ctype: str) -> dict:
+    async def _patch(self, key: tuple, subresource: Optional[str], body: Any, ctype: str,
+                     updater: str = "unnamed-updater") -> dict:
         live = self._live(key)
         assert live is not None
         if isinstance(body, list):
@@ -410,7 +478,7 @@ class KubeCluster(kmock.KubernetesEmulator):
             patched = merge_patch(live, body)
         else:
             raise kmock.KubernetesError(415, "UnsupportedMediaType", f"unsupported patch type {ctype!r}")
-        return await self._store(key, self._scoped_write(live, patched, subresource), live)
+        return await self._store(key, self._scoped_write(live, patched, subresource), live, updater=updater)
 
     @staticmethod
     def _check_precondition(live: dict, body: Mapping[str, Any]) -> None:
@@ -447,8 +515,18 @@ class KubeCluster(kmock.KubernetesEmulator):
                 return "status" in info.subresources
         return False
 
-    async def _store(self, key: tuple, new: dict, live: Optional[dict]) -> dict:
+    async def _store(self, key: tuple, new: dict, live: Optional[dict], updater: Optional[str] = None) -> dict:
+        """`updater`: the field manager of a non-apply write; it becomes the only owner of the
+        fields it changed (as an Update does in managedFields)."""
         res = key[0]
+        if updater is not None and live is not None:
+            owners = self._owners.setdefault(key, {})
+            for p in changed_paths(live, new):
+                owners[p] = {updater}
+        if new.get("kind") == "Secret" and "stringData" in new:  # write-only: merged into data, base64
+            new = dict(new)
+            encoded = {k: base64.b64encode(str(v).encode()).decode() for k, v in (new.pop("stringData") or {}).items()}
+            new["data"] = {**(new.get("data") or {}), **encoded}
         if res in self._schemas:
             new = self._admit_custom(res, new)
         if res == CRD_RESOURCE and live is None:
@@ -491,6 +569,9 @@ class KubeCluster(kmock.KubernetesEmulator):
             message = "; ".join(f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
                                 for e in errors)
             raise kmock.KubernetesError(422, "Invalid", message)
+        broken = cel_violations(obj, schema)
+        if broken:
+            raise kmock.KubernetesError(422, "Invalid", "; ".join(broken))
         return obj
 
     async def _delete(self, key: tuple) -> dict:
@@ -514,6 +595,7 @@ class KubeCluster(kmock.KubernetesEmulator):
         res = key[0]
         self.objects._objects[key].delete()
         self._applied = {k: v for k, v in self._applied.items() if k[0] != key}
+        self._owners.pop(key, None)
         self._rv += 1
         gone = dict(live, metadata=dict(live["metadata"], resourceVersion=str(self._rv)))
         await self._buses[res].put({"type": "DELETED", "object": gone})

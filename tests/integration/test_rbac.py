@@ -71,6 +71,19 @@ MUST_RECORD = {
     ("", "pods/log", "get"),
     ("", "configmaps", "create"), ("", "configmaps", "list"), ("", "configmaps", "delete"),
     ("serving.dsv4.dev", "dsv4deployments", "get"), ("serving.dsv4.dev", "dsv4deployments", "patch"),
+    # The auth Secret (created, or a missing key added to the user's), PDBs and the NetworkPolicy
+    # (applied, then deleted when the spec turns them off).
+    ("", "secrets", "get"), ("", "secrets", "create"), ("", "secrets", "patch"),
+    ("policy", "poddisruptionbudgets", "create"), ("policy", "poddisruptionbudgets", "patch"),
+    ("policy", "poddisruptionbudgets", "get"), ("policy", "poddisruptionbudgets", "delete"),
+    ("networking.k8s.io", "networkpolicies", "create"), ("networking.k8s.io", "networkpolicies", "patch"),
+    ("networking.k8s.io", "networkpolicies", "get"), ("networking.k8s.io", "networkpolicies", "delete"),
+    # PD-aware rollout: the prefill and decode StatefulSets are read.
+    ("apps", "statefulsets", "get"),
+    # Drift: every kind of child is watched.
+    ("", "services", "watch"), ("", "serviceaccounts", "watch"), ("rbac.authorization.k8s.io", "roles", "watch"),
+    ("rbac.authorization.k8s.io", "rolebindings", "watch"), ("policy", "poddisruptionbudgets", "watch"),
+    ("networking.k8s.io", "networkpolicies", "watch"),
     # Leader election on a Lease (the chart's leader-election Role in the release namespace).
     ("coordination.k8s.io", "leases", "get"), ("coordination.k8s.io", "leases", "create"),
     ("coordination.k8s.io", "leases", "patch"),
@@ -152,6 +165,9 @@ async def run_scenario(cluster: WatchdogCluster, client: ClusterClient, kubeconf
 
 
 async def reconcile_scenario(client: ClusterClient) -> None:
+    # The user brought an auth Secret with only the admin token: the operator adds the PD secret.
+    await client.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "flash-auth", "namespace": "ns1"},
+                         "data": {"admin-token": "dXNlcg=="}}, "secrets")
     await client.create(resource("flash", "ns1"), PLURAL)
     await eventually(lambda: observed(client, "ns1", "flash", 1), timeout=20)
     # The controllers report ready workloads (the emulator has none): status follows.
@@ -164,6 +180,17 @@ async def reconcile_scenario(client: ClusterClient) -> None:
     # An update rolls through; a deleted child is put back.
     await client.patch(API, PLURAL, "ns1", "flash", {"spec": {"decode": {"replicas": 2}}})
     await eventually(lambda: observed(client, "ns1", "flash", 2), timeout=20)
+    secret = await client.get("v1", "secrets", "ns1", "flash-auth")
+    assert secret["data"]["admin-token"] == "dXNlcg==" and secret["data"]["pd-secret"], "user's value kept, key added"
+    # Optional children: a NetworkPolicy on, the PDBs off (deleted); then the policy off again.
+    await client.patch(API, PLURAL, "ns1", "flash", {"spec": {"security": {"networkPolicy": {"enabled": True}},
+                                                              "remediation": {"podDisruptionBudget": False}}})
+    await eventually(lambda: observed(client, "ns1", "flash", 3), timeout=20)
+    assert await client.get("networking.k8s.io/v1", "networkpolicies", "ns1", "flash-engines")
+    assert await client.get("policy/v1", "poddisruptionbudgets", "ns1", "flash-prefill") is None
+    await client.patch(API, PLURAL, "ns1", "flash", {"spec": {"security": {"networkPolicy": {"enabled": False}}}})
+    await eventually(lambda: observed(client, "ns1", "flash", 4), timeout=20)
+    assert await client.get("networking.k8s.io/v1", "networkpolicies", "ns1", "flash-engines") is None
     old = await client.get("apps/v1", "statefulsets", "ns1", "flash-decode")
     await client.delete("apps/v1", "statefulsets", "ns1", "flash-decode")
 

@@ -65,14 +65,35 @@ records the operator's calls against an API server and checks this list against 
 - apiGroups: ["apps"]
   resources: ["statefulsets", "deployments"]
   verbs: ["list", "watch", "create", "patch"]
+# PD-aware rollouts read the prefill and decode StatefulSets (has prefill rolled out; is decode
+# to take a new template).
+- apiGroups: ["apps"]
+  resources: ["statefulsets"]
+  verbs: ["get"]
+# Every other kind of child is watched too (list, watch), so a hand-deleted or hand-edited one
+# is re-applied at once rather than at the next change of the resource.
 - apiGroups: [""]
   resources: ["services", "serviceaccounts"]
-  verbs: ["create", "patch"]
+  verbs: ["list", "watch", "create", "patch"]
+# The deployment's auth Secret (admin token, PD secret): read for the operator's own calls to
+# its engines, created with random values when absent, a missing key added. Not listed or
+# watched. RBAC cannot name Secrets that do not exist yet, so this covers the namespace's.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create", "patch"]
+# A PodDisruptionBudget per engine role and the optional engine NetworkPolicy, by server-side
+# apply; read and deleted when the spec turns them off.
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The router's own Role and RoleBinding (it lists engine pods to find them). The API server
 # lets the operator grant only what it holds itself: pods get/list/watch, below.
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["create", "patch"]
+  verbs: ["list", "watch", "create", "patch"]
 # The wedge watchdog: lists and watches engine pods (kopf's pod index), labels one draining,
 # restarts it through the Eviction API (PodDisruptionBudgets apply), and keeps its last log lines
 # as evidence. get it never calls: the router's Role grants it.

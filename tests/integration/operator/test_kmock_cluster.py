@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 
 import aiohttp
@@ -149,3 +150,37 @@ async def test_discovery_core_group_version(kube_cluster: KubeCluster, kube_clie
     assert (await kube_client.call("GET", "/api/v1"))["groupVersion"] == "v1"
     apps = await kube_client.call("GET", "/apis/apps/v1")
     assert "statefulsets/status" in {r["name"] for r in apps["resources"]}
+
+
+async def test_field_ownership_shared_fields_survive_and_scale_takes_over(kube_cluster: KubeCluster,
+                                                                         kube_client: ClusterClient) -> None:
+    """What the operator's replicas hand-over relies on, as server-side apply does it."""
+    sts = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "s", "namespace": "ns"},
+           "spec": {"replicas": 4, "serviceName": "s", "selector": {"matchLabels": {"a": "b"}},
+                    "template": {"metadata": {"labels": {"a": "b"}}, "spec": {"containers": [{"name": "c"}]}}}}
+    path = "/apis/apps/v1/namespaces/ns/statefulsets/s"
+    apply = "application/apply-patch+yaml"
+    await kube_client.call("PATCH", path, sts, apply, params={"fieldManager": "a", "force": "true"})
+    without = copy.deepcopy(sts)
+    del without["spec"]["replicas"]
+    # Dropped by its only owner: the field goes (and the workload would fall back to 1).
+    await kube_client.call("PATCH", path, without, apply, params={"fieldManager": "a", "force": "true"})
+    assert "replicas" not in (await kube_client.get("apps/v1", "statefulsets", "ns", "s"))["spec"]
+    # Owned by a second manager too: it stays when the first stops applying it.
+    await kube_client.call("PATCH", path, sts, apply, params={"fieldManager": "a", "force": "true"})
+    await kube_client.call("PATCH", path, {"apiVersion": "apps/v1", "kind": "StatefulSet",
+                                           "metadata": {"name": "s", "namespace": "ns"}, "spec": {"replicas": 4}},
+                           apply, params={"fieldManager": "b"})
+    await kube_client.call("PATCH", path, without, apply, params={"fieldManager": "a", "force": "true"})
+    assert (await kube_client.get("apps/v1", "statefulsets", "ns", "s"))["spec"]["replicas"] == 4
+    # The scale subresource writes replicas (an HPA, kubectl scale).
+    scale = await kube_client.call("PATCH", path + "/scale", {"spec": {"replicas": 9}},
+                                   "application/merge-patch+json", params={"fieldManager": "hpa"})
+    assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 9
+    assert (await kube_client.get("apps/v1", "statefulsets", "ns", "s"))["spec"]["replicas"] == 9
+    # Without force, applying another value to a field someone else owns is a conflict.
+    with pytest.raises(ClusterError) as err:
+        await kube_client.call("PATCH", path, {"apiVersion": "apps/v1", "kind": "StatefulSet",
+                                               "metadata": {"name": "s", "namespace": "ns"}, "spec": {"replicas": 4}},
+                               apply, params={"fieldManager": "b"})
+    assert err.value.status == 409 and "spec.replicas" in err.value.body["message"]

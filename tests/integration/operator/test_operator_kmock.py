@@ -161,9 +161,10 @@ async def test_update_rolls_through_to_the_children(cluster_with_crd: KubeCluste
 
     async def rolled() -> Optional[dict]:
         children = await children_of(kube_client, "ns1", "flash")
-        prefill = children[("StatefulSet", "flash-prefill")]
-        return children if prefill["spec"]["replicas"] == 3 else None
+        prefill, decode = children[("StatefulSet", "flash-prefill")], children[("StatefulSet", "flash-decode")]
+        return children if prefill["spec"]["replicas"] == 3 and container(decode)["image"] == "reg/dsv4:2" else None
 
+    await eventually(lambda: _with_status(kube_client, "ns1", "flash", observed=2))  # the reconcile is done
     children = await eventually(rolled)
     prefill, decode = children[("StatefulSet", "flash-prefill")], children[("StatefulSet", "flash-decode")]
     assert container(prefill)["image"] == container(decode)["image"] == "reg/dsv4:2"

@@ -15,7 +15,9 @@ import yaml
 from pydantic import ValidationError
 
 from dsv4_operator import spec as S
-from dsv4_operator.crd import apply_defaults, build_crd, crd_jsonschema, prune_unknown, render_crd_yaml, to_jsonschema
+from dsv4_operator.crd import (
+    apply_defaults, build_crd, cel_violations, crd_jsonschema, prune_unknown, render_crd_yaml, to_jsonschema,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 CRD_FILE = ROOT / "crds" / "dsv4deployment.yaml"
@@ -89,9 +91,12 @@ BAD = {
 
 
 def crd_accepts(cr: dict, crd: dict) -> bool:
+    """What the API server admits: defaulted, pruned, then the schema and its CEL rules."""
     schema = schema_of(crd)
     obj = prune_unknown(apply_defaults(cr, schema), schema)
-    return not list(jsonschema.Draft202012Validator(to_jsonschema(schema)).iter_errors(obj))
+    if list(jsonschema.Draft202012Validator(to_jsonschema(schema)).iter_errors(obj)):
+        return False
+    return not cel_violations(obj, schema)
 
 
 def pydantic_accepts(cr: dict) -> bool:
@@ -152,7 +157,8 @@ def test_spec_requires_model_and_engine_and_the_issue_fields_exist() -> None:
     spec = schema_of(checked_in_crd())["properties"]["spec"]
     assert spec["required"] == ["model", "engine"]
     props = spec["properties"]
-    assert set(props) == {"model", "engine", "prefill", "decode", "router", "transfer", "remediation"}
+    assert set(props) == {"model", "engine", "prefill", "decode", "router", "transfer", "remediation", "rollout",
+                          "security"}
     assert props["engine"]["properties"]["kind"]["enum"] == ["builtin", "sglang"]
     role = props["prefill"]["properties"]
     assert {"replicas", "gpusPerPod", "resources", "nodeSelector", "tolerations", "affinity", "env", "args"} <= set(role)
@@ -162,7 +168,7 @@ def test_spec_requires_model_and_engine_and_the_issue_fields_exist() -> None:
     rem = props["remediation"]["properties"]
     assert set(rem) == {"enabled", "dryRun", "scrapeIntervalSeconds", "detectionWindowSeconds",
                         "transferFailureRateThreshold", "maxUnavailable", "cooldownSeconds", "captureEvidence",
-                        "rollback"}
+                        "rollback", "podDisruptionBudget"}
     assert rem["rollback"]["enum"] == ["off", "suggest", "auto"] and rem["rollback"]["default"] == "suggest"
     status = schema_of(checked_in_crd())["properties"]["status"]["properties"]
     assert {"observedGeneration", "conditions", "prefill", "decode", "lastRemediation", "remediationsTotal",

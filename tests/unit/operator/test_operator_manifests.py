@@ -40,7 +40,7 @@ def env_of(container: dict) -> dict[str, Any]:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
 
 
-@pytest.mark.parametrize("example", ["flash-builtin.yaml", "flash-sglang.yaml"])
+@pytest.mark.parametrize("example", ["flash-builtin.yaml", "flash-sglang.yaml", "flash-production.yaml"])
 @pytest.mark.parametrize("k8s_version", K8S_VERSIONS)
 def test_children_are_valid_kubernetes_strict(example: str, k8s_version: str) -> None:
     spec = parse_spec(yaml.safe_load((EXAMPLES / example).read_text())["spec"])
@@ -73,6 +73,7 @@ def test_the_children_and_their_names() -> None:
         ("StatefulSet", "flash-prefill"), ("StatefulSet", "flash-decode"), ("Deployment", "flash-router"),
         ("Service", "flash-prefill"), ("Service", "flash-decode"), ("Service", "flash-router"),
         ("ServiceAccount", "flash-router"), ("Role", "flash-router"), ("RoleBinding", "flash-router"),
+        ("PodDisruptionBudget", "flash-prefill"), ("PodDisruptionBudget", "flash-decode"),
     }
     for (kind, name), child in children.items():
         meta = child["metadata"]
@@ -169,10 +170,20 @@ def test_sglang_commands() -> None:
     assert rc[:4] == ["python3", "-m", "sglang_router.launch_router", "--pd-disaggregation"]
     assert "--service-discovery" in rc and flag(rc, "--service-discovery-namespace") == "serving"
     assert flag(rc, "--service-discovery-port") == "30000"
+    # sgl-router matches labels by equality: a pod the watchdog labels draining=true drops out.
     i = rc.index("--prefill-selector")
-    assert rc[i + 1:i + 3] == ["app.kubernetes.io/instance=flash", "serving.dsv4.dev/role=prefill"]
+    assert rc[i + 1:i + 4] == ["app.kubernetes.io/instance=flash", "serving.dsv4.dev/role=prefill",
+                               "serving.dsv4.dev/draining=false"]
     i = rc.index("--decode-selector")
-    assert rc[i + 1:i + 3] == ["app.kubernetes.io/instance=flash", "serving.dsv4.dev/role=decode"]
+    assert rc[i + 1:i + 4] == ["app.kubernetes.io/instance=flash", "serving.dsv4.dev/role=decode",
+                               "serving.dsv4.dev/draining=false"]
+    assert rc[i + 4].startswith("--")
+    for role in ("prefill", "decode"):
+        labels = M.engine_statefulset(spec, OWNER, role)["spec"]["template"]["metadata"]["labels"]
+        assert labels[M.LABEL_DRAINING] == "false"
+        assert M.LABEL_DRAINING not in M.engine_statefulset(spec, OWNER, role)["spec"]["selector"]["matchLabels"]
+    builtin = M.engine_statefulset(spec_of(), OWNER, "decode")["spec"]["template"]["metadata"]["labels"]
+    assert M.LABEL_DRAINING not in builtin  # dsv4 router reads the label itself; no template change
     assert router["livenessProbe"]["httpGet"]["path"] == "/liveness"
     assert router["image"] == "lmsysorg/sglang:v1"
 
@@ -253,3 +264,224 @@ def test_longest_allowed_name_builds_valid_children() -> None:
     for child in M.build_children(spec_of(), M.Owner(name, "ns", "u")):
         kubernetes_validate.validate(child, K8S_VERSIONS[0], strict=True)
         assert len(child["metadata"]["name"]) + len("-") + 10 <= 63 or child["kind"] != "StatefulSet"
+
+
+# ---- Disruption: PDBs, the preStop drain, grace and startup budgets ------------------------------
+
+
+def test_disruption_budget_per_engine_role_follows_max_unavailable() -> None:
+    spec = spec_of(remediation={"maxUnavailable": {"prefill": 2, "decode": 0}})
+    children = by_key(M.build_children(spec, OWNER))
+    for role, limit in (("prefill", 2), ("decode", 0)):
+        pdb = children[("PodDisruptionBudget", f"flash-{role}")]
+        kubernetes_validate.validate(pdb, K8S_VERSIONS[0], strict=True)
+        assert pdb["spec"]["maxUnavailable"] == limit
+        assert pdb["spec"]["selector"]["matchLabels"] == M.selector_labels("flash", role)
+        assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    assert ("policy/v1", "PodDisruptionBudget", "flash-prefill") not in M.absent_children(spec, OWNER)
+
+
+def test_disruption_budget_off_is_not_built_and_is_deleted() -> None:
+    spec = spec_of(remediation={"podDisruptionBudget": False})
+    assert not [c for c in M.build_children(spec, OWNER) if c["kind"] == "PodDisruptionBudget"]
+    assert M.absent_children(spec, OWNER)[:2] == [("policy/v1", "PodDisruptionBudget", "flash-prefill"),
+                                                  ("policy/v1", "PodDisruptionBudget", "flash-decode")]
+
+
+def test_grace_and_startup_budget_come_from_the_role() -> None:
+    spec = spec_of(prefill={"terminationGracePeriodSeconds": 300, "startupTimeoutSeconds": 3605})
+    pod = M.engine_statefulset(spec, OWNER, "prefill")["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 300
+    startup = pod["containers"][0]["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 3605
+    assert startup["periodSeconds"] * (startup["failureThreshold"] - 1) < 3605
+    decode = M.engine_statefulset(spec, OWNER, "decode")["spec"]["template"]["spec"]
+    assert decode["terminationGracePeriodSeconds"] == 120  # the default, per role
+
+
+def test_sglang_prestop_only_waits() -> None:
+    spec = spec_of(engine={"kind": "sglang", "image": "i"})
+    hook = engine_container(M.engine_statefulset(spec, OWNER, "decode"))["lifecycle"]["preStop"]
+    assert hook == {"exec": {"command": ["sleep", "15"]}}
+
+
+def test_prestop_drains_the_engine_then_waits_for_its_queues(tmp_path: Path) -> None:
+    """Run the hook's script against a real HTTP server standing in for the engine's admin and
+    loads endpoints: it POSTs the drain with the admin token, then polls until the queues empty."""
+    import http.server
+    import json
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    seen: list[tuple[str, str, str]] = []
+    polls = {"n": 0}
+
+    class Engine(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            seen.append(("POST", self.path, self.headers.get("Authorization", "")))
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"draining": true}')
+
+        def do_GET(self) -> None:  # noqa: N802
+            polls["n"] += 1
+            seen.append(("GET", self.path, ""))
+            body = json.dumps({"queues": {"waiting": 0, "running": 1 if polls["n"] < 3 else 0}}).encode()
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Engine)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        spec = spec_of(engine={"image": "i", "port": server.server_address[1]},
+                       decode={"terminationGracePeriodSeconds": 40})
+        command = engine_container(M.engine_statefulset(spec, OWNER, "decode"))["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[0] == "python3"
+        subprocess.run([sys.executable, *command[1:]], check=True, timeout=30,
+                       env={**os.environ, M.ADMIN_TOKEN_ENV: "s3cret"})
+    finally:
+        server.shutdown()
+    assert seen[0] == ("POST", M.Paths.ADMIN_DRAIN, "Bearer s3cret")
+    assert [s[1] for s in seen[1:]] == [M.Paths.LOADS] * 3  # stopped polling once the queues were empty
+
+
+# ---- Security: contexts, the auth Secret, the NetworkPolicy --------------------------------------
+
+PSA_RESTRICTED_CONTAINER = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def pods_of(spec) -> dict[str, dict]:
+    children = by_key(M.build_children(spec, OWNER))
+    return {role: children[(kind, f"flash-{role}")]["spec"]["template"]["spec"]
+            for role, kind in (("prefill", "StatefulSet"), ("decode", "StatefulSet"), ("router", "Deployment"))}
+
+
+def test_builtin_pods_meet_the_restricted_profile() -> None:
+    for role, pod in pods_of(spec_of()).items():
+        assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}, "runAsNonRoot": True}, role
+        (container,) = pod["containers"]
+        assert container["securityContext"] == PSA_RESTRICTED_CONTAINER, role
+        # restricted allows these volume types only (hostPath is not among them)
+        assert all(set(v) - {"name"} <= {"emptyDir", "persistentVolumeClaim", "image", "secret", "configMap"}
+                   for v in pod.get("volumes", [])), role
+
+
+def test_sglang_runs_as_root_unless_a_uid_is_given_and_ipc_lock_is_opt_in() -> None:
+    sglang = pods_of(spec_of(engine={"kind": "sglang", "image": "lmsysorg/sglang:v0"}))
+    assert "runAsNonRoot" not in sglang["decode"]["securityContext"]
+    assert sglang["decode"]["containers"][0]["securityContext"] == PSA_RESTRICTED_CONTAINER
+    pinned = pods_of(spec_of(engine={"kind": "sglang", "image": "i"}, security={"runAsUser": 1000, "ipcLock": True}))
+    assert pinned["prefill"]["securityContext"]["runAsUser"] == 1000
+    assert pinned["prefill"]["securityContext"]["runAsNonRoot"] is True
+    assert pinned["prefill"]["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    assert pinned["router"]["containers"][0]["securityContext"] == PSA_RESTRICTED_CONTAINER
+
+
+def test_engines_and_router_read_the_admin_token_and_pd_secret_from_the_deployment_secret() -> None:
+    for spec, secret in ((spec_of(), "flash-auth"), (spec_of(security={"secretName": "mine"}), "mine")):
+        for role, pod in pods_of(spec).items():
+            env = env_of(pod["containers"][0])
+            assert env[M.ADMIN_TOKEN_ENV] == {"secretKeyRef": {"name": secret, "key": "admin-token"}}, role
+            assert env[M.PD_SECRET_ENV] == {"secretKeyRef": {"name": secret, "key": "pd-secret"}}, role
+    made = M.auth_secret(spec_of(), OWNER, {"admin-token": "a", "pd-secret": "p"})
+    kubernetes_validate.validate(made, K8S_VERSIONS[0], strict=True)
+    assert made["metadata"]["name"] == "flash-auth" and made["stringData"] == {"admin-token": "a", "pd-secret": "p"}
+    assert made["metadata"]["ownerReferences"][0]["uid"] == OWNER.uid
+
+
+def test_network_policy_admits_router_operator_and_peers_only() -> None:
+    assert not [c for c in M.build_children(spec_of(), OWNER) if c["kind"] == "NetworkPolicy"]
+    assert ("networking.k8s.io/v1", "NetworkPolicy", "flash-engines") in M.absent_children(spec_of(), OWNER)
+    spec = spec_of(security={"networkPolicy": {"enabled": True, "allowFrom": [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]}})
+    (policy,) = [c for c in M.build_children(spec, OWNER, operator_namespace="dsv4-system")
+                 if c["kind"] == "NetworkPolicy"]
+    kubernetes_validate.validate(policy, K8S_VERSIONS[0], strict=True)
+    assert M.absent_children(spec, OWNER) == []
+    sel = policy["spec"]["podSelector"]
+    assert sel["matchLabels"] == {M.LABEL_NAME: "dsv4", M.LABEL_INSTANCE: "flash"}
+    assert sel["matchExpressions"] == [{"key": M.LABEL_ROLE, "operator": "In", "values": ["prefill", "decode"]}]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    front, peers, extra = policy["spec"]["ingress"]
+    assert front["ports"] == [{"port": 8100, "protocol": "TCP"}]
+    router, operator = front["from"]
+    assert router == {"podSelector": {"matchLabels": M.selector_labels("flash", "router")}}
+    assert operator == {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "dsv4-operator"}},
+                        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "dsv4-system"}}}
+    assert peers == {"from": [{"podSelector": sel}]}  # every port: NIXL over TCP picks its own
+    assert extra["ports"] == front["ports"] and extra["from"][0]["namespaceSelector"]
+    # the router pods match the router peer, engine pods the peer rule, neither matches the other
+    labels_of = {role: pod_labels for role, pod_labels in
+                 ((r, p["metadata"]["labels"]) for r, p in
+                  ((r, by_key(M.build_children(spec, OWNER))[(k, f"flash-{r}")]["spec"]["template"])
+                   for r, k in (("prefill", "StatefulSet"), ("decode", "StatefulSet"), ("router", "Deployment"))))}
+    for role, pod_labels in labels_of.items():
+        is_engine = pod_labels.get(M.LABEL_ROLE) in sel["matchExpressions"][0]["values"]
+        assert is_engine == (role != "router")
+        assert all(pod_labels.get(k) == v for k, v in router["podSelector"]["matchLabels"].items()) == (role == "router")
+
+
+# ---- Scaling: who owns replicas -------------------------------------------------------------------
+
+
+def test_external_scaling_leaves_replicas_out_of_the_applied_config() -> None:
+    spec = spec_of(decode={"replicas": 3, "scaling": "external"}, router={"scaling": "external"})
+    children = by_key(M.build_children(spec, OWNER))
+    assert "replicas" not in children[("StatefulSet", "flash-decode")]["spec"]
+    assert "replicas" not in children[("Deployment", "flash-router")]["spec"]
+    assert children[("StatefulSet", "flash-prefill")]["spec"]["replicas"] == 1
+    assert M.initial_replicas(spec, "decode") == 3
+    handover = M.scale_handover(OWNER, "decode", 3)
+    assert handover == {"apiVersion": "apps/v1", "kind": "StatefulSet",
+                        "metadata": {"name": "flash-decode", "namespace": "serving"}, "spec": {"replicas": 3}}
+    assert M.scale_handover(OWNER, "router", 2)["kind"] == "Deployment"
+    assert M.SCALE_MANAGER != M.MANAGER
+
+
+# ---- Rollout: PD-aware order, partitions ----------------------------------------------------------
+
+
+def test_partition_and_hold() -> None:
+    spec = spec_of(decode={"replicas": 4, "partition": 3})
+    assert M.engine_statefulset(spec, OWNER, "decode")["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"partition": 3}}
+    held = M.engine_statefulset(spec, OWNER, "decode", hold=True)
+    assert held["spec"]["updateStrategy"]["rollingUpdate"]["partition"] == M.HOLD_PARTITION
+    kubernetes_validate.validate(held, K8S_VERSIONS[0], strict=True)
+
+
+def test_prefill_rolled_out() -> None:
+    def sts(gen: int, observed: int, replicas: int, updated: int, ready: int) -> dict:
+        return {"metadata": {"generation": gen}, "spec": {"replicas": replicas},
+                "status": {"observedGeneration": observed, "updatedReplicas": updated, "readyReplicas": ready}}
+
+    assert M.prefill_rolled_out(sts(2, 2, 3, 3, 3)) and M.prefill_rolled_out(None)
+    assert not M.prefill_rolled_out(sts(3, 2, 3, 3, 3))  # the controller has not seen the new template
+    assert not M.prefill_rolled_out(sts(2, 2, 3, 2, 3))  # a pod still on the old template
+    assert not M.prefill_rolled_out(sts(2, 2, 3, 3, 2))  # a new pod not ready yet
+    assert M.prefill_rolled_out(sts(2, 2, 0, 0, 0))
+
+
+def test_decode_is_held_only_with_a_change_to_take_and_prefill_not_rolled_out() -> None:
+    old, new = spec_of(), spec_of(engine={"image": "reg/dsv4:2"})
+    wanted = M.engine_statefulset(new, OWNER, "decode")
+    live_old = M.engine_statefulset(old, OWNER, "decode")
+    live_old["spec"]["template"]["spec"]["containers"][0]["terminationMessagePath"] = "/dev/termination-log"  # a default
+    assert M.decode_held(new, False, live_old, wanted)  # its template is to change, prefill still rolling
+    assert not M.decode_held(new, True, live_old, wanted)  # prefill done
+    assert not M.decode_held(new, False, None, wanted)  # a new deployment: nothing to hold
+    live_new = M.engine_statefulset(new, OWNER, "decode")
+    live_new["spec"]["template"]["spec"]["containers"][0]["terminationMessagePath"] = "/dev/termination-log"
+    assert not M.decode_held(new, False, live_new, wanted)  # template as wanted (defaults added): nothing to take
+    live_new["status"] = {"currentRevision": "d-1", "updateRevision": "d-2"}
+    assert M.decode_held(new, False, live_new, wanted)  # held with the new template, pods still on the old one
+    together = spec_of(engine={"image": "reg/dsv4:2"}, rollout={"order": "together"})
+    assert not M.decode_held(together, False, live_old, wanted)
+    assert M.contains({"a": [{"b": 1, "c": 2}], "d": 3}, {"a": [{"b": 1}]})
+    assert not M.contains({"a": [{"b": 1}, {"b": 2}]}, {"a": [{"b": 1}]})

@@ -126,3 +126,15 @@ async def test_no_credentials_is_a_login_error(tmp_path: Path) -> None:
 
     with pytest.raises(kopf.LoginError):
         await kube.load_configuration(env={}, sa_dir=tmp_path, home=tmp_path / "none")
+
+
+def test_drift_worth_reapplying() -> None:
+    """Deleted: always. Changed: workloads only when their generation moved (their status changes
+    all the time), other children on every change. Added: never (the reconcile applies)."""
+    from dsv4_operator.handlers import drift_worth_reapplying as drift
+
+    assert drift("DELETED", "Service", None, None) and drift("DELETED", "StatefulSet", 3, 3)
+    assert drift("MODIFIED", "Service", None, None) and drift("MODIFIED", "Role", 1, 1)
+    assert drift("MODIFIED", "StatefulSet", 4, 3) and not drift("MODIFIED", "StatefulSet", 3, 3)
+    assert not drift("MODIFIED", "Deployment", 2, None)  # first sight after a restart
+    assert not drift("ADDED", "Service", 1, None) and not drift(None, "StatefulSet", 1, None)

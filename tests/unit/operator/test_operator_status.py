@@ -118,12 +118,6 @@ def test_watchdog_owned_fields_are_carried_over() -> None:
     assert compute(previous={"revision": "old"})["revision"] == "old"
 
 
-def test_router_scaled_to_zero_is_not_available() -> None:
-    st = compute(spec=spec(router=0), children=[child("prefill"), child("decode"), child("router", 0, 0)])
-    assert cond(st, "Available")["status"] == "False"
-    assert "router" in cond(st, "Available")["message"]
-
-
 def test_observe_reads_workloads_and_ignores_others() -> None:
     sts = {"kind": "StatefulSet", "metadata": {"name": "x-decode", "generation": 4,
                                                "labels": {"serving.dsv4.dev/role": "decode"}},
@@ -142,3 +136,66 @@ def test_status_changed() -> None:
     assert not status_changed(st, compute())
     assert status_changed(st, compute(children=all_ready()))
     assert not status_changed(dict(st, kopf={"x": 1}), st)  # fields others own do not count
+
+
+def test_router_scaled_to_zero_does_not_hold_available_false() -> None:
+    """The first status bug: router.replicas 0 (a deployment behind its own gateway) left
+    Available False forever."""
+    st = compute(spec=spec(router=0), children=[child("prefill"), child("decode"), child("router", 0, 0)])
+    assert cond(st, "Available")["status"] == "True"
+    assert cond(st, "Progressing")["reason"] == "RolloutComplete"
+    assert st["router"]["ready"] == "0/0"
+    # Engines at zero still cannot serve.
+    st = compute(spec=spec(decode=0, router=0), children=[child("prefill"), child("decode", 0, 0), child("router", 0, 0)])
+    assert cond(st, "Available")["status"] == "False" and cond(st, "Available")["message"].endswith("decode")
+
+
+def test_repeated_wedges_make_the_deployment_degraded() -> None:
+    """The second status bug: the manual says Degraded turns True when wedges keep happening;
+    it never did. The watchdog's policy state remembers remediations per pod until a quiet spell."""
+    from dsv4_operator.status import REPEATED_WEDGES, remediation_counts
+    from dsv4_operator.watchdog.policy import STATE_ANNOTATION, PodHistory, PolicyState
+
+    once = PolicyState(history={"x-prefill-0": PodHistory(count=1, last_finished_at=1.0, last_wedged_at=1.0)})
+    again = PolicyState(history={"x-prefill-0": PodHistory(count=REPEATED_WEDGES, last_finished_at=2.0,
+                                                           last_wedged_at=2.0),
+                                 "x-decode-1": PodHistory(count=1, last_finished_at=2.0, last_wedged_at=2.0)})
+    st = compute(children=all_ready(), remediation_counts=remediation_counts({STATE_ANNOTATION: once.to_json()}))
+    assert cond(st, "Degraded")["status"] == "False"
+    st2 = compute(children=all_ready(), previous=st, now=T1,
+                  remediation_counts=remediation_counts({STATE_ANNOTATION: again.to_json()}))
+    degraded = cond(st2, "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "RepeatedWedges"
+    assert "x-prefill-0 x2" in degraded["message"] and "x-decode-1" not in degraded["message"]
+    assert degraded["lastTransitionTime"] == T1
+    # Forgotten after a quiet spell (the watchdog drops the history): Degraded clears.
+    st3 = compute(children=all_ready(), previous=st2, now=T1, remediation_counts=remediation_counts({}))
+    assert cond(st3, "Degraded")["status"] == "False"
+    # An invalid spec still says so first.
+    st4 = compute(spec=None, spec_error="bad", children=all_ready(), remediation_counts={"p": 5})
+    assert cond(st4, "Degraded")["reason"] == "InvalidSpec"
+    assert remediation_counts({STATE_ANNOTATION: "not json"}) == {}
+
+
+def test_externally_scaled_role_is_measured_against_its_workload() -> None:
+    from dsv4_operator.spec import parse_spec as parse
+
+    ext = parse({"model": {"name": "m", "path": "/m"}, "engine": {"image": "i"},
+                 "decode": {"replicas": 1, "scaling": "external"}})
+    st = compute(spec=ext, children=[child("prefill"), child("decode", 5, 5), child("router")])
+    assert st["decode"]["ready"] == "5/5" and cond(st, "Progressing")["reason"] == "RolloutComplete"
+    st = compute(spec=ext, children=[child("prefill"), child("decode", 5, 3), child("router")])
+    assert st["decode"]["ready"] == "3/5" and cond(st, "Progressing")["reason"] == "RollingOut"
+
+
+def test_a_held_decode_is_named_in_progressing() -> None:
+    from dsv4_operator.manifests import HOLD_PARTITION
+
+    body = {"kind": "StatefulSet", "metadata": {"name": "x-decode", "generation": 3,
+                                                "labels": {"serving.dsv4.dev/role": "decode"}},
+            "spec": {"replicas": 1, "updateStrategy": {"rollingUpdate": {"partition": HOLD_PARTITION}}},
+            "status": {"observedGeneration": 3, "readyReplicas": 1, "updatedReplicas": 0}}
+    decode = observe(body)
+    assert decode is not None and decode.held
+    st = compute(children=[child("prefill", 1, 0), decode, child("router")])
+    assert cond(st, "Progressing")["message"].endswith("decode waits for prefill to roll out first")
