@@ -343,20 +343,26 @@ class Router:
         prefill: Optional[asyncio.Task] = None
         if p is not None:
             body.update(bootstrap_host=p.host, bootstrap_port=p.bootstrap_port, bootstrap_room=random.getrandbits(63))
-            prefill = asyncio.create_task(self._prefill(path, dict(body, stream=False), p))
+            leg = {k: v for k, v in body.items() if k != "stream_options"}  # stream_options needs stream
+            prefill = asyncio.create_task(self._prefill(path, dict(leg, stream=False), p))
         d.inflight += 1
         self.metrics.worker_requests.labels(d.url, d.role).inc()
         opening = asyncio.create_task(self._open_decode(path, body, d))
         handed_off = False
         try:
             if prefill is not None:
-                # A prefill leg that cannot even connect dooms the attempt: retry now instead of
-                # letting the decode wait out its bootstrap deadline.
+                # A prefill leg that fails before decode's first byte dooms the attempt: answer or
+                # retry now instead of letting decode wait out its deadline for KV that will not come.
                 await asyncio.wait({opening, prefill}, return_when=asyncio.FIRST_COMPLETED)
-                if not opening.done() and prefill.exception() is None and prefill.result() == (0, b""):
-                    opening.cancel()
-                    await asyncio.gather(opening, return_exceptions=True)
-                    return Retry(502, b"")
+                if not opening.done() and prefill.exception() is None:
+                    status, content = prefill.result()
+                    if status == 0 or status >= 400:
+                        opening.cancel()  # closing decode's connection aborts its side of the room
+                        await asyncio.gather(opening, return_exceptions=True)
+                        if 400 <= status < 500:  # the client's request: every pair would refuse it
+                            self.metrics.errors.labels(str(status)).inc()
+                            return Response(content, status, media_type="application/json")
+                        return Retry(status or 502, content)
             opened = await opening
             if not isinstance(opened, tuple):
                 return opened

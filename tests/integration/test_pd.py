@@ -7,6 +7,7 @@ right counter; and with deadlines off, a stalled transfer must reproduce the wed
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -198,6 +199,19 @@ def test_router_bad_input_matches_the_engine(cluster, body):
     assert via_router.status_code == direct.status_code and 400 <= direct.status_code < 500
     assert via_router.json()["error"]["message"] == direct.json()["error"]["message"]
     wait_pages_back(cluster.p_url, cluster.d_url)
+
+
+def test_stream_with_usage_through_router(cluster):
+    """stream_options belong to the streaming decode leg only: the prefill leg is not streamed,
+    and an engine refuses stream_options without stream (it once failed every such request)."""
+    body = {"prompt": list(range(3, 30)), "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.monotonic()
+    with httpx.stream("POST", f"{cluster.r_url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]" and time.monotonic() - t0 < WAITING_TIMEOUT
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 5
 
 
 def test_stream_through_router_and_client_disconnect(cluster):
