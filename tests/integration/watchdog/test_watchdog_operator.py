@@ -281,6 +281,12 @@ async def test_wedges_after_a_spec_change_name_it_and_roll_back_once(
     # The wedge goes on (nothing may be restarted): no second rollback.
     await asyncio.sleep(4 * INTERVAL)
     assert len(events(kube_cluster, "flash", "RolledBack")) == 1
+    # Quiet while pinned: the pinned revision is what runs, so the bad spec is never called stable.
+    backends["flash-prefill-0"].set_mode("healthy")
+    await asyncio.sleep(5 * 1 + 4 * INTERVAL)  # past the quiet period (5 detection windows of 1 s)
+    running, revisions = await _running_revision(kube_client)
+    assert running == good and not next(r for r in revisions if r["hash"] == bad)["stable"]
+    backends["flash-prefill-0"].set_mode("wedged")
     # Someone lifts the pin while it is still wedged, asking for the bad revision again: once
     # per bad revision, so this time the operator only suggests, and pins nothing.
     await kube_client.patch(API, PLURAL, NS, "flash", {"metadata": {"annotations": {ANNOTATION_PINNED_REVISION: None}}})
