@@ -231,7 +231,9 @@ def up(
 @app.command("operator")
 def operator_cmd(
     namespace: List[str] = typer.Option([], help="Namespace to watch (repeat); default all namespaces."),
-    standalone: bool = typer.Option(False, "--standalone", help="Single replica, no peering."),
+    standalone: bool = typer.Option(
+        False, "--standalone",
+        help="Disable leader election (the Lease dsv4-operator): for a single replica only, two would both act."),
     health_port: int = typer.Option(8080, help="Port of /healthz and /metrics."),
     log_format: str = typer.Option("json", help="json | plain"),
 ) -> None:

@@ -17,9 +17,7 @@ All handlers live in `registry`, which `dsv4_operator.main` runs.
 from __future__ import annotations
 
 import base64
-import copy
 import datetime
-import json
 import os
 import secrets
 import time
@@ -35,12 +33,12 @@ from dsv4_operator.manifests import (
     HOLD_PARTITION, SCALE_MANAGER, Owner, absent_children, auth_secret, auth_secret_name, build_children, child_name, decode_held,
     engine_statefulset, initial_replicas, prefill_rolled_out, scale_handover, unbuildable_reasons,
 )
+from dsv4_operator.pinning import pinned_spec
 from dsv4_operator.remediation.daemon import DeploymentWatchdog
 from dsv4_operator.remediation.pods import engine_pod_index_key, pod_snapshot
 from dsv4_operator.status import ROLES, ChildObservation, compute_status, observe, remediation_counts, status_changed
 from dsv4_operator.telemetry import OperatorMetrics
-from dsv4_operator.watchdog.revisions import RevisionTracker
-from dsv4_wire import ANNOTATION_PINNED_REVISION, ANNOTATION_REVISIONS
+from dsv4_wire import ANNOTATION_PINNED_REVISION
 
 registry = kopf.OperatorRegistry()
 
@@ -74,31 +72,6 @@ def check_spec(name: str, raw_spec: Any) -> tuple[Optional[S.DSV4DeploymentSpec]
     if reasons:
         return None, "; ".join(reasons)
     return spec, None
-
-
-def pinned_spec(annotations: Optional[Mapping[str, str]], generation: int,
-                raw_spec: Optional[Mapping[str, Any]]) -> tuple[Optional[dict[str, Any]], Optional[str]]:
-    """Pure: (the spec to build children from, its revision hash) when a pin applies, else
-    (None, None). A pin (ANNOTATION_PINNED_REVISION, "<hash>@<generation>") applies while the
-    resource is still at that generation, so the user's next edit ends it, and only to a
-    revision the watchdog's history (ANNOTATION_REVISIONS) holds. The remediation section is
-    always the current one (revisions leave it out)."""
-    annotations = annotations or {}
-    pin = annotations.get(ANNOTATION_PINNED_REVISION) or ""
-    revision, _, at = pin.partition("@")
-    if not revision or not at.isdigit() or int(at) != generation:
-        return None, None
-    try:
-        tracker = RevisionTracker.from_dict(json.loads(annotations.get(ANNOTATION_REVISIONS) or "{}"))
-    except (ValueError, TypeError, KeyError):
-        return None, None
-    for rev in tracker.revisions:
-        if rev.hash == revision:
-            spec = copy.deepcopy(dict(rev.spec))
-            if raw_spec and "remediation" in raw_spec:
-                spec["remediation"] = copy.deepcopy(raw_spec["remediation"])
-            return spec, revision
-    return None, None
 
 
 def effective_spec(name: str, raw_spec: Any, annotations: Optional[Mapping[str, str]],

@@ -256,7 +256,9 @@ class RemediationSpec(_Model):
         True, description="A PodDisruptionBudget per engine role with maxUnavailable from maxUnavailable; turn off "
                           "if you manage your own (two budgets on one pod make every eviction fail).")
     capture_evidence: bool = True
-    rollback: Literal["off", "suggest", "auto"] = "suggest"
+    rollback: Literal["off", "suggest", "auto"] = Field(
+        "suggest", description="When wedges follow a spec change: off; suggest (name the stable revision); auto "
+                               "(pin it: the children run it, the spec is never rewritten).")
 
 
 class RolloutSpec(_Model):

@@ -6,8 +6,10 @@ decide -> act through KubernetesExecutor; the round is shared with `dsv4 up`), t
   so a restarted operator resumes after the last step done instead of repeating it;
 - record the running spec revision and mark it stable after a quiet period; when wedges begin
   soon after a spec change, name the change in the Wedged condition, and with `rollback: auto`
-  patch the spec back to the stable revision, at most once per bad revision (the history, with
-  what was rolled back, persists in REVISIONS_ANNOTATION);
+  pin the stable revision (dsv4_operator.pinning: an annotation the reconciler builds the
+  children from; the user's spec is never rewritten, so GitOps tools have nothing to fight), at
+  most once per bad revision (the history, with what was rolled back, persists in
+  REVISIONS_ANNOTATION);
 - write the Wedged condition and the watchdog's status fields when they change.
 """
 
@@ -22,10 +24,11 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 
 from pydantic import ValidationError
 
-from dsv4_wire import ANNOTATION_REVISIONS
+from dsv4_wire import ANNOTATION_PINNED_REVISION, ANNOTATION_REVISIONS
 
 from dsv4_operator import spec as S
 from dsv4_operator.kube import ApiError, KubeApi, PatchAborted, resource_path
+from dsv4_operator.pinning import pin_value, pinned_revision, revision_spec
 from dsv4_operator.remediation.executor import DeploymentContext, EventSink, KubernetesExecutor
 from dsv4_operator.remediation.pods import (
     EnginePod, engine_pod, pod_selector, remediation_settings, scrape_timeout, stable_after_seconds, watch_plan,
@@ -40,7 +43,7 @@ from dsv4_operator.watchdog.detector import Detector, Wedged
 from dsv4_operator.watchdog.policy import STATE_ANNOTATION, PolicyState
 from dsv4_operator.watchdog.revisions import (
     ROLLBACK_AUTO, ROLLBACK_OFF, ROLLBACK_SUGGEST, RevisionTracker, RollbackDecision, SuspectChange, correlate,
-    decide_rollback, describe_change, merge_patch, serving_spec, spec_hash,
+    decide_rollback, describe_change, serving_spec, spec_hash,
 )
 from dsv4_operator.watchdog.runner import RoundResult, WatchdogLoop
 
@@ -136,14 +139,13 @@ class DeploymentWatchdog:
         """One round; returns the seconds until the next."""
         if self.fleet is not None and not self.fleet.may_act():
             return IDLE_INTERVAL  # not the leader (any more): look, act and write nothing
+        generation = int(self.body["metadata"].get("generation") or 0)
         try:
-            spec = S.parse_spec(self.body.get("spec"))
+            raw_spec, spec = self._running_spec(generation)
         except ValidationError:
             return IDLE_INTERVAL  # the reconciler reports it (Degraded); nothing to watch by
         rem = spec.remediation
         now = self.clock()
-        raw_spec = copy.deepcopy(dict(self.body.get("spec") or {}))
-        generation = int(self.body["metadata"].get("generation") or 0)
         self.tracker.quiet_period_s = stable_after_seconds(rem)
         revision = self.tracker.observe(generation, raw_spec, now)
 
@@ -258,6 +260,22 @@ class DeploymentWatchdog:
         changes = describe_change(stable.spec, serving_spec(raw_spec))
         return [f"since stable revision {stable.hash} (generation {stable.generation}):", *changes]
 
+    def _running_spec(self, generation: int) -> tuple[dict[str, Any], S.DSV4DeploymentSpec]:
+        """The spec the children are built from: a pinned revision while its pin applies (as the
+        reconciler does, from this watchdog's own history), else the user's. A pinned revision
+        is the running one: it is what is watched, and it, not the spec as written, may become
+        stable."""
+        user = copy.deepcopy(dict(self.body.get("spec") or {}))
+        parsed = S.parse_spec(user)  # ValidationError: the reconciler reports it
+        revision = pinned_revision(self.body["metadata"].get("annotations"), generation)
+        pinned = revision_spec(self.tracker, revision, user) if revision else None
+        if pinned is not None:
+            try:
+                return pinned, S.parse_spec(pinned)
+            except ValidationError:
+                pass  # the reconciler falls back to the user's spec too
+        return user, parsed
+
     # ---- rollback ---------------------------------------------------------------------------------
 
     async def _consider_rollback(self, rem: S.RemediationSpec, raw_spec: Mapping[str, Any],
@@ -266,7 +284,7 @@ class DeploymentWatchdog:
         if rem.dry_run and mode == ROLLBACK_AUTO:
             mode = ROLLBACK_SUGGEST  # dry run acts on nothing, the spec included
         decision = decide_rollback(mode, suspect, self.tracker.stable, raw_spec, self.tracker.rolled_back)
-        if decision.action == "patch":
+        if decision.action == "pin":
             return await self._roll_back(decision, suspect)
         if decision.action == "suggest" and suspect.revision not in self.suggested:
             self.suggested.add(suspect.revision)
@@ -275,38 +293,47 @@ class DeploymentWatchdog:
 
     async def _roll_back(self, decision: RollbackDecision, suspect: SuspectChange
                          ) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+        """Pin the stable revision: one annotation write, with the history that marks the bad
+        revision rolled back in the same patch, so a crash leaves both or neither (never a
+        second rollback), and only while the spec is still the bad revision."""
         stable = self.tracker.stable
         assert stable is not None and decision.from_revision is not None
-        # At most once per bad revision: the mark is stored before the spec is touched, so a crash
-        # in between leaves a suggestion, never a second rollback.
         self.tracker.mark_rolled_back(decision.from_revision)
-        try:
-            await self._persist_tracker(force=True)
-        except ApiError as e:
-            self.tracker.rolled_back.discard(decision.from_revision)
-            return None, f"rollback postponed: {e}"
-        def spec_back(cr: dict) -> dict:
+        history = self._tracker_text()
+        pinned_at: list[int] = []
+
+        def pin(cr: dict) -> dict:
             current = cr.get("spec") or {}
             if spec_hash(current) != decision.from_revision:
                 raise PatchAborted("the spec changed before the rollback: not rolled back")
-            return {"spec": merge_patch(current, stable.spec)}
+            generation = int(cr["metadata"].get("generation") or 0)
+            pinned_at[:] = [generation]
+            return {"metadata": {"annotations": {REVISIONS_ANNOTATION: history,
+                                                 ANNOTATION_PINNED_REVISION: pin_value(stable.hash, generation)}}}
 
         try:
-            written = await self.api().patch_with_retry(S.API_VERSION, S.KIND, self.namespace, self.name, spec_back)
+            written = await self.api().patch_with_retry(S.API_VERSION, S.KIND, self.namespace, self.name, pin)
         except PatchAborted as e:
+            self.tracker.rolled_back.discard(decision.from_revision)
             return None, str(e)
         except ApiError as e:
+            self.tracker.rolled_back.discard(decision.from_revision)
             self.metrics.remediations.labels("rollback", "spec", "failed").inc()
-            return None, f"rollback failed: {e}"
+            return None, f"rollback postponed: {e}"
         if written is None:
+            self.tracker.rolled_back.discard(decision.from_revision)
             return None, None
-        words = f"rolled back to stable revision {stable.hash} (generation {stable.generation})"
+        self.persisted_tracker = (self._tracker_key(), self.tracker.last_wedge_at)
+        words = (f"rolled back to stable revision {stable.hash} (generation {stable.generation}) by pinning it "
+                 f"({ANNOTATION_PINNED_REVISION}={pin_value(stable.hash, pinned_at[0])}); the spec is unchanged "
+                 "and its next edit ends the pin")
         self.rollback_note = (stable.hash, suspect.summary(), words)
         self.metrics.remediations.labels("rollback", "spec", "ok").inc()
         self.events("Warning", "RolledBack", f"{suspect.summary()}; {words}")
         self.logger.warning(f"{suspect.summary()}; {words}")
         record = {"time": iso(self.clock()), "action": "rollback", "reason": suspect.summary(), "dryRun": False,
                   "result": "ok", "fromRevision": decision.from_revision, "toRevision": stable.hash,
+                  "pinned": pin_value(stable.hash, pinned_at[0]),
                   "changes": list(suspect.changes_since_stable or suspect.changes)}
         return record, words
 
@@ -363,9 +390,11 @@ class DeploymentWatchdog:
                                                 or wedge_at - old_wedge_at >= self.tracker.quiet_period_s / 5)
         if not force and key == old_key and not wedge_moved:
             return
-        await self._patch_annotations({REVISIONS_ANNOTATION: json.dumps(self.tracker.to_dict(), sort_keys=True,
-                                                                        separators=(",", ":"), default=str)})
+        await self._patch_annotations({REVISIONS_ANNOTATION: self._tracker_text()})
         self.persisted_tracker = (key, wedge_at)
+
+    def _tracker_text(self) -> str:
+        return json.dumps(self.tracker.to_dict(), sort_keys=True, separators=(",", ":"), default=str)
 
     async def _patch_annotations(self, annotations: Mapping[str, str]) -> None:
         await self.api().patch_with_retry(S.API_VERSION, S.KIND, self.namespace, self.name,

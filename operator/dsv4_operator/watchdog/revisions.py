@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, Sequence
 
 IGNORED_KEYS = ("remediation",)
@@ -264,46 +264,20 @@ def correlate(wedge_time: float, revisions: Sequence[Revision],
 
 # --- rolling back ------------------------------------------------------------------------------
 
-def merge_patch(current: Mapping[str, Any], target: Mapping[str, Any],
-                keep: Iterable[str] = IGNORED_KEYS) -> dict[str, Any]:
-    """A JSON merge patch (RFC 7386) turning ``current`` into ``target``; top-level ``keep`` keys
-    are left as they are."""
-    skip = set(keep)
-
-    def diff(a: Mapping, b: Mapping, top: bool) -> dict:
-        patch: dict[str, Any] = {}
-        for key in set(a) | set(b):
-            if top and key in skip:
-                continue
-            if key not in b:
-                patch[key] = None
-            elif key not in a:
-                patch[key] = copy.deepcopy(b[key])
-            elif isinstance(a[key], Mapping) and isinstance(b[key], Mapping):
-                sub = diff(a[key], b[key], False)
-                if sub:
-                    patch[key] = sub
-            elif a[key] != b[key]:
-                patch[key] = copy.deepcopy(b[key])
-        return patch
-
-    return diff(current, target, True)
-
-
 @dataclass(frozen=True)
 class RollbackDecision:
-    action: str  # "none" | "suggest" | "patch"
+    action: str  # "none" | "suggest" | "pin"
     message: str
     from_revision: str | None = None
     to_revision: str | None = None
-    patch: Mapping[str, Any] | None = field(default=None)
 
 
 def decide_rollback(mode: str, suspect: SuspectChange | None, stable: Revision | None,
                     current_spec: Mapping[str, Any], rolled_back: Iterable[str]) -> RollbackDecision:
-    """off: nothing; suggest: name the revision to go back to; auto: a spec patch back to the
-    stable revision, at most once per bad revision, and only while that revision is still the
-    running one (a newer edit means a person is already changing things)."""
+    """off: nothing; suggest: name the revision to go back to; auto: pin the stable revision
+    (the children are built from it; the spec is left as written), at most once per bad
+    revision, and only while that revision is still the running one (a newer edit means a
+    person is already changing things)."""
     if mode == ROLLBACK_OFF or suspect is None:
         return RollbackDecision("none", "no rollback: " + ("disabled" if mode == ROLLBACK_OFF
                                                             else "no suspect change"))
@@ -322,5 +296,4 @@ def decide_rollback(mode: str, suspect: SuspectChange | None, stable: Revision |
     if spec_hash(current_spec) != suspect.revision:
         return RollbackDecision("suggest", f"spec changed since revision {suspect.revision}; "
                                 f"suggest rolling back to {target}", suspect.revision, stable.hash)
-    return RollbackDecision("patch", f"rolling back to {target}", suspect.revision, stable.hash,
-                            merge_patch(current_spec, stable.spec))
+    return RollbackDecision("pin", f"rolling back to {target}", suspect.revision, stable.hash)

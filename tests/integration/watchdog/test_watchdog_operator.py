@@ -23,6 +23,7 @@ from watchdog_harness import (
 from dsv4_operator.remediation.daemon import REVISIONS_ANNOTATION
 from dsv4_operator.remediation.pods import DRAINING_LABEL
 from dsv4_operator.watchdog.policy import STATE_ANNOTATION
+from dsv4_wire import ANNOTATION_PINNED_REVISION
 
 WINDOW, INTERVAL = 2.0, 0.5
 DETECT = WINDOW + 6 * INTERVAL + 2.0  # a wedge is acted on within this (window + rounds + a busy machine)
@@ -208,6 +209,16 @@ async def _decode_env(client: ClusterClient) -> list[dict]:
     return (await get_cr(client, "flash"))["spec"]["decode"]["env"]
 
 
+async def _decode_child_env(client: ClusterClient) -> Optional[str]:
+    """SPLIT_KV_TARGET in the decode StatefulSet the reconciler built (what the pods run)."""
+    sts = await client.get("apps/v1", "statefulsets", NS, "flash-decode")
+    for c in ((sts or {}).get("spec", {}).get("template", {}).get("spec", {}).get("containers") or []):
+        for e in c.get("env") or []:
+            if e.get("name") == "SPLIT_KV_TARGET":
+                return e.get("value")
+    return None
+
+
 async def _running_revision(client: ClusterClient) -> tuple[Optional[str], list[dict[str, Any]]]:
     cr = await get_cr(client, "flash")
     doc = json.loads(cr["metadata"].get("annotations", {}).get(REVISIONS_ANNOTATION) or "{}")
@@ -217,6 +228,8 @@ async def _running_revision(client: ClusterClient) -> tuple[Optional[str], list[
 
 async def test_wedges_after_a_spec_change_name_it_and_roll_back_once(
         kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, engines, operator_factory) -> None:
+    """`rollback: auto` pins the stable revision (an annotation the reconciler builds the children
+    from) and leaves the spec as written, so a GitOps tool has nothing to put back."""
     await operator_factory()
     farm = pod_farm("flash")
     # maxUnavailable 0: nothing is restarted, so the wedge outlasts the rollback and the test can
@@ -233,12 +246,21 @@ async def test_wedges_after_a_spec_change_name_it_and_roll_back_once(
     await kube_client.patch(API, PLURAL, NS, "flash", {"spec": {"decode": {"env": [
         {"name": "SPLIT_KV_TARGET", "value": "512"}]}}})
     bad = await eventually(lambda: _changed_revision(kube_client, good), timeout=5)
+    await eventually(lambda: _is(_decode_child_env(kube_client), "512"), timeout=10)
     backends["flash-prefill-0"].set_mode("wedged")
 
     [rolled] = await eventually(lambda: events(kube_cluster, "flash", "RolledBack"), timeout=DETECT)
     change = "decode.env SPLIT_KV_TARGET changed from 256 to 512"
     assert change in rolled["message"] and f"rolled back to stable revision {good}" in rolled["message"]
-    assert await _decode_env(kube_client) == [{"name": "SPLIT_KV_TARGET", "value": "256"}]
+    # The spec is untouched; the pin names the stable revision at the spec's generation, and the
+    # reconciler honours it: the decode StatefulSet is built from the stable revision again.
+    cr = await get_cr(kube_client, "flash")
+    assert await _decode_env(kube_client) == [{"name": "SPLIT_KV_TARGET", "value": "512"}]
+    assert cr["metadata"]["generation"] == 2
+    assert cr["metadata"]["annotations"][ANNOTATION_PINNED_REVISION] == f"{good}@2"
+    assert not operator_calls(kube_cluster, "update", "dsv4deployments")
+    await eventually(lambda: _is(_decode_child_env(kube_client), "256"), timeout=10)
+    await eventually(lambda: _pinned_status(kube_client, good), timeout=10)
 
     async def status_after_rollback() -> Optional[dict]:
         # The RolledBack event is posted before that round's status write lands.
@@ -252,24 +274,40 @@ async def test_wedges_after_a_spec_change_name_it_and_roll_back_once(
     assert change in cond["message"] and good in cond["message"]
     last = cr["status"]["lastRemediation"]
     assert (last["action"], last["fromRevision"], last["toRevision"]) == ("rollback", bad, good)
+    assert last["pinned"] == f"{good}@2"
     assert cr["status"]["stableRevision"] == good
     assert cr["spec"]["remediation"]["rollback"] == "auto"  # how it heals is not part of a revision
 
     # The wedge goes on (nothing may be restarted): no second rollback.
     await asyncio.sleep(4 * INTERVAL)
     assert len(events(kube_cluster, "flash", "RolledBack")) == 1
-    # Someone puts the bad revision back while it is still wedged: once per bad revision, so
-    # this time the operator only suggests.
-    await kube_client.patch(API, PLURAL, NS, "flash", {"spec": {"decode": {"env": [
-        {"name": "SPLIT_KV_TARGET", "value": "512"}]}}})
+    # Quiet while pinned: the pinned revision is what runs, so the bad spec is never called stable.
+    backends["flash-prefill-0"].set_mode("healthy")
+    await asyncio.sleep(5 * 1 + 4 * INTERVAL)  # past the quiet period (5 detection windows of 1 s)
+    running, revisions = await _running_revision(kube_client)
+    assert running == good and not next(r for r in revisions if r["hash"] == bad)["stable"]
+    backends["flash-prefill-0"].set_mode("wedged")
+    # Someone lifts the pin while it is still wedged, asking for the bad revision again: once
+    # per bad revision, so this time the operator only suggests, and pins nothing.
+    await kube_client.patch(API, PLURAL, NS, "flash", {"metadata": {"annotations": {ANNOTATION_PINNED_REVISION: None}}})
     suggested = await eventually(lambda: events(kube_cluster, "flash", "RollbackSuggested"), timeout=DETECT)
     assert "already rolled back" in suggested[0]["message"] and change in suggested[0]["message"]
+    await eventually(lambda: _is(_decode_child_env(kube_client), "512"), timeout=10)  # the spec as written
     await asyncio.sleep(4 * INTERVAL)
     assert await _decode_env(kube_client) == [{"name": "SPLIT_KV_TARGET", "value": "512"}]
+    assert ANNOTATION_PINNED_REVISION not in (await get_cr(kube_client, "flash"))["metadata"].get("annotations", {})
     assert len(events(kube_cluster, "flash", "RolledBack")) == 1
     running, revisions = await _running_revision(kube_client)
     assert running == bad and not next(r for r in revisions if r["hash"] == bad)["stable"]
     assert not kube_cluster.removed_pods()
+
+
+async def _is(value: Any, expected: Any) -> bool:
+    return (await value) == expected
+
+
+async def _pinned_status(client: ClusterClient, good: str) -> bool:
+    return ((await get_cr(client, "flash")).get("status") or {}).get("pinnedRevision") == good
 
 
 async def _changed_revision(client: ClusterClient, good: str) -> Optional[str]:

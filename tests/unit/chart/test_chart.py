@@ -5,7 +5,8 @@
   strict mode (unknown fields rejected), a DSV4Deployment the CRD's schema accepts, and
   ServiceMonitors with the fields prometheus-operator reads;
 - the operator Deployment is hardened (non-root, read-only root, no privilege escalation,
-  probes, requests) and runs one standalone replica;
+  probes, requests) and runs two replicas with leader election (rolling update that keeps one
+  running, spread over nodes, a PodDisruptionBudget), or one standalone replica on request;
 - RBAC: a ClusterRole for scope cluster, a Role per watched namespace otherwise, no wildcards;
 - values.schema.json rejects bad values with a message naming the value;
 - the chart's CRD is the top-level crds/dsv4deployment.yaml (a symlink, checked byte for byte).
@@ -34,6 +35,7 @@ from dsv4_operator.crd import crd_jsonschema  # noqa: E402
 from dsv4_operator.spec import parse_spec  # noqa: E402
 
 K8S_VERSIONS = ("1.33.0", kubernetes_validate.latest_version())
+STANDALONE = {"leaderElection.enabled": False, "replicaCount": 1}
 ALL_ON = {"metrics.serviceMonitor.enabled": True, "grafanaDashboard.enabled": True, "sample.enabled": True}
 VARIANTS: dict[str, dict[str, Any]] = {
     "defaults": {},
@@ -49,6 +51,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                     "nodeSelector": {"kubernetes.io/os": "linux"},
                                     "tolerations": [{"key": "ops", "operator": "Exists", "effect": "NoSchedule"}],
                                     "operator.extraArgs": ["--verbose"]},
+    "standalone": STANDALONE,
+    "three-replicas-own-affinity-rate-limit": {
+        "replicaCount": 3, "operator.restartRateLimit": "4/300",
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "ops", "operator": "In", "values": ["true"]}]}]}}}},
 }
 
 # The ServiceMonitor fields the chart sets, as prometheus-operator's monitoring.coreos.com/v1 API
@@ -140,13 +147,13 @@ def test_kubernetes_validate_rejects_a_broken_render() -> None:
 def test_optional_objects_follow_their_switches() -> None:
     kinds = lambda docs: sorted(d["kind"] for d in docs)  # noqa: E731
     default = helm_template()
-    assert kinds(default) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Role", "RoleBinding", "Service",
-                              "ServiceAccount"]  # Role, RoleBinding: the leader-election Lease
+    assert kinds(default) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "PodDisruptionBudget", "Role",
+                              "RoleBinding", "Service", "ServiceAccount"]  # Role, RoleBinding: the leader-election Lease
     everything = helm_template(ALL_ON)
     assert kinds(everything) == sorted(kinds(default) + ["ConfigMap", "DSV4Deployment", "ServiceMonitor", "ServiceMonitor"])
     minimal = helm_template(VARIANTS["minimal"])
-    assert kinds(minimal) == ["Deployment"]
-    assert minimal[0]["spec"]["template"]["spec"]["serviceAccountName"] == "existing-sa"
+    assert kinds(minimal) == ["Deployment", "PodDisruptionBudget"]
+    assert operator_deployment(minimal)["spec"]["template"]["spec"]["serviceAccountName"] == "existing-sa"
     # The CRD comes with --include-crds only (Helm installs crds/ itself, before the templates).
     assert not by_kind(default, "CustomResourceDefinition")
 
@@ -159,7 +166,6 @@ def test_operator_pod_is_hardened_and_probed() -> None:
     dep = operator_deployment(docs)
     pod = dep["spec"]["template"]["spec"]
     c = operator_container(docs)
-    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     sc = c["securityContext"]
@@ -174,12 +180,54 @@ def test_operator_pod_is_hardened_and_probed() -> None:
     assert c["image"] == "dsv4-operator:0.1.0"  # the chart's appVersion
 
 
+def test_operator_replicas_elect_a_leader_and_roll_without_a_gap() -> None:
+    """Two replicas by default, leader election on (no --standalone); an upgrade starts the new
+    pod before it stops an old one, the replicas prefer different nodes, a drain takes one at a
+    time, and the Lease is found in the pod's own namespace."""
+    docs = helm_template()
+    dep, c = operator_deployment(docs), operator_container(docs)
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    assert "--standalone" not in c["args"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert "DSV4_RESTART_RATE_LIMIT" not in env  # the operator's default
+    selector = dep["spec"]["selector"]["matchLabels"]
+    spread = dep["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert spread == [{"weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                                          "labelSelector": {"matchLabels": selector}}}]
+    pdb = one(docs, "PodDisruptionBudget")
+    assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": selector}}
+    assert pdb["metadata"]["namespace"] == NAMESPACE
+
+
+def test_standalone_runs_one_replica_that_never_overlaps() -> None:
+    docs = helm_template(STANDALONE)
+    dep, c = operator_deployment(docs), operator_container(docs)
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+    assert c["args"][0] == "--standalone"
+    assert "affinity" not in dep["spec"]["template"]["spec"] and not by_kind(docs, "PodDisruptionBudget")
+    assert not by_kind(helm_template({"podDisruptionBudget.enabled": False}), "PodDisruptionBudget")
+
+
+def test_operator_values_reach_the_pod() -> None:
+    variant = VARIANTS["three-replicas-own-affinity-rate-limit"]
+    docs = helm_template(variant)
+    dep, c = operator_deployment(docs), operator_container(docs)
+    assert dep["spec"]["replicas"] == 3
+    assert {"name": "DSV4_RESTART_RATE_LIMIT", "value": "4/300"} in c["env"]
+    assert dep["spec"]["template"]["spec"]["affinity"] == variant["affinity"]  # the user's, not the default
+    from dsv4_operator.watchdog.corroboration import RestartRateLimit
+    limit = RestartRateLimit.parse("4/300")  # the form the operator reads
+    assert (limit.max_restarts, limit.per_seconds) == (4, 300.0)
+
+
 def test_operator_args_follow_the_watch_scope() -> None:
     cluster = operator_container(helm_template())["args"]
-    assert cluster == ["--standalone", "--health-port=8080", "--log-format=json"]
+    assert cluster == ["--health-port=8080", "--log-format=json"]
     namespaced = operator_container(helm_template({"watch.scope": "namespaces",
                                                    "watch.namespaces": ["a", "b", "a"]}))["args"]
-    assert namespaced == ["--standalone", "--health-port=8080", "--log-format=json", "--namespace=a", "--namespace=b"]
+    assert namespaced == ["--health-port=8080", "--log-format=json", "--namespace=a", "--namespace=b"]
     own = operator_container(helm_template({"watch.scope": "namespaces"}))["args"]
     assert own[-1] == f"--namespace={NAMESPACE}"
     port = operator_container(helm_template({"operator.healthPort": 9090, "operator.logFormat": "plain"}))
@@ -200,7 +248,12 @@ def test_the_operator_cli_accepts_the_rendered_args(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(operator_main, "run_operator", lambda **kw: called.update(kw))
     result = CliRunner().invoke(app, ["operator", *args])
     assert result.exit_code == 0, result.output
-    assert called == {"namespaces": ["a"], "standalone": True, "health_port": 8080, "log_format": "json"}
+    assert called == {"namespaces": ["a"], "standalone": False, "health_port": 8080, "log_format": "json"}
+    standalone = operator_container(helm_template(STANDALONE))["args"]
+    called.clear()
+    result = CliRunner().invoke(app, ["operator", *standalone])
+    assert result.exit_code == 0, result.output
+    assert called["standalone"] is True
 
 
 # ---- RBAC -----------------------------------------------------------------------------------------
@@ -273,7 +326,11 @@ def test_the_operator_holds_what_its_router_role_grants() -> None:
     ({"operator.logFormat": "xml"}, "/operator/logFormat"),
     ({"image.pullPolicy": "Sometimes"}, "/image/pullPolicy"),
     ({"image.repository": ""}, "/image/repository"),
-    ({"replicaCount": 2}, "replicaCount"),  # one standalone replica, by design
+    ({"replicaCount": 0}, "/replicaCount"),
+    ({"leaderElection.enabled": False}, "/replicaCount"),  # standalone: one replica, or two would act
+    ({"leaderElection.enabled": False, "replicaCount": 3}, "/replicaCount"),
+    ({"operator.restartRateLimit": "10 per hour"}, "/operator/restartRateLimit"),
+    ({"podDisruptionBudget": {"enable": True}}, "/podDisruptionBudget"),
     ({"rbac.create": "yes"}, "/rbac/create"),
     ({"metrics.serviceMonitor.interval": "30 seconds"}, "/metrics/serviceMonitor/interval"),
     ({"sample.name": "Flash"}, "/sample/name"),

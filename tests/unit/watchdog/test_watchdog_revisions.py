@@ -4,9 +4,9 @@ import copy
 
 import pytest
 
+from dsv4_operator.pinning import revision_spec
 from dsv4_operator.watchdog.revisions import (
-    Revision, RevisionTracker, correlate, decide_rollback, describe_change, merge_patch,
-    spec_hash,
+    Revision, RevisionTracker, correlate, decide_rollback, describe_change, spec_hash,
 )
 
 BASE = {
@@ -191,30 +191,17 @@ def test_two_changes_name_the_latest_and_diff_since_stable():
 
 # --- rollback ----------------------------------------------------------------------------------------
 
-def apply_merge_patch(target, patch):
-    out = copy.deepcopy(target)
-    for k, v in patch.items():
-        if v is None:
-            out.pop(k, None)
-        elif isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = apply_merge_patch(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
-
-
 def test_rollback_modes():
     tr, bad = incident_tracker()
     suspect = correlate(9 * 3600.0 + 900.0, tr.revisions)
     off = decide_rollback("off", suspect, tr.stable, bad, tr.rolled_back)
-    assert off.action == "none" and off.patch is None
+    assert off.action == "none"
     hint = decide_rollback("suggest", suspect, tr.stable, bad, tr.rolled_back)
-    assert hint.action == "suggest" and hint.to_revision == tr.stable.hash and hint.patch is None
+    assert hint.action == "suggest" and hint.to_revision == tr.stable.hash
     auto = decide_rollback("auto", suspect, tr.stable, bad, tr.rolled_back)
-    assert auto.action == "patch" and auto.from_revision == suspect.revision
-    assert auto.patch == {"decode": {"env": [{"name": "FOO", "value": "1"},
-                                             {"name": "SGLANG_DEBUG_HOOK", "value": "0"}]}}
-    assert apply_merge_patch(bad, auto.patch) == BASE
+    # auto pins the stable revision (the children are built from it); the spec is not patched.
+    assert auto.action == "pin" and (auto.from_revision, auto.to_revision) == (suspect.revision, tr.stable.hash)
+    assert tr.stable.spec == {k: v for k, v in BASE.items() if k != "remediation"}
     with pytest.raises(ValueError):
         decide_rollback("sometimes", suspect, tr.stable, bad, tr.rolled_back)
 
@@ -223,9 +210,9 @@ def test_auto_rollback_at_most_once_per_bad_revision():
     tr, bad = incident_tracker()
     suspect = correlate(9 * 3600.0 + 900.0, tr.revisions)
     first = decide_rollback("auto", suspect, tr.stable, bad, tr.rolled_back)
-    assert first.action == "patch"
+    assert first.action == "pin"
     tr.mark_rolled_back(first.from_revision)
-    tr.observe(6, apply_merge_patch(bad, first.patch), now=10 * 3600.0)  # the rollback lands
+    tr.observe(5, revision_spec(tr, first.to_revision, bad), now=10 * 3600.0)  # the pin runs
     assert tr.current.hash == tr.stable.hash
     # Someone re-applies the bad spec; it wedges again: only a suggestion this time.
     tr.observe(7, bad, now=11 * 3600.0)
@@ -243,11 +230,3 @@ def test_no_auto_rollback_when_spec_moved_on_or_no_stable():
     same = Revision(hash=suspect.revision, generation=5, applied_at=0.0, spec={}, stable=True)
     assert decide_rollback("auto", suspect, same, bad, set()).action == "none"
     assert decide_rollback("auto", None, tr.stable, bad, set()).action == "none"
-
-
-def test_merge_patch_leaves_remediation_alone():
-    current = {"a": 1, "b": {"c": 2, "d": 3}, "remediation": {"rollback": "auto"}}
-    target = {"b": {"c": 2, "e": 4}, "f": [1]}
-    patch = merge_patch(current, target)
-    assert patch == {"a": None, "b": {"d": None, "e": 4}, "f": [1]}
-    assert apply_merge_patch(current, patch) == dict(target, remediation={"rollback": "auto"})
