@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# Triton picks its CPU interpreter when triton.language is first imported, and modules collected
+# before the kernel tests import it too (transformers does): choose it before anything is collected.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 
