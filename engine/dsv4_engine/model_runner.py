@@ -70,10 +70,13 @@ class ModelRunner:
             extend_lens=torch.tensor(ext, dtype=torch.int32, device=dev),
             logits_indices=torch.tensor(last, dtype=torch.int64, device=dev),
             all_decode=all(n == 1 for n in ext),
+            slot_ids=(torch.tensor([b.seq.slot for b in batch], dtype=torch.int64, device=dev)
+                      if all(b.seq.slot is not None for b in batch) else None),
+            page_size=page_size,
         )
 
     def forward(self, batch: list[ScheduledSeq], pool: KVPool) -> torch.Tensor:
-        return self.model.forward(self.build_batch(batch, pool.page_size), pool.states)
+        return self.model.forward(self.build_batch(batch, pool.page_size), pool.all_states)
 
     def step(self, batch: list[ScheduledSeq], pool: KVPool) -> list[Union[Sampled, Exception, None]]:
         """Forward the step (a forward failure raises: it fails the batch). For each request that
