@@ -75,17 +75,28 @@ class EngineArgs:
     seed: int = 0
 
 
-def state_refusal(specs: list[StateSpec], role: str, page_size: int) -> Optional[str]:
-    """Why an engine of this role and page size cannot hold the model's states (one line), or None."""
-    try:
-        check_page_size(specs, page_size)
-    except ValueError as e:
-        return f"--page-size {page_size} does not fit this model: {e}"
+def state_refusal(specs: list[StateSpec], role: str, page_size: Optional[int]) -> Optional[str]:
+    """Why an engine of this role and page size (None: not checked) cannot hold the model's
+    states, in one line, or None."""
+    if page_size is not None:
+        try:
+            check_page_size(specs, page_size)
+        except ValueError as e:
+            return f"--page-size {page_size} does not fit this model: {e}"
     slot_states = [s.name for s in specs if not s.paged]
     if role != "mono" and slot_states:
         return (f"this model keeps per-request slot state ({', '.join(slot_states)}) that PD does not transfer yet; "
-                f"serve it with --role mono")
+                f"serve it monolithic (dsv4 serve --role mono, dsv4 up --mono)")
     return None
+
+
+def serving_refusal(model_dir: str, role: str, page_size: Optional[int]) -> Optional[str]:
+    """`state_refusal` for a checkpoint folder, before any weight is read (for the CLI)."""
+    from dsv4_engine.models import entry_for_dir
+
+    entry = entry_for_dir(model_dir)
+    specs = entry.model_class().state_specs(entry.config_class().from_dir(model_dir))
+    return state_refusal(specs, role, page_size)
 
 
 class Engine:
