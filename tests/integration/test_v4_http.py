@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from dsv4_testutil import Proc, free_port
+from dsv4_testutil import Proc, free_port, free_port_block
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +138,24 @@ def test_pd_roles_and_bad_page_size_refused_in_one_line(v4_dir, tmp_path):
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
         assert ("--page-size 6" if 6 in args else "dsv4 up --mono") in lines[0]
+
+
+def test_up_mono_serves_v4(v4_dir, tmp_path):
+    """`dsv4 up --mono --model V4DIR`: router + one monolithic V4 engine, a completion through the router."""
+    port = free_port_block()
+    proc = Proc(["up", "--mono", "--model", v4_dir, "--port", port, "--no-watchdog"], tmp_path / "up.log",
+                env={"DSV4_CACHE": str(tmp_path / "cache"), "COLUMNS": "80"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc.wait_ready(url, timeout=120)
+        deadline = time.monotonic() + 60
+        while True:  # the router may be ready a moment before it has seen the engine ready
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": "hello v4", "max_tokens": 6, "ignore_eos": True,
+                                                          "temperature": 0}, timeout=30)
+            if r.status_code == 200:
+                break
+            assert time.monotonic() < deadline, (r.status_code, r.text, proc.log())
+            time.sleep(0.2)
+        assert r.json()["usage"]["completion_tokens"] == 6
+    finally:
+        proc.stop()
