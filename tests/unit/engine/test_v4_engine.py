@@ -66,7 +66,11 @@ def run_engine(v4_dir, arrivals: dict[int, list[tuple[str, list[int]]]], **kw):
     done: set[str] = set()
     forward = engine.runner.forward
 
+    engine.mixed_steps = 0  # steps with decodes and prefills together (the runner splits them)
+
     def recording_forward(batch, pool):
+        news = {b.num_new == 1 for b in batch}
+        engine.mixed_steps += news == {True, False}
         out = forward(batch, pool)
         for b, row in zip(batch, out):
             if b.samples:
@@ -116,6 +120,7 @@ def test_staggered_arrivals_in_one_batch(v4_dir, hf):
     arrivals = {0: [("r0", ps["r0"])], 2: [("r1", ps["r1"]), ("r2", ps["r2"])], 5: [("r3", ps["r3"])],
                 6: [("r4", ps["r4"]), ("r5", ps["r5"])]}
     toks, logits, engine, _ = run_engine(v4_dir, arrivals, kv_pages=64, page_size=16, max_num_seqs=8)
+    assert engine.runner.decode_apart and engine.mixed_steps > 0
     check(hf, ps, toks, logits)
     all_returned(engine)
 
