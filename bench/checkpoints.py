@@ -24,15 +24,29 @@ def ensure_model(model: Optional[Path], preset: str, seed: int) -> Path:
     return out
 
 
-def model_facts(model: Path, kv_pages: int, page_size: int = 16, dtype: str = "float32") -> dict:
+def model_facts(model: Path, kv_pages: int, page_size: int = 16, dtype: str = "float32", max_num_seqs: int = 0) -> dict:
+    """Sizes from the states the model declares (DeepSeek-V3: one latent per token; V4: paged
+    compressed states per token plus fixed slot rows per running request)."""
+    import torch
+
+    from dsv4_engine.kv_cache import page_nbytes, slot_row_nbytes
+    from dsv4_engine.models import entry_for_dir
+
     cfg = json.loads((model / "config.json").read_text())
-    kv_dim = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
-    page_bytes = cfg["num_hidden_layers"] * page_size * kv_dim * (2 if dtype == "bfloat16" else 4)
+    entry = entry_for_dir(model)
+    specs = entry.model_class().state_specs(entry.config_class().from_dir(model))
+    tdt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    page_bytes = page_nbytes(specs, page_size, tdt)
+    slot_bytes = slot_row_nbytes(specs, tdt)
     return {
-        "dir": str(model), "vocab_size": cfg["vocab_size"], "hidden_size": cfg["hidden_size"],
-        "num_hidden_layers": cfg["num_hidden_layers"], "kv_lora_rank": cfg["kv_lora_rank"],
-        "qk_rope_head_dim": cfg["qk_rope_head_dim"], "n_routed_experts": cfg.get("n_routed_experts"),
+        "dir": str(model), "model_type": entry.model_type, "vocab_size": cfg["vocab_size"],
+        "hidden_size": cfg["hidden_size"], "num_hidden_layers": cfg["num_hidden_layers"],
+        "kv_lora_rank": cfg.get("kv_lora_rank"), "qk_rope_head_dim": cfg.get("qk_rope_head_dim"),
+        "n_routed_experts": cfg.get("n_routed_experts"),
         # the checkpoint is fp32; a bf16 engine holds half of it
         "weights_bytes": sum(p.stat().st_size for p in model.glob("*.safetensors")) // (2 if dtype == "bfloat16" else 1),
-        "kv_page_bytes": page_bytes, "kv_pool_bytes": page_bytes * kv_pages,
+        "kv_page_bytes": page_bytes, "kv_slot_row_bytes": slot_bytes,
+        "kv_pool_bytes": page_bytes * kv_pages + slot_bytes * max_num_seqs,
+        "state_bytes_per_token": {s.name: s.bytes_per_token(tdt) for s in specs if s.paged},
+        "state_bytes_per_request": {s.name: s.request_nbytes(tdt) for s in specs if not s.paged},
     }

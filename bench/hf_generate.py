@@ -1,6 +1,11 @@
 """The transformers baseline: `DeepseekV3ForCausalLM.generate` on the same checkpoint and the
 same prompts, batched (batch = the concurrency level), greedy, exactly `new_tokens` new tokens.
 
+DeepSeek-V4: `DeepseekV4ForCausalLM` in a batched greedy loop over its own cache (the prompt in
+one forward, then one token per forward), because transformers 5.24's `generate` on V4 does not
+reproduce the model's own forward after the first token (seen on v4-tiny in fp32, with and
+without its cache), while this loop is what the oracle tests match the engine against.
+
 Runs in its own process (serve_bench.py starts it) so that its peak RSS is its own:
 
     python bench/hf_generate.py SPEC.json OUT.json
@@ -27,6 +32,15 @@ def generate(model, batch: list[list[int]], new_tokens: int) -> tuple[list[list[
     """One batched greedy generate; every row has the same length (no padding needed)."""
     ids = torch.tensor(batch, dtype=torch.long)
     t0 = time.perf_counter()
+    if model.config.model_type == "deepseek_v4":
+        with torch.inference_mode():
+            out = model(ids, use_cache=True, logits_to_keep=1)
+            toks = []
+            for i in range(new_tokens):
+                toks.append(out.logits[:, -1].argmax(-1, keepdim=True))
+                if i + 1 < new_tokens:
+                    out = model(toks[-1], cache=out.past_key_values, use_cache=True)
+        return torch.cat(toks, 1).tolist(), time.perf_counter() - t0
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -49,12 +63,13 @@ def multiround(model, first: list[list[int]], append: list[list[list[int]]], rou
 
 def main(spec_path: str, out_path: str) -> None:
     import transformers
-    from transformers import DeepseekV3ForCausalLM
 
     spec = json.loads(open(spec_path).read())
     new_tokens, repeats = spec["new_tokens"], spec["repeats"]
     dtype = getattr(torch, spec.get("dtype", "float32"))
-    model = DeepseekV3ForCausalLM.from_pretrained(spec["model"], dtype=dtype).eval()
+    model_type = json.loads(open(f"{spec['model']}/config.json").read()).get("model_type")
+    cls = transformers.DeepseekV4ForCausalLM if model_type == "deepseek_v4" else transformers.DeepseekV3ForCausalLM
+    model = cls.from_pretrained(spec["model"], dtype=dtype).eval()
     rss_after_load = psutil.Process().memory_info().rss
     generate(model, [spec["fixed"][0]["prompts"][0]], 2)  # warm-up (first-call allocations)
 

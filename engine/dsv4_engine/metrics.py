@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from dsv4_wire.metrics import COUNTERS, GAUGES, HISTOGRAMS, PREFIX
+from dsv4_wire.metrics import COUNTERS, GAUGES, HISTOGRAMS, PREFIX, STATE_GAUGES, STATE_LABEL
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -21,6 +21,9 @@ class EngineMetrics:
             k: Histogram(f"{PREFIX}{k}", d, labels, buckets=LATENCY_BUCKETS, registry=self.registry).labels(**self.labels)
             for k, d in HISTOGRAMS.items()
         }
+        self.state_gauges = {
+            k: Gauge(f"{PREFIX}{k}", d, [*labels, STATE_LABEL], registry=self.registry) for k, d in STATE_GAUGES.items()
+        }
         # Plain mirrors of the counters so /v1/loads can report them without parsing.
         self.totals = {k: 0.0 for k in COUNTERS}
 
@@ -30,6 +33,10 @@ class EngineMetrics:
 
     def set(self, name: str, value: float) -> None:
         self.gauges[name].set(value)
+
+    def set_state(self, name: str, state: str, value: float) -> None:
+        """A per-state gauge (STATE_GAUGES), e.g. bytes per token of one state."""
+        self.state_gauges[name].labels(**self.labels, **{STATE_LABEL: state}).set(value)
 
     def observe(self, name: str, value: float) -> None:
         self.histograms[name].observe(value)

@@ -45,6 +45,10 @@ class ModelRunner:
         self.dtype = DTYPES[dtype]
         self.kernel_backend = kernel_backend or default_kernel_backend(self.device)
         self.model = model_cls(self.cfg, load_weights(model_dir), get_ops(self.kernel_backend), self.dtype, self.device)
+        # DeepSeek-V4 (the models with slot states) batches attention over requests only in an
+        # all-decode step and runs each request alone otherwise, so a mixed step runs as two
+        # forwards, decodes then prefills (+27% tok/s at 32 clients on v4-tiny, CPU).
+        self.decode_apart = any(not spec.paged for spec in self.state_specs)
 
     def build_batch(self, batch: list[ScheduledSeq], page_size: int) -> ForwardBatch:
         ids, pos, slots, seq_lens, ext, last = [], [], [], [], [], []
@@ -70,10 +74,23 @@ class ModelRunner:
             extend_lens=torch.tensor(ext, dtype=torch.int32, device=dev),
             logits_indices=torch.tensor(last, dtype=torch.int64, device=dev),
             all_decode=all(n == 1 for n in ext),
+            slot_ids=(torch.tensor([b.seq.slot for b in batch], dtype=torch.int64, device=dev)
+                      if all(b.seq.slot is not None for b in batch) else None),
+            page_size=page_size,
         )
 
     def forward(self, batch: list[ScheduledSeq], pool: KVPool) -> torch.Tensor:
-        return self.model.forward(self.build_batch(batch, pool.page_size), pool.states)
+        """Logits of each request's last new token, [len(batch), vocab], in batch order."""
+        decodes = [i for i, b in enumerate(batch) if b.num_new == 1]
+        if not self.decode_apart or not decodes or len(decodes) == len(batch):
+            return self.model.forward(self.build_batch(batch, pool.page_size), pool.all_states)
+        others = [i for i, b in enumerate(batch) if b.num_new != 1]
+        out: list[torch.Tensor] = [None] * len(batch)  # type: ignore[list-item]
+        for rows in (decodes, others):
+            logits = self.model.forward(self.build_batch([batch[i] for i in rows], pool.page_size), pool.all_states)
+            for j, i in enumerate(rows):
+                out[i] = logits[j]
+        return torch.stack(out)
 
     def step(self, batch: list[ScheduledSeq], pool: KVPool) -> list[Union[Sampled, Exception, None]]:
         """Forward the step (a forward failure raises: it fails the batch). For each request that

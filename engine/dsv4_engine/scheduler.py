@@ -3,7 +3,11 @@
 Every step, running requests that are decoding take one token each first (decode latency is
 what users feel), then chunked prefills continue and waiting requests are admitted FCFS while
 the token budget, the request limit and free pages allow. When pages run out, the newest
-running request is preempted: its pages are freed and it is recomputed later from its tokens.
+running request is preempted: its pages (and slot row) are freed and it is recomputed later from
+position 0 (a model's slot state, e.g. V4's window ring, cannot be rewound, so nothing is kept).
+
+A model with slot states (`KVPool.slots`) gets a row per request at admission, with its first
+pages; finish, abort, failure and preemption give it back through `release`.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from dsv4_engine.kv_cache import PageAllocator
+from typing import Optional
+
+from dsv4_engine.kv_cache import PageAllocator, SlotAllocator
 from dsv4_engine.sequence import Sequence, SeqStatus
 
 
@@ -27,8 +33,10 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 slots: Optional[SlotAllocator] = None):
         self.allocator = allocator
+        self.slots = slots
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -54,6 +62,16 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
+    def release(self, seq: Sequence) -> None:
+        """Give back everything the request holds in the pool (pages, slot row); idempotent."""
+        if seq.pages:
+            pages, seq.pages = seq.pages, []
+            self.allocator.free(pages)
+        if seq.slot is not None:
+            slot, seq.slot = seq.slot, None
+            if self.slots is not None:
+                self.slots.free(slot)
+
     def _pages_needed(self, seq: Sequence, upto_tokens: int) -> int:
         return max(0, -(-upto_tokens // self.page_size) - len(seq.pages))
 
@@ -69,8 +87,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.allocator.free(seq.pages)
-        seq.pages = []
+        self.release(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
@@ -101,7 +118,12 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = min(seq.num_tokens - seq.num_computed, budget)
+            if self.slots is not None and seq.slot is None:
+                seq.slot = self.slots.allocate()
+                if seq.slot is None:
+                    break  # every row is held (only when something else holds rows beyond max_num_seqs)
             if not self._grow(seq, seq.num_computed + n):
+                self.release(seq)  # nothing computed yet: its row (and any pages) go back
                 break  # FCFS: later requests wait behind it
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING

@@ -49,6 +49,7 @@ class Sequence:
     # Parallel to output_ids when params.logprobs is set (see RequestOutput.logprobs).
     output_logprobs: list[dict] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
+    slot: Optional[int] = None  # row in the pool's slot states while running (models that have them)
     num_computed: int = 0  # tokens whose KV is in `pages`
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: Optional[str] = None

@@ -18,6 +18,14 @@ GAUGES = {
     "kv_pages_free": "Free KV cache pages",
     "kv_pages_total": "Total KV cache pages",
 }
+# Gauges with a `state` label besides role/model_name: one series per state the model declares
+# (DeepSeek-V3: its one latent cache; V4: windowed and compressed states). Paged states cost
+# bytes per token of context, slot states bytes per running request whatever its length.
+STATE_GAUGES = {
+    "kv_state_bytes_per_token": "Bytes one token of context costs in each paged state (all layers)",
+    "kv_state_bytes_per_request": "Bytes one running request costs in each fixed-size (slot) state (all layers)",
+}
+STATE_LABEL = "state"
 COUNTERS = {
     "num_bootstrap_failed_reqs": "Requests failed during the PD bootstrap",
     "num_transfer_failed_reqs": "Requests whose KV transfer failed",
@@ -39,6 +47,6 @@ HISTOGRAMS = {
 
 def metric_name(key: str, suffix: str = "") -> str:
     """The exposed name of a metric key: metric_name("kv_transfers_completed", "_total")."""
-    if key not in GAUGES and key not in COUNTERS and key not in HISTOGRAMS:
+    if key not in GAUGES and key not in STATE_GAUGES and key not in COUNTERS and key not in HISTOGRAMS:
         raise KeyError(f"no dsv4 metric {key!r}")
     return f"{PREFIX}{key}{suffix}"

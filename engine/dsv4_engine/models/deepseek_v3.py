@@ -34,6 +34,9 @@ class ForwardBatch:
     extend_lens: torch.Tensor  # [B] int32, new tokens of each request in this step
     logits_indices: torch.Tensor  # [B] int64, the row of each request's last new token
     all_decode: bool  # every request has exactly one new token
+    # For models with slot states (DeepSeek-V4); V3 reads neither.
+    slot_ids: Optional[torch.Tensor] = None  # [B] int64, each request's row in the slot states
+    page_size: Optional[int] = None  # tokens per page
 
 
 def yarn_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
