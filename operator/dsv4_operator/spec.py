@@ -44,6 +44,8 @@ QUALIFIED_NAME_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9
                           r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 # A label value: empty, or up to 63 alphanumerics with '-', '_', '.' inside.
 LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
+DEADLINE_MARGIN_SECONDS = 30  # the default window outlasts the engine's longest PD deadline by this
+SGLANG_DETECTION_WINDOW_SECONDS = 120
 MAX_MAP_ENTRIES = 64  # bounds the maps the CEL rules walk (the API server budgets rule cost)
 MAX_LIST_ITEMS = 256  # likewise for the lists whose items carry rules (env)
 
@@ -248,7 +250,10 @@ class RemediationSpec(_Model):
     dry_run: bool = False
     scrape_interval_seconds: float = Field(
         10, ge=0.1, description="How often every engine pod is scraped (fractions allowed, e.g. 0.5).")
-    detection_window_seconds: int = Field(120, ge=1)
+    detection_window_seconds: Optional[int] = Field(
+        None, ge=1, description="How long nothing may move before a pod is wedged. Unset: derived so the engine's own "
+                                "deadlines act first (builtin: bootstrap + transfer timeout + 30 s, the longest PD "
+                                "deadline; sglang: 120 s, its inflight queue has none).")
     transfer_failure_rate_threshold: float = Field(0.5, ge=0, le=1)
     max_unavailable: MaxUnavailable = _nested(MaxUnavailable)
     cooldown_seconds: int = Field(300, ge=0)
@@ -312,6 +317,18 @@ class DSV4DeploymentSpec(_Model):
 
     def role(self, role: str) -> RoleSpec:
         return {"prefill": self.prefill, "decode": self.decode}[role]
+
+    def detection_window(self) -> float:
+        """The watchdog's window. A stalled transfer that the engine fails by its own deadline
+        must not become a restart first, so by default the window outlasts the longest PD
+        deadline of a builtin engine (decode waits bootstrap + transfer). SGLang's prefill
+        inflight queue has no deadline at all, so waiting for one would never act."""
+        if self.remediation.detection_window_seconds is not None:
+            return float(self.remediation.detection_window_seconds)
+        if self.engine.kind == "builtin":
+            t = self.transfer
+            return float(t.bootstrap_timeout_seconds + t.transfer_timeout_seconds + DEADLINE_MARGIN_SECONDS)
+        return float(SGLANG_DETECTION_WINDOW_SECONDS)
 
     def scaling_of(self, role: str) -> str:
         """How `role` (prefill, decode or router) is scaled: by the operator or from outside."""

@@ -146,7 +146,7 @@ class DeploymentWatchdog:
             return IDLE_INTERVAL  # the reconciler reports it (Degraded); nothing to watch by
         rem = spec.remediation
         now = self.clock()
-        self.tracker.quiet_period_s = stable_after_seconds(rem)
+        self.tracker.quiet_period_s = stable_after_seconds(spec.detection_window())
         revision = self.tracker.observe(generation, raw_spec, now)
 
         if not rem.enabled:
@@ -157,7 +157,7 @@ class DeploymentWatchdog:
             self.metrics.wedged_pods.labels(self.namespace, self.name).set(0)
             return float(rem.scrape_interval_seconds)
 
-        loop = self._loop_for(rem)
+        loop = self._loop_for(spec)
         pods = await self._engine_pods(spec.engine.port)
         plan = watch_plan(pods, spec.engine.kind)
         for pod in pods:
@@ -202,8 +202,9 @@ class DeploymentWatchdog:
 
     # ---- pieces of a round ------------------------------------------------------------------------
 
-    def _loop_for(self, rem: S.RemediationSpec) -> WatchdogLoop:
-        params = (float(rem.detection_window_seconds), float(rem.transfer_failure_rate_threshold))
+    def _loop_for(self, spec: S.DSV4DeploymentSpec) -> WatchdogLoop:
+        rem = spec.remediation
+        params = (spec.detection_window(), float(rem.transfer_failure_rate_threshold))
         settings = remediation_settings(rem)
         if self.loop is None:
             self.loop = WatchdogLoop(settings, Detector(*params), self.executor, state=self.state,

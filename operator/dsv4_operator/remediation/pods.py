@@ -142,5 +142,5 @@ def scrape_timeout(rem: RemediationSpec) -> float:
     return min(5.0, max(1.0, float(rem.scrape_interval_seconds)))
 
 
-def stable_after_seconds(rem: RemediationSpec) -> float:
-    return STABLE_AFTER_WINDOWS * float(rem.detection_window_seconds)
+def stable_after_seconds(detection_window_s: float) -> float:
+    return STABLE_AFTER_WINDOWS * detection_window_s

@@ -83,7 +83,7 @@ def test_settings_come_from_the_spec() -> None:
     assert (s.enabled, s.dry_run, dict(s.max_unavailable), s.cooldown_s, s.capture_evidence) == \
         (True, True, {"prefill": 2, "decode": 0}, 30.0, False)
     assert scrape_timeout(rem) == 1.0 and scrape_timeout(RemediationSpec()) == 5.0
-    assert stable_after_seconds(rem) == 20.0 and stable_after_seconds(RemediationSpec()) == 600.0
+    assert stable_after_seconds(4.0) == 20.0
 
 
 def record(pod: str, restarted_at: float | None = None) -> RemediationRecord:
@@ -202,3 +202,20 @@ def test_pods_held_for_silence_alone_are_not_called_wedged_and_blindness_is_unkn
     for reason, words in (("uncorroborated", "kubelet reports it Ready"), ("operator_blind", "went silent together"),
                           ("rate_limited", "restart rate limit")):
         assert words in hold_message(Action(HELD, "a", "prefill", reason))
+
+
+def test_the_default_window_lets_the_engine_deadlines_act_first() -> None:
+    """Issue 11: a window shorter than the engine's deadlines turned stalls the engine would have
+    failed cleanly into restarts."""
+    from dsv4_operator.spec import DSV4DeploymentSpec
+
+    def spec(**over):
+        base = {"model": {"name": "m", "path": "/models/m"}, "engine": {"image": "e:1"}}
+        return DSV4DeploymentSpec.model_validate({**base, **over})
+
+    builtin = spec(transfer={"bootstrapTimeoutSeconds": 40, "transferTimeoutSeconds": 50})
+    assert builtin.detection_window() == 40 + 50 + 30  # decode waits bootstrap + transfer
+    assert builtin.detection_window() > max(40, 50, 40 + 50)
+    assert spec().detection_window() == 300 + 300 + 30
+    assert spec(engine={"image": "e:1", "kind": "sglang"}).detection_window() == 120  # no inflight deadline there
+    assert spec(remediation={"detectionWindowSeconds": 7}).detection_window() == 7.0  # the user's choice wins
