@@ -99,14 +99,18 @@ def main() -> None:
     ap.add_argument("--client-deadline", type=float, default=45.0, help="a client without an answer by then hangs")
     ap.add_argument("--recovery-timeout", type=float, default=120.0)
     ap.add_argument("--waiting-timeout", type=float, default=10.0,
-                    help="the engines' KV waiting deadline (decode sometimes misses a KV notification; "
-                         "this bounds what that costs a request, the same for both routers)")
+                    help="the engines' KV waiting deadline (how long a request may queue behind the prefill; "
+                         "the same for both routers)")
     ap.add_argument("--old-ref", default=None,
                     help="git ref of the router before (default: where this branch left main; "
                          "its router is main's)")
     ap.add_argument("--skip-old", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "router_load.json")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the PNG beside --out from its JSON")
     args = ap.parse_args()
+    if args.plot_only:
+        print(f"wrote {plot(json.loads(args.out.read_text()), args.out.with_suffix('.png'))}")
+        return
     levels = [int(x) for x in args.levels.split(",")]
     engine_args = ["--waiting-timeout", args.waiting_timeout]
 
@@ -155,7 +159,37 @@ def main() -> None:
           f"{a['runs'][-1]['service_back_s']}s; after kill -9 of decode: clients told in "
           f"{a['kill_decode']['clients_told_s']}s, service back {a['kill_decode']['service_back_after_ready_s']}s "
           f"after the restarted engine is ready ({a['kill_decode']['decode_restart_s']}s to restart)")
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out} and {plot(result, args.out.with_suffix('.png'))}")
+
+
+def plot(result: dict, png: Path) -> Path:
+    """Share of requests served (of those whose client stayed) and time back to service, per
+    concurrency level, for the router before and after."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for side, colour in (("before", "tab:red"), ("after", "tab:blue")):
+        runs = result.get(side, {}).get("runs", [])
+        if not runs:
+            continue
+        xs = [r["concurrency"] for r in runs]
+        served = [r["outcomes"].get("ok", 0) / max(1, r["requests"] - r["outcomes"].get("left", 0)) for r in runs]
+        ax1.plot(xs, served, "o-", color=colour, label=f"{side} (holds up to {result[side]['holds_up_to']})")
+        ax2.plot(xs, [r["service_back_s"] for r in runs], "o-", color=colour, label=side)
+    ax1.set(xlabel="concurrent PD streams", ylabel="served / requests whose client stayed", ylim=(0, 1.05),
+            title="PD through the router")
+    ax2.set(xlabel="concurrent PD streams", ylabel="seconds", title="back to service after the load")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"tiny model, {result['max_tokens']} tokens per request, {result['machine']['cpus']} cores")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+    return png
 
 
 if __name__ == "__main__":
