@@ -46,6 +46,7 @@ class AbortRequest:
     rid: Optional[str]
     reason: str = "aborted"
     all: bool = False
+    seq: Optional[Sequence] = None  # when set, abort only this very request (rids come from clients)
 
 
 @dataclass(frozen=True)
@@ -138,8 +139,11 @@ class Engine:
     def submit(self, seq: Sequence) -> None:
         self.inbox.put(AddRequest(seq))
 
-    def abort(self, rid: Optional[str] = None, reason: str = "aborted", all_: bool = False) -> None:
-        self.inbox.put(AbortRequest(rid, reason, all_))
+    def abort(self, rid: Optional[str] = None, reason: str = "aborted", all_: bool = False,
+              seq: Optional[Sequence] = None) -> None:
+        """Abort by rid (admin), everything, or one request object (its client went away: a
+        second request reusing the rid must not take the first one down with it)."""
+        self.inbox.put(AbortRequest(seq.rid if seq is not None else rid, reason, all_, seq))
 
     def call(self, fn: Callable[[], None]) -> None:
         """Run fn() on the engine thread (for role controllers and admin actions)."""
@@ -187,7 +191,11 @@ class Engine:
             except Exception as e:  # e.g. a seed the generator refuses: fail this request only
                 self.fail_request(cmd.seq, "request could not be started", e)
         elif isinstance(cmd, AbortRequest):
-            targets = list(self.seqs.values()) if cmd.all else [self.seqs[cmd.rid]] if cmd.rid in self.seqs else []
+            if cmd.all:
+                targets = list(self.seqs.values())
+            else:
+                found = self.seqs.get(cmd.rid) if cmd.rid is not None else None
+                targets = [found] if found is not None and (cmd.seq is None or found is cmd.seq) else []
             for seq in targets:
                 try:
                     self.finish(seq, "abort", error=f"request aborted: {cmd.reason}", error_code=503)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import random
 import uuid
@@ -43,7 +42,7 @@ from dsv4_router.admission import Admission, Overloaded, Slot
 from dsv4_router.body import parse_body, read_limited
 from dsv4_router.relay import RelayResponse, error_events, first_event_error, split_events
 from dsv4_router.upstream import BROKEN_CONNECTIONS, CONNECTION_FAILURES, Upstreams
-from dsv4_wire import APIError, Paths, token_matches
+from dsv4_wire import APIError, Paths, admin_refusal
 
 log = logging.getLogger("dsv4.router")
 
@@ -154,13 +153,6 @@ class WorkerPool:
             return None
         least = min(w.inflight for w in ready)
         return random.choice([w for w in ready if w.inflight == least])
-
-
-def is_loopback(host: Optional[str]) -> bool:
-    try:
-        return host is not None and ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class Router:
@@ -491,14 +483,11 @@ def build_app(router: Router) -> FastAPI:
         return router.error(APIError(f"internal router error: {type(e).__name__}", 500, "server_error"))
 
     def guard(http: Request) -> Optional[JSONResponse]:
-        if router.args.admin_token:
-            if not token_matches(http.headers, router.args.admin_token):
-                return router.error(APIError("admin token required", 401, "authentication_error"))
+        refusal = admin_refusal(http.headers, router.args.admin_token, http.client.host if http.client else None)
+        if refusal is None:
             return None
-        if not is_loopback(http.client.host if http.client else None):
-            return router.error(APIError("no admin token is configured: /admin answers loopback clients only",
-                                         403, "permission_error"))
-        return None
+        status, message = refusal
+        return router.error(APIError(message, status, "authentication_error" if status == 401 else "permission_error"))
 
     async def admin_body(http: Request) -> dict | JSONResponse:
         try:

@@ -10,15 +10,25 @@ from typing import Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from dsv4_wire import APIError, token_matches
+from dsv4_wire import APIError, admin_refusal, token_matches
 
 
 def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
+def require_admin(http: Request, token: Optional[str]) -> None:
+    """The admin rule every dsv4 surface shares (dsv4_wire.admin_refusal): the token when one is
+    set, else loopback clients only."""
+    refusal = admin_refusal(http.headers, token, http.client.host if http.client else None)
+    if refusal is not None:
+        status, message = refusal
+        raise APIError(message, status, "authentication_error" if status == 401 else "permission_error")
+
+
 def require_token(http: Request, token: Optional[str], what: str = "admin token") -> None:
-    """Raise a 401 unless the request carries `Authorization: Bearer <token>` (or none is set)."""
+    """Raise a 401 unless the request carries `Authorization: Bearer <token>` (or none is set):
+    the rule of engine-to-engine PD endpoints, whose peers are other hosts."""
     if not token_matches(http.headers, token):
         raise APIError(f"{what} required", 401, "authentication_error")
 

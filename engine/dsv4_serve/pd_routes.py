@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
-from dsv4_serve.admin import error_response, require_token
+from dsv4_serve.admin import error_response, require_admin, require_token
 from dsv4_wire import APIError, Paths
 
 
@@ -39,7 +39,7 @@ def extend_app(app: FastAPI, engine, args) -> None:
 
     @app.post(Paths.ADMIN_FAULTS)
     async def arm_fault(http: Request):
-        require_token(http, args.admin_token)
+        require_admin(http, args.admin_token)
         try:
             body = await http.json()
             name, count = body["fault"], int(body.get("count", 1))
@@ -51,13 +51,13 @@ def extend_app(app: FastAPI, engine, args) -> None:
 
     @app.delete(Paths.ADMIN_FAULTS)
     async def clear_faults(http: Request):
-        require_token(http, args.admin_token)
+        require_admin(http, args.admin_token)
         faults.clear()
         return {"armed": {}}
 
     @app.get(Paths.ADMIN_FAULTS)
     async def list_faults(http: Request):
-        require_token(http, args.admin_token)
+        require_admin(http, args.admin_token)
         return {"armed": faults.snapshot()}
 
 

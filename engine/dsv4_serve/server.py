@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dsv4_engine.engine import Engine, EngineArgs
 from dsv4_engine.sampling import SamplingParams
 from dsv4_engine.sequence import RequestOutput, Sequence
-from dsv4_serve.admin import error_response, require_token, thread_stacks
+from dsv4_serve.admin import error_response, require_admin, thread_stacks
 from dsv4_serve.gate import DEFAULT_MAX_REQUEST_BYTES, Gate, Lifecycle
 from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completion_logprobs, next_offset, text_of_bytes
 from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest, _Common, parse_request
@@ -89,7 +89,7 @@ class EngineClient:
                     return
         finally:
             if not finished:  # the client went away (or the handler was cancelled): free its pages
-                self.engine.abort(seq.rid, reason="client disconnected")
+                self.engine.abort(seq=seq, reason="client disconnected")
 
 
 def _usage(prompt: int, completion: int) -> dict:
@@ -213,6 +213,10 @@ class OpenAIServing:
         req = parse_request(CompletionRequest, body)
         self._check_model(req)
         prompts = self._prompts(req)
+        if len(prompts) > 1 and self.args.role != "mono":
+            # One bootstrap room names one hand-off: several prompts would share it on both sides.
+            raise APIError("a list of prompts is served by monolithic engines only; send one prompt per request "
+                           "through the PD router", param="prompt")
         params = [self._params(req, len(ids), 16) for ids in prompts]
         base = req.rid or f"cmpl-{uuid.uuid4().hex}"
         seqs = [self._seq(req, ids, p, base if len(prompts) == 1 else f"{base}-{i}", headers)
@@ -468,13 +472,13 @@ def build_app(engine: Engine, args: ServerArgs, lifecycle: Optional[Lifecycle] =
 
     @app.post(Paths.ADMIN_DRAIN)
     async def drain(http: Request):
-        require_token(http, args.admin_token)
+        require_admin(http, args.admin_token)
         engine.draining = True
         return {"draining": True}
 
     @app.post(Paths.ADMIN_ABORT)
     async def abort(http: Request):
-        require_token(http, args.admin_token)
+        require_admin(http, args.admin_token)
         try:
             body = await http.json()
         except Exception:
@@ -486,7 +490,7 @@ def build_app(engine: Engine, args: ServerArgs, lifecycle: Optional[Lifecycle] =
 
     @app.get(Paths.DEBUG_STACKS)
     async def stacks(http: Request):
-        require_token(http, args.admin_token)
+        require_admin(http, args.admin_token)
         return PlainTextResponse(thread_stacks())
 
     return app

@@ -201,6 +201,16 @@ def test_router_bad_input_matches_the_engine(cluster, body):
     wait_pages_back(cluster.p_url, cluster.d_url)
 
 
+def test_a_list_of_prompts_through_pd_is_refused_at_once(cluster):
+    """One bootstrap room names one hand-off: several prompts in one PD request would share it
+    on both engines (and hang); they are refused with a 400 before anything is scheduled."""
+    t0 = time.monotonic()
+    r = httpx.post(f"{cluster.r_url}/v1/completions", json={"prompt": [[5, 6, 7], [8, 9]], "max_tokens": 2}, timeout=60)
+    assert r.status_code == 400 and "one prompt per request" in r.json()["error"]["message"], r.text
+    assert time.monotonic() - t0 < WAITING_TIMEOUT
+    wait_pages_back(cluster.p_url, cluster.d_url)
+
+
 def test_stream_with_usage_through_router(cluster):
     """stream_options belong to the streaming decode leg only: the prefill leg is not streamed,
     and an engine refuses stream_options without stream (it once failed every such request)."""

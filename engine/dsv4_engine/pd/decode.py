@@ -91,7 +91,13 @@ class DecodeController(PDController):
     def _registered(self, seq: Sequence, res: Optional[dict], err: Optional[str]) -> None:
         if seq.finished or self.registering.pop(seq.pd.room, None) is None:
             return
+        if err is None and not isinstance(res, dict):
+            err = f"registration answer is not a JSON object: {res!r:.80}"
         if err is not None:
+            # Prefill may have taken the registration (our call timed out, its answer was lost):
+            # tell it, or it could write into pages we are about to hand to another request.
+            self.channel.abort_prefill(seq.pd.bootstrap_addr, seq.pd.room, f"decode gave up registering: {err}")
+            seq.pd.peer_told = True
             self._fail(seq, 502, f"cannot register with prefill: {err}", "num_bootstrap_failed_reqs")
             return
         now = self.clock()
@@ -132,11 +138,7 @@ class DecodeController(PDController):
         m.observe("kv_transfer_latency_seconds", self.clock() - seq.pd.transfer_started)
         seq.pd.state = PDState.SUCCESS
         seq.num_computed = len(seq.prompt_ids)
-        logprobs = note.get("logprobs")
-        if logprobs is not None and hasattr(seq, "output_logprobs"):
-            self.engine.accept_first_token(seq, token, logprobs)
-        else:
-            self.engine.accept_first_token(seq, token)
+        self.engine.accept_first_token(seq, token, note.get("logprobs"))
 
     def _heartbeats(self, now: float) -> None:
         """Ask each prefill we wait on whether it is alive and still the same process."""

@@ -106,3 +106,27 @@ def test_extreme_temperatures_still_sample():
     for t in (1e-30, 1e-5, 1e6, 1e300):
         out = sample(logits, [SamplingParams(temperature=t)] * 2, [torch.Generator().manual_seed(0)] * 2)
         assert all(not isinstance(o, Exception) and 0 <= o.token < 50 for o in out), (t, out)
+
+
+def test_a_client_leaving_aborts_its_own_request_not_another_with_the_same_rid(engine):
+    """Request ids come from clients: the second request with a taken rid is refused, and its
+    client hanging up must not abort the first one, which owns the rid."""
+    first = good("shared-rid")
+    outs: list = []
+    first.sink = outs.append
+    engine.submit(first)
+    engine.step()
+    second = good("shared-rid")
+    refused: list = []
+    second.sink = refused.append
+    engine.submit(second)
+    engine.abort(seq=second, reason="client disconnected")  # as EngineClient does when its client leaves
+    for _ in range(100):
+        engine.step()
+        if outs and outs[-1].finished:
+            break
+    assert refused[-1].finish_reason == "error" and "duplicate" in refused[-1].error
+    assert outs[-1].finish_reason == "length" and outs[-1].completion_tokens == 6
+    engine.abort("shared-rid")  # an admin abort by rid still reaches whoever holds it (none now)
+    engine.step()
+    assert not engine.seqs and engine.pool.allocator.num_free == engine.pool.num_pages

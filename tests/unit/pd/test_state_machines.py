@@ -387,6 +387,29 @@ def test_prefill_restart_is_seen_by_its_new_boot_id(pair):
     pair.assert_clean("p", "d")
 
 
+def test_a_registration_whose_answer_is_lost_is_aborted_on_prefill_too(pair):
+    """Prefill took the registration but decode never heard its answer (its call timed out):
+    decode frees the reserved pages, so it must tell prefill, or prefill would later write this
+    room's KV into pages another request may own by then."""
+    channel = pair.d.pd.channel
+    real_register = channel.register
+
+    def register_answer_lost(addr, body, done):
+        real_register(addr, body, lambda res, err: done(None, "POST /bootstrap/register failed: ReadTimeout"))
+
+    channel.register = register_answer_lost
+    try:
+        ps, pc, ds, dc = pair.both()
+        pair.run_until(lambda: dc.ends and pc.ends, dt=0.05)
+    finally:
+        channel.register = real_register
+    assert_error(dc, 502, "cannot register")
+    assert pair.fabric.aborts_to(BOOTSTRAP_ADDR, ps.pd.room) == 1
+    assert pc.end.error is not None  # prefill dropped the room instead of writing into freed pages
+    assert pair.moved("p", "kv_transfers_completed") == 0
+    pair.assert_clean("p", "d")
+
+
 def test_decode_dies_before_registering_prefill_fails_at_bootstrap_deadline(pair):
     ps, pc = pair.request("p")
     pair.kill("d")
@@ -658,7 +681,8 @@ DEATHS = {
     "prefill-bootstrap": ("d", 502, "remote disconnect", "num_transfer_failed_reqs", 1),
     "prefill-waiting-for-input": ("d", 502, "remote disconnect", "num_transfer_failed_reqs", 1),
     "prefill-inflight/decode-transfer": ("d", 502, "remote disconnect", "num_transfer_failed_reqs", 1),
-    "decode-prealloc": ("p", 502, "cannot register with prefill", "num_bootstrap_failed_reqs", 0),
+    # a failed registration is always told (best effort): decode cannot know whether it landed
+    "decode-prealloc": ("p", 502, "cannot register with prefill", "num_bootstrap_failed_reqs", 1),
     "decode-registering": ("p", 502, "stopped answering", "num_transfer_failed_reqs", 1),
 }
 
