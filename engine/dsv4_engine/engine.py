@@ -242,6 +242,11 @@ class Engine:
             self.scheduler.remove(seq)
         except Exception:
             pass
+        if self.pd is not None and seq.pd is not None:
+            try:
+                self.pd.on_finish(seq)  # out of the PD queues too, the peer told
+            except Exception:
+                log.error("PD cleanup of %s failed:\n%s", seq.rid, traceback.format_exc())
         try:
             self.scheduler.release(seq)
         except Exception:

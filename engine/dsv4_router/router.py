@@ -460,6 +460,17 @@ class Router:
         await resp.aclose()  # a client that left closes the decode stream: decode aborts
 
 
+def _http_url(url: object) -> bool:
+    """An http(s) URL a worker can be reached at (a malformed one is the caller's 400, not our 500)."""
+    if not isinstance(url, str):
+        return False
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL:
+        return False
+    return parsed.scheme in ("http", "https") and bool(parsed.host)
+
+
 def build_app(router: Router) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -543,8 +554,7 @@ def build_app(router: Router) -> FastAPI:
         body = await admin_body(http)
         if isinstance(body, JSONResponse):
             return body
-        if body.get("role") not in ("prefill", "decode", "mono") or not isinstance(body.get("url"), str) \
-                or httpx.URL(body["url"]).scheme not in ("http", "https"):
+        if body.get("role") not in ("prefill", "decode", "mono") or not _http_url(body.get("url")):
             return router.error(APIError('give {"url": "http://host:port", "role": "prefill|decode|mono"}'))
         w = router.pool.add(body["url"], body["role"], source="admin")
         await router.check(w)

@@ -82,6 +82,8 @@ def test_admin_without_token_configured_is_loopback_only(routers, tiny_model):
     assert r.status_code == 200 and r.json()["workers"][0]["healthy"]
     bad = httpx.post(f"{routers['open']}/admin/workers", json={"url": "file:///etc/passwd", "role": "mono"})
     assert_openai_error(bad, 400)
+    for url in ("http://[::1", "http://", 7):  # malformed: the caller's 400, never a 500
+        assert_openai_error(httpx.post(f"{routers['open']}/admin/workers", json={"url": url, "role": "mono"}), 400)
 
 
 def test_admin_with_token_refuses_without_it(routers):
