@@ -8,6 +8,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 
+def eos_id_list(eos: Any) -> list[int]:
+    """config.json's eos_token_id (None, an id, or a list of ids) as a list."""
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int
@@ -53,10 +60,7 @@ class ModelConfig:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        eos = self.eos_token_id
-        if eos is None:
-            return []
-        return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+        return eos_id_list(self.eos_token_id)
 
     def is_moe_layer(self, layer: int) -> bool:
         return (

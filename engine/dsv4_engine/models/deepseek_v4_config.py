@@ -17,6 +17,8 @@ from typing import Any, Optional
 
 import torch
 
+from dsv4_engine.config import eos_id_list
+
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
@@ -102,10 +104,7 @@ class DeepseekV4Config:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        eos = self.eos_token_id
-        if eos is None:
-            return []
-        return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+        return eos_id_list(self.eos_token_id)
 
     @property
     def csa_rate(self) -> int:
