@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -80,3 +81,16 @@ class Proc:
                 self.popen.kill()
                 self.popen.wait(5)
         self._log.close()
+
+
+@contextlib.contextmanager
+def serving(args: list, log_path: Path, env: dict | None = None):
+    """`dsv4 serve ARGS --port <free>` as a real process; yields its URL once it is ready."""
+    port = free_port()
+    proc = Proc(["serve", *args, "--port", port], log_path, env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc.wait_ready(url)
+        yield url
+    finally:
+        proc.stop()

@@ -13,22 +13,16 @@ import time
 import httpx
 import pytest
 
-from dsv4_testutil import Proc, free_port
+from dsv4_testutil import serving
 
 LIMIT = 8 * 1024 * 1024
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    port = free_port()
-    proc = Proc(["serve", "--model", tiny_model, "--port", port, "--kv-pages", 512, "--served-model-name", "tiny",
-                 "--max-request-bytes", LIMIT], tmp_path_factory.mktemp("hostile") / "engine.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        proc.wait_ready(url)
+    with serving(["--model", tiny_model, "--kv-pages", 512, "--served-model-name", "tiny", "--max-request-bytes", LIMIT],
+                 tmp_path_factory.mktemp("hostile") / "engine.log") as url:
         yield url
-    finally:
-        proc.stop()
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from dsv4_testutil import Proc, free_port
+from dsv4_testutil import serving
 
 TOKEN = "sekret"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
@@ -16,15 +16,9 @@ ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    port = free_port()
-    proc = Proc(["serve", "--model", tiny_model, "--port", port, "--kv-pages", 256, "--admin-token", TOKEN,
-                 "--served-model-name", "tiny"], tmp_path_factory.mktemp("mono") / "engine.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        proc.wait_ready(url)
+    with serving(["--model", tiny_model, "--kv-pages", 256, "--admin-token", TOKEN, "--served-model-name", "tiny"],
+                 tmp_path_factory.mktemp("mono") / "engine.log") as url:
         yield url
-    finally:
-        proc.stop()
 
 
 @pytest.fixture

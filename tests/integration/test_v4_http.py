@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from dsv4_testutil import Proc, free_port, free_port_block
+from dsv4_testutil import Proc, free_port, free_port_block, serving
 
 
 @pytest.fixture(scope="module")
@@ -25,16 +25,10 @@ def v4_dir(make_model):
 
 @pytest.fixture(scope="module")
 def server(v4_dir, tmp_path_factory):
-    port = free_port()
-    proc = Proc(["serve", "--model", v4_dir, "--port", port, "--kv-memory-gb", 0.05, "--page-size", 8,
-                 "--max-num-seqs", 8, "--max-num-batched-tokens", 13, "--served-model-name", "v4"],
-                tmp_path_factory.mktemp("v4") / "engine.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        proc.wait_ready(url)
+    with serving(["--model", v4_dir, "--kv-memory-gb", 0.05, "--page-size", 8, "--max-num-seqs", 8,
+                  "--max-num-batched-tokens", 13, "--served-model-name", "v4"],
+                 tmp_path_factory.mktemp("v4") / "engine.log") as url:
         yield url
-    finally:
-        proc.stop()
 
 
 @pytest.fixture
