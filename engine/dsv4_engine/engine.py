@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
@@ -74,6 +74,7 @@ class EngineArgs:
     kernel_backend: Optional[str] = None
     device: Optional[str] = None
     seed: int = 0
+    tp_size: int = 1  # ranks this engine spans (dsv4_engine.parallel); this process is rank 0
 
 
 def state_refusal(specs: list[StateSpec], role: str, page_size: Optional[int]) -> Optional[str]:
@@ -91,19 +92,34 @@ def state_refusal(specs: list[StateSpec], role: str, page_size: Optional[int]) -
     return None
 
 
-def serving_refusal(model_dir: str, role: str, page_size: Optional[int]) -> Optional[str]:
-    """`state_refusal` for a checkpoint folder, before any weight is read (for the CLI)."""
+def serving_refusal(model_dir: str, role: str, page_size: Optional[int], tp_size: int = 1) -> Optional[str]:
+    """`state_refusal` (and the --tp-size checks) for a checkpoint folder, before any weight is
+    read (for the CLI, and before an engine spawns its other ranks)."""
     from dsv4_engine.models import entry_for_dir
+    from dsv4_engine.parallel.plan import tp_refusal
 
     entry = entry_for_dir(model_dir)
-    specs = entry.model_class().state_specs(entry.config_class().from_dir(model_dir))
-    return state_refusal(specs, role, page_size)
+    cfg = entry.config_class().from_dir(model_dir)
+    if tp_size != 1 and role != "mono":
+        return "--tp-size > 1 serves --role mono only (PD with tensor parallelism is not built yet)"
+    return tp_refusal(entry.model_type, cfg, tp_size) or state_refusal(entry.model_class().state_specs(cfg), role, page_size)
 
 
 class Engine:
     def __init__(self, args: EngineArgs):
         self.args = args
-        self.runner = ModelRunner(args.model, args.dtype, args.device, args.kernel_backend)
+        self.tp = None  # rank 0's handle on the other ranks when tp_size > 1
+        if args.tp_size > 1:
+            from dsv4_engine.parallel.group import TPGroup, rank_device
+
+            refusal = serving_refusal(args.model, args.role, args.page_size, args.tp_size)
+            if refusal:  # before any rank is spawned
+                raise ValueError(refusal)
+            self.tp = TPGroup(args.tp_size, asdict(args), args.device)
+            self.runner = ModelRunner(args.model, args.dtype, rank_device(args.device, 0), args.kernel_backend,
+                                      tp=self.tp.rank)
+        else:
+            self.runner = ModelRunner(args.model, args.dtype, args.device, args.kernel_backend)
         self.cfg = self.runner.cfg
         self.tokenizer = Tokenizer.from_dir(args.model)
         specs = self.runner.state_specs
@@ -114,6 +130,12 @@ class Engine:
         num_pages = args.kv_pages or pages_for_memory(specs, args.page_size, self.runner.dtype, args.kv_memory_gb,
                                                       args.max_num_seqs)
         self.pool = KVPool(specs, num_pages, args.page_size, self.runner.dtype, self.runner.device, args.max_num_seqs)
+        if self.tp is not None:  # the other ranks mirror the pool; each step reaches them first
+            from dsv4_engine.parallel.group import BroadcastForward
+
+            self.tp.announce_pool(num_pages, args.page_size, args.max_num_seqs)
+            self.runner.model = BroadcastForward(self.runner.model, self.tp)
+            self.tp.on_failure.append(lambda reason: self.abort(reason=reason, all_=True))
         self.scheduler = Scheduler(self.pool.allocator, args.page_size, args.max_num_seqs, args.max_num_batched_tokens,
                                    self.pool.slots)
         # The context limit is the model's, but never more than the pool can hold for one request.
@@ -157,10 +179,12 @@ class Engine:
         self._stop.set()
         if self._thread:
             self._thread.join(timeout=10)
+        if self.tp is not None:
+            self.tp.close()
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and (self.tp is None or self.tp.failed is None)
 
     # ---- the loop --------------------------------------------------------------------------------
 
@@ -395,6 +419,7 @@ class Engine:
         return {
             "role": self.args.role,
             "model": self.args.served_model_name,
+            "tp_size": self.args.tp_size,
             "queues": queues,
             "kv_pages_free": self.pool.allocator.num_free,
             "kv_pages_total": self.pool.num_pages,

@@ -35,7 +35,7 @@ def get_ops(backend: str):
 
 class ModelRunner:
     def __init__(self, model_dir: str | Path, dtype: str = "float32", device: Optional[str] = None,
-                 kernel_backend: Optional[str] = None):
+                 kernel_backend: Optional[str] = None, tp=None):
         entry = entry_for_dir(model_dir)
         self.model_type = entry.model_type
         self.cfg = entry.config_class().from_dir(model_dir)
@@ -44,7 +44,13 @@ class ModelRunner:
         self.device = torch.device(device) if device else default_device()
         self.dtype = DTYPES[dtype]
         self.kernel_backend = kernel_backend or default_kernel_backend(self.device)
-        self.model = model_cls(self.cfg, load_weights(model_dir), get_ops(self.kernel_backend), self.dtype, self.device)
+        if tp is None:
+            self.model = model_cls(self.cfg, load_weights(model_dir), get_ops(self.kernel_backend), self.dtype, self.device)
+        else:  # one rank of --tp-size N: its own slice of the weights only (dsv4_engine.parallel)
+            from dsv4_engine.parallel.sharded import build_sharded
+
+            self.model = build_sharded(model_cls, self.model_type, self.cfg, model_dir, get_ops(self.kernel_backend),
+                                       self.dtype, self.device, tp)
         # DeepSeek-V4 (the models with slot states) batches attention over requests only in an
         # all-decode step and runs each request alone otherwise, so a mixed step runs as two
         # forwards, decodes then prefills (+27% tok/s at 32 clients on v4-tiny, CPU).

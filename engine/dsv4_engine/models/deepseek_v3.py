@@ -100,8 +100,12 @@ class DeepseekV3:
         """Per request: the MLA latent and the rope key of every token in every layer."""
         return [StateSpec(cls.LATENT_KV, cfg.num_hidden_layers, (cfg.kv_cache_dim,))]
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], ops, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], ops, dtype: torch.dtype, device: torch.device,
+                 tp=None):
         self.cfg = cfg
+        # One rank of --tp-size N (dsv4_engine.parallel): cfg and weights are this rank's heads,
+        # MLP width and experts; tp sums the partial results and maps expert ids to local ones.
+        self.tp = tp
         self.ops = ops
         self.dtype = dtype
         self.device = device
@@ -214,7 +218,10 @@ class DeepseekV3:
         else:
             o = ops.mla_extend(q_full, kv_layer, fb.block_table, fb.seq_lens, fb.extend_lens, self.scale, C)
         o = torch.bmm(o.to(x.dtype).transpose(0, 1), L["w_uv"].transpose(1, 2))  # [H, T, v]
-        return F.linear(o.transpose(0, 1).reshape(T, -1), L["o"])
+        return self._reduce(F.linear(o.transpose(0, 1).reshape(T, -1), L["o"]))
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tp is None else self.tp.all_reduce(x)
 
     def _moe(self, L: dict, x: torch.Tensor) -> torch.Tensor:
         cfg, ops = self.cfg, self.ops
@@ -223,10 +230,12 @@ class DeepseekV3:
             logits, L["bias"], cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok,
             cfg.norm_topk_prob, cfg.routed_scaling_factor,
         )
+        if self.tp is not None:
+            weights, ids = self.tp.local_experts(weights, ids)
         out = ops.moe_experts(x, L["w13"], L["w2"], weights, ids)
         if "s_w13" in L:
             out = out + self._mlp(x, L["s_w13"], L["s_w2"])
-        return out
+        return self._reduce(out)
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, states: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -239,7 +248,7 @@ class DeepseekV3:
             h, residual = ops.rmsnorm(x, L["input_norm"], cfg.rms_norm_eps, residual)
             x = self._attention(L, h, fb, kv_pool[:, i])
             h, residual = ops.rmsnorm(x, L["post_norm"], cfg.rms_norm_eps, residual)
-            x = self._moe(L, h) if "gate" in L else self._mlp(h, L["d_w13"], L["d_w2"])
+            x = self._moe(L, h) if "gate" in L else self._reduce(self._mlp(h, L["d_w13"], L["d_w2"]))
         h = x[fb.logits_indices] + residual[fb.logits_indices]
         h, _ = ops.rmsnorm(h, self.final_norm, cfg.rms_norm_eps)
         return F.linear(h, self.lm_head).float()

@@ -1,0 +1,204 @@
+"""The process group of one engine over N ranks, as rank 0 sees it and as the others join it.
+
+Rank 0 is the engine: it serves HTTP, schedules, samples. It spawns ranks 1..N-1 as child
+processes (`python -m dsv4_engine.parallel.worker`), and every step broadcasts the batch to them
+(`wire`: a fixed header + one int64 payload) before running its own shard of the forward.
+
+Two groups: `control` (gloo, CPU tensors, a long timeout: the other ranks wait on it while the
+engine idles) carries the batch; `compute` (NCCL on CUDA, gloo on CPU, a short timeout) carries
+the all-reduces inside the forward. A rank that dies or hangs takes the engine down loudly:
+- rank 0's watchdog polls its children; one that exits fails the group;
+- a collective that raises or times out on rank 0 fails the group (the ranks cannot resync);
+- a failed group aborts every request (clients get errors), /health fails, and after
+  FAIL_GRACE_S (time for those errors to reach the clients) the process exits 1;
+- the other ranks exit when rank 0 goes (they watch their parent) or a collective fails.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from dsv4_engine.parallel import wire
+from dsv4_engine.parallel.plan import Shard
+
+log = logging.getLogger("dsv4.tp")
+
+SPEC_ENV = "DSV4_TP_SPEC"  # a worker's rank, world, rendezvous port and engine arguments (JSON)
+COMPUTE_TIMEOUT_S = float(os.environ.get("DSV4_TP_TIMEOUT_S", "60"))  # one collective inside a step
+CONTROL_TIMEOUT = timedelta(days=7)  # the other ranks wait for the next batch while the engine idles
+FAIL_GRACE_S = 2.0
+WATCH_INTERVAL_S = 0.2
+
+
+def rank_device(device: Optional[str], rank: int) -> str:
+    """The device of one rank: cuda:(base + rank) on CUDA, cpu otherwise."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    d = torch.device(device)
+    if d.type != "cuda":
+        return str(d)
+    return f"cuda:{(d.index or 0) + rank}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class TPRank:
+    """One rank's place in the group: what the sharded model and the batch channel use."""
+
+    shard: Shard
+    compute: object  # process group of the forward's all-reduces
+    control: object  # process group of the batch broadcasts
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of x over the ranks (gloo sums float32 only exactly as we want: upcast others)."""
+        y = x if x.dtype == torch.float32 or x.is_cuda else x.float()
+        y = y.contiguous()
+        dist.all_reduce(y, group=self.compute)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def join(shard: Shard, port: int, device: str) -> TPRank:
+    """Join (or, on rank 0, open) the group; blocks until every rank is in."""
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this host
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(torch.device(device))
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=shard.rank,
+                            world_size=shard.size, timeout=timedelta(seconds=COMPUTE_TIMEOUT_S))
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return TPRank(shard, dist.group.WORLD, control)
+
+
+class TPGroup:
+    """Rank 0's handle on the group: spawns the other ranks, sends them each batch, watches them."""
+
+    def __init__(self, size: int, engine_args: dict, device: Optional[str]):
+        self.size = size
+        self.failed: Optional[str] = None
+        self.on_failure: list[Callable[[str], None]] = []
+        self.exit_on_failure = True  # a serving process must not outlive its group
+        self._lock = threading.Lock()
+        self._closing = False
+        port = free_port()
+        self.procs: list[subprocess.Popen] = []
+        for r in range(1, size):
+            spec = {"rank": r, "size": size, "port": port, "parent": os.getpid(), "engine": engine_args}
+            env = {**os.environ, SPEC_ENV: json.dumps(spec)}
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "dsv4_engine.parallel.worker"], env=env))
+        self._watch = threading.Thread(target=self._watch_ranks, name="dsv4-tp-watchdog", daemon=True)
+        self._watch.start()
+        self.rank = join(Shard(0, size), port, rank_device(device, 0))
+
+    # ---- the step channel --------------------------------------------------------------------
+
+    def announce_pool(self, num_pages: int, page_size: int, max_num_seqs: int) -> None:
+        """Tell the other ranks the size of the KV pool to build (theirs mirrors rank 0's)."""
+        dist.broadcast(torch.tensor([num_pages, page_size, max_num_seqs], dtype=torch.int64), 0,
+                       group=self.rank.control)
+
+    def send_batch(self, fb) -> None:
+        header, payload = wire.pack(fb)
+        dist.broadcast(header, 0, group=self.rank.control)
+        dist.broadcast(payload, 0, group=self.rank.control)
+
+    # ---- failure -----------------------------------------------------------------------------
+
+    def fail(self, reason: str) -> None:
+        """The group is broken for good: tell the engine, then exit the process after a grace."""
+        with self._lock:
+            if self.failed is not None or self._closing:
+                return
+            self.failed = reason
+        log.critical("tensor-parallel group failed: %s; the engine goes down in %.1f s", reason, FAIL_GRACE_S)
+        print(f"dsv4: tensor-parallel group failed: {reason}", file=sys.stderr, flush=True)
+        for cb in self.on_failure:
+            try:
+                cb(reason)
+            except Exception:
+                log.error("failure callback raised:\n%s", traceback.format_exc())
+        if self.exit_on_failure:
+            threading.Thread(target=self._exit_later, name="dsv4-tp-exit", daemon=True).start()
+
+    def _exit_later(self) -> None:
+        time.sleep(FAIL_GRACE_S)
+        self._kill_ranks()
+        os._exit(1)
+
+    def _watch_ranks(self) -> None:
+        while not self._closing and self.failed is None:
+            for r, p in enumerate(self.procs, start=1):
+                code = p.poll()
+                if code is not None and not self._closing:
+                    self.fail(f"rank {r} (pid {p.pid}) exited with code {code}")
+                    return
+            time.sleep(WATCH_INTERVAL_S)
+
+    def _kill_ranks(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the other ranks (orderly when the group still works) and leave the group."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        if self.failed is None:
+            try:
+                dist.broadcast(wire.stop_header(), 0, group=self.rank.control)
+            except Exception:
+                log.warning("could not tell the other ranks to stop:\n%s", traceback.format_exc())
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+class BroadcastForward:
+    """Rank 0's model: every forward first reaches the other ranks. Any failure here is the
+    group's (the ranks' collectives are out of step), never one batch's alone."""
+
+    def __init__(self, model, group: TPGroup):
+        self.model = model
+        self.group = group
+
+    def forward(self, fb, states):
+        if self.group.failed is not None:
+            raise RuntimeError(f"tensor-parallel group failed: {self.group.failed}")
+        try:
+            self.group.send_batch(fb)
+            return self.model.forward(fb, states)
+        except Exception as e:
+            self.group.fail(f"a step on rank 0 failed: {type(e).__name__}: {e}")
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)

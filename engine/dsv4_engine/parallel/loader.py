@@ -1,0 +1,41 @@
+"""Read only this rank's part of a checkpoint: safetensors' lazy slices, so a rank never holds
+(or reads from disk) the tensors and rows it does not own."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from dsv4_engine.parallel.plan import Slicer
+from dsv4_engine.weights import _MTP
+
+
+def checkpoint_files(d: Path) -> list[str]:
+    """The safetensors files of a checkpoint folder (the index's shards, or every file)."""
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    files = sorted(p.name for p in d.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {d}")
+    return files
+
+
+def load_shard(model_dir: str | Path, slicer: Slicer) -> dict[str, torch.Tensor]:
+    d = Path(model_dir)
+    weights: dict[str, torch.Tensor] = {}
+    for name in checkpoint_files(d):
+        with safe_open(str(d / name), framework="pt") as f:
+            for key in f.keys():
+                if _MTP.search(key):
+                    continue
+                part = f.get_slice(key)
+                got = slicer(key, tuple(part.get_shape()))
+                if got is None:
+                    continue
+                local, index = got
+                weights[local] = part[index] if index else f.get_tensor(key)
+    return weights

@@ -1,0 +1,183 @@
+"""Sharding plans: which slice of which checkpoint tensor each rank keeps. Pure functions of
+(config, tensor name, shape, rank, world size); no I/O, so they are tested on their own.
+
+DeepSeek-V3 over N ranks:
+- attention: heads split (q_b / q_proj and kv_b rows, o_proj columns by head block); the MLA
+  latent is per token and shared by every head, so each rank computes and caches the full
+  latent itself (kv_a replicated): KV memory is replicated, weights are not;
+- dense MLP and shared experts: tensor parallel (gate/up rows, down columns);
+- routed experts: expert parallel, rank r holds a contiguous block of 1/N of them, renamed to
+  local ids 0..E_r-1 (the router stays replicated and speaks global ids);
+- embeddings, LM head, norms, router: replicated (the vocab is small next to the experts, and a
+  replicated head needs no gather before sampling).
+Every partial result (o_proj, MLP, experts) is summed by one all-reduce per sub-layer.
+
+DeepSeek-V4: attention (and everything but the routed experts) replicated, routed experts split
+as above; the shared expert runs on rank 0 only and joins the routed sum. This follows
+transformers' TP/EP plan for deepseek_v4; see docs/tp.md for why not data-parallel attention.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
+
+# (local name, one slice per leading dim) or None: the rank does not keep the tensor.
+Slice = Optional[tuple[str, tuple[slice, ...]]]
+Slicer = Callable[[str, tuple[int, ...]], Slice]
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int
+    size: int
+
+    def __post_init__(self):
+        if not (0 <= self.rank < self.size):
+            raise ValueError(f"rank {self.rank} is not in a world of {self.size}")
+
+
+def block(total: int, shard: Shard) -> tuple[int, int]:
+    """[lo, hi) of rank's contiguous block when `total` items are split as evenly as possible."""
+    base, rem = divmod(total, shard.size)
+    lo = shard.rank * base + min(shard.rank, rem)
+    return lo, lo + base + (1 if shard.rank < rem else 0)
+
+
+def even(total: int, shard: Shard, what: str) -> tuple[int, int]:
+    if total % shard.size:
+        raise ValueError(f"--tp-size {shard.size} does not divide {what} ({total})")
+    n = total // shard.size
+    return shard.rank * n, (shard.rank + 1) * n
+
+
+_EXPERT = re.compile(r"^(?P<pre>.*\.experts)\.(?P<e>\d+)\.(?P<rest>.+)$")
+_FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+
+
+def expert_slice(name: str, shape: tuple[int, ...], lo: int, hi: int) -> Slice | bool:
+    """Routed experts: keep block [lo, hi) under local ids; False when `name` is no expert."""
+    m = _EXPERT.match(name)
+    if m:
+        e = int(m["e"])
+        if not (lo <= e < hi):
+            return None
+        return f"{m['pre']}.{e - lo}.{m['rest']}", ()
+    if _FUSED_EXPERTS.search(name):  # [E, ...] stacked by some transformers versions
+        return name, (slice(lo, hi),)
+    return False
+
+
+# ---- DeepSeek-V3 ------------------------------------------------------------------------------
+
+def v3_refusal(cfg, size: int) -> Optional[str]:
+    """Why this V3 config cannot run on `size` ranks (one line), or None."""
+    if cfg.num_attention_heads % size:
+        return f"--tp-size {size} does not divide num_attention_heads ({cfg.num_attention_heads})"
+    if cfg.intermediate_size % size and cfg.first_k_dense_replace:
+        return f"--tp-size {size} does not divide intermediate_size ({cfg.intermediate_size})"
+    shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+    if shared % size:
+        return f"--tp-size {size} does not divide the shared experts' width ({shared})"
+    if cfg.n_routed_experts and cfg.n_routed_experts < size:
+        return f"--tp-size {size} is more than the routed experts ({cfg.n_routed_experts})"
+    return None
+
+
+def v3_local_config(cfg, shard: Shard):
+    """The config one rank's model is built from: its heads, its MLP width, its experts."""
+    lo, hi = block(cfg.n_routed_experts, shard)
+    return replace(cfg, num_attention_heads=cfg.num_attention_heads // shard.size,
+                   intermediate_size=cfg.intermediate_size // shard.size, n_routed_experts=hi - lo)
+
+
+def v3_slicer(cfg, shard: Shard) -> Slicer:
+    H = cfg.num_attention_heads
+    qk, kvb = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
+    h0, h1 = even(H, shard, "num_attention_heads")
+    e0, e1 = block(cfg.n_routed_experts, shard)
+
+    def rows(n0: int, n1: int) -> tuple[slice, ...]:
+        return (slice(n0, n1),)
+
+    def cols(n0: int, n1: int) -> tuple[slice, ...]:
+        return (slice(None), slice(n0, n1))
+
+    def slicer(name: str, shape: tuple[int, ...]) -> Slice:
+        ex = expert_slice(name, shape, e0, e1)
+        if ex is not False:
+            return ex  # type: ignore[return-value]
+        if name.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
+            return name, rows(h0 * qk, h1 * qk)
+        if name.endswith("self_attn.kv_b_proj.weight"):
+            return name, rows(h0 * kvb, h1 * kvb)
+        if name.endswith("self_attn.o_proj.weight"):
+            return name, cols(h0 * cfg.v_head_dim, h1 * cfg.v_head_dim)
+        if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight", "shared_experts.gate_proj.weight",
+                          "shared_experts.up_proj.weight")):
+            n0, n1 = even(shape[0], shard, name)
+            return name, rows(n0, n1)
+        if name.endswith(("mlp.down_proj.weight", "shared_experts.down_proj.weight")):
+            n0, n1 = even(shape[1], shard, name)
+            return name, cols(n0, n1)
+        return name, ()  # replicated
+
+    return slicer
+
+
+# ---- DeepSeek-V4 ------------------------------------------------------------------------------
+
+def v4_refusal(cfg, size: int) -> Optional[str]:
+    if cfg.n_routed_experts < size:
+        return f"--tp-size {size} is more than the routed experts ({cfg.n_routed_experts})"
+    return None
+
+
+def v4_local_config(cfg, shard: Shard):
+    lo, hi = block(cfg.n_routed_experts, shard)
+    return replace(cfg, n_routed_experts=hi - lo)
+
+
+def v4_slicer(cfg, shard: Shard) -> Slicer:
+    e0, e1 = block(cfg.n_routed_experts, shard)
+
+    def slicer(name: str, shape: tuple[int, ...]) -> Slice:
+        ex = expert_slice(name, shape, e0, e1)
+        if ex is not False:
+            return ex  # type: ignore[return-value]
+        return name, ()
+
+    return slicer
+
+
+@dataclass(frozen=True)
+class Plan:
+    refusal: Callable
+    local_config: Callable
+    slicer: Callable
+
+
+PLANS = {
+    "deepseek_v3": Plan(v3_refusal, v3_local_config, v3_slicer),
+    "deepseek_v2": Plan(v3_refusal, v3_local_config, v3_slicer),
+    "deepseek_v4": Plan(v4_refusal, v4_local_config, v4_slicer),
+}
+
+
+def plan_for(model_type: str) -> Plan:
+    if model_type not in PLANS:
+        raise ValueError(f"--tp-size > 1 is not supported for model_type {model_type!r}")
+    return PLANS[model_type]
+
+
+def tp_refusal(model_type: str, cfg, size: int) -> Optional[str]:
+    """Why a checkpoint cannot be served over `size` ranks, in one line, or None."""
+    if size < 1:
+        return f"--tp-size must be at least 1, not {size}"
+    if size == 1:
+        return None
+    try:
+        return plan_for(model_type).refusal(cfg, size)
+    except ValueError as e:
+        return str(e)

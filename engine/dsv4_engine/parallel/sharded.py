@@ -1,0 +1,71 @@
+"""Build one rank's model: its slice of the weights and the hooks its forward calls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dsv4_engine.parallel.loader import load_shard
+from dsv4_engine.parallel.plan import block, plan_for
+
+
+class ShardComm:
+    """What a sharded model's forward calls (`model.tp`): the sum over ranks, and the mapping
+    of the router's global expert choices onto this rank's block of experts."""
+
+    def __init__(self, rank, experts: tuple[int, int]):
+        self.rank = rank.shard.rank
+        self.size = rank.shard.size
+        self._rank = rank
+        self.experts = experts
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return self._rank.all_reduce(x)
+
+    def local_experts(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Choices of other ranks' experts get weight 0 (on local expert 0): same shapes, so the
+        expert kernels run unchanged; this rank's partial sum then carries only its experts."""
+        lo, hi = self.experts
+        mine = (ids >= lo) & (ids < hi)
+        return weights * mine, torch.where(mine, ids - lo, torch.zeros_like(ids))
+
+
+def build_sharded(model_cls, model_type: str, cfg, model_dir: str | Path, ops, dtype: torch.dtype,
+                  device: torch.device, rank):
+    plan = plan_for(model_type)
+    refusal = plan.refusal(cfg, rank.shard.size)
+    if refusal:
+        raise ValueError(refusal)
+    weights = load_shard(model_dir, plan.slicer(cfg, rank.shard))
+    comm = ShardComm(rank, block(cfg.n_routed_experts, rank.shard))
+    return model_cls(plan.local_config(cfg, rank.shard), weights, ops, dtype, device, tp=comm)
+
+
+def resident_weight_bytes(model) -> int:
+    """Bytes of every distinct tensor the model holds (walks its attributes, lists and dicts)."""
+    seen: set[int] = set()
+    total = 0
+
+    def walk(obj, depth: int = 0) -> None:
+        nonlocal total
+        if depth > 6:
+            return
+        if isinstance(obj, torch.Tensor):
+            key = obj.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += obj.untyped_storage().nbytes()
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v, depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v, depth + 1)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type) and depth < 3:
+            for k, v in vars(obj).items():
+                if k not in ("cos", "sin", "ops", "tp", "cfg"):
+                    walk(v, depth + 1)
+
+    walk(model)
+    return total

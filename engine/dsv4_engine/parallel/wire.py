@@ -1,0 +1,54 @@
+"""One step's batch as two int64 tensors: a fixed-size header (what follows and how big) and one
+flat payload with every index tensor of the ForwardBatch. Two broadcasts per step, no pickling.
+Pure functions: rank 0 packs, every other rank unpacks into the same ForwardBatch."""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_engine.models.deepseek_v3 import ForwardBatch
+
+HEADER_LEN = 8
+# Header slots.
+OP, TOKENS, REQS, MAX_PAGES, ALL_DECODE, HAS_SLOTS, PAGE_SIZE, PAYLOAD = range(HEADER_LEN)
+# Operations.
+OP_FORWARD, OP_STOP = 1, 2
+
+
+def stop_header() -> torch.Tensor:
+    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    h[OP] = OP_STOP
+    return h
+
+
+def pack(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header, payload) on the CPU for a ForwardBatch."""
+    T, B = fb.input_ids.numel(), fb.seq_lens.numel()
+    P = fb.block_table.shape[1]
+    parts = [fb.input_ids, fb.positions, fb.slot_mapping, fb.block_table.reshape(-1), fb.seq_lens, fb.extend_lens,
+             fb.logits_indices]
+    if fb.slot_ids is not None:
+        parts.append(fb.slot_ids)
+    payload = torch.cat([p.to(device="cpu", dtype=torch.int64) for p in parts])
+    header = torch.tensor([OP_FORWARD, T, B, P, int(fb.all_decode), int(fb.slot_ids is not None),
+                           -1 if fb.page_size is None else fb.page_size, payload.numel()], dtype=torch.int64)
+    return header, payload
+
+
+def payload_len(header: torch.Tensor) -> int:
+    return int(header[PAYLOAD])
+
+
+def unpack(header: torch.Tensor, payload: torch.Tensor, device: torch.device) -> ForwardBatch:
+    h = header.tolist()
+    T, B, P = h[TOKENS], h[REQS], h[MAX_PAGES]
+    sizes = [T, T, T, B * P, B, B, B] + ([B] if h[HAS_SLOTS] else [])
+    if sum(sizes) != payload.numel():
+        raise ValueError(f"payload of {payload.numel()} ints does not match its header {h}")
+    p = [t.to(device) for t in torch.split(payload, sizes)]
+    i32 = torch.int32
+    return ForwardBatch(
+        input_ids=p[0], positions=p[1], slot_mapping=p[2], block_table=p[3].view(B, P).to(i32),
+        seq_lens=p[4].to(i32), extend_lens=p[5].to(i32), logits_indices=p[6], all_decode=bool(h[ALL_DECODE]),
+        slot_ids=p[7] if h[HAS_SLOTS] else None, page_size=None if h[PAGE_SIZE] < 0 else h[PAGE_SIZE],
+    )

@@ -1,0 +1,78 @@
+"""A rank other than 0: `python -m dsv4_engine.parallel.worker`, spawned by rank 0.
+
+It loads its shard of the weights, builds a KV pool that mirrors rank 0's, then runs each batch
+rank 0 broadcasts until told to stop. It never recovers from an error: it exits non-zero, and
+rank 0's watchdog takes the engine down."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from dsv4_engine.parallel import wire
+from dsv4_engine.parallel.group import SPEC_ENV, join, rank_device
+from dsv4_engine.parallel.plan import Shard
+
+log = logging.getLogger("dsv4.tp")
+
+
+def _watch_parent(parent: int) -> None:
+    """Rank 0 gone (killed, crashed): this rank has nothing left to serve."""
+    while True:
+        if os.getppid() != parent:
+            print(f"dsv4 tp rank: rank 0 (pid {parent}) is gone; exiting", file=sys.stderr, flush=True)
+            os._exit(1)
+        time.sleep(0.25)
+
+
+def serve_rank(spec: dict) -> None:
+    from dsv4_engine.kv_cache import KVPool
+    from dsv4_engine.model_runner import ModelRunner
+
+    shard = Shard(spec["rank"], spec["size"])
+    ea = spec["engine"]
+    device = rank_device(ea.get("device"), shard.rank)
+    if torch.device(device).type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // shard.size))
+    rank = join(shard, spec["port"], device)
+    runner = ModelRunner(ea["model"], ea.get("dtype", "float32"), device, ea.get("kernel_backend"), tp=rank)
+    sizes = torch.zeros(3, dtype=torch.int64)
+    dist.broadcast(sizes, 0, group=rank.control)
+    num_pages, page_size, max_num_seqs = sizes.tolist()
+    pool = KVPool(runner.state_specs, num_pages, page_size, runner.dtype, runner.device, max_num_seqs)
+    header = torch.zeros(wire.HEADER_LEN, dtype=torch.int64)
+    while True:
+        dist.broadcast(header, 0, group=rank.control)
+        if int(header[wire.OP]) == wire.OP_STOP:
+            return
+        payload = torch.empty(wire.payload_len(header), dtype=torch.int64)
+        dist.broadcast(payload, 0, group=rank.control)
+        runner.model.forward(wire.unpack(header, payload, runner.device), pool.all_states)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    spec = json.loads(os.environ[SPEC_ENV])
+    threading.Thread(target=_watch_parent, args=(spec["parent"],), daemon=True).start()
+    try:
+        serve_rank(spec)
+    except BaseException:
+        print(f"dsv4 tp rank {spec['rank']} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        os._exit(1)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
