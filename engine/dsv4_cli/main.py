@@ -100,6 +100,9 @@ def serve(
     admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV, help="Token required by /admin and /debug."),
     pd_secret: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV, help="Shared secret of engine-to-engine PD calls and the router's internal requests."),
     seed: int = typer.Option(0, help="Default sampling seed."),
+    tp_size: int = typer.Option(1, EngineFlags.TP_SIZE, min=1,
+                                help="Ranks (GPUs) one engine spans: attention heads and MLPs split, experts "
+                                     "spread (NCCL on CUDA, gloo on CPU); this process is rank 0 (--role mono)."),
     max_request_bytes: int = typer.Option(16 * 1024 * 1024, "--max-request-bytes", min=1,
                                           help="Largest request body accepted (bigger: 413)."),
     shutdown_grace: float = typer.Option(30.0, EngineFlags.SHUTDOWN_GRACE, min=0.0,
@@ -116,7 +119,7 @@ def serve(
     _check_model_dir(model)
     from dsv4_engine.engine import serving_refusal
 
-    refusal = serving_refusal(str(model), role, page_size)
+    refusal = serving_refusal(str(model), role, page_size, tp_size)
     if refusal:
         _fail(f"{model}: {refusal}")
     from dsv4_serve.server import ServerArgs, run_server
@@ -132,7 +135,7 @@ def serve(
             bootstrap_timeout=bootstrap_timeout, transfer_timeout=transfer_timeout,
             waiting_timeout=waiting_timeout, deadlines=not no_deadlines,
             enable_fault_injection=enable_fault_injection, admin_token=admin_token, pd_secret=pd_secret, seed=seed,
-            max_request_bytes=max_request_bytes, shutdown_grace=shutdown_grace,
+            max_request_bytes=max_request_bytes, shutdown_grace=shutdown_grace, tp_size=tp_size,
         )
     )
 
@@ -195,6 +198,7 @@ def up(
     scrape_interval: float = typer.Option(2.0, help="Seconds between the watchdog's scrapes of every engine."),
     evidence_dir: Optional[Path] = typer.Option(None, help="Where evidence of wedges is written."),
     engine_arg: List[str] = typer.Option([], help="Extra argument passed to every engine (repeat)."),
+    tp_size: int = typer.Option(1, EngineFlags.TP_SIZE, min=1, help="Ranks each engine spans (dsv4 serve --tp-size)."),
     admin_token: Optional[str] = typer.Option(
         None, envvar=ADMIN_TOKEN_ENV, help="Admin token of the engines and router (default: generated and kept, "
         "mode 0600, in the state folder ~/.cache/dsv4/up/PORT). Prefer the environment variable: "
@@ -212,12 +216,14 @@ def up(
     """
     if model is not None:
         _check_model_dir(model)
-        if not mono:  # a PD role the model cannot take is refused here, not in a restart loop
+        if not mono or tp_size > 1:  # a role the model cannot take is refused here, not in a restart loop
             from dsv4_engine.engine import serving_refusal
 
-            refusal = serving_refusal(str(model), "prefill", None)
+            refusal = serving_refusal(str(model), "mono" if mono else "prefill", None, tp_size)
             if refusal:
                 _fail(f"{model}: {refusal}")
+    if tp_size > 1:
+        engine_arg = [*engine_arg, EngineFlags.TP_SIZE, str(tp_size)]
     if prefill < 1 or decode < 1:
         _fail("--prefill and --decode must be at least 1")
     if scrape_interval <= 0:

@@ -209,6 +209,8 @@ def engine_command(spec: DSV4DeploymentSpec, role: str) -> list[str]:
             cmd += [F.WAITING_TIMEOUT, str(t.bootstrap_timeout_seconds + t.transfer_timeout_seconds)]
         if r.gpus_per_pod > 0:
             cmd += [F.DTYPE, "bfloat16"]
+        if r.gpus_per_pod > 1:  # one engine spans every GPU of its pod
+            cmd += [F.TP_SIZE, str(r.gpus_per_pod)]
     else:
         cmd = ["python3", "-m", "sglang.launch_server", "--model-path", m.path,
                "--served-model-name", m.served, "--host", "0.0.0.0", "--port", str(e.port),

@@ -1,5 +1,6 @@
-"""Read only this rank's part of a checkpoint: safetensors' lazy slices, so a rank never holds
-(or reads from disk) the tensors and rows it does not own."""
+"""Read only this rank's part of a checkpoint: tensors it does not own (other ranks' experts) are
+never read; a split tensor is read through safetensors' slice and only the slice is kept (at
+most one whole split tensor is in memory at a time, never the checkpoint)."""
 
 from __future__ import annotations
 
@@ -37,5 +38,7 @@ def load_shard(model_dir: str | Path, slicer: Slicer) -> dict[str, torch.Tensor]
                 if got is None:
                     continue
                 local, index = got
-                weights[local] = part[index] if index else f.get_tensor(key)
+                # A slice may be a view of the whole tensor's buffer: copy it out so that only
+                # this rank's part stays resident.
+                weights[local] = part[index].contiguous().clone() if index else f.get_tensor(key)
     return weights

@@ -1,0 +1,88 @@
+"""Sharding plans are pure: every rank's slices of every tensor, put back together, are the
+whole checkpoint exactly once (shapes only, no I/O)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4_engine.checkpoint import PRESETS, tensor_shapes
+from dsv4_engine.config import ModelConfig
+from dsv4_engine.parallel.plan import Shard, block, expert_slice, tp_refusal, v3_local_config, v3_slicer
+
+
+def test_blocks_cover_everything_once_and_as_evenly_as_possible():
+    for total in (1, 4, 7, 256):
+        for size in range(1, min(total, 6) + 1):
+            spans = [block(total, Shard(r, size)) for r in range(size)]
+            assert spans[0][0] == 0 and spans[-1][1] == total
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            assert max(h - l for l, h in spans) - min(h - l for l, h in spans) <= 1
+
+
+def test_a_shard_outside_the_world_is_refused():
+    with pytest.raises(ValueError):
+        Shard(2, 2)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "mla512"])
+@pytest.mark.parametrize("size", [2, 4])
+def test_v3_slices_reassemble_every_tensor(preset, size):
+    cfg_d = PRESETS[preset]
+    cfg = ModelConfig.from_dict(cfg_d)
+    shapes = tensor_shapes(cfg_d)
+    # Number every element, slice per rank, and check each element lands exactly once (sharded
+    # tensors) or on every rank (replicated ones).
+    seen: dict[str, torch.Tensor] = {n: torch.zeros(s, dtype=torch.int32) for n, s in shapes.items()}
+    kept_by: dict[str, set[int]] = {}
+    for r in range(size):
+        slicer = v3_slicer(cfg, Shard(r, size))
+        for name, shape in shapes.items():
+            got = slicer(name, shape)
+            if got is None:
+                continue
+            local, index = got
+            kept_by.setdefault(name, set()).add(r)
+            view = seen[name][index] if index else seen[name]
+            view += 1
+            if ".experts." in name and "shared" not in name:
+                e = int(name.split(".experts.")[1].split(".")[0])
+                lo, _ = block(cfg.n_routed_experts, Shard(r, size))
+                assert local == name.replace(f".experts.{e}.", f".experts.{e - lo}.")
+    for name, counts in seen.items():
+        split = any(k in name for k in ("q_b_proj", "q_proj", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+                                        "down_proj"))
+        if split:
+            assert torch.all(counts == 1), name  # split by rows/columns or owned by one rank
+        else:
+            assert torch.all(counts == size), name  # replicated
+    # The router (gate) and the latent projection stay whole on every rank.
+    assert kept_by["model.layers.1.mlp.gate.weight"] == set(range(size))
+    assert kept_by["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"] == set(range(size))
+
+
+def test_v3_local_config_has_this_ranks_heads_width_and_experts():
+    cfg = ModelConfig.from_dict(PRESETS["tiny"])
+    local = v3_local_config(cfg, Shard(1, 2))
+    assert local.num_attention_heads == cfg.num_attention_heads // 2
+    assert local.intermediate_size == cfg.intermediate_size // 2
+    lo, hi = block(cfg.n_routed_experts, Shard(1, 2))
+    assert local.n_routed_experts == hi - lo
+    assert local.kv_lora_rank == cfg.kv_lora_rank and local.moe_intermediate_size == cfg.moe_intermediate_size
+
+
+def test_fused_experts_are_sliced_by_their_leading_dim_and_other_tensors_are_no_experts():
+    assert expert_slice("model.layers.1.mlp.experts.gate_up_proj", (8, 4, 2), 2, 4) == (
+        "model.layers.1.mlp.experts.gate_up_proj", (slice(2, 4),))
+    assert expert_slice("layers.1.ffn.experts.5.w1", (4, 2), 4, 8) == ("layers.1.ffn.experts.1.w1", ())
+    assert expert_slice("layers.1.ffn.experts.3.w1", (4, 2), 4, 8) is None
+    assert expert_slice("layers.1.ffn.shared_experts.w1", (4, 2), 0, 1) is False
+
+
+def test_refusals_say_which_dimension_does_not_split():
+    cfg = ModelConfig.from_dict(PRESETS["tiny"])
+    assert tp_refusal("deepseek_v3", cfg, 1) is None
+    assert tp_refusal("deepseek_v3", cfg, 2) is None
+    assert "num_attention_heads" in tp_refusal("deepseek_v3", cfg, 3)
+    assert "at least 1" in tp_refusal("deepseek_v3", cfg, 0)
+    assert "not supported" in tp_refusal("llama", cfg, 2)

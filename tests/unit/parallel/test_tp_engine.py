@@ -1,0 +1,109 @@
+"""`--tp-size 2` (rank 0 here, rank 1 a real child process, gloo on 127.0.0.1) produces the same
+greedy tokens as `--tp-size 1` in fp32: staggered arrivals, chunked prefill and preemption.
+Each rank holds only its slice of the weights (measured from the tensors it keeps)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dsv4_engine.engine import Engine, EngineArgs
+from dsv4_engine.model_runner import ModelRunner
+from dsv4_engine.parallel.group import TPRank
+from dsv4_engine.parallel.plan import Shard
+from dsv4_engine.parallel.sharded import resident_weight_bytes
+from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.sequence import Sequence
+
+NEW_TOKENS = 16
+
+
+def prompts(vocab: int, lens: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lens]
+
+
+def drive(engine: Engine, arrivals: dict[int, list[tuple[str, list[int]]]]) -> tuple[dict[str, list[int]], list]:
+    """Step the engine by hand (no thread); requests join at the steps given."""
+    outs: dict[str, list[int]] = {}
+    done: set[str] = set()
+
+    def sink_for(rid):
+        def sink(out):
+            outs.setdefault(rid, []).extend(out.token_ids)
+            if out.finished:
+                assert out.finish_reason == "length", (rid, out)
+                done.add(rid)
+        return sink
+
+    total = sum(len(v) for v in arrivals.values())
+    seqs, step = [], 0
+    while len(done) < total:
+        for rid, prompt in arrivals.get(step, []):
+            seqs.append(Sequence(rid, prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
+                                 sink=sink_for(rid)))
+            engine.submit(seqs[-1])
+        engine.step()
+        step += 1
+        assert step < 3000, "engine made no progress"
+    assert engine.pool.allocator.num_free == engine.pool.num_pages
+    return outs, seqs
+
+
+def scenarios(engine: Engine) -> dict:
+    """Staggered arrivals; then chunked prefill (12-token steps) with preemption (12 pages of 8
+    tokens cannot hold three requests of 45+ tokens)."""
+    v = engine.cfg.vocab_size
+    ps = prompts(v, [5, 40, 17, 9], seed=1)
+    staggered, _ = drive(engine, {0: [("s0", ps[0])], 3: [("s1", ps[1]), ("s2", ps[2])], 7: [("s3", ps[3])]})
+    ps = prompts(v, [50, 45, 30], seed=2)
+    chunked, seqs = drive(engine, {0: [("a", ps[0]), ("b", ps[1])], 2: [("c", ps[2])]})
+    return {"staggered": staggered, "chunked": chunked, "preemptions": sum(s.num_preemptions for s in seqs)}
+
+
+def engine(model_dir, tp_size: int) -> Engine:
+    return Engine(EngineArgs(model=str(model_dir), device="cpu", kernel_backend="torch", kv_pages=12, page_size=8,
+                             max_num_batched_tokens=12, tp_size=tp_size))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "mla512"])
+def test_tp2_greedy_tokens_equal_tp1(make_model, preset):
+    model = make_model(preset)
+    ref = scenarios(engine(model, 1))
+    e = engine(model, 2)
+    try:
+        assert e.loads()["tp_size"] == 2
+        got = scenarios(e)
+    finally:
+        e.tp.close()
+    assert ref["preemptions"] > 0 and got["preemptions"] > 0, "the small pool should have forced a preemption"
+    assert got["staggered"] == ref["staggered"]
+    assert got["chunked"] == ref["chunked"]
+    assert all(p.poll() == 0 for p in e.tp.procs), "the other rank stops cleanly when told"
+
+
+def test_each_rank_holds_half_the_experts_and_split_layers_plus_the_replicated_rest(make_model):
+    model = make_model("tiny")
+    full = ModelRunner(str(model), device="cpu", kernel_backend="torch").model
+    ranks = [ModelRunner(str(model), device="cpu", kernel_backend="torch", tp=TPRank(Shard(r, 2), None, None)).model
+             for r in range(2)]
+    cfg = full.cfg
+    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+
+    def nbytes(model, keys) -> int:
+        return sum(L[k].numel() * L[k].element_size() for L in model.layers for k in keys if k in L)
+
+    experts = ("w13", "w2")
+    split = ("q_b", "w_uk", "w_uv", "o", "d_w13", "d_w2", "s_w13", "s_w2")
+    # Experts: each rank holds exactly its half, and together they hold every expert once.
+    assert [r.cfg.n_routed_experts for r in ranks] == [cfg.n_routed_experts // 2] * 2
+    assert sum(nbytes(r, experts) for r in ranks) == nbytes(full, experts) > 0
+    for r in ranks:
+        assert nbytes(r, experts) * 2 == nbytes(full, experts)
+        assert nbytes(r, split) * 2 == nbytes(full, split)
+        replicated = resident_weight_bytes(full) - nbytes(full, experts) - nbytes(full, split)
+        assert resident_weight_bytes(r) == replicated + nbytes(full, experts) // 2 + nbytes(full, split) // 2
+        assert all(torch.equal(a["gate"], b["gate"]) for a, b in zip(r.layers, full.layers) if "gate" in a)
+    assert moe

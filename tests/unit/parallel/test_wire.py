@@ -1,0 +1,45 @@
+"""The per-step batch channel: a fixed header and one int64 payload round-trip a ForwardBatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4_engine.models.deepseek_v3 import ForwardBatch
+from dsv4_engine.parallel import wire
+
+
+def batch(slots: bool) -> ForwardBatch:
+    return ForwardBatch(
+        input_ids=torch.tensor([5, 6, 7, 9], dtype=torch.int64), positions=torch.tensor([0, 1, 2, 7]),
+        slot_mapping=torch.tensor([16, 17, 18, 39]), block_table=torch.tensor([[2, 0], [3, 4]], dtype=torch.int32),
+        seq_lens=torch.tensor([3, 8], dtype=torch.int32), extend_lens=torch.tensor([3, 1], dtype=torch.int32),
+        logits_indices=torch.tensor([2, 3]), all_decode=False,
+        slot_ids=torch.tensor([1, 0]) if slots else None, page_size=8 if slots else None,
+    )
+
+
+@pytest.mark.parametrize("slots", [False, True])
+def test_a_batch_round_trips(slots):
+    fb = batch(slots)
+    header, payload = wire.pack(fb)
+    assert header.shape == (wire.HEADER_LEN,) and header.dtype == payload.dtype == torch.int64
+    assert wire.payload_len(header) == payload.numel()
+    back = wire.unpack(header, payload, torch.device("cpu"))
+    for f in ("input_ids", "positions", "slot_mapping", "block_table", "seq_lens", "extend_lens", "logits_indices"):
+        a, b = getattr(fb, f), getattr(back, f)
+        assert a.dtype == b.dtype and torch.equal(a, b), f
+    assert back.all_decode == fb.all_decode and back.page_size == fb.page_size
+    assert (back.slot_ids is None) == (fb.slot_ids is None)
+    if slots:
+        assert torch.equal(back.slot_ids, fb.slot_ids)
+
+
+def test_a_payload_that_does_not_match_its_header_is_refused():
+    header, payload = wire.pack(batch(False))
+    with pytest.raises(ValueError, match="does not match"):
+        wire.unpack(header, payload[:-1], torch.device("cpu"))
+
+
+def test_the_stop_header_is_an_operation_of_its_own():
+    assert int(wire.stop_header()[wire.OP]) == wire.OP_STOP != wire.OP_FORWARD
