@@ -17,7 +17,6 @@ GAUGES = {
     "prefill_inflight_oldest_age_seconds": "Age of the oldest request in the prefill inflight queue",
     "kv_pages_free": "Free KV cache pages",
     "kv_pages_total": "Total KV cache pages",
-    "tp_size": "Ranks (devices) this engine spans (--tp-size); the other series are the engine's, from rank 0",
 }
 # Gauges with a `state` label besides role/model_name: one series per state the model declares
 # (DeepSeek-V3: its one latent cache; V4: windowed and compressed states). Paged states cost
