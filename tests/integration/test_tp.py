@@ -1,0 +1,124 @@
+"""`dsv4 serve --tp-size 2` as a real process (rank 1 its child, gloo on 127.0.0.1): the same
+greedy text as `--tp-size 1` over HTTP, and a rank that dies takes the engine down loudly —
+clients get an error, not a hang, /health stops answering 200, the process exits non-zero."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dsv4_testutil import Proc, free_port, serving
+
+BODY = {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+# From a rank's death to the process gone: the watchdog's poll (0.2 s) + FAIL_GRACE_S (2 s),
+# with room for a loaded CI machine.
+DOWN_WITHIN_S = 15.0
+
+
+def children(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(k) for k in (task / "children").read_text().split()]
+    return kids
+
+
+def ranks_of(pid: int) -> list[int]:
+    return [k for k in children(pid) if b"dsv4_engine.parallel.worker" in Path(f"/proc/{k}/cmdline").read_bytes()]
+
+
+def completion(url: str, stream: bool = False) -> str:
+    with httpx.Client(base_url=url, timeout=120) as c:
+        if not stream:
+            r = c.post("/v1/completions", json=BODY)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+        text = ""
+        with c.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    import json
+
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+
+ARGS = ["--kv-pages", 128, "--served-model-name", "tiny", "--device", "cpu"]
+
+
+def test_tp2_serves_the_same_text_as_tp1(tiny_model, tmp_path):
+    with serving(["--model", tiny_model, *ARGS], tmp_path / "tp1.log") as url:
+        ref = completion(url)
+    with serving(["--model", tiny_model, *ARGS, "--tp-size", 2], tmp_path / "tp2.log") as url:
+        assert completion(url) == ref and completion(url, stream=True) == ref
+        loads = httpx.get(f"{url}/v1/loads").json()
+        assert loads["tp_size"] == 2 and loads["kv_pages_total"] == 128
+    assert ref
+
+
+def test_a_rank_that_dies_takes_the_engine_down_loudly(tiny_model, tmp_path):
+    port = free_port()
+    proc = Proc(["serve", "--model", tiny_model, *ARGS, "--tp-size", 2, "--port", port], tmp_path / "tp.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc.wait_ready(url)
+        (rank1,) = ranks_of(proc.popen.pid)
+        with httpx.Client(base_url=url, timeout=httpx.Timeout(DOWN_WITHIN_S)) as c:
+            with c.stream("POST", "/v1/completions", json={**BODY, "max_tokens": 1500, "stream": True}) as r:
+                lines = r.iter_lines()
+                assert next(line for line in lines if line.startswith("data: {"))  # generating
+                os.kill(rank1, signal.SIGKILL)
+                killed = time.monotonic()
+                rest = []
+                try:
+                    for line in lines:
+                        rest.append(line)
+                except httpx.HTTPError:
+                    pass  # the connection closing under us is an error the client sees too
+                ended = time.monotonic() - killed
+            assert ended < DOWN_WITHIN_S
+            finished = [line for line in rest if '"finish_reason":"length"' in line.replace(" ", "")]
+            assert not finished, "the request must not end as if it had completed"
+            # New requests and /health fail too (an error answer or no answer), they do not hang.
+            try:
+                assert c.get("/health", timeout=5).status_code != 200
+            except httpx.HTTPError:
+                pass
+        code = proc.popen.wait(timeout=DOWN_WITHIN_S)
+        assert code != 0, proc.log()
+        log = (tmp_path / "tp.log").read_text(errors="replace")
+        assert "tensor-parallel group failed" in log, log[-3000:]
+    finally:
+        proc.stop()
+
+
+def test_an_idle_engine_notices_a_dead_rank_and_rank_1_outlives_no_rank_0(tiny_model, tmp_path):
+    """The watchdog path (no request running, so no collective fails first): rank 1 killed ->
+    rank 0 exits non-zero. And a rank 1 whose rank 0 is killed exits on its own."""
+    port = free_port()
+    proc = Proc(["serve", "--model", tiny_model, *ARGS, "--tp-size", 2, "--port", port], tmp_path / "a.log")
+    try:
+        proc.wait_ready(f"http://127.0.0.1:{port}")
+        (rank1,) = ranks_of(proc.popen.pid)
+        os.kill(rank1, signal.SIGKILL)
+        assert proc.popen.wait(timeout=DOWN_WITHIN_S) != 0
+        assert f"rank 1 (pid {rank1}) exited with code -9" in (tmp_path / "a.log").read_text(errors="replace")
+    finally:
+        proc.stop()
+    port = free_port()
+    proc = Proc(["serve", "--model", tiny_model, *ARGS, "--tp-size", 2, "--port", port], tmp_path / "b.log")
+    try:
+        proc.wait_ready(f"http://127.0.0.1:{port}")
+        (rank1,) = ranks_of(proc.popen.pid)
+        proc.popen.kill()
+        proc.popen.wait()
+        deadline = time.monotonic() + DOWN_WITHIN_S
+        while Path(f"/proc/{rank1}").exists() and b"parallel.worker" in Path(f"/proc/{rank1}/cmdline").read_bytes():
+            assert time.monotonic() < deadline, "rank 1 outlived rank 0"
+            time.sleep(0.1)
+    finally:
+        proc.stop()
