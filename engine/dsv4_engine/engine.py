@@ -100,8 +100,6 @@ def serving_refusal(model_dir: str, role: str, page_size: Optional[int], tp_size
 
     entry = entry_for_dir(model_dir)
     cfg = entry.config_class().from_dir(model_dir)
-    if tp_size != 1 and role != "mono":
-        return "--tp-size > 1 serves --role mono only (PD with tensor parallelism is not built yet)"
     return tp_refusal(entry.model_type, cfg, tp_size) or state_refusal(entry.model_class().state_specs(cfg), role, page_size)
 
 
@@ -348,6 +346,8 @@ class Engine:
         """PD decode: the KV of the prompt has landed with the token prefill sampled (and, when
         the request asked for logprobs, that token's entry as prefill computed it)."""
         try:
+            if self.tp is not None:  # the state landed on rank 0 only: the other ranks need it too
+                self.tp.send_state(self.pool, seq.pages[: -(-seq.num_computed // self.pool.page_size)], seq.slot)
             self._append_token(seq, tok, logprob)
             if not seq.finished:
                 self.scheduler.add_running(seq)

@@ -121,6 +121,22 @@ class TPGroup:
         dist.broadcast(header, 0, group=self.rank.control)
         dist.broadcast(payload, 0, group=self.rank.control)
 
+    def send_state(self, pool, pages: list[int], slot) -> None:
+        """PD decode: a request's state landed in rank 0's pool only; every rank keeps the full
+        state (replicated latent / attention), so rank 0 copies those pages (and its slot row) to
+        the others. One region per state, sent once by the rank that received it."""
+        if self.failed is not None:
+            raise RuntimeError(f"tensor-parallel group failed: {self.failed}")
+        try:
+            header, payload = wire.state_message(pages, slot)
+            dist.broadcast(header, 0, group=self.rank.control)
+            dist.broadcast(payload, 0, group=self.rank.control)
+            for region in state_regions(pool, pages, slot):
+                dist.broadcast(region.contiguous(), 0, group=self.rank.compute)
+        except Exception as e:
+            self.fail(f"copying a landed request's state to the other ranks failed: {type(e).__name__}: {e}")
+            raise
+
     # ---- failure -----------------------------------------------------------------------------
 
     def fail(self, reason: str) -> None:
@@ -180,6 +196,31 @@ class TPGroup:
             dist.destroy_process_group()
         except Exception:
             pass
+
+
+def state_regions(pool, pages: list[int], slot) -> list[torch.Tensor]:
+    """A request's state as the tensors rank 0 sends, in a fixed order every rank agrees on."""
+    idx = torch.tensor(pages, dtype=torch.long, device=pool.tensor.device)
+    out = [pool.states[name].index_select(0, idx) for name in sorted(pool.states)]
+    if slot is not None:
+        out += [pool.slot_states[name][slot] for name in sorted(pool.slot_states)]
+    return out
+
+
+def receive_state(pool, rank: TPRank, pages: list[int], slot) -> None:
+    """The other ranks' side of `TPGroup.send_state`: write the regions into their own pool."""
+    idx = torch.tensor(pages, dtype=torch.long, device=pool.tensor.device)
+    for name in sorted(pool.states):
+        t = pool.states[name]
+        buf = torch.empty((len(pages), *t.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.broadcast(buf, 0, group=rank.compute)
+        t.index_copy_(0, idx, buf)
+    if slot is not None:
+        for name in sorted(pool.slot_states):
+            row = pool.slot_states[name][slot]
+            buf = torch.empty_like(row)
+            dist.broadcast(buf, 0, group=rank.compute)
+            row.copy_(buf)
 
 
 class BroadcastForward:

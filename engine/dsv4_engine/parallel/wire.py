@@ -12,7 +12,21 @@ HEADER_LEN = 8
 # Header slots.
 OP, TOKENS, REQS, MAX_PAGES, ALL_DECODE, HAS_SLOTS, PAGE_SIZE, PAYLOAD = range(HEADER_LEN)
 # Operations.
-OP_FORWARD, OP_STOP = 1, 2
+OP_FORWARD, OP_STOP, OP_STATE = 1, 2, 3
+
+
+def state_message(pages: list[int], slot) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header, payload) announcing a request's state that landed on rank 0 (PD decode): its
+    pages, then its slot row (-1: none). The state tensors follow, one broadcast per state."""
+    payload = torch.tensor([*pages, -1 if slot is None else slot], dtype=torch.int64)
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[OP], header[PAYLOAD] = OP_STATE, payload.numel()
+    return header, payload
+
+
+def unpack_state(payload: torch.Tensor) -> tuple[list[int], "int | None"]:
+    ids = payload.tolist()
+    return ids[:-1], (None if ids[-1] < 0 else ids[-1])
 
 
 def stop_header() -> torch.Tensor:

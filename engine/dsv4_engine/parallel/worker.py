@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dsv4_engine.parallel import wire
-from dsv4_engine.parallel.group import SPEC_ENV, join, rank_device
+from dsv4_engine.parallel.group import SPEC_ENV, join, rank_device, receive_state
 from dsv4_engine.parallel.plan import Shard
 
 log = logging.getLogger("dsv4.tp")
@@ -51,11 +51,17 @@ def serve_rank(spec: dict) -> None:
     header = torch.zeros(wire.HEADER_LEN, dtype=torch.int64)
     while True:
         dist.broadcast(header, 0, group=rank.control)
-        if int(header[wire.OP]) == wire.OP_STOP:
+        op = int(header[wire.OP])
+        if op == wire.OP_STOP:
             return
         payload = torch.empty(wire.payload_len(header), dtype=torch.int64)
         dist.broadcast(payload, 0, group=rank.control)
-        runner.model.forward(wire.unpack(header, payload, runner.device), pool.all_states)
+        if op == wire.OP_FORWARD:
+            runner.model.forward(wire.unpack(header, payload, runner.device), pool.all_states)
+        elif op == wire.OP_STATE:
+            receive_state(pool, rank, *wire.unpack_state(payload))
+        else:
+            raise RuntimeError(f"unknown operation {op} from rank 0")
 
 
 def main() -> None:

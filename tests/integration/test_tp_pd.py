@@ -1,0 +1,88 @@
+"""PD with tensor parallelism on either side, different sizes (prefill 2 -> decode 1 and
+1 -> 2), behind the real router over real NIXL: the same greedy tokens as a monolithic engine.
+
+Every rank keeps the full latent cache, so prefill's rank 0 sends each page once, and decode's
+rank 0 receives it and copies it to its other ranks before the request decodes."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from dsv4_testutil import Proc, free_port
+
+
+class Pair:
+    """A prefill and a decode engine of the given TP sizes, and a router in front of them."""
+
+    def __init__(self, model, tmp, prefill_tp: int, decode_tp: int):
+        self.procs: list[Proc] = []
+        p, b, d, r = (free_port() for _ in range(4))
+        self.p_url, self.d_url, self.url = (f"http://127.0.0.1:{x}" for x in (p, d, r))
+        common = ["serve", "--model", model, "--kv-pages", 64, "--page-size", 16, "--served-model-name", "m",
+                  "--device", "cpu"]
+        self.procs.append(Proc([*common, "--role", "prefill", "--port", p, "--bootstrap-port", b,
+                                "--tp-size", prefill_tp], tmp / f"prefill-tp{prefill_tp}.log"))
+        self.procs.append(Proc([*common, "--role", "decode", "--port", d, "--tp-size", decode_tp],
+                               tmp / f"decode-tp{decode_tp}.log"))
+        self.procs.append(Proc(["router", "--prefill", self.p_url, "--decode", self.d_url, "--port", r,
+                                "--health-interval", "0.5"], tmp / f"router-{prefill_tp}-{decode_tp}.log"))
+
+    def wait(self) -> None:
+        for url, proc in zip((self.p_url, self.d_url, self.url), self.procs):
+            proc.wait_ready(url, timeout=180)
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.stop()
+
+
+def complete(url: str, prompt: list[int], max_tokens: int) -> list[int]:
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                                   "ignore_eos": True, "return_token_ids": True}, timeout=180)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+@pytest.fixture(scope="module")
+def deployments(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp-pd")
+    pairs = {"2->1": Pair(tiny_model, tmp, 2, 1), "1->2": Pair(tiny_model, tmp, 1, 2)}
+    m = free_port()
+    mono = Proc(["serve", "--model", tiny_model, "--kv-pages", 64, "--page-size", 16, "--served-model-name", "m",
+                 "--device", "cpu", "--port", m], tmp / "mono.log")
+    try:
+        for pair in pairs.values():
+            pair.wait()
+        mono.wait_ready(f"http://127.0.0.1:{m}")
+        yield pairs, f"http://127.0.0.1:{m}"
+    finally:
+        for pair in pairs.values():
+            pair.stop()
+        mono.stop()
+
+
+@pytest.mark.parametrize("shape", ["2->1", "1->2"])
+def test_pd_with_tp_on_either_side_equals_mono(deployments, shape):
+    pairs, mono = deployments
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, 500) for _ in range(rng.randint(3, 60))] for _ in range(4)]
+    results: dict[int, list[int]] = {}
+
+    def one(i):
+        time.sleep(0.05 * i)  # staggered: later requests join a running decode batch
+        results[i] = complete(pairs[shape].url, prompts[i], 10 + i)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    for i, p in enumerate(prompts):
+        assert results[i] == complete(mono, p, 10 + i), i
+    loads = httpx.get(f"{pairs[shape].d_url}/v1/loads", timeout=5).json()
+    assert loads["tp_size"] == int(shape[-1])
