@@ -17,7 +17,7 @@ from dsv4_engine.parallel.sharded import resident_weight_bytes
 from dsv4_engine.sampling import SamplingParams
 from dsv4_engine.sequence import Sequence
 
-NEW_TOKENS = 16
+NEW_TOKENS = 8
 
 
 def prompts(vocab: int, lens: list[int], seed: int) -> list[list[int]]:
@@ -53,19 +53,19 @@ def drive(engine: Engine, arrivals: dict[int, list[tuple[str, list[int]]]]) -> t
 
 
 def scenarios(engine: Engine) -> dict:
-    """Staggered arrivals; then chunked prefill (12-token steps) with preemption (12 pages of 8
-    tokens cannot hold three requests of 45+ tokens)."""
+    """Staggered arrivals; then chunked prefill (16-token steps) with preemption (10 pages of 8
+    tokens cannot hold three requests of 30+ tokens each)."""
     v = engine.cfg.vocab_size
-    ps = prompts(v, [5, 40, 17, 9], seed=1)
+    ps = prompts(v, [5, 30, 17, 9], seed=1)
     staggered, _ = drive(engine, {0: [("s0", ps[0])], 3: [("s1", ps[1]), ("s2", ps[2])], 7: [("s3", ps[3])]})
-    ps = prompts(v, [50, 45, 30], seed=2)
+    ps = prompts(v, [40, 36, 24], seed=2)
     chunked, seqs = drive(engine, {0: [("a", ps[0]), ("b", ps[1])], 2: [("c", ps[2])]})
     return {"staggered": staggered, "chunked": chunked, "preemptions": sum(s.num_preemptions for s in seqs)}
 
 
 def engine(model_dir, tp_size: int) -> Engine:
-    return Engine(EngineArgs(model=str(model_dir), device="cpu", kernel_backend="torch", kv_pages=12, page_size=8,
-                             max_num_batched_tokens=12, tp_size=tp_size))
+    return Engine(EngineArgs(model=str(model_dir), device="cpu", kernel_backend="torch", kv_pages=10, page_size=8,
+                             max_num_batched_tokens=16, tp_size=tp_size))
 
 
 @pytest.mark.parametrize("preset", ["tiny", "mla512"])

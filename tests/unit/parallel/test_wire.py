@@ -43,3 +43,10 @@ def test_a_payload_that_does_not_match_its_header_is_refused():
 
 def test_the_stop_header_is_an_operation_of_its_own():
     assert int(wire.stop_header()[wire.OP]) == wire.OP_STOP != wire.OP_FORWARD
+
+
+def test_a_landed_state_message_names_its_pages_and_slot():
+    header, payload = wire.state_message([4, 9, 2], 3)
+    assert int(header[wire.OP]) == wire.OP_STATE and wire.payload_len(header) == payload.numel()
+    assert wire.unpack_state(payload) == ([4, 9, 2], 3)
+    assert wire.unpack_state(wire.state_message([1], None)[1]) == ([1], None)
