@@ -211,8 +211,9 @@ class DeepseekV4:
         return load_v4_weights(model_dir)
 
     def __init__(self, cfg: DeepseekV4Config, weights: dict[str, torch.Tensor], ops=None,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", tp=None):
         self.cfg = cfg
+        self.tp = tp  # one rank of --tp-size N: this rank's experts only (dsv4_engine.parallel)
         self.ops = ops  # unused yet: the V4 path is plain torch until its kernels exist
         self.dtype = dtype
         self.device = torch.device(device)
@@ -333,12 +334,17 @@ class DeepseekV4:
             ids = torch.topk(scores + L["bias"], cfg.num_experts_per_tok, dim=-1, sorted=False).indices
         wts = scores.gather(1, ids)
         wts = wts / (wts.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+        if self.tp is not None:
+            wts, ids = self.tp.local_experts(wts, ids)
         out = torch.zeros_like(x)
         for e in torch.unique(ids).tolist():
             tok, k = torch.where(ids == e)
             h = self._swiglu(F.linear(x[tok], L["w13"][e]))
             out.index_add_(0, tok, (F.linear(h, L["w2"][e]) * wts[tok, k, None]).to(out.dtype))
-        return out + F.linear(self._swiglu(F.linear(x, L["s_w13"])), L["s_w2"])
+        if self.tp is not None and self.tp.rank != 0:  # the shared expert joins the sum once, from rank 0
+            return self.tp.all_reduce(out)
+        out = out + F.linear(self._swiglu(F.linear(x, L["s_w13"])), L["s_w2"])
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     # ---- compressors ---------------------------------------------------------------------------
 

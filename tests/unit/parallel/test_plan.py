@@ -86,3 +86,17 @@ def test_refusals_say_which_dimension_does_not_split():
     assert "num_attention_heads" in tp_refusal("deepseek_v3", cfg, 3)
     assert "at least 1" in tp_refusal("deepseek_v3", cfg, 0)
     assert "not supported" in tp_refusal("llama", cfg, 2)
+
+
+def test_v4_keeps_everything_but_other_ranks_experts():
+    from dsv4_engine.parallel.plan import v4_local_config, v4_slicer
+    from dsv4_engine.models.deepseek_v4_config import DeepseekV4Config
+
+    cfg = DeepseekV4Config.from_dict(PRESETS["v4-tiny"])
+    s0, s1 = v4_slicer(cfg, Shard(0, 2)), v4_slicer(cfg, Shard(1, 2))
+    assert s0("layers.0.attn.wq_b.weight", (4, 4)) == ("layers.0.attn.wq_b.weight", ())
+    assert s0("layers.0.ffn.shared_experts.w1.weight", (4, 4)) == ("layers.0.ffn.shared_experts.w1.weight", ())
+    assert s0("layers.0.ffn.experts.3.w1.weight", (4, 4)) is None
+    assert s1("layers.0.ffn.experts.3.w1.weight", (4, 4)) == ("layers.0.ffn.experts.1.w1.weight", ())
+    assert v4_local_config(cfg, Shard(1, 2)).n_routed_experts == cfg.n_routed_experts // 2
+    assert tp_refusal("deepseek_v4", cfg, cfg.n_routed_experts + 1) is not None

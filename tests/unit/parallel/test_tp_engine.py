@@ -68,7 +68,7 @@ def engine(model_dir, tp_size: int) -> Engine:
                              max_num_batched_tokens=16, tp_size=tp_size))
 
 
-@pytest.mark.parametrize("preset", ["tiny", "mla512"])
+@pytest.mark.parametrize("preset", ["tiny", "mla512", "v4-tiny"])
 def test_tp2_greedy_tokens_equal_tp1(make_model, preset):
     model = make_model(preset)
     ref = scenarios(engine(model, 1))
@@ -79,7 +79,7 @@ def test_tp2_greedy_tokens_equal_tp1(make_model, preset):
     finally:
         e.tp.close()
     assert ref["preemptions"] > 0 and got["preemptions"] > 0, "the small pool should have forced a preemption"
-    assert got["staggered"] == ref["staggered"]
+    assert got["staggered"] == ref["staggered"] and len(got["staggered"]) == 4
     assert got["chunked"] == ref["chunked"]
     assert all(p.poll() == 0 for p in e.tp.procs), "the other rank stops cleanly when told"
 
@@ -107,3 +107,22 @@ def test_each_rank_holds_half_the_experts_and_split_layers_plus_the_replicated_r
         assert resident_weight_bytes(r) == replicated + nbytes(full, experts) // 2 + nbytes(full, split) // 2
         assert all(torch.equal(a["gate"], b["gate"]) for a, b in zip(r.layers, full.layers) if "gate" in a)
     assert moe
+
+
+def test_v4_ranks_split_the_routed_experts_and_replicate_the_rest(make_model):
+    model = make_model("v4-tiny")
+    full = ModelRunner(str(model), device="cpu", kernel_backend="torch").model
+    ranks = [ModelRunner(str(model), device="cpu", kernel_backend="torch", tp=TPRank(Shard(r, 2), None, None)).model
+             for r in range(2)]
+
+    def nbytes(model, keys) -> int:
+        return sum(L[k].numel() * L[k].element_size() for L in model.layers for k in keys if k in L)
+
+    experts = ("w13", "w2")
+    for r in ranks:
+        assert nbytes(r, experts) * 2 == nbytes(full, experts) > 0
+        replicated = resident_weight_bytes(full) - nbytes(full, experts)
+        assert resident_weight_bytes(r) == replicated + nbytes(full, experts) // 2
+    # Rank 1's experts are the full model's second half, under local ids.
+    E = full.cfg.n_routed_experts
+    assert torch.equal(ranks[1].layers[0]["w13"], full.layers[0]["w13"][E // 2:])
