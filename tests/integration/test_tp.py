@@ -122,3 +122,13 @@ def test_an_idle_engine_notices_a_dead_rank_and_rank_1_outlives_no_rank_0(tiny_m
             time.sleep(0.1)
     finally:
         proc.stop()
+
+
+def test_a_tp_size_the_model_cannot_split_is_refused_in_one_line(tiny_model):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "dsv4_cli", "serve", "--model", str(tiny_model), "--tp-size", "3"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "--tp-size 3 does not divide num_attention_heads (8)" in r.stderr + r.stdout
