@@ -89,6 +89,7 @@ def test_a_rank_that_dies_takes_the_engine_down_loudly(tiny_model, tmp_path):
             except httpx.HTTPError:
                 pass
         code = proc.popen.wait(timeout=DOWN_WITHIN_S)
+        print(f"stream ended {ended:.2f} s after the kill, process exited {time.monotonic() - killed:.2f} s after")
         assert code != 0, proc.log()
         log = (tmp_path / "tp.log").read_text(errors="replace")
         assert "tensor-parallel group failed" in log, log[-3000:]
