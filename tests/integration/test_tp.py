@@ -133,3 +133,49 @@ def test_a_tp_size_the_model_cannot_split_is_refused_in_one_line(tiny_model):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     assert "--tp-size 3 does not divide num_attention_heads (8)" in r.stderr + r.stdout
+
+
+def test_dsv4_up_restarts_an_engine_whose_rank_died(tiny_model, tmp_path):
+    """`dsv4 up --mono --tp-size 2`: rank 1 killed -> the engine exits 1 -> the supervisor
+    restarts it like any dead engine, and the router serves again."""
+    import json
+
+    from dsv4_testutil import free_port_block
+
+    port = free_port_block()
+    up = Proc(["up", "--mono", "--model", tiny_model, "--port", port, "--tp-size", 2, "--no-deadlines",
+               "--no-watchdog"], tmp_path / "up.log", env={"DSV4_CACHE": str(tmp_path / "cache"), "COLUMNS": "80"})
+    url = f"http://127.0.0.1:{port}"
+    state = tmp_path / "cache" / "up" / str(port)
+    body = {"prompt": "after the storm", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
+
+    def serves(timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+                if r.status_code == 200:
+                    return r.json()
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, up.log()
+            time.sleep(0.5)
+
+    try:
+        up.wait_ready(url, timeout=180)
+        first = serves(120)
+        engine = json.loads((state / "processes.json").read_text())["mono-0"]
+        (rank1,) = ranks_of(engine["pid"])
+        os.kill(rank1, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:
+            info = json.loads((state / "processes.json").read_text())["mono-0"]
+            if info["pid"] != engine["pid"] and info.get("restarts") == 1:
+                break
+            assert time.monotonic() < deadline, up.log()
+            time.sleep(0.2)
+        assert info["last_exit"] == 1
+        assert serves(120)["choices"][0]["text"] == first["choices"][0]["text"]
+        assert len(ranks_of(info["pid"])) == 1  # the new engine has its rank 1 again
+    finally:
+        up.stop()
