@@ -1,5 +1,6 @@
-"""PD with tensor parallelism on either side, different sizes (prefill 2 -> decode 1 and
-1 -> 2), behind the real router over real NIXL: the same greedy tokens as a monolithic engine.
+"""PD with tensor parallelism on either side, same or different sizes (prefill 2 -> decode 2,
+2 -> 1 and 1 -> 2), behind the real router over real NIXL: the same greedy tokens as a monolithic
+engine.
 
 Every rank keeps the full latent cache, so prefill's rank 0 sends each page once, and decode's
 rank 0 receives it and copies it to its other ranks before the request decodes."""
@@ -52,6 +53,10 @@ def complete(url: str, prompt: list[int], max_tokens: int) -> list[int]:
 def deployments(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp-pd")
     pairs = {"2->1": Pair(tiny_model, tmp, 2, 1), "1->2": Pair(tiny_model, tmp, 1, 2)}
+    # 2 -> 2: a third router pairs the tp-2 prefill of one pair with the tp-2 decode of the other.
+    r = free_port()
+    router = Proc(["router", "--prefill", pairs["2->1"].p_url, "--decode", pairs["1->2"].d_url, "--port", r,
+                   "--health-interval", "0.5"], tmp / "router-2-2.log")
     m = free_port()
     mono = Proc(["serve", "--model", tiny_model, "--kv-pages", 64, "--page-size", 16, "--served-model-name", "m",
                  "--device", "cpu", "--port", m], tmp / "mono.log")
@@ -59,23 +64,28 @@ def deployments(tiny_model, tmp_path_factory):
         for pair in pairs.values():
             pair.wait()
         mono.wait_ready(f"http://127.0.0.1:{m}")
-        yield pairs, f"http://127.0.0.1:{m}"
+        router.wait_ready(f"http://127.0.0.1:{r}")
+        urls = {shape: (pair.url, pair.d_url) for shape, pair in pairs.items()}
+        urls["2->2"] = (f"http://127.0.0.1:{r}", pairs["1->2"].d_url)
+        yield urls, f"http://127.0.0.1:{m}"
     finally:
+        router.stop()
         for pair in pairs.values():
             pair.stop()
         mono.stop()
 
 
-@pytest.mark.parametrize("shape", ["2->1", "1->2"])
+@pytest.mark.parametrize("shape", ["2->2", "2->1", "1->2"])
 def test_pd_with_tp_on_either_side_equals_mono(deployments, shape):
-    pairs, mono = deployments
+    urls, mono = deployments
+    url, decode_url = urls[shape]
     rng = random.Random(5)
     prompts = [[rng.randrange(2, 500) for _ in range(rng.randint(3, 60))] for _ in range(4)]
     results: dict[int, list[int]] = {}
 
     def one(i):
         time.sleep(0.05 * i)  # staggered: later requests join a running decode batch
-        results[i] = complete(pairs[shape].url, prompts[i], 10 + i)
+        results[i] = complete(url, prompts[i], 10 + i)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -84,5 +94,5 @@ def test_pd_with_tp_on_either_side_equals_mono(deployments, shape):
         t.join(240)
     for i, p in enumerate(prompts):
         assert results[i] == complete(mono, p, 10 + i), i
-    loads = httpx.get(f"{pairs[shape].d_url}/v1/loads", timeout=5).json()
+    loads = httpx.get(f"{decode_url}/v1/loads", timeout=5).json()
     assert loads["tp_size"] == int(shape[-1])
