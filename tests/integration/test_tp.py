@@ -135,6 +135,7 @@ def test_a_tp_size_the_model_cannot_split_is_refused_in_one_line(tiny_model):
     assert "--tp-size 3 does not divide num_attention_heads (8)" in r.stderr + r.stdout
 
 
+@pytest.mark.slow  # the supervisor's restart of a dead engine is covered by test_up; this is the tp end to end
 def test_dsv4_up_restarts_an_engine_whose_rank_died(tiny_model, tmp_path):
     """`dsv4 up --mono --tp-size 2`: rank 1 killed -> the engine exits 1 -> the supervisor
     restarts it like any dead engine, and the router serves again."""
