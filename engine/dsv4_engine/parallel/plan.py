@@ -92,36 +92,58 @@ def v3_local_config(cfg, shard: Shard):
                    intermediate_size=cfg.intermediate_size // shard.size, n_routed_experts=hi - lo)
 
 
+def quant_block(cfg) -> Optional[tuple[int, int]]:
+    """(rows, cols) of one fp8 scale block when the checkpoint is block-quantized, else None."""
+    qc = (getattr(cfg, "extra", None) or {}).get("quantization_config") or {}
+    size = qc.get("weight_block_size")
+    return (int(size[0]), int(size[1])) if size else None
+
+
 def v3_slicer(cfg, shard: Shard) -> Slicer:
     H = cfg.num_attention_heads
     qk, kvb = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim
     h0, h1 = even(H, shard, "num_attention_heads")
     e0, e1 = block(cfg.n_routed_experts, shard)
+    dense = cfg.intermediate_size
+    shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+    qblock = quant_block(cfg)
 
-    def rows(n0: int, n1: int) -> tuple[slice, ...]:
-        return (slice(n0, n1),)
+    def split_of(base: str) -> Optional[tuple[int, int, int]]:
+        """(dim, lo, hi) of this rank's part of weight `base` (a name ending in .weight), or None."""
+        if base.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
+            return 0, h0 * qk, h1 * qk
+        if base.endswith("self_attn.kv_b_proj.weight"):
+            return 0, h0 * kvb, h1 * kvb
+        if base.endswith("self_attn.o_proj.weight"):
+            return 1, h0 * cfg.v_head_dim, h1 * cfg.v_head_dim
+        if base.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+            return (0, *even(dense, shard, "intermediate_size"))
+        if base.endswith(("shared_experts.gate_proj.weight", "shared_experts.up_proj.weight")):
+            return (0, *even(shared, shard, "the shared experts' width"))
+        if base.endswith("mlp.down_proj.weight"):
+            return (1, *even(dense, shard, "intermediate_size"))
+        if base.endswith("shared_experts.down_proj.weight"):
+            return (1, *even(shared, shard, "the shared experts' width"))
+        return None
 
-    def cols(n0: int, n1: int) -> tuple[slice, ...]:
-        return (slice(None), slice(n0, n1))
+    def index(dim: int, lo: int, hi: int) -> tuple[slice, ...]:
+        return (slice(lo, hi),) if dim == 0 else (slice(None), slice(lo, hi))
 
     def slicer(name: str, shape: tuple[int, ...]) -> Slice:
         ex = expert_slice(name, shape, e0, e1)
         if ex is not False:
             return ex  # type: ignore[return-value]
-        if name.endswith(("self_attn.q_b_proj.weight", "self_attn.q_proj.weight")):
-            return name, rows(h0 * qk, h1 * qk)
-        if name.endswith("self_attn.kv_b_proj.weight"):
-            return name, rows(h0 * kvb, h1 * kvb)
-        if name.endswith("self_attn.o_proj.weight"):
-            return name, cols(h0 * cfg.v_head_dim, h1 * cfg.v_head_dim)
-        if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight", "shared_experts.gate_proj.weight",
-                          "shared_experts.up_proj.weight")):
-            n0, n1 = even(shape[0], shard, name)
-            return name, rows(n0, n1)
-        if name.endswith(("mlp.down_proj.weight", "shared_experts.down_proj.weight")):
-            n0, n1 = even(shape[1], shard, name)
-            return name, cols(n0, n1)
-        return name, ()  # replicated
+        if name.endswith(".weight_scale_inv"):  # fp8 block scales follow their weight's split
+            part = split_of(name[: -len("_scale_inv")])
+            if part is None:
+                return name, ()
+            dim, lo, hi = part
+            b = qblock[dim] if qblock else 1
+            if lo % b or hi % b:
+                raise ValueError(f"--tp-size {shard.size} splits {name} off its {b}-wide quantization blocks")
+            return name, index(dim, lo // b, hi // b)
+        part = split_of(name)
+        return (name, ()) if part is None else (name, index(*part))
 
     return slicer
 

@@ -100,3 +100,21 @@ def test_v4_keeps_everything_but_other_ranks_experts():
     assert s1("layers.0.ffn.experts.3.w1.weight", (4, 4)) == ("layers.0.ffn.experts.1.w1.weight", ())
     assert v4_local_config(cfg, Shard(1, 2)).n_routed_experts == cfg.n_routed_experts // 2
     assert tp_refusal("deepseek_v4", cfg, cfg.n_routed_experts + 1) is not None
+
+
+def test_fp8_block_scales_follow_their_weights_split():
+    d = {**PRESETS["mla512"], "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    cfg = ModelConfig.from_dict(d)
+    s1 = v3_slicer(cfg, Shard(1, 2))
+    # q_b: 8 heads of 128 rows -> rank 1 holds rows 512..1024, scale rows 4..8.
+    assert s1("model.layers.0.self_attn.q_b_proj.weight", (1024, 128)) == (
+        "model.layers.0.self_attn.q_b_proj.weight", (slice(512, 1024),))
+    assert s1("model.layers.0.self_attn.q_b_proj.weight_scale_inv", (8, 1)) == (
+        "model.layers.0.self_attn.q_b_proj.weight_scale_inv", (slice(4, 8),))
+    # o_proj splits columns: its scale splits columns too.
+    assert s1("model.layers.0.self_attn.o_proj.weight_scale_inv", (4, 4)) == (
+        "model.layers.0.self_attn.o_proj.weight_scale_inv", (slice(None), slice(2, 4)))
+    # A replicated weight keeps its whole scale; a split off the block grid is refused.
+    assert s1("model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv", (5, 4))[1] == ()
+    with pytest.raises(ValueError, match="quantization blocks"):
+        v3_slicer(cfg, Shard(1, 8))("model.layers.0.self_attn.o_proj.weight_scale_inv", (4, 4))  # 64 columns a rank
