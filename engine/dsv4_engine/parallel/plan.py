@@ -82,6 +82,16 @@ def v3_refusal(cfg, size: int) -> Optional[str]:
         return f"--tp-size {size} does not divide the shared experts' width ({shared})"
     if cfg.n_routed_experts and cfg.n_routed_experts < size:
         return f"--tp-size {size} is more than the routed experts ({cfg.n_routed_experts})"
+    qb = quant_block(cfg)
+    if qb:
+        h = cfg.num_attention_heads // size
+        widths = {"q_b rows": h * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim),
+                  "kv_b rows": h * (cfg.qk_nope_head_dim + cfg.v_head_dim), "o_proj columns": h * cfg.v_head_dim,
+                  "dense MLP width": cfg.intermediate_size // size if cfg.first_k_dense_replace else 0,
+                  "shared experts' width": shared // size}
+        for what, w in widths.items():
+            if w % qb[0] or w % qb[1]:
+                return f"--tp-size {size} leaves {w} {what} a rank, off the {qb[0]}x{qb[1]} quantization blocks"
     return None
 
 

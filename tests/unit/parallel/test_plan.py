@@ -118,3 +118,5 @@ def test_fp8_block_scales_follow_their_weights_split():
     assert s1("model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv", (5, 4))[1] == ()
     with pytest.raises(ValueError, match="quantization blocks"):
         v3_slicer(cfg, Shard(1, 8))("model.layers.0.self_attn.o_proj.weight_scale_inv", (4, 4))  # 64 columns a rank
+    assert "quantization blocks" in tp_refusal("deepseek_v3", cfg, 4)  # kv_b: 2 heads x 128 rows, o: 2 x 64 columns
+    assert tp_refusal("deepseek_v3", cfg, 2) is None
