@@ -107,6 +107,9 @@ class TPGroup:
             self.procs.append(subprocess.Popen([sys.executable, "-m", "dsv4_engine.parallel.worker"], env=env))
         self._watch = threading.Thread(target=self._watch_ranks, name="dsv4-tp-watchdog", daemon=True)
         self._watch.start()
+        self._threads = torch.get_num_threads()
+        if torch.device(rank_device(device, 0)).type == "cpu":  # the ranks share this host's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         self.rank = join(Shard(0, size), port, rank_device(device, 0))
 
     # ---- the step channel --------------------------------------------------------------------
@@ -196,6 +199,7 @@ class TPGroup:
             dist.destroy_process_group()
         except Exception:
             pass
+        torch.set_num_threads(self._threads)
 
 
 def state_regions(pool, pages: list[int], slot) -> list[torch.Tensor]:
