@@ -43,7 +43,8 @@ def pack(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
              fb.logits_indices]
     if fb.slot_ids is not None:
         parts.append(fb.slot_ids)
-    payload = torch.cat([p.to(device="cpu", dtype=torch.int64) for p in parts])
+    # One concatenation where the batch lives, then one copy to the CPU (one sync on CUDA).
+    payload = torch.cat([p.to(torch.int64) for p in parts]).cpu()
     header = torch.tensor([OP_FORWARD, T, B, P, int(fb.all_decode), int(fb.slot_ids is not None),
                            -1 if fb.page_size is None else fb.page_size, payload.numel()], dtype=torch.int64)
     return header, payload
