@@ -180,3 +180,33 @@ def test_dsv4_up_restarts_an_engine_whose_rank_died(tiny_model, tmp_path):
         assert len(ranks_of(info["pid"])) == 1  # the new engine has its rank 1 again
     finally:
         up.stop()
+
+
+def test_a_hung_rank_fails_the_engine_when_its_collective_times_out(tiny_model, tmp_path):
+    """A rank that stops answering (SIGSTOP) without exiting: the watchdog sees a live process,
+    so the collective's timeout (DSV4_TP_TIMEOUT_S, 3 s here) is what ends the wait."""
+    port = free_port()
+    proc = Proc(["serve", "--model", tiny_model, *ARGS, "--tp-size", 2, "--port", port], tmp_path / "hung.log",
+                env={"DSV4_TP_TIMEOUT_S": "3"})
+    url = f"http://127.0.0.1:{port}"
+    rank1 = None
+    try:
+        proc.wait_ready(url)
+        (rank1,) = ranks_of(proc.popen.pid)
+        os.kill(rank1, signal.SIGSTOP)
+        started = time.monotonic()
+        try:
+            r = httpx.post(f"{url}/v1/completions", json=BODY, timeout=DOWN_WITHIN_S + 3)
+            assert r.status_code >= 500, r.text
+        except httpx.HTTPError:
+            pass  # the process went down under the request: an error too
+        took = time.monotonic() - started
+        assert took < DOWN_WITHIN_S + 3, proc.log()
+        assert proc.popen.wait(timeout=DOWN_WITHIN_S) != 0, proc.log()
+        log = (tmp_path / "hung.log").read_text(errors="replace")
+        assert "tensor-parallel group failed" in log and "a rank is hung" in log, log[-3000:]
+        print(f"hung rank: the request failed {took:.2f} s after SIGSTOP (step timeout 3 s)")
+    finally:
+        if rank1 is not None and Path(f"/proc/{rank1}").exists():
+            os.kill(rank1, signal.SIGKILL)
+        proc.stop()

@@ -8,7 +8,10 @@ Two groups: `control` (gloo, CPU tensors, a long timeout: the other ranks wait o
 engine idles) carries the batch; `compute` (NCCL on CUDA, gloo on CPU, a short timeout) carries
 the all-reduces inside the forward. A rank that dies or hangs takes the engine down loudly:
 - rank 0's watchdog polls its children; one that exits fails the group;
-- a collective that raises or times out on rank 0 fails the group (the ranks cannot resync);
+- a collective that raises on rank 0 fails the group (the ranks cannot resync);
+- a step (or state copy) that waits on the other ranks longer than STEP_TIMEOUT_S fails the group:
+  the watchdog times it, since a blocked send on gloo's rendezvous or a hung NCCL kernel may
+  never raise by itself (a rank that is alive but stopped);
 - a failed group aborts every request (clients get errors), /health fails, and after
   FAIL_GRACE_S (time for those errors to reach the clients) the process exits 1;
 - the other ranks exit when rank 0 goes (they watch their parent) or a collective fails.
@@ -16,6 +19,7 @@ the all-reduces inside the forward. A rank that dies or hangs takes the engine d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -38,7 +42,8 @@ from dsv4_engine.parallel.plan import Shard
 log = logging.getLogger("dsv4.tp")
 
 SPEC_ENV = "DSV4_TP_SPEC"  # a worker's rank, world, rendezvous port and engine arguments (JSON)
-COMPUTE_TIMEOUT_S = float(os.environ.get("DSV4_TP_TIMEOUT_S", "60"))  # one collective inside a step
+# The longest one step may wait on the other ranks (generous: a first step may JIT-compile kernels).
+STEP_TIMEOUT_S = float(os.environ.get("DSV4_TP_TIMEOUT_S", "300"))
 CONTROL_TIMEOUT = timedelta(days=7)  # the other ranks wait for the next batch while the engine idles
 FAIL_GRACE_S = 2.0
 WATCH_INTERVAL_S = 0.2
@@ -84,7 +89,7 @@ def join(shard: Shard, port: int, device: str) -> TPRank:
     if cuda:
         torch.cuda.set_device(torch.device(device))
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=shard.rank,
-                            world_size=shard.size, timeout=timedelta(seconds=COMPUTE_TIMEOUT_S))
+                            world_size=shard.size, timeout=timedelta(seconds=STEP_TIMEOUT_S))
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return TPRank(shard, dist.group.WORLD, control)
 
@@ -99,6 +104,7 @@ class TPGroup:
         self.exit_on_failure = True  # a serving process must not outlive its group
         self._lock = threading.Lock()
         self._closing = False
+        self._busy_since: Optional[float] = None  # when the step now talking to the other ranks began
         port = free_port()
         self.procs: list[subprocess.Popen] = []
         for r in range(1, size):
@@ -124,21 +130,31 @@ class TPGroup:
         dist.broadcast(header, 0, group=self.rank.control)
         dist.broadcast(payload, 0, group=self.rank.control)
 
+    @contextlib.contextmanager
+    def step(self, what: str):
+        """Time a step that talks to the other ranks (the watchdog fails one that takes too
+        long); any failure inside is the group's."""
+        if self.failed is not None:
+            raise RuntimeError(f"tensor-parallel group failed: {self.failed}")
+        self._busy_since = time.monotonic()
+        try:
+            yield
+        except Exception as e:
+            self.fail(f"{what} failed: {type(e).__name__}: {e}")
+            raise
+        finally:
+            self._busy_since = None
+
     def send_state(self, pool, pages: list[int], slot) -> None:
         """PD decode: a request's state landed in rank 0's pool only; every rank keeps the full
         state (replicated latent / attention), so rank 0 copies those pages (and its slot row) to
         the others. One region per state, sent once by the rank that received it."""
-        if self.failed is not None:
-            raise RuntimeError(f"tensor-parallel group failed: {self.failed}")
-        try:
+        with self.step("copying a landed request's state to the other ranks"):
             header, payload = wire.state_message(pages, slot)
             dist.broadcast(header, 0, group=self.rank.control)
             dist.broadcast(payload, 0, group=self.rank.control)
             for region in state_regions(pool, pages, slot):
                 dist.broadcast(region.contiguous(), 0, group=self.rank.compute)
-        except Exception as e:
-            self.fail(f"copying a landed request's state to the other ranks failed: {type(e).__name__}: {e}")
-            raise
 
     # ---- failure -----------------------------------------------------------------------------
 
@@ -170,6 +186,10 @@ class TPGroup:
                 if code is not None and not self._closing:
                     self.fail(f"rank {r} (pid {p.pid}) exited with code {code}")
                     return
+            since = self._busy_since
+            if since is not None and time.monotonic() - since > STEP_TIMEOUT_S:
+                self.fail(f"a step waited on the other ranks for more than {STEP_TIMEOUT_S:g} s (a rank is hung)")
+                return
             time.sleep(WATCH_INTERVAL_S)
 
     def _kill_ranks(self) -> None:
@@ -236,14 +256,9 @@ class BroadcastForward:
         self.group = group
 
     def forward(self, fb, states):
-        if self.group.failed is not None:
-            raise RuntimeError(f"tensor-parallel group failed: {self.group.failed}")
-        try:
+        with self.group.step("a step on rank 0"):
             self.group.send_batch(fb)
             return self.model.forward(fb, states)
-        except Exception as e:
-            self.group.fail(f"a step on rank 0 failed: {type(e).__name__}: {e}")
-            raise
 
     def __getattr__(self, name):
         return getattr(self.model, name)
