@@ -22,7 +22,7 @@ from dsv4_engine.pd.decode import DecodeController
 from dsv4_engine.pd.fake import FakeFabric
 from dsv4_engine.pd.faults import Deadlines, FaultInjector, FaultyChannel, FaultyTransport
 from dsv4_engine.pd.prefill import PrefillController
-from dsv4_engine.pd.transport import KVTransport
+from dsv4_engine.pd.transport import KVTransport, PoolStates
 from dsv4_engine.sampling import SamplingParams
 from dsv4_engine.sequence import RequestOutput, Sequence
 
@@ -75,21 +75,22 @@ class Pair:
     """A prefill and a decode engine linked through a fake fabric, with fault injectors armed
     the way /admin/faults arms them, and exit functions that record instead of exiting."""
 
-    def __init__(self, engines, deadlines: bool = True):
+    def __init__(self, engines, deadlines: bool = True, settings: PDSettings = SETTINGS):
         self.p, self.d, self.mono = engines
         self.clock = Clock()
         self.fabric = FakeFabric()
         self.exits: dict[str, list[int]] = {"prefill": [], "decode": []}
         self.pf, self.df = FaultInjector(), FaultInjector()
-        self.ptrans = self.fabric.transport("prefill-x", self.p.pool.states)
-        self.dtrans = self.fabric.transport("decode-x", self.d.pool.states)
+        pstates, dstates = PoolStates.of_pool(self.p.pool), PoolStates.of_pool(self.d.pool)
+        self.ptrans = self.fabric.transport("prefill-x", pstates)
+        self.dtrans = self.fabric.transport("decode-x", dstates)
         common = dict(clock=self.clock)
         self.p.pd = PrefillController(
-            self.p, SETTINGS, FaultyTransport(self.ptrans, self.pf, self.exits["prefill"].append),
+            self.p, settings, FaultyTransport(self.ptrans, self.pf, self.exits["prefill"].append, states=pstates),
             FaultyChannel(self.fabric.channel(self.p.call), self.pf, self.exits["prefill"].append),
             deadlines=Deadlines(deadlines, self.pf), faults=self.pf, boot_id="pboot", **common)
         self.d.pd = DecodeController(
-            self.d, SETTINGS, FaultyTransport(self.dtrans, self.df, self.exits["decode"].append),
+            self.d, settings, FaultyTransport(self.dtrans, self.df, self.exits["decode"].append, states=dstates),
             FaultyChannel(self.fabric.channel(self.d.call), self.df, self.exits["decode"].append),
             deadlines=Deadlines(deadlines, self.df), faults=self.df, boot_id="dboot", **common)
         self.fabric.serve(BOOTSTRAP_ADDR, self.p.pd, "prefill")
@@ -162,7 +163,8 @@ class Pair:
         self.step(3, dt=0.01, sides="".join(sides))  # aborts in flight land
         for side in sides:
             e = self.p if side == "p" else self.d
-            assert e.pool.allocator.num_free == KV_PAGES, f"{side} holds pages"
+            assert e.pool.allocator.num_free == e.pool.num_pages, f"{side} holds pages"
+            assert e.pool.slots is None or e.pool.slots.num_free == e.pool.slots.total, f"{side} holds slot rows"
             assert not e.seqs and not e.scheduler.has_work() and e.inbox.empty(), side
             assert not e.pd.busy(), side
             if side == "p":
@@ -177,7 +179,8 @@ class Pair:
             e._drain_inbox(0)
             e.pd = None
             e._drain_inbox(0)
-            assert e.pool.allocator.num_free == KV_PAGES
+            assert e.pool.allocator.num_free == e.pool.num_pages
+            assert e.pool.slots is None or e.pool.slots.num_free == e.pool.slots.total
 
 
 @pytest.fixture
