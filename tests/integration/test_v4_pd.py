@@ -1,0 +1,185 @@
+"""DeepSeek-V4 prefill/decode over real NIXL between real processes, behind the real router.
+
+A V4 hand-off moves paged state (compressed entries, indexer keys) and a slot row (window ring,
+compressor stages). PD must equal mono token for token at every window / compression / top-k
+boundary and across a growing conversation; a fault ends within its deadline with every page and
+slot row back on both sides; --transfer-checksum catches a flipped byte; with deadlines off a
+stalled transfer wedges (inflight stays 1) until aborted, and `dsv4 up --model V4DIR` (PD, with
+its watchdog) heals that wedge.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from test_pd import TRANSFER_TIMEOUT, PDCluster, arm, complete, loads
+from test_up import complete_eventually, start_up, wedge_request, workers
+
+SLACK = 8.0
+
+
+@pytest.fixture(scope="module")
+def v4_dir(make_model):
+    return make_model("v4-tiny")
+
+
+@pytest.fixture(scope="module")
+def cluster(v4_dir, tmp_path_factory):
+    c = PDCluster(v4_dir, tmp_path_factory.mktemp("v4pd"), decode_args=["--transfer-checksum"])
+    yield c
+    c.stop()
+
+
+def wait_idle(*urls: str, timeout: float = 15.0) -> None:
+    """Every page and every slot row back, every queue empty."""
+    deadline = time.monotonic() + timeout
+    for url in urls:
+        while True:
+            ld = loads(url)
+            busy = sum(ld["queues"].values())
+            if busy == 0 and ld["kv_pages_free"] == ld["kv_pages_total"] and ld["kv_slots_free"] == ld["kv_slots_total"]:
+                break
+            assert time.monotonic() < deadline, f"{url} still holds state: {ld}"
+            time.sleep(0.05)
+
+
+def tokens(body: dict) -> list[int]:
+    return body["choices"][0]["token_ids"]
+
+
+def test_v4_pd_equals_mono_across_window_compression_and_top_k(cluster):
+    """Staggered, concurrent; v4-tiny: window 8, CSA every 4, HCA every 8, top-4 of the CSA entries."""
+    rng = random.Random(13)
+    lengths = [5, 8, 9, 16, 17, 45, 70, 100]
+    prompts = [[rng.randrange(2, 250) for _ in range(n)] for n in lengths]
+    results: dict[int, dict] = {}
+
+    def one(i):
+        time.sleep(0.1 * i)
+        results[i] = complete(cluster.r_url, prompts[i], max_tokens=12 + i)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    for i, p in enumerate(prompts):
+        assert tokens(results[i]) == tokens(complete(cluster.m_url, p, max_tokens=12 + i)), lengths[i]
+    wait_idle(cluster.p_url, cluster.d_url)
+    ld = loads(cluster.p_url)
+    moved = ld["kv_transfer_bytes_by_state"]
+    assert {"swa_kv", "csa_kv", "csa_index_k", "hca_kv", "csa_stage", "csa_index_stage", "hca_stage"} <= set(moved)
+    assert loads(cluster.d_url)["counters"]["kv_transfer_checksum_failed"] == 0
+
+
+def test_v4_growing_conversation_equals_mono(cluster):
+    rng = random.Random(17)
+    history: list[int] = []
+    for round_ in range(4):
+        history += [rng.randrange(2, 250) for _ in range(15 + 10 * round_)]
+        pd = complete(cluster.r_url, history, max_tokens=16)
+        assert tokens(pd) == tokens(complete(cluster.m_url, history, max_tokens=16)), round_
+        history += tokens(pd)
+    assert len(history) > 120
+    wait_idle(cluster.p_url, cluster.d_url)
+
+
+def test_v4_stalled_transfer_fails_within_its_deadline_then_router_retries(cluster):
+    before = loads(cluster.p_url)["counters"]["num_transfer_timeout_reqs"]
+    arm(cluster.p_url, "stall_transfer")
+    prompt = list(range(10, 40))
+    t0 = time.monotonic()
+    out = complete(cluster.r_url, prompt, max_tokens=8)
+    assert time.monotonic() - t0 < TRANSFER_TIMEOUT + SLACK
+    assert tokens(out) == tokens(complete(cluster.m_url, prompt, max_tokens=8))
+    assert loads(cluster.p_url)["counters"]["num_transfer_timeout_reqs"] == before + 1
+    wait_idle(cluster.p_url, cluster.d_url)
+
+
+def pair_request(cluster, body: dict) -> tuple[httpx.Response, httpx.Response]:
+    """Straight to the pair (no router retry): prefill and decode legs at once."""
+    res = {}
+    t = threading.Thread(target=lambda: res.update(p=httpx.post(f"{cluster.p_url}/v1/completions", json=body, timeout=60)))
+    t.start()
+    d = httpx.post(f"{cluster.d_url}/v1/completions", json=body, timeout=60)
+    t.join(60)
+    return res["p"], d
+
+
+@pytest.mark.parametrize("state", ["swa_kv", "csa_kv"])
+def test_v4_corrupted_slot_or_page_region_fails_the_request_with_checksum_on(cluster, state):
+    before = loads(cluster.d_url)["counters"]
+    arm(cluster.p_url, "corrupt_transfer", state=state)
+    body = {"prompt": list(range(5, 40)), "max_tokens": 4, "temperature": 0, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": cluster.b_port, "bootstrap_room": {"swa_kv": 515151, "csa_kv": 515152}[state]}
+    p, d = pair_request(cluster, body)
+    assert p.status_code == 200  # prefill's part went through; what landed differs
+    assert d.status_code == 502 and f"checksum mismatch in region(s) {state}" in d.json()["error"]["message"], d.text
+    after = loads(cluster.d_url)["counters"]
+    assert after["kv_transfer_checksum_failed"] == before["kv_transfer_checksum_failed"] + 1
+    assert "dsv4:kv_transfer_checksum_failed_total" in httpx.get(f"{cluster.d_url}/metrics").text
+    wait_idle(cluster.p_url, cluster.d_url)
+    # the flipped byte was put back on prefill: the next request is exact
+    prompt = list(range(5, 40))
+    assert tokens(complete(cluster.r_url, prompt, max_tokens=6)) == tokens(complete(cluster.m_url, prompt, max_tokens=6))
+
+
+def test_v4_wedge_with_deadlines_off_holds_until_aborted(cluster):
+    """disable_deadlines on both engines + a stalled transfer: the production wedge, on V4."""
+    for url in (cluster.p_url, cluster.d_url):
+        arm(url, "disable_deadlines", count=-1)
+    try:
+        arm(cluster.p_url, "stall_transfer")
+        body = {"prompt": list(range(20, 60)), "max_tokens": 4, "temperature": 0, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": cluster.b_port, "bootstrap_room": 626262}
+        res = {}
+        t = threading.Thread(target=lambda: res.update(pd=pair_request(cluster, body)))
+        t.start()
+        deadline = time.monotonic() + 60
+        while loads(cluster.p_url)["queues"]["inflight"] != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(TRANSFER_TIMEOUT + 2.0)  # past every deadline the engines would keep
+        ld = loads(cluster.p_url)
+        assert ld["queues"]["inflight"] == 1 and ld["prefill_inflight_oldest_age_seconds"] > TRANSFER_TIMEOUT
+        assert ld["kv_slots_free"] == ld["kv_slots_total"] - 1  # the wedge pins a slot row too
+        assert loads(cluster.d_url)["queues"]["transfer"] == 1
+        httpx.post(f"{cluster.p_url}/admin/abort", json={"all": True}, timeout=10).raise_for_status()
+        t.join(30)
+        p, d = res["pd"]
+        assert p.status_code == 503 and d.status_code == 502
+    finally:
+        for url in (cluster.p_url, cluster.d_url):
+            httpx.delete(f"{url}/admin/faults", timeout=10)
+    wait_idle(cluster.p_url, cluster.d_url)
+
+
+@pytest.mark.slow  # ~95 s on two busy cores: `dsv4 up` starts router, prefill, decode and restarts prefill
+def test_up_runs_v4_in_pd_and_its_watchdog_heals_a_v4_wedge(tmp_path, v4_dir):
+    up = start_up(tmp_path, v4_dir, "--no-deadlines")
+    try:
+        assert complete_eventually(up.url)["usage"]["completion_tokens"] == 4  # through prefill -> decode
+        prefill = workers(up)["prefill"]["url"]
+        assert httpx.get(f"{prefill}/v1/loads").json()["kv_transfer_bytes_by_state"]["swa_kv"] > 0
+        old = httpx.get(f"{prefill}/server_info").json()["boot_id"]
+        httpx.post(f"{prefill}/admin/faults", json={"fault": "stall_transfer", "count": 1},
+                   headers=up.admin).raise_for_status()
+        t = wedge_request(up.url)
+        deadline = time.monotonic() + 60
+        while not any(p.name.startswith("local-evidence-prefill") for p in up.evidence.glob("*")):
+            assert time.monotonic() < deadline, up.proc.log()
+            time.sleep(0.3)
+        folder = next(p for p in up.evidence.glob("local-evidence-prefill*"))
+        assert json.loads((folder / "verdict.json").read_text())["reason"] == "stuck_inflight"
+        assert json.loads((folder / "loads.json").read_text())["queues"]["inflight"] == 1
+        t.join(60)
+        assert complete_eventually(up.url)["usage"]["completion_tokens"] == 4  # healed
+        assert httpx.get(f"{prefill}/server_info").json()["boot_id"] != old
+    finally:
+        up.proc.stop()
