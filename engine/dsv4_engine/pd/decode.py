@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional
@@ -55,6 +56,7 @@ class DecodeController(PDController):
         self.transfer: dict[int, Sequence] = {}
         self.early: dict[int, dict] = {}  # room -> notification that landed while it was registering
         self.prefills: dict[str, PrefillPeer] = {}  # bootstrap address -> peer, while rooms wait on it
+        self.checksum_seconds = 0.0  # time spent verifying what landed (--transfer-checksum's cost)
 
     def on_new(self, seq: Sequence) -> None:
         seq.pd.enter(PDState.BOOTSTRAPPING, self._timeout(self.settings.bootstrap_timeout), self.clock())
@@ -168,7 +170,10 @@ class DecodeController(PDController):
             return None
         if not isinstance(sent, dict):
             return f"malformed transfer checksums from prefill: {sent!r:.80}"
-        return checksum_mismatch(sent, region_checksums(self.states, seq.pages, seq.slot))
+        t0 = time.perf_counter()
+        landed = region_checksums(self.states, seq.pages, seq.slot)
+        self.checksum_seconds += time.perf_counter() - t0
+        return checksum_mismatch(sent, landed)
 
     def _heartbeats(self, now: float) -> None:
         """Ask each prefill we wait on whether it is alive and still the same process."""
@@ -223,4 +228,5 @@ class DecodeController(PDController):
 
     def loads(self) -> tuple[dict, dict]:
         return ({"prealloc": len(self.prealloc) + len(self.registering), "transfer": len(self.transfer)},
-                {"deadlines": self.deadlines.on, "boot_id": self.boot_id})
+                {"deadlines": self.deadlines.on, "boot_id": self.boot_id,
+                 "transfer_checksum_seconds": round(self.checksum_seconds, 6)})
