@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
 
@@ -207,3 +209,21 @@ def test_v4_flash_shape_pd_equals_mono(make_model, tmp_path):
         assert loads(c.d_url)["counters"]["kv_transfer_checksum_failed"] == 0
     finally:
         c.stop()
+
+
+def test_bench_pd_quick_on_v4_reports_bytes_by_state_and_checksum_cost(v4_dir, tmp_path):
+    """`dsv4 bench pd --quick` on a V4 checkpoint with --transfer-checksum: a smoke run, not a figure."""
+    r = subprocess.run([sys.executable, "-m", "dsv4_cli", "bench", "pd", "--quick", "--model", str(v4_dir),
+                        "--transfer-checksum", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads((tmp_path / "pd.json").read_text())
+    assert report["settings"]["transfer_checksum"] is True and report["model"]["model_type"] == "deepseek_v4"
+    pd = report["pd"]["c2"]
+    assert pd["errors"] == 0 and report["mono"]["c2"]["errors"] == 0
+    t = pd["transfer"]
+    per_req, per_tok = t["bytes_per_transfer_by_state"], t["bytes_per_prompt_token_by_state"]
+    slot_row = report["model"]["state_bytes_per_request"]
+    assert {name: per_req[name] for name in slot_row} == slot_row  # one slot row per request
+    assert per_tok["csa_kv"] > 0 and sum(t["bytes_by_state"].values()) == t["bytes"]
+    assert t["checksum_ms_per_transfer"]["prefill"] > 0 and t["checksum_ms_per_transfer"]["decode"] > 0
+    assert "KV hand-off by state" in r.stdout
