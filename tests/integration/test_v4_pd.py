@@ -163,7 +163,6 @@ def test_v4_wedge_with_deadlines_off_holds_until_aborted(cluster):
     wait_idle(cluster.p_url, cluster.d_url)
 
 
-@pytest.mark.slow  # ~95 s on two busy cores: `dsv4 up` starts router, prefill, decode and restarts prefill
 def test_up_runs_v4_in_pd_and_its_watchdog_heals_a_v4_wedge(tmp_path, v4_dir):
     up = start_up(tmp_path, v4_dir, "--no-deadlines")
     try:
