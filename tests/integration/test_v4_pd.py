@@ -2,8 +2,9 @@
 
 A V4 hand-off moves paged state (compressed entries, indexer keys) and a slot row (window ring,
 compressor stages). PD must equal mono token for token at every window / compression / top-k
-boundary and across a growing conversation; a fault ends within its deadline with every page and
-slot row back on both sides; --transfer-checksum catches a flipped byte; with deadlines off a
+boundary and across a growing conversation; a fault (stall, decode crash) ends within its
+deadline with every page and slot row back on both sides; --transfer-checksum catches a flipped
+byte in a slot or a paged region; with deadlines off a
 stalled transfer wedges (inflight stays 1) until aborted, and `dsv4 up --model V4DIR` (PD, with
 its watchdog) heals that wedge.
 """
@@ -160,6 +161,36 @@ def test_v4_wedge_with_deadlines_off_holds_until_aborted(cluster):
     finally:
         for url in (cluster.p_url, cluster.d_url):
             httpx.delete(f"{url}/admin/faults", timeout=10)
+    wait_idle(cluster.p_url, cluster.d_url)
+
+
+def test_v4_decode_crash_frees_prefill_pages_and_slot_row_and_traffic_recovers(cluster):
+    """Last of the cluster's tests: the decode it restarts runs without --transfer-checksum."""
+    arm(cluster.d_url, "crash")
+    arm(cluster.p_url, "stall_transfer")  # the request sits in prefill's inflight queue when decode dies
+    body = {"prompt": list(range(30, 80)), "max_tokens": 4, "temperature": 0, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": cluster.b_port, "bootstrap_room": 737373}
+    res = {}
+    t = threading.Thread(target=lambda: res.update(p=httpx.post(f"{cluster.p_url}/v1/completions", json=body, timeout=60)))
+    t.start()
+    with pytest.raises(httpx.HTTPError):
+        httpx.post(f"{cluster.d_url}/v1/completions", json=body, timeout=60)  # decode exits mid-request
+    t0 = time.monotonic()
+    t.join(TRANSFER_TIMEOUT + SLACK)
+    assert not t.is_alive() and res["p"].status_code >= 500
+    assert time.monotonic() - t0 < TRANSFER_TIMEOUT + SLACK
+    wait_idle(cluster.p_url)  # prefill's pages and slot row are back
+    cluster.restart_decode()
+    prompt = list(range(40, 75))
+    deadline = time.monotonic() + 30
+    while True:  # the router notices the new decode at its next health check
+        r = httpx.post(f"{cluster.r_url}/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0,
+                                                                "ignore_eos": True, "return_token_ids": True}, timeout=60)
+        if r.status_code == 200:
+            break
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.5)
+    assert tokens(r.json()) == tokens(complete(cluster.m_url, prompt, max_tokens=5))
     wait_idle(cluster.p_url, cluster.d_url)
 
 
