@@ -655,6 +655,54 @@ def test_fake_fabric_moves_every_region_and_obeys_commands():
         a.add_peer(c.descriptor())
 
 
+def test_fake_fabric_moves_slot_rows_with_the_pages():
+    """The contract for pools with slot regions: one row of each slot region moves with the
+    pages, named on both sides; a pool with slots refuses a write without them."""
+    fabric = FakeFabric()
+    g = torch.Generator().manual_seed(2)
+    src = PoolStates({"csa": torch.randn(6, 2, 3, generator=g)}, {"ring": torch.randn(4, 5, 2, generator=g),
+                                                                  "stage": torch.randn(4, 3, generator=g).bfloat16()},
+                     page_size=8, tokens_per_entry={"csa": 4})
+    dst = PoolStates({"csa": torch.zeros(9, 2, 3)}, {"ring": torch.zeros(2, 5, 2), "stage": torch.zeros(2, 3).bfloat16()},
+                     page_size=8, tokens_per_entry={"csa": 4})
+    a, b = fabric.transport("a", src), fabric.transport("b", dst)
+    a.add_peer(b.descriptor())
+    h = a.write_pages("b", [5, 0], [8, 1], b"n", src_slot=3, dst_slot=1)
+    assert a.poll(h).value == "done" and b.poll_notifs() == [("a", b"n")]
+    assert torch.equal(dst.pages["csa"][[8, 1]], src.pages["csa"][[5, 0]])
+    for name in ("ring", "stage"):
+        assert torch.equal(dst.slots[name][1], src.slots[name][3]) and not dst.slots[name][0].any()
+    assert a.info(h).nbytes_by_state == {"csa": 2 * 24, "ring": 40, "stage": 6}
+    for bad in ({}, {"src_slot": 3, "dst_slot": 2}, {"src_slot": 4, "dst_slot": 0}):
+        with pytest.raises(ValueError):
+            a.write_pages("b", [0], [0], b"", **bad)
+    # another compress rate, page size or slot shape is refused before anything moves
+    for other in (PoolStates(dst.pages, dst.slots, 8, {"csa": 8}), PoolStates(dst.pages, dst.slots, 16, {"csa": 4}),
+                  PoolStates(dst.pages, {**dst.slots, "ring": torch.zeros(2, 6, 2)}, 8, {"csa": 4})):
+        with pytest.raises(ValueError, match="incompatible KV layout"):
+            a.add_peer(fabric.transport("c", other).descriptor())
+
+
+def test_corrupt_transfer_flips_one_sent_byte_and_puts_it_back():
+    fabric = FakeFabric()
+    src = PoolStates({"kv": torch.ones(4, 8)}, {"ring": torch.ones(2, 6)})
+    a = fabric.transport("a", src)
+    b = fabric.transport("b", PoolStates({"kv": torch.zeros(4, 8)}, {"ring": torch.zeros(2, 6)}))
+    faults = FaultInjector()
+    t = FaultyTransport(a, faults, states=src)
+    t.add_peer(b.descriptor())
+    for state, landed in (("ring", lambda: b._pool.slots["ring"][1]), (None, lambda: b._pool.pages["kv"][2])):
+        faults.arm("corrupt_transfer", 1, **({"state": state} if state else {}))
+        h = t.write_pages("b", [3], [2], b"x", src_slot=0, dst_slot=1)
+        assert not torch.equal(landed(), torch.ones_like(landed()))  # one byte differs in what landed
+        assert t.poll(h).value == "done"
+        assert torch.equal(src.pages["kv"], torch.ones(4, 8)) and torch.equal(src.slots["ring"], torch.ones(2, 6))
+        t.release(h)
+    faults.arm("corrupt_transfer", 1, state="nope")
+    with pytest.raises(ValueError, match="not sent by this transfer"):
+        t.write_pages("b", [3], [2], b"x", src_slot=0, dst_slot=1)
+
+
 def test_faulty_transport_consumes_each_armed_fault_once():
     fabric = FakeFabric()
     a = fabric.transport("a", {"kv": torch.ones(4, 2)})
