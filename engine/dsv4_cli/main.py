@@ -109,6 +109,9 @@ def serve(
     shutdown_grace: float = typer.Option(30.0, EngineFlags.SHUTDOWN_GRACE, min=0.0,
                                          help="On SIGTERM: seconds running requests get to finish before they "
                                               "are ended with an error (Kubernetes' default termination grace)."),
+    transfer_checksum: bool = typer.Option(False, EngineFlags.TRANSFER_CHECKSUM,
+                                           help="PD: checksum every KV/state region of a hand-off; decode verifies "
+                                                "what landed and fails the request on a mismatch."),
 ) -> None:
     """Run one engine (monolithic, prefill or decode) with the OpenAI-compatible HTTP API."""
     if role not in ("mono", "prefill", "decode"):
@@ -136,7 +139,7 @@ def serve(
             bootstrap_timeout=bootstrap_timeout, transfer_timeout=transfer_timeout,
             waiting_timeout=waiting_timeout, deadlines=not no_deadlines,
             enable_fault_injection=enable_fault_injection, admin_token=admin_token, pd_secret=pd_secret, seed=seed,
-            max_request_bytes=max_request_bytes, shutdown_grace=shutdown_grace,
+            max_request_bytes=max_request_bytes, shutdown_grace=shutdown_grace, transfer_checksum=transfer_checksum,
             enable_prefix_cache=not disable_prefix_cache,
         )
     )

@@ -80,16 +80,12 @@ class EngineArgs:
 
 def state_refusal(specs: list[StateSpec], role: str, page_size: Optional[int]) -> Optional[str]:
     """Why an engine of this role and page size (None: not checked) cannot hold the model's
-    states, in one line, or None."""
+    states, in one line, or None. Every role takes every model: PD moves slot states too."""
     if page_size is not None:
         try:
             check_page_size(specs, page_size)
         except ValueError as e:
             return f"--page-size {page_size} does not fit this model: {e}"
-    slot_states = [s.name for s in specs if not s.paged]
-    if role != "mono" and slot_states:
-        return (f"this model keeps per-request slot state ({', '.join(slot_states)}) that PD does not transfer yet; "
-                f"serve it monolithic (dsv4 serve --role mono, dsv4 up --mono)")
     return None
 
 

@@ -19,3 +19,4 @@ class EngineFlags:
     PD_SECRET = "--pd-secret"
     SHUTDOWN_GRACE = "--shutdown-grace"
     DISABLE_PREFIX_CACHE = "--disable-prefix-cache"
+    TRANSFER_CHECKSUM = "--transfer-checksum"
