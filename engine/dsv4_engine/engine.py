@@ -20,12 +20,11 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
-import torch
-
 from dsv4_engine.kv_cache import KVPool, check_page_size, pages_for_memory
 from dsv4_engine.metrics import EngineMetrics
 from dsv4_engine.model_runner import ModelRunner
 from dsv4_engine.models.state import StateSpec
+from dsv4_engine.sampling import request_generator
 from dsv4_engine.scheduler import Scheduler
 from dsv4_engine.sequence import RequestOutput, Sequence, SeqStatus
 from dsv4_engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -217,8 +216,7 @@ class Engine:
         seq.detok = IncrementalDetokenizer(self.tokenizer)
         if seq.params.seed is not None or not seq.params.greedy:
             seed = seq.params.seed if seq.params.seed is not None else self.args.seed + len(self.seqs)
-            # On the logits' device: torch.multinomial refuses a generator of another device.
-            seq.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+            seq.generator = request_generator(seed, self.runner.device)
         self.seqs[seq.rid] = seq
         self.metrics.inc("prompt_tokens", len(seq.prompt_ids))
         if self.pd is not None:

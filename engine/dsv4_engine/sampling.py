@@ -68,6 +68,24 @@ class SamplingError(RuntimeError):
     """This row could not be sampled; only its request fails."""
 
 
+def request_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A request's own random stream, on the device its logits live on: torch.multinomial
+    refuses a generator of another device (a CPU generator with CUDA logits raises)."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """True when tensors on a and b can meet in one op ('cuda' and 'cuda:0' are one device
+    when the current device is 0)."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type == "cuda" and (a.index is None or b.index is None):
+        current = torch.cuda.current_device()
+        return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+    return a.index == b.index
+
+
 def _finite(x: float) -> float:
     return x if x == x and x != float("-inf") else LOGPROB_FLOOR
 
@@ -112,6 +130,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         try:
             if nan_rows[i]:
                 raise SamplingError("the model produced NaN logits for this request")
+            gen = generators[i]
+            if gen is not None and not p.greedy and not same_device(gen.device, logits.device):
+                raise SamplingError(f"this request's generator is on {gen.device}, its logits on {logits.device}")
             tok = greedy[i] if p.greedy else _sample_row(logits[i], p, generators[i])
             entry = None
             if p.logprobs is not None:
