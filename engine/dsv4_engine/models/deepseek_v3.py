@@ -37,6 +37,10 @@ class ForwardBatch:
     # For models with slot states (DeepSeek-V4); V3 reads neither.
     slot_ids: Optional[torch.Tensor] = None  # [B] int64, each request's row in the slot states
     page_size: Optional[int] = None  # tokens per page
+    # The same lengths as host ints, known when the batch was built: ops that size launches or
+    # loop over requests read these instead of reading the device (a host sync).
+    seq_lens_host: Optional[list[int]] = None
+    extend_lens_host: Optional[list[int]] = None
 
 
 def yarn_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -212,7 +216,9 @@ class DeepseekV3:
         if fb.all_decode:
             o = ops.mla_decode(q_full, kv_layer, fb.block_table, fb.seq_lens, self.scale, C)
         else:
-            o = ops.mla_extend(q_full, kv_layer, fb.block_table, fb.seq_lens, fb.extend_lens, self.scale, C)
+            bound = max(fb.extend_lens_host) if fb.extend_lens_host else None  # host int: no device read
+            o = ops.mla_extend(q_full, kv_layer, fb.block_table, fb.seq_lens, fb.extend_lens, self.scale, C,
+                               max_extend_len=bound)
         o = torch.bmm(o.to(x.dtype).transpose(0, 1), L["w_uv"].transpose(1, 2))  # [H, T, v]
         return F.linear(o.transpose(0, 1).reshape(T, -1), L["o"])
 
