@@ -73,6 +73,7 @@ class EngineArgs:
     kernel_backend: Optional[str] = None
     device: Optional[str] = None
     seed: int = 0
+    cuda_graph_max_bs: int = 0  # decode batches up to this many requests replay CUDA graphs (0: off)
 
 
 def state_refusal(specs: list[StateSpec], role: str, page_size: Optional[int]) -> Optional[str]:
@@ -102,7 +103,7 @@ def serving_refusal(model_dir: str, role: str, page_size: Optional[int]) -> Opti
 class Engine:
     def __init__(self, args: EngineArgs):
         self.args = args
-        self.runner = ModelRunner(args.model, args.dtype, args.device, args.kernel_backend)
+        self.runner = ModelRunner(args.model, args.dtype, args.device, args.kernel_backend, args.cuda_graph_max_bs)
         self.cfg = self.runner.cfg
         self.tokenizer = Tokenizer.from_dir(args.model)
         specs = self.runner.state_specs

@@ -98,6 +98,9 @@ class DeepseekV3:
     """Weights plus the forward pass; holds no per-request state (that lives in the KV pool)."""
 
     LATENT_KV = "latent_kv"
+    # A decode forward reads nothing back to the host and has value-independent shapes (on the
+    # Triton backend): it may be captured in a CUDA graph (tests/unit/engine/test_cuda_graphs.py).
+    CUDA_GRAPH_SAFE = True
 
     @classmethod
     def state_specs(cls, cfg: ModelConfig) -> list[StateSpec]:
@@ -190,7 +193,8 @@ class DeepseekV3:
         gate, up = F.linear(x, w13).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, w2)
 
-    def _attention(self, L: dict, x: torch.Tensor, fb: ForwardBatch, kv_layer: torch.Tensor) -> torch.Tensor:
+    def _attention(self, L: dict, x: torch.Tensor, fb: ForwardBatch, kv_layer: torch.Tensor,
+                   slots: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         cfg, ops = self.cfg, self.ops
         T = x.shape[0]
         H, nope, C = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
@@ -208,8 +212,7 @@ class DeepseekV3:
         ops.rope_interleaved_(k_rope, fb.positions, self.cos, self.sin)
         # Write this step's latent + rope key into the pages before attending, so new tokens
         # see themselves and each other through the same paged read as the prefix.
-        page_size = kv_layer.shape[1]
-        pages, offs = fb.slot_mapping // page_size, fb.slot_mapping % page_size
+        pages, offs = slots
         kv_layer[pages, offs] = torch.cat([latent, k_rope.squeeze(1)], dim=-1).to(kv_layer.dtype)
         q_latent = torch.bmm(q[:, :, :nope].transpose(0, 1), L["w_uk"]).transpose(0, 1)  # [T, H, C]
         q_full = torch.cat([q_latent, q_rope], dim=-1)
@@ -241,9 +244,11 @@ class DeepseekV3:
         kv_pool = states[self.LATENT_KV]
         x = F.embedding(fb.input_ids, self.embed)
         residual: Optional[torch.Tensor] = None
+        page_size = kv_pool.shape[2]
+        slots = (fb.slot_mapping // page_size, fb.slot_mapping % page_size)  # (page, offset), every layer
         for i, L in enumerate(self.layers):
             h, residual = ops.rmsnorm(x, L["input_norm"], cfg.rms_norm_eps, residual)
-            x = self._attention(L, h, fb, kv_pool[:, i])
+            x = self._attention(L, h, fb, kv_pool[:, i], slots)
             h, residual = ops.rmsnorm(x, L["post_norm"], cfg.rms_norm_eps, residual)
             x = self._moe(L, h) if "gate" in L else self._mlp(h, L["d_w13"], L["d_w2"])
         h = x[fb.logits_indices] + residual[fb.logits_indices]

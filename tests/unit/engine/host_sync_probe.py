@@ -29,7 +29,8 @@ SHAPE_FROM_VALUES = {
 }
 
 
-def _from_interpreter() -> bool:
+def from_interpreter() -> bool:
+    """Whether the caller runs on behalf of Triton's CPU interpreter."""
     f = sys._getframe(2)
     while f is not None:
         name = f.f_code.co_filename
@@ -53,7 +54,7 @@ class _ShapeOps(TorchDispatchMode):
                    (kwargs.get("device") == torch.device("cpu") or
                     (func is aten.copy_.default and args[0].device.type == "cpu")))
         if (func in SHAPE_FROM_VALUES and func is not aten._local_scalar_dense.default) or bool_index or to_host:
-            if not _from_interpreter():
+            if not from_interpreter():
                 self.hits.append(f"{func} at {''.join(traceback.format_stack(limit=6)[:-1])}")
         return func(*args, **kwargs)
 
@@ -66,7 +67,7 @@ def count_host_syncs():
 
     def wrap(name, orig):
         def method(self, *a, **kw):
-            if not _from_interpreter():
+            if not from_interpreter():
                 hits.append(f"Tensor.{name} at {''.join(traceback.format_stack(limit=6)[:-1])}")
             return orig(self, *a, **kw)
         return method
