@@ -11,6 +11,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Models may attend prefill/extend in MLA's per-head (expanded) form with plain torch ops
+# where it is cheaper: on this backend nothing is lost by leaving the kernel API (its extend
+# loops over requests anyway). The Triton backend keeps its fused absorbed-form kernel.
+EXPANDED_PREFILL = True
+
 # Upper bound on fp32 elements of gathered keys/scores held at once; bounds memory on long
 # contexts without changing results.
 _MAX_GATHER_ELEMS = 1 << 25

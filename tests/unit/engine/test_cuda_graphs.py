@@ -46,9 +46,16 @@ class Trace(TorchDispatchMode):
         return out
 
 
+# On a GPU these tests run the compiled kernels on CUDA; here, the interpreter on CPU.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 @pytest.fixture
 def launches(monkeypatch):
-    from triton.runtime.interpreter import InterpretedFunction
+    if DEVICE.type == "cuda":
+        from triton.runtime.jit import JITFunction as InterpretedFunction
+    else:
+        from triton.runtime.interpreter import InterpretedFunction
 
     events: list[tuple] = []
     run = InterpretedFunction.run
@@ -64,7 +71,7 @@ def launches(monkeypatch):
 
 @pytest.fixture(scope="module")
 def runner(tiny_model):
-    return ModelRunner(tiny_model, "float32", "cpu", "triton")
+    return ModelRunner(tiny_model, "float32", str(DEVICE), "triton")
 
 
 def _decoding(rid: str, prompt: list[int], out: list[int], pages: list[int]) -> ScheduledSeq:
@@ -89,7 +96,7 @@ def _step_trace(runner, pool, graphs, batch, launches):
 
 def test_decode_step_is_capture_safe(runner, launches):
     torch.manual_seed(0)
-    pool = KVPool(runner.state_specs, 16, 8, torch.float32, torch.device("cpu"))
+    pool = KVPool(runner.state_specs, 16, 8, torch.float32, DEVICE)
     pool.states[runner.model.LATENT_KV].normal_()  # any cached content: the trace must not care
     graphs = runner.decode_graphs(pool.page_size, pool.num_pages, capture=False)
     assert graphs.width == 16  # fixed: the pool's pages (tiny's context is longer)
@@ -112,8 +119,9 @@ def test_decode_step_is_capture_safe(runner, launches):
 
 
 def test_padded_static_step_gives_the_plain_steps_logits(runner):
-    pool = KVPool(runner.state_specs, 16, 8, torch.float32, torch.device("cpu"))
-    pool.states[runner.model.LATENT_KV].normal_(generator=torch.Generator().manual_seed(1))
+    pool = KVPool(runner.state_specs, 16, 8, torch.float32, DEVICE)
+    torch.manual_seed(1)
+    pool.states[runner.model.LATENT_KV].normal_()
     batch = [_decoding("a", [5, 6, 7], [8], [0]), _decoding("b", list(range(3, 20)), [4, 9], [1, 2, 3]),
              _decoding("c", [40, 41], [42], [5])]
     snapshot = pool.states[runner.model.LATENT_KV].clone()
@@ -141,3 +149,20 @@ def test_pad_decode_repeats_the_first_row():
 def test_graphs_are_off_on_cpu(tiny_model):
     r = ModelRunner(tiny_model, "float32", "cpu", "torch", cuda_graph_max_bs=16)
     assert r.cuda_graph_max_bs == 0 and not r.graphs_supported()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU to capture")
+def test_captured_graphs_replay_the_eager_decode(tiny_model):
+    r = ModelRunner(tiny_model, "float32", "cuda", "triton", cuda_graph_max_bs=8)
+    assert r.cuda_graph_max_bs == 8
+    pool = KVPool(r.state_specs, 16, 8, torch.float32, DEVICE)
+    torch.manual_seed(2)
+    pool.states[r.model.LATENT_KV].normal_()
+    for batch in ([_decoding("a", [5, 6, 7], [8], [0]), _decoding("b", list(range(3, 20)), [4, 9], [1, 2, 3])],
+                  [_decoding("c", [40, 41], [42], [5]), _decoding("d", [1] * 30, [2], [6, 7, 8, 9]), _decoding("e", [3], [4], [10])]):
+        snapshot = pool.states[r.model.LATENT_KV].clone()
+        eager = r.model.forward(r.build_batch(batch, pool.page_size), pool.all_states).clone()
+        pool.states[r.model.LATENT_KV].copy_(snapshot)
+        replayed = r.forward(batch, pool).clone()  # captures on first use, then replays
+        assert r.graphs is not None and r.graphs.graphs
+        torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
