@@ -69,6 +69,7 @@ class ModelRunner:
         if cuda_graph_max_bs and not self.cuda_graph_max_bs:
             log.info("CUDA graphs off: need a CUDA device, the triton kernel backend and a capture-safe model")
         self.graphs: Optional[DecodeGraphs] = None
+        self._states: dict[str, torch.Tensor] = {}  # the pool's tensors, which a captured graph reads
 
     def graphs_supported(self) -> bool:
         return (self.device.type == "cuda" and self.kernel_backend == "triton"

@@ -73,8 +73,10 @@ def mla_decode_gathered(
     return out
 
 
-# Keys one decode block reads at a time: [B, block, 576] fp32 stays cache-resident at the
-# usual batch sizes, so each page is read from memory once and used by both matmuls from cache.
+# Keys one decode block reads at a time: the tile [B, block, D] is bounded whatever the
+# context, and both matmuls use it while it is fresh in cache (one read of each page from
+# memory, where a whole-context gather wrote and re-read a [B, L, D] copy). Tune with
+# bench/attention_forms.py on a quiet machine.
 DECODE_BLOCK_TOKENS = 256
 
 
