@@ -20,3 +20,4 @@ class EngineFlags:
     SHUTDOWN_GRACE = "--shutdown-grace"
     DISABLE_PREFIX_CACHE = "--disable-prefix-cache"
     TRANSFER_CHECKSUM = "--transfer-checksum"
+    CUDA_GRAPH_MAX_BS = "--cuda-graph-max-bs"
