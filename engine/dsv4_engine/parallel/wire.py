@@ -60,9 +60,11 @@ def unpack(header: torch.Tensor, payload: torch.Tensor, device: torch.device) ->
     sizes = [T, T, T, B * P, B, B, B] + ([B] if h[HAS_SLOTS] else [])
     if sum(sizes) != payload.numel():
         raise ValueError(f"payload of {payload.numel()} ints does not match its header {h}")
-    p = [t.to(device) for t in torch.split(payload, sizes)]
+    host = torch.split(payload, sizes)
+    p = [t.to(device) for t in host]
     i32 = torch.int32
     return ForwardBatch(
+        seq_lens_host=host[4].tolist(), extend_lens_host=host[5].tolist(),
         input_ids=p[0], positions=p[1], slot_mapping=p[2], block_table=p[3].view(B, P).to(i32),
         seq_lens=p[4].to(i32), extend_lens=p[5].to(i32), logits_indices=p[6], all_decode=bool(h[ALL_DECODE]),
         slot_ids=p[7] if h[HAS_SLOTS] else None, page_size=None if h[PAGE_SIZE] < 0 else h[PAGE_SIZE],

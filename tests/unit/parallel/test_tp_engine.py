@@ -60,7 +60,13 @@ def scenarios(engine: Engine) -> dict:
     staggered, _ = drive(engine, {0: [("s0", ps[0])], 3: [("s1", ps[1]), ("s2", ps[2])], 7: [("s3", ps[3])]})
     ps = prompts(v, [40, 36, 24], seed=2)
     chunked, seqs = drive(engine, {0: [("a", ps[0]), ("b", ps[1])], 2: [("c", ps[2])]})
-    return {"staggered": staggered, "chunked": chunked, "preemptions": sum(s.num_preemptions for s in seqs)}
+    # Prefix cache (V3): the second request reuses the first one's cached pages, which every rank
+    # holds alike because every rank wrote them in the same steps.
+    base = prompts(v, [26], seed=3)[0]
+    hits = engine.metrics.totals.get("prefix_cache_hit_tokens", 0)
+    prefixed = {**drive(engine, {0: [("p0", base + [7, 8])]})[0], **drive(engine, {0: [("p1", base + [9])]})[0]}
+    return {"staggered": staggered, "chunked": chunked, "preemptions": sum(s.num_preemptions for s in seqs),
+            "prefixed": prefixed, "hit_tokens": engine.metrics.totals.get("prefix_cache_hit_tokens", 0) - hits}
 
 
 def engine(model_dir, tp_size: int) -> Engine:
@@ -81,6 +87,10 @@ def test_tp2_greedy_tokens_equal_tp1(make_model, preset):
     assert ref["preemptions"] > 0 and got["preemptions"] > 0, "the small pool should have forced a preemption"
     assert got["staggered"] == ref["staggered"] and len(got["staggered"]) == 4
     assert got["chunked"] == ref["chunked"]
+    assert got["prefixed"] == ref["prefixed"]
+    if engine_has_prefix_cache := e.prefix_cache is not None:
+        assert got["hit_tokens"] > 0, "the second request should have reused the first one's pages"
+    assert engine_has_prefix_cache == (preset != "v4-tiny")
     assert all(p.poll() == 0 for p in e.tp.procs), "the other rank stops cleanly when told"
 
 

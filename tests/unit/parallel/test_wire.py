@@ -30,6 +30,7 @@ def test_a_batch_round_trips(slots):
         a, b = getattr(fb, f), getattr(back, f)
         assert a.dtype == b.dtype and torch.equal(a, b), f
     assert back.all_decode == fb.all_decode and back.page_size == fb.page_size
+    assert back.seq_lens_host == [3, 8] and back.extend_lens_host == [3, 1]  # host copies: no device read
     assert (back.slot_ids is None) == (fb.slot_ids is None)
     if slots:
         assert torch.equal(back.slot_ids, fb.slot_ids)
