@@ -96,3 +96,23 @@ def test_pd_with_tp_on_either_side_equals_mono(deployments, shape):
         assert results[i] == complete(mono, p, 10 + i), i
     loads = httpx.get(f"{decode_url}/v1/loads", timeout=5).json()
     assert loads["tp_size"] == int(shape[-1])
+
+
+def test_v4_pd_into_a_tp2_decode_equals_mono(make_model, tmp_path):
+    """DeepSeek-V4 keeps per-request slot rows (window ring, compressor stages) besides pages:
+    decode's rank 0 copies both to its other rank when the hand-off lands."""
+    model = make_model("v4-tiny")
+    pair = Pair(model, tmp_path, 1, 2)
+    m = free_port()
+    mono = Proc(["serve", "--model", model, "--kv-pages", 64, "--page-size", 16, "--served-model-name", "m",
+                 "--device", "cpu", "--port", m], tmp_path / "mono.log")
+    try:
+        pair.wait()
+        mono.wait_ready(f"http://127.0.0.1:{m}")
+        rng = random.Random(7)
+        for n in (5, 23, 41):  # inside the window, across compression windows, several pages
+            p = [rng.randrange(2, 500) for _ in range(n)]
+            assert complete(pair.url, p, 12) == complete(f"http://127.0.0.1:{m}", p, 12), n
+    finally:
+        pair.stop()
+        mono.stop()
