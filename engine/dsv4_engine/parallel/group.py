@@ -203,23 +203,32 @@ class TPGroup:
             if self._closing:
                 return
             self._closing = True
-        if self.failed is None:
-            try:
-                dist.broadcast(wire.stop_header(), 0, group=self.rank.control)
-            except Exception:
-                log.warning("could not tell the other ranks to stop:\n%s", traceback.format_exc())
         deadline = time.monotonic() + timeout
+        teller: Optional[threading.Thread] = None
+        if self.failed is None:
+            # In a thread: a hung rank would hold the send forever; it is killed below instead.
+            def tell_stop() -> None:
+                try:
+                    dist.broadcast(wire.stop_header(), 0, group=self.rank.control)
+                except Exception:
+                    log.warning("could not tell the other ranks to stop:\n%s", traceback.format_exc())
+
+            teller = threading.Thread(target=tell_stop, name="dsv4-tp-stop", daemon=True)
+            teller.start()
+            teller.join(timeout)
         for p in self.procs:
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        torch.set_num_threads(self._threads)
+        if teller is not None and teller.is_alive():
+            return  # a send still pending on a killed rank: the group goes with the process
         try:
             dist.destroy_process_group()
         except Exception:
             pass
-        torch.set_num_threads(self._threads)
 
 
 def state_regions(pool, pages: list[int], slot) -> list[torch.Tensor]:
