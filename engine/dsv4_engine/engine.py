@@ -133,6 +133,9 @@ class Engine:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.eos_ids = set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_ids)
+        # Called on the engine thread after every step: an out-of-process front end sends the
+        # outputs the step's sinks collected as one message instead of one per token.
+        self.after_step: Optional[Callable[[], None]] = None
 
     # ---- thread-safe entry points ----------------------------------------------------------------
 
@@ -295,6 +298,8 @@ class Engine:
         self.metrics.inc("scheduler_loop_iterations")
         self.last_iteration = time.monotonic()
         self.update_gauges()
+        if self.after_step is not None:
+            self.after_step()
 
     # ---- per-token bookkeeping -------------------------------------------------------------------
 
