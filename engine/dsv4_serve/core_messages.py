@@ -12,6 +12,7 @@ HTTP process -> core                          core -> HTTP process
   (ADD, key, rid, prompt ids, params, pd,       (OUT, [output row, ...])
    prefill_only, arrival)                       (REPLY, call id, ok, value | error)
   (ABORT, key | None, rid | None, reason, all)
+  (FINISH, key): a stop string ended it here
   (RPC, call id, name, argument)
 """
 
@@ -24,7 +25,7 @@ from typing import Any, Optional
 from dsv4_engine.sampling import SamplingParams
 from dsv4_engine.sequence import RequestOutput
 
-INIT, HELLO, FATAL, ADD, ABORT, RPC, OUT, REPLY = range(8)
+INIT, HELLO, FATAL, ADD, ABORT, RPC, OUT, REPLY, FINISH = range(9)
 _PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 

@@ -29,6 +29,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 from dsv4_engine.sampling import SamplingParams
 from dsv4_engine.sequence import RequestOutput
 from dsv4_serve import core_messages as m
+from dsv4_serve.detokenize import OutputProcessor
 
 log = logging.getLogger("dsv4.client")
 
@@ -212,8 +213,10 @@ class EngineClient:
 
     # ---- requests --------------------------------------------------------------------------------
 
-    async def generate(self, req: EngineRequest, closed: bool = False) -> AsyncIterator[RequestOutput]:
-        """The outputs of one request as the core produces them; leaving early aborts it."""
+    async def generate(self, req: EngineRequest, closed: bool = False,
+                       processor: Optional[OutputProcessor] = None) -> AsyncIterator[RequestOutput]:
+        """The outputs of one request as the core produces them, turned into text by `processor`
+        (which also judges stop strings); leaving early aborts it."""
         if closed:  # prepared while the drain ran out: never reaches the engine
             yield _error_output(req.rid, "request aborted: server shutting down", 503, len(req.prompt_ids))
             return
@@ -234,6 +237,10 @@ class EngineClient:
                 return
             while True:
                 out = await q.get()
+                if processor is not None:
+                    out = processor.process(out)
+                    if processor.stopped and out.finished:  # a stop string: the core runs on until told
+                        self._send((m.FINISH, key))
                 finished = out.finished
                 yield out
                 if finished:

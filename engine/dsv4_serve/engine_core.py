@@ -99,6 +99,11 @@ class CoreServer:
                     self.engine.abort(seq=seq, reason=reason)
             else:
                 self.engine.abort(rid, reason=reason, all_=all_)
+        elif kind == m.FINISH:
+            seq = self.seqs.get(msg[1])
+            if seq is not None:
+                engine = self.engine
+                engine.call(lambda: engine.finish(seq, "stop"))  # no-op if it ended meanwhile
         elif kind == m.RPC:
             _, call_id, name, arg = msg
             if name == "shutdown":
@@ -272,6 +277,7 @@ def main(argv: list[str]) -> None:
         sys.exit(1)
     from dsv4_engine.pd import BOOT_ID
 
+    engine.detokenize = False  # text and stop strings are the HTTP process's (dsv4_serve.detokenize)
     core = CoreServer(engine, conn)
     profile = os.environ.get("DSV4_CORE_PROFILE")
     if profile:

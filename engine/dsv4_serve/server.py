@@ -41,6 +41,7 @@ from dsv4_engine.sampling import SamplingParams
 from dsv4_engine.sequence import RequestOutput
 from dsv4_engine.tokenizer import Tokenizer
 from dsv4_serve.admin import error_response, require_admin, thread_stacks
+from dsv4_serve.detokenize import OutputProcessor
 from dsv4_serve.engine_client import EngineClient, EngineGone, EngineRequest, EngineStartError
 from dsv4_serve.gate import DEFAULT_MAX_REQUEST_BYTES, Gate, Lifecycle
 from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completion_logprobs, next_offset, text_of_bytes
@@ -225,6 +226,10 @@ class OpenAIServing:
 
     # ---- serving -------------------------------------------------------------------------------
 
+    def _processor(self, seq: EngineRequest) -> OutputProcessor:
+        # PD prefill shows no text (decode judges every stop): its outputs pass through.
+        return OutputProcessor(None if seq.prefill_only else self.tokenizer, seq.params)
+
     async def serve(self, prepare, http: Request) -> Response:
         body = await http.body()
         p: Prepared = await asyncio.to_thread(prepare, body, http.headers)
@@ -235,13 +240,13 @@ class OpenAIServing:
     async def _merged(self, seqs: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of several requests as they come, tagged with the request's index."""
         if len(seqs) == 1:
-            async for out in self.client.generate(seqs[0], self.lifecycle.closed):
+            async for out in self.client.generate(seqs[0], self.lifecycle.closed, self._processor(seqs[0])):
                 yield 0, out
             return
         q: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, seq: EngineRequest) -> None:
-            async for out in self.client.generate(seq, self.lifecycle.closed):
+            async for out in self.client.generate(seq, self.lifecycle.closed, self._processor(seq)):
                 await q.put((i, out))
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(seqs)]
