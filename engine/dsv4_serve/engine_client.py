@@ -17,7 +17,6 @@ import dataclasses
 import itertools
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 from dsv4_engine.sampling import SamplingParams
 from dsv4_engine.sequence import RequestOutput
 from dsv4_serve import core_messages as m
+from dsv4_serve.core_spawn import spawn_core
 from dsv4_serve.detokenize import OutputProcessor
 
 log = logging.getLogger("dsv4.client")
@@ -109,13 +109,10 @@ class EngineClient:
     # ---- start and stop ------------------------------------------------------------------------
 
     @classmethod
-    def start(cls, args) -> "EngineClient":
-        """Start the core with `args` (a ServerArgs) and wait until it has loaded the model."""
-        ours, theirs = socket.socketpair()
-        cmd = [sys.executable, "-m", "dsv4_serve.engine_core", str(theirs.fileno())]
-        proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),))
-        theirs.close()
-        conn = Connection(ours.detach())
+    def start(cls, args, spawned: Optional[tuple[subprocess.Popen, Connection]] = None) -> "EngineClient":
+        """Start the core with `args` (a ServerArgs) — or hand them to one `spawn_core` started
+        earlier — and wait until it has loaded the model."""
+        proc, conn = spawned or spawn_core()
         conn.send_bytes(m.dumps((m.INIT, dataclasses.asdict(args))))
         try:
             kind, value = m.loads(conn.recv_bytes())

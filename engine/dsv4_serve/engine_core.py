@@ -262,10 +262,14 @@ def main(argv: list[str]) -> None:
     fd = int(argv[0])
     os.set_inheritable(fd, False)  # the channel must close when this process dies, not live on in children
     conn = Connection(fd)
-    kind, fields_ = m.loads(conn.recv_bytes())
-    assert kind == m.INIT
+    # Import torch and the engine while the HTTP process still imports its own modules.
     from dsv4_serve.server import ServerArgs, make_engine
 
+    try:
+        kind, fields_ = m.loads(conn.recv_bytes())
+    except (EOFError, OSError):  # the parent gave up before saying what to serve (a bad flag)
+        sys.exit(0)
+    assert kind == m.INIT
     args = ServerArgs(**fields_)
     try:
         engine = make_engine(args)

@@ -561,11 +561,12 @@ async def drain(client: EngineClient, lifecycle: Lifecycle, grace: float, hurry:
     log.warning("drained in %.1fs", time.monotonic() - start)
 
 
-def run_server(args: ServerArgs) -> None:
+def run_server(args: ServerArgs, spawned=None) -> None:
+    """Serve until SIGTERM/SIGINT; `spawned`: a `core_spawn.spawn_core()` started earlier."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
-        client = EngineClient.start(args)  # the engine core process: model, KV pool, PD, bootstrap
+        client = EngineClient.start(args, spawned)  # the engine core process: model, KV pool, PD, bootstrap
     except EngineStartError as e:
         print(f"dsv4 serve: the engine could not start: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
