@@ -61,6 +61,24 @@ def output_of(row: tuple, rid: str) -> tuple[int, RequestOutput]:
     return key, RequestOutput(rid, *rest)
 
 
+def plain(value: Any) -> Any:
+    """`value` in types marshal writes: numpy/torch scalars become Python numbers, tuples and sets
+    lists, anything else its text (for RPC answers such as /v1/loads that code elsewhere fills)."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [plain(v) for v in value]
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            return plain(item())
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    return str(value)
+
+
 def reply_error(call_id: int, e: BaseException) -> tuple:
     return (REPLY, call_id, False, (type(e).__name__, str(e)))
 

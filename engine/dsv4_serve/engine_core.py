@@ -115,7 +115,10 @@ class CoreServer:
             except Exception as e:
                 self.send(m.reply_error(call_id, e))
             else:
-                self.send((m.REPLY, call_id, True, value))
+                try:
+                    self.send((m.REPLY, call_id, True, value))
+                except ValueError:  # marshal refused a value (a numpy scalar, ...): its plain form
+                    self.send((m.REPLY, call_id, True, m.plain(value)))
         return False
 
     def _add(self, key: int, rid: str, prompt_ids: list, params: tuple, pd, prefill_only: bool, arrival: float) -> None:

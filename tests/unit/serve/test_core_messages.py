@@ -38,3 +38,11 @@ def test_remote_errors_keep_the_kinds_callers_catch():
 def test_objects_are_not_accepted_on_the_wire():
     with pytest.raises(ValueError):  # marshal refuses anything but plain values
         m.dumps((m.OUT, [object()]))
+
+
+def test_rpc_answers_with_numpy_or_torch_scalars_become_plain():
+    import numpy as np
+    import torch
+
+    value = {"a": np.int64(3), "b": (torch.tensor(0.5), {1, 2}), "c": [np.float32(1.5)], "d": object}
+    assert m.loads(m.dumps(m.plain(value))) == {"a": 3, "b": [0.5, [1, 2]], "c": [1.5], "d": str(object)}
