@@ -124,6 +124,10 @@ def serve(
     if kernel_backend not in (None, "torch", "triton"):
         _fail(f"--kernel-backend must be torch or triton, not {kernel_backend!r}")
     _check_model_dir(model)
+    from dsv4_serve.core_spawn import spawn_core
+
+    # The engine core starts importing torch now, beside this process (it waits for its arguments).
+    spawned = spawn_core()
     from dsv4_engine.engine import serving_refusal
 
     refusal = serving_refusal(str(model), role, page_size)
@@ -144,7 +148,8 @@ def serve(
             enable_fault_injection=enable_fault_injection, admin_token=admin_token, pd_secret=pd_secret, seed=seed,
             max_request_bytes=max_request_bytes, shutdown_grace=shutdown_grace, transfer_checksum=transfer_checksum,
             enable_prefix_cache=not disable_prefix_cache,
-        )
+        ),
+        spawned,
     )
 
 
