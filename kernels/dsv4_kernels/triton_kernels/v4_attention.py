@@ -168,16 +168,17 @@ class AttnConfig:
 def attn_config(head_dim: int, heads: int, arch: int | None, elem_size: int = 2) -> AttnConfig:
     """Tiles sized from the AOT register / shared-memory reports (scripts/compile_kernels.py).
 
-    A [32, 512] bf16 key tile is 32 KiB a stage. 64 heads a program (8 warps) reads each tile
-    once for all of V4-Flash's heads, but needs ~200 KiB of shared memory: Hopper and sm_100
-    only. sm_120 (~99 KiB) takes 32 heads a program. fp32 (exactness mode, FMA dots) takes
+    64 heads a program (8 warps, wgmma / tcgen05) reads each key tile once for all of
+    V4-Flash's heads; its [64, 512] fp32 accumulator leaves room for 16-key tiles only (32
+    spill on sm_90) and needs ~96 KiB of shared memory: Hopper and sm_100. sm_120 (~99 KiB)
+    takes 32 heads a program with 32-key tiles. fp32 (exactness mode, FMA dots) takes
     16-row tiles on 8 warps. Narrow heads (tests, v4-tiny) take wide key tiles."""
     if next_pow2(head_dim) < 256:
         return AttnConfig(block_h=16, block_n=32, num_warps=4, programs_per_sm=4)
     if elem_size > 2:
         return AttnConfig(block_h=16, block_n=16, num_warps=8, programs_per_sm=2)
     if heads > 32 and not small_shared(arch):
-        return AttnConfig(block_h=64, block_n=32, num_warps=8, programs_per_sm=1)
+        return AttnConfig(block_h=64, block_n=16, num_warps=8, programs_per_sm=1)
     if heads > 16:
         return AttnConfig(block_h=32, block_n=32, num_warps=8, programs_per_sm=2)
     return AttnConfig(block_h=16, block_n=32, num_warps=4, programs_per_sm=2)
