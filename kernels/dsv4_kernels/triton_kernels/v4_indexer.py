@@ -79,12 +79,15 @@ def v4_indexer_topk_kernel(
     tl.store(out_ptr + t.to(tl.int64) * stride_o_t + kk, idx, mask=kk < top_k)
 
 
-def indexer_tiles(top_k: int, elem_size: int = 2) -> tuple[int, int]:
-    """(K_PAD, BLOCK_N): the running buffer (a power of two, >= 16 for the GPU's dot) and the
-    key tile (at most the buffer, so a padded tile joins it in one sort). fp32 keys (FMA dots)
-    take 16-row tiles: wider ones spill at 64 heads x 128 (AOT report)."""
+def indexer_tiles(top_k: int, elem_size: int = 2) -> tuple[int, int, int]:
+    """(K_PAD, BLOCK_N, num_warps): the running buffer (a power of two, >= 16 for the GPU's
+    dot), the key tile (at most the buffer, so a padded tile joins it in one sort) and the
+    warps. fp32 keys (FMA dots) at 64 heads x 128 spill on every target with 4 or 8 warps
+    (AOT report): they take 16-row tiles on 16 warps."""
     k_pad = max(16, next_pow2(top_k))
-    return k_pad, min(64 if elem_size <= 2 else 16, k_pad)
+    if elem_size > 2 and k_pad >= 256:
+        return k_pad, 16, 16
+    return k_pad, min(64, k_pad), 8 if k_pad >= 256 else 4
 
 
 def v4_indexer_topk(
@@ -109,7 +112,7 @@ def v4_indexer_topk(
     if iq.dtype != index_k.dtype:
         raise ValueError(f"v4_indexer_topk: iq is {iq.dtype} but index_k is {index_k.dtype}")
     token_req, _ = varlen_index(extend_lens, T)
-    k_pad, block_n = indexer_tiles(top_k, iq.element_size())
+    k_pad, block_n, num_warps = indexer_tiles(top_k, iq.element_size())
     iw = iw.float().contiguous()
     v4_indexer_topk_kernel[(T,)](
         iq, iw, index_k, block_table.to(torch.int32), positions.to(torch.int32), token_req, out,
@@ -118,7 +121,7 @@ def v4_indexer_topk(
         block_table.stride(0), out.stride(0),
         NUM_HEADS=IH, HEAD_DIM=d, BLOCK_IH=max(16, next_pow2(IH)), BLOCK_D=max(16, next_pow2(d)),
         BLOCK_N=block_n, K_PAD=k_pad, UPCAST=on_interpreter(iq),
-        num_warps=8 if k_pad >= 256 else 4, num_stages=2,
+        num_warps=num_warps, num_stages=2,
     )
     return out
 
@@ -128,7 +131,7 @@ def aot_variants(arch: int) -> list[KernelVariant]:
     top-4)."""
     variants = []
     for dtype, ih, d, top_k in (("bf16", 64, 128, 512), ("fp32", 64, 128, 512), ("bf16", 8, 32, 4)):
-        k_pad, block_n = indexer_tiles(top_k, 4 if dtype == "fp32" else 2)
+        k_pad, block_n, num_warps = indexer_tiles(top_k, 4 if dtype == "fp32" else 2)
         variants.append(KernelVariant(
             name=f"v4_indexer_topk[{dtype},h{ih},d{d},k{top_k}]",
             kernel=v4_indexer_topk_kernel,
@@ -141,6 +144,6 @@ def aot_variants(arch: int) -> list[KernelVariant]:
             },
             constexprs=dict(NUM_HEADS=ih, HEAD_DIM=d, BLOCK_IH=max(16, next_pow2(ih)), BLOCK_D=max(16, next_pow2(d)),
                             BLOCK_N=block_n, K_PAD=k_pad, UPCAST=False),
-            num_warps=8 if k_pad >= 256 else 4, num_stages=2,
+            num_warps=num_warps, num_stages=2,
         ))
     return variants
