@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import KernelVariant, check_launchable, next_pow2, on_interpreter
+from .common import KernelVariant, check_launchable, cuda_arch, next_pow2, on_interpreter
 from .v4_attention import varlen_index
 
 EMPTY = -(1 << 63)  # below every encoded candidate
@@ -59,8 +59,8 @@ def v4_indexer_topk_kernel(
         k = tl.load(rows[:, None] + offs_d[None, :], mask=ok[:, None] & d_mask[None, :], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [heads, BLOCK_N]
-        score = tl.sum(tl.maximum(s, 0.0) * hw[:, None], 0)
+        s = tl.dot(k, tl.trans(q), input_precision="ieee")  # [BLOCK_N, heads]
+        score = tl.sum(tl.maximum(s, 0.0) * hw[None, :], 1)
         score = tl.where(score == 0.0, 0.0, score)  # -0.0 ranks as +0.0, as in torch
         bits = score.to(tl.int32, bitcast=True)
         skey = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # monotone in the float's value
@@ -79,14 +79,18 @@ def v4_indexer_topk_kernel(
     tl.store(out_ptr + t.to(tl.int64) * stride_o_t + kk, idx, mask=kk < top_k)
 
 
-def indexer_tiles(top_k: int, elem_size: int = 2) -> tuple[int, int, int]:
+def indexer_tiles(top_k: int, elem_size: int = 2, arch: int | None = None) -> tuple[int, int, int]:
     """(K_PAD, BLOCK_N, num_warps): the running buffer (a power of two, >= 16 for the GPU's
     dot), the key tile (at most the buffer, so a padded tile joins it in one sort) and the
-    warps. fp32 keys (FMA dots) at 64 heads x 128 spill on every target with 4 or 8 warps
-    (AOT report): they take 16-row tiles on 16 warps."""
+    warps. From the AOT reports: fp32 keys (FMA dots) at 64 heads x 128 spill on every target
+    with 4 or 8 warps, so they take 16-row tiles on 16 warps; on sm_100 a 64-row bf16 tile
+    takes tcgen05, and triton 3.7's TMEM layout pass then crashes on the sort that follows,
+    so sm_100 takes 32-row tiles (mma.sync) on 4 warps."""
     k_pad = max(16, next_pow2(top_k))
     if elem_size > 2 and k_pad >= 256:
         return k_pad, 16, 16
+    if arch == 100:
+        return k_pad, min(32, k_pad), 4
     return k_pad, min(64, k_pad), 8 if k_pad >= 256 else 4
 
 
@@ -112,7 +116,7 @@ def v4_indexer_topk(
     if iq.dtype != index_k.dtype:
         raise ValueError(f"v4_indexer_topk: iq is {iq.dtype} but index_k is {index_k.dtype}")
     token_req, _ = varlen_index(extend_lens, T)
-    k_pad, block_n, num_warps = indexer_tiles(top_k, iq.element_size())
+    k_pad, block_n, num_warps = indexer_tiles(top_k, iq.element_size(), cuda_arch(iq.device))
     iw = iw.float().contiguous()
     v4_indexer_topk_kernel[(T,)](
         iq, iw, index_k, block_table.to(torch.int32), positions.to(torch.int32), token_req, out,
@@ -131,7 +135,7 @@ def aot_variants(arch: int) -> list[KernelVariant]:
     top-4)."""
     variants = []
     for dtype, ih, d, top_k in (("bf16", 64, 128, 512), ("fp32", 64, 128, 512), ("bf16", 8, 32, 4)):
-        k_pad, block_n, num_warps = indexer_tiles(top_k, 4 if dtype == "fp32" else 2)
+        k_pad, block_n, num_warps = indexer_tiles(top_k, 4 if dtype == "fp32" else 2, arch)
         variants.append(KernelVariant(
             name=f"v4_indexer_topk[{dtype},h{ih},d{d},k{top_k}]",
             kernel=v4_indexer_topk_kernel,

@@ -32,27 +32,28 @@ def v4_hc_pre_kernel(
     flat = HC * dim
     # pass 1: sum of squares and the three groups of mixing logits (rows of fn: pre, post, comb)
     sq = tl.zeros([BLOCK_K], tl.float32)
-    a_pre = tl.zeros([BLOCK_HC, BLOCK_K], tl.float32)
-    a_post = tl.zeros([BLOCK_HC, BLOCK_K], tl.float32)
-    a_comb = tl.zeros([BLOCK_HC, BLOCK_HC, BLOCK_K], tl.float32)
+    a_pre = tl.zeros([BLOCK_HC], tl.float32)
+    a_post = tl.zeros([BLOCK_HC], tl.float32)
+    a_comb = tl.zeros([BLOCK_HC, BLOCK_HC], tl.float32)
     for k0 in range(0, flat, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < flat
         xv = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
         sq += xv * xv
         m2 = i_mask[:, None] & k_mask[None, :]
-        a_pre += tl.load(fn_ptr + i[:, None] * stride_fn + k[None, :], mask=m2, other=0.0) * xv[None, :]
-        a_post += tl.load(fn_ptr + (HC + i)[:, None] * stride_fn + k[None, :], mask=m2, other=0.0) * xv[None, :]
+        a_pre += tl.sum(tl.load(fn_ptr + i[:, None] * stride_fn + k[None, :], mask=m2, other=0.0) * xv[None, :], 1)
+        a_post += tl.sum(tl.load(fn_ptr + (HC + i)[:, None] * stride_fn + k[None, :], mask=m2, other=0.0) * xv[None, :], 1)
         rows = 2 * HC + i[:, None] * HC + i[None, :]
         m3 = ij_mask[:, :, None] & k_mask[None, None, :]
-        a_comb += tl.load(fn_ptr + rows[:, :, None] * stride_fn + k[None, None, :], mask=m3, other=0.0) * xv[None, None, :]
+        a_comb += tl.sum(tl.load(fn_ptr + rows[:, :, None] * stride_fn + k[None, None, :], mask=m3, other=0.0)
+                         * xv[None, None, :], 2)
     inv = tl.rsqrt(tl.sum(sq, 0) / flat + rms_eps)
     s0 = tl.load(scale_ptr)
     s1 = tl.load(scale_ptr + 1)
     s2 = tl.load(scale_ptr + 2)
-    pre = tl.sigmoid(tl.sum(a_pre, 1) * inv * s0 + tl.load(base_ptr + i, mask=i_mask, other=0.0)) + hc_eps
-    post = 2.0 * tl.sigmoid(tl.sum(a_post, 1) * inv * s1 + tl.load(base_ptr + HC + i, mask=i_mask, other=0.0))
-    logit = tl.sum(a_comb, 2) * inv * s2 + tl.load(base_ptr + 2 * HC + i[:, None] * HC + i[None, :], mask=ij_mask, other=0.0)
+    pre = tl.sigmoid(a_pre * inv * s0 + tl.load(base_ptr + i, mask=i_mask, other=0.0)) + hc_eps
+    post = 2.0 * tl.sigmoid(a_post * inv * s1 + tl.load(base_ptr + HC + i, mask=i_mask, other=0.0))
+    logit = a_comb * inv * s2 + tl.load(base_ptr + 2 * HC + i[:, None] * HC + i[None, :], mask=ij_mask, other=0.0)
     logit = tl.where(ij_mask, logit, float("-inf"))
     e = tl.exp(logit - tl.max(logit, 1)[:, None])
     comb = tl.where(ij_mask, e / tl.sum(e, 1)[:, None] + hc_eps, 0.0)
