@@ -187,45 +187,34 @@ def v4_indexer_topk(
 
 
 def v4_compress_pool(
-    kv: torch.Tensor,
-    gate: torch.Tensor,
+    win_kv: torch.Tensor,
+    win_gate: torch.Tensor,
+    prev_kv: torch.Tensor | None,
+    prev_gate: torch.Tensor | None,
     ape: torch.Tensor,
     norm_weight: torch.Tensor,
-    num_windows: int,
-    rate: int,
-    overlap: bool,
-    has_prev: bool,
+    w_ids: torch.Tensor,
     eps: float,
 ) -> torch.Tensor:
-    """Gated softmax pooling of ``num_windows`` consecutive windows of ``rate`` projections into
-    one entry each, RMS-normalised (rope is the caller's). kv, gate [S, width]: the windows' rows
-    in order, preceded by the previous window's rows when ``overlap and has_prev``; ape [rate,
-    width] is added to the gates. Without overlap an entry pools its window's rows (width = hd);
-    with overlap (CSA, width = 2*hd) it pools the previous window's first series (columns :hd)
-    and its own second series (hd:), over 2*rate rows. Returns [num_windows, hd] in kv's dtype."""
-    width = kv.shape[1]
-    lo = rate if (overlap and has_prev) else 0
-    win_kv = kv[lo: lo + num_windows * rate].view(num_windows, rate, width)
-    win_gate = gate[lo: lo + num_windows * rate].view(num_windows, rate, width) + ape
-    if overlap:
-        hd = width // 2
-        new_kv = win_kv.new_zeros((num_windows, 2 * rate, hd))
-        new_gate = win_gate.new_full((num_windows, 2 * rate, hd), float("-inf"))
-        new_kv[:, rate:] = win_kv[..., hd:]
-        new_gate[:, rate:] = win_gate[..., hd:]
-        k0 = 0 if has_prev else 1  # the very first window has no predecessor
-        if num_windows > k0:
-            prev_lo = lo - rate
-            pk = kv[prev_lo + k0 * rate: prev_lo + num_windows * rate].view(num_windows - k0, rate, width)
-            pg = gate[prev_lo + k0 * rate: prev_lo + num_windows * rate].view(num_windows - k0, rate, width) + ape
-            new_kv[k0:, :rate] = pk[..., :hd]
-            new_gate[k0:, :rate] = pg[..., :hd]
+    """Compressed entries of windows w_ids [N] from their projections win_kv / win_gate
+    [N, rate, width] (any row strides): gated softmax pooling of gate + ape [rate, width] over
+    the window's rows, then RMS norm (rope is the caller's). With the overlapping CSA compressor
+    (prev_* given, width = 2 * hd) a window pools window w-1's first series (prev[..., :hd])
+    with its own second series (win[..., hd:]); window 0 has no predecessor. -> [N, hd]."""
+    win_gate = win_gate + ape
+    if prev_kv is not None:
+        hd = win_kv.shape[-1] // 2
+        none = (w_ids < 1)[:, None, None]
+        pk = prev_kv[..., :hd].masked_fill(none, 0)
+        pg = (prev_gate + ape)[..., :hd].masked_fill(none, float("-inf"))
+        new_kv = torch.cat([pk, win_kv[..., hd:]], dim=1)
+        new_gate = torch.cat([pg, win_gate[..., hd:]], dim=1)
     else:
         new_kv, new_gate = win_kv, win_gate
     pooled = (new_kv * new_gate.softmax(dim=1, dtype=torch.float32).to(new_kv.dtype)).sum(dim=1)
     pf = pooled.float()
     normed = pf * torch.rsqrt(pf.pow(2).mean(-1, keepdim=True) + eps)
-    return (norm_weight * normed).to(kv.dtype)
+    return (norm_weight * normed).to(win_kv.dtype)
 
 
 def v4_hc_pre(

@@ -11,34 +11,39 @@ from dsv4_kernels.triton_kernels import v4_compress as ck
 from dsv4_kernels.triton_kernels import v4_mhc as mk
 
 
-@pytest.mark.parametrize("overlap,has_prev,rate,hd,windows", [
-    (True, False, 4, 64, 5),   # CSA from position 0: window 0 has no predecessor
-    (True, True, 4, 64, 3),    # CSA mid-sequence
-    (False, False, 8, 64, 4),  # HCA
-    (False, False, 128, 48, 2),  # HCA's real rate, a width that is not a power of two
-])
-def test_compress_pool_matches_reference(device, tol, overlap, has_prev, rate, hd, windows):
-    gen = torch.Generator().manual_seed(rate + windows)
+def make_windows(device, dtype, n, rate, hd, overlap, seed=0):
+    """Windows as the model gathers them: [kv | gate] rows of a stage ring, so kv and gate are
+    strided views of one [N, rate, 2 * width] tensor; w_ids include window 0 (no predecessor)."""
+    gen = torch.Generator().manual_seed(seed)
     width = 2 * hd if overlap else hd
-    rows = (windows + (1 if overlap and has_prev else 0)) * rate
-    kv = torch.randn(rows, width, generator=gen).to(device)
-    gate = (torch.randn(rows, width, generator=gen) * 2).to(device)
-    ape = torch.randn(rate, width, generator=gen).to(device)
-    norm = (1 + 0.1 * torch.randn(hd, generator=gen)).to(device)
-    want = ref.v4_compress_pool(kv, gate, ape, norm, windows, rate, overlap, has_prev, 1e-6)
-    got = ck.v4_compress_pool(kv, gate, ape, norm, windows, rate, overlap, has_prev, 1e-6)
-    torch.testing.assert_close(got, want, **tol[torch.float32])
+    win = torch.randn(n, rate, 2 * width, generator=gen)
+    win[..., width:] *= 2
+    prev = torch.randn(n, rate, 2 * width, generator=gen)
+    ape = torch.randn(rate, width, generator=gen)
+    norm = 1 + 0.1 * torch.randn(hd, generator=gen)
+    w_ids = torch.arange(n) * 3  # 0, 3, 6, ...
+    cast = lambda x: x.to(dtype).to(device)  # noqa: E731
+    win, prev = cast(win), cast(prev)
+    args = (win[..., :width], win[..., width:], prev[..., :width] if overlap else None,
+            prev[..., width:] if overlap else None, ape.to(device), norm.to(device), w_ids.to(device), 1e-6)
+    return args
+
+
+@pytest.mark.parametrize("overlap,rate,hd,n", [
+    (True, 4, 64, 5),     # CSA: window 0 has no predecessor, the others do
+    (False, 8, 64, 4),    # HCA
+    (False, 128, 48, 2),  # HCA's real rate, a width that is not a power of two
+    (True, 4, 128, 3),    # the indexer's compressor
+])
+def test_compress_pool_matches_reference(device, tol, overlap, rate, hd, n):
+    args = make_windows(device, torch.float32, n, rate, hd, overlap, seed=rate + n)
+    torch.testing.assert_close(ck.v4_compress_pool(*args), ref.v4_compress_pool(*args), **tol[torch.float32])
 
 
 def test_compress_pool_bf16(device, tol):
-    gen = torch.Generator().manual_seed(3)
-    kv = torch.randn(12, 128, generator=gen).to(torch.bfloat16).to(device)
-    gate = torch.randn(12, 128, generator=gen).to(torch.bfloat16).to(device)
-    ape = torch.randn(4, 128, generator=gen).to(device)
-    norm = torch.ones(64, device=device)
-    want = ref.v4_compress_pool(kv.float(), gate.float(), ape, norm, 2, 4, True, True, 1e-6)
-    got = ck.v4_compress_pool(kv, gate, ape, norm, 2, 4, True, True, 1e-6)
-    torch.testing.assert_close(got.float(), want, **tol[torch.bfloat16])
+    args = make_windows(device, torch.bfloat16, 3, 4, 64, True)
+    want = ref.v4_compress_pool(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args])
+    torch.testing.assert_close(ck.v4_compress_pool(*args).float(), want, **tol[torch.bfloat16])
 
 
 def make_hc(device, T, hc, dim, seed=0):
