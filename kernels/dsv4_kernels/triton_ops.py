@@ -31,3 +31,7 @@ __all__ += [
     "v4_attention_decode", "v4_attention_extend", "v4_indexer_topk", "v4_compress_pool",
     "v4_hc_pre", "v4_hc_post", "v4_moe_route", "v4_moe_experts",
 ]
+
+# The V4 model routes its attention, indexer, compressor, mHC and MoE through the calls above
+# when its backend says so (the torch backend keeps the model's own batched torch path).
+V4_KERNEL_PATH = True
