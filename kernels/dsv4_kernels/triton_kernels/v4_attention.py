@@ -181,7 +181,7 @@ def attn_config(head_dim: int, heads: int, arch: int | None, elem_size: int = 2)
         return AttnConfig(block_h=64, block_n=16, num_warps=8, programs_per_sm=1)
     if heads > 16:
         return AttnConfig(block_h=32, block_n=32, num_warps=8, programs_per_sm=2)
-    return AttnConfig(block_h=16, block_n=32, num_warps=4, programs_per_sm=2)
+    return AttnConfig(block_h=16, block_n=32, num_warps=8, programs_per_sm=2)  # 4 warps spill on sm_120
 
 
 def _check(q, kv, ring, comp_kv):
@@ -236,12 +236,31 @@ def _launch(q, kv, ring, slot_ids, positions, token_req, req_row0, block_table, 
     return out
 
 
+HEAD_TILE_STEPS = {64: AttnConfig(block_h=32, block_n=32, num_warps=8, programs_per_sm=2),
+                   32: AttnConfig(block_h=16, block_n=32, num_warps=8, programs_per_sm=2)}
+
+
+def decode_config(head_dim: int, heads: int, arch: int | None, elem_size: int, tokens: int, sms: int) -> AttnConfig:
+    """attn_config, with smaller head tiles while the grid would leave over half the SMs idle:
+    the programs of one token's head tiles read the same keys (adjacent in the grid, so mostly
+    from L2), while a split of the key list costs HBM traffic: every split writes and the merge
+    reads a [heads, hd] fp32 partial, as large as ~100 of the keys it saves at 64 heads (MQA:
+    every head shares every key). Batch 64 x 64 heads on 132 SMs: 32 heads a program, no split."""
+    cfg = attn_config(head_dim, heads, arch, elem_size)
+    while cfg.block_h in HEAD_TILE_STEPS and elem_size <= 2 and 2 * tokens * triton.cdiv(heads, cfg.block_h) < sms:
+        cfg = HEAD_TILE_STEPS[cfg.block_h]
+    return cfg
+
+
 def default_num_splits(tokens: int, head_blocks: int, max_keys: int, cfg: AttnConfig, device: torch.device) -> int:
-    """Slices per query so that all programs fit one wave of resident programs; never more
-    slices than key tiles in the longest possible key list."""
+    """Slices of each key list: none once the grid fills a quarter of the resident programs
+    (partials would cost more HBM traffic than the idle SMs save); else enough to fill one
+    wave, with at least two key tiles a slice."""
     slots = sm_count(device) * cfg.programs_per_sm
-    want = max(1, slots // max(1, tokens * head_blocks))
-    return max(1, min(want, MAX_SPLITS, triton.cdiv(max_keys, cfg.block_n)))
+    work = max(1, tokens * head_blocks)
+    if 4 * work >= slots:
+        return 1
+    return max(1, min(slots // work, MAX_SPLITS, triton.cdiv(max_keys, 2 * cfg.block_n)))
 
 
 def _max_keys(ring, block_table, comp_kv, comp_idx, rate, page_size) -> int:
@@ -272,7 +291,7 @@ def v4_attention_decode(
     check_launchable(v4_attn_kernel, q)
     _check(q, kv, ring, comp_kv)
     B, H, hd = q.shape
-    cfg = config or attn_config(hd, H, cuda_arch(q.device), q.element_size())
+    cfg = config or decode_config(hd, H, cuda_arch(q.device), q.element_size(), B, sm_count(q.device))
     if num_splits is None:
         num_splits = default_num_splits(B, triton.cdiv(H, cfg.block_h),
                                         _max_keys(ring, block_table, comp_kv, comp_idx, rate, page_size), cfg, q.device)
@@ -326,6 +345,7 @@ def aot_variants(arch: int) -> list[KernelVariant]:
         ("bf16", 512, 64, True, False, True, "hca,decode"),
         ("bf16", 512, 64, True, True, False, "csa,extend"),
         ("bf16", 512, 64, False, False, False, "swa,extend"),
+        ("bf16", 512, 8, True, True, True, "csa,decode"),  # V4-Flash over 8 tensor-parallel ranks
         ("fp32", 512, 64, True, True, True, "csa,decode"),
         ("bf16", 64, 4, True, True, True, "csa,decode"),
     )
@@ -349,6 +369,13 @@ def aot_variants(arch: int) -> list[KernelVariant]:
             constexprs=dict(HEAD_DIM=hd, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_D=next_pow2(hd),
                             HAS_COMP=has_comp, SPARSE=sparse, SPLIT=split, UPCAST=False),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        ))
+    for step in HEAD_TILE_STEPS.values():  # what decode_config falls back to at small batches
+        base = variants[0]
+        variants.append(KernelVariant(
+            name=f"v4_attn[bf16,d512,h64,csa,decode,bh{step.block_h}]", kernel=v4_attn_kernel, types=base.types,
+            constexprs={**base.constexprs, "BLOCK_H": step.block_h, "BLOCK_N": step.block_n},
+            num_warps=step.num_warps, num_stages=step.num_stages,
         ))
     variants.append(KernelVariant(
         name="v4_attn_merge[bf16,d512]",

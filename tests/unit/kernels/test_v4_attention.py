@@ -120,3 +120,19 @@ def test_v4_flash_shapes(device, tol):
     c = make_case(device, torch.float32, heads=64, hd=512, window=128, rate=128, page_size=64,
                   positions=list(range(2040, 2050)), extend_lens=[10], kind="hca")
     torch.testing.assert_close(tk.v4_attention_extend(**c), ref.v4_attention_extend(**c), **tol[torch.float32])
+
+
+def test_decode_tiles_and_splits_fill_the_gpu_without_needless_partials(monkeypatch):
+    """On an H200-sized GPU (132 SMs): batch 64 at V4-Flash's 64 heads takes 32-head tiles and
+    no key split (partials would cost HBM traffic); batch 1 takes 16-head tiles and splits its
+    key list; fp32 keeps its tiles."""
+    monkeypatch.setattr(tk, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    cfg = tk.decode_config(512, 64, 90, 2, 64, 132)
+    assert cfg.block_h == 32
+    assert tk.default_num_splits(64, 2, 640, cfg, cuda) == 1
+    small = tk.decode_config(512, 64, 90, 2, 1, 132)
+    assert small.block_h == 16
+    assert tk.default_num_splits(1, 4, 640, small, cuda) == 10
+    assert tk.decode_config(512, 64, 90, 2, 256, 132).block_h == 64
+    assert tk.decode_config(512, 64, 90, 4, 1, 132) == tk.attn_config(512, 64, 90, 4)
