@@ -44,8 +44,9 @@ PROMPTS = {"a": prompt(17, 41), "b": prompt(9, 43)}
 ARRIVALS = {0: ["a"], 1: ["b"]}
 
 
-def run(v4_dir, backend: str, kernel_ops=None):
+def run(v4_dir, backend: str, kernel_ops=None, prompts=None, arrivals=None, new_tokens=NEW_TOKENS):
     """Greedy tokens and the logits each was sampled from, per request; the engine."""
+    prompts, arrivals = prompts or PROMPTS, arrivals or ARRIVALS
     engine = Engine(EngineArgs(model=str(v4_dir), device="cpu", kernel_backend=backend, kv_pages=64, page_size=4,
                                max_num_batched_tokens=7, max_num_seqs=4))
     if kernel_ops is not None:
@@ -70,9 +71,9 @@ def run(v4_dir, backend: str, kernel_ops=None):
             done.add(out.rid)
 
     step = 0
-    while len(done) < len(PROMPTS):
-        for rid in ARRIVALS.get(step, []):
-            engine.submit(Sequence(rid, PROMPTS[rid], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
+    while len(done) < len(prompts):
+        for rid in arrivals.get(step, []):
+            engine.submit(Sequence(rid, prompts[rid], SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True),
                                    sink=sink))
         engine.step()
         step += 1
@@ -85,15 +86,14 @@ def torch_run(v4_dir):
     return run(v4_dir, "torch")
 
 
-@pytest.fixture(scope="module")
-def oracle(v4_dir):
+def transformers_logits(v4_dir, prompts, new_tokens=NEW_TOKENS):
     hf = transformers.DeepseekV4ForCausalLM.from_pretrained(str(v4_dir), dtype=torch.float32).eval()
     want = {}
     with torch.no_grad():
-        for rid, p in PROMPTS.items():
+        for rid, p in prompts.items():
             out = hf(torch.tensor([p]), use_cache=True)
             cache, lg = out.past_key_values, [out.logits[0, -1]]
-            for _ in range(NEW_TOKENS - 1):
+            for _ in range(new_tokens - 1):
                 out = hf(lg[-1].argmax().view(1, 1), cache=cache, use_cache=True)
                 cache = out.past_key_values
                 lg.append(out.logits[0, -1])
@@ -101,10 +101,15 @@ def oracle(v4_dir):
     return want
 
 
+@pytest.fixture(scope="module")
+def oracle(v4_dir):
+    return transformers_logits(v4_dir, PROMPTS)
+
+
 def check(got, want_toks, want_logits, oracle):
     toks, logits, engine = got
     assert engine.runner.model.kops is not None
-    for rid in PROMPTS:
+    for rid in oracle:
         assert toks[rid] == want_toks[rid] == oracle[rid].argmax(-1).tolist(), rid
         assert float((logits[rid] - want_logits[rid]).abs().max()) < TOL, rid
         assert float((logits[rid] - oracle[rid]).abs().max()) < TOL, rid
@@ -131,3 +136,14 @@ def test_triton_backend_matches_torch_backend_and_transformers(v4_dir, torch_run
 
 def engine_backend(got) -> str:
     return got[2].runner.kernel_backend
+
+
+@pytest.mark.slow
+def test_triton_backend_three_requests_longer_prompts(v4_dir):
+    """33 tokens (past every window and compression boundary, 8 CSA entries for top-4), 18 and 9,
+    staggered, 7-token prefill steps next to decodes, 6 greedy tokens each."""
+    prompts = {"a": prompt(33, 51), "b": prompt(18, 52), "c": prompt(9, 53)}
+    arrivals = {0: ["a", "b"], 3: ["c"]}
+    want = transformers_logits(v4_dir, prompts, 6)
+    base = run(v4_dir, "torch", prompts=prompts, arrivals=arrivals, new_tokens=6)
+    check(run(v4_dir, "triton", prompts=prompts, arrivals=arrivals, new_tokens=6), base[0], base[1], want)
