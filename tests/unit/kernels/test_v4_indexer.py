@@ -75,7 +75,7 @@ def test_bf16_picks_nearly_the_same_entries(device):
 
 @pytest.mark.slow
 def test_v4_flash_shapes(device):
-    """V4-Flash's indexer: 64 heads of 128, top-512 of 550+ entries."""
-    c = make_case(device, torch.float32, heads=64, dim=128, rate=4, page_size=64, positions=[2200, 2300],
-                  extend_lens=[1, 1], top_k=512)
+    """V4-Flash's indexer: 64 heads of 128, top-512 of 525 entries (~2 min under the interpreter)."""
+    c = make_case(device, torch.float32, heads=64, dim=128, rate=4, page_size=64, positions=[2100],
+                  extend_lens=[1], top_k=512)
     assert torch.equal(tk.v4_indexer_topk(**c).cpu(), ref.v4_indexer_topk(**c).cpu())
