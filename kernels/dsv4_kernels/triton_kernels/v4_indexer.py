@@ -19,7 +19,6 @@ import triton.language as tl
 from .common import KernelVariant, check_launchable, cuda_arch, next_pow2, on_interpreter
 from .v4_attention import varlen_index
 
-EMPTY = -(1 << 63)  # below every encoded candidate
 
 
 @triton.jit
@@ -45,7 +44,7 @@ def v4_indexer_topk_kernel(
         q = q.to(tl.float32)
     hw = tl.load(iw_ptr + t.to(tl.int64) * stride_w_t + h, mask=h_mask, other=0.0).to(tl.float32) * scale
 
-    EMPTY_KEY: tl.constexpr = -9223372036854775807 - 1
+    EMPTY_KEY: tl.constexpr = -9223372036854775807 - 1  # below every encoded candidate
     best = tl.full([K_PAD], EMPTY_KEY, tl.int64)
     kth = tl.min(best, 0)  # the K-th best so far (EMPTY until K candidates were seen)
     rows_blk = tl.arange(0, K_PAD // BLOCK_N)
