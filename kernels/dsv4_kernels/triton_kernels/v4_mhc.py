@@ -1,6 +1,6 @@
 """DeepSeek-V4 mHC (manifold-constrained hyper-connections) around each sublayer, fused.
 
-``v4_hc_pre``: one program per token reads its hc residual streams once to get the RMS factor
+``v4_hc_pre``: one program per few tokens reads their hc residual streams once to get the RMS factor
 and the (2 + hc) * hc mixing logits (one pass over x against fn), turns them into pre/post
 weights and the Sinkhorn-normalised hc x hc mixing matrix in registers (the torch version is
 ~45 tiny launches a call, twice a layer), then reads x a second time to write the collapsed
@@ -14,62 +14,69 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import KernelVariant, check_launchable, next_pow2
+from .common import KernelVariant, check_launchable, next_pow2, on_interpreter
 
 
 @triton.jit
 def v4_hc_pre_kernel(
     x_ptr, fn_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, collapsed_ptr,
-    dim, rms_eps, hc_eps, sinkhorn_iters,
+    num_tokens, dim, rms_eps, hc_eps, sinkhorn_iters,
     stride_x_t, stride_fn, stride_p_t, stride_c_t, stride_o_t,
-    HC: tl.constexpr, BLOCK_HC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    t = tl.program_id(0)
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = tok < num_tokens
+    t64 = tok.to(tl.int64)
     i = tl.arange(0, BLOCK_HC)
     i_mask = i < HC
     ij_mask = i_mask[:, None] & i_mask[None, :]
-    x_row = x_ptr + t.to(tl.int64) * stride_x_t
     flat = HC * dim
-    # pass 1: sum of squares and the three groups of mixing logits (rows of fn: pre, post, comb)
-    sq = tl.zeros([BLOCK_K], tl.float32)
-    a_pre = tl.zeros([BLOCK_HC], tl.float32)
-    a_post = tl.zeros([BLOCK_HC], tl.float32)
-    a_comb = tl.zeros([BLOCK_HC, BLOCK_HC], tl.float32)
+    # pass 1: sums of squares and the three groups of mixing logits (rows of fn: pre, post, comb)
+    sq = tl.zeros([BLOCK_T], tl.float32)
+    a_pre = tl.zeros([BLOCK_T, BLOCK_HC], tl.float32)
+    a_post = tl.zeros([BLOCK_T, BLOCK_HC], tl.float32)
+    a_comb = tl.zeros([BLOCK_T, BLOCK_HC, BLOCK_HC], tl.float32)
+    comb_rows = 2 * HC + i[:, None] * HC + i[None, :]
     for k0 in range(0, flat, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < flat
-        xv = tl.load(x_row + k, mask=k_mask, other=0.0).to(tl.float32)
-        sq += xv * xv
+        xv = tl.load(x_ptr + t64[:, None] * stride_x_t + k[None, :], mask=t_mask[:, None] & k_mask[None, :],
+                     other=0.0).to(tl.float32)  # [T, K]
+        sq += tl.sum(xv * xv, 1)
         m2 = i_mask[:, None] & k_mask[None, :]
-        a_pre += tl.sum(tl.load(fn_ptr + i[:, None] * stride_fn + k[None, :], mask=m2, other=0.0) * xv[None, :], 1)
-        a_post += tl.sum(tl.load(fn_ptr + (HC + i)[:, None] * stride_fn + k[None, :], mask=m2, other=0.0) * xv[None, :], 1)
-        rows = 2 * HC + i[:, None] * HC + i[None, :]
-        m3 = ij_mask[:, :, None] & k_mask[None, None, :]
-        a_comb += tl.sum(tl.load(fn_ptr + rows[:, :, None] * stride_fn + k[None, None, :], mask=m3, other=0.0)
-                         * xv[None, None, :], 2)
-    inv = tl.rsqrt(tl.sum(sq, 0) / flat + rms_eps)
+        f_pre = tl.load(fn_ptr + i[:, None] * stride_fn + k[None, :], mask=m2, other=0.0)
+        f_post = tl.load(fn_ptr + (HC + i)[:, None] * stride_fn + k[None, :], mask=m2, other=0.0)
+        f_comb = tl.load(fn_ptr + comb_rows[:, :, None] * stride_fn + k[None, None, :],
+                         mask=ij_mask[:, :, None] & k_mask[None, None, :], other=0.0)
+        a_pre += tl.sum(f_pre[None, :, :] * xv[:, None, :], 2)
+        a_post += tl.sum(f_post[None, :, :] * xv[:, None, :], 2)
+        a_comb += tl.sum(f_comb[None, :, :, :] * xv[:, None, None, :], 3)
+    inv = tl.rsqrt(sq / flat + rms_eps)
     s0 = tl.load(scale_ptr)
     s1 = tl.load(scale_ptr + 1)
     s2 = tl.load(scale_ptr + 2)
-    pre = tl.sigmoid(a_pre * inv * s0 + tl.load(base_ptr + i, mask=i_mask, other=0.0)) + hc_eps
-    post = 2.0 * tl.sigmoid(a_post * inv * s1 + tl.load(base_ptr + HC + i, mask=i_mask, other=0.0))
-    logit = a_comb * inv * s2 + tl.load(base_ptr + 2 * HC + i[:, None] * HC + i[None, :], mask=ij_mask, other=0.0)
-    logit = tl.where(ij_mask, logit, float("-inf"))
-    e = tl.exp(logit - tl.max(logit, 1)[:, None])
-    comb = tl.where(ij_mask, e / tl.sum(e, 1)[:, None] + hc_eps, 0.0)
-    comb = comb / (tl.sum(comb, 0)[None, :] + hc_eps)
+    pre = tl.sigmoid(a_pre * inv[:, None] * s0 + tl.load(base_ptr + i, mask=i_mask, other=0.0)[None, :]) + hc_eps
+    post = 2.0 * tl.sigmoid(a_post * inv[:, None] * s1 + tl.load(base_ptr + HC + i, mask=i_mask, other=0.0)[None, :])
+    logit = a_comb * inv[:, None, None] * s2 + tl.load(base_ptr + comb_rows, mask=ij_mask, other=0.0)[None, :, :]
+    logit = tl.where(ij_mask[None, :, :], logit, float("-inf"))
+    e = tl.exp(logit - tl.max(logit, 2)[:, :, None])
+    comb = tl.where(ij_mask[None, :, :], e / tl.sum(e, 2)[:, :, None] + hc_eps, 0.0)
+    comb = comb / (tl.sum(comb, 1)[:, None, :] + hc_eps)
     for _ in range(1, sinkhorn_iters):
-        comb = comb / (tl.sum(comb, 1)[:, None] + hc_eps)
-        comb = comb / (tl.sum(comb, 0)[None, :] + hc_eps)
-    tl.store(post_ptr + t.to(tl.int64) * stride_p_t + i, post, mask=i_mask)
-    tl.store(comb_ptr + t.to(tl.int64) * stride_c_t + i[:, None] * HC + i[None, :], comb, mask=ij_mask)
+        comb = comb / (tl.sum(comb, 2)[:, :, None] + hc_eps)
+        comb = comb / (tl.sum(comb, 1)[:, None, :] + hc_eps)
+    tl.store(post_ptr + t64[:, None] * stride_p_t + i[None, :], post, mask=t_mask[:, None] & i_mask[None, :])
+    tl.store(comb_ptr + t64[:, None, None] * stride_c_t + (i[:, None] * HC + i[None, :])[None, :, :], comb,
+             mask=t_mask[:, None, None] & ij_mask[None, :, :])
     # pass 2: the collapsed input sum_j pre_j x_j
     for d0 in range(0, dim, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         d_mask = d < dim
-        xs = tl.load(x_row + i[:, None] * dim + d[None, :], mask=i_mask[:, None] & d_mask[None, :], other=0.0)
-        col = tl.sum(xs.to(tl.float32) * pre[:, None], 0)
-        tl.store(collapsed_ptr + t.to(tl.int64) * stride_o_t + d, col.to(collapsed_ptr.dtype.element_ty), mask=d_mask)
+        xs = tl.load(x_ptr + t64[:, None, None] * stride_x_t + i[None, :, None] * dim + d[None, None, :],
+                     mask=t_mask[:, None, None] & i_mask[None, :, None] & d_mask[None, None, :], other=0.0)
+        col = tl.sum(xs.to(tl.float32) * pre[:, :, None], 1)
+        tl.store(collapsed_ptr + t64[:, None] * stride_o_t + d[None, :], col.to(collapsed_ptr.dtype.element_ty),
+                 mask=t_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -96,6 +103,13 @@ def v4_hc_post_kernel(
              mask=j_mask[:, None] & d_mask[None, :])
 
 
+def hc_pre_tiles(interpreter: bool) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_K, BLOCK_D). A program takes several tokens: each reads fn (1.5 MiB at
+    V4-Flash's width) once for all of them, and the Sinkhorn loop's tiny ops run once for the
+    lot, which is what the interpreter pays for (per op, not per element)."""
+    return (16, 256, 1024) if interpreter else (4, 64, 256)
+
+
 def v4_hc_pre(
     x: torch.Tensor,
     fn: torch.Tensor,
@@ -114,11 +128,12 @@ def v4_hc_pre(
     if T == 0:
         return post, comb, collapsed
     fn = fn.float().contiguous()
-    v4_hc_pre_kernel[(T,)](
+    block_t, block_k, block_d = hc_pre_tiles(on_interpreter(x))
+    v4_hc_pre_kernel[(triton.cdiv(T, block_t),)](
         x, fn, base.float().contiguous(), scale.float().contiguous(), post, comb, collapsed,
-        dim, rms_eps, hc_eps, sinkhorn_iters,
+        T, dim, rms_eps, hc_eps, sinkhorn_iters,
         x.stride(0), fn.stride(0), post.stride(0), comb.stride(0), collapsed.stride(0),
-        HC=hc, BLOCK_HC=next_pow2(hc), BLOCK_K=256, BLOCK_D=min(1024, next_pow2(dim)),
+        HC=hc, BLOCK_T=block_t, BLOCK_HC=next_pow2(hc), BLOCK_K=block_k, BLOCK_D=min(block_d, next_pow2(dim)),
         num_warps=4,
     )
     return post, comb, collapsed
@@ -152,11 +167,12 @@ def aot_variants(arch: int) -> list[KernelVariant]:
             kernel=v4_hc_pre_kernel,
             types={
                 "x_ptr": "*bf16", "fn_ptr": "*fp32", "base_ptr": "*fp32", "scale_ptr": "*fp32", "post_ptr": "*fp32",
-                "comb_ptr": "*fp32", "collapsed_ptr": "*bf16", "dim": "i32", "rms_eps": "fp32", "hc_eps": "fp32",
-                "sinkhorn_iters": "i32",
+                "comb_ptr": "*fp32", "collapsed_ptr": "*bf16", "num_tokens": "i32", "dim": "i32", "rms_eps": "fp32",
+                "hc_eps": "fp32", "sinkhorn_iters": "i32",
                 **{n: "i32" for n in ("stride_x_t", "stride_fn", "stride_p_t", "stride_c_t", "stride_o_t")},
             },
-            constexprs=dict(HC=4, BLOCK_HC=4, BLOCK_K=256, BLOCK_D=1024),
+            constexprs=dict(HC=4, BLOCK_T=hc_pre_tiles(False)[0], BLOCK_HC=4, BLOCK_K=hc_pre_tiles(False)[1],
+                            BLOCK_D=hc_pre_tiles(False)[2]),
             divisible=("dim",), num_warps=4, num_stages=2,
         ),
         KernelVariant(

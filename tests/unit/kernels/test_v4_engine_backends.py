@@ -147,3 +147,45 @@ def test_triton_backend_three_requests_longer_prompts(v4_dir):
     want = transformers_logits(v4_dir, prompts, 6)
     base = run(v4_dir, "torch", prompts=prompts, arrivals=arrivals, new_tokens=6)
     check(run(v4_dir, "triton", prompts=prompts, arrivals=arrivals, new_tokens=6), base[0], base[1], want)
+
+
+def test_one_forward_mixing_chunks_and_decode_tokens(v4_dir):
+    """The engine splits decodes from prefills, but the model takes any mix in one forward: a
+    request's chunks next to another's decode tokens, kernel path (Triton) against the torch
+    path, step by step from identical states."""
+    from dsv4_engine.models.deepseek_v4 import DeepseekV4, V4Batch, allocate_states, load_v4_weights
+    from dsv4_engine.models.deepseek_v4_config import DeepseekV4Config
+    from dsv4_kernels import get_ops
+
+    cfg = DeepseekV4Config.from_dir(v4_dir)
+    weights = load_v4_weights(v4_dir)
+    fast, plain = DeepseekV4(cfg, weights, get_ops("triton")), DeepseekV4(cfg, weights, get_ops("torch"))
+    assert fast.kops is not None and plain.kops is None
+    page = 4
+    states = allocate_states(DeepseekV4.state_specs(cfg), 32, page, 4, torch.float32)
+    for t in states.values():
+        t.normal_()  # nothing may read state it did not write
+    twin = {k: v.clone() for k, v in states.items()}
+    a, b = prompt(20, 61), prompt(9, 62)
+    done = {"a": 0, "b": 0}
+    tables = {"a": list(range(0, 8)), "b": list(range(8, 16))}
+    slots = {"a": 2, "b": 0}
+    plans = [{"b": 9}, {"a": 7, "b": 1}, {"a": 13, "b": 1}]  # a's chunks end mid-window and past them
+    toks = {"a": list(a), "b": list(b)}
+    for plan in plans:
+        ids, pos, lens, last = [], [], [], []
+        for rid, n in plan.items():
+            s = done[rid]
+            ids += toks[rid][s:s + n]
+            pos += range(s, s + n)
+            lens.append(n)
+            last.append(len(ids) - 1)
+        fb = V4Batch(torch.tensor(ids), torch.tensor(pos), torch.tensor(lens), torch.tensor(last),
+                     torch.tensor([tables[r] for r in plan], dtype=torch.int32), torch.tensor([slots[r] for r in plan]),
+                     page)
+        got, want = fast.forward(fb, states), plain.forward(fb, twin)
+        assert float((got - want).abs().max()) < TOL
+        for (rid, n), lg in zip(plan.items(), want):
+            done[rid] += n
+            if done[rid] >= len(toks[rid]):
+                toks[rid].append(int(lg.argmax()))
