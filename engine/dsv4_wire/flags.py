@@ -18,3 +18,6 @@ class EngineFlags:
     ADMIN_TOKEN = "--admin-token"
     PD_SECRET = "--pd-secret"
     SHUTDOWN_GRACE = "--shutdown-grace"
+    DISABLE_PREFIX_CACHE = "--disable-prefix-cache"
+    TRANSFER_CHECKSUM = "--transfer-checksum"
+    CUDA_GRAPH_MAX_BS = "--cuda-graph-max-bs"

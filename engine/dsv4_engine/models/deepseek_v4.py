@@ -537,9 +537,9 @@ class DeepseekV4:
     def _attend_group(self, i: int, L: dict, q: torch.Tensor, kv: torch.Tensor, proj: dict, fb: V4Batch,
                       states: dict[str, torch.Tensor], spans: list[tuple[int, int, int]], group: list[int],
                       out: torch.Tensor) -> None:
-        """Requests `group` at once. A request's keys are its window's last W positions before the
-        chunk (read from the ring, in position order) followed by the chunk itself: one row per
-        request of W + Lmax keys, masked by position; then its visible compressed entries."""
+        """Requests `group` at once. A request's keys are the window positions before its chunk
+        (read from the ring, in position order) followed by the chunk itself, one row per request
+        masked by position, then its visible compressed entries."""
         cfg = self.cfg
         W, kind, j = cfg.sliding_window, L["type"], self.type_index.get(i)
         dev = q.device
@@ -557,13 +557,16 @@ class DeepseekV4:
         pages = fb.block_table[group]
 
         ring_store = states[self.SWA_KV]
-        kbase = start - W  # position of the first window key
+        kbase = start - W  # the ring holds positions start - W .. start - 1
         ring = ring_store[slots[:, None], i, (kbase[:, None] + torch.arange(W, device=dev)) % W]
         ext_kv = torch.cat([ring.to(kv.dtype), kv[tok]], 1)  # [B, W + Lmax, hd] in position order
-        kpos = kbase[:, None] + torch.arange(W + Lmax, device=dev)
+        # only the last R ring positions can be seen (R < W when every chunk of the group starts
+        # early: a fresh prompt attends to none of the ring)
+        R = min(W, max(s[2] for s in spans))
+        kpos = kbase[:, None] + torch.arange(W - R, W + Lmax, device=dev)
         kp, qp = kpos[:, None, :], qpos[:, :, None]
-        allowed = (kp <= qp) & (kp > qp - W) & (kp >= 0)  # [B, Lmax, W + Lmax]
-        keys = ext_kv
+        allowed = (kp <= qp) & (kp > qp - W) & (kp >= 0)  # [B, Lmax, R + Lmax]
+        keys = ext_kv[:, W - R:]
         if kind in (CSA, HCA):
             rate = cfg.compress_rates[kind]
             self._close_windows(L, proj, tok, n, start, slots, pages, fb, states, j, rate)
