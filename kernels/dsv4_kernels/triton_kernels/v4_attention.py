@@ -209,9 +209,9 @@ def _launch(q, kv, ring, slot_ids, positions, token_req, req_row0, block_table, 
     has_comp = comp_kv is not None
     sparse = has_comp and comp_idx is not None
     comp = comp_kv if has_comp else ring
-    cidx = comp_idx.to(torch.int32) if sparse else slot_ids
+    cidx = _i32(comp_idx, q) if sparse else slot_ids
     epp = comp.shape[1] if has_comp else 1
-    sink = sink.float().contiguous()
+    sink = sink.to(device=q.device, dtype=torch.float32).contiguous()
     v4_attn_kernel[(head_blocks, num_splits, T)](
         q, kv, ring, comp, block_table, cidx, sink,
         positions, token_req, req_row0, slot_ids,
@@ -296,7 +296,7 @@ def v4_attention_decode(
         num_splits = default_num_splits(B, triton.cdiv(H, cfg.block_h),
                                         _max_keys(ring, block_table, comp_kv, comp_idx, rate, page_size), cfg, q.device)
     ar = torch.arange(B, dtype=torch.int32, device=q.device)
-    return _launch(q, kv, ring, slot_ids.to(torch.int32), positions.to(torch.int32), ar, ar, block_table.to(torch.int32),
+    return _launch(q, kv, ring, _i32(slot_ids, q), _i32(positions, q), ar, ar, _i32(block_table, q),
                    comp_kv, comp_idx, sink, sm_scale, rate, page_size, num_splits, cfg)
 
 
@@ -322,9 +322,15 @@ def v4_attention_extend(
     _check(q, kv, ring, comp_kv)
     T, H, hd = q.shape
     cfg = config or attn_config(hd, H, cuda_arch(q.device), q.element_size())
-    token_req, req_row0 = varlen_index(extend_lens, T)
-    return _launch(q, kv, ring, slot_ids.to(torch.int32), positions.to(torch.int32), token_req, req_row0,
-                   block_table.to(torch.int32), comp_kv, comp_idx, sink, sm_scale, rate, page_size, num_splits, cfg)
+    token_req, req_row0 = varlen_index(extend_lens.to(q.device), T)
+    return _launch(q, kv, ring, _i32(slot_ids, q), _i32(positions, q), token_req, req_row0,
+                   _i32(block_table, q), comp_kv, comp_idx, sink, sm_scale, rate, page_size, num_splits, cfg)
+
+
+def _i32(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Index tensors as the kernels read them: int32, contiguous, on the queries' device (a no-op
+    when so)."""
+    return t.to(device=like.device, dtype=torch.int32).contiguous()
 
 
 def varlen_index(extend_lens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:

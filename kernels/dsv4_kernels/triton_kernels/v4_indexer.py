@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .common import KernelVariant, check_launchable, cuda_arch, next_pow2, on_interpreter
-from .v4_attention import varlen_index
+from .v4_attention import _i32, varlen_index
 
 
 
@@ -114,11 +114,11 @@ def v4_indexer_topk(
         raise ValueError("v4_indexer_topk needs the last dim of iq and index_k contiguous")
     if iq.dtype != index_k.dtype:
         raise ValueError(f"v4_indexer_topk: iq is {iq.dtype} but index_k is {index_k.dtype}")
-    token_req, _ = varlen_index(extend_lens, T)
+    token_req, _ = varlen_index(extend_lens.to(iq.device), T)
     k_pad, block_n, num_warps = indexer_tiles(top_k, iq.element_size(), cuda_arch(iq.device))
     iw = iw.float().contiguous()
     v4_indexer_topk_kernel[(T,)](
-        iq, iw, index_k, block_table.to(torch.int32), positions.to(torch.int32), token_req, out,
+        iq, iw, index_k, _i32(block_table, iq), _i32(positions, iq), token_req, out,
         top_k, scale, rate, page_size, index_k.shape[1],
         iq.stride(0), iq.stride(1), iw.stride(0), index_k.stride(0), index_k.stride(1),
         block_table.stride(0), out.stride(0),

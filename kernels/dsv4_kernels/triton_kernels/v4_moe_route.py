@@ -91,7 +91,7 @@ def v4_moe_route(
     bias = correction_bias.float().contiguous() if correction_bias is not None else weights
     block_t = _block_t(num_experts)
     v4_moe_route_kernel[(triton.cdiv(num_tokens, block_t),)](
-        router_logits, bias, table, input_ids.contiguous(), weights, ids,
+        router_logits, bias, table, input_ids.to(dev).contiguous(), weights, ids,
         num_tokens, num_experts, router_logits.stride(0), table.stride(0) if hashed else 0,
         weights.stride(0), ids.stride(0), float(routed_scaling_factor),
         TOP_K=top_k, HASH=hashed, SQRT_SOFTPLUS=scoring_func == "sqrtsoftplus",
