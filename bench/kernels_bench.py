@@ -188,8 +188,10 @@ def bench_v4_decode(ops_list, device, batches, contexts, kinds, time_it, peak, c
     for kind in kinds:
         for batch in batches:
             for context in contexts:
-                args, nbytes = v4_decode_case(device, batch, context, kind, heads=heads, hd=hd, top_k=top_k, dtype=dtype)
-                row = {"kind": kind, "batch": batch, "context": context, "heads": heads, "head_dim": hd, "bytes": nbytes}
+                args, nbytes = v4_decode_case(device, batch, context, kind, heads=heads, hd=hd, top_k=top_k,
+                                              dtype=dtype)
+                row = {"kind": kind, "batch": batch, "context": context, "heads": heads, "head_dim": hd,
+                       "bytes": nbytes}
                 want = None
                 for name, ops in ops_list:
                     fn = getattr(ops, "v4_attention_decode", None) or reference_v4.v4_attention_decode
@@ -197,7 +199,8 @@ def bench_v4_decode(ops_list, device, batches, contexts, kinds, time_it, peak, c
                     if want is None:
                         want = out.float()
                     else:
-                        row[f"{name}_max_abs_err_vs_{ops_list[0][0]}"] = round((out.float() - want).abs().max().item(), 5)
+                        err = (out.float() - want).abs().max().item()
+                        row[f"{name}_max_abs_err_vs_{ops_list[0][0]}"] = round(err, 5)
                     seconds = time_it(lambda fn=fn: fn(**args))
                     row[f"{name}_us"] = round(seconds * 1e6, 2)
                     row[f"{name}_gbps"] = round(nbytes / seconds / 1e9, 1)
@@ -288,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few small shapes (smoke test)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels_bench.json"))
     parser.add_argument("--only", choices=["all", "v4", "v3"], default="all",
-                        help="v4: only the DeepSeek-V4 kernels (decode attention, indexer); v3: only mla_decode and MoE")
+                        help="v4: only the DeepSeek-V4 kernels (decode attention, indexer); "
+                             "v3: only mla_decode and MoE")
     args = parser.parse_args(argv)
 
     if not args.cpu and not torch.cuda.is_available():

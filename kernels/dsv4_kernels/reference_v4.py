@@ -31,11 +31,13 @@ def _entry_rows(store: torch.Tensor, pages: torch.Tensor, w: torch.Tensor, rate:
     """store[...] rows of entries w (any shape; values < 0 read entry 0) of requests whose page
     ids are ``pages`` (broadcastable against w's leading dims)."""
     w = w.clamp(min=0).long()
-    page = torch.gather(pages.long(), -1, (w * rate) // page_size) if pages.dim() == w.dim() else pages.long()[(w * rate) // page_size]
+    slot = (w * rate) // page_size
+    page = torch.gather(pages.long(), -1, slot) if pages.dim() == w.dim() else pages.long()[slot]
     return store[page, w % store.shape[1]]
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor, sm_scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor,
+            sm_scale: float) -> torch.Tensor:
     """q [N, H, hd] over keys (== values) [N, K, hd] with allowed [N, K] and the per-head sink
     as one more logit whose value is dropped (the model's _softmax_attend)."""
     logits = torch.matmul(q, keys.transpose(-1, -2)) * sm_scale  # [N, H, K]

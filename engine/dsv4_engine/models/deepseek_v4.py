@@ -373,8 +373,8 @@ class DeepseekV4:
         cfg = self.cfg
         logits = F.linear(x, L["gate"])
         if self.kops is not None:
-            wts, ids = self.kops.v4_moe_route(logits, L.get("bias"), L.get("tid2eid"), input_ids, cfg.num_experts_per_tok,
-                                              cfg.routed_scaling_factor, cfg.scoring_func)
+            wts, ids = self.kops.v4_moe_route(logits, L.get("bias"), L.get("tid2eid"), input_ids,
+                                              cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.scoring_func)
             routed = self.kops.v4_moe_experts(x, L["w13"], L["w2"], wts, ids, cfg.swiglu_limit)
             return routed + F.linear(self._swiglu(F.linear(x, L["s_w13"])), L["s_w2"])
         scores = F.softplus(logits).sqrt() if cfg.scoring_func == "sqrtsoftplus" else torch.sigmoid(logits)
@@ -671,10 +671,12 @@ class DeepseekV4:
         ring_store[slots, i, t % W] = kv.to(ring_store.dtype)
         return out
 
-    def _stage_decode(self, L: dict, proj: dict, fb: V4Batch, states: dict[str, torch.Tensor], j: int, rate: int) -> None:
+    def _stage_decode(self, L: dict, proj: dict, fb: V4Batch, states: dict[str, torch.Tensor], j: int,
+                      rate: int) -> None:
         """Decode tokens go to their stage rings; those that close a window close it."""
         t, slots = fb.positions, fb.slot_ids.long()
-        stages = [(self.CSA_STAGE, "comp", self.CSA_KV, True), (self.CSA_INDEX_STAGE, "icomp", self.CSA_INDEX_K, True)] \
+        stages = [(self.CSA_STAGE, "comp", self.CSA_KV, True),
+                  (self.CSA_INDEX_STAGE, "icomp", self.CSA_INDEX_K, True)] \
             if L["type"] == CSA else [(self.HCA_STAGE, "comp", self.HCA_KV, False)]
         closing = ((t + 1) % rate == 0).nonzero().squeeze(1)
         for name, key, store, overlap in stages:

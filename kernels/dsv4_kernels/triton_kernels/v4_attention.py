@@ -117,7 +117,8 @@ def v4_attn_kernel(
     if SPLIT:
         live_s = l_i > 0.0
         l_safe = tl.where(live_s, l_i, 1.0)
-        po = part_out_ptr + t.to(tl.int64) * stride_po_t + heads[:, None] * stride_po_h + pid_s * stride_po_s + offs_d[None, :]
+        po = (part_out_ptr + t.to(tl.int64) * stride_po_t + heads[:, None] * stride_po_h + pid_s * stride_po_s
+              + offs_d[None, :])
         tl.store(po, acc / l_safe[:, None], mask=head_mask[:, None] & d_mask[None, :])
         lse = tl.where(live_s, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + t.to(tl.int64) * stride_pl_t + heads * stride_pl_h + pid_s, lse, mask=head_mask)
@@ -185,7 +186,7 @@ def attn_config(head_dim: int, heads: int, arch: int | None, elem_size: int = 2)
 
 
 def _check(q, kv, ring, comp_kv):
-    if q.stride(-1) != 1 or kv.stride(-1) != 1 or ring.stride(-1) != 1 or (comp_kv is not None and comp_kv.stride(-1) != 1):
+    if any(x is not None and x.stride(-1) != 1 for x in (q, kv, ring, comp_kv)):
         raise ValueError("v4 attention needs the last dim of q, kv, ring and comp_kv contiguous")
     for name, x in (("kv", kv), ("ring", ring), ("comp_kv", comp_kv)):
         if x is not None and x.dtype != q.dtype:
@@ -387,7 +388,8 @@ def aot_variants(arch: int) -> list[KernelVariant]:
         name="v4_attn_merge[bf16,d512]",
         kernel=v4_attn_merge_kernel,
         types={
-            "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16", "num_splits": "i32",
+            "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
+            "num_splits": "i32",
             **{name: "i32" for name in (
                 "stride_po_t", "stride_po_h", "stride_po_s", "stride_pl_t", "stride_pl_h", "stride_o_t", "stride_o_h")},
         },

@@ -143,7 +143,8 @@ def aot_variants(arch: int) -> list[KernelVariant]:
                 "positions_ptr": "*i32", "token_req_ptr": "*i32", "out_ptr": "*i32",
                 "top_k": "i32", "scale": "fp32", "rate": "i32", "page_size": "i32", "entries_per_page": "i32",
                 **{name: "i32" for name in (
-                    "stride_q_t", "stride_q_h", "stride_w_t", "stride_k_page", "stride_k_e", "stride_bt_b", "stride_o_t")},
+                    "stride_q_t", "stride_q_h", "stride_w_t", "stride_k_page", "stride_k_e", "stride_bt_b",
+                    "stride_o_t")},
             },
             constexprs=dict(NUM_HEADS=ih, HEAD_DIM=d, BLOCK_IH=max(16, next_pow2(ih)), BLOCK_D=max(16, next_pow2(d)),
                             BLOCK_N=block_n, K_PAD=k_pad, UPCAST=False),

@@ -59,7 +59,8 @@ def v4_hc_pre_kernel(
     post = 2.0 * tl.sigmoid(a_post * inv[:, None] * s1 + tl.load(base_ptr + HC + i, mask=i_mask, other=0.0)[None, :])
     logit = a_comb * inv[:, None, None] * s2 + tl.load(base_ptr + comb_rows, mask=ij_mask, other=0.0)[None, :, :]
     logit = tl.where(ij_mask[None, :, :], logit, float("-inf"))
-    e = tl.exp(logit - tl.max(logit, 2)[:, :, None])
+    row_max = tl.max(logit, 2)
+    e = tl.exp(logit - tl.where(row_max == float("-inf"), 0.0, row_max)[:, :, None])  # padded rows: all -inf
     comb = tl.where(ij_mask[None, :, :], e / tl.sum(e, 2)[:, :, None] + hc_eps, 0.0)
     comb = comb / (tl.sum(comb, 1)[:, None, :] + hc_eps)
     for _ in range(1, sinkhorn_iters):
@@ -180,7 +181,8 @@ def aot_variants(arch: int) -> list[KernelVariant]:
             kernel=v4_hc_post_kernel,
             types={
                 "x_ptr": "*bf16", "out_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "new_ptr": "*bf16",
-                "dim": "i32", **{n: "i32" for n in ("stride_x_t", "stride_o_t", "stride_p_t", "stride_c_t", "stride_n_t")},
+                "dim": "i32",
+                **{n: "i32" for n in ("stride_x_t", "stride_o_t", "stride_p_t", "stride_c_t", "stride_n_t")},
             },
             constexprs=dict(HC=4, BLOCK_HC=4, BLOCK_D=512),
             divisible=("dim",), num_warps=4, num_stages=1,

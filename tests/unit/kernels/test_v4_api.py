@@ -20,7 +20,8 @@ def test_v4_api_is_the_whole_reference_module():
 @pytest.mark.parametrize("name", V4_API)
 def test_backends_share_each_v4_signature(name):
     def engine_facing(fn):
-        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values() if p.kind != p.KEYWORD_ONLY]
+        params = inspect.signature(fn).parameters.values()
+        return [(p.name, p.kind, p.default) for p in params if p.kind != p.KEYWORD_ONLY]
 
     torch_ops, triton_ops = get_ops("torch"), get_ops("triton")
     assert getattr(torch_ops, name) is getattr(reference_v4, name)

@@ -77,5 +77,6 @@ def test_hc_post_matches_reference(device, tol):
 def test_hc_v4_flash_width(device):
     """V4-Flash: 4 streams of 4096."""
     x, fn, base, scale = make_hc(device, 2, 4, 4096)
-    for g, w in zip(mk.v4_hc_pre(x, fn, base, scale, 1e-6, 1e-6, 20), ref.v4_hc_pre(x, fn, base, scale, 1e-6, 1e-6, 20)):
+    args = (x, fn, base, scale, 1e-6, 1e-6, 20)
+    for g, w in zip(mk.v4_hc_pre(*args), ref.v4_hc_pre(*args)):
         torch.testing.assert_close(g, w, atol=5e-5, rtol=5e-5)

@@ -73,8 +73,8 @@ def run(v4_dir, backend: str, kernel_ops=None, prompts=None, arrivals=None, new_
     step = 0
     while len(done) < len(prompts):
         for rid in arrivals.get(step, []):
-            engine.submit(Sequence(rid, prompts[rid], SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True),
-                                   sink=sink))
+            params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+            engine.submit(Sequence(rid, prompts[rid], params, sink=sink))
         engine.step()
         step += 1
         assert step < 500, "engine made no progress"
