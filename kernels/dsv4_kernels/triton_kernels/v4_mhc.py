@@ -61,7 +61,8 @@ def v4_hc_pre_kernel(
     logit = tl.where(ij_mask[None, :, :], logit, float("-inf"))
     row_max = tl.max(logit, 2)
     e = tl.exp(logit - tl.where(row_max == float("-inf"), 0.0, row_max)[:, :, None])  # padded rows: all -inf
-    comb = tl.where(ij_mask[None, :, :], e / tl.sum(e, 2)[:, :, None] + hc_eps, 0.0)
+    row_sum = tl.sum(e, 2)
+    comb = tl.where(ij_mask[None, :, :], e / tl.where(row_sum > 0, row_sum, 1.0)[:, :, None] + hc_eps, 0.0)
     comb = comb / (tl.sum(comb, 1)[:, None, :] + hc_eps)
     for _ in range(1, sinkhorn_iters):
         comb = comb / (tl.sum(comb, 2)[:, :, None] + hc_eps)
