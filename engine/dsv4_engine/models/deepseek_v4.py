@@ -226,7 +226,12 @@ class DeepseekV4:
     def __init__(self, cfg: DeepseekV4Config, weights: dict[str, torch.Tensor], ops=None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         self.cfg = cfg
-        self.ops = ops  # unused yet: the V4 path is plain torch until its kernels exist
+        self.ops = ops
+        # The kernel path (attention, indexer, compressor pooling, mHC, MoE routing and experts
+        # through dsv4_kernels' V4 API) runs when the backend asks for it, as the Triton one does;
+        # the torch backend keeps the batched torch path below, the same math tuned for the CPU
+        # (dsv4_kernels.reference_v4 is its kernel-shaped twin: the kernels' oracle).
+        self.kops = ops if getattr(ops, "V4_KERNEL_PATH", False) else None
         self.dtype = dtype
         self.device = torch.device(device)
         self.inv_freq = {
@@ -336,6 +341,8 @@ class DeepseekV4:
         """x [T, hc, D] -> (post [T, hc], comb [T, hc, hc], collapsed [T, D])."""
         cfg = self.cfg
         fn, base, scale = params
+        if self.kops is not None:
+            return self.kops.v4_hc_pre(x, fn, base, scale, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
         hc = cfg.hc_mult
         flat = _unweighted_rms(x.reshape(x.shape[0], -1).float(), cfg.rms_norm_eps)
         mixes = F.linear(flat, fn)
@@ -350,6 +357,8 @@ class DeepseekV4:
 
     def _hc_mix(self, x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         # comb is applied transposed: stream k gets sum_j comb[j, k] * x[j]
+        if self.kops is not None:
+            return self.kops.v4_hc_post(x, out, post, comb)
         dt = x.dtype
         return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), x)
 
@@ -363,6 +372,11 @@ class DeepseekV4:
     def _moe(self, L: dict, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         logits = F.linear(x, L["gate"])
+        if self.kops is not None:
+            wts, ids = self.kops.v4_moe_route(logits, L.get("bias"), L.get("tid2eid"), input_ids,
+                                              cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.scoring_func)
+            routed = self.kops.v4_moe_experts(x, L["w13"], L["w2"], wts, ids, cfg.swiglu_limit)
+            return routed + F.linear(self._swiglu(F.linear(x, L["s_w13"])), L["s_w2"])
         scores = F.softplus(logits).sqrt() if cfg.scoring_func == "sqrtsoftplus" else torch.sigmoid(logits)
         if "tid2eid" in L:
             ids = L["tid2eid"][input_ids]
@@ -385,6 +399,10 @@ class DeepseekV4:
         for the overlapping CSA compressor, window w-1's: its first series joins the pool; window
         0 has none): gated softmax pooling, norm, rope at the window's first position."""
         _, _, ape, norm_w = params
+        if self.kops is not None:
+            entries = self.kops.v4_compress_pool(win_kv, win_gate, prev_kv, prev_gate, ape, norm_w, w_ids,
+                                                 self.cfg.rms_norm_eps)
+            return _rope(entries, w_ids * rate, self.inv_freq["compress"])
         win_gate = win_gate + ape
         if prev_kv is not None:
             hd = win_kv.shape[-1] // 2
@@ -446,7 +464,9 @@ class DeepseekV4:
         else:
             q = F.linear(qr, L["wq_b"])
         q = _apply_rope(_unweighted_rms(q.reshape(T, H, hd), eps), table)
-        if all(n == 1 for _, n, _ in spans):
+        if self.kops is not None:
+            out = self._attend_kernels(i, L, q, kv, proj, fb, states, spans)
+        elif all(n == 1 for _, n, _ in spans):
             out = self._attend_decode(i, L, q, kv, proj, fb, states)
         else:
             out = self._attend_varlen(i, L, q, kv, proj, fb, states, spans)
@@ -629,15 +649,7 @@ class DeepseekV4:
         allowed = (kpos <= t[:, None]) & (kpos > t[:, None] - W) & (kpos >= 0)
         if kind in (CSA, HCA):
             rate = cfg.compress_rates[kind]
-            stages = [(self.CSA_STAGE, "comp", self.CSA_KV, True), (self.CSA_INDEX_STAGE, "icomp", self.CSA_INDEX_K, True)] \
-                if kind == CSA else [(self.HCA_STAGE, "comp", self.HCA_KV, False)]
-            closing = ((t + 1) % rate == 0).nonzero().squeeze(1)
-            for name, key, store, overlap in stages:
-                st = states[name]
-                st[slots, j, t % st.shape[2]] = torch.cat(proj[key], dim=-1).to(st.dtype)
-                if len(closing):
-                    self._close_decode(closing, t[closing], slots[closing], fb, j, st, L[key], rate, overlap,
-                                       states[store][:, j])
+            self._stage_decode(L, proj, fb, states, j, rate)
             counts = (t + 1) // rate
             C = int(counts.max())
             if C:
@@ -657,6 +669,63 @@ class DeepseekV4:
                 allowed = torch.cat([allowed, visible], 1)
         out = self._softmax_attend(L, q.unsqueeze(1), keys, allowed.unsqueeze(1)).squeeze(1)
         ring_store[slots, i, t % W] = kv.to(ring_store.dtype)
+        return out
+
+    def _stage_decode(self, L: dict, proj: dict, fb: V4Batch, states: dict[str, torch.Tensor], j: int,
+                      rate: int) -> None:
+        """Decode tokens go to their stage rings; those that close a window close it."""
+        t, slots = fb.positions, fb.slot_ids.long()
+        stages = [(self.CSA_STAGE, "comp", self.CSA_KV, True),
+                  (self.CSA_INDEX_STAGE, "icomp", self.CSA_INDEX_K, True)] \
+            if L["type"] == CSA else [(self.HCA_STAGE, "comp", self.HCA_KV, False)]
+        closing = ((t + 1) % rate == 0).nonzero().squeeze(1)
+        for name, key, store, overlap in stages:
+            st = states[name]
+            st[slots, j, t % st.shape[2]] = torch.cat(proj[key], dim=-1).to(st.dtype)
+            if len(closing):
+                self._close_decode(closing, t[closing], slots[closing], fb, j, st, L[key], rate, overlap,
+                                   states[store][:, j])
+
+    def _attend_kernels(self, i: int, L: dict, q: torch.Tensor, kv: torch.Tensor, proj: dict, fb: V4Batch,
+                        states: dict[str, torch.Tensor], spans: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The kernel path: windows close first (their entries are visible to this step's later
+        tokens), the indexer picks CSA entries, one attention launch reads the ring, the chunk's
+        own keys and the entries in place; then the ring takes each request's last W tokens."""
+        cfg, ops = self.cfg, self.kops
+        W, kind, j = cfg.sliding_window, L["type"], self.type_index.get(i)
+        dev, T = q.device, q.shape[0]
+        decode = all(n == 1 for _, n, _ in spans)
+        slots = fb.slot_ids.long()
+        comp_kv = comp_idx = None
+        rate = 0
+        if kind in (CSA, HCA):
+            rate = cfg.compress_rates[kind]
+            if decode:
+                self._stage_decode(L, proj, fb, states, j, rate)
+            else:
+                n = torch.tensor([s[1] for s in spans], device=dev)
+                start = torch.tensor([s[2] for s in spans], device=dev)
+                row = torch.tensor([s[0] for s in spans], device=dev)
+                tok = (row[:, None] + torch.arange(max(s[1] for s in spans), device=dev)).clamp(max=T - 1)
+                self._close_windows(L, proj, tok, n, start, slots, fb.block_table, fb, states, j, rate)
+            comp_kv = states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j]
+            if kind == CSA:
+                comp_idx = ops.v4_indexer_topk(proj["iq"], proj["iw"], states[self.CSA_INDEX_K][:, j], fb.block_table,
+                                               fb.positions, fb.extend_lens, cfg.index_topk, cfg.index_head_dim ** -0.5,
+                                               rate, fb.page_size)
+        ring_store = states[self.SWA_KV]
+        args = (q, kv, ring_store[:, i], fb.slot_ids)
+        tail = (fb.block_table, comp_kv, comp_idx, L["sink"], cfg.head_dim ** -0.5, rate, fb.page_size)
+        if decode:
+            out = ops.v4_attention_decode(*args, fb.positions, *tail)
+            ring_store[slots, i, fb.positions % W] = kv.to(ring_store.dtype)
+            return out
+        out = ops.v4_attention_extend(*args, fb.positions, fb.extend_lens, *tail)
+        lens = fb.extend_lens.to(dev)
+        req = torch.repeat_interleave(torch.arange(lens.shape[0], device=dev), lens, output_size=T)
+        end = torch.tensor([s[1] + s[2] for s in spans], device=dev)
+        keep = fb.positions >= end[req] - W  # each request's last W tokens
+        ring_store[slots[req[keep]], i, fb.positions[keep] % W] = kv[keep].to(ring_store.dtype)
         return out
 
     # ---- the step ------------------------------------------------------------------------------

@@ -49,7 +49,8 @@ def test_kernels_compile_for_hopper_and_blackwell_within_limits():
         assert script.problems(report) == [], report
         # The GEMM-shaped kernels pipeline their loads, and in bf16 take tensor cores (fp32
         # asks for exact products: FMA units).
-        if report["kernel"].startswith(("mla_decode_split", "mla_extend", "moe_gate_up", "moe_down")):
+        if report["kernel"].startswith(("mla_decode_split", "mla_extend", "moe_gate_up", "moe_down", "v4_attn[",
+                                        "v4_indexer_topk[")):
             assert report["pipelined"], report
             assert (report["mma"] != "-") == ("bf16" in report["kernel"]), report
 
