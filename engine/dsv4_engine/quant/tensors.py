@@ -1,0 +1,125 @@
+"""A weight kept quantized in memory: what a model holds instead of a dense matrix on GPU.
+
+`QuantWeight` holds the quantized values and one row of scales per weight row (see
+dsv4_kernels.reference_quant for the two formats). Model code keeps calling `F.linear(x, w)`:
+the object takes part in torch's `__torch_function__` protocol and turns that call into the
+block-scaled kernel (Triton on CUDA, the torch reference elsewhere). Row concatenation
+(`torch.cat`), stacking experts (`torch.stack`), indexing an expert and chunking rows work too,
+because the scales are per row. Anything else raises: a quantized weight is never silently read
+as if it were dense.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dsv4_kernels.reference_quant import FP4_GROUP, FP8_GROUP, dequantize_fp4, dequantize_fp8_rows
+
+FP8, FP4 = "fp8", "fp4"
+
+
+@dataclass
+class QuantWeight:
+    kind: str  # FP8: data e4m3 [..., N, K], scale fp32 [..., N, ceil(K/128)]
+    data: torch.Tensor  # FP4: data uint8 [..., N, K/2], scale uint8 e8m0 [..., N, K/32]
+    scale: torch.Tensor
+    k: int  # logical input width K
+
+    @property
+    def group(self) -> int:
+        return FP8_GROUP if self.kind == FP8 else FP4_GROUP
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.data.shape[:-1], self.k))
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def dim(self) -> int:
+        return self.data.dim()
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + self.scale.nbytes
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.kind == FP8:
+            return dequantize_fp8_rows(self.data, self.scale, FP8_GROUP, dtype)
+        return dequantize_fp4(self.data, self.scale, FP4_GROUP, dtype)
+
+    def to(self, device=None, **_: Any) -> "QuantWeight":
+        return QuantWeight(self.kind, self.data.to(device), self.scale.to(device), self.k)
+
+    def contiguous(self) -> "QuantWeight":
+        return QuantWeight(self.kind, self.data.contiguous(), self.scale.contiguous(), self.k)
+
+    def __getitem__(self, idx) -> "QuantWeight":
+        """Leading-dimension indexing (an expert of a stack, a range of rows)."""
+        data, scale = self.data[idx], self.scale[idx]
+        if data.dim() < 2 or data.shape[-1] != self.data.shape[-1]:
+            raise IndexError("a QuantWeight can be indexed by experts or rows only")
+        return QuantWeight(self.kind, data, scale, self.k)
+
+    def chunk(self, chunks: int, dim: int = 0) -> tuple["QuantWeight", ...]:
+        if dim not in (-2, self.data.dim() - 2):
+            raise ValueError("a QuantWeight can be chunked along its rows only")
+        return tuple(QuantWeight(self.kind, d, s, self.k)
+                     for d, s in zip(self.data.chunk(chunks, dim), self.scale.chunk(chunks, dim)))
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] @ W^T -> [..., N] in x's dtype."""
+        if self.data.dim() != 2:
+            raise ValueError("F.linear needs a 2-D weight; index the expert first")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.is_cuda:
+            if self.kind == FP8:
+                from dsv4_kernels.triton_kernels.fp8_gemm import fp8_linear
+            else:
+                from dsv4_kernels.triton_kernels.fp4_gemm import fp4_linear as fp8_linear  # same signature
+            y = fp8_linear(x2, self.data, self.scale)
+        else:
+            from dsv4_kernels import reference_quant as ref
+
+            y = (ref.fp8_linear if self.kind == FP8 else ref.fp4_linear)(x2, self.data, self.scale)
+        return y.reshape(*lead, y.shape[-1])
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear or func is torch._C._nn.linear:
+            x, w = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            y = w.linear(x)
+            return y if bias is None else y + bias
+        if func in (torch.cat, torch.stack):
+            parts = list(args[0])
+            dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+            if not all(isinstance(p, QuantWeight) and p.kind == parts[0].kind and p.k == parts[0].k for p in parts):
+                raise TypeError(f"{func.__name__} of quantized weights needs weights of one format and width")
+            nd = parts[0].data.dim()
+            if func is torch.cat and dim not in (0, -2) or func is torch.cat and nd != 2 and dim == 0:
+                raise ValueError("quantized weights concatenate along rows only")
+            if func is torch.stack and dim != 0:
+                raise ValueError("quantized weights stack along a new first dimension only")
+            return QuantWeight(parts[0].kind, func([p.data for p in parts], dim), func([p.scale for p in parts], dim),
+                               parts[0].k)
+        raise TypeError(
+            f"{getattr(func, '__name__', func)} is not defined on a quantized ({types}) weight: only F.linear, "
+            f"torch.cat/stack of rows and expert indexing are; dequantize it at load instead"
+        )
+
+
+def dense(t, dtype: torch.dtype) -> torch.Tensor:
+    """A dense tensor in dtype, dequantizing a QuantWeight (for weights used other than by F.linear)."""
+    return t.dequantize(dtype) if isinstance(t, QuantWeight) else t.to(dtype)
+
+
+def is_quantized(t) -> bool:
+    return isinstance(t, QuantWeight)
