@@ -30,11 +30,11 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from dsv4_kernels.triton_kernels import mla_decode, mla_extend, moe_experts, moe_route, rmsnorm, rope
+from dsv4_kernels.triton_kernels import fp4_gemm, fp8_gemm, mla_decode, mla_extend, moe_experts, moe_route, rmsnorm, rope
 from dsv4_kernels.triton_kernels.common import SHARED_LIMIT, KernelVariant
 
 ARCHS = (90, 100, 120)
-KERNEL_MODULES = (mla_decode, mla_extend, moe_route, moe_experts, rmsnorm, rope)
+KERNEL_MODULES = (mla_decode, mla_extend, moe_route, moe_experts, rmsnorm, rope, fp8_gemm, fp4_gemm)
 MAX_REGISTERS = 255
 
 

@@ -123,3 +123,26 @@ def dense(t, dtype: torch.dtype) -> torch.Tensor:
 
 def is_quantized(t) -> bool:
     return isinstance(t, QuantWeight)
+
+
+def moe_experts_for(ops, swiglu_limit=None):
+    """The routed-experts call a model makes: the block-scaled expert kernels when the stacked
+    weights are QuantWeights (CUDA), else the backend's own `ops.moe_experts`."""
+
+    def moe_experts(x, w13, w2, topk_weights, topk_ids):
+        if not isinstance(w13, QuantWeight):
+            return ops.moe_experts(x, w13, w2, topk_weights, topk_ids)
+        if w13.kind != w2.kind:
+            raise TypeError("gate/up and down experts must share one format")
+        if x.is_cuda:
+            if w13.kind == FP8:
+                from dsv4_kernels.triton_kernels.fp8_gemm import fp8_moe_experts as run
+            else:
+                from dsv4_kernels.triton_kernels.fp4_gemm import fp4_moe_experts as run
+        else:
+            from dsv4_kernels import reference_quant as ref
+
+            run = ref.fp8_moe_experts if w13.kind == FP8 else ref.fp4_moe_experts
+        return run(x, w13.data, w13.scale, w2.data, w2.scale, topk_weights, topk_ids, swiglu_limit)
+
+    return moe_experts

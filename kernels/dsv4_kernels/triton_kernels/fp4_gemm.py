@@ -55,8 +55,8 @@ def fp4_gemm_kernel(
         rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     if expert >= 0:
         r_mask = rows < num_rows
-        rows = rows.to(tl.int64)
-        a_rows = rows // A_DIV
+        prow = rows.to(tl.int64)  # row * stride can pass 2**31 on long prefills
+        a_rows = prow // A_DIV
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         w_base = w_ptr + expert.to(tl.int64) * stride_we
@@ -98,8 +98,8 @@ def fp4_gemm_kernel(
                 up = tl.clamp(up, -swiglu_limit, swiglu_limit)
             acc = gate * tl.sigmoid(gate) * up
         if ROUTE_W:
-            acc = acc * tl.load(route_w_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + rows[:, None] * stride_o + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+            acc = acc * tl.load(route_w_ptr + prow, mask=r_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + prow[:, None] * stride_o + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=r_mask[:, None] & n_mask[None, :])
 
 
@@ -158,7 +158,8 @@ def fp4_moe_experts(
     grid = dict(tiles=tiles, num_m_blocks=block_expert.shape[0])
     inter = torch.empty(pairs, inter_size, dtype=x.dtype, device=x.device)
     _launch(x, w13, s13, inter, None, sorted_pairs, block_expert, pairs, inter_size,
-            a_div=top_k, dense=False, gated=True, limit=swiglu_limit, **grid)
+            a_div=top_k, dense=False, gated=True, limit=swiglu_limit,
+            tiles=gemm_blocks(pairs // E, gated=True), num_m_blocks=block_expert.shape[0])
     y = torch.empty(pairs, H, dtype=torch.float32, device=x.device)
     route_w = topk_weights.reshape(-1).to(torch.float32).contiguous()
     _launch(inter, w2, s2, y, route_w, sorted_pairs, block_expert, pairs, H,
@@ -179,6 +180,7 @@ def aot_variants(arch: int) -> list[KernelVariant]:
     for rows, label in ((8, "decode"), (4096, "prefill")):
         bm, bn, warps = gemm_blocks(rows)
         shapes = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP=GROUP, UPCAST=False)
+        gated_n = gemm_blocks(rows, gated=True)[1]
         for kind, extra, out in (
             ("dense", dict(A_DIV=1, DENSE=True, GATED=False, HAS_LIMIT=False, ROUTE_W=False), "*bf16"),
             ("moe_gate_up", dict(A_DIV=8, DENSE=False, GATED=True, HAS_LIMIT=True, ROUTE_W=False), "*bf16"),
@@ -186,6 +188,6 @@ def aot_variants(arch: int) -> list[KernelVariant]:
         ):
             variants.append(KernelVariant(
                 name=f"fp4_gemm[{kind},{label}]", kernel=fp4_gemm_kernel, types={**types, "out_ptr": out},
-                constexprs={**extra, **shapes}, num_warps=warps, num_stages=3, divisible=("N", "K"),
+                constexprs={**extra, **shapes, **({"BLOCK_N": gated_n} if extra["GATED"] else {})}, num_warps=warps, num_stages=3, divisible=("N", "K"),
             ))
     return variants

@@ -46,9 +46,11 @@ def fp8_act_quant_kernel(
         # The interpreter's fp32 -> e4m3 cast drops the carry when rounding up crosses a power of
         # two (124.3 -> 64). Round to the e4m3 grid here (3 mantissa bits, subnormal step 2**-9,
         # ties to even by fp32 addition) so that the cast below is exact.
-        e = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(q), 1e-30))), -6.0)
+        mag = tl.abs(q)
+        e = tl.maximum(tl.floor(tl.log2(tl.maximum(mag, 1e-30))), -6.0)
         big = tl.exp2(e - 3.0) * 12582912.0  # 1.5 * 2**23 steps: fp32 addition rounds at one step
-        q = (q + big) - big
+        mag = (mag + big) - big
+        q = tl.where(q < 0, -mag, mag)
     tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + rows64 * stride_s + g, s, mask=rows < M)
 
@@ -72,8 +74,8 @@ def fp8_gemm_kernel(
         rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     if expert >= 0:
         r_mask = rows < num_rows
-        rows = rows.to(tl.int64)
-        a_rows = rows // A_DIV
+        prow = rows.to(tl.int64)  # row * stride can pass 2**31 on long prefills
+        a_rows = prow // A_DIV
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         w_base = w_ptr + expert.to(tl.int64) * stride_we
@@ -111,18 +113,20 @@ def fp8_gemm_kernel(
                 up = tl.clamp(up, -swiglu_limit, swiglu_limit)
             acc = gate * tl.sigmoid(gate) * up
         if ROUTE_W:
-            acc = acc * tl.load(route_w_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + rows[:, None] * stride_o + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+            acc = acc * tl.load(route_w_ptr + prow, mask=r_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + prow[:, None] * stride_o + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=r_mask[:, None] & n_mask[None, :])
 
 
-def gemm_blocks(rows: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): small M-blocks for decode, where reading weights dominates."""
+def gemm_blocks(rows: int, gated: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): small M-blocks for decode, where reading weights dominates.
+    The gated GEMM holds two accumulators and two weight tiles: narrower N-tiles (at 64x64 and
+    16x64 the AOT report showed spills on sm_120 and sm_100)."""
     if rows <= 16:
-        return 16, 64, 4
+        return (16, 32, 4) if gated else (16, 64, 4)
     if rows <= 64:
-        return 32, 128, 4
-    return 64, 128, 8
+        return (32, 64, 4) if gated else (32, 128, 4)
+    return (64, 32, 8) if gated else (64, 128, 8)
 
 
 def fp8_act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,10 +192,12 @@ def fp8_moe_experts(
     tiles = gemm_blocks(pairs // E)
     sorted_pairs, block_expert = align_pairs_by_expert(topk_ids, E, tiles[0])
     grid = dict(tiles=tiles, num_m_blocks=block_expert.shape[0])
+    gated_tiles = gemm_blocks(pairs // E, gated=True)
     xq, xs = fp8_act_quant(x)
     inter = torch.empty(pairs, inter_size, dtype=x.dtype, device=x.device)
     _launch(xq, xs, w13, s13, inter, None, sorted_pairs, block_expert, pairs, inter_size,
-            a_div=top_k, dense=False, gated=True, limit=swiglu_limit, **grid)
+            a_div=top_k, dense=False, gated=True, limit=swiglu_limit, tiles=gated_tiles,
+            num_m_blocks=block_expert.shape[0])
     iq, is_ = fp8_act_quant(inter)
     y = torch.empty(pairs, H, dtype=torch.float32, device=x.device)
     route_w = topk_weights.reshape(-1).to(torch.float32).contiguous()
@@ -219,6 +225,7 @@ def aot_variants(arch: int) -> list[KernelVariant]:
     for rows, label in ((8, "decode"), (4096, "prefill")):
         bm, bn, warps = gemm_blocks(rows)
         shapes = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=GROUP, UPCAST=False)
+        gated_shapes = {**shapes, "BLOCK_N": gemm_blocks(rows, gated=True)[1]}
         variants.append(KernelVariant(
             name=f"fp8_gemm[dense,{label}]", kernel=fp8_gemm_kernel, types=types,
             constexprs=dict(A_DIV=1, DENSE=True, GATED=False, HAS_LIMIT=False, ROUTE_W=False, **shapes),
@@ -226,7 +233,7 @@ def aot_variants(arch: int) -> list[KernelVariant]:
         ))
         variants.append(KernelVariant(
             name=f"fp8_gemm[moe_gate_up,{label}]", kernel=fp8_gemm_kernel, types=types,
-            constexprs=dict(A_DIV=8, DENSE=False, GATED=True, HAS_LIMIT=True, ROUTE_W=False, **shapes),
+            constexprs=dict(A_DIV=8, DENSE=False, GATED=True, HAS_LIMIT=True, ROUTE_W=False, **gated_shapes),
             num_warps=warps, num_stages=3, divisible=("N", "K"),
         ))
         variants.append(KernelVariant(
