@@ -92,7 +92,8 @@ def checkpoint_scheme(model_dir: str | Path) -> Optional[QuantScheme]:
     """The checkpoint's scheme, checked against what its files hold: FP8 tensors in a checkpoint
     without a quantization_config are refused (their scales would be guessed)."""
     d = Path(model_dir)
-    config = json.loads((d / "config.json").read_text())
+    path = d / "config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}  # a bare tensor folder: no declaration
     scheme = scheme_from_config(config)
     if scheme is None:
         for path in _safetensors_files(d):
