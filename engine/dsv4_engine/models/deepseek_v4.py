@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from dsv4_engine.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4_engine.models.state import StateSpec
+from dsv4_engine.quant import dense, log_resident, place
 from dsv4_engine.weights import load_weights
 
 
@@ -68,7 +69,6 @@ class V4Batch:
 # ---- weights: release names, and what transformers' save_pretrained / state_dict write -----------
 
 _MTP = re.compile(r"(^|\.)mtp\.")
-_QUANTIZED = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn_x2") if hasattr(torch, n)}
 
 # Native transformers module names -> DeepSeek release names (the inverse of transformers'
 # conversion mapping for deepseek_v4). Applied in order, after "model." is stripped.
@@ -233,17 +233,13 @@ class DeepseekV4:
         cfg, dt, dev = self.cfg, self.dtype, self.device
 
         def take(name: str, dtype: Optional[torch.dtype] = dt) -> torch.Tensor:
+            # fp8/fp4 weights stay quantized on CUDA (F.linear dispatches on them), dense elsewhere
             if name not in w:
                 raise KeyError(f"checkpoint lacks tensor {name}")
-            if w[name].dtype in _QUANTIZED:
-                raise NotImplementedError(
-                    f"{name} is stored as {w[name].dtype}: quantized V4 releases must be dequantized to bf16 first"
-                )
-            t = w[name].to(device=dev)
-            return (t.to(dtype) if dtype is not None else t).contiguous()
+            return place(w[name], dev, dtype)
 
         f32 = torch.float32  # mHC, norms, sinks, position biases stay fp32, as in the release
-        self.embed = take("embed.weight")
+        self.embed = dense(take("embed.weight"), dt)
         self.head = take("head.weight")
         self.norm = take("norm.weight", f32)
         self.hc_head = (take("hc_head_fn", f32), take("hc_head_base", f32), take("hc_head_scale", f32))
@@ -262,7 +258,7 @@ class DeepseekV4:
                 "wq_b": take(a + "wq_b.weight"),
                 "wkv": take(a + "wkv.weight"),
                 "kv_norm": take(a + "kv_norm.weight", f32),
-                "wo_a": take(a + "wo_a.weight"),
+                "wo_a": dense(take(a + "wo_a.weight"), dt),  # used per group (bmm), not by F.linear
                 "wo_b": take(a + "wo_b.weight"),
                 "sink": take(a + "attn_sink", f32),
             }
@@ -289,6 +285,7 @@ class DeepseekV4:
             L["s_w13"] = torch.cat([take(f + "shared_experts.w1.weight"), take(f + "shared_experts.w3.weight")], 0)
             L["s_w2"] = take(f + "shared_experts.w2.weight")
             self.layers.append(L)
+        self.resident_bytes = log_resident("deepseek_v4", dev, self.embed, self.head, self.norm, self.hc_head, self.layers)
 
     # ---- mHC -----------------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def engine_greedy(model_dir, ps: list[list[int]]) -> dict[int, list[int]]:
+def engine_greedy(model_dir, ps: list[list[int]], n: int = NEW_TOKENS) -> dict[int, list[int]]:
     engine = Engine(EngineArgs(model=str(model_dir), device="cpu", kernel_backend="torch", kv_pages=128, page_size=16))
     outs: dict[int, list[int]] = {i: [] for i in range(len(ps))}
     done: set[int] = set()
@@ -55,7 +55,7 @@ def engine_greedy(model_dir, ps: list[list[int]]) -> dict[int, list[int]]:
         return sink
 
     for i, p in enumerate(ps):
-        engine.submit(Sequence(f"r{i}", p, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
+        engine.submit(Sequence(f"r{i}", p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
                                sink=sink_for(i)))
     for _ in range(500):
         if len(done) == len(ps):
@@ -101,23 +101,20 @@ def test_cuda_form_keeps_weights_quantized_and_tracks_the_dense_model(v3_fp8, mo
     # fp8 weights take ~1/4 of their fp32 bytes (+1/32 for per-row scales); kv_b, the embedding,
     # the head and the norms stay dense
     assert sum(rb.values()) < 0.45 * sum(db.values())
-    from dsv4_engine.kv_cache import KVPool
-    from dsv4_engine.scheduler import Scheduler
-
     prompt = prompts(kept.cfg.vocab_size, [40], seed=5)[0]
-    logits = []
-    for runner in (dense, kept):
-        pool = KVPool(runner.state_specs, 16, 16, torch.float32, torch.device("cpu"))
-        sched = Scheduler(pool.allocator, 16, 4, 1024)
-        sched.add(Sequence("a", prompt, SamplingParams(max_tokens=4, temperature=0)))
-        logits.append(runner.forward(sched.schedule(), pool)[0])
+    a, b = engine_greedy_runner(dense, prompt), engine_greedy_runner(kept, prompt)
     # w8a8: every activation is rounded to e4m3 (3 mantissa bits) per 128-group, so the logits move
     # by a few percent of their spread (measured: mean 7%, correlation 0.997); same top token.
-    # (With activations left unquantized the two agree exactly: the plumbing adds no error.)
-    a, b = logits
     assert 0 < (a - b).abs().mean() / a.std() < 0.15
     assert torch.corrcoef(torch.stack([a, b]))[0, 1] > 0.99
     assert a.argmax() == b.argmax()
+    # with activations left unrounded the two agree: the plumbing (F.linear dispatch, concatenated
+    # gate|up rows, stacked experts through the expert call) adds nothing
+    from dsv4_kernels import reference_quant
+
+    monkeypatch.setattr(reference_quant, "fp8_act_quant",
+                        lambda x, group=128: (x.float(), torch.ones(x.shape[0], -(-x.shape[1] // group))))
+    torch.testing.assert_close(engine_greedy_runner(kept, prompt), a, atol=1e-4, rtol=1e-4)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -139,3 +136,80 @@ def test_unknown_quantization_stops_serve_with_one_line(v3_fp8, tmp_path):
     assert len(lines) == 1 and "'awq'" in lines[0], r.stderr
     r = _cli("model", "init", str(tmp_path / "x"), "--preset", "tiny", "--quant", "fp4-experts")
     assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and "V4" in r.stderr, r.stderr
+
+
+# ---- DeepSeek-V4 ---------------------------------------------------------------------------------
+
+V4_NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module", params=["fp8", "fp4-experts"])
+def v4_quant(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp("q4")
+    q = init_checkpoint(d / request.param, preset="v4-tiny", seed=0, quant=request.param)
+    return request.param, q, dequantize_checkpoint(q, d / "twin")
+
+
+def hf_v4_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy tokens, the prompt in one forward then one token at a time."""
+    with torch.no_grad():
+        out = hf(torch.tensor([prompt]), use_cache=True)
+        cache, toks = out.past_key_values, [int(out.logits[0, -1].argmax())]
+        for _ in range(n - 1):
+            out = hf(torch.tensor([[toks[-1]]]), cache=cache, use_cache=True)
+            cache = out.past_key_values
+            toks.append(int(out.logits[0, -1].argmax()))
+    return toks
+
+
+def test_v4_quantized_checkpoint_gives_transformers_greedy_tokens_on_its_dequantized_twin(v4_quant, caplog):
+    quant, q, twin = v4_quant
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(str(twin), dtype=torch.float32).eval()
+    ps = prompts(hf.config.vocab_size, [9, 37], seed=4)  # the longer one crosses every window and compression
+    with caplog.at_level(logging.INFO, logger="dsv4.engine"):
+        outs = engine_greedy(q, ps, V4_NEW_TOKENS)
+    for i, p in enumerate(ps):
+        assert outs[i] == hf_v4_greedy(hf, p, V4_NEW_TOKENS), (quant, i)
+    assert "(ue8m0 scales)" in caplog.text
+    assert ("fp4 e2m1 routed experts" in caplog.text) == (quant == "fp4-experts")
+
+
+def test_v4_cuda_form_keeps_fp4_experts_packed(v4_quant, monkeypatch):
+    """V4's experts as a CUDA engine holds them, built on CPU: packed fp4 (half a byte per value)
+    indexed per expert by the model and multiplied through F.linear."""
+    quant, q, _ = v4_quant
+    if quant != "fp4-experts":
+        pytest.skip("fp4 experts only")
+    dense = ModelRunner(q, "float32", "cpu", "torch")
+    monkeypatch.setattr("dsv4_engine.quant.load.keep_quantized", lambda device: True)
+    kept = ModelRunner(q, "float32", "cpu", "torch")
+    L = kept.model.layers[2]
+    assert L["w13"].kind == "fp4" and L["w13"].data.dtype == torch.uint8
+    assert L["w13"].data.shape[-1] * 2 == L["w13"].shape[-1]
+    assert L["wq_a"].kind == "fp8"
+    rb = kept.model.resident_bytes
+    assert rb["fp4"] > 0 and rb["fp8"] > 0
+    assert sum(rb.values()) < 0.6 * sum(dense.model.resident_bytes.values())
+    prompt = prompts(kept.cfg.vocab_size, [20], seed=6)[0]
+    a, b = engine_greedy_runner(dense, prompt), engine_greedy_runner(kept, prompt)
+    # w8a8 on the fp8 projections moves the logits a little (fp4 experts are w4a16: exact products)
+    assert torch.corrcoef(torch.stack([a, b]))[0, 1] > 0.98
+    # with activations left unrounded the kept-quantized model is the dense one: the plumbing
+    # (per-expert indexing, concatenated w1|w3, F.linear dispatch) adds nothing
+    from dsv4_kernels import reference_quant
+
+    monkeypatch.setattr(reference_quant, "fp8_act_quant",
+                        lambda x, group=128: (x.float(), torch.ones(x.shape[0], -(-x.shape[1] // group))))
+    torch.testing.assert_close(engine_greedy_runner(kept, prompt), a, atol=1e-4, rtol=1e-4)
+
+
+def engine_greedy_runner(runner, prompt: list[int]) -> torch.Tensor:
+    """The logits after one prefill through a runner and its pool (slot rows included)."""
+    from dsv4_engine.kv_cache import KVPool
+    from dsv4_engine.scheduler import Scheduler
+
+    pool = KVPool(runner.state_specs, 16, 16, torch.float32, torch.device("cpu"), 4)
+    sched = Scheduler(pool.allocator, 16, 4, 1024, pool.slots)
+    seq = Sequence("a", prompt, SamplingParams(max_tokens=4, temperature=0))
+    sched.add(seq)
+    return runner.forward(sched.schedule(), pool)[0]
