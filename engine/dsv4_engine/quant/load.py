@@ -136,6 +136,11 @@ def place(t: Any, device: torch.device, dtype: Optional[torch.dtype]) -> Any:
         if keep_quantized(device):
             return t.to(device).contiguous()
         return t.dequantize(dtype or torch.float32).to(device).contiguous()
+    if t.dtype in _FP8_DTYPES | _OTHER_FP8 or t.dtype == getattr(torch, "float4_e2m1fn_x2", None):
+        # a quantized tensor that reached a model without its scales (not through load_weights):
+        # casting it would silently misread it
+        raise UnsupportedQuantization(f"a {t.dtype} weight reached the model without its scales; "
+                                      f"load checkpoints with dsv4_engine.weights.load_weights")
     t = t.to(device=device)
     return (t.to(dtype) if dtype is not None else t).contiguous()
 
