@@ -3,9 +3,12 @@ with the engine's loader.
 
 Formats, as the engine keeps them resident (one row of scales per weight row, so rows can be
 concatenated, chunked and stacked freely):
-- fp8: e4m3 weights [..., N, K] and fp32 scales [..., N, ceil(K/128)] (a 128x128 block scale
-  repeated over its rows); activations are quantized per token and 128-wide group of K (w8a8, as
-  DeepSeek's inference does), so y = sum over K-groups of (qa . qw) * sa * sw.
+- fp8: e4m3 weights [..., N, K] and fp32 scales per 128-wide group of K, either one row of scales
+  per 128 weight rows ([..., ceil(N/128), ceil(K/128)], the checkpoint's 128x128 blocks as they
+  are) or one per weight row ([..., N, ceil(K/128)], what concatenating weights whose row count
+  is not a multiple of 128 needs); `scale_row_block` tells which. Activations are quantized per
+  token and 128-wide group of K (w8a8, as DeepSeek's inference does), so y = sum over K-groups
+  of (qa . qw) * sa * sw.
 - fp4: e2m1 codes packed two per byte along K (element 2j in the low nibble), uint8 [..., N, K/2],
   and power-of-two scales as e8m0 exponent bytes uint8 [..., N, K/32] (2**(e-127)); activations
   stay in their dtype (w4a16).
@@ -39,11 +42,22 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([lo, hi], dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
+def scale_row_block(w: torch.Tensor, scale: torch.Tensor) -> int:
+    """Weight rows per row of fp8 scales: 1 (per-row scales) or 128 (block scales)."""
+    n, sn = w.shape[-2], scale.shape[-2]
+    if sn == n:
+        return 1
+    if sn == -(-n // FP8_GROUP):
+        return FP8_GROUP
+    raise ValueError(f"fp8 scales {tuple(scale.shape)} fit neither rows nor 128-row blocks of weight {tuple(w.shape)}")
+
+
 def dequantize_fp8_rows(q: torch.Tensor, row_scale: torch.Tensor, group: int = FP8_GROUP,
                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """e4m3 [..., N, K] with per-row scales [..., N, ceil(K/group)] -> dtype [..., N, K]."""
-    K = q.shape[-1]
-    s = row_scale.float().repeat_interleave(group, dim=-1)[..., :K]
+    """e4m3 [..., N, K] with scales [..., N or ceil(N/128), ceil(K/group)] -> dtype [..., N, K]."""
+    N, K = q.shape[-2:]
+    s = row_scale.float().repeat_interleave(scale_row_block(q, row_scale), dim=-2)[..., :N, :]
+    s = s.repeat_interleave(group, dim=-1)[..., :K]
     return (q.float() * s).to(dtype)
 
 

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from dsv4_engine.quant.codec import cdiv, expand_block_scale, float_to_e8m0_bytes, scale_as_float
+from dsv4_engine.quant.codec import cdiv, float_to_e8m0_bytes, scale_as_float
 from dsv4_engine.quant.scheme import FP4_GROUP, QuantScheme, UnsupportedQuantization
 from dsv4_engine.quant.tensors import FP4, FP8, QuantWeight
 
@@ -63,7 +63,7 @@ def _fp8(name: str, q: torch.Tensor, s: torch.Tensor, scheme: QuantScheme) -> Qu
     if tuple(s.shape) != want:
         raise UnsupportedQuantization(f"{name}: fp8 weight {tuple(q.shape)} needs scales {want} for {bn}x{bk} blocks, "
                                       f"found {tuple(s.shape)}")
-    return QuantWeight(FP8, q, expand_block_scale(scale_as_float(s), N, bn), K)
+    return QuantWeight(FP8, q, scale_as_float(s).contiguous(), K)  # block scales kept as stored
 
 
 def _fp4(name: str, q: torch.Tensor, s: torch.Tensor) -> QuantWeight:

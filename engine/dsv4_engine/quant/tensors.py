@@ -1,12 +1,14 @@
 """A weight kept quantized in memory: what a model holds instead of a dense matrix on GPU.
 
-`QuantWeight` holds the quantized values and one row of scales per weight row (see
-dsv4_kernels.reference_quant for the two formats). Model code keeps calling `F.linear(x, w)`:
+`QuantWeight` holds the quantized values and their scales (see dsv4_kernels.reference_quant for
+the two formats): fp8 keeps the checkpoint's 128x128 block scales as they are (resident bytes =
+checkpoint bytes), fp4 one scale per row and 32 values. Model code keeps calling `F.linear(x, w)`:
 the object takes part in torch's `__torch_function__` protocol and turns that call into the
 block-scaled kernel (Triton on CUDA, the torch reference elsewhere). Row concatenation
-(`torch.cat`), stacking experts (`torch.stack`), indexing an expert and chunking rows work too,
-because the scales are per row. Anything else raises: a quantized weight is never silently read
-as if it were dense.
+(`torch.cat`), stacking experts (`torch.stack`), indexing an expert and chunking rows work too;
+where rows of different blocks would share a scale row (a part whose row count is not a multiple
+of 128), the scales are first repeated per row (+4/128 bytes per value for that weight only).
+Anything else raises: a quantized weight is never silently read as if it were dense.
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dsv4_kernels.reference_quant import FP4_GROUP, FP8_GROUP, dequantize_fp4, dequantize_fp8_rows
+from dsv4_kernels.reference_quant import FP4_GROUP, FP8_GROUP, dequantize_fp4, dequantize_fp8_rows, scale_row_block
 
 FP8, FP4 = "fp8", "fp4"
 
 
 @dataclass
 class QuantWeight:
-    kind: str  # FP8: data e4m3 [..., N, K], scale fp32 [..., N, ceil(K/128)]
+    kind: str  # FP8: data e4m3 [..., N, K], scale fp32 [..., ceil(N/128) or N, ceil(K/128)]
     data: torch.Tensor  # FP4: data uint8 [..., N, K/2], scale uint8 e8m0 [..., N, K/32]
     scale: torch.Tensor
     k: int  # logical input width K
@@ -45,6 +47,19 @@ class QuantWeight:
         return self.data.dim()
 
     @property
+    def row_block(self) -> int:
+        """Weight rows per row of scales (128: block scales as stored; 1: per row)."""
+        return scale_row_block(self.data, self.scale) if self.kind == FP8 else 1
+
+    def per_row(self) -> "QuantWeight":
+        """The same weight with one row of scales per weight row."""
+        rb = self.row_block
+        if rb == 1:
+            return self
+        n = self.data.shape[-2]
+        return QuantWeight(self.kind, self.data, self.scale.repeat_interleave(rb, dim=-2)[..., :n, :].contiguous(), self.k)
+
+    @property
     def nbytes(self) -> int:
         return self.data.nbytes + self.scale.nbytes
 
@@ -60,8 +75,9 @@ class QuantWeight:
         return QuantWeight(self.kind, self.data.contiguous(), self.scale.contiguous(), self.k)
 
     def __getitem__(self, idx) -> "QuantWeight":
-        """Leading-dimension indexing (an expert of a stack, a range of rows)."""
-        data, scale = self.data[idx], self.scale[idx]
+        """Leading-dimension indexing (an expert of a stack, a range of rows of a matrix)."""
+        w = self.per_row() if self.data.dim() == 2 else self
+        data, scale = w.data[idx], w.scale[idx]
         if data.dim() < 2 or data.shape[-1] != self.data.shape[-1]:
             raise IndexError("a QuantWeight can be indexed by experts or rows only")
         return QuantWeight(self.kind, data, scale, self.k)
@@ -69,8 +85,10 @@ class QuantWeight:
     def chunk(self, chunks: int, dim: int = 0) -> tuple["QuantWeight", ...]:
         if dim not in (-2, self.data.dim() - 2):
             raise ValueError("a QuantWeight can be chunked along its rows only")
+        n, rb = self.data.shape[-2], self.row_block
+        w = self if n % chunks == 0 and (n // chunks) % rb == 0 else self.per_row()
         return tuple(QuantWeight(self.kind, d, s, self.k)
-                     for d, s in zip(self.data.chunk(chunks, dim), self.scale.chunk(chunks, dim)))
+                     for d, s in zip(w.data.chunk(chunks, -2), w.scale.chunk(chunks, -2)))
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] @ W^T -> [..., N] in x's dtype."""
@@ -108,6 +126,12 @@ class QuantWeight:
                 raise ValueError("quantized weights concatenate along rows only")
             if func is torch.stack and dim != 0:
                 raise ValueError("quantized weights stack along a new first dimension only")
+            blocks = {p.row_block for p in parts}
+            aligned = len(blocks) == 1 and all(p.data.shape[-2] % p.row_block == 0 for p in parts[:-1])
+            if func is torch.stack:
+                aligned = aligned and len({p.data.shape for p in parts}) == 1
+            if not aligned:  # rows of different blocks would share a scale row: scales per row
+                parts = [p.per_row() for p in parts]
             return QuantWeight(parts[0].kind, func([p.data for p in parts], dim), func([p.scale for p in parts], dim),
                                parts[0].k)
         raise TypeError(

@@ -1,7 +1,8 @@
 """Block-scaled FP8 GEMMs (w8a8), as DeepSeek's inference runs its fp8 checkpoints.
 
-Weights: e4m3 [E?, N, K] with one fp32 scale per row and 128-wide group of K (a 128x128 block
-scale repeated over its rows, so concatenated or stacked weights need no special case).
+Weights: e4m3 [E?, N, K] with fp32 scales per 128-wide group of K and per 128 rows (the
+checkpoint's 128x128 blocks, SCALE_ROWS=128) or per row (SCALE_ROWS=1, for weights concatenated
+from parts whose row counts are not multiples of 128).
 Activations: quantized per token and 128-wide group of K by fp8_act_quant_kernel. The GEMM
 walks K one 128-group at a time: dot(qa, qw) in fp32 times sa[m] * sw[n]. One kernel serves
 - dense linears (DENSE: rows are 0..M-1, one weight), and
@@ -21,6 +22,7 @@ import triton.language as tl
 
 from .common import KernelVariant, check_launchable, on_interpreter
 from .moe_experts import align_pairs_by_expert
+from ..reference_quant import scale_row_block
 
 GROUP = 128
 FP8_MAX = 448.0
@@ -62,7 +64,7 @@ def fp8_gemm_kernel(
     stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_o,
     A_DIV: tl.constexpr, DENSE: tl.constexpr, GATED: tl.constexpr, HAS_LIMIT: tl.constexpr,
     ROUTE_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr,
+    SCALE_ROWS: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -91,7 +93,7 @@ def fp8_gemm_kernel(
             a_s = tl.load(a_s_ptr + a_rows * stride_as + kb, mask=r_mask, other=0.0)
             w_mask = k_mask[:, None] & n_mask[None, :]
             w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
-            w_s = tl.load(ws_base + offs_n * stride_wsn + kb, mask=n_mask, other=0.0)
+            w_s = tl.load(ws_base + (offs_n // SCALE_ROWS) * stride_wsn + kb, mask=n_mask, other=0.0)
             if UPCAST:
                 part = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
             else:
@@ -99,7 +101,7 @@ def fp8_gemm_kernel(
             acc += part * a_s[:, None] * w_s[None, :]
             if GATED:
                 wu = tl.load(w_base + (N + offs_n)[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
-                wu_s = tl.load(ws_base + (N + offs_n) * stride_wsn + kb, mask=n_mask, other=0.0)
+                wu_s = tl.load(ws_base + ((N + offs_n) // SCALE_ROWS) * stride_wsn + kb, mask=n_mask, other=0.0)
                 if UPCAST:
                     part_up = tl.dot(a.to(tl.float32), wu.to(tl.float32), input_precision="ieee")
                 else:
@@ -152,17 +154,19 @@ def _launch(a, a_s, w, w_s, out, route_w, rows, block_expert, num_rows, n, *, a_
         a.stride(0), a_s.stride(0), w.stride(0) if w.dim() == 3 else 0, w.stride(-2),
         w_s.stride(0) if w_s.dim() == 3 else 0, w_s.stride(-2), out.stride(0),
         A_DIV=a_div, DENSE=dense, GATED=gated, HAS_LIMIT=bool(limit), ROUTE_W=route_w is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP, UPCAST=on_interpreter(a),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP, SCALE_ROWS=scale_row_block(w, w_s),
+        UPCAST=on_interpreter(a),
         num_warps=warps, num_stages=3,
     )
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """y = x @ W^T, x [M, K] in bf16/fp32, w e4m3 [N, K], w_scale fp32 [N, ceil(K/128)]; y in x's dtype."""
+    """y = x @ W^T, x [M, K] in bf16/fp32, w e4m3 [N, K], w_scale fp32 [ceil(N/128) or N, ceil(K/128)];
+    y in x's dtype."""
     check_launchable(fp8_gemm_kernel, x)
     M, K = x.shape
     N = w.shape[0]
-    if w.shape[1] != K or w_scale.shape != (N, triton.cdiv(K, GROUP)):
+    if w.shape[1] != K or w_scale.shape[-1] != triton.cdiv(K, GROUP):
         raise ValueError(f"fp8_linear: x {tuple(x.shape)}, w {tuple(w.shape)}, w_scale {tuple(w_scale.shape)} disagree")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
@@ -224,7 +228,7 @@ def aot_variants(arch: int) -> list[KernelVariant]:
     }
     for rows, label in ((8, "decode"), (4096, "prefill")):
         bm, bn, warps = gemm_blocks(rows)
-        shapes = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=GROUP, UPCAST=False)
+        shapes = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=GROUP, SCALE_ROWS=GROUP, UPCAST=False)
         gated_shapes = {**shapes, "BLOCK_N": gemm_blocks(rows, gated=True)[1]}
         variants.append(KernelVariant(
             name=f"fp8_gemm[dense,{label}]", kernel=fp8_gemm_kernel, types=types,

@@ -54,25 +54,31 @@ def test_reference_linear_is_the_dequantized_product_within_fp8_error():
     assert (ref.dequantize_fp8_rows(q, s) - w).abs().max() <= 2 ** -4 * w.abs().max()
 
 
+@pytest.mark.parametrize("scales", ["block", "row"])
 @pytest.mark.parametrize("m,n,k", [(1, 72, 200), (5, 130, 256), (19, 64, 96)])
-def test_linear_matches_reference(device, m, n, k):
+def test_linear_matches_reference(device, m, n, k, scales):
     from dsv4_kernels.triton_kernels.fp8_gemm import fp8_linear
 
     q, s, _ = quantized(n, k, seed=m)
+    if scales == "block":  # the checkpoint's layout: one scale row per 128 weight rows
+        s = s[::128].contiguous()
+        assert ref.scale_row_block(q, s) == 128 or n == 1
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(3))
     y = fp8_linear(x.to(device), q.to(device), s.to(device))
     torch.testing.assert_close(y.cpu(), ref.fp8_linear(x, q, s), **KERNEL_TOL)
 
 
-@pytest.mark.parametrize("limit", [None, 0.4])
-def test_moe_experts_match_reference_with_ragged_experts(device, limit):
+@pytest.mark.parametrize("limit,inter,scales", [(None, 72, "row"), (0.4, 72, "row"), (0.4, 128, "block")])
+def test_moe_experts_match_reference_with_ragged_experts(device, limit, inter, scales):
     from dsv4_kernels.triton_kernels.fp8_gemm import fp8_moe_experts
 
-    E, H, inter, T = 4, 200, 72, 6
+    E, H, T = 4, 200, 6
     w13 = [quantized(2 * inter, H, seed=10 + e) for e in range(E)]
     w2 = [quantized(H, inter, seed=20 + e) for e in range(E)]
     W13, S13 = torch.stack([a for a, _, _ in w13]), torch.stack([b for _, b, _ in w13])
     W2, S2 = torch.stack([a for a, _, _ in w2]), torch.stack([b for _, b, _ in w2])
+    if scales == "block":  # gate|up rows meet at a 128-row boundary: block scales as stored
+        S13, S2 = S13[:, ::128].contiguous(), S2[:, ::128].contiguous()
     # expert 1 gets 5 rows, expert 0 four, expert 2 three, expert 3 none
     ids = torch.tensor([[0, 1], [1, 2], [0, 2], [1, 0], [1, 2], [0, 1]])
     weights = torch.rand(T, 2, generator=torch.Generator().manual_seed(4))
