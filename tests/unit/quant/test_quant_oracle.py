@@ -20,7 +20,7 @@ from dsv4_engine.sequence import Sequence
 
 transformers = pytest.importorskip("transformers")
 
-NEW_TOKENS = 24
+NEW_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def engine_greedy(model_dir, ps: list[list[int]], n: int = NEW_TOKENS) -> dict[i
 def test_v3_fp8_checkpoint_gives_transformers_greedy_tokens_on_its_dequantized_twin(v3_fp8, caplog):
     q, twin = v3_fp8
     hf = transformers.DeepseekV3ForCausalLM.from_pretrained(str(twin), dtype=torch.float32).eval()
-    ps = prompts(hf.config.vocab_size, [7, 33, 60], seed=3)
+    ps = prompts(hf.config.vocab_size, [9, 40], seed=3)
     with caplog.at_level(logging.INFO, logger="dsv4.engine"):
         outs = engine_greedy(q, ps)
     for i, p in enumerate(ps):
