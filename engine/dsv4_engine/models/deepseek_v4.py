@@ -149,29 +149,42 @@ def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, conj: bool = False) -> torch.Tensor:
-    """Interleaved rope on the trailing rope slice of x [N, ..., dim]; positions [N].
-    conj rotates by -angle (undoes the rope that values picked up, at the query position)."""
+def _rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [N, rope_dim] of interleaved rope at positions [N]: computed once per step and
+    reused by every layer (the angles depend only on the positions)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
-    cos, sin = freqs.cos(), freqs.sin()
+    return freqs.cos().repeat_interleave(2, dim=-1), freqs.sin().repeat_interleave(2, dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor], conj: bool = False) -> torch.Tensor:
+    """Interleaved rope on the trailing rope slice of x [N, ..., dim] with a `_rope_table`.
+    conj rotates by -angle (undoes the rope that values picked up, at the query position)."""
+    cos, sin = table
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if conj:
         sin = -sin
-    cos = cos.repeat_interleave(2, dim=-1).to(x.dtype)
-    sin = sin.repeat_interleave(2, dim=-1).to(x.dtype)
     while cos.dim() < x.dim():
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     rd = cos.shape[-1]
-    nope, rope = x[..., :-rd], x[..., -rd:]
+    rope = x[..., -rd:]
     rot = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
     rotated = (rope.float() * cos + rot.float() * sin).to(x.dtype)
-    return torch.cat([nope, rotated], dim=-1)
+    return torch.cat([x[..., :-rd], rotated], dim=-1)
 
 
-def _ring_positions(start: int, slots: int, device) -> torch.Tensor:
-    """Position held by each slot of a ring (slot = position % slots) just before `start` is
-    written: the latest position < start in that residue class (negative: never written)."""
-    j = torch.arange(slots, device=device)
-    return (start - 1) - torch.remainder(start - 1 - j, slots)
+def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, conj: bool = False) -> torch.Tensor:
+    return _apply_rope(x, _rope_table(positions, inv_freq), conj)
+
+
+def _sinkhorn_(comb: torch.Tensor, iters: int, eps: float) -> None:
+    """Sinkhorn normalisation of [T, hc, hc] mixing matrices in place: columns, then rows and
+    columns again `iters - 1` times. ~120 tiny ops per call: on the CPU they run on the same
+    memory through numpy, several times faster than torch's per-op dispatch (same float32 math)."""
+    c = comb.numpy() if comb.device.type == "cpu" else comb
+    c /= c.sum(-2, keepdims=True) + eps
+    for _ in range(iters - 1):
+        c /= c.sum(-1, keepdims=True) + eps
+        c /= c.sum(-2, keepdims=True) + eps
 
 
 class DeepseekV4:
@@ -284,8 +297,35 @@ class DeepseekV4:
             L["w2"] = torch.stack([take(f + f"experts.{e}.w2.weight") for e in range(E)])
             L["s_w13"] = torch.cat([take(f + "shared_experts.w1.weight"), take(f + "shared_experts.w3.weight")], 0)
             L["s_w2"] = take(f + "shared_experts.w2.weight")
+            self._fuse_projections(L)
             self.layers.append(L)
         self.resident_bytes = log_resident("deepseek_v4", dev, self.embed, self.head, self.norm, self.hc_head, self.layers)
+
+    @staticmethod
+    def _fuse_projections(L: dict) -> None:
+        """One matmul for everything a layer projects from its input (and one from the q LoRA):
+        the weights are concatenated once and the per-name entries become views into it, so
+        nothing is held twice. At small widths this halves the op count of a step."""
+        def fuse(key: str, names: list[str]) -> None:
+            fused = torch.cat([L[n] for n in names], 0).contiguous()
+            L[key], L[key + "_split"], row = fused, [L[n].shape[0] for n in names], 0
+            for n in names:
+                L[n] = fused[row: row + L[n].shape[0]]
+                row += L[n].shape[0]
+
+        names = ["wq_a", "wkv"]
+        if "comp" in L:
+            L["comp_wkv"], L["comp_wgate"] = L["comp"][0], L["comp"][1]
+            names += ["comp_wkv", "comp_wgate"]
+        if "icomp" in L:
+            L["icomp_wkv"], L["icomp_wgate"] = L["icomp"][0], L["icomp"][1]
+            names += ["icomp_wkv", "icomp_wgate", "idx_w"]
+        fuse("w_in", names)
+        if "comp" in L:
+            L["comp"] = (L["comp_wkv"], L["comp_wgate"], *L["comp"][2:])
+        if "icomp" in L:
+            L["icomp"] = (L["icomp_wkv"], L["icomp_wgate"], *L["icomp"][2:])
+            fuse("w_qb", ["wq_b", "idx_wq_b"])
 
     # ---- mHC -----------------------------------------------------------------------------------
 
@@ -301,10 +341,7 @@ class DeepseekV4:
         pre = torch.sigmoid(pre_w * scale[0] + pre_b) + cfg.hc_eps
         post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
         comb = torch.softmax(comb_w.view(-1, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1) + cfg.hc_eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + cfg.hc_eps)
-        for _ in range(cfg.hc_sinkhorn_iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + cfg.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + cfg.hc_eps)
+        _sinkhorn_(comb, cfg.hc_sinkhorn_iters, cfg.hc_eps)
         collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
         return post, comb, collapsed
 
@@ -339,181 +376,245 @@ class DeepseekV4:
 
     # ---- compressors ---------------------------------------------------------------------------
 
-    def _compress(self, kvp: torch.Tensor, gp: torch.Tensor, start: int, stage: torch.Tensor, params,
-                  rate: int, overlap: bool, out: torch.Tensor, pages: torch.Tensor, page_size: int) -> None:
-        """Close every window whose last token is in this chunk and write its entry to `out`.
+    def _pool_windows(self, win_kv: torch.Tensor, win_gate: torch.Tensor, prev_kv: Optional[torch.Tensor],
+                      prev_gate: Optional[torch.Tensor], w_ids: torch.Tensor, params, rate: int) -> torch.Tensor:
+        """Compressed entries of windows w_ids [N] from their projections [N, rate, width] (and,
+        for the overlapping CSA compressor, window w-1's: its first series joins the pool; window
+        0 has none): gated softmax pooling, norm, rope at the window's first position."""
+        _, _, ape, norm_w = params
+        win_gate = win_gate + ape
+        if prev_kv is not None:
+            hd = win_kv.shape[-1] // 2
+            none = (w_ids < 1)[:, None, None]
+            prev_kv = prev_kv[..., :hd].masked_fill(none, 0)
+            prev_gate = (prev_gate + ape)[..., :hd].masked_fill(none, float("-inf"))
+            new_kv = torch.cat([prev_kv, win_kv[..., hd:]], dim=1)
+            new_gate = torch.cat([prev_gate, win_gate[..., hd:]], dim=1)
+        else:
+            new_kv, new_gate = win_kv, win_gate
+        pooled = (new_kv * new_gate.softmax(dim=1, dtype=torch.float32).to(new_kv.dtype)).sum(dim=1)
+        entries = _rms(pooled, norm_w, self.cfg.rms_norm_eps)
+        return _rope(entries, w_ids * rate, self.inv_freq["compress"])
 
-        kvp, gp [n, width]: this chunk's projections at positions start..start+n-1. stage
-        [slots, 2*width] is the request's ring of earlier projections (slot = position % slots);
-        out [num_pages, entries_per_page, dim] is the layer's paged entry store."""
-        n, width = kvp.shape
-        end = start + n
-        slots = stage.shape[0]
-        first_w, last_w = start // rate, end // rate  # windows closing now: [first_w, last_w)
-        if last_w > first_w:
-            wkv, wgate, ape, norm_w = params
-            base = max(0, (first_w - (1 if overlap else 0)) * rate)
-            if base < start:
-                held = stage[torch.arange(base, start, device=stage.device) % slots]
-                seq_kv = torch.cat([held[:, :width].to(kvp.dtype), kvp], 0)
-                seq_gate = torch.cat([held[:, width:].to(gp.dtype), gp], 0)
-            else:
-                seq_kv, seq_gate = kvp, gp
-            nw = last_w - first_w
-            lo = first_w * rate - base
-            win_kv = seq_kv[lo: lo + nw * rate].view(nw, rate, width)
-            win_gate = seq_gate[lo: lo + nw * rate].view(nw, rate, width) + ape
-            if overlap:
-                hd = width // 2
-                new_kv = win_kv.new_zeros((nw, 2 * rate, hd))
-                new_gate = win_gate.new_full((nw, 2 * rate, hd), float("-inf"))
-                new_kv[:, rate:] = win_kv[..., hd:]
-                new_gate[:, rate:] = win_gate[..., hd:]
-                # window w also weighs window w-1's first series (none before window 0)
-                prev_lo = lo - rate
-                k0 = 1 if first_w == 0 else 0  # only window 0 lacks a predecessor
-                if nw > k0:
-                    pk = seq_kv[prev_lo + k0 * rate: prev_lo + nw * rate].view(nw - k0, rate, width)
-                    pg = seq_gate[prev_lo + k0 * rate: prev_lo + nw * rate].view(nw - k0, rate, width) + ape
-                    new_kv[k0:, :rate] = pk[..., :hd]
-                    new_gate[k0:, :rate] = pg[..., :hd]
-            else:
-                new_kv, new_gate = win_kv, win_gate
-            pooled = (new_kv * new_gate.softmax(dim=1, dtype=torch.float32).to(new_kv.dtype)).sum(dim=1)
-            entries = _rms(pooled, norm_w, self.cfg.rms_norm_eps)
-            w_ids = torch.arange(first_w, last_w, device=kvp.device)
-            entries = _rope(entries, w_ids * rate, self.inv_freq["compress"])
-            page, off = self._locate(w_ids, rate, page_size, out.shape[1])
-            out[pages[page].long(), off] = entries.to(out.dtype)
-        # keep this chunk's last `slots` projections for windows that close later
-        keep = min(n, slots)
-        pos = torch.arange(end - keep, end, device=stage.device)
-        stage[pos % slots] = torch.cat([kvp[n - keep:], gp[n - keep:]], dim=-1).to(stage.dtype)
+    def _close_decode(self, rows: torch.Tensor, t: torch.Tensor, slots: torch.Tensor, fb: V4Batch, j: int,
+                      stage: torch.Tensor, params, rate: int, overlap: bool, store: torch.Tensor) -> None:
+        """Decode tokens at positions t [N] that close a window, all at once: the stage ring
+        already holds every projection of the window (this step's included), so the window and,
+        for CSA, its predecessor are read back from it."""
+        S, width = stage.shape[2], stage.shape[3] // 2
+        w = (t + 1) // rate - 1
+        first = w[:, None] * rate + torch.arange(rate, device=t.device)  # [N, rate] positions
+
+        def read(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            held = stage[slots[:, None], j, positions % S]  # [N, rate, 2 * width]
+            return held[..., :width], held[..., width:]
+
+        win_kv, win_gate = read(first)
+        prev_kv, prev_gate = read(first - rate) if overlap else (None, None)  # unused rows masked for w == 0
+        entries = self._pool_windows(win_kv, win_gate, prev_kv, prev_gate, w, params, rate)
+        page, off = self._locate(w, rate, fb.page_size, store.shape[1])
+        store[fb.block_table[rows, page].long(), off] = entries.to(store.dtype)
 
     @staticmethod
     def _locate(w: torch.Tensor, rate: int, page_size: int, epp: int) -> tuple[torch.Tensor, torch.Tensor]:
         # as StateSpec.entry_location: the page of the window's first token
         return (w * rate) // page_size, w % epp
 
-    def _entries(self, store: torch.Tensor, pages: torch.Tensor, count: int, rate: int, page_size: int) -> torch.Tensor:
-        """Entries 0..count-1 of one request from a paged store [num_pages, epp, dim]."""
-        page, off = self._locate(torch.arange(count, device=store.device), rate, page_size, store.shape[1])
-        return store[pages[page].long(), off]
-
     # ---- attention -----------------------------------------------------------------------------
 
     def _attention(self, i: int, L: dict, h: torch.Tensor, fb: V4Batch, states: dict[str, torch.Tensor],
-                   spans: list[tuple[int, int, int]]) -> torch.Tensor:
+                   spans: list[tuple[int, int, int]], rope: dict) -> torch.Tensor:
         cfg = self.cfg
         T = h.shape[0]
         H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
         kind = L["type"]
-        inv = self.inv_freq["main" if kind == SLIDING else "compress"]
-        pos = fb.positions
-        qr = _rms(F.linear(h, L["wq_a"]), L["q_norm"], eps)
-        q = _unweighted_rms(F.linear(qr, L["wq_b"]).view(T, H, hd), eps)
-        q = _rope(q, pos, inv)
-        kv = _rope(_rms(F.linear(h, L["wkv"]), L["kv_norm"], eps), pos, inv)  # [T, hd]: key == value
+        table = rope["main" if kind == SLIDING else "compress"]
+        parts = F.linear(h, L["w_in"]).split(L["w_in_split"], dim=-1)
+        qr = _rms(parts[0], L["q_norm"], eps)
+        kv = _apply_rope(_rms(parts[1], L["kv_norm"], eps), table)  # [T, hd]: key == value
         proj = {}
         if kind in (CSA, HCA):
-            proj["comp"] = (F.linear(h, L["comp"][0]), F.linear(h, L["comp"][1]))
+            proj["comp"] = (parts[2], parts[3])
         if kind == CSA:
-            proj["icomp"] = (F.linear(h, L["icomp"][0]), F.linear(h, L["icomp"][1]))
-            proj["iq"] = _rope(F.linear(qr, L["idx_wq_b"]).view(T, cfg.index_n_heads, cfg.index_head_dim), pos,
-                               self.inv_freq["compress"])
-            proj["iw"] = F.linear(h, L["idx_w"]).float() * cfg.index_n_heads ** -0.5
+            proj["icomp"] = (parts[4], parts[5])
+            proj["iw"] = parts[6].float() * cfg.index_n_heads ** -0.5
+            q, iq = F.linear(qr, L["w_qb"]).split(L["w_qb_split"], dim=-1)
+            proj["iq"] = _apply_rope(iq.reshape(T, cfg.index_n_heads, cfg.index_head_dim), rope["compress"])
+        else:
+            q = F.linear(qr, L["wq_b"])
+        q = _apply_rope(_unweighted_rms(q.reshape(T, H, hd), eps), table)
         if all(n == 1 for _, n, _ in spans):
             out = self._attend_decode(i, L, q, kv, proj, fb, states)
         else:
             out = self._attend_varlen(i, L, q, kv, proj, fb, states, spans)
-        out = _rope(out, pos, inv, conj=True)
+        out = _apply_rope(out, table, conj=True)
         G = cfg.o_groups
         grouped = out.reshape(T, G, -1).transpose(0, 1)  # [G, T, H*hd/G]
         wa = L["wo_a"].view(G, -1, grouped.shape[-1]).transpose(1, 2)  # [G, in, o_lora]
         o = torch.bmm(grouped, wa).transpose(0, 1).reshape(T, -1)
         return F.linear(o, L["wo_b"])
 
-    def _close_windows(self, i: int, L: dict, proj: dict, rows: slice, start: int, slot: int, pages: torch.Tensor,
-                       fb: V4Batch, states: dict[str, torch.Tensor]) -> None:
-        """Feed tokens rows (positions start..) of one request to the layer's compressor(s)."""
-        kind, j = L["type"], self.type_index[i]
-        rate = self.cfg.compress_rates[kind]
-        if kind == CSA:
-            self._compress(*(p[rows] for p in proj["comp"]), start, states[self.CSA_STAGE][slot, j], L["comp"], rate,
-                           True, states[self.CSA_KV][:, j], pages, fb.page_size)
-            self._compress(*(p[rows] for p in proj["icomp"]), start, states[self.CSA_INDEX_STAGE][slot, j],
-                           L["icomp"], rate, True, states[self.CSA_INDEX_K][:, j], pages, fb.page_size)
-        else:
-            self._compress(*(p[rows] for p in proj["comp"]), start, states[self.HCA_STAGE][slot, j], L["comp"], rate,
-                           False, states[self.HCA_KV][:, j], pages, fb.page_size)
-
     def _select(self, L: dict, iq: torch.Tensor, iw: torch.Tensor, ikeys: torch.Tensor,
                 visible: torch.Tensor) -> torch.Tensor:
         """Lightning indexer: score sum_h w_h * relu(q_h . k) * scale per entry, keep the top-k
-        visible entries of each query. iq [..., IH, d], iw [..., IH], ikeys [..., C, d], visible [..., C]."""
+        visible entries of each query. iq [B, M, IH, d], iw [B, M, IH], ikeys [B, C, d],
+        visible [B, M, C] (M queries of each of B requests)."""
         cfg = self.cfg
-        score = torch.matmul(iq.float(), ikeys.float().transpose(-1, -2))  # [..., IH, C]
+        B, M, IH, d = iq.shape
+        C = ikeys.shape[1]
+        score = torch.bmm(iq.reshape(B, M * IH, d).float(), ikeys.float().transpose(1, 2)).view(B, M, IH, C)
         score = (F.relu(score) * cfg.index_head_dim ** -0.5 * iw.unsqueeze(-1)).sum(dim=-2)
         score = score.masked_fill(~visible, float("-inf"))
-        top = score.topk(min(cfg.index_topk, score.shape[-1]), dim=-1).indices
+        top = score.topk(min(cfg.index_topk, C), dim=-1).indices
         return visible & torch.zeros_like(visible).scatter_(-1, top, True)
 
     def _softmax_attend(self, L: dict, q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        """q [..., H, hd] over keys (== values) [..., K, hd] with allowed [..., K] and the
-        per-head sink as one more logit whose value is dropped."""
-        H, hd = q.shape[-2], q.shape[-1]
-        logits = torch.matmul(q, keys.transpose(-1, -2)) * hd ** -0.5  # [..., H, K]
+        """q [B, M, H, hd] over keys (== values) [B, K, hd] with allowed [B, M, K] and the
+        per-head sink as one more logit whose value is dropped. One bmm per product: the keys
+        are shared by every query and head of a request (never expanded per query)."""
+        B, M, H, hd = q.shape
+        K = keys.shape[1]
+        logits = torch.bmm(q.reshape(B, M * H, hd), keys.transpose(1, 2)).view(B, M, H, K) * hd ** -0.5
         logits = logits.masked_fill(~allowed.unsqueeze(-2), float("-inf"))
-        sink = L["sink"].to(logits.dtype).view(H, 1).expand(*logits.shape[:-1], 1)
+        sink = L["sink"].to(logits.dtype).view(H, 1).expand(B, M, H, 1)
         logits = torch.cat([logits, sink], dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = F.softmax(logits, dim=-1)[..., :-1]
-        return torch.matmul(probs.to(keys.dtype), keys)
+        return torch.bmm(probs.reshape(B, M * H, K).to(keys.dtype), keys).view(B, M, H, hd)
+
+    # Budget (elements) of the largest per-group score tensor of a prefill/mixed step: requests
+    # are attended together in groups that stay under it (one group at serving sizes; a single
+    # long prompt is one group of its own).
+    GROUP_ELEMENTS = 1 << 25
+
+    def _groups(self, spans: list[tuple[int, int, int]]) -> list[list[int]]:
+        cfg = self.cfg
+        heads = max(cfg.num_attention_heads, cfg.index_n_heads)
+        rate = min(cfg.compress_rates.values()) if cfg.compress_rates else 0
+        groups: list[list[int]] = [[]]
+        longest = keys = 0
+        for r, (_, n, start) in enumerate(spans):
+            lm = max(longest, n)
+            km = max(keys, cfg.sliding_window + n + ((start + n) // rate if rate else 0))
+            if groups[-1] and (len(groups[-1]) + 1) * lm * heads * km > self.GROUP_ELEMENTS:
+                groups.append([])
+                lm, km = n, cfg.sliding_window + n + ((start + n) // rate if rate else 0)
+            groups[-1].append(r)
+            longest, keys = lm, km
+        return groups
 
     def _attend_varlen(self, i: int, L: dict, q: torch.Tensor, kv: torch.Tensor, proj: dict, fb: V4Batch,
                        states: dict[str, torch.Tensor], spans: list[tuple[int, int, int]]) -> torch.Tensor:
-        """Any mix of prefill chunks and decode tokens: one request at a time."""
+        """Any mix of prefill chunks and decode tokens, padded to the longest chunk of a group."""
+        out = torch.empty_like(q)
+        for group in self._groups(spans):
+            self._attend_group(i, L, q, kv, proj, fb, states, [spans[r] for r in group], group, out)
+        return out
+
+    def _attend_group(self, i: int, L: dict, q: torch.Tensor, kv: torch.Tensor, proj: dict, fb: V4Batch,
+                      states: dict[str, torch.Tensor], spans: list[tuple[int, int, int]], group: list[int],
+                      out: torch.Tensor) -> None:
+        """Requests `group` at once. A request's keys are the window positions before its chunk
+        (read from the ring, in position order) followed by the chunk itself, one row per request
+        masked by position, then its visible compressed entries."""
         cfg = self.cfg
         W, kind, j = cfg.sliding_window, L["type"], self.type_index.get(i)
-        pos = fb.positions
+        dev = q.device
+        B = len(group)
+        row = torch.tensor([s[0] for s in spans], device=dev)
+        n = torch.tensor([s[1] for s in spans], device=dev)
+        start = torch.tensor([s[2] for s in spans], device=dev)
+        Lmax = max(s[1] for s in spans)
+        ar = torch.arange(Lmax, device=dev)
+        b_ix = torch.arange(B, device=dev)[:, None]
+        tok = (row[:, None] + ar).clamp(max=q.shape[0] - 1)  # [B, Lmax]; rows past a chunk are padding
+        valid = ar[None] < n[:, None]
+        qpos = start[:, None] + ar
+        slots = fb.slot_ids[group].long()
+        pages = fb.block_table[group]
+
         ring_store = states[self.SWA_KV]
-        out = torch.empty_like(q)
-        for r, (row, n, start) in enumerate(spans):
-            end = start + n
-            slot = int(fb.slot_ids[r])
-            pages = fb.block_table[r]
-            sl = slice(row, row + n)
-            qpos = pos[sl]
-            # window keys: the ring (positions < start) then this chunk's own tokens
-            ring = ring_store[slot, i]
-            ring_pos = _ring_positions(start, W, q.device)
-            keys = torch.cat([ring.to(kv.dtype), kv[sl]], 0)
-            kpos = torch.cat([ring_pos, qpos])
-            allowed = (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - W) & (kpos[None] >= 0)
-            if kind in (CSA, HCA):
-                rate = cfg.compress_rates[kind]
-                self._close_windows(i, L, proj, sl, start, slot, pages, fb, states)
-                count = end // rate  # entries closed so far; query t sees entry w iff w < (t+1)//rate
-                if count:
-                    visible = torch.arange(count, device=q.device)[None] < ((qpos + 1) // rate)[:, None]
-                    if kind == CSA:
-                        ikeys = self._entries(states[self.CSA_INDEX_K][:, j], pages, count, rate, fb.page_size)
-                        visible = self._select(L, proj["iq"][sl], proj["iw"][sl], ikeys, visible)
-                    store = states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j]
-                    entries = self._entries(store, pages, count, rate, fb.page_size)
-                    keys = torch.cat([keys, entries.to(kv.dtype)], 0)
-                    allowed = torch.cat([allowed, visible], 1)
-            out[sl] = self._softmax_attend(L, q[sl], keys.unsqueeze(0), allowed)
-            # the ring keeps the last W tokens (written after the reads above)
-            keep = min(n, W)
-            wpos = torch.arange(end - keep, end, device=q.device)
-            ring[wpos % W] = kv[row + n - keep: row + n].to(ring.dtype)
-        return out
+        kbase = start - W  # the ring holds positions start - W .. start - 1
+        ring = ring_store[slots[:, None], i, (kbase[:, None] + torch.arange(W, device=dev)) % W]
+        ext_kv = torch.cat([ring.to(kv.dtype), kv[tok]], 1)  # [B, W + Lmax, hd] in position order
+        # only the last R ring positions can be seen (R < W when every chunk of the group starts
+        # early: a fresh prompt attends to none of the ring)
+        R = min(W, max(s[2] for s in spans))
+        kpos = kbase[:, None] + torch.arange(W - R, W + Lmax, device=dev)
+        kp, qp = kpos[:, None, :], qpos[:, :, None]
+        allowed = (kp <= qp) & (kp > qp - W) & (kp >= 0)  # [B, Lmax, R + Lmax]
+        keys = ext_kv[:, W - R:]
+        if kind in (CSA, HCA):
+            rate = cfg.compress_rates[kind]
+            self._close_windows(L, proj, tok, n, start, slots, pages, fb, states, j, rate)
+            count = (start + n) // rate  # entries closed so far; query t sees entry w iff w < (t+1)//rate
+            C = int(count.max())
+            if C:
+                w = torch.arange(C, device=dev)
+                visible = w < ((qpos + 1) // rate)[:, :, None]  # [B, Lmax, C]
+
+                def gather(store: torch.Tensor) -> torch.Tensor:
+                    page, off = self._locate(w, rate, fb.page_size, store.shape[1])
+                    return store[pages[:, page].long(), off[None].expand(B, -1)]  # [B, C, dim]
+
+                if kind == CSA:
+                    ikeys = gather(states[self.CSA_INDEX_K][:, j])
+                    visible = self._select(L, proj["iq"][tok], proj["iw"][tok], ikeys, visible)
+                entries = gather(states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j])
+                keys = torch.cat([keys, entries.to(kv.dtype)], 1)
+                allowed = torch.cat([allowed, visible], 2)
+        o = self._softmax_attend(L, q[tok], keys, allowed)  # [B, Lmax, H, hd]
+        out[tok[valid]] = o[valid]
+        # the ring keeps the last W positions (written after the reads above): position p of the
+        # new ring is ext_kv's p - kbase; positions before the chunk rewrite what they held
+        end = start + n
+        keep = torch.arange(W, device=dev)
+        ring_store[slots[:, None], i, (end[:, None] - W + keep) % W] = \
+            ext_kv[b_ix, n[:, None] + keep].to(ring_store.dtype)
+
+    def _close_windows(self, L: dict, proj: dict, tok: torch.Tensor, n: torch.Tensor, start: torch.Tensor,
+                       slots: torch.Tensor, pages: torch.Tensor, fb: V4Batch, states: dict[str, torch.Tensor],
+                       j: int, rate: int) -> None:
+        """Feed a group's chunks to the layer's compressor(s): close every window whose last token
+        arrived (its entry goes to the paged store) and keep each request's last projections in
+        its stage ring. A window may have started in an earlier step: its first tokens are read
+        back from the ring, which covers the S positions before the chunk."""
+        kind, dev = L["type"], tok.device
+        B, Lmax = tok.shape
+        b_ix = torch.arange(B, device=dev)[:, None]
+        end = start + n
+        first_w, nw = start // rate, end // rate - start // rate
+        NW = int(nw.max())
+        stages = [(self.CSA_STAGE, "comp", self.CSA_KV, True), (self.CSA_INDEX_STAGE, "icomp", self.CSA_INDEX_K, True)] \
+            if kind == CSA else [(self.HCA_STAGE, "comp", self.HCA_KV, False)]
+        for name, key, store_name, overlap in stages:
+            st = states[name]  # [rows, layers, S, 2 * width]: [kv | gate] projections
+            S, width = st.shape[2], st.shape[3] // 2
+            chunk = torch.cat(proj[key], dim=-1)[tok]  # [B, Lmax, 2 * width]
+            ebase = start - S
+            held = st[slots[:, None], j, (ebase[:, None] + torch.arange(S, device=dev)) % S]
+            ext = torch.cat([held.to(chunk.dtype), chunk], 1)  # positions ebase .. ebase + S + Lmax - 1
+            if NW:
+                k = torch.arange(NW, device=dev)
+                w = first_w[:, None] + k  # [B, NW] windows closing now (where k < nw)
+                closes = k < nw[:, None]
+                offs = ((w * rate - ebase[:, None])[..., None] + torch.arange(rate, device=dev))[closes]  # [N, rate]
+                rows = b_ix.expand(B, NW)[closes]
+                win = ext[rows[:, None], offs]
+                prev = ext[rows[:, None], offs - rate] if overlap else None  # rows of window 0 are masked
+                w_ids = w[closes]
+                entries = self._pool_windows(win[..., :width], win[..., width:],
+                                             None if prev is None else prev[..., :width],
+                                             None if prev is None else prev[..., width:], w_ids, L[key], rate)
+                store = states[store_name][:, j]
+                page, off = self._locate(w_ids, rate, fb.page_size, store.shape[1])
+                store[pages[rows, page].long(), off] = entries.to(store.dtype)
+            keep = torch.arange(S, device=dev)
+            st[slots[:, None], j, (end[:, None] - S + keep) % S] = ext[b_ix, n[:, None] + keep].to(st.dtype)
 
     def _attend_decode(self, i: int, L: dict, q: torch.Tensor, kv: torch.Tensor, proj: dict, fb: V4Batch,
                        states: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One new token per request: every request at once (a loop only over the few requests
-        whose token closes a compression window)."""
+        """One new token per request: every request at once, window closing included."""
         cfg = self.cfg
         W, kind, j = cfg.sliding_window, L["type"], self.type_index.get(i)
         t = fb.positions  # [B]
@@ -525,19 +626,15 @@ class DeepseekV4:
         allowed = (kpos <= t[:, None]) & (kpos > t[:, None] - W) & (kpos >= 0)
         if kind in (CSA, HCA):
             rate = cfg.compress_rates[kind]
-            closing = ((t + 1) % rate == 0).tolist()
-            for b, closes in enumerate(closing):
-                if closes:
-                    self._close_windows(i, L, proj, slice(b, b + 1), int(t[b]), int(slots[b]), fb.block_table[b],
-                                        fb, states)
-            still = ~torch.tensor(closing, dtype=torch.bool, device=t.device)
-            if still.any():  # the others only stage their projections
-                stages = [(self.CSA_STAGE, "comp"), (self.CSA_INDEX_STAGE, "icomp")] if kind == CSA \
-                    else [(self.HCA_STAGE, "comp")]
-                for name, key in stages:
-                    st = states[name]
-                    st[slots[still], j, t[still] % st.shape[2]] = torch.cat(
-                        [p[still] for p in proj[key]], dim=-1).to(st.dtype)
+            stages = [(self.CSA_STAGE, "comp", self.CSA_KV, True), (self.CSA_INDEX_STAGE, "icomp", self.CSA_INDEX_K, True)] \
+                if kind == CSA else [(self.HCA_STAGE, "comp", self.HCA_KV, False)]
+            closing = ((t + 1) % rate == 0).nonzero().squeeze(1)
+            for name, key, store, overlap in stages:
+                st = states[name]
+                st[slots, j, t % st.shape[2]] = torch.cat(proj[key], dim=-1).to(st.dtype)
+                if len(closing):
+                    self._close_decode(closing, t[closing], slots[closing], fb, j, st, L[key], rate, overlap,
+                                       states[store][:, j])
             counts = (t + 1) // rate
             C = int(counts.max())
             if C:
@@ -550,11 +647,12 @@ class DeepseekV4:
 
                 if kind == CSA:
                     ikeys = gather(states[self.CSA_INDEX_K][:, j])  # [B, C, ihd]
-                    visible = self._select(L, proj["iq"], proj["iw"], ikeys, visible)
+                    visible = self._select(L, proj["iq"].unsqueeze(1), proj["iw"].unsqueeze(1), ikeys,
+                                           visible.unsqueeze(1)).squeeze(1)
                 entries = gather(states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j])
                 keys = torch.cat([keys, entries.to(kv.dtype)], 1)
                 allowed = torch.cat([allowed, visible], 1)
-        out = self._softmax_attend(L, q.unsqueeze(1), keys.unsqueeze(1), allowed.unsqueeze(1)).squeeze(1)
+        out = self._softmax_attend(L, q.unsqueeze(1), keys, allowed.unsqueeze(1)).squeeze(1)
         ring_store[slots, i, t % W] = kv.to(ring_store.dtype)
         return out
 
@@ -574,11 +672,12 @@ class DeepseekV4:
         for n in lens:
             spans.append((row, n, int(fb.positions[row]) if n else 0))
             row += n
+        rope = {name: _rope_table(fb.positions, inv) for name, inv in self.inv_freq.items()}
         x = F.embedding(fb.input_ids, self.embed)
         x = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, hc, D] residual streams
         for i, L in enumerate(self.layers):
             post, comb, collapsed = self._hc(x, L["hc_attn"])
-            a = self._attention(i, L, _rms(collapsed, L["attn_norm"], cfg.rms_norm_eps), fb, states, spans)
+            a = self._attention(i, L, _rms(collapsed, L["attn_norm"], cfg.rms_norm_eps), fb, states, spans, rope)
             x = self._hc_mix(x, a, post, comb)
             post, comb, collapsed = self._hc(x, L["hc_ffn"])
             m = self._moe(L, _rms(collapsed, L["ffn_norm"], cfg.rms_norm_eps), fb.input_ids)
