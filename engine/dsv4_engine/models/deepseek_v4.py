@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from dsv4_engine.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4_engine.models.state import StateSpec
-from dsv4_engine.quant import dense, log_resident, place
+from dsv4_engine.quant import dense, log_resident, one_format, place
 from dsv4_engine.weights import load_weights
 
 
@@ -307,7 +307,7 @@ class DeepseekV4:
         the weights are concatenated once and the per-name entries become views into it, so
         nothing is held twice. At small widths this halves the op count of a step."""
         def fuse(key: str, names: list[str]) -> None:
-            fused = torch.cat([L[n] for n in names], 0).contiguous()
+            fused = torch.cat(one_format([L[n] for n in names]), 0).contiguous()
             L[key], L[key + "_split"], row = fused, [L[n].shape[0] for n in names], 0
             for n in names:
                 L[n] = fused[row: row + L[n].shape[0]]

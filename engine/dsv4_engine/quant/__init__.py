@@ -7,10 +7,10 @@ pairing weights with scales, placement, the startup report."""
 
 from dsv4_engine.quant.load import LoadReport, keep_quantized, log_resident, pair_quantized, place, resident_bytes
 from dsv4_engine.quant.scheme import QuantScheme, UnsupportedQuantization, checkpoint_scheme, scheme_from_config
-from dsv4_engine.quant.tensors import QuantWeight, dense, is_quantized, moe_experts_for
+from dsv4_engine.quant.tensors import QuantWeight, dense, is_quantized, moe_experts_for, one_format
 
 __all__ = [
     "LoadReport", "QuantScheme", "QuantWeight", "UnsupportedQuantization", "checkpoint_scheme", "dense",
-    "is_quantized", "keep_quantized", "log_resident", "moe_experts_for", "pair_quantized", "place", "resident_bytes",
+    "is_quantized", "keep_quantized", "log_resident", "moe_experts_for", "one_format", "pair_quantized", "place", "resident_bytes",
     "scheme_from_config",
 ]

@@ -157,18 +157,19 @@ def _leaves(obj: Any) -> Iterable[Any]:
 
 
 def resident_bytes(*objs: Any) -> dict[str, int]:
-    """Bytes of every distinct weight reachable from objs, by resident format (fp8, fp4, dense)."""
-    seen: set[tuple[int, int]] = set()
+    """Bytes of every distinct storage reachable from objs, by resident format (fp8, fp4, dense);
+    views into one storage (a fused projection's per-name rows) count once."""
+    seen: set[int] = set()
     out = {"fp8": 0, "fp4": 0, "dense": 0}
     for obj in objs:
         for leaf in _leaves(obj):
             tensors = (leaf.data, leaf.scale) if isinstance(leaf, QuantWeight) else (leaf,)
             for t in tensors:
-                key = (t.untyped_storage().data_ptr(), t.storage_offset())
-                if key in seen:
+                storage = t.untyped_storage()
+                if storage.data_ptr() in seen:
                     continue
-                seen.add(key)
-                out[leaf.kind if isinstance(leaf, QuantWeight) else "dense"] += t.nbytes
+                seen.add(storage.data_ptr())
+                out[leaf.kind if isinstance(leaf, QuantWeight) else "dense"] += storage.nbytes()
     return out
 
 

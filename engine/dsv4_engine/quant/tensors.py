@@ -145,6 +145,17 @@ def dense(t, dtype: torch.dtype) -> torch.Tensor:
     return t.dequantize(dtype) if isinstance(t, QuantWeight) else t.to(dtype)
 
 
+def one_format(parts: list) -> list:
+    """Weights about to be concatenated into one: as they are when they share a format, else all
+    dense in the dense parts' dtype (a fused projection of fp8 and bf16 weights, e.g. V4's
+    quantized wq_a with its bf16 compressor, has to be one or the other)."""
+    kinds = {p.kind if isinstance(p, QuantWeight) else "dense" for p in parts}
+    if len(kinds) == 1:
+        return parts
+    dtype = next(p.dtype for p in parts if not isinstance(p, QuantWeight))
+    return [dense(p, dtype) for p in parts]
+
+
 def is_quantized(t) -> bool:
     return isinstance(t, QuantWeight)
 
