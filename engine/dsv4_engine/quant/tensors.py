@@ -98,14 +98,14 @@ class QuantWeight:
         x2 = x.reshape(-1, x.shape[-1])
         if x2.is_cuda:
             if self.kind == FP8:
-                from dsv4_kernels.triton_kernels.fp8_gemm import fp8_linear
+                from dsv4_kernels.triton_kernels.fp8_gemm import fp8_linear as run
             else:
-                from dsv4_kernels.triton_kernels.fp4_gemm import fp4_linear as fp8_linear  # same signature
-            y = fp8_linear(x2, self.data, self.scale)
+                from dsv4_kernels.triton_kernels.fp4_gemm import fp4_linear as run
         else:
             from dsv4_kernels import reference_quant as ref
 
-            y = (ref.fp8_linear if self.kind == FP8 else ref.fp4_linear)(x2, self.data, self.scale)
+            run = ref.fp8_linear if self.kind == FP8 else ref.fp4_linear
+        y = run(x2, self.data, self.scale)
         return y.reshape(*lead, y.shape[-1])
 
     @classmethod
@@ -121,8 +121,8 @@ class QuantWeight:
             dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
             if not all(isinstance(p, QuantWeight) and p.kind == parts[0].kind and p.k == parts[0].k for p in parts):
                 raise TypeError(f"{func.__name__} of quantized weights needs weights of one format and width")
-            nd = parts[0].data.dim()
-            if func is torch.cat and dim not in (0, -2) or func is torch.cat and nd != 2 and dim == 0:
+            rows = (0, -2) if parts[0].data.dim() == 2 else (-2,)
+            if func is torch.cat and dim not in rows:
                 raise ValueError("quantized weights concatenate along rows only")
             if func is torch.stack and dim != 0:
                 raise ValueError("quantized weights stack along a new first dimension only")
