@@ -4,8 +4,9 @@ A checkpoint names the scales of `<module>.weight` as `<module>.weight_scale_inv
 transformers) or `<module>.scale` (DeepSeek-V4's release); transformers' fused expert tensors
 (`...experts.gate_up_proj`) carry `..._scale_inv`. Placement: on CUDA weights stay quantized
 (`QuantWeight`, used through F.linear by the block-scaled kernels); elsewhere they are
-dequantized once, at load, to the engine's dtype (CPU has no fp8 matmul; a dequantize per use
-would cost a full weight pass per step and save memory the CPU path does not lack).
+dequantized once, at load, to the engine's dtype: CPU has no fp8 matmul, and dequantizing per
+use would add a pass over every weight to every step; the price is memory (4 B per value in
+fp32, 2 in bf16, instead of 1 or 0.5).
 """
 
 from __future__ import annotations
