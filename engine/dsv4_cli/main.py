@@ -109,6 +109,10 @@ def serve(
     admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV, help="Token required by /admin and /debug."),
     pd_secret: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV, help="Shared secret of engine-to-engine PD calls and the router's internal requests."),
     seed: int = typer.Option(0, help="Default sampling seed."),
+    disable_prefix_cache: bool = typer.Option(
+        False, EngineFlags.DISABLE_PREFIX_CACHE,
+        help="Turn prefix caching off (on by default: a request reuses the KV pages of the longest cached prefix; "
+             "models with per-request slot state, DeepSeek-V4, and decode engines never reuse)."),
     max_request_bytes: int = typer.Option(16 * 1024 * 1024, "--max-request-bytes", min=1,
                                           help="Largest request body accepted (bigger: 413)."),
     shutdown_grace: float = typer.Option(30.0, EngineFlags.SHUTDOWN_GRACE, min=0.0,
@@ -142,6 +146,7 @@ def serve(
             waiting_timeout=waiting_timeout, deadlines=not no_deadlines,
             enable_fault_injection=enable_fault_injection, admin_token=admin_token, pd_secret=pd_secret, seed=seed,
             max_request_bytes=max_request_bytes, shutdown_grace=shutdown_grace,
+            enable_prefix_cache=not disable_prefix_cache,
         )
     )
 

@@ -26,6 +26,7 @@ from dsv4_engine.kv_cache import KVPool, check_page_size, pages_for_memory
 from dsv4_engine.metrics import EngineMetrics
 from dsv4_engine.model_runner import ModelRunner
 from dsv4_engine.models.state import StateSpec
+from dsv4_engine.prefix_cache import PrefixCache
 from dsv4_engine.scheduler import Scheduler
 from dsv4_engine.sequence import RequestOutput, Sequence, SeqStatus
 from dsv4_engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -74,6 +75,7 @@ class EngineArgs:
     kernel_backend: Optional[str] = None
     device: Optional[str] = None
     seed: int = 0
+    enable_prefix_cache: bool = True  # `--disable-prefix-cache` turns it off
 
 
 def state_refusal(specs: list[StateSpec], role: str, page_size: Optional[int]) -> Optional[str]:
@@ -100,6 +102,21 @@ def serving_refusal(model_dir: str, role: str, page_size: Optional[int]) -> Opti
     return state_refusal(specs, role, page_size)
 
 
+def prefix_cache_refusal(specs: list[StateSpec], role: str, enabled: bool = True) -> Optional[str]:
+    """Why this engine runs without a prefix cache, in one line, or None when it has one."""
+    if not enabled:
+        return "turned off (--disable-prefix-cache)"
+    if role == "decode":
+        return "a decode engine receives every page of a request from prefill; it has nothing to reuse"
+    slot_states = [s.name for s in specs if not s.paged]
+    if slot_states:
+        # The slot rows hold the request's state at its current position only (the window ring,
+        # the compressors' partial buffers); pages alone cannot resume a prefix.
+        return (f"this model keeps per-request slot state ({', '.join(slot_states)}) that cached pages "
+                f"cannot restore")
+    return None
+
+
 class Engine:
     def __init__(self, args: EngineArgs):
         self.args = args
@@ -114,8 +131,12 @@ class Engine:
         num_pages = args.kv_pages or pages_for_memory(specs, args.page_size, self.runner.dtype, args.kv_memory_gb,
                                                       args.max_num_seqs)
         self.pool = KVPool(specs, num_pages, args.page_size, self.runner.dtype, self.runner.device, args.max_num_seqs)
+        self.prefix_cache_off = prefix_cache_refusal(specs, args.role, args.enable_prefix_cache)
+        self.prefix_cache: Optional[PrefixCache] = (
+            PrefixCache(self.pool.allocator, args.page_size) if self.prefix_cache_off is None else None)
         self.scheduler = Scheduler(self.pool.allocator, args.page_size, args.max_num_seqs, args.max_num_batched_tokens,
-                                   self.pool.slots)
+                                   self.pool.slots, self.prefix_cache)
+        self._cache_counted = (0, 0)  # prefix cache (query, hit) tokens already added to the counters
         # The context limit is the model's, but never more than the pool can hold for one request.
         pool_tokens = num_pages * args.page_size
         self.max_model_len = min(args.max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings, pool_tokens)
@@ -284,6 +305,7 @@ class Engine:
                 results = []
             for b, r in zip(batch, results):
                 b.seq.num_computed += b.num_new
+                self.scheduler.computed(b.seq)  # before the token: finishing gives the pages back
                 if r is None or b.seq.finished:
                     continue
                 try:
@@ -381,7 +403,16 @@ class Engine:
         m = self.metrics
         m.set("num_running_reqs", len(self.scheduler.running))
         m.set("num_queue_reqs", len(self.scheduler.waiting))
-        m.set("kv_pages_free", self.pool.allocator.num_free)
+        m.set("kv_pages_free", self.pool.allocator.num_free)  # idle cached pages count as free
+        if self.prefix_cache is not None:
+            c = self.prefix_cache
+            m.set("prefix_cache_pages", c.num_cached)
+            q, h = self._cache_counted
+            if c.query_tokens > q:
+                m.inc("prefix_cache_query_tokens", c.query_tokens - q)
+            if c.hit_tokens > h:
+                m.inc("prefix_cache_hit_tokens", c.hit_tokens - h)
+            self._cache_counted = (c.query_tokens, c.hit_tokens)
         if self.pd is not None:
             self.pd.update_gauges(m)
 
@@ -401,6 +432,12 @@ class Engine:
             "kv_slots_free": self.pool.slots.num_free if self.pool.slots is not None else None,
             "kv_slots_total": self.pool.num_slots,
             "kv_page_size": self.pool.page_size,
+            # Pages the prefix cache holds; the idle ones (no request uses them) are also counted
+            # in kv_pages_free: they are given up as soon as an allocation needs room.
+            "kv_pages_cached": self.prefix_cache.num_cached if self.prefix_cache is not None else 0,
+            "kv_pages_cached_idle": self.prefix_cache.num_idle if self.prefix_cache is not None else 0,
+            "prefix_cache": ({"enabled": True, **self.prefix_cache.stats()} if self.prefix_cache is not None
+                             else {"enabled": False, "why": self.prefix_cache_off}),
             # What each state costs: paged ones per token of context, slot ones per running request.
             "kv_state_bytes_per_token": self.pool.bytes_per_token(),
             "kv_state_bytes_per_request": self.pool.bytes_per_request(),

@@ -12,6 +12,7 @@ They live in `slot_states`, apart from `states`, because PD registers `states` p
 from __future__ import annotations
 
 import threading
+from typing import Optional, Protocol
 
 import torch
 
@@ -96,35 +97,89 @@ class KVPool:
 
 
 class PageAllocator:
-    """A free list of page ids. Every page handed out must come back exactly once; a double free
-    is a bug we want loudly, since a page leak is how a PD engine slowly wedges."""
+    """Reference-counted page ids. A page handed out by `allocate` has one reference; `share`
+    adds one (a request reusing a cached prefix page), `free` drops one, and a page whose last
+    reference goes is free again, unless the prefix cache keeps it (then it stays cached and
+    idle until `allocate` needs room and the cache gives it up, least recently used first).
+    Dropping a reference nobody holds is a bug we want loudly, since a page leak (or a page two
+    requests write) is how a PD engine slowly wedges or corrupts output."""
 
     def __init__(self, num_pages: int):
         self.total = num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
-        self._used: set[int] = set()
-        self._lock = threading.Lock()
+        self._refs: dict[int, int] = {}
+        self._lock = threading.RLock()
+        self.cache: Optional["PageKeeper"] = None  # the prefix cache, when one is attached
 
     @property
     def num_free(self) -> int:
+        """Pages `allocate` can hand out now: free ones and idle cached ones (reclaimable)."""
+        return len(self._free) + (self.cache.num_idle if self.cache is not None else 0)
+
+    @property
+    def num_unused(self) -> int:
+        """Pages neither referenced nor cached."""
         return len(self._free)
 
+    def refcount(self, page: int) -> int:
+        return self._refs.get(page, 0)
+
     def allocate(self, n: int) -> list[int] | None:
-        """n pages, or None (and nothing taken) when fewer are free."""
+        """n pages with one reference each, or None (and nothing taken nor evicted) when fewer
+        than n are free or reclaimable."""
         with self._lock:
-            if n > len(self._free):
-                return None
+            short = n - len(self._free)
+            if short > 0:
+                if self.cache is None or short > self.cache.num_idle:
+                    return None
+                self._free.extend(self.cache.evict(short))
             pages = [self._free.pop() for _ in range(n)]
-            self._used.update(pages)
+            for p in pages:
+                self._refs[p] = 1
             return pages
 
-    def free(self, pages: list[int]) -> None:
+    def share(self, pages: list[int]) -> None:
+        """One more reference on each page (held ones, or idle cached ones taken back)."""
         with self._lock:
             for p in pages:
-                if p not in self._used:
-                    raise RuntimeError(f"page {p} freed twice or never allocated")
-                self._used.remove(p)
-                self._free.append(p)
+                if p in self._refs:
+                    self._refs[p] += 1
+                elif self.cache is not None and self.cache.holds(p):
+                    self._refs[p] = 1
+                    self.cache.on_referenced(p)
+                else:
+                    raise RuntimeError(f"page {p} shared while neither held nor cached")
+
+    def free(self, pages: list[int]) -> None:
+        """Drop one reference on each page; the last one frees it (or leaves it cached, idle)."""
+        with self._lock:
+            for p in pages:
+                n = self._refs.get(p, 0)
+                if n <= 0:
+                    raise RuntimeError(f"page {p} freed twice or never allocated (reference count underflow)")
+                if n > 1:
+                    self._refs[p] = n - 1
+                    continue
+                del self._refs[p]
+                if self.cache is not None and self.cache.holds(p):
+                    self.cache.on_unreferenced(p)
+                else:
+                    self._free.append(p)
+
+
+class PageKeeper(Protocol):
+    """What the allocator asks of a cache that keeps unreferenced pages (the prefix cache)."""
+
+    @property
+    def num_idle(self) -> int: ...
+
+    def holds(self, page: int) -> bool: ...
+
+    def on_unreferenced(self, page: int) -> None: ...
+
+    def on_referenced(self, page: int) -> None: ...
+
+    def evict(self, n: int) -> list[int]: ...
 
 
 class SlotAllocator:

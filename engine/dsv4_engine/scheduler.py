@@ -8,6 +8,10 @@ position 0 (a model's slot state, e.g. V4's window ring, cannot be rewound, so n
 
 A model with slot states (`KVPool.slots`) gets a row per request at admission, with its first
 pages; finish, abort, failure and preemption give it back through `release`.
+
+With a prefix cache, a request admitted with nothing computed first takes the pages of its
+longest cached prefix (shared, reference-counted) and starts computing after them; `release`
+drops its references, so preemption, abort and failure never free a page another request uses.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from dsv4_engine.kv_cache import PageAllocator, SlotAllocator
+from dsv4_engine.prefix_cache import PrefixCache
 from dsv4_engine.sequence import Sequence, SeqStatus
 
 
@@ -34,8 +39,9 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 slots: Optional[SlotAllocator] = None):
+                 slots: Optional[SlotAllocator] = None, prefix_cache: Optional[PrefixCache] = None):
         self.allocator = allocator
+        self.cache = prefix_cache
         self.slots = slots
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -67,10 +73,17 @@ class Scheduler:
         if seq.pages:
             pages, seq.pages = seq.pages, []
             self.allocator.free(pages)
+        if self.cache is not None:
+            self.cache.forget(seq)
         if seq.slot is not None:
             slot, seq.slot = seq.slot, None
             if self.slots is not None:
                 self.slots.free(slot)
+
+    def computed(self, seq: Sequence) -> None:
+        """After a step: the request's newly full pages become reusable by others."""
+        if self.cache is not None and not seq.finished:
+            self.cache.insert(seq)
 
     def _pages_needed(self, seq: Sequence, upto_tokens: int) -> int:
         return max(0, -(-upto_tokens // self.page_size) - len(seq.pages))
@@ -117,14 +130,20 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed, budget)
             if self.slots is not None and seq.slot is None:
                 seq.slot = self.slots.allocate()
                 if seq.slot is None:
                     break  # every row is held (only when something else holds rows beyond max_num_seqs)
+            hit = self.cache.attach(seq) if self.cache is not None and not seq.pages and seq.num_computed == 0 else None
+            n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._grow(seq, seq.num_computed + n):
                 self.release(seq)  # nothing computed yet: its row (and any pages) go back
+                if hit is not None:
+                    seq.num_computed = 0  # the reused prefix went back with its pages
                 break  # FCFS: later requests wait behind it
+            if hit is not None:
+                self.cache.count(seq.num_tokens, hit)
+                seq.num_cached_tokens = hit
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)

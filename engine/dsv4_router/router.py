@@ -1,7 +1,8 @@
 """The PD router: the OpenAI API in front of prefill + decode (or monolithic) engines.
 
 Each request gets a prefill and a decode worker (least busy, by the router's own count of
-requests in flight) and a random bootstrap room, and goes to both at once; the client reads the
+requests in flight; the prefill, or mono, worker by prefix affinity within a load bound, see
+affinity.py) and a random bootstrap room, and goes to both at once; the client reads the
 decode's answer. A request that fails before its first byte is retried once on another pair.
 
 Holding under load (see admission.py, upstream.py, relay.py): at most --max-inflight requests
@@ -39,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from dsv4_router.admission import Admission, Overloaded, Slot
+from dsv4_router.affinity import affinity_key, choose
 from dsv4_router.body import parse_body, read_limited
 from dsv4_router.relay import RelayResponse, error_events, first_event_error, split_events
 from dsv4_router.upstream import BROKEN_CONNECTIONS, CONNECTION_FAILURES, Upstreams
@@ -145,12 +147,17 @@ class WorkerPool:
     def remove(self, url: str) -> bool:
         return self.workers.pop(url.rstrip("/"), None) is not None
 
-    def pick(self, role: str, exclude: set[str] = frozenset()) -> Optional[Worker]:
+    def pick(self, role: str, exclude: set[str] = frozenset(), key: Optional[str] = None) -> Optional[Worker]:
+        """The least busy ready worker of a role; with a key (prefix affinity, see affinity.py),
+        the one the key prefers unless it is much busier than the least busy."""
         ready = [w for w in self.workers.values() if w.role == role and w.healthy and w.url not in exclude]
         if not ready:
             ready = [w for w in self.workers.values() if w.role == role and w.healthy]
         if not ready:
             return None
+        if key is not None:
+            url = choose(key, {w.url: w.inflight for w in ready})
+            return next(w for w in ready if w.url == url)
         least = min(w.inflight for w in ready)
         return random.choice([w for w in ready if w.inflight == least])
 
@@ -241,13 +248,15 @@ class Router:
 
     # ---- requests --------------------------------------------------------------------------------
 
-    def _pair(self, exclude: set[str]) -> tuple[Optional[Worker], Worker]:
+    def _pair(self, exclude: set[str], key: Optional[str] = None) -> tuple[Optional[Worker], Worker]:
+        """key: the request's prefix-affinity key; it steers the engine that prefills (prefill or
+        mono: the one whose prefix cache it hopes to hit), never decode (it receives every page)."""
         if any(w.role == "prefill" for w in self.pool.workers.values()):
-            p, d = self.pool.pick("prefill", exclude), self.pool.pick("decode", exclude)
+            p, d = self.pool.pick("prefill", exclude, key), self.pool.pick("decode", exclude)
             if p is None or d is None or p.bootstrap_port is None:
                 raise APIError("no healthy prefill/decode pair is available", 503, "service_unavailable")
             return p, d
-        m = self.pool.pick("mono", exclude)
+        m = self.pool.pick("mono", exclude, key)
         if m is None:
             raise APIError("no healthy engine is available", 503, "service_unavailable")
         return None, m
@@ -307,9 +316,10 @@ class Router:
         rid = rid or f"{'chatcmpl' if 'chat' in path else 'cmpl'}-{uuid.uuid4().hex}"
         tried: set[str] = set()
         last: Optional[Retry] = None
+        key = affinity_key(path, body)
         for attempt in range(2):
             try:
-                p, d = self._pair(tried)
+                p, d = self._pair(tried, key)
             except APIError as e:
                 return self.error(e, {"Retry-After": "2"})
             tried.update({d.url} | ({p.url} if p else set()))

@@ -18,3 +18,4 @@ class EngineFlags:
     ADMIN_TOKEN = "--admin-token"
     PD_SECRET = "--pd-secret"
     SHUTDOWN_GRACE = "--shutdown-grace"
+    DISABLE_PREFIX_CACHE = "--disable-prefix-cache"

