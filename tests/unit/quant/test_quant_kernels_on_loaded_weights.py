@@ -12,6 +12,12 @@ from dsv4_engine.model_runner import ModelRunner
 from dsv4_engine.quant import QuantWeight, moe_experts_for
 
 TOL = dict(atol=1e-5, rtol=1e-5)
+# compiled kernels on a CUDA machine, the interpreter on CPU tensors elsewhere (tests/conftest.py)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def on(*ts):
+    return [t.to(DEV) for t in ts]
 
 
 def kept_model(tmp_path, preset, quant, monkeypatch):
@@ -35,10 +41,10 @@ def test_fp8_kernels_on_a_loaded_v3_checkpoint(tmp_path, monkeypatch):
     x = torch.randn(3, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     for name in ("q_a", "kv_a", "s_w13"):
         w = L[name]
-        torch.testing.assert_close(fp8_linear(x, w.data, w.scale), torch.nn.functional.linear(x, w), **TOL)
+        torch.testing.assert_close(fp8_linear(*on(x, w.data, w.scale)).cpu(), torch.nn.functional.linear(x, w), **TOL)
     wts, ids = routing(3, model.cfg.n_routed_experts, model.cfg.num_experts_per_tok, 1)
     expected = moe_experts_for(model.ops)(x, L["w13"], L["w2"], wts, ids)  # CPU: the reference
-    got = fp8_moe_experts(x, L["w13"].data, L["w13"].scale, L["w2"].data, L["w2"].scale, wts, ids)
+    got = fp8_moe_experts(*on(x, L["w13"].data, L["w13"].scale, L["w2"].data, L["w2"].scale, wts, ids)).cpu()
     torch.testing.assert_close(got, expected, **TOL)
 
 
@@ -51,11 +57,12 @@ def test_fp4_kernels_on_a_loaded_v4_checkpoint(tmp_path, monkeypatch):
     w13, w2 = L["w13"], L["w2"]
     assert (w13.kind, w2.kind) == ("fp4", "fp4")
     x = torch.randn(3, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(fp4_linear(x, w13[1].data, w13[1].scale), torch.nn.functional.linear(x, w13[1]), **TOL)
+    torch.testing.assert_close(fp4_linear(*on(x, w13[1].data, w13[1].scale)).cpu(), torch.nn.functional.linear(x, w13[1]),
+                               **TOL)
     wts, ids = routing(3, model.cfg.n_routed_experts, model.cfg.num_experts_per_tok, 2)
     limit = model.cfg.swiglu_limit
     expected = ref.fp4_moe_experts(x, w13.data, w13.scale, w2.data, w2.scale, wts, ids, limit)
-    got = fp4_moe_experts(x, w13.data, w13.scale, w2.data, w2.scale, wts, ids, limit)
+    got = fp4_moe_experts(*on(x, w13.data, w13.scale, w2.data, w2.scale, wts, ids), limit).cpu()
     torch.testing.assert_close(got, expected, **TOL)
     # and the reference is what V4's own per-expert loop computes with these weights
     out = torch.zeros_like(x)
