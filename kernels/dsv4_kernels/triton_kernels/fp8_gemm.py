@@ -42,8 +42,8 @@ def fp8_act_quant_kernel(
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
-    s = tl.where(amax > 0, amax / 448.0, 1.0)
-    q = tl.clamp(x / s[:, None], -448.0, 448.0)
+    s = tl.where(amax > 0, tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
+    q = tl.clamp(tl.div_rn(x, s[:, None]), -448.0, 448.0)  # IEEE division, as torch divides
     if EXACT_ROUND:
         # The interpreter's fp32 -> e4m3 cast drops the carry when rounding up crosses a power of
         # two (124.3 -> 64). Round to the e4m3 grid here (3 mantissa bits, subnormal step 2**-9,

@@ -10,7 +10,7 @@ import torch
 
 from dsv4_kernels import reference_quant as ref
 
-KERNEL_TOL = dict(atol=1e-5, rtol=1e-5)
+KERNEL_TOL = dict(atol=1e-5, rtol=1e-5) if not torch.cuda.is_available() else dict(atol=1e-4, rtol=1e-4)
 
 
 def packed(n: int, k: int, seed: int):

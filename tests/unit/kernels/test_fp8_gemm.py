@@ -11,8 +11,10 @@ import torch
 from dsv4_kernels import reference_quant as ref
 
 # The kernels and the references quantize activations identically (bit for bit, checked below),
-# so what differs is fp32 accumulation order only.
-KERNEL_TOL = dict(atol=1e-5, rtol=1e-5)
+# so under the interpreter what differs is fp32 accumulation order only. On GPUs the fp8 tensor
+# cores add each 128-long chunk of products at reduced precision (Hopper keeps ~14 bits; the
+# kernel promotes every chunk to fp32, as DeepSeek's inference does).
+KERNEL_TOL = dict(atol=1e-5, rtol=1e-5) if not torch.cuda.is_available() else dict(atol=1e-3, rtol=1e-3)
 
 
 def quantized(n: int, k: int, seed: int, std: float = 0.08):

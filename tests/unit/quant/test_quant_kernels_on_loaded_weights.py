@@ -11,9 +11,10 @@ from dsv4_engine.checkpoint import init_checkpoint
 from dsv4_engine.model_runner import ModelRunner
 from dsv4_engine.quant import QuantWeight, moe_experts_for
 
-TOL = dict(atol=1e-5, rtol=1e-5)
-# compiled kernels on a CUDA machine, the interpreter on CPU tensors elsewhere (tests/conftest.py)
+# compiled kernels on a CUDA machine, the interpreter on CPU tensors elsewhere (tests/conftest.py);
+# fp8 tensor cores add 128-long chunks at reduced precision (see tests/unit/kernels/test_fp8_gemm.py)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = dict(atol=1e-5, rtol=1e-5) if DEV == "cpu" else dict(atol=1e-3, rtol=1e-3)
 
 
 def on(*ts):
