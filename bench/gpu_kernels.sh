@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# On a CUDA machine, in under 8 minutes: the kernel tests compiled for the GPU (the same tests
+# On a CUDA machine: the kernel tests compiled for the GPU (the same tests
 # that run under the Triton interpreter on CPU), then bench/kernels_bench.py (mla_decode GB/s
 # and % of memory bandwidth for batch 1-128 x context 1k-32k, MoE TFLOP/s, against torch).
 #
 #   bash bench/gpu_kernels.sh [OUT_DIR]        # default bench/results
+#   PARTS=engine bash bench/gpu_kernels.sh     # only the engine part (<= 9 min; PARTS=kernels: only kernels)
 #
-# Writes OUT_DIR/kernel_tests.xml + .log and OUT_DIR/kernels_bench.json. Needs python3 with a
+# Then bench/engine_gpu_smoke.py: the engine itself (bf16, triton backend, seeded sampling,
+# decode CUDA graphs off and on, inter-token latency at batch 1/8/32 with and without graphs),
+# and the capture-safety / host-sync tests on the GPU.
+#
+# Writes OUT_DIR/kernel_tests.xml + .log, OUT_DIR/kernels_bench.json and OUT_DIR/engine_gpu_smoke.json. Needs python3 with a
 # CUDA torch, triton, pytest (transformers for the HF comparisons); the project need not be
 # pip-installed: kernels/ goes on PYTHONPATH. Exit status: non-zero if tests or bench failed.
 set -uo pipefail
@@ -13,7 +18,7 @@ cd "$(dirname "$0")/.."
 out="${1:-bench/results}"
 mkdir -p "$out"
 py="${PYTHON:-python3}"
-export PYTHONPATH="$PWD/kernels${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/kernels:$PWD/engine${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 
@@ -29,11 +34,23 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.memory --forma
 
 start=$SECONDS
 status=0
-# Budget: tests ~3 min (first-time JIT of every kernel variant included), bench ~4 min.
+# Budget: kernels part under 8 min (tests ~3 min with first-time JIT, bench ~4 min); engine part <= 9 min.
+parts="${PARTS:-kernels,engine}"
+if [[ "$parts" == *kernels* ]]; then
 timeout 210 "$py" -m pytest -q -p no:cacheprovider tests/unit/kernels \
     --junitxml "$out/kernel_tests.xml" 2>&1 | tee "$out/kernel_tests.log"
 rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "kernel tests failed (exit $rc)"; status=1; }
 timeout 250 "$py" bench/kernels_bench.py --out "$out/kernels_bench.json"
 rc=$?; [ "$rc" -ne 0 ] && { echo "benchmark failed (exit $rc)"; status=1; }
+fi
+if [[ "$parts" == *engine* ]]; then
+# Capture safety, host syncs and graph replay of the engine's decode, compiled (~1 min).
+timeout 150 "$py" -m pytest -q -p no:cacheprovider tests/unit/engine/test_cuda_graphs.py tests/unit/engine/test_host_syncs.py \
+    tests/unit/engine/test_sampling_devices.py --junitxml "$out/engine_gpu_tests.xml" 2>&1 | tee "$out/engine_gpu_tests.log"
+rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "engine GPU tests failed (exit $rc)"; status=1; }
+# Engine smoke (~3-5 min: two engines on the mla512 preset, Triton JIT and graph capture included).
+timeout 400 "$py" bench/engine_gpu_smoke.py --out "$out/engine_gpu_smoke.json"
+rc=$?; [ "$rc" -ne 0 ] && { echo "engine smoke failed (exit $rc)"; status=1; }
+fi
 echo "gpu_kernels.sh: $((SECONDS - start)) s, results in $out"
 exit $status

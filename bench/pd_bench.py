@@ -10,7 +10,14 @@ start -> DONE seen by prefill's loop: an upper bound, since the loop looks only 
 steps), the bytes per request, and mono behind the same router (to tell the router hop from
 PD). Target (issue 3, mla512): the hand-off adds <= 10% to TTFT. Writes OUT/pd.json, OUT/pd.png.
 
-    python bench/pd_bench.py [--preset mla512] [--concurrency 8,32] [--repeats 2] [--quick]
+DeepSeek-V4 checkpoints (--preset v4-tiny / v4-flash-shape, or --model V4DIR) move paged states
+(compressed entries, indexer keys) and one slot row per request (window ring, compressor
+stages): the report gives the bytes moved per request and per prompt token by state, from
+prefill's /v1/loads. --transfer-checksum runs PD with region checksums on and reports what
+they cost per transfer on each side.
+
+    python bench/pd_bench.py [--preset mla512|v4-tiny|v4-flash-shape] [--concurrency 8,32] [--repeats 2]
+                             [--transfer-checksum] [--quick]
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import httpx
 from rich.console import Console
 from rich.table import Table
 
@@ -46,6 +54,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="runs per workload; the best counts (default 2)")
     p.add_argument("--kv-pages", type=int, default=None, help="KV pool of every engine, in pages (default 2048)")
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page of every engine")
+    p.add_argument("--transfer-checksum", action="store_true",
+                   help="PD engines checksum every state region of a hand-off (decode verifies); reports its cost")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--pd-threads", type=int, default=None,
                    help="OMP_NUM_THREADS of the prefill and decode engines (default: torch's, i.e. all cores each)")
@@ -73,8 +84,9 @@ class Deployment:
     all started at once so their start-up overlaps, stopped together."""
 
     def __init__(self, model: Path, a: argparse.Namespace, logs: Path):
-        common = ["--model", model, "--kv-pages", a.kv_pages, "--max-num-seqs", a.max_num_seqs,
+        common = ["--model", model, "--kv-pages", a.kv_pages, "--max-num-seqs", a.max_num_seqs, "--page-size", a.page_size,
                   "--max-num-batched-tokens", a.max_num_batched_tokens, "--served-model-name", "bench"]
+        pd_args = ["--transfer-checksum"] if a.transfer_checksum else []
         pd_env = {"OMP_NUM_THREADS": str(a.pd_threads)} if a.pd_threads else None
         ports = {k: free_port() for k in ("mono", "prefill", "bootstrap", "decode", "router", "mono_router")}
         self.servers: list[Server] = []
@@ -85,9 +97,10 @@ class Deployment:
             return s
 
         self.mono = start("mono", ["serve", *common, "--role", "mono", "--port", ports["mono"]], ports["mono"])
-        self.prefill = start("prefill", ["serve", *common, "--role", "prefill", "--port", ports["prefill"],
+        self.prefill = start("prefill", ["serve", *common, *pd_args, "--role", "prefill", "--port", ports["prefill"],
                                          "--bootstrap-port", ports["bootstrap"]], ports["prefill"], pd_env)
-        self.decode = start("decode", ["serve", *common, "--role", "decode", "--port", ports["decode"]], ports["decode"], pd_env)
+        self.decode = start("decode", ["serve", *common, *pd_args, "--role", "decode", "--port", ports["decode"]],
+                            ports["decode"], pd_env)
         self.router = start("router", ["router", "--prefill", self.prefill.url, "--decode", self.decode.url,
                                        "--port", ports["router"], "--health-interval", "1"], ports["router"])
         self.mono_router = None
@@ -107,6 +120,27 @@ class Deployment:
 def mean_ms(before: str, after: str, name: str) -> tuple[Optional[float], int]:
     d = prom.histogram_delta(prom.histogram(before, name), prom.histogram(after, name))
     return (round(d["sum"] / d["count"] * 1000, 3) if d["count"] else None), int(d["count"])
+
+
+def loads(url: str) -> dict:
+    return httpx.get(f"{url}/v1/loads", timeout=10).json()
+
+
+def state_stats(before: dict[str, dict], after: dict[str, dict], transfers: int, prompt_tokens: float) -> dict:
+    """Bytes moved by state (prefill's /v1/loads), per transfer and per prompt token, and what
+    the checksums cost per transfer on each side (0 when off)."""
+    b, a = before["prefill"].get("kv_transfer_bytes_by_state", {}), after["prefill"].get("kv_transfer_bytes_by_state", {})
+    moved = {name: a[name] - b.get(name, 0) for name in a}
+    out = {
+        "bytes_by_state": moved,
+        "bytes_per_transfer_by_state": {k: round(v / transfers) for k, v in moved.items()} if transfers else None,
+        "bytes_per_prompt_token_by_state": {k: round(v / prompt_tokens, 1) for k, v in moved.items()} if prompt_tokens else None,
+        "checksum_ms_per_transfer": {},
+    }
+    for role in ("prefill", "decode"):
+        spent = after[role].get("transfer_checksum_seconds", 0.0) - before[role].get("transfer_checksum_seconds", 0.0)
+        out["checksum_ms_per_transfer"][role] = round(spent / transfers * 1000, 4) if transfers else None
+    return out
 
 
 def transfer_stats(before: dict[str, str], after: dict[str, str]) -> dict:
@@ -144,9 +178,14 @@ def pd_side(dep: Deployment) -> Side:
 
     def around(_name: str, run) -> dict:
         before = {r: prom.scrape(u) for r, u in urls.items()}
+        loads_before = {r: loads(u) for r, u in urls.items()}
         summary = run()
         after = {r: prom.scrape(u) for r, u in urls.items()}
+        loads_after = {r: loads(u) for r, u in urls.items()}
         summary["transfer"] = t = transfer_stats(before, after)
+        prompt_tokens = (prom.counter(after["prefill"], "dsv4:prompt_tokens_total")
+                         - prom.counter(before["prefill"], "dsv4:prompt_tokens_total"))
+        t.update(state_stats(loads_before, loads_after, t["prefill"]["transfers"], prompt_tokens))
         summary["handoff_share_of_ttft"] = ratio(t["handoff_mean_ms"], summary["ttft_mean_ms"])
         summary["prefill_transfer_latency_share_of_ttft_p50"] = ratio(t["prefill"]["latency_mean_ms"], summary["ttft_p50_ms"])
         return summary
@@ -194,6 +233,19 @@ def print_tables(report: dict) -> None:
                       fmt(None if tr.get("bytes_per_transfer") is None else tr["bytes_per_transfer"] / 1024.0) if is_pd else "",
                       fmt_ratio(c["pd_over_mono_tok_s"]) if is_pd else "", fmt_ratio(c["ttft_p50_pd_over_mono"]) if is_pd else "")
     console.print(t)
+    s = Table(title="KV hand-off by state (PD): bytes per request and per prompt token; checksum cost per transfer")
+    for col in ("workload", "state", "B/request", "B/prompt token"):
+        s.add_column(col, justify="right")
+    for w in report["workloads"]:
+        tr = (report["pd"].get(w["name"]) or {}).get("transfer") or {}
+        per_req, per_tok = tr.get("bytes_per_transfer_by_state") or {}, tr.get("bytes_per_prompt_token_by_state") or {}
+        for name in per_req:
+            s.add_row(w["name"], name, fmt(per_req[name]), fmt(per_tok.get(name)))
+        ck = tr.get("checksum_ms_per_transfer") or {}
+        if report["settings"].get("transfer_checksum"):
+            s.add_row(w["name"], "checksum ms/transfer", f"prefill {fmt(ck.get('prefill'), digits=3)}",
+                      f"decode {fmt(ck.get('decode'), digits=3)}")
+    console.print(s)
     for tg in report["targets"]:
         mark = "[green]met[/green]" if tg["met"] else "[red]missed[/red]" if tg["met"] is False else "[yellow]n/a[/yellow]"
         console.print(f"target {tg['name']} {tg['target']}: {fmt(tg['value'], digits=3)} -> {mark}")
@@ -226,7 +278,7 @@ def plot(report: dict, path: Path) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     a = parse_args(argv)
     model = ensure_model(a.model, a.preset, a.seed)
-    facts = model_facts(model, a.kv_pages)
+    facts = model_facts(model, a.kv_pages, a.page_size, max_num_seqs=a.max_num_seqs)
     workloads = build_workloads(a.concurrency, a.requests_per_client, a.prompt_len, a.new_tokens, facts["vocab_size"], a.seed)
     a.out.mkdir(parents=True, exist_ok=True)
     report: dict = {

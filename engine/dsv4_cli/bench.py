@@ -125,7 +125,8 @@ def prefix(
 @app.command("pd")
 def pd(
     model: Optional[Path] = typer.Option(None, help="Checkpoint folder (default: made from --preset)."),
-    preset: Optional[str] = typer.Option(None, help="Preset for the default model (default: mla512; tiny with --quick)."),
+    preset: Optional[str] = typer.Option(None, help="Preset for the default model: mla512 (default; tiny with --quick), "
+                                                    "v4-tiny or v4-flash-shape (DeepSeek-V4: bytes moved by state)."),
     concurrency: Optional[str] = typer.Option(None, help="Comma-separated concurrency levels (default: 8,32)."),
     prompt_len: Optional[int] = typer.Option(None, help="Prompt tokens (default: 128)."),
     new_tokens: Optional[int] = typer.Option(None, help="Output tokens per request (default: 64)."),
@@ -133,6 +134,9 @@ def pd(
     repeats: Optional[int] = typer.Option(None, help="Runs per workload, the best counts (default: 2)."),
     kv_pages: Optional[int] = typer.Option(None, help="KV pool of every engine, in pages (default: 2048)."),
     pd_threads: Optional[int] = typer.Option(None, help="OMP_NUM_THREADS of the prefill and decode engines (default: torch's)."),
+    page_size: Optional[int] = typer.Option(None, help="Tokens per KV page of every engine (default: 16)."),
+    transfer_checksum: bool = typer.Option(False, "--transfer-checksum",
+                                           help="PD with region checksums on (decode verifies); reports their cost."),
     mono_via_router: Optional[bool] = typer.Option(None, "--mono-via-router/--no-mono-via-router",
                                                    help="Also run mono behind the router (default: on; off with --quick)."),
     out: Optional[Path] = typer.Option(None, help="Results folder (default: bench/results, bench/results/quick with --quick)."),
@@ -143,6 +147,7 @@ def pd(
     run_script("pd_bench.py", dict(
         model=model, preset=preset, concurrency=concurrency, prompt_len=prompt_len, new_tokens=new_tokens,
         requests_per_client=requests_per_client, repeats=repeats, kv_pages=kv_pages, pd_threads=pd_threads,
+        page_size=page_size, transfer_checksum=transfer_checksum or None,
         mono_via_router=mono_via_router, out=out, seed=seed, quick=quick or None,
     ))
 

@@ -101,6 +101,9 @@ def serve(
     max_model_len: Optional[int] = typer.Option(None, help="Context limit (default: the model's)."),
     kernel_backend: Optional[str] = typer.Option(None, help="torch | triton (default: triton on CUDA, else torch)."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda (default: cuda when present)."),
+    cuda_graph_max_bs: int = typer.Option(0, EngineFlags.CUDA_GRAPH_MAX_BS, min=0,
+                                          help="Decode batches up to N requests replay captured CUDA graphs "
+                                               "(CUDA + triton kernels; 0 = off)."),
     bootstrap_timeout: float = typer.Option(30.0, help="Seconds a PD request may wait for its peer."),
     transfer_timeout: float = typer.Option(30.0, help="Seconds a KV transfer may take."),
     waiting_timeout: float = typer.Option(60.0, help="Seconds decode waits for the KV of a request."),
@@ -118,6 +121,9 @@ def serve(
     shutdown_grace: float = typer.Option(30.0, EngineFlags.SHUTDOWN_GRACE, min=0.0,
                                          help="On SIGTERM: seconds running requests get to finish before they "
                                               "are ended with an error (Kubernetes' default termination grace)."),
+    transfer_checksum: bool = typer.Option(False, EngineFlags.TRANSFER_CHECKSUM,
+                                           help="PD: checksum every KV/state region of a hand-off; decode verifies "
+                                                "what landed and fails the request on a mismatch."),
 ) -> None:
     """Run one engine (monolithic, prefill or decode) with the OpenAI-compatible HTTP API."""
     if role not in ("mono", "prefill", "decode"):
@@ -142,10 +148,10 @@ def serve(
             kv_pages=kv_pages, kv_memory_gb=kv_memory_gb, page_size=page_size,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, kernel_backend=kernel_backend, device=device,
-            bootstrap_timeout=bootstrap_timeout, transfer_timeout=transfer_timeout,
+            cuda_graph_max_bs=cuda_graph_max_bs, bootstrap_timeout=bootstrap_timeout, transfer_timeout=transfer_timeout,
             waiting_timeout=waiting_timeout, deadlines=not no_deadlines,
             enable_fault_injection=enable_fault_injection, admin_token=admin_token, pd_secret=pd_secret, seed=seed,
-            max_request_bytes=max_request_bytes, shutdown_grace=shutdown_grace,
+            max_request_bytes=max_request_bytes, shutdown_grace=shutdown_grace, transfer_checksum=transfer_checksum,
             enable_prefix_cache=not disable_prefix_cache,
         )
     )

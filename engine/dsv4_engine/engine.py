@@ -20,13 +20,12 @@ import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
-import torch
-
 from dsv4_engine.kv_cache import KVPool, check_page_size, pages_for_memory
 from dsv4_engine.metrics import EngineMetrics
 from dsv4_engine.model_runner import ModelRunner
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.prefix_cache import PrefixCache
+from dsv4_engine.sampling import request_generator
 from dsv4_engine.scheduler import Scheduler
 from dsv4_engine.sequence import RequestOutput, Sequence, SeqStatus
 from dsv4_engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -76,20 +75,17 @@ class EngineArgs:
     device: Optional[str] = None
     seed: int = 0
     enable_prefix_cache: bool = True  # `--disable-prefix-cache` turns it off
+    cuda_graph_max_bs: int = 0  # decode batches up to this many requests replay CUDA graphs (0: off)
 
 
 def state_refusal(specs: list[StateSpec], role: str, page_size: Optional[int]) -> Optional[str]:
     """Why an engine of this role and page size (None: not checked) cannot hold the model's
-    states, in one line, or None."""
+    states, in one line, or None. Every role takes every model: PD moves slot states too."""
     if page_size is not None:
         try:
             check_page_size(specs, page_size)
         except ValueError as e:
             return f"--page-size {page_size} does not fit this model: {e}"
-    slot_states = [s.name for s in specs if not s.paged]
-    if role != "mono" and slot_states:
-        return (f"this model keeps per-request slot state ({', '.join(slot_states)}) that PD does not transfer yet; "
-                f"serve it monolithic (dsv4 serve --role mono, dsv4 up --mono)")
     return None
 
 
@@ -120,7 +116,7 @@ def prefix_cache_refusal(specs: list[StateSpec], role: str, enabled: bool = True
 class Engine:
     def __init__(self, args: EngineArgs):
         self.args = args
-        self.runner = ModelRunner(args.model, args.dtype, args.device, args.kernel_backend)
+        self.runner = ModelRunner(args.model, args.dtype, args.device, args.kernel_backend, args.cuda_graph_max_bs)
         self.cfg = self.runner.cfg
         self.tokenizer = Tokenizer.from_dir(args.model)
         specs = self.runner.state_specs
@@ -238,8 +234,7 @@ class Engine:
         seq.detok = IncrementalDetokenizer(self.tokenizer)
         if seq.params.seed is not None or not seq.params.greedy:
             seed = seq.params.seed if seq.params.seed is not None else self.args.seed + len(self.seqs)
-            # On the logits' device: torch.multinomial refuses a generator of another device.
-            seq.generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+            seq.generator = request_generator(seed, self.runner.device)
         self.seqs[seq.rid] = seq
         self.metrics.inc("prompt_tokens", len(seq.prompt_ids))
         if self.pd is not None:

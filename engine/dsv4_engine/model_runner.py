@@ -3,11 +3,14 @@ reached its last known token."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
 
+from dsv4_engine.batch_buffers import BatchBuffers, HostBatch, host_batch
+from dsv4_engine.cuda_graphs import DecodeGraphs
 from dsv4_engine.kv_cache import KVPool
 from dsv4_engine.models import entry_for_dir
 from dsv4_engine.models.deepseek_v3 import ForwardBatch
@@ -15,6 +18,8 @@ from dsv4_engine.models.state import StateSpec
 from dsv4_engine.sampling import Sampled, sample
 from dsv4_engine.scheduler import ScheduledSeq
 from dsv4_engine.weights import load_weights
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -33,9 +38,17 @@ def get_ops(backend: str):
     return kernels_get_ops(backend)
 
 
+def _new_tokens(seq, start: int, n: int) -> list[int]:
+    """Token ids start..start+n-1 of a request (list slices: no per-token Python loop)."""
+    p = len(seq.prompt_ids)
+    if start >= p:
+        return seq.output_ids[start - p : start - p + n]
+    return seq.prompt_ids[start : start + n] + seq.output_ids[: max(0, start + n - p)]
+
+
 class ModelRunner:
     def __init__(self, model_dir: str | Path, dtype: str = "float32", device: Optional[str] = None,
-                 kernel_backend: Optional[str] = None):
+                 kernel_backend: Optional[str] = None, cuda_graph_max_bs: int = 0):
         entry = entry_for_dir(model_dir)
         self.model_type = entry.model_type
         self.cfg = entry.config_class().from_dir(model_dir)
@@ -49,39 +62,63 @@ class ModelRunner:
         # all-decode step and runs each request alone otherwise, so a mixed step runs as two
         # forwards, decodes then prefills (+27% tok/s at 32 clients on v4-tiny, CPU).
         self.decode_apart = any(not spec.paged for spec in self.state_specs)
+        self.buffers = BatchBuffers(self.device)
+        # Captured decode graphs: CUDA, the Triton backend (the torch backend's MoE reads expert
+        # counts on the host) and a model whose forward is capture-safe (V3; not yet V4).
+        self.cuda_graph_max_bs = cuda_graph_max_bs if self.graphs_supported() else 0
+        if cuda_graph_max_bs and not self.cuda_graph_max_bs:
+            log.info("CUDA graphs off: need a CUDA device, the triton kernel backend and a capture-safe model")
+        self.graphs: Optional[DecodeGraphs] = None
+        self._states: dict[str, torch.Tensor] = {}  # the pool's tensors, which a captured graph reads
+
+    def graphs_supported(self) -> bool:
+        return (self.device.type == "cuda" and self.kernel_backend == "triton"
+                and getattr(self.model, "CUDA_GRAPH_SAFE", False) and not self.decode_apart)
+
+    def decode_graphs(self, page_size: int, num_pages: int, capture: bool = True) -> DecodeGraphs:
+        """The graphs for this runner (made on first use): block tables as wide as the most
+        pages one request can hold."""
+        if self.graphs is None:
+            width = max(1, min(num_pages, -(-self.cfg.max_position_embeddings // page_size)))
+            max_bs = self.cuda_graph_max_bs or 8
+
+            def run_forward(t: dict[str, torch.Tensor], bs: int) -> torch.Tensor:
+                fb = ForwardBatch(input_ids=t["input_ids"], positions=t["positions"], slot_mapping=t["slot_mapping"],
+                                  block_table=t["block_table"], seq_lens=t["seq_lens"], extend_lens=t["extend_lens"],
+                                  logits_indices=t["logits_indices"], all_decode=True, page_size=page_size)
+                return self.model.forward(fb, self._states)
+
+            self.graphs = DecodeGraphs(run_forward, max_bs, width, self.device, capture)
+        return self.graphs
+
+    def host_batch(self, batch: list[ScheduledSeq], page_size: int, width: Optional[int] = None) -> HostBatch:
+        starts = [b.seq.num_computed for b in batch]
+        news = [b.num_new for b in batch]
+        tokens = [_new_tokens(b.seq, s, n) for b, s, n in zip(batch, starts, news)]
+        return host_batch(starts, news, [b.seq.pages for b in batch], tokens, [b.seq.slot for b in batch], page_size, width)
 
     def build_batch(self, batch: list[ScheduledSeq], page_size: int) -> ForwardBatch:
-        ids, pos, slots, seq_lens, ext, last = [], [], [], [], [], []
-        max_pages = max(len(b.seq.pages) for b in batch)
-        table = torch.zeros(len(batch), max_pages, dtype=torch.int32)
-        for i, b in enumerate(batch):
-            s, start = b.seq, b.seq.num_computed
-            end = start + b.num_new
-            ids.extend(s.token_at(j) for j in range(start, end))
-            pos.extend(range(start, end))
-            slots.extend(s.pages[j // page_size] * page_size + j % page_size for j in range(start, end))
-            table[i, : len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
-            seq_lens.append(end)
-            ext.append(b.num_new)
-            last.append(len(ids) - 1)
-        dev = self.device
+        """The step's tensors, computed over all requests at once (no per-token loop) and
+        copied into persistent device buffers without waiting on the device."""
+        hb = self.host_batch(batch, page_size)
+        news = hb.extend_lens.tolist()
+        t = self.buffers.upload(hb)
         return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_table=table.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            extend_lens=torch.tensor(ext, dtype=torch.int32, device=dev),
-            logits_indices=torch.tensor(last, dtype=torch.int64, device=dev),
-            all_decode=all(n == 1 for n in ext),
-            slot_ids=(torch.tensor([b.seq.slot for b in batch], dtype=torch.int64, device=dev)
-                      if all(b.seq.slot is not None for b in batch) else None),
-            page_size=page_size,
+            input_ids=t["input_ids"], positions=t["positions"], slot_mapping=t["slot_mapping"],
+            block_table=t["block_table"], seq_lens=t["seq_lens"], extend_lens=t["extend_lens"],
+            logits_indices=t["logits_indices"], all_decode=all(n == 1 for n in news),
+            slot_ids=t["slot_ids"], page_size=page_size,
+            seq_lens_host=hb.seq_lens.tolist(), extend_lens_host=news,
         )
 
     def forward(self, batch: list[ScheduledSeq], pool: KVPool) -> torch.Tensor:
         """Logits of each request's last new token, [len(batch), vocab], in batch order."""
         decodes = [i for i, b in enumerate(batch) if b.num_new == 1]
+        if self.cuda_graph_max_bs and len(decodes) == len(batch):
+            graphs = self.decode_graphs(pool.page_size, pool.num_pages)
+            if graphs.fits(len(batch), max(len(b.seq.pages) for b in batch)):
+                self._states = pool.all_states
+                return graphs.step(self.host_batch(batch, pool.page_size, graphs.width))
         if not self.decode_apart or not decodes or len(decodes) == len(batch):
             return self.model.forward(self.build_batch(batch, pool.page_size), pool.all_states)
         others = [i for i, b in enumerate(batch) if b.num_new != 1]

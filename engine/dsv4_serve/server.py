@@ -58,6 +58,7 @@ class ServerArgs(EngineArgs):
     pd_secret: Optional[str] = None  # engine-to-engine PD endpoints require it when set
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     shutdown_grace: float = 30.0  # seconds running requests get to finish after SIGTERM
+    transfer_checksum: bool = False  # PD: checksum every state region of a hand-off (decode verifies)
 
     def engine_args(self) -> EngineArgs:
         return EngineArgs(**{f.name: getattr(self, f.name) for f in fields(EngineArgs)})

@@ -19,3 +19,5 @@ class EngineFlags:
     PD_SECRET = "--pd-secret"
     SHUTDOWN_GRACE = "--shutdown-grace"
     DISABLE_PREFIX_CACHE = "--disable-prefix-cache"
+    TRANSFER_CHECKSUM = "--transfer-checksum"
+    CUDA_GRAPH_MAX_BS = "--cuda-graph-max-bs"

@@ -33,6 +33,7 @@ COUNTERS = {
     "num_transfer_timeout_reqs": "Requests whose KV transfer hit its deadline",
     "kv_transfers_completed": "KV transfers completed",
     "kv_transfer_bytes": "Bytes of KV moved between engines",
+    "kv_transfer_checksum_failed": "Requests whose KV landed with other bytes than were sent (--transfer-checksum)",
     "prompt_tokens": "Prompt tokens processed",
     "generation_tokens": "Tokens generated",
     "num_aborted_reqs": "Requests aborted (client gone, admin, peer)",

@@ -11,6 +11,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Models may attend prefill/extend in MLA's per-head (expanded) form with plain torch ops
+# where it is cheaper: on this backend nothing is lost by leaving the kernel API (its extend
+# loops over requests anyway). The Triton backend keeps its fused absorbed-form kernel.
+EXPANDED_PREFILL = True
+
 # Upper bound on fp32 elements of gathered keys/scores held at once; bounds memory on long
 # contexts without changing results.
 _MAX_GATHER_ELEMS = 1 << 25
@@ -37,7 +42,7 @@ def _length_buckets(lens: list[int], row_elems: int) -> list[list[int]]:
     return buckets
 
 
-def mla_decode(
+def mla_decode_gathered(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
@@ -45,13 +50,9 @@ def mla_decode(
     sm_scale: float,
     v_dim: int,
 ) -> torch.Tensor:
-    """One query token per request over its paged latent cache (MQA: all heads share it).
-
-    q [B, H, D], kv_cache [num_pages, page_size, D] (any strides, last dim contiguous),
-    block_table [B, max_pages], seq_lens [B] -> [B, H, v_dim]; value = first v_dim columns.
-    A request with seq_len 0 (batch padding) gets zeros. Requests of similar length are
-    batched together (one bmm per bucket), so one long request does not pad all the others.
-    """
+    """The earlier decode: every request's whole context gathered into one tensor per length
+    bucket, then two bmms over it (reads the lengths on the host). Kept as the benchmark's
+    baseline and as a second oracle for ``mla_decode``."""
     batch, heads, dim = q.shape
     out = torch.zeros(batch, heads, v_dim, dtype=q.dtype, device=q.device)
     page_size = kv_cache.shape[1]
@@ -61,7 +62,6 @@ def mla_decode(
         max_len = lens[bucket[0]]
         n_pages = -(-max_len // page_size)
         blens = seq_lens.to(device=q.device, dtype=torch.long)[idx]
-        # Table slots past a request's last page may hold anything (padding, -1): use page 0.
         used = torch.arange(n_pages, device=q.device)[None, :] * page_size < blens[:, None]
         pages = torch.where(used, block_table[idx, :n_pages].to(torch.long), 0)
         keys = _gather_pages(kv_cache, pages, max_len)  # [b, L, D]
@@ -73,6 +73,71 @@ def mla_decode(
     return out
 
 
+# Keys one decode block reads at a time: the tile [B, block, D] is bounded whatever the
+# context, and both matmuls use it while it is fresh in cache (one read of each page from
+# memory, where a whole-context gather wrote and re-read a [B, L, D] copy). Tune with
+# bench/attention_forms.py on a quiet machine.
+DECODE_BLOCK_TOKENS = 256
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    v_dim: int,
+) -> torch.Tensor:
+    """One query token per request over its paged latent cache (MQA: all heads share it).
+
+    q [B, H, D], kv_cache [num_pages, page_size, D] (any strides, last dim contiguous),
+    block_table [B, width] (entries past a request's pages may hold anything), seq_lens [B]
+    -> [B, H, v_dim]; value = first v_dim columns. A request with seq_len 0 (batch padding)
+    gets zeros.
+
+    Page-blocked flash decoding: the block table is walked in blocks of columns, each block's
+    pages read straight into a small cache-resident tile and folded into a running
+    log-sum-exp. The loop count comes from the table's width (a shape), never from the
+    lengths: no host read, no data-dependent shape, the same ops for any content (CUDA-graph
+    safe on the torch backend too).
+    """
+    batch, heads, dim = q.shape
+    page_size = kv_cache.shape[1]
+    width = block_table.shape[1]
+    per_block = max(1, DECODE_BLOCK_TOKENS // page_size)
+    qs = q.float() * sm_scale
+    lens = seq_lens.to(device=q.device, dtype=torch.long)
+    m = acc = den = None
+    for c0 in range(0, width, per_block):
+        cols = block_table[:, c0 : c0 + per_block].to(torch.long)  # [B, k]
+        n = cols.shape[1] * page_size
+        # Table entries past a request's last page may hold anything (padding, -1): read page 0.
+        first = torch.arange(c0, c0 + cols.shape[1], device=q.device)[None, :] * page_size
+        cols = torch.where(first < lens[:, None], cols, 0)
+        keys = kv_cache[cols].reshape(batch, n, dim).float()  # [B, n, D]
+        s = torch.bmm(qs, keys.transpose(1, 2))  # [B, H, n]
+        past_end = torch.arange(c0 * page_size, c0 * page_size + n, device=q.device)[None, :] >= lens[:, None]
+        s.masked_fill_(past_end[:, None, :], float("-inf"))
+        bm = s.amax(-1, keepdim=True)  # [B, H, 1]
+        if m is None:
+            m_new = bm
+        else:
+            m_new = torch.maximum(m, bm)
+        m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # a block with no live key: weights 0
+        p = torch.exp(s - m_safe)
+        block_acc = torch.bmm(p, keys[..., :v_dim])
+        if m is None:
+            acc, den = block_acc, p.sum(-1, keepdim=True)
+        else:
+            alpha = torch.exp(m - m_safe)
+            acc = acc * alpha + block_acc
+            den = den * alpha + p.sum(-1, keepdim=True)
+        m = m_new
+    if m is None:
+        return torch.zeros(batch, heads, v_dim, dtype=q.dtype, device=q.device)
+    return (acc / torch.where(den > 0, den, 1.0)).to(q.dtype)
+
+
 def mla_extend(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -81,12 +146,15 @@ def mla_extend(
     extend_lens: torch.Tensor,
     sm_scale: float,
     v_dim: int,
+    *,
+    max_extend_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of new tokens over their whole (already cached) sequence.
 
     q [T, H, D] concatenates the new tokens of every request; request b's extend_lens[b] tokens
     are the last positions of its seq_lens[b] cached tokens, and the token at absolute position
-    p attends to positions 0..p. Returns [T, H, v_dim].
+    p attends to positions 0..p. Returns [T, H, v_dim]. max_extend_len is the Triton
+    launcher's host-side bound, accepted for the same signature; here the lengths are read.
     """
     total, heads, dim = q.shape
     out = torch.empty(total, heads, v_dim, dtype=q.dtype, device=q.device)

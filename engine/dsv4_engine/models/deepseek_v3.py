@@ -38,6 +38,10 @@ class ForwardBatch:
     # For models with slot states (DeepSeek-V4); V3 reads neither.
     slot_ids: Optional[torch.Tensor] = None  # [B] int64, each request's row in the slot states
     page_size: Optional[int] = None  # tokens per page
+    # The same lengths as host ints, known when the batch was built: ops that size launches or
+    # loop over requests read these instead of reading the device (a host sync).
+    seq_lens_host: Optional[list[int]] = None
+    extend_lens_host: Optional[list[int]] = None
 
 
 def yarn_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -91,10 +95,26 @@ def softmax_scale(cfg: ModelConfig) -> float:
     return scale
 
 
+def expanded_is_cheaper(extend_len: int, seq_len: int, cfg: ModelConfig) -> bool:
+    """Whether a request's new tokens attend in fewer multiply-adds in the per-head (expanded)
+    form than in the absorbed one. Absorbed: each new token's query is folded into and its
+    output lifted out of the C-wide latent space (C·(nope+v) a head) and each (query, key) pair
+    costs 2C+R; expanded: each cached token's latent is lifted into a key and a value instead
+    (C·(nope+v) a head) and a pair costs nope+R+v. So the per-head form wins when
+    (seq_len - extend_len)·C·(nope+v) < extend_len·seq_len·(2C - nope - v): always for a fresh
+    prefill, never for a decode; at the mla512 widths, for extends past ~73 tokens of a long
+    context (bench/mla_prefill_forms.py measured 1.5-1.7x at 128 new over 128)."""
+    C, nope, v = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
+    return (seq_len - extend_len) * C * (nope + v) < extend_len * seq_len * (2 * C - nope - v)
+
+
 class DeepseekV3:
     """Weights plus the forward pass; holds no per-request state (that lives in the KV pool)."""
 
     LATENT_KV = "latent_kv"
+    # A decode forward reads nothing back to the host and has value-independent shapes (on the
+    # Triton backend): it may be captured in a CUDA graph (tests/unit/engine/test_cuda_graphs.py).
+    CUDA_GRAPH_SAFE = True
 
     @classmethod
     def state_specs(cls, cfg: ModelConfig) -> list[StateSpec]:
@@ -193,7 +213,8 @@ class DeepseekV3:
         gate, up = F.linear(x, w13).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, w2)
 
-    def _attention(self, L: dict, x: torch.Tensor, fb: ForwardBatch, kv_layer: torch.Tensor) -> torch.Tensor:
+    def _attention(self, L: dict, x: torch.Tensor, fb: ForwardBatch, kv_layer: torch.Tensor,
+                   slots: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         cfg, ops = self.cfg, self.ops
         T = x.shape[0]
         H, nope, C = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
@@ -211,17 +232,82 @@ class DeepseekV3:
         ops.rope_interleaved_(k_rope, fb.positions, self.cos, self.sin)
         # Write this step's latent + rope key into the pages before attending, so new tokens
         # see themselves and each other through the same paged read as the prefix.
-        page_size = kv_layer.shape[1]
-        pages, offs = fb.slot_mapping // page_size, fb.slot_mapping % page_size
+        pages, offs = slots
         kv_layer[pages, offs] = torch.cat([latent, k_rope.squeeze(1)], dim=-1).to(kv_layer.dtype)
+        if not fb.all_decode and getattr(ops, "EXPANDED_PREFILL", False) and fb.extend_lens_host is not None:
+            expand = [expanded_is_cheaper(e, n, cfg) if e else False
+                      for e, n in zip(fb.extend_lens_host, fb.seq_lens_host)]
+            if any(expand):
+                o = self._attend_mixed_forms(L, q, fb, kv_layer, expand)
+                return F.linear(o.reshape(T, -1), L["o"])
+        o = self._attend_absorbed(L, q, fb, kv_layer)
+        return F.linear(o.transpose(0, 1).reshape(T, -1), L["o"])
+
+    def _attend_absorbed(self, L: dict, q: torch.Tensor, fb: ForwardBatch, kv_layer: torch.Tensor) -> torch.Tensor:
+        """Attention in latent space (W_UK folded into the query, W_UV applied after):
+        [H, T, v] for q [T, H, nope + R]."""
+        cfg, ops = self.cfg, self.ops
+        nope, C = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         q_latent = torch.bmm(q[:, :, :nope].transpose(0, 1), L["w_uk"]).transpose(0, 1)  # [T, H, C]
-        q_full = torch.cat([q_latent, q_rope], dim=-1)
+        q_full = torch.cat([q_latent, q[:, :, nope:]], dim=-1)
         if fb.all_decode:
             o = ops.mla_decode(q_full, kv_layer, fb.block_table, fb.seq_lens, self.scale, C)
         else:
-            o = ops.mla_extend(q_full, kv_layer, fb.block_table, fb.seq_lens, fb.extend_lens, self.scale, C)
-        o = torch.bmm(o.to(x.dtype).transpose(0, 1), L["w_uv"].transpose(1, 2))  # [H, T, v]
-        return F.linear(o.transpose(0, 1).reshape(T, -1), L["o"])
+            bound = max(fb.extend_lens_host) if fb.extend_lens_host else None  # host int: no device read
+            o = ops.mla_extend(q_full, kv_layer, fb.block_table, fb.seq_lens, fb.extend_lens, self.scale, C,
+                               max_extend_len=bound)
+        return torch.bmm(o.to(q.dtype).transpose(0, 1), L["w_uv"].transpose(1, 2))  # [H, T, v]
+
+    def _attend_mixed_forms(self, L: dict, q: torch.Tensor, fb: ForwardBatch, kv_layer: torch.Tensor,
+                            expand: list[bool]) -> torch.Tensor:
+        """[T, H, v]: requests marked in `expand` attend in the per-head form, the others in
+        the absorbed form (one call over all of them)."""
+        cfg = self.cfg
+        T, H = q.shape[0], cfg.num_attention_heads
+        out = torch.empty(T, H, cfg.v_head_dim, dtype=q.dtype, device=q.device)
+        exts, lens = fb.extend_lens_host, fb.seq_lens_host
+        starts = [0]
+        for e in exts:
+            starts.append(starts[-1] + e)
+        keep = [b for b, x in enumerate(expand) if not x and exts[b]]
+        if keep:
+            rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in keep]).to(q.device)
+            idx = torch.tensor(keep, device=q.device)
+            sub = ForwardBatch(
+                input_ids=fb.input_ids[rows], positions=fb.positions[rows], slot_mapping=fb.slot_mapping[rows],
+                block_table=fb.block_table[idx], seq_lens=fb.seq_lens[idx], extend_lens=fb.extend_lens[idx],
+                logits_indices=fb.logits_indices[idx], all_decode=False, page_size=fb.page_size,
+                seq_lens_host=[lens[b] for b in keep], extend_lens_host=[exts[b] for b in keep],
+            )
+            out[rows] = self._attend_absorbed(L, q[rows], sub, kv_layer).transpose(0, 1)
+        for b, x in enumerate(expand):
+            if x:
+                out[starts[b] : starts[b + 1]] = self._attend_expanded(L, q[starts[b] : starts[b + 1]], fb.block_table[b],
+                                                                       lens[b], kv_layer)
+        return out
+
+    def _attend_expanded(self, L: dict, q: torch.Tensor, table_row: torch.Tensor, seq_len: int,
+                         kv_layer: torch.Tensor) -> torch.Tensor:
+        """One request's new tokens q [e, H, nope + R] over its seq_len cached tokens in the
+        per-head form: the cached latents lifted through W_UK / W_UV into per-head keys and
+        values, then causal attention -> [e, H, v]."""
+        cfg = self.cfg
+        C, H, R = cfg.kv_lora_rank, cfg.num_attention_heads, cfg.qk_rope_head_dim
+        e = q.shape[0]
+        page_size = kv_layer.shape[1]
+        n_pages = -(-seq_len // page_size)
+        kv = kv_layer[table_row[:n_pages].long()].reshape(-1, kv_layer.shape[-1])[:seq_len].to(q.dtype)
+        latent, k_rope = kv[:, :C], kv[:, C:]
+        k_nope = torch.matmul(latent, L["w_uk"].transpose(1, 2))  # [H, S, nope]
+        v = torch.matmul(latent, L["w_uv"].transpose(1, 2))  # [H, S, v]
+        k = torch.cat([k_nope, k_rope.unsqueeze(0).expand(H, seq_len, R)], dim=-1)
+        qh = q.transpose(0, 1)  # [H, e, nope + R]
+        if e == seq_len:
+            o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=self.scale)
+        else:
+            visible = torch.arange(seq_len, device=q.device)[None, :] <= torch.arange(seq_len - e, seq_len, device=q.device)[:, None]
+            o = F.scaled_dot_product_attention(qh, k, v, attn_mask=visible, scale=self.scale)
+        return o.transpose(0, 1)
 
     def _moe(self, L: dict, x: torch.Tensor) -> torch.Tensor:
         cfg, ops = self.cfg, self.ops
@@ -242,9 +328,11 @@ class DeepseekV3:
         kv_pool = states[self.LATENT_KV]
         x = F.embedding(fb.input_ids, self.embed)
         residual: Optional[torch.Tensor] = None
+        page_size = kv_pool.shape[2]
+        slots = (fb.slot_mapping // page_size, fb.slot_mapping % page_size)  # (page, offset), every layer
         for i, L in enumerate(self.layers):
             h, residual = ops.rmsnorm(x, L["input_norm"], cfg.rms_norm_eps, residual)
-            x = self._attention(L, h, fb, kv_pool[:, i])
+            x = self._attention(L, h, fb, kv_pool[:, i], slots)
             h, residual = ops.rmsnorm(x, L["post_norm"], cfg.rms_norm_eps, residual)
             x = self._moe(L, h) if "gate" in L else self._mlp(h, L["d_w13"], L["d_w2"])
         h = x[fb.logits_indices] + residual[fb.logits_indices]

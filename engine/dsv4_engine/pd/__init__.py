@@ -16,6 +16,7 @@ def attach_role(engine, args) -> None:
     from dsv4_engine.pd.channel import HttpChannel
     from dsv4_engine.pd.faults import Deadlines, FaultyChannel, FaultyTransport
     from dsv4_engine.pd.nixl.agent import KVTransferAgent
+    from dsv4_engine.pd.transport import PoolStates
     from dsv4_wire import authorization_header
 
     if args.role == "prefill":
@@ -26,9 +27,11 @@ def attach_role(engine, args) -> None:
         raise ValueError(f"no PD controller for role {args.role!r}")
     faults = FaultInjector()
     # No transport-level timeout: the controllers' deadlines decide (and can be turned off).
-    agent = KVTransferAgent(f"{args.role}-{BOOT_ID}", engine.pool.states, default_timeout_s=None)
+    states = PoolStates.of_pool(engine.pool)  # paged regions and slot rows alike
+    agent = KVTransferAgent(f"{args.role}-{BOOT_ID}", states, default_timeout_s=None)
     channel = HttpChannel(engine.call, headers=authorization_header(getattr(args, "pd_secret", None)))
-    engine.pd = Controller(engine, PDSettings.from_args(args), FaultyTransport(agent, faults), FaultyChannel(channel, faults),
+    engine.pd = Controller(engine, PDSettings.from_args(args), FaultyTransport(agent, faults, states=states),
+                           FaultyChannel(channel, faults),
                            deadlines=Deadlines(args.deadlines, faults), faults=faults)
 
 

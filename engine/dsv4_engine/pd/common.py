@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 from dsv4_engine.pd.channel import ControlChannel
 from dsv4_engine.pd.faults import Deadlines, FaultInjector
-from dsv4_engine.pd.transport import KVTransport
+from dsv4_engine.pd.transport import KVTransport, PoolStates
 
 # The engine and its Sequence are not imported here, not even for typing: Sequence.pd is typed
 # with PDRequestInfo from this module, and the import graph stays without circles.
@@ -50,6 +50,8 @@ class PDRequestInfo:
     peer_url: Optional[str] = None  # prefill: the decode to tell when this room fails here
     peer_told: bool = False  # the peer gave up on this room itself: no abort is echoed back
     dst_pages: list[int] = field(default_factory=list)
+    dst_slot: Optional[int] = None  # prefill: the decode's slot row (models with slot states)
+    checksum: bool = False  # prefill: the decode asked for region checksums with the KV
     handle: Optional[int] = None  # prefill: the KV transfer
     transfer_started: Optional[float] = None
 
@@ -74,10 +76,12 @@ class PDSettings:
     transfer_timeout: float = 30.0
     waiting_timeout: float = 60.0
     url: str = ""
+    transfer_checksum: bool = False  # --transfer-checksum: verify (decode) / always send (prefill) region checksums
 
     @classmethod
     def from_args(cls, args) -> "PDSettings":
-        return cls(args.bootstrap_timeout, args.transfer_timeout, args.waiting_timeout, f"http://{args.host}:{args.port}")
+        return cls(args.bootstrap_timeout, args.transfer_timeout, args.waiting_timeout, f"http://{args.host}:{args.port}",
+                   bool(getattr(args, "transfer_checksum", False)))
 
 
 def fail_request(engine: Engine, seq: Sequence, code: int, msg: str, counter: Optional[str] = None) -> None:
@@ -91,7 +95,8 @@ def fail_request(engine: Engine, seq: Sequence, code: int, msg: str, counter: Op
 
 class PDController:
     """What the prefill and decode controllers share: the seams they were given (transport,
-    control channel), the deadline policy, the fault injector /admin/faults arms, a clock."""
+    control channel), the deadline policy, the fault injector /admin/faults arms, a clock, and
+    the pool's state regions."""
 
     def __init__(self, engine: Engine, settings: PDSettings, transport: KVTransport, channel: ControlChannel, *,
                  deadlines: Optional[Deadlines] = None, faults: Optional[FaultInjector] = None,
@@ -104,6 +109,7 @@ class PDController:
         self.deadlines = deadlines if deadlines is not None else Deadlines(True, self.faults)
         self.boot_id = boot_id
         self.clock = clock
+        self.states = PoolStates.of_pool(engine.pool)  # every region a hand-off moves
 
     def _timeout(self, seconds: float) -> Optional[float]:
         return self.deadlines.timeout(seconds)

@@ -1,8 +1,12 @@
 """Decode side of the hand-off: prealloc queue -> register with prefill -> transfer queue ->
 running.
 
-A request reserves pages for its prompt, tells the prefill's bootstrap endpoint where they
-are, and waits for the notification that the state pages (and the first token) landed. It then
+A request reserves pages for its prompt (and, for a model with slot states such as
+DeepSeek-V4's window ring and compressor stages, a slot row), tells the prefill's bootstrap
+endpoint where they are, and waits for the notification that every state region (and the first
+token) landed. With --transfer-checksum it asks prefill for a checksum of each region as sent
+and compares it with what landed; a mismatch fails the request (502) and counts
+kv_transfer_checksum_failed. It then
 decodes like any other request. Waiting has a deadline, a prefill that stops answering its
 heartbeat or comes back as a different process fails its rooms at once, and every failure frees
 the reserved pages and tells prefill to drop the room.
@@ -22,10 +26,12 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional
 
+from dsv4_engine.pd.checksum import checksum_mismatch, region_checksums
 from dsv4_engine.pd.common import HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, PDController, PDState
 from dsv4_engine.sequence import Sequence
 
@@ -50,6 +56,7 @@ class DecodeController(PDController):
         self.transfer: dict[int, Sequence] = {}
         self.early: dict[int, dict] = {}  # room -> notification that landed while it was registering
         self.prefills: dict[str, PrefillPeer] = {}  # bootstrap address -> peer, while rooms wait on it
+        self.checksum_seconds = 0.0  # time spent verifying what landed (--transfer-checksum's cost)
 
     def on_new(self, seq: Sequence) -> None:
         seq.pd.enter(PDState.BOOTSTRAPPING, self._timeout(self.settings.bootstrap_timeout), self.clock())
@@ -74,17 +81,24 @@ class DecodeController(PDController):
         self._heartbeats(now)
 
     def _preallocate(self) -> None:
-        page_size = self.engine.pool.page_size
+        pool = self.engine.pool
         while self.prealloc:
             seq = self.prealloc[0]
-            need = -(-len(seq.prompt_ids) // page_size)
-            pages = self.engine.pool.allocator.allocate(need)
+            need = -(-len(seq.prompt_ids) // pool.page_size)
+            pages = pool.allocator.allocate(need)
             if pages is None:
                 return  # FCFS: wait for pages; the bootstrap deadline bounds the wait
+            slot = None
+            if pool.slots is not None:
+                slot = pool.slots.allocate()
+                if slot is None:
+                    pool.allocator.free(pages)
+                    return  # every slot row is taken: wait like for pages
             self.prealloc.popleft()
-            seq.pages = pages
+            seq.pages, seq.slot = pages, slot
             self.registering[seq.pd.room] = seq
             body = {"room": seq.pd.room, "rid": seq.rid, "desc": self.transport.descriptor(), "dst_pages": pages,
+                    "dst_slot": slot, "checksum": self.settings.transfer_checksum,
                     "decode_url": self.settings.url, "decode_boot": self.boot_id}
             self.channel.register(seq.pd.bootstrap_addr, body, lambda res, err, seq=seq: self._registered(seq, res, err))
 
@@ -133,12 +147,33 @@ class DecodeController(PDController):
         """The request's state and first token are here: it decodes from now on."""
         token = int(note["token"])
         m = self.engine.metrics
+        why = self._checksum_failure(seq, note)
+        if why is not None:
+            m.inc("num_transfer_failed_reqs")
+            self._fail(seq, 502, why, "kv_transfer_checksum_failed")
+            return
         m.inc("kv_transfers_completed")
-        m.inc("kv_transfer_bytes", len(seq.pages) * self.engine.pool.page_nbytes)
+        pool = self.engine.pool
+        row = sum(pool.bytes_per_request().values()) if seq.slot is not None else 0
+        m.inc("kv_transfer_bytes", len(seq.pages) * pool.page_nbytes + row)
         m.observe("kv_transfer_latency_seconds", self.clock() - seq.pd.transfer_started)
         seq.pd.state = PDState.SUCCESS
         seq.num_computed = len(seq.prompt_ids)
         self.engine.accept_first_token(seq, token, note.get("logprobs"))
+
+    def _checksum_failure(self, seq: Sequence, note: dict) -> Optional[str]:
+        """Why what landed is not what prefill sent (checksums in the notification), or None."""
+        sent = note.get("checksums")
+        if sent is None:
+            if self.settings.transfer_checksum:
+                return "prefill sent no transfer checksums (--transfer-checksum is on here): cannot verify the KV"
+            return None
+        if not isinstance(sent, dict):
+            return f"malformed transfer checksums from prefill: {sent!r:.80}"
+        t0 = time.perf_counter()
+        landed = region_checksums(self.states, seq.pages, seq.slot)
+        self.checksum_seconds += time.perf_counter() - t0
+        return checksum_mismatch(sent, landed)
 
     def _heartbeats(self, now: float) -> None:
         """Ask each prefill we wait on whether it is alive and still the same process."""
@@ -193,4 +228,5 @@ class DecodeController(PDController):
 
     def loads(self) -> tuple[dict, dict]:
         return ({"prealloc": len(self.prealloc) + len(self.registering), "transfer": len(self.transfer)},
-                {"deadlines": self.deadlines.on, "boot_id": self.boot_id})
+                {"deadlines": self.deadlines.on, "boot_id": self.boot_id,
+                 "transfer_checksum_seconds": round(self.checksum_seconds, 6)})

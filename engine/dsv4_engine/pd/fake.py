@@ -3,7 +3,8 @@
 HTTP or threads. It keeps the seams' contracts (`transport`, `channel`) and can, on command,
 stall a transfer, fail it, drop its notification, or make a peer die.
 
-A write copies every state region at once; its notification is queued for the peer. A dead
+A write copies every state region at once (the pages of each paged region and the slot row of
+each slot region); its notification is queued for the peer. A dead
 peer neither receives nor sends: transfers to it (pending ones too) end FAILED with a
 disconnect error, control calls to it fail as unreachable, and its own notifications stop.
 Every control message is recorded in `fabric.sent`, for tests to count who told whom.
@@ -15,13 +16,15 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
 from dsv4_engine.pd.channel import Deliver, Done
 from dsv4_engine.pd.nixl.agent import check_page_mapping
-from dsv4_engine.pd.transport import Region, TransferInfo, TransferState, check_layout, regions_of
+from dsv4_engine.pd.transport import (
+    Layout, PoolStates, Region, TransferInfo, TransferState, check_layout, check_slot_mapping, transfer_bytes,
+)
 
 DISCONNECT = "remote disconnect: peer {} is gone"
 
@@ -47,7 +50,7 @@ class FakeFabric:
     dead: set[str] = field(default_factory=set)
     sent: list[tuple[str, str, Any]] = field(default_factory=list)  # (kind, address, room or body)
 
-    def transport(self, name: str, states: Mapping[str, torch.Tensor]) -> "FakeTransport":
+    def transport(self, name: str, states: Union[PoolStates, Mapping[str, torch.Tensor]]) -> "FakeTransport":
         t = FakeTransport(self, name, states)
         self.transports[name] = t
         return t
@@ -74,12 +77,14 @@ class FakeFabric:
 class FakeTransport:
     """A KVTransport over in-process pools (see the module docstring)."""
 
-    def __init__(self, fabric: FakeFabric, name: str, states: Mapping[str, torch.Tensor]):
+    def __init__(self, fabric: FakeFabric, name: str, states: Union[PoolStates, Mapping[str, torch.Tensor]]):
         self.fabric = fabric
         self._name = name
-        self._states = dict(states)
-        self._regions: list[Region] = regions_of(self._states)
-        self._num_pages = int(next(iter(self._states.values())).shape[0])
+        self._pool = PoolStates.of(states)
+        self._layout = self._pool.layout()
+        self._regions: list[Region] = list(self._layout.regions)
+        self._num_pages = self._pool.num_pages
+        self._num_slots = self._pool.num_slots
         self._peers: set[str] = set()
         self._xfers: dict[int, _Xfer] = {}
         self._ids = itertools.count(1)
@@ -114,33 +119,39 @@ class FakeTransport:
         return self._name
 
     def descriptor(self) -> dict:
-        return {"agent": self._name, "num_pages": self._num_pages, "regions": [r.to_dict() for r in self._regions]}
+        return {"agent": self._name, "num_pages": self._num_pages, "num_slots": self._num_slots,
+                "page_size": self._layout.page_size, "regions": [r.to_dict() for r in self._regions]}
 
     def add_peer(self, desc: dict) -> str:
         name = desc["agent"]
         if name not in self.fabric.transports:
             raise ValueError(f"no fake transport named {name!r} on this fabric")
-        check_layout(self._regions, [Region.from_dict(r) for r in desc["regions"]], name)
+        check_layout(self._layout, Layout(tuple(Region.from_dict(r) for r in desc["regions"]), desc.get("page_size", 0)), name)
         self._peers.add(name)
         return name
 
-    def write_pages(self, peer: str, src_pages: Sequence[int], dst_pages: Sequence[int], notif: bytes) -> int:
+    def write_pages(self, peer: str, src_pages: Sequence[int], dst_pages: Sequence[int], notif: bytes, *,
+                    src_slot: Optional[int] = None, dst_slot: Optional[int] = None) -> int:
         if self._closed:
             raise RuntimeError(f"fake transport {self._name!r} is closed")
         if peer not in self._peers:
             raise ValueError(f"unknown peer {peer!r}: add_peer it first")
         target = self.fabric.transports[peer]
         src, dst = check_page_mapping(src_pages, dst_pages, self._num_pages, target._num_pages)
+        check_slot_mapping(src_slot, dst_slot, self._num_slots, target._num_slots)
         handle = next(self._ids)
-        nbytes = len(src) * sum(r.page_nbytes for r in self._regions)
-        info = TransferInfo(handle, peer, len(src), nbytes, TransferState.PENDING, None, time.monotonic(), None)
+        by_state = transfer_bytes(self._regions, len(src), src_slot is not None)
+        info = TransferInfo(handle, peer, len(src), sum(by_state.values()), TransferState.PENDING, None,
+                            time.monotonic(), None, by_state)
         drop = self._drop > 0
         self._drop -= drop
 
         def apply() -> None:
             s, d = torch.as_tensor(src, dtype=torch.long), torch.as_tensor(dst, dtype=torch.long)
-            for name, t in self._states.items():
-                target._states[name][d] = t[s].to(target._states[name].device)
+            for name, t in self._pool.pages.items():
+                target._pool.pages[name][d] = t[s].to(target._pool.pages[name].device)
+            for name, t in self._pool.slots.items():
+                target._pool.slots[name][dst_slot] = t[src_slot].to(target._pool.slots[name].device)
             if notif and not drop:
                 target._inbox.append((self._name, bytes(notif)))
 
@@ -163,7 +174,8 @@ class FakeTransport:
         return self._xfers[handle].info.error
 
     def info(self, handle: int) -> TransferInfo:
-        return TransferInfo(**self._xfers[handle].info.__dict__)
+        i = self._xfers[handle].info
+        return TransferInfo(**{**i.__dict__, "nbytes_by_state": dict(i.nbytes_by_state)})
 
     def release(self, handle: int) -> None:
         self._xfers.pop(handle, None)

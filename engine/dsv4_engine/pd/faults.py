@@ -7,6 +7,9 @@ uses (-1: until cleared):
 - crash: the process exits (status 17) with a transfer in flight (prefill: right after
   starting it; decode: right after its room is registered, while it waits for the KV);
 - delay_bootstrap: a registration is accepted but applied `seconds` later (default 5);
+- corrupt_transfer: the next transfer sends one flipped byte in one region (`state`, default
+  the first paged region; a slot state such as `swa_kv` names its row), restored on the
+  sender once the transfer ends; with --transfer-checksum decode must catch it;
 - disable_deadlines: the controllers' `Deadlines` policy turns every deadline off (the
   production wedge, reproduced on purpose).
 """
@@ -21,11 +24,14 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from dsv4_engine.pd.channel import ControlChannel, Done
-from dsv4_engine.pd.transport import KVTransport, TransferInfo, TransferState
+import torch
+
+from dsv4_engine.pd.transport import KVTransport, PoolStates, TransferInfo, TransferState, slot_args
 
 log = logging.getLogger("dsv4.pd.faults")
 
-FAULTS = ("stall_transfer", "fail_transfer", "drop_notification", "delay_bootstrap", "crash", "disable_deadlines")
+FAULTS = ("stall_transfer", "fail_transfer", "drop_notification", "delay_bootstrap", "crash", "disable_deadlines",
+          "corrupt_transfer")
 CRASH_STATUS = 17
 
 
@@ -91,15 +97,19 @@ class Deadlines:
 
 
 class FaultyTransport:
-    """A KVTransport that applies armed transfer faults, then defers to the real one."""
+    """A KVTransport that applies armed transfer faults, then defers to the real one. `states`
+    (the sender's pool) is what corrupt_transfer flips a byte of."""
 
-    def __init__(self, inner: KVTransport, faults: FaultInjector, exit_fn: Callable[[int], Any] = os._exit):
+    def __init__(self, inner: KVTransport, faults: FaultInjector, exit_fn: Callable[[int], Any] = os._exit,
+                 states: Optional[PoolStates] = None):
         self.inner = inner
         self.faults = faults
         self._exit = exit_fn
+        self._states = states
         self._ids = itertools.count(1)
         self._handles: dict[int, int] = {}  # ours -> inner's
         self._injected: dict[int, TransferInfo] = {}  # stalled or failed here, never started
+        self._restore: dict[int, Callable[[], None]] = {}  # corrupted sources to put back once it ends
 
     @property
     def name(self) -> str:
@@ -111,7 +121,8 @@ class FaultyTransport:
     def add_peer(self, desc: dict) -> str:
         return self.inner.add_peer(desc)
 
-    def write_pages(self, peer: str, src_pages: Sequence[int], dst_pages: Sequence[int], notif: bytes) -> int:
+    def write_pages(self, peer: str, src_pages: Sequence[int], dst_pages: Sequence[int], notif: bytes, *,
+                    src_slot: Optional[int] = None, dst_slot: Optional[int] = None) -> int:
         handle = next(self._ids)
         for fault, state in (("stall_transfer", TransferState.PENDING), ("fail_transfer", TransferState.FAILED)):
             if self.faults.take(fault):  # stalled: never started, never failed (the production wedge)
@@ -122,7 +133,15 @@ class FaultyTransport:
                 return handle
         if self.faults.take("drop_notification"):
             notif = b""  # the data lands but decode is never told: its deadline must catch it
-        self._handles[handle] = self.inner.write_pages(peer, src_pages, dst_pages, notif)
+        corrupt = self.faults.take("corrupt_transfer")
+        if corrupt:
+            self._restore[handle] = self._flip_byte(corrupt.get("state"), src_pages, src_slot)
+        try:
+            self._handles[handle] = self.inner.write_pages(peer, src_pages, dst_pages, notif,
+                                                           **slot_args(src_slot, dst_slot))
+        except Exception:
+            self._put_back(handle)
+            raise
         if self.faults.take("crash"):
             log.error("injected fault: crash with a transfer in flight")
             self._exit(CRASH_STATUS)
@@ -131,7 +150,10 @@ class FaultyTransport:
     def poll(self, handle: int) -> TransferState:
         if handle in self._injected:
             return self._injected[handle].state
-        return self.inner.poll(self._handles[handle])
+        state = self.inner.poll(self._handles[handle])
+        if state is not TransferState.PENDING:
+            self._put_back(handle)
+        return state
 
     def error(self, handle: int) -> Optional[str]:
         if handle in self._injected:
@@ -148,12 +170,41 @@ class FaultyTransport:
     def release(self, handle: int) -> None:
         if self._injected.pop(handle, None) is None and handle in self._handles:
             self.inner.release(self._handles.pop(handle))
+        self._put_back(handle)
 
     def poll_notifs(self) -> list[tuple[str, bytes]]:
         return self.inner.poll_notifs()
 
     def close(self) -> None:
         self.inner.close()
+        for handle in list(self._restore):
+            self._put_back(handle)
+
+    # -- corrupt_transfer ---------------------------------------------------------------------
+
+    def _flip_byte(self, state: Optional[str], src_pages: Sequence[int], src_slot: Optional[int]) -> Callable[[], None]:
+        """Flip one byte of what this transfer sends; returns how to put it back."""
+        if self._states is None:
+            raise ValueError("corrupt_transfer needs the sender's pool states")
+        name = state or next(iter(self._states.pages))
+        if name in self._states.pages:
+            unit = self._states.pages[name][int(src_pages[0])]
+        elif name in self._states.slots and src_slot is not None:
+            unit = self._states.slots[name][src_slot]
+        else:
+            known = [*self._states.pages, *self._states.slots]
+            raise ValueError(f"corrupt_transfer: state {name!r} is not sent by this transfer (states: {known})")
+        b = unit.view(-1).view(torch.uint8)
+        at = slice(b.numel() // 2, b.numel() // 2 + 1)
+        old = b[at].clone()
+        b[at] = old ^ 0xA5
+        log.error("injected fault: corrupt_transfer flipped a byte of state %s", name)
+        return lambda: b[at].copy_(old)
+
+    def _put_back(self, handle: int) -> None:
+        restore = self._restore.pop(handle, None)
+        if restore is not None:
+            restore()
 
 
 class FaultyChannel:

@@ -1,8 +1,11 @@
 """Prefill side of the hand-off: bootstrap queue -> forward -> inflight queue -> done.
 
-A request waits in the bootstrap queue until its decode peer registers the pages it reserved,
-is prefilled like any other request, then sits in the inflight queue while its state pages are
-written into the decode's pages over the transport. Every one of those states has a deadline, a
+A request waits in the bootstrap queue until its decode peer registers the pages (and, for a
+model with slot states, the slot row) it reserved, is prefilled like any other request, then
+sits in the inflight queue while every state region is written over the transport: its pages
+into the decode's pages, its slot row into the decode's row. With checksums on (our
+--transfer-checksum, or the decode's registration asks) the notification carries a checksum
+of each region as sent. Every one of those states has a deadline, a
 failed or timed-out transfer frees the pages and tells decode, and a decode that stops answering
 its heartbeat (died, restarted) fails its rooms at once instead of at the deadline.
 """
@@ -12,10 +15,13 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import time
 from dataclasses import dataclass
+from typing import Optional
 
 from dsv4_engine.pd.common import HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, PDController, PDState
-from dsv4_engine.pd.transport import TransferState
+from dsv4_engine.pd.checksum import region_checksums
+from dsv4_engine.pd.transport import TransferState, slot_args
 from dsv4_engine.sequence import Sequence
 
 log = logging.getLogger("dsv4.pd.prefill")
@@ -34,6 +40,8 @@ class Registration:
     decode_boot: str
     received: float
     apply_at: float
+    dst_slot: Optional[int] = None  # the decode's slot row (models with slot states)
+    checksum: bool = False  # the decode verifies region checksums
 
 
 class PrefillController(PDController):
@@ -46,15 +54,20 @@ class PrefillController(PDController):
         self.gone: dict[int, tuple[float, bool]] = {}  # room that ended here -> (when, decode knows)
         self.dropped: dict[int, float] = {}  # room decode gave up on before its request reached us
         self.decode_heartbeats: dict[str, float] = {}  # decode boot id -> last time we heard from it
+        self.bytes_by_state: dict[str, int] = {}  # moved by completed transfers, per state region
+        self.checksum_seconds = 0.0  # time spent summing what was sent (--transfer-checksum's cost)
 
     # ---- called from the bootstrap HTTP thread ---------------------------------------------------
 
     def register(self, body: dict) -> None:
         now = self.clock()
+        slot = body.get("dst_slot")
+        if slot is not None and (not isinstance(slot, int) or isinstance(slot, bool) or slot < 0):
+            raise ValueError(f"dst_slot must be a slot row (integer >= 0) or null, got {slot!r}")
         reg = Registration(
             room=int(body["room"]), desc=body["desc"], dst_pages=[int(p) for p in body["dst_pages"]],
             decode_url=str(body["decode_url"]), decode_boot=str(body["decode_boot"]), received=now,
-            apply_at=now + self.faults.bootstrap_delay(),
+            apply_at=now + self.faults.bootstrap_delay(), dst_slot=slot, checksum=bool(body.get("checksum", False)),
         )
         self.heartbeat(reg.decode_boot)
         self.registrations.put(reg)
@@ -143,8 +156,14 @@ class PrefillController(PDController):
         except Exception as e:  # unreachable, or a layout that cannot receive ours
             self._fail(seq, 502, f"cannot connect to decode peer: {e}", "num_bootstrap_failed_reqs")
             return
+        if self.engine.pool.slots is not None and reg.dst_slot is None:
+            self._fail(seq, 500, f"decode reserved no slot row for this model's slot states "
+                       f"({', '.join(self.states.slots)})", "num_bootstrap_failed_reqs")
+            return
         del self.bootstrap[seq.pd.room]
         seq.pd.dst_pages = reg.dst_pages[:need]
+        seq.pd.dst_slot = reg.dst_slot if self.engine.pool.slots is not None else None
+        seq.pd.checksum = reg.checksum or self.settings.transfer_checksum
         seq.pd.enter(PDState.WAITING_FOR_INPUT, None, self.clock())  # now an ordinary prefill in the scheduler
         self.engine.scheduler.add(seq)
 
@@ -161,8 +180,14 @@ class PrefillController(PDController):
         if logprobs:
             note["logprobs"] = logprobs[-1]
         n = len(pd.dst_pages)
+        src_slot = seq.slot if pd.dst_slot is not None else None
+        if pd.checksum:
+            t0 = time.perf_counter()
+            note["checksums"] = region_checksums(self.states, seq.pages[:n], src_slot)
+            self.checksum_seconds += time.perf_counter() - t0
         try:
-            pd.handle = self.transport.write_pages(pd.peer, seq.pages[:n], pd.dst_pages, json.dumps(note).encode())
+            pd.handle = self.transport.write_pages(pd.peer, seq.pages[:n], pd.dst_pages, json.dumps(note).encode(),
+                                                   **slot_args(src_slot, pd.dst_slot))
         except Exception as e:
             self._fail(seq, 502, f"KV transfer could not start: {e}", "num_transfer_failed_reqs")
 
@@ -175,6 +200,8 @@ class PrefillController(PDController):
                 m = self.engine.metrics
                 m.inc("kv_transfers_completed")
                 m.inc("kv_transfer_bytes", info.nbytes)
+                for name, nbytes in info.nbytes_by_state.items():
+                    self.bytes_by_state[name] = self.bytes_by_state.get(name, 0) + nbytes
                 m.observe("kv_transfer_latency_seconds", now - pd.transfer_started)
                 pd.state = PDState.SUCCESS
                 self.engine.finish(seq, "stop")
@@ -244,4 +271,6 @@ class PrefillController(PDController):
                     for s in list(self.inflight.values())]
         return ({"bootstrap": len(self.bootstrap), "inflight": len(self.inflight)},
                 {"prefill_inflight_oldest_age_seconds": round(self.oldest_inflight_age(), 3),
-                 "inflight_requests": inflight, "deadlines": self.deadlines.on, "boot_id": self.boot_id})
+                 "inflight_requests": inflight, "deadlines": self.deadlines.on, "boot_id": self.boot_id,
+                 "kv_transfer_bytes_by_state": dict(self.bytes_by_state),
+                 "transfer_checksum_seconds": round(self.checksum_seconds, 6)})

@@ -183,8 +183,11 @@ def mla_decode(
         num_splits = default_num_splits(batch, head_blocks, block_table.shape[1] * page_size, cfg, q.device)
     part_out = torch.empty(batch, heads, num_splits, v_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
-    seq_lens = seq_lens.to(torch.int32)
-    block_table = block_table.to(torch.int32)
+    # The engine passes int32 already; a no-op .to is still a dispatch on every layer.
+    if seq_lens.dtype != torch.int32:
+        seq_lens = seq_lens.to(torch.int32)
+    if block_table.dtype != torch.int32:
+        block_table = block_table.to(torch.int32)
     mla_decode_split_kernel[(head_blocks, num_splits, batch)](
         q, kv_cache, block_table, seq_lens, part_out, part_lse,
         sm_scale * LOG2E, heads, num_splits,

@@ -19,6 +19,7 @@ def _serve(conn: Any) -> None:
     import torch
 
     from dsv4_engine.pd.nixl.agent import KVTransferAgent, TransferState
+    from dsv4_engine.pd.transport import PoolStates
 
     agents: dict[str, KVTransferAgent] = {}
     paused: set[str] = set()
@@ -32,16 +33,17 @@ def _serve(conn: Any) -> None:
         cmd, *args = conn.recv()
         if cmd == "create":
             name, shape, dtype, start_paused, seed = args
-            # shape: one region's shape, or {region: (shape, dtype)} for a multi-state pool
+            # shape: one region's shape, or {region: (shape, dtype[, "slot"])} for a multi-state pool
             layout = shape if isinstance(shape, dict) else {"kv": (shape, dtype)}
-            states = {}
-            for i, (region, (rshape, rdtype)) in enumerate(layout.items()):
+            states, slots = {}, {}
+            for i, (region, (rshape, rdtype, *kind)) in enumerate(layout.items()):
                 if seed is None:
-                    states[region] = torch.zeros(rshape, dtype=getattr(torch, rdtype))
+                    t = torch.zeros(rshape, dtype=getattr(torch, rdtype))
                 else:
                     g = torch.Generator().manual_seed(seed + i)
-                    states[region] = torch.randn(rshape, generator=g).to(getattr(torch, rdtype))
-            agent = KVTransferAgent(name, states)
+                    t = torch.randn(rshape, generator=g).to(getattr(torch, rdtype))
+                (slots if kind == ["slot"] else states)[region] = t
+            agent = KVTransferAgent(name, PoolStates(states, slots))
             agents[name], notifs[name] = agent, []
             if start_paused:
                 paused.add(name)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dsv4_engine.pd.nixl.agent import KVTransferAgent, TransferState
-from dsv4_engine.pd.transport import KVTransport
+from dsv4_engine.pd.transport import KVTransport, PoolStates
 from nixl_peer import PeerProcess
 
 SHAPE = (32, 2, 16, 64)  # 32 pages of [layers=2, page_size=16, kv_dim=64]: 8 KiB fp32, 4 KiB bf16
@@ -99,6 +99,37 @@ def test_every_state_region_moves_with_one_notification(peer):
                                    {**layout, "ring": ((16, 3, 16, 32), "bfloat16")})):
             with pytest.raises(ValueError, match="incompatible KV layout"):
                 src.add_peer(peer.create(f"multi-bad{i}", other))
+
+
+def test_slot_rows_move_with_the_pages_under_one_notification(peer):
+    """DeepSeek-V4's pool: paged regions plus slot regions (one row per running request). One
+    transfer writes the pages of every paged region and one row of every slot region."""
+    layout = {"csa_kv": ((16, 2, 4, 64), "float32"), "swa_kv": ((4, 3, 8, 64), "float32", "slot"),
+              "hca_stage": ((4, 1, 8, 32), "bfloat16", "slot")}
+    g = torch.Generator().manual_seed(11)
+    pages = {"csa_kv": torch.randn(16, 2, 4, 64, generator=g)}
+    slots = {"swa_kv": torch.randn(6, 3, 8, 64, generator=g),  # more rows here than the peer has
+             "hca_stage": torch.randn(6, 1, 8, 32, generator=g).bfloat16()}
+    with KVTransferAgent("slot-src", PoolStates(pages, slots)) as src:
+        src.add_peer(peer.create("slot-dst", layout))
+        h = src.write_pages("slot-dst", [5, 2], [0, 9], b"pages+row", src_slot=5, dst_slot=3)
+        assert wait_terminal(src, h) is TransferState.DONE, src.error(h)
+        info = src.info(h)
+        assert info.nbytes_by_state == {"csa_kv": 2 * 2048, "swa_kv": 3 * 8 * 64 * 4, "hca_stage": 8 * 32 * 2}
+        src.release(h)
+        assert peer.wait_notifs("slot-dst", 1) == [("slot-src", b"pages+row")]
+        assert peer.call("pages", "slot-dst", [0, 9], "csa_kv") == page_bytes(pages["csa_kv"], [5, 2])
+        for name, t in slots.items():
+            assert peer.call("pages", "slot-dst", [3], name) == page_bytes(t, [5]), name
+            assert peer.call("pages", "slot-dst", [0, 1, 2], name) == bytes(3 * t[0].numel() * t.element_size())
+        with pytest.raises(ValueError, match="dst_slot 4 is outside"):
+            src.write_pages("slot-dst", [0], [0], b"", src_slot=0, dst_slot=4)
+        with pytest.raises(ValueError, match="src_slot must be a slot row"):
+            src.write_pages("slot-dst", [0], [0], b"")
+        # a peer whose slot state has another row shape is refused before anything moves
+        bad = {**layout, "swa_kv": ((4, 3, 16, 64), "float32", "slot")}
+        with pytest.raises(ValueError, match="slot region swa_kv: slot shape"):
+            src.add_peer(peer.create("slot-bad", bad))
 
 
 def test_hundred_sequential_transfers_notify_exactly_once(peer, writer, target):

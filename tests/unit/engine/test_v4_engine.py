@@ -178,12 +178,12 @@ def test_state_sizing_reserves_slot_rows_first(v4_dir):
     assert 'dsv4:kv_state_bytes_per_request{model_name="dsv4",role="mono",state="swa_kv"}' in text
 
 
-def test_page_size_and_pd_refusals(v4_dir):
+def test_page_size_refusals_and_every_role_takes_v4(v4_dir):
     specs = DeepseekV4.state_specs(DeepseekV4Config.from_dir(v4_dir))
     assert state_refusal(specs, "mono", 16) is None and state_refusal(specs, "mono", 2) is None
     msg = state_refusal(specs, "mono", 6)  # CSA every 4 tokens: neither 6 | 4 nor 4 | 6
     assert msg and "--page-size 6" in msg and "\n" not in msg
-    msg = state_refusal(specs, "decode", 16)
-    assert msg and "--role mono" in msg and "\n" not in msg
+    assert state_refusal(specs, "decode", 16) is None and state_refusal(specs, "prefill", 16) is None  # PD moves slot rows
+    assert "--page-size 6" in state_refusal(specs, "decode", 6)
     with pytest.raises(ValueError, match="--page-size 6"):
         Engine(EngineArgs(model=str(v4_dir), device="cpu", kernel_backend="torch", kv_pages=8, page_size=6))

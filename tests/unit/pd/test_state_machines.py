@@ -22,7 +22,7 @@ from dsv4_engine.pd.decode import DecodeController
 from dsv4_engine.pd.fake import FakeFabric
 from dsv4_engine.pd.faults import Deadlines, FaultInjector, FaultyChannel, FaultyTransport
 from dsv4_engine.pd.prefill import PrefillController
-from dsv4_engine.pd.transport import KVTransport
+from dsv4_engine.pd.transport import KVTransport, PoolStates
 from dsv4_engine.sampling import SamplingParams
 from dsv4_engine.sequence import RequestOutput, Sequence
 
@@ -75,21 +75,22 @@ class Pair:
     """A prefill and a decode engine linked through a fake fabric, with fault injectors armed
     the way /admin/faults arms them, and exit functions that record instead of exiting."""
 
-    def __init__(self, engines, deadlines: bool = True):
+    def __init__(self, engines, deadlines: bool = True, settings: PDSettings = SETTINGS):
         self.p, self.d, self.mono = engines
         self.clock = Clock()
         self.fabric = FakeFabric()
         self.exits: dict[str, list[int]] = {"prefill": [], "decode": []}
         self.pf, self.df = FaultInjector(), FaultInjector()
-        self.ptrans = self.fabric.transport("prefill-x", self.p.pool.states)
-        self.dtrans = self.fabric.transport("decode-x", self.d.pool.states)
+        pstates, dstates = PoolStates.of_pool(self.p.pool), PoolStates.of_pool(self.d.pool)
+        self.ptrans = self.fabric.transport("prefill-x", pstates)
+        self.dtrans = self.fabric.transport("decode-x", dstates)
         common = dict(clock=self.clock)
         self.p.pd = PrefillController(
-            self.p, SETTINGS, FaultyTransport(self.ptrans, self.pf, self.exits["prefill"].append),
+            self.p, settings, FaultyTransport(self.ptrans, self.pf, self.exits["prefill"].append, states=pstates),
             FaultyChannel(self.fabric.channel(self.p.call), self.pf, self.exits["prefill"].append),
             deadlines=Deadlines(deadlines, self.pf), faults=self.pf, boot_id="pboot", **common)
         self.d.pd = DecodeController(
-            self.d, SETTINGS, FaultyTransport(self.dtrans, self.df, self.exits["decode"].append),
+            self.d, settings, FaultyTransport(self.dtrans, self.df, self.exits["decode"].append, states=dstates),
             FaultyChannel(self.fabric.channel(self.d.call), self.df, self.exits["decode"].append),
             deadlines=Deadlines(deadlines, self.df), faults=self.df, boot_id="dboot", **common)
         self.fabric.serve(BOOTSTRAP_ADDR, self.p.pd, "prefill")
@@ -162,7 +163,8 @@ class Pair:
         self.step(3, dt=0.01, sides="".join(sides))  # aborts in flight land
         for side in sides:
             e = self.p if side == "p" else self.d
-            assert e.pool.allocator.num_free == KV_PAGES, f"{side} holds pages"
+            assert e.pool.allocator.num_free == e.pool.num_pages, f"{side} holds pages"
+            assert e.pool.slots is None or e.pool.slots.num_free == e.pool.slots.total, f"{side} holds slot rows"
             assert not e.seqs and not e.scheduler.has_work() and e.inbox.empty(), side
             assert not e.pd.busy(), side
             if side == "p":
@@ -177,7 +179,8 @@ class Pair:
             e._drain_inbox(0)
             e.pd = None
             e._drain_inbox(0)
-            assert e.pool.allocator.num_free == KV_PAGES
+            assert e.pool.allocator.num_free == e.pool.num_pages
+            assert e.pool.slots is None or e.pool.slots.num_free == e.pool.slots.total
 
 
 @pytest.fixture
@@ -650,6 +653,54 @@ def test_fake_fabric_moves_every_region_and_obeys_commands():
     c = fabric.transport("c", {"latent": torch.zeros(8, 2, 4, 3)})
     with pytest.raises(ValueError, match="incompatible KV layout"):
         a.add_peer(c.descriptor())
+
+
+def test_fake_fabric_moves_slot_rows_with_the_pages():
+    """The contract for pools with slot regions: one row of each slot region moves with the
+    pages, named on both sides; a pool with slots refuses a write without them."""
+    fabric = FakeFabric()
+    g = torch.Generator().manual_seed(2)
+    src = PoolStates({"csa": torch.randn(6, 2, 3, generator=g)}, {"ring": torch.randn(4, 5, 2, generator=g),
+                                                                  "stage": torch.randn(4, 3, generator=g).bfloat16()},
+                     page_size=8, tokens_per_entry={"csa": 4})
+    dst = PoolStates({"csa": torch.zeros(9, 2, 3)}, {"ring": torch.zeros(2, 5, 2), "stage": torch.zeros(2, 3).bfloat16()},
+                     page_size=8, tokens_per_entry={"csa": 4})
+    a, b = fabric.transport("a", src), fabric.transport("b", dst)
+    a.add_peer(b.descriptor())
+    h = a.write_pages("b", [5, 0], [8, 1], b"n", src_slot=3, dst_slot=1)
+    assert a.poll(h).value == "done" and b.poll_notifs() == [("a", b"n")]
+    assert torch.equal(dst.pages["csa"][[8, 1]], src.pages["csa"][[5, 0]])
+    for name in ("ring", "stage"):
+        assert torch.equal(dst.slots[name][1], src.slots[name][3]) and not dst.slots[name][0].any()
+    assert a.info(h).nbytes_by_state == {"csa": 2 * 24, "ring": 40, "stage": 6}
+    for bad in ({}, {"src_slot": 3, "dst_slot": 2}, {"src_slot": 4, "dst_slot": 0}):
+        with pytest.raises(ValueError):
+            a.write_pages("b", [0], [0], b"", **bad)
+    # another compress rate, page size or slot shape is refused before anything moves
+    for other in (PoolStates(dst.pages, dst.slots, 8, {"csa": 8}), PoolStates(dst.pages, dst.slots, 16, {"csa": 4}),
+                  PoolStates(dst.pages, {**dst.slots, "ring": torch.zeros(2, 6, 2)}, 8, {"csa": 4})):
+        with pytest.raises(ValueError, match="incompatible KV layout"):
+            a.add_peer(fabric.transport("c", other).descriptor())
+
+
+def test_corrupt_transfer_flips_one_sent_byte_and_puts_it_back():
+    fabric = FakeFabric()
+    src = PoolStates({"kv": torch.ones(4, 8)}, {"ring": torch.ones(2, 6)})
+    a = fabric.transport("a", src)
+    b = fabric.transport("b", PoolStates({"kv": torch.zeros(4, 8)}, {"ring": torch.zeros(2, 6)}))
+    faults = FaultInjector()
+    t = FaultyTransport(a, faults, states=src)
+    t.add_peer(b.descriptor())
+    for state, landed in (("ring", lambda: b._pool.slots["ring"][1]), (None, lambda: b._pool.pages["kv"][2])):
+        faults.arm("corrupt_transfer", 1, **({"state": state} if state else {}))
+        h = t.write_pages("b", [3], [2], b"x", src_slot=0, dst_slot=1)
+        assert not torch.equal(landed(), torch.ones_like(landed()))  # one byte differs in what landed
+        assert t.poll(h).value == "done"
+        assert torch.equal(src.pages["kv"], torch.ones(4, 8)) and torch.equal(src.slots["ring"], torch.ones(2, 6))
+        t.release(h)
+    faults.arm("corrupt_transfer", 1, state="nope")
+    with pytest.raises(ValueError, match="not sent by this transfer"):
+        t.write_pages("b", [3], [2], b"x", src_slot=0, dst_slot=1)
 
 
 def test_faulty_transport_consumes_each_armed_fault_once():

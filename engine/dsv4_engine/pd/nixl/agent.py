@@ -1,13 +1,17 @@
 """KV-page transfer between engines over NIXL: the prefill side WRITEs its KV pages into the
 decode side's pages, and a notification tells decode that they have landed.
 
-The pool of an engine is one page-major tensor per declared state (`KVPool.states`), all
-sharing page ids: page ``i`` of each state is one contiguous byte range. Every state is
-registered with NIXL once, and each side is described once as ONE descriptor list holding
-every region's pages back to back (``prep_xfer_dlist``: once for the local pool, once per
-peer): region ``k``'s page ``p`` is row ``k * num_pages + p``. A transfer of pages then names
-those rows for every region in one ``make_prepped_xfer``, so its single notification means
-all regions have landed. Host memory (DRAM) and CUDA memory (VRAM) take the same path.
+The pool of an engine is one page-major tensor per paged state (`KVPool.states`), all sharing
+page ids, plus one row-major tensor per slot state (`KVPool.slot_states`, DeepSeek-V4's window
+ring and compressor stages), all sharing row ids: page ``i`` (row ``i``) of each state is one
+contiguous byte range. Every state is registered with NIXL once, and each side is described
+once as ONE descriptor list holding every paged region's pages, then every slot region's rows,
+back to back (``prep_xfer_dlist``: once for the local pool, once per peer): paged region ``k``'s
+page ``p`` is row ``k * num_pages + p``, slot region ``j``'s row ``s`` is row ``P * num_pages +
+j * num_slots + s`` (P paged regions). A transfer names the rows of its pages in every paged
+region and of its slot row in every slot region in one ``make_prepped_xfer``, so its single
+notification means all regions have landed. Host memory (DRAM) and CUDA memory (VRAM) take the
+same path.
 
 This is the production `dsv4_engine.pd.transport.KVTransport`; that module states the contract.
 Faults are part of the contract. A transfer ends DONE or FAILED, never raises out of ``poll``
@@ -43,12 +47,13 @@ import torch
 
 from dsv4_engine.pd.nixl import compat as nixl_compat
 from dsv4_engine.pd.transport import (  # noqa: F401  (TransferState, TransferInfo re-exported)
-    LayoutError, Region, TransferInfo, TransferState, check_layout, layout_mismatch, regions_of,
+    PAGE, Layout, LayoutError, PoolStates, Region, TransferInfo, TransferState, check_layout, check_slot_mapping,
+    layout_mismatch, regions_of, transfer_bytes,
 )
 
 log = logging.getLogger(__name__)
 
-DESCRIPTOR_VERSION = 2  # 2: one entry per state region
+DESCRIPTOR_VERSION = 3  # 2: one entry per state region; 3: slot regions, page size, compress rates
 DEFAULT_TIMEOUT_S = 60.0  # safety net only; the PD state machines keep tighter deadlines
 
 
@@ -66,8 +71,10 @@ class PeerDescriptor:
     num_pages: int
     mem_type: str  # "DRAM" | "VRAM"
     device_id: int
-    regions: tuple[Region, ...]  # every state of the pool, in declaration order
-    base_addrs: tuple[int, ...]  # where each region's page 0 is
+    regions: tuple[Region, ...]  # every state of the pool: paged ones, then slot ones
+    base_addrs: tuple[int, ...]  # where each region's page 0 (row 0) is
+    num_slots: int = 0  # rows of each slot region (0: the pool has none)
+    page_size: int = 0  # tokens per page (0: not stated)
 
     def to_dict(self) -> dict:
         return {
@@ -75,6 +82,8 @@ class PeerDescriptor:
             "agent": self.agent,
             "nixl_metadata": base64.b64encode(self.nixl_metadata).decode("ascii"),
             "num_pages": self.num_pages,
+            "num_slots": self.num_slots,
+            "page_size": self.page_size,
             "mem_type": self.mem_type,
             "device_id": self.device_id,
             "regions": [{**r.to_dict(), "base_addr": addr} for r, addr in zip(self.regions, self.base_addrs)],
@@ -115,6 +124,8 @@ class PeerDescriptor:
         regions = tuple(Region.from_dict(r) for r in raw_regions)
         if len({r.name for r in regions}) != len(regions):
             raise ValueError("peer descriptor names a region twice")
+        if [r.kind for r in regions] != sorted((r.kind for r in regions), key=lambda k: k != PAGE):
+            raise ValueError("peer descriptor must list its paged regions before its slot regions")
         base_addrs = tuple(need("base_addr", int, r) for r in raw_regions)
         desc = cls(
             agent=agent,
@@ -124,24 +135,45 @@ class PeerDescriptor:
             device_id=need("device_id", int),
             regions=regions,
             base_addrs=base_addrs,
+            num_slots=need("num_slots", int),
+            page_size=need("page_size", int),
         )
         if min(desc.base_addrs) <= 0 or desc.num_pages <= 0 or desc.device_id < 0:
             raise ValueError("peer descriptor needs base_addr, num_pages > 0 and device_id >= 0")
+        has_slots = any(r.kind != PAGE for r in regions)
+        if desc.page_size < 0 or desc.num_slots < 0 or has_slots != (desc.num_slots > 0):
+            raise ValueError("peer descriptor needs page_size >= 0, and num_slots > 0 exactly when it has slot regions")
         return desc
 
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.regions, self.page_size)
+
     def layout_mismatch(self, other: "PeerDescriptor") -> Optional[str]:
-        """Why pages of `self` cannot be copied byte for byte into pages of `other`, or None."""
-        return layout_mismatch(self.regions, other.regions)
+        """Why units of `self` cannot be copied byte for byte into units of `other`, or None."""
+        return self.layout.mismatch(other.layout)
 
     def page_table(self) -> np.ndarray:
-        """Every region's per-page rows, back to back (region k's page p is row k*num_pages+p)."""
-        return np.concatenate([page_table(addr, r.page_nbytes, self.num_pages, self.device_id)
+        """Every region's per-unit rows, back to back: paged regions' pages, then slot regions' rows."""
+        return np.concatenate([page_table(addr, r.nbytes, self.num_pages if r.kind == PAGE else self.num_slots,
+                                          self.device_id)
                                for r, addr in zip(self.regions, self.base_addrs)])
 
 
-def region_rows(pages: np.ndarray, num_regions: int, num_pages: int) -> np.ndarray:
-    """The descriptor rows of `pages` in every region, region by region."""
-    return np.concatenate([pages + k * num_pages for k in range(num_regions)]).astype(np.int32)
+def transfer_rows(pages: np.ndarray, slot: Optional[int], regions: Sequence[Region], num_pages: int,
+                  num_slots: int) -> np.ndarray:
+    """The descriptor rows of `pages` in every paged region and of row `slot` in every slot
+    region, region by region (the layout of `PeerDescriptor.page_table`)."""
+    rows, base = [], 0
+    for r in regions:
+        if r.kind == PAGE:
+            rows.append(pages + base)
+            base += num_pages
+        else:
+            if slot is not None:
+                rows.append(np.array([slot + base]))
+            base += num_slots
+    return np.concatenate(rows).astype(np.int32)
 
 
 def page_table(base_addr: int, page_nbytes: int, num_pages: int, device_id: int) -> np.ndarray:
@@ -217,14 +249,14 @@ class _Transfer:
 class KVTransferAgent:
     """One engine's NIXL endpoint for its KV pool. See the module docstring for the contract."""
 
-    def __init__(self, name: str, states: Union[Mapping[str, torch.Tensor], torch.Tensor], *,
+    def __init__(self, name: str, states: Union[PoolStates, Mapping[str, torch.Tensor], torch.Tensor], *,
                  default_timeout_s: Optional[float] = DEFAULT_TIMEOUT_S):
         if not name:
             raise ValueError("agent name must not be empty")
-        if isinstance(states, torch.Tensor):
-            states = {"kv": states}  # a single-state pool
-        self._regions = regions_of(states)
-        self._states = dict(states)
+        self._pool = PoolStates.of(states)
+        self._layout = self._pool.layout()
+        self._regions = list(self._layout.regions)
+        self._states = self._pool.tensors()  # paged regions, then slot regions (the descriptor's order)
         tensors = list(self._states.values())
         if len({(t.device.type, t.device.index) for t in tensors}) != 1:
             raise ValueError("every state region must live on the same device")
@@ -256,12 +288,16 @@ class KVTransferAgent:
 
     @property
     def num_pages(self) -> int:
-        return int(next(iter(self._states.values())).shape[0])
+        return self._pool.num_pages
+
+    @property
+    def num_slots(self) -> int:
+        return self._pool.num_slots
 
     @property
     def page_nbytes(self) -> int:
-        """Bytes of one page across every region."""
-        return sum(r.page_nbytes for r in self._regions)
+        """Bytes of one page across every paged region."""
+        return sum(r.nbytes for r in self._regions if r.kind == PAGE)
 
     def _local_descriptor(self, with_metadata: bool = True) -> PeerDescriptor:
         return PeerDescriptor(
@@ -272,6 +308,8 @@ class KVTransferAgent:
             device_id=self._device_id,
             regions=tuple(self._regions),
             base_addrs=tuple(t.data_ptr() for t in self._states.values()),
+            num_slots=self.num_slots,
+            page_size=self._layout.page_size,
         )
 
     def descriptor(self) -> dict:
@@ -294,7 +332,7 @@ class KVTransferAgent:
             self._check_open()
             if peer_desc.agent == self._name:
                 raise ValueError(f"peer has this agent's own name {self._name!r}")
-            check_layout(self._regions, peer_desc.regions, peer_desc.agent)
+            check_layout(self._layout, peer_desc.layout, peer_desc.agent)
             known = self._peers.get(peer_desc.agent)
             if known is not None:
                 if known.desc == peer_desc and not known.disconnected:
@@ -354,10 +392,14 @@ class KVTransferAgent:
         dst_pages: Sequence[int],
         notif: bytes,
         *,
+        src_slot: Optional[int] = None,
+        dst_slot: Optional[int] = None,
         timeout_s: Optional[float] = None,
     ) -> int:
         """Start a WRITE of local pages src_pages[i] into the peer's pages dst_pages[i], in every
-        state region; the peer receives `notif` (if non-empty) once all of it has landed. Returns a handle for poll.
+        paged region, and of local row src_slot into the peer's row dst_slot in every slot
+        region; the peer receives `notif` (if non-empty) once all of it has landed. Returns a
+        handle for poll.
 
         Raises ValueError for an unknown peer or bad pages, before anything starts. A transfer
         that cannot start (peer gone) returns a handle that is already FAILED. `timeout_s`
@@ -373,6 +415,8 @@ class KVTransferAgent:
             if target is None:
                 raise ValueError(f"unknown peer {peer!r}: add_peer it first")
             src, dst = check_page_mapping(src_pages, dst_pages, self.num_pages, target.desc.num_pages)
+            check_slot_mapping(src_slot, dst_slot, self.num_slots, target.desc.num_slots)
+            by_state = transfer_bytes(self._regions, len(src), src_slot is not None)
             first = next(iter(self._states.values()))
             if first.is_cuda:
                 torch.cuda.current_stream(first.device).synchronize()
@@ -381,8 +425,9 @@ class KVTransferAgent:
             handle = next(self._ids)
             t = _Transfer(
                 info=TransferInfo(
-                    handle=handle, peer=peer, num_pages=len(src), nbytes=len(src) * self.page_nbytes,
+                    handle=handle, peer=peer, num_pages=len(src), nbytes=sum(by_state.values()),
                     state=TransferState.PENDING, error=None, started_at=now, finished_at=None,
+                    nbytes_by_state=by_state,
                 ),
                 peer=target,
                 deadline=None if timeout is None else now + timeout,
@@ -390,8 +435,9 @@ class KVTransferAgent:
             self._transfers[handle] = t
             try:
                 t.xfer = self._agent.make_prepped_xfer(
-                    "WRITE", self._local_dlist, region_rows(src, len(self._regions), self.num_pages),
-                    target.remote_dlist, region_rows(dst, len(self._regions), target.desc.num_pages), bytes(notif)
+                    "WRITE", self._local_dlist, transfer_rows(src, src_slot, self._regions, self.num_pages, self.num_slots),
+                    target.remote_dlist,
+                    transfer_rows(dst, dst_slot, self._regions, target.desc.num_pages, target.desc.num_slots), bytes(notif)
                 )
                 self._apply_status(t, self._agent.transfer(t.xfer))
             except Exception as exc:
@@ -421,7 +467,7 @@ class KVTransferAgent:
         """A snapshot (copy) of the transfer's record."""
         with self._lock:
             i = self._transfers[handle].info
-            return TransferInfo(**i.__dict__)
+            return TransferInfo(**{**i.__dict__, "nbytes_by_state": dict(i.nbytes_by_state)})
 
     def release(self, handle: int) -> None:
         """Forget a transfer. Releasing a PENDING one cancels it as far as NIXL can; the peer

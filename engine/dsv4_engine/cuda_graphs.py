@@ -1,0 +1,161 @@
+"""Decode steps replayed from captured CUDA graphs.
+
+A decode step is the same sequence of kernels whatever its content, once its shapes are fixed:
+the batch is padded up to one of a few bucket sizes, the block table has a fixed width (the
+most pages a request can hold) and every per-step input lives in a static buffer that the
+graph reads. For each bucket a graph is captured once; a step then copies its inputs into the
+static buffers (from pinned host memory, without waiting) and replays the graph: one launch
+for the whole forward instead of ~20 per layer from Python.
+
+Padding rows repeat the batch's first request (same token, same position, same KV slot): they
+write the very value the real row writes to the same slot and their logits are dropped, so no
+page of another request is touched and no spare page is needed.
+
+What makes the forward capturable is checked on CPU by tests/unit/engine/test_cuda_graphs.py:
+no host reads (see test_host_syncs.py), no shape that depends on values, the same ops and
+allocations for two steps of different content in one bucket, and at most
+DECODE_DISPATCHES_PER_LAYER dispatches (torch ops + kernel launches) per layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from dsv4_engine.batch_buffers import HostBatch
+
+log = logging.getLogger(__name__)
+
+# Dispatches (aten ops, views included, + Triton launches) one DeepSeek-V3 decode layer may
+# issue on the Triton backend. Measured on `tiny` (1 dense + 3 MoE layers, 3-4 requests):
+# 384 in 4 layers, 96 a layer, of which ~10 kernel launches of ours (rmsnorm x2-3, rope x2,
+# mla_decode split + merge, moe route, gate/up, down), ~20 matmuls/bmms/elementwise, ~10
+# index/cat/put, and the rest views and dtype no-ops (free in a graph). The test holds it here:
+# more means Python overhead every eager step pays and that a graph must hide.
+DECODE_DISPATCHES_PER_LAYER = 100
+
+
+def graph_buckets(max_bs: int) -> list[int]:
+    """Padded batch sizes with a captured graph: 1, 2, 4, 8, then every 8 up to max_bs (and
+    max_bs itself). A step pads to the smallest bucket that holds it: at most 7 wasted rows
+    past 8, at most half below."""
+    if max_bs <= 0:
+        return []
+    sizes = {b for b in (1, 2, 4) if b <= max_bs} | set(range(8, max_bs + 1, 8)) | {max_bs}
+    return sorted(sizes)
+
+
+def bucket_for(n: int, buckets: list[int]) -> Optional[int]:
+    """The smallest bucket holding n rows, or None when n is past the largest."""
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+def pad_decode(hb: HostBatch, bucket: int) -> HostBatch:
+    """hb padded to `bucket` rows by repeating row 0 (one token per request: a decode step)."""
+    n = hb.seq_lens.shape[0]
+    take = np.concatenate([np.arange(n), np.zeros(bucket - n, dtype=np.int64)])
+    return HostBatch(
+        input_ids=hb.input_ids[take], positions=hb.positions[take], slot_mapping=hb.slot_mapping[take],
+        block_table=hb.block_table[take], seq_lens=hb.seq_lens[take], extend_lens=hb.extend_lens[take],
+        logits_indices=np.arange(bucket, dtype=np.int64),
+        slot_ids=None if hb.slot_ids is None else hb.slot_ids[take],
+    )
+
+
+class StaticDecodeInputs:
+    """The buffers a captured decode step reads: sized for the largest bucket, with a block
+    table of fixed width, on the device; a pinned host twin of each for the copies."""
+
+    FIELDS = {"input_ids": torch.int64, "positions": torch.int64, "slot_mapping": torch.int64,
+              "seq_lens": torch.int32, "extend_lens": torch.int32, "logits_indices": torch.int64}
+
+    def __init__(self, max_bs: int, width: int, device: torch.device):
+        pin = device.type == "cuda"
+        self.device = device
+        self.dev = {k: torch.zeros(max_bs, dtype=dt, device=device) for k, dt in self.FIELDS.items()}
+        self.dev["block_table"] = torch.zeros(max_bs, width, dtype=torch.int32, device=device)
+        self.host = {k: torch.zeros(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in self.dev.items()}
+        self.dev["extend_lens"].fill_(1)
+        self.dev["logits_indices"].copy_(torch.arange(max_bs))
+        self._copied: Optional[torch.cuda.Event] = None
+
+    def load(self, hb: HostBatch) -> None:
+        """Copy a padded batch's arrays into the first rows of the static buffers."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the pinned buffers
+        n = hb.seq_lens.shape[0]
+        for k in self.dev:
+            src = getattr(hb, k)
+            self.host[k][:n].numpy()[:] = src
+            self.dev[k][:n].copy_(self.host[k][:n], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def view(self, bs: int) -> dict[str, torch.Tensor]:
+        return {k: v[:bs] for k, v in self.dev.items()}
+
+
+class DecodeGraphs:
+    """Decode forwards for batches up to max_bs rows, one captured graph per bucket.
+
+    `run_forward(inputs, bs)` runs the model on the static buffers' first bs rows and returns
+    its logits [bs, vocab]. With capture=False (CPU, or to test) the same padded step runs
+    eagerly on the same buffers: what the tests check is what the graph would replay.
+    """
+
+    def __init__(self, run_forward: Callable[[dict[str, torch.Tensor], int], torch.Tensor], max_bs: int,
+                 width: int, device: torch.device, capture: bool):
+        self.run_forward = run_forward
+        self.buckets = graph_buckets(max_bs)
+        self.width = width
+        self.device = device
+        self.capture = capture and device.type == "cuda"
+        self.inputs = StaticDecodeInputs(self.buckets[-1], width, device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def fits(self, n: int, max_pages: int) -> bool:
+        return bucket_for(n, self.buckets) is not None and max_pages <= self.width
+
+    def capture_all(self) -> None:
+        """Capture every bucket, largest first (its memory pool then serves the smaller ones).
+        Each is run once eagerly first: Triton compiles its kernels outside the capture."""
+        if not self.capture:
+            return
+        for bs in reversed(self.buckets):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.run_forward(self.inputs.view(bs), bs)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[bs] = self.run_forward(self.inputs.view(bs), bs)
+            self.pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+
+    def step(self, hb: HostBatch) -> torch.Tensor:
+        """Logits [n, vocab] of a decode batch (block table `width` columns wide)."""
+        n = hb.seq_lens.shape[0]
+        bs = bucket_for(n, self.buckets)
+        if self.capture and not self.graphs:
+            # Captures run the forward on the static rows: fill every row with this batch's first
+            # request, so those runs write only what this step writes anyway (its own new slot).
+            self.inputs.load(pad_decode(hb, self.buckets[-1]))
+            self.capture_all()
+        self.inputs.load(pad_decode(hb, bs))
+        if self.capture:
+            self.graphs[bs].replay()
+            return self.outputs[bs][:n]
+        return self.run_forward(self.inputs.view(bs), bs)[:n]

@@ -1,0 +1,168 @@
+"""Capture safety of the decode forward, checked on CPU (the Triton backend under the
+interpreter, the path a GPU captures): two decode steps of different content padded to one
+bucket issue the same ops with the same shapes and the same kernel launches, read nothing back
+to the host, and stay within the per-layer dispatch budget. The padded, static-buffer step
+gives the same logits as the plain one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from host_sync_probe import count_host_syncs, from_interpreter
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dsv4_engine.cuda_graphs import DECODE_DISPATCHES_PER_LAYER, bucket_for, graph_buckets, pad_decode
+from dsv4_engine.kv_cache import KVPool
+from dsv4_engine.model_runner import ModelRunner
+from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.scheduler import ScheduledSeq
+from dsv4_engine.sequence import Sequence
+
+
+def test_buckets():
+    assert graph_buckets(0) == []
+    assert graph_buckets(1) == [1]
+    assert graph_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert graph_buckets(64)[-3:] == [48, 56, 64]
+    b = graph_buckets(20)
+    assert [bucket_for(n, b) for n in (1, 3, 5, 9, 17, 20, 21)] == [1, 4, 8, 16, 20, 20, None]
+
+
+class Trace(TorchDispatchMode):
+    """Every aten op with its output shapes and dtypes, and every Triton launch with its grid,
+    tensor shapes and scalar arguments, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if from_interpreter():  # Triton's interpreter running a kernel on CPU: a launch on a GPU
+            return out
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        self.events.append(("op", str(func), tuple((tuple(o.shape), o.dtype) for o in outs if isinstance(o, torch.Tensor))))
+        return out
+
+
+# On a GPU these tests run the compiled kernels on CUDA; here, the interpreter on CPU.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    if DEVICE.type == "cuda":
+        from triton.runtime.jit import JITFunction as InterpretedFunction
+    else:
+        from triton.runtime.interpreter import InterpretedFunction
+
+    events: list[tuple] = []
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        desc = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+        events.append(("launch", self.fn.__name__, grid, desc, tuple(sorted(kwargs.items()))))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+    return events
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model):
+    return ModelRunner(tiny_model, "float32", str(DEVICE), "triton")
+
+
+def _decoding(rid: str, prompt: list[int], out: list[int], pages: list[int]) -> ScheduledSeq:
+    s = Sequence(rid, prompt, SamplingParams(max_tokens=64, temperature=0))
+    s.output_ids = out
+    s.num_computed = len(prompt) + len(out) - 1
+    s.pages = pages
+    return ScheduledSeq(s, 1)
+
+
+def _step_trace(runner, pool, graphs, batch, launches):
+    """What a graph captures: the forward over the static buffers, once they hold the step."""
+    hb = runner.host_batch(batch, pool.page_size, graphs.width)
+    runner._states = pool.all_states
+    bs = bucket_for(len(batch), graphs.buckets)
+    graphs.inputs.load(pad_decode(hb, bs))
+    launches.clear()
+    with count_host_syncs() as syncs, Trace() as trace:
+        logits = graphs.run_forward(graphs.inputs.view(bs), bs)
+    return logits[: len(batch)], trace.events + list(launches), syncs
+
+
+def test_decode_step_is_capture_safe(runner, launches):
+    torch.manual_seed(0)
+    pool = KVPool(runner.state_specs, 16, 8, torch.float32, DEVICE)
+    pool.states[runner.model.LATENT_KV].normal_()  # any cached content: the trace must not care
+    graphs = runner.decode_graphs(pool.page_size, pool.num_pages, capture=False)
+    assert graphs.width == 16  # fixed: the pool's pages (tiny's context is longer)
+    one = [_decoding("a", [5, 6, 7], [8], [0]), _decoding("b", list(range(3, 20)), [4, 9], [1, 2, 3]),
+           _decoding("f", [1, 2], [3], [11])]
+    two = [_decoding("c", list(range(30, 60)), [2], [4, 5, 6, 7]), _decoding("d", [11], [12, 13, 14, 15, 16, 17, 18, 19, 20], [8, 9]),
+           _decoding("e", [21, 22], [23], [10]), _decoding("g", list(range(50, 90)), [1], [12, 13, 14, 15, 0, 1])]
+    assert bucket_for(len(one), graphs.buckets) == bucket_for(len(two), graphs.buckets) == 4
+    logits1, trace1, syncs1 = _step_trace(runner, pool, graphs, one, launches)
+    logits2, trace2, syncs2 = _step_trace(runner, pool, graphs, two, launches)
+    assert syncs1 == [] and syncs2 == [], "\n".join(syncs1 + syncs2)
+    assert logits1.shape[0] == 3 and logits2.shape[0] == 4
+    assert len(trace1) == len(trace2)
+    for i, (x, y) in enumerate(zip(trace1, trace2)):
+        assert x == y, f"dispatch {i} differs between two steps of one bucket: {x} vs {y}"
+    per_layer = len(trace1) / runner.cfg.num_hidden_layers
+    print(f"decode dispatches: {len(trace1)} in {runner.cfg.num_hidden_layers} layers "
+          f"({sum(e[0] == 'launch' for e in trace1)} kernel launches)")
+    assert per_layer <= DECODE_DISPATCHES_PER_LAYER, f"{per_layer:.1f} dispatches a layer > budget {DECODE_DISPATCHES_PER_LAYER}"
+
+
+def test_padded_static_step_gives_the_plain_steps_logits(runner):
+    pool = KVPool(runner.state_specs, 16, 8, torch.float32, DEVICE)
+    torch.manual_seed(1)
+    pool.states[runner.model.LATENT_KV].normal_()
+    batch = [_decoding("a", [5, 6, 7], [8], [0]), _decoding("b", list(range(3, 20)), [4, 9], [1, 2, 3]),
+             _decoding("c", [40, 41], [42], [5])]
+    snapshot = pool.states[runner.model.LATENT_KV].clone()
+    plain = runner.model.forward(runner.build_batch(batch, pool.page_size), pool.all_states)
+    after_plain = pool.states[runner.model.LATENT_KV].clone()
+    pool.states[runner.model.LATENT_KV].copy_(snapshot)
+    graphs = runner.decode_graphs(pool.page_size, pool.num_pages, capture=False)
+    runner._states = pool.all_states
+    padded = graphs.step(runner.host_batch(batch, pool.page_size, graphs.width))  # 3 rows in bucket 4
+    torch.testing.assert_close(padded, plain, atol=1e-5, rtol=1e-5)
+    # The padding row wrote only what row 0 writes: the cache is as the plain step left it.
+    torch.testing.assert_close(pool.states[runner.model.LATENT_KV], after_plain, atol=1e-6, rtol=1e-6)
+
+
+def test_pad_decode_repeats_the_first_row():
+    from dsv4_engine.batch_buffers import host_batch
+
+    hb = host_batch([3, 5], [1, 1], [[2], [0, 1]], [[7], [9]], [None, None], 4, width=6)
+    p = pad_decode(hb, 4)
+    assert p.block_table.shape == (4, 6)
+    assert p.slot_mapping.tolist() == [11, 5, 11, 11] and p.input_ids.tolist() == [7, 9, 7, 7]
+    assert np.array_equal(p.logits_indices, np.arange(4))
+
+
+def test_graphs_are_off_on_cpu(tiny_model):
+    r = ModelRunner(tiny_model, "float32", "cpu", "torch", cuda_graph_max_bs=16)
+    assert r.cuda_graph_max_bs == 0 and not r.graphs_supported()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU to capture")
+def test_captured_graphs_replay_the_eager_decode(tiny_model):
+    r = ModelRunner(tiny_model, "float32", "cuda", "triton", cuda_graph_max_bs=8)
+    assert r.cuda_graph_max_bs == 8
+    pool = KVPool(r.state_specs, 16, 8, torch.float32, DEVICE)
+    torch.manual_seed(2)
+    pool.states[r.model.LATENT_KV].normal_()
+    for batch in ([_decoding("a", [5, 6, 7], [8], [0]), _decoding("b", list(range(3, 20)), [4, 9], [1, 2, 3])],
+                  [_decoding("c", [40, 41], [42], [5]), _decoding("d", [1] * 30, [2], [6, 7, 8, 9]), _decoding("e", [3], [4], [10])]):
+        snapshot = pool.states[r.model.LATENT_KV].clone()
+        eager = r.model.forward(r.build_batch(batch, pool.page_size), pool.all_states).clone()
+        pool.states[r.model.LATENT_KV].copy_(snapshot)
+        replayed = r.forward(batch, pool).clone()  # captures on first use, then replays
+        assert r.graphs is not None and r.graphs.graphs
+        torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
