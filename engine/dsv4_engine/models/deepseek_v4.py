@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from dsv4_engine.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4_engine.models.state import StateSpec
-from dsv4_engine.quant import dense, log_resident, one_format, place
+from dsv4_engine.quant import dense, is_quantized, log_resident, moe_experts_for, one_format, place
 from dsv4_engine.weights import load_weights
 
 
@@ -252,6 +252,7 @@ class DeepseekV4:
             return place(w[name], dev, dtype)
 
         f32 = torch.float32  # mHC, norms, sinks, position biases stay fp32, as in the release
+        self.moe_experts = moe_experts_for(self.ops, cfg.swiglu_limit)  # used when experts stay quantized
         self.embed = dense(take("embed.weight"), dt)
         self.head = take("head.weight")
         self.norm = take("norm.weight", f32)
@@ -367,6 +368,9 @@ class DeepseekV4:
             ids = torch.topk(scores + L["bias"], cfg.num_experts_per_tok, dim=-1, sorted=False).indices
         wts = scores.gather(1, ids)
         wts = wts / (wts.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+        if is_quantized(L["w13"]):  # fp8/fp4 experts: the grouped block-scaled kernels, no host reads
+            return self.moe_experts(x, L["w13"], L["w2"], wts, ids) + \
+                F.linear(self._swiglu(F.linear(x, L["s_w13"])), L["s_w2"])
         out = torch.zeros_like(x)
         for e in torch.unique(ids).tolist():
             tok, k = torch.where(ids == e)

@@ -174,32 +174,32 @@ def test_v4_quantized_checkpoint_gives_transformers_greedy_tokens_on_its_dequant
     assert ("fp4 e2m1 routed experts" in caplog.text) == (quant == "fp4-experts")
 
 
-def test_v4_cuda_form_keeps_fp4_experts_packed(v4_quant, monkeypatch):
-    """V4's experts as a CUDA engine holds them, built on CPU: packed fp4 (half a byte per value)
-    indexed per expert by the model and multiplied through F.linear."""
+def test_v4_cuda_form_keeps_experts_quantized(v4_quant, monkeypatch):
+    """V4's weights as a CUDA engine holds them, built on CPU: experts packed fp4 (half a byte per
+    value) or fp8, run by the grouped expert call; projections fp8 through F.linear."""
     quant, q, _ = v4_quant
-    if quant != "fp4-experts":
-        pytest.skip("fp4 experts only")
     dense = ModelRunner(q, "float32", "cpu", "torch")
     monkeypatch.setattr("dsv4_engine.quant.load.keep_quantized", lambda device: True)
     kept = ModelRunner(q, "float32", "cpu", "torch")
     L = kept.model.layers[2]
-    assert L["w13"].kind == "fp4" and L["w13"].data.dtype == torch.uint8
-    assert L["w13"].data.shape[-1] * 2 == L["w13"].shape[-1]
+    fp4 = quant == "fp4-experts"
+    assert (L["w13"].kind, L["w2"].kind) == (("fp4", "fp4") if fp4 else ("fp8", "fp8"))
+    if fp4:
+        assert L["w13"].data.dtype == torch.uint8 and L["w13"].data.shape[-1] * 2 == L["w13"].shape[-1]
     # a sliding layer's fused input projection (wq_a | wkv) stays fp8; where the layer also fuses
     # its bf16 compressor into that matmul, the fused weight is dense (one format per matmul)
     L0 = kept.model.layers[0]
     assert L0["type"] == "sliding_attention" and L0["w_in"].kind == "fp8" and L0["wq_a"].kind == "fp8"
     assert isinstance(L["w_in"], torch.Tensor) and L["wo_b"].kind == "fp8"
     rb = kept.model.resident_bytes
-    assert rb["fp4"] > 0 and rb["fp8"] > 0
+    assert rb["fp8"] > 0 and (rb["fp4"] > 0) == fp4
     assert sum(rb.values()) < 0.6 * sum(dense.model.resident_bytes.values())
     prompt = prompts(kept.cfg.vocab_size, [20], seed=6)[0]
     a, b = engine_greedy_runner(dense, prompt), engine_greedy_runner(kept, prompt)
     # w8a8 on the fp8 projections moves the logits a little (fp4 experts are w4a16: exact products)
     assert torch.corrcoef(torch.stack([a, b]))[0, 1] > 0.98
     # with activations left unrounded the kept-quantized model is the dense one: the plumbing
-    # (per-expert indexing, concatenated w1|w3, F.linear dispatch) adds nothing
+    # (the grouped expert call, concatenated w1|w3, F.linear dispatch) adds nothing
     from dsv4_kernels import reference_quant
 
     monkeypatch.setattr(reference_quant, "fp8_act_quant",
