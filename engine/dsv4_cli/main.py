@@ -33,10 +33,12 @@ def _check_model_dir(model: Path) -> None:
     if not (model / "config.json").is_file():
         _fail(f"no model at {model} (expected {model / 'config.json'}); make one with `dsv4 model init DIR`")
     from dsv4_engine.models import UnsupportedModel, entry_for_dir
+    from dsv4_engine.quant import UnsupportedQuantization, checkpoint_scheme
 
     try:
         entry_for_dir(model)
-    except UnsupportedModel as e:
+        checkpoint_scheme(model)
+    except (UnsupportedModel, UnsupportedQuantization) as e:
         _fail(f"{model}: {e}")
 
 
@@ -65,14 +67,21 @@ def model_init(
         "tiny", help="Model preset: tiny | mla512 (DeepSeek-V3) | v4-tiny | v4-flash-shape (DeepSeek-V4, release layout)."
     ),
     seed: int = typer.Option(0, help="Seed; the same seed writes the same checkpoint."),
+    quant: Optional[str] = typer.Option(
+        None, help="Quantize the linear weights: fp8 (block-scaled e4m3, any preset) | fp4-experts (V4 presets: "
+        "fp4 routed experts, fp8 elsewhere, as DeepSeek-V4 ships)."
+    ),
 ) -> None:
     """Write a Hugging Face-format DeepSeek-V3 or -V4 checkpoint (config, safetensors, tokenizer)."""
     from dsv4_engine.checkpoint import PRESETS, init_checkpoint
 
     if preset not in PRESETS:
         _fail(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    init_checkpoint(out_dir, preset=preset, seed=seed)
-    typer.echo(f"wrote {preset} checkpoint (seed {seed}) to {out_dir}")
+    try:
+        init_checkpoint(out_dir, preset=preset, seed=seed, quant=quant)
+    except ValueError as e:
+        _fail(str(e))
+    typer.echo(f"wrote {preset} checkpoint (seed {seed}{', ' + quant if quant else ''}) to {out_dir}")
 
 
 @app.command()

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from dsv4_engine.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4_engine.models.state import StateSpec
+from dsv4_engine.quant import dense, is_quantized, log_resident, moe_experts_for, one_format, place
 from dsv4_engine.weights import load_weights
 
 
@@ -68,7 +69,6 @@ class V4Batch:
 # ---- weights: release names, and what transformers' save_pretrained / state_dict write -----------
 
 _MTP = re.compile(r"(^|\.)mtp\.")
-_QUANTIZED = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn_x2") if hasattr(torch, n)}
 
 # Native transformers module names -> DeepSeek release names (the inverse of transformers'
 # conversion mapping for deepseek_v4). Applied in order, after "model." is stripped.
@@ -251,17 +251,14 @@ class DeepseekV4:
         cfg, dt, dev = self.cfg, self.dtype, self.device
 
         def take(name: str, dtype: Optional[torch.dtype] = dt) -> torch.Tensor:
+            # fp8/fp4 weights stay quantized on CUDA (F.linear dispatches on them), dense elsewhere
             if name not in w:
                 raise KeyError(f"checkpoint lacks tensor {name}")
-            if w[name].dtype in _QUANTIZED:
-                raise NotImplementedError(
-                    f"{name} is stored as {w[name].dtype}: quantized V4 releases must be dequantized to bf16 first"
-                )
-            t = w[name].to(device=dev)
-            return (t.to(dtype) if dtype is not None else t).contiguous()
+            return place(w[name], dev, dtype)
 
         f32 = torch.float32  # mHC, norms, sinks, position biases stay fp32, as in the release
-        self.embed = take("embed.weight")
+        self.moe_experts = moe_experts_for(self.ops, cfg.swiglu_limit)  # used when experts stay quantized
+        self.embed = dense(take("embed.weight"), dt)
         self.head = take("head.weight")
         self.norm = take("norm.weight", f32)
         self.hc_head = (take("hc_head_fn", f32), take("hc_head_base", f32), take("hc_head_scale", f32))
@@ -280,7 +277,7 @@ class DeepseekV4:
                 "wq_b": take(a + "wq_b.weight"),
                 "wkv": take(a + "wkv.weight"),
                 "kv_norm": take(a + "kv_norm.weight", f32),
-                "wo_a": take(a + "wo_a.weight"),
+                "wo_a": dense(take(a + "wo_a.weight"), dt),  # used per group (bmm), not by F.linear
                 "wo_b": take(a + "wo_b.weight"),
                 "sink": take(a + "attn_sink", f32),
             }
@@ -308,6 +305,7 @@ class DeepseekV4:
             L["s_w2"] = take(f + "shared_experts.w2.weight")
             self._fuse_projections(L)
             self.layers.append(L)
+        self.resident_bytes = log_resident("deepseek_v4", dev, self.embed, self.head, self.norm, self.hc_head, self.layers)
 
     @staticmethod
     def _fuse_projections(L: dict) -> None:
@@ -315,7 +313,7 @@ class DeepseekV4:
         the weights are concatenated once and the per-name entries become views into it, so
         nothing is held twice. At small widths this halves the op count of a step."""
         def fuse(key: str, names: list[str]) -> None:
-            fused = torch.cat([L[n] for n in names], 0).contiguous()
+            fused = torch.cat(one_format([L[n] for n in names]), 0).contiguous()
             L[key], L[key + "_split"], row = fused, [L[n].shape[0] for n in names], 0
             for n in names:
                 L[n] = fused[row: row + L[n].shape[0]]
@@ -384,6 +382,9 @@ class DeepseekV4:
             ids = torch.topk(scores + L["bias"], cfg.num_experts_per_tok, dim=-1, sorted=False).indices
         wts = scores.gather(1, ids)
         wts = wts / (wts.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+        if is_quantized(L["w13"]):  # fp8/fp4 experts: the grouped block-scaled kernels, no host reads
+            return self.moe_experts(x, L["w13"], L["w2"], wts, ids) + \
+                F.linear(self._swiglu(F.linear(x, L["s_w13"])), L["s_w2"])
         out = torch.zeros_like(x)
         for e in torch.unique(ids).tolist():
             tok, k = torch.where(ids == e)

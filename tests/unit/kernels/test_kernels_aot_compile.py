@@ -53,6 +53,9 @@ def test_kernels_compile_for_hopper_and_blackwell_within_limits():
                                         "v4_indexer_topk[")):
             assert report["pipelined"], report
             assert (report["mma"] != "-") == ("bf16" in report["kernel"]), report
+        # The quantized-weight GEMMs always take tensor cores (fp8 x fp8, or decoded fp4 in bf16).
+        if report["kernel"].startswith(("fp8_gemm", "fp4_gemm")):
+            assert report["pipelined"] and report["mma"] != "-", report
 
 
 def test_problems_flags_spills_and_shared_memory_overflow():
