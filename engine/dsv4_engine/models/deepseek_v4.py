@@ -370,27 +370,28 @@ class DeepseekV4:
     def _moe(self, L: dict, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         logits = F.linear(x, L["gate"])
+        shared = F.linear(self._swiglu(F.linear(x, L["s_w13"])), L["s_w2"])
         if self.kops is not None:
             wts, ids = self.kops.v4_moe_route(logits, L.get("bias"), L.get("tid2eid"), input_ids,
                                               cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.scoring_func)
-            routed = self.kops.v4_moe_experts(x, L["w13"], L["w2"], wts, ids, cfg.swiglu_limit)
-            return routed + F.linear(self._swiglu(F.linear(x, L["s_w13"])), L["s_w2"])
-        scores = F.softplus(logits).sqrt() if cfg.scoring_func == "sqrtsoftplus" else torch.sigmoid(logits)
-        if "tid2eid" in L:
-            ids = L["tid2eid"][input_ids]
         else:
-            ids = torch.topk(scores + L["bias"], cfg.num_experts_per_tok, dim=-1, sorted=False).indices
-        wts = scores.gather(1, ids)
-        wts = wts / (wts.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+            scores = F.softplus(logits).sqrt() if cfg.scoring_func == "sqrtsoftplus" else torch.sigmoid(logits)
+            if "tid2eid" in L:
+                ids = L["tid2eid"][input_ids]
+            else:
+                ids = torch.topk(scores + L["bias"], cfg.num_experts_per_tok, dim=-1, sorted=False).indices
+            wts = scores.gather(1, ids)
+            wts = wts / (wts.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
         if is_quantized(L["w13"]):  # fp8/fp4 experts: the grouped block-scaled kernels, no host reads
-            return self.moe_experts(x, L["w13"], L["w2"], wts, ids) + \
-                F.linear(self._swiglu(F.linear(x, L["s_w13"])), L["s_w2"])
+            return self.moe_experts(x, L["w13"], L["w2"], wts, ids) + shared
+        if self.kops is not None:
+            return self.kops.v4_moe_experts(x, L["w13"], L["w2"], wts, ids, cfg.swiglu_limit) + shared
         out = torch.zeros_like(x)
         for e in torch.unique(ids).tolist():
             tok, k = torch.where(ids == e)
             h = self._swiglu(F.linear(x[tok], L["w13"][e]))
             out.index_add_(0, tok, (F.linear(h, L["w2"][e]) * wts[tok, k, None]).to(out.dtype))
-        return out + F.linear(self._swiglu(F.linear(x, L["s_w13"])), L["s_w2"])
+        return out + shared
 
     # ---- compressors ---------------------------------------------------------------------------
 
