@@ -1,4 +1,4 @@
-"""bench/channel_bench.py --quick runs and writes what docs/split.md quotes."""
+"""bench/channel_bench.py --quick runs and writes what docs/process-shape.md quotes."""
 
 from __future__ import annotations
 
