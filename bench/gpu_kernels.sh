@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# On a CUDA machine: the kernel tests compiled for the GPU (the same tests
-# that run under the Triton interpreter on CPU), then bench/kernels_bench.py (mla_decode GB/s
-# and % of memory bandwidth for batch 1-128 x context 1k-32k, MoE TFLOP/s, against torch).
+# On a CUDA machine: the kernel tests compiled for the GPU (the same tests that run under the
+# Triton interpreter on CPU), then bench/kernels_bench.py: DeepSeek-V4 decode attention GB/s and
+# % of memory bandwidth per layer type (CSA / HCA / sliding, batch 1-128 x context 1k-64k; the
+# acceptance point is CSA at batch 64, 4k) and the V4 indexer; then mla_decode GB/s for batch
+# 1-128 x context 1k-32k and MoE TFLOP/s, against torch.
 #
 #   bash bench/gpu_kernels.sh [OUT_DIR]        # default bench/results
 #   PARTS=engine bash bench/gpu_kernels.sh     # only the engine part (<= 9 min; PARTS=kernels: only kernels)
@@ -10,7 +12,8 @@
 # decode CUDA graphs off and on, inter-token latency at batch 1/8/32 with and without graphs),
 # and the capture-safety / host-sync tests on the GPU.
 #
-# Writes OUT_DIR/kernel_tests.xml + .log, OUT_DIR/kernels_bench.json and OUT_DIR/engine_gpu_smoke.json. Needs python3 with a
+# Writes OUT_DIR/kernel_tests.xml + .log, OUT_DIR/kernels_bench_v4.json, OUT_DIR/kernels_bench.json
+# and OUT_DIR/engine_gpu_smoke.json. Needs python3 with a
 # CUDA torch, triton, pytest (transformers for the HF comparisons); the project need not be
 # pip-installed: kernels/ goes on PYTHONPATH. Exit status: non-zero if tests or bench failed.
 set -uo pipefail
@@ -40,7 +43,9 @@ if [[ "$parts" == *kernels* ]]; then
 timeout 210 "$py" -m pytest -q -p no:cacheprovider tests/unit/kernels \
     --junitxml "$out/kernel_tests.xml" 2>&1 | tee "$out/kernel_tests.log"
 rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "kernel tests failed (exit $rc)"; status=1; }
-timeout 250 "$py" bench/kernels_bench.py --out "$out/kernels_bench.json"
+timeout 120 "$py" bench/kernels_bench.py --only v4 --out "$out/kernels_bench_v4.json"
+rc=$?; [ "$rc" -ne 0 ] && { echo "V4 benchmark failed (exit $rc)"; status=1; }
+timeout 250 "$py" bench/kernels_bench.py --only v3 --out "$out/kernels_bench.json"
 rc=$?; [ "$rc" -ne 0 ] && { echo "benchmark failed (exit $rc)"; status=1; }
 fi
 if [[ "$parts" == *engine* ]]; then

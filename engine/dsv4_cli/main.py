@@ -33,10 +33,12 @@ def _check_model_dir(model: Path) -> None:
     if not (model / "config.json").is_file():
         _fail(f"no model at {model} (expected {model / 'config.json'}); make one with `dsv4 model init DIR`")
     from dsv4_engine.models import UnsupportedModel, entry_for_dir
+    from dsv4_engine.quant import UnsupportedQuantization, checkpoint_scheme
 
     try:
         entry_for_dir(model)
-    except UnsupportedModel as e:
+        checkpoint_scheme(model)
+    except (UnsupportedModel, UnsupportedQuantization) as e:
         _fail(f"{model}: {e}")
 
 
@@ -65,14 +67,21 @@ def model_init(
         "tiny", help="Model preset: tiny | mla512 (DeepSeek-V3) | v4-tiny | v4-flash-shape (DeepSeek-V4, release layout)."
     ),
     seed: int = typer.Option(0, help="Seed; the same seed writes the same checkpoint."),
+    quant: Optional[str] = typer.Option(
+        None, help="Quantize the linear weights: fp8 (block-scaled e4m3, any preset) | fp4-experts (V4 presets: "
+        "fp4 routed experts, fp8 elsewhere, as DeepSeek-V4 ships)."
+    ),
 ) -> None:
     """Write a Hugging Face-format DeepSeek-V3 or -V4 checkpoint (config, safetensors, tokenizer)."""
     from dsv4_engine.checkpoint import PRESETS, init_checkpoint
 
     if preset not in PRESETS:
         _fail(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    init_checkpoint(out_dir, preset=preset, seed=seed)
-    typer.echo(f"wrote {preset} checkpoint (seed {seed}) to {out_dir}")
+    try:
+        init_checkpoint(out_dir, preset=preset, seed=seed, quant=quant)
+    except ValueError as e:
+        _fail(str(e))
+    typer.echo(f"wrote {preset} checkpoint (seed {seed}{', ' + quant if quant else ''}) to {out_dir}")
 
 
 @app.command()
@@ -127,6 +136,10 @@ def serve(
     if kernel_backend not in (None, "torch", "triton"):
         _fail(f"--kernel-backend must be torch or triton, not {kernel_backend!r}")
     _check_model_dir(model)
+    from dsv4_serve.core_spawn import spawn_core
+
+    # The engine core starts importing torch now, beside this process (it waits for its arguments).
+    spawned = spawn_core()
     from dsv4_engine.engine import serving_refusal
 
     refusal = serving_refusal(str(model), role, page_size, tp_size)
@@ -147,7 +160,8 @@ def serve(
             enable_fault_injection=enable_fault_injection, admin_token=admin_token, pd_secret=pd_secret, seed=seed,
             max_request_bytes=max_request_bytes, shutdown_grace=shutdown_grace, transfer_checksum=transfer_checksum,
             enable_prefix_cache=not disable_prefix_cache, tp_size=tp_size,
-        )
+        ),
+        spawned,
     )
 
 

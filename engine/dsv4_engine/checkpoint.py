@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -447,12 +448,102 @@ def _json_bytes(obj: dict) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
 
 
-def init_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
-    """Write a checkpoint of `preset` with weights from `seed` into out_dir and return its path.
-    config.json is written last, so a folder that has one is complete."""
+# ---- quantized checkpoints ------------------------------------------------------------------------
+
+QUANT_CHOICES = ("fp8", "fp4-experts")
+
+# Linear weights the releases ship in fp8: DeepSeek-V3's attention and MLP projections (not the
+# embedding, the head or the router); DeepSeek-V4's attention, indexer query and MLP projections
+# (its compressors and the indexer's weights_proj stay bf16, as transformers' V4 notes).
+_V3_FP8 = re.compile(r"\.(self_attn\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
+                     r"|mlp\.(experts\.\d+\.|shared_experts\.)?(gate_proj|up_proj|down_proj))\.weight$")
+_V4_FP8 = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b"
+                     r"|ffn\.(experts\.\d+|shared_experts)\.(w1|w2|w3))\.weight$")
+_V4_ROUTED = re.compile(r"\.ffn\.experts\.\d+\.(w1|w2|w3)\.weight$")
+
+
+def quantization_config(config: dict, quant: str) -> dict:
+    """The quantization_config a checkpoint of this model type carries: V3's release spelling
+    (fp32 block scales), V4's (power-of-two ue8m0 scales, fp4 routed experts when asked)."""
+    q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    if config.get("model_type") == "deepseek_v4":
+        q["scale_fmt"] = "ue8m0"
+        q["expert_dtype"] = "fp4" if quant == "fp4-experts" else "fp8"
+    return q
+
+
+def quantize_weights(config: dict, weights: dict[str, "torch.Tensor"], quant: str) -> dict[str, "torch.Tensor"]:
+    """Float weights -> the tensors of a quantized checkpoint (each quantized weight followed by
+    its scales: V3 `.weight_scale_inv` fp32 per 128x128 block; V4 `.scale` in ue8m0, per block for
+    fp8 and per 32 values of a row for fp4 routed experts). Deterministic."""
+    import torch
+
+    from dsv4_engine.quant.codec import quantize_fp4, quantize_fp8_block
+
+    if quant not in QUANT_CHOICES:
+        raise ValueError(f"unknown --quant {quant!r}; choose one of {', '.join(QUANT_CHOICES)}")
+    v4 = config.get("model_type") == "deepseek_v4"
+    if quant == "fp4-experts" and not v4:
+        raise ValueError("--quant fp4-experts is DeepSeek-V4's format: use a v4-* preset (or --quant fp8)")
+    out: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        base = name[: -len(".weight")]
+        if v4 and quant == "fp4-experts" and _V4_ROUTED.search(name):
+            q, exps = quantize_fp4(t)
+            out[name], out[base + ".scale"] = q, exps.view(torch.float8_e8m0fnu)
+        elif (_V4_FP8 if v4 else _V3_FP8).search(name):
+            q, s = quantize_fp8_block(t, pow2=v4)
+            out[name] = q
+            if v4:
+                out[base + ".scale"] = s.to(torch.float8_e8m0fnu)
+            else:
+                out[base + ".weight_scale_inv"] = s
+        else:
+            out[name] = t
+    return out
+
+
+def dequantize_checkpoint(src: str | Path, dst: str | Path, dtype: str = "float32") -> Path:
+    """Write the float twin of a quantized checkpoint: same tensor names, every quantized weight
+    dequantized with its scales, no quantization_config (what transformers runs as the oracle)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from dsv4_engine.quant import QuantWeight
+    from dsv4_engine.weights import load_weights
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").unlink(missing_ok=True)
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    weights = {k: (v.dequantize(dt) if isinstance(v, QuantWeight) else v).contiguous() for k, v in load_weights(src).items()}
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (src / f).is_file():
+            shutil.copyfile(src / f, dst / f)
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config", None)
+    config.pop("expert_dtype", None)
+    config["torch_dtype"] = dtype
+    _write(dst / "config.json", _json_bytes(config))
+    return dst
+
+
+def init_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0, quant: str | None = None) -> Path:
+    """Write a checkpoint of `preset` with weights from `seed` into out_dir and return its path;
+    with `quant` ("fp8", or "fp4-experts" for V4 presets) its linear weights are quantized from
+    the float ones. config.json is written last, so a folder that has one is complete."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     config = dict(PRESETS[preset])
+    if quant is not None:
+        if quant not in QUANT_CHOICES:
+            raise ValueError(f"unknown --quant {quant!r}; choose one of {', '.join(QUANT_CHOICES)}")
+        if quant == "fp4-experts" and config.get("model_type") != "deepseek_v4":
+            raise ValueError(f"--quant fp4-experts is DeepSeek-V4's format; preset {preset!r} is DeepSeek-V3")
+        config["quantization_config"] = quantization_config(config, quant)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").unlink(missing_ok=True)  # rewriting: the folder is incomplete until the end
@@ -466,7 +557,10 @@ def init_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0) ->
     from safetensors.torch import save_file
 
     tmp = out / "model.safetensors.tmp"
-    save_file(init_weights(config, seed), str(tmp), metadata={"format": "pt"})
+    weights = init_weights(config, seed)
+    if quant is not None:
+        weights = quantize_weights(config, weights, quant)
+    save_file(weights, str(tmp), metadata={"format": "pt"})
     os.chmod(tmp, 0o644)  # safetensors creates it owner-only; the other files are world-readable too
     os.replace(tmp, out / "model.safetensors")
 

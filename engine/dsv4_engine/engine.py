@@ -172,6 +172,12 @@ class Engine:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.eos_ids = set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_ids)
+        # Called on the engine thread after every step: an out-of-process front end sends the
+        # outputs the step's sinks collected as one message instead of one per token.
+        self.after_step: Optional[Callable[[], None]] = None
+        # False: outputs carry token ids only, and stop strings are judged by whoever turns them
+        # into text (the HTTP process; it ends the request with `finish(seq, "stop")`).
+        self.detokenize = True
 
     # ---- thread-safe entry points ----------------------------------------------------------------
 
@@ -255,7 +261,8 @@ class Engine:
         if seq.rid in self.seqs:
             seq.sink(RequestOutput(seq.rid, [], "", True, "error", f"duplicate request id {seq.rid}", 400))
             return
-        seq.detok = IncrementalDetokenizer(self.tokenizer)
+        if self.detokenize:
+            seq.detok = IncrementalDetokenizer(self.tokenizer)
         if seq.params.seed is not None or not seq.params.greedy:
             seed = seq.params.seed if seq.params.seed is not None else self.args.seed + len(self.seqs)
             seq.generator = request_generator(seed, self.runner.device)
@@ -336,6 +343,8 @@ class Engine:
         self.metrics.inc("scheduler_loop_iterations")
         self.last_iteration = time.monotonic()
         self.update_gauges()
+        if self.after_step is not None:
+            self.after_step()
 
     # ---- per-token bookkeeping -------------------------------------------------------------------
 
@@ -377,8 +386,9 @@ class Engine:
         p = seq.params
         if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
             return "stop"
-        seq.text += seq.detok.add(tok)
-        if p.stop:
+        if self.detokenize:
+            seq.text += seq.detok.add(tok)
+        if p.stop and self.detokenize:
             start = max(0, seq.emitted_text_len - max(len(s) for s in p.stop))
             hits = [i for i in (seq.text.find(s, start) for s in p.stop) if i >= 0]
             if hits:

@@ -21,7 +21,7 @@ repeatedly reclaims every idle page.
 Only full pages are cached, and a request always recomputes at least its last token (there must
 be logits to sample). Models with slot states (DeepSeek-V4's sliding-window ring and compressor
 stages, kept per request outside the pages) cannot resume from pages alone; the engine does not
-build a cache for them (see docs/prefix.md).
+build a cache for them (see docs/prefix-caching.md).
 """
 
 from __future__ import annotations

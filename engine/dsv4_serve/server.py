@@ -1,7 +1,11 @@
 """The engine's HTTP server: the OpenAI API, health/readiness, metrics, live loads and admin.
 
-Handlers validate everything before a request reaches the engine thread, and talk to it only
-through `EngineClient` (submit + a per-request asyncio queue fed from the engine thread).
+Two processes: this one (HTTP, validation, tokenising, chat templates) and the engine core
+(`engine_core`: scheduler, model, KV pool, PD controllers and the prefill's bootstrap server),
+started as its child. Handlers validate everything before a request reaches the core, and talk
+to it only through `engine_client.EngineClient` (a socket pair: requests in, one message of
+outputs per engine step back, feeding a per-request asyncio queue). /metrics and /v1/loads
+are the core's own, fetched over the channel; /debug/stacks shows both processes.
 Parsing, chat templating and tokenising run on a worker thread, so /health and /ready answer
 while a multi-megabyte prompt is processed. Every error a client sees is an OpenAI error body
 (`dsv4_wire.APIError`), in a stream too (an error event, then [DONE]).
@@ -17,7 +21,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
+import sys
 import time
 import traceback
 import uuid
@@ -32,14 +38,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsv4_engine.engine import Engine, EngineArgs
 from dsv4_engine.sampling import SamplingParams
-from dsv4_engine.sequence import RequestOutput, Sequence
+from dsv4_engine.sequence import RequestOutput
+from dsv4_engine.tokenizer import Tokenizer
 from dsv4_serve.admin import error_response, require_admin, thread_stacks
+from dsv4_serve.detokenize import OutputProcessor
+from dsv4_serve.engine_client import EngineClient, EngineGone, EngineRequest, EngineStartError
 from dsv4_serve.gate import DEFAULT_MAX_REQUEST_BYTES, Gate, Lifecycle
 from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completion_logprobs, next_offset, text_of_bytes
 from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest, _Common, parse_request
 from dsv4_wire import APIError, Paths, token_matches
 
 log = logging.getLogger("dsv4.server")
+CORE_ANSWER_TIMEOUT = 10.0  # seconds the core's reader may take to answer a health or admin question
+# After the engine core died: /health says so and in-flight requests get their error for this
+# long, then the HTTP process exits 1 so that its supervisor (kubelet, `dsv4 up`) restarts both.
+DEAD_CORE_EXIT_DELAY = 5.0
 
 
 @dataclass
@@ -64,35 +77,6 @@ class ServerArgs(EngineArgs):
         return EngineArgs(**{f.name: getattr(self, f.name) for f in fields(EngineArgs)})
 
 
-class EngineClient:
-    """The asyncio side of the engine: one queue per request, filled from the engine thread."""
-
-    def __init__(self, engine: Engine, lifecycle: Lifecycle):
-        self.engine = engine
-        self.lifecycle = lifecycle
-
-    async def generate(self, seq: Sequence) -> AsyncIterator[RequestOutput]:
-        if self.lifecycle.closed:  # prepared while the drain ran out: never reaches the engine
-            yield RequestOutput(seq.rid, [], "", True, "abort", "request aborted: server shutting down", 503,
-                                len(seq.prompt_ids), 0)
-            return
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        seq.sink = lambda out: loop.call_soon_threadsafe(q.put_nowait, out)
-        self.engine.submit(seq)
-        finished = False
-        try:
-            while True:
-                out = await q.get()
-                finished = out.finished
-                yield out
-                if finished:
-                    return
-        finally:
-            if not finished:  # the client went away (or the handler was cancelled): free its pages
-                self.engine.abort(seq=seq, reason="client disconnected")
-
-
 def _usage(prompt: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -112,26 +96,27 @@ class Prepared:
     """A request validated and tokenised (off the event loop), ready for the engine."""
 
     req: _Common
-    seqs: list[Sequence]
+    seqs: list[EngineRequest]
     rid: str
     chat: bool
 
 
 class OpenAIServing:
-    def __init__(self, engine: Engine, args: ServerArgs, lifecycle: Optional[Lifecycle] = None):
-        self.engine = engine
+    def __init__(self, client: EngineClient, tokenizer: Tokenizer, args: ServerArgs, lifecycle: Optional[Lifecycle] = None):
+        self.client = client
+        self.tokenizer = tokenizer
         self.lifecycle = lifecycle or Lifecycle()
-        self.client = EngineClient(engine, self.lifecycle)
         self.args = args
         self.model_name = args.served_model_name
-        self.vocab = engine.cfg.vocab_size
+        self.vocab = client.vocab_size
+        self.max_model_len = client.max_model_len
         self._token_bytes: dict[int, bytes] = {}
         from tokenizers import decoders
 
-        self._byte_level = isinstance(getattr(engine.tokenizer.backend, "decoder", None), decoders.ByteLevel)
+        self._byte_level = isinstance(getattr(tokenizer.backend, "decoder", None), decoders.ByteLevel)
         # No token spells more characters than its longest vocabulary entry: a text longer than
         # that times the context cannot fit, and is refused without spending seconds tokenising it.
-        self._max_token_chars = max(len(k) for k in engine.tokenizer.backend.get_vocab(with_added_tokens=True))
+        self._max_token_chars = max(len(k) for k in tokenizer.backend.get_vocab(with_added_tokens=True))
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes of one token (for logprobs), cached: the vocabulary is bounded."""
@@ -139,9 +124,9 @@ class OpenAIServing:
         if raw is None:
             raw = None
             if self._byte_level:
-                raw = byte_level_token_bytes(self.engine.tokenizer.backend.id_to_token(token_id) or "")
+                raw = byte_level_token_bytes(self.tokenizer.backend.id_to_token(token_id) or "")
             if raw is None:  # special tokens, or a tokenizer that is not byte-level
-                raw = self.engine.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
+                raw = self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")
             self._token_bytes[token_id] = raw
         return raw
 
@@ -155,13 +140,13 @@ class OpenAIServing:
             raise APIError(f"The model `{req.model}` does not exist.", 404, "NotFoundError", "model", "model_not_found")
 
     def _encode(self, text: str, add_bos: bool = True, param: str = "prompt") -> list[int]:
-        limit = self.engine.max_model_len
+        limit = self.max_model_len
         if len(text) > limit * self._max_token_chars:
             raise APIError(
                 f"This model's maximum context length is {limit} tokens. However, your prompt has at least "
                 f"{len(text) // self._max_token_chars} tokens ({len(text)} characters).", param=param,
                 code="context_length_exceeded")
-        return self.engine.tokenizer.encode(text, add_bos=add_bos)
+        return self.tokenizer.encode(text, add_bos=add_bos)
 
     def _prompts(self, req: CompletionRequest) -> list[list[int]]:
         p = req.prompt
@@ -186,7 +171,7 @@ class OpenAIServing:
         return prompts
 
     def _params(self, req: _Common, prompt_len: int, default_max: Optional[int]) -> SamplingParams:
-        limit = self.engine.max_model_len
+        limit = self.max_model_len
         if prompt_len >= limit:
             raise APIError(
                 f"This model's maximum context length is {limit} tokens. However, your prompt has "
@@ -200,13 +185,14 @@ class OpenAIServing:
                 code="context_length_exceeded")
         return params
 
-    def _seq(self, req: _Common, ids: list[int], params: SamplingParams, rid: str, headers: Mapping[str, str]) -> Sequence:
-        seq = Sequence(rid=rid, prompt_ids=ids, params=params)
+    def _seq(self, req: _Common, ids: list[int], params: SamplingParams, rid: str, headers: Mapping[str, str]) -> EngineRequest:
+        seq = EngineRequest(rid=rid, prompt_ids=ids, params=params)
         if self.args.role != "mono":
             from dsv4_engine.pd import bootstrap_target
 
-            seq.pd = bootstrap_target(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, role=self.args.role,
-                                      secret_set=bool(self.args.pd_secret), authorized=token_matches(headers, self.args.pd_secret))
+            info = bootstrap_target(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, role=self.args.role,
+                                    secret_set=bool(self.args.pd_secret), authorized=token_matches(headers, self.args.pd_secret))
+            seq.pd = (info.bootstrap_host, info.bootstrap_port, info.room)
             seq.prefill_only = self.args.role == "prefill"
         return seq
 
@@ -229,7 +215,7 @@ class OpenAIServing:
         self._check_model(req)
         msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
-            text = self.engine.tokenizer.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt)
         except Exception as e:  # the template refused these messages (roles, order, ...)
             raise APIError(f"messages could not be rendered by the chat template: {e}", param="messages") from None
         ids = self._encode(text, add_bos=False, param="messages")
@@ -241,6 +227,10 @@ class OpenAIServing:
 
     # ---- serving -------------------------------------------------------------------------------
 
+    def _processor(self, seq: EngineRequest) -> OutputProcessor:
+        # PD prefill shows no text (decode judges every stop): its outputs pass through.
+        return OutputProcessor(None if seq.prefill_only else self.tokenizer, seq.params)
+
     async def serve(self, prepare, http: Request) -> Response:
         body = await http.body()
         p: Prepared = await asyncio.to_thread(prepare, body, http.headers)
@@ -248,16 +238,16 @@ class OpenAIServing:
             return StreamingResponse(self._stream(p), media_type="text/event-stream")
         return await self._complete(p, http)
 
-    async def _merged(self, seqs: list[Sequence]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _merged(self, seqs: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of several requests as they come, tagged with the request's index."""
         if len(seqs) == 1:
-            async for out in self.client.generate(seqs[0]):
+            async for out in self.client.generate(seqs[0], self.lifecycle.closed, self._processor(seqs[0])):
                 yield 0, out
             return
         q: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int, seq: Sequence) -> None:
-            async for out in self.client.generate(seq):
+        async def pump(i: int, seq: EngineRequest) -> None:
+            async for out in self.client.generate(seq, self.lifecycle.closed, self._processor(seq)):
                 await q.put((i, out))
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(seqs)]
@@ -271,7 +261,7 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()
 
-    async def _collect(self, seqs: list[Sequence]) -> list[dict]:
+    async def _collect(self, seqs: list[EngineRequest]) -> list[dict]:
         results = [{"text": "", "token_ids": [], "logprobs": [], "finish_reason": None, "prompt": 0, "completion": 0}
                    for _ in seqs]
         async for i, out in self._merged(seqs):
@@ -307,7 +297,7 @@ class OpenAIServing:
                 c = {"index": i, "message": {"role": "assistant", "content": r["text"]}, "finish_reason": r["finish_reason"],
                      "logprobs": logprobs}
             else:
-                text = (self.engine.tokenizer.decode(seq.prompt_ids) if getattr(req, "echo", False) else "") + r["text"]
+                text = (self.tokenizer.decode(seq.prompt_ids) if getattr(req, "echo", False) else "") + r["text"]
                 if seq.params.logprobs is not None:
                     logprobs = completion_logprobs(r["logprobs"], self.token_text)
                 c = {"index": i, "text": text, "finish_reason": r["finish_reason"], "logprobs": logprobs}
@@ -385,11 +375,11 @@ class OpenAIServing:
         yield _sse("[DONE]")
 
 
-def build_app(engine: Engine, args: ServerArgs, lifecycle: Optional[Lifecycle] = None) -> FastAPI:
+def build_app(client: EngineClient, tokenizer: Tokenizer, args: ServerArgs, lifecycle: Optional[Lifecycle] = None) -> FastAPI:
     app = FastAPI(title="dsv4 engine", docs_url=None, redoc_url=None, openapi_url=None)
     lifecycle = lifecycle or Lifecycle()
-    serving = OpenAIServing(engine, args, lifecycle)
-    app.state.engine = engine
+    serving = OpenAIServing(client, tokenizer, args, lifecycle)
+    app.state.client = client
     app.state.serving = serving
     app.add_middleware(Gate, lifecycle=lifecycle, max_request_bytes=args.max_request_bytes)
 
@@ -431,50 +421,65 @@ def build_app(engine: Engine, args: ServerArgs, lifecycle: Optional[Lifecycle] =
     @app.get(Paths.MODELS)
     async def models():
         return {"object": "list", "data": [{"id": serving.model_name, "object": "model", "created": 0,
-                                            "owned_by": "dsv4", "max_model_len": engine.max_model_len}]}
+                                            "owned_by": "dsv4", "max_model_len": client.max_model_len}]}
+
+    async def core_state() -> tuple[Optional[dict], str]:
+        """The core's loop state, or None and why there is none (process gone, not answering)."""
+        if not client.alive:
+            return None, client.dead or "engine process exited"
+        try:
+            return await client.ask("state", timeout=CORE_ANSWER_TIMEOUT), ""
+        except EngineGone as e:
+            return None, str(e)
+        except asyncio.TimeoutError:
+            return None, f"engine process not answering for {CORE_ANSWER_TIMEOUT:.0f}s"
 
     @app.get(Paths.HEALTH)
     async def health():
-        if not engine.alive:
+        state, why = await core_state()
+        if state is None:
+            return JSONResponse({"status": why}, status_code=503)
+        if not state["alive"]:
             return JSONResponse({"status": "engine loop stopped"}, status_code=503)
         return {"status": "ok"}
 
     @app.get(Paths.READY)
     async def ready():
-        stalled = time.monotonic() - engine.last_iteration
-        if not engine.alive or stalled > 10:
-            return JSONResponse({"ready": False, "reason": f"engine loop not progressing ({stalled:.1f}s)"}, status_code=503)
-        if engine.draining or lifecycle.draining:
+        state, why = await core_state()
+        if state is None:
+            return JSONResponse({"ready": False, "reason": why}, status_code=503)
+        if not state["alive"] or state["stalled"] > 10:
+            return JSONResponse({"ready": False, "reason": f"engine loop not progressing ({state['stalled']:.1f}s)"},
+                                status_code=503)
+        if state["draining"] or lifecycle.draining:
             return JSONResponse({"ready": False, "reason": "draining"}, status_code=503)
         return {"ready": True}
 
+    async def from_core(name: str):
+        try:
+            return await client.ask(name, timeout=CORE_ANSWER_TIMEOUT)
+        except (EngineGone, asyncio.TimeoutError) as e:
+            raise APIError(f"engine process unavailable: {str(e) or 'no answer'}", 503, "server_error") from None
+
     @app.get(Paths.METRICS)
     async def metrics():
-        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        # The core's registry, rendered there: one scrape, one round trip, the same text as ever.
+        return Response(await from_core("metrics"), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get(Paths.SERVER_INFO)
     async def server_info():
-        from dsv4_engine.pd import BOOT_ID
-
         return {"role": args.role, "model": serving.model_name, "bootstrap_port": args.bootstrap_port if args.role == "prefill" else None,
-                "boot_id": BOOT_ID, "max_model_len": engine.max_model_len, "page_size": args.page_size,
-                "kernel_backend": engine.runner.kernel_backend}
+                "boot_id": client.info["boot_id"], "max_model_len": client.max_model_len, "page_size": args.page_size,
+                "kernel_backend": client.info["kernel_backend"], "pid": os.getpid(), "engine_pid": client.pid}
 
     @app.get(Paths.LOADS)
     async def loads():
-        # Read without stopping the engine thread: a queue that changes size mid-read raises
-        # RuntimeError, and the next read is consistent again.
-        for _ in range(5):
-            try:
-                return engine.loads()
-            except RuntimeError:
-                await asyncio.sleep(0.001)
-        return engine.loads()
+        return await from_core("loads")
 
     @app.post(Paths.ADMIN_DRAIN)
     async def drain(http: Request):
         require_admin(http, args.admin_token)
-        engine.draining = True
+        await from_core("drain")
         return {"draining": True}
 
     @app.post(Paths.ADMIN_ABORT)
@@ -486,13 +491,21 @@ def build_app(engine: Engine, args: ServerArgs, lifecycle: Optional[Lifecycle] =
             raise APIError("body must be JSON: {\"rid\": ...} or {\"all\": true}")
         if not isinstance(body, dict) or not (body.get("all") is True or isinstance(body.get("rid"), str)):
             raise APIError("give {\"rid\": \"...\"} or {\"all\": true}")
-        engine.abort(body.get("rid"), reason=body.get("reason", "aborted by admin"), all_=body.get("all") is True)
+        try:
+            client.abort(body.get("rid"), reason=str(body.get("reason", "aborted by admin")), all_=body.get("all") is True)
+        except EngineGone as e:
+            raise APIError(f"engine process unavailable: {e}", 503, "server_error") from None
         return {"aborted": body.get("rid") or "all"}
 
     @app.get(Paths.DEBUG_STACKS)
     async def stacks(http: Request):
         require_admin(http, args.admin_token)
-        return PlainTextResponse(thread_stacks())
+        try:
+            core = await client.ask("stacks", timeout=CORE_ANSWER_TIMEOUT)
+        except (EngineGone, asyncio.TimeoutError) as e:
+            core = f"(no answer: {str(e) or 'timed out'})\n"
+        return PlainTextResponse(f"=== HTTP process (pid {os.getpid()}) ===\n{thread_stacks()}\n"
+                                 f"=== engine core process (pid {client.pid}) ===\n{core}")
 
     return app
 
@@ -514,45 +527,72 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def drain(engine: Engine, lifecycle: Lifecycle, grace: float, hurry: asyncio.Event) -> None:
+async def drain(client: EngineClient, lifecycle: Lifecycle, grace: float, hurry: asyncio.Event) -> None:
     """Stop taking requests, let running ones finish for up to `grace` seconds (or until `hurry`
     is set by a second signal), then end the rest with an error and wait for their answers."""
     lifecycle.draining = True
-    engine.draining = True
     start = time.monotonic()
-    busy = lambda: lifecycle.active > 0 or bool(engine.seqs)  # noqa: E731
+
+    async def core_busy() -> bool:
+        try:
+            return (await client.ask("state", timeout=CORE_ANSWER_TIMEOUT))["seqs"] > 0
+        except (EngineGone, asyncio.TimeoutError):
+            return False  # a core that is gone or mute has nothing left to finish
+
+    async def busy() -> bool:
+        return lifecycle.active > 0 or await core_busy()
+
+    try:
+        await client.ask("drain", timeout=CORE_ANSWER_TIMEOUT)
+    except (EngineGone, asyncio.TimeoutError):
+        pass
     log.warning("draining: %d request(s) running, up to %.1fs to finish", lifecycle.active, grace)
-    while busy() and time.monotonic() - start < grace and not hurry.is_set():
+    while await busy() and time.monotonic() - start < grace and not hurry.is_set():
         await asyncio.sleep(0.05)
-    if busy():
+    if await busy():
         log.warning("drain grace over: ending %d running request(s) with an error", lifecycle.active)
         lifecycle.closed = True
-        engine.abort(reason="server shutting down", all_=True)
+        try:
+            client.abort(reason="server shutting down", all_=True)
+        except EngineGone:
+            pass
         end = time.monotonic() + 5.0
         while lifecycle.active > 0 and time.monotonic() < end:
             await asyncio.sleep(0.02)
     log.warning("drained in %.1fs", time.monotonic() - start)
 
 
-def run_server(args: ServerArgs) -> None:
+def run_server(args: ServerArgs, spawned=None) -> None:
+    """Serve until SIGTERM/SIGINT; `spawned`: a `core_spawn.spawn_core()` started earlier."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    engine = make_engine(args)
-    engine.start()
-    lifecycle = Lifecycle()
-    apps = [(build_app(engine, args, lifecycle), args.port)]
-    if args.role != "mono":
-        from dsv4_serve.pd_routes import build_bootstrap_app, extend_app
+    try:
+        client = EngineClient.start(args, spawned)  # the engine core process: model, KV pool, PD, bootstrap
+    except EngineStartError as e:
+        print(f"dsv4 serve: the engine could not start: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    try:
+        _serve_http(client, args)
+    finally:
+        died = client.dead is not None
+        client.shutdown()
+    if died:
+        sys.exit(1)
 
-        extend_app(apps[0][0], engine, args)
-        if args.role == "prefill":
-            apps.append((build_bootstrap_app(engine, args), args.bootstrap_port))
-    servers = [_Server(uvicorn.Config(app, host=args.host, port=port, log_level="warning",
-                                      timeout_graceful_shutdown=5)) for app, port in apps]
+
+def _serve_http(client: EngineClient, args: ServerArgs) -> None:
+    lifecycle = Lifecycle()
+    app = build_app(client, Tokenizer.from_dir(args.model), args, lifecycle)
+    if args.role != "mono":
+        from dsv4_serve.pd_routes import extend_app
+
+        extend_app(app, client, args)
+    servers = [_Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                      timeout_graceful_shutdown=5))]
     extra = f", bootstrap on port {args.bootstrap_port}" if args.role == "prefill" else ""
     print(f"dsv4 serve: {args.role} engine for {args.served_model_name} on http://{args.host}:{args.port}{extra} "
-          f"({engine.pool.num_pages} KV pages of {args.page_size} tokens, max_model_len {engine.max_model_len}, "
-          f"kernels {engine.runner.kernel_backend})", flush=True)
+          f"({client.info['num_pages']} KV pages of {args.page_size} tokens, max_model_len {client.max_model_len}, "
+          f"kernels {client.info['kernel_backend']}; engine core pid {client.pid})", flush=True)
 
     async def serve_all() -> None:
         loop = asyncio.get_running_loop()
@@ -563,20 +603,23 @@ def run_server(args: ServerArgs) -> None:
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
+        gone = asyncio.Event()
+        client.on_gone = lambda: loop.call_soon_threadsafe(gone.set)
+        if not client.alive:
+            gone.set()
         tasks = [asyncio.create_task(s.serve()) for s in servers]
         waiter = asyncio.create_task(signalled.wait())
-        done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        core_waiter = asyncio.create_task(gone.wait())
+        done, _ = await asyncio.wait([waiter, core_waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
         if waiter in done:  # SIGTERM/SIGINT: drain, then let uvicorn close the connections
-            await drain(engine, lifecycle, args.shutdown_grace, hurry)
-        else:
-            waiter.cancel()
+            await drain(client, lifecycle, args.shutdown_grace, hurry)
+        elif core_waiter in done:
+            log.error("the engine core process is gone (%s): exiting in %.0fs", client.dead, DEAD_CORE_EXIT_DELAY)
+            await asyncio.sleep(DEAD_CORE_EXIT_DELAY)
+        waiter.cancel()
+        core_waiter.cancel()
         for s in servers:
             s.should_exit = True
         await asyncio.gather(*tasks)
 
-    try:
-        asyncio.run(serve_all())
-    finally:
-        engine.stop()
-        if engine.pd is not None:
-            engine.pd.close()
+    asyncio.run(serve_all())

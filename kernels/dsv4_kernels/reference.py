@@ -293,3 +293,10 @@ def rope_interleaved_(
     even.copy_(new_even)
     odd.copy_(new_odd)
     return x
+
+
+# DeepSeek-V4's kernels live in their own module; the torch backend exposes them with the rest.
+from dsv4_kernels.reference_v4 import (  # noqa: E402,F401
+    v4_attention_decode, v4_attention_extend, v4_compress_pool, v4_hc_post, v4_hc_pre, v4_indexer_topk,
+    v4_moe_experts, v4_moe_route,
+)

@@ -28,7 +28,16 @@ def children(pid: int) -> list[int]:
 
 
 def ranks_of(pid: int) -> list[int]:
-    return [k for k in children(pid) if b"dsv4_engine.parallel.worker" in Path(f"/proc/{k}/cmdline").read_bytes()]
+    """The rank processes under `dsv4 serve` (children of its engine core process)."""
+    found, todo = [], [pid]
+    while todo:
+        for k in children(todo.pop()):
+            try:
+                cmd = Path(f"/proc/{k}/cmdline").read_bytes()
+            except OSError:
+                continue
+            (found if b"dsv4_engine.parallel.worker" in cmd else todo).append(k)
+    return found
 
 
 def completion(url: str, stream: bool = False) -> str:

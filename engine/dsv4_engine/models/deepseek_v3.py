@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from dsv4_engine.config import ModelConfig
 from dsv4_engine.models.state import StateSpec
+from dsv4_engine.quant import dense, log_resident, moe_experts_for, place
 
 
 @dataclass
@@ -143,11 +144,13 @@ class DeepseekV3:
         cfg, dt, dev = self.cfg, self.dtype, self.device
 
         def take(name: str, dtype: torch.dtype = dt) -> torch.Tensor:
+            # fp8/fp4 weights stay quantized on CUDA (F.linear dispatches on them), dense elsewhere
             if name not in w:
                 raise KeyError(f"checkpoint lacks tensor {name}")
-            return w[name].to(device=dev, dtype=dtype).contiguous()
+            return place(w[name], dev, dtype)
 
-        self.embed = take("model.embed_tokens.weight")
+        self.moe_experts = moe_experts_for(self.ops)
+        self.embed = dense(take("model.embed_tokens.weight"), dt)
         self.final_norm = take("model.norm.weight")
         self.lm_head = self.embed if cfg.tie_word_embeddings and "lm_head.weight" not in w else take("lm_head.weight")
         H, nope, rope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -169,6 +172,7 @@ class DeepseekV3:
             else:
                 q_b = take(p + "self_attn.q_proj.weight")
             if not interleaved:
+                q_b, L["kv_a"] = dense(q_b, dt), dense(L["kv_a"], dt)  # rows permuted in place below
                 # The ops rotate interleaved pairs; a half-split checkpoint becomes interleaved by
                 # permuting its rope rows, which leaves every q.k dot product unchanged.
                 perm = torch.stack([torch.arange(rope // 2), torch.arange(rope // 2) + rope // 2], 1).reshape(-1)
@@ -176,7 +180,9 @@ class DeepseekV3:
                 qb[:, nope:] = qb[:, nope:][:, perm]
                 L["kv_a"][cfg.kv_lora_rank:] = L["kv_a"][cfg.kv_lora_rank:][perm]
             L["q_b"] = q_b
-            kv_b = take(p + "self_attn.kv_b_proj.weight").view(H, nope + v, cfg.kv_lora_rank)
+            # kv_b is split per head for the absorbed form (bmm, not F.linear): dense, as DeepSeek's
+            # own inference dequantizes it
+            kv_b = dense(take(p + "self_attn.kv_b_proj.weight"), dt).view(H, nope + v, cfg.kv_lora_rank)
             L["w_uk"] = kv_b[:, :nope].contiguous()  # [H, nope, C]: q_nope -> latent space
             L["w_uv"] = kv_b[:, nope:].contiguous()  # [H, v, C]: latent -> value per head
             if cfg.is_moe_layer(i):
@@ -191,6 +197,7 @@ class DeepseekV3:
                 L["d_w13"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0)
                 L["d_w2"] = take(p + "mlp.down_proj.weight")
             self.layers.append(L)
+        self.resident_bytes = log_resident("deepseek_v3", dev, self.embed, self.lm_head, self.final_norm, self.layers)
 
     def _experts(self, w, prefix: str, take) -> tuple[torch.Tensor, torch.Tensor]:
         """Stack experts into [E, 2I, hidden] and [E, hidden, I]; reads DeepSeek's per-expert
@@ -318,7 +325,7 @@ class DeepseekV3:
         )
         if self.tp is not None:
             weights, ids = self.tp.local_experts(weights, ids)
-        out = ops.moe_experts(x, L["w13"], L["w2"], weights, ids)
+        out = self.moe_experts(x, L["w13"], L["w2"], weights, ids)
         if "s_w13" in L:
             out = out + self._mlp(x, L["s_w13"], L["s_w2"])
         return self._reduce(out)

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from dsv4_engine.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4_engine.models.state import StateSpec
+from dsv4_engine.quant import dense, is_quantized, log_resident, moe_experts_for, one_format, place
 from dsv4_engine.weights import load_weights
 
 
@@ -68,7 +69,6 @@ class V4Batch:
 # ---- weights: release names, and what transformers' save_pretrained / state_dict write -----------
 
 _MTP = re.compile(r"(^|\.)mtp\.")
-_QUANTIZED = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float4_e2m1fn_x2") if hasattr(torch, n)}
 
 # Native transformers module names -> DeepSeek release names (the inverse of transformers'
 # conversion mapping for deepseek_v4). Applied in order, after "model." is stripped.
@@ -227,7 +227,12 @@ class DeepseekV4:
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", tp=None):
         self.cfg = cfg
         self.tp = tp  # one rank of --tp-size N: this rank's experts only (dsv4_engine.parallel)
-        self.ops = ops  # unused yet: the V4 path is plain torch until its kernels exist
+        self.ops = ops
+        # The kernel path (attention, indexer, compressor pooling, mHC, MoE routing and experts
+        # through dsv4_kernels' V4 API) runs when the backend asks for it, as the Triton one does;
+        # the torch backend keeps the batched torch path below, the same math tuned for the CPU
+        # (dsv4_kernels.reference_v4 is its kernel-shaped twin: the kernels' oracle).
+        self.kops = ops if getattr(ops, "V4_KERNEL_PATH", False) else None
         self.dtype = dtype
         self.device = torch.device(device)
         self.inv_freq = {
@@ -247,17 +252,14 @@ class DeepseekV4:
         cfg, dt, dev = self.cfg, self.dtype, self.device
 
         def take(name: str, dtype: Optional[torch.dtype] = dt) -> torch.Tensor:
+            # fp8/fp4 weights stay quantized on CUDA (F.linear dispatches on them), dense elsewhere
             if name not in w:
                 raise KeyError(f"checkpoint lacks tensor {name}")
-            if w[name].dtype in _QUANTIZED:
-                raise NotImplementedError(
-                    f"{name} is stored as {w[name].dtype}: quantized V4 releases must be dequantized to bf16 first"
-                )
-            t = w[name].to(device=dev)
-            return (t.to(dtype) if dtype is not None else t).contiguous()
+            return place(w[name], dev, dtype)
 
         f32 = torch.float32  # mHC, norms, sinks, position biases stay fp32, as in the release
-        self.embed = take("embed.weight")
+        self.moe_experts = moe_experts_for(self.ops, cfg.swiglu_limit)  # used when experts stay quantized
+        self.embed = dense(take("embed.weight"), dt)
         self.head = take("head.weight")
         self.norm = take("norm.weight", f32)
         self.hc_head = (take("hc_head_fn", f32), take("hc_head_base", f32), take("hc_head_scale", f32))
@@ -276,7 +278,7 @@ class DeepseekV4:
                 "wq_b": take(a + "wq_b.weight"),
                 "wkv": take(a + "wkv.weight"),
                 "kv_norm": take(a + "kv_norm.weight", f32),
-                "wo_a": take(a + "wo_a.weight"),
+                "wo_a": dense(take(a + "wo_a.weight"), dt),  # used per group (bmm), not by F.linear
                 "wo_b": take(a + "wo_b.weight"),
                 "sink": take(a + "attn_sink", f32),
             }
@@ -304,6 +306,7 @@ class DeepseekV4:
             L["s_w2"] = take(f + "shared_experts.w2.weight")
             self._fuse_projections(L)
             self.layers.append(L)
+        self.resident_bytes = log_resident("deepseek_v4", dev, self.embed, self.head, self.norm, self.hc_head, self.layers)
 
     @staticmethod
     def _fuse_projections(L: dict) -> None:
@@ -311,7 +314,7 @@ class DeepseekV4:
         the weights are concatenated once and the per-name entries become views into it, so
         nothing is held twice. At small widths this halves the op count of a step."""
         def fuse(key: str, names: list[str]) -> None:
-            fused = torch.cat([L[n] for n in names], 0).contiguous()
+            fused = torch.cat(one_format([L[n] for n in names]), 0).contiguous()
             L[key], L[key + "_split"], row = fused, [L[n].shape[0] for n in names], 0
             for n in names:
                 L[n] = fused[row: row + L[n].shape[0]]
@@ -337,6 +340,8 @@ class DeepseekV4:
         """x [T, hc, D] -> (post [T, hc], comb [T, hc, hc], collapsed [T, D])."""
         cfg = self.cfg
         fn, base, scale = params
+        if self.kops is not None:
+            return self.kops.v4_hc_pre(x, fn, base, scale, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
         hc = cfg.hc_mult
         flat = _unweighted_rms(x.reshape(x.shape[0], -1).float(), cfg.rms_norm_eps)
         mixes = F.linear(flat, fn)
@@ -351,6 +356,8 @@ class DeepseekV4:
 
     def _hc_mix(self, x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         # comb is applied transposed: stream k gets sum_j comb[j, k] * x[j]
+        if self.kops is not None:
+            return self.kops.v4_hc_post(x, out, post, comb)
         dt = x.dtype
         return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), x)
 
@@ -364,24 +371,33 @@ class DeepseekV4:
     def _moe(self, L: dict, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         logits = F.linear(x, L["gate"])
-        scores = F.softplus(logits).sqrt() if cfg.scoring_func == "sqrtsoftplus" else torch.sigmoid(logits)
-        if "tid2eid" in L:
-            ids = L["tid2eid"][input_ids]
+        shared = F.linear(self._swiglu(F.linear(x, L["s_w13"])), L["s_w2"])
+        if self.kops is not None:
+            wts, ids = self.kops.v4_moe_route(logits, L.get("bias"), L.get("tid2eid"), input_ids,
+                                              cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.scoring_func)
         else:
-            ids = torch.topk(scores + L["bias"], cfg.num_experts_per_tok, dim=-1, sorted=False).indices
-        wts = scores.gather(1, ids)
-        wts = wts / (wts.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
-        if self.tp is not None:
+            scores = F.softplus(logits).sqrt() if cfg.scoring_func == "sqrtsoftplus" else torch.sigmoid(logits)
+            if "tid2eid" in L:
+                ids = L["tid2eid"][input_ids]
+            else:
+                ids = torch.topk(scores + L["bias"], cfg.num_experts_per_tok, dim=-1, sorted=False).indices
+            wts = scores.gather(1, ids)
+            wts = wts / (wts.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+        if self.tp is not None:  # one rank of --tp-size N: only its experts' share of the sum
             wts, ids = self.tp.local_experts(wts, ids)
-        out = torch.zeros_like(x)
-        for e in torch.unique(ids).tolist():
-            tok, k = torch.where(ids == e)
-            h = self._swiglu(F.linear(x[tok], L["w13"][e]))
-            out.index_add_(0, tok, (F.linear(h, L["w2"][e]) * wts[tok, k, None]).to(out.dtype))
-        if self.tp is not None and self.tp.rank != 0:  # the shared expert joins the sum once, from rank 0
-            return self.tp.all_reduce(out)
-        out = out + F.linear(self._swiglu(F.linear(x, L["s_w13"])), L["s_w2"])
-        return out if self.tp is None else self.tp.all_reduce(out)
+        if is_quantized(L["w13"]):  # fp8/fp4 experts: the grouped block-scaled kernels, no host reads
+            out = self.moe_experts(x, L["w13"], L["w2"], wts, ids)
+        elif self.kops is not None:
+            out = self.kops.v4_moe_experts(x, L["w13"], L["w2"], wts, ids, cfg.swiglu_limit)
+        else:
+            out = torch.zeros_like(x)
+            for e in torch.unique(ids).tolist():
+                tok, k = torch.where(ids == e)
+                h = self._swiglu(F.linear(x[tok], L["w13"][e]))
+                out.index_add_(0, tok, (F.linear(h, L["w2"][e]) * wts[tok, k, None]).to(out.dtype))
+        if self.tp is None:
+            return out + shared
+        return self.tp.all_reduce(out + shared if self.tp.rank == 0 else out)  # the shared expert joins once
 
     # ---- compressors ---------------------------------------------------------------------------
 
@@ -391,6 +407,10 @@ class DeepseekV4:
         for the overlapping CSA compressor, window w-1's: its first series joins the pool; window
         0 has none): gated softmax pooling, norm, rope at the window's first position."""
         _, _, ape, norm_w = params
+        if self.kops is not None:
+            entries = self.kops.v4_compress_pool(win_kv, win_gate, prev_kv, prev_gate, ape, norm_w, w_ids,
+                                                 self.cfg.rms_norm_eps)
+            return _rope(entries, w_ids * rate, self.inv_freq["compress"])
         win_gate = win_gate + ape
         if prev_kv is not None:
             hd = win_kv.shape[-1] // 2
@@ -452,7 +472,9 @@ class DeepseekV4:
         else:
             q = F.linear(qr, L["wq_b"])
         q = _apply_rope(_unweighted_rms(q.reshape(T, H, hd), eps), table)
-        if all(n == 1 for _, n, _ in spans):
+        if self.kops is not None:
+            out = self._attend_kernels(i, L, q, kv, proj, fb, states, spans)
+        elif all(n == 1 for _, n, _ in spans):
             out = self._attend_decode(i, L, q, kv, proj, fb, states)
         else:
             out = self._attend_varlen(i, L, q, kv, proj, fb, states, spans)
@@ -635,15 +657,7 @@ class DeepseekV4:
         allowed = (kpos <= t[:, None]) & (kpos > t[:, None] - W) & (kpos >= 0)
         if kind in (CSA, HCA):
             rate = cfg.compress_rates[kind]
-            stages = [(self.CSA_STAGE, "comp", self.CSA_KV, True), (self.CSA_INDEX_STAGE, "icomp", self.CSA_INDEX_K, True)] \
-                if kind == CSA else [(self.HCA_STAGE, "comp", self.HCA_KV, False)]
-            closing = ((t + 1) % rate == 0).nonzero().squeeze(1)
-            for name, key, store, overlap in stages:
-                st = states[name]
-                st[slots, j, t % st.shape[2]] = torch.cat(proj[key], dim=-1).to(st.dtype)
-                if len(closing):
-                    self._close_decode(closing, t[closing], slots[closing], fb, j, st, L[key], rate, overlap,
-                                       states[store][:, j])
+            self._stage_decode(L, proj, fb, states, j, rate)
             counts = (t + 1) // rate
             C = int(counts.max())
             if C:
@@ -663,6 +677,63 @@ class DeepseekV4:
                 allowed = torch.cat([allowed, visible], 1)
         out = self._softmax_attend(L, q.unsqueeze(1), keys, allowed.unsqueeze(1)).squeeze(1)
         ring_store[slots, i, t % W] = kv.to(ring_store.dtype)
+        return out
+
+    def _stage_decode(self, L: dict, proj: dict, fb: V4Batch, states: dict[str, torch.Tensor], j: int,
+                      rate: int) -> None:
+        """Decode tokens go to their stage rings; those that close a window close it."""
+        t, slots = fb.positions, fb.slot_ids.long()
+        stages = [(self.CSA_STAGE, "comp", self.CSA_KV, True),
+                  (self.CSA_INDEX_STAGE, "icomp", self.CSA_INDEX_K, True)] \
+            if L["type"] == CSA else [(self.HCA_STAGE, "comp", self.HCA_KV, False)]
+        closing = ((t + 1) % rate == 0).nonzero().squeeze(1)
+        for name, key, store, overlap in stages:
+            st = states[name]
+            st[slots, j, t % st.shape[2]] = torch.cat(proj[key], dim=-1).to(st.dtype)
+            if len(closing):
+                self._close_decode(closing, t[closing], slots[closing], fb, j, st, L[key], rate, overlap,
+                                   states[store][:, j])
+
+    def _attend_kernels(self, i: int, L: dict, q: torch.Tensor, kv: torch.Tensor, proj: dict, fb: V4Batch,
+                        states: dict[str, torch.Tensor], spans: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The kernel path: windows close first (their entries are visible to this step's later
+        tokens), the indexer picks CSA entries, one attention launch reads the ring, the chunk's
+        own keys and the entries in place; then the ring takes each request's last W tokens."""
+        cfg, ops = self.cfg, self.kops
+        W, kind, j = cfg.sliding_window, L["type"], self.type_index.get(i)
+        dev, T = q.device, q.shape[0]
+        decode = all(n == 1 for _, n, _ in spans)
+        slots = fb.slot_ids.long()
+        comp_kv = comp_idx = None
+        rate = 0
+        if kind in (CSA, HCA):
+            rate = cfg.compress_rates[kind]
+            if decode:
+                self._stage_decode(L, proj, fb, states, j, rate)
+            else:
+                n = torch.tensor([s[1] for s in spans], device=dev)
+                start = torch.tensor([s[2] for s in spans], device=dev)
+                row = torch.tensor([s[0] for s in spans], device=dev)
+                tok = (row[:, None] + torch.arange(max(s[1] for s in spans), device=dev)).clamp(max=T - 1)
+                self._close_windows(L, proj, tok, n, start, slots, fb.block_table, fb, states, j, rate)
+            comp_kv = states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j]
+            if kind == CSA:
+                comp_idx = ops.v4_indexer_topk(proj["iq"], proj["iw"], states[self.CSA_INDEX_K][:, j], fb.block_table,
+                                               fb.positions, fb.extend_lens, cfg.index_topk, cfg.index_head_dim ** -0.5,
+                                               rate, fb.page_size)
+        ring_store = states[self.SWA_KV]
+        args = (q, kv, ring_store[:, i], fb.slot_ids)
+        tail = (fb.block_table, comp_kv, comp_idx, L["sink"], cfg.head_dim ** -0.5, rate, fb.page_size)
+        if decode:
+            out = ops.v4_attention_decode(*args, fb.positions, *tail)
+            ring_store[slots, i, fb.positions % W] = kv.to(ring_store.dtype)
+            return out
+        out = ops.v4_attention_extend(*args, fb.positions, fb.extend_lens, *tail)
+        lens = fb.extend_lens.to(dev)
+        req = torch.repeat_interleave(torch.arange(lens.shape[0], device=dev), lens, output_size=T)
+        end = torch.tensor([s[1] + s[2] for s in spans], device=dev)
+        keep = fb.positions >= end[req] - W  # each request's last W tokens
+        ring_store[slots[req[keep]], i, fb.positions[keep] % W] = kv[keep].to(ring_store.dtype)
         return out
 
     # ---- the step ------------------------------------------------------------------------------

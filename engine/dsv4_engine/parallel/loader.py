@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from dsv4_engine.parallel.plan import Slicer
+from dsv4_engine.quant import checkpoint_scheme, pair_quantized
 from dsv4_engine.weights import _MTP
 
 
@@ -25,7 +26,7 @@ def checkpoint_files(d: Path) -> list[str]:
     return files
 
 
-def load_shard(model_dir: str | Path, slicer: Slicer) -> dict[str, torch.Tensor]:
+def load_shard(model_dir: str | Path, slicer: Slicer) -> dict:
     d = Path(model_dir)
     weights: dict[str, torch.Tensor] = {}
     for name in checkpoint_files(d):
@@ -41,4 +42,6 @@ def load_shard(model_dir: str | Path, slicer: Slicer) -> dict[str, torch.Tensor]
                 # A slice may be a view of the whole tensor's buffer: copy it out so that only
                 # this rank's part stays resident.
                 weights[local] = part[index].contiguous().clone() if index else f.get_tensor(key)
-    return weights
+    # Quantized weights pair with their scales as at tp 1 (a split weight's scales were split with it).
+    paired, _ = pair_quantized(weights, checkpoint_scheme(d))
+    return paired

@@ -22,10 +22,10 @@ from .common import KernelVariant, check_launchable, on_interpreter
 @triton.jit
 def moe_gate_up_kernel(
     x_ptr, w13_ptr, inter_ptr, sorted_pairs_ptr, block_expert_ptr,
-    num_pairs, hidden, inter_size,
+    num_pairs, hidden, inter_size, swiglu_limit,
     stride_x_t, stride_w_e, stride_w_n, stride_i_p,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr,
+    CLAMP: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -56,6 +56,9 @@ def moe_gate_up_kernel(
                 wu = wu.to(tl.float32)
             acc_gate = tl.dot(a, wg, acc_gate, input_precision="ieee")
             acc_up = tl.dot(a, wu, acc_up, input_precision="ieee")
+        if CLAMP:  # DeepSeek-V4's SwiGLU: gate clipped from above, up to [-limit, limit]
+            acc_gate = tl.minimum(acc_gate, swiglu_limit)
+            acc_up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
         act = acc_gate * tl.sigmoid(acc_gate) * acc_up
         tl.store(inter_ptr + pairs[:, None] * stride_i_p + offs_n[None, :],
                  act.to(inter_ptr.dtype.element_ty), mask=p_mask[:, None] & n_mask[None, :])
@@ -158,8 +161,10 @@ def moe_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
+    swiglu_limit: float = 0.0,
     config: ExpertsConfig | None = None,
 ) -> torch.Tensor:
+    """swiglu_limit > 0 clamps as DeepSeek-V4 does (see reference_v4.v4_moe_experts)."""
     check_launchable(moe_gate_up_kernel, x)
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -181,9 +186,10 @@ def moe_experts(
     inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
     moe_gate_up_kernel[(num_blocks, triton.cdiv(inter_size, cfg.block_n))](
         x, w13, inter, sorted_pairs, block_expert,
-        num_pairs, hidden, inter_size,
+        num_pairs, hidden, inter_size, float(swiglu_limit),
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=upcast,
+        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, CLAMP=swiglu_limit > 0,
+        UPCAST=upcast,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
@@ -199,9 +205,14 @@ def moe_experts(
 
 
 def aot_variants(arch: int) -> list[KernelVariant]:
-    """Experts at both ends of the M range (decode and prefill tiles), in bf16 and fp32."""
+    """Experts at both ends of the M range (decode and prefill tiles), in bf16 and fp32, with
+    DeepSeek-V3's top-8; and DeepSeek-V4's clamped SwiGLU with top-6."""
     variants = []
-    for dtype, pairs, label in (("bf16", 8, "decode"), ("bf16", 65536, "prefill"), ("fp32", 8, "decode"), ("fp32", 65536, "prefill")):
+    for dtype, pairs, label, top_k, clamp in (
+        ("bf16", 8, "decode", 8, False), ("bf16", 65536, "prefill", 8, False),
+        ("fp32", 8, "decode", 8, False), ("fp32", 65536, "prefill", 8, False),
+        ("bf16", 6, "v4,decode", 6, True), ("bf16", 49152, "v4,prefill", 6, True),
+    ):
         cfg = experts_config(pairs, 256, 4 if dtype == "fp32" else 2)
         label = f"{dtype},{label}"
         common = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -211,13 +222,16 @@ def aot_variants(arch: int) -> list[KernelVariant]:
             types={
                 "x_ptr": f"*{dtype}", "w13_ptr": f"*{dtype}", "inter_ptr": f"*{dtype}",
                 "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32",
-                "num_pairs": "i32", "hidden": "i32", "inter_size": "i32",
+                "num_pairs": "i32", "hidden": "i32", "inter_size": "i32", "swiglu_limit": "fp32",
                 "stride_x_t": "i32", "stride_w_e": "i64", "stride_w_n": "i32", "stride_i_p": "i32",
             },
-            constexprs=dict(TOP_K=8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=False),
+            constexprs=dict(TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, CLAMP=clamp,
+                            UPCAST=False),
             divisible=("hidden", "inter_size"),
             **common,
         ))
+        if clamp:
+            continue  # the down GEMM does not depend on the activation: compiled above
         variants.append(KernelVariant(
             name=f"moe_down[{label}]",
             kernel=moe_down_kernel,

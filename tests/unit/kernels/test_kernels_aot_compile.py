@@ -49,9 +49,13 @@ def test_kernels_compile_for_hopper_and_blackwell_within_limits():
         assert script.problems(report) == [], report
         # The GEMM-shaped kernels pipeline their loads, and in bf16 take tensor cores (fp32
         # asks for exact products: FMA units).
-        if report["kernel"].startswith(("mla_decode_split", "mla_extend", "moe_gate_up", "moe_down")):
+        if report["kernel"].startswith(("mla_decode_split", "mla_extend", "moe_gate_up", "moe_down", "v4_attn[",
+                                        "v4_indexer_topk[")):
             assert report["pipelined"], report
             assert (report["mma"] != "-") == ("bf16" in report["kernel"]), report
+        # The quantized-weight GEMMs always take tensor cores (fp8 x fp8, or decoded fp4 in bf16).
+        if report["kernel"].startswith(("fp8_gemm", "fp4_gemm")):
+            assert report["pipelined"] and report["mma"] != "-", report
 
 
 def test_problems_flags_spills_and_shared_memory_overflow():

@@ -136,3 +136,22 @@ def test_v4_ranks_split_the_routed_experts_and_replicate_the_rest(make_model):
     # Rank 1's experts are the full model's second half, under local ids.
     E = full.cfg.n_routed_experts
     assert torch.equal(ranks[1].layers[0]["w13"], full.layers[0]["w13"][E // 2:])
+
+
+@pytest.mark.parametrize("preset,quant", [("mla512", "fp8"), ("v4-tiny", "fp4-experts")])
+def test_quantized_checkpoints_split_with_their_scales(tmp_path, preset, quant):
+    """fp8 block scales are sliced with their weights (V3 heads and MLP), fp4 experts go whole
+    to their owner (V4): tp 2 generates what tp 1 does."""
+    from dsv4_engine.checkpoint import init_checkpoint
+
+    model = init_checkpoint(tmp_path / preset, preset=preset, quant=quant)
+    v = 512
+    ps = prompts(v, [5, 23, 11], seed=4)
+    arrivals = {0: [("q0", ps[0]), ("q1", ps[1])], 2: [("q2", ps[2])]}
+    ref, _ = drive(engine(model, 1), arrivals)
+    e = engine(model, 2)
+    try:
+        got, _ = drive(e, arrivals)
+    finally:
+        e.tp.close()
+    assert got == ref and len(got) == 3

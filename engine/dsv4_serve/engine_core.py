@@ -1,0 +1,304 @@
+"""The engine core process: scheduler, model, KV pool and PD controllers, away from HTTP.
+
+`dsv4 serve` (the HTTP process, `engine_client.EngineClient`) starts this module as a child
+with one end of a socket pair. The HTTP process does HTTP, validation, tokenising and chat
+templates; this process runs the engine loop (its own thread, as before), the prefill's
+bootstrap server (decode engines reach it directly), and a reader on the channel that turns
+messages into `Engine.submit` / `abort` / `call` and answers read-only questions (/v1/loads,
+/metrics, stacks, loop state) itself, as the HTTP thread did when both shared a process.
+
+Outputs: each request's sink appends to a list on the engine thread; after every step the list
+goes out as one message. The core never decides to exit on a signal: SIGTERM/SIGINT belong to
+the HTTP process, which drains and then says SHUTDOWN. When the channel closes (the HTTP
+process is gone, even by SIGKILL) the core exits at once, freeing the bootstrap port.
+
+Profiling: DSV4_CORE_PROFILE=<file> runs the engine thread under cProfile and writes the stats
+to <file> at shutdown (see bench/serve_bench.py --profile-core).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+from dsv4_serve import core_messages as m
+
+log = logging.getLogger("dsv4.core")
+
+
+class CoreServer:
+    """The channel end inside the core: requests in, outputs and replies out."""
+
+    def __init__(self, engine, conn: Connection):
+        self.engine = engine
+        self.conn = conn
+        self._send_lock = threading.Lock()
+        self.seqs: dict[int, Any] = {}  # channel key -> Sequence, until its final output is sent
+        self._outputs: deque = deque()  # (key, RequestOutput), appended by sinks on any thread
+        engine.after_step = self.flush
+        self.bytes_in = self.bytes_out = self.msgs_in = self.msgs_out = 0
+
+    def send(self, msg: tuple) -> None:
+        data = m.dumps(msg)
+        with self._send_lock:
+            self.conn.send_bytes(data)
+            self.bytes_out += len(data)
+            self.msgs_out += 1
+
+    def flush(self) -> None:
+        """Send every output collected since the last flush as one message (engine thread)."""
+        if not self._outputs:
+            return
+        rows = []
+        while self._outputs:
+            key, out = self._outputs.popleft()
+            rows.append(m.output_row(key, out))
+            if out.finished:
+                self.seqs.pop(key, None)
+        try:
+            self.send((m.OUT, rows))
+        except OSError:  # the HTTP process is gone: nothing left to serve
+            os._exit(0)
+
+    # ---- requests in -------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        """Read the channel until it closes or SHUTDOWN comes (main thread)."""
+        while True:
+            try:
+                data = self.conn.recv_bytes()
+            except (EOFError, OSError):
+                log.warning("the HTTP process closed the channel: exiting")
+                os._exit(0)
+            self.bytes_in += len(data)
+            self.msgs_in += 1
+            msg = m.loads(data)
+            try:
+                if self._handle(msg):
+                    return
+            except Exception:  # a malformed message must not end the core
+                log.error("engine core could not handle %r:\n%s", msg[:2], traceback.format_exc())
+
+    def _handle(self, msg: tuple) -> bool:
+        kind = msg[0]
+        if kind == m.ADD:
+            self._add(*msg[1:])
+        elif kind == m.ABORT:
+            _, key, rid, reason, all_ = msg
+            if key is not None:
+                seq = self.seqs.get(key)
+                if seq is not None:
+                    self.engine.abort(seq=seq, reason=reason)
+            else:
+                self.engine.abort(rid, reason=reason, all_=all_)
+        elif kind == m.FINISH:
+            seq = self.seqs.get(msg[1])
+            if seq is not None:
+                engine = self.engine
+                engine.call(lambda: engine.finish(seq, "stop"))  # no-op if it ended meanwhile
+        elif kind == m.RPC:
+            _, call_id, name, arg = msg
+            if name == "shutdown":
+                self._shutdown()
+                self.send((m.REPLY, call_id, True, None))
+                return True
+            try:
+                value = self._rpc(name, arg)
+            except Exception as e:
+                self.send(m.reply_error(call_id, e))
+            else:
+                try:
+                    self.send((m.REPLY, call_id, True, value))
+                except ValueError:  # marshal refused a value (a numpy scalar, ...): its plain form
+                    self.send((m.REPLY, call_id, True, m.plain(value)))
+        return False
+
+    def _add(self, key: int, rid: str, prompt_ids: list, params: tuple, pd, prefill_only: bool, arrival: float) -> None:
+        from dsv4_engine.sequence import Sequence
+
+        seq = Sequence(rid=rid, prompt_ids=prompt_ids, params=m.params_of(params), arrival=arrival)
+        if pd is not None:
+            from dsv4_engine.pd import PDRequestInfo
+
+            seq.pd = PDRequestInfo(*pd)
+        seq.prefill_only = prefill_only
+        outputs = self._outputs
+        seq.sink = lambda out, k=key: outputs.append((k, out))
+        self.seqs[key] = seq
+        self.engine.submit(seq)
+
+    def _rpc(self, name: str, arg: Any) -> Any:
+        engine = self.engine
+        if name == "state":
+            return {"alive": engine.alive, "stalled": time.monotonic() - engine.last_iteration,
+                    "draining": engine.draining, "seqs": len(engine.seqs)}
+        if name == "loads":
+            for _ in range(5):  # read without stopping the engine thread; a resized queue retries
+                try:
+                    return engine.loads()
+                except RuntimeError:
+                    time.sleep(0.001)
+            return engine.loads()
+        if name == "metrics":
+            return engine.metrics.render()
+        if name == "stacks":
+            from dsv4_serve.admin import thread_stacks
+
+            return thread_stacks()
+        if name == "drain":
+            engine.draining = True
+            return None
+        if name == "channel":
+            return {"msgs_in": self.msgs_in, "msgs_out": self.msgs_out, "bytes_in": self.bytes_in,
+                    "bytes_out": self.bytes_out, "rss_bytes": _rss()}
+        if name == "pd_abort":
+            room, reason = arg
+            engine.call(lambda: engine.pd.abort_room(room, reason))
+            return None
+        if name == "faults_arm":
+            fault, count, params = arg
+            engine.pd.faults.arm(fault, count, **params)
+            return engine.pd.faults.snapshot()
+        if name == "faults_clear":
+            engine.pd.faults.clear()
+            return None
+        if name == "faults_snapshot":
+            return engine.pd.faults.snapshot()
+        raise ValueError(f"unknown engine call {name!r}")
+
+    def _shutdown(self) -> None:
+        self.engine.stop()
+        if self.engine.pd is not None:
+            self.engine.pd.close()
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _start_bootstrap(engine, args) -> None:
+    """The prefill's bootstrap server, on a thread of the core (decode engines call it)."""
+    import asyncio
+
+    import uvicorn
+
+    from dsv4_serve.pd_routes import build_bootstrap_app
+    from dsv4_serve.server import _Server
+
+    server = _Server(uvicorn.Config(build_bootstrap_app(engine, args), host=args.host, port=args.bootstrap_port,
+                                    log_level="warning"))
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(server.serve())
+        except BaseException as e:  # uvicorn exits on a busy port
+            failed.append(e)
+
+    t = threading.Thread(target=run, name="dsv4-bootstrap", daemon=True)
+    t.start()
+    while not server.started:
+        if not t.is_alive():
+            raise RuntimeError(f"the bootstrap server could not listen on {args.host}:{args.bootstrap_port}")
+        time.sleep(0.01)
+
+
+def _profiled(run: Callable[[], None], path: str) -> Callable[[], None]:
+    """The engine loop under cProfile on the thread's CPU clock (idle waits cost nothing), and
+    at its end the CPU seconds every thread of the process spent while the loop ran
+    (`path`.threads.json: the loop vs torch's worker threads vs the channel reader)."""
+
+    def wrapped() -> None:
+        import cProfile
+        import json
+
+        before = _thread_cpu()
+        prof = cProfile.Profile(time.thread_time)
+        prof.enable()
+        try:
+            run()
+        finally:
+            prof.disable()
+            prof.dump_stats(path)
+            after = _thread_cpu()
+            with open(path + ".threads.json", "w") as f:
+                json.dump({k: round(v - before.get(k, 0.0), 3) for k, v in after.items()}, f, indent=1)
+    return wrapped
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of this process, by thread name."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    names[threading.main_thread().native_id] = "channel reader (main thread)"
+    tick = os.sysconf("SC_CLK_TCK")
+    cpu: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields_ = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = names.get(int(tid), NATIVE_THREADS)
+        cpu[name] = cpu.get(name, 0.0) + (int(fields_[11]) + int(fields_[12])) / tick
+    return cpu
+
+
+NATIVE_THREADS = "native (torch/OpenMP workers, ...)"
+
+
+def main(argv: list[str]) -> None:
+    # Signals are the HTTP process's: it drains, then tells the core to stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    fd = int(argv[0])
+    os.set_inheritable(fd, False)  # the channel must close when this process dies, not live on in children
+    conn = Connection(fd)
+    # Import torch and the engine while the HTTP process still imports its own modules.
+    from dsv4_serve.server import ServerArgs, make_engine
+
+    try:
+        kind, fields_ = m.loads(conn.recv_bytes())
+    except (EOFError, OSError):  # the parent gave up before saying what to serve (a bad flag)
+        sys.exit(0)
+    assert kind == m.INIT
+    args = ServerArgs(**fields_)
+    try:
+        engine = make_engine(args)
+        if args.role == "prefill":
+            _start_bootstrap(engine, args)
+    except Exception as e:
+        log.error("engine start failed:\n%s", traceback.format_exc())
+        conn.send_bytes(m.dumps((m.FATAL, f"{type(e).__name__}: {e}")))
+        sys.exit(1)
+    from dsv4_engine.pd import BOOT_ID
+
+    engine.detokenize = False  # text and stop strings are the HTTP process's (dsv4_serve.detokenize)
+    core = CoreServer(engine, conn)
+    profile = os.environ.get("DSV4_CORE_PROFILE")
+    if profile:
+        engine.run = _profiled(engine.run, profile)
+    engine.start()
+    core.send((m.HELLO, {
+        "pid": os.getpid(), "boot_id": BOOT_ID, "max_model_len": engine.max_model_len,
+        "vocab_size": engine.cfg.vocab_size, "num_pages": engine.pool.num_pages,
+        "kernel_backend": engine.runner.kernel_backend,
+    }))
+    core.serve()
+    logging.shutdown()
+    os._exit(0)  # threads of NIXL, uvicorn or torch must not hold the exit up
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

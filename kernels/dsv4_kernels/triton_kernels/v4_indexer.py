@@ -1,0 +1,153 @@
+"""DeepSeek-V4 lightning indexer: score every visible compressed indexer key of a query and
+keep the top-k, without materialising the [queries, entries] score matrix.
+
+A program takes one query token: it walks the request's indexer keys in place (paged, via the
+block table) in BLOCK_N tiles, scores a tile with one [heads, d] x [d, BLOCK_N] dot (relu,
+weighted sum over heads), and folds it into a running top-K held in registers. A candidate is
+one int64: the score's order-preserving integer bits above, (2^31 - 1 - entry) below, so one
+descending sort ranks by score and breaks ties toward the lower entry (the reference's stable
+sort). A tile whose best candidate does not beat the current K-th is skipped without sorting,
+which on long contexts is most tiles once the buffer fills.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import KernelVariant, check_launchable, cuda_arch, next_pow2, on_interpreter
+from .v4_attention import _i32, varlen_index
+
+
+
+@triton.jit
+def v4_indexer_topk_kernel(
+    iq_ptr, iw_ptr, ik_ptr, block_table_ptr, positions_ptr, token_req_ptr, out_ptr,
+    top_k, scale, rate, page_size, entries_per_page,
+    stride_q_t, stride_q_h, stride_w_t, stride_k_page, stride_k_e, stride_bt_b, stride_o_t,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_IH: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, K_PAD: tl.constexpr, UPCAST: tl.constexpr,
+):
+    t = tl.program_id(0)
+    p = tl.load(positions_ptr + t).to(tl.int32)
+    b = tl.load(token_req_ptr + t)
+    count = (p + 1) // rate
+
+    h = tl.arange(0, BLOCK_IH)
+    h_mask = h < NUM_HEADS
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(iq_ptr + t.to(tl.int64) * stride_q_t + h[:, None] * stride_q_h + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    hw = tl.load(iw_ptr + t.to(tl.int64) * stride_w_t + h, mask=h_mask, other=0.0).to(tl.float32) * scale
+
+    EMPTY_KEY: tl.constexpr = -9223372036854775807 - 1  # below every encoded candidate
+    best = tl.full([K_PAD], EMPTY_KEY, tl.int64)
+    kth = tl.min(best, 0)  # the K-th best so far (EMPTY until K candidates were seen)
+    rows_blk = tl.arange(0, K_PAD // BLOCK_N)
+    half = tl.arange(0, 2)
+    table = block_table_ptr + b.to(tl.int64) * stride_bt_b
+    for n0 in range(0, count, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        ok = n < count
+        page = tl.load(table + (n * rate) // page_size, mask=ok, other=0).to(tl.int64)
+        rows = ik_ptr + page * stride_k_page + (n % entries_per_page).to(tl.int64) * stride_k_e
+        k = tl.load(rows[:, None] + offs_d[None, :], mask=ok[:, None] & d_mask[None, :], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(k, tl.trans(q), input_precision="ieee")  # [BLOCK_N, heads]
+        score = tl.sum(tl.maximum(s, 0.0) * hw[None, :], 1)
+        score = tl.where(score == 0.0, 0.0, score)  # -0.0 ranks as +0.0, as in torch
+        bits = score.to(tl.int32, bitcast=True)
+        skey = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # monotone in the float's value
+        key = skey.to(tl.int64) * 4294967296 + (2147483647 - n).to(tl.int64)
+        key = tl.where(ok, key, EMPTY_KEY)
+        if tl.max(key, 0) > kth:
+            blk = tl.where(rows_blk[:, None] == 0, key[None, :], EMPTY_KEY)  # the tile, padded to K_PAD
+            both = tl.reshape(tl.join(best, tl.reshape(blk, [K_PAD])), [2 * K_PAD])
+            both = tl.sort(both, descending=True)
+            both = tl.reshape(both, [2, K_PAD])
+            best = tl.max(tl.where(half[:, None] == 0, both, EMPTY_KEY), 0)
+            kth = tl.min(best, 0)
+
+    kk = tl.arange(0, K_PAD)
+    idx = tl.where(best == EMPTY_KEY, -1, 2147483647 - (best & 4294967295)).to(tl.int32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o_t + kk, idx, mask=kk < top_k)
+
+
+def indexer_tiles(top_k: int, elem_size: int = 2, arch: int | None = None) -> tuple[int, int, int]:
+    """(K_PAD, BLOCK_N, num_warps): the running buffer (a power of two, >= 16 for the GPU's
+    dot), the key tile (at most the buffer, so a padded tile joins it in one sort) and the
+    warps. From the AOT reports: fp32 keys (FMA dots) at 64 heads x 128 spill on every target
+    with 4 or 8 warps, so they take 16-row tiles on 16 warps; on sm_100 a 64-row bf16 tile
+    takes tcgen05, and triton 3.7's TMEM layout pass then crashes on the sort that follows,
+    so sm_100 takes 32-row tiles (mma.sync) on 4 warps."""
+    k_pad = max(16, next_pow2(top_k))
+    if elem_size > 2 and k_pad >= 256:
+        return k_pad, 16, 16
+    if arch == 100:
+        return k_pad, min(32, k_pad), 4
+    return k_pad, min(64, k_pad), 8 if k_pad >= 256 else 4
+
+
+def v4_indexer_topk(
+    iq: torch.Tensor,
+    iw: torch.Tensor,
+    index_k: torch.Tensor,
+    block_table: torch.Tensor,
+    positions: torch.Tensor,
+    extend_lens: torch.Tensor,
+    top_k: int,
+    scale: float,
+    rate: int,
+    page_size: int,
+) -> torch.Tensor:
+    check_launchable(v4_indexer_topk_kernel, iq)
+    T, IH, d = iq.shape
+    out = torch.empty(T, top_k, dtype=torch.int32, device=iq.device)
+    if T == 0:
+        return out
+    if iq.stride(-1) != 1 or index_k.stride(-1) != 1:
+        raise ValueError("v4_indexer_topk needs the last dim of iq and index_k contiguous")
+    if iq.dtype != index_k.dtype:
+        raise ValueError(f"v4_indexer_topk: iq is {iq.dtype} but index_k is {index_k.dtype}")
+    token_req, _ = varlen_index(extend_lens.to(iq.device), T)
+    k_pad, block_n, num_warps = indexer_tiles(top_k, iq.element_size(), cuda_arch(iq.device))
+    iw = iw.float().contiguous()
+    v4_indexer_topk_kernel[(T,)](
+        iq, iw, index_k, _i32(block_table, iq), _i32(positions, iq), token_req, out,
+        top_k, scale, rate, page_size, index_k.shape[1],
+        iq.stride(0), iq.stride(1), iw.stride(0), index_k.stride(0), index_k.stride(1),
+        block_table.stride(0), out.stride(0),
+        NUM_HEADS=IH, HEAD_DIM=d, BLOCK_IH=max(16, next_pow2(IH)), BLOCK_D=max(16, next_pow2(d)),
+        BLOCK_N=block_n, K_PAD=k_pad, UPCAST=on_interpreter(iq),
+        num_warps=num_warps, num_stages=2,
+    )
+    return out
+
+
+def aot_variants(arch: int) -> list[KernelVariant]:
+    """V4-Flash's indexer (64 heads of 128, top-512) in bf16 and fp32, and v4-tiny's (8 x 32,
+    top-4)."""
+    variants = []
+    for dtype, ih, d, top_k in (("bf16", 64, 128, 512), ("fp32", 64, 128, 512), ("bf16", 8, 32, 4)):
+        k_pad, block_n, num_warps = indexer_tiles(top_k, 4 if dtype == "fp32" else 2, arch)
+        variants.append(KernelVariant(
+            name=f"v4_indexer_topk[{dtype},h{ih},d{d},k{top_k}]",
+            kernel=v4_indexer_topk_kernel,
+            types={
+                "iq_ptr": f"*{dtype}", "iw_ptr": "*fp32", "ik_ptr": f"*{dtype}", "block_table_ptr": "*i32",
+                "positions_ptr": "*i32", "token_req_ptr": "*i32", "out_ptr": "*i32",
+                "top_k": "i32", "scale": "fp32", "rate": "i32", "page_size": "i32", "entries_per_page": "i32",
+                **{name: "i32" for name in (
+                    "stride_q_t", "stride_q_h", "stride_w_t", "stride_k_page", "stride_k_e", "stride_bt_b",
+                    "stride_o_t")},
+            },
+            constexprs=dict(NUM_HEADS=ih, HEAD_DIM=d, BLOCK_IH=max(16, next_pow2(ih)), BLOCK_D=max(16, next_pow2(d)),
+                            BLOCK_N=block_n, K_PAD=k_pad, UPCAST=False),
+            num_warps=num_warps, num_stages=2,
+        ))
+    return variants

@@ -1,0 +1,48 @@
+"""The byte format between the HTTP process and the engine core: what goes in comes out."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.sequence import RequestOutput
+from dsv4_serve import core_messages as m
+
+
+def test_a_request_round_trips_with_every_sampling_field():
+    params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, seed=-(2**63), stop=["\n\n", "x"],
+                            stop_token_ids=[4, 5], ignore_eos=True, logprobs=2)
+    msg = m.loads(m.dumps(m.add_msg(9, "cmpl-1", [1, 2, 3], params, ("10.0.0.1", 9100, 2**63 - 1), True, 12.5)))
+    kind, key, rid, ids, row, pd, prefill_only, arrival = msg
+    assert (kind, key, rid, ids, pd, prefill_only, arrival) == (m.ADD, 9, "cmpl-1", [1, 2, 3], ("10.0.0.1", 9100, 2**63 - 1), True, 12.5)
+    assert m.params_of(row) == params
+
+
+def test_an_output_round_trips_with_logprobs_and_errors():
+    lp = [{"token_id": 3, "logprob": -0.25, "top": [[3, -0.25], [8, -1.5]]}]
+    out = RequestOutput("r", [3], "é", True, "stop", None, 500, 4, 1, lp)
+    key, back = m.output_of(m.loads(m.dumps((m.OUT, [m.output_row(5, out)])))[1][0], "r")
+    assert key == 5 and back == out
+    err = RequestOutput("r", [], "", True, "abort", "request aborted: x", 503, 4, 0)
+    assert m.output_of(m.output_row(1, err), "r")[1] == err
+
+
+def test_remote_errors_keep_the_kinds_callers_catch():
+    with pytest.raises(ValueError, match="unknown fault"):
+        m.raise_remote(m.loads(m.dumps(m.reply_error(1, ValueError("unknown fault 'x'"))))[3])
+    with pytest.raises(m.RemoteError) as e:
+        m.raise_remote(("ZeroDivisionError", "boom"))
+    assert e.value.kind == "ZeroDivisionError"
+
+
+def test_objects_are_not_accepted_on_the_wire():
+    with pytest.raises(ValueError):  # marshal refuses anything but plain values
+        m.dumps((m.OUT, [object()]))
+
+
+def test_rpc_answers_with_numpy_or_torch_scalars_become_plain():
+    import numpy as np
+    import torch
+
+    value = {"a": np.int64(3), "b": (torch.tensor(0.5), {1, 2}), "c": [np.float32(1.5)], "d": object}
+    assert m.loads(m.dumps(m.plain(value))) == {"a": 3, "b": [0.5, [1, 2]], "c": [1.5], "d": str(object)}
