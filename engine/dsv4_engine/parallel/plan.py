@@ -14,7 +14,7 @@ Every partial result (o_proj, MLP, experts) is summed by one all-reduce per sub-
 
 DeepSeek-V4: attention (and everything but the routed experts) replicated, routed experts split
 as above; the shared expert runs on rank 0 only and joins the routed sum. This follows
-transformers' TP/EP plan for deepseek_v4; see docs/tp.md for why not data-parallel attention.
+transformers' TP/EP plan for deepseek_v4; see docs/tensor-parallel.md for why not data-parallel attention.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`bench/tp_bench.py --quick` runs tp 1 and 2 on the tiny model and writes its JSON and PNG
-(the full run is for a quiet machine: see docs/tp.md)."""
+(the full run is for a quiet machine: see docs/tensor-parallel.md)."""
 
 from __future__ import annotations
 
