@@ -169,7 +169,7 @@ async def reconcile_scenario(client: ClusterClient) -> None:
     await client.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "flash-auth", "namespace": "ns1"},
                          "data": {"admin-token": "dXNlcg=="}}, "secrets")
     await client.create(resource("flash", "ns1"), PLURAL)
-    await eventually(lambda: observed(client, "ns1", "flash", 1), timeout=20)
+    await eventually(lambda: observed(client, "ns1", "flash", 1), timeout=60)
     # The controllers report ready workloads (the emulator has none): status follows.
     for obj in await children(client, "ns1", "flash"):
         plural = "statefulsets" if obj["kind"] == "StatefulSet" else "deployments"
@@ -179,17 +179,17 @@ async def reconcile_scenario(client: ClusterClient) -> None:
             "updatedReplicas": n, "availableReplicas": n}}, subresource="status")
     # An update rolls through; a deleted child is put back.
     await client.patch(API, PLURAL, "ns1", "flash", {"spec": {"decode": {"replicas": 2}}})
-    await eventually(lambda: observed(client, "ns1", "flash", 2), timeout=20)
+    await eventually(lambda: observed(client, "ns1", "flash", 2), timeout=60)
     secret = await client.get("v1", "secrets", "ns1", "flash-auth")
     assert secret["data"]["admin-token"] == "dXNlcg==" and secret["data"]["pd-secret"], "user's value kept, key added"
     # Optional children: a NetworkPolicy on, the PDBs off (deleted); then the policy off again.
     await client.patch(API, PLURAL, "ns1", "flash", {"spec": {"security": {"networkPolicy": {"enabled": True}},
                                                               "remediation": {"podDisruptionBudget": False}}})
-    await eventually(lambda: observed(client, "ns1", "flash", 3), timeout=20)
+    await eventually(lambda: observed(client, "ns1", "flash", 3), timeout=60)
     assert await client.get("networking.k8s.io/v1", "networkpolicies", "ns1", "flash-engines")
     assert await client.get("policy/v1", "poddisruptionbudgets", "ns1", "flash-prefill") is None
     await client.patch(API, PLURAL, "ns1", "flash", {"spec": {"security": {"networkPolicy": {"enabled": False}}}})
-    await eventually(lambda: observed(client, "ns1", "flash", 4), timeout=20)
+    await eventually(lambda: observed(client, "ns1", "flash", 4), timeout=60)
     assert await client.get("networking.k8s.io/v1", "networkpolicies", "ns1", "flash-engines") is None
     old = await client.get("apps/v1", "statefulsets", "ns1", "flash-decode")
     await client.delete("apps/v1", "statefulsets", "ns1", "flash-decode")
@@ -198,13 +198,13 @@ async def reconcile_scenario(client: ClusterClient) -> None:
         sts = await client.get("apps/v1", "statefulsets", "ns1", "flash-decode")
         return sts is not None and sts["metadata"]["uid"] != old["metadata"]["uid"]
 
-    await eventually(restored, timeout=20)
+    await eventually(restored, timeout=60)
     # A spec it cannot act on: a condition and a Warning Event, no children.
     await client.create(resource("broken", "ns2", prefill={"replicas": -1}), PLURAL)
-    await eventually(lambda: observed(client, "ns2", "broken", 1), timeout=20)
+    await eventually(lambda: observed(client, "ns2", "broken", 1), timeout=60)
     # Deletion: the garbage collector takes the children; the operator must not fight it.
     await client.delete(API, PLURAL, "ns1", "flash")
-    await eventually(lambda: _none_left(client), timeout=20)
+    await eventually(lambda: _none_left(client), timeout=60)
 
 
 async def watchdog_scenario(cluster: WatchdogCluster, client: ClusterClient) -> None:
@@ -224,7 +224,7 @@ async def watchdog_scenario(cluster: WatchdogCluster, client: ClusterClient) -> 
         engine.reset("wedged")
         cluster.pod_logs[(NS, pod)] = lambda: "engine log line\n"
         await farm.add(pod, "prefill", engine.port)
-        await eventually(lambda: events(cluster, name, "Restarted"), timeout=20)
+        await eventually(lambda: events(cluster, name, "Restarted"), timeout=60)
     finally:
         await engine.stop()
     assert engine.admin_calls() == ["/debug/stacks", "/admin/drain", "/admin/abort"]

@@ -96,7 +96,7 @@ def test_a_prefill_refusal_reaches_the_client_at_once(scripted):
     t0 = time.monotonic()
     r = httpx.post(f"{scripted.url}/v1/completions", json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["message"] == "scripted 400"
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 20  # decode would hold it 60 s
     leg = scripted.prefill_bodies[-1]
     assert leg["stream"] is False and "stream_options" not in leg and isinstance(leg["bootstrap_room"], int)
     assert scripted.decode_bodies[-1]["stream"] is True and scripted.decode_bodies[-1]["stream_options"]
@@ -108,5 +108,5 @@ def test_a_prefill_failure_is_retried_then_answered_without_waiting_for_decode(s
     t0 = time.monotonic()
     r = httpx.post(f"{scripted.url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=30)
     assert r.status_code >= 500 and "error" in json.loads(r.content)
-    assert time.monotonic() - t0 < 5
+    assert time.monotonic() - t0 < 20  # decode would hold it 60 s
     assert len(scripted.prefill_bodies) - n == 2  # one retry
