@@ -64,9 +64,9 @@ class ModelRunner:
 
             self.model = build_sharded(model_cls, self.model_type, self.cfg, model_dir, get_ops(self.kernel_backend),
                                        self.dtype, self.device, tp)
-        # DeepSeek-V4 (the models with slot states) batches attention over requests only in an
-        # all-decode step and runs each request alone otherwise, so a mixed step runs as two
-        # forwards, decodes then prefills (+27% tok/s at 32 clients on v4-tiny, CPU).
+        # DeepSeek-V4 (the models with slot states) pads a prefill/mixed step to its longest
+        # chunk, so a mixed step runs as two forwards, decodes then the rest: decode rows are
+        # never padded to a prefill chunk's length.
         self.decode_apart = any(not spec.paged for spec in self.state_specs)
         self.buffers = BatchBuffers(self.device)
         # Captured decode graphs: CUDA, the Triton backend (the torch backend's MoE reads expert
