@@ -61,3 +61,16 @@ def spawn(tmp_path):
     yield _spawn
     for p in procs:
         p.stop()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models on a shared 2-core machine: torch's second OpenMP thread only spins, and a
+    v4-tiny forward took ~1 s instead of ~20 ms under load. Modules that step small engines ask
+    for it with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

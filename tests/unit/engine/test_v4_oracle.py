@@ -24,14 +24,7 @@ TOL = 1e-4
 PAGE = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: on a shared 2-core machine, intra-op threads only fight each other
-    (one thread runs this file ~15x faster under load)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -9,19 +9,13 @@ import threading
 import time
 
 import pytest
-import torch
 
 from dsv4_engine.engine import Engine, EngineArgs
 from dsv4_engine.sampling import SamplingParams
 from dsv4_engine.sequence import Sequence
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_pages_and_slot_rows_return_after_random_requests_and_aborts(make_model):

@@ -1,14 +1,9 @@
-"""The PD state-machine tests step several real engines in this one process."""
+"""The PD state-machine tests step several real engines in this one process, one after the
+other: one torch thread each (see the root conftest's one_torch_thread)."""
 
 import pytest
-import torch
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """On two shared cores torch's second OpenMP thread only spins: a v4-tiny forward took ~1 s
-    instead of ~20 ms under load. The engines here are stepped one after the other anyway."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread_per_module(one_torch_thread):
     yield
-    torch.set_num_threads(before)
