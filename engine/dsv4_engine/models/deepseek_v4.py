@@ -444,6 +444,20 @@ class DeepseekV4:
         page, off = self._locate(w, rate, fb.page_size, store.shape[1])
         store[fb.block_table[rows, page].long(), off] = entries.to(store.dtype)
 
+    def _compressors(self, kind: str) -> list[tuple[str, str, str, bool]]:
+        """A compressed layer's compressors: (stage ring, projections, entry store, overlapping)."""
+        if kind == CSA:
+            return [(self.CSA_STAGE, "comp", self.CSA_KV, True),
+                    (self.CSA_INDEX_STAGE, "icomp", self.CSA_INDEX_K, True)]
+        return [(self.HCA_STAGE, "comp", self.HCA_KV, False)]
+
+    def _gather_entries(self, store: torch.Tensor, block_table: torch.Tensor, w: torch.Tensor, rate: int,
+                        page_size: int) -> torch.Tensor:
+        """Entries w [C] of every request of block_table [B, pages] from a layer's paged store
+        [num_pages, epp, dim]: [B, C, dim] (entries a request has not closed are masked by the caller)."""
+        page, off = self._locate(w, rate, page_size, store.shape[1])
+        return store[block_table[:, page].long(), off[None].expand(block_table.shape[0], -1)]
+
     @staticmethod
     def _locate(w: torch.Tensor, rate: int, page_size: int, epp: int) -> tuple[torch.Tensor, torch.Tensor]:
         # as StateSpec.entry_location: the page of the window's first token
@@ -584,14 +598,11 @@ class DeepseekV4:
                 w = torch.arange(C, device=dev)
                 visible = w < ((qpos + 1) // rate)[:, :, None]  # [B, Lmax, C]
 
-                def gather(store: torch.Tensor) -> torch.Tensor:
-                    page, off = self._locate(w, rate, fb.page_size, store.shape[1])
-                    return store[pages[:, page].long(), off[None].expand(B, -1)]  # [B, C, dim]
-
                 if kind == CSA:
-                    ikeys = gather(states[self.CSA_INDEX_K][:, j])
+                    ikeys = self._gather_entries(states[self.CSA_INDEX_K][:, j], pages, w, rate, fb.page_size)
                     visible = self._select(L, proj["iq"][tok], proj["iw"][tok], ikeys, visible)
-                entries = gather(states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j])
+                entries = self._gather_entries(states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j], pages, w,
+                                               rate, fb.page_size)
                 keys = torch.cat([keys, entries.to(kv.dtype)], 1)
                 allowed = torch.cat([allowed, visible], 2)
         o = self._softmax_attend(L, q[tok], keys, allowed)  # [B, Lmax, H, hd]
@@ -616,9 +627,7 @@ class DeepseekV4:
         end = start + n
         first_w, nw = start // rate, end // rate - start // rate
         NW = int(nw.max())
-        stages = [(self.CSA_STAGE, "comp", self.CSA_KV, True), (self.CSA_INDEX_STAGE, "icomp", self.CSA_INDEX_K, True)] \
-            if kind == CSA else [(self.HCA_STAGE, "comp", self.HCA_KV, False)]
-        for name, key, store_name, overlap in stages:
+        for name, key, store_name, overlap in self._compressors(kind):
             st = states[name]  # [rows, layers, S, 2 * width]: [kv | gate] projections
             S, width = st.shape[2], st.shape[3] // 2
             chunk = torch.cat(proj[key], dim=-1)[tok]  # [B, Lmax, 2 * width]
@@ -664,15 +673,13 @@ class DeepseekV4:
                 w = torch.arange(C, device=t.device)
                 visible = w[None] < counts[:, None]  # [B, C]
 
-                def gather(store: torch.Tensor) -> torch.Tensor:
-                    page, off = self._locate(w, rate, fb.page_size, store.shape[1])
-                    return store[fb.block_table[:, page].long(), off[None].expand(len(t), -1)]
-
                 if kind == CSA:
-                    ikeys = gather(states[self.CSA_INDEX_K][:, j])  # [B, C, ihd]
+                    ikeys = self._gather_entries(states[self.CSA_INDEX_K][:, j], fb.block_table, w, rate,
+                                                 fb.page_size)  # [B, C, ihd]
                     visible = self._select(L, proj["iq"].unsqueeze(1), proj["iw"].unsqueeze(1), ikeys,
                                            visible.unsqueeze(1)).squeeze(1)
-                entries = gather(states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j])
+                entries = self._gather_entries(states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j],
+                                               fb.block_table, w, rate, fb.page_size)
                 keys = torch.cat([keys, entries.to(kv.dtype)], 1)
                 allowed = torch.cat([allowed, visible], 1)
         out = self._softmax_attend(L, q.unsqueeze(1), keys, allowed.unsqueeze(1)).squeeze(1)
@@ -683,11 +690,8 @@ class DeepseekV4:
                       rate: int) -> None:
         """Decode tokens go to their stage rings; those that close a window close it."""
         t, slots = fb.positions, fb.slot_ids.long()
-        stages = [(self.CSA_STAGE, "comp", self.CSA_KV, True),
-                  (self.CSA_INDEX_STAGE, "icomp", self.CSA_INDEX_K, True)] \
-            if L["type"] == CSA else [(self.HCA_STAGE, "comp", self.HCA_KV, False)]
         closing = ((t + 1) % rate == 0).nonzero().squeeze(1)
-        for name, key, store, overlap in stages:
+        for name, key, store, overlap in self._compressors(L["type"]):
             st = states[name]
             st[slots, j, t % st.shape[2]] = torch.cat(proj[key], dim=-1).to(st.dtype)
             if len(closing):
