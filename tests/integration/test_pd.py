@@ -274,25 +274,30 @@ def test_wedge_reproduced_with_deadlines_disabled(cluster):
     wait_pages_back(cluster.p_url, cluster.d_url)
 
 
-def test_decode_crash_empties_prefill_inflight_and_traffic_recovers(cluster):
+def crash_decode_mid_transfer(cluster, room: int, slack: float) -> None:
+    """Decode's engine core exits while prefill holds the request in its inflight queue (a stalled
+    transfer): decode's HTTP process answers with a 5xx (or, had the whole process gone, the
+    connection drops), never a hang, and prefill fails the request within its transfer deadline."""
     arm(cluster.d_url, "crash")
-    arm(cluster.p_url, "stall_transfer")  # keep the request inflight on prefill when decode dies
+    arm(cluster.p_url, "stall_transfer")
     body = {"prompt": list(range(30, 80)), "max_tokens": 4, "temperature": 0, "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": cluster.b_port, "bootstrap_room": 999}
+            "bootstrap_port": cluster.b_port, "bootstrap_room": room}
     res = {}
     t = threading.Thread(target=lambda: res.update(p=httpx.post(f"{cluster.p_url}/v1/completions", json=body, timeout=60)))
     t.start()
-    # Decode's engine core exits mid-request: its HTTP process answers the request with a 5xx
-    # error (or, had the whole process gone, the connection drops), never a hang.
     try:
         r = httpx.post(f"{cluster.d_url}/v1/completions", json=body, timeout=60)
         assert r.status_code >= 500 and "engine process exited" in r.text, r.text
     except httpx.HTTPError:
         pass
     t0 = time.monotonic()
-    t.join(TRANSFER_TIMEOUT + SLACK)
+    t.join(TRANSFER_TIMEOUT + slack)
     assert not t.is_alive() and res["p"].status_code >= 500
-    assert time.monotonic() - t0 < TRANSFER_TIMEOUT + SLACK
+    assert time.monotonic() - t0 < TRANSFER_TIMEOUT + slack
+
+
+def test_decode_crash_empties_prefill_inflight_and_traffic_recovers(cluster):
+    crash_decode_mid_transfer(cluster, room=999, slack=SLACK)
     wait_pages_back(cluster.p_url)
     cluster.restart_decode()
     deadline = time.monotonic() + 20

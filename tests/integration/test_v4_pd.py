@@ -22,7 +22,7 @@ import time
 import httpx
 import pytest
 
-from test_pd import TRANSFER_TIMEOUT, PDCluster, arm, complete, loads
+from test_pd import TRANSFER_TIMEOUT, PDCluster, arm, complete, crash_decode_mid_transfer, loads
 from test_up import complete_eventually, start_up, wedge_request, workers
 
 SLACK = 8.0
@@ -166,24 +166,7 @@ def test_v4_wedge_with_deadlines_off_holds_until_aborted(cluster):
 
 def test_v4_decode_crash_frees_prefill_pages_and_slot_row_and_traffic_recovers(cluster):
     """Last of the cluster's tests: the decode it restarts runs without --transfer-checksum."""
-    arm(cluster.d_url, "crash")
-    arm(cluster.p_url, "stall_transfer")  # the request sits in prefill's inflight queue when decode dies
-    body = {"prompt": list(range(30, 80)), "max_tokens": 4, "temperature": 0, "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": cluster.b_port, "bootstrap_room": 737373}
-    res = {}
-    t = threading.Thread(target=lambda: res.update(p=httpx.post(f"{cluster.p_url}/v1/completions", json=body, timeout=60)))
-    t.start()
-    # Decode's engine core exits mid-request: its HTTP process answers with a 5xx (or, had the
-    # whole process gone, the connection drops), never a hang.
-    try:
-        r = httpx.post(f"{cluster.d_url}/v1/completions", json=body, timeout=60)
-        assert r.status_code >= 500 and "engine process exited" in r.text, r.text
-    except httpx.HTTPError:
-        pass
-    t0 = time.monotonic()
-    t.join(TRANSFER_TIMEOUT + SLACK)
-    assert not t.is_alive() and res["p"].status_code >= 500
-    assert time.monotonic() - t0 < TRANSFER_TIMEOUT + SLACK
+    crash_decode_mid_transfer(cluster, room=737373, slack=SLACK)
     wait_idle(cluster.p_url)  # prefill's pages and slot row are back
     cluster.restart_decode()
     prompt = list(range(40, 75))
