@@ -72,6 +72,24 @@ class Proc:
             time.sleep(0.2)
         raise TimeoutError(f"{url} not ready after {timeout}s:\n{self.log()}")
 
+    def wait_workers_healthy(self, url: str, count: int, timeout: float = 30.0) -> None:
+        """For a router: wait until `count` of its workers are in rotation. /ready turns 200 with
+        the first healthy worker, so a test that depends on which worker a request reaches (prefix
+        affinity) must also wait for the others to pass their first health check."""
+        deadline = time.monotonic() + timeout
+        workers: list = []
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.args} exited with {self.popen.returncode}:\n{self.log()}")
+            try:
+                workers = httpx.get(f"{url}/admin/workers", timeout=1.0).json()["workers"]
+                if sum(bool(w["healthy"]) for w in workers) >= count:
+                    return
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{url}: fewer than {count} healthy workers after {timeout}s: {workers}\n{self.log()}")
+
     def stop(self) -> None:
         if self.popen.poll() is None:
             self.popen.terminate()

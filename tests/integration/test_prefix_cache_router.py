@@ -30,6 +30,7 @@ def test_rounds_of_a_conversation_stay_on_one_engine_and_hit_its_cache(tiny_mode
         for e, u in zip(engines, urls):
             e.wait_ready(u)
         router.wait_ready(f"http://127.0.0.1:{r_port}")
+        router.wait_workers_healthy(f"http://127.0.0.1:{r_port}", len(urls))  # else round 1 may see one engine
         messages = [{"role": "system", "content": "You answer in lists. " * 6},
                     {"role": "user", "content": "Plan a four-day walk across the hills, with stops. " * 3}]
         with httpx.Client(base_url=f"http://127.0.0.1:{r_port}", timeout=120) as c:
