@@ -1,5 +1,6 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds,
-and log-probabilities for the requests that ask for them.
+"""The sampler: greedy, temperature, top-k, top-p, per-request seeds, and log-probabilities for
+the requests that ask for them. Its parameters (`SamplingParams`, re-exported here) live in the
+torch-free `dsv4_engine.sampling_params`.
 
 Every row is sampled on its own terms and fails on its own: one request whose row cannot be
 sampled (non-finite logits, an impossible distribution) gets an exception in its slot of the
