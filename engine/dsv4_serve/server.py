@@ -572,10 +572,6 @@ def run_server(args: ServerArgs, spawned=None) -> None:
     """Serve until SIGTERM/SIGINT; `spawned`: a `core_spawn.spawn_core()` started earlier."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    if args.role != "mono":
-        # PD requests are checked here by dsv4_engine.pd.bootstrap_target, and that package
-        # imports torch: load it while the core loads the model, not on the first request.
-        import dsv4_engine.pd  # noqa: F401
     try:
         client = EngineClient.start(args, spawned)  # the engine core process: model, KV pool, PD, bootstrap
     except EngineRefused as e:  # as the CLI refuses any bad flag: one line, exit 2

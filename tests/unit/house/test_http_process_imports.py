@@ -23,6 +23,8 @@ HTTP_PROCESS_MODULES = [
     "dsv4_engine",
     "dsv4_engine.engine_args",
     "dsv4_engine.models",
+    "dsv4_engine.pd",  # PD roles check a request's bootstrap fields with pd.bootstrap_target
+    "dsv4_engine.pd.admission",
     "dsv4_engine.request_output",
     "dsv4_engine.sampling_params",
     "dsv4_engine.tokenizer",
