@@ -202,6 +202,10 @@ class DeepseekV4:
     CSA_STAGE = "csa_stage"
     CSA_INDEX_STAGE = "csa_index_stage"
     HCA_STAGE = "hca_stage"
+    # On the kernel path a decode step given without host lengths closes windows masked, reads
+    # nothing back and keeps its shapes: it may be captured in a CUDA graph
+    # (tests/unit/engine/test_cuda_graphs.py). The torch path is not (its MoE reads expert ids).
+    CUDA_GRAPH_SAFE = True
 
     @classmethod
     def state_specs(cls, cfg: DeepseekV4Config) -> list[StateSpec]:
@@ -432,12 +436,17 @@ class DeepseekV4:
         return _rope(entries, w_ids * rate, self.inv_freq["compress"])
 
     def _close_decode(self, rows: torch.Tensor, t: torch.Tensor, slots: torch.Tensor, fb: V4Batch, j: int,
-                      stage: torch.Tensor, params, rate: int, overlap: bool, store: torch.Tensor) -> None:
+                      stage: torch.Tensor, params, rate: int, overlap: bool, store: torch.Tensor,
+                      closes: Optional[torch.Tensor] = None) -> None:
         """Decode tokens at positions t [N] that close a window, all at once: the stage ring
         already holds every projection of the window (this step's included), so the window and,
-        for CSA, its predecessor are read back from it."""
+        for CSA, its predecessor are read back from it. With `closes` [N] (a captured step, whose
+        launches cannot depend on which rows close): every row pools its latest full window, and
+        a row that closes none writes back the entry it read (its own page: pages are never shared)."""
         S, width = stage.shape[2], stage.shape[3] // 2
         w = (t + 1) // rate - 1
+        if closes is not None:
+            w = w.clamp(min=0)
         first = w[:, None] * rate + torch.arange(rate, device=t.device)  # [N, rate] positions
 
         def read(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -448,7 +457,9 @@ class DeepseekV4:
         prev_kv, prev_gate = read(first - rate) if overlap else (None, None)  # unused rows masked for w == 0
         entries = self._pool_windows(win_kv, win_gate, prev_kv, prev_gate, w, params, rate)
         page, off = self._locate(w, rate, fb.page_size, store.shape[1])
-        store[fb.block_table[rows, page].long(), off] = entries.to(store.dtype)
+        at = (fb.block_table[rows, page].long(), off)
+        entries = entries.to(store.dtype)
+        store[at] = entries if closes is None else torch.where(closes[:, None], entries, store[at])
 
     def _compressors(self, kind: str) -> list[tuple[str, str, str, bool]]:
         """A compressed layer's compressors: (stage ring, projections, entry store, overlapping)."""
@@ -508,7 +519,7 @@ class DeepseekV4:
             q = F.linear(qr, L["wq_b"])
         q = _apply_rope(_unweighted_rms(q.reshape(T, H, hd), eps), table)
         if self.kops is not None:
-            out = self._attend_kernels(i, L, q, kv, proj, fb, states, spans)
+            out = self._attend_kernels(i, L, q, kv, proj, fb, states, spans)  # spans None: a captured decode
         elif all(n == 1 for _, n, _ in spans):
             out = self._attend_decode(i, L, q, kv, proj, fb, states, spans)
         else:
@@ -707,15 +718,23 @@ class DeepseekV4:
         return out
 
     def _stage_decode(self, L: dict, proj: dict, fb: V4Batch, states: dict[str, torch.Tensor], j: int,
-                      rate: int, spans: list[tuple[int, int, int]]) -> None:
-        """Decode tokens go to their stage rings; those that close a window close it."""
+                      rate: int, spans: Optional[list[tuple[int, int, int]]]) -> None:
+        """Decode tokens go to their stage rings; those that close a window close it (spans None:
+        a captured step, where every row runs the close, masked)."""
         t, slots = fb.positions, fb.slot_ids.long()
-        closes = [b for b, (_, _, st) in enumerate(spans) if (st + 1) % rate == 0]
-        closing = self._index(("decode_close", tuple(spans), rate), lambda: closes, t.device)
+        if spans is None:
+            closes = []
+        else:
+            closes = [b for b, (_, _, st) in enumerate(spans) if (st + 1) % rate == 0]
+            closing = self._index(("decode_close", tuple(spans), rate), lambda: closes, t.device)
         for name, key, store, overlap in self._compressors(L["type"]):
             st = states[name]
             st[slots, j, t % st.shape[2]] = torch.cat(proj[key], dim=-1).to(st.dtype)
-            if closes:
+            if spans is None:
+                rows = torch.arange(t.shape[0], device=t.device)
+                self._close_decode(rows, t, slots, fb, j, st, L[key], rate, overlap, states[store][:, j],
+                                   closes=(t + 1) % rate == 0)
+            elif closes:
                 self._close_decode(closing, t[closing], slots[closing], fb, j, st, L[key], rate, overlap,
                                    states[store][:, j])
 
@@ -727,7 +746,7 @@ class DeepseekV4:
         cfg, ops = self.cfg, self.kops
         W, kind, j = cfg.sliding_window, L["type"], self.type_index.get(i)
         dev, T = q.device, q.shape[0]
-        decode = all(n == 1 for _, n, _ in spans)
+        decode = spans is None or all(n == 1 for _, n, _ in spans)
         slots = fb.slot_ids.long()
         comp_kv = comp_idx = None
         rate = 0
@@ -769,7 +788,10 @@ class DeepseekV4:
                 "per-request slot rows); this engine loop does not hand them out yet"
             )
         cfg = self.cfg
-        spans = _spans(fb)
+        # A decode step without host lengths is a captured one (cuda_graphs): nothing in it may
+        # depend on values, so it runs the kernel path's masked window closing instead.
+        static = self.kops is not None and getattr(fb, "all_decode", False) and getattr(fb, "seq_lens_host", None) is None
+        spans = None if static else _spans(fb)
         self._step_index = {}
         rope = {name: _rope_table(fb.positions, inv) for name, inv in self.inv_freq.items()}
         x = F.embedding(fb.input_ids, self.embed)
