@@ -161,9 +161,11 @@ def _rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.
     return freqs.cos().repeat_interleave(2, dim=-1), freqs.sin().repeat_interleave(2, dim=-1)
 
 
-def _apply_rope(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor], conj: bool = False) -> torch.Tensor:
+def _apply_rope(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor], conj: bool = False,
+                inplace: bool = False) -> torch.Tensor:
     """Interleaved rope on the trailing rope slice of x [N, ..., dim] with a `_rope_table`.
-    conj rotates by -angle (undoes the rope that values picked up, at the query position)."""
+    conj rotates by -angle (undoes the rope that values picked up, at the query position).
+    inplace: x is a fresh tensor of the caller's; only its rope slice is written."""
     cos, sin = table
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if conj:
@@ -174,6 +176,9 @@ def _apply_rope(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor], conj:
     rope = x[..., -rd:]
     rot = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
     rotated = (rope.float() * cos + rot.float() * sin).to(x.dtype)
+    if inplace:
+        rope.copy_(rotated)
+        return x
     return torch.cat([x[..., :-rd], rotated], dim=-1)
 
 
@@ -353,15 +358,19 @@ class DeepseekV4:
         if self.kops is not None:
             return self.kops.v4_hc_pre(x, fn, base, scale, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
         hc = cfg.hc_mult
-        flat = _unweighted_rms(x.reshape(x.shape[0], -1).float(), cfg.rms_norm_eps)
-        mixes = F.linear(flat, fn)
+        flat = x.reshape(x.shape[0], -1).float()
+        # rms by a norm: one reduction, no squared copy of the streams
+        ms = torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square_().div_(flat.shape[-1])
+        mixes = F.linear(flat * ms.add_(cfg.rms_norm_eps).rsqrt_(), fn)
         pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
         pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
         pre = torch.sigmoid(pre_w * scale[0] + pre_b) + cfg.hc_eps
         post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-        comb = torch.softmax(comb_w.view(-1, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1) + cfg.hc_eps
+        z = comb_w.view(-1, hc, hc) * scale[2] + comb_b.view(hc, hc)
+        comb = z.sub_(z.amax(dim=-1, keepdim=True)).exp_()  # softmax over hc: torch's kernel is slow at width 4
+        comb.div_(comb.sum(dim=-1, keepdim=True)).add_(cfg.hc_eps)
         _sinkhorn_(comb, cfg.hc_sinkhorn_iters, cfg.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+        collapsed = torch.bmm(pre.unsqueeze(1), x.float()).squeeze(1).to(x.dtype)  # sum_j pre[j] * x[j], in fp32
         return post, comb, collapsed
 
     def _hc_mix(self, x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -369,7 +378,7 @@ class DeepseekV4:
         if self.kops is not None:
             return self.kops.v4_hc_post(x, out, post, comb)
         dt = x.dtype
-        return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), x)
+        return torch.baddbmm(post.to(dt).unsqueeze(-1) * out.unsqueeze(-2), comb.to(dt).transpose(-1, -2), x)
 
     # ---- MoE -----------------------------------------------------------------------------------
 
@@ -506,7 +515,7 @@ class DeepseekV4:
         table = rope["main" if kind == SLIDING else "compress"]
         parts = F.linear(h, L["w_in"]).split(L["w_in_split"], dim=-1)
         qr = _rms(parts[0], L["q_norm"], eps)
-        kv = _apply_rope(_rms(parts[1], L["kv_norm"], eps), table)  # [T, hd]: key == value
+        kv = _apply_rope(_rms(parts[1], L["kv_norm"], eps), table, inplace=True)  # [T, hd]: key == value
         proj = {}
         if kind in (CSA, HCA):
             proj["comp"] = (parts[2], parts[3])
@@ -517,14 +526,14 @@ class DeepseekV4:
             proj["iq"] = _apply_rope(iq.reshape(T, cfg.index_n_heads, cfg.index_head_dim), rope["compress"])
         else:
             q = F.linear(qr, L["wq_b"])
-        q = _apply_rope(_unweighted_rms(q.reshape(T, H, hd), eps), table)
+        q = _apply_rope(_unweighted_rms(q.reshape(T, H, hd), eps), table, inplace=True)
         if self.kops is not None:
             out = self._attend_kernels(i, L, q, kv, proj, fb, states, spans)  # spans None: a captured decode
         elif all(n == 1 for _, n, _ in spans):
             out = self._attend_decode(i, L, q, kv, proj, fb, states, spans)
         else:
             out = self._attend_varlen(i, L, q, kv, proj, fb, states, spans)
-        out = _apply_rope(out, table, conj=True)
+        out = _apply_rope(out, table, conj=True, inplace=True)
         G = cfg.o_groups
         grouped = out.reshape(T, G, -1).transpose(0, 1)  # [G, T, H*hd/G]
         wa = L["wo_a"].view(G, -1, grouped.shape[-1]).transpose(1, 2)  # [G, in, o_lora]
@@ -551,13 +560,16 @@ class DeepseekV4:
         are shared by every query and head of a request (never expanded per query)."""
         B, M, H, hd = q.shape
         K = keys.shape[1]
-        logits = torch.bmm(q.reshape(B, M * H, hd), keys.transpose(1, 2)).view(B, M, H, K) * hd ** -0.5
-        logits = logits.masked_fill(~allowed.unsqueeze(-2), float("-inf"))
-        sink = L["sink"].to(logits.dtype).view(H, 1).expand(B, M, H, 1)
-        logits = torch.cat([logits, sink], dim=-1)
-        logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = F.softmax(logits, dim=-1)[..., :-1]
-        return torch.bmm(probs.reshape(B, M * H, K).to(keys.dtype), keys).view(B, M, H, hd)
+        # the scale rides in the GEMM, and the softmax runs in place on the fresh logits with the
+        # sink joining the max and the denominator only (no concatenated copy of the scores)
+        logits = torch.baddbmm(q.new_zeros(()), q.reshape(B, M * H, hd), keys.transpose(1, 2), beta=0,
+                               alpha=hd ** -0.5).view(B, M, H, K)
+        logits.masked_fill_(~allowed.unsqueeze(-2), float("-inf"))
+        sink = L["sink"].to(logits.dtype).view(H, 1)
+        top = torch.maximum(logits.amax(dim=-1, keepdim=True), sink)  # finite: padding rows see only the sink
+        probs = logits.sub_(top).exp_()
+        probs.div_(probs.sum(dim=-1, keepdim=True).add_((sink - top).exp_()))
+        return torch.bmm(probs.view(B, M * H, K).to(keys.dtype), keys).view(B, M, H, hd)
 
     # Budget (elements) of the largest per-group score tensor of a prefill/mixed step: requests
     # are attended together in groups that stay under it (one group at serving sizes; a single
