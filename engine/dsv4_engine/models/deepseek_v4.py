@@ -155,29 +155,29 @@ def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [N, rope_dim] of interleaved rope at positions [N]: computed once per step and
-    reused by every layer (the angles depend only on the positions)."""
+    """(e^{i angle}, e^{-i angle}) [N, rope_dim / 2] complex64 at positions [N]: computed once per
+    step and reused by every layer (the angles depend only on the positions)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
-    return freqs.cos().repeat_interleave(2, dim=-1), freqs.sin().repeat_interleave(2, dim=-1)
+    cis = torch.polar(torch.ones_like(freqs), freqs)
+    return cis, cis.conj().resolve_conj()
 
 
 def _apply_rope(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor], conj: bool = False,
                 inplace: bool = False) -> torch.Tensor:
-    """Interleaved rope on the trailing rope slice of x [N, ..., dim] with a `_rope_table`.
+    """Interleaved rope on the trailing rope slice of x [N, ..., dim] with a `_rope_table`: each
+    (even, odd) pair is a complex number turned by the angle, one complex multiply (in fp32).
     conj rotates by -angle (undoes the rope that values picked up, at the query position).
     inplace: x is a fresh tensor of the caller's; only its rope slice is written."""
-    cos, sin = table
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    if conj:
-        sin = -sin
-    while cos.dim() < x.dim():
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    rd = cos.shape[-1]
-    rope = x[..., -rd:]
-    rot = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-    rotated = (rope.float() * cos + rot.float() * sin).to(x.dtype)
+    cis = table[1] if conj else table[0]
+    while cis.dim() < x.dim():
+        cis = cis.unsqueeze(1)
+    rd = 2 * cis.shape[-1]
+    pairs = x[..., -rd:].float().unflatten(-1, (-1, 2))
+    if pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
+        pairs = pairs.contiguous()  # a complex view needs pair-aligned strides
+    rotated = torch.view_as_real(torch.view_as_complex(pairs) * cis).flatten(-2).to(x.dtype)
     if inplace:
-        rope.copy_(rotated)
+        x[..., -rd:] = rotated
         return x
     return torch.cat([x[..., :-rd], rotated], dim=-1)
 
