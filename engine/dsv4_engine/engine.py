@@ -20,6 +20,8 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
+import torch
+
 from dsv4_engine.kv_cache import KVPool, check_page_size, pages_for_memory
 from dsv4_engine.metrics import EngineMetrics
 from dsv4_engine.model_runner import ModelRunner
@@ -376,11 +378,20 @@ class Engine:
         try:
             if self.tp is not None:  # the state landed on rank 0 only: the other ranks need it too
                 self.tp.send_state(self.pool, seq.pages[: -(-seq.num_computed // self.pool.page_size)], seq.slot)
+            self._skip_first_draw(seq)
             self._append_token(seq, tok, logprob)
             if not seq.finished:
                 self.scheduler.add_running(seq)
         except Exception as e:
             self.fail_request(seq, "generation failed", e)
+
+    def _skip_first_draw(self, seq: Sequence) -> None:
+        """Prefill drew the first token's noise from this request's seeded stream; move decode's
+        copy of the stream past that draw, so that a seeded request samples in PD what it samples
+        in mono. One draw is one float32 exponential per vocab entry (sampling._sample_rows)."""
+        gen = seq.generator
+        if gen is not None and not seq.params.greedy:
+            torch.empty(self.cfg.vocab_size, dtype=torch.float32, device=gen.device).exponential_(generator=gen)
 
     def _stop_reason(self, seq: Sequence, tok: int) -> Optional[str]:
         p = seq.params
