@@ -1,6 +1,7 @@
 """DeepSeek-V4 edge cases the oracle and state-machine tests do not reach, on real v4-tiny
-engines in this process (no HTTP): seeded sampling handed from prefill to decode continues the
-random stream where mono would."""
+engines in this process (no HTTP; PD over the fake fabric): seeded sampling handed from prefill
+to decode continues the random stream where mono would; decode preempts a handed-off request and
+recomputes it exactly; a request waits on decode for a free slot row, then runs."""
 
 from __future__ import annotations
 
@@ -70,3 +71,78 @@ def test_seeded_sampling_through_pd_equals_mono(pair, v4_engines, params):
     assert len(set(mc.tokens)) > 3  # really sampled, not a greedy run
     assert dc.tokens == mc.tokens
     pair.assert_clean("p", "d")
+
+
+@pytest.fixture(scope="module")
+def tight_decode(make_model):
+    """Prefill, a decode with 12 pages of 4 tokens and 2 slot rows, and mono: three requests
+    that each grow to 29-35 tokens cannot all fit decode's pool, nor its rows."""
+    model = make_model("v4-tiny")
+
+    def make(role: str, pages: int, seqs: int) -> Engine:
+        return Engine(EngineArgs(model=str(model), role=role, device="cpu", kernel_backend="torch", kv_pages=pages,
+                                 page_size=4, max_num_seqs=seqs, max_num_batched_tokens=64, served_model_name="m"))
+
+    return make("prefill", 40, 4), make("decode", 12, 2), make("mono", 200, 4)
+
+
+def mono_tokens(mono: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
+    client = submit(mono, f"m-{len(prompt)}-{params.seed}-{params.temperature}", prompt, params)
+    while not client.ends:
+        mono.step()
+    return client.tokens
+
+
+def test_decode_preempts_a_handed_off_request_and_recomputes_it_exactly(tight_decode):
+    """Decode's pool fills as its requests grow: it preempts one that came from prefill (its
+    pages and slot row go back) and recomputes it from position 0 on decode, prompt and tokens
+    so far, window ring and compressor stages included; the output stays mono's, greedy and
+    seeded alike."""
+    pair = Pair(tight_decode)
+    preempted: list[str] = []
+    sched = pair.d.scheduler
+    real_preempt = sched._preempt
+    sched._preempt = lambda seq: (preempted.append(seq.rid), real_preempt(seq))
+    try:
+        prompts = [[(7 * i + 3 * j) % 400 + 5 for j in range(n)] for i, n in enumerate([15, 13, 9])]
+        params = [SamplingParams(max_tokens=20, ignore_eos=True, temperature=0),
+                  SamplingParams(max_tokens=20, ignore_eos=True, temperature=0),
+                  SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, seed=4)]
+        runs = []
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            pair.room += 1
+            runs.append((submit(pair.p, f"p{i}", prompt, sp, room=pair.room),
+                         submit(pair.d, f"d{i}", prompt, sp, room=pair.room)))
+        pair.run_until(lambda: all(dc.ends for _, dc in runs), limit=120)
+        assert preempted, "decode's 12 pages should have forced a preemption"
+        for (pc, dc), prompt, sp in zip(runs, prompts, params):
+            assert pc.end.error is None and dc.end.error is None, dc.end.error
+            assert dc.tokens == mono_tokens(tight_decode[2], prompt, sp)
+        pair.assert_clean("p", "d")
+    finally:
+        sched._preempt = real_preempt
+        pair.close()
+
+
+def test_decode_without_a_free_slot_row_waits_then_takes_a_freed_one(tight_decode):
+    """Four requests, two slot rows on decode: two wait in decode's prealloc queue holding
+    nothing, register as rows free up, and end as mono's; nothing is left held."""
+    pair = Pair(tight_decode)
+    try:
+        sp = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0)
+        prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41, 42], [7], [90 + j for j in range(17)]]
+        runs = []
+        for i, prompt in enumerate(prompts):
+            pair.room += 1
+            runs.append((submit(pair.p, f"p{i}", prompt, sp, room=pair.room),
+                         submit(pair.d, f"d{i}", prompt, sp, room=pair.room)))
+        pair.step(2, dt=0.01)
+        loads = pair.d.loads()
+        assert loads["kv_slots_free"] == 0 and loads["queues"]["prealloc"] >= 2
+        pair.run_until(lambda: all(dc.ends for _, dc in runs))
+        for (pc, dc), prompt in zip(runs, prompts):
+            assert pc.end.error is None and dc.end.error is None, dc.end.error
+            assert dc.tokens == mono_tokens(tight_decode[2], prompt, sp)
+        pair.assert_clean("p", "d")
+    finally:
+        pair.close()
