@@ -92,6 +92,16 @@ def state_refusal(specs: list[StateSpec], role: str, page_size: Optional[int]) -
     return None
 
 
+def limits_refusal(max_num_seqs: int, max_num_batched_tokens: int) -> Optional[str]:
+    """Why these scheduler limits cannot serve anything, in one line, or None: a step budget of
+    0 tokens never admits a request (it waits forever), and 0 requests at once leaves a model
+    with slot states no row to give."""
+    for flag, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens)):
+        if value < 1:
+            return f"{flag} must be at least 1, not {value}"
+    return None
+
+
 def serving_refusal(model_dir: str, role: str, page_size: Optional[int], tp_size: int = 1) -> Optional[str]:
     """`state_refusal` (and the --tp-size checks) for a checkpoint folder, before any weight is
     read (for the CLI, and before an engine spawns its other ranks)."""
@@ -120,6 +130,9 @@ def prefix_cache_refusal(specs: list[StateSpec], role: str, enabled: bool = True
 
 class Engine:
     def __init__(self, args: EngineArgs):
+        refusal = limits_refusal(args.max_num_seqs, args.max_num_batched_tokens)
+        if refusal:  # before any weight is read or rank spawned
+            raise ValueError(refusal)
         self.args = args
         self.tp = None  # rank 0's handle on the other ranks when tp_size > 1
         if args.tp_size > 1:

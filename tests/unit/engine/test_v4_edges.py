@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_engine.engine import Engine, EngineArgs
+from dsv4_engine.engine import Engine, EngineArgs, limits_refusal
 from dsv4_engine.pd.common import PDRequestInfo
 from dsv4_engine.sampling import SamplingParams
 from dsv4_engine.sequence import Sequence
@@ -146,3 +146,14 @@ def test_decode_without_a_free_slot_row_waits_then_takes_a_freed_one(tight_decod
         pair.assert_clean("p", "d")
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("limits, flag", [(dict(max_num_batched_tokens=0), "--max-num-batched-tokens"),
+                                          (dict(max_num_seqs=0), "--max-num-seqs")])
+def test_limits_that_cannot_serve_are_refused_at_start(make_model, limits, flag):
+    """A 0-token step budget admitted nothing (every request waited forever); 0 requests at once
+    crashed V4's slot pool with an IndexError. Both are refused in one line before any weight loads."""
+    assert limits_refusal(8, 1) is None
+    with pytest.raises(ValueError, match=f"^{flag} must be at least 1, not 0$"):
+        Engine(EngineArgs(model=str(make_model("v4-tiny")), device="cpu", kernel_backend="torch", kv_pages=8,
+                          page_size=4, **limits))
