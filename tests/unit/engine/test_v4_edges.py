@@ -157,3 +157,50 @@ def test_limits_that_cannot_serve_are_refused_at_start(make_model, limits, flag)
     with pytest.raises(ValueError, match=f"^{flag} must be at least 1, not 0$"):
         Engine(EngineArgs(model=str(make_model("v4-tiny")), device="cpu", kernel_backend="torch", kv_pages=8,
                           page_size=4, **limits))
+
+
+def test_a_request_decode_preempted_resumes_before_new_hand_offs_take_its_row(tight_decode):
+    """Decode preempts a request when its pool fills; new hand-offs must not take the slot row
+    and pages it gave back while it waits to resume (they did: decode preallocates for new
+    requests before it schedules, so under a steady stream the preempted request never got a
+    row back and its client waited without end)."""
+    pair = Pair(tight_decode)
+    preempted: list = []
+    sched = pair.d.scheduler
+    real_preempt = sched._preempt
+    sched._preempt = lambda seq: (preempted.append(seq), real_preempt(seq))
+    try:
+        long = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0)
+        short = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
+        firsts = []
+        for i, n in enumerate([15, 13]):
+            pair.room += 1
+            prompt = [(7 * i + 3 * j) % 400 + 5 for j in range(n)]
+            firsts.append((prompt, submit(pair.p, f"p{i}", prompt, long, room=pair.room),
+                           submit(pair.d, f"d{i}", prompt, long, room=pair.room)))
+        pair.run_until(lambda: preempted, dt=0.01)
+        victim = preempted[0]
+        # A steady stream of short requests while the victim waits to resume.
+        stream, taken_while_waiting = [], []
+        for k in range(30):
+            if k % 2 == 0 and len(stream) < 12:
+                pair.room += 1
+                prompt = [11 + k, 12, 13]
+                stream.append((prompt, pair.room, submit(pair.p, f"pc{k}", prompt, short, room=pair.room),
+                               submit(pair.d, f"dc{k}", prompt, short, room=pair.room)))
+            waiting = victim in sched.waiting
+            before = set(pair.d.pd.registering) | set(pair.d.pd.transfer)
+            pair.step(1, dt=0.01)
+            got = (set(pair.d.pd.registering) | set(pair.d.pd.transfer)) - before
+            if waiting and got:
+                taken_while_waiting.append(sorted(got))
+        pair.run_until(lambda: all(dc.ends for *_, dc in firsts) and all(dc.ends for *_, dc in stream), dt=0.05)
+        assert not taken_while_waiting, f"new hand-offs took rows/pages while a preempted request waited: {taken_while_waiting}"
+        for prompt, _, dc in firsts:
+            assert dc.end.error is None and dc.tokens == mono_tokens(tight_decode[2], prompt, long)
+        for prompt, _, _, dc in stream:  # they waited their turn, within their deadlines
+            assert dc.end.error is None and dc.tokens == mono_tokens(tight_decode[2], prompt, short)
+        pair.assert_clean("p", "d")
+    finally:
+        sched._preempt = real_preempt
+        pair.close()
