@@ -29,17 +29,24 @@ def _fail(msg: str) -> None:
     raise typer.Exit(code=2)
 
 
-def _check_model_dir(model: Path) -> None:
+def _check_model_dir(model: Path, quantization: bool = True) -> None:
+    """quantization False: leave the quantization check to the caller (it imports torch, which
+    `dsv4 serve`'s HTTP process never does: its engine core checks instead)."""
     if not (model / "config.json").is_file():
         _fail(f"no model at {model} (expected {model / 'config.json'}); make one with `dsv4 model init DIR`")
     from dsv4_engine.models import UnsupportedModel, entry_for_dir
-    from dsv4_engine.quant import UnsupportedQuantization, checkpoint_scheme
 
     try:
         entry_for_dir(model)
-        checkpoint_scheme(model)
-    except (UnsupportedModel, UnsupportedQuantization) as e:
+    except UnsupportedModel as e:
         _fail(f"{model}: {e}")
+    if quantization:
+        from dsv4_engine.quant import UnsupportedQuantization, checkpoint_scheme
+
+        try:
+            checkpoint_scheme(model)
+        except UnsupportedQuantization as e:
+            _fail(f"{model}: {e}")
 
 
 def _dsv4_command() -> list[str]:
@@ -135,16 +142,13 @@ def serve(
         _fail(f"--dtype must be float32 or bfloat16, not {dtype!r}")
     if kernel_backend not in (None, "torch", "triton"):
         _fail(f"--kernel-backend must be torch or triton, not {kernel_backend!r}")
-    _check_model_dir(model)
+    _check_model_dir(model, quantization=False)
     from dsv4_serve.core_spawn import spawn_core
 
     # The engine core starts importing torch now, beside this process (it waits for its arguments).
+    # This process never imports torch: the checks that need it (quantization, the model's states
+    # against --page-size / --tp-size) run in the core; a refusal is still one line and exit 2.
     spawned = spawn_core()
-    from dsv4_engine.engine import serving_refusal
-
-    refusal = serving_refusal(str(model), role, page_size, tp_size)
-    if refusal:
-        _fail(f"{model}: {refusal}")
     from dsv4_serve.server import ServerArgs, run_server
 
     run_server(

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
+from dsv4_engine.engine_args import EngineArgs  # noqa: F401  (its old home)
 from dsv4_engine.kv_cache import KVPool, check_page_size, pages_for_memory
 from dsv4_engine.metrics import EngineMetrics
 from dsv4_engine.model_runner import ModelRunner
@@ -59,26 +60,6 @@ class Call:
 
 
 Command = Union[AddRequest, AbortRequest, Call]
-
-
-@dataclass
-class EngineArgs:
-    model: str
-    role: str = "mono"
-    dtype: str = "float32"
-    served_model_name: str = "dsv4"
-    kv_pages: Optional[int] = None
-    kv_memory_gb: float = 1.0
-    page_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    max_model_len: Optional[int] = None
-    kernel_backend: Optional[str] = None
-    device: Optional[str] = None
-    seed: int = 0
-    enable_prefix_cache: bool = True  # `--disable-prefix-cache` turns it off
-    cuda_graph_max_bs: int = 0  # decode batches up to this many requests replay CUDA graphs (0: off)
-    tp_size: int = 1  # ranks this engine spans (dsv4_engine.parallel); this process is rank 0
 
 
 def state_refusal(specs: list[StateSpec], role: str, page_size: Optional[int]) -> Optional[str]:

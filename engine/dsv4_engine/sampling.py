@@ -1,5 +1,6 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds,
-and log-probabilities for the requests that ask for them.
+"""The sampler: greedy, temperature, top-k, top-p, per-request seeds, and log-probabilities for
+the requests that ask for them. Its parameters (`SamplingParams`, re-exported here) live in the
+torch-free `dsv4_engine.sampling_params`.
 
 Every row is sampled on its own terms and fails on its own: one request whose row cannot be
 sampled (non-finite logits, an impossible distribution) gets an exception in its slot of the
@@ -8,51 +9,18 @@ result, and every other row of the batch still gets its token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
+from dsv4_engine.sampling_params import MAX_LOGPROBS, SamplingParams  # noqa: F401  (their old home)
+
 # What a logprob of -inf is reported as (JSON has no infinity; vLLM reports the same floor).
 LOGPROB_FLOOR = -9999.0
-MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (vLLM's default cap)
 # Temperatures between 0 and this are raised to it: dividing logits by a denormal turns them
 # into infinities (vLLM clamps the same way).
 MIN_TEMPERATURE = 1e-2
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 or 0: no top-k
-    seed: Optional[int] = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: Optional[int] = None  # None: none wanted; N: the sampled token's and the top N
-
-    def validate(self) -> None:
-        """Raise ValueError with a user-facing message for parameters we cannot honour."""
-        if self.max_tokens is None or self.max_tokens <= 0:
-            raise ValueError("max_tokens must be at least 1")
-        if not (self.temperature >= 0) or self.temperature == float("inf"):
-            raise ValueError("temperature must be a finite number >= 0")
-        if not (0 < self.top_p <= 1):
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k is None or self.top_k < -1:
-            raise ValueError("top_k must be -1 (disabled) or a positive integer")
-        if len(self.stop) > 16 or any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop must be up to 16 non-empty strings")
-        if self.seed is not None and not (-(2**63) <= self.seed < 2**63):
-            raise ValueError("seed must fit in a signed 64-bit integer")
-        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
 
 
 @dataclass

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
+from dsv4_engine.request_output import RequestOutput  # noqa: F401  (its old home)
 from dsv4_engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -19,24 +20,6 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request; delivered to the request's sink."""
-
-    rid: str
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: Optional[str] = None  # stop | length | abort | error
-    error: Optional[str] = None
-    error_code: int = 500
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    # One entry per token in token_ids when the request asked for logprobs (else None):
-    # {"token_id": int, "logprob": float, "top": [[token_id, logprob], ...]}.
-    logprobs: Optional[list[dict]] = None
 
 
 @dataclass(eq=False)

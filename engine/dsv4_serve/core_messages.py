@@ -9,6 +9,7 @@ and the ending. Outputs of one engine step go out together as one message.
 
 HTTP process -> core                          core -> HTTP process
   (INIT, server args)                           (HELLO, facts) | (FATAL, one line)
+                                                | (REFUSED, one line): not servable as asked
   (ADD, key, rid, prompt ids, params, pd,       (OUT, [output row, ...])
    prefill_only, arrival)                       (REPLY, call id, ok, value | error)
   (ABORT, key | None, rid | None, reason, all)
@@ -22,10 +23,10 @@ import marshal
 from dataclasses import fields
 from typing import Any, Optional
 
-from dsv4_engine.sampling import SamplingParams
-from dsv4_engine.sequence import RequestOutput
+from dsv4_engine.sampling_params import SamplingParams
+from dsv4_engine.request_output import RequestOutput
 
-INIT, HELLO, FATAL, ADD, ABORT, RPC, OUT, REPLY, FINISH = range(9)
+INIT, HELLO, FATAL, ADD, ABORT, RPC, OUT, REPLY, FINISH, REFUSED = range(10)
 _PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from dsv4_engine.sampling import SamplingParams
-from dsv4_engine.sequence import RequestOutput
+from dsv4_engine.sampling_params import SamplingParams
+from dsv4_engine.request_output import RequestOutput
 from dsv4_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

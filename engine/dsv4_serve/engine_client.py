@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, AsyncIterator, Callable, Optional
 
-from dsv4_engine.sampling import SamplingParams
-from dsv4_engine.sequence import RequestOutput
+from dsv4_engine.sampling_params import SamplingParams
+from dsv4_engine.request_output import RequestOutput
 from dsv4_serve import core_messages as m
 from dsv4_serve.core_spawn import spawn_core
 from dsv4_serve.detokenize import OutputProcessor
@@ -36,6 +36,11 @@ log = logging.getLogger("dsv4.client")
 
 class EngineStartError(RuntimeError):
     """The core could not start (bad model, busy bootstrap port, ...): one line saying why."""
+
+
+class EngineRefused(EngineStartError):
+    """The checkpoint cannot be served as asked (quantization, --page-size, --tp-size): one line,
+    said before any weight was read; `dsv4 serve` prints it as a usage error."""
 
 
 class EngineGone(RuntimeError):
@@ -119,9 +124,9 @@ class EngineClient:
         except (EOFError, OSError):
             proc.wait()
             raise EngineStartError(f"the engine process exited during start (exit code {proc.returncode})") from None
-        if kind == m.FATAL:
+        if kind in (m.FATAL, m.REFUSED):
             proc.wait()
-            raise EngineStartError(value)
+            raise (EngineRefused if kind == m.REFUSED else EngineStartError)(value)
         return cls(proc, conn, value)
 
     def shutdown(self, timeout: float = 15.0) -> None:

@@ -27,7 +27,7 @@ import time
 import traceback
 from collections import deque
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from dsv4_serve import core_messages as m
 
@@ -180,6 +180,21 @@ class CoreServer:
             self.engine.pd.close()
 
 
+def _refusal(args) -> Optional[str]:
+    """Why this checkpoint cannot be served as `args` ask, in one line naming the model, before
+    any weight is read: a quantization it cannot load, states that do not fit --page-size,
+    a --tp-size it cannot split into. Checked here, not in the HTTP process: both need torch."""
+    from dsv4_engine.engine import serving_refusal
+    from dsv4_engine.quant import UnsupportedQuantization, checkpoint_scheme
+
+    try:
+        checkpoint_scheme(args.model)
+    except UnsupportedQuantization as e:
+        return f"{args.model}: {e}"
+    refusal = serving_refusal(args.model, args.role, args.page_size, args.tp_size)
+    return f"{args.model}: {refusal}" if refusal else None
+
+
 def _rss() -> int:
     import psutil
 
@@ -275,6 +290,10 @@ def main(argv: list[str]) -> None:
     assert kind == m.INIT
     args = ServerArgs(**fields_)
     try:
+        refusal = _refusal(args)
+        if refusal:  # no traceback, no log: the HTTP process prints this one line as `dsv4 serve`'s error
+            conn.send_bytes(m.dumps((m.REFUSED, refusal)))
+            sys.exit(2)
         engine = make_engine(args)
         if args.role == "prefill":
             _start_bootstrap(engine, args)

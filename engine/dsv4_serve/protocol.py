@@ -13,7 +13,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dsv4_engine.sampling import MAX_LOGPROBS, SamplingParams
+from dsv4_engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from dsv4_wire.errors import APIError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

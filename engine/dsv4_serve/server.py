@@ -28,7 +28,7 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass, fields
-from typing import AsyncIterator, Mapping, Optional
+from typing import TYPE_CHECKING, AsyncIterator, Mapping, Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -36,17 +36,20 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dsv4_engine.engine import Engine, EngineArgs
-from dsv4_engine.sampling import SamplingParams
-from dsv4_engine.sequence import RequestOutput
+from dsv4_engine.engine_args import EngineArgs
+from dsv4_engine.sampling_params import SamplingParams
+from dsv4_engine.request_output import RequestOutput
 from dsv4_engine.tokenizer import Tokenizer
 from dsv4_serve.admin import error_response, require_admin, thread_stacks
 from dsv4_serve.detokenize import OutputProcessor
-from dsv4_serve.engine_client import EngineClient, EngineGone, EngineRequest, EngineStartError
+from dsv4_serve.engine_client import EngineClient, EngineGone, EngineRefused, EngineRequest, EngineStartError
 from dsv4_serve.gate import DEFAULT_MAX_REQUEST_BYTES, Gate, Lifecycle
 from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completion_logprobs, next_offset, text_of_bytes
 from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest, _Common, parse_request
 from dsv4_wire import APIError, Paths, token_matches
+
+if TYPE_CHECKING:
+    from dsv4_engine.engine import Engine
 
 log = logging.getLogger("dsv4.server")
 CORE_ANSWER_TIMEOUT = 10.0  # seconds the core's reader may take to answer a health or admin question
@@ -511,6 +514,9 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, args: ServerArgs, life
 
 
 def make_engine(args: ServerArgs) -> Engine:
+    """The engine itself: the core process builds it (this process never imports torch)."""
+    from dsv4_engine.engine import Engine
+
     engine = Engine(args.engine_args())
     if args.role != "mono":
         from dsv4_engine.pd import attach_role
@@ -568,6 +574,9 @@ def run_server(args: ServerArgs, spawned=None) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         client = EngineClient.start(args, spawned)  # the engine core process: model, KV pool, PD, bootstrap
+    except EngineRefused as e:  # as the CLI refuses any bad flag: one line, exit 2
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     except EngineStartError as e:
         print(f"dsv4 serve: the engine could not start: {e}", file=sys.stderr, flush=True)
         sys.exit(1)

@@ -2,8 +2,8 @@
 
 A V4 hand-off moves paged state (compressed entries, indexer keys) and a slot row (window ring,
 compressor stages). PD must equal mono token for token at every window / compression / top-k
-boundary and across a growing conversation; a fault (stall, decode crash) ends within its
-deadline with every page and slot row back on both sides; --transfer-checksum catches a flipped
+boundary and across a growing conversation; a fault (stall, fail, dropped notification,
+delayed bootstrap, decode crash) ends within its deadline with every page and slot row back on both sides; --transfer-checksum catches a flipped
 byte in a slot or a paged region; with deadlines off a
 stalled transfer wedges (inflight stays 1) until aborted, and `dsv4 up --model V4DIR` (PD, with
 its watchdog) heals that wedge.
@@ -22,7 +22,7 @@ import time
 import httpx
 import pytest
 
-from test_pd import TRANSFER_TIMEOUT, PDCluster, arm, complete, crash_decode_mid_transfer, loads
+from test_pd import TRANSFER_TIMEOUT, WAITING_TIMEOUT, PDCluster, arm, complete, crash_decode_mid_transfer, loads
 from test_up import complete_eventually, start_up, wedge_request, workers
 
 SLACK = 8.0
@@ -94,15 +94,34 @@ def test_v4_growing_conversation_equals_mono(cluster):
     wait_idle(cluster.p_url, cluster.d_url)
 
 
-def test_v4_stalled_transfer_fails_within_its_deadline_then_router_retries(cluster):
-    before = loads(cluster.p_url)["counters"]["num_transfer_timeout_reqs"]
-    arm(cluster.p_url, "stall_transfer")
-    prompt = list(range(10, 40))
+@pytest.mark.parametrize("fault,side,counter,bound", [
+    ("stall_transfer", "p", "num_transfer_timeout_reqs", TRANSFER_TIMEOUT),
+    ("fail_transfer", "p", "num_transfer_failed_reqs", 0.0),
+    ("drop_notification", "d", "num_transfer_timeout_reqs", WAITING_TIMEOUT),
+])
+def test_v4_transfer_fault_fails_within_its_deadline_then_router_retries(cluster, fault, side, counter, bound):
+    """Over real NIXL, with every V4 region in the transfer: the faulted hand-off ends within
+    its deadline, the right side counts it, every page and slot row comes back on both sides,
+    and the router's retry gives mono's tokens."""
+    url = {"p": cluster.p_url, "d": cluster.d_url}[side]
+    before = loads(url)["counters"][counter]
+    arm(cluster.p_url, fault)
+    prompt = list(range(10, 40))  # crosses window, CSA and HCA boundaries
     t0 = time.monotonic()
     out = complete(cluster.r_url, prompt, max_tokens=8)
-    assert time.monotonic() - t0 < TRANSFER_TIMEOUT + SLACK
+    assert time.monotonic() - t0 < bound + SLACK, fault
     assert tokens(out) == tokens(complete(cluster.m_url, prompt, max_tokens=8))
-    assert loads(cluster.p_url)["counters"]["num_transfer_timeout_reqs"] == before + 1
+    assert loads(url)["counters"][counter] == before + 1
+    wait_idle(cluster.p_url, cluster.d_url)
+
+
+def test_v4_delayed_bootstrap_still_succeeds(cluster):
+    arm(cluster.p_url, "delay_bootstrap", seconds=1.0)
+    prompt = list(range(50, 71))
+    t0 = time.monotonic()
+    out = complete(cluster.r_url, prompt, max_tokens=6)
+    assert time.monotonic() - t0 >= 0.9
+    assert tokens(out) == tokens(complete(cluster.m_url, prompt, max_tokens=6))
     wait_idle(cluster.p_url, cluster.d_url)
 
 

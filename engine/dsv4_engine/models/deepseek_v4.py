@@ -37,6 +37,7 @@ arrived in earlier steps is read back from the stage ring.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,10 @@ class V4Batch:
     block_table: torch.Tensor  # [B, max_pages] page ids of the paged states
     slot_ids: torch.Tensor  # [B] row of each request in the slot states
     page_size: int  # tokens per page
+    # The same lengths as host ints (the engine's batch has them): without them the step reads
+    # the device once to learn them, which on a GPU is a host sync.
+    seq_lens_host: Optional[list[int]] = None
+    extend_lens_host: Optional[list[int]] = None
 
 
 # ---- weights: release names, and what transformers' save_pretrained / state_dict write -----------
@@ -227,6 +232,7 @@ class DeepseekV4:
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", tp=None):
         self.cfg = cfg
         self.tp = tp  # one rank of --tp-size N: this rank's experts only (dsv4_engine.parallel)
+        self._step_index: dict = {}  # see _index
         self.ops = ops
         # The kernel path (attention, indexer, compressor pooling, mHC, MoE routing and experts
         # through dsv4_kernels' V4 API) runs when the backend asks for it, as the Triton one does;
@@ -458,6 +464,21 @@ class DeepseekV4:
         page, off = self._locate(w, rate, page_size, store.shape[1])
         return store[block_table[:, page].long(), off[None].expand(block_table.shape[0], -1)]
 
+    def _index(self, key: tuple, values, device: torch.device) -> torch.Tensor:
+        """An index tensor of this step built from host ints (the batch's lengths), uploaded once
+        per step and shared by every layer. Uploading does not wait for the device; learning the
+        same indices from device values (nonzero, boolean masks, .max()) would, on a GPU."""
+        t = self._step_index.get(key)
+        if t is None:
+            t = self._step_index[key] = torch.tensor(values(), dtype=torch.long, device=device)
+        return t
+
+    def _span_tensors(self, spans: list[tuple[int, int, int]], device: torch.device):
+        """(first row, new tokens, first position) of each request as [B] tensors."""
+        key = tuple(spans)
+        return tuple(self._index((what, key), lambda c=c: [s[c] for s in spans], device)
+                     for c, what in enumerate(("row", "n", "start")))
+
     @staticmethod
     def _locate(w: torch.Tensor, rate: int, page_size: int, epp: int) -> tuple[torch.Tensor, torch.Tensor]:
         # as StateSpec.entry_location: the page of the window's first token
@@ -489,7 +510,7 @@ class DeepseekV4:
         if self.kops is not None:
             out = self._attend_kernels(i, L, q, kv, proj, fb, states, spans)
         elif all(n == 1 for _, n, _ in spans):
-            out = self._attend_decode(i, L, q, kv, proj, fb, states)
+            out = self._attend_decode(i, L, q, kv, proj, fb, states, spans)
         else:
             out = self._attend_varlen(i, L, q, kv, proj, fb, states, spans)
         out = _apply_rope(out, table, conj=True)
@@ -551,10 +572,10 @@ class DeepseekV4:
     def _attend_varlen(self, i: int, L: dict, q: torch.Tensor, kv: torch.Tensor, proj: dict, fb: V4Batch,
                        states: dict[str, torch.Tensor], spans: list[tuple[int, int, int]]) -> torch.Tensor:
         """Any mix of prefill chunks and decode tokens, padded to the longest chunk of a group."""
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape[0] + 1, *q.shape[1:])  # the last row takes the padding's writes
         for group in self._groups(spans):
             self._attend_group(i, L, q, kv, proj, fb, states, [spans[r] for r in group], group, out)
-        return out
+        return out[:-1]
 
     def _attend_group(self, i: int, L: dict, q: torch.Tensor, kv: torch.Tensor, proj: dict, fb: V4Batch,
                       states: dict[str, torch.Tensor], spans: list[tuple[int, int, int]], group: list[int],
@@ -566,17 +587,16 @@ class DeepseekV4:
         W, kind, j = cfg.sliding_window, L["type"], self.type_index.get(i)
         dev = q.device
         B = len(group)
-        row = torch.tensor([s[0] for s in spans], device=dev)
-        n = torch.tensor([s[1] for s in spans], device=dev)
-        start = torch.tensor([s[2] for s in spans], device=dev)
+        row, n, start = self._span_tensors(spans, dev)
         Lmax = max(s[1] for s in spans)
         ar = torch.arange(Lmax, device=dev)
         b_ix = torch.arange(B, device=dev)[:, None]
         tok = (row[:, None] + ar).clamp(max=q.shape[0] - 1)  # [B, Lmax]; rows past a chunk are padding
         valid = ar[None] < n[:, None]
         qpos = start[:, None] + ar
-        slots = fb.slot_ids[group].long()
-        pages = fb.block_table[group]
+        rows = self._index(("group", tuple(group)), lambda: group, dev)
+        slots = fb.slot_ids[rows].long()
+        pages = fb.block_table[rows]
 
         ring_store = states[self.SWA_KV]
         kbase = start - W  # the ring holds positions start - W .. start - 1
@@ -591,12 +611,11 @@ class DeepseekV4:
         keys = ext_kv[:, W - R:]
         if kind in (CSA, HCA):
             rate = cfg.compress_rates[kind]
-            self._close_windows(L, proj, tok, n, start, slots, pages, fb, states, j, rate)
-            count = (start + n) // rate  # entries closed so far; query t sees entry w iff w < (t+1)//rate
-            C = int(count.max())
+            self._close_windows(L, proj, tok, spans, slots, pages, fb, states, j, rate)
+            C = max((st + m) // rate for _, m, st in spans)  # entries closed so far, at most
             if C:
                 w = torch.arange(C, device=dev)
-                visible = w < ((qpos + 1) // rate)[:, :, None]  # [B, Lmax, C]
+                visible = w < ((qpos + 1) // rate)[:, :, None]  # [B, Lmax, C]: t sees w iff w < (t+1)//rate
 
                 if kind == CSA:
                     ikeys = self._gather_entries(states[self.CSA_INDEX_K][:, j], pages, w, rate, fb.page_size)
@@ -606,7 +625,7 @@ class DeepseekV4:
                 keys = torch.cat([keys, entries.to(kv.dtype)], 1)
                 allowed = torch.cat([allowed, visible], 2)
         o = self._softmax_attend(L, q[tok], keys, allowed)  # [B, Lmax, H, hd]
-        out[tok[valid]] = o[valid]
+        out[torch.where(valid, tok, out.shape[0] - 1)] = o  # padding lands on the scratch row
         # the ring keeps the last W positions (written after the reads above): position p of the
         # new ring is ext_kv's p - kbase; positions before the chunk rewrite what they held
         end = start + n
@@ -614,7 +633,7 @@ class DeepseekV4:
         ring_store[slots[:, None], i, (end[:, None] - W + keep) % W] = \
             ext_kv[b_ix, n[:, None] + keep].to(ring_store.dtype)
 
-    def _close_windows(self, L: dict, proj: dict, tok: torch.Tensor, n: torch.Tensor, start: torch.Tensor,
+    def _close_windows(self, L: dict, proj: dict, tok: torch.Tensor, spans: list[tuple[int, int, int]],
                        slots: torch.Tensor, pages: torch.Tensor, fb: V4Batch, states: dict[str, torch.Tensor],
                        j: int, rate: int) -> None:
         """Feed a group's chunks to the layer's compressor(s): close every window whose last token
@@ -624,9 +643,13 @@ class DeepseekV4:
         kind, dev = L["type"], tok.device
         B, Lmax = tok.shape
         b_ix = torch.arange(B, device=dev)[:, None]
+        _, n, start = self._span_tensors(spans, dev)
         end = start + n
-        first_w, nw = start // rate, end // rate - start // rate
-        NW = int(nw.max())
+        # (request, k): the k-th window that request closes in this step, from host lengths
+        ckey = (tuple(spans), rate)
+        closing = [(b, k) for b, (_, m, st) in enumerate(spans) for k in range((st + m) // rate - st // rate)]
+        cb = self._index(("close_b", ckey), lambda: [b for b, _ in closing], dev)
+        ck = self._index(("close_k", ckey), lambda: [k for _, k in closing], dev)
         for name, key, store_name, overlap in self._compressors(kind):
             st = states[name]  # [rows, layers, S, 2 * width]: [kv | gate] projections
             S, width = st.shape[2], st.shape[3] // 2
@@ -634,15 +657,12 @@ class DeepseekV4:
             ebase = start - S
             held = st[slots[:, None], j, (ebase[:, None] + torch.arange(S, device=dev)) % S]
             ext = torch.cat([held.to(chunk.dtype), chunk], 1)  # positions ebase .. ebase + S + Lmax - 1
-            if NW:
-                k = torch.arange(NW, device=dev)
-                w = first_w[:, None] + k  # [B, NW] windows closing now (where k < nw)
-                closes = k < nw[:, None]
-                offs = ((w * rate - ebase[:, None])[..., None] + torch.arange(rate, device=dev))[closes]  # [N, rate]
-                rows = b_ix.expand(B, NW)[closes]
+            if closing:
+                w_ids = start[cb] // rate + ck  # [N] the windows closing now
+                offs = (w_ids * rate - ebase[cb])[:, None] + torch.arange(rate, device=dev)  # [N, rate] rows of ext
+                rows = cb
                 win = ext[rows[:, None], offs]
                 prev = ext[rows[:, None], offs - rate] if overlap else None  # rows of window 0 are masked
-                w_ids = w[closes]
                 entries = self._pool_windows(win[..., :width], win[..., width:],
                                              None if prev is None else prev[..., :width],
                                              None if prev is None else prev[..., width:], w_ids, L[key], rate)
@@ -653,7 +673,7 @@ class DeepseekV4:
             st[slots[:, None], j, (end[:, None] - S + keep) % S] = ext[b_ix, n[:, None] + keep].to(st.dtype)
 
     def _attend_decode(self, i: int, L: dict, q: torch.Tensor, kv: torch.Tensor, proj: dict, fb: V4Batch,
-                       states: dict[str, torch.Tensor]) -> torch.Tensor:
+                       states: dict[str, torch.Tensor], spans: list[tuple[int, int, int]]) -> torch.Tensor:
         """One new token per request: every request at once, window closing included."""
         cfg = self.cfg
         W, kind, j = cfg.sliding_window, L["type"], self.type_index.get(i)
@@ -666,9 +686,9 @@ class DeepseekV4:
         allowed = (kpos <= t[:, None]) & (kpos > t[:, None] - W) & (kpos >= 0)
         if kind in (CSA, HCA):
             rate = cfg.compress_rates[kind]
-            self._stage_decode(L, proj, fb, states, j, rate)
+            self._stage_decode(L, proj, fb, states, j, rate, spans)
             counts = (t + 1) // rate
-            C = int(counts.max())
+            C = max((st + 1) // rate for _, _, st in spans)
             if C:
                 w = torch.arange(C, device=t.device)
                 visible = w[None] < counts[:, None]  # [B, C]
@@ -687,14 +707,15 @@ class DeepseekV4:
         return out
 
     def _stage_decode(self, L: dict, proj: dict, fb: V4Batch, states: dict[str, torch.Tensor], j: int,
-                      rate: int) -> None:
+                      rate: int, spans: list[tuple[int, int, int]]) -> None:
         """Decode tokens go to their stage rings; those that close a window close it."""
         t, slots = fb.positions, fb.slot_ids.long()
-        closing = ((t + 1) % rate == 0).nonzero().squeeze(1)
+        closes = [b for b, (_, _, st) in enumerate(spans) if (st + 1) % rate == 0]
+        closing = self._index(("decode_close", tuple(spans), rate), lambda: closes, t.device)
         for name, key, store, overlap in self._compressors(L["type"]):
             st = states[name]
             st[slots, j, t % st.shape[2]] = torch.cat(proj[key], dim=-1).to(st.dtype)
-            if len(closing):
+            if closes:
                 self._close_decode(closing, t[closing], slots[closing], fb, j, st, L[key], rate, overlap,
                                    states[store][:, j])
 
@@ -713,13 +734,11 @@ class DeepseekV4:
         if kind in (CSA, HCA):
             rate = cfg.compress_rates[kind]
             if decode:
-                self._stage_decode(L, proj, fb, states, j, rate)
+                self._stage_decode(L, proj, fb, states, j, rate, spans)
             else:
-                n = torch.tensor([s[1] for s in spans], device=dev)
-                start = torch.tensor([s[2] for s in spans], device=dev)
-                row = torch.tensor([s[0] for s in spans], device=dev)
+                row = self._span_tensors(spans, dev)[0]
                 tok = (row[:, None] + torch.arange(max(s[1] for s in spans), device=dev)).clamp(max=T - 1)
-                self._close_windows(L, proj, tok, n, start, slots, fb.block_table, fb, states, j, rate)
+                self._close_windows(L, proj, tok, spans, slots, fb.block_table, fb, states, j, rate)
             comp_kv = states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j]
             if kind == CSA:
                 comp_idx = ops.v4_indexer_topk(proj["iq"], proj["iw"], states[self.CSA_INDEX_K][:, j], fb.block_table,
@@ -733,11 +752,10 @@ class DeepseekV4:
             ring_store[slots, i, fb.positions % W] = kv.to(ring_store.dtype)
             return out
         out = ops.v4_attention_extend(*args, fb.positions, fb.extend_lens, *tail)
-        lens = fb.extend_lens.to(dev)
-        req = torch.repeat_interleave(torch.arange(lens.shape[0], device=dev), lens, output_size=T)
-        end = torch.tensor([s[1] + s[2] for s in spans], device=dev)
-        keep = fb.positions >= end[req] - W  # each request's last W tokens
-        ring_store[slots[req[keep]], i, fb.positions[keep] % W] = kv[keep].to(ring_store.dtype)
+        key = tuple(spans)  # each request's last W tokens go to its ring
+        keep = self._index(("ring_rows", key), lambda: [r + a for r, n, _ in spans for a in range(max(0, n - W), n)], dev)
+        req = self._index(("ring_req", key), lambda: [b for b, (_, n, _) in enumerate(spans) for _ in range(min(n, W))], dev)
+        ring_store[slots[req], i, fb.positions[keep] % W] = kv[keep].to(ring_store.dtype)
         return out
 
     # ---- the step ------------------------------------------------------------------------------
@@ -751,11 +769,8 @@ class DeepseekV4:
                 "per-request slot rows); this engine loop does not hand them out yet"
             )
         cfg = self.cfg
-        lens = [int(n) for n in fb.extend_lens.tolist()]
-        spans, row = [], 0
-        for n in lens:
-            spans.append((row, n, int(fb.positions[row]) if n else 0))
-            row += n
+        spans = _spans(fb)
+        self._step_index = {}
         rope = {name: _rope_table(fb.positions, inv) for name, inv in self.inv_freq.items()}
         x = F.embedding(fb.input_ids, self.embed)
         x = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, hc, D] residual streams
@@ -773,6 +788,23 @@ class DeepseekV4:
         h = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
         h = _rms(h, self.norm, cfg.rms_norm_eps)
         return F.linear(h, self.head).float()
+
+
+def _spans(fb: V4Batch) -> list[tuple[int, int, int]]:
+    """(first row, new tokens, first position) of each request, from the batch's host lengths
+    when it has them (a request's new tokens start where its cache ends)."""
+    lens, seq_lens = getattr(fb, "extend_lens_host", None), getattr(fb, "seq_lens_host", None)
+    if lens is not None and seq_lens is not None:
+        starts = [int(s) - int(n) for s, n in zip(seq_lens, lens)]
+    else:  # a batch built by hand (tests): read the device once
+        lens, pos = [int(n) for n in fb.extend_lens.tolist()], fb.positions.tolist()
+        rows = [0, *itertools.accumulate(lens)][:-1]
+        starts = [int(pos[r]) if n else 0 for r, n in zip(rows, lens)]
+    spans, row = [], 0
+    for n, start in zip(lens, starts):
+        spans.append((row, int(n), start if n else 0))
+        row += int(n)
+    return spans
 
 
 def allocate_states(specs: list[StateSpec], num_pages: int, page_size: int, max_requests: int,

@@ -7,14 +7,27 @@ endpoints PD needs live in `dsv4_serve.pd_routes`."""
 from __future__ import annotations
 
 from dsv4_engine.pd.admission import bootstrap_target
-from dsv4_engine.pd.common import BOOT_ID, PDRequestInfo, PDSettings
-from dsv4_engine.pd.faults import FaultInjector
+from dsv4_engine.pd.request_info import PDRequestInfo
+
+# The rest pulls in the transport (torch): loaded on first use, so that the HTTP process, which
+# only checks a PD request's bootstrap fields, stays torch-free.
+_LAZY = {"BOOT_ID": "dsv4_engine.pd.common", "PDSettings": "dsv4_engine.pd.common",
+         "FaultInjector": "dsv4_engine.pd.faults"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def attach_role(engine, args) -> None:
     """Give a prefill or decode engine its controller, wired to NIXL, HTTP and fault injection."""
     from dsv4_engine.pd.channel import HttpChannel
-    from dsv4_engine.pd.faults import Deadlines, FaultyChannel, FaultyTransport
+    from dsv4_engine.pd.common import BOOT_ID, PDSettings
+    from dsv4_engine.pd.faults import Deadlines, FaultInjector, FaultyChannel, FaultyTransport
     from dsv4_engine.pd.nixl.agent import KVTransferAgent
     from dsv4_engine.pd.transport import PoolStates
     from dsv4_wire import authorization_header

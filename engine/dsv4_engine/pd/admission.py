@@ -13,7 +13,7 @@ import logging
 import threading
 from typing import Optional
 
-from dsv4_engine.pd.common import PDRequestInfo
+from dsv4_engine.pd.request_info import PDRequestInfo
 from dsv4_wire import APIError
 
 log = logging.getLogger("dsv4.pd")

@@ -61,6 +61,32 @@ def test_forward_has_no_host_syncs_in_prefill_decode_and_mixed(runner):
     assert hits == [], "\n".join(hits)
 
 
+def test_v4_forward_has_no_host_syncs_on_the_kernel_path(make_model):
+    """DeepSeek-V4 on the Triton backend: which compression windows close in a step, how many
+    entries a request can see and which rows its ring keeps all come from the batch's host
+    lengths, never from device values. v4-tiny: window 8, CSA every 4 tokens, HCA every 8."""
+    v4 = ModelRunner(make_model("v4-tiny"), "float32", str(DEVICE), "triton")
+    pool = KVPool(v4.state_specs, 16, 8, torch.float32, DEVICE, max_num_seqs=4)
+
+    def seq(rid, prompt, pages, slot):
+        s = _seq(rid, prompt, 0, pages)
+        s.slot = slot
+        return s
+
+    a = seq("a", [(7 * k) % 500 + 3 for k in range(21)], [0, 1, 2, 3], 0)  # closes CSA and HCA windows
+    b = seq("b", [9, 3, 250], [4], 1)  # closes none
+    assert _forward_syncs(v4, pool, [ScheduledSeq(a, 21), ScheduledSeq(b, 3)]) == []  # prefill
+    for step, out in enumerate(([7], [7, 5], [7, 5, 2])):  # a's 22nd..24th tokens: 24 closes both kinds
+        a.num_computed, b.num_computed = 21 + step, 3 + step
+        a.output_ids, b.output_ids = list(out), [8] * len(out)
+        assert _forward_syncs(v4, pool, [ScheduledSeq(a, 1), ScheduledSeq(b, 1)]) == []  # decode
+    a.num_computed, b.num_computed = 24, 6
+    a.output_ids, b.output_ids = [7, 5, 2, 4], [8] * 4
+    c = seq("c", list(range(40, 53)), [5, 6], 2)  # a chunk that crosses windows
+    hits = _forward_syncs(v4, pool, [ScheduledSeq(a, 1), ScheduledSeq(c, 13), ScheduledSeq(b, 1)])  # mixed
+    assert hits == [], "\n".join(hits)
+
+
 def test_torch_backend_decode_attention_has_no_host_syncs():
     from dsv4_kernels import reference
 

@@ -1,0 +1,30 @@
+"""What an engine is built from (`Engine(EngineArgs(...))`).
+
+Plain data, no torch: `dsv4_serve.server.ServerArgs` extends it in the HTTP process of
+`dsv4 serve`, which never builds an engine (`dsv4_engine.engine` re-exports it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    role: str = "mono"
+    dtype: str = "float32"
+    served_model_name: str = "dsv4"
+    kv_pages: Optional[int] = None
+    kv_memory_gb: float = 1.0
+    page_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: Optional[int] = None
+    kernel_backend: Optional[str] = None
+    device: Optional[str] = None
+    seed: int = 0
+    enable_prefix_cache: bool = True  # `--disable-prefix-cache` turns it off
+    cuda_graph_max_bs: int = 0  # decode batches up to this many requests replay CUDA graphs (0: off)
+    tp_size: int = 1  # ranks this engine spans (dsv4_engine.parallel); this process is rank 0

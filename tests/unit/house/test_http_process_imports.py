@@ -1,0 +1,56 @@
+"""`dsv4 serve`'s HTTP process never imports torch (nor numpy): its request and output types,
+its arguments and its checks live in torch-free modules, and only the engine core process
+(`dsv4_serve.engine_core.main`) loads the engine. Checked in a fresh interpreter, since this
+test process has torch loaded already. `tests/integration/test_http_process_torch_free.py`
+checks the running processes themselves."""
+
+from __future__ import annotations
+
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import dsv4_serve
+
+HEAVY = ("torch", "numpy")
+
+# What the HTTP process imports: the CLI, every module of dsv4_serve (engine_core included: it
+# loads the engine inside main() only), and the light dsv4_engine modules they use.
+HTTP_PROCESS_MODULES = [
+    "dsv4_cli.main",
+    *sorted(f"dsv4_serve.{m.name}" for m in pkgutil.iter_modules([str(Path(dsv4_serve.__file__).parent)])),
+    "dsv4_engine",
+    "dsv4_engine.engine_args",
+    "dsv4_engine.models",
+    "dsv4_engine.pd",  # PD roles check a request's bootstrap fields with pd.bootstrap_target
+    "dsv4_engine.pd.admission",
+    "dsv4_engine.request_output",
+    "dsv4_engine.sampling_params",
+    "dsv4_engine.tokenizer",
+    "dsv4_wire",
+]
+
+
+def test_http_process_modules_import_without_torch_or_numpy():
+    code = (
+        "import importlib, sys\n"
+        f"for name in {HTTP_PROCESS_MODULES!r}:\n"
+        "    importlib.import_module(name)\n"
+        f"    heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
+        "    assert not heavy, f'importing {name} loaded {heavy}'\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "dsv4_serve.server" in HTTP_PROCESS_MODULES and "dsv4_serve.engine_client" in HTTP_PROCESS_MODULES
+
+
+def test_old_import_names_are_the_same_objects():
+    from dsv4_engine import engine, engine_args, request_output, sampling, sampling_params, sequence
+    from dsv4_serve import server
+
+    assert sampling.SamplingParams is sampling_params.SamplingParams
+    assert sampling.MAX_LOGPROBS == sampling_params.MAX_LOGPROBS
+    assert sequence.RequestOutput is request_output.RequestOutput
+    assert engine.EngineArgs is engine_args.EngineArgs
+    assert issubclass(server.ServerArgs, engine.EngineArgs)
