@@ -10,7 +10,8 @@ CUDA graphs off and on. Checks and measures, and writes one JSON:
 
     python bench/engine_gpu_smoke.py [--model DIR] [--out bench/results/engine_gpu_smoke.json]
 
-With no --model it writes the mla512 preset to a temporary folder. CPU: --device cpu --quick
+With no --model it writes a preset (--preset, default mla512; bench/gpu_kernels.sh runs v4-tiny too)
+to a temporary folder. CPU: --device cpu --quick
 runs the same code without graphs (what the smoke test does).
 """
 
@@ -82,6 +83,7 @@ def run(model: str, device: str, dtype: str, backend: str, graphs: int, batches:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
+    p.add_argument("--preset", default="mla512", help="preset written when no --model is given (e.g. v4-tiny)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--backend", default="triton")
@@ -93,7 +95,7 @@ def main() -> None:
     if model is None:
         from dsv4_engine.checkpoint import init_checkpoint
 
-        model = str(init_checkpoint(Path(tempfile.mkdtemp()) / "mla512", preset="mla512", seed=0))
+        model = str(init_checkpoint(Path(tempfile.mkdtemp()) / a.preset, preset=a.preset, seed=0))
     batches, new, prompt_len = ([1, 2], 4, 16) if a.quick else ([1, 8, 32], 64, 128)
     graph_sides = [0] if a.device == "cpu" else [0, a.graphs]
     result = {"device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",

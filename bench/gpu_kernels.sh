@@ -56,6 +56,9 @@ rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "engine GPU tests failed (exit $r
 # Engine smoke (~3-5 min: two engines on the mla512 preset, Triton JIT and graph capture included).
 timeout 400 "$py" bench/engine_gpu_smoke.py --out "$out/engine_gpu_smoke.json"
 rc=$?; [ "$rc" -ne 0 ] && { echo "engine smoke failed (exit $rc)"; status=1; }
+# The same on DeepSeek-V4 (v4-tiny): its kernel path, masked window closing under graphs.
+timeout 240 "$py" bench/engine_gpu_smoke.py --preset v4-tiny --out "$out/engine_gpu_smoke_v4.json"
+rc=$?; [ "$rc" -ne 0 ] && { echo "V4 engine smoke failed (exit $rc)"; status=1; }
 fi
 echo "gpu_kernels.sh: $((SECONDS - start)) s, results in $out"
 exit $status

@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 # index/cat/put, and the rest views and dtype no-ops (free in a graph). The test holds it here:
 # more means Python overhead every eager step pays and that a graph must hide.
 DECODE_DISPATCHES_PER_LAYER = 100
+# The same for a DeepSeek-V4 decode layer (mHC mixing twice, compressor stages and their masked
+# window close, the indexer): measured on v4-tiny, see test_cuda_graphs.py.
+V4_DECODE_DISPATCHES_PER_LAYER = 330  # 314 measured (39 kernel launches in 4 layers)
 
 
 def graph_buckets(max_bs: int) -> list[int]:
@@ -73,7 +76,8 @@ class StaticDecodeInputs:
     table of fixed width, on the device; a pinned host twin of each for the copies."""
 
     FIELDS = {"input_ids": torch.int64, "positions": torch.int64, "slot_mapping": torch.int64,
-              "seq_lens": torch.int32, "extend_lens": torch.int32, "logits_indices": torch.int64}
+              "seq_lens": torch.int32, "extend_lens": torch.int32, "logits_indices": torch.int64,
+              "slot_ids": torch.int64}  # rows in the slot states (V4); unused by V3
 
     def __init__(self, max_bs: int, width: int, device: torch.device):
         pin = device.type == "cuda"
@@ -92,6 +96,8 @@ class StaticDecodeInputs:
         n = hb.seq_lens.shape[0]
         for k in self.dev:
             src = getattr(hb, k)
+            if src is None:  # slot_ids of a model without slot states
+                continue
             self.host[k][:n].numpy()[:] = src
             self.dev[k][:n].copy_(self.host[k][:n], non_blocking=True)
         if self.device.type == "cuda":

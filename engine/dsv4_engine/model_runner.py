@@ -67,10 +67,11 @@ class ModelRunner:
         # DeepSeek-V4 (the models with slot states) pads a prefill/mixed step to its longest
         # chunk, so a mixed step runs as two forwards, decodes then the rest: decode rows are
         # never padded to a prefill chunk's length.
-        self.decode_apart = any(not spec.paged for spec in self.state_specs)
+        self.has_slot_states = any(not spec.paged for spec in self.state_specs)
+        self.decode_apart = self.has_slot_states
         self.buffers = BatchBuffers(self.device)
         # Captured decode graphs: CUDA, the Triton backend (the torch backend's MoE reads expert
-        # counts on the host) and a model whose forward is capture-safe (V3; not yet V4).
+        # counts on the host) and a model whose decode forward is capture-safe (V3, V4).
         self.cuda_graph_max_bs = cuda_graph_max_bs if self.graphs_supported() else 0
         if cuda_graph_max_bs and not self.cuda_graph_max_bs:
             log.info("CUDA graphs off: need a CUDA device, the triton kernel backend and a capture-safe model")
@@ -79,7 +80,7 @@ class ModelRunner:
 
     def graphs_supported(self) -> bool:
         return (self.device.type == "cuda" and self.kernel_backend == "triton"
-                and getattr(self.model, "CUDA_GRAPH_SAFE", False) and not self.decode_apart)
+                and getattr(self.model, "CUDA_GRAPH_SAFE", False))
 
     def decode_graphs(self, page_size: int, num_pages: int, capture: bool = True) -> DecodeGraphs:
         """The graphs for this runner (made on first use): block tables as wide as the most
@@ -91,7 +92,8 @@ class ModelRunner:
             def run_forward(t: dict[str, torch.Tensor], bs: int) -> torch.Tensor:
                 fb = ForwardBatch(input_ids=t["input_ids"], positions=t["positions"], slot_mapping=t["slot_mapping"],
                                   block_table=t["block_table"], seq_lens=t["seq_lens"], extend_lens=t["extend_lens"],
-                                  logits_indices=t["logits_indices"], all_decode=True, page_size=page_size)
+                                  logits_indices=t["logits_indices"], all_decode=True, page_size=page_size,
+                                  slot_ids=t["slot_ids"] if self.has_slot_states else None)
                 return self.model.forward(fb, self._states)
 
             self.graphs = DecodeGraphs(run_forward, max_bs, width, self.device, capture)

@@ -161,9 +161,11 @@ def _rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.
     return freqs.cos().repeat_interleave(2, dim=-1), freqs.sin().repeat_interleave(2, dim=-1)
 
 
-def _apply_rope(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor], conj: bool = False) -> torch.Tensor:
+def _apply_rope(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor], conj: bool = False,
+                inplace: bool = False) -> torch.Tensor:
     """Interleaved rope on the trailing rope slice of x [N, ..., dim] with a `_rope_table`.
-    conj rotates by -angle (undoes the rope that values picked up, at the query position)."""
+    conj rotates by -angle (undoes the rope that values picked up, at the query position).
+    inplace: x is a fresh tensor of the caller's; only its rope slice is written."""
     cos, sin = table
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if conj:
@@ -174,6 +176,9 @@ def _apply_rope(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor], conj:
     rope = x[..., -rd:]
     rot = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
     rotated = (rope.float() * cos + rot.float() * sin).to(x.dtype)
+    if inplace:
+        rope.copy_(rotated)
+        return x
     return torch.cat([x[..., :-rd], rotated], dim=-1)
 
 
@@ -202,6 +207,10 @@ class DeepseekV4:
     CSA_STAGE = "csa_stage"
     CSA_INDEX_STAGE = "csa_index_stage"
     HCA_STAGE = "hca_stage"
+    # On the kernel path a decode step given without host lengths closes windows masked, reads
+    # nothing back and keeps its shapes: it may be captured in a CUDA graph
+    # (tests/unit/engine/test_cuda_graphs.py). The torch path is not (its MoE reads expert ids).
+    CUDA_GRAPH_SAFE = True
 
     @classmethod
     def state_specs(cls, cfg: DeepseekV4Config) -> list[StateSpec]:
@@ -349,15 +358,19 @@ class DeepseekV4:
         if self.kops is not None:
             return self.kops.v4_hc_pre(x, fn, base, scale, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
         hc = cfg.hc_mult
-        flat = _unweighted_rms(x.reshape(x.shape[0], -1).float(), cfg.rms_norm_eps)
-        mixes = F.linear(flat, fn)
+        flat = x.reshape(x.shape[0], -1).float()
+        # rms by a norm: one reduction, no squared copy of the streams
+        ms = torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square_().div_(flat.shape[-1])
+        mixes = F.linear(flat * ms.add_(cfg.rms_norm_eps).rsqrt_(), fn)
         pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
         pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
         pre = torch.sigmoid(pre_w * scale[0] + pre_b) + cfg.hc_eps
         post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-        comb = torch.softmax(comb_w.view(-1, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1) + cfg.hc_eps
+        z = comb_w.view(-1, hc, hc) * scale[2] + comb_b.view(hc, hc)
+        comb = z.sub_(z.amax(dim=-1, keepdim=True)).exp_()  # softmax over hc: torch's kernel is slow at width 4
+        comb.div_(comb.sum(dim=-1, keepdim=True)).add_(cfg.hc_eps)
         _sinkhorn_(comb, cfg.hc_sinkhorn_iters, cfg.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+        collapsed = torch.bmm(pre.unsqueeze(1), x.float()).squeeze(1).to(x.dtype)  # sum_j pre[j] * x[j], in fp32
         return post, comb, collapsed
 
     def _hc_mix(self, x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -365,7 +378,7 @@ class DeepseekV4:
         if self.kops is not None:
             return self.kops.v4_hc_post(x, out, post, comb)
         dt = x.dtype
-        return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), x)
+        return torch.baddbmm(post.to(dt).unsqueeze(-1) * out.unsqueeze(-2), comb.to(dt).transpose(-1, -2), x)
 
     # ---- MoE -----------------------------------------------------------------------------------
 
@@ -432,12 +445,17 @@ class DeepseekV4:
         return _rope(entries, w_ids * rate, self.inv_freq["compress"])
 
     def _close_decode(self, rows: torch.Tensor, t: torch.Tensor, slots: torch.Tensor, fb: V4Batch, j: int,
-                      stage: torch.Tensor, params, rate: int, overlap: bool, store: torch.Tensor) -> None:
+                      stage: torch.Tensor, params, rate: int, overlap: bool, store: torch.Tensor,
+                      closes: Optional[torch.Tensor] = None) -> None:
         """Decode tokens at positions t [N] that close a window, all at once: the stage ring
         already holds every projection of the window (this step's included), so the window and,
-        for CSA, its predecessor are read back from it."""
+        for CSA, its predecessor are read back from it. With `closes` [N] (a captured step, whose
+        launches cannot depend on which rows close): every row pools its latest full window, and
+        a row that closes none writes back the entry it read (its own page: pages are never shared)."""
         S, width = stage.shape[2], stage.shape[3] // 2
         w = (t + 1) // rate - 1
+        if closes is not None:
+            w = w.clamp(min=0)
         first = w[:, None] * rate + torch.arange(rate, device=t.device)  # [N, rate] positions
 
         def read(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -448,7 +466,9 @@ class DeepseekV4:
         prev_kv, prev_gate = read(first - rate) if overlap else (None, None)  # unused rows masked for w == 0
         entries = self._pool_windows(win_kv, win_gate, prev_kv, prev_gate, w, params, rate)
         page, off = self._locate(w, rate, fb.page_size, store.shape[1])
-        store[fb.block_table[rows, page].long(), off] = entries.to(store.dtype)
+        at = (fb.block_table[rows, page].long(), off)
+        entries = entries.to(store.dtype)
+        store[at] = entries if closes is None else torch.where(closes[:, None], entries, store[at])
 
     def _compressors(self, kind: str) -> list[tuple[str, str, str, bool]]:
         """A compressed layer's compressors: (stage ring, projections, entry store, overlapping)."""
@@ -495,7 +515,7 @@ class DeepseekV4:
         table = rope["main" if kind == SLIDING else "compress"]
         parts = F.linear(h, L["w_in"]).split(L["w_in_split"], dim=-1)
         qr = _rms(parts[0], L["q_norm"], eps)
-        kv = _apply_rope(_rms(parts[1], L["kv_norm"], eps), table)  # [T, hd]: key == value
+        kv = _apply_rope(_rms(parts[1], L["kv_norm"], eps), table, inplace=True)  # [T, hd]: key == value
         proj = {}
         if kind in (CSA, HCA):
             proj["comp"] = (parts[2], parts[3])
@@ -506,14 +526,14 @@ class DeepseekV4:
             proj["iq"] = _apply_rope(iq.reshape(T, cfg.index_n_heads, cfg.index_head_dim), rope["compress"])
         else:
             q = F.linear(qr, L["wq_b"])
-        q = _apply_rope(_unweighted_rms(q.reshape(T, H, hd), eps), table)
+        q = _apply_rope(_unweighted_rms(q.reshape(T, H, hd), eps), table, inplace=True)
         if self.kops is not None:
-            out = self._attend_kernels(i, L, q, kv, proj, fb, states, spans)
+            out = self._attend_kernels(i, L, q, kv, proj, fb, states, spans)  # spans None: a captured decode
         elif all(n == 1 for _, n, _ in spans):
             out = self._attend_decode(i, L, q, kv, proj, fb, states, spans)
         else:
             out = self._attend_varlen(i, L, q, kv, proj, fb, states, spans)
-        out = _apply_rope(out, table, conj=True)
+        out = _apply_rope(out, table, conj=True, inplace=True)
         G = cfg.o_groups
         grouped = out.reshape(T, G, -1).transpose(0, 1)  # [G, T, H*hd/G]
         wa = L["wo_a"].view(G, -1, grouped.shape[-1]).transpose(1, 2)  # [G, in, o_lora]
@@ -540,13 +560,16 @@ class DeepseekV4:
         are shared by every query and head of a request (never expanded per query)."""
         B, M, H, hd = q.shape
         K = keys.shape[1]
-        logits = torch.bmm(q.reshape(B, M * H, hd), keys.transpose(1, 2)).view(B, M, H, K) * hd ** -0.5
-        logits = logits.masked_fill(~allowed.unsqueeze(-2), float("-inf"))
-        sink = L["sink"].to(logits.dtype).view(H, 1).expand(B, M, H, 1)
-        logits = torch.cat([logits, sink], dim=-1)
-        logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = F.softmax(logits, dim=-1)[..., :-1]
-        return torch.bmm(probs.reshape(B, M * H, K).to(keys.dtype), keys).view(B, M, H, hd)
+        # the scale rides in the GEMM, and the softmax runs in place on the fresh logits with the
+        # sink joining the max and the denominator only (no concatenated copy of the scores)
+        logits = torch.baddbmm(q.new_zeros(()), q.reshape(B, M * H, hd), keys.transpose(1, 2), beta=0,
+                               alpha=hd ** -0.5).view(B, M, H, K)
+        logits.masked_fill_(~allowed.unsqueeze(-2), float("-inf"))
+        sink = L["sink"].to(logits.dtype).view(H, 1)
+        top = torch.maximum(logits.amax(dim=-1, keepdim=True), sink)  # finite: padding rows see only the sink
+        probs = logits.sub_(top).exp_()
+        probs.div_(probs.sum(dim=-1, keepdim=True).add_((sink - top).exp_()))
+        return torch.bmm(probs.view(B, M * H, K).to(keys.dtype), keys).view(B, M, H, hd)
 
     # Budget (elements) of the largest per-group score tensor of a prefill/mixed step: requests
     # are attended together in groups that stay under it (one group at serving sizes; a single
@@ -707,15 +730,23 @@ class DeepseekV4:
         return out
 
     def _stage_decode(self, L: dict, proj: dict, fb: V4Batch, states: dict[str, torch.Tensor], j: int,
-                      rate: int, spans: list[tuple[int, int, int]]) -> None:
-        """Decode tokens go to their stage rings; those that close a window close it."""
+                      rate: int, spans: Optional[list[tuple[int, int, int]]]) -> None:
+        """Decode tokens go to their stage rings; those that close a window close it (spans None:
+        a captured step, where every row runs the close, masked)."""
         t, slots = fb.positions, fb.slot_ids.long()
-        closes = [b for b, (_, _, st) in enumerate(spans) if (st + 1) % rate == 0]
-        closing = self._index(("decode_close", tuple(spans), rate), lambda: closes, t.device)
+        if spans is None:
+            closes = []
+        else:
+            closes = [b for b, (_, _, st) in enumerate(spans) if (st + 1) % rate == 0]
+            closing = self._index(("decode_close", tuple(spans), rate), lambda: closes, t.device)
         for name, key, store, overlap in self._compressors(L["type"]):
             st = states[name]
             st[slots, j, t % st.shape[2]] = torch.cat(proj[key], dim=-1).to(st.dtype)
-            if closes:
+            if spans is None:
+                rows = torch.arange(t.shape[0], device=t.device)
+                self._close_decode(rows, t, slots, fb, j, st, L[key], rate, overlap, states[store][:, j],
+                                   closes=(t + 1) % rate == 0)
+            elif closes:
                 self._close_decode(closing, t[closing], slots[closing], fb, j, st, L[key], rate, overlap,
                                    states[store][:, j])
 
@@ -727,7 +758,7 @@ class DeepseekV4:
         cfg, ops = self.cfg, self.kops
         W, kind, j = cfg.sliding_window, L["type"], self.type_index.get(i)
         dev, T = q.device, q.shape[0]
-        decode = all(n == 1 for _, n, _ in spans)
+        decode = spans is None or all(n == 1 for _, n, _ in spans)
         slots = fb.slot_ids.long()
         comp_kv = comp_idx = None
         rate = 0
@@ -769,7 +800,10 @@ class DeepseekV4:
                 "per-request slot rows); this engine loop does not hand them out yet"
             )
         cfg = self.cfg
-        spans = _spans(fb)
+        # A decode step without host lengths is a captured one (cuda_graphs): nothing in it may
+        # depend on values, so it runs the kernel path's masked window closing instead.
+        static = self.kops is not None and getattr(fb, "all_decode", False) and getattr(fb, "seq_lens_host", None) is None
+        spans = None if static else _spans(fb)
         self._step_index = {}
         rope = {name: _rope_table(fb.positions, inv) for name, inv in self.inv_freq.items()}
         x = F.embedding(fb.input_ids, self.embed)

@@ -12,7 +12,8 @@ import torch
 from host_sync_probe import count_host_syncs, from_interpreter
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dsv4_engine.cuda_graphs import DECODE_DISPATCHES_PER_LAYER, bucket_for, graph_buckets, pad_decode
+from dsv4_engine.cuda_graphs import (DECODE_DISPATCHES_PER_LAYER, V4_DECODE_DISPATCHES_PER_LAYER, bucket_for,
+                                     graph_buckets, pad_decode)
 from dsv4_engine.kv_cache import KVPool
 from dsv4_engine.model_runner import ModelRunner
 from dsv4_engine.sampling import SamplingParams
@@ -163,6 +164,90 @@ def test_captured_graphs_replay_the_eager_decode(tiny_model):
         snapshot = pool.states[r.model.LATENT_KV].clone()
         eager = r.model.forward(r.build_batch(batch, pool.page_size), pool.all_states).clone()
         pool.states[r.model.LATENT_KV].copy_(snapshot)
+        replayed = r.forward(batch, pool).clone()  # captures on first use, then replays
+        assert r.graphs is not None and r.graphs.graphs
+        torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
+
+
+# ---- DeepSeek-V4: a captured decode step closes compression windows masked ------------------
+# v4-tiny: window 8, CSA every 4 tokens, HCA every 8. A decode token at position t closes a CSA
+# window when (t + 1) % 4 == 0 and an HCA one when (t + 1) % 8 == 0; the eager step closes only
+# those rows, the captured one runs the close for every row and keeps what the others held.
+
+
+@pytest.fixture(scope="module")
+def v4_runner(make_model):
+    return ModelRunner(make_model("v4-tiny"), "float32", str(DEVICE), "triton")
+
+
+def _v4_decoding(rid: str, prompt: list[int], out: list[int], pages: list[int], slot: int) -> ScheduledSeq:
+    s = _decoding(rid, prompt, out, pages)
+    s.seq.slot = slot
+    return s
+
+
+def _v4_pool(runner, seed: int) -> KVPool:
+    pool = KVPool(runner.state_specs, 16, 8, torch.float32, DEVICE, max_num_seqs=6)
+    torch.manual_seed(seed)
+    for t in pool.all_states.values():  # any content: the trace must not care, the close must keep it
+        t.normal_()
+    return pool
+
+
+def test_v4_decode_step_is_capture_safe(v4_runner, launches):
+    pool = _v4_pool(v4_runner, 3)
+    graphs = v4_runner.decode_graphs(pool.page_size, pool.num_pages, capture=False)
+    # positions 7 (closes CSA and HCA), 5 (none), 11 (CSA) / 4, 9, 14, 2 (none close)
+    one = [_v4_decoding("a", list(range(3, 10)), [4], [0], 0), _v4_decoding("b", [5, 6, 7], [8, 9, 1], [1], 1),
+           _v4_decoding("c", list(range(20, 30)), [2, 3], [2, 3], 2)]
+    two = [_v4_decoding("d", [1, 2, 3, 4], [5], [4], 3), _v4_decoding("e", list(range(40, 48)), [6, 7], [5, 6], 4),
+           _v4_decoding("f", list(range(60, 75)), [1], [7, 8], 5), _v4_decoding("g", [9, 8], [7], [9], 0)]
+    assert bucket_for(len(one), graphs.buckets) == bucket_for(len(two), graphs.buckets) == 4
+    logits1, trace1, syncs1 = _step_trace(v4_runner, pool, graphs, one, launches)
+    logits2, trace2, syncs2 = _step_trace(v4_runner, pool, graphs, two, launches)
+    assert syncs1 == [] and syncs2 == [], "\n".join(syncs1 + syncs2)
+    assert logits1.shape[0] == 3 and logits2.shape[0] == 4
+    assert len(trace1) == len(trace2)
+    for i, (x, y) in enumerate(zip(trace1, trace2)):
+        assert x == y, f"dispatch {i} differs between two steps of one bucket: {x} vs {y}"
+    per_layer = len(trace1) / v4_runner.cfg.num_hidden_layers
+    print(f"V4 decode dispatches: {len(trace1)} in {v4_runner.cfg.num_hidden_layers} layers "
+          f"({sum(e[0] == 'launch' for e in trace1)} kernel launches)")
+    assert per_layer <= V4_DECODE_DISPATCHES_PER_LAYER, f"{per_layer:.1f} dispatches a layer > budget"
+
+
+def test_v4_padded_static_step_gives_the_plain_steps_logits_and_states(v4_runner):
+    """The masked close of the captured step equals the eager step's closing of just the rows
+    that close: same logits, every state tensor the same afterwards (rows that close nothing
+    and the padding row leave their stores as they were)."""
+    pool = _v4_pool(v4_runner, 4)
+    batch = [_v4_decoding("a", list(range(3, 10)), [4], [0], 0), _v4_decoding("b", [5, 6, 7], [8, 9, 1], [1], 1),
+             _v4_decoding("c", list(range(20, 30)), [2, 3], [2, 3], 2)]  # positions 7, 5, 11
+    snapshot = {k: v.clone() for k, v in pool.all_states.items()}
+    plain = v4_runner.model.forward(v4_runner.build_batch(batch, pool.page_size), pool.all_states)
+    after_plain = {k: v.clone() for k, v in pool.all_states.items()}
+    for k, v in pool.all_states.items():
+        v.copy_(snapshot[k])
+    graphs = v4_runner.decode_graphs(pool.page_size, pool.num_pages, capture=False)
+    v4_runner._states = pool.all_states
+    padded = graphs.step(v4_runner.host_batch(batch, pool.page_size, graphs.width))  # 3 rows in bucket 4
+    torch.testing.assert_close(padded, plain, atol=1e-5, rtol=1e-5)
+    for k, v in pool.all_states.items():
+        torch.testing.assert_close(v, after_plain[k], atol=1e-6, rtol=1e-6, msg=k)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU to capture")
+def test_v4_captured_graphs_replay_the_eager_decode(make_model):
+    r = ModelRunner(make_model("v4-tiny"), "float32", "cuda", "triton", cuda_graph_max_bs=8)
+    assert r.cuda_graph_max_bs == 8
+    pool = _v4_pool(r, 5)
+    for batch in ([_v4_decoding("a", list(range(3, 10)), [4], [0], 0), _v4_decoding("b", [5, 6, 7], [8, 9, 1], [1], 1)],
+                  [_v4_decoding("c", list(range(20, 30)), [2, 3], [2, 3], 2), _v4_decoding("d", [1, 2, 3, 4], [5], [4], 3),
+                   _v4_decoding("e", list(range(40, 48)), [6, 7], [5, 6], 4)]):
+        snapshot = {k: v.clone() for k, v in pool.all_states.items()}
+        eager = r.model.forward(r.build_batch(batch, pool.page_size), pool.all_states).clone()
+        for k, v in pool.all_states.items():
+            v.copy_(snapshot[k])
         replayed = r.forward(batch, pool).clone()  # captures on first use, then replays
         assert r.graphs is not None and r.graphs.graphs
         torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
