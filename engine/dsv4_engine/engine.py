@@ -20,6 +20,8 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Union
 
+import torch
+
 from dsv4_engine.engine_args import EngineArgs  # noqa: F401  (its old home)
 from dsv4_engine.kv_cache import KVPool, check_page_size, pages_for_memory
 from dsv4_engine.metrics import EngineMetrics
@@ -71,6 +73,16 @@ def state_refusal(specs: list[StateSpec], role: str, page_size: Optional[int]) -
     return None
 
 
+def limits_refusal(max_num_seqs: int, max_num_batched_tokens: int) -> Optional[str]:
+    """Why these scheduler limits cannot serve anything, in one line, or None: a step budget of
+    0 tokens never admits a request (it waits forever), and 0 requests at once leaves a model
+    with slot states no row to give."""
+    for flag, value in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens)):
+        if value < 1:
+            return f"{flag} must be at least 1, not {value}"
+    return None
+
+
 def serving_refusal(model_dir: str, role: str, page_size: Optional[int], tp_size: int = 1) -> Optional[str]:
     """`state_refusal` (and the --tp-size checks) for a checkpoint folder, before any weight is
     read (for the CLI, and before an engine spawns its other ranks)."""
@@ -99,6 +111,9 @@ def prefix_cache_refusal(specs: list[StateSpec], role: str, enabled: bool = True
 
 class Engine:
     def __init__(self, args: EngineArgs):
+        refusal = limits_refusal(args.max_num_seqs, args.max_num_batched_tokens)
+        if refusal:  # before any weight is read or rank spawned
+            raise ValueError(refusal)
         self.args = args
         self.tp = None  # rank 0's handle on the other ranks when tp_size > 1
         if args.tp_size > 1:
@@ -357,11 +372,20 @@ class Engine:
         try:
             if self.tp is not None:  # the state landed on rank 0 only: the other ranks need it too
                 self.tp.send_state(self.pool, seq.pages[: -(-seq.num_computed // self.pool.page_size)], seq.slot)
+            self._skip_first_draw(seq)
             self._append_token(seq, tok, logprob)
             if not seq.finished:
                 self.scheduler.add_running(seq)
         except Exception as e:
             self.fail_request(seq, "generation failed", e)
+
+    def _skip_first_draw(self, seq: Sequence) -> None:
+        """Prefill drew the first token's noise from this request's seeded stream; move decode's
+        copy of the stream past that draw, so that a seeded request samples in PD what it samples
+        in mono. One draw is one float32 exponential per vocab entry (sampling._sample_rows)."""
+        gen = seq.generator
+        if gen is not None and not seq.params.greedy:
+            torch.empty(self.cfg.vocab_size, dtype=torch.float32, device=gen.device).exponential_(generator=gen)
 
     def _stop_reason(self, seq: Sequence, tok: int) -> Optional[str]:
         p = seq.params

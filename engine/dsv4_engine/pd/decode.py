@@ -82,6 +82,11 @@ class DecodeController(PDController):
 
     def _preallocate(self) -> None:
         pool = self.engine.pool
+        if self.engine.scheduler.waiting:
+            # Only requests this decode preempted wait there: they resume first. Preallocating
+            # runs before each step's schedule, so new hand-offs would otherwise take the pages
+            # and slot row a preempted request gave back, for as long as new requests come.
+            return
         while self.prealloc:
             seq = self.prealloc[0]
             need = -(-len(seq.prompt_ids) // pool.page_size)
