@@ -83,6 +83,23 @@ def limits_refusal(max_num_seqs: int, max_num_batched_tokens: int) -> Optional[s
     return None
 
 
+def backend_refusal(kernel_backend: Optional[str], device: Optional[str]) -> Optional[str]:
+    """Why --kernel-backend cannot run on this device, in one line, or None: Triton kernels need
+    a CUDA device, or its CPU interpreter (TRITON_INTERPRET=1, slow: for tests). Without this,
+    such an engine started and then failed every request."""
+    import os
+
+    if kernel_backend != "triton":
+        return None
+    import torch
+
+    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return (f"--kernel-backend triton needs a CUDA device, not {dev.type} (or TRITON_INTERPRET=1 for "
+                f"Triton's slow CPU interpreter); use --kernel-backend torch on a CPU")
+    return None
+
+
 def serving_refusal(model_dir: str, role: str, page_size: Optional[int], tp_size: int = 1) -> Optional[str]:
     """`state_refusal` (and the --tp-size checks) for a checkpoint folder, before any weight is
     read (for the CLI, and before an engine spawns its other ranks)."""
@@ -111,7 +128,8 @@ def prefix_cache_refusal(specs: list[StateSpec], role: str, enabled: bool = True
 
 class Engine:
     def __init__(self, args: EngineArgs):
-        refusal = limits_refusal(args.max_num_seqs, args.max_num_batched_tokens)
+        refusal = (limits_refusal(args.max_num_seqs, args.max_num_batched_tokens)
+                   or backend_refusal(args.kernel_backend, args.device))
         if refusal:  # before any weight is read or rank spawned
             raise ValueError(refusal)
         self.args = args

@@ -34,6 +34,18 @@ from dsv4_serve.detokenize import OutputProcessor
 log = logging.getLogger("dsv4.client")
 
 
+
+def call_soon(loop: Optional[asyncio.AbstractEventLoop], fn: Callable, *args) -> None:
+    """fn(*args) on the loop's thread, from the channel reader: nothing when there is no loop
+    yet, or when it has closed (the server is shutting down; checking is_closed first would
+    still race with the close)."""
+    if loop is None:
+        return
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # "Event loop is closed"
+        pass
+
 class EngineStartError(RuntimeError):
     """The core could not start (bad model, busy bootstrap port, ...): one line saying why."""
 
@@ -167,9 +179,7 @@ class EngineClient:
                 break
             msg = m.loads(data)
             if msg[0] == m.OUT:
-                loop = self._loop
-                if loop is not None:
-                    loop.call_soon_threadsafe(self._deliver, msg[1])
+                call_soon(self._loop, self._deliver, msg[1])
             elif msg[0] == m.REPLY:
                 _, call_id, ok, value = msg
                 fut = self._calls.pop(call_id, None)
@@ -196,9 +206,7 @@ class EngineClient:
             if not fut.done():
                 fut.set_exception(EngineGone(why))
         self._calls.clear()
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._fail_all)
+        call_soon(self._loop, self._fail_all)
         if self.on_gone is not None:
             self.on_gone()
 

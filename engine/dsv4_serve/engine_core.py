@@ -182,11 +182,15 @@ class CoreServer:
 
 def _refusal(args) -> Optional[str]:
     """Why this checkpoint cannot be served as `args` ask, in one line naming the model, before
-    any weight is read: a quantization it cannot load, states that do not fit --page-size,
-    a --tp-size it cannot split into. Checked here, not in the HTTP process: both need torch."""
-    from dsv4_engine.engine import serving_refusal
+    any weight is read: limits that serve nothing, a kernel backend this device cannot run, a
+    quantization it cannot load, states that do not fit --page-size, a --tp-size it cannot split into. Checked here, not in the HTTP process: both need torch."""
+    from dsv4_engine.engine import backend_refusal, limits_refusal, serving_refusal
     from dsv4_engine.quant import UnsupportedQuantization, checkpoint_scheme
 
+    flags = (limits_refusal(args.max_num_seqs, args.max_num_batched_tokens)
+             or backend_refusal(args.kernel_backend, args.device))
+    if flags:
+        return flags
     try:
         checkpoint_scheme(args.model)
     except UnsupportedQuantization as e:

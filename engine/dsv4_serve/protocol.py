@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 from dsv4_engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from dsv4_wire.errors import APIError
@@ -126,7 +126,8 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    # StrictInt: a JSON true/false/1.0 is not a token id (lax ints would take true as token 1)
+    prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
 

@@ -42,7 +42,7 @@ from dsv4_engine.request_output import RequestOutput
 from dsv4_engine.tokenizer import Tokenizer
 from dsv4_serve.admin import error_response, require_admin, thread_stacks
 from dsv4_serve.detokenize import OutputProcessor
-from dsv4_serve.engine_client import EngineClient, EngineGone, EngineRefused, EngineRequest, EngineStartError
+from dsv4_serve.engine_client import EngineClient, EngineGone, EngineRefused, EngineRequest, EngineStartError, call_soon
 from dsv4_serve.gate import DEFAULT_MAX_REQUEST_BYTES, Gate, Lifecycle
 from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completion_logprobs, next_offset, text_of_bytes
 from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest, _Common, parse_request
@@ -613,7 +613,7 @@ def _serve_http(client: EngineClient, args: ServerArgs) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
         gone = asyncio.Event()
-        client.on_gone = lambda: loop.call_soon_threadsafe(gone.set)
+        client.on_gone = lambda: call_soon(loop, gone.set)
         if not client.alive:
             gone.set()
         tasks = [asyncio.create_task(s.serve()) for s in servers]

@@ -57,6 +57,9 @@ HOSTILE = [
     ("/v1/completions", X + '"temperature": 1e999}', 400),
     ("/v1/completions", X + '"stream": true, "temperature": NaN}', 400),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400),
+    ("/v1/completions", {"prompt": [True], "max_tokens": 2}, 400),  # a JSON bool is not token id 1
+    ("/v1/completions", {"prompt": [[5, False]], "max_tokens": 2}, 400),
+    ("/v1/completions", {"prompt": [1.0, 2.0], "max_tokens": 2}, 400),
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**30}, 400),
     ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400),
