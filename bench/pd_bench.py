@@ -54,7 +54,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help="runs per workload; the best counts (default 2)")
     p.add_argument("--kv-pages", type=int, default=None, help="KV pool of every engine, in pages (default 2048)")
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page of every engine")
+    p.add_argument("--page-size", type=int, default=None, help="tokens per KV page of every engine (default: the engine's)")
     p.add_argument("--transfer-checksum", action="store_true",
                    help="PD engines checksum every state region of a hand-off (decode verifies); reports its cost")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -84,7 +84,8 @@ class Deployment:
     all started at once so their start-up overlaps, stopped together."""
 
     def __init__(self, model: Path, a: argparse.Namespace, logs: Path):
-        common = ["--model", model, "--kv-pages", a.kv_pages, "--max-num-seqs", a.max_num_seqs, "--page-size", a.page_size,
+        common = ["--model", model, "--kv-pages", a.kv_pages, "--max-num-seqs", a.max_num_seqs,
+                  *(["--page-size", a.page_size] if a.page_size else []),
                   "--max-num-batched-tokens", a.max_num_batched_tokens, "--served-model-name", "bench"]
         pd_args = ["--transfer-checksum"] if a.transfer_checksum else []
         pd_env = {"OMP_NUM_THREADS": str(a.pd_threads)} if a.pd_threads else None

@@ -102,7 +102,9 @@ def serve(
     served_model_name: Optional[str] = typer.Option(None, help="Name in /v1/models (default: folder name)."),
     kv_pages: Optional[int] = typer.Option(None, help="KV pool size in pages (default: from --kv-memory-gb)."),
     kv_memory_gb: float = typer.Option(1.0, help="KV pool size in GiB when --kv-pages is not given."),
-    page_size: int = typer.Option(16, help="Tokens per KV page."),
+    page_size: Optional[int] = typer.Option(
+        None, help="Tokens per KV page (default: 16, or the model's longest compression window when longer, "
+                   "e.g. 128 for DeepSeek-V4-Flash, so compressed states fill their pages)."),
     max_num_seqs: int = typer.Option(64, help="Most requests running at once."),
     max_num_batched_tokens: int = typer.Option(1024, help="Token budget of one step (chunked prefill)."),
     max_model_len: Optional[int] = typer.Option(None, help="Context limit (default: the model's)."),

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 import torch
 
 from dsv4_engine.engine_args import EngineArgs  # noqa: F401  (its old home)
-from dsv4_engine.kv_cache import KVPool, check_page_size, pages_for_memory
+from dsv4_engine.kv_cache import KVPool, check_page_size, default_page_size, pages_for_memory
 from dsv4_engine.metrics import EngineMetrics
 from dsv4_engine.model_runner import ModelRunner
 from dsv4_engine.models.state import StateSpec
@@ -150,27 +150,28 @@ class Engine:
         self.cfg = self.runner.cfg
         self.tokenizer = Tokenizer.from_dir(args.model)
         specs = self.runner.state_specs
-        refusal = state_refusal(specs, args.role, args.page_size)
+        page_size = args.page_size or default_page_size(specs)
+        refusal = state_refusal(specs, args.role, page_size)
         if refusal:
             raise ValueError(refusal)
         # Slot rows for max_num_seqs requests come first; the rest of the memory becomes pages.
-        num_pages = args.kv_pages or pages_for_memory(specs, args.page_size, self.runner.dtype, args.kv_memory_gb,
+        num_pages = args.kv_pages or pages_for_memory(specs, page_size, self.runner.dtype, args.kv_memory_gb,
                                                       args.max_num_seqs)
-        self.pool = KVPool(specs, num_pages, args.page_size, self.runner.dtype, self.runner.device, args.max_num_seqs)
+        self.pool = KVPool(specs, num_pages, page_size, self.runner.dtype, self.runner.device, args.max_num_seqs)
         if self.tp is not None:  # the other ranks mirror the pool; each step reaches them first
             from dsv4_engine.parallel.group import BroadcastForward
 
-            self.tp.announce_pool(num_pages, args.page_size, args.max_num_seqs)
+            self.tp.announce_pool(num_pages, page_size, args.max_num_seqs)
             self.runner.model = BroadcastForward(self.runner.model, self.tp)
             self.tp.on_failure.append(lambda reason: self.abort(reason=reason, all_=True))
         self.prefix_cache_off = prefix_cache_refusal(specs, args.role, args.enable_prefix_cache)
         self.prefix_cache: Optional[PrefixCache] = (
-            PrefixCache(self.pool.allocator, args.page_size) if self.prefix_cache_off is None else None)
-        self.scheduler = Scheduler(self.pool.allocator, args.page_size, args.max_num_seqs, args.max_num_batched_tokens,
+            PrefixCache(self.pool.allocator, page_size) if self.prefix_cache_off is None else None)
+        self.scheduler = Scheduler(self.pool.allocator, page_size, args.max_num_seqs, args.max_num_batched_tokens,
                                    self.pool.slots, self.prefix_cache)
         self._cache_counted = (0, 0)  # prefix cache (query, hit) tokens already added to the counters
         # The context limit is the model's, but never more than the pool can hold for one request.
-        pool_tokens = num_pages * args.page_size
+        pool_tokens = num_pages * page_size
         self.max_model_len = min(args.max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings, pool_tokens)
         self.metrics = EngineMetrics(args.role, args.served_model_name)
         self.metrics.set("kv_pages_total", num_pages)

@@ -18,7 +18,7 @@ class EngineArgs:
     served_model_name: str = "dsv4"
     kv_pages: Optional[int] = None
     kv_memory_gb: float = 1.0
-    page_size: int = 16
+    page_size: Optional[int] = None  # None: kv_cache.default_page_size (16, or a longer compression window)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     max_model_len: Optional[int] = None

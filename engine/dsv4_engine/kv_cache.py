@@ -29,6 +29,18 @@ def slot_row_nbytes(specs: list[StateSpec], dtype: torch.dtype) -> int:
     return sum(spec.request_nbytes(dtype) for spec in specs)
 
 
+DEFAULT_PAGE_SIZE = 16
+
+
+def default_page_size(specs: list[StateSpec]) -> int:
+    """Tokens per page when --page-size is not given: 16, or the longest compression window of
+    the model's paged states when that is longer. A compressed state keeps one entry slot per
+    page at least, so pages shorter than its window leave most of its store empty: DeepSeek-V4's
+    HCA (one entry per 128 tokens) in 16-token pages would pay for 8 entries and use one."""
+    longest = max((s.tokens_per_entry for s in specs if s.paged), default=1)
+    return longest if longest > DEFAULT_PAGE_SIZE else DEFAULT_PAGE_SIZE
+
+
 def check_page_size(specs: list[StateSpec], page_size: int) -> None:
     """Raise ValueError (one line) when some paged state cannot live in pages of this size."""
     if page_size < 1:

@@ -315,7 +315,7 @@ def main(argv: list[str]) -> None:
     engine.start()
     core.send((m.HELLO, {
         "pid": os.getpid(), "boot_id": BOOT_ID, "max_model_len": engine.max_model_len,
-        "vocab_size": engine.cfg.vocab_size, "num_pages": engine.pool.num_pages,
+        "vocab_size": engine.cfg.vocab_size, "num_pages": engine.pool.num_pages, "page_size": engine.pool.page_size,
         "kernel_backend": engine.runner.kernel_backend,
     }))
     core.serve()

@@ -472,7 +472,7 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, args: ServerArgs, life
     @app.get(Paths.SERVER_INFO)
     async def server_info():
         return {"role": args.role, "model": serving.model_name, "bootstrap_port": args.bootstrap_port if args.role == "prefill" else None,
-                "boot_id": client.info["boot_id"], "max_model_len": client.max_model_len, "page_size": args.page_size,
+                "boot_id": client.info["boot_id"], "max_model_len": client.max_model_len, "page_size": client.info["page_size"],
                 "kernel_backend": client.info["kernel_backend"], "pid": os.getpid(), "engine_pid": client.pid}
 
     @app.get(Paths.LOADS)
@@ -600,7 +600,7 @@ def _serve_http(client: EngineClient, args: ServerArgs) -> None:
                                       timeout_graceful_shutdown=5))]
     extra = f", bootstrap on port {args.bootstrap_port}" if args.role == "prefill" else ""
     print(f"dsv4 serve: {args.role} engine for {args.served_model_name} on http://{args.host}:{args.port}{extra} "
-          f"({client.info['num_pages']} KV pages of {args.page_size} tokens, max_model_len {client.max_model_len}, "
+          f"({client.info['num_pages']} KV pages of {client.info['page_size']} tokens, max_model_len {client.max_model_len}, "
           f"kernels {client.info['kernel_backend']}; engine core pid {client.pid})", flush=True)
 
     async def serve_all() -> None:

@@ -179,3 +179,20 @@ def test_quantized_tensors_are_refused_not_misread(tiny_dir):
     # fp8 with its scales loads (tests/unit/quant); without them it is refused, never cast
     with pytest.raises(ValueError, match="without its scales"):
         DeepseekV4(cfg, w)
+
+
+def test_default_page_size_fills_compressed_pages():
+    """Without --page-size a page is 16 tokens, or the longest compression window when longer:
+    V4-Flash's HCA keeps one entry per 128 tokens, and in 16-token pages it would pay for 8
+    entry slots per window and fill one (64 B/token instead of 8 in bf16)."""
+    from dsv4_engine.kv_cache import default_page_size
+    from dsv4_engine.models.state import StateSpec
+
+    v3 = [StateSpec("latent_kv", 2, (576,))]
+    v4_flash = [StateSpec("csa_kv", 1, (512,), tokens_per_entry=4), StateSpec("hca_kv", 1, (512,), tokens_per_entry=128),
+                StateSpec("swa_kv", 1, (512,), kind="slot", slots=128)]
+    v4_tiny = [StateSpec("csa_kv", 1, (64,), tokens_per_entry=4), StateSpec("hca_kv", 1, (64,), tokens_per_entry=8)]
+    assert default_page_size(v3) == 16 and default_page_size(v4_tiny) == 16
+    assert default_page_size(v4_flash) == 128
+    hca = v4_flash[1]
+    assert hca.page_nbytes(16, torch.bfloat16) / 16 == 64 and hca.page_nbytes(128, torch.bfloat16) / 128 == 8
