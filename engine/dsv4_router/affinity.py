@@ -64,8 +64,6 @@ def affinity_key(path: str, body: dict) -> Optional[str]:
 
 def _plain_prompt(body: dict) -> Union[str, list, None]:
     """The request's prompt (text, or token ids) when it is a plain one, else None."""
-    if "messages" in body:
-        return None
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
         prompt = prompt[0]  # a batch: its first prompt (PD serves one prompt per request anyway)
