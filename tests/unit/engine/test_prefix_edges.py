@@ -103,3 +103,56 @@ def test_conversations_admitted_together_each_reuse_their_own_previous_round(tin
         convos = [c + o + [rng.randrange(3, 400) for _ in range(3)] for c, o in zip(convos, got)]
     assert engine.pool.allocator._refs == {}
     engine.prefix_cache.check()
+
+
+def test_random_races_preemptions_and_releases_keep_every_page_accounted_for():
+    """A 3-token vocabulary makes requests collide on the same pages all the time (swaps), on
+    pools of 6 to 30 pages (eviction, failed allocations taken as preemptions). After every
+    operation the tree agrees with the allocator and each page is referenced, free or idle in
+    the cache, never lost; at the end every page comes back and every cached page is evictable."""
+    for seed in range(12):
+        rng = random.Random(seed)
+        total = rng.randint(6, 30)
+        alloc = PageAllocator(total)
+        cache = PrefixCache(alloc, PS)
+        bases = [[rng.randrange(3) for _ in range(24)] for _ in range(3)]
+        live: list[Sequence] = []
+
+        def drop(s: Sequence) -> None:
+            if s in live:
+                live.remove(s)
+            release(cache, alloc, s)
+
+        for t in range(2500):
+            op = rng.random()
+            if op < 0.3 and len(live) < 6:  # admission: reuse, then room for one token
+                s = seq(f"s{t}", rng.choice(bases)[: rng.randint(1, 24)] + [rng.randrange(3) for _ in range(rng.randint(0, 6))])
+                cache.attach(s)
+                pages = alloc.allocate(max(0, -(-(s.num_computed + 1) // PS) - len(s.pages)))
+                if pages is None:
+                    drop(s)
+                else:
+                    s.pages += pages
+                    live.append(s)
+            elif op < 0.8 and live:  # a step: computes up to 6 tokens, sampling as it goes
+                s = rng.choice(live)
+                n = rng.randint(1, 6)
+                s.output_ids += [rng.randrange(3) for _ in range(s.num_computed + n - s.num_tokens)]
+                pages = alloc.allocate(max(0, -(-(s.num_computed + n) // PS) - len(s.pages)))
+                if pages is None:
+                    drop(s)  # preempted
+                else:
+                    s.pages += pages
+                    s.num_computed += n
+                    cache.insert(s)
+                    assert len(set(s.pages)) == len(s.pages)
+            elif live:  # finish or abort
+                drop(rng.choice(live))
+            cache.check()
+            held = sum(1 for p in range(total) if alloc.refcount(p) > 0)
+            assert held + alloc.num_free == total, (seed, t)
+        for s in list(live):
+            drop(s)
+        cache.check()
+        assert alloc._refs == {} and alloc.num_free == total
+        assert alloc.allocate(total) is not None and cache.num_cached == 0
