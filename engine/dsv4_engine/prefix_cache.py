@@ -14,9 +14,9 @@ cover an allocation, so cached-but-idle pages count as free everywhere (`kv_page
 
 Invariant that makes the idle count exactly the reclaimable count: a request references either
 the whole chain from the root to its deepest cached node or nothing of it (it reuses a chain
-from the root, then only extends the chain with its own pages, and stops at the first page
-someone else cached first). So an idle node's descendants are idle, and evicting leaves
-repeatedly reclaims every idle page.
+from the root, then extends the chain with its own pages; where someone else cached the same
+page first, it swaps its copy for that one). So an idle node's descendants are idle, and
+evicting leaves repeatedly reclaims every idle page.
 
 Only full pages are cached, and a request always recomputes at least its last token (there must
 be logits to sample). Models with slot states (DeepSeek-V4's sliding-window ring and compressor
@@ -137,7 +137,6 @@ class PrefixCache:
             seq.pages = pages
         seq.cache_node = node if chain else None
         seq.num_cached_pages = len(chain)
-        seq.cache_open = True
         seq.num_computed = len(chain) * self.page_size
         return seq.num_computed
 
@@ -149,18 +148,22 @@ class PrefixCache:
     def insert(self, seq: Sequence) -> None:
         """Cache the request's pages that became full (every token's KV computed) since last time."""
         full = min(seq.num_computed // self.page_size, len(seq.pages))
-        while seq.cache_open and seq.num_cached_pages < full:
+        while seq.num_cached_pages < full:
             i = seq.num_cached_pages
             parent = seq.cache_node or self.root
             tokens = self._page_tokens(seq, i)
             child = parent.children.get(tokens)
             if child is not None and child.page != seq.pages[i]:
-                # Someone else cached this very prefix first (two requests computed it at once):
-                # ours stays private and is freed with the request; the chain stops here so a
-                # request never extends a chain it does not reference (see the invariant above).
-                seq.cache_open = False
-                return
-            if child is None:
+                # Someone else cached this very page first (two requests computed the same prefix
+                # at once, e.g. conversations over one system prompt admitted together): the same
+                # tokens after the same prefix, so the same KV. Take theirs and give ours back, so
+                # the request references the chain it extends (see the invariant above) and its
+                # own later pages (its answer, which its next round re-sends) get cached too.
+                own = seq.pages[i]
+                self.allocator.share([child.page])
+                seq.pages[i] = child.page
+                self.allocator.free([own])
+            elif child is None:
                 child = _Node(tokens, parent, seq.pages[i])
                 parent.children[tokens] = child
                 self._by_page[child.page] = child
@@ -172,7 +175,6 @@ class PrefixCache:
         """The request gave its pages back (finish, preemption, abort): no chain position left."""
         seq.cache_node = None
         seq.num_cached_pages = 0
-        seq.cache_open = True
 
     def stats(self) -> dict:
         return {"pages_cached": self.num_cached, "pages_idle": self.num_idle,

@@ -35,11 +35,10 @@ class Sequence:
     slot: Optional[int] = None  # row in the pool's slot states while running (models that have them)
     num_computed: int = 0  # tokens whose KV is in `pages`
     # Prefix cache bookkeeping (dsv4_engine.prefix_cache): the leading `num_cached_pages` of
-    # `pages` are in the cache, `cache_node` is the last of them, and `cache_open` turns False
-    # when another request cached the next page first. `num_cached_tokens`: reused at admission.
+    # `pages` are in the cache and `cache_node` is the last of them. `num_cached_tokens`: reused
+    # at admission.
     cache_node: Any = None
     num_cached_pages: int = 0
-    cache_open: bool = True
     num_cached_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: Optional[str] = None

@@ -13,15 +13,25 @@ one (in-flight count at most max(2x, +4) the least's); otherwise the next worker
 order that is within the bound, so one hot conversation (or many sharing one system prompt
 behind a plain-prompt API) never starves the rest. Pure functions: the router feeds them its
 own in-flight counts.
+
+A plain prompt shorter than the key is its own key, and it changes as the conversation grows.
+`ConversationKeys` remembers such short prompts (bounded, least recently used go first): a
+later prompt that starts with a whole earlier one is a later round of that conversation and
+inherits its key. Only a whole earlier prompt counts, so prompts that merely share a start
+(a chat template applied by the client) keep their own keys and still spread.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Optional, Sequence
+from collections import Counter, OrderedDict
+from typing import Any, Optional, Sequence, Union
 
 KEY_CHARS = 512  # leading characters of a plain prompt (and cap per chat message)
 KEY_TOKENS = 128  # leading token ids of a prompt given as ids
+MIN_ROOT_CHARS = 16  # shorter earlier prompts ("Hi") say too little to claim later ones
+MIN_ROOT_TOKENS = 4
+MAX_ROOTS = 16384  # short prompts remembered, per kind (text, token ids)
 LOAD_FACTOR = 2.0
 LOAD_SLACK = 4
 
@@ -44,14 +54,72 @@ def affinity_key(path: str, body: dict) -> Optional[str]:
         lead += [m for m in msgs if m.get("role") != "system"][:1]
         key = "\x1e".join(f"{m.get('role')}\x1f{_text(m.get('content'))[:KEY_CHARS]}" for m in lead)
         return key or None
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
-        prompt = prompt[0]  # a batch: its first prompt (PD serves one prompt per request anyway)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt[:KEY_TOKENS]):
+    prompt = _plain_prompt(body)
+    if isinstance(prompt, list):
         return "ids:" + ",".join(str(t) for t in prompt[:KEY_TOKENS])
-    if isinstance(prompt, str) and prompt:
+    if isinstance(prompt, str):
         return "text:" + prompt[:KEY_CHARS]
     return None
+
+
+def _plain_prompt(body: dict) -> Union[str, list, None]:
+    """The request's prompt (text, or token ids) when it is a plain one, else None."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+        prompt = prompt[0]  # a batch: its first prompt (PD serves one prompt per request anyway)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt[:KEY_TOKENS]):
+        return prompt
+    if isinstance(prompt, str) and prompt:
+        return prompt
+    return None
+
+
+class ConversationKeys:
+    """`affinity_key`, except that a plain prompt starting with a whole short prompt seen before
+    (shorter than the key) gets that prompt's key: it is a later round of the same conversation.
+    The router's own state (one instance per router); bounded by `max_roots` per kind."""
+
+    def __init__(self, max_roots: int = MAX_ROOTS):
+        self.max_roots = max_roots
+        # kind -> {an earlier short prompt (text, or tuple of ids): the key of its conversation}
+        self._roots: dict[str, OrderedDict] = {"text": OrderedDict(), "ids": OrderedDict()}
+        self._lengths: dict[str, Counter] = {"text": Counter(), "ids": Counter()}  # lengths present
+
+    @property
+    def num_roots(self) -> int:
+        return sum(len(r) for r in self._roots.values())
+
+    def key(self, path: str, body: dict) -> Optional[str]:
+        own = affinity_key(path, body)
+        prompt = _plain_prompt(body) if own is not None and "chat" not in path else None
+        if prompt is None:
+            return own
+        kind, limit, least = (("text", KEY_CHARS, MIN_ROOT_CHARS) if isinstance(prompt, str)
+                              else ("ids", KEY_TOKENS, MIN_ROOT_TOKENS))
+        lead = prompt[:limit] if kind == "text" else tuple(prompt[:limit])
+        roots = self._roots[kind]
+        key = own
+        for n in sorted((n for n in self._lengths[kind] if n <= len(lead)), reverse=True):
+            found = roots.get(lead[:n])
+            if found is not None:
+                roots.move_to_end(lead[:n])
+                key = found
+                break
+        if least <= len(prompt) < limit:
+            self._remember(kind, lead, key)
+        return key
+
+    def _remember(self, kind: str, lead: Union[str, tuple], key: str) -> None:
+        roots, lengths = self._roots[kind], self._lengths[kind]
+        if lead not in roots:
+            lengths[len(lead)] += 1
+        roots[lead] = key
+        roots.move_to_end(lead)
+        while len(roots) > self.max_roots:
+            old, _ = roots.popitem(last=False)
+            lengths[len(old)] -= 1
+            if not lengths[len(old)]:
+                del lengths[len(old)]
 
 
 def _score(key: str, url: str) -> int:

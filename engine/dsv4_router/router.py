@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from dsv4_router.admission import Admission, Overloaded, Slot
-from dsv4_router.affinity import affinity_key, choose
+from dsv4_router.affinity import ConversationKeys, choose
 from dsv4_router.body import parse_body, read_limited
 from dsv4_router.relay import RelayResponse, error_events, first_event_error, split_events
 from dsv4_router.upstream import BROKEN_CONNECTIONS, CONNECTION_FAILURES, Upstreams
@@ -173,6 +173,7 @@ class Router:
         for u in args.mono:
             self.pool.add(u, "mono")
         self.metrics = RouterMetrics()
+        self.keys = ConversationKeys()  # prefix-affinity keys, remembering short plain prompts
         self.admission = Admission(args.max_inflight, args.max_queue, args.queue_timeout)
         self.metrics.inflight.set_function(lambda: self.admission.inflight)
         self.metrics.queued.set_function(lambda: self.admission.queued)
@@ -316,7 +317,7 @@ class Router:
         rid = rid or f"{'chatcmpl' if 'chat' in path else 'cmpl'}-{uuid.uuid4().hex}"
         tried: set[str] = set()
         last: Optional[Retry] = None
-        key = affinity_key(path, body)
+        key = self.keys.key(path, body)
         for attempt in range(2):
             try:
                 p, d = self._pair(tried, key)

@@ -8,8 +8,9 @@ uses (-1: until cleared):
   starting it; decode: right after its room is registered, while it waits for the KV);
 - delay_bootstrap: a registration is accepted but applied `seconds` later (default 5);
 - corrupt_transfer: the next transfer sends one flipped byte in one region (`state`, default
-  the first paged region; a slot state such as `swa_kv` names its row), restored on the
-  sender once the transfer ends; with --transfer-checksum decode must catch it;
+  the first paged region, in the request's last page; a slot state such as `swa_kv` names its
+  row), restored on the sender once the transfer ends; with --transfer-checksum decode must
+  catch it;
 - disable_deadlines: the controllers' `Deadlines` policy turns every deadline off (the
   production wedge, reproduced on purpose).
 """
@@ -188,7 +189,11 @@ class FaultyTransport:
             raise ValueError("corrupt_transfer needs the sender's pool states")
         name = state or next(iter(self._states.pages))
         if name in self._states.pages:
-            unit = self._states.pages[name][int(src_pages[0])]
+            # The request's last page: it holds the last prompt token, which the request always
+            # computes itself, so unless the prompt ends exactly on a page boundary it is a
+            # partial page, never cached nor shared. The first pages are often prefix-cache
+            # pages that other requests read (and send to their decodes) while the byte is flipped.
+            unit = self._states.pages[name][int(src_pages[-1])]
         elif name in self._states.slots and src_slot is not None:
             unit = self._states.slots[name][src_slot]
         else:

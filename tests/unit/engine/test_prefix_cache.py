@@ -109,7 +109,7 @@ def test_nothing_is_evicted_when_an_allocation_cannot_be_met():
     assert cache.num_cached == 2
 
 
-def test_a_request_stops_extending_a_chain_someone_else_cached_first():
+def test_a_request_swaps_its_copy_of_a_page_someone_else_cached_first():
     alloc = PageAllocator(16)
     cache = PrefixCache(alloc, PS)
     a, b = seq("a", list(range(12))), seq("b", list(range(12)))
@@ -117,10 +117,10 @@ def test_a_request_stops_extending_a_chain_someone_else_cached_first():
     cache.attach(b)  # both miss: they compute the same prefix at once
     compute(cache, alloc, a, 8)
     compute(cache, alloc, b, 8)
-    assert not b.cache_open and b.num_cached_pages == 0
-    assert cache.num_cached == 2
-    release(cache, alloc, b)  # b's private pages go straight back to the free list
-    assert alloc.num_unused == 16 - 2
+    assert b.pages == a.pages and b.num_cached_pages == 2  # b's copies went back, it holds a's
+    assert cache.num_cached == 2 and alloc.num_unused == 16 - 2
+    release(cache, alloc, b)
+    assert alloc.num_unused == 16 - 2 and cache.num_idle == 0  # a still holds them
     release(cache, alloc, a)
     cache.check()
     assert alloc.num_free == 16
