@@ -433,7 +433,7 @@ class Engine:
         if seq.params.logprobs is not None:
             logprobs = seq.output_logprobs[len(seq.output_logprobs) - len(toks):] if toks else []
         seq.sink(RequestOutput(seq.rid, toks, delta, finished, reason, error, error_code,
-                               len(seq.prompt_ids), len(seq.output_ids), logprobs))
+                               len(seq.prompt_ids), len(seq.output_ids), logprobs, seq.num_cached_tokens))
 
     def finish(self, seq: Sequence, reason: str, error: Optional[str] = None, error_code: int = 500,
                new_token: Optional[int] = None) -> None:

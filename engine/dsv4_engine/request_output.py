@@ -26,3 +26,4 @@ class RequestOutput:
     # One entry per token in token_ids when the request asked for logprobs (else None):
     # {"token_id": int, "logprob": float, "top": [[token_id, logprob], ...]}.
     logprobs: Optional[list[dict]] = None
+    cached_tokens: int = 0  # prompt tokens the prefix cache served (usage.prompt_tokens_details)

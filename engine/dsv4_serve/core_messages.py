@@ -54,7 +54,7 @@ def add_msg(key: int, rid: str, prompt_ids: list[int], params: SamplingParams, p
 
 def output_row(key: int, out: RequestOutput) -> tuple:
     return (key, out.token_ids, out.text, out.finished, out.finish_reason, out.error, out.error_code,
-            out.prompt_tokens, out.completion_tokens, out.logprobs)
+            out.prompt_tokens, out.completion_tokens, out.logprobs, out.cached_tokens)
 
 
 def output_of(row: tuple, rid: str) -> tuple[int, RequestOutput]:

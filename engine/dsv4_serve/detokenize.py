@@ -52,7 +52,7 @@ class OutputProcessor:
         self.emitted = upto
         logprobs = out.logprobs[:len(kept)] if out.logprobs is not None else None
         return RequestOutput(out.rid, kept, delta, finished, reason, out.error if reason == out.finish_reason else None,
-                             out.error_code, out.prompt_tokens, self.completion, logprobs)
+                             out.error_code, out.prompt_tokens, self.completion, logprobs, out.cached_tokens)
 
     def _cut_at_stop(self) -> bool:
         start = max(0, self.emitted - self._longest)

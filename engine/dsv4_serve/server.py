@@ -80,8 +80,11 @@ class ServerArgs(EngineArgs):
         return EngineArgs(**{f.name: getattr(self, f.name) for f in fields(EngineArgs)})
 
 
-def _usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(prompt: int, completion: int, cached: int = 0) -> dict:
+    """OpenAI usage; `cached`: prompt tokens the prefix cache served (OpenAI's and vLLM's
+    prompt_tokens_details.cached_tokens)."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _sse(obj: dict | str) -> str:
@@ -265,8 +268,8 @@ class OpenAIServing:
                 t.cancel()
 
     async def _collect(self, seqs: list[EngineRequest]) -> list[dict]:
-        results = [{"text": "", "token_ids": [], "logprobs": [], "finish_reason": None, "prompt": 0, "completion": 0}
-                   for _ in seqs]
+        results = [{"text": "", "token_ids": [], "logprobs": [], "finish_reason": None, "prompt": 0, "completion": 0,
+                    "cached": 0} for _ in seqs]
         async for i, out in self._merged(seqs):
             r = results[i]
             r["text"] += out.text
@@ -275,7 +278,8 @@ class OpenAIServing:
             if out.finished:
                 if out.finish_reason in ("error", "abort"):
                     raise _failure(out)
-                r.update(finish_reason=out.finish_reason, prompt=out.prompt_tokens, completion=out.completion_tokens)
+                r.update(finish_reason=out.finish_reason, prompt=out.prompt_tokens, completion=out.completion_tokens,
+                         cached=out.cached_tokens)
         return results
 
     async def _complete(self, p: Prepared, http: Request) -> Response:
@@ -290,7 +294,8 @@ class OpenAIServing:
             work.cancel()
             return Response(status_code=499)
         results = work.result()
-        usage = _usage(sum(r["prompt"] for r in results), sum(r["completion"] for r in results))
+        usage = _usage(sum(r["prompt"] for r in results), sum(r["completion"] for r in results),
+                       sum(r["cached"] for r in results))
         choices = []
         for i, (r, seq) in enumerate(zip(results, seqs)):
             logprobs = None
@@ -335,7 +340,7 @@ class OpenAIServing:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        usage = [0, 0]
+        usage = [0, 0, 0]  # prompt, completion, cached prompt tokens
         offsets = [0] * len(p.seqs)
 
         def chunk(choices: list, usage_: Optional[dict] = None) -> dict:
@@ -373,6 +378,7 @@ class OpenAIServing:
             if out.finished:
                 usage[0] += out.prompt_tokens
                 usage[1] += out.completion_tokens
+                usage[2] += out.cached_tokens
         if include_usage:
             yield _sse(chunk([], _usage(*usage)))
         yield _sse("[DONE]")

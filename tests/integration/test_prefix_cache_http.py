@@ -4,6 +4,7 @@ free), and greedy outputs of both servers match."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -42,6 +43,13 @@ def test_metrics_move_and_outputs_match_a_server_without_the_cache(tiny_model, t
         assert loads["prefix_cache"]["enabled"] is True
         assert loads["kv_pages_cached"] >= 4 and loads["kv_pages_cached_idle"] == loads["kv_pages_cached"]
         assert loads["kv_pages_free"] == loads["kv_pages_total"]  # idle cached pages are not "used"
+        # usage says what the cache served (OpenAI's prompt_tokens_details.cached_tokens), streamed too
+        r = c.post("/v1/completions", json={"model": "m", "prompt": PROMPT + [3, 4, 5], "max_tokens": 2})
+        assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 64}, r.json()["usage"]
+        r = c.post("/v1/completions", json={"model": "m", "prompt": [9] * 40, "max_tokens": 2, "stream": True,
+                                            "stream_options": {"include_usage": True}})
+        last = [ln for ln in r.text.splitlines() if ln.startswith("data: {")][-1]
+        assert json.loads(last[6:])["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     with serving([*common, EngineFlags.DISABLE_PREFIX_CACHE], tmp_path / "off.log") as url, \
             httpx.Client(base_url=url, timeout=120) as c:
         assert complete(c, PROMPT) == first
