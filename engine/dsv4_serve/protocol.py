@@ -23,13 +23,22 @@ MAX_STOP_TOKEN_IDS = 1024
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
+def _union_branch(part) -> bool:
+    """A location part that names a union member's type (str, list[int], function-after[...])."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none") or "[" in part)
+
+
 def validation_message(e: ValidationError) -> tuple[str, Optional[str]]:
     """(message, param) for the first error, without echoing the input (it may be huge)."""
     errs = e.errors(include_input=False, include_url=False)
-    first = errs[0] if errs else {}
-    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
+    # A union field fails once per branch ("content.str: Input should be a valid string", then the
+    # list branch's real reason): our own validators' words say more than a branch's type error.
+    first = next((err for err in errs if err.get("type") == "value_error"), errs[0] if errs else {})
+    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body" and not _union_branch(x))
     msg = str(first.get("msg", "invalid request"))
     msg = msg.removeprefix("Value error, ")
+    if loc.split(".")[0] == "prompt" and first.get("type") != "value_error":  # every branch of the union failed
+        loc, msg = "prompt", "must be a string, a list of token ids (integers), or a list of either"
     return (f"{loc}: {msg}" if loc else msg), (loc or None)
 
 
