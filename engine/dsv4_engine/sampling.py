@@ -94,13 +94,13 @@ class _Counts:
         if want_seen and self.seen is None:
             self.seen = torch.zeros_like(self.output, dtype=torch.bool)
             if h.prompt_ids:
-                self.seen[torch.tensor(h.prompt_ids).to(dev, non_blocking=True)] = True
+                self.seen.index_fill_(0, torch.tensor(h.prompt_ids).to(dev, non_blocking=True), True)
         new = h.output_ids[self.counted:]
         if new:
             ids = torch.tensor(new).to(dev, non_blocking=True)
             self.output.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
             if self.seen is not None:
-                self.seen[ids] = True
+                self.seen.index_fill_(0, ids, True)
             self.counted = len(h.output_ids)
 
 
@@ -139,37 +139,37 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams],
         counts = [_counts_of(hist[j], vocab, dev, params[rows[j]].repetition_penalty != 1) for j in pen]
         knobs = torch.tensor([[params[rows[j]].repetition_penalty, params[rows[j]].presence_penalty,
                                params[rows[j]].frequency_penalty] for j in pen], dtype=torch.float32).to(dev, non_blocking=True)
-        pidx = idx.new_tensor(pen) if len(pen) != len(rows) else None
+        pidx = torch.tensor(pen).to(dev, non_blocking=True) if len(pen) != len(rows) else None
         y = x if pidx is None else x[pidx]
         out = torch.stack([c.output for c in counts]).float()
         if any(params[rows[j]].repetition_penalty != 1 for j in pen):
             seen = torch.stack([c.seen if c.seen is not None else c.output > 0 for c in counts])
             rep = knobs[:, :1]
             y = torch.where(seen, torch.where(y > 0, y / rep, y * rep), y)
-        y = y - knobs[:, 1:2] * (out > 0) - knobs[:, 2:3] * out
+        y = y.sub_(knobs[:, 2:3] * out).sub_(knobs[:, 1:2] * (out > 0))  # y is this step's own copy
         if pidx is None:
             x = y
         else:
-            x = x.index_copy(0, pidx, y)
-    # logit_bias and min_tokens: sparse (row, token) entries, one upload and one scatter each.
-    b_rows, b_toks, b_vals = [], [], []
-    m_rows, m_toks = [], []
+            x.index_copy_(0, pidx, y)
+    # logit_bias and min_tokens: sparse (row, token) entries as flat offsets into x (index_add_
+    # and index_fill_ need no host read on CUDA), one upload and one op each.
+    b_flat, b_vals, m_flat = [], [], []
     for j, (i, h) in enumerate(zip(rows, hist)):
         p = params[i]
         for tok, bias in p.logit_bias.items():
             if 0 <= tok < vocab:  # the API refuses others; an id past the vocab must not reach the device
-                b_rows.append(j), b_toks.append(tok), b_vals.append(bias)
+                b_flat.append(j * vocab + tok), b_vals.append(bias)
         if len(h.output_ids) < p.min_tokens:
             blocked = {t for t in (*p.stop_token_ids, *(() if p.ignore_eos else eos_ids)) if 0 <= t < vocab}
-            m_rows += [j] * len(blocked)
-            m_toks += sorted(blocked)
-    if b_rows:
-        where = torch.tensor([b_rows, b_toks]).to(dev, non_blocking=True)
+            m_flat += [j * vocab + t for t in sorted(blocked)]
+    flat = x.view(-1)  # x is this step's own contiguous copy
+    if b_flat:
         vals = torch.tensor(b_vals, dtype=x.dtype).to(dev, non_blocking=True)
-        x = x.index_put((where[0], where[1]), vals, accumulate=True)
-    if m_rows:
-        where = torch.tensor([m_rows, m_toks]).to(dev, non_blocking=True)
-        x = x.index_put((where[0], where[1]), torch.tensor(float("-inf"), device=dev))
+        flat.index_add_(0, torch.tensor(b_flat).to(dev, non_blocking=True), vals)
+    if m_flat:
+        flat.index_fill_(0, torch.tensor(m_flat).to(dev, non_blocking=True), float("-inf"))
+    if len(rows) == len(params):
+        return x  # every row processed: x is the whole batch, in order
     return logits.index_copy(0, idx, x)
 
 
