@@ -187,6 +187,7 @@ class Engine:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.eos_ids = set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_ids)
+        self.runner.eos_ids = sorted(self.eos_ids)  # min_tokens holds back the same ids that stop a request
         # Called on the engine thread after every step: an out-of-process front end sends the
         # outputs the step's sinks collected as one message instead of one per token.
         self.after_step: Optional[Callable[[], None]] = None

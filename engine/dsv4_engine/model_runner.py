@@ -70,6 +70,8 @@ class ModelRunner:
         self.has_slot_states = any(not spec.paged for spec in self.state_specs)
         self.decode_apart = self.has_slot_states
         self.buffers = BatchBuffers(self.device)
+        # What min_tokens holds back besides stop_token_ids (the engine adds its tokenizer's).
+        self.eos_ids: list[int] = list(self.cfg.eos_token_ids)
         # Captured decode graphs: CUDA, the Triton backend (the torch backend's MoE reads expert
         # counts on the host) and a model whose decode forward is capture-safe (V3, V4).
         self.cuda_graph_max_bs = cuda_graph_max_bs if self.graphs_supported() else 0
@@ -145,7 +147,8 @@ class ModelRunner:
         rows = [i for i, b in enumerate(batch) if b.samples]
         results: list[Union[Sampled, Exception, None]] = [None] * len(batch)
         if rows:
-            picked = sample(logits[rows], [batch[i].seq.params for i in rows], [batch[i].seq.generator for i in rows])
+            seqs = [batch[i].seq for i in rows]
+            picked = sample(logits[rows], [s.params for s in seqs], [s.generator for s in seqs], seqs, self.eos_ids)
             for i, r in zip(rows, picked):
                 results[i] = r
         return results

@@ -1,5 +1,6 @@
-"""The sampler: greedy, temperature, top-k, top-p, per-request seeds, and log-probabilities for
-the requests that ask for them. Its parameters (`SamplingParams`, re-exported here) live in the
+"""The sampler: logit processing (presence/frequency/repetition penalties, logit_bias,
+min_tokens), greedy, temperature, top-k, top-p, per-request seeds, and log-probabilities for the
+requests that ask for them. Its parameters (`SamplingParams`, re-exported here) live in the
 torch-free `dsv4_engine.sampling_params`.
 
 Every row is sampled on its own terms and fails on its own: one request whose row cannot be
@@ -9,8 +10,9 @@ result, and every other row of the batch still gets its token.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Protocol, Sequence, Union
 
 import torch
 
@@ -67,6 +69,115 @@ def logprob_entry(logprobs_row: torch.Tensor, token: int, n: int) -> dict:
     return entry
 
 
+class TokenHistory(Protocol):
+    """What the penalties read of a request: its prompt and the tokens generated so far (a
+    `dsv4_engine.sequence.Sequence` is one). `output_ids` only grows while the request lives."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+class _Counts:
+    """One request's token counts on the device, brought up to date with only the tokens
+    generated since the last step (one id a decode step) instead of its whole output."""
+
+    def __init__(self, vocab: int, device: torch.device):
+        self.output = torch.zeros(vocab, dtype=torch.int32, device=device)  # times each token was generated
+        self.seen: Optional[torch.Tensor] = None  # prompt or output contains the token (repetition_penalty)
+        self.counted = 0  # output_ids[:counted] are in `output`
+
+    def update(self, h: TokenHistory, want_seen: bool) -> None:
+        if len(h.output_ids) < self.counted:  # not expected (output only grows): start over
+            self.output.zero_()
+            self.counted, self.seen = 0, None
+        dev = self.output.device
+        if want_seen and self.seen is None:
+            self.seen = torch.zeros_like(self.output, dtype=torch.bool)
+            if h.prompt_ids:
+                self.seen.index_fill_(0, torch.tensor(h.prompt_ids).to(dev, non_blocking=True), True)
+        new = h.output_ids[self.counted:]
+        if new:
+            ids = torch.tensor(new).to(dev, non_blocking=True)
+            self.output.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+            if self.seen is not None:
+                self.seen.index_fill_(0, ids, True)
+            self.counted = len(h.output_ids)
+
+
+# Per request (held weakly: a finished request's counts go with it), per device.
+_counts: "weakref.WeakKeyDictionary[object, _Counts]" = weakref.WeakKeyDictionary()
+
+
+def _counts_of(h: TokenHistory, vocab: int, device: torch.device, want_seen: bool) -> _Counts:
+    c = _counts.get(h)
+    if c is None or c.output.numel() != vocab or not same_device(c.output.device, device):
+        c = _Counts(vocab, device)
+        _counts[h] = c
+    c.update(h, want_seen)
+    return c
+
+
+def process_logits(logits: torch.Tensor, params: list[SamplingParams],
+                   histories: Optional[Sequence[TokenHistory]], eos_ids: Sequence[int] = ()) -> torch.Tensor:
+    """The logits each request samples from, [B, V]: `logits` itself when no request processes
+    them (no op at all), else a copy where the rows that do are processed together:
+    repetition_penalty (vLLM: over prompt and output, positive logits divided, negative
+    multiplied), then presence and frequency penalties (OpenAI: over the output), then
+    logit_bias, then min_tokens (EOS and stop token ids to -inf while the output is shorter).
+    Everything the host knows (ids, lengths, knobs) is uploaded without waiting; nothing is
+    read back. Without `histories` a request counts as having seen no token."""
+    rows = [i for i, p in enumerate(params) if p.processes_logits]
+    if not rows:
+        return logits
+    dev, vocab = logits.device, logits.shape[1]
+    empty = _NoHistory()
+    hist = [histories[i] if histories is not None else empty for i in rows]
+    idx = torch.tensor(rows).to(dev, non_blocking=True)
+    x = logits[idx]
+    pen = [j for j, i in enumerate(rows) if params[i].penalized]
+    if pen:
+        counts = [_counts_of(hist[j], vocab, dev, params[rows[j]].repetition_penalty != 1) for j in pen]
+        knobs = torch.tensor([[params[rows[j]].repetition_penalty, params[rows[j]].presence_penalty,
+                               params[rows[j]].frequency_penalty] for j in pen], dtype=torch.float32).to(dev, non_blocking=True)
+        pidx = torch.tensor(pen).to(dev, non_blocking=True) if len(pen) != len(rows) else None
+        y = x if pidx is None else x[pidx]
+        out = torch.stack([c.output for c in counts]).float()
+        if any(params[rows[j]].repetition_penalty != 1 for j in pen):
+            seen = torch.stack([c.seen if c.seen is not None else c.output > 0 for c in counts])
+            rep = knobs[:, :1]
+            y = torch.where(seen, torch.where(y > 0, y / rep, y * rep), y)
+        y = y.sub_(knobs[:, 2:3] * out).sub_(knobs[:, 1:2] * (out > 0))  # y is this step's own copy
+        if pidx is None:
+            x = y
+        else:
+            x.index_copy_(0, pidx, y)
+    # logit_bias and min_tokens: sparse (row, token) entries as flat offsets into x (index_add_
+    # and index_fill_ need no host read on CUDA), one upload and one op each.
+    b_flat, b_vals, m_flat = [], [], []
+    for j, (i, h) in enumerate(zip(rows, hist)):
+        p = params[i]
+        for tok, bias in p.logit_bias.items():
+            if 0 <= tok < vocab:  # the API refuses others; an id past the vocab must not reach the device
+                b_flat.append(j * vocab + tok), b_vals.append(bias)
+        if len(h.output_ids) < p.min_tokens:
+            blocked = {t for t in (*p.stop_token_ids, *(() if p.ignore_eos else eos_ids)) if 0 <= t < vocab}
+            m_flat += [j * vocab + t for t in sorted(blocked)]
+    flat = x.view(-1)  # x is this step's own contiguous copy
+    if b_flat:
+        vals = torch.tensor(b_vals, dtype=x.dtype).to(dev, non_blocking=True)
+        flat.index_add_(0, torch.tensor(b_flat).to(dev, non_blocking=True), vals)
+    if m_flat:
+        flat.index_fill_(0, torch.tensor(m_flat).to(dev, non_blocking=True), float("-inf"))
+    if len(rows) == len(params):
+        return x  # every row processed: x is the whole batch, in order
+    return logits.index_copy(0, idx, x)
+
+
+class _NoHistory:
+    prompt_ids: list[int] = []
+    output_ids: list[int] = []
+
+
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], rows: list[int],
                  generators: list[Optional[torch.Generator]]) -> tuple[torch.Tensor, torch.Tensor]:
     """One token for each of `rows` of fp32 logits, all rows at once: temperature, top-k and
@@ -98,21 +209,25 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], rows: list[
     return (probs / noise.clamp_min_(1e-30)).argmax(dim=-1), invalid
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[Optional[torch.Generator]]) -> list[Union[Sampled, Exception]]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[Optional[torch.Generator]],
+           histories: Optional[Sequence[TokenHistory]] = None,
+           eos_ids: Sequence[int] = ()) -> list[Union[Sampled, Exception]]:
     """One result per row of fp32 logits [B, V]: a Sampled, or the exception that row raised.
+    `histories[i]`: row i's prompt and output so far (for the penalties and min_tokens);
+    `eos_ids`: the ids min_tokens holds back besides each request's stop_token_ids.
 
     The whole batch is sampled with batched tensor ops and read back to the host once (a
     per-row sampler waits for the GPU several times a row). Logprobs are those of the model's
-    raw distribution (log-softmax of the logits before temperature, top-k and top-p), the
-    choice vLLM documents as its default."""
-    logits = logits.float()
+    raw distribution (log-softmax of the logits before penalties, logit_bias, min_tokens,
+    temperature, top-k and top-p), the choice vLLM documents as its default."""
+    raw = logits.float()
+    logits = process_logits(raw, params, histories, eos_ids)
     out: list[Union[Sampled, Exception, None]] = [None] * len(params)
     for i, (p, gen) in enumerate(zip(params, generators)):
         if gen is not None and not p.greedy and not same_device(gen.device, logits.device):
             out[i] = SamplingError(f"this request's generator is on {gen.device}, its logits on {logits.device}")
     rows = [i for i, p in enumerate(params) if not p.greedy and out[i] is None]
-    parts = [logits.argmax(dim=-1), torch.isnan(logits).any(dim=-1).long()]
+    parts = [logits.argmax(dim=-1), torch.isnan(raw).any(dim=-1).long()]
     if rows:
         tokens, invalid = _sample_rows(logits, params, rows, generators)
         parts += [tokens, invalid.long()]
@@ -134,7 +249,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
                     raise SamplingError("the sampling distribution is not finite (check temperature/top_p/top_k)")
             entry = None
             if p.logprobs is not None:
-                entry = logprob_entry(torch.log_softmax(logits[i], dim=-1), tok, p.logprobs)
+                entry = logprob_entry(torch.log_softmax(raw[i], dim=-1), tok, p.logprobs)
             out[i] = Sampled(tok, entry)
         except Exception as e:  # noqa: BLE001 — whatever one row raises fails that row alone
             out[i] = e

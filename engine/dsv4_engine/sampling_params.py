@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (vLLM's default cap)
+MAX_PENALTY = 2.0  # presence/frequency penalties lie in [-2, 2] (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI's range)
+MAX_LOGIT_BIAS_TOKENS = 1024  # our cap on the entries of one logit_bias map
 
 
 @dataclass
@@ -23,6 +26,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # None: none wanted; N: the sampled token's and the top N
+    # Logit processing (dsv4_engine.sampling applies it before temperature, top-k and top-p):
+    presence_penalty: float = 0.0  # OpenAI: minus this for every token generated at least once
+    frequency_penalty: float = 0.0  # OpenAI: minus this times how often the token was generated
+    repetition_penalty: float = 1.0  # vLLM: logits of prompt and generated tokens / (> 0) or * (< 0) it
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
 
     def validate(self) -> None:
         """Raise ValueError with a user-facing message for parameters we cannot honour."""
@@ -40,7 +49,34 @@ class SamplingParams:
             raise ValueError("seed must fit in a signed 64-bit integer")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (-MAX_PENALTY <= v <= MAX_PENALTY):
+                raise ValueError(f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}")
+        if not (0 < self.repetition_penalty < float("inf")):
+            raise ValueError("repetition_penalty must be a finite number > 0")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS_TOKENS} entries")
+        for tok, bias in self.logit_bias.items():
+            if not isinstance(tok, int) or tok < 0:
+                raise ValueError(f"logit_bias: {tok!r} is not a token id")
+            if not (-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise ValueError(f"logit_bias values must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}")
+        if self.min_tokens is None or self.min_tokens < 0:
+            raise ValueError("min_tokens must be at least 0")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits depend on the tokens seen so far (counts must be kept)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything changes this request's logits before sampling (False: the fast path)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0

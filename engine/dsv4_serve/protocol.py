@@ -3,8 +3,10 @@ we do accept are checked here — type, range, finiteness — before anything re
 
 Ranges follow vLLM's (and OpenAI's where vLLM has none): temperature >= 0, top_p in (0, 1],
 top_k -1/0 (off) or >= 1, max_tokens >= 1, seed a signed 64-bit integer, logprobs and
-top_logprobs 0..20, n = 1 (the only value served). Penalties are not implemented and are
-ignored as unknown fields.
+top_logprobs 0..20, n = 1 (the only value served), presence_penalty and frequency_penalty in
+[-2, 2], repetition_penalty > 0, logit_bias values in [-100, 100] on ids inside the vocab,
+0 <= min_tokens <= max_tokens, best_of absent or equal to n (anything else is refused: we do
+not generate candidates to pick from).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
-from dsv4_engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from dsv4_engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, MAX_PENALTY, SamplingParams
 from dsv4_wire.errors import APIError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -71,6 +73,12 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     n: int = 1
+    best_of: Optional[int] = None
+    presence_penalty: Optional[float] = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    frequency_penalty: Optional[float] = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
+    repetition_penalty: Optional[float] = Field(None, gt=0, allow_inf_nan=False)
+    logit_bias: Optional[dict[str, float]] = Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
+    min_tokens: Optional[int] = Field(None, ge=0, le=INT64_MAX)
     return_token_ids: bool = False
     # PD: set by the router on the internal requests it sends to prefill and decode engines.
     bootstrap_host: Optional[str] = Field(None, max_length=256)
@@ -88,6 +96,16 @@ class _Common(BaseModel):
             raise ValueError("stop strings must not be empty")
         if any(len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        for key, bias in (v or {}).items():
+            if not (key.isascii() and key.strip().isdigit()):  # OpenAI's keys are token ids written as strings
+                raise ValueError(f"key {key[:32]!r} is not a token id")
+            if not (-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS) or bias != bias:
+                raise ValueError(f"bias {bias} for token {key} is not between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}")
         return v
 
     @field_validator("max_tokens")
@@ -110,12 +128,20 @@ class _Common(BaseModel):
     def sampling_params(self, default_max_tokens: int, vocab_size: Optional[int] = None) -> SamplingParams:
         if self.n != 1:
             raise APIError("only n=1 is supported", param="n")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(f"best_of={self.best_of} is not supported: only best_of equal to n ({self.n}) is served",
+                           param="best_of")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         stop_ids = list(self.stop_token_ids or [])
         if vocab_size is not None:
             bad = [t for t in stop_ids if not (0 <= t < vocab_size)]
             if bad:
                 raise APIError(f"stop_token_ids: token id {bad[0]} is out of range [0, {vocab_size})", param="stop_token_ids")
+        bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
+        if vocab_size is not None:
+            bad = sorted(t for t in bias if t >= vocab_size)
+            if bad:
+                raise APIError(f"logit_bias: token id {bad[0]} is out of range [0, {vocab_size})", param="logit_bias")
         p = SamplingParams(
             max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -126,11 +152,16 @@ class _Common(BaseModel):
             stop_token_ids=stop_ids,
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs_wanted(),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=bias,
+            min_tokens=self.min_tokens or 0,
         )
         try:
             p.validate()
         except ValueError as e:
-            raise APIError(str(e), param=str(e).split(" ")[0]) from None
+            raise APIError(str(e), param=str(e).split(" ")[0].rstrip(":")) from None
         return p
 
 
