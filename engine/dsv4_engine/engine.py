@@ -413,7 +413,7 @@ class Engine:
             return "stop"
         if self.detokenize:
             seq.text += seq.detok.add(tok)
-        if p.stop and self.detokenize:
+        if p.stop and self.detokenize and len(seq.output_ids) >= p.min_tokens:  # none before min_tokens (as vLLM)
             start = max(0, seq.emitted_text_len - max(len(s) for s in p.stop))
             hits = [i for i in (seq.text.find(s, start) for s in p.stop) if i >= 0]
             if hits:

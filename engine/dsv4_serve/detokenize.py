@@ -43,7 +43,8 @@ class OutputProcessor:
             if out.finished and out.finish_reason == "stop" and i == len(out.token_ids) - 1:
                 break  # the core stopped on EOS or a stop token id: no text for it
             self.text += self.detok.add(tok)
-            if self.params.stop and self._cut_at_stop():
+            # stop strings count only once min_tokens are out (as vLLM)
+            if self.params.stop and self.completion >= self.params.min_tokens and self._cut_at_stop():
                 finished, reason, self.stopped = True, "stop", True
                 break
         hold = 0 if finished else self._hold

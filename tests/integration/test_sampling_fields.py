@@ -70,6 +70,16 @@ def test_min_tokens_holds_eos_back(server):
     assert stop_id not in held["token_ids"] and held["finish_reason"] == "length"
 
 
+def test_stop_strings_wait_for_min_tokens(server):
+    """As vLLM: a stop string that shows up before min_tokens are out does not end the request."""
+    plain = complete(server, ignore_eos=True).json()["choices"][0]
+    stop = next(plain["text"][i:i + 2] for i in range(len(plain["text"]) - 1) if plain["text"][i:i + 2].strip())
+    early = complete(server, ignore_eos=True, stop=[stop]).json()["choices"][0]
+    assert early["finish_reason"] == "stop" and len(early["token_ids"]) < 12, (stop, early)
+    held = complete(server, ignore_eos=True, stop=[stop], min_tokens=12).json()["choices"][0]
+    assert held["finish_reason"] == "length" and held["token_ids"] == plain["token_ids"], held
+
+
 def test_penalties_change_repetition(server):
     plain = tokens(server, ignore_eos=True, max_tokens=24)
     assert len(set(plain)) < len(plain)  # the tiny model repeats itself when greedy
