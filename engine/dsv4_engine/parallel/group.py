@@ -121,9 +121,12 @@ class TPGroup:
     # ---- the step channel --------------------------------------------------------------------
 
     def announce_pool(self, num_pages: int, page_size: int, max_num_seqs: int) -> None:
-        """Tell the other ranks the size of the KV pool to build (theirs mirrors rank 0's)."""
-        dist.broadcast(torch.tensor([num_pages, page_size, max_num_seqs], dtype=torch.int64), 0,
-                       group=self.rank.control)
+        """Tell the other ranks the size of the KV pool to build (theirs mirrors rank 0's). Timed
+        like a step: the other ranks are still loading their weights, and one that hangs there
+        (alive, so the watchdog's poll does not see it) would otherwise hold the start forever."""
+        with self.step("waiting for the other ranks to load their weights"):
+            dist.broadcast(torch.tensor([num_pages, page_size, max_num_seqs], dtype=torch.int64), 0,
+                           group=self.rank.control)
 
     def send_batch(self, fb) -> None:
         header, payload = wire.pack(fb)

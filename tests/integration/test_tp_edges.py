@@ -1,0 +1,75 @@
+"""`dsv4 serve --tp-size 2` at its edges, as real processes: a checkpoint whose broken tensor
+only rank 1 would read is refused in one line before any rank starts, and a rank that hangs
+while it loads its weights (alive, so the watchdog's poll does not see it) fails the start
+within the step timeout instead of holding it forever."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from dsv4_testutil import Proc, free_port
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_tp import ranks_of  # noqa: E402
+
+ARGS = ["--kv-pages", 64, "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def v4_fp8(tmp_path_factory) -> Path:
+    from dsv4_engine.checkpoint import init_checkpoint
+
+    return init_checkpoint(tmp_path_factory.mktemp("tpq") / "v4-tiny-fp8", preset="v4-tiny", quant="fp8")
+
+
+def test_a_broken_tensor_of_rank_1s_experts_is_refused_in_one_line_before_any_rank_starts(v4_fp8, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(v4_fp8, bad)
+    w = load_file(str(bad / "model.safetensors"))
+    del w["layers.2.ffn.experts.3.w2.scale"]  # expert 3 of 4: rank 1's at --tp-size 2
+    save_file(w, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    r = subprocess.run([sys.executable, "-m", "dsv4_cli", "serve", "--model", str(bad), *map(str, ARGS),
+                        "--tp-size", "2", "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    out = (r.stdout + r.stderr).strip()
+    assert r.returncode == 2, out
+    assert out.count("\n") == 0 and "layers.2.ffn.experts.3.w2.weight is fp8" in out and "no scales" in out, out
+
+
+def _loading(pid: int) -> bool:
+    try:
+        return "model.safetensors" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def test_a_rank_that_hangs_while_loading_fails_the_start(mla512_model, tmp_path):
+    proc = Proc(["serve", "--model", mla512_model, *ARGS, "--tp-size", 2, "--port", free_port()],
+                tmp_path / "serve.log", env={"DSV4_TP_TIMEOUT_S": "3"})
+    rank1 = None
+    try:
+        deadline = time.monotonic() + 90
+        while rank1 is None or not _loading(rank1):
+            assert time.monotonic() < deadline and proc.popen.poll() is None, proc.log()
+            found = ranks_of(proc.popen.pid)
+            rank1 = found[0] if found else None
+            time.sleep(0.005)
+        os.kill(rank1, signal.SIGSTOP)  # joined the group, reading its shard: alive but stuck
+        stopped = time.monotonic()
+        code = proc.popen.wait(timeout=30)
+        took = time.monotonic() - stopped
+        assert code != 0, proc.log()
+        assert "a rank is hung" in proc.log(), proc.log()
+        print(f"rank 1 hung while loading: dsv4 serve exited {code} {took:.1f} s after SIGSTOP (step timeout 3 s)")
+    finally:
+        if rank1 is not None and Path(f"/proc/{rank1}").exists():
+            os.kill(rank1, signal.SIGKILL)
+        proc.stop()
