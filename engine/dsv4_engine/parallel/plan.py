@@ -53,7 +53,7 @@ def even(total: int, shard: Shard, what: str) -> tuple[int, int]:
 
 
 _EXPERT = re.compile(r"^(?P<pre>.*\.experts)\.(?P<e>\d+)\.(?P<rest>.+)$")
-_FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+_FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)(_scale_inv)?$")  # and their stacked scales
 
 
 def expert_slice(name: str, shape: tuple[int, ...], lo: int, hi: int) -> Slice | bool:
@@ -151,8 +151,11 @@ def v3_slicer(cfg, shard: Shard) -> Slicer:
         ex = expert_slice(name, shape, e0, e1)
         if ex is not False:
             return ex  # type: ignore[return-value]
-        if name.endswith(".weight_scale_inv"):  # fp8 block scales follow their weight's split
-            part = split_of(name[: -len("_scale_inv")])
+        # fp8 block scales follow their weight's split (both spellings pair_quantized reads)
+        weight = (name.removesuffix("_scale_inv") if name.endswith(".weight_scale_inv")
+                  else name.removesuffix(".scale") + ".weight" if name.endswith(".scale") else None)
+        if weight is not None:
+            part = split_of(weight)
             if part is None:
                 return name, ()
             dim, lo, hi = part

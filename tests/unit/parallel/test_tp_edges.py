@@ -75,3 +75,21 @@ def test_v4_sizes_up_to_the_expert_count_split_and_beyond_are_refused():
 def test_sizes_that_do_not_split_are_refused_naming_the_dimension(variant, size, named):
     why = tp_refusal("deepseek_v3", ModelConfig.from_dict(VARIANTS[variant]), size)
     assert why is not None and named in why
+
+
+def test_every_scale_spelling_the_loader_pairs_is_split_with_its_weight():
+    """pair_quantized reads `<module>.scale` as well as `.weight_scale_inv`, and fused experts'
+    `..._scale_inv`: each must follow its weight's split, or rank 1 pairs a half weight with
+    whole scales and fails deep in its load."""
+    from dsv4_engine.parallel.plan import expert_slice, v3_slicer
+
+    cfg = ModelConfig.from_dict(VARIANTS["mla512-fp8"])
+    s1 = v3_slicer(cfg, Shard(1, 2))
+    assert s1("model.layers.0.self_attn.q_b_proj.scale", (8, 1)) == ("model.layers.0.self_attn.q_b_proj.scale",
+                                                                     (slice(4, 8),))
+    assert s1("model.layers.0.self_attn.o_proj.scale", (4, 4))[1] == (slice(None), slice(2, 4))
+    assert s1("model.layers.0.self_attn.kv_a_proj_with_mqa.scale", (5, 4))[1] == ()
+    # transformers' stacked experts [E, ...] and their stacked scales: the same block of experts
+    for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.gate_up_proj_scale_inv",
+                 "model.layers.1.mlp.experts.down_proj_scale_inv", "layers.2.ffn.experts.down_proj_scale_inv"):
+        assert expert_slice(name, (8, 4, 4), 4, 8) == (name, (slice(4, 8),)), name
