@@ -44,6 +44,26 @@ def test_a_broken_tensor_of_rank_1s_experts_is_refused_in_one_line_before_any_ra
     assert out.count("\n") == 0 and "layers.2.ffn.experts.3.w2.weight is fp8" in out and "no scales" in out, out
 
 
+def test_a_load_failure_on_rank_1_alone_is_named_in_the_engines_last_line(tmp_path):
+    """What the headers cannot show (here fp4 scales that are no powers of two, on an expert only
+    rank 1 holds) fails rank 1 alone: the start fails naming rank 1's reason and the checkpoint's
+    tensor name, not the collective's 'connection closed by peer' that follows it."""
+    import torch
+
+    from dsv4_engine.checkpoint import init_checkpoint
+
+    bad = init_checkpoint(tmp_path / "fp4", preset="v4-tiny", quant="fp4-experts")
+    w = load_file(str(bad / "model.safetensors"))
+    w["layers.2.ffn.experts.3.w1.scale"] = torch.full(w["layers.2.ffn.experts.3.w1.scale"].shape, 0.3)
+    save_file(w, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    started = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "dsv4_cli", "serve", "--model", str(bad), *map(str, ARGS),
+                        "--tp-size", "2", "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    last = (r.stdout + r.stderr).strip().splitlines()[-1]
+    assert r.returncode != 0 and time.monotonic() - started < 60
+    assert "rank 1" in last and "layers.2.ffn.experts.3.w1.weight: fp4 scales must be powers of two" in last, last
+
+
 def _loading(pid: int) -> bool:
     try:
         return "model.safetensors" in Path(f"/proc/{pid}/maps").read_text()

@@ -26,6 +26,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -107,8 +108,13 @@ class TPGroup:
         self._busy_since: Optional[float] = None  # when the step now talking to the other ranks began
         port = free_port()
         self.procs: list[subprocess.Popen] = []
+        # Where each rank leaves the one line saying why it failed: rank 0 names it in its own
+        # failure, instead of the collective's "connection reset by peer" that follows it.
+        self.error_files = [os.path.join(tempfile.gettempdir(), f"dsv4-tp-{os.getpid()}-{port}-rank{r}.err")
+                            for r in range(1, size)]
         for r in range(1, size):
-            spec = {"rank": r, "size": size, "port": port, "parent": os.getpid(), "engine": engine_args}
+            spec = {"rank": r, "size": size, "port": port, "parent": os.getpid(), "engine": engine_args,
+                    "error_file": self.error_files[r - 1]}
             env = {**os.environ, SPEC_ENV: json.dumps(spec)}
             self.procs.append(subprocess.Popen([sys.executable, "-m", "dsv4_engine.parallel.worker"], env=env))
         self._watch = threading.Thread(target=self._watch_ranks, name="dsv4-tp-watchdog", daemon=True)
@@ -143,7 +149,11 @@ class TPGroup:
         try:
             yield
         except Exception as e:
-            self.fail(f"{what} failed: {type(e).__name__}: {e}")
+            # A collective that breaks is most often a rank that just failed: name that failure.
+            reason = self._rank_exit(wait_s=2.0)
+            self.fail(reason or f"{what} failed: {type(e).__name__}: {e}")
+            if reason:
+                raise RuntimeError(f"tensor-parallel group failed: {reason}") from e
             raise
         finally:
             self._busy_since = None
@@ -182,13 +192,29 @@ class TPGroup:
         self._kill_ranks()
         os._exit(1)
 
-    def _watch_ranks(self) -> None:
-        while not self._closing and self.failed is None:
+    def _rank_exit(self, wait_s: float = 0.0) -> Optional[str]:
+        """'rank r (pid) exited with code c: why' for the first rank found gone (waiting up to
+        wait_s for one to go), or None."""
+        deadline = time.monotonic() + wait_s
+        while True:
             for r, p in enumerate(self.procs, start=1):
                 code = p.poll()
-                if code is not None and not self._closing:
-                    self.fail(f"rank {r} (pid {p.pid}) exited with code {code}")
-                    return
+                if code is not None:
+                    why = ""
+                    with contextlib.suppress(OSError):
+                        with open(self.error_files[r - 1]) as f:
+                            why = f.read().strip()
+                    return f"rank {r} (pid {p.pid}) exited with code {code}" + (f": {why}" if why else "")
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def _watch_ranks(self) -> None:
+        while not self._closing and self.failed is None:
+            gone = self._rank_exit()
+            if gone is not None and not self._closing:
+                self.fail(gone)
+                return
             since = self._busy_since
             if since is not None and time.monotonic() - since > STEP_TIMEOUT_S:
                 self.fail(f"a step waited on the other ranks for more than {STEP_TIMEOUT_S:g} s (a rank is hung)")
@@ -199,6 +225,12 @@ class TPGroup:
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
+        self._remove_error_files()
+
+    def _remove_error_files(self) -> None:
+        for path in self.error_files:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the other ranks (orderly when the group still works) and leave the group."""
@@ -226,6 +258,7 @@ class TPGroup:
                 p.kill()
                 p.wait()
         torch.set_num_threads(self._threads)
+        self._remove_error_files()
         if teller is not None and teller.is_alive():
             return  # a send still pending on a killed rank: the group goes with the process
         try:

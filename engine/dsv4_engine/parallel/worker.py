@@ -70,8 +70,14 @@ def main() -> None:
     threading.Thread(target=_watch_parent, args=(spec["parent"],), daemon=True).start()
     try:
         serve_rank(spec)
-    except BaseException:
+    except BaseException as e:
         print(f"dsv4 tp rank {spec['rank']} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        if spec.get("error_file"):  # rank 0 names this line in its own failure
+            try:
+                with open(spec["error_file"], "w") as f:
+                    f.write(f"{type(e).__name__}: {e}".splitlines()[0][:2000])
+            except OSError:
+                pass
         os._exit(1)
     try:
         dist.destroy_process_group()
