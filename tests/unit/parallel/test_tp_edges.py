@@ -93,3 +93,114 @@ def test_every_scale_spelling_the_loader_pairs_is_split_with_its_weight():
     for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.gate_up_proj_scale_inv",
                  "model.layers.1.mlp.experts.down_proj_scale_inv", "layers.2.ffn.experts.down_proj_scale_inv"):
         assert expert_slice(name, (8, 4, 4), 4, 8) == (name, (slice(4, 8),)), name
+
+
+# ---- real ranks ---------------------------------------------------------------------------------
+
+def _engine(model_dir, tp_size: int):
+    from dsv4_engine.engine import Engine, EngineArgs
+
+    return Engine(EngineArgs(model=str(model_dir), device="cpu", kernel_backend="torch", kv_pages=10, page_size=8,
+                             max_num_batched_tokens=16, tp_size=tp_size))
+
+
+def _serve(model_dir, tp_size: int, requests: dict, arrivals: dict, abort_at: dict | None = None) -> dict:
+    """Step an engine by hand: requests {rid: (prompt, params)} join at the steps given, aborts
+    land at theirs; returns tokens, logprobs and finish reasons per request, the preemptions, and
+    whether every page came back."""
+    from dsv4_engine.sequence import Sequence
+
+    e = _engine(model_dir, tp_size)
+    toks: dict[str, list[int]] = {}
+    lps: dict[str, list[dict]] = {}
+    reasons: dict[str, str] = {}
+
+    def sink_for(rid):
+        def sink(out):
+            toks.setdefault(rid, []).extend(out.token_ids)
+            lps.setdefault(rid, []).extend(out.logprobs or [])
+            if out.finished:
+                reasons[rid] = out.finish_reason
+        return sink
+
+    seqs, step = [], 0
+    try:
+        assert e.loads()["tp_size"] == tp_size
+        while len(reasons) < len(requests):
+            for rid in arrivals.get(step, []):
+                prompt, params = requests[rid]
+                seqs.append(Sequence(rid, prompt, params, sink=sink_for(rid)))
+                e.submit(seqs[-1])
+            for rid in (abort_at or {}).get(step, []):
+                e.abort(rid)
+            e.step()
+            step += 1
+            assert step < 3000, "engine made no progress"
+        pages_back = e.pool.allocator.num_free == e.pool.num_pages
+    finally:
+        if e.tp is not None:
+            e.tp.close()
+            assert all(p.poll() == 0 for p in e.tp.procs), "the other ranks stop cleanly when told"
+    return {"tokens": toks, "logprobs": lps, "reasons": reasons, "pages_back": pages_back,
+            "preemptions": sum(s.num_preemptions for s in seqs)}
+
+
+def _prompts(lens: list[int], seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(n)] for n in lens]
+
+
+def _greedy(n: int = 8):
+    from dsv4_engine.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def test_odd_sizes_three_ranks_over_four_experts_and_a_rank_per_expert_equal_tp1(make_model, tmp_path):
+    """v4-tiny has 4 routed experts: 3 ranks hold 2, 1 and 1 of them; 4 ranks one each (fp8
+    checkpoint at 3: scales go whole with their experts)."""
+    from dsv4_engine.checkpoint import init_checkpoint
+
+    ps = _prompts([5, 30, 17, 9], seed=1)
+    requests = {f"r{i}": (p, _greedy()) for i, p in enumerate(ps)}
+    arrivals = {0: ["r0", "r1"], 2: ["r2"], 5: ["r3"]}
+    for model, size in ((make_model("v4-tiny"), 4), (init_checkpoint(tmp_path / "fp8", "v4-tiny", quant="fp8"), 3)):
+        ref = _serve(model, 1, requests, arrivals)
+        got = _serve(model, size, requests, arrivals)
+        assert got["tokens"] == ref["tokens"] and len(got["tokens"]) == 4, (model.name, size)
+        assert got["pages_back"]
+
+
+@pytest.mark.parametrize("preset", ["v4-tiny", "tiny",
+                                    pytest.param("mla512", marks=pytest.mark.slow)])
+def test_tp2_sampling_logprobs_aborts_and_preemption_match_tp1(make_model, preset):
+    """Rank 0 samples from its own full logits: seeded sampling (top-p, top-k), logprobs, an
+    abort mid-decode and a preemption (10 pages of 8 tokens) give tp 1's tokens and finish
+    reasons; logprobs agree to float rounding (sums over ranks add in another order), and every
+    page comes back."""
+    from dsv4_engine.sampling import SamplingParams
+
+    ps = _prompts([30, 26, 12, 20, 9], seed=7)
+    requests = {
+        "seeded": (ps[0], SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=1234, ignore_eos=True)),
+        "topk": (ps[1], SamplingParams(max_tokens=10, temperature=1.2, top_k=5, seed=99, ignore_eos=True, logprobs=3)),
+        "aborted": (ps[2], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)),
+        "greedy": (ps[3], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)),
+        "late": (ps[4], SamplingParams(max_tokens=10, temperature=0.7, seed=5, ignore_eos=True)),
+    }
+    arrivals = {0: ["seeded", "topk", "aborted"], 1: ["greedy"], 4: ["late"]}
+    model = make_model(preset)
+    ref = _serve(model, 1, requests, arrivals, abort_at={6: ["aborted"]})
+    got = _serve(model, 2, requests, arrivals, abort_at={6: ["aborted"]})
+    assert got["reasons"] == ref["reasons"] and ref["reasons"]["aborted"] == "abort"
+    assert got["tokens"] == ref["tokens"]
+    assert ref["preemptions"] > 0 and got["preemptions"] > 0, "the small pool should have forced a preemption"
+    assert got["pages_back"] and ref["pages_back"]
+    for rid in ("topk", "greedy"):
+        a, b = ref["logprobs"][rid], got["logprobs"][rid]
+        assert len(a) == len(b) == 10
+        assert [x["token_id"] for x in a] == [x["token_id"] for x in b]
+        assert max(abs(x["logprob"] - y["logprob"]) for x, y in zip(a, b)) < 1e-3
+        assert [t for t, _ in a[0]["top"]] == [t for t, _ in b[0]["top"]]

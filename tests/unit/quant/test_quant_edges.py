@@ -86,3 +86,21 @@ def test_pairing_refuses_a_float_weight_that_carries_scales():
     q, s = quantize_fp8_block(torch.randn(8, 8))
     with pytest.raises(UnsupportedQuantization, match="not quantized"):
         pair_quantized({"a.weight": q.float(), "a.weight_scale_inv": s}, QuantScheme())
+
+
+def test_mla512_fp8_gives_transformers_greedy_tokens_on_its_dequantized_twin(tmp_path):
+    """The oracle tests cover tiny and v4-tiny; mla512 adds the real 576-wide latent (kv_a's 576
+    rows: 4.5 blocks), whole 128-blocks elsewhere and YaRN rope: served on CPU against
+    transformers on the float twin (~6 s)."""
+    transformers = pytest.importorskip("transformers")
+    from test_quant_oracle import NEW_TOKENS, engine_greedy, hf_greedy, prompts
+
+    from dsv4_engine.checkpoint import dequantize_checkpoint, init_checkpoint
+
+    q = init_checkpoint(tmp_path / "fp8", preset="mla512", quant="fp8")
+    twin = dequantize_checkpoint(q, tmp_path / "twin")
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(str(twin), dtype=torch.float32).eval()
+    ps = prompts(hf.config.vocab_size, [9, 40], seed=3)
+    outs = engine_greedy(q, ps)
+    for i, p in enumerate(ps):
+        assert outs[i] == hf_greedy(hf, p, NEW_TOKENS), i
