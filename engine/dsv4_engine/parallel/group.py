@@ -44,7 +44,23 @@ log = logging.getLogger("dsv4.tp")
 
 SPEC_ENV = "DSV4_TP_SPEC"  # a worker's rank, world, rendezvous port and engine arguments (JSON)
 # The longest one step may wait on the other ranks (generous: a first step may JIT-compile kernels).
-STEP_TIMEOUT_S = float(os.environ.get("DSV4_TP_TIMEOUT_S", "300"))
+TIMEOUT_ENV = "DSV4_TP_TIMEOUT_S"
+
+
+def step_timeout_s(environ=os.environ) -> float:
+    """DSV4_TP_TIMEOUT_S (default 300), checked: a typo must not surface as a bare float() error
+    from the engine's start, nor 0 fail every step."""
+    raw = environ.get(TIMEOUT_ENV, "300")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (0 < value < float("inf")):
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds > 0, not {raw!r}")
+    return value
+
+
+STEP_TIMEOUT_S = step_timeout_s()
 CONTROL_TIMEOUT = timedelta(days=7)  # the other ranks wait for the next batch while the engine idles
 FAIL_GRACE_S = 2.0
 WATCH_INTERVAL_S = 0.2

@@ -117,6 +117,11 @@ def tensor_refusal(tensors: dict[str, tuple[str, tuple[int, ...]]], scheme: Opti
     a tensor only another rank reads must not fail that rank alone)."""
     for name, (code, shape) in tensors.items():
         sk = scale_key(name, tensors)
+        if sk is not None and code in _FLOAT_CODES:
+            # scales beside an unquantized weight: were the values dequantized already, or cast
+            # without their scales? Either reading could be wrong.
+            return (f"{name} is {code} (not quantized) but the checkpoint also holds scales for it ({sk}): "
+                    f"refusing to guess whether they apply")
         if scheme is None:
             if code in _QUANTIZED_CODES or name.endswith(("_scale_inv", ".weight_scale")) or (
                     sk is not None and code in _PACKED_FP4_CODES):
@@ -142,11 +147,6 @@ def tensor_refusal(tensors: dict[str, tuple[str, tuple[int, ...]]], scheme: Opti
             if tensors[sk][1] != want:
                 return (f"{name}: fp4 weight {shape} (packed) needs one scale per {FP4_GROUP} values {want}, "
                         f"found {tensors[sk][1]} in {sk}")
-        elif sk is not None and code in _FLOAT_CODES:
-            # scales beside an unquantized weight: were the values dequantized already, or cast
-            # without their scales? Either reading could be wrong.
-            return (f"{name} is {code} (not quantized) but the checkpoint also holds scales for it ({sk}): "
-                    f"refusing to guess whether they apply")
     return None
 
 

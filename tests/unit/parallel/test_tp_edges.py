@@ -204,3 +204,12 @@ def test_tp2_sampling_logprobs_aborts_and_preemption_match_tp1(make_model, prese
         assert [x["token_id"] for x in a] == [x["token_id"] for x in b]
         assert max(abs(x["logprob"] - y["logprob"]) for x, y in zip(a, b)) < 1e-3
         assert [t for t, _ in a[0]["top"]] == [t for t, _ in b[0]["top"]]
+
+
+def test_the_step_timeout_from_the_environment_is_checked():
+    from dsv4_engine.parallel.group import step_timeout_s
+
+    assert step_timeout_s({}) == 300 and step_timeout_s({"DSV4_TP_TIMEOUT_S": "2.5"}) == 2.5
+    for bad in ("abc", "0", "-1", "inf", "nan", ""):
+        with pytest.raises(ValueError, match="DSV4_TP_TIMEOUT_S must be a number of seconds > 0"):
+            step_timeout_s({"DSV4_TP_TIMEOUT_S": bad})

@@ -48,6 +48,12 @@ def test_packed_fp4_experts_need_their_declaration_and_scales_need_a_config():
     assert tensor_refusal({"g.tid2eid": ("I8", (5, 2))}, QuantScheme()) is None
 
 
+def test_a_float_weight_with_scales_is_refused_with_or_without_a_config():
+    t = {"l.wq.weight": ("BF16", (4, 4)), "l.wq.scale": (F32, (1, 1))}  # V4 spelling, config dropped too
+    for scheme in (None, QuantScheme()):
+        assert "BF16 (not quantized) but the checkpoint also holds scales for it (l.wq.scale)" in tensor_refusal(t, scheme)
+
+
 def test_well_formed_edges_load():
     ok = {
         "a.weight": (F8, (200, 72)), "a.weight_scale_inv": (F32, (2, 1)),  # partial edge blocks
