@@ -82,6 +82,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def device_refusal(device: Optional[str], size: int, device_count: Optional[int] = None) -> Optional[str]:
+    """Why `size` ranks cannot each have their device (rank r on cuda:base+r), in one line, or
+    None; checked before any rank starts, not left to a rank's 'invalid device ordinal'."""
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    count = torch.cuda.device_count() if device_count is None else device_count
+    base = torch.device(device).index or 0
+    if base + size > count:
+        return (f"--tp-size {size} needs {size} GPUs from cuda:{base} (one per rank); this host has {count} "
+                f"visible (CUDA_VISIBLE_DEVICES)")
+    return None
+
+
 @dataclass
 class TPRank:
     """One rank's place in the group: what the sharded model and the batch channel use."""
@@ -115,6 +128,9 @@ class TPGroup:
     """Rank 0's handle on the group: spawns the other ranks, sends them each batch, watches them."""
 
     def __init__(self, size: int, engine_args: dict, device: Optional[str]):
+        refusal = device_refusal(rank_device(device, 0), size)
+        if refusal:
+            raise ValueError(refusal)
         self.size = size
         self.failed: Optional[str] = None
         self.on_failure: list[Callable[[str], None]] = []

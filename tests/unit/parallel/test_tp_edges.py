@@ -213,3 +213,14 @@ def test_the_step_timeout_from_the_environment_is_checked():
     for bad in ("abc", "0", "-1", "inf", "nan", ""):
         with pytest.raises(ValueError, match="DSV4_TP_TIMEOUT_S must be a number of seconds > 0"):
             step_timeout_s({"DSV4_TP_TIMEOUT_S": bad})
+
+
+def test_more_ranks_than_visible_gpus_is_refused_before_any_rank_starts():
+    from dsv4_engine.parallel.group import TPGroup, device_refusal
+
+    assert device_refusal("cpu", 8, 0) is None and device_refusal("cuda", 2, 2) is None
+    assert device_refusal("cuda:1", 2, 2) == ("--tp-size 2 needs 2 GPUs from cuda:1 (one per rank); this host has 2 "
+                                              "visible (CUDA_VISIBLE_DEVICES)")
+    if not __import__("torch").cuda.is_available():  # this host: the group refuses before spawning anything
+        with pytest.raises(ValueError, match="--tp-size 2 needs 2 GPUs from cuda:0"):
+            TPGroup(2, {}, "cuda")
