@@ -93,3 +93,77 @@ def test_a_rank_that_hangs_while_loading_fails_the_start(mla512_model, tmp_path)
         if rank1 is not None and Path(f"/proc/{rank1}").exists():
             os.kill(rank1, signal.SIGKILL)
         proc.stop()
+
+
+BODIES = [
+    {"prompt": "the quick brown fox jumps over the lazy dog " * 3, "max_tokens": 16, "temperature": 0,
+     "ignore_eos": True, "stream": True},
+    {"prompt": "once upon a time there was a model", "max_tokens": 16, "temperature": 0.8, "seed": 7,
+     "ignore_eos": True, "stream": True},
+    {"prompt": "hello world and more words to read", "max_tokens": 12, "temperature": 0.5, "seed": 3, "logprobs": 2,
+     "ignore_eos": True},
+    {"prompt": "a b c d e f g h i j k l m n o p q r s t", "max_tokens": 16, "temperature": 0, "ignore_eos": True},
+    {"prompt": "the quick brown fox jumps over the lazy dog " * 3, "max_tokens": 16, "temperature": 0,
+     "ignore_eos": True},  # the first prompt again: a prefix-cache hit on V3
+]
+
+
+async def _completion(c, body: dict):
+    import json
+
+    body = {"model": "m", **body}
+    if not body.get("stream"):
+        r = await c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        ch = r.json()["choices"][0]
+        return ch["text"], ch.get("logprobs") and [round(x, 3) for x in ch["logprobs"]["token_logprobs"]]
+    text = ""
+    async with c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+async def _walk_away(c):
+    """A streamed request whose client leaves after its first chunk: the engine aborts it."""
+    body = {"model": "m", "prompt": "leave early", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    async with c.stream("POST", "/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                return
+
+
+@pytest.mark.slow  # ~10 s a preset (two servers); the engine-level twin in tests/unit/parallel runs by default
+@pytest.mark.parametrize("preset", ["v4-tiny", "mla512"])
+def test_tp2_serves_concurrent_mixed_requests_as_tp1_over_http(make_model, tmp_path, preset):
+    """Concurrent streamed and plain requests (greedy, seeded, logprobs, a repeated prompt), one
+    client that walks away, a pool small enough to preempt: tp 2 answers what tp 1 does, every
+    page comes back, and /v1/loads shows the world size."""
+    import asyncio
+
+    import httpx
+
+    from dsv4_testutil import serving
+
+    async def run(url):
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            got = await asyncio.gather(*[_completion(c, b) for b in BODIES], _walk_away(c))
+            deadline = time.monotonic() + 30
+            while True:  # the walked-away request is aborted on the engine's next step
+                loads = (await c.get("/v1/loads")).json()
+                if loads["kv_pages_free"] == loads["kv_pages_total"] or time.monotonic() > deadline:
+                    return got[:-1], loads
+                await asyncio.sleep(0.1)
+
+    out = {}
+    for tp in (1, 2):
+        args = ["--model", make_model(preset), "--kv-pages", 16, "--page-size", 8, "--served-model-name", "m",
+                "--device", "cpu", "--tp-size", tp]
+        with serving(args, tmp_path / f"tp{tp}.log") as url:
+            out[tp] = asyncio.run(run(url))
+    (ref, loads1), (got, loads2) = out[1], out[2]
+    assert got == ref
+    assert loads2["tp_size"] == 2 and loads1["tp_size"] == 1
+    assert loads2["kv_pages_free"] == loads2["kv_pages_total"], loads2
