@@ -110,3 +110,44 @@ def test_mla512_fp8_gives_transformers_greedy_tokens_on_its_dequantized_twin(tmp
     outs = engine_greedy(q, ps)
     for i, p in enumerate(ps):
         assert outs[i] == hf_greedy(hf, p, NEW_TOKENS), i
+
+
+# Widths that are multiples of neither 128 nor each other on every layer type: K = 200 / 160
+# (hidden), 96 / 72 (q LoRA), 80 (kv LoRA), 72 / 96 (experts), 300 (dense MLP).
+V3_ODD = {"hidden_size": 200, "intermediate_size": 300, "moe_intermediate_size": 72, "q_lora_rank": 96,
+          "kv_lora_rank": 80, "num_attention_heads": 6, "num_key_value_heads": 6, "qk_nope_head_dim": 24,
+          "qk_rope_head_dim": 8, "v_head_dim": 40}
+V4_ODD = {"hidden_size": 160, "moe_intermediate_size": 96, "q_lora_rank": 72, "o_lora_rank": 40, "index_head_dim": 24}
+
+
+@pytest.mark.parametrize("base,odd,quant", [("tiny", V3_ODD, "fp8"), ("v4-tiny", V4_ODD, "fp8"),
+                                            ("v4-tiny", V4_ODD, "fp4-experts")])
+def test_odd_widths_on_every_layer_type_match_transformers_and_the_cuda_form(tmp_path, monkeypatch, base, odd, quant):
+    """~3 s each."""
+    transformers = pytest.importorskip("transformers")
+    from test_quant_oracle import engine_greedy, engine_greedy_runner, hf_greedy, hf_v4_greedy, prompts
+
+    from dsv4_engine import checkpoint as ck
+    from dsv4_engine.model_runner import ModelRunner
+    from dsv4_kernels import reference_quant
+
+    monkeypatch.setitem(ck.PRESETS, "odd", {**ck.PRESETS[base], **odd})
+    q = ck.init_checkpoint(tmp_path / "q", preset="odd", quant=quant)
+    twin = ck.dequantize_checkpoint(q, tmp_path / "twin")
+    v4 = base.startswith("v4")
+    hf = (transformers.DeepseekV4ForCausalLM if v4 else transformers.DeepseekV3ForCausalLM).from_pretrained(
+        str(twin), dtype=torch.float32).eval()
+    ps = prompts(512, [9, 37], seed=4)
+    outs = engine_greedy(q, ps, 12)
+    for i, p in enumerate(ps):
+        assert outs[i] == (hf_v4_greedy if v4 else hf_greedy)(hf, p, 12), i
+    # the CUDA form (kept quantized, references for the kernels) equals the dense model with
+    # activation rounding off: concatenated / stacked partial blocks add nothing
+    dense = ModelRunner(str(q), "float32", "cpu", "torch")
+    monkeypatch.setattr("dsv4_engine.quant.load.keep_quantized", lambda device: True)
+    kept = ModelRunner(str(q), "float32", "cpu", "torch")
+    monkeypatch.setattr(reference_quant, "fp8_act_quant",
+                        lambda x, group=128: (x.float(), torch.ones(x.shape[0], -(-x.shape[1] // group))))
+    prompt = prompts(512, [20], seed=6)[0]
+    torch.testing.assert_close(engine_greedy_runner(kept, prompt), engine_greedy_runner(dense, prompt),
+                               atol=1e-4, rtol=1e-4)
