@@ -64,6 +64,7 @@ STEP_TIMEOUT_S = step_timeout_s()
 CONTROL_TIMEOUT = timedelta(days=7)  # the other ranks wait for the next batch while the engine idles
 FAIL_GRACE_S = 2.0
 WATCH_INTERVAL_S = 0.2
+HEARTBEAT_S = 1.0  # how often a rank touches its heartbeat file (a stopped process cannot)
 
 
 def rank_device(device: Optional[str], rank: int) -> str:
@@ -138,15 +139,18 @@ class TPGroup:
         self._lock = threading.Lock()
         self._closing = False
         self._busy_since: Optional[float] = None  # when the step now talking to the other ranks began
+        self._loading_since: Optional[float] = None  # (wall clock) while rank 0 waits for the ranks' loads
         port = free_port()
         self.procs: list[subprocess.Popen] = []
         # Where each rank leaves the one line saying why it failed: rank 0 names it in its own
         # failure, instead of the collective's "connection reset by peer" that follows it.
-        self.error_files = [os.path.join(tempfile.gettempdir(), f"dsv4-tp-{os.getpid()}-{port}-rank{r}.err")
-                            for r in range(1, size)]
+        # Each rank's heartbeat: its load may take as long as it takes, but not without a sign of life.
+        stem = os.path.join(tempfile.gettempdir(), f"dsv4-tp-{os.getpid()}-{port}-rank")
+        self.error_files = [f"{stem}{r}.err" for r in range(1, size)]
+        self.alive_files = [f"{stem}{r}.alive" for r in range(1, size)]
         for r in range(1, size):
             spec = {"rank": r, "size": size, "port": port, "parent": os.getpid(), "engine": engine_args,
-                    "error_file": self.error_files[r - 1]}
+                    "error_file": self.error_files[r - 1], "alive_file": self.alive_files[r - 1]}
             env = {**os.environ, SPEC_ENV: json.dumps(spec)}
             self.procs.append(subprocess.Popen([sys.executable, "-m", "dsv4_engine.parallel.worker"], env=env))
         self._watch = threading.Thread(target=self._watch_ranks, name="dsv4-tp-watchdog", daemon=True)
@@ -159,12 +163,17 @@ class TPGroup:
     # ---- the step channel --------------------------------------------------------------------
 
     def announce_pool(self, num_pages: int, page_size: int, max_num_seqs: int) -> None:
-        """Tell the other ranks the size of the KV pool to build (theirs mirrors rank 0's). Timed
-        like a step: the other ranks are still loading their weights, and one that hangs there
-        (alive, so the watchdog's poll does not see it) would otherwise hold the start forever."""
-        with self.step("waiting for the other ranks to load their weights"):
-            dist.broadcast(torch.tensor([num_pages, page_size, max_num_seqs], dtype=torch.int64), 0,
-                           group=self.rank.control)
+        """Tell the other ranks the size of the KV pool to build (theirs mirrors rank 0's). The
+        other ranks may still be loading their weights: however long that takes, a rank whose
+        heartbeat stops for STEP_TIMEOUT_S (a stopped process, alive to the watchdog's poll) fails
+        the start, which would otherwise wait forever."""
+        self._loading_since = time.time()
+        try:
+            with self.step("waiting for the other ranks to load their weights", timed=False):
+                dist.broadcast(torch.tensor([num_pages, page_size, max_num_seqs], dtype=torch.int64), 0,
+                               group=self.rank.control)
+        finally:
+            self._loading_since = None
 
     def send_batch(self, fb) -> None:
         header, payload = wire.pack(fb)
@@ -172,12 +181,12 @@ class TPGroup:
         dist.broadcast(payload, 0, group=self.rank.control)
 
     @contextlib.contextmanager
-    def step(self, what: str):
+    def step(self, what: str, timed: bool = True):
         """Time a step that talks to the other ranks (the watchdog fails one that takes too
         long); any failure inside is the group's."""
         if self.failed is not None:
             raise RuntimeError(f"tensor-parallel group failed: {self.failed}")
-        self._busy_since = time.monotonic()
+        self._busy_since = time.monotonic() if timed else None
         try:
             yield
         except Exception as e:
@@ -247,11 +256,31 @@ class TPGroup:
             if gone is not None and not self._closing:
                 self.fail(gone)
                 return
+            silent = self._silent_rank()
+            if silent is not None:
+                self.fail(silent)
+                return
             since = self._busy_since
             if since is not None and time.monotonic() - since > STEP_TIMEOUT_S:
                 self.fail(f"a step waited on the other ranks for more than {STEP_TIMEOUT_S:g} s (a rank is hung)")
                 return
             time.sleep(WATCH_INTERVAL_S)
+
+    def _silent_rank(self) -> Optional[str]:
+        """While the ranks load: the first whose heartbeat is older than STEP_TIMEOUT_S, or None."""
+        since = self._loading_since
+        if since is None:
+            return None
+        now = time.time()
+        for r, path in enumerate(self.alive_files, start=1):
+            try:
+                last = max(os.path.getmtime(path), since)
+            except OSError:
+                last = since
+            if now - last > STEP_TIMEOUT_S:
+                return (f"rank {r} (pid {self.procs[r - 1].pid}) gave no sign of life for more than "
+                        f"{STEP_TIMEOUT_S:g} s while loading its weights (a rank is hung)")
+        return None
 
     def _kill_ranks(self) -> None:
         for p in self.procs:
@@ -260,7 +289,7 @@ class TPGroup:
         self._remove_error_files()
 
     def _remove_error_files(self) -> None:
-        for path in self.error_files:
+        for path in (*self.error_files, *self.alive_files):
             with contextlib.suppress(OSError):
                 os.unlink(path)
 

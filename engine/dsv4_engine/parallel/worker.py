@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dsv4_engine.parallel import wire
-from dsv4_engine.parallel.group import SPEC_ENV, join, rank_device, receive_state
+from dsv4_engine.parallel.group import HEARTBEAT_S, SPEC_ENV, join, rank_device, receive_state
 from dsv4_engine.parallel.plan import Shard
 
 log = logging.getLogger("dsv4.tp")
@@ -31,6 +31,18 @@ def _watch_parent(parent: int) -> None:
             print(f"dsv4 tp rank: rank 0 (pid {parent}) is gone; exiting", file=sys.stderr, flush=True)
             os._exit(1)
         time.sleep(0.25)
+
+
+def _heartbeat(path: str) -> None:
+    """Touch `path` every HEARTBEAT_S: rank 0 tells a slow load from a stopped rank by it."""
+    while True:
+        try:
+            with open(path, "a"):
+                pass
+            os.utime(path)
+        except OSError:
+            pass
+        time.sleep(HEARTBEAT_S)
 
 
 def serve_rank(spec: dict) -> None:
@@ -68,6 +80,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = json.loads(os.environ[SPEC_ENV])
     threading.Thread(target=_watch_parent, args=(spec["parent"],), daemon=True).start()
+    if spec.get("alive_file"):
+        threading.Thread(target=_heartbeat, args=(spec["alive_file"],), daemon=True).start()
     try:
         serve_rank(spec)
     except BaseException as e:

@@ -224,3 +224,28 @@ def test_more_ranks_than_visible_gpus_is_refused_before_any_rank_starts():
     if not __import__("torch").cuda.is_available():  # this host: the group refuses before spawning anything
         with pytest.raises(ValueError, match="--tp-size 2 needs 2 GPUs from cuda:0"):
             TPGroup(2, {}, "cuda")
+
+
+def test_a_slow_load_is_waited_for_while_its_heartbeat_goes_on(tmp_path):
+    """While rank 0 waits for the other ranks' loads, only a rank whose heartbeat file has gone
+    stale for the step timeout (a stopped process) fails the start: a big shard on a slow disk
+    may take longer than that and still beats."""
+    import os
+    import time
+    from types import SimpleNamespace
+
+    from dsv4_engine.parallel import group as g
+
+    fresh, stale = tmp_path / "r1.alive", tmp_path / "r2.alive"
+    fresh.touch()
+    stale.touch()
+    now = time.time()
+    os.utime(stale, (now - g.STEP_TIMEOUT_S - 5, now - g.STEP_TIMEOUT_S - 5))
+    tp = SimpleNamespace(alive_files=[str(fresh)], procs=[SimpleNamespace(pid=11)],
+                         _loading_since=now - 10 * g.STEP_TIMEOUT_S)
+    assert g.TPGroup._silent_rank(tp) is None  # loading for ten timeouts, but alive
+    tp.alive_files.append(str(stale))
+    tp.procs.append(SimpleNamespace(pid=12))
+    assert "rank 2 (pid 12) gave no sign of life" in g.TPGroup._silent_rank(tp)
+    tp._loading_since = None  # not loading: the step timer is the judge
+    assert g.TPGroup._silent_rank(tp) is None
