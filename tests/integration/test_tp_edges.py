@@ -167,3 +167,37 @@ def test_tp2_serves_concurrent_mixed_requests_as_tp1_over_http(make_model, tmp_p
     assert got == ref
     assert loads2["tp_size"] == 2 and loads1["tp_size"] == 1
     assert loads2["kv_pages_free"] == loads2["kv_pages_total"], loads2
+
+
+def test_an_idle_engine_notices_a_stopped_rank_by_its_heartbeat(tiny_model, tmp_path):
+    """No request running, so no step times out: the stopped rank's heartbeat goes stale,
+    /health stops answering 200 and the engine exits non-zero within the timeout + the grace."""
+    import httpx
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = Proc(["serve", "--model", tiny_model, *ARGS, "--tp-size", 2, "--port", port], tmp_path / "idle.log",
+                env={"DSV4_TP_TIMEOUT_S": "3"})
+    rank1 = None
+    try:
+        proc.wait_ready(url)
+        (rank1,) = ranks_of(proc.popen.pid)
+        os.kill(rank1, signal.SIGSTOP)
+        stopped = time.monotonic()
+        unhealthy = None
+        while proc.popen.poll() is None and time.monotonic() - stopped < 30:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code != 200 and unhealthy is None:
+                    unhealthy = time.monotonic() - stopped
+            except httpx.HTTPError:
+                unhealthy = unhealthy or time.monotonic() - stopped
+            time.sleep(0.1)
+        code = proc.popen.wait(timeout=15)
+        took = time.monotonic() - stopped
+        assert code != 0 and unhealthy is not None, proc.log()
+        assert "gave no sign of life" in proc.log(), proc.log()
+        print(f"idle engine, rank 1 stopped: /health failed after {unhealthy:.1f} s, exit {code} after {took:.1f} s")
+    finally:
+        if rank1 is not None and Path(f"/proc/{rank1}").exists():
+            os.kill(rank1, signal.SIGKILL)
+        proc.stop()

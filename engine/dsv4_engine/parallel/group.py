@@ -267,19 +267,22 @@ class TPGroup:
             time.sleep(WATCH_INTERVAL_S)
 
     def _silent_rank(self) -> Optional[str]:
-        """While the ranks load: the first whose heartbeat is older than STEP_TIMEOUT_S, or None."""
-        since = self._loading_since
-        if since is None:
-            return None
+        """The first rank whose heartbeat is older than STEP_TIMEOUT_S (a stopped process, alive to
+        the watchdog's poll), or None. Judged whether or not a step is under way, so that an idle
+        engine's /health also fails; a rank that has not written its first beat yet (still
+        starting) is left to the group's join timeout."""
         now = time.time()
         for r, path in enumerate(self.alive_files, start=1):
             try:
-                last = max(os.path.getmtime(path), since)
+                last = os.path.getmtime(path)
             except OSError:
-                last = since
+                continue
+            if self._loading_since is not None:  # the wait for the loads began just now: count from it
+                last = max(last, self._loading_since)
             if now - last > STEP_TIMEOUT_S:
+                during = " while loading its weights" if self._loading_since is not None else ""
                 return (f"rank {r} (pid {self.procs[r - 1].pid}) gave no sign of life for more than "
-                        f"{STEP_TIMEOUT_S:g} s while loading its weights (a rank is hung)")
+                        f"{STEP_TIMEOUT_S:g} s{during} (a rank is hung)")
         return None
 
     def _kill_ranks(self) -> None:

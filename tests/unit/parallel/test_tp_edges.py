@@ -227,9 +227,9 @@ def test_more_ranks_than_visible_gpus_is_refused_before_any_rank_starts():
 
 
 def test_a_slow_load_is_waited_for_while_its_heartbeat_goes_on(tmp_path):
-    """While rank 0 waits for the other ranks' loads, only a rank whose heartbeat file has gone
-    stale for the step timeout (a stopped process) fails the start: a big shard on a slow disk
-    may take longer than that and still beats."""
+    """A rank whose heartbeat file has gone stale for the step timeout (a stopped process) fails
+    the group, at start (while rank 0 waits for the loads: a big shard on a slow disk may take
+    longer than the timeout and still beats) and when idle."""
     import os
     import time
     from types import SimpleNamespace
@@ -247,5 +247,10 @@ def test_a_slow_load_is_waited_for_while_its_heartbeat_goes_on(tmp_path):
     tp.alive_files.append(str(stale))
     tp.procs.append(SimpleNamespace(pid=12))
     assert "rank 2 (pid 12) gave no sign of life" in g.TPGroup._silent_rank(tp)
-    tp._loading_since = None  # not loading: the step timer is the judge
+    # idle or in a step, a stopped rank is found too (an idle engine's /health fails)
+    tp._loading_since = None
+    assert "rank 2 (pid 12) gave no sign of life" in g.TPGroup._silent_rank(tp)
+    assert "while loading" not in g.TPGroup._silent_rank(tp)
+    # a rank still starting (no beat yet) is the join timeout's to judge
+    tp.alive_files[1] = str(tmp_path / "not-yet.alive")
     assert g.TPGroup._silent_rank(tp) is None

@@ -94,10 +94,11 @@ def test_pairing_refuses_a_float_weight_that_carries_scales():
         pair_quantized({"a.weight": q.float(), "a.weight_scale_inv": s}, QuantScheme())
 
 
+@pytest.mark.slow  # 6-18 s; the default run has tiny's and v4-tiny's oracles and tiny at odd widths
 def test_mla512_fp8_gives_transformers_greedy_tokens_on_its_dequantized_twin(tmp_path):
     """The oracle tests cover tiny and v4-tiny; mla512 adds the real 576-wide latent (kv_a's 576
     rows: 4.5 blocks), whole 128-blocks elsewhere and YaRN rope: served on CPU against
-    transformers on the float twin (~6 s)."""
+    transformers on the float twin."""
     transformers = pytest.importorskip("transformers")
     from test_quant_oracle import NEW_TOKENS, engine_greedy, hf_greedy, prompts
 
