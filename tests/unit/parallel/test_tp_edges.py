@@ -173,7 +173,7 @@ def test_odd_sizes_three_ranks_over_four_experts_and_a_rank_per_expert_equal_tp1
         assert got["pages_back"]
 
 
-@pytest.mark.parametrize("preset", ["v4-tiny", "tiny",
+@pytest.mark.parametrize("preset", ["v4-tiny", pytest.param("tiny", marks=pytest.mark.slow),
                                     pytest.param("mla512", marks=pytest.mark.slow)])
 def test_tp2_sampling_logprobs_aborts_and_preemption_match_tp1(make_model, preset):
     """Rank 0 samples from its own full logits: seeded sampling (top-p, top-k), logprobs, an
