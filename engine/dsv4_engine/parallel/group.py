@@ -139,7 +139,10 @@ class TPGroup:
         self._lock = threading.Lock()
         self._closing = False
         self._busy_since: Optional[float] = None  # when the step now talking to the other ranks began
-        self._loading_since: Optional[float] = None  # (wall clock) while rank 0 waits for the ranks' loads
+        self._loading = False  # while rank 0 waits for the other ranks' loads (named in a failure)
+        # Heartbeats older than this (wall clock) are not held against a rank: moved forward when
+        # this process itself was frozen (a suspended host or terminal stops every rank alike).
+        self._beat_floor = time.time()
         port = free_port()
         self.procs: list[subprocess.Popen] = []
         # Where each rank leaves the one line saying why it failed: rank 0 names it in its own
@@ -167,13 +170,13 @@ class TPGroup:
         other ranks may still be loading their weights: however long that takes, a rank whose
         heartbeat stops for STEP_TIMEOUT_S (a stopped process, alive to the watchdog's poll) fails
         the start, which would otherwise wait forever."""
-        self._loading_since = time.time()
+        self._loading = True
         try:
             with self.step("waiting for the other ranks to load their weights", timed=False):
                 dist.broadcast(torch.tensor([num_pages, page_size, max_num_seqs], dtype=torch.int64), 0,
                                group=self.rank.control)
         finally:
-            self._loading_since = None
+            self._loading = False
 
     def send_batch(self, fb) -> None:
         header, payload = wire.pack(fb)
@@ -251,7 +254,12 @@ class TPGroup:
             time.sleep(0.05)
 
     def _watch_ranks(self) -> None:
+        last_round = time.time()
         while not self._closing and self.failed is None:
+            now = time.time()
+            if now - last_round > STEP_TIMEOUT_S / 2:  # this process was frozen too: not the ranks' fault
+                self._beat_floor = now
+            last_round = now
             gone = self._rank_exit()
             if gone is not None and not self._closing:
                 self.fail(gone)
@@ -277,10 +285,8 @@ class TPGroup:
                 last = os.path.getmtime(path)
             except OSError:
                 continue
-            if self._loading_since is not None:  # the wait for the loads began just now: count from it
-                last = max(last, self._loading_since)
-            if now - last > STEP_TIMEOUT_S:
-                during = " while loading its weights" if self._loading_since is not None else ""
+            if now - max(last, self._beat_floor) > STEP_TIMEOUT_S:
+                during = " while loading its weights" if self._loading else ""
                 return (f"rank {r} (pid {self.procs[r - 1].pid}) gave no sign of life for more than "
                         f"{STEP_TIMEOUT_S:g} s{during} (a rank is hung)")
         return None

@@ -229,7 +229,8 @@ def test_more_ranks_than_visible_gpus_is_refused_before_any_rank_starts():
 def test_a_slow_load_is_waited_for_while_its_heartbeat_goes_on(tmp_path):
     """A rank whose heartbeat file has gone stale for the step timeout (a stopped process) fails
     the group, at start (while rank 0 waits for the loads: a big shard on a slow disk may take
-    longer than the timeout and still beats) and when idle."""
+    longer than the timeout and still beats) and when idle; beats from before this process was
+    itself frozen (a suspended host) are not held against a rank."""
     import os
     import time
     from types import SimpleNamespace
@@ -241,16 +242,17 @@ def test_a_slow_load_is_waited_for_while_its_heartbeat_goes_on(tmp_path):
     stale.touch()
     now = time.time()
     os.utime(stale, (now - g.STEP_TIMEOUT_S - 5, now - g.STEP_TIMEOUT_S - 5))
-    tp = SimpleNamespace(alive_files=[str(fresh)], procs=[SimpleNamespace(pid=11)],
-                         _loading_since=now - 10 * g.STEP_TIMEOUT_S)
+    tp = SimpleNamespace(alive_files=[str(fresh)], procs=[SimpleNamespace(pid=11)], _loading=True,
+                         _beat_floor=now - 10 * g.STEP_TIMEOUT_S)
     assert g.TPGroup._silent_rank(tp) is None  # loading for ten timeouts, but alive
     tp.alive_files.append(str(stale))
     tp.procs.append(SimpleNamespace(pid=12))
-    assert "rank 2 (pid 12) gave no sign of life" in g.TPGroup._silent_rank(tp)
-    # idle or in a step, a stopped rank is found too (an idle engine's /health fails)
-    tp._loading_since = None
-    assert "rank 2 (pid 12) gave no sign of life" in g.TPGroup._silent_rank(tp)
+    assert "rank 2 (pid 12) gave no sign of life for more than" in g.TPGroup._silent_rank(tp)
+    assert "while loading its weights" in g.TPGroup._silent_rank(tp)
+    tp._loading = False  # idle or in a step, a stopped rank is found too (an idle engine's /health fails)
     assert "while loading" not in g.TPGroup._silent_rank(tp)
-    # a rank still starting (no beat yet) is the join timeout's to judge
-    tp.alive_files[1] = str(tmp_path / "not-yet.alive")
+    tp._beat_floor = now  # this process was frozen until now: the stale beat is forgiven
+    assert g.TPGroup._silent_rank(tp) is None
+    tp._beat_floor = now - 10 * g.STEP_TIMEOUT_S
+    tp.alive_files[1] = str(tmp_path / "not-yet.alive")  # still starting: the join timeout's to judge
     assert g.TPGroup._silent_rank(tp) is None
