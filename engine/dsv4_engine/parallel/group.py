@@ -221,6 +221,7 @@ class TPGroup:
             if self.failed is not None or self._closing:
                 return
             self.failed = reason
+        self._remove_error_files()  # read already (the reason names them); the process may not get to it
         log.critical("tensor-parallel group failed: %s; the engine goes down in %.1f s", reason, FAIL_GRACE_S)
         print(f"dsv4: tensor-parallel group failed: {reason}", file=sys.stderr, flush=True)
         for cb in self.on_failure:

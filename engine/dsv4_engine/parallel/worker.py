@@ -34,15 +34,19 @@ def _watch_parent(parent: int) -> None:
 
 
 def _heartbeat(path: str) -> None:
-    """Touch `path` every HEARTBEAT_S: rank 0 tells a slow load from a stopped rank by it."""
+    """Touch `path` every HEARTBEAT_S: rank 0 tells a slow load from a stopped rank by it. Made
+    once, then only touched: a file rank 0 has removed (the group is done) stays removed."""
+    try:
+        with open(path, "a"):
+            pass
+    except OSError:
+        return
     while True:
+        time.sleep(HEARTBEAT_S)
         try:
-            with open(path, "a"):
-                pass
             os.utime(path)
         except OSError:
-            pass
-        time.sleep(HEARTBEAT_S)
+            return
 
 
 def serve_rank(spec: dict) -> None:
