@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
 from safetensors import safe_open
 
 from dsv4_engine.quant import checkpoint_scheme, pair_quantized
-
-_MTP = re.compile(r"(^|\.)mtp\.")
+from dsv4_engine.quant.scheme import MTP as _MTP
 log = logging.getLogger("dsv4.engine")
 
 

@@ -26,6 +26,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -43,10 +44,27 @@ log = logging.getLogger("dsv4.tp")
 
 SPEC_ENV = "DSV4_TP_SPEC"  # a worker's rank, world, rendezvous port and engine arguments (JSON)
 # The longest one step may wait on the other ranks (generous: a first step may JIT-compile kernels).
-STEP_TIMEOUT_S = float(os.environ.get("DSV4_TP_TIMEOUT_S", "300"))
+TIMEOUT_ENV = "DSV4_TP_TIMEOUT_S"
+
+
+def step_timeout_s(environ=os.environ) -> float:
+    """DSV4_TP_TIMEOUT_S (default 300), checked: a typo must not surface as a bare float() error
+    from the engine's start, nor 0 fail every step."""
+    raw = environ.get(TIMEOUT_ENV, "300")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (0 < value < float("inf")):
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds > 0, not {raw!r}")
+    return value
+
+
+STEP_TIMEOUT_S = step_timeout_s()
 CONTROL_TIMEOUT = timedelta(days=7)  # the other ranks wait for the next batch while the engine idles
 FAIL_GRACE_S = 2.0
 WATCH_INTERVAL_S = 0.2
+HEARTBEAT_S = 1.0  # how often a rank touches its heartbeat file (a stopped process cannot)
 
 
 def rank_device(device: Optional[str], rank: int) -> str:
@@ -63,6 +81,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def device_refusal(device: Optional[str], size: int, device_count: Optional[int] = None) -> Optional[str]:
+    """Why `size` ranks cannot each have their device (rank r on cuda:base+r), in one line, or
+    None; checked before any rank starts, not left to a rank's 'invalid device ordinal'."""
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    count = torch.cuda.device_count() if device_count is None else device_count
+    base = torch.device(device).index or 0
+    if base + size > count:
+        return (f"--tp-size {size} needs {size} GPUs from cuda:{base} (one per rank); this host has {count} "
+                f"visible (CUDA_VISIBLE_DEVICES)")
+    return None
 
 
 @dataclass
@@ -98,6 +129,9 @@ class TPGroup:
     """Rank 0's handle on the group: spawns the other ranks, sends them each batch, watches them."""
 
     def __init__(self, size: int, engine_args: dict, device: Optional[str]):
+        refusal = device_refusal(rank_device(device, 0), size)
+        if refusal:
+            raise ValueError(refusal)
         self.size = size
         self.failed: Optional[str] = None
         self.on_failure: list[Callable[[str], None]] = []
@@ -105,10 +139,21 @@ class TPGroup:
         self._lock = threading.Lock()
         self._closing = False
         self._busy_since: Optional[float] = None  # when the step now talking to the other ranks began
+        self._loading = False  # while rank 0 waits for the other ranks' loads (named in a failure)
+        # Heartbeats older than this (wall clock) are not held against a rank: moved forward when
+        # this process itself was frozen (a suspended host or terminal stops every rank alike).
+        self._beat_floor = time.time()
         port = free_port()
         self.procs: list[subprocess.Popen] = []
+        # Where each rank leaves the one line saying why it failed: rank 0 names it in its own
+        # failure, instead of the collective's "connection reset by peer" that follows it.
+        # Each rank's heartbeat: its load may take as long as it takes, but not without a sign of life.
+        stem = os.path.join(tempfile.gettempdir(), f"dsv4-tp-{os.getpid()}-{port}-rank")
+        self.error_files = [f"{stem}{r}.err" for r in range(1, size)]
+        self.alive_files = [f"{stem}{r}.alive" for r in range(1, size)]
         for r in range(1, size):
-            spec = {"rank": r, "size": size, "port": port, "parent": os.getpid(), "engine": engine_args}
+            spec = {"rank": r, "size": size, "port": port, "parent": os.getpid(), "engine": engine_args,
+                    "error_file": self.error_files[r - 1], "alive_file": self.alive_files[r - 1]}
             env = {**os.environ, SPEC_ENV: json.dumps(spec)}
             self.procs.append(subprocess.Popen([sys.executable, "-m", "dsv4_engine.parallel.worker"], env=env))
         self._watch = threading.Thread(target=self._watch_ranks, name="dsv4-tp-watchdog", daemon=True)
@@ -121,9 +166,17 @@ class TPGroup:
     # ---- the step channel --------------------------------------------------------------------
 
     def announce_pool(self, num_pages: int, page_size: int, max_num_seqs: int) -> None:
-        """Tell the other ranks the size of the KV pool to build (theirs mirrors rank 0's)."""
-        dist.broadcast(torch.tensor([num_pages, page_size, max_num_seqs], dtype=torch.int64), 0,
-                       group=self.rank.control)
+        """Tell the other ranks the size of the KV pool to build (theirs mirrors rank 0's). The
+        other ranks may still be loading their weights: however long that takes, a rank whose
+        heartbeat stops for STEP_TIMEOUT_S (a stopped process, alive to the watchdog's poll) fails
+        the start, which would otherwise wait forever."""
+        self._loading = True
+        try:
+            with self.step("waiting for the other ranks to load their weights", timed=False):
+                dist.broadcast(torch.tensor([num_pages, page_size, max_num_seqs], dtype=torch.int64), 0,
+                               group=self.rank.control)
+        finally:
+            self._loading = False
 
     def send_batch(self, fb) -> None:
         header, payload = wire.pack(fb)
@@ -131,16 +184,20 @@ class TPGroup:
         dist.broadcast(payload, 0, group=self.rank.control)
 
     @contextlib.contextmanager
-    def step(self, what: str):
+    def step(self, what: str, timed: bool = True):
         """Time a step that talks to the other ranks (the watchdog fails one that takes too
         long); any failure inside is the group's."""
         if self.failed is not None:
             raise RuntimeError(f"tensor-parallel group failed: {self.failed}")
-        self._busy_since = time.monotonic()
+        self._busy_since = time.monotonic() if timed else None
         try:
             yield
         except Exception as e:
-            self.fail(f"{what} failed: {type(e).__name__}: {e}")
+            # A collective that breaks is most often a rank that just failed: name that failure.
+            reason = self._rank_exit(wait_s=2.0)
+            self.fail(reason or f"{what} failed: {type(e).__name__}: {e}")
+            if reason:
+                raise RuntimeError(f"tensor-parallel group failed: {reason}") from e
             raise
         finally:
             self._busy_since = None
@@ -164,6 +221,7 @@ class TPGroup:
             if self.failed is not None or self._closing:
                 return
             self.failed = reason
+        self._remove_error_files()  # read already (the reason names them); the process may not get to it
         log.critical("tensor-parallel group failed: %s; the engine goes down in %.1f s", reason, FAIL_GRACE_S)
         print(f"dsv4: tensor-parallel group failed: {reason}", file=sys.stderr, flush=True)
         for cb in self.on_failure:
@@ -179,23 +237,71 @@ class TPGroup:
         self._kill_ranks()
         os._exit(1)
 
-    def _watch_ranks(self) -> None:
-        while not self._closing and self.failed is None:
+    def _rank_exit(self, wait_s: float = 0.0) -> Optional[str]:
+        """'rank r (pid) exited with code c: why' for the first rank found gone (waiting up to
+        wait_s for one to go), or None."""
+        deadline = time.monotonic() + wait_s
+        while True:
             for r, p in enumerate(self.procs, start=1):
                 code = p.poll()
-                if code is not None and not self._closing:
-                    self.fail(f"rank {r} (pid {p.pid}) exited with code {code}")
-                    return
+                if code is not None:
+                    why = ""
+                    with contextlib.suppress(OSError):
+                        with open(self.error_files[r - 1]) as f:
+                            why = f.read().strip()
+                    return f"rank {r} (pid {p.pid}) exited with code {code}" + (f": {why}" if why else "")
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def _watch_ranks(self) -> None:
+        last_round = time.time()
+        while not self._closing and self.failed is None:
+            now = time.time()
+            if now - last_round > STEP_TIMEOUT_S / 2:  # this process was frozen too: not the ranks' fault
+                self._beat_floor = now
+            last_round = now
+            gone = self._rank_exit()
+            if gone is not None and not self._closing:
+                self.fail(gone)
+                return
+            silent = self._silent_rank()
+            if silent is not None:
+                self.fail(silent)
+                return
             since = self._busy_since
             if since is not None and time.monotonic() - since > STEP_TIMEOUT_S:
                 self.fail(f"a step waited on the other ranks for more than {STEP_TIMEOUT_S:g} s (a rank is hung)")
                 return
             time.sleep(WATCH_INTERVAL_S)
 
+    def _silent_rank(self) -> Optional[str]:
+        """The first rank whose heartbeat is older than STEP_TIMEOUT_S (a stopped process, alive to
+        the watchdog's poll), or None. Judged whether or not a step is under way, so that an idle
+        engine's /health also fails; a rank that has not written its first beat yet (still
+        starting) is left to the group's join timeout."""
+        now = time.time()
+        for r, path in enumerate(self.alive_files, start=1):
+            try:
+                last = os.path.getmtime(path)
+            except OSError:
+                continue
+            if now - max(last, self._beat_floor) > STEP_TIMEOUT_S:
+                during = " while loading its weights" if self._loading else ""
+                return (f"rank {r} (pid {self.procs[r - 1].pid}) gave no sign of life for more than "
+                        f"{STEP_TIMEOUT_S:g} s{during} (a rank is hung)")
+        return None
+
     def _kill_ranks(self) -> None:
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
+        self._remove_error_files()
+
+    def _remove_error_files(self) -> None:
+        for path in (*self.error_files, *self.alive_files):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the other ranks (orderly when the group still works) and leave the group."""
@@ -223,6 +329,7 @@ class TPGroup:
                 p.kill()
                 p.wait()
         torch.set_num_threads(self._threads)
+        self._remove_error_files()
         if teller is not None and teller.is_alive():
             return  # a send still pending on a killed rank: the group goes with the process
         try:

@@ -29,6 +29,7 @@ def checkpoint_files(d: Path) -> list[str]:
 def load_shard(model_dir: str | Path, slicer: Slicer) -> dict:
     d = Path(model_dir)
     weights: dict[str, torch.Tensor] = {}
+    local_name: dict[str, str] = {}  # checkpoint name -> this rank's name (experts renumbered)
     for name in checkpoint_files(d):
         with safe_open(str(d / name), framework="pt") as f:
             for key in f.keys():
@@ -41,7 +42,9 @@ def load_shard(model_dir: str | Path, slicer: Slicer) -> dict:
                 local, index = got
                 # A slice may be a view of the whole tensor's buffer: copy it out so that only
                 # this rank's part stays resident.
-                weights[local] = part[index].contiguous().clone() if index else f.get_tensor(key)
-    # Quantized weights pair with their scales as at tp 1 (a split weight's scales were split with it).
+                weights[key] = part[index].contiguous().clone() if index else f.get_tensor(key)
+                local_name[key] = local
+    # Quantized weights pair with their scales as at tp 1 (a split weight's scales were split with
+    # it), under the checkpoint's names so that a refusal names the tensor as the files do.
     paired, _ = pair_quantized(weights, checkpoint_scheme(d))
-    return paired
+    return {local_name[k]: v for k, v in paired.items()}

@@ -53,7 +53,7 @@ def even(total: int, shard: Shard, what: str) -> tuple[int, int]:
 
 
 _EXPERT = re.compile(r"^(?P<pre>.*\.experts)\.(?P<e>\d+)\.(?P<rest>.+)$")
-_FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+_FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)(_scale_inv)?$")  # and their stacked scales
 
 
 def expert_slice(name: str, shape: tuple[int, ...], lo: int, hi: int) -> Slice | bool:
@@ -71,13 +71,21 @@ def expert_slice(name: str, shape: tuple[int, ...], lo: int, hi: int) -> Slice |
 
 # ---- DeepSeek-V3 ------------------------------------------------------------------------------
 
+def _layer_kinds(cfg) -> tuple[bool, bool]:
+    """(has dense MLP layers, has MoE layers): dense layers come from first_k_dense_replace, from
+    moe_layer_freq > 1, or from a model without routed experts."""
+    moe = [cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)]
+    return not all(moe), any(moe)
+
+
 def v3_refusal(cfg, size: int) -> Optional[str]:
     """Why this V3 config cannot run on `size` ranks (one line), or None."""
+    has_dense, has_moe = _layer_kinds(cfg)
     if cfg.num_attention_heads % size:
         return f"--tp-size {size} does not divide num_attention_heads ({cfg.num_attention_heads})"
-    if cfg.intermediate_size % size and cfg.first_k_dense_replace:
+    if cfg.intermediate_size % size and has_dense:
         return f"--tp-size {size} does not divide intermediate_size ({cfg.intermediate_size})"
-    shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+    shared = cfg.moe_intermediate_size * (cfg.n_shared_experts or 0) if has_moe else 0
     if shared % size:
         return f"--tp-size {size} does not divide the shared experts' width ({shared})"
     if cfg.n_routed_experts and cfg.n_routed_experts < size:
@@ -87,7 +95,7 @@ def v3_refusal(cfg, size: int) -> Optional[str]:
         h = cfg.num_attention_heads // size
         widths = {"q_b rows": h * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim),
                   "kv_b rows": h * (cfg.qk_nope_head_dim + cfg.v_head_dim), "o_proj columns": h * cfg.v_head_dim,
-                  "dense MLP width": cfg.intermediate_size // size if cfg.first_k_dense_replace else 0,
+                  "dense MLP width": cfg.intermediate_size // size if has_dense else 0,
                   "shared experts' width": shared // size}
         for what, w in widths.items():
             if w % qb[0] or w % qb[1]:
@@ -143,8 +151,11 @@ def v3_slicer(cfg, shard: Shard) -> Slicer:
         ex = expert_slice(name, shape, e0, e1)
         if ex is not False:
             return ex  # type: ignore[return-value]
-        if name.endswith(".weight_scale_inv"):  # fp8 block scales follow their weight's split
-            part = split_of(name[: -len("_scale_inv")])
+        # fp8 block scales follow their weight's split (both spellings pair_quantized reads)
+        weight = (name.removesuffix("_scale_inv") if name.endswith(".weight_scale_inv")
+                  else name.removesuffix(".scale") + ".weight" if name.endswith(".scale") else None)
+        if weight is not None:
+            part = split_of(weight)
             if part is None:
                 return name, ()
             dim, lo, hi = part

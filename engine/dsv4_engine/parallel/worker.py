@@ -18,19 +18,46 @@ import torch
 import torch.distributed as dist
 
 from dsv4_engine.parallel import wire
-from dsv4_engine.parallel.group import SPEC_ENV, join, rank_device, receive_state
+from dsv4_engine.parallel.group import HEARTBEAT_S, SPEC_ENV, join, rank_device, receive_state
 from dsv4_engine.parallel.plan import Shard
 
 log = logging.getLogger("dsv4.tp")
 
 
-def _watch_parent(parent: int) -> None:
+def _forget_files(spec: dict) -> None:
+    """Rank 0 is gone and cannot remove this rank's heartbeat / reason files: this rank does."""
+    for key in ("alive_file", "error_file"):
+        try:
+            os.unlink(spec[key])
+        except (KeyError, OSError):
+            pass
+
+
+def _watch_parent(spec: dict) -> None:
     """Rank 0 gone (killed, crashed): this rank has nothing left to serve."""
+    parent = spec["parent"]
     while True:
         if os.getppid() != parent:
             print(f"dsv4 tp rank: rank 0 (pid {parent}) is gone; exiting", file=sys.stderr, flush=True)
+            _forget_files(spec)
             os._exit(1)
         time.sleep(0.25)
+
+
+def _heartbeat(path: str) -> None:
+    """Touch `path` every HEARTBEAT_S: rank 0 tells a slow load from a stopped rank by it. Made
+    once, then only touched: a file rank 0 has removed (the group is done) stays removed."""
+    try:
+        with open(path, "a"):
+            pass
+    except OSError:
+        return
+    while True:
+        time.sleep(HEARTBEAT_S)
+        try:
+            os.utime(path)
+        except OSError:
+            return
 
 
 def serve_rank(spec: dict) -> None:
@@ -67,11 +94,21 @@ def serve_rank(spec: dict) -> None:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = json.loads(os.environ[SPEC_ENV])
-    threading.Thread(target=_watch_parent, args=(spec["parent"],), daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(spec,), daemon=True).start()
+    if spec.get("alive_file"):
+        threading.Thread(target=_heartbeat, args=(spec["alive_file"],), daemon=True).start()
     try:
         serve_rank(spec)
-    except BaseException:
+    except BaseException as e:
         print(f"dsv4 tp rank {spec['rank']} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        if os.getppid() != spec["parent"]:  # rank 0 is gone: nobody to tell
+            _forget_files(spec)
+        elif spec.get("error_file"):  # rank 0 names this line in its own failure
+            try:
+                with open(spec["error_file"], "w") as f:
+                    f.write(f"{type(e).__name__}: {e}".splitlines()[0][:2000])
+            except OSError:
+                pass
         os._exit(1)
     try:
         dist.destroy_process_group()

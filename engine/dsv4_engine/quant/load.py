@@ -18,7 +18,7 @@ from typing import Any, Iterable, Optional
 import torch
 
 from dsv4_engine.quant.codec import cdiv, float_to_e8m0_bytes, scale_as_float
-from dsv4_engine.quant.scheme import FP4_GROUP, QuantScheme, UnsupportedQuantization
+from dsv4_engine.quant.scheme import FP4_GROUP, QuantScheme, UnsupportedQuantization, scale_key
 from dsv4_engine.quant.tensors import FP4, FP8, QuantWeight
 
 log = logging.getLogger("dsv4.engine")
@@ -46,15 +46,6 @@ class LoadReport:
 
 def mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
-
-
-def _scale_key(name: str, keys) -> Optional[str]:
-    base = name[: -len(".weight")] if name.endswith(".weight") else None
-    candidates = [base + ".weight_scale_inv", base + ".scale"] if base is not None else [name + "_scale_inv"]
-    for c in candidates:
-        if c in keys:
-            return c
-    return None
 
 
 def _fp8(name: str, q: torch.Tensor, s: torch.Tensor, scheme: QuantScheme) -> QuantWeight:
@@ -95,9 +86,12 @@ def pair_quantized(raw: dict[str, torch.Tensor], scheme: Optional[QuantScheme]
     for name, t in raw.items():
         if t.dtype in _OTHER_FP8:
             raise UnsupportedQuantization(f"{name} is {t.dtype}: this engine loads e4m3 fp8 weights only")
-        sk = _scale_key(name, keys)
+        sk = scale_key(name, keys)
         if t.dtype in _FP8_DTYPES or (sk is not None and t.dtype in _PACKED_FP4):
             scale_of[name] = sk
+        elif sk is not None and t.is_floating_point():
+            raise UnsupportedQuantization(f"{name} is {t.dtype} (not quantized) but the checkpoint also holds "
+                                          f"scales for it ({sk}): refusing to guess whether they apply")
     scales = {sk for sk in scale_of.values() if sk is not None}
     for name, t in raw.items():
         if name in scales:
