@@ -175,6 +175,7 @@ class Engine:
         self.max_model_len = min(args.max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings, pool_tokens)
         self.metrics = EngineMetrics(args.role, args.served_model_name)
         self.metrics.set("kv_pages_total", num_pages)
+        self.metrics.set("tp_size", args.tp_size)
         for name, nbytes in self.pool.bytes_per_token().items():
             self.metrics.set_state("kv_state_bytes_per_token", name, nbytes)
         for name, nbytes in self.pool.bytes_per_request().items():

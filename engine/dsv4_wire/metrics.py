@@ -18,6 +18,7 @@ GAUGES = {
     "kv_pages_free": "Free KV cache pages",
     "kv_pages_total": "Total KV cache pages",
     "prefix_cache_pages": "KV pages held by the prefix cache (the idle ones also count as free)",
+    "tp_size": "Ranks (devices) this engine runs on (--tp-size); rank 0 reports for all",
 }
 # Gauges with a `state` label besides role/model_name: one series per state the model declares
 # (DeepSeek-V3: its one latent cache; V4: windowed and compressed states). Paged states cost

@@ -66,6 +66,8 @@ def test_tp2_serves_the_same_text_as_tp1(tiny_model, tmp_path):
         assert completion(url) == ref and completion(url, stream=True) == ref
         loads = httpx.get(f"{url}/v1/loads").json()
         assert loads["tp_size"] == 2 and loads["kv_pages_total"] == 128
+        metrics = httpx.get(f"{url}/metrics").text
+        assert any(ln.startswith("dsv4:tp_size{") and ln.endswith(" 2.0") for ln in metrics.splitlines()), metrics[:2000]
     assert ref
 
 
