@@ -168,7 +168,9 @@ class EngineClient:
             with self._send_lock:
                 self.conn.send_bytes(data)
         except OSError as e:
-            self._gone(f"engine process unreachable: {e}")
+            # a send can meet the broken pipe before the reader meets the end of the channel:
+            # say what the reader would say when the process has in fact exited
+            self._gone(self._exit_reason() or f"engine process unreachable: {e}")
             raise EngineGone(self.dead) from None
 
     def _read(self) -> None:
@@ -188,13 +190,18 @@ class EngineClient:
                         fut.set_result(value)
                     else:
                         fut.set_exception(_remote(value))
+        self._gone(self._exit_reason() or "engine process exited")
+
+    def _exit_reason(self) -> Optional[str]:
+        """'engine process exited (exit code N)' once the core has exited (waiting up to 1 s for
+        it: its end of the channel closes a moment before it is gone), else None."""
         code = self.proc.poll()
         if code is None:
             try:
                 code = self.proc.wait(timeout=1.0)
             except subprocess.TimeoutExpired:
-                code = None
-        self._gone("engine process exited" + (f" (exit code {code})" if code is not None else ""))
+                return None
+        return f"engine process exited (exit code {code})"
 
     def _gone(self, why: str) -> None:
         if self.dead is not None:
