@@ -11,29 +11,7 @@ from dsv4_engine.prefix_cache import PrefixCache
 from dsv4_engine.sampling import SamplingParams
 from dsv4_engine.sequence import Sequence
 
-PS = 4
-
-
-def seq(rid: str, tokens: list[int]) -> Sequence:
-    return Sequence(rid, list(tokens), SamplingParams(max_tokens=4, temperature=0))
-
-
-def compute(cache: PrefixCache, alloc: PageAllocator, s: Sequence, upto: int) -> None:
-    """What the scheduler and engine do for a request that computes up to `upto` tokens."""
-    need = -(-upto // PS) - len(s.pages)
-    if need > 0:
-        pages = alloc.allocate(need)
-        assert pages is not None
-        s.pages.extend(pages)
-    s.num_computed = upto
-    cache.insert(s)
-
-
-def release(cache: PrefixCache, alloc: PageAllocator, s: Sequence) -> None:
-    alloc.free(s.pages)
-    s.pages = []
-    s.num_computed = 0
-    cache.forget(s)
+from test_prefix_cache import PS, compute, release, seq  # noqa: E402  (the same request steps)
 
 
 def test_a_request_that_loses_the_race_takes_the_cached_page_and_keeps_caching_its_own():

@@ -17,26 +17,11 @@ from dsv4_engine.sequence import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pd"))  # the PD pair over the fake fabric
 from test_state_machines import Client, Pair  # noqa: E402
+from test_v4_state_machines import pair, v4_engines  # noqa: E402,F401  (fixtures: the v4-tiny trio and its pair)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def v4_engines(make_model):
-    model = make_model("v4-tiny")
-
-    def make(role: str) -> Engine:
-        return Engine(EngineArgs(model=str(model), role=role, device="cpu", kernel_backend="torch", kv_pages=40,
-                                 page_size=8, max_num_seqs=4, max_num_batched_tokens=64, served_model_name="m"))
-
-    return make("prefill"), make("decode"), make("mono")
-
-
-@pytest.fixture
-def pair(v4_engines):
-    p = Pair(v4_engines)
-    yield p
-    p.close()
 
 
 def submit(engine: Engine, rid: str, prompt: list[int], params: SamplingParams, room=None) -> Client:
