@@ -315,12 +315,12 @@ def main(argv: list[str]) -> None:
         sys.exit(0)
     assert kind == m.INIT
     args = ServerArgs(**fields_)
-    _set_cpu_threads(args)
     try:
         refusal = _refusal(args)
         if refusal:  # no traceback, no log: the HTTP process prints this one line as `dsv4 serve`'s error
             conn.send_bytes(m.dumps((m.REFUSED, refusal)))
             sys.exit(2)
+        _set_cpu_threads(args)  # after the refusal: a refusal is the only line printed
         engine = make_engine(args)
         if args.role == "prefill":
             _start_bootstrap(engine, args)
