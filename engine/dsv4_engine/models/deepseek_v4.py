@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from dsv4_engine.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.quant import dense, is_quantized, log_resident, moe_experts_for, one_format, place
+from dsv4_engine.quant.scheme import MTP  # the layers no loader reads
 from dsv4_engine.weights import load_weights
 
 
@@ -73,7 +74,6 @@ class V4Batch:
 
 # ---- weights: release names, and what transformers' save_pretrained / state_dict write -----------
 
-_MTP = re.compile(r"(^|\.)mtp\.")
 
 # Native transformers module names -> DeepSeek release names (the inverse of transformers'
 # conversion mapping for deepseek_v4). Applied in order, after "model." is stripped.
@@ -120,7 +120,7 @@ def to_release_layout(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     """Rename to release names and split transformers' fused expert tensors per expert."""
     out: dict[str, torch.Tensor] = {}
     for name, t in weights.items():
-        if _MTP.search(name):
+        if MTP.search(name):
             continue
         n = release_name(name)
         m = re.match(r"^(layers\.\d+\.ffn\.experts)\.(gate_up_proj|down_proj)$", n)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv4_engine.quant.scheme import cdiv  # defined where the torch-free header checks need it
 from dsv4_kernels.reference_quant import (  # noqa: F401  (re-exported)
     E2M1_VALUES,
     FP8_MAX,
@@ -22,10 +23,6 @@ from dsv4_kernels.reference_quant import (  # noqa: F401  (re-exported)
 )
 
 FP4_MAX = 6.0
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ---- scales ----------------------------------------------------------------------------------------
