@@ -25,10 +25,10 @@ import torch
 from dsv4_engine.engine_args import EngineArgs  # noqa: F401  (its old home)
 from dsv4_engine.kv_cache import KVPool, check_page_size, default_page_size, pages_for_memory
 from dsv4_engine.metrics import EngineMetrics
-from dsv4_engine.model_runner import ModelRunner
+from dsv4_engine.model_runner import ModelRunner, default_device
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.prefix_cache import PrefixCache
-from dsv4_engine.sampling import request_generator
+from dsv4_engine.sampling import request_generator, skip_draw
 from dsv4_engine.scheduler import Scheduler
 from dsv4_engine.sequence import RequestOutput, Sequence, SeqStatus
 from dsv4_engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -73,6 +73,13 @@ def state_refusal(specs: list[StateSpec], role: str, page_size: Optional[int]) -
     return None
 
 
+def args_refusal(args: EngineArgs) -> Optional[str]:
+    """Why an engine cannot be built from these flags alone (no checkpoint read), in one line,
+    or None: limits that serve nothing, a kernel backend this device cannot run."""
+    return (limits_refusal(args.max_num_seqs, args.max_num_batched_tokens)
+            or backend_refusal(args.kernel_backend, args.device))
+
+
 def limits_refusal(max_num_seqs: int, max_num_batched_tokens: int) -> Optional[str]:
     """Why these scheduler limits cannot serve anything, in one line, or None: a step budget of
     0 tokens never admits a request (it waits forever), and 0 requests at once leaves a model
@@ -91,9 +98,7 @@ def backend_refusal(kernel_backend: Optional[str], device: Optional[str]) -> Opt
 
     if kernel_backend != "triton":
         return None
-    import torch
-
-    dev = torch.device(device) if device else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device) if device else default_device()
     if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return (f"--kernel-backend triton needs a CUDA device, not {dev.type} (or TRITON_INTERPRET=1 for "
                 f"Triton's slow CPU interpreter); use --kernel-backend torch on a CPU")
@@ -128,8 +133,7 @@ def prefix_cache_refusal(specs: list[StateSpec], role: str, enabled: bool = True
 
 class Engine:
     def __init__(self, args: EngineArgs):
-        refusal = (limits_refusal(args.max_num_seqs, args.max_num_batched_tokens)
-                   or backend_refusal(args.kernel_backend, args.device))
+        refusal = args_refusal(args)
         if refusal:  # before any weight is read or rank spawned
             raise ValueError(refusal)
         self.args = args
@@ -401,12 +405,10 @@ class Engine:
             self.fail_request(seq, "generation failed", e)
 
     def _skip_first_draw(self, seq: Sequence) -> None:
-        """Prefill drew the first token's noise from this request's seeded stream; move decode's
-        copy of the stream past that draw, so that a seeded request samples in PD what it samples
-        in mono. One draw is one float32 exponential per vocab entry (sampling._sample_rows)."""
-        gen = seq.generator
-        if gen is not None and not seq.params.greedy:
-            torch.empty(self.cfg.vocab_size, dtype=torch.float32, device=gen.device).exponential_(generator=gen)
+        """Prefill drew the first token's noise from this request's seeded stream: a seeded
+        request samples in PD what it samples in mono only if decode's copy moves past it."""
+        if seq.generator is not None and not seq.params.greedy:
+            skip_draw(seq.generator, self.cfg.vocab_size)
 
     def _stop_reason(self, seq: Sequence, tok: int) -> Optional[str]:
         p = seq.params

@@ -209,6 +209,13 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], rows: list[
     return (probs / noise.clamp_min_(1e-30)).argmax(dim=-1), invalid
 
 
+def skip_draw(generator: torch.Generator, vocab: int) -> None:
+    """Move a request's random stream past one sampled token's draw (what `_sample_rows` takes
+    from it: one float32 exponential per vocab entry), as if this process had sampled it: PD
+    decode continues the stream prefill drew the first token from."""
+    torch.empty(vocab, dtype=torch.float32, device=generator.device).exponential_(generator=generator)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[Optional[torch.Generator]],
            histories: Optional[Sequence[TokenHistory]] = None,
            eos_ids: Sequence[int] = ()) -> list[Union[Sampled, Exception]]:
