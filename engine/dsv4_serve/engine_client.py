@@ -34,7 +34,6 @@ from dsv4_serve.detokenize import OutputProcessor
 log = logging.getLogger("dsv4.client")
 
 
-
 def call_soon(loop: Optional[asyncio.AbstractEventLoop], fn: Callable, *args) -> None:
     """fn(*args) on the loop's thread, from the channel reader: nothing when there is no loop
     yet, or when it has closed (the server is shutting down; checking is_closed first would
@@ -45,6 +44,7 @@ def call_soon(loop: Optional[asyncio.AbstractEventLoop], fn: Callable, *args) ->
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # "Event loop is closed"
         pass
+
 
 class EngineStartError(RuntimeError):
     """The core could not start (bad model, busy bootstrap port, ...): one line saying why."""

@@ -184,11 +184,10 @@ def _refusal(args) -> Optional[str]:
     """Why this checkpoint cannot be served as `args` ask, in one line naming the model, before
     any weight is read: limits that serve nothing, a kernel backend this device cannot run, a
     quantization it cannot load, states that do not fit --page-size, a --tp-size it cannot split into. Checked here, not in the HTTP process: both need torch."""
-    from dsv4_engine.engine import backend_refusal, limits_refusal, serving_refusal
+    from dsv4_engine.engine import args_refusal, serving_refusal
     from dsv4_engine.quant import UnsupportedQuantization, checkpoint_scheme
 
-    flags = (limits_refusal(args.max_num_seqs, args.max_num_batched_tokens)
-             or backend_refusal(args.kernel_backend, args.device))
+    flags = args_refusal(args)
     if flags:
         return flags
     try:
@@ -202,7 +201,9 @@ def _refusal(args) -> Optional[str]:
 def _set_cpu_threads(args) -> None:
     import torch
 
-    on_cpu = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
+    from dsv4_engine.model_runner import default_device
+
+    on_cpu = (torch.device(args.device) if args.device else default_device()).type == "cpu"
     n = cpu_threads(len(os.sched_getaffinity(0)), dict(os.environ)) if on_cpu and args.tp_size == 1 else None
     if n is not None:
         torch.set_num_threads(n)
