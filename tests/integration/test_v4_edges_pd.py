@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import httpx
 import pytest
 
 from test_pd import PDCluster, complete, loads
+from test_v4_pd import tokens, wait_idle
 
 # Decode's waits for a row are bounded by the bootstrap deadline: generous, for two busy cores.
 DEADLINES = ["--bootstrap-timeout", 30]
@@ -27,22 +27,6 @@ def cluster(make_model, tmp_path_factory):
                   decode_args=[*DEADLINES, "--max-num-seqs", 2, "--kv-pages", 24, "--page-size", 4])
     yield c
     c.stop()
-
-
-def wait_idle(*urls: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    for url in urls:
-        while True:
-            ld = loads(url)
-            if (sum(ld["queues"].values()) == 0 and ld["kv_pages_free"] == ld["kv_pages_total"]
-                    and ld["kv_slots_free"] == ld["kv_slots_total"]):
-                break
-            assert time.monotonic() < deadline, f"{url} still holds state: {ld}"
-            time.sleep(0.1)
-
-
-def tokens(body: dict) -> list[int]:
-    return body["choices"][0]["token_ids"]
 
 
 def test_decode_pool_is_the_small_one(cluster):
@@ -65,7 +49,7 @@ def test_one_token_prompt_and_one_token_answer(cluster):
         mono = complete(cluster.m_url, prompt, max_tokens=n, logprobs=2)
         assert tokens(pd) == tokens(mono) and len(tokens(pd)) == n
         assert pd["choices"][0]["logprobs"] == mono["choices"][0]["logprobs"]
-    wait_idle(cluster.p_url, cluster.d_url)
+    wait_idle(cluster.p_url, cluster.d_url, timeout=30.0)
 
 
 def test_more_requests_than_decode_rows_with_clients_giving_up(cluster):
@@ -90,7 +74,7 @@ def test_more_requests_than_decode_rows_with_clients_giving_up(cluster):
             return await asyncio.gather(*(one(client, p, g) for p, g in reqs))
 
     got = asyncio.run(all_of_them())
-    wait_idle(cluster.p_url, cluster.d_url)
+    wait_idle(cluster.p_url, cluster.d_url, timeout=30.0)
     assert all(toks is not None for (_, give_up), toks in zip(reqs, got) if give_up is None)
     finished = [(p, toks) for (p, _), toks in zip(reqs, got) if toks is not None]
     for prompt, toks in finished:

@@ -95,6 +95,23 @@ def _step_trace(runner, pool, graphs, batch, launches):
     return logits[: len(batch)], trace.events + list(launches), syncs
 
 
+def assert_same_capture(runner, pool, graphs, one, two, launches, budget: int) -> None:
+    """Decode batches `one` (3 requests) and `two` (4), both padded to bucket 4: no host read in
+    either, the same dispatches (ops, shapes, launches) in both, within `budget` a layer."""
+    assert bucket_for(len(one), graphs.buckets) == bucket_for(len(two), graphs.buckets) == 4
+    logits1, trace1, syncs1 = _step_trace(runner, pool, graphs, one, launches)
+    logits2, trace2, syncs2 = _step_trace(runner, pool, graphs, two, launches)
+    assert syncs1 == [] and syncs2 == [], "\n".join(syncs1 + syncs2)
+    assert logits1.shape[0] == 3 and logits2.shape[0] == 4
+    assert len(trace1) == len(trace2)
+    for i, (x, y) in enumerate(zip(trace1, trace2)):
+        assert x == y, f"dispatch {i} differs between two steps of one bucket: {x} vs {y}"
+    per_layer = len(trace1) / runner.cfg.num_hidden_layers
+    print(f"{runner.model_type} decode dispatches: {len(trace1)} in {runner.cfg.num_hidden_layers} layers "
+          f"({sum(e[0] == 'launch' for e in trace1)} kernel launches)")
+    assert per_layer <= budget, f"{per_layer:.1f} dispatches a layer > budget {budget}"
+
+
 def test_decode_step_is_capture_safe(runner, launches):
     torch.manual_seed(0)
     pool = KVPool(runner.state_specs, 16, 8, torch.float32, DEVICE)
@@ -105,18 +122,7 @@ def test_decode_step_is_capture_safe(runner, launches):
            _decoding("f", [1, 2], [3], [11])]
     two = [_decoding("c", list(range(30, 60)), [2], [4, 5, 6, 7]), _decoding("d", [11], [12, 13, 14, 15, 16, 17, 18, 19, 20], [8, 9]),
            _decoding("e", [21, 22], [23], [10]), _decoding("g", list(range(50, 90)), [1], [12, 13, 14, 15, 0, 1])]
-    assert bucket_for(len(one), graphs.buckets) == bucket_for(len(two), graphs.buckets) == 4
-    logits1, trace1, syncs1 = _step_trace(runner, pool, graphs, one, launches)
-    logits2, trace2, syncs2 = _step_trace(runner, pool, graphs, two, launches)
-    assert syncs1 == [] and syncs2 == [], "\n".join(syncs1 + syncs2)
-    assert logits1.shape[0] == 3 and logits2.shape[0] == 4
-    assert len(trace1) == len(trace2)
-    for i, (x, y) in enumerate(zip(trace1, trace2)):
-        assert x == y, f"dispatch {i} differs between two steps of one bucket: {x} vs {y}"
-    per_layer = len(trace1) / runner.cfg.num_hidden_layers
-    print(f"decode dispatches: {len(trace1)} in {runner.cfg.num_hidden_layers} layers "
-          f"({sum(e[0] == 'launch' for e in trace1)} kernel launches)")
-    assert per_layer <= DECODE_DISPATCHES_PER_LAYER, f"{per_layer:.1f} dispatches a layer > budget {DECODE_DISPATCHES_PER_LAYER}"
+    assert_same_capture(runner, pool, graphs, one, two, launches, DECODE_DISPATCHES_PER_LAYER)
 
 
 def test_padded_static_step_gives_the_plain_steps_logits(runner):
@@ -202,18 +208,7 @@ def test_v4_decode_step_is_capture_safe(v4_runner, launches):
            _v4_decoding("c", list(range(20, 30)), [2, 3], [2, 3], 2)]
     two = [_v4_decoding("d", [1, 2, 3, 4], [5], [4], 3), _v4_decoding("e", list(range(40, 48)), [6, 7], [5, 6], 4),
            _v4_decoding("f", list(range(60, 75)), [1], [7, 8], 5), _v4_decoding("g", [9, 8], [7], [9], 0)]
-    assert bucket_for(len(one), graphs.buckets) == bucket_for(len(two), graphs.buckets) == 4
-    logits1, trace1, syncs1 = _step_trace(v4_runner, pool, graphs, one, launches)
-    logits2, trace2, syncs2 = _step_trace(v4_runner, pool, graphs, two, launches)
-    assert syncs1 == [] and syncs2 == [], "\n".join(syncs1 + syncs2)
-    assert logits1.shape[0] == 3 and logits2.shape[0] == 4
-    assert len(trace1) == len(trace2)
-    for i, (x, y) in enumerate(zip(trace1, trace2)):
-        assert x == y, f"dispatch {i} differs between two steps of one bucket: {x} vs {y}"
-    per_layer = len(trace1) / v4_runner.cfg.num_hidden_layers
-    print(f"V4 decode dispatches: {len(trace1)} in {v4_runner.cfg.num_hidden_layers} layers "
-          f"({sum(e[0] == 'launch' for e in trace1)} kernel launches)")
-    assert per_layer <= V4_DECODE_DISPATCHES_PER_LAYER, f"{per_layer:.1f} dispatches a layer > budget"
+    assert_same_capture(v4_runner, pool, graphs, one, two, launches, V4_DECODE_DISPATCHES_PER_LAYER)
 
 
 def test_v4_padded_static_step_gives_the_plain_steps_logits_and_states(v4_runner):
