@@ -21,11 +21,13 @@ the admin token with every admin call it makes itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
 import signal
 import stat
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,6 +124,20 @@ def private_dir(path: Path) -> Path:
     return path
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``path`` so that a reader sees the old content or the new, never an empty or half-
+    written file: a temporary file (0600, unique, same folder) renamed over it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
 def stored_secret(path: Path) -> str:
     """The secret kept in ``path``, made (32 random bytes, URL-safe) when there is none or when the
     file was readable by others (it may have leaked). Written 0600 through a temporary file."""
@@ -134,14 +150,7 @@ def stored_secret(path: Path) -> str:
     except FileNotFoundError:
         pass
     value = secrets.token_urlsafe(32)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, (value + "\n").encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    write_atomic(path, value + "\n")  # mkstemp makes it 0600
     return value
 
 
@@ -259,8 +268,8 @@ class LocalExecutor:
         folder = self.up.evidence_dir / cm["metadata"]["name"]
         folder.mkdir(parents=True, exist_ok=True)
         for name, content in cm["data"].items():
-            (folder / name).write_text(content)
-        (folder / "configmap.json").write_text(json.dumps(cm, indent=1))
+            write_atomic(folder / name, content)
+        write_atomic(folder / "configmap.json", json.dumps(cm, indent=1))
         return folder
 
     async def close(self) -> None:
@@ -336,7 +345,7 @@ class LocalDeployment:
     def write_processes(self) -> None:
         """processes.json: each process's PID, restarts and log, for people and tests."""
         doc = {p.key: p.to_dict() for p in [*self.engines.values(), self.router]}
-        (self.state_dir / "processes.json").write_text(json.dumps(doc, indent=1))
+        write_atomic(self.state_dir / "processes.json", json.dumps(doc, indent=1))
 
     async def _ready(self, client: httpx.AsyncClient, eng: EngineProc) -> bool:
         if not eng.running:
@@ -380,7 +389,7 @@ class LocalDeployment:
                     result = await loop.round(targets, pods, answered_before={k: e.ever_ready for k, e in self.engines.items()})
                     status = {"time": time.time(), "detection_window_s": self.window, **result.summary(),
                               "policy": loop.state.to_dict(), "events": self.events[-50:]}
-                    (self.state_dir / "status.json").write_text(json.dumps(status, indent=1, default=str))
+                    write_atomic(self.state_dir / "status.json", json.dumps(status, indent=1, default=str))
                     elapsed = time.monotonic() - started
                     try:
                         await asyncio.wait_for(stop.wait(), max(0.0, self.args.scrape_interval - elapsed))

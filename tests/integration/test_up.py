@@ -186,6 +186,19 @@ def test_up_restarts_a_crashed_process_without_the_watchdog(tmp_path, tiny_model
     # A short window and no deadlines: a watchdog that took the crash for a wedge would act
     # within a few seconds, so its silence below means something.
     up = start_up(tmp_path, tiny_model, "--no-deadlines")
+    torn: list[str] = []  # what a tight-loop reader of processes.json met that was not whole JSON
+    reading = threading.Event()
+
+    def read_processes() -> None:
+        while not reading.is_set():
+            text = (up.state / "processes.json").read_text()
+            try:
+                json.loads(text)
+            except ValueError:
+                torn.append(text)
+
+    reader = threading.Thread(target=read_processes, daemon=True)
+    reader.start()
     try:
         assert complete_eventually(up.url)["usage"]["completion_tokens"] == 4
         figures = {}
@@ -212,5 +225,9 @@ def test_up_restarts_a_crashed_process_without_the_watchdog(tmp_path, tiny_model
         watchdog_events = [e for e in up.status()["events"] if e.get("source") == "watchdog"]
         assert watchdog_events == [] and not list(up.evidence.glob("*")), watchdog_events
         assert up.status()["policy"].get("active", {}) == {}, up.status()["policy"]
+        reading.set()
+        reader.join()
+        assert torn == [], f"{len(torn)} reads of processes.json met a torn file: {torn[:3]}"
     finally:
+        reading.set()
         up.proc.stop()

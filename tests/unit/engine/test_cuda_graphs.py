@@ -95,6 +95,22 @@ def _step_trace(runner, pool, graphs, batch, launches):
     return logits[: len(batch)], trace.events + list(launches), syncs
 
 
+def reorder_tol(runner) -> float:
+    """How far two float32 runs of one step may differ when only the GEMMs' blocking differs (a
+    4-row batch and a 3-row one pick other BLAS kernels on some CPUs): a K-term float32 sum is
+    within K * 2**-24 of exact relative to its terms' magnitudes (order one here), so two
+    orderings within twice that, per layer (K = the hidden size, the longest reduction)."""
+    return 2 * runner.cfg.hidden_size * 2.0**-24 * runner.cfg.num_hidden_layers
+
+
+def assert_same_writes(after: torch.Tensor, before: torch.Tensor, want: torch.Tensor, tol: float, msg: str = "") -> None:
+    """`after` changed exactly the elements the plain step changed (`before` -> `want`): every
+    other element is bit for bit as it was, the written ones are within the float32 bound."""
+    written = want != before
+    assert torch.equal(after[~written], before[~written]), f"{msg}: the padded step wrote where the plain one did not"
+    torch.testing.assert_close(after[written], want[written], atol=tol, rtol=tol, msg=msg)
+
+
 def assert_same_capture(runner, pool, graphs, one, two, launches, budget: int) -> None:
     """Decode batches `one` (3 requests) and `two` (4), both padded to bucket 4: no host read in
     either, the same dispatches (ops, shapes, launches) in both, within `budget` a layer."""
@@ -138,9 +154,10 @@ def test_padded_static_step_gives_the_plain_steps_logits(runner):
     graphs = runner.decode_graphs(pool.page_size, pool.num_pages, capture=False)
     runner._states = pool.all_states
     padded = graphs.step(runner.host_batch(batch, pool.page_size, graphs.width))  # 3 rows in bucket 4
-    torch.testing.assert_close(padded, plain, atol=1e-5, rtol=1e-5)
+    tol = reorder_tol(runner)
+    torch.testing.assert_close(padded, plain, atol=tol, rtol=tol)
     # The padding row wrote only what row 0 writes: the cache is as the plain step left it.
-    torch.testing.assert_close(pool.states[runner.model.LATENT_KV], after_plain, atol=1e-6, rtol=1e-6)
+    assert_same_writes(pool.states[runner.model.LATENT_KV], snapshot, after_plain, tol, "latent")
 
 
 def test_pad_decode_repeats_the_first_row():
@@ -226,9 +243,10 @@ def test_v4_padded_static_step_gives_the_plain_steps_logits_and_states(v4_runner
     graphs = v4_runner.decode_graphs(pool.page_size, pool.num_pages, capture=False)
     v4_runner._states = pool.all_states
     padded = graphs.step(v4_runner.host_batch(batch, pool.page_size, graphs.width))  # 3 rows in bucket 4
-    torch.testing.assert_close(padded, plain, atol=1e-5, rtol=1e-5)
+    tol = reorder_tol(v4_runner)
+    torch.testing.assert_close(padded, plain, atol=tol, rtol=tol)
     for k, v in pool.all_states.items():
-        torch.testing.assert_close(v, after_plain[k], atol=1e-6, rtol=1e-6, msg=k)
+        assert_same_writes(v, snapshot[k], after_plain[k], tol, k)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU to capture")
