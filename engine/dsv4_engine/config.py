@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 
 def eos_id_list(eos: Any) -> list[int]:
@@ -13,6 +13,29 @@ def eos_id_list(eos: Any) -> list[int]:
     if eos is None:
         return []
     return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+_SCALARS = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def plain_fields(cls, d: dict, skip: Iterable[str] = ()) -> dict:
+    """config.json's values for the dataclass ``cls``'s fields (all but ``extra`` and ``skip``),
+    each from ``d`` or else the field's own default — the one place a default is written — with
+    int/float/bool/str fields coerced (config files write 4096 as 4096.0, 1e-6 as a string) and a
+    null there taken as "not set"; Optional and Any fields keep a null."""
+    out = {}
+    for f in fields(cls):
+        if f.name == "extra" or f.name in skip:
+            continue
+        kind = _SCALARS.get(f.type if isinstance(f.type, str) else getattr(f.type, "__name__", ""))
+        v = d.get(f.name)
+        if f.name not in d or (v is None and kind is not None):  # a null plain number means "not set"
+            if f.default is MISSING:
+                raise ValueError(f"config.json lacks {f.name!r}")
+            out[f.name] = f.default
+        else:
+            out[f.name] = kind(v) if kind is not None else v
+    return out
 
 
 @dataclass
@@ -23,17 +46,16 @@ class ModelConfig:
     moe_intermediate_size: int  # width of one routed (and each shared) expert
     num_hidden_layers: int
     num_attention_heads: int
-    q_lora_rank: Optional[int]  # None: q is projected directly (DeepSeek-V2-Lite style)
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
     n_routed_experts: int
-    n_shared_experts: int
     num_experts_per_tok: int
-    n_group: int
-    topk_group: int
-    first_k_dense_replace: int
+    n_shared_experts: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    first_k_dense_replace: int = 0
     moe_layer_freq: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
@@ -47,6 +69,7 @@ class ModelConfig:
     eos_token_id: Any = 1
     tie_word_embeddings: bool = False
     torch_dtype: str = "float32"
+    q_lora_rank: Optional[int] = None  # None: q is projected directly (DeepSeek-V2-Lite style)
     extra: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -74,19 +97,15 @@ class ModelConfig:
         if d.get("model_type") not in ("deepseek_v3", "deepseek_v2", None):
             raise ValueError(f"unsupported model_type {d.get('model_type')!r} (expected deepseek_v3)")
         known = {f.name for f in fields(cls)} - {"extra"}
-        kwargs = {k: v for k, v in d.items() if k in known}
+        d = dict(d)
         rp = d.get("rope_parameters")
         if isinstance(rp, dict):  # transformers >= 5 keeps theta and scaling together here
-            kwargs.setdefault("rope_theta", rp.get("rope_theta", 10000.0))
+            d.setdefault("rope_theta", rp.get("rope_theta"))
             if rp.get("rope_type", "default") != "default" and not d.get("rope_scaling"):
-                kwargs["rope_scaling"] = rp
+                d["rope_scaling"] = rp
         if "torch_dtype" not in d and "dtype" in d:
-            kwargs["torch_dtype"] = d["dtype"]
-        kwargs.setdefault("n_group", 1)
-        kwargs.setdefault("topk_group", 1)
-        kwargs.setdefault("n_shared_experts", 0)
-        kwargs.setdefault("first_k_dense_replace", 0)
-        kwargs.setdefault("q_lora_rank", None)
+            d["torch_dtype"] = d["dtype"]
+        kwargs = plain_fields(cls, d)
         cfg = cls(**kwargs)
         cfg.extra = {k: v for k, v in d.items() if k not in known}
         return cfg

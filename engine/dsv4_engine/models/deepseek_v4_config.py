@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from dsv4_engine.config import eos_id_list
+from dsv4_engine.config import eos_id_list, plain_fields
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -26,6 +26,7 @@ LAYER_TYPES = (SLIDING, CSA, HCA)
 MLP_TYPES = ("hash_moe", "moe")
 _RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 _DEFAULT_RATES = {CSA: 4, HCA: 128}
+_DERIVED = ("layer_types", "mlp_layer_types", "compress_rates", "qk_rope_head_dim", "rope_main", "rope_compress")
 
 
 @dataclass
@@ -66,35 +67,41 @@ class RopeConfig:
 
 @dataclass
 class DeepseekV4Config:
-    vocab_size: int
-    hidden_size: int
-    moe_intermediate_size: int  # each routed expert and the shared expert
-    num_hidden_layers: int
-    num_attention_heads: int
-    head_dim: int
-    qk_rope_head_dim: int
-    q_lora_rank: int
-    o_groups: int
-    o_lora_rank: int
-    n_routed_experts: int
-    num_experts_per_tok: int
+    # Derived in from_dict from either spelling (see the module docstring).
     layer_types: list[str]
     mlp_layer_types: list[str]
     compress_rates: dict[str, int]
-    sliding_window: int
-    index_n_heads: int
-    index_head_dim: int
-    index_topk: int
-    hc_mult: int
-    hc_sinkhorn_iters: int
-    hc_eps: float
+    qk_rope_head_dim: int
     rope_main: RopeConfig
     rope_compress: RopeConfig
+    # Read as written, else these defaults (transformers' DeepseekV4Config's).
+    vocab_size: int = 129280
+    hidden_size: int = 4096
+    moe_intermediate_size: int = 2048  # each routed expert and the shared expert
+    num_hidden_layers: int = 43
+    num_attention_heads: int = 64
+    head_dim: int = 512
+    q_lora_rank: int = 1024
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    n_routed_experts: int = 256
+    num_experts_per_tok: int = 6
+    sliding_window: int = 128
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
     scoring_func: str = "sqrtsoftplus"
     routed_scaling_factor: float = 1.5
     swiglu_limit: float = 10.0
     rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 4096
+    max_position_embeddings: int = 1048576
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    # transformers defaults to 1; the engine reads no MTP layer yet, so a config that says nothing
+    # asks for none (the presets write 0)
     num_nextn_predict_layers: int = 0
     bos_token_id: Optional[int] = 0
     eos_token_id: Any = 1
@@ -121,8 +128,11 @@ class DeepseekV4Config:
     def from_dict(cls, d: dict) -> "DeepseekV4Config":
         if d.get("model_type") not in ("deepseek_v4", None):
             raise ValueError(f"unsupported model_type {d.get('model_type')!r} (expected deepseek_v4)")
-        n = int(d.get("num_hidden_layers", 43))
-        head_dim = int(d.get("head_dim", 512))
+        d = dict(d)
+        if not d.get("torch_dtype") and d.get("dtype"):
+            d["torch_dtype"] = d["dtype"]
+        plain = plain_fields(cls, d, skip=_DERIVED)
+        n, head_dim = plain["num_hidden_layers"], plain["head_dim"]
 
         rates = dict(d.get("compress_rates") or _DEFAULT_RATES)
         if d.get("compress_rate_csa") is not None:
@@ -159,9 +169,8 @@ class DeepseekV4Config:
             rope_dim = int(d["qk_rope_head_dim"]) if d.get("qk_rope_head_dim") is not None else head_dim // 8
         else:
             rope_dim = int(head_dim * float(prf))
-        rope_theta = float(d.get("rope_theta", 10000.0))
-        compress_theta = float(d.get("compress_rope_theta", 160000.0))
-        max_pos = int(d.get("max_position_embeddings", 1048576))
+        rope_theta, compress_theta = plain["rope_theta"], plain["compress_rope_theta"]
+        max_pos = plain["max_position_embeddings"]
 
         rp = d.get("rope_parameters")
         if isinstance(rp, dict) and isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
@@ -202,40 +211,13 @@ class DeepseekV4Config:
             )
 
         cfg = cls(
-            vocab_size=int(d.get("vocab_size", 129280)),
-            hidden_size=int(d.get("hidden_size", 4096)),
-            moe_intermediate_size=int(d.get("moe_intermediate_size", 2048)),
-            num_hidden_layers=n,
-            num_attention_heads=int(d.get("num_attention_heads", 64)),
-            head_dim=head_dim,
-            qk_rope_head_dim=rope_dim,
-            q_lora_rank=int(d.get("q_lora_rank", 1024)),
-            o_groups=int(d.get("o_groups", 8)),
-            o_lora_rank=int(d.get("o_lora_rank", 1024)),
-            n_routed_experts=int(d.get("n_routed_experts", 256)),
-            num_experts_per_tok=int(d.get("num_experts_per_tok", 6)),
             layer_types=layer_types,
             mlp_layer_types=mlp_types,
             compress_rates={CSA: int(rates[CSA]), HCA: int(rates[HCA])},
-            sliding_window=int(d.get("sliding_window", 128)),
-            index_n_heads=int(d.get("index_n_heads", 64)),
-            index_head_dim=int(d.get("index_head_dim", 128)),
-            index_topk=int(d.get("index_topk", 512)),
-            hc_mult=int(d.get("hc_mult", 4)),
-            hc_sinkhorn_iters=int(d.get("hc_sinkhorn_iters", 20)),
-            hc_eps=float(d.get("hc_eps", 1e-6)),
+            qk_rope_head_dim=rope_dim,
             rope_main=rope(main_d),
             rope_compress=rope(comp_d),
-            scoring_func=str(d.get("scoring_func", "sqrtsoftplus")),
-            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.5)),
-            swiglu_limit=float(d.get("swiglu_limit", 10.0)),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=max_pos,
-            num_nextn_predict_layers=int(d.get("num_nextn_predict_layers", 0) or 0),
-            bos_token_id=d.get("bos_token_id", 0),
-            eos_token_id=d.get("eos_token_id", 1),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+            **plain,
         )
         if cfg.scoring_func not in ("sqrtsoftplus", "sigmoid"):
             raise ValueError(f"unsupported scoring_func {cfg.scoring_func!r} (sqrtsoftplus or sigmoid)")
