@@ -13,6 +13,7 @@ from dsv4_engine.sampling import SamplingParams
 from dsv4_engine.sequence import Sequence
 
 PS = 4
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def engine_for(model, cache: bool = True, **kw) -> Engine:
@@ -105,6 +106,22 @@ def test_without_a_prefix_cache_choices_run_side_by_side(tiny_model):
     cached = run(engine_for(tiny_model), choices(prompt, 3, max_tokens=4))
     assert got == cached
     assert_all_pages_back(engine)
+
+
+def test_v4_choices_prefill_side_by_side_and_sample_what_lone_seeded_requests_sample(make_model):
+    """DeepSeek-V4 has no prefix cache (slot state): each choice prefills; the seeds still hold."""
+    v4 = make_model("v4-tiny")
+    prompt = [random.Random(4).randrange(3, 400) for _ in range(21)]
+    engine = engine_for(v4, cache=False, page_size=16)
+    assert engine.prefix_cache is None
+    computed = counting(engine)
+    got = run(engine, choices(prompt, 3, max_tokens=4))
+    assert sum(computed) == 3 * 21 + 3 * 3
+    assert_all_pages_back(engine)
+    assert engine.pool.slots.num_free == engine.pool.num_slots
+    for j in range(3):
+        alone = run(engine, [choices(prompt, j + 1, max_tokens=4)[j]])
+        assert got[f"r-{j}"] == alone[f"r-{j}"], j
 
 
 def test_other_requests_are_admitted_while_choices_wait(tiny_model):
