@@ -153,13 +153,14 @@ def test_aborting_the_first_choice_frees_the_others_to_run(tiny_model, abort_ste
     assert_all_pages_back(engine)
 
 
-@pytest.mark.slow
 def test_choices_on_a_pool_that_preempts_return_every_page(tiny_model, lone):
     """14 pages of 4 tokens: four choices of a 30-token prompt plus their answers do not fit at
     once; preemption and readmission keep the outputs those of lone seeded requests."""
     prompt = [random.Random(1).randrange(3, 400) for _ in range(30)]
     engine = engine_for(tiny_model, kv_pages=14)
-    got = run(engine, choices(prompt, 4, max_tokens=12))
+    seqs = choices(prompt, 4, max_tokens=12)
+    got = run(engine, seqs)
+    assert sum(s.num_preemptions for s in seqs) > 0, "the small pool should have forced preemption"
     assert_all_pages_back(engine)
     for j in range(4):
         alone = run(lone, [choices(prompt, j + 1, max_tokens=12)[j]])
