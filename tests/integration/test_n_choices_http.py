@@ -6,6 +6,7 @@ logprob; PD gives what mono gives; every page is back afterwards."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -59,17 +60,17 @@ def wait_pages_back(*urls: str, timeout: float = 15.0) -> None:
 SAMPLED = dict(max_tokens=8, temperature=1.0, seed=1234, extra_body={"ignore_eos": True, "return_token_ids": True})
 
 
-def completion_choices(url: str, prompt=PROMPT, stream: bool = False, **kw) -> tuple[list[dict], dict]:
+def completion_choices(url: str, prompt=PROMPT, stream: bool = False, model: str = "tiny", **kw) -> tuple[list[dict], dict]:
     """(choices as {index, text, token_ids, finish_reason} in index order, usage)."""
     args = {**SAMPLED, **kw}
     c = client(url)
     if not stream:
-        r = c.completions.create(model="tiny", prompt=prompt, **args)
+        r = c.completions.create(model=model, prompt=prompt, **args)
         return [{"index": ch.index, "text": ch.text, "token_ids": ch.model_extra["token_ids"],
                  "finish_reason": ch.finish_reason} for ch in r.choices], r.usage.model_dump()
     got: dict[int, dict] = {}
     usage = None
-    for ev in c.completions.create(model="tiny", prompt=prompt, stream=True, stream_options={"include_usage": True}, **args):
+    for ev in c.completions.create(model=model, prompt=prompt, stream=True, stream_options={"include_usage": True}, **args):
         for ch in ev.choices:
             g = got.setdefault(ch.index, {"index": ch.index, "text": "", "token_ids": [], "finish_reason": None})
             g["text"] += ch.text
@@ -80,17 +81,17 @@ def completion_choices(url: str, prompt=PROMPT, stream: bool = False, **kw) -> t
     return [got[i] for i in sorted(got)], usage
 
 
-def chat_choices(url: str, stream: bool = False, **kw) -> tuple[list[dict], dict]:
+def chat_choices(url: str, stream: bool = False, model: str = "tiny", **kw) -> tuple[list[dict], dict]:
     args = {**SAMPLED, **kw}
     c = client(url)
     if not stream:
-        r = c.chat.completions.create(model="tiny", messages=CHAT, **args)
+        r = c.chat.completions.create(model=model, messages=CHAT, **args)
         return [{"index": ch.index, "content": ch.message.content, "role": ch.message.role,
                  "token_ids": ch.model_extra["token_ids"], "finish_reason": ch.finish_reason} for ch in r.choices], \
             r.usage.model_dump()
     got: dict[int, dict] = {}
     usage = None
-    for ev in c.chat.completions.create(model="tiny", messages=CHAT, stream=True,
+    for ev in c.chat.completions.create(model=model, messages=CHAT, stream=True,
                                         stream_options={"include_usage": True}, **args):
         for ch in ev.choices:
             g = got.setdefault(ch.index, {"index": ch.index, "content": "", "role": None, "token_ids": [],
@@ -183,6 +184,24 @@ def test_best_of_returns_the_candidates_with_the_highest_cumulative_logprob(urls
     wait_pages_back(mono)
 
 
+def test_a_client_leaving_mid_stream_frees_every_choice(urls):
+    def aborted(url: str) -> float:
+        return httpx.get(f"{url}/v1/loads", timeout=5).json()["counters"].get("num_aborted_reqs", 0)
+
+    for url, holders in ((urls["mono"], (urls["mono"],)), (urls["pd"], (urls["prefill"], urls["decode"]))):
+        before = aborted(holders[-1])
+        body = {"prompt": PROMPT, "n": 4, "max_tokens": 200, "ignore_eos": True, "stream": True, "seed": 5}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            seen = set()
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    seen.update(c["index"] for c in json.loads(line[6:])["choices"])
+                if len(seen) == 4:
+                    break  # every choice is running: leave
+        wait_pages_back(*holders)
+        assert aborted(holders[-1]) - before == 4  # each choice was aborted, not run to its end
+
+
 def test_greedy_choices_are_identical(urls):
     choices, _ = completion_choices(urls["mono"], n=3, temperature=0)
     assert len(choices) == 3 and len({tuple(c["token_ids"]) for c in choices}) == 1
@@ -220,3 +239,35 @@ def test_pd_gives_what_mono_gives_for_n_choices(urls):
     assert p == m
     wait_pages_back(urls["prefill"], urls["decode"], mono)
     assert httpx.get(f"{urls['prefill']}/v1/loads").json()["counters"]["kv_transfers_completed"] >= 3 * 4 + 4 + 3
+
+
+@pytest.fixture(scope="module")
+def v4_cluster(make_model, tmp_path_factory):
+    from test_pd import PDCluster
+
+    c = PDCluster(make_model("v4-tiny"), tmp_path_factory.mktemp("n-choices-v4"))
+    yield c
+    c.stop()
+
+
+@pytest.mark.slow
+def test_v4_pd_gives_what_v4_mono_gives_for_n_choices(v4_cluster):
+    """V4 (no prefix cache: each choice prefills; a slot row per choice moves to decode)."""
+    c = v4_cluster
+    prompt = list(range(20, 65))  # past v4-tiny's window and compression boundaries
+    for stream in (False, True):
+        m, m_usage = completion_choices(c.m_url, prompt=prompt, n=3, stream=stream, model="m")
+        p, p_usage = completion_choices(c.r_url, prompt=prompt, n=3, stream=stream, model="m")
+        assert p == m and len(p) == 3 and counts(p_usage) == counts(m_usage), stream
+        assert len({tuple(x["token_ids"]) for x in p}) > 1
+    lone = [completion_choices(c.m_url, prompt=prompt, seed=1234 + j, model="m")[0][0] for j in range(3)]
+    assert [x["token_ids"] for x in lone] == [x["token_ids"] for x in p]
+    for url in (c.p_url, c.d_url, c.m_url):
+        deadline = time.monotonic() + 15
+        while True:
+            ld = httpx.get(f"{url}/v1/loads", timeout=5).json()
+            if (ld["kv_pages_free"] == ld["kv_pages_total"] and ld["kv_slots_free"] == ld["kv_slots_total"]
+                    and sum(ld["queues"].values()) == 0):
+                break
+            assert time.monotonic() < deadline, f"{url} still holds state: {ld}"
+            time.sleep(0.05)
