@@ -287,6 +287,9 @@ class Engine:
         if seq.params.seed is not None or not seq.params.greedy:
             seed = seq.params.seed if seq.params.seed is not None else self.args.seed + len(self.seqs)
             seq.generator = request_generator(seed, self.runner.device)
+        if seq.share_prefix_of is not None:
+            lead = self.seqs.get(seq.share_prefix_of)
+            seq.prefix_leader = lead if lead is not None and lead.prompt_ids == seq.prompt_ids else None
         self.seqs[seq.rid] = seq
         self.metrics.inc("prompt_tokens", len(seq.prompt_ids))
         if self.pd is not None:

@@ -12,6 +12,8 @@ pages; finish, abort, failure and preemption give it back through `release`.
 With a prefix cache, a request admitted with nothing computed first takes the pages of its
 longest cached prefix (shared, reference-counted) and starts computing after them; `release`
 drops its references, so preemption, abort and failure never free a page another request uses.
+The other choices of an n > 1 request wait for the first one's prompt pages (`_held`), so they
+reuse them instead of computing the same prompt side by side.
 """
 
 from __future__ import annotations
@@ -106,6 +108,17 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
+    def _held(self, seq: Sequence) -> bool:
+        """Whether a choice of an n > 1 request waits for its first choice (`prefix_leader`) to
+        compute the prompt's full pages, which it then takes from the prefix cache: the prompt is
+        prefilled once, and each other choice computes only the prompt's tail (the tokens after
+        its last full page before the last token). Other requests are admitted past it."""
+        lead = seq.prefix_leader
+        if self.cache is None or lead is None or lead.finished or seq.pages or seq.num_computed:
+            return False
+        shared = (len(seq.prompt_ids) - 1) // self.page_size * self.page_size
+        return lead.num_computed < shared
+
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
@@ -128,8 +141,12 @@ class Scheduler:
             if seq.status is SeqStatus.RUNNING:
                 batch.append(ScheduledSeq(seq, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        i = 0  # the first waiting request not held back (see _held)
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            if self._held(seq):
+                i += 1
+                continue
             if self.slots is not None and seq.slot is None:
                 seq.slot = self.slots.allocate()
                 if seq.slot is None:
@@ -144,7 +161,8 @@ class Scheduler:
             if hit is not None:
                 self.cache.count(seq.num_tokens, hit)
                 seq.num_cached_tokens = hit
-            self.waiting.popleft()
+            del self.waiting[i]
+            seq.prefix_leader = None  # admitted: its prefix is taken (or computed) by now
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             batch.append(ScheduledSeq(seq, n))

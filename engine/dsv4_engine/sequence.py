@@ -40,6 +40,10 @@ class Sequence:
     cache_node: Any = None
     num_cached_pages: int = 0
     num_cached_tokens: int = 0
+    # n > 1: the other choices of one request name its first choice (`share_prefix_of`, a rid),
+    # found among the running requests at admission (`prefix_leader`); they reuse its prompt pages.
+    share_prefix_of: Optional[str] = None
+    prefix_leader: Optional["Sequence"] = None
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: Optional[str] = None
     error: Optional[str] = None  # why it failed, when it did (told to the PD peer too)

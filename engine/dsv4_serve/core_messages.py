@@ -11,7 +11,7 @@ HTTP process -> core                          core -> HTTP process
   (INIT, server args)                           (HELLO, facts) | (FATAL, one line)
                                                 | (REFUSED, one line): not servable as asked
   (ADD, key, rid, prompt ids, params, pd,       (OUT, [output row, ...])
-   prefill_only, arrival)                       (REPLY, call id, ok, value | error)
+   prefill_only, arrival, share_prefix_of)      (REPLY, call id, ok, value | error)
   (ABORT, key | None, rid | None, reason, all)
   (FINISH, key): a stop string ended it here
   (RPC, call id, name, argument)
@@ -47,9 +47,10 @@ def params_of(row: tuple) -> SamplingParams:
 
 
 def add_msg(key: int, rid: str, prompt_ids: list[int], params: SamplingParams, pd: Optional[tuple],
-            prefill_only: bool, arrival: float) -> tuple:
-    """pd: (bootstrap_host, bootstrap_port, room) for prefill/decode engines, else None."""
-    return (ADD, key, rid, prompt_ids, params_row(params), pd, prefill_only, arrival)
+            prefill_only: bool, arrival: float, share_prefix_of: Optional[str] = None) -> tuple:
+    """pd: (bootstrap_host, bootstrap_port, room) for prefill/decode engines, else None;
+    share_prefix_of: the rid of the request's first choice when this is another one (n > 1)."""
+    return (ADD, key, rid, prompt_ids, params_row(params), pd, prefill_only, arrival, share_prefix_of)
 
 
 def output_row(key: int, out: RequestOutput) -> tuple:

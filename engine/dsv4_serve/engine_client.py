@@ -69,6 +69,7 @@ class EngineRequest:
     pd: Optional[tuple] = None  # (bootstrap_host, bootstrap_port, room) on prefill/decode engines
     prefill_only: bool = False
     arrival: float = field(default_factory=time.monotonic)
+    share_prefix_of: Optional[str] = None  # n > 1: the rid of the request's first choice
 
 
 def _error_output(rid: str, message: str, code: int, prompt_tokens: int = 0) -> RequestOutput:
@@ -247,7 +248,8 @@ class EngineClient:
         finished = False
         try:
             try:
-                self._send(m.add_msg(key, req.rid, req.prompt_ids, req.params, req.pd, req.prefill_only, req.arrival))
+                self._send(m.add_msg(key, req.rid, req.prompt_ids, req.params, req.pd, req.prefill_only, req.arrival,
+                                     req.share_prefix_of))
             except EngineGone:
                 finished = True
                 yield _error_output(req.rid, f"request failed: {self.dead}", 500, len(req.prompt_ids))

@@ -3,10 +3,9 @@ we do accept are checked here — type, range, finiteness — before anything re
 
 Ranges follow vLLM's (and OpenAI's where vLLM has none): temperature >= 0, top_p in (0, 1],
 top_k -1/0 (off) or >= 1, max_tokens >= 1, seed a signed 64-bit integer, logprobs and
-top_logprobs 0..20, n = 1 (the only value served), presence_penalty and frequency_penalty in
-[-2, 2], repetition_penalty > 0, logit_bias values in [-100, 100] on ids inside the vocab,
-0 <= min_tokens <= max_tokens, best_of absent or equal to n (anything else is refused: we do
-not generate candidates to pick from).
+top_logprobs 0..20, 1 <= n <= best_of <= MAX_N (best_of > n not streamed, as OpenAI and vLLM),
+presence_penalty and frequency_penalty in [-2, 2], repetition_penalty > 0, logit_bias values in
+[-100, 100] on ids inside the vocab, 0 <= min_tokens <= max_tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_N = 16  # most choices (n, or candidates with best_of) one request may ask for
 
 
 def _union_branch(part) -> bool:
@@ -42,6 +42,14 @@ def validation_message(e: ValidationError) -> tuple[str, Optional[str]]:
     if loc.split(".")[0] == "prompt" and first.get("type") != "value_error":  # every branch of the union failed
         loc, msg = "prompt", "must be a string, a list of token ids (integers), or a list of either"
     return (f"{loc}: {msg}" if loc else msg), (loc or None)
+
+
+def choice_seed(seed: Optional[int], j: int) -> Optional[int]:
+    """The seed of a request's choice j, as vLLM gives it (seed + j; wrapped to stay a signed
+    64-bit integer): each choice draws its own reproducible stream, choice 0 the request's."""
+    if seed is None:
+        return None
+    return (seed + j - INT64_MIN) % 2**64 + INT64_MIN
 
 
 def parse_request(model: type[BaseModel], body: bytes) -> BaseModel:
@@ -72,8 +80,8 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    n: int = 1
-    best_of: Optional[int] = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
     presence_penalty: Optional[float] = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
     frequency_penalty: Optional[float] = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)
     repetition_penalty: Optional[float] = Field(None, gt=0, allow_inf_nan=False)
@@ -120,16 +128,20 @@ class _Common(BaseModel):
             raise ValueError("stream_options can only be set when stream is true")
         return self
 
+    @property
+    def candidates(self) -> int:
+        """How many sequences are generated per prompt: best_of, else n."""
+        return self.best_of or self.n
+
     def logprobs_wanted(self) -> Optional[int]:
         """How many alternatives per token the request wants (None: no logprobs)."""
         return None
 
     def sampling_params(self, default_max_tokens: int, vocab_size: Optional[int] = None) -> SamplingParams:
-        if self.n != 1:
-            raise APIError("only n=1 is supported", param="n")
-        if self.best_of is not None and self.best_of != self.n:
-            raise APIError(f"best_of={self.best_of} is not supported: only best_of equal to n ({self.n}) is served",
-                           param="best_of")
+        if self.best_of is not None and self.best_of < self.n:
+            raise APIError(f"best_of ({self.best_of}) must be at least n ({self.n})", param="best_of")
+        if self.stream and self.candidates > self.n:  # the best are known only once every candidate ended
+            raise APIError("best_of greater than n cannot be streamed", param="best_of")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         stop_ids = list(self.stop_token_ids or [])
         if vocab_size is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ import sys
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, AsyncIterator, Mapping, Optional
 
 import uvicorn
@@ -45,7 +46,7 @@ from dsv4_serve.detokenize import OutputProcessor
 from dsv4_serve.engine_client import EngineClient, EngineGone, EngineRefused, EngineRequest, EngineStartError, call_soon
 from dsv4_serve.gate import DEFAULT_MAX_REQUEST_BYTES, Gate, Lifecycle
 from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completion_logprobs, next_offset, text_of_bytes
-from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest, _Common, parse_request
+from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest, _Common, choice_seed, parse_request
 from dsv4_wire import APIError, Paths, token_matches
 
 if TYPE_CHECKING:
@@ -89,6 +90,22 @@ def _usage(prompt: int, completion: int, cached: int = 0) -> dict:
 
 def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, allow_nan=False)}\n\n"
+
+
+def choice_room(room: int, index: int) -> int:
+    """PD: the bootstrap room of a request's sequence `index` (n > 1, several prompts). The router
+    names one room; prefill and decode both derive the same one per sequence from it, so each
+    sequence has its own hand-off. Sequence 0 keeps the router's room."""
+    if index == 0:
+        return room
+    digest = hashlib.blake2b(f"{room}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1  # [0, 2^63), as the router's rooms
+
+
+def best_choices(cumulative: list[float], n: int) -> list[int]:
+    """best_of: the indexes of the n candidates with the highest cumulative logprob of their
+    sampled tokens (vLLM's ranking), best first; ties keep the candidates' order."""
+    return sorted(range(len(cumulative)), key=lambda c: -cumulative[c])[:n]
 
 
 def _failure(out: RequestOutput) -> APIError:
@@ -191,30 +208,45 @@ class OpenAIServing:
                 code="context_length_exceeded")
         return params
 
-    def _seq(self, req: _Common, ids: list[int], params: SamplingParams, rid: str, headers: Mapping[str, str]) -> EngineRequest:
+    def _seq(self, req: _Common, ids: list[int], params: SamplingParams, rid: str, headers: Mapping[str, str],
+             index: int = 0) -> EngineRequest:
         seq = EngineRequest(rid=rid, prompt_ids=ids, params=params)
         if self.args.role != "mono":
             from dsv4_engine.pd import bootstrap_target
 
             info = bootstrap_target(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, role=self.args.role,
                                     secret_set=bool(self.args.pd_secret), authorized=token_matches(headers, self.args.pd_secret))
-            seq.pd = (info.bootstrap_host, info.bootstrap_port, info.room)
+            seq.pd = (info.bootstrap_host, info.bootstrap_port, choice_room(info.room, index))
             seq.prefill_only = self.args.role == "prefill"
         return seq
+
+    def _choices(self, req: _Common, prompts: list[list[int]], params: list[SamplingParams], base: str,
+                 headers: Mapping[str, str]) -> list[EngineRequest]:
+        """One engine request per prompt and choice (best_of candidates, else n), prompt-major:
+        sequence i * k + j is prompt i's choice j. Choice j samples with seed + j (vLLM); choices
+        after the first reuse its prompt pages (`share_prefix_of`). Candidates to rank (best_of > n)
+        keep their sampled tokens' logprobs (`logprobs` 0), shown only if the request asked."""
+        k = req.candidates
+        seqs: list[EngineRequest] = []
+        for i, (ids, p) in enumerate(zip(prompts, params)):
+            if k > req.n and p.logprobs is None:
+                p = replace(p, logprobs=0)
+            for j in range(k):
+                index = i * k + j
+                seq = self._seq(req, ids, p if j == 0 else replace(p, seed=choice_seed(p.seed, j)),
+                                base if len(prompts) * k == 1 else f"{base}-{index}", headers, index)
+                if j:
+                    seq.share_prefix_of = seqs[i * k].rid
+                seqs.append(seq)
+        return seqs
 
     def prepare_completion(self, body: bytes, headers: Mapping[str, str]) -> Prepared:
         req = parse_request(CompletionRequest, body)
         self._check_model(req)
         prompts = self._prompts(req)
-        if len(prompts) > 1 and self.args.role != "mono":
-            # One bootstrap room names one hand-off: several prompts would share it on both sides.
-            raise APIError("a list of prompts is served by monolithic engines only; send one prompt per request "
-                           "through the PD router", param="prompt")
         params = [self._params(req, len(ids), 16) for ids in prompts]
         base = req.rid or f"cmpl-{uuid.uuid4().hex}"
-        seqs = [self._seq(req, ids, p, base if len(prompts) == 1 else f"{base}-{i}", headers)
-                for i, (ids, p) in enumerate(zip(prompts, params))]
-        return Prepared(req, seqs, base, chat=False)
+        return Prepared(req, self._choices(req, prompts, params, base, headers), base, chat=False)
 
     def prepare_chat(self, body: bytes, headers: Mapping[str, str]) -> Prepared:
         req = parse_request(ChatCompletionRequest, body)
@@ -229,7 +261,7 @@ class OpenAIServing:
             raise APIError("the rendered chat prompt is empty", param="messages")
         params = self._params(req, len(ids), None)
         rid = req.rid or f"chatcmpl-{uuid.uuid4().hex}"
-        return Prepared(req, [self._seq(req, ids, params, rid, headers)], rid, chat=True)
+        return Prepared(req, self._choices(req, [ids], [params], rid, headers), rid, chat=True)
 
     # ---- serving -------------------------------------------------------------------------------
 
@@ -294,19 +326,29 @@ class OpenAIServing:
             work.cancel()
             return Response(status_code=499)
         results = work.result()
-        usage = _usage(sum(r["prompt"] for r in results), sum(r["completion"] for r in results),
-                       sum(r["cached"] for r in results))
+        # The prompt counts once per prompt (its first choice's figures), the completion of every
+        # sequence generated (best_of candidates too, as OpenAI bills them).
+        k, n = req.candidates, req.n
+        usage = _usage(sum(r["prompt"] for r in results[::k]), sum(r["completion"] for r in results),
+                       sum(r["cached"] for r in results[::k]))
+        picked: list[int] = []  # sequence indexes, in choice order: prompt i's choices at i * n ...
+        for start in range(0, len(seqs), k):
+            group = results[start:start + k]
+            best = best_choices([sum(e["logprob"] or 0.0 for e in r["logprobs"]) for r in group], n) if k > n else range(n)
+            picked += [start + c for c in best]
+        wants_logprobs = req.logprobs_wanted() is not None
         choices = []
-        for i, (r, seq) in enumerate(zip(results, seqs)):
+        for i, s in enumerate(picked):
+            r, seq = results[s], seqs[s]
             logprobs = None
             if chat:
-                if seq.params.logprobs is not None:
+                if wants_logprobs:
                     logprobs = chat_logprobs(r["logprobs"], self.token_bytes)
                 c = {"index": i, "message": {"role": "assistant", "content": r["text"]}, "finish_reason": r["finish_reason"],
                      "logprobs": logprobs}
             else:
                 text = (self.tokenizer.decode(seq.prompt_ids) if getattr(req, "echo", False) else "") + r["text"]
-                if seq.params.logprobs is not None:
+                if wants_logprobs:
                     logprobs = completion_logprobs(r["logprobs"], self.token_text)
                 c = {"index": i, "text": text, "finish_reason": r["finish_reason"], "logprobs": logprobs}
             if req.return_token_ids:
@@ -349,8 +391,10 @@ class OpenAIServing:
                 c["usage"] = usage_
             return c
 
-        sent_role = not chat  # the role chunk goes out with the first output, so a request that
-        # fails before producing anything streams nothing but its error (the router can retry it)
+        k = req.candidates  # == n: best_of > n is not streamed
+        # A choice's role chunk goes out with its first output, so a request that fails before
+        # producing anything streams nothing but its error (the router can retry it).
+        sent_role = [not chat] * len(p.seqs)
         async for i, out in self._merged(p.seqs):
             if out.finished and out.finish_reason in ("error", "abort"):
                 yield _sse(_failure(out).body())
@@ -358,9 +402,9 @@ class OpenAIServing:
                 return
             if not (out.text or out.token_ids or out.finished):
                 continue
-            if not sent_role:
-                sent_role = True
-                yield _sse(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]))
+            if not sent_role[i]:
+                sent_role[i] = True
+                yield _sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]))
             c: dict = {"index": i, "finish_reason": out.finish_reason if out.finished else None, "logprobs": None}
             wants_logprobs = p.seqs[i].params.logprobs is not None
             if chat:
@@ -376,9 +420,10 @@ class OpenAIServing:
                 c["token_ids"] = out.token_ids
             yield _sse(chunk([c]))
             if out.finished:
-                usage[0] += out.prompt_tokens
+                if i % k == 0:  # the prompt counts once, with its first choice
+                    usage[0] += out.prompt_tokens
+                    usage[2] += out.cached_tokens
                 usage[1] += out.completion_tokens
-                usage[2] += out.cached_tokens
         if include_usage:
             yield _sse(chunk([], _usage(*usage)))
         yield _sse("[DONE]")

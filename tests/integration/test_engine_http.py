@@ -127,7 +127,7 @@ def test_stop_string_and_seeded_sampling(client):
     ({"prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"prompt": "x", "top_p": 0}, 400, "top_p"),
     ({"prompt": "x", "top_k": -5}, 400, "top_k"),
-    ({"prompt": "x", "n": 3}, 400, "n=1"),
+    ({"prompt": "x", "n": 17}, 400, "less than or equal to 16"),
     ({"prompt": ""}, 400, "empty"),
     ({"prompt": [1, 2, 99999]}, 400, "out of range"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "does not exist"),

@@ -1,6 +1,6 @@
 """The OpenAI sampling fields over real HTTP against `dsv4 serve` (tiny model): logit_bias,
 min_tokens, presence/frequency/repetition penalties change what is generated as they say,
-best_of equal to n is accepted, and every value we cannot honour gets an OpenAI 400 naming its
+best_of equal to n is accepted (n and best_of themselves: test_n_choices_http), and every value we cannot honour gets an OpenAI 400 naming its
 field. Then the same fields through the router to a prefill and a decode engine: the first
 token is sampled on prefill, the rest on decode, and PD must give what mono gives."""
 
@@ -105,7 +105,7 @@ def test_penalties_change_repetition(server):
     ({"repetition_penalty": -1}, "repetition_penalty"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 13}, "min_tokens"),  # above max_tokens (12)
-    ({"best_of": 2}, "best_of"),
+    ({"n": 2, "best_of": 1}, "best_of"),
     ({"best_of": 0}, "best_of"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(server, body, param):
