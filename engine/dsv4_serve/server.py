@@ -45,7 +45,9 @@ from dsv4_serve.detokenize import OutputProcessor
 from dsv4_serve.engine_client import EngineClient, EngineGone, EngineRefused, EngineRequest, EngineStartError, call_soon
 from dsv4_serve.gate import DEFAULT_MAX_REQUEST_BYTES, Gate, Lifecycle
 from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completion_logprobs, next_offset, text_of_bytes
-from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest, _Common, parse_request
+from dsv4_serve.chat import ChatOptions, ChatSetup, RenderError, default_setup, render, tool_parser, with_overrides
+from dsv4_serve.chat.output import ChatOutput, reasoning_tokens
+from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, _Common, parse_request
 from dsv4_wire import APIError, Paths, token_matches
 
 if TYPE_CHECKING:
@@ -75,16 +77,41 @@ class ServerArgs(EngineArgs):
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     shutdown_grace: float = 30.0  # seconds running requests get to finish after SIGTERM
     transfer_checksum: bool = False  # PD: checksum every state region of a hand-off (decode verifies)
+    chat_template: Optional[str] = None  # a Jinja file used instead of the checkpoint's chat format
+    tool_call_parser: Optional[str] = None  # default: the checkpoint's format
+    reasoning_parser: Optional[str] = None  # default: the checkpoint's format
 
     def engine_args(self) -> EngineArgs:
         return EngineArgs(**{f.name: getattr(self, f.name) for f in fields(EngineArgs)})
 
 
-def _usage(prompt: int, completion: int, cached: int = 0) -> dict:
+def _usage(prompt: int, completion: int, cached: int = 0, reasoning: Optional[int] = None) -> dict:
     """OpenAI usage; `cached`: prompt tokens the prefix cache served (OpenAI's and vLLM's
-    prompt_tokens_details.cached_tokens)."""
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    prompt_tokens_details.cached_tokens); `reasoning`: completion tokens spent thinking, when a
+    reasoning parser runs."""
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": cached}}
+    if reasoning is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return usage
+
+
+def chat_setup(args: ServerArgs, tokenizer: Tokenizer) -> ChatSetup:
+    """The checkpoint's chat format (model_type, vocabulary, template), then the flags."""
+    from dsv4_engine.tokenizer import CHAT_TEMPLATE
+
+    try:
+        with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError):
+        model_type = None
+    setup = default_setup(model_type, tokenizer.backend.get_vocab(with_added_tokens=True), tokenizer.chat_template,
+                          CHAT_TEMPLATE)
+    template = None
+    if args.chat_template is not None:
+        with open(args.chat_template, encoding="utf-8") as f:
+            template = f.read()
+    return with_overrides(setup, template, args.tool_call_parser, args.reasoning_parser)
 
 
 def _sse(obj: dict | str) -> str:
@@ -105,6 +132,7 @@ class Prepared:
     seqs: list[EngineRequest]
     rid: str
     chat: bool
+    outputs: Optional[list[ChatOutput]] = None  # chat: one output parser per choice
 
 
 class OpenAIServing:
@@ -123,6 +151,8 @@ class OpenAIServing:
         # No token spells more characters than its longest vocabulary entry: a text longer than
         # that times the context cannot fit, and is refused without spending seconds tokenising it.
         self._max_token_chars = max(len(k) for k in tokenizer.backend.get_vocab(with_added_tokens=True))
+        self.chat_setup = chat_setup(args, tokenizer)
+        self._think_end_id = tokenizer.backend.token_to_id("</think>")
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes of one token (for logprobs), cached: the vocabulary is bounded."""
@@ -219,17 +249,42 @@ class OpenAIServing:
     def prepare_chat(self, body: bytes, headers: Mapping[str, str]) -> Prepared:
         req = parse_request(ChatCompletionRequest, body)
         self._check_model(req)
-        msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+        if req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice):
+            # Honouring these needs the tool-call grammar in the sampler; never answer prose instead.
+            raise APIError("tool_choice: \"required\" and a named function are not served yet (they need "
+                           "constrained decoding); use \"auto\" or \"none\"", param="tool_choice")
+        setup = self.chat_setup
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if req.tool_choice != "none" else []
+        opts = ChatOptions(tools=tools or None, thinking=req.thinking(), reasoning_effort=req.reasoning_effort,
+                           add_generation_prompt=req.add_generation_prompt,
+                           template_kwargs=dict(req.chat_template_kwargs or {}))
+        msgs = [m.as_dict() for m in req.messages]
+        chars = sum(len(m.get("content") or "") for m in msgs) + len(json.dumps(tools))
+        if chars > self.max_model_len * self._max_token_chars:
+            raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, your messages "
+                           f"have at least {chars // self._max_token_chars} tokens ({chars} characters).",
+                           param="messages", code="context_length_exceeded")
         try:
-            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt)
-        except Exception as e:  # the template refused these messages (roles, order, ...)
+            rendered = render(setup.renderer, setup.template, msgs, opts, self.tokenizer.bos_token or "",
+                              self.tokenizer.eos_token or "", self.tokenizer.added_tokens)
+        except Exception as e:  # the format or template refused these messages (roles, order, ...)
             raise APIError(f"messages could not be rendered by the chat template: {e}", param="messages") from None
-        ids = self._encode(text, add_bos=False, param="messages")
+        ids = self.tokenizer.encode_pieces(rendered.pieces)
         if not ids:
             raise APIError("the rendered chat prompt is empty", param="messages")
         params = self._params(req, len(ids), None)
         rid = req.rid or f"chatcmpl-{uuid.uuid4().hex}"
-        return Prepared(req, [self._seq(req, ids, params, rid, headers)], rid, chat=True)
+        parser = tool_parser(setup.tool_parser) if tools and setup.tool_parser else None
+        reasoning = None
+        if setup.reasoning_parser is not None:
+            reasoning = rendered.thinking or setup.reasoning_parser == "deepseek_r1"
+        return Prepared(req, [self._seq(req, ids, params, rid, headers)], rid, chat=True,
+                        outputs=[ChatOutput(parser, reasoning)])
+
+    def _reasoning_tokens(self, out: Optional[ChatOutput], token_ids: list[int], reasoning_seen: bool) -> Optional[int]:
+        if out is None or out.reasoning is None:
+            return None
+        return reasoning_tokens(token_ids, self._think_end_id, reasoning_seen)
 
     # ---- serving -------------------------------------------------------------------------------
 
@@ -294,16 +349,20 @@ class OpenAIServing:
             work.cancel()
             return Response(status_code=499)
         results = work.result()
-        usage = _usage(sum(r["prompt"] for r in results), sum(r["completion"] for r in results),
-                       sum(r["cached"] for r in results))
         choices = []
+        reasoning_total: Optional[int] = None
         for i, (r, seq) in enumerate(zip(results, seqs)):
             logprobs = None
             if chat:
                 if seq.params.logprobs is not None:
                     logprobs = chat_logprobs(r["logprobs"], self.token_bytes)
-                c = {"index": i, "message": {"role": "assistant", "content": r["text"]}, "finish_reason": r["finish_reason"],
-                     "logprobs": logprobs}
+                out = p.outputs[i] if p.outputs else ChatOutput(None, None)
+                message = out.message(r["text"])
+                finish = "tool_calls" if out.has_calls and r["finish_reason"] == "stop" else r["finish_reason"]
+                c = {"index": i, "message": message, "finish_reason": finish, "logprobs": logprobs}
+                n = self._reasoning_tokens(out, r["token_ids"], bool(message.get("reasoning_content")))
+                if n is not None:
+                    reasoning_total = (reasoning_total or 0) + n
             else:
                 text = (self.tokenizer.decode(seq.prompt_ids) if getattr(req, "echo", False) else "") + r["text"]
                 if seq.params.logprobs is not None:
@@ -313,6 +372,8 @@ class OpenAIServing:
                 c["token_ids"] = r["token_ids"]
                 c["prompt_token_ids"] = seq.prompt_ids
             choices.append(c)
+        usage = _usage(sum(r["prompt"] for r in results), sum(r["completion"] for r in results),
+                       sum(r["cached"] for r in results), reasoning_total)
         body = {"id": p.rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage}
         if req.return_token_ids:
@@ -342,6 +403,10 @@ class OpenAIServing:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         usage = [0, 0, 0]  # prompt, completion, cached prompt tokens
         offsets = [0] * len(p.seqs)
+        outputs = p.outputs if chat and p.outputs else [ChatOutput(None, None) for _ in p.seqs]
+        generated: list[list[int]] = [[] for _ in p.seqs]
+        reasoning_seen = [False] * len(p.seqs)
+        reasoning_total: Optional[int] = None
 
         def chunk(choices: list, usage_: Optional[dict] = None) -> dict:
             c = {"id": p.rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
@@ -361,10 +426,20 @@ class OpenAIServing:
             if not sent_role:
                 sent_role = True
                 yield _sse(chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]))
-            c: dict = {"index": i, "finish_reason": out.finish_reason if out.finished else None, "logprobs": None}
+            finish_reason = out.finish_reason if out.finished else None
+            c: dict = {"index": i, "finish_reason": finish_reason, "logprobs": None}
             wants_logprobs = p.seqs[i].params.logprobs is not None
             if chat:
-                c["delta"] = {"content": out.text} if out.text else {}
+                o = outputs[i]
+                generated[i] += out.token_ids
+                delta = o.feed(out.text) if out.text else {}
+                if out.finished:
+                    for key, value in o.finish().items():
+                        delta[key] = delta.get(key, [] if key == "tool_calls" else "") + value
+                    if o.has_calls and finish_reason == "stop":
+                        c["finish_reason"] = "tool_calls"
+                reasoning_seen[i] = reasoning_seen[i] or bool(delta.get("reasoning_content"))
+                c["delta"] = delta
                 if wants_logprobs:
                     c["logprobs"] = chat_logprobs(out.logprobs or [], self.token_bytes)
             else:
@@ -379,8 +454,12 @@ class OpenAIServing:
                 usage[0] += out.prompt_tokens
                 usage[1] += out.completion_tokens
                 usage[2] += out.cached_tokens
+                if chat:
+                    n = self._reasoning_tokens(outputs[i], generated[i], reasoning_seen[i])
+                    if n is not None:
+                        reasoning_total = (reasoning_total or 0) + n
         if include_usage:
-            yield _sse(chunk([], _usage(*usage)))
+            yield _sse(chunk([], _usage(*usage, reasoning_total)))
         yield _sse("[DONE]")
 
 
