@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Optional
 
 from dsv4_wire import chat_tokens as T
 

@@ -65,7 +65,7 @@ def test_v4_fixture_thinking_tools_effort():
     text = r.text()
     assert text.startswith(f"{T.BOS}Reasoning Effort: Absolute maximum with no shortcuts permitted.\n")
     schema = json.dumps(TOOLS[0]["function"], ensure_ascii=False)
-    assert f"You are terse.\n\n## Tools\n\nYou have access to a set of tools" in text
+    assert "You are terse.\n\n## Tools\n\nYou have access to a set of tools" in text
     assert f"### Available Tool Schemas\n\n{schema}\n\nYou MUST strictly follow the above defined tool name and " \
            f"parameter schemas to invoke tool calls.\n{T.USER}Weather in Paris?" in text
     d = T.DSML
