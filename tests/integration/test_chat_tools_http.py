@@ -173,3 +173,32 @@ def test_malformed_call_from_the_model_stays_content(server, http, make_model):
     with http.stream("POST", "/v1/chat/completions", json={**req, "stream": True}) as r:
         text = "".join(line for line in r.iter_lines())
     assert r.status_code == 200 and "tool_calls" not in text and "[DONE]" in text
+
+
+def test_router_passes_agent_fields_through(server, tmp_path):
+    """Through a real router: the same answers, token ids and refusals as from the engine itself,
+    and each agent round reuses the previous round's cached prompt pages."""
+    from dsv4_testutil import Proc, free_port
+
+    port = free_port()
+    router = Proc(["router", "--mono", server[1], "--port", port, "--health-interval", "0.5"], tmp_path / "router.log")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        router.wait_ready(url)
+        router.wait_workers_healthy(url, 1)
+        via = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=60)
+        direct = openai.OpenAI(base_url=f"{server[1]}/v1", api_key="none", timeout=60)
+        for k in range(3):
+            kw = dict(model="m", messages=round_messages(k), tools=TOOLS, tool_choice="auto", max_tokens=4, temperature=0,
+                      extra_body={"return_token_ids": True, "chat_template_kwargs": {"thinking": k == 2}})
+            a, b = via.chat.completions.create(**kw), direct.chat.completions.create(**kw)
+            assert a.model_extra["prompt_token_ids"] == b.model_extra["prompt_token_ids"]
+            assert a.choices[0].message.model_dump() == b.choices[0].message.model_dump()
+            if k == 1:
+                assert a.usage.prompt_tokens_details.cached_tokens > 0 or server[0] == "v4-tiny"
+        with pytest.raises(openai.BadRequestError) as e:
+            via.chat.completions.create(model="m", messages=round_messages(0), tools=TOOLS, tool_choice="required",
+                                        max_tokens=4)
+        assert e.value.body["param"] == "tool_choice"
+    finally:
+        router.stop()
