@@ -182,3 +182,17 @@ def test_defaults_from_checkpoint_and_names():
         with_overrides(v3, None, "hermes", None)
     with pytest.raises(ValueError):
         with_overrides(v3, None, None, "qwen3")
+
+
+def test_server_chat_setup_from_checkpoint_and_flags(tokenizer, tmp_path):
+    from dsv4_serve.server import ServerArgs, chat_setup
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
+    args = ServerArgs(model=str(tmp_path))
+    assert chat_setup(args, tokenizer).renderer == "deepseek_v31"
+    (tmp_path / "t.jinja").write_text("{{ bos_token }}{{ messages[-1]['content'] }}")
+    args = ServerArgs(model=str(tmp_path), chat_template=str(tmp_path / "t.jinja"), tool_call_parser="deepseekv4",
+                      reasoning_parser="deepseek-r1")
+    s = chat_setup(args, tokenizer)
+    assert (s.renderer, s.tool_parser, s.reasoning_parser) == ("jinja", "deepseek_v4", "deepseek_r1")
+    assert render(s.renderer, s.template, [{"role": "user", "content": "x"}], ChatOptions()).text() == f"{T.BOS}x"
