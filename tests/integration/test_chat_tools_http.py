@@ -9,6 +9,8 @@ non-streamed output is proven in tests/unit/serve/test_chat_parsers.py."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -202,3 +204,32 @@ def test_router_passes_agent_fields_through(server, tmp_path):
         assert e.value.body["param"] == "tool_choice"
     finally:
         router.stop()
+
+
+@pytest.mark.slow
+def test_pd_agent_rounds_equal_mono(make_model, tmp_path):
+    """Under PD (prefill + decode behind the router) an agent round renders and answers as the
+    monolithic engine does, streamed and not."""
+    from test_pd import PDCluster
+
+    c = PDCluster(make_model("tiny"), tmp_path)
+    try:
+        for k in range(2):
+            body = {"model": "m", "messages": round_messages(k), "tools": TOOLS, "max_tokens": 6, "temperature": 0,
+                    "return_token_ids": True, "chat_template_kwargs": {"thinking": k == 1}, "ignore_eos": True}
+            pd = httpx.post(f"{c.r_url}/v1/chat/completions", json=body, timeout=120).json()
+            mono = httpx.post(f"{c.m_url}/v1/chat/completions", json=body, timeout=120).json()
+            assert pd["prompt_token_ids"] == mono["prompt_token_ids"]
+            assert pd["choices"][0]["message"] == mono["choices"][0]["message"]
+            assert pd["usage"].get("completion_tokens_details") == mono["usage"].get("completion_tokens_details")
+            with httpx.stream("POST", f"{c.r_url}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+                events = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+            joined = {"content": "", "reasoning_content": ""}
+            for e in events:
+                for ch in e["choices"]:
+                    for key in joined:
+                        joined[key] += ch["delta"].get(key) or ""
+            assert joined["content"] == (mono["choices"][0]["message"]["content"] or "")
+            assert joined["reasoning_content"] == (mono["choices"][0]["message"].get("reasoning_content") or "")
+    finally:
+        c.stop()
