@@ -152,6 +152,7 @@ class OpenAIServing:
         # that times the context cannot fit, and is refused without spending seconds tokenising it.
         self._max_token_chars = max(len(k) for k in tokenizer.backend.get_vocab(with_added_tokens=True))
         self.chat_setup = chat_setup(args, tokenizer)
+        tokenizer.encode_plain("warm")  # builds the plain-text tokenizer now, not on the first chat
         self._think_end_id = tokenizer.backend.token_to_id("</think>")
 
     def token_bytes(self, token_id: int) -> bytes:
