@@ -35,7 +35,7 @@ def _allowed(tools: list[dict], tool_choice: Union[str, dict, None]) -> list[dic
 
 
 def tool_call_grammar(parser_name: str, tools: list[dict], tool_choice: Union[str, dict, None] = "required",
-                      parallel_tool_calls: bool = True) -> str:
+                      parallel_tool_calls: bool = True, thinking: bool = False) -> str:
     """An xgrammar EBNF grammar (root rule `root`; load it with `xgrammar.Grammar.from_ebnf`) that
     admits exactly the model's native text for one call — or, with `parallel_tool_calls`, one or
     more — to the allowed tools (`tool_choice` "required": any of `tools`; {"type": "function",
@@ -43,9 +43,19 @@ def tool_call_grammar(parser_name: str, tools: list[dict], tool_choice: Union[st
 
     Arguments are JSON with json.dumps' spacing (V3/V3.1), or DSML parameters in the schema's
     property order with the required ones present (V3.2/V4: string properties raw, without "</",
-    the others as JSON). The text is the whole answer: no prose before the block."""
+    the others as JSON). The text is the whole answer: no prose before the block. With
+    `thinking` (the prompt opened `<think>`), reasoning comes first, up to `</think>`; it may not
+    contain `</` itself (EBNF has no "any text but this string")."""
     import xgrammar as xg
 
+    grammar = _tool_call_grammar(xg, parser_name, tools, tool_choice, parallel_tool_calls)
+    if not thinking:
+        return str(grammar)
+    reasoning = xg.Grammar.from_ebnf(f'root ::= ([^<] | "<" [^/])* {_lit(T.THINK_END)}')
+    return str(xg.Grammar.concat(reasoning, grammar))
+
+
+def _tool_call_grammar(xg, parser_name: str, tools: list[dict], tool_choice, parallel_tool_calls: bool):
     fmt = canonical(parser_name)
     fns = _allowed(tools, tool_choice)
 
@@ -68,15 +78,15 @@ def tool_call_grammar(parser_name: str, tools: list[dict], tool_choice: Union[st
             calls.append(xg.Grammar.concat(head, schema_json(fn.get("parameters")), tail))
         call = xg.Grammar.union(*calls) if len(calls) > 1 else calls[0]
         sep = "\n" if fmt == "deepseek_v3" else ""
-        return str(_block(xg, ebnf, call, _lit(T.TOOL_CALLS_BEGIN), _lit(T.TOOL_CALLS_END), sep, parallel_tool_calls))
+        return _block(xg, ebnf, call, _lit(T.TOOL_CALLS_BEGIN), _lit(T.TOOL_CALLS_END), sep, parallel_tool_calls)
     if fmt in ("deepseek_v32", "deepseek_v4"):
         block = "function_calls" if fmt == "deepseek_v32" else "tool_calls"
         d = T.DSML
         calls = [xg.Grammar.concat(ebnf(_lit(f"<{d}invoke name=\"{fn['name']}\">\n")), _dsml_params(xg, ebnf, fn),
                                    ebnf(_lit(f"</{d}invoke>"))) for fn in fns]
         call = xg.Grammar.union(*calls) if len(calls) > 1 else calls[0]
-        return str(_block(xg, ebnf, call, _lit(f"\n\n<{d}{block}>\n"), _lit(f"\n</{d}{block}>"), "\n",
-                          parallel_tool_calls))
+        return _block(xg, ebnf, call, _lit(f"\n\n<{d}{block}>\n"), _lit(f"\n</{d}{block}>"), "\n",
+                      parallel_tool_calls)
     raise ValueError(f"no tool-call grammar for parser {parser_name!r}")
 
 

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from dsv4_serve.chat.output import ChatOutput
 from dsv4_serve.chat.registry import tool_parser
 from dsv4_wire import chat_tokens as T
 
@@ -114,3 +115,16 @@ def test_unknown_parser_or_tool_refused():
         tool_call_grammar("hermes", TOOLS)
     with pytest.raises(ValueError):
         tool_call_grammar("deepseek_v4", TOOLS, {"type": "function", "function": {"name": "nope"}})
+
+
+def test_thinking_prefix(compiler_and_tok):
+    from dsv4_serve.chat.grammar import tool_call_grammar
+
+    compiler, tok = compiler_and_tok
+    g = compiler.compile_grammar(xgr.Grammar.from_ebnf(tool_call_grammar("deepseek_v4", TOOLS, thinking=True)))
+    call = dsml("tool_calls")(*GOOD[0])
+    assert accepts(g, tok, f"I need the weather, 2 < 3.{T.THINK_END}{call}")
+    assert accepts(g, tok, f"{T.THINK_END}{call}")
+    assert not accepts(g, tok, call)  # the reasoning must be closed first
+    parsed = ChatOutput(tool_parser("deepseek_v4"), True).message(f"why{T.THINK_END}{call}")
+    assert parsed["reasoning_content"] == "why" and parsed["tool_calls"][0]["function"]["name"] == "get_weather"
