@@ -58,8 +58,12 @@ def _default_model() -> Path:
     """The tiny model, built once into the cache folder (what `dsv4 up` serves by default)."""
     from dsv4_operator.local import cache_dir
 
+    from dsv4_wire.chat_tokens import TOOL_SEP
+
     out = cache_dir() / "models" / "tiny-0"
-    if not (out / "config.json").exists():
+    tok = out / "tokenizer.json"
+    # a cache from before the chat markers were added to the tokenizer is rebuilt (agents need them)
+    if not (out / "config.json").exists() or not tok.is_file() or TOOL_SEP not in tok.read_text(encoding="utf-8"):
         from dsv4_engine.checkpoint import init_checkpoint
 
         typer.echo(f"dsv4 up: building the tiny model into {out}", err=True)
