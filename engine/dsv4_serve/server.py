@@ -280,7 +280,7 @@ class OpenAIServing:
         if setup.reasoning_parser is not None:
             reasoning = rendered.thinking or setup.reasoning_parser == "deepseek_r1"
         return Prepared(req, [self._seq(req, ids, params, rid, headers)], rid, chat=True,
-                        outputs=[ChatOutput(parser, reasoning)])
+                        outputs=[ChatOutput(parser, reasoning, req.parallel_tool_calls is not False)])
 
     def _reasoning_tokens(self, out: Optional[ChatOutput], token_ids: list[int], reasoning_seen: bool) -> Optional[int]:
         if out is None or out.reasoning is None:

@@ -11,11 +11,13 @@ from dsv4_serve.chat.tool_parsers import ToolCallStream, ToolParser, openai_tool
 
 class ChatOutput:
     """`tool_parser`: parse calls (the request has tools); `reasoning`: None when no reasoning
-    parser runs, else whether the output starts inside reasoning."""
+    parser runs, else whether the output starts inside reasoning; `parallel`: False keeps only
+    the first call (`parallel_tool_calls: false`, as vLLM)."""
 
-    def __init__(self, tool_parser: Optional[ToolParser], reasoning: Optional[bool]):
+    def __init__(self, tool_parser: Optional[ToolParser], reasoning: Optional[bool], parallel: bool = True):
         self.tool_parser = tool_parser
         self.reasoning = reasoning
+        self.max_calls = None if parallel else 1
         self._rs = ReasoningStream(reasoning) if reasoning is not None else None
         self._ts = ToolCallStream(tool_parser) if tool_parser is not None else None
         self.has_calls = False
@@ -30,7 +32,7 @@ class ChatOutput:
         calls = []
         if self.tool_parser is not None:
             parsed = self.tool_parser.parse(content)
-            content, calls = parsed.content, parsed.calls
+            content, calls = parsed.content, parsed.calls[:self.max_calls]
         self.has_calls = bool(calls)
         msg["content"] = content if content or not calls else None
         if calls:
@@ -57,6 +59,8 @@ class ChatOutput:
                 content += more
                 calls += calls2
                 self.has_calls = bool(self._ts.calls)
+        if self.max_calls is not None:
+            calls = [c for c in calls if c["index"] < self.max_calls]
         if content:
             out["content"] = content
         if calls:

@@ -146,3 +146,11 @@ def test_reasoning_token_count():
     assert reasoning_tokens([5, 6, 7, 9, 8], 9, True) == 3
     assert reasoning_tokens([5, 6], 9, True) == 2
     assert reasoning_tokens([5, 6], 9, False) == 0
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    text = v31(("a", "{}"), ("b", '{"x": 1}'))
+    msg = ChatOutput(tool_parser("deepseek_v31"), None, parallel=False).message(text)
+    assert [c["function"]["name"] for c in msg["tool_calls"]] == ["a"]
+    _, _, calls, _ = assemble(ChatOutput(tool_parser("deepseek_v31"), None, parallel=False), [text[:30], text[30:]])
+    assert calls == [("a", "{}")]
