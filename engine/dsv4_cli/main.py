@@ -58,8 +58,12 @@ def _default_model() -> Path:
     """The tiny model, built once into the cache folder (what `dsv4 up` serves by default)."""
     from dsv4_operator.local import cache_dir
 
+    from dsv4_wire.chat_tokens import TOOL_SEP
+
     out = cache_dir() / "models" / "tiny-0"
-    if not (out / "config.json").exists():
+    tok = out / "tokenizer.json"
+    # a cache from before the chat markers were added to the tokenizer is rebuilt (agents need them)
+    if not (out / "config.json").exists() or not tok.is_file() or TOOL_SEP not in tok.read_text(encoding="utf-8"):
         from dsv4_engine.checkpoint import init_checkpoint
 
         typer.echo(f"dsv4 up: building the tiny model into {out}", err=True)
@@ -136,6 +140,17 @@ def serve(
     transfer_checksum: bool = typer.Option(False, EngineFlags.TRANSFER_CHECKSUM,
                                            help="PD: checksum every KV/state region of a hand-off; decode verifies "
                                                 "what landed and fails the request on a mismatch."),
+    chat_template: Optional[Path] = typer.Option(
+        None, EngineFlags.CHAT_TEMPLATE, help="A Jinja chat template file used instead of the checkpoint's chat "
+                                              "format (as vLLM's flag)."),
+    tool_call_parser: Optional[str] = typer.Option(
+        None, EngineFlags.TOOL_CALL_PARSER,
+        help="How tool calls are read from the model's output: deepseek_v3, deepseek_v31, deepseek_v32, deepseek_v4 "
+             "(SGLang's deepseekv31 etc. too; default: the checkpoint's format)."),
+    reasoning_parser: Optional[str] = typer.Option(
+        None, EngineFlags.REASONING_PARSER,
+        help="How reasoning is split from the answer: deepseek-r1, deepseek-v3, deepseek-v4 (default: the "
+             "checkpoint's format)."),
 ) -> None:
     """Run one engine (monolithic, prefill or decode) with the OpenAI-compatible HTTP API."""
     if role not in ("mono", "prefill", "decode"):
@@ -145,6 +160,17 @@ def serve(
     if kernel_backend not in (None, "torch", "triton"):
         _fail(f"--kernel-backend must be torch or triton, not {kernel_backend!r}")
     _check_model_dir(model, quantization=False)
+    if chat_template is not None and not chat_template.is_file():
+        _fail(f"{EngineFlags.CHAT_TEMPLATE}: no file {chat_template}")
+    from dsv4_serve.chat.registry import reasoning_parser_name, tool_parser as _tool_parser
+
+    try:
+        if tool_call_parser is not None:
+            _tool_parser(tool_call_parser)
+        if reasoning_parser is not None:
+            reasoning_parser_name(reasoning_parser)
+    except ValueError as e:
+        _fail(str(e))
     from dsv4_serve.core_spawn import spawn_core
 
     # The engine core starts importing torch now, beside this process (it waits for its arguments).
@@ -166,6 +192,8 @@ def serve(
             enable_fault_injection=enable_fault_injection, admin_token=admin_token, pd_secret=pd_secret, seed=seed,
             max_request_bytes=max_request_bytes, shutdown_grace=shutdown_grace, transfer_checksum=transfer_checksum,
             enable_prefix_cache=not disable_prefix_cache, tp_size=tp_size,
+            chat_template=str(chat_template) if chat_template is not None else None,
+            tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
         ),
         spawned,
     )

@@ -206,17 +206,94 @@ class TextPart(BaseModel):
         return self
 
 
+MAX_TOOLS = 512
+MAX_NAME_CHARS = 256
+
+
+def _check_name(name: str, what: str) -> str:
+    # DSML writes names inside an XML-like attribute: quotes, angle brackets and newlines would break it
+    if not name or len(name) > MAX_NAME_CHARS or any(ch in name for ch in '"<>\r\n'):
+        raise ValueError(f"{what} must be 1..{MAX_NAME_CHARS} characters without quotes, angle brackets or newlines")
+    return name
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict] = None
+    strict: Optional[bool] = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        return _check_name(v, "a function name")
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str = "{}"
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        return _check_name(v, "a tool call's function name")
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: Optional[str] = Field(None, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal[ROLES]  # type: ignore[valid-type]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallIn]] = None  # assistant: the calls it made
+    tool_call_id: Optional[str] = Field(None, max_length=256)  # tool: the call this result answers
+    reasoning_content: Optional[str] = None  # assistant: its reasoning (re-rendered where the format keeps it)
 
     @model_validator(mode="after")
     def _content(self):
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs `content` (a string or a list of text parts)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry `tool_calls`")
         return self
+
+    def as_dict(self) -> dict:
+        """The message as the chat renderers take it (content parts joined)."""
+        d: dict = {"role": self.role, "content": None if self.content is None else self.text()}
+        if self.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                                              "arguments": c.function.arguments}}
+                               for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            d["reasoning_content"] = self.reasoning_content
+        return d
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -230,6 +307,38 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: Optional[list[ToolDef]] = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    chat_template_kwargs: Optional[dict] = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
+
+    @model_validator(mode="after")
+    def _tool_choice(self):
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: no tool named {choice.function.name!r} in `tools`")
+        if choice == "required" and not names:
+            raise ValueError("tool_choice: \"required\" needs `tools`")
+        prev = None
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" and not (prev is not None and (prev.role == "tool" or prev.tool_calls)):
+                raise ValueError(f"messages.{i}: a tool message must follow an assistant message with `tool_calls` "
+                                 "(or another tool message)")
+            prev = m
+        return self
+
+    def thinking(self) -> bool:
+        """Thinking mode: chat_template_kwargs' `thinking` / `enable_thinking`, else on when a
+        reasoning_effort other than "none" is given (off by default, as SGLang)."""
+        kw = self.chat_template_kwargs or {}
+        for key in ("thinking", "enable_thinking"):
+            if key in kw:
+                return bool(kw[key])
+        return self.reasoning_effort not in (None, "none")
 
     @field_validator("max_completion_tokens")
     @classmethod

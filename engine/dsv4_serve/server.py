@@ -46,7 +46,10 @@ from dsv4_serve.detokenize import OutputProcessor
 from dsv4_serve.engine_client import EngineClient, EngineGone, EngineRefused, EngineRequest, EngineStartError, call_soon
 from dsv4_serve.gate import DEFAULT_MAX_REQUEST_BYTES, Gate, Lifecycle
 from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completion_logprobs, next_offset, text_of_bytes
-from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest, _Common, choice_seed, parse_request
+from dsv4_serve.chat import ChatOptions, ChatSetup, default_setup, render, tool_parser, with_overrides
+from dsv4_serve.chat.output import ChatOutput, reasoning_tokens
+from dsv4_serve.protocol import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, _Common, choice_seed,
+                                 parse_request)
 from dsv4_wire import APIError, Paths, token_matches
 
 if TYPE_CHECKING:
@@ -76,16 +79,41 @@ class ServerArgs(EngineArgs):
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     shutdown_grace: float = 30.0  # seconds running requests get to finish after SIGTERM
     transfer_checksum: bool = False  # PD: checksum every state region of a hand-off (decode verifies)
+    chat_template: Optional[str] = None  # a Jinja file used instead of the checkpoint's chat format
+    tool_call_parser: Optional[str] = None  # default: the checkpoint's format
+    reasoning_parser: Optional[str] = None  # default: the checkpoint's format
 
     def engine_args(self) -> EngineArgs:
         return EngineArgs(**{f.name: getattr(self, f.name) for f in fields(EngineArgs)})
 
 
-def _usage(prompt: int, completion: int, cached: int = 0) -> dict:
+def _usage(prompt: int, completion: int, cached: int = 0, reasoning: Optional[int] = None) -> dict:
     """OpenAI usage; `cached`: prompt tokens the prefix cache served (OpenAI's and vLLM's
-    prompt_tokens_details.cached_tokens)."""
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    prompt_tokens_details.cached_tokens); `reasoning`: completion tokens spent thinking, when a
+    reasoning parser runs."""
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": cached}}
+    if reasoning is not None:
+        usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    return usage
+
+
+def chat_setup(args: ServerArgs, tokenizer: Tokenizer) -> ChatSetup:
+    """The checkpoint's chat format (model_type, vocabulary, template), then the flags."""
+    from dsv4_engine.tokenizer import CHAT_TEMPLATE
+
+    try:
+        with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError):
+        model_type = None
+    setup = default_setup(model_type, tokenizer.backend.get_vocab(with_added_tokens=True), tokenizer.chat_template,
+                          CHAT_TEMPLATE)
+    template = None
+    if args.chat_template is not None:
+        with open(args.chat_template, encoding="utf-8") as f:
+            template = f.read()
+    return with_overrides(setup, template, args.tool_call_parser, args.reasoning_parser)
 
 
 def _sse(obj: dict | str) -> str:
@@ -122,6 +150,7 @@ class Prepared:
     seqs: list[EngineRequest]
     rid: str
     chat: bool
+    outputs: Optional[list[ChatOutput]] = None  # chat: one output parser per choice
 
 
 class OpenAIServing:
@@ -140,6 +169,9 @@ class OpenAIServing:
         # No token spells more characters than its longest vocabulary entry: a text longer than
         # that times the context cannot fit, and is refused without spending seconds tokenising it.
         self._max_token_chars = max(len(k) for k in tokenizer.backend.get_vocab(with_added_tokens=True))
+        self.chat_setup = chat_setup(args, tokenizer)
+        tokenizer.encode_plain("warm")  # builds the plain-text tokenizer now, not on the first chat
+        self._think_end_id = tokenizer.backend.token_to_id("</think>")
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes of one token (for logprobs), cached: the vocabulary is bounded."""
@@ -251,17 +283,44 @@ class OpenAIServing:
     def prepare_chat(self, body: bytes, headers: Mapping[str, str]) -> Prepared:
         req = parse_request(ChatCompletionRequest, body)
         self._check_model(req)
-        msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+        if req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice):
+            # Honouring these needs the tool-call grammar in the sampler; never answer prose instead.
+            raise APIError("tool_choice: \"required\" and a named function are not served yet (they need "
+                           "constrained decoding); use \"auto\" or \"none\"", param="tool_choice")
+        setup = self.chat_setup
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if req.tool_choice != "none" else []
+        opts = ChatOptions(tools=tools or None, thinking=req.thinking(), reasoning_effort=req.reasoning_effort,
+                           add_generation_prompt=req.add_generation_prompt,
+                           template_kwargs=dict(req.chat_template_kwargs or {}))
+        msgs = [m.as_dict() for m in req.messages]
+        chars = sum(len(m.get("content") or "") for m in msgs) + len(json.dumps(tools))
+        if chars > self.max_model_len * self._max_token_chars:
+            raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, your messages "
+                           f"have at least {chars // self._max_token_chars} tokens ({chars} characters).",
+                           param="messages", code="context_length_exceeded")
         try:
-            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt)
-        except Exception as e:  # the template refused these messages (roles, order, ...)
+            rendered = render(setup.renderer, setup.template, msgs, opts, self.tokenizer.bos_token or "",
+                              self.tokenizer.eos_token or "", self.tokenizer.added_tokens)
+        except Exception as e:  # the format or template refused these messages (roles, order, ...)
             raise APIError(f"messages could not be rendered by the chat template: {e}", param="messages") from None
-        ids = self._encode(text, add_bos=False, param="messages")
+        ids = self.tokenizer.encode_pieces(rendered.pieces)
         if not ids:
             raise APIError("the rendered chat prompt is empty", param="messages")
         params = self._params(req, len(ids), None)
         rid = req.rid or f"chatcmpl-{uuid.uuid4().hex}"
-        return Prepared(req, self._choices(req, [ids], [params], rid, headers), rid, chat=True)
+        seqs = self._choices(req, [ids], [params], rid, headers)
+        parser = tool_parser(setup.tool_parser) if tools and setup.tool_parser else None
+        reasoning = None
+        if setup.reasoning_parser is not None:
+            reasoning = rendered.thinking or setup.reasoning_parser == "deepseek_r1"
+        # one output parser per sequence: each keeps its own streaming state
+        outputs = [ChatOutput(parser, reasoning, req.parallel_tool_calls is not False) for _ in seqs]
+        return Prepared(req, seqs, rid, chat=True, outputs=outputs)
+
+    def _reasoning_tokens(self, out: Optional[ChatOutput], token_ids: list[int], reasoning_seen: bool) -> Optional[int]:
+        if out is None or out.reasoning is None:
+            return None
+        return reasoning_tokens(token_ids, self._think_end_id, reasoning_seen)
 
     # ---- serving -------------------------------------------------------------------------------
 
@@ -329,8 +388,9 @@ class OpenAIServing:
         # The prompt counts once per prompt (its first choice's figures), the completion of every
         # sequence generated (best_of candidates too, as OpenAI bills them).
         k, n = req.candidates, req.n
-        usage = _usage(sum(r["prompt"] for r in results[::k]), sum(r["completion"] for r in results),
-                       sum(r["cached"] for r in results[::k]))
+        prompt_total = sum(r["prompt"] for r in results[::k])
+        completion_total = sum(r["completion"] for r in results)
+        cached_total = sum(r["cached"] for r in results[::k])
         picked: list[int] = []  # sequence indexes, in choice order: prompt i's choices at i * n ...
         for start in range(0, len(seqs), k):
             group = results[start:start + k]
@@ -338,14 +398,20 @@ class OpenAIServing:
             picked += [start + c for c in best]
         wants_logprobs = req.logprobs_wanted() is not None
         choices = []
+        reasoning_total: Optional[int] = None
         for i, s in enumerate(picked):
             r, seq = results[s], seqs[s]
             logprobs = None
             if chat:
                 if wants_logprobs:
                     logprobs = chat_logprobs(r["logprobs"], self.token_bytes)
-                c = {"index": i, "message": {"role": "assistant", "content": r["text"]}, "finish_reason": r["finish_reason"],
-                     "logprobs": logprobs}
+                out = p.outputs[s] if p.outputs else ChatOutput(None, None)
+                message = out.message(r["text"])
+                finish = "tool_calls" if out.has_calls and r["finish_reason"] == "stop" else r["finish_reason"]
+                c = {"index": i, "message": message, "finish_reason": finish, "logprobs": logprobs}
+                thought = self._reasoning_tokens(out, r["token_ids"], bool(message.get("reasoning_content")))
+                if thought is not None:
+                    reasoning_total = (reasoning_total or 0) + thought
             else:
                 text = (self.tokenizer.decode(seq.prompt_ids) if getattr(req, "echo", False) else "") + r["text"]
                 if wants_logprobs:
@@ -355,6 +421,7 @@ class OpenAIServing:
                 c["token_ids"] = r["token_ids"]
                 c["prompt_token_ids"] = seq.prompt_ids
             choices.append(c)
+        usage = _usage(prompt_total, completion_total, cached_total, reasoning_total)
         body = {"id": p.rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices, "usage": usage}
         if req.return_token_ids:
@@ -384,6 +451,10 @@ class OpenAIServing:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         usage = [0, 0, 0]  # prompt, completion, cached prompt tokens
         offsets = [0] * len(p.seqs)
+        outputs = p.outputs if chat and p.outputs else [ChatOutput(None, None) for _ in p.seqs]
+        generated: list[list[int]] = [[] for _ in p.seqs]
+        reasoning_seen = [False] * len(p.seqs)
+        reasoning_total: Optional[int] = None
 
         def chunk(choices: list, usage_: Optional[dict] = None) -> dict:
             c = {"id": p.rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
@@ -405,10 +476,20 @@ class OpenAIServing:
             if not sent_role[i]:
                 sent_role[i] = True
                 yield _sse(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]))
-            c: dict = {"index": i, "finish_reason": out.finish_reason if out.finished else None, "logprobs": None}
+            finish_reason = out.finish_reason if out.finished else None
+            c: dict = {"index": i, "finish_reason": finish_reason, "logprobs": None}
             wants_logprobs = p.seqs[i].params.logprobs is not None
             if chat:
-                c["delta"] = {"content": out.text} if out.text else {}
+                o = outputs[i]
+                generated[i] += out.token_ids
+                delta = o.feed(out.text) if out.text else {}
+                if out.finished:
+                    for key, value in o.finish().items():
+                        delta[key] = delta.get(key, [] if key == "tool_calls" else "") + value
+                    if o.has_calls and finish_reason == "stop":
+                        c["finish_reason"] = "tool_calls"
+                reasoning_seen[i] = reasoning_seen[i] or bool(delta.get("reasoning_content"))
+                c["delta"] = delta
                 if wants_logprobs:
                     c["logprobs"] = chat_logprobs(out.logprobs or [], self.token_bytes)
             else:
@@ -424,8 +505,12 @@ class OpenAIServing:
                     usage[0] += out.prompt_tokens
                     usage[2] += out.cached_tokens
                 usage[1] += out.completion_tokens
+                if chat:
+                    thought = self._reasoning_tokens(outputs[i], generated[i], reasoning_seen[i])
+                    if thought is not None:
+                        reasoning_total = (reasoning_total or 0) + thought
         if include_usage:
-            yield _sse(chunk([], _usage(*usage)))
+            yield _sse(chunk([], _usage(*usage, reasoning_total)))
         yield _sse("[DONE]")
 
 

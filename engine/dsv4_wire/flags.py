@@ -20,5 +20,8 @@ class EngineFlags:
     SHUTDOWN_GRACE = "--shutdown-grace"
     DISABLE_PREFIX_CACHE = "--disable-prefix-cache"
     TRANSFER_CHECKSUM = "--transfer-checksum"
+    CHAT_TEMPLATE = "--chat-template"
+    TOOL_CALL_PARSER = "--tool-call-parser"
+    REASONING_PARSER = "--reasoning-parser"
     CUDA_GRAPH_MAX_BS = "--cuda-graph-max-bs"
     TP_SIZE = "--tp-size"
