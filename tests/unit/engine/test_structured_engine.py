@@ -191,14 +191,15 @@ def test_preemption_rebuilds_the_grammar_state_from_the_output(tiny_model):
 
 
 def test_abort_frees_the_grammar_state(v3):
-    spec = structured.json_schema({"type": "object"})
+    spec = structured.json_schema({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"},
+                                                                         "minItems": 20}}, "required": ["a"]})
     seq = Sequence("ab", [5, 6], SamplingParams(max_tokens=50, temperature=0, structured=spec))
     outs = []
     seq.sink = outs.append
     v3.submit(seq)
     for _ in range(4):
         v3.step()
-    assert seq.matcher is not None
+    assert seq.matcher is not None and not seq.finished
     v3.abort("ab")
     v3.step()
     assert outs[-1].finished and outs[-1].finish_reason == "abort" and seq.matcher is None
