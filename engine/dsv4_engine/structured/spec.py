@@ -61,8 +61,8 @@ class StructuredSpec:
 
 
 def json_schema(schema: Any) -> StructuredSpec:
-    """A spec for a schema given as a parsed JSON value (dict/bool) or as JSON text. Keys are
-    sorted so that equal schemas share one compiled grammar."""
+    """A spec for a schema given as a parsed JSON value (dict/bool) or as JSON text. Keys keep
+    their order: the order of `properties` is the order the fields are generated in."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -70,7 +70,7 @@ def json_schema(schema: Any) -> StructuredSpec:
             raise ValueError(f"json_schema: not valid JSON ({e})") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError("json_schema: a JSON Schema is an object (or true/false)")
-    return StructuredSpec("json_schema", json.dumps(schema, sort_keys=True, ensure_ascii=False))
+    return StructuredSpec("json_schema", json.dumps(schema, ensure_ascii=False))
 
 
 def choice(options: Any) -> StructuredSpec:

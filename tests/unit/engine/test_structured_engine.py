@@ -203,3 +203,11 @@ def test_abort_frees_the_grammar_state(v3):
     v3.abort("ab")
     v3.step()
     assert outs[-1].finished and outs[-1].finish_reason == "abort" and seq.matcher is None
+
+
+def test_properties_come_in_the_schemas_order(v3):
+    schema = {"type": "object", "properties": {"zeta": {"enum": [1]}, "alpha": {"enum": [2]}, "mid": {"enum": [3]}},
+              "required": ["zeta", "alpha", "mid"], "additionalProperties": False}
+    outs = run(v3, [Sequence("order", [5, 6], SamplingParams(max_tokens=60, temperature=0,
+                                                             structured=structured.json_schema(schema)))])
+    assert list(json.loads(text(v3, outs["order"]))) == ["zeta", "alpha", "mid"]
