@@ -199,6 +199,8 @@ def engine_steps(model: Path, conc: int, a: argparse.Namespace) -> dict:
             times.append(time.perf_counter() - t0)
         fills = fill_time[0]
         running = sum(not s.finished for s in seqs)
+        print(f"  c{conc} {'grammar' if with_grammar else 'plain'} run {rep}: step median {statistics.median(times) * 1e3:.1f} ms, "
+              f"grammar work {fill_time[0] / a.steps * 1e3:.3f} ms/step", flush=True)
         for s in seqs:
             eng.abort(seq=s)
         eng.step()
