@@ -1,4 +1,4 @@
-"""Structured outputs under PD (real NIXL, real router): prefill samples the first token under
+"""Structured outputs under PD (real NIXL, real router; V3 and V4 tiny checkpoints): prefill samples the first token under
 the grammar, decode rebuilds the grammar state from the request and accepts that token once;
 PD output equals the monolithic engine's, token for token, and is schema-valid JSON. A
 refused grammar is the same 400 through the router."""
@@ -25,9 +25,9 @@ SCHEMA = {
 FORMAT = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
 
 
-@pytest.fixture(scope="module")
-def cluster(make_model, tmp_path_factory):
-    c = PDCluster(make_model("tiny"), tmp_path_factory.mktemp("pd-structured"))
+@pytest.fixture(scope="module", params=["tiny", "v4-tiny"])
+def cluster(request, make_model, tmp_path_factory):
+    c = PDCluster(make_model(request.param), tmp_path_factory.mktemp(f"pd-structured-{request.param}"))
     yield c
     c.stop()
 

@@ -19,7 +19,7 @@ def test_grammar_bench_quick_writes_its_report(tmp_path):
     assert (tmp_path / "grammar.png").stat().st_size > 0
     assert [row["concurrency"] for row in report["engine"]] == [1, 2]
     for row in report["engine"]:
-        assert row["grammar"]["grammar_ms_per_step"] > 0 and row["plain"]["grammar_ms_per_step"] == 0
+        assert row["grammar"]["grammar_ms_per_step"] > row["plain"]["grammar_ms_per_step"]  # plain: one any() per step
         assert row["grammar"]["still_running"] == row["concurrency"]  # every measured step was mid-grammar
     xg = report["backends"]["xgrammar"]
     assert xg["mask_steps"] > 100 and len(xg["compile_ms"]) == 3
