@@ -196,6 +196,7 @@ class Engine:
         # Called on the engine thread after every step: an out-of-process front end sends the
         # outputs the step's sinks collected as one message instead of one per token.
         self.after_step: Optional[Callable[[], None]] = None
+        self._grammars = None  # structured outputs' GrammarCompiler, made on the first request that asks
         # False: outputs carry token ids only, and stop strings are judged by whoever turns them
         # into text (the HTTP process; it ends the request with `finish(seq, "stop")`).
         self.detokenize = True
@@ -282,6 +283,16 @@ class Engine:
         if seq.rid in self.seqs:
             seq.sink(RequestOutput(seq.rid, [], "", True, "error", f"duplicate request id {seq.rid}", 400))
             return
+        if seq.params.structured is not None:
+            from dsv4_engine.structured.grammar import GrammarError
+
+            try:  # before the request is queued: a grammar we cannot compile is the client's 400
+                seq.grammar = self.grammars.compile(seq.params.structured)
+            except GrammarError as e:
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
+                seq.sink(RequestOutput(seq.rid, [], "", True, "error", f"invalid structured output: {e}", 400,
+                                       len(seq.prompt_ids), 0))
+                return
         if self.detokenize:
             seq.detok = IncrementalDetokenizer(self.tokenizer)
         if seq.params.seed is not None or not seq.params.greedy:
@@ -296,6 +307,15 @@ class Engine:
             self.pd.on_new(seq)
         else:
             self.scheduler.add(seq)
+
+    @property
+    def grammars(self):
+        """The grammar compiler (and its cache of compiled grammars) for this model's vocabulary."""
+        if self._grammars is None:
+            from dsv4_engine.structured.grammar import new_compiler
+
+            self._grammars = new_compiler(self.tokenizer.backend, self.cfg.vocab_size, sorted(self.eos_ids))
+        return self._grammars
 
     def fail_request(self, seq: Sequence, what: str, exc: BaseException, code: int = 500) -> None:
         """End one request with an error after something went wrong for it alone."""
@@ -322,7 +342,7 @@ class Engine:
             self.scheduler.release(seq)
         except Exception:
             log.error("freeing pages of %s failed:\n%s", seq.rid, traceback.format_exc())
-        seq.pages, seq.slot = [], None
+        seq.pages, seq.slot, seq.matcher = [], None, None
         if not seq.finished:
             seq.status = SeqStatus.FINISHED
             seq.finish_reason = "error"
@@ -384,6 +404,11 @@ class Engine:
         if seq.params.logprobs is not None:
             seq.output_logprobs.append(logprob if logprob is not None else {"token_id": tok, "logprob": None, "top": []})
         self.metrics.inc("generation_tokens")
+        if seq.grammar is not None and not seq.prefill_only:  # the grammar takes the token, exactly once
+            from dsv4_engine.structured.bitmask import ensure_matcher
+
+            ensure_matcher(seq)
+        seq.matcher = None if seq.prefill_only else seq.matcher  # PD prefill is done with its grammar
         if seq.prefill_only:
             # PD prefill: the first token travels with the KV; decode judges every stop condition.
             self.pd.on_prefill_done(seq)
@@ -416,6 +441,8 @@ class Engine:
     def _stop_reason(self, seq: Sequence, tok: int) -> Optional[str]:
         p = seq.params
         if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
+            return "stop"
+        if seq.matcher is not None and seq.matcher.terminated:  # complete, nothing more allowed
             return "stop"
         if self.detokenize:
             seq.text += seq.detok.add(tok)
@@ -454,6 +481,7 @@ class Engine:
         self.scheduler.release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        seq.matcher = None  # the grammar state goes with the request
         self.seqs.pop(seq.rid, None)
         if reason in ("stop", "length"):
             self.metrics.observe("e2e_request_latency_seconds", time.monotonic() - seq.arrival)

@@ -79,6 +79,7 @@ class ModelRunner:
             log.info("CUDA graphs off: need a CUDA device, the triton kernel backend and a capture-safe model")
         self.graphs: Optional[DecodeGraphs] = None
         self._states: dict[str, torch.Tensor] = {}  # the pool's tensors, which a captured graph reads
+        self._masks = None  # structured outputs' MaskFiller, made when a request first has a grammar
 
     def graphs_supported(self) -> bool:
         return (self.device.type == "cuda" and self.kernel_backend == "triton"
@@ -139,6 +140,16 @@ class ModelRunner:
                 out[i] = logits[j]
         return torch.stack(out)
 
+    def grammar_masks(self, seqs: list):
+        """This step's token masks for the requests with structured output (None: no such request)."""
+        if not any(s.grammar is not None for s in seqs):
+            return None
+        if self._masks is None:
+            from dsv4_engine.structured.bitmask import MaskFiller
+
+            self._masks = MaskFiller(self.cfg.vocab_size, self.device, self.eos_ids)
+        return self._masks.fill(seqs)
+
     def step(self, batch: list[ScheduledSeq], pool: KVPool) -> list[Union[Sampled, Exception, None]]:
         """Forward the step (a forward failure raises: it fails the batch). For each request that
         samples: a Sampled, or the exception its row raised (it fails that request alone);
@@ -148,7 +159,10 @@ class ModelRunner:
         results: list[Union[Sampled, Exception, None]] = [None] * len(batch)
         if rows:
             seqs = [batch[i].seq for i in rows]
-            picked = sample(logits[rows], [s.params for s in seqs], [s.generator for s in seqs], seqs, self.eos_ids)
+            # Grammar masks are filled on the CPU here, while the device still runs the forward.
+            mask = self.grammar_masks(seqs)
+            picked = sample(logits[rows], [s.params for s in seqs], [s.generator for s in seqs], seqs, self.eos_ids,
+                            mask)
             for i, r in zip(rows, picked):
                 results[i] = r
         return results

@@ -15,6 +15,7 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 from dsv4_engine.sampling_params import MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, MAX_PENALTY, SamplingParams
+from dsv4_engine.structured import spec as structured
 from dsv4_wire.errors import APIError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -67,6 +68,57 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: Optional[str] = Field(None, max_length=256)
+    description: Optional[str] = None
+    schema_: Optional[Union[dict, bool]] = Field(None, alias="schema")
+    strict: Optional[bool] = None  # the schema is always enforced (vLLM does the same)
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON following a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    json_schema: Optional[JSONSchemaFormat] = None
+
+    @field_validator("type")
+    @classmethod
+    def _type(cls, v):
+        if v not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"type {v[:64]!r} is not supported (text, json_object or json_schema)")
+        return v
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` extra: exactly one constraint."""
+
+    model_config = ConfigDict(extra="ignore")
+    json_: Optional[Union[dict, bool, str]] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Optional[str] = None
+    # Knobs that keep their default meaning here (compact JSON, no fallback backend); the others
+    # change the language and are refused rather than ignored.
+    disable_fallback: Optional[bool] = None
+    disable_any_whitespace: Optional[bool] = None
+    disable_additional_properties: Optional[bool] = None
+    whitespace_pattern: Optional[str] = None
+
+
+def _spec(make, param: str) -> structured.StructuredSpec:
+    """A spec built and cheaply checked; any problem is a 400 naming the request field."""
+    try:
+        s = make()
+        s.check()
+        return s
+    except ValueError as e:
+        raise APIError(f"{param}: {e}", param=param) from None
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: Optional[str] = Field(None, max_length=512)
@@ -88,6 +140,16 @@ class _Common(BaseModel):
     logit_bias: Optional[dict[str, float]] = Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
     min_tokens: Optional[int] = Field(None, ge=0, le=INT64_MAX)
     return_token_ids: bool = False
+    # Structured outputs (docs/structured-outputs.md): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* extras; at most one constraint in all.
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputs] = None
+    guided_json: Optional[Union[dict, bool, str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
     # PD: set by the router on the internal requests it sends to prefill and decode engines.
     bootstrap_host: Optional[str] = Field(None, max_length=256)
     bootstrap_port: Optional[int] = Field(None, ge=0, le=65535)
@@ -137,6 +199,66 @@ class _Common(BaseModel):
         """How many alternatives per token the request wants (None: no logprobs)."""
         return None
 
+    def structured_spec(self) -> Optional[structured.StructuredSpec]:
+        """The one output constraint the request asks for (None: free text); a 400 naming the
+        field for a constraint that is malformed, refused, or given more than once."""
+        found: list[tuple[str, structured.StructuredSpec]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", structured.StructuredSpec("json_object")))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise APIError("response_format.json_schema.schema is required for type json_schema",
+                               param="response_format.json_schema.schema")
+            found.append(("response_format", _spec(lambda: structured.json_schema(rf.json_schema.schema_),
+                                                   "response_format.json_schema.schema")))
+        so = self.structured_outputs
+        if so is not None:
+            if so.whitespace_pattern is not None:
+                raise APIError("structured_outputs.whitespace_pattern is not supported (JSON is generated compact)",
+                               param="structured_outputs.whitespace_pattern")
+            if so.disable_additional_properties:
+                raise APIError("structured_outputs.disable_additional_properties is not supported; set "
+                               "additionalProperties: false in the schema", param="structured_outputs.disable_additional_properties")
+            if so.json_ is not None:
+                found.append(("structured_outputs.json", _spec(lambda: structured.json_schema(so.json_),
+                                                               "structured_outputs.json")))
+            if so.regex is not None:
+                found.append(("structured_outputs.regex", _spec(lambda: structured.StructuredSpec("regex", so.regex),
+                                                                "structured_outputs.regex")))
+            if so.choice is not None:
+                found.append(("structured_outputs.choice", _spec(lambda: structured.choice(so.choice),
+                                                                 "structured_outputs.choice")))
+            if so.grammar is not None:
+                found.append(("structured_outputs.grammar", _spec(lambda: structured.StructuredSpec("ebnf", so.grammar),
+                                                                  "structured_outputs.grammar")))
+            if so.json_object:
+                found.append(("structured_outputs.json_object", structured.StructuredSpec("json_object")))
+            if so.structural_tag is not None:
+                found.append(("structured_outputs.structural_tag",
+                              _spec(lambda: structured.StructuredSpec("structural_tag", so.structural_tag),
+                                    "structured_outputs.structural_tag")))
+        if self.guided_whitespace_pattern is not None:
+            raise APIError("guided_whitespace_pattern is not supported (JSON is generated compact)",
+                           param="guided_whitespace_pattern")
+        if self.guided_decoding_backend not in (None, "", "auto", "xgrammar"):
+            raise APIError(f"guided_decoding_backend {self.guided_decoding_backend[:64]!r} is not served (xgrammar only)",
+                           param="guided_decoding_backend")
+        if self.guided_json is not None:
+            found.append(("guided_json", _spec(lambda: structured.json_schema(self.guided_json), "guided_json")))
+        if self.guided_regex is not None:
+            found.append(("guided_regex", _spec(lambda: structured.StructuredSpec("regex", self.guided_regex),
+                                                "guided_regex")))
+        if self.guided_choice is not None:
+            found.append(("guided_choice", _spec(lambda: structured.choice(self.guided_choice), "guided_choice")))
+        if self.guided_grammar is not None:
+            found.append(("guided_grammar", _spec(lambda: structured.StructuredSpec("ebnf", self.guided_grammar),
+                                                  "guided_grammar")))
+        if len(found) > 1:
+            raise APIError(f"only one output constraint per request; got {', '.join(name for name, _ in found)}",
+                           param=found[1][0])
+        return found[0][1] if found else None
+
     def sampling_params(self, default_max_tokens: int, vocab_size: Optional[int] = None) -> SamplingParams:
         if self.best_of is not None and self.best_of < self.n:
             raise APIError(f"best_of ({self.best_of}) must be at least n ({self.n})", param="best_of")
@@ -168,6 +290,7 @@ class _Common(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=bias,
             min_tokens=self.min_tokens or 0,
+            structured=self.structured_spec(),
         )
         try:
             p.validate()

@@ -332,8 +332,30 @@ class OpenAIServing:
         body = await http.body()
         p: Prepared = await asyncio.to_thread(prepare, body, http.headers)
         if p.req.stream:
-            return StreamingResponse(self._stream(p), media_type="text/event-stream")
+            events = self._merged(p.seqs)
+            if any(seq.params.structured is not None for seq in p.seqs):
+                # The core compiles the grammar at admission: a refusal must be the response's
+                # status (400), so the headers wait for the first output (it comes with the first token).
+                events = await self._refusal_first(events)
+            return StreamingResponse(self._stream(p, events), media_type="text/event-stream")
         return await self._complete(p, http)
+
+    @staticmethod
+    async def _refusal_first(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """`outputs` again, after raising the error of a request the core refused (4xx) before
+        producing anything."""
+        first = await outputs.__anext__()
+        out = first[1]
+        if out.finished and out.finish_reason == "error" and 400 <= out.error_code < 500 and not out.token_ids:
+            await outputs.aclose()  # ends (aborts) the other prompts of the request too
+            raise _failure(out)
+
+        async def chained():
+            yield first
+            async for item in outputs:
+                yield item
+
+        return chained()
 
     async def _merged(self, seqs: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of several requests as they come, tagged with the request's index."""
@@ -433,9 +455,9 @@ class OpenAIServing:
         while not await http.is_disconnected():
             await asyncio.sleep(0.05)
 
-    async def _stream(self, p: Prepared) -> AsyncIterator[str]:
+    async def _stream(self, p: Prepared, events=None) -> AsyncIterator[str]:
         try:
-            async for event in self._stream_events(p):
+            async for event in self._stream_events(p, events):
                 yield event
         except asyncio.CancelledError:
             raise
@@ -444,7 +466,7 @@ class OpenAIServing:
             yield _sse(APIError(f"internal error: {e}", 500, "server_error").body())
             yield _sse("[DONE]")
 
-    async def _stream_events(self, p: Prepared) -> AsyncIterator[str]:
+    async def _stream_events(self, p: Prepared, events=None) -> AsyncIterator[str]:
         req, chat = p.req, p.chat
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -466,7 +488,7 @@ class OpenAIServing:
         # A choice's role chunk goes out with its first output, so a request that fails before
         # producing anything streams nothing but its error (the router can retry it).
         sent_role = [not chat] * len(p.seqs)
-        async for i, out in self._merged(p.seqs):
+        async for i, out in (events if events is not None else self._merged(p.seqs)):
             if out.finished and out.finish_reason in ("error", "abort"):
                 yield _sse(_failure(out).body())
                 yield _sse("[DONE]")

@@ -20,6 +20,14 @@ def test_a_request_round_trips_with_every_sampling_field():
     assert m.params_of(row) == params
 
 
+def test_a_structured_output_constraint_round_trips():
+    from dsv4_engine.structured.spec import StructuredSpec
+
+    params = SamplingParams(max_tokens=5, structured=StructuredSpec("json_schema", '{"type": "object"}'))
+    row = m.loads(m.dumps(m.add_msg(1, "r", [1], params, None, False, 0.0)))[4]
+    assert m.params_of(row) == params
+
+
 def test_an_output_round_trips_with_logprobs_and_errors():
     lp = [{"token_id": 3, "logprob": -0.25, "top": [[3, -0.25], [8, -1.5]]}]
     out = RequestOutput("r", [3], "é", True, "stop", None, 500, 4, 1, lp)
