@@ -47,9 +47,10 @@ def params_of(row: tuple) -> SamplingParams:
 
 
 def add_msg(key: int, rid: str, prompt_ids: list[int], params: SamplingParams, pd: Optional[tuple],
-            prefill_only: bool, arrival: float) -> tuple:
-    """pd: (bootstrap_host, bootstrap_port, room) for prefill/decode engines, else None."""
-    return (ADD, key, rid, prompt_ids, params_row(params), pd, prefill_only, arrival)
+            prefill_only: bool, arrival: float, output_ids: Optional[list[int]] = None) -> tuple:
+    """pd: (bootstrap_host, bootstrap_port, room) for prefill/decode engines, else None;
+    output_ids: the answer so far of a migrated request (the router's continuation)."""
+    return (ADD, key, rid, prompt_ids, params_row(params), pd, prefill_only, arrival, list(output_ids or ()))
 
 
 def output_row(key: int, out: RequestOutput) -> tuple:

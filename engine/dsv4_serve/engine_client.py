@@ -69,6 +69,9 @@ class EngineRequest:
     pd: Optional[tuple] = None  # (bootstrap_host, bootstrap_port, room) on prefill/decode engines
     prefill_only: bool = False
     arrival: float = field(default_factory=time.monotonic)
+    # A migrated request's answer so far (the router's continuation): the engine computes the
+    # prompt and these, and generates what follows, as if it had produced them itself.
+    output_ids: list[int] = field(default_factory=list)
 
 
 def _error_output(rid: str, message: str, code: int, prompt_tokens: int = 0) -> RequestOutput:
@@ -247,7 +250,8 @@ class EngineClient:
         finished = False
         try:
             try:
-                self._send(m.add_msg(key, req.rid, req.prompt_ids, req.params, req.pd, req.prefill_only, req.arrival))
+                self._send(m.add_msg(key, req.rid, req.prompt_ids, req.params, req.pd, req.prefill_only, req.arrival,
+                                     req.output_ids))
             except EngineGone:
                 finished = True
                 yield _error_output(req.rid, f"request failed: {self.dead}", 500, len(req.prompt_ids))

@@ -121,10 +121,12 @@ class CoreServer:
                     self.send((m.REPLY, call_id, True, m.plain(value)))
         return False
 
-    def _add(self, key: int, rid: str, prompt_ids: list, params: tuple, pd, prefill_only: bool, arrival: float) -> None:
+    def _add(self, key: int, rid: str, prompt_ids: list, params: tuple, pd, prefill_only: bool, arrival: float,
+             output_ids: list = ()) -> None:
         from dsv4_engine.sequence import Sequence
 
-        seq = Sequence(rid=rid, prompt_ids=prompt_ids, params=m.params_of(params), arrival=arrival)
+        seq = Sequence(rid=rid, prompt_ids=prompt_ids, params=m.params_of(params), arrival=arrival,
+                       output_ids=list(output_ids))
         if pd is not None:
             from dsv4_engine.pd import PDRequestInfo
 

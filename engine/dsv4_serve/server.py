@@ -191,8 +191,24 @@ class OpenAIServing:
                 code="context_length_exceeded")
         return params
 
+    def _continuation(self, req: _Common, params: SamplingParams, headers: Mapping[str, str]) -> list[int]:
+        """The answer so far of a request the router migrated here (empty for any other)."""
+        ids = req.continuation_token_ids
+        if not ids:
+            return []
+        if self.args.pd_secret and not token_matches(headers, self.args.pd_secret):
+            raise APIError("continuation_token_ids needs the PD secret: it is the router's, for migrated requests",
+                           401, "authentication_error", param="continuation_token_ids")
+        bad = [t for t in ids if not (0 <= t < self.vocab)]
+        if bad:
+            raise APIError(f"token id {bad[0]} is out of range [0, {self.vocab})", param="continuation_token_ids")
+        if len(ids) >= params.max_tokens:
+            raise APIError(f"continuation_token_ids holds {len(ids)} tokens: nothing is left of max_tokens "
+                           f"({params.max_tokens})", param="continuation_token_ids")
+        return list(ids)
+
     def _seq(self, req: _Common, ids: list[int], params: SamplingParams, rid: str, headers: Mapping[str, str]) -> EngineRequest:
-        seq = EngineRequest(rid=rid, prompt_ids=ids, params=params)
+        seq = EngineRequest(rid=rid, prompt_ids=ids, params=params, output_ids=self._continuation(req, params, headers))
         if self.args.role != "mono":
             from dsv4_engine.pd import bootstrap_target
 
@@ -206,6 +222,8 @@ class OpenAIServing:
         req = parse_request(CompletionRequest, body)
         self._check_model(req)
         prompts = self._prompts(req)
+        if len(prompts) > 1 and req.continuation_token_ids:
+            raise APIError("continuation_token_ids continues one prompt, not a list", param="continuation_token_ids")
         if len(prompts) > 1 and self.args.role != "mono":
             # One bootstrap room names one hand-off: several prompts would share it on both sides.
             raise APIError("a list of prompts is served by monolithic engines only; send one prompt per request "
@@ -235,7 +253,9 @@ class OpenAIServing:
 
     def _processor(self, seq: EngineRequest) -> OutputProcessor:
         # PD prefill shows no text (decode judges every stop): its outputs pass through.
-        return OutputProcessor(None if seq.prefill_only else self.tokenizer, seq.params)
+        processor = OutputProcessor(None if seq.prefill_only else self.tokenizer, seq.params)
+        processor.resume(seq.output_ids)
+        return processor
 
     async def serve(self, prepare, http: Request) -> Response:
         body = await http.body()
@@ -341,7 +361,9 @@ class OpenAIServing:
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         usage = [0, 0, 0]  # prompt, completion, cached prompt tokens
-        offsets = [0] * len(p.seqs)
+        # A continuation starts where the engine it left stopped: text offsets past its tokens
+        offsets = [sum(len(self.token_text(t)) for t in s.output_ids) if s.params.logprobs is not None else 0
+                   for s in p.seqs]
 
         def chunk(choices: list, usage_: Optional[dict] = None) -> dict:
             c = {"id": p.rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
@@ -349,7 +371,7 @@ class OpenAIServing:
                 c["usage"] = usage_
             return c
 
-        sent_role = not chat  # the role chunk goes out with the first output, so a request that
+        sent_role = not chat or bool(p.seqs[0].output_ids)  # a continuation's client has it; the role chunk goes out with the first output, so a request that
         # fails before producing anything streams nothing but its error (the router can retry it)
         async for i, out in self._merged(p.seqs):
             if out.finished and out.finish_reason in ("error", "abort"):
