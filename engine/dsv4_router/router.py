@@ -371,7 +371,7 @@ class Router:
                 try:
                     p, d = self._pair(tried, key)
                 except APIError as e:
-                    if reason is None or budget <= 0.25:
+                    if reason is None or budget <= 0.25 or a.migration_limit == 0:
                         return self.error(e, {"Retry-After": "2"}) if last is None else self._gave_up(st, last, False)
                     await asyncio.sleep(0.25)  # nothing healthy now: wait, within the bound, for one to come back
                     continue

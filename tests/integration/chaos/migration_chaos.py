@@ -53,6 +53,14 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict, chat: bool,
             if r.status != 200:
                 s.error = f"http {r.status}: {(await r.text())[:300]}"
                 return
+            if not body.get("stream"):
+                obj = await r.json()
+                s.ids.add(obj["id"])
+                s.usage, s.done, s.events = obj["usage"], True, 1
+                c = obj["choices"][0]
+                s.text = c["message"]["content"] if chat else c["text"]
+                s.finish = c["finish_reason"]
+                return
             buf = b""
             async for chunk in r.content.iter_any():
                 buf += chunk
@@ -91,7 +99,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict, chat: bool,
     return s
 
 
-def body_for(i: int, max_tokens: int, chat: bool = False, **extra) -> dict:
+def body_for(i: int, max_tokens: int, chat: bool = False, prompt_len: int = -1, **extra) -> dict:
     b = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
          "stream_options": {"include_usage": True}, **extra}
     if chat:
@@ -132,8 +140,8 @@ def mismatches(got: list[Stream], want: list[Stream], max_tokens: int) -> list[s
 class Cluster:
     """prefill + N decode engines (or N mono engines) + a router, real processes."""
 
-    def __init__(self, model: Path, tmp: Path, *, decodes: int = 2, mono: bool = False, secret: str = "mig-secret",
-                 engine_args=(), router_args=()):
+    def __init__(self, model: Path, tmp: Path, *, decodes: int = 2, prefills: int = 1, mono: bool = False,
+                 secret: str = "mig-secret", engine_args=(), router_args=(), decode_args=()):
         self.model, self.tmp, self.mono = Path(model), Path(tmp), mono
         self.env = {"DSV4_PD_SECRET": secret}
         self.engine_args = [*ENGINE_ARGS, *engine_args]
@@ -142,16 +150,16 @@ class Cluster:
         self.ports: dict[str, list] = {}
         self.router: Optional[Proc] = None
         try:
-            if not mono:
-                self._engine("prefill", "prefill", ["--bootstrap-port", free_port()])
+            for i in range(0 if mono else prefills):
+                self._engine("prefill" if i == 0 else f"prefill{i}", "prefill", ["--bootstrap-port", free_port()])
             for i in range(decodes):
-                self._engine(f"{'mono' if mono else 'decode'}{i}", "mono" if mono else "decode", [])
+                self._engine(f"{'mono' if mono else 'decode'}{i}", "mono" if mono else "decode", list(decode_args))
             for name, p in self.procs.items():
                 p.wait_ready(self.urls[name], timeout=180)
             self.r_url = f"http://127.0.0.1:{free_port()}"
             role_args = []
             for name, u in self.urls.items():
-                role_args += [f"--{'mono' if name.startswith('mono') else 'prefill' if name == 'prefill' else 'decode'}", u]
+                role_args += [f"--{'mono' if name.startswith('mono') else 'prefill' if name.startswith('prefill') else 'decode'}", u]
             self.router = Proc(["router", *role_args, "--port", self.r_url.rsplit(":", 1)[1], "--health-interval", 0.5,
                                 *router_args], self.tmp / "router.log", env=self.env)
             self.router.wait_ready(self.r_url, timeout=60)
@@ -161,11 +169,17 @@ class Cluster:
             raise
 
     def _engine(self, name: str, role: str, extra: list) -> None:
-        port = self.ports.setdefault(name, [free_port(), extra])[0]
-        extra = self.ports[name][1]
+        port, role, extra = self.ports.setdefault(name, [free_port(), role, extra])
         self.urls[name] = f"http://127.0.0.1:{port}"
         self.procs[name] = Proc(["serve", "--model", self.model, "--role", role, *self.engine_args, "--port", port, *extra],
                                 self.tmp / f"{name}-{time.monotonic_ns()}.log", env=self.env)
+
+    def restart(self, name: str, timeout: float = 120.0) -> None:
+        """The same engine again (same port and flags) after it died."""
+        self.procs[name].popen.wait(30)
+        self.procs[name].stop()
+        self._engine(name, "", [])
+        self.procs[name].wait_ready(self.urls[name], timeout=timeout)
 
     def engine_urls(self) -> list[str]:
         return list(self.urls.values())

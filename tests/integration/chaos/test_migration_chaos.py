@@ -63,3 +63,107 @@ def test_decode_sigkill_mid_stream_costs_no_client_an_error(cluster):
     assert not bad, "\n".join(bad[:5]) + "\n" + c.logs()
     assert _migrations(c) >= 1, c.metric("")
     wait_idle([c.urls["prefill"], c.urls["decode1"]])
+
+
+def _mixed(n: int) -> tuple[list[dict], list[dict]]:
+    """Completions: greedy, seeded sampling, and non-streamed; and greedy chat streams."""
+    comp = []
+    for i in range(n):
+        kind = i % 3
+        extra = {"temperature": 0.8, "seed": 1000 + i} if kind == 1 else {}
+        b = body_for(i, TOKENS, **extra)
+        if kind == 2:
+            b.pop("stream_options")
+            b["stream"] = False
+        comp.append(b)
+    chat = [body_for(i, TOKENS, chat=True) for i in range(n)]
+    return comp, chat
+
+
+def test_chat_seeded_and_unstreamed_requests_move_too(cluster):
+    c = cluster
+    comp, chat = _mixed(12)
+    want_c, want_chat = streams(c.r_url, comp), streams(c.r_url, chat, chat=True)
+    assert all(w.ok for w in want_c + want_chat)
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.update(chat=streams(c.r_url, chat, chat=True)))
+    t.start()
+    got_c = _disturbed(c, comp, lambda: (c.wait_running("decode1", 8), time.sleep(0.3), c.kill("decode1")))
+    t.join(180)
+    bad = mismatches(got_c, want_c, TOKENS) + mismatches(box["chat"], want_chat, TOKENS)
+    assert not bad, "\n".join(bad[:5]) + "\n" + c.logs()
+    assert _migrations(c) >= 1
+    wait_idle([c.urls["prefill"], c.urls["decode0"]])
+
+
+def test_sigterm_drain_past_its_grace_moves_the_rest(tiny_model, tmp_path):
+    """decode0 drains with 1 s of grace under streams that need longer: what is left when the
+    grace ends moves to decode1, and decode0 exits 0."""
+    c = Cluster(tiny_model, tmp_path, decodes=2, decode_args=["--shutdown-grace", 1])
+    try:
+        bodies = [body_for(i, TOKENS * 2) for i in range(STREAMS)]
+        want = streams(c.r_url, bodies)
+        assert all(w.ok for w in want)
+
+        def term():
+            c.wait_running("decode0", 6)
+            time.sleep(0.3)
+            c.kill("decode0", signal.SIGTERM)
+
+        got = _disturbed(c, bodies, term)
+        bad = mismatches(got, want, TOKENS * 2)
+        assert not bad, "\n".join(bad[:5]) + "\n" + c.logs()
+        assert c.procs["decode0"].popen.wait(30) == 0
+        assert "engine_error" in c.metric("")  # moved on the engine's own "shutting down" event
+        wait_idle([c.urls["prefill"], c.urls["decode1"]])
+    finally:
+        c.stop()
+
+
+def test_prefill_sigkill_mid_transfer(tiny_model, tmp_path):
+    """prefill0 dies while requests are being prefilled or handed over: they go through prefill1."""
+    c = Cluster(tiny_model, tmp_path, decodes=1, prefills=2)
+    try:
+        bodies = [body_for(i, 32, prompt_len=0) for i in range(STREAMS)]
+        for i, b in enumerate(bodies):  # longer prompts: prefill takes a while
+            b["prompt"] = [(11 * i + j) % 400 + 3 for j in range(200 + i)]
+        want = streams(c.r_url, bodies)
+        assert all(w.ok for w in want)
+
+        def kill():
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                ld = httpx.get(f"{c.urls['prefill']}/v1/loads", timeout=5).json()["queues"]
+                if sum(ld.values()) >= 2:
+                    break
+                time.sleep(0.01)
+            c.kill("prefill")
+
+        got = _disturbed(c, bodies, kill)
+        bad = mismatches(got, want, 32)
+        assert not bad, "\n".join(bad[:5]) + "\n" + c.logs()
+        wait_idle([c.urls["prefill1"], c.urls["decode0"]])
+    finally:
+        c.stop()
+
+
+def test_lone_decode_killed_and_restarted_takes_its_streams_back(tiny_model, tmp_path):
+    """No other decode engine: the streams wait (within --migration-timeout) for the killed one
+    to come back, then continue on it."""
+    c = Cluster(tiny_model, tmp_path, decodes=1)
+    try:
+        bodies = [body_for(i, TOKENS) for i in range(STREAMS)]
+        want = streams(c.r_url, bodies)
+
+        def kill_and_restart():
+            c.wait_running("decode0", 6)
+            time.sleep(0.3)
+            c.kill("decode0")
+            c.restart("decode0")
+
+        got = _disturbed(c, bodies, kill_and_restart)
+        bad = mismatches(got, want, TOKENS)
+        assert not bad, "\n".join(bad[:5]) + "\n" + c.logs()
+        wait_idle([c.urls["prefill"], c.urls["decode0"]])
+    finally:
+        c.stop()
