@@ -228,3 +228,40 @@ def wait_idle(urls: list[str], timeout: float = 30.0) -> None:
             pass
         time.sleep(0.1)
     raise TimeoutError(f"engines not idle after {timeout}s: {[httpx.get(u + '/v1/loads').json() for u in urls]}")
+
+
+class LocalUp:
+    """`dsv4 up` as a real process (router, engines, supervisor and watchdog)."""
+
+    def __init__(self, model: Path, tmp: Path, *args):
+        from dsv4_testutil import free_port_block
+
+        self.port = free_port_block()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.state = tmp / "cache" / "up" / str(self.port)
+        self.proc = Proc(["up", "--model", model, "--port", self.port, "--evidence-dir", tmp / "evidence",
+                          "--engine-arg=--kv-pages=512", "--engine-arg=--page-size=16", *args], tmp / "up.log",
+                         env={"DSV4_CACHE": str(tmp / "cache"), "COLUMNS": "200"})
+        try:
+            self.proc.wait_ready(self.url, timeout=180)
+            deadline = time.monotonic() + 60
+            while "admin token:" not in self.proc.log():  # printed once every engine is ready
+                if time.monotonic() > deadline:
+                    raise TimeoutError(self.proc.log())
+                time.sleep(0.2)
+        except BaseException:
+            self.proc.stop()
+            raise
+
+    @property
+    def admin(self) -> dict:
+        return {"Authorization": f"Bearer {(self.state / 'admin-token').read_text().strip()}"}
+
+    def processes(self) -> dict:
+        return json.loads((self.state / "processes.json").read_text())
+
+    def engine_url(self, key: str) -> str:
+        return f"http://127.0.0.1:{self.processes()[key]['port']}"
+
+    def stop(self) -> None:
+        self.proc.stop()

@@ -167,3 +167,40 @@ def test_lone_decode_killed_and_restarted_takes_its_streams_back(tiny_model, tmp
         wait_idle([c.urls["prefill"], c.urls["decode0"]])
     finally:
         c.stop()
+
+
+def test_watchdog_remediating_a_wedge_costs_no_client_an_error(tiny_model, tmp_path):
+    """`dsv4 up --prefill 2` without PD deadlines: one KV transfer of prefill-0 stalls for good
+    (the production wedge). The watchdog captures, drains, aborts and restarts prefill-0; the
+    wedged request and whatever else prefill-0 held move to prefill-1, and every client gets
+    its whole, undisturbed answer."""
+    from migration_chaos import LocalUp
+
+    up = LocalUp(tiny_model, tmp_path, "--prefill", 2, "--enable-fault-injection", "--no-deadlines",
+                 "--detection-window", 3, "--scrape-interval", 0.5)
+    try:
+        bodies = [body_for(i, TOKENS) for i in range(STREAMS)]
+        want = streams(up.url, bodies)
+        assert all(w.ok for w in want), [w.error for w in want if not w.ok]
+        p0 = up.engine_url("prefill-0")
+        old_boot = httpx.get(f"{p0}/server_info").json()["boot_id"]
+        httpx.post(f"{p0}/admin/faults", json={"fault": "stall_transfer", "count": 1}, headers=up.admin).raise_for_status()
+        got = streams(up.url, bodies, deadline_s=120)
+        bad = mismatches(got, want, TOKENS)
+        log = up.proc.log()
+        assert not bad, "\n".join(bad[:5]) + "\n" + log
+        for event in ("WedgeDetected prefill-0", "Drained prefill-0", "Aborted prefill-0", "Restarted prefill-0"):
+            assert event in log, log
+        assert "dsv4:router_migrations_total" in httpx.get(f"{up.url}/metrics").text
+        deadline = time.monotonic() + 60
+        while True:  # the restarted prefill is back in rotation, and every engine is idle
+            try:
+                if httpx.get(f"{p0}/server_info").json()["boot_id"] != old_boot:
+                    wait_idle([up.engine_url(k) for k in ("prefill-0", "prefill-1", "decode-0")])
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, up.proc.log()
+            time.sleep(0.5)
+    finally:
+        up.stop()
