@@ -204,3 +204,27 @@ def test_watchdog_remediating_a_wedge_costs_no_client_an_error(tiny_model, tmp_p
             time.sleep(0.5)
     finally:
         up.stop()
+
+
+def test_v4_decode_sigkill_mid_stream(make_model, tmp_path):
+    """The same on DeepSeek-V4 (v4-tiny): the new decode receives prompt + continuation with
+    every V4 state (window ring, compressors, indexer) from the prefill that recomputes them."""
+    c = Cluster(make_model("v4-tiny"), tmp_path, decodes=2)
+    try:
+        n, tokens = 12, 48
+        bodies = [body_for(i, tokens) for i in range(n)]
+        want = streams(c.r_url, bodies)
+        assert all(w.ok for w in want)
+
+        def kill():
+            c.wait_running("decode0", 3)
+            time.sleep(0.3)
+            c.kill("decode0")
+
+        got = _disturbed(c, bodies, kill)
+        bad = mismatches(got, want, tokens)
+        assert not bad, "\n".join(bad[:5]) + "\n" + c.logs()
+        assert _migrations(c) >= 1
+        wait_idle([c.urls["prefill"], c.urls["decode1"]])
+    finally:
+        c.stop()
