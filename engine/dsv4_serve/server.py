@@ -83,8 +83,9 @@ class ServerArgs(EngineArgs):
 def _usage(prompt: int, completion: int, cached: int = 0) -> dict:
     """OpenAI usage; `cached`: prompt tokens the prefix cache served (OpenAI's and vLLM's
     prompt_tokens_details.cached_tokens)."""
+    # min: a continuation (migration) may find part of its earlier answer cached too
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": min(cached, prompt)}}
 
 
 def _sse(obj: dict | str) -> str:
