@@ -366,7 +366,8 @@ class Router:
                 if reason is not None:
                     t_break = t_break or time.monotonic()
                     budget = a.migration_timeout - st.placing_s - (time.monotonic() - t_break)
-                    if st.resends >= allowed_resends(a.migration_limit, st.started) or budget <= 0:
+                    if (reason != UNREACHABLE and st.resends >= allowed_resends(a.migration_limit, st.started)) \
+                            or budget <= 0:
                         return self._gave_up(st, last, budget <= 0)
                 try:
                     p, d = self._pair(tried, key)
@@ -378,6 +379,7 @@ class Router:
                 tried.update({d.url} | ({p.url} if p else set()))
                 if reason is not None:
                     st.reasons.append(f"{reason} after {len(st.tokens)} token(s)")
+                    st.resends += reason != UNREACHABLE  # an engine that was never reached costs only time
                     self.metrics.migrations.labels(reason).inc()
                     if not st.started:
                         self.metrics.retries.inc()
@@ -390,8 +392,6 @@ class Router:
                 last = result
                 if result.reason == UNREACHABLE:
                     tried.discard(d.url)  # out of rotation now; welcome back once /ready passes
-                else:
-                    st.resends += 1
                 reason = result.reason
         except asyncio.TimeoutError:
             return self._gave_up(st, last, True)

@@ -12,10 +12,11 @@ from dsv4_serve import core_messages as m
 def test_a_request_round_trips_with_every_sampling_field():
     params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, seed=-(2**63), stop=["\n\n", "x"],
                             stop_token_ids=[4, 5], ignore_eos=True, logprobs=2)
-    msg = m.loads(m.dumps(m.add_msg(9, "cmpl-1", [1, 2, 3], params, ("10.0.0.1", 9100, 2**63 - 1), True, 12.5)))
-    kind, key, rid, ids, row, pd, prefill_only, arrival = msg
+    msg = m.loads(m.dumps(m.add_msg(9, "cmpl-1", [1, 2, 3], params, ("10.0.0.1", 9100, 2**63 - 1), True, 12.5, [7, 8])))
+    kind, key, rid, ids, row, pd, prefill_only, arrival, output_ids = msg
     assert (kind, key, rid, ids, pd, prefill_only, arrival) == (m.ADD, 9, "cmpl-1", [1, 2, 3], ("10.0.0.1", 9100, 2**63 - 1), True, 12.5)
     assert m.params_of(row) == params
+    assert output_ids == [7, 8]  # a migrated request's answer so far
 
 
 def test_an_output_round_trips_with_logprobs_and_errors():
