@@ -136,6 +136,8 @@ def serve(
     transfer_checksum: bool = typer.Option(False, EngineFlags.TRANSFER_CHECKSUM,
                                            help="PD: checksum every KV/state region of a hand-off; decode verifies "
                                                 "what landed and fails the request on a mismatch."),
+    otlp_traces_endpoint: Optional[str] = typer.Option(None, help="Export OpenTelemetry traces (OTLP/HTTP) to this URL, "
+                                                       "e.g. http://collector:4318 (off by default)."),
 ) -> None:
     """Run one engine (monolithic, prefill or decode) with the OpenAI-compatible HTTP API."""
     if role not in ("mono", "prefill", "decode"):
@@ -165,7 +167,7 @@ def serve(
             waiting_timeout=waiting_timeout, deadlines=not no_deadlines,
             enable_fault_injection=enable_fault_injection, admin_token=admin_token, pd_secret=pd_secret, seed=seed,
             max_request_bytes=max_request_bytes, shutdown_grace=shutdown_grace, transfer_checksum=transfer_checksum,
-            enable_prefix_cache=not disable_prefix_cache, tp_size=tp_size,
+            enable_prefix_cache=not disable_prefix_cache, tp_size=tp_size, otlp_traces_endpoint=otlp_traces_endpoint,
         ),
         spawned,
     )
@@ -193,6 +195,8 @@ def router(
                                         "(with its answer so far) to another engine; 0: off."),
     migration_timeout: float = typer.Option(60.0, min=0.1, help="Seconds a request may spend, in all, being moved to "
                                             "another engine (waiting for one to be healthy included)."),
+    otlp_traces_endpoint: Optional[str] = typer.Option(None, help="Export OpenTelemetry traces (OTLP/HTTP) to this URL, "
+                                                       "e.g. http://collector:4318 (off by default)."),
 ) -> None:
     """Run the PD router: OpenAI API front, pairs prefill + decode per request.
 
@@ -211,6 +215,7 @@ def router(
             max_inflight=max_inflight, max_queue=max_queue, queue_timeout=queue_timeout,
             max_body_bytes=max_body_bytes, health_timeout=health_timeout, request_timeout=request_timeout,
             migration_limit=migration_limit, migration_timeout=migration_timeout,
+            otlp_traces_endpoint=otlp_traces_endpoint,
         )
     )
 

@@ -57,6 +57,8 @@ class Resume:
     placing_s: float = 0.0  # time spent re-placing (from a break to the next first event)
     t0: float = field(default_factory=time.monotonic)
     leg: Any = None  # the router's current engine leg (closed when the client leaves)
+    span: Any = None  # the router.request span (tracing on)
+    trace_in: dict = field(default_factory=dict)  # the client's traceparent/tracestate
 
     @property
     def started(self) -> bool:

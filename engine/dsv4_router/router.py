@@ -47,6 +47,8 @@ from dsv4_router.body import parse_body, read_limited
 from dsv4_router.migration import BROKEN, REFUSED, TRUNCATED, UNREACHABLE, Resume, allowed_resends
 from dsv4_router.relay import RelayResponse, error_events, first_event_error, split_events, sse
 from dsv4_router.upstream import BROKEN_CONNECTIONS, CONNECTION_FAILURES, Upstreams
+from dsv4_serve import tracing
+from dsv4_serve.tracing import TRACE_HEADERS, Tracing
 from dsv4_wire import APIError, Paths, admin_refusal
 
 log = logging.getLogger("dsv4.router")
@@ -75,6 +77,7 @@ class RouterArgs:
     max_body_bytes: int = 16 * 1024 * 1024
     migration_limit: int = 3  # re-sends of a request whose engine failed it (see migration.py)
     migration_timeout: float = 60.0  # seconds a request may spend being re-placed, in all
+    otlp_traces_endpoint: Optional[str] = None  # OpenTelemetry export (off when None)
 
 
 @dataclass
@@ -187,6 +190,7 @@ class Router:
         self.metrics.inflight.set_function(lambda: self.admission.inflight)
         self.metrics.queued.set_function(lambda: self.admission.queued)
         self.up: Optional[Upstreams] = None
+        self.tracing = Tracing(args.otlp_traces_endpoint, "dsv4-router")
         self._tasks: list[asyncio.Task] = []
         self._checking: dict[str, asyncio.Task] = {}
 
@@ -204,6 +208,7 @@ class Router:
             t.cancel()
         if self.up:
             await self.up.aclose()
+        self.tracing.shutdown()
 
     # ---- health ----------------------------------------------------------------------------------
 
@@ -282,10 +287,11 @@ class Router:
             return Response(status_code=499)
         for k in ROUTER_FIELDS:
             body.pop(k, None)
+        trace_in = {k: http.headers[k] for k in TRACE_HEADERS if k in http.headers}
         # A client that hangs up (queued or not) cancels the work: closing the upstream
         # connections is what makes the engines abort (and, through them, the PD peer).
         slot = Slot(self.admission)
-        work = asyncio.ensure_future(self._admitted(path, body, slot))
+        work = asyncio.ensure_future(self._admitted(path, body, slot, trace_in))
         gone = asyncio.ensure_future(self._wait_disconnect(http))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -312,35 +318,42 @@ class Router:
         while (await http.receive())["type"] != "http.disconnect":
             pass
 
-    async def _admitted(self, path: str, body: dict, slot: Slot) -> Response:
+    async def _admitted(self, path: str, body: dict, slot: Slot, trace_in: Optional[dict] = None) -> Response:
         try:
             await slot.acquire()
         except Overloaded as e:
             self.metrics.rejected.inc()
             return self.error(APIError(e.reason, 429, "rate_limit_exceeded", code="router_overloaded"),
                               {"Retry-After": str(e.retry_after)})
-        return await self._route(path, body, slot)
+        return await self._route(path, body, slot, trace_in or {})
 
-    async def _route(self, path: str, body: dict, slot: Slot) -> Response:
+    async def _route(self, path: str, body: dict, slot: Slot, trace_in: dict) -> Response:
         rid = body.get("rid") if isinstance(body.get("rid"), str) else None
         rid = rid or f"{'chatcmpl' if 'chat' in path else 'cmpl'}-{uuid.uuid4().hex}"
         st = Resume(rid, body, stream=bool(body.get("stream")), client_wants_ids=body.get("return_token_ids") is True)
+        st.trace_in = trace_in
+        st.span = self.tracing.start("router.request", headers=trace_in, kind="server",
+                                     attributes={"dsv4.rid": rid, "http.route": path, "dsv4.stream": st.stream})
         key = self.keys.key(path, body)
-        placed = await self._place(path, st, key)
-        if not isinstance(placed, Leg):
-            self._log_moves(st)
-            return placed
-        if st.stream:
-            return RelayResponse(self._relay(path, st, placed, key), on_close=lambda: self._stream_closed(st, slot))
+        handed_off = False
         try:
-            content = await placed.resp.aread()
-        except httpx.HTTPError as e:  # the body of a non-streaming answer broke off
-            self._connection_failed(placed.d, e)
-            return self.error(APIError(f"the decode engine's answer broke off: {type(e).__name__}", 502, "server_error"))
+            placed = await self._place(path, st, key)
+            if not isinstance(placed, Leg):
+                return placed
+            if st.stream:
+                handed_off = True
+                return RelayResponse(self._relay(path, st, placed, key), on_close=lambda: self._stream_closed(st, slot))
+            try:
+                content = await placed.resp.aread()
+            except httpx.HTTPError as e:  # the body of a non-streaming answer broke off
+                self._connection_failed(placed.d, e)
+                return self.error(APIError(f"the decode engine's answer broke off: {type(e).__name__}", 502, "server_error"))
+            finally:
+                await placed.close()
+            return Response(_with_id(content, st.rid), 200, media_type="application/json")
         finally:
-            await placed.close()
-            self._log_moves(st)
-        return Response(_with_id(content, st.rid), 200, media_type="application/json")
+            if not handed_off:
+                self._log_moves(st)
 
     def error(self, e: APIError, headers: Optional[dict] = None) -> JSONResponse:
         self.metrics.errors.labels(str(e.status)).inc()
@@ -378,6 +391,7 @@ class Router:
                     continue
                 tried.update({d.url} | ({p.url} if p else set()))
                 if reason is not None:
+                    tracing.event(st.span, "migration", reason=reason, tokens_carried=len(st.tokens), attempt=st.attempts)
                     st.reasons.append(f"{reason} after {len(st.tokens)} token(s)")
                     st.resends += reason != UNREACHABLE  # an engine that was never reached costs only time
                     self.metrics.migrations.labels(reason).inc()
@@ -385,10 +399,20 @@ class Router:
                         self.metrics.retries.inc()
                 body = st.attempt_body()
                 st.attempts += 1
-                opening = self._open(path, body, p, d)
-                result = await (opening if reason is None else asyncio.wait_for(opening, max(budget, 0.01)))
+                span = self.tracing.start("router.attempt", parent=st.span, attributes={
+                    "dsv4.attempt": st.attempts, "dsv4.decode": d.url, "dsv4.prefill": p.url if p else None,
+                    "dsv4.migration_reason": reason, "dsv4.continuation_tokens": len(st.tokens)})
+                opening = self._open(path, body, p, d, span, st.trace_in)
+                try:
+                    result = await (opening if reason is None else asyncio.wait_for(opening, max(budget, 0.01)))
+                except BaseException as e:
+                    tracing.end(span, error=type(e).__name__)
+                    raise
                 if not isinstance(result, Retry):
+                    if not isinstance(result, Leg):
+                        tracing.end(span, error=f"answered {result.status_code}")
                     return result
+                tracing.end(span, error=f"failed: {result.reason} ({result.status})")
                 last = result
                 if result.reason == UNREACHABLE:
                     tried.discard(d.url)  # out of rotation now; welcome back once /ready passes
@@ -409,21 +433,24 @@ class Router:
                                    "service_unavailable"), {"Retry-After": "2"})
 
     def _log_moves(self, st: Resume) -> None:
+        tracing.end(st.span, migrations=len(st.reasons), completion_tokens_relayed=len(st.tokens) if st.stream else None)
+        st.span = None
         if st.reasons:
             log.info("request %s: migrations=%d (%s), %.2fs re-placing", st.rid, len(st.reasons), "; ".join(st.reasons),
                      st.placing_s)
 
-    async def _open(self, path: str, body: dict, p: Optional[Worker], d: Worker) -> "Leg | Response | Retry":
+    async def _open(self, path: str, body: dict, p: Optional[Worker], d: Worker, span=None,
+                    trace_in: Optional[dict] = None) -> "Leg | Response | Retry":
         """One send to one pair, up to the decode's first event: a Leg on its way, a final
         answer (4xx), or a Retry (failed before any output)."""
         prefill: Optional[asyncio.Task] = None
         if p is not None:
             body.update(bootstrap_host=p.host, bootstrap_port=p.bootstrap_port, bootstrap_room=random.getrandbits(63))
             leg = {k: v for k, v in body.items() if k != "stream_options"}  # stream_options needs stream
-            prefill = asyncio.create_task(self._prefill(path, dict(leg, stream=False), p))
+            prefill = asyncio.create_task(self._prefill(path, dict(leg, stream=False), p, span, trace_in))
         d.inflight += 1
         self.metrics.worker_requests.labels(d.url, d.role).inc()
-        opening = asyncio.create_task(self._open_decode(path, body, d))
+        opening = asyncio.create_task(self._open_decode(path, body, d, self.tracing.headers(span, trace_in)))
         handed_off = False
         try:
             if prefill is not None:
@@ -444,7 +471,7 @@ class Router:
                 return opened
             resp, chunks, first = opened
             handed_off = True
-            return Leg(d, prefill, resp, chunks, first)
+            return Leg(d, prefill, resp, chunks, first, span=span)
         finally:
             if not opening.done():
                 opening.cancel()  # it closes its response itself
@@ -456,12 +483,14 @@ class Router:
                 if prefill is not None and not prefill.done():
                     prefill.cancel()  # closing the connection aborts the request on prefill
 
-    async def _open_decode(self, path: str, body: dict, d: Worker) -> "tuple[httpx.Response, AsyncIterator[bytes], bytes] | Response | Retry":
+    async def _open_decode(self, path: str, body: dict, d: Worker, headers: Optional[dict] = None
+                           ) -> "tuple[httpx.Response, AsyncIterator[bytes], bytes] | Response | Retry":
         """Send to decode and read up to its first event: (response, its byte stream, first
         bytes) when it is on its way, else the final answer or a Retry."""
         client = self.up.decode
         try:
-            resp = await client.send(client.build_request("POST", f"{d.url}{path}", json=body), stream=True)
+            resp = await client.send(client.build_request("POST", f"{d.url}{path}", json=body, headers=headers),
+                                     stream=True)
         except httpx.HTTPError as e:
             self._connection_failed(d, e)
             return Retry(502, b"", UNREACHABLE if isinstance(e, CONNECTION_FAILURES) else BROKEN)
@@ -495,18 +524,26 @@ class Router:
             await resp.aclose()
             raise
 
-    async def _prefill(self, path: str, body: dict, p: Worker) -> tuple[int, bytes]:
+    async def _prefill(self, path: str, body: dict, p: Worker, parent=None, trace_in: Optional[dict] = None) -> tuple[int, bytes]:
         """The prefill leg; (0, b"") when the prefill engine could not be reached."""
         p.inflight += 1
         self.metrics.worker_requests.labels(p.url, p.role).inc()
+        span = self.tracing.start("router.prefill_leg", parent=parent, attributes={"dsv4.prefill": p.url})
+        error = None
         try:
-            r = await self.up.prefill.post(f"{p.url}{path}", json=body)
+            r = await self.up.prefill.post(f"{p.url}{path}", json=body, headers=self.tracing.headers(span, trace_in))
+            error = f"answered {r.status_code}" if r.status_code >= 400 else None
             return r.status_code, r.content
         except httpx.HTTPError as e:
+            error = type(e).__name__
             self._connection_failed(p, e)
             return (0, b"") if isinstance(e, CONNECTION_FAILURES) else (502, b"")
+        except BaseException:
+            error = "cancelled"
+            raise
         finally:
             p.inflight -= 1
+            tracing.end(span, error=error)
 
     async def _relay(self, path: str, st: Resume, leg: "Leg", key: Optional[str]) -> AsyncIterator[bytes]:
         """The client's stream, across every engine the request visits. Whole events only: a
@@ -566,11 +603,13 @@ class Leg:
     chunks: Optional[AsyncIterator[bytes]]
     first: bytes
     closed: bool = False
+    span: object = None  # its router.attempt span (tracing on)
 
     async def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        tracing.end(self.span)
         self.d.inflight -= 1
         if self.prefill is not None and not self.prefill.done():
             self.prefill.cancel()

@@ -46,6 +46,8 @@ from dsv4_serve.engine_client import EngineClient, EngineGone, EngineRefused, En
 from dsv4_serve.gate import DEFAULT_MAX_REQUEST_BYTES, Gate, Lifecycle
 from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completion_logprobs, next_offset, text_of_bytes
 from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest, _Common, parse_request
+from dsv4_serve import tracing
+from dsv4_serve.tracing import Tracing
 from dsv4_wire import APIError, Paths, token_matches
 
 if TYPE_CHECKING:
@@ -75,6 +77,7 @@ class ServerArgs(EngineArgs):
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     shutdown_grace: float = 30.0  # seconds running requests get to finish after SIGTERM
     transfer_checksum: bool = False  # PD: checksum every state region of a hand-off (decode verifies)
+    otlp_traces_endpoint: Optional[str] = None  # OpenTelemetry export (off when None)
 
     def engine_args(self) -> EngineArgs:
         return EngineArgs(**{f.name: getattr(self, f.name) for f in fields(EngineArgs)})
@@ -106,6 +109,7 @@ class Prepared:
     seqs: list[EngineRequest]
     rid: str
     chat: bool
+    span: object = None  # this engine's span of the request (tracing on)
 
 
 class OpenAIServing:
@@ -114,6 +118,7 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.lifecycle = lifecycle or Lifecycle()
         self.args = args
+        self.tracing = Tracing(args.otlp_traces_endpoint, f"dsv4-{args.role}")
         self.model_name = args.served_model_name
         self.vocab = client.vocab_size
         self.max_model_len = client.max_model_len
@@ -261,14 +266,45 @@ class OpenAIServing:
     async def serve(self, prepare, http: Request) -> Response:
         body = await http.body()
         p: Prepared = await asyncio.to_thread(prepare, body, http.headers)
+        p.span = self.tracing.start("engine.request", headers=http.headers, kind="server", attributes={
+            "dsv4.role": self.args.role, "dsv4.rid": p.rid, "dsv4.prompt_tokens": len(p.seqs[0].prompt_ids),
+            "dsv4.continuation_tokens": len(p.seqs[0].output_ids) or None})
         if p.req.stream:
             return StreamingResponse(self._stream(p), media_type="text/event-stream")
-        return await self._complete(p, http)
+        try:
+            return await self._complete(p, http)
+        finally:
+            tracing.end(p.span)
 
-    async def _merged(self, seqs: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    # The phases of a request on this engine, as child spans: up to its first token, then on.
+    FIRST_PHASE = {"mono": "engine.prefill", "prefill": "engine.prefill_and_transfer", "decode": "engine.transfer"}
+
+    async def _traced(self, outs: AsyncIterator[RequestOutput], parent) -> AsyncIterator[RequestOutput]:
+        if parent is None:
+            async for out in outs:
+                yield out
+            return
+        phase = self.tracing.start(self.FIRST_PHASE[self.args.role], parent=parent)
+        first = True
+        try:
+            async for out in outs:
+                if first and (out.token_ids or out.finished):
+                    first = False
+                    tracing.end(phase, error=out.error if out.finished and out.finish_reason in ("error", "abort") else None)
+                    phase = self.tracing.start("engine.decode", parent=parent) if not out.finished else None
+                if out.finished:
+                    tracing.end(phase, error=out.error if out.finish_reason in ("error", "abort") else None,
+                                completion_tokens=out.completion_tokens)
+                    phase = None
+                yield out
+        finally:
+            tracing.end(phase, error="ended early")
+
+    async def _merged(self, seqs: list[EngineRequest], span=None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of several requests as they come, tagged with the request's index."""
         if len(seqs) == 1:
-            async for out in self.client.generate(seqs[0], self.lifecycle.closed, self._processor(seqs[0])):
+            outs = self.client.generate(seqs[0], self.lifecycle.closed, self._processor(seqs[0]))
+            async for out in self._traced(outs, span):
                 yield 0, out
             return
         q: asyncio.Queue = asyncio.Queue()
@@ -288,10 +324,10 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()
 
-    async def _collect(self, seqs: list[EngineRequest]) -> list[dict]:
+    async def _collect(self, seqs: list[EngineRequest], span=None) -> list[dict]:
         results = [{"text": "", "token_ids": [], "logprobs": [], "finish_reason": None, "prompt": 0, "completion": 0,
                     "cached": 0} for _ in seqs]
-        async for i, out in self._merged(seqs):
+        async for i, out in self._merged(seqs, span):
             r = results[i]
             r["text"] += out.text
             r["token_ids"] += out.token_ids
@@ -305,7 +341,7 @@ class OpenAIServing:
 
     async def _complete(self, p: Prepared, http: Request) -> Response:
         req, seqs, chat = p.req, p.seqs, p.chat
-        work = asyncio.ensure_future(self._collect(seqs))
+        work = asyncio.ensure_future(self._collect(seqs, p.span))
         gone = asyncio.ensure_future(self._wait_disconnect(http))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -355,6 +391,8 @@ class OpenAIServing:
             log.error("stream %s failed:\n%s", p.rid, traceback.format_exc())
             yield _sse(APIError(f"internal error: {e}", 500, "server_error").body())
             yield _sse("[DONE]")
+        finally:
+            tracing.end(p.span)
 
     async def _stream_events(self, p: Prepared) -> AsyncIterator[str]:
         req, chat = p.req, p.chat
@@ -374,7 +412,7 @@ class OpenAIServing:
 
         sent_role = not chat or bool(p.seqs[0].output_ids)  # a continuation's client has it; the role chunk goes out with the first output, so a request that
         # fails before producing anything streams nothing but its error (the router can retry it)
-        async for i, out in self._merged(p.seqs):
+        async for i, out in self._merged(p.seqs, p.span):
             if out.finished and out.finish_reason in ("error", "abort"):
                 yield _sse(_failure(out).body())
                 yield _sse("[DONE]")
