@@ -336,7 +336,9 @@ class LocalDeployment:
     def write_processes(self) -> None:
         """processes.json: each process's PID, restarts and log, for people and tests."""
         doc = {p.key: p.to_dict() for p in [*self.engines.values(), self.router]}
-        (self.state_dir / "processes.json").write_text(json.dumps(doc, indent=1))
+        tmp = self.state_dir / "processes.json.tmp"
+        tmp.write_text(json.dumps(doc, indent=1))
+        tmp.replace(self.state_dir / "processes.json")  # whole or not at all: readers poll it during restarts
 
     async def _ready(self, client: httpx.AsyncClient, eng: EngineProc) -> bool:
         if not eng.running:
