@@ -169,6 +169,7 @@ def test_lone_decode_killed_and_restarted_takes_its_streams_back(tiny_model, tmp
         c.stop()
 
 
+@pytest.mark.slow  # ~85 s: dsv4 up boots five engines on 2 shared cores
 def test_watchdog_remediating_a_wedge_costs_no_client_an_error(tiny_model, tmp_path):
     """`dsv4 up --prefill 2` without PD deadlines: one KV transfer of prefill-0 stalls for good
     (the production wedge). The watchdog captures, drains, aborts and restarts prefill-0; the
