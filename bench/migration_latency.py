@@ -163,7 +163,7 @@ def plot(results: dict, path: Path) -> None:
         ax.bar([x + off for x in xs], p50, 0.35, label=f"{label} p50")
     ax.set_xticks(list(xs), [f"{lv} ({results['levels'][lv]['migrated_share']:.0%} migrated)" for lv in levels])
     ax.set_ylabel("longest pause - median pause (s)")
-    ax.set_title(f"Added latency per migration (tiny model, {results['tokens']}-token greedy streams, 2 decodes)")
+    ax.set_title(f"Added latency per migration\n(tiny model, {results['tokens']}-token greedy streams, 2 decode engines)", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
