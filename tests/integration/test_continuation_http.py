@@ -52,7 +52,7 @@ def test_a_continuation_goes_on_as_the_undisturbed_request(server, fields, k):
             **fields}
     full_evs, full_text, full_ids = stream(server, "/v1/completions", body)
     # what the client had when the first engine stopped: the events carrying the first k tokens
-    seen_text, seen_ids, seen_offsets = "", [], []
+    seen_text, seen_ids = "", []
     for e in full_evs:
         if len(seen_ids) >= k:
             break
