@@ -99,7 +99,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict, chat: bool,
     return s
 
 
-def body_for(i: int, max_tokens: int, chat: bool = False, prompt_len: int = -1, **extra) -> dict:
+def body_for(i: int, max_tokens: int, chat: bool = False, **extra) -> dict:
     b = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
          "stream_options": {"include_usage": True}, **extra}
     if chat:

@@ -124,7 +124,7 @@ def test_prefill_sigkill_mid_transfer(tiny_model, tmp_path):
     """prefill0 dies while requests are being prefilled or handed over: they go through prefill1."""
     c = Cluster(tiny_model, tmp_path, decodes=1, prefills=2)
     try:
-        bodies = [body_for(i, 32, prompt_len=0) for i in range(STREAMS)]
+        bodies = [body_for(i, 32) for i in range(STREAMS)]
         for i, b in enumerate(bodies):  # longer prompts: prefill takes a while
             b["prompt"] = [(11 * i + j) % 400 + 3 for j in range(200 + i)]
         want = streams(c.r_url, bodies)
