@@ -385,8 +385,10 @@ class Router:
                 try:
                     p, d = self._pair(tried, key)
                 except APIError as e:
-                    if reason is None or budget <= 0.25 or a.migration_limit == 0:
-                        return self.error(e, {"Retry-After": "2"}) if last is None else self._gave_up(st, last, False)
+                    if reason is None:
+                        return self.error(e, {"Retry-After": "2"})
+                    if budget <= 0.25 or a.migration_limit == 0:
+                        return self._gave_up(st, last, timed_out=a.migration_limit > 0)
                     await asyncio.sleep(0.25)  # nothing healthy now: wait, within the bound, for one to come back
                     continue
                 tried.update({d.url} | ({p.url} if p else set()))

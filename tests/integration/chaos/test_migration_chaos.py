@@ -229,3 +229,26 @@ def test_v4_decode_sigkill_mid_stream(make_model, tmp_path):
         wait_idle([c.urls["prefill"], c.urls["decode1"]])
     finally:
         c.stop()
+
+
+def test_past_the_migration_timeout_one_clear_error(tiny_model, tmp_path):
+    """The lone decode engine dies and stays dead: every stream waits at most --migration-timeout
+    for another, then ends with one error event naming the bound (no hang, no cut)."""
+    c = Cluster(tiny_model, tmp_path, decodes=1, router_args=["--migration-timeout", 3])
+    try:
+        bodies = [body_for(i, TOKENS * 2) for i in range(8)]
+
+        def kill():
+            c.wait_running("decode0", 4)
+            time.sleep(0.3)
+            c.kill("decode0")
+
+        t0 = time.monotonic()
+        got = _disturbed(c, bodies, kill)
+        assert time.monotonic() - t0 < 30
+        for s in got:
+            assert s.done and s.error is not None and "--migration-timeout" in s.error, (s.error, c.logs())
+            assert s.finish is None and s.text  # what the client had stays; nothing after the error
+        wait_idle([c.urls["prefill"]])
+    finally:
+        c.stop()
