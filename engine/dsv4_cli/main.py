@@ -151,6 +151,8 @@ def serve(
         None, EngineFlags.REASONING_PARSER,
         help="How reasoning is split from the answer: deepseek-r1, deepseek-v3, deepseek-v4 (default: the "
              "checkpoint's format)."),
+    otlp_traces_endpoint: Optional[str] = typer.Option(None, help="Export OpenTelemetry traces (OTLP/HTTP) to this URL, "
+                                                       "e.g. http://collector:4318 (off by default)."),
 ) -> None:
     """Run one engine (monolithic, prefill or decode) with the OpenAI-compatible HTTP API."""
     if role not in ("mono", "prefill", "decode"):
@@ -194,6 +196,7 @@ def serve(
             enable_prefix_cache=not disable_prefix_cache, tp_size=tp_size,
             chat_template=str(chat_template) if chat_template is not None else None,
             tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+            otlp_traces_endpoint=otlp_traces_endpoint,
         ),
         spawned,
     )
@@ -217,6 +220,12 @@ def router(
     max_body_bytes: int = typer.Option(16 * 1024 * 1024, min=1, help="Largest request body accepted (413 beyond)."),
     health_timeout: float = typer.Option(2.0, min=0.1, help="Seconds one /ready check of a worker may take."),
     request_timeout: float = typer.Option(600.0, min=1.0, help="Seconds an engine may stay silent on a request."),
+    migration_limit: int = typer.Option(3, min=0, help="Times a request whose engine failed it mid-answer is sent again "
+                                        "(with its answer so far) to another engine; 0: off."),
+    migration_timeout: float = typer.Option(60.0, min=0.1, help="Seconds a request may spend, in all, being moved to "
+                                            "another engine (waiting for one to be healthy included)."),
+    otlp_traces_endpoint: Optional[str] = typer.Option(None, help="Export OpenTelemetry traces (OTLP/HTTP) to this URL, "
+                                                       "e.g. http://collector:4318 (off by default)."),
 ) -> None:
     """Run the PD router: OpenAI API front, pairs prefill + decode per request.
 
@@ -234,6 +243,8 @@ def router(
             health_interval=health_interval, admin_token=admin_token, pd_secret=pd_secret,
             max_inflight=max_inflight, max_queue=max_queue, queue_timeout=queue_timeout,
             max_body_bytes=max_body_bytes, health_timeout=health_timeout, request_timeout=request_timeout,
+            migration_limit=migration_limit, migration_timeout=migration_timeout,
+            otlp_traces_endpoint=otlp_traces_endpoint,
         )
     )
 

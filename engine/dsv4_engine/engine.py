@@ -295,9 +295,17 @@ class Engine:
                 return
         if self.detokenize:
             seq.detok = IncrementalDetokenizer(self.tokenizer)
+            if seq.output_ids:  # a continuation: its text so far was shown by the engine it left
+                seq.text = "".join(seq.detok.add(t) for t in seq.output_ids)
+                seq.emitted_text_len = max(0, len(seq.text) - max((len(s) - 1 for s in seq.params.stop), default=0))
         if seq.params.seed is not None or not seq.params.greedy:
             seed = seq.params.seed if seq.params.seed is not None else self.args.seed + len(self.seqs)
             seq.generator = request_generator(seed, self.runner.device)
+            if not seq.params.greedy:
+                # A continuation (a migrated request): its earlier tokens drew from this stream
+                # on another engine; move past those draws so the next token draws what it would have.
+                for _ in seq.output_ids:
+                    skip_draw(seq.generator, self.cfg.vocab_size)
         if seq.share_prefix_of is not None:
             lead = self.seqs.get(seq.share_prefix_of)
             seq.prefix_leader = lead if lead is not None and lead.prompt_ids == seq.prompt_ids else None

@@ -54,10 +54,13 @@ def params_of(row: tuple) -> SamplingParams:
 
 
 def add_msg(key: int, rid: str, prompt_ids: list[int], params: SamplingParams, pd: Optional[tuple],
-            prefill_only: bool, arrival: float, share_prefix_of: Optional[str] = None) -> tuple:
+            prefill_only: bool, arrival: float, share_prefix_of: Optional[str] = None,
+            output_ids: Optional[list[int]] = None) -> tuple:
     """pd: (bootstrap_host, bootstrap_port, room) for prefill/decode engines, else None;
-    share_prefix_of: the rid of the request's first choice when this is another one (n > 1)."""
-    return (ADD, key, rid, prompt_ids, params_row(params), pd, prefill_only, arrival, share_prefix_of)
+    share_prefix_of: the rid of the request's first choice when this is another one (n > 1);
+    output_ids: the answer so far of a migrated request (the router's continuation)."""
+    return (ADD, key, rid, prompt_ids, params_row(params), pd, prefill_only, arrival, share_prefix_of,
+            list(output_ids or ()))
 
 
 def output_row(key: int, out: RequestOutput) -> tuple:

@@ -155,6 +155,9 @@ class _Common(BaseModel):
     bootstrap_port: Optional[int] = Field(None, ge=0, le=65535)
     bootstrap_room: Optional[int] = Field(None, ge=0, le=INT64_MAX)
     rid: Optional[str] = Field(None, min_length=1, max_length=256)
+    # Migration: the router resends a request whose engine failed mid-answer with the tokens it
+    # already streamed; this engine continues from there (same PD-secret rule as bootstrap_*).
+    continuation_token_ids: Optional[list[StrictInt]] = None
 
     @field_validator("stop")
     @classmethod

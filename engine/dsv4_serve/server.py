@@ -50,6 +50,8 @@ from dsv4_serve.chat import ChatOptions, ChatSetup, default_setup, render, tool_
 from dsv4_serve.chat.output import ChatOutput, reasoning_tokens
 from dsv4_serve.protocol import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, _Common, choice_seed,
                                  parse_request)
+from dsv4_serve import tracing
+from dsv4_serve.tracing import Tracing
 from dsv4_wire import APIError, Paths, token_matches
 
 if TYPE_CHECKING:
@@ -82,6 +84,7 @@ class ServerArgs(EngineArgs):
     chat_template: Optional[str] = None  # a Jinja file used instead of the checkpoint's chat format
     tool_call_parser: Optional[str] = None  # default: the checkpoint's format
     reasoning_parser: Optional[str] = None  # default: the checkpoint's format
+    otlp_traces_endpoint: Optional[str] = None  # OpenTelemetry export (off when None)
 
     def engine_args(self) -> EngineArgs:
         return EngineArgs(**{f.name: getattr(self, f.name) for f in fields(EngineArgs)})
@@ -91,8 +94,9 @@ def _usage(prompt: int, completion: int, cached: int = 0, reasoning: Optional[in
     """OpenAI usage; `cached`: prompt tokens the prefix cache served (OpenAI's and vLLM's
     prompt_tokens_details.cached_tokens); `reasoning`: completion tokens spent thinking, when a
     reasoning parser runs."""
+    # min: a continuation (migration) may find part of its earlier answer cached too
     usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-             "prompt_tokens_details": {"cached_tokens": cached}}
+             "prompt_tokens_details": {"cached_tokens": min(cached, prompt)}}
     if reasoning is not None:
         usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
     return usage
@@ -151,6 +155,7 @@ class Prepared:
     rid: str
     chat: bool
     outputs: Optional[list[ChatOutput]] = None  # chat: one output parser per choice
+    span: object = None  # this engine's span of the request (tracing on)
 
 
 class OpenAIServing:
@@ -159,6 +164,7 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.lifecycle = lifecycle or Lifecycle()
         self.args = args
+        self.tracing = Tracing(args.otlp_traces_endpoint, f"dsv4-{args.role}")
         self.model_name = args.served_model_name
         self.vocab = client.vocab_size
         self.max_model_len = client.max_model_len
@@ -240,9 +246,28 @@ class OpenAIServing:
                 code="context_length_exceeded")
         return params
 
+    def _continuation(self, req: _Common, params: SamplingParams, headers: Mapping[str, str]) -> list[int]:
+        """The answer so far of a request the router migrated here (empty for any other)."""
+        ids = req.continuation_token_ids
+        if not ids:
+            return []
+        if req.candidates > 1:
+            raise APIError("continuation_token_ids continues one sequence: n and best_of must be 1",
+                           param="continuation_token_ids")
+        if self.args.pd_secret and not token_matches(headers, self.args.pd_secret):
+            raise APIError("continuation_token_ids needs the PD secret: it is the router's, for migrated requests",
+                           401, "authentication_error", param="continuation_token_ids")
+        bad = [t for t in ids if not (0 <= t < self.vocab)]
+        if bad:
+            raise APIError(f"token id {bad[0]} is out of range [0, {self.vocab})", param="continuation_token_ids")
+        if len(ids) >= params.max_tokens:
+            raise APIError(f"continuation_token_ids holds {len(ids)} tokens: nothing is left of max_tokens "
+                           f"({params.max_tokens})", param="continuation_token_ids")
+        return list(ids)
+
     def _seq(self, req: _Common, ids: list[int], params: SamplingParams, rid: str, headers: Mapping[str, str],
              index: int = 0) -> EngineRequest:
-        seq = EngineRequest(rid=rid, prompt_ids=ids, params=params)
+        seq = EngineRequest(rid=rid, prompt_ids=ids, params=params, output_ids=self._continuation(req, params, headers))
         if self.args.role != "mono":
             from dsv4_engine.pd import bootstrap_target
 
@@ -276,6 +301,8 @@ class OpenAIServing:
         req = parse_request(CompletionRequest, body)
         self._check_model(req)
         prompts = self._prompts(req)
+        if req.continuation_token_ids and len(prompts) > 1:
+            raise APIError("continuation_token_ids continues one prompt, not a list", param="continuation_token_ids")
         params = [self._params(req, len(ids), 16) for ids in prompts]
         base = req.rid or f"cmpl-{uuid.uuid4().hex}"
         return Prepared(req, self._choices(req, prompts, params, base, headers), base, chat=False)
@@ -326,19 +353,31 @@ class OpenAIServing:
 
     def _processor(self, seq: EngineRequest) -> OutputProcessor:
         # PD prefill shows no text (decode judges every stop): its outputs pass through.
-        return OutputProcessor(None if seq.prefill_only else self.tokenizer, seq.params)
+        processor = OutputProcessor(None if seq.prefill_only else self.tokenizer, seq.params)
+        processor.resume(seq.output_ids)
+        return processor
 
     async def serve(self, prepare, http: Request) -> Response:
         body = await http.body()
         p: Prepared = await asyncio.to_thread(prepare, body, http.headers)
+        p.span = self.tracing.start("engine.request", headers=http.headers, kind="server", attributes={
+            "dsv4.role": self.args.role, "dsv4.rid": p.rid, "dsv4.prompt_tokens": len(p.seqs[0].prompt_ids),
+            "dsv4.continuation_tokens": len(p.seqs[0].output_ids) or None})
         if p.req.stream:
-            events = self._merged(p.seqs)
+            events = self._merged(p.seqs, p.span)
             if any(seq.params.structured is not None for seq in p.seqs):
                 # The core compiles the grammar at admission: a refusal must be the response's
                 # status (400), so the headers wait for the first output (it comes with the first token).
-                events = await self._refusal_first(events)
+                try:
+                    events = await self._refusal_first(events)
+                except APIError:
+                    tracing.end(p.span, error="refused")
+                    raise
             return StreamingResponse(self._stream(p, events), media_type="text/event-stream")
-        return await self._complete(p, http)
+        try:
+            return await self._complete(p, http)
+        finally:
+            tracing.end(p.span)
 
     @staticmethod
     async def _refusal_first(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -357,10 +396,35 @@ class OpenAIServing:
 
         return chained()
 
-    async def _merged(self, seqs: list[EngineRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    # The phases of a request on this engine, as child spans: up to its first token, then on.
+    FIRST_PHASE = {"mono": "engine.prefill", "prefill": "engine.prefill_and_transfer", "decode": "engine.transfer"}
+
+    async def _traced(self, outs: AsyncIterator[RequestOutput], parent) -> AsyncIterator[RequestOutput]:
+        if parent is None:
+            async for out in outs:
+                yield out
+            return
+        phase = self.tracing.start(self.FIRST_PHASE[self.args.role], parent=parent)
+        first = True
+        try:
+            async for out in outs:
+                if first and (out.token_ids or out.finished):
+                    first = False
+                    tracing.end(phase, error=out.error if out.finished and out.finish_reason in ("error", "abort") else None)
+                    phase = self.tracing.start("engine.decode", parent=parent) if not out.finished else None
+                if out.finished:
+                    tracing.end(phase, error=out.error if out.finish_reason in ("error", "abort") else None,
+                                completion_tokens=out.completion_tokens)
+                    phase = None
+                yield out
+        finally:
+            tracing.end(phase, error="ended early")
+
+    async def _merged(self, seqs: list[EngineRequest], span=None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of several requests as they come, tagged with the request's index."""
         if len(seqs) == 1:
-            async for out in self.client.generate(seqs[0], self.lifecycle.closed, self._processor(seqs[0])):
+            outs = self.client.generate(seqs[0], self.lifecycle.closed, self._processor(seqs[0]))
+            async for out in self._traced(outs, span):
                 yield 0, out
             return
         q: asyncio.Queue = asyncio.Queue()
@@ -380,10 +444,10 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()
 
-    async def _collect(self, seqs: list[EngineRequest]) -> list[dict]:
+    async def _collect(self, seqs: list[EngineRequest], span=None) -> list[dict]:
         results = [{"text": "", "token_ids": [], "logprobs": [], "finish_reason": None, "prompt": 0, "completion": 0,
                     "cached": 0} for _ in seqs]
-        async for i, out in self._merged(seqs):
+        async for i, out in self._merged(seqs, span):
             r = results[i]
             r["text"] += out.text
             r["token_ids"] += out.token_ids
@@ -397,7 +461,7 @@ class OpenAIServing:
 
     async def _complete(self, p: Prepared, http: Request) -> Response:
         req, seqs, chat = p.req, p.seqs, p.chat
-        work = asyncio.ensure_future(self._collect(seqs))
+        work = asyncio.ensure_future(self._collect(seqs, p.span))
         gone = asyncio.ensure_future(self._wait_disconnect(http))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -465,6 +529,8 @@ class OpenAIServing:
             log.error("stream %s failed:\n%s", p.rid, traceback.format_exc())
             yield _sse(APIError(f"internal error: {e}", 500, "server_error").body())
             yield _sse("[DONE]")
+        finally:
+            tracing.end(p.span)
 
     async def _stream_events(self, p: Prepared, events=None) -> AsyncIterator[str]:
         req, chat = p.req, p.chat
@@ -472,7 +538,9 @@ class OpenAIServing:
         obj = "chat.completion.chunk" if chat else "text_completion"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         usage = [0, 0, 0]  # prompt, completion, cached prompt tokens
-        offsets = [0] * len(p.seqs)
+        # A continuation starts where the engine it left stopped: text offsets past its tokens
+        offsets = [sum(len(self.token_text(t)) for t in s.output_ids) if s.params.logprobs is not None else 0
+                   for s in p.seqs]
         outputs = p.outputs if chat and p.outputs else [ChatOutput(None, None) for _ in p.seqs]
         generated: list[list[int]] = [[] for _ in p.seqs]
         reasoning_seen = [False] * len(p.seqs)
@@ -486,9 +554,10 @@ class OpenAIServing:
 
         k = req.candidates  # == n: best_of > n is not streamed
         # A choice's role chunk goes out with its first output, so a request that fails before
-        # producing anything streams nothing but its error (the router can retry it).
-        sent_role = [not chat] * len(p.seqs)
-        async for i, out in (events if events is not None else self._merged(p.seqs)):
+        # producing anything streams nothing but its error (the router can retry it); a
+        # continuation's client has it already.
+        sent_role = [not chat or bool(s.output_ids) for s in p.seqs]
+        async for i, out in (events if events is not None else self._merged(p.seqs, p.span)):
             if out.finished and out.finish_reason in ("error", "abort"):
                 yield _sse(_failure(out).body())
                 yield _sse("[DONE]")
