@@ -122,6 +122,10 @@ def serve(
     waiting_timeout: float = typer.Option(60.0, help="Seconds decode waits for the KV of a request."),
     no_deadlines: bool = typer.Option(False, "--no-deadlines", help="Disable PD deadlines (reproduces the wedge; tests only)."),
     enable_fault_injection: bool = typer.Option(False, "--enable-fault-injection", help="Expose POST /admin/faults."),
+    arm_fault: Optional[list[str]] = typer.Option(
+        None, EngineFlags.ARM_FAULT,
+        help="Arm a fault at start: NAME[:key=value,...], e.g. stall_long_context:tokens=300 (repeatable; needs "
+             "--enable-fault-injection and a prefill or decode role; count defaults to -1, until cleared)."),
     admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV, help="Token required by /admin and /debug."),
     pd_secret: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV, help="Shared secret of engine-to-engine PD calls and the router's internal requests."),
     seed: int = typer.Option(0, help="Default sampling seed."),
@@ -162,6 +166,18 @@ def serve(
     if kernel_backend not in (None, "torch", "triton"):
         _fail(f"--kernel-backend must be torch or triton, not {kernel_backend!r}")
     _check_model_dir(model, quantization=False)
+    if arm_fault:
+        if not enable_fault_injection:
+            _fail(f"{EngineFlags.ARM_FAULT} needs {EngineFlags.ENABLE_FAULT_INJECTION}")
+        if role == "mono":
+            _fail(f"{EngineFlags.ARM_FAULT}: fault injection lives in the PD controllers; use --role prefill or decode")
+        from dsv4_engine.pd.fault_names import parse_arm_fault
+
+        try:
+            for text in arm_fault:
+                parse_arm_fault(text)
+        except ValueError as e:
+            _fail(str(e))
     if chat_template is not None and not chat_template.is_file():
         _fail(f"{EngineFlags.CHAT_TEMPLATE}: no file {chat_template}")
     from dsv4_serve.chat.registry import reasoning_parser_name, tool_parser as _tool_parser
@@ -191,7 +207,7 @@ def serve(
             max_model_len=max_model_len, kernel_backend=kernel_backend, device=device,
             cuda_graph_max_bs=cuda_graph_max_bs, bootstrap_timeout=bootstrap_timeout, transfer_timeout=transfer_timeout,
             waiting_timeout=waiting_timeout, deadlines=not no_deadlines,
-            enable_fault_injection=enable_fault_injection, admin_token=admin_token, pd_secret=pd_secret, seed=seed,
+            enable_fault_injection=enable_fault_injection, arm_faults=list(arm_fault or []), admin_token=admin_token, pd_secret=pd_secret, seed=seed,
             max_request_bytes=max_request_bytes, shutdown_grace=shutdown_grace, transfer_checksum=transfer_checksum,
             enable_prefix_cache=not disable_prefix_cache, tp_size=tp_size,
             chat_template=str(chat_template) if chat_template is not None else None,

@@ -373,6 +373,8 @@ class Engine:
         if self.pd is not None:
             self.pd.poll()
         batch = self.scheduler.schedule()
+        if batch and self.pd is not None:
+            self._fault_stall(batch)
         if batch:
             try:
                 results = self.runner.step(batch, self.pool)
@@ -397,6 +399,17 @@ class Engine:
         self.update_gauges()
         if self.after_step is not None:
             self.after_step()
+
+    def _fault_stall(self, batch) -> None:
+        """stall_long_context (fault injection): hang this step when it generates for a request
+        whose context has passed the fault's `tokens` (see dsv4_engine.pd.faults)."""
+        contexts = [len(b.seq.prompt_ids) + len(b.seq.output_ids) for b in batch if not b.seq.prefill_only]
+        f = self.pd.faults.long_context_stall(contexts) if contexts else None
+        if f is not None:
+            log.error("injected fault: stall_long_context (context %d > %s tokens)", max(contexts),
+                      f.get("tokens", "default"))
+            seconds = f.get("seconds")
+            self.pd.faults.hang(float(seconds) if seconds is not None else None)
 
     # ---- per-token bookkeeping -------------------------------------------------------------------
 

@@ -28,7 +28,7 @@ import sys
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, AsyncIterator, Mapping, Optional
 
 import uvicorn
@@ -76,6 +76,7 @@ class ServerArgs(EngineArgs):
     waiting_timeout: float = 60.0
     deadlines: bool = True
     enable_fault_injection: bool = False
+    arm_faults: list = field(default_factory=list)  # --arm-fault values, armed by attach_role
     admin_token: Optional[str] = None
     pd_secret: Optional[str] = None  # engine-to-engine PD endpoints require it when set
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES

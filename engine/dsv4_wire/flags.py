@@ -15,6 +15,7 @@ class EngineFlags:
     WAITING_TIMEOUT = "--waiting-timeout"
     NO_DEADLINES = "--no-deadlines"
     ENABLE_FAULT_INJECTION = "--enable-fault-injection"
+    ARM_FAULT = "--arm-fault"
     ADMIN_TOKEN = "--admin-token"
     PD_SECRET = "--pd-secret"
     SHUTDOWN_GRACE = "--shutdown-grace"

@@ -28,6 +28,7 @@ def attach_role(engine, args) -> None:
     from dsv4_engine.pd.channel import HttpChannel
     from dsv4_engine.pd.common import BOOT_ID, PDSettings
     from dsv4_engine.pd.faults import Deadlines, FaultInjector, FaultyChannel, FaultyTransport
+    from dsv4_engine.pd.fault_names import parse_arm_fault
     from dsv4_engine.pd.nixl.agent import KVTransferAgent
     from dsv4_engine.pd.transport import PoolStates
     from dsv4_wire import authorization_header
@@ -39,6 +40,9 @@ def attach_role(engine, args) -> None:
     else:
         raise ValueError(f"no PD controller for role {args.role!r}")
     faults = FaultInjector()
+    for text in getattr(args, "arm_faults", None) or []:  # --arm-fault: armed before any request
+        name, count, params = parse_arm_fault(text)
+        faults.arm(name, count, **params)
     # No transport-level timeout: the controllers' deadlines decide (and can be turned off).
     states = PoolStates.of_pool(engine.pool)  # paged regions and slot rows alike
     agent = KVTransferAgent(f"{args.role}-{BOOT_ID}", states, default_timeout_s=None)

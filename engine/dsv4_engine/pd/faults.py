@@ -12,7 +12,14 @@ uses (-1: until cleared):
   row), restored on the sender once the transfer ends; with --transfer-checksum decode must
   catch it;
 - disable_deadlines: the controllers' `Deadlines` policy turns every deadline off (the
-  production wedge, reproduced on purpose).
+  production wedge, reproduced on purpose);
+- stall_long_context: a step hangs when it would generate for a request whose context (prompt
+  + output) has passed `tokens` tokens (default 1024), for `seconds` (default: until cleared) —
+  the rollout incident: a short fixed-prompt benchmark passes, a growing conversation wedges
+  the engine's loop. It lives in the engine's step (`Engine.step`), not at a PD seam.
+
+`--arm-fault NAME[:key=value,...]` (repeatable, with --enable-fault-injection) arms faults at
+start, so a changed set of engine flags can carry one (`parse_arm_fault`).
 """
 
 from __future__ import annotations
@@ -31,8 +38,7 @@ from dsv4_engine.pd.transport import KVTransport, PoolStates, TransferInfo, Tran
 
 log = logging.getLogger("dsv4.pd.faults")
 
-FAULTS = ("stall_transfer", "fail_transfer", "drop_notification", "delay_bootstrap", "crash", "disable_deadlines",
-          "corrupt_transfer")
+from dsv4_engine.pd.fault_names import FAULTS, STALL_DEFAULT_TOKENS  # noqa: F401 (re-exported)
 CRASH_STATUS = 17
 
 
@@ -42,6 +48,7 @@ class FaultInjector:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._armed: dict[str, dict[str, Any]] = {}
+        self._clears = 0  # bumped by clear(): a stall in progress ends when it changes
 
     def arm(self, name: str, count: int, **params: Any) -> None:
         if name not in FAULTS:
@@ -54,6 +61,28 @@ class FaultInjector:
     def clear(self) -> None:
         with self._lock:
             self._armed.clear()
+            self._clears += 1
+
+    def long_context_stall(self, contexts: Sequence[int]) -> Optional[dict[str, Any]]:
+        """stall_long_context: its parameters (one use taken) when one of `contexts` (the
+        context lengths of the requests a step generates for) has passed its `tokens`; else None."""
+        with self._lock:
+            f = self._armed.get("stall_long_context")
+            if f is None or not any(c > int(f.get("tokens", STALL_DEFAULT_TOKENS)) for c in contexts):
+                return None
+        return self.take("stall_long_context")
+
+    def hang(self, seconds: Optional[float], poll_s: float = 0.05, sleep: Callable[[float], Any] = time.sleep) -> float:
+        """Block the caller for `seconds` (None: forever) or until clear(); the seconds it hung."""
+        with self._lock:
+            clears = self._clears
+        started = time.monotonic()
+        while seconds is None or time.monotonic() - started < seconds:
+            with self._lock:
+                if self._clears != clears:
+                    break
+            sleep(poll_s)
+        return time.monotonic() - started
 
     def active(self, name: str) -> bool:
         with self._lock:
