@@ -59,6 +59,7 @@ class Resume:
     leg: Any = None  # the router's current engine leg (closed when the client leaves)
     span: Any = None  # the router.request span (tracing on)
     trace_in: dict = field(default_factory=dict)  # the client's traceparent/tracestate
+    pin: Optional[str] = None  # the worker an admin pinned this request to (a canary probe)
 
     @property
     def started(self) -> bool:

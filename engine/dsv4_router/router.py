@@ -51,6 +51,10 @@ from dsv4_serve import tracing
 from dsv4_serve.tracing import TRACE_HEADERS, Tracing
 from dsv4_wire import APIError, Paths, admin_refusal
 
+# A request carrying this header (and the admin token) goes to the decode/mono worker it names,
+# canary or not: how a rollout probes one engine through the router.
+PIN_HEADER = "x-dsv4-pin-worker"
+
 log = logging.getLogger("dsv4.router")
 
 # Fields only the router may set: a client must not choose which prefill a decode dials.
@@ -90,6 +94,9 @@ class Worker:
     inflight: int = 0
     failures: int = 0  # consecutive /ready checks that got no answer
     source: str = "static"  # static | admin | kubernetes
+    # A canary (a rollout's first engine on the new revision): out of the normal rotation, it
+    # serves only requests pinned to it (PIN_HEADER, admin), e.g. the rollout probe's.
+    canary: bool = False
 
     @property
     def host(self) -> str:
@@ -97,7 +104,8 @@ class Worker:
 
     def view(self) -> dict:
         return {"url": self.url, "role": self.role, "healthy": self.healthy, "reason": self.reason,
-                "inflight": self.inflight, "bootstrap_port": self.bootstrap_port, "source": self.source}
+                "inflight": self.inflight, "bootstrap_port": self.bootstrap_port, "source": self.source,
+                "canary": self.canary}
 
 
 @dataclass
@@ -162,9 +170,10 @@ class WorkerPool:
     def pick(self, role: str, exclude: set[str] = frozenset(), key: Optional[str] = None) -> Optional[Worker]:
         """The least busy ready worker of a role; with a key (prefix affinity, see affinity.py),
         the one the key prefers unless it is much busier than the least busy."""
-        ready = [w for w in self.workers.values() if w.role == role and w.healthy and w.url not in exclude]
+        ready = [w for w in self.workers.values()
+                 if w.role == role and w.healthy and not w.canary and w.url not in exclude]
         if not ready:
-            ready = [w for w in self.workers.values() if w.role == role and w.healthy]
+            ready = [w for w in self.workers.values() if w.role == role and w.healthy and not w.canary]
         if not ready:
             return None
         if key is not None:
@@ -263,9 +272,27 @@ class Router:
 
     # ---- requests --------------------------------------------------------------------------------
 
-    def _pair(self, exclude: set[str], key: Optional[str] = None) -> tuple[Optional[Worker], Worker]:
+    def _pinned(self, pin: str) -> Worker:
+        w = self.pool.workers.get(pin.rstrip("/"))
+        if w is None or w.role == "prefill":
+            raise APIError(f"{PIN_HEADER}: {pin} is not a decode or mono worker of this router", 400)
+        if not w.healthy:
+            raise APIError(f"the pinned worker {w.url} is not ready: {w.reason}", 503, "service_unavailable")
+        return w
+
+    def _pair(self, exclude: set[str], key: Optional[str] = None, pin: Optional[str] = None
+              ) -> tuple[Optional[Worker], Worker]:
         """key: the request's prefix-affinity key; it steers the engine that prefills (prefill or
-        mono: the one whose prefix cache it hopes to hit), never decode (it receives every page)."""
+        mono: the one whose prefix cache it hopes to hit), never decode (it receives every page).
+        pin: the decode or mono worker this request must reach (a canary probe's)."""
+        if pin is not None:
+            w = self._pinned(pin)
+            if w.role == "mono":
+                return None, w
+            p = self.pool.pick("prefill", exclude, key)
+            if p is None or p.bootstrap_port is None:
+                raise APIError("no healthy prefill is available", 503, "service_unavailable")
+            return p, w
         if any(w.role == "prefill" for w in self.pool.workers.values()):
             p, d = self.pool.pick("prefill", exclude, key), self.pool.pick("decode", exclude)
             if p is None or d is None or p.bootstrap_port is None:
@@ -278,6 +305,13 @@ class Router:
 
     async def handle(self, path: str, http: Request) -> Response:
         self.metrics.requests.labels(path).inc()
+        pin = http.headers.get(PIN_HEADER)
+        if pin is not None:  # only an admin may aim a request at one engine (a canary)
+            refusal = admin_refusal(http.headers, self.args.admin_token, http.client.host if http.client else None)
+            if refusal is not None:
+                status, message = refusal
+                return self.error(APIError(f"{PIN_HEADER}: {message}", status,
+                                           "authentication_error" if status == 401 else "permission_error"))
         try:
             raw = await read_limited(http.headers.get("content-length"), http.stream(), self.args.max_body_bytes)
             body = parse_body(raw)
@@ -291,7 +325,7 @@ class Router:
         # A client that hangs up (queued or not) cancels the work: closing the upstream
         # connections is what makes the engines abort (and, through them, the PD peer).
         slot = Slot(self.admission)
-        work = asyncio.ensure_future(self._admitted(path, body, slot, trace_in))
+        work = asyncio.ensure_future(self._admitted(path, body, slot, trace_in, pin))
         gone = asyncio.ensure_future(self._wait_disconnect(http))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -318,20 +352,22 @@ class Router:
         while (await http.receive())["type"] != "http.disconnect":
             pass
 
-    async def _admitted(self, path: str, body: dict, slot: Slot, trace_in: Optional[dict] = None) -> Response:
+    async def _admitted(self, path: str, body: dict, slot: Slot, trace_in: Optional[dict] = None,
+                        pin: Optional[str] = None) -> Response:
         try:
             await slot.acquire()
         except Overloaded as e:
             self.metrics.rejected.inc()
             return self.error(APIError(e.reason, 429, "rate_limit_exceeded", code="router_overloaded"),
                               {"Retry-After": str(e.retry_after)})
-        return await self._route(path, body, slot, trace_in or {})
+        return await self._route(path, body, slot, trace_in or {}, pin)
 
-    async def _route(self, path: str, body: dict, slot: Slot, trace_in: dict) -> Response:
+    async def _route(self, path: str, body: dict, slot: Slot, trace_in: dict, pin: Optional[str] = None) -> Response:
         rid = body.get("rid") if isinstance(body.get("rid"), str) else None
         rid = rid or f"{'chatcmpl' if 'chat' in path else 'cmpl'}-{uuid.uuid4().hex}"
         st = Resume(rid, body, stream=bool(body.get("stream")), client_wants_ids=body.get("return_token_ids") is True)
         st.trace_in = trace_in
+        st.pin = pin
         st.span = self.tracing.start("router.request", headers=trace_in, kind="server",
                                      attributes={"dsv4.rid": rid, "http.route": path, "dsv4.stream": st.stream})
         key = self.keys.key(path, body)
@@ -383,7 +419,7 @@ class Router:
                             or budget <= 0:
                         return self._gave_up(st, last, budget <= 0)
                 try:
-                    p, d = self._pair(tried, key)
+                    p, d = self._pair(tried, key, st.pin)
                 except APIError as e:
                     if reason is None:
                         return self.error(e, {"Retry-After": "2"})
@@ -729,6 +765,10 @@ def build_app(router: Router) -> FastAPI:
         if body.get("role") not in ("prefill", "decode", "mono") or not _http_url(body.get("url")):
             return router.error(APIError('give {"url": "http://host:port", "role": "prefill|decode|mono"}'))
         w = router.pool.add(body["url"], body["role"], source="admin")
+        if "canary" in body:
+            if not isinstance(body["canary"], bool) or body["role"] == "prefill":
+                return router.error(APIError('"canary" is true or false, for a decode or mono worker'))
+            w.canary = body["canary"]
         await router.check(w)
         return w.view()
 
