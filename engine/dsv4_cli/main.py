@@ -265,6 +265,25 @@ def router(
     )
 
 
+def _reconfigure_up(port: int, engine_args: list[str], duration: float, concurrency: int, context_share: float,
+                    growth_tokens: int, request_timeout: float) -> None:
+    import json
+
+    from dsv4_operator.local import cache_dir
+    from dsv4_operator.reconfigure import ReconfigureRequest, submit
+
+    request = ReconfigureRequest(engine_args, {"duration_s": duration, "concurrency": concurrency,
+                                               "request_timeout_s": request_timeout,
+                                               "shape": {"context_share": context_share, "growth_tokens": growth_tokens}})
+    try:
+        request.settings()
+        result = submit(cache_dir() / "up" / str(port), request, timeout=duration + request_timeout + 600)
+    except (RuntimeError, TimeoutError, ValueError) as e:
+        _fail(str(e))
+    print(json.dumps(result, indent=1))
+    raise typer.Exit(0 if result.get("kept") else 1)
+
+
 @app.command()
 def up(
     model: Optional[Path] = typer.Option(None, help="Checkpoint folder (default: the tiny model, built into a cache)."),
@@ -292,6 +311,18 @@ def up(
     pd_secret: Optional[str] = typer.Option(
         None, envvar=PD_SECRET_ENV, help="Secret of engine-to-engine PD calls (default: generated and kept, "
         "mode 0600, in the state folder)."),
+    reconfigure: bool = typer.Option(
+        False, "--reconfigure", help="Change the engine flags of the `dsv4 up` running on --port to the --engine-arg "
+        "values given here (they replace the old extra args): one engine restarts with them behind a canary probe "
+        "(a growing agent conversation) and the change is kept and rolled to the rest, or reverted. Exit 0: kept; "
+        "1: reverted."),
+    probe_duration: float = typer.Option(60.0, help="--reconfigure: seconds the canary probe sends requests."),
+    probe_concurrency: int = typer.Option(2, min=1, help="--reconfigure: conversations the probe runs at once."),
+    probe_context_share: float = typer.Option(0.5, help="--reconfigure: the share of the model's context the "
+                                              "probe's conversation grows to."),
+    probe_growth_tokens: int = typer.Option(96, min=1, help="--reconfigure: tokens each round adds (a tool call's size)."),
+    probe_request_timeout: float = typer.Option(20.0, help="--reconfigure: seconds after which an unanswered probe "
+                                                "request counts as stalled."),
 ) -> None:
     """Run router + prefill + decode engines as local processes, watched by the wedge policy.
 
@@ -300,6 +331,10 @@ def up(
     alive but wedged. Secrets reach the processes through their environment, never their command
     line; admin calls need `Authorization: Bearer <token from the admin-token file>`.
     """
+    if reconfigure:
+        _reconfigure_up(port, list(engine_arg), probe_duration, probe_concurrency, probe_context_share,
+                        probe_growth_tokens, probe_request_timeout)
+        return
     if model is not None:
         _check_model_dir(model)
         if not mono or tp_size > 1:  # a role the model cannot take is refused here, not in a restart loop

@@ -300,6 +300,8 @@ class LocalDeployment:
 
         self.router_url = f"http://{args.host}:{args.port}"
         self.engines: dict[str, EngineProc] = {}
+        self._base_cmds: dict[str, list[str]] = {}  # each engine's command without the extra engine args
+        self.rolling: set[str] = set()  # engines a reconfigure rollout is probing: not the watchdog's
         port = args.port + 1
         roles = [("mono", 1)] if args.mono else [("prefill", args.prefill), ("decode", args.decode)]
         for role, n in roles:
@@ -315,8 +317,9 @@ class LocalDeployment:
                     cmd.append(F.ENABLE_FAULT_INJECTION)
                 if not args.deadlines:
                     cmd.append(F.NO_DEADLINES)
-                cmd += list(args.engine_args)
-                self.engines[key] = EngineProc(key, role, port, cmd, self.state_dir / f"{key}.log", bport, env)
+                self._base_cmds[key] = cmd
+                self.engines[key] = EngineProc(key, role, port, self.engine_cmd(key, args.engine_args),
+                                               self.state_dir / f"{key}.log", bport, env)
                 port += 1
         router_cmd = [*args.dsv4_command, "router", "--host", args.host, "--port", str(args.port),
                       "--health-interval", "1"]
@@ -331,6 +334,10 @@ class LocalDeployment:
             cooldown_s=args.cooldown, restart_grace_s=1.0, recovery_timeout_s=max(120.0, 4 * self.window))
         self.detector = Detector(window_s=self.window)
         self.events: list[dict] = []
+
+    def engine_cmd(self, key: str, engine_args: Sequence[str]) -> list[str]:
+        """Engine `key`'s command line with these extra engine args (a reconfigure changes them)."""
+        return [*self._base_cmds[key], *engine_args]
 
     def event(self, reason: str, pod: str, message: str) -> None:
         self._record("watchdog", "red" if reason == "WedgeDetected" else "yellow", reason, pod, message)
@@ -385,7 +392,9 @@ class LocalDeployment:
                     ready = dict(zip(self.engines, await asyncio.gather(*(self._ready(client, e) for e in self.engines.values()))))
                     pods = {k: PodInfo(role=e.role, ready=ready[k], uid=e.uid) for k, e in self.engines.items()}
                     # A process that is not running is the supervisor's: crash is not a wedge.
-                    targets = [ScrapeTarget(k, e.url, e.role) for k, e in self.engines.items() if e.running]
+                    # A canary under a rollout's probe is the rollout's to judge (and revert).
+                    targets = [ScrapeTarget(k, e.url, e.role) for k, e in self.engines.items()
+                               if e.running and k not in self.rolling]
                     result = await loop.round(targets, pods, answered_before={k: e.ever_ready for k, e in self.engines.items()})
                     status = {"time": time.time(), "detection_window_s": self.window, **result.summary(),
                               "policy": loop.state.to_dict(), "events": self.events[-50:]}
@@ -436,6 +445,9 @@ class LocalDeployment:
             await self.wait_ready()
             self.announce()
             supervisor = asyncio.create_task(self.supervisor.run(stop))
+            from dsv4_operator.reconfigure import serve_requests
+
+            reconfigures = asyncio.create_task(serve_requests(self, stop))
             if self.args.watchdog:
                 await self.watch(stop)
             else:
@@ -444,6 +456,8 @@ class LocalDeployment:
             stop.set()
             if supervisor is not None:
                 await supervisor
+                reconfigures.cancel()
+                await asyncio.gather(reconfigures, return_exceptions=True)
             for eng in [self.router, *self.engines.values()]:
                 eng.stop()
             console.print("dsv4 up: stopped")
