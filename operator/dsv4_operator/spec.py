@@ -266,34 +266,11 @@ class RemediationSpec(_Model):
                                "(pin it: the children run it, the spec is never rewritten).")
 
 
-class CanaryProbeSpec(_Model):
-    duration_seconds: int = Field(120, ge=5, le=3600, description="How long the probe sends requests to the canary.")
-    concurrency: int = Field(2, ge=1, le=64, description="Conversations the probe runs at once.")
-    rounds: int = Field(32, ge=1, le=1000, description="Most rounds of one conversation before a new one starts.")
-    growth_tokens: int = Field(96, ge=1, le=65536, description="Tokens each round adds (a tool call's result and the "
-                                                               "next turn).")
-    context_share: float = Field(0.5, gt=0, le=1, description="The share of the model's context the conversation "
-                                                              "grows to.")
-    request_timeout_seconds: int = Field(30, ge=1, le=600, description="An unanswered probe request after this is "
-                                                                       "stalled (a failed canary).")
-
-
-class CanarySpec(_Model):
-    enabled: bool = Field(True, description="Probe one pod of a changed engine role before the rest roll.")
-    probe: CanaryProbeSpec = _nested(CanaryProbeSpec)
-    traffic_percent: int = Field(0, ge=0, le=0, description="Share of live traffic the canary takes while probed. "
-                                                            "Only 0 is supported yet: the canary serves the probe.")
-    max_ttft_ratio: float = Field(2.0, ge=1, description="Canary TTFT p99 at most this times the stable pod's "
-                                                         "(+ 50 ms).")
-    max_itl_ratio: float = Field(2.0, ge=1, description="Canary ITL p99 at most this times the stable pod's (+ 50 ms).")
-
-
 class RolloutSpec(_Model):
     order: Literal["prefillFirst", "together"] = Field(
         "prefillFirst",
         description="prefillFirst: a change to the engines rolls prefill, and decode only once every prefill pod "
                     "is updated and ready. together: both at once (faster; a full outage with one replica each).")
-    canary: CanarySpec = _nested(CanarySpec)
 
 
 class NetworkPolicySpec(_Model):
