@@ -27,7 +27,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from procs import Server, free_port  # noqa: E402
+from procs import Server, free_port, load_average  # noqa: E402
 
 from dsv4_operator.canary.conversation import ConversationShape  # noqa: E402
 from dsv4_operator.canary.probe import ProbeSettings, run_probe  # noqa: E402
@@ -89,7 +89,9 @@ def main() -> None:
                                           "--decode", urls["decode1"], "--decode", urls["decode-stall"], "--port", r,
                                           "--health-interval", "0.5"], r, tmp))
     router = servers[-1].url
-    out = {"machine": platform.processor() or platform.machine(), "model": "tiny", "settings": {}, "runs": {}}
+    out = {"machine": platform.processor() or platform.machine(), "model": "tiny", "settings": {}, "runs": {},
+           "load_average_at_start": load_average(),
+           "note": "2 shared CPU cores, other sessions' tests running: absolute times are slow and noisy"}
     try:
         for s in servers:
             s.wait_ready(180)
@@ -139,6 +141,7 @@ def main() -> None:
         steady.t.join(70)
         out["other_traffic_errors"] = steady.err
         out["other_traffic_requests"] = len(steady.lat)
+        out["load_average_at_end"] = load_average()
     finally:
         for s in servers:
             s.stop()

@@ -167,13 +167,23 @@ class LocalRollout:
         eng = self.up.engines[key]
         self.up.rolling.add(key)  # the fleet's watchdog leaves the canary to the probe
         result: dict = {"id": self.request.id, "canary": key, "old_engine_args": old, "new_engine_args": new}
+        phases: dict = result.setdefault("phases_s", {})  # where the time went: probes are bounded, restarts not
+
+        def lap(name: str, since: float) -> float:
+            now = time.monotonic()
+            phases[name] = round(now - since, 3)
+            return now
         try:
             self.event("CanaryBaseline", key, "probing the stable revision")
+            t = time.monotonic()
             stable, _ = await self._probe(eng)
+            t = lap("stable_probe", t)
             self.event("CanaryStarted", key, f"restarting with {new}")
             try:
                 await self._restart(eng, new, out_of_rotation=True)
+                t = lap("canary_restart", t)
                 figures, signals = await self._probe(eng)
+                t = lap("canary_probe", t)
                 verdict = judge(figures, stable, signals, self.thresholds)
             except (RuntimeError, TimeoutError) as e:  # it would not even start under the new flags
                 from dsv4_operator.canary.verdict import CanaryVerdict
@@ -188,6 +198,7 @@ class LocalRollout:
                 for k in rest:
                     self.event("RolloutStep", k, f"restarting with {new}")
                     await self._restart(self.up.engines[k], new, out_of_rotation=False)
+                t = lap("roll_rest", t)
                 self.up.args.engine_args = new
                 self.event("RolloutComplete", "all", f"engines run with {new}")
                 result["kept"] = True
@@ -195,6 +206,7 @@ class LocalRollout:
                 self.event("CanaryFailed", key, verdict.summary())
                 result["evidence"] = str(self._evidence(eng, verdict.to_dict()))
                 await self._restart(eng, old, out_of_rotation=False, drain_s=0.0)
+                t = lap("revert", t)
                 self.event("CanaryReverted", key, f"back on {old}")
                 result["kept"] = False
         finally:

@@ -19,8 +19,10 @@ from dsv4_testutil import Proc, free_port_block
 
 pytestmark = pytest.mark.slow
 
-PROBE = ["--probe-duration", "6", "--probe-concurrency", "2", "--probe-growth-tokens", "40",
-         "--probe-context-share", "0.25", "--probe-request-timeout", "4"]
+# The request timeout is generous: two busy shared cores can take seconds for one round of the
+# healthy engine; the stall is forever, so it is caught whatever the bound.
+PROBE = ["--probe-duration", "8", "--probe-concurrency", "2", "--probe-growth-tokens", "40",
+         "--probe-context-share", "0.25", "--probe-request-timeout", "10"]
 STALL_TOKENS = 100  # past the probe's first round (64 + 16 tokens), under its second (120)
 
 
@@ -80,9 +82,12 @@ def test_reconfigure_reverts_a_stalling_change_and_keeps_a_harmless_one(tmp_path
         assert rc == 1 and bad["kept"] is False, bad
         reasons = " ".join(bad["verdict"]["reasons"])
         assert "no answer within the request timeout" in reasons or "reached" in reasons, reasons
-        assert bad["verdict"]["stable"]["max_context"] > STALL_TOKENS  # the old revision carried it further
+        assert bad["verdict"]["stable"]["max_context"] > STALL_TOKENS, bad  # the old revision carried it further
         assert Path(bad["evidence"], "verdict.json").exists()
-        assert bad["duration_s"] < 120, bad  # baseline probe + restart + probe (bounded) + revert
+        # The canary's probe is bounded: duration + request timeout + settle (10 s) + scheduling slack;
+        # the restarts around it take what an engine start takes on this machine.
+        assert bad["phases_s"]["canary_probe"] < 8 + 10 + 10 + 10, bad["phases_s"]
+        assert bad["verdict"]["canary"]["stalled"] > 0 or bad["verdict"]["canary"]["errors"] > 0
         procs = json.loads((state / "processes.json").read_text())
         assert procs["decode-0"]["running"]
         time.sleep(2)
@@ -92,7 +97,7 @@ def test_reconfigure_reverts_a_stalling_change_and_keeps_a_harmless_one(tmp_path
         assert b"--enable-fault-injection" not in cmdline  # back on the old flags
 
         rc, good, took = reconfigure(port, env, "--max-num-seqs=32")
-        assert rc == 0 and good["kept"] is True, good
+        assert rc == 0 and good["kept"] is True, (good, up.log())
         assert good["verdict"]["passed"]
         procs = json.loads((state / "processes.json").read_text())
         for key in ("prefill-0", "decode-0", "decode-1"):
