@@ -40,7 +40,10 @@ class CanaryThresholds:
     max_ttft_ratio: float = 2.0  # canary TTFT p99 <= ratio x stable's + slack
     max_itl_ratio: float = 2.0
     latency_slack_s: float = 0.05  # absolute allowance: ratios of milliseconds are noise
-    min_context_ratio: float = 0.9  # the canary must carry the conversation as far as stable did
+    # The canary must carry the conversation about as far as stable did. Loose: rounds are
+    # discrete and a just-restarted engine on a busy machine may finish one round fewer in the
+    # same time (slowness is the latency ratios' to judge; a stall also counts as stalled).
+    min_context_ratio: float = 0.5
     max_leaked_pages: float = 0.0  # KV pages not given back once idle again
 
 
