@@ -16,7 +16,7 @@ class ProbeFigures:
     ttft_p99_s: Optional[float] = None
     itl_p99_s: Optional[float] = None
     prompt_tokens: int = 0
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # streamed chunks that carried text (a chunk may hold more than one token)
     max_context: int = 0  # the longest prompt that got its whole answer
     context_target: int = 0  # the longest prompt the probe meant to send
     duration_s: float = 0.0
