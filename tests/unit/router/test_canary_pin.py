@@ -34,3 +34,23 @@ def test_pin_refusals():
     with pytest.raises(APIError) as e:
         r._pair(set(), pin="http://d1")
     assert e.value.status == 503
+
+
+async def test_pin_needs_the_admin_token_and_canary_flag_is_checked():
+    import httpx
+
+    from dsv4_router.router import PIN_HEADER, build_app
+
+    r = Router(RouterArgs(admin_token="secret"))
+    transport = httpx.ASGITransport(app=build_app(r), client=("10.0.0.9", 1234))
+    async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+        body = {"prompt": "hi", "max_tokens": 1}
+        got = await c.post("/v1/completions", json=body, headers={PIN_HEADER: "http://d1"})
+        assert got.status_code == 401 and PIN_HEADER in got.json()["error"]["message"]
+        got = await c.post("/v1/completions", json=body,
+                           headers={PIN_HEADER: "http://nowhere", "Authorization": "Bearer secret"})
+        assert got.status_code == 400 and "not a decode or mono worker" in got.json()["error"]["message"]
+        auth = {"Authorization": "Bearer secret"}
+        got = await c.post("/admin/workers", json={"url": "http://p:1", "role": "prefill", "canary": True}, headers=auth)
+        assert got.status_code == 400
+    await r.close()
