@@ -53,4 +53,4 @@ async def test_pin_needs_the_admin_token_and_canary_flag_is_checked():
         auth = {"Authorization": "Bearer secret"}
         got = await c.post("/admin/workers", json={"url": "http://p:1", "role": "prefill", "canary": True}, headers=auth)
         assert got.status_code == 400
-    await r.close()
+    await r.stop()
