@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
+from dsv4_engine.devices import use_device
 from dsv4_engine.engine_args import EngineArgs  # noqa: F401  (its old home)
 from dsv4_engine.kv_cache import KVPool, check_page_size, default_page_size, pages_for_memory
 from dsv4_engine.metrics import EngineMetrics
@@ -233,6 +234,7 @@ class Engine:
     # ---- the loop --------------------------------------------------------------------------------
 
     def run(self) -> None:
+        use_device(self.runner.device)  # this thread launches every step's kernels
         while not self._stop.is_set():
             try:
                 self.step()

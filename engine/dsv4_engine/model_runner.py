@@ -11,6 +11,7 @@ import torch
 
 from dsv4_engine.batch_buffers import BatchBuffers, HostBatch, host_batch
 from dsv4_engine.cuda_graphs import DecodeGraphs
+from dsv4_engine.devices import resolve, use_device
 from dsv4_engine.kv_cache import KVPool
 from dsv4_engine.models import entry_for_dir
 from dsv4_engine.models.deepseek_v3 import ForwardBatch
@@ -54,7 +55,8 @@ class ModelRunner:
         self.cfg = entry.config_class().from_dir(model_dir)
         model_cls = entry.model_class()
         self.state_specs: list[StateSpec] = model_cls.state_specs(self.cfg)
-        self.device = torch.device(device) if device else default_device()
+        self.device = resolve(torch.device(device) if device else default_device())
+        use_device(self.device)  # the thread that builds the model may launch (weight prep, capture)
         self.dtype = DTYPES[dtype]
         self.kernel_backend = kernel_backend or default_kernel_backend(self.device)
         if tp is None:
