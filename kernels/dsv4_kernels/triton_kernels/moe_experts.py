@@ -7,8 +7,8 @@ covers the worst-case padding and spare blocks exit at once). Then:
 2. down GEMM scaled by each pair's routing weight -> [pairs, hidden] in fp32,
 and the top_k rows of each token are summed (a fixed-order reduction: deterministic).
 
-Pairs whose expert id is outside [0, num_experts) (-1: another rank's expert under tensor
-parallelism) are computed by nobody: they sit in one run of their own after the local experts'
+Pairs whose expert id is -1 (another rank's expert under tensor parallelism) are computed by
+nobody: they sit in one run of their own after the local experts'
 runs, whose blocks (ZERO_BLOCK) only write zero rows for the sum. The grid's blocks therefore
 cover the local experts' pairs alone, whatever the other ranks' share.
 """
@@ -142,15 +142,17 @@ def align_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
     Returns sorted_pairs [num_blocks * block_m] (flat pair index t * top_k + k; padding holds
     num_pairs) and block_expert [num_blocks] (the block's expert, -1 past the last block used,
-    ZERO_BLOCK for the run of pairs whose id is not one of the num_experts).
+    ZERO_BLOCK for the run of pairs with id -1: another rank's expert). Ids are in
+    [0, num_experts) or -1.
     num_blocks is the worst case, known from shapes alone: nothing here waits on the device.
     """
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_pairs = flat.numel()
     device = flat.device
-    # Other ranks' pairs (ids outside this rank's experts) form one last run, "expert" E.
-    flat = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    # Other ranks' pairs (id -1) form one last run, "expert" E: -1 mod (E + 1) = E, one op (a
+    # decode layer's dispatches are budgeted, see cuda_graphs.DECODE_DISPATCHES_PER_LAYER).
     runs = num_experts + 1
+    flat = flat.remainder(runs)
     # scatter_add, not bincount: bincount reads the max id back to the host, which would
     # break CUDA-graph capture of decode steps.
     counts = torch.zeros(runs, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
@@ -166,8 +168,9 @@ def align_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     sorted_pairs[dest] = order.to(torch.int32)
     block_start = torch.arange(num_blocks, device=device) * block_m
     block_expert = torch.searchsorted(padded_end, block_start, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert,
-                               torch.where(block_expert == num_experts, ZERO_BLOCK, -1)).to(torch.int32)
+    # Run E (other ranks' pairs) -> ZERO_BLOCK (-2), past the last run (E + 1) -> -1.
+    block_expert = torch.where(block_expert < num_experts, block_expert, block_expert - (num_experts + 2))
+    block_expert = block_expert.to(torch.int32)
     return sorted_pairs, block_expert
 
 
