@@ -70,7 +70,7 @@ def serve_rank(spec: dict) -> None:
     if torch.device(device).type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // shard.size))
     rank = join(shard, spec["port"], device)
-    runner = ModelRunner(ea["model"], ea.get("dtype", "float32"), device, ea.get("kernel_backend"), tp=rank)
+    runner = ModelRunner(ea["model"], ea.get("dtype"), device, ea.get("kernel_backend"), tp=rank)
     sizes = torch.zeros(3, dtype=torch.int64)
     dist.broadcast(sizes, 0, group=rank.control)
     num_pages, page_size, max_num_seqs = sizes.tolist()

@@ -55,3 +55,14 @@ def test_the_engine_thread_asks_for_the_engines_device_before_any_step(tiny_mode
         engine.stop()
     assert set(stepped) == {"dsv4-engine"} and stepped["dsv4-engine"] >= 3
     assert asked["dsv4-engine"] == [engine.runner.device]
+
+
+def test_bfloat16_is_the_default_on_cuda_and_float32_on_cpu(tiny_model):
+    from dsv4_engine.engine_args import EngineArgs as Args
+    from dsv4_engine.model_runner import ModelRunner, default_dtype
+
+    assert default_dtype(torch.device("cuda", 1)) == "bfloat16"
+    assert default_dtype(torch.device("cpu")) == "float32"
+    assert Args(model="m").dtype is None  # chosen by the core, which knows the device
+    assert ModelRunner(tiny_model, device="cpu", kernel_backend="torch").dtype == torch.float32
+    assert ModelRunner(tiny_model, "bfloat16", device="cpu", kernel_backend="torch").dtype == torch.bfloat16
