@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .common import KernelVariant, check_launchable, on_interpreter
+from .common import fp32_twins
 from .moe_experts import align_pairs_by_expert
 from ..reference_quant import scale_row_block
 
@@ -235,18 +236,18 @@ def aot_variants(arch: int) -> list[KernelVariant]:
         shapes = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=GROUP, SCALE_ROWS=GROUP, UPCAST=False)
         gated_shapes = {**shapes, "BLOCK_N": gemm_blocks(rows, gated=True)[1]}
         variants.append(KernelVariant(
-            name=f"fp8_gemm[dense,{label}]", kernel=fp8_gemm_kernel, types=types,
+            name=f"fp8_gemm[bf16,dense,{label}]", kernel=fp8_gemm_kernel, types=types,
             constexprs=dict(A_DIV=1, DENSE=True, GATED=False, HAS_LIMIT=False, ROUTE_W=False, **shapes),
             num_warps=warps, num_stages=3, divisible=("N", "K"),
         ))
         variants.append(KernelVariant(
-            name=f"fp8_gemm[moe_gate_up,{label}]", kernel=fp8_gemm_kernel, types=types,
+            name=f"fp8_gemm[bf16,moe_gate_up,{label}]", kernel=fp8_gemm_kernel, types=types,
             constexprs=dict(A_DIV=8, DENSE=False, GATED=True, HAS_LIMIT=True, ROUTE_W=False, **gated_shapes),
             num_warps=warps, num_stages=3, divisible=("N", "K"),
         ))
         variants.append(KernelVariant(
-            name=f"fp8_gemm[moe_down,{label}]", kernel=fp8_gemm_kernel, types={**types, "out_ptr": "*fp32"},
+            name=f"fp8_gemm[bf16,moe_down,{label}]", kernel=fp8_gemm_kernel, types={**types, "out_ptr": "*fp32"},
             constexprs=dict(A_DIV=1, DENSE=False, GATED=False, HAS_LIMIT=False, ROUTE_W=True, **shapes),
             num_warps=warps, num_stages=3, divisible=("N", "K"),
         ))
-    return variants
+    return fp32_twins(variants)  # x in fp32: only the output dtype changes (activations go to fp8)

@@ -232,6 +232,7 @@ def aot_variants(arch: int) -> list[KernelVariant]:
         ("bf16", 8, "decode", 8, False), ("bf16", 65536, "prefill", 8, False),
         ("fp32", 8, "decode", 8, False), ("fp32", 65536, "prefill", 8, False),
         ("bf16", 6, "v4,decode", 6, True), ("bf16", 49152, "v4,prefill", 6, True),
+        ("fp32", 6, "v4,decode", 6, True), ("fp32", 49152, "v4,prefill", 6, True),
     ):
         cfg = experts_config(pairs, 256, 4 if dtype == "fp32" else 2)
         label = f"{dtype},{label}"
