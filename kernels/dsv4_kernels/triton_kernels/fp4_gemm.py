@@ -53,16 +53,18 @@ def fp4_gemm_kernel(
     else:
         expert = tl.load(block_expert_ptr + pid_m)
         rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    r_mask = rows < num_rows
-    prow = rows.to(tl.int64)  # row * stride can pass 2**31 on long prefills
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
     if ROUTE_W:
         if expert == -2:  # moe_experts.ZERO_BLOCK: other ranks' pairs add zero rows to the sum
-            tl.store(out_ptr + prow[:, None] * stride_o + offs_n[None, :],
-                     tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])
+            z_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + z_cols[None, :],
+                     tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty),
+                     mask=(rows < num_rows)[:, None] & (z_cols < N)[None, :])
     if expert >= 0:
+        r_mask = rows < num_rows
+        prow = rows.to(tl.int64)  # row * stride can pass 2**31 on long prefills
         a_rows = prow // A_DIV
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         ws_base = w_s_ptr + expert.to(tl.int64) * stride_wse
         HALF: tl.constexpr = BLOCK_K // 2
@@ -110,13 +112,12 @@ def fp4_gemm_kernel(
 def fp4_blocks(rows: int, gated: bool = False, elem_size: int = 2) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps). bf16 activations: fp8_gemm's tiles. fp32 activations
     (float32 engines) make the dots FMA work on fp32 tiles, which spilled 312-4,888 bytes a
-    thread at those tiles: narrower M and N tiles (the same BLOCK_M gated or not: the pairs are
-    aligned on it once for both expert GEMMs)."""
+    thread at those tiles, and still 32-320 at 16-32 rows on 4 warps (AOT report): 16-row tiles on
+    8 warps at every size (the same BLOCK_M gated or not: the pairs are aligned on it once for
+    both expert GEMMs)."""
     if elem_size <= 2:
         return gemm_blocks(rows, gated)
-    if rows <= 16:
-        return (16, 16, 4) if gated else (16, 32, 4)
-    return (32, 16, 4) if gated else (32, 32, 4)
+    return (16, 16, 8) if gated else (16, 32, 8)
 
 
 def _launch(a, w, w_s, out, route_w, rows, block_expert, num_rows, n, *, a_div, dense, gated, limit,

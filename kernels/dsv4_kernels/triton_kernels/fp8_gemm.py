@@ -75,16 +75,18 @@ def fp8_gemm_kernel(
     else:
         expert = tl.load(block_expert_ptr + pid_m)
         rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    r_mask = rows < num_rows
-    prow = rows.to(tl.int64)  # row * stride can pass 2**31 on long prefills
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
     if ROUTE_W:
         if expert == -2:  # moe_experts.ZERO_BLOCK: other ranks' pairs add zero rows to the sum
-            tl.store(out_ptr + prow[:, None] * stride_o + offs_n[None, :],
-                     tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty), mask=r_mask[:, None] & n_mask[None, :])
+            z_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + z_cols[None, :],
+                     tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty),
+                     mask=(rows < num_rows)[:, None] & (z_cols < N)[None, :])
     if expert >= 0:
+        r_mask = rows < num_rows
+        prow = rows.to(tl.int64)  # row * stride can pass 2**31 on long prefills
         a_rows = prow // A_DIV
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
         w_base = w_ptr + expert.to(tl.int64) * stride_we
         ws_base = w_s_ptr + expert.to(tl.int64) * stride_wse
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

@@ -40,14 +40,12 @@ def v4_attn_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_COMP: tl.constexpr, SPARSE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    # Axis 0 walks (token, head block) with a token's head blocks adjacent (they read the same
-    # keys, mostly from L2); axes 1 and 2 of a CUDA grid stop at 65,535, axis 0 does not, so
-    # extend steps of any length launch.
-    head_blocks = tl.cdiv(num_heads, BLOCK_H)
-    pid = tl.program_id(0)
-    pid_h = pid % head_blocks
-    t = pid // head_blocks
+    # Tokens on axis 0: axes 1 and 2 of a CUDA grid stop at 65,535, axis 0 does not, so extend
+    # steps of any length launch. (Decoding over (token, head block) in one axis cost 8 bytes
+    # of spill on sm_90 for the div/mod; a decode grid is one wave, so the order is free.)
+    t = tl.program_id(0)
     pid_s = tl.program_id(1)
+    pid_h = tl.program_id(2)
 
     p = tl.load(positions_ptr + t).to(tl.int32)
     b = tl.load(token_req_ptr + t)
@@ -195,9 +193,9 @@ def _occupancy_key(q, cfg, comp_kv, comp_idx) -> tuple:
     return ("v4_attn", cfg, q.dtype, q.shape[-1], comp_kv is not None, comp_idx is not None, q.device)
 
 
-def attn_grid(tokens: int, head_blocks: int, num_splits: int) -> tuple[int, int]:
-    """(token x head block, split): tokens ride on axis 0, the only one past 65,535."""
-    return check_grid((tokens * head_blocks, num_splits))
+def attn_grid(tokens: int, head_blocks: int, num_splits: int) -> tuple[int, int, int]:
+    """(token, split, head block): tokens ride on axis 0, the only one past 65,535."""
+    return check_grid((tokens, num_splits, head_blocks))
 
 
 def merge_grid(tokens: int, heads: int) -> tuple[int, int]:
@@ -263,8 +261,8 @@ HEAD_TILE_STEPS = {64: AttnConfig(block_h=32, block_n=32, num_warps=8, programs_
 
 def decode_config(head_dim: int, heads: int, arch: int | None, elem_size: int, tokens: int, sms: int) -> AttnConfig:
     """attn_config, with smaller head tiles while the grid would leave over half the SMs idle:
-    the programs of one token's head tiles read the same keys (adjacent in the grid, so mostly
-    from L2), while a split of the key list costs HBM traffic: every split writes and the merge
+    the programs of one token's head tiles read the same keys (resident together in a decode's
+    single wave, so mostly from L2), while a split of the key list costs HBM traffic: every split writes and the merge
     reads a [heads, hd] fp32 partial, as large as ~100 of the keys it saves at 64 heads (MQA:
     every head shares every key). Batch 64 x 64 heads on 132 SMs: 32 heads a program, no split."""
     cfg = attn_config(head_dim, heads, arch, elem_size)

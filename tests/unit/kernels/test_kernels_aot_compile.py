@@ -53,9 +53,11 @@ def test_kernels_compile_for_hopper_and_blackwell_within_limits():
                                         "v4_indexer_topk[")):
             assert report["pipelined"], report
             assert (report["mma"] != "-") == ("bf16" in report["kernel"]), report
-        # The quantized-weight GEMMs always take tensor cores (fp8 x fp8, or decoded fp4 in bf16).
+        # The quantized-weight GEMMs take tensor cores (fp8 x fp8, or decoded fp4 in bf16); fp4
+        # against fp32 activations asks for exact fp32 products (FMA units), like the fp32 GEMMs.
         if report["kernel"].startswith(("fp8_gemm", "fp4_gemm")):
-            assert report["pipelined"] and report["mma"] != "-", report
+            fma = report["kernel"].startswith("fp4_gemm[fp32")
+            assert report["pipelined"] and (report["mma"] == "-") == fma, report
 
 
 def test_problems_flags_spills_and_shared_memory_overflow():

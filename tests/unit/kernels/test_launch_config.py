@@ -56,7 +56,7 @@ def test_small_shared_parts_never_get_the_64_head_tiles():
 def test_v4_attention_grids_fit_cuda_limits_for_any_token_count(tokens):
     for head_blocks in (1, 2, 4):
         grid = attn_grid(tokens, head_blocks, 3)
-        assert grid[0] == tokens * head_blocks and all(n <= common.MAX_GRID_YZ for n in grid[1:])
+        assert grid == (tokens, 3, head_blocks) and all(n <= common.MAX_GRID_YZ for n in grid[1:])
     assert merge_grid(tokens, 64)[1] == 64
     with pytest.raises(ValueError, match="axis 1"):
         common.check_grid((1, 70_000))
