@@ -102,7 +102,7 @@ def serve(
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8100),
     bootstrap_port: Optional[int] = typer.Option(None, help="Prefill: port of the bootstrap endpoint (default port+1000)."),
-    dtype: str = typer.Option("float32", help="float32 | bfloat16"),
+    dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 (default: bfloat16 on CUDA, float32 on CPU)."),
     served_model_name: Optional[str] = typer.Option(None, help="Name in /v1/models (default: folder name)."),
     kv_pages: Optional[int] = typer.Option(None, help="KV pool size in pages (default: from --kv-memory-gb)."),
     kv_memory_gb: float = typer.Option(1.0, help="KV pool size in GiB when --kv-pages is not given."),
@@ -157,7 +157,7 @@ def serve(
     """Run one engine (monolithic, prefill or decode) with the OpenAI-compatible HTTP API."""
     if role not in ("mono", "prefill", "decode"):
         _fail(f"--role must be mono, prefill or decode, not {role!r}")
-    if dtype not in ("float32", "bfloat16"):
+    if dtype not in (None, "float32", "bfloat16"):
         _fail(f"--dtype must be float32 or bfloat16, not {dtype!r}")
     if kernel_backend not in (None, "torch", "triton"):
         _fail(f"--kernel-backend must be torch or triton, not {kernel_backend!r}")

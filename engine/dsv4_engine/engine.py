@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
+from dsv4_engine.devices import use_device
 from dsv4_engine.engine_args import EngineArgs  # noqa: F401  (its old home)
 from dsv4_engine.kv_cache import KVPool, check_page_size, default_page_size, pages_for_memory
 from dsv4_engine.metrics import EngineMetrics
@@ -144,11 +145,9 @@ class Engine:
             refusal = serving_refusal(args.model, args.role, args.page_size, args.tp_size)
             if refusal:  # before any rank is spawned
                 raise ValueError(refusal)
-            if args.cuda_graph_max_bs:
-                log.info("CUDA graphs off at --tp-size > 1 (each step is broadcast to the other ranks first)")
             self.tp = TPGroup(args.tp_size, asdict(args), args.device)
             self.runner = ModelRunner(args.model, args.dtype, rank_device(args.device, 0), args.kernel_backend,
-                                      tp=self.tp.rank)
+                                      args.cuda_graph_max_bs, tp=self.tp.rank)
         else:
             self.runner = ModelRunner(args.model, args.dtype, args.device, args.kernel_backend, args.cuda_graph_max_bs)
         self.cfg = self.runner.cfg
@@ -168,6 +167,14 @@ class Engine:
             self.tp.announce_pool(num_pages, page_size, args.max_num_seqs)
             self.runner.model = BroadcastForward(self.runner.model, self.tp)
             self.tp.on_failure.append(lambda reason: self.abort(reason=reason, all_=True))
+            self.runner.group = self.tp
+        # Decode graphs are captured now, before the first request (seconds, not a stall of a live
+        # step), and on every rank together at --tp-size > 1; all buckets or none.
+        if args.cuda_graph_max_bs:
+            if self.tp is None:
+                self.runner.capture_graphs(self.pool)
+            elif not self.tp.capture_graphs(args.cuda_graph_max_bs, lambda: self.runner.capture_graphs(self.pool)):
+                self.runner.drop_graphs()
         self.prefix_cache_off = prefix_cache_refusal(specs, args.role, args.enable_prefix_cache)
         self.prefix_cache: Optional[PrefixCache] = (
             PrefixCache(self.pool.allocator, page_size) if self.prefix_cache_off is None else None)
@@ -234,6 +241,7 @@ class Engine:
     # ---- the loop --------------------------------------------------------------------------------
 
     def run(self) -> None:
+        use_device(self.runner.device)  # this thread launches every step's kernels
         while not self._stop.is_set():
             try:
                 self.step()
