@@ -47,8 +47,8 @@ from dsv4_router.body import parse_body, read_limited
 from dsv4_router.migration import BROKEN, REFUSED, TRUNCATED, UNREACHABLE, Resume, allowed_resends
 from dsv4_router.relay import RelayResponse, error_events, first_event_error, split_events, sse
 from dsv4_router.upstream import BROKEN_CONNECTIONS, CONNECTION_FAILURES, Upstreams
-from dsv4_serve import tracing
-from dsv4_serve.tracing import TRACE_HEADERS, Tracing
+from dsv4_wire import tracing
+from dsv4_wire.tracing import TRACE_HEADERS, Tracing
 from dsv4_wire import APIError, Paths, admin_refusal
 
 log = logging.getLogger("dsv4.router")

@@ -50,8 +50,8 @@ from dsv4_serve.chat import ChatOptions, ChatSetup, default_setup, render, tool_
 from dsv4_serve.chat.output import ChatOutput, reasoning_tokens
 from dsv4_serve.protocol import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, _Common, choice_seed,
                                  parse_request)
-from dsv4_serve import tracing
-from dsv4_serve.tracing import Tracing
+from dsv4_wire import tracing
+from dsv4_wire.tracing import Tracing
 from dsv4_wire import APIError, Paths, token_matches
 
 if TYPE_CHECKING:
