@@ -78,6 +78,8 @@ def model_init(
         None, help="Quantize the linear weights: fp8 (block-scaled e4m3, any preset) | fp4-experts (V4 presets: "
         "fp4 routed experts, fp8 elsewhere, as DeepSeek-V4 ships)."
     ),
+    mtp: bool = typer.Option(False, "--mtp", help="Add one multi-token-prediction layer (DeepSeek-V3 presets; "
+                             "num_nextn_predict_layers: 1) for --speculative-algorithm mtp."),
 ) -> None:
     """Write a Hugging Face-format DeepSeek-V3 or -V4 checkpoint (config, safetensors, tokenizer)."""
     from dsv4_engine.checkpoint import PRESETS, init_checkpoint
@@ -85,10 +87,11 @@ def model_init(
     if preset not in PRESETS:
         _fail(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     try:
-        init_checkpoint(out_dir, preset=preset, seed=seed, quant=quant)
+        init_checkpoint(out_dir, preset=preset, seed=seed, quant=quant, mtp=mtp)
     except ValueError as e:
         _fail(str(e))
-    typer.echo(f"wrote {preset} checkpoint (seed {seed}{', ' + quant if quant else ''}) to {out_dir}")
+    typer.echo(f"wrote {preset} checkpoint (seed {seed}{', ' + quant if quant else ''}{', MTP layer' if mtp else ''}) "
+               f"to {out_dir}")
 
 
 @app.command()
@@ -136,6 +139,12 @@ def serve(
     transfer_checksum: bool = typer.Option(False, EngineFlags.TRANSFER_CHECKSUM,
                                            help="PD: checksum every KV/state region of a hand-off; decode verifies "
                                                 "what landed and fails the request on a mismatch."),
+    speculative_algorithm: Optional[str] = typer.Option(
+        None, EngineFlags.SPECULATIVE_ALGORITHM,
+        help="Speculative decoding with the checkpoint's own MTP layer: mtp (aliases EAGLE, NEXTN, deepseek_mtp). "
+             "Off by default; DeepSeek-V3 checkpoints with an MTP layer, --role mono, --tp-size 1."),
+    speculative_num_steps: int = typer.Option(1, EngineFlags.SPECULATIVE_NUM_STEPS, min=1,
+                                              help="Tokens drafted per step with --speculative-algorithm."),
 ) -> None:
     """Run one engine (monolithic, prefill or decode) with the OpenAI-compatible HTTP API."""
     if role not in ("mono", "prefill", "decode"):
@@ -145,6 +154,12 @@ def serve(
     if kernel_backend not in (None, "torch", "triton"):
         _fail(f"--kernel-backend must be torch or triton, not {kernel_backend!r}")
     _check_model_dir(model, quantization=False)
+    from dsv4_engine.spec_decode.options import normalize_algorithm
+
+    try:
+        speculative_algorithm = normalize_algorithm(speculative_algorithm)
+    except ValueError as e:
+        _fail(str(e))
     from dsv4_serve.core_spawn import spawn_core
 
     # The engine core starts importing torch now, beside this process (it waits for its arguments).
@@ -166,6 +181,7 @@ def serve(
             enable_fault_injection=enable_fault_injection, admin_token=admin_token, pd_secret=pd_secret, seed=seed,
             max_request_bytes=max_request_bytes, shutdown_grace=shutdown_grace, transfer_checksum=transfer_checksum,
             enable_prefix_cache=not disable_prefix_cache, tp_size=tp_size,
+            speculative_algorithm=speculative_algorithm, speculative_num_steps=speculative_num_steps,
         ),
         spawned,
     )

@@ -22,3 +22,5 @@ class EngineFlags:
     TRANSFER_CHECKSUM = "--transfer-checksum"
     CUDA_GRAPH_MAX_BS = "--cuda-graph-max-bs"
     TP_SIZE = "--tp-size"
+    SPECULATIVE_ALGORITHM = "--speculative-algorithm"
+    SPECULATIVE_NUM_STEPS = "--speculative-num-steps"
