@@ -80,6 +80,10 @@ def model_init(
     ),
     mtp: bool = typer.Option(False, "--mtp", help="Add one multi-token-prediction layer (DeepSeek-V3 presets; "
                              "num_nextn_predict_layers: 1) for --speculative-algorithm mtp."),
+    train_mtp: bool = typer.Option(False, "--train-mtp",
+                                   help="Implies --mtp: self-distil the MTP layer on the model's own greedy "
+                                        "continuations (a few CPU minutes) so that speculation accepts drafts."),
+    train_steps: int = typer.Option(600, "--train-steps", min=1, help="Optimizer steps of --train-mtp."),
 ) -> None:
     """Write a Hugging Face-format DeepSeek-V3 or -V4 checkpoint (config, safetensors, tokenizer)."""
     from dsv4_engine.checkpoint import PRESETS, init_checkpoint
@@ -87,10 +91,17 @@ def model_init(
     if preset not in PRESETS:
         _fail(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     try:
-        init_checkpoint(out_dir, preset=preset, seed=seed, quant=quant, mtp=mtp)
+        if train_mtp and quant:
+            raise ValueError("--train-mtp trains float weights: write the checkpoint without --quant")
+        init_checkpoint(out_dir, preset=preset, seed=seed, quant=quant, mtp=mtp or train_mtp)
+        if train_mtp:
+            from dsv4_engine.spec_decode.train import train_mtp as train
+
+            report = train(out_dir, steps=train_steps, seed=seed)
+            typer.echo(f"trained the MTP layer: {report}")
     except ValueError as e:
         _fail(str(e))
-    typer.echo(f"wrote {preset} checkpoint (seed {seed}{', ' + quant if quant else ''}{', MTP layer' if mtp else ''}) "
+    typer.echo(f"wrote {preset} checkpoint (seed {seed}{', ' + quant if quant else ''}{', MTP layer' if mtp or train_mtp else ''}) "
                f"to {out_dir}")
 
 
