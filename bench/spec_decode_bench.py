@@ -53,6 +53,7 @@ def main() -> None:
             srv.wait_ready(180)
             for c in a.concurrency:
                 asyncio.run(run_fixed(srv.url, "m", prompts[:2], c, 8))  # warm-up
+                before = httpx.get(srv.url + "/v1/loads").json()["counters"]
                 results, wall = asyncio.run(run_fixed(srv.url, "m", prompts, c, a.max_tokens))
                 s = summarize(results, wall)
                 gaps = [(r.end - r.first_token) / max(1, r.completion_tokens - 1) for r in results if r.ok and r.first_token]
@@ -62,7 +63,17 @@ def main() -> None:
                     baseline[c] = outs
                 s["same_tokens_as_plain"] = baseline.get(c) == outs if c in baseline else None
                 loads = httpx.get(srv.url + "/v1/loads").json()
-                s["speculative"] = loads.get("speculative")
+                after = loads["counters"]
+
+                def delta(key: str) -> float:
+                    return after.get(key, 0) - before.get(key, 0)
+
+                s["speculative"] = loads.get("speculative")  # the server's totals since it started
+                if k:  # this run's own figures
+                    steps, drafts = delta("spec_decode_num_verify_steps"), delta("spec_decode_num_draft_tokens")
+                    accepted = delta("spec_decode_num_accepted_tokens")
+                    s["mean_acceptance_length"] = round(1 + accepted / steps, 4) if steps else None
+                    s["draft_acceptance_rate"] = round(accepted / drafts, 4) if drafts else None
                 s.update(num_steps=k, concurrency=c)
                 report["runs"].append(s)
                 print(k, c, s, flush=True)
@@ -75,14 +86,13 @@ def main() -> None:
     groups = [f"c{c}" for c in a.concurrency]
 
     def series(key):
-        return {("plain" if k == 0 else f"mtp K={k}"): [next((r[key] for r in report["runs"]
+        return {("plain" if k == 0 else f"mtp K={k}"): [next((r.get(key) for r in report["runs"]
                                                          if r["num_steps"] == k and r["concurrency"] == c), None)
                                                     for c in a.concurrency] for k in a.steps}
 
     grouped_bars(axes[0], groups, series("output_tok_s"), "output tok/s (higher is better)", "tok/s")
     grouped_bars(axes[1], groups, series("itl_mean_ms"), "mean inter-token latency (lower is better)", "ms")
-    acc = {lbl: [None if v is None else v.get("mean_acceptance_length") for v in vals]
-           for lbl, vals in series("speculative").items() if lbl != "plain"}
+    acc = {lbl: vals for lbl, vals in series("mean_acceptance_length").items() if lbl != "plain"}
     grouped_bars(axes[2], groups, acc, "mean acceptance length (tokens / verify step)", "tokens")
     fig.suptitle(f"MTP speculative decoding, {a.model.rstrip('/').split('/')[-1]}, {a.max_tokens} tokens "
                  f"(shared 2-core CPU: noisy)", fontsize=10)

@@ -55,7 +55,7 @@ def request_refusal(params) -> Optional[str]:
                           ("min_tokens", params.min_tokens > 0)):
         if active:
             return f"{field} is not supported with --speculative-algorithm mtp yet"
-    for field in ("structured_outputs", "grammar", "guided_decoding", "response_format"):
-        if getattr(params, field, None):
-            return f"{field} is not supported with --speculative-algorithm mtp yet"
+    if getattr(params, "structured", None) is not None:  # response_format / structured_outputs / guided_*
+        return "structured outputs (response_format, structured_outputs, guided_*) are not supported with " \
+               "--speculative-algorithm mtp yet"
     return None

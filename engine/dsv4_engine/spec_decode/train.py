@@ -143,7 +143,7 @@ def _hidden_and_logits(model, seq: list[int]) -> tuple[torch.Tensor, torch.Tenso
     return h.float(), F.linear(h, model.lm_head).float()
 
 
-def train_mtp(model_dir: str | Path, steps: int = 600, num_prompts: int = 96, prompt_len: int = 24,
+def train_mtp(model_dir: str | Path, steps: int = 600, num_prompts: int = 128, prompt_len: int = 24,
               new_tokens: int = 96, lr: float = 2e-3, seed: int = 0, batch: int = 2) -> dict:
     """Train the checkpoint's MTP layer in place (model.safetensors rewritten); returns a report
     (steps, seconds, held-out next-next-token agreement with the target before and after)."""
