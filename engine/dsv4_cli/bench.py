@@ -124,6 +124,22 @@ def prefix(
     ))
 
 
+@app.command("grammar")
+def grammar(
+    model: Optional[Path] = typer.Option(None, help="Checkpoint folder (default: made from --preset)."),
+    preset: Optional[str] = typer.Option(None, help="Preset for the default model (default: mla512; tiny with --quick)."),
+    concurrency: List[int] = typer.Option([], help="Concurrent requests, repeat for several (default: 1 8 32)."),
+    steps: Optional[int] = typer.Option(None, help="Decode steps timed per side and repeat (default: 24)."),
+    repeats: Optional[int] = typer.Option(None, help="Alternating runs per side, the best counts (default: 2)."),
+    out: Optional[Path] = typer.Option(None, help="Results folder (default: bench/results, bench/results/quick with --quick)."),
+    seed: Optional[int] = typer.Option(None, help="Seed of the default model (default: 0)."),
+    quick: bool = typer.Option(False, "--quick", help=QUICK_HELP),
+) -> None:
+    """Structured outputs' cost: grammar engines' compile and mask times, and the grammar's work per decode step at c1/c8/c32 (grammar.json + grammar.png)."""
+    run_script("grammar_bench.py", dict(model=model, preset=preset, concurrency=concurrency or None, steps=steps,
+                                        repeats=repeats, out=out, seed=seed, quick=quick or None))
+
+
 @app.command("pd")
 def pd(
     model: Optional[Path] = typer.Option(None, help="Checkpoint folder (default: made from --preset)."),

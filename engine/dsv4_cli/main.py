@@ -58,8 +58,12 @@ def _default_model() -> Path:
     """The tiny model, built once into the cache folder (what `dsv4 up` serves by default)."""
     from dsv4_operator.local import cache_dir
 
+    from dsv4_wire.chat_tokens import TOOL_SEP
+
     out = cache_dir() / "models" / "tiny-0"
-    if not (out / "config.json").exists():
+    tok = out / "tokenizer.json"
+    # a cache from before the chat markers were added to the tokenizer is rebuilt (agents need them)
+    if not (out / "config.json").exists() or not tok.is_file() or TOOL_SEP not in tok.read_text(encoding="utf-8"):
         from dsv4_engine.checkpoint import init_checkpoint
 
         typer.echo(f"dsv4 up: building the tiny model into {out}", err=True)
@@ -112,7 +116,7 @@ def serve(
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8100),
     bootstrap_port: Optional[int] = typer.Option(None, help="Prefill: port of the bootstrap endpoint (default port+1000)."),
-    dtype: str = typer.Option("float32", help="float32 | bfloat16"),
+    dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 (default: bfloat16 on CUDA, float32 on CPU)."),
     served_model_name: Optional[str] = typer.Option(None, help="Name in /v1/models (default: folder name)."),
     kv_pages: Optional[int] = typer.Option(None, help="KV pool size in pages (default: from --kv-memory-gb)."),
     kv_memory_gb: float = typer.Option(1.0, help="KV pool size in GiB when --kv-pages is not given."),
@@ -150,6 +154,19 @@ def serve(
     transfer_checksum: bool = typer.Option(False, EngineFlags.TRANSFER_CHECKSUM,
                                            help="PD: checksum every KV/state region of a hand-off; decode verifies "
                                                 "what landed and fails the request on a mismatch."),
+    chat_template: Optional[Path] = typer.Option(
+        None, EngineFlags.CHAT_TEMPLATE, help="A Jinja chat template file used instead of the checkpoint's chat "
+                                              "format (as vLLM's flag)."),
+    tool_call_parser: Optional[str] = typer.Option(
+        None, EngineFlags.TOOL_CALL_PARSER,
+        help="How tool calls are read from the model's output: deepseek_v3, deepseek_v31, deepseek_v32, deepseek_v4 "
+             "(SGLang's deepseekv31 etc. too; default: the checkpoint's format)."),
+    reasoning_parser: Optional[str] = typer.Option(
+        None, EngineFlags.REASONING_PARSER,
+        help="How reasoning is split from the answer: deepseek-r1, deepseek-v3, deepseek-v4 (default: the "
+             "checkpoint's format)."),
+    otlp_traces_endpoint: Optional[str] = typer.Option(None, help="Export OpenTelemetry traces (OTLP/HTTP) to this URL, "
+                                                       "e.g. http://collector:4318 (off by default)."),
     speculative_algorithm: Optional[str] = typer.Option(
         None, EngineFlags.SPECULATIVE_ALGORITHM,
         help="Speculative decoding with the checkpoint's own MTP layer: mtp (aliases EAGLE, NEXTN, deepseek_mtp). "
@@ -160,15 +177,23 @@ def serve(
     """Run one engine (monolithic, prefill or decode) with the OpenAI-compatible HTTP API."""
     if role not in ("mono", "prefill", "decode"):
         _fail(f"--role must be mono, prefill or decode, not {role!r}")
-    if dtype not in ("float32", "bfloat16"):
+    if dtype not in (None, "float32", "bfloat16"):
         _fail(f"--dtype must be float32 or bfloat16, not {dtype!r}")
     if kernel_backend not in (None, "torch", "triton"):
         _fail(f"--kernel-backend must be torch or triton, not {kernel_backend!r}")
     _check_model_dir(model, quantization=False)
+    if chat_template is not None and not chat_template.is_file():
+        _fail(f"{EngineFlags.CHAT_TEMPLATE}: no file {chat_template}")
+    from dsv4_serve.chat.registry import reasoning_parser_name, tool_parser as _tool_parser
+
     from dsv4_engine.spec_decode.options import normalize_algorithm
 
     try:
         speculative_algorithm = normalize_algorithm(speculative_algorithm)
+        if tool_call_parser is not None:
+            _tool_parser(tool_call_parser)
+        if reasoning_parser is not None:
+            reasoning_parser_name(reasoning_parser)
     except ValueError as e:
         _fail(str(e))
     from dsv4_serve.core_spawn import spawn_core
@@ -193,6 +218,9 @@ def serve(
             max_request_bytes=max_request_bytes, shutdown_grace=shutdown_grace, transfer_checksum=transfer_checksum,
             enable_prefix_cache=not disable_prefix_cache, tp_size=tp_size,
             speculative_algorithm=speculative_algorithm, speculative_num_steps=speculative_num_steps,
+            chat_template=str(chat_template) if chat_template is not None else None,
+            tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+            otlp_traces_endpoint=otlp_traces_endpoint,
         ),
         spawned,
     )
@@ -216,6 +244,12 @@ def router(
     max_body_bytes: int = typer.Option(16 * 1024 * 1024, min=1, help="Largest request body accepted (413 beyond)."),
     health_timeout: float = typer.Option(2.0, min=0.1, help="Seconds one /ready check of a worker may take."),
     request_timeout: float = typer.Option(600.0, min=1.0, help="Seconds an engine may stay silent on a request."),
+    migration_limit: int = typer.Option(3, min=0, help="Times a request whose engine failed it mid-answer is sent again "
+                                        "(with its answer so far) to another engine; 0: off."),
+    migration_timeout: float = typer.Option(60.0, min=0.1, help="Seconds a request may spend, in all, being moved to "
+                                            "another engine (waiting for one to be healthy included)."),
+    otlp_traces_endpoint: Optional[str] = typer.Option(None, help="Export OpenTelemetry traces (OTLP/HTTP) to this URL, "
+                                                       "e.g. http://collector:4318 (off by default)."),
 ) -> None:
     """Run the PD router: OpenAI API front, pairs prefill + decode per request.
 
@@ -233,6 +267,8 @@ def router(
             health_interval=health_interval, admin_token=admin_token, pd_secret=pd_secret,
             max_inflight=max_inflight, max_queue=max_queue, queue_timeout=queue_timeout,
             max_body_bytes=max_body_bytes, health_timeout=health_timeout, request_timeout=request_timeout,
+            migration_limit=migration_limit, migration_timeout=migration_timeout,
+            otlp_traces_endpoint=otlp_traces_endpoint,
         )
     )
 

@@ -22,11 +22,12 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from dsv4_engine.tokenizer import BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN, SPECIAL_TOKENS
+from dsv4_wire.chat_tokens import CHAT_ADDED_TOKENS
 
 if TYPE_CHECKING:
     import torch
 
-TOKENIZER_VOCAB_SIZE = 512  # 256 bytes + 4 special tokens + 252 merges learned from the corpus
+TOKENIZER_VOCAB_SIZE = 512  # 256 bytes + 4 special tokens + 240 merges learned from the corpus + 12 chat markers
 
 # Fields every preset shares, named as in DeepSeek-V3's config.json (small MoE: 8 experts, top-2).
 _COMMON = {
@@ -433,16 +434,21 @@ def corpus_lines() -> list[str]:
 def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> BackendTokenizer:
     """A byte-level BPE learned from the shipped corpus (deterministic: same corpus, same merges).
     Byte-level means every string is encodable; the post-processor prepends bos, as DeepSeek's does."""
+    from tokenizers import AddedToken
+
     tok = BackendTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(CHAT_ADDED_TOKENS),
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(corpus_lines(), trainer=trainer)
+    # DeepSeek's thinking and tool-call markers, as the releases have them: single tokens that are
+    # not "special" (a decode that skips special tokens keeps them, so the parsers see them).
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in CHAT_ADDED_TOKENS])
     bos_id = tok.token_to_id(BOS_TOKEN)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B", special_tokens=[(BOS_TOKEN, bos_id)]

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
+from dsv4_engine.devices import use_device
 from dsv4_engine.engine_args import EngineArgs  # noqa: F401  (its old home)
 from dsv4_engine.kv_cache import KVPool, check_page_size, default_page_size, pages_for_memory
 from dsv4_engine.metrics import EngineMetrics
@@ -144,11 +145,9 @@ class Engine:
             refusal = serving_refusal(args.model, args.role, args.page_size, args.tp_size)
             if refusal:  # before any rank is spawned
                 raise ValueError(refusal)
-            if args.cuda_graph_max_bs:
-                log.info("CUDA graphs off at --tp-size > 1 (each step is broadcast to the other ranks first)")
             self.tp = TPGroup(args.tp_size, asdict(args), args.device)
             self.runner = ModelRunner(args.model, args.dtype, rank_device(args.device, 0), args.kernel_backend,
-                                      tp=self.tp.rank)
+                                      args.cuda_graph_max_bs, tp=self.tp.rank)
         else:
             self.runner = ModelRunner(args.model, args.dtype, args.device, args.kernel_backend, args.cuda_graph_max_bs)
         self.cfg = self.runner.cfg
@@ -174,6 +173,14 @@ class Engine:
             self.tp.announce_pool(num_pages, page_size, args.max_num_seqs)
             self.runner.model = BroadcastForward(self.runner.model, self.tp)
             self.tp.on_failure.append(lambda reason: self.abort(reason=reason, all_=True))
+            self.runner.group = self.tp
+        # Decode graphs are captured now, before the first request (seconds, not a stall of a live
+        # step), and on every rank together at --tp-size > 1; all buckets or none.
+        if args.cuda_graph_max_bs:
+            if self.tp is None:
+                self.runner.capture_graphs(self.pool)
+            elif not self.tp.capture_graphs(args.cuda_graph_max_bs, lambda: self.runner.capture_graphs(self.pool)):
+                self.runner.drop_graphs()
         self.prefix_cache_off = prefix_cache_refusal(specs, args.role, args.enable_prefix_cache)
         self.prefix_cache: Optional[PrefixCache] = (
             PrefixCache(self.pool.allocator, page_size) if self.prefix_cache_off is None else None)
@@ -206,6 +213,7 @@ class Engine:
         # Called on the engine thread after every step: an out-of-process front end sends the
         # outputs the step's sinks collected as one message instead of one per token.
         self.after_step: Optional[Callable[[], None]] = None
+        self._grammars = None  # structured outputs' GrammarCompiler, made on the first request that asks
         # False: outputs carry token ids only, and stop strings are judged by whoever turns them
         # into text (the HTTP process; it ends the request with `finish(seq, "stop")`).
         self.detokenize = True
@@ -243,6 +251,7 @@ class Engine:
     # ---- the loop --------------------------------------------------------------------------------
 
     def run(self) -> None:
+        use_device(self.runner.device)  # this thread launches every step's kernels
         while not self._stop.is_set():
             try:
                 self.step()
@@ -299,11 +308,29 @@ class Engine:
             if refusal:
                 seq.sink(RequestOutput(seq.rid, [], "", True, "error", refusal, 400))
                 return
+        if seq.params.structured is not None:
+            from dsv4_engine.structured.grammar import GrammarError
+
+            try:  # before the request is queued: a grammar we cannot compile is the client's 400
+                seq.grammar = self.grammars.compile(seq.params.structured)
+            except GrammarError as e:
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
+                seq.sink(RequestOutput(seq.rid, [], "", True, "error", f"invalid structured output: {e}", 400,
+                                       len(seq.prompt_ids), 0))
+                return
         if self.detokenize:
             seq.detok = IncrementalDetokenizer(self.tokenizer)
+            if seq.output_ids:  # a continuation: its text so far was shown by the engine it left
+                seq.text = "".join(seq.detok.add(t) for t in seq.output_ids)
+                seq.emitted_text_len = max(0, len(seq.text) - max((len(s) - 1 for s in seq.params.stop), default=0))
         if seq.params.seed is not None or not seq.params.greedy:
             seed = seq.params.seed if seq.params.seed is not None else self.args.seed + len(self.seqs)
             seq.generator = request_generator(seed, self.runner.device)
+            if not seq.params.greedy:
+                # A continuation (a migrated request): its earlier tokens drew from this stream
+                # on another engine; move past those draws so the next token draws what it would have.
+                for _ in seq.output_ids:
+                    skip_draw(seq.generator, self.cfg.vocab_size)
         if seq.share_prefix_of is not None:
             lead = self.seqs.get(seq.share_prefix_of)
             seq.prefix_leader = lead if lead is not None and lead.prompt_ids == seq.prompt_ids else None
@@ -313,6 +340,15 @@ class Engine:
             self.pd.on_new(seq)
         else:
             self.scheduler.add(seq)
+
+    @property
+    def grammars(self):
+        """The grammar compiler (and its cache of compiled grammars) for this model's vocabulary."""
+        if self._grammars is None:
+            from dsv4_engine.structured.grammar import new_compiler
+
+            self._grammars = new_compiler(self.tokenizer.backend, self.cfg.vocab_size, sorted(self.eos_ids))
+        return self._grammars
 
     def fail_request(self, seq: Sequence, what: str, exc: BaseException, code: int = 500) -> None:
         """End one request with an error after something went wrong for it alone."""
@@ -339,7 +375,7 @@ class Engine:
             self.scheduler.release(seq)
         except Exception:
             log.error("freeing pages of %s failed:\n%s", seq.rid, traceback.format_exc())
-        seq.pages, seq.slot = [], None
+        seq.pages, seq.slot, seq.matcher = [], None, None
         if not seq.finished:
             seq.status = SeqStatus.FINISHED
             seq.finish_reason = "error"
@@ -429,6 +465,11 @@ class Engine:
         if seq.params.logprobs is not None:
             seq.output_logprobs.append(logprob if logprob is not None else {"token_id": tok, "logprob": None, "top": []})
         self.metrics.inc("generation_tokens")
+        if seq.grammar is not None and not seq.prefill_only:  # the grammar takes the token, exactly once
+            from dsv4_engine.structured.bitmask import ensure_matcher
+
+            ensure_matcher(seq)
+        seq.matcher = None if seq.prefill_only else seq.matcher  # PD prefill is done with its grammar
         if seq.prefill_only:
             # PD prefill: the first token travels with the KV; decode judges every stop condition.
             self.pd.on_prefill_done(seq)
@@ -461,6 +502,8 @@ class Engine:
     def _stop_reason(self, seq: Sequence, tok: int) -> Optional[str]:
         p = seq.params
         if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
+            return "stop"
+        if seq.matcher is not None and seq.matcher.terminated:  # complete, nothing more allowed
             return "stop"
         if self.detokenize:
             seq.text += seq.detok.add(tok)
@@ -499,6 +542,7 @@ class Engine:
         self.scheduler.release(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        seq.matcher = None  # the grammar state goes with the request
         self.seqs.pop(seq.rid, None)
         if reason in ("stop", "length"):
             self.metrics.observe("e2e_request_latency_seconds", time.monotonic() - seq.arrival)

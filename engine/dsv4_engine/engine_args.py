@@ -14,7 +14,7 @@ from typing import Optional
 class EngineArgs:
     model: str
     role: str = "mono"
-    dtype: str = "float32"
+    dtype: Optional[str] = None  # None: bfloat16 on CUDA, float32 on CPU (model_runner.default_dtype)
     served_model_name: str = "dsv4"
     kv_pages: Optional[int] = None
     kv_memory_gb: float = 1.0

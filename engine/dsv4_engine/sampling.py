@@ -1,5 +1,5 @@
-"""The sampler: logit processing (presence/frequency/repetition penalties, logit_bias,
-min_tokens), greedy, temperature, top-k, top-p, per-request seeds, and log-probabilities for the
+"""The sampler: grammar masks (structured outputs), logit processing (presence/frequency/repetition
+penalties, logit_bias, min_tokens), greedy, temperature, top-k, top-p, per-request seeds, and log-probabilities for the
 requests that ask for them. Its parameters (`SamplingParams`, re-exported here) live in the
 torch-free `dsv4_engine.sampling_params`.
 
@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
 
 import torch
 
 from dsv4_engine.sampling_params import MAX_LOGPROBS, SamplingParams  # noqa: F401  (their old home)
+
+if TYPE_CHECKING:
+    from dsv4_engine.structured.bitmask import StepMask
 
 # What a logprob of -inf is reported as (JSON has no infinity; vLLM reports the same floor).
 LOGPROB_FLOOR = -9999.0
@@ -69,6 +72,29 @@ def logprob_entry(logprobs_row: torch.Tensor, token: int, n: int) -> dict:
     return entry
 
 
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def unpack_bitmask(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[R, W] int32 bit words -> [R, vocab] bool (bit k of word w: token 32*w + k allowed), on
+    the words' device."""
+    shifts = _SHIFTS.get(bits.device)
+    if shifts is None:
+        shifts = _SHIFTS[bits.device] = torch.arange(32, dtype=torch.int32, device=bits.device)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).view(bits.shape[0], -1)[:, :vocab].bool()
+
+
+def apply_token_mask(logits: torch.Tensor, rows: list[int], bits: torch.Tensor) -> torch.Tensor:
+    """`logits` [B, V] with -inf on every token row rows[j]'s mask bits[j] forbids: a new
+    tensor, the other rows copied unchanged. Everything stays on the device (no host read)."""
+    vocab = logits.shape[1]
+    if len(rows) == logits.shape[0]:
+        return logits.masked_fill(~unpack_bitmask(bits, vocab), float("-inf"))
+    idx = torch.tensor(rows).to(logits.device, non_blocking=True)
+    x = logits[idx].masked_fill_(~unpack_bitmask(bits, vocab), float("-inf"))
+    return logits.index_copy(0, idx, x)
+
+
 class TokenHistory(Protocol):
     """What the penalties read of a request: its prompt and the tokens generated so far (a
     `dsv4_engine.sequence.Sequence` is one). `output_ids` only grows while the request lives."""
@@ -118,14 +144,16 @@ def _counts_of(h: TokenHistory, vocab: int, device: torch.device, want_seen: boo
 
 
 def process_logits(logits: torch.Tensor, params: list[SamplingParams],
-                   histories: Optional[Sequence[TokenHistory]], eos_ids: Sequence[int] = ()) -> torch.Tensor:
+                   histories: Optional[Sequence[TokenHistory]], eos_ids: Sequence[int] = (),
+                   may_end: frozenset[int] = frozenset()) -> torch.Tensor:
     """The logits each request samples from, [B, V]: `logits` itself when no request processes
     them (no op at all), else a copy where the rows that do are processed together:
     repetition_penalty (vLLM: over prompt and output, positive logits divided, negative
     multiplied), then presence and frequency penalties (OpenAI: over the output), then
     logit_bias, then min_tokens (EOS and stop token ids to -inf while the output is shorter).
     Everything the host knows (ids, lengths, knobs) is uploaded without waiting; nothing is
-    read back. Without `histories` a request counts as having seen no token."""
+    read back. Without `histories` a request counts as having seen no token. Rows in `may_end`
+    (a complete grammar that admits only a stop token) are not held back by min_tokens."""
     rows = [i for i, p in enumerate(params) if p.processes_logits]
     if not rows:
         return logits
@@ -159,7 +187,7 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams],
         for tok, bias in p.logit_bias.items():
             if 0 <= tok < vocab:  # the API refuses others; an id past the vocab must not reach the device
                 b_flat.append(j * vocab + tok), b_vals.append(bias)
-        if len(h.output_ids) < p.min_tokens:
+        if len(h.output_ids) < p.min_tokens and i not in may_end:
             blocked = {t for t in (*p.stop_token_ids, *(() if p.ignore_eos else eos_ids)) if 0 <= t < vocab}
             m_flat += [j * vocab + t for t in sorted(blocked)]
     flat = x.view(-1)  # x is this step's own contiguous copy
@@ -218,23 +246,34 @@ def skip_draw(generator: torch.Generator, vocab: int) -> None:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[Optional[torch.Generator]],
            histories: Optional[Sequence[TokenHistory]] = None,
-           eos_ids: Sequence[int] = ()) -> list[Union[Sampled, Exception]]:
+           eos_ids: Sequence[int] = (), mask: Optional["StepMask"] = None) -> list[Union[Sampled, Exception]]:
     """One result per row of fp32 logits [B, V]: a Sampled, or the exception that row raised.
     `histories[i]`: row i's prompt and output so far (for the penalties and min_tokens);
-    `eos_ids`: the ids min_tokens holds back besides each request's stop_token_ids.
+    `eos_ids`: the ids min_tokens holds back besides each request's stop_token_ids;
+    `mask`: the grammar masks of the rows with structured output (`dsv4_engine.structured`),
+    applied first, as -inf, so that penalties, logit_bias, min_tokens, temperature, top-k/p and
+    the logprobs all see only the tokens the grammar allows (as vLLM applies its bitmask).
 
     The whole batch is sampled with batched tensor ops and read back to the host once (a
     per-row sampler waits for the GPU several times a row). Logprobs are those of the model's
     raw distribution (log-softmax of the logits before penalties, logit_bias, min_tokens,
-    temperature, top-k and top-p), the choice vLLM documents as its default."""
+    temperature, top-k and top-p; after a grammar's mask), the choice vLLM documents as its default."""
     raw = logits.float()
-    logits = process_logits(raw, params, histories, eos_ids)
+    nan = torch.isnan(raw).any(dim=-1).long() if mask is not None else None  # before -inf hides a NaN
+    if mask is not None:
+        raw = apply_token_mask(raw, mask.rows, mask.bits)
+    logits = process_logits(raw, params, histories, eos_ids, frozenset(mask.may_end) if mask is not None else frozenset())
     out: list[Union[Sampled, Exception, None]] = [None] * len(params)
+    for i, e in (mask.errors.items() if mask is not None else ()):
+        out[i] = SamplingError(f"structured output: {e}")
     for i, (p, gen) in enumerate(zip(params, generators)):
         if gen is not None and not p.greedy and not same_device(gen.device, logits.device):
             out[i] = SamplingError(f"this request's generator is on {gen.device}, its logits on {logits.device}")
     rows = [i for i, p in enumerate(params) if not p.greedy and out[i] is None]
-    parts = [logits.argmax(dim=-1), torch.isnan(raw).any(dim=-1).long()]
+    if mask is None:
+        parts = [logits.argmax(dim=-1), torch.isnan(raw).any(dim=-1).long()]
+    else:  # 2: nothing is left to sample (a grammar row whose every token is masked)
+        parts = [logits.argmax(dim=-1), nan + 2 * torch.isneginf(logits).all(dim=-1).long()]
     if rows:
         tokens, invalid = _sample_rows(logits, params, rows, generators)
         parts += [tokens, invalid.long()]
@@ -246,8 +285,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         if out[i] is not None:
             continue
         try:
-            if nan_rows[i]:
+            if nan_rows[i] & 1:
                 raise SamplingError("the model produced NaN logits for this request")
+            if nan_rows[i] & 2:
+                raise SamplingError("no token is allowed here (the grammar and min_tokens/logit_bias leave none)")
             if p.greedy:
                 tok = greedy[i]
             else:

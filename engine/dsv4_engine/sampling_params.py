@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from dsv4_engine.structured.spec import StructuredSpec
+
 MAX_LOGPROBS = 20  # most alternatives per token a request may ask for (vLLM's default cap)
 MAX_PENALTY = 2.0  # presence/frequency penalties lie in [-2, 2] (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI's range)
@@ -32,6 +34,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM: logits of prompt and generated tokens / (> 0) or * (< 0) it
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
+    # Structured output: the grammar every generated token must follow (None: free text). The
+    # engine core compiles it at admission (dsv4_engine.structured); EOS only where it may end.
+    structured: Optional[StructuredSpec] = None
 
     def validate(self) -> None:
         """Raise ValueError with a user-facing message for parameters we cannot honour."""
@@ -66,6 +71,8 @@ class SamplingParams:
             raise ValueError("min_tokens must be at least 0")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.structured is not None:
+            self.structured.check()
 
     @property
     def greedy(self) -> bool:

@@ -107,6 +107,7 @@ class Scheduler:
         self.running.remove(seq)
         self.release(seq)
         seq.num_computed = 0
+        seq.matcher = None  # grammar state is rebuilt from the output so far when it resumes
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)

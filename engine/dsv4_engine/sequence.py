@@ -57,6 +57,11 @@ class Sequence:
     num_preemptions: int = 0
     prefill_only: bool = False  # PD prefill: stop after the first token, KV goes to decode
     pd: Optional["PDRequestInfo"] = None  # PD bookkeeping (room, peer, deadlines), owned by dsv4_engine.pd
+    # Structured output (dsv4_engine.structured): the compiled grammar, set at admission, and the
+    # request's position in it, built on first use from output_ids and freed when the request
+    # ends or is preempted (rebuilt from output_ids on resume).
+    grammar: Any = None
+    matcher: Any = None
 
     @property
     def num_tokens(self) -> int:

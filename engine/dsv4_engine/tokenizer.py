@@ -133,7 +133,9 @@ class Tokenizer:
         self.eos_ids: list[int] = eos_ids
         self.chat_template = chat_template
         self.add_bos = add_bos and self.bos_id is not None
-        self._jinja_template = None
+        self._added: Optional[list[str]] = None
+        self._added_re = None
+        self._plain: Optional[tokenizers.Tokenizer] = None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -188,23 +190,74 @@ class Tokenizer:
         return self._render_jinja(messages, add_generation_prompt)
 
     def _render_jinja(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        # The environment transformers uses for chat templates: sandboxed, trimmed blocks,
-        # loop controls, and a raise_exception helper that templates call on bad input.
-        if self._jinja_template is None:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        return render_jinja_text(self.chat_template, messages, add_generation_prompt, self.bos_token or "",
+                                 self.eos_token or "")
 
-            def raise_exception(message: str) -> None:
-                raise ValueError(message)
+    @property
+    def added_tokens(self) -> list[str]:
+        """Every added (special or not) token's text, longest first: what a rendered prompt may spell."""
+        if self._added is None:
+            self._added = sorted((t.content for t in self.backend.get_added_tokens_decoder().values()), key=len,
+                                 reverse=True)
+        return self._added
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
-            env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-            env.globals["raise_exception"] = raise_exception
-            self._jinja_template = env.from_string(self.chat_template)
-        return self._jinja_template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-        )
+    def encode_plain(self, text: str) -> list[int]:
+        """`text` as plain text: a special token's spelling inside it is encoded character by
+        character, never as the special token (client-supplied text must not forge turns)."""
+        if self._plain is None:
+            spec = json.loads(self.backend.to_str())
+            spec["added_tokens"] = []
+            self._plain = tokenizers.Tokenizer.from_str(json.dumps(spec))
+        return self._plain.encode_batch([text], add_special_tokens=False)[0].ids if text else []
+
+    def encode_pieces(self, pieces: Iterable[tuple[str, bool]]) -> list[int]:
+        """A rendered chat prompt -> ids. Trusted pieces (the renderer's own text) may spell added
+        tokens, which become their ids; everything else (and untrusted pieces) is plain text. Runs
+        of plain text are encoded together, so ids equal encoding the whole prompt the usual way
+        whenever the client's text spells no special token."""
+        import re
+
+        if self._added_re is None:
+            toks = self.added_tokens
+            self._added_re = re.compile("|".join(re.escape(t) for t in toks)) if toks else None
+        ids: list[int] = []
+        run: list[str] = []
+        for text, trusted in pieces:
+            if not trusted or self._added_re is None:
+                run.append(text)
+                continue
+            pos = 0
+            for m in self._added_re.finditer(text):
+                run.append(text[pos:m.start()])
+                ids += self.encode_plain("".join(run))
+                run = []
+                ids.append(self.backend.token_to_id(m.group(0)))
+                pos = m.end()
+            run.append(text[pos:])
+        ids += self.encode_plain("".join(run))
+        return ids
+
+
+_JINJA_CACHE: dict[str, Any] = {}
+
+
+def render_jinja_text(template: str, messages: list[dict], add_generation_prompt: bool, bos_token: str, eos_token: str,
+                      variables: Optional[dict] = None) -> str:
+    """Render a chat template in the environment transformers uses for them: sandboxed, trimmed
+    blocks, loop controls, and a raise_exception helper that templates call on bad input."""
+    compiled = _JINJA_CACHE.get(template)
+    if compiled is None:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = raise_exception
+        compiled = _JINJA_CACHE[template] = env.from_string(template)
+    return compiled.render(**(variables or {}), messages=messages, add_generation_prompt=add_generation_prompt,
+                           bos_token=bos_token, eos_token=eos_token)
 
 
 class IncrementalDetokenizer:

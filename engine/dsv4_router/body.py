@@ -37,6 +37,26 @@ def _depth_ok(obj, limit: int) -> bool:
     return True
 
 
+def _lone_surrogate(obj) -> bool:
+    """Whether any string (key or value) holds a lone UTF-16 surrogate: JSON's \\ud800 escapes
+    decode to one in Python, but it is no character, cannot be encoded as UTF-8 to forward, and
+    the engines refuse it (400)."""
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, str):
+            try:
+                o.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(o, dict):
+            stack.extend(o.keys())
+            stack.extend(o.values())
+        elif isinstance(o, list):
+            stack.extend(o)
+    return False
+
+
 def parse_body(raw: bytes, max_depth: int = MAX_DEPTH) -> dict:
     """The request's JSON object, or APIError(400). Pure."""
     try:
@@ -51,6 +71,9 @@ def parse_body(raw: bytes, max_depth: int = MAX_DEPTH) -> dict:
         raise APIError("request body must be a JSON object")
     if not _depth_ok(body, max_depth):
         raise APIError(f"request body nests deeper than {max_depth} levels")
+    if _lone_surrogate(body):
+        raise APIError("request body is not valid JSON: a string holds a lone surrogate escape (\\ud800-\\udfff "
+                       "without its pair), which is no Unicode character")
     return body
 
 

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional
@@ -42,8 +44,11 @@ from starlette.requests import ClientDisconnect
 from dsv4_router.admission import Admission, Overloaded, Slot
 from dsv4_router.affinity import ConversationKeys, choose
 from dsv4_router.body import parse_body, read_limited
-from dsv4_router.relay import RelayResponse, error_events, first_event_error, split_events
+from dsv4_router.migration import BROKEN, REFUSED, TRUNCATED, UNREACHABLE, Resume, allowed_resends
+from dsv4_router.relay import RelayResponse, error_events, first_event_error, split_events, sse
 from dsv4_router.upstream import BROKEN_CONNECTIONS, CONNECTION_FAILURES, Upstreams
+from dsv4_serve import tracing
+from dsv4_serve.tracing import TRACE_HEADERS, Tracing
 from dsv4_wire import APIError, Paths, admin_refusal
 
 log = logging.getLogger("dsv4.router")
@@ -70,6 +75,9 @@ class RouterArgs:
     max_queue: int = 256  # requests waiting for a slot; more get 429
     queue_timeout: float = 30.0  # seconds a request may wait for a slot before 429
     max_body_bytes: int = 16 * 1024 * 1024
+    migration_limit: int = 3  # re-sends of a request whose engine failed it (see migration.py)
+    migration_timeout: float = 60.0  # seconds a request may spend being re-placed, in all
+    otlp_traces_endpoint: Optional[str] = None  # OpenTelemetry export (off when None)
 
 
 @dataclass
@@ -94,10 +102,12 @@ class Worker:
 
 @dataclass
 class Retry:
-    """An attempt that failed before the client saw a byte: what the engine said, if anything."""
+    """An attempt that failed before any output: what the engine said, if anything, and why
+    (a reason of dsv4_router.migration)."""
 
     status: int
     content: bytes
+    reason: str = REFUSED
 
 
 # /ready checks in a row that get no answer (a timeout, not a refused connection) before a
@@ -131,6 +141,8 @@ class RouterMetrics:
         self.inflight = Gauge("dsv4_router:inflight_requests", "Requests holding an admission slot", registry=self.registry)
         self.queued = Gauge("dsv4_router:queued_requests", "Requests waiting for an admission slot", registry=self.registry)
         self.rejected = Counter("dsv4_router:rejected", "Requests refused with 429 (router at its limit)", registry=self.registry)
+        self.migrations = Counter("dsv4:router_migrations", "Requests re-sent to another engine after a failure, by why",
+                                  ["reason"], registry=self.registry)
 
 
 class WorkerPool:
@@ -178,6 +190,7 @@ class Router:
         self.metrics.inflight.set_function(lambda: self.admission.inflight)
         self.metrics.queued.set_function(lambda: self.admission.queued)
         self.up: Optional[Upstreams] = None
+        self.tracing = Tracing(args.otlp_traces_endpoint, "dsv4-router")
         self._tasks: list[asyncio.Task] = []
         self._checking: dict[str, asyncio.Task] = {}
 
@@ -195,6 +208,7 @@ class Router:
             t.cancel()
         if self.up:
             await self.up.aclose()
+        self.tracing.shutdown()
 
     # ---- health ----------------------------------------------------------------------------------
 
@@ -273,10 +287,11 @@ class Router:
             return Response(status_code=499)
         for k in ROUTER_FIELDS:
             body.pop(k, None)
+        trace_in = {k: http.headers[k] for k in TRACE_HEADERS if k in http.headers}
         # A client that hangs up (queued or not) cancels the work: closing the upstream
         # connections is what makes the engines abort (and, through them, the PD peer).
         slot = Slot(self.admission)
-        work = asyncio.ensure_future(self._admitted(path, body, slot))
+        work = asyncio.ensure_future(self._admitted(path, body, slot, trace_in))
         gone = asyncio.ensure_future(self._wait_disconnect(http))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -303,54 +318,141 @@ class Router:
         while (await http.receive())["type"] != "http.disconnect":
             pass
 
-    async def _admitted(self, path: str, body: dict, slot: Slot) -> Response:
+    async def _admitted(self, path: str, body: dict, slot: Slot, trace_in: Optional[dict] = None) -> Response:
         try:
             await slot.acquire()
         except Overloaded as e:
             self.metrics.rejected.inc()
             return self.error(APIError(e.reason, 429, "rate_limit_exceeded", code="router_overloaded"),
                               {"Retry-After": str(e.retry_after)})
-        return await self._route(path, body, slot)
+        return await self._route(path, body, slot, trace_in or {})
 
-    async def _route(self, path: str, body: dict, slot: Slot) -> Response:
+    async def _route(self, path: str, body: dict, slot: Slot, trace_in: dict) -> Response:
         rid = body.get("rid") if isinstance(body.get("rid"), str) else None
         rid = rid or f"{'chatcmpl' if 'chat' in path else 'cmpl'}-{uuid.uuid4().hex}"
-        tried: set[str] = set()
-        last: Optional[Retry] = None
+        st = Resume(rid, body, stream=bool(body.get("stream")), client_wants_ids=body.get("return_token_ids") is True)
+        st.trace_in = trace_in
+        st.span = self.tracing.start("router.request", headers=trace_in, kind="server",
+                                     attributes={"dsv4.rid": rid, "http.route": path, "dsv4.stream": st.stream})
         key = self.keys.key(path, body)
-        for attempt in range(2):
+        handed_off = False
+        try:
+            placed = await self._place(path, st, key)
+            if not isinstance(placed, Leg):
+                return placed
+            if st.stream:
+                handed_off = True
+                return RelayResponse(self._relay(path, st, placed, key), on_close=lambda: self._stream_closed(st, slot))
             try:
-                p, d = self._pair(tried, key)
-            except APIError as e:
-                return self.error(e, {"Retry-After": "2"})
-            tried.update({d.url} | ({p.url} if p else set()))
-            if attempt:
-                self.metrics.retries.inc()
-            result = await self._attempt(path, body, rid if not attempt else f"{rid}-r{attempt}", p, d, slot)
-            if not isinstance(result, Retry):
-                return result
-            last = result
-        if last is not None and last.content:
-            self.metrics.errors.labels(str(last.status)).inc()
-            return Response(last.content, last.status, media_type="application/json")
-        return self.error(APIError("the request failed on two prefill/decode pairs; see the engines' logs", 503, "service_unavailable"),
-                          {"Retry-After": "2"})
+                content = await placed.resp.aread()
+            except httpx.HTTPError as e:  # the body of a non-streaming answer broke off
+                self._connection_failed(placed.d, e)
+                return self.error(APIError(f"the decode engine's answer broke off: {type(e).__name__}", 502, "server_error"))
+            finally:
+                await placed.close()
+            return Response(_with_id(content, st.rid), 200, media_type="application/json")
+        finally:
+            if not handed_off:
+                self._log_moves(st)
 
     def error(self, e: APIError, headers: Optional[dict] = None) -> JSONResponse:
         self.metrics.errors.labels(str(e.status)).inc()
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
-    async def _attempt(self, path: str, body: dict, rid: str, p: Optional[Worker], d: Worker, slot: Slot) -> "Response | Retry":
-        """One try on one pair; Retry means it failed before the first byte."""
-        body = dict(body, rid=rid)
+    async def _place(self, path: str, st: Resume, key: Optional[str], reason: Optional[str] = None,
+                     failed: frozenset = frozenset()) -> "Leg | Response":
+        """Send the request (again, after `reason`, away from the workers in `failed`) until an
+        engine is on its way with it: a Leg, or the final answer (a 4xx, or the one clear error
+        once --migration-limit or --migration-timeout is spent).
+
+        A first send has no time bound of its own (a prefill may queue); re-placing does: the
+        time from each break to the next first event, summed over the request. An engine that
+        cannot even be connected to does not count against the limit (it is out of rotation at
+        once), so a request can wait, within the time bound, for one that is coming back."""
+        a = self.args
+        tried = set(failed)
+        last: Optional[Retry] = None
+        t_break = time.monotonic() if reason is not None else None  # the bound runs from the first failure
+        budget = a.migration_timeout
+        try:
+            while True:
+                if reason is not None:
+                    t_break = t_break or time.monotonic()
+                    budget = a.migration_timeout - st.placing_s - (time.monotonic() - t_break)
+                    if (reason != UNREACHABLE and st.resends >= allowed_resends(a.migration_limit, st.started)) \
+                            or budget <= 0:
+                        return self._gave_up(st, last, budget <= 0)
+                try:
+                    p, d = self._pair(tried, key)
+                except APIError as e:
+                    if reason is None:
+                        return self.error(e, {"Retry-After": "2"})
+                    if budget <= 0.25 or a.migration_limit == 0:
+                        return self._gave_up(st, last, timed_out=a.migration_limit > 0)
+                    await asyncio.sleep(0.25)  # nothing healthy now: wait, within the bound, for one to come back
+                    continue
+                tried.update({d.url} | ({p.url} if p else set()))
+                if reason is not None:
+                    tracing.event(st.span, "migration", reason=reason, tokens_carried=len(st.tokens), attempt=st.attempts)
+                    st.reasons.append(f"{reason} after {len(st.tokens)} token(s)")
+                    st.resends += reason != UNREACHABLE  # an engine that was never reached costs only time
+                    self.metrics.migrations.labels(reason).inc()
+                    if not st.started:
+                        self.metrics.retries.inc()
+                body = st.attempt_body()
+                st.attempts += 1
+                span = self.tracing.start("router.attempt", parent=st.span, attributes={
+                    "dsv4.attempt": st.attempts, "dsv4.decode": d.url, "dsv4.prefill": p.url if p else None,
+                    "dsv4.migration_reason": reason, "dsv4.continuation_tokens": len(st.tokens)})
+                opening = self._open(path, body, p, d, span, st.trace_in)
+                try:
+                    result = await (opening if reason is None else asyncio.wait_for(opening, max(budget, 0.01)))
+                except BaseException as e:
+                    tracing.end(span, error=type(e).__name__)
+                    raise
+                if not isinstance(result, Retry):
+                    if not isinstance(result, Leg):
+                        tracing.end(span, error=f"answered {result.status_code}")
+                    return result
+                tracing.end(span, error=f"failed: {result.reason} ({result.status})")
+                last = result
+                if result.reason == UNREACHABLE:
+                    tried.discard(d.url)  # out of rotation now; welcome back once /ready passes
+                reason = result.reason
+        except asyncio.TimeoutError:
+            return self._gave_up(st, last, True)
+        finally:
+            if t_break is not None:
+                st.placing_s += time.monotonic() - t_break
+
+    def _gave_up(self, st: Resume, last: Optional[Retry], timed_out: bool) -> Response:
+        if last is not None and last.content and not st.started and not timed_out:
+            self.metrics.errors.labels(str(last.status)).inc()
+            return Response(last.content, last.status, media_type="application/json")
+        why = (f"no engine took it over within --migration-timeout ({self.args.migration_timeout:g}s)" if timed_out
+               else f"it failed on {st.attempts} engine(s) (--migration-limit {self.args.migration_limit})")
+        return self.error(APIError(f"the request could not be completed: {why}; see the engines' logs", 503,
+                                   "service_unavailable"), {"Retry-After": "2"})
+
+    def _log_moves(self, st: Resume) -> None:
+        tracing.end(st.span, migrations=len(st.reasons), completion_tokens_relayed=len(st.tokens) if st.stream else None)
+        st.span = None
+        if st.reasons:
+            log.info("request %s: migrations=%d (%s), %.2fs re-placing", st.rid, len(st.reasons), "; ".join(st.reasons),
+                     st.placing_s)
+
+    async def _open(self, path: str, body: dict, p: Optional[Worker], d: Worker, span=None,
+                    trace_in: Optional[dict] = None) -> "Leg | Response | Retry":
+        """One send to one pair, up to the decode's first event: a Leg on its way, a final
+        answer (4xx), or a Retry (failed before any output)."""
         prefill: Optional[asyncio.Task] = None
         if p is not None:
             body.update(bootstrap_host=p.host, bootstrap_port=p.bootstrap_port, bootstrap_room=random.getrandbits(63))
             leg = {k: v for k, v in body.items() if k != "stream_options"}  # stream_options needs stream
-            prefill = asyncio.create_task(self._prefill(path, dict(leg, stream=False), p))
+            prefill = asyncio.create_task(self._prefill(path, dict(leg, stream=False), p, span, trace_in))
         d.inflight += 1
         self.metrics.worker_requests.labels(d.url, d.role).inc()
-        opening = asyncio.create_task(self._open_decode(path, body, d))
+        opening = asyncio.create_task(self._open_decode(path, body, d, self.tracing.headers(span, trace_in)))
         handed_off = False
         try:
             if prefill is not None:
@@ -365,20 +467,13 @@ class Router:
                         if 400 <= status < 500:  # the client's request: every pair would refuse it
                             self.metrics.errors.labels(str(status)).inc()
                             return Response(content, status, media_type="application/json")
-                        return Retry(status or 502, content)
+                        return Retry(status or 502, content, REFUSED)
             opened = await opening
             if not isinstance(opened, tuple):
                 return opened
             resp, chunks, first = opened
-            if body.get("stream"):
-                handed_off = True
-                return RelayResponse(self._relay(first, chunks, d), on_close=lambda: self._stream_closed(resp, d, prefill, slot))
-            content = await resp.aread()
-            await resp.aclose()
-            return Response(content, 200, media_type="application/json")
-        except httpx.HTTPError as e:  # the body of a non-streaming answer broke off
-            self._connection_failed(d, e)
-            return self.error(APIError(f"the decode engine's answer broke off: {type(e).__name__}", 502, "server_error"))
+            handed_off = True
+            return Leg(d, prefill, resp, chunks, first, span=span)
         finally:
             if not opening.done():
                 opening.cancel()  # it closes its response itself
@@ -390,23 +485,25 @@ class Router:
                 if prefill is not None and not prefill.done():
                     prefill.cancel()  # closing the connection aborts the request on prefill
 
-    async def _open_decode(self, path: str, body: dict, d: Worker) -> "tuple[httpx.Response, AsyncIterator[bytes], bytes] | Response | Retry":
+    async def _open_decode(self, path: str, body: dict, d: Worker, headers: Optional[dict] = None
+                           ) -> "tuple[httpx.Response, AsyncIterator[bytes], bytes] | Response | Retry":
         """Send to decode and read up to its first event: (response, its byte stream, first
         bytes) when it is on its way, else the final answer or a Retry."""
         client = self.up.decode
         try:
-            resp = await client.send(client.build_request("POST", f"{d.url}{path}", json=body), stream=True)
+            resp = await client.send(client.build_request("POST", f"{d.url}{path}", json=body, headers=headers),
+                                     stream=True)
         except httpx.HTTPError as e:
             self._connection_failed(d, e)
-            return Retry(502, b"")
+            return Retry(502, b"", UNREACHABLE if isinstance(e, CONNECTION_FAILURES) else BROKEN)
         try:
             if resp.status_code != 200:
                 content = await resp.aread()
                 await resp.aclose()
                 if 400 <= resp.status_code < 500:
                     self.metrics.errors.labels(str(resp.status_code)).inc()
-                    return Response(content, resp.status_code, media_type="application/json")
-                return Retry(resp.status_code, content)
+                    return Response(_with_id(content, body.get("rid")), resp.status_code, media_type="application/json")
+                return Retry(resp.status_code, content, REFUSED)
             if not body.get("stream"):
                 return resp, None, b""
             first = b""
@@ -419,56 +516,120 @@ class Router:
             if err is not None:
                 # failed before producing anything (e.g. the KV transfer): another pair may do
                 await resp.aclose()
-                return Retry(502, err)
+                return Retry(502, err, REFUSED)
             return resp, chunks, first
         except httpx.HTTPError as e:
             await resp.aclose()
             self._connection_failed(d, e)
-            return Retry(502, b"")
+            return Retry(502, b"", BROKEN)
         except BaseException:
             await resp.aclose()
             raise
 
-    async def _prefill(self, path: str, body: dict, p: Worker) -> tuple[int, bytes]:
+    async def _prefill(self, path: str, body: dict, p: Worker, parent=None, trace_in: Optional[dict] = None) -> tuple[int, bytes]:
         """The prefill leg; (0, b"") when the prefill engine could not be reached."""
         p.inflight += 1
         self.metrics.worker_requests.labels(p.url, p.role).inc()
+        span = self.tracing.start("router.prefill_leg", parent=parent, attributes={"dsv4.prefill": p.url})
+        error = None
         try:
-            r = await self.up.prefill.post(f"{p.url}{path}", json=body)
+            r = await self.up.prefill.post(f"{p.url}{path}", json=body, headers=self.tracing.headers(span, trace_in))
+            error = f"answered {r.status_code}" if r.status_code >= 400 else None
             return r.status_code, r.content
         except httpx.HTTPError as e:
+            error = type(e).__name__
             self._connection_failed(p, e)
             return (0, b"") if isinstance(e, CONNECTION_FAILURES) else (502, b"")
+        except BaseException:
+            error = "cancelled"
+            raise
         finally:
             p.inflight -= 1
+            tracing.end(span, error=error)
 
-    async def _relay(self, first: bytes, chunks: AsyncIterator[bytes], d: Worker) -> AsyncIterator[bytes]:
-        # Whole events only: if the stream breaks mid-event, the client gets no half event
-        # before the error event.
-        pending = first
-        try:
-            while True:
-                whole, pending = split_events(pending)
-                if whole:
-                    yield whole
-                chunk = await anext(chunks, None)
-                if chunk is None:
-                    break
-                pending += chunk
-        except httpx.HTTPError as e:
-            # the decode engine died or the connection broke: the client hears it, then [DONE]
-            self._connection_failed(d, e)
-            yield error_events(f"the decode engine's stream broke off: {type(e).__name__}")
-            return
-        if pending:
-            yield pending
+    async def _relay(self, path: str, st: Resume, leg: "Leg", key: Optional[str]) -> AsyncIterator[bytes]:
+        """The client's stream, across every engine the request visits. Whole events only: a
+        stream that breaks mid-event leaves no half event with the client."""
+        st.leg = leg
+        while True:
+            pending, chunks, reason = leg.first, leg.chunks, None
+            try:
+                while reason is None:
+                    whole, pending = split_events(pending)
+                    if whole:
+                        out, what = st.filter(whole)
+                        if out:
+                            yield out
+                        if what == "done":
+                            return
+                        reason = what
+                        if reason is not None:
+                            break
+                    chunk = await anext(chunks, None)
+                    if chunk is None:
+                        reason = TRUNCATED
+                        break
+                    pending += chunk
+            except httpx.HTTPError as e:  # the decode engine died or the connection broke
+                self._connection_failed(leg.d, e)
+                reason = BROKEN
+            failed = frozenset({leg.d.url})
+            await leg.close()
+            st.leg = None
+            if st.finished:  # everything was said but the end: say it
+                yield sse("[DONE]")
+                return
+            placed = await self._place(path, st, key, reason, failed)
+            if not isinstance(placed, Leg):
+                msg = json.loads(placed.body) if placed.body else {}
+                message = msg.get("error", {}).get("message") if isinstance(msg, dict) else None
+                yield error_events(message or "the decode engine's stream broke off", 503)
+                return
+            leg = st.leg = placed
 
-    async def _stream_closed(self, resp: httpx.Response, d: Worker, prefill: Optional[asyncio.Task], slot: Slot) -> None:
-        d.inflight -= 1
+    async def _stream_closed(self, st: Resume, slot: Slot) -> None:
         slot.release()
-        if prefill is not None and not prefill.done():
-            prefill.cancel()
-        await resp.aclose()  # a client that left closes the decode stream: decode aborts
+        self._log_moves(st)
+        leg = getattr(st, "leg", None)
+        if leg is not None:
+            await leg.close()  # a client that left closes the decode stream: decode aborts
+
+
+@dataclass
+class Leg:
+    """One engine (pair) on its way with a request: the decode's response and its prefill leg."""
+
+    d: Worker
+    prefill: Optional[asyncio.Task]
+    resp: httpx.Response
+    chunks: Optional[AsyncIterator[bytes]]
+    first: bytes
+    closed: bool = False
+    span: object = None  # its router.attempt span (tracing on)
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        tracing.end(self.span)
+        self.d.inflight -= 1
+        if self.prefill is not None and not self.prefill.done():
+            self.prefill.cancel()
+        await self.resp.aclose()
+
+
+def _with_id(content: bytes, rid: Optional[str]) -> bytes:
+    """A JSON answer under the client's response id (a re-sent request ran under its own)."""
+    if rid is None:
+        return content
+    try:
+        obj = json.loads(content)
+    except ValueError:
+        return content
+    if isinstance(obj, dict) and "id" in obj and obj["id"] != rid:
+        obj["id"] = rid
+        return json.dumps(obj).encode()
+    return content
 
 
 def _http_url(url: object) -> bool:

@@ -24,6 +24,7 @@ from dataclasses import fields
 from typing import Any, Optional
 
 from dsv4_engine.sampling_params import SamplingParams
+from dsv4_engine.structured.spec import StructuredSpec
 from dsv4_engine.request_output import RequestOutput
 
 INIT, HELLO, FATAL, ADD, ABORT, RPC, OUT, REPLY, FINISH, REFUSED = range(10)
@@ -39,18 +40,27 @@ def loads(data: bytes) -> tuple:
 
 
 def params_row(p: SamplingParams) -> tuple:
-    return tuple(getattr(p, name) for name in _PARAM_FIELDS)
+    row = tuple(getattr(p, name) for name in _PARAM_FIELDS)
+    if p.structured is not None:  # a dataclass: marshal writes only plain values
+        row = tuple(p.structured.row() if name == "structured" else v for name, v in zip(_PARAM_FIELDS, row))
+    return row
 
 
 def params_of(row: tuple) -> SamplingParams:
-    return SamplingParams(**dict(zip(_PARAM_FIELDS, row)))
+    kw = dict(zip(_PARAM_FIELDS, row))
+    if kw.get("structured") is not None:
+        kw["structured"] = StructuredSpec.of_row(kw["structured"])
+    return SamplingParams(**kw)
 
 
 def add_msg(key: int, rid: str, prompt_ids: list[int], params: SamplingParams, pd: Optional[tuple],
-            prefill_only: bool, arrival: float, share_prefix_of: Optional[str] = None) -> tuple:
+            prefill_only: bool, arrival: float, share_prefix_of: Optional[str] = None,
+            output_ids: Optional[list[int]] = None) -> tuple:
     """pd: (bootstrap_host, bootstrap_port, room) for prefill/decode engines, else None;
-    share_prefix_of: the rid of the request's first choice when this is another one (n > 1)."""
-    return (ADD, key, rid, prompt_ids, params_row(params), pd, prefill_only, arrival, share_prefix_of)
+    share_prefix_of: the rid of the request's first choice when this is another one (n > 1);
+    output_ids: the answer so far of a migrated request (the router's continuation)."""
+    return (ADD, key, rid, prompt_ids, params_row(params), pd, prefill_only, arrival, share_prefix_of,
+            list(output_ids or ()))
 
 
 def output_row(key: int, out: RequestOutput) -> tuple:

@@ -32,6 +32,16 @@ class OutputProcessor:
         self._hold = max((len(s) - 1 for s in params.stop), default=0)
         self._longest = max((len(s) for s in params.stop), default=0)
 
+    def resume(self, output_ids: list[int]) -> None:
+        """Continue a migrated request: the state this processor would have after showing
+        `output_ids` (text decoded, the same hold-back still held), nothing of it sent again."""
+        if self.detok is None or not output_ids:
+            return
+        for tok in output_ids:
+            self.text += self.detok.add(tok)
+        self.completion = len(output_ids)
+        self.emitted = max(0, len(self.text) - self._hold)
+
     def process(self, out: RequestOutput) -> RequestOutput:
         if self.detok is None:
             return out

@@ -70,6 +70,9 @@ class EngineRequest:
     prefill_only: bool = False
     arrival: float = field(default_factory=time.monotonic)
     share_prefix_of: Optional[str] = None  # n > 1: the rid of the request's first choice
+    # A migrated request's answer so far (the router's continuation): the engine computes the
+    # prompt and these, and generates what follows, as if it had produced them itself.
+    output_ids: list[int] = field(default_factory=list)
 
 
 def _error_output(rid: str, message: str, code: int, prompt_tokens: int = 0) -> RequestOutput:
@@ -249,7 +252,7 @@ class EngineClient:
         try:
             try:
                 self._send(m.add_msg(key, req.rid, req.prompt_ids, req.params, req.pd, req.prefill_only, req.arrival,
-                                     req.share_prefix_of))
+                                     req.share_prefix_of, req.output_ids))
             except EngineGone:
                 finished = True
                 yield _error_output(req.rid, f"request failed: {self.dead}", 500, len(req.prompt_ids))

@@ -122,11 +122,11 @@ class CoreServer:
         return False
 
     def _add(self, key: int, rid: str, prompt_ids: list, params: tuple, pd, prefill_only: bool, arrival: float,
-             share_prefix_of: Optional[str] = None) -> None:
+             share_prefix_of: Optional[str] = None, output_ids: list = ()) -> None:
         from dsv4_engine.sequence import Sequence
 
         seq = Sequence(rid=rid, prompt_ids=prompt_ids, params=m.params_of(params), arrival=arrival,
-                       share_prefix_of=share_prefix_of)
+                       share_prefix_of=share_prefix_of, output_ids=list(output_ids))
         if pd is not None:
             from dsv4_engine.pd import PDRequestInfo
 

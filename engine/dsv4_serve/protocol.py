@@ -15,6 +15,7 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 from dsv4_engine.sampling_params import MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, MAX_PENALTY, SamplingParams
+from dsv4_engine.structured import spec as structured
 from dsv4_wire.errors import APIError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -67,6 +68,57 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: Optional[str] = Field(None, max_length=256)
+    description: Optional[str] = None
+    schema_: Optional[Union[dict, bool]] = Field(None, alias="schema")
+    strict: Optional[bool] = None  # the schema is always enforced (vLLM does the same)
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON following a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    json_schema: Optional[JSONSchemaFormat] = None
+
+    @field_validator("type")
+    @classmethod
+    def _type(cls, v):
+        if v not in ("text", "json_object", "json_schema"):
+            raise ValueError(f"type {v[:64]!r} is not supported (text, json_object or json_schema)")
+        return v
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` extra: exactly one constraint."""
+
+    model_config = ConfigDict(extra="ignore")
+    json_: Optional[Union[dict, bool, str]] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Optional[str] = None
+    # Knobs that keep their default meaning here (compact JSON, no fallback backend); the others
+    # change the language and are refused rather than ignored.
+    disable_fallback: Optional[bool] = None
+    disable_any_whitespace: Optional[bool] = None
+    disable_additional_properties: Optional[bool] = None
+    whitespace_pattern: Optional[str] = None
+
+
+def _spec(make, param: str) -> structured.StructuredSpec:
+    """A spec built and cheaply checked; any problem is a 400 naming the request field."""
+    try:
+        s = make()
+        s.check()
+        return s
+    except ValueError as e:
+        raise APIError(f"{param}: {e}", param=param) from None
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: Optional[str] = Field(None, max_length=512)
@@ -88,11 +140,24 @@ class _Common(BaseModel):
     logit_bias: Optional[dict[str, float]] = Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
     min_tokens: Optional[int] = Field(None, ge=0, le=INT64_MAX)
     return_token_ids: bool = False
+    # Structured outputs (docs/structured-outputs.md): OpenAI's response_format, vLLM's
+    # structured_outputs and its older guided_* extras; at most one constraint in all.
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputs] = None
+    guided_json: Optional[Union[dict, bool, str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
     # PD: set by the router on the internal requests it sends to prefill and decode engines.
     bootstrap_host: Optional[str] = Field(None, max_length=256)
     bootstrap_port: Optional[int] = Field(None, ge=0, le=65535)
     bootstrap_room: Optional[int] = Field(None, ge=0, le=INT64_MAX)
     rid: Optional[str] = Field(None, min_length=1, max_length=256)
+    # Migration: the router resends a request whose engine failed mid-answer with the tokens it
+    # already streamed; this engine continues from there (same PD-secret rule as bootstrap_*).
+    continuation_token_ids: Optional[list[StrictInt]] = None
 
     @field_validator("stop")
     @classmethod
@@ -137,6 +202,66 @@ class _Common(BaseModel):
         """How many alternatives per token the request wants (None: no logprobs)."""
         return None
 
+    def structured_spec(self) -> Optional[structured.StructuredSpec]:
+        """The one output constraint the request asks for (None: free text); a 400 naming the
+        field for a constraint that is malformed, refused, or given more than once."""
+        found: list[tuple[str, structured.StructuredSpec]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", structured.StructuredSpec("json_object")))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise APIError("response_format.json_schema.schema is required for type json_schema",
+                               param="response_format.json_schema.schema")
+            found.append(("response_format", _spec(lambda: structured.json_schema(rf.json_schema.schema_),
+                                                   "response_format.json_schema.schema")))
+        so = self.structured_outputs
+        if so is not None:
+            if so.whitespace_pattern is not None:
+                raise APIError("structured_outputs.whitespace_pattern is not supported (JSON is generated compact)",
+                               param="structured_outputs.whitespace_pattern")
+            if so.disable_additional_properties:
+                raise APIError("structured_outputs.disable_additional_properties is not supported; set "
+                               "additionalProperties: false in the schema", param="structured_outputs.disable_additional_properties")
+            if so.json_ is not None:
+                found.append(("structured_outputs.json", _spec(lambda: structured.json_schema(so.json_),
+                                                               "structured_outputs.json")))
+            if so.regex is not None:
+                found.append(("structured_outputs.regex", _spec(lambda: structured.StructuredSpec("regex", so.regex),
+                                                                "structured_outputs.regex")))
+            if so.choice is not None:
+                found.append(("structured_outputs.choice", _spec(lambda: structured.choice(so.choice),
+                                                                 "structured_outputs.choice")))
+            if so.grammar is not None:
+                found.append(("structured_outputs.grammar", _spec(lambda: structured.StructuredSpec("ebnf", so.grammar),
+                                                                  "structured_outputs.grammar")))
+            if so.json_object:
+                found.append(("structured_outputs.json_object", structured.StructuredSpec("json_object")))
+            if so.structural_tag is not None:
+                found.append(("structured_outputs.structural_tag",
+                              _spec(lambda: structured.StructuredSpec("structural_tag", so.structural_tag),
+                                    "structured_outputs.structural_tag")))
+        if self.guided_whitespace_pattern is not None:
+            raise APIError("guided_whitespace_pattern is not supported (JSON is generated compact)",
+                           param="guided_whitespace_pattern")
+        if self.guided_decoding_backend not in (None, "", "auto", "xgrammar"):
+            raise APIError(f"guided_decoding_backend {self.guided_decoding_backend[:64]!r} is not served (xgrammar only)",
+                           param="guided_decoding_backend")
+        if self.guided_json is not None:
+            found.append(("guided_json", _spec(lambda: structured.json_schema(self.guided_json), "guided_json")))
+        if self.guided_regex is not None:
+            found.append(("guided_regex", _spec(lambda: structured.StructuredSpec("regex", self.guided_regex),
+                                                "guided_regex")))
+        if self.guided_choice is not None:
+            found.append(("guided_choice", _spec(lambda: structured.choice(self.guided_choice), "guided_choice")))
+        if self.guided_grammar is not None:
+            found.append(("guided_grammar", _spec(lambda: structured.StructuredSpec("ebnf", self.guided_grammar),
+                                                  "guided_grammar")))
+        if len(found) > 1:
+            raise APIError(f"only one output constraint per request; got {', '.join(name for name, _ in found)}",
+                           param=found[1][0])
+        return found[0][1] if found else None
+
     def sampling_params(self, default_max_tokens: int, vocab_size: Optional[int] = None) -> SamplingParams:
         if self.best_of is not None and self.best_of < self.n:
             raise APIError(f"best_of ({self.best_of}) must be at least n ({self.n})", param="best_of")
@@ -168,6 +293,7 @@ class _Common(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=bias,
             min_tokens=self.min_tokens or 0,
+            structured=self.structured_spec(),
         )
         try:
             p.validate()
@@ -206,17 +332,94 @@ class TextPart(BaseModel):
         return self
 
 
+MAX_TOOLS = 512
+MAX_NAME_CHARS = 256
+
+
+def _check_name(name: str, what: str) -> str:
+    # DSML writes names inside an XML-like attribute: quotes, angle brackets and newlines would break it
+    if not name or len(name) > MAX_NAME_CHARS or any(ch in name for ch in '"<>\r\n'):
+        raise ValueError(f"{what} must be 1..{MAX_NAME_CHARS} characters without quotes, angle brackets or newlines")
+    return name
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict] = None
+    strict: Optional[bool] = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        return _check_name(v, "a function name")
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str = "{}"
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v):
+        return _check_name(v, "a tool call's function name")
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: Optional[str] = Field(None, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal[ROLES]  # type: ignore[valid-type]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallIn]] = None  # assistant: the calls it made
+    tool_call_id: Optional[str] = Field(None, max_length=256)  # tool: the call this result answers
+    reasoning_content: Optional[str] = None  # assistant: its reasoning (re-rendered where the format keeps it)
 
     @model_validator(mode="after")
     def _content(self):
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs `content` (a string or a list of text parts)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry `tool_calls`")
         return self
+
+    def as_dict(self) -> dict:
+        """The message as the chat renderers take it (content parts joined)."""
+        d: dict = {"role": self.role, "content": None if self.content is None else self.text()}
+        if self.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                                              "arguments": c.function.arguments}}
+                               for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            d["reasoning_content"] = self.reasoning_content
+        return d
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -230,6 +433,38 @@ class ChatCompletionRequest(_Common):
     add_generation_prompt: bool = True
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: Optional[list[ToolDef]] = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    chat_template_kwargs: Optional[dict] = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]] = None
+
+    @model_validator(mode="after")
+    def _tool_choice(self):
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: no tool named {choice.function.name!r} in `tools`")
+        if choice == "required" and not names:
+            raise ValueError("tool_choice: \"required\" needs `tools`")
+        prev = None
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" and not (prev is not None and (prev.role == "tool" or prev.tool_calls)):
+                raise ValueError(f"messages.{i}: a tool message must follow an assistant message with `tool_calls` "
+                                 "(or another tool message)")
+            prev = m
+        return self
+
+    def thinking(self) -> bool:
+        """Thinking mode: chat_template_kwargs' `thinking` / `enable_thinking`, else on when a
+        reasoning_effort other than "none" is given (off by default, as SGLang)."""
+        kw = self.chat_template_kwargs or {}
+        for key in ("thinking", "enable_thinking"):
+            if key in kw:
+                return bool(kw[key])
+        return self.reasoning_effort not in (None, "none")
 
     @field_validator("max_completion_tokens")
     @classmethod

@@ -38,6 +38,13 @@ def test_http_process_has_no_torch_and_its_core_has(tiny_model, tmp_path):
                                                            "top_logprobs": 1}, timeout=60)
         assert r.status_code == 200 and "[DONE]" in r.text, r.text
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "x", "temperature": -1}).status_code == 400
+        # Structured outputs: the HTTP process checks the fields, the core compiles the grammar.
+        r = httpx.post(f"{url}/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+            timeout=60)
+        assert r.status_code == 200, r.text
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "x", "guided_regex": "(["}, timeout=60).status_code == 400
         for path in ("/metrics", "/v1/loads", "/debug/stacks", "/health", "/v1/models"):
             assert httpx.get(f"{url}{path}", timeout=30).status_code == 200, path
         _assert_torch_only_in_core(info)

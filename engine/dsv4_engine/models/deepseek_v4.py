@@ -411,6 +411,8 @@ class DeepseekV4:
         else:
             out = torch.zeros_like(x)
             for e in torch.unique(ids).tolist():
+                if e < 0:  # another rank's expert (tensor parallel)
+                    continue
                 tok, k = torch.where(ids == e)
                 h = self._swiglu(F.linear(x[tok], L["w13"][e]))
                 out.index_add_(0, tok, (F.linear(h, L["w2"][e]) * wts[tok, k, None]).to(out.dtype))

@@ -89,7 +89,7 @@ class DecodeController(PDController):
             return
         while self.prealloc:
             seq = self.prealloc[0]
-            need = -(-len(seq.prompt_ids) // pool.page_size)
+            need = -(-seq.num_tokens // pool.page_size)  # prompt (+ a continuation's tokens)
             pages = pool.allocator.allocate(need)
             if pages is None:
                 return  # FCFS: wait for pages; the bootstrap deadline bounds the wait
@@ -163,7 +163,7 @@ class DecodeController(PDController):
         m.inc("kv_transfer_bytes", len(seq.pages) * pool.page_nbytes + row)
         m.observe("kv_transfer_latency_seconds", self.clock() - seq.pd.transfer_started)
         seq.pd.state = PDState.SUCCESS
-        seq.num_computed = len(seq.prompt_ids)
+        seq.num_computed = seq.num_tokens
         self.engine.accept_first_token(seq, token, note.get("logprobs"))
 
     def _checksum_failure(self, seq: Sequence, note: dict) -> Optional[str]:

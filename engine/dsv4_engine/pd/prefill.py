@@ -147,7 +147,7 @@ class PrefillController(PDController):
     def _apply_registration(self, seq: Sequence, reg: Registration) -> None:
         seq.pd.peer_url = reg.decode_url  # from here on, a failure is told to this decode
         seq.pd.peer_boot = reg.decode_boot
-        need = -(-len(seq.prompt_ids) // self.engine.pool.page_size)
+        need = -(-seq.num_tokens // self.engine.pool.page_size)  # prompt (+ a continuation's tokens)
         if len(reg.dst_pages) < need:
             self._fail(seq, 500, f"decode reserved {len(reg.dst_pages)} pages, prompt needs {need}", "num_bootstrap_failed_reqs")
             return

@@ -45,6 +45,7 @@ def assert_openai_error(r: httpx.Response, status: int) -> dict:
     b'{"prompt": "x", "max_tokens": ' + b"1" * 5000 + b"}",
     b'{"prompt": ' + b"[" * 3000 + b"]" * 3000 + b"}",
     b"{nope", b"[1, 2]",
+    b'{"prompt": "\\ud800", "max_tokens": 2}',  # a lone surrogate: no character, not forwardable
 ])
 def test_hostile_json_is_400_not_500(routers, raw):
     r = httpx.post(f"{routers['open']}/v1/completions", content=raw, headers={"content-type": "application/json"}, timeout=10)

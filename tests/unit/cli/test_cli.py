@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-COMMANDS = [["model", "init"], ["serve"], ["router"], ["up"], ["operator"], ["bench", "serve"], ["bench", "pd"], ["bench", "nixl"]]
+COMMANDS = [["model", "init"], ["serve"], ["router"], ["up"], ["operator"], ["bench", "serve"], ["bench", "pd"], ["bench", "nixl"], ["bench", "grammar"]]
 
 
 def dsv4(*args: str) -> subprocess.CompletedProcess:
@@ -41,3 +41,11 @@ def test_bad_values():
     assert "unknown preset" in dsv4("model", "init", "/tmp/never", "--preset", "huge").stderr
     r = dsv4("router", "--prefill", "http://127.0.0.1:1")
     assert r.returncode == 2 and "needs at least one --prefill and one --decode" in r.stderr
+
+
+def test_bad_chat_flags_are_one_line(tiny_model):
+    for flags, words in ((["--tool-call-parser", "hermes"], "unknown tool-call parser 'hermes'"),
+                         (["--reasoning-parser", "qwen3"], "unknown reasoning parser 'qwen3'"),
+                         (["--chat-template", "/nonexistent.jinja"], "--chat-template: no file")):
+        r = dsv4("serve", "--model", str(tiny_model), *flags)
+        assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and words in r.stderr, r.stderr

@@ -178,6 +178,9 @@ def test_refusals_at_start(tiny_mtp, tiny_model):
     with pytest.raises(ValueError, match="MTP layer"):
         _engine(tiny_model, True)  # the default tiny preset has no MTP layer
     assert request_refusal(SamplingParams(min_tokens=2)) and request_refusal(SamplingParams()) is None
+    from dsv4_engine.structured.spec import StructuredSpec
+
+    assert "structured outputs" in request_refusal(SamplingParams(structured=StructuredSpec("json_object", "")))
 
 
 def test_accept_greedy():

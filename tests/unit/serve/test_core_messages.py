@@ -13,10 +13,19 @@ def test_a_request_round_trips_with_every_sampling_field():
     params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, seed=-(2**63), stop=["\n\n", "x"],
                             stop_token_ids=[4, 5], ignore_eos=True, logprobs=2)
     msg = m.loads(m.dumps(m.add_msg(9, "cmpl-1", [1, 2, 3], params, ("10.0.0.1", 9100, 2**63 - 1), True, 12.5,
-                                    "cmpl-0")))
-    kind, key, rid, ids, row, pd, prefill_only, arrival, share_prefix_of = msg
+                                    "cmpl-0", [7, 8])))
+    kind, key, rid, ids, row, pd, prefill_only, arrival, share_prefix_of, output_ids = msg
     assert (kind, key, rid, ids, pd, prefill_only, arrival, share_prefix_of) == (
         m.ADD, 9, "cmpl-1", [1, 2, 3], ("10.0.0.1", 9100, 2**63 - 1), True, 12.5, "cmpl-0")
+    assert m.params_of(row) == params
+    assert output_ids == [7, 8]  # a migrated request's answer so far
+
+
+def test_a_structured_output_constraint_round_trips():
+    from dsv4_engine.structured.spec import StructuredSpec
+
+    params = SamplingParams(max_tokens=5, structured=StructuredSpec("json_schema", '{"type": "object"}'))
+    row = m.loads(m.dumps(m.add_msg(1, "r", [1], params, None, False, 0.0)))[4]
     assert m.params_of(row) == params
 
 

@@ -1,0 +1,142 @@
+"""The grammar of a model's native tool-call text, for `tool_choice: "required"` or a named
+function: handed to the engine's structured-output path, it makes even a weak model answer with a
+call our parser reads, to an allowed tool, with arguments valid under the tool's JSON schema.
+
+Imports xgrammar (which imports torch): the engine side only, never the HTTP process.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional, Union
+
+from dsv4_serve.chat.registry import canonical
+from dsv4_wire import chat_tokens as T
+
+_JSON_SEPARATORS = (", ", ": ")  # the spacing json.dumps writes, as the renderers do
+
+
+def _lit(s: str) -> str:
+    return json.dumps(s, ensure_ascii=False)
+
+
+def _allowed(tools: list[dict], tool_choice: Union[str, dict, None]) -> list[dict]:
+    fns = [t["function"] for t in tools]
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        fns = [f for f in fns if f.get("name") == name]
+        if not fns:
+            raise ValueError(f"tool_choice names {name!r}, which is not among the tools")
+    elif tool_choice not in (None, "required", "auto"):
+        raise ValueError(f"no grammar for tool_choice {tool_choice!r}")
+    if not fns:
+        raise ValueError("a tool-call grammar needs at least one tool")
+    return fns
+
+
+def tool_call_grammar(parser_name: str, tools: list[dict], tool_choice: Union[str, dict, None] = "required",
+                      parallel_tool_calls: bool = True, thinking: bool = False) -> str:
+    """An xgrammar EBNF grammar (root rule `root`; load it with `xgrammar.Grammar.from_ebnf`) that
+    admits exactly the model's native text for one call — or, with `parallel_tool_calls`, one or
+    more — to the allowed tools (`tool_choice` "required": any of `tools`; {"type": "function",
+    "function": {"name": N}}: only N), with arguments valid under each tool's `parameters` schema.
+
+    Arguments are JSON with json.dumps' spacing (V3/V3.1), or DSML parameters in the schema's
+    property order with the required ones present (V3.2/V4: string properties raw, without "</",
+    the others as JSON). The text is the whole answer: no prose before the block. With
+    `thinking` (the prompt opened `<think>`), reasoning comes first, up to `</think>`; it may not
+    contain `</` itself (EBNF has no "any text but this string")."""
+    import xgrammar as xg
+
+    grammar = _tool_call_grammar(xg, parser_name, tools, tool_choice, parallel_tool_calls)
+    if not thinking:
+        return str(grammar)
+    reasoning = xg.Grammar.from_ebnf(f'root ::= ([^<] | "<" [^/])* {_lit(T.THINK_END)}')
+    return str(xg.Grammar.concat(reasoning, grammar))
+
+
+def _tool_call_grammar(xg, parser_name: str, tools: list[dict], tool_choice, parallel_tool_calls: bool):
+    fmt = canonical(parser_name)
+    fns = _allowed(tools, tool_choice)
+
+    def ebnf(body: str) -> "xg.Grammar":
+        return xg.Grammar.from_ebnf(f"root ::= {body}")
+
+    def schema_json(schema: Optional[dict]) -> "xg.Grammar":
+        return xg.Grammar.from_json_schema(json.dumps(schema if schema else {"type": "object"}), any_whitespace=False,
+                                           separators=_JSON_SEPARATORS, strict_mode=True)
+
+    if fmt in ("deepseek_v3", "deepseek_v31"):
+        calls = []
+        for fn in fns:
+            if fmt == "deepseek_v31":
+                head = ebnf(_lit(f"{T.TOOL_CALL_BEGIN}{fn['name']}{T.TOOL_SEP}"))
+                tail = ebnf(_lit(T.TOOL_CALL_END))
+            else:
+                head = ebnf(_lit(f"{T.TOOL_CALL_BEGIN}function{T.TOOL_SEP}{fn['name']}\n```json\n"))
+                tail = ebnf(_lit(f"\n```{T.TOOL_CALL_END}"))
+            calls.append(xg.Grammar.concat(head, schema_json(fn.get("parameters")), tail))
+        call = xg.Grammar.union(*calls) if len(calls) > 1 else calls[0]
+        sep = "\n" if fmt == "deepseek_v3" else ""
+        return _block(xg, ebnf, call, _lit(T.TOOL_CALLS_BEGIN), _lit(T.TOOL_CALLS_END), sep, parallel_tool_calls)
+    if fmt in ("deepseek_v32", "deepseek_v4"):
+        block = "function_calls" if fmt == "deepseek_v32" else "tool_calls"
+        d = T.DSML
+        calls = [xg.Grammar.concat(ebnf(_lit(f"<{d}invoke name=\"{fn['name']}\">\n")), _dsml_params(xg, ebnf, fn),
+                                   ebnf(_lit(f"</{d}invoke>"))) for fn in fns]
+        call = xg.Grammar.union(*calls) if len(calls) > 1 else calls[0]
+        return _block(xg, ebnf, call, _lit(f"\n\n<{d}{block}>\n"), _lit(f"\n</{d}{block}>"), "\n",
+                      parallel_tool_calls)
+    raise ValueError(f"no tool-call grammar for parser {parser_name!r}")
+
+
+def _block(xg, ebnf, call, begin: str, end: str, sep: str, parallel: bool):
+    """begin call (sep call)* end, or begin call end."""
+    parts = [ebnf(begin), call]
+    if parallel:
+        more = xg.Grammar.concat(ebnf(_lit(sep)), call) if sep else call
+        # zero or more further calls: a union with the empty string, repeated through a rule
+        parts.append(_star(xg, more))
+    parts.append(ebnf(end))
+    return xg.Grammar.concat(*parts)
+
+
+def _star(xg, g):
+    """g* as a grammar: xgrammar's combinators have no repetition, so spell it through EBNF with g's
+    rules renamed by a round trip (str(concat) keeps them distinct)."""
+    text = str(xg.Grammar.concat(g))
+    # the root of `text` is g; add a repeating root over it
+    renamed = text.replace("root ::=", "star_item ::=", 1)
+    return xg.Grammar.from_ebnf(f"root ::= star_item*\n{renamed}")
+
+
+def _dsml_params(xg, ebnf, fn: dict):
+    """The parameters of one invoke, each followed by a newline; "\n" alone when there are none."""
+    d = T.DSML
+    schema = fn.get("parameters") or {}
+    props: dict = schema.get("properties") or {}
+    required = set(schema.get("required") or [])
+    raw = r'([^<] | "<" [^/])*'
+    items = []
+    for name, sub in props.items():
+        sub = sub if isinstance(sub, dict) else {}
+        if sub.get("type") == "string":
+            if "enum" in sub:
+                value = ebnf("(" + " | ".join(_lit(str(v)) for v in sub["enum"]) + ")")
+            elif "pattern" in sub:
+                value = xg.Grammar.from_regex(sub["pattern"])
+            else:
+                value = ebnf(raw)
+            head = f"<{d}parameter name=\"{name}\" string=\"true\">"
+        else:
+            value = xg.Grammar.from_json_schema(json.dumps(sub or {}), any_whitespace=False,
+                                                separators=_JSON_SEPARATORS, strict_mode=True)
+            head = f"<{d}parameter name=\"{name}\" string=\"false\">"
+        item = xg.Grammar.concat(ebnf(_lit(head)), value, ebnf(_lit(f"</{d}parameter>\n")))
+        items.append(item if name in required else xg.Grammar.union(item, ebnf('""')))
+    if not items:
+        return ebnf(_lit("\n"))
+    seq = xg.Grammar.concat(*items) if len(items) > 1 else items[0]
+    if required & set(props):
+        return seq
+    return xg.Grammar.union(seq, ebnf(_lit("\n")))  # every parameter optional: none at all is "\n"

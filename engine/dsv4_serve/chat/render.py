@@ -1,0 +1,395 @@
+"""Chat messages -> prompt pieces, per DeepSeek model family (pure functions, no tokenizer).
+
+A prompt is a list of pieces `(text, trusted)`. Trusted text is the renderer's own: it may spell
+the family's special tokens, which the encoder turns into their ids. Untrusted text is what the
+client sent (message content, tool schemas, tool-call names and arguments, tool results): it is
+encoded as plain text, so a user cannot forge a turn boundary by typing `<｜Assistant｜>`.
+
+Families (learned from DeepSeek's public templates and reference encoders, written anew here):
+- `deepseek_v31`: DeepSeek-V3.1's template — system text, a `## Tools` section, `<｜User｜>` /
+  `<｜Assistant｜>` turns opened by `</think>` (thinking off) or `<think>` (on), tool calls as
+  `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>JSON<｜tool▁call▁end｜>...`, tool results as
+  `<｜tool▁output▁begin｜>...<｜tool▁output▁end｜>` right after the call.
+- `deepseek_v4` / `deepseek_v32`: the DSML encoding (V4 ships it as Python, not Jinja): tool
+  schemas in the system prompt, calls as a `<｜DSML｜tool_calls>` (V3.2: `function_calls`) block of
+  `invoke`/`parameter` elements, tool results as `<tool_result>` blocks inside the next user
+  turn, `reasoning_effort` as a prefix of the first message, and earlier turns' reasoning dropped
+  unless tools are present.
+- `jinja`: any Jinja template (the checkpoint's, or `--chat-template FILE`), rendered as
+  transformers does, client strings swapped for markers so they stay untrusted.
+
+Rendering is deterministic: the same messages always give the same pieces, and an agent's round
+N+1 (round N's messages + the assistant's reply + tool results) starts with round N's prompt.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from dsv4_wire import chat_tokens as T
+
+Piece = tuple[str, bool]  # (text, trusted)
+
+
+class RenderError(ValueError):
+    """The messages cannot be rendered in this format (a 400 naming `messages`)."""
+
+
+@dataclass
+class ChatOptions:
+    tools: Optional[list[dict]] = None  # OpenAI tool objects; None when tool_choice is "none"
+    thinking: bool = False
+    reasoning_effort: Optional[str] = None
+    add_generation_prompt: bool = True
+    template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs, for Jinja templates
+
+
+@dataclass
+class Rendered:
+    pieces: list[Piece]
+    thinking: bool  # the prompt leaves the model inside a <think> block
+
+    def text(self) -> str:
+        return "".join(t for t, _ in self.pieces)
+
+
+class _Out:
+    def __init__(self) -> None:
+        self.pieces: list[Piece] = []
+
+    def add(self, text: str) -> None:
+        if text:
+            self.pieces.append((text, True))
+
+    def user(self, text: Optional[str]) -> None:
+        if text:
+            self.pieces.append((text, False))
+
+
+def _json(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False)
+
+
+def _function(tool: dict) -> dict:
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(tool.get("function"), dict):
+        raise RenderError("each tool must be {\"type\": \"function\", \"function\": {...}}")
+    return tool["function"]
+
+
+def _calls(m: dict) -> list[dict]:
+    return [c.get("function") or {} for c in (m.get("tool_calls") or [])]
+
+
+# ---- DeepSeek-V3.1 ---------------------------------------------------------------------------
+
+_V31_FORMAT = (
+    "\n\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
+    f"{T.TOOL_CALLS_BEGIN}{T.TOOL_CALL_BEGIN}tool_call_name{T.TOOL_SEP}tool_call_arguments{T.TOOL_CALL_END}"
+    "{additional_tool_calls}" f"{T.TOOL_CALLS_END}\n\n"
+    "Where:\n"
+    "- `tool_call_name` must be an exact match to one of the available tools\n"
+    "- `tool_call_arguments` must be valid JSON that strictly follows the tool's Parameters Schema\n"
+    "- For multiple tool calls, chain them directly without separators or spaces"
+)
+
+
+def render_v31(messages: Sequence[dict], opts: ChatOptions) -> Rendered:
+    out = _Out()
+    out.add(T.BOS)
+    systems = [m.get("content") or "" for m in messages if m["role"] in ("system", "developer")]
+    for i, s in enumerate(systems):
+        if i:
+            out.add("\n\n")
+        out.user(s)
+    if opts.tools:
+        out.add("\n\n## Tools\nYou have access to the following tools:\n")
+        for tool in opts.tools:
+            fn = _function(tool)
+            out.add("\n### ")
+            out.user(str(fn.get("name", "")))
+            out.add("\nDescription: ")
+            out.user(str(fn.get("description") or ""))
+            out.add("\n\nParameters: ")
+            out.user(_json(fn.get("parameters") or {}))
+            out.add("\n")
+        out.add(_V31_FORMAT.removeprefix("\n"))
+    after_user = after_tool = False
+    for m in messages:
+        role = m["role"]
+        if role == "user":
+            out.add(T.USER)
+            out.user(m.get("content"))
+            after_user, after_tool = True, False
+        elif role == "assistant":
+            calls = _calls(m)
+            if after_user:
+                out.add(T.ASSISTANT + T.THINK_END)
+            content = m.get("content") or ""
+            if not calls and not after_tool and T.THINK_END in content:
+                content = content.split(T.THINK_END, 1)[1]  # earlier reasoning is never re-sent
+            out.user(content)
+            if calls:
+                out.add(T.TOOL_CALLS_BEGIN)
+                for fn in calls:
+                    out.add(T.TOOL_CALL_BEGIN)
+                    out.user(str(fn.get("name", "")))
+                    out.add(T.TOOL_SEP)
+                    out.user(str(fn.get("arguments", "")))
+                    out.add(T.TOOL_CALL_END)
+                out.add(T.TOOL_CALLS_END)
+            out.add(T.EOS)
+            after_user = after_tool = False
+        elif role == "tool":
+            out.add(T.TOOL_OUTPUT_BEGIN)
+            out.user(m.get("content"))
+            out.add(T.TOOL_OUTPUT_END)
+            after_user, after_tool = False, True
+        elif role not in ("system", "developer"):
+            raise RenderError(f"unsupported chat role: {role}")
+    thinking = False
+    if opts.add_generation_prompt and after_user:
+        thinking = opts.thinking
+        out.add(T.ASSISTANT + (T.THINK_START if thinking else T.THINK_END))
+    return Rendered(out.pieces, thinking)
+
+
+# ---- DeepSeek-V3.2 / V4 (DSML) ------------------------------------------------------------------
+
+_EFFORT_PROMPTS = {
+    "high": (
+        "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
+        "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve "
+        "the root cause, rigorously stress-testing your logic against all potential paths, edge cases, and "
+        "adversarial scenarios.\n"
+        "Explicitly write out your entire deliberation process, documenting every intermediate step, "
+        "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n"
+    ),
+    "max": (
+        "Reasoning Effort: Beyond maximum — exhaustive, relentless, and uncompromising.\n"
+        "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: exhaustively "
+        "decompose the problem into its most fundamental components, trace every causal chain to its root, and "
+        "resolve the underlying cause rather than any surface symptom.\n"
+        "Do not stop reasoning until you have independently verified the solution from multiple angles and are "
+        "certain that no assumption remains unchecked and no error remains undiscovered.\n\n"
+    ),
+}
+# OpenAI's reasoning_effort values onto the encoder's three levels ("low" adds no prompt).
+EFFORT_LEVELS = {"none": None, "minimal": "low", "low": "low", "medium": "low", "high": "high", "xhigh": "max", "max": "max"}
+
+
+def _dsml_tools_prompt(block: str) -> str:
+    d = T.DSML
+    return (
+        "## Tools\n\n"
+        f"You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "
+        f"\"<{d}{block}>\" block like the following:\n\n"
+        f"<{d}{block}>\n<{d}invoke name=\"$TOOL_NAME\">\n"
+        f"<{d}parameter name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE</{d}parameter>\n...\n"
+        f"</{d}invoke>\n<{d}invoke name=\"$TOOL_NAME2\">\n...\n</{d}invoke>\n</{d}{block}>\n\n"
+        "String parameters should be specified as is and set `string=\"true\"`. For all other types (numbers, "
+        "booleans, arrays, objects), pass the value in JSON format and set `string=\"false\"`.\n\n"
+        f"If thinking_mode is enabled (triggered by {T.THINK_START}), you MUST output your complete reasoning inside "
+        f"{T.THINK_START}...{T.THINK_END} BEFORE any tool calls or final response.\n\n"
+        f"Otherwise, output directly after {T.THINK_END} with tool calls or final response.\n\n"
+        "### Available Tool Schemas\n\n"
+    )
+
+
+_DSML_TOOLS_TAIL = "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+
+
+def _merge_tool_results(messages: Sequence[dict]) -> list[dict]:
+    """Tool results (and a user message right after them) become one user turn of blocks."""
+    merged: list[dict] = []
+    for m in messages:
+        role = m["role"]
+        if role == "tool":
+            block = ("tool", m.get("content") or "")
+            if merged and merged[-1]["role"] == "user" and merged[-1].get("_blocks_open"):
+                merged[-1]["blocks"].append(block)
+            else:
+                merged.append({"role": "user", "blocks": [block], "_blocks_open": True})
+        elif role == "user":
+            block = ("text", m.get("content") or "")
+            if merged and merged[-1]["role"] == "user" and merged[-1].get("_blocks_open"):
+                merged[-1]["blocks"].append(block)
+                merged[-1]["_blocks_open"] = False
+            else:
+                merged.append({"role": "user", "blocks": [block]})
+        else:
+            merged.append(dict(m))
+    return merged
+
+
+def _last_user(messages: Sequence[dict]) -> int:
+    return max((i for i, m in enumerate(messages) if m["role"] in ("user", "developer")), default=-1)
+
+
+def _dsml_value(value: Any) -> tuple[str, str]:
+    return (value, "true") if isinstance(value, str) else (_json(value), "false")
+
+
+def render_dsml(messages: Sequence[dict], opts: ChatOptions, block: str = "tool_calls") -> Rendered:
+    msgs = [dict(m) for m in messages]
+    for m in msgs:
+        if m["role"] not in ("system", "developer", "user", "assistant", "tool"):
+            raise RenderError(f"unsupported chat role: {m['role']}")
+    if opts.tools:
+        if not msgs or msgs[0]["role"] != "system":
+            msgs.insert(0, {"role": "system", "content": ""})
+        msgs[0]["tools"] = opts.tools
+    msgs = _merge_tool_results(msgs)
+    thinking = opts.thinking
+    effort = EFFORT_LEVELS.get(opts.reasoning_effort or "low", "low") or "low"
+    drop = not opts.tools  # earlier reasoning is dropped unless tools are present
+    last_user = _last_user(msgs)
+    out = _Out()
+    out.add(T.BOS)
+    opens_thinking = False
+    d = T.DSML
+    for i, m in enumerate(msgs):
+        role = m["role"]
+        if i == 0 and thinking:
+            out.add(_EFFORT_PROMPTS.get(effort, ""))
+        if role in ("system", "developer"):
+            if role == "developer":
+                out.add(T.USER)
+            out.user(m.get("content"))
+            if m.get("tools"):
+                out.add("\n\n" + _dsml_tools_prompt(block))
+                for j, tool in enumerate(m["tools"]):
+                    if j:
+                        out.add("\n")
+                    out.user(_json(_function(tool)))
+                out.add(_DSML_TOOLS_TAIL)
+        elif role == "user":
+            out.add(T.USER)
+            for j, (kind, text) in enumerate(m["blocks"]):
+                if j:
+                    out.add("\n\n")
+                if kind == "tool":
+                    out.add(T.TOOL_RESULT_OPEN)
+                    out.user(text)
+                    out.add(T.TOOL_RESULT_CLOSE)
+                else:
+                    out.user(text)
+        elif role == "assistant":
+            if thinking and (not drop or i > last_user):
+                out.user(m.get("reasoning_content") or "")
+                out.add(T.THINK_END)
+            out.user(m.get("content") or "")
+            calls = _calls(m)
+            if calls:
+                out.add(f"\n\n<{d}{block}>\n")
+                for k, fn in enumerate(calls):
+                    try:
+                        args = json.loads(fn.get("arguments") or "{}")
+                    except (TypeError, ValueError):
+                        raise RenderError(f"tool call arguments must be a JSON object (call {fn.get('name')!r})") from None
+                    if not isinstance(args, dict):
+                        raise RenderError(f"tool call arguments must be a JSON object (call {fn.get('name')!r})")
+                    if k:
+                        out.add("\n")
+                    out.add(f"<{d}invoke name=\"")
+                    out.user(str(fn.get("name", "")))
+                    out.add("\">\n")
+                    for n, (key, value) in enumerate(args.items()):
+                        text, is_string = _dsml_value(value)
+                        if n:
+                            out.add("\n")
+                        out.add(f"<{d}parameter name=\"")
+                        out.user(str(key))
+                        out.add(f"\" string=\"{is_string}\">")
+                        out.user(text)
+                        out.add(f"</{d}parameter>")
+                    out.add(f"\n</{d}invoke>")
+                out.add(f"\n</{d}{block}>")
+            out.add(T.EOS)
+        if i + 1 < len(msgs) and msgs[i + 1]["role"] != "assistant":
+            continue
+        if role in ("user", "developer") and (opts.add_generation_prompt or i + 1 < len(msgs)):
+            opens = thinking and (not drop or i >= last_user)
+            out.add(T.ASSISTANT + (T.THINK_START if opens else T.THINK_END))
+            opens_thinking = opens and i + 1 == len(msgs)
+    return Rendered(out.pieces, opens_thinking)
+
+
+# ---- any Jinja template ----------------------------------------------------------------------------
+
+_MARK = "\ue000{}\ue001"
+
+
+def render_jinja(template: str, messages: Sequence[dict], opts: ChatOptions, bos: str, eos: str,
+                 reserved: Sequence[str]) -> Rendered:
+    """Render with a Jinja template. Client strings are swapped for private-use markers first, so
+    that the output can be cut back into trusted template text and untrusted client text. A
+    template that transforms a string (so its marker does not survive) falls back to the plain
+    render, which is refused if that string spells one of the `reserved` (special) tokens."""
+    from dsv4_engine.tokenizer import render_jinja_text
+
+    originals: list[str] = []
+
+    def mark(s: Any) -> Any:
+        if not isinstance(s, str) or not s:
+            return s
+        originals.append(s)
+        return _MARK.format(len(originals) - 1)
+
+    marked = []
+    for m in messages:
+        mm = dict(m)
+        mm["content"] = mark(m.get("content"))
+        if m.get("tool_calls"):
+            mm["tool_calls"] = [{**c, "function": {"name": mark((c.get("function") or {}).get("name")),
+                                                   "arguments": mark((c.get("function") or {}).get("arguments"))}}
+                                for c in m["tool_calls"]]
+        marked.append(mm)
+    variables = dict(opts.template_kwargs)
+    variables.setdefault("thinking", opts.thinking)
+    variables.setdefault("enable_thinking", opts.thinking)
+    if opts.reasoning_effort is not None:
+        variables.setdefault("reasoning_effort", opts.reasoning_effort)
+    if opts.tools:
+        variables["tools"] = opts.tools
+    text = render_jinja_text(template, marked, opts.add_generation_prompt, bos, eos, variables)
+    pieces: list[Piece] = []
+    pos, seen = 0, 0
+    while True:
+        a = text.find("\ue000", pos)
+        b = text.find("\ue001", a + 1) if a >= 0 else -1
+        if a < 0 or b < 0:
+            break
+        idx = text[a + 1:b]
+        if not idx.isdigit() or int(idx) >= len(originals):
+            break
+        pieces.append((text[pos:a], True))
+        pieces.append((originals[int(idx)], False))
+        seen += 1
+        pos = b + 1
+    pieces.append((text[pos:], True))
+    if seen == len(originals) and "\ue000" not in text[pos:]:
+        return Rendered([p for p in pieces if p[0]], text.rstrip().endswith(T.THINK_START))
+    # The template changed some string: render the real strings and check them instead.
+    for s in originals:
+        for tok in reserved:
+            if tok and tok in s:
+                raise RenderError(f"message text contains the special token {tok!r}, which this chat template "
+                                  "cannot keep as plain text")
+    text = render_jinja_text(template, list(messages), opts.add_generation_prompt, bos, eos, variables)
+    return Rendered([(text, True)], text.rstrip().endswith(T.THINK_START))
+
+
+def render(setup_renderer: str, template: Optional[str], messages: Sequence[dict], opts: ChatOptions,
+           bos: str = T.BOS, eos: str = T.EOS, reserved: Sequence[str] = ()) -> Rendered:
+    """Dispatch on the renderer name (see registry.RENDERERS)."""
+    if setup_renderer == "deepseek_v31":
+        return render_v31(messages, opts)
+    if setup_renderer == "deepseek_v4":
+        return render_dsml(messages, opts, "tool_calls")
+    if setup_renderer == "deepseek_v32":
+        return render_dsml(messages, opts, "function_calls")
+    if template is None:
+        raise RenderError("this model has no chat template (give one with --chat-template FILE)")
+    return render_jinja(template, messages, opts, bos, eos, reserved)

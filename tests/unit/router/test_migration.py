@@ -1,0 +1,96 @@
+"""Migration's pure parts: which engine errors move a request, what the client is sent of an
+engine's events (id, created and token ids), and the body of each re-send."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsv4_router.body import parse_body
+from dsv4_router.migration import ERROR_EVENT, TRUNCATED, Resume, allowed_resends, retryable
+from dsv4_wire import APIError
+
+
+def ev(obj) -> bytes:
+    return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+
+
+def chunk(rid, created, text, ids, finish=None):
+    return ev({"id": rid, "object": "text_completion", "created": created, "model": "m",
+               "choices": [{"index": 0, "text": text, "token_ids": ids, "finish_reason": finish, "logprobs": None}]})
+
+
+def events(raw: bytes) -> list:
+    return [json.loads(e[6:]) if e[6:] != b"[DONE]" else "[DONE]" for e in raw.split(b"\n\n") if e]
+
+
+def test_5xx_and_server_errors_move_4xx_do_not():
+    assert retryable({"error": {"message": "request aborted: server shutting down", "type": "server_error", "code": 503}})
+    assert retryable({"error": {"message": "x", "type": "server_error", "code": 502}})
+    assert retryable({"error": {"message": "x", "type": "server_error", "code": "engine_gone"}})
+    assert not retryable({"error": {"message": "bad", "type": "invalid_request_error", "code": 400}})
+    assert not retryable({"error": "text"})
+    assert not retryable({"error": {"message": "x", "type": "invalid_request_error", "code": True}})
+
+
+def test_filter_keeps_the_clients_id_and_created_and_collects_tokens():
+    st = Resume("cmpl-a", {"prompt": "hi"}, stream=True)
+    out, what = st.filter(chunk("cmpl-a", 100, "He", [5]) + chunk("cmpl-a", 100, "llo", [6, 7]))
+    assert what is None and st.tokens == [5, 6, 7] and st.started
+    assert all("token_ids" not in c for e in events(out) for c in e["choices"])  # not asked by the client
+    # the next engine answers under its own id and time: the client sees the first ones
+    out, what = st.filter(chunk("cmpl-a-m1", 200, " you", [8], "length") + ev(b"[DONE]"))
+    got = events(out)
+    assert what == "done" and got[-1] == "[DONE]"
+    assert got[0]["id"] == "cmpl-a" and got[0]["created"] == 100 and st.finished
+    assert st.tokens == [5, 6, 7, 8]
+
+
+def test_filter_keeps_token_ids_the_client_asked_for():
+    st = Resume("r", {}, stream=True, client_wants_ids=True)
+    out, _ = st.filter(chunk("r", 1, "a", [9]))
+    assert events(out)[0]["choices"][0]["token_ids"] == [9]
+
+
+def test_filter_stops_at_a_retryable_error_and_keeps_what_came_before():
+    st = Resume("r", {}, stream=True)
+    err = ev({"error": {"message": "request aborted: x", "type": "server_error", "param": None, "code": 503}})
+    out, what = st.filter(chunk("r", 1, "a", [1]) + err + ev(b"[DONE]"))
+    assert what == ERROR_EVENT and len(events(out)) == 1 and st.tokens == [1]
+
+
+def test_filter_passes_a_client_error_and_calls_an_unfinished_done_a_cut():
+    st = Resume("r", {}, stream=True)
+    bad = ev({"error": {"message": "no", "type": "invalid_request_error", "param": None, "code": 400}})
+    out, what = st.filter(bad)
+    assert what is None and b"invalid_request_error" in out
+    out, what = st.filter(chunk("r", 1, "a", [1]) + ev(b"[DONE]"))
+    assert what == TRUNCATED  # [DONE] without a finish_reason: the engine stopped short
+
+
+def test_each_resend_carries_the_answer_so_far_under_its_own_rid():
+    st = Resume("r", {"prompt": [1, 2], "max_tokens": 9, "stream": True}, stream=True)
+    first = st.attempt_body()
+    assert first["rid"] == "r" and first["return_token_ids"] is True and "continuation_token_ids" not in first
+    st.attempts, st.tokens = 1, [4, 5]
+    again = st.attempt_body()
+    assert again["rid"] == "r-m1" and again["continuation_token_ids"] == [4, 5] and again["max_tokens"] == 9
+    assert "continuation_token_ids" not in st.body  # the client's body itself is never changed
+
+
+def test_migration_limit_zero_keeps_the_one_retry_before_any_output():
+    assert allowed_resends(0, started=False) == 1 and allowed_resends(0, started=True) == 0
+    assert allowed_resends(3, started=True) == 3
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": "\\ud800"}', b'{"prompt": "a\\udfffb"}', b'{"\\ud800": 1}',
+                                 b'{"messages": [{"role": "user", "content": "\\udc00"}]}'])
+def test_lone_surrogates_are_a_400_not_a_500(raw):
+    with pytest.raises(APIError) as e:
+        parse_body(raw)
+    assert e.value.status == 400 and "surrogate" in e.value.message
+
+
+def test_a_surrogate_pair_is_a_character():
+    assert parse_body(b'{"prompt": "\\ud83d\\ude00"}')["prompt"] == "\U0001F600"
