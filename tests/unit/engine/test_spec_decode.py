@@ -244,3 +244,65 @@ def test_sampling_probs_matches_temperature_top_k_top_p():
     assert torch.allclose(pr[0, :2], ref) and pr[0, 2:].sum() == 0
     pr = sampling_probs(logits, [1.0], [-1], [0.5])
     assert pr[0, 0] == 1.0
+
+
+def test_logprobs_of_accepted_tokens_equal_plain_decoding(tiny_mtp):
+    reqs = [(p, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)) for p, _ in _requests(5, n=3)]
+    got = {}
+    for spec in (False, True):
+        engine = _engine(tiny_mtp, spec, steps=3)
+        logprobs: dict = {}
+        done = threading.Event()
+
+        def sink(o, logprobs=logprobs, done=done):
+            logprobs.setdefault(o.rid, []).extend(o.logprobs or [])
+            if o.finished and len([r for r in logprobs if r.endswith("!")]) + 1 == len(reqs):
+                done.set()
+            if o.finished:
+                logprobs[o.rid + "!"] = []
+
+        if spec:
+            plain_tokens = {rid: ([e["token_id"] for e in v], "", None, None) for rid, v in got[False].items()
+                            if not rid.endswith("!")}
+            _steer(engine, plain_tokens, {"r0": 1.0, "r1": 0.5, "r2": 0.0})
+        engine.start()
+        try:
+            for i, (p, params) in enumerate(reqs):
+                engine.submit(Sequence(f"r{i}", p, params, sink=sink))
+            assert done.wait(60)
+        finally:
+            engine.stop()
+        got[spec] = logprobs
+    for rid in ("r0", "r1", "r2"):
+        a, b = got[False][rid], got[True][rid]
+        assert [e["token_id"] for e in a] == [e["token_id"] for e in b] and len(a) == 10
+        for x, y in zip(a, b):  # the same position's logits, computed in a 1-token or a 4-token extend
+            assert abs(x["logprob"] - y["logprob"]) < 1e-4
+            assert [t for t, _ in x["top"]] == [t for t, _ in y["top"]]
+
+
+def test_sharded_and_fp8_checkpoints_load_their_mtp_layer(tiny_mtp, tmp_path):
+    """The MTP block read from a sharded (model.safetensors.index.json) folder, as releases ship,
+    and from an fp8 block-quantized one: the engine speculates with both."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dsv4_engine.checkpoint import init_checkpoint
+
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny_mtp, sharded)
+    weights = load_file(str(sharded / "model.safetensors"))
+    (sharded / "model.safetensors").unlink()
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for f, keys in shards.items():
+        save_file({k: weights[k] for k in keys}, str(sharded / f))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}))
+    fp8 = init_checkpoint(tmp_path / "fp8", preset="tiny", seed=0, mtp=True, quant="fp8")
+    for model in (sharded, fp8):
+        reqs = _requests(6, n=2)
+        assert _run(_engine(model, True, steps=2), reqs) == _run(_engine(model, False), reqs)
