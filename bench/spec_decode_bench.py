@@ -28,17 +28,38 @@ from procs import Server, free_port  # noqa: E402
 from report import grouped_bars, machine, now_iso, pyplot, write_json  # noqa: E402
 
 
+def default_model() -> Path:
+    """The tiny preset with a self-distilled MTP layer (`dsv4 model init --train-mtp`), made once."""
+    from dsv4_operator.local import cache_dir
+
+    out = cache_dir() / "models" / "tiny-mtp-trained-0"
+    if not (out / "config.json").exists():
+        from dsv4_engine.checkpoint import init_checkpoint
+        from dsv4_engine.spec_decode.train import train_mtp
+
+        print(f"building the tiny model with a self-distilled MTP layer into {out}", flush=True)
+        init_checkpoint(out, preset="tiny", seed=0, mtp=True)
+        print(train_mtp(out), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="checkpoint with a (trained) MTP layer")
-    ap.add_argument("--steps", type=int, nargs="+", default=[0, 1, 2, 3])
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1])
+    ap.add_argument("--model", help="checkpoint with a (trained) MTP layer (default: tiny, self-distilled once "
+                                    "into the cache folder)")
+    # extend: `--steps 0 1` and `--steps 0 --steps 1` (what `dsv4 bench spec` passes) both work
+    ap.add_argument("--steps", type=int, nargs="+", action="extend", help="K values, 0 = plain (default: 0 1 2 3)")
+    ap.add_argument("--concurrency", type=int, nargs="+", action="extend", help="(default: 1)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=24)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default="bench/results/spec_decode")
     ap.add_argument("--threads", default="1", help="OMP_NUM_THREADS of the servers")
     a = ap.parse_args()
+    a.steps = a.steps or [0, 1, 2, 3]
+    a.concurrency = a.concurrency or [1]
+    if a.model is None:
+        a.model = str(default_model())
     prompts = random_prompts(a.prompts, a.prompt_len, 512, seed=0, low=3)
     logs = Path(a.out).parent / "logs"
     report = {"bench": "spec_decode", "started": now_iso(), "machine": machine(), "model": a.model,
