@@ -306,3 +306,36 @@ def test_sharded_and_fp8_checkpoints_load_their_mtp_layer(tiny_mtp, tmp_path):
     for model in (sharded, fp8):
         reqs = _requests(6, n=2)
         assert _run(_engine(model, True, steps=2), reqs) == _run(_engine(model, False), reqs)
+
+
+def test_choices_sharing_a_prompt_speculate_like_plain_decoding(tiny_mtp):
+    """n > 1: the other choices reuse the first one's prompt pages (share_prefix_of), including
+    the MTP state written there; greedy choices all equal plain decoding."""
+    prompt = list(range(7, 47))  # 40 tokens: several full pages of 8 to share
+    outs = {}
+    for spec in (False, True):
+        engine = _engine(tiny_mtp, spec, steps=2)
+        got: dict = {}
+        done = threading.Event()
+
+        def sink(o, got=got, done=done):
+            toks, fin = got.get(o.rid, ([], False))
+            got[o.rid] = (toks + list(o.token_ids), o.finished)
+            if all(v[1] for v in got.values()) and len(got) == 3:
+                done.set()
+
+        engine.start()
+        try:
+            for i in range(3):
+                seq = Sequence(f"c{i}", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), sink=sink)
+                seq.share_prefix_of = "c0" if i else None
+                engine.submit(seq)
+            assert done.wait(60)
+            deadline = time.monotonic() + 5
+            while engine.pool.allocator.num_free != engine.pool.num_pages and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert engine.pool.allocator.num_free == engine.pool.num_pages
+        finally:
+            engine.stop()
+        outs[spec] = got
+    assert outs[True] == outs[False] and len({tuple(v[0]) for v in outs[True].values()}) == 1
