@@ -191,3 +191,21 @@ def nixl(
 
 if __name__ == "__main__":
     app()
+
+
+@app.command("spec")
+def spec(
+    model: Optional[Path] = typer.Option(None, help="Checkpoint with a trained MTP layer (default: the tiny preset, "
+                                                    "self-distilled once into the cache folder, ~2-4 CPU minutes)."),
+    speculative_num_steps: List[int] = typer.Option([], "--speculative-num-steps",
+                                                     help="K to compare, repeat for several; 0 = no speculation "
+                                                          "(default: 0 1 2 3)."),
+    concurrency: List[int] = typer.Option([], help="Concurrent requests, repeat for several (default: 1)."),
+    prompts: Optional[int] = typer.Option(None, help="Greedy prompts per run (default: 8)."),
+    max_tokens: Optional[int] = typer.Option(None, help="Output tokens per request (default: 64)."),
+    out: Optional[Path] = typer.Option(None, help="Output path without suffix (default: bench/results/spec_decode)."),
+) -> None:
+    """MTP speculative decoding vs plain decoding: acceptance length, tok/s and ITL (spec_decode.json + .png)."""
+    run_script("spec_decode_bench.py", dict(model=model, steps=speculative_num_steps or None,
+                                            concurrency=concurrency or None, prompts=prompts, max_tokens=max_tokens,
+                                            out=out))

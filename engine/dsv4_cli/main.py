@@ -82,6 +82,12 @@ def model_init(
         None, help="Quantize the linear weights: fp8 (block-scaled e4m3, any preset) | fp4-experts (V4 presets: "
         "fp4 routed experts, fp8 elsewhere, as DeepSeek-V4 ships)."
     ),
+    mtp: bool = typer.Option(False, "--mtp", help="Add one multi-token-prediction layer (DeepSeek-V3 presets; "
+                             "num_nextn_predict_layers: 1) for --speculative-algorithm mtp."),
+    train_mtp: bool = typer.Option(False, "--train-mtp",
+                                   help="Implies --mtp: self-distil the MTP layer on the model's own greedy "
+                                        "continuations (a few CPU minutes) so that speculation accepts drafts."),
+    train_steps: int = typer.Option(600, "--train-steps", min=1, help="Optimizer steps of --train-mtp."),
 ) -> None:
     """Write a Hugging Face-format DeepSeek-V3 or -V4 checkpoint (config, safetensors, tokenizer)."""
     from dsv4_engine.checkpoint import PRESETS, init_checkpoint
@@ -89,10 +95,18 @@ def model_init(
     if preset not in PRESETS:
         _fail(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     try:
-        init_checkpoint(out_dir, preset=preset, seed=seed, quant=quant)
+        if train_mtp and quant:
+            raise ValueError("--train-mtp trains float weights: write the checkpoint without --quant")
+        init_checkpoint(out_dir, preset=preset, seed=seed, quant=quant, mtp=mtp or train_mtp)
+        if train_mtp:
+            from dsv4_engine.spec_decode.train import train_mtp as train
+
+            report = train(out_dir, steps=train_steps, seed=seed)
+            typer.echo(f"trained the MTP layer: {report}")
     except ValueError as e:
         _fail(str(e))
-    typer.echo(f"wrote {preset} checkpoint (seed {seed}{', ' + quant if quant else ''}) to {out_dir}")
+    typer.echo(f"wrote {preset} checkpoint (seed {seed}{', ' + quant if quant else ''}{', MTP layer' if mtp or train_mtp else ''}) "
+               f"to {out_dir}")
 
 
 @app.command()
@@ -153,6 +167,12 @@ def serve(
              "checkpoint's format)."),
     otlp_traces_endpoint: Optional[str] = typer.Option(None, help="Export OpenTelemetry traces (OTLP/HTTP) to this URL, "
                                                        "e.g. http://collector:4318 (off by default)."),
+    speculative_algorithm: Optional[str] = typer.Option(
+        None, EngineFlags.SPECULATIVE_ALGORITHM,
+        help="Speculative decoding with the checkpoint's own MTP layer: mtp (aliases EAGLE, NEXTN, deepseek_mtp). "
+             "Off by default; DeepSeek-V3 checkpoints with an MTP layer, --role mono, --tp-size 1."),
+    speculative_num_steps: int = typer.Option(1, EngineFlags.SPECULATIVE_NUM_STEPS, min=1,
+                                              help="Tokens drafted per step with --speculative-algorithm."),
 ) -> None:
     """Run one engine (monolithic, prefill or decode) with the OpenAI-compatible HTTP API."""
     if role not in ("mono", "prefill", "decode"):
@@ -166,7 +186,10 @@ def serve(
         _fail(f"{EngineFlags.CHAT_TEMPLATE}: no file {chat_template}")
     from dsv4_serve.chat.registry import reasoning_parser_name, tool_parser as _tool_parser
 
+    from dsv4_engine.spec_decode.options import normalize_algorithm
+
     try:
+        speculative_algorithm = normalize_algorithm(speculative_algorithm)
         if tool_call_parser is not None:
             _tool_parser(tool_call_parser)
         if reasoning_parser is not None:
@@ -194,6 +217,7 @@ def serve(
             enable_fault_injection=enable_fault_injection, admin_token=admin_token, pd_secret=pd_secret, seed=seed,
             max_request_bytes=max_request_bytes, shutdown_grace=shutdown_grace, transfer_checksum=transfer_checksum,
             enable_prefix_cache=not disable_prefix_cache, tp_size=tp_size,
+            speculative_algorithm=speculative_algorithm, speculative_num_steps=speculative_num_steps,
             chat_template=str(chat_template) if chat_template is not None else None,
             tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
             otlp_traces_endpoint=otlp_traces_endpoint,

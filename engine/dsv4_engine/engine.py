@@ -153,6 +153,12 @@ class Engine:
         self.cfg = self.runner.cfg
         self.tokenizer = Tokenizer.from_dir(args.model)
         specs = self.runner.state_specs
+        self.spec = None  # the MTP speculator when --speculative-algorithm is set (dsv4_engine.spec_decode)
+        if args.speculative_algorithm is not None:
+            from dsv4_engine.spec_decode.build import build_speculator
+
+            self.spec = build_speculator(args, self.runner)  # ValueError: one line, as other refusals
+            specs = specs + self.spec.state_specs
         page_size = args.page_size or default_page_size(specs)
         refusal = state_refusal(specs, args.role, page_size)
         if refusal:
@@ -181,6 +187,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool.allocator, page_size, args.max_num_seqs, args.max_num_batched_tokens,
                                    self.pool.slots, self.prefix_cache)
         self._cache_counted = (0, 0)  # prefix cache (query, hit) tokens already added to the counters
+        if self.spec is not None:
+            self.scheduler.lookahead = self.spec.lookahead
         # The context limit is the model's, but never more than the pool can hold for one request.
         pool_tokens = num_pages * page_size
         self.max_model_len = min(args.max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings, pool_tokens)
@@ -200,6 +208,8 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self.eos_ids = set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_ids)
         self.runner.eos_ids = sorted(self.eos_ids)  # min_tokens holds back the same ids that stop a request
+        if self.spec is not None:
+            self.spec.eos_ids, self.spec.max_model_len = set(self.eos_ids), self.max_model_len
         # Called on the engine thread after every step: an out-of-process front end sends the
         # outputs the step's sinks collected as one message instead of one per token.
         self.after_step: Optional[Callable[[], None]] = None
@@ -291,6 +301,13 @@ class Engine:
         if seq.rid in self.seqs:
             seq.sink(RequestOutput(seq.rid, [], "", True, "error", f"duplicate request id {seq.rid}", 400))
             return
+        if self.spec is not None:
+            from dsv4_engine.spec_decode.options import request_refusal
+
+            refusal = request_refusal(seq.params)
+            if refusal:
+                seq.sink(RequestOutput(seq.rid, [], "", True, "error", refusal, 400))
+                return
         if seq.params.structured is not None:
             from dsv4_engine.structured.grammar import GrammarError
 
@@ -383,11 +400,16 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch:
             try:
-                results = self.runner.step(batch, self.pool)
+                results = (self.spec.step(batch, self.pool) if self.spec is not None
+                           else self.runner.step(batch, self.pool))
             except Exception as e:  # the forward of this batch failed: fail its requests, keep serving
                 log.error("forward failed:\n%s", traceback.format_exc())
                 for b in batch:
                     self.fail_request(b.seq, "engine error", e)
+                results = []
+            if self.spec is not None:
+                for b, r in zip(batch, results):
+                    self._speculated(b, r)
                 results = []
             for b, r in zip(batch, results):
                 b.seq.num_computed += b.num_new
@@ -405,6 +427,29 @@ class Engine:
         self.update_gauges()
         if self.after_step is not None:
             self.after_step()
+
+    def _speculated(self, b, r) -> None:
+        """A step's result for one request under speculation (dsv4_engine.spec_decode): the KV
+        of `r.computed` tokens became valid, then its tokens are emitted one by one until one of
+        them ends the request (the rest are dropped: never past a stop or max_tokens)."""
+        seq = b.seq
+        if seq.finished:
+            return
+        if isinstance(r, Exception):
+            self.fail_request(seq, "generation failed", r)
+            return
+        seq.num_computed += b.num_new if r is None else r.computed
+        try:
+            if r is not None:
+                if r.num_drafts:
+                    self.spec.observe(self.metrics, r)
+                for n, tok in enumerate(r.tokens):
+                    self._append_token(seq, tok, r.logprobs[n] if r.logprobs else None)
+                    if seq.finished:
+                        break
+            self.scheduler.computed(seq)  # once the accepted tokens are in (a finished request is skipped)
+        except Exception as e:  # detokenising, stop handling: this request only
+            self.fail_request(seq, "generation failed", e)
 
     # ---- per-token bookkeeping -------------------------------------------------------------------
 
@@ -548,6 +593,7 @@ class Engine:
             # What each state costs: paged ones per token of context, slot ones per running request.
             "kv_state_bytes_per_token": self.pool.bytes_per_token(),
             "kv_state_bytes_per_request": self.pool.bytes_per_request(),
+            "speculative": self.spec.loads(self.metrics) if self.spec is not None else None,
             "draining": self.draining,
             "seconds_since_last_iteration": round(time.monotonic() - self.last_iteration, 3),
             "counters": dict(self.metrics.totals),

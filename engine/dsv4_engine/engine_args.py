@@ -28,3 +28,7 @@ class EngineArgs:
     enable_prefix_cache: bool = True  # `--disable-prefix-cache` turns it off
     cuda_graph_max_bs: int = 0  # decode batches up to this many requests replay CUDA graphs (0: off)
     tp_size: int = 1  # ranks this engine spans (dsv4_engine.parallel); this process is rank 0
+    # Speculative decoding (dsv4_engine.spec_decode): None = off; "mtp" (or an alias) drafts
+    # speculative_num_steps tokens a step with the checkpoint's MTP layer.
+    speculative_algorithm: Optional[str] = None
+    speculative_num_steps: int = 1

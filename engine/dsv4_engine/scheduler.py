@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from typing import Optional
+from typing import Callable, Optional
 
 from dsv4_engine.kv_cache import PageAllocator, SlotAllocator
 from dsv4_engine.prefix_cache import PrefixCache
@@ -50,6 +50,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Speculative decoding: how many drafted tokens a decoding request verifies besides its
+        # last token (dsv4_engine.spec_decode); None without speculation.
+        self.lookahead: Optional[Callable[[Sequence], int]] = None
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -130,7 +133,10 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = seq.num_tokens - seq.num_computed
+            if n == 1 and self.lookahead is not None:
+                n += self.lookahead(seq)
+            n = min(n, budget)
             if n <= 0:
                 continue
             while not self._grow(seq, seq.num_computed + n):

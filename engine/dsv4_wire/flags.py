@@ -25,3 +25,5 @@ class EngineFlags:
     REASONING_PARSER = "--reasoning-parser"
     CUDA_GRAPH_MAX_BS = "--cuda-graph-max-bs"
     TP_SIZE = "--tp-size"
+    SPECULATIVE_ALGORITHM = "--speculative-algorithm"
+    SPECULATIVE_NUM_STEPS = "--speculative-num-steps"

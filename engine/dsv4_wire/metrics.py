@@ -41,6 +41,9 @@ COUNTERS = {
     "scheduler_loop_iterations": "Iterations of the scheduler loop",
     "prefix_cache_query_tokens": "Tokens of admitted requests looked up in the prefix cache",
     "prefix_cache_hit_tokens": "Tokens of admitted requests whose KV the prefix cache supplied",
+    "spec_decode_num_draft_tokens": "Speculative decoding: drafted tokens verified by the target",
+    "spec_decode_num_accepted_tokens": "Speculative decoding: drafted tokens the target accepted",
+    "spec_decode_num_verify_steps": "Speculative decoding: verify steps of requests that had drafts",
 }
 HISTOGRAMS = {
     "time_to_first_token_seconds": "Time to first token",
@@ -48,10 +51,16 @@ HISTOGRAMS = {
     "e2e_request_latency_seconds": "Arrival to finish",
     "kv_transfer_latency_seconds": "KV transfer start to completion",
 }
+# Histograms of counts, not seconds: their own buckets.
+COUNT_HISTOGRAMS = {
+    "spec_decode_accept_length": "Speculative decoding: tokens one verify step emitted (accepted drafts + 1)",
+}
+COUNT_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 
 
 def metric_name(key: str, suffix: str = "") -> str:
     """The exposed name of a metric key: metric_name("kv_transfers_completed", "_total")."""
-    if key not in GAUGES and key not in STATE_GAUGES and key not in COUNTERS and key not in HISTOGRAMS:
+    if (key not in GAUGES and key not in STATE_GAUGES and key not in COUNTERS and key not in HISTOGRAMS
+            and key not in COUNT_HISTOGRAMS):
         raise KeyError(f"no dsv4 metric {key!r}")
     return f"{PREFIX}{key}{suffix}"
