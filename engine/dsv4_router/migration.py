@@ -60,10 +60,19 @@ def choice_seed(seed: Optional[int], j: int) -> Optional[int]:
     return (seed + j - INT64_MIN) % 2**64 + INT64_MIN
 
 
+def prompt_count(body: dict) -> int:
+    """How many prompts a completion request holds (a list of texts or of token-id lists)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return len(prompt)
+    return 1
+
+
 def choice_count(body: dict) -> int:
-    """How many choices a streamed request has (`n`; best_of > n is not streamed)."""
+    """How many choices a streamed request has: `n` per prompt (best_of > n is not streamed)."""
     n = body.get("n")
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    return n * prompt_count(body)
 
 
 @dataclass
@@ -98,7 +107,15 @@ class Resume:
 
     @property
     def n(self) -> int:
+        """Choices in the client's stream (indexes 0..n-1)."""
         return choice_count(self.body) if self.parent is None else 1
+
+    @property
+    def splittable(self) -> bool:
+        """A stream of several choices of one prompt can go on one choice at a time. Several
+        prompts cannot: the router, which has no tokenizer, could not count a finished prompt's
+        tokens in the usage; their engines refuse the continuation (400) and the client gets it."""
+        return self.n > 1 and prompt_count(self.body) == 1
 
     def child(self, j: int) -> "Resume":
         """Choice j of this request, to be continued alone (n = 1, seed + j)."""

@@ -580,7 +580,7 @@ class Router:
                 if st.parent is None:
                     yield sse("[DONE]")
                 return
-            if st.n > 1 and st.started:  # an engine continues one sequence: one request per choice
+            if st.splittable and st.started:  # an engine continues one sequence: one request per choice
                 async for out in self._split(path, st, key, reason, failed):
                     yield out
                 return

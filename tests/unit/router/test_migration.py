@@ -144,3 +144,12 @@ def test_a_choice_restarted_from_nothing_sends_no_second_role_chunk():
     out, _ = kid.filter(ev({"id": "c-c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
                             "choices": [{"index": 0, "delta": {"content": "x"}, "token_ids": [3], "finish_reason": None}]}))
     assert events(out)[0]["choices"][0] == {"index": 1, "delta": {"content": "x"}, "finish_reason": None}
+
+
+def test_several_prompts_count_every_choice_but_are_not_split():
+    st = Resume("r", {"prompt": [[1, 2], [3]], "n": 2}, stream=True)
+    assert st.n == 4 and not st.splittable
+    st.filter(ichunk("r", 0, "a", [1], "length") + ichunk("r", 3, "b", [2], "length"))
+    assert not st.finished  # two of four choices ended: a break now is not the end
+    assert Resume("r", {"prompt": [1, 2], "n": 2}, stream=True).splittable
+    assert Resume("r", {"prompt": ["one text"], "n": 3}, stream=True).n == 3
