@@ -41,6 +41,7 @@ class Stream:
     texts: dict = field(default_factory=dict)  # per choice index (n > 1)
     finishes: dict = field(default_factory=dict)
     role_per_choice: dict = field(default_factory=dict)
+    errors: int = 0  # error events (one at most is right)
 
     @property
     def ok(self) -> bool:
@@ -81,6 +82,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict, chat: bool,
                     obj = json.loads(data)
                     if "error" in obj:
                         s.error = str(obj)[:300]
+                        s.errors += 1
                         continue
                     s.events += 1
                     s.ids.add(obj.get("id"))
