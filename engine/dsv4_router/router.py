@@ -577,22 +577,82 @@ class Router:
             await leg.close()
             st.leg = None
             if st.finished:  # everything was said but the end: say it
-                yield sse("[DONE]")
+                if st.parent is None:
+                    yield sse("[DONE]")
+                return
+            if st.splittable and st.started:  # an engine continues one sequence: one request per choice
+                async for out in self._split(path, st, key, reason, failed):
+                    yield out
                 return
             placed = await self._place(path, st, key, reason, failed)
             if not isinstance(placed, Leg):
-                msg = json.loads(placed.body) if placed.body else {}
-                message = msg.get("error", {}).get("message") if isinstance(msg, dict) else None
-                yield error_events(message or "the decode engine's stream broke off", 503)
+                yield self._failed_events(st, placed)
                 return
             leg = st.leg = placed
+
+    @staticmethod
+    def _failed_events(st: Resume, placed: Response) -> bytes:
+        st.failed = True
+        msg = json.loads(placed.body) if placed.body else {}
+        message = msg.get("error", {}).get("message") if isinstance(msg, dict) else None
+        return error_events(message or "the decode engine's stream broke off", 503)
+
+    async def _split(self, path: str, st: Resume, key: Optional[str], reason: str,
+                     failed: frozenset) -> AsyncIterator[bytes]:
+        """A stream of n > 1 choices broke: each unfinished choice goes on as its own n = 1
+        request (see migration.py), their events merged into the client's stream as they come;
+        then one usage chunk for all of them and [DONE]. The first child that gives up ends the
+        stream with its one error."""
+        kids = [st.child(j) for j in range(st.n) if j not in st.choice_done]
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def run(kid: Resume) -> None:
+            try:
+                placed = await self._place(path, kid, key, reason, failed)
+                if not isinstance(placed, Leg):
+                    await q.put(self._failed_events(kid, placed))
+                    return
+                gen = self._relay(path, kid, placed, key)
+                try:
+                    async for out in gen:
+                        await q.put(out)
+                finally:
+                    await gen.aclose()
+            finally:
+                await q.put(None)
+
+        tasks = [asyncio.create_task(run(k)) for k in kids]
+        try:
+            left = len(tasks)
+            while left:
+                out = await q.get()
+                if out is None:
+                    left -= 1
+                    continue
+                yield out
+                if any(k.failed for k in kids):
+                    st.failed = True
+                    return
+            st.resends = max(k.resends for k in kids) if kids else st.resends
+            usage = st.usage()
+            if usage is not None:
+                yield sse(usage)
+            yield sse("[DONE]")
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for k in kids:
+                if k.leg is not None:
+                    await k.leg.close()
+                    k.leg = None
 
     async def _stream_closed(self, st: Resume, slot: Slot) -> None:
         slot.release()
         self._log_moves(st)
-        leg = getattr(st, "leg", None)
-        if leg is not None:
-            await leg.close()  # a client that left closes the decode stream: decode aborts
+        for r in (st, *st.kids):
+            if r.leg is not None:
+                await r.leg.close()  # a client that left closes the decode stream: decode aborts
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 from dsv4_engine.pd.channel import ControlChannel
 from dsv4_engine.pd.faults import Deadlines, FaultInjector
-from dsv4_engine.pd.request_info import PDRequestInfo, PDState  # noqa: F401  (re-exported)
+from dsv4_engine.pd.request_info import PDRequestInfo, PDState, stuck_first, timeline_view  # noqa: F401  (re-exported)
 from dsv4_engine.pd.transport import KVTransport, PoolStates
 
 # The engine and its Sequence are not imported here, not even for typing: Sequence.pd is typed
@@ -75,6 +75,15 @@ class PDController:
 
     def _fail(self, seq: Sequence, code: int, msg: str, counter: Optional[str] = None) -> None:
         fail_request(self.engine, seq, code, msg, counter)
+
+    def timelines(self) -> list[dict]:
+        """/v1/loads' `requests`: the PD timelines of this engine's requests (stuck ones first),
+        read from another thread (a copy of each list; the caller retries a resized dict)."""
+        now, wall = self.clock(), time.time()
+        last_token = (lambda s: s.last_token_time) if self.clock is time.monotonic else (lambda s: None)
+        views = [timeline_view(s.rid, s.pd, last_token(s), len(s.output_ids), now, wall, list(s.pd.timeline))
+                 for s in list(self.engine.seqs.values()) if isinstance(s.pd, PDRequestInfo)]
+        return stuck_first(views)
 
     def on_prefill_done(self, seq: Sequence) -> None:
         raise RuntimeError(f"{type(self).__name__} does not prefill for a peer")

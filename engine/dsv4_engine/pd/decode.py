@@ -59,6 +59,7 @@ class DecodeController(PDController):
         self.checksum_seconds = 0.0  # time spent verifying what landed (--transfer-checksum's cost)
 
     def on_new(self, seq: Sequence) -> None:
+        seq.pd.mark("arrival", self.clock())
         seq.pd.enter(PDState.BOOTSTRAPPING, self._timeout(self.settings.bootstrap_timeout), self.clock())
         self.prealloc.append(seq)
 
@@ -163,6 +164,7 @@ class DecodeController(PDController):
         m.inc("kv_transfer_bytes", len(seq.pages) * pool.page_nbytes + row)
         m.observe("kv_transfer_latency_seconds", self.clock() - seq.pd.transfer_started)
         seq.pd.state = PDState.SUCCESS
+        seq.pd.mark("kv_landed", self.clock())
         seq.num_computed = seq.num_tokens
         self.engine.accept_first_token(seq, token, note.get("logprobs"))
 
@@ -233,5 +235,5 @@ class DecodeController(PDController):
 
     def loads(self) -> tuple[dict, dict]:
         return ({"prealloc": len(self.prealloc) + len(self.registering), "transfer": len(self.transfer)},
-                {"deadlines": self.deadlines.on, "boot_id": self.boot_id,
+                {"deadlines": self.deadlines.on, "boot_id": self.boot_id, "requests": self.timelines(),
                  "transfer_checksum_seconds": round(self.checksum_seconds, 6)})
