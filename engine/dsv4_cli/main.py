@@ -126,8 +126,13 @@ def serve(
                                      "spread (NCCL on CUDA, gloo on CPU); this process is rank 0."),
     disable_prefix_cache: bool = typer.Option(
         False, EngineFlags.DISABLE_PREFIX_CACHE,
-        help="Turn prefix caching off (on by default: a request reuses the KV pages of the longest cached prefix; "
-             "models with per-request slot state, DeepSeek-V4, and decode engines never reuse)."),
+        help="Turn prefix caching off (on by default: a request reuses the KV pages of the longest cached prefix "
+             "and, for DeepSeek-V4, a snapshot of its window/compressor state at a boundary; decode engines "
+             "never reuse)."),
+    prefix_cache_snapshots: Optional[int] = typer.Option(
+        None, "--prefix-cache-snapshots", min=0,
+        help="DeepSeek-V4: slot-row snapshots the prefix cache keeps, each one slot row of memory taken from "
+             "--kv-memory-gb (default: 2 x --max-num-seqs; 0 turns V4 prefix reuse off)."),
     max_request_bytes: int = typer.Option(16 * 1024 * 1024, "--max-request-bytes", min=1,
                                           help="Largest request body accepted (bigger: 413)."),
     shutdown_grace: float = typer.Option(30.0, EngineFlags.SHUTDOWN_GRACE, min=0.0,
@@ -166,6 +171,7 @@ def serve(
             enable_fault_injection=enable_fault_injection, admin_token=admin_token, pd_secret=pd_secret, seed=seed,
             max_request_bytes=max_request_bytes, shutdown_grace=shutdown_grace, transfer_checksum=transfer_checksum,
             enable_prefix_cache=not disable_prefix_cache, tp_size=tp_size,
+            prefix_cache_snapshots=prefix_cache_snapshots,
         ),
         spawned,
     )

@@ -12,6 +12,9 @@ pages; finish, abort, failure and preemption give it back through `release`.
 With a prefix cache, a request admitted with nothing computed first takes the pages of its
 longest cached prefix (shared, reference-counted) and starts computing after them; `release`
 drops its references, so preemption, abort and failure never free a page another request uses.
+For a model with slot states the cache resumes only at boundaries where it kept a snapshot of a
+slot row: a prefill chunk that would cross the last boundary before the prompt's last token ends
+there instead, so the snapshot can be taken (one extra, short step per prompt).
 """
 
 from __future__ import annotations
@@ -81,9 +84,20 @@ class Scheduler:
                 self.slots.free(slot)
 
     def computed(self, seq: Sequence) -> None:
-        """After a step: the request's newly full pages become reusable by others."""
+        """After a step: the request's newly full pages (and, at a boundary, a snapshot of its
+        slot row) become reusable by others."""
         if self.cache is not None and not seq.finished:
             self.cache.insert(seq)
+            self.cache.snapshot_due(seq)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of this request to compute this step: what is left, within the budget, ending
+        at the cache's snapshot boundary when the chunk would cross it."""
+        n = min(seq.num_tokens - seq.num_computed, budget)
+        stop = self.cache.snapshot_stop(seq) if self.cache is not None and n > 1 else None
+        if stop is not None and seq.num_computed < stop < seq.num_computed + n:
+            n = stop - seq.num_computed
+        return n
 
     def _pages_needed(self, seq: Sequence, upto_tokens: int) -> int:
         return max(0, -(-upto_tokens // self.page_size) - len(seq.pages))
@@ -116,7 +130,7 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = self._chunk(seq, budget)
             if n <= 0:
                 continue
             while not self._grow(seq, seq.num_computed + n):
@@ -135,7 +149,7 @@ class Scheduler:
                 if seq.slot is None:
                     break  # every row is held (only when something else holds rows beyond max_num_seqs)
             hit = self.cache.attach(seq) if self.cache is not None and not seq.pages and seq.num_computed == 0 else None
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = self._chunk(seq, budget)
             if not self._grow(seq, seq.num_computed + n):
                 self.release(seq)  # nothing computed yet: its row (and any pages) go back
                 if hit is not None:

@@ -39,6 +39,10 @@ class Sequence:
     # at admission.
     cache_node: Any = None
     num_cached_pages: int = 0
+    # Models with slot states: the node (and snapshot id) of the last snapshot this request took
+    # while decoding, dropped when it takes the next one.
+    snapshot_node: Any = None
+    snapshot_id: Optional[int] = None
     num_cached_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: Optional[str] = None
