@@ -29,8 +29,8 @@ window, so every compressed entry in the pages before it is final). Pages are ca
 the last boundary a request computed (a page past it may still receive the entry of a window
 that closes later). A request resumes only at a boundary whose node holds a snapshot: it takes
 the pages up to it and copies the snapshot into its own slot row. Which boundaries get one
-(`snapshot_due`): the last boundary before a prompt's last token (the scheduler ends a chunk
-there), any boundary a prefill chunk happens to end on, and during decoding the latest boundary
+(`snapshot_due`): the last boundary before a prompt's last token and the boundary where a prompt
+branches off a cached one (the scheduler ends a chunk at each), any boundary a prefill chunk happens to end on, and during decoding the latest boundary
 reached (the previous decode snapshot of the same request is dropped), so the next round of a
 conversation resumes inside this round's answer. See docs/prefix-caching.md for what each costs.
 """
@@ -137,9 +137,14 @@ class PrefixCache:
     # ---- what the scheduler asks -------------------------------------------------------------
 
     def _page_tokens(self, seq: Sequence, i: int) -> tuple:
-        """The key of a request's page i under its parent (the one place that spells keys)."""
+        """The key of a request's page i under its parent (the one place that spells keys): its
+        tokens, and with boundaries longer than a page, every later token up to the boundary. A
+        page's state can depend on them: a compressed entry lives in its window's first page, so
+        with pages shorter than the window, page 2w of HCA-every-8 in pages of 4 holds an entry
+        pooled from page 2w+1's tokens too."""
         ps = self.page_size
-        return tuple(seq.token_at(j) for j in range(i * ps, (i + 1) * ps))
+        end = (i * ps // self.boundary + 1) * self.boundary
+        return tuple(seq.token_at(j) for j in range(i * ps, end))
 
     # ---- snapshots (models with slot states) ---------------------------------------------------
 
@@ -162,13 +167,18 @@ class PrefixCache:
         return node.snapshot is not None
 
     def snapshot_stop(self, seq: Sequence) -> Optional[int]:
-        """Where a prefill chunk of this request should end so that a snapshot can be taken there:
-        the last boundary before its last token (None for a model without slot states, or a
-        prompt shorter than one boundary)."""
+        """Where a prefill chunk of this request should end so that a snapshot can be taken there,
+        the first still ahead of: the deepest boundary its prompt shares with cached pages that
+        hold no snapshot there (where it branches off another prompt: a shared system prompt
+        gets a snapshot at its end), and the last boundary before its last token. None for a
+        model without slot states, or nothing ahead."""
         if self.snapshots is None:
             return None
-        stop = (seq.num_tokens - 1) // self.boundary * self.boundary
-        return stop or None
+        last = (seq.num_tokens - 1) // self.boundary * self.boundary
+        for stop in (seq.cache_branch, last):
+            if stop > seq.num_computed:
+                return stop
+        return None
 
     def snapshot_due(self, seq: Sequence) -> None:
         """After a step: when the request stands exactly on a cached boundary that holds no
@@ -195,7 +205,7 @@ class PrefixCache:
         """Give a request that holds nothing the pages of its longest cached prefix (full pages,
         never its last token), one reference each; returns the tokens it may skip."""
         assert not seq.pages and seq.num_computed == 0, "attach a request that holds no pages"
-        usable = (seq.num_tokens - 1) // self.page_size
+        usable = (seq.num_tokens - 1) // self.boundary * self.boundary // self.page_size  # whole boundaries
         node, chain = self.root, []
         for i in range(usable):
             child = node.children.get(self._page_tokens(seq, i))
@@ -203,6 +213,7 @@ class PrefixCache:
                 break
             chain.append(child)
             node = child
+        seq.cache_branch = len(chain) * self.page_size // self.boundary * self.boundary
         while chain and not self._resumable(chain[-1]):
             chain.pop()  # slot states: back to the deepest boundary that holds a snapshot
         if chain and self.snapshots is not None:

@@ -43,6 +43,7 @@ class Sequence:
     # while decoding, dropped when it takes the next one.
     snapshot_node: Any = None
     snapshot_id: Optional[int] = None
+    cache_branch: int = 0  # deepest boundary its prompt shares with cached pages (found at admission)
     num_cached_tokens: int = 0
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: Optional[str] = None

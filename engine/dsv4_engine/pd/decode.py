@@ -164,6 +164,9 @@ class DecodeController(PDController):
         m.observe("kv_transfer_latency_seconds", self.clock() - seq.pd.transfer_started)
         seq.pd.state = PDState.SUCCESS
         seq.num_computed = len(seq.prompt_ids)
+        # prompt tokens prefill's prefix cache served (the client's usage.cached_tokens)
+        cached = note.get("cached_tokens", 0)
+        seq.num_cached_tokens = cached if isinstance(cached, int) and 0 <= cached <= len(seq.prompt_ids) else 0
         self.engine.accept_first_token(seq, token, note.get("logprobs"))
 
     def _checksum_failure(self, seq: Sequence, note: dict) -> Optional[str]:
