@@ -133,6 +133,10 @@ def serve(
         None, "--prefix-cache-snapshots", min=0,
         help="DeepSeek-V4: slot-row snapshots the prefix cache keeps, each one slot row of memory taken from "
              "--kv-memory-gb (default: 2 x --max-num-seqs; 0 turns V4 prefix reuse off)."),
+    prefix_cache_snapshot_interval: Optional[int] = typer.Option(
+        None, "--prefix-cache-snapshot-interval", min=0,
+        help="DeepSeek-V4: tokens between the snapshots a prefill chunk leaves behind, besides its prompt's "
+             "branch point and last boundary (default: 8 boundaries; 0: none; torch path only)."),
     max_request_bytes: int = typer.Option(16 * 1024 * 1024, "--max-request-bytes", min=1,
                                           help="Largest request body accepted (bigger: 413)."),
     shutdown_grace: float = typer.Option(30.0, EngineFlags.SHUTDOWN_GRACE, min=0.0,
@@ -171,7 +175,7 @@ def serve(
             enable_fault_injection=enable_fault_injection, admin_token=admin_token, pd_secret=pd_secret, seed=seed,
             max_request_bytes=max_request_bytes, shutdown_grace=shutdown_grace, transfer_checksum=transfer_checksum,
             enable_prefix_cache=not disable_prefix_cache, tp_size=tp_size,
-            prefix_cache_snapshots=prefix_cache_snapshots,
+            prefix_cache_snapshots=prefix_cache_snapshots, prefix_cache_snapshot_interval=prefix_cache_snapshot_interval,
         ),
         spawned,
     )

@@ -135,6 +135,12 @@ def prefix_cache_refusal(specs: list[StateSpec], role: str, enabled: bool = True
     return None
 
 
+# Snapshots inside a prefill chunk (the torch path writes them for free): every this many
+# boundaries, besides a prompt's branch point and last boundary. Each costs a slot row, ~10x the
+# paged state of one boundary (docs/prefix-caching.md), so not every boundary.
+DEFAULT_SNAPSHOT_BOUNDARIES = 8
+
+
 def default_snapshots(max_num_seqs: int) -> int:
     """Snapshots the prefix cache of a model with slot states keeps when not told: two per
     running request (its prompt's last boundary and its answer's latest)."""
@@ -189,8 +195,15 @@ class Engine:
         self.prefix_cache: Optional[PrefixCache] = None
         if self.prefix_cache_off is None:
             snaps = SnapshotPool(self.pool.slot_states, num_snapshots) if num_snapshots else None
-            self.prefix_cache = PrefixCache(self.pool.allocator, page_size, snaps,
-                                            snapshot_boundary(specs, page_size) if snaps is not None else None)
+            boundary = snapshot_boundary(specs, page_size) if snaps is not None else None
+            in_forward = snaps is not None and getattr(self.runner.model, "snapshots_in_forward", False)
+            interval = 0
+            if in_forward:
+                every = args.prefix_cache_snapshot_interval
+                interval = (every if every is not None else DEFAULT_SNAPSHOT_BOUNDARIES * boundary) // boundary * boundary
+            self.pool.snapshots = snaps
+            self.runner.snapshot_states = snaps.states if snaps is not None else None
+            self.prefix_cache = PrefixCache(self.pool.allocator, page_size, snaps, boundary, in_forward, interval)
         self.scheduler = Scheduler(self.pool.allocator, page_size, args.max_num_seqs, args.max_num_batched_tokens,
                                    self.pool.slots, self.prefix_cache)
         self._cache_counted = (0, 0)  # prefix cache (query, hit) tokens already added to the counters
@@ -372,7 +385,7 @@ class Engine:
                 results = []
             for b, r in zip(batch, results):
                 b.seq.num_computed += b.num_new
-                self.scheduler.computed(b.seq)  # before the token: finishing gives the pages back
+                self.scheduler.computed(b.seq, b)  # before the token: finishing gives the pages back
                 if r is None or b.seq.finished:
                     continue
                 try:
@@ -381,6 +394,8 @@ class Engine:
                     self._append_token(b.seq, r.token, r.logprob)
                 except Exception as e:  # sampling, detokenising, stop handling: this request only
                     self.fail_request(b.seq, "generation failed", e)
+            if self.prefix_cache is not None and self.prefix_cache.snapshots is not None:
+                self.scheduler.settle(batch)
         self.metrics.inc("scheduler_loop_iterations")
         self.last_iteration = time.monotonic()
         self.update_gauges()

@@ -28,5 +28,7 @@ class EngineArgs:
     enable_prefix_cache: bool = True  # `--disable-prefix-cache` turns it off
     # Models with slot states (V4): slot-row snapshots the prefix cache keeps (None: 2 x max_num_seqs)
     prefix_cache_snapshots: Optional[int] = None
+    # ... and tokens between snapshots written inside a prefill chunk (None: 8 boundaries; 0: none)
+    prefix_cache_snapshot_interval: Optional[int] = None
     cuda_graph_max_bs: int = 0  # decode batches up to this many requests replay CUDA graphs (0: off)
     tp_size: int = 1  # ranks this engine spans (dsv4_engine.parallel); this process is rank 0

@@ -100,6 +100,8 @@ class KVPool:
         }
         # None when the model keeps nothing per request outside its pages (DeepSeek-V3).
         self.slots: SlotAllocator | None = SlotAllocator(self.num_slots) if slot_specs else None
+        # The prefix cache's copies of slot rows (set by the engine when it builds one).
+        self.snapshots: SnapshotPool | None = None
 
     @property
     def all_states(self) -> dict[str, torch.Tensor]:
@@ -266,6 +268,7 @@ class SnapshotPool:
                        for name, t in slot_states.items()}
         self._free = list(range(num_snapshots - 1, -1, -1))
         self._lru: "OrderedDict[int, None]" = OrderedDict()  # held snapshots, least recently used first
+        self._pending: set[int] = set()  # reserved for a step that writes them
         self.on_evict: Callable[[int], None] = lambda snap: None
         self.saved = 0  # snapshots taken
         self.restored = 0  # snapshots copied into a request's row
@@ -285,18 +288,42 @@ class SnapshotPool:
     def bytes_per_snapshot(self) -> dict[str, int]:
         return {name: t[0].numel() * t.element_size() for name, t in self.states.items()}
 
-    def save(self, row: int) -> int:
-        """Copy slot row `row` of every slot state into a snapshot; its id."""
+    def reserve(self) -> int:
+        """A snapshot row to be written (by the model's forward, or `save`): free, or the least
+        recently used held one taken back. Not reclaimable until `commit` or `release`."""
         if not self._free:
+            if not self._lru:
+                raise RuntimeError("every snapshot is reserved")
             victim, _ = self._lru.popitem(last=False)
             self.evicted += 1
             self.on_evict(victim)
             self._free.append(victim)
         snap = self._free.pop()
-        for name, t in self.states.items():
-            t[snap].copy_(self.slot_states[name][row])
+        self._pending.add(snap)
+        return snap
+
+    def commit(self, snap: int) -> None:
+        """A reserved snapshot was written: held from now on (the most recent)."""
+        self._pending.remove(snap)
         self._lru[snap] = None
         self.saved += 1
+
+    def release(self, snap: int) -> None:
+        """A reserved snapshot is not needed after all (its step failed, or the boundary already
+        had one): free again."""
+        self._pending.remove(snap)
+        self._free.append(snap)
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._pending)
+
+    def save(self, row: int) -> int:
+        """Copy slot row `row` of every slot state into a snapshot; its id."""
+        snap = self.reserve()
+        for name, t in self.states.items():
+            t[snap].copy_(self.slot_states[name][row])
+        self.commit(snap)
         return snap
 
     def restore(self, snap: int, row: int) -> None:

@@ -60,7 +60,7 @@ class _Node:
 
 class PrefixCache:
     def __init__(self, allocator: PageAllocator, page_size: int, snapshots: Optional[SnapshotPool] = None,
-                 boundary: Optional[int] = None):
+                 boundary: Optional[int] = None, in_forward: bool = False, interval: int = 0):
         if allocator.cache is not None:
             raise ValueError("this allocator already has a prefix cache")
         self.allocator = allocator
@@ -71,6 +71,12 @@ class PrefixCache:
         if self.boundary % page_size:
             raise ValueError(f"prefix cache boundary {self.boundary} is not a multiple of the page size {page_size}")
         self._by_snapshot: dict[int, _Node] = {}
+        # The model writes snapshots at boundaries inside a chunk (no chunk is cut short for
+        # them); then also every `interval` tokens (a multiple of the boundary; 0: none).
+        self.in_forward = in_forward
+        self.interval = interval
+        if interval % self.boundary:
+            raise ValueError(f"snapshot interval {interval} is not a multiple of the boundary {self.boundary}")
         if snapshots is not None:
             snapshots.on_evict = self._snapshot_evicted
         self.root = _Node((), None, -1)
@@ -172,13 +178,43 @@ class PrefixCache:
         hold no snapshot there (where it branches off another prompt: a shared system prompt
         gets a snapshot at its end), and the last boundary before its last token. None for a
         model without slot states, or nothing ahead."""
-        if self.snapshots is None:
+        if self.snapshots is None or self.in_forward:
             return None
         last = (seq.num_tokens - 1) // self.boundary * self.boundary
         for stop in (seq.cache_branch, last):
             if stop > seq.num_computed:
                 return stop
         return None
+
+    def snapshot_points(self, seq: Sequence, n: int) -> list[int]:
+        """Boundaries strictly inside the next n tokens of this request where the model should
+        write a snapshot (in_forward only): where its prompt branches off the cached path, its
+        prompt's last boundary, and every `interval` tokens. (A chunk ending on a boundary is
+        snapshotted from the row afterwards: `snapshot_due`.)"""
+        if self.snapshots is None or not self.in_forward or n <= 1:
+            return []
+        start, end = seq.num_computed, seq.num_computed + n
+        last = (seq.num_tokens - 1) // self.boundary * self.boundary
+        points = {p for p in (seq.cache_branch, last) if start < p < end and p % self.boundary == 0}
+        if self.interval:
+            points.update(range((start // self.interval + 1) * self.interval, end, self.interval))
+        return sorted(points)
+
+    def link_snapshots(self, seq: Sequence, taken: list[tuple[int, int]]) -> None:
+        """After a step whose forward wrote snapshots (position, reserved row) for this request
+        (and `insert`): each becomes its boundary's, or goes back when the boundary has one or
+        its page is not the request's cached chain."""
+        node, depth = seq.cache_node, seq.num_cached_pages
+        for pos, snap in sorted(taken, reverse=True):
+            want = pos // self.page_size
+            while node is not None and depth > want:
+                node, depth = node.parent, depth - 1
+            if node is None or node is self.root or depth != want or node.snapshot is not None:
+                self.snapshots.release(snap)
+                continue
+            self.snapshots.commit(snap)
+            node.snapshot = snap
+            self._by_snapshot[snap] = node
 
     def snapshot_due(self, seq: Sequence) -> None:
         """After a step: when the request stands exactly on a cached boundary that holds no
@@ -310,3 +346,4 @@ class PrefixCache:
                 assert node.depth * self.page_size % self.boundary == 0, f"snapshot {snap} off a boundary"
                 assert self.snapshots.holds(snap), f"snapshot {snap} not held by the pool"
             assert len(self._by_snapshot) == self.snapshots.num_used, "snapshots held outside the tree"
+            assert self.snapshots.num_reserved == 0, "snapshots reserved by no step"

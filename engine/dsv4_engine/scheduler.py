@@ -20,7 +20,7 @@ there instead, so the snapshot can be taken (one extra, short step per prompt).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from typing import Optional
 
@@ -33,6 +33,8 @@ from dsv4_engine.sequence import Sequence, SeqStatus
 class ScheduledSeq:
     seq: Sequence
     num_new: int  # tokens of this request computed this step
+    # prefix-cache snapshots the forward writes inside this chunk: (position, reserved row)
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -83,12 +85,39 @@ class Scheduler:
             if self.slots is not None:
                 self.slots.free(slot)
 
-    def computed(self, seq: Sequence) -> None:
-        """After a step: the request's newly full pages (and, at a boundary, a snapshot of its
+    def computed(self, seq: Sequence, sched: Optional[ScheduledSeq] = None) -> None:
+        """After a step: the request's newly full pages (and, at boundaries, snapshots of its
         slot row) become reusable by others."""
+        taken, sched_snaps = (sched.snapshots, []) if sched is not None else ([], None)
+        if sched is not None:
+            sched.snapshots = sched_snaps
         if self.cache is not None and not seq.finished:
             self.cache.insert(seq)
+            if taken:
+                self.cache.link_snapshots(seq, taken)
             self.cache.snapshot_due(seq)
+        else:
+            for _, snap in taken:
+                self.cache.snapshots.release(snap)
+
+    def settle(self, batch: list[ScheduledSeq]) -> None:
+        """After a step, whatever happened: snapshots reserved for a request whose step never
+        reached `computed` (its forward failed) go back."""
+        for b in batch:
+            for _, snap in b.snapshots:
+                self.cache.snapshots.release(snap)
+            b.snapshots = []
+
+    def _reserve_snapshots(self, batch: list[ScheduledSeq]) -> None:
+        """Rows for the snapshots the forward writes inside this step's chunks."""
+        pool = self.cache.snapshots if self.cache is not None else None
+        if pool is None or not self.cache.in_forward:
+            return
+        for b in batch:
+            for pos in self.cache.snapshot_points(b.seq, b.num_new):
+                if pool.num_free + pool.num_used == 0:
+                    return  # every row is reserved by this step already
+                b.snapshots.append((pos, pool.reserve()))
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of this request to compute this step: what is left, within the budget, ending
@@ -163,4 +192,5 @@ class Scheduler:
             self.running.append(seq)
             batch.append(ScheduledSeq(seq, n))
             budget -= n
+        self._reserve_snapshots(batch)
         return batch

@@ -128,15 +128,30 @@ def workload(seed: int, n: int):
     return arrivals, aborts
 
 
-@pytest.mark.parametrize("page_size,pool", [(4, 96), (4, 22), (16, 24)], ids=["page4-roomy", "page4-preempting", "page16"])
-def test_greedy_outputs_with_the_cache_equal_outputs_without(v4_dir, page_size, pool):
+def rows_only(engine: Engine) -> Engine:
+    """The kernel path's way (no snapshots written inside a chunk): the scheduler ends a chunk at
+    a prompt's branch point and last boundary, and the row is copied after the step."""
+    engine.prefix_cache.in_forward, engine.prefix_cache.interval = False, 0
+    return engine
+
+
+@pytest.mark.parametrize("page_size,pool,in_forward", [
+    pytest.param(4, 96, True, id="page4-roomy"),
+    pytest.param(4, 96, False, id="page4-rows-only", marks=pytest.mark.slow),
+    pytest.param(4, 22, True, id="page4-preempting"),
+    pytest.param(16, 24, True, id="page16", marks=pytest.mark.slow),
+])
+def test_greedy_outputs_with_the_cache_equal_outputs_without(v4_dir, page_size, pool, in_forward):
     """Page 4 (boundary 8: pages shorter than the HCA window, so a page is not final when its own
     tokens are) and page 16 (the preset's default); a 13-token step budget splits chunks at
-    awkward places; the 22-page pool forces preemption."""
+    awkward places; the 22-page pool forces preemption. Snapshots written by the forward inside
+    chunks (every 16 tokens here), or only from the row at chunk ends (the kernel path's way)."""
     arrivals, aborts = workload(3, 28)
     ref_engine = v4_engine(v4_dir, False, page_size=page_size, kv_pages=pool)
     ref, _ = drive(ref_engine, arrivals, aborts)
-    engine = v4_engine(v4_dir, True, page_size=page_size, kv_pages=pool)
+    engine = v4_engine(v4_dir, True, page_size=page_size, kv_pages=pool, prefix_cache_snapshot_interval=16)
+    if not in_forward:
+        rows_only(engine)
     got, seqs = drive(engine, arrivals, aborts)
     both = [rid for rid in ref if ref[rid][1] == "length" and got[rid][1] == "length"]
     assert len(both) >= 18
@@ -152,6 +167,27 @@ def test_greedy_outputs_with_the_cache_equal_outputs_without(v4_dir, page_size, 
         assert sum(s.num_preemptions for s in seqs) > 0, "the small pool should have forced preemption"
     assert_everything_back(engine)
     assert_everything_back(ref_engine)
+
+
+def test_a_snapshot_written_inside_a_chunk_equals_the_row_at_that_boundary(v4_dir):
+    """The torch path's in-forward snapshot at 16 of a 40-token chunk holds what the slot row
+    holds when a chunk ends at 16: every slot state, every layer, every ring offset."""
+    prompt = list(range(7, 47))
+    inside = v4_engine(v4_dir, True, max_num_batched_tokens=64, prefix_cache_snapshot_interval=16)
+    assert inside.prefix_cache.in_forward and inside.prefix_cache.interval == 16
+    drive(inside, {0: [("a", prompt, 1)]}, {})
+    at_end = rows_only(v4_engine(v4_dir, True, max_num_batched_tokens=16))
+    drive(at_end, {0: [("a", prompt, 1)]}, {})
+
+    def snapshot_at(engine: Engine, pos: int) -> dict:
+        cache = engine.prefix_cache
+        node = next(n for n in cache._by_snapshot.values() if n.depth * 4 == pos)
+        return {k: t[node.snapshot] for k, t in cache.snapshots.states.items()}
+
+    a, b = snapshot_at(inside, 16), snapshot_at(at_end, 16)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-5, msg=name)
+    assert any(a[name].abs().sum() > 0 for name in a)
 
 
 def test_every_boundary_class_resumes_exactly(v4_dir):
