@@ -454,7 +454,8 @@ class DeepseekV4:
         already holds every projection of the window (this step's included), so the window and,
         for CSA, its predecessor are read back from it. With `closes` [N] (a captured step, whose
         launches cannot depend on which rows close): every row pools its latest full window, and
-        a row that closes none writes back the entry it read (its own page: pages are never shared)."""
+        a row that closes none writes back the entry it read: the same bytes, so harmless even in
+        a page the prefix cache shares, whose windows are all closed and never written otherwise."""
         S, width = stage.shape[2], stage.shape[3] // 2
         w = (t + 1) // rate - 1
         if closes is not None:
