@@ -302,10 +302,13 @@ class SnapshotPool:
         self._pending.add(snap)
         return snap
 
-    def commit(self, snap: int) -> None:
-        """A reserved snapshot was written: held from now on (the most recent)."""
+    def commit(self, snap: int, recent: bool = True) -> None:
+        """A reserved snapshot was written: held from now on, as the most recent one, or with
+        recent=False as the next to go (a speculative one: it moves up once restored)."""
         self._pending.remove(snap)
         self._lru[snap] = None
+        if not recent:
+            self._lru.move_to_end(snap, last=False)
         self.saved += 1
 
     def release(self, snap: int) -> None:

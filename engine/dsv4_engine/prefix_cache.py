@@ -205,6 +205,7 @@ class PrefixCache:
         (and `insert`): each becomes its boundary's, or goes back when the boundary has one or
         its page is not the request's cached chain."""
         node, depth = seq.cache_node, seq.num_cached_pages
+        last = (seq.num_tokens - 1) // self.boundary * self.boundary
         for pos, snap in sorted(taken, reverse=True):
             want = pos // self.page_size
             while node is not None and depth > want:
@@ -212,7 +213,9 @@ class PrefixCache:
             if node is None or node is self.root or depth != want or node.snapshot is not None:
                 self.snapshots.release(snap)
                 continue
-            self.snapshots.commit(snap)
+            # the interval's snapshots are a guess at where an unseen prompt will branch: they
+            # go first when the pool is full, until one is used
+            self.snapshots.commit(snap, recent=pos in (seq.cache_branch, last))
             node.snapshot = snap
             self._by_snapshot[snap] = node
 
