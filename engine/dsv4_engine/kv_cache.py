@@ -311,6 +311,11 @@ class SnapshotPool:
             self._lru.move_to_end(snap, last=False)
         self.saved += 1
 
+    def demote(self, snap: int) -> None:
+        """A held snapshot becomes the next to go when room is needed (superseded by a deeper one)."""
+        if snap in self._lru:
+            self._lru.move_to_end(snap, last=False)
+
     def release(self, snap: int) -> None:
         """A reserved snapshot is not needed after all (its step failed, or the boundary already
         had one): free again."""

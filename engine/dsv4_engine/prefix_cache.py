@@ -215,30 +215,40 @@ class PrefixCache:
                 continue
             # the interval's snapshots are a guess at where an unseen prompt will branch: they
             # go first when the pool is full, until one is used
-            self.snapshots.commit(snap, recent=pos in (seq.cache_branch, last))
+            keep = pos in (seq.cache_branch, last)
+            self.snapshots.commit(snap, recent=keep)
             node.snapshot = snap
             self._by_snapshot[snap] = node
+            if keep and (seq.snapshot_node is None or seq.snapshot_node.depth < node.depth):
+                self._supersede(seq, node, pos)
+                seq.snapshot_node, seq.snapshot_id = node, snap
 
     def snapshot_due(self, seq: Sequence) -> None:
         """After a step: when the request stands exactly on a cached boundary that holds no
-        snapshot, keep a copy of its slot row there. A decode step's snapshot replaces the one
-        the same request took at its previous decode boundary (one per answer, not one per
-        boundary of a long answer)."""
+        snapshot, keep a copy of its slot row there."""
         pos = seq.num_computed
         if (self.snapshots is None or seq.slot is None or pos == 0 or pos % self.boundary
                 or seq.num_cached_pages * self.page_size != pos or seq.cache_node is None
                 or seq.cache_node.snapshot is not None):
             return
         node = seq.cache_node
-        decoding = pos > len(seq.prompt_ids)
-        if decoding:
-            prev = seq.snapshot_node
-            if prev is not None and prev.snapshot is not None and prev.snapshot == seq.snapshot_id:
-                self._drop_snapshot(prev)
+        self._supersede(seq, node, pos)
         node.snapshot = self.snapshots.save(seq.slot)
         self._by_snapshot[node.snapshot] = node
-        if decoding:
-            seq.snapshot_node, seq.snapshot_id = node, node.snapshot
+        seq.snapshot_node, seq.snapshot_id = node, node.snapshot
+
+    def _supersede(self, seq: Sequence, node: _Node, pos: int) -> None:
+        """A request about to keep a snapshot deeper on its own path: the one it kept before is
+        worth less now (its next round resumes at the deeper one). An earlier decode snapshot
+        is dropped (one per answer, not one per boundary of a long answer); a prompt's goes to
+        the front of the pool's LRU, so that many conversations at once keep each one's latest."""
+        prev = seq.snapshot_node
+        if prev is None or prev is node or prev.snapshot is None or prev.snapshot != seq.snapshot_id:
+            return
+        if pos > len(seq.prompt_ids) and prev.depth * self.page_size > len(seq.prompt_ids):
+            self._drop_snapshot(prev)
+        else:
+            self.snapshots.demote(prev.snapshot)
 
     def attach(self, seq: Sequence) -> int:
         """Give a request that holds nothing the pages of its longest cached prefix (full pages,

@@ -39,8 +39,8 @@ class Sequence:
     # at admission.
     cache_node: Any = None
     num_cached_pages: int = 0
-    # Models with slot states: the node (and snapshot id) of the last snapshot this request took
-    # while decoding, dropped when it takes the next one.
+    # Models with slot states: the node (and snapshot id) of the deepest snapshot this request
+    # kept, superseded when it keeps a deeper one (prefix_cache.PrefixCache._supersede).
     snapshot_node: Any = None
     snapshot_id: Optional[int] = None
     cache_branch: int = 0  # deepest boundary its prompt shares with cached pages (found at admission)
