@@ -132,7 +132,7 @@ def serve(
     prefix_cache_snapshots: Optional[int] = typer.Option(
         None, "--prefix-cache-snapshots", min=0,
         help="DeepSeek-V4: slot-row snapshots the prefix cache keeps, each one slot row of memory taken from "
-             "--kv-memory-gb (default: 2 x --max-num-seqs; 0 turns V4 prefix reuse off)."),
+             "--kv-memory-gb (default: 4 x --max-num-seqs; 0 turns V4 prefix reuse off)."),
     prefix_cache_snapshot_interval: Optional[int] = typer.Option(
         None, "--prefix-cache-snapshot-interval", min=0,
         help="DeepSeek-V4: tokens between the snapshots a prefill chunk leaves behind, besides its prompt's "

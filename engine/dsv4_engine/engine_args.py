@@ -26,7 +26,7 @@ class EngineArgs:
     device: Optional[str] = None
     seed: int = 0
     enable_prefix_cache: bool = True  # `--disable-prefix-cache` turns it off
-    # Models with slot states (V4): slot-row snapshots the prefix cache keeps (None: 2 x max_num_seqs)
+    # Models with slot states (V4): slot-row snapshots the prefix cache keeps (None: 4 x max_num_seqs)
     prefix_cache_snapshots: Optional[int] = None
     # ... and tokens between snapshots written inside a prefill chunk (None: 8 boundaries; 0: none)
     prefix_cache_snapshot_interval: Optional[int] = None

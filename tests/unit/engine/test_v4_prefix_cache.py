@@ -96,8 +96,8 @@ def test_boundary_is_a_multiple_of_the_page_and_of_every_compression_window():
 def test_snapshots_come_out_of_the_memory_budget(v4_dir):
     e = v4_engine(v4_dir, True, kv_pages=None, kv_memory_gb=0.01, prefix_cache_snapshots=None)
     specs, dt = e.runner.state_specs, e.runner.dtype
-    assert e.prefix_cache.snapshots.total == default_snapshots(6) == 12
-    assert e.pool.num_pages == pages_for_memory(specs, 4, dt, 0.01, 6, 12) < pages_for_memory(specs, 4, dt, 0.01, 6)
+    assert e.prefix_cache.snapshots.total == default_snapshots(6) == 24
+    assert e.pool.num_pages == pages_for_memory(specs, 4, dt, 0.01, 6, 24) < pages_for_memory(specs, 4, dt, 0.01, 6)
     off = v4_engine(v4_dir, False, kv_pages=None, kv_memory_gb=0.01)
     assert off.pool.num_pages == pages_for_memory(specs, 4, dt, 0.01, 6)
     assert slot_row_nbytes(specs, dt) == sum(e.prefix_cache.snapshots.bytes_per_snapshot().values())
