@@ -325,7 +325,8 @@ class PrefixCache:
                "query_tokens": self.query_tokens, "hit_tokens": self.hit_tokens}
         if self.snapshots is not None:
             sp = self.snapshots
-            out.update(boundary_tokens=self.boundary, snapshots_cached=sp.num_used, snapshots_total=sp.total,
+            out.update(boundary_tokens=self.boundary, snapshot_interval_tokens=self.interval,
+                       snapshots_in_forward=self.in_forward, snapshots_cached=sp.num_used, snapshots_total=sp.total,
                        snapshots_saved=sp.saved, snapshots_restored=sp.restored, snapshots_evicted=sp.evicted)
         return out
 
