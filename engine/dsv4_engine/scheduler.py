@@ -13,8 +13,10 @@ With a prefix cache, a request admitted with nothing computed first takes the pa
 longest cached prefix (shared, reference-counted) and starts computing after them; `release`
 drops its references, so preemption, abort and failure never free a page another request uses.
 For a model with slot states the cache resumes only at boundaries where it kept a snapshot of a
-slot row: a prefill chunk that would cross the last boundary before the prompt's last token ends
-there instead, so the snapshot can be taken (one extra, short step per prompt).
+slot row. When the model writes snapshots inside a chunk (V4's torch path), the step reserves
+their rows (`ScheduledSeq.snapshots`); otherwise a prefill chunk that would cross a prompt's
+branch point or last boundary ends there, so the row can be copied after the step (one extra,
+short step per prompt).
 """
 
 from __future__ import annotations
