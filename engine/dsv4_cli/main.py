@@ -144,8 +144,17 @@ def serve(
                                      "spread (NCCL on CUDA, gloo on CPU); this process is rank 0."),
     disable_prefix_cache: bool = typer.Option(
         False, EngineFlags.DISABLE_PREFIX_CACHE,
-        help="Turn prefix caching off (on by default: a request reuses the KV pages of the longest cached prefix; "
-             "models with per-request slot state, DeepSeek-V4, and decode engines never reuse)."),
+        help="Turn prefix caching off (on by default: a request reuses the KV pages of the longest cached prefix "
+             "and, for DeepSeek-V4, a snapshot of its window/compressor state at a boundary; decode engines "
+             "never reuse)."),
+    prefix_cache_snapshots: Optional[int] = typer.Option(
+        None, "--prefix-cache-snapshots", min=0,
+        help="DeepSeek-V4: slot-row snapshots the prefix cache keeps, each one slot row of memory taken from "
+             "--kv-memory-gb (default: 4 x --max-num-seqs; 0 turns V4 prefix reuse off)."),
+    prefix_cache_snapshot_interval: Optional[int] = typer.Option(
+        None, "--prefix-cache-snapshot-interval", min=0,
+        help="DeepSeek-V4: tokens between the snapshots a prefill chunk leaves behind, besides its prompt's "
+             "branch point and last boundary (default: 8 boundaries; 0: none; torch path only)."),
     max_request_bytes: int = typer.Option(16 * 1024 * 1024, "--max-request-bytes", min=1,
                                           help="Largest request body accepted (bigger: 413)."),
     shutdown_grace: float = typer.Option(30.0, EngineFlags.SHUTDOWN_GRACE, min=0.0,
@@ -221,6 +230,7 @@ def serve(
             chat_template=str(chat_template) if chat_template is not None else None,
             tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
             otlp_traces_endpoint=otlp_traces_endpoint,
+            prefix_cache_snapshots=prefix_cache_snapshots, prefix_cache_snapshot_interval=prefix_cache_snapshot_interval,
         ),
         spawned,
     )

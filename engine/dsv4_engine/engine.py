@@ -24,7 +24,8 @@ import torch
 
 from dsv4_engine.devices import use_device
 from dsv4_engine.engine_args import EngineArgs  # noqa: F401  (its old home)
-from dsv4_engine.kv_cache import KVPool, check_page_size, default_page_size, pages_for_memory
+from dsv4_engine.kv_cache import (KVPool, SnapshotPool, check_page_size, default_page_size, pages_for_memory,
+                                  snapshot_boundary)
 from dsv4_engine.metrics import EngineMetrics
 from dsv4_engine.model_runner import ModelRunner, default_device
 from dsv4_engine.models.state import StateSpec
@@ -117,19 +118,36 @@ def serving_refusal(model_dir: str, role: str, page_size: Optional[int], tp_size
     return tp_refusal(entry.model_type, cfg, tp_size) or state_refusal(entry.model_class().state_specs(cfg), role, page_size)
 
 
-def prefix_cache_refusal(specs: list[StateSpec], role: str, enabled: bool = True) -> Optional[str]:
+def prefix_cache_refusal(specs: list[StateSpec], role: str, enabled: bool = True, tp_size: int = 1,
+                         snapshots: Optional[int] = None) -> Optional[str]:
     """Why this engine runs without a prefix cache, in one line, or None when it has one."""
     if not enabled:
         return "turned off (--disable-prefix-cache)"
     if role == "decode":
         return "a decode engine receives every page of a request from prefill; it has nothing to reuse"
     slot_states = [s.name for s in specs if not s.paged]
-    if slot_states:
-        # The slot rows hold the request's state at its current position only (the window ring,
-        # the compressors' partial buffers); pages alone cannot resume a prefix.
-        return (f"this model keeps per-request slot state ({', '.join(slot_states)}) that cached pages "
-                f"cannot restore")
+    if slot_states and snapshots == 0:
+        return "--prefix-cache-snapshots 0: no snapshot of the slot state to resume a prefix from"
+    if slot_states and tp_size > 1:
+        # Resuming copies a snapshot into the request's slot row; the other ranks' rows would
+        # need the same copy, which the step broadcast does not carry yet.
+        return (f"this model keeps per-request slot state ({', '.join(slot_states)}) whose snapshots are "
+                f"not mirrored across --tp-size {tp_size} ranks yet")
     return None
+
+
+# Snapshots inside a prefill chunk (the torch path writes them for free): every this many
+# boundaries, besides a prompt's branch point and last boundary. Each costs a slot row, ~10x the
+# paged state of one boundary (docs/prefix-caching.md), so not every boundary.
+DEFAULT_SNAPSHOT_BOUNDARIES = 8
+
+
+def default_snapshots(max_num_seqs: int) -> int:
+    """Snapshots the prefix cache of a model with slot states keeps when not told: four per
+    running request. Each conversation needs its latest one to survive until its next round,
+    while the others' prompts take theirs; at two per request, 16 conversations on 16 rows
+    lost their fourth round's (bench prefix, v4-tiny)."""
+    return 4 * max_num_seqs
 
 
 class Engine:
@@ -163,9 +181,17 @@ class Engine:
         refusal = state_refusal(specs, args.role, page_size)
         if refusal:
             raise ValueError(refusal)
-        # Slot rows for max_num_seqs requests come first; the rest of the memory becomes pages.
+        self.prefix_cache_off = prefix_cache_refusal(specs, args.role, args.enable_prefix_cache, args.tp_size,
+                                                     args.prefix_cache_snapshots)
+        has_slots = any(not s.paged for s in specs)
+        num_snapshots = 0
+        if has_slots and self.prefix_cache_off is None:
+            num_snapshots = (args.prefix_cache_snapshots if args.prefix_cache_snapshots is not None
+                             else default_snapshots(args.max_num_seqs))
+        # Slot rows for max_num_seqs requests (and the cache's snapshots of them) come first; the
+        # rest of the memory becomes pages.
         num_pages = args.kv_pages or pages_for_memory(specs, page_size, self.runner.dtype, args.kv_memory_gb,
-                                                      args.max_num_seqs)
+                                                      args.max_num_seqs, num_snapshots)
         self.pool = KVPool(specs, num_pages, page_size, self.runner.dtype, self.runner.device, args.max_num_seqs)
         if self.tp is not None:  # the other ranks mirror the pool; each step reaches them first
             from dsv4_engine.parallel.group import BroadcastForward
@@ -181,9 +207,18 @@ class Engine:
                 self.runner.capture_graphs(self.pool)
             elif not self.tp.capture_graphs(args.cuda_graph_max_bs, lambda: self.runner.capture_graphs(self.pool)):
                 self.runner.drop_graphs()
-        self.prefix_cache_off = prefix_cache_refusal(specs, args.role, args.enable_prefix_cache)
-        self.prefix_cache: Optional[PrefixCache] = (
-            PrefixCache(self.pool.allocator, page_size) if self.prefix_cache_off is None else None)
+        self.prefix_cache: Optional[PrefixCache] = None
+        if self.prefix_cache_off is None:
+            snaps = SnapshotPool(self.pool.slot_states, num_snapshots) if num_snapshots else None
+            boundary = snapshot_boundary(specs, page_size) if snaps is not None else None
+            in_forward = snaps is not None and getattr(self.runner.model, "snapshots_in_forward", False)
+            interval = 0
+            if in_forward:
+                every = args.prefix_cache_snapshot_interval
+                interval = (every if every is not None else DEFAULT_SNAPSHOT_BOUNDARIES * boundary) // boundary * boundary
+            self.pool.snapshots = snaps
+            self.runner.snapshot_states = snaps.states if snaps is not None else None
+            self.prefix_cache = PrefixCache(self.pool.allocator, page_size, snaps, boundary, in_forward, interval)
         self.scheduler = Scheduler(self.pool.allocator, page_size, args.max_num_seqs, args.max_num_batched_tokens,
                                    self.pool.slots, self.prefix_cache)
         self._cache_counted = (0, 0)  # prefix cache (query, hit) tokens already added to the counters
@@ -413,7 +448,7 @@ class Engine:
                 results = []
             for b, r in zip(batch, results):
                 b.seq.num_computed += b.num_new
-                self.scheduler.computed(b.seq)  # before the token: finishing gives the pages back
+                self.scheduler.computed(b.seq, b)  # before the token: finishing gives the pages back
                 if r is None or b.seq.finished:
                     continue
                 try:
@@ -422,6 +457,8 @@ class Engine:
                     self._append_token(b.seq, r.token, r.logprob)
                 except Exception as e:  # sampling, detokenising, stop handling: this request only
                     self.fail_request(b.seq, "generation failed", e)
+            if self.prefix_cache is not None and self.prefix_cache.snapshots is not None:
+                self.scheduler.settle(batch)
         self.metrics.inc("scheduler_loop_iterations")
         self.last_iteration = time.monotonic()
         self.update_gauges()
@@ -558,6 +595,10 @@ class Engine:
         if self.prefix_cache is not None:
             c = self.prefix_cache
             m.set("prefix_cache_pages", c.num_cached)
+            if c.snapshots is not None:
+                m.set("prefix_cache_snapshots", c.snapshots.num_used)
+            for name, nbytes in c.bytes_by_state(self.pool.page_bytes_by_state()).items():
+                m.set_state("prefix_cache_state_bytes", name, nbytes)
             q, h = self._cache_counted
             if c.query_tokens > q:
                 m.inc("prefix_cache_query_tokens", c.query_tokens - q)
@@ -588,8 +629,10 @@ class Engine:
             # in kv_pages_free: they are given up as soon as an allocation needs room.
             "kv_pages_cached": self.prefix_cache.num_cached if self.prefix_cache is not None else 0,
             "kv_pages_cached_idle": self.prefix_cache.num_idle if self.prefix_cache is not None else 0,
-            "prefix_cache": ({"enabled": True, **self.prefix_cache.stats()} if self.prefix_cache is not None
-                             else {"enabled": False, "why": self.prefix_cache_off}),
+            "prefix_cache": ({"enabled": True, **self.prefix_cache.stats(),
+                              # what the cache holds now, per state kind (paged: its pages; slot: snapshots)
+                              "bytes_by_state": self.prefix_cache.bytes_by_state(self.pool.page_bytes_by_state())}
+                             if self.prefix_cache is not None else {"enabled": False, "why": self.prefix_cache_off}),
             # What each state costs: paged ones per token of context, slot ones per running request.
             "kv_state_bytes_per_token": self.pool.bytes_per_token(),
             "kv_state_bytes_per_request": self.pool.bytes_per_request(),

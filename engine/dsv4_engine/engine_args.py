@@ -26,6 +26,10 @@ class EngineArgs:
     device: Optional[str] = None
     seed: int = 0
     enable_prefix_cache: bool = True  # `--disable-prefix-cache` turns it off
+    # Models with slot states (V4): slot-row snapshots the prefix cache keeps (None: 4 x max_num_seqs)
+    prefix_cache_snapshots: Optional[int] = None
+    # ... and tokens between snapshots written inside a prefill chunk (None: 8 boundaries; 0: none)
+    prefix_cache_snapshot_interval: Optional[int] = None
     cuda_graph_max_bs: int = 0  # decode batches up to this many requests replay CUDA graphs (0: off)
     tp_size: int = 1  # ranks this engine spans (dsv4_engine.parallel); this process is rank 0
     # Speculative decoding (dsv4_engine.spec_decode): None = off; "mtp" (or an alias) drafts

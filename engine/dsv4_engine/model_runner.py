@@ -92,6 +92,7 @@ class ModelRunner:
         self.graphs: Optional[DecodeGraphs] = None
         self._states: dict[str, torch.Tensor] = {}  # the pool's tensors, which a captured graph reads
         self._masks = None  # structured outputs' MaskFiller, made when a request first has a grammar
+        self.snapshot_states: Optional[dict[str, torch.Tensor]] = None  # the prefix cache's (V4)
 
     def graphs_supported(self) -> bool:
         return (self.device.type == "cuda" and self.kernel_backend == "triton"
@@ -154,7 +155,9 @@ class ModelRunner:
         hb = self.host_batch(batch, page_size)
         news = hb.extend_lens.tolist()
         t = self.buffers.upload(hb)
+        snapshots = [(k, pos, snap) for k, b in enumerate(batch) for pos, snap in b.snapshots] or None
         return ForwardBatch(
+            snapshots=snapshots, snapshot_states=self.snapshot_states if snapshots else None,
             input_ids=t["input_ids"], positions=t["positions"], slot_mapping=t["slot_mapping"],
             block_table=t["block_table"], seq_lens=t["seq_lens"], extend_lens=t["extend_lens"],
             logits_indices=t["logits_indices"], all_decode=all(n == 1 for n in news),

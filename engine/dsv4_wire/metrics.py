@@ -18,6 +18,7 @@ GAUGES = {
     "kv_pages_free": "Free KV cache pages",
     "kv_pages_total": "Total KV cache pages",
     "prefix_cache_pages": "KV pages held by the prefix cache (the idle ones also count as free)",
+    "prefix_cache_snapshots": "Slot-row snapshots held by the prefix cache (models with slot states: DeepSeek-V4)",
     "tp_size": "Ranks (devices) this engine runs on (--tp-size); rank 0 reports for all",
 }
 # Gauges with a `state` label besides role/model_name: one series per state the model declares
@@ -26,6 +27,7 @@ GAUGES = {
 STATE_GAUGES = {
     "kv_state_bytes_per_token": "Bytes one token of context costs in each paged state (all layers)",
     "kv_state_bytes_per_request": "Bytes one running request costs in each fixed-size (slot) state (all layers)",
+    "prefix_cache_state_bytes": "Bytes the prefix cache holds now in each state (paged: cached pages; slot: snapshots)",
 }
 STATE_LABEL = "state"
 COUNTERS = {

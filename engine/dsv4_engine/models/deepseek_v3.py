@@ -38,6 +38,10 @@ class ForwardBatch:
     # For models with slot states (DeepSeek-V4); V3 reads neither.
     slot_ids: Optional[torch.Tensor] = None  # [B] int64, each request's row in the slot states
     page_size: Optional[int] = None  # tokens per page
+    # Prefix-cache snapshots to write inside this step's chunks: (request, position, snapshot
+    # row) into snapshot_states (models with slot states that support it: V4's torch path).
+    snapshots: Optional[list[tuple[int, int, int]]] = None
+    snapshot_states: Optional[dict[str, torch.Tensor]] = None
     # The same lengths as host ints, known when the batch was built: ops that size launches or
     # loop over requests read these instead of reading the device (a host sync).
     seq_lens_host: Optional[list[int]] = None

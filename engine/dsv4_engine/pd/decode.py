@@ -166,6 +166,9 @@ class DecodeController(PDController):
         seq.pd.state = PDState.SUCCESS
         seq.pd.mark("kv_landed", self.clock())
         seq.num_computed = seq.num_tokens
+        # prompt tokens prefill's prefix cache served (the client's usage.cached_tokens)
+        cached = note.get("cached_tokens", 0)
+        seq.num_cached_tokens = cached if isinstance(cached, int) and 0 <= cached <= len(seq.prompt_ids) else 0
         self.engine.accept_first_token(seq, token, note.get("logprobs"))
 
     def _checksum_failure(self, seq: Sequence, note: dict) -> Optional[str]:

@@ -177,7 +177,8 @@ class PrefillController(PDController):
         pd.enter(PDState.TRANSFERRING, self._timeout(self.settings.transfer_timeout), now)
         pd.transfer_started = now
         self.inflight[pd.room] = seq
-        note = {"room": pd.room, "token": seq.output_ids[-1], "prefill_boot": self.boot_id}
+        note = {"room": pd.room, "token": seq.output_ids[-1], "prefill_boot": self.boot_id,
+                "cached_tokens": seq.num_cached_tokens}
         logprobs = getattr(seq, "output_logprobs", None)
         if logprobs:
             note["logprobs"] = logprobs[-1]
