@@ -113,8 +113,14 @@ class PrefixCache:
     # ---- what the scheduler asks -------------------------------------------------------------
 
     def _page_tokens(self, seq: Sequence, i: int) -> tuple:
+        """The page's key under its parent: its token ids; the first page's key also holds the
+        request's cache salt (a str, never equal to a token id), so each salt has its own tree
+        below the root and no lookup crosses salts (vLLM mixes the salt into the first block's
+        hash the same way)."""
         ps = self.page_size
-        return tuple(seq.token_at(j) for j in range(i * ps, (i + 1) * ps))
+        tokens = tuple(seq.token_at(j) for j in range(i * ps, (i + 1) * ps))
+        salt = seq.params.cache_salt
+        return (salt, *tokens) if i == 0 and salt else tokens
 
     def attach(self, seq: Sequence) -> int:
         """Give a request that holds nothing the pages of its longest cached prefix (full pages,

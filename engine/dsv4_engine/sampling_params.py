@@ -32,6 +32,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # vLLM: logits of prompt and generated tokens / (> 0) or * (< 0) it
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
+    # Not sampling, but per request and carried with it: the prefix cache's namespace (vLLM's
+    # cache_salt). Requests with different salts (or one salted, one not) share no cached page.
+    cache_salt: Optional[str] = None
 
     def validate(self) -> None:
         """Raise ValueError with a user-facing message for parameters we cannot honour."""

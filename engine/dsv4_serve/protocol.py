@@ -22,6 +22,7 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_CACHE_SALT_CHARS = 512
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -80,6 +81,8 @@ class _Common(BaseModel):
     logit_bias: Optional[dict[str, float]] = Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
     min_tokens: Optional[int] = Field(None, ge=0, le=INT64_MAX)
     return_token_ids: bool = False
+    # vLLM's prefix-cache isolation: requests with different salts share no cached pages.
+    cache_salt: Optional[str] = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # PD: set by the router on the internal requests it sends to prefill and decode engines.
     bootstrap_host: Optional[str] = Field(None, max_length=256)
     bootstrap_port: Optional[int] = Field(None, ge=0, le=65535)
@@ -156,6 +159,7 @@ class _Common(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=bias,
             min_tokens=self.min_tokens or 0,
+            cache_salt=self.cache_salt,
         )
         try:
             p.validate()
