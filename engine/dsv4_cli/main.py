@@ -91,6 +91,15 @@ def model_init(
     typer.echo(f"wrote {preset} checkpoint (seed {seed}{', ' + quant if quant else ''}) to {out_dir}")
 
 
+def _api_keys(keys: List[str], files: List[str]) -> list:
+    from dsv4_wire.api_keys import load_api_keys
+
+    try:
+        return load_api_keys(keys, files)
+    except ValueError as e:
+        _fail(str(e))
+
+
 @app.command()
 def serve(
     model: Path = typer.Option(..., help="Checkpoint folder (from `dsv4 model init` or save_pretrained)."),
@@ -136,6 +145,10 @@ def serve(
     transfer_checksum: bool = typer.Option(False, EngineFlags.TRANSFER_CHECKSUM,
                                            help="PD: checksum every KV/state region of a hand-off; decode verifies "
                                                 "what landed and fails the request on a mismatch."),
+    api_key: List[str] = typer.Option([], "--api-key", help="Client API key required on /v1/* as `Authorization: Bearer` "
+                                                            "(repeat for more; vLLM's flag). Prefer --api-key-file."),
+    api_key_file: List[str] = typer.Option([], "--api-key-file", help="File of API keys, one a line (`KEY` or "
+                                                                      "`NAME KEY`, NAME shown in metrics)."),
 ) -> None:
     """Run one engine (monolithic, prefill or decode) with the OpenAI-compatible HTTP API."""
     if role not in ("mono", "prefill", "decode"):
@@ -145,6 +158,7 @@ def serve(
     if kernel_backend not in (None, "torch", "triton"):
         _fail(f"--kernel-backend must be torch or triton, not {kernel_backend!r}")
     _check_model_dir(model, quantization=False)
+    keys = _api_keys(api_key, api_key_file)
     from dsv4_serve.core_spawn import spawn_core
 
     # The engine core starts importing torch now, beside this process (it waits for its arguments).
@@ -165,7 +179,7 @@ def serve(
             waiting_timeout=waiting_timeout, deadlines=not no_deadlines,
             enable_fault_injection=enable_fault_injection, admin_token=admin_token, pd_secret=pd_secret, seed=seed,
             max_request_bytes=max_request_bytes, shutdown_grace=shutdown_grace, transfer_checksum=transfer_checksum,
-            enable_prefix_cache=not disable_prefix_cache, tp_size=tp_size,
+            enable_prefix_cache=not disable_prefix_cache, tp_size=tp_size, api_keys=keys,
         ),
         spawned,
     )
@@ -189,6 +203,18 @@ def router(
     max_body_bytes: int = typer.Option(16 * 1024 * 1024, min=1, help="Largest request body accepted (413 beyond)."),
     health_timeout: float = typer.Option(2.0, min=0.1, help="Seconds one /ready check of a worker may take."),
     request_timeout: float = typer.Option(600.0, min=1.0, help="Seconds an engine may stay silent on a request."),
+    api_key: List[str] = typer.Option([], "--api-key", help="Client API key required on /v1/* (repeat for more)."),
+    api_key_file: List[str] = typer.Option([], "--api-key-file", help="File of API keys, one a line (`KEY` or `NAME KEY`)."),
+    key_max_concurrency: int = typer.Option(0, min=0, help="Requests one API key may have in flight (0: no limit; "
+                                                            "more get 429 with Retry-After)."),
+    key_rate_limit: float = typer.Option(0.0, min=0.0, help="Requests per second one API key may send (0: no limit)."),
+    key_rate_burst: float = typer.Option(0.0, min=0.0, help="Requests one key may send at once above the rate "
+                                                             "(default: max(1, rate))."),
+    cache_salt_from_api_key: bool = typer.Option(False, "--cache-salt-from-api-key",
+                                                 help="Give each API key its own prefix-cache namespace (cache_salt)."),
+    engine_api_key: Optional[str] = typer.Option(None, envvar="DSV4_ENGINE_API_KEY",
+                                                 help="Key the router shows mono engines started with --api-key "
+                                                      "(PD engines take the PD secret)."),
 ) -> None:
     """Run the PD router: OpenAI API front, pairs prefill + decode per request.
 
@@ -197,7 +223,11 @@ def router(
         _fail("give --prefill and --decode URLs (or --mono URLs, or --discover-namespace)")
     if bool(prefill) != bool(decode):
         _fail("PD routing needs at least one --prefill and one --decode")
+    keys = _api_keys(api_key, api_key_file)
+    if cache_salt_from_api_key and not keys:
+        _fail("--cache-salt-from-api-key needs --api-key or --api-key-file")
     from dsv4_router.router import RouterArgs, run_router
+    from dsv4_router.tenancy import TenantLimits
 
     run_router(
         RouterArgs(
@@ -206,6 +236,8 @@ def router(
             health_interval=health_interval, admin_token=admin_token, pd_secret=pd_secret,
             max_inflight=max_inflight, max_queue=max_queue, queue_timeout=queue_timeout,
             max_body_bytes=max_body_bytes, health_timeout=health_timeout, request_timeout=request_timeout,
+            api_keys=keys, key_limits=TenantLimits(key_max_concurrency, key_rate_limit, key_rate_burst),
+            cache_salt_from_api_key=cache_salt_from_api_key, engine_api_key=engine_api_key,
         )
     )
 

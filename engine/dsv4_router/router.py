@@ -43,8 +43,10 @@ from dsv4_router.admission import Admission, Overloaded, Slot
 from dsv4_router.affinity import ConversationKeys, choose
 from dsv4_router.body import parse_body, read_limited
 from dsv4_router.relay import RelayResponse, error_events, first_event_error, split_events
+from dsv4_router.tenancy import KeyLimiter, TenantGate, TenantLimits, TenantMetrics, apply_cache_salt
 from dsv4_router.upstream import BROKEN_CONNECTIONS, CONNECTION_FAILURES, Upstreams
 from dsv4_wire import APIError, Paths, admin_refusal
+from dsv4_wire.api_keys import ApiKeyGate, KeyRing
 
 log = logging.getLogger("dsv4.router")
 
@@ -70,6 +72,12 @@ class RouterArgs:
     max_queue: int = 256  # requests waiting for a slot; more get 429
     queue_timeout: float = 30.0  # seconds a request may wait for a slot before 429
     max_body_bytes: int = 16 * 1024 * 1024
+    # Tenancy (dsv4_router.tenancy): client keys, per-key limits, the cache salt from the key, and
+    # the key the router shows mono engines that require one (PD engines take the PD secret).
+    api_keys: list = field(default_factory=list)
+    key_limits: TenantLimits = field(default_factory=TenantLimits)
+    cache_salt_from_api_key: bool = False
+    engine_api_key: Optional[str] = None
 
 
 @dataclass
@@ -182,7 +190,8 @@ class Router:
         self._checking: dict[str, asyncio.Task] = {}
 
     async def start(self) -> None:
-        self.up = Upstreams(self.args.max_inflight, self.args.request_timeout, self.args.health_timeout, self.args.pd_secret)
+        self.up = Upstreams(self.args.max_inflight, self.args.request_timeout, self.args.health_timeout,
+                            self.args.pd_secret or self.args.engine_api_key)
         await self.check_all()
         self._tasks.append(asyncio.create_task(self._health_loop()))
         if self.args.discover_namespace:
@@ -273,6 +282,7 @@ class Router:
             return Response(status_code=499)
         for k in ROUTER_FIELDS:
             body.pop(k, None)
+        apply_cache_salt(body, http.scope)
         # A client that hangs up (queued or not) cancels the work: closing the upstream
         # connections is what makes the engines abort (and, through them, the PD peer).
         slot = Slot(self.admission)
@@ -492,6 +502,9 @@ def build_app(router: Router) -> FastAPI:
             await router.stop()
 
     app = FastAPI(title="dsv4 router", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.add_middleware(TenantGate, limiter=KeyLimiter(router.args.key_limits), metrics=TenantMetrics(router.metrics.registry),
+                       salt_from_key=router.args.cache_salt_from_api_key)
+    app.add_middleware(ApiKeyGate, ring=KeyRing(router.args.api_keys))  # outermost: who calls, first
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(http: Request, e: StarletteHTTPException):

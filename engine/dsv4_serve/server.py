@@ -27,7 +27,7 @@ import sys
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, AsyncIterator, Mapping, Optional
 
 import uvicorn
@@ -47,6 +47,7 @@ from dsv4_serve.gate import DEFAULT_MAX_REQUEST_BYTES, Gate, Lifecycle
 from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completion_logprobs, next_offset, text_of_bytes
 from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest, _Common, parse_request
 from dsv4_wire import APIError, Paths, token_matches
+from dsv4_wire.api_keys import ApiKeyGate, KeyRing
 
 if TYPE_CHECKING:
     from dsv4_engine.engine import Engine
@@ -75,6 +76,7 @@ class ServerArgs(EngineArgs):
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     shutdown_grace: float = 30.0  # seconds running requests get to finish after SIGTERM
     transfer_checksum: bool = False  # PD: checksum every state region of a hand-off (decode verifies)
+    api_keys: list = field(default_factory=list)  # dsv4_wire.api_keys.ApiKey: required on /v1/* when any
 
     def engine_args(self) -> EngineArgs:
         return EngineArgs(**{f.name: getattr(self, f.name) for f in fields(EngineArgs)})
@@ -391,6 +393,9 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, args: ServerArgs, life
     app.state.client = client
     app.state.serving = serving
     app.add_middleware(Gate, lifecycle=lifecycle, max_request_bytes=args.max_request_bytes)
+    # Outermost: a request without a key is refused before its body is read. The router's
+    # internal requests pass with the PD secret.
+    app.add_middleware(ApiKeyGate, ring=KeyRing(args.api_keys, internal=args.pd_secret))
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
