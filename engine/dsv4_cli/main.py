@@ -91,6 +91,27 @@ def model_init(
     typer.echo(f"wrote {preset} checkpoint (seed {seed}{', ' + quant if quant else ''}) to {out_dir}")
 
 
+def _secret(value: Optional[str], path: Optional[str], flag: str) -> Optional[str]:
+    """A secret given as a value or in a file (a mounted Kubernetes Secret), never both."""
+    if path is None:
+        return value
+    if value:
+        _fail(f"give {flag} or {flag}-file, not both")
+    try:
+        secret = Path(path).read_text().strip()
+    except OSError as e:
+        _fail(f"{flag}-file {path}: {e.strerror or e}")
+    if not secret:
+        _fail(f"{flag}-file {path} is empty")
+    return secret
+
+
+def _loopback(host: str) -> bool:
+    from dsv4_wire import is_loopback
+
+    return host == "localhost" or is_loopback(host)
+
+
 def _api_keys(keys: List[str], files: List[str]) -> list:
     from dsv4_wire.api_keys import load_api_keys
 
@@ -127,8 +148,12 @@ def serve(
     waiting_timeout: float = typer.Option(60.0, help="Seconds decode waits for the KV of a request."),
     no_deadlines: bool = typer.Option(False, "--no-deadlines", help="Disable PD deadlines (reproduces the wedge; tests only)."),
     enable_fault_injection: bool = typer.Option(False, "--enable-fault-injection", help="Expose POST /admin/faults."),
-    admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV, help="Token required by /admin and /debug."),
-    pd_secret: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV, help="Shared secret of engine-to-engine PD calls and the router's internal requests."),
+    admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV, help="Token required by /admin, /debug and "
+                                              "/v1/loads (prefer --admin-token-file: argv is visible to every user)."),
+    admin_token_file: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV + "_FILE", help="File holding the admin token."),
+    pd_secret: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV, help="Shared secret of engine-to-engine PD calls and the router's internal requests "
+                                            "(prefer --pd-secret-file). Required by prefill/decode engines on a non-loopback address."),
+    pd_secret_file: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV + "_FILE", help="File holding the PD secret."),
     seed: int = typer.Option(0, help="Default sampling seed."),
     tp_size: int = typer.Option(1, EngineFlags.TP_SIZE, min=1,
                                 help="Ranks (GPUs) one engine spans: attention heads and MLPs split, experts "
@@ -159,6 +184,11 @@ def serve(
         _fail(f"--kernel-backend must be torch or triton, not {kernel_backend!r}")
     _check_model_dir(model, quantization=False)
     keys = _api_keys(api_key, api_key_file)
+    admin_token = _secret(admin_token, admin_token_file, "--admin-token")
+    pd_secret = _secret(pd_secret, pd_secret_file, "--pd-secret")
+    if role != "mono" and not pd_secret and not _loopback(host):
+        _fail(f"--role {role} on {host} needs a PD secret (--pd-secret-file or {PD_SECRET_ENV}): without one anyone "
+              f"who reaches the port can register as a peer and choose bootstrap targets")
     from dsv4_serve.core_spawn import spawn_core
 
     # The engine core starts importing torch now, beside this process (it waits for its arguments).
@@ -195,8 +225,11 @@ def router(
     discover_namespace: Optional[str] = typer.Option(None, help="Find engine pods in this Kubernetes namespace."),
     selector: Optional[str] = typer.Option(None, help="Label selector for discovery, e.g. app.kubernetes.io/instance=x."),
     health_interval: float = typer.Option(2.0, help="Seconds between /ready checks of each worker."),
-    admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV, help="Token required by /admin."),
+    admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV, help="Token required by /admin (prefer "
+                                              "--admin-token-file: argv is visible to every user)."),
+    admin_token_file: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV + "_FILE", help="File holding the admin token."),
     pd_secret: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV, help="Shared secret sent with internal requests to PD engines."),
+    pd_secret_file: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV + "_FILE", help="File holding the PD secret."),
     max_inflight: int = typer.Option(256, min=1, help="Most requests inside the router at once; more wait in the queue."),
     max_queue: int = typer.Option(256, min=0, help="Most requests waiting for a slot; more get 429 with Retry-After."),
     queue_timeout: float = typer.Option(30.0, min=0.001, help="Seconds a request may wait for a slot before 429."),
@@ -224,6 +257,8 @@ def router(
     if bool(prefill) != bool(decode):
         _fail("PD routing needs at least one --prefill and one --decode")
     keys = _api_keys(api_key, api_key_file)
+    admin_token = _secret(admin_token, admin_token_file, "--admin-token")
+    pd_secret = _secret(pd_secret, pd_secret_file, "--pd-secret")
     if cache_salt_from_api_key and not keys:
         _fail("--cache-salt-from-api-key needs --api-key or --api-key-file")
     from dsv4_router.router import RouterArgs, run_router

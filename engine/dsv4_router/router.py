@@ -501,7 +501,7 @@ def build_app(router: Router) -> FastAPI:
         finally:
             await router.stop()
 
-    app = FastAPI(title="dsv4 router", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = FastAPI(title="dsv4 router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.add_middleware(TenantGate, limiter=KeyLimiter(router.args.key_limits), metrics=TenantMetrics(router.metrics.registry),
                        salt_from_key=router.args.cache_salt_from_api_key)
     app.add_middleware(ApiKeyGate, ring=KeyRing(router.args.api_keys))  # outermost: who calls, first
@@ -514,8 +514,9 @@ def build_app(router: Router) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, e: Exception):
-        log.exception("router error")
-        return router.error(APIError(f"internal router error: {type(e).__name__}", 500, "server_error"))
+        ref = uuid.uuid4().hex[:12]
+        log.exception("router error (reference %s)", ref)
+        return router.error(APIError(f"internal router error (reference {ref}: see the router's log)", 500, "server_error"))
 
     def guard(http: Request) -> Optional[JSONResponse]:
         refusal = admin_refusal(http.headers, router.args.admin_token, http.client.host if http.client else None)

@@ -23,6 +23,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_CACHE_SALT_CHARS = 512
+# Prompts in one completions request: each becomes a request of its own in the engine, so a
+# 16 MiB body of one-token prompts would otherwise be millions of them.
+MAX_PROMPTS_PER_REQUEST = 256
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -173,6 +176,13 @@ class CompletionRequest(_Common):
     prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_count(cls, v):
+        if isinstance(v, list) and v and not isinstance(v[0], int) and len(v) > MAX_PROMPTS_PER_REQUEST:
+            raise ValueError(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, not {len(v)}")
+        return v
 
     @model_validator(mode="after")
     def _echo_logprobs(self):

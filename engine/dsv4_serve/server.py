@@ -82,6 +82,12 @@ class ServerArgs(EngineArgs):
         return EngineArgs(**{f.name: getattr(self, f.name) for f in fields(EngineArgs)})
 
 
+def internal_error(ref: str) -> APIError:
+    """What a client learns of a bug: that it happened and where the log has it, never the
+    exception's text (paths, peer addresses, other requests' data)."""
+    return APIError(f"internal error (reference {ref}: see the engine's log)", 500, "server_error")
+
+
 def _usage(prompt: int, completion: int, cached: int = 0) -> dict:
     """OpenAI usage; `cached`: prompt tokens the prefix cache served (OpenAI's and vLLM's
     prompt_tokens_details.cached_tokens)."""
@@ -334,7 +340,7 @@ class OpenAIServing:
             raise
         except Exception as e:  # a bug must still end the stream the way clients understand
             log.error("stream %s failed:\n%s", p.rid, traceback.format_exc())
-            yield _sse(APIError(f"internal error: {e}", 500, "server_error").body())
+            yield _sse(internal_error(p.rid).body())
             yield _sse("[DONE]")
 
     async def _stream_events(self, p: Prepared) -> AsyncIterator[str]:
@@ -421,8 +427,9 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, args: ServerArgs, life
 
     @app.exception_handler(Exception)
     async def _unexpected(http: Request, e: Exception):
-        log.error("%s %s failed:\n%s", http.method, http.url.path, traceback.format_exc())
-        return error_response(APIError(f"internal error: {type(e).__name__}: {e}", 500, "server_error"))
+        ref = uuid.uuid4().hex[:12]
+        log.error("%s %s failed (reference %s):\n%s", http.method, http.url.path, ref, traceback.format_exc())
+        return error_response(internal_error(ref))
 
     @app.post(Paths.COMPLETIONS)
     async def completions(http: Request):
@@ -487,7 +494,9 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, args: ServerArgs, life
                 "kernel_backend": client.info["kernel_backend"], "pid": os.getpid(), "engine_pid": client.pid}
 
     @app.get(Paths.LOADS)
-    async def loads():
+    async def loads(http: Request):
+        # Request ids, rooms and peer URLs: the admin token's (the operator and `dsv4 up` send it).
+        require_admin(http, args.admin_token)
         return await from_core("loads")
 
     @app.post(Paths.ADMIN_DRAIN)

@@ -138,12 +138,12 @@ async def scrape_engine(client: aiohttp.ClientSession | Any, base_url: str, role
                                        errors, inline=False))
 
 
-def make_session(concurrency: int = 64) -> aiohttp.ClientSession:
+def make_session(concurrency: int = 64, headers: dict[str, str] | None = None) -> aiohttp.ClientSession:
     """A session for repeated scrape rounds: idle connections to every engine are kept between
     rounds (one keep-alive per endpoint), active ones bounded by the round's concurrency."""
     connector = aiohttp.TCPConnector(limit=max(2 * concurrency, 2), limit_per_host=0,
                                      keepalive_timeout=120.0, ttl_dns_cache=300)
-    return aiohttp.ClientSession(connector=connector, trust_env=False,
+    return aiohttp.ClientSession(connector=connector, trust_env=False, headers=headers,
                                  auto_decompress=True, raise_for_status=False)
 
 
