@@ -271,8 +271,9 @@ class KubernetesExecutor:
         try:
             doc = await api.request("GET", resource_path("v1", "configmaps", self.ctx.namespace),
                                     query=[("labelSelector", selector)])
+            # By the API server's creation time: an annotation anyone who may edit ConfigMaps can
+            # forge (a far-future captured-at kept a planted map forever).
             items = sorted((doc or {}).get("items") or [], key=lambda cm: (
-                (cm["metadata"].get("annotations") or {}).get(CAPTURED_AT, ""),
                 cm["metadata"].get("creationTimestamp", ""), cm["metadata"]["name"]))
             for old in items[:-self.evidence_kept]:
                 try:
