@@ -309,6 +309,11 @@ def engine_probes(spec: DSV4DeploymentSpec, role: str = "prefill") -> dict[str, 
     }
 
 
+# A router with no resources given: bounded, so one deployment's router cannot take a node's
+# memory (issue 27). Any router.resources given replaces this whole.
+ROUTER_DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"cpu": "4", "memory": "2Gi"}}
+
+
 def _resources(res: S.Resources, gpus: int) -> dict[str, Any]:
     limits = dict(res.limits)
     requests = dict(res.requests)
@@ -503,11 +508,15 @@ def router_deployment(spec: DSV4DeploymentSpec, owner: Owner, revision: str | No
         "ports": ports,
         "env": merge_env([_field_env("POD_NAMESPACE", "metadata.namespace"), *auth_env(spec, owner.name, ROUTER_ADMIN_TOKEN_KEY)],
                          spec.router.env),
-        "resources": _resources(spec.router.resources, 0),
-        "securityContext": container_security_context(spec, engine=False),
+        "resources": _resources(spec.router.resources, 0) or dict(ROUTER_DEFAULT_RESOURCES),
+        # Our router writes nothing but /tmp (an emptyDir): its root file system is read-only.
+        "securityContext": {**container_security_context(spec, engine=False),
+                            **({"readOnlyRootFilesystem": True} if builtin else {})},
         "livenessProbe": _http_probe(live, 10, 3),
         "readinessProbe": _http_probe(ready, 5, 3),
     }
+    if builtin:
+        container["volumeMounts"] = [{"name": "tmp", "mountPath": "/tmp"}]
     metrics_port = spec.router.port if builtin else SGLANG_ROUTER_METRICS_PORT
     return {
         "apiVersion": "apps/v1",
@@ -524,7 +533,8 @@ def router_deployment(spec: DSV4DeploymentSpec, owner: Owner, revision: str | No
                                              "prometheus.io/port": str(metrics_port),
                                              "prometheus.io/path": Paths.METRICS}},
                 "spec": {"serviceAccountName": name, "containers": [container], "enableServiceLinks": False,
-                         "securityContext": pod_security_context(spec, builtin_image=builtin)},
+                         "securityContext": pod_security_context(spec, builtin_image=builtin),
+                         **({"volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}]} if builtin else {})},
             },
         },
     }

@@ -366,10 +366,20 @@ def test_builtin_pods_meet_the_restricted_profile() -> None:
     for role, pod in pods_of(spec_of()).items():
         assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}, "runAsNonRoot": True}, role
         (container,) = pod["containers"]
-        assert container["securityContext"] == PSA_RESTRICTED_CONTAINER, role
+        # The builtin router's root file system is read-only, /tmp an emptyDir (issue 27).
+        expected = {**PSA_RESTRICTED_CONTAINER, "readOnlyRootFilesystem": True} if role == "router" else PSA_RESTRICTED_CONTAINER
+        assert container["securityContext"] == expected, role
         # restricted allows these volume types only (hostPath is not among them)
         assert all(set(v) - {"name"} <= {"emptyDir", "persistentVolumeClaim", "image", "secret", "configMap"}
                    for v in pod.get("volumes", [])), role
+
+
+def test_the_router_has_default_limits_unless_resources_are_given() -> None:
+    router = pods_of(spec_of())["router"]["containers"][0]
+    assert router["resources"] == M.ROUTER_DEFAULT_RESOURCES
+    assert router["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    given = pods_of(spec_of(router={"resources": {"limits": {"memory": "1Gi"}}}))["router"]["containers"][0]
+    assert given["resources"] == {"limits": {"memory": "1Gi"}}
 
 
 def test_sglang_runs_as_root_unless_a_uid_is_given_and_ipc_lock_is_opt_in() -> None:
