@@ -74,6 +74,7 @@ def test_the_children_and_their_names() -> None:
         ("Service", "flash-prefill"), ("Service", "flash-decode"), ("Service", "flash-router"),
         ("ServiceAccount", "flash-router"), ("Role", "flash-router"), ("RoleBinding", "flash-router"),
         ("PodDisruptionBudget", "flash-prefill"), ("PodDisruptionBudget", "flash-decode"),
+        ("NetworkPolicy", "flash-engines"),  # on by default (issue 27)
     }
     for (kind, name), child in children.items():
         meta = child["metadata"]
@@ -408,8 +409,11 @@ def test_engines_and_router_read_the_admin_token_and_pd_secret_from_the_deployme
 
 
 def test_network_policy_admits_router_operator_and_peers_only() -> None:
-    assert not [c for c in M.build_children(spec_of(), OWNER) if c["kind"] == "NetworkPolicy"]
-    assert ("networking.k8s.io/v1", "NetworkPolicy", "flash-engines") in M.absent_children(spec_of(), OWNER)
+    # On by default (issue 27); off on request.
+    assert [c for c in M.build_children(spec_of(), OWNER) if c["kind"] == "NetworkPolicy"]
+    off = spec_of(security={"networkPolicy": {"enabled": False}})
+    assert not [c for c in M.build_children(off, OWNER) if c["kind"] == "NetworkPolicy"]
+    assert ("networking.k8s.io/v1", "NetworkPolicy", "flash-engines") in M.absent_children(off, OWNER)
     spec = spec_of(security={"networkPolicy": {"enabled": True, "allowFrom": [
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]}})
     (policy,) = [c for c in M.build_children(spec, OWNER, operator_namespace="dsv4-system")
