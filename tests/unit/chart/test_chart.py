@@ -45,7 +45,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                          "metrics.serviceMonitor.enabled": True, "sample.enabled": True},
     "servicemonitor-operator-only": {"metrics.serviceMonitor.enabled": True, "metrics.serviceMonitor.engines": False},
     "minimal": {"metrics.service.enabled": False, "rbac.create": False, "serviceAccount.create": False,
-                "serviceAccount.name": "existing-sa"},
+                "serviceAccount.name": "existing-sa", "tenantPolicy.admissionPolicy": False},
     "pinned-image-and-scheduling": {"image.repository": "registry.example/dsv4-operator", "image.tag": "0.1.0-rc1",
                                     "imagePullSecrets": [{"name": "regcred"}], "priorityClassName": "system-cluster-critical",
                                     "nodeSelector": {"kubernetes.io/os": "linux"},
@@ -132,7 +132,8 @@ def test_rendered_objects_validate(variant: str) -> None:
     # Everything namespaced lands in a namespace the values name (release or watched).
     allowed = {NAMESPACE, *VARIANTS[variant].get("watch.namespaces", [])}
     for doc in docs:
-        if doc["kind"] not in ("CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"):
+        if doc["kind"] not in ("CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding",
+                               "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"):
             assert doc["metadata"]["namespace"] in allowed, doc["kind"]
 
 
@@ -148,8 +149,10 @@ def test_optional_objects_follow_their_switches() -> None:
     kinds = lambda docs: sorted(d["kind"] for d in docs)  # noqa: E731
     default = helm_template()
     # Namespace scope by default (issue 27): a Role for the watched namespace and one for the Lease.
+    # ... and the tenant policy as a ValidatingAdmissionPolicy.
     assert kinds(default) == ["Deployment", "PodDisruptionBudget", "Role", "Role",
-                              "RoleBinding", "RoleBinding", "Service", "ServiceAccount"]
+                              "RoleBinding", "RoleBinding", "Service", "ServiceAccount",
+                              "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     everything = helm_template(ALL_ON)
     assert kinds(everything) == sorted(kinds(default) + ["ConfigMap", "DSV4Deployment", "ServiceMonitor", "ServiceMonitor"])
     minimal = helm_template(VARIANTS["minimal"])
