@@ -338,7 +338,7 @@ class OpenAIServing:
                 yield event
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # a bug must still end the stream the way clients understand
+        except Exception:  # a bug must still end the stream the way clients understand
             log.error("stream %s failed:\n%s", p.rid, traceback.format_exc())
             yield _sse(internal_error(p.rid).body())
             yield _sse("[DONE]")
