@@ -109,6 +109,36 @@ def model_init(
                f"to {out_dir}")
 
 
+def _secret(value: Optional[str], path: Optional[str], flag: str) -> Optional[str]:
+    """A secret given as a value or in a file (a mounted Kubernetes Secret), never both."""
+    if path is None:
+        return value
+    if value:
+        _fail(f"give {flag} or {flag}-file, not both")
+    try:
+        secret = Path(path).read_text().strip()
+    except OSError as e:
+        _fail(f"{flag}-file {path}: {e.strerror or e}")
+    if not secret:
+        _fail(f"{flag}-file {path} is empty")
+    return secret
+
+
+def _loopback(host: str) -> bool:
+    from dsv4_wire import is_loopback
+
+    return host == "localhost" or is_loopback(host)
+
+
+def _api_keys(keys: List[str], files: List[str]) -> list:
+    from dsv4_wire.api_keys import load_api_keys
+
+    try:
+        return load_api_keys(keys, files)
+    except ValueError as e:
+        _fail(str(e))
+
+
 @app.command()
 def serve(
     model: Path = typer.Option(..., help="Checkpoint folder (from `dsv4 model init` or save_pretrained)."),
@@ -136,8 +166,12 @@ def serve(
     waiting_timeout: float = typer.Option(60.0, help="Seconds decode waits for the KV of a request."),
     no_deadlines: bool = typer.Option(False, "--no-deadlines", help="Disable PD deadlines (reproduces the wedge; tests only)."),
     enable_fault_injection: bool = typer.Option(False, "--enable-fault-injection", help="Expose POST /admin/faults."),
-    admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV, help="Token required by /admin and /debug."),
-    pd_secret: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV, help="Shared secret of engine-to-engine PD calls and the router's internal requests."),
+    admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV, help="Token required by /admin, /debug and "
+                                              "/v1/loads (prefer --admin-token-file: argv is visible to every user)."),
+    admin_token_file: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV + "_FILE", help="File holding the admin token."),
+    pd_secret: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV, help="Shared secret of engine-to-engine PD calls and the router's internal requests "
+                                            "(prefer --pd-secret-file). Required by prefill/decode engines on a non-loopback address."),
+    pd_secret_file: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV + "_FILE", help="File holding the PD secret."),
     seed: int = typer.Option(0, help="Default sampling seed."),
     tp_size: int = typer.Option(1, EngineFlags.TP_SIZE, min=1,
                                 help="Ranks (GPUs) one engine spans: attention heads and MLPs split, experts "
@@ -182,6 +216,10 @@ def serve(
              "Off by default; DeepSeek-V3 checkpoints with an MTP layer, --role mono, --tp-size 1."),
     speculative_num_steps: int = typer.Option(1, EngineFlags.SPECULATIVE_NUM_STEPS, min=1,
                                               help="Tokens drafted per step with --speculative-algorithm."),
+    api_key: List[str] = typer.Option([], "--api-key", help="Client API key required on /v1/* as `Authorization: Bearer` "
+                                                            "(repeat for more; vLLM's flag). Prefer --api-key-file."),
+    api_key_file: List[str] = typer.Option([], "--api-key-file", help="File of API keys, one a line (`KEY` or "
+                                                                      "`NAME KEY`, NAME shown in metrics)."),
 ) -> None:
     """Run one engine (monolithic, prefill or decode) with the OpenAI-compatible HTTP API."""
     if role not in ("mono", "prefill", "decode"):
@@ -205,6 +243,12 @@ def serve(
             reasoning_parser_name(reasoning_parser)
     except ValueError as e:
         _fail(str(e))
+    keys = _api_keys(api_key, api_key_file)
+    admin_token = _secret(admin_token, admin_token_file, "--admin-token")
+    pd_secret = _secret(pd_secret, pd_secret_file, "--pd-secret")
+    if role != "mono" and not pd_secret and not _loopback(host):
+        _fail(f"--role {role} on {host} needs a PD secret (--pd-secret-file or {PD_SECRET_ENV}): without one anyone "
+              f"who reaches the port can register as a peer and choose bootstrap targets")
     from dsv4_serve.core_spawn import spawn_core
 
     # The engine core starts importing torch now, beside this process (it waits for its arguments).
@@ -231,6 +275,7 @@ def serve(
             tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
             otlp_traces_endpoint=otlp_traces_endpoint,
             prefix_cache_snapshots=prefix_cache_snapshots, prefix_cache_snapshot_interval=prefix_cache_snapshot_interval,
+            api_keys=keys,
         ),
         spawned,
     )
@@ -246,8 +291,11 @@ def router(
     discover_namespace: Optional[str] = typer.Option(None, help="Find engine pods in this Kubernetes namespace."),
     selector: Optional[str] = typer.Option(None, help="Label selector for discovery, e.g. app.kubernetes.io/instance=x."),
     health_interval: float = typer.Option(2.0, help="Seconds between /ready checks of each worker."),
-    admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV, help="Token required by /admin."),
+    admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV, help="Token required by /admin (prefer "
+                                              "--admin-token-file: argv is visible to every user)."),
+    admin_token_file: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV + "_FILE", help="File holding the admin token."),
     pd_secret: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV, help="Shared secret sent with internal requests to PD engines."),
+    pd_secret_file: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV + "_FILE", help="File holding the PD secret."),
     max_inflight: int = typer.Option(256, min=1, help="Most requests inside the router at once; more wait in the queue."),
     max_queue: int = typer.Option(256, min=0, help="Most requests waiting for a slot; more get 429 with Retry-After."),
     queue_timeout: float = typer.Option(30.0, min=0.001, help="Seconds a request may wait for a slot before 429."),
@@ -260,6 +308,18 @@ def router(
                                             "another engine (waiting for one to be healthy included)."),
     otlp_traces_endpoint: Optional[str] = typer.Option(None, help="Export OpenTelemetry traces (OTLP/HTTP) to this URL, "
                                                        "e.g. http://collector:4318 (off by default)."),
+    api_key: List[str] = typer.Option([], "--api-key", help="Client API key required on /v1/* (repeat for more)."),
+    api_key_file: List[str] = typer.Option([], "--api-key-file", help="File of API keys, one a line (`KEY` or `NAME KEY`)."),
+    key_max_concurrency: int = typer.Option(0, min=0, help="Requests one API key may have in flight (0: no limit; "
+                                                            "more get 429 with Retry-After)."),
+    key_rate_limit: float = typer.Option(0.0, min=0.0, help="Requests per second one API key may send (0: no limit)."),
+    key_rate_burst: float = typer.Option(0.0, min=0.0, help="Requests one key may send at once above the rate "
+                                                             "(default: max(1, rate))."),
+    cache_salt_from_api_key: bool = typer.Option(False, "--cache-salt-from-api-key",
+                                                 help="Give each API key its own prefix-cache namespace (cache_salt)."),
+    engine_api_key: Optional[str] = typer.Option(None, envvar="DSV4_ENGINE_API_KEY",
+                                                 help="Key the router shows mono engines started with --api-key "
+                                                      "(PD engines take the PD secret)."),
 ) -> None:
     """Run the PD router: OpenAI API front, pairs prefill + decode per request.
 
@@ -268,7 +328,13 @@ def router(
         _fail("give --prefill and --decode URLs (or --mono URLs, or --discover-namespace)")
     if bool(prefill) != bool(decode):
         _fail("PD routing needs at least one --prefill and one --decode")
+    keys = _api_keys(api_key, api_key_file)
+    admin_token = _secret(admin_token, admin_token_file, "--admin-token")
+    pd_secret = _secret(pd_secret, pd_secret_file, "--pd-secret")
+    if cache_salt_from_api_key and not keys:
+        _fail("--cache-salt-from-api-key needs --api-key or --api-key-file")
     from dsv4_router.router import RouterArgs, run_router
+    from dsv4_router.tenancy import TenantLimits
 
     run_router(
         RouterArgs(
@@ -279,6 +345,8 @@ def router(
             max_body_bytes=max_body_bytes, health_timeout=health_timeout, request_timeout=request_timeout,
             migration_limit=migration_limit, migration_timeout=migration_timeout,
             otlp_traces_endpoint=otlp_traces_endpoint,
+            api_keys=keys, key_limits=TenantLimits(key_max_concurrency, key_rate_limit, key_rate_burst),
+            cache_salt_from_api_key=cache_salt_from_api_key, engine_api_key=engine_api_key,
         )
     )
 

@@ -147,10 +147,14 @@ class PrefixCache:
         tokens, and with boundaries longer than a page, every later token up to the boundary. A
         page's state can depend on them: a compressed entry lives in its window's first page, so
         with pages shorter than the window, page 2w of HCA-every-8 in pages of 4 holds an entry
-        pooled from page 2w+1's tokens too."""
+        pooled from page 2w+1's tokens too. The first page's key also holds the request's cache
+        salt (a str, never equal to a token id), so each salt has its own tree below the root and
+        no lookup crosses salts (vLLM mixes the salt into the first block's hash the same way)."""
         ps = self.page_size
         end = (i * ps // self.boundary + 1) * self.boundary
-        return tuple(seq.token_at(j) for j in range(i * ps, end))
+        tokens = tuple(seq.token_at(j) for j in range(i * ps, end))
+        salt = seq.params.cache_salt
+        return (salt, *tokens) if i == 0 and salt else tokens
 
     # ---- snapshots (models with slot states) ---------------------------------------------------
 

@@ -46,10 +46,12 @@ from dsv4_router.affinity import ConversationKeys, choose
 from dsv4_router.body import parse_body, read_limited
 from dsv4_router.migration import BROKEN, REFUSED, TRUNCATED, UNREACHABLE, Resume, allowed_resends
 from dsv4_router.relay import RelayResponse, error_events, first_event_error, split_events, sse
+from dsv4_router.tenancy import KeyLimiter, TenantGate, TenantLimits, TenantMetrics, apply_cache_salt
 from dsv4_router.upstream import BROKEN_CONNECTIONS, CONNECTION_FAILURES, Upstreams
 from dsv4_wire import tracing
 from dsv4_wire.tracing import TRACE_HEADERS, Tracing
 from dsv4_wire import APIError, Paths, admin_refusal
+from dsv4_wire.api_keys import ApiKeyGate, KeyRing
 
 log = logging.getLogger("dsv4.router")
 
@@ -78,6 +80,12 @@ class RouterArgs:
     migration_limit: int = 3  # re-sends of a request whose engine failed it (see migration.py)
     migration_timeout: float = 60.0  # seconds a request may spend being re-placed, in all
     otlp_traces_endpoint: Optional[str] = None  # OpenTelemetry export (off when None)
+    # Tenancy (dsv4_router.tenancy): client keys, per-key limits, the cache salt from the key, and
+    # the key the router shows mono engines that require one (PD engines take the PD secret).
+    api_keys: list = field(default_factory=list)
+    key_limits: TenantLimits = field(default_factory=TenantLimits)
+    cache_salt_from_api_key: bool = False
+    engine_api_key: Optional[str] = None
 
 
 @dataclass
@@ -195,7 +203,8 @@ class Router:
         self._checking: dict[str, asyncio.Task] = {}
 
     async def start(self) -> None:
-        self.up = Upstreams(self.args.max_inflight, self.args.request_timeout, self.args.health_timeout, self.args.pd_secret)
+        self.up = Upstreams(self.args.max_inflight, self.args.request_timeout, self.args.health_timeout,
+                            self.args.pd_secret or self.args.engine_api_key)
         await self.check_all()
         self._tasks.append(asyncio.create_task(self._health_loop()))
         if self.args.discover_namespace:
@@ -288,6 +297,7 @@ class Router:
         for k in ROUTER_FIELDS:
             body.pop(k, None)
         trace_in = {k: http.headers[k] for k in TRACE_HEADERS if k in http.headers}
+        apply_cache_salt(body, http.scope)
         # A client that hangs up (queued or not) cancels the work: closing the upstream
         # connections is what makes the engines abort (and, through them, the PD peer).
         slot = Slot(self.admission)
@@ -712,7 +722,10 @@ def build_app(router: Router) -> FastAPI:
         finally:
             await router.stop()
 
-    app = FastAPI(title="dsv4 router", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = FastAPI(title="dsv4 router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.add_middleware(TenantGate, limiter=KeyLimiter(router.args.key_limits), metrics=TenantMetrics(router.metrics.registry),
+                       salt_from_key=router.args.cache_salt_from_api_key)
+    app.add_middleware(ApiKeyGate, ring=KeyRing(router.args.api_keys))  # outermost: who calls, first
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(http: Request, e: StarletteHTTPException):
@@ -722,8 +735,9 @@ def build_app(router: Router) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, e: Exception):
-        log.exception("router error")
-        return router.error(APIError(f"internal router error: {type(e).__name__}", 500, "server_error"))
+        ref = uuid.uuid4().hex[:12]
+        log.exception("router error (reference %s)", ref)
+        return router.error(APIError(f"internal router error (reference {ref}: see the router's log)", 500, "server_error"))
 
     def guard(http: Request) -> Optional[JSONResponse]:
         refusal = admin_refusal(http.headers, router.args.admin_token, http.client.host if http.client else None)

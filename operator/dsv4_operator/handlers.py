@@ -38,9 +38,12 @@ from dsv4_operator.remediation.daemon import DeploymentWatchdog
 from dsv4_operator.remediation.pods import engine_pod_index_key, pod_snapshot
 from dsv4_operator.status import ROLES, ChildObservation, compute_status, observe, remediation_counts, status_changed
 from dsv4_operator.telemetry import OperatorMetrics
+from dsv4_operator.tenant_policy import TenantPolicy, policy_violations
 from dsv4_wire import ANNOTATION_PINNED_REVISION
 
 registry = kopf.OperatorRegistry()
+# What a DSV4Deployment may ask for on this cluster (the chart's tenantPolicy); read once.
+TENANT_POLICY = TenantPolicy.from_env()
 
 CR = (S.GROUP, S.VERSION, S.PLURAL)
 CHILD_LABELS = {LABEL_NAME: APP, LABEL_MANAGED_BY: MANAGER}
@@ -68,7 +71,7 @@ def check_spec(name: str, raw_spec: Any) -> tuple[Optional[S.DSV4DeploymentSpec]
         spec = S.parse_spec(dict(raw_spec or {}))
     except ValidationError as e:
         return None, describe_validation_error(e)
-    reasons = unbuildable_reasons(name, spec)
+    reasons = unbuildable_reasons(name, spec) + policy_violations(spec, TENANT_POLICY)
     if reasons:
         return None, "; ".join(reasons)
     return spec, None
@@ -190,7 +193,18 @@ async def ensure_auth_secret(api: KubeApi, spec: S.DSV4DeploymentSpec, owner: Ow
                     continue  # made by a concurrent call (the watchdog daemon): read it
                 raise
             return values
-        data = {k: base64.b64decode(v).decode() for k, v in (live.get("data") or {}).items()}
+        meta = live.get("metadata") or {}
+        ours = (meta.get("labels") or {}).get(LABEL_MANAGED_BY) == MANAGER or any(
+            ref.get("uid") == owner.uid for ref in meta.get("ownerReferences") or [])
+        if not ours:  # any Secret of the namespace could be named: use only those given to us
+            raise kopf.TemporaryError(
+                f"Secret {owner.namespace}/{name} is not the operator's: label it {LABEL_MANAGED_BY}={MANAGER} "
+                f"to let this deployment use it (or name no secret and let the operator create one)", delay=10)
+        try:
+            data = {k: base64.b64decode(v).decode() for k, v in (live.get("data") or {}).items()}
+        except ValueError:  # UnicodeDecodeError, bad base64
+            raise kopf.TemporaryError(f"Secret {owner.namespace}/{name} holds a value that is not UTF-8 text",
+                                      delay=60) from None
         missing = {key: secrets.token_urlsafe(32) for key in AUTH_SECRET_KEYS if not data.get(key)}
         if missing:
             await api.request("PATCH", path_of(live), body={"metadata": {"resourceVersion": live["metadata"]

@@ -275,7 +275,8 @@ class RolloutSpec(_Model):
 
 class NetworkPolicySpec(_Model):
     enabled: bool = Field(
-        False, description="Admit to the engine pods only the router, the operator and their PD peers.")
+        True, description="Admit to the engine pods only the router, the operator and their PD peers "
+                          "(on by default: engines take the PD secret's requests and admin calls).")
     operator_namespace: Optional[str] = Field(
         None, max_length=63, description="Namespace of the operator's pods (default: the operator's own).")
     operator_pod_labels: dict[QualifiedName, LabelValue] = Field(

@@ -145,9 +145,12 @@ kind load docker-image --name "$CLUSTER" "$OP_IMAGE" "$ENGINE_IMAGE"
 
 # ---- 2. the chart, then a DSV4Deployment -------------------------------------------------------------
 log "helm install dsv4-operator"
+# Namespace scope (the chart's default) over the test namespace: a Role there, nothing cluster-wide.
+k create namespace "$NS" --dry-run=client -o yaml | k apply -f - >/dev/null
 helm upgrade --install dsv4-operator charts/dsv4-operator --kube-context "$CONTEXT" \
   --namespace "$OP_NS" --create-namespace \
   --set image.repository=dsv4-operator --set image.tag=e2e --set image.pullPolicy=Never \
+  --set "watch.namespaces={$NS}" \
   --wait --timeout 5m
 # Helm installs crds/ only on the first install: keep a reused cluster's CRD current.
 k apply --server-side --force-conflicts -f crds/dsv4deployment.yaml >/dev/null

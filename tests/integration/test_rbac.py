@@ -166,8 +166,10 @@ async def run_scenario(cluster: WatchdogCluster, client: ClusterClient, kubeconf
 
 async def reconcile_scenario(client: ClusterClient) -> None:
     # The user brought an auth Secret with only the admin token: the operator adds the PD secret.
-    await client.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "flash-auth", "namespace": "ns1"},
-                         "data": {"admin-token": "dXNlcg=="}}, "secrets")
+    # It carries the operator's label: the operator uses no Secret of the namespace it was not given.
+    await client.create({"apiVersion": "v1", "kind": "Secret", "metadata": {
+        "name": "flash-auth", "namespace": "ns1", "labels": {"app.kubernetes.io/managed-by": "dsv4-operator"}},
+        "data": {"admin-token": "dXNlcg=="}}, "secrets")
     await client.create(resource("flash", "ns1"), PLURAL)
     await eventually(lambda: observed(client, "ns1", "flash", 1), timeout=60)
     # The controllers report ready workloads (the emulator has none): status follows.

@@ -165,7 +165,7 @@ def test_up_with_deadlines_on_remediates_nothing(tmp_path, tiny_model):
         assert complete_eventually(url)["usage"]["completion_tokens"] == 4
         assert not list(evidence.glob("*")), "no remediation when the engine heals itself"
         assert "WedgeDetected" not in proc.log()
-        loads = httpx.get(f"{prefill}/v1/loads").json()
+        loads = httpx.get(f"{prefill}/v1/loads", headers=up.admin).json()
         assert loads["counters"]["num_transfer_timeout_reqs"] == 2 and loads["queues"]["inflight"] == 0
     finally:
         proc.stop()

@@ -30,6 +30,7 @@ import aiohttp
 from dsv4_wire import authorization_header
 
 from dsv4_operator import spec as S
+from dsv4_operator.bounded import EVIDENCE_MAX_BYTES, LOG_MAX_BYTES, BodyTooLarge, read_capped
 from dsv4_operator.kube import ApiError, KubeApi, resource_path
 from dsv4_operator.remediation.actions import Step, dispatch, step_for
 from dsv4_operator.remediation.pods import DRAINING_LABEL, EnginePod
@@ -255,11 +256,11 @@ class KubernetesExecutor:
         try:
             async with self._http.request(method, url, json=body,
                                           timeout=aiohttp.ClientTimeout(total=self.http_timeout)) as resp:
-                text = await resp.text(errors="replace")
+                text = (await read_capped(resp, EVIDENCE_MAX_BYTES)).decode("utf-8", "replace")
                 if resp.status >= 400:
                     return None, f"HTTP {resp.status} from {url}: {text[:200]}"
                 return text, None
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, BodyTooLarge) as e:
             return None, f"{url}: {type(e).__name__}{': ' + str(e) if str(e) else ''}"
 
     async def _prune_evidence(self, deployment_label: str) -> Optional[str]:
@@ -270,8 +271,9 @@ class KubernetesExecutor:
         try:
             doc = await api.request("GET", resource_path("v1", "configmaps", self.ctx.namespace),
                                     query=[("labelSelector", selector)])
+            # By the API server's creation time: an annotation anyone who may edit ConfigMaps can
+            # forge (a far-future captured-at kept a planted map forever).
             items = sorted((doc or {}).get("items") or [], key=lambda cm: (
-                (cm["metadata"].get("annotations") or {}).get(CAPTURED_AT, ""),
                 cm["metadata"].get("creationTimestamp", ""), cm["metadata"]["name"]))
             for old in items[:-self.evidence_kept]:
                 try:
@@ -287,7 +289,9 @@ class KubernetesExecutor:
     async def _pod_log(self, pod: str, missing: list[str]) -> str:
         path = resource_path("v1", "pods", self.ctx.namespace, pod, "log")
         try:
-            text = await self.api().get_text(path, [("tailLines", str(self.log_lines))])
+            text = await self.api().get_text(path, [("tailLines", str(self.log_lines)),
+                                                    ("limitBytes", str(LOG_MAX_BYTES))],
+                                             limit=LOG_MAX_BYTES)
         except ApiError as e:
             missing.append(f"logs ({e})")
             return f"(pod logs unavailable: {e})\n"

@@ -171,4 +171,5 @@ def build_evidence_configmap(
         metadata["annotations"][ANNOTATION_REVISION] = revision
     if owner_references:
         metadata["ownerReferences"] = [dict(o) for o in owner_references]
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data}
+    # Immutable: a record nobody can rewrite after the fact (deleting it is what pruning does).
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data, "immutable": True}

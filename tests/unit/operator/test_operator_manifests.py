@@ -74,6 +74,7 @@ def test_the_children_and_their_names() -> None:
         ("Service", "flash-prefill"), ("Service", "flash-decode"), ("Service", "flash-router"),
         ("ServiceAccount", "flash-router"), ("Role", "flash-router"), ("RoleBinding", "flash-router"),
         ("PodDisruptionBudget", "flash-prefill"), ("PodDisruptionBudget", "flash-decode"),
+        ("NetworkPolicy", "flash-engines"),  # on by default (issue 27)
     }
     for (kind, name), child in children.items():
         meta = child["metadata"]
@@ -366,10 +367,20 @@ def test_builtin_pods_meet_the_restricted_profile() -> None:
     for role, pod in pods_of(spec_of()).items():
         assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}, "runAsNonRoot": True}, role
         (container,) = pod["containers"]
-        assert container["securityContext"] == PSA_RESTRICTED_CONTAINER, role
+        # The builtin router's root file system is read-only, /tmp an emptyDir (issue 27).
+        expected = {**PSA_RESTRICTED_CONTAINER, "readOnlyRootFilesystem": True} if role == "router" else PSA_RESTRICTED_CONTAINER
+        assert container["securityContext"] == expected, role
         # restricted allows these volume types only (hostPath is not among them)
         assert all(set(v) - {"name"} <= {"emptyDir", "persistentVolumeClaim", "image", "secret", "configMap"}
                    for v in pod.get("volumes", [])), role
+
+
+def test_the_router_has_default_limits_unless_resources_are_given() -> None:
+    router = pods_of(spec_of())["router"]["containers"][0]
+    assert router["resources"] == M.ROUTER_DEFAULT_RESOURCES
+    assert router["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    given = pods_of(spec_of(router={"resources": {"limits": {"memory": "1Gi"}}}))["router"]["containers"][0]
+    assert given["resources"] == {"limits": {"memory": "1Gi"}}
 
 
 def test_sglang_runs_as_root_unless_a_uid_is_given_and_ipc_lock_is_opt_in() -> None:
@@ -387,7 +398,9 @@ def test_engines_and_router_read_the_admin_token_and_pd_secret_from_the_deployme
     for spec, secret in ((spec_of(), "flash-auth"), (spec_of(security={"secretName": "mine"}), "mine")):
         for role, pod in pods_of(spec).items():
             env = env_of(pod["containers"][0])
-            assert env[M.ADMIN_TOKEN_ENV] == {"secretKeyRef": {"name": secret, "key": "admin-token"}}, role
+            # The router has an admin token of its own (issue 27): engine admin is not router admin.
+            admin = "router-admin-token" if role == "router" else "admin-token"
+            assert env[M.ADMIN_TOKEN_ENV] == {"secretKeyRef": {"name": secret, "key": admin}}, role
             assert env[M.PD_SECRET_ENV] == {"secretKeyRef": {"name": secret, "key": "pd-secret"}}, role
     made = M.auth_secret(spec_of(), OWNER, {"admin-token": "a", "pd-secret": "p"})
     kubernetes_validate.validate(made, K8S_VERSIONS[0], strict=True)
@@ -396,8 +409,11 @@ def test_engines_and_router_read_the_admin_token_and_pd_secret_from_the_deployme
 
 
 def test_network_policy_admits_router_operator_and_peers_only() -> None:
-    assert not [c for c in M.build_children(spec_of(), OWNER) if c["kind"] == "NetworkPolicy"]
-    assert ("networking.k8s.io/v1", "NetworkPolicy", "flash-engines") in M.absent_children(spec_of(), OWNER)
+    # On by default (issue 27); off on request.
+    assert [c for c in M.build_children(spec_of(), OWNER) if c["kind"] == "NetworkPolicy"]
+    off = spec_of(security={"networkPolicy": {"enabled": False}})
+    assert not [c for c in M.build_children(off, OWNER) if c["kind"] == "NetworkPolicy"]
+    assert ("networking.k8s.io/v1", "NetworkPolicy", "flash-engines") in M.absent_children(off, OWNER)
     spec = spec_of(security={"networkPolicy": {"enabled": True, "allowFrom": [
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]}})
     (policy,) = [c for c in M.build_children(spec, OWNER, operator_namespace="dsv4-system")
