@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
 from dsv4_operator import spec as S
+from dsv4_operator.quantity import QUANTITY_FIELDS, QUANTITY_MAPS, same_quantity
 from dsv4_operator.spec import DSV4DeploymentSpec, EnvVar, RoleSpec
 from dsv4_wire import (  # noqa: F401  (re-exported: the operator's modules read them from here)
     ADMIN_TOKEN_ENV, PD_SECRET_ENV, ANNOTATION_REVISION, APP, ENGINE_CONTAINER, ENGINE_ROLES, LABEL_COMPONENT, LABEL_ENGINE_KIND, LABEL_INSTANCE,
@@ -396,14 +397,20 @@ def prefill_rolled_out(prefill: Mapping[str, Any] | None) -> bool:
             and int(status.get("readyReplicas") or 0) >= replicas)
 
 
-def contains(live: Any, wanted: Any) -> bool:
+def contains(live: Any, wanted: Any, quantity: bool = False) -> bool:
     """Pure: `live` has every field of `wanted` with the same value (the API server adds defaults,
-    so equality would never hold); lists item by item, same length."""
+    so equality would never hold); lists item by item, same length. Quantities (resources, an
+    emptyDir's sizeLimit) compare by value: the server serves `4` as "4" and `1000m` as "1"."""
     if isinstance(wanted, dict):
-        return isinstance(live, dict) and all(contains(live.get(k), v) for k, v in wanted.items())
+        if not isinstance(live, dict):
+            return False
+        if quantity:  # resources.limits / requests: every value a quantity
+            return all(live.get(k) == v or same_quantity(live.get(k), v) for k, v in wanted.items())
+        return all(contains(live.get(k), v, quantity=k in QUANTITY_MAPS + QUANTITY_FIELDS)
+                   for k, v in wanted.items())
     if isinstance(wanted, list):
         return isinstance(live, list) and len(live) == len(wanted) and all(map(contains, live, wanted))
-    return live == wanted
+    return live == wanted or (quantity and same_quantity(live, wanted))
 
 
 def decode_held(spec: DSV4DeploymentSpec, prefill_ready: bool, live_decode: Mapping[str, Any] | None,

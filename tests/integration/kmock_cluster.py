@@ -17,6 +17,8 @@ What this adds to kmock (each is what a real API server does):
   or `kubectl scale` uses it; A resourceVersion in the body is a
   precondition (409 on mismatch). PUT replaces, with the same precondition;
 - Secrets: stringData is merged into data (base64) and never stored;
+- quantities of built-in kinds (container resources, emptyDir sizeLimit) are stored and served in
+  canonical form (`4` -> "4", `1000m` -> "1", `1024Mi` -> "1Gi"); a malformed one is a 422;
 - the status subresource: writes to /status change only status, other writes never do;
 - deletion: finalizers hold an object with a deletionTimestamp; removing the last one deletes it;
   the garbage collector deletes dependents whose ownerReferences all point to owners that do not
@@ -202,6 +204,77 @@ def changed_paths(old: Mapping[str, Any], new: Mapping[str, Any]) -> set[tuple]:
     return {p for p in _owned_paths(old) | _owned_paths(new) if _value_at(old, p) != _value_at(new, p)}
 
 
+# ---- Quantities, as the API server serves them ----------------------------------------------------
+#
+# Written independently of the operator's own comparison (dsv4_operator.quantity), so that a
+# mistake there is not mirrored here. The rules are resource.Quantity's canonical form: a number
+# is kept in the format it was written in (binary SI, decimal SI, decimal exponent) and printed
+# with the largest suffix that leaves an integer; binary values below 1024 or with a fraction are
+# printed as decimal SI; precision below a nano rounds up.
+
+_BINARY = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
+_DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+_QUANTITY = re.compile(r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(?:([eE][+-]?[0-9]+)|(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])?)$")
+
+
+def canonical_quantity(value: Any) -> str:
+    """`4` -> "4", "1000m" -> "1", "0.5" -> "500m", "1024Mi" -> "1Gi", "1e3" -> "1e3"; ValueError
+    for anything that is not a quantity."""
+    from decimal import ROUND_CEILING, Decimal
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"quantities must match the regular expression: {value!r}")
+    m = _QUANTITY.match(str(value).strip())
+    if not m:
+        raise ValueError(f"quantities must match the regular expression: {value!r}")
+    number, exponent, suffix = Decimal(m[1]), m[2], m[3] or ""
+    if exponent:
+        amount, form = number * Decimal(10) ** int(exponent[1:]), "exponent"
+    elif suffix in _BINARY:
+        amount, form = number * Decimal(1024) ** _BINARY[suffix], "binary"
+    else:
+        amount, form = number * Decimal(10) ** _DECIMAL[suffix], "decimal"
+    amount = (amount * Decimal(10) ** 9).to_integral_value(rounding=ROUND_CEILING) / Decimal(10) ** 9
+    if amount == 0:
+        return "0"
+    if form == "binary" and amount == amount.to_integral_value() and abs(amount) >= 1024:
+        power = 0
+        while amount % (Decimal(1024) ** (power + 1)) == 0 and power < 6:
+            power += 1
+        name = {v: k for k, v in _BINARY.items()}.get(power, "")
+        return f"{int(amount / Decimal(1024) ** power)}{name}"
+    power = -9
+    while power < 18 and amount % (Decimal(10) ** (power + 3)) == 0:
+        power += 3
+    mantissa = int(amount / Decimal(10) ** power)
+    if form == "exponent":
+        return f"{mantissa}e{power}" if power else str(mantissa)
+    return f"{mantissa}{ {v: k for k, v in _DECIMAL.items()}[power]}"
+
+
+def canonicalize_quantities(obj: Any, path: tuple = ()) -> Any:
+    """Every quantity field the operator writes (container resources, emptyDir sizeLimit,
+    PVC requests, pod overhead) in its canonical form; kmock.KubernetesError 422 for a bad one."""
+    if isinstance(obj, list):
+        return [canonicalize_quantities(v, path + ("[]",)) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    out = {}
+    for key, value in obj.items():
+        here = path + (key,)
+        quantity_map = len(here) >= 2 and here[-2] in ("resources",) and key in ("limits", "requests") \
+            or key == "overhead"
+        try:
+            if quantity_map and isinstance(value, dict):
+                out[key] = {k: canonical_quantity(v) for k, v in value.items()}
+            elif key == "sizeLimit" and value is not None:
+                out[key] = canonical_quantity(value)
+            else:
+                out[key] = canonicalize_quantities(value, here)
+        except ValueError as e:
+            raise kmock.KubernetesError(422, "Invalid", f"{'.'.join(here)}: {e}") from None
+    return out
+
+
 # ---- The API call recorder -----------------------------------------------------------------------
 
 
@@ -281,6 +354,7 @@ class KubeCluster(kmock.KubernetesEmulator):
     _schemas: dict = attrs.field(factory=dict, init=False)  # resource -> openAPIV3Schema
     _applied: dict = attrs.field(factory=dict, init=False)  # (key, manager) -> last applied config
     _owners: dict = attrs.field(factory=dict, init=False)  # key -> {leaf path: managers owning it}
+    _custom: set = attrs.field(factory=set, init=False)  # resources served for CRDs
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -300,6 +374,7 @@ class KubeCluster(kmock.KubernetesEmulator):
                 shortnames=names.get("shortNames", []), categories=names.get("categories", []),
                 subresources=list((version.get("subresources") or {}).keys()),
                 verbs=["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"])
+            self._custom.add(res)
             schema = (version.get("schema") or {}).get("openAPIV3Schema")
             if validate and schema:
                 self._schemas[res] = schema
@@ -434,6 +509,8 @@ class KubeCluster(kmock.KubernetesEmulator):
     async def _apply(self, key: tuple, subresource: Optional[str], applied: dict, manager: str,
                      force: bool = True) -> dict:
         res, namespace, name = key
+        if res not in self._custom:
+            applied = canonicalize_quantities(applied)  # fields are compared as the server stores them
         live = self._live(key)
         previous = self._applied.get((key, manager))
         if live is None:
@@ -529,6 +606,8 @@ class KubeCluster(kmock.KubernetesEmulator):
             new["data"] = {**(new.get("data") or {}), **encoded}
         if res in self._schemas:
             new = self._admit_custom(res, new)
+        elif res not in self._custom:  # built-in kinds: quantities served canonical ("4", "1", "1Gi")
+            new = canonicalize_quantities(new)
         if res == CRD_RESOURCE and live is None:
             self.register_crd(new)
         meta = new.setdefault("metadata", {})

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import copy
 import kubernetes_validate
 import pytest
 import yaml
@@ -485,3 +486,22 @@ def test_decode_is_held_only_with_a_change_to_take_and_prefill_not_rolled_out() 
     assert not M.decode_held(together, False, live_old, wanted)
     assert M.contains({"a": [{"b": 1, "c": 2}], "d": 3}, {"a": [{"b": 1}]})
     assert not M.contains({"a": [{"b": 1}, {"b": 2}]}, {"a": [{"b": 1}]})
+
+
+def test_contains_compares_quantities_by_value_as_the_server_serves_them() -> None:
+    wanted = {"resources": {"limits": {"nvidia.com/gpu": 4, "cpu": "1000m", "memory": "1024Mi"}},
+              "emptyDir": {"sizeLimit": "16384Mi"}, "replicas": 4}
+    served = {"resources": {"limits": {"nvidia.com/gpu": "4", "cpu": "1", "memory": "1Gi"}},
+              "emptyDir": {"sizeLimit": "16Gi"}, "replicas": 4}
+    assert M.contains(served, wanted)
+    assert not M.contains(dict(served, resources={"limits": {"nvidia.com/gpu": "8", "cpu": "1", "memory": "1Gi"}}),
+                          wanted)
+    assert not M.contains(dict(served, replicas="4"), wanted), "only quantity fields compare by value"
+    # A decode StatefulSet read back from the server (quantities canonical) is the one wanted.
+    spec = spec_of()
+    wanted_sts = M.engine_statefulset(spec, OWNER, "decode")
+    live = copy.deepcopy(wanted_sts)
+    for c in live["spec"]["template"]["spec"]["containers"]:
+        for part in ("limits", "requests"):
+            c["resources"][part] = {k: str(v) for k, v in c["resources"].get(part, {}).items()}
+    assert not M.decode_held(spec, False, live, wanted_sts)

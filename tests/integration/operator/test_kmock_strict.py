@@ -1,0 +1,42 @@
+"""The emulator's strictness where a lenient one hid defects of the operator (issue 32): each
+behaviour here is what a real kube-apiserver (1.29-1.33) does."""
+
+from __future__ import annotations
+
+import pytest
+
+from kmock_cluster import ClusterClient, ClusterError, KubeCluster, canonical_quantity
+
+APPLY = "application/apply-patch+yaml"
+
+
+@pytest.mark.parametrize("written,served", [
+    (4, "4"), ("4", "4"), ("1000m", "1"), ("1500m", "1500m"), ("0.5", "500m"), ("2000", "2k"),
+    ("1024Mi", "1Gi"), ("1.5Gi", "1536Mi"), ("0.5Ki", "512"), ("64Gi", "64Gi"), ("1e3", "1e3"), ("1000e0", "1e3"),
+    ("0.0000000001", "1n"), ("0", "0"),
+])
+def test_quantities_are_served_canonical(written, served) -> None:
+    assert canonical_quantity(written) == served
+
+
+def statefulset(name: str, limits: dict) -> dict:
+    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": name, "namespace": "ns"},
+            "spec": {"replicas": 1, "selector": {"matchLabels": {"a": "b"}}, "template": {
+                "metadata": {"labels": {"a": "b"}},
+                "spec": {"containers": [{"name": "c", "image": "i", "resources": {"limits": limits, "requests": limits}}],
+                         "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16384Mi"}}]}}}}
+
+
+async def test_built_in_quantities_come_back_canonical_and_a_same_value_apply_writes_nothing(
+        kube_cluster: KubeCluster, kube_client: ClusterClient) -> None:
+    path = "/apis/apps/v1/namespaces/ns/statefulsets/s"
+    body = statefulset("s", {"nvidia.com/gpu": 4, "cpu": "1000m", "memory": "1024Mi"})
+    made = await kube_client.call("PATCH", path, body, APPLY, {"fieldManager": "me", "force": "true"})
+    pod = made["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "4", "cpu": "1", "memory": "1Gi"}
+    assert pod["volumes"][0]["emptyDir"]["sizeLimit"] == "16Gi"
+    again = await kube_client.call("PATCH", path, body, APPLY, {"fieldManager": "me", "force": "true"})
+    assert again["metadata"]["resourceVersion"] == made["metadata"]["resourceVersion"], "a no-op apply writes nothing"
+    with pytest.raises(ClusterError) as err:
+        await kube_client.create(statefulset("bad", {"cpu": "lots"}), "statefulsets")
+    assert err.value.status == 422
