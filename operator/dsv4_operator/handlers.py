@@ -49,6 +49,25 @@ CHILD_LABELS = {LABEL_NAME: APP, LABEL_MANAGED_BY: MANAGER}
 STATUS_WRITE_ATTEMPTS = 5
 
 
+APPLY_RETRY_BASE_SECONDS = 10
+APPLY_RETRY_CAP_SECONDS = 300
+
+
+def retry_delay(retry: int, base: float = APPLY_RETRY_BASE_SECONDS, cap: float = APPLY_RETRY_CAP_SECONDS) -> float:
+    """Pure: the wait before retry number `retry` + 1 of a failed apply: doubling, capped. A 403
+    (RBAC, an admission plugin) or a 5xx may be put right by an administrator, so it is retried,
+    but not at a fixed pace forever."""
+    return float(min(cap, base * 2 ** min(retry, 16)))
+
+
+def describe_apply_error(e: ApiError) -> str:
+    """Pure: the status message of a failed apply; a 403 says what to grant."""
+    if e.status == 403:
+        return (f"{e}; the operator's ServiceAccount lacks a permission the cluster requires "
+                "(see docs/operations.md, RBAC and Supported clusters); retried with back-off")
+    return str(e)
+
+
 def now_rfc3339() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -370,7 +389,7 @@ def _index_resource(namespace: str, name: str, **_: Any) -> dict:
 @kopf.on.update(*CR, registry=registry)
 async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, name: str, namespace: str, uid: str,
                     memo: kopf.Memo, logger: kopf.Logger, dsv4_statefulsets: kopf.Index,
-                    dsv4_deployments: kopf.Index, dsv4_resources: kopf.Index, **_: Any) -> None:
+                    dsv4_deployments: kopf.Index, dsv4_resources: kopf.Index, retry: int = 0, **_: Any) -> None:
     metrics = _metrics(memo)
     metrics.deployments.set(len(dsv4_resources))
     api = _api(memo)
@@ -400,11 +419,14 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, name: str
     except ApiError as e:
         metrics.api_errors.labels(str(e.status)).inc()
         metrics.reconciles.labels("apply_failed").inc()
-        kopf.warn(body, reason="ApplyFailed", message=str(e))
+        message = describe_apply_error(e)
+        if retry == 0 or not e.transient:  # once per generation (and operator start), not per retry
+            kopf.warn(body, reason="ApplyFailed", message=message)
         await refresh_status(api, metrics, namespace, name, children, observed_generation=generation,
-                             apply_error=str(e), acted=True)
+                             apply_error=message, acted=True)
         if e.transient:
-            raise kopf.TemporaryError(f"applying the children failed: {e}", delay=10) from None
+            delay = retry_delay(retry)
+            raise kopf.TemporaryError(f"applying the children failed (retry in {delay:.0f}s): {e}", delay=delay) from None
         return  # the spec produced something the API server refuses: wait for a new spec
     metrics.reconcile_seconds.observe(time.monotonic() - started)
     metrics.reconciles.labels("applied").inc()
@@ -553,15 +575,20 @@ async def wedge_watchdog(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kop
     def pods(namespace: str, instance: str) -> list:
         return list(dsv4_pods.get((namespace, instance), []))
 
-    admin_token = None
+    admin_token, attempt, warned = None, 0, False
     while admin_token is None and not stopped:
         try:
             admin_token = await deployment_admin_token(_api(memo), body["metadata"]["namespace"],
                                                        body["metadata"]["name"])
         except (ApiError, kopf.TemporaryError) as e:
             logger.warning(f"Cannot read the deployment's admin token yet: {e}")
+            if isinstance(e, ApiError) and e.status == 403 and not warned:  # no token, no watchdog: say so once
+                post("Warning", "WatchdogWaiting", f"the wedge watchdog cannot read or create the auth Secret: "
+                                                   f"{describe_apply_error(e)}")
+                warned = True
         if admin_token is None:
-            await stopped.wait(2.0)
+            await stopped.wait(min(2.0 * 2 ** attempt, 60.0))
+            attempt += 1
     if stopped:
         return
     watchdog = DeploymentWatchdog(lambda: _api(memo), _metrics(memo), body, post, logger, admin_token=admin_token,

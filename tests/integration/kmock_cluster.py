@@ -314,6 +314,13 @@ class ApiCallRecorder:
             agent=str(request.headers.get("User-Agent", "")),
         ))
 
+    def record_check(self, verb: str, group: str, resource: str, namespace: Optional[str], name: Optional[str],
+                     agent: str) -> None:
+        """An authorization check an admission plugin made on the caller's behalf (RBAC must
+        grant it just as it grants a call)."""
+        self.calls.append(ApiCall(verb=verb, group=group, resource=resource, namespace=namespace, name=name,
+                                  agent=agent))
+
     def observed(self, exclude_agents: Iterable[str] = (TEST_AGENT, "kmock/")) -> set[tuple[str, str, str]]:
         """{(verb, apiGroup, resource)} made by anyone but the tests themselves."""
         skip = tuple(exclude_agents)
@@ -355,6 +362,10 @@ class KubeCluster(kmock.KubernetesEmulator):
     _applied: dict = attrs.field(factory=dict, init=False)  # (key, manager) -> last applied config
     _owners: dict = attrs.field(factory=dict, init=False)  # key -> {leaf path: managers owning it}
     _custom: set = attrs.field(factory=set, init=False)  # resources served for CRDs
+    # OwnerReferencesPermissionEnforcement: None (off, as on a default kubeadm cluster) or the
+    # {(apiGroup, resource, verb)} the callers hold (see enforce_owner_references).
+    _owner_ref_grants: Optional[set] = attrs.field(default=None, init=False)
+    _caller: Optional[str] = attrs.field(default=None, init=False)  # User-Agent of the write being admitted
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -381,6 +392,53 @@ class KubeCluster(kmock.KubernetesEmulator):
             else:
                 self._schemas.pop(res, None)
 
+    def enforce_owner_references(self, grants: Optional[Iterable[tuple[str, str, str]]]) -> None:
+        """Turn on the OwnerReferencesPermissionEnforcement admission plugin (on by default on
+        OpenShift/OKD and many hardened clusters) for every caller but the tests, who hold
+        `grants` ({(apiGroup, resource, verb)}, as chart_testutil.grants gives them); None turns it off.
+        As the plugin: setting blockOwnerDeletion on a reference needs `update` on the owner's
+        `finalizers` subresource; changing ownerReferences of an existing object needs `delete`
+        on it. Each check is recorded as a call, so the RBAC proof sees it."""
+        self._owner_ref_grants = None if grants is None else set(grants)
+
+    def _resource_of_kind(self, api_version: str, kind: str) -> Optional[Any]:
+        group, _, version = api_version.rpartition("/")
+        for res, info in self.resources.items():
+            if res.group == group and res.version == version and info.kind == kind:
+                return res
+        return None
+
+    def _admit_owner_references(self, res: Any, new: Mapping[str, Any], live: Optional[Mapping[str, Any]]) -> None:
+        caller = self._caller
+        if self._owner_ref_grants is None or caller is None or caller.startswith((TEST_AGENT, "kmock/")):
+            return
+        new_refs = (new.get("metadata") or {}).get("ownerReferences") or []
+        old_refs = ((live or {}).get("metadata") or {}).get("ownerReferences") or []
+        if new_refs == old_refs:
+            return
+        meta = new.get("metadata") or {}
+        namespace, name = meta.get("namespace"), meta.get("name")
+
+        def allowed(verb: str, group: str, resource: str, obj_name: Optional[str]) -> bool:
+            self.recorder.record_check(verb, group, resource, namespace, obj_name, caller)
+            return (group, resource, verb) in self._owner_ref_grants
+
+        if live is not None and not allowed("delete", res.group or "", res.plural, name):
+            raise kmock.KubernetesError(403, "Forbidden", f"{res.plural} {name!r} is forbidden: cannot set an "
+                                        "ownerRef on a resource you can't delete")
+        blocking_before = {r.get("uid") for r in old_refs if r.get("blockOwnerDeletion")}
+        for ref in new_refs:
+            if not ref.get("blockOwnerDeletion") or ref.get("uid") in blocking_before:
+                continue
+            owner = self._resource_of_kind(ref.get("apiVersion", ""), ref.get("kind", ""))
+            if owner is None:
+                raise kmock.KubernetesError(422, "Invalid", f"ownerReferences: no resource for kind {ref.get('kind')}")
+            if not allowed("update", owner.group or "", f"{owner.plural}/finalizers", ref.get("name")):
+                raise kmock.KubernetesError(
+                    403, "Forbidden", f"{res.plural} {name!r} is forbidden: cannot set blockOwnerDeletion if an "
+                    f"ownerReference refers to a resource you can't set finalizers on: User cannot update resource "
+                    f"\"{owner.plural}/finalizers\" in API group \"{owner.group}\" in the namespace \"{namespace}\"")
+
     def objects_of(self, resource: Any, namespace: Optional[str] = None) -> list[dict]:
         res = kmock.resource(resource) if isinstance(resource, str) else resource
         return [obj.raw for (r, ns, _), obj in self.objects.items()
@@ -404,58 +462,65 @@ class KubeCluster(kmock.KubernetesEmulator):
         method = str(request.method.value)
         res = request.resource
         async with self._lock:
-            if method == "POST" and request.name is None:
+            self._caller = str(request.headers.get("User-Agent", ""))
+            try:
+                return await self._mutate_locked(request, method, res)
+            finally:
+                self._caller = None
+
+    async def _mutate_locked(self, request: rendering.Request, method: str, res: Any) -> tuple[int, dict]:
+        if method == "POST" and request.name is None:
+            self.recorder.record(request)
+            return 201, await self._create(res, request.namespace, self._body(request),
+                                           request.params.get("fieldManager") or "unnamed-updater")
+        if request.name is None:
+            raise kmock.KubernetesError(405, "MethodNotAllowed", f"{method} needs an object name")
+        key = (res, request.namespace, request.name)
+        live = self._live(key)
+        updater = request.params.get("fieldManager") or "unnamed-updater"
+        if request.subresource == "scale" and live is not None and method in ("PATCH", "PUT") \
+                and live.get("kind") in ("StatefulSet", "Deployment", "ReplicaSet"):
+            self.recorder.record(request)
+            replicas = ((self._body(request).get("spec") or {}).get("replicas"))
+            if not isinstance(replicas, int) or replicas < 0:
+                raise kmock.KubernetesError(422, "Invalid", "spec.replicas must be a non-negative integer")
+            new = copy.deepcopy(live)
+            new["spec"]["replicas"] = replicas
+            stored = await self._store(key, new, live, updater=updater)
+            return 200, {"apiVersion": "autoscaling/v1", "kind": "Scale",
+                         "metadata": {"name": request.name, "namespace": request.namespace},
+                         "spec": {"replicas": stored["spec"]["replicas"]}}
+        if request.subresource not in (None, "status"):
+            raise kmock.KubernetesNotFoundError(message=f"subresource {request.subresource} is not served")
+        if method == "DELETE":
+            self.recorder.record(request)
+            if live is None:
+                raise kmock.KubernetesObjectNotFoundError()
+            return 200, await self._delete(key)
+        if method == "PATCH":
+            ctype = str(request.headers.get("Content-Type", "")).split(";")[0].strip()
+            body = self._body(request, allow_list=ctype == "application/json-patch+json")
+            if ctype == "application/apply-patch+yaml":
+                manager = request.params.get("fieldManager")
+                if not manager:
+                    raise kmock.KubernetesError(400, "BadRequest", "fieldManager is required for apply")
+                if live is None:  # apply creates; RBAC then checks `create` as well as `patch`
+                    self.recorder.record(request, verb="create")
                 self.recorder.record(request)
-                return 201, await self._create(res, request.namespace, self._body(request),
-                                               request.params.get("fieldManager") or "unnamed-updater")
-            if request.name is None:
-                raise kmock.KubernetesError(405, "MethodNotAllowed", f"{method} needs an object name")
-            key = (res, request.namespace, request.name)
-            live = self._live(key)
-            updater = request.params.get("fieldManager") or "unnamed-updater"
-            if request.subresource == "scale" and live is not None and method in ("PATCH", "PUT") \
-                    and live.get("kind") in ("StatefulSet", "Deployment", "ReplicaSet"):
-                self.recorder.record(request)
-                replicas = ((self._body(request).get("spec") or {}).get("replicas"))
-                if not isinstance(replicas, int) or replicas < 0:
-                    raise kmock.KubernetesError(422, "Invalid", "spec.replicas must be a non-negative integer")
-                new = copy.deepcopy(live)
-                new["spec"]["replicas"] = replicas
-                stored = await self._store(key, new, live, updater=updater)
-                return 200, {"apiVersion": "autoscaling/v1", "kind": "Scale",
-                             "metadata": {"name": request.name, "namespace": request.namespace},
-                             "spec": {"replicas": stored["spec"]["replicas"]}}
-            if request.subresource not in (None, "status"):
-                raise kmock.KubernetesNotFoundError(message=f"subresource {request.subresource} is not served")
-            if method == "DELETE":
-                self.recorder.record(request)
-                if live is None:
-                    raise kmock.KubernetesObjectNotFoundError()
-                return 200, await self._delete(key)
-            if method == "PATCH":
-                ctype = str(request.headers.get("Content-Type", "")).split(";")[0].strip()
-                body = self._body(request, allow_list=ctype == "application/json-patch+json")
-                if ctype == "application/apply-patch+yaml":
-                    manager = request.params.get("fieldManager")
-                    if not manager:
-                        raise kmock.KubernetesError(400, "BadRequest", "fieldManager is required for apply")
-                    if live is None:  # apply creates; RBAC then checks `create` as well as `patch`
-                        self.recorder.record(request, verb="create")
-                    self.recorder.record(request)
-                    force = str(request.params.get("force", "")).lower() == "true"
-                    return 200, await self._apply(key, request.subresource, body, manager, force)
-                self.recorder.record(request)
-                if live is None:
-                    raise kmock.KubernetesObjectNotFoundError()
-                return 200, await self._patch(key, request.subresource, body, ctype, updater)
-            if method == "PUT":
-                self.recorder.record(request)
-                if live is None:
-                    raise kmock.KubernetesObjectNotFoundError()
-                body = self._body(request)
-                self._check_precondition(live, body)
-                new = self._scoped_write(live, body, request.subresource)
-                return 200, await self._store(key, new, live, updater=updater)
+                force = str(request.params.get("force", "")).lower() == "true"
+                return 200, await self._apply(key, request.subresource, body, manager, force)
+            self.recorder.record(request)
+            if live is None:
+                raise kmock.KubernetesObjectNotFoundError()
+            return 200, await self._patch(key, request.subresource, body, ctype, updater)
+        if method == "PUT":
+            self.recorder.record(request)
+            if live is None:
+                raise kmock.KubernetesObjectNotFoundError()
+            body = self._body(request)
+            self._check_precondition(live, body)
+            new = self._scoped_write(live, body, request.subresource)
+            return 200, await self._store(key, new, live, updater=updater)
         raise kmock.KubernetesError(405, "MethodNotAllowed", f"{method} is not served")
 
     @staticmethod
@@ -604,6 +669,7 @@ class KubeCluster(kmock.KubernetesEmulator):
             new = dict(new)
             encoded = {k: base64.b64encode(str(v).encode()).decode() for k, v in (new.pop("stringData") or {}).items()}
             new["data"] = {**(new.get("data") or {}), **encoded}
+        self._admit_owner_references(res, new, live)
         if res in self._schemas:
             new = self._admit_custom(res, new)
         elif res not in self._custom:  # built-in kinds: quantities served canonical ("4", "1", "1Gi")
@@ -683,6 +749,7 @@ class KubeCluster(kmock.KubernetesEmulator):
     async def _collect_garbage(self, owner_uid: Optional[str]) -> None:
         if not owner_uid:
             return
+        self._caller = None  # the garbage collector's own writes are not the caller's
         for key, obj in list(self.objects._objects.items()):
             if obj.deleted:
                 continue

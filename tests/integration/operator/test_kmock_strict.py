@@ -40,3 +40,30 @@ async def test_built_in_quantities_come_back_canonical_and_a_same_value_apply_wr
     with pytest.raises(ClusterError) as err:
         await kube_client.create(statefulset("bad", {"cpu": "lots"}), "statefulsets")
     assert err.value.status == 422
+
+
+async def test_owner_references_permission_enforcement(kube_cluster: KubeCluster, kube_client: ClusterClient) -> None:
+    """blockOwnerDeletion needs `update` on the owner's finalizers subresource; without it the
+    write is a 403, and the check is recorded for the RBAC proof."""
+    owner = await kube_client.create({"apiVersion": "v1", "kind": "ConfigMap",
+                                      "metadata": {"name": "owner", "namespace": "ns"}}, "configmaps")
+    ref = {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner["metadata"]["uid"],
+           "controller": True, "blockOwnerDeletion": True}
+    child = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "child", "namespace": "ns",
+                                                                "ownerReferences": [ref]}}
+    held = {("", "secrets", "create"), ("", "secrets", "patch")}
+    kube_cluster.enforce_owner_references(held)
+    async with ClusterClient(str(kube_cluster.url)) as operator:
+        operator._session.headers["User-Agent"] = "dsv4-operator/test"  # not the tests' own agent
+        with pytest.raises(ClusterError) as err:
+            await operator.create(child, "secrets")
+        assert err.value.status == 403 and "blockOwnerDeletion" in err.value.body["message"]
+        unblocked = {**child, "metadata": {**child["metadata"], "ownerReferences": [dict(ref, blockOwnerDeletion=False)]}}
+        await operator.create(unblocked, "secrets")  # no blocking reference: nothing to check
+        with pytest.raises(ClusterError) as err:  # changing the references of a live object needs delete on it
+            await operator.patch("v1", "secrets", "ns", "child", {"metadata": {"ownerReferences": [ref]}})
+        assert err.value.status == 403 and "can't delete" in err.value.body["message"]
+        kube_cluster.enforce_owner_references(held | {("", "configmaps/finalizers", "update"), ("", "secrets", "delete")})
+        await operator.patch("v1", "secrets", "ns", "child", {"metadata": {"ownerReferences": [ref]}})
+    assert ("update", "", "configmaps/finalizers") in kube_cluster.recorder.observed()
+    await kube_client.create(dict(child, metadata=dict(child["metadata"], name="by-test")), "secrets")  # tests exempt
