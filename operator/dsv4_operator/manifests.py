@@ -201,7 +201,9 @@ def engine_command(spec: DSV4DeploymentSpec, role: str) -> list[str]:
     m, e, t, r = spec.model, spec.engine, spec.transfer, spec.role(role)
     if e.kind == "builtin":
         F = EngineFlags
-        cmd = ["dsv4", "serve", F.MODEL, m.path, F.ROLE, role, F.HOST, "0.0.0.0",
+        # Listen on every address, advertise the pod's own: decode tells prefill where to reach
+        # it, and 0.0.0.0 there would be prefill's own loopback. Kubernetes expands $(POD_IP).
+        cmd = ["dsv4", "serve", F.MODEL, m.path, F.ROLE, role, F.HOST, "0.0.0.0", F.ADVERTISE_HOST, "$(POD_IP)",
                F.PORT, str(e.port), F.BOOTSTRAP_PORT, str(t.bootstrap_port),
                F.SERVED_MODEL_NAME, m.served,
                F.BOOTSTRAP_TIMEOUT, str(t.bootstrap_timeout_seconds),

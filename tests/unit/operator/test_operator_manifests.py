@@ -125,8 +125,9 @@ def test_builtin_commands() -> None:
     spec = spec_of(engine={"image": "i", "args": ["--max-num-seqs", "128"]},
                    prefill={"args": ["--kv-pages", "9000"]}, transfer={"bootstrapPort": 9000})
     prefill = engine_container(M.engine_statefulset(spec, OWNER, "prefill"))["command"]
-    assert prefill[:12] == ["dsv4", "serve", "--model", "/models/dsv4-flash", "--role", "prefill",
-                            "--host", "0.0.0.0", "--port", "8100", "--bootstrap-port", "9000"]
+    assert prefill[:14] == ["dsv4", "serve", "--model", "/models/dsv4-flash", "--role", "prefill",
+                            "--host", "0.0.0.0", "--advertise-host", "$(POD_IP)", "--port", "8100",
+                            "--bootstrap-port", "9000"]
     assert prefill[-4:] == ["--max-num-seqs", "128", "--kv-pages", "9000"]  # user args last: they win
     assert prefill[prefill.index("--served-model-name") + 1] == "deepseek-v4-flash"
     assert prefill[prefill.index("--bootstrap-timeout") + 1] == "300"
