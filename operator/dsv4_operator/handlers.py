@@ -16,6 +16,7 @@ All handlers live in `registry`, which `dsv4_operator.main` runs.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime
 import os
@@ -27,6 +28,7 @@ import kopf
 from pydantic import ValidationError
 
 from dsv4_operator import spec as S
+from dsv4_operator.drift import describe_removals, foreign_entry_removals
 from dsv4_operator.kube import ApiError, KubeApi, connection_info, load_configuration, path_of, resource_path
 from dsv4_operator.manifests import (
     ADMIN_TOKEN_KEY, APP, AUTH_SECRET_KEYS, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_NAME, LABEL_ROLE, MANAGER,
@@ -266,7 +268,7 @@ async def apply_children(api: KubeApi, metrics: OperatorMetrics, spec: S.DSV4Dep
         if is_sts and manifest["metadata"]["name"] == decode_name and \
                 await _hold_decode(api, spec, owner, manifest, prefill or {}):
             manifest = engine_statefulset(spec, owner, "decode", S.spec_revision(spec), hold=True)
-        result = await api.apply(manifest)
+        result = await apply_repairing(api, manifest)
         _remember_generation(seen, result)
         if is_sts and manifest["metadata"]["name"] == prefill_name:
             prefill = result
@@ -504,16 +506,53 @@ async def _child_changed(event: kopf.RawEvent, namespace: str, labels: kopf.Labe
             and event.get("type") != "DELETED" and prefill_rolled_out(obj)):
         # Prefill finished rolling out: a held decode StatefulSet may take its new template now.
         reapply, target, seen = True, child_name(owner_name, "decode"), ""
-    if reapply:
+    for attempt in range(REPAIR_ATTEMPTS if reapply else 0):
         try:
             await _reapply_child(api, metrics, namespace, owner_name, kind, target, seen_version=seen,
                                  generations=generations, logger=logger)
-        except ApiError as e:  # event handlers are not retried: the next event, or a resume, tries again
+            break
+        except ApiError as e:  # kopf does not retry event handlers: a few tries here, then the next event
             metrics.api_errors.labels(str(e.status)).inc()
-            logger.warning(f"Could not re-apply {kind} {namespace}/{meta.get('name')}: {e}")
+            logger.warning(f"Could not re-apply {kind} {namespace}/{meta.get('name')} "
+                           f"(attempt {attempt + 1} of {REPAIR_ATTEMPTS}): {e}")
+            if attempt + 1 < REPAIR_ATTEMPTS:
+                await asyncio.sleep(0.5 * 2 ** attempt)
     if obj.get("kind") in ("StatefulSet", "Deployment"):
         await refresh_status(api, metrics, namespace, owner_name,
                              lambda: _children(namespace, owner_name, dsv4_statefulsets, dsv4_deployments))
+
+
+async def remove_foreign_entries(api: KubeApi, manifest: Mapping[str, Any],
+                                 live: Optional[Mapping[str, Any]] = None) -> list[str]:
+    """Take out of a live child the list entries the manifest does not name (drift.py), by one
+    JSON patch conditioned on the resourceVersion read (a concurrent write makes it a 422 and
+    the caller's retry reads again). Returns what was removed."""
+    meta = manifest["metadata"]
+    if live is None:
+        live = await api.get(manifest["apiVersion"], manifest["kind"], meta.get("namespace"), meta["name"])
+    if live is None:
+        return []
+    ops = foreign_entry_removals(live, manifest)
+    if not ops:
+        return []
+    test = {"op": "test", "path": "/metadata/resourceVersion", "value": live["metadata"]["resourceVersion"]}
+    await api.request("PATCH", path_of(live), body=[test, *ops], content_type="application/json-patch+json",
+                      query=[("fieldManager", api.field_manager)])
+    return describe_removals(live, ops)
+
+
+async def apply_repairing(api: KubeApi, manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """Apply; when the merge by key with someone else's list entries makes the object invalid
+    (two Service ports named `http`: 422), remove those entries and apply again, once."""
+    try:
+        return await api.apply(manifest)
+    except ApiError as e:
+        if e.status != 422 or not await remove_foreign_entries(api, manifest):
+            raise
+    return await api.apply(manifest)
+
+
+REPAIR_ATTEMPTS = 3  # event handlers are not retried by kopf: a repair retries itself
 
 
 async def _reapply_child(api: KubeApi, metrics: OperatorMetrics, namespace: str, owner_name: str, kind: str,
@@ -542,7 +581,11 @@ async def _reapply_child(api: KubeApi, metrics: OperatorMetrics, namespace: str,
     if kind == "StatefulSet" and name == child_name(owner_name, "decode") and \
             await _hold_decode(api, spec, owner, wanted[0]):
         wanted = [engine_statefulset(spec, owner, "decode", S.spec_revision(spec), hold=True)]
-    after = await api.apply(wanted[0])
+    removed = [] if seen_version in (None, "") else await remove_foreign_entries(api, wanted[0])
+    if removed:
+        kopf.event(cr, type="Normal", reason="Restored",
+                   message=f"{kind}/{name}: removed list entries the operator does not write: {', '.join(removed)}")
+    after = await apply_repairing(api, wanted[0])
     _remember_generation(generations, after)
     metrics.applied.labels(kind).inc()
     role = (wanted[0]["metadata"].get("labels") or {}).get(LABEL_ROLE, "")

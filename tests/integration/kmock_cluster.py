@@ -9,7 +9,10 @@ What this adds to kmock (each is what a real API server does):
 - PATCH by content type: JSON merge patch (null deletes), JSON patch (a failed `test` -> 422),
   strategic merge patch (approximated by merge patch: lists are replaced, not merged by key),
   server-side apply (creates the object if absent; prunes the fields the same field manager
-  applied before and no longer applies, unless another manager owns them too; lists are atomic).
+  applied before and no longer applies, unless another manager owns them too; list-maps --
+  containers, env, volumes, imagePullSecrets by name, volumeMounts by mountPath, ports by
+  port/containerPort and protocol, ownerReferences by uid -- merge entry by entry, so an entry
+  another manager added stays; other lists are atomic).
   Field ownership per leaf path: an apply owns what it applies (alone, when forcing a different
   value; without force, a different value for a field another manager owns is a 409 conflict), any other write (PATCH, PUT, /scale) owns alone what it changed, named by its
   fieldManager parameter;
@@ -32,8 +35,13 @@ What this adds to kmock (each is what a real API server does):
   defaults, prunes and validates custom objects (422 Invalid) unless registered without it,
   including the schema's CEL rules (`x-kubernetes-validations`, evaluated with cel-python);
 - every API call is recorded as (verb, group, resource[/subresource]) for RBAC checks.
+- validation of what a merge by key can break (validate_builtin: duplicate Service port names or
+  port/protocol pairs, duplicate container or volume names; tolerationSeconds without NoExecute);
+- OwnerReferencesPermissionEnforcement, when a test turns it on with the caller's RBAC grants
+  (enforce_owner_references): blockOwnerDeletion needs `update` on the owner's finalizers;
 Still missing: controllers other than the garbage collector (a StatefulSet makes no pods: tests
-stand in for them), admission beyond CRD schemas, RBAC enforcement, watch bookmarks.
+stand in for them), admission beyond CRD schemas and the checks above, RBAC enforcement of every
+call (test_rbac compares the recorded calls with the chart instead), watch bookmarks.
 
 Use: `from kmock_cluster import *` in a conftest.py next to the tests (see
 tests/integration/operator/conftest.py) for the `kube_cluster`, `kube_client`, `kubeconfig`
@@ -149,47 +157,142 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
+# Server-side apply merges these lists by key (`x-kubernetes-list-type: map` in the built-in
+# schemas): an entry is owned, kept and removed on its own, fields inside it too. Every other
+# list is atomic (tolerations, rules, args, ...).
+LIST_MAP_FIELDS = frozenset({"containers", "initContainers", "ephemeralContainers", "env", "volumes", "volumeMounts",
+                             "ports", "imagePullSecrets", "ownerReferences"})
+
+
+def _entry_key(field: Any, item: Any) -> Optional[str]:
+    """The key of a list-map entry as managedFields spells it (`k:{"name":"x"}`), or None."""
+    if not isinstance(item, dict):
+        return None
+    if field == "volumeMounts":
+        keys = {"mountPath": item.get("mountPath")}
+    elif field == "ports":
+        port = "containerPort" if "containerPort" in item else "port"
+        keys = {port: item.get(port), "protocol": item.get("protocol", "TCP")}
+    elif field == "ownerReferences":
+        keys = {"uid": item.get("uid")}
+    else:
+        keys = {"name": item.get("name")}
+    if any(v is None for v in keys.values()):
+        return None
+    return "k:" + json.dumps(keys, sort_keys=True, separators=(",", ":"))
+
+
+def _as_map(field: Any, value: Any) -> Optional[dict]:
+    """A list-map as {key: entry} (insertion order kept), or None: not a list-map field, empty, or
+    an entry without its key (then the list is handled whole)."""
+    if field not in LIST_MAP_FIELDS or not isinstance(value, list) or not value:
+        return None
+    out: dict = {}
+    for item in value:
+        k = _entry_key(field, item)
+        if k is None or k in out:
+            return None
+        out[k] = item
+    return out
+
+
 def _leaf_paths(obj: Any, prefix: tuple = ()) -> set[tuple]:
-    """Paths of the fields a config sets; lists are atomic (one leaf), as for SSA."""
+    """Paths of the fields a config sets, as for SSA: list-map entries by key
+    (`(..., "ports", 'k:{"port":80,"protocol":"TCP"}', "name")`), other lists atomic (one leaf)."""
     if isinstance(obj, dict) and obj:
         paths: set[tuple] = set()
         for key, value in obj.items():
-            paths |= _leaf_paths(value, prefix + (key,))
+            entries = _as_map(key, value)
+            if entries is None:
+                paths |= _leaf_paths(value, prefix + (key,))
+            else:
+                for k, entry in entries.items():
+                    paths |= _leaf_paths(entry, prefix + (key, k))
         return paths
     return {prefix}
 
 
-def _drop_path(obj: Any, path: tuple) -> None:
-    for key in path[:-1]:
-        if not isinstance(obj, dict) or key not in obj:
-            return
-        obj = obj[key]
+def _step(obj: Any, field: Any, key: Any) -> Any:
+    """One step down a path: a dict's key, or a list-map's entry by its `k:` key."""
     if isinstance(obj, dict):
-        obj.pop(path[-1], None)
+        return obj.get(key, _MISSING)
+    if isinstance(obj, list) and isinstance(key, str) and key.startswith("k:"):
+        for item in obj:
+            if _entry_key(field, item) == key:
+                return item
+    return _MISSING
+
+
+def _drop_path(obj: Any, path: tuple) -> None:
+    """Remove one leaf; a list-map entry left with no field is removed from its list."""
+    chain = []  # (container, node): node as found inside container
+    field = None
+    for key in path[:-1]:
+        nxt = _step(obj, field, key)
+        if nxt is _MISSING:
+            return
+        chain.append((obj, nxt))
+        obj, field = nxt, key
+    last = path[-1]
+    if isinstance(obj, dict):
+        obj.pop(last, None)
+    elif isinstance(obj, list):
+        obj[:] = [item for item in obj if _entry_key(field, item) != last]
+    for container, node in reversed(chain):  # prune list-map entries emptied by the drop
+        if isinstance(container, list) and node == {}:
+            container[:] = [item for item in container if item is not node]
+        else:
+            break
+
+
+def apply_merge(target: Any, patch: Any, field: Any = None) -> Any:
+    """Merge an applied configuration into an object: dicts by key, list-maps entry by entry
+    (a live entry the configuration does not name stays), other lists replaced."""
+    if isinstance(patch, dict):
+        out = dict(target) if isinstance(target, dict) else {}
+        for key, value in patch.items():
+            if value is None:
+                out.pop(key, None)
+            else:
+                out[key] = apply_merge(out.get(key), value, key)
+        return out
+    wanted = _as_map(field, patch)
+    if wanted is not None and (not target or _as_map(field, target) is not None):
+        out_list = [copy.deepcopy(item) for item in (target or [])]
+        index = {_entry_key(field, item): i for i, item in enumerate(out_list)}
+        for k, entry in wanted.items():
+            if k in index:
+                out_list[index[k]] = apply_merge(out_list[index[k]], entry)
+            else:
+                out_list.append(copy.deepcopy(entry))
+        return out_list
+    return copy.deepcopy(patch)
 
 
 def server_side_apply(live: Optional[dict], applied: dict, previously_applied: Optional[dict],
                       kept: Iterable[tuple] = ()) -> dict:
-    """Server-side apply for one field manager: the fields it applied before but no longer applies
-    are removed unless another manager owns them too (`kept`), then the new configuration is
-    merged in (dicts by key, lists replaced)."""
+    """Server-side apply for one field manager: the fields (and list-map entries) it applied
+    before but no longer applies are removed unless another manager owns them too (`kept`),
+    then the new configuration is merged in (apply_merge)."""
     out = copy.deepcopy(live) if live else {}
     kept = set(kept)
     if previously_applied:
         for path in _leaf_paths(previously_applied) - _leaf_paths(applied) - kept:
             if path and path[0] not in ("apiVersion", "kind"):
                 _drop_path(out, path)
-    return merge_patch(out, applied)
+    return apply_merge(out, applied)
 
 
 _MISSING = object()
 
 
 def _value_at(obj: Any, path: tuple) -> Any:
+    field = None
     for key in path:
-        if not isinstance(obj, dict) or key not in obj:
+        obj = _step(obj, field, key)
+        if obj is _MISSING:
             return _MISSING
-        obj = obj[key]
+        field = key
     return obj
 
 
@@ -273,6 +376,51 @@ def canonicalize_quantities(obj: Any, path: tuple = ()) -> Any:
         except ValueError as e:
             raise kmock.KubernetesError(422, "Invalid", f"{'.'.join(here)}: {e}") from None
     return out
+
+
+# ---- Validation of the built-in kinds the operator writes ------------------------------------------
+
+
+def _duplicates(items: Iterable[Any]) -> list:
+    seen, dup = set(), []
+    for item in items:
+        if item in seen:
+            dup.append(item)
+        seen.add(item)
+    return dup
+
+
+def _pod_specs(obj: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    if obj.get("kind") == "Pod":
+        return [("spec", obj.get("spec") or {})]
+    template = ((obj.get("spec") or {}).get("template") or {}).get("spec")
+    return [("spec.template.spec", template)] if isinstance(template, Mapping) else []
+
+
+def validate_builtin(obj: Mapping[str, Any]) -> None:
+    """What the API server's validation refuses (422) that a merge by key can produce: duplicate
+    Service port names or port/protocol pairs, duplicate container or volume names, a
+    tolerationSeconds on an effect other than NoExecute."""
+    problems = []
+    if obj.get("kind") == "Service":
+        ports = (obj.get("spec") or {}).get("ports") or []
+        for name in _duplicates(p.get("name") for p in ports if p.get("name")):
+            problems.append(f"spec.ports.name: Duplicate value: {name!r}")
+        for pair in _duplicates((p.get("port"), p.get("protocol", "TCP")) for p in ports):
+            problems.append(f"spec.ports: Duplicate value: {pair!r}")
+    for where, pod in _pod_specs(obj):
+        containers = list(pod.get("containers") or []) + list(pod.get("initContainers") or [])
+        for name in _duplicates(c.get("name") for c in containers):
+            problems.append(f"{where}.containers.name: Duplicate value: {name!r}")
+        for name in _duplicates(v.get("name") for v in pod.get("volumes") or []):
+            problems.append(f"{where}.volumes.name: Duplicate value: {name!r}")
+        for i, t in enumerate(pod.get("tolerations") or []):
+            if t.get("tolerationSeconds") is not None and t.get("effect") != "NoExecute":
+                problems.append(f"{where}.tolerations[{i}].effect: Invalid value: {t.get('effect')!r}: "
+                                "effect must be 'NoExecute' when `tolerationSeconds` is set")
+    if problems:
+        raise kmock.KubernetesError(422, "Invalid", f"{obj.get('kind')} {(obj.get('metadata') or {}).get('name')!r} "
+                                    f"is invalid: " + "; ".join(problems))
 
 
 # ---- The API call recorder -----------------------------------------------------------------------
@@ -674,6 +822,7 @@ class KubeCluster(kmock.KubernetesEmulator):
             new = self._admit_custom(res, new)
         elif res not in self._custom:  # built-in kinds: quantities served canonical ("4", "1", "1Gi")
             new = canonicalize_quantities(new)
+            validate_builtin(new)
         if res == CRD_RESOURCE and live is None:
             self.register_crd(new)
         meta = new.setdefault("metadata", {})

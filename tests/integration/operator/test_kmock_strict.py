@@ -67,3 +67,34 @@ async def test_owner_references_permission_enforcement(kube_cluster: KubeCluster
         await operator.patch("v1", "secrets", "ns", "child", {"metadata": {"ownerReferences": [ref]}})
     assert ("update", "", "configmaps/finalizers") in kube_cluster.recorder.observed()
     await kube_client.create(dict(child, metadata=dict(child["metadata"], name="by-test")), "secrets")  # tests exempt
+
+
+async def test_apply_merges_list_maps_by_key_and_validates_the_result(kube_cluster: KubeCluster,
+                                                                      kube_client: ClusterClient) -> None:
+    path = "/api/v1/namespaces/ns/services/svc"
+
+    def svc(*ports: dict) -> dict:
+        return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "svc", "namespace": "ns"},
+                "spec": {"ports": list(ports)}}
+
+    mine = {"fieldManager": "me", "force": "true"}
+    await kube_client.call("PATCH", path, svc({"name": "http", "port": 80}, {"name": "b", "port": 81}), APPLY, mine)
+    # Another manager's entry stays through my forced apply; my dropped entry goes.
+    await kube_client.call("PATCH", path, svc({"name": "m", "port": 90}), APPLY,
+                           {"fieldManager": "other", "force": "true"})
+    out = await kube_client.call("PATCH", path, svc({"name": "http", "port": 80}), APPLY, mine)
+    assert sorted(p["name"] for p in out["spec"]["ports"]) == ["http", "m"]
+    # A merge that leaves two ports named http is refused, as the API server's validation does.
+    await kube_client.patch("v1", "services", "ns", "svc", {"spec": {"ports": [{"name": "http", "port": 8080}]}})
+    with pytest.raises(ClusterError) as err:
+        await kube_client.call("PATCH", path, svc({"name": "http", "port": 80}), APPLY, mine)
+    assert err.value.status == 422 and "Duplicate value: 'http'" in err.value.body["message"]
+
+
+async def test_toleration_seconds_only_with_no_execute(kube_cluster: KubeCluster, kube_client: ClusterClient) -> None:
+    sts = statefulset("t", {"cpu": "1"})
+    sts["spec"]["template"]["spec"]["tolerations"] = [{"key": "k", "operator": "Exists", "effect": "NoSchedule",
+                                                       "tolerationSeconds": 30}]
+    with pytest.raises(ClusterError) as err:
+        await kube_client.create(sts, "statefulsets")
+    assert err.value.status == 422 and "NoExecute" in err.value.body["message"]

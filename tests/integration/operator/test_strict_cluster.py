@@ -37,3 +37,35 @@ async def test_owner_references_without_the_finalizers_grant_are_reported_not_re
     assert len([e for e in events if e["reason"] == "WatchdogWaiting"]) == 1
     assert len([e for e in events if e["reason"] == "ApplyFailed"]) == 1
     assert [retry_delay(n) for n in range(7)] == [10, 20, 40, 80, 160, 300, 300]
+
+
+async def test_drift_repair_removes_foreign_list_entries_and_never_duplicates(
+        cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory) -> None:
+    """Server-side apply merges list-maps by key: a forced apply keeps entries another manager
+    added. The repair removes them (a hand-edited Service port, a foreign env var, an extra
+    container): one port named http, the template as the operator writes it."""
+    from test_drift_and_scaling import _ready
+    await operator_factory(["ns1"])
+    await kube_client.create(deployment("flash", "ns1"), PLURAL)
+    await eventually(lambda: _ready(kube_client, "ns1", "flash"), timeout=20)
+    apply = {"fieldManager": "someone-else", "force": "true"}
+    await kube_client.call("PATCH", "/api/v1/namespaces/ns1/services/flash-router", {
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "flash-router", "namespace": "ns1"},
+        "spec": {"ports": [{"name": "metrics", "port": 9090, "protocol": "TCP"}]}},
+        "application/apply-patch+yaml", apply)
+    await kube_client.call("PATCH", "/apis/apps/v1/namespaces/ns1/statefulsets/flash-decode", {
+        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "flash-decode", "namespace": "ns1"},
+        "spec": {"template": {"spec": {"containers": [
+            {"name": "engine", "env": [{"name": "FOREIGN", "value": "1"}]},
+            {"name": "sidecar", "image": "someone/else:1"}]}}}}, "application/apply-patch+yaml", apply)
+
+    async def clean() -> bool:
+        svc = await kube_client.get("v1", "services", "ns1", "flash-router")
+        sts = await kube_client.get("apps/v1", "statefulsets", "ns1", "flash-decode")
+        containers = sts["spec"]["template"]["spec"]["containers"]
+        return ([p["name"] for p in svc["spec"]["ports"]] == ["http"] and [c["name"] for c in containers] == ["engine"]
+                and "FOREIGN" not in {e["name"] for e in containers[0]["env"]})
+
+    await eventually(clean, timeout=20)
+    restored = [e["message"] for e in await events_for(kube_client, "ns1", "flash") if e["reason"] == "Restored"]
+    assert any("removed list entries" in m and "name=metrics" in m for m in restored), restored
