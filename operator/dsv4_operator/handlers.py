@@ -38,7 +38,7 @@ from dsv4_operator.manifests import (
 from dsv4_operator.pinning import pinned_spec
 from dsv4_operator.remediation.daemon import DeploymentWatchdog
 from dsv4_operator.remediation.pods import engine_pod_index_key, pod_snapshot
-from dsv4_operator.status import ROLES, ChildObservation, compute_status, observe, remediation_counts, status_changed
+from dsv4_operator.status import APPLY_REFUSAL_REASONS, ROLES, ApplyRefusal, ChildObservation, compute_status, observe, remediation_counts, status_changed
 from dsv4_operator.telemetry import OperatorMetrics
 from dsv4_wire import ANNOTATION_PINNED_REVISION
 
@@ -133,10 +133,36 @@ def _children(namespace: str, name: str, *indices: Any) -> list[ChildObservation
 def _carried_apply_error(previous: dict[str, Any], observed_generation: Optional[int]) -> Optional[str]:
     """An apply failure stands until the operator applies again (a new generation or a retry)."""
     for cond in previous.get("conditions") or []:
-        if (cond.get("type") == "Degraded" and cond.get("reason") == "ApplyFailed"
+        if (cond.get("type") == "Degraded" and cond.get("reason") in APPLY_REFUSAL_REASONS
                 and cond.get("observedGeneration") == observed_generation):
-            return cond.get("message") or "apply failed"
+            return ApplyRefusal(cond.get("message") or "apply failed", cond["reason"])
     return None
+
+
+IMAGE_VOLUME_UNSUPPORTED = "ImageVolumeUnsupported"
+
+
+async def image_volume_refusal(api: KubeApi, spec: S.DSV4DeploymentSpec, owner: Owner) -> Optional[ApplyRefusal]:
+    """With `model.volume.image`: whether this cluster keeps an image volume. Where the ImageVolume
+    feature gate is off (the default through 1.33; the field does not exist before 1.31) the API
+    server drops the volume and its mounts without a word, and engines would start without their
+    checkpoint. Asked by a dry-run apply of the prefill StatefulSet: nothing is written."""
+    manifest = engine_statefulset(spec, owner, "prefill", S.spec_revision(spec))
+    answer = await api.request("PATCH", path_of(manifest), body=manifest, content_type="application/apply-patch+yaml",
+                               query=[("fieldManager", api.field_manager), ("force", "true"), ("dryRun", "All")])
+    volumes = (((answer or {}).get("spec") or {}).get("template") or {}).get("spec", {}).get("volumes") or []
+    if any(v.get("name") == "model" and "image" in v for v in volumes):
+        return None
+    try:
+        version = await api.request("GET", "/version")
+        server = f"{version.get('major')}.{version.get('minor')}"
+    except ApiError:
+        server = "unknown"
+    return ApplyRefusal(
+        f"model.volume.image needs image volumes, which this cluster (Kubernetes {server}) drops: they need "
+        "1.31 or later with the ImageVolume feature gate on (off by default through 1.33). Nothing was applied: "
+        "use a persistentVolumeClaim or hostPath model volume, or enable the gate and edit the resource",
+        IMAGE_VOLUME_UNSUPPORTED)
 
 
 async def refresh_status(api: KubeApi, metrics: OperatorMetrics, namespace: str, name: str,
@@ -414,6 +440,17 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, name: str
 
     revision = S.spec_revision(parsed)
     started = time.monotonic()
+    if parsed.model.volume is not None and parsed.model.volume.image is not None:
+        try:
+            refusal = await image_volume_refusal(api, parsed, Owner(name, namespace, uid))
+        except ApiError as e:
+            refusal = None if e.status != 400 else ApplyRefusal(f"model.volume.image: {e}", IMAGE_VOLUME_UNSUPPORTED)
+        if refusal is not None:  # never silently run engines without their checkpoint
+            metrics.reconciles.labels("apply_failed").inc()
+            kopf.warn(body, reason=IMAGE_VOLUME_UNSUPPORTED, message=refusal)
+            await refresh_status(api, metrics, namespace, name, children, observed_generation=generation,
+                                 apply_error=refusal, acted=True)
+            return
     try:
         existing = {child.role: child.spec_replicas for child in children()}
         applied = await apply_children(api, metrics, parsed, Owner(name, namespace, uid), existing,

@@ -223,6 +223,13 @@ def _step(obj: Any, field: Any, key: Any) -> Any:
     return _MISSING
 
 
+def _is_key_field(path: tuple) -> bool:
+    """The leaf is one of the key fields of a list-map entry (`(..., 'k:{"port":80,...}', "port")`)."""
+    if len(path) < 2 or not isinstance(path[-2], str) or not path[-2].startswith("k:"):
+        return False
+    return path[-1] in json.loads(path[-2][2:])
+
+
 def _drop_path(obj: Any, path: tuple) -> None:
     """Remove one leaf; a list-map entry left with no field is removed from its list."""
     chain = []  # (container, node): node as found inside container
@@ -234,6 +241,11 @@ def _drop_path(obj: Any, path: tuple) -> None:
         chain.append((obj, nxt))
         obj, field = nxt, key
     last = path[-1]
+    if _is_key_field(path) and chain and isinstance(chain[-1][0], list):
+        # An entry cannot lose its key: it goes whole (its other fields were dropped first).
+        container, entry = chain[-1]
+        container[:] = [item for item in container if item is not entry]
+        return
     if isinstance(obj, dict):
         obj.pop(last, None)
     elif isinstance(obj, list):
@@ -277,7 +289,8 @@ def server_side_apply(live: Optional[dict], applied: dict, previously_applied: O
     out = copy.deepcopy(live) if live else {}
     kept = set(kept)
     if previously_applied:
-        for path in _leaf_paths(previously_applied) - _leaf_paths(applied) - kept:
+        gone = _leaf_paths(previously_applied) - _leaf_paths(applied) - kept
+        for path in sorted(gone, key=lambda p: (_is_key_field(p), len(p))):  # key fields last
             if path and path[0] not in ("apiVersion", "kind"):
                 _drop_path(out, path)
     return apply_merge(out, applied)
@@ -397,6 +410,30 @@ def _pod_specs(obj: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
     return [("spec.template.spec", template)] if isinstance(template, Mapping) else []
 
 
+def _image_volumes(pod: Optional[Mapping[str, Any]]) -> set:
+    return {v.get("name") for v in (pod or {}).get("volumes") or [] if "image" in v}
+
+
+def drop_disabled_fields(obj: dict, live: Optional[Mapping[str, Any]], gates: Mapping[str, bool]) -> dict:
+    """As the API server's dropDisabledFields: with the ImageVolume gate off, `image` volumes
+    and the mounts of them leave a pod spec silently (unless the stored object already had them)."""
+    if gates.get("ImageVolume", False):
+        return obj
+    specs = _pod_specs(obj)
+    if not specs or any(_image_volumes(pod) for _, pod in _pod_specs(live or {})):
+        return obj
+    out = copy.deepcopy(obj)
+    for _, pod in _pod_specs(out):
+        names = _image_volumes(pod)
+        if not names:
+            continue
+        pod["volumes"] = [v for v in pod.get("volumes") or [] if v.get("name") not in names]
+        for c in list(pod.get("containers") or []) + list(pod.get("initContainers") or []):
+            if "volumeMounts" in c:
+                c["volumeMounts"] = [m for m in c["volumeMounts"] if m.get("name") not in names]
+    return out
+
+
 def validate_builtin(obj: Mapping[str, Any]) -> None:
     """What the API server's validation refuses (422) that a merge by key can produce: duplicate
     Service port names or port/protocol pairs, duplicate container or volume names, a
@@ -514,6 +551,10 @@ class KubeCluster(kmock.KubernetesEmulator):
     # {(apiGroup, resource, verb)} the callers hold (see enforce_owner_references).
     _owner_ref_grants: Optional[set] = attrs.field(default=None, init=False)
     _caller: Optional[str] = attrs.field(default=None, init=False)  # User-Agent of the write being admitted
+    # Feature gates as on a 1.29-1.33 cluster by default: ImageVolume off (the apiserver then drops
+    # `image` volumes and their mounts from pod specs without a word).
+    feature_gates: dict = attrs.field(factory=lambda: {"ImageVolume": False})
+    _dry_run: bool = attrs.field(default=False, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -611,10 +652,15 @@ class KubeCluster(kmock.KubernetesEmulator):
         res = request.resource
         async with self._lock:
             self._caller = str(request.headers.get("User-Agent", ""))
+            self._dry_run = request.params.get("dryRun") == "All"
+            saved = (copy.deepcopy(self._owners), copy.deepcopy(self._applied)) if self._dry_run else None
             try:
                 return await self._mutate_locked(request, method, res)
             finally:
                 self._caller = None
+                if saved is not None:  # a dry run leaves no trace, field ownership included
+                    self._owners, self._applied = saved
+                    self._dry_run = False
 
     async def _mutate_locked(self, request: rendering.Request, method: str, res: Any) -> tuple[int, dict]:
         if method == "POST" and request.name is None:
@@ -821,7 +867,7 @@ class KubeCluster(kmock.KubernetesEmulator):
         if res in self._schemas:
             new = self._admit_custom(res, new)
         elif res not in self._custom:  # built-in kinds: quantities served canonical ("4", "1", "1Gi")
-            new = canonicalize_quantities(new)
+            new = drop_disabled_fields(canonicalize_quantities(new), live, self.feature_gates)
             validate_builtin(new)
         if res == CRD_RESOURCE and live is None:
             self.register_crd(new)
@@ -833,6 +879,8 @@ class KubeCluster(kmock.KubernetesEmulator):
             meta["resourceVersion"] = live["metadata"].get("resourceVersion")
             if new == live:
                 return live  # a no-op write: nothing stored, no event, same resourceVersion
+        if self._dry_run:
+            return new  # dryRun=All: admitted and answered, never stored
         self._rv += 1
         meta["resourceVersion"] = str(self._rv)
         if live is None:

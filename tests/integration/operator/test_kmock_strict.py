@@ -98,3 +98,19 @@ async def test_toleration_seconds_only_with_no_execute(kube_cluster: KubeCluster
     with pytest.raises(ClusterError) as err:
         await kube_client.create(sts, "statefulsets")
     assert err.value.status == 422 and "NoExecute" in err.value.body["message"]
+
+
+async def test_image_volumes_dropped_with_the_gate_off_and_dry_run_stores_nothing(
+        kube_cluster: KubeCluster, kube_client: ClusterClient) -> None:
+    sts = statefulset("iv", {"cpu": "1"})
+    pod = sts["spec"]["template"]["spec"]
+    pod["volumes"].append({"name": "model", "image": {"reference": "reg/m:1"}})
+    pod["containers"][0]["volumeMounts"] = [{"name": "model", "mountPath": "/m"}]
+    path = "/apis/apps/v1/namespaces/ns/statefulsets/iv"
+    dry = await kube_client.call("PATCH", path, sts, APPLY, {"fieldManager": "me", "dryRun": "All"})
+    assert [v["name"] for v in dry["spec"]["template"]["spec"]["volumes"]] == ["shm"]  # dropped, silently
+    assert dry["spec"]["template"]["spec"]["containers"][0]["volumeMounts"] == []
+    assert await kube_client.get("apps/v1", "statefulsets", "ns", "iv") is None  # a dry run stores nothing
+    kube_cluster.feature_gates["ImageVolume"] = True
+    kept = await kube_client.call("PATCH", path, sts, APPLY, {"fieldManager": "me"})
+    assert [v["name"] for v in kept["spec"]["template"]["spec"]["volumes"]] == ["shm", "model"]

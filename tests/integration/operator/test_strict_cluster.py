@@ -69,3 +69,33 @@ async def test_drift_repair_removes_foreign_list_entries_and_never_duplicates(
     await eventually(clean, timeout=20)
     restored = [e["message"] for e in await events_for(kube_client, "ns1", "flash") if e["reason"] == "Restored"]
     assert any("removed list entries" in m and "name=metrics" in m for m in restored), restored
+
+
+def _image_model(name: str) -> dict:
+    return deployment(name, "ns1", model={"name": "deepseek-v4-flash", "path": "/models/dsv4-flash",
+                                          "volume": {"image": {"reference": "reg/models:flash"}}})
+
+
+async def test_image_volumes_are_refused_where_the_feature_gate_is_off(
+        cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory) -> None:
+    """ImageVolume off (the default through 1.33): the API server would drop the model volume and
+    its mount silently. The operator refuses with a status reason and writes no engine."""
+    await operator_factory(["ns1"])
+    await kube_client.create(_image_model("flash"), PLURAL)
+
+    async def refused() -> dict:
+        cond = condition(await get_cr(kube_client, "ns1", "flash"), "Degraded")
+        return cond if cond.get("reason") == "ImageVolumeUnsupported" else {}
+
+    cond = await eventually(refused, timeout=20)
+    assert "ImageVolume feature gate" in cond["message"]
+    assert await kube_client.get("apps/v1", "statefulsets", "ns1", "flash-prefill") is None, "nothing applied"
+
+    cluster_with_crd.feature_gates["ImageVolume"] = True  # a cluster with the gate on keeps the volume
+    await kube_client.create(_image_model("other"), PLURAL)
+
+    async def applied() -> dict:
+        return await kube_client.get("apps/v1", "statefulsets", "ns1", "other-prefill")
+
+    sts = await eventually(applied, timeout=20)
+    assert any("image" in v for v in sts["spec"]["template"]["spec"]["volumes"])
