@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from dsv4_operator import spec as S
 from dsv4_operator.drift import describe_removals, foreign_entry_removals
+from dsv4_operator.fight import FightTracker, other_manager
 from dsv4_operator.kube import ApiError, KubeApi, connection_info, load_configuration, path_of, resource_path
 from dsv4_operator.manifests import (
     ADMIN_TOKEN_KEY, APP, AUTH_SECRET_KEYS, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_NAME, LABEL_ROLE, MANAGER,
@@ -543,6 +544,29 @@ async def _child_changed(event: kopf.RawEvent, namespace: str, labels: kopf.Labe
             and event.get("type") != "DELETED" and prefill_rolled_out(obj)):
         # Prefill finished rolling out: a held decode StatefulSet may take its new template now.
         reapply, target, seen = True, child_name(owner_name, "decode"), ""
+    fights: FightTracker = memo.setdefault("fights", FightTracker())
+    if reapply and seen and not foreign_write(obj):
+        reapply = False  # our own write (a repair's JSON patch, an apply) seen back: nothing to repair
+    if reapply and seen:  # changed by someone else: answer a writer that keeps at it with back-off
+        fight_key = (kind, namespace, target)
+        decision = fights.decide(fight_key, time.monotonic())
+        if decision.warn:
+            other = other_manager(meta.get("managedFields"), (MANAGER, SCALE_MANAGER)) or "an unnamed writer"
+            cr_ref = {"apiVersion": S.API_VERSION, "kind": S.KIND, "metadata": {"name": owner_name, "namespace": namespace}}
+            kopf.event(await api.get(S.API_VERSION, S.KIND, namespace, owner_name) or cr_ref, type="Warning",
+                       reason="FightingWriter",
+                       message=f"{kind}/{target} keeps being changed by {other}; the operator puts it back with "
+                               f"back-off (now {decision.delay:.0f}s between repairs, at most "
+                               f"{fights.cap:.0f}s): stop the other writer or make it leave the operator's fields alone")
+        if decision.delay > 0:
+            pending = memo.setdefault("delayed_repairs", {})
+            if fight_key not in pending or pending[fight_key].done():
+                pending[fight_key] = asyncio.ensure_future(_delayed_repair(
+                    decision.delay, api, metrics, namespace, owner_name, kind, target, generations, fights,
+                    fight_key, logger))
+            reapply = False
+        else:
+            fights.repaired(fight_key, time.monotonic())
     for attempt in range(REPAIR_ATTEMPTS if reapply else 0):
         try:
             await _reapply_child(api, metrics, namespace, owner_name, kind, target, seen_version=seen,
@@ -590,6 +614,31 @@ async def apply_repairing(api: KubeApi, manifest: Mapping[str, Any]) -> dict[str
 
 
 REPAIR_ATTEMPTS = 3  # event handlers are not retried by kopf: a repair retries itself
+
+
+def foreign_write(obj: Mapping[str, Any]) -> bool:
+    """Pure: the last write to a child (managedFields' latest entry) was not the operator's. Without
+    managedFields (an API server that does not report them) every change counts as foreign."""
+    entries = [m for m in (obj.get("metadata") or {}).get("managedFields") or []
+               if m.get("subresource") != "status"]  # a controller's status write changes nothing we own
+    if not entries:
+        return True
+    latest = max(entries, key=lambda m: str(m.get("time") or ""))
+    return latest.get("manager") not in (MANAGER, SCALE_MANAGER)
+
+
+async def _delayed_repair(delay: float, api: KubeApi, metrics: OperatorMetrics, namespace: str, owner_name: str,
+                          kind: str, name: str, generations: dict, fights: FightTracker, fight_key: tuple,
+                          logger: kopf.Logger) -> None:
+    """The repair of a child in a fight, after its back-off: one apply of whatever the child is then."""
+    await asyncio.sleep(delay)
+    fights.repaired(fight_key, time.monotonic(), backed_off=True)
+    try:
+        await _reapply_child(api, metrics, namespace, owner_name, kind, name, seen_version="?",
+                             generations=generations, logger=logger)
+    except ApiError as e:
+        metrics.api_errors.labels(str(e.status)).inc()
+        logger.warning(f"Could not re-apply {kind} {namespace}/{name} after back-off: {e}")
 
 
 async def _reapply_child(api: KubeApi, metrics: OperatorMetrics, namespace: str, owner_name: str, kind: str,

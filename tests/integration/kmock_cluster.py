@@ -471,6 +471,7 @@ class ApiCall:
     namespace: Optional[str]
     name: Optional[str]
     agent: str
+    label_selector: Optional[str] = None  # of a list or watch
 
 
 def rbac_verb(method: str, name: Optional[str], params: Mapping[str, str]) -> str:
@@ -496,7 +497,7 @@ class ApiCallRecorder:
         self.calls.append(ApiCall(
             verb=verb or rbac_verb(str(request.method.value), request.name, request.params),
             group=res.group or "", resource=resource, namespace=request.namespace, name=request.name,
-            agent=str(request.headers.get("User-Agent", "")),
+            agent=str(request.headers.get("User-Agent", "")), label_selector=request.params.get("labelSelector"),
         ))
 
     def record_check(self, verb: str, group: str, resource: str, namespace: Optional[str], name: Optional[str],
@@ -531,6 +532,14 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _now_precise() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _without_managed_fields(obj: Mapping[str, Any]) -> dict:
+    return dict(obj, metadata=_without(obj.get("metadata") or {}, "managedFields"))
+
+
 def _without(obj: Mapping[str, Any], *keys: str) -> dict:
     return {k: v for k, v in obj.items() if k not in keys}
 
@@ -555,6 +564,8 @@ class KubeCluster(kmock.KubernetesEmulator):
     # `image` volumes and their mounts from pod specs without a word).
     feature_gates: dict = attrs.field(factory=lambda: {"ImageVolume": False})
     _dry_run: bool = attrs.field(default=False, init=False)
+    _write_times: dict = attrs.field(factory=dict, init=False)  # key -> {manager: (operation, time)}
+    _writer: Optional[tuple] = attrs.field(default=None, init=False)  # (manager, operation) of the write being stored
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -658,6 +669,7 @@ class KubeCluster(kmock.KubernetesEmulator):
                 return await self._mutate_locked(request, method, res)
             finally:
                 self._caller = None
+                self._writer = None
                 if saved is not None:  # a dry run leaves no trace, field ownership included
                     self._owners, self._applied = saved
                     self._dry_run = False
@@ -714,7 +726,7 @@ class KubeCluster(kmock.KubernetesEmulator):
             body = self._body(request)
             self._check_precondition(live, body)
             new = self._scoped_write(live, body, request.subresource)
-            return 200, await self._store(key, new, live, updater=updater)
+            return 200, await self._store(key, new, live, updater=updater, subresource=request.subresource)
         raise kmock.KubernetesError(405, "MethodNotAllowed", f"{method} is not served")
 
     @staticmethod
@@ -763,6 +775,7 @@ class KubeCluster(kmock.KubernetesEmulator):
         if self._has_status_subresource(res):
             body.pop("status", None)
         self._owners[key] = {p: {manager} for p in _owned_paths(body)}
+        self._writer = self._writer or (manager, "Update")
         return await self._store(key, body, None)
 
     async def _apply(self, key: tuple, subresource: Optional[str], applied: dict, manager: str,
@@ -772,6 +785,7 @@ class KubeCluster(kmock.KubernetesEmulator):
             applied = canonicalize_quantities(applied)  # fields are compared as the server stores them
         live = self._live(key)
         previous = self._applied.get((key, manager))
+        self._writer = (manager, "Apply")
         if live is None:
             applied_meta = dict(applied.get("metadata") or {}, name=name)
             obj = await self._create(res, namespace, dict(applied, metadata=applied_meta), manager=manager)
@@ -814,7 +828,8 @@ class KubeCluster(kmock.KubernetesEmulator):
             patched = merge_patch(live, body)
         else:
             raise kmock.KubernetesError(415, "UnsupportedMediaType", f"unsupported patch type {ctype!r}")
-        return await self._store(key, self._scoped_write(live, patched, subresource), live, updater=updater)
+        return await self._store(key, self._scoped_write(live, patched, subresource), live, updater=updater,
+                                 subresource=subresource)
 
     @staticmethod
     def _check_precondition(live: dict, body: Mapping[str, Any]) -> None:
@@ -851,10 +866,12 @@ class KubeCluster(kmock.KubernetesEmulator):
                 return "status" in info.subresources
         return False
 
-    async def _store(self, key: tuple, new: dict, live: Optional[dict], updater: Optional[str] = None) -> dict:
+    async def _store(self, key: tuple, new: dict, live: Optional[dict], updater: Optional[str] = None,
+                     subresource: Optional[str] = None) -> dict:
         """`updater`: the field manager of a non-apply write; it becomes the only owner of the
         fields it changed (as an Update does in managedFields)."""
         res = key[0]
+        writer, self._writer = ((updater, "Update", subresource) if updater is not None else self._writer), None
         if updater is not None and live is not None:
             owners = self._owners.setdefault(key, {})
             for p in changed_paths(live, new):
@@ -877,10 +894,15 @@ class KubeCluster(kmock.KubernetesEmulator):
             changed = _generation_relevant(new) != _generation_relevant(live)
             meta["generation"] = old_gen + 1 if changed else old_gen
             meta["resourceVersion"] = live["metadata"].get("resourceVersion")
-            if new == live:
+            if _without_managed_fields(new) == _without_managed_fields(live):
                 return live  # a no-op write: nothing stored, no event, same resourceVersion
         if self._dry_run:
             return new  # dryRun=All: admitted and answered, never stored
+        if res not in self._custom:  # who wrote what, as a real API server reports it
+            if writer is not None:
+                self._write_times.setdefault(key, {})[writer[0]] = (writer[1], _now_precise(),
+                                                                     writer[2] if len(writer) > 2 else None)
+            meta["managedFields"] = self._managed_fields(key)
         self._rv += 1
         meta["resourceVersion"] = str(self._rv)
         if live is None:
@@ -901,6 +923,29 @@ class KubeCluster(kmock.KubernetesEmulator):
             # they are (re)created after the owner is gone (a late reconcile, for instance).
             await self._delete(key)
         return new
+
+    def _managed_fields(self, key: tuple) -> list[dict]:
+        """metadata.managedFields: per manager, the fields it owns (FieldsV1: `f:` names and the
+        `k:` keys of list-map entries), its last operation and when."""
+        by_manager: dict[str, dict] = {}
+        for path, managers in (self._owners.get(key) or {}).items():
+            for manager in managers:
+                node = by_manager.setdefault(manager, {})
+                for part in path:
+                    node = node.setdefault(part if str(part).startswith("k:") else f"f:{part}", {})
+        out = []
+        for manager, fields_v1 in sorted(by_manager.items()):
+            operation, when, sub = (self._write_times.get(key) or {}).get(manager, ("Update", _now_precise(), None))
+            entry = {"manager": manager, "operation": operation, "apiVersion": key[0].version,
+                     "time": when, "fieldsType": "FieldsV1", "fieldsV1": fields_v1}
+            if sub:
+                entry["subresource"] = sub
+            out.append(entry)
+        for manager, (operation, when, sub) in sorted((self._write_times.get(key) or {}).items()):
+            if manager not in by_manager and sub == "status":  # status writers own status fields (not tracked)
+                out.append({"manager": manager, "operation": operation, "apiVersion": key[0].version, "time": when,
+                            "fieldsType": "FieldsV1", "fieldsV1": {"f:status": {}}, "subresource": sub})
+        return out
 
     def _admit_custom(self, res: Any, obj: dict) -> dict:
         schema = self._schemas[res]
@@ -938,6 +983,7 @@ class KubeCluster(kmock.KubernetesEmulator):
         self.objects._objects[key].delete()
         self._applied = {k: v for k, v in self._applied.items() if k[0] != key}
         self._owners.pop(key, None)
+        self._write_times.pop(key, None)
         self._rv += 1
         gone = dict(live, metadata=dict(live["metadata"], resourceVersion=str(self._rv)))
         await self._buses[res].put({"type": "DELETED", "object": gone})

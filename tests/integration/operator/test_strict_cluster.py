@@ -99,3 +99,59 @@ async def test_image_volumes_are_refused_where_the_feature_gate_is_off(
 
     sts = await eventually(applied, timeout=20)
     assert any("image" in v for v in sts["spec"]["template"]["spec"]["volumes"])
+
+
+async def fight(client: ClusterClient, seconds: float, per_second: float = 5.0) -> int:
+    """Another writer (manager `fighter`) changing the router Service's port several times a second."""
+    import time
+    writes, deadline = 0, time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        port = 9000 + writes % 2
+        await client.call("PATCH", "/api/v1/namespaces/ns1/services/flash-router",
+                          {"spec": {"ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}]}},
+                          "application/merge-patch+json", params={"fieldManager": "fighter"})
+        writes += 1
+        await asyncio.sleep(1.0 / per_second)
+    return writes
+
+
+def operator_writes(cluster: KubeCluster, resource: str, name: str) -> int:
+    return sum(1 for c in cluster.recorder.calls if c.resource == resource and c.name == name
+               and c.verb in ("patch", "update") and not c.agent.startswith(("dsv4-tests", "kmock/")))
+
+
+async def test_a_writer_that_keeps_changing_a_child_is_answered_with_back_off_and_one_warning(
+        cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory) -> None:
+    from test_drift_and_scaling import _ready
+    await operator_factory(["ns1"])
+    await kube_client.create(deployment("flash", "ns1"), PLURAL)
+    await eventually(lambda: _ready(kube_client, "ns1", "flash"), timeout=20)
+    before = operator_writes(cluster_with_crd, "services", "flash-router")
+    writes = await fight(kube_client, seconds=8.0)
+    repairs = operator_writes(cluster_with_crd, "services", "flash-router") - before
+    # A repair is a JSON patch (the foreign port out) and an apply; 3 at once, then one per back-off
+    # (5 s, doubling): a handful, where one per foreign write would be ~2 x 40.
+    assert writes >= 30 and repairs <= 14, f"{repairs} operator writes against {writes} foreign writes"
+    warnings = [e for e in await events_for(kube_client, "ns1", "flash") if e["reason"] == "FightingWriter"]
+    assert len(warnings) == 1 and "Service/flash-router" in warnings[0]["message"] \
+        and "fighter" in warnings[0]["message"], warnings
+
+    async def put_back() -> bool:  # once the writer stops, the delayed repair restores the child
+        svc = await kube_client.get("v1", "services", "ns1", "flash-router")
+        return [p["port"] for p in svc["spec"]["ports"]] == [8000]
+
+    await eventually(put_back, timeout=30)
+
+
+async def test_every_child_kind_is_watched_by_label_selector(cluster_with_crd: KubeCluster, kube_client: ClusterClient,
+                                                             operator_factory) -> None:
+    """Not cluster-wide and filtered client-side: the API server sends only the operator's children."""
+    await operator_factory(["ns1"])
+    await kube_client.create(deployment("flash", "ns1"), PLURAL)
+    await eventually(lambda: kube_client.get("v1", "services", "ns1", "flash-router"), timeout=20)
+    watches = {(c.group, c.resource): c.label_selector for c in cluster_with_crd.recorder.calls
+               if c.verb == "watch" and not c.agent.startswith(("dsv4-tests", "kmock/"))}
+    for kind in (("", "services"), ("", "serviceaccounts"), ("rbac.authorization.k8s.io", "roles"),
+                 ("rbac.authorization.k8s.io", "rolebindings"), ("policy", "poddisruptionbudgets"),
+                 ("networking.k8s.io", "networkpolicies"), ("apps", "statefulsets"), ("apps", "deployments")):
+        assert "app.kubernetes.io/managed-by=dsv4-operator" in (watches.get(kind) or ""), (kind, watches.get(kind))
