@@ -59,6 +59,10 @@ def make_settings(standalone: bool) -> kopf.OperatorSettings:
     ours = f"{LABEL_NAME}={APP},{LABEL_MANAGED_BY}={MANAGER}"
     settings.watching.label_selectors["apps", "statefulsets"] = ours
     settings.watching.label_selectors["apps", "deployments"] = ours
+    # Every other kind of child too: a cluster's Services, Roles, PDBs (whose status the disruption
+    # controller rewrites all the time) never reach the operator to be filtered out.
+    for group, version, plural in handlers.OTHER_CHILD_KINDS:
+        settings.watching.label_selectors[group or version, plural] = ours
     # The watchdog's pod index: engine pods only, one watch for every deployment.
     settings.watching.label_selectors["v1", "pods"] = engine_pod_watch_selector()
     return settings

@@ -91,6 +91,8 @@ def unbuildable_reasons(name: str, spec: DSV4DeploymentSpec) -> list[str]:
             reasons.append(S.MSG_EXISTS_WITH_VALUE)
         if not t.key and t.operator != "Exists":
             reasons.append(S.MSG_EMPTY_KEY_NEEDS_EXISTS)
+        if t.toleration_seconds is not None and t.effect != "NoExecute":
+            reasons.append(S.MSG_SECONDS_NEED_NO_EXECUTE)
     return list(dict.fromkeys(reasons))
 
 

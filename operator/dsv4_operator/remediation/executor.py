@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import aiohttp
 
-from dsv4_wire import authorization_header
+from dsv4_wire import ENGINE_CONTAINER, authorization_header
 
 from dsv4_operator import spec as S
 from dsv4_operator.kube import ApiError, KubeApi, resource_path
@@ -287,7 +287,9 @@ class KubernetesExecutor:
     async def _pod_log(self, pod: str, missing: list[str]) -> str:
         path = resource_path("v1", "pods", self.ctx.namespace, pod, "log")
         try:
-            text = await self.api().get_text(path, [("tailLines", str(self.log_lines))])
+            # The engine container by name: with a sidecar (a mesh proxy, a log shipper) a pods/log
+            # read without container= is a 400.
+            text = await self.api().get_text(path, [("container", ENGINE_CONTAINER), ("tailLines", str(self.log_lines))])
         except ApiError as e:
             missing.append(f"logs ({e})")
             return f"(pod logs unavailable: {e})\n"

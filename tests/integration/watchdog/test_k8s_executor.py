@@ -43,7 +43,8 @@ class Harness:
 async def harness(kube_cluster: WatchdogCluster, kube_client: ClusterClient, kubeconfig: Path, engines) -> Harness:
     cr = await kube_client.create(deployment("flash", remediation={}), "dsv4deployments")
     engine = await engines("prefill", "wedged")
-    await kube_client.create(pod_body("flash", "flash-prefill-0", "prefill", engine.port), "pods")
+    # With a sidecar: the evidence must ask pods/log for the engine container by name.
+    await kube_client.create(pod_body("flash", "flash-prefill-0", "prefill", engine.port, sidecar=True), "pods")
     await kube_client.patch("v1", "pods", NS, "flash-prefill-0", {"status": {
         "phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}},
         subresource="status")

@@ -18,6 +18,8 @@ from dsv4_operator.spec import DEFAULT_NODE_SELECTOR, DEFAULT_TOLERATIONS, parse
 EXAMPLES = Path(__file__).resolve().parents[3] / "crds" / "examples"
 OWNER = M.Owner(name="flash", namespace="serving", uid="2f1e3b4c-0000-4000-8000-000000000001")
 K8S_VERSIONS = ("1.33.0", kubernetes_validate.latest_version())
+# The releases docs/operations.md supports (Supported clusters): every child validates on each.
+SUPPORTED_K8S = ("1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0")
 
 
 def spec_of(**overrides: Any):
@@ -42,7 +44,7 @@ def env_of(container: dict) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("example", ["flash-builtin.yaml", "flash-sglang.yaml", "flash-production.yaml"])
-@pytest.mark.parametrize("k8s_version", K8S_VERSIONS)
+@pytest.mark.parametrize("k8s_version", sorted(set(SUPPORTED_K8S + K8S_VERSIONS)))
 def test_children_are_valid_kubernetes_strict(example: str, k8s_version: str) -> None:
     spec = parse_spec(yaml.safe_load((EXAMPLES / example).read_text())["spec"])
     children = M.build_children(spec, OWNER)
@@ -55,6 +57,24 @@ def test_strict_validation_does_reject_unknown_fields() -> None:
     sts["spec"]["template"]["spec"]["containers"][0]["gpus"] = 4
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(sts, K8S_VERSIONS[0], strict=True)
+
+
+@pytest.mark.parametrize("k8s_version", SUPPORTED_K8S)
+def test_held_and_scaled_children_validate_on_every_supported_release(k8s_version: str) -> None:
+    spec = spec_of(decode={"scaling": "external"}, prefill={"tolerations": [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 30}]})
+    for child in [*M.build_children(spec, OWNER), M.engine_statefulset(spec, OWNER, "decode", hold=True)]:
+        kubernetes_validate.validate(child, k8s_version, strict=True)
+
+
+def test_image_volumes_do_not_exist_before_1_31() -> None:
+    """Why the operator asks the cluster before it uses an image volume (handlers.image_volume_refusal)."""
+    spec = spec_of(model={"name": "m", "path": "/models/m", "volume": {"image": {"reference": "reg/ckpt:1"}}})
+    sts = M.engine_statefulset(spec, OWNER, "decode")
+    for old in ("1.29.0", "1.30.0"):
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(sts, old, strict=True)
+    kubernetes_validate.validate(sts, "1.31.0", strict=True)
 
 
 def test_every_volume_source_validates() -> None:
