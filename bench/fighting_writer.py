@@ -5,8 +5,9 @@ kmock_cluster.py) over HTTP; a DSV4Deployment is applied, then another field man
 rewrites the router Service's port several times a second for `--seconds`. Counted: the
 operator's writes to that Service (patch or update: a repair is a JSON patch removing the
 foreign port plus an apply), its Restored and FightingWriter Events. Run twice: with the
-back-off (as shipped) and without it (FightTracker with a threshold no fight reaches: what the
-operator did before issue 32).
+back-off (as shipped) and without it (FightTracker with a threshold no fight reaches: every
+foreign change repaired at once, as before issue 32's item 5; the rest of today's repair, such as
+removing the foreign port, is the same in both runs).
 
     python bench/fighting_writer.py [--seconds 60] [--rate 5]
 

@@ -45,6 +45,13 @@ EVIDENCE_KEPT = 20  # per deployment: the newest evidence ConfigMaps; older ones
 CAPTURED_AT = "serving.dsv4.dev/captured-at"
 
 
+def evicted_by_budget(message: Optional[str]) -> bool:
+    """Pure: a 429 from the Eviction API is a PodDisruptionBudget's ("Cannot evict pod as it would
+    violate the pod's disruption budget") or the API server shedding load (API Priority and
+    Fairness: "Too many requests, please try again later")."""
+    return "disruption budget" in (message or "").lower()
+
+
 @dataclass
 class DeploymentContext:
     """What the executor knows of the deployment, refreshed by the daemon every round."""
@@ -222,6 +229,10 @@ class KubernetesExecutor:
                 return True, "already gone"
             if e.status == 409:  # the UID precondition failed: this incarnation is gone already
                 return True, "already replaced"
+            if e.status == 429 and not evicted_by_budget(e.message):
+                # API Priority and Fairness shedding load, not a budget: say so, retry next round.
+                self.metrics.remediations.labels("eviction_throttled", action.role, action.reason).inc()
+                return False, f"eviction throttled by the API server (429, not a PodDisruptionBudget): {e.message}"
             if e.status == 429:
                 note = f"eviction blocked by a PodDisruptionBudget: {e.message or e.reason}"
                 if self.blocked.get(action.pod) != action.uid:

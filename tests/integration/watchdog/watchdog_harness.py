@@ -37,6 +37,7 @@ class WatchdogCluster(KubeCluster):
     pod_logs: dict = attrs.field(factory=dict, init=False)  # (namespace, pod) -> () -> str
     removed: list = attrs.field(factory=list, init=False)  # (monotonic time, object) of every deletion
     evictions: list = attrs.field(factory=list, init=False)  # (pod name, HTTP status) of every eviction
+    throttled: int = attrs.field(default=0, init=False)  # this many next requests get API Priority and Fairness' 429
 
     async def _handle(self, request: Any) -> aiohttp.web.StreamResponse:
         res = request.resource
@@ -60,6 +61,12 @@ class WatchdogCluster(KubeCluster):
                 tail = request.params.get("tailLines")
                 return aiohttp.web.Response(text="".join(lines[-int(tail):] if tail else lines),
                                             content_type="text/plain")
+            if method == "POST" and request.subresource == "eviction" and self.throttled > 0:
+                self.throttled -= 1  # the API server sheds load: a 429 that no PodDisruptionBudget asked for
+                self.recorder.record(request)
+                self.evictions.append((request.name, 429))
+                return await self._render_error(kmock.KubernetesError(
+                    429, "TooManyRequests", "Too many requests, please try again later."))
             if method == "POST" and request.subresource == "eviction":
                 self.recorder.record(request)
                 status, body = await self._evict(request.namespace, request.name, request.data)
