@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -55,6 +56,8 @@ def make_settings(standalone: bool) -> kopf.OperatorSettings:
     # Events: ours (Applied, InvalidSpec, ...) plus kopf's warnings, not every handler's info line.
     settings.posting.level = logging.WARNING
     settings.posting.reporting_component = MANAGER
+    # Which replica posted an Event (kopf's default is "dev" for every one): the chart passes the pod name.
+    settings.posting.reporting_instance = os.environ.get("POD_NAME") or socket.gethostname()
     # Only our own children come over the wire, not every StatefulSet in the cluster.
     ours = f"{LABEL_NAME}={APP},{LABEL_MANAGED_BY}={MANAGER}"
     settings.watching.label_selectors["apps", "statefulsets"] = ours

@@ -100,6 +100,13 @@ def test_spec_problems_are_one_readable_line() -> None:
     assert spec is not None and problem is None
 
 
+def test_each_replica_reports_as_itself(monkeypatch) -> None:
+    monkeypatch.setenv("POD_NAME", "dsv4-operator-7d9f-abcde")
+    assert make_settings(standalone=False).posting.reporting_instance == "dsv4-operator-7d9f-abcde"
+    monkeypatch.delenv("POD_NAME")
+    assert make_settings(standalone=False).posting.reporting_instance not in ("", "dev")
+
+
 def test_operator_settings() -> None:
     s = make_settings(standalone=True)
     assert s.peering.standalone is True and s.scanning.disabled is True
