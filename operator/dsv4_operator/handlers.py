@@ -565,12 +565,12 @@ async def _child_changed(event: kopf.RawEvent, namespace: str, labels: kopf.Labe
                     decision.delay, api, metrics, namespace, owner_name, kind, target, generations, fights,
                     fight_key, logger))
             reapply = False
-        else:
-            fights.repaired(fight_key, time.monotonic())
     for attempt in range(REPAIR_ATTEMPTS if reapply else 0):
         try:
-            await _reapply_child(api, metrics, namespace, owner_name, kind, target, seen_version=seen,
-                                 generations=generations, logger=logger)
+            restored = await _reapply_child(api, metrics, namespace, owner_name, kind, target, seen_version=seen,
+                                            generations=generations, logger=logger)
+            if restored and seen:  # only a repair that changed something counts towards a fight
+                fights.repaired((kind, namespace, target), time.monotonic())
             break
         except ApiError as e:  # kopf does not retry event handlers: a few tries here, then the next event
             metrics.api_errors.labels(str(e.status)).inc()
@@ -627,15 +627,22 @@ def foreign_write(obj: Mapping[str, Any]) -> bool:
     return latest.get("manager") not in (MANAGER, SCALE_MANAGER)
 
 
+_API_VERSION_OF_KIND = {"StatefulSet": "apps/v1", "Deployment": "apps/v1", "Role": "rbac.authorization.k8s.io/v1",
+                        "RoleBinding": "rbac.authorization.k8s.io/v1", "PodDisruptionBudget": "policy/v1",
+                        "NetworkPolicy": "networking.k8s.io/v1"}
+
+
 async def _delayed_repair(delay: float, api: KubeApi, metrics: OperatorMetrics, namespace: str, owner_name: str,
                           kind: str, name: str, generations: dict, fights: FightTracker, fight_key: tuple,
                           logger: kopf.Logger) -> None:
     """The repair of a child in a fight, after its back-off: one apply of whatever the child is then."""
     await asyncio.sleep(delay)
-    fights.repaired(fight_key, time.monotonic(), backed_off=True)
     try:
-        await _reapply_child(api, metrics, namespace, owner_name, kind, name, seen_version="?",
-                             generations=generations, logger=logger)
+        live = await api.get(_API_VERSION_OF_KIND.get(kind, "v1"), kind, namespace, name)
+        if await _reapply_child(api, metrics, namespace, owner_name, kind, name,
+                                seen_version=None if live is None else live["metadata"]["resourceVersion"],
+                                generations=generations, logger=logger):
+            fights.repaired(fight_key, time.monotonic(), backed_off=True)  # still fighting: the next wait doubles
     except ApiError as e:
         metrics.api_errors.labels(str(e.status)).inc()
         logger.warning(f"Could not re-apply {kind} {namespace}/{name} after back-off: {e}")
@@ -643,27 +650,28 @@ async def _delayed_repair(delay: float, api: KubeApi, metrics: OperatorMetrics, 
 
 async def _reapply_child(api: KubeApi, metrics: OperatorMetrics, namespace: str, owner_name: str, kind: str,
                          name: str, *, seen_version: Optional[str], generations: Optional[dict] = None,
-                         logger: kopf.Logger) -> None:
+                         logger: kopf.Logger) -> bool:
     """Apply the owner's current version of one child (`seen_version`: the resourceVersion the
     event showed; None: it was deleted). Nothing when the owner is gone or being deleted (the
-    garbage collector is removing its children), or its spec cannot be acted on."""
+    garbage collector is removing its children), or its spec cannot be acted on. True when it
+    put something back (a write that changed the child)."""
     cr = await api.get(S.API_VERSION, S.KIND, namespace, owner_name)
     if cr is None or cr["metadata"].get("deletionTimestamp"):
-        return
+        return False
     spec, _, _ = effective_spec(owner_name, cr.get("spec"), cr["metadata"].get("annotations"),
                                 int(cr["metadata"].get("generation") or 0))
     if spec is None:
-        return
+        return False
     owner = Owner(owner_name, namespace, cr["metadata"]["uid"])
     wanted = [m for m in build_children(spec, owner, operator_namespace())
               if m["kind"] == kind and m["metadata"]["name"] == name]
     if not wanted:
-        return  # not (or no longer) one the spec asks for
+        return False  # not (or no longer) one the spec asks for
     if seen_version == "":  # a release: only a decode StatefulSet that is held has anything to take
         live = await api.get("apps/v1", "StatefulSet", namespace, name)
         partition = (((live or {}).get("spec") or {}).get("updateStrategy") or {}).get("rollingUpdate") or {}
         if partition.get("partition") != HOLD_PARTITION:
-            return
+            return False
     if kind == "StatefulSet" and name == child_name(owner_name, "decode") and \
             await _hold_decode(api, spec, owner, wanted[0]):
         wanted = [engine_statefulset(spec, owner, "decode", S.spec_revision(spec), hold=True)]
@@ -678,11 +686,13 @@ async def _reapply_child(api: KubeApi, metrics: OperatorMetrics, namespace: str,
     if seen_version is None and kind in ("StatefulSet", "Deployment") and spec.scaling_of(role) == "external":
         await hand_over_replicas(api, owner, role, initial_replicas(spec, role))  # made anew: starting count
     if seen_version == "":
-        return  # a release of decode after prefill rolled out, not a repair
+        return False  # a release of decode after prefill rolled out, not a repair
     if seen_version is None or seen_version != after["metadata"].get("resourceVersion"):
         what = "deleted" if seen_version is None else "changed by someone else"
         kopf.event(cr, type="Normal", reason="Restored", message=f"{kind}/{name} was {what}: re-applied")
         logger.info(f"Re-applied {kind} {namespace}/{name}: it was {what}.")
+        return True
+    return bool(removed)
 
 
 for _group, _version, _plural in (*WORKLOAD_KINDS, *OTHER_CHILD_KINDS):

@@ -39,6 +39,9 @@ What this adds to kmock (each is what a real API server does):
   port/protocol pairs, duplicate container or volume names; tolerationSeconds without NoExecute);
 - OwnerReferencesPermissionEnforcement, when a test turns it on with the caller's RBAC grants
   (enforce_owner_references): blockOwnerDeletion needs `update` on the owner's finalizers;
+- metadata.managedFields of built-in kinds (manager, operation, time, subresource, FieldsV1);
+- feature gates (`feature_gates`, ImageVolume off by default as through 1.33: image volumes and
+  their mounts are dropped from pod specs silently) and dryRun=All (answered, never stored);
 Still missing: controllers other than the garbage collector (a StatefulSet makes no pods: tests
 stand in for them), admission beyond CRD schemas and the checks above, RBAC enforcement of every
 call (test_rbac compares the recorded calls with the chart instead), watch bookmarks.

@@ -74,7 +74,10 @@ class FakeSGLang:
 
     async def start(self) -> "FakeSGLang":
         app = web.Application()
-        app.router.add_get("/metrics", lambda _: web.Response(text=self.metrics()))
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(text=self.metrics())
+
+        app.router.add_get("/metrics", metrics)
 
         async def loads(request: web.Request) -> web.Response:
             if not self.serves_loads:
