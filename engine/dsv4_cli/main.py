@@ -145,6 +145,10 @@ def serve(
     role: str = typer.Option("mono", help="mono | prefill | decode"),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8100),
+    advertise_host: Optional[str] = typer.Option(
+        None, EngineFlags.ADVERTISE_HOST,
+        help="PD: the address peers reach this engine at (decode tells prefill where to send aborts). Default: "
+             "--host, unless it is 0.0.0.0 or ::, then $POD_IP, then 127.0.0.1."),
     bootstrap_port: Optional[int] = typer.Option(None, help="Prefill: port of the bootstrap endpoint (default port+1000)."),
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 (default: bfloat16 on CUDA, float32 on CPU)."),
     served_model_name: Optional[str] = typer.Option(None, help="Name in /v1/models (default: folder name)."),
@@ -259,7 +263,7 @@ def serve(
 
     run_server(
         ServerArgs(
-            model=str(model), role=role, host=host, port=port,
+            model=str(model), role=role, host=host, port=port, advertise_host=advertise_host,
             bootstrap_port=bootstrap_port if bootstrap_port is not None else port + 1000,
             dtype=dtype, served_model_name=served_model_name or model.resolve().name,
             kv_pages=kv_pages, kv_memory_gb=kv_memory_gb, page_size=page_size,

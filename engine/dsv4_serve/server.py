@@ -71,6 +71,7 @@ class ServerArgs(EngineArgs):
 
     host: str = "127.0.0.1"
     port: int = 8100
+    advertise_host: Optional[str] = None  # PD: the address peers reach this engine at (default: see advertised_url)
     bootstrap_port: int = 9100
     bootstrap_timeout: float = 30.0
     transfer_timeout: float = 30.0

@@ -6,6 +6,7 @@ class EngineFlags:
     MODEL = "--model"
     ROLE = "--role"
     HOST = "--host"
+    ADVERTISE_HOST = "--advertise-host"
     PORT = "--port"
     BOOTSTRAP_PORT = "--bootstrap-port"
     SERVED_MODEL_NAME = "--served-model-name"

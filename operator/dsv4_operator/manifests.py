@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
 from dsv4_operator import spec as S
+from dsv4_operator.quantity import QUANTITY_FIELDS, QUANTITY_MAPS, same_quantity
 from dsv4_operator.spec import DSV4DeploymentSpec, EnvVar, RoleSpec
 from dsv4_wire import (  # noqa: F401  (re-exported: the operator's modules read them from here)
     ADMIN_TOKEN_ENV, PD_SECRET_ENV, ANNOTATION_REVISION, APP, ENGINE_CONTAINER, ENGINE_ROLES, LABEL_COMPONENT, LABEL_ENGINE_KIND, LABEL_INSTANCE,
@@ -90,6 +91,8 @@ def unbuildable_reasons(name: str, spec: DSV4DeploymentSpec) -> list[str]:
             reasons.append(S.MSG_EXISTS_WITH_VALUE)
         if not t.key and t.operator != "Exists":
             reasons.append(S.MSG_EMPTY_KEY_NEEDS_EXISTS)
+        if t.toleration_seconds is not None and t.effect != "NoExecute":
+            reasons.append(S.MSG_SECONDS_NEED_NO_EXECUTE)
     return list(dict.fromkeys(reasons))
 
 
@@ -204,7 +207,9 @@ def engine_command(spec: DSV4DeploymentSpec, role: str) -> list[str]:
     m, e, t, r = spec.model, spec.engine, spec.transfer, spec.role(role)
     if e.kind == "builtin":
         F = EngineFlags
-        cmd = ["dsv4", "serve", F.MODEL, m.path, F.ROLE, role, F.HOST, "0.0.0.0",
+        # Listen on every address, advertise the pod's own: decode tells prefill where to reach
+        # it, and 0.0.0.0 there would be prefill's own loopback. Kubernetes expands $(POD_IP).
+        cmd = ["dsv4", "serve", F.MODEL, m.path, F.ROLE, role, F.HOST, "0.0.0.0", F.ADVERTISE_HOST, "$(POD_IP)",
                F.PORT, str(e.port), F.BOOTSTRAP_PORT, str(t.bootstrap_port),
                F.SERVED_MODEL_NAME, m.served,
                F.BOOTSTRAP_TIMEOUT, str(t.bootstrap_timeout_seconds),
@@ -405,14 +410,20 @@ def prefill_rolled_out(prefill: Mapping[str, Any] | None) -> bool:
             and int(status.get("readyReplicas") or 0) >= replicas)
 
 
-def contains(live: Any, wanted: Any) -> bool:
+def contains(live: Any, wanted: Any, quantity: bool = False) -> bool:
     """Pure: `live` has every field of `wanted` with the same value (the API server adds defaults,
-    so equality would never hold); lists item by item, same length."""
+    so equality would never hold); lists item by item, same length. Quantities (resources, an
+    emptyDir's sizeLimit) compare by value: the server serves `4` as "4" and `1000m` as "1"."""
     if isinstance(wanted, dict):
-        return isinstance(live, dict) and all(contains(live.get(k), v) for k, v in wanted.items())
+        if not isinstance(live, dict):
+            return False
+        if quantity:  # resources.limits / requests: every value a quantity
+            return all(live.get(k) == v or same_quantity(live.get(k), v) for k, v in wanted.items())
+        return all(contains(live.get(k), v, quantity=k in QUANTITY_MAPS + QUANTITY_FIELDS)
+                   for k, v in wanted.items())
     if isinstance(wanted, list):
         return isinstance(live, list) and len(live) == len(wanted) and all(map(contains, live, wanted))
-    return live == wanted
+    return live == wanted or (quantity and same_quantity(live, wanted))
 
 
 def decode_held(spec: DSV4DeploymentSpec, prefill_ready: bool, live_decode: Mapping[str, Any] | None,

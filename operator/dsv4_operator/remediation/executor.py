@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import aiohttp
 
-from dsv4_wire import authorization_header
+from dsv4_wire import ENGINE_CONTAINER, authorization_header
 
 from dsv4_operator import spec as S
 from dsv4_operator.bounded import EVIDENCE_MAX_BYTES, LOG_MAX_BYTES, BodyTooLarge, read_capped
@@ -44,6 +44,13 @@ EventSink = Callable[[str, str, str], None]  # (type, reason, message)
 LOG_LINES = 200
 EVIDENCE_KEPT = 20  # per deployment: the newest evidence ConfigMaps; older ones are deleted
 CAPTURED_AT = "serving.dsv4.dev/captured-at"
+
+
+def evicted_by_budget(message: Optional[str]) -> bool:
+    """Pure: a 429 from the Eviction API is a PodDisruptionBudget's ("Cannot evict pod as it would
+    violate the pod's disruption budget") or the API server shedding load (API Priority and
+    Fairness: "Too many requests, please try again later")."""
+    return "disruption budget" in (message or "").lower()
 
 
 @dataclass
@@ -223,6 +230,10 @@ class KubernetesExecutor:
                 return True, "already gone"
             if e.status == 409:  # the UID precondition failed: this incarnation is gone already
                 return True, "already replaced"
+            if e.status == 429 and not evicted_by_budget(e.message):
+                # API Priority and Fairness shedding load, not a budget: say so, retry next round.
+                self.metrics.remediations.labels("eviction_throttled", action.role, action.reason).inc()
+                return False, f"eviction throttled by the API server (429, not a PodDisruptionBudget): {e.message}"
             if e.status == 429:
                 note = f"eviction blocked by a PodDisruptionBudget: {e.message or e.reason}"
                 if self.blocked.get(action.pod) != action.uid:
@@ -289,7 +300,9 @@ class KubernetesExecutor:
     async def _pod_log(self, pod: str, missing: list[str]) -> str:
         path = resource_path("v1", "pods", self.ctx.namespace, pod, "log")
         try:
-            text = await self.api().get_text(path, [("tailLines", str(self.log_lines)),
+            # The engine container by name: with a sidecar (a mesh proxy, a log shipper) a pods/log
+            # read without container= is a 400.
+            text = await self.api().get_text(path, [("container", ENGINE_CONTAINER), ("tailLines", str(self.log_lines)),
                                                     ("limitBytes", str(LOG_MAX_BYTES))],
                                              limit=LOG_MAX_BYTES)
         except ApiError as e:

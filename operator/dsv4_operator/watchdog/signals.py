@@ -79,6 +79,9 @@ class EngineSample:
     aborted: float | None = None
     requests_completed: float | None = None
     loop_iterations: float | None = None
+    # The hand-off queue counts came from the live view (/v1/loads), not from gauges SGLang sets
+    # only when it logs a batch (stale on an idle engine).
+    live_queues: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -430,5 +433,6 @@ def build_sample(timestamp: float, role: str, kind: str = BUILTIN, *,
         v = from_metrics.get(field, from_loads.get("counter:" + field))
         if v is not None:
             values[field] = v
+    live = any(field in from_loads for field in ("prefill_inflight", "decode_transfer"))
     return EngineSample(timestamp=timestamp, role=role, reachable=True, kind=kind, error=error,
-                        **values)
+                        live_queues=live, **values)
