@@ -11,7 +11,8 @@ CUDA graphs off and on. Checks and measures, and writes one JSON:
     python bench/engine_gpu_smoke.py [--model DIR] [--out bench/results/engine_gpu_smoke.json]
 
 With no --model it writes a preset (--preset, default mla512; bench/gpu_kernels.sh runs v4-tiny too)
-to a temporary folder. CPU: --device cpu --quick
+to a temporary folder. --device cuda:1 runs it off GPU 0 (every thread must choose its device);
+--tp 2 spans two GPUs, graphs captured on both ranks. CPU: --device cpu --quick
 runs the same code without graphs (what the smoke test does).
 """
 
@@ -52,13 +53,17 @@ def drive(engine: Engine, seqs: list[Sequence], timeout: float = 300) -> list[fl
     return decode_steps
 
 
-def run(model: str, device: str, dtype: str, backend: str, graphs: int, batches: list[int], new: int, prompt_len: int) -> dict:
+def run(model: str, device: str, dtype: str, backend: str, graphs: int, batches: list[int], new: int, prompt_len: int,
+        tp: int = 1) -> dict:
+    t0 = time.perf_counter()
     engine = Engine(EngineArgs(model=model, dtype=dtype, device=device, kernel_backend=backend, cuda_graph_max_bs=graphs,
                                kv_memory_gb=2.0, page_size=16, max_num_seqs=max(batches) + 4,
-                               max_num_batched_tokens=max(4096, prompt_len * 4)))
+                               max_num_batched_tokens=max(4096, prompt_len * 4), tp_size=tp))
     vocab = engine.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
-    out: dict = {"graphs": graphs, "graphs_active": engine.runner.cuda_graph_max_bs}
+    # graphs_active: the buckets were all captured at start-up (0: off, or the capture failed).
+    out: dict = {"graphs": graphs, "graphs_active": engine.runner.cuda_graph_max_bs, "tp": tp,
+                 "device": str(engine.runner.device), "start_s": round(time.perf_counter() - t0, 2)}
     # Seeded sampling, alongside greedy and unseeded requests in one batch.
     prompt = torch.randint(2, vocab, (prompt_len,), generator=g).tolist()
     seeded = [Sequence(f"seed{i}", prompt, SamplingParams(max_tokens=16, temperature=0.8, seed=1234, ignore_eos=True))
@@ -88,6 +93,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--backend", default="triton")
     p.add_argument("--graphs", type=int, default=32, help="--cuda-graph-max-bs of the 'on' run")
+    p.add_argument("--tp", type=int, default=1, help="--tp-size (one GPU a rank, from --device's index)")
     p.add_argument("--quick", action="store_true", help="batch 1 and 2, 4 new tokens (CPU smoke)")
     p.add_argument("--out", type=Path, default=Path("bench/results/engine_gpu_smoke.json"))
     a = p.parse_args()
@@ -99,9 +105,9 @@ def main() -> None:
     batches, new, prompt_len = ([1, 2], 4, 16) if a.quick else ([1, 8, 32], 64, 128)
     graph_sides = [0] if a.device == "cpu" else [0, a.graphs]
     result = {"device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
-              "dtype": a.dtype, "backend": a.backend, "runs": []}
+              "dtype": a.dtype, "backend": a.backend, "tp": a.tp, "runs": []}
     for graphs in graph_sides:
-        result["runs"].append(run(model, a.device, a.dtype, a.backend, graphs, batches, new, prompt_len))
+        result["runs"].append(run(model, a.device, a.dtype, a.backend, graphs, batches, new, prompt_len, a.tp))
     runs = result["runs"]
     if len(runs) == 2:
         x, y = runs[0]["greedy_tokens"], runs[1]["greedy_tokens"]
@@ -113,6 +119,8 @@ def main() -> None:
     a.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     ok = all(not r["sampling_errors"] and r["seeded_equal"] for r in runs)
+    # Asked for graphs on a GPU: they must all have been captured (a failed capture is one log line).
+    ok = ok and all(r["graphs_active"] == r["graphs"] for r in runs if a.device != "cpu")
     sys.exit(0 if ok else 1)
 
 

@@ -5,20 +5,23 @@
 # acceptance point is CSA at batch 64, 4k) and the V4 indexer; then mla_decode GB/s for batch
 # 1-128 x context 1k-32k and MoE TFLOP/s, against torch.
 #
-#   bash bench/gpu_kernels.sh [OUT_DIR]        # default bench/results
+#   bash bench/gpu_kernels.sh [OUT_DIR]        # default $OUT when set (the device runner's), else bench/results
 #   PARTS=engine bash bench/gpu_kernels.sh     # only the engine part (<= 9 min; PARTS=kernels: only kernels)
 #
 # Then bench/engine_gpu_smoke.py: the engine itself (bf16, triton backend, seeded sampling,
 # decode CUDA graphs off and on, inter-token latency at batch 1/8/32 with and without graphs),
-# and the capture-safety / host-sync tests on the GPU.
+# and the capture-safety / host-sync tests on the GPU. With two or more GPUs also: the smoke on
+# cuda:1 (not 0: every thread that launches must choose its device) and at --tp-size 2 with
+# graphs (captured on both ranks at start-up). The kernel tests include tests/unit/kernels/
+# test_gpu_oracles.py (real widths, tolerances for the device's approximate math and routing ties).
 #
 # Writes OUT_DIR/kernel_tests.xml + .log, OUT_DIR/kernels_bench_v4.json, OUT_DIR/kernels_bench.json
-# and OUT_DIR/engine_gpu_smoke.json. Needs python3 with a
+# and OUT_DIR/engine_gpu_smoke*.json (…_cuda1.json, …_tp2.json with two GPUs). Needs python3 with a
 # CUDA torch, triton, pytest (transformers for the HF comparisons); the project need not be
 # pip-installed: kernels/ goes on PYTHONPATH. Exit status: non-zero if tests or bench failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${1:-bench/results}"
+out="${1:-${OUT:-bench/results}}"
 mkdir -p "$out"
 py="${PYTHON:-python3}"
 export PYTHONPATH="$PWD/kernels:$PWD/engine${PYTHONPATH:+:$PYTHONPATH}"
@@ -59,6 +62,17 @@ rc=$?; [ "$rc" -ne 0 ] && { echo "engine smoke failed (exit $rc)"; status=1; }
 # The same on DeepSeek-V4 (v4-tiny): its kernel path, masked window closing under graphs.
 timeout 240 "$py" bench/engine_gpu_smoke.py --preset v4-tiny --out "$out/engine_gpu_smoke_v4.json"
 rc=$?; [ "$rc" -ne 0 ] && { echo "V4 engine smoke failed (exit $rc)"; status=1; }
+gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
+if [ "${gpus:-1}" -ge 2 ]; then
+# Off GPU 0: kernels launched from a thread that never chose its device would land on GPU 0.
+timeout 240 "$py" bench/engine_gpu_smoke.py --preset v4-tiny --device cuda:1 --out "$out/engine_gpu_smoke_cuda1.json"
+rc=$?; [ "$rc" -ne 0 ] && { echo "engine smoke on cuda:1 failed (exit $rc)"; status=1; }
+# Two ranks (NCCL), decode graphs captured on both at start-up.
+timeout 300 "$py" bench/engine_gpu_smoke.py --preset mla512 --tp 2 --graphs 16 --out "$out/engine_gpu_smoke_tp2.json"
+rc=$?; [ "$rc" -ne 0 ] && { echo "TP 2 engine smoke with graphs failed (exit $rc)"; status=1; }
+else
+echo "one GPU: the cuda:1 and --tp-size 2 smokes need two"
+fi
 fi
 echo "gpu_kernels.sh: $((SECONDS - start)) s, results in $out"
 exit $status

@@ -13,7 +13,13 @@ that should be cold is cold):
                  cold with the cache.
 Each figure is the best (lowest) of --repeats runs. Writes OUT/prefix.json and OUT/prefix.png.
 
-    python bench/prefix_bench.py [--preset mla512] [--repeats 3] [--quick]
+--pd adds a PD deployment (router + prefill + decode over NIXL) with and without prefill's cache:
+the same workloads through the router. Decode's generated tokens never reach prefill's cache, so
+a round there reuses the previous round's prompt and recomputes its answer (docs/prefix-caching.md).
+Every side of ours reports what its cache holds at the end (/v1/loads): bytes per state, per
+cached token and, for DeepSeek-V4, per slot-row snapshot.
+
+    python bench/prefix_bench.py [--preset mla512|v4-tiny|v4-flash-shape] [--repeats 3] [--pd] [--quick]
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
+import httpx
 from rich.console import Console
 from rich.table import Table
 
@@ -59,6 +66,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="results folder (default bench/results; .../quick with --quick)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run (tiny model, no vllm)")
+    p.add_argument("--pd", action="store_true", help="also PD (router + prefill + decode), prefill cache on and off")
+    p.add_argument("--page-size", type=int, default=None, help="tokens per KV page of our engines (default: the engine's)")
     a = p.parse_args(argv)
     full = dict(preset="mla512", rounds=4, conversations=16, prompt_len=512, append_len=64, new_tokens=16,
                 prefix_len=1500, suffix_len=20, repeats=3, kv_pages=2048)
@@ -78,12 +87,67 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 # ---- the sides ---------------------------------------------------------------------------------
 
 
+def engine_args(a: argparse.Namespace) -> list:
+    return ["--kv-pages", a.kv_pages, "--max-num-seqs", a.max_num_seqs, "--max-num-batched-tokens",
+            a.max_num_batched_tokens, "--dtype", a.dtype, "--served-model-name", "bench",
+            *(["--page-size", a.page_size] if a.page_size else [])]
+
+
 def start_ours(name: str, model: Path, a: argparse.Namespace, logs: Path, cache: bool) -> Server:
     port = free_port()
-    args = ["serve", "--model", model, "--role", "mono", "--port", port, "--kv-pages", a.kv_pages,
-            "--max-num-seqs", a.max_num_seqs, "--max-num-batched-tokens", a.max_num_batched_tokens,
-            "--dtype", a.dtype, "--served-model-name", "bench"]
-    return Server.dsv4(name, args + ([] if cache else ["--disable-prefix-cache"]), port, logs)
+    args = ["serve", "--model", model, "--role", "mono", "--port", port, *engine_args(a)]
+    srv = Server.dsv4(name, args + ([] if cache else ["--disable-prefix-cache"]), port, logs)
+    srv.engine_url = srv.url
+    return srv
+
+
+class PDStack:
+    """Router + prefill + decode (KV over NIXL), started together; `url` is the router's and
+    `engine_url` prefill's (whose cache serves the prefixes)."""
+
+    def __init__(self, name: str, model: Path, a: argparse.Namespace, logs: Path, cache: bool):
+        ports = {k: free_port() for k in ("prefill", "bootstrap", "decode", "router")}
+        off = [] if cache else ["--disable-prefix-cache"]
+        self.prefill = Server.dsv4(f"{name}-prefill", ["serve", "--model", model, "--role", "prefill", "--port",
+                                                       ports["prefill"], "--bootstrap-port", ports["bootstrap"],
+                                                       *engine_args(a), *off], ports["prefill"], logs)
+        self.decode = Server.dsv4(f"{name}-decode", ["serve", "--model", model, "--role", "decode", "--port",
+                                                     ports["decode"], *engine_args(a)], ports["decode"], logs)
+        self.router = Server.dsv4(f"{name}-router", ["router", "--prefill", self.prefill.url, "--decode",
+                                                     self.decode.url, "--port", ports["router"],
+                                                     "--health-interval", "1"], ports["router"], logs)
+        self.servers = [self.prefill, self.decode, self.router]
+        self.url, self.engine_url = self.router.url, self.prefill.url
+        self.argv, self.log_path = self.prefill.argv, self.prefill.log_path
+
+    def wait_ready(self, timeout: float) -> float:
+        return max(s.wait_ready(timeout) for s in self.servers)
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+
+def cache_memory(engine_url: str) -> dict:
+    """What the engine's prefix cache holds now (/v1/loads): bytes per state and per cached token;
+    for a model with slot states, the snapshots and what one costs."""
+    ld = httpx.get(f"{engine_url}/v1/loads", timeout=10).json()
+    pc = ld.get("prefix_cache") or {}
+    if not pc.get("enabled"):
+        return {"enabled": False, "why": pc.get("why")}
+    held = pc.get("bytes_by_state") or {}
+    paged = {k: v for k, v in held.items() if k in ld.get("kv_state_bytes_per_token", {})}
+    slot = {k: v for k, v in held.items() if k not in paged}
+    tokens = pc["pages_cached"] * ld["kv_page_size"]
+    snaps = pc.get("snapshots_cached") or 0
+    row = sum((ld.get("kv_state_bytes_per_request") or {}).values())
+    return {"enabled": True, "page_size": ld["kv_page_size"], "pages_cached": pc["pages_cached"],
+            "tokens_cached": tokens, "boundary_tokens": pc.get("boundary_tokens"), "snapshots_cached": snaps,
+            "bytes_by_state": held, "paged_bytes": sum(paged.values()), "snapshot_bytes": sum(slot.values()),
+            "paged_bytes_per_cached_token": ratio(sum(paged.values()), tokens),
+            "bytes_per_snapshot": row if snaps else None,
+            "total_bytes_per_cached_token": ratio(sum(held.values()), tokens),
+            "stats": {k: v for k, v in pc.items() if k != "bytes_by_state"}}
 
 
 def start_vllm(name: str, model: Path, a: argparse.Namespace, logs: Path, cache: bool) -> Server:
@@ -150,9 +214,10 @@ def warm_up(url: str, vocab: int) -> None:
         raise RuntimeError(f"warm-up request failed: {r.error}")
 
 
-def run_side(url: str, a: argparse.Namespace, vocab: int, engine_counters: bool) -> dict:
+def run_side(url: str, a: argparse.Namespace, vocab: int, engine_url: Optional[str]) -> dict:
+    engine_counters = engine_url is not None
     warm_up(url, vocab)
-    before = prom.scrape(url) if engine_counters else ""
+    before = prom.scrape(engine_url) if engine_counters else ""
     loads: dict[str, list] = {"conversation": [], "concurrent": [], "warm_vs_cold": []}
     for rep in range(a.repeats):
         seed = a.seed * 100 + rep + 1  # the same prompts for every side, fresh ones for every repeat
@@ -161,7 +226,8 @@ def run_side(url: str, a: argparse.Namespace, vocab: int, engine_counters: bool)
         loads["warm_vs_cold"].append(warm_vs_cold(url, a, vocab, seed))
     out = {k: best(v, k) for k, v in loads.items()}
     if engine_counters:
-        after = prom.scrape(url)
+        out["cache_memory"] = cache_memory(engine_url)
+        after = prom.scrape(engine_url)
         q = prom.counter(after, "dsv4:prefix_cache_query_tokens_total") - prom.counter(before, "dsv4:prefix_cache_query_tokens_total")
         h = prom.counter(after, "dsv4:prefix_cache_hit_tokens_total") - prom.counter(before, "dsv4:prefix_cache_hit_tokens_total")
         out["engine_prefix_cache"] = {"query_tokens": q, "hit_tokens": h, "hit_rate": ratio(h, q)}
@@ -174,6 +240,9 @@ def run_sides(model: Path, facts: dict, a: argparse.Namespace, logs: Path) -> di
         ("ours+cache", lambda: start_ours("ours-cache", model, a, logs, True), True),
         ("ours-nocache", lambda: start_ours("ours-nocache", model, a, logs, False), True),
     ]
+    if a.pd:
+        plan += [("pd+cache", lambda: PDStack("pd-cache", model, a, logs, True), True),
+                 ("pd-nocache", lambda: PDStack("pd-nocache", model, a, logs, False), True)]
     skipped = vllm_skip_reason(facts, a)
     if not skipped:
         plan += [("vllm+cache", lambda: start_vllm("vllm-cache", model, a, logs, True), False),
@@ -185,7 +254,8 @@ def run_sides(model: Path, facts: dict, a: argparse.Namespace, logs: Path) -> di
         try:
             startup = srv.wait_ready(180 if ours else a.vllm_ready_timeout)
             out[name] = {"startup_s": round(startup, 1), "argv": [str(x) for x in srv.argv[2:]],
-                         **run_side(srv.url, a, facts["vocab_size"], ours), "log": str(srv.log_path)}
+                         **run_side(srv.url, a, facts["vocab_size"], srv.engine_url if ours else None),
+                         "log": str(srv.log_path)}
         except (RuntimeError, TimeoutError) as e:
             if ours:
                 raise
@@ -215,6 +285,10 @@ def compare(sides: dict) -> tuple[dict, list[dict]]:
         "last_round_cache_over_nocache": ratio(last_round("ours+cache", "conversation"), last_round("ours-nocache", "conversation")),
         "concurrent_last_round_cache_over_nocache": ratio(last_round("ours+cache", "concurrent"),
                                                           last_round("ours-nocache", "concurrent")),
+        "pd_warm_over_cold": wc("pd+cache", "warm_over_cold"),
+        "pd_concurrent_last_round_cache_over_nocache": ratio(last_round("pd+cache", "concurrent"),
+                                                             last_round("pd-nocache", "concurrent")),
+        "cache_memory": (sides.get("ours+cache") or {}).get("cache_memory"),
     }
     return c, [target("warm TTFT / cold TTFT (ours, cache on)", c["ours_warm_over_cold"], TARGET_WARM_OVER_COLD,
                       higher_better=False)]
@@ -243,12 +317,22 @@ def print_tables(report: dict) -> None:
             goal = TARGET_WARM_OVER_COLD if name == "ours+cache" else None
             w.add_row(name, fmt(x["cold_ttft_ms"]), fmt(x["warm_ttft_ms"]), fmt_ratio(x["warm_over_cold"], goal, higher_better=False))
     console.print(w)
+    m = Table(title="what the prefix cache holds at the end (/v1/loads)")
+    for col in ("side", "tokens cached", "paged B/token", "snapshots", "B/snapshot", "all B/cached token"):
+        m.add_column(col, justify="right" if col != "side" else "left")
+    for name, s in sides.items():
+        cm = s.get("cache_memory") or {}
+        if cm.get("enabled"):
+            m.add_row(name, fmt(cm["tokens_cached"]), fmt(cm["paged_bytes_per_cached_token"]), fmt(cm["snapshots_cached"]),
+                      fmt(cm["bytes_per_snapshot"]), fmt(cm["total_bytes_per_cached_token"]))
+    console.print(m)
 
 
 def plot(report: dict, path: Path) -> None:
     plt = pyplot()
     sides = {k: v for k, v in report["sides"].items() if "skipped" not in v}
-    colors = {"ours+cache": "C0", "ours-nocache": "C9", "vllm+cache": "C2", "vllm-nocache": "C8"}
+    colors = {"ours+cache": "C0", "ours-nocache": "C9", "vllm+cache": "C2", "vllm-nocache": "C8",
+              "pd+cache": "C1", "pd-nocache": "C5"}
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     for ax, load, title in ((axes[0], "conversation", "one growing conversation"),
                             (axes[1], "concurrent", f"{report['settings']['conversations']} conversations at once")):

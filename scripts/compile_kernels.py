@@ -6,7 +6,7 @@ them with triton.compile for sm_90 (Hopper), sm_100 and sm_120 (Blackwell) using
 the triton wheel, and reports registers, spills and shared memory per kernel. A variant that
 does not compile, spills, or needs more shared memory than the target has is a failure.
 
-    python scripts/compile_kernels.py [--arch 90 100 120] [--json out.json]
+    python scripts/compile_kernels.py [--arch 90 100 120] [--json out.json] [--markdown table.md]
 
 Each target compiles in its own child process, concurrently: triton.compile cannot run in a
 process that has used TRITON_INTERPRET (the interpreter patches triton.language), so the
@@ -149,10 +149,28 @@ def format_table(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_markdown(reports: list[dict]) -> str:
+    """One row a variant, one column a target: registers / spill bytes / shared memory (KiB) /
+    tensor-core path (docs/gpu-path.md keeps this table)."""
+    archs = sorted({r["arch"] for r in reports}, key=lambda a: int(a[3:]))
+    cell = {(r["kernel"], r["arch"]): r for r in reports}
+    names = list(dict.fromkeys(r["kernel"] for r in reports))
+    lines = ["| variant | " + " | ".join(archs) + " |", "|---|" + "---|" * len(archs)]
+    for name in names:
+        row = []
+        for a in archs:
+            r = cell.get((name, a))
+            row.append("-" if r is None else
+                       f"{r['registers']} / {r['spill_bytes']} / {r['shared_bytes'] / 1024:.1f} / {r['mma']}")
+        lines.append(f"| `{name}` | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=list(ARCHS), help="compute capabilities (90 100 120)")
     parser.add_argument("--json", type=Path, help="write the reports here")
+    parser.add_argument("--markdown", type=Path, help="write the table of docs/gpu-path.md here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # compile_all's children
     args = parser.parse_args(argv)
     if args.worker:
@@ -163,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(reports, indent=2))
+    if args.markdown:
+        args.markdown.write_text(format_markdown(reports) + "\n")
     bad = [f"{r['kernel']} {r['arch']}: {p}" for r in reports for p in problems(r)]
     for line in bad:
         print("FAIL", line, file=sys.stderr)

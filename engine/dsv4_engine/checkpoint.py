@@ -222,7 +222,7 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     h, heads = c["hidden_size"], c["num_attention_heads"]
     qk_head = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c["vocab_size"], h)}
-    for i in range(c["num_hidden_layers"]):
+    for i in range(c["num_hidden_layers"] + (c.get("num_nextn_predict_layers", 0) or 0)):
         p = f"model.layers.{i}."
         if c.get("q_lora_rank"):
             shapes[p + "self_attn.q_a_proj.weight"] = (c["q_lora_rank"], h)
@@ -257,7 +257,25 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         shapes[p + "post_attention_layernorm.weight"] = (h,)
     shapes["model.norm.weight"] = (h,)
     shapes["lm_head.weight"] = (c["vocab_size"], h)
+    for n in range(c.get("num_nextn_predict_layers", 0) or 0):
+        shapes.update(mtp_extra_shapes(c, c["num_hidden_layers"] + n))
     return shapes
+
+
+def mtp_extra_shapes(c: dict, layer: int) -> dict[str, tuple[int, ...]]:
+    """The tensors a DeepSeek-V3 multi-token-prediction block has besides an ordinary decoder
+    layer (which `tensor_shapes` writes at the same index, after the last main layer): norms of
+    the token embedding and of the previous hidden state, their joint projection, and its own
+    output head (embed_tokens and shared_head.head are copies of the main ones, as released)."""
+    h, p = c["hidden_size"], f"model.layers.{layer}."
+    return {
+        p + "embed_tokens.weight": (c["vocab_size"], h),
+        p + "enorm.weight": (h,),
+        p + "hnorm.weight": (h,),
+        p + "eh_proj.weight": (h, 2 * h),
+        p + "shared_head.norm.weight": (h,),
+        p + "shared_head.head.weight": (c["vocab_size"], h),
+    }
 
 
 def _mean_std(name: str, shape: tuple[int, ...]) -> tuple[float, float]:
@@ -394,9 +412,17 @@ def init_weights(config: dict, seed: int = 0) -> dict[str, "torch.Tensor"]:
 
     weights = {}
     for name, shape in tensor_shapes(config).items():
+        if name.endswith(".embed_tokens.weight") and name != "model.embed_tokens.weight":
+            continue  # an MTP block's copies of the main embedding and head, below
+        if name.endswith(".shared_head.head.weight"):
+            continue
         mean, std = _mean_std(name, shape)
         gen = torch.Generator().manual_seed(_tensor_seed(seed, name))
         weights[name] = (torch.randn(shape, generator=gen, dtype=torch.float32) * std + mean).contiguous()
+    for n in range(config.get("num_nextn_predict_layers", 0) or 0):
+        p = f"model.layers.{config['num_hidden_layers'] + n}."
+        weights[p + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+        weights[p + "shared_head.head.weight"] = weights["lm_head.weight"].clone()
     return weights
 
 
@@ -537,13 +563,18 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, dtype: str = "float3
     return dst
 
 
-def init_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0, quant: str | None = None) -> Path:
+def init_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0, quant: str | None = None,
+                    mtp: bool = False) -> Path:
     """Write a checkpoint of `preset` with weights from `seed` into out_dir and return its path;
     with `quant` ("fp8", or "fp4-experts" for V4 presets) its linear weights are quantized from
     the float ones. config.json is written last, so a folder that has one is complete."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     config = dict(PRESETS[preset])
+    if mtp:  # one multi-token-prediction block after the last layer (DeepSeek-V3's layout)
+        if config.get("model_type") != "deepseek_v3":
+            raise ValueError(f"--mtp writes DeepSeek-V3's MTP layout; preset {preset!r} is not DeepSeek-V3")
+        config["num_nextn_predict_layers"] = 1
     if quant is not None:
         if quant not in QUANT_CHOICES:
             raise ValueError(f"unknown --quant {quant!r}; choose one of {', '.join(QUANT_CHOICES)}")

@@ -108,13 +108,28 @@ class StaticDecodeInputs:
         return {k: v[:bs] for k, v in self.dev.items()}
 
 
+def warmup_batch(width: int) -> HostBatch:
+    """The one-row decode the start-up capture runs on (before any request exists): token 0 at
+    position 0 of page 0, slot row 0. It writes only page 0 and slot row 0 of the fresh pool,
+    which the runner zeroes again after capturing."""
+    one = np.zeros(1, dtype=np.int64)
+    return HostBatch(input_ids=one, positions=one, slot_mapping=one, block_table=np.zeros((1, width), dtype=np.int32),
+                     seq_lens=np.ones(1, dtype=np.int32), extend_lens=np.ones(1, dtype=np.int32),
+                     logits_indices=one, slot_ids=one)
+
+
 class DecodeGraphs:
     """Decode forwards for batches up to max_bs rows, one captured graph per bucket.
 
     `run_forward(inputs, bs)` runs the model on the static buffers' first bs rows and returns
     its logits [bs, vocab]. With capture=False (CPU, or to test) the same padded step runs
     eagerly on the same buffers: what the tests check is what the graph would replay.
+    Graphs are captured by `capture_all` (at start-up), all buckets or none.
     """
+
+    # Errors only for this thread's capture-unsafe calls: other threads of the process (the TP
+    # watchdog, NIXL, a bootstrap server) may use CUDA while the engine captures.
+    CAPTURE_ERROR_MODE = "thread_local"
 
     def __init__(self, run_forward: Callable[[dict[str, torch.Tensor], int], torch.Tensor], max_bs: int,
                  width: int, device: torch.device, capture: bool):
@@ -128,40 +143,59 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
 
+    @property
+    def captured(self) -> bool:
+        return bool(self.graphs)
+
     def fits(self, n: int, max_pages: int) -> bool:
         return bucket_for(n, self.buckets) is not None and max_pages <= self.width
 
-    def capture_all(self) -> None:
-        """Capture every bucket, largest first (its memory pool then serves the smaller ones).
-        Each is run once eagerly first: Triton compiles its kernels outside the capture."""
+    def capture_all(self) -> Optional[str]:
+        """Capture every bucket, largest first (its memory pool then serves the smaller ones),
+        on the warm-up batch. All or none: on the first failure every graph is dropped and the
+        reason comes back as one line (None: all captured, or nothing to capture here)."""
         if not self.capture:
-            return
-        for bs in reversed(self.buckets):
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self.run_forward(self.inputs.view(bs), bs)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[bs] = self.run_forward(self.inputs.view(bs), bs)
-            self.pool = graph.pool()
-            self.graphs[bs] = graph
-        torch.cuda.synchronize()
+            return None
+        self.inputs.load(pad_decode(warmup_batch(self.width), self.buckets[-1]))
+        bs = self.buckets[-1]
+        try:
+            for bs in reversed(self.buckets):
+                self._capture_one(bs)
+            self._synchronize()
+        except Exception as e:  # out of memory, a capture-unsafe op, a kernel that does not compile
+            self.graphs.clear()
+            self.outputs.clear()
+            self.pool = None
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            return f"capturing the decode graph of batch size {bs} failed: {type(e).__name__}: {first}"
         log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+        return None
+
+    def _capture_one(self, bs: int) -> None:
+        """Two eager runs on a side stream first (Triton compiles, allocator settles; at tp > 1
+        they also run the all-reduces on every rank together), then the capture."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.run_forward(self.inputs.view(bs), bs)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self.CAPTURE_ERROR_MODE):
+            self.outputs[bs] = self.run_forward(self.inputs.view(bs), bs)
+        self.pool = graph.pool()
+        self.graphs[bs] = graph
+
+    def _synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
 
     def step(self, hb: HostBatch) -> torch.Tensor:
-        """Logits [n, vocab] of a decode batch (block table `width` columns wide)."""
+        """Logits [n, vocab] of a decode batch (block table `width` columns wide): the captured
+        graph of its bucket replayed, or (not captured) the same padded step run eagerly."""
         n = hb.seq_lens.shape[0]
         bs = bucket_for(n, self.buckets)
-        if self.capture and not self.graphs:
-            # Captures run the forward on the static rows: fill every row with this batch's first
-            # request, so those runs write only what this step writes anyway (its own new slot).
-            self.inputs.load(pad_decode(hb, self.buckets[-1]))
-            self.capture_all()
         self.inputs.load(pad_decode(hb, bs))
-        if self.capture:
+        if self.graphs:
             self.graphs[bs].replay()
             return self.outputs[bs][:n]
         return self.run_forward(self.inputs.view(bs), bs)[:n]

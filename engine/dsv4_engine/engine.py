@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
+from dsv4_engine.devices import use_device
 from dsv4_engine.engine_args import EngineArgs  # noqa: F401  (its old home)
-from dsv4_engine.kv_cache import KVPool, check_page_size, default_page_size, pages_for_memory
+from dsv4_engine.kv_cache import (KVPool, SnapshotPool, check_page_size, default_page_size, pages_for_memory,
+                                  snapshot_boundary)
 from dsv4_engine.metrics import EngineMetrics
 from dsv4_engine.model_runner import ModelRunner, default_device
 from dsv4_engine.models.state import StateSpec
@@ -116,19 +118,36 @@ def serving_refusal(model_dir: str, role: str, page_size: Optional[int], tp_size
     return tp_refusal(entry.model_type, cfg, tp_size) or state_refusal(entry.model_class().state_specs(cfg), role, page_size)
 
 
-def prefix_cache_refusal(specs: list[StateSpec], role: str, enabled: bool = True) -> Optional[str]:
+def prefix_cache_refusal(specs: list[StateSpec], role: str, enabled: bool = True, tp_size: int = 1,
+                         snapshots: Optional[int] = None) -> Optional[str]:
     """Why this engine runs without a prefix cache, in one line, or None when it has one."""
     if not enabled:
         return "turned off (--disable-prefix-cache)"
     if role == "decode":
         return "a decode engine receives every page of a request from prefill; it has nothing to reuse"
     slot_states = [s.name for s in specs if not s.paged]
-    if slot_states:
-        # The slot rows hold the request's state at its current position only (the window ring,
-        # the compressors' partial buffers); pages alone cannot resume a prefix.
-        return (f"this model keeps per-request slot state ({', '.join(slot_states)}) that cached pages "
-                f"cannot restore")
+    if slot_states and snapshots == 0:
+        return "--prefix-cache-snapshots 0: no snapshot of the slot state to resume a prefix from"
+    if slot_states and tp_size > 1:
+        # Resuming copies a snapshot into the request's slot row; the other ranks' rows would
+        # need the same copy, which the step broadcast does not carry yet.
+        return (f"this model keeps per-request slot state ({', '.join(slot_states)}) whose snapshots are "
+                f"not mirrored across --tp-size {tp_size} ranks yet")
     return None
+
+
+# Snapshots inside a prefill chunk (the torch path writes them for free): every this many
+# boundaries, besides a prompt's branch point and last boundary. Each costs a slot row, ~10x the
+# paged state of one boundary (docs/prefix-caching.md), so not every boundary.
+DEFAULT_SNAPSHOT_BOUNDARIES = 8
+
+
+def default_snapshots(max_num_seqs: int) -> int:
+    """Snapshots the prefix cache of a model with slot states keeps when not told: four per
+    running request. Each conversation needs its latest one to survive until its next round,
+    while the others' prompts take theirs; at two per request, 16 conversations on 16 rows
+    lost their fourth round's (bench prefix, v4-tiny)."""
+    return 4 * max_num_seqs
 
 
 class Engine:
@@ -144,23 +163,35 @@ class Engine:
             refusal = serving_refusal(args.model, args.role, args.page_size, args.tp_size)
             if refusal:  # before any rank is spawned
                 raise ValueError(refusal)
-            if args.cuda_graph_max_bs:
-                log.info("CUDA graphs off at --tp-size > 1 (each step is broadcast to the other ranks first)")
             self.tp = TPGroup(args.tp_size, asdict(args), args.device)
             self.runner = ModelRunner(args.model, args.dtype, rank_device(args.device, 0), args.kernel_backend,
-                                      tp=self.tp.rank)
+                                      args.cuda_graph_max_bs, tp=self.tp.rank)
         else:
             self.runner = ModelRunner(args.model, args.dtype, args.device, args.kernel_backend, args.cuda_graph_max_bs)
         self.cfg = self.runner.cfg
         self.tokenizer = Tokenizer.from_dir(args.model)
         specs = self.runner.state_specs
+        self.spec = None  # the MTP speculator when --speculative-algorithm is set (dsv4_engine.spec_decode)
+        if args.speculative_algorithm is not None:
+            from dsv4_engine.spec_decode.build import build_speculator
+
+            self.spec = build_speculator(args, self.runner)  # ValueError: one line, as other refusals
+            specs = specs + self.spec.state_specs
         page_size = args.page_size or default_page_size(specs)
         refusal = state_refusal(specs, args.role, page_size)
         if refusal:
             raise ValueError(refusal)
-        # Slot rows for max_num_seqs requests come first; the rest of the memory becomes pages.
+        self.prefix_cache_off = prefix_cache_refusal(specs, args.role, args.enable_prefix_cache, args.tp_size,
+                                                     args.prefix_cache_snapshots)
+        has_slots = any(not s.paged for s in specs)
+        num_snapshots = 0
+        if has_slots and self.prefix_cache_off is None:
+            num_snapshots = (args.prefix_cache_snapshots if args.prefix_cache_snapshots is not None
+                             else default_snapshots(args.max_num_seqs))
+        # Slot rows for max_num_seqs requests (and the cache's snapshots of them) come first; the
+        # rest of the memory becomes pages.
         num_pages = args.kv_pages or pages_for_memory(specs, page_size, self.runner.dtype, args.kv_memory_gb,
-                                                      args.max_num_seqs)
+                                                      args.max_num_seqs, num_snapshots)
         self.pool = KVPool(specs, num_pages, page_size, self.runner.dtype, self.runner.device, args.max_num_seqs)
         if self.tp is not None:  # the other ranks mirror the pool; each step reaches them first
             from dsv4_engine.parallel.group import BroadcastForward
@@ -168,12 +199,31 @@ class Engine:
             self.tp.announce_pool(num_pages, page_size, args.max_num_seqs)
             self.runner.model = BroadcastForward(self.runner.model, self.tp)
             self.tp.on_failure.append(lambda reason: self.abort(reason=reason, all_=True))
-        self.prefix_cache_off = prefix_cache_refusal(specs, args.role, args.enable_prefix_cache)
-        self.prefix_cache: Optional[PrefixCache] = (
-            PrefixCache(self.pool.allocator, page_size) if self.prefix_cache_off is None else None)
+            self.runner.group = self.tp
+        # Decode graphs are captured now, before the first request (seconds, not a stall of a live
+        # step), and on every rank together at --tp-size > 1; all buckets or none.
+        if args.cuda_graph_max_bs:
+            if self.tp is None:
+                self.runner.capture_graphs(self.pool)
+            elif not self.tp.capture_graphs(args.cuda_graph_max_bs, lambda: self.runner.capture_graphs(self.pool)):
+                self.runner.drop_graphs()
+        self.prefix_cache: Optional[PrefixCache] = None
+        if self.prefix_cache_off is None:
+            snaps = SnapshotPool(self.pool.slot_states, num_snapshots) if num_snapshots else None
+            boundary = snapshot_boundary(specs, page_size) if snaps is not None else None
+            in_forward = snaps is not None and getattr(self.runner.model, "snapshots_in_forward", False)
+            interval = 0
+            if in_forward:
+                every = args.prefix_cache_snapshot_interval
+                interval = (every if every is not None else DEFAULT_SNAPSHOT_BOUNDARIES * boundary) // boundary * boundary
+            self.pool.snapshots = snaps
+            self.runner.snapshot_states = snaps.states if snaps is not None else None
+            self.prefix_cache = PrefixCache(self.pool.allocator, page_size, snaps, boundary, in_forward, interval)
         self.scheduler = Scheduler(self.pool.allocator, page_size, args.max_num_seqs, args.max_num_batched_tokens,
                                    self.pool.slots, self.prefix_cache)
         self._cache_counted = (0, 0)  # prefix cache (query, hit) tokens already added to the counters
+        if self.spec is not None:
+            self.scheduler.lookahead = self.spec.lookahead
         # The context limit is the model's, but never more than the pool can hold for one request.
         pool_tokens = num_pages * page_size
         self.max_model_len = min(args.max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings, pool_tokens)
@@ -193,6 +243,8 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self.eos_ids = set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_ids)
         self.runner.eos_ids = sorted(self.eos_ids)  # min_tokens holds back the same ids that stop a request
+        if self.spec is not None:
+            self.spec.eos_ids, self.spec.max_model_len = set(self.eos_ids), self.max_model_len
         # Called on the engine thread after every step: an out-of-process front end sends the
         # outputs the step's sinks collected as one message instead of one per token.
         self.after_step: Optional[Callable[[], None]] = None
@@ -234,6 +286,7 @@ class Engine:
     # ---- the loop --------------------------------------------------------------------------------
 
     def run(self) -> None:
+        use_device(self.runner.device)  # this thread launches every step's kernels
         while not self._stop.is_set():
             try:
                 self.step()
@@ -283,6 +336,13 @@ class Engine:
         if seq.rid in self.seqs:
             seq.sink(RequestOutput(seq.rid, [], "", True, "error", f"duplicate request id {seq.rid}", 400))
             return
+        if self.spec is not None:
+            from dsv4_engine.spec_decode.options import request_refusal
+
+            refusal = request_refusal(seq.params)
+            if refusal:
+                seq.sink(RequestOutput(seq.rid, [], "", True, "error", refusal, 400))
+                return
         if seq.params.structured is not None:
             from dsv4_engine.structured.grammar import GrammarError
 
@@ -377,15 +437,20 @@ class Engine:
             self._fault_stall(batch)
         if batch:
             try:
-                results = self.runner.step(batch, self.pool)
+                results = (self.spec.step(batch, self.pool) if self.spec is not None
+                           else self.runner.step(batch, self.pool))
             except Exception as e:  # the forward of this batch failed: fail its requests, keep serving
                 log.error("forward failed:\n%s", traceback.format_exc())
                 for b in batch:
                     self.fail_request(b.seq, "engine error", e)
                 results = []
+            if self.spec is not None:
+                for b, r in zip(batch, results):
+                    self._speculated(b, r)
+                results = []
             for b, r in zip(batch, results):
                 b.seq.num_computed += b.num_new
-                self.scheduler.computed(b.seq)  # before the token: finishing gives the pages back
+                self.scheduler.computed(b.seq, b)  # before the token: finishing gives the pages back
                 if r is None or b.seq.finished:
                     continue
                 try:
@@ -394,6 +459,8 @@ class Engine:
                     self._append_token(b.seq, r.token, r.logprob)
                 except Exception as e:  # sampling, detokenising, stop handling: this request only
                     self.fail_request(b.seq, "generation failed", e)
+            if self.prefix_cache is not None and self.prefix_cache.snapshots is not None:
+                self.scheduler.settle(batch)
         self.metrics.inc("scheduler_loop_iterations")
         self.last_iteration = time.monotonic()
         self.update_gauges()
@@ -410,6 +477,29 @@ class Engine:
                       f.get("tokens", "default"))
             seconds = f.get("seconds")
             self.pd.faults.hang(float(seconds) if seconds is not None else None)
+
+    def _speculated(self, b, r) -> None:
+        """A step's result for one request under speculation (dsv4_engine.spec_decode): the KV
+        of `r.computed` tokens became valid, then its tokens are emitted one by one until one of
+        them ends the request (the rest are dropped: never past a stop or max_tokens)."""
+        seq = b.seq
+        if seq.finished:
+            return
+        if isinstance(r, Exception):
+            self.fail_request(seq, "generation failed", r)
+            return
+        seq.num_computed += b.num_new if r is None else r.computed
+        try:
+            if r is not None:
+                if r.num_drafts:
+                    self.spec.observe(self.metrics, r)
+                for n, tok in enumerate(r.tokens):
+                    self._append_token(seq, tok, r.logprobs[n] if r.logprobs else None)
+                    if seq.finished:
+                        break
+            self.scheduler.computed(seq)  # once the accepted tokens are in (a finished request is skipped)
+        except Exception as e:  # detokenising, stop handling: this request only
+            self.fail_request(seq, "generation failed", e)
 
     # ---- per-token bookkeeping -------------------------------------------------------------------
 
@@ -518,6 +608,10 @@ class Engine:
         if self.prefix_cache is not None:
             c = self.prefix_cache
             m.set("prefix_cache_pages", c.num_cached)
+            if c.snapshots is not None:
+                m.set("prefix_cache_snapshots", c.snapshots.num_used)
+            for name, nbytes in c.bytes_by_state(self.pool.page_bytes_by_state()).items():
+                m.set_state("prefix_cache_state_bytes", name, nbytes)
             q, h = self._cache_counted
             if c.query_tokens > q:
                 m.inc("prefix_cache_query_tokens", c.query_tokens - q)
@@ -548,11 +642,14 @@ class Engine:
             # in kv_pages_free: they are given up as soon as an allocation needs room.
             "kv_pages_cached": self.prefix_cache.num_cached if self.prefix_cache is not None else 0,
             "kv_pages_cached_idle": self.prefix_cache.num_idle if self.prefix_cache is not None else 0,
-            "prefix_cache": ({"enabled": True, **self.prefix_cache.stats()} if self.prefix_cache is not None
-                             else {"enabled": False, "why": self.prefix_cache_off}),
+            "prefix_cache": ({"enabled": True, **self.prefix_cache.stats(),
+                              # what the cache holds now, per state kind (paged: its pages; slot: snapshots)
+                              "bytes_by_state": self.prefix_cache.bytes_by_state(self.pool.page_bytes_by_state())}
+                             if self.prefix_cache is not None else {"enabled": False, "why": self.prefix_cache_off}),
             # What each state costs: paged ones per token of context, slot ones per running request.
             "kv_state_bytes_per_token": self.pool.bytes_per_token(),
             "kv_state_bytes_per_request": self.pool.bytes_per_request(),
+            "speculative": self.spec.loads(self.metrics) if self.spec is not None else None,
             "draining": self.draining,
             "seconds_since_last_iteration": round(time.monotonic() - self.last_iteration, 3),
             "counters": dict(self.metrics.totals),

@@ -11,8 +11,10 @@ They live in `slot_states`, apart from `states`, because PD registers `states` p
 
 from __future__ import annotations
 
+import math
 import threading
-from typing import Optional, Protocol
+from collections import OrderedDict
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -50,14 +52,29 @@ def check_page_size(specs: list[StateSpec], page_size: int) -> None:
             spec.entries_per_page(page_size)  # raises with the state's name and rate
 
 
+def snapshot_boundary(specs: list[StateSpec], page_size: int) -> int:
+    """Token spacing of the positions a model with slot states can resume a cached prefix at:
+    a multiple of the page size (the prefix's pages are whole) and of every compression window
+    (every entry of those pages is final: a window closing later would write into a page that
+    others share). V4-Flash at its default 128-token page: 128; v4-tiny at 16: 16."""
+    b = page_size
+    for s in specs:
+        if s.paged:
+            b = math.lcm(b, s.tokens_per_entry)
+    return b
+
+
 def pages_for_memory(specs: list[StateSpec], page_size: int, dtype: torch.dtype, memory_gb: float,
-                     max_num_seqs: int = 0) -> int:
-    """Pages that fit in `memory_gb` once the slot rows of `max_num_seqs` requests are reserved."""
-    budget = int(memory_gb * (1 << 30)) - max_num_seqs * slot_row_nbytes(specs, dtype)
+                     max_num_seqs: int = 0, snapshots: int = 0) -> int:
+    """Pages that fit in `memory_gb` once the slot rows of `max_num_seqs` requests (and the
+    prefix cache's `snapshots` copies of a slot row) are reserved."""
+    row = slot_row_nbytes(specs, dtype)
+    budget = int(memory_gb * (1 << 30)) - (max_num_seqs + snapshots) * row
     if budget <= 0:
+        also = f" and {snapshots} prefix-cache snapshots" if snapshots else ""
         raise ValueError(
-            f"--kv-memory-gb {memory_gb} does not cover the per-request state of --max-num-seqs {max_num_seqs} "
-            f"({slot_row_nbytes(specs, dtype) / (1 << 20):.2f} MiB each); raise it or lower --max-num-seqs"
+            f"--kv-memory-gb {memory_gb} does not cover the per-request state of --max-num-seqs {max_num_seqs}{also} "
+            f"({row / (1 << 20):.2f} MiB each); raise it or lower --max-num-seqs"
         )
     return max(1, budget // page_nbytes(specs, page_size, dtype))
 
@@ -83,6 +100,8 @@ class KVPool:
         }
         # None when the model keeps nothing per request outside its pages (DeepSeek-V3).
         self.slots: SlotAllocator | None = SlotAllocator(self.num_slots) if slot_specs else None
+        # The prefix cache's copies of slot rows (set by the engine when it builds one).
+        self.snapshots: SnapshotPool | None = None
 
     @property
     def all_states(self) -> dict[str, torch.Tensor]:
@@ -98,6 +117,10 @@ class KVPool:
     def page_nbytes(self) -> int:
         """Bytes of one page across every state."""
         return sum(t[0].numel() * t.element_size() for t in self.states.values())
+
+    def page_bytes_by_state(self) -> dict[str, int]:
+        """Bytes one page costs in each paged state."""
+        return {name: t[0].numel() * t.element_size() for name, t in self.states.items()}
 
     def bytes_per_token(self) -> dict[str, float]:
         """What each paged state costs per token of context (for /v1/loads and sizing)."""
@@ -222,3 +245,107 @@ class SlotAllocator:
                 raise RuntimeError(f"slot row {slot} freed twice or never allocated")
             self._used.remove(slot)
             self._free.append(slot)
+
+
+class SnapshotPool:
+    """Copies of slot rows taken at cached prefix boundaries (the prefix cache of a model with
+    slot states: DeepSeek-V4's window ring and compressor stages). One tensor per slot state,
+    [num_snapshots, *row], beside the pool's slot rows; a snapshot is a row index into them.
+
+    A snapshot is owned by the cache node of its boundary. A request reusing it copies it into
+    its own slot row (`restore`) and never writes the snapshot, so requests hold no reference
+    on it: every snapshot is always reclaimable. When none is free, `save` takes the least
+    recently used one (saved or restored longest ago) and tells its owner through `on_evict`."""
+
+    def __init__(self, slot_states: dict[str, torch.Tensor], num_snapshots: int):
+        if not slot_states:
+            raise ValueError("a snapshot pool needs slot states to copy")
+        if num_snapshots < 1:
+            raise ValueError(f"the prefix cache of a model with slot states needs at least 1 snapshot, not {num_snapshots}")
+        self.total = num_snapshots
+        self.slot_states = slot_states
+        self.states = {name: torch.zeros(num_snapshots, *t.shape[1:], dtype=t.dtype, device=t.device)
+                       for name, t in slot_states.items()}
+        self._free = list(range(num_snapshots - 1, -1, -1))
+        self._lru: "OrderedDict[int, None]" = OrderedDict()  # held snapshots, least recently used first
+        self._pending: set[int] = set()  # reserved for a step that writes them
+        self.on_evict: Callable[[int], None] = lambda snap: None
+        self.saved = 0  # snapshots taken
+        self.restored = 0  # snapshots copied into a request's row
+        self.evicted = 0  # snapshots taken back for room
+
+    @property
+    def num_used(self) -> int:
+        return len(self._lru)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def holds(self, snap: int) -> bool:
+        return snap in self._lru
+
+    def bytes_per_snapshot(self) -> dict[str, int]:
+        return {name: t[0].numel() * t.element_size() for name, t in self.states.items()}
+
+    def reserve(self) -> int:
+        """A snapshot row to be written (by the model's forward, or `save`): free, or the least
+        recently used held one taken back. Not reclaimable until `commit` or `release`."""
+        if not self._free:
+            if not self._lru:
+                raise RuntimeError("every snapshot is reserved")
+            victim, _ = self._lru.popitem(last=False)
+            self.evicted += 1
+            self.on_evict(victim)
+            self._free.append(victim)
+        snap = self._free.pop()
+        self._pending.add(snap)
+        return snap
+
+    def commit(self, snap: int, recent: bool = True) -> None:
+        """A reserved snapshot was written: held from now on, as the most recent one, or with
+        recent=False as the next to go (a speculative one: it moves up once restored)."""
+        self._pending.remove(snap)
+        self._lru[snap] = None
+        if not recent:
+            self._lru.move_to_end(snap, last=False)
+        self.saved += 1
+
+    def demote(self, snap: int) -> None:
+        """A held snapshot becomes the next to go when room is needed (superseded by a deeper one)."""
+        if snap in self._lru:
+            self._lru.move_to_end(snap, last=False)
+
+    def release(self, snap: int) -> None:
+        """A reserved snapshot is not needed after all (its step failed, or the boundary already
+        had one): free again."""
+        self._pending.remove(snap)
+        self._free.append(snap)
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._pending)
+
+    def save(self, row: int) -> int:
+        """Copy slot row `row` of every slot state into a snapshot; its id."""
+        snap = self.reserve()
+        for name, t in self.states.items():
+            t[snap].copy_(self.slot_states[name][row])
+        self.commit(snap)
+        return snap
+
+    def restore(self, snap: int, row: int) -> None:
+        """Copy a snapshot into slot row `row` (the request's own); it becomes the most recent."""
+        if snap not in self._lru:
+            raise RuntimeError(f"snapshot {snap} restored while not held")
+        for name, t in self.states.items():
+            self.slot_states[name][row].copy_(t[snap])
+        self._lru.move_to_end(snap)
+        self.restored += 1
+
+    def drop(self, snap: int) -> None:
+        """Give a snapshot back (its owner forgot it)."""
+        if snap not in self._lru:
+            raise RuntimeError(f"snapshot {snap} dropped twice or never saved")
+        del self._lru[snap]
+        self._free.append(snap)

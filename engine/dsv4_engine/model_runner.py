@@ -11,6 +11,7 @@ import torch
 
 from dsv4_engine.batch_buffers import BatchBuffers, HostBatch, host_batch
 from dsv4_engine.cuda_graphs import DecodeGraphs
+from dsv4_engine.devices import resolve, use_device
 from dsv4_engine.kv_cache import KVPool
 from dsv4_engine.models import entry_for_dir
 from dsv4_engine.models.deepseek_v3 import ForwardBatch
@@ -26,6 +27,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> str:
+    """bfloat16 on CUDA (tensor cores, half the weights and KV of float32; the kernels' AOT list
+    is compiled for it), float32 on CPU (where the oracle tests compare at fp32 tolerances)."""
+    return "bfloat16" if device.type == "cuda" else "float32"
 
 
 def default_kernel_backend(device: torch.device) -> str:
@@ -47,15 +54,16 @@ def _new_tokens(seq, start: int, n: int) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str | Path, dtype: str = "float32", device: Optional[str] = None,
+    def __init__(self, model_dir: str | Path, dtype: Optional[str] = None, device: Optional[str] = None,
                  kernel_backend: Optional[str] = None, cuda_graph_max_bs: int = 0, tp=None):
         entry = entry_for_dir(model_dir)
         self.model_type = entry.model_type
         self.cfg = entry.config_class().from_dir(model_dir)
         model_cls = entry.model_class()
         self.state_specs: list[StateSpec] = model_cls.state_specs(self.cfg)
-        self.device = torch.device(device) if device else default_device()
-        self.dtype = DTYPES[dtype]
+        self.device = resolve(torch.device(device) if device else default_device())
+        use_device(self.device)  # the thread that builds the model may launch (weight prep, capture)
+        self.dtype = DTYPES[dtype or default_dtype(self.device)]
         self.kernel_backend = kernel_backend or default_kernel_backend(self.device)
         if tp is None:
             self.model = model_cls(self.cfg, load_weights(model_dir), get_ops(self.kernel_backend), self.dtype, self.device)
@@ -64,6 +72,10 @@ class ModelRunner:
 
             self.model = build_sharded(model_cls, self.model_type, self.cfg, model_dir, get_ops(self.kernel_backend),
                                        self.dtype, self.device, tp)
+        # The model this process computes with; `self.model` may be wrapped (rank 0 of a TP group
+        # broadcasts each eager step first), but a captured step runs this one on every rank.
+        self.local_model = self.model
+        self.group = None  # rank 0's TPGroup at --tp-size > 1: captured steps reach the other ranks through it
         # DeepSeek-V4 (the models with slot states) pads a prefill/mixed step to its longest
         # chunk, so a mixed step runs as two forwards, decodes then the rest: decode rows are
         # never padded to a prefill chunk's length.
@@ -80,6 +92,7 @@ class ModelRunner:
         self.graphs: Optional[DecodeGraphs] = None
         self._states: dict[str, torch.Tensor] = {}  # the pool's tensors, which a captured graph reads
         self._masks = None  # structured outputs' MaskFiller, made when a request first has a grammar
+        self.snapshot_states: Optional[dict[str, torch.Tensor]] = None  # the prefix cache's (V4)
 
     def graphs_supported(self) -> bool:
         return (self.device.type == "cuda" and self.kernel_backend == "triton"
@@ -97,10 +110,38 @@ class ModelRunner:
                                   block_table=t["block_table"], seq_lens=t["seq_lens"], extend_lens=t["extend_lens"],
                                   logits_indices=t["logits_indices"], all_decode=True, page_size=page_size,
                                   slot_ids=t["slot_ids"] if self.has_slot_states else None)
-                return self.model.forward(fb, self._states)
+                return self.local_model.forward(fb, self._states)
 
             self.graphs = DecodeGraphs(run_forward, max_bs, width, self.device, capture)
         return self.graphs
+
+    def enable_graphs(self, max_bs: int) -> None:
+        """Another rank of a TP group: rank 0 says which buckets to capture."""
+        self.cuda_graph_max_bs = max_bs if self.graphs_supported() else 0
+
+    def capture_graphs(self, pool: KVPool) -> bool:
+        """Capture every decode bucket now, at start-up, before any request: all or none. A
+        failure drops them all and says why in one line; decodes then run eagerly. Call on a
+        fresh pool (all zeros): the warm-up forwards write page 0 and slot row 0, zeroed again."""
+        if not self.cuda_graph_max_bs:
+            return False
+        use_device(self.device)  # captures on this thread's current device
+        self._states = pool.all_states
+        graphs = self.decode_graphs(pool.page_size, pool.num_pages)
+        failure = graphs.capture_all()
+        with torch.no_grad():
+            for t in pool.all_states.values():
+                t.zero_()
+        if failure is not None or not graphs.captured:
+            if failure is not None:
+                log.warning("CUDA graphs off: %s", failure)
+            self.drop_graphs()
+            return False
+        return True
+
+    def drop_graphs(self) -> None:
+        self.graphs = None
+        self.cuda_graph_max_bs = 0
 
     def host_batch(self, batch: list[ScheduledSeq], page_size: int, width: Optional[int] = None) -> HostBatch:
         starts = [b.seq.num_computed for b in batch]
@@ -114,7 +155,9 @@ class ModelRunner:
         hb = self.host_batch(batch, page_size)
         news = hb.extend_lens.tolist()
         t = self.buffers.upload(hb)
+        snapshots = [(k, pos, snap) for k, b in enumerate(batch) for pos, snap in b.snapshots] or None
         return ForwardBatch(
+            snapshots=snapshots, snapshot_states=self.snapshot_states if snapshots else None,
             input_ids=t["input_ids"], positions=t["positions"], slot_mapping=t["slot_mapping"],
             block_table=t["block_table"], seq_lens=t["seq_lens"], extend_lens=t["extend_lens"],
             logits_indices=t["logits_indices"], all_decode=all(n == 1 for n in news),
@@ -125,11 +168,16 @@ class ModelRunner:
     def forward(self, batch: list[ScheduledSeq], pool: KVPool) -> torch.Tensor:
         """Logits of each request's last new token, [len(batch), vocab], in batch order."""
         decodes = [i for i, b in enumerate(batch) if b.num_new == 1]
-        if self.cuda_graph_max_bs and len(decodes) == len(batch):
-            graphs = self.decode_graphs(pool.page_size, pool.num_pages)
-            if graphs.fits(len(batch), max(len(b.seq.pages) for b in batch)):
-                self._states = pool.all_states
-                return graphs.step(self.host_batch(batch, pool.page_size, graphs.width))
+        graphs = self.graphs
+        if (self.cuda_graph_max_bs and graphs is not None and graphs.captured and len(decodes) == len(batch)
+                and graphs.fits(len(batch), max(len(b.seq.pages) for b in batch))):
+            self._states = pool.all_states
+            hb = self.host_batch(batch, pool.page_size, graphs.width)
+            if self.group is None:
+                return graphs.step(hb)
+            with self.group.step("a captured decode step on rank 0"):
+                self.group.send_graph_step(hb)  # host arrays: no read of the device for the header
+                return graphs.step(hb)
         if not self.decode_apart or not decodes or len(decodes) == len(batch):
             return self.model.forward(self.build_batch(batch, pool.page_size), pool.all_states)
         others = [i for i, b in enumerate(batch) if b.num_new != 1]

@@ -19,9 +19,20 @@ page first, it swaps its copy for that one). So an idle node's descendants are i
 evicting leaves repeatedly reclaims every idle page.
 
 Only full pages are cached, and a request always recomputes at least its last token (there must
-be logits to sample). Models with slot states (DeepSeek-V4's sliding-window ring and compressor
-stages, kept per request outside the pages) cannot resume from pages alone; the engine does not
-build a cache for them (see docs/prefix-caching.md).
+be logits to sample).
+
+Models with slot states (DeepSeek-V4's sliding-window ring and compressor stages, kept per
+request outside the pages) cannot resume from pages alone. For them the cache keeps, beside the
+pages, *snapshots* of a request's slot row (`SnapshotPool`) taken at *boundaries*: positions
+that are a multiple of `boundary` tokens (a multiple of the page size and of every compression
+window, so every compressed entry in the pages before it is final). Pages are cached only up to
+the last boundary a request computed (a page past it may still receive the entry of a window
+that closes later). A request resumes only at a boundary whose node holds a snapshot: it takes
+the pages up to it and copies the snapshot into its own slot row. Which boundaries get one
+(`snapshot_due`): the last boundary before a prompt's last token and the boundary where a prompt
+branches off a cached one (the scheduler ends a chunk at each), any boundary a prefill chunk happens to end on, and during decoding the latest boundary
+reached (the previous decode snapshot of the same request is dropped), so the next round of a
+conversation resumes inside this round's answer. See docs/prefix-caching.md for what each costs.
 """
 
 from __future__ import annotations
@@ -30,12 +41,12 @@ import heapq
 import itertools
 from typing import Optional
 
-from dsv4_engine.kv_cache import PageAllocator
+from dsv4_engine.kv_cache import PageAllocator, SnapshotPool
 from dsv4_engine.sequence import Sequence
 
 
 class _Node:
-    __slots__ = ("tokens", "parent", "page", "children", "last_use")
+    __slots__ = ("tokens", "parent", "page", "children", "last_use", "depth", "snapshot")
 
     def __init__(self, tokens: tuple, parent: Optional["_Node"], page: int):
         self.tokens = tokens
@@ -43,14 +54,31 @@ class _Node:
         self.page = page
         self.children: dict[tuple, _Node] = {}
         self.last_use = 0
+        self.depth = parent.depth + 1 if parent is not None else 0  # pages from the root, this one included
+        self.snapshot: Optional[int] = None  # slot-row snapshot at this node's end (models with slot states)
 
 
 class PrefixCache:
-    def __init__(self, allocator: PageAllocator, page_size: int):
+    def __init__(self, allocator: PageAllocator, page_size: int, snapshots: Optional[SnapshotPool] = None,
+                 boundary: Optional[int] = None, in_forward: bool = False, interval: int = 0):
         if allocator.cache is not None:
             raise ValueError("this allocator already has a prefix cache")
         self.allocator = allocator
         self.page_size = page_size
+        # Models with slot states: resume only at multiples of `boundary` that hold a snapshot.
+        self.snapshots = snapshots
+        self.boundary = boundary or page_size
+        if self.boundary % page_size:
+            raise ValueError(f"prefix cache boundary {self.boundary} is not a multiple of the page size {page_size}")
+        self._by_snapshot: dict[int, _Node] = {}
+        # The model writes snapshots at boundaries inside a chunk (no chunk is cut short for
+        # them); then also every `interval` tokens (a multiple of the boundary; 0: none).
+        self.in_forward = in_forward
+        self.interval = interval
+        if interval % self.boundary:
+            raise ValueError(f"snapshot interval {interval} is not a multiple of the boundary {self.boundary}")
+        if snapshots is not None:
+            snapshots.on_evict = self._snapshot_evicted
         self.root = _Node((), None, -1)
         self._by_page: dict[int, _Node] = {}
         self._idle: set[int] = set()
@@ -95,6 +123,8 @@ class PrefixCache:
             parent = node.parent
             del parent.children[node.tokens]
             del self._by_page[node.page]
+            if node.snapshot is not None:
+                self._drop_snapshot(node)
             self._idle.discard(node.page)
             out.append(node.page)
             if parent is not self.root and not parent.children and parent.page in self._idle:
@@ -113,14 +143,122 @@ class PrefixCache:
     # ---- what the scheduler asks -------------------------------------------------------------
 
     def _page_tokens(self, seq: Sequence, i: int) -> tuple:
+        """The key of a request's page i under its parent (the one place that spells keys): its
+        tokens, and with boundaries longer than a page, every later token up to the boundary. A
+        page's state can depend on them: a compressed entry lives in its window's first page, so
+        with pages shorter than the window, page 2w of HCA-every-8 in pages of 4 holds an entry
+        pooled from page 2w+1's tokens too. The first page's key also holds the request's cache
+        salt (a str, never equal to a token id), so each salt has its own tree below the root and
+        no lookup crosses salts (vLLM mixes the salt into the first block's hash the same way)."""
         ps = self.page_size
-        return tuple(seq.token_at(j) for j in range(i * ps, (i + 1) * ps))
+        end = (i * ps // self.boundary + 1) * self.boundary
+        tokens = tuple(seq.token_at(j) for j in range(i * ps, end))
+        salt = seq.params.cache_salt
+        return (salt, *tokens) if i == 0 and salt else tokens
+
+    # ---- snapshots (models with slot states) ---------------------------------------------------
+
+    def _snapshot_evicted(self, snap: int) -> None:
+        """The snapshot pool took this snapshot back for room: its node keeps its pages."""
+        node = self._by_snapshot.pop(snap)
+        node.snapshot = None
+
+    def _drop_snapshot(self, node: _Node) -> None:
+        snap, node.snapshot = node.snapshot, None
+        del self._by_snapshot[snap]
+        self.snapshots.drop(snap)
+
+    def _resumable(self, node: _Node) -> bool:
+        """Whether a request can resume right after this node (the root: from nothing)."""
+        if node is self.root:
+            return True
+        if self.snapshots is None:
+            return True
+        return node.snapshot is not None
+
+    def snapshot_stop(self, seq: Sequence) -> Optional[int]:
+        """Where a prefill chunk of this request should end so that a snapshot can be taken there,
+        the first still ahead of: the deepest boundary its prompt shares with cached pages that
+        hold no snapshot there (where it branches off another prompt: a shared system prompt
+        gets a snapshot at its end), and the last boundary before its last token. None for a
+        model without slot states, or nothing ahead."""
+        if self.snapshots is None or self.in_forward:
+            return None
+        last = (seq.num_tokens - 1) // self.boundary * self.boundary
+        for stop in (seq.cache_branch, last):
+            if stop > seq.num_computed:
+                return stop
+        return None
+
+    def snapshot_points(self, seq: Sequence, n: int) -> list[int]:
+        """Boundaries strictly inside the next n tokens of this request where the model should
+        write a snapshot (in_forward only): where its prompt branches off the cached path, its
+        prompt's last boundary, and every `interval` tokens. (A chunk ending on a boundary is
+        snapshotted from the row afterwards: `snapshot_due`.)"""
+        if self.snapshots is None or not self.in_forward or n <= 1:
+            return []
+        start, end = seq.num_computed, seq.num_computed + n
+        last = (seq.num_tokens - 1) // self.boundary * self.boundary
+        points = {p for p in (seq.cache_branch, last) if start < p < end and p % self.boundary == 0}
+        if self.interval:
+            points.update(range((start // self.interval + 1) * self.interval, end, self.interval))
+        return sorted(points)
+
+    def link_snapshots(self, seq: Sequence, taken: list[tuple[int, int]]) -> None:
+        """After a step whose forward wrote snapshots (position, reserved row) for this request
+        (and `insert`): each becomes its boundary's, or goes back when the boundary has one or
+        its page is not the request's cached chain."""
+        node, depth = seq.cache_node, seq.num_cached_pages
+        last = (seq.num_tokens - 1) // self.boundary * self.boundary
+        for pos, snap in sorted(taken, reverse=True):
+            want = pos // self.page_size
+            while node is not None and depth > want:
+                node, depth = node.parent, depth - 1
+            if node is None or node is self.root or depth != want or node.snapshot is not None:
+                self.snapshots.release(snap)
+                continue
+            # the interval's snapshots are a guess at where an unseen prompt will branch: they
+            # go first when the pool is full, until one is used
+            keep = pos in (seq.cache_branch, last)
+            self.snapshots.commit(snap, recent=keep)
+            node.snapshot = snap
+            self._by_snapshot[snap] = node
+            if keep and (seq.snapshot_node is None or seq.snapshot_node.depth < node.depth):
+                self._supersede(seq, node, pos)
+                seq.snapshot_node, seq.snapshot_id = node, snap
+
+    def snapshot_due(self, seq: Sequence) -> None:
+        """After a step: when the request stands exactly on a cached boundary that holds no
+        snapshot, keep a copy of its slot row there."""
+        pos = seq.num_computed
+        if (self.snapshots is None or seq.slot is None or pos == 0 or pos % self.boundary
+                or seq.num_cached_pages * self.page_size != pos or seq.cache_node is None
+                or seq.cache_node.snapshot is not None):
+            return
+        node = seq.cache_node
+        self._supersede(seq, node, pos)
+        node.snapshot = self.snapshots.save(seq.slot)
+        self._by_snapshot[node.snapshot] = node
+        seq.snapshot_node, seq.snapshot_id = node, node.snapshot
+
+    def _supersede(self, seq: Sequence, node: _Node, pos: int) -> None:
+        """A request about to keep a snapshot deeper on its own path: the one it kept before is
+        worth less now (its next round resumes at the deeper one). An earlier decode snapshot
+        is dropped (one per answer, not one per boundary of a long answer); a prompt's goes to
+        the front of the pool's LRU, so that many conversations at once keep each one's latest."""
+        prev = seq.snapshot_node
+        if prev is None or prev is node or prev.snapshot is None or prev.snapshot != seq.snapshot_id:
+            return
+        if pos > len(seq.prompt_ids) and prev.depth * self.page_size > len(seq.prompt_ids):
+            self._drop_snapshot(prev)
+        else:
+            self.snapshots.demote(prev.snapshot)
 
     def attach(self, seq: Sequence) -> int:
         """Give a request that holds nothing the pages of its longest cached prefix (full pages,
         never its last token), one reference each; returns the tokens it may skip."""
         assert not seq.pages and seq.num_computed == 0, "attach a request that holds no pages"
-        usable = (seq.num_tokens - 1) // self.page_size
+        usable = (seq.num_tokens - 1) // self.boundary * self.boundary // self.page_size  # whole boundaries
         node, chain = self.root, []
         for i in range(usable):
             child = node.children.get(self._page_tokens(seq, i))
@@ -128,6 +266,12 @@ class PrefixCache:
                 break
             chain.append(child)
             node = child
+        seq.cache_branch = len(chain) * self.page_size // self.boundary * self.boundary
+        while chain and not self._resumable(chain[-1]):
+            chain.pop()  # slot states: back to the deepest boundary that holds a snapshot
+        if chain and self.snapshots is not None:
+            assert seq.slot is not None, "a model with slot states attaches a request that holds its row"
+            self.snapshots.restore(chain[-1].snapshot, seq.slot)
         if chain:
             now = next(self._clock)
             for c in chain:
@@ -135,7 +279,7 @@ class PrefixCache:
             pages = [c.page for c in chain]
             self.allocator.share(pages)
             seq.pages = pages
-        seq.cache_node = node if chain else None
+        seq.cache_node = chain[-1] if chain else None
         seq.num_cached_pages = len(chain)
         seq.num_computed = len(chain) * self.page_size
         return seq.num_computed
@@ -146,8 +290,10 @@ class PrefixCache:
         self.hit_tokens += hit
 
     def insert(self, seq: Sequence) -> None:
-        """Cache the request's pages that became full (every token's KV computed) since last time."""
-        full = min(seq.num_computed // self.page_size, len(seq.pages))
+        """Cache the request's pages that became full (every token's KV computed) since last
+        time; with slot states, only those before the last boundary it computed (final)."""
+        done = seq.num_computed // self.boundary * self.boundary if self.snapshots is not None else seq.num_computed
+        full = min(done // self.page_size, len(seq.pages))
         while seq.num_cached_pages < full:
             i = seq.num_cached_pages
             parent = seq.cache_node or self.root
@@ -175,10 +321,27 @@ class PrefixCache:
         """The request gave its pages back (finish, preemption, abort): no chain position left."""
         seq.cache_node = None
         seq.num_cached_pages = 0
+        seq.snapshot_node = None
+        seq.snapshot_id = None
 
     def stats(self) -> dict:
-        return {"pages_cached": self.num_cached, "pages_idle": self.num_idle,
-                "query_tokens": self.query_tokens, "hit_tokens": self.hit_tokens}
+        out = {"pages_cached": self.num_cached, "pages_idle": self.num_idle,
+               "query_tokens": self.query_tokens, "hit_tokens": self.hit_tokens}
+        if self.snapshots is not None:
+            sp = self.snapshots
+            out.update(boundary_tokens=self.boundary, snapshot_interval_tokens=self.interval,
+                       snapshots_in_forward=self.in_forward, snapshots_cached=sp.num_used, snapshots_total=sp.total,
+                       snapshots_saved=sp.saved, snapshots_restored=sp.restored, snapshots_evicted=sp.evicted)
+        return out
+
+    def bytes_by_state(self, page_bytes: dict[str, int]) -> dict[str, int]:
+        """What the cache holds now per state kind: cached pages of each paged state (bytes of one
+        page given), snapshots of each slot state."""
+        out = {name: n * self.num_cached for name, n in page_bytes.items()}
+        if self.snapshots is not None:
+            for name, n in self.snapshots.bytes_per_snapshot().items():
+                out[name] = n * self.snapshots.num_used
+        return out
 
     def check(self) -> None:
         """Raise AssertionError when the tree and the allocator disagree (tests)."""
@@ -195,3 +358,10 @@ class PrefixCache:
                 seen += 1
                 stack.append(c)
         assert seen == len(self._by_page), "nodes outside the tree"
+        if self.snapshots is not None:
+            for snap, node in self._by_snapshot.items():
+                assert node.snapshot == snap and self._by_page.get(node.page) is node, f"snapshot {snap} of a gone node"
+                assert node.depth * self.page_size % self.boundary == 0, f"snapshot {snap} off a boundary"
+                assert self.snapshots.holds(snap), f"snapshot {snap} not held by the pool"
+            assert len(self._by_snapshot) == self.snapshots.num_used, "snapshots held outside the tree"
+            assert self.snapshots.num_reserved == 0, "snapshots reserved by no step"

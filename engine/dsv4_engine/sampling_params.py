@@ -37,6 +37,9 @@ class SamplingParams:
     # Structured output: the grammar every generated token must follow (None: free text). The
     # engine core compiles it at admission (dsv4_engine.structured); EOS only where it may end.
     structured: Optional[StructuredSpec] = None
+    # Not sampling, but per request and carried with it: the prefix cache's namespace (vLLM's
+    # cache_salt). Requests with different salts (or one salted, one not) share no cached page.
+    cache_salt: Optional[str] = None
 
     def validate(self) -> None:
         """Raise ValueError with a user-facing message for parameters we cannot honour."""

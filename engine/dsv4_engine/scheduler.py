@@ -14,14 +14,19 @@ longest cached prefix (shared, reference-counted) and starts computing after the
 drops its references, so preemption, abort and failure never free a page another request uses.
 The other choices of an n > 1 request wait for the first one's prompt pages (`_held`), so they
 reuse them instead of computing the same prompt side by side.
+For a model with slot states the cache resumes only at boundaries where it kept a snapshot of a
+slot row. When the model writes snapshots inside a chunk (V4's torch path), the step reserves
+their rows (`ScheduledSeq.snapshots`); otherwise a prefill chunk that would cross a prompt's
+branch point or last boundary ends there, so the row can be copied after the step (one extra,
+short step per prompt).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from typing import Optional
+from typing import Callable, Optional
 
 from dsv4_engine.kv_cache import PageAllocator, SlotAllocator
 from dsv4_engine.prefix_cache import PrefixCache
@@ -32,6 +37,8 @@ from dsv4_engine.sequence import Sequence, SeqStatus
 class ScheduledSeq:
     seq: Sequence
     num_new: int  # tokens of this request computed this step
+    # prefix-cache snapshots the forward writes inside this chunk: (position, reserved row)
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
@@ -50,6 +57,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Speculative decoding: how many drafted tokens a decoding request verifies besides its
+        # last token (dsv4_engine.spec_decode); None without speculation.
+        self.lookahead: Optional[Callable[[Sequence], int]] = None
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -82,10 +92,51 @@ class Scheduler:
             if self.slots is not None:
                 self.slots.free(slot)
 
-    def computed(self, seq: Sequence) -> None:
-        """After a step: the request's newly full pages become reusable by others."""
+    def computed(self, seq: Sequence, sched: Optional[ScheduledSeq] = None) -> None:
+        """After a step: the request's newly full pages (and, at boundaries, snapshots of its
+        slot row) become reusable by others."""
+        taken, sched_snaps = (sched.snapshots, []) if sched is not None else ([], None)
+        if sched is not None:
+            sched.snapshots = sched_snaps
         if self.cache is not None and not seq.finished:
             self.cache.insert(seq)
+            if taken:
+                self.cache.link_snapshots(seq, taken)
+            self.cache.snapshot_due(seq)
+        else:
+            for _, snap in taken:
+                self.cache.snapshots.release(snap)
+
+    def settle(self, batch: list[ScheduledSeq]) -> None:
+        """After a step, whatever happened: snapshots reserved for a request whose step never
+        reached `computed` (its forward failed) go back."""
+        for b in batch:
+            for _, snap in b.snapshots:
+                self.cache.snapshots.release(snap)
+            b.snapshots = []
+
+    def _reserve_snapshots(self, batch: list[ScheduledSeq]) -> None:
+        """Rows for the snapshots the forward writes inside this step's chunks."""
+        pool = self.cache.snapshots if self.cache is not None else None
+        if pool is None or not self.cache.in_forward:
+            return
+        for b in batch:
+            for pos in self.cache.snapshot_points(b.seq, b.num_new):
+                if pool.num_free + pool.num_used == 0:
+                    return  # every row is reserved by this step already
+                b.snapshots.append((pos, pool.reserve()))
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of this request to compute this step: what is left, within the budget, ending
+        at the cache's snapshot boundary when the chunk would cross it."""
+        n = seq.num_tokens - seq.num_computed
+        if n == 1 and self.lookahead is not None:  # speculative decoding: the drafts ride along
+            n += self.lookahead(seq)
+        n = min(n, budget)
+        stop = self.cache.snapshot_stop(seq) if self.cache is not None and n > 1 else None
+        if stop is not None and seq.num_computed < stop < seq.num_computed + n:
+            n = stop - seq.num_computed
+        return n
 
     def _pages_needed(self, seq: Sequence, upto_tokens: int) -> int:
         return max(0, -(-upto_tokens // self.page_size) - len(seq.pages))
@@ -130,7 +181,7 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = self._chunk(seq, budget)
             if n <= 0:
                 continue
             while not self._grow(seq, seq.num_computed + n):
@@ -153,7 +204,7 @@ class Scheduler:
                 if seq.slot is None:
                     break  # every row is held (only when something else holds rows beyond max_num_seqs)
             hit = self.cache.attach(seq) if self.cache is not None and not seq.pages and seq.num_computed == 0 else None
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = self._chunk(seq, budget)
             if not self._grow(seq, seq.num_computed + n):
                 self.release(seq)  # nothing computed yet: its row (and any pages) go back
                 if hit is not None:
@@ -168,4 +219,5 @@ class Scheduler:
             self.running.append(seq)
             batch.append(ScheduledSeq(seq, n))
             budget -= n
+        self._reserve_snapshots(batch)
         return batch

@@ -39,6 +39,11 @@ class Sequence:
     # at admission.
     cache_node: Any = None
     num_cached_pages: int = 0
+    # Models with slot states: the node (and snapshot id) of the deepest snapshot this request
+    # kept, superseded when it keeps a deeper one (prefix_cache.PrefixCache._supersede).
+    snapshot_node: Any = None
+    snapshot_id: Optional[int] = None
+    cache_branch: int = 0  # deepest boundary its prompt shares with cached pages (found at admission)
     num_cached_tokens: int = 0
     # n > 1: the other choices of one request name its first choice (`share_prefix_of`, a rid),
     # found among the running requests at admission (`prefix_leader`); they reuse its prompt pages.

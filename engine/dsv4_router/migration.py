@@ -9,8 +9,16 @@ goes on as if it had produced them itself: `max_tokens`, `min_tokens`, penalties
 count the whole answer, the text and stop-string hold-back pick up where the client's text
 ends, and a seeded sampler skips the draws already made (dsv4_engine.engine `_add`).
 
+A request with several choices (`n` > 1) streams them interleaved, each tagged with its
+`index`; the record keeps tokens and finish per index. An engine continues one sequence only,
+so on a break the request splits: each unfinished choice j is sent again as its own n = 1
+request (`child`) with choice j's tokens as its continuation and the seed the engine gave
+choice j (seed + j), its events relabelled `index` j. Their usage chunks are held back and the
+client gets one, counting the prompt once and every choice's tokens. A choice that had finished
+is not sent again.
+
 What this module holds is pure: the per-request record and the event filter. The router's
-`_relay` and `_place` do the I/O.
+`_relay`, `_split` and `_place` do the I/O.
 """
 
 from __future__ import annotations
@@ -40,6 +48,33 @@ def retryable(err: dict) -> bool:
     return e.get("type") == "server_error"
 
 
+INT64_MIN = -(2**63)
+
+
+def choice_seed(seed: Optional[int], j: int) -> Optional[int]:
+    """The seed an engine gives choice j of a request (dsv4_serve.protocol.choice_seed: seed + j
+    wrapped to a signed 64-bit integer), so a choice continued alone draws what it drew there.
+    Kept here so the router does not import the engine's protocol module (and torch)."""
+    if seed is None or isinstance(seed, bool) or not isinstance(seed, int):
+        return seed
+    return (seed + j - INT64_MIN) % 2**64 + INT64_MIN
+
+
+def prompt_count(body: dict) -> int:
+    """How many prompts a completion request holds (a list of texts or of token-id lists)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return len(prompt)
+    return 1
+
+
+def choice_count(body: dict) -> int:
+    """How many choices a streamed request has: `n` per prompt (best_of > n is not streamed)."""
+    n = body.get("n")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    return n * prompt_count(body)
+
+
 @dataclass
 class Resume:
     """One client request across the engines it visits."""
@@ -60,6 +95,62 @@ class Resume:
     span: Any = None  # the router.request span (tracing on)
     trace_in: dict = field(default_factory=dict)  # the client's traceparent/tracestate
     pin: Optional[str] = None  # the worker an admin pinned this request to (a canary probe)
+    # n > 1: per choice index, the tokens sent and whether it finished; role chunks sent (chat)
+    choice_tokens: dict[int, list[int]] = field(default_factory=dict)
+    choice_done: set[int] = field(default_factory=set)
+    roles: set[int] = field(default_factory=set)
+    # a child (one choice of a split request): its parent and the client's index it continues
+    parent: Optional["Resume"] = None
+    index: int = 0
+    kids: list["Resume"] = field(default_factory=list)  # a split parent's children
+    usage_chunk: Optional[dict] = None  # a child's usage chunk, held back for its parent
+    failed: bool = False  # the client got this request's one clear error
+
+    @property
+    def n(self) -> int:
+        """Choices in the client's stream (indexes 0..n-1)."""
+        return choice_count(self.body) if self.parent is None else 1
+
+    @property
+    def splittable(self) -> bool:
+        """A stream of several choices of one prompt can go on one choice at a time. Several
+        prompts cannot: the router, which has no tokenizer, could not count a finished prompt's
+        tokens in the usage; their engines refuse the continuation (400) and the client gets it."""
+        return self.n > 1 and prompt_count(self.body) == 1
+
+    def child(self, j: int) -> "Resume":
+        """Choice j of this request, to be continued alone (n = 1, seed + j)."""
+        body = dict(self.body, n=1)
+        body.pop("best_of", None)
+        if "seed" in body:
+            body["seed"] = choice_seed(body["seed"], j)
+        kid = Resume(f"{self.rid}-c{j}", body, stream=True, client_wants_ids=self.client_wants_ids,
+                     tokens=list(self.choice_tokens.get(j, ())), created=self.created, attempts=self.attempts,
+                     resends=self.resends, reasons=self.reasons, placing_s=self.placing_s, t0=self.t0,
+                     span=self.span, trace_in=self.trace_in, parent=self, index=j)
+        if j in self.roles:
+            kid.roles.add(0)
+        self.kids.append(kid)
+        return kid
+
+    def usage(self) -> Optional[dict]:
+        """A split request's usage chunk: the prompt once (every child reports the same prompt),
+        the completion tokens of every choice (a continued choice's count is its whole answer;
+        one that finished before the split counts the tokens the client had)."""
+        chunks = [k.usage_chunk for k in self.kids if k.usage_chunk and k.usage_chunk.get("usage")]
+        if not chunks:
+            return None
+        obj = json.loads(json.dumps(chunks[0]))
+        u = obj["usage"]
+        continued = {k.index: k.usage_chunk["usage"] for k in self.kids if k.usage_chunk and k.usage_chunk.get("usage")}
+        completion = sum(continued[j]["completion_tokens"] if j in continued else len(self.choice_tokens.get(j, ()))
+                         for j in range(self.n))
+        u["completion_tokens"] = completion
+        u["total_tokens"] = u.get("prompt_tokens", 0) + completion
+        thought = [(c.get("completion_tokens_details") or {}).get("reasoning_tokens") for c in continued.values()]
+        if any(t is not None for t in thought) and isinstance(u.get("completion_tokens_details"), dict):
+            u["completion_tokens_details"]["reasoning_tokens"] = sum(t or 0 for t in thought)
+        return obj
 
     @property
     def started(self) -> bool:
@@ -69,7 +160,7 @@ class Resume:
     def attempt_body(self) -> dict:
         """The body of the next send: the first under the client's id, later ones under their
         own (the engine it left may still hold the old one) and with the answer so far."""
-        rid = self.rid if self.attempts == 0 else f"{self.rid}-m{self.attempts}"
+        rid = self.rid if self.attempts == 0 else f"{self.rid}-m{self.attempts}"  # a child's rid has -cJ
         body = dict(self.body, rid=rid)
         if self.stream:
             body["return_token_ids"] = True  # the router's bookkeeping; stripped unless asked
@@ -92,7 +183,8 @@ class Resume:
             if data == b"[DONE]":
                 if not self.finished:
                     return bytes(out), TRUNCATED
-                out += b"data: [DONE]\n\n"
+                if self.parent is None:  # a child's end is its parent's to say
+                    out += b"data: [DONE]\n\n"
                 return bytes(out), "done"
             try:
                 obj = json.loads(data)
@@ -107,14 +199,43 @@ class Resume:
                 continue
             if self.created is None:
                 self.created = obj.get("created")
-            obj["id"] = self.rid
+            top = self.parent or self
+            obj["id"] = top.rid
             obj["created"] = self.created
-            for c in obj.get("choices") or ():
+            choices = obj.get("choices")
+            if self.parent is not None and not choices and obj.get("usage"):
+                self.usage_chunk = obj  # the parent sends one usage for all its choices
+                continue
+            kept = []
+            for c in choices or ():
+                j = c.get("index", 0) if isinstance(c.get("index", 0), int) else 0
+                delta = c.get("delta")
+                if isinstance(delta, dict) and "role" in delta:
+                    if j in self.roles:  # a choice restarted from nothing: its role chunk was sent
+                        del delta["role"]
+                        if not delta.get("content") and len(delta) <= 1 and c.get("finish_reason") is None \
+                                and not c.get("token_ids"):
+                            continue
+                    self.roles.add(j)
                 ids = c.get("token_ids") if self.client_wants_ids else c.pop("token_ids", None)
+                if self.parent is not None:
+                    c["index"] = self.index
+                    if ids:
+                        self.parent.choice_tokens.setdefault(self.index, []).extend(ids)
                 if ids:
                     self.tokens.extend(ids)
+                    self.choice_tokens.setdefault(j, []).extend(ids)
                 if c.get("finish_reason") is not None:
-                    self.finished = True
+                    self.choice_done.add(j)
+                    if self.parent is not None:
+                        self.parent.choice_done.add(self.index)
+                        self.parent.finished = len(self.parent.choice_done) >= self.parent.n
+                    self.finished = len(self.choice_done) >= self.n
+                kept.append(c)
+            if choices and not kept:
+                continue
+            if choices is not None:
+                obj["choices"] = kept
             out += b"data: " + json.dumps(obj, separators=(", ", ": ")).encode() + b"\n\n"
         return bytes(out), None
 

@@ -46,10 +46,12 @@ from dsv4_router.affinity import ConversationKeys, choose
 from dsv4_router.body import parse_body, read_limited
 from dsv4_router.migration import BROKEN, REFUSED, TRUNCATED, UNREACHABLE, Resume, allowed_resends
 from dsv4_router.relay import RelayResponse, error_events, first_event_error, split_events, sse
+from dsv4_router.tenancy import KeyLimiter, TenantGate, TenantLimits, TenantMetrics, apply_cache_salt
 from dsv4_router.upstream import BROKEN_CONNECTIONS, CONNECTION_FAILURES, Upstreams
-from dsv4_serve import tracing
-from dsv4_serve.tracing import TRACE_HEADERS, Tracing
+from dsv4_wire import tracing
+from dsv4_wire.tracing import TRACE_HEADERS, Tracing
 from dsv4_wire import APIError, Paths, admin_refusal
+from dsv4_wire.api_keys import ApiKeyGate, KeyRing
 
 # A request carrying this header (and the admin token) goes to the decode/mono worker it names,
 # canary or not: how a rollout probes one engine through the router.
@@ -82,6 +84,12 @@ class RouterArgs:
     migration_limit: int = 3  # re-sends of a request whose engine failed it (see migration.py)
     migration_timeout: float = 60.0  # seconds a request may spend being re-placed, in all
     otlp_traces_endpoint: Optional[str] = None  # OpenTelemetry export (off when None)
+    # Tenancy (dsv4_router.tenancy): client keys, per-key limits, the cache salt from the key, and
+    # the key the router shows mono engines that require one (PD engines take the PD secret).
+    api_keys: list = field(default_factory=list)
+    key_limits: TenantLimits = field(default_factory=TenantLimits)
+    cache_salt_from_api_key: bool = False
+    engine_api_key: Optional[str] = None
 
 
 @dataclass
@@ -204,7 +212,8 @@ class Router:
         self._checking: dict[str, asyncio.Task] = {}
 
     async def start(self) -> None:
-        self.up = Upstreams(self.args.max_inflight, self.args.request_timeout, self.args.health_timeout, self.args.pd_secret)
+        self.up = Upstreams(self.args.max_inflight, self.args.request_timeout, self.args.health_timeout,
+                            self.args.pd_secret or self.args.engine_api_key)
         await self.check_all()
         self._tasks.append(asyncio.create_task(self._health_loop()))
         if self.args.discover_namespace:
@@ -322,6 +331,7 @@ class Router:
         for k in ROUTER_FIELDS:
             body.pop(k, None)
         trace_in = {k: http.headers[k] for k in TRACE_HEADERS if k in http.headers}
+        apply_cache_salt(body, http.scope)
         # A client that hangs up (queued or not) cancels the work: closing the upstream
         # connections is what makes the engines abort (and, through them, the PD peer).
         slot = Slot(self.admission)
@@ -613,22 +623,82 @@ class Router:
             await leg.close()
             st.leg = None
             if st.finished:  # everything was said but the end: say it
-                yield sse("[DONE]")
+                if st.parent is None:
+                    yield sse("[DONE]")
+                return
+            if st.splittable and st.started:  # an engine continues one sequence: one request per choice
+                async for out in self._split(path, st, key, reason, failed):
+                    yield out
                 return
             placed = await self._place(path, st, key, reason, failed)
             if not isinstance(placed, Leg):
-                msg = json.loads(placed.body) if placed.body else {}
-                message = msg.get("error", {}).get("message") if isinstance(msg, dict) else None
-                yield error_events(message or "the decode engine's stream broke off", 503)
+                yield self._failed_events(st, placed)
                 return
             leg = st.leg = placed
+
+    @staticmethod
+    def _failed_events(st: Resume, placed: Response) -> bytes:
+        st.failed = True
+        msg = json.loads(placed.body) if placed.body else {}
+        message = msg.get("error", {}).get("message") if isinstance(msg, dict) else None
+        return error_events(message or "the decode engine's stream broke off", 503)
+
+    async def _split(self, path: str, st: Resume, key: Optional[str], reason: str,
+                     failed: frozenset) -> AsyncIterator[bytes]:
+        """A stream of n > 1 choices broke: each unfinished choice goes on as its own n = 1
+        request (see migration.py), their events merged into the client's stream as they come;
+        then one usage chunk for all of them and [DONE]. The first child that gives up ends the
+        stream with its one error."""
+        kids = [st.child(j) for j in range(st.n) if j not in st.choice_done]
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def run(kid: Resume) -> None:
+            try:
+                placed = await self._place(path, kid, key, reason, failed)
+                if not isinstance(placed, Leg):
+                    await q.put(self._failed_events(kid, placed))
+                    return
+                gen = self._relay(path, kid, placed, key)
+                try:
+                    async for out in gen:
+                        await q.put(out)
+                finally:
+                    await gen.aclose()
+            finally:
+                await q.put(None)
+
+        tasks = [asyncio.create_task(run(k)) for k in kids]
+        try:
+            left = len(tasks)
+            while left:
+                out = await q.get()
+                if out is None:
+                    left -= 1
+                    continue
+                yield out
+                if any(k.failed for k in kids):
+                    st.failed = True
+                    return
+            st.resends = max(k.resends for k in kids) if kids else st.resends
+            usage = st.usage()
+            if usage is not None:
+                yield sse(usage)
+            yield sse("[DONE]")
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for k in kids:
+                if k.leg is not None:
+                    await k.leg.close()
+                    k.leg = None
 
     async def _stream_closed(self, st: Resume, slot: Slot) -> None:
         slot.release()
         self._log_moves(st)
-        leg = getattr(st, "leg", None)
-        if leg is not None:
-            await leg.close()  # a client that left closes the decode stream: decode aborts
+        for r in (st, *st.kids):
+            if r.leg is not None:
+                await r.leg.close()  # a client that left closes the decode stream: decode aborts
 
 
 @dataclass
@@ -688,7 +758,10 @@ def build_app(router: Router) -> FastAPI:
         finally:
             await router.stop()
 
-    app = FastAPI(title="dsv4 router", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = FastAPI(title="dsv4 router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.add_middleware(TenantGate, limiter=KeyLimiter(router.args.key_limits), metrics=TenantMetrics(router.metrics.registry),
+                       salt_from_key=router.args.cache_salt_from_api_key)
+    app.add_middleware(ApiKeyGate, ring=KeyRing(router.args.api_keys))  # outermost: who calls, first
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(http: Request, e: StarletteHTTPException):
@@ -698,8 +771,9 @@ def build_app(router: Router) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, e: Exception):
-        log.exception("router error")
-        return router.error(APIError(f"internal router error: {type(e).__name__}", 500, "server_error"))
+        ref = uuid.uuid4().hex[:12]
+        log.exception("router error (reference %s)", ref)
+        return router.error(APIError(f"internal router error (reference {ref}: see the router's log)", 500, "server_error"))
 
     def guard(http: Request) -> Optional[JSONResponse]:
         refusal = admin_refusal(http.headers, router.args.admin_token, http.client.host if http.client else None)

@@ -197,6 +197,10 @@ def _refusal(args) -> Optional[str]:
     except UnsupportedQuantization as e:
         return f"{args.model}: {e}"
     refusal = serving_refusal(args.model, args.role, args.page_size, args.tp_size)
+    if refusal is None and args.speculative_algorithm is not None:
+        from dsv4_engine.spec_decode.build import speculation_refusal
+
+        refusal = speculation_refusal(args)
     return f"{args.model}: {refusal}" if refusal else None
 
 

@@ -63,7 +63,7 @@ def extend_app(app: FastAPI, engine, args) -> None:
 
 def build_bootstrap_app(engine, args) -> FastAPI:
     """The prefill's bootstrap endpoint: decode engines register rooms, abort them, heartbeat."""
-    app = FastAPI(title="dsv4 bootstrap", docs_url=None, redoc_url=None)
+    app = FastAPI(title="dsv4 bootstrap", docs_url=None, redoc_url=None, openapi_url=None)
     ctl = engine.pd
 
     @app.exception_handler(APIError)

@@ -22,6 +22,10 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_CACHE_SALT_CHARS = 512
+# Prompts in one completions request: each becomes a request of its own in the engine, so a
+# 16 MiB body of one-token prompts would otherwise be millions of them.
+MAX_PROMPTS_PER_REQUEST = 256
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_N = 16  # most choices (n, or candidates with best_of) one request may ask for
 
@@ -150,6 +154,8 @@ class _Common(BaseModel):
     guided_grammar: Optional[str] = None
     guided_decoding_backend: Optional[str] = None
     guided_whitespace_pattern: Optional[str] = None
+    # vLLM's prefix-cache isolation: requests with different salts share no cached pages.
+    cache_salt: Optional[str] = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # PD: set by the router on the internal requests it sends to prefill and decode engines.
     bootstrap_host: Optional[str] = Field(None, max_length=256)
     bootstrap_port: Optional[int] = Field(None, ge=0, le=65535)
@@ -294,6 +300,7 @@ class _Common(BaseModel):
             logit_bias=bias,
             min_tokens=self.min_tokens or 0,
             structured=self.structured_spec(),
+            cache_salt=self.cache_salt,
         )
         try:
             p.validate()
@@ -307,6 +314,13 @@ class CompletionRequest(_Common):
     prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_count(cls, v):
+        if isinstance(v, list) and v and not isinstance(v[0], int) and len(v) > MAX_PROMPTS_PER_REQUEST:
+            raise ValueError(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, not {len(v)}")
+        return v
 
     @model_validator(mode="after")
     def _echo_logprobs(self):

@@ -50,9 +50,10 @@ from dsv4_serve.chat import ChatOptions, ChatSetup, default_setup, render, tool_
 from dsv4_serve.chat.output import ChatOutput, reasoning_tokens
 from dsv4_serve.protocol import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, _Common, choice_seed,
                                  parse_request)
-from dsv4_serve import tracing
-from dsv4_serve.tracing import Tracing
+from dsv4_wire import tracing
+from dsv4_wire.tracing import Tracing
 from dsv4_wire import APIError, Paths, token_matches
+from dsv4_wire.api_keys import ApiKeyGate, KeyRing
 
 if TYPE_CHECKING:
     from dsv4_engine.engine import Engine
@@ -70,6 +71,7 @@ class ServerArgs(EngineArgs):
 
     host: str = "127.0.0.1"
     port: int = 8100
+    advertise_host: Optional[str] = None  # PD: the address peers reach this engine at (default: see advertised_url)
     bootstrap_port: int = 9100
     bootstrap_timeout: float = 30.0
     transfer_timeout: float = 30.0
@@ -86,9 +88,16 @@ class ServerArgs(EngineArgs):
     tool_call_parser: Optional[str] = None  # default: the checkpoint's format
     reasoning_parser: Optional[str] = None  # default: the checkpoint's format
     otlp_traces_endpoint: Optional[str] = None  # OpenTelemetry export (off when None)
+    api_keys: list = field(default_factory=list)  # dsv4_wire.api_keys.ApiKey: required on /v1/* when any
 
     def engine_args(self) -> EngineArgs:
         return EngineArgs(**{f.name: getattr(self, f.name) for f in fields(EngineArgs)})
+
+
+def internal_error(ref: str) -> APIError:
+    """What a client learns of a bug: that it happened and where the log has it, never the
+    exception's text (paths, peer addresses, other requests' data)."""
+    return APIError(f"internal error (reference {ref}: see the engine's log)", 500, "server_error")
 
 
 def _usage(prompt: int, completion: int, cached: int = 0, reasoning: Optional[int] = None) -> dict:
@@ -526,9 +535,9 @@ class OpenAIServing:
                 yield event
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # a bug must still end the stream the way clients understand
+        except Exception:  # a bug must still end the stream the way clients understand
             log.error("stream %s failed:\n%s", p.rid, traceback.format_exc())
-            yield _sse(APIError(f"internal error: {e}", 500, "server_error").body())
+            yield _sse(internal_error(p.rid).body())
             yield _sse("[DONE]")
         finally:
             tracing.end(p.span)
@@ -613,6 +622,9 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, args: ServerArgs, life
     app.state.client = client
     app.state.serving = serving
     app.add_middleware(Gate, lifecycle=lifecycle, max_request_bytes=args.max_request_bytes)
+    # Outermost: a request without a key is refused before its body is read. The router's
+    # internal requests pass with the PD secret.
+    app.add_middleware(ApiKeyGate, ring=KeyRing(args.api_keys, internal=args.pd_secret))
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
@@ -638,8 +650,9 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, args: ServerArgs, life
 
     @app.exception_handler(Exception)
     async def _unexpected(http: Request, e: Exception):
-        log.error("%s %s failed:\n%s", http.method, http.url.path, traceback.format_exc())
-        return error_response(APIError(f"internal error: {type(e).__name__}: {e}", 500, "server_error"))
+        ref = uuid.uuid4().hex[:12]
+        log.error("%s %s failed (reference %s):\n%s", http.method, http.url.path, ref, traceback.format_exc())
+        return error_response(internal_error(ref))
 
     @app.post(Paths.COMPLETIONS)
     async def completions(http: Request):
@@ -704,7 +717,9 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, args: ServerArgs, life
                 "kernel_backend": client.info["kernel_backend"], "pid": os.getpid(), "engine_pid": client.pid}
 
     @app.get(Paths.LOADS)
-    async def loads():
+    async def loads(http: Request):
+        # Request ids, rooms and peer URLs: the admin token's (the operator and `dsv4 up` send it).
+        require_admin(http, args.admin_token)
         return await from_core("loads")
 
     @app.post(Paths.ADMIN_DRAIN)

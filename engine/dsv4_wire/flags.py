@@ -6,6 +6,7 @@ class EngineFlags:
     MODEL = "--model"
     ROLE = "--role"
     HOST = "--host"
+    ADVERTISE_HOST = "--advertise-host"
     PORT = "--port"
     BOOTSTRAP_PORT = "--bootstrap-port"
     SERVED_MODEL_NAME = "--served-model-name"
@@ -26,3 +27,5 @@ class EngineFlags:
     REASONING_PARSER = "--reasoning-parser"
     CUDA_GRAPH_MAX_BS = "--cuda-graph-max-bs"
     TP_SIZE = "--tp-size"
+    SPECULATIVE_ALGORITHM = "--speculative-algorithm"
+    SPECULATIVE_NUM_STEPS = "--speculative-num-steps"

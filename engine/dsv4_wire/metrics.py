@@ -18,6 +18,7 @@ GAUGES = {
     "kv_pages_free": "Free KV cache pages",
     "kv_pages_total": "Total KV cache pages",
     "prefix_cache_pages": "KV pages held by the prefix cache (the idle ones also count as free)",
+    "prefix_cache_snapshots": "Slot-row snapshots held by the prefix cache (models with slot states: DeepSeek-V4)",
     "tp_size": "Ranks (devices) this engine runs on (--tp-size); rank 0 reports for all",
 }
 # Gauges with a `state` label besides role/model_name: one series per state the model declares
@@ -26,6 +27,7 @@ GAUGES = {
 STATE_GAUGES = {
     "kv_state_bytes_per_token": "Bytes one token of context costs in each paged state (all layers)",
     "kv_state_bytes_per_request": "Bytes one running request costs in each fixed-size (slot) state (all layers)",
+    "prefix_cache_state_bytes": "Bytes the prefix cache holds now in each state (paged: cached pages; slot: snapshots)",
 }
 STATE_LABEL = "state"
 COUNTERS = {
@@ -41,6 +43,9 @@ COUNTERS = {
     "scheduler_loop_iterations": "Iterations of the scheduler loop",
     "prefix_cache_query_tokens": "Tokens of admitted requests looked up in the prefix cache",
     "prefix_cache_hit_tokens": "Tokens of admitted requests whose KV the prefix cache supplied",
+    "spec_decode_num_draft_tokens": "Speculative decoding: drafted tokens verified by the target",
+    "spec_decode_num_accepted_tokens": "Speculative decoding: drafted tokens the target accepted",
+    "spec_decode_num_verify_steps": "Speculative decoding: verify steps of requests that had drafts",
 }
 HISTOGRAMS = {
     "time_to_first_token_seconds": "Time to first token",
@@ -48,10 +53,16 @@ HISTOGRAMS = {
     "e2e_request_latency_seconds": "Arrival to finish",
     "kv_transfer_latency_seconds": "KV transfer start to completion",
 }
+# Histograms of counts, not seconds: their own buckets.
+COUNT_HISTOGRAMS = {
+    "spec_decode_accept_length": "Speculative decoding: tokens one verify step emitted (accepted drafts + 1)",
+}
+COUNT_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 
 
 def metric_name(key: str, suffix: str = "") -> str:
     """The exposed name of a metric key: metric_name("kv_transfers_completed", "_total")."""
-    if key not in GAUGES and key not in STATE_GAUGES and key not in COUNTERS and key not in HISTOGRAMS:
+    if (key not in GAUGES and key not in STATE_GAUGES and key not in COUNTERS and key not in HISTOGRAMS
+            and key not in COUNT_HISTOGRAMS):
         raise KeyError(f"no dsv4 metric {key!r}")
     return f"{PREFIX}{key}{suffix}"

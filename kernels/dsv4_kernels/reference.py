@@ -226,15 +226,20 @@ def moe_experts(
     """Routed experts: out[t] = sum_k w[t,k] * w2[e] @ (silu(gate_e x) * (up_e x)), e = ids[t,k].
 
     x [T, hidden], w13 [E, 2I, hidden] (gate rows, then up rows), w2 [E, hidden, I].
-    Loops over the experts that received tokens; each does one gathered matmul pair.
+    Loops over the experts that received tokens; each does one gathered matmul pair. A pair
+    whose id is outside [0, E) adds nothing and costs nothing (tensor parallelism: -1 marks
+    another rank's expert).
     """
     num_tokens, hidden = x.shape
     inter = w13.shape[1] // 2
     top_k = topk_ids.shape[1]
     out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
+    num_experts = w13.shape[0]
     flat_ids = topk_ids.reshape(-1).to(torch.long)
+    # Ids outside [0, E) (-1: another rank's expert) are computed by nobody: sorted last, skipped.
+    flat_ids = torch.where((flat_ids >= 0) & (flat_ids < num_experts), flat_ids, num_experts)
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts].tolist()
     flat_weights = topk_weights.reshape(-1).float()[order]
     tokens_sorted = order // top_k
     start = 0

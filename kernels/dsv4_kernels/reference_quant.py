@@ -103,10 +103,12 @@ def swiglu(gate_up: torch.Tensor, limit: Optional[float] = None) -> torch.Tensor
     return F.silu(gate) * up
 
 
-def _moe(x, topk_weights, topk_ids, expert_linear13, expert_linear2, swiglu_limit):
+def _moe(x, topk_weights, topk_ids, expert_linear13, expert_linear2, swiglu_limit, num_experts):
     T, hidden = x.shape
     out = torch.zeros(T, hidden, dtype=torch.float32, device=x.device)
     for e in torch.unique(topk_ids).tolist():
+        if not 0 <= e < num_experts:  # another rank's expert (tensor parallel): not ours to compute
+            continue
         tok, k = torch.where(topk_ids == e)
         h = swiglu(expert_linear13(x[tok], e).float(), swiglu_limit).to(x.dtype)
         out.index_add_(0, tok, expert_linear2(h, e).float() * topk_weights[tok, k, None].float())
@@ -117,10 +119,10 @@ def fp8_moe_experts(x, w13, s13, w2, s2, topk_weights, topk_ids, swiglu_limit: O
     """Routed experts with fp8 weights [E, 2I, H] / [E, H, I] and per-row scales; activations
     quantized before each GEMM (the intermediate too)."""
     return _moe(x, topk_weights, topk_ids, lambda a, e: fp8_linear(a, w13[e], s13[e]),
-                lambda a, e: fp8_linear(a, w2[e], s2[e]), swiglu_limit)
+                lambda a, e: fp8_linear(a, w2[e], s2[e]), swiglu_limit, w13.shape[0])
 
 
 def fp4_moe_experts(x, w13, s13, w2, s2, topk_weights, topk_ids, swiglu_limit: Optional[float] = None):
     """Routed experts with packed fp4 weights [E, 2I, H/2] / [E, H, I/2] and e8m0 scales."""
     return _moe(x, topk_weights, topk_ids, lambda a, e: fp4_linear(a, w13[e], s13[e]),
-                lambda a, e: fp4_linear(a, w2[e], s2[e]), swiglu_limit)
+                lambda a, e: fp4_linear(a, w2[e], s2[e]), swiglu_limit, w13.shape[0])

@@ -295,6 +295,8 @@ def v4_moe_experts(
     out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
     ids = topk_ids.long()
     for e in torch.unique(ids).tolist():
+        if not 0 <= e < w13.shape[0]:  # another rank's expert (tensor parallel): not ours to compute
+            continue
         tok, k = torch.where(ids == e)
         gate_up = x[tok].float() @ w13[e].float().t()
         gate, up = gate_up[:, :inter], gate_up[:, inter:]

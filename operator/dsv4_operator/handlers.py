@@ -16,6 +16,7 @@ All handlers live in `registry`, which `dsv4_operator.main` runs.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime
 import os
@@ -27,6 +28,8 @@ import kopf
 from pydantic import ValidationError
 
 from dsv4_operator import spec as S
+from dsv4_operator.drift import describe_removals, foreign_entry_removals
+from dsv4_operator.fight import FightTracker, other_manager
 from dsv4_operator.kube import ApiError, KubeApi, connection_info, load_configuration, path_of, resource_path
 from dsv4_operator.manifests import (
     ADMIN_TOKEN_KEY, APP, AUTH_SECRET_KEYS, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_NAME, LABEL_ROLE, MANAGER,
@@ -36,17 +39,39 @@ from dsv4_operator.manifests import (
 from dsv4_operator.pinning import pinned_spec
 from dsv4_operator.remediation.daemon import DeploymentWatchdog
 from dsv4_operator.remediation.pods import engine_pod_index_key, pod_snapshot
-from dsv4_operator.status import ROLES, ChildObservation, compute_status, observe, remediation_counts, status_changed
+from dsv4_operator.status import APPLY_REFUSAL_REASONS, ROLES, ApplyRefusal, ChildObservation, compute_status, observe, remediation_counts, status_changed
 from dsv4_operator.telemetry import OperatorMetrics
+from dsv4_operator.tenant_policy import TenantPolicy, policy_violations
 from dsv4_wire import ANNOTATION_PINNED_REVISION
 
 registry = kopf.OperatorRegistry()
+# What a DSV4Deployment may ask for on this cluster (the chart's tenantPolicy); read once.
+TENANT_POLICY = TenantPolicy.from_env()
 
 CR = (S.GROUP, S.VERSION, S.PLURAL)
 CHILD_LABELS = {LABEL_NAME: APP, LABEL_MANAGED_BY: MANAGER}
 # Normal Events go through kopf.event: kopf.info obeys settings.posting.level, which main sets to
 # WARNING so that kopf's own per-handler "succeeded" lines do not become Events.
 STATUS_WRITE_ATTEMPTS = 5
+
+
+APPLY_RETRY_BASE_SECONDS = 10
+APPLY_RETRY_CAP_SECONDS = 300
+
+
+def retry_delay(retry: int, base: float = APPLY_RETRY_BASE_SECONDS, cap: float = APPLY_RETRY_CAP_SECONDS) -> float:
+    """Pure: the wait before retry number `retry` + 1 of a failed apply: doubling, capped. A 403
+    (RBAC, an admission plugin) or a 5xx may be put right by an administrator, so it is retried,
+    but not at a fixed pace forever."""
+    return float(min(cap, base * 2 ** min(retry, 16)))
+
+
+def describe_apply_error(e: ApiError) -> str:
+    """Pure: the status message of a failed apply; a 403 says what to grant."""
+    if e.status == 403:
+        return (f"{e}; the operator's ServiceAccount lacks a permission the cluster requires "
+                "(see docs/operations.md, RBAC and Supported clusters); retried with back-off")
+    return str(e)
 
 
 def now_rfc3339() -> str:
@@ -68,7 +93,7 @@ def check_spec(name: str, raw_spec: Any) -> tuple[Optional[S.DSV4DeploymentSpec]
         spec = S.parse_spec(dict(raw_spec or {}))
     except ValidationError as e:
         return None, describe_validation_error(e)
-    reasons = unbuildable_reasons(name, spec)
+    reasons = unbuildable_reasons(name, spec) + policy_violations(spec, TENANT_POLICY)
     if reasons:
         return None, "; ".join(reasons)
     return spec, None
@@ -112,10 +137,36 @@ def _children(namespace: str, name: str, *indices: Any) -> list[ChildObservation
 def _carried_apply_error(previous: dict[str, Any], observed_generation: Optional[int]) -> Optional[str]:
     """An apply failure stands until the operator applies again (a new generation or a retry)."""
     for cond in previous.get("conditions") or []:
-        if (cond.get("type") == "Degraded" and cond.get("reason") == "ApplyFailed"
+        if (cond.get("type") == "Degraded" and cond.get("reason") in APPLY_REFUSAL_REASONS
                 and cond.get("observedGeneration") == observed_generation):
-            return cond.get("message") or "apply failed"
+            return ApplyRefusal(cond.get("message") or "apply failed", cond["reason"])
     return None
+
+
+IMAGE_VOLUME_UNSUPPORTED = "ImageVolumeUnsupported"
+
+
+async def image_volume_refusal(api: KubeApi, spec: S.DSV4DeploymentSpec, owner: Owner) -> Optional[ApplyRefusal]:
+    """With `model.volume.image`: whether this cluster keeps an image volume. Where the ImageVolume
+    feature gate is off (the default through 1.33; the field does not exist before 1.31) the API
+    server drops the volume and its mounts without a word, and engines would start without their
+    checkpoint. Asked by a dry-run apply of the prefill StatefulSet: nothing is written."""
+    manifest = engine_statefulset(spec, owner, "prefill", S.spec_revision(spec))
+    answer = await api.request("PATCH", path_of(manifest), body=manifest, content_type="application/apply-patch+yaml",
+                               query=[("fieldManager", api.field_manager), ("force", "true"), ("dryRun", "All")])
+    volumes = (((answer or {}).get("spec") or {}).get("template") or {}).get("spec", {}).get("volumes") or []
+    if any(v.get("name") == "model" and "image" in v for v in volumes):
+        return None
+    try:
+        version = await api.request("GET", "/version")
+        server = f"{version.get('major')}.{version.get('minor')}"
+    except ApiError:
+        server = "unknown"
+    return ApplyRefusal(
+        f"model.volume.image needs image volumes, which this cluster (Kubernetes {server}) drops: they need "
+        "1.31 or later with the ImageVolume feature gate on (off by default through 1.33). Nothing was applied: "
+        "use a persistentVolumeClaim or hostPath model volume, or enable the gate and edit the resource",
+        IMAGE_VOLUME_UNSUPPORTED)
 
 
 async def refresh_status(api: KubeApi, metrics: OperatorMetrics, namespace: str, name: str,
@@ -190,7 +241,18 @@ async def ensure_auth_secret(api: KubeApi, spec: S.DSV4DeploymentSpec, owner: Ow
                     continue  # made by a concurrent call (the watchdog daemon): read it
                 raise
             return values
-        data = {k: base64.b64decode(v).decode() for k, v in (live.get("data") or {}).items()}
+        meta = live.get("metadata") or {}
+        ours = (meta.get("labels") or {}).get(LABEL_MANAGED_BY) == MANAGER or any(
+            ref.get("uid") == owner.uid for ref in meta.get("ownerReferences") or [])
+        if not ours:  # any Secret of the namespace could be named: use only those given to us
+            raise kopf.TemporaryError(
+                f"Secret {owner.namespace}/{name} is not the operator's: label it {LABEL_MANAGED_BY}={MANAGER} "
+                f"to let this deployment use it (or name no secret and let the operator create one)", delay=10)
+        try:
+            data = {k: base64.b64decode(v).decode() for k, v in (live.get("data") or {}).items()}
+        except ValueError:  # UnicodeDecodeError, bad base64
+            raise kopf.TemporaryError(f"Secret {owner.namespace}/{name} holds a value that is not UTF-8 text",
+                                      delay=60) from None
         missing = {key: secrets.token_urlsafe(32) for key in AUTH_SECRET_KEYS if not data.get(key)}
         if missing:
             await api.request("PATCH", path_of(live), body={"metadata": {"resourceVersion": live["metadata"]
@@ -247,7 +309,7 @@ async def apply_children(api: KubeApi, metrics: OperatorMetrics, spec: S.DSV4Dep
         if is_sts and manifest["metadata"]["name"] == decode_name and \
                 await _hold_decode(api, spec, owner, manifest, prefill or {}):
             manifest = engine_statefulset(spec, owner, "decode", S.spec_revision(spec), hold=True)
-        result = await api.apply(manifest)
+        result = await apply_repairing(api, manifest)
         _remember_generation(seen, result)
         if is_sts and manifest["metadata"]["name"] == prefill_name:
             prefill = result
@@ -370,7 +432,7 @@ def _index_resource(namespace: str, name: str, **_: Any) -> dict:
 @kopf.on.update(*CR, registry=registry)
 async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, name: str, namespace: str, uid: str,
                     memo: kopf.Memo, logger: kopf.Logger, dsv4_statefulsets: kopf.Index,
-                    dsv4_deployments: kopf.Index, dsv4_resources: kopf.Index, **_: Any) -> None:
+                    dsv4_deployments: kopf.Index, dsv4_resources: kopf.Index, retry: int = 0, **_: Any) -> None:
     metrics = _metrics(memo)
     metrics.deployments.set(len(dsv4_resources))
     api = _api(memo)
@@ -393,6 +455,17 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, name: str
 
     revision = S.spec_revision(parsed)
     started = time.monotonic()
+    if parsed.model.volume is not None and parsed.model.volume.image is not None:
+        try:
+            refusal = await image_volume_refusal(api, parsed, Owner(name, namespace, uid))
+        except ApiError as e:
+            refusal = None if e.status != 400 else ApplyRefusal(f"model.volume.image: {e}", IMAGE_VOLUME_UNSUPPORTED)
+        if refusal is not None:  # never silently run engines without their checkpoint
+            metrics.reconciles.labels("apply_failed").inc()
+            kopf.warn(body, reason=IMAGE_VOLUME_UNSUPPORTED, message=refusal)
+            await refresh_status(api, metrics, namespace, name, children, observed_generation=generation,
+                                 apply_error=refusal, acted=True)
+            return
     try:
         existing = {child.role: child.spec_replicas for child in children()}
         applied = await apply_children(api, metrics, parsed, Owner(name, namespace, uid), existing,
@@ -400,11 +473,14 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, name: str
     except ApiError as e:
         metrics.api_errors.labels(str(e.status)).inc()
         metrics.reconciles.labels("apply_failed").inc()
-        kopf.warn(body, reason="ApplyFailed", message=str(e))
+        message = describe_apply_error(e)
+        if retry == 0 or not e.transient:  # once per generation (and operator start), not per retry
+            kopf.warn(body, reason="ApplyFailed", message=message)
         await refresh_status(api, metrics, namespace, name, children, observed_generation=generation,
-                             apply_error=str(e), acted=True)
+                             apply_error=message, acted=True)
         if e.transient:
-            raise kopf.TemporaryError(f"applying the children failed: {e}", delay=10) from None
+            delay = retry_delay(retry)
+            raise kopf.TemporaryError(f"applying the children failed (retry in {delay:.0f}s): {e}", delay=delay) from None
         return  # the spec produced something the API server refuses: wait for a new spec
     metrics.reconcile_seconds.observe(time.monotonic() - started)
     metrics.reconciles.labels("applied").inc()
@@ -482,56 +558,155 @@ async def _child_changed(event: kopf.RawEvent, namespace: str, labels: kopf.Labe
             and event.get("type") != "DELETED" and prefill_rolled_out(obj)):
         # Prefill finished rolling out: a held decode StatefulSet may take its new template now.
         reapply, target, seen = True, child_name(owner_name, "decode"), ""
-    if reapply:
+    fights: FightTracker = memo.setdefault("fights", FightTracker())
+    if reapply and seen and not foreign_write(obj):
+        reapply = False  # our own write (a repair's JSON patch, an apply) seen back: nothing to repair
+    if reapply and seen:  # changed by someone else: answer a writer that keeps at it with back-off
+        fight_key = (kind, namespace, target)
+        decision = fights.decide(fight_key, time.monotonic())
+        if decision.warn:
+            other = other_manager(meta.get("managedFields"), (MANAGER, SCALE_MANAGER)) or "an unnamed writer"
+            cr_ref = {"apiVersion": S.API_VERSION, "kind": S.KIND, "metadata": {"name": owner_name, "namespace": namespace}}
+            kopf.event(await api.get(S.API_VERSION, S.KIND, namespace, owner_name) or cr_ref, type="Warning",
+                       reason="FightingWriter",
+                       message=f"{kind}/{target} keeps being changed by {other}; the operator puts it back with "
+                               f"back-off (now {decision.delay:.0f}s between repairs, at most "
+                               f"{fights.cap:.0f}s): stop the other writer or make it leave the operator's fields alone")
+        if decision.delay > 0:
+            pending = memo.setdefault("delayed_repairs", {})
+            if fight_key not in pending or pending[fight_key].done():
+                pending[fight_key] = asyncio.ensure_future(_delayed_repair(
+                    decision.delay, api, metrics, namespace, owner_name, kind, target, generations, fights,
+                    fight_key, logger))
+            reapply = False
+    for attempt in range(REPAIR_ATTEMPTS if reapply else 0):
         try:
-            await _reapply_child(api, metrics, namespace, owner_name, kind, target, seen_version=seen,
-                                 generations=generations, logger=logger)
-        except ApiError as e:  # event handlers are not retried: the next event, or a resume, tries again
+            restored = await _reapply_child(api, metrics, namespace, owner_name, kind, target, seen_version=seen,
+                                            generations=generations, logger=logger)
+            if restored and seen:  # only a repair that changed something counts towards a fight
+                fights.repaired((kind, namespace, target), time.monotonic())
+            break
+        except ApiError as e:  # kopf does not retry event handlers: a few tries here, then the next event
             metrics.api_errors.labels(str(e.status)).inc()
-            logger.warning(f"Could not re-apply {kind} {namespace}/{meta.get('name')}: {e}")
+            logger.warning(f"Could not re-apply {kind} {namespace}/{meta.get('name')} "
+                           f"(attempt {attempt + 1} of {REPAIR_ATTEMPTS}): {e}")
+            if attempt + 1 < REPAIR_ATTEMPTS:
+                await asyncio.sleep(0.5 * 2 ** attempt)
     if obj.get("kind") in ("StatefulSet", "Deployment"):
         await refresh_status(api, metrics, namespace, owner_name,
                              lambda: _children(namespace, owner_name, dsv4_statefulsets, dsv4_deployments))
 
 
+async def remove_foreign_entries(api: KubeApi, manifest: Mapping[str, Any],
+                                 live: Optional[Mapping[str, Any]] = None) -> list[str]:
+    """Take out of a live child the list entries the manifest does not name (drift.py), by one
+    JSON patch conditioned on the resourceVersion read (a concurrent write makes it a 422 and
+    the caller's retry reads again). Returns what was removed."""
+    meta = manifest["metadata"]
+    if live is None:
+        live = await api.get(manifest["apiVersion"], manifest["kind"], meta.get("namespace"), meta["name"])
+    if live is None:
+        return []
+    ops = foreign_entry_removals(live, manifest)
+    if not ops:
+        return []
+    test = {"op": "test", "path": "/metadata/resourceVersion", "value": live["metadata"]["resourceVersion"]}
+    await api.request("PATCH", path_of(live), body=[test, *ops], content_type="application/json-patch+json",
+                      query=[("fieldManager", api.field_manager)])
+    return describe_removals(live, ops)
+
+
+async def apply_repairing(api: KubeApi, manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """Apply; when the merge by key with someone else's list entries makes the object invalid
+    (two Service ports named `http`: 422), remove those entries and apply again, once."""
+    try:
+        return await api.apply(manifest)
+    except ApiError as e:
+        if e.status != 422 or not await remove_foreign_entries(api, manifest):
+            raise
+    return await api.apply(manifest)
+
+
+REPAIR_ATTEMPTS = 3  # event handlers are not retried by kopf: a repair retries itself
+
+
+def foreign_write(obj: Mapping[str, Any]) -> bool:
+    """Pure: the last write to a child (managedFields' latest entry) was not the operator's. Without
+    managedFields (an API server that does not report them) every change counts as foreign."""
+    entries = [m for m in (obj.get("metadata") or {}).get("managedFields") or []
+               if m.get("subresource") != "status"]  # a controller's status write changes nothing we own
+    if not entries:
+        return True
+    latest = max(entries, key=lambda m: str(m.get("time") or ""))
+    return latest.get("manager") not in (MANAGER, SCALE_MANAGER)
+
+
+_API_VERSION_OF_KIND = {"StatefulSet": "apps/v1", "Deployment": "apps/v1", "Role": "rbac.authorization.k8s.io/v1",
+                        "RoleBinding": "rbac.authorization.k8s.io/v1", "PodDisruptionBudget": "policy/v1",
+                        "NetworkPolicy": "networking.k8s.io/v1"}
+
+
+async def _delayed_repair(delay: float, api: KubeApi, metrics: OperatorMetrics, namespace: str, owner_name: str,
+                          kind: str, name: str, generations: dict, fights: FightTracker, fight_key: tuple,
+                          logger: kopf.Logger) -> None:
+    """The repair of a child in a fight, after its back-off: one apply of whatever the child is then."""
+    await asyncio.sleep(delay)
+    try:
+        live = await api.get(_API_VERSION_OF_KIND.get(kind, "v1"), kind, namespace, name)
+        if await _reapply_child(api, metrics, namespace, owner_name, kind, name,
+                                seen_version=None if live is None else live["metadata"]["resourceVersion"],
+                                generations=generations, logger=logger):
+            fights.repaired(fight_key, time.monotonic(), backed_off=True)  # still fighting: the next wait doubles
+    except ApiError as e:
+        metrics.api_errors.labels(str(e.status)).inc()
+        logger.warning(f"Could not re-apply {kind} {namespace}/{name} after back-off: {e}")
+
+
 async def _reapply_child(api: KubeApi, metrics: OperatorMetrics, namespace: str, owner_name: str, kind: str,
                          name: str, *, seen_version: Optional[str], generations: Optional[dict] = None,
-                         logger: kopf.Logger) -> None:
+                         logger: kopf.Logger) -> bool:
     """Apply the owner's current version of one child (`seen_version`: the resourceVersion the
     event showed; None: it was deleted). Nothing when the owner is gone or being deleted (the
-    garbage collector is removing its children), or its spec cannot be acted on."""
+    garbage collector is removing its children), or its spec cannot be acted on. True when it
+    put something back (a write that changed the child)."""
     cr = await api.get(S.API_VERSION, S.KIND, namespace, owner_name)
     if cr is None or cr["metadata"].get("deletionTimestamp"):
-        return
+        return False
     spec, _, _ = effective_spec(owner_name, cr.get("spec"), cr["metadata"].get("annotations"),
                                 int(cr["metadata"].get("generation") or 0))
     if spec is None:
-        return
+        return False
     owner = Owner(owner_name, namespace, cr["metadata"]["uid"])
     wanted = [m for m in build_children(spec, owner, operator_namespace())
               if m["kind"] == kind and m["metadata"]["name"] == name]
     if not wanted:
-        return  # not (or no longer) one the spec asks for
+        return False  # not (or no longer) one the spec asks for
     if seen_version == "":  # a release: only a decode StatefulSet that is held has anything to take
         live = await api.get("apps/v1", "StatefulSet", namespace, name)
         partition = (((live or {}).get("spec") or {}).get("updateStrategy") or {}).get("rollingUpdate") or {}
         if partition.get("partition") != HOLD_PARTITION:
-            return
+            return False
     if kind == "StatefulSet" and name == child_name(owner_name, "decode") and \
             await _hold_decode(api, spec, owner, wanted[0]):
         wanted = [engine_statefulset(spec, owner, "decode", S.spec_revision(spec), hold=True)]
-    after = await api.apply(wanted[0])
+    removed = [] if seen_version in (None, "") else await remove_foreign_entries(api, wanted[0])
+    if removed:
+        kopf.event(cr, type="Normal", reason="Restored",
+                   message=f"{kind}/{name}: removed list entries the operator does not write: {', '.join(removed)}")
+    after = await apply_repairing(api, wanted[0])
     _remember_generation(generations, after)
     metrics.applied.labels(kind).inc()
     role = (wanted[0]["metadata"].get("labels") or {}).get(LABEL_ROLE, "")
     if seen_version is None and kind in ("StatefulSet", "Deployment") and spec.scaling_of(role) == "external":
         await hand_over_replicas(api, owner, role, initial_replicas(spec, role))  # made anew: starting count
     if seen_version == "":
-        return  # a release of decode after prefill rolled out, not a repair
+        return False  # a release of decode after prefill rolled out, not a repair
     if seen_version is None or seen_version != after["metadata"].get("resourceVersion"):
         what = "deleted" if seen_version is None else "changed by someone else"
         kopf.event(cr, type="Normal", reason="Restored", message=f"{kind}/{name} was {what}: re-applied")
         logger.info(f"Re-applied {kind} {namespace}/{name}: it was {what}.")
+        return True
+    return bool(removed)
 
 
 for _group, _version, _plural in (*WORKLOAD_KINDS, *OTHER_CHILD_KINDS):
@@ -553,15 +728,20 @@ async def wedge_watchdog(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kop
     def pods(namespace: str, instance: str) -> list:
         return list(dsv4_pods.get((namespace, instance), []))
 
-    admin_token = None
+    admin_token, attempt, warned = None, 0, False
     while admin_token is None and not stopped:
         try:
             admin_token = await deployment_admin_token(_api(memo), body["metadata"]["namespace"],
                                                        body["metadata"]["name"])
         except (ApiError, kopf.TemporaryError) as e:
             logger.warning(f"Cannot read the deployment's admin token yet: {e}")
+            if isinstance(e, ApiError) and e.status == 403 and not warned:  # no token, no watchdog: say so once
+                post("Warning", "WatchdogWaiting", f"the wedge watchdog cannot read or create the auth Secret: "
+                                                   f"{describe_apply_error(e)}")
+                warned = True
         if admin_token is None:
-            await stopped.wait(2.0)
+            await stopped.wait(min(2.0 * 2 ** attempt, 60.0))
+            attempt += 1
     if stopped:
         return
     watchdog = DeploymentWatchdog(lambda: _api(memo), _metrics(memo), body, post, logger, admin_token=admin_token,

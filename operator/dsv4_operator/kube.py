@@ -20,6 +20,7 @@ from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from dsv4_operator import spec as S
+from dsv4_operator.bounded import LOG_MAX_BYTES, read_capped
 from dsv4_operator.manifests import MANAGER
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -169,14 +170,16 @@ class KubeApi:
         except asyncio.TimeoutError:
             raise ApiError(0, "Timeout", f"{method} {path} took longer than 30s") from None
 
-    async def get_text(self, path: str, query: Sequence[tuple[str, str]] = (), timeout: float = 10) -> str:
-        """A plain-text read, e.g. pods/log (kept as text: a log line may look like JSON)."""
+    async def get_text(self, path: str, query: Sequence[tuple[str, str]] = (), timeout: float = 10,
+                       limit: int = LOG_MAX_BYTES) -> str:
+        """A plain-text read, e.g. pods/log (kept as text: a log line may look like JSON), of at
+        most ``limit`` bytes: a longer body is cut there (a pod's log is tenant output)."""
         try:
             resp = await self._client.call_api(
                 path, "GET", query_params=list(query), header_params={"Accept": "text/plain, */*"},
                 auth_settings=["BearerToken"], _preload_content=False, _request_timeout=timeout)
             try:
-                body = await resp.read()
+                body = await read_capped(resp, limit, truncate=True)
             finally:
                 resp.release()
         except OSError as e:

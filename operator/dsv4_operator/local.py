@@ -377,7 +377,7 @@ class LocalDeployment:
 
     async def watch(self, stop: asyncio.Event) -> None:
         executor = LocalExecutor(self)
-        loop = WatchdogLoop(self.settings, self.detector, executor)
+        loop = WatchdogLoop(self.settings, self.detector, executor, headers=authorization_header(self.admin_token))
         incarnation: dict[str, Optional[str]] = {}
         async with httpx.AsyncClient() as client:
             try:

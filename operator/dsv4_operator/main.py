@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -55,10 +56,16 @@ def make_settings(standalone: bool) -> kopf.OperatorSettings:
     # Events: ours (Applied, InvalidSpec, ...) plus kopf's warnings, not every handler's info line.
     settings.posting.level = logging.WARNING
     settings.posting.reporting_component = MANAGER
+    # Which replica posted an Event (kopf's default is "dev" for every one): the chart passes the pod name.
+    settings.posting.reporting_instance = os.environ.get("POD_NAME") or socket.gethostname()
     # Only our own children come over the wire, not every StatefulSet in the cluster.
     ours = f"{LABEL_NAME}={APP},{LABEL_MANAGED_BY}={MANAGER}"
     settings.watching.label_selectors["apps", "statefulsets"] = ours
     settings.watching.label_selectors["apps", "deployments"] = ours
+    # Every other kind of child too: a cluster's Services, Roles, PDBs (whose status the disruption
+    # controller rewrites all the time) never reach the operator to be filtered out.
+    for group, version, plural in handlers.OTHER_CHILD_KINDS:
+        settings.watching.label_selectors[group or version, plural] = ours
     # The watchdog's pod index: engine pods only, one watch for every deployment.
     settings.watching.label_selectors["v1", "pods"] = engine_pod_watch_selector()
     return settings

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
 from dsv4_operator import spec as S
+from dsv4_operator.quantity import QUANTITY_FIELDS, QUANTITY_MAPS, same_quantity
 from dsv4_operator.spec import DSV4DeploymentSpec, EnvVar, RoleSpec
 from dsv4_wire import (  # noqa: F401  (re-exported: the operator's modules read them from here)
     ADMIN_TOKEN_ENV, PD_SECRET_ENV, ANNOTATION_REVISION, APP, ENGINE_CONTAINER, ENGINE_ROLES, LABEL_COMPONENT, LABEL_ENGINE_KIND, LABEL_INSTANCE,
@@ -90,6 +91,8 @@ def unbuildable_reasons(name: str, spec: DSV4DeploymentSpec) -> list[str]:
             reasons.append(S.MSG_EXISTS_WITH_VALUE)
         if not t.key and t.operator != "Exists":
             reasons.append(S.MSG_EMPTY_KEY_NEEDS_EXISTS)
+        if t.toleration_seconds is not None and t.effect != "NoExecute":
+            reasons.append(S.MSG_SECONDS_NEED_NO_EXECUTE)
     return list(dict.fromkeys(reasons))
 
 
@@ -124,7 +127,10 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
 
 ADMIN_TOKEN_KEY = "admin-token"  # keys of the deployment's auth Secret
 PD_SECRET_KEY = "pd-secret"
-AUTH_SECRET_KEYS = (ADMIN_TOKEN_KEY, PD_SECRET_KEY)
+# The router's own admin token: who may change the router's workers is not who may drain or
+# abort on engines (and a router compromised gets no engine admin).
+ROUTER_ADMIN_TOKEN_KEY = "router-admin-token"
+AUTH_SECRET_KEYS = (ADMIN_TOKEN_KEY, PD_SECRET_KEY, ROUTER_ADMIN_TOKEN_KEY)
 
 
 def auth_secret_name(spec: DSV4DeploymentSpec, name: str) -> str:
@@ -147,11 +153,12 @@ def _secret_env(env: str, secret: str, key: str) -> dict[str, Any]:
     return {"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
 
-def auth_env(spec: DSV4DeploymentSpec, name: str) -> list[dict[str, Any]]:
-    """The admin token (engines require it on /admin and /debug; the router and the operator
-    send it) and the PD secret (engine-to-engine calls), both from the deployment's Secret."""
+def auth_env(spec: DSV4DeploymentSpec, name: str, admin_key: str = ADMIN_TOKEN_KEY) -> list[dict[str, Any]]:
+    """The admin token (engines require it on /admin, /debug and /v1/loads; the operator sends
+    it; the router has one of its own, ``admin_key``) and the PD secret (engine-to-engine calls
+    and the router's internal requests), both from the deployment's Secret."""
     secret = auth_secret_name(spec, name)
-    return [_secret_env(ADMIN_TOKEN_ENV, secret, ADMIN_TOKEN_KEY), _secret_env(PD_SECRET_ENV, secret, PD_SECRET_KEY)]
+    return [_secret_env(ADMIN_TOKEN_ENV, secret, admin_key), _secret_env(PD_SECRET_ENV, secret, PD_SECRET_KEY)]
 
 
 # ---- Security contexts ---------------------------------------------------------------------------
@@ -200,7 +207,9 @@ def engine_command(spec: DSV4DeploymentSpec, role: str) -> list[str]:
     m, e, t, r = spec.model, spec.engine, spec.transfer, spec.role(role)
     if e.kind == "builtin":
         F = EngineFlags
-        cmd = ["dsv4", "serve", F.MODEL, m.path, F.ROLE, role, F.HOST, "0.0.0.0",
+        # Listen on every address, advertise the pod's own: decode tells prefill where to reach
+        # it, and 0.0.0.0 there would be prefill's own loopback. Kubernetes expands $(POD_IP).
+        cmd = ["dsv4", "serve", F.MODEL, m.path, F.ROLE, role, F.HOST, "0.0.0.0", F.ADVERTISE_HOST, "$(POD_IP)",
                F.PORT, str(e.port), F.BOOTSTRAP_PORT, str(t.bootstrap_port),
                F.SERVED_MODEL_NAME, m.served,
                F.BOOTSTRAP_TIMEOUT, str(t.bootstrap_timeout_seconds),
@@ -269,7 +278,7 @@ except Exception:
     pass
 while time.monotonic() < deadline:
     try:
-        queues = json.load(u.urlopen(base + '{loads}', timeout=5)).get('queues', {{}})
+        queues = json.load(u.urlopen(u.Request(base + '{loads}', headers=headers), timeout=5)).get('queues', {{}})
         if not any(queues.values()):
             break
     except Exception:
@@ -303,6 +312,11 @@ def engine_probes(spec: DSV4DeploymentSpec, role: str = "prefill") -> dict[str, 
         "livenessProbe": _http_probe(Paths.HEALTH, 10, 3),
         "readinessProbe": _http_probe(ready, 5, 3),
     }
+
+
+# A router with no resources given: bounded, so one deployment's router cannot take a node's
+# memory (issue 27). Any router.resources given replaces this whole.
+ROUTER_DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"cpu": "4", "memory": "2Gi"}}
 
 
 def _resources(res: S.Resources, gpus: int) -> dict[str, Any]:
@@ -396,14 +410,20 @@ def prefill_rolled_out(prefill: Mapping[str, Any] | None) -> bool:
             and int(status.get("readyReplicas") or 0) >= replicas)
 
 
-def contains(live: Any, wanted: Any) -> bool:
+def contains(live: Any, wanted: Any, quantity: bool = False) -> bool:
     """Pure: `live` has every field of `wanted` with the same value (the API server adds defaults,
-    so equality would never hold); lists item by item, same length."""
+    so equality would never hold); lists item by item, same length. Quantities (resources, an
+    emptyDir's sizeLimit) compare by value: the server serves `4` as "4" and `1000m` as "1"."""
     if isinstance(wanted, dict):
-        return isinstance(live, dict) and all(contains(live.get(k), v) for k, v in wanted.items())
+        if not isinstance(live, dict):
+            return False
+        if quantity:  # resources.limits / requests: every value a quantity
+            return all(live.get(k) == v or same_quantity(live.get(k), v) for k, v in wanted.items())
+        return all(contains(live.get(k), v, quantity=k in QUANTITY_MAPS + QUANTITY_FIELDS)
+                   for k, v in wanted.items())
     if isinstance(wanted, list):
         return isinstance(live, list) and len(live) == len(wanted) and all(map(contains, live, wanted))
-    return live == wanted
+    return live == wanted or (quantity and same_quantity(live, wanted))
 
 
 def decode_held(spec: DSV4DeploymentSpec, prefill_ready: bool, live_decode: Mapping[str, Any] | None,
@@ -497,13 +517,17 @@ def router_deployment(spec: DSV4DeploymentSpec, owner: Owner, revision: str | No
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": router_command(spec, owner),
         "ports": ports,
-        "env": merge_env([_field_env("POD_NAMESPACE", "metadata.namespace"), *auth_env(spec, owner.name)],
+        "env": merge_env([_field_env("POD_NAMESPACE", "metadata.namespace"), *auth_env(spec, owner.name, ROUTER_ADMIN_TOKEN_KEY)],
                          spec.router.env),
-        "resources": _resources(spec.router.resources, 0),
-        "securityContext": container_security_context(spec, engine=False),
+        "resources": _resources(spec.router.resources, 0) or dict(ROUTER_DEFAULT_RESOURCES),
+        # Our router writes nothing but /tmp (an emptyDir): its root file system is read-only.
+        "securityContext": {**container_security_context(spec, engine=False),
+                            **({"readOnlyRootFilesystem": True} if builtin else {})},
         "livenessProbe": _http_probe(live, 10, 3),
         "readinessProbe": _http_probe(ready, 5, 3),
     }
+    if builtin:
+        container["volumeMounts"] = [{"name": "tmp", "mountPath": "/tmp"}]
     metrics_port = spec.router.port if builtin else SGLANG_ROUTER_METRICS_PORT
     return {
         "apiVersion": "apps/v1",
@@ -520,7 +544,8 @@ def router_deployment(spec: DSV4DeploymentSpec, owner: Owner, revision: str | No
                                              "prometheus.io/port": str(metrics_port),
                                              "prometheus.io/path": Paths.METRICS}},
                 "spec": {"serviceAccountName": name, "containers": [container], "enableServiceLinks": False,
-                         "securityContext": pod_security_context(spec, builtin_image=builtin)},
+                         "securityContext": pod_security_context(spec, builtin_image=builtin),
+                         **({"volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}]} if builtin else {})},
             },
         },
     }

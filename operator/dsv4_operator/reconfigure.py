@@ -18,12 +18,15 @@ The rollout (`LocalRollout.run`), one engine at a time:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import httpx
 
@@ -33,9 +36,23 @@ from dsv4_operator.canary.conversation import ConversationShape
 from dsv4_operator.canary.probe import ProbeSettings, run_probe
 from dsv4_operator.canary.verdict import CanaryThresholds, judge
 
+
 if TYPE_CHECKING:
-    from dsv4_operator.local import LocalDeployment
     from dsv4_operator.supervisor import EngineProc
+
+def write_atomic(path: Path, text: str) -> None:
+    """Readers see the old file or the new one (a 0600 temporary renamed over it). Its own copy of
+    local.write_atomic: local imports this module, and the import graph stays a tree."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
 
 REQUEST_FILE = "reconfigure-request.json"
 RESULT_FILE = "reconfigure-result.json"
@@ -55,8 +72,6 @@ class ReconfigureRequest:
 
 def submit(state_dir: Path, request: ReconfigureRequest, timeout: float) -> dict:
     """The client side: hand the request to the running `dsv4 up` and wait for its result."""
-    from dsv4_operator.local import write_atomic
-
     if not (state_dir / "processes.json").exists():
         raise RuntimeError(f"no running `dsv4 up` found in {state_dir} (start it, or give its --port)")
     write_atomic(state_dir / REQUEST_FILE, json.dumps(asdict(request)))
@@ -92,7 +107,9 @@ def canary_key(engines: dict) -> str:
 
 
 class LocalRollout:
-    def __init__(self, up: "LocalDeployment", request: ReconfigureRequest,
+    """`up`: the running dsv4_operator.local.LocalDeployment (not imported: local imports this module)."""
+
+    def __init__(self, up: Any, request: ReconfigureRequest,
                  thresholds: CanaryThresholds = CanaryThresholds()):
         self.up = up
         self.request = request
@@ -216,8 +233,6 @@ class LocalRollout:
         return result
 
     def _evidence(self, eng: "EngineProc", verdict: dict) -> Path:
-        from dsv4_operator.local import write_atomic
-
         folder = self.up.evidence_dir / f"canary-{eng.key}-{int(time.time())}"
         folder.mkdir(parents=True, exist_ok=True)
         write_atomic(folder / "verdict.json", json.dumps({**verdict, "engine_args": self.request.engine_args}, indent=1))
@@ -225,10 +240,8 @@ class LocalRollout:
         return folder
 
 
-async def serve_requests(up: "LocalDeployment", stop: asyncio.Event, poll_s: float = 0.5) -> None:
+async def serve_requests(up: Any, stop: asyncio.Event, poll_s: float = 0.5) -> None:
     """The running `dsv4 up`'s side: take each request from the state folder, roll, answer."""
-    from dsv4_operator.local import write_atomic
-
     while not stop.is_set():
         request = take_request(up.state_dir)
         if request is not None:

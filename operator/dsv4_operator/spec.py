@@ -74,6 +74,7 @@ MSG_PORT_CLASH = "engine.port and transfer.bootstrapPort must differ: both are p
 MSG_ENV_VALUE_AND_FROM = "an env var gives value or valueFrom, not both"
 MSG_EXISTS_WITH_VALUE = "a toleration with operator Exists must not give a value"
 MSG_EMPTY_KEY_NEEDS_EXISTS = "a toleration without a key must use operator Exists"
+MSG_SECONDS_NEED_NO_EXECUTE = "tolerationSeconds applies only to effect NoExecute"
 SGLANG_ROUTER_METRICS_PORT = 29000  # sgl-router's Prometheus port, beside router.port in its pod
 MSG_ROUTER_PORT_CLASH = f"router.port must not be {SGLANG_ROUTER_METRICS_PORT}: the SGLang router serves metrics there"
 
@@ -114,7 +115,10 @@ class Toleration(_Model):
         cel("!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
             MSG_EXISTS_WITH_VALUE),
         cel("(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
-            MSG_EMPTY_KEY_NEEDS_EXISTS)))
+            MSG_EMPTY_KEY_NEEDS_EXISTS),
+        # The API server refuses the pod template otherwise (422), after the resource was accepted.
+        cel("!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+            MSG_SECONDS_NEED_NO_EXECUTE)))
 
     key: Optional[Annotated[str, Field(pattern="^(" + QUALIFIED_NAME_PATTERN[1:-1] + ")?$")]] = None
     operator: Optional[Literal["Exists", "Equal"]] = None
@@ -275,7 +279,8 @@ class RolloutSpec(_Model):
 
 class NetworkPolicySpec(_Model):
     enabled: bool = Field(
-        False, description="Admit to the engine pods only the router, the operator and their PD peers.")
+        True, description="Admit to the engine pods only the router, the operator and their PD peers "
+                          "(on by default: engines take the PD secret's requests and admin calls).")
     operator_namespace: Optional[str] = Field(
         None, max_length=63, description="Namespace of the operator's pods (default: the operator's own).")
     operator_pod_labels: dict[QualifiedName, LabelValue] = Field(

@@ -80,6 +80,21 @@ def role_status(desired: int, child: Optional[ChildObservation]) -> dict[str, An
     return {"replicas": desired, "readyReplicas": ready, "updatedReplicas": updated, "ready": f"{ready}/{desired}"}
 
 
+class ApplyRefusal(str):
+    """An apply error with its own Degraded reason (the message is the string itself)."""
+
+    reason: str
+
+    def __new__(cls, message: str, reason: str = "ApplyFailed") -> "ApplyRefusal":
+        out = super().__new__(cls, message)
+        out.reason = reason
+        return out
+
+
+# Degraded reasons that stand for "the children were not applied", carried until the next apply.
+APPLY_REFUSAL_REASONS = ("ApplyFailed", "ImageVolumeUnsupported")
+
+
 def compute_status(
     *,
     spec: Optional[DSV4DeploymentSpec],
@@ -141,7 +156,7 @@ def compute_status(
     if spec_error is not None:
         degraded = _condition("Degraded", True, "InvalidSpec", spec_error)
     elif apply_error is not None:
-        degraded = _condition("Degraded", True, "ApplyFailed", apply_error)
+        degraded = _condition("Degraded", True, getattr(apply_error, "reason", "ApplyFailed"), apply_error)
     else:
         repeated = sorted(p for p, n in (remediation_counts or {}).items() if n >= REPEATED_WEDGES)
         if repeated:

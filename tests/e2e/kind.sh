@@ -18,6 +18,8 @@
 #   DSV4_E2E_KEEP=1             keep the cluster afterwards (default: delete it if we created it)
 #   DSV4_E2E_SKIP_BUILD=1       use images already built (dsv4-operator:e2e, dsv4-engine:e2e-tiny)
 #   DSV4_E2E_READY_TIMEOUT=900s how long the engines may take to become ready
+#   DSV4_E2E_NODE_IMAGE=        kind node image, to pick the Kubernetes release (supported: 1.29 to
+#                               1.33, e.g. kindest/node:v1.29.14); default: kind's own
 # Exit status: 0 passed, 1 failed (cluster state is printed), 2 a prerequisite is missing.
 set -euo pipefail
 
@@ -127,7 +129,7 @@ if kind get clusters 2>/dev/null | grep -qx "$CLUSTER"; then
   log "reusing kind cluster $CLUSTER"
 else
   log "creating kind cluster $CLUSTER"
-  kind create cluster --name "$CLUSTER" --wait 180s
+  kind create cluster --name "$CLUSTER" --wait 180s ${DSV4_E2E_NODE_IMAGE:+--image "$DSV4_E2E_NODE_IMAGE"}
   CREATED_CLUSTER=1
 fi
 
@@ -145,13 +147,19 @@ kind load docker-image --name "$CLUSTER" "$OP_IMAGE" "$ENGINE_IMAGE"
 
 # ---- 2. the chart, then a DSV4Deployment -------------------------------------------------------------
 log "helm install dsv4-operator"
+# Namespace scope (the chart's default) over the test namespace: a Role there, nothing cluster-wide.
+k create namespace "$NS" --dry-run=client -o yaml | k apply -f - >/dev/null
 helm upgrade --install dsv4-operator charts/dsv4-operator --kube-context "$CONTEXT" \
   --namespace "$OP_NS" --create-namespace \
   --set image.repository=dsv4-operator --set image.tag=e2e --set image.pullPolicy=Never \
+  --set "watch.namespaces={$NS}" \
   --wait --timeout 5m
 # Helm installs crds/ only on the first install: keep a reused cluster's CRD current.
 k apply --server-side --force-conflicts -f crds/dsv4deployment.yaml >/dev/null
 k create namespace "$NS" --dry-run=client -o yaml | k apply -f - >/dev/null
+# The tiny deployment asks for nothing beyond Pod Security `restricted` (no hostPath, no IPC_LOCK,
+# the builtin image runs as non-root): enforce it, so a pod that needs more fails here.
+k label namespace "$NS" --overwrite pod-security.kubernetes.io/enforce=restricted >/dev/null
 k -n "$NS" apply -f tests/e2e/tiny-cpu.yaml
 
 # ---- 3. Available, and a completion through the router -----------------------------------------------
@@ -175,6 +183,13 @@ log "sending the request that wedges (it hangs in prefill's inflight queue)"
 PF_PIDS+=($!)
 wait_for 60 "the request to sit in prefill's inflight queue" \
   bash -c "curl -sf http://127.0.0.1:$PREFILL_PORT/v1/loads | grep -Eq '\"inflight\": *[1-9]'"
+# Decode told prefill where to reach it: its pod IP (--advertise-host $(POD_IP)), never 0.0.0.0.
+DECODE_IP="$(k -n "$NS" get pod "$DECODE_POD" -o jsonpath='{.status.podIP}')"
+if ! curl -sf "http://127.0.0.1:$PREFILL_PORT/v1/loads" | grep -q "\"peer\": *\"http://$DECODE_IP:"; then
+  log "FAIL: prefill does not reach decode at its pod IP $DECODE_IP: $(curl -sf http://127.0.0.1:$PREFILL_PORT/v1/loads)"
+  dump_state
+  exit 1
+fi
 
 # ---- 5. the operator's answer --------------------------------------------------------------------------
 wait_for 240 "an evidence ConfigMap" evidence_captured

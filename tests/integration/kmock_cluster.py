@@ -9,7 +9,10 @@ What this adds to kmock (each is what a real API server does):
 - PATCH by content type: JSON merge patch (null deletes), JSON patch (a failed `test` -> 422),
   strategic merge patch (approximated by merge patch: lists are replaced, not merged by key),
   server-side apply (creates the object if absent; prunes the fields the same field manager
-  applied before and no longer applies, unless another manager owns them too; lists are atomic).
+  applied before and no longer applies, unless another manager owns them too; list-maps --
+  containers, env, volumes, imagePullSecrets by name, volumeMounts by mountPath, ports by
+  port/containerPort and protocol, ownerReferences by uid -- merge entry by entry, so an entry
+  another manager added stays; other lists are atomic).
   Field ownership per leaf path: an apply owns what it applies (alone, when forcing a different
   value; without force, a different value for a field another manager owns is a 409 conflict), any other write (PATCH, PUT, /scale) owns alone what it changed, named by its
   fieldManager parameter;
@@ -17,6 +20,8 @@ What this adds to kmock (each is what a real API server does):
   or `kubectl scale` uses it; A resourceVersion in the body is a
   precondition (409 on mismatch). PUT replaces, with the same precondition;
 - Secrets: stringData is merged into data (base64) and never stored;
+- quantities of built-in kinds (container resources, emptyDir sizeLimit) are stored and served in
+  canonical form (`4` -> "4", `1000m` -> "1", `1024Mi` -> "1Gi"); a malformed one is a 422;
 - the status subresource: writes to /status change only status, other writes never do;
 - deletion: finalizers hold an object with a deletionTimestamp; removing the last one deletes it;
   the garbage collector deletes dependents whose ownerReferences all point to owners that do not
@@ -30,8 +35,16 @@ What this adds to kmock (each is what a real API server does):
   defaults, prunes and validates custom objects (422 Invalid) unless registered without it,
   including the schema's CEL rules (`x-kubernetes-validations`, evaluated with cel-python);
 - every API call is recorded as (verb, group, resource[/subresource]) for RBAC checks.
+- validation of what a merge by key can break (validate_builtin: duplicate Service port names or
+  port/protocol pairs, duplicate container or volume names; tolerationSeconds without NoExecute);
+- OwnerReferencesPermissionEnforcement, when a test turns it on with the caller's RBAC grants
+  (enforce_owner_references): blockOwnerDeletion needs `update` on the owner's finalizers;
+- metadata.managedFields of built-in kinds (manager, operation, time, subresource, FieldsV1);
+- feature gates (`feature_gates`, ImageVolume off by default as through 1.33: image volumes and
+  their mounts are dropped from pod specs silently) and dryRun=All (answered, never stored);
 Still missing: controllers other than the garbage collector (a StatefulSet makes no pods: tests
-stand in for them), admission beyond CRD schemas, RBAC enforcement, watch bookmarks.
+stand in for them), admission beyond CRD schemas and the checks above, RBAC enforcement of every
+call (test_rbac compares the recorded calls with the chart instead), watch bookmarks.
 
 Use: `from kmock_cluster import *` in a conftest.py next to the tests (see
 tests/integration/operator/conftest.py) for the `kube_cluster`, `kube_client`, `kubeconfig`
@@ -147,47 +160,155 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
+# Server-side apply merges these lists by key (`x-kubernetes-list-type: map` in the built-in
+# schemas): an entry is owned, kept and removed on its own, fields inside it too. Every other
+# list is atomic (tolerations, rules, args, ...).
+LIST_MAP_FIELDS = frozenset({"containers", "initContainers", "ephemeralContainers", "env", "volumes", "volumeMounts",
+                             "ports", "imagePullSecrets", "ownerReferences"})
+
+
+def _entry_key(field: Any, item: Any) -> Optional[str]:
+    """The key of a list-map entry as managedFields spells it (`k:{"name":"x"}`), or None."""
+    if not isinstance(item, dict):
+        return None
+    if field == "volumeMounts":
+        keys = {"mountPath": item.get("mountPath")}
+    elif field == "ports":
+        port = "containerPort" if "containerPort" in item else "port"
+        keys = {port: item.get(port), "protocol": item.get("protocol", "TCP")}
+    elif field == "ownerReferences":
+        keys = {"uid": item.get("uid")}
+    else:
+        keys = {"name": item.get("name")}
+    if any(v is None for v in keys.values()):
+        return None
+    return "k:" + json.dumps(keys, sort_keys=True, separators=(",", ":"))
+
+
+def _as_map(field: Any, value: Any) -> Optional[dict]:
+    """A list-map as {key: entry} (insertion order kept), or None: not a list-map field, empty, or
+    an entry without its key (then the list is handled whole)."""
+    if field not in LIST_MAP_FIELDS or not isinstance(value, list) or not value:
+        return None
+    out: dict = {}
+    for item in value:
+        k = _entry_key(field, item)
+        if k is None or k in out:
+            return None
+        out[k] = item
+    return out
+
+
 def _leaf_paths(obj: Any, prefix: tuple = ()) -> set[tuple]:
-    """Paths of the fields a config sets; lists are atomic (one leaf), as for SSA."""
+    """Paths of the fields a config sets, as for SSA: list-map entries by key
+    (`(..., "ports", 'k:{"port":80,"protocol":"TCP"}', "name")`), other lists atomic (one leaf)."""
     if isinstance(obj, dict) and obj:
         paths: set[tuple] = set()
         for key, value in obj.items():
-            paths |= _leaf_paths(value, prefix + (key,))
+            entries = _as_map(key, value)
+            if entries is None:
+                paths |= _leaf_paths(value, prefix + (key,))
+            else:
+                for k, entry in entries.items():
+                    paths |= _leaf_paths(entry, prefix + (key, k))
         return paths
     return {prefix}
 
 
-def _drop_path(obj: Any, path: tuple) -> None:
-    for key in path[:-1]:
-        if not isinstance(obj, dict) or key not in obj:
-            return
-        obj = obj[key]
+def _step(obj: Any, field: Any, key: Any) -> Any:
+    """One step down a path: a dict's key, or a list-map's entry by its `k:` key."""
     if isinstance(obj, dict):
-        obj.pop(path[-1], None)
+        return obj.get(key, _MISSING)
+    if isinstance(obj, list) and isinstance(key, str) and key.startswith("k:"):
+        for item in obj:
+            if _entry_key(field, item) == key:
+                return item
+    return _MISSING
+
+
+def _is_key_field(path: tuple) -> bool:
+    """The leaf is one of the key fields of a list-map entry (`(..., 'k:{"port":80,...}', "port")`)."""
+    if len(path) < 2 or not isinstance(path[-2], str) or not path[-2].startswith("k:"):
+        return False
+    return path[-1] in json.loads(path[-2][2:])
+
+
+def _drop_path(obj: Any, path: tuple) -> None:
+    """Remove one leaf; a list-map entry left with no field is removed from its list."""
+    chain = []  # (container, node): node as found inside container
+    field = None
+    for key in path[:-1]:
+        nxt = _step(obj, field, key)
+        if nxt is _MISSING:
+            return
+        chain.append((obj, nxt))
+        obj, field = nxt, key
+    last = path[-1]
+    if _is_key_field(path) and chain and isinstance(chain[-1][0], list):
+        # An entry cannot lose its key: it goes whole (its other fields were dropped first).
+        container, entry = chain[-1]
+        container[:] = [item for item in container if item is not entry]
+        return
+    if isinstance(obj, dict):
+        obj.pop(last, None)
+    elif isinstance(obj, list):
+        obj[:] = [item for item in obj if _entry_key(field, item) != last]
+    for container, node in reversed(chain):  # prune list-map entries emptied by the drop
+        if isinstance(container, list) and node == {}:
+            container[:] = [item for item in container if item is not node]
+        else:
+            break
+
+
+def apply_merge(target: Any, patch: Any, field: Any = None) -> Any:
+    """Merge an applied configuration into an object: dicts by key, list-maps entry by entry
+    (a live entry the configuration does not name stays), other lists replaced."""
+    if isinstance(patch, dict):
+        out = dict(target) if isinstance(target, dict) else {}
+        for key, value in patch.items():
+            if value is None:
+                out.pop(key, None)
+            else:
+                out[key] = apply_merge(out.get(key), value, key)
+        return out
+    wanted = _as_map(field, patch)
+    if wanted is not None and (not target or _as_map(field, target) is not None):
+        out_list = [copy.deepcopy(item) for item in (target or [])]
+        index = {_entry_key(field, item): i for i, item in enumerate(out_list)}
+        for k, entry in wanted.items():
+            if k in index:
+                out_list[index[k]] = apply_merge(out_list[index[k]], entry)
+            else:
+                out_list.append(copy.deepcopy(entry))
+        return out_list
+    return copy.deepcopy(patch)
 
 
 def server_side_apply(live: Optional[dict], applied: dict, previously_applied: Optional[dict],
                       kept: Iterable[tuple] = ()) -> dict:
-    """Server-side apply for one field manager: the fields it applied before but no longer applies
-    are removed unless another manager owns them too (`kept`), then the new configuration is
-    merged in (dicts by key, lists replaced)."""
+    """Server-side apply for one field manager: the fields (and list-map entries) it applied
+    before but no longer applies are removed unless another manager owns them too (`kept`),
+    then the new configuration is merged in (apply_merge)."""
     out = copy.deepcopy(live) if live else {}
     kept = set(kept)
     if previously_applied:
-        for path in _leaf_paths(previously_applied) - _leaf_paths(applied) - kept:
+        gone = _leaf_paths(previously_applied) - _leaf_paths(applied) - kept
+        for path in sorted(gone, key=lambda p: (_is_key_field(p), len(p))):  # key fields last
             if path and path[0] not in ("apiVersion", "kind"):
                 _drop_path(out, path)
-    return merge_patch(out, applied)
+    return apply_merge(out, applied)
 
 
 _MISSING = object()
 
 
 def _value_at(obj: Any, path: tuple) -> Any:
+    field = None
     for key in path:
-        if not isinstance(obj, dict) or key not in obj:
+        obj = _step(obj, field, key)
+        if obj is _MISSING:
             return _MISSING
-        obj = obj[key]
+        field = key
     return obj
 
 
@@ -202,6 +323,146 @@ def changed_paths(old: Mapping[str, Any], new: Mapping[str, Any]) -> set[tuple]:
     return {p for p in _owned_paths(old) | _owned_paths(new) if _value_at(old, p) != _value_at(new, p)}
 
 
+# ---- Quantities, as the API server serves them ----------------------------------------------------
+#
+# Written independently of the operator's own comparison (dsv4_operator.quantity), so that a
+# mistake there is not mirrored here. The rules are resource.Quantity's canonical form: a number
+# is kept in the format it was written in (binary SI, decimal SI, decimal exponent) and printed
+# with the largest suffix that leaves an integer; binary values below 1024 or with a fraction are
+# printed as decimal SI; precision below a nano rounds up.
+
+_BINARY = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
+_DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+_QUANTITY = re.compile(r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(?:([eE][+-]?[0-9]+)|(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])?)$")
+
+
+def canonical_quantity(value: Any) -> str:
+    """`4` -> "4", "1000m" -> "1", "0.5" -> "500m", "1024Mi" -> "1Gi", "1e3" -> "1e3"; ValueError
+    for anything that is not a quantity."""
+    from decimal import ROUND_CEILING, Decimal
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"quantities must match the regular expression: {value!r}")
+    m = _QUANTITY.match(str(value).strip())
+    if not m:
+        raise ValueError(f"quantities must match the regular expression: {value!r}")
+    number, exponent, suffix = Decimal(m[1]), m[2], m[3] or ""
+    if exponent:
+        amount, form = number * Decimal(10) ** int(exponent[1:]), "exponent"
+    elif suffix in _BINARY:
+        amount, form = number * Decimal(1024) ** _BINARY[suffix], "binary"
+    else:
+        amount, form = number * Decimal(10) ** _DECIMAL[suffix], "decimal"
+    amount = (amount * Decimal(10) ** 9).to_integral_value(rounding=ROUND_CEILING) / Decimal(10) ** 9
+    if amount == 0:
+        return "0"
+    if form == "binary" and amount == amount.to_integral_value() and abs(amount) >= 1024:
+        power = 0
+        while amount % (Decimal(1024) ** (power + 1)) == 0 and power < 6:
+            power += 1
+        name = {v: k for k, v in _BINARY.items()}.get(power, "")
+        return f"{int(amount / Decimal(1024) ** power)}{name}"
+    power = -9
+    while power < 18 and amount % (Decimal(10) ** (power + 3)) == 0:
+        power += 3
+    mantissa = int(amount / Decimal(10) ** power)
+    if form == "exponent":
+        return f"{mantissa}e{power}" if power else str(mantissa)
+    return f"{mantissa}{ {v: k for k, v in _DECIMAL.items()}[power]}"
+
+
+def canonicalize_quantities(obj: Any, path: tuple = ()) -> Any:
+    """Every quantity field the operator writes (container resources, emptyDir sizeLimit,
+    PVC requests, pod overhead) in its canonical form; kmock.KubernetesError 422 for a bad one."""
+    if isinstance(obj, list):
+        return [canonicalize_quantities(v, path + ("[]",)) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    out = {}
+    for key, value in obj.items():
+        here = path + (key,)
+        quantity_map = len(here) >= 2 and here[-2] in ("resources",) and key in ("limits", "requests") \
+            or key == "overhead"
+        try:
+            if quantity_map and isinstance(value, dict):
+                out[key] = {k: canonical_quantity(v) for k, v in value.items()}
+            elif key == "sizeLimit" and value is not None:
+                out[key] = canonical_quantity(value)
+            else:
+                out[key] = canonicalize_quantities(value, here)
+        except ValueError as e:
+            raise kmock.KubernetesError(422, "Invalid", f"{'.'.join(here)}: {e}") from None
+    return out
+
+
+# ---- Validation of the built-in kinds the operator writes ------------------------------------------
+
+
+def _duplicates(items: Iterable[Any]) -> list:
+    seen, dup = set(), []
+    for item in items:
+        if item in seen:
+            dup.append(item)
+        seen.add(item)
+    return dup
+
+
+def _pod_specs(obj: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    if obj.get("kind") == "Pod":
+        return [("spec", obj.get("spec") or {})]
+    template = ((obj.get("spec") or {}).get("template") or {}).get("spec")
+    return [("spec.template.spec", template)] if isinstance(template, Mapping) else []
+
+
+def _image_volumes(pod: Optional[Mapping[str, Any]]) -> set:
+    return {v.get("name") for v in (pod or {}).get("volumes") or [] if "image" in v}
+
+
+def drop_disabled_fields(obj: dict, live: Optional[Mapping[str, Any]], gates: Mapping[str, bool]) -> dict:
+    """As the API server's dropDisabledFields: with the ImageVolume gate off, `image` volumes
+    and the mounts of them leave a pod spec silently (unless the stored object already had them)."""
+    if gates.get("ImageVolume", False):
+        return obj
+    specs = _pod_specs(obj)
+    if not specs or any(_image_volumes(pod) for _, pod in _pod_specs(live or {})):
+        return obj
+    out = copy.deepcopy(obj)
+    for _, pod in _pod_specs(out):
+        names = _image_volumes(pod)
+        if not names:
+            continue
+        pod["volumes"] = [v for v in pod.get("volumes") or [] if v.get("name") not in names]
+        for c in list(pod.get("containers") or []) + list(pod.get("initContainers") or []):
+            if "volumeMounts" in c:
+                c["volumeMounts"] = [m for m in c["volumeMounts"] if m.get("name") not in names]
+    return out
+
+
+def validate_builtin(obj: Mapping[str, Any]) -> None:
+    """What the API server's validation refuses (422) that a merge by key can produce: duplicate
+    Service port names or port/protocol pairs, duplicate container or volume names, a
+    tolerationSeconds on an effect other than NoExecute."""
+    problems = []
+    if obj.get("kind") == "Service":
+        ports = (obj.get("spec") or {}).get("ports") or []
+        for name in _duplicates(p.get("name") for p in ports if p.get("name")):
+            problems.append(f"spec.ports.name: Duplicate value: {name!r}")
+        for pair in _duplicates((p.get("port"), p.get("protocol", "TCP")) for p in ports):
+            problems.append(f"spec.ports: Duplicate value: {pair!r}")
+    for where, pod in _pod_specs(obj):
+        containers = list(pod.get("containers") or []) + list(pod.get("initContainers") or [])
+        for name in _duplicates(c.get("name") for c in containers):
+            problems.append(f"{where}.containers.name: Duplicate value: {name!r}")
+        for name in _duplicates(v.get("name") for v in pod.get("volumes") or []):
+            problems.append(f"{where}.volumes.name: Duplicate value: {name!r}")
+        for i, t in enumerate(pod.get("tolerations") or []):
+            if t.get("tolerationSeconds") is not None and t.get("effect") != "NoExecute":
+                problems.append(f"{where}.tolerations[{i}].effect: Invalid value: {t.get('effect')!r}: "
+                                "effect must be 'NoExecute' when `tolerationSeconds` is set")
+    if problems:
+        raise kmock.KubernetesError(422, "Invalid", f"{obj.get('kind')} {(obj.get('metadata') or {}).get('name')!r} "
+                                    f"is invalid: " + "; ".join(problems))
+
+
 # ---- The API call recorder -----------------------------------------------------------------------
 
 
@@ -213,6 +474,7 @@ class ApiCall:
     namespace: Optional[str]
     name: Optional[str]
     agent: str
+    label_selector: Optional[str] = None  # of a list or watch
 
 
 def rbac_verb(method: str, name: Optional[str], params: Mapping[str, str]) -> str:
@@ -238,8 +500,15 @@ class ApiCallRecorder:
         self.calls.append(ApiCall(
             verb=verb or rbac_verb(str(request.method.value), request.name, request.params),
             group=res.group or "", resource=resource, namespace=request.namespace, name=request.name,
-            agent=str(request.headers.get("User-Agent", "")),
+            agent=str(request.headers.get("User-Agent", "")), label_selector=request.params.get("labelSelector"),
         ))
+
+    def record_check(self, verb: str, group: str, resource: str, namespace: Optional[str], name: Optional[str],
+                     agent: str) -> None:
+        """An authorization check an admission plugin made on the caller's behalf (RBAC must
+        grant it just as it grants a call)."""
+        self.calls.append(ApiCall(verb=verb, group=group, resource=resource, namespace=namespace, name=name,
+                                  agent=agent))
 
     def observed(self, exclude_agents: Iterable[str] = (TEST_AGENT, "kmock/")) -> set[tuple[str, str, str]]:
         """{(verb, apiGroup, resource)} made by anyone but the tests themselves."""
@@ -266,6 +535,14 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _now_precise() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _without_managed_fields(obj: Mapping[str, Any]) -> dict:
+    return dict(obj, metadata=_without(obj.get("metadata") or {}, "managedFields"))
+
+
 def _without(obj: Mapping[str, Any], *keys: str) -> dict:
     return {k: v for k, v in obj.items() if k not in keys}
 
@@ -281,6 +558,17 @@ class KubeCluster(kmock.KubernetesEmulator):
     _schemas: dict = attrs.field(factory=dict, init=False)  # resource -> openAPIV3Schema
     _applied: dict = attrs.field(factory=dict, init=False)  # (key, manager) -> last applied config
     _owners: dict = attrs.field(factory=dict, init=False)  # key -> {leaf path: managers owning it}
+    _custom: set = attrs.field(factory=set, init=False)  # resources served for CRDs
+    # OwnerReferencesPermissionEnforcement: None (off, as on a default kubeadm cluster) or the
+    # {(apiGroup, resource, verb)} the callers hold (see enforce_owner_references).
+    _owner_ref_grants: Optional[set] = attrs.field(default=None, init=False)
+    _caller: Optional[str] = attrs.field(default=None, init=False)  # User-Agent of the write being admitted
+    # Feature gates as on a 1.29-1.33 cluster by default: ImageVolume off (the apiserver then drops
+    # `image` volumes and their mounts from pod specs without a word).
+    feature_gates: dict = attrs.field(factory=lambda: {"ImageVolume": False})
+    _dry_run: bool = attrs.field(default=False, init=False)
+    _write_times: dict = attrs.field(factory=dict, init=False)  # key -> {manager: (operation, time)}
+    _writer: Optional[tuple] = attrs.field(default=None, init=False)  # (manager, operation) of the write being stored
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -300,11 +588,59 @@ class KubeCluster(kmock.KubernetesEmulator):
                 shortnames=names.get("shortNames", []), categories=names.get("categories", []),
                 subresources=list((version.get("subresources") or {}).keys()),
                 verbs=["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"])
+            self._custom.add(res)
             schema = (version.get("schema") or {}).get("openAPIV3Schema")
             if validate and schema:
                 self._schemas[res] = schema
             else:
                 self._schemas.pop(res, None)
+
+    def enforce_owner_references(self, grants: Optional[Iterable[tuple[str, str, str]]]) -> None:
+        """Turn on the OwnerReferencesPermissionEnforcement admission plugin (on by default on
+        OpenShift/OKD and many hardened clusters) for every caller but the tests, who hold
+        `grants` ({(apiGroup, resource, verb)}, as chart_testutil.grants gives them); None turns it off.
+        As the plugin: setting blockOwnerDeletion on a reference needs `update` on the owner's
+        `finalizers` subresource; changing ownerReferences of an existing object needs `delete`
+        on it. Each check is recorded as a call, so the RBAC proof sees it."""
+        self._owner_ref_grants = None if grants is None else set(grants)
+
+    def _resource_of_kind(self, api_version: str, kind: str) -> Optional[Any]:
+        group, _, version = api_version.rpartition("/")
+        for res, info in self.resources.items():
+            if res.group == group and res.version == version and info.kind == kind:
+                return res
+        return None
+
+    def _admit_owner_references(self, res: Any, new: Mapping[str, Any], live: Optional[Mapping[str, Any]]) -> None:
+        caller = self._caller
+        if self._owner_ref_grants is None or caller is None or caller.startswith((TEST_AGENT, "kmock/")):
+            return
+        new_refs = (new.get("metadata") or {}).get("ownerReferences") or []
+        old_refs = ((live or {}).get("metadata") or {}).get("ownerReferences") or []
+        if new_refs == old_refs:
+            return
+        meta = new.get("metadata") or {}
+        namespace, name = meta.get("namespace"), meta.get("name")
+
+        def allowed(verb: str, group: str, resource: str, obj_name: Optional[str]) -> bool:
+            self.recorder.record_check(verb, group, resource, namespace, obj_name, caller)
+            return (group, resource, verb) in self._owner_ref_grants
+
+        if live is not None and not allowed("delete", res.group or "", res.plural, name):
+            raise kmock.KubernetesError(403, "Forbidden", f"{res.plural} {name!r} is forbidden: cannot set an "
+                                        "ownerRef on a resource you can't delete")
+        blocking_before = {r.get("uid") for r in old_refs if r.get("blockOwnerDeletion")}
+        for ref in new_refs:
+            if not ref.get("blockOwnerDeletion") or ref.get("uid") in blocking_before:
+                continue
+            owner = self._resource_of_kind(ref.get("apiVersion", ""), ref.get("kind", ""))
+            if owner is None:
+                raise kmock.KubernetesError(422, "Invalid", f"ownerReferences: no resource for kind {ref.get('kind')}")
+            if not allowed("update", owner.group or "", f"{owner.plural}/finalizers", ref.get("name")):
+                raise kmock.KubernetesError(
+                    403, "Forbidden", f"{res.plural} {name!r} is forbidden: cannot set blockOwnerDeletion if an "
+                    f"ownerReference refers to a resource you can't set finalizers on: User cannot update resource "
+                    f"\"{owner.plural}/finalizers\" in API group \"{owner.group}\" in the namespace \"{namespace}\"")
 
     def objects_of(self, resource: Any, namespace: Optional[str] = None) -> list[dict]:
         res = kmock.resource(resource) if isinstance(resource, str) else resource
@@ -329,58 +665,71 @@ class KubeCluster(kmock.KubernetesEmulator):
         method = str(request.method.value)
         res = request.resource
         async with self._lock:
-            if method == "POST" and request.name is None:
+            self._caller = str(request.headers.get("User-Agent", ""))
+            self._dry_run = request.params.get("dryRun") == "All"
+            saved = (copy.deepcopy(self._owners), copy.deepcopy(self._applied)) if self._dry_run else None
+            try:
+                return await self._mutate_locked(request, method, res)
+            finally:
+                self._caller = None
+                self._writer = None
+                if saved is not None:  # a dry run leaves no trace, field ownership included
+                    self._owners, self._applied = saved
+                    self._dry_run = False
+
+    async def _mutate_locked(self, request: rendering.Request, method: str, res: Any) -> tuple[int, dict]:
+        if method == "POST" and request.name is None:
+            self.recorder.record(request)
+            return 201, await self._create(res, request.namespace, self._body(request),
+                                           request.params.get("fieldManager") or "unnamed-updater")
+        if request.name is None:
+            raise kmock.KubernetesError(405, "MethodNotAllowed", f"{method} needs an object name")
+        key = (res, request.namespace, request.name)
+        live = self._live(key)
+        updater = request.params.get("fieldManager") or "unnamed-updater"
+        if request.subresource == "scale" and live is not None and method in ("PATCH", "PUT") \
+                and live.get("kind") in ("StatefulSet", "Deployment", "ReplicaSet"):
+            self.recorder.record(request)
+            replicas = ((self._body(request).get("spec") or {}).get("replicas"))
+            if not isinstance(replicas, int) or replicas < 0:
+                raise kmock.KubernetesError(422, "Invalid", "spec.replicas must be a non-negative integer")
+            new = copy.deepcopy(live)
+            new["spec"]["replicas"] = replicas
+            stored = await self._store(key, new, live, updater=updater)
+            return 200, {"apiVersion": "autoscaling/v1", "kind": "Scale",
+                         "metadata": {"name": request.name, "namespace": request.namespace},
+                         "spec": {"replicas": stored["spec"]["replicas"]}}
+        if request.subresource not in (None, "status"):
+            raise kmock.KubernetesNotFoundError(message=f"subresource {request.subresource} is not served")
+        if method == "DELETE":
+            self.recorder.record(request)
+            if live is None:
+                raise kmock.KubernetesObjectNotFoundError()
+            return 200, await self._delete(key)
+        if method == "PATCH":
+            ctype = str(request.headers.get("Content-Type", "")).split(";")[0].strip()
+            body = self._body(request, allow_list=ctype == "application/json-patch+json")
+            if ctype == "application/apply-patch+yaml":
+                manager = request.params.get("fieldManager")
+                if not manager:
+                    raise kmock.KubernetesError(400, "BadRequest", "fieldManager is required for apply")
+                if live is None:  # apply creates; RBAC then checks `create` as well as `patch`
+                    self.recorder.record(request, verb="create")
                 self.recorder.record(request)
-                return 201, await self._create(res, request.namespace, self._body(request),
-                                               request.params.get("fieldManager") or "unnamed-updater")
-            if request.name is None:
-                raise kmock.KubernetesError(405, "MethodNotAllowed", f"{method} needs an object name")
-            key = (res, request.namespace, request.name)
-            live = self._live(key)
-            updater = request.params.get("fieldManager") or "unnamed-updater"
-            if request.subresource == "scale" and live is not None and method in ("PATCH", "PUT") \
-                    and live.get("kind") in ("StatefulSet", "Deployment", "ReplicaSet"):
-                self.recorder.record(request)
-                replicas = ((self._body(request).get("spec") or {}).get("replicas"))
-                if not isinstance(replicas, int) or replicas < 0:
-                    raise kmock.KubernetesError(422, "Invalid", "spec.replicas must be a non-negative integer")
-                new = copy.deepcopy(live)
-                new["spec"]["replicas"] = replicas
-                stored = await self._store(key, new, live, updater=updater)
-                return 200, {"apiVersion": "autoscaling/v1", "kind": "Scale",
-                             "metadata": {"name": request.name, "namespace": request.namespace},
-                             "spec": {"replicas": stored["spec"]["replicas"]}}
-            if request.subresource not in (None, "status"):
-                raise kmock.KubernetesNotFoundError(message=f"subresource {request.subresource} is not served")
-            if method == "DELETE":
-                self.recorder.record(request)
-                if live is None:
-                    raise kmock.KubernetesObjectNotFoundError()
-                return 200, await self._delete(key)
-            if method == "PATCH":
-                ctype = str(request.headers.get("Content-Type", "")).split(";")[0].strip()
-                body = self._body(request, allow_list=ctype == "application/json-patch+json")
-                if ctype == "application/apply-patch+yaml":
-                    manager = request.params.get("fieldManager")
-                    if not manager:
-                        raise kmock.KubernetesError(400, "BadRequest", "fieldManager is required for apply")
-                    if live is None:  # apply creates; RBAC then checks `create` as well as `patch`
-                        self.recorder.record(request, verb="create")
-                    self.recorder.record(request)
-                    force = str(request.params.get("force", "")).lower() == "true"
-                    return 200, await self._apply(key, request.subresource, body, manager, force)
-                self.recorder.record(request)
-                if live is None:
-                    raise kmock.KubernetesObjectNotFoundError()
-                return 200, await self._patch(key, request.subresource, body, ctype, updater)
-            if method == "PUT":
-                self.recorder.record(request)
-                if live is None:
-                    raise kmock.KubernetesObjectNotFoundError()
-                body = self._body(request)
-                self._check_precondition(live, body)
-                new = self._scoped_write(live, body, request.subresource)
-                return 200, await self._store(key, new, live, updater=updater)
+                force = str(request.params.get("force", "")).lower() == "true"
+                return 200, await self._apply(key, request.subresource, body, manager, force)
+            self.recorder.record(request)
+            if live is None:
+                raise kmock.KubernetesObjectNotFoundError()
+            return 200, await self._patch(key, request.subresource, body, ctype, updater)
+        if method == "PUT":
+            self.recorder.record(request)
+            if live is None:
+                raise kmock.KubernetesObjectNotFoundError()
+            body = self._body(request)
+            self._check_precondition(live, body)
+            new = self._scoped_write(live, body, request.subresource)
+            return 200, await self._store(key, new, live, updater=updater, subresource=request.subresource)
         raise kmock.KubernetesError(405, "MethodNotAllowed", f"{method} is not served")
 
     @staticmethod
@@ -429,13 +778,17 @@ class KubeCluster(kmock.KubernetesEmulator):
         if self._has_status_subresource(res):
             body.pop("status", None)
         self._owners[key] = {p: {manager} for p in _owned_paths(body)}
+        self._writer = self._writer or (manager, "Update")
         return await self._store(key, body, None)
 
     async def _apply(self, key: tuple, subresource: Optional[str], applied: dict, manager: str,
                      force: bool = True) -> dict:
         res, namespace, name = key
+        if res not in self._custom:
+            applied = canonicalize_quantities(applied)  # fields are compared as the server stores them
         live = self._live(key)
         previous = self._applied.get((key, manager))
+        self._writer = (manager, "Apply")
         if live is None:
             applied_meta = dict(applied.get("metadata") or {}, name=name)
             obj = await self._create(res, namespace, dict(applied, metadata=applied_meta), manager=manager)
@@ -478,7 +831,8 @@ class KubeCluster(kmock.KubernetesEmulator):
             patched = merge_patch(live, body)
         else:
             raise kmock.KubernetesError(415, "UnsupportedMediaType", f"unsupported patch type {ctype!r}")
-        return await self._store(key, self._scoped_write(live, patched, subresource), live, updater=updater)
+        return await self._store(key, self._scoped_write(live, patched, subresource), live, updater=updater,
+                                 subresource=subresource)
 
     @staticmethod
     def _check_precondition(live: dict, body: Mapping[str, Any]) -> None:
@@ -515,10 +869,12 @@ class KubeCluster(kmock.KubernetesEmulator):
                 return "status" in info.subresources
         return False
 
-    async def _store(self, key: tuple, new: dict, live: Optional[dict], updater: Optional[str] = None) -> dict:
+    async def _store(self, key: tuple, new: dict, live: Optional[dict], updater: Optional[str] = None,
+                     subresource: Optional[str] = None) -> dict:
         """`updater`: the field manager of a non-apply write; it becomes the only owner of the
         fields it changed (as an Update does in managedFields)."""
         res = key[0]
+        writer, self._writer = ((updater, "Update", subresource) if updater is not None else self._writer), None
         if updater is not None and live is not None:
             owners = self._owners.setdefault(key, {})
             for p in changed_paths(live, new):
@@ -527,8 +883,12 @@ class KubeCluster(kmock.KubernetesEmulator):
             new = dict(new)
             encoded = {k: base64.b64encode(str(v).encode()).decode() for k, v in (new.pop("stringData") or {}).items()}
             new["data"] = {**(new.get("data") or {}), **encoded}
+        self._admit_owner_references(res, new, live)
         if res in self._schemas:
             new = self._admit_custom(res, new)
+        elif res not in self._custom:  # built-in kinds: quantities served canonical ("4", "1", "1Gi")
+            new = drop_disabled_fields(canonicalize_quantities(new), live, self.feature_gates)
+            validate_builtin(new)
         if res == CRD_RESOURCE and live is None:
             self.register_crd(new)
         meta = new.setdefault("metadata", {})
@@ -537,8 +897,15 @@ class KubeCluster(kmock.KubernetesEmulator):
             changed = _generation_relevant(new) != _generation_relevant(live)
             meta["generation"] = old_gen + 1 if changed else old_gen
             meta["resourceVersion"] = live["metadata"].get("resourceVersion")
-            if new == live:
+            if _without_managed_fields(new) == _without_managed_fields(live):
                 return live  # a no-op write: nothing stored, no event, same resourceVersion
+        if self._dry_run:
+            return new  # dryRun=All: admitted and answered, never stored
+        if res not in self._custom:  # who wrote what, as a real API server reports it
+            if writer is not None:
+                self._write_times.setdefault(key, {})[writer[0]] = (writer[1], _now_precise(),
+                                                                     writer[2] if len(writer) > 2 else None)
+            meta["managedFields"] = self._managed_fields(key)
         self._rv += 1
         meta["resourceVersion"] = str(self._rv)
         if live is None:
@@ -559,6 +926,29 @@ class KubeCluster(kmock.KubernetesEmulator):
             # they are (re)created after the owner is gone (a late reconcile, for instance).
             await self._delete(key)
         return new
+
+    def _managed_fields(self, key: tuple) -> list[dict]:
+        """metadata.managedFields: per manager, the fields it owns (FieldsV1: `f:` names and the
+        `k:` keys of list-map entries), its last operation and when."""
+        by_manager: dict[str, dict] = {}
+        for path, managers in (self._owners.get(key) or {}).items():
+            for manager in managers:
+                node = by_manager.setdefault(manager, {})
+                for part in path:
+                    node = node.setdefault(part if str(part).startswith("k:") else f"f:{part}", {})
+        out = []
+        for manager, fields_v1 in sorted(by_manager.items()):
+            operation, when, sub = (self._write_times.get(key) or {}).get(manager, ("Update", _now_precise(), None))
+            entry = {"manager": manager, "operation": operation, "apiVersion": key[0].version,
+                     "time": when, "fieldsType": "FieldsV1", "fieldsV1": fields_v1}
+            if sub:
+                entry["subresource"] = sub
+            out.append(entry)
+        for manager, (operation, when, sub) in sorted((self._write_times.get(key) or {}).items()):
+            if manager not in by_manager and sub == "status":  # status writers own status fields (not tracked)
+                out.append({"manager": manager, "operation": operation, "apiVersion": key[0].version, "time": when,
+                            "fieldsType": "FieldsV1", "fieldsV1": {"f:status": {}}, "subresource": sub})
+        return out
 
     def _admit_custom(self, res: Any, obj: dict) -> dict:
         schema = self._schemas[res]
@@ -596,6 +986,7 @@ class KubeCluster(kmock.KubernetesEmulator):
         self.objects._objects[key].delete()
         self._applied = {k: v for k, v in self._applied.items() if k[0] != key}
         self._owners.pop(key, None)
+        self._write_times.pop(key, None)
         self._rv += 1
         gone = dict(live, metadata=dict(live["metadata"], resourceVersion=str(self._rv)))
         await self._buses[res].put({"type": "DELETED", "object": gone})
@@ -604,6 +995,7 @@ class KubeCluster(kmock.KubernetesEmulator):
     async def _collect_garbage(self, owner_uid: Optional[str]) -> None:
         if not owner_uid:
             return
+        self._caller = None  # the garbage collector's own writes are not the caller's
         for key, obj in list(self.objects._objects.items()):
             if obj.deleted:
                 continue

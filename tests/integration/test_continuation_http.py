@@ -90,3 +90,38 @@ def test_a_continuation_only_from_the_router_and_within_bounds(server, body, hea
     assert r.status_code == status, r.text
     if param:
         assert r.json()["error"]["param"] == param
+
+
+SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 900},
+                                           "note": {"type": "string", "pattern": "^[a-z ]{20,30}$"}},
+          "required": ["id", "note"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("k", [1, 6, 17])
+def test_a_structured_continuation_rebuilds_the_grammar_from_the_answer_so_far(server, k):
+    """The matcher of a continuation accepts its tokens once before the first new one: the rest
+    is the undisturbed answer and the whole stays schema-valid (a matcher that missed them would
+    mask as at the start of the JSON and produce something else)."""
+    body = {"prompt": [5, 6, 7, 8, 9], "max_tokens": 120, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}}
+    _, full_text, full_ids = stream(server, "/v1/completions", body)
+    json.loads(full_text)
+    assert len(full_ids) > k
+    evs, text, ids = stream(server, "/v1/completions", {**body, "continuation_token_ids": full_ids[:k]})
+    assert full_ids[:k] + ids == full_ids
+    assert evs[-1]["choices"][-1]["finish_reason"] == "stop"
+
+
+def test_choice_j_continued_alone_with_seed_plus_j_is_choice_j(server):
+    """What the router relies on when it splits an n > 1 stream: choice j of a seeded n = 2
+    request is the n = 1 request with seed + j, continued from any point."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 20, "temperature": 0.9, "seed": 41, "ignore_eos": True}
+    evs, _, _ = stream(server, "/v1/completions", {**body, "n": 2})
+    per = {0: [], 1: []}
+    for e in evs:
+        for c in e["choices"]:
+            per[c["index"]] += c.get("token_ids") or []
+    assert per[0] != per[1]
+    for j in (0, 1):
+        _, _, ids = stream(server, "/v1/completions", {**body, "seed": 41 + j, "continuation_token_ids": per[j][:7]})
+        assert per[j][:7] + ids == per[j]

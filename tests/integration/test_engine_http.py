@@ -39,7 +39,7 @@ def sse_events(lines) -> list:
 def wait_idle(client, timeout=10.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
-        loads = client.get("/v1/loads").json()
+        loads = client.get("/v1/loads", headers=ADMIN).json()
         idle = loads["queues"]["running"] == 0 and loads["queues"]["waiting"] == 0
         if idle and loads["kv_pages_free"] == loads["kv_pages_total"]:
             return loads
@@ -170,7 +170,7 @@ def test_metrics_have_every_contract_name_with_labels(client):
 
 
 def test_client_disconnect_aborts_and_frees_pages(client, server):
-    before = client.get("/v1/loads").json()["counters"]["num_aborted_reqs"]
+    before = client.get("/v1/loads", headers=ADMIN).json()["counters"]["num_aborted_reqs"]
     with httpx.Client(base_url=server, timeout=30) as other:
         with other.stream("POST", "/v1/completions", json={"prompt": "a long story", "max_tokens": 1500,
                                                            "ignore_eos": True, "stream": True}) as r:
@@ -197,7 +197,7 @@ def test_admin_abort_and_token(client, server):
     t = threading.Thread(target=long_request)
     t.start()
     deadline = time.monotonic() + 20
-    while client.get("/v1/loads").json()["queues"]["running"] == 0:
+    while client.get("/v1/loads", headers=ADMIN).json()["queues"]["running"] == 0:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     assert client.post("/admin/abort", json={"rid": "victim"}, headers=ADMIN).status_code == 200

@@ -78,6 +78,8 @@ MUST_RECORD = {
     ("policy", "poddisruptionbudgets", "get"), ("policy", "poddisruptionbudgets", "delete"),
     ("networking.k8s.io", "networkpolicies", "create"), ("networking.k8s.io", "networkpolicies", "patch"),
     ("networking.k8s.io", "networkpolicies", "get"), ("networking.k8s.io", "networkpolicies", "delete"),
+    # OwnerReferencesPermissionEnforcement: every child's blockOwnerDeletion reference.
+    ("serving.dsv4.dev", "dsv4deployments/finalizers", "update"),
     # PD-aware rollout: the prefill and decode StatefulSets are read.
     ("apps", "statefulsets", "get"),
     # Drift: every kind of child is watched.
@@ -166,8 +168,10 @@ async def run_scenario(cluster: WatchdogCluster, client: ClusterClient, kubeconf
 
 async def reconcile_scenario(client: ClusterClient) -> None:
     # The user brought an auth Secret with only the admin token: the operator adds the PD secret.
-    await client.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "flash-auth", "namespace": "ns1"},
-                         "data": {"admin-token": "dXNlcg=="}}, "secrets")
+    # It carries the operator's label: the operator uses no Secret of the namespace it was not given.
+    await client.create({"apiVersion": "v1", "kind": "Secret", "metadata": {
+        "name": "flash-auth", "namespace": "ns1", "labels": {"app.kubernetes.io/managed-by": "dsv4-operator"}},
+        "data": {"admin-token": "dXNlcg=="}}, "secrets")
     await client.create(resource("flash", "ns1"), PLURAL)
     await eventually(lambda: observed(client, "ns1", "flash", 1), timeout=60)
     # The controllers report ready workloads (the emulator has none): status follows.
@@ -245,14 +249,16 @@ async def test_the_chart_grants_exactly_what_the_operator_calls(scope: str, kube
                                                                 kube_client: ClusterClient, kubeconfig: Path,
                                                                 api_calls: ApiCallRecorder) -> None:
     namespaces = [] if scope == "cluster" else NAMESPACES
-    await run_scenario(kube_cluster, kube_client, kubeconfig, namespaces)
-    recorded = recorded_grants(api_calls)
-    assert MUST_RECORD <= recorded, f"the scenario did not exercise: {sorted(MUST_RECORD - recorded)}"
-
     values: dict[str, Any] = {"watch.scope": scope}
     if namespaces:
         values["watch.namespaces"] = namespaces
     docs = helm_template(values)
+    # As on OpenShift and hardened clusters: owner references are checked against what the chart grants.
+    kube_cluster.enforce_owner_references(grants(rbac_rules(docs)))
+    await run_scenario(kube_cluster, kube_client, kubeconfig, namespaces)
+    recorded = recorded_grants(api_calls)
+    assert MUST_RECORD <= recorded, f"the scenario did not exercise: {sorted(MUST_RECORD - recorded)}"
+
     roles = [d for d in docs if d["kind"] in ("Role", "ClusterRole")
              and not d["metadata"]["name"].endswith("-leader-election")]  # the Lease's Role, in the release namespace
     assert {d["kind"] for d in roles} == {"ClusterRole" if scope == "cluster" else "Role"}

@@ -125,6 +125,10 @@ def test_up_heals_a_reproduced_wedge(tmp_path, tiny_model):
         # /debug/stacks answered the watchdog: its call carried the admin token.
         assert "dsv4-engine" in (folder / "stacks.txt").read_text()
         assert json.loads((folder / "loads.json").read_text())["queues"]["inflight"] == 1
+        # the stuck request's timeline: it got as far as the transfer, and has not moved since
+        [stuck, *_] = json.loads((folder / "timelines.json").read_text())
+        assert stuck["state"] == "Transferring" and stuck["last_progress_seconds_ago"] >= WINDOW / 2
+        assert [e["event"] for e in stuck["events"]][-2:] == ["forward_done", "Transferring"]
         t.join(60)
         assert complete_eventually(url)["usage"]["completion_tokens"] == 4  # traffic flows again
         new_pid = httpx.get(f"{prefill}/server_info").json()["boot_id"]
@@ -161,7 +165,7 @@ def test_up_with_deadlines_on_remediates_nothing(tmp_path, tiny_model):
         assert complete_eventually(url)["usage"]["completion_tokens"] == 4
         assert not list(evidence.glob("*")), "no remediation when the engine heals itself"
         assert "WedgeDetected" not in proc.log()
-        loads = httpx.get(f"{prefill}/v1/loads").json()
+        loads = httpx.get(f"{prefill}/v1/loads", headers=up.admin).json()
         assert loads["counters"]["num_transfer_timeout_reqs"] == 2 and loads["queues"]["inflight"] == 0
     finally:
         proc.stop()

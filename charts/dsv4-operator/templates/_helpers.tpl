@@ -60,6 +60,12 @@ records the operator's calls against an API server and checks this list against 
 - apiGroups: ["serving.dsv4.dev"]
   resources: ["dsv4deployments/status"]
   verbs: ["patch"]
+# Every child and the auth Secret carry an ownerReference with blockOwnerDeletion (a foreground
+# delete of the resource waits for them). Where OwnerReferencesPermissionEnforcement is on
+# (OpenShift, OKD, hardened clusters) setting it needs update on the owner's finalizers.
+- apiGroups: ["serving.dsv4.dev"]
+  resources: ["dsv4deployments/finalizers"]
+  verbs: ["update"]
 # The children, by server-side apply (create when absent, patch otherwise); kopf watches the
 # workloads to keep the owner's status current.
 - apiGroups: ["apps"]

@@ -38,6 +38,10 @@ class ForwardBatch:
     # For models with slot states (DeepSeek-V4); V3 reads neither.
     slot_ids: Optional[torch.Tensor] = None  # [B] int64, each request's row in the slot states
     page_size: Optional[int] = None  # tokens per page
+    # Prefix-cache snapshots to write inside this step's chunks: (request, position, snapshot
+    # row) into snapshot_states (models with slot states that support it: V4's torch path).
+    snapshots: Optional[list[tuple[int, int, int]]] = None
+    snapshot_states: Optional[dict[str, torch.Tensor]] = None
     # The same lengths as host ints, known when the batch was built: ops that size launches or
     # loop over requests read these instead of reading the device (a host sync).
     seq_lens_host: Optional[list[int]] = None
@@ -153,51 +157,55 @@ class DeepseekV3:
         self.embed = dense(take("model.embed_tokens.weight"), dt)
         self.final_norm = take("model.norm.weight")
         self.lm_head = self.embed if cfg.tie_word_embeddings and "lm_head.weight" not in w else take("lm_head.weight")
+        self.layers = [self.build_layer(w, i, take) for i in range(cfg.num_hidden_layers)]
+        self.resident_bytes = log_resident("deepseek_v3", dev, self.embed, self.lm_head, self.final_norm, self.layers)
+
+    def build_layer(self, w: dict[str, torch.Tensor], i: int, take) -> dict[str, torch.Tensor]:
+        """Decoder layer i's weights as the forward uses them (also the decoder layer of an MTP
+        block, stored at index num_hidden_layers: dsv4_engine.spec_decode)."""
+        cfg, dt = self.cfg, self.dtype
         H, nope, rope, v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         interleaved = cfg.extra.get("rope_interleave", True)
-        self.layers = []
-        for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}."
-            L: dict[str, torch.Tensor] = {
-                "input_norm": take(p + "input_layernorm.weight"),
-                "post_norm": take(p + "post_attention_layernorm.weight"),
-                "kv_a": take(p + "self_attn.kv_a_proj_with_mqa.weight"),
-                "kv_a_norm": take(p + "self_attn.kv_a_layernorm.weight"),
-                "o": take(p + "self_attn.o_proj.weight"),
-            }
-            if cfg.q_lora_rank:
-                L["q_a"] = take(p + "self_attn.q_a_proj.weight")
-                L["q_a_norm"] = take(p + "self_attn.q_a_layernorm.weight")
-                q_b = take(p + "self_attn.q_b_proj.weight")
-            else:
-                q_b = take(p + "self_attn.q_proj.weight")
-            if not interleaved:
-                q_b, L["kv_a"] = dense(q_b, dt), dense(L["kv_a"], dt)  # rows permuted in place below
-                # The ops rotate interleaved pairs; a half-split checkpoint becomes interleaved by
-                # permuting its rope rows, which leaves every q.k dot product unchanged.
-                perm = torch.stack([torch.arange(rope // 2), torch.arange(rope // 2) + rope // 2], 1).reshape(-1)
-                qb = q_b.view(H, nope + rope, -1)
-                qb[:, nope:] = qb[:, nope:][:, perm]
-                L["kv_a"][cfg.kv_lora_rank:] = L["kv_a"][cfg.kv_lora_rank:][perm]
-            L["q_b"] = q_b
-            # kv_b is split per head for the absorbed form (bmm, not F.linear): dense, as DeepSeek's
-            # own inference dequantizes it
-            kv_b = dense(take(p + "self_attn.kv_b_proj.weight"), dt).view(H, nope + v, cfg.kv_lora_rank)
-            L["w_uk"] = kv_b[:, :nope].contiguous()  # [H, nope, C]: q_nope -> latent space
-            L["w_uv"] = kv_b[:, nope:].contiguous()  # [H, v, C]: latent -> value per head
-            if cfg.is_moe_layer(i):
-                L["gate"] = take(p + "mlp.gate.weight", torch.float32)
-                L["bias"] = take(p + "mlp.gate.e_score_correction_bias", torch.float32)
-                L["w13"], L["w2"] = self._experts(w, p + "mlp.experts", take)
-                if cfg.n_shared_experts:
-                    s = p + "mlp.shared_experts."
-                    L["s_w13"] = torch.cat([take(s + "gate_proj.weight"), take(s + "up_proj.weight")], 0)
-                    L["s_w2"] = take(s + "down_proj.weight")
-            else:
-                L["d_w13"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0)
-                L["d_w2"] = take(p + "mlp.down_proj.weight")
-            self.layers.append(L)
-        self.resident_bytes = log_resident("deepseek_v3", dev, self.embed, self.lm_head, self.final_norm, self.layers)
+        p = f"model.layers.{i}."
+        L: dict[str, torch.Tensor] = {
+            "input_norm": take(p + "input_layernorm.weight"),
+            "post_norm": take(p + "post_attention_layernorm.weight"),
+            "kv_a": take(p + "self_attn.kv_a_proj_with_mqa.weight"),
+            "kv_a_norm": take(p + "self_attn.kv_a_layernorm.weight"),
+            "o": take(p + "self_attn.o_proj.weight"),
+        }
+        if cfg.q_lora_rank:
+            L["q_a"] = take(p + "self_attn.q_a_proj.weight")
+            L["q_a_norm"] = take(p + "self_attn.q_a_layernorm.weight")
+            q_b = take(p + "self_attn.q_b_proj.weight")
+        else:
+            q_b = take(p + "self_attn.q_proj.weight")
+        if not interleaved:
+            q_b, L["kv_a"] = dense(q_b, dt), dense(L["kv_a"], dt)  # rows permuted in place below
+            # The ops rotate interleaved pairs; a half-split checkpoint becomes interleaved by
+            # permuting its rope rows, which leaves every q.k dot product unchanged.
+            perm = torch.stack([torch.arange(rope // 2), torch.arange(rope // 2) + rope // 2], 1).reshape(-1)
+            qb = q_b.view(H, nope + rope, -1)
+            qb[:, nope:] = qb[:, nope:][:, perm]
+            L["kv_a"][cfg.kv_lora_rank:] = L["kv_a"][cfg.kv_lora_rank:][perm]
+        L["q_b"] = q_b
+        # kv_b is split per head for the absorbed form (bmm, not F.linear): dense, as DeepSeek's
+        # own inference dequantizes it
+        kv_b = dense(take(p + "self_attn.kv_b_proj.weight"), dt).view(H, nope + v, cfg.kv_lora_rank)
+        L["w_uk"] = kv_b[:, :nope].contiguous()  # [H, nope, C]: q_nope -> latent space
+        L["w_uv"] = kv_b[:, nope:].contiguous()  # [H, v, C]: latent -> value per head
+        if cfg.is_moe_layer(i):
+            L["gate"] = take(p + "mlp.gate.weight", torch.float32)
+            L["bias"] = take(p + "mlp.gate.e_score_correction_bias", torch.float32)
+            L["w13"], L["w2"] = self._experts(w, p + "mlp.experts", take)
+            if cfg.n_shared_experts:
+                s = p + "mlp.shared_experts."
+                L["s_w13"] = torch.cat([take(s + "gate_proj.weight"), take(s + "up_proj.weight")], 0)
+                L["s_w2"] = take(s + "down_proj.weight")
+        else:
+            L["d_w13"] = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0)
+            L["d_w2"] = take(p + "mlp.down_proj.weight")
+        return L
 
     def _experts(self, w, prefix: str, take) -> tuple[torch.Tensor, torch.Tensor]:
         """Stack experts into [E, 2I, hidden] and [E, hidden, I]; reads DeepSeek's per-expert
@@ -330,20 +338,33 @@ class DeepseekV3:
             out = out + self._mlp(x, L["s_w13"], L["s_w2"])
         return self._reduce(out)
 
-    @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, states: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Run one step; returns fp32 logits of each request's last new token, [B, vocab]."""
+    def decoder_layer(self, L: dict, x: torch.Tensor, residual: Optional[torch.Tensor], fb: ForwardBatch,
+                      kv_layer: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer: (output, residual) as the next layer's rmsnorm takes them."""
         cfg, ops = self.cfg, self.ops
+        h, residual = ops.rmsnorm(x, L["input_norm"], cfg.rms_norm_eps, residual)
+        x = self._attention(L, h, fb, kv_layer, slots)
+        h, residual = ops.rmsnorm(x, L["post_norm"], cfg.rms_norm_eps, residual)
+        x = self._moe(L, h) if "gate" in L else self._reduce(self._mlp(h, L["d_w13"], L["d_w2"]))
+        return x, residual
+
+    @torch.inference_mode()
+    def hidden_states(self, fb: ForwardBatch, states: dict[str, torch.Tensor],
+                      rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The final-normed hidden state (what the lm_head reads) of the tokens at `rows` (all
+        tokens when None), [len(rows), hidden]: speculative decoding verifies every position."""
         kv_pool = states[self.LATENT_KV]
         x = F.embedding(fb.input_ids, self.embed)
         residual: Optional[torch.Tensor] = None
         page_size = kv_pool.shape[2]
         slots = (fb.slot_mapping // page_size, fb.slot_mapping % page_size)  # (page, offset), every layer
         for i, L in enumerate(self.layers):
-            h, residual = ops.rmsnorm(x, L["input_norm"], cfg.rms_norm_eps, residual)
-            x = self._attention(L, h, fb, kv_pool[:, i], slots)
-            h, residual = ops.rmsnorm(x, L["post_norm"], cfg.rms_norm_eps, residual)
-            x = self._moe(L, h) if "gate" in L else self._reduce(self._mlp(h, L["d_w13"], L["d_w2"]))
-        h = x[fb.logits_indices] + residual[fb.logits_indices]
-        h, _ = ops.rmsnorm(h, self.final_norm, cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+            x, residual = self.decoder_layer(L, x, residual, fb, kv_pool[:, i], slots)
+        h = x + residual if rows is None else x[rows] + residual[rows]
+        h, _ = self.ops.rmsnorm(h, self.final_norm, self.cfg.rms_norm_eps)
+        return h
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, states: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Run one step; returns fp32 logits of each request's last new token, [B, vocab]."""
+        return F.linear(self.hidden_states(fb, states, fb.logits_indices), self.lm_head).float()

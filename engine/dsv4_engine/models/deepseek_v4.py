@@ -248,6 +248,9 @@ class DeepseekV4:
         # the torch backend keeps the batched torch path below, the same math tuned for the CPU
         # (dsv4_kernels.reference_v4 is its kernel-shaped twin: the kernels' oracle).
         self.kops = ops if getattr(ops, "V4_KERNEL_PATH", False) else None
+        # The torch path writes prefix-cache snapshots at boundaries inside a chunk
+        # (`_save_snapshots`); on the kernel path the scheduler ends a chunk there instead.
+        self.snapshots_in_forward = self.kops is None
         self.dtype = dtype
         self.device = torch.device(device)
         self.inv_freq = {
@@ -411,6 +414,8 @@ class DeepseekV4:
         else:
             out = torch.zeros_like(x)
             for e in torch.unique(ids).tolist():
+                if e < 0:  # another rank's expert (tensor parallel)
+                    continue
                 tok, k = torch.where(ids == e)
                 h = self._swiglu(F.linear(x[tok], L["w13"][e]))
                 out.index_add_(0, tok, (F.linear(h, L["w2"][e]) * wts[tok, k, None]).to(out.dtype))
@@ -451,7 +456,8 @@ class DeepseekV4:
         already holds every projection of the window (this step's included), so the window and,
         for CSA, its predecessor are read back from it. With `closes` [N] (a captured step, whose
         launches cannot depend on which rows close): every row pools its latest full window, and
-        a row that closes none writes back the entry it read (its own page: pages are never shared)."""
+        a row that closes none writes back the entry it read: the same bytes, so harmless even in
+        a page the prefix cache shares, whose windows are all closed and never written otherwise."""
         S, width = stage.shape[2], stage.shape[3] // 2
         w = (t + 1) // rate - 1
         if closes is not None:
@@ -625,6 +631,7 @@ class DeepseekV4:
         kbase = start - W  # the ring holds positions start - W .. start - 1
         ring = ring_store[slots[:, None], i, (kbase[:, None] + torch.arange(W, device=dev)) % W]
         ext_kv = torch.cat([ring.to(kv.dtype), kv[tok]], 1)  # [B, W + Lmax, hd] in position order
+        self._save_snapshots(fb, group, spans, self.SWA_KV, i, ext_kv)
         # only the last R ring positions can be seen (R < W when every chunk of the group starts
         # early: a fresh prompt attends to none of the ring)
         R = min(W, max(s[2] for s in spans))
@@ -634,7 +641,7 @@ class DeepseekV4:
         keys = ext_kv[:, W - R:]
         if kind in (CSA, HCA):
             rate = cfg.compress_rates[kind]
-            self._close_windows(L, proj, tok, spans, slots, pages, fb, states, j, rate)
+            self._close_windows(L, proj, tok, spans, slots, pages, fb, states, j, rate, group)
             C = max((st + m) // rate for _, m, st in spans)  # entries closed so far, at most
             if C:
                 w = torch.arange(C, device=dev)
@@ -658,7 +665,7 @@ class DeepseekV4:
 
     def _close_windows(self, L: dict, proj: dict, tok: torch.Tensor, spans: list[tuple[int, int, int]],
                        slots: torch.Tensor, pages: torch.Tensor, fb: V4Batch, states: dict[str, torch.Tensor],
-                       j: int, rate: int) -> None:
+                       j: int, rate: int, group: Optional[list[int]] = None) -> None:
         """Feed a group's chunks to the layer's compressor(s): close every window whose last token
         arrived (its entry goes to the paged store) and keep each request's last projections in
         its stage ring. A window may have started in an earlier step: its first tokens are read
@@ -680,6 +687,8 @@ class DeepseekV4:
             ebase = start - S
             held = st[slots[:, None], j, (ebase[:, None] + torch.arange(S, device=dev)) % S]
             ext = torch.cat([held.to(chunk.dtype), chunk], 1)  # positions ebase .. ebase + S + Lmax - 1
+            if group is not None:
+                self._save_snapshots(fb, group, spans, name, j, ext)
             if closing:
                 w_ids = start[cb] // rate + ck  # [N] the windows closing now
                 offs = (w_ids * rate - ebase[cb])[:, None] + torch.arange(rate, device=dev)  # [N, rate] rows of ext
@@ -694,6 +703,25 @@ class DeepseekV4:
                 store[pages[rows, page].long(), off] = entries.to(store.dtype)
             keep = torch.arange(S, device=dev)
             st[slots[:, None], j, (end[:, None] - S + keep) % S] = ext[b_ix, n[:, None] + keep].to(st.dtype)
+
+    def _save_snapshots(self, fb: V4Batch, group: list[int], spans: list[tuple[int, int, int]], name: str,
+                        layer: int, ext: torch.Tensor) -> None:
+        """The prefix cache's snapshots inside this step's chunks (torch path): slot state `name`
+        of request group[k] as it stands at a boundary b its chunk passes, taken from ext [B,
+        S + Lmax, ...] (positions start - S ..: what the row held, then the chunk), into
+        snapshot row sid at the ring offsets b - S .. b - 1 (mod S), as the row itself would
+        hold them had the chunk ended at b. `fb.snapshots`: (request, b, sid) with start < b < end."""
+        snaps = getattr(fb, "snapshots", None)
+        if not snaps:
+            return
+        store = fb.snapshot_states[name]
+        S = store.shape[2]
+        keep = torch.arange(S, device=ext.device)
+        for k, g in enumerate(group):
+            for req, b, sid in snaps:
+                if req == g:
+                    start = spans[k][2]
+                    store[sid, layer, (b - S + keep) % S] = ext[k, b - start: b - start + S].to(store.dtype)
 
     def _attend_decode(self, i: int, L: dict, q: torch.Tensor, kv: torch.Tensor, proj: dict, fb: V4Batch,
                        states: dict[str, torch.Tensor], spans: list[tuple[int, int, int]]) -> torch.Tensor:

@@ -183,6 +183,24 @@ class TPGroup:
         dist.broadcast(header, 0, group=self.rank.control)
         dist.broadcast(payload, 0, group=self.rank.control)
 
+    def send_graph_step(self, hb) -> None:
+        """A captured decode step: its host arrays (no device read), replayed by every rank."""
+        header, payload = wire.pack_host(hb)
+        dist.broadcast(header, 0, group=self.rank.control)
+        dist.broadcast(payload, 0, group=self.rank.control)
+
+    def capture_graphs(self, max_bs: int, capture: Callable[[], bool]) -> bool:
+        """Every rank captures its decode graphs now, together: the warm-up forwards run the
+        all-reduces, so the ranks do them in the same order. Then all keep them or all drop them
+        (a rank without graphs could not replay rank 0's captured steps)."""
+        with self.step("capturing CUDA graphs on every rank", timed=False):
+            dist.broadcast(wire.capture_header(max_bs), 0, group=self.rank.control)
+            ok = capture()
+            agreed = all_ranks_agree(ok, self.rank)
+        if ok and not agreed:
+            log.warning("CUDA graphs off: another rank could not capture its decode graphs (its log says why)")
+        return agreed
+
     @contextlib.contextmanager
     def step(self, what: str, timed: bool = True):
         """Time a step that talks to the other ranks (the watchdog fails one that takes too
@@ -336,6 +354,13 @@ class TPGroup:
             dist.destroy_process_group()
         except Exception:
             pass
+
+
+def all_ranks_agree(ok: bool, rank: TPRank) -> bool:
+    """True on every rank when `ok` is true on every rank (a MIN over the control group)."""
+    flag = torch.tensor([int(bool(ok))], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=rank.control)
+    return bool(flag.item())
 
 
 def state_regions(pool, pages: list[int], slot) -> list[torch.Tensor]:

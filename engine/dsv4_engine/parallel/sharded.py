@@ -24,11 +24,13 @@ class ShardComm:
         return self._rank.all_reduce(x)
 
     def local_experts(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Choices of other ranks' experts get weight 0 (on local expert 0): same shapes, so the
-        expert kernels run unchanged; this rank's partial sum then carries only its experts."""
+        """The router's global choices as this rank's local ids; choices of other ranks' experts
+        become -1, which every expert implementation skips (no GEMM rows, nothing added): this
+        rank computes only its experts' pairs, and the all-reduce that follows adds the rest.
+        Same shapes, no host read (capturable)."""
         lo, hi = self.experts
         mine = (ids >= lo) & (ids < hi)
-        return weights * mine, torch.where(mine, ids - lo, torch.zeros_like(ids))
+        return weights * mine, torch.where(mine, ids - lo, torch.full_like(ids, -1))
 
 
 def build_sharded(model_cls, model_type: str, cfg, model_dir: str | Path, ops, dtype: torch.dtype,

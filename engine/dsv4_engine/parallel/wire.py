@@ -11,8 +11,9 @@ from dsv4_engine.models.deepseek_v3 import ForwardBatch
 HEADER_LEN = 8
 # Header slots.
 OP, TOKENS, REQS, MAX_PAGES, ALL_DECODE, HAS_SLOTS, PAGE_SIZE, PAYLOAD = range(HEADER_LEN)
-# Operations.
-OP_FORWARD, OP_STOP, OP_STATE = 1, 2, 3
+# Operations. OP_CAPTURE: capture the decode graphs now (REQS: the largest bucket); OP_GRAPH: a
+# decode step replayed from them, its host arrays as a batch payload (REQS rows, MAX_PAGES wide).
+OP_FORWARD, OP_STOP, OP_STATE, OP_CAPTURE, OP_GRAPH = 1, 2, 3, 4, 5
 
 
 def state_message(pages: list[int], slot) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,3 +70,38 @@ def unpack(header: torch.Tensor, payload: torch.Tensor, device: torch.device) ->
         seq_lens=p[4].to(i32), extend_lens=p[5].to(i32), logits_indices=p[6], all_decode=bool(h[ALL_DECODE]),
         slot_ids=p[7] if h[HAS_SLOTS] else None, page_size=None if h[PAGE_SIZE] < 0 else h[PAGE_SIZE],
     )
+
+
+def capture_header(max_bs: int) -> torch.Tensor:
+    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    h[OP], h[REQS] = OP_CAPTURE, max_bs
+    return h
+
+
+def pack_host(hb) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header, payload) of a captured decode step from its host arrays (a HostBatch): the same
+    layout as `pack`, built without touching the device (no per-step sync for the header)."""
+    import numpy as np
+
+    B, P = hb.block_table.shape
+    parts = [hb.input_ids, hb.positions, hb.slot_mapping, hb.block_table.reshape(-1), hb.seq_lens, hb.extend_lens,
+             hb.logits_indices] + ([] if hb.slot_ids is None else [hb.slot_ids])
+    payload = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
+    header = torch.tensor([OP_GRAPH, hb.input_ids.shape[0], B, P, 1, int(hb.slot_ids is not None), -1,
+                           payload.numel()], dtype=torch.int64)
+    return header, payload
+
+
+def unpack_host(header: torch.Tensor, payload: torch.Tensor):
+    """The HostBatch that `pack_host` sent."""
+    from dsv4_engine.batch_buffers import HostBatch
+
+    h = header.tolist()
+    T, B, P = h[TOKENS], h[REQS], h[MAX_PAGES]
+    sizes = [T, T, T, B * P, B, B, B] + ([B] if h[HAS_SLOTS] else [])
+    if sum(sizes) != payload.numel():
+        raise ValueError(f"payload of {payload.numel()} ints does not match its header {h}")
+    a = [t.numpy() for t in torch.split(payload, sizes)]
+    return HostBatch(input_ids=a[0], positions=a[1], slot_mapping=a[2], block_table=a[3].reshape(B, P).astype("int32"),
+                     seq_lens=a[4].astype("int32"), extend_lens=a[5].astype("int32"), logits_indices=a[6],
+                     slot_ids=a[7] if h[HAS_SLOTS] else None)

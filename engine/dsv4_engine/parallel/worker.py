@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dsv4_engine.parallel import wire
-from dsv4_engine.parallel.group import HEARTBEAT_S, SPEC_ENV, join, rank_device, receive_state
+from dsv4_engine.parallel.group import HEARTBEAT_S, SPEC_ENV, all_ranks_agree, join, rank_device, receive_state
 from dsv4_engine.parallel.plan import Shard
 
 log = logging.getLogger("dsv4.tp")
@@ -70,7 +70,7 @@ def serve_rank(spec: dict) -> None:
     if torch.device(device).type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // shard.size))
     rank = join(shard, spec["port"], device)
-    runner = ModelRunner(ea["model"], ea.get("dtype", "float32"), device, ea.get("kernel_backend"), tp=rank)
+    runner = ModelRunner(ea["model"], ea.get("dtype"), device, ea.get("kernel_backend"), tp=rank)
     sizes = torch.zeros(3, dtype=torch.int64)
     dist.broadcast(sizes, 0, group=rank.control)
     num_pages, page_size, max_num_seqs = sizes.tolist()
@@ -81,10 +81,18 @@ def serve_rank(spec: dict) -> None:
         op = int(header[wire.OP])
         if op == wire.OP_STOP:
             return
+        if op == wire.OP_CAPTURE:  # at start-up, with every other rank: all keep graphs or none
+            runner.enable_graphs(int(header[wire.REQS]))
+            if not all_ranks_agree(runner.capture_graphs(pool), rank):
+                runner.drop_graphs()
+            continue
         payload = torch.empty(wire.payload_len(header), dtype=torch.int64)
         dist.broadcast(payload, 0, group=rank.control)
         if op == wire.OP_FORWARD:
             runner.model.forward(wire.unpack(header, payload, runner.device), pool.all_states)
+        elif op == wire.OP_GRAPH:
+            runner._states = pool.all_states
+            runner.graphs.step(wire.unpack_host(header, payload))
         elif op == wire.OP_STATE:
             receive_state(pool, rank, *wire.unpack_state(payload))
         else:

@@ -4,14 +4,15 @@ and the controller base that holds the seams (transport, control channel, deadli
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from dsv4_engine.pd.channel import ControlChannel
 from dsv4_engine.pd.faults import Deadlines, FaultInjector
-from dsv4_engine.pd.request_info import PDRequestInfo, PDState  # noqa: F401  (re-exported)
+from dsv4_engine.pd.request_info import PDRequestInfo, PDState, stuck_first, timeline_view  # noqa: F401  (re-exported)
 from dsv4_engine.pd.transport import KVTransport, PoolStates
 
 # The engine and its Sequence are not imported here, not even for typing: Sequence.pd is typed
@@ -38,9 +39,26 @@ class PDSettings:
     transfer_checksum: bool = False  # --transfer-checksum: verify (decode) / always send (prefill) region checksums
 
     @classmethod
-    def from_args(cls, args) -> "PDSettings":
-        return cls(args.bootstrap_timeout, args.transfer_timeout, args.waiting_timeout, f"http://{args.host}:{args.port}",
+    def from_args(cls, args, environ: Optional[Mapping[str, str]] = None) -> "PDSettings":
+        url = advertised_url(args.host, args.port, getattr(args, "advertise_host", None),
+                             os.environ if environ is None else environ)
+        return cls(args.bootstrap_timeout, args.transfer_timeout, args.waiting_timeout, url,
                    bool(getattr(args, "transfer_checksum", False)))
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "", "[::]")
+POD_IP_ENV = "POD_IP"  # what Kubernetes' downward API gives the pod (the operator's manifests set it)
+
+
+def advertised_url(host: str, port: int, advertise_host: Optional[str], environ: Mapping[str, str]) -> str:
+    """Pure: the URL a peer reaches this engine at (decode tells prefill where to send aborts).
+    `--advertise-host` wins; else the listen host unless it is a wildcard (0.0.0.0 is every
+    address here but the peer's own loopback there); else $POD_IP; else 127.0.0.1, which only a
+    peer on this machine reaches (`dsv4 up`)."""
+    chosen = advertise_host or (host if host not in WILDCARD_HOSTS else environ.get(POD_IP_ENV) or "127.0.0.1")
+    if ":" in chosen and not chosen.startswith("["):  # an IPv6 address in a URL goes in brackets
+        chosen = f"[{chosen}]"
+    return f"http://{chosen}:{port}"
 
 
 def fail_request(engine: Engine, seq: Sequence, code: int, msg: str, counter: Optional[str] = None) -> None:
@@ -75,6 +93,15 @@ class PDController:
 
     def _fail(self, seq: Sequence, code: int, msg: str, counter: Optional[str] = None) -> None:
         fail_request(self.engine, seq, code, msg, counter)
+
+    def timelines(self) -> list[dict]:
+        """/v1/loads' `requests`: the PD timelines of this engine's requests (stuck ones first),
+        read from another thread (a copy of each list; the caller retries a resized dict)."""
+        now, wall = self.clock(), time.time()
+        last_token = (lambda s: s.last_token_time) if self.clock is time.monotonic else (lambda s: None)
+        views = [timeline_view(s.rid, s.pd, last_token(s), len(s.output_ids), now, wall, list(s.pd.timeline))
+                 for s in list(self.engine.seqs.values()) if isinstance(s.pd, PDRequestInfo)]
+        return stuck_first(views)
 
     def on_prefill_done(self, seq: Sequence) -> None:
         raise RuntimeError(f"{type(self).__name__} does not prefill for a peer")

@@ -59,6 +59,7 @@ class DecodeController(PDController):
         self.checksum_seconds = 0.0  # time spent verifying what landed (--transfer-checksum's cost)
 
     def on_new(self, seq: Sequence) -> None:
+        seq.pd.mark("arrival", self.clock())
         seq.pd.enter(PDState.BOOTSTRAPPING, self._timeout(self.settings.bootstrap_timeout), self.clock())
         self.prealloc.append(seq)
 
@@ -163,7 +164,11 @@ class DecodeController(PDController):
         m.inc("kv_transfer_bytes", len(seq.pages) * pool.page_nbytes + row)
         m.observe("kv_transfer_latency_seconds", self.clock() - seq.pd.transfer_started)
         seq.pd.state = PDState.SUCCESS
+        seq.pd.mark("kv_landed", self.clock())
         seq.num_computed = seq.num_tokens
+        # prompt tokens prefill's prefix cache served (the client's usage.cached_tokens)
+        cached = note.get("cached_tokens", 0)
+        seq.num_cached_tokens = cached if isinstance(cached, int) and 0 <= cached <= len(seq.prompt_ids) else 0
         self.engine.accept_first_token(seq, token, note.get("logprobs"))
 
     def _checksum_failure(self, seq: Sequence, note: dict) -> Optional[str]:
@@ -233,5 +238,5 @@ class DecodeController(PDController):
 
     def loads(self) -> tuple[dict, dict]:
         return ({"prealloc": len(self.prealloc) + len(self.registering), "transfer": len(self.transfer)},
-                {"deadlines": self.deadlines.on, "boot_id": self.boot_id,
+                {"deadlines": self.deadlines.on, "boot_id": self.boot_id, "requests": self.timelines(),
                  "transfer_checksum_seconds": round(self.checksum_seconds, 6)})

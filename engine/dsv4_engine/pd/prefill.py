@@ -79,6 +79,7 @@ class PrefillController(PDController):
 
     def on_new(self, seq: Sequence) -> None:
         now = self.clock()
+        seq.pd.mark("arrival", now)
         seq.pd.enter(PDState.BOOTSTRAPPING, self._timeout(self.settings.bootstrap_timeout), now)
         self.bootstrap[seq.pd.room] = seq
         if self.dropped.pop(seq.pd.room, None) is not None:
@@ -172,10 +173,12 @@ class PrefillController(PDController):
         self.engine.scheduler.remove(seq)
         pd = seq.pd
         now = self.clock()
+        pd.mark("forward_done", now)
         pd.enter(PDState.TRANSFERRING, self._timeout(self.settings.transfer_timeout), now)
         pd.transfer_started = now
         self.inflight[pd.room] = seq
-        note = {"room": pd.room, "token": seq.output_ids[-1], "prefill_boot": self.boot_id}
+        note = {"room": pd.room, "token": seq.output_ids[-1], "prefill_boot": self.boot_id,
+                "cached_tokens": seq.num_cached_tokens}
         logprobs = getattr(seq, "output_logprobs", None)
         if logprobs:
             note["logprobs"] = logprobs[-1]
@@ -204,6 +207,7 @@ class PrefillController(PDController):
                     self.bytes_by_state[name] = self.bytes_by_state.get(name, 0) + nbytes
                 m.observe("kv_transfer_latency_seconds", now - pd.transfer_started)
                 pd.state = PDState.SUCCESS
+                pd.mark("transfer_done", now)
                 self.engine.finish(seq, "stop")
                 return
             if state is TransferState.FAILED:
@@ -271,6 +275,6 @@ class PrefillController(PDController):
                     for s in list(self.inflight.values())]
         return ({"bootstrap": len(self.bootstrap), "inflight": len(self.inflight)},
                 {"prefill_inflight_oldest_age_seconds": round(self.oldest_inflight_age(), 3),
-                 "inflight_requests": inflight, "deadlines": self.deadlines.on, "boot_id": self.boot_id,
+                 "inflight_requests": inflight, "requests": self.timelines(), "deadlines": self.deadlines.on, "boot_id": self.boot_id,
                  "kv_transfer_bytes_by_state": dict(self.bytes_by_state),
                  "transfer_checksum_seconds": round(self.checksum_seconds, 6)})

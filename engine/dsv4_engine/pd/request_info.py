@@ -36,6 +36,9 @@ class PDRequestInfo:
     checksum: bool = False  # prefill: the decode asked for region checksums with the KV
     handle: Optional[int] = None  # prefill: the KV transfer
     transfer_started: Optional[float] = None
+    # (event, clock time): every state entered and the hand-off's milestones, for the watchdog's
+    # evidence (`timeline_view`); a few entries per request, appended on the engine thread
+    timeline: list[tuple[str, float]] = field(default_factory=list)
 
     @property
     def bootstrap_addr(self) -> str:
@@ -45,6 +48,39 @@ class PDRequestInfo:
         self.state = state
         self.entered = now
         self.deadline = None if timeout is None else now + timeout
+        self.mark(state.value, now)
+
+    def mark(self, event: str, now: float) -> None:
+        self.timeline.append((event, now))
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
+
+
+# At most this many requests' timelines in /v1/loads (the longest-waiting first).
+TIMELINE_REQUESTS = 32
+
+
+def timeline_view(rid: str, pd: PDRequestInfo, last_token_time: Optional[float], tokens: int, now: float,
+                  wall_now: float, events: Optional[list[tuple[str, float]]] = None) -> dict:
+    """One PD request's timeline as /v1/loads shows it: each event's age (seconds before `now`)
+    and wall-clock time, the state it is in and for how long, and how long since it last made
+    progress (an event or a token). Pure."""
+    events = pd.timeline if events is None else events
+    last = max([t for _, t in events] + ([last_token_time] if last_token_time is not None else []), default=now)
+    return {
+        "rid": rid, "room": pd.room, "state": pd.state.value, "peer": pd.peer_url,
+        "in_state_seconds": round(now - pd.entered, 3),
+        "deadline_in_seconds": None if pd.deadline is None else round(pd.deadline - now, 3),
+        "output_tokens": tokens,
+        "last_progress_seconds_ago": round(now - last, 3),
+        "events": [{"event": e, "seconds_ago": round(now - t, 3), "at": round(wall_now - (now - t), 3)}
+                   for e, t in events],
+    }
+
+
+def stuck_first(views: list[dict], limit: int = TIMELINE_REQUESTS) -> list[dict]:
+    """The timelines most worth a look: requests still in a hand-off state before those that
+    finished theirs, then the longest without progress. Pure."""
+    done = (PDState.SUCCESS.value,)
+    return sorted(views, key=lambda v: (v["state"] in done, -v["last_progress_seconds_ago"]))[:limit]

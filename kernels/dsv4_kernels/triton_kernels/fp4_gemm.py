@@ -53,6 +53,12 @@ def fp4_gemm_kernel(
     else:
         expert = tl.load(block_expert_ptr + pid_m)
         rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if ROUTE_W:
+        if expert == -2:  # moe_experts.ZERO_BLOCK: other ranks' pairs add zero rows to the sum
+            z_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + z_cols[None, :],
+                     tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty),
+                     mask=(rows < num_rows)[:, None] & (z_cols < N)[None, :])
     if expert >= 0:
         r_mask = rows < num_rows
         prow = rows.to(tl.int64)  # row * stride can pass 2**31 on long prefills
@@ -103,6 +109,17 @@ def fp4_gemm_kernel(
                  mask=r_mask[:, None] & n_mask[None, :])
 
 
+def fp4_blocks(rows: int, gated: bool = False, elem_size: int = 2) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps). bf16 activations: fp8_gemm's tiles. fp32 activations
+    (float32 engines) make the dots FMA work on fp32 tiles, which spilled 312-4,888 bytes a
+    thread at those tiles, and still 32-320 at 16-32 rows on 4 warps (AOT report): 16-row tiles on
+    8 warps at every size (the same BLOCK_M gated or not: the pairs are aligned on it once for
+    both expert GEMMs)."""
+    if elem_size <= 2:
+        return gemm_blocks(rows, gated)
+    return (16, 16, 8) if gated else (16, 32, 8)
+
+
 def _launch(a, w, w_s, out, route_w, rows, block_expert, num_rows, n, *, a_div, dense, gated, limit,
             tiles: tuple[int, int, int], num_m_blocks: int) -> None:
     block_m, block_n, warps = tiles
@@ -131,7 +148,7 @@ def fp4_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    tiles = gemm_blocks(M)
+    tiles = fp4_blocks(M, elem_size=x.element_size())
     dummy = torch.empty(1, dtype=torch.int32, device=x.device)
     _launch(x, w, w_scale, out, None, dummy, dummy, M, N, a_div=1, dense=True, gated=False, limit=None,
             tiles=tiles, num_m_blocks=triton.cdiv(M, tiles[0]))
@@ -153,13 +170,13 @@ def fp4_moe_experts(
     pairs = T * top_k
     if T == 0:
         return torch.empty_like(x)
-    tiles = gemm_blocks(pairs // E)
+    tiles = fp4_blocks(pairs // E, elem_size=x.element_size())
     sorted_pairs, block_expert = align_pairs_by_expert(topk_ids, E, tiles[0])
     grid = dict(tiles=tiles, num_m_blocks=block_expert.shape[0])
     inter = torch.empty(pairs, inter_size, dtype=x.dtype, device=x.device)
     _launch(x, w13, s13, inter, None, sorted_pairs, block_expert, pairs, inter_size,
             a_div=top_k, dense=False, gated=True, limit=swiglu_limit,
-            tiles=gemm_blocks(pairs // E, gated=True), num_m_blocks=block_expert.shape[0])
+            tiles=fp4_blocks(pairs // E, gated=True, elem_size=x.element_size()), num_m_blocks=block_expert.shape[0])
     y = torch.empty(pairs, H, dtype=torch.float32, device=x.device)
     route_w = topk_weights.reshape(-1).to(torch.float32).contiguous()
     _launch(inter, w2, s2, y, route_w, sorted_pairs, block_expert, pairs, H,
@@ -168,26 +185,29 @@ def fp4_moe_experts(
 
 
 def aot_variants(arch: int) -> list[KernelVariant]:
-    """bf16 activations: the dense GEMM and the two expert GEMMs at decode and prefill tiles."""
-    types = {
-        "a_ptr": "*bf16", "w_ptr": "*u8", "w_s_ptr": "*u8", "out_ptr": "*bf16",
-        "route_w_ptr": "*fp32", "rows_ptr": "*i32", "block_expert_ptr": "*i32",
-        "num_rows": "i32", "N": "i32", "K": "i32", "swiglu_limit": "fp32",
-        "stride_a": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_wse": "i32", "stride_wsn": "i32",
-        "stride_o": "i32",
-    }
+    """bf16 and fp32 activations: the dense GEMM and the two expert GEMMs at decode and prefill
+    tiles (fp32 at its own, narrower tiles)."""
     variants = []
-    for rows, label in ((8, "decode"), (4096, "prefill")):
-        bm, bn, warps = gemm_blocks(rows)
-        shapes = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP=GROUP, UPCAST=False)
-        gated_n = gemm_blocks(rows, gated=True)[1]
-        for kind, extra, out in (
-            ("dense", dict(A_DIV=1, DENSE=True, GATED=False, HAS_LIMIT=False, ROUTE_W=False), "*bf16"),
-            ("moe_gate_up", dict(A_DIV=8, DENSE=False, GATED=True, HAS_LIMIT=True, ROUTE_W=False), "*bf16"),
-            ("moe_down", dict(A_DIV=1, DENSE=False, GATED=False, HAS_LIMIT=False, ROUTE_W=True), "*fp32"),
-        ):
-            variants.append(KernelVariant(
-                name=f"fp4_gemm[{kind},{label}]", kernel=fp4_gemm_kernel, types={**types, "out_ptr": out},
-                constexprs={**extra, **shapes, **({"BLOCK_N": gated_n} if extra["GATED"] else {})}, num_warps=warps, num_stages=3, divisible=("N", "K"),
-            ))
+    for dtype, elem in (("bf16", 2), ("fp32", 4)):
+        types = {
+            "a_ptr": f"*{dtype}", "w_ptr": "*u8", "w_s_ptr": "*u8", "out_ptr": f"*{dtype}",
+            "route_w_ptr": "*fp32", "rows_ptr": "*i32", "block_expert_ptr": "*i32",
+            "num_rows": "i32", "N": "i32", "K": "i32", "swiglu_limit": "fp32",
+            "stride_a": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_wse": "i32", "stride_wsn": "i32",
+            "stride_o": "i32",
+        }
+        for rows, label in ((8, "decode"), (4096, "prefill")):
+            bm, bn, warps = fp4_blocks(rows, elem_size=elem)
+            shapes = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP=GROUP, UPCAST=False)
+            gated_n = fp4_blocks(rows, gated=True, elem_size=elem)[1]
+            for kind, extra, out in (
+                ("dense", dict(A_DIV=1, DENSE=True, GATED=False, HAS_LIMIT=False, ROUTE_W=False), f"*{dtype}"),
+                ("moe_gate_up", dict(A_DIV=8, DENSE=False, GATED=True, HAS_LIMIT=True, ROUTE_W=False), f"*{dtype}"),
+                ("moe_down", dict(A_DIV=1, DENSE=False, GATED=False, HAS_LIMIT=False, ROUTE_W=True), "*fp32"),
+            ):
+                variants.append(KernelVariant(
+                    name=f"fp4_gemm[{dtype},{kind},{label}]", kernel=fp4_gemm_kernel, types={**types, "out_ptr": out},
+                    constexprs={**extra, **shapes, **({"BLOCK_N": gated_n} if extra["GATED"] else {})},
+                    num_warps=warps, num_stages=3, divisible=("N", "K"),
+                ))
     return variants

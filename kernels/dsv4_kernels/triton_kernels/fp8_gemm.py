@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .common import KernelVariant, check_launchable, on_interpreter
+from .common import fp32_twins
 from .moe_experts import align_pairs_by_expert
 from ..reference_quant import scale_row_block
 
@@ -74,6 +75,12 @@ def fp8_gemm_kernel(
     else:
         expert = tl.load(block_expert_ptr + pid_m)
         rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    if ROUTE_W:
+        if expert == -2:  # moe_experts.ZERO_BLOCK: other ranks' pairs add zero rows to the sum
+            z_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + z_cols[None, :],
+                     tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty),
+                     mask=(rows < num_rows)[:, None] & (z_cols < N)[None, :])
     if expert >= 0:
         r_mask = rows < num_rows
         prow = rows.to(tl.int64)  # row * stride can pass 2**31 on long prefills
@@ -231,18 +238,18 @@ def aot_variants(arch: int) -> list[KernelVariant]:
         shapes = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=GROUP, SCALE_ROWS=GROUP, UPCAST=False)
         gated_shapes = {**shapes, "BLOCK_N": gemm_blocks(rows, gated=True)[1]}
         variants.append(KernelVariant(
-            name=f"fp8_gemm[dense,{label}]", kernel=fp8_gemm_kernel, types=types,
+            name=f"fp8_gemm[bf16,dense,{label}]", kernel=fp8_gemm_kernel, types=types,
             constexprs=dict(A_DIV=1, DENSE=True, GATED=False, HAS_LIMIT=False, ROUTE_W=False, **shapes),
             num_warps=warps, num_stages=3, divisible=("N", "K"),
         ))
         variants.append(KernelVariant(
-            name=f"fp8_gemm[moe_gate_up,{label}]", kernel=fp8_gemm_kernel, types=types,
+            name=f"fp8_gemm[bf16,moe_gate_up,{label}]", kernel=fp8_gemm_kernel, types=types,
             constexprs=dict(A_DIV=8, DENSE=False, GATED=True, HAS_LIMIT=True, ROUTE_W=False, **gated_shapes),
             num_warps=warps, num_stages=3, divisible=("N", "K"),
         ))
         variants.append(KernelVariant(
-            name=f"fp8_gemm[moe_down,{label}]", kernel=fp8_gemm_kernel, types={**types, "out_ptr": "*fp32"},
+            name=f"fp8_gemm[bf16,moe_down,{label}]", kernel=fp8_gemm_kernel, types={**types, "out_ptr": "*fp32"},
             constexprs=dict(A_DIV=1, DENSE=False, GATED=False, HAS_LIMIT=False, ROUTE_W=True, **shapes),
             num_warps=warps, num_stages=3, divisible=("N", "K"),
         ))
-    return variants
+    return fp32_twins(variants)  # x in fp32: only the output dtype changes (activations go to fp8)

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import KernelVariant, check_launchable, cuda_arch, next_pow2, on_interpreter, small_shared, sm_count
+from .common import (KernelVariant, fp32_twins, check_launchable, cuda_arch, next_pow2, note_occupancy, on_interpreter,
+                     programs_per_sm, small_shared, sm_count)
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -146,12 +147,14 @@ def decode_config(v_dim: int, heads: int, arch: int | None, elem_size: int = 2) 
     return DecodeConfig(block_h=16, block_n=32, num_warps=4, programs_per_sm=2)
 
 
-def default_num_splits(batch: int, head_blocks: int, max_len_bound: int, cfg: DecodeConfig, device: torch.device) -> int:
+def default_num_splits(batch: int, head_blocks: int, max_len_bound: int, cfg: DecodeConfig, device: torch.device,
+                       resident: int | None = None) -> int:
     """Slices per request so that all (request, head block, slice) programs fit in one wave of
     resident programs: a second, partial wave would leave most of the GPU idle at the end.
-    Never more slices than tiles in the longest possible sequence."""
+    Never more slices than tiles in the longest possible sequence. `resident`: blocks an SM
+    holds at once, measured from the compiled kernel (default: the config's guess)."""
     work = max(1, batch * head_blocks)
-    slots = sm_count(device) * cfg.programs_per_sm
+    slots = sm_count(device) * (resident or cfg.programs_per_sm)
     want = max(1, slots // work)
     return max(1, min(want, MAX_SPLITS, triton.cdiv(max_len_bound, cfg.block_n)))
 
@@ -179,8 +182,10 @@ def mla_decode(
         return out
     cfg = config or decode_config(v_dim, heads, cuda_arch(q.device), q.element_size())
     head_blocks = triton.cdiv(heads, cfg.block_h)
+    occupancy_key = ("mla_decode_split", cfg, q.dtype, dim, v_dim, q.device)
     if num_splits is None:
-        num_splits = default_num_splits(batch, head_blocks, block_table.shape[1] * page_size, cfg, q.device)
+        num_splits = default_num_splits(batch, head_blocks, block_table.shape[1] * page_size, cfg, q.device,
+                                        programs_per_sm(occupancy_key, cfg.programs_per_sm))
     part_out = torch.empty(batch, heads, num_splits, v_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     # The engine passes int32 already; a no-op .to is still a dispatch on every layer.
@@ -188,7 +193,7 @@ def mla_decode(
         seq_lens = seq_lens.to(torch.int32)
     if block_table.dtype != torch.int32:
         block_table = block_table.to(torch.int32)
-    mla_decode_split_kernel[(head_blocks, num_splits, batch)](
+    compiled = mla_decode_split_kernel[(head_blocks, num_splits, batch)](
         q, kv_cache, block_table, seq_lens, part_out, part_lse,
         sm_scale * LOG2E, heads, num_splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
@@ -198,6 +203,7 @@ def mla_decode(
         UPCAST=on_interpreter(q),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    note_occupancy(occupancy_key, compiled, q.device, cfg.num_warps)
     mla_decode_merge_kernel[(heads, batch)](
         part_out, part_lse, out, num_splits,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
@@ -242,4 +248,4 @@ def aot_variants(arch: int) -> list[KernelVariant]:
         constexprs=dict(V_DIM=512, BLOCK_V=512, BLOCK_S=16),
         num_warps=4, num_stages=1,
     ))
-    return variants
+    return variants[:-1] + fp32_twins(variants[-1:])  # the merge: same tiles in either dtype

@@ -6,6 +6,11 @@ covers the worst-case padding and spare blocks exit at once). Then:
 1. gate/up GEMM with SiLU(gate) * up fused in the epilogue -> intermediate [pairs, I];
 2. down GEMM scaled by each pair's routing weight -> [pairs, hidden] in fp32,
 and the top_k rows of each token are summed (a fixed-order reduction: deterministic).
+
+Pairs whose expert id is -1 (another rank's expert under tensor parallelism) are computed by
+nobody: they sit in one run of their own after the local experts'
+runs, whose blocks (ZERO_BLOCK) only write zero rows for the sum. The grid's blocks therefore
+cover the local experts' pairs alone, whatever the other ranks' share.
 """
 
 from __future__ import annotations
@@ -17,6 +22,10 @@ import triton
 import triton.language as tl
 
 from .common import KernelVariant, check_launchable, on_interpreter
+
+# block_expert of the blocks holding other ranks' pairs: no GEMM, a zero row each for the sum.
+# (-1: spare blocks past the last run, which do nothing.) Kernels spell it as the literal -2.
+ZERO_BLOCK = -2
 
 
 @triton.jit
@@ -75,12 +84,15 @@ def moe_down_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    p_mask = pairs < num_pairs
+    pairs = pairs.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden
+    if expert == -2:  # ZERO_BLOCK: other ranks' pairs add nothing to this rank's sum
+        tl.store(y_ptr + pairs[:, None] * stride_y_p + offs_n[None, :], tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
+                 mask=p_mask[:, None] & n_mask[None, :])
     if expert >= 0:
-        pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        p_mask = pairs < num_pairs
-        pairs = pairs.to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hidden
         w_cols = w2_ptr + expert.to(tl.int64) * stride_w_e + offs_n[None, :] * stride_w_n
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, inter_size, BLOCK_K):
@@ -129,15 +141,21 @@ def align_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     """Sort (token, slot) pairs by expert and pad each expert's run to a multiple of block_m.
 
     Returns sorted_pairs [num_blocks * block_m] (flat pair index t * top_k + k; padding holds
-    num_pairs) and block_expert [num_blocks] (the block's expert, -1 past the last block used).
+    num_pairs) and block_expert [num_blocks] (the block's expert, -1 past the last block used,
+    ZERO_BLOCK for the run of pairs with id -1: another rank's expert). Ids are in
+    [0, num_experts) or -1.
     num_blocks is the worst case, known from shapes alone: nothing here waits on the device.
     """
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_pairs = flat.numel()
     device = flat.device
+    # Other ranks' pairs (id -1) form one last run, "expert" E: -1 mod (E + 1) = E, one op (a
+    # decode layer's dispatches are budgeted, see cuda_graphs.DECODE_DISPATCHES_PER_LAYER).
+    runs = num_experts + 1
+    flat = flat.remainder(runs)
     # scatter_add, not bincount: bincount reads the max id back to the host, which would
     # break CUDA-graph capture of decode steps.
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(runs, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
@@ -145,12 +163,14 @@ def align_pairs_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     run_start = torch.cumsum(counts, 0) - counts
     rank = torch.arange(num_pairs, device=device) - run_start[sorted_experts]
     dest = (padded_end - padded)[sorted_experts] + rank
-    num_blocks = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
+    num_blocks = triton.cdiv(num_pairs + min(runs, num_pairs) * (block_m - 1), block_m)
     sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
     sorted_pairs[dest] = order.to(torch.int32)
     block_start = torch.arange(num_blocks, device=device) * block_m
     block_expert = torch.searchsorted(padded_end, block_start, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    # Run E (other ranks' pairs) -> ZERO_BLOCK (-2), past the last run (E + 1) -> -1.
+    block_expert = torch.where(block_expert < num_experts, block_expert, block_expert - (num_experts + 2))
+    block_expert = block_expert.to(torch.int32)
     return sorted_pairs, block_expert
 
 
@@ -212,6 +232,7 @@ def aot_variants(arch: int) -> list[KernelVariant]:
         ("bf16", 8, "decode", 8, False), ("bf16", 65536, "prefill", 8, False),
         ("fp32", 8, "decode", 8, False), ("fp32", 65536, "prefill", 8, False),
         ("bf16", 6, "v4,decode", 6, True), ("bf16", 49152, "v4,prefill", 6, True),
+        ("fp32", 6, "v4,decode", 6, True), ("fp32", 49152, "v4,prefill", 6, True),
     ):
         cfg = experts_config(pairs, 256, 4 if dtype == "fp32" else 2)
         label = f"{dtype},{label}"

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import KernelVariant, check_launchable, next_pow2
+from .common import KernelVariant, check_launchable, next_pow2, fp32_twins
 
 
 @triton.jit
@@ -96,4 +96,4 @@ def aot_variants(arch: int) -> list[KernelVariant]:
             divisible=("hidden",),
             num_warps=warps, num_stages=1,
         ))
-    return variants
+    return fp32_twins(variants)

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import KernelVariant, check_launchable, next_pow2
+from .common import KernelVariant, check_launchable, next_pow2, fp32_twins
 
 
 @triton.jit
@@ -67,7 +67,7 @@ def rope_interleaved_(
 def aot_variants(arch: int) -> list[KernelVariant]:
     """DeepSeek-V3's rope width 64 over 128 heads, bf16."""
     block_t, block_h, block_half = _tiles(128, 32)
-    return [KernelVariant(
+    return fp32_twins([KernelVariant(
         name="rope_interleaved[bf16,r64]",
         kernel=rope_interleaved_kernel,
         types={
@@ -77,4 +77,4 @@ def aot_variants(arch: int) -> list[KernelVariant]:
         },
         constexprs=dict(HALF=32, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_HALF=block_half),
         num_warps=4, num_stages=1,
-    )]
+    )])

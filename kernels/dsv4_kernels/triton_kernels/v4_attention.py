@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import KernelVariant, check_launchable, cuda_arch, next_pow2, on_interpreter, small_shared, sm_count
+from .common import (KernelVariant, fp32_twins, check_grid, check_launchable, cuda_arch, next_pow2, note_occupancy,
+                     on_interpreter, programs_per_sm, small_shared, sm_count)
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -39,9 +40,12 @@ def v4_attn_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_COMP: tl.constexpr, SPARSE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid_h = tl.program_id(0)
+    # Tokens on axis 0: axes 1 and 2 of a CUDA grid stop at 65,535, axis 0 does not, so extend
+    # steps of any length launch. (Decoding over (token, head block) in one axis cost 8 bytes
+    # of spill on sm_90 for the div/mod; a decode grid is one wave, so the order is free.)
+    t = tl.program_id(0)
     pid_s = tl.program_id(1)
-    t = tl.program_id(2)
+    pid_h = tl.program_id(2)
 
     p = tl.load(positions_ptr + t).to(tl.int32)
     b = tl.load(token_req_ptr + t)
@@ -138,8 +142,8 @@ def v4_attn_merge_kernel(
     stride_po_t, stride_po_h, stride_po_s, stride_pl_t, stride_pl_h, stride_o_t, stride_o_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
-    head = tl.program_id(0)
-    t = tl.program_id(1)
+    t = tl.program_id(0)  # tokens on axis 0: more than 65,535 of them launch
+    head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     lse_row = part_lse_ptr + t.to(tl.int64) * stride_pl_t + head * stride_pl_h
     lse = tl.load(lse_row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
@@ -185,6 +189,19 @@ def attn_config(head_dim: int, heads: int, arch: int | None, elem_size: int = 2)
     return AttnConfig(block_h=16, block_n=32, num_warps=8, programs_per_sm=2)  # 4 warps spill on sm_120
 
 
+def _occupancy_key(q, cfg, comp_kv, comp_idx) -> tuple:
+    return ("v4_attn", cfg, q.dtype, q.shape[-1], comp_kv is not None, comp_idx is not None, q.device)
+
+
+def attn_grid(tokens: int, head_blocks: int, num_splits: int) -> tuple[int, int, int]:
+    """(token, split, head block): tokens ride on axis 0, the only one past 65,535."""
+    return check_grid((tokens, num_splits, head_blocks))
+
+
+def merge_grid(tokens: int, heads: int) -> tuple[int, int]:
+    return check_grid((tokens, heads))
+
+
 def _check(q, kv, ring, comp_kv):
     if any(x is not None and x.stride(-1) != 1 for x in (q, kv, ring, comp_kv)):
         raise ValueError("v4 attention needs the last dim of q, kv, ring and comp_kv contiguous")
@@ -213,7 +230,7 @@ def _launch(q, kv, ring, slot_ids, positions, token_req, req_row0, block_table, 
     cidx = _i32(comp_idx, q) if sparse else slot_ids
     epp = comp.shape[1] if has_comp else 1
     sink = sink.to(device=q.device, dtype=torch.float32).contiguous()
-    v4_attn_kernel[(head_blocks, num_splits, T)](
+    compiled = v4_attn_kernel[attn_grid(T, head_blocks, num_splits)](
         q, kv, ring, comp, block_table, cidx, sink,
         positions, token_req, req_row0, slot_ids,
         out, part_out, part_lse,
@@ -226,8 +243,9 @@ def _launch(q, kv, ring, slot_ids, positions, token_req, req_row0, block_table, 
         HAS_COMP=has_comp, SPARSE=sparse, SPLIT=split, UPCAST=on_interpreter(q),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    note_occupancy(_occupancy_key(q, cfg, comp_kv, comp_idx), compiled, q.device, cfg.num_warps)
     if split:
-        v4_attn_merge_kernel[(H, T)](
+        v4_attn_merge_kernel[merge_grid(T, H)](
             part_out, part_lse, sink, out, num_splits,
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
@@ -243,8 +261,8 @@ HEAD_TILE_STEPS = {64: AttnConfig(block_h=32, block_n=32, num_warps=8, programs_
 
 def decode_config(head_dim: int, heads: int, arch: int | None, elem_size: int, tokens: int, sms: int) -> AttnConfig:
     """attn_config, with smaller head tiles while the grid would leave over half the SMs idle:
-    the programs of one token's head tiles read the same keys (adjacent in the grid, so mostly
-    from L2), while a split of the key list costs HBM traffic: every split writes and the merge
+    the programs of one token's head tiles read the same keys (resident together in a decode's
+    single wave, so mostly from L2), while a split of the key list costs HBM traffic: every split writes and the merge
     reads a [heads, hd] fp32 partial, as large as ~100 of the keys it saves at 64 heads (MQA:
     every head shares every key). Batch 64 x 64 heads on 132 SMs: 32 heads a program, no split."""
     cfg = attn_config(head_dim, heads, arch, elem_size)
@@ -253,11 +271,13 @@ def decode_config(head_dim: int, heads: int, arch: int | None, elem_size: int, t
     return cfg
 
 
-def default_num_splits(tokens: int, head_blocks: int, max_keys: int, cfg: AttnConfig, device: torch.device) -> int:
+def default_num_splits(tokens: int, head_blocks: int, max_keys: int, cfg: AttnConfig, device: torch.device,
+                       resident: int | None = None) -> int:
     """Slices of each key list: none once the grid fills a quarter of the resident programs
     (partials would cost more HBM traffic than the idle SMs save); else enough to fill one
-    wave, with at least two key tiles a slice."""
-    slots = sm_count(device) * cfg.programs_per_sm
+    wave, with at least two key tiles a slice. `resident`: blocks an SM holds at once,
+    measured from the compiled kernel (default: the config's guess)."""
+    slots = sm_count(device) * (resident or cfg.programs_per_sm)
     work = max(1, tokens * head_blocks)
     if 4 * work >= slots:
         return 1
@@ -295,7 +315,8 @@ def v4_attention_decode(
     cfg = config or decode_config(hd, H, cuda_arch(q.device), q.element_size(), B, sm_count(q.device))
     if num_splits is None:
         num_splits = default_num_splits(B, triton.cdiv(H, cfg.block_h),
-                                        _max_keys(ring, block_table, comp_kv, comp_idx, rate, page_size), cfg, q.device)
+                                        _max_keys(ring, block_table, comp_kv, comp_idx, rate, page_size), cfg, q.device,
+                                        programs_per_sm(_occupancy_key(q, cfg, comp_kv, comp_idx), cfg.programs_per_sm))
     ar = torch.arange(B, dtype=torch.int32, device=q.device)
     return _launch(q, kv, ring, _i32(slot_ids, q), _i32(positions, q), ar, ar, _i32(block_table, q),
                    comp_kv, comp_idx, sink, sm_scale, rate, page_size, num_splits, cfg)
@@ -354,6 +375,9 @@ def aot_variants(arch: int) -> list[KernelVariant]:
         ("bf16", 512, 64, False, False, False, "swa,extend"),
         ("bf16", 512, 8, True, True, True, "csa,decode"),  # V4-Flash over 8 tensor-parallel ranks
         ("fp32", 512, 64, True, True, True, "csa,decode"),
+        ("fp32", 512, 64, True, False, True, "hca,decode"),
+        ("fp32", 512, 64, True, True, False, "csa,extend"),
+        ("fp32", 512, 64, False, False, False, "swa,extend"),
         ("bf16", 64, 4, True, True, True, "csa,decode"),
     )
     for dtype, hd, heads, has_comp, sparse, split, label in shapes:
@@ -396,4 +420,4 @@ def aot_variants(arch: int) -> list[KernelVariant]:
         constexprs=dict(HEAD_DIM=512, BLOCK_D=512, BLOCK_S=16),
         num_warps=4, num_stages=1,
     ))
-    return variants
+    return variants[:-1] + fp32_twins(variants[-1:])  # the merge: same tiles in either dtype

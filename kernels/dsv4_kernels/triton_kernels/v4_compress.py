@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import KernelVariant, check_launchable, next_pow2
+from .common import fp32_twins
 
 
 @triton.jit
@@ -129,4 +130,4 @@ def aot_variants(arch: int) -> list[KernelVariant]:
             constexprs=dict(HEAD_DIM=hd, OVERLAP=overlap, BLOCK_D=next_pow2(hd), BLOCK_R=_block_r(rate, next_pow2(hd))),
             num_warps=4, num_stages=2,
         ))
-    return variants
+    return fp32_twins(variants)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from .common import KernelVariant, check_launchable, next_pow2, on_interpreter
+from .common import fp32_twins
 
 
 @triton.jit
@@ -163,7 +164,7 @@ def v4_hc_post(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: tor
 
 def aot_variants(arch: int) -> list[KernelVariant]:
     """V4-Flash's mHC: 4 streams of 4096, bf16 residuals."""
-    return [
+    return fp32_twins([
         KernelVariant(
             name="v4_hc_pre[bf16,hc4]",
             kernel=v4_hc_pre_kernel,
@@ -188,4 +189,4 @@ def aot_variants(arch: int) -> list[KernelVariant]:
             constexprs=dict(HC=4, BLOCK_HC=4, BLOCK_D=512),
             divisible=("dim",), num_warps=4, num_stages=1,
         ),
-    ]
+    ])

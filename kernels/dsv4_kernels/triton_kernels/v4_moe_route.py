@@ -102,14 +102,15 @@ def v4_moe_route(
 
 
 def aot_variants(arch: int) -> list[KernelVariant]:
-    """V4-Flash's routing: 256 experts, top-6, learned and hash-routed."""
+    """V4-Flash's routing: 256 experts, top-6, learned and hash-routed; the logits come in the
+    engine's dtype (the gate is a plain linear of the hidden state), the bias in fp32."""
     variants = []
-    for hashed in (False, True):
+    for dtype, hashed in (("fp32", False), ("fp32", True), ("bf16", False), ("bf16", True)):
         variants.append(KernelVariant(
-            name=f"v4_moe_route[fp32,e256,k6,{'hash' if hashed else 'learned'}]",
+            name=f"v4_moe_route[{dtype},e256,k6,{'hash' if hashed else 'learned'}]",
             kernel=v4_moe_route_kernel,
             types={
-                "logits_ptr": "*fp32", "bias_ptr": "*fp32", "tid2eid_ptr": "*i32", "input_ids_ptr": "*i64",
+                "logits_ptr": f"*{dtype}", "bias_ptr": "*fp32", "tid2eid_ptr": "*i32", "input_ids_ptr": "*i64",
                 "weights_ptr": "*fp32", "ids_ptr": "*i32",
                 "num_tokens": "i32", "num_experts": "i32", "stride_l_t": "i32", "stride_h_v": "i32",
                 "stride_w_t": "i32", "stride_i_t": "i32", "scaling": "fp32",

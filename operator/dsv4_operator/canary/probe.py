@@ -102,10 +102,11 @@ async def _one(client: httpx.AsyncClient, url: str, headers: dict, prompt: list[
 
 
 async def watch_engine(engine_url: str, role: str, settings: ProbeSettings, stop: asyncio.Event,
-                       wedged: list) -> None:
-    """The watchdog's detector on the canary while the probe runs: its first Wedged reason."""
+                       wedged: list, headers: Optional[dict] = None) -> None:
+    """The watchdog's detector on the canary while the probe runs: its first Wedged reason.
+    `headers`: the admin token (/v1/loads is behind it)."""
     detector = Detector(window_s=settings.wedge_window_s)
-    async with httpx.AsyncClient() as client:
+    async with httpx.AsyncClient(headers=headers) as client:
         while not stop.is_set():
             verdict = detector.observe("canary", await scrape_engine(client, engine_url, role), answered_before=True)
             if isinstance(verdict, Wedged) and not wedged:
@@ -136,12 +137,9 @@ async def run_probe(url: str, engine_url: str, role: str, settings: ProbeSetting
                     ) -> tuple[ProbeFigures, WatchdogSignals]:
     """The probe against the engine at `engine_url`, sent to `url` (the router, with `pin`, or the
     engine itself). Bounded: duration_s + request_timeout_s + settle_s at most."""
-    headers = {}
-    if admin_token:
-        headers["Authorization"] = f"Bearer {admin_token}"
-    if pin:
-        headers[PIN_HEADER] = pin
-    async with httpx.AsyncClient(timeout=httpx.Timeout(settings.request_timeout_s, connect=5.0)) as client:
+    auth = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+    headers = {PIN_HEADER: pin} if pin else {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(settings.request_timeout_s, connect=5.0), headers=auth) as client:
         if max_model_len is None:
             models = (await client.get(engine_url + Paths.MODELS)).json()
             max_model_len = int(models["data"][0]["max_model_len"])
@@ -150,7 +148,7 @@ async def run_probe(url: str, engine_url: str, role: str, settings: ProbeSetting
         tally = _Tally()
         stop_watch = asyncio.Event()
         wedged: list = []
-        watcher = asyncio.create_task(watch_engine(engine_url, role, settings, stop_watch, wedged))
+        watcher = asyncio.create_task(watch_engine(engine_url, role, settings, stop_watch, wedged, auth))
         started = time.monotonic()
         end = started + settings.duration_s
 

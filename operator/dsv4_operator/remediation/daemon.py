@@ -209,7 +209,7 @@ class DeploymentWatchdog:
         if self.loop is None:
             self.loop = WatchdogLoop(settings, Detector(*params), self.executor, state=self.state,
                                      scrape_timeout=scrape_timeout(rem), on_state=self._persist_state,
-                                     fleet=self.fleet, name=self.key)
+                                     fleet=self.fleet, name=self.key, headers=self.executor.headers)
         else:
             self.loop.settings, self.loop.scrape_timeout = settings, scrape_timeout(rem)
             if params != self._detector_params:

@@ -27,9 +27,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import aiohttp
 
-from dsv4_wire import authorization_header
+from dsv4_wire import ENGINE_CONTAINER, authorization_header
 
 from dsv4_operator import spec as S
+from dsv4_operator.bounded import EVIDENCE_MAX_BYTES, LOG_MAX_BYTES, BodyTooLarge, read_capped
 from dsv4_operator.kube import ApiError, KubeApi, resource_path
 from dsv4_operator.remediation.actions import Step, dispatch, step_for
 from dsv4_operator.remediation.pods import DRAINING_LABEL, EnginePod
@@ -43,6 +44,13 @@ EventSink = Callable[[str, str, str], None]  # (type, reason, message)
 LOG_LINES = 200
 EVIDENCE_KEPT = 20  # per deployment: the newest evidence ConfigMaps; older ones are deleted
 CAPTURED_AT = "serving.dsv4.dev/captured-at"
+
+
+def evicted_by_budget(message: Optional[str]) -> bool:
+    """Pure: a 429 from the Eviction API is a PodDisruptionBudget's ("Cannot evict pod as it would
+    violate the pod's disruption budget") or the API server shedding load (API Priority and
+    Fairness: "Too many requests, please try again later")."""
+    return "disruption budget" in (message or "").lower()
 
 
 @dataclass
@@ -222,6 +230,10 @@ class KubernetesExecutor:
                 return True, "already gone"
             if e.status == 409:  # the UID precondition failed: this incarnation is gone already
                 return True, "already replaced"
+            if e.status == 429 and not evicted_by_budget(e.message):
+                # API Priority and Fairness shedding load, not a budget: say so, retry next round.
+                self.metrics.remediations.labels("eviction_throttled", action.role, action.reason).inc()
+                return False, f"eviction throttled by the API server (429, not a PodDisruptionBudget): {e.message}"
             if e.status == 429:
                 note = f"eviction blocked by a PodDisruptionBudget: {e.message or e.reason}"
                 if self.blocked.get(action.pod) != action.uid:
@@ -255,11 +267,11 @@ class KubernetesExecutor:
         try:
             async with self._http.request(method, url, json=body,
                                           timeout=aiohttp.ClientTimeout(total=self.http_timeout)) as resp:
-                text = await resp.text(errors="replace")
+                text = (await read_capped(resp, EVIDENCE_MAX_BYTES)).decode("utf-8", "replace")
                 if resp.status >= 400:
                     return None, f"HTTP {resp.status} from {url}: {text[:200]}"
                 return text, None
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, BodyTooLarge) as e:
             return None, f"{url}: {type(e).__name__}{': ' + str(e) if str(e) else ''}"
 
     async def _prune_evidence(self, deployment_label: str) -> Optional[str]:
@@ -270,8 +282,9 @@ class KubernetesExecutor:
         try:
             doc = await api.request("GET", resource_path("v1", "configmaps", self.ctx.namespace),
                                     query=[("labelSelector", selector)])
+            # By the API server's creation time: an annotation anyone who may edit ConfigMaps can
+            # forge (a far-future captured-at kept a planted map forever).
             items = sorted((doc or {}).get("items") or [], key=lambda cm: (
-                (cm["metadata"].get("annotations") or {}).get(CAPTURED_AT, ""),
                 cm["metadata"].get("creationTimestamp", ""), cm["metadata"]["name"]))
             for old in items[:-self.evidence_kept]:
                 try:
@@ -287,7 +300,11 @@ class KubernetesExecutor:
     async def _pod_log(self, pod: str, missing: list[str]) -> str:
         path = resource_path("v1", "pods", self.ctx.namespace, pod, "log")
         try:
-            text = await self.api().get_text(path, [("tailLines", str(self.log_lines))])
+            # The engine container by name: with a sidecar (a mesh proxy, a log shipper) a pods/log
+            # read without container= is a 400.
+            text = await self.api().get_text(path, [("container", ENGINE_CONTAINER), ("tailLines", str(self.log_lines)),
+                                                    ("limitBytes", str(LOG_MAX_BYTES))],
+                                             limit=LOG_MAX_BYTES)
         except ApiError as e:
             missing.append(f"logs ({e})")
             return f"(pod logs unavailable: {e})\n"

@@ -169,6 +169,8 @@ def wedge_message(action: Action) -> str:
     text = f"{action.pod} ({action.role}) wedged: {action.reason}"
     if shown:
         text += f" ({', '.join(shown)})"
+    if d.get("progress_signals"):  # what the engine exposes differs by build: say what was read
+        text += f"; progress judged by {', '.join(d['progress_signals'])}"
     if action.dry_run:
         text += "; dry run: no action taken"
     return text

@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Union
 
-from .signals import COUNTER_FIELDS, EngineSample
+from .signals import BUILTIN, COUNTER_FIELDS, EngineSample
 
 
 @dataclass(frozen=True)
@@ -101,8 +101,41 @@ def _handoff_pending(s: EngineSample) -> float | None:
     return None
 
 
+# What tells that a hand-off moved, best first. Not every engine build exposes each: SGLang
+# releases whose kv_transfer_latency_ms is a gauge (newer ones make it a histogram, whose _count
+# is the completion counter) leave transfers_completed unknown. A prefill then falls back on its
+# finished-requests counter, which every build exposes: a PD request finishes on prefill only
+# once its KV left (or failed, which the failure counters see).
+PROGRESS_SIGNALS = ("transfers_completed", "transfer_bytes", "prefill_inflight_oldest_age_seconds",
+                    "requests_completed")
+
+
+def progress_signals(s: EngineSample) -> tuple[str, ...]:
+    """Pure: the hand-off progress signals this sample reports (see PROGRESS_SIGNALS); what a
+    verdict was judged by, named in its details and so in status and Events."""
+    found = [name for name in PROGRESS_SIGNALS[:2] if getattr(s, name) is not None]
+    if s.role == "prefill" and s.prefill_inflight_oldest_age_seconds is not None:
+        found.append("prefill_inflight_oldest_age_seconds")
+    if _requests_stand_in(s):
+        found.append("requests_completed")
+    return tuple(found)
+
+
+def _requests_stand_in(s: EngineSample) -> bool:
+    """Finished requests stand in for completed transfers on a prefill without the counter, but
+    only when its inflight count is live: from SGLang's stale gauge alone, an idle prefill whose
+    last request left after the last logged batch would read as one stuck forever."""
+    return (s.role == "prefill" and s.transfers_completed is None and s.requests_completed is not None
+            and (s.kind == BUILTIN or s.live_queues))
+
+
+def _completions(s: EngineSample) -> float | None:
+    """Completed hand-offs: the transfer counter, else (prefill) the finished requests."""
+    return s.requests_completed if _requests_stand_in(s) else s.transfers_completed
+
+
 def _handoff_moved(prev: EngineSample, cur: EngineSample) -> bool:
-    if _counter_delta(prev.transfers_completed, cur.transfers_completed) > 0:
+    if _counter_delta(_completions(prev), _completions(cur)) > 0:
         return True
     if _counter_delta(prev.transfer_bytes, cur.transfer_bytes) > 0:
         return True
@@ -242,6 +275,8 @@ class Detector:
         if failed <= 0:
             return None
         completed = self._increase(seq, "transfers_completed")
+        if _requests_stand_in(seq[-1]):
+            completed = self._increase(seq, "requests_completed")  # builds without the counter
         rate = failed / (failed + completed)
         if rate <= self.failure_rate_threshold:
             return None
@@ -265,8 +300,8 @@ class Detector:
             start = prev.timestamp
         stuck_for = latest.timestamp - start
         age = latest.prefill_inflight_oldest_age_seconds if latest.role == "prefill" else None
-        has_progress_signal = (latest.transfers_completed is not None
-                               or latest.transfer_bytes is not None or age is not None)
+        signals = progress_signals(latest)
+        has_progress_signal = bool(signals)
         details = {
             "role": latest.role,
             "pending": _handoff_pending(latest),
@@ -274,6 +309,7 @@ class Detector:
             "window_seconds": self.window_s,
             "oldest_inflight_age_seconds": age,
             "transfers_completed": latest.transfers_completed,
+            "progress_signals": list(signals),
         }
         if (covered and stuck_for >= self.window_s and has_progress_signal
                 and (age is None or age >= self.window_s)):

@@ -1,7 +1,7 @@
 """The evidence ConfigMap written before a wedged pod is restarted (pure body builder).
 
-What was live at the moment of the wedge — every thread's stack, the queue state, a metrics
-snapshot, the pod's last log lines, the spec diff since the last stable revision and the verdict —
+What was live at the moment of the wedge — every thread's stack, the queue state, the stuck
+requests' timelines (their PD events, from /v1/loads' `requests`), a metrics snapshot, the pod's last log lines, the spec diff since the last stable revision and the verdict —
 is lost by the restart, so it is kept in a ConfigMap labelled ``serving.dsv4.dev/evidence=true``.
 A ConfigMap holds at most 1 MiB: each field is cut to a share of a byte budget (small fields keep
 everything, large ones split what is left by weight), keeping the part that matters (the end of
@@ -29,6 +29,7 @@ FIELDS: dict[str, tuple[float, str]] = {
     "verdict.json": (1.0, "head"),
     "spec-diff.txt": (1.0, "head"),
     "loads.json": (1.0, "head"),
+    "timelines.json": (1.0, "head"),
     "stacks.txt": (4.0, "head"),
     "logs.txt": (4.0, "tail"),
     "metrics.txt": (2.0, "head"),
@@ -111,6 +112,16 @@ def _as_text(value: Any) -> str:
     return json.dumps(value, indent=2, sort_keys=True, default=str)
 
 
+def stuck_timelines(loads: Any) -> Any:
+    """The requests' PD timelines of an engine's /v1/loads (the engine lists the unfinished
+    hand-offs first, the longest without progress first), or None when it has none (an SGLang
+    engine, an engine that did not answer). Pure."""
+    if not isinstance(loads, Mapping):
+        return None
+    requests = loads.get("requests")
+    return requests if isinstance(requests, list) else None
+
+
 def build_evidence_configmap(
     *, deployment: str, namespace: str, pod: str, role: str, captured_at: float,
     verdict: Mapping[str, Any], stacks: str | None = None, loads: Any = None,
@@ -126,6 +137,7 @@ def build_evidence_configmap(
         "spec-diff.txt": _as_text(list(spec_diff) if spec_diff is not None
                                   and not isinstance(spec_diff, str) else spec_diff),
         "loads.json": _as_text(loads),
+        "timelines.json": _as_text(stuck_timelines(loads)),
         "stacks.txt": _as_text(stacks),
         "logs.txt": _as_text(list(logs) if logs is not None and not isinstance(logs, str)
                              else logs),
@@ -159,4 +171,5 @@ def build_evidence_configmap(
         metadata["annotations"][ANNOTATION_REVISION] = revision
     if owner_references:
         metadata["ownerReferences"] = [dict(o) for o in owner_references]
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data}
+    # Immutable: a record nobody can rewrite after the fact (deleting it is what pruning does).
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata, "data": data, "immutable": True}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -139,6 +140,16 @@ def _show(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+# Env names whose values are credentials: never written into a diff (events, status and evidence
+# ConfigMaps are readable by the namespace's viewers).
+_SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|PASSWD|CREDENTIAL|API_?KEY|PRIVATE|AUTH", re.I)
+REDACTED = "<redacted>"
+
+
+def _show_env(name: str, value: Any) -> str:
+    return REDACTED if _SECRET_NAME.search(name) and not isinstance(value, Mapping) else _show(value)
+
+
 def _env_map(value: Any) -> dict[str, Any] | None:
     """Kubernetes env list ([{name, value|valueFrom}]) or a plain {NAME: value} map."""
     if isinstance(value, Mapping):
@@ -166,12 +177,12 @@ def _describe(path: str, old: Any, new: Any, out: list[str]) -> None:
         if a is not None and b is not None:
             for name in sorted(set(a) | set(b)):
                 if name not in a:
-                    out.append(f"{path} {name} added (={_show(b[name])})")
+                    out.append(f"{path} {name} added (={_show_env(name, b[name])})")
                 elif name not in b:
-                    out.append(f"{path} {name} removed (was {_show(a[name])})")
+                    out.append(f"{path} {name} removed (was {_show_env(name, a[name])})")
                 elif a[name] != b[name]:
-                    out.append(f"{path} {name} changed from {_show(a[name])} to "
-                               f"{_show(b[name])}")
+                    out.append(f"{path} {name} changed from {_show_env(name, a[name])} to "
+                               f"{_show_env(name, b[name])}")
             return
     if isinstance(old, Mapping) and isinstance(new, Mapping):
         for key in sorted(set(old) | set(new), key=str):

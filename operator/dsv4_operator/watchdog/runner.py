@@ -62,7 +62,8 @@ class WatchdogLoop:
 
     def __init__(self, settings: RemediationSettings, detector: Detector, executor: Executor,
                  state: Optional[PolicyState] = None, scrape_timeout: float = 2.0, concurrency: int = 64,
-                 on_state: Optional[StateSink] = None, fleet: Optional[Fleet] = None, name: str = ""):
+                 on_state: Optional[StateSink] = None, fleet: Optional[Fleet] = None, name: str = "",
+                 headers: Optional[Mapping[str, str]] = None):
         self.settings = settings
         self.detector = detector
         self.executor = executor
@@ -73,13 +74,14 @@ class WatchdogLoop:
         self.fleet = fleet
         self.name = name
         self.session = None
+        self.headers = dict(headers or {})  # the admin token: /v1/loads is behind it
 
     async def round(self, targets: list[ScrapeTarget], pods: Mapping[str, PodInfo], now: Optional[float] = None,
                     answered_before: Mapping[str, bool] | None = None) -> RoundResult:
         if self.session is None:
             from .scrape import make_session
 
-            self.session = make_session(self.concurrency)
+            self.session = make_session(self.concurrency, self.headers)
         started = time.monotonic()
         samples = await scrape_all(targets, self.concurrency, self.scrape_timeout, client=self.session)
         scrape_seconds = time.monotonic() - started

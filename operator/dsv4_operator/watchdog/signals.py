@@ -11,7 +11,6 @@ unknown signal as "no evidence", never as zero.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -80,6 +79,9 @@ class EngineSample:
     aborted: float | None = None
     requests_completed: float | None = None
     loop_iterations: float | None = None
+    # The hand-off queue counts came from the live view (/v1/loads), not from gauges SGLang sets
+    # only when it logs a batch (stale on an idle engine).
+    live_queues: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -156,9 +158,34 @@ _MAX_FIELDS = frozenset({"prefill_inflight_oldest_age_seconds"})
 
 _PREFIX = {BUILTIN: "dsv4:", SGLANG: "sglang:"}
 
-# After a sample's name: its label set (quoted values may hold any character, escaped quotes
-# included), then the value.
-_LABELS_THEN_VALUE = re.compile(r'\{(?:[^"}]+|"(?:[^"\\]+|\\.)*")*\}[ \t]*(\S+)')
+
+
+def _label_set_end(line: str, brace: int) -> int:
+    """Index just past the ``}`` closing the label set opened at ``brace``, or -1 when it never
+    closes.  One left-to-right pass with str.find: linear in the line whatever it holds (quoted
+    values may contain braces, '#' and escaped quotes).  A regular expression with nested
+    repetition here backtracked exponentially on an unclosed label set (issue 27)."""
+    i, n, close = brace + 1, len(line), brace
+    while i < n:
+        if close < i:  # found again only once passed: each character is looked at a bounded number of times
+            close = line.find("}", i)
+            if close == -1:
+                return -1
+        quote = line.find('"', i, close)
+        if quote == -1 or close < quote:
+            return close + 1
+        i = quote + 1
+        while True:  # to the quote that ends this value: one not escaped by a backslash
+            end = line.find('"', i)
+            if end == -1:
+                return -1
+            slashes = 0
+            while line[end - 1 - slashes] == "\\":
+                slashes += 1
+            i = end + 1
+            if slashes % 2 == 0:
+                break
+    return -1
 
 
 class _Unreadable(ValueError):
@@ -209,10 +236,11 @@ def _read_wanted(text: str, kind: str) -> dict[str, float]:
                 rest = line[close + 1:].split(None, 1)
                 token = rest[0] if rest else ""
             else:  # an OpenMetrics exemplar ("# {...}") may follow: read the label set exactly
-                m = _LABELS_THEN_VALUE.match(line, brace)
-                if m is None:
-                    raise _Unreadable(line)
-                token = m.group(1)
+                end = _label_set_end(line, brace)
+                if end == -1:
+                    raise _Unreadable(line[:200])
+                rest = line[end:].split(None, 1)
+                token = rest[0] if rest else ""
         else:
             rest = line.split(None, 2)
             token = rest[1] if len(rest) > 1 else ""
@@ -374,13 +402,27 @@ def parse_loads(payload: Any, kind: str = BUILTIN) -> dict[str, float]:
     return _parse_own_loads(payload)
 
 
+def parse_metrics_fast(text: str, kind: str = BUILTIN) -> dict[str, float] | None:
+    """:func:`parse_metrics` without the reference parser: None when the scan cannot read a
+    wanted line (the caller then parses the whole text where it may take its time)."""
+    try:
+        return _read_wanted(text, kind)
+    except _Unreadable:
+        return None
+
+
 def build_sample(timestamp: float, role: str, kind: str = BUILTIN, *,
                  metrics_text: str | None = None, loads: Any = None,
-                 error: str | None = None) -> EngineSample:
-    """Merge one scrape's two sources into a sample.  Reachable when either source answered."""
+                 error: str | None = None,
+                 metrics_values: Mapping[str, float] | None = None) -> EngineSample:
+    """Merge one scrape's two sources into a sample.  Reachable when either source answered.
+    ``metrics_values``: ``metrics_text`` already parsed (by :func:`parse_metrics_fast`)."""
     if metrics_text is None and loads is None:
         return unreachable_sample(timestamp, role, kind, error)
-    from_metrics = parse_metrics(metrics_text, kind) if metrics_text else {}
+    if metrics_values is not None:
+        from_metrics = dict(metrics_values)
+    else:
+        from_metrics = parse_metrics(metrics_text, kind) if metrics_text else {}
     from_loads = parse_loads(loads, kind) if loads is not None else {}
     values: dict[str, float] = {}
     for field in GAUGE_FIELDS:
@@ -391,5 +433,6 @@ def build_sample(timestamp: float, role: str, kind: str = BUILTIN, *,
         v = from_metrics.get(field, from_loads.get("counter:" + field))
         if v is not None:
             values[field] = v
+    live = any(field in from_loads for field in ("prefill_inflight", "decode_transfer"))
     return EngineSample(timestamp=timestamp, role=role, reachable=True, kind=kind, error=error,
-                        **values)
+                        live_queues=live, **values)

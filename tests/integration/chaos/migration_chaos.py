@@ -37,7 +37,11 @@ class Stream:
     error: Optional[str] = None
     done: bool = False
     events: int = 0
-    roles: int = 0  # chat: role chunks seen (exactly one is right)
+    roles: int = 0  # chat: role chunks seen (exactly one per choice is right)
+    texts: dict = field(default_factory=dict)  # per choice index (n > 1)
+    finishes: dict = field(default_factory=dict)
+    role_per_choice: dict = field(default_factory=dict)
+    errors: int = 0  # error events (one at most is right)
 
     @property
     def ok(self) -> bool:
@@ -57,6 +61,9 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict, chat: bool,
                 obj = await r.json()
                 s.ids.add(obj["id"])
                 s.usage, s.done, s.events = obj["usage"], True, 1
+                for c in obj["choices"]:
+                    s.texts[c["index"]] = c["message"]["content"] if chat else c["text"]
+                    s.finishes[c["index"]] = c["finish_reason"]
                 c = obj["choices"][0]
                 s.text = c["message"]["content"] if chat else c["text"]
                 s.finish = c["finish_reason"]
@@ -75,20 +82,25 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict, chat: bool,
                     obj = json.loads(data)
                     if "error" in obj:
                         s.error = str(obj)[:300]
+                        s.errors += 1
                         continue
                     s.events += 1
                     s.ids.add(obj.get("id"))
                     if obj.get("usage"):
                         s.usage = obj["usage"]
                     for c in obj.get("choices") or ():
+                        j = c.get("index", 0)
                         if chat:
                             delta = c.get("delta") or {}
                             s.roles += "role" in delta
-                            s.text += delta.get("content") or ""
+                            s.role_per_choice[j] = s.role_per_choice.get(j, 0) + ("role" in delta)
+                            piece = delta.get("content") or ""
                         else:
-                            s.text += c.get("text") or ""
+                            piece = c.get("text") or ""
+                        s.text += piece
+                        s.texts[j] = s.texts.get(j, "") + piece
                         if c.get("finish_reason"):
-                            s.finish = c["finish_reason"]
+                            s.finish = s.finishes[j] = c["finish_reason"]
 
     try:
         await asyncio.wait_for(run(), deadline_s)
@@ -117,21 +129,25 @@ def streams(url: str, bodies: list[dict], chat: bool = False, deadline_s: float 
     return asyncio.run(go())
 
 
-def mismatches(got: list[Stream], want: list[Stream], max_tokens: int) -> list[str]:
-    """Why each stream is not the undisturbed one: errors, text, usage, ids, role chunks."""
+def mismatches(got: list[Stream], want: list[Stream], max_tokens: Optional[int]) -> list[str]:
+    """Why each stream is not the undisturbed one: errors, text (per choice), usage, ids, role
+    chunks. max_tokens None: the completion count must be the undisturbed run's."""
     bad = []
     for i, (g, w) in enumerate(zip(got, want)):
         why = []
+        completion = max_tokens if max_tokens is not None else w.usage["completion_tokens"]
         if not g.ok:
             why.append(f"ended badly: done={g.done} finish={g.finish} error={g.error}")
-        if g.text != w.text:
-            why.append(f"text differs: {g.text[:60]!r}... vs {w.text[:60]!r}...")
-        if not g.usage or g.usage.get("completion_tokens") != max_tokens or g.usage.get("prompt_tokens") != w.usage["prompt_tokens"]:
-            why.append(f"usage {g.usage} (want {max_tokens} completion, {w.usage['prompt_tokens']} prompt)")
+        if g.texts != w.texts:
+            why.append(f"text differs: {str(g.texts)[:90]}... vs {str(w.texts)[:90]}...")
+        if g.finishes != w.finishes:
+            why.append(f"finish reasons {g.finishes} vs {w.finishes}")
+        if not g.usage or g.usage.get("completion_tokens") != completion or g.usage.get("prompt_tokens") != w.usage["prompt_tokens"]:
+            why.append(f"usage {g.usage} (want {completion} completion, {w.usage['prompt_tokens']} prompt)")
         if len(g.ids) != 1:
             why.append(f"ids {g.ids}")
-        if g.roles > 1:
-            why.append(f"{g.roles} role chunks")
+        if any(r > 1 for r in g.role_per_choice.values()):
+            why.append(f"role chunks per choice {g.role_per_choice}")
         if why:
             bad.append(f"stream {i}: " + "; ".join(why))
     return bad

@@ -231,12 +231,15 @@ def test_v4_decode_sigkill_mid_stream(make_model, tmp_path):
         c.stop()
 
 
-def test_past_the_migration_timeout_one_clear_error(tiny_model, tmp_path):
+@pytest.mark.parametrize("n", [1, 2])
+def test_past_the_migration_timeout_one_clear_error(tiny_model, tmp_path, n):
     """The lone decode engine dies and stays dead: every stream waits at most --migration-timeout
-    for another, then ends with one error event naming the bound (no hang, no cut)."""
+    for another, then ends with one error event naming the bound (no hang, no cut). With n = 2
+    the stream split into one continuation per choice: still one error, not one per choice."""
     c = Cluster(tiny_model, tmp_path, decodes=1, router_args=["--migration-timeout", 3])
     try:
-        bodies = [body_for(i, TOKENS * 2) for i in range(8)]
+        extra = {"n": 2, "temperature": 0.9, "seed": 5} if n == 2 else {}
+        bodies = [body_for(i, TOKENS * 2, **extra) for i in range(8)]
 
         def kill():
             c.wait_running("decode0", 4)
@@ -248,6 +251,7 @@ def test_past_the_migration_timeout_one_clear_error(tiny_model, tmp_path):
         assert time.monotonic() - t0 < 30
         for s in got:
             assert s.done and s.error is not None and "--migration-timeout" in s.error, (s.error, c.logs())
+            assert s.errors == 1, s.errors
             assert s.finish is None and s.text  # what the client had stays; nothing after the error
         wait_idle([c.urls["prefill"]])
     finally:

@@ -4,6 +4,7 @@ daemon and a scripted engine that records the Authorization header of every admi
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import sys
 from pathlib import Path
@@ -61,3 +62,29 @@ async def test_watchdog_calls_carry_the_deployments_admin_token(kube_cluster: Wa
         await engine.stop()
     assert {path for path, _ in engine.authorizations} >= {"/admin/drain", "/admin/abort"}
     assert {auth for _, auth in engine.authorizations} == {f"Bearer {token}"}
+
+
+async def test_a_named_secret_is_used_only_when_it_is_the_operators(kube_cluster: WatchdogCluster,
+                                                                   kube_client: ClusterClient, operator_factory) -> None:
+    """security.secretName could name any Secret of the namespace (issue 27): the operator reads
+    and patches only one that carries its label (or its owner reference)."""
+    await operator_factory([NS])
+    theirs = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "team-b-creds", "namespace": NS},
+              "data": {"admin-token": base64.b64encode(b"team-b").decode()}}
+    await kube_client.create(theirs, "secrets")
+    cr = deployment("grabby", remediation={})
+    cr["spec"]["security"] = {"secretName": "team-b-creds"}
+    await kube_client.create(cr, "dsv4deployments")
+    await asyncio.sleep(4)  # reconciles that could have patched it
+    secret = await kube_client.get("v1", "secrets", NS, "team-b-creds")
+    assert set(secret["data"]) == {"admin-token"}, "not patched"
+    assert await kube_client.get("apps/v1", "statefulsets", NS, "grabby-prefill") is None
+    # Given to the operator by its label: adopted, the missing keys added.
+    await kube_client.patch("v1", "secrets", NS, "team-b-creds",
+                            {"metadata": {"labels": {"app.kubernetes.io/managed-by": "dsv4-operator"}}})
+
+    async def adopted():
+        s = await kube_client.get("v1", "secrets", NS, "team-b-creds")
+        return s if {"pd-secret", "router-admin-token"} <= set(s["data"]) else None
+
+    await eventually(adopted, timeout=40)

@@ -87,7 +87,7 @@ async def test_apply_creates_children_and_reports_status(cluster_with_crd: KubeC
     assert container(prefill)["name"] == "engine"
     assert container(prefill)["ports"][0]["name"] == "http"
     assert container(prefill)["command"][:6] == ["dsv4", "serve", "--model", "/models/dsv4-flash", "--role", "prefill"]
-    assert container(prefill)["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert container(prefill)["resources"]["limits"]["nvidia.com/gpu"] == "4"  # served canonical, as a quantity
     assert env_of(prefill)["UCX_NET_DEVICES"] == "mlx5_0:1"
     assert prefill["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.family": "blackwell"}
     router = children[("Deployment", "flash-router")]

@@ -126,3 +126,20 @@ async def test_a_pinned_revision_rolls_back_without_touching_the_spec(cluster_wi
                 and "pinnedRevision" not in (cr.get("status") or {}))
 
     await eventually(unpinned, timeout=20)
+
+
+async def test_an_unchanged_gpu_decode_is_not_held_while_prefill_is_not_ready(
+        cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory) -> None:
+    """The API server serves `nvidia.com/gpu: 4` back as "4": the live-versus-wanted comparison
+    must see the same template, or every reconcile while prefill is not ready (first start, an
+    operator restart, a prefill pod under remediation) holds an unchanged decode."""
+    await operator_factory(["ns1"])
+    await kube_client.create(deployment("flash", "ns1", prefill={"replicas": 2, "gpusPerPod": 4},
+                                        decode={"replicas": 2, "gpusPerPod": 4}), PLURAL)
+    await eventually(lambda: observed(kube_client, 1), timeout=20)
+    decode = await sts(kube_client, "decode")
+    assert decode["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    # A change for prefill only, while prefill is not ready: decode has nothing to take.
+    await kube_client.patch(API, PLURAL, "ns1", "flash", {"spec": {"prefill": {"replicas": 3}}})
+    await eventually(lambda: observed(kube_client, 2), timeout=20)
+    assert partition(await sts(kube_client, "decode")) == 0, "an unchanged decode is never held"

@@ -100,5 +100,5 @@ def test_a_pd_request_with_the_secret_goes_through_end_to_end(pair):
     assert res["p"].status_code == 200, res["p"].text
     assert d.status_code == 200, d.text
     assert len(d.json()["choices"][0]["token_ids"]) == 4
-    loads = httpx.get(pair["prefill"] + Paths.LOADS).json()
+    loads = httpx.get(pair["prefill"] + Paths.LOADS, headers={"Authorization": f"Bearer {ADMIN}"}).json()
     assert loads["counters"]["kv_transfers_completed"] >= 1

@@ -43,7 +43,8 @@ class Harness:
 async def harness(kube_cluster: WatchdogCluster, kube_client: ClusterClient, kubeconfig: Path, engines) -> Harness:
     cr = await kube_client.create(deployment("flash", remediation={}), "dsv4deployments")
     engine = await engines("prefill", "wedged")
-    await kube_client.create(pod_body("flash", "flash-prefill-0", "prefill", engine.port), "pods")
+    # With a sidecar: the evidence must ask pods/log for the engine container by name.
+    await kube_client.create(pod_body("flash", "flash-prefill-0", "prefill", engine.port, sidecar=True), "pods")
     await kube_client.patch("v1", "pods", NS, "flash-prefill-0", {"status": {
         "phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}},
         subresource="status")
@@ -139,6 +140,19 @@ async def test_an_eviction_a_pdb_blocks_is_held_and_retried(harness: Harness, ku
     assert await h.executor.run(h.action(RESTART), None) == (True, None)
     assert await h.client.get("v1", "pods", NS, "flash-prefill-0") is None
     assert kube_cluster.evictions[-1] == ("flash-prefill-0", 201)
+
+
+async def test_an_eviction_the_api_server_throttles_is_not_blamed_on_a_budget(harness: Harness,
+                                                                              kube_cluster: WatchdogCluster) -> None:
+    """API Priority and Fairness answers 429 too: that is load shedding, no PodDisruptionBudget
+    (there is none here). The restart stays pending and says why; no EvictionBlocked Event."""
+    h = harness
+    kube_cluster.throttled = 1
+    ok, note = await h.executor.run(h.action(RESTART), None)
+    assert not ok and note.startswith("eviction throttled by the API server") and "PodDisruptionBudget" in note
+    assert [reason for _, reason, _ in h.posted] == []
+    assert 'action="eviction_throttled"' in h.metrics.render().decode()
+    assert await h.executor.run(h.action(RESTART), None) == (True, None)  # the next round goes through
 
 
 async def test_evidence_from_a_dead_engine_and_no_pod_logs(harness: Harness, kube_cluster: WatchdogCluster) -> None:

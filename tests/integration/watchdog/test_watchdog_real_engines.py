@@ -109,6 +109,10 @@ async def test_a_wedged_prefill_pod_is_captured_drained_aborted_and_restarted(
     assert verdict["details"]["oldest_inflight_age_seconds"] >= WINDOW
     loads = json.loads(data["loads.json"])
     assert loads["queues"]["inflight"] == 1 and loads["deadlines"] is False
+    [stuck, *_] = json.loads(data["timelines.json"])  # the stuck request's PD events, oldest state first
+    assert stuck["state"] == "Transferring" and stuck["in_state_seconds"] >= WINDOW
+    assert [e["event"] for e in stuck["events"]] == ["arrival", "Bootstrapping", "WaitingForInput", "forward_done",
+                                                     "Transferring"]
     assert "--- thread" in data["stacks.txt"]  # every thread of the live engine
     assert 'dsv4:num_prefill_inflight_queue_reqs{model_name="m",role="prefill"} 1.0' in data["metrics.txt"]
     assert "dsv4 serve: prefill engine" in data["logs.txt"]  # the process's own log, via pods/log

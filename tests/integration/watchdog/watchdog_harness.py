@@ -37,18 +37,36 @@ class WatchdogCluster(KubeCluster):
     pod_logs: dict = attrs.field(factory=dict, init=False)  # (namespace, pod) -> () -> str
     removed: list = attrs.field(factory=list, init=False)  # (monotonic time, object) of every deletion
     evictions: list = attrs.field(factory=list, init=False)  # (pod name, HTTP status) of every eviction
+    throttled: int = attrs.field(default=0, init=False)  # this many next requests get API Priority and Fairness' 429
 
     async def _handle(self, request: Any) -> aiohttp.web.StreamResponse:
         res = request.resource
         method = str(request.method.value)
         if res is not None and res.plural == "pods" and request.name:
             key = (request.namespace, request.name)
+            if method == "GET" and request.subresource == "log":
+                live = self._live((res, request.namespace, request.name))
+                names = [c.get("name") for c in ((live or {}).get("spec") or {}).get("containers") or []]
+                chosen = request.params.get("container")
+                if live is not None and ((len(names) > 1 and not chosen) or (chosen and chosen not in names)):
+                    # As the API server: a pod of several containers needs container=, a wrong one is a 400.
+                    self.recorder.record(request)
+                    return await self._render_error(kmock.KubernetesError(
+                        400, "BadRequest", f"a container name must be specified for pod {request.name}, "
+                                           f"choose one of: {names}" if not chosen else
+                        f"container {chosen} is not valid for pod {request.name}"))
             if method == "GET" and request.subresource == "log" and key in self.pod_logs:
                 self.recorder.record(request)
                 lines = self.pod_logs[key]().splitlines(keepends=True)
                 tail = request.params.get("tailLines")
                 return aiohttp.web.Response(text="".join(lines[-int(tail):] if tail else lines),
                                             content_type="text/plain")
+            if method == "POST" and request.subresource == "eviction" and self.throttled > 0:
+                self.throttled -= 1  # the API server sheds load: a 429 that no PodDisruptionBudget asked for
+                self.recorder.record(request)
+                self.evictions.append((request.name, 429))
+                return await self._render_error(kmock.KubernetesError(
+                    429, "TooManyRequests", "Too many requests, please try again later."))
             if method == "POST" and request.subresource == "eviction":
                 self.recorder.record(request)
                 status, body = await self._evict(request.namespace, request.name, request.data)
@@ -240,13 +258,16 @@ class ScriptedEngine:
 # ---- Pods: a StatefulSet controller and kubelet for the tests ----------------------------------------
 
 
-def pod_body(deployment: str, name: str, role: str, port: int) -> dict:
+def pod_body(deployment: str, name: str, role: str, port: int, sidecar: bool = False) -> dict:
+    """`sidecar`: a second container, as a service mesh or log shipper injects (pods/log then needs container=)."""
+    containers = [{"name": "engine", "image": "reg/dsv4:1", "ports": [{"name": "http", "containerPort": port}]}]
+    if sidecar:
+        containers.append({"name": "istio-proxy", "image": "istio/proxyv2:1"})
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "namespace": NS, "labels": {
                 "app.kubernetes.io/name": "dsv4", "app.kubernetes.io/instance": deployment,
                 "serving.dsv4.dev/role": role}},
-            "spec": {"containers": [{"name": "engine", "image": "reg/dsv4:1",
-                                     "ports": [{"name": "http", "containerPort": port}]}]}}
+            "spec": {"containers": containers}}
 
 
 class PodFarm:

@@ -45,7 +45,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                          "metrics.serviceMonitor.enabled": True, "sample.enabled": True},
     "servicemonitor-operator-only": {"metrics.serviceMonitor.enabled": True, "metrics.serviceMonitor.engines": False},
     "minimal": {"metrics.service.enabled": False, "rbac.create": False, "serviceAccount.create": False,
-                "serviceAccount.name": "existing-sa"},
+                "serviceAccount.name": "existing-sa", "tenantPolicy.admissionPolicy": False},
     "pinned-image-and-scheduling": {"image.repository": "registry.example/dsv4-operator", "image.tag": "0.1.0-rc1",
                                     "imagePullSecrets": [{"name": "regcred"}], "priorityClassName": "system-cluster-critical",
                                     "nodeSelector": {"kubernetes.io/os": "linux"},
@@ -132,7 +132,8 @@ def test_rendered_objects_validate(variant: str) -> None:
     # Everything namespaced lands in a namespace the values name (release or watched).
     allowed = {NAMESPACE, *VARIANTS[variant].get("watch.namespaces", [])}
     for doc in docs:
-        if doc["kind"] not in ("CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"):
+        if doc["kind"] not in ("CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding",
+                               "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"):
             assert doc["metadata"]["namespace"] in allowed, doc["kind"]
 
 
@@ -147,8 +148,11 @@ def test_kubernetes_validate_rejects_a_broken_render() -> None:
 def test_optional_objects_follow_their_switches() -> None:
     kinds = lambda docs: sorted(d["kind"] for d in docs)  # noqa: E731
     default = helm_template()
-    assert kinds(default) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "PodDisruptionBudget", "Role",
-                              "RoleBinding", "Service", "ServiceAccount"]  # Role, RoleBinding: the leader-election Lease
+    # Namespace scope by default (issue 27): a Role for the watched namespace and one for the Lease.
+    # ... and the tenant policy as a ValidatingAdmissionPolicy.
+    assert kinds(default) == ["Deployment", "PodDisruptionBudget", "Role", "Role",
+                              "RoleBinding", "RoleBinding", "Service", "ServiceAccount",
+                              "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     everything = helm_template(ALL_ON)
     assert kinds(everything) == sorted(kinds(default) + ["ConfigMap", "DSV4Deployment", "ServiceMonitor", "ServiceMonitor"])
     minimal = helm_template(VARIANTS["minimal"])
@@ -223,8 +227,9 @@ def test_operator_values_reach_the_pod() -> None:
 
 
 def test_operator_args_follow_the_watch_scope() -> None:
-    cluster = operator_container(helm_template())["args"]
+    cluster = operator_container(helm_template({"watch.scope": "cluster"}))["args"]
     assert cluster == ["--health-port=8080", "--log-format=json"]
+    assert operator_container(helm_template())["args"][-1] == f"--namespace={NAMESPACE}"  # the default
     namespaced = operator_container(helm_template({"watch.scope": "namespaces",
                                                    "watch.namespaces": ["a", "b", "a"]}))["args"]
     assert namespaced == ["--health-port=8080", "--log-format=json", "--namespace=a", "--namespace=b"]
@@ -260,7 +265,7 @@ def test_the_operator_cli_accepts_the_rendered_args(monkeypatch: pytest.MonkeyPa
 
 
 def test_cluster_scope_uses_a_cluster_role_bound_to_the_service_account() -> None:
-    docs = [d for d in helm_template() if not d["metadata"]["name"].endswith("-leader-election")]
+    docs = [d for d in helm_template({"watch.scope": "cluster"}) if not d["metadata"]["name"].endswith("-leader-election")]
     assert not by_kind(docs, "Role") and not by_kind(docs, "RoleBinding")  # but the Lease's, below
     role, binding = one(docs, "ClusterRole"), one(docs, "ClusterRoleBinding")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
@@ -280,13 +285,13 @@ def test_namespaced_scope_uses_a_role_in_each_watched_namespace_and_nothing_clus
     for b in bindings:
         assert b["roleRef"]["kind"] == "Role"
         assert b["subjects"] == [{"kind": "ServiceAccount", "name": RELEASE, "namespace": NAMESPACE}]
-    cluster_rules = one(helm_template(), "ClusterRole")["rules"]
+    cluster_rules = one(helm_template({"watch.scope": "cluster"}), "ClusterRole")["rules"]
     for r in roles:
         assert r["rules"] == cluster_rules  # one list of rules, two scopes
 
 
 def test_rbac_has_no_wildcards_and_nothing_that_escalates() -> None:
-    for values in ({}, {"watch.scope": "namespaces"}):
+    for values in ({}, {"watch.scope": "cluster"}):
         rules = rbac_rules(helm_template(values))
         assert rules
         for rule in rules:
@@ -294,7 +299,9 @@ def test_rbac_has_no_wildcards_and_nothing_that_escalates() -> None:
             for key in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule[key] and all("*" not in v for v in rule[key]), rule
         verbs = {v for _, _, v in grants(rules)}
-        assert not verbs & {"escalate", "bind", "impersonate", "update", "deletecollection"}
+        assert not verbs & {"escalate", "bind", "impersonate", "deletecollection"}
+        # update only where owner references need it (blockOwnerDeletion), nowhere else: writes are applies.
+        assert {r for _, r, v in grants(rules) if v == "update"} == {"dsv4deployments/finalizers"}
         resources = {r for _, r, _ in grants(rules)}
         assert not resources & {"clusterroles", "clusterrolebindings", "nodes", "namespaces"}
         # Secrets: the deployments' auth Secrets, one by one; never listed or watched (that would
@@ -413,7 +420,8 @@ def test_notes_say_what_to_run_next() -> None:
     assert f"kubectl -n {NAMESPACE} rollout status deployment/{RELEASE}" in notes
     assert "get dsv4d -w" in notes and "port-forward svc/NAME-router 8000:8000" in notes
     assert "serving.dsv4.dev/evidence=true" in notes and "docs/operations.md" in notes
-    assert "every namespace" in notes
+    assert f"in: {NAMESPACE}" in notes  # namespace scope by default
+    assert "every namespace" in helm_notes({"watch.scope": "cluster"})
     ns = helm_notes({"watch.scope": "namespaces", "watch.namespaces": ["team-a"], "sample.enabled": False})
     assert "in: team-a" in ns and "kubectl -n team-a get dsv4d -w" in ns
     sample = helm_notes({"sample.enabled": True, "metrics.serviceMonitor.enabled": True, "grafanaDashboard.enabled": True})

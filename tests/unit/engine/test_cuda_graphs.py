@@ -180,6 +180,8 @@ def test_captured_graphs_replay_the_eager_decode(tiny_model):
     r = ModelRunner(tiny_model, "float32", "cuda", "triton", cuda_graph_max_bs=8)
     assert r.cuda_graph_max_bs == 8
     pool = KVPool(r.state_specs, 16, 8, torch.float32, DEVICE)
+    assert r.capture_graphs(pool)  # at start-up, on the fresh pool: every bucket
+    assert sorted(r.graphs.graphs) == r.graphs.buckets
     torch.manual_seed(2)
     pool.states[r.model.LATENT_KV].normal_()
     for batch in ([_decoding("a", [5, 6, 7], [8], [0]), _decoding("b", list(range(3, 20)), [4, 9], [1, 2, 3])],
@@ -187,8 +189,7 @@ def test_captured_graphs_replay_the_eager_decode(tiny_model):
         snapshot = pool.states[r.model.LATENT_KV].clone()
         eager = r.model.forward(r.build_batch(batch, pool.page_size), pool.all_states).clone()
         pool.states[r.model.LATENT_KV].copy_(snapshot)
-        replayed = r.forward(batch, pool).clone()  # captures on first use, then replays
-        assert r.graphs is not None and r.graphs.graphs
+        replayed = r.forward(batch, pool).clone()  # replays the captured graph
         torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
 
 
@@ -253,7 +254,11 @@ def test_v4_padded_static_step_gives_the_plain_steps_logits_and_states(v4_runner
 def test_v4_captured_graphs_replay_the_eager_decode(make_model):
     r = ModelRunner(make_model("v4-tiny"), "float32", "cuda", "triton", cuda_graph_max_bs=8)
     assert r.cuda_graph_max_bs == 8
-    pool = _v4_pool(r, 5)
+    pool = KVPool(r.state_specs, 16, 8, torch.float32, DEVICE, max_num_seqs=6)
+    assert r.capture_graphs(pool)  # at start-up, on the fresh pool: every bucket
+    torch.manual_seed(5)
+    for t in pool.all_states.values():
+        t.normal_()
     for batch in ([_v4_decoding("a", list(range(3, 10)), [4], [0], 0), _v4_decoding("b", [5, 6, 7], [8, 9, 1], [1], 1)],
                   [_v4_decoding("c", list(range(20, 30)), [2, 3], [2, 3], 2), _v4_decoding("d", [1, 2, 3, 4], [5], [4], 3),
                    _v4_decoding("e", list(range(40, 48)), [6, 7], [5, 6], 4)]):
@@ -261,6 +266,5 @@ def test_v4_captured_graphs_replay_the_eager_decode(make_model):
         eager = r.model.forward(r.build_batch(batch, pool.page_size), pool.all_states).clone()
         for k, v in pool.all_states.items():
             v.copy_(snapshot[k])
-        replayed = r.forward(batch, pool).clone()  # captures on first use, then replays
-        assert r.graphs is not None and r.graphs.graphs
+        replayed = r.forward(batch, pool).clone()  # replays the captured graph
         torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)

@@ -160,8 +160,9 @@ def test_state_sizing_reserves_slot_rows_first(v4_dir):
     assert pages_for_memory(specs, 16, torch.float32, gb, max_num_seqs=64) == 100
     with pytest.raises(ValueError, match="max-num-seqs"):
         pages_for_memory(specs, 16, torch.float32, 63 * row / (1 << 30), max_num_seqs=64)
+    # (the prefix cache's snapshots take rows of their own: test_v4_prefix_cache)
     engine = Engine(EngineArgs(model=str(v4_dir), device="cpu", kernel_backend="torch", kv_memory_gb=gb,
-                               page_size=16, max_num_seqs=64))
+                               page_size=16, max_num_seqs=64, enable_prefix_cache=False))
     assert engine.pool.num_pages == 100 and engine.pool.num_slots == 64
     loads = engine.loads()
     assert loads["kv_state_bytes_per_token"] == {"csa_kv": 128.0, "csa_index_k": 64.0, "hca_kv": 32.0}

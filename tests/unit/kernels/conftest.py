@@ -19,6 +19,10 @@ TOLERANCE = {
     torch.float32: dict(atol=2e-5, rtol=1e-5),
     torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
 }
+if torch.cuda.is_available():
+    # Compiled, tl.exp/exp2, rsqrt, sigmoid and / are approximate instructions (a few ulp each,
+    # compounded through softmax merges and normalisations); the interpreter computes them exactly.
+    TOLERANCE[torch.float32] = dict(atol=1e-4, rtol=1e-4)
 
 
 @pytest.fixture(scope="session")

@@ -91,3 +91,25 @@ def test_moe_experts_match_reference_with_ragged_experts(device, limit, inter, s
     torch.testing.assert_close(y.cpu(), expected, **KERNEL_TOL)
     if limit:  # the clamp bites at this size: the unclamped answer is different
         assert not torch.allclose(expected, ref.fp8_moe_experts(x, W13, S13, W2, S2, weights, ids, None), atol=1e-3)
+
+
+def test_moe_experts_skip_other_ranks_pairs(device):
+    """Tensor parallelism: pairs of another rank's experts (id -1) add nothing; the rest is the
+    answer with those pairs' weights at 0 (and a huge expert 0 nobody routes to stays unread)."""
+    from dsv4_kernels.triton_kernels.fp8_gemm import fp8_moe_experts
+
+    E, H, T, inter = 2, 200, 6, 72
+    w13 = [quantized(2 * inter, H, seed=30 + e) for e in range(E)]
+    w2 = [quantized(H, inter, seed=40 + e) for e in range(E)]
+    W13, S13 = torch.stack([a for a, _, _ in w13]), torch.stack([b for _, b, _ in w13])
+    W2, S2 = torch.stack([a for a, _, _ in w2]), torch.stack([b for _, b, _ in w2])
+    ids = torch.tensor([[-1, 1], [1, -1], [-1, -1], [1, -1], [1, 1], [-1, 1]])
+    weights = torch.rand(T, 2, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(7))
+    S13[0] = float("inf")  # expert 0 is chosen by nobody: computing anything on it gives inf / NaN
+    dev = lambda t: t.to(device)  # noqa: E731
+    y = fp8_moe_experts(dev(x), dev(W13), dev(S13), dev(W2), dev(S2), dev(weights), dev(ids), None)
+    expected = ref.fp8_moe_experts(x, W13, S13, W2, S2, weights * (ids >= 0), ids.clamp(min=1), None)
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y.cpu(), expected, **KERNEL_TOL)
+    torch.testing.assert_close(ref.fp8_moe_experts(x, W13, S13, W2, S2, weights, ids, None), expected, **KERNEL_TOL)

@@ -53,9 +53,11 @@ def test_kernels_compile_for_hopper_and_blackwell_within_limits():
                                         "v4_indexer_topk[")):
             assert report["pipelined"], report
             assert (report["mma"] != "-") == ("bf16" in report["kernel"]), report
-        # The quantized-weight GEMMs always take tensor cores (fp8 x fp8, or decoded fp4 in bf16).
+        # The quantized-weight GEMMs take tensor cores (fp8 x fp8, or decoded fp4 in bf16); fp4
+        # against fp32 activations asks for exact fp32 products (FMA units), like the fp32 GEMMs.
         if report["kernel"].startswith(("fp8_gemm", "fp4_gemm")):
-            assert report["pipelined"] and report["mma"] != "-", report
+            fma = report["kernel"].startswith("fp4_gemm[fp32")
+            assert report["pipelined"] and (report["mma"] == "-") == fma, report
 
 
 def test_problems_flags_spills_and_shared_memory_overflow():
@@ -64,3 +66,22 @@ def test_problems_flags_spills_and_shared_memory_overflow():
     assert script.problems(ok) == []
     assert script.problems({**ok, "spill_bytes": 64})
     assert script.problems({**ok, "shared_bytes": 150_000})
+
+
+# Kernels whose inputs have one dtype whatever the engine's: DeepSeek-V3's router gets fp32
+# logits (the gate runs in fp32, deepseek_v3._moe).
+ONE_DTYPE = {"moe_route_kernel"}
+
+
+def test_every_kernel_is_compiled_in_each_dtype_the_engine_can_launch_it_in():
+    """bfloat16 (the default on CUDA) and float32 (--dtype float32): a kernel compiled in one
+    only would meet the other untested on the first GPU run (fp4 with fp32 activations spilled)."""
+    script = load_compile_script()
+    for arch in script.ARCHS:
+        dtypes: dict[str, set[str]] = {}
+        for v in script.variants(arch):
+            label = v.name.split("[", 1)[1].rstrip("]")
+            dtypes.setdefault(v.kernel.fn.__name__, set()).update(d for d in ("bf16", "fp32") if d in label.split(","))
+        for name, seen in dtypes.items():
+            want = {"fp32"} if name in ONE_DTYPE else {"bf16", "fp32"}
+            assert seen >= want, f"{name} has AOT variants in {sorted(seen)} for sm_{arch}, not {sorted(want)}"

@@ -204,3 +204,65 @@ def test_pairs_sorted_by_expert_cover_every_pair_once_in_single_expert_blocks(de
         else:
             assert members.numel() > 0 and bool((flat[members] == expert).all())
     assert 3 not in block_expert.tolist()
+
+
+# ---- tensor parallelism: pairs of other ranks' experts (id -1) are nobody's work --------------
+
+
+def _split_for_rank(ids: torch.Tensor, weights: torch.Tensor, lo: int, hi: int):
+    """What ShardComm.local_experts hands a rank holding global experts lo..hi-1."""
+    from dsv4_engine.parallel.sharded import ShardComm
+
+    comm = ShardComm.__new__(ShardComm)
+    comm.experts = (lo, hi)
+    return comm.local_experts(weights, ids)
+
+
+def test_other_ranks_pairs_are_skipped_not_computed_on_a_local_expert(device):
+    """Two ranks of 4 experts each: each rank's output is the naive sum over its own pairs only,
+    the two add up to the whole, and a local expert whose output overflows (here expert 0 of
+    rank 0, chosen by nobody) cannot turn the other rank's pairs into NaN (0 * inf)."""
+    from dsv4_kernels import triton_ops
+
+    x, w13, w2, w, ids = expert_inputs(7, 8, 3, 32, 16, torch.float32, device, seed=3, skip_experts=(0,))
+    whole = reference.moe_experts(x, w13, w2, w, ids)
+    for impl in (reference.moe_experts, triton_ops.moe_experts):
+        parts = []
+        for lo, hi in ((0, 4), (4, 8)):
+            lw, lids = _split_for_rank(ids, w, lo, hi)
+            local_w13, local_w2 = w13[lo:hi].clone(), w2[lo:hi].clone()
+            if lo == 0:
+                local_w13[0] = float("inf")  # nobody routes to global expert 0
+            assert int(((lids >= 0) & (lids < 4)).sum()) == int(((ids >= lo) & (ids < hi)).sum())
+            got = impl(x, local_w13, local_w2, lw, lids)
+            assert torch.isfinite(got).all(), f"{impl.__module__}: rank {lo // 4} computed another rank's pairs"
+            mine = ((ids >= lo) & (ids < hi)).cpu()
+            want = naive_experts(x, w13, w2, w.cpu() * mine, ids.cpu())
+            torch.testing.assert_close(got.double().cpu(), want, atol=1e-4, rtol=1e-4)
+            parts.append(got)
+        torch.testing.assert_close(parts[0] + parts[1], whole, atol=1e-4, rtol=1e-4)
+
+
+def test_blocks_hold_only_local_pairs_and_the_rest_go_to_zero_blocks(device):
+    from dsv4_kernels.triton_kernels.moe_experts import ZERO_BLOCK, align_pairs_by_expert
+
+    gen = torch.Generator().manual_seed(7)
+    experts, top_k, block_m = 4, 2, 4
+    ids = torch.stack([torch.randperm(8, generator=gen)[:top_k] for _ in range(16)])
+    ids = torch.where(ids < experts, ids, torch.full_like(ids, -1)).to(device)  # rank 0 of 2
+    pairs, block_expert = align_pairs_by_expert(ids, experts, block_m)
+    pairs, block_expert, flat = pairs.cpu(), block_expert.cpu(), ids.reshape(-1).cpu()
+    computed, zeroed = [], []
+    for blk, expert in enumerate(block_expert.tolist()):
+        members = pairs[blk * block_m: (blk + 1) * block_m]
+        members = members[members < flat.numel()].tolist()
+        if expert >= 0:
+            assert all(int(flat[m]) == expert for m in members)
+            computed += members
+        elif expert == ZERO_BLOCK:
+            zeroed += members
+        else:
+            assert not members
+    assert sorted(computed) == [i for i in range(flat.numel()) if flat[i] >= 0]
+    assert sorted(zeroed) == [i for i in range(flat.numel()) if flat[i] < 0]
+    assert len(computed) < flat.numel() and zeroed

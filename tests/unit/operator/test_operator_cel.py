@@ -59,6 +59,9 @@ REFUSED: dict[str, tuple[dict, str]] = {
     "toleration_exists_with_value": (tol(key="k", operator="Exists", value="v"), "Exists"),
     "toleration_no_key_equal": (tol(operator="Equal", value="v"), "without a key"),
     "toleration_key_bad": (tol(key="bad key", operator="Exists"), "pattern"),
+    "toleration_seconds_no_schedule": (tol(key="k", operator="Exists", effect="NoSchedule", tolerationSeconds=30),
+                                       "NoExecute"),
+    "toleration_seconds_no_effect": (tol(key="k", operator="Exists", tolerationSeconds=30), "NoExecute"),
 }
 
 ACCEPTED: dict[str, dict] = {
@@ -71,6 +74,7 @@ ACCEPTED: dict[str, dict] = {
                                                                   "ephemeral-storage": 10}}}),
     "env_names": with_spec(engine={"image": "i", "env": [{"name": "_A.b-1", "value": ""}]}),
     "toleration_match_all": tol(operator="Exists"),
+    "toleration_seconds_no_execute": tol(key="k", operator="Exists", effect="NoExecute", tolerationSeconds=30),
     "selector_prefixed": with_spec(decode={"nodeSelector": {"node.kubernetes.io/instance-type": "p5.48xlarge",
                                                            "empty": ""}}),
 }

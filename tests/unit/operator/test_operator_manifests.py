@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import copy
 import kubernetes_validate
 import pytest
 import yaml
@@ -17,6 +18,8 @@ from dsv4_operator.spec import DEFAULT_NODE_SELECTOR, DEFAULT_TOLERATIONS, parse
 EXAMPLES = Path(__file__).resolve().parents[3] / "crds" / "examples"
 OWNER = M.Owner(name="flash", namespace="serving", uid="2f1e3b4c-0000-4000-8000-000000000001")
 K8S_VERSIONS = ("1.33.0", kubernetes_validate.latest_version())
+# The releases docs/operations.md supports (Supported clusters): every child validates on each.
+SUPPORTED_K8S = ("1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0")
 
 
 def spec_of(**overrides: Any):
@@ -41,7 +44,7 @@ def env_of(container: dict) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("example", ["flash-builtin.yaml", "flash-sglang.yaml", "flash-production.yaml"])
-@pytest.mark.parametrize("k8s_version", K8S_VERSIONS)
+@pytest.mark.parametrize("k8s_version", sorted(set(SUPPORTED_K8S + K8S_VERSIONS)))
 def test_children_are_valid_kubernetes_strict(example: str, k8s_version: str) -> None:
     spec = parse_spec(yaml.safe_load((EXAMPLES / example).read_text())["spec"])
     children = M.build_children(spec, OWNER)
@@ -54,6 +57,24 @@ def test_strict_validation_does_reject_unknown_fields() -> None:
     sts["spec"]["template"]["spec"]["containers"][0]["gpus"] = 4
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(sts, K8S_VERSIONS[0], strict=True)
+
+
+@pytest.mark.parametrize("k8s_version", SUPPORTED_K8S)
+def test_held_and_scaled_children_validate_on_every_supported_release(k8s_version: str) -> None:
+    spec = spec_of(decode={"scaling": "external"}, prefill={"tolerations": [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 30}]})
+    for child in [*M.build_children(spec, OWNER), M.engine_statefulset(spec, OWNER, "decode", hold=True)]:
+        kubernetes_validate.validate(child, k8s_version, strict=True)
+
+
+def test_image_volumes_do_not_exist_before_1_31() -> None:
+    """Why the operator asks the cluster before it uses an image volume (handlers.image_volume_refusal)."""
+    spec = spec_of(model={"name": "m", "path": "/models/m", "volume": {"image": {"reference": "reg/ckpt:1"}}})
+    sts = M.engine_statefulset(spec, OWNER, "decode")
+    for old in ("1.29.0", "1.30.0"):
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(sts, old, strict=True)
+    kubernetes_validate.validate(sts, "1.31.0", strict=True)
 
 
 def test_every_volume_source_validates() -> None:
@@ -74,6 +95,7 @@ def test_the_children_and_their_names() -> None:
         ("Service", "flash-prefill"), ("Service", "flash-decode"), ("Service", "flash-router"),
         ("ServiceAccount", "flash-router"), ("Role", "flash-router"), ("RoleBinding", "flash-router"),
         ("PodDisruptionBudget", "flash-prefill"), ("PodDisruptionBudget", "flash-decode"),
+        ("NetworkPolicy", "flash-engines"),  # on by default (issue 27)
     }
     for (kind, name), child in children.items():
         meta = child["metadata"]
@@ -124,8 +146,9 @@ def test_builtin_commands() -> None:
     spec = spec_of(engine={"image": "i", "args": ["--max-num-seqs", "128"]},
                    prefill={"args": ["--kv-pages", "9000"]}, transfer={"bootstrapPort": 9000})
     prefill = engine_container(M.engine_statefulset(spec, OWNER, "prefill"))["command"]
-    assert prefill[:12] == ["dsv4", "serve", "--model", "/models/dsv4-flash", "--role", "prefill",
-                            "--host", "0.0.0.0", "--port", "8100", "--bootstrap-port", "9000"]
+    assert prefill[:14] == ["dsv4", "serve", "--model", "/models/dsv4-flash", "--role", "prefill",
+                            "--host", "0.0.0.0", "--advertise-host", "$(POD_IP)", "--port", "8100",
+                            "--bootstrap-port", "9000"]
     assert prefill[-4:] == ["--max-num-seqs", "128", "--kv-pages", "9000"]  # user args last: they win
     assert prefill[prefill.index("--served-model-name") + 1] == "deepseek-v4-flash"
     assert prefill[prefill.index("--bootstrap-timeout") + 1] == "300"
@@ -366,10 +389,20 @@ def test_builtin_pods_meet_the_restricted_profile() -> None:
     for role, pod in pods_of(spec_of()).items():
         assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}, "runAsNonRoot": True}, role
         (container,) = pod["containers"]
-        assert container["securityContext"] == PSA_RESTRICTED_CONTAINER, role
+        # The builtin router's root file system is read-only, /tmp an emptyDir (issue 27).
+        expected = {**PSA_RESTRICTED_CONTAINER, "readOnlyRootFilesystem": True} if role == "router" else PSA_RESTRICTED_CONTAINER
+        assert container["securityContext"] == expected, role
         # restricted allows these volume types only (hostPath is not among them)
         assert all(set(v) - {"name"} <= {"emptyDir", "persistentVolumeClaim", "image", "secret", "configMap"}
                    for v in pod.get("volumes", [])), role
+
+
+def test_the_router_has_default_limits_unless_resources_are_given() -> None:
+    router = pods_of(spec_of())["router"]["containers"][0]
+    assert router["resources"] == M.ROUTER_DEFAULT_RESOURCES
+    assert router["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
+    given = pods_of(spec_of(router={"resources": {"limits": {"memory": "1Gi"}}}))["router"]["containers"][0]
+    assert given["resources"] == {"limits": {"memory": "1Gi"}}
 
 
 def test_sglang_runs_as_root_unless_a_uid_is_given_and_ipc_lock_is_opt_in() -> None:
@@ -387,7 +420,9 @@ def test_engines_and_router_read_the_admin_token_and_pd_secret_from_the_deployme
     for spec, secret in ((spec_of(), "flash-auth"), (spec_of(security={"secretName": "mine"}), "mine")):
         for role, pod in pods_of(spec).items():
             env = env_of(pod["containers"][0])
-            assert env[M.ADMIN_TOKEN_ENV] == {"secretKeyRef": {"name": secret, "key": "admin-token"}}, role
+            # The router has an admin token of its own (issue 27): engine admin is not router admin.
+            admin = "router-admin-token" if role == "router" else "admin-token"
+            assert env[M.ADMIN_TOKEN_ENV] == {"secretKeyRef": {"name": secret, "key": admin}}, role
             assert env[M.PD_SECRET_ENV] == {"secretKeyRef": {"name": secret, "key": "pd-secret"}}, role
     made = M.auth_secret(spec_of(), OWNER, {"admin-token": "a", "pd-secret": "p"})
     kubernetes_validate.validate(made, K8S_VERSIONS[0], strict=True)
@@ -396,8 +431,11 @@ def test_engines_and_router_read_the_admin_token_and_pd_secret_from_the_deployme
 
 
 def test_network_policy_admits_router_operator_and_peers_only() -> None:
-    assert not [c for c in M.build_children(spec_of(), OWNER) if c["kind"] == "NetworkPolicy"]
-    assert ("networking.k8s.io/v1", "NetworkPolicy", "flash-engines") in M.absent_children(spec_of(), OWNER)
+    # On by default (issue 27); off on request.
+    assert [c for c in M.build_children(spec_of(), OWNER) if c["kind"] == "NetworkPolicy"]
+    off = spec_of(security={"networkPolicy": {"enabled": False}})
+    assert not [c for c in M.build_children(off, OWNER) if c["kind"] == "NetworkPolicy"]
+    assert ("networking.k8s.io/v1", "NetworkPolicy", "flash-engines") in M.absent_children(off, OWNER)
     spec = spec_of(security={"networkPolicy": {"enabled": True, "allowFrom": [
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]}})
     (policy,) = [c for c in M.build_children(spec, OWNER, operator_namespace="dsv4-system")
@@ -485,3 +523,22 @@ def test_decode_is_held_only_with_a_change_to_take_and_prefill_not_rolled_out() 
     assert not M.decode_held(together, False, live_old, wanted)
     assert M.contains({"a": [{"b": 1, "c": 2}], "d": 3}, {"a": [{"b": 1}]})
     assert not M.contains({"a": [{"b": 1}, {"b": 2}]}, {"a": [{"b": 1}]})
+
+
+def test_contains_compares_quantities_by_value_as_the_server_serves_them() -> None:
+    wanted = {"resources": {"limits": {"nvidia.com/gpu": 4, "cpu": "1000m", "memory": "1024Mi"}},
+              "emptyDir": {"sizeLimit": "16384Mi"}, "replicas": 4}
+    served = {"resources": {"limits": {"nvidia.com/gpu": "4", "cpu": "1", "memory": "1Gi"}},
+              "emptyDir": {"sizeLimit": "16Gi"}, "replicas": 4}
+    assert M.contains(served, wanted)
+    assert not M.contains(dict(served, resources={"limits": {"nvidia.com/gpu": "8", "cpu": "1", "memory": "1Gi"}}),
+                          wanted)
+    assert not M.contains(dict(served, replicas="4"), wanted), "only quantity fields compare by value"
+    # A decode StatefulSet read back from the server (quantities canonical) is the one wanted.
+    spec = spec_of()
+    wanted_sts = M.engine_statefulset(spec, OWNER, "decode")
+    live = copy.deepcopy(wanted_sts)
+    for c in live["spec"]["template"]["spec"]["containers"]:
+        for part in ("limits", "requests"):
+            c["resources"][part] = {k: str(v) for k, v in c["resources"].get(part, {}).items()}
+    assert not M.decode_held(spec, False, live, wanted_sts)

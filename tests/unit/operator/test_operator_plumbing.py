@@ -100,11 +100,18 @@ def test_spec_problems_are_one_readable_line() -> None:
     assert spec is not None and problem is None
 
 
+def test_each_replica_reports_as_itself(monkeypatch) -> None:
+    monkeypatch.setenv("POD_NAME", "dsv4-operator-7d9f-abcde")
+    assert make_settings(standalone=False).posting.reporting_instance == "dsv4-operator-7d9f-abcde"
+    monkeypatch.delenv("POD_NAME")
+    assert make_settings(standalone=False).posting.reporting_instance not in ("", "dev")
+
+
 def test_operator_settings() -> None:
     s = make_settings(standalone=True)
     assert s.peering.standalone is True and s.scanning.disabled is True
-    assert list(s.watching.label_selectors.values()) == [
-        "app.kubernetes.io/name=dsv4,app.kubernetes.io/managed-by=dsv4-operator"] * 2 + [
+    ours = "app.kubernetes.io/name=dsv4,app.kubernetes.io/managed-by=dsv4-operator"
+    assert list(s.watching.label_selectors.values()) == [ours] * 2 + [ours] * 6 + [
         "app.kubernetes.io/name=dsv4,serving.dsv4.dev/role in (prefill,decode)"]  # the watchdog's pod watch
 
 

@@ -51,3 +51,29 @@ def test_a_landed_state_message_names_its_pages_and_slot():
     assert int(header[wire.OP]) == wire.OP_STATE and wire.payload_len(header) == payload.numel()
     assert wire.unpack_state(payload) == ([4, 9, 2], 3)
     assert wire.unpack_state(wire.state_message([1], None)[1]) == ([1], None)
+
+
+@pytest.mark.parametrize("slots", [False, True])
+def test_a_captured_decode_step_round_trips_from_host_arrays(slots):
+    """The header of a replayed step is built from the step's numpy arrays: nothing is read
+    back from the device (the eager `pack` copies the batch off it, one sync per step)."""
+    import numpy as np
+
+    from dsv4_engine.batch_buffers import host_batch
+
+    hb = host_batch([3, 7], [1, 1], [[2], [3, 4]], [[9], [11]], [1, 0] if slots else [None, None], 4, width=5)
+    header, payload = wire.pack_host(hb)
+    assert int(header[wire.OP]) == wire.OP_GRAPH and wire.payload_len(header) == payload.numel()
+    back = wire.unpack_host(header, payload)
+    for f in ("input_ids", "positions", "slot_mapping", "block_table", "seq_lens", "extend_lens", "logits_indices",
+              "slot_ids"):
+        a, b = getattr(hb, f), getattr(back, f)
+        assert (a is None) == (b is None), f
+        if a is not None:
+            assert a.dtype == b.dtype and np.array_equal(a, b), f
+    assert back.block_table.shape == (2, 5)
+
+
+def test_the_capture_header_names_the_largest_bucket():
+    h = wire.capture_header(48)
+    assert int(h[wire.OP]) == wire.OP_CAPTURE and int(h[wire.REQS]) == 48

@@ -517,6 +517,44 @@ def test_deadlines_off_a_stalled_transfer_waits_until_aborted(pair_without_deadl
     pair.assert_clean("p", "d")
 
 
+def test_a_wedged_hand_off_shows_its_timeline_in_loads(pair_without_deadlines):
+    """What the watchdog's evidence keeps of a stuck request: each side's PD events in order,
+    with their ages, and how long since it last made progress."""
+    pair = pair_without_deadlines
+    pair.pf.arm("stall_transfer", 1)
+    ps, pc, ds, dc = pair.both()
+    pair.run_until(lambda: ps.pd.room in pair.p.pd.inflight and ds.pd.room in pair.d.pd.transfer)
+    pair.step(40, dt=10.0)
+    (p_view,) = [v for v in pair.p.pd.loads()[1]["requests"] if v["rid"] == ps.rid]
+    (d_view,) = [v for v in pair.d.pd.loads()[1]["requests"] if v["rid"] == ds.rid]
+    assert [e["event"] for e in p_view["events"]] == ["arrival", "Bootstrapping", "WaitingForInput", "forward_done",
+                                                        "Transferring"]
+    assert [e["event"] for e in d_view["events"]] == ["arrival", "Bootstrapping", "Transferring"]
+    for v in (p_view, d_view):
+        assert v["state"] == "Transferring" and v["room"] == ps.pd.room and v["deadline_in_seconds"] is None
+        assert v["last_progress_seconds_ago"] >= 400 and v["in_state_seconds"] >= 400
+        ages = [e["seconds_ago"] for e in v["events"]]
+        assert ages == sorted(ages, reverse=True)  # in the order they happened
+    pair.p.abort(all_=True, reason="operator")
+    pair.run_until(lambda: pc.ends and dc.ends)
+    assert pair.p.pd.loads()[1]["requests"] == [] and pair.d.pd.loads()[1]["requests"] == []
+
+
+def test_timelines_put_unfinished_hand_offs_first():
+    from dsv4_engine.pd.request_info import PDRequestInfo, stuck_first, timeline_view
+
+    views = []
+    for rid, state, t in (("landed", PDState.SUCCESS, 1.0), ("slow", PDState.TRANSFERRING, 5.0),
+                          ("stuck", PDState.TRANSFERRING, 2.0)):
+        info = PDRequestInfo("h", 1, 7)
+        info.mark("arrival", 0.0)
+        info.enter(state, None, t)
+        views.append(timeline_view(rid, info, None, 0, 10.0, 1000.0))
+    assert [v["rid"] for v in stuck_first(views)] == ["stuck", "slow", "landed"]
+    assert views[2]["events"][1] == {"event": "Transferring", "seconds_ago": 8.0, "at": 992.0}
+    assert [v["rid"] for v in stuck_first(views, 1)] == ["stuck"]
+
+
 def test_disable_deadlines_fault_switches_the_policy(pair):
     assert pair.p.pd.deadlines.on
     pair.pf.arm("disable_deadlines", -1)

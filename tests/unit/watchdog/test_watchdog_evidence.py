@@ -45,7 +45,7 @@ def test_small_evidence_kept_whole():
     assert md["annotations"]["serving.dsv4.dev/truncated"] == ""
     assert md["ownerReferences"][0]["kind"] == "DSV4Deployment"
     data = cm["data"]
-    assert set(data) == {"verdict.json", "spec-diff.txt", "loads.json", "stacks.txt",
+    assert set(data) == {"verdict.json", "spec-diff.txt", "loads.json", "timelines.json", "stacks.txt",
                          "logs.txt", "metrics.txt"}
     assert json.loads(data["verdict.json"])["details"]["stuck_seconds"] == 130.0
     assert json.loads(data["loads.json"])["queues"]["inflight"] == 1
@@ -118,3 +118,15 @@ def test_names_and_labels_are_valid_kubernetes_values():
     # Pods of one StatefulSet differ only at the end of their names.
     assert (evidence_name("dsv4", "dsv4-flash-prefill-0", NOW)
             != evidence_name("dsv4", "dsv4-flash-prefill-1", NOW))
+
+
+def test_the_stuck_requests_timelines_get_their_own_field():
+    stuck = {"rid": "r1", "state": "Transferring", "last_progress_seconds_ago": 130.0,
+             "events": [{"event": "arrival", "seconds_ago": 131.0, "at": NOW - 131},
+                        {"event": "Transferring", "seconds_ago": 130.0, "at": NOW - 130}]}
+    data = build(loads={"queues": {"inflight": 1}, "requests": [stuck]})["data"]
+    assert json.loads(data["timelines.json"]) == [stuck]
+    assert json.loads(data["loads.json"])["requests"] == [stuck]
+    # an engine without timelines (SGLang, or no answer) says so
+    assert data["timelines.json"] != build(loads={"queues": {}})["data"]["timelines.json"]
+    assert build(loads={"queues": {}})["data"]["timelines.json"].startswith("(not captured")

@@ -1,0 +1,38 @@
+"""The engine's speculator from its flags, or a one-line refusal (ValueError)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from dsv4_engine.spec_decode.mtp_layer import mtp_state_spec, num_mtp_layers
+from dsv4_engine.spec_decode.options import engine_refusal, normalize_algorithm
+from dsv4_engine.spec_decode.speculator import MTPSpeculator
+
+log = logging.getLogger("dsv4.engine")
+
+
+def speculation_refusal(args) -> Optional[str]:
+    """Why the engine `args` describe cannot speculate as asked, in one line, or None; reads
+    config.json only (before any weight)."""
+    try:
+        algorithm = normalize_algorithm(args.speculative_algorithm)
+    except ValueError as e:
+        return str(e)
+    if algorithm is None:
+        return None
+    from dsv4_engine.models import entry_for_dir
+
+    return engine_refusal(algorithm, args.speculative_num_steps, entry_for_dir(args.model).model_type,
+                          num_mtp_layers(args.model), args.role, args.tp_size)
+
+
+def build_speculator(args, runner) -> MTPSpeculator:
+    refusal = speculation_refusal(args)
+    if refusal:
+        raise ValueError(refusal)
+    if runner.cuda_graph_max_bs:
+        log.info("speculative decoding: draft and verify steps run eagerly (decode CUDA graphs are not used)")
+    spec = MTPSpeculator(runner, args.model, args.speculative_num_steps)
+    spec.state_specs = [mtp_state_spec(runner.cfg)]
+    return spec

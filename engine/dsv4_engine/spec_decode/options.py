@@ -1,0 +1,61 @@
+"""`--speculative-algorithm` and `--speculative-num-steps`: spellings, limits and refusals.
+
+Pure (no torch): the CLI and the HTTP process check flags and requests with it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+# Our name, SGLang's (EAGLE / NEXTN: both run the checkpoint's MTP layer for DeepSeek) and
+# vLLM's ("mtp", "deepseek_mtp"), case-insensitive.
+ALGORITHM_ALIASES = {"mtp": "mtp", "eagle": "mtp", "nextn": "mtp", "deepseek_mtp": "mtp"}
+MAX_NUM_STEPS = 8
+
+
+def normalize_algorithm(name: Optional[str]) -> Optional[str]:
+    """'mtp' for any accepted spelling, None for none; ValueError (one line) for an unknown one."""
+    if name is None or name == "" or name.lower() == "none":
+        return None
+    canon = ALGORITHM_ALIASES.get(name.lower())
+    if canon is None:
+        raise ValueError(f"--speculative-algorithm {name!r} is not supported; use mtp "
+                         f"(aliases: {', '.join(sorted(set(ALGORITHM_ALIASES) - {'mtp'}))})")
+    return canon
+
+
+def engine_refusal(algorithm: Optional[str], num_steps: int, model_type: str, num_mtp_layers: int, role: str,
+                   tp_size: int) -> Optional[str]:
+    """Why an engine cannot speculate as asked, in one line, or None. Everything not built yet is
+    refused here rather than run without speculation."""
+    if algorithm is None:
+        return None
+    if not 1 <= num_steps <= MAX_NUM_STEPS:
+        return f"--speculative-num-steps must be between 1 and {MAX_NUM_STEPS}, not {num_steps}"
+    if model_type != "deepseek_v3":
+        return f"--speculative-algorithm mtp runs DeepSeek-V3's MTP layer; {model_type} is not supported yet"
+    if num_mtp_layers < 1:
+        return ("--speculative-algorithm mtp needs a checkpoint with an MTP layer (config.json "
+                "num_nextn_predict_layers >= 1; `dsv4 model init --mtp` writes one)")
+    if role != "mono":
+        return f"--speculative-algorithm mtp is not supported with --role {role} yet (mono only)"
+    if tp_size != 1:
+        return "--speculative-algorithm mtp is not supported with --tp-size > 1 yet"
+    return None
+
+
+def request_refusal(params) -> Optional[str]:
+    """Why a request cannot be served by a speculating engine, naming the field, or None.
+    Logits processing (penalties, logit_bias, min_tokens) depends on the tokens before each
+    position, which verification would have to replay per draft: not built yet."""
+    for field, active in (("presence_penalty", params.presence_penalty != 0),
+                          ("frequency_penalty", params.frequency_penalty != 0),
+                          ("repetition_penalty", params.repetition_penalty != 1),
+                          ("logit_bias", bool(params.logit_bias)),
+                          ("min_tokens", params.min_tokens > 0)):
+        if active:
+            return f"{field} is not supported with --speculative-algorithm mtp yet"
+    if getattr(params, "structured", None) is not None:  # response_format / structured_outputs / guided_*
+        return "structured outputs (response_format, structured_outputs, guided_*) are not supported with " \
+               "--speculative-algorithm mtp yet"
+    return None

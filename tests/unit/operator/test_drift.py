@@ -1,0 +1,37 @@
+"""Foreign list-map entries: which ones drift repair removes, and in what order."""
+
+from __future__ import annotations
+
+import copy
+
+import jsonpatch
+
+from dsv4_operator.drift import describe_removals, foreign_entry_removals
+
+
+def test_a_hand_edited_service_port_and_foreign_env_and_containers_are_removed() -> None:
+    wanted = {"spec": {"ports": [{"name": "http", "port": 8000, "targetPort": "http"}],
+                       "template": {"spec": {"containers": [{"name": "engine", "env": [{"name": "A", "value": "1"}]}],
+                                             "volumes": [{"name": "dshm"}]}}}}
+    live = {"spec": {"ports": [{"name": "http", "port": 8001, "protocol": "TCP"},
+                               {"name": "http", "port": 8000, "protocol": "TCP", "targetPort": "http"}],
+                     "template": {"spec": {
+                         "containers": [{"name": "intruder"},
+                                        {"name": "engine", "env": [{"name": "EVIL", "value": "x"},
+                                                                   {"name": "A", "value": "1"}]}],
+                         "volumes": [{"name": "dshm"}],
+                         "tolerations": [{"key": "x"}]}},  # not a list-map, not in wanted: left alone
+                     "selector": {"a": "b"}}}
+    ops = foreign_entry_removals(live, wanted)
+    fixed = jsonpatch.apply_patch(copy.deepcopy(live), ops)
+    assert fixed["spec"]["ports"] == [{"name": "http", "port": 8000, "protocol": "TCP", "targetPort": "http"}]
+    assert [c["name"] for c in fixed["spec"]["template"]["spec"]["containers"]] == ["engine"]
+    assert fixed["spec"]["template"]["spec"]["containers"][0]["env"] == [{"name": "A", "value": "1"}]
+    assert fixed["spec"]["template"]["spec"]["tolerations"] == [{"key": "x"}]
+    assert "spec.ports[0] (name=http, port=8001)" in describe_removals(live, ops)
+
+
+def test_nothing_foreign_means_no_operation() -> None:
+    wanted = {"spec": {"ports": [{"name": "http", "port": 8000}]}}
+    live = {"spec": {"ports": [{"name": "http", "port": 8000, "protocol": "TCP", "targetPort": 8000}]}}
+    assert foreign_entry_removals(live, wanted) == []
