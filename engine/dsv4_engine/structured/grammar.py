@@ -103,6 +103,10 @@ class GrammarCompiler:
             return c.compile_grammar(spec.value)
         if spec.kind == "structural_tag":
             return c.compile_structural_tag(spec.value)
+        if spec.kind == "tool_calls":
+            from dsv4_engine.structured.tool_calls import spec_grammar  # it imports this module
+
+            return c.compile_grammar(spec_grammar(spec.value))
         raise GrammarError(f"unknown structured output kind {spec.kind!r}")
 
 
