@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Optional, Union
 
-from dsv4_engine.structured.grammar import length_strings_safe
+from dsv4_engine.structured.schema import length_strings_safe
 from dsv4_wire import chat_tokens as T
 from dsv4_wire.chat_names import canonical
 
