@@ -201,6 +201,7 @@ def plot(report: dict, path: Path) -> None:
 def main(argv: Optional[list[str]] = None) -> None:
     a = parse_args(argv)
     logs = a.out / "logs"
+    a.out.mkdir(parents=True, exist_ok=True)
     report = {"benchmark": "agents", "started": now_iso(), "machine": machine(),
               "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
               "note": "2 shared CPU cores, random-weight checkpoints: noisy; compare sides of one run only",
@@ -221,6 +222,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                     for s in reversed(procs):
                         s.stop()
                 report["results"][preset][name] = res
+                write_json(report, a.out / "agents.json")  # after every side: a cut-short run keeps what it measured
                 print(f"  wall {res['wall_s']} s; TTFT p50 per round (ms): "
                       f"{[r['ttft_p50_ms'] for r in res['per_round']]}; tool calls "
                       f"{sum(r['tool_calls'] for r in res['per_round'])}/{sum(r['requests'] for r in res['per_round'])}",
