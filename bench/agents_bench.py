@@ -176,6 +176,7 @@ async def harness(url: str, a: argparse.Namespace) -> dict:
                        "prompt_tokens_p50": sorted(r["prompt_tokens"] or 0 for r in ok)[len(ok) // 2] if ok else None,
                        "cached_tokens_p50": sorted(r["cached_tokens"] or 0 for r in ok)[len(ok) // 2] if ok else None,
                        "tool_calls": sum(1 for r in ok if r["finish"] == "tool_calls"), "requests": len(rs),
+                       "finish_reasons": {f: sum(1 for r in ok if r["finish"] == f) for f in {r["finish"] for r in ok}},
                        "errors": [r["error"] for r in rs if r.get("error")][:2]})
     return {"wall_s": round(wall, 2), "per_round": rounds}
 
