@@ -142,6 +142,30 @@ def grammar(
                                         repeats=repeats, out=out, seed=seed, quick=quick or None))
 
 
+@app.command("agents")
+def agents(
+    presets: List[str] = typer.Option([], help="Checkpoint presets, repeat for several (default: tiny v4-tiny)."),
+    agents_: Optional[int] = typer.Option(None, "--agents", help="Concurrent agents (default: 16)."),
+    rounds: Optional[int] = typer.Option(None, help="Rounds per agent (default: 6)."),
+    result_tokens: Optional[int] = typer.Option(None, help="Tool result words (~tokens) per round (default: 300)."),
+    max_tokens: Optional[int] = typer.Option(None, help="Answer budget per round (default: 160)."),
+    modes: List[str] = typer.Option([], help="mono and/or pd, repeat for both (default: both)."),
+    out: Optional[Path] = typer.Option(None, help="Results folder (default: bench/results/agents)."),
+    seed: Optional[int] = typer.Option(None, help="Seed of the prompts and models (default: 0)."),
+    quick: bool = typer.Option(False, "--quick", help=QUICK_HELP),
+) -> None:
+    """An agent harness replay: N agents x R rounds of tool_choice "required" calls, each followed by a ~300-token tool result; TTFT per round and wall time, mono and PD, with and without the prefix cache (agents.json + agents.png)."""
+    argv = script_argv(dict(agents=agents_, rounds=rounds, result_tokens=result_tokens, max_tokens=max_tokens,
+                            out=out, seed=seed, quick=quick or None))
+    if presets:
+        argv += ["--presets", *presets]
+    if modes:
+        argv += ["--modes", *modes]
+    code = subprocess.call([sys.executable, str(bench_dir() / "agents_bench.py"), *argv])
+    if code:
+        raise typer.Exit(code=code)
+
+
 @app.command("pd")
 def pd(
     model: Optional[Path] = typer.Option(None, help="Checkpoint folder (default: made from --preset)."),

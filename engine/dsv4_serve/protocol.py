@@ -208,6 +208,17 @@ class _Common(BaseModel):
         """How many alternatives per token the request wants (None: no logprobs)."""
         return None
 
+    def constraint_fields(self) -> list[str]:
+        """The output-constraint fields the request sets (response_format other than text,
+        structured_outputs, guided_*), by name: what `tool_choice` "required" cannot be combined with."""
+        names = []
+        if self.response_format is not None and self.response_format.type != "text":
+            names.append("response_format")
+        if self.structured_outputs is not None:
+            names.append("structured_outputs")
+        names += [f for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar") if getattr(self, f) is not None]
+        return names
+
     def structured_spec(self) -> Optional[structured.StructuredSpec]:
         """The one output constraint the request asks for (None: free text); a 400 naming the
         field for a constraint that is malformed, refused, or given more than once."""

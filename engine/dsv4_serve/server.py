@@ -39,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsv4_engine.engine_args import EngineArgs
 from dsv4_engine.sampling_params import SamplingParams
+from dsv4_engine.structured.spec import tool_calls as tool_calls_spec
 from dsv4_engine.request_output import RequestOutput
 from dsv4_engine.tokenizer import Tokenizer
 from dsv4_serve.admin import error_response, require_admin, thread_stacks
@@ -320,11 +321,18 @@ class OpenAIServing:
     def prepare_chat(self, body: bytes, headers: Mapping[str, str]) -> Prepared:
         req = parse_request(ChatCompletionRequest, body)
         self._check_model(req)
-        if req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice):
-            # Honouring these needs the tool-call grammar in the sampler; never answer prose instead.
-            raise APIError("tool_choice: \"required\" and a named function are not served yet (they need "
-                           "constrained decoding); use \"auto\" or \"none\"", param="tool_choice")
         setup = self.chat_setup
+        forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
+        if forced:
+            # The answer is constrained to the model's native tool-call text (one grammar per request).
+            what = "\"required\"" if req.tool_choice == "required" else "a named function"
+            others = req.constraint_fields()
+            if others:
+                raise APIError(f"tool_choice {what} constrains the output to tool calls; it cannot be combined "
+                               f"with {', '.join(others)}", param="tool_choice")
+            if not setup.tool_parser:
+                raise APIError(f"tool_choice {what} needs a tool-call format, and this model has none "
+                               "(start the server with --tool-call-parser)", param="tool_choice")
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if req.tool_choice != "none" else []
         opts = ChatOptions(tools=tools or None, thinking=req.thinking(), reasoning_effort=req.reasoning_effort,
                            add_generation_prompt=req.add_generation_prompt,
@@ -344,12 +352,20 @@ class OpenAIServing:
         if not ids:
             raise APIError("the rendered chat prompt is empty", param="messages")
         params = self._params(req, len(ids), None)
-        rid = req.rid or f"chatcmpl-{uuid.uuid4().hex}"
-        seqs = self._choices(req, [ids], [params], rid, headers)
-        parser = tool_parser(setup.tool_parser) if tools and setup.tool_parser else None
         reasoning = None
         if setup.reasoning_parser is not None:
             reasoning = rendered.thinking or setup.reasoning_parser == "deepseek_r1"
+        if forced:
+            choice = req.tool_choice if req.tool_choice == "required" else req.tool_choice.model_dump()
+            try:
+                spec = tool_calls_spec(setup.tool_parser, tools, choice, req.parallel_tool_calls is not False,
+                                       bool(reasoning))
+            except ValueError as e:
+                raise APIError(str(e), param="tool_choice") from None
+            params = replace(params, structured=spec)
+        rid = req.rid or f"chatcmpl-{uuid.uuid4().hex}"
+        seqs = self._choices(req, [ids], [params], rid, headers)
+        parser = tool_parser(setup.tool_parser) if tools and setup.tool_parser else None
         # one output parser per sequence: each keeps its own streaming state
         outputs = [ChatOutput(parser, reasoning, req.parallel_tool_calls is not False) for _ in seqs]
         return Prepared(req, seqs, rid, chat=True, outputs=outputs)

@@ -2,7 +2,8 @@
 tiny V3 (V3.1 chat format) and v4-tiny (DSML encoding) checkpoints: tools with tool_choice auto,
 a tool-result round trip whose prompt extends the previous round's token ids, streamed deltas,
 reasoning_content with thinking on, forged special tokens kept as text, a malformed tool call
-from the model kept as content, and tool_choice "required"/named refused with a 400 naming it.
+from the model kept as content, and tool_choice "required"/named with another output constraint
+refused with a 400 naming it (the constrained calls: tests/integration/test_tool_choice_http.py).
 
 Random weights never write a well-formed call on their own; the parsers' streamed and
 non-streamed output is proven in tests/unit/serve/test_chat_parsers.py."""
@@ -88,12 +89,12 @@ def test_streamed_with_tools_assembles_like_non_streamed(client):
     assert finish == whole.choices[0].finish_reason
 
 
-def test_tool_choice_required_or_named_is_refused(client):
+def test_tool_choice_required_or_named_with_a_format_is_refused(client):
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="m", messages=round_messages(0), tools=TOOLS, tool_choice=choice,
-                                           max_tokens=4)
-        assert e.value.body["param"] == "tool_choice"
+                                           response_format={"type": "json_object"}, max_tokens=4)
+        assert e.value.body["param"] == "tool_choice" and "response_format" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:  # a tool result without the call it answers
         client.chat.completions.create(model="m", messages=[{"role": "tool", "tool_call_id": "x", "content": "1"}],
                                        max_tokens=4)
@@ -200,7 +201,7 @@ def test_router_passes_agent_fields_through(server, tmp_path):
                 assert a.usage.prompt_tokens_details.cached_tokens > 0 or server[0] == "v4-tiny"
         with pytest.raises(openai.BadRequestError) as e:
             via.chat.completions.create(model="m", messages=round_messages(0), tools=TOOLS, tool_choice="required",
-                                        max_tokens=4)
+                                        response_format={"type": "json_object"}, max_tokens=4)
         assert e.value.body["param"] == "tool_choice"
     finally:
         router.stop()

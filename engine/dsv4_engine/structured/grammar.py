@@ -16,7 +16,9 @@ from typing import Iterable, Optional
 
 import xgrammar as xgr
 
+from dsv4_engine.structured.schema import length_strings_safe
 from dsv4_engine.structured.spec import StructuredSpec
+from dsv4_engine.structured.tool_calls import spec_grammar
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (a JSON-schema grammar on a 128k vocab is ~100s of KiB)
 
@@ -103,32 +105,9 @@ class GrammarCompiler:
             return c.compile_grammar(spec.value)
         if spec.kind == "structural_tag":
             return c.compile_structural_tag(spec.value)
+        if spec.kind == "tool_calls":
+            return c.compile_grammar(spec_grammar(spec.value))
         raise GrammarError(f"unknown structured output kind {spec.kind!r}")
-
-
-# What a length-bounded JSON string may hold unescaped (JSON forbids raw quotes, backslashes and
-# control characters inside a string).
-_PLAIN_CHAR = r'[^"\\\x00-\x1f]'
-_STRING_SHAPERS = ("pattern", "format", "enum", "const")
-
-
-def length_strings_safe(schema):
-    """`schema` with every string schema bounded only by minLength/maxLength rewritten as the
-    same bounds on a pattern of plain characters. xgrammar 0.2.9 compiles such a string to
-    "any character but quote, backslash, CR and LF", which lets a model write other control
-    characters raw: invalid JSON (found by tests/unit/engine/test_structured_engine.py). The
-    pattern form is exact and keeps the length bounds (it gives up escapes in those strings)."""
-    if isinstance(schema, list):
-        return [length_strings_safe(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: length_strings_safe(v) if isinstance(v, (dict, list)) and k not in ("enum", "const", "default", "examples")
-           else v for k, v in schema.items()}
-    if (out.get("type") == "string" and ("minLength" in out or "maxLength" in out)
-            and not any(k in out for k in _STRING_SHAPERS)):
-        lo, hi = int(out.pop("minLength", 0)), out.pop("maxLength", None)
-        out["pattern"] = f"^{_PLAIN_CHAR}{{{lo},{'' if hi is None else int(hi)}}}$"
-    return out
 
 
 def _first_line(e: BaseException) -> str:

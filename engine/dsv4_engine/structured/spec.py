@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
+
+from dsv4_wire.chat_names import TOOL_CALL_FORMATS, canonical
 
 # json_object: any JSON object; json_schema: a JSON Schema (JSON text); regex: a regular
 # expression the whole output matches; choice: a JSON list of strings, the output is one of them;
 # ebnf: xgrammar's EBNF (GBNF-like) grammar text; structural_tag: xgrammar's structural tag (JSON
-# text), the form tool-call grammars take.
-KINDS = ("json_object", "json_schema", "regex", "choice", "ebnf", "structural_tag")
+# text); tool_calls: the model's native tool-call text for `tool_choice` "required" or a named
+# function (JSON: {parser, tools, tool_choice, parallel_tool_calls, thinking}; the engine builds
+# the grammar, `dsv4_engine.structured.tool_calls`).
+KINDS = ("json_object", "json_schema", "regex", "choice", "ebnf", "structural_tag", "tool_calls")
 MAX_SPEC_CHARS = 1 << 20  # a constraint's text, at most (1 MiB; a schema bigger than that is abuse)
 
 
@@ -38,7 +42,7 @@ class StructuredSpec:
             return
         if not self.value.strip():
             raise ValueError(f"{self.kind}: the constraint is empty")
-        if self.kind in ("json_schema", "choice", "structural_tag"):
+        if self.kind in ("json_schema", "choice", "structural_tag", "tool_calls"):
             try:
                 v = json.loads(self.value)
             except ValueError as e:
@@ -49,6 +53,8 @@ class StructuredSpec:
                 raise ValueError("choice: a non-empty list of strings is required")
             if self.kind == "structural_tag" and not isinstance(v, dict):
                 raise ValueError("structural_tag: a JSON object is required")
+            if self.kind == "tool_calls":
+                _check_tool_calls(v)
 
     def row(self) -> tuple[str, str]:
         """The spec as plain values (the core messages are marshalled)."""
@@ -77,3 +83,46 @@ def choice(options: Any) -> StructuredSpec:
     if not isinstance(options, list) or not options or not all(isinstance(c, str) for c in options):
         raise ValueError("choice: a non-empty list of strings is required")
     return StructuredSpec("choice", json.dumps(options, ensure_ascii=False))
+
+
+def _check_tool_calls(v: Any) -> None:
+    if not isinstance(v, dict):
+        raise ValueError("tool_calls: a JSON object is required")
+    parser = v.get("parser")
+    if not isinstance(parser, str) or canonical(parser) not in TOOL_CALL_FORMATS:
+        raise ValueError(f"tool_calls: no tool-call grammar for parser {parser!r} "
+                         f"(one of {', '.join(TOOL_CALL_FORMATS)})")
+    tools = v.get("tools")
+    if not isinstance(tools, list) or not tools:
+        raise ValueError("tool_calls: a non-empty list of tools is required")
+    names = []
+    for t in tools:
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError("tool_calls: every tool needs function.name")
+        if not isinstance(fn.get("parameters", {}), (dict, type(None))):
+            raise ValueError(f"tool_calls: {fn['name']}: parameters must be a JSON Schema object")
+        names.append(fn["name"])
+    choice = v.get("tool_choice")
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        if name not in names:
+            raise ValueError(f"tool_calls: tool_choice names {name!r}, which is not among the tools")
+    elif choice != "required":
+        raise ValueError(f"tool_calls: tool_choice must be \"required\" or a named function, not {choice!r}")
+    for key in ("parallel_tool_calls", "thinking"):
+        if not isinstance(v.get(key, False), bool):
+            raise ValueError(f"tool_calls: {key} must be true or false")
+
+
+def tool_calls(parser: str, tools: list[dict], tool_choice: Union[str, dict], parallel_tool_calls: bool = True,
+               thinking: bool = False) -> StructuredSpec:
+    """A spec constraining the output to the model's native tool-call text (`parser`'s format):
+    one call, or with `parallel_tool_calls` one or more, to the allowed tools (`tool_choice`
+    "required": any of `tools`; {"type": "function", "function": {"name": N}}: N only), with
+    arguments valid under each tool's parameters schema; after the reasoning when `thinking`."""
+    value = {"parser": canonical(parser), "tools": tools, "tool_choice": tool_choice,
+             "parallel_tool_calls": bool(parallel_tool_calls), "thinking": bool(thinking)}
+    spec = StructuredSpec("tool_calls", json.dumps(value, ensure_ascii=False))
+    spec.check()
+    return spec

@@ -6,11 +6,11 @@ Parser names follow SGLang's and vLLM's spellings: `deepseekv31`, `deepseek_v31`
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Optional
 
 from dsv4_wire import chat_tokens as T
+from dsv4_wire.chat_names import canonical
 from dsv4_serve.chat.tool_parsers import (DeepSeekV3Parser, DeepSeekV4Parser, DeepSeekV31Parser, DeepSeekV32Parser,
                                           ToolParser)
 
@@ -19,12 +19,6 @@ TOOL_PARSERS = {"deepseek_v3": DeepSeekV3Parser, "deepseek_v31": DeepSeekV31Pars
 # deepseek_r1: the output always starts in reasoning; the others: when the prompt opened <think>.
 REASONING_PARSERS = ("deepseek_r1", "deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4")
 RENDERERS = ("deepseek_v31", "deepseek_v32", "deepseek_v4", "jinja")
-
-
-def canonical(name: str) -> str:
-    """`deepseekv31`, `DeepSeek-V31`, `deepseek_v31` -> `deepseek_v31`."""
-    n = name.strip().lower().replace("-", "_")
-    return re.sub(r"^deepseek_?(v\d+|r1)$", r"deepseek_\1", n)
 
 
 def tool_parser(name: str) -> ToolParser:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-COMMANDS = [["model", "init"], ["serve"], ["router"], ["up"], ["operator"], ["bench", "serve"], ["bench", "pd"], ["bench", "nixl"], ["bench", "grammar"]]
+COMMANDS = [["model", "init"], ["serve"], ["router"], ["up"], ["operator"], ["bench", "serve"], ["bench", "pd"], ["bench", "nixl"], ["bench", "grammar"], ["bench", "agents"]]
 
 
 def dsv4(*args: str) -> subprocess.CompletedProcess:

@@ -87,7 +87,7 @@ def accepts(compiled, tok, text: str) -> bool:
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_grammar_accepts_parsed_calls_and_rejects_malformed(compiler_and_tok, fmt):
-    from dsv4_serve.chat.grammar import tool_call_grammar
+    from dsv4_engine.structured.tool_calls import tool_call_grammar
 
     compiler, tok = compiler_and_tok
     make = FORMATS[fmt]
@@ -109,7 +109,7 @@ def test_grammar_accepts_parsed_calls_and_rejects_malformed(compiler_and_tok, fm
 
 
 def test_unknown_parser_or_tool_refused():
-    from dsv4_serve.chat.grammar import tool_call_grammar
+    from dsv4_engine.structured.tool_calls import tool_call_grammar
 
     with pytest.raises(ValueError):
         tool_call_grammar("hermes", TOOLS)
@@ -118,7 +118,7 @@ def test_unknown_parser_or_tool_refused():
 
 
 def test_thinking_prefix(compiler_and_tok):
-    from dsv4_serve.chat.grammar import tool_call_grammar
+    from dsv4_engine.structured.tool_calls import tool_call_grammar
 
     compiler, tok = compiler_and_tok
     g = compiler.compile_grammar(xgr.Grammar.from_ebnf(tool_call_grammar("deepseek_v4", TOOLS, thinking=True)))

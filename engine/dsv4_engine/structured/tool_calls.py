@@ -1,8 +1,9 @@
 """The grammar of a model's native tool-call text, for `tool_choice: "required"` or a named
-function: handed to the engine's structured-output path, it makes even a weak model answer with a
-call our parser reads, to an allowed tool, with arguments valid under the tool's JSON schema.
+function: compiled for a `tool_calls` spec (`dsv4_engine.structured.spec.tool_calls`), it makes
+even a weak model answer with a call the HTTP process's parser reads, to an allowed tool, with
+arguments valid under the tool's JSON schema.
 
-Imports xgrammar (which imports torch): the engine side only, never the HTTP process.
+Imports xgrammar (which imports torch): the engine core only, never the HTTP process.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ from __future__ import annotations
 import json
 from typing import Optional, Union
 
-from dsv4_serve.chat.registry import canonical
+from dsv4_engine.structured.schema import length_strings_safe
 from dsv4_wire import chat_tokens as T
+from dsv4_wire.chat_names import canonical
 
 _JSON_SEPARATORS = (", ", ": ")  # the spacing json.dumps writes, as the renderers do
 
@@ -63,7 +65,8 @@ def _tool_call_grammar(xg, parser_name: str, tools: list[dict], tool_choice, par
         return xg.Grammar.from_ebnf(f"root ::= {body}")
 
     def schema_json(schema: Optional[dict]) -> "xg.Grammar":
-        return xg.Grammar.from_json_schema(json.dumps(schema if schema else {"type": "object"}), any_whitespace=False,
+        schema = length_strings_safe(schema) if schema else {"type": "object"}
+        return xg.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False,
                                            separators=_JSON_SEPARATORS, strict_mode=True)
 
     if fmt in ("deepseek_v3", "deepseek_v31"):
@@ -125,11 +128,14 @@ def _dsml_params(xg, ebnf, fn: dict):
                 value = ebnf("(" + " | ".join(_lit(str(v)) for v in sub["enum"]) + ")")
             elif "pattern" in sub:
                 value = xg.Grammar.from_regex(sub["pattern"])
+            elif "minLength" in sub or "maxLength" in sub:  # bounded: a weak model cannot run on for ever
+                hi = sub.get("maxLength")
+                value = xg.Grammar.from_regex(f"[^<]{{{int(sub.get('minLength', 0))},{'' if hi is None else int(hi)}}}")
             else:
                 value = ebnf(raw)
             head = f"<{d}parameter name=\"{name}\" string=\"true\">"
         else:
-            value = xg.Grammar.from_json_schema(json.dumps(sub or {}), any_whitespace=False,
+            value = xg.Grammar.from_json_schema(json.dumps(length_strings_safe(sub or {})), any_whitespace=False,
                                                 separators=_JSON_SEPARATORS, strict_mode=True)
             head = f"<{d}parameter name=\"{name}\" string=\"false\">"
         item = xg.Grammar.concat(ebnf(_lit(head)), value, ebnf(_lit(f"</{d}parameter>\n")))
@@ -140,3 +146,11 @@ def _dsml_params(xg, ebnf, fn: dict):
     if required & set(props):
         return seq
     return xg.Grammar.union(seq, ebnf(_lit("\n")))  # every parameter optional: none at all is "\n"
+
+
+def spec_grammar(value: str) -> str:
+    """The EBNF of a `tool_calls` spec's value (JSON: parser, tools, tool_choice,
+    parallel_tool_calls, thinking; see `dsv4_engine.structured.spec.tool_calls`)."""
+    v = json.loads(value)
+    return tool_call_grammar(v["parser"], v["tools"], v["tool_choice"], bool(v.get("parallel_tool_calls", True)),
+                             bool(v.get("thinking", False)))
