@@ -3,7 +3,7 @@ once, and it is transformers' (the checkpoints' oracle) unless a comment says wh
 
 from __future__ import annotations
 
-from dataclasses import MISSING, fields
+from dataclasses import fields
 
 import pytest
 
