@@ -206,7 +206,7 @@ def test_up_runs_v4_in_pd_and_its_watchdog_heals_a_v4_wedge(tmp_path, v4_dir):
     try:
         assert complete_eventually(up.url)["usage"]["completion_tokens"] == 4  # through prefill -> decode
         prefill = workers(up)["prefill"]["url"]
-        assert httpx.get(f"{prefill}/v1/loads").json()["kv_transfer_bytes_by_state"]["swa_kv"] > 0
+        assert httpx.get(f"{prefill}/v1/loads", headers=up.admin).json()["kv_transfer_bytes_by_state"]["swa_kv"] > 0
         old = httpx.get(f"{prefill}/server_info").json()["boot_id"]
         httpx.post(f"{prefill}/admin/faults", json={"fault": "stall_transfer", "count": 1},
                    headers=up.admin).raise_for_status()
