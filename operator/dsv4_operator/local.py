@@ -21,13 +21,11 @@ the admin token with every admin call it makes itself.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import secrets
 import signal
 import stat
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +40,7 @@ from dsv4_wire import EngineFlags as F
 from dsv4_wire import Paths
 
 from dsv4_operator.remediation.actions import dispatch, step_for
+from dsv4_operator.state_files import write_atomic
 from dsv4_operator.supervisor import CrashBackoff, EngineProc, Supervisor
 from dsv4_operator.watchdog.detector import Detector, Verdict, verdict_to_dict
 from dsv4_operator.watchdog.evidence import build_evidence_configmap
@@ -122,20 +121,6 @@ def private_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     os.chmod(path, 0o700)
     return path
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``path`` so that a reader sees the old content or the new, never an empty or half-
-    written file: a temporary file (0600, unique, same folder) renamed over it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def stored_secret(path: Path) -> str:

@@ -18,10 +18,7 @@ The rollout (`LocalRollout.run`), one engine at a time:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -35,23 +32,11 @@ from dsv4_wire import Paths, authorization_header
 from dsv4_operator.canary.conversation import ConversationShape
 from dsv4_operator.canary.probe import ProbeSettings, run_probe
 from dsv4_operator.canary.verdict import CanaryThresholds, judge
+from dsv4_operator.state_files import write_atomic
 
 
 if TYPE_CHECKING:
     from dsv4_operator.supervisor import EngineProc
-
-def write_atomic(path: Path, text: str) -> None:
-    """Readers see the old file or the new one (a 0600 temporary renamed over it). Its own copy of
-    local.write_atomic: local imports this module, and the import graph stays a tree."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 REQUEST_FILE = "reconfigure-request.json"
