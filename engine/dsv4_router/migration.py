@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from dsv4_wire.choices import choice_seed
+
 # Why a request moved (the `reason` label of dsv4:router_migrations_total).
 BROKEN = "connection_lost"  # the engine's connection broke (killed, crashed, restarted)
 ERROR_EVENT = "engine_error"  # a retryable error event: aborted, transfer failed, drain ran out
@@ -46,18 +48,6 @@ def retryable(err: dict) -> bool:
     if isinstance(code, int) and not isinstance(code, bool):
         return code >= 500
     return e.get("type") == "server_error"
-
-
-INT64_MIN = -(2**63)
-
-
-def choice_seed(seed: Optional[int], j: int) -> Optional[int]:
-    """The seed an engine gives choice j of a request (dsv4_serve.protocol.choice_seed: seed + j
-    wrapped to a signed 64-bit integer), so a choice continued alone draws what it drew there.
-    Kept here so the router does not import the engine's protocol module (and torch)."""
-    if seed is None or isinstance(seed, bool) or not isinstance(seed, int):
-        return seed
-    return (seed + j - INT64_MIN) % 2**64 + INT64_MIN
 
 
 def prompt_count(body: dict) -> int:

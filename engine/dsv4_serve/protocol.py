@@ -49,14 +49,6 @@ def validation_message(e: ValidationError) -> tuple[str, Optional[str]]:
     return (f"{loc}: {msg}" if loc else msg), (loc or None)
 
 
-def choice_seed(seed: Optional[int], j: int) -> Optional[int]:
-    """The seed of a request's choice j, as vLLM gives it (seed + j; wrapped to stay a signed
-    64-bit integer): each choice draws its own reproducible stream, choice 0 the request's."""
-    if seed is None:
-        return None
-    return (seed + j - INT64_MIN) % 2**64 + INT64_MIN
-
-
 def parse_request(model: type[BaseModel], body: bytes) -> BaseModel:
     """Parse and validate a JSON body (pydantic's parser: nesting is capped, NaN/Infinity
     literals reach only fields that refuse them); any problem is a 400."""

@@ -49,11 +49,12 @@ from dsv4_serve.gate import DEFAULT_MAX_REQUEST_BYTES, Gate, Lifecycle
 from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completion_logprobs, next_offset, text_of_bytes
 from dsv4_serve.chat import ChatOptions, ChatSetup, default_setup, render, tool_parser, with_overrides
 from dsv4_serve.chat.output import ChatOutput, reasoning_tokens
-from dsv4_serve.protocol import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, _Common, choice_seed,
+from dsv4_serve.protocol import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, _Common,
                                  parse_request)
 from dsv4_wire import tracing
 from dsv4_wire.tracing import Tracing
 from dsv4_wire import APIError, Paths, token_matches
+from dsv4_wire.choices import choice_seed
 from dsv4_wire.api_keys import ApiKeyGate, KeyRing
 
 if TYPE_CHECKING:

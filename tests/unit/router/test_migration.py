@@ -103,7 +103,7 @@ def ichunk(rid, j, text, ids, finish=None):
 
 def test_n_choices_are_tracked_per_index_and_split_into_one_request_each():
     from dsv4_router.migration import choice_seed
-    from dsv4_serve.protocol import choice_seed as engine_choice_seed
+    from dsv4_wire.choices import choice_seed as engine_choice_seed
 
     st = Resume("r", {"prompt": "hi", "n": 3, "seed": 2**63 - 2, "stream": True}, stream=True)
     out, what = st.filter(ichunk("r", 0, "a", [1]) + ichunk("r", 2, "b", [2]) + ichunk("r", 0, "c", [3])
