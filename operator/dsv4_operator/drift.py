@@ -5,7 +5,9 @@ env, volumes by name; volume mounts by path): a forced apply takes back the fiel
 entries it names but never removes an entry another writer added. A hand-edited Service port
 then leaves two ports named `http` (the apply is a 422), and a foreign env var or container
 stays in the pod template. Drift repair removes, by JSON patch, every entry of such a list whose
-key the operator's manifest does not name, then applies.
+key the operator's manifest does not name, then applies. The same patch adds the entries of
+ours that such a list lacks, so the object between the patch and the apply is never one a real
+API server refuses (a Service whose only port was hand-edited would otherwise have none).
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ def entry_key(field: str, item: Any) -> Optional[str]:
 def foreign_entry_removals(live: Any, wanted: Any, pointer: str = "") -> list[dict[str, Any]]:
     """Pure: JSON patch `remove` operations for the list-map entries of `live` whose key `wanted`
     does not name, in the lists `wanted` sets (recursively into the entries both have: a
-    container's env). Within a list the removals come last, highest index first, so every
-    operation's index holds when it runs."""
+    container's env), then `add` operations for the wanted entries missing from a list that lost
+    some. Within a list the removals come after the nested operations, highest index first, and
+    the additions append at the end, so every operation's index holds when it runs."""
     if not isinstance(live, Mapping) or not isinstance(wanted, Mapping):
         return []
     nested: list[dict[str, Any]] = []
     removals: list[dict[str, Any]] = []
+    additions: list[dict[str, Any]] = []
     for field, want in wanted.items():
         have = live.get(field)
         here = f"{pointer}/{field}"
@@ -49,21 +53,30 @@ def foreign_entry_removals(live: Any, wanted: Any, pointer: str = "") -> list[di
             wanted_by_key = {entry_key(field, item): item for item in want}
             if None in wanted_by_key:
                 continue  # an entry without its key: the list is not merged by key
+            present = set()
+            removed = False
             for index in range(len(have) - 1, -1, -1):
                 key = entry_key(field, have[index])
                 if key in wanted_by_key:
+                    present.add(key)
                     nested += foreign_entry_removals(have[index], wanted_by_key[key], f"{here}/{index}")
                 else:
+                    removed = True
                     removals.append({"op": "remove", "path": f"{here}/{index}"})
+            if removed:
+                additions += [{"op": "add", "path": f"{here}/-", "value": item}
+                              for key, item in wanted_by_key.items() if key not in present]
         elif isinstance(want, Mapping):
             nested += foreign_entry_removals(have, want, here)
-    return nested + removals
+    return nested + removals + additions
 
 
 def describe_removals(live: Mapping[str, Any], ops: list[dict[str, Any]]) -> list[str]:
     """Pure: what each removal takes out, for the Event (`spec.ports[1] (name=http, port=8001)`)."""
     out = []
     for op in ops:
+        if op["op"] != "remove":
+            continue
         node: Any = live
         parts = op["path"].strip("/").split("/")
         for part in parts:

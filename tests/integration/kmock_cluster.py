@@ -36,7 +36,8 @@ What this adds to kmock (each is what a real API server does):
   including the schema's CEL rules (`x-kubernetes-validations`, evaluated with cel-python);
 - every API call is recorded as (verb, group, resource[/subresource]) for RBAC checks.
 - validation of what a merge by key can break (validate_builtin: duplicate Service port names or
-  port/protocol pairs, duplicate container or volume names; tolerationSeconds without NoExecute);
+  port/protocol pairs, duplicate container or volume names, no Service port, no container;
+  tolerationSeconds without NoExecute);
 - OwnerReferencesPermissionEnforcement, when a test turns it on with the caller's RBAC grants
   (enforce_owner_references): blockOwnerDeletion needs `update` on the owner's finalizers;
 - metadata.managedFields of built-in kinds (manager, operation, time, subresource, FieldsV1);
@@ -440,15 +441,21 @@ def drop_disabled_fields(obj: dict, live: Optional[Mapping[str, Any]], gates: Ma
 def validate_builtin(obj: Mapping[str, Any]) -> None:
     """What the API server's validation refuses (422) that a merge by key can produce: duplicate
     Service port names or port/protocol pairs, duplicate container or volume names, a
-    tolerationSeconds on an effect other than NoExecute."""
+    tolerationSeconds on an effect other than NoExecute; a Service without ports (unless headless
+    or ExternalName) or a pod template without containers, which taking out foreign entries leaves."""
     problems = []
     if obj.get("kind") == "Service":
-        ports = (obj.get("spec") or {}).get("ports") or []
+        svc = obj.get("spec") or {}
+        ports = svc.get("ports") or []
+        if not ports and svc.get("clusterIP") != "None" and svc.get("type") != "ExternalName":
+            problems.append("spec.ports: Required value")
         for name in _duplicates(p.get("name") for p in ports if p.get("name")):
             problems.append(f"spec.ports.name: Duplicate value: {name!r}")
         for pair in _duplicates((p.get("port"), p.get("protocol", "TCP")) for p in ports):
             problems.append(f"spec.ports: Duplicate value: {pair!r}")
     for where, pod in _pod_specs(obj):
+        if not pod.get("containers"):
+            problems.append(f"{where}.containers: Required value")
         containers = list(pod.get("containers") or []) + list(pod.get("initContainers") or [])
         for name in _duplicates(c.get("name") for c in containers):
             problems.append(f"{where}.containers.name: Duplicate value: {name!r}")

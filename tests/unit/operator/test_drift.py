@@ -35,3 +35,18 @@ def test_nothing_foreign_means_no_operation() -> None:
     wanted = {"spec": {"ports": [{"name": "http", "port": 8000}]}}
     live = {"spec": {"ports": [{"name": "http", "port": 8000, "protocol": "TCP", "targetPort": 8000}]}}
     assert foreign_entry_removals(live, wanted) == []
+
+
+def test_a_list_never_goes_empty_between_the_patch_and_the_apply() -> None:
+    """A Service whose only port was hand-edited: the patch puts ours in as it takes the foreign one
+    out (a real API server refuses a ClusterIP Service without ports), and the Event names only
+    the removal."""
+    wanted = {"spec": {"ports": [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}],
+                       "template": {"spec": {"containers": [{"name": "engine", "image": "a"}]}}}}
+    live = {"spec": {"ports": [{"name": "http", "port": 9999, "targetPort": "http", "protocol": "TCP"}],
+                     "template": {"spec": {"containers": [{"name": "engine", "image": "b"}]}}}}
+    ops = foreign_entry_removals(live, wanted)
+    fixed = jsonpatch.apply_patch(copy.deepcopy(live), ops)
+    assert fixed["spec"]["ports"] == wanted["spec"]["ports"]
+    assert fixed["spec"]["template"] == live["spec"]["template"], "a list without foreign entries is the apply's"
+    assert describe_removals(live, ops) == ["spec.ports[0] (name=http, port=9999)"]
