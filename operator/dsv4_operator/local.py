@@ -37,6 +37,7 @@ from rich.markup import escape
 
 from dsv4_wire import ADMIN_TOKEN_ENV, PD_SECRET_ENV, authorization_header
 from dsv4_wire import EngineFlags as F
+from dsv4_wire.serve_options import OPTIONS_BY_NAME, PD_DEADLINES
 from dsv4_wire import Paths
 
 from dsv4_operator.remediation.actions import dispatch, step_for
@@ -64,8 +65,8 @@ def cache_dir() -> Path:
 
 # ---- the detection window against the engine's own deadlines (pure) ----------------------------
 
-# `dsv4 serve`'s PD deadlines in seconds (a unit test checks them against the serve command).
-ENGINE_DEADLINES: Mapping[str, float] = {F.BOOTSTRAP_TIMEOUT: 30.0, F.TRANSFER_TIMEOUT: 30.0, F.WAITING_TIMEOUT: 60.0}
+# `dsv4 serve`'s PD deadlines in seconds, by flag (their declaration: dsv4_wire.serve_options).
+ENGINE_DEADLINES: Mapping[str, float] = {OPTIONS_BY_NAME[n].cli_flag: OPTIONS_BY_NAME[n].default for n in PD_DEADLINES}
 WINDOW_MARGIN_S = 15.0  # default window: the longest deadline plus this
 NO_DEADLINES_WINDOW_S = 20.0  # default window when the engines run without deadlines
 
@@ -150,7 +151,7 @@ class UpArgs:
     host: str = "127.0.0.1"
     mono: bool = False
     enable_fault_injection: bool = False
-    deadlines: bool = True
+    deadlines: bool = OPTIONS_BY_NAME["deadlines"].default  # off: every engine gets --no-deadlines
     watchdog: bool = True
     detection_window: Optional[float] = None  # None: derived from the engines' deadlines
     scrape_interval: float = 2.0
