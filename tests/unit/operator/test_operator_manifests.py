@@ -95,7 +95,7 @@ def test_the_children_and_their_names() -> None:
         ("Service", "flash-prefill"), ("Service", "flash-decode"), ("Service", "flash-router"),
         ("ServiceAccount", "flash-router"), ("Role", "flash-router"), ("RoleBinding", "flash-router"),
         ("PodDisruptionBudget", "flash-prefill"), ("PodDisruptionBudget", "flash-decode"),
-        ("NetworkPolicy", "flash-engines"),  # on by default (issue 27)
+        ("NetworkPolicy", "flash-engines"), ("NetworkPolicy", "flash-router"),  # on by default (issue 27)
     }
     for (kind, name), child in children.items():
         meta = child["metadata"]
@@ -436,16 +436,16 @@ def test_network_policy_admits_router_operator_and_peers_only() -> None:
     off = spec_of(security={"networkPolicy": {"enabled": False}})
     assert not [c for c in M.build_children(off, OWNER) if c["kind"] == "NetworkPolicy"]
     assert ("networking.k8s.io/v1", "NetworkPolicy", "flash-engines") in M.absent_children(off, OWNER)
+    assert ("networking.k8s.io/v1", "NetworkPolicy", "flash-router") in M.absent_children(off, OWNER)
     spec = spec_of(security={"networkPolicy": {"enabled": True, "allowFrom": [
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]}})
-    (policy,) = [c for c in M.build_children(spec, OWNER, operator_namespace="dsv4-system")
-                 if c["kind"] == "NetworkPolicy"]
+    policy = by_key(M.build_children(spec, OWNER, operator_namespace="dsv4-system"))[("NetworkPolicy", "flash-engines")]
     kubernetes_validate.validate(policy, K8S_VERSIONS[0], strict=True)
     assert M.absent_children(spec, OWNER) == []
     sel = policy["spec"]["podSelector"]
     assert sel["matchLabels"] == {M.LABEL_NAME: "dsv4", M.LABEL_INSTANCE: "flash"}
     assert sel["matchExpressions"] == [{"key": M.LABEL_ROLE, "operator": "In", "values": ["prefill", "decode"]}]
-    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
     front, peers, extra = policy["spec"]["ingress"]
     assert front["ports"] == [{"port": 8100, "protocol": "TCP"}]
     router, operator = front["from"]
@@ -463,6 +463,51 @@ def test_network_policy_admits_router_operator_and_peers_only() -> None:
         is_engine = pod_labels.get(M.LABEL_ROLE) in sel["matchExpressions"][0]["values"]
         assert is_engine == (role != "router")
         assert all(pod_labels.get(k) == v for k, v in router["podSelector"]["matchLabels"].items()) == (role == "router")
+
+
+def test_engine_egress_reaches_only_peers_dns_and_what_is_added() -> None:
+    spec = spec_of(security={"networkPolicy": {"extraEgress": [
+        {"to": [{"ipBlock": {"cidr": "10.9.0.0/16"}}], "ports": [{"port": 4317, "protocol": "TCP"}]}]}})
+    policy = by_key(M.build_children(spec, OWNER))[("NetworkPolicy", "flash-engines")]
+    peers, dns, otlp = policy["spec"]["egress"]
+    assert peers == {"to": [{"podSelector": policy["spec"]["podSelector"]}]}  # every port: NIXL
+    assert dns == {"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}
+    assert otlp["to"] == [{"ipBlock": {"cidr": "10.9.0.0/16"}}]
+
+
+def test_router_network_policy_on_by_default_clients_in_egress_to_engines_dns_api() -> None:
+    default = by_key(M.build_children(spec_of(), OWNER, operator_namespace="dsv4-system"))
+    policy = default[("NetworkPolicy", "flash-router")]
+    kubernetes_validate.validate(policy, K8S_VERSIONS[0], strict=True)
+    assert policy["spec"]["podSelector"] == {"matchLabels": M.selector_labels("flash", "router")}
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    clients, operator = rule["from"]
+    assert clients == {"podSelector": {}}  # default: the deployment's own namespace
+    assert operator["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "dsv4-system"}}
+    engines, dns, api = policy["spec"]["egress"]
+    engine_policy = default[("NetworkPolicy", "flash-engines")]
+    assert engines == {"to": [{"podSelector": engine_policy["spec"]["podSelector"]}],
+                       "ports": [{"port": 8100, "protocol": "TCP"}]}
+    assert dns["ports"][0]["port"] == 53 and "to" not in dns
+    assert {p["port"] for p in api["ports"]} == {443, 6443}
+    assert [t["ipBlock"]["cidr"] for t in api["to"]] == ["0.0.0.0/0", "::/0"]
+    # The router pods are the ones selected; engine pods are not.
+    router_labels = default[("Deployment", "flash-router")]["spec"]["template"]["metadata"]["labels"]
+    engine_labels = default[("StatefulSet", "flash-prefill")]["spec"]["template"]["metadata"]["labels"]
+    sel = policy["spec"]["podSelector"]["matchLabels"]
+    assert all(router_labels.get(k) == v for k, v in sel.items())
+    assert not all(engine_labels.get(k) == v for k, v in sel.items())
+    # Clients named: only they (and the operator) reach the router; the API narrowed.
+    named = spec_of(security={"networkPolicy": {"clients": [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress"}}}],
+        "apiServerCidrs": ["10.0.0.1/32"]}})
+    policy = by_key(M.build_children(named, OWNER))[("NetworkPolicy", "flash-router")]
+    assert policy["spec"]["ingress"][0]["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "ingress"}
+    assert policy["spec"]["egress"][2]["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
+    kubernetes_validate.validate(policy, K8S_VERSIONS[0], strict=True)
 
 
 # ---- Scaling: who owns replicas -------------------------------------------------------------------
