@@ -244,6 +244,8 @@ def router_command(spec: DSV4DeploymentSpec, owner: Owner) -> list[str]:
     if spec.engine.kind == "builtin":
         cmd = ["dsv4", "router", "--host", "0.0.0.0", "--port", str(spec.router.port),
                "--discover-namespace", owner.namespace, "--selector", instance]
+        for role in ENGINE_ROLES:  # only the pods of our StatefulSets, not any pod with our labels
+            cmd += ["--owner", child_name(owner.name, role)]
     else:
         cmd = ["python3", "-m", "sglang_router.launch_router", "--pd-disaggregation",
                "--host", "0.0.0.0", "--port", str(spec.router.port),
@@ -319,7 +321,19 @@ def engine_probes(spec: DSV4DeploymentSpec, role: str = "prefill") -> dict[str, 
 ROUTER_DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"cpu": "4", "memory": "2Gi"}}
 
 
-def _resources(res: S.Resources, gpus: int) -> dict[str, Any]:
+# Engines with no resources given: a floor to schedule on and a memory ceiling, so one tenant's
+# engine cannot take a node's memory (issue 27); generous, since a checkpoint passes through host
+# memory while it loads. Any resources given replace this whole (GPUs are added either way).
+ENGINE_DEFAULT_RESOURCES = {"requests": {"cpu": "4", "memory": "32Gi"}, "limits": {"memory": "256Gi"}}
+# What a builtin engine writes on its read-only root file system: scratch, and $HOME's caches
+# (Triton's compiled kernels, torch's and CUDA's JIT caches).
+ENGINE_HOME = "/home/dsv4"
+ENGINE_SCRATCH = (("tmp", "/tmp", "4Gi"), ("home", ENGINE_HOME, "8Gi"))
+
+
+def _resources(res: S.Resources, gpus: int, default: Optional[Mapping[str, Mapping[str, str]]] = None) -> dict[str, Any]:
+    if default is not None and not res.limits and not res.requests:
+        res = S.Resources(limits=dict(default.get("limits") or {}), requests=dict(default.get("requests") or {}))
     limits = dict(res.limits)
     requests = dict(res.requests)
     if gpus > 0:
@@ -365,12 +379,19 @@ def _engine_pod(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict[str, 
         "command": engine_command(spec, role),
         "ports": ports,
         "env": engine_env(spec, role, owner.name),
-        "resources": _resources(r.resources, r.gpus_per_pod),
+        "resources": _resources(r.resources, r.gpus_per_pod, ENGINE_DEFAULT_RESOURCES),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts],
         **engine_probes(spec, role),
         "lifecycle": engine_lifecycle(spec, role),
         "securityContext": container_security_context(spec, engine=True),
     }
+    builtin = spec.engine.kind == "builtin"
+    scratch_volumes: list[dict[str, Any]] = []
+    if builtin:  # our image writes only there; SGLang's writes all over its root, so it stays writable
+        container["securityContext"]["readOnlyRootFilesystem"] = True
+        container["volumeMounts"] += [{"name": n, "mountPath": path} for n, path, _ in ENGINE_SCRATCH]
+        scratch_volumes = [{"name": n, "emptyDir": {"sizeLimit": size}} for n, _, size in ENGINE_SCRATCH]
+        container["env"] = merge_env([{"name": "HOME", "value": ENGINE_HOME}], container["env"])
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(spec.engine.port),
                    "prometheus.io/path": Paths.METRICS}
     pod_labels = labels(owner.name, role, spec)
@@ -381,7 +402,8 @@ def _engine_pod(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict[str, 
     pod_spec: dict[str, Any] = {
         "containers": [container],
         # NCCL / NIXL use shared memory; the container default of 64Mi is far too small.
-        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": r.shm_size}}, *model_volumes],
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": r.shm_size}}, *model_volumes,
+                    *scratch_volumes],
         "nodeSelector": dict(r.node_selector),
         "tolerations": [S.dump(t) for t in r.tolerations],
         "automountServiceAccountToken": False,  # engines never talk to the API server

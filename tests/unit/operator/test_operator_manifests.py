@@ -160,7 +160,9 @@ def test_builtin_commands() -> None:
     (container,) = router["containers"]
     assert container["command"] == ["dsv4", "router", "--host", "0.0.0.0", "--port", "8000",
                                     "--discover-namespace", "serving",
-                                    "--selector", "app.kubernetes.io/instance=flash"]
+                                    "--selector", "app.kubernetes.io/instance=flash",
+                                    # only pods our StatefulSets control (issue 27)
+                                    "--owner", "flash-prefill", "--owner", "flash-decode"]
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 8000}
 
 
@@ -389,9 +391,8 @@ def test_builtin_pods_meet_the_restricted_profile() -> None:
     for role, pod in pods_of(spec_of()).items():
         assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}, "runAsNonRoot": True}, role
         (container,) = pod["containers"]
-        # The builtin router's root file system is read-only, /tmp an emptyDir (issue 27).
-        expected = {**PSA_RESTRICTED_CONTAINER, "readOnlyRootFilesystem": True} if role == "router" else PSA_RESTRICTED_CONTAINER
-        assert container["securityContext"] == expected, role
+        # Builtin engines' and router's root file systems are read-only, scratch on emptyDirs (issue 27).
+        assert container["securityContext"] == {**PSA_RESTRICTED_CONTAINER, "readOnlyRootFilesystem": True}, role
         # restricted allows these volume types only (hostPath is not among them)
         assert all(set(v) - {"name"} <= {"emptyDir", "persistentVolumeClaim", "image", "secret", "configMap"}
                    for v in pod.get("volumes", [])), role
@@ -403,6 +404,29 @@ def test_the_router_has_default_limits_unless_resources_are_given() -> None:
     assert router["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
     given = pods_of(spec_of(router={"resources": {"limits": {"memory": "1Gi"}}}))["router"]["containers"][0]
     assert given["resources"] == {"limits": {"memory": "1Gi"}}
+
+
+def test_builtin_engines_write_only_to_emptydirs_and_have_default_limits() -> None:
+    for role in ("prefill", "decode"):
+        pod = pods_of(spec_of())[role]
+        (c,) = pod["containers"]
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        assert mounts["/tmp"] == "tmp" and mounts[M.ENGINE_HOME] == "home"
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["tmp"]["emptyDir"]["sizeLimit"] and volumes["home"]["emptyDir"]["sizeLimit"]
+        assert {"name": "HOME", "value": M.ENGINE_HOME} in c["env"]
+        assert c["resources"]["limits"]["memory"] == M.ENGINE_DEFAULT_RESOURCES["limits"]["memory"]
+        assert c["resources"]["requests"]["cpu"] == M.ENGINE_DEFAULT_RESOURCES["requests"]["cpu"]
+    gpus = M.engine_statefulset(spec_of(prefill={"gpusPerPod": 4}), OWNER, "prefill")
+    res = engine_container(gpus)["resources"]
+    assert res["limits"] == {**M.ENGINE_DEFAULT_RESOURCES["limits"], "nvidia.com/gpu": 4}
+    given = engine_container(M.engine_statefulset(spec_of(prefill={"resources": {"limits": {"memory": "1Ti"}}}),
+                                                  OWNER, "prefill"))
+    assert given["resources"] == {"limits": {"memory": "1Ti", "nvidia.com/gpu": 4}, "requests": {"nvidia.com/gpu": 4}}
+    # SGLang's image writes all over its root: left writable, said in docs/operations.md.
+    sglang = pods_of(spec_of(engine={"kind": "sglang", "image": "lmsysorg/sglang:v0"}))["prefill"]["containers"][0]
+    assert "readOnlyRootFilesystem" not in sglang["securityContext"]
+    assert sglang["resources"]["limits"]["memory"]  # limits all the same
 
 
 def test_sglang_runs_as_root_unless_a_uid_is_given_and_ipc_lock_is_opt_in() -> None:
