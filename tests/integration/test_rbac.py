@@ -191,10 +191,12 @@ async def reconcile_scenario(client: ClusterClient) -> None:
                                                               "remediation": {"podDisruptionBudget": False}}})
     await eventually(lambda: observed(client, "ns1", "flash", 3), timeout=60)
     assert await client.get("networking.k8s.io/v1", "networkpolicies", "ns1", "flash-engines")
+    assert await client.get("networking.k8s.io/v1", "networkpolicies", "ns1", "flash-router")
     assert await client.get("policy/v1", "poddisruptionbudgets", "ns1", "flash-prefill") is None
     await client.patch(API, PLURAL, "ns1", "flash", {"spec": {"security": {"networkPolicy": {"enabled": False}}}})
     await eventually(lambda: observed(client, "ns1", "flash", 4), timeout=60)
     assert await client.get("networking.k8s.io/v1", "networkpolicies", "ns1", "flash-engines") is None
+    assert await client.get("networking.k8s.io/v1", "networkpolicies", "ns1", "flash-router") is None
     old = await client.get("apps/v1", "statefulsets", "ns1", "flash-decode")
     await client.delete("apps/v1", "statefulsets", "ns1", "flash-decode")
 
