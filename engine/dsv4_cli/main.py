@@ -208,6 +208,8 @@ def router(
     port: int = typer.Option(8000),
     discover_namespace: Optional[str] = typer.Option(None, help="Find engine pods in this Kubernetes namespace."),
     selector: Optional[str] = typer.Option(None, help="Label selector for discovery, e.g. app.kubernetes.io/instance=x."),
+    owner: List[str] = typer.Option([], "--owner", help="Discover only pods controlled by this StatefulSet (repeat "
+                                    "for more): labels alone can be put on any pod."),
     health_interval: float = typer.Option(2.0, help="Seconds between /ready checks of each worker."),
     admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV, help="Token required by /admin (prefer "
                                               "--admin-token-file: argv is visible to every user)."),
@@ -257,7 +259,7 @@ def router(
     run_router(
         RouterArgs(
             prefill=list(prefill), decode=list(decode), mono=list(mono), host=host, port=port,
-            discover_namespace=discover_namespace, selector=selector,
+            discover_namespace=discover_namespace, selector=selector, owners=list(owner),
             health_interval=health_interval, admin_token=admin_token, pd_secret=pd_secret,
             max_inflight=max_inflight, max_queue=max_queue, queue_timeout=queue_timeout,
             max_body_bytes=max_body_bytes, health_timeout=health_timeout, request_timeout=request_timeout,

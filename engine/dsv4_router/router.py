@@ -72,6 +72,7 @@ class RouterArgs:
     port: int = 8000
     discover_namespace: Optional[str] = None
     selector: Optional[str] = None
+    owners: list[str] = field(default_factory=list)  # StatefulSets a discovered pod must be controlled by
     health_interval: float = 2.0
     health_timeout: float = 2.0  # per /ready check; checks use their own pool
     admin_token: Optional[str] = None
