@@ -21,9 +21,8 @@ app.add_typer(model_app, name="model")
 from dsv4_cli.bench import app as bench_app  # noqa: E402  (light: typer only)
 from dsv4_cli.options import choice_error, command, field_values  # noqa: E402
 from dsv4_wire import ADMIN_TOKEN_ENV, PD_SECRET_ENV, EngineFlags  # noqa: E402
-from dsv4_wire.serve_options import options as serve_options  # noqa: E402
-
-SERVE_SCOPES = ("engine", "server", "command")  # every option of `dsv4 serve`
+from dsv4_wire.router_options import ROUTER_SCOPES, router_options  # noqa: E402
+from dsv4_wire.serve_options import SERVE_SCOPES, options as serve_options  # noqa: E402
 
 app.add_typer(bench_app, name="bench")
 
@@ -199,76 +198,24 @@ def _serve(**given) -> None:
 app.command("serve")(command(serve_options(*SERVE_SCOPES), _serve))
 
 
-@app.command()
-def router(
-    prefill: List[str] = typer.Option([], help="Prefill engine URL (repeat for more)."),
-    decode: List[str] = typer.Option([], help="Decode engine URL (repeat for more)."),
-    mono: List[str] = typer.Option([], help="Monolithic engine URL (repeat for more)."),
-    host: str = typer.Option("127.0.0.1"),
-    port: int = typer.Option(8000),
-    discover_namespace: Optional[str] = typer.Option(None, help="Find engine pods in this Kubernetes namespace."),
-    selector: Optional[str] = typer.Option(None, help="Label selector for discovery, e.g. app.kubernetes.io/instance=x."),
-    owner: List[str] = typer.Option([], "--owner", help="Discover only pods controlled by this StatefulSet (repeat "
-                                    "for more): labels alone can be put on any pod."),
-    health_interval: float = typer.Option(2.0, help="Seconds between /ready checks of each worker."),
-    admin_token: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV, help="Token required by /admin (prefer "
-                                              "--admin-token-file: argv is visible to every user)."),
-    admin_token_file: Optional[str] = typer.Option(None, envvar=ADMIN_TOKEN_ENV + "_FILE", help="File holding the admin token."),
-    pd_secret: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV, help="Shared secret sent with internal requests to PD engines."),
-    pd_secret_file: Optional[str] = typer.Option(None, envvar=PD_SECRET_ENV + "_FILE", help="File holding the PD secret."),
-    max_inflight: int = typer.Option(256, min=1, help="Most requests inside the router at once; more wait in the queue."),
-    max_queue: int = typer.Option(256, min=0, help="Most requests waiting for a slot; more get 429 with Retry-After."),
-    queue_timeout: float = typer.Option(30.0, min=0.001, help="Seconds a request may wait for a slot before 429."),
-    max_body_bytes: int = typer.Option(16 * 1024 * 1024, min=1, help="Largest request body accepted (413 beyond)."),
-    health_timeout: float = typer.Option(2.0, min=0.1, help="Seconds one /ready check of a worker may take."),
-    request_timeout: float = typer.Option(600.0, min=1.0, help="Seconds an engine may stay silent on a request."),
-    migration_limit: int = typer.Option(3, min=0, help="Times a request whose engine failed it mid-answer is sent again "
-                                        "(with its answer so far) to another engine; 0: off."),
-    migration_timeout: float = typer.Option(60.0, min=0.1, help="Seconds a request may spend, in all, being moved to "
-                                            "another engine (waiting for one to be healthy included)."),
-    otlp_traces_endpoint: Optional[str] = typer.Option(None, help="Export OpenTelemetry traces (OTLP/HTTP) to this URL, "
-                                                       "e.g. http://collector:4318 (off by default)."),
-    api_key: List[str] = typer.Option([], "--api-key", help="Client API key required on /v1/* (repeat for more)."),
-    api_key_file: List[str] = typer.Option([], "--api-key-file", help="File of API keys, one a line (`KEY` or `NAME KEY`)."),
-    key_max_concurrency: int = typer.Option(0, min=0, help="Requests one API key may have in flight (0: no limit; "
-                                                            "more get 429 with Retry-After)."),
-    key_rate_limit: float = typer.Option(0.0, min=0.0, help="Requests per second one API key may send (0: no limit)."),
-    key_rate_burst: float = typer.Option(0.0, min=0.0, help="Requests one key may send at once above the rate "
-                                                             "(default: max(1, rate))."),
-    cache_salt_from_api_key: bool = typer.Option(False, "--cache-salt-from-api-key",
-                                                 help="Give each API key its own prefix-cache namespace (cache_salt)."),
-    engine_api_key: Optional[str] = typer.Option(None, envvar="DSV4_ENGINE_API_KEY",
-                                                 help="Key the router shows mono engines started with --api-key "
-                                                      "(PD engines take the PD secret)."),
-) -> None:
-    """Run the PD router: OpenAI API front, pairs prefill + decode per request.
-
-    Without --admin-token, /admin/workers answers loopback clients only."""
-    if not (prefill or decode or mono or discover_namespace):
+def _router(**given) -> None:
+    """Run the PD router: OpenAI API front, pairs prefill + decode per request."""
+    values = field_values(router_options(*ROUTER_SCOPES), given)
+    if not (values["prefill"] or values["decode"] or values["mono"] or values["discover_namespace"]):
         _fail("give --prefill and --decode URLs (or --mono URLs, or --discover-namespace)")
-    if bool(prefill) != bool(decode):
+    if bool(values["prefill"]) != bool(values["decode"]):
         _fail("PD routing needs at least one --prefill and one --decode")
-    keys = _api_keys(api_key, api_key_file)
-    admin_token = _secret(admin_token, admin_token_file, "--admin-token")
-    pd_secret = _secret(pd_secret, pd_secret_file, "--pd-secret")
-    if cache_salt_from_api_key and not keys:
+    values["api_keys"] = _api_keys(given["api_key"], given["api_key_file"])
+    values["admin_token"] = _secret(values["admin_token"], given["admin_token_file"], "--admin-token")
+    values["pd_secret"] = _secret(values["pd_secret"], given["pd_secret_file"], "--pd-secret")
+    if values["cache_salt_from_api_key"] and not values["api_keys"]:
         _fail("--cache-salt-from-api-key needs --api-key or --api-key-file")
     from dsv4_router.router import RouterArgs, run_router
-    from dsv4_router.tenancy import TenantLimits
 
-    run_router(
-        RouterArgs(
-            prefill=list(prefill), decode=list(decode), mono=list(mono), host=host, port=port,
-            discover_namespace=discover_namespace, selector=selector, owners=list(owner),
-            health_interval=health_interval, admin_token=admin_token, pd_secret=pd_secret,
-            max_inflight=max_inflight, max_queue=max_queue, queue_timeout=queue_timeout,
-            max_body_bytes=max_body_bytes, health_timeout=health_timeout, request_timeout=request_timeout,
-            migration_limit=migration_limit, migration_timeout=migration_timeout,
-            otlp_traces_endpoint=otlp_traces_endpoint,
-            api_keys=keys, key_limits=TenantLimits(key_max_concurrency, key_rate_limit, key_rate_burst),
-            cache_salt_from_api_key=cache_salt_from_api_key, engine_api_key=engine_api_key,
-        )
-    )
+    run_router(RouterArgs(**values))
+
+
+app.command("router")(command(router_options(*ROUTER_SCOPES), _router))
 
 
 def _reconfigure_up(port: int, engine_args: list[str], duration: float, concurrency: int, context_share: float,

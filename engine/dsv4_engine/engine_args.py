@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 
-from dsv4_wire.serve_options import dataclass_of
+from dsv4_wire.options import dataclass_of
+from dsv4_wire.serve_options import SERVE_OPTIONS
 
 
 def _resolve(self) -> None:
@@ -17,5 +18,5 @@ def _resolve(self) -> None:
         self.served_model_name = os.path.basename(os.path.normpath(self.model)) or "dsv4"
 
 
-EngineArgs = dataclass_of("EngineArgs", ["engine"], doc="The engine options of dsv4_wire.serve_options.",
+EngineArgs = dataclass_of("EngineArgs", SERVE_OPTIONS, ["engine"], doc="The engine options of dsv4_wire.serve_options.",
                           namespace={"__post_init__": _resolve, "__module__": __name__})

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import fields
 
 from dsv4_engine.engine_args import EngineArgs
-from dsv4_wire.serve_options import dataclass_of
+from dsv4_wire.options import dataclass_of
+from dsv4_wire.serve_options import SERVE_OPTIONS
 
 
 def _resolve(self) -> None:
@@ -23,6 +24,6 @@ def _engine_args(self) -> EngineArgs:
     return EngineArgs(**{f.name: getattr(self, f.name) for f in fields(EngineArgs)})
 
 
-ServerArgs = dataclass_of("ServerArgs", ["engine", "server"], bases=(EngineArgs,),
+ServerArgs = dataclass_of("ServerArgs", SERVE_OPTIONS, ["engine", "server"], bases=(EngineArgs,),
                           doc="The engine and server options of dsv4_wire.serve_options.",
                           namespace={"__post_init__": _resolve, "engine_args": _engine_args, "__module__": __name__})

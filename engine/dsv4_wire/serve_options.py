@@ -1,60 +1,22 @@
-"""Every option of `dsv4 serve`, declared once: name, flag, type, default, help and range.
+"""Every option of `dsv4 serve`, declared once (dsv4_wire.options).
 
 The command line is a wire format: the operator's manifests and `dsv4 up` write it, the engine
 parses it. So the one declaration lives here, at the bottom of the house, and everything else is
 made from it: `dsv4_engine.engine_args.EngineArgs` (scope "engine") and
-`dsv4_serve.server_args.ServerArgs` (scopes "engine" + "server") are dataclasses built from it,
-the `dsv4 serve` command's parameters are generated from it (dsv4_cli.options), `EngineFlags`
-spells its flags, and the PD deadlines' defaults (`PDSettings`, `dsv4 up`) are read from it.
-Scope "command": an input of the command alone that becomes another field (a secret's file).
+`dsv4_serve.server_args.ServerArgs` (scopes "engine" + "server"), the `dsv4 serve` command's
+parameters (dsv4_cli.options), the flag names `EngineFlags` spells, and the PD deadlines'
+defaults (`PDSettings`, `dsv4 up`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Mapping
 
 from dsv4_wire.auth import ADMIN_TOKEN_ENV, PD_SECRET_ENV
+from dsv4_wire.options import REQUIRED, Option, in_scopes
 
-REQUIRED = ...  # the default of an option that must be given (--model)
-
-
-@dataclass(frozen=True)
-class ServeOption:
-    name: str  # the field of EngineArgs/ServerArgs (or, scope "command", the command's parameter)
-    type: type  # of one value: str, int, float, bool; a list option repeats its flag
-    default: Any
-    help: str = ""
-    scope: str = "engine"  # engine | server | command
-    flag: str = ""  # default: --name-with-dashes; a bool that defaults to True: the flag turns it off
-    min: Optional[float] = None
-    choices: tuple[str, ...] = ()
-    envvar: Optional[str] = None
-    repeat: bool = False  # a list: the flag may be given again for each value
-    cli: bool = True  # False: a field the command fills from other options (api_keys)
-
-    @property
-    def cli_flag(self) -> str:
-        return self.flag or "--" + self.name.replace("_", "-")
-
-    @property
-    def constant(self) -> str:
-        """The flag's name in EngineFlags: --no-deadlines -> NO_DEADLINES."""
-        return self.cli_flag[2:].replace("-", "_").upper()
-
-    def field(self) -> tuple[str, Any, Any]:
-        """(name, annotation, dataclasses.field) for dataclasses.make_dataclass."""
-        if self.repeat or self.type is list:
-            return self.name, list, dataclasses.field(default_factory=lambda d=tuple(self.default): list(d))
-        annotation = self.type if self.default is not None else Optional[self.type]
-        if self.default is REQUIRED:
-            return self.name, self.type, dataclasses.field()
-        return self.name, annotation, dataclasses.field(default=self.default)
-
-
-O = ServeOption
-SERVE_OPTIONS: tuple[ServeOption, ...] = (
+O = Option
+SERVE_OPTIONS: tuple[Option, ...] = (
     # ---- what the engine is built from (EngineArgs) ----
     O("model", str, REQUIRED, "Checkpoint folder (from `dsv4 model init` or save_pretrained)."),
     O("role", str, "mono", "mono | prefill | decode", choices=("mono", "prefill", "decode")),
@@ -136,26 +98,15 @@ SERVE_OPTIONS: tuple[ServeOption, ...] = (
 )
 del O
 
-OPTIONS_BY_NAME: Mapping[str, ServeOption] = {o.name: o for o in SERVE_OPTIONS}
+OPTIONS_BY_NAME: Mapping[str, Option] = {o.name: o for o in SERVE_OPTIONS}
 PD_DEADLINES = ("bootstrap_timeout", "transfer_timeout", "waiting_timeout")
+SERVE_SCOPES = ("engine", "server", "command")  # every option of `dsv4 serve`
 
 
-def options(*scopes: str) -> list[ServeOption]:
-    return [o for o in SERVE_OPTIONS if o.scope in scopes]
+def options(*scopes: str) -> list[Option]:
+    return in_scopes(SERVE_OPTIONS, *scopes)
 
 
 def default(name: str) -> Any:
     """The declared default of one option (the PD deadlines' for PDSettings and `dsv4 up`)."""
     return OPTIONS_BY_NAME[name].default
-
-
-def dataclass_of(cls_name: str, scopes: Iterable[str], bases: tuple = (), doc: str = "",
-                 namespace: Optional[dict] = None) -> type:
-    """A dataclass whose fields are the options of `scopes` (those of `bases` excluded), in the
-    declared order; required ones first, as dataclasses need."""
-    inherited = {f.name for b in bases for f in dataclasses.fields(b)}
-    chosen = [o for o in options(*scopes) if o.name not in inherited]
-    chosen.sort(key=lambda o: o.default is not REQUIRED)  # stable: the declared order otherwise
-    cls = dataclasses.make_dataclass(cls_name, [o.field() for o in chosen], bases=bases,
-                                     namespace=dict(namespace or {}, __doc__=doc))
-    return cls

@@ -37,6 +37,7 @@ from rich.markup import escape
 
 from dsv4_wire import ADMIN_TOKEN_ENV, PD_SECRET_ENV, authorization_header
 from dsv4_wire import EngineFlags as F
+from dsv4_wire.flags import RouterFlags as R
 from dsv4_wire.serve_options import OPTIONS_BY_NAME, PD_DEADLINES
 from dsv4_wire import Paths
 
@@ -307,10 +308,9 @@ class LocalDeployment:
                 self.engines[key] = EngineProc(key, role, port, self.engine_cmd(key, args.engine_args),
                                                self.state_dir / f"{key}.log", bport, env)
                 port += 1
-        router_cmd = [*args.dsv4_command, "router", "--host", args.host, "--port", str(args.port),
-                      "--health-interval", "1"]
+        router_cmd = [*args.dsv4_command, "router", R.HOST, args.host, R.PORT, str(args.port), R.HEALTH_INTERVAL, "1"]
         for e in self.engines.values():
-            router_cmd += [f"--{e.role}", e.url]
+            router_cmd += [getattr(R, e.role.upper()), e.url]
         self.router = EngineProc("router", "router", args.port, router_cmd, self.state_dir / "router.log", env=env)
         self.supervisor = Supervisor([*self.engines.values(), self.router], self.supervised, args.crash_backoff,
                                      on_change=self.write_processes)

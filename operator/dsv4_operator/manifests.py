@@ -24,6 +24,7 @@ from dsv4_wire import (  # noqa: F401  (re-exported: the operator's modules read
     ADMIN_TOKEN_ENV, PD_SECRET_ENV, ANNOTATION_REVISION, APP, ENGINE_CONTAINER, ENGINE_ROLES, LABEL_COMPONENT, LABEL_ENGINE_KIND, LABEL_INSTANCE,
     LABEL_DRAINING, LABEL_MANAGED_BY, LABEL_NAME, LABEL_ROLE, MANAGER, EngineFlags, Paths,
 )
+from dsv4_wire.flags import RouterFlags
 
 SGLANG_BOOTSTRAP_ANNOTATION = "sglang.ai/bootstrap-port"  # where sgl-router's discovery reads it
 
@@ -242,10 +243,11 @@ def router_command(spec: DSV4DeploymentSpec, owner: Owner) -> list[str]:
     instance = f"{LABEL_INSTANCE}={owner.name}"
     serving = f"{LABEL_DRAINING}={NOT_DRAINING}"
     if spec.engine.kind == "builtin":
-        cmd = ["dsv4", "router", "--host", "0.0.0.0", "--port", str(spec.router.port),
-               "--discover-namespace", owner.namespace, "--selector", instance]
+        R = RouterFlags
+        cmd = ["dsv4", "router", R.HOST, "0.0.0.0", R.PORT, str(spec.router.port),
+               R.DISCOVER_NAMESPACE, owner.namespace, R.SELECTOR, instance]
         for role in ENGINE_ROLES:  # only the pods of our StatefulSets, not any pod with our labels
-            cmd += ["--owner", child_name(owner.name, role)]
+            cmd += [R.OWNER, child_name(owner.name, role)]
     else:
         cmd = ["python3", "-m", "sglang_router.launch_router", "--pd-disaggregation",
                "--host", "0.0.0.0", "--port", str(spec.router.port),
