@@ -23,8 +23,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Optional
 
-from dsv4_engine.sampling import SamplingParams
-from dsv4_engine.sequence import RequestOutput
+from dsv4_engine.sampling_params import SamplingParams
+from dsv4_engine.request_output import RequestOutput
 from dsv4_serve import core_messages as m
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
-from dsv4_engine.engine import Engine, EngineArgs
-from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.engine import Engine
+from dsv4_engine.engine_args import EngineArgs
+from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.sequence import Sequence
 
 

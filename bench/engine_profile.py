@@ -88,7 +88,7 @@ def instrument(engine) -> Timers:
 
 
 def _seqs(engine, batch: int, prompt_len: int, max_tokens: int, seed: int):
-    from dsv4_engine.sampling import SamplingParams
+    from dsv4_engine.sampling_params import SamplingParams
     from dsv4_engine.sequence import Sequence
 
     prompts = loadgen.random_prompts(batch, prompt_len, engine.cfg.vocab_size, seed)
@@ -113,7 +113,7 @@ def closed_loop(engine, concurrency: int, total: int, prompt_len: int, new_token
         return fb
 
     def add(i: int) -> None:
-        from dsv4_engine.sampling import SamplingParams
+        from dsv4_engine.sampling_params import SamplingParams
         from dsv4_engine.sequence import Sequence
 
         seq = Sequence(rid=f"loop-{seed}-{i}", prompt_ids=prompts[i],
@@ -144,7 +144,8 @@ def closed_loop(engine, concurrency: int, total: int, prompt_len: int, new_token
 def profile(model: Path, batch: int = 32, prompt_len: int = 128, steps: int = 32, out_dir: Optional[Path] = None,
             dtype: str = "float32", max_num_batched_tokens: int = 1024, top: int = 20) -> dict:
     import torch
-    from dsv4_engine.engine import Engine, EngineArgs
+    from dsv4_engine.engine import Engine
+    from dsv4_engine.engine_args import EngineArgs
 
     pages = batch * (-(-(prompt_len + steps + 8) // 16)) + 16
     engine = Engine(EngineArgs(model=str(model), dtype=dtype, kv_pages=pages, max_num_seqs=max(batch, 1),

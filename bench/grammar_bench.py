@@ -142,8 +142,9 @@ def compact_instances(tok) -> list[list[int]]:
 def engine_steps(model: Path, conc: int, a: argparse.Namespace) -> dict:
     import torch
 
-    from dsv4_engine.engine import Engine, EngineArgs
-    from dsv4_engine.sampling import SamplingParams
+    from dsv4_engine.engine import Engine
+    from dsv4_engine.engine_args import EngineArgs
+    from dsv4_engine.sampling_params import SamplingParams
     from dsv4_engine.sequence import Sequence
     from dsv4_engine.structured.spec import json_schema
 

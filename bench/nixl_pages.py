@@ -62,7 +62,8 @@ def peer_main(conn, name: str, shape: tuple, dtype: str, device: str) -> None:
 
 
 def bench_size(page_bytes: int, args, ctx) -> dict:
-    from dsv4_engine.pd.nixl.agent import KVTransferAgent, TransferState
+    from dsv4_engine.pd.nixl.agent import KVTransferAgent
+    from dsv4_engine.pd.transport import TransferState
 
     dtype = getattr(torch, args.dtype)
     shape_page = page_shape(page_bytes, dtype.itemsize)

@@ -39,8 +39,9 @@ def rank_bytes(model: Path, tp: int, device: str) -> list[int]:
 
 
 def throughput(model: Path, tp: int, batch: int, new_tokens: int, runs: int, device: str) -> dict:
-    from dsv4_engine.engine import Engine, EngineArgs
-    from dsv4_engine.sampling import SamplingParams
+    from dsv4_engine.engine import Engine
+    from dsv4_engine.engine_args import EngineArgs
+    from dsv4_engine.sampling_params import SamplingParams
     from dsv4_engine.sequence import Sequence
 
     engine = Engine(EngineArgs(model=str(model), device=device, kv_pages=max(64, batch * 8), page_size=16,

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 import torch
 
 from dsv4_engine.devices import use_device
-from dsv4_engine.engine_args import EngineArgs  # noqa: F401  (its old home)
+from dsv4_engine.engine_args import EngineArgs
 from dsv4_engine.kv_cache import (KVPool, SnapshotPool, check_page_size, default_page_size, pages_for_memory,
                                   snapshot_boundary)
 from dsv4_engine.metrics import EngineMetrics
@@ -32,7 +32,8 @@ from dsv4_engine.models.state import StateSpec
 from dsv4_engine.prefix_cache import PrefixCache
 from dsv4_engine.sampling import request_generator, skip_draw
 from dsv4_engine.scheduler import Scheduler
-from dsv4_engine.sequence import RequestOutput, Sequence, SeqStatus
+from dsv4_engine.sequence import Sequence, SeqStatus
+from dsv4_engine.request_output import RequestOutput
 from dsv4_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:

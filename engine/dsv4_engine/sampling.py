@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
 
 import torch
 
-from dsv4_engine.sampling_params import MAX_LOGPROBS, SamplingParams  # noqa: F401  (their old home)
+from dsv4_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from dsv4_engine.structured.bitmask import StepMask

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from dsv4_engine.request_output import RequestOutput  # noqa: F401  (its old home)
-from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.request_output import RequestOutput
+from dsv4_engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from dsv4_engine.pd.common import PDRequestInfo
+    from dsv4_engine.pd.request_info import PDRequestInfo
 
 
 class SeqStatus(enum.Enum):

@@ -35,8 +35,9 @@ def _plain(model) -> list[tuple[list[int], str, str]]:
     """What an engine without speculation answers (in-process, same model and device)."""
     import torch
 
-    from dsv4_engine.engine import Engine, EngineArgs
-    from dsv4_engine.sampling import SamplingParams
+    from dsv4_engine.engine import Engine
+    from dsv4_engine.engine_args import EngineArgs
+    from dsv4_engine.sampling_params import SamplingParams
     from dsv4_engine.sequence import Sequence
 
     torch.set_num_threads(1)

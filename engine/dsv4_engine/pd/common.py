@@ -12,12 +12,12 @@ from typing import Any, Callable, Mapping, Optional
 
 from dsv4_engine.pd.channel import ControlChannel
 from dsv4_engine.pd.faults import Deadlines, FaultInjector
-from dsv4_engine.pd.request_info import PDRequestInfo, PDState, stuck_first, timeline_view  # noqa: F401  (re-exported)
+from dsv4_engine.pd.request_info import PDRequestInfo, PDState, stuck_first, timeline_view
 from dsv4_engine.pd.transport import KVTransport, PoolStates
 from dsv4_wire.serve_options import default
 
 # The engine and its Sequence are not imported here, not even for typing: Sequence.pd is typed
-# with PDRequestInfo from this module, and the import graph stays without circles.
+# with PDRequestInfo from pd.request_info, and the import graph stays without circles.
 Engine = Sequence = Any
 
 log = logging.getLogger("dsv4.pd")

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from dsv4_engine.pd.checksum import checksum_mismatch, region_checksums
-from dsv4_engine.pd.common import HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, PDController, PDState
+from dsv4_engine.pd.common import HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, PDController
+from dsv4_engine.pd.request_info import PDState
 from dsv4_engine.sequence import Sequence
 
 log = logging.getLogger("dsv4.pd.decode")

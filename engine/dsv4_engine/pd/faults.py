@@ -34,11 +34,11 @@ from typing import Any, Callable, Optional, Sequence
 from dsv4_engine.pd.channel import ControlChannel, Done
 import torch
 
+from dsv4_engine.pd.fault_names import FAULTS, STALL_DEFAULT_TOKENS
 from dsv4_engine.pd.transport import KVTransport, PoolStates, TransferInfo, TransferState, slot_args
 
 log = logging.getLogger("dsv4.pd.faults")
 
-from dsv4_engine.pd.fault_names import FAULTS, STALL_DEFAULT_TOKENS  # noqa: F401 (re-exported)
 CRASH_STATUS = 17
 
 

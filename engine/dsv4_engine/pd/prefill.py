@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from dsv4_engine.pd.common import HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, PDController, PDState
+from dsv4_engine.pd.common import HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, PDController
+from dsv4_engine.pd.request_info import PDState
 from dsv4_engine.pd.checksum import region_checksums
 from dsv4_engine.pd.transport import TransferState, slot_args
 from dsv4_engine.sequence import Sequence

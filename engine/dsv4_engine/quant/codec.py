@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_engine.quant.scheme import cdiv  # defined where the torch-free header checks need it
-from dsv4_kernels.reference_quant import (  # noqa: F401  (re-exported)
+from dsv4_kernels.reference_quant import (
     E2M1_VALUES,
     FP8_MAX,
     dequantize_fp4,

@@ -98,8 +98,9 @@ class TrainableMTP:
 
 def _greedy_continuations(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """prompt + the model's greedy continuation, for each prompt (the engine, no speculation)."""
-    from dsv4_engine.engine import Engine, EngineArgs
-    from dsv4_engine.sampling import SamplingParams
+    from dsv4_engine.engine import Engine
+    from dsv4_engine.engine_args import EngineArgs
+    from dsv4_engine.sampling_params import SamplingParams
     from dsv4_engine.sequence import Sequence
 
     engine = Engine(EngineArgs(model=str(model_dir), device="cpu", kernel_backend="torch", kv_pages=1024,

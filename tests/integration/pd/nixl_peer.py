@@ -18,7 +18,8 @@ REPLY_TIMEOUT_S = 60.0  # spawning imports torch and NIXL: slow on a busy 2-core
 def _serve(conn: Any) -> None:
     import torch
 
-    from dsv4_engine.pd.nixl.agent import KVTransferAgent, TransferState
+    from dsv4_engine.pd.nixl.agent import KVTransferAgent
+    from dsv4_engine.pd.transport import TransferState
     from dsv4_engine.pd.transport import PoolStates
 
     agents: dict[str, KVTransferAgent] = {}

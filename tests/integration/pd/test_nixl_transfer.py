@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from dsv4_engine.pd.nixl.agent import KVTransferAgent, TransferState
+from dsv4_engine.pd.nixl.agent import KVTransferAgent
+from dsv4_engine.pd.transport import TransferState
 from dsv4_engine.pd.transport import KVTransport, PoolStates
 from nixl_peer import PeerProcess
 

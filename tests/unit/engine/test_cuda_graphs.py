@@ -16,7 +16,7 @@ from dsv4_engine.cuda_graphs import (DECODE_DISPATCHES_PER_LAYER, V4_DECODE_DISP
                                      graph_buckets, pad_decode)
 from dsv4_engine.kv_cache import KVPool
 from dsv4_engine.model_runner import ModelRunner
-from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.scheduler import ScheduledSeq
 from dsv4_engine.sequence import Sequence
 

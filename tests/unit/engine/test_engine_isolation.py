@@ -11,8 +11,10 @@ import math
 import pytest
 import torch
 
-from dsv4_engine.engine import AbortRequest, AddRequest, Call, Engine, EngineArgs
-from dsv4_engine.sampling import SamplingError, SamplingParams, sample
+from dsv4_engine.engine import AbortRequest, AddRequest, Call, Engine
+from dsv4_engine.engine_args import EngineArgs
+from dsv4_engine.sampling import SamplingError, sample
+from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.sequence import Sequence
 
 

@@ -13,9 +13,10 @@ import torch
 
 from dsv4_engine import cuda_graphs
 from dsv4_engine.cuda_graphs import DecodeGraphs
-from dsv4_engine.engine import Engine, EngineArgs
+from dsv4_engine.engine import Engine
+from dsv4_engine.engine_args import EngineArgs
 from dsv4_engine.model_runner import ModelRunner
-from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.sequence import Sequence
 
 

@@ -11,7 +11,7 @@ from host_sync_probe import count_host_syncs
 
 from dsv4_engine.kv_cache import KVPool
 from dsv4_engine.model_runner import ModelRunner
-from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.scheduler import ScheduledSeq
 from dsv4_engine.sequence import Sequence
 

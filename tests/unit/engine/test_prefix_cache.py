@@ -7,10 +7,11 @@ import random
 
 import pytest
 
-from dsv4_engine.engine import Engine, EngineArgs, prefix_cache_refusal
+from dsv4_engine.engine import Engine, prefix_cache_refusal
+from dsv4_engine.engine_args import EngineArgs
 from dsv4_engine.kv_cache import PageAllocator
 from dsv4_engine.prefix_cache import PrefixCache
-from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.sequence import Sequence
 
 PS = 4

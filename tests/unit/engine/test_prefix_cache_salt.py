@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dsv4_engine.kv_cache import PageAllocator
 from dsv4_engine.prefix_cache import PrefixCache
-from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.sequence import Sequence
 
 PS = 4

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import random
 
-from dsv4_engine.engine import Engine, EngineArgs
+from dsv4_engine.engine import Engine
+from dsv4_engine.engine_args import EngineArgs
 from dsv4_engine.kv_cache import PageAllocator
 from dsv4_engine.prefix_cache import PrefixCache
-from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.sequence import Sequence
 
 from test_prefix_cache import PS, compute, release, seq  # noqa: E402  (the same request steps)

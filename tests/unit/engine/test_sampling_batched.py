@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from host_sync_probe import count_host_syncs
 
-from dsv4_engine.sampling import Sampled, SamplingParams, sample
+from dsv4_engine.sampling import Sampled, sample
+from dsv4_engine.sampling_params import SamplingParams
 
 
 def test_draws_follow_the_distribution():

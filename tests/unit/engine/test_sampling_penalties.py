@@ -11,7 +11,8 @@ import torch
 from host_sync_probe import count_host_syncs
 
 from dsv4_engine import sampling
-from dsv4_engine.sampling import Sampled, SamplingParams, process_logits, sample
+from dsv4_engine.sampling import Sampled, process_logits, sample
+from dsv4_engine.sampling_params import SamplingParams
 
 V = 50
 EOS = 1

@@ -13,8 +13,9 @@ import time
 import pytest
 import torch
 
-from dsv4_engine.engine import Engine, EngineArgs
-from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.engine import Engine
+from dsv4_engine.engine_args import EngineArgs
+from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.sequence import Sequence
 from dsv4_engine.spec_decode.options import engine_refusal, normalize_algorithm, request_refusal
 from dsv4_engine.spec_decode.verify import accept_greedy, rejection_sample, sampling_probs

@@ -17,8 +17,9 @@ import re
 import jsonschema
 import pytest
 
-from dsv4_engine.engine import Engine, EngineArgs
-from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.engine import Engine
+from dsv4_engine.engine_args import EngineArgs
+from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.sequence import Sequence
 from dsv4_engine.structured import spec as structured
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 from host_sync_probe import count_host_syncs
 
-from dsv4_engine.sampling import LOGPROB_FLOOR, SamplingParams, apply_token_mask, sample, unpack_bitmask
+from dsv4_engine.sampling import LOGPROB_FLOOR, apply_token_mask, sample, unpack_bitmask
+from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.structured.bitmask import StepMask, _pack
 
 V, EOS = 70, 1

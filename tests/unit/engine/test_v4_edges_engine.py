@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_engine.engine import Engine, EngineArgs, limits_refusal
-from dsv4_engine.pd.common import PDRequestInfo
-from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.engine import Engine, limits_refusal
+from dsv4_engine.engine_args import EngineArgs
+from dsv4_engine.pd.request_info import PDRequestInfo
+from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.sequence import Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pd"))  # the PD pair over the fake fabric

@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_engine.engine import Engine, EngineArgs, state_refusal
+from dsv4_engine.engine import Engine, state_refusal
+from dsv4_engine.engine_args import EngineArgs
 from dsv4_engine.kv_cache import pages_for_memory, slot_row_nbytes
 from dsv4_engine.models.deepseek_v4 import DeepseekV4
 from dsv4_engine.models.deepseek_v4_config import DeepseekV4Config
-from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.sequence import Sequence
 
 transformers = pytest.importorskip("transformers")

@@ -14,10 +14,11 @@ import time
 import pytest
 import torch
 
-from dsv4_engine.engine import Engine, EngineArgs, default_snapshots
+from dsv4_engine.engine import Engine, default_snapshots
+from dsv4_engine.engine_args import EngineArgs
 from dsv4_engine.kv_cache import SnapshotPool, pages_for_memory, slot_row_nbytes, snapshot_boundary
 from dsv4_engine.models.state import StateSpec
-from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.sequence import Sequence
 from test_prefix_cache import drive
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_engine.engine import Engine, EngineArgs
-from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.engine import Engine
+from dsv4_engine.engine_args import EngineArgs
+from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.sequence import Sequence
 
 transformers = pytest.importorskip("transformers")

@@ -16,7 +16,7 @@ def prefill_and_count(runner) -> tuple[torch.Tensor, int, int]:
     experts: every expert implementation skips the others, see dsv4_kernels.reference) and the
     pairs routed in all."""
     from dsv4_engine.kv_cache import KVPool
-    from dsv4_engine.sampling import SamplingParams
+    from dsv4_engine.sampling_params import SamplingParams
     from dsv4_engine.scheduler import ScheduledSeq
     from dsv4_engine.sequence import Sequence
 

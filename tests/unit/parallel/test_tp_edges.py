@@ -98,7 +98,8 @@ def test_every_scale_spelling_the_loader_pairs_is_split_with_its_weight():
 # ---- real ranks ---------------------------------------------------------------------------------
 
 def _engine(model_dir, tp_size: int):
-    from dsv4_engine.engine import Engine, EngineArgs
+    from dsv4_engine.engine import Engine
+    from dsv4_engine.engine_args import EngineArgs
 
     return Engine(EngineArgs(model=str(model_dir), device="cpu", kernel_backend="torch", kv_pages=10, page_size=8,
                              max_num_batched_tokens=16, tp_size=tp_size))
@@ -153,7 +154,7 @@ def _prompts(lens: list[int], seed: int) -> list[list[int]]:
 
 
 def _greedy(n: int = 8):
-    from dsv4_engine.sampling import SamplingParams
+    from dsv4_engine.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
@@ -180,7 +181,7 @@ def test_tp2_sampling_logprobs_aborts_and_preemption_match_tp1(make_model, prese
     abort mid-decode and a preemption (10 pages of 8 tokens) give tp 1's tokens and finish
     reasons; logprobs agree to float rounding (sums over ranks add in another order), and every
     page comes back."""
-    from dsv4_engine.sampling import SamplingParams
+    from dsv4_engine.sampling_params import SamplingParams
 
     ps = _prompts([30, 26, 12, 20, 9], seed=7)
     requests = {

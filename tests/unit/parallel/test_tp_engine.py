@@ -9,12 +9,13 @@ import random
 import pytest
 import torch
 
-from dsv4_engine.engine import Engine, EngineArgs
+from dsv4_engine.engine import Engine
+from dsv4_engine.engine_args import EngineArgs
 from dsv4_engine.model_runner import ModelRunner
 from dsv4_engine.parallel.group import TPRank
 from dsv4_engine.parallel.plan import Shard
 from dsv4_engine.parallel.sharded import resident_weight_bytes
-from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.sequence import Sequence
 
 NEW_TOKENS = 8

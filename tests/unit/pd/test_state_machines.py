@@ -16,15 +16,18 @@ from typing import Callable, Optional
 import pytest
 import torch
 
-from dsv4_engine.engine import Engine, EngineArgs
-from dsv4_engine.pd.common import HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, PDRequestInfo, PDSettings, PDState
+from dsv4_engine.engine import Engine
+from dsv4_engine.engine_args import EngineArgs
+from dsv4_engine.pd.common import HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, PDSettings
+from dsv4_engine.pd.request_info import PDRequestInfo, PDState
 from dsv4_engine.pd.decode import DecodeController
 from dsv4_engine.pd.fake import FakeFabric
 from dsv4_engine.pd.faults import Deadlines, FaultInjector, FaultyChannel, FaultyTransport
 from dsv4_engine.pd.prefill import PrefillController
 from dsv4_engine.pd.transport import KVTransport, PoolStates
-from dsv4_engine.sampling import SamplingParams
-from dsv4_engine.sequence import RequestOutput, Sequence
+from dsv4_engine.sampling_params import SamplingParams
+from dsv4_engine.sequence import Sequence
+from dsv4_engine.request_output import RequestOutput
 
 BOOTSTRAP_ADDR = "http://127.0.0.1:9100"
 DECODE_URL = "http://127.0.0.1:8200"

@@ -11,7 +11,8 @@ import random
 
 import pytest
 
-from dsv4_engine.engine import Engine, EngineArgs
+from dsv4_engine.engine import Engine
+from dsv4_engine.engine_args import EngineArgs
 from test_state_machines import Pair
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

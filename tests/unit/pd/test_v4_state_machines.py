@@ -11,8 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_engine.engine import Engine, EngineArgs
-from dsv4_engine.pd.common import PDSettings, PDState
+from dsv4_engine.engine import Engine
+from dsv4_engine.engine_args import EngineArgs
+from dsv4_engine.pd.common import PDSettings
+from dsv4_engine.pd.request_info import PDState
 from dsv4_engine.pd.transport import PoolStates
 from test_state_machines import (
     BOOTSTRAP_ADDR, DEATHS, DECODE_URL, HEARTBEAT_LIMIT, SETTINGS, STATES, Pair, assert_error, mono_tokens,

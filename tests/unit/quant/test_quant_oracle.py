@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from dsv4_engine.checkpoint import dequantize_checkpoint, init_checkpoint
-from dsv4_engine.engine import Engine, EngineArgs
+from dsv4_engine.engine import Engine
+from dsv4_engine.engine_args import EngineArgs
 from dsv4_engine.model_runner import ModelRunner
 from dsv4_engine.quant import QuantWeight
-from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.sequence import Sequence
 
 transformers = pytest.importorskip("transformers")

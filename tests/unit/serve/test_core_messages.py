@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4_engine.sampling import SamplingParams
-from dsv4_engine.sequence import RequestOutput
+from dsv4_engine.sampling_params import SamplingParams
+from dsv4_engine.request_output import RequestOutput
 from dsv4_serve import core_messages as m
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from dsv4_engine.engine import Engine, EngineArgs
-from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.engine import Engine
+from dsv4_engine.engine_args import EngineArgs
+from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.sequence import Sequence
 from dsv4_operator.watchdog.detector import Detector, Healthy
 from dsv4_operator.watchdog.signals import build_sample

@@ -46,9 +46,9 @@ import numpy as np
 import torch
 
 from dsv4_engine.pd.nixl import compat as nixl_compat
-from dsv4_engine.pd.transport import (  # noqa: F401  (TransferState, TransferInfo re-exported)
-    PAGE, Layout, LayoutError, PoolStates, Region, TransferInfo, TransferState, check_layout, check_slot_mapping,
-    layout_mismatch, regions_of, transfer_bytes,
+from dsv4_engine.pd.transport import (
+    PAGE, Layout, PoolStates, Region, TransferInfo, TransferState, check_layout, check_slot_mapping,
+    transfer_bytes,
 )
 
 log = logging.getLogger(__name__)

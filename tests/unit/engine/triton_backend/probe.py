@@ -6,7 +6,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch
 from dsv4_engine.kv_cache import KVPool
 from dsv4_engine.model_runner import ModelRunner
-from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.scheduler import Scheduler
 from dsv4_engine.sequence import Sequence
 model = sys.argv[1]
