@@ -37,8 +37,6 @@ def engine_refusal(algorithm: Optional[str], num_steps: int, model_type: str, nu
     if num_mtp_layers < 1:
         return ("--speculative-algorithm mtp needs a checkpoint with an MTP layer (config.json "
                 "num_nextn_predict_layers >= 1; `dsv4 model init --mtp` writes one)")
-    if role != "mono":
-        return f"--speculative-algorithm mtp is not supported with --role {role} yet (mono only)"
     if tp_size != 1:
         return "--speculative-algorithm mtp is not supported with --tp-size > 1 yet"
     return None

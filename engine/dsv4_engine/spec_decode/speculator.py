@@ -227,6 +227,8 @@ class MTPSpeculator:
         max_tokens or the context allow after this step's tokens minus the one the target adds,
         none when this step's tokens end it with EOS or a stop id, and no more than its pages
         can hold without preempting anyone (the chain writes the MTP KV at next_pos onwards)."""
+        if seq.prefill_only:  # PD prefill: its first token ends it here; decode drafts from the MTP state it gets
+            return 0
         p = seq.params
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
         if any(t in stops for t in new):

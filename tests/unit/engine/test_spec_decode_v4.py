@@ -148,8 +148,9 @@ def test_v4_refusals_at_start(v4_mtp, tmp_path):
 
     with pytest.raises(ValueError, match="smallest ring"):
         _engine(v4_mtp, True, steps=8)  # v4-tiny's rings hold 8 positions: 8 drafts + 1 do not fit
-    with pytest.raises(ValueError, match="--role prefill"):
-        _engine(v4_mtp, True, steps=2, role="prefill")
+    from dsv4_engine.spec_decode.options import engine_refusal
+
+    assert "--tp-size" in engine_refusal("mtp", 2, "deepseek_v4", 1, "mono", 2)
     broken = tmp_path / "compressed"
     shutil.copytree(v4_mtp, broken)
     w = load_file(str(broken / "model.safetensors"))
