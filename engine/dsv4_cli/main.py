@@ -97,6 +97,8 @@ def model_init(
     try:
         if train_mtp and quant:
             raise ValueError("--train-mtp trains float weights: write the checkpoint without --quant")
+        if train_mtp and PRESETS[preset].get("model_type") == "deepseek_v4":
+            raise ValueError("--train-mtp trains DeepSeek-V3's MTP layer; for a V4 preset use --mtp (untrained block)")
         init_checkpoint(out_dir, preset=preset, seed=seed, quant=quant, mtp=mtp or train_mtp)
         if train_mtp:
             from dsv4_engine.spec_decode.train import train_mtp as train
