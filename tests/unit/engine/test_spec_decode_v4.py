@@ -163,3 +163,48 @@ def test_v4_refusals_at_start(v4_mtp, tmp_path):
     save_file({k: v for k, v in w.items() if not k.startswith("mtp.")}, str(gone / "model.safetensors"))
     with pytest.raises(ValueError, match="no mtp.0"):
         _engine(gone, True, steps=2)
+
+
+def test_v4_aborts_mid_speculation_return_everything_and_leave_others_exact(v4_mtp):
+    """Requests aborted while they have drafts in flight give back their pages, slot rows and
+    drafts; the others still equal plain decoding (their rows were never touched)."""
+    import threading
+    import time
+
+    from dsv4_engine.sequence import Sequence
+
+    reqs = _boundary_requests(3)
+    for _, p in reqs:
+        p.max_tokens = 24
+    plain = _run(_engine(v4_mtp, False), reqs)
+    engine = _engine(v4_mtp, True, steps=3)
+    outs: dict = {}
+    done = threading.Event()
+    aborted = {"r1", "r4", "r6"}
+
+    def sink(o):
+        toks, reason = outs.get(o.rid, ([], None))
+        outs[o.rid] = (toks + list(o.token_ids), o.finish_reason)
+        if o.rid in aborted and len(outs[o.rid][0]) >= 4 and o.finish_reason is None:
+            engine.abort(o.rid)
+        if sum(v[1] is not None for v in outs.values()) == len(reqs):
+            done.set()
+
+    engine.start()
+    try:
+        for i, (prompt, params) in enumerate(reqs):
+            engine.submit(Sequence(f"r{i}", prompt, params, sink=sink))
+        assert done.wait(120)
+        deadline = time.monotonic() + 5
+        while engine.pool.allocator.num_free != engine.pool.num_pages and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.pool.allocator.num_free == engine.pool.num_pages
+        _slots_back(engine)
+        assert not engine.seqs and len(engine.spec.drafts) == 0
+    finally:
+        engine.stop()
+    for rid, (toks, reason) in outs.items():
+        if rid in aborted:
+            assert reason == "abort" and toks == plain[rid][0][: len(toks)] and len(toks) < 24
+        else:
+            assert (toks, reason) == (plain[rid][0], "length")
