@@ -208,3 +208,18 @@ def test_v4_aborts_mid_speculation_return_everything_and_leave_others_exact(v4_m
             assert reason == "abort" and toks == plain[rid][0][: len(toks)] and len(toks) < 24
         else:
             assert (toks, reason) == (plain[rid][0], "length")
+
+
+@pytest.mark.slow
+def test_v4_speculation_on_the_kernel_path_equals_plain(v4_mtp):
+    """The Triton kernel path (on CPU: its interpreter, ~90 s): verify extends, window closing in
+    the compressor kernels, the MTP block's ring, all with drafts steered to be partly rejected."""
+    reqs = [([5, 9, 77, 31, 200, 18, 44, 61, 90], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)),
+            ([7, 8, 9, 10, 11, 12, 13], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
+    plain = _run(_engine(v4_mtp, False, kernel_backend="triton"), reqs, timeout=900)
+    engine = _engine(v4_mtp, True, steps=2, kernel_backend="triton")
+    _steer(engine, plain, {"r0": 0.5, "r1": 0.7})
+    assert _run(engine, reqs, timeout=900) == plain
+    t = engine.metrics.totals
+    assert 0 < t["spec_decode_num_accepted_tokens"] < t["spec_decode_num_draft_tokens"]
+    _slots_back(engine)
