@@ -71,6 +71,17 @@ def test_v4_rejected_drafts_roll_back_rings_under_concurrency_and_preemption(v4_
     assert 0 < t["spec_decode_num_accepted_tokens"] < t["spec_decode_num_draft_tokens"]
 
 
+def test_v4_chunked_prefill_with_a_small_step_budget(v4_mtp):
+    """5 tokens a step: prompts are cut at every offset of the windows, prefill chunks share
+    steps with verify rows (a decode row of 1 + 3 drafts takes 4 of the 5)."""
+    reqs = _boundary_requests(4)[::2]
+    plain = _run(_engine(v4_mtp, False), reqs)
+    engine = _engine(v4_mtp, True, steps=3, max_num_batched_tokens=5)
+    _steer(engine, plain, {"r0": 1.0, "r1": 0.5, "r2": 0.0, "r3": 0.7})
+    assert _run(engine, reqs) == plain
+    _slots_back(engine)
+
+
 def test_v4_without_the_ring_rollback_outputs_differ(v4_mtp, monkeypatch):
     """The check above has teeth: rejected drafts left in the window ring and compressor stages
     change later tokens."""
