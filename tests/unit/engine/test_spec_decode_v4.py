@@ -234,3 +234,43 @@ def test_v4_speculation_on_the_kernel_path_equals_plain(v4_mtp):
     t = engine.metrics.totals
     assert 0 < t["spec_decode_num_accepted_tokens"] < t["spec_decode_num_draft_tokens"]
     _slots_back(engine)
+
+
+def _first_drafts(engine) -> dict:
+    """(request, tokens emitted so far) -> the first draft verified at that point."""
+    seen: dict = {}
+    spec, original = engine.spec, engine.spec.lookahead
+
+    def lookahead(seq):
+        n = original(seq)
+        if n:
+            seen[(seq.rid, len(seq.output_ids))] = spec.drafts[seq].tokens[0]
+        return n
+
+    spec.lookahead = engine.scheduler.lookahead = lookahead
+    return seen
+
+
+def test_v4_mtp_ring_survives_the_draft_chain(v4_mtp, monkeypatch):
+    """The first draft at a point depends only on the MTP block's ring over valid positions, so
+    K=3 (a chain of 2 more steps writing past them) drafts it as K=1 (no chain) does; without
+    putting back what the chain overwrote in the block's ring, it does not."""
+    from dsv4_engine.spec_decode import mtp_v4
+
+    reqs = _boundary_requests(5)[2:6]
+
+    def firsts(k: int) -> dict:
+        engine = _engine(v4_mtp, True, steps=k)
+        seen = _first_drafts(engine)
+        _run(engine, reqs)
+        return seen
+
+    one, three = firsts(1), firsts(3)
+    common = set(one) & set(three)
+    assert len(common) > 20 and all(one[p] == three[p] for p in common)
+    original = mtp_v4.RingRollback.restore
+    monkeypatch.setattr(mtp_v4.RingRollback, "restore",
+                        lambda self, keep_below=None: None if keep_below is None else original(self, keep_below))
+    broken = firsts(3)
+    common = set(one) & set(broken)
+    assert any(one[p] != broken[p] for p in common)
