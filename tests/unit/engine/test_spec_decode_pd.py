@@ -177,3 +177,38 @@ def test_decode_drafts_from_the_mtp_state_prefill_sent(models, monkeypatch):
     through_pd(p, d, reqs)
     common = set(drafts_pd) & set(drafts_mono)
     assert common and any(drafts_pd[k] != drafts_mono[k] for k in common)
+
+
+@pytest.mark.parametrize("kind", ["v3", "v4"])
+def test_pd_decode_aborts_mid_speculation_return_everything(models, kind):
+    """Decode requests aborted with drafts in flight: their pages and slot rows come back on both
+    sides, and the others still equal mono."""
+    model = models[kind]
+    reqs = _requests(6, n=4)
+    for _, p in reqs:
+        p.max_tokens = 20
+    want, _ = mono(model, reqs)
+    p, d = pair(model, True, True)
+    ends: dict = {}
+    got: dict = {}
+    for room, (prompt, params) in enumerate(reqs, start=1):
+        for side, eng in (("p", p), ("d", d)):
+            def sink(o, side=side, room=room):
+                if side == "d":
+                    got.setdefault(room - 1, []).extend(o.token_ids)
+                    if room in (2, 4) and len(got[room - 1]) >= 4 and not o.finished:
+                        d.abort(f"d{room}")
+                if o.finished:
+                    ends[(side, room)] = o
+            s = Sequence(f"{side}{room}", list(prompt), params, sink=sink)
+            s.pd = PDRequestInfo("127.0.0.1", 9100, room)
+            s.prefill_only = side == "p"
+            eng.submit(s)
+    run([p, d], lambda: len(ends) == 2 * len(reqs))
+    for room in range(1, len(reqs) + 1):
+        toks, end = got[room - 1], ends[("d", room)]
+        if room in (2, 4):
+            assert end.finish_reason == "abort" and toks == want[f"r{room - 1}"][0][: len(toks)] and len(toks) < 20
+        else:
+            assert (toks, end.finish_reason) == tuple(want[f"r{room - 1}"][:2])
+    all_back(p, d)
