@@ -18,6 +18,7 @@ back with the rest when it ends.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -68,6 +69,7 @@ class MTPSpeculator:
         else:
             self.target, self.mtp, self.mtp_ring = V3Target(self.model), MTPLayer(self.model, model_dir), None
         self.k = num_steps
+        self.explode = runner.model_type == "deepseek_v3"  # see _batch
         self.drafts: "weakref.WeakKeyDictionary[object, Draft]" = weakref.WeakKeyDictionary()
         self.target_buffers = BatchBuffers(runner.device)
         self.draft_buffers = BatchBuffers(runner.device)
@@ -116,6 +118,22 @@ class MTPSpeculator:
             page_size=page_size, seq_lens_host=hb.seq_lens.tolist(), extend_lens_host=news,
         )
 
+    def _batch(self, buffers: BatchBuffers, starts: list[int], news: list[int], pages: list[list[int]],
+               toks: list[list[int]], slots: list, page_size: int) -> ForwardBatch:
+        """The step's batch. On V3, when every request computes at most k+1 tokens (verify rows,
+        short chunks), each token becomes a one-token row of its own (its request's pages, the
+        context up to itself): the whole step runs the batched decode attention instead of a
+        per-request extend. The same math (the step writes every token's KV before attending),
+        one attention call where the extend path loops over requests. V4's rings are read
+        before a step's writes, so its rows stay whole."""
+        if self.explode and news and max(news) <= self.k + 1 and max(news) > 1:
+            xs = [s + j for s, n in zip(starts, news) for j in range(n)]
+            xp = [pg for pg, n in zip(pages, news) for _ in range(n)]
+            xt = [[t] for tk in toks for t in tk]
+            xsl = [sl for sl, n in zip(slots, news) for _ in range(n)]
+            return self._fb(buffers, host_batch(xs, [1] * len(xs), xp, xt, xsl, page_size), page_size)
+        return self._fb(buffers, host_batch(starts, news, pages, toks, slots, page_size), page_size)
+
     def step(self, batch: list[ScheduledSeq], pool) -> list[Union[SpecResult, Exception, None]]:
         """Results in batch order: a SpecResult (None for a prefill chunk that ends before the
         request's last token: it only computed), or the exception one request's row raised.
@@ -133,8 +151,7 @@ class MTPSpeculator:
             starts.append(start), news.append(b.num_new), real.append(r), ndraft.append(d)
             toks.append(_tokens(seq, start, r) + drafted)
         slots = [b.seq.slot for b in batch]
-        hb = host_batch(starts, news, [b.seq.pages for b in batch], toks, slots, ps)
-        fb = self._fb(self.target_buffers, hb, ps)
+        fb = self._batch(self.target_buffers, starts, news, [b.seq.pages for b in batch], toks, slots, ps)
         # V4's rings: what the drafts' positions will overwrite, to put back where they are rejected.
         spec_rows = [i for i in range(len(batch)) if ndraft[i]]
         rings = {n: t for n, t in pool.slot_states.items() if n != self.mtp_ring}
@@ -142,7 +159,7 @@ class MTPSpeculator:
                                  [starts[i] + real[i] + j for i in spec_rows for j in range(ndraft[i])]) \
             if rings and spec_rows else None
         hidden = self.target.hidden(fb, states)  # [T, hidden] (V4: [T, hc, hidden] streams)
-        row0 = (hb.logits_indices - hb.extend_lens + 1).tolist()  # first token row of each request
+        row0 = [0, *itertools.accumulate(news)][:-1]  # first token row of each request
 
         # Target logits at every position that verifies: the last real token and each draft.
         ends = [i for i, b in enumerate(batch) if starts[i] + real[i] == b.seq.num_tokens]
@@ -170,9 +187,10 @@ class MTPSpeculator:
             cu_rows.extend(range(row0[i], row0[i] + m))
         if not cu:
             return results
-        hb2 = host_batch(cu_starts, cu_news, [batch[i].seq.pages for i in cu], cu_toks, [slots[i] for i in cu], ps)
-        fb2 = self._fb(self.draft_buffers, hb2, ps)
-        dlogits, dhidden = self.mtp.forward(fb2, states, hidden[torch.tensor(cu_rows, device=dev)])
+        fb2 = self._batch(self.draft_buffers, cu_starts, cu_news, [batch[i].seq.pages for i in cu], cu_toks,
+                          [slots[i] for i in cu], ps)
+        last = torch.tensor(list(itertools.accumulate(cu_news)), device=dev) - 1  # each request's last row
+        dlogits, dhidden = self.mtp.forward(fb2, states, hidden[torch.tensor(cu_rows, device=dev)], last)
 
         # Drafts for the next step, for requests that go on.
         chain = []  # (batch index, row in dlogits, drafts wanted, next position)
