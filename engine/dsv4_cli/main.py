@@ -85,10 +85,10 @@ def model_init(
         None, help="Quantize the linear weights: fp8 (block-scaled e4m3, any preset) | fp4-experts (V4 presets: "
         "fp4 routed experts, fp8 elsewhere, as DeepSeek-V4 ships)."
     ),
-    mtp: bool = typer.Option(False, "--mtp", help="Add one multi-token-prediction layer (DeepSeek-V3 presets; "
+    mtp: bool = typer.Option(False, "--mtp", help="Add one multi-token-prediction layer (V3: model.layers.N, V4: mtp.0; "
                              "num_nextn_predict_layers: 1) for --speculative-algorithm mtp."),
     train_mtp: bool = typer.Option(False, "--train-mtp",
-                                   help="Implies --mtp: self-distil the MTP layer on the model's own greedy "
+                                   help="Implies --mtp: self-distil the MTP layer (DeepSeek-V3 presets) on the model's own greedy "
                                         "continuations (a few CPU minutes) so that speculation accepts drafts."),
     train_steps: int = typer.Option(600, "--train-steps", min=1, help="Optimizer steps of --train-mtp."),
 ) -> None:
@@ -100,6 +100,8 @@ def model_init(
     try:
         if train_mtp and quant:
             raise ValueError("--train-mtp trains float weights: write the checkpoint without --quant")
+        if train_mtp and PRESETS[preset].get("model_type") == "deepseek_v4":
+            raise ValueError("--train-mtp trains DeepSeek-V3's MTP layer; for a V4 preset use --mtp (untrained block)")
         init_checkpoint(out_dir, preset=preset, seed=seed, quant=quant, mtp=mtp or train_mtp)
         if train_mtp:
             from dsv4_engine.spec_decode.train import train_mtp as train

@@ -301,7 +301,7 @@ def _tensor_seed(seed: int, name: str) -> int:
 
 def v4_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Every tensor of a DeepSeek-V4 checkpoint, named as in DeepSeek's release files (the names
-    transformers' conversion mapping for deepseek_v4 renames from). No MTP layers."""
+    transformers' conversion mapping for deepseek_v4 renames from); MTP blocks as `mtp.N.*`."""
     from dsv4_engine.models.deepseek_v4_config import CSA, HCA, DeepseekV4Config
 
     c = DeepseekV4Config.from_dict(config)
@@ -360,6 +360,26 @@ def v4_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     shapes["hc_head_base"] = (hc,)
     shapes["hc_head_scale"] = (1,)
     shapes["head.weight"] = (c.vocab_size, D)
+    for n in range(c.num_nextn_predict_layers):
+        shapes.update(v4_mtp_shapes(config, n))
+    return shapes
+
+
+def v4_mtp_shapes(config: dict, n: int = 0) -> dict[str, tuple[int, ...]]:
+    """DeepSeek-V4's MTP block n, as in the release (`mtp.{n}.*`): a sliding-window layer with a
+    routed (not hashed) MoE, plus e_proj / h_proj (the next token's embedding and the previous
+    hidden streams, each normed by enorm / hnorm), its output norm and its own mHC head."""
+    from dsv4_engine.models.deepseek_v4_config import SLIDING
+
+    one = {**config, "num_hidden_layers": 1, "layer_types": [SLIDING], "mlp_layer_types": ["moe"],
+           "num_nextn_predict_layers": 0}
+    one.pop("compress_ratios", None)
+    D, hc = config["hidden_size"], config["hc_mult"]
+    p = f"mtp.{n}."
+    shapes = {p + k[len("layers.0."):]: v for k, v in v4_tensor_shapes(one).items() if k.startswith("layers.0.")}
+    shapes.update({p + "e_proj.weight": (D, D), p + "h_proj.weight": (D, D), p + "enorm.weight": (D,),
+                   p + "hnorm.weight": (D,), p + "norm.weight": (D,), p + "hc_head_fn": (hc, hc * D),
+                   p + "hc_head_base": (hc,), p + "hc_head_scale": (1,)})
     return shapes
 
 
@@ -571,9 +591,7 @@ def init_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0, qu
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     config = dict(PRESETS[preset])
-    if mtp:  # one multi-token-prediction block after the last layer (DeepSeek-V3's layout)
-        if config.get("model_type") != "deepseek_v3":
-            raise ValueError(f"--mtp writes DeepSeek-V3's MTP layout; preset {preset!r} is not DeepSeek-V3")
+    if mtp:  # one multi-token-prediction block: V3's `model.layers.N.*`, V4's `mtp.0.*`
         config["num_nextn_predict_layers"] = 1
     if quant is not None:
         if quant not in QUANT_CHOICES:

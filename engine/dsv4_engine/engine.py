@@ -184,6 +184,10 @@ class Engine:
             raise ValueError(refusal)
         self.prefix_cache_off = prefix_cache_refusal(specs, args.role, args.enable_prefix_cache, args.tp_size,
                                                      args.prefix_cache_snapshots)
+        if self.spec is not None and self.prefix_cache_off is None and args.enable_prefix_cache:
+            from dsv4_engine.spec_decode.build import prefix_cache_refusal as spec_cache_refusal
+
+            self.prefix_cache_off = spec_cache_refusal(self.runner)
         has_slots = any(not s.paged for s in specs)
         num_snapshots = 0
         if has_slots and self.prefix_cache_off is None:

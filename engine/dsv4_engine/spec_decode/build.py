@@ -23,8 +23,26 @@ def speculation_refusal(args) -> Optional[str]:
         return None
     from dsv4_engine.models import entry_for_dir
 
-    return engine_refusal(algorithm, args.speculative_num_steps, entry_for_dir(args.model).model_type,
-                          num_mtp_layers(args.model), args.role, args.tp_size)
+    entry = entry_for_dir(args.model)
+    refusal = engine_refusal(algorithm, args.speculative_num_steps, entry.model_type, num_mtp_layers(args.model),
+                             args.role, args.tp_size)
+    if refusal is None and entry.model_type == "deepseek_v4":
+        from dsv4_engine.spec_decode.mtp_v4 import min_ring
+
+        ring = min_ring(entry.model_class().state_specs(entry.config_class().from_dir(args.model)))
+        if args.speculative_num_steps + 1 > ring:
+            return (f"--speculative-num-steps {args.speculative_num_steps}: a step's drafts and last token must fit "
+                    f"the model's smallest ring ({ring} positions: window or compressor stage); use at most {ring - 1}")
+    return refusal
+
+
+def prefix_cache_refusal(runner) -> Optional[str]:
+    """Why the prefix cache is off with speculation, or None. DeepSeek-V4's cache snapshots slot
+    rows at boundaries inside a step's chunk; a verify step's chunk carries drafts whose ring
+    entries may be rejected, and its snapshots are not written by the speculator yet."""
+    if runner.model_type == "deepseek_v4":
+        return "DeepSeek-V4 with --speculative-algorithm mtp (slot-row snapshots are not taken by verify steps yet)"
+    return None
 
 
 def build_speculator(args, runner) -> MTPSpeculator:
@@ -34,5 +52,10 @@ def build_speculator(args, runner) -> MTPSpeculator:
     if runner.cuda_graph_max_bs:
         log.info("speculative decoding: draft and verify steps run eagerly (decode CUDA graphs are not used)")
     spec = MTPSpeculator(runner, args.model, args.speculative_num_steps)
-    spec.state_specs = [mtp_state_spec(runner.cfg)]
+    if runner.model_type == "deepseek_v4":
+        from dsv4_engine.spec_decode.mtp_v4 import v4_mtp_state_spec
+
+        spec.state_specs = [v4_mtp_state_spec(runner.cfg)]
+    else:
+        spec.state_specs = [mtp_state_spec(runner.cfg)]
     return spec

@@ -61,6 +61,19 @@ def load_layer_weights(model_dir: str | Path, prefix: str) -> dict[str, Any]:
     return paired
 
 
+class V3Target:
+    """The main model as the speculator reads it: final-normed hidden states at every position."""
+
+    def __init__(self, model: DeepseekV3):
+        self.model = model
+
+    def hidden(self, fb: ForwardBatch, states: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model.hidden_states(fb, states)
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        return F.linear(rows, self.model.lm_head).float()
+
+
 class MTPLayer:
     """The weights of one MTP block and its forward; runs with the main model's ops and layers."""
 

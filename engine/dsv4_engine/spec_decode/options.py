@@ -32,13 +32,11 @@ def engine_refusal(algorithm: Optional[str], num_steps: int, model_type: str, nu
         return None
     if not 1 <= num_steps <= MAX_NUM_STEPS:
         return f"--speculative-num-steps must be between 1 and {MAX_NUM_STEPS}, not {num_steps}"
-    if model_type != "deepseek_v3":
-        return f"--speculative-algorithm mtp runs DeepSeek-V3's MTP layer; {model_type} is not supported yet"
+    if model_type not in ("deepseek_v3", "deepseek_v4"):
+        return f"--speculative-algorithm mtp runs DeepSeek-V3's and V4's MTP layer; {model_type} is not supported"
     if num_mtp_layers < 1:
         return ("--speculative-algorithm mtp needs a checkpoint with an MTP layer (config.json "
                 "num_nextn_predict_layers >= 1; `dsv4 model init --mtp` writes one)")
-    if role != "mono":
-        return f"--speculative-algorithm mtp is not supported with --role {role} yet (mono only)"
     if tp_size != 1:
         return "--speculative-algorithm mtp is not supported with --tp-size > 1 yet"
     return None

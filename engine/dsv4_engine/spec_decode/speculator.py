@@ -18,18 +18,19 @@ back with the rest when it ends.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
-import torch.nn.functional as F
 
 from dsv4_engine.batch_buffers import BatchBuffers, host_batch
 from dsv4_engine.models.deepseek_v3 import ForwardBatch
 from dsv4_engine.sampling import SamplingError, logprob_entry
 from dsv4_engine.scheduler import ScheduledSeq
-from dsv4_engine.spec_decode.mtp_layer import MTPLayer
+from dsv4_engine.spec_decode.mtp_layer import MTPLayer, V3Target
+from dsv4_engine.spec_decode.mtp_v4 import RingRollback
 from dsv4_engine.spec_decode.verify import accept_greedy, rejection_sample, sampling_probs
 
 
@@ -61,8 +62,14 @@ class MTPSpeculator:
     def __init__(self, runner, model_dir: str, num_steps: int):
         self.runner = runner
         self.model = runner.model
-        self.mtp = MTPLayer(self.model, model_dir)
+        if runner.model_type == "deepseek_v4":
+            from dsv4_engine.spec_decode.mtp_v4 import STATE, V4MTPLayer, V4Target
+
+            self.target, self.mtp, self.mtp_ring = V4Target(self.model), V4MTPLayer(self.model, model_dir), STATE
+        else:
+            self.target, self.mtp, self.mtp_ring = V3Target(self.model), MTPLayer(self.model, model_dir), None
         self.k = num_steps
+        self.explode = runner.model_type == "deepseek_v3"  # see _batch
         self.drafts: "weakref.WeakKeyDictionary[object, Draft]" = weakref.WeakKeyDictionary()
         self.target_buffers = BatchBuffers(runner.device)
         self.draft_buffers = BatchBuffers(runner.device)
@@ -107,9 +114,25 @@ class MTPSpeculator:
         return ForwardBatch(
             input_ids=t["input_ids"], positions=t["positions"], slot_mapping=t["slot_mapping"],
             block_table=t["block_table"], seq_lens=t["seq_lens"], extend_lens=t["extend_lens"],
-            logits_indices=t["logits_indices"], all_decode=all(n == 1 for n in news), slot_ids=None,
+            logits_indices=t["logits_indices"], all_decode=all(n == 1 for n in news), slot_ids=t.get("slot_ids"),
             page_size=page_size, seq_lens_host=hb.seq_lens.tolist(), extend_lens_host=news,
         )
+
+    def _batch(self, buffers: BatchBuffers, starts: list[int], news: list[int], pages: list[list[int]],
+               toks: list[list[int]], slots: list, page_size: int) -> ForwardBatch:
+        """The step's batch. On V3, when every request computes at most k+1 tokens (verify rows,
+        short chunks), each token becomes a one-token row of its own (its request's pages, the
+        context up to itself): the whole step runs the batched decode attention instead of a
+        per-request extend. The same math (the step writes every token's KV before attending),
+        one attention call where the extend path loops over requests. V4's rings are read
+        before a step's writes, so its rows stay whole."""
+        if self.explode and news and max(news) <= self.k + 1 and max(news) > 1:
+            xs = [s + j for s, n in zip(starts, news) for j in range(n)]
+            xp = [pg for pg, n in zip(pages, news) for _ in range(n)]
+            xt = [[t] for tk in toks for t in tk]
+            xsl = [sl for sl, n in zip(slots, news) for _ in range(n)]
+            return self._fb(buffers, host_batch(xs, [1] * len(xs), xp, xt, xsl, page_size), page_size)
+        return self._fb(buffers, host_batch(starts, news, pages, toks, slots, page_size), page_size)
 
     def step(self, batch: list[ScheduledSeq], pool) -> list[Union[SpecResult, Exception, None]]:
         """Results in batch order: a SpecResult (None for a prefill chunk that ends before the
@@ -127,18 +150,28 @@ class MTPSpeculator:
             assert len(drafted) == d, "scheduled more drafts than were made"
             starts.append(start), news.append(b.num_new), real.append(r), ndraft.append(d)
             toks.append(_tokens(seq, start, r) + drafted)
-        hb = host_batch(starts, news, [b.seq.pages for b in batch], toks, [None] * len(batch), ps)
-        fb = self._fb(self.target_buffers, hb, ps)
-        hidden = self.model.hidden_states(fb, states)  # [T, hidden]
-        row0 = (hb.logits_indices - hb.extend_lens + 1).tolist()  # first token row of each request
+        slots = [b.seq.slot for b in batch]
+        fb = self._batch(self.target_buffers, starts, news, [b.seq.pages for b in batch], toks, slots, ps)
+        # V4's rings: what the drafts' positions will overwrite, to put back where they are rejected.
+        spec_rows = [i for i in range(len(batch)) if ndraft[i]]
+        rings = {n: t for n, t in pool.slot_states.items() if n != self.mtp_ring}
+        ring_undo = RingRollback(rings, [slots[i] for i in spec_rows for _ in range(ndraft[i])],
+                                 [starts[i] + real[i] + j for i in spec_rows for j in range(ndraft[i])]) \
+            if rings and spec_rows else None
+        hidden = self.target.hidden(fb, states)  # [T, hidden] (V4: [T, hc, hidden] streams)
+        row0 = [0, *itertools.accumulate(news)][:-1]  # first token row of each request
 
         # Target logits at every position that verifies: the last real token and each draft.
         ends = [i for i, b in enumerate(batch) if starts[i] + real[i] == b.seq.num_tokens]
         idx = [row0[i] + real[i] - 1 + j for i in ends for j in range(ndraft[i] + 1)]
         results: list[Union[SpecResult, Exception, None]] = [None] * len(batch)
         if idx:
-            logits = F.linear(hidden[torch.tensor(idx, device=dev)], self.model.lm_head).float()
+            logits = self.target.logits(hidden[torch.tensor(idx, device=dev)])
             self._verify(batch, ends, ndraft, logits, results)
+        if ring_undo is not None:  # a failed row's request ends: its row's content no longer matters
+            first_rejected = [starts[i] + (real[i] + len(results[i].tokens) - 1 if isinstance(results[i], SpecResult)
+                                           else 0) for i in spec_rows for _ in range(ndraft[i])]
+            ring_undo.restore(first_rejected)
 
         # Catch-up: the MTP block over every position now valid, with the token after each.
         cu = [i for i in range(len(batch)) if not isinstance(results[i], Exception)]
@@ -154,9 +187,10 @@ class MTPSpeculator:
             cu_rows.extend(range(row0[i], row0[i] + m))
         if not cu:
             return results
-        hb2 = host_batch(cu_starts, cu_news, [batch[i].seq.pages for i in cu], cu_toks, [None] * len(cu), ps)
-        fb2 = self._fb(self.draft_buffers, hb2, ps)
-        dlogits, dhidden = self.mtp.forward(fb2, states, hidden[torch.tensor(cu_rows, device=dev)])
+        fb2 = self._batch(self.draft_buffers, cu_starts, cu_news, [batch[i].seq.pages for i in cu], cu_toks,
+                          [slots[i] for i in cu], ps)
+        last = torch.tensor(list(itertools.accumulate(cu_news)), device=dev) - 1  # each request's last row
+        dlogits, dhidden = self.mtp.forward(fb2, states, hidden[torch.tensor(cu_rows, device=dev)], last)
 
         # Drafts for the next step, for requests that go on.
         chain = []  # (batch index, row in dlogits, drafts wanted, next position)
@@ -211,6 +245,8 @@ class MTPSpeculator:
         max_tokens or the context allow after this step's tokens minus the one the target adds,
         none when this step's tokens end it with EOS or a stop id, and no more than its pages
         can hold without preempting anyone (the chain writes the MTP KV at next_pos onwards)."""
+        if seq.prefill_only:  # PD prefill: its first token ends it here; decode drafts from the MTP state it gets
+            return 0
         p = seq.params
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
         if any(t in stops for t in new):
@@ -256,6 +292,11 @@ class MTPSpeculator:
         drafts = [Draft([t], None if pr is None else [pr]) for t, pr in zip(toks, probs)]
         hid = dhidden[rows]
         live = list(range(len(chain)))  # chain entries still drafting
+        # The chain writes the block's ring past the request's valid positions; V4's ring wraps,
+        # so what those writes overwrite is put back once the drafts are made.
+        ring = {self.mtp_ring: pool.slot_states[self.mtp_ring]} if self.mtp_ring else {}
+        undo = RingRollback(ring, [seqs[n].slot for n in live for s in range(1, chain[n][2])],
+                            [chain[n][3] + s - 1 for n in live for s in range(1, chain[n][2])]) if ring else None
         step = 1
         while True:
             live = [n for n in live if chain[n][2] > step]
@@ -263,7 +304,7 @@ class MTPSpeculator:
                 break
             pos = [chain[n][3] + step - 1 for n in live]
             hb = host_batch(pos, [1] * len(live), [seqs[n].pages for n in live],
-                            [[drafts[n].tokens[-1]] for n in live], [None] * len(live), pool.page_size)
+                            [[drafts[n].tokens[-1]] for n in live], [seqs[n].slot for n in live], pool.page_size)
             fb = self._fb(self.draft_buffers, hb, pool.page_size)
             sel = torch.tensor(live, device=dev)
             lg, h = self.mtp.forward(fb, pool.all_states, hid[sel])
@@ -276,6 +317,8 @@ class MTPSpeculator:
                 if pr[m] is not None:
                     drafts[n].probs.append(pr[m])
             step += 1
+        if undo is not None:
+            undo.restore()
         for n, s in enumerate(seqs):
             d = drafts[n]
             self.drafts[s] = Draft(d.tokens, torch.stack(d.probs) if d.probs is not None else None)

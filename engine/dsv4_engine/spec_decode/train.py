@@ -156,6 +156,11 @@ def train_mtp(model_dir: str | Path, steps: int = 600, num_prompts: int = 128, p
     from dsv4_engine.weights import load_weights
 
     d = Path(model_dir)
+    import json
+
+    if json.loads((d / "config.json").read_text()).get("model_type") != "deepseek_v3":
+        raise ValueError("--train-mtp trains DeepSeek-V3's MTP layer; DeepSeek-V4 presets are not supported yet "
+                         "(use --mtp for an untrained V4 MTP block)")
     cfg = ModelConfig.from_dir(d)
     if not cfg.extra.get("num_nextn_predict_layers"):
         raise ValueError("--train-mtp needs an MTP layer (add --mtp)")

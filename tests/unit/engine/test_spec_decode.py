@@ -171,8 +171,9 @@ def test_refusals_at_start(tiny_mtp, tiny_model):
     assert normalize_algorithm(None) is None
     with pytest.raises(ValueError, match="not supported"):
         normalize_algorithm("medusa")
-    assert "deepseek_v4" in engine_refusal("mtp", 2, "deepseek_v4", 1, "mono", 1)
-    assert "--role decode" in engine_refusal("mtp", 2, "deepseek_v3", 1, "decode", 1)
+    assert engine_refusal("mtp", 2, "deepseek_v4", 1, "mono", 1) is None  # V4: tests/unit/engine/test_spec_decode_v4.py
+    assert "not supported" in engine_refusal("mtp", 2, "llama", 1, "mono", 1)
+    assert engine_refusal("mtp", 2, "deepseek_v3", 1, "decode", 1) is None  # PD: tests/unit/engine/test_spec_decode_pd.py
     assert "--tp-size" in engine_refusal("mtp", 2, "deepseek_v3", 1, "mono", 2)
     assert "between 1 and" in engine_refusal("mtp", 0, "deepseek_v3", 1, "mono", 1)
     assert engine_refusal("mtp", 2, "deepseek_v3", 1, "mono", 1) is None

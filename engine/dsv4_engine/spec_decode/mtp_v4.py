@@ -1,0 +1,191 @@
+"""DeepSeek-V4's multi-token-prediction block, run as a drafter, and the V4 target's side of a
+speculative step.
+
+Layout: the release keeps block n under `mtp.{n}.` (transformers skips those tensors when it loads;
+a checkpoint that stores them as `model.mtp.{n}.` with transformers' module names is read too):
+an ordinary V4 layer with release names (`attn.*`, `ffn.*` with routed experts, `attn_norm`,
+`ffn_norm`, `hc_attn_*`, `hc_ffn_*`) plus `e_proj` and `h_proj` ([hidden, hidden]), `enorm`,
+`hnorm`, `norm` and its own mHC head (`hc_head_fn`, `hc_head_base`, `hc_head_scale`). The
+embedding and the output head are the main model's.
+
+At position i the block reads the main model's residual streams h_i [hc, hidden] (the last
+layer's output, before the mHC head collapses them) and the embedding e of token i+1:
+x = e_proj(enorm(e)) + h_proj(hnorm(h_i)) on every stream, one V4 layer, then its own mHC head,
+`norm` and the shared head predict token i+2. Chained on its own output streams it drafts further.
+
+The block's attention is a sliding-window layer (no compressor; DeepSeek's release has no
+compressor or indexer tensors in it): its only state is a ring of the last `sliding_window`
+tokens' kv, `STATE`, a slot state of one layer. A block with a compressor is refused at start.
+
+Rollback: V4's per-request rings (the window ring and the compressor stages of every layer) are
+overwritten at position p % size by whatever a step writes, rejected drafts included, so the
+speculator saves the ring entries a step's drafts will overwrite and puts back those of rejected
+positions (`RingRollback`), and does the same for the MTP block's own ring around the draft chain.
+Compressed entries need nothing: an entry whose window a rejected position closed is invisible
+until a real token closes that window, which writes it again before any read.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from dsv4_engine.models.deepseek_v4 import (SLIDING, DeepseekV4, _rms, _rope_table, _spans, _unweighted_rms,
+                                            to_release_layout)
+from dsv4_engine.models.state import StateSpec
+from dsv4_engine.quant import dense, place
+from dsv4_engine.spec_decode.mtp_layer import load_layer_weights
+
+STATE = "mtp_swa_kv"
+
+
+def v4_mtp_state_spec(cfg) -> StateSpec:
+    return StateSpec(STATE, 1, (cfg.head_dim,), kind="slot", slots=cfg.sliding_window)
+
+
+def load_v4_mtp_weights(model_dir: str | Path, n: int, layer: int) -> dict:
+    """Block n's tensors, renamed to release names under `layers.{layer}.` (experts split)."""
+    out = {}
+    for prefix in (f"mtp.{n}.", f"model.mtp.{n}."):
+        for name, t in load_layer_weights(model_dir, prefix).items():
+            rest = re.sub(r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1", name[len(prefix):])
+            out[f"layers.{layer}.{rest}"] = t
+    return to_release_layout(out)
+
+
+# ---- the target's side: streams for every position, the head on chosen rows -------------------
+
+def run_layers(m: DeepseekV4, layers: list[tuple[int, dict]], x: torch.Tensor, fb, states: dict) -> torch.Tensor:
+    """x [T, hc, D] through `layers` ((state layer index, weights) pairs) as DeepseekV4.forward
+    runs its own; returns the streams after the last one."""
+    eps = m.cfg.rms_norm_eps
+    spans = _spans(fb)
+    m._step_index = {}
+    rope = {name: _rope_table(fb.positions, inv) for name, inv in m.inv_freq.items()}
+    for i, L in layers:
+        post, comb, collapsed = m._hc(x, L["hc_attn"])
+        a = m._attention(i, L, _rms(collapsed, L["attn_norm"], eps), fb, states, spans, rope)
+        x = m._hc_mix(x, a, post, comb)
+        post, comb, collapsed = m._hc(x, L["hc_ffn"])
+        x = m._hc_mix(x, m._moe(L, _rms(collapsed, L["ffn_norm"], eps), fb.input_ids), post, comb)
+    return x
+
+
+def head_logits(m: DeepseekV4, x: torch.Tensor, hc_head, norm: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of streams x [N, hc, D]: the mHC head's weighted sum, norm, shared head."""
+    eps, hc_eps = m.cfg.rms_norm_eps, m.cfg.hc_eps
+    fn, base, scale = hc_head
+    flat = _unweighted_rms(x.flatten(1).float(), eps)
+    pre = torch.sigmoid(F.linear(flat, fn) * scale + base) + hc_eps
+    h = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+    return F.linear(_rms(h, norm, eps), m.head).float()
+
+
+class V4Target:
+    """The main model as the speculator reads it: hidden streams at every position of a step."""
+
+    def __init__(self, model: DeepseekV4):
+        self.model = model
+
+    @torch.inference_mode()
+    def hidden(self, fb, states: dict) -> torch.Tensor:
+        m = self.model
+        x = F.embedding(fb.input_ids, m.embed).unsqueeze(1).expand(-1, m.cfg.hc_mult, -1).contiguous()
+        return run_layers(m, list(enumerate(m.layers)), x, fb, states)
+
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        return head_logits(self.model, rows, self.model.hc_head, self.model.norm)
+
+
+class V4MTPLayer:
+    """The weights of one V4 MTP block and its forward, with the main model's ops."""
+
+    def __init__(self, model: DeepseekV4, model_dir: str | Path, index: int = 0):
+        cfg, dt, dev = model.cfg, model.dtype, model.device
+        self.model = model
+        self.layer = cfg.num_hidden_layers + index
+        p = f"layers.{self.layer}."
+        w = load_v4_mtp_weights(model_dir, index, self.layer)
+        if not w:
+            raise ValueError(f"config.json says num_nextn_predict_layers >= 1 but the checkpoint has no mtp.{index}.* "
+                             "tensors (DeepSeek-V4's MTP block)")
+        if any(k.startswith(p + "attn.compressor.") or k.startswith(p + "attn.indexer.") for k in w):
+            raise ValueError("--speculative-algorithm mtp: this V4 MTP block has a compressor (compressed "
+                             "attention); only a sliding-window MTP block is supported")
+        f32 = torch.float32
+
+        def take(name: str, dtype: Optional[torch.dtype] = dt):
+            if p + name not in w:
+                raise ValueError(f"checkpoint lacks tensor mtp.{index}.{name} (its MTP block)")
+            return place(w[p + name], dev, dtype)
+
+        E = cfg.n_routed_experts
+        L = {
+            "type": SLIDING,
+            "attn_norm": take("attn_norm.weight", f32), "ffn_norm": take("ffn_norm.weight", f32),
+            "hc_attn": tuple(take(f"hc_attn_{k}", f32) for k in ("fn", "base", "scale")),
+            "hc_ffn": tuple(take(f"hc_ffn_{k}", f32) for k in ("fn", "base", "scale")),
+            "wq_a": take("attn.wq_a.weight"), "q_norm": take("attn.q_norm.weight", f32),
+            "wq_b": take("attn.wq_b.weight"), "wkv": take("attn.wkv.weight"),
+            "kv_norm": take("attn.kv_norm.weight", f32), "wo_a": dense(take("attn.wo_a.weight"), dt),
+            "wo_b": take("attn.wo_b.weight"), "sink": take("attn.attn_sink", f32),
+            "gate": take("ffn.gate.weight"), "bias": take("ffn.gate.bias", f32),
+            "w13": torch.stack([torch.cat([take(f"ffn.experts.{e}.w1.weight"), take(f"ffn.experts.{e}.w3.weight")], 0)
+                                for e in range(E)]),
+            "w2": torch.stack([take(f"ffn.experts.{e}.w2.weight") for e in range(E)]),
+            "s_w13": torch.cat([take("ffn.shared_experts.w1.weight"), take("ffn.shared_experts.w3.weight")], 0),
+            "s_w2": take("ffn.shared_experts.w2.weight"),
+        }
+        DeepseekV4._fuse_projections(L)
+        self.L = L
+        self.e_proj, self.h_proj = take("e_proj.weight"), take("h_proj.weight")
+        self.enorm, self.hnorm, self.norm = (take(n + ".weight", f32) for n in ("enorm", "hnorm", "norm"))
+        self.hc_head = tuple(take(f"hc_head_{k}", f32) for k in ("fn", "base", "scale"))
+
+    @torch.inference_mode()
+    def forward(self, fb, states: dict[str, torch.Tensor], prev: torch.Tensor,
+                rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """fb's input_ids are the next tokens (i+1 for position i), prev [T, hc, D] the streams
+        they follow. Writes the block's ring at fb's positions. Returns (fp32 logits, output
+        streams) of the tokens at `rows` (default: each request's last)."""
+        m, eps = self.model, self.model.cfg.rms_norm_eps
+        e = _rms(F.embedding(fb.input_ids, m.embed), self.enorm, eps)
+        h = _rms(prev.to(e.dtype), self.hnorm, eps)
+        x = (F.linear(e, self.e_proj).unsqueeze(1) + F.linear(h, self.h_proj)).contiguous()
+        x = run_layers(m, [(0, self.L)], x, fb, {**states, DeepseekV4.SWA_KV: states[STATE]})
+        out = x[fb.logits_indices if rows is None else rows]
+        return head_logits(m, out, self.hc_head, self.norm), out
+
+
+class RingRollback:
+    """Ring entries (slot states: [rows, layers, size, ...], position p at p % size) that a step
+    is about to overwrite at `positions`, saved so those of rejected positions can be put back."""
+
+    def __init__(self, rings: dict[str, torch.Tensor], rows: list[int], positions: list[int]):
+        dev = next(iter(rings.values())).device if rings else "cpu"
+        self.rows = torch.tensor(rows, dtype=torch.long, device=dev)
+        self.pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        self.rings = rings
+        self.saved = {name: st[self.rows, :, self.pos % st.shape[2]].clone() for name, st in rings.items()} \
+            if rows else {}
+
+    def restore(self, keep_below: Optional[list[int]] = None) -> None:
+        """Put back the saved entries: all of them, or those at positions >= keep_below[k] (one
+        bound per saved entry: its request's first rejected position)."""
+        if not self.saved:
+            return
+        sel = slice(None) if keep_below is None else \
+            self.pos >= torch.tensor(keep_below, dtype=torch.long, device=self.pos.device)
+        for name, st in self.rings.items():
+            st[self.rows[sel], :, (self.pos % st.shape[2])[sel]] = self.saved[name][sel]
+
+
+def min_ring(specs: list[StateSpec]) -> int:
+    """The smallest ring of the main model's slot states: a step's drafts (plus its last real
+    token) must not wrap around it, or a rejected draft would overwrite an accepted one."""
+    return min((s.slots for s in specs if not s.paged), default=1 << 30)
+
