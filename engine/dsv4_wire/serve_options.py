@@ -47,8 +47,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     O("tp_size", int, 1, "Ranks (GPUs) one engine spans: attention heads and MLPs split, experts spread (NCCL on "
       "CUDA, gloo on CPU); this process is rank 0.", min=1),
     O("speculative_algorithm", str, None, "Speculative decoding with the checkpoint's own MTP layer: mtp (aliases "
-      "EAGLE, NEXTN, deepseek_mtp). Off by default; DeepSeek-V3 checkpoints with an MTP layer, --role mono, "
-      "--tp-size 1."),
+      "EAGLE, NEXTN, deepseek_mtp). Off by default; DeepSeek-V3 and -V4 checkpoints with an MTP layer (mono, "
+      "or prefill and decode both with it), --tp-size 1."),
     O("speculative_num_steps", int, 1, "Tokens drafted per step with --speculative-algorithm.", min=1),
     # ---- the HTTP server and PD (ServerArgs) ----
     O("host", str, "127.0.0.1", "Address to listen on.", scope="server"),
