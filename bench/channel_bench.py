@@ -32,23 +32,23 @@ ECHO = ("import sys; from multiprocessing.connection import Connection; c = Conn
         "try:\n    while True:\n        c.send_bytes(c.recv_bytes())\nexcept (EOFError, OSError):\n    pass\n")
 
 
-def step_message(rows: int, logprobs: bool) -> tuple:
+def step_message(rows: int, logprobs: bool) -> m.Out:
     lp = [{"token_id": 1234, "logprob": -0.5, "top": [[1234, -0.5], [77, -1.25]]}] if logprobs else None
-    return (m.OUT, [m.output_row(k, RequestOutput(f"cmpl-{k:032x}", [1234], " word", False, None, None, 500, 128, 17, lp))
+    return m.Out([m.output_row(k, RequestOutput(f"cmpl-{k:032x}", [1234], " word", False, None, None, 500, 128, 17, lp))
                     for k in range(rows)])
 
 
-def messages() -> dict[str, tuple]:
+def messages() -> dict[str, m.Message]:
     p = SamplingParams(max_tokens=64, temperature=0.7, top_p=0.9, seed=1, stop=["\n\n"])
     out = {f"step_{n}_rows": step_message(n, False) for n in (1, 8, 32, 64)}
     out["step_32_rows_logprobs"] = step_message(32, True)
     out["add_128_tokens"] = m.add_msg(1, "cmpl-x", list(range(1000, 1128)), p, None, False, 1.0)
     out["add_4096_tokens"] = m.add_msg(1, "cmpl-x", list(range(1000, 5096)), p, None, False, 1.0)
-    out["rpc_state"] = (m.RPC, 7, "state", None)
+    out["rpc_state"] = m.Call(7, "state", None)
     return out
 
 
-def round_trips(conn: Connection, msg: tuple, iters: int) -> list[float]:
+def round_trips(conn: Connection, msg: m.Message, iters: int) -> list[float]:
     """Seconds per round trip: encode, send, child echoes, receive, decode."""
     times = []
     for _ in range(iters):
@@ -64,7 +64,7 @@ def p50(xs: list[float]) -> float:
     return s[len(s) // 2]
 
 
-def encode_costs(msg: tuple, iters: int) -> dict:
+def encode_costs(msg: m.Message, iters: int) -> dict:
     plain = json.loads(json.dumps(msg))  # json has no tuples; same content
     out = {}
     for name, enc, dec in (("marshal", m.dumps, m.loads), ("pickle", pickle.dumps, pickle.loads),

@@ -1,42 +1,102 @@
 """The messages between the HTTP process and the engine core process, and their byte format.
 
-Every message is a tuple of plain values (ints, floats, strings, lists, dicts, bytes, None)
-written with `marshal`: the standard library's fastest format for exactly those types, with
-no object graph to walk and nothing executed on load (unlike pickle). Both ends run the same
-code from the same installation, which is what marshal's format stability requires. A request
-travels as its token ids and sampling parameters; an output as its new token ids, text delta
-and the ending. Outputs of one engine step go out together as one message.
+One small typed class per message kind (a NamedTuple: as cheap to build and read as a tuple,
+with names). On the wire a message is its kind's tag followed by its fields, written with
+`marshal`: the standard library's fastest format for plain values (ints, floats, strings,
+lists, dicts, bytes, None), with no object graph to walk and nothing executed on load (unlike
+pickle). Both ends run the same code from the same installation, which is what marshal's format
+stability requires. `loads` gives back the typed message; receivers dispatch on its type.
 
-HTTP process -> core                          core -> HTTP process
-  (INIT, server args)                           (HELLO, facts) | (FATAL, one line)
-                                                | (REFUSED, one line): not servable as asked
-  (ADD, key, rid, prompt ids, params, pd,       (OUT, [output row, ...])
-   prefill_only, arrival, share_prefix_of)      (REPLY, call id, ok, value | error)
-  (ABORT, key | None, rid | None, reason, all)
-  (FINISH, key): a stop string ended it here
-  (RPC, call id, name, argument)
+HTTP process -> core                    core -> HTTP process
+  Init(args)                              Hello(facts) | Fatal(line) | Refused(line)
+  Add(key, rid, prompt ids, params, ...)  Out([output row, ...]): one engine step's outputs
+  Abort(key | None, rid | None, ...)      Reply(call id, ok, value | error)
+  Finish(key): a stop string ended it here
+  Call(call id, name, argument): an RPC (names: engine_core.RPCS)
 """
 
 from __future__ import annotations
 
 import marshal
 from dataclasses import fields
-from typing import Any, Optional
+from operator import attrgetter
+from typing import Any, NamedTuple, Optional, Union
 
+from dsv4_engine.request_output import RequestOutput
 from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.structured.spec import StructuredSpec
-from dsv4_engine.request_output import RequestOutput
 
-INIT, HELLO, FATAL, ADD, ABORT, RPC, OUT, REPLY, FINISH, REFUSED = range(10)
+
+class Init(NamedTuple):
+    args: dict  # the ServerArgs' fields
+
+
+class Hello(NamedTuple):
+    facts: dict  # what the HTTP process needs to know of the loaded model
+
+
+class Fatal(NamedTuple):
+    message: str  # the engine could not start
+
+
+class Refused(NamedTuple):
+    message: str  # not servable as asked (one line for the CLI)
+
+
+class Add(NamedTuple):
+    key: int  # the channel's name for the request
+    rid: str
+    prompt_ids: list
+    params: tuple  # params_row(SamplingParams)
+    pd: Optional[tuple]  # (bootstrap_host, bootstrap_port, room) on prefill/decode engines
+    prefill_only: bool
+    arrival: float
+    share_prefix_of: Optional[str] = None  # the rid of the request's first choice (n > 1)
+    output_ids: list = []  # the answer so far of a migrated request (the router's continuation)
+
+
+class Abort(NamedTuple):
+    key: Optional[int]  # one request of this channel, or
+    rid: Optional[str]  # every request with this rid (the admin's abort), or
+    reason: str
+    all: bool  # every request
+
+
+class Finish(NamedTuple):
+    key: int  # a stop string ended it in the HTTP process
+
+
+class Call(NamedTuple):
+    call_id: int
+    name: str
+    arg: Any = None
+
+
+class Out(NamedTuple):
+    rows: list  # output_row(...) per request that produced something in one engine step
+
+
+class Reply(NamedTuple):
+    call_id: int
+    ok: bool
+    value: Any  # the answer, or (exception class name, message)
+
+
+Message = Union[Init, Hello, Fatal, Refused, Add, Abort, Finish, Call, Out, Reply]
+KINDS: tuple[type, ...] = (Init, Hello, Fatal, Refused, Add, Abort, Finish, Call, Out, Reply)  # index = tag
+_TAG = {kind: tag for tag, kind in enumerate(KINDS)}
 _PARAM_FIELDS = tuple(f.name for f in fields(SamplingParams))
+# An output row is the key, then RequestOutput's fields after rid, in the dataclass's own order.
+OUTPUT_FIELDS = tuple(f.name for f in fields(RequestOutput))[1:]
 
 
-def dumps(msg: tuple) -> bytes:
-    return marshal.dumps(msg)
+def dumps(msg: Message) -> bytes:
+    return marshal.dumps((_TAG[type(msg)], *msg))
 
 
-def loads(data: bytes) -> tuple:
-    return marshal.loads(data)
+def loads(data: bytes) -> Message:
+    tag, *values = marshal.loads(data)
+    return KINDS[tag](*values)
 
 
 def params_row(p: SamplingParams) -> tuple:
@@ -55,22 +115,21 @@ def params_of(row: tuple) -> SamplingParams:
 
 def add_msg(key: int, rid: str, prompt_ids: list[int], params: SamplingParams, pd: Optional[tuple],
             prefill_only: bool, arrival: float, share_prefix_of: Optional[str] = None,
-            output_ids: Optional[list[int]] = None) -> tuple:
-    """pd: (bootstrap_host, bootstrap_port, room) for prefill/decode engines, else None;
-    share_prefix_of: the rid of the request's first choice when this is another one (n > 1);
-    output_ids: the answer so far of a migrated request (the router's continuation)."""
-    return (ADD, key, rid, prompt_ids, params_row(params), pd, prefill_only, arrival, share_prefix_of,
-            list(output_ids or ()))
+            output_ids: Optional[list[int]] = None) -> Add:
+    return Add(key, rid, prompt_ids, params_row(params), pd, prefill_only, arrival, share_prefix_of,
+               list(output_ids or ()))
+
+
+_output_values = attrgetter(*OUTPUT_FIELDS)  # C-speed: one engine step may carry hundreds of rows
 
 
 def output_row(key: int, out: RequestOutput) -> tuple:
-    return (key, out.token_ids, out.text, out.finished, out.finish_reason, out.error, out.error_code,
-            out.prompt_tokens, out.completion_tokens, out.logprobs, out.cached_tokens)
+    return (key, *_output_values(out))
 
 
 def output_of(row: tuple, rid: str) -> tuple[int, RequestOutput]:
     key, *rest = row
-    return key, RequestOutput(rid, *rest)
+    return key, RequestOutput(rid, *rest)  # positional is safe: OUTPUT_FIELDS follows the dataclass
 
 
 def plain(value: Any) -> Any:
@@ -91,8 +150,8 @@ def plain(value: Any) -> Any:
     return str(value)
 
 
-def reply_error(call_id: int, e: BaseException) -> tuple:
-    return (REPLY, call_id, False, (type(e).__name__, str(e)))
+def reply_error(call_id: int, e: BaseException) -> Reply:
+    return Reply(call_id, False, (type(e).__name__, str(e)))
 
 
 class RemoteError(Exception):

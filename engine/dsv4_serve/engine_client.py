@@ -134,16 +134,16 @@ class EngineClient:
         """Start the core with `args` (a ServerArgs) — or hand them to one `spawn_core` started
         earlier — and wait until it has loaded the model."""
         proc, conn = spawned or spawn_core()
-        conn.send_bytes(m.dumps((m.INIT, dataclasses.asdict(args))))
+        conn.send_bytes(m.dumps(m.Init(dataclasses.asdict(args))))
         try:
-            kind, value = m.loads(conn.recv_bytes())
+            answer = m.loads(conn.recv_bytes())
         except (EOFError, OSError):
             proc.wait()
             raise EngineStartError(f"the engine process exited during start (exit code {proc.returncode})") from None
-        if kind in (m.FATAL, m.REFUSED):
+        if isinstance(answer, (m.Fatal, m.Refused)):
             proc.wait()
-            raise (EngineRefused if kind == m.REFUSED else EngineStartError)(value)
-        return cls(proc, conn, value)
+            raise (EngineRefused if isinstance(answer, m.Refused) else EngineStartError)(answer.message)
+        return cls(proc, conn, answer.facts)
 
     def shutdown(self, timeout: float = 15.0) -> None:
         """Stop the core's loop and PD controllers, then make sure the process is gone."""
@@ -166,7 +166,7 @@ class EngineClient:
 
     # ---- the channel -----------------------------------------------------------------------------
 
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: m.Message) -> None:
         data = m.dumps(msg)
         try:
             with self._send_lock:
@@ -184,16 +184,15 @@ class EngineClient:
             except (EOFError, OSError):
                 break
             msg = m.loads(data)
-            if msg[0] == m.OUT:
-                call_soon(self._loop, self._deliver, msg[1])
-            elif msg[0] == m.REPLY:
-                _, call_id, ok, value = msg
-                fut = self._calls.pop(call_id, None)
+            if isinstance(msg, m.Out):
+                call_soon(self._loop, self._deliver, msg.rows)
+            elif isinstance(msg, m.Reply):
+                fut = self._calls.pop(msg.call_id, None)
                 if fut is not None and not fut.done():
-                    if ok:
-                        fut.set_result(value)
+                    if msg.ok:
+                        fut.set_result(msg.value)
                     else:
-                        fut.set_exception(_remote(value))
+                        fut.set_exception(_remote(msg.value))
         self._gone(self._exit_reason() or "engine process exited")
 
     def _exit_reason(self) -> Optional[str]:
@@ -262,7 +261,7 @@ class EngineClient:
                 if processor is not None:
                     out = processor.process(out)
                     if processor.stopped and out.finished:  # a stop string: the core runs on until told
-                        self._send((m.FINISH, key))
+                        self._send(m.Finish(key))
                 finished = out.finished
                 yield out
                 if finished:
@@ -271,12 +270,12 @@ class EngineClient:
             self._reqs.pop(key, None)
             if not finished and self.dead is None:  # the client went away: free its pages
                 try:
-                    self._send((m.ABORT, key, None, "client disconnected", False))
+                    self._send(m.Abort(key, None, "client disconnected", False))
                 except EngineGone:
                     pass
 
     def abort(self, rid: Optional[str] = None, reason: str = "aborted", all_: bool = False) -> None:
-        self._send((m.ABORT, None, rid, reason, all_))
+        self._send(m.Abort(None, rid, reason, all_))
 
     # ---- calls -------------------------------------------------------------------------------------
 
@@ -288,7 +287,7 @@ class EngineClient:
         call_id = next(self._keys)
         self._calls[call_id] = fut
         try:
-            self._send((m.RPC, call_id, name, arg))
+            self._send(m.Call(call_id, name, arg))
         except EngineGone as e:
             self._calls.pop(call_id, None)
             if not fut.done():

@@ -46,7 +46,7 @@ class CoreServer:
         engine.after_step = self.flush
         self.bytes_in = self.bytes_out = self.msgs_in = self.msgs_out = 0
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg: m.Message) -> None:
         data = m.dumps(msg)
         with self._send_lock:
             self.conn.send_bytes(data)
@@ -64,7 +64,7 @@ class CoreServer:
             if out.finished:
                 self.seqs.pop(key, None)
         try:
-            self.send((m.OUT, rows))
+            self.send(m.Out(rows))
         except OSError:  # the HTTP process is gone: nothing left to serve
             os._exit(0)
 
@@ -80,106 +80,125 @@ class CoreServer:
                 os._exit(0)
             self.bytes_in += len(data)
             self.msgs_in += 1
-            msg = m.loads(data)
             try:
+                msg = m.loads(data)
                 if self._handle(msg):
                     return
             except Exception:  # a malformed message must not end the core
-                log.error("engine core could not handle %r:\n%s", msg[:2], traceback.format_exc())
+                log.error("engine core could not handle a message of %d bytes:\n%s", len(data),
+                          traceback.format_exc())
 
-    def _handle(self, msg: tuple) -> bool:
-        kind = msg[0]
-        if kind == m.ADD:
-            self._add(*msg[1:])
-        elif kind == m.ABORT:
-            _, key, rid, reason, all_ = msg
-            if key is not None:
-                seq = self.seqs.get(key)
+    def _handle(self, msg: m.Message) -> bool:
+        """One message from the HTTP process; True once it asked the core to shut down."""
+        if isinstance(msg, m.Add):
+            self._add(msg)
+        elif isinstance(msg, m.Abort):
+            if msg.key is not None:
+                seq = self.seqs.get(msg.key)
                 if seq is not None:
-                    self.engine.abort(seq=seq, reason=reason)
+                    self.engine.abort(seq=seq, reason=msg.reason)
             else:
-                self.engine.abort(rid, reason=reason, all_=all_)
-        elif kind == m.FINISH:
-            seq = self.seqs.get(msg[1])
+                self.engine.abort(msg.rid, reason=msg.reason, all_=msg.all)
+        elif isinstance(msg, m.Finish):
+            seq = self.seqs.get(msg.key)
             if seq is not None:
                 engine = self.engine
                 engine.call(lambda: engine.finish(seq, "stop"))  # no-op if it ended meanwhile
-        elif kind == m.RPC:
-            _, call_id, name, arg = msg
-            if name == "shutdown":
+        elif isinstance(msg, m.Call):
+            if msg.name == "shutdown":
                 self._shutdown()
-                self.send((m.REPLY, call_id, True, None))
+                self.send(m.Reply(msg.call_id, True, None))
                 return True
             try:
-                value = self._rpc(name, arg)
+                handler = RPCS.get(msg.name)
+                if handler is None:
+                    raise ValueError(f"unknown engine call {msg.name!r}")
+                value = handler(self, msg.arg)
             except Exception as e:
-                self.send(m.reply_error(call_id, e))
+                self.send(m.reply_error(msg.call_id, e))
             else:
                 try:
-                    self.send((m.REPLY, call_id, True, value))
+                    self.send(m.Reply(msg.call_id, True, value))
                 except ValueError:  # marshal refused a value (a numpy scalar, ...): its plain form
-                    self.send((m.REPLY, call_id, True, m.plain(value)))
+                    self.send(m.Reply(msg.call_id, True, m.plain(value)))
+        else:
+            raise ValueError(f"the core does not take {type(msg).__name__} messages")
         return False
 
-    def _add(self, key: int, rid: str, prompt_ids: list, params: tuple, pd, prefill_only: bool, arrival: float,
-             share_prefix_of: Optional[str] = None, output_ids: list = ()) -> None:
+    def _add(self, msg: m.Add) -> None:
         from dsv4_engine.sequence import Sequence
 
-        seq = Sequence(rid=rid, prompt_ids=prompt_ids, params=m.params_of(params), arrival=arrival,
-                       share_prefix_of=share_prefix_of, output_ids=list(output_ids))
-        if pd is not None:
+        seq = Sequence(rid=msg.rid, prompt_ids=msg.prompt_ids, params=m.params_of(msg.params), arrival=msg.arrival,
+                       share_prefix_of=msg.share_prefix_of, output_ids=list(msg.output_ids))
+        if msg.pd is not None:
             from dsv4_engine.pd import PDRequestInfo
 
-            seq.pd = PDRequestInfo(*pd)
-        seq.prefill_only = prefill_only
+            seq.pd = PDRequestInfo(*msg.pd)
+        seq.prefill_only = msg.prefill_only
         outputs = self._outputs
-        seq.sink = lambda out, k=key: outputs.append((k, out))
-        self.seqs[key] = seq
+        seq.sink = lambda out, k=msg.key: outputs.append((k, out))
+        self.seqs[msg.key] = seq
         self.engine.submit(seq)
 
-    def _rpc(self, name: str, arg: Any) -> Any:
-        engine = self.engine
-        if name == "state":
-            return {"alive": engine.alive, "stalled": time.monotonic() - engine.last_iteration,
-                    "draining": engine.draining, "seqs": len(engine.seqs)}
-        if name == "loads":
-            for _ in range(5):  # read without stopping the engine thread; a resized queue retries
-                try:
-                    return engine.loads()
-                except RuntimeError:
-                    time.sleep(0.001)
-            return engine.loads()
-        if name == "metrics":
-            return engine.metrics.render()
-        if name == "stacks":
-            from dsv4_serve.admin import thread_stacks
+    # ---- the calls the HTTP process makes (RPCS, by name) ------------------------------------
 
-            return thread_stacks()
-        if name == "drain":
-            engine.draining = True
-            return None
-        if name == "channel":
-            return {"msgs_in": self.msgs_in, "msgs_out": self.msgs_out, "bytes_in": self.bytes_in,
-                    "bytes_out": self.bytes_out, "rss_bytes": _rss()}
-        if name == "pd_abort":
-            room, reason = arg
-            engine.call(lambda: engine.pd.abort_room(room, reason))
-            return None
-        if name == "faults_arm":
-            fault, count, params = arg
-            engine.pd.faults.arm(fault, count, **params)
-            return engine.pd.faults.snapshot()
-        if name == "faults_clear":
-            engine.pd.faults.clear()
-            return None
-        if name == "faults_snapshot":
-            return engine.pd.faults.snapshot()
-        raise ValueError(f"unknown engine call {name!r}")
+    def _state(self, _arg: Any) -> dict:
+        engine = self.engine
+        return {"alive": engine.alive, "stalled": time.monotonic() - engine.last_iteration,
+                "draining": engine.draining, "seqs": len(engine.seqs)}
+
+    def _loads(self, _arg: Any) -> dict:
+        for _ in range(5):  # read without stopping the engine thread; a resized queue retries
+            try:
+                return self.engine.loads()
+            except RuntimeError:
+                time.sleep(0.001)
+        return self.engine.loads()
+
+    def _metrics(self, _arg: Any) -> str:
+        return self.engine.metrics.render()
+
+    def _stacks(self, _arg: Any) -> Any:
+        from dsv4_serve.admin import thread_stacks
+
+        return thread_stacks()
+
+    def _drain(self, _arg: Any) -> None:
+        self.engine.draining = True
+
+    def _channel(self, _arg: Any) -> dict:
+        return {"msgs_in": self.msgs_in, "msgs_out": self.msgs_out, "bytes_in": self.bytes_in,
+                "bytes_out": self.bytes_out, "rss_bytes": _rss()}
+
+    def _pd_abort(self, arg: Any) -> None:
+        room, reason = arg
+        engine = self.engine
+        engine.call(lambda: engine.pd.abort_room(room, reason))
+
+    def _faults_arm(self, arg: Any) -> Any:
+        fault, count, params = arg
+        self.engine.pd.faults.arm(fault, count, **params)
+        return self.engine.pd.faults.snapshot()
+
+    def _faults_clear(self, _arg: Any) -> None:
+        self.engine.pd.faults.clear()
+
+    def _faults_snapshot(self, _arg: Any) -> Any:
+        return self.engine.pd.faults.snapshot()
 
     def _shutdown(self) -> None:
         self.engine.stop()
         if self.engine.pd is not None:
             self.engine.pd.close()
+
+
+# The engine core's RPCs by name ("shutdown" is Call's own: it ends the channel's loop).
+RPCS: dict[str, Callable[[CoreServer, Any], Any]] = {
+    "state": CoreServer._state, "loads": CoreServer._loads, "metrics": CoreServer._metrics,
+    "stacks": CoreServer._stacks, "drain": CoreServer._drain, "channel": CoreServer._channel,
+    "pd_abort": CoreServer._pd_abort, "faults_arm": CoreServer._faults_arm,
+    "faults_clear": CoreServer._faults_clear, "faults_snapshot": CoreServer._faults_snapshot,
+}
 
 
 def _refusal(args) -> Optional[str]:
@@ -317,15 +336,15 @@ def main(argv: list[str]) -> None:
     from dsv4_serve.server import ServerArgs, make_engine
 
     try:
-        kind, fields_ = m.loads(conn.recv_bytes())
+        init = m.loads(conn.recv_bytes())
     except (EOFError, OSError):  # the parent gave up before saying what to serve (a bad flag)
         sys.exit(0)
-    assert kind == m.INIT
-    args = ServerArgs(**fields_)
+    assert isinstance(init, m.Init)
+    args = ServerArgs(**init.args)
     try:
         refusal = _refusal(args)
         if refusal:  # no traceback, no log: the HTTP process prints this one line as `dsv4 serve`'s error
-            conn.send_bytes(m.dumps((m.REFUSED, refusal)))
+            conn.send_bytes(m.dumps(m.Refused(refusal)))
             sys.exit(2)
         _set_cpu_threads(args)  # after the refusal: a refusal is the only line printed
         engine = make_engine(args)
@@ -333,7 +352,7 @@ def main(argv: list[str]) -> None:
             _start_bootstrap(engine, args)
     except Exception as e:
         log.error("engine start failed:\n%s", traceback.format_exc())
-        conn.send_bytes(m.dumps((m.FATAL, f"{type(e).__name__}: {e}")))
+        conn.send_bytes(m.dumps(m.Fatal(f"{type(e).__name__}: {e}")))
         sys.exit(1)
     from dsv4_engine.pd import BOOT_ID
 
@@ -343,7 +362,7 @@ def main(argv: list[str]) -> None:
     if profile:
         engine.run = _profiled(engine.run, profile)
     engine.start()
-    core.send((m.HELLO, {
+    core.send(m.Hello({
         "pid": os.getpid(), "boot_id": BOOT_ID, "max_model_len": engine.max_model_len,
         "vocab_size": engine.cfg.vocab_size, "num_pages": engine.pool.num_pages, "page_size": engine.pool.page_size,
         "kernel_backend": engine.runner.kernel_backend,
