@@ -5,14 +5,17 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
+from dsv4_engine.pd.messages import AbortRoom, RegisterRoom
 from dsv4_serve.admin import error_response, require_admin, require_token
 from dsv4_wire import APIError, Paths
 
 
 def _room(body) -> tuple[int, str]:
-    if not isinstance(body, dict) or not isinstance(body.get("room"), int) or isinstance(body.get("room"), bool):
-        raise APIError("body must be {\"room\": int, \"reason\": str}")
-    return body["room"], str(body.get("reason", "aborted by peer"))
+    try:
+        msg = AbortRoom.of(body)
+    except ValueError as e:
+        raise APIError(f"body must be {{\"room\": int, \"reason\": str}}: {e}") from None
+    return msg.room, msg.reason
 
 
 async def _json(http: Request):
@@ -75,9 +78,9 @@ def build_bootstrap_app(engine, args) -> FastAPI:
         require_token(http, args.pd_secret, "PD secret")
         body = await _json(http)
         try:
-            ctl.register(body)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise APIError(f"bad registration: {e}")
+            ctl.register(RegisterRoom.of(body))
+        except ValueError as e:
+            raise APIError(f"bad registration: {e}") from None
         return {"ok": True, "boot_id": ctl.boot_id}
 
     @app.post(Paths.BOOTSTRAP_ABORT)

@@ -15,6 +15,7 @@ from typing import Callable, Optional, Protocol
 
 import httpx
 
+from dsv4_engine.pd.messages import AbortRoom, RegisterRoom
 from dsv4_wire import Paths
 
 Done = Callable[[Optional[dict], Optional[str]], None]
@@ -22,8 +23,8 @@ Deliver = Callable[[Callable[[], None]], None]
 
 
 class ControlChannel(Protocol):
-    def register(self, bootstrap_addr: str, body: dict, done: Done) -> None:
-        """Decode -> prefill: these are the pages reserved for `body["room"]`."""
+    def register(self, bootstrap_addr: str, msg: RegisterRoom, done: Done) -> None:
+        """Decode -> prefill: these are the pages reserved for `msg.room`."""
 
     def heartbeat(self, bootstrap_addr: str, decode_boot: str, done: Done) -> None:
         """Decode -> prefill: are you alive, and still the same process (its boot id)?"""
@@ -46,17 +47,17 @@ class HttpChannel:
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="dsv4-pd-http")
         self._client = httpx.Client(timeout=timeout, headers=headers or {})
 
-    def register(self, bootstrap_addr: str, body: dict, done: Done) -> None:
-        self._submit("POST", bootstrap_addr + Paths.BOOTSTRAP_REGISTER, body, done)
+    def register(self, bootstrap_addr: str, msg: RegisterRoom, done: Done) -> None:
+        self._submit("POST", bootstrap_addr + Paths.BOOTSTRAP_REGISTER, msg.wire(), done)
 
     def heartbeat(self, bootstrap_addr: str, decode_boot: str, done: Done) -> None:
         self._submit("GET", f"{bootstrap_addr}{Paths.BOOTSTRAP_HEARTBEAT}?decode_boot={decode_boot}", None, done)
 
     def abort_prefill(self, bootstrap_addr: str, room: int, reason: str) -> None:
-        self._submit("POST", bootstrap_addr + Paths.BOOTSTRAP_ABORT, {"room": room, "reason": reason}, None)
+        self._submit("POST", bootstrap_addr + Paths.BOOTSTRAP_ABORT, AbortRoom(room, reason).wire(), None)
 
     def abort_decode(self, decode_url: str, room: int, reason: str) -> None:
-        self._submit("POST", decode_url + Paths.PD_ABORT, {"room": room, "reason": reason}, None)
+        self._submit("POST", decode_url + Paths.PD_ABORT, AbortRoom(room, reason).wire(), None)
 
     def _submit(self, method: str, url: str, body: Optional[dict], done: Optional[Done]) -> None:
         self._pool.submit(self._call, method, url, body, done)

@@ -24,7 +24,6 @@ waiting until its deadline: 1-8 in 200 under ~200 concurrent PD requests).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import deque
@@ -33,6 +32,7 @@ from typing import Optional
 
 from dsv4_engine.pd.checksum import checksum_mismatch, region_checksums
 from dsv4_engine.pd.common import HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, PDController
+from dsv4_engine.pd.messages import RegisterRoom, TransferNote
 from dsv4_engine.pd.request_info import PDState
 from dsv4_engine.sequence import Sequence
 
@@ -104,10 +104,10 @@ class DecodeController(PDController):
             self.prealloc.popleft()
             seq.pages, seq.slot = pages, slot
             self.registering[seq.pd.room] = seq
-            body = {"room": seq.pd.room, "rid": seq.rid, "desc": self.transport.descriptor(), "dst_pages": pages,
-                    "dst_slot": slot, "checksum": self.settings.transfer_checksum,
-                    "decode_url": self.settings.url, "decode_boot": self.boot_id}
-            self.channel.register(seq.pd.bootstrap_addr, body, lambda res, err, seq=seq: self._registered(seq, res, err))
+            msg = RegisterRoom(room=seq.pd.room, rid=seq.rid, desc=self.transport.descriptor(), dst_pages=pages,
+                               decode_url=self.settings.url, decode_boot=self.boot_id, dst_slot=slot,
+                               checksum=self.settings.transfer_checksum)
+            self.channel.register(seq.pd.bootstrap_addr, msg, lambda res, err, seq=seq: self._registered(seq, res, err))
 
     def _registered(self, seq: Sequence, res: Optional[dict], err: Optional[str]) -> None:
         if seq.finished or self.registering.pop(seq.pd.room, None) is None:
@@ -137,11 +137,11 @@ class DecodeController(PDController):
 
     def _on_notif(self, msg: bytes) -> None:
         try:
-            note = json.loads(msg)
-            room, token = int(note["room"]), int(note["token"])
-        except Exception:
-            log.warning("ignoring malformed notification %r", msg[:100])
+            note = TransferNote.decode(msg)
+        except ValueError as e:
+            log.warning("ignoring malformed notification %r: %s", msg[:100], e)
             return
+        room = note.room
         if room in self.registering:  # landed before we took in prefill's answer: keep it
             self.early[room] = note
             return
@@ -150,9 +150,8 @@ class DecodeController(PDController):
             return  # a room we already gave up on
         self._land(seq, note)
 
-    def _land(self, seq: Sequence, note: dict) -> None:
+    def _land(self, seq: Sequence, note: TransferNote) -> None:
         """The request's state and first token are here: it decodes from now on."""
-        token = int(note["token"])
         m = self.engine.metrics
         why = self._checksum_failure(seq, note)
         if why is not None:
@@ -168,19 +167,16 @@ class DecodeController(PDController):
         seq.pd.mark("kv_landed", self.clock())
         seq.num_computed = seq.num_tokens
         # prompt tokens prefill's prefix cache served (the client's usage.cached_tokens)
-        cached = note.get("cached_tokens", 0)
-        seq.num_cached_tokens = cached if isinstance(cached, int) and 0 <= cached <= len(seq.prompt_ids) else 0
-        self.engine.accept_first_token(seq, token, note.get("logprobs"))
+        seq.num_cached_tokens = note.cached_tokens if note.cached_tokens <= len(seq.prompt_ids) else 0
+        self.engine.accept_first_token(seq, note.token, note.logprobs)
 
-    def _checksum_failure(self, seq: Sequence, note: dict) -> Optional[str]:
+    def _checksum_failure(self, seq: Sequence, note: TransferNote) -> Optional[str]:
         """Why what landed is not what prefill sent (checksums in the notification), or None."""
-        sent = note.get("checksums")
+        sent = note.checksums
         if sent is None:
             if self.settings.transfer_checksum:
                 return "prefill sent no transfer checksums (--transfer-checksum is on here): cannot verify the KV"
             return None
-        if not isinstance(sent, dict):
-            return f"malformed transfer checksums from prefill: {sent!r:.80}"
         t0 = time.perf_counter()
         landed = region_checksums(self.states, seq.pages, seq.slot)
         self.checksum_seconds += time.perf_counter() - t0

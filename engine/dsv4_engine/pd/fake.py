@@ -21,6 +21,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 
 from dsv4_engine.pd.channel import Deliver, Done
+from dsv4_engine.pd.messages import RegisterRoom
 from dsv4_engine.pd.nixl.agent import check_page_mapping
 from dsv4_engine.pd.transport import (
     Layout, PoolStates, Region, TransferInfo, TransferState, check_layout, check_slot_mapping, transfer_bytes,
@@ -228,14 +229,14 @@ class FakeChannel:
     def _answer(self, done: Done, result: Optional[dict], error: Optional[str]) -> None:
         self._deliver(lambda: done(result, error))
 
-    def register(self, bootstrap_addr: str, body: dict, done: Done) -> None:
-        self.fabric.sent.append(("register", bootstrap_addr, body["room"]))
+    def register(self, bootstrap_addr: str, msg: RegisterRoom, done: Done) -> None:
+        self.fabric.sent.append(("register", bootstrap_addr, msg.room))
         ep = self._reach(bootstrap_addr, "prefill")
         if ep is None:
             return self._answer(done, None, f"POST {bootstrap_addr}: connection refused")
         try:
-            ep.controller.register(body)
-        except (KeyError, TypeError, ValueError) as e:
+            ep.controller.register(RegisterRoom.of(msg.wire()))  # through its wire form, as over HTTP
+        except ValueError as e:
             return self._answer(done, None, f"POST {bootstrap_addr} -> 400: bad registration: {e}")
         self._answer(done, {"ok": True, "boot_id": ep.controller.boot_id}, None)
 

@@ -35,6 +35,7 @@ from dsv4_engine.pd.channel import ControlChannel, Done
 import torch
 
 from dsv4_engine.pd.fault_names import FAULTS, STALL_DEFAULT_TOKENS
+from dsv4_engine.pd.messages import RegisterRoom
 from dsv4_engine.pd.transport import KVTransport, PoolStates, TransferInfo, TransferState, slot_args
 
 log = logging.getLogger("dsv4.pd.faults")
@@ -250,14 +251,14 @@ class FaultyChannel:
         self.faults = faults
         self._exit = exit_fn
 
-    def register(self, bootstrap_addr: str, body: dict, done: Done) -> None:
+    def register(self, bootstrap_addr: str, msg: RegisterRoom, done: Done) -> None:
         def registered(result: Optional[dict], error: Optional[str]) -> None:
             done(result, error)
             if error is None and self.faults.take("crash"):
                 log.error("injected fault: crash while waiting for KV")
                 self._exit(CRASH_STATUS)
 
-        self.inner.register(bootstrap_addr, body, registered)
+        self.inner.register(bootstrap_addr, msg, registered)
 
     def heartbeat(self, bootstrap_addr: str, decode_boot: str, done: Done) -> None:
         self.inner.heartbeat(bootstrap_addr, decode_boot, done)

@@ -12,7 +12,6 @@ its heartbeat (died, restarted) fails its rooms at once instead of at the deadli
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import time
@@ -22,6 +21,7 @@ from typing import Optional
 from dsv4_engine.pd.common import HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, PDController
 from dsv4_engine.pd.request_info import PDState
 from dsv4_engine.pd.checksum import region_checksums
+from dsv4_engine.pd.messages import RegisterRoom, TransferNote
 from dsv4_engine.pd.transport import TransferState, slot_args
 from dsv4_engine.sequence import Sequence
 
@@ -60,15 +60,12 @@ class PrefillController(PDController):
 
     # ---- called from the bootstrap HTTP thread ---------------------------------------------------
 
-    def register(self, body: dict) -> None:
+    def register(self, msg: RegisterRoom) -> None:
         now = self.clock()
-        slot = body.get("dst_slot")
-        if slot is not None and (not isinstance(slot, int) or isinstance(slot, bool) or slot < 0):
-            raise ValueError(f"dst_slot must be a slot row (integer >= 0) or null, got {slot!r}")
         reg = Registration(
-            room=int(body["room"]), desc=body["desc"], dst_pages=[int(p) for p in body["dst_pages"]],
-            decode_url=str(body["decode_url"]), decode_boot=str(body["decode_boot"]), received=now,
-            apply_at=now + self.faults.bootstrap_delay(), dst_slot=slot, checksum=bool(body.get("checksum", False)),
+            room=msg.room, desc=msg.desc, dst_pages=msg.dst_pages, decode_url=msg.decode_url,
+            decode_boot=msg.decode_boot, received=now, apply_at=now + self.faults.bootstrap_delay(),
+            dst_slot=msg.dst_slot, checksum=msg.checksum,
         )
         self.heartbeat(reg.decode_boot)
         self.registrations.put(reg)
@@ -178,19 +175,18 @@ class PrefillController(PDController):
         pd.enter(PDState.TRANSFERRING, self._timeout(self.settings.transfer_timeout), now)
         pd.transfer_started = now
         self.inflight[pd.room] = seq
-        note = {"room": pd.room, "token": seq.output_ids[-1], "prefill_boot": self.boot_id,
-                "cached_tokens": seq.num_cached_tokens}
         logprobs = getattr(seq, "output_logprobs", None)
-        if logprobs:
-            note["logprobs"] = logprobs[-1]
         n = len(pd.dst_pages)
         src_slot = seq.slot if pd.dst_slot is not None else None
+        checksums = None
         if pd.checksum:
             t0 = time.perf_counter()
-            note["checksums"] = region_checksums(self.states, seq.pages[:n], src_slot)
+            checksums = region_checksums(self.states, seq.pages[:n], src_slot)
             self.checksum_seconds += time.perf_counter() - t0
+        note = TransferNote(pd.room, seq.output_ids[-1], self.boot_id, seq.num_cached_tokens,
+                            logprobs[-1] if logprobs else None, checksums)
         try:
-            pd.handle = self.transport.write_pages(pd.peer, seq.pages[:n], pd.dst_pages, json.dumps(note).encode(),
+            pd.handle = self.transport.write_pages(pd.peer, seq.pages[:n], pd.dst_pages, note.encode(),
                                                    **slot_args(src_slot, pd.dst_slot))
         except Exception as e:
             self._fail(seq, 502, f"KV transfer could not start: {e}", "num_transfer_failed_reqs")

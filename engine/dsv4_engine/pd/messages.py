@@ -1,0 +1,122 @@
+"""What PD peers say to each other, one typed class per message, built and checked here only.
+
+decode -> prefill   RegisterRoom (POST bootstrap/register; answered with the prefill's boot id),
+                    AbortRoom (POST bootstrap/abort), heartbeats (GET, the decode's boot id)
+prefill -> decode   TransferNote (the notification that lands with the KV: first token, cached
+                    prompt tokens, optional logprobs and region checksums), AbortRoom (POST
+                    pd/abort)
+
+Each class turns itself into its JSON form (`wire`) and back (`of`), and `of` is the one place
+a peer's message is validated: a malformed one is a ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Optional
+
+
+def _int(body: Mapping[str, Any], name: str, minimum: Optional[int] = None) -> int:
+    value = body.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
+        raise ValueError(f"{name} must be an integer{f' >= {minimum}' if minimum is not None else ''}, got {value!r:.40}")
+    return value
+
+
+def _str(body: Mapping[str, Any], name: str) -> str:
+    value = body.get(name)
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {value!r:.40}")
+    return value
+
+
+def _object(body: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise ValueError(f"{what} must be a JSON object, got {body!r:.40}")
+    return body
+
+
+@dataclass(frozen=True)
+class RegisterRoom:
+    """Decode -> prefill: the pages (and slot row) reserved for `room`, and how to reach decode."""
+
+    room: int
+    rid: str
+    desc: dict  # the decode transport's descriptor (where to write)
+    dst_pages: list[int]
+    decode_url: str  # where prefill sends AbortRoom
+    decode_boot: str  # the decode process's boot id (a restarted peer is a different peer)
+    dst_slot: Optional[int] = None  # the decode's slot row (models with slot states)
+    checksum: bool = False  # decode verifies region checksums
+
+    def wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def of(cls, body: Any) -> "RegisterRoom":
+        body = _object(body, "a registration")
+        pages = body.get("dst_pages")
+        if not isinstance(pages, list) or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0
+                                                  for p in pages):
+            raise ValueError(f"dst_pages must be a list of page numbers, got {pages!r:.40}")
+        slot = body.get("dst_slot")
+        if slot is not None:
+            slot = _int(body, "dst_slot", 0)
+        desc = body.get("desc")
+        if not isinstance(desc, dict):
+            raise ValueError(f"desc must be a JSON object, got {desc!r:.40}")
+        rid = body.get("rid", "")
+        return cls(room=_int(body, "room"), rid=rid if isinstance(rid, str) else str(rid), desc=desc,
+                   dst_pages=list(pages), decode_url=_str(body, "decode_url"), decode_boot=_str(body, "decode_boot"),
+                   dst_slot=slot, checksum=bool(body.get("checksum", False)))
+
+
+@dataclass(frozen=True)
+class AbortRoom:
+    """Either way: drop this room (its request failed or was aborted on the sender's side)."""
+
+    room: int
+    reason: str = "aborted by peer"
+
+    def wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def of(cls, body: Any) -> "AbortRoom":
+        body = _object(body, "an abort")
+        reason = body.get("reason", "aborted by peer")
+        return cls(_int(body, "room"), reason if isinstance(reason, str) else str(reason))
+
+
+@dataclass(frozen=True)
+class TransferNote:
+    """Prefill -> decode, landing with the KV: the request's first token and what came with it."""
+
+    room: int
+    token: int
+    prefill_boot: str = ""
+    cached_tokens: int = 0  # prompt tokens prefill's prefix cache served (usage.cached_tokens)
+    logprobs: Optional[dict] = None  # the first token's logprobs entry, when asked
+    checksums: Optional[dict] = None  # region -> checksum (--transfer-checksum)
+
+    def encode(self) -> bytes:
+        return json.dumps({k: v for k, v in asdict(self).items() if v is not None}).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> "TransferNote":
+        try:
+            body = json.loads(data)
+        except ValueError as e:
+            raise ValueError(f"a notification must be JSON: {e}") from None
+        body = _object(body, "a notification")
+        cached = body.get("cached_tokens", 0)
+        checksums = body.get("checksums")
+        if checksums is not None and not isinstance(checksums, dict):
+            raise ValueError(f"checksums must be a JSON object, got {checksums!r:.40}")
+        logprobs = body.get("logprobs")
+        boot = body.get("prefill_boot", "")
+        return cls(room=_int(body, "room"), token=_int(body, "token", 0),
+                   prefill_boot=boot if isinstance(boot, str) else str(boot),
+                   cached_tokens=cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else 0,
+                   logprobs=logprobs if isinstance(logprobs, dict) else None, checksums=checksums)
