@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsv4_kernels.grouped_moe import grouped_experts
+
 # Models may attend prefill/extend in MLA's per-head (expanded) form with plain torch ops
 # where it is cheaper: on this backend nothing is lost by leaving the kernel API (its extend
 # loops over requests anyway). The Triton backend keeps its fused absorbed-form kernel.
@@ -216,6 +218,11 @@ def moe_route(
     return weights * routed_scaling_factor, topk_ids.to(torch.int32)
 
 
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    inter = gate_up.shape[1] // 2
+    return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
 def moe_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -226,34 +233,11 @@ def moe_experts(
     """Routed experts: out[t] = sum_k w[t,k] * w2[e] @ (silu(gate_e x) * (up_e x)), e = ids[t,k].
 
     x [T, hidden], w13 [E, 2I, hidden] (gate rows, then up rows), w2 [E, hidden, I].
-    Loops over the experts that received tokens; each does one gathered matmul pair. A pair
-    whose id is outside [0, E) adds nothing and costs nothing (tensor parallelism: -1 marks
-    another rank's expert).
+    Computed in fp32 over the pairs grouped by expert (`grouped_experts`). A pair whose id is
+    outside [0, E) adds nothing and costs nothing (tensor parallelism: -1 marks another rank's
+    expert).
     """
-    num_tokens, hidden = x.shape
-    inter = w13.shape[1] // 2
-    top_k = topk_ids.shape[1]
-    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
-    num_experts = w13.shape[0]
-    flat_ids = topk_ids.reshape(-1).to(torch.long)
-    # Ids outside [0, E) (-1: another rank's expert) are computed by nobody: sorted last, skipped.
-    flat_ids = torch.where((flat_ids >= 0) & (flat_ids < num_experts), flat_ids, num_experts)
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts].tolist()
-    flat_weights = topk_weights.reshape(-1).float()[order]
-    tokens_sorted = order // top_k
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        tokens = tokens_sorted[start : start + count]
-        xs = x.index_select(0, tokens).float()
-        gate_up = xs @ w13[expert].float().t()
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        ys = act @ w2[expert].float().t()
-        out.index_add_(0, tokens, ys * flat_weights[start : start + count, None])
-        start += count
-    return out.to(x.dtype)
+    return grouped_experts(x, w13, w2, topk_weights, topk_ids, _silu_mul).to(x.dtype)
 
 
 def rmsnorm(

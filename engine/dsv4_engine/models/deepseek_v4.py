@@ -52,6 +52,7 @@ from dsv4_engine.quant import dense, is_quantized, log_resident, moe_experts_for
 from dsv4_engine.quant.scheme import MTP  # the layers no loader reads
 from dsv4_engine.step_phases import PHASES
 from dsv4_engine.weights import load_weights
+from dsv4_kernels.grouped_moe import grouped_experts
 
 
 @dataclass
@@ -413,13 +414,8 @@ class DeepseekV4:
         elif self.kops is not None:
             out = self.kops.v4_moe_experts(x, L["w13"], L["w2"], wts, ids, cfg.swiglu_limit)
         else:
-            out = torch.zeros_like(x)
-            for e in torch.unique(ids).tolist():
-                if e < 0:  # another rank's expert (tensor parallel)
-                    continue
-                tok, k = torch.where(ids == e)
-                h = self._swiglu(F.linear(x[tok], L["w13"][e]))
-                out.index_add_(0, tok, (F.linear(h, L["w2"][e]) * wts[tok, k, None]).to(out.dtype))
+            # pairs grouped by expert, one matmul pair each, no index_add (ids < 0: another rank's)
+            out = grouped_experts(x, L["w13"], L["w2"], wts, ids, self._swiglu, x.dtype)
         if self.tp is None:
             return out + shared
         return self.tp.all_reduce(out + shared if self.tp.rank == 0 else out)  # the shared expert joins once
