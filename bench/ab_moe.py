@@ -42,6 +42,11 @@ def loop_experts(x, w13, w2, topk_weights, topk_ids):
     return out
 
 
+def loop_experts_any(x, w13, w2, topk_weights, topk_ids):
+    """loop_experts in x's dtype (a drop-in for the torch backend's moe_experts)."""
+    return loop_experts(x, w13, w2, topk_weights, topk_ids).to(x.dtype)
+
+
 def silu_mul(g):
     i = g.shape[1] // 2
     return F.silu(g[:, :i]) * g[:, i:]

@@ -80,6 +80,12 @@ def mla_decode_gathered(
 # memory, where a whole-context gather wrote and re-read a [B, L, D] copy). Tune with
 # bench/attention_forms.py on a quiet machine.
 DECODE_BLOCK_TOKENS = 256
+# ... and the requests one pass takes at a time: a tile of at most this many bytes of keys. A
+# whole batch's tile at once ([32, 256, 576] fp32 is 19 MB) falls out of the cache between the
+# gather and the two matmuls; bench/ab_attention.py measured 32 requests of ~160 tokens at the
+# mla512 width 3x faster in chunks of 4 than at once, bit for bit the same (each request's
+# matmuls are its own). Set by the same bench.
+DECODE_TILE_BYTES = 2 << 20
 
 
 def mla_decode(
@@ -99,10 +105,32 @@ def mla_decode(
 
     Page-blocked flash decoding: the block table is walked in blocks of columns, each block's
     pages read straight into a small cache-resident tile and folded into a running
-    log-sum-exp. The loop count comes from the table's width (a shape), never from the
-    lengths: no host read, no data-dependent shape, the same ops for any content (CUDA-graph
-    safe on the torch backend too).
+    log-sum-exp, a few requests at a time (DECODE_TILE_BYTES). The loop counts come from the
+    table's width and the batch size (shapes), never from the lengths: no host read, no
+    data-dependent shape, the same ops for any content (CUDA-graph safe on the torch backend too).
     """
+    batch, heads, dim = q.shape
+    page_size = kv_cache.shape[1]
+    width = block_table.shape[1]
+    per_block = max(1, DECODE_BLOCK_TOKENS // page_size)
+    rows = max(1, DECODE_TILE_BYTES // (min(width, per_block) * page_size * dim * 4))
+    if batch > rows:
+        out = torch.empty(batch, heads, v_dim, dtype=q.dtype, device=q.device)
+        for b0 in range(0, batch, rows):
+            out[b0 : b0 + rows] = _mla_decode_rows(q[b0 : b0 + rows], kv_cache, block_table[b0 : b0 + rows],
+                                                   seq_lens[b0 : b0 + rows], sm_scale, v_dim)
+        return out
+    return _mla_decode_rows(q, kv_cache, block_table, seq_lens, sm_scale, v_dim)
+
+
+def _mla_decode_rows(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    v_dim: int,
+) -> torch.Tensor:
     batch, heads, dim = q.shape
     page_size = kv_cache.shape[1]
     width = block_table.shape[1]
