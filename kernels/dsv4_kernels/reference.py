@@ -83,9 +83,10 @@ DECODE_BLOCK_TOKENS = 256
 # ... and the requests one pass takes at a time: a tile of at most this many bytes of keys. A
 # whole batch's tile at once ([32, 256, 576] fp32 is 19 MB) falls out of the cache between the
 # gather and the two matmuls; bench/ab_attention.py measured 32 requests of ~160 tokens at the
-# mla512 width 3x faster in chunks of 4 than at once, bit for bit the same (each request's
-# matmuls are its own). Set by the same bench.
-DECODE_TILE_BYTES = 2 << 20
+# mla512 width 1.5-3x faster in chunks of 4-9 than at once, bit for bit the same (each
+# request's matmuls are its own). Each chunk costs ~30 more small ops, so the budget is the
+# larger of the two that measured alike there (2 and 4 MiB).
+DECODE_TILE_BYTES = 4 << 20
 
 
 def mla_decode(
