@@ -416,13 +416,15 @@ def print_tables(report: dict) -> None:
 
 def plot_phases(ax, report: dict, names: list[str]) -> None:
     """Ours: the decode-only step's wall time by phase, stacked, per workload."""
+    from matplotlib import colormaps
+
     rows = {n: ((side_value(report["ours"], n, "step_phases") or {}).get("decode") or {}).get("phases_ms_per_step", {})
             for n in names}
     phases = sorted({p for r in rows.values() for p in r}, key=lambda p: -sum(r.get(p, 0) for r in rows.values()))
     bottom = [0.0] * len(names)
     for i, ph in enumerate(phases):
         vals = [rows[n].get(ph, 0.0) for n in names]
-        ax.bar(names, vals, bottom=bottom, label=ph, color=f"C{i % 10}")
+        ax.bar(names, vals, bottom=bottom, label=ph, color=colormaps["tab20"](i % 20))
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_title("ours: decode step by phase (engine's own timer)")
     ax.set_ylabel("ms per step")
