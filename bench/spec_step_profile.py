@@ -19,8 +19,9 @@ import torch
 
 def profile(model: str, spec_steps: int, max_tokens: int) -> dict:
     import dsv4_engine.spec_decode.speculator as speculator
-    from dsv4_engine.engine import Engine, EngineArgs
-    from dsv4_engine.sampling import SamplingParams
+    from dsv4_engine.engine import Engine
+    from dsv4_engine.engine_args import EngineArgs
+    from dsv4_engine.sampling_params import SamplingParams
     from dsv4_engine.sequence import Sequence
 
     acc: dict[str, float] = collections.defaultdict(float)

@@ -13,6 +13,7 @@ requests of that batch, and nothing ends the loop.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -34,6 +35,7 @@ from dsv4_engine.sampling import request_generator, skip_draw
 from dsv4_engine.scheduler import Scheduler
 from dsv4_engine.sequence import Sequence, SeqStatus
 from dsv4_engine.request_output import RequestOutput
+from dsv4_engine.step_phases import PHASES
 from dsv4_engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 if TYPE_CHECKING:
@@ -257,6 +259,8 @@ class Engine:
         # False: outputs carry token ids only, and stop strings are judged by whoever turns them
         # into text (the HTTP process; it ends the request with `finish(seq, "stop")`).
         self.detokenize = True
+        if os.environ.get("DSV4_STEP_PHASES", "") not in ("", "0"):
+            PHASES.enable(True, self.runner.device)
 
     # ---- thread-safe entry points ----------------------------------------------------------------
 
@@ -434,10 +438,13 @@ class Engine:
             wait = 0.001
         else:
             wait = 0.02
+        PHASES.begin()
         self._drain_inbox(wait)
         if self.pd is not None:
             self.pd.poll()
+        PHASES.lap("inbox")
         batch = self.scheduler.schedule()
+        PHASES.lap("schedule")
         if batch and self.pd is not None:
             self._fault_stall(batch)
         if batch:
@@ -466,11 +473,14 @@ class Engine:
                     self.fail_request(b.seq, "generation failed", e)
             if self.prefix_cache is not None and self.prefix_cache.snapshots is not None:
                 self.scheduler.settle(batch)
+            PHASES.lap("output")
         self.metrics.inc("scheduler_loop_iterations")
         self.last_iteration = time.monotonic()
         self.update_gauges()
         if self.after_step is not None:
             self.after_step()
+        PHASES.lap("after_step")
+        PHASES.end(bool(batch))
 
     def _fault_stall(self, batch) -> None:
         """stall_long_context (fault injection): hang this step when it generates for a request
@@ -658,5 +668,7 @@ class Engine:
             "draining": self.draining,
             "seconds_since_last_iteration": round(time.monotonic() - self.last_iteration, 3),
             "counters": dict(self.metrics.totals),
+            # DSV4_STEP_PHASES=1: wall time per phase of the decode / mixed steps (dsv4_engine.step_phases)
+            **({"step_phases": PHASES.summary()} if PHASES.on else {}),
             **extra,
         }

@@ -18,6 +18,7 @@ from dsv4_engine.models.deepseek_v3 import ForwardBatch
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.sampling import Sampled, sample
 from dsv4_engine.scheduler import ScheduledSeq
+from dsv4_engine.step_phases import PHASES
 from dsv4_engine.weights import load_weights
 
 log = logging.getLogger(__name__)
@@ -156,14 +157,19 @@ class ModelRunner:
         news = hb.extend_lens.tolist()
         t = self.buffers.upload(hb)
         snapshots = [(k, pos, snap) for k, b in enumerate(batch) for pos, snap in b.snapshots] or None
-        return ForwardBatch(
+        all_decode = all(n == 1 for n in news)
+        if not all_decode:
+            PHASES.decode = False
+        fb = ForwardBatch(
             snapshots=snapshots, snapshot_states=self.snapshot_states if snapshots else None,
             input_ids=t["input_ids"], positions=t["positions"], slot_mapping=t["slot_mapping"],
             block_table=t["block_table"], seq_lens=t["seq_lens"], extend_lens=t["extend_lens"],
-            logits_indices=t["logits_indices"], all_decode=all(n == 1 for n in news),
+            logits_indices=t["logits_indices"], all_decode=all_decode,
             slot_ids=t["slot_ids"], page_size=page_size,
             seq_lens_host=hb.seq_lens.tolist(), extend_lens_host=news,
         )
+        PHASES.lap("batch_build")
+        return fb
 
     def forward(self, batch: list[ScheduledSeq], pool: KVPool) -> torch.Tensor:
         """Logits of each request's last new token, [len(batch), vocab], in batch order."""
@@ -173,8 +179,11 @@ class ModelRunner:
                 and graphs.fits(len(batch), max(len(b.seq.pages) for b in batch))):
             self._states = pool.all_states
             hb = self.host_batch(batch, pool.page_size, graphs.width)
+            PHASES.lap("batch_build")
             if self.group is None:
-                return graphs.step(hb)
+                out = graphs.step(hb)
+                PHASES.lap("graph_replay")
+                return out
             with self.group.step("a captured decode step on rank 0"):
                 self.group.send_graph_step(hb)  # host arrays: no read of the device for the header
                 return graphs.step(hb)
@@ -213,4 +222,5 @@ class ModelRunner:
                             mask)
             for i, r in zip(rows, picked):
                 results[i] = r
+        PHASES.lap("sampling")
         return results

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsv4_kernels.grouped_moe import grouped_experts
+
 # Models may attend prefill/extend in MLA's per-head (expanded) form with plain torch ops
 # where it is cheaper: on this backend nothing is lost by leaving the kernel API (its extend
 # loops over requests anyway). The Triton backend keeps its fused absorbed-form kernel.
@@ -78,6 +80,13 @@ def mla_decode_gathered(
 # memory, where a whole-context gather wrote and re-read a [B, L, D] copy). Tune with
 # bench/attention_forms.py on a quiet machine.
 DECODE_BLOCK_TOKENS = 256
+# ... and the requests one pass takes at a time: a tile of at most this many bytes of keys. A
+# whole batch's tile at once ([32, 256, 576] fp32 is 19 MB) falls out of the cache between the
+# gather and the two matmuls; bench/ab_attention.py measured 32 requests of ~160 tokens at the
+# mla512 width 1.5-3x faster in chunks of 4-9 than at once, bit for bit the same (each
+# request's matmuls are its own). Each chunk costs ~30 more small ops, so the budget is the
+# larger of the two that measured alike there (2 and 4 MiB).
+DECODE_TILE_BYTES = 4 << 20
 
 
 def mla_decode(
@@ -97,10 +106,32 @@ def mla_decode(
 
     Page-blocked flash decoding: the block table is walked in blocks of columns, each block's
     pages read straight into a small cache-resident tile and folded into a running
-    log-sum-exp. The loop count comes from the table's width (a shape), never from the
-    lengths: no host read, no data-dependent shape, the same ops for any content (CUDA-graph
-    safe on the torch backend too).
+    log-sum-exp, a few requests at a time (DECODE_TILE_BYTES). The loop counts come from the
+    table's width and the batch size (shapes), never from the lengths: no host read, no
+    data-dependent shape, the same ops for any content (CUDA-graph safe on the torch backend too).
     """
+    batch, heads, dim = q.shape
+    page_size = kv_cache.shape[1]
+    width = block_table.shape[1]
+    per_block = max(1, DECODE_BLOCK_TOKENS // page_size)
+    rows = max(1, DECODE_TILE_BYTES // (min(width, per_block) * page_size * dim * 4))
+    if batch > rows:
+        out = torch.empty(batch, heads, v_dim, dtype=q.dtype, device=q.device)
+        for b0 in range(0, batch, rows):
+            out[b0 : b0 + rows] = _mla_decode_rows(q[b0 : b0 + rows], kv_cache, block_table[b0 : b0 + rows],
+                                                   seq_lens[b0 : b0 + rows], sm_scale, v_dim)
+        return out
+    return _mla_decode_rows(q, kv_cache, block_table, seq_lens, sm_scale, v_dim)
+
+
+def _mla_decode_rows(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    v_dim: int,
+) -> torch.Tensor:
     batch, heads, dim = q.shape
     page_size = kv_cache.shape[1]
     width = block_table.shape[1]
@@ -216,6 +247,11 @@ def moe_route(
     return weights * routed_scaling_factor, topk_ids.to(torch.int32)
 
 
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    inter = gate_up.shape[1] // 2
+    return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+
 def moe_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -226,34 +262,11 @@ def moe_experts(
     """Routed experts: out[t] = sum_k w[t,k] * w2[e] @ (silu(gate_e x) * (up_e x)), e = ids[t,k].
 
     x [T, hidden], w13 [E, 2I, hidden] (gate rows, then up rows), w2 [E, hidden, I].
-    Loops over the experts that received tokens; each does one gathered matmul pair. A pair
-    whose id is outside [0, E) adds nothing and costs nothing (tensor parallelism: -1 marks
-    another rank's expert).
+    Computed in fp32 over the pairs grouped by expert (`grouped_experts`). A pair whose id is
+    outside [0, E) adds nothing and costs nothing (tensor parallelism: -1 marks another rank's
+    expert).
     """
-    num_tokens, hidden = x.shape
-    inter = w13.shape[1] // 2
-    top_k = topk_ids.shape[1]
-    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
-    num_experts = w13.shape[0]
-    flat_ids = topk_ids.reshape(-1).to(torch.long)
-    # Ids outside [0, E) (-1: another rank's expert) are computed by nobody: sorted last, skipped.
-    flat_ids = torch.where((flat_ids >= 0) & (flat_ids < num_experts), flat_ids, num_experts)
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts + 1)[:num_experts].tolist()
-    flat_weights = topk_weights.reshape(-1).float()[order]
-    tokens_sorted = order // top_k
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        tokens = tokens_sorted[start : start + count]
-        xs = x.index_select(0, tokens).float()
-        gate_up = xs @ w13[expert].float().t()
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        ys = act @ w2[expert].float().t()
-        out.index_add_(0, tokens, ys * flat_weights[start : start + count, None])
-        start += count
-    return out.to(x.dtype)
+    return grouped_experts(x, w13, w2, topk_weights, topk_ids, _silu_mul).to(x.dtype)
 
 
 def rmsnorm(

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsv4_kernels.grouped_moe import grouped_experts
+
 __all__ = [
     "v4_attention_decode", "v4_attention_extend", "v4_indexer_topk", "v4_compress_pool",
     "v4_hc_pre", "v4_hc_post", "v4_moe_route", "v4_moe_experts",
@@ -290,18 +292,11 @@ def v4_moe_experts(
     """Routed experts with V4's clamped SwiGLU: act = silu(min(gate, L)) * clamp(up, -L, L)
     (L <= 0: no clamp). x [T, hidden], w13 [E, 2I, hidden], w2 [E, hidden, I]; computes in
     fp32, returns x's dtype."""
-    num_tokens, hidden = x.shape
-    inter = w13.shape[1] // 2
-    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
-    ids = topk_ids.long()
-    for e in torch.unique(ids).tolist():
-        if not 0 <= e < w13.shape[0]:  # another rank's expert (tensor parallel): not ours to compute
-            continue
-        tok, k = torch.where(ids == e)
-        gate_up = x[tok].float() @ w13[e].float().t()
+    def act(gate_up: torch.Tensor) -> torch.Tensor:
+        inter = gate_up.shape[1] // 2
         gate, up = gate_up[:, :inter], gate_up[:, inter:]
         if swiglu_limit > 0:
             gate, up = gate.clamp(max=swiglu_limit), up.clamp(min=-swiglu_limit, max=swiglu_limit)
-        ys = (F.silu(gate) * up) @ w2[e].float().t()
-        out.index_add_(0, tok, ys * topk_weights[tok, k, None].float())
-    return out.to(x.dtype)
+        return F.silu(gate) * up
+
+    return grouped_experts(x, w13, w2, topk_weights, topk_ids, act).to(x.dtype)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from dsv4_engine.config import ModelConfig
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.quant import dense, log_resident, moe_experts_for, place
+from dsv4_engine.step_phases import PHASES
 
 
 @dataclass
@@ -343,9 +344,13 @@ class DeepseekV3:
         """One decoder layer: (output, residual) as the next layer's rmsnorm takes them."""
         cfg, ops = self.cfg, self.ops
         h, residual = ops.rmsnorm(x, L["input_norm"], cfg.rms_norm_eps, residual)
+        PHASES.lap("norms")
         x = self._attention(L, h, fb, kv_layer, slots)
+        PHASES.lap("attention")
         h, residual = ops.rmsnorm(x, L["post_norm"], cfg.rms_norm_eps, residual)
+        PHASES.lap("norms")
         x = self._moe(L, h) if "gate" in L else self._reduce(self._mlp(h, L["d_w13"], L["d_w2"]))
+        PHASES.lap("moe")
         return x, residual
 
     @torch.inference_mode()
@@ -358,6 +363,7 @@ class DeepseekV3:
         residual: Optional[torch.Tensor] = None
         page_size = kv_pool.shape[2]
         slots = (fb.slot_mapping // page_size, fb.slot_mapping % page_size)  # (page, offset), every layer
+        PHASES.lap("embed")
         for i, L in enumerate(self.layers):
             x, residual = self.decoder_layer(L, x, residual, fb, kv_pool[:, i], slots)
         h = x + residual if rows is None else x[rows] + residual[rows]
@@ -367,4 +373,6 @@ class DeepseekV3:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, states: dict[str, torch.Tensor]) -> torch.Tensor:
         """Run one step; returns fp32 logits of each request's last new token, [B, vocab]."""
-        return F.linear(self.hidden_states(fb, states, fb.logits_indices), self.lm_head).float()
+        logits = F.linear(self.hidden_states(fb, states, fb.logits_indices), self.lm_head).float()
+        PHASES.lap("lm_head")
+        return logits

@@ -50,7 +50,9 @@ from dsv4_engine.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4C
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.quant import dense, is_quantized, log_resident, moe_experts_for, one_format, place
 from dsv4_engine.quant.scheme import MTP  # the layers no loader reads
+from dsv4_engine.step_phases import PHASES
 from dsv4_engine.weights import load_weights
+from dsv4_kernels.grouped_moe import grouped_experts
 
 
 @dataclass
@@ -412,13 +414,8 @@ class DeepseekV4:
         elif self.kops is not None:
             out = self.kops.v4_moe_experts(x, L["w13"], L["w2"], wts, ids, cfg.swiglu_limit)
         else:
-            out = torch.zeros_like(x)
-            for e in torch.unique(ids).tolist():
-                if e < 0:  # another rank's expert (tensor parallel)
-                    continue
-                tok, k = torch.where(ids == e)
-                h = self._swiglu(F.linear(x[tok], L["w13"][e]))
-                out.index_add_(0, tok, (F.linear(h, L["w2"][e]) * wts[tok, k, None]).to(out.dtype))
+            # pairs grouped by expert, one matmul pair each, no index_add (ids < 0: another rank's)
+            out = grouped_experts(x, L["w13"], L["w2"], wts, ids, self._swiglu, x.dtype)
         if self.tp is None:
             return out + shared
         return self.tp.all_reduce(out + shared if self.tp.rank == 0 else out)  # the shared expert joins once
@@ -836,12 +833,19 @@ class DeepseekV4:
         rope = {name: _rope_table(fb.positions, inv) for name, inv in self.inv_freq.items()}
         x = F.embedding(fb.input_ids, self.embed)
         x = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, hc, D] residual streams
+        PHASES.lap("embed")
         for i, L in enumerate(self.layers):
             post, comb, collapsed = self._hc(x, L["hc_attn"])
-            a = self._attention(i, L, _rms(collapsed, L["attn_norm"], cfg.rms_norm_eps), fb, states, spans, rope)
+            h = _rms(collapsed, L["attn_norm"], cfg.rms_norm_eps)
+            PHASES.lap("norms")
+            a = self._attention(i, L, h, fb, states, spans, rope)
+            PHASES.lap("attention")
             x = self._hc_mix(x, a, post, comb)
             post, comb, collapsed = self._hc(x, L["hc_ffn"])
-            m = self._moe(L, _rms(collapsed, L["ffn_norm"], cfg.rms_norm_eps), fb.input_ids)
+            h = _rms(collapsed, L["ffn_norm"], cfg.rms_norm_eps)
+            PHASES.lap("norms")
+            m = self._moe(L, h, fb.input_ids)
+            PHASES.lap("moe")
             x = self._hc_mix(x, m, post, comb)
         x = x[fb.logits_indices]
         fn, base, scale = self.hc_head
@@ -849,7 +853,9 @@ class DeepseekV4:
         pre = torch.sigmoid(F.linear(flat, fn) * scale + base) + cfg.hc_eps
         h = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
         h = _rms(h, self.norm, cfg.rms_norm_eps)
-        return F.linear(h, self.head).float()
+        logits = F.linear(h, self.head).float()
+        PHASES.lap("lm_head")
+        return logits
 
 
 def _spans(fb: V4Batch) -> list[tuple[int, int, int]]:

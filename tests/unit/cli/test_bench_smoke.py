@@ -123,6 +123,10 @@ def check_serve_report(out: Path, with_hf: bool) -> dict:
         s = ours["workloads"][n]
         assert SUMMARY_FIELDS <= set(s), n
         assert s["errors"] == 0 and s["output_tok_s"] > 0 and s["ttft_p50_ms"] > 0
+        assert s["itl_p99_ms"] >= s["itl_p50_ms"] > 0, n
+    # the engine's own per-phase timer, read from /v1/loads around each run (DSV4_STEP_PHASES=1)
+    decode = ours["workloads"]["c4"]["step_phases"]["decode"]
+    assert decode["steps"] > 0 and {"attention", "moe", "sampling"} <= set(decode["phases_ms_per_step"])
     assert [r["round"] for r in ours["workloads"]["multiround"]["per_round"]] == [0, 1]
     mem = ours["memory"]
     assert mem["peak_rss_bytes"] >= mem["rss_idle_bytes"] > mem["weights_bytes"] + mem["kv_pool_bytes"] > 0

@@ -10,13 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_engine.engine import Engine, EngineArgs
-from dsv4_engine.pd.common import PDRequestInfo, PDSettings
+from dsv4_engine.engine import Engine
+from dsv4_engine.engine_args import EngineArgs
+from dsv4_engine.pd.common import PDSettings
+from dsv4_engine.pd.request_info import PDRequestInfo
 from dsv4_engine.pd.decode import DecodeController
 from dsv4_engine.pd.fake import FakeFabric
 from dsv4_engine.pd.prefill import PrefillController
 from dsv4_engine.pd.transport import PoolStates
-from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.sequence import Sequence
 from test_spec_decode import _requests
 

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from dsv4_engine.sampling import SamplingParams
+from dsv4_engine.sampling_params import SamplingParams
 from test_spec_decode import _engine, _requests, _run, _steer
 
 

@@ -50,6 +50,18 @@ def test_reference_matches_per_token_softmax(paged_cache, device, heads, v_dim, 
     assert got.dtype == torch.float32 and got.shape == (len(seq_lens), heads, v_dim)
 
 
+def test_reference_in_request_chunks_is_bit_for_bit_the_whole_batch(paged_cache, device, monkeypatch):
+    """A few requests per tile (DECODE_TILE_BYTES) changes the memory traffic, not one bit."""
+    lens_list = [1, 37, 70, 0, 16, 5, 90]
+    kv, table, lens = paged_cache(lens_list, 16, 80, torch.float32)
+    q = make_query(len(lens_list), 4, 80, torch.float32, device)
+    monkeypatch.setattr(reference, "DECODE_TILE_BYTES", 1 << 62)
+    whole = reference.mla_decode(q, kv, table, lens, 0.125, 64)
+    for rows in (1, 2, 3):  # the tile of `rows` requests: rows * one block of keys
+        monkeypatch.setattr(reference, "DECODE_TILE_BYTES", rows * min(table.shape[1], 16) * 16 * 80 * 4)
+        assert torch.equal(reference.mla_decode(q, kv, table, lens, 0.125, 64), whole)
+
+
 def test_reference_keeps_bf16_and_handles_empty_batch(paged_cache, device):
     kv, table, lens = paged_cache([5], 4, 80, torch.bfloat16)
     q = make_query(1, 2, 80, torch.bfloat16, device)
