@@ -28,6 +28,7 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN python3 -m venv /opt/dsv4 \
  && TORCH_REQ="$(python3 -c 'import tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print(next(d for d in deps if d.startswith("torch")))')" \
  && /opt/dsv4/bin/pip install --no-cache-dir ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH_REQ"
+COPY cli cli
 COPY engine engine
 COPY kernels kernels
 COPY operator operator

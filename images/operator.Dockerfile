@@ -14,6 +14,7 @@ COPY scripts/operator_requirements.py scripts/
 RUN python -m venv /opt/dsv4 \
  && python scripts/operator_requirements.py pyproject.toml > /tmp/requirements.txt \
  && /opt/dsv4/bin/pip install --no-cache-dir -r /tmp/requirements.txt
+COPY cli cli
 COPY engine engine
 COPY kernels kernels
 COPY operator operator

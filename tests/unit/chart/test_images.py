@@ -94,7 +94,7 @@ def test_the_dockerignore_keeps_heavy_local_folders_out() -> None:
     patterns = dockerignore_patterns()
     for heavy in (".venv", ".venv-ci", ".tools", ".git", "tests", "engine/dsv4_engine/__pycache__"):
         assert ignored(heavy, patterns), heavy
-    assert not ignored("engine/dsv4_cli/main.py", patterns)
+    assert not ignored("cli/dsv4_cli/main.py", patterns)
 
 
 def test_the_operator_requirements_leave_out_only_engine_packages() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
-ROOTS = [REPO / "engine", REPO / "kernels", REPO / "operator"]
+ROOTS = [REPO / "cli", REPO / "engine", REPO / "kernels", REPO / "operator"]
 
 # Layers, bottom up. The engine core knows no HTTP server, router or operator; the operator knows
 # only the wire contract; the CLI is the one place that knows everything.
@@ -129,3 +129,18 @@ def test_no_import_circles() -> None:
 
 def test_the_cycle_finder_finds_one() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# Folders, bottom up: a package imports only packages of its own folder or of a folder below.
+FOLDERS = ("kernels", "engine", "operator", "cli")
+
+
+def folder_of(module: str) -> str:
+    top = module.split(".")[0]
+    return next(root.name for root in ROOTS if (root / top).is_dir())
+
+
+def test_no_folder_imports_one_drawn_above_it() -> None:
+    bad = sorted(f"{m} ({folder_of(m)}/) -> {t} ({folder_of(t)}/)" for m, ts in GRAPH.items() for t in ts
+                 if FOLDERS.index(folder_of(t)) > FOLDERS.index(folder_of(m)))
+    assert not bad, "imports of a folder drawn above:\n" + "\n".join(bad)

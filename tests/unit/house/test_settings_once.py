@@ -96,7 +96,7 @@ def test_no_option_default_is_spelled_twice() -> None:
     watched = {o.name: o.default for o in (*SERVE_OPTIONS, *ROUTER_OPTIONS)
                if o.name not in SHARED_NAMES and o.default not in (None, REQUIRED) and not _neutral(o.default)}
     found = []
-    for root in ("engine", "operator"):
+    for root in ("cli", "engine", "operator"):
         for path in (REPO / root).rglob("*.py"):
             if path in DECLARATIONS:
                 continue

@@ -12,7 +12,7 @@ from dsv4_wire import k8s
 from dsv4_wire.paths import Paths
 
 REPO = Path(__file__).resolve().parents[3]
-SOURCES = [p for root in ("engine", "kernels", "operator") for p in (REPO / root).rglob("*.py")
+SOURCES = [p for root in ("cli", "engine", "kernels", "operator") for p in (REPO / root).rglob("*.py")
            if "dsv4_wire" not in p.parts]
 
 ONCE = {
