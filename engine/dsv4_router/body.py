@@ -62,11 +62,11 @@ def parse_body(raw: bytes, max_depth: int = MAX_DEPTH) -> dict:
     try:
         body = json.loads(raw, parse_float=_finite_float, parse_constant=_no_constant)
     except RecursionError:
-        raise APIError(f"request body nests deeper than {max_depth} levels")
+        raise APIError(f"request body nests deeper than {max_depth} levels") from None
     except UnicodeDecodeError as e:
-        raise APIError(f"request body is not valid UTF-8: {e}")
+        raise APIError(f"request body is not valid UTF-8: {e}") from None
     except ValueError as e:  # JSONDecodeError, non-finite numbers, over-long integers
-        raise APIError(f"request body is not valid JSON: {e}")
+        raise APIError(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise APIError("request body must be a JSON object")
     if not _depth_ok(body, max_depth):
@@ -90,7 +90,7 @@ async def read_limited(content_length: Optional[str], chunks: AsyncIterator[byte
             if int(content_length) > max_bytes:
                 raise too_large(max_bytes)
         except ValueError:
-            raise APIError("Content-Length is not a number")
+            raise APIError("Content-Length is not a number") from None
     buf = bytearray()
     async for chunk in chunks:
         buf += chunk

@@ -18,7 +18,6 @@ import itertools
 import logging
 import os
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field

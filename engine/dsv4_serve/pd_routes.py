@@ -49,7 +49,7 @@ def extend_app(app: FastAPI, engine, args) -> None:
             params = {k: v for k, v in body.items() if k not in ("fault", "count")}
             faults.arm(name, count, **params)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise APIError(f"bad fault request: {e}")
+            raise APIError(f"bad fault request: {e}") from None
         return {"armed": faults.snapshot()}
 
     @app.delete(Paths.ADMIN_FAULTS)

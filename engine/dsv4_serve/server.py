@@ -722,7 +722,7 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, args: ServerArgs, life
         try:
             body = await http.json()
         except Exception:
-            raise APIError("body must be JSON: {\"rid\": ...} or {\"all\": true}")
+            raise APIError("body must be JSON: {\"rid\": ...} or {\"all\": true}") from None
         if not isinstance(body, dict) or not (body.get("all") is True or isinstance(body.get("rid"), str)):
             raise APIError("give {\"rid\": \"...\"} or {\"all\": true}")
         try:

@@ -59,7 +59,7 @@ def _fp8(name: str, q: torch.Tensor, s: torch.Tensor, scheme: QuantScheme) -> Qu
 
 
 def _fp4(name: str, q: torch.Tensor, s: torch.Tensor) -> QuantWeight:
-    N, K = q.shape[-2], 2 * q.shape[-1]
+    K = 2 * q.shape[-1]
     want = (*q.shape[:-1], cdiv(K, FP4_GROUP))
     if tuple(s.shape) != want:
         raise UnsupportedQuantization(f"{name}: fp4 weight {tuple(q.shape)} (packed) needs one scale per {FP4_GROUP} "
