@@ -290,6 +290,8 @@ async def canary_rollout(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kop
             await run.tick()
         except (ApiError, kopf.TemporaryError, httpx.HTTPError) as e:
             logger.warning(f"Canary step: {e}")
-        except (ValueError, KeyError, TypeError) as e:  # a bug or an odd answer: said, and tried again next tick
+        except Exception as e:  # noqa: BLE001  a bug, an odd answer, a client closed at shutdown: said, tried again
+            if stopped:
+                break
             logger.exception(f"Canary step failed: {e!r}")
         await stopped.wait(TICK_SECONDS)

@@ -209,10 +209,10 @@ def with_state(record: CanaryRecord, state: CanaryState) -> CanaryRecord:
 def mark(annotations: Optional[Mapping[str, str]]) -> Optional[str]:
     """What of the record changes the children (the reconciler re-applies when it moves)."""
     record = CanaryRecord.from_annotations(annotations)
-    if record is None:
-        return None
-    st = record.state
-    return f"{record.baseline_revision}/{st.revision if st else ''}:{st.phase if st else ''}"
+    st = record.state if record is not None else None
+    # Only the state: a baseline moving on its own (first sight, a change with nothing to probe)
+    # leaves the gate open before and after, so it needs no re-apply.
+    return None if st is None else f"{st.revision}:{st.phase}"
 
 
 def degraded_condition(state: CanaryState) -> dict[str, Any]:
