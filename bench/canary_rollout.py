@@ -74,11 +74,11 @@ async def run(canary: bool, image: str, duration: int) -> dict:
                     stall = "stall" in image
 
                     async def done() -> bool:
-                        if stall:
-                            cr = await client.get(API, PLURAL, NS, NAME)
-                            failed = ((cr.get("status") or {}).get("canary") or {}).get("phase") == "Failed"
-                            return failed and all(i == "reg/dsv4:1" for i in fleet.images.values())
-                        return all(i == image for i in fleet.images.values())
+                        cr = await client.get(API, PLURAL, NS, NAME)
+                        phase = ((cr.get("status") or {}).get("canary") or {}).get("phase")
+                        if phase == "Failed":  # caught: done once every pod is back on the old image
+                            return all(i == "reg/dsv4:1" for i in fleet.images.values())
+                        return all(i == image for i in fleet.images.values())  # rolled (a stall not caught too)
 
                     await eventually(done, timeout=300, interval=0.1)
                     elapsed = time.monotonic() - started
@@ -105,9 +105,11 @@ async def main() -> None:
         runs["without_canary"].append(await run(False, "reg/dsv4:2", args.duration))
         runs["with_canary"].append(await run(True, "reg/dsv4:2", args.duration))
         runs["stalling_change"].append(await run(True, "reg/dsv4:stall", args.duration))
+        print(json.dumps({k: v[-1]["seconds_apply_to_done"] for k, v in runs.items()}), flush=True)
     summary = {k: {"median_seconds_apply_to_done": statistics.median(r["seconds_apply_to_done"] for r in v),
                    "median_probe_seconds": (statistics.median(r["probe_seconds"] for r in v)
-                                            if all(r["probe_seconds"] is not None for r in v) else None)}
+                                            if all(r["probe_seconds"] is not None for r in v) else None),
+                   "verdicts": [r["phase"] for r in v]}
                for k, v in runs.items()}
     out = {"what": "apply -> every pod on the new image (or, for the stalling change, the canary Failed and "
                    "every pod back on the old image), real operator against the kmock emulator with stand-in "

@@ -213,7 +213,7 @@ class CanaryRun:
                                                 " (no stable pod to compare with: one replica)"))
         token = await deployment_admin_token(self.api, self.namespace, self.name)
         urls = {"routers": router_list, "canary": canary_url.url, "role": state.role, "token": token}
-        if stable is not None:  # with one replica the canary keeps its traffic: nothing else could serve it
+        if spec.role(state.role).replicas > 1:  # with one replica it keeps its traffic: nothing else could serve it
             await self.set_canary_flag(urls, True)
         settings = probe_settings(c)
         router = router_list[0]

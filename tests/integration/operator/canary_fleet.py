@@ -27,7 +27,7 @@ from operator_runner import free_port
 
 PIN_HEADER = "x-dsv4-pin-worker"
 MAX_MODEL_LEN = 2048
-STALL_AFTER = 200  # tokens of context past which a "stall" engine's decode hangs
+STALL_AFTER = 100  # tokens of context past which a "stall" engine's decode hangs
 TOKEN_SECONDS = 0.002
 
 
