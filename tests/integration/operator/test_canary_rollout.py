@@ -26,7 +26,10 @@ import pytest  # noqa: E402
 from dsv4_operator.canary.plan import ANNOTATION_CANARY  # noqa: E402
 
 NS = "ns1"
-PROBE = {"durationSeconds": 3, "requestTimeoutSeconds": 2, "concurrency": 2, "readyTimeoutSeconds": 30}
+# Latency ratios loose: these fakes share one loaded process with the emulator and the operator, so
+# their TTFT/ITL are noise (the ratios are judged in tests/unit/canary/test_verdict.py).
+PROBE = {"durationSeconds": 3, "requestTimeoutSeconds": 2, "concurrency": 2, "readyTimeoutSeconds": 30,
+         "maxTtftRatio": 20, "maxItlRatio": 20}
 
 
 def spec(**extra) -> dict:
