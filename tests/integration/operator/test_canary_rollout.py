@@ -96,6 +96,8 @@ async def test_a_change_that_stalls_long_contexts_is_caught_and_rolled_back(
         evidence = await kube_client.get("v1", "configmaps", NS, canary["evidence"])
         assert json.loads(evidence["data"]["verdict.json"])["passed"] is False
         assert fleet.images_of("prefill") == ["reg/dsv4:1"] * 2 and fleet.images_of("decode") == ["reg/dsv4:1"] * 3
+        touched = {pod for when, pod, _ in fleet.timeline if when >= applied}
+        assert touched == {"flash-decode-2"}, f"only the canary pod was ever restarted: {touched}"
         assert any(flag for _, flag in fleet.router.flag_calls), "the canary left the router's rotation"
         seen = reasons(cluster_with_crd)
         for step in ("CanaryStarted", "CanaryProbing", "CanaryFailed"):
