@@ -1,15 +1,18 @@
 """Kubernetes discovery for the router: engine pods found by label selector, kept in sync by a
 watch. A pod serves traffic while it is Running with an IP, not being deleted, and not
-labelled serving.dsv4.dev/draining=true (how the operator drains a wedged pod)."""
+labelled serving.dsv4.dev/draining=true (how the operator drains a wedged pod). With `owners`
+(--owner, which the operator always passes) it must also be controlled by one of those
+StatefulSets: labels alone can be copied onto any pod, and a worker gets user traffic and the
+PD secret."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
-from dsv4_wire import LABEL_DRAINING, LABEL_ROLE
+from dsv4_wire import LABEL_DRAINING, LABEL_ROLE, owned_engine_pod
 
 log = logging.getLogger("dsv4.router.discovery")
 DEFAULT_PORT = 8100
@@ -23,11 +26,14 @@ def _get(obj: Any, *path: str) -> Any:
     return obj
 
 
-def pod_worker(pod: Mapping) -> Optional[tuple[str, str]]:
-    """(url, role) of an engine pod that should take traffic, else None. Pure."""
+def pod_worker(pod: Mapping, owners: Sequence[str] = ()) -> Optional[tuple[str, str]]:
+    """(url, role) of an engine pod that should take traffic, else None. `owners`: the
+    StatefulSets one of which must control the pod (empty: labels suffice). Pure."""
     labels = _get(pod, "metadata", "labels") or {}
     role = labels.get(LABEL_ROLE)
     if role not in ("prefill", "decode", "mono"):
+        return None
+    if owners and not owned_engine_pod(_get(pod, "metadata") or {}, list(owners)):
         return None
     if str(labels.get(LABEL_DRAINING, "")).lower() == "true" or _get(pod, "metadata", "deletionTimestamp"):
         return None
@@ -44,7 +50,8 @@ def pod_worker(pod: Mapping) -> Optional[tuple[str, str]]:
 
 def sync(router, pods: Mapping[str, Mapping]) -> None:
     """Make the router's Kubernetes-sourced workers exactly the serving pods given."""
-    wanted = {w for w in (pod_worker(p) for p in pods.values()) if w is not None}
+    owners = getattr(router.args, "owners", None) or ()
+    wanted = {w for w in (pod_worker(p, owners) for p in pods.values()) if w is not None}
     for url, w in list(router.pool.workers.items()):
         if w.source == "kubernetes" and (url, w.role) not in wanted:
             router.pool.remove(url)

@@ -30,7 +30,7 @@ import logging
 import random
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 import httpx
@@ -52,6 +52,8 @@ from dsv4_wire import tracing
 from dsv4_wire.tracing import TRACE_HEADERS, Tracing
 from dsv4_wire import APIError, Paths, admin_refusal
 from dsv4_wire.api_keys import ApiKeyGate, KeyRing
+from dsv4_wire.options import dataclass_of
+from dsv4_wire.router_options import ROUTER_OPTIONS
 
 # A request carrying this header (and the admin token) goes to the decode/mono worker it names,
 # canary or not: how a rollout probes one engine through the router.
@@ -63,33 +65,13 @@ log = logging.getLogger("dsv4.router")
 ROUTER_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
-@dataclass
-class RouterArgs:
-    prefill: list[str] = field(default_factory=list)
-    decode: list[str] = field(default_factory=list)
-    mono: list[str] = field(default_factory=list)
-    host: str = "127.0.0.1"
-    port: int = 8000
-    discover_namespace: Optional[str] = None
-    selector: Optional[str] = None
-    health_interval: float = 2.0
-    health_timeout: float = 2.0  # per /ready check; checks use their own pool
-    admin_token: Optional[str] = None
-    pd_secret: Optional[str] = None  # sent with internal requests to prefill/decode engines
-    request_timeout: float = 600.0
-    max_inflight: int = 256  # requests inside the router at once (prefill + decode legs)
-    max_queue: int = 256  # requests waiting for a slot; more get 429
-    queue_timeout: float = 30.0  # seconds a request may wait for a slot before 429
-    max_body_bytes: int = 16 * 1024 * 1024
-    migration_limit: int = 3  # re-sends of a request whose engine failed it (see migration.py)
-    migration_timeout: float = 60.0  # seconds a request may spend being re-placed, in all
-    otlp_traces_endpoint: Optional[str] = None  # OpenTelemetry export (off when None)
-    # Tenancy (dsv4_router.tenancy): client keys, per-key limits, the cache salt from the key, and
-    # the key the router shows mono engines that require one (PD engines take the PD secret).
-    api_keys: list = field(default_factory=list)
-    key_limits: TenantLimits = field(default_factory=TenantLimits)
-    cache_salt_from_api_key: bool = False
-    engine_api_key: Optional[str] = None
+def _key_limits(self) -> TenantLimits:
+    return TenantLimits(self.key_max_concurrency, self.key_rate_limit, self.key_rate_burst)
+
+
+# The options of `dsv4 router` (their one declaration: dsv4_wire.router_options).
+RouterArgs = dataclass_of("RouterArgs", ROUTER_OPTIONS, ["router"], doc="The options of dsv4_wire.router_options.",
+                          namespace={"key_limits": property(_key_limits), "__module__": __name__})
 
 
 @dataclass

@@ -13,8 +13,9 @@ import json
 from dataclasses import dataclass
 
 from dsv4_wire import APIError, Paths
+from dsv4_wire.serve_options import default
 
-DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_REQUEST_BYTES = default("max_request_bytes")  # the engine's --max-request-bytes
 GENERATION_PATHS = frozenset({Paths.COMPLETIONS, Paths.CHAT_COMPLETIONS})
 
 

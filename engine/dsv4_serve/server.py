@@ -28,7 +28,7 @@ import sys
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, AsyncIterator, Mapping, Optional
 
 import uvicorn
@@ -37,7 +37,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dsv4_engine.engine_args import EngineArgs
 from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.structured.spec import tool_calls as tool_calls_spec
 from dsv4_engine.request_output import RequestOutput
@@ -45,10 +44,11 @@ from dsv4_engine.tokenizer import Tokenizer
 from dsv4_serve.admin import error_response, require_admin, thread_stacks
 from dsv4_serve.detokenize import OutputProcessor
 from dsv4_serve.engine_client import EngineClient, EngineGone, EngineRefused, EngineRequest, EngineStartError, call_soon
-from dsv4_serve.gate import DEFAULT_MAX_REQUEST_BYTES, Gate, Lifecycle
+from dsv4_serve.gate import Gate, Lifecycle
 from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completion_logprobs, next_offset, text_of_bytes
 from dsv4_serve.chat import ChatOptions, ChatSetup, default_setup, render, tool_parser, with_overrides
 from dsv4_serve.chat.output import ChatOutput, reasoning_tokens
+from dsv4_serve.server_args import ServerArgs
 from dsv4_serve.protocol import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, _Common,
                                  parse_request)
 from dsv4_wire import tracing
@@ -65,35 +65,6 @@ CORE_ANSWER_TIMEOUT = 10.0  # seconds the core's reader may take to answer a hea
 # After the engine core died: /health says so and in-flight requests get their error for this
 # long, then the HTTP process exits 1 so that its supervisor (kubelet, `dsv4 up`) restarts both.
 DEAD_CORE_EXIT_DELAY = 5.0
-
-
-@dataclass
-class ServerArgs(EngineArgs):
-    """Everything `dsv4 serve` takes: the engine's arguments plus the server's and PD's."""
-
-    host: str = "127.0.0.1"
-    port: int = 8100
-    advertise_host: Optional[str] = None  # PD: the address peers reach this engine at (default: see advertised_url)
-    bootstrap_port: int = 9100
-    bootstrap_timeout: float = 30.0
-    transfer_timeout: float = 30.0
-    waiting_timeout: float = 60.0
-    deadlines: bool = True
-    enable_fault_injection: bool = False
-    arm_faults: list = field(default_factory=list)  # --arm-fault values, armed by attach_role
-    admin_token: Optional[str] = None
-    pd_secret: Optional[str] = None  # engine-to-engine PD endpoints require it when set
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    shutdown_grace: float = 30.0  # seconds running requests get to finish after SIGTERM
-    transfer_checksum: bool = False  # PD: checksum every state region of a hand-off (decode verifies)
-    chat_template: Optional[str] = None  # a Jinja file used instead of the checkpoint's chat format
-    tool_call_parser: Optional[str] = None  # default: the checkpoint's format
-    reasoning_parser: Optional[str] = None  # default: the checkpoint's format
-    otlp_traces_endpoint: Optional[str] = None  # OpenTelemetry export (off when None)
-    api_keys: list = field(default_factory=list)  # dsv4_wire.api_keys.ApiKey: required on /v1/* when any
-
-    def engine_args(self) -> EngineArgs:
-        return EngineArgs(**{f.name: getattr(self, f.name) for f in fields(EngineArgs)})
 
 
 def internal_error(ref: str) -> APIError:

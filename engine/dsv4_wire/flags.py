@@ -1,31 +1,13 @@
 """`dsv4 serve` flags that other parts write on a command line (the operator's manifests,
-`dsv4 up`, benchmarks), so a renamed flag breaks one place, not three."""
+`dsv4 up`, benchmarks), spelled from their one declaration (serve_options): `EngineFlags.PORT`
+is "--port", `EngineFlags.NO_DEADLINES` is "--no-deadlines"."""
 
+from __future__ import annotations
 
-class EngineFlags:
-    MODEL = "--model"
-    ROLE = "--role"
-    HOST = "--host"
-    ADVERTISE_HOST = "--advertise-host"
-    PORT = "--port"
-    BOOTSTRAP_PORT = "--bootstrap-port"
-    SERVED_MODEL_NAME = "--served-model-name"
-    DTYPE = "--dtype"
-    BOOTSTRAP_TIMEOUT = "--bootstrap-timeout"
-    TRANSFER_TIMEOUT = "--transfer-timeout"
-    WAITING_TIMEOUT = "--waiting-timeout"
-    NO_DEADLINES = "--no-deadlines"
-    ENABLE_FAULT_INJECTION = "--enable-fault-injection"
-    ARM_FAULT = "--arm-fault"
-    ADMIN_TOKEN = "--admin-token"
-    PD_SECRET = "--pd-secret"
-    SHUTDOWN_GRACE = "--shutdown-grace"
-    DISABLE_PREFIX_CACHE = "--disable-prefix-cache"
-    TRANSFER_CHECKSUM = "--transfer-checksum"
-    CHAT_TEMPLATE = "--chat-template"
-    TOOL_CALL_PARSER = "--tool-call-parser"
-    REASONING_PARSER = "--reasoning-parser"
-    CUDA_GRAPH_MAX_BS = "--cuda-graph-max-bs"
-    TP_SIZE = "--tp-size"
-    SPECULATIVE_ALGORITHM = "--speculative-algorithm"
-    SPECULATIVE_NUM_STEPS = "--speculative-num-steps"
+from dsv4_wire.router_options import ROUTER_OPTIONS
+from dsv4_wire.serve_options import SERVE_OPTIONS
+
+EngineFlags = type("EngineFlags", (), {o.constant: o.cli_flag for o in SERVE_OPTIONS if o.cli})
+
+# `dsv4 router` flags, likewise (dsv4_wire.router_options): `RouterFlags.DISCOVER_NAMESPACE`.
+RouterFlags = type("RouterFlags", (), {o.constant: o.cli_flag for o in ROUTER_OPTIONS if o.cli})

@@ -29,3 +29,25 @@ ANNOTATION_PINNED_REVISION = "serving.dsv4.dev/pinned-revision"
 ENGINE_CONTAINER = "engine"
 ENGINE_ROLES = ("prefill", "decode")
 ROLES = ("mono", "prefill", "decode")
+
+
+def controller_of(meta: object) -> "tuple[str, str] | None":
+    """(kind, name) of the object's controller: its ownerReference marked controller: true (the
+    StatefulSet, for an engine pod). None when it has none."""
+    refs = meta.get("ownerReferences") if isinstance(meta, dict) else None
+    for ref in refs or []:
+        if isinstance(ref, dict) and ref.get("controller") is True:
+            return str(ref.get("kind") or ""), str(ref.get("name") or "")
+    return None
+
+
+def engine_statefulset_name(instance: str, role: str) -> str:
+    """The StatefulSet that runs a deployment's engines of one role (the operator names it so)."""
+    return f"{instance}-{role}"
+
+
+def owned_engine_pod(meta: object, statefulsets: "tuple[str, ...] | list[str]") -> bool:
+    """Labels can be put on any pod by whoever may create pods: an engine pod is one whose
+    controller is one of the deployment's engine StatefulSets. Only those get traffic, the PD
+    secret or the admin token."""
+    return controller_of(meta) in {("StatefulSet", name) for name in statefulsets}

@@ -17,23 +17,22 @@ All handlers live in `registry`, which `dsv4_operator.main` runs.
 from __future__ import annotations
 
 import asyncio
-import base64
 import datetime
 import os
-import secrets
 import time
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 import kopf
 from pydantic import ValidationError
 
-from dsv4_operator import spec as S
+from dsv4_operator import auth_secret, spec as S
+from dsv4_operator.auth_secret import AuthSecretRefused, ensure_auth_secret
 from dsv4_operator.drift import describe_removals, foreign_entry_removals
 from dsv4_operator.fight import FightTracker, other_manager
-from dsv4_operator.kube import ApiError, KubeApi, connection_info, load_configuration, path_of, resource_path
+from dsv4_operator.kube import ApiError, KubeApi, connection_info, load_configuration, path_of
 from dsv4_operator.manifests import (
-    ADMIN_TOKEN_KEY, APP, AUTH_SECRET_KEYS, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_NAME, LABEL_ROLE, MANAGER,
-    HOLD_PARTITION, SCALE_MANAGER, Owner, absent_children, auth_secret, auth_secret_name, build_children, child_name, decode_held,
+    ADMIN_TOKEN_KEY, APP, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_NAME, LABEL_ROLE, MANAGER,
+    HOLD_PARTITION, SCALE_MANAGER, Owner, absent_children, build_children, child_name, decode_held,
     engine_statefulset, initial_replicas, prefill_rolled_out, scale_handover, unbuildable_reasons,
 )
 from dsv4_operator.canary import plan as canary_plan
@@ -226,46 +225,6 @@ async def refresh_status(api: KubeApi, metrics: OperatorMetrics, namespace: str,
 def operator_namespace() -> Optional[str]:
     """Where the operator runs (the chart sets POD_NAMESPACE): the NetworkPolicy admits it."""
     return os.environ.get("POD_NAMESPACE") or None
-
-
-async def ensure_auth_secret(api: KubeApi, spec: S.DSV4DeploymentSpec, owner: Owner) -> dict[str, str]:
-    """The deployment's admin token and PD secret: read from its Secret, which is created with
-    random values when absent; a key missing from an existing Secret is added. Never replaced,
-    so a user's own values (or a rotation) stand. Returns {key: value}."""
-    name = auth_secret_name(spec, owner.name)
-    for _ in range(3):
-        live = await api.get("v1", "Secret", owner.namespace, name)
-        if live is None:
-            values = {key: secrets.token_urlsafe(32) for key in AUTH_SECRET_KEYS}
-            try:
-                await api.request("POST", resource_path("v1", "secrets", owner.namespace),
-                                  body=auth_secret(spec, owner, values))
-            except ApiError as e:
-                if e.status == 409:
-                    continue  # made by a concurrent call (the watchdog daemon): read it
-                raise
-            return values
-        meta = live.get("metadata") or {}
-        ours = (meta.get("labels") or {}).get(LABEL_MANAGED_BY) == MANAGER or any(
-            ref.get("uid") == owner.uid for ref in meta.get("ownerReferences") or [])
-        if not ours:  # any Secret of the namespace could be named: use only those given to us
-            raise kopf.TemporaryError(
-                f"Secret {owner.namespace}/{name} is not the operator's: label it {LABEL_MANAGED_BY}={MANAGER} "
-                f"to let this deployment use it (or name no secret and let the operator create one)", delay=10)
-        try:
-            data = {k: base64.b64decode(v).decode() for k, v in (live.get("data") or {}).items()}
-        except ValueError:  # UnicodeDecodeError, bad base64
-            raise kopf.TemporaryError(f"Secret {owner.namespace}/{name} holds a value that is not UTF-8 text",
-                                      delay=60) from None
-        missing = {key: secrets.token_urlsafe(32) for key in AUTH_SECRET_KEYS if not data.get(key)}
-        if missing:
-            await api.request("PATCH", path_of(live), body={"metadata": {"resourceVersion": live["metadata"]
-                                                                         ["resourceVersion"]},
-                                                            "stringData": missing},
-                              content_type="application/merge-patch+json")
-            data.update(missing)
-        return data
-    raise kopf.TemporaryError(f"the Secret {owner.namespace}/{name} kept changing", delay=2)
 
 
 async def deployment_admin_token(api: KubeApi, namespace: str, name: str) -> Optional[str]:
@@ -474,6 +433,14 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, name: str
         existing = {child.role: child.spec_replicas for child in children()}
         applied = await apply_children(api, metrics, parsed, Owner(name, namespace, uid), existing,
                                        memo.setdefault("child_generations", {}))
+    except AuthSecretRefused as e:  # the named Secret is not ours, or unusable: say so in status
+        metrics.reconciles.labels("apply_failed").inc()
+        if retry == 0:
+            kopf.warn(body, reason=e.reason, message=str(e))
+        await refresh_status(api, metrics, namespace, name, children, observed_generation=generation,
+                             apply_error=ApplyRefusal(str(e), e.reason), acted=True)
+        delay = auth_secret.SECRET_RECHECK_SECONDS  # one create + get: cheap, and a relabel is noticed soon
+        raise kopf.TemporaryError(f"{e} (checked again in {delay:.0f}s)", delay=delay) from None
     except ApiError as e:
         metrics.api_errors.labels(str(e.status)).inc()
         metrics.reconciles.labels("apply_failed").inc()
@@ -742,7 +709,7 @@ async def wedge_watchdog(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kop
         try:
             admin_token = await deployment_admin_token(_api(memo), body["metadata"]["namespace"],
                                                        body["metadata"]["name"])
-        except (ApiError, kopf.TemporaryError) as e:
+        except (ApiError, kopf.TemporaryError, AuthSecretRefused) as e:
             logger.warning(f"Cannot read the deployment's admin token yet: {e}")
             if isinstance(e, ApiError) and e.status == 403 and not warned:  # no token, no watchdog: say so once
                 post("Warning", "WatchdogWaiting", f"the wedge watchdog cannot read or create the auth Secret: "

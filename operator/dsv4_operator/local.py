@@ -37,6 +37,8 @@ from rich.markup import escape
 
 from dsv4_wire import ADMIN_TOKEN_ENV, PD_SECRET_ENV, authorization_header
 from dsv4_wire import EngineFlags as F
+from dsv4_wire.flags import RouterFlags as R
+from dsv4_wire.serve_options import OPTIONS_BY_NAME, PD_DEADLINES
 from dsv4_wire import Paths
 
 from dsv4_operator.remediation.actions import dispatch, step_for
@@ -64,8 +66,8 @@ def cache_dir() -> Path:
 
 # ---- the detection window against the engine's own deadlines (pure) ----------------------------
 
-# `dsv4 serve`'s PD deadlines in seconds (a unit test checks them against the serve command).
-ENGINE_DEADLINES: Mapping[str, float] = {F.BOOTSTRAP_TIMEOUT: 30.0, F.TRANSFER_TIMEOUT: 30.0, F.WAITING_TIMEOUT: 60.0}
+# `dsv4 serve`'s PD deadlines in seconds, by flag (their declaration: dsv4_wire.serve_options).
+ENGINE_DEADLINES: Mapping[str, float] = {OPTIONS_BY_NAME[n].cli_flag: OPTIONS_BY_NAME[n].default for n in PD_DEADLINES}
 WINDOW_MARGIN_S = 15.0  # default window: the longest deadline plus this
 NO_DEADLINES_WINDOW_S = 20.0  # default window when the engines run without deadlines
 
@@ -150,7 +152,7 @@ class UpArgs:
     host: str = "127.0.0.1"
     mono: bool = False
     enable_fault_injection: bool = False
-    deadlines: bool = True
+    deadlines: bool = OPTIONS_BY_NAME["deadlines"].default  # off: every engine gets --no-deadlines
     watchdog: bool = True
     detection_window: Optional[float] = None  # None: derived from the engines' deadlines
     scrape_interval: float = 2.0
@@ -306,10 +308,9 @@ class LocalDeployment:
                 self.engines[key] = EngineProc(key, role, port, self.engine_cmd(key, args.engine_args),
                                                self.state_dir / f"{key}.log", bport, env)
                 port += 1
-        router_cmd = [*args.dsv4_command, "router", "--host", args.host, "--port", str(args.port),
-                      "--health-interval", "1"]
+        router_cmd = [*args.dsv4_command, "router", R.HOST, args.host, R.PORT, str(args.port), R.HEALTH_INTERVAL, "1"]
         for e in self.engines.values():
-            router_cmd += [f"--{e.role}", e.url]
+            router_cmd += [getattr(R, e.role.upper()), e.url]
         self.router = EngineProc("router", "router", args.port, router_cmd, self.state_dir / "router.log", env=env)
         self.supervisor = Supervisor([*self.engines.values(), self.router], self.supervised, args.crash_backoff,
                                      on_change=self.write_processes)

@@ -24,6 +24,7 @@ from dsv4_wire import (  # noqa: F401  (re-exported: the operator's modules read
     ADMIN_TOKEN_ENV, PD_SECRET_ENV, ANNOTATION_REVISION, APP, ENGINE_CONTAINER, ENGINE_ROLES, LABEL_COMPONENT, LABEL_ENGINE_KIND, LABEL_INSTANCE,
     LABEL_DRAINING, LABEL_MANAGED_BY, LABEL_NAME, LABEL_ROLE, MANAGER, EngineFlags, Paths,
 )
+from dsv4_wire.flags import RouterFlags
 
 SGLANG_BOOTSTRAP_ANNOTATION = "sglang.ai/bootstrap-port"  # where sgl-router's discovery reads it
 
@@ -242,8 +243,11 @@ def router_command(spec: DSV4DeploymentSpec, owner: Owner) -> list[str]:
     instance = f"{LABEL_INSTANCE}={owner.name}"
     serving = f"{LABEL_DRAINING}={NOT_DRAINING}"
     if spec.engine.kind == "builtin":
-        cmd = ["dsv4", "router", "--host", "0.0.0.0", "--port", str(spec.router.port),
-               "--discover-namespace", owner.namespace, "--selector", instance]
+        R = RouterFlags
+        cmd = ["dsv4", "router", R.HOST, "0.0.0.0", R.PORT, str(spec.router.port),
+               R.DISCOVER_NAMESPACE, owner.namespace, R.SELECTOR, instance]
+        for role in ENGINE_ROLES:  # only the pods of our StatefulSets, not any pod with our labels
+            cmd += [R.OWNER, child_name(owner.name, role)]
     else:
         cmd = ["python3", "-m", "sglang_router.launch_router", "--pd-disaggregation",
                "--host", "0.0.0.0", "--port", str(spec.router.port),
@@ -319,7 +323,19 @@ def engine_probes(spec: DSV4DeploymentSpec, role: str = "prefill") -> dict[str, 
 ROUTER_DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"cpu": "4", "memory": "2Gi"}}
 
 
-def _resources(res: S.Resources, gpus: int) -> dict[str, Any]:
+# Engines with no resources given: a floor to schedule on and a memory ceiling, so one tenant's
+# engine cannot take a node's memory (issue 27); generous, since a checkpoint passes through host
+# memory while it loads. Any resources given replace this whole (GPUs are added either way).
+ENGINE_DEFAULT_RESOURCES = {"requests": {"cpu": "4", "memory": "32Gi"}, "limits": {"memory": "256Gi"}}
+# What a builtin engine writes on its read-only root file system: scratch, and $HOME's caches
+# (Triton's compiled kernels, torch's and CUDA's JIT caches).
+ENGINE_HOME = "/home/dsv4"
+ENGINE_SCRATCH = (("tmp", "/tmp", "4Gi"), ("home", ENGINE_HOME, "8Gi"))
+
+
+def _resources(res: S.Resources, gpus: int, default: Optional[Mapping[str, Mapping[str, str]]] = None) -> dict[str, Any]:
+    if default is not None and not res.limits and not res.requests:
+        res = S.Resources(limits=dict(default.get("limits") or {}), requests=dict(default.get("requests") or {}))
     limits = dict(res.limits)
     requests = dict(res.requests)
     if gpus > 0:
@@ -365,12 +381,19 @@ def _engine_pod(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict[str, 
         "command": engine_command(spec, role),
         "ports": ports,
         "env": engine_env(spec, role, owner.name),
-        "resources": _resources(r.resources, r.gpus_per_pod),
+        "resources": _resources(r.resources, r.gpus_per_pod, ENGINE_DEFAULT_RESOURCES),
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, *model_mounts],
         **engine_probes(spec, role),
         "lifecycle": engine_lifecycle(spec, role),
         "securityContext": container_security_context(spec, engine=True),
     }
+    builtin = spec.engine.kind == "builtin"
+    scratch_volumes: list[dict[str, Any]] = []
+    if builtin:  # our image writes only there; SGLang's writes all over its root, so it stays writable
+        container["securityContext"]["readOnlyRootFilesystem"] = True
+        container["volumeMounts"] += [{"name": n, "mountPath": path} for n, path, _ in ENGINE_SCRATCH]
+        scratch_volumes = [{"name": n, "emptyDir": {"sizeLimit": size}} for n, _, size in ENGINE_SCRATCH]
+        container["env"] = merge_env([{"name": "HOME", "value": ENGINE_HOME}], container["env"])
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(spec.engine.port),
                    "prometheus.io/path": Paths.METRICS}
     pod_labels = labels(owner.name, role, spec)
@@ -381,7 +404,8 @@ def _engine_pod(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict[str, 
     pod_spec: dict[str, Any] = {
         "containers": [container],
         # NCCL / NIXL use shared memory; the container default of 64Mi is far too small.
-        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": r.shm_size}}, *model_volumes],
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": r.shm_size}}, *model_volumes,
+                    *scratch_volumes],
         "nodeSelector": dict(r.node_selector),
         "tolerations": [S.dump(t) for t in r.tolerations],
         "automountServiceAccountToken": False,  # engines never talk to the API server
@@ -581,31 +605,73 @@ def engine_disruption_budget(spec: DSV4DeploymentSpec, owner: Owner, role: str) 
     }
 
 
+# DNS wherever the cluster serves it (kube-dns pods, NodeLocal DNSCache on a link-local address).
+DNS_EGRESS = {"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}
+API_SERVER_PORTS = (443, 6443)  # the kubernetes Service's port, and the API server's own
+
+
+def _operator_peer(spec: DSV4DeploymentSpec, operator_namespace: Optional[str]) -> dict[str, Any]:
+    np = spec.security.network_policy
+    namespace = np.operator_namespace or operator_namespace
+    return {"podSelector": {"matchLabels": dict(np.operator_pod_labels)},
+            "namespaceSelector": ({"matchLabels": {"kubernetes.io/metadata.name": namespace}} if namespace else {})}
+
+
+def _engines_selector(owner: Owner) -> dict[str, Any]:
+    return {"matchLabels": {LABEL_NAME: APP, LABEL_INSTANCE: owner.name},
+            "matchExpressions": [{"key": LABEL_ROLE, "operator": "In", "values": list(ENGINE_ROLES)}]}
+
+
 def engine_network_policy(spec: DSV4DeploymentSpec, owner: Owner,
                           operator_namespace: Optional[str] = None) -> dict:
     """Ingress to the engine pods from: the router (HTTP port), the operator (HTTP port: scrape,
     drain, abort), the deployment's other engines (every port: NIXL/UCX over TCP picks its
-    own), and `allowFrom` (HTTP port). Egress is not limited."""
+    own), and `allowFrom` (HTTP port). Egress to: the deployment's other engines (every port),
+    DNS, and `extraEgress`: an engine has no reason to call anything else."""
     np = spec.security.network_policy
     http = [{"port": spec.engine.port, "protocol": "TCP"}]
-    namespace = np.operator_namespace or operator_namespace
-    operator_peer: dict[str, Any] = {"podSelector": {"matchLabels": dict(np.operator_pod_labels)},
-                                     "namespaceSelector": (
-                                         {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
-                                         if namespace else {})}
-    engines = {"matchLabels": {LABEL_NAME: APP, LABEL_INSTANCE: owner.name},
-               "matchExpressions": [{"key": LABEL_ROLE, "operator": "In", "values": list(ENGINE_ROLES)}]}
+    engines = _engines_selector(owner)
     ingress = [
-        {"from": [{"podSelector": {"matchLabels": selector_labels(owner.name, "router")}}, operator_peer], "ports": http},
+        {"from": [{"podSelector": {"matchLabels": selector_labels(owner.name, "router")}},
+                  _operator_peer(spec, operator_namespace)], "ports": http},
         {"from": [{"podSelector": engines}]},
     ]
     if np.allow_from:
         ingress.append({"from": [dict(p) for p in np.allow_from], "ports": http})
+    egress = [{"to": [{"podSelector": engines}]}, dict(DNS_EGRESS), *(dict(r) for r in np.extra_egress)]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": _meta(owner, child_name(owner.name, "engines"), "engines", spec),
-        "spec": {"podSelector": engines, "policyTypes": ["Ingress"], "ingress": ingress},
+        "spec": {"podSelector": engines, "policyTypes": ["Ingress", "Egress"], "ingress": ingress, "egress": egress},
+    }
+
+
+def router_network_policy(spec: DSV4DeploymentSpec, owner: Owner,
+                          operator_namespace: Optional[str] = None) -> dict:
+    """Ingress to the router pods on its port from: the clients (`clients`; default every pod of
+    the namespace), the operator (canary probes) and `allowFrom`. Egress to: the engines' HTTP
+    port, DNS, the Kubernetes API (`apiServerCidrs`, for discovery) and `extraEgress`."""
+    np = spec.security.network_policy
+    port = [{"port": spec.router.port, "protocol": "TCP"}]
+    clients = [{"podSelector": {}}] if np.clients is None else [dict(p) for p in np.clients]
+    peers = [*clients, _operator_peer(spec, operator_namespace), *(dict(p) for p in np.allow_from)]
+    egress = [
+        {"to": [{"podSelector": _engines_selector(owner)}], "ports": [{"port": spec.engine.port, "protocol": "TCP"}]},
+        dict(DNS_EGRESS),
+        {"to": [{"ipBlock": {"cidr": c}} for c in np.api_server_cidrs],
+         "ports": [{"port": p, "protocol": "TCP"} for p in API_SERVER_PORTS]},
+        *(dict(r) for r in np.extra_egress),
+    ]
+    if spec.engine.kind != "builtin":  # sgl-router's metrics port, for the same scrapers as ours
+        port.append({"port": SGLANG_ROUTER_METRICS_PORT, "protocol": "TCP"})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _meta(owner, child_name(owner.name, "router"), "router", spec),
+        "spec": {"podSelector": {"matchLabels": selector_labels(owner.name, "router")},
+                 "policyTypes": ["Ingress", "Egress"], "ingress": [{"from": peers, "ports": port}],
+                 "egress": egress},
     }
 
 
@@ -630,7 +696,7 @@ def absent_children(spec: DSV4DeploymentSpec, owner: Owner) -> list[tuple[str, s
     if not spec.remediation.pod_disruption_budget:
         out += [("policy/v1", "PodDisruptionBudget", child_name(owner.name, role)) for role in ENGINE_ROLES]
     if not spec.security.network_policy.enabled:
-        out.append(("networking.k8s.io/v1", "NetworkPolicy", child_name(owner.name, "engines")))
+        out += [("networking.k8s.io/v1", "NetworkPolicy", child_name(owner.name, c)) for c in ("engines", "router")]
     return out
 
 
@@ -642,7 +708,8 @@ def build_children(spec: DSV4DeploymentSpec, owner: Owner, operator_namespace: O
     revision = S.spec_revision(spec)
     return [
         *router_rbac(spec, owner),
-        *([engine_network_policy(spec, owner, operator_namespace)] if spec.security.network_policy.enabled else []),
+        *([engine_network_policy(spec, owner, operator_namespace), router_network_policy(spec, owner, operator_namespace)]
+          if spec.security.network_policy.enabled else []),
         engine_service(spec, owner, "prefill"),
         engine_service(spec, owner, "decode"),
         router_service(spec, owner),

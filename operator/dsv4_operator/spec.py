@@ -316,15 +316,27 @@ class RolloutSpec(_Model):
 
 class NetworkPolicySpec(_Model):
     enabled: bool = Field(
-        True, description="Admit to the engine pods only the router, the operator and their PD peers "
-                          "(on by default: engines take the PD secret's requests and admin calls).")
+        True, description="NetworkPolicies for engines (ingress from the router, the operator and their PD peers) "
+                          "and router (ingress from clients, egress to engines, DNS and the API server); on by "
+                          "default: engines take the PD secret's requests and admin calls.")
     operator_namespace: Optional[str] = Field(
         None, max_length=63, description="Namespace of the operator's pods (default: the operator's own).")
     operator_pod_labels: dict[QualifiedName, LabelValue] = Field(
         {"app.kubernetes.io/name": "dsv4-operator"}, max_length=MAX_MAP_ENTRIES,
         description="Labels of the operator's pods (the chart's default).")
     allow_from: list[dict[str, Any]] = Field(
-        [], description="More NetworkPolicyPeers allowed to the engine HTTP port (e.g. your Prometheus).")
+        [], description="More NetworkPolicyPeers allowed to the engine and router HTTP ports (e.g. your Prometheus).")
+    clients: Optional[list[dict[str, Any]]] = Field(
+        None, description="NetworkPolicyPeers allowed to the router's port, the clients (default: every pod of "
+                          "the deployment's namespace; [] admits only the operator and allowFrom).")
+    api_server_cidrs: list[str] = Field(
+        ["0.0.0.0/0", "::/0"], max_length=MAX_LIST_ITEMS,
+        description="Where the router may reach the Kubernetes API (TCP 443 and 6443) to discover engine pods; "
+                    "narrow it to your API server's addresses.")
+    extra_egress: list[dict[str, Any]] = Field(
+        [], description="More NetworkPolicyEgressRules for engines and router (e.g. an OTLP collector); besides "
+                        "them, engines reach only their PD peers and DNS, the router only the engines, DNS and "
+                        "the API server.")
 
 
 class SecuritySpec(_Model):

@@ -92,7 +92,7 @@ class ApplyRefusal(str):
 
 
 # Degraded reasons that stand for "the children were not applied", carried until the next apply.
-APPLY_REFUSAL_REASONS = ("ApplyFailed", "ImageVolumeUnsupported")
+APPLY_REFUSAL_REASONS = ("ApplyFailed", "ImageVolumeUnsupported", "SecretNotOwned", "SecretUnusable")
 
 
 def compute_status(

@@ -71,9 +71,9 @@ MUST_RECORD = {
     ("", "pods/log", "get"),
     ("", "configmaps", "create"), ("", "configmaps", "list"), ("", "configmaps", "delete"),
     ("serving.dsv4.dev", "dsv4deployments", "get"), ("serving.dsv4.dev", "dsv4deployments", "patch"),
-    # The auth Secret (created, or a missing key added to the user's), PDBs and the NetworkPolicy
+    # The auth Secret (created; an existing one read, never patched: issue 27), PDBs and the NetworkPolicies
     # (applied, then deleted when the spec turns them off).
-    ("", "secrets", "get"), ("", "secrets", "create"), ("", "secrets", "patch"),
+    ("", "secrets", "get"), ("", "secrets", "create"),
     ("policy", "poddisruptionbudgets", "create"), ("policy", "poddisruptionbudgets", "patch"),
     ("policy", "poddisruptionbudgets", "get"), ("policy", "poddisruptionbudgets", "delete"),
     ("networking.k8s.io", "networkpolicies", "create"), ("networking.k8s.io", "networkpolicies", "patch"),
@@ -167,11 +167,11 @@ async def run_scenario(cluster: WatchdogCluster, client: ClusterClient, kubeconf
 
 
 async def reconcile_scenario(client: ClusterClient) -> None:
-    # The user brought an auth Secret with only the admin token: the operator adds the PD secret.
-    # It carries the operator's label: the operator uses no Secret of the namespace it was not given.
+    # The user brought an auth Secret: used as it is (the operator never patches a Secret). It
+    # carries the operator's label: the operator uses no Secret of the namespace it was not given.
     await client.create({"apiVersion": "v1", "kind": "Secret", "metadata": {
         "name": "flash-auth", "namespace": "ns1", "labels": {"app.kubernetes.io/managed-by": "dsv4-operator"}},
-        "data": {"admin-token": "dXNlcg=="}}, "secrets")
+        "data": {"admin-token": "dXNlcg==", "pd-secret": "cGQ=", "router-admin-token": "cm91dGVy"}}, "secrets")
     await client.create(resource("flash", "ns1"), PLURAL)
     await eventually(lambda: observed(client, "ns1", "flash", 1), timeout=60)
     # The controllers report ready workloads (the emulator has none): status follows.
@@ -185,16 +185,18 @@ async def reconcile_scenario(client: ClusterClient) -> None:
     await client.patch(API, PLURAL, "ns1", "flash", {"spec": {"decode": {"replicas": 2}}})
     await eventually(lambda: observed(client, "ns1", "flash", 2), timeout=60)
     secret = await client.get("v1", "secrets", "ns1", "flash-auth")
-    assert secret["data"]["admin-token"] == "dXNlcg==" and secret["data"]["pd-secret"], "user's value kept, key added"
+    assert secret["data"]["admin-token"] == "dXNlcg==" and secret["data"]["pd-secret"] == "cGQ=", "user's values kept"
     # Optional children: a NetworkPolicy on, the PDBs off (deleted); then the policy off again.
     await client.patch(API, PLURAL, "ns1", "flash", {"spec": {"security": {"networkPolicy": {"enabled": True}},
                                                               "remediation": {"podDisruptionBudget": False}}})
     await eventually(lambda: observed(client, "ns1", "flash", 3), timeout=60)
     assert await client.get("networking.k8s.io/v1", "networkpolicies", "ns1", "flash-engines")
+    assert await client.get("networking.k8s.io/v1", "networkpolicies", "ns1", "flash-router")
     assert await client.get("policy/v1", "poddisruptionbudgets", "ns1", "flash-prefill") is None
     await client.patch(API, PLURAL, "ns1", "flash", {"spec": {"security": {"networkPolicy": {"enabled": False}}}})
     await eventually(lambda: observed(client, "ns1", "flash", 4), timeout=60)
     assert await client.get("networking.k8s.io/v1", "networkpolicies", "ns1", "flash-engines") is None
+    assert await client.get("networking.k8s.io/v1", "networkpolicies", "ns1", "flash-router") is None
     old = await client.get("apps/v1", "statefulsets", "ns1", "flash-decode")
     await client.delete("apps/v1", "statefulsets", "ns1", "flash-decode")
 

@@ -34,8 +34,19 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
+{{/* The operator image: by digest when image.digest is set (what runs can then not change under
+the same tag), else by tag. */}}
 {{- define "dsv4-operator.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The Secret holding the operator key (deployments' tokens are derived from it). */}}
+{{- define "dsv4-operator.keySecretName" -}}
+{{- default (printf "%s-key" (include "dsv4-operator.fullname" .)) .Values.operatorKey.existingSecret -}}
 {{- end -}}
 
 {{/* The namespaces a namespaced operator watches: the list given, else the release namespace. */}}
@@ -81,12 +92,13 @@ records the operator's calls against an API server and checks this list against 
 - apiGroups: [""]
   resources: ["services", "serviceaccounts"]
   verbs: ["list", "watch", "create", "patch"]
-# The deployment's auth Secret (admin token, PD secret): read for the operator's own calls to
-# its engines, created with random values when absent, a missing key added. Not listed or
-# watched. RBAC cannot name Secrets that do not exist yet, so this covers the namespace's.
+# The deployment's auth Secret (admin token, PD secret, router admin token): created with values
+# derived from the operator key and the deployment's uid; an existing one is read (get) to check
+# it is the operator's (label or owner reference) and for the operator's own calls to its
+# engines. Never patched, listed or watched. RBAC cannot name Secrets that do not exist yet.
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get", "create", "patch"]
+  verbs: ["get", "create"]
 # A PodDisruptionBudget per engine role and the optional engine NetworkPolicy, by server-side
 # apply; read and deleted when the spec turns them off.
 - apiGroups: ["policy"]

@@ -14,6 +14,7 @@ from dsv4_engine.pd.channel import ControlChannel
 from dsv4_engine.pd.faults import Deadlines, FaultInjector
 from dsv4_engine.pd.request_info import PDRequestInfo, PDState, stuck_first, timeline_view  # noqa: F401  (re-exported)
 from dsv4_engine.pd.transport import KVTransport, PoolStates
+from dsv4_wire.serve_options import default
 
 # The engine and its Sequence are not imported here, not even for typing: Sequence.pd is typed
 # with PDRequestInfo from this module, and the import graph stays without circles.
@@ -32,9 +33,9 @@ Clock = Callable[[], float]
 class PDSettings:
     """The deadlines of each PD state, and (decode) the URL prefill reaches this engine at."""
 
-    bootstrap_timeout: float = 30.0
-    transfer_timeout: float = 30.0
-    waiting_timeout: float = 60.0
+    bootstrap_timeout: float = default("bootstrap_timeout")
+    transfer_timeout: float = default("transfer_timeout")
+    waiting_timeout: float = default("waiting_timeout")
     url: str = ""
     transfer_checksum: bool = False  # --transfer-checksum: verify (decode) / always send (prefill) region checksums
 

@@ -16,7 +16,7 @@ from dsv4_operator.manifests import APP, HTTP_PORT_NAME, LABEL_INSTANCE, LABEL_N
 from dsv4_operator.spec import RemediationSpec
 from dsv4_operator.watchdog.policy import PodInfo, RemediationSettings
 from dsv4_operator.watchdog.scrape import ScrapeTarget
-from dsv4_wire import ENGINE_CONTAINER, ENGINE_ROLES  # noqa: F401
+from dsv4_wire import ENGINE_CONTAINER, ENGINE_ROLES, engine_statefulset_name, owned_engine_pod  # noqa: F401
 from dsv4_wire import LABEL_DRAINING as DRAINING_LABEL  # noqa: F401
 
 # A revision that runs this many detection windows without a wedge becomes the stable revision
@@ -96,11 +96,15 @@ def _is_restarting(status: Mapping[str, Any]) -> bool:
 
 
 def engine_pod(obj: Mapping[str, Any], default_port: Optional[int] = None) -> Optional[EnginePod]:
-    """A Pod object -> an EnginePod (None for a pod that is not a prefill/decode engine)."""
+    """A Pod object -> an EnginePod (None for a pod that is not a prefill/decode engine: wrong
+    labels, or the right labels on a pod the deployment's StatefulSet does not control, which
+    is never scraped with the admin token, drained or restarted)."""
     meta = obj.get("metadata") or {}
     labels = meta.get("labels") or {}
     role = labels.get(LABEL_ROLE)
     if role not in ENGINE_ROLES or not meta.get("name"):
+        return None
+    if not owned_engine_pod(meta, [engine_statefulset_name(str(labels.get(LABEL_INSTANCE) or ""), role)]):
         return None
     status = obj.get("status") or {}
     terminating = bool(meta.get("deletionTimestamp"))

@@ -29,9 +29,22 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, ClassVar, Mapping, Union
 
 from .signals import BUILTIN, COUNTER_FIELDS, EngineSample
+
+
+class Reason(StrEnum):
+    """Why a pod is Slow or Wedged: one name per cause, compared by the policy and the reports
+    (a StrEnum: it prints, serialises and labels metrics as its plain value)."""
+    UNRESPONSIVE = "unresponsive"  # silent for a whole window after it had answered
+    TRANSFER_FAILURES = "transfer_failures"  # most KV transfers failing
+    STUCK_INFLIGHT = "stuck_inflight"  # prefill: a hand-off pending and not moving (the incident)
+    STUCK_TRANSFER = "stuck_transfer"  # decode: likewise, waiting for KV
+    HANDOFF_SLOW = "handoff_slow"
+    SCHEDULER_STALLED = "scheduler_stalled"  # work queued, the loop not turning
+    SCHEDULER_SLOW = "scheduler_slow"
 
 
 @dataclass(frozen=True)
@@ -219,7 +232,7 @@ class Detector:
             silent_for = now - (pod.last_reachable_ts if pod.last_reachable_ts is not None
                                 else pod.unreachable_since)
             if pod.ever_reachable and silent_for >= self.window_s:
-                return Wedged("unresponsive", {
+                return Wedged(Reason.UNRESPONSIVE, {
                     "silent_seconds": round(silent_for, 3),
                     "window_seconds": self.window_s,
                     "last_error": sample.error,
@@ -284,8 +297,8 @@ class Detector:
                    "failure_rate": round(rate, 4), "threshold": self.failure_rate_threshold,
                    "window_seconds": self.window_s}
         if failed >= self.min_failed_transfers:
-            return Wedged("transfer_failures", details)
-        return Slow("transfer_failures", details)
+            return Wedged(Reason.TRANSFER_FAILURES, details)
+        return Slow(Reason.TRANSFER_FAILURES, details)
 
     def _handoff_verdict(self, seq: list, covered: bool) -> Verdict | None:
         latest: EngineSample = seq[-1]
@@ -313,10 +326,10 @@ class Detector:
         }
         if (covered and stuck_for >= self.window_s and has_progress_signal
                 and (age is None or age >= self.window_s)):
-            reason = "stuck_inflight" if latest.role == "prefill" else "stuck_transfer"
+            reason = Reason.STUCK_INFLIGHT if latest.role == "prefill" else Reason.STUCK_TRANSFER
             return Wedged(reason, details)
         if stuck_for >= self.slow_after_s or (age is not None and age >= self.slow_after_s):
-            return Slow("handoff_slow", details)
+            return Slow(Reason.HANDOFF_SLOW, details)
         return None
 
     def _stall_verdict(self, seq: list) -> Verdict | None:
@@ -334,7 +347,7 @@ class Detector:
                    "num_running": latest.num_running, "num_queue": latest.num_queue,
                    "loop_iterations": latest.loop_iterations}
         if stalled_for >= self.window_s:
-            return Wedged("scheduler_stalled", details)
+            return Wedged(Reason.SCHEDULER_STALLED, details)
         if stalled_for >= self.slow_after_s:
-            return Slow("scheduler_slow", details)
+            return Slow(Reason.SCHEDULER_SLOW, details)
         return None

@@ -41,7 +41,7 @@ from typing import Any, Mapping, NamedTuple
 
 from dsv4_wire import ANNOTATION_REMEDIATION_STATE
 
-from .detector import Slow, Verdict, Wedged
+from .detector import Reason, Slow, Verdict, Wedged
 
 STATE_ANNOTATION = ANNOTATION_REMEDIATION_STATE
 
@@ -59,7 +59,7 @@ HOLD_PREFILL_FIRST = "prefill_first"
 HOLD_UNCORROBORATED = "uncorroborated"
 HOLD_OPERATOR_BLIND = "operator_blind"
 HOLD_RATE_LIMIT = "rate_limited"
-UNRESPONSIVE = "unresponsive"  # the detector's reason for a pod silent for a whole window
+UNRESPONSIVE = Reason.UNRESPONSIVE  # the detector's reason for a pod silent for a whole window
 
 
 @dataclass(frozen=True)
@@ -261,8 +261,8 @@ def decide(verdicts: Mapping[str, Verdict], pods: Mapping[str, PodInfo | str],
     # 6. New wedges.
     prefill_trouble = sorted(
         p for p, v in verdicts.items() if p in info and info[p].role == "prefill"
-        and ((isinstance(v, Wedged) and v.reason == "stuck_inflight")
-             or (isinstance(v, Slow) and v.reason == "handoff_slow") or p in active))
+        and ((isinstance(v, Wedged) and v.reason == Reason.STUCK_INFLIGHT)
+             or (isinstance(v, Slow) and v.reason == Reason.HANDOFF_SLOW) or p in active))
     for pod in sorted(wedged):
         if pod in active or pod not in info:
             continue
@@ -282,7 +282,7 @@ def decide(verdicts: Mapping[str, Verdict], pods: Mapping[str, PodInfo | str],
                 hold, hold_details = HOLD_RATE_LIMIT, {}
             else:
                 restart_allowance -= 1
-        if hold is None and role == "decode" and verdict.reason == "stuck_transfer" and prefill_trouble:
+        if hold is None and role == "decode" and verdict.reason == Reason.STUCK_TRANSFER and prefill_trouble:
             # A decode waiting for KV is the victim of a prefill whose hand-off is stuck; fixing
             # the prefill (whose aborts reach this decode) heals it, restarting it would not.
             hold, hold_details = HOLD_PREFILL_FIRST, {"prefill_pods": prefill_trouble}

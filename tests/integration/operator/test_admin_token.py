@@ -4,7 +4,6 @@ daemon and a scripted engine that records the Authorization header of every admi
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import sys
 from pathlib import Path
@@ -17,7 +16,10 @@ import pytest_asyncio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "watchdog"))  # watchdog_harness
 
 from kmock_cluster import ClusterClient, eventually  # noqa: E402
-from watchdog_harness import NS, PodFarm, ScriptedEngine, WatchdogCluster, deployment, events  # noqa: E402
+from watchdog_harness import (  # noqa: E402
+    API, NS, PLURAL, PodFarm, ScriptedEngine, WatchdogCluster, deployment, events,  # noqa: E402
+    pod_body,
+)
 
 from dsv4_operator.crd import build_crd  # noqa: E402
 
@@ -52,22 +54,39 @@ async def test_watchdog_calls_carry_the_deployments_admin_token(kube_cluster: Wa
     token = base64.b64decode(secret["data"]["admin-token"]).decode()
     assert len(token) >= 32 and base64.b64decode(secret["data"]["pd-secret"])
     engine = await TokenRecordingEngine("prefill").start()
+    impostor = await TokenRecordingEngine("prefill").start()
     farm = PodFarm(kube_client, kube_cluster, name)
     try:
         engine.reset("wedged")
+        impostor.reset("wedged")
+        # The deployment's labels on a pod its StatefulSet does not control (issue 27): never
+        # sent the admin token, never drained or restarted.
+        fake = pod_body(name, "healer-prefill-9", "prefill", impostor.port)
+        await kube_client.create(fake, "pods")
+        await kube_client.patch("v1", "pods", NS, "healer-prefill-9", {"status": {
+            "phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}},
+            subresource="status")
         kube_cluster.pod_logs[(NS, pod)] = lambda: "log\n"
         await farm.add(pod, "prefill", engine.port)
         await eventually(lambda: events(kube_cluster, name, "Restarted"), timeout=30)
     finally:
         await engine.stop()
+        await impostor.stop()
     assert {path for path, _ in engine.authorizations} >= {"/admin/drain", "/admin/abort"}
     assert {auth for _, auth in engine.authorizations} == {f"Bearer {token}"}
+    assert impostor.authorizations == []
+    assert await kube_client.get("v1", "pods", NS, "healer-prefill-9") is not None
 
 
 async def test_a_named_secret_is_used_only_when_it_is_the_operators(kube_cluster: WatchdogCluster,
-                                                                   kube_client: ClusterClient, operator_factory) -> None:
-    """security.secretName could name any Secret of the namespace (issue 27): the operator reads
-    and patches only one that carries its label (or its owner reference)."""
+                                                                   kube_client: ClusterClient, operator_factory,
+                                                                   monkeypatch) -> None:
+    """security.secretName could name any Secret of the namespace (issue 27): the operator uses
+    only one that carries its label (or its owner reference), never writes to an existing one,
+    and says in the resource's status why it does not use one."""
+    from dsv4_operator import auth_secret
+
+    monkeypatch.setattr(auth_secret, "SECRET_RECHECK_SECONDS", 1.0)
     await operator_factory([NS])
     theirs = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "team-b-creds", "namespace": NS},
               "data": {"admin-token": base64.b64encode(b"team-b").decode()}}
@@ -75,16 +94,26 @@ async def test_a_named_secret_is_used_only_when_it_is_the_operators(kube_cluster
     cr = deployment("grabby", remediation={})
     cr["spec"]["security"] = {"secretName": "team-b-creds"}
     await kube_client.create(cr, "dsv4deployments")
-    await asyncio.sleep(4)  # reconciles that could have patched it
+
+    async def degraded(reason: str):
+        got = await kube_client.get(API, PLURAL, NS, "grabby")
+        conds = {c["type"]: c for c in (got.get("status") or {}).get("conditions") or []}
+        cond = conds.get("Degraded") or {}
+        return cond if cond.get("status") == "True" and cond.get("reason") == reason else None
+
+    cond = await eventually(lambda: degraded("SecretNotOwned"), timeout=20)
+    assert "team-b-creds" in cond["message"] and "not the operator's" in cond["message"]
+    assert events(kube_cluster, "grabby", "SecretNotOwned")
     secret = await kube_client.get("v1", "secrets", NS, "team-b-creds")
     assert set(secret["data"]) == {"admin-token"}, "not patched"
     assert await kube_client.get("apps/v1", "statefulsets", NS, "grabby-prefill") is None
-    # Given to the operator by its label: adopted, the missing keys added.
+    # Given to the operator by its label, but incomplete: said so, still not written to.
     await kube_client.patch("v1", "secrets", NS, "team-b-creds",
                             {"metadata": {"labels": {"app.kubernetes.io/managed-by": "dsv4-operator"}}})
-
-    async def adopted():
-        s = await kube_client.get("v1", "secrets", NS, "team-b-creds")
-        return s if {"pd-secret", "router-admin-token"} <= set(s["data"]) else None
-
-    await eventually(adopted, timeout=40)
+    cond = await eventually(lambda: degraded("SecretUnusable"), timeout=40)
+    assert "pd-secret" in cond["message"]
+    assert set((await kube_client.get("v1", "secrets", NS, "team-b-creds"))["data"]) == {"admin-token"}
+    # Completed by its owner: adopted, the children applied.
+    await kube_client.patch("v1", "secrets", NS, "team-b-creds", {"stringData": {"pd-secret": "p", "router-admin-token": "r"}})
+    await eventually(lambda: kube_client.get("apps/v1", "statefulsets", NS, "grabby-prefill"), timeout=60)
+    assert not any(op == "patch" for op, group, resource in kube_cluster.recorder.observed() if resource == "secrets")

@@ -17,12 +17,15 @@ from dsv4_router.router import Router, RouterArgs  # noqa: E402
 from dsv4_router.discovery import pod_worker, sync, watch_pods  # noqa: E402
 
 
-def pod(name, role="prefill", ip="10.0.0.1", phase="Running", port=8100, draining=False, instance="flash"):
+def pod(name, role="prefill", ip="10.0.0.1", phase="Running", port=8100, draining=False, instance="flash",
+        owner=None):
     labels = {"app.kubernetes.io/instance": instance, "serving.dsv4.dev/role": role}
     if draining:
         labels["serving.dsv4.dev/draining"] = "true"
+    refs = [] if owner is None else [{"apiVersion": "apps/v1", "kind": owner[0], "name": owner[1], "uid": "u-1",
+                                      "controller": owner[2] if len(owner) > 2 else True}]
     return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": "serving", "labels": labels},
+            "metadata": {"name": name, "namespace": "serving", "labels": labels, "ownerReferences": refs},
             "spec": {"containers": [{"name": "engine", "image": "x", "ports": [{"name": "http", "containerPort": port}]}]},
             "status": {"phase": phase, "podIP": ip}}
 
@@ -36,6 +39,19 @@ def test_pod_worker_rule():
     gone = pod("a")
     gone["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     assert pod_worker(gone) is None
+
+
+def test_with_owners_only_pods_controlled_by_those_statefulsets_are_workers():
+    owners = ["flash-prefill", "flash-decode"]
+    assert pod_worker(pod("a", owner=("StatefulSet", "flash-prefill")), owners) == ("http://10.0.0.1:8100", "prefill")
+    # The right labels on a pod someone else made: no traffic, no PD secret (issue 27).
+    assert pod_worker(pod("a"), owners) is None
+    assert pod_worker(pod("a", owner=("StatefulSet", "evil")), owners) is None
+    assert pod_worker(pod("a", owner=("ReplicaSet", "flash-prefill")), owners) is None
+    assert pod_worker(pod("a", owner=("StatefulSet", "flash-prefill", False)), owners) is None  # not its controller
+    router = Router(RouterArgs(owners=owners))
+    sync(router, {"p": pod("p", ip="10.0.0.5", owner=("StatefulSet", "flash-prefill")), "x": pod("x", ip="10.0.0.9")})
+    assert set(router.pool.workers) == {"http://10.0.0.5:8100"}
 
 
 def test_sync_keeps_static_workers_and_replaces_discovered_ones():

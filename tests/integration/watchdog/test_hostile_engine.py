@@ -72,6 +72,7 @@ async def _remediation_delay(kube_cluster: WatchdogCluster, kube_client: Cluster
     if hostile:
         tenant = pod_farm("tenant")
         tenant.recreate_after = 0.5
+        tenant.own_statefulsets = True  # its pod comes before its resource
         bad = await HostileEngine("prefill").start()
         try:
             await tenant.add("tenant-prefill-0", "prefill", bad.port)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from watchdog_harness import NS, ClusterClient, ScriptedEngine, WatchdogCluster, deployment, pod_body
+from watchdog_harness import NS, ClusterClient, ScriptedEngine, WatchdogCluster, deployment, owner_statefulset, pod_body
 from dsv4_operator.kube import KubeApi, load_configuration
 from dsv4_operator.remediation.executor import DeploymentContext, KubernetesExecutor
 from dsv4_operator.remediation.pods import DRAINING_LABEL, engine_pod
@@ -44,7 +44,9 @@ async def harness(kube_cluster: WatchdogCluster, kube_client: ClusterClient, kub
     cr = await kube_client.create(deployment("flash", remediation={}), "dsv4deployments")
     engine = await engines("prefill", "wedged")
     # With a sidecar: the evidence must ask pods/log for the engine container by name.
-    await kube_client.create(pod_body("flash", "flash-prefill-0", "prefill", engine.port, sidecar=True), "pods")
+    owner = await owner_statefulset(kube_client, "flash", "prefill", own=True)
+    await kube_client.create(pod_body("flash", "flash-prefill-0", "prefill", engine.port, sidecar=True, owner=owner),
+                             "pods")
     await kube_client.patch("v1", "pods", NS, "flash-prefill-0", {"status": {
         "phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}},
         subresource="status")
@@ -100,7 +102,8 @@ async def test_a_replayed_step_never_touches_the_replacement(harness: Harness) -
     h = harness
     old = h.action(RESTART)  # judged on the first incarnation
     await h.client.delete("v1", "pods", NS, "flash-prefill-0")
-    await h.client.create(pod_body("flash", "flash-prefill-0", "prefill", h.engine.port), "pods")
+    owner = await owner_statefulset(h.client, "flash", "prefill", own=True)
+    await h.client.create(pod_body("flash", "flash-prefill-0", "prefill", h.engine.port, owner=owner), "pods")
     await h.refresh()
     new_uid = h.ctx.pods["flash-prefill-0"].uid
     assert new_uid != old.uid
@@ -175,7 +178,8 @@ async def test_sglang_engines_are_aborted_their_way(kube_cluster: WatchdogCluste
                                                     kubeconfig: Path, engines) -> None:
     cr = await kube_client.create(deployment("sgl", remediation={}), "dsv4deployments")
     engine = await engines("prefill", "wedged")
-    await kube_client.create(pod_body("sgl", "flash-prefill-0", "prefill", engine.port), "pods")
+    owner = await owner_statefulset(kube_client, "sgl", "prefill", own=True)
+    await kube_client.create(pod_body("sgl", "flash-prefill-0", "prefill", engine.port, owner=owner), "pods")
     await kube_client.patch("v1", "pods", NS, "flash-prefill-0", {"status": {"podIP": "127.0.0.1"}},
                             subresource="status")
     api = KubeApi(await load_configuration(str(kubeconfig)))

@@ -258,16 +258,45 @@ class ScriptedEngine:
 # ---- Pods: a StatefulSet controller and kubelet for the tests ----------------------------------------
 
 
-def pod_body(deployment: str, name: str, role: str, port: int, sidecar: bool = False) -> dict:
-    """`sidecar`: a second container, as a service mesh or log shipper injects (pods/log then needs container=)."""
+def pod_body(deployment: str, name: str, role: str, port: int, sidecar: bool = False,
+             owner: Optional[dict] = None) -> dict:
+    """`sidecar`: a second container, as a service mesh or log shipper injects (pods/log then needs
+    container=). `owner`: the StatefulSet that controls the pod (the watchdog and the router take
+    only pods their deployment's StatefulSets control)."""
     containers = [{"name": "engine", "image": "reg/dsv4:1", "ports": [{"name": "http", "containerPort": port}]}]
     if sidecar:
         containers.append({"name": "istio-proxy", "image": "istio/proxyv2:1"})
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": NS, "labels": {
-                "app.kubernetes.io/name": "dsv4", "app.kubernetes.io/instance": deployment,
-                "serving.dsv4.dev/role": role}},
-            "spec": {"containers": containers}}
+    meta: dict[str, Any] = {"name": name, "namespace": NS, "labels": {
+        "app.kubernetes.io/name": "dsv4", "app.kubernetes.io/instance": deployment, "serving.dsv4.dev/role": role}}
+    if owner is not None:
+        meta["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": owner["metadata"]["name"],
+                                    "uid": owner["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": {"containers": containers}}
+
+
+async def owner_statefulset(client: ClusterClient, deployment_name: str, role: str, *, wait: float = 20.0,
+                            own: bool = False) -> dict:
+    """The StatefulSet `<deployment>-<role>` that controls the test's pods, as the real controller's
+    pods carry it: the operator's, once applied (waited for up to `wait` seconds); with `own` (no
+    operator, or pods before their resource), one made here if there is none yet."""
+    from dsv4_operator.manifests import Owner, engine_statefulset
+    from dsv4_operator.spec import parse_spec
+
+    name = f"{deployment_name}-{role}"
+    deadline = time.monotonic() + (0 if own else wait)
+    while True:
+        live = await client.get("apps/v1", "statefulsets", NS, name)
+        if live is not None:
+            return live
+        if time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(0.1)
+    if not own:
+        raise AssertionError(f"the operator did not make StatefulSet {name} within {wait}s")
+    body = engine_statefulset(parse_spec(deployment(deployment_name, remediation={})["spec"]),
+                              Owner(deployment_name, NS, "none"), role)
+    del body["metadata"]["ownerReferences"]  # no resource yet: the garbage collector would take it
+    return await client.create(body, "statefulsets")
 
 
 class PodFarm:
@@ -279,13 +308,15 @@ class PodFarm:
         self.client, self.cluster, self.deployment = client, cluster, deployment
         self.pods: dict[str, tuple[str, int]] = {}  # name -> (role, port)
         self.recreate_after: Optional[float] = None
+        self.own_statefulsets = False  # True: make the owning StatefulSet instead of waiting for the operator's
         self.on_recreate: Callable[[str], None] = lambda name: None
         self.timeline: list[tuple[float, str, str]] = []  # (monotonic, "deleted"|"ready", pod)
         self._task: Optional[asyncio.Task] = None
 
     async def add(self, name: str, role: str, port: int) -> dict:
         self.pods[name] = (role, port)
-        await self.client.create(pod_body(self.deployment, name, role, port), "pods")
+        owner = await owner_statefulset(self.client, self.deployment, role, own=self.own_statefulsets)
+        await self.client.create(pod_body(self.deployment, name, role, port, owner=owner), "pods")
         pod = await self.client.patch("v1", "pods", NS, name, {"status": {
             "phase": "Running", "podIP": "127.0.0.1",
             "conditions": [{"type": "Ready", "status": "True"}]}}, subresource="status")

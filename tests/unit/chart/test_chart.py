@@ -45,7 +45,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
                                          "metrics.serviceMonitor.enabled": True, "sample.enabled": True},
     "servicemonitor-operator-only": {"metrics.serviceMonitor.enabled": True, "metrics.serviceMonitor.engines": False},
     "minimal": {"metrics.service.enabled": False, "rbac.create": False, "serviceAccount.create": False,
-                "serviceAccount.name": "existing-sa", "tenantPolicy.admissionPolicy": False},
+                "serviceAccount.name": "existing-sa", "tenantPolicy.admissionPolicy": False,
+                "operatorKey.existingSecret": "existing-key"},
     "pinned-image-and-scheduling": {"image.repository": "registry.example/dsv4-operator", "image.tag": "0.1.0-rc1",
                                     "imagePullSecrets": [{"name": "regcred"}], "priorityClassName": "system-cluster-critical",
                                     "nodeSelector": {"kubernetes.io/os": "linux"},
@@ -151,7 +152,7 @@ def test_optional_objects_follow_their_switches() -> None:
     # Namespace scope by default (issue 27): a Role for the watched namespace and one for the Lease.
     # ... and the tenant policy as a ValidatingAdmissionPolicy.
     assert kinds(default) == ["Deployment", "PodDisruptionBudget", "Role", "Role",
-                              "RoleBinding", "RoleBinding", "Service", "ServiceAccount",
+                              "RoleBinding", "RoleBinding", "Secret", "Service", "ServiceAccount",
                               "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     everything = helm_template(ALL_ON)
     assert kinds(everything) == sorted(kinds(default) + ["ConfigMap", "DSV4Deployment", "ServiceMonitor", "ServiceMonitor"])
@@ -306,7 +307,34 @@ def test_rbac_has_no_wildcards_and_nothing_that_escalates() -> None:
         assert not resources & {"clusterroles", "clusterrolebindings", "nodes", "namespaces"}
         # Secrets: the deployments' auth Secrets, one by one; never listed or watched (that would
         # hand the operator every Secret's value in bulk).
-        assert {v for _, r, v in grants(rules) if r == "secrets"} == {"get", "create", "patch"}
+        # Never patched either (issue 27): tokens are derived from the operator key and the
+        # deployment's uid, so a create suffices; get checks an existing one is the operator's.
+        assert {v for _, r, v in grants(rules) if r == "secrets"} == {"get", "create"}
+
+
+def test_default_install_has_no_cluster_wide_secret_verbs_and_an_operator_key() -> None:
+    docs = helm_template()
+    assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
+    for role in by_kind(docs, "Role"):
+        assert role["metadata"]["namespace"] == NAMESPACE
+    secret = one(docs, "Secret")
+    assert secret["metadata"]["name"] == f"{RELEASE}-key" and len(secret["data"]["key"]) >= 48
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    c = operator_container(docs)
+    pod = operator_deployment(docs)["spec"]["template"]["spec"]
+    assert {"name": "DSV4_OPERATOR_KEY_FILE", "value": "/etc/dsv4-operator/key/key"} in c["env"]
+    (vol,) = [v for v in pod["volumes"] if v["name"] == "operator-key"]
+    assert vol["secret"]["secretName"] == f"{RELEASE}-key"
+    mine = helm_template({"operatorKey.existingSecret": "my-key"})
+    assert not by_kind(mine, "Secret")
+    (vol,) = [v for v in operator_deployment(mine)["spec"]["template"]["spec"]["volumes"] if v["name"] == "operator-key"]
+    assert vol["secret"]["secretName"] == "my-key"
+
+
+def test_image_digest_pins_the_operator_image_when_set() -> None:
+    digest = "sha256:" + "ab" * 32
+    assert operator_container(helm_template({"image.digest": digest}))["image"] == f"dsv4-operator@{digest}"
+    assert operator_container(helm_template())["image"] == "dsv4-operator:0.1.0"
 
 
 def test_the_operator_holds_what_its_router_role_grants() -> None:

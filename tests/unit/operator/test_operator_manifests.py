@@ -95,7 +95,7 @@ def test_the_children_and_their_names() -> None:
         ("Service", "flash-prefill"), ("Service", "flash-decode"), ("Service", "flash-router"),
         ("ServiceAccount", "flash-router"), ("Role", "flash-router"), ("RoleBinding", "flash-router"),
         ("PodDisruptionBudget", "flash-prefill"), ("PodDisruptionBudget", "flash-decode"),
-        ("NetworkPolicy", "flash-engines"),  # on by default (issue 27)
+        ("NetworkPolicy", "flash-engines"), ("NetworkPolicy", "flash-router"),  # on by default (issue 27)
     }
     for (kind, name), child in children.items():
         meta = child["metadata"]
@@ -160,7 +160,9 @@ def test_builtin_commands() -> None:
     (container,) = router["containers"]
     assert container["command"] == ["dsv4", "router", "--host", "0.0.0.0", "--port", "8000",
                                     "--discover-namespace", "serving",
-                                    "--selector", "app.kubernetes.io/instance=flash"]
+                                    "--selector", "app.kubernetes.io/instance=flash",
+                                    # only pods our StatefulSets control (issue 27)
+                                    "--owner", "flash-prefill", "--owner", "flash-decode"]
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 8000}
 
 
@@ -389,9 +391,8 @@ def test_builtin_pods_meet_the_restricted_profile() -> None:
     for role, pod in pods_of(spec_of()).items():
         assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}, "runAsNonRoot": True}, role
         (container,) = pod["containers"]
-        # The builtin router's root file system is read-only, /tmp an emptyDir (issue 27).
-        expected = {**PSA_RESTRICTED_CONTAINER, "readOnlyRootFilesystem": True} if role == "router" else PSA_RESTRICTED_CONTAINER
-        assert container["securityContext"] == expected, role
+        # Builtin engines' and router's root file systems are read-only, scratch on emptyDirs (issue 27).
+        assert container["securityContext"] == {**PSA_RESTRICTED_CONTAINER, "readOnlyRootFilesystem": True}, role
         # restricted allows these volume types only (hostPath is not among them)
         assert all(set(v) - {"name"} <= {"emptyDir", "persistentVolumeClaim", "image", "secret", "configMap"}
                    for v in pod.get("volumes", [])), role
@@ -403,6 +404,29 @@ def test_the_router_has_default_limits_unless_resources_are_given() -> None:
     assert router["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
     given = pods_of(spec_of(router={"resources": {"limits": {"memory": "1Gi"}}}))["router"]["containers"][0]
     assert given["resources"] == {"limits": {"memory": "1Gi"}}
+
+
+def test_builtin_engines_write_only_to_emptydirs_and_have_default_limits() -> None:
+    for role in ("prefill", "decode"):
+        pod = pods_of(spec_of())[role]
+        (c,) = pod["containers"]
+        mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+        assert mounts["/tmp"] == "tmp" and mounts[M.ENGINE_HOME] == "home"
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["tmp"]["emptyDir"]["sizeLimit"] and volumes["home"]["emptyDir"]["sizeLimit"]
+        assert {"name": "HOME", "value": M.ENGINE_HOME} in c["env"]
+        assert c["resources"]["limits"]["memory"] == M.ENGINE_DEFAULT_RESOURCES["limits"]["memory"]
+        assert c["resources"]["requests"]["cpu"] == M.ENGINE_DEFAULT_RESOURCES["requests"]["cpu"]
+    gpus = M.engine_statefulset(spec_of(prefill={"gpusPerPod": 4}), OWNER, "prefill")
+    res = engine_container(gpus)["resources"]
+    assert res["limits"] == {**M.ENGINE_DEFAULT_RESOURCES["limits"], "nvidia.com/gpu": 4}
+    given = engine_container(M.engine_statefulset(spec_of(prefill={"resources": {"limits": {"memory": "1Ti"}}}),
+                                                  OWNER, "prefill"))
+    assert given["resources"] == {"limits": {"memory": "1Ti", "nvidia.com/gpu": 4}, "requests": {"nvidia.com/gpu": 4}}
+    # SGLang's image writes all over its root: left writable, said in docs/operations.md.
+    sglang = pods_of(spec_of(engine={"kind": "sglang", "image": "lmsysorg/sglang:v0"}))["prefill"]["containers"][0]
+    assert "readOnlyRootFilesystem" not in sglang["securityContext"]
+    assert sglang["resources"]["limits"]["memory"]  # limits all the same
 
 
 def test_sglang_runs_as_root_unless_a_uid_is_given_and_ipc_lock_is_opt_in() -> None:
@@ -436,16 +460,16 @@ def test_network_policy_admits_router_operator_and_peers_only() -> None:
     off = spec_of(security={"networkPolicy": {"enabled": False}})
     assert not [c for c in M.build_children(off, OWNER) if c["kind"] == "NetworkPolicy"]
     assert ("networking.k8s.io/v1", "NetworkPolicy", "flash-engines") in M.absent_children(off, OWNER)
+    assert ("networking.k8s.io/v1", "NetworkPolicy", "flash-router") in M.absent_children(off, OWNER)
     spec = spec_of(security={"networkPolicy": {"enabled": True, "allowFrom": [
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]}})
-    (policy,) = [c for c in M.build_children(spec, OWNER, operator_namespace="dsv4-system")
-                 if c["kind"] == "NetworkPolicy"]
+    policy = by_key(M.build_children(spec, OWNER, operator_namespace="dsv4-system"))[("NetworkPolicy", "flash-engines")]
     kubernetes_validate.validate(policy, K8S_VERSIONS[0], strict=True)
     assert M.absent_children(spec, OWNER) == []
     sel = policy["spec"]["podSelector"]
     assert sel["matchLabels"] == {M.LABEL_NAME: "dsv4", M.LABEL_INSTANCE: "flash"}
     assert sel["matchExpressions"] == [{"key": M.LABEL_ROLE, "operator": "In", "values": ["prefill", "decode"]}]
-    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
     front, peers, extra = policy["spec"]["ingress"]
     assert front["ports"] == [{"port": 8100, "protocol": "TCP"}]
     router, operator = front["from"]
@@ -463,6 +487,51 @@ def test_network_policy_admits_router_operator_and_peers_only() -> None:
         is_engine = pod_labels.get(M.LABEL_ROLE) in sel["matchExpressions"][0]["values"]
         assert is_engine == (role != "router")
         assert all(pod_labels.get(k) == v for k, v in router["podSelector"]["matchLabels"].items()) == (role == "router")
+
+
+def test_engine_egress_reaches_only_peers_dns_and_what_is_added() -> None:
+    spec = spec_of(security={"networkPolicy": {"extraEgress": [
+        {"to": [{"ipBlock": {"cidr": "10.9.0.0/16"}}], "ports": [{"port": 4317, "protocol": "TCP"}]}]}})
+    policy = by_key(M.build_children(spec, OWNER))[("NetworkPolicy", "flash-engines")]
+    peers, dns, otlp = policy["spec"]["egress"]
+    assert peers == {"to": [{"podSelector": policy["spec"]["podSelector"]}]}  # every port: NIXL
+    assert dns == {"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}
+    assert otlp["to"] == [{"ipBlock": {"cidr": "10.9.0.0/16"}}]
+
+
+def test_router_network_policy_on_by_default_clients_in_egress_to_engines_dns_api() -> None:
+    default = by_key(M.build_children(spec_of(), OWNER, operator_namespace="dsv4-system"))
+    policy = default[("NetworkPolicy", "flash-router")]
+    kubernetes_validate.validate(policy, K8S_VERSIONS[0], strict=True)
+    assert policy["spec"]["podSelector"] == {"matchLabels": M.selector_labels("flash", "router")}
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    clients, operator = rule["from"]
+    assert clients == {"podSelector": {}}  # default: the deployment's own namespace
+    assert operator["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "dsv4-system"}}
+    engines, dns, api = policy["spec"]["egress"]
+    engine_policy = default[("NetworkPolicy", "flash-engines")]
+    assert engines == {"to": [{"podSelector": engine_policy["spec"]["podSelector"]}],
+                       "ports": [{"port": 8100, "protocol": "TCP"}]}
+    assert dns["ports"][0]["port"] == 53 and "to" not in dns
+    assert {p["port"] for p in api["ports"]} == {443, 6443}
+    assert [t["ipBlock"]["cidr"] for t in api["to"]] == ["0.0.0.0/0", "::/0"]
+    # The router pods are the ones selected; engine pods are not.
+    router_labels = default[("Deployment", "flash-router")]["spec"]["template"]["metadata"]["labels"]
+    engine_labels = default[("StatefulSet", "flash-prefill")]["spec"]["template"]["metadata"]["labels"]
+    sel = policy["spec"]["podSelector"]["matchLabels"]
+    assert all(router_labels.get(k) == v for k, v in sel.items())
+    assert not all(engine_labels.get(k) == v for k, v in sel.items())
+    # Clients named: only they (and the operator) reach the router; the API narrowed.
+    named = spec_of(security={"networkPolicy": {"clients": [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress"}}}],
+        "apiServerCidrs": ["10.0.0.1/32"]}})
+    policy = by_key(M.build_children(named, OWNER))[("NetworkPolicy", "flash-router")]
+    assert policy["spec"]["ingress"][0]["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "ingress"}
+    assert policy["spec"]["egress"][2]["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
+    kubernetes_validate.validate(policy, K8S_VERSIONS[0], strict=True)
 
 
 # ---- Scaling: who owns replicas -------------------------------------------------------------------

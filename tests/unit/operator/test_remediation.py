@@ -29,9 +29,11 @@ def pod(name: str = "flash-prefill-0", role: str = "prefill", *, ip: str = "10.0
         {"name": "sidecar", "ports": [{"name": "http", "containerPort": 9000}]},
         {"name": "engine", "ports": ports if ports is not None else [
             {"name": "bootstrap", "containerPort": 8998}, {"name": "http", "containerPort": 8100}]}]
+    owner = meta.pop("owner", f"flash-{role}")
+    refs = [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": owner, "uid": "sts", "controller": True}]
     return {"metadata": {"name": name, "uid": f"uid-{name}", "labels": {
                 "app.kubernetes.io/instance": "flash", "serving.dsv4.dev/role": role, **meta.pop("labels", {})},
-                **meta},
+                "ownerReferences": refs if owner else [], **meta},
             "spec": {"containers": containers},
             "status": {"phase": "Running", "podIP": ip,
                        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
@@ -49,6 +51,11 @@ def test_engine_pods_are_scraped_on_the_engine_containers_http_port() -> None:
     assert engine_pod(pod(ports=[]), default_port=8200).port == 9000  # another container's http port
     assert engine_pod(pod(containers=[]), default_port=8200).port == 8200
     assert engine_pod(pod(role="router")) is None
+    # The right labels on a pod the deployment's StatefulSet does not control (issue 27): not an
+    # engine, so never sent the admin token, drained or restarted.
+    assert engine_pod(pod(owner=None)) is None
+    assert engine_pod(pod(owner="other-prefill")) is None
+    assert engine_pod(pod(owner="flash-decode")) is None  # a decode StatefulSet's pod labelled prefill
     drained = engine_pod(pod(labels={DRAINING_LABEL: "true"}, deletionTimestamp="2026-01-01T00:00:00Z"))
     assert drained.draining and drained.terminating and not drained.ready
     pending = pod(ready=False)
