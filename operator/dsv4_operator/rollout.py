@@ -22,7 +22,7 @@ from typing import Any, Optional
 import httpx
 import kopf
 
-from dsv4_wire import Paths, authorization_header
+from dsv4_wire import Paths, authorization_header, controller_of
 
 from dsv4_operator import spec as S
 from dsv4_operator.canary import plan
@@ -62,11 +62,16 @@ def pod_on_template(pod: Optional[dict], sts: Optional[dict], wanted_template: d
             and ((pod.get("metadata") or {}).get("labels") or {}).get(REVISION_LABEL) == st.get("updateRevision"))
 
 
-def router_urls(pods: list[dict], port: int) -> list[str]:
-    """Pure: http://ip:port of every ready router pod."""
+def router_urls(pods: list[dict], port: int, deployment: str) -> list[str]:
+    """Pure: http://ip:port of every ready router pod of the deployment: controlled by a ReplicaSet
+    of its router Deployment (labels alone can be put on any pod, and these calls carry the admin
+    token)."""
     out = []
     for pod in pods:
         status, meta = pod.get("status") or {}, pod.get("metadata") or {}
+        kind, name = controller_of(meta) or ("", "")
+        if kind != "ReplicaSet" or not name.startswith(child_name(deployment, "router") + "-"):
+            continue
         ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
         if ready and status.get("podIP") and not meta.get("deletionTimestamp"):
             p = port
@@ -198,7 +203,7 @@ class CanaryRun:
             sel = ",".join(f"{k}={v}" for k, v in selector_labels(self.name, "router").items())
             listed = await self.api.request("GET", resource_path("v1", "pods", self.namespace),
                                             query=[("labelSelector", sel)])
-            return router_urls(list((listed or {}).get("items") or []), spec.router.port)
+            return router_urls(list((listed or {}).get("items") or []), spec.router.port, self.name)
 
         router_list = await self.wait_for("no router pod was ready to send the probe through", routers,
                                           float(c.ready_timeout_seconds), state.revision)

@@ -175,7 +175,14 @@ class FakeFleet:
 
     async def start(self) -> "FakeFleet":
         await self.router.start()
-        await self._pod(f"{self.name}-router-0", "router", self.router.port, {})
+        rs = await self.client.create({  # the Deployment controller's ReplicaSet, which controls the router pod
+            "apiVersion": "apps/v1", "kind": "ReplicaSet",
+            "metadata": {"name": f"{self.name}-router-5d8f9c7b6", "namespace": self.ns},
+            "spec": {"selector": {"matchLabels": {"serving.dsv4.dev/role": "router"}},
+                     "template": {"metadata": {"labels": {"serving.dsv4.dev/role": "router"}},
+                                  "spec": {"containers": [{"name": "router", "image": "img"}]}}}}, "replicasets")
+        await self._pod(f"{self.name}-router-5d8f9c7b6-x2x7q", "router", self.router.port, {},
+                        {"kind": "ReplicaSet", "name": rs["metadata"]["name"], "uid": rs["metadata"]["uid"]})
         self._task = asyncio.create_task(self._loop())
         return self
 
@@ -187,10 +194,13 @@ class FakeFleet:
             await engine.stop()
         await self.router.stop()
 
-    async def _pod(self, pod: str, role: str, port: int, extra_labels: dict) -> None:
+    async def _pod(self, pod: str, role: str, port: int, extra_labels: dict, owner: dict) -> None:
+        """`owner`: the controller's ownerReference (kind, name, uid), as the real controllers set it."""
         labels = {"app.kubernetes.io/name": "dsv4", "app.kubernetes.io/instance": self.name,
                   "app.kubernetes.io/component": role, "serving.dsv4.dev/role": role, **extra_labels}
-        body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod, "namespace": self.ns, "labels": labels},
+        meta = {"name": pod, "namespace": self.ns, "labels": labels,
+                "ownerReferences": [{"apiVersion": "apps/v1", "controller": True, "blockOwnerDeletion": True, **owner}]}
+        body = {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
                 "spec": {"containers": [{"name": "engine" if role != "router" else "router", "image": "img",
                                          "ports": [{"name": "http", "containerPort": port}]}]}}
         if await self.client.get("v1", "pods", self.ns, pod) is not None:
@@ -224,7 +234,8 @@ class FakeFleet:
                 engine = await FakeEngine(role, image).start()
                 self.engines[pod], self.revisions[pod], self.images[pod] = engine, update, image
                 self.timeline.append((time.monotonic(), pod, image))
-                await self._pod(pod, role, engine.port, {"controller-revision-hash": update})
+                await self._pod(pod, role, engine.port, {"controller-revision-hash": update},
+                                {"kind": "StatefulSet", "name": sts["metadata"]["name"], "uid": sts["metadata"]["uid"]})
         updated = sum(1 for i in range(n) if self.revisions.get(f"{self.name}-{role}-{i}") == update)
         status = {"observedGeneration": sts["metadata"]["generation"], "replicas": n, "readyReplicas": n,
                   "updatedReplicas": updated, "availableReplicas": n, "updateRevision": update,
