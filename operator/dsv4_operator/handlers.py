@@ -35,6 +35,7 @@ from dsv4_operator.manifests import (
     HOLD_PARTITION, SCALE_MANAGER, Owner, absent_children, build_children, child_name, decode_held,
     engine_statefulset, initial_replicas, prefill_rolled_out, scale_handover, unbuildable_reasons,
 )
+from dsv4_operator.canary import plan as canary_plan
 from dsv4_operator.pinning import pinned_spec
 from dsv4_operator.remediation.daemon import DeploymentWatchdog
 from dsv4_operator.remediation.pods import engine_pod_index_key, pod_snapshot
@@ -110,7 +111,8 @@ def effective_spec(name: str, raw_spec: Any, annotations: Optional[Mapping[str, 
         pinned, _ = check_spec(name, pinned_raw)
         if pinned is not None:
             return pinned, None, revision
-    return spec, None, None
+    spec, reverted = canary_plan.effective(name, spec, raw_spec, annotations, HOLD_PARTITION)  # the canary gate
+    return spec, None, reverted
 
 
 def _metrics(memo: kopf.Memo) -> OperatorMetrics:
@@ -198,6 +200,8 @@ async def refresh_status(api: KubeApi, metrics: OperatorMetrics, namespace: str,
             revision=revision if acted else None,
             remediation_counts=remediation_counts(meta.get("annotations")),
             pinned_revision=pinned,
+            canary=canary_plan.CanaryRecord.from_annotations(meta.get("annotations")),
+            canary_failed=canary_plan.failed_for(meta.get("annotations"), cr.get("spec")),
         )
         changed = status_changed(previous, new)
         computed.append((new, changed))
@@ -396,7 +400,7 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, name: str
     metrics.deployments.set(len(dsv4_resources))
     api = _api(memo)
     generation = int(meta.get("generation") or 0)
-    memo["seen_pin"] = (meta.get("annotations") or {}).get(ANNOTATION_PINNED_REVISION)
+    memo["seen_pin"] = _rollout_marks(meta.get("annotations"))
     def children() -> list[ChildObservation]:
         return _children(namespace, name, dsv4_statefulsets, dsv4_deployments)
 
@@ -457,16 +461,21 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, name: str
                          revision=revision, acted=True)
 
 
+def _rollout_marks(annotations: Optional[Mapping[str, str]]) -> tuple[Optional[str], Optional[str]]:
+    """What the reconciler builds from besides the spec: the rollback pin and the canary's gate."""
+    return (annotations or {}).get(ANNOTATION_PINNED_REVISION), canary_plan.mark(annotations)
+
+
 @kopf.on.event(*CR, id="pin_changed", registry=registry)
 async def pin_changed(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any) -> None:
     """kopf takes no annotation under our prefix for a change (its own bookkeeping lives there),
     so a rollback pin set or lifted by the watchdog is noticed here and acted on at once."""
     if event.get("type") not in ("ADDED", "MODIFIED") or body.get("metadata", {}).get("deletionTimestamp"):
         return
-    pin = (body["metadata"].get("annotations") or {}).get(ANNOTATION_PINNED_REVISION)
+    pin = _rollout_marks(body["metadata"].get("annotations"))
     if "seen_pin" not in memo or memo["seen_pin"] == pin:
         return  # the reconcile has not run yet (it reads the pin itself), or nothing new
-    logger.info(f"Rollback pin {'set to ' + pin if pin else 'lifted'}: re-applying.")
+    logger.info(f"Rollback pin or canary now {pin}: re-applying.")
     indexes = {k: kwargs[k] for k in ("dsv4_statefulsets", "dsv4_deployments", "dsv4_resources")}
     meta = body["metadata"]
     await reconcile(body=body, spec=body.get("spec") or {}, meta=meta, name=meta["name"], namespace=meta["namespace"],

@@ -14,7 +14,7 @@ import hashlib
 import json
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "serving.dsv4.dev"
@@ -270,11 +270,48 @@ class RemediationSpec(_Model):
                                "(pin it: the children run it, the spec is never rewritten).")
 
 
+MSG_TRAFFIC_PERCENT = ("rollout.canary.trafficPercent: only 0 is supported: the router does not split live traffic "
+                       "to a canary yet, so the canary serves only the probe's pinned requests")
+
+
+class CanarySpec(_Model):
+    """The canary step of an engine rollout (docs/operations.md, "Rolling out engine changes")."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(cel("self.trafficPercent == 0", MSG_TRAFFIC_PERCENT)))
+
+    enabled: bool = Field(True, description="On a change to the engines (image, args, env, resources), move one pod "
+                                            "of the changed role first and probe it before the rest roll.")
+    duration_seconds: int = Field(120, ge=1, le=3600, description="How long the probe sends requests (per engine "
+                                                                  "probed: the canary and one stable pod).")
+    concurrency: int = Field(2, ge=1, le=64, description="Conversations the probe runs at once.")
+    rounds: int = Field(32, ge=1, le=1000, description="Most rounds of one conversation before a new one starts.")
+    growth_tokens: int = Field(96, ge=1, le=65536, description="Tokens each round adds (a tool call's result and "
+                                                               "the next turn).")
+    context_share: float = Field(0.5, gt=0, le=1, description="The share of the model's context the conversation "
+                                                              "grows to.")
+    request_timeout_seconds: int = Field(30, ge=1, le=600, description="A probe request unanswered after this is "
+                                                                       "stalled: the canary fails.")
+    ready_timeout_seconds: int = Field(1800, ge=10, le=86400, description="How long the canary pod may take to run "
+                                                                          "the new revision and be ready; then it fails.")
+    traffic_percent: int = Field(0, ge=0, le=100, description="Share of live traffic the canary takes while probed. "
+                                                              "Only 0 is supported: the canary serves the probe alone.")
+    max_ttft_ratio: float = Field(2.0, ge=1, description="Canary TTFT p99 at most this times the stable pod's "
+                                                         "(+ 50 ms).")
+    max_itl_ratio: float = Field(2.0, ge=1, description="Canary ITL p99 at most this times the stable pod's (+ 50 ms).")
+
+    @model_validator(mode="after")
+    def _traffic_supported(self) -> "CanarySpec":
+        if self.traffic_percent != 0:  # a known field we cannot honour is refused, never ignored
+            raise ValueError(MSG_TRAFFIC_PERCENT)
+        return self
+
+
 class RolloutSpec(_Model):
     order: Literal["prefillFirst", "together"] = Field(
         "prefillFirst",
         description="prefillFirst: a change to the engines rolls prefill, and decode only once every prefill pod "
                     "is updated and ready. together: both at once (faster; a full outage with one replica each).")
+    canary: CanarySpec = _nested(CanarySpec)
 
 
 class NetworkPolicySpec(_Model):
@@ -399,6 +436,10 @@ class DSV4DeploymentStatus(_Model):
     wedged_pods: Optional[int] = Field(None, ge=0)
     last_remediation: Optional[RemediationRecord] = None
     remediations_total: Optional[int] = Field(None, ge=0)
+    canary: Optional[dict[str, Any]] = Field(
+        None, description="The last canary: revision, role, pod, phase (Probing, Passed, Failed), the stable "
+                          "revision, the probe's figures and the evidence ConfigMap.",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
 
 
 def parse_spec(raw: Any) -> DSV4DeploymentSpec:

@@ -108,6 +108,8 @@ def compute_status(
     revision: Optional[str] = None,
     remediation_counts: Optional[Mapping[str, int]] = None,
     pinned_revision: Optional[str] = None,
+    canary: Any = None,
+    canary_failed: Any = None,
 ) -> dict[str, Any]:
     """The whole new status. `spec` is None when the spec is invalid (then `spec_error` says why);
     `observed_generation` is the generation the operator last acted on (applied or rejected).
@@ -157,6 +159,9 @@ def compute_status(
         degraded = _condition("Degraded", True, "InvalidSpec", spec_error)
     elif apply_error is not None:
         degraded = _condition("Degraded", True, getattr(apply_error, "reason", "ApplyFailed"), apply_error)
+    elif canary_failed is not None:  # the spec as written failed its canary: the fleet runs the stable revision
+        from dsv4_operator.canary.plan import degraded_condition
+        degraded = degraded_condition(canary_failed)
     else:
         repeated = sorted(p for p, n in (remediation_counts or {}).items() if n >= REPEATED_WEDGES)
         if repeated:
@@ -193,6 +198,8 @@ def compute_status(
         status["revision"] = previous["revision"]
     # Always written (null clears it): whether the children run a pinned revision, not the spec.
     status["pinnedRevision"] = pinned_revision
+    if canary is not None and getattr(canary, "state", None) is not None:
+        status["canary"] = canary.state.to_dict()  # the canary daemon's record (dsv4_operator.rollout)
     for key in WATCHDOG_FIELDS:
         if key in previous:
             status[key] = previous[key]

@@ -50,6 +50,13 @@ class OperatorMetrics:
         self.scrape_errors = Counter(
             "dsv4_operator_scrape_errors_total", "Engine scrapes with an unanswered or failed endpoint, by role.",
             ["role"], registry=self.registry)
+        self.canary_verdicts = Counter(
+            "dsv4_operator_canary_verdicts_total", "Canary verdicts of engine rollouts, by result (passed, failed).",
+            ["result"], registry=self.registry)
+        self.canary_probe_seconds = Histogram(
+            "dsv4_operator_canary_probe_duration_seconds",
+            "Time from a canary pod being ready-checked to its verdict (stable and canary probes included).",
+            buckets=(5, 15, 30, 60, 120, 240, 480, 900, 1800, 3600), registry=self.registry)
         self.wedged_pods = Gauge(
             "dsv4_operator_wedged_pods", "Engine pods wedged or under remediation now, per deployment.",
             ["namespace", "deployment"], registry=self.registry)

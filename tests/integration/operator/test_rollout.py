@@ -1,7 +1,7 @@
 """PD-aware rollout with the real operator against the emulated API server: an engine change
 rolls prefill first and holds decode on its old template (StatefulSet partition) until every
 prefill pod runs the new one and is ready; `order: together` rolls both at once; a role's
-`partition` makes a canary."""
+`partition` makes a canary by hand (the automatic canary step: test_canary_rollout.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ from test_operator_kmock import API, PLURAL, deployment, mark_ready
 from dsv4_operator.manifests import HOLD_PARTITION
 
 STS = ("apps/v1", "statefulsets")
+# These tests are about the order and the partition without the canary step (test_canary_rollout.py
+# has it): with it on, the change would wait for a canary pod this emulator never runs.
+NO_CANARY = {"canary": {"enabled": False}}
 
 
 async def sts(client: ClusterClient, role: str) -> dict:
@@ -44,7 +47,8 @@ async def prefill_rolled(client: ClusterClient, ready: int) -> None:
 async def test_engine_change_rolls_prefill_first_then_decode(cluster_with_crd: KubeCluster,
                                                              kube_client: ClusterClient, operator_factory) -> None:
     await operator_factory(["ns1"])
-    await kube_client.create(deployment("flash", "ns1", prefill={"replicas": 2}, decode={"replicas": 2}), PLURAL)
+    await kube_client.create(deployment("flash", "ns1", prefill={"replicas": 2}, decode={"replicas": 2},
+                                        rollout=NO_CANARY), PLURAL)
     await eventually(lambda: observed(kube_client, 1), timeout=20)
     await mark_ready(kube_client, "ns1", "flash")
     assert partition(await sts(kube_client, "decode")) == 0, "a new deployment holds nothing"
@@ -69,7 +73,7 @@ async def test_engine_change_rolls_prefill_first_then_decode(cluster_with_crd: K
 async def test_together_and_canary_partition(cluster_with_crd: KubeCluster, kube_client: ClusterClient,
                                              operator_factory) -> None:
     await operator_factory(["ns1"])
-    await kube_client.create(deployment("flash", "ns1", rollout={"order": "together"},
+    await kube_client.create(deployment("flash", "ns1", rollout={"order": "together", **NO_CANARY},
                                         decode={"replicas": 4, "partition": 3}), PLURAL)
     await eventually(lambda: observed(kube_client, 1), timeout=20)
     await mark_ready(kube_client, "ns1", "flash")
@@ -94,7 +98,7 @@ async def test_a_pinned_revision_rolls_back_without_touching_the_spec(cluster_wi
     from dsv4_wire import ANNOTATION_PINNED_REVISION, ANNOTATION_REVISIONS
 
     await operator_factory(["ns1"])
-    await kube_client.create(deployment("flash", "ns1", rollout={"order": "together"}), PLURAL)
+    await kube_client.create(deployment("flash", "ns1", rollout={"order": "together", **NO_CANARY}), PLURAL)
     await eventually(lambda: observed(kube_client, 1), timeout=20)
     good = (await kube_client.get(API, PLURAL, "ns1", "flash"))["spec"]
     tracker = RevisionTracker()

@@ -62,6 +62,7 @@ REFUSED: dict[str, tuple[dict, str]] = {
     "toleration_seconds_no_schedule": (tol(key="k", operator="Exists", effect="NoSchedule", tolerationSeconds=30),
                                        "NoExecute"),
     "toleration_seconds_no_effect": (tol(key="k", operator="Exists", tolerationSeconds=30), "NoExecute"),
+    "canary_traffic_percent": (with_spec(rollout={"canary": {"trafficPercent": 10}}), "only 0 is supported"),
 }
 
 ACCEPTED: dict[str, dict] = {
