@@ -37,7 +37,7 @@ from rich.table import Table
 import loadgen
 import prom
 from checkpoints import RESULTS, ensure_model, model_facts
-from procs import Server, free_port
+from procs import Server, free_port, load_average
 from report import fmt, fmt_ratio, machine, now_iso, pyplot, ratio, target, write_json
 from serve_bench import BENCH, vllm_skip_reason
 
@@ -234,8 +234,10 @@ def run_side(url: str, a: argparse.Namespace, vocab: int, engine_url: Optional[s
     return out
 
 
-def run_sides(model: Path, facts: dict, a: argparse.Namespace, logs: Path) -> dict:
-    """One server at a time (the 2-core machine runs one well), each through every workload."""
+def run_sides(model: Path, facts: dict, a: argparse.Namespace, logs: Path,
+              save: Callable[[dict], None] = lambda sides: None) -> dict:
+    """One server at a time (the 2-core machine runs one well), each through every workload;
+    `save` gets the sides done so far after each one (a long run interrupted keeps them)."""
     plan: list[tuple[str, Callable[[], Server], bool]] = [
         ("ours+cache", lambda: start_ours("ours-cache", model, a, logs, True), True),
         ("ours-nocache", lambda: start_ours("ours-nocache", model, a, logs, False), True),
@@ -251,10 +253,12 @@ def run_sides(model: Path, facts: dict, a: argparse.Namespace, logs: Path) -> di
     for name, start, ours in plan:
         console.print(f"  {name} ...")
         srv = start()
+        load_start = load_average()  # the machine is shared: each side says what ran beside it
         try:
             startup = srv.wait_ready(180 if ours else a.vllm_ready_timeout)
             out[name] = {"startup_s": round(startup, 1), "argv": [str(x) for x in srv.argv[2:]],
                          **run_side(srv.url, a, facts["vocab_size"], srv.engine_url if ours else None),
+                         "load_average_start": load_start, "load_average_end": load_average(),
                          "log": str(srv.log_path)}
         except (RuntimeError, TimeoutError) as e:
             if ours:
@@ -262,6 +266,7 @@ def run_sides(model: Path, facts: dict, a: argparse.Namespace, logs: Path) -> di
             out[name] = {"skipped": f"{name} did not start: {str(e)[-1500:]}", "log": str(srv.log_path)}
         finally:
             srv.stop()
+        save(out)
     if skipped:
         out.update({"vllm+cache": {"skipped": skipped}, "vllm-nocache": {"skipped": skipped}})
     return out
@@ -370,7 +375,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     report: dict = {"benchmark": "prefix", "started": now_iso(), "quick": a.quick, "machine": machine(), "model": facts,
                     "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}}
     console.print(f"[bold]dsv4 bench prefix[/bold]: {model} | load avg {report['machine']['load_average_start']}")
-    report["sides"] = run_sides(model, facts, a, a.out / "logs" / "prefix")
+
+    def save(sides: dict) -> None:
+        write_json({**report, "sides": sides, "partial": True}, a.out / "prefix.json")
+
+    report["sides"] = run_sides(model, facts, a, a.out / "logs" / "prefix", save)
     report["comparison"], report["targets"] = compare(report["sides"])
     write_json(report, a.out / "prefix.json")
     plot(report, a.out / "prefix.png")
