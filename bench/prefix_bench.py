@@ -68,6 +68,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run (tiny model, no vllm)")
     p.add_argument("--pd", action="store_true", help="also PD (router + prefill + decode), prefill cache on and off")
     p.add_argument("--page-size", type=int, default=None, help="tokens per KV page of our engines (default: the engine's)")
+    p.add_argument("--waiting-timeout", type=float, default=600.0,
+                   help="PD decode's wait for a request's KV (s); a slow CPU model's prefill at 16 at once takes over "
+                        "the engine's 60 s default")
+    p.add_argument("--sides", default=None,
+                   help="run only these sides (comma-separated, e.g. pd+cache,pd-nocache); the other sides of an "
+                        "OUT/prefix.json with the same settings are kept as they were measured")
     a = p.parse_args(argv)
     full = dict(preset="mla512", rounds=4, conversations=16, prompt_len=512, append_len=64, new_tokens=16,
                 prefix_len=1500, suffix_len=20, repeats=3, kv_pages=2048)
@@ -112,7 +118,8 @@ class PDStack:
                                                        ports["prefill"], "--bootstrap-port", ports["bootstrap"],
                                                        *engine_args(a), *off], ports["prefill"], logs)
         self.decode = Server.dsv4(f"{name}-decode", ["serve", "--model", model, "--role", "decode", "--port",
-                                                     ports["decode"], *engine_args(a)], ports["decode"], logs)
+                                                     ports["decode"], "--waiting-timeout", a.waiting_timeout,
+                                                     *engine_args(a)], ports["decode"], logs)
         self.router = Server.dsv4(f"{name}-router", ["router", "--prefill", self.prefill.url, "--decode",
                                                      self.decode.url, "--port", ports["router"],
                                                      "--health-interval", "1"], ports["router"], logs)
@@ -234,6 +241,23 @@ def run_side(url: str, a: argparse.Namespace, vocab: int, engine_url: Optional[s
     return out
 
 
+def previous_sides(a: argparse.Namespace) -> dict:
+    """The sides of OUT/prefix.json when it was measured with the same settings (--sides reruns
+    some of them); each keeps its own load averages."""
+    path = a.out / "prefix.json"
+    if not path.is_file():
+        return {}
+    import json
+
+    old = json.loads(path.read_text())
+    mine = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k not in ("sides",)}
+    theirs = {k: v for k, v in old.get("settings", {}).items() if k in mine and k != "sides"}
+    differ = sorted(k for k in theirs if theirs[k] != mine[k])
+    if differ:
+        raise SystemExit(f"{path} was measured with other settings ({', '.join(differ)}); not merging")
+    return {k: {**v, "measured_in": old.get("started")} for k, v in old.get("sides", {}).items()}
+
+
 def run_sides(model: Path, facts: dict, a: argparse.Namespace, logs: Path,
               save: Callable[[dict], None] = lambda sides: None) -> dict:
     """One server at a time (the 2-core machine runs one well), each through every workload;
@@ -250,6 +274,10 @@ def run_sides(model: Path, facts: dict, a: argparse.Namespace, logs: Path,
         plan += [("vllm+cache", lambda: start_vllm("vllm-cache", model, a, logs, True), False),
                  ("vllm-nocache", lambda: start_vllm("vllm-nocache", model, a, logs, False), False)]
     out: dict = {}
+    if a.sides:
+        wanted = set(a.sides.split(","))
+        out = {k: v for k, v in previous_sides(a).items() if k not in wanted}
+        plan = [p for p in plan if p[0] in wanted]
     for name, start, ours in plan:
         console.print(f"  {name} ...")
         srv = start()
