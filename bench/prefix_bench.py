@@ -71,6 +71,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--waiting-timeout", type=float, default=600.0,
                    help="PD decode's wait for a request's KV (s); a slow CPU model's prefill at 16 at once takes over "
                         "the engine's 60 s default")
+    p.add_argument("--health-timeout", type=float, default=30.0,
+                   help="PD router's /ready check timeout (s); an engine's HTTP process answers late while a "
+                        "long prefill holds the CPU of a loaded machine, and the router's 2 s default then took "
+                        "the pair out of rotation")
     p.add_argument("--sides", default=None,
                    help="run only these sides (comma-separated, e.g. pd+cache,pd-nocache); the other sides of an "
                         "OUT/prefix.json with the same settings are kept as they were measured")
@@ -122,7 +126,8 @@ class PDStack:
                                                      *engine_args(a)], ports["decode"], logs)
         self.router = Server.dsv4(f"{name}-router", ["router", "--prefill", self.prefill.url, "--decode",
                                                      self.decode.url, "--port", ports["router"],
-                                                     "--health-interval", "1"], ports["router"], logs)
+                                                     "--health-interval", "1", "--health-timeout",
+                                                     a.health_timeout], ports["router"], logs)
         self.servers = [self.prefill, self.decode, self.router]
         self.url, self.engine_url = self.router.url, self.prefill.url
         self.argv, self.log_path = self.prefill.argv, self.prefill.log_path
