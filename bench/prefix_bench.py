@@ -75,6 +75,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="PD router's /ready check timeout (s); an engine's HTTP process answers late while a "
                         "long prefill holds the CPU of a loaded machine, and the router's 2 s default then took "
                         "the pair out of rotation")
+    p.add_argument("--workloads", default=None,
+                   help="with --sides: rerun only these workloads of those sides (comma-separated: conversation, "
+                        "concurrent, warm_vs_cold); their other workloads are kept")
     p.add_argument("--sides", default=None,
                    help="run only these sides (comma-separated, e.g. pd+cache,pd-nocache); the other sides of an "
                         "OUT/prefix.json with the same settings are kept as they were measured")
@@ -190,6 +193,7 @@ def warm_vs_cold(url: str, a: argparse.Namespace, vocab: int, seed: int) -> dict
     async def both() -> tuple:
         async with loadgen._session(600.0) as session:
             cold = await loadgen.stream_completion(session, url, "bench", prefix + s1, 1)
+            await until_ready(url)
             warm = await loadgen.stream_completion(session, url, "bench", prefix + s2, 1)
             return cold, warm
 
@@ -198,6 +202,21 @@ def warm_vs_cold(url: str, a: argparse.Namespace, vocab: int, seed: int) -> dict
     ms = (lambda r: None if r.ttft is None else round(r.ttft * 1000, 3))
     return {"cold_ttft_ms": ms(cold), "warm_ttft_ms": ms(warm), "errors": int(bool(cold.error)) + int(bool(warm.error)),
             "first_error": err}
+
+
+async def until_ready(url: str, timeout: float = 120.0) -> None:
+    """Wait (untimed) until `url` is ready again. An engine whose one prefill step outlasts its
+    10 s stall rule (flash-shape's 1,520-token prompt on a loaded CPU) reads not ready until its
+    loop moves, and a router in front refuses the next request meanwhile."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    async with httpx.AsyncClient(timeout=10) as client:
+        while asyncio.get_running_loop().time() < deadline:
+            try:
+                if (await client.get(f"{url}/ready")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.5)
 
 
 def best(runs: list[dict], kind: str) -> dict:
@@ -230,12 +249,16 @@ def run_side(url: str, a: argparse.Namespace, vocab: int, engine_url: Optional[s
     engine_counters = engine_url is not None
     warm_up(url, vocab)
     before = prom.scrape(engine_url) if engine_counters else ""
-    loads: dict[str, list] = {"conversation": [], "concurrent": [], "warm_vs_cold": []}
+    wanted = a.workloads.split(",") if a.workloads else ["conversation", "concurrent", "warm_vs_cold"]
+    loads: dict[str, list] = {k: [] for k in wanted}
     for rep in range(a.repeats):
         seed = a.seed * 100 + rep + 1  # the same prompts for every side, fresh ones for every repeat
-        loads["conversation"].append(conversations(url, 1, a, vocab, seed))
-        loads["concurrent"].append(conversations(url, a.conversations, a, vocab, seed + 50))
-        loads["warm_vs_cold"].append(warm_vs_cold(url, a, vocab, seed))
+        if "conversation" in loads:
+            loads["conversation"].append(conversations(url, 1, a, vocab, seed))
+        if "concurrent" in loads:
+            loads["concurrent"].append(conversations(url, a.conversations, a, vocab, seed + 50))
+        if "warm_vs_cold" in loads:
+            loads["warm_vs_cold"].append(warm_vs_cold(url, a, vocab, seed))
     out = {k: best(v, k) for k, v in loads.items()}
     if engine_counters:
         out["cache_memory"] = cache_memory(engine_url)
@@ -255,12 +278,12 @@ def previous_sides(a: argparse.Namespace) -> dict:
     import json
 
     old = json.loads(path.read_text())
-    mine = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k not in ("sides",)}
-    theirs = {k: v for k, v in old.get("settings", {}).items() if k in mine and k != "sides"}
+    mine = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k not in ("sides", "workloads")}
+    theirs = {k: v for k, v in old.get("settings", {}).items() if k in mine}
     differ = sorted(k for k in theirs if theirs[k] != mine[k])
     if differ:
         raise SystemExit(f"{path} was measured with other settings ({', '.join(differ)}); not merging")
-    return {k: {**v, "measured_in": old.get("started")} for k, v in old.get("sides", {}).items()}
+    return {k: {**v, "measured_in": v.get("measured_in") or old.get("started")} for k, v in old.get("sides", {}).items()}
 
 
 def run_sides(model: Path, facts: dict, a: argparse.Namespace, logs: Path,
@@ -279,9 +302,11 @@ def run_sides(model: Path, facts: dict, a: argparse.Namespace, logs: Path,
         plan += [("vllm+cache", lambda: start_vllm("vllm-cache", model, a, logs, True), False),
                  ("vllm-nocache", lambda: start_vllm("vllm-nocache", model, a, logs, False), False)]
     out: dict = {}
+    earlier: dict = {}
     if a.sides:
         wanted = set(a.sides.split(","))
-        out = {k: v for k, v in previous_sides(a).items() if k not in wanted}
+        earlier = previous_sides(a)
+        out = {k: v for k, v in earlier.items() if k not in wanted}
         plan = [p for p in plan if p[0] in wanted]
     for name, start, ours in plan:
         console.print(f"  {name} ...")
@@ -289,10 +314,17 @@ def run_sides(model: Path, facts: dict, a: argparse.Namespace, logs: Path,
         load_start = load_average()  # the machine is shared: each side says what ran beside it
         try:
             startup = srv.wait_ready(180 if ours else a.vllm_ready_timeout)
-            out[name] = {"startup_s": round(startup, 1), "argv": [str(x) for x in srv.argv[2:]],
-                         **run_side(srv.url, a, facts["vocab_size"], srv.engine_url if ours else None),
-                         "load_average_start": load_start, "load_average_end": load_average(),
-                         "log": str(srv.log_path)}
+            side = {"startup_s": round(startup, 1), "argv": [str(x) for x in srv.argv[2:]],
+                    **run_side(srv.url, a, facts["vocab_size"], srv.engine_url if ours else None),
+                    "load_average_start": load_start, "load_average_end": load_average(),
+                    "log": str(srv.log_path)}
+            if a.workloads:  # the side's other workloads as measured before, named as such
+                kept = {k: v for k, v in earlier.get(name, {}).items() if k not in side and k != "measured_in"}
+                side = {**kept, **side, "rerun_workloads": a.workloads.split(","),
+                        "rest_measured_in": earlier.get(name, {}).get("measured_in"),
+                        "rest_load_averages": [earlier.get(name, {}).get("load_average_start"),
+                                               earlier.get(name, {}).get("load_average_end")]}
+            out[name] = side
         except (RuntimeError, TimeoutError) as e:
             if ours:
                 raise
