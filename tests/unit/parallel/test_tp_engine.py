@@ -157,7 +157,7 @@ def test_quantized_checkpoints_split_with_their_scales(tmp_path, preset, quant):
     assert got == ref and len(got) == 3
 
 
-@pytest.mark.slow  # ~15-40 s on 2 shared cores; test_tp2_greedy_tokens_equal_tp1[v4-tiny] covers the copies by default
+@pytest.mark.slow  # 7 s quiet, 30-40 s loaded; test_tp2_greedy_tokens_equal_tp1[v4-tiny] covers the copies by default
 def test_v4_prefix_reuse_at_tp2_equals_tp1_without_a_cache(make_model):
     """V4's prefix cache over two ranks: rank 0 keeps the books and every snapshot copy (save
     after a step, restore at admission) is repeated on rank 1, whose replicated attention reads
