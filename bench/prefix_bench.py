@@ -37,7 +37,7 @@ from rich.table import Table
 import loadgen
 import prom
 from checkpoints import RESULTS, ensure_model, model_facts
-from procs import Server, free_port
+from procs import Server, free_port, load_average
 from report import fmt, fmt_ratio, machine, now_iso, pyplot, ratio, target, write_json
 from serve_bench import BENCH, vllm_skip_reason
 
@@ -68,6 +68,19 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run (tiny model, no vllm)")
     p.add_argument("--pd", action="store_true", help="also PD (router + prefill + decode), prefill cache on and off")
     p.add_argument("--page-size", type=int, default=None, help="tokens per KV page of our engines (default: the engine's)")
+    p.add_argument("--waiting-timeout", type=float, default=600.0,
+                   help="PD decode's wait for a request's KV (s); a slow CPU model's prefill at 16 at once takes over "
+                        "the engine's 60 s default")
+    p.add_argument("--health-timeout", type=float, default=30.0,
+                   help="PD router's /ready check timeout (s); an engine's HTTP process answers late while a "
+                        "long prefill holds the CPU of a loaded machine, and the router's 2 s default then took "
+                        "the pair out of rotation")
+    p.add_argument("--workloads", default=None,
+                   help="with --sides: rerun only these workloads of those sides (comma-separated: conversation, "
+                        "concurrent, warm_vs_cold); their other workloads are kept")
+    p.add_argument("--sides", default=None,
+                   help="run only these sides (comma-separated, e.g. pd+cache,pd-nocache); the other sides of an "
+                        "OUT/prefix.json with the same settings are kept as they were measured")
     a = p.parse_args(argv)
     full = dict(preset="mla512", rounds=4, conversations=16, prompt_len=512, append_len=64, new_tokens=16,
                 prefix_len=1500, suffix_len=20, repeats=3, kv_pages=2048)
@@ -112,10 +125,12 @@ class PDStack:
                                                        ports["prefill"], "--bootstrap-port", ports["bootstrap"],
                                                        *engine_args(a), *off], ports["prefill"], logs)
         self.decode = Server.dsv4(f"{name}-decode", ["serve", "--model", model, "--role", "decode", "--port",
-                                                     ports["decode"], *engine_args(a)], ports["decode"], logs)
+                                                     ports["decode"], "--waiting-timeout", a.waiting_timeout,
+                                                     *engine_args(a)], ports["decode"], logs)
         self.router = Server.dsv4(f"{name}-router", ["router", "--prefill", self.prefill.url, "--decode",
                                                      self.decode.url, "--port", ports["router"],
-                                                     "--health-interval", "1"], ports["router"], logs)
+                                                     "--health-interval", "1", "--health-timeout",
+                                                     a.health_timeout], ports["router"], logs)
         self.servers = [self.prefill, self.decode, self.router]
         self.url, self.engine_url = self.router.url, self.prefill.url
         self.argv, self.log_path = self.prefill.argv, self.prefill.log_path
@@ -178,6 +193,7 @@ def warm_vs_cold(url: str, a: argparse.Namespace, vocab: int, seed: int) -> dict
     async def both() -> tuple:
         async with loadgen._session(600.0) as session:
             cold = await loadgen.stream_completion(session, url, "bench", prefix + s1, 1)
+            await until_ready(url)
             warm = await loadgen.stream_completion(session, url, "bench", prefix + s2, 1)
             return cold, warm
 
@@ -186,6 +202,21 @@ def warm_vs_cold(url: str, a: argparse.Namespace, vocab: int, seed: int) -> dict
     ms = (lambda r: None if r.ttft is None else round(r.ttft * 1000, 3))
     return {"cold_ttft_ms": ms(cold), "warm_ttft_ms": ms(warm), "errors": int(bool(cold.error)) + int(bool(warm.error)),
             "first_error": err}
+
+
+async def until_ready(url: str, timeout: float = 120.0) -> None:
+    """Wait (untimed) until `url` is ready again. An engine whose one prefill step outlasts its
+    10 s stall rule (flash-shape's 1,520-token prompt on a loaded CPU) reads not ready until its
+    loop moves, and a router in front refuses the next request meanwhile."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    async with httpx.AsyncClient(timeout=10) as client:
+        while asyncio.get_running_loop().time() < deadline:
+            try:
+                if (await client.get(f"{url}/ready")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.5)
 
 
 def best(runs: list[dict], kind: str) -> dict:
@@ -218,12 +249,16 @@ def run_side(url: str, a: argparse.Namespace, vocab: int, engine_url: Optional[s
     engine_counters = engine_url is not None
     warm_up(url, vocab)
     before = prom.scrape(engine_url) if engine_counters else ""
-    loads: dict[str, list] = {"conversation": [], "concurrent": [], "warm_vs_cold": []}
+    wanted = a.workloads.split(",") if a.workloads else ["conversation", "concurrent", "warm_vs_cold"]
+    loads: dict[str, list] = {k: [] for k in wanted}
     for rep in range(a.repeats):
         seed = a.seed * 100 + rep + 1  # the same prompts for every side, fresh ones for every repeat
-        loads["conversation"].append(conversations(url, 1, a, vocab, seed))
-        loads["concurrent"].append(conversations(url, a.conversations, a, vocab, seed + 50))
-        loads["warm_vs_cold"].append(warm_vs_cold(url, a, vocab, seed))
+        if "conversation" in loads:
+            loads["conversation"].append(conversations(url, 1, a, vocab, seed))
+        if "concurrent" in loads:
+            loads["concurrent"].append(conversations(url, a.conversations, a, vocab, seed + 50))
+        if "warm_vs_cold" in loads:
+            loads["warm_vs_cold"].append(warm_vs_cold(url, a, vocab, seed))
     out = {k: best(v, k) for k, v in loads.items()}
     if engine_counters:
         out["cache_memory"] = cache_memory(engine_url)
@@ -234,8 +269,27 @@ def run_side(url: str, a: argparse.Namespace, vocab: int, engine_url: Optional[s
     return out
 
 
-def run_sides(model: Path, facts: dict, a: argparse.Namespace, logs: Path) -> dict:
-    """One server at a time (the 2-core machine runs one well), each through every workload."""
+def previous_sides(a: argparse.Namespace) -> dict:
+    """The sides of OUT/prefix.json when it was measured with the same settings (--sides reruns
+    some of them); each keeps its own load averages."""
+    path = a.out / "prefix.json"
+    if not path.is_file():
+        return {}
+    import json
+
+    old = json.loads(path.read_text())
+    mine = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k not in ("sides", "workloads")}
+    theirs = {k: v for k, v in old.get("settings", {}).items() if k in mine}
+    differ = sorted(k for k in theirs if theirs[k] != mine[k])
+    if differ:
+        raise SystemExit(f"{path} was measured with other settings ({', '.join(differ)}); not merging")
+    return {k: {**v, "measured_in": v.get("measured_in") or old.get("started")} for k, v in old.get("sides", {}).items()}
+
+
+def run_sides(model: Path, facts: dict, a: argparse.Namespace, logs: Path,
+              save: Callable[[dict], None] = lambda sides: None) -> dict:
+    """One server at a time (the 2-core machine runs one well), each through every workload;
+    `save` gets the sides done so far after each one (a long run interrupted keeps them)."""
     plan: list[tuple[str, Callable[[], Server], bool]] = [
         ("ours+cache", lambda: start_ours("ours-cache", model, a, logs, True), True),
         ("ours-nocache", lambda: start_ours("ours-nocache", model, a, logs, False), True),
@@ -248,20 +302,36 @@ def run_sides(model: Path, facts: dict, a: argparse.Namespace, logs: Path) -> di
         plan += [("vllm+cache", lambda: start_vllm("vllm-cache", model, a, logs, True), False),
                  ("vllm-nocache", lambda: start_vllm("vllm-nocache", model, a, logs, False), False)]
     out: dict = {}
+    earlier: dict = {}
+    if a.sides:
+        wanted = set(a.sides.split(","))
+        earlier = previous_sides(a)
+        out = {k: v for k, v in earlier.items() if k not in wanted}
+        plan = [p for p in plan if p[0] in wanted]
     for name, start, ours in plan:
         console.print(f"  {name} ...")
         srv = start()
+        load_start = load_average()  # the machine is shared: each side says what ran beside it
         try:
             startup = srv.wait_ready(180 if ours else a.vllm_ready_timeout)
-            out[name] = {"startup_s": round(startup, 1), "argv": [str(x) for x in srv.argv[2:]],
-                         **run_side(srv.url, a, facts["vocab_size"], srv.engine_url if ours else None),
-                         "log": str(srv.log_path)}
+            side = {"startup_s": round(startup, 1), "argv": [str(x) for x in srv.argv[2:]],
+                    **run_side(srv.url, a, facts["vocab_size"], srv.engine_url if ours else None),
+                    "load_average_start": load_start, "load_average_end": load_average(),
+                    "log": str(srv.log_path)}
+            if a.workloads:  # the side's other workloads as measured before, named as such
+                kept = {k: v for k, v in earlier.get(name, {}).items() if k not in side and k != "measured_in"}
+                side = {**kept, **side, "rerun_workloads": a.workloads.split(","),
+                        "rest_measured_in": earlier.get(name, {}).get("measured_in"),
+                        "rest_load_averages": [earlier.get(name, {}).get("load_average_start"),
+                                               earlier.get(name, {}).get("load_average_end")]}
+            out[name] = side
         except (RuntimeError, TimeoutError) as e:
             if ours:
                 raise
             out[name] = {"skipped": f"{name} did not start: {str(e)[-1500:]}", "log": str(srv.log_path)}
         finally:
             srv.stop()
+        save(out)
     if skipped:
         out.update({"vllm+cache": {"skipped": skipped}, "vllm-nocache": {"skipped": skipped}})
     return out
@@ -370,7 +440,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     report: dict = {"benchmark": "prefix", "started": now_iso(), "quick": a.quick, "machine": machine(), "model": facts,
                     "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}}
     console.print(f"[bold]dsv4 bench prefix[/bold]: {model} | load avg {report['machine']['load_average_start']}")
-    report["sides"] = run_sides(model, facts, a, a.out / "logs" / "prefix")
+
+    def save(sides: dict) -> None:
+        write_json({**report, "sides": sides, "partial": True}, a.out / "prefix.json")
+
+    report["sides"] = run_sides(model, facts, a, a.out / "logs" / "prefix", save)
     report["comparison"], report["targets"] = compare(report["sides"])
     write_json(report, a.out / "prefix.json")
     plot(report, a.out / "prefix.png")

@@ -113,6 +113,10 @@ def prefix(
     vllm_arg: List[str] = typer.Option([], help="Extra argument for the vllm server (repeat)."),
     pd: bool = typer.Option(False, "--pd", help="Also a PD deployment (router + prefill + decode), prefill's cache on and off."),
     page_size: Optional[int] = typer.Option(None, help="Tokens per KV page of our engines (default: the engine's)."),
+    waiting_timeout: Optional[float] = typer.Option(None, help="PD decode's wait for a request's KV in seconds (default: 600; a slow CPU model's prefill outlasts the engine's 60)."),
+    health_timeout: Optional[float] = typer.Option(None, help="PD router's /ready check timeout in seconds (default: 30; a loaded machine's engine answers late during a long prefill)."),
+    workloads: Optional[str] = typer.Option(None, help="With --sides: rerun only these workloads of those sides (conversation, concurrent, warm_vs_cold; comma-separated); their other workloads are kept."),
+    sides: Optional[str] = typer.Option(None, help="Run only these sides (comma-separated, e.g. pd+cache,pd-nocache); the others of OUT/prefix.json, measured with the same settings, are kept."),
     out: Optional[Path] = typer.Option(None, help="Results folder (default: bench/results, bench/results/quick with --quick)."),
     seed: Optional[int] = typer.Option(None, help="Seed of the prompts and of the default model (default: 0)."),
     quick: bool = typer.Option(False, "--quick", help=QUICK_HELP),
@@ -122,7 +126,7 @@ def prefix(
         model=model, preset=preset, rounds=rounds, conversations=conversations, prompt_len=prompt_len,
         append_len=append_len, new_tokens=new_tokens, prefix_len=prefix_len, suffix_len=suffix_len, repeats=repeats,
         dtype=dtype, kv_pages=kv_pages, no_vllm=True if not vllm else None, vllm_arg=vllm_arg, pd=pd or None,
-        page_size=page_size, out=out, seed=seed, quick=quick or None,
+        page_size=page_size, waiting_timeout=waiting_timeout, health_timeout=health_timeout, workloads=workloads, sides=sides, out=out, seed=seed, quick=quick or None,
     ))
 
 

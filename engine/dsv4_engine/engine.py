@@ -121,7 +121,7 @@ def serving_refusal(model_dir: str, role: str, page_size: Optional[int], tp_size
     return tp_refusal(entry.model_type, cfg, tp_size) or state_refusal(entry.model_class().state_specs(cfg), role, page_size)
 
 
-def prefix_cache_refusal(specs: list[StateSpec], role: str, enabled: bool = True, tp_size: int = 1,
+def prefix_cache_refusal(specs: list[StateSpec], role: str, enabled: bool = True,
                          snapshots: Optional[int] = None) -> Optional[str]:
     """Why this engine runs without a prefix cache, in one line, or None when it has one."""
     if not enabled:
@@ -131,11 +131,6 @@ def prefix_cache_refusal(specs: list[StateSpec], role: str, enabled: bool = True
     slot_states = [s.name for s in specs if not s.paged]
     if slot_states and snapshots == 0:
         return "--prefix-cache-snapshots 0: no snapshot of the slot state to resume a prefix from"
-    if slot_states and tp_size > 1:
-        # Resuming copies a snapshot into the request's slot row; the other ranks' rows would
-        # need the same copy, which the step broadcast does not carry yet.
-        return (f"this model keeps per-request slot state ({', '.join(slot_states)}) whose snapshots are "
-                f"not mirrored across --tp-size {tp_size} ranks yet")
     return None
 
 
@@ -184,7 +179,7 @@ class Engine:
         refusal = state_refusal(specs, args.role, page_size)
         if refusal:
             raise ValueError(refusal)
-        self.prefix_cache_off = prefix_cache_refusal(specs, args.role, args.enable_prefix_cache, args.tp_size,
+        self.prefix_cache_off = prefix_cache_refusal(specs, args.role, args.enable_prefix_cache,
                                                      args.prefix_cache_snapshots)
         if self.spec is not None and self.prefix_cache_off is None and args.enable_prefix_cache:
             from dsv4_engine.spec_decode.build import prefix_cache_refusal as spec_cache_refusal
@@ -203,7 +198,7 @@ class Engine:
         if self.tp is not None:  # the other ranks mirror the pool; each step reaches them first
             from dsv4_engine.parallel.group import BroadcastForward
 
-            self.tp.announce_pool(num_pages, page_size, args.max_num_seqs)
+            self.tp.announce_pool(num_pages, page_size, args.max_num_seqs, num_snapshots)
             self.runner.model = BroadcastForward(self.runner.model, self.tp)
             self.tp.on_failure.append(lambda reason: self.abort(reason=reason, all_=True))
             self.runner.group = self.tp
@@ -218,7 +213,13 @@ class Engine:
         if self.prefix_cache_off is None:
             snaps = SnapshotPool(self.pool.slot_states, num_snapshots) if num_snapshots else None
             boundary = snapshot_boundary(specs, page_size) if snaps is not None else None
-            in_forward = snaps is not None and getattr(self.runner.model, "snapshots_in_forward", False)
+            # At --tp-size > 1 a snapshot is copied after a step and each copy repeated on the
+            # other ranks (`TPGroup.send_snapshot_copy`); the batch they receive carries no
+            # in-forward snapshot rows, so chunks end at the boundaries instead (as on the kernel path).
+            in_forward = (snaps is not None and self.tp is None
+                          and getattr(self.runner.model, "snapshots_in_forward", False))
+            if snaps is not None and self.tp is not None:
+                snaps.mirror = self.tp.send_snapshot_copy
             interval = 0
             if in_forward:
                 every = args.prefix_cache_snapshot_interval

@@ -247,6 +247,18 @@ class SlotAllocator:
             self._free.append(slot)
 
 
+def copy_snapshot(snapshots: dict[str, torch.Tensor], slot_states: dict[str, torch.Tensor], kind: str,
+                  snap: int, row: int) -> None:
+    """"save": slot row `row` into snapshot `snap`; "restore": the other way (every slot state)."""
+    if kind not in ("save", "restore"):
+        raise ValueError(f"unknown snapshot copy {kind!r}")
+    for name, t in snapshots.items():
+        if kind == "save":
+            t[snap].copy_(slot_states[name][row])
+        else:
+            slot_states[name][row].copy_(t[snap])
+
+
 class SnapshotPool:
     """Copies of slot rows taken at cached prefix boundaries (the prefix cache of a model with
     slot states: DeepSeek-V4's window ring and compressor stages). One tensor per slot state,
@@ -270,6 +282,9 @@ class SnapshotPool:
         self._lru: "OrderedDict[int, None]" = OrderedDict()  # held snapshots, least recently used first
         self._pending: set[int] = set()  # reserved for a step that writes them
         self.on_evict: Callable[[int], None] = lambda snap: None
+        # Called after every copy, as ("save" | "restore", snapshot, row): at --tp-size > 1 each
+        # rank keeps its own copy of every slot row, so the other ranks repeat the copy.
+        self.mirror: Optional[Callable[[str, int, int], None]] = None
         self.saved = 0  # snapshots taken
         self.restored = 0  # snapshots copied into a request's row
         self.evicted = 0  # snapshots taken back for room
@@ -329,8 +344,9 @@ class SnapshotPool:
     def save(self, row: int) -> int:
         """Copy slot row `row` of every slot state into a snapshot; its id."""
         snap = self.reserve()
-        for name, t in self.states.items():
-            t[snap].copy_(self.slot_states[name][row])
+        copy_snapshot(self.states, self.slot_states, "save", snap, row)
+        if self.mirror is not None:
+            self.mirror("save", snap, row)
         self.commit(snap)
         return snap
 
@@ -338,8 +354,9 @@ class SnapshotPool:
         """Copy a snapshot into slot row `row` (the request's own); it becomes the most recent."""
         if snap not in self._lru:
             raise RuntimeError(f"snapshot {snap} restored while not held")
-        for name, t in self.states.items():
-            self.slot_states[name][row].copy_(t[snap])
+        copy_snapshot(self.states, self.slot_states, "restore", snap, row)
+        if self.mirror is not None:
+            self.mirror("restore", snap, row)
         self._lru.move_to_end(snap)
         self.restored += 1
 

@@ -165,15 +165,16 @@ class TPGroup:
 
     # ---- the step channel --------------------------------------------------------------------
 
-    def announce_pool(self, num_pages: int, page_size: int, max_num_seqs: int) -> None:
-        """Tell the other ranks the size of the KV pool to build (theirs mirrors rank 0's). The
+    def announce_pool(self, num_pages: int, page_size: int, max_num_seqs: int, num_snapshots: int = 0) -> None:
+        """Tell the other ranks the size of the KV pool to build (theirs mirrors rank 0's, the
+        prefix cache's slot-row snapshots included). The
         other ranks may still be loading their weights: however long that takes, a rank whose
         heartbeat stops for STEP_TIMEOUT_S (a stopped process, alive to the watchdog's poll) fails
         the start, which would otherwise wait forever."""
         self._loading = True
         try:
             with self.step("waiting for the other ranks to load their weights", timed=False):
-                dist.broadcast(torch.tensor([num_pages, page_size, max_num_seqs], dtype=torch.int64), 0,
+                dist.broadcast(torch.tensor([num_pages, page_size, max_num_seqs, num_snapshots], dtype=torch.int64), 0,
                                group=self.rank.control)
         finally:
             self._loading = False
@@ -230,6 +231,16 @@ class TPGroup:
             dist.broadcast(payload, 0, group=self.rank.control)
             for region in state_regions(pool, pages, slot):
                 dist.broadcast(region.contiguous(), 0, group=self.rank.compute)
+
+    def send_snapshot_copy(self, kind: str, snap: int, row: int) -> None:
+        """Prefix cache (V4): rank 0 copied a slot row into a snapshot or back; every rank keeps
+        its own slot rows (replicated attention), so each repeats the copy on its own. Sent on the
+        control channel between the steps, in the order rank 0 did them (a restore before the
+        forward that reads the row, a save after the one that wrote it)."""
+        with self.step("copying a prefix-cache snapshot on the other ranks"):
+            header, payload = wire.snapshot_message(kind, snap, row)
+            dist.broadcast(header, 0, group=self.rank.control)
+            dist.broadcast(payload, 0, group=self.rank.control)
 
     # ---- failure -----------------------------------------------------------------------------
 

@@ -13,7 +13,9 @@ HEADER_LEN = 8
 OP, TOKENS, REQS, MAX_PAGES, ALL_DECODE, HAS_SLOTS, PAGE_SIZE, PAYLOAD = range(HEADER_LEN)
 # Operations. OP_CAPTURE: capture the decode graphs now (REQS: the largest bucket); OP_GRAPH: a
 # decode step replayed from them, its host arrays as a batch payload (REQS rows, MAX_PAGES wide).
-OP_FORWARD, OP_STOP, OP_STATE, OP_CAPTURE, OP_GRAPH = 1, 2, 3, 4, 5
+# OP_SNAPSHOT: a prefix-cache snapshot copy between a slot row and a snapshot row (V4).
+OP_FORWARD, OP_STOP, OP_STATE, OP_CAPTURE, OP_GRAPH, OP_SNAPSHOT = 1, 2, 3, 4, 5, 6
+SNAPSHOT_COPIES = ("save", "restore")  # payload [kind index, snapshot, slot row]
 
 
 def state_message(pages: list[int], slot) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,6 +30,20 @@ def state_message(pages: list[int], slot) -> tuple[torch.Tensor, torch.Tensor]:
 def unpack_state(payload: torch.Tensor) -> tuple[list[int], "int | None"]:
     ids = payload.tolist()
     return ids[:-1], (None if ids[-1] < 0 else ids[-1])
+
+
+def snapshot_message(kind: str, snap: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header, payload) telling the other ranks to repeat rank 0's snapshot copy: "save" (slot
+    row into snapshot) or "restore" (snapshot into slot row)."""
+    payload = torch.tensor([SNAPSHOT_COPIES.index(kind), snap, row], dtype=torch.int64)
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[OP], header[PAYLOAD] = OP_SNAPSHOT, payload.numel()
+    return header, payload
+
+
+def unpack_snapshot(payload: torch.Tensor) -> tuple[str, int, int]:
+    kind, snap, row = payload.tolist()
+    return SNAPSHOT_COPIES[kind], snap, row
 
 
 def stop_header() -> torch.Tensor:

@@ -61,7 +61,7 @@ def _heartbeat(path: str) -> None:
 
 
 def serve_rank(spec: dict) -> None:
-    from dsv4_engine.kv_cache import KVPool
+    from dsv4_engine.kv_cache import KVPool, copy_snapshot
     from dsv4_engine.model_runner import ModelRunner
 
     shard = Shard(spec["rank"], spec["size"])
@@ -71,10 +71,13 @@ def serve_rank(spec: dict) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // shard.size))
     rank = join(shard, spec["port"], device)
     runner = ModelRunner(ea["model"], ea.get("dtype"), device, ea.get("kernel_backend"), tp=rank)
-    sizes = torch.zeros(3, dtype=torch.int64)
+    sizes = torch.zeros(4, dtype=torch.int64)
     dist.broadcast(sizes, 0, group=rank.control)
-    num_pages, page_size, max_num_seqs = sizes.tolist()
+    num_pages, page_size, max_num_seqs, num_snapshots = sizes.tolist()
     pool = KVPool(runner.state_specs, num_pages, page_size, runner.dtype, runner.device, max_num_seqs)
+    # The prefix cache's snapshots of slot rows (V4): rank 0 keeps the books, this rank the copies.
+    snapshots = {name: torch.zeros(num_snapshots, *t.shape[1:], dtype=t.dtype, device=t.device)
+                 for name, t in pool.slot_states.items()} if num_snapshots else {}
     header = torch.zeros(wire.HEADER_LEN, dtype=torch.int64)
     while True:
         dist.broadcast(header, 0, group=rank.control)
@@ -95,6 +98,10 @@ def serve_rank(spec: dict) -> None:
             runner.graphs.step(wire.unpack_host(header, payload))
         elif op == wire.OP_STATE:
             receive_state(pool, rank, *wire.unpack_state(payload))
+        elif op == wire.OP_SNAPSHOT:
+            if not snapshots:
+                raise RuntimeError("rank 0 copied a prefix-cache snapshot, but announced none")
+            copy_snapshot(snapshots, pool.slot_states, *wire.unpack_snapshot(payload))
         else:
             raise RuntimeError(f"unknown operation {op} from rank 0")
 

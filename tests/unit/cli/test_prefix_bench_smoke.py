@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 
 def test_prefix_bench_quick_writes_its_report(tmp_path):
@@ -23,3 +26,23 @@ def test_prefix_bench_quick_writes_its_report(tmp_path):
     assert on["engine_prefix_cache"]["hit_tokens"] >= 160 and off["engine_prefix_cache"]["query_tokens"] == 0
     assert "skipped" in report["sides"]["vllm+cache"]
     assert report["targets"][0]["name"].startswith("warm TTFT / cold TTFT")
+    assert all(len(side["load_average_start"]) == 3 for side in (on, off))
+
+
+def test_sides_rerun_keeps_the_others_only_from_a_report_with_the_same_settings(tmp_path, monkeypatch):
+    """--sides: the sides not rerun come from OUT/prefix.json, each marked with the run it came
+    from; a report measured with other settings is not merged."""
+    bench = Path(__file__).resolve().parents[3] / "bench"
+    monkeypatch.syspath_prepend(str(bench))
+    import prefix_bench
+
+    a = prefix_bench.parse_args(["--quick", "--out", str(tmp_path), "--sides", "ours-nocache"])
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
+    (tmp_path / "prefix.json").write_text(json.dumps({
+        "started": "then", "settings": {**settings, "sides": None},
+        "sides": {"ours+cache": {"load_average_start": [1, 2, 3]}, "ours-nocache": {"old": True}}}))
+    kept = prefix_bench.previous_sides(a)
+    assert kept["ours+cache"] == {"load_average_start": [1, 2, 3], "measured_in": "then"}
+    b = prefix_bench.parse_args(["--quick", "--out", str(tmp_path), "--sides", "ours-nocache", "--prompt-len", "64"])
+    with pytest.raises(SystemExit, match="prompt_len"):
+        prefix_bench.previous_sides(b)

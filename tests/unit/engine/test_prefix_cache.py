@@ -152,11 +152,10 @@ def test_which_engines_build_a_cache(tiny_model, make_model):
     assert prefix_cache_refusal([paged], "prefill") is None
     assert "decode" in prefix_cache_refusal([paged], "decode")
     assert "disable-prefix-cache" in prefix_cache_refusal([paged], "mono", enabled=False)
-    # slot states: reused through snapshots (tests/unit/engine/test_v4_prefix_cache.py), except
-    # with no snapshots or over several ranks
+    # slot states: reused through snapshots (tests/unit/engine/test_v4_prefix_cache.py; over
+    # several ranks tests/unit/parallel/test_tp_engine.py), except with no snapshots
     assert prefix_cache_refusal([paged, window], "mono") is None
     assert "snapshots 0" in prefix_cache_refusal([paged, window], "mono", snapshots=0)
-    assert "slot state (window)" in prefix_cache_refusal([paged, window], "mono", tp_size=2)
     v4 = Engine(EngineArgs(model=str(make_model("v4-tiny")), device="cpu", kernel_backend="torch", kv_pages=16,
                            max_num_seqs=2, prefix_cache_snapshots=0))
     assert v4.prefix_cache is None and v4.scheduler.cache is None

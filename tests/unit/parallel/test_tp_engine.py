@@ -61,8 +61,9 @@ def scenarios(engine: Engine) -> dict:
     staggered, _ = drive(engine, {0: [("s0", ps[0])], 3: [("s1", ps[1]), ("s2", ps[2])], 7: [("s3", ps[3])]})
     ps = prompts(v, [40, 36, 24], seed=2)
     chunked, seqs = drive(engine, {0: [("a", ps[0]), ("b", ps[1])], 2: [("c", ps[2])]})
-    # Prefix cache (V3): the second request reuses the first one's cached pages, which every rank
-    # holds alike because every rank wrote them in the same steps.
+    # Prefix cache: the second request reuses the first one's cached pages, which every rank
+    # holds alike because every rank wrote them in the same steps (V4: and the snapshot of the
+    # slot row at their boundary, which every rank copies).
     base = prompts(v, [26], seed=3)[0]
     hits = engine.metrics.totals.get("prefix_cache_hit_tokens", 0)
     prefixed = {**drive(engine, {0: [("p0", base + [7, 8])]})[0], **drive(engine, {0: [("p1", base + [9])]})[0]}
@@ -89,9 +90,8 @@ def test_tp2_greedy_tokens_equal_tp1(make_model, preset):
     assert got["staggered"] == ref["staggered"] and len(got["staggered"]) == 4
     assert got["chunked"] == ref["chunked"]
     assert got["prefixed"] == ref["prefixed"]
-    if engine_has_prefix_cache := e.prefix_cache is not None:
-        assert got["hit_tokens"] > 0, "the second request should have reused the first one's pages"
-    assert engine_has_prefix_cache == (preset != "v4-tiny")
+    assert e.prefix_cache is not None  # V4 too: its snapshots are copied on every rank
+    assert got["hit_tokens"] > 0, "the second request should have reused the first one's pages"
     assert all(p.poll() == 0 for p in e.tp.procs), "the other rank stops cleanly when told"
 
 
@@ -156,3 +156,40 @@ def test_quantized_checkpoints_split_with_their_scales(tmp_path, preset, quant):
     finally:
         e.tp.close()
     assert got == ref and len(got) == 3
+
+
+@pytest.mark.slow  # 7 s quiet, 30-40 s loaded; test_tp2_greedy_tokens_equal_tp1[v4-tiny] covers the copies by default
+def test_v4_prefix_reuse_at_tp2_equals_tp1_without_a_cache(make_model):
+    """V4's prefix cache over two ranks: rank 0 keeps the books and every snapshot copy (save
+    after a step, restore at admission) is repeated on rank 1, whose replicated attention reads
+    its own slot rows. A shared prefix, a growing conversation resuming inside its answer, and
+    a pool small enough to preempt: the tokens equal tp 1 without a cache, snapshots were
+    restored, and every page, slot row and snapshot is back at the end."""
+    model = make_model("v4-tiny")
+    v = 512
+    system = prompts(v, [27], seed=5)[0]
+    a, b, c = prompts(v, [6, 11, 4], seed=6)
+
+    def run(e: Engine) -> dict:
+        first, _ = drive(e, {0: [("a", system + a)], 1: [("b", system + b)]})
+        # Round 2 re-sends round 1's prompt and answer (a decode snapshot lies inside it).
+        grown = system + a + first["a"] + c
+        second, _ = drive(e, {0: [("a2", grown)], 2: [("c", system + c)]})
+        return {**first, **second}
+
+    ref = run(Engine(EngineArgs(model=str(model), device="cpu", kernel_backend="torch", kv_pages=12, page_size=8,
+                                max_num_batched_tokens=16, enable_prefix_cache=False)))
+    e = Engine(EngineArgs(model=str(model), device="cpu", kernel_backend="torch", kv_pages=12, page_size=8,
+                          max_num_batched_tokens=16, tp_size=2, prefix_cache_snapshots=6))
+    try:
+        got = run(e)
+        snaps = e.prefix_cache.snapshots
+        assert got == ref and len(got) == 4
+        assert snaps.restored >= 3, "b, a2 and c should each have resumed from a snapshot"
+        assert e.metrics.totals["prefix_cache_hit_tokens"] >= 3 * 24
+        assert snaps.num_reserved == 0 and e.pool.slots.num_free == e.pool.slots.total
+        assert not any(e.pool.allocator.refcount(p) for p in range(e.pool.num_pages))
+        assert e.loads()["prefix_cache"]["snapshots_in_forward"] is False  # chunks end at boundaries instead
+        assert e.tp.failed is None
+    finally:
+        e.tp.close()

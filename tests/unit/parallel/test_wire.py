@@ -53,6 +53,27 @@ def test_a_landed_state_message_names_its_pages_and_slot():
     assert wire.unpack_state(wire.state_message([1], None)[1]) == ([1], None)
 
 
+def test_a_snapshot_copy_message_names_its_direction_snapshot_and_row():
+    for kind in ("save", "restore"):
+        header, payload = wire.snapshot_message(kind, 7, 2)
+        assert int(header[wire.OP]) == wire.OP_SNAPSHOT and wire.payload_len(header) == payload.numel()
+        assert wire.unpack_snapshot(payload) == (kind, 7, 2)
+    with pytest.raises(ValueError):
+        wire.snapshot_message("swap", 0, 0)
+
+
+def test_a_snapshot_copy_moves_every_slot_state_one_way():
+    from dsv4_engine.kv_cache import copy_snapshot
+
+    rows = {"ring": torch.arange(12.0).view(3, 4), "stage": torch.arange(6.0).view(3, 2)}
+    snaps = {"ring": torch.zeros(2, 4), "stage": torch.zeros(2, 2)}
+    copy_snapshot(snaps, rows, "save", 1, 2)
+    assert torch.equal(snaps["ring"][1], rows["ring"][2]) and torch.equal(snaps["stage"][1], rows["stage"][2])
+    assert not snaps["ring"][0].any()
+    copy_snapshot(snaps, rows, "restore", 1, 0)
+    assert torch.equal(rows["ring"][0], rows["ring"][2]) and torch.equal(rows["stage"][0], rows["stage"][2])
+
+
 @pytest.mark.parametrize("slots", [False, True])
 def test_a_captured_decode_step_round_trips_from_host_arrays(slots):
     """The header of a replayed step is built from the step's numpy arrays: nothing is read
