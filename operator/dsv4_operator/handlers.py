@@ -37,6 +37,7 @@ from dsv4_operator.manifests import (
     engine_statefulset, initial_replicas, prefill_rolled_out, scale_handover, unbuildable_reasons,
 )
 from dsv4_operator.pinning import pinned_spec
+from dsv4_operator.pod_creation import CREATION_FAILURES, FAILED_CREATE, creation_failure
 from dsv4_operator.remediation.daemon import DeploymentWatchdog
 from dsv4_operator.remediation.pods import engine_pod_index_key, pod_snapshot
 from dsv4_operator.status import APPLY_REFUSAL_REASONS, ROLES, ApplyRefusal, ChildObservation, compute_status, observe, remediation_counts, status_changed
@@ -192,9 +193,11 @@ async def refresh_status(api: KubeApi, metrics: OperatorMetrics, namespace: str,
         spec, spec_error, pinned = effective_spec(name, cr.get("spec"), meta.get("annotations"),
                                                   int(meta.get("generation") or 0))
         observed = observed_generation if acted else previous.get("observedGeneration")
+        kids = list(children())
         new = compute_status(
             spec=spec, spec_error=spec_error, generation=int(meta.get("generation") or 0),
-            observed_generation=observed, children=list(children()), previous=previous, now=now_rfc3339(),
+            observed_generation=observed, children=kids, previous=previous, now=now_rfc3339(),
+            creation_failures=CREATION_FAILURES.standing(namespace, kids),
             apply_error=apply_error if acted else _carried_apply_error(previous, observed),
             revision=revision if acted else None,
             remediation_counts=remediation_counts(meta.get("annotations")),
@@ -712,6 +715,30 @@ async def _reapply_child(api: KubeApi, metrics: OperatorMetrics, namespace: str,
 for _group, _version, _plural in (*WORKLOAD_KINDS, *OTHER_CHILD_KINDS):
     kopf.on.event(_group, _version, _plural, id=f"{_plural}_changed", labels=CHILD_LABELS,
                   registry=registry)(_child_changed)
+
+
+# ---- Pods the StatefulSet controller cannot create (pod_creation) ------------------------------
+
+
+@kopf.on.event("", "v1", "events", id="pod_creation_failed", field="reason", value=FAILED_CREATE, registry=registry)
+async def pod_creation_failed(event: kopf.RawEvent, memo: kopf.Memo, dsv4_statefulsets: kopf.Index,
+                              dsv4_deployments: kopf.Index, **_: Any) -> None:
+    """A StatefulSet of ours could not make a pod (Pod Security admission, a quota...): the
+    owner's status says so, Degraded with the controller's message. main narrows this watch to
+    such Events on the API server."""
+    failure = creation_failure(event.get("object") or {})
+    api = getattr(memo, "api", None)
+    if failure is None or event.get("type") == "DELETED":
+        return
+    # Kept even when the StatefulSet is not in the index yet (the Event can come first): its own
+    # watch event refreshes the owner's status then.
+    CREATION_FAILURES.record(failure)
+    for (namespace, owner_name), observations in dsv4_statefulsets.items():
+        if api is not None and namespace == failure.namespace and \
+                any(o is not None and o.name == failure.statefulset for o in observations):
+            await refresh_status(api, _metrics(memo), namespace, owner_name,
+                                 lambda: _children(namespace, owner_name, dsv4_statefulsets, dsv4_deployments))
+            return
 
 
 # ---- The wedge watchdog -----------------------------------------------------------------------
