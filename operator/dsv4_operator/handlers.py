@@ -28,7 +28,7 @@ import kopf
 from pydantic import ValidationError
 
 from dsv4_operator import spec as S
-from dsv4_operator.drift import describe_removals, foreign_entry_removals
+from dsv4_operator.drift import describe_removals, foreign_entry_removals, foreign_label_removals
 from dsv4_operator.fight import FightTracker, other_manager
 from dsv4_operator.kube import ApiError, KubeApi, connection_info, load_configuration, path_of, resource_path
 from dsv4_operator.manifests import (
@@ -527,11 +527,14 @@ OTHER_CHILD_KINDS = (("", "v1", "services"), ("", "v1", "serviceaccounts"),
 
 def drift_worth_reapplying(event_type: Optional[str], kind: str, generation: Optional[int],
                            last_generation: Optional[int]) -> bool:
-    """Pure: whether a child's watch event may mean someone changed what the operator owns."""
+    """Pure: whether a child's watch event may mean someone changed what the operator owns.
+    A listing (type None) counts as a change: after a watch is told 410 Gone, kopf lists again and
+    a child edited meanwhile arrives only that way (the caller then repairs only a child whose
+    last write was someone else's, so the listing at start costs nothing for our own children)."""
     if event_type == "DELETED":
         return True
-    if event_type != "MODIFIED":
-        return False  # ADDED: just made by us, or seen at (re)start, where the reconcile applies anyway
+    if event_type not in ("MODIFIED", None):
+        return False  # ADDED: just made by us, where the reconcile applies anyway
     if kind in ("StatefulSet", "Deployment"):
         return generation is not None and last_generation is not None and generation != last_generation
     return True
@@ -602,7 +605,8 @@ async def _child_changed(event: kopf.RawEvent, namespace: str, labels: kopf.Labe
 
 async def remove_foreign_entries(api: KubeApi, manifest: Mapping[str, Any],
                                  live: Optional[Mapping[str, Any]] = None) -> list[str]:
-    """Take out of a live child the list entries the manifest does not name (drift.py), by one
+    """Take out of a live child the list entries the manifest does not name and the foreign labels
+    of its pod template and selectors (drift.py), by one
     JSON patch conditioned on the resourceVersion read (a concurrent write makes it a 422 and
     the caller's retry reads again). Returns what was removed."""
     meta = manifest["metadata"]
@@ -610,7 +614,7 @@ async def remove_foreign_entries(api: KubeApi, manifest: Mapping[str, Any],
         live = await api.get(manifest["apiVersion"], manifest["kind"], meta.get("namespace"), meta["name"])
     if live is None:
         return []
-    ops = foreign_entry_removals(live, manifest)
+    ops = foreign_label_removals(live, manifest) + foreign_entry_removals(live, manifest)
     if not ops:
         return []
     test = {"op": "test", "path": "/metadata/resourceVersion", "value": live["metadata"]["resourceVersion"]}
@@ -695,7 +699,7 @@ async def _reapply_child(api: KubeApi, metrics: OperatorMetrics, namespace: str,
     removed = [] if seen_version in (None, "") else await remove_foreign_entries(api, wanted[0])
     if removed:
         kopf.event(cr, type="Normal", reason="Restored",
-                   message=f"{kind}/{name}: removed list entries the operator does not write: {', '.join(removed)}")
+                   message=f"{kind}/{name}: removed entries the operator does not write (list entries, pod-template or selector labels): {', '.join(removed)}")
     after = await apply_repairing(api, wanted[0])
     _remember_generation(generations, after)
     metrics.applied.labels(kind).inc()

@@ -173,3 +173,29 @@ async def test_pdb_status_updates_cost_no_read_no_apply_and_no_event(cluster_wit
     restored = [e for e in await events_for(kube_client, "ns1", "flash")
                 if e["reason"] == "Restored" and "PodDisruptionBudget" in e["message"]]
     assert restored == []
+
+
+async def test_foreign_labels_leave_pod_templates_and_selectors_and_stay_on_metadata(
+        cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory) -> None:
+    """A label someone adds to a child's metadata is theirs to keep; one in a pod template rolls
+    the pods and one in a selector changes who gets traffic: those are removed (drift.py)."""
+    await operator_factory(["ns1"])
+    await kube_client.create(deployment("flash", "ns1"), PLURAL)
+    await eventually(lambda: _ready(kube_client, "ns1", "flash"), timeout=20)
+    await kube_client.patch(*STS, "ns1", "flash-decode", {"metadata": {"labels": {"cost-center": "ml"}},
+                                                          "spec": {"template": {"metadata": {"labels": {
+                                                              "example.com/sidecar": "on"}}}}})
+    await kube_client.patch("v1", "services", "ns1", "flash-router", {"spec": {"selector": {"canary": "yes"}}})
+
+    async def put_right() -> bool:
+        sts = await kube_client.get(*STS, "ns1", "flash-decode")
+        svc = await kube_client.get("v1", "services", "ns1", "flash-router")
+        return "example.com/sidecar" not in sts["spec"]["template"]["metadata"]["labels"] and \
+            "canary" not in svc["spec"]["selector"]
+
+    await eventually(put_right, timeout=20)
+    sts = await kube_client.get(*STS, "ns1", "flash-decode")
+    assert sts["metadata"]["labels"]["cost-center"] == "ml", "a label on the child's own metadata is kept"
+    messages = " ".join(e["message"] for e in await events_for(kube_client, "ns1", "flash") if e["reason"] == "Restored")
+    assert "spec.template.metadata.labels[example.com/sidecar=on]" in messages
+    assert "spec.selector[canary=yes]" in messages
