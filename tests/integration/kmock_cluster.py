@@ -618,6 +618,8 @@ class KubeCluster(kmock.KubernetesEmulator):
     # a resuming watch is told 410 Gone (compact). Bookmarks every bookmark_interval s of quiet.
     watch_history: int = attrs.field(default=10000)
     bookmark_interval: float = attrs.field(default=5.0)
+    # Watch events sent, by (User-Agent, resource plural): what each client is made to process.
+    watch_events: dict = attrs.field(factory=dict, init=False)
     _in_controller: bool = attrs.field(default=False, init=False)
     _watchers: dict = attrs.field(factory=dict, init=False)
     _history: dict = attrs.field(factory=dict, init=False)
@@ -1280,6 +1282,7 @@ class KubeCluster(kmock.KubernetesEmulator):
         timeout = request.params.get("timeoutSeconds")
         deadline = time.monotonic() + float(timeout) if timeout else None
         kind = self._kind_of(res)
+        counted = (str(request.headers.get("User-Agent", "")), res.plural)
         try:
             field_selector_matches(fields, {}, kind)
         except ValueError as e:
@@ -1307,6 +1310,7 @@ class KubeCluster(kmock.KubernetesEmulator):
             for event in replay:
                 out = self._filter_event(event, request.namespace, selector, fields, kind)
                 if out is not None:
+                    self.watch_events[counted] = self.watch_events.get(counted, 0) + 1
                     yield out
             while True:
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -1327,6 +1331,7 @@ class KubeCluster(kmock.KubernetesEmulator):
                     return
                 out = self._filter_event(event, request.namespace, selector, fields, kind)
                 if out is not None:
+                    self.watch_events[counted] = self.watch_events.get(counted, 0) + 1
                     yield out
         finally:
             watchers = self._watchers.get(res, [])
