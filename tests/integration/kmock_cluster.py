@@ -27,9 +27,22 @@ What this adds to kmock (each is what a real API server does):
   the garbage collector deletes dependents whose ownerReferences all point to owners that do not
   exist (background cascade on the owner's deletion, and for dependents written after it), as
   kube-controller-manager does;
-- list and watch honour labelSelector and fieldSelector (metadata.name / metadata.namespace); a
-  watch with a resourceVersion replays only newer objects; an object whose labels stop (start)
-  matching a watch's selector is sent as DELETED (ADDED); timeoutSeconds ends a watch;
+- list and watch honour labelSelector and fieldSelector (metadata.name / metadata.namespace, and
+  an Event's involvedObject.*, reason, type, source; any other field is a 400); a watch from a
+  resourceVersion replays the events after it from a history (deletions included), or is one
+  ERROR event 410 Gone when they are older than the history (`compact`, `watch_history`); with
+  allowWatchBookmarks, BOOKMARK events every `bookmark_interval` s of quiet; an object whose labels
+  stop (start) matching a watch's selector is sent as DELETED (ADDED); timeoutSeconds ends a
+  watch; `sever_watches` ends every open watch and `watches_down` keeps them down while a test
+  writes (then compacts); `watch_events` counts what each client was streamed;
+- Pod Security admission: a pod created in a namespace labelled
+  `pod-security.kubernetes.io/enforce: baseline|restricted` that breaks the level is a 403
+  (tests/integration/pod_security.py; `put_namespace` makes or relabels a Namespace);
+- two controllers of kube-controller-manager: the StatefulSet controller, where admission would
+  refuse the pods of a new or changed template, makes none and posts a Warning Event
+  FailedCreate with the admission's message (it makes no pods otherwise either: tests stand in);
+  the disruption controller writes PodDisruptionBudget status (observedGeneration, healthy pods)
+  through the status subresource when a budget or a pod changes;
 - discovery: the bundled builtin resources, `groupVersion: v1` for the core group, and CRDs
   (registered with `register_crd` or by creating a CustomResourceDefinition), whose schema
   defaults, prunes and validates custom objects (422 Invalid) unless registered without it,
@@ -43,9 +56,9 @@ What this adds to kmock (each is what a real API server does):
 - metadata.managedFields of built-in kinds (manager, operation, time, subresource, FieldsV1);
 - feature gates (`feature_gates`, ImageVolume off by default as through 1.33: image volumes and
   their mounts are dropped from pod specs silently) and dryRun=All (answered, never stored);
-Still missing: controllers other than the garbage collector (a StatefulSet makes no pods: tests
-stand in for them), admission beyond CRD schemas and the checks above, RBAC enforcement of every
-call (test_rbac compares the recorded calls with the chart instead), watch bookmarks.
+Still missing: other controllers (a StatefulSet makes no pods: tests stand in for them),
+admission beyond CRD schemas and the checks above, RBAC enforcement of every call (test_rbac
+compares the recorded calls with the chart instead), initial-events streaming (sendInitialEvents).
 
 Use: `from kmock_cluster import *` in a conftest.py next to the tests (see
 tests/integration/operator/conftest.py) for the `kube_cluster`, `kube_client`, `kubeconfig`
