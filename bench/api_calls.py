@@ -7,7 +7,7 @@ The real operator (kopf + handlers + watchdog daemons, in a thread) against the 
 streams to each client. N DSV4Deployments spread over a few namespaces that also hold other
 people's Services and PodDisruptionBudgets (unlabelled, as in any shared namespace); then, for a
 steady window, another writer keeps changing those (`--churn` writes per second) while the
-watchdogs run their rounds (scrapeIntervalSeconds 1; no engine pods, so a round scrapes nothing
+watchdogs run their rounds (scrapeIntervalSeconds 10, the default; no engine pods, so a round scrapes nothing
 and is all bookkeeping).
 
 Counted for the operator (every client but the test's own):
@@ -48,6 +48,11 @@ from dsv4_operator.crd import build_crd  # noqa: E402
 from dsv4_operator.remediation.daemon import DeploymentWatchdog  # noqa: E402
 
 FOREIGN_PER_NAMESPACE = 20  # other people's Services and PDBs in each namespace
+SCRAPE_INTERVAL = 10.0  # the watchdogs' round interval (the spec's default); --scrape-interval
+
+
+def log(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
 
 
 def deployment(name: str, ns: str) -> dict:
@@ -55,7 +60,7 @@ def deployment(name: str, ns: str) -> dict:
             "metadata": {"name": name, "namespace": ns},
             "spec": {"model": {"name": "m", "path": "/models/m",
                                "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
-                     "engine": {"image": "reg/dsv4:1"}, "remediation": {"scrapeIntervalSeconds": 1}}}
+                     "engine": {"image": "reg/dsv4:1"}, "remediation": {"scrapeIntervalSeconds": SCRAPE_INTERVAL}}}
 
 
 def cluster_wide_settings(standalone: bool = False):  # noqa: ANN201 (kopf.OperatorSettings)
@@ -99,6 +104,7 @@ async def run(n: int, namespaces: int, seconds: float, churn: float, selected: b
                         await client.create({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {
                             "name": f"other-{i}", "namespace": ns}, "spec": {"maxUnavailable": 1, "selector": {
                                 "matchLabels": {"app": f"other-{i}"}}}}, "poddisruptionbudgets")
+                log(f"foreign objects made ({'label-selected' if selected else 'cluster-wide'} run)")
                 with tempfile.TemporaryDirectory() as tmp:
                     kubeconfig = write_kubeconfig(Path(tmp) / "kubeconfig", str(cluster.url).rstrip("/"))
                     op = await OperatorThread(kubeconfig, names, free_port()).start(timeout=60)
@@ -117,7 +123,9 @@ async def run(n: int, namespaces: int, seconds: float, churn: float, selected: b
                                     return False
                             return True
 
-                        await eventually(all_reconciled, timeout=300, interval=0.5)
+                        log(f"{n} created")
+                        await eventually(all_reconciled, timeout=600, interval=2.0)
+                        log("all reconciled")
                         reconcile_seconds = time.monotonic() - began
                         await asyncio.sleep(2)  # the last status writes and watch echoes
                         reconcile = operator_calls(cluster, start)
@@ -136,6 +144,7 @@ async def run(n: int, namespaces: int, seconds: float, churn: float, selected: b
                             writes += 1
                             await asyncio.sleep(1.0 / churn)
                         steady_seconds = time.monotonic() - began
+                        log("steady window over")
                         steady = operator_calls(cluster, mark)
                         steady_events = operator_watch_events(cluster) - events_mark
                         steady_rounds = rounds["rounds"] - rounds_mark
@@ -169,7 +178,9 @@ def main_() -> None:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--churn", type=float, default=20.0, help="foreign writes per second in the steady window")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "api_calls.json")
+    ap.add_argument("--scrape-interval", type=float, default=SCRAPE_INTERVAL)
     args = ap.parse_args()
+    globals()["SCRAPE_INTERVAL"] = args.scrape_interval
     runs = [asyncio.run(run(args.deployments, args.namespaces, args.seconds, args.churn, selected))
             for selected in (False, True)]
     out = {"benchmark": "api_calls", "machine": platform.processor() or platform.machine(),
