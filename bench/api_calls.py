@@ -19,7 +19,10 @@ Counted for the operator (every client but the test's own):
 
     python bench/api_calls.py [--deployments 50] [--namespaces 5] [--seconds 20] [--churn 20]
 
-Writes bench/results/api_calls.json.
+Writes bench/results/api_calls.json. The committed result is at 12 deployments: at 50 on the
+2-core shared test machine the first reconcile of all of them did not finish within 9 minutes
+(the 50 resources were created in 45 s), with or without the emulator's CEL validation; why is
+not yet known (status-write conflicts retried with the apply back-off are a suspect).
 """
 
 from __future__ import annotations
@@ -95,7 +98,10 @@ async def run(n: int, namespaces: int, seconds: float, churn: float, selected: b
     names = [f"ns{i}" for i in range(namespaces)]
     try:
         async with KubeCluster() as cluster, kmock.Server(cluster):
-            cluster.register_crd(build_crd())
+            # Without schema validation: the emulator evaluates the CRD's CEL rules with cel-python,
+            # about 0.3 s a write of a DSV4Deployment, blocking its event loop; at 50 deployments
+            # that, not the operator, was the wall time. What is counted does not depend on it.
+            cluster.register_crd(build_crd(), validate=False)
             async with ClusterClient(str(cluster.url)) as client:
                 for ns in names:  # other people's objects, there before the operator
                     for i in range(FOREIGN_PER_NAMESPACE):
