@@ -8,6 +8,15 @@ stays in the pod template. Drift repair removes, by JSON patch, every entry of s
 key the operator's manifest does not name, then applies. The same patch adds the entries of
 ours that such a list lacks, so the object between the patch and the apply is never one a real
 API server refuses (a Service whose only port was hand-edited would otherwise have none).
+
+Labels are maps, merged key by key the same way, and are treated by what they do:
+- a label (or annotation) someone adds to a child's own metadata is kept: cost-allocation,
+  backup and GitOps tools label objects, and the label changes nothing the operator runs;
+- a label added to a pod template (spec.template.metadata.labels) or to a selector (a Service's
+  spec.selector, a budget's or policy's matchLabels) is removed: it changes which pods exist
+  (a template edit rolls every GPU engine) or which pods get traffic or protection. Template
+  annotations stay: `kubectl rollout restart` writes one there, and removing it would undo a
+  restart the user asked for.
 """
 
 from __future__ import annotations
@@ -71,6 +80,39 @@ def foreign_entry_removals(live: Any, wanted: Any, pointer: str = "") -> list[di
     return nested + removals + additions
 
 
+# Label maps the operator owns whole: the pod template's labels and the selectors (paths from the
+# object's root; a workload's selector is immutable, so only the others can drift).
+OWNED_LABEL_MAPS = (("spec", "template", "metadata", "labels"), ("spec", "selector"),
+                    ("spec", "selector", "matchLabels"), ("spec", "podSelector", "matchLabels"))
+
+
+def _escape(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _unescape(part: str) -> str:
+    return part.replace("~1", "/").replace("~0", "~")
+
+
+def foreign_label_removals(live: Any, wanted: Any) -> list[dict[str, Any]]:
+    """Pure: JSON patch `remove` operations for the keys of live's pod-template labels and selectors
+    (OWNED_LABEL_MAPS) that `wanted` does not set. A map `wanted` does not set at all is left alone
+    (a Service without a selector, a workload's selector of matchExpressions)."""
+    ops = []
+    for path in OWNED_LABEL_MAPS:
+        have, want = live, wanted
+        for part in path:
+            have = have.get(part) if isinstance(have, Mapping) else None
+            want = want.get(part) if isinstance(want, Mapping) else None
+        if not isinstance(have, Mapping) or not isinstance(want, Mapping):
+            continue
+        if path == ("spec", "selector") and ("matchLabels" in want or "matchExpressions" in want):
+            continue  # a label selector, not a Service's plain map: its matchLabels has its own entry
+        pointer = "/" + "/".join(path)
+        ops += [{"op": "remove", "path": f"{pointer}/{_escape(key)}"} for key in sorted(have) if key not in want]
+    return ops
+
+
 def describe_removals(live: Mapping[str, Any], ops: list[dict[str, Any]]) -> list[str]:
     """Pure: what each removal takes out, for the Event (`spec.ports[1] (name=http, port=8001)`)."""
     out = []
@@ -78,10 +120,12 @@ def describe_removals(live: Mapping[str, Any], ops: list[dict[str, Any]]) -> lis
         if op["op"] != "remove":
             continue
         node: Any = live
-        parts = op["path"].strip("/").split("/")
+        parts = [_unescape(p) for p in op["path"].strip("/").split("/")]
         for part in parts:
             node = node[int(part)] if isinstance(node, list) else node.get(part)
-        label = ", ".join(f"{k}={node[k]}" for k in ("name", "port", "containerPort", "mountPath")
-                          if isinstance(node, Mapping) and k in node)
+        if not isinstance(node, Mapping):  # a map key: a label
+            out.append(f"{'.'.join(parts[:-1])}[{parts[-1]}={node}]")
+            continue
+        label = ", ".join(f"{k}={node[k]}" for k in ("name", "port", "containerPort", "mountPath") if k in node)
         out.append(f"{'.'.join(parts[:-1])}[{parts[-1]}] ({label})")
     return out

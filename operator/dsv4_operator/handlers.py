@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from dsv4_operator import auth_secret, spec as S
 from dsv4_operator.auth_secret import AuthSecretRefused, ensure_auth_secret
-from dsv4_operator.drift import describe_removals, foreign_entry_removals
+from dsv4_operator.drift import describe_removals, foreign_entry_removals, foreign_label_removals
 from dsv4_operator.fight import FightTracker, other_manager
 from dsv4_operator.kube import ApiError, KubeApi, connection_info, load_configuration, path_of
 from dsv4_operator.manifests import (
@@ -37,6 +37,7 @@ from dsv4_operator.manifests import (
 )
 from dsv4_operator.canary import plan as canary_plan
 from dsv4_operator.pinning import pinned_spec
+from dsv4_operator.pod_creation import CREATION_FAILURES, FAILED_CREATE, creation_failure
 from dsv4_operator.remediation.daemon import DeploymentWatchdog
 from dsv4_operator.remediation.pods import engine_pod_index_key, pod_snapshot
 from dsv4_operator.status import APPLY_REFUSAL_REASONS, ROLES, ApplyRefusal, ChildObservation, compute_status, observe, remediation_counts, status_changed
@@ -193,9 +194,11 @@ async def refresh_status(api: KubeApi, metrics: OperatorMetrics, namespace: str,
         spec, spec_error, pinned = effective_spec(name, cr.get("spec"), meta.get("annotations"),
                                                   int(meta.get("generation") or 0))
         observed = observed_generation if acted else previous.get("observedGeneration")
+        kids = list(children())
         new = compute_status(
             spec=spec, spec_error=spec_error, generation=int(meta.get("generation") or 0),
-            observed_generation=observed, children=list(children()), previous=previous, now=now_rfc3339(),
+            observed_generation=observed, children=kids, previous=previous, now=now_rfc3339(),
+            creation_failures=CREATION_FAILURES.standing(namespace, kids),
             apply_error=apply_error if acted else _carried_apply_error(previous, observed),
             revision=revision if acted else None,
             remediation_counts=remediation_counts(meta.get("annotations")),
@@ -500,11 +503,14 @@ OTHER_CHILD_KINDS = (("", "v1", "services"), ("", "v1", "serviceaccounts"),
 
 def drift_worth_reapplying(event_type: Optional[str], kind: str, generation: Optional[int],
                            last_generation: Optional[int]) -> bool:
-    """Pure: whether a child's watch event may mean someone changed what the operator owns."""
+    """Pure: whether a child's watch event may mean someone changed what the operator owns.
+    A listing (type None) counts as a change: after a watch is told 410 Gone, kopf lists again and
+    a child edited meanwhile arrives only that way (the caller then repairs only a child whose
+    last write was someone else's, so the listing at start costs nothing for our own children)."""
     if event_type == "DELETED":
         return True
-    if event_type != "MODIFIED":
-        return False  # ADDED: just made by us, or seen at (re)start, where the reconcile applies anyway
+    if event_type not in ("MODIFIED", None):
+        return False  # ADDED: just made by us, where the reconcile applies anyway
     if kind in ("StatefulSet", "Deployment"):
         return generation is not None and last_generation is not None and generation != last_generation
     return True
@@ -575,7 +581,8 @@ async def _child_changed(event: kopf.RawEvent, namespace: str, labels: kopf.Labe
 
 async def remove_foreign_entries(api: KubeApi, manifest: Mapping[str, Any],
                                  live: Optional[Mapping[str, Any]] = None) -> list[str]:
-    """Take out of a live child the list entries the manifest does not name (drift.py), by one
+    """Take out of a live child the list entries the manifest does not name and the foreign labels
+    of its pod template and selectors (drift.py), by one
     JSON patch conditioned on the resourceVersion read (a concurrent write makes it a 422 and
     the caller's retry reads again). Returns what was removed."""
     meta = manifest["metadata"]
@@ -583,7 +590,7 @@ async def remove_foreign_entries(api: KubeApi, manifest: Mapping[str, Any],
         live = await api.get(manifest["apiVersion"], manifest["kind"], meta.get("namespace"), meta["name"])
     if live is None:
         return []
-    ops = foreign_entry_removals(live, manifest)
+    ops = foreign_label_removals(live, manifest) + foreign_entry_removals(live, manifest)
     if not ops:
         return []
     test = {"op": "test", "path": "/metadata/resourceVersion", "value": live["metadata"]["resourceVersion"]}
@@ -668,7 +675,7 @@ async def _reapply_child(api: KubeApi, metrics: OperatorMetrics, namespace: str,
     removed = [] if seen_version in (None, "") else await remove_foreign_entries(api, wanted[0])
     if removed:
         kopf.event(cr, type="Normal", reason="Restored",
-                   message=f"{kind}/{name}: removed list entries the operator does not write: {', '.join(removed)}")
+                   message=f"{kind}/{name}: removed entries the operator does not write (list entries, pod-template or selector labels): {', '.join(removed)}")
     after = await apply_repairing(api, wanted[0])
     _remember_generation(generations, after)
     metrics.applied.labels(kind).inc()
@@ -688,6 +695,30 @@ async def _reapply_child(api: KubeApi, metrics: OperatorMetrics, namespace: str,
 for _group, _version, _plural in (*WORKLOAD_KINDS, *OTHER_CHILD_KINDS):
     kopf.on.event(_group, _version, _plural, id=f"{_plural}_changed", labels=CHILD_LABELS,
                   registry=registry)(_child_changed)
+
+
+# ---- Pods the StatefulSet controller cannot create (pod_creation) ------------------------------
+
+
+@kopf.on.event("", "v1", "events", id="pod_creation_failed", field="reason", value=FAILED_CREATE, registry=registry)
+async def pod_creation_failed(event: kopf.RawEvent, memo: kopf.Memo, dsv4_statefulsets: kopf.Index,
+                              dsv4_deployments: kopf.Index, **_: Any) -> None:
+    """A StatefulSet of ours could not make a pod (Pod Security admission, a quota...): the
+    owner's status says so, Degraded with the controller's message. main narrows this watch to
+    such Events on the API server."""
+    failure = creation_failure(event.get("object") or {})
+    api = getattr(memo, "api", None)
+    if failure is None or event.get("type") == "DELETED":
+        return
+    # Kept even when the StatefulSet is not in the index yet (the Event can come first): its own
+    # watch event refreshes the owner's status then.
+    CREATION_FAILURES.record(failure)
+    for (namespace, owner_name), observations in dsv4_statefulsets.items():
+        if api is not None and namespace == failure.namespace and \
+                any(o is not None and o.name == failure.statefulset for o in observations):
+            await refresh_status(api, _metrics(memo), namespace, owner_name,
+                                 lambda: _children(namespace, owner_name, dsv4_statefulsets, dsv4_deployments))
+            return
 
 
 # ---- The wedge watchdog -----------------------------------------------------------------------

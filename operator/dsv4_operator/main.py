@@ -30,6 +30,7 @@ from dsv4_operator.kube import KubeApi, load_configuration
 from dsv4_operator.leader import LeaderElection, LeaderElector, lease_namespace
 from dsv4_operator.manifests import APP, LABEL_MANAGED_BY, LABEL_NAME, MANAGER
 from dsv4_operator.remediation.daemon import REVISIONS_ANNOTATION
+from dsv4_operator.pod_creation import EVENT_FIELD_SELECTOR
 from dsv4_operator.remediation.pods import engine_pod_watch_selector
 from dsv4_operator.telemetry import HealthState, OperatorMetrics, start_health_server
 from dsv4_operator.watchdog.corroboration import Fleet, RestartRateLimit
@@ -69,6 +70,8 @@ def make_settings(standalone: bool) -> kopf.OperatorSettings:
         settings.watching.label_selectors[group or version, plural] = ours
     # The watchdog's pod index: engine pods only, one watch for every deployment.
     settings.watching.label_selectors["v1", "pods"] = engine_pod_watch_selector()
+    # Events: only the StatefulSet controllers' FailedCreate (pod_creation), chosen by the API server.
+    settings.watching.field_selectors["v1", "events"] = EVENT_FIELD_SELECTOR
     return settings
 
 

@@ -349,7 +349,8 @@ class SecuritySpec(_Model):
                                 "image runs as 10001). Set it for an SGLang image to run it non-root.")
     ipc_lock: bool = Field(
         False, description="Add the IPC_LOCK capability to engines (RDMA memory registration where the runtime's "
-                           "memlock limit is too low); the pods are then PSA baseline, not restricted.")
+                           "memlock limit is too low); the pods then need Pod Security privileged (IPC_LOCK is in neither "
+                           "baseline nor restricted).")
     network_policy: NetworkPolicySpec = _nested(NetworkPolicySpec)
 
 

@@ -5,7 +5,8 @@ Conditions (metav1.Condition shape; lastTransitionTime moves only when status fl
                scaled to zero (a deployment served by its own gateway needs none).
   Progressing  the operator has not yet acted on the latest spec, or a role is not yet at its
                desired replicas, all updated and ready.
-  Degraded     the operator cannot act (the spec is invalid or applying the children failed), or
+  Degraded     the operator cannot act (the spec is invalid or applying the children failed), a
+               StatefulSet controller cannot create the pods (FailedCreate: Pod Security...), or
                wedges keep happening: a pod remediated REPEATED_WEDGES times without a quiet
                spell long enough for the watchdog to forget it (its policy state says so).
   Wedged       owned by the wedge watchdog; carried over unchanged, Unknown until it reports.
@@ -40,6 +41,8 @@ class ChildObservation:
     ready: int
     updated: int
     held: bool = False  # a decode StatefulSet kept on its old template until prefill rolled out
+    created: int = 0  # pods its controller made (status.replicas), ready or not
+    uid: Optional[str] = None
 
 
     @property
@@ -66,6 +69,8 @@ def observe(body: Mapping[str, Any]) -> Optional[ChildObservation]:
         ready=int(status.get("readyReplicas") or 0),
         updated=int(status.get("updatedReplicas") or 0),
         held=((spec.get("updateStrategy") or {}).get("rollingUpdate") or {}).get("partition") == HOLD_PARTITION,
+        created=int(status.get("replicas") or 0),
+        uid=meta.get("uid"),
     )
 
 
@@ -110,10 +115,12 @@ def compute_status(
     pinned_revision: Optional[str] = None,
     canary: Any = None,
     canary_failed: Any = None,
+    creation_failures: Optional[Mapping[str, str]] = None,
 ) -> dict[str, Any]:
     """The whole new status. `spec` is None when the spec is invalid (then `spec_error` says why);
     `observed_generation` is the generation the operator last acted on (applied or rejected).
-    `remediation_counts`: pod -> remediations the watchdog still remembers (its policy state)."""
+    `remediation_counts`: pod -> remediations the watchdog still remembers (its policy state).
+    `creation_failures`: role -> why its controller cannot make its pods (pod_creation)."""
     previous = dict(previous or {})
     by_role: dict[str, ChildObservation] = {}
     for child in children:
@@ -151,6 +158,8 @@ def compute_status(
         elif behind:
             held = [role for role in behind if role in by_role and by_role[role].held]
             note = f"; {', '.join(held)} waits for prefill to roll out first" if held else ""
+            failing = [role for role in behind if role in (creation_failures or {})]
+            note += f"; {', '.join(failing)} pods cannot be created (see Degraded)" if failing else ""
             progressing = _condition("Progressing", True, "RollingOut", summary + note)
         else:
             progressing = _condition("Progressing", False, "RolloutComplete", summary)
@@ -159,6 +168,9 @@ def compute_status(
         degraded = _condition("Degraded", True, "InvalidSpec", spec_error)
     elif apply_error is not None:
         degraded = _condition("Degraded", True, getattr(apply_error, "reason", "ApplyFailed"), apply_error)
+    elif creation_failures:
+        degraded = _condition("Degraded", True, "FailedCreate", "; ".join(
+            f"{role}: {creation_failures[role]}" for role in ROLES if role in creation_failures))
     elif canary_failed is not None:  # the spec as written failed its canary: the fleet runs the stable revision
         from dsv4_operator.canary.plan import degraded_condition
         degraded = degraded_condition(canary_failed)

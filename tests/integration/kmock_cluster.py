@@ -27,9 +27,22 @@ What this adds to kmock (each is what a real API server does):
   the garbage collector deletes dependents whose ownerReferences all point to owners that do not
   exist (background cascade on the owner's deletion, and for dependents written after it), as
   kube-controller-manager does;
-- list and watch honour labelSelector and fieldSelector (metadata.name / metadata.namespace); a
-  watch with a resourceVersion replays only newer objects; an object whose labels stop (start)
-  matching a watch's selector is sent as DELETED (ADDED); timeoutSeconds ends a watch;
+- list and watch honour labelSelector and fieldSelector (metadata.name / metadata.namespace, and
+  an Event's involvedObject.*, reason, type, source; any other field is a 400); a watch from a
+  resourceVersion replays the events after it from a history (deletions included), or is one
+  ERROR event 410 Gone when they are older than the history (`compact`, `watch_history`); with
+  allowWatchBookmarks, BOOKMARK events every `bookmark_interval` s of quiet; an object whose labels
+  stop (start) matching a watch's selector is sent as DELETED (ADDED); timeoutSeconds ends a
+  watch; `sever_watches` ends every open watch and `watches_down` keeps them down while a test
+  writes (then compacts); `watch_events` counts what each client was streamed;
+- Pod Security admission: a pod created in a namespace labelled
+  `pod-security.kubernetes.io/enforce: baseline|restricted` that breaks the level is a 403
+  (tests/integration/pod_security.py; `put_namespace` makes or relabels a Namespace);
+- two controllers of kube-controller-manager: the StatefulSet controller, where admission would
+  refuse the pods of a new or changed template, makes none and posts a Warning Event
+  FailedCreate with the admission's message (it makes no pods otherwise either: tests stand in);
+  the disruption controller writes PodDisruptionBudget status (observedGeneration, healthy pods)
+  through the status subresource when a budget or a pod changes;
 - discovery: the bundled builtin resources, `groupVersion: v1` for the core group, and CRDs
   (registered with `register_crd` or by creating a CustomResourceDefinition), whose schema
   defaults, prunes and validates custom objects (422 Invalid) unless registered without it,
@@ -43,9 +56,9 @@ What this adds to kmock (each is what a real API server does):
 - metadata.managedFields of built-in kinds (manager, operation, time, subresource, FieldsV1);
 - feature gates (`feature_gates`, ImageVolume off by default as through 1.33: image volumes and
   their mounts are dropped from pod specs silently) and dryRun=All (answered, never stored);
-Still missing: controllers other than the garbage collector (a StatefulSet makes no pods: tests
-stand in for them), admission beyond CRD schemas and the checks above, RBAC enforcement of every
-call (test_rbac compares the recorded calls with the chart instead), watch bookmarks.
+Still missing: other controllers (a StatefulSet makes no pods: tests stand in for them),
+admission beyond CRD schemas and the checks above, RBAC enforcement of every call (test_rbac
+compares the recorded calls with the chart instead), initial-events streaming (sendInitialEvents).
 
 Use: `from kmock_cluster import *` in a conftest.py next to the tests (see
 tests/integration/operator/conftest.py) for the `kube_cluster`, `kube_client`, `kubeconfig`
@@ -56,6 +69,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import copy
 import datetime
 import json
@@ -81,10 +95,16 @@ import pytest_asyncio
 import yaml
 from kmock._internal import rendering  # the request type kmock hands to handlers
 
+import pod_security  # noqa: E402  (tests/integration: next to this file)
+
 from dsv4_operator.crd import apply_defaults, cel_violations, prune_unknown, to_jsonschema
 
 TEST_AGENT = "dsv4-tests"
 CRD_RESOURCE = kmock.resource("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+NAMESPACES = kmock.resource("", "v1", "namespaces")
+EVENTS = kmock.resource("", "v1", "events")
+PODS = kmock.resource("", "v1", "pods")
+PDBS = kmock.resource("policy", "v1", "poddisruptionbudgets")
 MUTATING_METHODS = ("POST", "PUT", "PATCH", "DELETE")
 
 
@@ -111,6 +131,15 @@ def _split_selector(selector: str) -> list[str]:
     return terms
 
 
+def _scaled(value: Any, total: int, up: bool) -> int:
+    """An int-or-percent (`2`, "50%") of `total`, rounded up (as PDBs count)."""
+    if isinstance(value, str) and value.endswith("%"):
+        import math
+        share = int(value[:-1]) * total / 100
+        return math.ceil(share) if up else math.floor(share)
+    return int(value)
+
+
 def label_selector_matches(selector: Optional[str], labels: Mapping[str, str]) -> bool:
     """Kubernetes label selector semantics: =, ==, !=, in, notin, exists, !exists."""
     for term in _split_selector(selector or ""):
@@ -134,13 +163,34 @@ def label_selector_matches(selector: Optional[str], labels: Mapping[str, str]) -
     return True
 
 
-def field_selector_matches(selector: Optional[str], obj: Mapping[str, Any]) -> bool:
-    meta = obj.get("metadata") or {}
+# Field selectors a real API server serves beyond metadata.name/namespace, per kind (an Event's
+# involved object, reason and type are what controllers' failures are found by).
+EVENT_FIELDS = frozenset({"involvedObject.kind", "involvedObject.namespace", "involvedObject.name",
+                          "involvedObject.uid", "involvedObject.apiVersion", "involvedObject.resourceVersion",
+                          "involvedObject.fieldPath", "reason", "reportingComponent", "source", "type"})
+
+
+def _field_value(obj: Mapping[str, Any], key: str) -> Any:
+    if key == "source":
+        return (obj.get("source") or {}).get("component")
+    node: Any = obj
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, Mapping) else None
+    return "" if node is None else str(node)
+
+
+def field_selector_matches(selector: Optional[str], obj: Mapping[str, Any], kind: Optional[str] = None) -> bool:
+    """metadata.name and metadata.namespace for every kind, and an Event's EVENT_FIELDS; any other
+    field is a 400 on a real API server (ValueError here). `kind`: the resource's (a body written
+    without one still is what its URL says)."""
+    kind = kind or obj.get("kind")
     for term in _split_selector(selector or ""):
         neg = "!=" in term
         key, _, val = term.replace("!=", "=").replace("==", "=").partition("=")
-        actual = {"metadata.name": meta.get("name"), "metadata.namespace": meta.get("namespace")}.get(key.strip())
-        if (actual == val.strip()) == neg:
+        key = key.strip()
+        if key not in ("metadata.name", "metadata.namespace") and not (kind == "Event" and key in EVENT_FIELDS):
+            raise ValueError(f"field label not supported: {key}")
+        if (_field_value(obj, key) == val.strip()) == neg:
             return False
     return True
 
@@ -576,10 +626,23 @@ class KubeCluster(kmock.KubernetesEmulator):
     _dry_run: bool = attrs.field(default=False, init=False)
     _write_times: dict = attrs.field(factory=dict, init=False)  # key -> {manager: (operation, time)}
     _writer: Optional[tuple] = attrs.field(default=None, init=False)  # (manager, operation) of the write being stored
+    # Watches: the open ones' queues per resource, the events kept for watches that resume from a
+    # resourceVersion (the newest watch_history per resource), and the resourceVersion below which
+    # a resuming watch is told 410 Gone (compact). Bookmarks every bookmark_interval s of quiet.
+    watch_history: int = attrs.field(default=10000)
+    bookmark_interval: float = attrs.field(default=5.0)
+    # Watch events sent, by (User-Agent, resource plural): what each client is made to process.
+    watch_events: dict = attrs.field(factory=dict, init=False)
+    _in_controller: bool = attrs.field(default=False, init=False)
+    _watchers: dict = attrs.field(factory=dict, init=False)
+    _history: dict = attrs.field(factory=dict, init=False)
+    _compacted_rv: int = attrs.field(default=0, init=False)
+    _watch_gate: asyncio.Event = attrs.field(factory=asyncio.Event, init=False)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self.resources.load_bundled()
+        self._watch_gate.set()
 
     # -- custom resources --
 
@@ -648,6 +711,116 @@ class KubeCluster(kmock.KubernetesEmulator):
                     403, "Forbidden", f"{res.plural} {name!r} is forbidden: cannot set blockOwnerDeletion if an "
                     f"ownerReference refers to a resource you can't set finalizers on: User cannot update resource "
                     f"\"{owner.plural}/finalizers\" in API group \"{owner.group}\" in the namespace \"{namespace}\"")
+
+    # -- Pod Security admission and the controllers that answer it --
+
+    def pod_security_level(self, namespace: Optional[str]) -> Optional[str]:
+        """The namespace's `pod-security.kubernetes.io/enforce` label (None: no Namespace or label)."""
+        ns = self._live((NAMESPACES, None, namespace)) if namespace else None
+        return (((ns or {}).get("metadata") or {}).get("labels") or {}).get(pod_security.ENFORCE_LABEL)
+
+    async def put_namespace(self, name: str, labels: Optional[Mapping[str, str]] = None) -> dict:
+        """Create or relabel a Namespace (kmock's router cannot serve /api/v1/namespaces/NAME: it
+        takes the name for a namespace prefix), e.g. with a Pod Security level."""
+        key = (NAMESPACES, None, name)
+        async with self._lock:
+            live = self._live(key)
+            if live is None:
+                return await self._create(NAMESPACES, None, {"apiVersion": "v1", "kind": "Namespace", "metadata": {
+                    "name": name, "labels": dict(labels or {})}}, manager="kubectl-create")
+            new = copy.deepcopy(live)
+            new["metadata"]["labels"] = dict(labels or {})
+            return await self._store(key, new, live, updater="kubectl-label")
+
+    def _admit_pod_security(self, pod: Mapping[str, Any]) -> None:
+        meta = pod.get("metadata") or {}
+        level = self.pod_security_level(meta.get("namespace"))
+        found = pod_security.violations(pod.get("spec") or {}, level)
+        if found:
+            raise kmock.KubernetesError(403, "Forbidden", pod_security.forbidden_message(meta.get("name", ""), level, found))
+
+    async def _controllers_after(self, key: tuple, new: dict, live: Optional[dict]) -> None:
+        """What kube-controller-manager does after a write, where a test relies on it:
+        - the StatefulSet controller creates the pods of a new or changed template; where Pod
+          Security admission refuses them it creates none and posts a Warning Event FailedCreate
+          on the StatefulSet with the admission's message (its other work, the pods, the tests do);
+        - the disruption controller writes a PodDisruptionBudget's status (observedGeneration,
+          healthy pods counted from the pods its selector matches) when the budget or a pod changes."""
+        if self._in_controller:
+            return
+        self._in_controller = True
+        caller, self._caller = self._caller, None  # the controllers' writes are not the caller's
+        try:
+            kind, namespace = new.get("kind"), key[1]
+            if kind == "StatefulSet" and (live is None or new["metadata"].get("generation") != live["metadata"].get("generation")):
+                await self._statefulset_creates_pods(new)
+            if kind == "PodDisruptionBudget" and (live is None or new["metadata"].get("generation") != live["metadata"].get("generation")):
+                await self._disruption_status(key)
+            elif kind == "Pod":
+                for (res, ns, name), obj in list(self.objects._objects.items()):
+                    if res == PDBS and ns == namespace and not obj.deleted:
+                        await self._disruption_status((res, ns, name))
+        finally:
+            self._in_controller = False
+            self._caller = caller
+
+    async def _statefulset_creates_pods(self, sts: dict) -> None:
+        meta, spec = sts["metadata"], sts.get("spec") or {}
+        replicas = spec.get("replicas", 1)
+        level = self.pod_security_level(meta.get("namespace"))
+        found = pod_security.violations(((spec.get("template") or {}).get("spec")) or {}, level)
+        if not replicas or not found:
+            return
+        pod = f"{meta['name']}-0"
+        message = (f"create Pod {pod} in StatefulSet {meta['name']} failed error: "
+                   + pod_security.forbidden_message(pod, level, found))
+        await self.post_event(sts, "Warning", "FailedCreate", message, component="statefulset-controller")
+
+    async def post_event(self, obj: Mapping[str, Any], type_: str, reason: str, message: str,
+                         component: str) -> dict:
+        """A core/v1 Event on an object, as a controller posts it."""
+        meta = obj["metadata"]
+        now = _now()
+        event = {"apiVersion": "v1", "kind": "Event",
+                 "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}", "namespace": meta.get("namespace")},
+                 "involvedObject": {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"), "name": meta["name"],
+                                    "namespace": meta.get("namespace"), "uid": meta.get("uid"),
+                                    "resourceVersion": meta.get("resourceVersion")},
+                 "reason": reason, "message": message, "type": type_, "source": {"component": component},
+                 "reportingComponent": component, "reportingInstance": "", "count": 1,
+                 "firstTimestamp": now, "lastTimestamp": now}
+        return await self._create(EVENTS, meta.get("namespace"), event, manager="kube-controller-manager")
+
+    async def _disruption_status(self, key: tuple) -> None:
+        live = self._live(key)
+        if live is None:
+            return
+        spec = live.get("spec") or {}
+        match = (spec.get("selector") or {}).get("matchLabels") or {}
+        pods = [o.raw for (res, ns, _), o in self.objects._objects.items()
+                if res == PODS and ns == key[1] and not o.deleted
+                and all(((o.raw.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in match.items())]
+        healthy = sum(1 for p in pods if any(c.get("type") == "Ready" and c.get("status") == "True"
+                                             for c in (p.get("status") or {}).get("conditions") or []))
+        expected = len(pods)
+        if "minAvailable" in spec:
+            desired = _scaled(spec["minAvailable"], expected, up=True)
+        elif "maxUnavailable" in spec:
+            desired = max(0, expected - _scaled(spec["maxUnavailable"], expected, up=True))
+        else:
+            desired = expected
+        allowed = max(0, healthy - desired)
+        status = {"observedGeneration": live["metadata"].get("generation"), "currentHealthy": healthy,
+                  "desiredHealthy": desired, "expectedPods": expected, "disruptionsAllowed": allowed,
+                  "conditions": [{"type": "DisruptionAllowed", "status": "True" if allowed else "False",
+                                  "reason": "SufficientPods" if allowed else "InsufficientPods",
+                                  "message": "", "observedGeneration": live["metadata"].get("generation"),
+                                  "lastTransitionTime": _now()}]}
+        before = dict(live.get("status") or {})
+        if {k: v for k, v in before.items() if k != "conditions"} == {k: v for k, v in status.items() if k != "conditions"} \
+                and [c.get("status") for c in before.get("conditions") or []] == ["True" if allowed else "False"]:
+            return  # nothing changed: the controller writes nothing
+        await self._store(key, dict(live, status=status), live, updater="kube-controller-manager", subresource="status")
 
     def objects_of(self, resource: Any, namespace: Optional[str] = None) -> list[dict]:
         res = kmock.resource(resource) if isinstance(resource, str) else resource
@@ -896,6 +1069,8 @@ class KubeCluster(kmock.KubernetesEmulator):
         elif res not in self._custom:  # built-in kinds: quantities served canonical ("4", "1", "1Gi")
             new = drop_disabled_fields(canonicalize_quantities(new), live, self.feature_gates)
             validate_builtin(new)
+            if new.get("kind") == "Pod" and live is None:
+                self._admit_pod_security(new)
         if res == CRD_RESOURCE and live is None:
             self.register_crd(new)
         meta = new.setdefault("metadata", {})
@@ -920,13 +1095,14 @@ class KubeCluster(kmock.KubernetesEmulator):
                 self.objects._objects[key].create(new)
             else:
                 self.objects[key] = new
-            await self._buses[res].put({"type": "ADDED", "object": copy.deepcopy(new)})
+            self._publish(res, {"type": "ADDED", "object": copy.deepcopy(new)})
         else:
             self.objects._objects[key].create(new)
-            await self._buses[res].put({"type": "MODIFIED", "object": copy.deepcopy(new), "old": live})
+            self._publish(res, {"type": "MODIFIED", "object": copy.deepcopy(new), "old": live})
             if meta.get("deletionTimestamp") and not meta.get("finalizers"):
                 await self._remove(key)
                 return new
+        await self._controllers_after(key, new, live)
         refs = meta.get("ownerReferences") or []
         if refs and not any(self._uid_alive(r.get("uid")) for r in refs):
             # The garbage collector deletes dependents of owners that no longer exist, also when
@@ -996,7 +1172,7 @@ class KubeCluster(kmock.KubernetesEmulator):
         self._write_times.pop(key, None)
         self._rv += 1
         gone = dict(live, metadata=dict(live["metadata"], resourceVersion=str(self._rv)))
-        await self._buses[res].put({"type": "DELETED", "object": gone})
+        self._publish(res, {"type": "DELETED", "object": gone})
         await self._collect_garbage(live["metadata"].get("uid"))
 
     async def _collect_garbage(self, owner_uid: Optional[str]) -> None:
@@ -1034,9 +1210,12 @@ class KubeCluster(kmock.KubernetesEmulator):
             if request.namespace is not None and ns != request.namespace:
                 continue
             raw = obj.raw
-            if label_selector_matches(selector, raw.get("metadata", {}).get("labels") or {}) and \
-                    field_selector_matches(fields, raw):
-                out.append(copy.deepcopy(raw))
+            try:
+                if label_selector_matches(selector, raw.get("metadata", {}).get("labels") or {}) and \
+                        field_selector_matches(fields, raw, self._kind_of(res)):
+                    out.append(copy.deepcopy(raw))
+            except ValueError as e:
+                raise kmock.KubernetesError(400, "BadRequest", str(e)) from None
         return sorted(out, key=lambda o: (o["metadata"].get("namespace") or "", o["metadata"]["name"]))
 
     def _kind_of(self, res: Any) -> str:
@@ -1053,47 +1232,135 @@ class KubeCluster(kmock.KubernetesEmulator):
         return {"apiVersion": f"{res.group}/{res.version}" if res.group else res.version,
                 "kind": f"{self._kind_of(res)}List", "metadata": {"resourceVersion": rv}, "items": items}
 
+    def _publish(self, res: Any, event: dict) -> None:
+        """An event to every watch of the resource, and to its history (what a watch from an older
+        resourceVersion replays). Called under the write lock, so the order is the write order."""
+        history = self._history.setdefault(res, [])
+        history.append(event)
+        if len(history) > self.watch_history:  # the oldest leave the window: watches from before them get 410
+            dropped = history.pop(0)
+            self._compacted_rv = max(self._compacted_rv, int(dropped["object"]["metadata"]["resourceVersion"]))
+        for queue in self._watchers.get(res, ()):
+            queue.put_nowait(event)
+
+    def compact(self) -> int:
+        """As etcd's compaction: forget every event so far. A watch from an older resourceVersion
+        is then answered 410 Gone (an ERROR event), and its client must list again."""
+        self._compacted_rv = self._rv
+        self._history.clear()
+        return self._rv
+
+    def sever_watches(self) -> int:
+        """End every open watch now, as a restarted API server or a dropped connection does.
+        Returns how many were open."""
+        count = 0
+        for queues in self._watchers.values():
+            for queue in queues:
+                queue.put_nowait(None)
+                count += 1
+        return count
+
+    @contextlib.asynccontextmanager
+    async def watches_down(self, compact: bool = True) -> AsyncIterator[None]:
+        """Open watches end and new ones wait (their clients reconnect to nothing) while the body
+        runs: what the body writes is seen by no watch. On the way out the history is compacted
+        (by default), so a client resuming from where it was is told 410 Gone and must relist."""
+        self._watch_gate.clear()
+        self.sever_watches()
+        try:
+            yield
+        finally:
+            if compact:
+                self.compact()
+            self._watch_gate.set()
+
+    def _bookmark(self, res: Any, rv: int) -> dict:
+        return {"type": "BOOKMARK", "object": {
+            "apiVersion": f"{res.group}/{res.version}" if res.group else res.version, "kind": self._kind_of(res),
+            "metadata": {"resourceVersion": str(rv)}}}
+
     async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[rendering.Payload]:
+        """A watch as the API server serves one: without a resourceVersion (or "0") the current
+        objects as ADDED, then changes; from a resourceVersion the events after it, or one ERROR
+        event 410 Gone when they are older than the history kept (compact, watch_history); with
+        allowWatchBookmarks, a BOOKMARK (the resourceVersion everything up to has been sent)
+        every bookmark_interval seconds of quiet."""
         yield b""  # send the headers now: the stream may stay quiet for a while
+        await self._watch_gate.wait()
         res = request.resource
         selector = request.params.get("labelSelector")
         fields = request.params.get("fieldSelector")
         since = request.params.get("resourceVersion")
+        bookmarks = request.params.get("allowWatchBookmarks") in ("true", "1")
         timeout = request.params.get("timeoutSeconds")
         deadline = time.monotonic() + float(timeout) if timeout else None
-        bus = self._buses[res]
-        async with self._lock:  # no write can slip between the snapshot and the bus mark
-            snapshot = self._matching(request)
-            marker = await bus.mark()
+        kind = self._kind_of(res)
+        counted = (str(request.headers.get("User-Agent", "")), res.plural)
         try:
-            for obj in snapshot:
-                if not since or since == "0" or int(obj["metadata"]["resourceVersion"]) > int(since):
-                    yield {"type": "ADDED", "object": obj}
-            stream = bus.stream(since=marker).__aiter__()
+            field_selector_matches(fields, {}, kind)
+        except ValueError as e:
+            yield {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                                               "reason": "BadRequest", "code": 400, "message": str(e)}}
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        async with self._lock:  # no write can slip between the snapshot and the subscription
+            expired = bool(since and since != "0" and int(since) < self._compacted_rv)
+            if expired:
+                replay = []
+            elif since and since != "0":
+                replay = [e for e in self._history.get(res, [])
+                          if int(e["object"]["metadata"]["resourceVersion"]) > int(since)]
+            else:
+                replay = [{"type": "ADDED", "object": obj} for obj in self._matching(request)]
+            if not expired:
+                self._watchers.setdefault(res, []).append(queue)
+        if expired:
+            yield {"type": "ERROR", "object": {
+                "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "reason": "Expired",
+                "code": 410, "message": f"too old resource version: {since} ({self._compacted_rv})"}}
+            return
+        try:
+            for event in replay:
+                out = self._filter_event(event, request.namespace, selector, fields, kind)
+                if out is not None:
+                    self.watch_events[counted] = self.watch_events.get(counted, 0) + 1
+                    yield out
             while True:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return
+                wait = remaining if not bookmarks else min(remaining or self.bookmark_interval, self.bookmark_interval)
                 try:
-                    event = await asyncio.wait_for(stream.__anext__(), remaining)
+                    event = await asyncio.wait_for(queue.get(), wait)
                 except asyncio.TimeoutError:
+                    if not bookmarks or (deadline is not None and time.monotonic() >= deadline):
+                        return
+                    async with self._lock:  # every event up to _rv is queued by now: none queued, all sent
+                        quiet, rv = queue.empty(), self._rv
+                    if quiet:
+                        yield self._bookmark(res, rv)
+                    continue
+                if event is None:  # severed
                     return
-                out = self._filter_event(event, request.namespace, selector, fields)
+                out = self._filter_event(event, request.namespace, selector, fields, kind)
                 if out is not None:
+                    self.watch_events[counted] = self.watch_events.get(counted, 0) + 1
                     yield out
         finally:
-            await bus.unmark(marker)
+            watchers = self._watchers.get(res, [])
+            if queue in watchers:
+                watchers.remove(queue)
 
     @staticmethod
     def _filter_event(event: Mapping[str, Any], namespace: Optional[str], selector: Optional[str],
-                      fields: Optional[str]) -> Optional[dict]:
+                      fields: Optional[str], kind: Optional[str] = None) -> Optional[dict]:
         obj = event["object"]
         if namespace is not None and obj.get("metadata", {}).get("namespace") != namespace:
             return None
 
         def matches(o: Optional[Mapping[str, Any]]) -> bool:
             return o is not None and label_selector_matches(
-                selector, (o.get("metadata") or {}).get("labels") or {}) and field_selector_matches(fields, o)
+                selector, (o.get("metadata") or {}).get("labels") or {}) and field_selector_matches(fields, o, kind)
 
         now_in, was_in = matches(obj), matches(event.get("old"))
         if event["type"] == "MODIFIED":

@@ -61,6 +61,7 @@ JUSTIFIED: dict[tuple[str, str, str], str] = {
 MUST_RECORD = {
     ("serving.dsv4.dev", "dsv4deployments", "list"), ("serving.dsv4.dev", "dsv4deployments", "watch"),
     ("serving.dsv4.dev", "dsv4deployments/status", "patch"), ("apps", "statefulsets", "create"),
+    ("", "events", "list"), ("", "events", "watch"),  # the StatefulSet controllers' FailedCreate
     ("apps", "statefulsets", "patch"), ("apps", "statefulsets", "watch"), ("apps", "deployments", "create"),
     ("rbac.authorization.k8s.io", "roles", "create"), ("rbac.authorization.k8s.io", "rolebindings", "create"),
     ("", "services", "create"), ("", "serviceaccounts", "create"), ("", "events", "create"),

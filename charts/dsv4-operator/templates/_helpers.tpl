@@ -129,8 +129,10 @@ records the operator's calls against an API server and checks this list against 
 - apiGroups: [""]
   resources: ["configmaps"]
   verbs: ["list", "create", "delete"]
-# Events: kopf posts core/v1 Events, the watchdog's included (through kopf.event).
+# Events: kopf posts core/v1 Events, the watchdog's included (through kopf.event); one watch
+# (list, watch) of the StatefulSet controllers' FailedCreate Events, selected by the API server,
+# tells why pods cannot be made (Pod Security admission) in the resource's Degraded condition.
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create"]
+  verbs: ["create", "list", "watch"]
 {{- end -}}

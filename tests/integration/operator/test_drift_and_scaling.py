@@ -7,9 +7,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Optional
 
-from kmock_cluster import ClusterClient, KubeCluster, eventually
+from kmock_cluster import TEST_AGENT, ClusterClient, KubeCluster, eventually
 from test_operator_kmock import API, PLURAL, deployment, events_for, get_cr, mark_ready
 
 STS = ("apps/v1", "statefulsets")
@@ -136,3 +137,65 @@ async def _observed(client: ClusterClient, ns: str, name: str, generation: int) 
 async def _status_ready(client: ClusterClient, ns: str, name: str, role: str, ready: str) -> Optional[dict]:
     cr = await get_cr(client, ns, name)
     return cr if (((cr or {}).get("status") or {}).get(role) or {}).get("ready") == ready else None
+
+
+async def test_pdb_status_updates_cost_no_read_no_apply_and_no_event(cluster_with_crd: KubeCluster,
+                                                                     kube_client: ClusterClient,
+                                                                     operator_factory) -> None:
+    """The disruption controller rewrites a PodDisruptionBudget's status whenever a pod it counts
+    changes (the emulator does too): a status write is nobody's drift, so the operator answers it
+    with no GET, no apply and no Restored Event."""
+    await operator_factory(["ns1"])
+    await kube_client.create(deployment("flash", "ns1"), PLURAL)
+    await eventually(lambda: _ready(kube_client, "ns1", "flash"), timeout=20)
+    pdb = await kube_client.get("policy/v1", "poddisruptionbudgets", "ns1", "flash-decode")
+    assert pdb["status"]["observedGeneration"] == pdb["metadata"]["generation"]
+    await asyncio.sleep(0.5)  # let the reconcile's own writes settle
+    mark = len(cluster_with_crd.recorder.calls)
+    labels = pdb["spec"]["selector"]["matchLabels"]
+    for i in range(3):  # engine pods come and become ready: three status writes of the budget or more
+        await kube_client.create({"apiVersion": "v1", "kind": "Pod", "metadata": {
+            "name": f"flash-decode-{i}", "namespace": "ns1", "labels": labels},
+            "spec": {"containers": [{"name": "engine", "image": "reg/dsv4:1"}]}}, "pods")
+        await kube_client.patch("v1", "pods", "ns1", f"flash-decode-{i}", {"status": {"conditions": [
+            {"type": "Ready", "status": "True"}]}}, subresource="status")
+
+    async def counted() -> bool:
+        got = await kube_client.get("policy/v1", "poddisruptionbudgets", "ns1", "flash-decode")
+        return got["status"]["currentHealthy"] == 3
+
+    await eventually(counted, timeout=10)
+    await asyncio.sleep(1.0)  # time for the operator to (not) answer the watch events
+    pdb_calls = [c for c in cluster_with_crd.recorder.calls[mark:]
+                 if c.resource.startswith("poddisruptionbudgets") and not c.agent.startswith(TEST_AGENT)
+                 and c.verb not in ("watch", "list")]
+    assert pdb_calls == [], pdb_calls
+    restored = [e for e in await events_for(kube_client, "ns1", "flash")
+                if e["reason"] == "Restored" and "PodDisruptionBudget" in e["message"]]
+    assert restored == []
+
+
+async def test_foreign_labels_leave_pod_templates_and_selectors_and_stay_on_metadata(
+        cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory) -> None:
+    """A label someone adds to a child's metadata is theirs to keep; one in a pod template rolls
+    the pods and one in a selector changes who gets traffic: those are removed (drift.py)."""
+    await operator_factory(["ns1"])
+    await kube_client.create(deployment("flash", "ns1"), PLURAL)
+    await eventually(lambda: _ready(kube_client, "ns1", "flash"), timeout=20)
+    await kube_client.patch(*STS, "ns1", "flash-decode", {"metadata": {"labels": {"cost-center": "ml"}},
+                                                          "spec": {"template": {"metadata": {"labels": {
+                                                              "example.com/sidecar": "on"}}}}})
+    await kube_client.patch("v1", "services", "ns1", "flash-router", {"spec": {"selector": {"canary": "yes"}}})
+
+    async def put_right() -> bool:
+        sts = await kube_client.get(*STS, "ns1", "flash-decode")
+        svc = await kube_client.get("v1", "services", "ns1", "flash-router")
+        return "example.com/sidecar" not in sts["spec"]["template"]["metadata"]["labels"] and \
+            "canary" not in svc["spec"]["selector"]
+
+    await eventually(put_right, timeout=20)
+    sts = await kube_client.get(*STS, "ns1", "flash-decode")
+    assert sts["metadata"]["labels"]["cost-center"] == "ml", "a label on the child's own metadata is kept"
+    messages = " ".join(e["message"] for e in await events_for(kube_client, "ns1", "flash") if e["reason"] == "Restored")
+    assert "spec.template.metadata.labels[example.com/sidecar=on]" in messages
+    assert "spec.selector[canary=yes]" in messages

@@ -68,7 +68,7 @@ async def test_drift_repair_removes_foreign_list_entries_and_never_duplicates(
 
     await eventually(clean, timeout=20)
     restored = [e["message"] for e in await events_for(kube_client, "ns1", "flash") if e["reason"] == "Restored"]
-    assert any("removed list entries" in m and "name=metrics" in m for m in restored), restored
+    assert any("removed entries" in m and "name=metrics" in m for m in restored), restored
 
 
 def _image_model(name: str) -> dict:

@@ -170,8 +170,9 @@ def test_state_sizing_reserves_slot_rows_first(v4_dir):
     assert set(loads["kv_state_bytes_per_request"]) == {"swa_kv", "csa_stage", "csa_index_stage", "hca_stage"}
     assert sum(loads["kv_state_bytes_per_request"].values()) == row
     text = engine.metrics.render().decode()
-    assert 'dsv4:kv_state_bytes_per_token{model_name="dsv4",role="mono",state="csa_kv"} 128.0' in text
-    assert 'dsv4:kv_state_bytes_per_request{model_name="dsv4",role="mono",state="swa_kv"}' in text
+    name = engine.args.served_model_name  # the checkpoint folder's name by default
+    assert f'dsv4:kv_state_bytes_per_token{{model_name="{name}",role="mono",state="csa_kv"}} 128.0' in text
+    assert f'dsv4:kv_state_bytes_per_request{{model_name="{name}",role="mono",state="swa_kv"}}' in text
 
 
 def test_page_size_refusals_and_every_role_takes_v4(v4_dir):

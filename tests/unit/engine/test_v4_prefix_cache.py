@@ -317,6 +317,7 @@ def test_loads_and_metrics_say_what_the_cache_holds_per_state(v4_dir):
     for name, nbytes in engine.pool.page_bytes_by_state().items():
         assert held[name] == nbytes * pc["pages_cached"], name
     text = engine.metrics.render().decode()
-    assert f'dsv4:prefix_cache_snapshots{{model_name="dsv4",role="mono"}} {float(pc["snapshots_cached"])}' in text
-    assert 'dsv4:prefix_cache_state_bytes{model_name="dsv4",role="mono",state="swa_kv"}' in text
+    name = engine.args.served_model_name  # the checkpoint folder's name by default
+    assert f'dsv4:prefix_cache_snapshots{{model_name="{name}",role="mono"}} {float(pc["snapshots_cached"])}' in text
+    assert f'dsv4:prefix_cache_state_bytes{{model_name="{name}",role="mono",state="swa_kv"}}' in text
     assert engine.seqs == {}

@@ -137,7 +137,8 @@ async def test_no_credentials_is_a_login_error(tmp_path: Path) -> None:
 
 def test_drift_worth_reapplying() -> None:
     """Deleted: always. Changed: workloads only when their generation moved (their status changes
-    all the time), other children on every change. Added: never (the reconcile applies)."""
+    all the time), other children on every change. Added: never (the reconcile applies). Listed:
+    as changed."""
     from dsv4_operator.handlers import drift_worth_reapplying as drift
 
     assert drift("DELETED", "Service", None, None) and drift("DELETED", "StatefulSet", 3, 3)
@@ -145,3 +146,5 @@ def test_drift_worth_reapplying() -> None:
     assert drift("MODIFIED", "StatefulSet", 4, 3) and not drift("MODIFIED", "StatefulSet", 3, 3)
     assert not drift("MODIFIED", "Deployment", 2, None)  # first sight after a restart
     assert not drift("ADDED", "Service", 1, None) and not drift(None, "StatefulSet", 1, None)
+    # A listing (kopf relists after 410 Gone): a child edited while no watch was open.
+    assert drift(None, "Role", 1, None) and drift(None, "StatefulSet", 4, 3) and not drift(None, "StatefulSet", 3, 3)
