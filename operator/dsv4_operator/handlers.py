@@ -717,7 +717,8 @@ async def pod_creation_failed(event: kopf.RawEvent, memo: kopf.Memo, dsv4_statef
         if api is not None and namespace == failure.namespace and \
                 any(o is not None and o.name == failure.statefulset for o in observations):
             await refresh_status(api, _metrics(memo), namespace, owner_name,
-                                 lambda: _children(namespace, owner_name, dsv4_statefulsets, dsv4_deployments))
+                                 lambda ns=namespace, name=owner_name: _children(ns, name, dsv4_statefulsets,
+                                                                                 dsv4_deployments))
             return
 
 
