@@ -238,7 +238,8 @@ async def measure(args) -> dict:
         import kopf  # noqa: F401  (the operator process carries these)
         import kubernetes_asyncio  # noqa: F401
     from dsv4_operator.watchdog.detector import Detector, Wedged
-    from dsv4_operator.watchdog.scrape import ScrapeTarget, make_session, scrape_all
+    from dsv4_operator.watchdog.signals import ScrapeTarget
+    from dsv4_operator.remediation.scrape import make_session, scrape_all
     rss_before = _rss_mb()
 
     server = subprocess.Popen([sys.executable, __file__, "--serve", "--pods", str(args.pods)],

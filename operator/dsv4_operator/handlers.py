@@ -39,7 +39,7 @@ from dsv4_operator.canary import plan as canary_plan
 from dsv4_operator.pinning import pinned_spec
 from dsv4_operator.pod_creation import CREATION_FAILURES, FAILED_CREATE, creation_failure
 from dsv4_operator.remediation.daemon import DeploymentWatchdog
-from dsv4_operator.remediation.pods import engine_pod_index_key, pod_snapshot
+from dsv4_operator.watchdog.pods import engine_pod_index_key, pod_snapshot
 from dsv4_operator.status import APPLY_REFUSAL_REASONS, ROLES, ApplyRefusal, ChildObservation, compute_status, observe, remediation_counts, status_changed
 from dsv4_operator.telemetry import OperatorMetrics
 from dsv4_operator.tenant_policy import TenantPolicy, policy_violations

@@ -47,8 +47,8 @@ from dsv4_operator.supervisor import CrashBackoff, EngineProc, Supervisor
 from dsv4_operator.watchdog.detector import Detector, Verdict, verdict_to_dict
 from dsv4_operator.watchdog.evidence import build_evidence_configmap
 from dsv4_operator.watchdog.policy import Action, PodInfo, RemediationSettings
-from dsv4_operator.watchdog.runner import WatchdogLoop
-from dsv4_operator.watchdog.scrape import ScrapeTarget
+from dsv4_operator.remediation.runner import WatchdogLoop
+from dsv4_operator.watchdog.signals import ScrapeTarget
 from dsv4_operator.watchdog.signals import BUILTIN
 
 # soft_wrap: rich never breaks a line itself (it would break paths in the middle at 80 columns);

@@ -31,7 +31,7 @@ from dsv4_operator.leader import LeaderElection, LeaderElector, lease_namespace
 from dsv4_operator.manifests import APP, LABEL_MANAGED_BY, LABEL_NAME, MANAGER
 from dsv4_operator.remediation.daemon import REVISIONS_ANNOTATION
 from dsv4_operator.pod_creation import EVENT_FIELD_SELECTOR
-from dsv4_operator.remediation.pods import engine_pod_watch_selector
+from dsv4_operator.watchdog.pods import engine_pod_watch_selector
 from dsv4_operator.telemetry import HealthState, OperatorMetrics, start_health_server
 from dsv4_operator.watchdog.corroboration import Fleet, RestartRateLimit
 from dsv4_operator.watchdog.policy import STATE_ANNOTATION

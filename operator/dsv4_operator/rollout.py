@@ -33,7 +33,7 @@ from dsv4_operator.handlers import CR, _api, _metrics, check_spec, deployment_ad
 from dsv4_operator.kube import ApiError, KubeApi, resource_path
 from dsv4_operator.manifests import HTTP_PORT_NAME, Owner, child_name, contains, engine_statefulset, selector_labels
 from dsv4_operator.pinning import pinned_revision
-from dsv4_operator.remediation.pods import engine_pod
+from dsv4_operator.watchdog.pods import engine_pod
 from dsv4_operator.watchdog.evidence import DEPLOYMENT_LABEL, EVIDENCE_LABEL
 
 TICK_SECONDS = 1.0

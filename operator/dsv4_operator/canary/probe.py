@@ -22,7 +22,7 @@ from dsv4_wire import Paths
 from dsv4_operator.canary.conversation import ConversationShape, context_target, rounds
 from dsv4_operator.canary.verdict import ProbeFigures, WatchdogSignals
 from dsv4_operator.watchdog.detector import Detector, Wedged
-from dsv4_operator.watchdog.scrape import scrape_engine
+from dsv4_operator.remediation.scrape import scrape_engine
 
 PIN_HEADER = "x-dsv4-pin-worker"  # the router's (dsv4_router.router.PIN_HEADER)
 

@@ -21,7 +21,7 @@ from dsv4_wire import Paths
 
 from dsv4_operator.watchdog.detector import Verdict
 from dsv4_operator.watchdog.policy import ABORT, CAPTURE_EVIDENCE, DRAIN, HELD, REPORT, RESTART, Action
-from dsv4_operator.watchdog.scrape import LOADS_PATH
+from dsv4_operator.remediation.scrape import LOADS_PATH
 from dsv4_operator.watchdog.signals import BUILTIN, SGLANG
 
 ABORT_REASON = "wedge remediation"

@@ -30,12 +30,8 @@ from dsv4_operator import spec as S
 from dsv4_operator.kube import ApiError, KubeApi, PatchAborted, resource_path
 from dsv4_operator.pinning import pin_value, pinned_revision, revision_spec
 from dsv4_operator.remediation.executor import DeploymentContext, EventSink, KubernetesExecutor
-from dsv4_operator.remediation.pods import (
-    EnginePod, engine_pod, pod_selector, remediation_settings, scrape_timeout, stable_after_seconds, watch_plan,
-)
-from dsv4_operator.remediation.report import (
-    OPERATOR_BLIND, blind_message, iso, merged_status, round_records, wedged_condition, wedged_pod_count,
-)
+from dsv4_operator.watchdog.pods import EnginePod, engine_pod, pod_selector, remediation_settings, scrape_timeout, stable_after_seconds, watch_plan
+from dsv4_operator.watchdog.report import OPERATOR_BLIND, blind_message, iso, merged_status, round_records, wedged_condition, wedged_pod_count
 from dsv4_operator.status import status_changed
 from dsv4_operator.telemetry import OperatorMetrics
 from dsv4_operator.watchdog.corroboration import Fleet
@@ -45,7 +41,7 @@ from dsv4_operator.watchdog.revisions import (
     ROLLBACK_AUTO, ROLLBACK_OFF, ROLLBACK_SUGGEST, RevisionTracker, RollbackDecision, SuspectChange, correlate,
     decide_rollback, describe_change, serving_spec, spec_hash,
 )
-from dsv4_operator.watchdog.runner import RoundResult, WatchdogLoop
+from dsv4_operator.remediation.runner import RoundResult, WatchdogLoop
 
 REVISIONS_ANNOTATION = ANNOTATION_REVISIONS
 MAX_REVISIONS = 6  # kept in an annotation: a few specs, well below the 256 KiB annotation limit

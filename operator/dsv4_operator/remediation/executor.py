@@ -33,8 +33,8 @@ from dsv4_operator import spec as S
 from dsv4_operator.bounded import EVIDENCE_MAX_BYTES, LOG_MAX_BYTES, BodyTooLarge, read_capped
 from dsv4_operator.kube import ApiError, KubeApi, resource_path
 from dsv4_operator.remediation.actions import Step, dispatch, step_for
-from dsv4_operator.remediation.pods import DRAINING_LABEL, EnginePod
-from dsv4_operator.remediation.report import hold_message, wedge_message
+from dsv4_operator.watchdog.pods import DRAINING_LABEL, EnginePod
+from dsv4_operator.watchdog.report import hold_message, wedge_message
 from dsv4_operator.telemetry import OperatorMetrics
 from dsv4_operator.watchdog.detector import Verdict, verdict_to_dict
 from dsv4_operator.watchdog.evidence import DEPLOYMENT_LABEL, EVIDENCE_LABEL, build_evidence_configmap
@@ -94,7 +94,7 @@ class KubernetesExecutor:
             await self._http.close()
             self._http = None
 
-    # ---- the Executor protocol of dsv4_operator.watchdog.runner ----------------------------------
+    # ---- the Executor protocol of dsv4_operator.remediation.runner -------------------------------
 
     async def run(self, action: Action, verdict: Optional[Verdict]) -> tuple[bool, Optional[str]]:
         ok, note = await dispatch(self, action, verdict)

@@ -1,7 +1,10 @@
-"""The wedge watchdog: scrape -> detect -> decide -> act.
+"""The wedge watchdog's decisions, all pure (no I/O): what to conclude and what to do.
 
-Pure parts (no I/O, no clock): ``signals`` (one scrape -> EngineSample), ``detector`` (samples ->
-Healthy/Slow/Wedged/Unreachable), ``policy`` (verdicts + budget state -> ordered actions),
-``revisions`` (spec history, change naming, rollback), ``evidence`` (the evidence ConfigMap).
-The thin I/O shell is ``scrape``; acting on Kubernetes or local processes lives with the caller.
+``signals`` (one scrape -> EngineSample; ScrapeTarget), ``detector`` (samples ->
+Healthy/Slow/Wedged/Unreachable), ``corroboration`` (when the operator's own view of reachability
+counts), ``policy`` (verdicts + budget state -> ordered actions), ``revisions`` (spec history,
+change naming, rollback), ``evidence`` (the evidence ConfigMap's body), ``pods`` (a deployment's
+engine pods -> scrape targets and what the policy knows of them), ``report`` (a round -> the
+Wedged condition, status fields and Events). The I/O that feeds and carries them out is
+`dsv4_operator.remediation`; tests/unit/house checks that nothing here does I/O.
 """

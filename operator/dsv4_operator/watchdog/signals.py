@@ -21,6 +21,15 @@ from dsv4_wire.metrics import metric_name
 BUILTIN = "builtin"
 SGLANG = "sglang"
 
+
+@dataclass(frozen=True)
+class ScrapeTarget:
+    """One engine the watchdog reads (the I/O: dsv4_operator.remediation.scrape)."""
+    key: str  # the pod's identity for the detector (include its UID: a new pod is a new key)
+    base_url: str
+    role: str
+    kind: str = BUILTIN
+
 GAUGE_FIELDS = (
     "num_running",
     "num_queue",

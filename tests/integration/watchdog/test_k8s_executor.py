@@ -14,7 +14,7 @@ import pytest
 from watchdog_harness import NS, ClusterClient, ScriptedEngine, WatchdogCluster, deployment, owner_statefulset, pod_body
 from dsv4_operator.kube import KubeApi, load_configuration
 from dsv4_operator.remediation.executor import DeploymentContext, KubernetesExecutor
-from dsv4_operator.remediation.pods import DRAINING_LABEL, engine_pod
+from dsv4_operator.watchdog.pods import DRAINING_LABEL, engine_pod
 from dsv4_operator.telemetry import OperatorMetrics
 from dsv4_operator.watchdog.detector import Wedged
 from dsv4_operator.watchdog.policy import ABORT, CAPTURE_EVIDENCE, DRAIN, HELD, REPORT, RESTART, Action

@@ -16,9 +16,9 @@ import pytest
 from aiohttp import web
 
 from dsv4_operator.watchdog.policy import Action
-from dsv4_operator.remediation.report import wedge_message
+from dsv4_operator.watchdog.report import wedge_message
 from dsv4_operator.watchdog.detector import Detector, Wedged
-from dsv4_operator.watchdog.scrape import make_session, scrape_engine
+from dsv4_operator.remediation.scrape import make_session, scrape_engine
 from dsv4_operator.watchdog.signals import SGLANG
 
 LABELS = 'model_name="dsv4",engine_type="unified",tp_rank="0"'

@@ -21,7 +21,7 @@ from watchdog_harness import (
     operator_calls,
 )
 from dsv4_operator.remediation.daemon import REVISIONS_ANNOTATION
-from dsv4_operator.remediation.pods import DRAINING_LABEL
+from dsv4_operator.watchdog.pods import DRAINING_LABEL
 from dsv4_operator.watchdog.policy import STATE_ANNOTATION
 from dsv4_wire import ANNOTATION_PINNED_REVISION
 

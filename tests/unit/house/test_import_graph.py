@@ -144,3 +144,20 @@ def test_no_folder_imports_one_drawn_above_it() -> None:
     bad = sorted(f"{m} ({folder_of(m)}/) -> {t} ({folder_of(t)}/)" for m, ts in GRAPH.items() for t in ts
                  if FOLDERS.index(folder_of(t)) > FOLDERS.index(folder_of(m)))
     assert not bad, "imports of a folder drawn above:\n" + "\n".join(bad)
+
+
+# The watchdog's decisions are pure: its package imports no network, Kubernetes or event-loop
+# library, and nothing of the I/O package that carries its actions out (dsv4_operator.remediation).
+IO_LIBRARIES = {"aiohttp", "httpx", "kopf", "kubernetes_asyncio", "asyncio", "socket", "subprocess", "urllib"}
+
+
+def test_the_watchdog_package_does_no_io() -> None:
+    root = REPO / "operator" / "dsv4_operator" / "watchdog"
+    bad = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            bad += [f"{path.name}: {n}" for n in names
+                    if n.split(".")[0] in IO_LIBRARIES or n.startswith("dsv4_operator.remediation")]
+    assert not bad, bad

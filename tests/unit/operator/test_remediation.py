@@ -9,13 +9,8 @@ import pytest
 
 from dsv4_wire import LABEL_DRAINING as ROUTER_DRAINING_LABEL
 from dsv4_operator.remediation.executor import _is_pod_object
-from dsv4_operator.remediation.pods import (
-    DRAINING_LABEL, EnginePod, engine_pod, pod_selector, remediation_settings, scrape_timeout, stable_after_seconds,
-    watch_plan,
-)
-from dsv4_operator.remediation.report import (
-    hold_message, merged_status, round_records, wedge_message, wedged_condition, wedged_pod_count,
-)
+from dsv4_operator.watchdog.pods import DRAINING_LABEL, EnginePod, engine_pod, pod_selector, remediation_settings, scrape_timeout, stable_after_seconds, watch_plan
+from dsv4_operator.watchdog.report import hold_message, merged_status, round_records, wedge_message, wedged_condition, wedged_pod_count
 from dsv4_operator.spec import RemediationSpec
 from dsv4_operator.watchdog.detector import Healthy, Slow, Unreachable, Wedged
 from dsv4_operator.watchdog.policy import (

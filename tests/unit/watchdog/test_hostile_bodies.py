@@ -10,7 +10,7 @@ import httpx
 from aiohttp import web
 
 from dsv4_operator.bounded import METRICS_MAX_BYTES, BodyTooLarge, read_capped
-from dsv4_operator.watchdog.scrape import make_session, scrape_engine
+from dsv4_operator.remediation.scrape import make_session, scrape_engine
 from dsv4_operator.watchdog.signals import _label_set_end, parse_metrics, parse_metrics_reference
 
 GOOD = 'dsv4:num_queue_reqs{role="p"} 2\n'

@@ -9,7 +9,8 @@ import httpx
 import pytest
 from aiohttp import web
 
-from dsv4_operator.watchdog.scrape import ScrapeTarget, make_session, scrape_all, scrape_engine
+from dsv4_operator.watchdog.signals import ScrapeTarget
+from dsv4_operator.remediation.scrape import make_session, scrape_all, scrape_engine
 from dsv4_operator.watchdog.signals import BUILTIN, SGLANG
 
 METRICS = """\

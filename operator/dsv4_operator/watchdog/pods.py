@@ -15,7 +15,7 @@ from typing import Any, Iterable, Mapping, Optional
 from dsv4_operator.manifests import APP, HTTP_PORT_NAME, LABEL_INSTANCE, LABEL_NAME, LABEL_ROLE
 from dsv4_operator.spec import RemediationSpec
 from dsv4_operator.watchdog.policy import PodInfo, RemediationSettings
-from dsv4_operator.watchdog.scrape import ScrapeTarget
+from dsv4_operator.watchdog.signals import ScrapeTarget
 from dsv4_wire import ENGINE_CONTAINER, ENGINE_ROLES, engine_statefulset_name, owned_engine_pod  # noqa: F401
 from dsv4_wire import LABEL_DRAINING as DRAINING_LABEL  # noqa: F401
 

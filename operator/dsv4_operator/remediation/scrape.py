@@ -1,6 +1,6 @@
 """Thin async shell: fetch /metrics and /v1/loads of engines, return EngineSamples.
 
-No decisions here; parsing lives in :mod:`.signals`.  An engine that answers neither endpoint in
+No decisions here; parsing lives in :mod:`dsv4_operator.watchdog.signals`.  An engine that answers neither endpoint in
 time gives a sample with ``reachable=False`` (the detector decides what that means).
 
 The HTTP client is aiohttp: measured on this project's machines against 127.0.0.1 servers,
@@ -26,17 +26,9 @@ import yarl
 from dsv4_wire import Paths
 
 from ..bounded import LOADS_MAX_BYTES, METRICS_MAX_BYTES, BodyTooLarge, read_capped
-from .signals import BUILTIN, SGLANG, EngineSample, build_sample, parse_metrics_fast
+from dsv4_operator.watchdog.signals import BUILTIN, SGLANG, EngineSample, ScrapeTarget, build_sample, parse_metrics_fast
 
 LOADS_PATH = {BUILTIN: Paths.LOADS, SGLANG: Paths.LOADS + "?include=disagg"}
-
-
-@dataclass(frozen=True)
-class ScrapeTarget:
-    key: str  # the pod's identity for the detector (include its UID: a new pod is a new key)
-    base_url: str
-    role: str
-    kind: str = BUILTIN
 
 
 def _describe(url: str, exc: BaseException) -> str:

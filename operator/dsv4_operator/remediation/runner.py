@@ -13,14 +13,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Mapping, Optional, Protocol
 
-from .corroboration import Fleet, Silence, observe_silence
-from .detector import Detector, Verdict, verdict_to_dict
-from .policy import (
+from dsv4_operator.watchdog.corroboration import Fleet, Silence, observe_silence
+from dsv4_operator.watchdog.detector import Detector, Verdict, verdict_to_dict
+from dsv4_operator.watchdog.policy import (
     ABORT, CAPTURE_EVIDENCE, DRAIN, HELD, REPORT, RESTART, Action, PodInfo, PolicyState,
     RemediationSettings, complete_step, decide,
 )
-from .scrape import ScrapeTarget, scrape_all
-from .signals import EngineSample
+from dsv4_operator.remediation.scrape import scrape_all
+from dsv4_operator.watchdog.signals import ScrapeTarget
+from dsv4_operator.watchdog.signals import EngineSample
 
 log = logging.getLogger("dsv4.watchdog")
 
