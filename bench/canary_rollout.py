@@ -71,7 +71,6 @@ async def run(canary: bool, image: str, duration: int) -> dict:
                     await eventually(settled, timeout=60)
                     started = time.monotonic()
                     await client.patch(API, PLURAL, NS, NAME, {"spec": {"engine": {"image": image}}})
-                    stall = "stall" in image
 
                     async def done() -> bool:
                         cr = await client.get(API, PLURAL, NS, NAME)

@@ -55,8 +55,8 @@ def test_http_process_has_no_torch_and_its_core_has(tiny_model, tmp_path):
 def _assert_torch_only_in_core(info: dict) -> None:
     http_maps, core_maps = _mapped(info["pid"]), _mapped(info["engine_pid"])
     rss = f"HTTP process {_rss_mib(info['pid']):.0f} MiB, core {_rss_mib(info['engine_pid']):.0f} MiB"
-    assert not ("libtorch" in http_maps), f"torch is loaded in the HTTP process ({rss})"
-    assert not ("/numpy/" in http_maps), f"numpy is loaded in the HTTP process ({rss})"
+    assert "libtorch" not in http_maps, f"torch is loaded in the HTTP process ({rss})"
+    assert "/numpy/" not in http_maps, f"numpy is loaded in the HTTP process ({rss})"
     assert "libtorch" in core_maps, rss  # the check above can fail: the core has it
 
 

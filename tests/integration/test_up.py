@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from dsv4_testutil import Proc, free_port_block
 

@@ -17,7 +17,6 @@ import concurrent.futures
 import functools
 import json
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import aiohttp

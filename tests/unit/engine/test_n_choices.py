@@ -5,6 +5,7 @@ what a lone request with its seed samples; every page comes back, with aborts an
 from __future__ import annotations
 
 import random
+from typing import Optional
 
 import pytest
 
@@ -37,7 +38,8 @@ def counting(engine: Engine) -> list[int]:
     return computed
 
 
-def run(engine: Engine, requests: list[Sequence], aborts: dict[int, str] = {}) -> dict[str, tuple[list[int], str]]:
+def run(engine: Engine, requests: list[Sequence], aborts: Optional[dict[int, str]] = None) -> dict[str, tuple[list[int], str]]:
+    aborts = aborts or {}
     outs: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
     for s in requests:

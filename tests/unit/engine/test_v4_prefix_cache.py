@@ -74,7 +74,7 @@ def test_snapshot_pool_copies_rows_and_gives_back_the_least_recently_used():
     pool.restore(a, 2)
     assert torch.equal(rows["ring"][2], torch.ones(2, 4))
     c = pool.save(1)  # full: b (least recently used) goes
-    assert evicted == [b] and c == b and not pool.holds(a) is False
+    assert evicted == [b] and c == b and pool.holds(a) is not False
     assert pool.num_used == 2 and pool.evicted == 1
     assert pool.bytes_per_snapshot() == {"ring": 32, "stage": 8}
     pool.drop(a)

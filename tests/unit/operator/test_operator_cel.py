@@ -17,7 +17,7 @@ from dsv4_operator.crd import apply_defaults, build_crd, cel_violations, prune_u
 from dsv4_operator.handlers import check_spec
 from dsv4_operator.manifests import MAX_NAME_LENGTH
 
-from test_operator_crd import GOOD, checked_in_crd, crd_accepts, minimal, schema_of, with_spec
+from test_operator_crd import GOOD, checked_in_crd, minimal, schema_of, with_spec
 
 
 def named(name: str, cr: dict | None = None) -> dict:

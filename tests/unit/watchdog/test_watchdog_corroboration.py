@@ -9,7 +9,7 @@ from dsv4_operator.watchdog.corroboration import (
 )
 from dsv4_operator.watchdog.detector import Detector, Healthy, Unreachable, Wedged
 from dsv4_operator.watchdog.policy import (
-    HELD, HOLD_BUDGET, HOLD_OPERATOR_BLIND, HOLD_RATE_LIMIT, HOLD_UNCORROBORATED, REPORT, RESTART, STEPS,
+    HELD, HOLD_BUDGET, HOLD_OPERATOR_BLIND, HOLD_RATE_LIMIT, HOLD_UNCORROBORATED, REPORT, STEPS,
     PodInfo, PolicyState, RemediationSettings, complete_step, decide,
 )
 from dsv4_operator.watchdog.signals import EngineSample, unreachable_sample

@@ -1,7 +1,10 @@
 """Run by test_triton_backend.py in a fresh process: TRITON_INTERPRET must be set before
 triton is first imported, so the triton backend can run on CPU through the interpreter.
 Prints, as JSON, each backend's logits for a few mixed prefill/decode steps."""
-import os, sys, time, json
+import os
+import sys
+import time
+import json
 os.environ["TRITON_INTERPRET"] = "1"
 import torch
 from dsv4_engine.kv_cache import KVPool
@@ -18,7 +21,8 @@ for backend in ("torch", "triton"):
     sch = Scheduler(pool.allocator, 16, 4, 64)
     seqs = [Sequence("a", [5, 17, 42, 99, 7, 300, 12, 8, 77], SamplingParams(max_tokens=4, temperature=0)),
             Sequence("b", [9, 3, 250], SamplingParams(max_tokens=4, temperature=0))]
-    for s in seqs: sch.add(s)
+    for s in seqs:
+        sch.add(s)
     steps = []
     for _ in range(3):
         b = sch.schedule()
