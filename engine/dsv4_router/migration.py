@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from dsv4_wire.choices import choice_seed
+from dsv4_wire.request_fields import CONTINUATION_FIELD
 
 # Why a request moved (the `reason` label of dsv4:router_migrations_total).
 BROKEN = "connection_lost"  # the engine's connection broke (killed, crashed, restarted)
@@ -155,7 +156,7 @@ class Resume:
         if self.stream:
             body["return_token_ids"] = True  # the router's bookkeeping; stripped unless asked
         if self.tokens:
-            body["continuation_token_ids"] = list(self.tokens)
+            body[CONTINUATION_FIELD] = list(self.tokens)
         return body
 
     def filter(self, whole: bytes) -> tuple[bytes, Optional[str]]:

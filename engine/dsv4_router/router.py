@@ -53,6 +53,7 @@ from dsv4_wire.tracing import TRACE_HEADERS, Tracing
 from dsv4_wire import APIError, Paths, admin_refusal
 from dsv4_wire.api_keys import ApiKeyGate, KeyRing
 from dsv4_wire.options import dataclass_of
+from dsv4_wire.request_fields import ROUTER_ONLY_FIELDS
 from dsv4_wire.router_options import ROUTER_OPTIONS
 
 # A request carrying this header (and the admin token) goes to the decode/mono worker it names,
@@ -61,8 +62,6 @@ PIN_HEADER = "x-dsv4-pin-worker"
 
 log = logging.getLogger("dsv4.router")
 
-# Fields only the router may set: a client must not choose which prefill a decode dials.
-ROUTER_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
 def _key_limits(self) -> TenantLimits:
@@ -310,7 +309,7 @@ class Router:
             return self.error(e)
         except ClientDisconnect:
             return Response(status_code=499)
-        for k in ROUTER_FIELDS:
+        for k in ROUTER_ONLY_FIELDS:  # a client chooses no prefill for a decode and forges no answer so far
             body.pop(k, None)
         trace_in = {k: http.headers[k] for k in TRACE_HEADERS if k in http.headers}
         apply_cache_salt(body, http.scope)

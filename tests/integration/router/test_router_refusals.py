@@ -75,6 +75,15 @@ def test_client_supplied_bootstrap_fields_are_not_forwarded(routers):
     r = httpx.post(f"{routers['open']}/v1/completions", timeout=30, json={
         "prompt": [5, 6, 7], "max_tokens": 2, "bootstrap_host": "203.0.113.9", "bootstrap_port": 1, "bootstrap_room": 7})
     assert r.status_code == 200, r.text
+    # nor is an answer so far (the router's own field for a migrated request): the same greedy
+    # answer as without it, never one that continues tokens the client made up
+    plain = httpx.post(f"{routers['open']}/v1/completions", timeout=30,
+                       json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0})
+    forged = httpx.post(f"{routers['open']}/v1/completions", timeout=30,
+                        json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "continuation_token_ids": [9, 9]})
+    assert plain.status_code == forged.status_code == 200, forged.text
+    assert forged.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    assert forged.json()["usage"] == plain.json()["usage"]
 
 
 def test_admin_without_token_configured_is_loopback_only(routers, tiny_model):

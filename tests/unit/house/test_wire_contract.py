@@ -47,3 +47,12 @@ def test_spelled_only_in_the_wire_package(name: str) -> None:
 def test_the_check_sees_a_literal() -> None:
     src = REPO / "engine" / "dsv4_wire" / "k8s.py"
     assert k8s.LABEL_DRAINING in string_literals(src)
+
+
+def test_router_only_fields_are_fields_of_the_engine_protocol() -> None:
+    """The router writes these names, the engine's request models read them: one spelling."""
+    from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest
+    from dsv4_wire.request_fields import ROUTER_ONLY_FIELDS
+
+    for model in (CompletionRequest, ChatCompletionRequest):
+        assert set(ROUTER_ONLY_FIELDS) <= set(model.model_fields), model.__name__
