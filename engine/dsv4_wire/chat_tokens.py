@@ -26,6 +26,9 @@ TOOL_OUTPUT_END = "<｜tool▁output▁end｜>"
 # DeepSeek-V3.2 / V4 "DSML" tool calls: <｜DSML｜{block}> ... </｜DSML｜{block}>, where the block is
 # `function_calls` in V3.2 and `tool_calls` in V4.
 DSML = "｜DSML｜"
+# The full-width bar every DeepSeek marker above holds: tool-call argument text never needs it
+# raw, so the tool-call grammar keeps it (and with it any marker token) out of argument strings.
+MARKER_BAR = "｜"
 TOOL_RESULT_OPEN = "<tool_result>"
 TOOL_RESULT_CLOSE = "</tool_result>"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Optional, Union
 
-from dsv4_engine.structured.schema import length_strings_safe
+from dsv4_engine.structured.schema import strings_without
 from dsv4_wire import chat_tokens as T
 from dsv4_wire.chat_names import canonical
 
@@ -65,7 +65,7 @@ def _tool_call_grammar(xg, parser_name: str, tools: list[dict], tool_choice, par
         return xg.Grammar.from_ebnf(f"root ::= {body}")
 
     def schema_json(schema: Optional[dict]) -> "xg.Grammar":
-        schema = length_strings_safe(schema) if schema else {"type": "object"}
+        schema = strings_without(schema, T.MARKER_BAR) if schema else {"type": "object"}
         return xg.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False,
                                            separators=_JSON_SEPARATORS, strict_mode=True)
 
@@ -135,7 +135,7 @@ def _dsml_params(xg, ebnf, fn: dict):
                 value = ebnf(raw)
             head = f"<{d}parameter name=\"{name}\" string=\"true\">"
         else:
-            value = xg.Grammar.from_json_schema(json.dumps(length_strings_safe(sub or {})), any_whitespace=False,
+            value = xg.Grammar.from_json_schema(json.dumps(strings_without(sub or {}, T.MARKER_BAR)), any_whitespace=False,
                                                 separators=_JSON_SEPARATORS, strict_mode=True)
             head = f"<{d}parameter name=\"{name}\" string=\"false\">"
         item = xg.Grammar.concat(ebnf(_lit(head)), value, ebnf(_lit(f"</{d}parameter>\n")))

@@ -128,3 +128,27 @@ def test_thinking_prefix(compiler_and_tok):
     assert not accepts(g, tok, call)  # the reasoning must be closed first
     parsed = ChatOutput(tool_parser("deepseek_v4"), True).message(f"why{T.THINK_END}{call}")
     assert parsed["reasoning_content"] == "why" and parsed["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+@pytest.mark.parametrize("fmt", ["deepseek_v3", "deepseek_v31"])
+def test_a_marker_cannot_open_inside_a_json_argument_string(compiler_and_tok, fmt):
+    """The call's end marker written inside an argument string (what a weak model did: the string
+    never closed and the answer ran to max_tokens) is refused; escapes, quotes and newlines in
+    argument text still pass."""
+    from dsv4_engine.structured.tool_calls import tool_call_grammar
+
+    compiler, tok = compiler_and_tok
+    g = compiler.compile_grammar(xgr.Grammar.from_ebnf(tool_call_grammar(fmt, TOOLS, "required")))
+    make = FORMATS[fmt]
+    assert accepts(g, tok, make(("get_weather", {"city": 'line 1\nline "2" \\ tab\t'})))
+    for marker in (T.TOOL_CALL_END, T.TOOL_CALLS_END, T.TOOL_SEP):
+        raw = make(("get_weather", {"city": "PaXXris"})).replace("XX", marker)  # as the model writes it, unescaped
+        assert not accepts(g, tok, raw), marker
+    # and at the mask: inside the string, the marker's token is not among the allowed ones
+    m = xgr.GrammarMatcher(g)
+    prefix = make(("get_weather", {"city": "Pa"}))
+    prefix = prefix[:prefix.index('"Pa') + 3]
+    for t in tok.encode_pieces([(prefix, True)]):
+        assert m.accept_token(t)
+    end_id = tok.encode_pieces([(T.TOOL_CALL_END, True)])
+    assert len(end_id) == 1 and not m.accept_token(end_id[0])
