@@ -34,8 +34,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from dsv4_engine.models.deepseek_v4 import (SLIDING, DeepseekV4, _rms, _rope_table, _spans, _unweighted_rms,
-                                            to_release_layout)
+from dsv4_engine.models.deepseek_v4 import SLIDING, DeepseekV4, _rms, _rope_table, _spans, _unweighted_rms
+from dsv4_engine.models.deepseek_v4_weights import to_release_layout
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.quant import dense, place
 from dsv4_engine.spec_decode.mtp_layer import load_layer_weights

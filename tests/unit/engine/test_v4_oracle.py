@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from dsv4_engine.checkpoint import init_checkpoint
-from dsv4_engine.models.deepseek_v4 import DeepseekV4, V4Batch, allocate_states, load_v4_weights
+from dsv4_engine.models.deepseek_v4 import DeepseekV4, V4Batch, allocate_states
 from dsv4_engine.models.deepseek_v4_config import DeepseekV4Config
+from dsv4_engine.models.deepseek_v4_weights import load_v4_weights
 
 transformers = pytest.importorskip("transformers")
 
