@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from dsv4_engine.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4_engine.models.deepseek_v4_weights import load_v4_weights, to_release_layout
 from dsv4_engine.models.state import StateSpec
+from dsv4_engine.models.v4_layers import apply_rope, rms, rope_at, rope_table, sinkhorn_, unweighted_rms
 from dsv4_engine.quant import dense, is_quantized, log_resident, moe_experts_for, one_format, place
 from dsv4_engine.step_phases import PHASES
 from dsv4_kernels.grouped_moe import grouped_experts
@@ -70,61 +71,6 @@ class V4Batch:
     # the device once to learn them, which on a GPU is a host sync.
     seq_lens_host: Optional[list[int]] = None
     extend_lens_host: Optional[list[int]] = None
-
-
-# ---- small math helpers, written as transformers computes them ------------------------------------
-
-def _rms(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * y).to(x.dtype) if weight is not None else y.to(x.dtype)
-
-
-def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-
-
-def _rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e^{i angle}, e^{-i angle}) [N, rope_dim / 2] complex64 at positions [N]: computed once per
-    step and reused by every layer (the angles depend only on the positions)."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    cis = torch.polar(torch.ones_like(freqs), freqs)
-    return cis, cis.conj().resolve_conj()
-
-
-def _apply_rope(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor], conj: bool = False,
-                inplace: bool = False) -> torch.Tensor:
-    """Interleaved rope on the trailing rope slice of x [N, ..., dim] with a `_rope_table`: each
-    (even, odd) pair is a complex number turned by the angle, one complex multiply (in fp32).
-    conj rotates by -angle (undoes the rope that values picked up, at the query position).
-    inplace: x is a fresh tensor of the caller's; only its rope slice is written."""
-    cis = table[1] if conj else table[0]
-    while cis.dim() < x.dim():
-        cis = cis.unsqueeze(1)
-    rd = 2 * cis.shape[-1]
-    pairs = x[..., -rd:].float().unflatten(-1, (-1, 2))
-    if pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
-        pairs = pairs.contiguous()  # a complex view needs pair-aligned strides
-    rotated = torch.view_as_real(torch.view_as_complex(pairs) * cis).flatten(-2).to(x.dtype)
-    if inplace:
-        x[..., -rd:] = rotated
-        return x
-    return torch.cat([x[..., :-rd], rotated], dim=-1)
-
-
-def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, conj: bool = False) -> torch.Tensor:
-    return _apply_rope(x, _rope_table(positions, inv_freq), conj)
-
-
-def _sinkhorn_(comb: torch.Tensor, iters: int, eps: float) -> None:
-    """Sinkhorn normalisation of [T, hc, hc] mixing matrices in place: columns, then rows and
-    columns again `iters - 1` times. ~120 tiny ops per call: on the CPU they run on the same
-    memory through numpy, several times faster than torch's per-op dispatch (same float32 math)."""
-    c = comb.numpy() if comb.device.type == "cpu" else comb
-    c /= c.sum(-2, keepdims=True) + eps
-    for _ in range(iters - 1):
-        c /= c.sum(-1, keepdims=True) + eps
-        c /= c.sum(-2, keepdims=True) + eps
 
 
 class DeepseekV4:
@@ -302,7 +248,7 @@ class DeepseekV4:
         z = comb_w.view(-1, hc, hc) * scale[2] + comb_b.view(hc, hc)
         comb = z.sub_(z.amax(dim=-1, keepdim=True)).exp_()  # softmax over hc: torch's kernel is slow at width 4
         comb.div_(comb.sum(dim=-1, keepdim=True)).add_(cfg.hc_eps)
-        _sinkhorn_(comb, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        sinkhorn_(comb, cfg.hc_sinkhorn_iters, cfg.hc_eps)
         collapsed = torch.bmm(pre.unsqueeze(1), x.float()).squeeze(1).to(x.dtype)  # sum_j pre[j] * x[j], in fp32
         return post, comb, collapsed
 
@@ -359,7 +305,7 @@ class DeepseekV4:
         if self.kops is not None:
             entries = self.kops.v4_compress_pool(win_kv, win_gate, prev_kv, prev_gate, ape, norm_w, w_ids,
                                                  self.cfg.rms_norm_eps)
-            return _rope(entries, w_ids * rate, self.inv_freq["compress"])
+            return rope_at(entries, w_ids * rate, self.inv_freq["compress"])
         win_gate = win_gate + ape
         if prev_kv is not None:
             hd = win_kv.shape[-1] // 2
@@ -371,8 +317,8 @@ class DeepseekV4:
         else:
             new_kv, new_gate = win_kv, win_gate
         pooled = (new_kv * new_gate.softmax(dim=1, dtype=torch.float32).to(new_kv.dtype)).sum(dim=1)
-        entries = _rms(pooled, norm_w, self.cfg.rms_norm_eps)
-        return _rope(entries, w_ids * rate, self.inv_freq["compress"])
+        entries = rms(pooled, norm_w, self.cfg.rms_norm_eps)
+        return rope_at(entries, w_ids * rate, self.inv_freq["compress"])
 
     def _close_decode(self, rows: torch.Tensor, t: torch.Tensor, slots: torch.Tensor, fb: V4Batch, j: int,
                       stage: torch.Tensor, params, rate: int, overlap: bool, store: torch.Tensor,
@@ -445,8 +391,8 @@ class DeepseekV4:
         kind = L["type"]
         table = rope["main" if kind == SLIDING else "compress"]
         parts = F.linear(h, L["w_in"]).split(L["w_in_split"], dim=-1)
-        qr = _rms(parts[0], L["q_norm"], eps)
-        kv = _apply_rope(_rms(parts[1], L["kv_norm"], eps), table, inplace=True)  # [T, hd]: key == value
+        qr = rms(parts[0], L["q_norm"], eps)
+        kv = apply_rope(rms(parts[1], L["kv_norm"], eps), table, inplace=True)  # [T, hd]: key == value
         proj = {}
         if kind in (CSA, HCA):
             proj["comp"] = (parts[2], parts[3])
@@ -454,17 +400,17 @@ class DeepseekV4:
             proj["icomp"] = (parts[4], parts[5])
             proj["iw"] = parts[6].float() * cfg.index_n_heads ** -0.5
             q, iq = F.linear(qr, L["w_qb"]).split(L["w_qb_split"], dim=-1)
-            proj["iq"] = _apply_rope(iq.reshape(T, cfg.index_n_heads, cfg.index_head_dim), rope["compress"])
+            proj["iq"] = apply_rope(iq.reshape(T, cfg.index_n_heads, cfg.index_head_dim), rope["compress"])
         else:
             q = F.linear(qr, L["wq_b"])
-        q = _apply_rope(_unweighted_rms(q.reshape(T, H, hd), eps), table, inplace=True)
+        q = apply_rope(unweighted_rms(q.reshape(T, H, hd), eps), table, inplace=True)
         if self.kops is not None:
             out = self._attend_kernels(i, L, q, kv, proj, fb, states, spans)  # spans None: a captured decode
         elif all(n == 1 for _, n, _ in spans):
             out = self._attend_decode(i, L, q, kv, proj, fb, states, spans)
         else:
             out = self._attend_varlen(i, L, q, kv, proj, fb, states, spans)
-        out = _apply_rope(out, table, conj=True, inplace=True)
+        out = apply_rope(out, table, conj=True, inplace=True)
         G = cfg.o_groups
         grouped = out.reshape(T, G, -1).transpose(0, 1)  # [G, T, H*hd/G]
         wa = L["wo_a"].view(G, -1, grouped.shape[-1]).transpose(1, 2)  # [G, in, o_lora]
@@ -758,29 +704,29 @@ class DeepseekV4:
         static = self.kops is not None and getattr(fb, "all_decode", False) and getattr(fb, "seq_lens_host", None) is None
         spans = None if static else _spans(fb)
         self._step_index = {}
-        rope = {name: _rope_table(fb.positions, inv) for name, inv in self.inv_freq.items()}
+        rope = {name: rope_table(fb.positions, inv) for name, inv in self.inv_freq.items()}
         x = F.embedding(fb.input_ids, self.embed)
         x = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, hc, D] residual streams
         PHASES.lap("embed")
         for i, L in enumerate(self.layers):
             post, comb, collapsed = self._hc(x, L["hc_attn"])
-            h = _rms(collapsed, L["attn_norm"], cfg.rms_norm_eps)
+            h = rms(collapsed, L["attn_norm"], cfg.rms_norm_eps)
             PHASES.lap("norms")
             a = self._attention(i, L, h, fb, states, spans, rope)
             PHASES.lap("attention")
             x = self._hc_mix(x, a, post, comb)
             post, comb, collapsed = self._hc(x, L["hc_ffn"])
-            h = _rms(collapsed, L["ffn_norm"], cfg.rms_norm_eps)
+            h = rms(collapsed, L["ffn_norm"], cfg.rms_norm_eps)
             PHASES.lap("norms")
             m = self._moe(L, h, fb.input_ids)
             PHASES.lap("moe")
             x = self._hc_mix(x, m, post, comb)
         x = x[fb.logits_indices]
         fn, base, scale = self.hc_head
-        flat = _unweighted_rms(x.flatten(1).float(), cfg.rms_norm_eps)
+        flat = unweighted_rms(x.flatten(1).float(), cfg.rms_norm_eps)
         pre = torch.sigmoid(F.linear(flat, fn) * scale + base) + cfg.hc_eps
         h = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
-        h = _rms(h, self.norm, cfg.rms_norm_eps)
+        h = rms(h, self.norm, cfg.rms_norm_eps)
         logits = F.linear(h, self.head).float()
         PHASES.lap("lm_head")
         return logits
