@@ -38,7 +38,6 @@ arrived in earlier steps is read back from the stage ring.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -47,30 +46,12 @@ import torch.nn.functional as F
 
 from dsv4_engine.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4_engine.models.deepseek_v4_weights import load_v4_weights, to_release_layout
+from dsv4_engine.models.forward_batch import ForwardBatch, V4Batch
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.models.v4_layers import apply_rope, rms, rope_at, rope_table, sinkhorn_, unweighted_rms
 from dsv4_engine.quant import dense, is_quantized, log_resident, moe_experts_for, one_format, place
 from dsv4_engine.step_phases import PHASES
 from dsv4_kernels.grouped_moe import grouped_experts
-
-
-@dataclass
-class V4Batch:
-    """One step's tokens, flattened over requests in order (varlen). The engine's ForwardBatch
-    has every field but `slot_ids` and `page_size`; with those two it serves V4 as is (the model
-    reads only these attributes)."""
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64; a request's new tokens are consecutive positions
-    extend_lens: torch.Tensor  # [B] new tokens of each request
-    logits_indices: torch.Tensor  # [B] row of each request's last new token
-    block_table: torch.Tensor  # [B, max_pages] page ids of the paged states
-    slot_ids: torch.Tensor  # [B] row of each request in the slot states
-    page_size: int  # tokens per page
-    # The same lengths as host ints (the engine's batch has them): without them the step reads
-    # the device once to learn them, which on a GPU is a host sync.
-    seq_lens_host: Optional[list[int]] = None
-    extend_lens_host: Optional[list[int]] = None
 
 
 class DeepseekV4:
@@ -582,7 +563,7 @@ class DeepseekV4:
         S + Lmax, ...] (positions start - S ..: what the row held, then the chunk), into
         snapshot row sid at the ring offsets b - S .. b - 1 (mod S), as the row itself would
         hold them had the chunk ended at b. `fb.snapshots`: (request, b, sid) with start < b < end."""
-        snaps = getattr(fb, "snapshots", None)
+        snaps = fb.snapshots
         if not snaps:
             return
         store = fb.snapshot_states[name]
@@ -691,9 +672,9 @@ class DeepseekV4:
     # ---- the step ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, fb: V4Batch, states: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(self, fb: V4Batch | ForwardBatch, states: dict[str, torch.Tensor]) -> torch.Tensor:
         """Run one step; returns fp32 logits of each request's last new token, [B, vocab]."""
-        if getattr(fb, "slot_ids", None) is None or getattr(fb, "page_size", None) is None:
+        if fb.slot_ids is None or fb.page_size is None:
             raise NotImplementedError(
                 "DeepSeek-V4 needs a batch with slot_ids and page_size (its ring and compressor states are "
                 "per-request slot rows); this engine loop does not hand them out yet"
@@ -701,7 +682,7 @@ class DeepseekV4:
         cfg = self.cfg
         # A decode step without host lengths is a captured one (cuda_graphs): nothing in it may
         # depend on values, so it runs the kernel path's masked window closing instead.
-        static = self.kops is not None and getattr(fb, "all_decode", False) and getattr(fb, "seq_lens_host", None) is None
+        static = self.kops is not None and fb.all_decode and fb.seq_lens_host is None
         spans = None if static else _spans(fb)
         self._step_index = {}
         rope = {name: rope_table(fb.positions, inv) for name, inv in self.inv_freq.items()}
@@ -735,7 +716,7 @@ class DeepseekV4:
 def _spans(fb: V4Batch) -> list[tuple[int, int, int]]:
     """(first row, new tokens, first position) of each request, from the batch's host lengths
     when it has them (a request's new tokens start where its cache ends)."""
-    lens, seq_lens = getattr(fb, "extend_lens_host", None), getattr(fb, "seq_lens_host", None)
+    lens, seq_lens = fb.extend_lens_host, fb.seq_lens_host
     if lens is not None and seq_lens is not None:
         starts = [int(s) - int(n) for s, n in zip(seq_lens, lens)]
     else:  # a batch built by hand (tests): read the device once
