@@ -677,7 +677,7 @@ class DeepseekV4:
         if fb.slot_ids is None or fb.page_size is None:
             raise NotImplementedError(
                 "DeepSeek-V4 needs a batch with slot_ids and page_size (its ring and compressor states are "
-                "per-request slot rows); this engine loop does not hand them out yet"
+                "per-request slot rows); the engine's batch builder sets both for a model with slot states"
             )
         cfg = self.cfg
         # A decode step without host lengths is a captured one (cuda_graphs): nothing in it may
