@@ -37,7 +37,6 @@ arrived in earlier steps is read back from the stage ring.
 
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 from typing import Optional
 
@@ -46,7 +45,7 @@ import torch.nn.functional as F
 
 from dsv4_engine.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4_engine.models.deepseek_v4_weights import load_v4_weights, to_release_layout
-from dsv4_engine.models.forward_batch import ForwardBatch, V4Batch
+from dsv4_engine.models.forward_batch import ForwardBatch, V4Batch, request_spans
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.models.v4_layers import apply_rope, rms, rope_at, rope_table, sinkhorn_, unweighted_rms
 from dsv4_engine.quant import dense, is_quantized, log_resident, moe_experts_for, one_format, place
@@ -683,7 +682,7 @@ class DeepseekV4:
         # A decode step without host lengths is a captured one (cuda_graphs): nothing in it may
         # depend on values, so it runs the kernel path's masked window closing instead.
         static = self.kops is not None and fb.all_decode and fb.seq_lens_host is None
-        spans = None if static else _spans(fb)
+        spans = None if static else request_spans(fb)
         self._step_index = {}
         rope = {name: rope_table(fb.positions, inv) for name, inv in self.inv_freq.items()}
         x = F.embedding(fb.input_ids, self.embed)
@@ -711,23 +710,6 @@ class DeepseekV4:
         logits = F.linear(h, self.head).float()
         PHASES.lap("lm_head")
         return logits
-
-
-def _spans(fb: V4Batch) -> list[tuple[int, int, int]]:
-    """(first row, new tokens, first position) of each request, from the batch's host lengths
-    when it has them (a request's new tokens start where its cache ends)."""
-    lens, seq_lens = fb.extend_lens_host, fb.seq_lens_host
-    if lens is not None and seq_lens is not None:
-        starts = [int(s) - int(n) for s, n in zip(seq_lens, lens)]
-    else:  # a batch built by hand (tests): read the device once
-        lens, pos = [int(n) for n in fb.extend_lens.tolist()], fb.positions.tolist()
-        rows = [0, *itertools.accumulate(lens)][:-1]
-        starts = [int(pos[r]) if n else 0 for r, n in zip(rows, lens)]
-    spans, row = [], 0
-    for n, start in zip(lens, starts):
-        spans.append((row, int(n), start if n else 0))
-        row += int(n)
-    return spans
 
 
 def allocate_states(specs: list[StateSpec], num_pages: int, page_size: int, max_requests: int,

@@ -1,8 +1,10 @@
 """One step's batch as the model reads it: `ForwardBatch`, what the engine builds for every model
-(V3 and V4), and `V4Batch`, the smaller one V4's tests build by hand."""
+(V3 and V4), and `V4Batch`, the smaller one V4's tests build by hand; `request_spans` reads
+where each request's tokens sit in either."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -55,3 +57,20 @@ class V4Batch:
     all_decode: bool = False
     snapshots: Optional[list[tuple[int, int, int]]] = None
     snapshot_states: Optional[dict[str, torch.Tensor]] = None
+
+
+def request_spans(fb: V4Batch | ForwardBatch) -> list[tuple[int, int, int]]:
+    """(first row, new tokens, first position) of each request, from the batch's host lengths
+    when it has them (a request's new tokens start where its cache ends)."""
+    lens, seq_lens = fb.extend_lens_host, fb.seq_lens_host
+    if lens is not None and seq_lens is not None:
+        starts = [int(s) - int(n) for s, n in zip(seq_lens, lens)]
+    else:  # a batch built by hand (tests): read the device once
+        lens, pos = [int(n) for n in fb.extend_lens.tolist()], fb.positions.tolist()
+        rows = [0, *itertools.accumulate(lens)][:-1]
+        starts = [int(pos[r]) if n else 0 for r, n in zip(rows, lens)]
+    spans, row = [], 0
+    for n, start in zip(lens, starts):
+        spans.append((row, int(n), start if n else 0))
+        row += int(n)
+    return spans

@@ -34,8 +34,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from dsv4_engine.models.deepseek_v4 import SLIDING, DeepseekV4, _spans
+from dsv4_engine.models.deepseek_v4 import SLIDING, DeepseekV4
 from dsv4_engine.models.deepseek_v4_weights import to_release_layout
+from dsv4_engine.models.forward_batch import request_spans
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.models.v4_layers import rms, rope_table, unweighted_rms
 from dsv4_engine.quant import dense, place
@@ -64,7 +65,7 @@ def run_layers(m: DeepseekV4, layers: list[tuple[int, dict]], x: torch.Tensor, f
     """x [T, hc, D] through `layers` ((state layer index, weights) pairs) as DeepseekV4.forward
     runs its own; returns the streams after the last one."""
     eps = m.cfg.rms_norm_eps
-    spans = _spans(fb)
+    spans = request_spans(fb)
     m._step_index = {}
     rope = {name: rope_table(fb.positions, inv) for name, inv in m.inv_freq.items()}
     for i, L in layers:
