@@ -28,7 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from report import grouped_bars, pyplot, write_json  # noqa: E402
 
-from dsv4_engine.models.deepseek_v3 import DeepseekV3, ForwardBatch, expanded_is_cheaper  # noqa: E402
+from dsv4_engine.models.deepseek_v3 import DeepseekV3, expanded_is_cheaper  # noqa: E402
+from dsv4_engine.models.forward_batch import ForwardBatch  # noqa: E402
 from dsv4_kernels import reference  # noqa: E402
 
 H, NOPE, ROPE, V, C = 8, 64, 64, 64, 512

@@ -14,7 +14,7 @@ from dsv4_engine.cuda_graphs import DecodeGraphs
 from dsv4_engine.devices import resolve, use_device
 from dsv4_engine.kv_cache import KVPool
 from dsv4_engine.models import entry_for_dir
-from dsv4_engine.models.deepseek_v3 import ForwardBatch
+from dsv4_engine.models.forward_batch import ForwardBatch
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.sampling import Sampled, sample
 from dsv4_engine.scheduler import ScheduledSeq

@@ -1,6 +1,9 @@
-"""Pure-torch DeepSeek-V4 kernels: the oracle for the Triton V4 kernels and the engine's CPU
-backend. The math is the V4 model's (engine/dsv4_engine/models/deepseek_v4.py), cut at the
-seams where a kernel takes over; names and signatures match dsv4_kernels.triton_kernels.v4_*.
+"""Pure-torch DeepSeek-V4 kernels: the test oracle of the Triton V4 kernels. The engine does not
+run them: on the torch backend the V4 model keeps its own batched torch path (the same math,
+tuned for the CPU), and the kernel path runs only on a backend that asks for it (Triton; the
+engine-backend tests also drive it through these functions). The math is the V4 model's
+(engine/dsv4_engine/models/deepseek_v4.py), cut at the seams where a kernel takes over; names
+and signatures match dsv4_kernels.triton_kernels.v4_*.
 
 Shared conventions
 - Tokens are flattened over requests (varlen): request b owns extend_lens[b] consecutive rows,

@@ -12,41 +12,16 @@ The hot operations (attention, MoE routing and experts, RMSNorm, rotary embeddin
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from dsv4_engine.config import ModelConfig
+from dsv4_engine.models.forward_batch import ForwardBatch
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.quant import dense, log_resident, moe_experts_for, place
 from dsv4_engine.step_phases import PHASES
-
-
-@dataclass
-class ForwardBatch:
-    """One step's tokens, flattened over requests in order."""
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64, absolute position of each token
-    slot_mapping: torch.Tensor  # [T] int64, page * page_size + offset where its KV is written
-    block_table: torch.Tensor  # [B, max_pages] int32
-    seq_lens: torch.Tensor  # [B] int32, tokens in cache after this step
-    extend_lens: torch.Tensor  # [B] int32, new tokens of each request in this step
-    logits_indices: torch.Tensor  # [B] int64, the row of each request's last new token
-    all_decode: bool  # every request has exactly one new token
-    # For models with slot states (DeepSeek-V4); V3 reads neither.
-    slot_ids: Optional[torch.Tensor] = None  # [B] int64, each request's row in the slot states
-    page_size: Optional[int] = None  # tokens per page
-    # Prefix-cache snapshots to write inside this step's chunks: (request, position, snapshot
-    # row) into snapshot_states (models with slot states that support it: V4's torch path).
-    snapshots: Optional[list[tuple[int, int, int]]] = None
-    snapshot_states: Optional[dict[str, torch.Tensor]] = None
-    # The same lengths as host ints, known when the batch was built: ops that size launches or
-    # loop over requests read these instead of reading the device (a host sync).
-    seq_lens_host: Optional[list[int]] = None
-    extend_lens_host: Optional[list[int]] = None
 
 
 def yarn_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:

@@ -37,9 +37,6 @@ arrived in earlier steps is read back from the stage ring.
 
 from __future__ import annotations
 
-import itertools
-import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -47,156 +44,13 @@ import torch
 import torch.nn.functional as F
 
 from dsv4_engine.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
+from dsv4_engine.models.deepseek_v4_weights import load_v4_weights, to_release_layout
+from dsv4_engine.models.forward_batch import ForwardBatch, V4Batch, request_spans
 from dsv4_engine.models.state import StateSpec
+from dsv4_engine.models.v4_layers import apply_rope, rms, rope_at, rope_table, sinkhorn_, unweighted_rms
 from dsv4_engine.quant import dense, is_quantized, log_resident, moe_experts_for, one_format, place
-from dsv4_engine.quant.scheme import MTP  # the layers no loader reads
 from dsv4_engine.step_phases import PHASES
-from dsv4_engine.weights import load_weights
 from dsv4_kernels.grouped_moe import grouped_experts
-
-
-@dataclass
-class V4Batch:
-    """One step's tokens, flattened over requests in order (varlen). The engine's ForwardBatch
-    has every field but `slot_ids` and `page_size`; with those two it serves V4 as is (the model
-    reads only these attributes)."""
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64; a request's new tokens are consecutive positions
-    extend_lens: torch.Tensor  # [B] new tokens of each request
-    logits_indices: torch.Tensor  # [B] row of each request's last new token
-    block_table: torch.Tensor  # [B, max_pages] page ids of the paged states
-    slot_ids: torch.Tensor  # [B] row of each request in the slot states
-    page_size: int  # tokens per page
-    # The same lengths as host ints (the engine's batch has them): without them the step reads
-    # the device once to learn them, which on a GPU is a host sync.
-    seq_lens_host: Optional[list[int]] = None
-    extend_lens_host: Optional[list[int]] = None
-
-
-# ---- weights: release names, and what transformers' save_pretrained / state_dict write -----------
-
-
-# Native transformers module names -> DeepSeek release names (the inverse of transformers'
-# conversion mapping for deepseek_v4). Applied in order, after "model." is stripped.
-_TO_RELEASE = [
-    (r"^embed_tokens\.", "embed."),
-    (r"^lm_head\.", "head."),
-    (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
-    (r"\.self_attn\.", ".attn."),
-    (r"\.mlp\.", ".ffn."),
-    (r"\.input_layernorm\.", ".attn_norm."),
-    (r"\.post_attention_layernorm\.", ".ffn_norm."),
-    (r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2"),
-    (r"\.sinks$", ".attn_sink"),
-    (r"\.compressor\.indexer\.scorer\.weights_proj\.", ".indexer.weights_proj."),
-    (r"\.compressor\.indexer\.q_b_proj\.", ".indexer.wq_b."),
-    (r"\.compressor\.indexer\.", ".indexer.compressor."),
-    (r"\.compressor\.kv_norm\.", ".compressor.norm."),
-    (r"\.position_bias$", ".ape"),
-    (r"\.q_a_proj\.", ".wq_a."),
-    (r"\.q_b_proj\.", ".wq_b."),
-    (r"\.kv_proj\.", ".wkv."),
-    (r"\.compressor\.gate_proj\.", ".compressor.wgate."),
-    (r"\.o_a_proj\.", ".wo_a."),
-    (r"\.o_b_proj\.", ".wo_b."),
-    (r"\.q_a_norm\.", ".q_norm."),
-    (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
-    (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
-    (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
-    (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
-    # transformers' reverse mapping on save turns the attention's kv_norm into a bare `norm`
-    (r"^(layers\.\d+\.attn)\.norm\.", r"\1.kv_norm."),
-]
-
-
-def release_name(name: str) -> str:
-    """The DeepSeek release name of a tensor named in any layout we read."""
-    n = name[len("model."):] if name.startswith("model.") else name
-    for pat, rep in _TO_RELEASE:
-        n = re.sub(pat, rep, n)
-    return n
-
-
-def to_release_layout(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename to release names and split transformers' fused expert tensors per expert."""
-    out: dict[str, torch.Tensor] = {}
-    for name, t in weights.items():
-        if MTP.search(name):
-            continue
-        n = release_name(name)
-        m = re.match(r"^(layers\.\d+\.ffn\.experts)\.(gate_up_proj|down_proj)$", n)
-        if m:
-            prefix, kind = m.groups()
-            for e in range(t.shape[0]):
-                if kind == "gate_up_proj":
-                    w1, w3 = t[e].chunk(2, dim=0)
-                    out[f"{prefix}.{e}.w1.weight"], out[f"{prefix}.{e}.w3.weight"] = w1, w3
-                else:
-                    out[f"{prefix}.{e}.w2.weight"] = t[e]
-            continue
-        out[n] = t
-    return out
-
-
-def load_v4_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Read a V4 checkpoint in release or transformers layout; MTP tensors are never read."""
-    return to_release_layout(load_weights(model_dir))
-
-
-# ---- small math helpers, written as transformers computes them ------------------------------------
-
-def _rms(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * y).to(x.dtype) if weight is not None else y.to(x.dtype)
-
-
-def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-
-
-def _rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e^{i angle}, e^{-i angle}) [N, rope_dim / 2] complex64 at positions [N]: computed once per
-    step and reused by every layer (the angles depend only on the positions)."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    cis = torch.polar(torch.ones_like(freqs), freqs)
-    return cis, cis.conj().resolve_conj()
-
-
-def _apply_rope(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor], conj: bool = False,
-                inplace: bool = False) -> torch.Tensor:
-    """Interleaved rope on the trailing rope slice of x [N, ..., dim] with a `_rope_table`: each
-    (even, odd) pair is a complex number turned by the angle, one complex multiply (in fp32).
-    conj rotates by -angle (undoes the rope that values picked up, at the query position).
-    inplace: x is a fresh tensor of the caller's; only its rope slice is written."""
-    cis = table[1] if conj else table[0]
-    while cis.dim() < x.dim():
-        cis = cis.unsqueeze(1)
-    rd = 2 * cis.shape[-1]
-    pairs = x[..., -rd:].float().unflatten(-1, (-1, 2))
-    if pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
-        pairs = pairs.contiguous()  # a complex view needs pair-aligned strides
-    rotated = torch.view_as_real(torch.view_as_complex(pairs) * cis).flatten(-2).to(x.dtype)
-    if inplace:
-        x[..., -rd:] = rotated
-        return x
-    return torch.cat([x[..., :-rd], rotated], dim=-1)
-
-
-def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, conj: bool = False) -> torch.Tensor:
-    return _apply_rope(x, _rope_table(positions, inv_freq), conj)
-
-
-def _sinkhorn_(comb: torch.Tensor, iters: int, eps: float) -> None:
-    """Sinkhorn normalisation of [T, hc, hc] mixing matrices in place: columns, then rows and
-    columns again `iters - 1` times. ~120 tiny ops per call: on the CPU they run on the same
-    memory through numpy, several times faster than torch's per-op dispatch (same float32 math)."""
-    c = comb.numpy() if comb.device.type == "cpu" else comb
-    c /= c.sum(-2, keepdims=True) + eps
-    for _ in range(iters - 1):
-        c /= c.sum(-1, keepdims=True) + eps
-        c /= c.sum(-2, keepdims=True) + eps
 
 
 class DeepseekV4:
@@ -374,7 +228,7 @@ class DeepseekV4:
         z = comb_w.view(-1, hc, hc) * scale[2] + comb_b.view(hc, hc)
         comb = z.sub_(z.amax(dim=-1, keepdim=True)).exp_()  # softmax over hc: torch's kernel is slow at width 4
         comb.div_(comb.sum(dim=-1, keepdim=True)).add_(cfg.hc_eps)
-        _sinkhorn_(comb, cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        sinkhorn_(comb, cfg.hc_sinkhorn_iters, cfg.hc_eps)
         collapsed = torch.bmm(pre.unsqueeze(1), x.float()).squeeze(1).to(x.dtype)  # sum_j pre[j] * x[j], in fp32
         return post, comb, collapsed
 
@@ -431,7 +285,7 @@ class DeepseekV4:
         if self.kops is not None:
             entries = self.kops.v4_compress_pool(win_kv, win_gate, prev_kv, prev_gate, ape, norm_w, w_ids,
                                                  self.cfg.rms_norm_eps)
-            return _rope(entries, w_ids * rate, self.inv_freq["compress"])
+            return rope_at(entries, w_ids * rate, self.inv_freq["compress"])
         win_gate = win_gate + ape
         if prev_kv is not None:
             hd = win_kv.shape[-1] // 2
@@ -443,8 +297,8 @@ class DeepseekV4:
         else:
             new_kv, new_gate = win_kv, win_gate
         pooled = (new_kv * new_gate.softmax(dim=1, dtype=torch.float32).to(new_kv.dtype)).sum(dim=1)
-        entries = _rms(pooled, norm_w, self.cfg.rms_norm_eps)
-        return _rope(entries, w_ids * rate, self.inv_freq["compress"])
+        entries = rms(pooled, norm_w, self.cfg.rms_norm_eps)
+        return rope_at(entries, w_ids * rate, self.inv_freq["compress"])
 
     def _close_decode(self, rows: torch.Tensor, t: torch.Tensor, slots: torch.Tensor, fb: V4Batch, j: int,
                       stage: torch.Tensor, params, rate: int, overlap: bool, store: torch.Tensor,
@@ -517,8 +371,8 @@ class DeepseekV4:
         kind = L["type"]
         table = rope["main" if kind == SLIDING else "compress"]
         parts = F.linear(h, L["w_in"]).split(L["w_in_split"], dim=-1)
-        qr = _rms(parts[0], L["q_norm"], eps)
-        kv = _apply_rope(_rms(parts[1], L["kv_norm"], eps), table, inplace=True)  # [T, hd]: key == value
+        qr = rms(parts[0], L["q_norm"], eps)
+        kv = apply_rope(rms(parts[1], L["kv_norm"], eps), table, inplace=True)  # [T, hd]: key == value
         proj = {}
         if kind in (CSA, HCA):
             proj["comp"] = (parts[2], parts[3])
@@ -526,17 +380,17 @@ class DeepseekV4:
             proj["icomp"] = (parts[4], parts[5])
             proj["iw"] = parts[6].float() * cfg.index_n_heads ** -0.5
             q, iq = F.linear(qr, L["w_qb"]).split(L["w_qb_split"], dim=-1)
-            proj["iq"] = _apply_rope(iq.reshape(T, cfg.index_n_heads, cfg.index_head_dim), rope["compress"])
+            proj["iq"] = apply_rope(iq.reshape(T, cfg.index_n_heads, cfg.index_head_dim), rope["compress"])
         else:
             q = F.linear(qr, L["wq_b"])
-        q = _apply_rope(_unweighted_rms(q.reshape(T, H, hd), eps), table, inplace=True)
+        q = apply_rope(unweighted_rms(q.reshape(T, H, hd), eps), table, inplace=True)
         if self.kops is not None:
             out = self._attend_kernels(i, L, q, kv, proj, fb, states, spans)  # spans None: a captured decode
         elif all(n == 1 for _, n, _ in spans):
             out = self._attend_decode(i, L, q, kv, proj, fb, states, spans)
         else:
             out = self._attend_varlen(i, L, q, kv, proj, fb, states, spans)
-        out = _apply_rope(out, table, conj=True, inplace=True)
+        out = apply_rope(out, table, conj=True, inplace=True)
         G = cfg.o_groups
         grouped = out.reshape(T, G, -1).transpose(0, 1)  # [G, T, H*hd/G]
         wa = L["wo_a"].view(G, -1, grouped.shape[-1]).transpose(1, 2)  # [G, in, o_lora]
@@ -708,7 +562,7 @@ class DeepseekV4:
         S + Lmax, ...] (positions start - S ..: what the row held, then the chunk), into
         snapshot row sid at the ring offsets b - S .. b - 1 (mod S), as the row itself would
         hold them had the chunk ended at b. `fb.snapshots`: (request, b, sid) with start < b < end."""
-        snaps = getattr(fb, "snapshots", None)
+        snaps = fb.snapshots
         if not snaps:
             return
         store = fb.snapshot_states[name]
@@ -817,62 +671,45 @@ class DeepseekV4:
     # ---- the step ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, fb: V4Batch, states: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(self, fb: V4Batch | ForwardBatch, states: dict[str, torch.Tensor]) -> torch.Tensor:
         """Run one step; returns fp32 logits of each request's last new token, [B, vocab]."""
-        if getattr(fb, "slot_ids", None) is None or getattr(fb, "page_size", None) is None:
+        if fb.slot_ids is None or fb.page_size is None:
             raise NotImplementedError(
                 "DeepSeek-V4 needs a batch with slot_ids and page_size (its ring and compressor states are "
-                "per-request slot rows); this engine loop does not hand them out yet"
+                "per-request slot rows); the engine's batch builder sets both for a model with slot states"
             )
         cfg = self.cfg
         # A decode step without host lengths is a captured one (cuda_graphs): nothing in it may
         # depend on values, so it runs the kernel path's masked window closing instead.
-        static = self.kops is not None and getattr(fb, "all_decode", False) and getattr(fb, "seq_lens_host", None) is None
-        spans = None if static else _spans(fb)
+        static = self.kops is not None and fb.all_decode and fb.seq_lens_host is None
+        spans = None if static else request_spans(fb)
         self._step_index = {}
-        rope = {name: _rope_table(fb.positions, inv) for name, inv in self.inv_freq.items()}
+        rope = {name: rope_table(fb.positions, inv) for name, inv in self.inv_freq.items()}
         x = F.embedding(fb.input_ids, self.embed)
         x = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, hc, D] residual streams
         PHASES.lap("embed")
         for i, L in enumerate(self.layers):
             post, comb, collapsed = self._hc(x, L["hc_attn"])
-            h = _rms(collapsed, L["attn_norm"], cfg.rms_norm_eps)
+            h = rms(collapsed, L["attn_norm"], cfg.rms_norm_eps)
             PHASES.lap("norms")
             a = self._attention(i, L, h, fb, states, spans, rope)
             PHASES.lap("attention")
             x = self._hc_mix(x, a, post, comb)
             post, comb, collapsed = self._hc(x, L["hc_ffn"])
-            h = _rms(collapsed, L["ffn_norm"], cfg.rms_norm_eps)
+            h = rms(collapsed, L["ffn_norm"], cfg.rms_norm_eps)
             PHASES.lap("norms")
             m = self._moe(L, h, fb.input_ids)
             PHASES.lap("moe")
             x = self._hc_mix(x, m, post, comb)
         x = x[fb.logits_indices]
         fn, base, scale = self.hc_head
-        flat = _unweighted_rms(x.flatten(1).float(), cfg.rms_norm_eps)
+        flat = unweighted_rms(x.flatten(1).float(), cfg.rms_norm_eps)
         pre = torch.sigmoid(F.linear(flat, fn) * scale + base) + cfg.hc_eps
         h = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
-        h = _rms(h, self.norm, cfg.rms_norm_eps)
+        h = rms(h, self.norm, cfg.rms_norm_eps)
         logits = F.linear(h, self.head).float()
         PHASES.lap("lm_head")
         return logits
-
-
-def _spans(fb: V4Batch) -> list[tuple[int, int, int]]:
-    """(first row, new tokens, first position) of each request, from the batch's host lengths
-    when it has them (a request's new tokens start where its cache ends)."""
-    lens, seq_lens = getattr(fb, "extend_lens_host", None), getattr(fb, "seq_lens_host", None)
-    if lens is not None and seq_lens is not None:
-        starts = [int(s) - int(n) for s, n in zip(seq_lens, lens)]
-    else:  # a batch built by hand (tests): read the device once
-        lens, pos = [int(n) for n in fb.extend_lens.tolist()], fb.positions.tolist()
-        rows = [0, *itertools.accumulate(lens)][:-1]
-        starts = [int(pos[r]) if n else 0 for r, n in zip(rows, lens)]
-    spans, row = [], 0
-    for n, start in zip(lens, starts):
-        spans.append((row, int(n), start if n else 0))
-        row += int(n)
-    return spans
 
 
 def allocate_states(specs: list[StateSpec], num_pages: int, page_size: int, max_requests: int,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4_engine.models.deepseek_v3 import ForwardBatch
+from dsv4_engine.models.forward_batch import ForwardBatch
 
 HEADER_LEN = 8
 # Header slots.

@@ -23,7 +23,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from dsv4_engine.models.deepseek_v3 import DeepseekV3, ForwardBatch
+from dsv4_engine.models.deepseek_v3 import DeepseekV3
+from dsv4_engine.models.forward_batch import ForwardBatch
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.quant import checkpoint_scheme, dense, pair_quantized, place
 

@@ -34,9 +34,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from dsv4_engine.models.deepseek_v4 import (SLIDING, DeepseekV4, _rms, _rope_table, _spans, _unweighted_rms,
-                                            to_release_layout)
+from dsv4_engine.models.deepseek_v4 import SLIDING, DeepseekV4
+from dsv4_engine.models.deepseek_v4_weights import to_release_layout
+from dsv4_engine.models.forward_batch import request_spans
 from dsv4_engine.models.state import StateSpec
+from dsv4_engine.models.v4_layers import rms, rope_table, unweighted_rms
 from dsv4_engine.quant import dense, place
 from dsv4_engine.spec_decode.mtp_layer import load_layer_weights
 
@@ -63,15 +65,15 @@ def run_layers(m: DeepseekV4, layers: list[tuple[int, dict]], x: torch.Tensor, f
     """x [T, hc, D] through `layers` ((state layer index, weights) pairs) as DeepseekV4.forward
     runs its own; returns the streams after the last one."""
     eps = m.cfg.rms_norm_eps
-    spans = _spans(fb)
+    spans = request_spans(fb)
     m._step_index = {}
-    rope = {name: _rope_table(fb.positions, inv) for name, inv in m.inv_freq.items()}
+    rope = {name: rope_table(fb.positions, inv) for name, inv in m.inv_freq.items()}
     for i, L in layers:
         post, comb, collapsed = m._hc(x, L["hc_attn"])
-        a = m._attention(i, L, _rms(collapsed, L["attn_norm"], eps), fb, states, spans, rope)
+        a = m._attention(i, L, rms(collapsed, L["attn_norm"], eps), fb, states, spans, rope)
         x = m._hc_mix(x, a, post, comb)
         post, comb, collapsed = m._hc(x, L["hc_ffn"])
-        x = m._hc_mix(x, m._moe(L, _rms(collapsed, L["ffn_norm"], eps), fb.input_ids), post, comb)
+        x = m._hc_mix(x, m._moe(L, rms(collapsed, L["ffn_norm"], eps), fb.input_ids), post, comb)
     return x
 
 
@@ -79,10 +81,10 @@ def head_logits(m: DeepseekV4, x: torch.Tensor, hc_head, norm: torch.Tensor) -> 
     """fp32 logits of streams x [N, hc, D]: the mHC head's weighted sum, norm, shared head."""
     eps, hc_eps = m.cfg.rms_norm_eps, m.cfg.hc_eps
     fn, base, scale = hc_head
-    flat = _unweighted_rms(x.flatten(1).float(), eps)
+    flat = unweighted_rms(x.flatten(1).float(), eps)
     pre = torch.sigmoid(F.linear(flat, fn) * scale + base) + hc_eps
     h = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
-    return F.linear(_rms(h, norm, eps), m.head).float()
+    return F.linear(rms(h, norm, eps), m.head).float()
 
 
 class V4Target:
@@ -153,8 +155,8 @@ class V4MTPLayer:
         they follow. Writes the block's ring at fb's positions. Returns (fp32 logits, output
         streams) of the tokens at `rows` (default: each request's last)."""
         m, eps = self.model, self.model.cfg.rms_norm_eps
-        e = _rms(F.embedding(fb.input_ids, m.embed), self.enorm, eps)
-        h = _rms(prev.to(e.dtype), self.hnorm, eps)
+        e = rms(F.embedding(fb.input_ids, m.embed), self.enorm, eps)
+        h = rms(prev.to(e.dtype), self.hnorm, eps)
         x = (F.linear(e, self.e_proj).unsqueeze(1) + F.linear(h, self.h_proj)).contiguous()
         x = run_layers(m, [(0, self.L)], x, fb, {**states, DeepseekV4.SWA_KV: states[STATE]})
         out = x[fb.logits_indices if rows is None else rows]

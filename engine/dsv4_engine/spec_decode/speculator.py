@@ -26,7 +26,7 @@ from typing import Optional, Union
 import torch
 
 from dsv4_engine.batch_buffers import BatchBuffers, host_batch
-from dsv4_engine.models.deepseek_v3 import ForwardBatch
+from dsv4_engine.models.forward_batch import ForwardBatch
 from dsv4_engine.sampling import SamplingError, logprob_entry
 from dsv4_engine.scheduler import ScheduledSeq
 from dsv4_engine.spec_decode.mtp_layer import MTPLayer, V3Target

@@ -131,7 +131,7 @@ def _greedy_continuations(model_dir: Path, prompts: list[list[int]], new_tokens:
 def _hidden_and_logits(model, seq: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The main model's final-normed hidden states [T, D] and logits [T, V] of one sequence."""
     from dsv4_engine.batch_buffers import host_batch
-    from dsv4_engine.models.deepseek_v3 import ForwardBatch
+    from dsv4_engine.models.forward_batch import ForwardBatch
 
     page = 16
     n_pages = -(-len(seq) // page)

@@ -43,7 +43,8 @@ def test_trainable_forward_equals_the_engines(tiny_mtp):
     from dsv4_engine.batch_buffers import host_batch
     from dsv4_engine.config import ModelConfig
     from dsv4_engine.model_runner import get_ops
-    from dsv4_engine.models.deepseek_v3 import DeepseekV3, ForwardBatch
+    from dsv4_engine.models.deepseek_v3 import DeepseekV3
+    from dsv4_engine.models.forward_batch import ForwardBatch
     from dsv4_engine.spec_decode.mtp_layer import STATE, MTPLayer
     from dsv4_engine.spec_decode.train import TrainableMTP, _hidden_and_logits
     from dsv4_engine.weights import load_weights

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from dsv4_engine.checkpoint import PRESETS, V4_PRESETS, init_checkpoint, v4_tensor_shapes
-from dsv4_engine.models.deepseek_v4 import DeepseekV4, load_v4_weights, release_name, to_release_layout
+from dsv4_engine.models.deepseek_v4 import DeepseekV4
 from dsv4_engine.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
+from dsv4_engine.models.deepseek_v4_weights import load_v4_weights, release_name, to_release_layout
 from dsv4_engine.weights import load_weights
 
 transformers = pytest.importorskip("transformers")

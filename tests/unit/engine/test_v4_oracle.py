@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from dsv4_engine.checkpoint import init_checkpoint
-from dsv4_engine.models.deepseek_v4 import DeepseekV4, V4Batch, allocate_states, load_v4_weights
+from dsv4_engine.models.deepseek_v4 import DeepseekV4, allocate_states
 from dsv4_engine.models.deepseek_v4_config import DeepseekV4Config
+from dsv4_engine.models.deepseek_v4_weights import load_v4_weights
+from dsv4_engine.models.forward_batch import V4Batch
 
 transformers = pytest.importorskip("transformers")
 
@@ -260,7 +262,7 @@ def test_bf16_tracks_fp32(tiny):
 
 
 def test_a_batch_without_slot_rows_is_refused_clearly(tiny):
-    from dsv4_engine.models.deepseek_v3 import ForwardBatch
+    from dsv4_engine.models.forward_batch import ForwardBatch
 
     cfg, ours, hf = tiny
     fb = ForwardBatch(torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), torch.zeros(1, 1, dtype=torch.int32),

@@ -149,8 +149,10 @@ def test_one_forward_mixing_chunks_and_decode_tokens(v4_dir):
     """The engine splits decodes from prefills, but the model takes any mix in one forward: a
     request's chunks next to another's decode tokens, kernel path (Triton) against the torch
     path, step by step from identical states."""
-    from dsv4_engine.models.deepseek_v4 import DeepseekV4, V4Batch, allocate_states, load_v4_weights
+    from dsv4_engine.models.deepseek_v4 import DeepseekV4, allocate_states
     from dsv4_engine.models.deepseek_v4_config import DeepseekV4Config
+    from dsv4_engine.models.deepseek_v4_weights import load_v4_weights
+    from dsv4_engine.models.forward_batch import V4Batch
     from dsv4_kernels import get_ops
 
     cfg = DeepseekV4Config.from_dir(v4_dir)

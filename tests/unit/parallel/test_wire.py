@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_engine.models.deepseek_v3 import ForwardBatch
+from dsv4_engine.models.forward_batch import ForwardBatch
 from dsv4_engine.parallel import wire
 
 
