@@ -201,7 +201,7 @@ async def test_reaction_lookup_does_not_rescan_every_served_request(kube_cluster
     scanned = []
     original = dsl.Filter.__iter__
 
-    def counting_iter(self):  # noqa: ANN001, ANN202
+    def counting_iter(self: dsl.Filter) -> object:
         scanned.append(self)
         return original(self)
 
