@@ -184,3 +184,38 @@ async def test_field_ownership_shared_fields_survive_and_scale_takes_over(kube_c
                                                "metadata": {"name": "s", "namespace": "ns"}, "spec": {"replicas": 4}},
                                apply, params={"fieldManager": "b"})
     assert err.value.status == 409 and "spec.replicas" in err.value.body["message"]
+
+
+async def test_reaction_lookup_does_not_rescan_every_served_request(kube_cluster: KubeCluster,
+                                                                    kube_client: ClusterClient,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """kmock found a request's reaction by iterating every request served so far through each
+    fallback's filters: each request cost O(history), and 50 DSV4Deployments never finished their
+    first reconcile in bench/api_calls.py. The lookup now checks the one request; it must give
+    kmock's answer for every view, the ones a test builds (slices, groups) included."""
+    from kmock._internal import dsl
+
+    await kube_client.create(cm("a"), "configmaps")
+    for _ in range(30):
+        await kube_client.get("v1", "configmaps", "ns", "a")
+    scanned = []
+    original = dsl.Filter.__iter__
+
+    def counting_iter(self: dsl.Filter) -> object:
+        scanned.append(self)
+        return original(self)
+
+    monkeypatch.setattr(dsl.Filter, "__iter__", counting_iter)
+    assert (await kube_client.get("v1", "configmaps", "ns", "a"))["data"] == {"k": "v"}
+    assert scanned == []  # no filter walked the history to serve it
+    monkeypatch.undo()
+
+    views = [kube_cluster["get"], kube_cluster["post"], kube_cluster.fallback["get"], kube_cluster["get"][:3],
+             kube_cluster["get"] | kube_cluster["post"], kube_cluster.fallback["get"]["/api/v1/namespaces/ns/configmaps/a"]]
+    requests = list(kube_cluster)
+    assert len(requests) >= 32
+    for view in views:
+        members = {id(r) for r in view}
+        assert any(id(r) in members for r in requests)
+        for r in requests:
+            assert (r in view) is (id(r) in members), (view, r)
