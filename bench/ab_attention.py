@@ -51,8 +51,11 @@ def main() -> None:
                     best[mib] = min(best.get(mib, 1e9), time.perf_counter() - t0)
         finally:
             R.DECODE_TILE_BYTES = keep
-        r = {"batch": B, "ms_by_tile_mib": {("whole batch" if k == 0 else f"{k} MiB"): round(v * 1e3, 3) for k, v in best.items()},
-             "bit_equal_to_whole_batch": all(torch.equal(o, outs[budgets[0]]) for o in outs.values())}
+        r = {
+            "batch": B,
+            "ms_by_tile_mib": {("whole batch" if k == 0 else f"{k} MiB"): round(v * 1e3, 3) for k, v in best.items()},
+            "bit_equal_to_whole_batch": all(torch.equal(o, outs[budgets[0]]) for o in outs.values()),
+        }
         out["results"].append(r)
         print(r)
     print(json.dumps(out))

@@ -46,7 +46,7 @@ def measure(model: Path, c: int, rounds: int, steps: int) -> dict:
     each: dict = {k: [] for k in use}
     try:
         for r in range(rounds):
-            for name in (list(use) if r % 2 == 0 else list(reversed(use))):
+            for name in list(use) if r % 2 == 0 else list(reversed(use)):
                 use[name]()
                 PHASES.enable(True)
                 t0 = time.perf_counter()
@@ -62,10 +62,15 @@ def measure(model: Path, c: int, rounds: int, steps: int) -> dict:
     engine.abort(all_=True)
     engine.step()
     assert all(s.output_ids for s in seqs)
-    return {"concurrency": c, "step_ms_best": {k: round(v[0], 2) for k, v in best.items()},
-            "speedup": round(best["before"][0] / best["after"][0], 2), "step_ms_each": each,
-            "phases_best": {k: {p: v["ms_per_step"] for p, v in (b[1] or {}).get("phases", {}).items()}
-                            for k, b in best.items()}}
+    return {
+        "concurrency": c,
+        "step_ms_best": {k: round(v[0], 2) for k, v in best.items()},
+        "speedup": round(best["before"][0] / best["after"][0], 2),
+        "step_ms_each": each,
+        "phases_best": {
+            k: {p: v["ms_per_step"] for p, v in (b[1] or {}).get("phases", {}).items()} for k, b in best.items()
+        },
+    }
 
 
 def main() -> None:

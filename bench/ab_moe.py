@@ -73,13 +73,20 @@ def main() -> None:
         same = torch.equal(loop_experts(x, w13, w2, wts, ids), grouped_experts(x, w13, w2, wts, ids, silu_mul))
         best = {"loop": 1e9, "grouped": 1e9}
         for _ in range(a.reps):
-            for name, fn in (("loop", lambda: loop_experts(x, w13, w2, wts, ids)),
-                             ("grouped", lambda: grouped_experts(x, w13, w2, wts, ids, silu_mul))):
+            for name, fn in (
+                ("loop", lambda: loop_experts(x, w13, w2, wts, ids)),
+                ("grouped", lambda: grouped_experts(x, w13, w2, wts, ids, silu_mul)),
+            ):
                 t0 = time.perf_counter()
                 fn()
                 best[name] = min(best[name], time.perf_counter() - t0)
-        r = {"tokens": t, "bit_equal": same, "loop_ms": round(best["loop"] * 1e3, 3),
-             "grouped_ms": round(best["grouped"] * 1e3, 3), "speedup": round(best["loop"] / best["grouped"], 2)}
+        r = {
+            "tokens": t,
+            "bit_equal": same,
+            "loop_ms": round(best["loop"] * 1e3, 3),
+            "grouped_ms": round(best["grouped"] * 1e3, 3),
+            "speedup": round(best["loop"] / best["grouped"], 2),
+        }
         out["results"].append(r)
         print(r)
     print(json.dumps(out))

@@ -30,13 +30,28 @@ from checkpoints import RESULTS, ensure_model
 from procs import Server, free_port
 from report import machine, now_iso, pyplot, write_json
 
-TOOLS = [{"type": "function", "function": {
-    "name": "shell", "description": "Run a shell command and return its output.",
-    "parameters": {"type": "object", "properties": {"cmd": {"type": "string", "pattern": "^[a-z]{1,8}$"},
-                                                    "timeout": {"type": "integer", "minimum": 1, "maximum": 60}},
-                   "required": ["cmd"], "additionalProperties": False}}}]
-WORDS = ("file line error build test pass fail module import value return object list index count path "
-         "config server request token cache page decode prefill router agent round result output").split()
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "shell",
+            "description": "Run a shell command and return its output.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "cmd": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                    "timeout": {"type": "integer", "minimum": 1, "maximum": 60},
+                },
+                "required": ["cmd"],
+                "additionalProperties": False,
+            },
+        },
+    }
+]
+WORDS = (
+    "file line error build test pass fail module import value return object list index count path "
+    "config server request token cache page decode prefill router agent round result output"
+).split()
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -45,7 +60,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--agents", type=int, default=None, help="concurrent agents (default 16)")
     p.add_argument("--rounds", type=int, default=None, help="rounds per agent (default 6)")
     p.add_argument("--result-tokens", type=int, default=300, help="tool result length per round, in tokens (about)")
-    p.add_argument("--max-tokens", type=int, default=160, help="answer budget per round (a V3.1 call takes ~20 tokens, a V4 DSML one ~60-100)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=160,
+        help="answer budget per round (a V3.1 call takes ~20 tokens, a V4 DSML one ~60-100)",
+    )
     p.add_argument("--modes", nargs="+", default=["mono", "pd"], choices=["mono", "pd"])
     p.add_argument("--kv-pages", type=int, default=None, help="KV pool per engine in pages (default 2048)")
     p.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/agents)")
@@ -79,22 +99,35 @@ def long_context(model: Path, positions: int = 8192) -> Path:
 
 
 def start(mode: str, model: Path, cache: bool, a: argparse.Namespace, logs: Path) -> tuple[str, list[Server]]:
-    common = ["--model", model, "--kv-pages", a.kv_pages, "--max-num-seqs", max(16, a.agents),
-              "--served-model-name", "bench"] + ([] if cache else ["--disable-prefix-cache"])
+    common = [
+        "--model",
+        model,
+        "--kv-pages",
+        a.kv_pages,
+        "--max-num-seqs",
+        max(16, a.agents),
+        "--served-model-name",
+        "bench",
+    ] + ([] if cache else ["--disable-prefix-cache"])
     tag = f"{model.name}-{mode}-{'cache' if cache else 'nocache'}"
     if mode == "mono":
         port = free_port()
         s = Server.dsv4(f"{tag}-mono", ["serve", *common, "--port", port], port, logs)
         return s.url, [s]
     pp, bp, dp, rp = (free_port() for _ in range(4))
-    prefill = Server.dsv4(f"{tag}-prefill", ["serve", *common, "--role", "prefill", "--port", pp,
-                                             "--bootstrap-port", bp], pp, logs)
+    prefill = Server.dsv4(
+        f"{tag}-prefill", ["serve", *common, "--role", "prefill", "--port", pp, "--bootstrap-port", bp], pp, logs
+    )
     decode = Server.dsv4(f"{tag}-decode", ["serve", *common, "--role", "decode", "--port", dp], dp, logs)
     procs = [prefill, decode]
     for s in procs:
         s.wait_ready(300)
-    router = Server.dsv4(f"{tag}-router", ["router", "--prefill", prefill.url, "--decode", decode.url, "--port", rp,
-                                           "--health-interval", "1"], rp, logs)
+    router = Server.dsv4(
+        f"{tag}-router",
+        ["router", "--prefill", prefill.url, "--decode", decode.url, "--port", rp, "--health-interval", "1"],
+        rp,
+        logs,
+    )
     return router.url, procs + [router]
 
 
@@ -108,9 +141,17 @@ def tool_result(rng: random.Random, tokens: int) -> str:
 
 
 async def one_round(client: httpx.AsyncClient, url: str, messages: list, max_tokens: int) -> dict:
-    body = {"model": "bench", "messages": messages, "tools": TOOLS, "tool_choice": "required",
-            "parallel_tool_calls": False, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "bench",
+        "messages": messages,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     ttft = None
     calls: dict[int, dict] = {}
@@ -134,15 +175,22 @@ async def one_round(client: httpx.AsyncClient, url: str, messages: list, max_tok
                     c["name"] = fn.get("name") or c["name"]
                     c["arguments"] += fn.get("arguments") or ""
                 finish = ch.get("finish_reason") or finish
-    return {"ttft": ttft, "latency": time.perf_counter() - t0, "finish": finish, "calls": [calls[i] for i in sorted(calls)],
-            "prompt_tokens": (usage or {}).get("prompt_tokens"),
-            "cached_tokens": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")}
+    return {
+        "ttft": ttft,
+        "latency": time.perf_counter() - t0,
+        "finish": finish,
+        "calls": [calls[i] for i in sorted(calls)],
+        "prompt_tokens": (usage or {}).get("prompt_tokens"),
+        "cached_tokens": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens"),
+    }
 
 
 async def agent(client, url: str, k: int, a: argparse.Namespace) -> list[dict]:
     rng = random.Random(a.seed * 1000 + k)
-    messages = [{"role": "system", "content": f"You are agent {k}. Work with the shell tool."},
-                {"role": "user", "content": f"Task {k}: " + tool_result(rng, 120)}]
+    messages = [
+        {"role": "system", "content": f"You are agent {k}. Work with the shell tool."},
+        {"role": "user", "content": f"Task {k}: " + tool_result(rng, 120)},
+    ]
     out = []
     for i in range(a.rounds):
         r = await one_round(client, url, messages, a.max_tokens)
@@ -150,9 +198,20 @@ async def agent(client, url: str, k: int, a: argparse.Namespace) -> list[dict]:
         if r.get("error") or not r["calls"]:
             break
         call = r["calls"][0]
-        messages += [{"role": "assistant", "content": None, "tool_calls": [
-            {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]},
-            {"role": "tool", "tool_call_id": call["id"], "content": tool_result(rng, a.result_tokens)}]
+        messages += [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call["id"],
+                        "type": "function",
+                        "function": {"name": call["name"], "arguments": call["arguments"]},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call["id"], "content": tool_result(rng, a.result_tokens)},
+        ]
     return out
 
 
@@ -171,13 +230,19 @@ async def harness(url: str, a: argparse.Namespace) -> dict:
     for i in range(a.rounds):
         rs = [r[i] for r in runs if i < len(r)]
         ok = [r for r in rs if not r.get("error")]
-        rounds.append({"round": i + 1, "ttft_p50_ms": pct([r["ttft"] for r in ok], 0.5),
-                       "ttft_p90_ms": pct([r["ttft"] for r in ok], 0.9),
-                       "prompt_tokens_p50": sorted(r["prompt_tokens"] or 0 for r in ok)[len(ok) // 2] if ok else None,
-                       "cached_tokens_p50": sorted(r["cached_tokens"] or 0 for r in ok)[len(ok) // 2] if ok else None,
-                       "tool_calls": sum(1 for r in ok if r["finish"] == "tool_calls"), "requests": len(rs),
-                       "finish_reasons": {f: sum(1 for r in ok if r["finish"] == f) for f in {r["finish"] for r in ok}},
-                       "errors": [r["error"] for r in rs if r.get("error")][:2]})
+        rounds.append(
+            {
+                "round": i + 1,
+                "ttft_p50_ms": pct([r["ttft"] for r in ok], 0.5),
+                "ttft_p90_ms": pct([r["ttft"] for r in ok], 0.9),
+                "prompt_tokens_p50": sorted(r["prompt_tokens"] or 0 for r in ok)[len(ok) // 2] if ok else None,
+                "cached_tokens_p50": sorted(r["cached_tokens"] or 0 for r in ok)[len(ok) // 2] if ok else None,
+                "tool_calls": sum(1 for r in ok if r["finish"] == "tool_calls"),
+                "requests": len(rs),
+                "finish_reasons": {f: sum(1 for r in ok if r["finish"] == f) for f in {r["finish"] for r in ok}},
+                "errors": [r["error"] for r in rs if r.get("error")][:2],
+            }
+        )
     return {"wall_s": round(wall, 2), "per_round": rounds}
 
 
@@ -203,10 +268,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     a = parse_args(argv)
     logs = a.out / "logs"
     a.out.mkdir(parents=True, exist_ok=True)
-    report = {"benchmark": "agents", "started": now_iso(), "machine": machine(),
-              "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
-              "note": "2 shared CPU cores, random-weight checkpoints: noisy; compare sides of one run only",
-              "results": {}}
+    report = {
+        "benchmark": "agents",
+        "started": now_iso(),
+        "machine": machine(),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+        "note": "2 shared CPU cores, random-weight checkpoints: noisy; compare sides of one run only",
+        "results": {},
+    }
     for preset in a.presets:
         model = long_context(ensure_model(None, preset, a.seed))
         report["results"][preset] = {}
@@ -224,10 +293,12 @@ def main(argv: Optional[list[str]] = None) -> None:
                         s.stop()
                 report["results"][preset][name] = res
                 write_json(report, a.out / "agents.json")  # after every side: a cut-short run keeps what it measured
-                print(f"  wall {res['wall_s']} s; TTFT p50 per round (ms): "
-                      f"{[r['ttft_p50_ms'] for r in res['per_round']]}; tool calls "
-                      f"{sum(r['tool_calls'] for r in res['per_round'])}/{sum(r['requests'] for r in res['per_round'])}",
-                      flush=True)
+                print(
+                    f"  wall {res['wall_s']} s; TTFT p50 per round (ms): "
+                    f"{[r['ttft_p50_ms'] for r in res['per_round']]}; tool calls "
+                    f"{sum(r['tool_calls'] for r in res['per_round'])}/{sum(r['requests'] for r in res['per_round'])}",
+                    flush=True,
+                )
     a.out.mkdir(parents=True, exist_ok=True)
     write_json(report, a.out / "agents.json")
     plot(report, a.out / "agents.png")

@@ -59,11 +59,16 @@ def log(message: str) -> None:
 
 
 def deployment(name: str, ns: str) -> dict:
-    return {"apiVersion": "serving.dsv4.dev/v1alpha1", "kind": "DSV4Deployment",
-            "metadata": {"name": name, "namespace": ns},
-            "spec": {"model": {"name": "m", "path": "/models/m",
-                               "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
-                     "engine": {"image": "reg/dsv4:1"}, "remediation": {"scrapeIntervalSeconds": SCRAPE_INTERVAL}}}
+    return {
+        "apiVersion": "serving.dsv4.dev/v1alpha1",
+        "kind": "DSV4Deployment",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {
+            "model": {"name": "m", "path": "/models/m", "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
+            "engine": {"image": "reg/dsv4:1"},
+            "remediation": {"scrapeIntervalSeconds": SCRAPE_INTERVAL},
+        },
+    }
 
 
 def cluster_wide_settings(standalone: bool = False):  # noqa: ANN201 (kopf.OperatorSettings)
@@ -75,13 +80,21 @@ def cluster_wide_settings(standalone: bool = False):  # noqa: ANN201 (kopf.Opera
 
 
 def operator_calls(cluster: KubeCluster, start: int, end: int | None = None) -> Counter:
-    return Counter((c.verb, c.resource) for c in cluster.recorder.calls[start:end]
-                   if not c.agent.startswith((TEST_AGENT, "kmock/")) and c.verb != "watch")
+    return Counter(
+        (c.verb, c.resource)
+        for c in cluster.recorder.calls[start:end]
+        if not c.agent.startswith((TEST_AGENT, "kmock/")) and c.verb != "watch"
+    )
 
 
 def operator_watch_events(cluster: KubeCluster) -> Counter:
-    return Counter({plural: n for (agent, plural), n in cluster.watch_events.items()
-                    if not agent.startswith((TEST_AGENT, "kmock/"))})
+    return Counter(
+        {
+            plural: n
+            for (agent, plural), n in cluster.watch_events.items()
+            if not agent.startswith((TEST_AGENT, "kmock/"))
+        }
+    )
 
 
 async def run(n: int, namespaces: int, seconds: float, churn: float, selected: bool) -> dict:
@@ -105,11 +118,24 @@ async def run(n: int, namespaces: int, seconds: float, churn: float, selected: b
             async with ClusterClient(str(cluster.url)) as client:
                 for ns in names:  # other people's objects, there before the operator
                     for i in range(FOREIGN_PER_NAMESPACE):
-                        await client.create({"apiVersion": "v1", "kind": "Service", "metadata": {
-                            "name": f"other-{i}", "namespace": ns}, "spec": {"ports": [{"port": 80}]}}, "services")
-                        await client.create({"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {
-                            "name": f"other-{i}", "namespace": ns}, "spec": {"maxUnavailable": 1, "selector": {
-                                "matchLabels": {"app": f"other-{i}"}}}}, "poddisruptionbudgets")
+                        await client.create(
+                            {
+                                "apiVersion": "v1",
+                                "kind": "Service",
+                                "metadata": {"name": f"other-{i}", "namespace": ns},
+                                "spec": {"ports": [{"port": 80}]},
+                            },
+                            "services",
+                        )
+                        await client.create(
+                            {
+                                "apiVersion": "policy/v1",
+                                "kind": "PodDisruptionBudget",
+                                "metadata": {"name": f"other-{i}", "namespace": ns},
+                                "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"app": f"other-{i}"}}},
+                            },
+                            "poddisruptionbudgets",
+                        )
                 log(f"foreign objects made ({'label-selected' if selected else 'cluster-wide'} run)")
                 with tempfile.TemporaryDirectory() as tmp:
                     kubeconfig = write_kubeconfig(Path(tmp) / "kubeconfig", str(cluster.url).rstrip("/"))
@@ -123,8 +149,9 @@ async def run(n: int, namespaces: int, seconds: float, churn: float, selected: b
 
                         async def all_reconciled() -> bool:
                             for i in range(n):
-                                cr = await client.get("serving.dsv4.dev/v1alpha1", "dsv4deployments",
-                                                      names[i % namespaces], f"d{i}")
+                                cr = await client.get(
+                                    "serving.dsv4.dev/v1alpha1", "dsv4deployments", names[i % namespaces], f"d{i}"
+                                )
                                 if (cr.get("status") or {}).get("observedGeneration") != 1:
                                     return False
                             return True
@@ -137,16 +164,24 @@ async def run(n: int, namespaces: int, seconds: float, churn: float, selected: b
                         reconcile = operator_calls(cluster, start)
                         reconcile_events = operator_watch_events(cluster) - events_before
 
-                        mark, events_mark, rounds_mark = (len(cluster.recorder.calls), operator_watch_events(cluster),
-                                                          rounds["rounds"])
+                        mark, events_mark, rounds_mark = (
+                            len(cluster.recorder.calls),
+                            operator_watch_events(cluster),
+                            rounds["rounds"],
+                        )
                         began, writes = time.monotonic(), 0
                         while time.monotonic() - began < seconds:
                             ns, i = names[writes % namespaces], writes % FOREIGN_PER_NAMESPACE
-                            plural, api = (("services", "/api/v1") if writes % 2 else
-                                           ("poddisruptionbudgets", "/apis/policy/v1"))
-                            await client.call("PATCH", f"{api}/namespaces/{ns}/{plural}/other-{i}",
-                                              {"metadata": {"annotations": {"touched": str(writes)}}},
-                                              "application/merge-patch+json", params={"fieldManager": "other-team"})
+                            plural, api = (
+                                ("services", "/api/v1") if writes % 2 else ("poddisruptionbudgets", "/apis/policy/v1")
+                            )
+                            await client.call(
+                                "PATCH",
+                                f"{api}/namespaces/{ns}/{plural}/other-{i}",
+                                {"metadata": {"annotations": {"touched": str(writes)}}},
+                                "application/merge-patch+json",
+                                params={"fieldManager": "other-team"},
+                            )
                             writes += 1
                             await asyncio.sleep(1.0 / churn)
                         steady_seconds = time.monotonic() - began
@@ -162,18 +197,27 @@ async def run(n: int, namespaces: int, seconds: float, churn: float, selected: b
     total = sum(reconcile.values())
     return {
         "child_watches": "label-selected on the API server" if selected else "cluster-wide, filtered by kopf",
-        "deployments": n, "namespaces": namespaces, "foreign_objects": 2 * FOREIGN_PER_NAMESPACE * namespaces,
-        "reconcile": {"seconds": round(reconcile_seconds, 1), "operator_requests": total,
-                      "requests_per_reconcile": round(total / n, 2),
-                      "by_call": {f"{v} {r}": c for (v, r), c in sorted(reconcile.items())},
-                      "watch_events_received": dict(sorted(reconcile_events.items())),
-                      "watch_events_per_reconcile": round(sum(reconcile_events.values()) / n, 2)},
-        "steady": {"seconds": round(steady_seconds, 1), "foreign_writes": writes, "watchdog_rounds": steady_rounds,
-                   "operator_requests": sum(steady.values()),
-                   "requests_per_watchdog_round": round(sum(steady.values()) / max(steady_rounds, 1), 3),
-                   "by_call": {f"{v} {r}": c for (v, r), c in sorted(steady.items())},
-                   "watch_events_received": dict(sorted(steady_events.items())),
-                   "watch_events_per_foreign_write": round(sum(steady_events.values()) / max(writes, 1), 2)},
+        "deployments": n,
+        "namespaces": namespaces,
+        "foreign_objects": 2 * FOREIGN_PER_NAMESPACE * namespaces,
+        "reconcile": {
+            "seconds": round(reconcile_seconds, 1),
+            "operator_requests": total,
+            "requests_per_reconcile": round(total / n, 2),
+            "by_call": {f"{v} {r}": c for (v, r), c in sorted(reconcile.items())},
+            "watch_events_received": dict(sorted(reconcile_events.items())),
+            "watch_events_per_reconcile": round(sum(reconcile_events.values()) / n, 2),
+        },
+        "steady": {
+            "seconds": round(steady_seconds, 1),
+            "foreign_writes": writes,
+            "watchdog_rounds": steady_rounds,
+            "operator_requests": sum(steady.values()),
+            "requests_per_watchdog_round": round(sum(steady.values()) / max(steady_rounds, 1), 3),
+            "by_call": {f"{v} {r}": c for (v, r), c in sorted(steady.items())},
+            "watch_events_received": dict(sorted(steady_events.items())),
+            "watch_events_per_foreign_write": round(sum(steady_events.values()) / max(writes, 1), 2),
+        },
     }
 
 
@@ -187,13 +231,19 @@ def main_() -> None:
     ap.add_argument("--scrape-interval", type=float, default=SCRAPE_INTERVAL)
     args = ap.parse_args()
     globals()["SCRAPE_INTERVAL"] = args.scrape_interval
-    runs = [asyncio.run(run(args.deployments, args.namespaces, args.seconds, args.churn, selected))
-            for selected in (False, True)]
-    out = {"benchmark": "api_calls", "machine": platform.processor() or platform.machine(),
-           "python": platform.python_version(), "churn_per_second": args.churn,
-           "note": "requests exclude watches (their events are counted apart); per watchdog round = every operator "
-                   "request in the steady window / the rounds all daemons ran in it",
-           "runs": runs}
+    runs = [
+        asyncio.run(run(args.deployments, args.namespaces, args.seconds, args.churn, selected))
+        for selected in (False, True)
+    ]
+    out = {
+        "benchmark": "api_calls",
+        "machine": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "churn_per_second": args.churn,
+        "note": "requests exclude watches (their events are counted apart); per watchdog round = every operator "
+        "request in the steady window / the rounds all daemons ran in it",
+        "runs": runs,
+    }
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))
 

@@ -68,8 +68,14 @@ def decode_row(batch: int, context: int, repeats: int, g: torch.Generator) -> di
     diff = (reference.mla_decode(*args) - reference.mla_decode_gathered(*args)).abs().max().item()
     t_old = best(lambda: reference.mla_decode_gathered(*args), repeats)
     t_new = best(lambda: reference.mla_decode(*args), repeats)
-    return {"batch": batch, "context": context, "gathered_ms": round(t_old * 1e3, 3), "paged_ms": round(t_new * 1e3, 3),
-            "speedup": round(t_old / t_new, 2), "max_abs_diff": diff}
+    return {
+        "batch": batch,
+        "context": context,
+        "gathered_ms": round(t_old * 1e3, 3),
+        "paged_ms": round(t_new * 1e3, 3),
+        "speedup": round(t_old / t_new, 2),
+        "max_abs_diff": diff,
+    }
 
 
 class _Attn(DeepseekV3):
@@ -80,17 +86,27 @@ class _Attn(DeepseekV3):
 
 
 def extend_row(requests: int, new: int, context: int, repeats: int, g: torch.Generator) -> dict:
-    cfg = SimpleNamespace(kv_lora_rank=C, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V, num_attention_heads=H)
+    cfg = SimpleNamespace(
+        kv_lora_rank=C, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V, num_attention_heads=H
+    )
     attn = _Attn(cfg)
     lens = [context] * requests
     pool, table = paged_pool(lens, g)
     L = {"w_uk": torch.randn(H, NOPE, C, generator=g) * 0.05, "w_uv": torch.randn(H, V, C, generator=g) * 0.05}
     q = torch.randn(requests * new, H, NOPE + ROPE, generator=g)
-    fb = ForwardBatch(input_ids=torch.zeros(requests * new, dtype=torch.long), positions=torch.zeros(requests * new, dtype=torch.long),
-                      slot_mapping=torch.zeros(requests * new, dtype=torch.long), block_table=table,
-                      seq_lens=torch.tensor(lens, dtype=torch.int32), extend_lens=torch.full((requests,), new, dtype=torch.int32),
-                      logits_indices=torch.zeros(requests, dtype=torch.long), all_decode=False, page_size=PAGE,
-                      seq_lens_host=lens, extend_lens_host=[new] * requests)
+    fb = ForwardBatch(
+        input_ids=torch.zeros(requests * new, dtype=torch.long),
+        positions=torch.zeros(requests * new, dtype=torch.long),
+        slot_mapping=torch.zeros(requests * new, dtype=torch.long),
+        block_table=table,
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        extend_lens=torch.full((requests,), new, dtype=torch.int32),
+        logits_indices=torch.zeros(requests, dtype=torch.long),
+        all_decode=False,
+        page_size=PAGE,
+        seq_lens_host=lens,
+        extend_lens_host=[new] * requests,
+    )
     expand = [expanded_is_cheaper(new, n, cfg) for n in lens]
 
     def absorbed():
@@ -102,9 +118,16 @@ def extend_row(requests: int, new: int, context: int, repeats: int, g: torch.Gen
     diff = (absorbed() - chosen()).abs().max().item()
     t_abs = best(absorbed, repeats)
     t_cho = best(chosen, repeats)
-    return {"requests": requests, "new": new, "context": context, "expanded": any(expand),
-            "absorbed_ms": round(t_abs * 1e3, 3), "chosen_ms": round(t_cho * 1e3, 3),
-            "speedup": round(t_abs / t_cho, 2), "max_abs_diff": diff}
+    return {
+        "requests": requests,
+        "new": new,
+        "context": context,
+        "expanded": any(expand),
+        "absorbed_ms": round(t_abs * 1e3, 3),
+        "chosen_ms": round(t_cho * 1e3, 3),
+        "speedup": round(t_abs / t_cho, 2),
+        "max_abs_diff": diff,
+    }
 
 
 def main() -> None:
@@ -116,23 +139,40 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     repeats = 1 if a.quick else a.repeats
     decode_shapes = [(4, 64), (8, 128)] if a.quick else [(1, 1024), (8, 512), (32, 256), (32, 1024), (64, 2048)]
-    extend_shapes = [(1, 32, 32), (2, 16, 64)] if a.quick else [(1, 512, 512), (8, 128, 128), (4, 128, 1024), (8, 32, 512), (4, 256, 256)]
+    extend_shapes = (
+        [(1, 32, 32), (2, 16, 64)]
+        if a.quick
+        else [(1, 512, 512), (8, 128, 128), (4, 128, 1024), (8, 32, 512), (4, 256, 256)]
+    )
     with torch.inference_mode():
         decode = [decode_row(b, n, repeats, g) for b, n in decode_shapes]
         extend = [extend_row(r, e, n, repeats, g) for r, e, n in extend_shapes]
-    report = {"benchmark": "attention_forms", "threads": torch.get_num_threads(), "quick": a.quick,
-              "decode": decode, "extend": extend}
+    report = {
+        "benchmark": "attention_forms",
+        "threads": torch.get_num_threads(),
+        "quick": a.quick,
+        "decode": decode,
+        "extend": extend,
+    }
     for row in decode + extend:
         print(row)
     write_json(report, a.out)
     plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
-    grouped_bars(ax1, [f"b{r['batch']}/{r['context']}" for r in decode],
-                 {"gathered": [r["gathered_ms"] for r in decode], "paged": [r["paged_ms"] for r in decode]},
-                 "decode attention, one layer (ms, lower is better)", "ms")
-    grouped_bars(ax2, [f"{r['requests']}x{r['new']}/{r['context']}" for r in extend],
-                 {"absorbed": [r["absorbed_ms"] for r in extend], "chosen": [r["chosen_ms"] for r in extend]},
-                 "extend attention, one layer (ms)", "ms")
+    grouped_bars(
+        ax1,
+        [f"b{r['batch']}/{r['context']}" for r in decode],
+        {"gathered": [r["gathered_ms"] for r in decode], "paged": [r["paged_ms"] for r in decode]},
+        "decode attention, one layer (ms, lower is better)",
+        "ms",
+    )
+    grouped_bars(
+        ax2,
+        [f"{r['requests']}x{r['new']}/{r['context']}" for r in extend],
+        {"absorbed": [r["absorbed_ms"] for r in extend], "chosen": [r["chosen_ms"] for r in extend]},
+        "extend attention, one layer (ms)",
+        "ms",
+    )
     fig.tight_layout()
     fig.savefig(a.out.with_suffix(".png"), dpi=110)
     print(f"wrote {a.out} and {a.out.with_suffix('.png')}")

@@ -34,8 +34,13 @@ from dsv4_operator.canary.probe import ProbeSettings, run_probe  # noqa: E402
 from dsv4_operator.canary.verdict import judge  # noqa: E402
 
 SETTINGS = {
-    "short": ProbeSettings(ConversationShape(growth_tokens=48, context_share=0.25), concurrency=1, duration_s=10,
-                           request_timeout_s=5, settle_s=5),
+    "short": ProbeSettings(
+        ConversationShape(growth_tokens=48, context_share=0.25),
+        concurrency=1,
+        duration_s=10,
+        request_timeout_s=5,
+        settle_s=5,
+    ),
     "default-shape": ProbeSettings(ConversationShape(), concurrency=2, duration_s=20, request_timeout_s=5, settle_s=5),
 }
 
@@ -54,8 +59,11 @@ class Steady:
         while not self.stop.is_set():
             t0 = time.monotonic()
             try:
-                r = httpx.post(f"{self.url}/v1/completions", json={"prompt": "hello there", "max_tokens": 8,
-                                                                   "temperature": 0}, timeout=60)
+                r = httpx.post(
+                    f"{self.url}/v1/completions",
+                    json={"prompt": "hello there", "max_tokens": 8, "temperature": 0},
+                    timeout=60,
+                )
                 if r.status_code == 200:
                     self.lat.append((time.monotonic(), time.monotonic() - t0))
                 else:
@@ -79,32 +87,77 @@ def main() -> None:
     init_checkpoint(model, preset="tiny", seed=0)
     p, b, d0, d1, d2, r = (free_port() for _ in range(6))
     common = ["serve", "--model", model, "--served-model-name", "m", "--kv-pages", 256, "--page-size", 16]
-    servers = [Server.dsv4("prefill", [*common, "--role", "prefill", "--port", p, "--bootstrap-port", b], p, tmp),
-               Server.dsv4("decode0", [*common, "--role", "decode", "--port", d0], d0, tmp),
-               Server.dsv4("decode1", [*common, "--role", "decode", "--port", d1], d1, tmp),
-               Server.dsv4("decode-stall", [*common, "--role", "decode", "--port", d2, "--enable-fault-injection",
-                                            "--arm-fault", "stall_long_context:tokens=150"], d2, tmp)]
+    servers = [
+        Server.dsv4("prefill", [*common, "--role", "prefill", "--port", p, "--bootstrap-port", b], p, tmp),
+        Server.dsv4("decode0", [*common, "--role", "decode", "--port", d0], d0, tmp),
+        Server.dsv4("decode1", [*common, "--role", "decode", "--port", d1], d1, tmp),
+        Server.dsv4(
+            "decode-stall",
+            [
+                *common,
+                "--role",
+                "decode",
+                "--port",
+                d2,
+                "--enable-fault-injection",
+                "--arm-fault",
+                "stall_long_context:tokens=150",
+            ],
+            d2,
+            tmp,
+        ),
+    ]
     urls = {s.name: s.url for s in servers}
-    servers.append(Server.dsv4("router", ["router", "--prefill", urls["prefill"], "--decode", urls["decode0"],
-                                          "--decode", urls["decode1"], "--decode", urls["decode-stall"], "--port", r,
-                                          "--health-interval", "0.5"], r, tmp))
+    servers.append(
+        Server.dsv4(
+            "router",
+            [
+                "router",
+                "--prefill",
+                urls["prefill"],
+                "--decode",
+                urls["decode0"],
+                "--decode",
+                urls["decode1"],
+                "--decode",
+                urls["decode-stall"],
+                "--port",
+                r,
+                "--health-interval",
+                "0.5",
+            ],
+            r,
+            tmp,
+        )
+    )
     router = servers[-1].url
-    out = {"machine": platform.processor() or platform.machine(), "model": "tiny", "settings": {}, "runs": {},
-           "load_average_at_start": load_average(),
-           "note": "2 shared CPU cores, other sessions' tests running: absolute times are slow and noisy"}
+    out = {
+        "machine": platform.processor() or platform.machine(),
+        "model": "tiny",
+        "settings": {},
+        "runs": {},
+        "load_average_at_start": load_average(),
+        "note": "2 shared CPU cores, other sessions' tests running: absolute times are slow and noisy",
+    }
     try:
         for s in servers:
             s.wait_ready(180)
         time.sleep(2)
         for name in ("decode0", "decode-stall"):  # canaries: out of the normal rotation
-            httpx.post(f"{router}/admin/workers", json={"url": urls[name], "role": "decode", "canary": True},
-                       timeout=10).raise_for_status()
+            httpx.post(
+                f"{router}/admin/workers", json={"url": urls[name], "role": "decode", "canary": True}, timeout=10
+            ).raise_for_status()
         steady = Steady(router)
         time.sleep(8)
         for label, st in SETTINGS.items():
-            out["settings"][label] = {"duration_s": st.duration_s, "concurrency": st.concurrency,
-                                      "growth_tokens": st.shape.growth_tokens, "context_share": st.shape.context_share,
-                                      "answer_tokens": st.shape.answer_tokens, "request_timeout_s": st.request_timeout_s}
+            out["settings"][label] = {
+                "duration_s": st.duration_s,
+                "concurrency": st.concurrency,
+                "growth_tokens": st.shape.growth_tokens,
+                "context_share": st.shape.context_share,
+                "answer_tokens": st.shape.answer_tokens,
+                "request_timeout_s": st.request_timeout_s,
+            }
             before = counters(urls["decode0"])
             t0 = time.monotonic()
             figures, signals = asyncio.run(run_probe(router, urls["decode0"], "decode", st, pin=urls["decode0"]))
@@ -115,13 +168,21 @@ def main() -> None:
             verdict = judge(figures, None, signals)
             gen = after.get("generation_tokens", 0) - before.get("generation_tokens", 0)
             out["runs"][label] = {
-                "probe_wall_s": round(wall, 2), "figures": figures.to_dict(), "verdict_passed": verdict.passed,
-                "canary_extra_load": {"requests": figures.requests, "prompt_tokens": figures.prompt_tokens,
-                                      "generated_tokens": gen, "generated_tokens_per_s": round(gen / wall, 2),
-                                      "prompt_tokens_per_s": round(figures.prompt_tokens / wall, 2)},
-                "other_traffic_latency_s": {"before_median": round(statistics.median(base), 4) if base else None,
-                                            "during_median": round(statistics.median(during), 4) if during else None,
-                                            "n_during": len(during)},
+                "probe_wall_s": round(wall, 2),
+                "figures": figures.to_dict(),
+                "verdict_passed": verdict.passed,
+                "canary_extra_load": {
+                    "requests": figures.requests,
+                    "prompt_tokens": figures.prompt_tokens,
+                    "generated_tokens": gen,
+                    "generated_tokens_per_s": round(gen / wall, 2),
+                    "prompt_tokens_per_s": round(figures.prompt_tokens / wall, 2),
+                },
+                "other_traffic_latency_s": {
+                    "before_median": round(statistics.median(base), 4) if base else None,
+                    "during_median": round(statistics.median(during), 4) if during else None,
+                    "n_during": len(during),
+                },
             }
             print(label, json.dumps(out["runs"][label]), flush=True)
             time.sleep(8)
@@ -133,9 +194,13 @@ def main() -> None:
         from dsv4_operator.canary.verdict import ProbeFigures
 
         verdict = judge(figures, ProbeFigures(**stable), signals)
-        out["runs"]["stall_long_context"] = {"probe_wall_s": round(wall, 2), "figures": figures.to_dict(),
-                                             "verdict_passed": verdict.passed, "reasons": list(verdict.reasons),
-                                             "wedge_signal": signals.wedged}
+        out["runs"]["stall_long_context"] = {
+            "probe_wall_s": round(wall, 2),
+            "figures": figures.to_dict(),
+            "verdict_passed": verdict.passed,
+            "reasons": list(verdict.reasons),
+            "wedge_signal": signals.wedged,
+        }
         print("stall", json.dumps(out["runs"]["stall_long_context"]), flush=True)
         steady.stop.set()
         steady.t.join(70)

@@ -43,13 +43,26 @@ API, PLURAL = "serving.dsv4.dev/v1alpha1", "dsv4deployments"
 
 
 def deployment(canary: bool, duration: int) -> dict:
-    return {"apiVersion": API, "kind": "DSV4Deployment", "metadata": {"name": NAME, "namespace": NS},
-            "spec": {"model": {"name": "m", "path": "/models/m",
-                               "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
-                     "engine": {"image": "reg/dsv4:1"}, "prefill": {"replicas": 2}, "decode": {"replicas": 3},
-                     "remediation": {"enabled": False},
-                     "rollout": {"canary": {"enabled": canary, "durationSeconds": duration,
-                                            "requestTimeoutSeconds": 3, "readyTimeoutSeconds": 60}}}}
+    return {
+        "apiVersion": API,
+        "kind": "DSV4Deployment",
+        "metadata": {"name": NAME, "namespace": NS},
+        "spec": {
+            "model": {"name": "m", "path": "/models/m", "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
+            "engine": {"image": "reg/dsv4:1"},
+            "prefill": {"replicas": 2},
+            "decode": {"replicas": 3},
+            "remediation": {"enabled": False},
+            "rollout": {
+                "canary": {
+                    "enabled": canary,
+                    "durationSeconds": duration,
+                    "requestTimeoutSeconds": 3,
+                    "readyTimeoutSeconds": 60,
+                }
+            },
+        },
+    }
 
 
 async def run(canary: bool, image: str, duration: int) -> dict:
@@ -65,8 +78,9 @@ async def run(canary: bool, image: str, duration: int) -> dict:
 
                     async def settled() -> bool:
                         cr = await client.get(API, PLURAL, NS, NAME)
-                        return (len(fleet.images) == 5 and
-                                ANNOTATION_CANARY in ((cr or {}).get("metadata") or {}).get("annotations", {}))
+                        return len(fleet.images) == 5 and ANNOTATION_CANARY in ((cr or {}).get("metadata") or {}).get(
+                            "annotations", {}
+                        )
 
                     await eventually(settled, timeout=60)
                     started = time.monotonic()
@@ -84,11 +98,17 @@ async def run(canary: bool, image: str, duration: int) -> dict:
                     cr = await client.get(API, PLURAL, NS, NAME)
                     c = (cr.get("status") or {}).get("canary") or {}
                     figures = c.get("figures") or {}
-                    return {"canary": canary, "image": image, "seconds_apply_to_done": round(elapsed, 2),
-                            "phase": c.get("phase"), "probe_seconds": figures.get("probeSeconds"),
-                            "canary_probe": figures.get("canary"), "stable_probe": figures.get("stable"),
-                            "canary_requests_extra_prompt_tokens": (figures.get("canary") or {}).get("prompt_tokens"),
-                            "pods_recreated": len(fleet.timeline) - 5}
+                    return {
+                        "canary": canary,
+                        "image": image,
+                        "seconds_apply_to_done": round(elapsed, 2),
+                        "phase": c.get("phase"),
+                        "probe_seconds": figures.get("probeSeconds"),
+                        "canary_probe": figures.get("canary"),
+                        "stable_probe": figures.get("stable"),
+                        "canary_requests_extra_prompt_tokens": (figures.get("canary") or {}).get("prompt_tokens"),
+                        "pods_recreated": len(fleet.timeline) - 5,
+                    }
                 finally:
                     await fleet.stop()
                     await op.stop()
@@ -105,18 +125,30 @@ async def main() -> None:
         runs["with_canary"].append(await run(True, "reg/dsv4:2", args.duration))
         runs["stalling_change"].append(await run(True, "reg/dsv4:stall", args.duration))
         print(json.dumps({k: v[-1]["seconds_apply_to_done"] for k, v in runs.items()}), flush=True)
-    summary = {k: {"median_seconds_apply_to_done": statistics.median(r["seconds_apply_to_done"] for r in v),
-                   "median_probe_seconds": (statistics.median(r["probe_seconds"] for r in v)
-                                            if all(r["probe_seconds"] is not None for r in v) else None),
-                   "verdicts": [r["phase"] for r in v]}
-               for k, v in runs.items()}
-    out = {"what": "apply -> every pod on the new image (or, for the stalling change, the canary Failed and "
-                   "every pod back on the old image), real operator against the kmock emulator with stand-in "
-                   "StatefulSet controller and engines; pods start at once (no image pull or model load)",
-           "probe_duration_seconds_per_engine": args.duration, "concurrency": 2, "stall_after_tokens": STALL_AFTER,
-           "deployment": "prefill 2, decode 3, prefillFirst",
-           "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()},
-           "summary": summary, "runs": runs}
+    summary = {
+        k: {
+            "median_seconds_apply_to_done": statistics.median(r["seconds_apply_to_done"] for r in v),
+            "median_probe_seconds": (
+                statistics.median(r["probe_seconds"] for r in v)
+                if all(r["probe_seconds"] is not None for r in v)
+                else None
+            ),
+            "verdicts": [r["phase"] for r in v],
+        }
+        for k, v in runs.items()
+    }
+    out = {
+        "what": "apply -> every pod on the new image (or, for the stalling change, the canary Failed and "
+        "every pod back on the old image), real operator against the kmock emulator with stand-in "
+        "StatefulSet controller and engines; pods start at once (no image pull or model load)",
+        "probe_duration_seconds_per_engine": args.duration,
+        "concurrency": 2,
+        "stall_after_tokens": STALL_AFTER,
+        "deployment": "prefill 2, decode 3, prefillFirst",
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "loadavg": os.getloadavg()},
+        "summary": summary,
+        "runs": runs,
+    }
     path = HERE / "results" / "canary_rollout.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(summary, indent=1))

@@ -28,14 +28,20 @@ from dsv4_engine.request_output import RequestOutput
 from dsv4_serve import core_messages as m
 
 RESULTS = Path(__file__).resolve().parent / "results"
-ECHO = ("import sys; from multiprocessing.connection import Connection; c = Connection(int(sys.argv[1]))\n"
-        "try:\n    while True:\n        c.send_bytes(c.recv_bytes())\nexcept (EOFError, OSError):\n    pass\n")
+ECHO = (
+    "import sys; from multiprocessing.connection import Connection; c = Connection(int(sys.argv[1]))\n"
+    "try:\n    while True:\n        c.send_bytes(c.recv_bytes())\nexcept (EOFError, OSError):\n    pass\n"
+)
 
 
 def step_message(rows: int, logprobs: bool) -> m.Out:
     lp = [{"token_id": 1234, "logprob": -0.5, "top": [[1234, -0.5], [77, -1.25]]}] if logprobs else None
-    return m.Out([m.output_row(k, RequestOutput(f"cmpl-{k:032x}", [1234], " word", False, None, None, 500, 128, 17, lp))
-                    for k in range(rows)])
+    return m.Out(
+        [
+            m.output_row(k, RequestOutput(f"cmpl-{k:032x}", [1234], " word", False, None, None, 500, 128, 17, lp))
+            for k in range(rows)
+        ]
+    )
 
 
 def messages() -> dict[str, m.Message]:
@@ -67,8 +73,11 @@ def p50(xs: list[float]) -> float:
 def encode_costs(msg: m.Message, iters: int) -> dict:
     plain = json.loads(json.dumps(msg))  # json has no tuples; same content
     out = {}
-    for name, enc, dec in (("marshal", m.dumps, m.loads), ("pickle", pickle.dumps, pickle.loads),
-                           ("json", lambda x: json.dumps(x).encode(), json.loads)):
+    for name, enc, dec in (
+        ("marshal", m.dumps, m.loads),
+        ("pickle", pickle.dumps, pickle.loads),
+        ("json", lambda x: json.dumps(x).encode(), json.loads),
+    ):
         data = enc(msg if name != "json" else plain)
         t0 = time.perf_counter()
         for _ in range(iters):
@@ -96,10 +105,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         for name, msg in messages().items():
             runs = [round_trips(conn, msg, a.iters) for _ in range(a.repeats)]
             best = min(runs, key=p50)
-            report["round_trip"][name] = {"bytes": len(m.dumps(msg)), "p50_us": round(p50(best) * 1e6, 1),
-                                          "p99_us": round(sorted(best)[int(len(best) * 0.99) - 1] * 1e6, 1)}
-            print(f"{name:24s} {report['round_trip'][name]['bytes']:7d} B  round trip p50 "
-                  f"{report['round_trip'][name]['p50_us']:8.1f} us  p99 {report['round_trip'][name]['p99_us']:8.1f} us")
+            report["round_trip"][name] = {
+                "bytes": len(m.dumps(msg)),
+                "p50_us": round(p50(best) * 1e6, 1),
+                "p99_us": round(sorted(best)[int(len(best) * 0.99) - 1] * 1e6, 1),
+            }
+            print(
+                f"{name:24s} {report['round_trip'][name]['bytes']:7d} B  round trip p50 "
+                f"{report['round_trip'][name]['p50_us']:8.1f} us  p99 {report['round_trip'][name]['p99_us']:8.1f} us"
+            )
         report["encoding_step_32_rows"] = encode_costs(step_message(32, False), a.iters)
         for name, v in report["encoding_step_32_rows"].items():
             print(f"encode+decode of a 32-row step, {name:8s} {v['bytes']:6d} B  {v['encode_decode_us']:7.1f} us")

@@ -24,8 +24,9 @@ def ensure_model(model: Optional[Path], preset: str, seed: int) -> Path:
     return out
 
 
-def model_facts(model: Path, kv_pages: int, page_size: Optional[int] = None, dtype: str = "float32",
-                max_num_seqs: int = 0) -> dict:
+def model_facts(
+    model: Path, kv_pages: int, page_size: Optional[int] = None, dtype: str = "float32", max_num_seqs: int = 0
+) -> dict:
     """Sizes from the states the model declares (DeepSeek-V3: one latent per token; V4: paged
     compressed states per token plus fixed slot rows per running request)."""
     import torch
@@ -41,13 +42,20 @@ def model_facts(model: Path, kv_pages: int, page_size: Optional[int] = None, dty
     page_bytes = page_nbytes(specs, page_size, tdt)
     slot_bytes = slot_row_nbytes(specs, tdt)
     return {
-        "dir": str(model), "model_type": entry.model_type, "vocab_size": cfg["vocab_size"],
-        "hidden_size": cfg["hidden_size"], "num_hidden_layers": cfg["num_hidden_layers"],
-        "kv_lora_rank": cfg.get("kv_lora_rank"), "qk_rope_head_dim": cfg.get("qk_rope_head_dim"),
+        "dir": str(model),
+        "model_type": entry.model_type,
+        "vocab_size": cfg["vocab_size"],
+        "hidden_size": cfg["hidden_size"],
+        "num_hidden_layers": cfg["num_hidden_layers"],
+        "kv_lora_rank": cfg.get("kv_lora_rank"),
+        "qk_rope_head_dim": cfg.get("qk_rope_head_dim"),
         "n_routed_experts": cfg.get("n_routed_experts"),
         # the checkpoint is fp32; a bf16 engine holds half of it
-        "weights_bytes": sum(p.stat().st_size for p in model.glob("*.safetensors")) // (2 if dtype == "bfloat16" else 1),
-        "kv_page_size": page_size, "kv_page_bytes": page_bytes, "kv_slot_row_bytes": slot_bytes,
+        "weights_bytes": sum(p.stat().st_size for p in model.glob("*.safetensors"))
+        // (2 if dtype == "bfloat16" else 1),
+        "kv_page_size": page_size,
+        "kv_page_bytes": page_bytes,
+        "kv_slot_row_bytes": slot_bytes,
         "kv_pool_bytes": page_bytes * kv_pages + slot_bytes * max_num_seqs,
         # what the pool pays per token at this page size (a compressed state in pages shorter
         # than its window pays for more entries than it keeps)

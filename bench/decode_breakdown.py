@@ -25,8 +25,16 @@ def _engine(model: Path, c: int, prompt_len: int, steps: int):
     from dsv4_engine.engine_args import EngineArgs
 
     pages = (c + 4) * (-(-(prompt_len + steps * 2 + 16) // 16)) + 16
-    return Engine(EngineArgs(model=str(model), dtype="float32", kv_pages=pages, max_num_seqs=c + 4,
-                             max_num_batched_tokens=max(1024, prompt_len * 4), enable_prefix_cache=False))
+    return Engine(
+        EngineArgs(
+            model=str(model),
+            dtype="float32",
+            kv_pages=pages,
+            max_num_seqs=c + 4,
+            max_num_batched_tokens=max(1024, prompt_len * 4),
+            enable_prefix_cache=False,
+        )
+    )
 
 
 def _fill(engine, c: int, prompt_len: int, new_tokens: int, seed: int) -> list:
@@ -34,9 +42,14 @@ def _fill(engine, c: int, prompt_len: int, new_tokens: int, seed: int) -> list:
     from dsv4_engine.sequence import Sequence
 
     prompts = loadgen.random_prompts(c, prompt_len, engine.cfg.vocab_size, seed)
-    seqs = [Sequence(rid=f"bd-{seed}-{i}", prompt_ids=p,
-                     params=SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
-            for i, p in enumerate(prompts)]
+    seqs = [
+        Sequence(
+            rid=f"bd-{seed}-{i}",
+            prompt_ids=p,
+            params=SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True),
+        )
+        for i, p in enumerate(prompts)
+    ]
     for s in seqs:
         engine._add(s)
     while any(not s.output_ids for s in seqs):
@@ -71,10 +84,17 @@ def measure(model: Path, c: int, prompt_len: int, steps: int, rounds: int, ops: 
             best = {"wall": wall, "phases": summary.get("decode")}
         engine.abort(all_=True)
         engine.step()
-    out = {"concurrency": c, "prompt_len": prompt_len, "decode_steps": steps, "rounds": rounds,
-           "step_ms_each_round": walls, "step_ms_best": min(walls),
-           "tok_s_best": round(c * 1000 / min(walls), 1), "breakdown_best_round": best["phases"],
-           "greedy_head_round0": head}
+    out = {
+        "concurrency": c,
+        "prompt_len": prompt_len,
+        "decode_steps": steps,
+        "rounds": rounds,
+        "step_ms_each_round": walls,
+        "step_ms_best": min(walls),
+        "tok_s_best": round(c * 1000 / min(walls), 1),
+        "breakdown_best_round": best["phases"],
+        "greedy_head_round0": head,
+    }
     if ops:
         from torch.profiler import ProfilerActivity, profile
 
@@ -86,9 +106,15 @@ def measure(model: Path, c: int, prompt_len: int, steps: int, rounds: int, ops: 
         total = sum(e.self_cpu_time_total for e in ev) or 1
         rows = sorted(ev, key=lambda e: -e.self_cpu_time_total)[:15]
         out["torch_ops_per_step"] = round(sum(e.count for e in ev if e.key.startswith("aten::")) / steps, 1)
-        out["top_ops"] = [{"op": e.key, "self_cpu_ms_per_step": round(e.self_cpu_time_total / 1000 / steps, 3),
-                           "share": round(e.self_cpu_time_total / total, 3), "calls_per_step": round(e.count / steps, 1)}
-                          for e in rows]
+        out["top_ops"] = [
+            {
+                "op": e.key,
+                "self_cpu_ms_per_step": round(e.self_cpu_time_total / 1000 / steps, 3),
+                "share": round(e.self_cpu_time_total / total, 3),
+                "calls_per_step": round(e.count / steps, 1),
+            }
+            for e in rows
+        ]
         engine.abort(all_=True)
         engine.step()
     out["torch_threads"] = torch.get_num_threads()
@@ -103,8 +129,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--ops", action="store_true", help="also torch.profiler's top ops of the decode steps")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (1: what `dsv4 serve` uses on a 2-CPU machine, engine_core.cpu_threads)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: what `dsv4 serve` uses on a 2-CPU machine, engine_core.cpu_threads)",
+    )
     p.add_argument("--label", default="")
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
@@ -114,8 +144,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     result = {"label": a.label, "load_average_start": list(os.getloadavg()), "models": {}}
     for spec in a.model:
         name, _, d = spec.partition("=")
-        result["models"][name] = [measure(Path(d), c, a.prompt_len, a.steps, a.rounds, a.ops)
-                                  for c in (a.concurrency or [8, 32])]
+        result["models"][name] = [
+            measure(Path(d), c, a.prompt_len, a.steps, a.rounds, a.ops) for c in (a.concurrency or [8, 32])
+        ]
     result["load_average_end"] = list(os.getloadavg())
     text = json.dumps(result, indent=1)
     if a.out:
@@ -124,8 +155,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name, runs in result["models"].items():
         for r in runs:
             ph = (r["breakdown_best_round"] or {}).get("phases", {})
-            print(f"{name} c{r['concurrency']}: step {r['step_ms_best']} ms (rounds {r['step_ms_each_round']}) "
-                  + " ".join(f"{k}={v['ms_per_step']}" for k, v in ph.items()))
+            print(
+                f"{name} c{r['concurrency']}: step {r['step_ms_best']} ms (rounds {r['step_ms_each_round']}) "
+                + " ".join(f"{k}={v['ms_per_step']}" for k, v in ph.items())
+            )
             for o in r.get("top_ops", [])[:10]:
                 print(f"    {o['op']:40s} {o['self_cpu_ms_per_step']:8.3f} ms {o['calls_per_step']:7.1f}/step")
     print("load", result["load_average_start"], "->", result["load_average_end"])

@@ -45,8 +45,9 @@ def drive(engine: Engine, seqs: list[Sequence], timeout: float = 300) -> list[fl
         if time.monotonic() > deadline:
             raise TimeoutError("engine did not finish the smoke's requests")
         running = list(engine.scheduler.running)
-        all_decode = bool(running) and not engine.scheduler.waiting and all(
-            s.num_computed == s.num_tokens - 1 for s in running)
+        all_decode = (
+            bool(running) and not engine.scheduler.waiting and all(s.num_computed == s.num_tokens - 1 for s in running)
+        )
         t0 = time.perf_counter()
         engine.step()
         if all_decode:
@@ -54,31 +55,66 @@ def drive(engine: Engine, seqs: list[Sequence], timeout: float = 300) -> list[fl
     return decode_steps
 
 
-def run(model: str, device: str, dtype: str, backend: str, graphs: int, batches: list[int], new: int, prompt_len: int,
-        tp: int = 1) -> dict:
+def run(
+    model: str,
+    device: str,
+    dtype: str,
+    backend: str,
+    graphs: int,
+    batches: list[int],
+    new: int,
+    prompt_len: int,
+    tp: int = 1,
+) -> dict:
     t0 = time.perf_counter()
-    engine = Engine(EngineArgs(model=model, dtype=dtype, device=device, kernel_backend=backend, cuda_graph_max_bs=graphs,
-                               kv_memory_gb=2.0, page_size=16, max_num_seqs=max(batches) + 4,
-                               max_num_batched_tokens=max(4096, prompt_len * 4), tp_size=tp))
+    engine = Engine(
+        EngineArgs(
+            model=model,
+            dtype=dtype,
+            device=device,
+            kernel_backend=backend,
+            cuda_graph_max_bs=graphs,
+            kv_memory_gb=2.0,
+            page_size=16,
+            max_num_seqs=max(batches) + 4,
+            max_num_batched_tokens=max(4096, prompt_len * 4),
+            tp_size=tp,
+        )
+    )
     vocab = engine.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
     # graphs_active: the buckets were all captured at start-up (0: off, or the capture failed).
-    out: dict = {"graphs": graphs, "graphs_active": engine.runner.cuda_graph_max_bs, "tp": tp,
-                 "device": str(engine.runner.device), "start_s": round(time.perf_counter() - t0, 2)}
+    out: dict = {
+        "graphs": graphs,
+        "graphs_active": engine.runner.cuda_graph_max_bs,
+        "tp": tp,
+        "device": str(engine.runner.device),
+        "start_s": round(time.perf_counter() - t0, 2),
+    }
     # Seeded sampling, alongside greedy and unseeded requests in one batch.
     prompt = torch.randint(2, vocab, (prompt_len,), generator=g).tolist()
-    seeded = [Sequence(f"seed{i}", prompt, SamplingParams(max_tokens=16, temperature=0.8, seed=1234, ignore_eos=True))
-              for i in range(2)]
-    others = [Sequence("greedy", prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)),
-              Sequence("unseeded", prompt, SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, ignore_eos=True))]
+    seeded = [
+        Sequence(f"seed{i}", prompt, SamplingParams(max_tokens=16, temperature=0.8, seed=1234, ignore_eos=True))
+        for i in range(2)
+    ]
+    others = [
+        Sequence("greedy", prompt, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)),
+        Sequence("unseeded", prompt, SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, ignore_eos=True)),
+    ]
     drive(engine, seeded + others)
     out["sampling_errors"] = [s.error for s in seeded + others if s.error]
     out["seeded_equal"] = seeded[0].output_ids == seeded[1].output_ids and len(seeded[0].output_ids) == 16
     out["greedy_tokens"] = others[0].output_ids
     out["itl_ms"] = {}
     for b in batches:
-        seqs = [Sequence(f"b{b}-{i}", torch.randint(2, vocab, (prompt_len,), generator=g).tolist(),
-                         SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)) for i in range(b)]
+        seqs = [
+            Sequence(
+                f"b{b}-{i}",
+                torch.randint(2, vocab, (prompt_len,), generator=g).tolist(),
+                SamplingParams(max_tokens=new, temperature=0, ignore_eos=True),
+            )
+            for i in range(b)
+        ]
         steps = drive(engine, seqs)
         steps = steps[2:] or steps  # the first decode steps may capture graphs / compile kernels
         out["itl_ms"][str(b)] = round(statistics.median(steps) * 1e3, 3) if steps else None
@@ -105,17 +141,27 @@ def main() -> None:
         model = str(init_checkpoint(Path(tempfile.mkdtemp()) / a.preset, preset=a.preset, seed=0))
     batches, new, prompt_len = ([1, 2], 4, 16) if a.quick else ([1, 8, 32], 64, 128)
     graph_sides = [0] if a.device == "cpu" else [0, a.graphs]
-    result = {"device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
-              "dtype": a.dtype, "backend": a.backend, "tp": a.tp, "runs": []}
+    result = {
+        "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
+        "dtype": a.dtype,
+        "backend": a.backend,
+        "tp": a.tp,
+        "runs": [],
+    }
     for graphs in graph_sides:
         result["runs"].append(run(model, a.device, a.dtype, a.backend, graphs, batches, new, prompt_len, a.tp))
     runs = result["runs"]
     if len(runs) == 2:
         x, y = runs[0]["greedy_tokens"], runs[1]["greedy_tokens"]
         result["greedy_equal_share"] = sum(i == j for i, j in zip(x, y)) / max(1, len(x))
-        result["itl_speedup_with_graphs"] = {b: (round(runs[0]["itl_ms"][b] / runs[1]["itl_ms"][b], 2)
-                                                 if runs[0]["itl_ms"][b] and runs[1]["itl_ms"][b] else None)
-                                             for b in runs[0]["itl_ms"]}
+        result["itl_speedup_with_graphs"] = {
+            b: (
+                round(runs[0]["itl_ms"][b] / runs[1]["itl_ms"][b], 2)
+                if runs[0]["itl_ms"][b] and runs[1]["itl_ms"][b]
+                else None
+            )
+            for b in runs[0]["itl_ms"]
+        }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

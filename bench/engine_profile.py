@@ -61,9 +61,15 @@ class Timers:
 
     def table(self, steps: int) -> list[dict]:
         step = self.total.get("engine.step") or 1e-9
-        return [{"function": k, "ms_per_step": round(v * 1000 / steps, 3), "share_of_step": round(v / step, 3),
-                 "calls_per_step": round(self.calls[k] / steps, 1)}
-                for k, v in sorted(self.total.items(), key=lambda kv: -kv[1])]
+        return [
+            {
+                "function": k,
+                "ms_per_step": round(v * 1000 / steps, 3),
+                "share_of_step": round(v / step, 3),
+                "calls_per_step": round(self.calls[k] / steps, 1),
+            }
+            for k, v in sorted(self.total.items(), key=lambda kv: -kv[1])
+        ]
 
 
 def instrument(engine) -> Timers:
@@ -92,8 +98,12 @@ def _seqs(engine, batch: int, prompt_len: int, max_tokens: int, seed: int):
     from dsv4_engine.sequence import Sequence
 
     prompts = loadgen.random_prompts(batch, prompt_len, engine.cfg.vocab_size, seed)
-    return [Sequence(rid=f"prof-{i}", prompt_ids=p, params=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-            for i, p in enumerate(prompts)]
+    return [
+        Sequence(
+            rid=f"prof-{i}", prompt_ids=p, params=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        )
+        for i, p in enumerate(prompts)
+    ]
 
 
 def closed_loop(engine, concurrency: int, total: int, prompt_len: int, new_tokens: int, seed: int = 3) -> dict:
@@ -116,8 +126,11 @@ def closed_loop(engine, concurrency: int, total: int, prompt_len: int, new_token
         from dsv4_engine.sampling_params import SamplingParams
         from dsv4_engine.sequence import Sequence
 
-        seq = Sequence(rid=f"loop-{seed}-{i}", prompt_ids=prompts[i],
-                       params=SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+        seq = Sequence(
+            rid=f"loop-{seed}-{i}",
+            prompt_ids=prompts[i],
+            params=SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True),
+        )
         seq.sink = lambda out: finished.append(out) if out.finished else None
         engine._add(seq)
 
@@ -137,19 +150,39 @@ def closed_loop(engine, concurrency: int, total: int, prompt_len: int, new_token
         wall = time.perf_counter() - t0
     finally:
         model_runner.ModelRunner.build_batch = build
-    return {"concurrency": concurrency, "requests": total, "wall_s": round(wall, 3),
-            "output_tok_s": round(total * new_tokens / wall, 1), "steps": kinds}
+    return {
+        "concurrency": concurrency,
+        "requests": total,
+        "wall_s": round(wall, 3),
+        "output_tok_s": round(total * new_tokens / wall, 1),
+        "steps": kinds,
+    }
 
 
-def profile(model: Path, batch: int = 32, prompt_len: int = 128, steps: int = 32, out_dir: Optional[Path] = None,
-            dtype: str = "float32", max_num_batched_tokens: int = 1024, top: int = 20) -> dict:
+def profile(
+    model: Path,
+    batch: int = 32,
+    prompt_len: int = 128,
+    steps: int = 32,
+    out_dir: Optional[Path] = None,
+    dtype: str = "float32",
+    max_num_batched_tokens: int = 1024,
+    top: int = 20,
+) -> dict:
     import torch
     from dsv4_engine.engine import Engine
     from dsv4_engine.engine_args import EngineArgs
 
     pages = batch * (-(-(prompt_len + steps + 8) // 16)) + 16
-    engine = Engine(EngineArgs(model=str(model), dtype=dtype, kv_pages=pages, max_num_seqs=max(batch, 1),
-                               max_num_batched_tokens=max_num_batched_tokens))
+    engine = Engine(
+        EngineArgs(
+            model=str(model),
+            dtype=dtype,
+            kv_pages=pages,
+            max_num_seqs=max(batch, 1),
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+    )
     # A warm-up batch first, so first-call allocations are not in the figures.
     for s in _seqs(engine, min(batch, 4), prompt_len, 4, seed=99):
         engine._add(s)
@@ -212,30 +245,55 @@ def profile(model: Path, batch: int = 32, prompt_len: int = 128, steps: int = 32
 
     result = {
         "closed_loop_in_process": loop,
-        "batch": batch, "prompt_len": prompt_len, "decode_steps": steps, "dtype": dtype,
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "decode_steps": steps,
+        "dtype": dtype,
         "torch_threads": torch.get_num_threads(),
-        "prefill": {"steps": n_prefill, "wall_s": round(prefill_wall, 4),
-                    "prompt_tok_s": round(batch * prompt_len / prefill_wall, 1), "breakdown": prefill_breakdown},
-        "decode": {"step_ms": round(decode_wall * 1000 / steps, 3),
-                   "tok_s_in_process": round(batch * steps / decode_wall, 1),
-                   "step_ms_without_cprofile_or_timers": round(torch_decode_wall * 1000 / steps, 3),
-                   "breakdown": decode_breakdown},
-        "decode_top_ops": [{"op": e.key, "self_cpu_ms_per_step": round(e.self_cpu_time_total / 1000 / steps, 3),
-                            "share": round(e.self_cpu_time_total / op_total, 3), "calls_per_step": round(e.count / steps, 1)}
-                           for e in ops_rows],
+        "prefill": {
+            "steps": n_prefill,
+            "wall_s": round(prefill_wall, 4),
+            "prompt_tok_s": round(batch * prompt_len / prefill_wall, 1),
+            "breakdown": prefill_breakdown,
+        },
+        "decode": {
+            "step_ms": round(decode_wall * 1000 / steps, 3),
+            "tok_s_in_process": round(batch * steps / decode_wall, 1),
+            "step_ms_without_cprofile_or_timers": round(torch_decode_wall * 1000 / steps, 3),
+            "breakdown": decode_breakdown,
+        },
+        "decode_top_ops": [
+            {
+                "op": e.key,
+                "self_cpu_ms_per_step": round(e.self_cpu_time_total / 1000 / steps, 3),
+                "share": round(e.self_cpu_time_total / op_total, 3),
+                "calls_per_step": round(e.count / steps, 1),
+            }
+            for e in ops_rows
+        ],
     }
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        text = [f"engine profile: batch {batch}, prompt {prompt_len}, {steps} decode steps, {dtype}, "
-                f"{torch.get_num_threads()} torch threads\n",
-                f"prefill: {n_prefill} steps, {prefill_wall:.3f} s ({result['prefill']['prompt_tok_s']} prompt tok/s)",
-                *(f"  {r['function']:60s} {r['ms_per_step']:9.2f} ms/step {r['share_of_step']:6.1%}" for r in prefill_breakdown),
-                f"\ndecode: {result['decode']['step_ms']} ms/step with timers+cProfile, "
-                f"{result['decode']['step_ms_without_cprofile_or_timers']} ms/step without",
-                *(f"  {r['function']:60s} {r['ms_per_step']:9.2f} ms/step {r['share_of_step']:6.1%}" for r in decode_breakdown),
-                f"\nclosed loop in process (no HTTP): {loop}",
-                "\ndecode, python functions by own time (cProfile):", python_top,
-                "decode, torch ops by self CPU time (torch.profiler):", ops_top]
+        text = [
+            f"engine profile: batch {batch}, prompt {prompt_len}, {steps} decode steps, {dtype}, "
+            f"{torch.get_num_threads()} torch threads\n",
+            f"prefill: {n_prefill} steps, {prefill_wall:.3f} s ({result['prefill']['prompt_tok_s']} prompt tok/s)",
+            *(
+                f"  {r['function']:60s} {r['ms_per_step']:9.2f} ms/step {r['share_of_step']:6.1%}"
+                for r in prefill_breakdown
+            ),
+            f"\ndecode: {result['decode']['step_ms']} ms/step with timers+cProfile, "
+            f"{result['decode']['step_ms_without_cprofile_or_timers']} ms/step without",
+            *(
+                f"  {r['function']:60s} {r['ms_per_step']:9.2f} ms/step {r['share_of_step']:6.1%}"
+                for r in decode_breakdown
+            ),
+            f"\nclosed loop in process (no HTTP): {loop}",
+            "\ndecode, python functions by own time (cProfile):",
+            python_top,
+            "decode, torch ops by self CPU time (torch.profiler):",
+            ops_top,
+        ]
         (out_dir / "serve_profile.txt").write_text("\n".join(text))
         result["report"] = str(out_dir / "serve_profile.txt")
     return result

@@ -42,17 +42,21 @@ SERVICE = f"/api/v1/namespaces/{NS}/services/{NAME}-router"
 
 
 def deployment() -> dict:
-    return {"apiVersion": "serving.dsv4.dev/v1alpha1", "kind": "DSV4Deployment",
-            "metadata": {"name": NAME, "namespace": NS},
-            "spec": {"model": {"name": "m", "path": "/models/m",
-                               "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
-                     "engine": {"image": "reg/dsv4:1"}}}
+    return {
+        "apiVersion": "serving.dsv4.dev/v1alpha1",
+        "kind": "DSV4Deployment",
+        "metadata": {"name": NAME, "namespace": NS},
+        "spec": {
+            "model": {"name": "m", "path": "/models/m", "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
+            "engine": {"image": "reg/dsv4:1"},
+        },
+    }
 
 
 async def run(seconds: float, rate: float, backoff: bool) -> dict:
     original = handlers.FightTracker
     if not backoff:
-        handlers.FightTracker = lambda: FightTracker(threshold=10 ** 9)  # every change repaired at once
+        handlers.FightTracker = lambda: FightTracker(threshold=10**9)  # every change repaired at once
     try:
         async with KubeCluster() as cluster, kmock.Server(cluster):
             cluster.register_crd(build_crd())
@@ -66,32 +70,53 @@ async def run(seconds: float, rate: float, backoff: bool) -> dict:
                         await asyncio.sleep(2)
 
                         def operator_writes() -> int:
-                            return sum(1 for c in cluster.recorder.calls if c.name == f"{NAME}-router"
-                                       and c.resource == "services" and c.verb in ("patch", "update")
-                                       and not c.agent.startswith(("dsv4-tests", "kmock/")))
+                            return sum(
+                                1
+                                for c in cluster.recorder.calls
+                                if c.name == f"{NAME}-router"
+                                and c.resource == "services"
+                                and c.verb in ("patch", "update")
+                                and not c.agent.startswith(("dsv4-tests", "kmock/"))
+                            )
 
                         before, writes = operator_writes(), 0
                         started = time.monotonic()
                         while time.monotonic() - started < seconds:
                             port = 9000 + writes % 2
-                            await client.call("PATCH", SERVICE, {"spec": {"ports": [
-                                {"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}]}},
-                                "application/merge-patch+json", params={"fieldManager": "fighter"})
+                            await client.call(
+                                "PATCH",
+                                SERVICE,
+                                {
+                                    "spec": {
+                                        "ports": [
+                                            {"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}
+                                        ]
+                                    }
+                                },
+                                "application/merge-patch+json",
+                                params={"fieldManager": "fighter"},
+                            )
                             writes += 1
                             await asyncio.sleep(1.0 / rate)
                         elapsed = time.monotonic() - started
                         repairs = operator_writes() - before
-                        events = [e for e in await client.list("v1", "events", NS)
-                                  if e["involvedObject"].get("name") == NAME]
+                        events = [
+                            e for e in await client.list("v1", "events", NS) if e["involvedObject"].get("name") == NAME
+                        ]
                 finally:
                     await op.stop()
     finally:
         handlers.FightTracker = original
-    return {"backoff": backoff, "seconds": round(elapsed, 1), "foreign_writes": writes,
-            "foreign_writes_per_minute": round(writes * 60 / elapsed, 1),
-            "operator_writes": repairs, "operator_writes_per_minute": round(repairs * 60 / elapsed, 1),
-            "restored_events": sum(e["reason"] == "Restored" for e in events),
-            "fighting_writer_warnings": sum(e["reason"] == "FightingWriter" for e in events)}
+    return {
+        "backoff": backoff,
+        "seconds": round(elapsed, 1),
+        "foreign_writes": writes,
+        "foreign_writes_per_minute": round(writes * 60 / elapsed, 1),
+        "operator_writes": repairs,
+        "operator_writes_per_minute": round(repairs * 60 / elapsed, 1),
+        "restored_events": sum(e["reason"] == "Restored" for e in events),
+        "fighting_writer_warnings": sum(e["reason"] == "FightingWriter" for e in events),
+    }
 
 
 def main() -> None:
@@ -100,10 +125,15 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=5.0, help="foreign writes per second")
     args = ap.parse_args()
     results = [asyncio.run(run(args.seconds, args.rate, backoff)) for backoff in (False, True)]
-    out = {"benchmark": "fighting_writer", "child": "Service (router)", "rate_per_second": args.rate,
-           "machine": platform.processor() or platform.machine(), "python": platform.python_version(),
-           "note": "a repair is up to two writes: a JSON patch removing the foreign entry, then an apply",
-           "runs": results}
+    out = {
+        "benchmark": "fighting_writer",
+        "child": "Service (router)",
+        "rate_per_second": args.rate,
+        "machine": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "note": "a repair is up to two writes: a JSON patch removing the foreign entry, then an apply",
+        "runs": results,
+    }
     path = HERE / "results" / "fighting_writer.json"
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))

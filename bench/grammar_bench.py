@@ -30,22 +30,38 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # A schema a request keeps following for many tokens (a long array of small records): the
 # decode steps measured are all mid-grammar.
 LONG_SCHEMA = {
-    "type": "array", "minItems": 500,
-    "items": {"type": "object", "additionalProperties": False, "required": ["id", "name", "tags", "score"],
-              "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 100000},
-                             "name": {"type": "string", "pattern": "^[a-z ]{1,12}$"},
-                             "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
-                             "score": {"type": "number", "minimum": -1, "maximum": 1}}},
+    "type": "array",
+    "minItems": 500,
+    "items": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["id", "name", "tags", "score"],
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 100000},
+            "name": {"type": "string", "pattern": "^[a-z ]{1,12}$"},
+            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+            "score": {"type": "number", "minimum": -1, "maximum": 1},
+        },
+    },
 }
 COMPILE_SCHEMAS = [
     {"type": "object"},
     LONG_SCHEMA,
-    {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                                      "email": {"type": "string", "format": "email"},
-                                      "address": {"type": "object", "properties": {"street": {"type": "string"},
-                                                                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                                                  "required": ["street", "zip"]}},
-     "required": ["name", "age", "address"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "email": {"type": "string", "format": "email"},
+            "address": {
+                "type": "object",
+                "properties": {"street": {"type": "string"}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                "required": ["street", "zip"],
+            },
+        },
+        "required": ["name", "age", "address"],
+        "additionalProperties": False,
+    },
 ]
 
 
@@ -71,6 +87,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 # ---- the grammar engines alone ---------------------------------------------------------------
 
+
 def backend_xgrammar(tok, vocab: int, eos: list[int], schemas: list[dict], walk: list[list[int]]) -> dict:
     import xgrammar as xgr
 
@@ -95,9 +112,13 @@ def backend_xgrammar(tok, vocab: int, eos: list[int], schemas: list[dict], walk:
             mask_s.append(time.perf_counter() - t0)
             if not m.accept_token(t):
                 break
-    return {"tokenizer_setup_ms": setup * 1e3, "compile_ms": [c * 1e3 for c in compile_s],
-            "mask_us_median": statistics.median(mask_s) * 1e6, "mask_us_p99": sorted(mask_s)[int(0.99 * (len(mask_s) - 1))] * 1e6,
-            "mask_steps": len(mask_s)}
+    return {
+        "tokenizer_setup_ms": setup * 1e3,
+        "compile_ms": [c * 1e3 for c in compile_s],
+        "mask_us_median": statistics.median(mask_s) * 1e6,
+        "mask_us_p99": sorted(mask_s)[int(0.99 * (len(mask_s) - 1))] * 1e6,
+        "mask_steps": len(mask_s),
+    }
 
 
 def backend_llguidance(tok, vocab: int, eos: list[int], schemas: list[dict], walk: list[list[int]]) -> Optional[dict]:
@@ -113,7 +134,9 @@ def backend_llguidance(tok, vocab: int, eos: list[int], schemas: list[dict], wal
     compile_s, mask_s = [], []
     for schema, ids in zip(schemas, walk):
         t0 = time.perf_counter()
-        grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+        grammar = llg.LLMatcher.grammar_from_json_schema(
+            json.dumps(schema), defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        )
         m = llg.LLMatcher(lt, grammar)
         compile_s.append(time.perf_counter() - t0)
         bm = allocate_token_bitmask(1, vocab)
@@ -124,9 +147,14 @@ def backend_llguidance(tok, vocab: int, eos: list[int], schemas: list[dict], wal
             if not m.consume_token(t):
                 break
     del np
-    return {"tokenizer_setup_ms": setup * 1e3, "compile_ms": [c * 1e3 for c in compile_s],
-            "mask_us_median": statistics.median(mask_s) * 1e6, "mask_us_p99": sorted(mask_s)[int(0.99 * (len(mask_s) - 1))] * 1e6,
-            "mask_steps": len(mask_s), "version": getattr(llg, "__version__", None)}
+    return {
+        "tokenizer_setup_ms": setup * 1e3,
+        "compile_ms": [c * 1e3 for c in compile_s],
+        "mask_us_median": statistics.median(mask_s) * 1e6,
+        "mask_us_p99": sorted(mask_s)[int(0.99 * (len(mask_s) - 1))] * 1e6,
+        "mask_steps": len(mask_s),
+        "version": getattr(llg, "__version__", None),
+    }
 
 
 def compact_instances(tok) -> list[list[int]]:
@@ -139,6 +167,7 @@ def compact_instances(tok) -> list[list[int]]:
 
 # ---- the engine, per decode step -------------------------------------------------------------
 
+
 def engine_steps(model: Path, conc: int, a: argparse.Namespace) -> dict:
     import torch
 
@@ -149,8 +178,16 @@ def engine_steps(model: Path, conc: int, a: argparse.Namespace) -> dict:
     from dsv4_engine.structured.spec import json_schema
 
     torch.manual_seed(a.seed)
-    eng = Engine(EngineArgs(model=str(model), device=None, kv_pages=max(256, conc * 8), page_size=16,
-                            max_num_seqs=max(conc, 8), enable_prefix_cache=False))
+    eng = Engine(
+        EngineArgs(
+            model=str(model),
+            device=None,
+            kv_pages=max(256, conc * 8),
+            page_size=16,
+            max_num_seqs=max(conc, 8),
+            enable_prefix_cache=False,
+        )
+    )
     import dsv4_engine.engine as engine_mod
     import dsv4_engine.sampling as sampling_mod
     import dsv4_engine.structured.bitmask as bitmask_mod
@@ -170,6 +207,7 @@ def engine_steps(model: Path, conc: int, a: argparse.Namespace) -> dict:
                 depth[0] -= 1
                 if depth[0] == 0:
                     fill_time[0] += time.perf_counter() - t0
+
         return run
 
     eng.runner.grammar_masks = timed(eng.runner.grammar_masks)
@@ -183,8 +221,13 @@ def engine_steps(model: Path, conc: int, a: argparse.Namespace) -> dict:
         seqs = []
         for i in range(conc):
             prompt = [(7 + 31 * i + 13 * j + rep) % (vocab - 10) + 4 for j in range(a.prompt_len)]
-            params = SamplingParams(max_tokens=a.steps + 4, temperature=0.7, seed=i, ignore_eos=not with_grammar,
-                                    structured=spec if with_grammar else None)
+            params = SamplingParams(
+                max_tokens=a.steps + 4,
+                temperature=0.7,
+                seed=i,
+                ignore_eos=not with_grammar,
+                structured=spec if with_grammar else None,
+            )
             s = Sequence(f"{'g' if with_grammar else 'p'}{rep}-{i}", prompt, params)
             seqs.append(s)
             eng.submit(s)
@@ -200,14 +243,20 @@ def engine_steps(model: Path, conc: int, a: argparse.Namespace) -> dict:
             times.append(time.perf_counter() - t0)
         fills = fill_time[0]
         running = sum(not s.finished for s in seqs)
-        print(f"  c{conc} {'grammar' if with_grammar else 'plain'} run {rep}: step median {statistics.median(times) * 1e3:.1f} ms, "
-              f"grammar work {fill_time[0] / a.steps * 1e3:.3f} ms/step", flush=True)
+        print(
+            f"  c{conc} {'grammar' if with_grammar else 'plain'} run {rep}: step median {statistics.median(times) * 1e3:.1f} ms, "
+            f"grammar work {fill_time[0] / a.steps * 1e3:.3f} ms/step",
+            flush=True,
+        )
         for s in seqs:
             eng.abort(seq=s)
         eng.step()
-        return {"step_ms_median": statistics.median(times) * 1e3, "step_ms_min": min(times) * 1e3,
-                "grammar_ms_per_step": fills / a.steps * 1e3,
-                "still_running": running}
+        return {
+            "step_ms_median": statistics.median(times) * 1e3,
+            "step_ms_min": min(times) * 1e3,
+            "grammar_ms_per_step": fills / a.steps * 1e3,
+            "still_running": running,
+        }
 
     side(True, -1)  # warm: compile, first matchers, allocator
     side(False, -1)
@@ -218,9 +267,15 @@ def engine_steps(model: Path, conc: int, a: argparse.Namespace) -> dict:
     best = {k: min(v, key=lambda r: r["step_ms_median"]) for k, v in runs.items()}
     plain, gram = best["plain"]["step_ms_median"], best["grammar"]["step_ms_median"]
     eng.stop()
-    return {"concurrency": conc, "device": str(eng.runner.device), "plain": best["plain"], "grammar": best["grammar"],
-            "overhead_pct": (gram - plain) / plain * 100,
-            "grammar_work_pct_of_plain_step": best["grammar"]["grammar_ms_per_step"] / plain * 100, "runs": runs}
+    return {
+        "concurrency": conc,
+        "device": str(eng.runner.device),
+        "plain": best["plain"],
+        "grammar": best["grammar"],
+        "overhead_pct": (gram - plain) / plain * 100,
+        "grammar_work_pct_of_plain_step": best["grammar"]["grammar_ms_per_step"] / plain * 100,
+        "runs": runs,
+    }
 
 
 def plot(report: dict, path: Path) -> None:
@@ -228,15 +283,26 @@ def plot(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     rows = report["engine"]
     groups = [f"c{r['concurrency']}" for r in rows]
-    rpt.grouped_bars(axes[0], groups, {"no grammar": [r["plain"]["step_ms_median"] for r in rows],
-                                      "json_schema, every row": [r["grammar"]["step_ms_median"] for r in rows],
-                                      "of which grammar work": [r["grammar"]["grammar_ms_per_step"] for r in rows]},
-                     f"decode step, {report['preset']} ({rows[0]['device'] if rows else '?'})", "ms (median)")
+    rpt.grouped_bars(
+        axes[0],
+        groups,
+        {
+            "no grammar": [r["plain"]["step_ms_median"] for r in rows],
+            "json_schema, every row": [r["grammar"]["step_ms_median"] for r in rows],
+            "of which grammar work": [r["grammar"]["grammar_ms_per_step"] for r in rows],
+        },
+        f"decode step, {report['preset']} ({rows[0]['device'] if rows else '?'})",
+        "ms (median)",
+    )
     b = report["backends"]
     names = [n for n in ("xgrammar", "llguidance") if b.get(n)]
-    rpt.grouped_bars(axes[1], ["compile (ms, mean)", "mask / token (us, median)"],
-                     {n: [statistics.mean(b[n]["compile_ms"]), b[n]["mask_us_median"]] for n in names},
-                     f"grammar engines, vocab {report['vocab_size']}", "")
+    rpt.grouped_bars(
+        axes[1],
+        ["compile (ms, mean)", "mask / token (us, median)"],
+        {n: [statistics.mean(b[n]["compile_ms"]), b[n]["mask_us_median"]] for n in names},
+        f"grammar engines, vocab {report['vocab_size']}",
+        "",
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -251,25 +317,44 @@ def main(argv: Optional[list[str]] = None) -> int:
     tok = Tokenizer.from_dir(model)
     vocab, eos = cfg["vocab_size"], sorted(set(tok.eos_ids))
     walk = compact_instances(tok)
-    report = {"bench": "grammar", "started": rpt.now_iso(), "preset": a.preset, "model": str(model), "vocab_size": vocab,
-              "args": {k: str(v) for k, v in vars(a).items()}, "machine": rpt.machine(),
-              "backends": {"xgrammar": backend_xgrammar(tok, vocab, eos, COMPILE_SCHEMAS, walk),
-                           "llguidance": backend_llguidance(tok, vocab, eos, COMPILE_SCHEMAS, walk)}}
+    report = {
+        "bench": "grammar",
+        "started": rpt.now_iso(),
+        "preset": a.preset,
+        "model": str(model),
+        "vocab_size": vocab,
+        "args": {k: str(v) for k, v in vars(a).items()},
+        "machine": rpt.machine(),
+        "backends": {
+            "xgrammar": backend_xgrammar(tok, vocab, eos, COMPILE_SCHEMAS, walk),
+            "llguidance": backend_llguidance(tok, vocab, eos, COMPILE_SCHEMAS, walk),
+        },
+    }
     report["engine"] = [engine_steps(Path(model), c, a) for c in a.concurrency]
     top = report["engine"][-1]
     # The target is judged on the grammar's own work per step (mask fill, mask, accept), timed
     # where it runs: the step-time difference is also reported, but on a shared CPU machine the
     # noise between two runs of the same step is larger than the grammar's cost.
-    report["targets"] = [rpt.target(f"grammar work per decode step at c{top['concurrency']} (% of a plain step)",
-                                    round(top["grammar_work_pct_of_plain_step"], 2), 5.0, higher_better=False)]
+    report["targets"] = [
+        rpt.target(
+            f"grammar work per decode step at c{top['concurrency']} (% of a plain step)",
+            round(top["grammar_work_pct_of_plain_step"], 2),
+            5.0,
+            higher_better=False,
+        )
+    ]
     for r in report["engine"]:
-        print(f"c{r['concurrency']:>3}: plain {r['plain']['step_ms_median']:.2f} ms, grammar {r['grammar']['step_ms_median']:.2f} ms "
-              f"({r['overhead_pct']:+.1f}%), grammar work {r['grammar']['grammar_ms_per_step']:.3f} ms/step "
-              f"({r['grammar_work_pct_of_plain_step']:.2f}% of a plain step)")
+        print(
+            f"c{r['concurrency']:>3}: plain {r['plain']['step_ms_median']:.2f} ms, grammar {r['grammar']['step_ms_median']:.2f} ms "
+            f"({r['overhead_pct']:+.1f}%), grammar work {r['grammar']['grammar_ms_per_step']:.3f} ms/step "
+            f"({r['grammar_work_pct_of_plain_step']:.2f}% of a plain step)"
+        )
     for name, b in report["backends"].items():
         if b:
-            print(f"{name}: compile {', '.join(f'{c:.2f}' for c in b['compile_ms'])} ms; mask {b['mask_us_median']:.1f} us median, "
-                  f"{b['mask_us_p99']:.1f} us p99 over {b['mask_steps']} tokens")
+            print(
+                f"{name}: compile {', '.join(f'{c:.2f}' for c in b['compile_ms'])} ms; mask {b['mask_us_median']:.1f} us median, "
+                f"{b['mask_us_p99']:.1f} us p99 over {b['mask_steps']} tokens"
+            )
     a.out.mkdir(parents=True, exist_ok=True)
     rpt.write_json(report, a.out / "grammar.json")
     plot(report, a.out / "grammar.png")

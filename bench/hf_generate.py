@@ -42,10 +42,17 @@ def generate(model, batch: list[list[int]], new_tokens: int) -> tuple[list[list[
                     out = model(toks[-1], cache=out.past_key_values, use_cache=True)
         return torch.cat(toks, 1).tolist(), time.perf_counter() - t0
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     wall = time.perf_counter() - t0
-    return out[:, ids.shape[1]:].tolist(), wall
+    return out[:, ids.shape[1] :].tolist(), wall
 
 
 def multiround(model, first: list[list[int]], append: list[list[list[int]]], rounds: int, new_tokens: int) -> float:
@@ -78,17 +85,31 @@ def main(spec_path: str, out_path: str) -> None:
         runs = [generate(model, w["prompts"], new_tokens)[1] for _ in range(repeats)]
         best = min(runs)
         tokens = len(w["prompts"]) * new_tokens
-        result["fixed"][w["name"]] = {"batch": len(w["prompts"]), "completion_tokens": tokens, "wall_s": round(best, 4),
-                                      "output_tok_s": round(tokens / best, 2), "runs_s": [round(x, 4) for x in runs]}
-        print(f"hf generate {w['name']}: batch {len(w['prompts'])}, {tokens / best:.1f} tok/s", file=sys.stderr, flush=True)
+        result["fixed"][w["name"]] = {
+            "batch": len(w["prompts"]),
+            "completion_tokens": tokens,
+            "wall_s": round(best, 4),
+            "output_tok_s": round(tokens / best, 2),
+            "runs_s": [round(x, 4) for x in runs],
+        }
+        print(
+            f"hf generate {w['name']}: batch {len(w['prompts'])}, {tokens / best:.1f} tok/s",
+            file=sys.stderr,
+            flush=True,
+        )
     mr = spec.get("multiround")
     if mr:
         runs = [multiround(model, mr["first"], mr["append"], mr["rounds"], new_tokens) for _ in range(repeats)]
         best = min(runs)
         tokens = len(mr["first"]) * mr["rounds"] * new_tokens
-        result["multiround"] = {"batch": len(mr["first"]), "rounds": mr["rounds"], "completion_tokens": tokens,
-                                "wall_s": round(best, 4), "output_tok_s": round(tokens / best, 2),
-                                "runs_s": [round(x, 4) for x in runs]}
+        result["multiround"] = {
+            "batch": len(mr["first"]),
+            "rounds": mr["rounds"],
+            "completion_tokens": tokens,
+            "wall_s": round(best, 4),
+            "output_tok_s": round(tokens / best, 2),
+            "runs_s": [round(x, 4) for x in runs],
+        }
         print(f"hf generate multiround: {tokens / best:.1f} tok/s", file=sys.stderr, flush=True)
     # ru_maxrss is KiB on Linux: the whole life of this process, loading included.
     result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

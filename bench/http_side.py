@@ -13,19 +13,47 @@ from procs import load_average
 from report import fmt
 
 
-def build_workloads(concurrency: list[int], requests_per_client: int, prompt_len: int, new_tokens: int,
-                    vocab: int, seed: int, rounds: int = 0, conversations: int = 0, append_len: int = 0) -> list[dict]:
+def build_workloads(
+    concurrency: list[int],
+    requests_per_client: int,
+    prompt_len: int,
+    new_tokens: int,
+    vocab: int,
+    seed: int,
+    rounds: int = 0,
+    conversations: int = 0,
+    append_len: int = 0,
+) -> list[dict]:
     """Fixed workloads c{C} (closed loop, C clients) and, with rounds, a multi-round one; HF's
     batch at concurrency C is the first C prompts of c{C}."""
     most = max(concurrency) * requests_per_client
     pool = loadgen.random_prompts(most, prompt_len, vocab, seed)
-    ws = [{"name": f"c{c}", "kind": "fixed", "concurrency": c, "prompt_len": prompt_len, "new_tokens": new_tokens,
-           "prompts": pool[: c * requests_per_client]} for c in concurrency]
+    ws = [
+        {
+            "name": f"c{c}",
+            "kind": "fixed",
+            "concurrency": c,
+            "prompt_len": prompt_len,
+            "new_tokens": new_tokens,
+            "prompts": pool[: c * requests_per_client],
+        }
+        for c in concurrency
+    ]
     if rounds > 0 and conversations > 0:
         first, append = loadgen.multiround_inputs(conversations, prompt_len, rounds, append_len, vocab, seed + 7)
-        ws.append({"name": "multiround", "kind": "multiround", "concurrency": conversations, "first": first,
-                   "append": append, "rounds": rounds, "append_len": append_len, "new_tokens": new_tokens,
-                   "context_lens": loadgen.multiround_context_lens(prompt_len, rounds, append_len, new_tokens)})
+        ws.append(
+            {
+                "name": "multiround",
+                "kind": "multiround",
+                "concurrency": conversations,
+                "first": first,
+                "append": append,
+                "rounds": rounds,
+                "append_len": append_len,
+                "new_tokens": new_tokens,
+                "context_lens": loadgen.multiround_context_lens(prompt_len, rounds, append_len, new_tokens),
+            }
+        )
     return ws
 
 
@@ -50,16 +78,24 @@ def run_workload(url: str, model_name: Optional[str], w: dict) -> dict:
 def warm_up(url: str, model_name: Optional[str], w: dict) -> None:
     """A few short requests first: first-call allocations are not what we measure."""
     prompts = (w.get("prompts") or w["first"])[:4]
-    run_workload(url, model_name, {"kind": "fixed", "prompts": prompts, "concurrency": len(prompts),
-                                   "new_tokens": min(8, w["new_tokens"])})
+    run_workload(
+        url,
+        model_name,
+        {"kind": "fixed", "prompts": prompts, "concurrency": len(prompts), "new_tokens": min(8, w["new_tokens"])},
+    )
 
 
 class Side:
     """One server under the same load as the others: a label, its URL and served model name,
     and optionally a wrapper around each run (e.g. metrics scraped before and after)."""
 
-    def __init__(self, label: str, url: str, model_name: Optional[str] = None,
-                 around: Optional[Callable[[str, Callable[[], dict]], dict]] = None):
+    def __init__(
+        self,
+        label: str,
+        url: str,
+        model_name: Optional[str] = None,
+        around: Optional[Callable[[str, Callable[[], dict]], dict]] = None,
+    ):
         self.label, self.url, self.model_name, self.around = label, url, model_name, around
 
     def run(self, w: dict) -> dict:
@@ -79,7 +115,7 @@ def drive(sides: list[Side], workloads: list[dict], repeats: int, console: Conso
     for w in workloads:
         runs: dict[str, list[dict]] = {side.label: [] for side in sides}
         for r in range(repeats):
-            for side in (sides if r % 2 == 0 else list(reversed(sides))):
+            for side in sides if r % 2 == 0 else list(reversed(sides)):
                 res = side.run(w)
                 res["load_average"] = load_average()
                 runs[side.label].append(res)
@@ -88,10 +124,12 @@ def drive(sides: list[Side], workloads: list[dict], repeats: int, console: Conso
             best["runs_tok_s"] = [x["output_tok_s"] for x in runs[side.label]]
             best["runs_load_average_1m"] = [x["load_average"][0] for x in runs[side.label]]
             out[side.label][w["name"]] = best
-            console.print(f"  {side.label:12s} {w['name']:10s} {fmt(best['output_tok_s'])} tok/s  TTFT p50 "
-                          f"{fmt(best['ttft_p50_ms'])} ms  p99 {fmt(best['ttft_p99_ms'])} ms  ITL p50 "
-                          f"{fmt(best['itl_p50_ms'], digits=2)} ms  errors {best['errors']}  "
-                          f"runs {best['runs_tok_s']} at load {best['runs_load_average_1m']}")
+            console.print(
+                f"  {side.label:12s} {w['name']:10s} {fmt(best['output_tok_s'])} tok/s  TTFT p50 "
+                f"{fmt(best['ttft_p50_ms'])} ms  p99 {fmt(best['ttft_p99_ms'])} ms  ITL p50 "
+                f"{fmt(best['itl_p50_ms'], digits=2)} ms  errors {best['errors']}  "
+                f"runs {best['runs_tok_s']} at load {best['runs_load_average_1m']}"
+            )
             if best["errors"]:
                 console.print(f"    [red]first error: {best['first_error']}[/red]")
     return out

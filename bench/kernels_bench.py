@@ -38,9 +38,20 @@ from dsv4_kernels import reference  # noqa: E402
 
 # Nominal HBM bandwidth (GB/s) by device-name fragment; the longest matching fragment wins.
 NOMINAL_GBPS = {
-    "H200": 4800, "H100 NVL": 3900, "H100 PCIe": 2000, "H100": 3350, "H800": 3350, "H20": 4000,
-    "GB300": 8000, "B300": 8000, "GB200": 8000, "B200": 8000,
-    "RTX PRO 6000": 1792, "RTX 5090": 1792, "A100": 2039, "L40S": 864,
+    "H200": 4800,
+    "H100 NVL": 3900,
+    "H100 PCIe": 2000,
+    "H100": 3350,
+    "H800": 3350,
+    "H20": 4000,
+    "GB300": 8000,
+    "B300": 8000,
+    "GB200": 8000,
+    "B200": 8000,
+    "RTX PRO 6000": 1792,
+    "RTX 5090": 1792,
+    "A100": 2039,
+    "L40S": 864,
 }
 
 V_DIM, ROPE_DIM, PAGE = 512, 64, 64
@@ -91,7 +102,9 @@ def bench_mla_decode(ops_list, device, batches, contexts, heads_list, time_it, p
         for batch in batches:
             for context in contexts:
                 pages = context // PAGE
-                table = torch.randperm(num_pages, device=device, generator=gen)[: batch * pages].view(batch, pages).int()
+                table = (
+                    torch.randperm(num_pages, device=device, generator=gen)[: batch * pages].view(batch, pages).int()
+                )
                 lens = torch.full((batch,), context, dtype=torch.int32, device=device)
                 q = torch.randn(batch, heads, D, dtype=torch.bfloat16, device=device, generator=gen)
                 nbytes = batch * context * D * 2 + q.numel() * 2 + batch * heads * V_DIM * 2
@@ -128,7 +141,13 @@ def mla_decode_tuning(device, time_it, peak, batch=64, context=4096, heads=16):
     q = torch.randn(batch, heads, D, dtype=torch.bfloat16, device=device, generator=gen)
     nbytes = batch * context * D * 2 + q.numel() * 2 + batch * heads * V_DIM * 2
     want = reference.mla_decode(q, kv, table, lens, D**-0.5, V_DIM).float()
-    configs = [None, DecodeConfig(16, 16, 4, 2), DecodeConfig(16, 32, 4, 3), DecodeConfig(16, 64, 8, 2), DecodeConfig(32, 32, 8, 2)]
+    configs = [
+        None,
+        DecodeConfig(16, 16, 4, 2),
+        DecodeConfig(16, 32, 4, 3),
+        DecodeConfig(16, 64, 8, 2),
+        DecodeConfig(32, 32, 8, 2),
+    ]
     rows = []
     for cfg in configs:
         for splits in (None, 1, 2, 4, 8, 16):
@@ -140,11 +159,16 @@ def mla_decode_tuning(device, time_it, peak, batch=64, context=4096, heads=16):
                 rows.append({"config": str(cfg), "num_splits": splits, "error": f"{type(exc).__name__}: {exc}"[:200]})
                 continue
             gbps = nbytes / seconds / 1e9
-            rows.append({
-                "config": "default" if cfg is None else str(cfg), "num_splits": splits or "default",
-                "us": round(seconds * 1e6, 2), "gbps": round(gbps, 1),
-                "pct_nominal": round(100 * gbps / peak, 1) if peak else None, "max_abs_err": err,
-            })
+            rows.append(
+                {
+                    "config": "default" if cfg is None else str(cfg),
+                    "num_splits": splits or "default",
+                    "us": round(seconds * 1e6, 2),
+                    "gbps": round(gbps, 1),
+                    "pct_nominal": round(100 * gbps / peak, 1) if peak else None,
+                    "max_abs_err": err,
+                }
+            )
             print("mla_decode_tuning", json.dumps(rows[-1]), flush=True)
     del pool
     return rows
@@ -169,10 +193,20 @@ def v4_decode_case(device, batch, context, kind, heads=64, hd=512, window=128, t
     if kind == "csa":
         picked = min(top_k, count)
         comp_idx = torch.rand(batch, count, device=device, generator=gen).argsort(dim=1)[:, :picked].int()
-    args = dict(q=q, kv=kv, ring=ring, slot_ids=torch.arange(batch, device=device),
-                positions=torch.full((batch,), context - 1, device=device), block_table=table, comp_kv=store,
-                comp_idx=comp_idx, sink=torch.randn(heads, device=device, generator=gen), sm_scale=hd ** -0.5,
-                rate=rate, page_size=PAGE)
+    args = dict(
+        q=q,
+        kv=kv,
+        ring=ring,
+        slot_ids=torch.arange(batch, device=device),
+        positions=torch.full((batch,), context - 1, device=device),
+        block_table=table,
+        comp_kv=store,
+        comp_idx=comp_idx,
+        sink=torch.randn(heads, device=device, generator=gen),
+        sm_scale=hd**-0.5,
+        rate=rate,
+        page_size=PAGE,
+    )
     keys = min(window, context) + picked
     el = q.element_size()
     nbytes = batch * (keys * hd * el + 2 * heads * hd * el + (picked * 4 if comp_idx is not None else 0))
@@ -188,10 +222,17 @@ def bench_v4_decode(ops_list, device, batches, contexts, kinds, time_it, peak, c
     for kind in kinds:
         for batch in batches:
             for context in contexts:
-                args, nbytes = v4_decode_case(device, batch, context, kind, heads=heads, hd=hd, top_k=top_k,
-                                              dtype=dtype)
-                row = {"kind": kind, "batch": batch, "context": context, "heads": heads, "head_dim": hd,
-                       "bytes": nbytes}
+                args, nbytes = v4_decode_case(
+                    device, batch, context, kind, heads=heads, hd=hd, top_k=top_k, dtype=dtype
+                )
+                row = {
+                    "kind": kind,
+                    "batch": batch,
+                    "context": context,
+                    "heads": heads,
+                    "head_dim": hd,
+                    "bytes": nbytes,
+                }
                 want = None
                 for name, ops in ops_list:
                     fn = getattr(ops, "v4_attention_decode", None) or reference_v4.v4_attention_decode
@@ -225,15 +266,29 @@ def bench_v4_indexer(ops_list, device, batches, contexts, time_it, heads, dim, t
             count = context // 4
             pages = -(-context // PAGE)
             iq = torch.randn(batch, heads, dim, dtype=dtype, device=device, generator=gen)
-            iw = torch.randn(batch, heads, device=device, generator=gen) * heads ** -0.5
+            iw = torch.randn(batch, heads, device=device, generator=gen) * heads**-0.5
             store = torch.randn(batch * pages, PAGE // 4, dim, dtype=dtype, device=device, generator=gen)
             table = torch.randperm(batch * pages, device=device, generator=gen).view(batch, pages).int()
-            args = dict(iq=iq, iw=iw, index_k=store, block_table=table,
-                        positions=torch.full((batch,), context - 1, device=device),
-                        extend_lens=torch.ones(batch, dtype=torch.long, device=device), top_k=top_k, scale=dim ** -0.5,
-                        rate=4, page_size=PAGE)
-            row = {"batch": batch, "context": context, "heads": heads, "dim": dim, "top_k": top_k,
-                   "key_bytes": batch * count * dim * iq.element_size()}
+            args = dict(
+                iq=iq,
+                iw=iw,
+                index_k=store,
+                block_table=table,
+                positions=torch.full((batch,), context - 1, device=device),
+                extend_lens=torch.ones(batch, dtype=torch.long, device=device),
+                top_k=top_k,
+                scale=dim**-0.5,
+                rate=4,
+                page_size=PAGE,
+            )
+            row = {
+                "batch": batch,
+                "context": context,
+                "heads": heads,
+                "dim": dim,
+                "top_k": top_k,
+                "key_bytes": batch * count * dim * iq.element_size(),
+            }
             for name, ops in ops_list:
                 fn = getattr(ops, "v4_indexer_topk", None) or reference_v4.v4_indexer_topk
                 seconds = time_it(lambda fn=fn: fn(**args))
@@ -290,9 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="benchmark the torch reference on CPU (no GPU needed)")
     parser.add_argument("--quick", action="store_true", help="a few small shapes (smoke test)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels_bench.json"))
-    parser.add_argument("--only", choices=["all", "v4", "v3"], default="all",
-                        help="v4: only the DeepSeek-V4 kernels (decode attention, indexer); "
-                             "v3: only mla_decode and MoE")
+    parser.add_argument(
+        "--only",
+        choices=["all", "v4", "v3"],
+        default="all",
+        help="v4: only the DeepSeek-V4 kernels (decode attention, indexer); v3: only mla_decode and MoE",
+    )
     args = parser.parse_args(argv)
 
     if not args.cpu and not torch.cuda.is_available():
@@ -306,8 +364,11 @@ def main(argv: list[str] | None = None) -> int:
 
         name = torch.cuda.get_device_name()
         ops_list = [("triton", triton_ops), ("torch", reference)]
-        meta = {"device": name, "capability": list(torch.cuda.get_device_capability()),
-                "sms": torch.cuda.get_device_properties(0).multi_processor_count}
+        meta = {
+            "device": name,
+            "capability": list(torch.cuda.get_device_capability()),
+            "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+        }
         import triton
 
         meta["triton"] = triton.__version__
@@ -327,25 +388,61 @@ def main(argv: list[str] | None = None) -> int:
     elif device.type == "cuda":
         v4_batches = [1, 8, 64] if args.quick else [1, 8, 32, 64, 128]
         v4_contexts = [4096] if args.quick else [1024, 4096, 16384, 65536]
-        v4_decode = bench_v4_decode(ops_list, device, v4_batches, v4_contexts, ["csa", "hca", "swa"], time_it, peak,
-                                    copy_peak, heads=64, hd=512, top_k=512, dtype=torch.bfloat16)
-        v4_indexer = bench_v4_indexer(ops_list, device, v4_batches, v4_contexts, time_it, heads=64, dim=128, top_k=512,
-                                      dtype=torch.bfloat16)
+        v4_decode = bench_v4_decode(
+            ops_list,
+            device,
+            v4_batches,
+            v4_contexts,
+            ["csa", "hca", "swa"],
+            time_it,
+            peak,
+            copy_peak,
+            heads=64,
+            hd=512,
+            top_k=512,
+            dtype=torch.bfloat16,
+        )
+        v4_indexer = bench_v4_indexer(
+            ops_list, device, v4_batches, v4_contexts, time_it, heads=64, dim=128, top_k=512, dtype=torch.bfloat16
+        )
     else:
-        v4_decode = bench_v4_decode(ops_list, device, [1, 8], [1024] if args.quick else [1024, 4096], ["csa", "hca"],
-                                    time_it, None, copy_peak, heads=16 if args.quick else 64, hd=512,
-                                    top_k=64 if args.quick else 512, dtype=torch.float32)
-        v4_indexer = bench_v4_indexer(ops_list, device, [1, 8], [1024] if args.quick else [1024, 4096], time_it,
-                                      heads=16 if args.quick else 64, dim=128, top_k=64 if args.quick else 512,
-                                      dtype=torch.float32)
+        v4_decode = bench_v4_decode(
+            ops_list,
+            device,
+            [1, 8],
+            [1024] if args.quick else [1024, 4096],
+            ["csa", "hca"],
+            time_it,
+            None,
+            copy_peak,
+            heads=16 if args.quick else 64,
+            hd=512,
+            top_k=64 if args.quick else 512,
+            dtype=torch.float32,
+        )
+        v4_indexer = bench_v4_indexer(
+            ops_list,
+            device,
+            [1, 8],
+            [1024] if args.quick else [1024, 4096],
+            time_it,
+            heads=16 if args.quick else 64,
+            dim=128,
+            top_k=64 if args.quick else 512,
+            dtype=torch.float32,
+        )
     if args.only == "v4":
         decode, tuning, moe = [], [], []
     elif device.type == "cuda":
         batches = [1, 8, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64, 128]
         contexts = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384, 32768]
-        decode = bench_mla_decode(ops_list, device, batches, contexts, [16], time_it, peak, copy_peak, ref_max_tokens=256 * 1024)
+        decode = bench_mla_decode(
+            ops_list, device, batches, contexts, [16], time_it, peak, copy_peak, ref_max_tokens=256 * 1024
+        )
         if not args.quick:  # 128 heads (no tensor parallelism): a shorter sweep
-            decode += bench_mla_decode(ops_list, device, [1, 16, 64, 128], [4096, 32768], [128], time_it, peak, copy_peak, 256 * 1024)
+            decode += bench_mla_decode(
+                ops_list, device, [1, 16, 64, 128], [4096, 32768], [128], time_it, peak, copy_peak, 256 * 1024
+            )
         tuning = mla_decode_tuning(device, time_it, peak) if not args.quick else []
         free, _ = torch.cuda.mem_get_info()
         experts = 256 if free > 40e9 else 64
@@ -354,11 +451,22 @@ def main(argv: list[str] | None = None) -> int:
     else:
         batches = [1, 8] if args.quick else [1, 8, 32]
         contexts = [256, 1024] if args.quick else [256, 1024, 4096]
-        decode = bench_mla_decode(ops_list, device, batches, contexts, [16], time_it, None, copy_peak, ref_max_tokens=1 << 30)
+        decode = bench_mla_decode(
+            ops_list, device, batches, contexts, [16], time_it, None, copy_peak, ref_max_tokens=1 << 30
+        )
         tuning = []
         tokens = [1, 64] if args.quick else [1, 16, 256, 1024]
-        moe = bench_moe(ops_list, device, tokens, 8 if args.quick else 64, 256 if args.quick else 1024,
-                        128 if args.quick else 512, 2 if args.quick else 8, torch.float32, time_it)
+        moe = bench_moe(
+            ops_list,
+            device,
+            tokens,
+            8 if args.quick else 64,
+            256 if args.quick else 1024,
+            128 if args.quick else 512,
+            2 if args.quick else 8,
+            torch.float32,
+            time_it,
+        )
 
     summary = {}
     target = [r for r in decode if r["batch"] == 64 and r["context"] == 4096 and r["heads"] == 16]
@@ -374,8 +482,15 @@ def main(argv: list[str] | None = None) -> int:
     if "v4_decode_csa_b64_c4k_pct_nominal" in summary:
         summary["v4_decode_csa_b64_c4k_meets_70pct"] = summary["v4_decode_csa_b64_c4k_pct_nominal"] >= 70.0
     summary["seconds"] = round(time.time() - started, 1)
-    result = {"meta": meta, "summary": summary, "mla_decode": decode, "mla_decode_tuning": tuning, "moe_experts": moe,
-              "v4_attention_decode": v4_decode, "v4_indexer_topk": v4_indexer}
+    result = {
+        "meta": meta,
+        "summary": summary,
+        "mla_decode": decode,
+        "mla_decode_tuning": tuning,
+        "moe_experts": moe,
+        "v4_attention_decode": v4_decode,
+        "v4_indexer_topk": v4_indexer,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print("summary", json.dumps(summary), flush=True)

@@ -107,8 +107,13 @@ def random_prompts(n: int, length: int, vocab_size: int, seed: int, low: int = 1
 
 def completion_body(model: Optional[str], prompt: list[int], max_tokens: int) -> dict:
     body = {
-        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-        "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
     }
     if model:
         body["model"] = model
@@ -136,8 +141,9 @@ def apply_chunk(res: RequestResult, chunk: dict, now: float) -> None:
         res.prompt_tokens = usage.get("prompt_tokens", 0)
 
 
-async def stream_completion(session: aiohttp.ClientSession, url: str, model: Optional[str], prompt: list[int],
-                            max_tokens: int, round_: int = 0) -> RequestResult:
+async def stream_completion(
+    session: aiohttp.ClientSession, url: str, model: Optional[str], prompt: list[int], max_tokens: int, round_: int = 0
+) -> RequestResult:
     res = RequestResult(start=time.perf_counter(), round=round_)
     try:
         async with session.post(f"{url}/v1/completions", json=completion_body(model, prompt, max_tokens)) as resp:
@@ -164,16 +170,19 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, model: Opt
 
 
 def _session(timeout: float) -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout),
-                                 connector=aiohttp.TCPConnector(limit=0, force_close=False))
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=timeout), connector=aiohttp.TCPConnector(limit=0, force_close=False)
+    )
 
 
-async def run_fixed(url: str, model: Optional[str], prompts: list[list[int]], concurrency: int,
-                    max_tokens: int, timeout: float = 600.0) -> tuple[list[RequestResult], float]:
+async def run_fixed(
+    url: str, model: Optional[str], prompts: list[list[int]], concurrency: int, max_tokens: int, timeout: float = 600.0
+) -> tuple[list[RequestResult], float]:
     """Closed loop: `concurrency` clients drain the prompt list; returns results and wall time."""
     todo = list(enumerate(prompts))
     results: list[RequestResult] = []
     async with _session(timeout) as session:
+
         async def client() -> None:
             while todo:
                 _, prompt = todo.pop(0)
@@ -184,14 +193,21 @@ async def run_fixed(url: str, model: Optional[str], prompts: list[list[int]], co
         return results, time.perf_counter() - t0
 
 
-async def run_multiround(url: str, model: Optional[str], first_prompts: list[list[int]], rounds: int,
-                         append: list[list[list[int]]], max_tokens: int,
-                         timeout: float = 600.0) -> tuple[list[RequestResult], float]:
+async def run_multiround(
+    url: str,
+    model: Optional[str],
+    first_prompts: list[list[int]],
+    rounds: int,
+    append: list[list[list[int]]],
+    max_tokens: int,
+    timeout: float = 600.0,
+) -> tuple[list[RequestResult], float]:
     """One task per conversation, rounds in sequence; append[c][r] are the fresh prompt tokens
     conversation c adds before round r+1. A server that does not return token ids gets the
     answer's length in fresh tokens instead (the context grows the same)."""
     results: list[RequestResult] = []
     async with _session(timeout) as session:
+
         async def conversation(c: int) -> None:
             context = list(first_prompts[c])
             for r in range(rounds):
@@ -199,7 +215,11 @@ async def run_multiround(url: str, model: Optional[str], first_prompts: list[lis
                 results.append(res)
                 if not res.ok:
                     return
-                answer = res.output_ids if len(res.output_ids) == res.completion_tokens else append[c][r][:1] * res.completion_tokens
+                answer = (
+                    res.output_ids
+                    if len(res.output_ids) == res.completion_tokens
+                    else append[c][r][:1] * res.completion_tokens
+                )
                 context = context + answer + (append[c][r] if r + 1 < rounds else [])
 
         t0 = time.perf_counter()
@@ -207,8 +227,9 @@ async def run_multiround(url: str, model: Optional[str], first_prompts: list[lis
         return results, time.perf_counter() - t0
 
 
-def multiround_inputs(conversations: int, prompt_len: int, rounds: int, append_len: int, vocab_size: int,
-                      seed: int) -> tuple[list[list[int]], list[list[list[int]]]]:
+def multiround_inputs(
+    conversations: int, prompt_len: int, rounds: int, append_len: int, vocab_size: int, seed: int
+) -> tuple[list[list[int]], list[list[list[int]]]]:
     first = random_prompts(conversations, prompt_len, vocab_size, seed)
     append = [random_prompts(rounds, append_len, vocab_size, seed * 1000 + c + 1) for c in range(conversations)]
     return first, append
@@ -225,6 +246,12 @@ def per_round(results: list[RequestResult]) -> list[dict]:
     for r in sorted({x.round for x in results}):
         rs = [x for x in results if x.round == r and x.ok]
         t = [x.ttft for x in rs if x.ttft is not None]
-        out.append({"round": r, "requests": len(rs), "prompt_tokens_p50": percentile([x.prompt_tokens for x in rs], 50),
-                    "ttft_p50_ms": None if not t else round(percentile(t, 50) * 1000, 3)})
+        out.append(
+            {
+                "round": r,
+                "requests": len(rs),
+                "prompt_tokens_p50": percentile([x.prompt_tokens for x in rs], 50),
+                "ttft_p50_ms": None if not t else round(percentile(t, 50) * 1000, 3),
+            }
+        )
     return out

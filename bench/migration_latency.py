@@ -40,8 +40,14 @@ from migration_chaos import Cluster  # noqa: E402
 
 
 async def one(session: aiohttp.ClientSession, url: str, i: int, tokens: int) -> dict:
-    body = {"prompt": [(7 * i + j) % 400 + 3 for j in range(8 + i % 9)], "max_tokens": tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": [(7 * i + j) % 400 + 3 for j in range(8 + i % 9)],
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.monotonic()
     times, rid, err, usage = [], None, None, None
     async with session.post(url + "/v1/completions", json=body) as r:
@@ -62,9 +68,15 @@ async def one(session: aiohttp.ClientSession, url: str, i: int, tokens: int) -> 
                 if obj["choices"]:
                     times.append(time.monotonic() - t0)
     gaps = [b - a for a, b in zip(times, times[1:])]
-    return {"id": rid, "error": err, "completion_tokens": (usage or {}).get("completion_tokens"),
-            "ttft": times[0] if times else None, "max_gap": max(gaps) if gaps else 0.0,
-            "median_gap": statistics.median(gaps) if gaps else 0.0, "e2e": time.monotonic() - t0}
+    return {
+        "id": rid,
+        "error": err,
+        "completion_tokens": (usage or {}).get("completion_tokens"),
+        "ttft": times[0] if times else None,
+        "max_gap": max(gaps) if gaps else 0.0,
+        "median_gap": statistics.median(gaps) if gaps else 0.0,
+        "e2e": time.monotonic() - t0,
+    }
 
 
 async def round_(c: Cluster, conc: int, tokens: int, kill: bool) -> list[dict]:
@@ -81,8 +93,13 @@ async def round_(c: Cluster, conc: int, tokens: int, kill: bool) -> list[dict]:
             c.kill("decode0", signal.SIGKILL)
         else:
             headers = {}
-            await asyncio.to_thread(httpx.post, f"{c.urls['decode0']}/admin/abort", json={"all": True, "reason": "bench"},
-                                    headers=headers, timeout=10)
+            await asyncio.to_thread(
+                httpx.post,
+                f"{c.urls['decode0']}/admin/abort",
+                json={"all": True, "reason": "bench"},
+                headers=headers,
+                timeout=10,
+            )
         return list(await jobs)
 
 
@@ -98,7 +115,9 @@ def pct(xs: list[float], q: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--levels", default="8,32")
-    ap.add_argument("--rounds", type=int, default=4, help="rounds per level; the last one kills (-9) instead of aborting")
+    ap.add_argument(
+        "--rounds", type=int, default=4, help="rounds per level; the last one kills (-9) instead of aborting"
+    )
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "migration_latency.json"))
     args = ap.parse_args()
@@ -134,8 +153,14 @@ def main() -> None:
                     c.restart("decode0")
                     c.router.wait_workers_healthy(c.r_url, 3, timeout=60)
             results["levels"][f"c{conc}"] = {
-                "streams": total, "migrated": moved_n, "migrated_share": round(moved_n / total, 3),
-                "added_latency_s": {"p50": pct(moved_cost, 0.5), "p99": pct(moved_cost, 0.99), "max": pct(moved_cost, 1.0)},
+                "streams": total,
+                "migrated": moved_n,
+                "migrated_share": round(moved_n / total, 3),
+                "added_latency_s": {
+                    "p50": pct(moved_cost, 0.5),
+                    "p99": pct(moved_cost, 0.99),
+                    "max": pct(moved_cost, 1.0),
+                },
                 "by_fault": {k: {"n": len(v), "p50": pct(v, 0.5), "p99": pct(v, 0.99)} for k, v in kinds.items()},
                 "unmoved_longest_pause_s": {"p50": pct(still_cost, 0.5), "p99": pct(still_cost, 0.99)},
                 "samples_migrated": [round(x, 3) for x in moved_cost],
@@ -156,14 +181,20 @@ def plot(results: dict, path: Path) -> None:
     levels = list(results["levels"])
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = range(len(levels))
-    for off, key, label in ((-0.2, "added_latency_s", "migrated streams"), (0.2, "unmoved_longest_pause_s", "undisturbed streams")):
+    for off, key, label in (
+        (-0.2, "added_latency_s", "migrated streams"),
+        (0.2, "unmoved_longest_pause_s", "undisturbed streams"),
+    ):
         p50 = [results["levels"][lv][key]["p50"] or 0 for lv in levels]
         p99 = [results["levels"][lv][key]["p99"] or 0 for lv in levels]
         ax.bar([x + off for x in xs], p99, 0.35, alpha=0.35, label=f"{label} p99")
         ax.bar([x + off for x in xs], p50, 0.35, label=f"{label} p50")
     ax.set_xticks(list(xs), [f"{lv} ({results['levels'][lv]['migrated_share']:.0%} migrated)" for lv in levels])
     ax.set_ylabel("longest pause - median pause (s)")
-    ax.set_title(f"Added latency per migration\n(tiny model, {results['tokens']}-token greedy streams, 2 decode engines)", fontsize=10)
+    ax.set_title(
+        f"Added latency per migration\n(tiny model, {results['tokens']}-token greedy streams, 2 decode engines)",
+        fontsize=10,
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

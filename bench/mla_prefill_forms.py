@@ -79,9 +79,20 @@ def main() -> None:
         diff = (absorbed(*args) - expanded(*args)).abs().max().item()
         t_abs = best(lambda: absorbed(*args), a.repeats)
         t_exp = best(lambda: expanded(*args), a.repeats)
-    print(json.dumps({"requests": B, "new": n, "context": S, "threads": torch.get_num_threads(),
-                      "absorbed_ms_per_layer": round(t_abs * 1000, 2), "expanded_ms_per_layer": round(t_exp * 1000, 2),
-                      "speedup": round(t_abs / t_exp, 2), "max_abs_diff": diff}))
+    print(
+        json.dumps(
+            {
+                "requests": B,
+                "new": n,
+                "context": S,
+                "threads": torch.get_num_threads(),
+                "absorbed_ms_per_layer": round(t_abs * 1000, 2),
+                "expanded_ms_per_layer": round(t_exp * 1000, 2),
+                "speedup": round(t_abs / t_exp, 2),
+                "max_abs_diff": diff,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -170,14 +170,22 @@ def plot(rows: list[dict], path: Path) -> None:
     xs = range(len(rows))
     width = 0.27
     fig, ax = plt.subplots(figsize=(7, 4))
-    series = (("nixl_gbps", "NIXL write (2 processes)"), ("memcpy_gbps", "memcpy (in-process)"),
-              ("paged_copy_gbps", "torch paged copy (in-process)"))
+    series = (
+        ("nixl_gbps", "NIXL write (2 processes)"),
+        ("memcpy_gbps", "memcpy (in-process)"),
+        ("paged_copy_gbps", "torch paged copy (in-process)"),
+    )
     for k, (key, label) in enumerate(series):
         bars = ax.bar([x + (k - 1) * width for x in xs], [r[key] for r in rows], width, label=label)
         if key == "nixl_gbps":
             for bar, r in zip(bars, rows):
-                ax.annotate(f"{r['ratio_vs_memcpy']:.0%}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                            ha="center", va="bottom", fontsize=8)
+                ax.annotate(
+                    f"{r['ratio_vs_memcpy']:.0%}",
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                )
     ax.set_xticks(list(xs), labels)
     ax.set_xlabel("KV page size (pages scattered at random on both sides)")
     ax.set_ylabel("GB/s (best of N)")
@@ -196,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device", default="cpu", help="cpu (DRAM) or cuda[:N] (VRAM)")
-    ap.add_argument("--torch-threads", type=int, default=1,
-                    help="threads for the in-process copies (NIXL's write is one thread)")
+    ap.add_argument(
+        "--torch-threads", type=int, default=1, help="threads for the in-process copies (NIXL's write is one thread)"
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "nixl_pages.json")
     ap.add_argument("--plot", type=Path, default=RESULTS / "nixl_pages.png")
     args = ap.parse_args(argv)
@@ -221,8 +230,12 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "nixl_pages",
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                 "machine": platform.machine()},
+        "host": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+        },
         "results": rows,
         "target": {
             "page_bytes": TARGET_PAGE_BYTES,
@@ -237,8 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     plot(rows, args.plot)
     print(f"wrote {args.out} and {args.plot}")
     if target_row:
-        print(f"target: NIXL >= {TARGET_RATIO:.0%} of memcpy at 64 KiB pages -> "
-              f"{target_row['ratio_vs_memcpy']:.0%} ({'met' if report['target']['met'] else 'NOT met'})")
+        print(
+            f"target: NIXL >= {TARGET_RATIO:.0%} of memcpy at 64 KiB pages -> "
+            f"{target_row['ratio_vs_memcpy']:.0%} ({'met' if report['target']['met'] else 'NOT met'})"
+        )
     ok = all(r["bytes_exact"] and r["notifications"].split("/")[0] == r["notifications"].split("/")[1] for r in rows)
     return 0 if ok else 1
 

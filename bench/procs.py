@@ -74,8 +74,15 @@ class RSSSampler:
 class Server:
     """A server command with its log; `url` answers once `wait_ready` returns."""
 
-    def __init__(self, name: str, argv: list[str], port: int, log_dir: Path, env: Optional[dict] = None,
-                 ready_path: str = "/ready"):
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        port: int,
+        log_dir: Path,
+        env: Optional[dict] = None,
+        ready_path: str = "/ready",
+    ):
         self.name = name
         self.argv = argv
         self.url = f"http://127.0.0.1:{port}"
@@ -83,9 +90,13 @@ class Server:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")
-        self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-                                      start_new_session=True)
+        self.popen = subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            start_new_session=True,
+        )
 
     @classmethod
     def dsv4(cls, name: str, args: list, port: int, log_dir: Path, env: Optional[dict] = None) -> "Server":

@@ -36,8 +36,11 @@ def counter(text: str, name: str) -> float:
 
 def histogram_delta(before: dict, after: dict) -> dict:
     b = dict(before["buckets"])
-    return {"sum": after["sum"] - before["sum"], "count": after["count"] - before["count"],
-            "buckets": [(le, c - b.get(le, 0.0)) for le, c in after["buckets"]]}
+    return {
+        "sum": after["sum"] - before["sum"],
+        "count": after["count"] - before["count"],
+        "buckets": [(le, c - b.get(le, 0.0)) for le, c in after["buckets"]],
+    }
 
 
 def bucket_quantile(buckets: list[tuple[float, float]], q: float) -> Optional[float]:

@@ -49,7 +49,7 @@ def best_of(fn, device: torch.device, reps: int) -> float:
 
 def fp8_weight(n: int, k: int, device, gen) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(bf16 weight, e4m3 weight, per-row fp32 scales) of one random matrix."""
-    w = torch.randn(n, k, generator=gen) / k ** 0.5
+    w = torch.randn(n, k, generator=gen) / k**0.5
     q, s = ref.fp8_act_quant(w, 128)  # per-row groups: a valid (finer) scale layout for the kernel
     return w.to(torch.bfloat16).to(device), q.to(device), s.to(device)
 
@@ -65,7 +65,11 @@ def bench_linear(device, shapes, tokens_list, reps, gen) -> list[dict]:
     for name, (n, k) in shapes.items():
         w, q, s = fp8_weight(n, k, device, gen)
         for m in tokens_list:
-            x = torch.randn(m, k, generator=gen).to(torch.bfloat16 if device.type == "cuda" else torch.float32).to(device)
+            x = (
+                torch.randn(m, k, generator=gen)
+                .to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+                .to(device)
+            )
             row = {"weight": name, "n": n, "k": k, "tokens": m, "bf16_bytes": n * k * 2, "fp8_bytes": n * k + s.nbytes}
             if device.type == "cuda":
                 from dsv4_kernels.triton_kernels.fp8_gemm import fp8_linear
@@ -113,11 +117,21 @@ def plot(report: dict, path: Path) -> None:
     groups = [f"{r['weight']}\nT={r['tokens']}" for r in lin]
     dense_label = "bf16" if report["meta"]["device"] != "cpu" else "dense (dequantized once)"
     fp8_label = "fp8 w8a8" if report["meta"]["device"] != "cpu" else "fp8 per use (reference)"
-    grouped_bars(axes[0][0], groups, {dense_label: [r["bf16_us"] for r in lin], fp8_label: [r["fp8_us"] for r in lin]},
-                 "linear, best of N", "µs (lower is better)")
+    grouped_bars(
+        axes[0][0],
+        groups,
+        {dense_label: [r["bf16_us"] for r in lin], fp8_label: [r["fp8_us"] for r in lin]},
+        "linear, best of N",
+        "µs (lower is better)",
+    )
     if moe:
-        grouped_bars(axes[0][1], [f"T={r['tokens']}" for r in moe],
-                     {k: [r[f"{k}_us"] for r in moe] for k in ("bf16", "fp8", "fp4")}, "routed experts", "µs")
+        grouped_bars(
+            axes[0][1],
+            [f"T={r['tokens']}" for r in moe],
+            {k: [r[f"{k}_us"] for r in moe] for k in ("bf16", "fp8", "fp4")},
+            "routed experts",
+            "µs",
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -142,12 +156,18 @@ def main(argv: list[str] | None = None) -> int:
         tokens = [1, 64]
         moe_tokens = []
     if args.quick:
-        shapes = dict(list(shapes.items())[:1 if device.type == "cpu" else 2])
+        shapes = dict(list(shapes.items())[: 1 if device.type == "cpu" else 2])
         tokens, moe_tokens = tokens[:2], moe_tokens[:2]
     reps = args.reps or (3 if args.quick else 10)
     report = {
-        "meta": {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
-                 "python": platform.python_version(), "quick": args.quick, "reps": reps, "timing": "best of N"},
+        "meta": {
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "quick": args.quick,
+            "reps": reps,
+            "timing": "best of N",
+        },
         "linear": bench_linear(device, shapes, tokens, reps, gen),
         "moe": bench_moe(device, 64, 7168, 2048, 8, moe_tokens, reps, gen) if moe_tokens else [],
     }

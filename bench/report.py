@@ -42,8 +42,12 @@ def mib(n: Optional[float]) -> Optional[float]:
 
 
 def machine() -> dict:
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "load_average_start": load_average()}
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "load_average_start": load_average(),
+    }
 
 
 def target(name: str, value: Optional[float], goal: float, higher_better: bool = True) -> dict:
@@ -72,8 +76,14 @@ def pyplot():
     return plt
 
 
-def grouped_bars(ax, groups: list[str], series: dict[str, list[Optional[float]]], title: str, ylabel: str,
-                 colors: Optional[dict[str, str]] = None) -> None:
+def grouped_bars(
+    ax,
+    groups: list[str],
+    series: dict[str, list[Optional[float]]],
+    title: str,
+    ylabel: str,
+    colors: Optional[dict[str, str]] = None,
+) -> None:
     """One bar per series in each group; a missing value leaves a gap (and says n/a). `colors`
     keeps a side's colour the same in every panel."""
     n = max(1, len(series))
@@ -83,8 +93,13 @@ def grouped_bars(ax, groups: list[str], series: dict[str, list[Optional[float]]]
         ys = [v if v is not None else 0.0 for v in values]
         bars = ax.bar(xs, ys, width, label=label, color=(colors or {}).get(label))
         for b, v in zip(bars, values):
-            ax.annotate("n/a" if v is None else f"{v:,.0f}" if v >= 10 else f"{v:.2f}",
-                        (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=7)
+            ax.annotate(
+                "n/a" if v is None else f"{v:,.0f}" if v >= 10 else f"{v:.2f}",
+                (b.get_x() + b.get_width() / 2, b.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
     ax.set_xticks(range(len(groups)))
     ax.set_xticklabels(groups)
     ax.set_title(title, fontsize=10)

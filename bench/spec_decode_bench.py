@@ -45,8 +45,10 @@ def default_model() -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="checkpoint with a (trained) MTP layer (default: tiny, self-distilled once "
-                                    "into the cache folder)")
+    ap.add_argument(
+        "--model",
+        help="checkpoint with a (trained) MTP layer (default: tiny, self-distilled once into the cache folder)",
+    )
     # extend: `--steps 0 1` and `--steps 0 --steps 1` (what `dsv4 bench spec` passes) both work
     ap.add_argument("--steps", type=int, nargs="+", action="extend", help="K values, 0 = plain (default: 0 1 2 3)")
     ap.add_argument("--concurrency", type=int, nargs="+", action="extend", help="(default: 1)")
@@ -62,14 +64,27 @@ def main() -> None:
         a.model = str(default_model())
     prompts = random_prompts(a.prompts, a.prompt_len, 512, seed=0, low=3)
     logs = Path(a.out).parent / "logs"
-    report = {"bench": "spec_decode", "started": now_iso(), "machine": machine(), "model": a.model,
-              "max_tokens": a.max_tokens, "prompts": a.prompts, "prompt_len": a.prompt_len, "runs": []}
+    report = {
+        "bench": "spec_decode",
+        "started": now_iso(),
+        "machine": machine(),
+        "model": a.model,
+        "max_tokens": a.max_tokens,
+        "prompts": a.prompts,
+        "prompt_len": a.prompt_len,
+        "runs": [],
+    }
     baseline: dict[int, list] = {}
     for k in a.steps:
         flags = ["--speculative-algorithm", "mtp", "--speculative-num-steps", k] if k else []
         port = free_port()
-        srv = Server.dsv4(f"spec{k}", ["serve", "--model", a.model, "--port", port, "--served-model-name", "m",
-                                       "--kv-pages", 512, *flags], port, logs, env={"OMP_NUM_THREADS": a.threads})
+        srv = Server.dsv4(
+            f"spec{k}",
+            ["serve", "--model", a.model, "--port", port, "--served-model-name", "m", "--kv-pages", 512, *flags],
+            port,
+            logs,
+            env={"OMP_NUM_THREADS": a.threads},
+        )
         try:
             srv.wait_ready(180)
             for c in a.concurrency:
@@ -77,7 +92,9 @@ def main() -> None:
                 before = httpx.get(srv.url + "/v1/loads").json()["counters"]
                 results, wall = asyncio.run(run_fixed(srv.url, "m", prompts, c, a.max_tokens))
                 s = summarize(results, wall)
-                gaps = [(r.end - r.first_token) / max(1, r.completion_tokens - 1) for r in results if r.ok and r.first_token]
+                gaps = [
+                    (r.end - r.first_token) / max(1, r.completion_tokens - 1) for r in results if r.ok and r.first_token
+                ]
                 s["itl_mean_ms"] = round(1000 * sum(gaps) / len(gaps), 3) if gaps else None
                 outs = sorted(r.output_ids for r in results)
                 if k == 0:
@@ -107,16 +124,23 @@ def main() -> None:
     groups = [f"c{c}" for c in a.concurrency]
 
     def series(key):
-        return {("plain" if k == 0 else f"mtp K={k}"): [next((r.get(key) for r in report["runs"]
-                                                         if r["num_steps"] == k and r["concurrency"] == c), None)
-                                                    for c in a.concurrency] for k in a.steps}
+        return {
+            ("plain" if k == 0 else f"mtp K={k}"): [
+                next((r.get(key) for r in report["runs"] if r["num_steps"] == k and r["concurrency"] == c), None)
+                for c in a.concurrency
+            ]
+            for k in a.steps
+        }
 
     grouped_bars(axes[0], groups, series("output_tok_s"), "output tok/s (higher is better)", "tok/s")
     grouped_bars(axes[1], groups, series("itl_mean_ms"), "mean inter-token latency (lower is better)", "ms")
     acc = {lbl: vals for lbl, vals in series("mean_acceptance_length").items() if lbl != "plain"}
     grouped_bars(axes[2], groups, acc, "mean acceptance length (tokens / verify step)", "tokens")
-    fig.suptitle(f"MTP speculative decoding, {a.model.rstrip('/').split('/')[-1]}, {a.max_tokens} tokens "
-                 f"(shared 2-core CPU: noisy)", fontsize=10)
+    fig.suptitle(
+        f"MTP speculative decoding, {a.model.rstrip('/').split('/')[-1]}, {a.max_tokens} tokens "
+        f"(shared 2-core CPU: noisy)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=110)
 

@@ -35,13 +35,17 @@ def profile(model: str, spec_steps: int, max_tokens: int) -> dict:
                 return f(*a, **k)
             finally:
                 acc[key] += time.perf_counter() - t
+
         setattr(obj, name, wrapper)
 
     out = {}
     for k in (0, spec_steps):
         flags = dict(speculative_algorithm="mtp", speculative_num_steps=k) if k else {}
-        e = Engine(EngineArgs(model=model, device="cpu", kernel_backend="torch", kv_pages=256,
-                              enable_prefix_cache=False, **flags))
+        e = Engine(
+            EngineArgs(
+                model=model, device="cpu", kernel_backend="torch", kv_pages=256, enable_prefix_cache=False, **flags
+            )
+        )
         if k:
             timed(e.spec.target, "hidden", "target forward (verify)")
             timed(e.spec.mtp, "forward", "MTP forward (catch-up + chain)")
@@ -56,6 +60,7 @@ def profile(model: str, spec_steps: int, max_tokens: int) -> dict:
                     return host_batch(*a, **kw)
                 finally:
                     acc["host batches"] += time.perf_counter() - t
+
             speculator.host_batch = hb
         else:
             timed(e.runner, "forward", "target forward (decode)")
@@ -63,8 +68,14 @@ def profile(model: str, spec_steps: int, max_tokens: int) -> dict:
             timed(e.runner, "step", "step total")
         timed(e, "_speculated" if k else "_append_token", "emit tokens")
         done: list = []
-        e.submit(Sequence("p", list(range(5, 29)), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-                          sink=lambda o: o.finished and done.append(o)))
+        e.submit(
+            Sequence(
+                "p",
+                list(range(5, 29)),
+                SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                sink=lambda o: o.finished and done.append(o),
+            )
+        )
         e.step()  # the prefill
         acc.clear()
         t, n = time.perf_counter(), 0
@@ -74,8 +85,12 @@ def profile(model: str, spec_steps: int, max_tokens: int) -> dict:
         wall = time.perf_counter() - t
         if k:
             speculator.host_batch = host_batch
-        out[k] = {"steps": n, "ms_per_step": round(1000 * wall / n, 2), "tokens_per_step": round((max_tokens - 1) / n, 3),
-                  "parts_ms_per_step": {key: round(1000 * v / n, 2) for key, v in sorted(acc.items(), key=lambda x: -x[1])}}
+        out[k] = {
+            "steps": n,
+            "ms_per_step": round(1000 * wall / n, 2),
+            "tokens_per_step": round((max_tokens - 1) / n, 3),
+            "parts_ms_per_step": {key: round(1000 * v / n, 2) for key, v in sorted(acc.items(), key=lambda x: -x[1])},
+        }
     return out
 
 
@@ -93,8 +108,10 @@ def main() -> None:
             print(f"    {key:34s} {v:6.2f} ms")
     plain, spec = res[0], res[a.steps]
     need = spec["ms_per_step"] / plain["ms_per_step"] * plain["tokens_per_step"]
-    print(f"a K={a.steps} step costs {spec['ms_per_step'] / plain['ms_per_step']:.2f}x a plain one: break-even at "
-          f"{need:.2f} tokens per step (reached: {spec['tokens_per_step']})")
+    print(
+        f"a K={a.steps} step costs {spec['ms_per_step'] / plain['ms_per_step']:.2f}x a plain one: break-even at "
+        f"{need:.2f} tokens per step (reached: {spec['tokens_per_step']})"
+    )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,12 @@ def rank_bytes(model: Path, tp: int, device: str) -> list[int]:
 
     if tp == 1:
         return [resident_weight_bytes(ModelRunner(str(model), device=device, kernel_backend="torch").model)]
-    return [resident_weight_bytes(ModelRunner(str(model), device=device, kernel_backend="torch",
-                                              tp=TPRank(Shard(r, tp), None, None)).model) for r in range(tp)]
+    return [
+        resident_weight_bytes(
+            ModelRunner(str(model), device=device, kernel_backend="torch", tp=TPRank(Shard(r, tp), None, None)).model
+        )
+        for r in range(tp)
+    ]
 
 
 def throughput(model: Path, tp: int, batch: int, new_tokens: int, runs: int, device: str) -> dict:
@@ -44,8 +48,16 @@ def throughput(model: Path, tp: int, batch: int, new_tokens: int, runs: int, dev
     from dsv4_engine.sampling_params import SamplingParams
     from dsv4_engine.sequence import Sequence
 
-    engine = Engine(EngineArgs(model=str(model), device=device, kv_pages=max(64, batch * 8), page_size=16,
-                               max_num_seqs=max(batch, 1), tp_size=tp))
+    engine = Engine(
+        EngineArgs(
+            model=str(model),
+            device=device,
+            kv_pages=max(64, batch * 8),
+            page_size=16,
+            max_num_seqs=max(batch, 1),
+            tp_size=tp,
+        )
+    )
     rng = random.Random(0)
     best: Optional[float] = None
     tokens: list[list[int]] = []
@@ -59,13 +71,20 @@ def throughput(model: Path, tp: int, batch: int, new_tokens: int, runs: int, dev
                     outs.setdefault(rid, []).extend(o.token_ids)
                     if o.finished:
                         done.add(rid)
+
                 return sink
 
             t0 = time.perf_counter()
             for i in range(batch):
                 prompt = [rng.randrange(3, engine.cfg.vocab_size) for _ in range(32)]
-                engine.submit(Sequence(f"r{run}-{i}", prompt, SamplingParams(max_tokens=new_tokens, temperature=0,
-                                                                             ignore_eos=True), sink=sink_for(f"r{i}")))
+                engine.submit(
+                    Sequence(
+                        f"r{run}-{i}",
+                        prompt,
+                        SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True),
+                        sink=sink_for(f"r{i}"),
+                    )
+                )
             while len(done) < batch:
                 engine.step()
             wall = time.perf_counter() - t0
@@ -98,10 +117,20 @@ def main(argv: Optional[list[str]] = None) -> None:
         for tp in tps:
             per_rank = rank_bytes(model, tp, a.device)
             t = throughput(model, tp, a.batch, a.new_tokens, a.runs, a.device)
-            rows.append({"preset": preset, "tp": tp, "rank_weight_bytes": per_rank,
-                         "rank_weight_mib": [report.mib(b) for b in per_rank], **t})
-            print(f"{preset:10s} tp {tp}: weights per rank {[report.mib(b) for b in per_rank]} MiB, "
-                  f"{t['best_tok_s']} tok/s", flush=True)
+            rows.append(
+                {
+                    "preset": preset,
+                    "tp": tp,
+                    "rank_weight_bytes": per_rank,
+                    "rank_weight_mib": [report.mib(b) for b in per_rank],
+                    **t,
+                }
+            )
+            print(
+                f"{preset:10s} tp {tp}: weights per rank {[report.mib(b) for b in per_rank]} MiB, "
+                f"{t['best_tok_s']} tok/s",
+                flush=True,
+            )
     # Same greedy tokens at every tp size (the bench also checks what it measures).
     for preset in a.presets.split(","):
         firsts = {r["tp"]: r["first_tokens"] for r in rows if r["preset"] == preset}
@@ -117,10 +146,20 @@ def main(argv: Optional[list[str]] = None) -> None:
         r = next((r for r in rows if r["preset"] == preset and r["tp"] == tp), None)
         return None if r is None else key(r)
 
-    report.grouped_bars(ax1, groups, {f"tp {tp}": [value(p, tp, lambda r: max(r["rank_weight_mib"])) for p in groups]
-                                      for tp in tps}, "Weights held by the largest rank", "MiB")
-    report.grouped_bars(ax2, groups, {f"tp {tp}": [value(p, tp, lambda r: r["best_tok_s"]) for p in groups]
-                                      for tp in tps}, f"Generation, batch {a.batch} ({a.device})", "tokens / s")
+    report.grouped_bars(
+        ax1,
+        groups,
+        {f"tp {tp}": [value(p, tp, lambda r: max(r["rank_weight_mib"])) for p in groups] for tp in tps},
+        "Weights held by the largest rank",
+        "MiB",
+    )
+    report.grouped_bars(
+        ax2,
+        groups,
+        {f"tp {tp}": [value(p, tp, lambda r: r["best_tok_s"]) for p in groups] for tp in tps},
+        f"Generation, batch {a.batch} ({a.device})",
+        "tokens / s",
+    )
     fig.tight_layout()
     fig.savefig(a.out.with_suffix(".png"), dpi=110)
     print(f"wrote {a.out} and {a.out.with_suffix('.png')}")

@@ -35,6 +35,7 @@ SGLANG_EVERY = 10  # one pod in 10 runs SGLang
 
 # --- the simulated fleet (server process) -------------------------------------------------------
 
+
 def _pod_kind(i: int) -> tuple[str, str, bool]:
     role = "prefill" if i % 2 == 0 else "decode"
     kind = "sglang" if i % SGLANG_EVERY == 3 else "builtin"
@@ -47,6 +48,7 @@ class SimPod:
 
     def __init__(self, i: int, start: float):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
         self.i, self.start = i, start
         self.role, self.kind, self.wedged = _pod_kind(i)
         self.rnd = random.Random(i)
@@ -69,31 +71,52 @@ class SimPod:
             return Histogram(prefix + n, n, names, registry=self.reg, buckets=buckets)
 
         lat = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-        self.g = {n: g(n) for n in ("num_running_reqs", "num_queue_reqs",
-                                    "num_prefill_inflight_queue_reqs",
-                                    "num_decode_prealloc_queue_reqs",
-                                    "num_decode_transfer_queue_reqs")}
+        self.g = {
+            n: g(n)
+            for n in (
+                "num_running_reqs",
+                "num_queue_reqs",
+                "num_prefill_inflight_queue_reqs",
+                "num_decode_prealloc_queue_reqs",
+                "num_decode_transfer_queue_reqs",
+            )
+        }
         self.g["bootstrap"] = g("num_prefill_bootstrap_queue_reqs")
         if self.kind == "sglang":
             self.g["max_total_num_tokens"] = g("max_total_num_tokens")
             self.g["num_used_tokens"] = g("num_used_tokens")
             self.h = {"xfer": h("kv_transfer_latency_ms", (1, 5, 10, 50, 100, 500, 1000))}
-            self.c = {n: c(n) for n in ("num_transfer_failed_reqs_total",
-                                        "num_bootstrap_failed_reqs_total", "prompt_tokens_total",
-                                        "generation_tokens_total", "num_requests_total",
-                                        "num_aborted_requests_total")}
+            self.c = {
+                n: c(n)
+                for n in (
+                    "num_transfer_failed_reqs_total",
+                    "num_bootstrap_failed_reqs_total",
+                    "prompt_tokens_total",
+                    "generation_tokens_total",
+                    "num_requests_total",
+                    "num_aborted_requests_total",
+                )
+            }
         else:
             self.g["age"] = g("prefill_inflight_oldest_age_seconds")
             self.g["kv_pages_free"] = g("kv_pages_free")
             self.g["kv_pages_total"] = g("kv_pages_total")
-            self.c = {n: c(n) for n in (
-                "num_bootstrap_failed_reqs_total", "num_transfer_failed_reqs_total",
-                "num_transfer_timeout_reqs_total", "kv_transfers_completed_total",
-                "kv_transfer_bytes_total", "prompt_tokens_total", "generation_tokens_total",
-                "num_aborted_reqs_total", "scheduler_loop_iterations_total")}
+            self.c = {
+                n: c(n)
+                for n in (
+                    "num_bootstrap_failed_reqs_total",
+                    "num_transfer_failed_reqs_total",
+                    "num_transfer_timeout_reqs_total",
+                    "kv_transfers_completed_total",
+                    "kv_transfer_bytes_total",
+                    "prompt_tokens_total",
+                    "generation_tokens_total",
+                    "num_aborted_reqs_total",
+                    "scheduler_loop_iterations_total",
+                )
+            }
             self.h = {"xfer": h("kv_transfer_latency_seconds", lat)}
-        for n in ("time_to_first_token_seconds", "inter_token_latency_seconds",
-                  "e2e_request_latency_seconds"):
+        for n in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
             self.h[n] = h(n, lat)
         self.totals = {n: 0.0 for n in self.c}
         self.last = start
@@ -119,8 +142,10 @@ class SimPod:
         for lv in self.label_sets:
             for n, v in vals.items():
                 self.g[n].labels(*lv).set(v)
-        inc = {"prompt_tokens_total": dt * 4000 if prefill else 0.0,
-               "generation_tokens_total": dt * (40 if prefill else 3000)}
+        inc = {
+            "prompt_tokens_total": dt * 4000 if prefill else 0.0,
+            "generation_tokens_total": dt * (40 if prefill else 3000),
+        }
         if self.kind == "sglang":
             self.g["max_total_num_tokens"].labels(*self.label_sets[0]).set(500_000)
             self.g["num_used_tokens"].labels(*self.label_sets[0]).set(r.randint(0, 400_000))
@@ -129,41 +154,60 @@ class SimPod:
             self.g["age"].labels(*self.label_sets[0]).set(age)
             self.g["kv_pages_free"].labels(*self.label_sets[0]).set(r.randint(0, 8192))
             self.g["kv_pages_total"].labels(*self.label_sets[0]).set(8192)
-            inc.update({"kv_transfers_completed_total": xfers,
-                        "kv_transfer_bytes_total": xfers * 3.5e7,
-                        "scheduler_loop_iterations_total": dt * 200})
+            inc.update(
+                {
+                    "kv_transfers_completed_total": xfers,
+                    "kv_transfer_bytes_total": xfers * 3.5e7,
+                    "scheduler_loop_iterations_total": dt * 200,
+                }
+            )
         for n, v in inc.items():
             if v:
                 self.c[n].labels(*self.label_sets[0]).inc(v)
                 self.totals[n] += v
         for _ in range(xfers):
             self.h["xfer"].labels(*self.label_sets[0]).observe(r.uniform(0.01, 0.5))
-            self.h["e2e_request_latency_seconds"].labels(*self.label_sets[0]).observe(
-                r.uniform(0.5, 20))
+            self.h["e2e_request_latency_seconds"].labels(*self.label_sets[0]).observe(r.uniform(0.5, 20))
         return {"inflight": inflight, "age": age, "vals": vals}
 
     def loads(self, live: dict) -> dict:
         v = live["vals"]
         if self.kind == "sglang":
-            return {"timestamp": "", "version": "0.5.x", "loads": [{
-                "dp_rank": 0, "num_running_reqs": v["num_running_reqs"],
-                "num_waiting_reqs": v["num_queue_reqs"], "num_used_tokens": 1000,
-                "max_total_num_tokens": 500_000,
-                "disaggregation": {"mode": self.role,
-                                   "prefill_bootstrap_queue_reqs": v["bootstrap"],
-                                   "prefill_inflight_queue_reqs": live["inflight"],
-                                   "decode_prealloc_queue_reqs":
-                                       v["num_decode_prealloc_queue_reqs"],
-                                   "decode_transfer_queue_reqs":
-                                       v["num_decode_transfer_queue_reqs"]}}]}
-        return {"role": self.role,
-                "queues": {"waiting": v["num_queue_reqs"], "running": v["num_running_reqs"],
-                           "bootstrap": v["bootstrap"], "inflight": live["inflight"],
-                           "prealloc": v["num_decode_prealloc_queue_reqs"],
-                           "transfer": v["num_decode_transfer_queue_reqs"]},
-                "prefill_inflight_oldest_age_seconds": live["age"],
-                "kv_pages_free": 4096, "kv_pages_total": 8192,
-                "counters": dict(self.totals)}
+            return {
+                "timestamp": "",
+                "version": "0.5.x",
+                "loads": [
+                    {
+                        "dp_rank": 0,
+                        "num_running_reqs": v["num_running_reqs"],
+                        "num_waiting_reqs": v["num_queue_reqs"],
+                        "num_used_tokens": 1000,
+                        "max_total_num_tokens": 500_000,
+                        "disaggregation": {
+                            "mode": self.role,
+                            "prefill_bootstrap_queue_reqs": v["bootstrap"],
+                            "prefill_inflight_queue_reqs": live["inflight"],
+                            "decode_prealloc_queue_reqs": v["num_decode_prealloc_queue_reqs"],
+                            "decode_transfer_queue_reqs": v["num_decode_transfer_queue_reqs"],
+                        },
+                    }
+                ],
+            }
+        return {
+            "role": self.role,
+            "queues": {
+                "waiting": v["num_queue_reqs"],
+                "running": v["num_running_reqs"],
+                "bootstrap": v["bootstrap"],
+                "inflight": live["inflight"],
+                "prealloc": v["num_decode_prealloc_queue_reqs"],
+                "transfer": v["num_decode_transfer_queue_reqs"],
+            },
+            "prefill_inflight_oldest_age_seconds": live["age"],
+            "kv_pages_free": 4096,
+            "kv_pages_total": 8192,
+            "counters": dict(self.totals),
+        }
 
 
 async def serve(n_pods: int) -> None:
@@ -182,8 +226,7 @@ async def serve(n_pods: int) -> None:
     async def metrics(request):
         pod = pod_of(request)
         live[pod.i] = pod.advance(time.time())
-        return web.Response(body=generate_latest(pod.reg) + process_block,
-                            content_type="text/plain", charset="utf-8")
+        return web.Response(body=generate_latest(pod.reg) + process_block, content_type="text/plain", charset="utf-8")
 
     async def loads(request):
         pod = pod_of(request)
@@ -208,14 +251,17 @@ async def serve(n_pods: int) -> None:
 
 # --- the watchdog side (measured process) -------------------------------------------------------
 
+
 def _rss_mb() -> float:
     import psutil
+
     return psutil.Process().memory_info().rss / 2**20
 
 
 def _parse_cost_us(texts: dict) -> dict:
     """Per-scrape parse cost (build_sample) on captured real responses, no I/O."""
     from dsv4_operator.watchdog.signals import build_sample
+
     out = {}
     for kind, (metrics, loads) in texts.items():
         n = 300
@@ -240,10 +286,12 @@ async def measure(args) -> dict:
     from dsv4_operator.watchdog.detector import Detector, Wedged
     from dsv4_operator.watchdog.signals import ScrapeTarget
     from dsv4_operator.remediation.scrape import make_session, scrape_all
+
     rss_before = _rss_mb()
 
-    server = subprocess.Popen([sys.executable, __file__, "--serve", "--pods", str(args.pods)],
-                              stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, __file__, "--serve", "--pods", str(args.pods)], stdout=subprocess.PIPE, text=True
+    )
     try:
         ports = json.loads(server.stdout.readline())["ports"]
         targets = []
@@ -254,9 +302,11 @@ async def measure(args) -> dict:
         detector = Detector(window_s=window, failure_rate_threshold=0.5)
         if args.client == "httpx":  # for comparison: one shared httpx client
             import httpx
+
             pool = 2 * len(targets)
-            client = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(
-                max_connections=pool, max_keepalive_connections=pool))
+            client = httpx.AsyncClient(
+                trust_env=False, limits=httpx.Limits(max_connections=pool, max_keepalive_connections=pool)
+            )
         else:
             client = make_session(args.concurrency)
         rounds = []
@@ -266,8 +316,7 @@ async def measure(args) -> dict:
                 await asyncio.sleep(max(next_at - time.monotonic(), 0.0))
                 next_at += args.interval_s
                 c0, w0 = time.process_time(), time.perf_counter()
-                samples = await scrape_all(targets, args.concurrency, args.timeout,
-                                           client=client)
+                samples = await scrape_all(targets, args.concurrency, args.timeout, client=client)
                 c1 = time.process_time()
                 verdicts = {k: detector.observe(k, s) for k, s in samples.items()}
                 c2, w2 = time.process_time(), time.perf_counter()
@@ -275,23 +324,23 @@ async def measure(args) -> dict:
                 for v in verdicts.values():
                     key = v.state + (f":{v.reason}" if hasattr(v, "reason") else "")
                     counts[key] = counts.get(key, 0) + 1
-                rounds.append({
-                    "cpu_ms_per_pod": (c2 - c0) * 1000 / len(targets),
-                    "scrape_cpu_ms_per_pod": (c1 - c0) * 1000 / len(targets),
-                    "detect_cpu_us_per_pod": (c2 - c1) * 1e6 / len(targets),
-                    "wall_s": w2 - w0,
-                    "unreachable": sum(not s.reachable for s in samples.values()),
-                    "verdicts": counts,
-                    "wedged_pods": sorted(k for k, v in verdicts.items()
-                                          if isinstance(v, Wedged)),
-                })
+                rounds.append(
+                    {
+                        "cpu_ms_per_pod": (c2 - c0) * 1000 / len(targets),
+                        "scrape_cpu_ms_per_pod": (c1 - c0) * 1000 / len(targets),
+                        "detect_cpu_us_per_pod": (c2 - c1) * 1e6 / len(targets),
+                        "wall_s": w2 - w0,
+                        "unreachable": sum(not s.reachable for s in samples.values()),
+                        "verdicts": counts,
+                        "wedged_pods": sorted(k for k, v in verdicts.items() if isinstance(v, Wedged)),
+                    }
+                )
             # Captured responses of one pod of each kind, for the parse-only cost.
             texts = {}
             for kind, idx in (("builtin", 2), ("sglang", 3)):
                 base = targets[idx].base_url
                 path = "/v1/loads?include=disagg" if kind == "sglang" else "/v1/loads"
-                texts[kind] = (await _fetch(client, base + "/metrics"),
-                               await _fetch(client, base + path))
+                texts[kind] = (await _fetch(client, base + "/metrics"), await _fetch(client, base + path))
         finally:
             await (client.aclose() if args.client == "httpx" else client.close())
     finally:
@@ -318,24 +367,31 @@ async def measure(args) -> dict:
             "target": 1.0,
         },
         "breakdown_steady_median": {
-            "scrape_cpu_ms_per_pod": round(statistics.median(
-                r["scrape_cpu_ms_per_pod"] for r in steady), 4),
-            "detect_cpu_us_per_pod": round(statistics.median(
-                r["detect_cpu_us_per_pod"] for r in steady), 2),
+            "scrape_cpu_ms_per_pod": round(statistics.median(r["scrape_cpu_ms_per_pod"] for r in steady), 4),
+            "detect_cpu_us_per_pod": round(statistics.median(r["detect_cpu_us_per_pod"] for r in steady), 2),
             "parse_only_us_per_pod": _parse_cost_us(texts),
         },
-        "wall_s_per_round": {"median": round(statistics.median(r["wall_s"] for r in steady), 3),
-                             "max": round(max(r["wall_s"] for r in steady), 3)},
-        "rss_mb": {"before_scraping": round(rss_before, 1), "after": round(_rss_mb(), 1),
-                   "peak": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-                   "with_operator_deps_imported": args.with_operator_deps, "target": 200},
+        "wall_s_per_round": {
+            "median": round(statistics.median(r["wall_s"] for r in steady), 3),
+            "max": round(max(r["wall_s"] for r in steady), 3),
+        },
+        "rss_mb": {
+            "before_scraping": round(rss_before, 1),
+            "after": round(_rss_mb(), 1),
+            "peak": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "with_operator_deps_imported": args.with_operator_deps,
+            "target": 200,
+        },
         "unreachable_total": sum(r["unreachable"] for r in rounds),
         "final_verdicts": rounds[-1]["verdicts"],
         "wedged_detected": rounds[-1]["wedged_pods"],
         "wedged_expected": expected_wedged,
-        "host": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                 "note": "2 shared cores; CPU time is process time of the watchdog process "
-                         "only (the simulated fleet runs in another process)"},
+        "host": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "note": "2 shared cores; CPU time is process time of the watchdog process "
+            "only (the simulated fleet runs in another process)",
+        },
         "rounds": rounds,
     }
 
@@ -347,10 +403,18 @@ def main() -> None:
     ap.add_argument("--interval-s", type=float, default=5.0)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=5.0)
-    ap.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp",
-                    help="HTTP client of the scrape (aiohttp is what the watchdog uses)")
-    ap.add_argument("--no-operator-deps", dest="with_operator_deps", action="store_false",
-                    help="do not import kopf/kubernetes_asyncio before measuring RSS")
+    ap.add_argument(
+        "--client",
+        choices=("aiohttp", "httpx"),
+        default="aiohttp",
+        help="HTTP client of the scrape (aiohttp is what the watchdog uses)",
+    )
+    ap.add_argument(
+        "--no-operator-deps",
+        dest="with_operator_deps",
+        action="store_false",
+        help="do not import kopf/kubernetes_asyncio before measuring RSS",
+    )
     ap.add_argument("--out", type=Path, default=HERE / "results" / "watchdog_scale.json")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -360,9 +424,18 @@ def main() -> None:
     result = asyncio.run(measure(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    summary = {k: result[k] for k in ("pods", "cpu_ms_per_pod_per_scrape",
-                                      "breakdown_steady_median", "wall_s_per_round", "rss_mb",
-                                      "unreachable_total", "final_verdicts")}
+    summary = {
+        k: result[k]
+        for k in (
+            "pods",
+            "cpu_ms_per_pod_per_scrape",
+            "breakdown_steady_median",
+            "wall_s_per_round",
+            "rss_mb",
+            "unreachable_total",
+            "final_verdicts",
+        )
+    }
     summary["wedged_detected_as_expected"] = result["wedged_detected"] == result["wedged_expected"]
     print(json.dumps(summary, indent=2))
 

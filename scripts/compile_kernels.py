@@ -30,13 +30,35 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from dsv4_kernels.triton_kernels import fp4_gemm, fp8_gemm, mla_decode, mla_extend, moe_experts, moe_route, rmsnorm, rope
+from dsv4_kernels.triton_kernels import (
+    fp4_gemm,
+    fp8_gemm,
+    mla_decode,
+    mla_extend,
+    moe_experts,
+    moe_route,
+    rmsnorm,
+    rope,
+)
 from dsv4_kernels.triton_kernels import v4_attention, v4_compress, v4_indexer, v4_mhc, v4_moe_route
 from dsv4_kernels.triton_kernels.common import SHARED_LIMIT, KernelVariant
 
 ARCHS = (90, 100, 120)
-KERNEL_MODULES = (mla_decode, mla_extend, moe_route, moe_experts, rmsnorm, rope,
-                  v4_attention, v4_indexer, v4_compress, v4_mhc, v4_moe_route, fp8_gemm, fp4_gemm)
+KERNEL_MODULES = (
+    mla_decode,
+    mla_extend,
+    moe_route,
+    moe_experts,
+    rmsnorm,
+    rope,
+    v4_attention,
+    v4_indexer,
+    v4_compress,
+    v4_mhc,
+    v4_moe_route,
+    fp8_gemm,
+    fp4_gemm,
+)
 MAX_REGISTERS = 255
 
 
@@ -57,7 +79,9 @@ def _resource_usage(cubin: bytes) -> dict[str, int]:
         f.flush()
         text = subprocess.run(
             [triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name],
-            check=True, capture_output=True, text=True,
+            check=True,
+            capture_output=True,
+            text=True,
         ).stdout
     usage = dict(re.findall(r"\b(REG|LOCAL|STACK|SHARED):(\d+)", text))
     return {k: int(v) for k, v in usage.items()}
@@ -126,7 +150,10 @@ def compile_all(archs: tuple[int, ...] = ARCHS, timeout: float = 600) -> list[di
     children = [
         subprocess.Popen(
             [sys.executable, __file__, "--worker", "--arch", str(arch)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         for arch in archs
     ]
@@ -160,8 +187,11 @@ def format_markdown(reports: list[dict]) -> str:
         row = []
         for a in archs:
             r = cell.get((name, a))
-            row.append("-" if r is None else
-                       f"{r['registers']} / {r['spill_bytes']} / {r['shared_bytes'] / 1024:.1f} / {r['mma']}")
+            row.append(
+                "-"
+                if r is None
+                else f"{r['registers']} / {r['spill_bytes']} / {r['shared_bytes'] / 1024:.1f} / {r['mma']}"
+            )
         lines.append(f"| `{name}` | " + " | ".join(row) + " |")
     return "\n".join(lines)
 

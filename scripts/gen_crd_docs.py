@@ -49,8 +49,13 @@ def constraints(node: dict[str, Any], required: bool) -> str:
     for key, label in (("minimum", ">="), ("maximum", "<=")):
         if key in node:
             parts.append(f"{label} {node[key]}")
-    for key, label in (("minLength", "min length"), ("maxLength", "max length"), ("minItems", "min items"),
-                       ("maxItems", "max items"), ("maxProperties", "max entries")):
+    for key, label in (
+        ("minLength", "min length"),
+        ("maxLength", "max length"),
+        ("minItems", "min items"),
+        ("maxItems", "max items"),
+        ("maxProperties", "max entries"),
+    ):
         if key in node:
             parts.append(f"{label} {node[key]}")
     if "pattern" in node:
@@ -98,8 +103,10 @@ def _children(node: dict[str, Any], path: str) -> Iterator[tuple[str, dict[str, 
 def table(root: dict[str, Any], prefix: str) -> list[str]:
     lines = ["| Field | Type | Default | Constraints | Description |", "|---|---|---|---|---|"]
     for path, node, required in walk(root, ""):
-        lines.append(f"| `{prefix}.{path}` | {cell(type_of(node))} | {cell(default_of(node))} | "
-                     f"{cell(constraints(node, required))} | {cell(node.get('description', ''))} |")
+        lines.append(
+            f"| `{prefix}.{path}` | {cell(type_of(node))} | {cell(default_of(node))} | "
+            f"{cell(constraints(node, required))} | {cell(node.get('description', ''))} |"
+        )
     return lines
 
 
@@ -119,7 +126,8 @@ def render(crd: dict[str, Any]) -> str:
         f"short name{'s' if len(names.get('shortNames', [])) > 1 else ''} "
         + ", ".join(f"`{s}`" for s in names.get("shortNames", []))
         + f"; {spec['scope'].lower()}; status subresource "
-        + ("on" if "status" in (version.get("subresources") or {}) else "off") + ".",
+        + ("on" if "status" in (version.get("subresources") or {}) else "off")
+        + ".",
         "",
         schema.get("description", ""),
         "",
@@ -133,7 +141,9 @@ def render(crd: dict[str, Any]) -> str:
     ]
     for col in version.get("additionalPrinterColumns", []):
         shown = "always" if not col.get("priority") else "with `-o wide`"
-        out.append(f"| {col['name'].upper()} | `{cell(col['jsonPath'])}` | {shown} | {cell(col.get('description', ''))} |")
+        out.append(
+            f"| {col['name'].upper()} | `{cell(col['jsonPath'])}` | {shown} | {cell(col.get('description', ''))} |"
+        )
     for top in ("spec", "status"):
         node = schema["properties"][top]
         out += ["", f"## {top}", ""]
@@ -149,18 +159,26 @@ def render(crd: dict[str, Any]) -> str:
             if default_of(sub):
                 meta.append(f"default {default_of(sub)}")
             out.append(". ".join(meta) + "." + (f" {sub['description']}" if sub.get("description") else ""))
-            rows = table(sub if sub.get("type") != "array" else sub.get("items", {}), f"{top}.{name}"
-                         + ("[]" if sub.get("type") == "array" else ""))
+            rows = table(
+                sub if sub.get("type") != "array" else sub.get("items", {}),
+                f"{top}.{name}" + ("[]" if sub.get("type") == "array" else ""),
+            )
             constraint = constraints(sub, False)
             if constraint:
                 out += ["", f"Constraints: {constraint}."]
             if len(rows) > 2:
                 out += [""] + rows
             out.append("")
-    out += ["", "## Validation rules", "",
-            "CEL rules (`x-kubernetes-validations`) the API server checks on every write, after defaulting; "
-            "`kubectl apply` answers with the message. `<root>` is the whole object.", "",
-            "| Where | Rule | Message |", "|---|---|---|"]
+    out += [
+        "",
+        "## Validation rules",
+        "",
+        "CEL rules (`x-kubernetes-validations`) the API server checks on every write, after defaulting; "
+        "`kubectl apply` answers with the message. `<root>` is the whole object.",
+        "",
+        "| Where | Rule | Message |",
+        "|---|---|---|",
+    ]
     for where, rule in cel_rules(schema, "<root>"):
         out.append(f"| `{cell(where)}` | `{cell(rule['rule'])}` | {cell(rule.get('message', ''))} |")
     return re.sub(r"\n{3,}", "\n\n", "\n".join(out)).rstrip() + "\n"

@@ -56,8 +56,10 @@ def find_tool(name: str) -> Optional[str]:
 def require_tool(name: str) -> str:
     path = find_tool(name)
     if path is None:
-        pytest.skip(f"{name} could not be obtained ({_fetch_tools() or 'no reason given'}); "
-                    f"run scripts/get-tools.sh or put {name} in .tools/bin")
+        pytest.skip(
+            f"{name} could not be obtained ({_fetch_tools() or 'no reason given'}); "
+            f"run scripts/get-tools.sh or put {name} in .tools/bin"
+        )
     return path
 
 
@@ -80,8 +82,13 @@ def _set_args(values: Optional[dict[str, Any]]) -> list[str]:
     return [arg for key, value in values.items() for arg in ("--set-json", f"{key}={json.dumps(value)}")]
 
 
-def helm_template(values: Optional[dict[str, Any]] = None, *, namespace: str = NAMESPACE, release: str = RELEASE,
-                  include_crds: bool = False) -> list[dict[str, Any]]:
+def helm_template(
+    values: Optional[dict[str, Any]] = None,
+    *,
+    namespace: str = NAMESPACE,
+    release: str = RELEASE,
+    include_crds: bool = False,
+) -> list[dict[str, Any]]:
     """`helm template` of the chart with `values` (dotted keys -> JSON values); the documents
     (a fresh copy each call: renders are cached per session, tests may change what they get)."""
     key = json.dumps(values or {}, sort_keys=True)
@@ -99,8 +106,17 @@ def _render(values_json: str, namespace: str, release: str, include_crds: bool) 
 
 def helm_notes(values: Optional[dict[str, Any]] = None, *, namespace: str = NAMESPACE) -> str:
     """NOTES.txt as `helm install` prints it, rendered offline (client-side dry run)."""
-    proc = run_helm("install", RELEASE, str(CHART), "--namespace", namespace, "--dry-run=client",
-                    "--hide-notes=false", *_set_args(values), check=False)
+    proc = run_helm(
+        "install",
+        RELEASE,
+        str(CHART),
+        "--namespace",
+        namespace,
+        "--dry-run=client",
+        "--hide-notes=false",
+        *_set_args(values),
+        check=False,
+    )
     if proc.returncode != 0:
         raise HelmError(proc.stderr.strip())
     _, _, notes = proc.stdout.partition("NOTES:\n")

@@ -51,8 +51,11 @@ class Proc:
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "dsv4_cli", *map(str, args)], stdout=self._log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True,
+            [sys.executable, "-m", "dsv4_cli", *map(str, args)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            start_new_session=True,
         )
 
     def log(self) -> str:

@@ -78,18 +78,27 @@ def _default_model() -> Path:
 def model_init(
     out_dir: Path = typer.Argument(..., help="Folder to write the checkpoint into."),
     preset: str = typer.Option(
-        "tiny", help="Model preset: tiny | mla512 (DeepSeek-V3) | v4-tiny | v4-flash-shape (DeepSeek-V4, release layout)."
+        "tiny",
+        help="Model preset: tiny | mla512 (DeepSeek-V3) | v4-tiny | v4-flash-shape (DeepSeek-V4, release layout).",
     ),
     seed: int = typer.Option(0, help="Seed; the same seed writes the same checkpoint."),
     quant: Optional[str] = typer.Option(
-        None, help="Quantize the linear weights: fp8 (block-scaled e4m3, any preset) | fp4-experts (V4 presets: "
-        "fp4 routed experts, fp8 elsewhere, as DeepSeek-V4 ships)."
+        None,
+        help="Quantize the linear weights: fp8 (block-scaled e4m3, any preset) | fp4-experts (V4 presets: "
+        "fp4 routed experts, fp8 elsewhere, as DeepSeek-V4 ships).",
     ),
-    mtp: bool = typer.Option(False, "--mtp", help="Add one multi-token-prediction layer (V3: model.layers.N, V4: mtp.0; "
-                             "num_nextn_predict_layers: 1) for --speculative-algorithm mtp."),
-    train_mtp: bool = typer.Option(False, "--train-mtp",
-                                   help="Implies --mtp: self-distil the MTP layer (DeepSeek-V3 presets) on the model's own greedy "
-                                        "continuations (a few CPU minutes) so that speculation accepts drafts."),
+    mtp: bool = typer.Option(
+        False,
+        "--mtp",
+        help="Add one multi-token-prediction layer (V3: model.layers.N, V4: mtp.0; "
+        "num_nextn_predict_layers: 1) for --speculative-algorithm mtp.",
+    ),
+    train_mtp: bool = typer.Option(
+        False,
+        "--train-mtp",
+        help="Implies --mtp: self-distil the MTP layer (DeepSeek-V3 presets) on the model's own greedy "
+        "continuations (a few CPU minutes) so that speculation accepts drafts.",
+    ),
     train_steps: int = typer.Option(600, "--train-steps", min=1, help="Optimizer steps of --train-mtp."),
 ) -> None:
     """Write a Hugging Face-format DeepSeek-V3 or -V4 checkpoint (config, safetensors, tokenizer)."""
@@ -110,8 +119,10 @@ def model_init(
             typer.echo(f"trained the MTP layer: {report}")
     except ValueError as e:
         _fail(str(e))
-    typer.echo(f"wrote {preset} checkpoint (seed {seed}{', ' + quant if quant else ''}{', MTP layer' if mtp or train_mtp else ''}) "
-               f"to {out_dir}")
+    typer.echo(
+        f"wrote {preset} checkpoint (seed {seed}{', ' + quant if quant else ''}{', MTP layer' if mtp or train_mtp else ''}) "
+        f"to {out_dir}"
+    )
 
 
 def _secret(value: Optional[str], path: Optional[str], flag: str) -> Optional[str]:
@@ -183,8 +194,10 @@ def _serve(**given) -> None:
     values["admin_token"] = _secret(values["admin_token"], given["admin_token_file"], EngineFlags.ADMIN_TOKEN)
     values["pd_secret"] = _secret(values["pd_secret"], given["pd_secret_file"], EngineFlags.PD_SECRET)
     if role != "mono" and not values["pd_secret"] and not _loopback(values["host"]):
-        _fail(f"--role {role} on {values['host']} needs a PD secret (--pd-secret-file or {PD_SECRET_ENV}): without "
-              f"one anyone who reaches the port can register as a peer and choose bootstrap targets")
+        _fail(
+            f"--role {role} on {values['host']} needs a PD secret (--pd-secret-file or {PD_SECRET_ENV}): without "
+            f"one anyone who reaches the port can register as a peer and choose bootstrap targets"
+        )
     values["served_model_name"] = values["served_model_name"] or model.resolve().name
     from dsv4_serve.core_spawn import spawn_core
 
@@ -220,16 +233,29 @@ def _router(**given) -> None:
 app.command("router")(command(router_options(*ROUTER_SCOPES), _router))
 
 
-def _reconfigure_up(port: int, engine_args: list[str], duration: float, concurrency: int, context_share: float,
-                    growth_tokens: int, request_timeout: float) -> None:
+def _reconfigure_up(
+    port: int,
+    engine_args: list[str],
+    duration: float,
+    concurrency: int,
+    context_share: float,
+    growth_tokens: int,
+    request_timeout: float,
+) -> None:
     import json
 
     from dsv4_operator.local import cache_dir
     from dsv4_operator.reconfigure import ReconfigureRequest, submit
 
-    request = ReconfigureRequest(engine_args, {"duration_s": duration, "concurrency": concurrency,
-                                               "request_timeout_s": request_timeout,
-                                               "shape": {"context_share": context_share, "growth_tokens": growth_tokens}})
+    request = ReconfigureRequest(
+        engine_args,
+        {
+            "duration_s": duration,
+            "concurrency": concurrency,
+            "request_timeout_s": request_timeout,
+            "shape": {"context_share": context_share, "growth_tokens": growth_tokens},
+        },
+    )
     try:
         request.settings()
         result = submit(cache_dir() / "up" / str(port), request, timeout=duration + request_timeout + 600)
@@ -248,36 +274,52 @@ def up(
     host: str = typer.Option("127.0.0.1", help="Router address (engines always bind 127.0.0.1)."),
     mono: bool = typer.Option(False, "--mono", help="One monolithic engine behind the router instead of PD."),
     enable_fault_injection: bool = typer.Option(False, "--enable-fault-injection"),
-    no_deadlines: bool = typer.Option(False, "--no-deadlines", help="Disable engine PD deadlines (reproduce the wedge)."),
+    no_deadlines: bool = typer.Option(
+        False, "--no-deadlines", help="Disable engine PD deadlines (reproduce the wedge)."
+    ),
     watchdog: bool = typer.Option(True, "--watchdog/--no-watchdog", help="Run the wedge watchdog on the engines."),
     detection_window: Optional[float] = typer.Option(
-        None, help="Seconds without progress before an engine is wedged. It must outlast the engines' own PD "
+        None,
+        help="Seconds without progress before an engine is wedged. It must outlast the engines' own PD "
         "deadlines (bootstrap 30, transfer 30, waiting 60 s, or what --engine-arg sets) by two scrape intervals, "
         "so that a stalled transfer the engine fails by itself never becomes a restart; shorter is refused "
-        "unless --no-deadlines. Default: the longest deadline + 15 s (75 s), or 20 s with --no-deadlines."),
+        "unless --no-deadlines. Default: the longest deadline + 15 s (75 s), or 20 s with --no-deadlines.",
+    ),
     scrape_interval: float = typer.Option(2.0, help="Seconds between the watchdog's scrapes of every engine."),
     evidence_dir: Optional[Path] = typer.Option(None, help="Where evidence of wedges is written."),
     engine_arg: List[str] = typer.Option([], help="Extra argument passed to every engine (repeat)."),
     tp_size: int = typer.Option(1, EngineFlags.TP_SIZE, min=1, help="Ranks each engine spans (dsv4 serve --tp-size)."),
     admin_token: Optional[str] = typer.Option(
-        None, envvar=ADMIN_TOKEN_ENV, help="Admin token of the engines and router (default: generated and kept, "
+        None,
+        envvar=ADMIN_TOKEN_ENV,
+        help="Admin token of the engines and router (default: generated and kept, "
         "mode 0600, in the state folder ~/.cache/dsv4/up/PORT). Prefer the environment variable: "
-        "a command line is visible to every user in `ps`."),
+        "a command line is visible to every user in `ps`.",
+    ),
     pd_secret: Optional[str] = typer.Option(
-        None, envvar=PD_SECRET_ENV, help="Secret of engine-to-engine PD calls (default: generated and kept, "
-        "mode 0600, in the state folder)."),
+        None,
+        envvar=PD_SECRET_ENV,
+        help="Secret of engine-to-engine PD calls (default: generated and kept, mode 0600, in the state folder).",
+    ),
     reconfigure: bool = typer.Option(
-        False, "--reconfigure", help="Change the engine flags of the `dsv4 up` running on --port to the --engine-arg "
+        False,
+        "--reconfigure",
+        help="Change the engine flags of the `dsv4 up` running on --port to the --engine-arg "
         "values given here (they replace the old extra args): one engine restarts with them behind a canary probe "
         "(a growing agent conversation) and the change is kept and rolled to the rest, or reverted. Exit 0: kept; "
-        "1: reverted."),
+        "1: reverted.",
+    ),
     probe_duration: float = typer.Option(60.0, help="--reconfigure: seconds the canary probe sends requests."),
     probe_concurrency: int = typer.Option(2, min=1, help="--reconfigure: conversations the probe runs at once."),
-    probe_context_share: float = typer.Option(0.5, help="--reconfigure: the share of the model's context the "
-                                              "probe's conversation grows to."),
-    probe_growth_tokens: int = typer.Option(96, min=1, help="--reconfigure: tokens each round adds (a tool call's size)."),
-    probe_request_timeout: float = typer.Option(20.0, help="--reconfigure: seconds after which an unanswered probe "
-                                                "request counts as stalled."),
+    probe_context_share: float = typer.Option(
+        0.5, help="--reconfigure: the share of the model's context the probe's conversation grows to."
+    ),
+    probe_growth_tokens: int = typer.Option(
+        96, min=1, help="--reconfigure: tokens each round adds (a tool call's size)."
+    ),
+    probe_request_timeout: float = typer.Option(
+        20.0, help="--reconfigure: seconds after which an unanswered probe request counts as stalled."
+    ),
 ) -> None:
     """Run router + prefill + decode engines as local processes, watched by the wedge policy.
 
@@ -287,8 +329,15 @@ def up(
     line; admin calls need `Authorization: Bearer <token from the admin-token file>`.
     """
     if reconfigure:
-        _reconfigure_up(port, list(engine_arg), probe_duration, probe_concurrency, probe_context_share,
-                        probe_growth_tokens, probe_request_timeout)
+        _reconfigure_up(
+            port,
+            list(engine_arg),
+            probe_duration,
+            probe_concurrency,
+            probe_context_share,
+            probe_growth_tokens,
+            probe_request_timeout,
+        )
         return
     if model is not None:
         _check_model_dir(model)
@@ -312,11 +361,22 @@ def up(
         _fail(str(e))
     run_up(
         UpArgs(
-            model=model if model is not None else _default_model(), dsv4_command=_dsv4_command(), prefill=prefill,
-            decode=decode, port=port, host=host, mono=mono, enable_fault_injection=enable_fault_injection,
-            deadlines=not no_deadlines, watchdog=watchdog, detection_window=detection_window,
-            scrape_interval=scrape_interval, evidence_dir=evidence_dir, engine_args=list(engine_arg),
-            admin_token=admin_token, pd_secret=pd_secret,
+            model=model if model is not None else _default_model(),
+            dsv4_command=_dsv4_command(),
+            prefill=prefill,
+            decode=decode,
+            port=port,
+            host=host,
+            mono=mono,
+            enable_fault_injection=enable_fault_injection,
+            deadlines=not no_deadlines,
+            watchdog=watchdog,
+            detection_window=detection_window,
+            scrape_interval=scrape_interval,
+            evidence_dir=evidence_dir,
+            engine_args=list(engine_arg),
+            admin_token=admin_token,
+            pd_secret=pd_secret,
         )
     )
 
@@ -325,8 +385,10 @@ def up(
 def operator_cmd(
     namespace: List[str] = typer.Option([], help="Namespace to watch (repeat); default all namespaces."),
     standalone: bool = typer.Option(
-        False, "--standalone",
-        help="Disable leader election (the Lease dsv4-operator): for a single replica only, two would both act."),
+        False,
+        "--standalone",
+        help="Disable leader election (the Lease dsv4-operator): for a single replica only, two would both act.",
+    ),
     health_port: int = typer.Option(8080, help="Port of /healthz and /metrics."),
     log_format: str = typer.Option("json", help="json | plain"),
 ) -> None:

@@ -15,12 +15,20 @@ def _parameter(o: Option) -> inspect.Parameter:
     if o.type is bool:  # a switch: it turns on what is off by default, or off what is on
         annotation, info = bool, typer.Option(False, o.cli_flag, help=o.help)
     elif o.repeat:
-        annotation, info = List[o.type], typer.Option([], o.cli_flag, help=o.help, envvar=o.envvar,
-                                                       metavar=f"<{o.type.__name__}>")
+        annotation, info = (
+            List[o.type],
+            typer.Option([], o.cli_flag, help=o.help, envvar=o.envvar, metavar=f"<{o.type.__name__}>"),
+        )
     else:
         annotation = o.type if o.default is not None else Optional[o.type]
-        info = typer.Option(o.default, o.cli_flag, help=o.help, min=o.min, envvar=o.envvar,
-                            show_default=o.default not in (None, REQUIRED))
+        info = typer.Option(
+            o.default,
+            o.cli_flag,
+            help=o.help,
+            min=o.min,
+            envvar=o.envvar,
+            show_default=o.default not in (None, REQUIRED),
+        )
     return inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=annotation)
 
 

@@ -31,8 +31,15 @@ class HostBatch:
     slot_ids: Optional[np.ndarray]  # [B] int64, or None when some request has no slot
 
 
-def host_batch(starts: list[int], news: list[int], pages: list[list[int]], tokens: list[list[int]],
-               slots: list[Optional[int]], page_size: int, width: Optional[int] = None) -> HostBatch:
+def host_batch(
+    starts: list[int],
+    news: list[int],
+    pages: list[list[int]],
+    tokens: list[list[int]],
+    slots: list[Optional[int]],
+    page_size: int,
+    width: Optional[int] = None,
+) -> HostBatch:
     """The flat arrays of one step. Request b computes tokens starts[b]..starts[b]+news[b]-1
     (tokens[b] are their ids), its KV pages are pages[b]; width (default: the most pages any
     request has) is the block table's column count."""
@@ -53,8 +60,12 @@ def host_batch(starts: list[int], news: list[int], pages: list[list[int]], token
     table[owner, np.arange(flat_pages.size) - page_start[owner]] = flat_pages
     ids = np.fromiter(chain.from_iterable(tokens), dtype=np.int64, count=total)
     return HostBatch(
-        input_ids=ids, positions=pos, slot_mapping=slot, block_table=table,
-        seq_lens=(start + new).astype(np.int32), extend_lens=new.astype(np.int32),
+        input_ids=ids,
+        positions=pos,
+        slot_mapping=slot,
+        block_table=table,
+        seq_lens=(start + new).astype(np.int32),
+        extend_lens=new.astype(np.int32),
         logits_indices=row_start + new - 1,
         slot_ids=None if any(s is None for s in slots) else np.asarray(slots, dtype=np.int64),
     )
@@ -91,9 +102,16 @@ class _Buffer:
 class BatchBuffers:
     """The persistent buffers every step's batch is copied into."""
 
-    NAMES = {"input_ids": torch.int64, "positions": torch.int64, "slot_mapping": torch.int64,
-             "block_table": torch.int32, "seq_lens": torch.int32, "extend_lens": torch.int32,
-             "logits_indices": torch.int64, "slot_ids": torch.int64}
+    NAMES = {
+        "input_ids": torch.int64,
+        "positions": torch.int64,
+        "slot_mapping": torch.int64,
+        "block_table": torch.int32,
+        "seq_lens": torch.int32,
+        "extend_lens": torch.int32,
+        "logits_indices": torch.int64,
+        "slot_ids": torch.int64,
+    }
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -105,8 +123,9 @@ class BatchBuffers:
         reused only once the previous step's copies have finished reading them."""
         if self._copied is not None:
             self._copied.synchronize()
-        out = {name: (None if getattr(hb, name) is None else buf.put(getattr(hb, name)))
-               for name, buf in self.bufs.items()}
+        out = {
+            name: (None if getattr(hb, name) is None else buf.put(getattr(hb, name))) for name, buf in self.bufs.items()
+        }
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()

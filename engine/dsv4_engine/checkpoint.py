@@ -153,8 +153,10 @@ V4_PRESETS: dict[str, dict] = {
         "swiglu_limit": 1.5,
         "sliding_window": 8,
         "layer_types": [
-            "sliding_attention", "compressed_sparse_attention",
-            "heavily_compressed_attention", "compressed_sparse_attention",
+            "sliding_attention",
+            "compressed_sparse_attention",
+            "heavily_compressed_attention",
+            "compressed_sparse_attention",
         ],
         "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"],
         "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
@@ -165,8 +167,13 @@ V4_PRESETS: dict[str, dict] = {
         "rope_parameters": {
             "main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
             "compress": {
-                "rope_type": "yarn", "rope_theta": 160000.0, "partial_rotary_factor": 0.25, "factor": 4.0,
-                "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1,
+                "rope_type": "yarn",
+                "rope_theta": 160000.0,
+                "partial_rotary_factor": 0.25,
+                "factor": 4.0,
+                "original_max_position_embeddings": 256,
+                "beta_fast": 32,
+                "beta_slow": 1,
                 "attention_factor": 1.0,
             },
         },
@@ -198,8 +205,11 @@ V4_PRESETS: dict[str, dict] = {
         "index_topk": 512,
         "max_position_embeddings": 65536,
         "rope_scaling": {
-            "type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-            "beta_fast": 32, "beta_slow": 1,
+            "type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 65536,
+            "beta_fast": 32,
+            "beta_slow": 1,
         },
         "torch_dtype": "bfloat16",
     },
@@ -232,7 +242,10 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.weight"] = (heads * qk_head, h)
         shapes[p + "self_attn.kv_a_proj_with_mqa.weight"] = (c["kv_lora_rank"] + c["qk_rope_head_dim"], h)
         shapes[p + "self_attn.kv_a_layernorm.weight"] = (c["kv_lora_rank"],)
-        shapes[p + "self_attn.kv_b_proj.weight"] = (heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])
+        shapes[p + "self_attn.kv_b_proj.weight"] = (
+            heads * (c["qk_nope_head_dim"] + c["v_head_dim"]),
+            c["kv_lora_rank"],
+        )
         shapes[p + "self_attn.o_proj.weight"] = (h, heads * c["v_head_dim"])
         moe = c["n_routed_experts"] > 0 and i >= c["first_k_dense_replace"] and i % c.get("moe_layer_freq", 1) == 0
         if moe:
@@ -371,15 +384,29 @@ def v4_mtp_shapes(config: dict, n: int = 0) -> dict[str, tuple[int, ...]]:
     hidden streams, each normed by enorm / hnorm), its output norm and its own mHC head."""
     from dsv4_engine.models.deepseek_v4_config import SLIDING
 
-    one = {**config, "num_hidden_layers": 1, "layer_types": [SLIDING], "mlp_layer_types": ["moe"],
-           "num_nextn_predict_layers": 0}
+    one = {
+        **config,
+        "num_hidden_layers": 1,
+        "layer_types": [SLIDING],
+        "mlp_layer_types": ["moe"],
+        "num_nextn_predict_layers": 0,
+    }
     one.pop("compress_ratios", None)
     D, hc = config["hidden_size"], config["hc_mult"]
     p = f"mtp.{n}."
-    shapes = {p + k[len("layers.0."):]: v for k, v in v4_tensor_shapes(one).items() if k.startswith("layers.0.")}
-    shapes.update({p + "e_proj.weight": (D, D), p + "h_proj.weight": (D, D), p + "enorm.weight": (D,),
-                   p + "hnorm.weight": (D,), p + "norm.weight": (D,), p + "hc_head_fn": (hc, hc * D),
-                   p + "hc_head_base": (hc,), p + "hc_head_scale": (1,)})
+    shapes = {p + k[len("layers.0.") :]: v for k, v in v4_tensor_shapes(one).items() if k.startswith("layers.0.")}
+    shapes.update(
+        {
+            p + "e_proj.weight": (D, D),
+            p + "h_proj.weight": (D, D),
+            p + "enorm.weight": (D,),
+            p + "hnorm.weight": (D,),
+            p + "norm.weight": (D,),
+            p + "hc_head_fn": (hc, hc * D),
+            p + "hc_head_base": (hc,),
+            p + "hc_head_scale": (1,),
+        }
+    )
     return shapes
 
 
@@ -413,9 +440,12 @@ def init_v4_weights(config: dict, seed: int = 0) -> dict[str, "torch.Tensor"]:
         gen = torch.Generator().manual_seed(_tensor_seed(seed, name))
         if name.endswith("tid2eid"):
             # A frozen token -> experts table: distinct experts per token, as a hash would give.
-            weights[name] = torch.rand(shape[0], config["n_routed_experts"], generator=gen).argsort(dim=1)[
-                :, : shape[1]
-            ].to(torch.int32).contiguous()
+            weights[name] = (
+                torch.rand(shape[0], config["n_routed_experts"], generator=gen)
+                .argsort(dim=1)[:, : shape[1]]
+                .to(torch.int32)
+                .contiguous()
+            )
             continue
         mean, std = _v4_mean_std(name, shape)
         t = torch.randn(shape, generator=gen, dtype=torch.float32) * std + mean
@@ -507,10 +537,14 @@ QUANT_CHOICES = ("fp8", "fp4-experts")
 # Linear weights the releases ship in fp8: DeepSeek-V3's attention and MLP projections (not the
 # embedding, the head or the router); DeepSeek-V4's attention, indexer query and MLP projections
 # (its compressors and the indexer's weights_proj stay bf16, as transformers' V4 notes).
-_V3_FP8 = re.compile(r"\.(self_attn\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
-                     r"|mlp\.(experts\.\d+\.|shared_experts\.)?(gate_proj|up_proj|down_proj))\.weight$")
-_V4_FP8 = re.compile(r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b"
-                     r"|ffn\.(experts\.\d+|shared_experts)\.(w1|w2|w3))\.weight$")
+_V3_FP8 = re.compile(
+    r"\.(self_attn\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
+    r"|mlp\.(experts\.\d+\.|shared_experts\.)?(gate_proj|up_proj|down_proj))\.weight$"
+)
+_V4_FP8 = re.compile(
+    r"\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b"
+    r"|ffn\.(experts\.\d+|shared_experts)\.(w1|w2|w3))\.weight$"
+)
 _V4_ROUTED = re.compile(r"\.ffn\.experts\.\d+\.(w1|w2|w3)\.weight$")
 
 
@@ -570,7 +604,9 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, dtype: str = "float3
     dst.mkdir(parents=True, exist_ok=True)
     (dst / "config.json").unlink(missing_ok=True)
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    weights = {k: (v.dequantize(dt) if isinstance(v, QuantWeight) else v).contiguous() for k, v in load_weights(src).items()}
+    weights = {
+        k: (v.dequantize(dt) if isinstance(v, QuantWeight) else v).contiguous() for k, v in load_weights(src).items()
+    }
     save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (src / f).is_file():
@@ -583,8 +619,9 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, dtype: str = "float3
     return dst
 
 
-def init_checkpoint(out_dir: str | Path, preset: str = "tiny", seed: int = 0, quant: str | None = None,
-                    mtp: bool = False) -> Path:
+def init_checkpoint(
+    out_dir: str | Path, preset: str = "tiny", seed: int = 0, quant: str | None = None, mtp: bool = False
+) -> Path:
     """Write a checkpoint of `preset` with weights from `seed` into out_dir and return its path;
     with `quant` ("fp8", or "fp4-experts" for V4 presets) its linear weights are quantized from
     the float ones. config.json is written last, so a folder that has one is complete."""

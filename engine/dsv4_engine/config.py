@@ -86,11 +86,7 @@ class ModelConfig:
         return eos_id_list(self.eos_token_id)
 
     def is_moe_layer(self, layer: int) -> bool:
-        return (
-            self.n_routed_experts > 0
-            and layer >= self.first_k_dense_replace
-            and layer % self.moe_layer_freq == 0
-        )
+        return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":

@@ -64,8 +64,12 @@ def pad_decode(hb: HostBatch, bucket: int) -> HostBatch:
     n = hb.seq_lens.shape[0]
     take = np.concatenate([np.arange(n), np.zeros(bucket - n, dtype=np.int64)])
     return HostBatch(
-        input_ids=hb.input_ids[take], positions=hb.positions[take], slot_mapping=hb.slot_mapping[take],
-        block_table=hb.block_table[take], seq_lens=hb.seq_lens[take], extend_lens=hb.extend_lens[take],
+        input_ids=hb.input_ids[take],
+        positions=hb.positions[take],
+        slot_mapping=hb.slot_mapping[take],
+        block_table=hb.block_table[take],
+        seq_lens=hb.seq_lens[take],
+        extend_lens=hb.extend_lens[take],
         logits_indices=np.arange(bucket, dtype=np.int64),
         slot_ids=None if hb.slot_ids is None else hb.slot_ids[take],
     )
@@ -75,9 +79,15 @@ class StaticDecodeInputs:
     """The buffers a captured decode step reads: sized for the largest bucket, with a block
     table of fixed width, on the device; a pinned host twin of each for the copies."""
 
-    FIELDS = {"input_ids": torch.int64, "positions": torch.int64, "slot_mapping": torch.int64,
-              "seq_lens": torch.int32, "extend_lens": torch.int32, "logits_indices": torch.int64,
-              "slot_ids": torch.int64}  # rows in the slot states (V4); unused by V3
+    FIELDS = {
+        "input_ids": torch.int64,
+        "positions": torch.int64,
+        "slot_mapping": torch.int64,
+        "seq_lens": torch.int32,
+        "extend_lens": torch.int32,
+        "logits_indices": torch.int64,
+        "slot_ids": torch.int64,
+    }  # rows in the slot states (V4); unused by V3
 
     def __init__(self, max_bs: int, width: int, device: torch.device):
         pin = device.type == "cuda"
@@ -113,9 +123,16 @@ def warmup_batch(width: int) -> HostBatch:
     position 0 of page 0, slot row 0. It writes only page 0 and slot row 0 of the fresh pool,
     which the runner zeroes again after capturing."""
     one = np.zeros(1, dtype=np.int64)
-    return HostBatch(input_ids=one, positions=one, slot_mapping=one, block_table=np.zeros((1, width), dtype=np.int32),
-                     seq_lens=np.ones(1, dtype=np.int32), extend_lens=np.ones(1, dtype=np.int32),
-                     logits_indices=one, slot_ids=one)
+    return HostBatch(
+        input_ids=one,
+        positions=one,
+        slot_mapping=one,
+        block_table=np.zeros((1, width), dtype=np.int32),
+        seq_lens=np.ones(1, dtype=np.int32),
+        extend_lens=np.ones(1, dtype=np.int32),
+        logits_indices=one,
+        slot_ids=one,
+    )
 
 
 class DecodeGraphs:
@@ -131,8 +148,14 @@ class DecodeGraphs:
     # watchdog, NIXL, a bootstrap server) may use CUDA while the engine captures.
     CAPTURE_ERROR_MODE = "thread_local"
 
-    def __init__(self, run_forward: Callable[[dict[str, torch.Tensor], int], torch.Tensor], max_bs: int,
-                 width: int, device: torch.device, capture: bool):
+    def __init__(
+        self,
+        run_forward: Callable[[dict[str, torch.Tensor], int], torch.Tensor],
+        max_bs: int,
+        width: int,
+        device: torch.device,
+        capture: bool,
+    ):
         self.run_forward = run_forward
         self.buckets = graph_buckets(max_bs)
         self.width = width

@@ -25,8 +25,14 @@ import torch
 
 from dsv4_engine.devices import use_device
 from dsv4_engine.engine_args import EngineArgs
-from dsv4_engine.kv_cache import (KVPool, SnapshotPool, check_page_size, default_page_size, pages_for_memory,
-                                  snapshot_boundary)
+from dsv4_engine.kv_cache import (
+    KVPool,
+    SnapshotPool,
+    check_page_size,
+    default_page_size,
+    pages_for_memory,
+    snapshot_boundary,
+)
 from dsv4_engine.metrics import EngineMetrics
 from dsv4_engine.model_runner import ModelRunner, default_device
 from dsv4_engine.models.state import StateSpec
@@ -81,8 +87,9 @@ def state_refusal(specs: list[StateSpec], role: str, page_size: Optional[int]) -
 def args_refusal(args: EngineArgs) -> Optional[str]:
     """Why an engine cannot be built from these flags alone (no checkpoint read), in one line,
     or None: limits that serve nothing, a kernel backend this device cannot run."""
-    return (limits_refusal(args.max_num_seqs, args.max_num_batched_tokens)
-            or backend_refusal(args.kernel_backend, args.device))
+    return limits_refusal(args.max_num_seqs, args.max_num_batched_tokens) or backend_refusal(
+        args.kernel_backend, args.device
+    )
 
 
 def limits_refusal(max_num_seqs: int, max_num_batched_tokens: int) -> Optional[str]:
@@ -105,8 +112,10 @@ def backend_refusal(kernel_backend: Optional[str], device: Optional[str]) -> Opt
         return None
     dev = torch.device(device) if device else default_device()
     if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return (f"--kernel-backend triton needs a CUDA device, not {dev.type} (or TRITON_INTERPRET=1 for "
-                f"Triton's slow CPU interpreter); use --kernel-backend torch on a CPU")
+        return (
+            f"--kernel-backend triton needs a CUDA device, not {dev.type} (or TRITON_INTERPRET=1 for "
+            f"Triton's slow CPU interpreter); use --kernel-backend torch on a CPU"
+        )
     return None
 
 
@@ -118,11 +127,14 @@ def serving_refusal(model_dir: str, role: str, page_size: Optional[int], tp_size
 
     entry = entry_for_dir(model_dir)
     cfg = entry.config_class().from_dir(model_dir)
-    return tp_refusal(entry.model_type, cfg, tp_size) or state_refusal(entry.model_class().state_specs(cfg), role, page_size)
+    return tp_refusal(entry.model_type, cfg, tp_size) or state_refusal(
+        entry.model_class().state_specs(cfg), role, page_size
+    )
 
 
-def prefix_cache_refusal(specs: list[StateSpec], role: str, enabled: bool = True,
-                         snapshots: Optional[int] = None) -> Optional[str]:
+def prefix_cache_refusal(
+    specs: list[StateSpec], role: str, enabled: bool = True, snapshots: Optional[int] = None
+) -> Optional[str]:
     """Why this engine runs without a prefix cache, in one line, or None when it has one."""
     if not enabled:
         return "turned off (--disable-prefix-cache)"
@@ -162,8 +174,14 @@ class Engine:
             if refusal:  # before any rank is spawned
                 raise ValueError(refusal)
             self.tp = TPGroup(args.tp_size, asdict(args), args.device)
-            self.runner = ModelRunner(args.model, args.dtype, rank_device(args.device, 0), args.kernel_backend,
-                                      args.cuda_graph_max_bs, tp=self.tp.rank)
+            self.runner = ModelRunner(
+                args.model,
+                args.dtype,
+                rank_device(args.device, 0),
+                args.kernel_backend,
+                args.cuda_graph_max_bs,
+                tp=self.tp.rank,
+            )
         else:
             self.runner = ModelRunner(args.model, args.dtype, args.device, args.kernel_backend, args.cuda_graph_max_bs)
         self.cfg = self.runner.cfg
@@ -179,8 +197,9 @@ class Engine:
         refusal = state_refusal(specs, args.role, page_size)
         if refusal:
             raise ValueError(refusal)
-        self.prefix_cache_off = prefix_cache_refusal(specs, args.role, args.enable_prefix_cache,
-                                                     args.prefix_cache_snapshots)
+        self.prefix_cache_off = prefix_cache_refusal(
+            specs, args.role, args.enable_prefix_cache, args.prefix_cache_snapshots
+        )
         if self.spec is not None and self.prefix_cache_off is None and args.enable_prefix_cache:
             from dsv4_engine.spec_decode.build import prefix_cache_refusal as spec_cache_refusal
 
@@ -188,12 +207,16 @@ class Engine:
         has_slots = any(not s.paged for s in specs)
         num_snapshots = 0
         if has_slots and self.prefix_cache_off is None:
-            num_snapshots = (args.prefix_cache_snapshots if args.prefix_cache_snapshots is not None
-                             else default_snapshots(args.max_num_seqs))
+            num_snapshots = (
+                args.prefix_cache_snapshots
+                if args.prefix_cache_snapshots is not None
+                else default_snapshots(args.max_num_seqs)
+            )
         # Slot rows for max_num_seqs requests (and the cache's snapshots of them) come first; the
         # rest of the memory becomes pages.
-        num_pages = args.kv_pages or pages_for_memory(specs, page_size, self.runner.dtype, args.kv_memory_gb,
-                                                      args.max_num_seqs, num_snapshots)
+        num_pages = args.kv_pages or pages_for_memory(
+            specs, page_size, self.runner.dtype, args.kv_memory_gb, args.max_num_seqs, num_snapshots
+        )
         self.pool = KVPool(specs, num_pages, page_size, self.runner.dtype, self.runner.device, args.max_num_seqs)
         if self.tp is not None:  # the other ranks mirror the pool; each step reaches them first
             from dsv4_engine.parallel.group import BroadcastForward
@@ -216,25 +239,36 @@ class Engine:
             # At --tp-size > 1 a snapshot is copied after a step and each copy repeated on the
             # other ranks (`TPGroup.send_snapshot_copy`); the batch they receive carries no
             # in-forward snapshot rows, so chunks end at the boundaries instead (as on the kernel path).
-            in_forward = (snaps is not None and self.tp is None
-                          and getattr(self.runner.model, "snapshots_in_forward", False))
+            in_forward = (
+                snaps is not None and self.tp is None and getattr(self.runner.model, "snapshots_in_forward", False)
+            )
             if snaps is not None and self.tp is not None:
                 snaps.mirror = self.tp.send_snapshot_copy
             interval = 0
             if in_forward:
                 every = args.prefix_cache_snapshot_interval
-                interval = (every if every is not None else DEFAULT_SNAPSHOT_BOUNDARIES * boundary) // boundary * boundary
+                interval = (
+                    (every if every is not None else DEFAULT_SNAPSHOT_BOUNDARIES * boundary) // boundary * boundary
+                )
             self.pool.snapshots = snaps
             self.runner.snapshot_states = snaps.states if snaps is not None else None
             self.prefix_cache = PrefixCache(self.pool.allocator, page_size, snaps, boundary, in_forward, interval)
-        self.scheduler = Scheduler(self.pool.allocator, page_size, args.max_num_seqs, args.max_num_batched_tokens,
-                                   self.pool.slots, self.prefix_cache)
+        self.scheduler = Scheduler(
+            self.pool.allocator,
+            page_size,
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            self.pool.slots,
+            self.prefix_cache,
+        )
         self._cache_counted = (0, 0)  # prefix cache (query, hit) tokens already added to the counters
         if self.spec is not None:
             self.scheduler.lookahead = self.spec.lookahead
         # The context limit is the model's, but never more than the pool can hold for one request.
         pool_tokens = num_pages * page_size
-        self.max_model_len = min(args.max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings, pool_tokens)
+        self.max_model_len = min(
+            args.max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings, pool_tokens
+        )
         self.metrics = EngineMetrics(args.role, args.served_model_name)
         self.metrics.set("kv_pages_total", num_pages)
         self.metrics.set("tp_size", args.tp_size)
@@ -268,8 +302,9 @@ class Engine:
     def submit(self, seq: Sequence) -> None:
         self.inbox.put(AddRequest(seq))
 
-    def abort(self, rid: Optional[str] = None, reason: str = "aborted", all_: bool = False,
-              seq: Optional[Sequence] = None) -> None:
+    def abort(
+        self, rid: Optional[str] = None, reason: str = "aborted", all_: bool = False, seq: Optional[Sequence] = None
+    ) -> None:
         """Abort by rid (admin), everything, or one request object (its client went away: a
         second request reusing the rid must not take the first one down with it)."""
         self.inbox.put(AbortRequest(seq.rid if seq is not None else rid, reason, all_, seq))
@@ -360,8 +395,11 @@ class Engine:
                 seq.grammar = self.grammars.compile(seq.params.structured)
             except GrammarError as e:
                 seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
-                seq.sink(RequestOutput(seq.rid, [], "", True, "error", f"invalid structured output: {e}", 400,
-                                       len(seq.prompt_ids), 0))
+                seq.sink(
+                    RequestOutput(
+                        seq.rid, [], "", True, "error", f"invalid structured output: {e}", 400, len(seq.prompt_ids), 0
+                    )
+                )
                 return
         if self.detokenize:
             seq.detok = IncrementalDetokenizer(self.tokenizer)
@@ -397,8 +435,12 @@ class Engine:
 
     def fail_request(self, seq: Sequence, what: str, exc: BaseException, code: int = 500) -> None:
         """End one request with an error after something went wrong for it alone."""
-        log.error("%s (request %s):\n%s", what, seq.rid,
-                  "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        log.error(
+            "%s (request %s):\n%s",
+            what,
+            seq.rid,
+            "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        )
         try:
             self.finish(seq, "error", error=f"{what}: {exc}", error_code=code)
             return
@@ -425,8 +467,11 @@ class Engine:
             seq.status = SeqStatus.FINISHED
             seq.finish_reason = "error"
             try:
-                seq.sink(RequestOutput(seq.rid, [], "", True, "error", f"{what}: {exc}", code,
-                                       len(seq.prompt_ids), len(seq.output_ids)))
+                seq.sink(
+                    RequestOutput(
+                        seq.rid, [], "", True, "error", f"{what}: {exc}", code, len(seq.prompt_ids), len(seq.output_ids)
+                    )
+                )
             except Exception:
                 log.error("telling request %s failed:\n%s", seq.rid, traceback.format_exc())
 
@@ -450,8 +495,9 @@ class Engine:
             self._fault_stall(batch)
         if batch:
             try:
-                results = (self.spec.step(batch, self.pool) if self.spec is not None
-                           else self.runner.step(batch, self.pool))
+                results = (
+                    self.spec.step(batch, self.pool) if self.spec is not None else self.runner.step(batch, self.pool)
+                )
             except Exception as e:  # the forward of this batch failed: fail its requests, keep serving
                 log.error("forward failed:\n%s", traceback.format_exc())
                 for b in batch:
@@ -489,8 +535,9 @@ class Engine:
         contexts = [len(b.seq.prompt_ids) + len(b.seq.output_ids) for b in batch if not b.seq.prefill_only]
         f = self.pd.faults.long_context_stall(contexts) if contexts else None
         if f is not None:
-            log.error("injected fault: stall_long_context (context %d > %s tokens)", max(contexts),
-                      f.get("tokens", "default"))
+            log.error(
+                "injected fault: stall_long_context (context %d > %s tokens)", max(contexts), f.get("tokens", "default")
+            )
             seconds = f.get("seconds")
             self.pd.faults.hang(float(seconds) if seconds is not None else None)
 
@@ -529,7 +576,9 @@ class Engine:
         seq.last_token_time = now
         seq.output_ids.append(tok)
         if seq.params.logprobs is not None:
-            seq.output_logprobs.append(logprob if logprob is not None else {"token_id": tok, "logprob": None, "top": []})
+            seq.output_logprobs.append(
+                logprob if logprob is not None else {"token_id": tok, "logprob": None, "top": []}
+            )
         self.metrics.inc("generation_tokens")
         if seq.grammar is not None and not seq.prefill_only:  # the grammar takes the token, exactly once
             from dsv4_engine.structured.bitmask import ensure_matcher
@@ -583,21 +632,47 @@ class Engine:
             return "length"
         return None
 
-    def _emit(self, seq: Sequence, toks: list[int], finished: bool = False, reason: Optional[str] = None,
-              error: Optional[str] = None, error_code: int = 500) -> None:
+    def _emit(
+        self,
+        seq: Sequence,
+        toks: list[int],
+        finished: bool = False,
+        reason: Optional[str] = None,
+        error: Optional[str] = None,
+        error_code: int = 500,
+    ) -> None:
         # Hold back text that could still turn into a stop string, until the request ends.
         hold = 0 if finished else max((len(s) - 1 for s in seq.params.stop), default=0)
         upto = max(seq.emitted_text_len, len(seq.text) - hold)
-        delta = seq.text[seq.emitted_text_len:upto]
+        delta = seq.text[seq.emitted_text_len : upto]
         seq.emitted_text_len = upto
         logprobs = None
         if seq.params.logprobs is not None:
-            logprobs = seq.output_logprobs[len(seq.output_logprobs) - len(toks):] if toks else []
-        seq.sink(RequestOutput(seq.rid, toks, delta, finished, reason, error, error_code,
-                               len(seq.prompt_ids), len(seq.output_ids), logprobs, seq.num_cached_tokens))
+            logprobs = seq.output_logprobs[len(seq.output_logprobs) - len(toks) :] if toks else []
+        seq.sink(
+            RequestOutput(
+                seq.rid,
+                toks,
+                delta,
+                finished,
+                reason,
+                error,
+                error_code,
+                len(seq.prompt_ids),
+                len(seq.output_ids),
+                logprobs,
+                seq.num_cached_tokens,
+            )
+        )
 
-    def finish(self, seq: Sequence, reason: str, error: Optional[str] = None, error_code: int = 500,
-               new_token: Optional[int] = None) -> None:
+    def finish(
+        self,
+        seq: Sequence,
+        reason: str,
+        error: Optional[str] = None,
+        error_code: int = 500,
+        new_token: Optional[int] = None,
+    ) -> None:
         """End a request wherever it is: out of every queue, pages and slot row back, the client told once."""
         if seq.finished:
             return
@@ -658,10 +733,16 @@ class Engine:
             # in kv_pages_free: they are given up as soon as an allocation needs room.
             "kv_pages_cached": self.prefix_cache.num_cached if self.prefix_cache is not None else 0,
             "kv_pages_cached_idle": self.prefix_cache.num_idle if self.prefix_cache is not None else 0,
-            "prefix_cache": ({"enabled": True, **self.prefix_cache.stats(),
-                              # what the cache holds now, per state kind (paged: its pages; slot: snapshots)
-                              "bytes_by_state": self.prefix_cache.bytes_by_state(self.pool.page_bytes_by_state())}
-                             if self.prefix_cache is not None else {"enabled": False, "why": self.prefix_cache_off}),
+            "prefix_cache": (
+                {
+                    "enabled": True,
+                    **self.prefix_cache.stats(),
+                    # what the cache holds now, per state kind (paged: its pages; slot: snapshots)
+                    "bytes_by_state": self.prefix_cache.bytes_by_state(self.pool.page_bytes_by_state()),
+                }
+                if self.prefix_cache is not None
+                else {"enabled": False, "why": self.prefix_cache_off}
+            ),
             # What each state costs: paged ones per token of context, slot ones per running request.
             "kv_state_bytes_per_token": self.pool.bytes_per_token(),
             "kv_state_bytes_per_request": self.pool.bytes_per_request(),

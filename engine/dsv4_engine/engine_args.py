@@ -18,5 +18,10 @@ def _resolve(self) -> None:
         self.served_model_name = os.path.basename(os.path.normpath(self.model)) or "dsv4"
 
 
-EngineArgs = dataclass_of("EngineArgs", SERVE_OPTIONS, ["engine"], doc="The engine options of dsv4_wire.serve_options.",
-                          namespace={"__post_init__": _resolve, "__module__": __name__})
+EngineArgs = dataclass_of(
+    "EngineArgs",
+    SERVE_OPTIONS,
+    ["engine"],
+    doc="The engine options of dsv4_wire.serve_options.",
+    namespace={"__post_init__": _resolve, "__module__": __name__},
+)

@@ -64,8 +64,14 @@ def snapshot_boundary(specs: list[StateSpec], page_size: int) -> int:
     return b
 
 
-def pages_for_memory(specs: list[StateSpec], page_size: int, dtype: torch.dtype, memory_gb: float,
-                     max_num_seqs: int = 0, snapshots: int = 0) -> int:
+def pages_for_memory(
+    specs: list[StateSpec],
+    page_size: int,
+    dtype: torch.dtype,
+    memory_gb: float,
+    max_num_seqs: int = 0,
+    snapshots: int = 0,
+) -> int:
     """Pages that fit in `memory_gb` once the slot rows of `max_num_seqs` requests (and the
     prefix cache's `snapshots` copies of a slot row) are reserved."""
     row = slot_row_nbytes(specs, dtype)
@@ -80,8 +86,15 @@ def pages_for_memory(specs: list[StateSpec], page_size: int, dtype: torch.dtype,
 
 
 class KVPool:
-    def __init__(self, specs: list[StateSpec], num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device,
-                 max_num_seqs: int = 0):
+    def __init__(
+        self,
+        specs: list[StateSpec],
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_num_seqs: int = 0,
+    ):
         if not any(spec.paged for spec in specs):
             raise ValueError("a model must declare at least one paged state")
         check_page_size(specs, page_size)
@@ -90,13 +103,15 @@ class KVPool:
         self.num_pages = num_pages
         self.states: dict[str, torch.Tensor] = {
             spec.name: torch.zeros(num_pages, *spec.page_shape(page_size), dtype=dtype, device=device)
-            for spec in specs if spec.paged
+            for spec in specs
+            if spec.paged
         }
         self.allocator = PageAllocator(num_pages)
         slot_specs = [spec for spec in specs if not spec.paged]
         self.num_slots = max_num_seqs if slot_specs else 0
         self.slot_states: dict[str, torch.Tensor] = {
-            spec.name: torch.zeros(self.num_slots, *spec.slot_shape(), dtype=dtype, device=device) for spec in slot_specs
+            spec.name: torch.zeros(self.num_slots, *spec.slot_shape(), dtype=dtype, device=device)
+            for spec in slot_specs
         }
         # None when the model keeps nothing per request outside its pages (DeepSeek-V3).
         self.slots: SlotAllocator | None = SlotAllocator(self.num_slots) if slot_specs else None
@@ -247,9 +262,10 @@ class SlotAllocator:
             self._free.append(slot)
 
 
-def copy_snapshot(snapshots: dict[str, torch.Tensor], slot_states: dict[str, torch.Tensor], kind: str,
-                  snap: int, row: int) -> None:
-    """"save": slot row `row` into snapshot `snap`; "restore": the other way (every slot state)."""
+def copy_snapshot(
+    snapshots: dict[str, torch.Tensor], slot_states: dict[str, torch.Tensor], kind: str, snap: int, row: int
+) -> None:
+    """ "save": slot row `row` into snapshot `snap`; "restore": the other way (every slot state)."""
     if kind not in ("save", "restore"):
         raise ValueError(f"unknown snapshot copy {kind!r}")
     for name, t in snapshots.items():
@@ -273,11 +289,15 @@ class SnapshotPool:
         if not slot_states:
             raise ValueError("a snapshot pool needs slot states to copy")
         if num_snapshots < 1:
-            raise ValueError(f"the prefix cache of a model with slot states needs at least 1 snapshot, not {num_snapshots}")
+            raise ValueError(
+                f"the prefix cache of a model with slot states needs at least 1 snapshot, not {num_snapshots}"
+            )
         self.total = num_snapshots
         self.slot_states = slot_states
-        self.states = {name: torch.zeros(num_snapshots, *t.shape[1:], dtype=t.dtype, device=t.device)
-                       for name, t in slot_states.items()}
+        self.states = {
+            name: torch.zeros(num_snapshots, *t.shape[1:], dtype=t.dtype, device=t.device)
+            for name, t in slot_states.items()
+        }
         self._free = list(range(num_snapshots - 1, -1, -1))
         self._lru: "OrderedDict[int, None]" = OrderedDict()  # held snapshots, least recently used first
         self._pending: set[int] = set()  # reserved for a step that writes them

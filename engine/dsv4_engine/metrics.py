@@ -5,8 +5,16 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from dsv4_wire.metrics import (COUNT_BUCKETS, COUNT_HISTOGRAMS, COUNTERS, GAUGES, HISTOGRAMS, PREFIX, STATE_GAUGES,
-                               STATE_LABEL)
+from dsv4_wire.metrics import (
+    COUNT_BUCKETS,
+    COUNT_HISTOGRAMS,
+    COUNTERS,
+    GAUGES,
+    HISTOGRAMS,
+    PREFIX,
+    STATE_GAUGES,
+    STATE_LABEL,
+)
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -16,16 +24,27 @@ class EngineMetrics:
         self.registry = CollectorRegistry()
         labels = ["role", "model_name"]
         self.labels = {"role": role, "model_name": model_name}
-        self.gauges = {k: Gauge(f"{PREFIX}{k}", d, labels, registry=self.registry).labels(**self.labels) for k, d in GAUGES.items()}
-        self.counters = {k: Counter(f"{PREFIX}{k}", d, labels, registry=self.registry).labels(**self.labels) for k, d in COUNTERS.items()}
+        self.gauges = {
+            k: Gauge(f"{PREFIX}{k}", d, labels, registry=self.registry).labels(**self.labels) for k, d in GAUGES.items()
+        }
+        self.counters = {
+            k: Counter(f"{PREFIX}{k}", d, labels, registry=self.registry).labels(**self.labels)
+            for k, d in COUNTERS.items()
+        }
         self.histograms = {
-            k: Histogram(f"{PREFIX}{k}", d, labels, buckets=LATENCY_BUCKETS, registry=self.registry).labels(**self.labels)
+            k: Histogram(f"{PREFIX}{k}", d, labels, buckets=LATENCY_BUCKETS, registry=self.registry).labels(
+                **self.labels
+            )
             for k, d in HISTOGRAMS.items()
         }
-        self.histograms.update({
-            k: Histogram(f"{PREFIX}{k}", d, labels, buckets=COUNT_BUCKETS, registry=self.registry).labels(**self.labels)
-            for k, d in COUNT_HISTOGRAMS.items()
-        })
+        self.histograms.update(
+            {
+                k: Histogram(f"{PREFIX}{k}", d, labels, buckets=COUNT_BUCKETS, registry=self.registry).labels(
+                    **self.labels
+                )
+                for k, d in COUNT_HISTOGRAMS.items()
+            }
+        )
         self.state_gauges = {
             k: Gauge(f"{PREFIX}{k}", d, [*labels, STATE_LABEL], registry=self.registry) for k, d in STATE_GAUGES.items()
         }

@@ -55,8 +55,15 @@ def _new_tokens(seq, start: int, n: int) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str | Path, dtype: Optional[str] = None, device: Optional[str] = None,
-                 kernel_backend: Optional[str] = None, cuda_graph_max_bs: int = 0, tp=None):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        dtype: Optional[str] = None,
+        device: Optional[str] = None,
+        kernel_backend: Optional[str] = None,
+        cuda_graph_max_bs: int = 0,
+        tp=None,
+    ):
         entry = entry_for_dir(model_dir)
         self.model_type = entry.model_type
         self.cfg = entry.config_class().from_dir(model_dir)
@@ -67,12 +74,22 @@ class ModelRunner:
         self.dtype = DTYPES[dtype or default_dtype(self.device)]
         self.kernel_backend = kernel_backend or default_kernel_backend(self.device)
         if tp is None:
-            self.model = model_cls(self.cfg, load_weights(model_dir), get_ops(self.kernel_backend), self.dtype, self.device)
+            self.model = model_cls(
+                self.cfg, load_weights(model_dir), get_ops(self.kernel_backend), self.dtype, self.device
+            )
         else:  # one rank of --tp-size N: its own slice of the weights only (dsv4_engine.parallel)
             from dsv4_engine.parallel.sharded import build_sharded
 
-            self.model = build_sharded(model_cls, self.model_type, self.cfg, model_dir, get_ops(self.kernel_backend),
-                                       self.dtype, self.device, tp)
+            self.model = build_sharded(
+                model_cls,
+                self.model_type,
+                self.cfg,
+                model_dir,
+                get_ops(self.kernel_backend),
+                self.dtype,
+                self.device,
+                tp,
+            )
         # The model this process computes with; `self.model` may be wrapped (rank 0 of a TP group
         # broadcasts each eager step first), but a captured step runs this one on every rank.
         self.local_model = self.model
@@ -96,8 +113,11 @@ class ModelRunner:
         self.snapshot_states: Optional[dict[str, torch.Tensor]] = None  # the prefix cache's (V4)
 
     def graphs_supported(self) -> bool:
-        return (self.device.type == "cuda" and self.kernel_backend == "triton"
-                and getattr(self.model, "CUDA_GRAPH_SAFE", False))
+        return (
+            self.device.type == "cuda"
+            and self.kernel_backend == "triton"
+            and getattr(self.model, "CUDA_GRAPH_SAFE", False)
+        )
 
     def decode_graphs(self, page_size: int, num_pages: int, capture: bool = True) -> DecodeGraphs:
         """The graphs for this runner (made on first use): block tables as wide as the most
@@ -107,10 +127,18 @@ class ModelRunner:
             max_bs = self.cuda_graph_max_bs or 8
 
             def run_forward(t: dict[str, torch.Tensor], bs: int) -> torch.Tensor:
-                fb = ForwardBatch(input_ids=t["input_ids"], positions=t["positions"], slot_mapping=t["slot_mapping"],
-                                  block_table=t["block_table"], seq_lens=t["seq_lens"], extend_lens=t["extend_lens"],
-                                  logits_indices=t["logits_indices"], all_decode=True, page_size=page_size,
-                                  slot_ids=t["slot_ids"] if self.has_slot_states else None)
+                fb = ForwardBatch(
+                    input_ids=t["input_ids"],
+                    positions=t["positions"],
+                    slot_mapping=t["slot_mapping"],
+                    block_table=t["block_table"],
+                    seq_lens=t["seq_lens"],
+                    extend_lens=t["extend_lens"],
+                    logits_indices=t["logits_indices"],
+                    all_decode=True,
+                    page_size=page_size,
+                    slot_ids=t["slot_ids"] if self.has_slot_states else None,
+                )
                 return self.local_model.forward(fb, self._states)
 
             self.graphs = DecodeGraphs(run_forward, max_bs, width, self.device, capture)
@@ -148,7 +176,9 @@ class ModelRunner:
         starts = [b.seq.num_computed for b in batch]
         news = [b.num_new for b in batch]
         tokens = [_new_tokens(b.seq, s, n) for b, s, n in zip(batch, starts, news)]
-        return host_batch(starts, news, [b.seq.pages for b in batch], tokens, [b.seq.slot for b in batch], page_size, width)
+        return host_batch(
+            starts, news, [b.seq.pages for b in batch], tokens, [b.seq.slot for b in batch], page_size, width
+        )
 
     def build_batch(self, batch: list[ScheduledSeq], page_size: int) -> ForwardBatch:
         """The step's tensors, computed over all requests at once (no per-token loop) and
@@ -161,12 +191,20 @@ class ModelRunner:
         if not all_decode:
             PHASES.decode = False
         fb = ForwardBatch(
-            snapshots=snapshots, snapshot_states=self.snapshot_states if snapshots else None,
-            input_ids=t["input_ids"], positions=t["positions"], slot_mapping=t["slot_mapping"],
-            block_table=t["block_table"], seq_lens=t["seq_lens"], extend_lens=t["extend_lens"],
-            logits_indices=t["logits_indices"], all_decode=all_decode,
-            slot_ids=t["slot_ids"], page_size=page_size,
-            seq_lens_host=hb.seq_lens.tolist(), extend_lens_host=news,
+            snapshots=snapshots,
+            snapshot_states=self.snapshot_states if snapshots else None,
+            input_ids=t["input_ids"],
+            positions=t["positions"],
+            slot_mapping=t["slot_mapping"],
+            block_table=t["block_table"],
+            seq_lens=t["seq_lens"],
+            extend_lens=t["extend_lens"],
+            logits_indices=t["logits_indices"],
+            all_decode=all_decode,
+            slot_ids=t["slot_ids"],
+            page_size=page_size,
+            seq_lens_host=hb.seq_lens.tolist(),
+            extend_lens_host=news,
         )
         PHASES.lap("batch_build")
         return fb
@@ -175,8 +213,13 @@ class ModelRunner:
         """Logits of each request's last new token, [len(batch), vocab], in batch order."""
         decodes = [i for i, b in enumerate(batch) if b.num_new == 1]
         graphs = self.graphs
-        if (self.cuda_graph_max_bs and graphs is not None and graphs.captured and len(decodes) == len(batch)
-                and graphs.fits(len(batch), max(len(b.seq.pages) for b in batch))):
+        if (
+            self.cuda_graph_max_bs
+            and graphs is not None
+            and graphs.captured
+            and len(decodes) == len(batch)
+            and graphs.fits(len(batch), max(len(b.seq.pages) for b in batch))
+        ):
             self._states = pool.all_states
             hb = self.host_batch(batch, pool.page_size, graphs.width)
             PHASES.lap("batch_build")
@@ -218,8 +261,9 @@ class ModelRunner:
             seqs = [batch[i].seq for i in rows]
             # Grammar masks are filled on the CPU here, while the device still runs the forward.
             mask = self.grammar_masks(seqs)
-            picked = sample(logits[rows], [s.params for s in seqs], [s.generator for s in seqs], seqs, self.eos_ids,
-                            mask)
+            picked = sample(
+                logits[rows], [s.params for s in seqs], [s.generator for s in seqs], seqs, self.eos_ids, mask
+            )
             for i, r in zip(rows, picked):
                 results[i] = r
         PHASES.lap("sampling")

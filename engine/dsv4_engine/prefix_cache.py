@@ -59,8 +59,15 @@ class _Node:
 
 
 class PrefixCache:
-    def __init__(self, allocator: PageAllocator, page_size: int, snapshots: Optional[SnapshotPool] = None,
-                 boundary: Optional[int] = None, in_forward: bool = False, interval: int = 0):
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        page_size: int,
+        snapshots: Optional[SnapshotPool] = None,
+        boundary: Optional[int] = None,
+        in_forward: bool = False,
+        interval: int = 0,
+    ):
         if allocator.cache is not None:
             raise ValueError("this allocator already has a prefix cache")
         self.allocator = allocator
@@ -132,7 +139,7 @@ class PrefixCache:
         return out
 
     def _evictable(self, node: _Node) -> bool:
-        return (not node.children and self._by_page.get(node.page) is node and node.page in self._idle)
+        return not node.children and self._by_page.get(node.page) is node and node.page in self._idle
 
     def _push(self, node: _Node) -> None:
         if len(self._heap) > 2 * len(self._by_page) + 64:  # mostly stale entries: rebuild
@@ -231,9 +238,15 @@ class PrefixCache:
         """After a step: when the request stands exactly on a cached boundary that holds no
         snapshot, keep a copy of its slot row there."""
         pos = seq.num_computed
-        if (self.snapshots is None or seq.slot is None or pos == 0 or pos % self.boundary
-                or seq.num_cached_pages * self.page_size != pos or seq.cache_node is None
-                or seq.cache_node.snapshot is not None):
+        if (
+            self.snapshots is None
+            or seq.slot is None
+            or pos == 0
+            or pos % self.boundary
+            or seq.num_cached_pages * self.page_size != pos
+            or seq.cache_node is None
+            or seq.cache_node.snapshot is not None
+        ):
             return
         node = seq.cache_node
         self._supersede(seq, node, pos)
@@ -325,13 +338,24 @@ class PrefixCache:
         seq.snapshot_id = None
 
     def stats(self) -> dict:
-        out = {"pages_cached": self.num_cached, "pages_idle": self.num_idle,
-               "query_tokens": self.query_tokens, "hit_tokens": self.hit_tokens}
+        out = {
+            "pages_cached": self.num_cached,
+            "pages_idle": self.num_idle,
+            "query_tokens": self.query_tokens,
+            "hit_tokens": self.hit_tokens,
+        }
         if self.snapshots is not None:
             sp = self.snapshots
-            out.update(boundary_tokens=self.boundary, snapshot_interval_tokens=self.interval,
-                       snapshots_in_forward=self.in_forward, snapshots_cached=sp.num_used, snapshots_total=sp.total,
-                       snapshots_saved=sp.saved, snapshots_restored=sp.restored, snapshots_evicted=sp.evicted)
+            out.update(
+                boundary_tokens=self.boundary,
+                snapshot_interval_tokens=self.interval,
+                snapshots_in_forward=self.in_forward,
+                snapshots_cached=sp.num_used,
+                snapshots_total=sp.total,
+                snapshots_saved=sp.saved,
+                snapshots_restored=sp.restored,
+                snapshots_evicted=sp.evicted,
+            )
         return out
 
     def bytes_by_state(self, page_bytes: dict[str, int]) -> dict[str, int]:
@@ -354,7 +378,9 @@ class PrefixCache:
                 idle = c.page in self._idle
                 assert idle == (self.allocator.refcount(c.page) == 0), f"page {c.page} idle flag disagrees"
                 if idle:
-                    assert all(g.page in self._idle for g in c.children.values()), f"idle page {c.page} has a held child"
+                    assert all(g.page in self._idle for g in c.children.values()), (
+                        f"idle page {c.page} has a held child"
+                    )
                 seen += 1
                 stack.append(c)
         assert seen == len(self._by_page), "nodes outside the tree"

@@ -121,7 +121,7 @@ class _Counts:
             self.seen = torch.zeros_like(self.output, dtype=torch.bool)
             if h.prompt_ids:
                 self.seen.index_fill_(0, torch.tensor(h.prompt_ids).to(dev, non_blocking=True), True)
-        new = h.output_ids[self.counted:]
+        new = h.output_ids[self.counted :]
         if new:
             ids = torch.tensor(new).to(dev, non_blocking=True)
             self.output.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
@@ -143,9 +143,13 @@ def _counts_of(h: TokenHistory, vocab: int, device: torch.device, want_seen: boo
     return c
 
 
-def process_logits(logits: torch.Tensor, params: list[SamplingParams],
-                   histories: Optional[Sequence[TokenHistory]], eos_ids: Sequence[int] = (),
-                   may_end: frozenset[int] = frozenset()) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    histories: Optional[Sequence[TokenHistory]],
+    eos_ids: Sequence[int] = (),
+    may_end: frozenset[int] = frozenset(),
+) -> torch.Tensor:
     """The logits each request samples from, [B, V]: `logits` itself when no request processes
     them (no op at all), else a copy where the rows that do are processed together:
     repetition_penalty (vLLM: over prompt and output, positive logits divided, negative
@@ -165,8 +169,17 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams],
     pen = [j for j, i in enumerate(rows) if params[i].penalized]
     if pen:
         counts = [_counts_of(hist[j], vocab, dev, params[rows[j]].repetition_penalty != 1) for j in pen]
-        knobs = torch.tensor([[params[rows[j]].repetition_penalty, params[rows[j]].presence_penalty,
-                               params[rows[j]].frequency_penalty] for j in pen], dtype=torch.float32).to(dev, non_blocking=True)
+        knobs = torch.tensor(
+            [
+                [
+                    params[rows[j]].repetition_penalty,
+                    params[rows[j]].presence_penalty,
+                    params[rows[j]].frequency_penalty,
+                ]
+                for j in pen
+            ],
+            dtype=torch.float32,
+        ).to(dev, non_blocking=True)
         pidx = torch.tensor(pen).to(dev, non_blocking=True) if len(pen) != len(rows) else None
         y = x if pidx is None else x[pidx]
         out = torch.stack([c.output for c in counts]).float()
@@ -206,16 +219,19 @@ class _NoHistory:
     output_ids: list[int] = []
 
 
-def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], rows: list[int],
-                 generators: list[Optional[torch.Generator]]) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], rows: list[int], generators: list[Optional[torch.Generator]]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token for each of `rows` of fp32 logits, all rows at once: temperature, top-k and
     top-p as tensors over the batch, then an exponential race (argmax of p / Exp(1), which picks
     i with probability p_i) whose noise each row draws from its own generator. Returns (tokens,
     invalid) as device tensors [len(rows)]; nothing here reads the device from the host."""
     dev = logits.device
     ps = [params[i] for i in rows]
-    knobs = torch.tensor([[max(p.temperature, MIN_TEMPERATURE), p.top_k if p.top_k and p.top_k > 0 else 0, p.top_p]
-                          for p in ps], dtype=torch.float32).to(dev, non_blocking=True)
+    knobs = torch.tensor(
+        [[max(p.temperature, MIN_TEMPERATURE), p.top_k if p.top_k and p.top_k > 0 else 0, p.top_p] for p in ps],
+        dtype=torch.float32,
+    ).to(dev, non_blocking=True)
     x = logits[torch.tensor(rows).to(dev, non_blocking=True)] / knobs[:, :1]
     vocab = x.shape[1]
     k_max = max((p.top_k for p in ps if p.top_k and p.top_k > 0), default=0)
@@ -244,9 +260,14 @@ def skip_draw(generator: torch.Generator, vocab: int) -> None:
     torch.empty(vocab, dtype=torch.float32, device=generator.device).exponential_(generator=generator)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[Optional[torch.Generator]],
-           histories: Optional[Sequence[TokenHistory]] = None,
-           eos_ids: Sequence[int] = (), mask: Optional["StepMask"] = None) -> list[Union[Sampled, Exception]]:
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[Optional[torch.Generator]],
+    histories: Optional[Sequence[TokenHistory]] = None,
+    eos_ids: Sequence[int] = (),
+    mask: Optional["StepMask"] = None,
+) -> list[Union[Sampled, Exception]]:
     """One result per row of fp32 logits [B, V]: a Sampled, or the exception that row raised.
     `histories[i]`: row i's prompt and output so far (for the penalties and min_tokens);
     `eos_ids`: the ids min_tokens holds back besides each request's stop_token_ids;
@@ -262,9 +283,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     nan = torch.isnan(raw).any(dim=-1).long() if mask is not None else None  # before -inf hides a NaN
     if mask is not None:
         raw = apply_token_mask(raw, mask.rows, mask.bits)
-    logits = process_logits(raw, params, histories, eos_ids, frozenset(mask.may_end) if mask is not None else frozenset())
+    logits = process_logits(
+        raw, params, histories, eos_ids, frozenset(mask.may_end) if mask is not None else frozenset()
+    )
     out: list[Union[Sampled, Exception, None]] = [None] * len(params)
-    for i, e in (mask.errors.items() if mask is not None else ()):
+    for i, e in mask.errors.items() if mask is not None else ():
         out[i] = SamplingError(f"structured output: {e}")
     for i, (p, gen) in enumerate(zip(params, generators)):
         if gen is not None and not p.greedy and not same_device(gen.device, logits.device):

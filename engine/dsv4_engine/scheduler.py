@@ -47,8 +47,15 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, page_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 slots: Optional[SlotAllocator] = None, prefix_cache: Optional[PrefixCache] = None):
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        page_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        slots: Optional[SlotAllocator] = None,
+        prefix_cache: Optional[PrefixCache] = None,
+    ):
         self.allocator = allocator
         self.cache = prefix_cache
         self.slots = slots
@@ -185,7 +192,9 @@ class Scheduler:
             if n <= 0:
                 continue
             while not self._grow(seq, seq.num_computed + n):
-                victim = next((s for s in reversed(self.running) if s is not seq and all(b.seq is not s for b in batch)), None)
+                victim = next(
+                    (s for s in reversed(self.running) if s is not seq and all(b.seq is not s for b in batch)), None
+                )
                 if victim is None:
                     self._preempt(seq)
                     break

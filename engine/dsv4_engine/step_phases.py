@@ -72,9 +72,14 @@ class StepPhases:
         for kind, tot in self.totals.items():
             n = self.steps.get(kind, 0) or 1
             step = sum(tot.values()) or 1e-12
-            out[kind] = {"steps": self.steps.get(kind, 0), "ms_per_step": round(step * 1000 / n, 3),
-                         "phases": {k: {"ms_per_step": round(v * 1000 / n, 3), "share": round(v / step, 3)}
-                                    for k, v in sorted(tot.items(), key=lambda kv: -kv[1])}}
+            out[kind] = {
+                "steps": self.steps.get(kind, 0),
+                "ms_per_step": round(step * 1000 / n, 3),
+                "phases": {
+                    k: {"ms_per_step": round(v * 1000 / n, 3), "share": round(v / step, 3)}
+                    for k, v in sorted(tot.items(), key=lambda kv: -kv[1])
+                },
+            }
         return out
 
 

@@ -58,8 +58,9 @@ def _text_of(content: Any) -> str:
     return "".join(part["text"] for part in content if isinstance(part, dict) and part.get("type") == "text")
 
 
-def render_chat(messages: Sequence[dict], add_generation_prompt: bool = True,
-                bos_token: str = BOS_TOKEN, eos_token: str = EOS_TOKEN) -> str:
+def render_chat(
+    messages: Sequence[dict], add_generation_prompt: bool = True, bos_token: str = BOS_TOKEN, eos_token: str = EOS_TOKEN
+) -> str:
     """CHAT_TEMPLATE in Python: the same string, without a template engine."""
     system = ""
     for m in messages:
@@ -115,8 +116,15 @@ def _load_chat_template(folder: Path, tok_config: dict) -> Optional[str]:
 
 
 class Tokenizer:
-    def __init__(self, backend: tokenizers.Tokenizer, bos_token: Optional[str], eos_tokens: Iterable[str],
-                 chat_template: Optional[str] = None, add_bos: bool = True, extra_eos_ids: Iterable[int] = ()):
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        bos_token: Optional[str],
+        eos_tokens: Iterable[str],
+        chat_template: Optional[str] = None,
+        add_bos: bool = True,
+        extra_eos_ids: Iterable[int] = (),
+    ):
         self.backend = backend
         self.bos_token = bos_token
         self.bos_id: Optional[int] = backend.token_to_id(bos_token) if bos_token else None
@@ -190,15 +198,17 @@ class Tokenizer:
         return self._render_jinja(messages, add_generation_prompt)
 
     def _render_jinja(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return render_jinja_text(self.chat_template, messages, add_generation_prompt, self.bos_token or "",
-                                 self.eos_token or "")
+        return render_jinja_text(
+            self.chat_template, messages, add_generation_prompt, self.bos_token or "", self.eos_token or ""
+        )
 
     @property
     def added_tokens(self) -> list[str]:
         """Every added (special or not) token's text, longest first: what a rendered prompt may spell."""
         if self._added is None:
-            self._added = sorted((t.content for t in self.backend.get_added_tokens_decoder().values()), key=len,
-                                 reverse=True)
+            self._added = sorted(
+                (t.content for t in self.backend.get_added_tokens_decoder().values()), key=len, reverse=True
+            )
         return self._added
 
     def encode_plain(self, text: str) -> list[int]:
@@ -228,7 +238,7 @@ class Tokenizer:
                 continue
             pos = 0
             for m in self._added_re.finditer(text):
-                run.append(text[pos:m.start()])
+                run.append(text[pos : m.start()])
                 ids += self.encode_plain("".join(run))
                 run = []
                 ids.append(self.backend.token_to_id(m.group(0)))
@@ -241,8 +251,14 @@ class Tokenizer:
 _JINJA_CACHE: dict[str, Any] = {}
 
 
-def render_jinja_text(template: str, messages: list[dict], add_generation_prompt: bool, bos_token: str, eos_token: str,
-                      variables: Optional[dict] = None) -> str:
+def render_jinja_text(
+    template: str,
+    messages: list[dict],
+    add_generation_prompt: bool,
+    bos_token: str,
+    eos_token: str,
+    variables: Optional[dict] = None,
+) -> str:
     """Render a chat template in the environment transformers uses for them: sandboxed, trimmed
     blocks, loop controls, and a raise_exception helper that templates call on bad input."""
     compiled = _JINJA_CACHE.get(template)
@@ -252,12 +268,19 @@ def render_jinja_text(template: str, messages: list[dict], add_generation_prompt
         def raise_exception(message: str) -> None:
             raise ValueError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
         env.globals["raise_exception"] = raise_exception
         compiled = _JINJA_CACHE[template] = env.from_string(template)
-    return compiled.render(**(variables or {}), messages=messages, add_generation_prompt=add_generation_prompt,
-                           bos_token=bos_token, eos_token=eos_token)
+    return compiled.render(
+        **(variables or {}),
+        messages=messages,
+        add_generation_prompt=add_generation_prompt,
+        bos_token=bos_token,
+        eos_token=eos_token,
+    )
 
 
 class IncrementalDetokenizer:
@@ -276,7 +299,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        context = list(prompt_ids[-self._PROMPT_CONTEXT:])
+        context = list(prompt_ids[-self._PROMPT_CONTEXT :])
         if "\ufffd" in self._decode(context):  # a prompt cut inside a character is no useful context
             context = []
         self._ids: list[int] = context
@@ -289,20 +312,20 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         self._ids.append(int(token_id))
-        before = self._decode(self._ids[self._prefix:self._read])
-        after = self._decode(self._ids[self._prefix:])
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
-        delta = after[len(before):]
+        delta = after[len(before) :]
         self._prefix, self._read = self._read, len(self._ids)
         self.text += delta
         return delta
 
     def flush(self) -> str:
         """The held-back text (an incomplete character decodes to U+FFFD, as a full decode would)."""
-        before = self._decode(self._ids[self._prefix:self._read])
-        after = self._decode(self._ids[self._prefix:])
-        delta = after[len(before):]
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
+        delta = after[len(before) :]
         self._prefix = self._read = len(self._ids)
         self.text += delta
         return delta

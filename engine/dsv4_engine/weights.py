@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from dsv4_engine.quant import checkpoint_scheme, pair_quantized
 from dsv4_engine.quant.scheme import MTP as _MTP
+
 log = logging.getLogger("dsv4.engine")
 
 

@@ -57,8 +57,11 @@ class Admission:
             return
         if what == "reject":
             self.rejected += 1
-            raise Overloaded(f"the router is at its limit of {self.max_inflight} requests in flight "
-                             f"and {self.max_queue} waiting; retry later", self.retry_after)
+            raise Overloaded(
+                f"the router is at its limit of {self.max_inflight} requests in flight "
+                f"and {self.max_queue} waiting; retry later",
+                self.retry_after,
+            )
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         try:
@@ -75,8 +78,10 @@ class Admission:
         fut.cancel()
         self._forget(fut)
         self.rejected += 1
-        raise Overloaded(f"waited {self.queue_timeout:g}s for one of the router's {self.max_inflight} "
-                         "request slots; retry later", self.retry_after)
+        raise Overloaded(
+            f"waited {self.queue_timeout:g}s for one of the router's {self.max_inflight} request slots; retry later",
+            self.retry_after,
+        )
 
     def release(self) -> None:
         while self._waiters:

@@ -94,8 +94,9 @@ class ConversationKeys:
         prompt = _plain_prompt(body) if own is not None and "chat" not in path else None
         if prompt is None:
             return own
-        kind, limit, least = (("text", KEY_CHARS, MIN_ROOT_CHARS) if isinstance(prompt, str)
-                              else ("ids", KEY_TOKENS, MIN_ROOT_TOKENS))
+        kind, limit, least = (
+            ("text", KEY_CHARS, MIN_ROOT_CHARS) if isinstance(prompt, str) else ("ids", KEY_TOKENS, MIN_ROOT_TOKENS)
+        )
         lead = prompt[:limit] if kind == "text" else tuple(prompt[:limit])
         roots = self._roots[kind]
         key = own
@@ -123,7 +124,9 @@ class ConversationKeys:
 
 
 def _score(key: str, url: str) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{url}\x00{key}".encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big")
+    return int.from_bytes(
+        hashlib.blake2b(f"{url}\x00{key}".encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big"
+    )
 
 
 def preference(key: str, urls: Sequence[str]) -> list[str]:

@@ -72,14 +72,17 @@ def parse_body(raw: bytes, max_depth: int = MAX_DEPTH) -> dict:
     if not _depth_ok(body, max_depth):
         raise APIError(f"request body nests deeper than {max_depth} levels")
     if _lone_surrogate(body):
-        raise APIError("request body is not valid JSON: a string holds a lone surrogate escape (\\ud800-\\udfff "
-                       "without its pair), which is no Unicode character")
+        raise APIError(
+            "request body is not valid JSON: a string holds a lone surrogate escape (\\ud800-\\udfff "
+            "without its pair), which is no Unicode character"
+        )
     return body
 
 
 def too_large(max_bytes: int) -> APIError:
-    return APIError(f"request body is larger than {max_bytes} bytes", 413, "invalid_request_error",
-                    code="request_too_large")
+    return APIError(
+        f"request body is larger than {max_bytes} bytes", 413, "invalid_request_error", code="request_too_large"
+    )
 
 
 async def read_limited(content_length: Optional[str], chunks: AsyncIterator[bytes], max_bytes: int) -> bytes:

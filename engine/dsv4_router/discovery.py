@@ -81,10 +81,19 @@ async def watch_pods(router, namespace: str, selector: Optional[str]) -> None:
                 sync(router, pods)
                 await _check_new(router)
                 w = watch.Watch()
-                async with w.stream(api.list_namespaced_pod, namespace, label_selector=selector or "",
-                                    resource_version=listed.metadata.resource_version, timeout_seconds=300) as events:
+                async with w.stream(
+                    api.list_namespaced_pod,
+                    namespace,
+                    label_selector=selector or "",
+                    resource_version=listed.metadata.resource_version,
+                    timeout_seconds=300,
+                ) as events:
                     async for ev in events:
-                        obj = ev["raw_object"] if "raw_object" in ev else api_client.sanitize_for_serialization(ev["object"])
+                        obj = (
+                            ev["raw_object"]
+                            if "raw_object" in ev
+                            else api_client.sanitize_for_serialization(ev["object"])
+                        )
                         name = _get(obj, "metadata", "name")
                         if ev["type"] == "DELETED":
                             pods.pop(name, None)

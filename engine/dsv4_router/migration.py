@@ -115,10 +115,23 @@ class Resume:
         body.pop("best_of", None)
         if "seed" in body:
             body["seed"] = choice_seed(body["seed"], j)
-        kid = Resume(f"{self.rid}-c{j}", body, stream=True, client_wants_ids=self.client_wants_ids,
-                     tokens=list(self.choice_tokens.get(j, ())), created=self.created, attempts=self.attempts,
-                     resends=self.resends, reasons=self.reasons, placing_s=self.placing_s, t0=self.t0,
-                     span=self.span, trace_in=self.trace_in, parent=self, index=j)
+        kid = Resume(
+            f"{self.rid}-c{j}",
+            body,
+            stream=True,
+            client_wants_ids=self.client_wants_ids,
+            tokens=list(self.choice_tokens.get(j, ())),
+            created=self.created,
+            attempts=self.attempts,
+            resends=self.resends,
+            reasons=self.reasons,
+            placing_s=self.placing_s,
+            t0=self.t0,
+            span=self.span,
+            trace_in=self.trace_in,
+            parent=self,
+            index=j,
+        )
         if j in self.roles:
             kid.roles.add(0)
         self.kids.append(kid)
@@ -134,8 +147,10 @@ class Resume:
         obj = json.loads(json.dumps(chunks[0]))
         u = obj["usage"]
         continued = {k.index: k.usage_chunk["usage"] for k in self.kids if k.usage_chunk and k.usage_chunk.get("usage")}
-        completion = sum(continued[j]["completion_tokens"] if j in continued else len(self.choice_tokens.get(j, ()))
-                         for j in range(self.n))
+        completion = sum(
+            continued[j]["completion_tokens"] if j in continued else len(self.choice_tokens.get(j, ()))
+            for j in range(self.n)
+        )
         u["completion_tokens"] = completion
         u["total_tokens"] = u.get("prompt_tokens", 0) + completion
         thought = [(c.get("completion_tokens_details") or {}).get("reasoning_tokens") for c in continued.values()]
@@ -204,8 +219,12 @@ class Resume:
                 if isinstance(delta, dict) and "role" in delta:
                     if j in self.roles:  # a choice restarted from nothing: its role chunk was sent
                         del delta["role"]
-                        if not delta.get("content") and len(delta) <= 1 and c.get("finish_reason") is None \
-                                and not c.get("token_ids"):
+                        if (
+                            not delta.get("content")
+                            and len(delta) <= 1
+                            and c.get("finish_reason") is None
+                            and not c.get("token_ids")
+                        ):
                             continue
                     self.roles.add(j)
                 ids = c.get("token_ids") if self.client_wants_ids else c.pop("token_ids", None)

@@ -62,8 +62,12 @@ class RelayResponse(StreamingResponse):
                 t.cancel()
             await asyncio.gather(stream, gone, return_exceptions=True)
             await self.close()
-        if stream.done() and not stream.cancelled() and stream.exception() is not None \
-                and not isinstance(stream.exception(), OSError):
+        if (
+            stream.done()
+            and not stream.cancelled()
+            and stream.exception() is not None
+            and not isinstance(stream.exception(), OSError)
+        ):
             raise stream.exception()  # a bug, not a client gone: let the server log it
 
     async def close(self) -> None:

@@ -63,14 +63,18 @@ PIN_HEADER = "x-dsv4-pin-worker"
 log = logging.getLogger("dsv4.router")
 
 
-
 def _key_limits(self) -> TenantLimits:
     return TenantLimits(self.key_max_concurrency, self.key_rate_limit, self.key_rate_burst)
 
 
 # The options of `dsv4 router` (their one declaration: dsv4_wire.router_options).
-RouterArgs = dataclass_of("RouterArgs", ROUTER_OPTIONS, ["router"], doc="The options of dsv4_wire.router_options.",
-                          namespace={"key_limits": property(_key_limits), "__module__": __name__})
+RouterArgs = dataclass_of(
+    "RouterArgs",
+    ROUTER_OPTIONS,
+    ["router"],
+    doc="The options of dsv4_wire.router_options.",
+    namespace={"key_limits": property(_key_limits), "__module__": __name__},
+)
 
 
 @dataclass
@@ -92,9 +96,16 @@ class Worker:
         return httpx.URL(self.url).host
 
     def view(self) -> dict:
-        return {"url": self.url, "role": self.role, "healthy": self.healthy, "reason": self.reason,
-                "inflight": self.inflight, "bootstrap_port": self.bootstrap_port, "source": self.source,
-                "canary": self.canary}
+        return {
+            "url": self.url,
+            "role": self.role,
+            "healthy": self.healthy,
+            "reason": self.reason,
+            "inflight": self.inflight,
+            "bootstrap_port": self.bootstrap_port,
+            "source": self.source,
+            "canary": self.canary,
+        }
 
 
 @dataclass
@@ -131,15 +142,31 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("dsv4_router:requests", "Requests received", ["endpoint"], registry=self.registry)
-        self.errors = Counter("dsv4_router:errors", "Requests answered with an error", ["status"], registry=self.registry)
+        self.errors = Counter(
+            "dsv4_router:errors", "Requests answered with an error", ["status"], registry=self.registry
+        )
         self.retries = Counter("dsv4_router:retries", "Requests retried on another pair", registry=self.registry)
-        self.worker_requests = Counter("dsv4_router:worker_requests", "Requests sent per worker", ["worker", "role"], registry=self.registry)
-        self.worker_healthy = Gauge("dsv4_router:worker_healthy", "1 when the worker is in rotation", ["worker", "role"], registry=self.registry)
-        self.inflight = Gauge("dsv4_router:inflight_requests", "Requests holding an admission slot", registry=self.registry)
-        self.queued = Gauge("dsv4_router:queued_requests", "Requests waiting for an admission slot", registry=self.registry)
-        self.rejected = Counter("dsv4_router:rejected", "Requests refused with 429 (router at its limit)", registry=self.registry)
-        self.migrations = Counter("dsv4:router_migrations", "Requests re-sent to another engine after a failure, by why",
-                                  ["reason"], registry=self.registry)
+        self.worker_requests = Counter(
+            "dsv4_router:worker_requests", "Requests sent per worker", ["worker", "role"], registry=self.registry
+        )
+        self.worker_healthy = Gauge(
+            "dsv4_router:worker_healthy", "1 when the worker is in rotation", ["worker", "role"], registry=self.registry
+        )
+        self.inflight = Gauge(
+            "dsv4_router:inflight_requests", "Requests holding an admission slot", registry=self.registry
+        )
+        self.queued = Gauge(
+            "dsv4_router:queued_requests", "Requests waiting for an admission slot", registry=self.registry
+        )
+        self.rejected = Counter(
+            "dsv4_router:rejected", "Requests refused with 429 (router at its limit)", registry=self.registry
+        )
+        self.migrations = Counter(
+            "dsv4:router_migrations",
+            "Requests re-sent to another engine after a failure, by why",
+            ["reason"],
+            registry=self.registry,
+        )
 
 
 class WorkerPool:
@@ -159,8 +186,9 @@ class WorkerPool:
     def pick(self, role: str, exclude: set[str] = frozenset(), key: Optional[str] = None) -> Optional[Worker]:
         """The least busy ready worker of a role; with a key (prefix affinity, see affinity.py),
         the one the key prefers unless it is much busier than the least busy."""
-        ready = [w for w in self.workers.values()
-                 if w.role == role and w.healthy and not w.canary and w.url not in exclude]
+        ready = [
+            w for w in self.workers.values() if w.role == role and w.healthy and not w.canary and w.url not in exclude
+        ]
         if not ready:
             ready = [w for w in self.workers.values() if w.role == role and w.healthy and not w.canary]
         if not ready:
@@ -193,8 +221,12 @@ class Router:
         self._checking: dict[str, asyncio.Task] = {}
 
     async def start(self) -> None:
-        self.up = Upstreams(self.args.max_inflight, self.args.request_timeout, self.args.health_timeout,
-                            self.args.pd_secret or self.args.engine_api_key)
+        self.up = Upstreams(
+            self.args.max_inflight,
+            self.args.request_timeout,
+            self.args.health_timeout,
+            self.args.pd_secret or self.args.engine_api_key,
+        )
         await self.check_all()
         self._tasks.append(asyncio.create_task(self._health_loop()))
         if self.args.discover_namespace:
@@ -270,8 +302,9 @@ class Router:
             raise APIError(f"the pinned worker {w.url} is not ready: {w.reason}", 503, "service_unavailable")
         return w
 
-    def _pair(self, exclude: set[str], key: Optional[str] = None, pin: Optional[str] = None
-              ) -> tuple[Optional[Worker], Worker]:
+    def _pair(
+        self, exclude: set[str], key: Optional[str] = None, pin: Optional[str] = None
+    ) -> tuple[Optional[Worker], Worker]:
         """key: the request's prefix-affinity key; it steers the engine that prefills (prefill or
         mono: the one whose prefix cache it hopes to hit), never decode (it receives every page).
         pin: the decode or mono worker this request must reach (a canary probe's)."""
@@ -300,8 +333,13 @@ class Router:
             refusal = admin_refusal(http.headers, self.args.admin_token, http.client.host if http.client else None)
             if refusal is not None:
                 status, message = refusal
-                return self.error(APIError(f"{PIN_HEADER}: {message}", status,
-                                           "authentication_error" if status == 401 else "permission_error"))
+                return self.error(
+                    APIError(
+                        f"{PIN_HEADER}: {message}",
+                        status,
+                        "authentication_error" if status == 401 else "permission_error",
+                    )
+                )
         try:
             raw = await read_limited(http.headers.get("content-length"), http.stream(), self.args.max_body_bytes)
             body = parse_body(raw)
@@ -343,14 +381,17 @@ class Router:
         while (await http.receive())["type"] != "http.disconnect":
             pass
 
-    async def _admitted(self, path: str, body: dict, slot: Slot, trace_in: Optional[dict] = None,
-                        pin: Optional[str] = None) -> Response:
+    async def _admitted(
+        self, path: str, body: dict, slot: Slot, trace_in: Optional[dict] = None, pin: Optional[str] = None
+    ) -> Response:
         try:
             await slot.acquire()
         except Overloaded as e:
             self.metrics.rejected.inc()
-            return self.error(APIError(e.reason, 429, "rate_limit_exceeded", code="router_overloaded"),
-                              {"Retry-After": str(e.retry_after)})
+            return self.error(
+                APIError(e.reason, 429, "rate_limit_exceeded", code="router_overloaded"),
+                {"Retry-After": str(e.retry_after)},
+            )
         return await self._route(path, body, slot, trace_in or {}, pin)
 
     async def _route(self, path: str, body: dict, slot: Slot, trace_in: dict, pin: Optional[str] = None) -> Response:
@@ -359,8 +400,12 @@ class Router:
         st = Resume(rid, body, stream=bool(body.get("stream")), client_wants_ids=body.get("return_token_ids") is True)
         st.trace_in = trace_in
         st.pin = pin
-        st.span = self.tracing.start("router.request", headers=trace_in, kind="server",
-                                     attributes={"dsv4.rid": rid, "http.route": path, "dsv4.stream": st.stream})
+        st.span = self.tracing.start(
+            "router.request",
+            headers=trace_in,
+            kind="server",
+            attributes={"dsv4.rid": rid, "http.route": path, "dsv4.stream": st.stream},
+        )
         key = self.keys.key(path, body)
         handed_off = False
         try:
@@ -374,7 +419,9 @@ class Router:
                 content = await placed.resp.aread()
             except httpx.HTTPError as e:  # the body of a non-streaming answer broke off
                 self._connection_failed(placed.d, e)
-                return self.error(APIError(f"the decode engine's answer broke off: {type(e).__name__}", 502, "server_error"))
+                return self.error(
+                    APIError(f"the decode engine's answer broke off: {type(e).__name__}", 502, "server_error")
+                )
             finally:
                 await placed.close()
             return Response(_with_id(content, st.rid), 200, media_type="application/json")
@@ -386,8 +433,9 @@ class Router:
         self.metrics.errors.labels(str(e.status)).inc()
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
-    async def _place(self, path: str, st: Resume, key: Optional[str], reason: Optional[str] = None,
-                     failed: frozenset = frozenset()) -> "Leg | Response":
+    async def _place(
+        self, path: str, st: Resume, key: Optional[str], reason: Optional[str] = None, failed: frozenset = frozenset()
+    ) -> "Leg | Response":
         """Send the request (again, after `reason`, away from the workers in `failed`) until an
         engine is on its way with it: a Leg, or the final answer (a 4xx, or the one clear error
         once --migration-limit or --migration-timeout is spent).
@@ -406,8 +454,9 @@ class Router:
                 if reason is not None:
                     t_break = t_break or time.monotonic()
                     budget = a.migration_timeout - st.placing_s - (time.monotonic() - t_break)
-                    if (reason != UNREACHABLE and st.resends >= allowed_resends(a.migration_limit, st.started)) \
-                            or budget <= 0:
+                    if (
+                        reason != UNREACHABLE and st.resends >= allowed_resends(a.migration_limit, st.started)
+                    ) or budget <= 0:
                         return self._gave_up(st, last, budget <= 0)
                 try:
                     p, d = self._pair(tried, key, st.pin)
@@ -420,7 +469,9 @@ class Router:
                     continue
                 tried.update({d.url} | ({p.url} if p else set()))
                 if reason is not None:
-                    tracing.event(st.span, "migration", reason=reason, tokens_carried=len(st.tokens), attempt=st.attempts)
+                    tracing.event(
+                        st.span, "migration", reason=reason, tokens_carried=len(st.tokens), attempt=st.attempts
+                    )
                     st.reasons.append(f"{reason} after {len(st.tokens)} token(s)")
                     st.resends += reason != UNREACHABLE  # an engine that was never reached costs only time
                     self.metrics.migrations.labels(reason).inc()
@@ -428,9 +479,17 @@ class Router:
                         self.metrics.retries.inc()
                 body = st.attempt_body()
                 st.attempts += 1
-                span = self.tracing.start("router.attempt", parent=st.span, attributes={
-                    "dsv4.attempt": st.attempts, "dsv4.decode": d.url, "dsv4.prefill": p.url if p else None,
-                    "dsv4.migration_reason": reason, "dsv4.continuation_tokens": len(st.tokens)})
+                span = self.tracing.start(
+                    "router.attempt",
+                    parent=st.span,
+                    attributes={
+                        "dsv4.attempt": st.attempts,
+                        "dsv4.decode": d.url,
+                        "dsv4.prefill": p.url if p else None,
+                        "dsv4.migration_reason": reason,
+                        "dsv4.continuation_tokens": len(st.tokens),
+                    },
+                )
                 opening = self._open(path, body, p, d, span, st.trace_in)
                 try:
                     result = await (opening if reason is None else asyncio.wait_for(opening, max(budget, 0.01)))
@@ -456,20 +515,33 @@ class Router:
         if last is not None and last.content and not st.started and not timed_out:
             self.metrics.errors.labels(str(last.status)).inc()
             return Response(last.content, last.status, media_type="application/json")
-        why = (f"no engine took it over within --migration-timeout ({self.args.migration_timeout:g}s)" if timed_out
-               else f"it failed on {st.attempts} engine(s) (--migration-limit {self.args.migration_limit})")
-        return self.error(APIError(f"the request could not be completed: {why}; see the engines' logs", 503,
-                                   "service_unavailable"), {"Retry-After": "2"})
+        why = (
+            f"no engine took it over within --migration-timeout ({self.args.migration_timeout:g}s)"
+            if timed_out
+            else f"it failed on {st.attempts} engine(s) (--migration-limit {self.args.migration_limit})"
+        )
+        return self.error(
+            APIError(f"the request could not be completed: {why}; see the engines' logs", 503, "service_unavailable"),
+            {"Retry-After": "2"},
+        )
 
     def _log_moves(self, st: Resume) -> None:
-        tracing.end(st.span, migrations=len(st.reasons), completion_tokens_relayed=len(st.tokens) if st.stream else None)
+        tracing.end(
+            st.span, migrations=len(st.reasons), completion_tokens_relayed=len(st.tokens) if st.stream else None
+        )
         st.span = None
         if st.reasons:
-            log.info("request %s: migrations=%d (%s), %.2fs re-placing", st.rid, len(st.reasons), "; ".join(st.reasons),
-                     st.placing_s)
+            log.info(
+                "request %s: migrations=%d (%s), %.2fs re-placing",
+                st.rid,
+                len(st.reasons),
+                "; ".join(st.reasons),
+                st.placing_s,
+            )
 
-    async def _open(self, path: str, body: dict, p: Optional[Worker], d: Worker, span=None,
-                    trace_in: Optional[dict] = None) -> "Leg | Response | Retry":
+    async def _open(
+        self, path: str, body: dict, p: Optional[Worker], d: Worker, span=None, trace_in: Optional[dict] = None
+    ) -> "Leg | Response | Retry":
         """One send to one pair, up to the decode's first event: a Leg on its way, a final
         answer (4xx), or a Retry (failed before any output)."""
         prefill: Optional[asyncio.Task] = None
@@ -504,22 +576,28 @@ class Router:
         finally:
             if not opening.done():
                 opening.cancel()  # it closes its response itself
-            elif not handed_off and not opening.cancelled() and opening.exception() is None \
-                    and isinstance(opening.result(), tuple):
+            elif (
+                not handed_off
+                and not opening.cancelled()
+                and opening.exception() is None
+                and isinstance(opening.result(), tuple)
+            ):
                 await opening.result()[0].aclose()  # opened, then abandoned (client left)
             if not handed_off:
                 d.inflight -= 1
                 if prefill is not None and not prefill.done():
                     prefill.cancel()  # closing the connection aborts the request on prefill
 
-    async def _open_decode(self, path: str, body: dict, d: Worker, headers: Optional[dict] = None
-                           ) -> "tuple[httpx.Response, AsyncIterator[bytes], bytes] | Response | Retry":
+    async def _open_decode(
+        self, path: str, body: dict, d: Worker, headers: Optional[dict] = None
+    ) -> "tuple[httpx.Response, AsyncIterator[bytes], bytes] | Response | Retry":
         """Send to decode and read up to its first event: (response, its byte stream, first
         bytes) when it is on its way, else the final answer or a Retry."""
         client = self.up.decode
         try:
-            resp = await client.send(client.build_request("POST", f"{d.url}{path}", json=body, headers=headers),
-                                     stream=True)
+            resp = await client.send(
+                client.build_request("POST", f"{d.url}{path}", json=body, headers=headers), stream=True
+            )
         except httpx.HTTPError as e:
             self._connection_failed(d, e)
             return Retry(502, b"", UNREACHABLE if isinstance(e, CONNECTION_FAILURES) else BROKEN)
@@ -553,7 +631,9 @@ class Router:
             await resp.aclose()
             raise
 
-    async def _prefill(self, path: str, body: dict, p: Worker, parent=None, trace_in: Optional[dict] = None) -> tuple[int, bytes]:
+    async def _prefill(
+        self, path: str, body: dict, p: Worker, parent=None, trace_in: Optional[dict] = None
+    ) -> tuple[int, bytes]:
         """The prefill leg; (0, b"") when the prefill engine could not be reached."""
         p.inflight += 1
         self.metrics.worker_requests.labels(p.url, p.role).inc()
@@ -624,8 +704,9 @@ class Router:
         message = msg.get("error", {}).get("message") if isinstance(msg, dict) else None
         return error_events(message or "the decode engine's stream broke off", 503)
 
-    async def _split(self, path: str, st: Resume, key: Optional[str], reason: str,
-                     failed: frozenset) -> AsyncIterator[bytes]:
+    async def _split(
+        self, path: str, st: Resume, key: Optional[str], reason: str, failed: frozenset
+    ) -> AsyncIterator[bytes]:
         """A stream of n > 1 choices broke: each unfinished choice goes on as its own n = 1
         request (see migration.py), their events merged into the client's stream as they come;
         then one usage chunk for all of them and [DONE]. The first child that gives up ends the
@@ -740,8 +821,12 @@ def build_app(router: Router) -> FastAPI:
             await router.stop()
 
     app = FastAPI(title="dsv4 router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    app.add_middleware(TenantGate, limiter=KeyLimiter(router.args.key_limits), metrics=TenantMetrics(router.metrics.registry),
-                       salt_from_key=router.args.cache_salt_from_api_key)
+    app.add_middleware(
+        TenantGate,
+        limiter=KeyLimiter(router.args.key_limits),
+        metrics=TenantMetrics(router.metrics.registry),
+        salt_from_key=router.args.cache_salt_from_api_key,
+    )
     app.add_middleware(ApiKeyGate, ring=KeyRing(router.args.api_keys))  # outermost: who calls, first
 
     @app.exception_handler(StarletteHTTPException)
@@ -754,7 +839,9 @@ def build_app(router: Router) -> FastAPI:
     async def _internal_error(_: Request, e: Exception):
         ref = uuid.uuid4().hex[:12]
         log.exception("router error (reference %s)", ref)
-        return router.error(APIError(f"internal router error (reference {ref}: see the router's log)", 500, "server_error"))
+        return router.error(
+            APIError(f"internal router error (reference {ref}: see the router's log)", 500, "server_error")
+        )
 
     def guard(http: Request) -> Optional[JSONResponse]:
         refusal = admin_refusal(http.headers, router.args.admin_token, http.client.host if http.client else None)
@@ -788,7 +875,9 @@ def build_app(router: Router) -> FastAPI:
                     return JSONResponse(r.json(), r.status_code)
                 except (httpx.HTTPError, ValueError):
                     continue
-        return router.error(APIError("no healthy engine is available", 503, "service_unavailable"), {"Retry-After": "2"})
+        return router.error(
+            APIError("no healthy engine is available", 503, "service_unavailable"), {"Retry-After": "2"}
+        )
 
     @app.get(Paths.HEALTH)
     async def health():
@@ -846,8 +935,11 @@ def run_router(args: RouterArgs) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     router = Router(args)
-    print(f"dsv4 router on http://{args.host}:{args.port} "
-          f"(prefill {len(args.prefill)}, decode {len(args.decode)}, mono {len(args.mono)}"
-          f"{', discovering in ' + args.discover_namespace if args.discover_namespace else ''}; "
-          f"up to {args.max_inflight} requests in flight, {args.max_queue} queued)", flush=True)
+    print(
+        f"dsv4 router on http://{args.host}:{args.port} "
+        f"(prefill {len(args.prefill)}, decode {len(args.decode)}, mono {len(args.mono)}"
+        f"{', discovering in ' + args.discover_namespace if args.discover_namespace else ''}; "
+        f"up to {args.max_inflight} requests in flight, {args.max_queue} queued)",
+        flush=True,
+    )
     uvicorn.run(build_app(router), host=args.host, port=args.port, log_level="warning")

@@ -99,19 +99,30 @@ def apply_cache_salt(body: dict, scope: dict) -> None:
 
 class TenantMetrics:
     def __init__(self, registry: CollectorRegistry):
-        self.requests = Counter("dsv4_router:key_requests", "Generation requests per API key (name or key-<hash>) "
-                                "and result: admitted, or refused for concurrency or rate",
-                                ["key", "result"], registry=registry)
-        self.inflight = Gauge("dsv4_router:key_inflight_requests", "Generation requests in flight per API key",
-                              ["key"], registry=registry)
+        self.requests = Counter(
+            "dsv4_router:key_requests",
+            "Generation requests per API key (name or key-<hash>) "
+            "and result: admitted, or refused for concurrency or rate",
+            ["key", "result"],
+            registry=registry,
+        )
+        self.inflight = Gauge(
+            "dsv4_router:key_inflight_requests", "Generation requests in flight per API key", ["key"], registry=registry
+        )
 
 
 class TenantGate:
     """ASGI middleware inside dsv4_wire.api_keys.ApiKeyGate (which left the caller's key in the
     scope): per-key limits and the derived cache salt on generation requests."""
 
-    def __init__(self, app, limiter: KeyLimiter, metrics: TenantMetrics, salt_from_key: bool = False,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        app,
+        limiter: KeyLimiter,
+        metrics: TenantMetrics,
+        salt_from_key: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.app = app
         self.limiter = limiter
         self.metrics = metrics
@@ -143,9 +154,25 @@ class TenantGate:
 
 async def _too_many(send, why: str, wait: int) -> None:
     what = "requests in flight" if why == "concurrency" else "requests per second"
-    body = json.dumps({"error": {"message": f"this API key is at its limit of {what}; retry after {wait}s",
-                                 "type": "rate_limit_exceeded", "param": None, "code": f"key_{why}_limit"}}).encode()
-    await send({"type": "http.response.start", "status": 429, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        (b"retry-after", str(wait).encode())]})
+    body = json.dumps(
+        {
+            "error": {
+                "message": f"this API key is at its limit of {what}; retry after {wait}s",
+                "type": "rate_limit_exceeded",
+                "param": None,
+                "code": f"key_{why}_limit",
+            }
+        }
+    ).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 429,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"retry-after", str(wait).encode()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

@@ -55,14 +55,16 @@ class Upstreams:
                 limits=httpx.Limits(max_connections=n, max_keepalive_connections=n, keepalive_expiry=10.0),
                 # pool: sized so an admitted request never waits; if it ever does, fail the
                 # attempt (retried) rather than wait forever
-                timeout=httpx.Timeout(request_timeout, connect=5.0, pool=10.0))
+                timeout=httpx.Timeout(request_timeout, connect=5.0, pool=10.0),
+            )
 
         self.prefill = data_client()
         self.decode = data_client()
         self.control = httpx.AsyncClient(
             headers=headers,
             limits=httpx.Limits(max_connections=plan.control_connections, max_keepalive_connections=16),
-            timeout=httpx.Timeout(health_timeout, pool=health_timeout))
+            timeout=httpx.Timeout(health_timeout, pool=health_timeout),
+        )
 
     async def aclose(self) -> None:
         for c in (self.prefill, self.decode, self.control):

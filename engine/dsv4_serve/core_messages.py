@@ -113,11 +113,20 @@ def params_of(row: tuple) -> SamplingParams:
     return SamplingParams(**kw)
 
 
-def add_msg(key: int, rid: str, prompt_ids: list[int], params: SamplingParams, pd: Optional[tuple],
-            prefill_only: bool, arrival: float, share_prefix_of: Optional[str] = None,
-            output_ids: Optional[list[int]] = None) -> Add:
-    return Add(key, rid, prompt_ids, params_row(params), pd, prefill_only, arrival, share_prefix_of,
-               list(output_ids or ()))
+def add_msg(
+    key: int,
+    rid: str,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    pd: Optional[tuple],
+    prefill_only: bool,
+    arrival: float,
+    share_prefix_of: Optional[str] = None,
+    output_ids: Optional[list[int]] = None,
+) -> Add:
+    return Add(
+        key, rid, prompt_ids, params_row(params), pd, prefill_only, arrival, share_prefix_of, list(output_ids or ())
+    )
 
 
 _output_values = attrgetter(*OUTPUT_FIELDS)  # C-speed: one engine step may carry hundreds of rows

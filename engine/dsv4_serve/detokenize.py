@@ -59,11 +59,22 @@ class OutputProcessor:
                 break
         hold = 0 if finished else self._hold
         upto = max(self.emitted, len(self.text) - hold)
-        delta = self.text[self.emitted:upto]
+        delta = self.text[self.emitted : upto]
         self.emitted = upto
-        logprobs = out.logprobs[:len(kept)] if out.logprobs is not None else None
-        return RequestOutput(out.rid, kept, delta, finished, reason, out.error if reason == out.finish_reason else None,
-                             out.error_code, out.prompt_tokens, self.completion, logprobs, out.cached_tokens)
+        logprobs = out.logprobs[: len(kept)] if out.logprobs is not None else None
+        return RequestOutput(
+            out.rid,
+            kept,
+            delta,
+            finished,
+            reason,
+            out.error if reason == out.finish_reason else None,
+            out.error_code,
+            out.prompt_tokens,
+            self.completion,
+            logprobs,
+            out.cached_tokens,
+        )
 
     def _cut_at_stop(self) -> bool:
         start = max(0, self.emitted - self._longest)

@@ -75,8 +75,9 @@ class EngineRequest:
 
 
 def _error_output(rid: str, message: str, code: int, prompt_tokens: int = 0) -> RequestOutput:
-    return RequestOutput(rid, [], "", True, "error" if code >= 500 and code != 503 else "abort", message, code,
-                         prompt_tokens, 0)
+    return RequestOutput(
+        rid, [], "", True, "error" if code >= 500 and code != 503 else "abort", message, code, prompt_tokens, 0
+    )
 
 
 class _RemoteFaults:
@@ -232,8 +233,9 @@ class EngineClient:
 
     # ---- requests --------------------------------------------------------------------------------
 
-    async def generate(self, req: EngineRequest, closed: bool = False,
-                       processor: Optional[OutputProcessor] = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, req: EngineRequest, closed: bool = False, processor: Optional[OutputProcessor] = None
+    ) -> AsyncIterator[RequestOutput]:
         """The outputs of one request as the core produces them, turned into text by `processor`
         (which also judges stop strings); leaving early aborts it."""
         if closed:  # prepared while the drain ran out: never reaches the engine
@@ -249,8 +251,19 @@ class EngineClient:
         finished = False
         try:
             try:
-                self._send(m.add_msg(key, req.rid, req.prompt_ids, req.params, req.pd, req.prefill_only, req.arrival,
-                                     req.share_prefix_of, req.output_ids))
+                self._send(
+                    m.add_msg(
+                        key,
+                        req.rid,
+                        req.prompt_ids,
+                        req.params,
+                        req.pd,
+                        req.prefill_only,
+                        req.arrival,
+                        req.share_prefix_of,
+                        req.output_ids,
+                    )
+                )
             except EngineGone:
                 finished = True
                 yield _error_output(req.rid, f"request failed: {self.dead}", 500, len(req.prompt_ids))

@@ -85,8 +85,7 @@ class CoreServer:
                 if self._handle(msg):
                     return
             except Exception:  # a malformed message must not end the core
-                log.error("engine core could not handle a message of %d bytes:\n%s", len(data),
-                          traceback.format_exc())
+                log.error("engine core could not handle a message of %d bytes:\n%s", len(data), traceback.format_exc())
 
     def _handle(self, msg: m.Message) -> bool:
         """One message from the HTTP process; True once it asked the core to shut down."""
@@ -128,8 +127,14 @@ class CoreServer:
     def _add(self, msg: m.Add) -> None:
         from dsv4_engine.sequence import Sequence
 
-        seq = Sequence(rid=msg.rid, prompt_ids=msg.prompt_ids, params=m.params_of(msg.params), arrival=msg.arrival,
-                       share_prefix_of=msg.share_prefix_of, output_ids=list(msg.output_ids))
+        seq = Sequence(
+            rid=msg.rid,
+            prompt_ids=msg.prompt_ids,
+            params=m.params_of(msg.params),
+            arrival=msg.arrival,
+            share_prefix_of=msg.share_prefix_of,
+            output_ids=list(msg.output_ids),
+        )
         if msg.pd is not None:
             from dsv4_engine.pd import PDRequestInfo
 
@@ -144,8 +149,12 @@ class CoreServer:
 
     def _state(self, _arg: Any) -> dict:
         engine = self.engine
-        return {"alive": engine.alive, "stalled": time.monotonic() - engine.last_iteration,
-                "draining": engine.draining, "seqs": len(engine.seqs)}
+        return {
+            "alive": engine.alive,
+            "stalled": time.monotonic() - engine.last_iteration,
+            "draining": engine.draining,
+            "seqs": len(engine.seqs),
+        }
 
     def _loads(self, _arg: Any) -> dict:
         for _ in range(5):  # read without stopping the engine thread; a resized queue retries
@@ -167,8 +176,13 @@ class CoreServer:
         self.engine.draining = True
 
     def _channel(self, _arg: Any) -> dict:
-        return {"msgs_in": self.msgs_in, "msgs_out": self.msgs_out, "bytes_in": self.bytes_in,
-                "bytes_out": self.bytes_out, "rss_bytes": _rss()}
+        return {
+            "msgs_in": self.msgs_in,
+            "msgs_out": self.msgs_out,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "rss_bytes": _rss(),
+        }
 
     def _pd_abort(self, arg: Any) -> None:
         room, reason = arg
@@ -194,10 +208,16 @@ class CoreServer:
 
 # The engine core's RPCs by name ("shutdown" is Call's own: it ends the channel's loop).
 RPCS: dict[str, Callable[[CoreServer, Any], Any]] = {
-    "state": CoreServer._state, "loads": CoreServer._loads, "metrics": CoreServer._metrics,
-    "stacks": CoreServer._stacks, "drain": CoreServer._drain, "channel": CoreServer._channel,
-    "pd_abort": CoreServer._pd_abort, "faults_arm": CoreServer._faults_arm,
-    "faults_clear": CoreServer._faults_clear, "faults_snapshot": CoreServer._faults_snapshot,
+    "state": CoreServer._state,
+    "loads": CoreServer._loads,
+    "metrics": CoreServer._metrics,
+    "stacks": CoreServer._stacks,
+    "drain": CoreServer._drain,
+    "channel": CoreServer._channel,
+    "pd_abort": CoreServer._pd_abort,
+    "faults_arm": CoreServer._faults_arm,
+    "faults_clear": CoreServer._faults_clear,
+    "faults_snapshot": CoreServer._faults_snapshot,
 }
 
 
@@ -262,8 +282,9 @@ def _start_bootstrap(engine, args) -> None:
     from dsv4_serve.pd_routes import build_bootstrap_app
     from dsv4_serve.server import _Server
 
-    server = _Server(uvicorn.Config(build_bootstrap_app(engine, args), host=args.host, port=args.bootstrap_port,
-                                    log_level="warning"))
+    server = _Server(
+        uvicorn.Config(build_bootstrap_app(engine, args), host=args.host, port=args.bootstrap_port, log_level="warning")
+    )
     failed: list[BaseException] = []
 
     def run() -> None:
@@ -300,6 +321,7 @@ def _profiled(run: Callable[[], None], path: str) -> Callable[[], None]:
             after = _thread_cpu()
             with open(path + ".threads.json", "w") as f:
                 json.dump({k: round(v - before.get(k, 0.0), 3) for k, v in after.items()}, f, indent=1)
+
     return wrapped
 
 
@@ -362,11 +384,19 @@ def main(argv: list[str]) -> None:
     if profile:
         engine.run = _profiled(engine.run, profile)
     engine.start()
-    core.send(m.Hello({
-        "pid": os.getpid(), "boot_id": BOOT_ID, "max_model_len": engine.max_model_len,
-        "vocab_size": engine.cfg.vocab_size, "num_pages": engine.pool.num_pages, "page_size": engine.pool.page_size,
-        "kernel_backend": engine.runner.kernel_backend,
-    }))
+    core.send(
+        m.Hello(
+            {
+                "pid": os.getpid(),
+                "boot_id": BOOT_ID,
+                "max_model_len": engine.max_model_len,
+                "vocab_size": engine.cfg.vocab_size,
+                "num_pages": engine.pool.num_pages,
+                "page_size": engine.pool.page_size,
+                "kernel_backend": engine.runner.kernel_backend,
+            }
+        )
+    )
     core.serve()
     logging.shutdown()
     os._exit(0)  # threads of NIXL, uvicorn or torch must not hold the exit up

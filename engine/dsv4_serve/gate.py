@@ -30,9 +30,13 @@ class Lifecycle:
 
 async def send_error(send, e: APIError, headers: tuple = ()) -> None:
     body = json.dumps(e.body()).encode()
-    await send({"type": "http.response.start", "status": e.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": e.status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -43,17 +47,25 @@ class Gate:
         self.limit = max_request_bytes
 
     def _too_large(self, size: int) -> APIError:
-        return APIError(f"request body of {size} bytes exceeds the limit of {self.limit} bytes", 413,
-                        param=None, code="request_too_large")
+        return APIError(
+            f"request body of {size} bytes exceeds the limit of {self.limit} bytes",
+            413,
+            param=None,
+            code="request_too_large",
+        )
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         generation = scope["method"] == "POST" and scope["path"] in GENERATION_PATHS
         if generation and self.lifecycle.draining:
-            return await send_error(send, APIError("the server is shutting down; retry on another replica", 503,
-                                                   "server_error", code="shutting_down"),
-                                    ((b"connection", b"close"),))
+            return await send_error(
+                send,
+                APIError(
+                    "the server is shutting down; retry on another replica", 503, "server_error", code="shutting_down"
+                ),
+                ((b"connection", b"close"),),
+            )
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None:
             try:

@@ -77,6 +77,12 @@ def _chat_token(token_bytes: TokenBytes, token_id: int, logprob: Optional[float]
 
 
 def chat_logprobs(entries: list[dict], token_bytes: TokenBytes) -> dict:
-    return {"content": [{**_chat_token(token_bytes, e["token_id"], e["logprob"]),
-                         "top_logprobs": [_chat_token(token_bytes, t, lp) for t, lp in e["top"]]}
-                        for e in entries]}
+    return {
+        "content": [
+            {
+                **_chat_token(token_bytes, e["token_id"], e["logprob"]),
+                "top_logprobs": [_chat_token(token_bytes, t, lp) for t, lp in e["top"]],
+            }
+            for e in entries
+        ]
+    }

@@ -14,7 +14,7 @@ def _room(body) -> tuple[int, str]:
     try:
         msg = AbortRoom.of(body)
     except ValueError as e:
-        raise APIError(f"body must be {{\"room\": int, \"reason\": str}}: {e}") from None
+        raise APIError(f'body must be {{"room": int, "reason": str}}: {e}') from None
     return msg.room, msg.reason
 
 

@@ -208,7 +208,11 @@ class _Common(BaseModel):
             names.append("response_format")
         if self.structured_outputs is not None:
             names.append("structured_outputs")
-        names += [f for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar") if getattr(self, f) is not None]
+        names += [
+            f
+            for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+            if getattr(self, f) is not None
+        ]
         return names
 
     def structured_spec(self) -> Optional[structured.StructuredSpec]:
@@ -220,55 +224,98 @@ class _Common(BaseModel):
             found.append(("response_format", structured.StructuredSpec("json_object")))
         elif rf is not None and rf.type == "json_schema":
             if rf.json_schema is None or rf.json_schema.schema_ is None:
-                raise APIError("response_format.json_schema.schema is required for type json_schema",
-                               param="response_format.json_schema.schema")
-            found.append(("response_format", _spec(lambda: structured.json_schema(rf.json_schema.schema_),
-                                                   "response_format.json_schema.schema")))
+                raise APIError(
+                    "response_format.json_schema.schema is required for type json_schema",
+                    param="response_format.json_schema.schema",
+                )
+            found.append(
+                (
+                    "response_format",
+                    _spec(lambda: structured.json_schema(rf.json_schema.schema_), "response_format.json_schema.schema"),
+                )
+            )
         so = self.structured_outputs
         if so is not None:
             if so.whitespace_pattern is not None:
-                raise APIError("structured_outputs.whitespace_pattern is not supported (JSON is generated compact)",
-                               param="structured_outputs.whitespace_pattern")
+                raise APIError(
+                    "structured_outputs.whitespace_pattern is not supported (JSON is generated compact)",
+                    param="structured_outputs.whitespace_pattern",
+                )
             if so.disable_additional_properties:
-                raise APIError("structured_outputs.disable_additional_properties is not supported; set "
-                               "additionalProperties: false in the schema", param="structured_outputs.disable_additional_properties")
+                raise APIError(
+                    "structured_outputs.disable_additional_properties is not supported; set "
+                    "additionalProperties: false in the schema",
+                    param="structured_outputs.disable_additional_properties",
+                )
             if so.json_ is not None:
-                found.append(("structured_outputs.json", _spec(lambda: structured.json_schema(so.json_),
-                                                               "structured_outputs.json")))
+                found.append(
+                    (
+                        "structured_outputs.json",
+                        _spec(lambda: structured.json_schema(so.json_), "structured_outputs.json"),
+                    )
+                )
             if so.regex is not None:
-                found.append(("structured_outputs.regex", _spec(lambda: structured.StructuredSpec("regex", so.regex),
-                                                                "structured_outputs.regex")))
+                found.append(
+                    (
+                        "structured_outputs.regex",
+                        _spec(lambda: structured.StructuredSpec("regex", so.regex), "structured_outputs.regex"),
+                    )
+                )
             if so.choice is not None:
-                found.append(("structured_outputs.choice", _spec(lambda: structured.choice(so.choice),
-                                                                 "structured_outputs.choice")))
+                found.append(
+                    (
+                        "structured_outputs.choice",
+                        _spec(lambda: structured.choice(so.choice), "structured_outputs.choice"),
+                    )
+                )
             if so.grammar is not None:
-                found.append(("structured_outputs.grammar", _spec(lambda: structured.StructuredSpec("ebnf", so.grammar),
-                                                                  "structured_outputs.grammar")))
+                found.append(
+                    (
+                        "structured_outputs.grammar",
+                        _spec(lambda: structured.StructuredSpec("ebnf", so.grammar), "structured_outputs.grammar"),
+                    )
+                )
             if so.json_object:
                 found.append(("structured_outputs.json_object", structured.StructuredSpec("json_object")))
             if so.structural_tag is not None:
-                found.append(("structured_outputs.structural_tag",
-                              _spec(lambda: structured.StructuredSpec("structural_tag", so.structural_tag),
-                                    "structured_outputs.structural_tag")))
+                found.append(
+                    (
+                        "structured_outputs.structural_tag",
+                        _spec(
+                            lambda: structured.StructuredSpec("structural_tag", so.structural_tag),
+                            "structured_outputs.structural_tag",
+                        ),
+                    )
+                )
         if self.guided_whitespace_pattern is not None:
-            raise APIError("guided_whitespace_pattern is not supported (JSON is generated compact)",
-                           param="guided_whitespace_pattern")
+            raise APIError(
+                "guided_whitespace_pattern is not supported (JSON is generated compact)",
+                param="guided_whitespace_pattern",
+            )
         if self.guided_decoding_backend not in (None, "", "auto", "xgrammar"):
-            raise APIError(f"guided_decoding_backend {self.guided_decoding_backend[:64]!r} is not served (xgrammar only)",
-                           param="guided_decoding_backend")
+            raise APIError(
+                f"guided_decoding_backend {self.guided_decoding_backend[:64]!r} is not served (xgrammar only)",
+                param="guided_decoding_backend",
+            )
         if self.guided_json is not None:
             found.append(("guided_json", _spec(lambda: structured.json_schema(self.guided_json), "guided_json")))
         if self.guided_regex is not None:
-            found.append(("guided_regex", _spec(lambda: structured.StructuredSpec("regex", self.guided_regex),
-                                                "guided_regex")))
+            found.append(
+                ("guided_regex", _spec(lambda: structured.StructuredSpec("regex", self.guided_regex), "guided_regex"))
+            )
         if self.guided_choice is not None:
             found.append(("guided_choice", _spec(lambda: structured.choice(self.guided_choice), "guided_choice")))
         if self.guided_grammar is not None:
-            found.append(("guided_grammar", _spec(lambda: structured.StructuredSpec("ebnf", self.guided_grammar),
-                                                  "guided_grammar")))
+            found.append(
+                (
+                    "guided_grammar",
+                    _spec(lambda: structured.StructuredSpec("ebnf", self.guided_grammar), "guided_grammar"),
+                )
+            )
         if len(found) > 1:
-            raise APIError(f"only one output constraint per request; got {', '.join(name for name, _ in found)}",
-                           param=found[1][0])
+            raise APIError(
+                f"only one output constraint per request; got {', '.join(name for name, _ in found)}", param=found[1][0]
+            )
         return found[0][1] if found else None
 
     def sampling_params(self, default_max_tokens: int, vocab_size: Optional[int] = None) -> SamplingParams:
@@ -281,7 +328,9 @@ class _Common(BaseModel):
         if vocab_size is not None:
             bad = [t for t in stop_ids if not (0 <= t < vocab_size)]
             if bad:
-                raise APIError(f"stop_token_ids: token id {bad[0]} is out of range [0, {vocab_size})", param="stop_token_ids")
+                raise APIError(
+                    f"stop_token_ids: token id {bad[0]} is out of range [0, {vocab_size})", param="stop_token_ids"
+                )
         bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         if vocab_size is not None:
             bad = sorted(t for t in bias if t >= vocab_size)
@@ -429,9 +478,14 @@ class ChatMessage(BaseModel):
         """The message as the chat renderers take it (content parts joined)."""
         d: dict = {"role": self.role, "content": None if self.content is None else self.text()}
         if self.tool_calls:
-            d["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.function.name,
-                                                                              "arguments": c.function.arguments}}
-                               for c in self.tool_calls]
+            d["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
+                for c in self.tool_calls
+            ]
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
         if self.reasoning_content is not None:
@@ -465,12 +519,14 @@ class ChatCompletionRequest(_Common):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"tool_choice: no tool named {choice.function.name!r} in `tools`")
         if choice == "required" and not names:
-            raise ValueError("tool_choice: \"required\" needs `tools`")
+            raise ValueError('tool_choice: "required" needs `tools`')
         prev = None
         for i, m in enumerate(self.messages):
             if m.role == "tool" and not (prev is not None and (prev.role == "tool" or prev.tool_calls)):
-                raise ValueError(f"messages.{i}: a tool message must follow an assistant message with `tool_calls` "
-                                 "(or another tool message)")
+                raise ValueError(
+                    f"messages.{i}: a tool message must follow an assistant message with `tool_calls` "
+                    "(or another tool message)"
+                )
             prev = m
         return self
 

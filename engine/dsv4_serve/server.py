@@ -49,8 +49,7 @@ from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completio
 from dsv4_serve.chat import ChatOptions, ChatSetup, default_setup, render, tool_parser, with_overrides
 from dsv4_serve.chat.output import ChatOutput, reasoning_tokens
 from dsv4_serve.server_args import ServerArgs
-from dsv4_serve.protocol import (ChatCompletionRequest, CompletionRequest, NamedToolChoice, _Common,
-                                 parse_request)
+from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, _Common, parse_request
 from dsv4_wire import tracing
 from dsv4_wire.tracing import Tracing
 from dsv4_wire import APIError, Paths, token_matches
@@ -78,8 +77,12 @@ def _usage(prompt: int, completion: int, cached: int = 0, reasoning: Optional[in
     prompt_tokens_details.cached_tokens); `reasoning`: completion tokens spent thinking, when a
     reasoning parser runs."""
     # min: a continuation (migration) may find part of its earlier answer cached too
-    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-             "prompt_tokens_details": {"cached_tokens": min(cached, prompt)}}
+    usage = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": min(cached, prompt)},
+    }
     if reasoning is not None:
         usage["completion_tokens_details"] = {"reasoning_tokens": reasoning}
     return usage
@@ -94,8 +97,9 @@ def chat_setup(args: ServerArgs, tokenizer: Tokenizer) -> ChatSetup:
             model_type = json.load(f).get("model_type")
     except (OSError, ValueError):
         model_type = None
-    setup = default_setup(model_type, tokenizer.backend.get_vocab(with_added_tokens=True), tokenizer.chat_template,
-                          CHAT_TEMPLATE)
+    setup = default_setup(
+        model_type, tokenizer.backend.get_vocab(with_added_tokens=True), tokenizer.chat_template, CHAT_TEMPLATE
+    )
     template = None
     if args.chat_template is not None:
         with open(args.chat_template, encoding="utf-8") as f:
@@ -142,7 +146,9 @@ class Prepared:
 
 
 class OpenAIServing:
-    def __init__(self, client: EngineClient, tokenizer: Tokenizer, args: ServerArgs, lifecycle: Optional[Lifecycle] = None):
+    def __init__(
+        self, client: EngineClient, tokenizer: Tokenizer, args: ServerArgs, lifecycle: Optional[Lifecycle] = None
+    ):
         self.client = client
         self.tokenizer = tokenizer
         self.lifecycle = lifecycle or Lifecycle()
@@ -188,8 +194,10 @@ class OpenAIServing:
         if len(text) > limit * self._max_token_chars:
             raise APIError(
                 f"This model's maximum context length is {limit} tokens. However, your prompt has at least "
-                f"{len(text) // self._max_token_chars} tokens ({len(text)} characters).", param=param,
-                code="context_length_exceeded")
+                f"{len(text) // self._max_token_chars} tokens ({len(text)} characters).",
+                param=param,
+                code="context_length_exceeded",
+            )
         return self.tokenizer.encode(text, add_bos=add_bos)
 
     def _prompts(self, req: CompletionRequest) -> list[list[int]]:
@@ -219,14 +227,19 @@ class OpenAIServing:
         if prompt_len >= limit:
             raise APIError(
                 f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                f"{prompt_len} tokens, leaving no room for a completion.", param="prompt", code="context_length_exceeded")
+                f"{prompt_len} tokens, leaving no room for a completion.",
+                param="prompt",
+                code="context_length_exceeded",
+            )
         params = req.sampling_params(default_max if default_max is not None else limit - prompt_len, self.vocab)
         if prompt_len + params.max_tokens > limit:
             raise APIError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{prompt_len + params.max_tokens} tokens ({prompt_len} in the prompt, {params.max_tokens} "
-                f"in the completion). Please reduce the prompt or max_tokens.", param="max_tokens",
-                code="context_length_exceeded")
+                f"in the completion). Please reduce the prompt or max_tokens.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         return params
 
     def _continuation(self, req: _Common, params: SamplingParams, headers: Mapping[str, str]) -> list[int]:
@@ -235,33 +248,53 @@ class OpenAIServing:
         if not ids:
             return []
         if req.candidates > 1:
-            raise APIError("continuation_token_ids continues one sequence: n and best_of must be 1",
-                           param="continuation_token_ids")
+            raise APIError(
+                "continuation_token_ids continues one sequence: n and best_of must be 1", param="continuation_token_ids"
+            )
         if self.args.pd_secret and not token_matches(headers, self.args.pd_secret):
-            raise APIError("continuation_token_ids needs the PD secret: it is the router's, for migrated requests",
-                           401, "authentication_error", param="continuation_token_ids")
+            raise APIError(
+                "continuation_token_ids needs the PD secret: it is the router's, for migrated requests",
+                401,
+                "authentication_error",
+                param="continuation_token_ids",
+            )
         bad = [t for t in ids if not (0 <= t < self.vocab)]
         if bad:
             raise APIError(f"token id {bad[0]} is out of range [0, {self.vocab})", param="continuation_token_ids")
         if len(ids) >= params.max_tokens:
-            raise APIError(f"continuation_token_ids holds {len(ids)} tokens: nothing is left of max_tokens "
-                           f"({params.max_tokens})", param="continuation_token_ids")
+            raise APIError(
+                f"continuation_token_ids holds {len(ids)} tokens: nothing is left of max_tokens ({params.max_tokens})",
+                param="continuation_token_ids",
+            )
         return list(ids)
 
-    def _seq(self, req: _Common, ids: list[int], params: SamplingParams, rid: str, headers: Mapping[str, str],
-             index: int = 0) -> EngineRequest:
+    def _seq(
+        self, req: _Common, ids: list[int], params: SamplingParams, rid: str, headers: Mapping[str, str], index: int = 0
+    ) -> EngineRequest:
         seq = EngineRequest(rid=rid, prompt_ids=ids, params=params, output_ids=self._continuation(req, params, headers))
         if self.args.role != "mono":
             from dsv4_engine.pd import bootstrap_target
 
-            info = bootstrap_target(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room, role=self.args.role,
-                                    secret_set=bool(self.args.pd_secret), authorized=token_matches(headers, self.args.pd_secret))
+            info = bootstrap_target(
+                req.bootstrap_host,
+                req.bootstrap_port,
+                req.bootstrap_room,
+                role=self.args.role,
+                secret_set=bool(self.args.pd_secret),
+                authorized=token_matches(headers, self.args.pd_secret),
+            )
             seq.pd = (info.bootstrap_host, info.bootstrap_port, choice_room(info.room, index))
             seq.prefill_only = self.args.role == "prefill"
         return seq
 
-    def _choices(self, req: _Common, prompts: list[list[int]], params: list[SamplingParams], base: str,
-                 headers: Mapping[str, str]) -> list[EngineRequest]:
+    def _choices(
+        self,
+        req: _Common,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        base: str,
+        headers: Mapping[str, str],
+    ) -> list[EngineRequest]:
         """One engine request per prompt and choice (best_of candidates, else n), prompt-major:
         sequence i * k + j is prompt i's choice j. Choice j samples with seed + j (vLLM); choices
         after the first reuse its prompt pages (`share_prefix_of`). Candidates to rank (best_of > n)
@@ -273,8 +306,14 @@ class OpenAIServing:
                 p = replace(p, logprobs=0)
             for j in range(k):
                 index = i * k + j
-                seq = self._seq(req, ids, p if j == 0 else replace(p, seed=choice_seed(p.seed, j)),
-                                base if len(prompts) * k == 1 else f"{base}-{index}", headers, index)
+                seq = self._seq(
+                    req,
+                    ids,
+                    p if j == 0 else replace(p, seed=choice_seed(p.seed, j)),
+                    base if len(prompts) * k == 1 else f"{base}-{index}",
+                    headers,
+                    index,
+                )
                 if j:
                     seq.share_prefix_of = seqs[i * k].rid
                 seqs.append(seq)
@@ -297,27 +336,47 @@ class OpenAIServing:
         forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
         if forced:
             # The answer is constrained to the model's native tool-call text (one grammar per request).
-            what = "\"required\"" if req.tool_choice == "required" else "a named function"
+            what = '"required"' if req.tool_choice == "required" else "a named function"
             others = req.constraint_fields()
             if others:
-                raise APIError(f"tool_choice {what} constrains the output to tool calls; it cannot be combined "
-                               f"with {', '.join(others)}", param="tool_choice")
+                raise APIError(
+                    f"tool_choice {what} constrains the output to tool calls; it cannot be combined "
+                    f"with {', '.join(others)}",
+                    param="tool_choice",
+                )
             if not setup.tool_parser:
-                raise APIError(f"tool_choice {what} needs a tool-call format, and this model has none "
-                               "(start the server with --tool-call-parser)", param="tool_choice")
+                raise APIError(
+                    f"tool_choice {what} needs a tool-call format, and this model has none "
+                    "(start the server with --tool-call-parser)",
+                    param="tool_choice",
+                )
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if req.tool_choice != "none" else []
-        opts = ChatOptions(tools=tools or None, thinking=req.thinking(), reasoning_effort=req.reasoning_effort,
-                           add_generation_prompt=req.add_generation_prompt,
-                           template_kwargs=dict(req.chat_template_kwargs or {}))
+        opts = ChatOptions(
+            tools=tools or None,
+            thinking=req.thinking(),
+            reasoning_effort=req.reasoning_effort,
+            add_generation_prompt=req.add_generation_prompt,
+            template_kwargs=dict(req.chat_template_kwargs or {}),
+        )
         msgs = [m.as_dict() for m in req.messages]
         chars = sum(len(m.get("content") or "") for m in msgs) + len(json.dumps(tools))
         if chars > self.max_model_len * self._max_token_chars:
-            raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, your messages "
-                           f"have at least {chars // self._max_token_chars} tokens ({chars} characters).",
-                           param="messages", code="context_length_exceeded")
+            raise APIError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your messages "
+                f"have at least {chars // self._max_token_chars} tokens ({chars} characters).",
+                param="messages",
+                code="context_length_exceeded",
+            )
         try:
-            rendered = render(setup.renderer, setup.template, msgs, opts, self.tokenizer.bos_token or "",
-                              self.tokenizer.eos_token or "", self.tokenizer.added_tokens)
+            rendered = render(
+                setup.renderer,
+                setup.template,
+                msgs,
+                opts,
+                self.tokenizer.bos_token or "",
+                self.tokenizer.eos_token or "",
+                self.tokenizer.added_tokens,
+            )
         except Exception as e:  # the format or template refused these messages (roles, order, ...)
             raise APIError(f"messages could not be rendered by the chat template: {e}", param="messages") from None
         ids = self.tokenizer.encode_pieces(rendered.pieces)
@@ -330,8 +389,9 @@ class OpenAIServing:
         if forced:
             choice = req.tool_choice if req.tool_choice == "required" else req.tool_choice.model_dump()
             try:
-                spec = tool_calls_spec(setup.tool_parser, tools, choice, req.parallel_tool_calls is not False,
-                                       bool(reasoning))
+                spec = tool_calls_spec(
+                    setup.tool_parser, tools, choice, req.parallel_tool_calls is not False, bool(reasoning)
+                )
             except ValueError as e:
                 raise APIError(str(e), param="tool_choice") from None
             params = replace(params, structured=spec)
@@ -358,9 +418,17 @@ class OpenAIServing:
     async def serve(self, prepare, http: Request) -> Response:
         body = await http.body()
         p: Prepared = await asyncio.to_thread(prepare, body, http.headers)
-        p.span = self.tracing.start("engine.request", headers=http.headers, kind="server", attributes={
-            "dsv4.role": self.args.role, "dsv4.rid": p.rid, "dsv4.prompt_tokens": len(p.seqs[0].prompt_ids),
-            "dsv4.continuation_tokens": len(p.seqs[0].output_ids) or None})
+        p.span = self.tracing.start(
+            "engine.request",
+            headers=http.headers,
+            kind="server",
+            attributes={
+                "dsv4.role": self.args.role,
+                "dsv4.rid": p.rid,
+                "dsv4.prompt_tokens": len(p.seqs[0].prompt_ids),
+                "dsv4.continuation_tokens": len(p.seqs[0].output_ids) or None,
+            },
+        )
         if p.req.stream:
             events = self._merged(p.seqs, p.span)
             if any(seq.params.structured is not None for seq in p.seqs):
@@ -378,7 +446,9 @@ class OpenAIServing:
             tracing.end(p.span)
 
     @staticmethod
-    async def _refusal_first(outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _refusal_first(
+        outputs: AsyncIterator[tuple[int, RequestOutput]],
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """`outputs` again, after raising the error of a request the core refused (4xx) before
         producing anything."""
         first = await outputs.__anext__()
@@ -408,11 +478,16 @@ class OpenAIServing:
             async for out in outs:
                 if first and (out.token_ids or out.finished):
                     first = False
-                    tracing.end(phase, error=out.error if out.finished and out.finish_reason in ("error", "abort") else None)
+                    tracing.end(
+                        phase, error=out.error if out.finished and out.finish_reason in ("error", "abort") else None
+                    )
                     phase = self.tracing.start("engine.decode", parent=parent) if not out.finished else None
                 if out.finished:
-                    tracing.end(phase, error=out.error if out.finish_reason in ("error", "abort") else None,
-                                completion_tokens=out.completion_tokens)
+                    tracing.end(
+                        phase,
+                        error=out.error if out.finish_reason in ("error", "abort") else None,
+                        completion_tokens=out.completion_tokens,
+                    )
                     phase = None
                 yield out
         finally:
@@ -443,8 +518,18 @@ class OpenAIServing:
                 t.cancel()
 
     async def _collect(self, seqs: list[EngineRequest], span=None) -> list[dict]:
-        results = [{"text": "", "token_ids": [], "logprobs": [], "finish_reason": None, "prompt": 0, "completion": 0,
-                    "cached": 0} for _ in seqs]
+        results = [
+            {
+                "text": "",
+                "token_ids": [],
+                "logprobs": [],
+                "finish_reason": None,
+                "prompt": 0,
+                "completion": 0,
+                "cached": 0,
+            }
+            for _ in seqs
+        ]
         async for i, out in self._merged(seqs, span):
             r = results[i]
             r["text"] += out.text
@@ -453,8 +538,12 @@ class OpenAIServing:
             if out.finished:
                 if out.finish_reason in ("error", "abort"):
                     raise _failure(out)
-                r.update(finish_reason=out.finish_reason, prompt=out.prompt_tokens, completion=out.completion_tokens,
-                         cached=out.cached_tokens)
+                r.update(
+                    finish_reason=out.finish_reason,
+                    prompt=out.prompt_tokens,
+                    completion=out.completion_tokens,
+                    cached=out.cached_tokens,
+                )
         return results
 
     async def _complete(self, p: Prepared, http: Request) -> Response:
@@ -477,8 +566,10 @@ class OpenAIServing:
         cached_total = sum(r["cached"] for r in results[::k])
         picked: list[int] = []  # sequence indexes, in choice order: prompt i's choices at i * n ...
         for start in range(0, len(seqs), k):
-            group = results[start:start + k]
-            best = best_choices([sum(e["logprob"] or 0.0 for e in r["logprobs"]) for r in group], n) if k > n else range(n)
+            group = results[start : start + k]
+            best = (
+                best_choices([sum(e["logprob"] or 0.0 for e in r["logprobs"]) for r in group], n) if k > n else range(n)
+            )
             picked += [start + c for c in best]
         wants_logprobs = req.logprobs_wanted() is not None
         choices = []
@@ -506,8 +597,14 @@ class OpenAIServing:
                 c["prompt_token_ids"] = seq.prompt_ids
             choices.append(c)
         usage = _usage(prompt_total, completion_total, cached_total, reasoning_total)
-        body = {"id": p.rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": usage}
+        body = {
+            "id": p.rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": usage,
+        }
         if req.return_token_ids:
             body["prompt_token_ids"] = seqs[0].prompt_ids
         return JSONResponse(body)
@@ -537,8 +634,9 @@ class OpenAIServing:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         usage = [0, 0, 0]  # prompt, completion, cached prompt tokens
         # A continuation starts where the engine it left stopped: text offsets past its tokens
-        offsets = [sum(len(self.token_text(t)) for t in s.output_ids) if s.params.logprobs is not None else 0
-                   for s in p.seqs]
+        offsets = [
+            sum(len(self.token_text(t)) for t in s.output_ids) if s.params.logprobs is not None else 0 for s in p.seqs
+        ]
         outputs = p.outputs if chat and p.outputs else [ChatOutput(None, None) for _ in p.seqs]
         generated: list[list[int]] = [[] for _ in p.seqs]
         reasoning_seen = [False] * len(p.seqs)
@@ -555,7 +653,7 @@ class OpenAIServing:
         # producing anything streams nothing but its error (the router can retry it); a
         # continuation's client has it already.
         sent_role = [not chat or bool(s.output_ids) for s in p.seqs]
-        async for i, out in (events if events is not None else self._merged(p.seqs, p.span)):
+        async for i, out in events if events is not None else self._merged(p.seqs, p.span):
             if out.finished and out.finish_reason in ("error", "abort"):
                 yield _sse(_failure(out).body())
                 yield _sse("[DONE]")
@@ -603,7 +701,9 @@ class OpenAIServing:
         yield _sse("[DONE]")
 
 
-def build_app(client: EngineClient, tokenizer: Tokenizer, args: ServerArgs, lifecycle: Optional[Lifecycle] = None) -> FastAPI:
+def build_app(
+    client: EngineClient, tokenizer: Tokenizer, args: ServerArgs, lifecycle: Optional[Lifecycle] = None
+) -> FastAPI:
     app = FastAPI(title="dsv4 engine", docs_url=None, redoc_url=None, openapi_url=None)
     lifecycle = lifecycle or Lifecycle()
     serving = OpenAIServing(client, tokenizer, args, lifecycle)
@@ -634,7 +734,9 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, args: ServerArgs, life
             msg = f"Method {http.method} is not allowed on {http.url.path}"
         else:
             msg = str(e.detail)
-        return error_response(APIError(msg, e.status_code, "invalid_request_error" if e.status_code < 500 else "server_error"))
+        return error_response(
+            APIError(msg, e.status_code, "invalid_request_error" if e.status_code < 500 else "server_error")
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(http: Request, e: Exception):
@@ -652,8 +754,18 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, args: ServerArgs, life
 
     @app.get(Paths.MODELS)
     async def models():
-        return {"object": "list", "data": [{"id": serving.model_name, "object": "model", "created": 0,
-                                            "owned_by": "dsv4", "max_model_len": client.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": serving.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "dsv4",
+                    "max_model_len": client.max_model_len,
+                }
+            ],
+        }
 
     async def core_state() -> tuple[Optional[dict], str]:
         """The core's loop state, or None and why there is none (process gone, not answering)."""
@@ -681,8 +793,9 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, args: ServerArgs, life
         if state is None:
             return JSONResponse({"ready": False, "reason": why}, status_code=503)
         if not state["alive"] or state["stalled"] > 10:
-            return JSONResponse({"ready": False, "reason": f"engine loop not progressing ({state['stalled']:.1f}s)"},
-                                status_code=503)
+            return JSONResponse(
+                {"ready": False, "reason": f"engine loop not progressing ({state['stalled']:.1f}s)"}, status_code=503
+            )
         if state["draining"] or lifecycle.draining:
             return JSONResponse({"ready": False, "reason": "draining"}, status_code=503)
         return {"ready": True}
@@ -700,9 +813,17 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, args: ServerArgs, life
 
     @app.get(Paths.SERVER_INFO)
     async def server_info():
-        return {"role": args.role, "model": serving.model_name, "bootstrap_port": args.bootstrap_port if args.role == "prefill" else None,
-                "boot_id": client.info["boot_id"], "max_model_len": client.max_model_len, "page_size": client.info["page_size"],
-                "kernel_backend": client.info["kernel_backend"], "pid": os.getpid(), "engine_pid": client.pid}
+        return {
+            "role": args.role,
+            "model": serving.model_name,
+            "bootstrap_port": args.bootstrap_port if args.role == "prefill" else None,
+            "boot_id": client.info["boot_id"],
+            "max_model_len": client.max_model_len,
+            "page_size": client.info["page_size"],
+            "kernel_backend": client.info["kernel_backend"],
+            "pid": os.getpid(),
+            "engine_pid": client.pid,
+        }
 
     @app.get(Paths.LOADS)
     async def loads(http: Request):
@@ -722,11 +843,13 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, args: ServerArgs, life
         try:
             body = await http.json()
         except Exception:
-            raise APIError("body must be JSON: {\"rid\": ...} or {\"all\": true}") from None
+            raise APIError('body must be JSON: {"rid": ...} or {"all": true}') from None
         if not isinstance(body, dict) or not (body.get("all") is True or isinstance(body.get("rid"), str)):
-            raise APIError("give {\"rid\": \"...\"} or {\"all\": true}")
+            raise APIError('give {"rid": "..."} or {"all": true}')
         try:
-            client.abort(body.get("rid"), reason=str(body.get("reason", "aborted by admin")), all_=body.get("all") is True)
+            client.abort(
+                body.get("rid"), reason=str(body.get("reason", "aborted by admin")), all_=body.get("all") is True
+            )
         except EngineGone as e:
             raise APIError(f"engine process unavailable: {e}", 503, "server_error") from None
         return {"aborted": body.get("rid") or "all"}
@@ -738,8 +861,10 @@ def build_app(client: EngineClient, tokenizer: Tokenizer, args: ServerArgs, life
             core = await client.ask("stacks", timeout=CORE_ANSWER_TIMEOUT)
         except (EngineGone, asyncio.TimeoutError) as e:
             core = f"(no answer: {str(e) or 'timed out'})\n"
-        return PlainTextResponse(f"=== HTTP process (pid {os.getpid()}) ===\n{thread_stacks()}\n"
-                                 f"=== engine core process (pid {client.pid}) ===\n{core}")
+        return PlainTextResponse(
+            f"=== HTTP process (pid {os.getpid()}) ===\n{thread_stacks()}\n"
+            f"=== engine core process (pid {client.pid}) ===\n{core}"
+        )
 
     return app
 
@@ -827,12 +952,16 @@ def _serve_http(client: EngineClient, args: ServerArgs) -> None:
         from dsv4_serve.pd_routes import extend_app
 
         extend_app(app, client, args)
-    servers = [_Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                      timeout_graceful_shutdown=5))]
+    servers = [
+        _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5))
+    ]
     extra = f", bootstrap on port {args.bootstrap_port}" if args.role == "prefill" else ""
-    print(f"dsv4 serve: {args.role} engine for {args.served_model_name} on http://{args.host}:{args.port}{extra} "
-          f"({client.info['num_pages']} KV pages of {client.info['page_size']} tokens, max_model_len {client.max_model_len}, "
-          f"kernels {client.info['kernel_backend']}; engine core pid {client.pid})", flush=True)
+    print(
+        f"dsv4 serve: {args.role} engine for {args.served_model_name} on http://{args.host}:{args.port}{extra} "
+        f"({client.info['num_pages']} KV pages of {client.info['page_size']} tokens, max_model_len {client.max_model_len}, "
+        f"kernels {client.info['kernel_backend']}; engine core pid {client.pid})",
+        flush=True,
+    )
 
     async def serve_all() -> None:
         loop = asyncio.get_running_loop()

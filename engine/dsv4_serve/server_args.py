@@ -24,6 +24,11 @@ def _engine_args(self) -> EngineArgs:
     return EngineArgs(**{f.name: getattr(self, f.name) for f in fields(EngineArgs)})
 
 
-ServerArgs = dataclass_of("ServerArgs", SERVE_OPTIONS, ["engine", "server"], bases=(EngineArgs,),
-                          doc="The engine and server options of dsv4_wire.serve_options.",
-                          namespace={"__post_init__": _resolve, "engine_args": _engine_args, "__module__": __name__})
+ServerArgs = dataclass_of(
+    "ServerArgs",
+    SERVE_OPTIONS,
+    ["engine", "server"],
+    bases=(EngineArgs,),
+    doc="The engine and server options of dsv4_wire.serve_options.",
+    namespace={"__post_init__": _resolve, "engine_args": _engine_args, "__module__": __name__},
+)

@@ -95,9 +95,16 @@ def protected(path: str) -> bool:
     return path.startswith("/v1/") and path not in OPEN_V1_PATHS
 
 
-UNAUTHORIZED = json.dumps({"error": {
-    "message": "a valid API key is required (Authorization: Bearer <key>)", "type": "authentication_error",
-    "param": None, "code": "invalid_api_key"}}).encode()
+UNAUTHORIZED = json.dumps(
+    {
+        "error": {
+            "message": "a valid API key is required (Authorization: Bearer <key>)",
+            "type": "authentication_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
+    }
+).encode()
 
 
 class ApiKeyGate:
@@ -114,9 +121,17 @@ class ApiKeyGate:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers") or []}
         found = self.ring.identify(headers)
         if found is None:
-            await send({"type": "http.response.start", "status": 401, "headers": [
-                (b"content-type", b"application/json"), (b"content-length", str(len(UNAUTHORIZED)).encode()),
-                (b"www-authenticate", b"Bearer")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 401,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(UNAUTHORIZED)).encode()),
+                        (b"www-authenticate", b"Bearer"),
+                    ],
+                }
+            )
             return await send({"type": "http.response.body", "body": UNAUTHORIZED})
         scope["dsv4.api_key"] = found
         return await self.app(scope, receive, send)

@@ -39,7 +39,9 @@ def is_loopback(host: Optional[str]) -> bool:
         return False
 
 
-def admin_refusal(headers: Mapping[str, str], token: Optional[str], client_host: Optional[str]) -> Optional[tuple[int, str]]:
+def admin_refusal(
+    headers: Mapping[str, str], token: Optional[str], client_host: Optional[str]
+) -> Optional[tuple[int, str]]:
     """Why an admin call is refused, as (status, message), or None when it may proceed: with a
     token configured the request must carry it; without one only loopback clients may call."""
     if token:

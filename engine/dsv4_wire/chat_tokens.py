@@ -35,6 +35,16 @@ TOOL_RESULT_CLOSE = "</tool_result>"
 # Tokens `dsv4 model init` adds (not "special": a decode that skips special tokens keeps them, so
 # parsers see them in the text, as with DeepSeek's own tokenizers).
 CHAT_ADDED_TOKENS = (
-    THINK_START, THINK_END, TOOL_CALLS_BEGIN, TOOL_CALLS_END, TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_SEP,
-    TOOL_OUTPUTS_BEGIN, TOOL_OUTPUTS_END, TOOL_OUTPUT_BEGIN, TOOL_OUTPUT_END, DSML,
+    THINK_START,
+    THINK_END,
+    TOOL_CALLS_BEGIN,
+    TOOL_CALLS_END,
+    TOOL_CALL_BEGIN,
+    TOOL_CALL_END,
+    TOOL_SEP,
+    TOOL_OUTPUTS_BEGIN,
+    TOOL_OUTPUTS_END,
+    TOOL_OUTPUT_BEGIN,
+    TOOL_OUTPUT_END,
+    DSML,
 )

@@ -8,11 +8,23 @@ from typing import Optional
 class APIError(Exception):
     """An error the client caused or must hear about, rendered as an OpenAI-style body."""
 
-    def __init__(self, message: str, status: int = 400, type_: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type_: str = "invalid_request_error",
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+    ):
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type_, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code if self.code is not None else self.status}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code if self.code is not None else self.status,
+            }
+        }

@@ -62,7 +62,12 @@ COUNT_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 
 def metric_name(key: str, suffix: str = "") -> str:
     """The exposed name of a metric key: metric_name("kv_transfers_completed", "_total")."""
-    if (key not in GAUGES and key not in STATE_GAUGES and key not in COUNTERS and key not in HISTOGRAMS
-            and key not in COUNT_HISTOGRAMS):
+    if (
+        key not in GAUGES
+        and key not in STATE_GAUGES
+        and key not in COUNTERS
+        and key not in HISTOGRAMS
+        and key not in COUNT_HISTOGRAMS
+    ):
         raise KeyError(f"no dsv4 metric {key!r}")
     return f"{PREFIX}{key}{suffix}"

@@ -53,12 +53,19 @@ def in_scopes(table: Sequence[Option], *scopes: str) -> list[Option]:
     return [o for o in table if o.scope in scopes]
 
 
-def dataclass_of(cls_name: str, table: Sequence[Option], scopes: Iterable[str], bases: tuple = (), doc: str = "",
-                 namespace: Optional[dict] = None) -> type:
+def dataclass_of(
+    cls_name: str,
+    table: Sequence[Option],
+    scopes: Iterable[str],
+    bases: tuple = (),
+    doc: str = "",
+    namespace: Optional[dict] = None,
+) -> type:
     """A dataclass whose fields are the options of `scopes` (those of `bases` excluded), in the
     declared order; required ones first, as dataclasses need."""
     inherited = {f.name for b in bases for f in dataclasses.fields(b)}
     chosen = [o for o in in_scopes(table, *scopes) if o.name not in inherited]
     chosen.sort(key=lambda o: o.default is not REQUIRED)  # stable: the declared order otherwise
-    return dataclasses.make_dataclass(cls_name, [o.field() for o in chosen], bases=bases,
-                                      namespace=dict(namespace or {}, __doc__=doc))
+    return dataclasses.make_dataclass(
+        cls_name, [o.field() for o in chosen], bases=bases, namespace=dict(namespace or {}, __doc__=doc)
+    )

@@ -20,81 +20,234 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     # ---- what the engine is built from (EngineArgs) ----
     _O("model", str, REQUIRED, "Checkpoint folder (from `dsv4 model init` or save_pretrained)."),
     _O("role", str, "mono", "mono | prefill | decode", choices=("mono", "prefill", "decode")),
-    _O("dtype", str, None, "float32 | bfloat16 (default: bfloat16 on CUDA, float32 on CPU).",
-      choices=("float32", "bfloat16")),
+    _O(
+        "dtype",
+        str,
+        None,
+        "float32 | bfloat16 (default: bfloat16 on CUDA, float32 on CPU).",
+        choices=("float32", "bfloat16"),
+    ),
     _O("served_model_name", str, None, "Name in /v1/models (default: the checkpoint folder's name)."),
     _O("kv_pages", int, None, "KV pool size in pages (default: from --kv-memory-gb).", min=1),
     _O("kv_memory_gb", float, 1.0, "KV pool size in GiB when --kv-pages is not given.", min=0.0),
-    _O("page_size", int, None, "Tokens per KV page (default: 16, or the model's longest compression window when "
-      "longer, e.g. 128 for DeepSeek-V4-Flash, so compressed states fill their pages).", min=1),
+    _O(
+        "page_size",
+        int,
+        None,
+        "Tokens per KV page (default: 16, or the model's longest compression window when "
+        "longer, e.g. 128 for DeepSeek-V4-Flash, so compressed states fill their pages).",
+        min=1,
+    ),
     _O("max_num_seqs", int, 64, "Most requests running at once.", min=1),
     _O("max_num_batched_tokens", int, 1024, "Token budget of one step (chunked prefill).", min=1),
     _O("max_model_len", int, None, "Context limit (default: the model's).", min=1),
-    _O("kernel_backend", str, None, "torch | triton (default: triton on CUDA, else torch).",
-      choices=("torch", "triton")),
+    _O(
+        "kernel_backend",
+        str,
+        None,
+        "torch | triton (default: triton on CUDA, else torch).",
+        choices=("torch", "triton"),
+    ),
     _O("device", str, None, "cpu | cuda | cuda:N (default: cuda when present)."),
     _O("seed", int, 0, "Default sampling seed."),
-    _O("enable_prefix_cache", bool, True, "Turn prefix caching off (on by default: a request reuses the KV pages "
-      "of the longest cached prefix and, for DeepSeek-V4, a snapshot of its window/compressor state at a "
-      "boundary; decode engines never reuse).", flag="--disable-prefix-cache"),
-    _O("prefix_cache_snapshots", int, None, "DeepSeek-V4: slot-row snapshots the prefix cache keeps, each one slot "
-      "row of memory taken from --kv-memory-gb (default: 4 x --max-num-seqs; 0 turns V4 prefix reuse off).", min=0),
-    _O("prefix_cache_snapshot_interval", int, None, "DeepSeek-V4: tokens between the snapshots a prefill chunk "
-      "leaves behind, besides its prompt's branch point and last boundary (default: 8 boundaries; 0: none; torch "
-      "path only).", min=0),
-    _O("cuda_graph_max_bs", int, 0, "Decode batches up to N requests replay captured CUDA graphs (CUDA + triton "
-      "kernels; 0 = off).", min=0),
-    _O("tp_size", int, 1, "Ranks (GPUs) one engine spans: attention heads and MLPs split, experts spread (NCCL on "
-      "CUDA, gloo on CPU); this process is rank 0.", min=1),
-    _O("speculative_algorithm", str, None, "Speculative decoding with the checkpoint's own MTP layer: mtp (aliases "
-      "EAGLE, NEXTN, deepseek_mtp). Off by default; DeepSeek-V3 and -V4 checkpoints with an MTP layer (mono, "
-      "or prefill and decode both with it), --tp-size 1."),
+    _O(
+        "enable_prefix_cache",
+        bool,
+        True,
+        "Turn prefix caching off (on by default: a request reuses the KV pages "
+        "of the longest cached prefix and, for DeepSeek-V4, a snapshot of its window/compressor state at a "
+        "boundary; decode engines never reuse).",
+        flag="--disable-prefix-cache",
+    ),
+    _O(
+        "prefix_cache_snapshots",
+        int,
+        None,
+        "DeepSeek-V4: slot-row snapshots the prefix cache keeps, each one slot "
+        "row of memory taken from --kv-memory-gb (default: 4 x --max-num-seqs; 0 turns V4 prefix reuse off).",
+        min=0,
+    ),
+    _O(
+        "prefix_cache_snapshot_interval",
+        int,
+        None,
+        "DeepSeek-V4: tokens between the snapshots a prefill chunk "
+        "leaves behind, besides its prompt's branch point and last boundary (default: 8 boundaries; 0: none; torch "
+        "path only).",
+        min=0,
+    ),
+    _O(
+        "cuda_graph_max_bs",
+        int,
+        0,
+        "Decode batches up to N requests replay captured CUDA graphs (CUDA + triton kernels; 0 = off).",
+        min=0,
+    ),
+    _O(
+        "tp_size",
+        int,
+        1,
+        "Ranks (GPUs) one engine spans: attention heads and MLPs split, experts spread (NCCL on "
+        "CUDA, gloo on CPU); this process is rank 0.",
+        min=1,
+    ),
+    _O(
+        "speculative_algorithm",
+        str,
+        None,
+        "Speculative decoding with the checkpoint's own MTP layer: mtp (aliases "
+        "EAGLE, NEXTN, deepseek_mtp). Off by default; DeepSeek-V3 and -V4 checkpoints with an MTP layer (mono, "
+        "or prefill and decode both with it), --tp-size 1.",
+    ),
     _O("speculative_num_steps", int, 1, "Tokens drafted per step with --speculative-algorithm.", min=1),
     # ---- the HTTP server and PD (ServerArgs) ----
     _O("host", str, "127.0.0.1", "Address to listen on.", scope="server"),
     _O("port", int, 8100, "Port of the OpenAI API.", scope="server", min=1),
-    _O("advertise_host", str, None, "PD: the address peers reach this engine at (decode tells prefill where to send "
-      "aborts). Default: --host, unless it is 0.0.0.0 or ::, then $POD_IP, then 127.0.0.1.", scope="server"),
-    _O("bootstrap_port", int, None, "Prefill: port of the bootstrap endpoint (default: --port + 1000).",
-      scope="server", min=1),
+    _O(
+        "advertise_host",
+        str,
+        None,
+        "PD: the address peers reach this engine at (decode tells prefill where to send "
+        "aborts). Default: --host, unless it is 0.0.0.0 or ::, then $POD_IP, then 127.0.0.1.",
+        scope="server",
+    ),
+    _O(
+        "bootstrap_port",
+        int,
+        None,
+        "Prefill: port of the bootstrap endpoint (default: --port + 1000).",
+        scope="server",
+        min=1,
+    ),
     _O("bootstrap_timeout", float, 30.0, "Seconds a PD request may wait for its peer.", scope="server", min=0.001),
     _O("transfer_timeout", float, 30.0, "Seconds a KV transfer may take.", scope="server", min=0.001),
     _O("waiting_timeout", float, 60.0, "Seconds decode waits for the KV of a request.", scope="server", min=0.001),
-    _O("deadlines", bool, True, "Disable PD deadlines (reproduces the wedge; tests only).", scope="server",
-      flag="--no-deadlines"),
+    _O(
+        "deadlines",
+        bool,
+        True,
+        "Disable PD deadlines (reproduces the wedge; tests only).",
+        scope="server",
+        flag="--no-deadlines",
+    ),
     _O("enable_fault_injection", bool, False, "Expose POST /admin/faults.", scope="server"),
-    _O("arm_faults", str, (), "Arm a fault at start: NAME[:key=value,...], e.g. stall_long_context:tokens=300 "
-      "(repeatable; needs --enable-fault-injection and a prefill or decode role; count defaults to -1, until "
-      "cleared).", scope="server", flag="--arm-fault", repeat=True),
-    _O("admin_token", str, None, "Token required by /admin, /debug and /v1/loads (prefer --admin-token-file: argv "
-      "is visible to every user).", scope="server", envvar=ADMIN_TOKEN_ENV),
-    _O("admin_token_file", str, None, "File holding the admin token.", scope="command",
-      envvar=ADMIN_TOKEN_ENV + "_FILE"),
-    _O("pd_secret", str, None, "Shared secret of engine-to-engine PD calls and the router's internal requests "
-      "(prefer --pd-secret-file). Required by prefill/decode engines on a non-loopback address.", scope="server",
-      envvar=PD_SECRET_ENV),
+    _O(
+        "arm_faults",
+        str,
+        (),
+        "Arm a fault at start: NAME[:key=value,...], e.g. stall_long_context:tokens=300 "
+        "(repeatable; needs --enable-fault-injection and a prefill or decode role; count defaults to -1, until "
+        "cleared).",
+        scope="server",
+        flag="--arm-fault",
+        repeat=True,
+    ),
+    _O(
+        "admin_token",
+        str,
+        None,
+        "Token required by /admin, /debug and /v1/loads (prefer --admin-token-file: argv is visible to every user).",
+        scope="server",
+        envvar=ADMIN_TOKEN_ENV,
+    ),
+    _O(
+        "admin_token_file",
+        str,
+        None,
+        "File holding the admin token.",
+        scope="command",
+        envvar=ADMIN_TOKEN_ENV + "_FILE",
+    ),
+    _O(
+        "pd_secret",
+        str,
+        None,
+        "Shared secret of engine-to-engine PD calls and the router's internal requests "
+        "(prefer --pd-secret-file). Required by prefill/decode engines on a non-loopback address.",
+        scope="server",
+        envvar=PD_SECRET_ENV,
+    ),
     _O("pd_secret_file", str, None, "File holding the PD secret.", scope="command", envvar=PD_SECRET_ENV + "_FILE"),
-    _O("max_request_bytes", int, 16 * 1024 * 1024, "Largest request body accepted (bigger: 413).", scope="server",
-      min=1),
-    _O("shutdown_grace", float, 30.0, "On SIGTERM: seconds running requests get to finish before they are ended "
-      "with an error (Kubernetes' default termination grace).", scope="server", min=0.0),
-    _O("transfer_checksum", bool, False, "PD: checksum every KV/state region of a hand-off; decode verifies what "
-      "landed and fails the request on a mismatch.", scope="server"),
-    _O("chat_template", str, None, "A Jinja chat template file used instead of the checkpoint's chat format (as "
-      "vLLM's flag).", scope="server"),
-    _O("tool_call_parser", str, None, "How tool calls are read from the model's output: deepseek_v3, deepseek_v31, "
-      "deepseek_v32, deepseek_v4 (SGLang's deepseekv31 etc. too; default: the checkpoint's format).",
-      scope="server"),
-    _O("reasoning_parser", str, None, "How reasoning is split from the answer: deepseek-r1, deepseek-v3, "
-      "deepseek-v4 (default: the checkpoint's format).", scope="server"),
-    _O("otlp_traces_endpoint", str, None, "Export OpenTelemetry traces (OTLP/HTTP) to this URL, e.g. "
-      "http://collector:4318 (off by default).", scope="server"),
-    _O("api_keys", list, (), "Client API keys required on /v1/* (dsv4_wire.api_keys.ApiKey), from --api-key and "
-      "--api-key-file.", scope="server", cli=False),
-    _O("api_key", str, (), "Client API key required on /v1/* as `Authorization: Bearer` (repeat for more; vLLM's "
-      "flag). Prefer --api-key-file.", scope="command", repeat=True),
-    _O("api_key_file", str, (), "File of API keys, one a line (`KEY` or `NAME KEY`, NAME shown in metrics).",
-      scope="command", repeat=True),
+    _O(
+        "max_request_bytes",
+        int,
+        16 * 1024 * 1024,
+        "Largest request body accepted (bigger: 413).",
+        scope="server",
+        min=1,
+    ),
+    _O(
+        "shutdown_grace",
+        float,
+        30.0,
+        "On SIGTERM: seconds running requests get to finish before they are ended "
+        "with an error (Kubernetes' default termination grace).",
+        scope="server",
+        min=0.0,
+    ),
+    _O(
+        "transfer_checksum",
+        bool,
+        False,
+        "PD: checksum every KV/state region of a hand-off; decode verifies what "
+        "landed and fails the request on a mismatch.",
+        scope="server",
+    ),
+    _O(
+        "chat_template",
+        str,
+        None,
+        "A Jinja chat template file used instead of the checkpoint's chat format (as vLLM's flag).",
+        scope="server",
+    ),
+    _O(
+        "tool_call_parser",
+        str,
+        None,
+        "How tool calls are read from the model's output: deepseek_v3, deepseek_v31, "
+        "deepseek_v32, deepseek_v4 (SGLang's deepseekv31 etc. too; default: the checkpoint's format).",
+        scope="server",
+    ),
+    _O(
+        "reasoning_parser",
+        str,
+        None,
+        "How reasoning is split from the answer: deepseek-r1, deepseek-v3, "
+        "deepseek-v4 (default: the checkpoint's format).",
+        scope="server",
+    ),
+    _O(
+        "otlp_traces_endpoint",
+        str,
+        None,
+        "Export OpenTelemetry traces (OTLP/HTTP) to this URL, e.g. http://collector:4318 (off by default).",
+        scope="server",
+    ),
+    _O(
+        "api_keys",
+        list,
+        (),
+        "Client API keys required on /v1/* (dsv4_wire.api_keys.ApiKey), from --api-key and --api-key-file.",
+        scope="server",
+        cli=False,
+    ),
+    _O(
+        "api_key",
+        str,
+        (),
+        "Client API key required on /v1/* as `Authorization: Bearer` (repeat for more; vLLM's "
+        "flag). Prefer --api-key-file.",
+        scope="command",
+        repeat=True,
+    ),
+    _O(
+        "api_key_file",
+        str,
+        (),
+        "File of API keys, one a line (`KEY` or `NAME KEY`, NAME shown in metrics).",
+        scope="command",
+        repeat=True,
+    ),
 )
 del _O
 

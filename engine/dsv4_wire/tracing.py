@@ -42,8 +42,14 @@ class Tracing:
         self._provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url), schedule_delay_millis=500))
         self._tracer = self._provider.get_tracer("dsv4")
 
-    def start(self, name: str, headers: Optional[Mapping[str, str]] = None, parent=None, kind: str = "internal",
-              attributes: Optional[dict] = None):
+    def start(
+        self,
+        name: str,
+        headers: Optional[Mapping[str, str]] = None,
+        parent=None,
+        kind: str = "internal",
+        attributes: Optional[dict] = None,
+    ):
         """A started span (end it with .end()), child of `parent` or of the traceparent in
         `headers`; None when tracing is off."""
         if not self.on:
@@ -58,8 +64,12 @@ class Tracing:
             ctx = TraceContextTextMapPropagator().extract({k: headers[k] for k in TRACE_HEADERS if k in headers})
         else:
             ctx = None
-        return self._tracer.start_span(name, context=ctx, kind=getattr(SpanKind, kind.upper()),
-                                       attributes={k: v for k, v in (attributes or {}).items() if v is not None})
+        return self._tracer.start_span(
+            name,
+            context=ctx,
+            kind=getattr(SpanKind, kind.upper()),
+            attributes={k: v for k, v in (attributes or {}).items() if v is not None},
+        )
 
     @contextmanager
     def span(self, name: str, **kw) -> Iterator[object]:

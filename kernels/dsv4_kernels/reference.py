@@ -118,8 +118,9 @@ def mla_decode(
     if batch > rows:
         out = torch.empty(batch, heads, v_dim, dtype=q.dtype, device=q.device)
         for b0 in range(0, batch, rows):
-            out[b0 : b0 + rows] = _mla_decode_rows(q[b0 : b0 + rows], kv_cache, block_table[b0 : b0 + rows],
-                                                   seq_lens[b0 : b0 + rows], sm_scale, v_dim)
+            out[b0 : b0 + rows] = _mla_decode_rows(
+                q[b0 : b0 + rows], kv_cache, block_table[b0 : b0 + rows], seq_lens[b0 : b0 + rows], sm_scale, v_dim
+            )
         return out
     return _mla_decode_rows(q, kv_cache, block_table, seq_lens, sm_scale, v_dim)
 
@@ -315,6 +316,12 @@ def rope_interleaved_(
 
 # DeepSeek-V4's kernels live in their own module; the torch backend exposes them with the rest.
 from dsv4_kernels.reference_v4 import (  # noqa: E402,F401
-    v4_attention_decode, v4_attention_extend, v4_compress_pool, v4_hc_post, v4_hc_pre, v4_indexer_topk,
-    v4_moe_experts, v4_moe_route,
+    v4_attention_decode,
+    v4_attention_extend,
+    v4_compress_pool,
+    v4_hc_post,
+    v4_hc_pre,
+    v4_indexer_topk,
+    v4_moe_experts,
+    v4_moe_route,
 )

@@ -52,8 +52,9 @@ def scale_row_block(w: torch.Tensor, scale: torch.Tensor) -> int:
     raise ValueError(f"fp8 scales {tuple(scale.shape)} fit neither rows nor 128-row blocks of weight {tuple(w.shape)}")
 
 
-def dequantize_fp8_rows(q: torch.Tensor, row_scale: torch.Tensor, group: int = FP8_GROUP,
-                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_fp8_rows(
+    q: torch.Tensor, row_scale: torch.Tensor, group: int = FP8_GROUP, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """e4m3 [..., N, K] with scales [..., N or ceil(N/128), ceil(K/group)] -> dtype [..., N, K]."""
     N, K = q.shape[-2:]
     s = row_scale.float().repeat_interleave(scale_row_block(q, row_scale), dim=-2)[..., :N, :]
@@ -61,8 +62,9 @@ def dequantize_fp8_rows(q: torch.Tensor, row_scale: torch.Tensor, group: int = F
     return (q.float() * s).to(dtype)
 
 
-def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, group: int = FP4_GROUP,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_fp4(
+    packed: torch.Tensor, scale: torch.Tensor, group: int = FP4_GROUP, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Packed e2m1 [..., N, K/2] with power-of-two scales [..., N, K/group] -> dtype [..., N, K]."""
     v = unpack_fp4(packed)
     s = e8m0_to_float(scale).repeat_interleave(group, dim=-1)[..., : v.shape[-1]]
@@ -118,11 +120,25 @@ def _moe(x, topk_weights, topk_ids, expert_linear13, expert_linear2, swiglu_limi
 def fp8_moe_experts(x, w13, s13, w2, s2, topk_weights, topk_ids, swiglu_limit: Optional[float] = None):
     """Routed experts with fp8 weights [E, 2I, H] / [E, H, I] and per-row scales; activations
     quantized before each GEMM (the intermediate too)."""
-    return _moe(x, topk_weights, topk_ids, lambda a, e: fp8_linear(a, w13[e], s13[e]),
-                lambda a, e: fp8_linear(a, w2[e], s2[e]), swiglu_limit, w13.shape[0])
+    return _moe(
+        x,
+        topk_weights,
+        topk_ids,
+        lambda a, e: fp8_linear(a, w13[e], s13[e]),
+        lambda a, e: fp8_linear(a, w2[e], s2[e]),
+        swiglu_limit,
+        w13.shape[0],
+    )
 
 
 def fp4_moe_experts(x, w13, s13, w2, s2, topk_weights, topk_ids, swiglu_limit: Optional[float] = None):
     """Routed experts with packed fp4 weights [E, 2I, H/2] / [E, H, I/2] and e8m0 scales."""
-    return _moe(x, topk_weights, topk_ids, lambda a, e: fp4_linear(a, w13[e], s13[e]),
-                lambda a, e: fp4_linear(a, w2[e], s2[e]), swiglu_limit, w13.shape[0])
+    return _moe(
+        x,
+        topk_weights,
+        topk_ids,
+        lambda a, e: fp4_linear(a, w13[e], s13[e]),
+        lambda a, e: fp4_linear(a, w2[e], s2[e]),
+        swiglu_limit,
+        w13.shape[0],
+    )

@@ -27,8 +27,14 @@ import torch.nn.functional as F
 from dsv4_kernels.grouped_moe import grouped_experts
 
 __all__ = [
-    "v4_attention_decode", "v4_attention_extend", "v4_indexer_topk", "v4_compress_pool",
-    "v4_hc_pre", "v4_hc_post", "v4_moe_route", "v4_moe_experts",
+    "v4_attention_decode",
+    "v4_attention_extend",
+    "v4_indexer_topk",
+    "v4_compress_pool",
+    "v4_hc_pre",
+    "v4_hc_post",
+    "v4_moe_route",
+    "v4_moe_experts",
 ]
 
 
@@ -41,8 +47,9 @@ def _entry_rows(store: torch.Tensor, pages: torch.Tensor, w: torch.Tensor, rate:
     return store[page, w % store.shape[1]]
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor,
-            sm_scale: float) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor, sm_scale: float
+) -> torch.Tensor:
     """q [N, H, hd] over keys (== values) [N, K, hd] with allowed [N, K] and the per-head sink
     as one more logit whose value is dropped (the model's _softmax_attend)."""
     logits = torch.matmul(q, keys.transpose(-1, -2)) * sm_scale  # [N, H, K]
@@ -91,7 +98,7 @@ def v4_attention_extend(
         sl = slice(row, row + n)
         qpos = positions[sl]
         start = int(qpos[0])
-        ring_rows, ring_pos = _ring_keys(ring, slot_ids[b:b + 1], qpos[:1])
+        ring_rows, ring_pos = _ring_keys(ring, slot_ids[b : b + 1], qpos[:1])
         keys = torch.cat([ring_rows[0].to(kv.dtype), kv[sl]], 0)
         kpos = torch.cat([ring_pos[0], qpos])
         allowed = (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - W) & (kpos[None] >= 0)
@@ -295,6 +302,7 @@ def v4_moe_experts(
     """Routed experts with V4's clamped SwiGLU: act = silu(min(gate, L)) * clamp(up, -L, L)
     (L <= 0: no clamp). x [T, hidden], w13 [E, 2I, hidden], w2 [E, hidden, I]; computes in
     fp32, returns x's dtype."""
+
     def act(gate_up: torch.Tensor) -> torch.Tensor:
         inter = gate_up.shape[1] // 2
         gate, up = gate_up[:, :inter], gate_up[:, inter:]

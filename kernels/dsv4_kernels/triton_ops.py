@@ -28,8 +28,14 @@ def v4_moe_experts(x, w13, w2, topk_weights, topk_ids, swiglu_limit):
 
 
 __all__ += [
-    "v4_attention_decode", "v4_attention_extend", "v4_indexer_topk", "v4_compress_pool",
-    "v4_hc_pre", "v4_hc_post", "v4_moe_route", "v4_moe_experts",
+    "v4_attention_decode",
+    "v4_attention_extend",
+    "v4_indexer_topk",
+    "v4_compress_pool",
+    "v4_hc_pre",
+    "v4_hc_post",
+    "v4_moe_route",
+    "v4_moe_experts",
 ]
 
 # The V4 model routes its attention, indexer, compressor, mHC and MoE through the calls above

@@ -22,7 +22,12 @@ from typing import Any, Mapping, Optional
 
 from dsv4_operator.kube import ApiError, KubeApi, resource_path
 from dsv4_operator.manifests import (
-    AUTH_SECRET_KEYS, LABEL_MANAGED_BY, MANAGER, Owner, auth_secret, auth_secret_name,
+    AUTH_SECRET_KEYS,
+    LABEL_MANAGED_BY,
+    MANAGER,
+    Owner,
+    auth_secret,
+    auth_secret_name,
 )
 from dsv4_operator.spec import DSV4DeploymentSpec
 
@@ -61,8 +66,11 @@ def operator_key(environ: Mapping[str, str] = os.environ) -> bytes:
     if environ.get(OPERATOR_KEY_ENV):
         return environ[OPERATOR_KEY_ENV].encode()
     if _process_key is None:
-        log.warning("No operator key (%s / %s): deriving deployments' tokens from a key of this process only",
-                    OPERATOR_KEY_FILE_ENV, OPERATOR_KEY_ENV)
+        log.warning(
+            "No operator key (%s / %s): deriving deployments' tokens from a key of this process only",
+            OPERATOR_KEY_FILE_ENV,
+            OPERATOR_KEY_ENV,
+        )
         _process_key = secrets.token_bytes(32)
     return _process_key
 
@@ -82,35 +90,42 @@ def usable_values(live: Mapping[str, Any], owner: Owner) -> dict[str, str]:
     meta = live.get("metadata") or {}
     where = f"Secret {owner.namespace}/{meta.get('name')}"
     ours = (meta.get("labels") or {}).get(LABEL_MANAGED_BY) == MANAGER or any(
-        ref.get("uid") == owner.uid for ref in meta.get("ownerReferences") or [])
+        ref.get("uid") == owner.uid for ref in meta.get("ownerReferences") or []
+    )
     if not ours:  # any Secret of the namespace could be named: use only those given to us
         raise AuthSecretRefused(
             f"{where} is not the operator's: label it {LABEL_MANAGED_BY}={MANAGER} to let this deployment use it "
-            "(or name no secret and let the operator create one); nothing was applied", SECRET_NOT_OWNED)
+            "(or name no secret and let the operator create one); nothing was applied",
+            SECRET_NOT_OWNED,
+        )
     try:
         data = {k: base64.b64decode(v, validate=True).decode() for k, v in (live.get("data") or {}).items()}
     except ValueError:  # UnicodeDecodeError, bad base64
-        raise AuthSecretRefused(f"{where} holds a value that is not UTF-8 text; nothing was applied",
-                                SECRET_UNUSABLE) from None
+        raise AuthSecretRefused(
+            f"{where} holds a value that is not UTF-8 text; nothing was applied", SECRET_UNUSABLE
+        ) from None
     missing = [k for k in AUTH_SECRET_KEYS if not data.get(k)]
     if missing:  # the operator does not patch Secrets: the user adds them (or deletes an old one of ours)
         raise AuthSecretRefused(
             f"{where} lacks the keys {', '.join(missing)}: add them (the operator writes no Secret it did not "
             "just create), or delete the Secret if the operator made it, and it is made again; nothing was applied",
-            SECRET_UNUSABLE)
+            SECRET_UNUSABLE,
+        )
     return data
 
 
-async def ensure_auth_secret(api: KubeApi, spec: DSV4DeploymentSpec, owner: Owner,
-                             key: Optional[bytes] = None) -> dict[str, str]:
+async def ensure_auth_secret(
+    api: KubeApi, spec: DSV4DeploymentSpec, owner: Owner, key: Optional[bytes] = None
+) -> dict[str, str]:
     """The deployment's tokens: its Secret created with derived values when absent (create), else
     read (get) and used if it is the operator's. Returns {key: value}; AuthSecretRefused when the
     Secret exists and cannot be used."""
     name = auth_secret_name(spec, owner.name)
     values = derived_values(key if key is not None else operator_key(), owner.uid)
     try:
-        await api.request("POST", resource_path("v1", "secrets", owner.namespace),
-                          body=auth_secret(spec, owner, values))
+        await api.request(
+            "POST", resource_path("v1", "secrets", owner.namespace), body=auth_secret(spec, owner, values)
+        )
         return values
     except ApiError as e:
         if e.status != 409:

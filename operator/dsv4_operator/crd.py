@@ -25,15 +25,46 @@ from dsv4_operator.manifests import DNS1035_PATTERN, MAX_NAME_LENGTH
 CRD_NAME = f"{S.PLURAL}.{S.GROUP}"
 
 # Keys of a JSON Schema node that a structural OpenAPI v3 schema keeps as they are.
-_KEPT = ("type", "description", "enum", "minimum", "maximum", "minLength", "maxLength", "pattern",
-         "format", "minItems", "maxItems", "maxProperties")
+_KEPT = (
+    "type",
+    "description",
+    "enum",
+    "minimum",
+    "maximum",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "format",
+    "minItems",
+    "maxItems",
+    "maxProperties",
+)
 
 PRINTER_COLUMNS = [
-    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Available")].status',
-     "description": "Available condition: every role has a ready replica."},
-    {"name": "Prefill", "type": "string", "jsonPath": ".status.prefill.ready", "description": "Ready/desired prefill pods."},
-    {"name": "Decode", "type": "string", "jsonPath": ".status.decode.ready", "description": "Ready/desired decode pods."},
-    {"name": "Wedged", "type": "integer", "jsonPath": ".status.wedgedPods", "description": "Pods the watchdog holds wedged now."},
+    {
+        "name": "Ready",
+        "type": "string",
+        "jsonPath": '.status.conditions[?(@.type=="Available")].status',
+        "description": "Available condition: every role has a ready replica.",
+    },
+    {
+        "name": "Prefill",
+        "type": "string",
+        "jsonPath": ".status.prefill.ready",
+        "description": "Ready/desired prefill pods.",
+    },
+    {
+        "name": "Decode",
+        "type": "string",
+        "jsonPath": ".status.decode.ready",
+        "description": "Ready/desired decode pods.",
+    },
+    {
+        "name": "Wedged",
+        "type": "integer",
+        "jsonPath": ".status.wedgedPods",
+        "description": "Pods the watchdog holds wedged now.",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {"name": "Router", "type": "string", "jsonPath": ".status.router.ready", "priority": 1},
     {"name": "Engine", "type": "string", "jsonPath": ".spec.engine.kind", "priority": 1},
@@ -93,11 +124,19 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
             out["additionalProperties"] = _structural(extra, defs)
             if "pattern" in keys:  # OpenAPI v3 cannot constrain map keys; CEL can
                 rules = out.setdefault("x-kubernetes-validations", [])
-                rules.append(S.cel(f"self.all(k, k.matches('{keys['pattern']}'))",
-                                   "every key must be a qualified name ([prefix/]name, name at most 63 characters)"))
+                rules.append(
+                    S.cel(
+                        f"self.all(k, k.matches('{keys['pattern']}'))",
+                        "every key must be a qualified name ([prefix/]name, name at most 63 characters)",
+                    )
+                )
                 if "maxLength" in keys:
-                    rules.append(S.cel(f"self.all(k, size(k) <= {keys['maxLength']})",
-                                       f"keys are at most {keys['maxLength']} characters"))
+                    rules.append(
+                        S.cel(
+                            f"self.all(k, size(k) <= {keys['maxLength']})",
+                            f"keys are at most {keys['maxLength']} characters",
+                        )
+                    )
         else:  # free-form (dict[str, Any]): e.g. a Kubernetes Affinity
             out["x-kubernetes-preserve-unknown-fields"] = True
     elif kind == "array":
@@ -126,10 +165,14 @@ def name_rules() -> list[dict[str, str]]:
     """The CR name names the children, so it has their limits (manifests.unbuildable_reasons);
     only the root of the schema may read metadata.name."""
     return [
-        S.cel(f"self.metadata.name.matches('{DNS1035_PATTERN}')",
-              "metadata.name must be a DNS-1035 label (lower case, starts with a letter): it names the Services"),
-        S.cel(f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
-              f"metadata.name must be at most {MAX_NAME_LENGTH} characters: the StatefulSet pod labels carry it"),
+        S.cel(
+            f"self.metadata.name.matches('{DNS1035_PATTERN}')",
+            "metadata.name must be a DNS-1035 label (lower case, starts with a letter): it names the Services",
+        ),
+        S.cel(
+            f"size(self.metadata.name) <= {MAX_NAME_LENGTH}",
+            f"metadata.name must be at most {MAX_NAME_LENGTH} characters: the StatefulSet pod labels carry it",
+        ),
     ]
 
 
@@ -165,20 +208,24 @@ def build_crd() -> dict[str, Any]:
                 "singular": S.SINGULAR,
                 "shortNames": list(S.SHORT_NAMES),
             },
-            "versions": [{
-                "name": S.VERSION,
-                "served": True,
-                "storage": True,
-                "subresources": {"status": {}},
-                "additionalPrinterColumns": copy.deepcopy(PRINTER_COLUMNS),
-                "schema": {"openAPIV3Schema": cr_schema()},
-            }],
+            "versions": [
+                {
+                    "name": S.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": copy.deepcopy(PRINTER_COLUMNS),
+                    "schema": {"openAPIV3Schema": cr_schema()},
+                }
+            ],
         },
     }
 
 
-HEADER = ("# Generated from operator/dsv4_operator/spec.py by `python -m dsv4_operator.crd --out "
-          "crds/dsv4deployment.yaml`.\n# Do not edit by hand: change the pydantic models and regenerate.\n")
+HEADER = (
+    "# Generated from operator/dsv4_operator/spec.py by `python -m dsv4_operator.crd --out "
+    "crds/dsv4deployment.yaml`.\n# Do not edit by hand: change the pydantic models and regenerate.\n"
+)
 
 
 class _PlainDumper(yaml.SafeDumper):

@@ -24,8 +24,9 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping, Optional
 
-LIST_MAP_FIELDS = frozenset({"containers", "initContainers", "env", "volumes", "volumeMounts", "ports",
-                             "imagePullSecrets"})
+LIST_MAP_FIELDS = frozenset(
+    {"containers", "initContainers", "env", "volumes", "volumeMounts", "ports", "imagePullSecrets"}
+)
 
 
 def entry_key(field: str, item: Any) -> Optional[str]:
@@ -73,8 +74,11 @@ def foreign_entry_removals(live: Any, wanted: Any, pointer: str = "") -> list[di
                     removed = True
                     removals.append({"op": "remove", "path": f"{here}/{index}"})
             if removed:
-                additions += [{"op": "add", "path": f"{here}/-", "value": item}
-                              for key, item in wanted_by_key.items() if key not in present]
+                additions += [
+                    {"op": "add", "path": f"{here}/-", "value": item}
+                    for key, item in wanted_by_key.items()
+                    if key not in present
+                ]
         elif isinstance(want, Mapping):
             nested += foreign_entry_removals(have, want, here)
     return nested + removals + additions
@@ -82,8 +86,12 @@ def foreign_entry_removals(live: Any, wanted: Any, pointer: str = "") -> list[di
 
 # Label maps the operator owns whole: the pod template's labels and the selectors (paths from the
 # object's root; a workload's selector is immutable, so only the others can drift).
-OWNED_LABEL_MAPS = (("spec", "template", "metadata", "labels"), ("spec", "selector"),
-                    ("spec", "selector", "matchLabels"), ("spec", "podSelector", "matchLabels"))
+OWNED_LABEL_MAPS = (
+    ("spec", "template", "metadata", "labels"),
+    ("spec", "selector"),
+    ("spec", "selector", "matchLabels"),
+    ("spec", "podSelector", "matchLabels"),
+)
 
 
 def _escape(key: str) -> str:

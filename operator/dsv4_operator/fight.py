@@ -35,8 +35,13 @@ class _Fight:
 
 
 class FightTracker:
-    def __init__(self, window: float = WINDOW_SECONDS, threshold: int = REPAIRS_BEFORE_BACKOFF,
-                 base: float = BACKOFF_BASE_SECONDS, cap: float = BACKOFF_CAP_SECONDS) -> None:
+    def __init__(
+        self,
+        window: float = WINDOW_SECONDS,
+        threshold: int = REPAIRS_BEFORE_BACKOFF,
+        base: float = BACKOFF_BASE_SECONDS,
+        cap: float = BACKOFF_CAP_SECONDS,
+    ) -> None:
         self.window, self.threshold, self.base, self.cap = window, threshold, base, cap
         self._fights: dict[Hashable, _Fight] = {}
 
@@ -52,7 +57,7 @@ class FightTracker:
             fight.repairs.popleft()
         if len(fight.repairs) < self.threshold and not fight.level:
             return RepairDecision(0.0, False)
-        delay = min(self.cap, self.base * 2 ** fight.level)
+        delay = min(self.cap, self.base * 2**fight.level)
         warn = not fight.warned
         fight.warned = True
         return RepairDecision(delay, warn)
@@ -73,8 +78,11 @@ class FightTracker:
 def other_manager(managed_fields: Optional[Iterable[Mapping[str, Any]]], own: Iterable[str]) -> Optional[str]:
     """Pure: the field manager other than ours that wrote the object last (managedFields)."""
     ours = set(own)
-    entries = [m for m in managed_fields or [] if m.get("manager") and m.get("manager") not in ours
-               and m.get("subresource") != "status"]
+    entries = [
+        m
+        for m in managed_fields or []
+        if m.get("manager") and m.get("manager") not in ours and m.get("subresource") != "status"
+    ]
     if not entries:
         return None
     return max(entries, key=lambda m: str(m.get("time") or ""))["manager"]

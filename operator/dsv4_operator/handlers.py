@@ -31,16 +31,41 @@ from dsv4_operator.drift import describe_removals, foreign_entry_removals, forei
 from dsv4_operator.fight import FightTracker, other_manager
 from dsv4_operator.kube import ApiError, KubeApi, connection_info, load_configuration, path_of
 from dsv4_operator.manifests import (
-    ADMIN_TOKEN_KEY, APP, LABEL_INSTANCE, LABEL_MANAGED_BY, LABEL_NAME, LABEL_ROLE, MANAGER,
-    HOLD_PARTITION, SCALE_MANAGER, Owner, absent_children, build_children, child_name, decode_held,
-    engine_statefulset, initial_replicas, prefill_rolled_out, scale_handover, unbuildable_reasons,
+    ADMIN_TOKEN_KEY,
+    APP,
+    LABEL_INSTANCE,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    LABEL_ROLE,
+    MANAGER,
+    HOLD_PARTITION,
+    SCALE_MANAGER,
+    Owner,
+    absent_children,
+    build_children,
+    child_name,
+    decode_held,
+    engine_statefulset,
+    initial_replicas,
+    prefill_rolled_out,
+    scale_handover,
+    unbuildable_reasons,
 )
 from dsv4_operator.canary import plan as canary_plan
 from dsv4_operator.pinning import pinned_spec
 from dsv4_operator.pod_creation import CREATION_FAILURES, FAILED_CREATE, creation_failure
 from dsv4_operator.remediation.daemon import DeploymentWatchdog
 from dsv4_operator.watchdog.pods import engine_pod_index_key, pod_snapshot
-from dsv4_operator.status import APPLY_REFUSAL_REASONS, ROLES, ApplyRefusal, ChildObservation, compute_status, observe, remediation_counts, status_changed
+from dsv4_operator.status import (
+    APPLY_REFUSAL_REASONS,
+    ROLES,
+    ApplyRefusal,
+    ChildObservation,
+    compute_status,
+    observe,
+    remediation_counts,
+    status_changed,
+)
 from dsv4_operator.telemetry import OperatorMetrics
 from dsv4_operator.tenant_policy import TenantPolicy, policy_violations
 from dsv4_wire import ANNOTATION_PINNED_REVISION
@@ -70,8 +95,10 @@ def retry_delay(retry: int, base: float = APPLY_RETRY_BASE_SECONDS, cap: float =
 def describe_apply_error(e: ApiError) -> str:
     """Pure: the status message of a failed apply; a 403 says what to grant."""
     if e.status == 403:
-        return (f"{e}; the operator's ServiceAccount lacks a permission the cluster requires "
-                "(see docs/operations.md, RBAC and Supported clusters); retried with back-off")
+        return (
+            f"{e}; the operator's ServiceAccount lacks a permission the cluster requires "
+            "(see docs/operations.md, RBAC and Supported clusters); retried with back-off"
+        )
     return str(e)
 
 
@@ -100,8 +127,9 @@ def check_spec(name: str, raw_spec: Any) -> tuple[Optional[S.DSV4DeploymentSpec]
     return spec, None
 
 
-def effective_spec(name: str, raw_spec: Any, annotations: Optional[Mapping[str, str]],
-                   generation: int) -> tuple[Optional[S.DSV4DeploymentSpec], Optional[str], Optional[str]]:
+def effective_spec(
+    name: str, raw_spec: Any, annotations: Optional[Mapping[str, str]], generation: int
+) -> tuple[Optional[S.DSV4DeploymentSpec], Optional[str], Optional[str]]:
     """(spec to build from, why not, pinned revision): the user's spec, or a pinned revision's
     (pinned_spec) when one applies and can be acted on."""
     spec, problem = check_spec(name, raw_spec)
@@ -139,8 +167,11 @@ def _children(namespace: str, name: str, *indices: Any) -> list[ChildObservation
 def _carried_apply_error(previous: dict[str, Any], observed_generation: Optional[int]) -> Optional[str]:
     """An apply failure stands until the operator applies again (a new generation or a retry)."""
     for cond in previous.get("conditions") or []:
-        if (cond.get("type") == "Degraded" and cond.get("reason") in APPLY_REFUSAL_REASONS
-                and cond.get("observedGeneration") == observed_generation):
+        if (
+            cond.get("type") == "Degraded"
+            and cond.get("reason") in APPLY_REFUSAL_REASONS
+            and cond.get("observedGeneration") == observed_generation
+        ):
             return ApplyRefusal(cond.get("message") or "apply failed", cond["reason"])
     return None
 
@@ -154,8 +185,13 @@ async def image_volume_refusal(api: KubeApi, spec: S.DSV4DeploymentSpec, owner: 
     server drops the volume and its mounts without a word, and engines would start without their
     checkpoint. Asked by a dry-run apply of the prefill StatefulSet: nothing is written."""
     manifest = engine_statefulset(spec, owner, "prefill", S.spec_revision(spec))
-    answer = await api.request("PATCH", path_of(manifest), body=manifest, content_type="application/apply-patch+yaml",
-                               query=[("fieldManager", api.field_manager), ("force", "true"), ("dryRun", "All")])
+    answer = await api.request(
+        "PATCH",
+        path_of(manifest),
+        body=manifest,
+        content_type="application/apply-patch+yaml",
+        query=[("fieldManager", api.field_manager), ("force", "true"), ("dryRun", "All")],
+    )
     volumes = (((answer or {}).get("spec") or {}).get("template") or {}).get("spec", {}).get("volumes") or []
     if any(v.get("name") == "model" and "image" in v for v in volumes):
         return None
@@ -168,14 +204,22 @@ async def image_volume_refusal(api: KubeApi, spec: S.DSV4DeploymentSpec, owner: 
         f"model.volume.image needs image volumes, which this cluster (Kubernetes {server}) drops: they need "
         "1.31 or later with the ImageVolume feature gate on (off by default through 1.33). Nothing was applied: "
         "use a persistentVolumeClaim or hostPath model volume, or enable the gate and edit the resource",
-        IMAGE_VOLUME_UNSUPPORTED)
+        IMAGE_VOLUME_UNSUPPORTED,
+    )
 
 
-async def refresh_status(api: KubeApi, metrics: OperatorMetrics, namespace: str, name: str,
-                         children: Callable[[], Iterable[ChildObservation]], *,
-                         observed_generation: Optional[int] = None,
-                         apply_error: Optional[str] = None, revision: Optional[str] = None,
-                         acted: bool = False) -> Optional[dict[str, Any]]:
+async def refresh_status(
+    api: KubeApi,
+    metrics: OperatorMetrics,
+    namespace: str,
+    name: str,
+    children: Callable[[], Iterable[ChildObservation]],
+    *,
+    observed_generation: Optional[int] = None,
+    apply_error: Optional[str] = None,
+    revision: Optional[str] = None,
+    acted: bool = False,
+) -> Optional[dict[str, Any]]:
     """Read the resource, compute its status from the children, write it if it changed.
 
     `acted` marks a call from the reconciler, which speaks for `observed_generation`, its
@@ -191,13 +235,19 @@ async def refresh_status(api: KubeApi, metrics: OperatorMetrics, namespace: str,
             return None
         meta = cr["metadata"]
         previous = cr.get("status") or {}
-        spec, spec_error, pinned = effective_spec(name, cr.get("spec"), meta.get("annotations"),
-                                                  int(meta.get("generation") or 0))
+        spec, spec_error, pinned = effective_spec(
+            name, cr.get("spec"), meta.get("annotations"), int(meta.get("generation") or 0)
+        )
         observed = observed_generation if acted else previous.get("observedGeneration")
         kids = list(children())
         new = compute_status(
-            spec=spec, spec_error=spec_error, generation=int(meta.get("generation") or 0),
-            observed_generation=observed, children=kids, previous=previous, now=now_rfc3339(),
+            spec=spec,
+            spec_error=spec_error,
+            generation=int(meta.get("generation") or 0),
+            observed_generation=observed,
+            children=kids,
+            previous=previous,
+            now=now_rfc3339(),
             creation_failures=CREATION_FAILURES.standing(namespace, kids),
             apply_error=apply_error if acted else _carried_apply_error(previous, observed),
             revision=revision if acted else None,
@@ -211,8 +261,9 @@ async def refresh_status(api: KubeApi, metrics: OperatorMetrics, namespace: str,
         return {"status": new} if changed else None
 
     try:
-        written = await api.patch_with_retry(S.API_VERSION, S.KIND, namespace, name, status_patch,
-                                             subresource="status", attempts=STATUS_WRITE_ATTEMPTS)
+        written = await api.patch_with_retry(
+            S.API_VERSION, S.KIND, namespace, name, status_patch, subresource="status", attempts=STATUS_WRITE_ATTEMPTS
+        )
     except ApiError as e:
         if e.status == 409:
             raise kopf.TemporaryError(f"status of {namespace}/{name} kept changing under us", delay=1) from None
@@ -248,16 +299,26 @@ async def hand_over_replicas(api: KubeApi, owner: Owner, role: str, replicas: in
     forced: if an autoscaler already set another value, it owns the field, as it should."""
     manifest = scale_handover(owner, role, replicas)
     try:
-        await api.request("PATCH", path_of(manifest), body=manifest, content_type="application/apply-patch+yaml",
-                          query=[("fieldManager", SCALE_MANAGER)])
+        await api.request(
+            "PATCH",
+            path_of(manifest),
+            body=manifest,
+            content_type="application/apply-patch+yaml",
+            query=[("fieldManager", SCALE_MANAGER)],
+        )
     except ApiError as e:
         if e.status != 409:
             raise
 
 
-async def apply_children(api: KubeApi, metrics: OperatorMetrics, spec: S.DSV4DeploymentSpec, owner: Owner,
-                         existing_replicas: Optional[dict[str, int]] = None,
-                         seen: Optional[dict] = None) -> list[dict[str, Any]]:
+async def apply_children(
+    api: KubeApi,
+    metrics: OperatorMetrics,
+    spec: S.DSV4DeploymentSpec,
+    owner: Owner,
+    existing_replicas: Optional[dict[str, int]] = None,
+    seen: Optional[dict] = None,
+) -> list[dict[str, Any]]:
     """Apply every child. `existing_replicas`: role -> replicas of the workloads that exist now
     (from the index), for the roles scaled from outside; `seen`: where to note the generations
     our writes gave the workloads (see _child_changed)."""
@@ -272,8 +333,11 @@ async def apply_children(api: KubeApi, metrics: OperatorMetrics, spec: S.DSV4Dep
     prefill_name, decode_name = child_name(owner.name, "prefill"), child_name(owner.name, "decode")
     for manifest in build_children(spec, owner, operator_namespace()):
         is_sts = manifest["kind"] == "StatefulSet"
-        if is_sts and manifest["metadata"]["name"] == decode_name and \
-                await _hold_decode(api, spec, owner, manifest, prefill or {}):
+        if (
+            is_sts
+            and manifest["metadata"]["name"] == decode_name
+            and await _hold_decode(api, spec, owner, manifest, prefill or {})
+        ):
             manifest = engine_statefulset(spec, owner, "decode", S.spec_revision(spec), hold=True)
         result = await apply_repairing(api, manifest)
         _remember_generation(seen, result)
@@ -289,8 +353,13 @@ async def apply_children(api: KubeApi, metrics: OperatorMetrics, spec: S.DSV4Dep
     return applied
 
 
-async def _hold_decode(api: KubeApi, spec: S.DSV4DeploymentSpec, owner: Owner, wanted: dict[str, Any],
-                       prefill: Optional[dict[str, Any]] = None) -> bool:
+async def _hold_decode(
+    api: KubeApi,
+    spec: S.DSV4DeploymentSpec,
+    owner: Owner,
+    wanted: dict[str, Any],
+    prefill: Optional[dict[str, Any]] = None,
+) -> bool:
     """Whether to apply decode held (manifests.decode_held); `prefill`: the prefill StatefulSet as
     just applied, else it is read."""
     if spec.rollout.order != "prefillFirst":
@@ -344,8 +413,8 @@ async def check_crd_installed(memo: kopf.Memo, logger: kopf.Logger, **_: Any) ->
         await api.close()
     if not served or S.PLURAL not in served:
         raise kopf.PermanentError(
-            f"the CRD {S.PLURAL}.{S.GROUP} ({S.API_VERSION}) is not installed; "
-            "apply crds/dsv4deployment.yaml first")
+            f"the CRD {S.PLURAL}.{S.GROUP} ({S.API_VERSION}) is not installed; apply crds/dsv4deployment.yaml first"
+        )
     logger.info(f"{S.KIND} ({S.API_VERSION}) is served by the API server.")
 
 
@@ -396,22 +465,39 @@ def _index_resource(namespace: str, name: str, **_: Any) -> dict:
 @kopf.on.resume(*CR, registry=registry)
 @kopf.on.create(*CR, registry=registry)
 @kopf.on.update(*CR, registry=registry)
-async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, name: str, namespace: str, uid: str,
-                    memo: kopf.Memo, logger: kopf.Logger, dsv4_statefulsets: kopf.Index,
-                    dsv4_deployments: kopf.Index, dsv4_resources: kopf.Index, retry: int = 0, **_: Any) -> None:
+async def reconcile(
+    body: kopf.Body,
+    spec: kopf.Spec,
+    meta: kopf.Meta,
+    name: str,
+    namespace: str,
+    uid: str,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    dsv4_statefulsets: kopf.Index,
+    dsv4_deployments: kopf.Index,
+    dsv4_resources: kopf.Index,
+    retry: int = 0,
+    **_: Any,
+) -> None:
     metrics = _metrics(memo)
     metrics.deployments.set(len(dsv4_resources))
     api = _api(memo)
     generation = int(meta.get("generation") or 0)
     memo["seen_pin"] = _rollout_marks(meta.get("annotations"))
+
     def children() -> list[ChildObservation]:
         return _children(namespace, name, dsv4_statefulsets, dsv4_deployments)
 
     parsed, problem, pinned = effective_spec(name, spec, meta.get("annotations"), generation)
     if pinned is not None:
-        kopf.event(body, type="Normal", reason="PinnedRevision",
-                   message=f"generation {generation} runs the pinned revision {pinned}, not the spec as written; "
-                           "the next edit of the spec ends the pin")
+        kopf.event(
+            body,
+            type="Normal",
+            reason="PinnedRevision",
+            message=f"generation {generation} runs the pinned revision {pinned}, not the spec as written; "
+            "the next edit of the spec ends the pin",
+        )
     if parsed is None:
         metrics.reconciles.labels("invalid_spec").inc()
         kopf.warn(body, reason="InvalidSpec", message=problem or "invalid spec")
@@ -429,19 +515,29 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, name: str
         if refusal is not None:  # never silently run engines without their checkpoint
             metrics.reconciles.labels("apply_failed").inc()
             kopf.warn(body, reason=IMAGE_VOLUME_UNSUPPORTED, message=refusal)
-            await refresh_status(api, metrics, namespace, name, children, observed_generation=generation,
-                                 apply_error=refusal, acted=True)
+            await refresh_status(
+                api, metrics, namespace, name, children, observed_generation=generation, apply_error=refusal, acted=True
+            )
             return
     try:
         existing = {child.role: child.spec_replicas for child in children()}
-        applied = await apply_children(api, metrics, parsed, Owner(name, namespace, uid), existing,
-                                       memo.setdefault("child_generations", {}))
+        applied = await apply_children(
+            api, metrics, parsed, Owner(name, namespace, uid), existing, memo.setdefault("child_generations", {})
+        )
     except AuthSecretRefused as e:  # the named Secret is not ours, or unusable: say so in status
         metrics.reconciles.labels("apply_failed").inc()
         if retry == 0:
             kopf.warn(body, reason=e.reason, message=str(e))
-        await refresh_status(api, metrics, namespace, name, children, observed_generation=generation,
-                             apply_error=ApplyRefusal(str(e), e.reason), acted=True)
+        await refresh_status(
+            api,
+            metrics,
+            namespace,
+            name,
+            children,
+            observed_generation=generation,
+            apply_error=ApplyRefusal(str(e), e.reason),
+            acted=True,
+        )
         delay = auth_secret.SECRET_RECHECK_SECONDS  # one create + get: cheap, and a relabel is noticed soon
         raise kopf.TemporaryError(f"{e} (checked again in {delay:.0f}s)", delay=delay) from None
     except ApiError as e:
@@ -450,18 +546,22 @@ async def reconcile(body: kopf.Body, spec: kopf.Spec, meta: kopf.Meta, name: str
         message = describe_apply_error(e)
         if retry == 0 or not e.transient:  # once per generation (and operator start), not per retry
             kopf.warn(body, reason="ApplyFailed", message=message)
-        await refresh_status(api, metrics, namespace, name, children, observed_generation=generation,
-                             apply_error=message, acted=True)
+        await refresh_status(
+            api, metrics, namespace, name, children, observed_generation=generation, apply_error=message, acted=True
+        )
         if e.transient:
             delay = retry_delay(retry)
-            raise kopf.TemporaryError(f"applying the children failed (retry in {delay:.0f}s): {e}", delay=delay) from None
+            raise kopf.TemporaryError(
+                f"applying the children failed (retry in {delay:.0f}s): {e}", delay=delay
+            ) from None
         return  # the spec produced something the API server refuses: wait for a new spec
     metrics.reconcile_seconds.observe(time.monotonic() - started)
     metrics.reconciles.labels("applied").inc()
     kinds = ", ".join(f"{m['kind']}/{m['metadata']['name']}" for m in applied if m)
     kopf.event(body, type="Normal", reason="Applied", message=f"revision {revision}, generation {generation}: {kinds}")
-    await refresh_status(api, metrics, namespace, name, children, observed_generation=generation,
-                         revision=revision, acted=True)
+    await refresh_status(
+        api, metrics, namespace, name, children, observed_generation=generation, revision=revision, acted=True
+    )
 
 
 def _rollout_marks(annotations: Optional[Mapping[str, str]]) -> tuple[Optional[str], Optional[str]]:
@@ -470,7 +570,9 @@ def _rollout_marks(annotations: Optional[Mapping[str, str]]) -> tuple[Optional[s
 
 
 @kopf.on.event(*CR, id="pin_changed", registry=registry)
-async def pin_changed(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any) -> None:
+async def pin_changed(
+    event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any
+) -> None:
     """kopf takes no annotation under our prefix for a change (its own bookkeeping lives there),
     so a rollback pin set or lifted by the watchdog is noticed here and acted on at once."""
     if event.get("type") not in ("ADDED", "MODIFIED") or body.get("metadata", {}).get("deletionTimestamp"):
@@ -481,8 +583,17 @@ async def pin_changed(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, lo
     logger.info(f"Rollback pin or canary now {pin}: re-applying.")
     indexes = {k: kwargs[k] for k in ("dsv4_statefulsets", "dsv4_deployments", "dsv4_resources")}
     meta = body["metadata"]
-    await reconcile(body=body, spec=body.get("spec") or {}, meta=meta, name=meta["name"], namespace=meta["namespace"],
-                    uid=meta["uid"], memo=memo, logger=logger, **indexes)
+    await reconcile(
+        body=body,
+        spec=body.get("spec") or {},
+        meta=meta,
+        name=meta["name"],
+        namespace=meta["namespace"],
+        uid=meta["uid"],
+        memo=memo,
+        logger=logger,
+        **indexes,
+    )
 
 
 # ---- Children: status from the workloads, drift put right ---------------------------------------
@@ -494,15 +605,19 @@ async def pin_changed(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, lo
 # their generation moved (a spec edit), and their events also refresh the owner's status.
 
 WORKLOAD_KINDS = (("apps", "v1", "statefulsets"), ("apps", "v1", "deployments"))
-OTHER_CHILD_KINDS = (("", "v1", "services"), ("", "v1", "serviceaccounts"),
-                     ("rbac.authorization.k8s.io", "v1", "roles"),
-                     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
-                     ("policy", "v1", "poddisruptionbudgets"),
-                     ("networking.k8s.io", "v1", "networkpolicies"))
+OTHER_CHILD_KINDS = (
+    ("", "v1", "services"),
+    ("", "v1", "serviceaccounts"),
+    ("rbac.authorization.k8s.io", "v1", "roles"),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    ("policy", "v1", "poddisruptionbudgets"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
+)
 
 
-def drift_worth_reapplying(event_type: Optional[str], kind: str, generation: Optional[int],
-                           last_generation: Optional[int]) -> bool:
+def drift_worth_reapplying(
+    event_type: Optional[str], kind: str, generation: Optional[int], last_generation: Optional[int]
+) -> bool:
     """Pure: whether a child's watch event may mean someone changed what the operator owns.
     A listing (type None) counts as a change: after a watch is told 410 Gone, kopf lists again and
     a child edited meanwhile arrives only that way (the caller then repairs only a child whose
@@ -516,9 +631,16 @@ def drift_worth_reapplying(event_type: Optional[str], kind: str, generation: Opt
     return True
 
 
-async def _child_changed(event: kopf.RawEvent, namespace: str, labels: kopf.Labels, memo: kopf.Memo,
-                         logger: kopf.Logger, dsv4_statefulsets: kopf.Index, dsv4_deployments: kopf.Index,
-                         **_: Any) -> None:
+async def _child_changed(
+    event: kopf.RawEvent,
+    namespace: str,
+    labels: kopf.Labels,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    dsv4_statefulsets: kopf.Index,
+    dsv4_deployments: kopf.Index,
+    **_: Any,
+) -> None:
     owner_name = labels.get(LABEL_INSTANCE)
     api = getattr(memo, "api", None)
     obj = event.get("object") or {}
@@ -536,8 +658,13 @@ async def _child_changed(event: kopf.RawEvent, namespace: str, labels: kopf.Labe
         generations[key] = generation
     reapply = drift_worth_reapplying(event.get("type"), kind, generation, last)
     target, seen = meta.get("name", ""), None if event.get("type") == "DELETED" else meta.get("resourceVersion")
-    if (not reapply and kind == "StatefulSet" and labels.get(LABEL_ROLE) == "prefill"
-            and event.get("type") != "DELETED" and prefill_rolled_out(obj)):
+    if (
+        not reapply
+        and kind == "StatefulSet"
+        and labels.get(LABEL_ROLE) == "prefill"
+        and event.get("type") != "DELETED"
+        and prefill_rolled_out(obj)
+    ):
         # Prefill finished rolling out: a held decode StatefulSet may take its new template now.
         reapply, target, seen = True, child_name(owner_name, "decode"), ""
     fights: FightTracker = memo.setdefault("fights", FightTracker())
@@ -548,39 +675,75 @@ async def _child_changed(event: kopf.RawEvent, namespace: str, labels: kopf.Labe
         decision = fights.decide(fight_key, time.monotonic())
         if decision.warn:
             other = other_manager(meta.get("managedFields"), (MANAGER, SCALE_MANAGER)) or "an unnamed writer"
-            cr_ref = {"apiVersion": S.API_VERSION, "kind": S.KIND, "metadata": {"name": owner_name, "namespace": namespace}}
-            kopf.event(await api.get(S.API_VERSION, S.KIND, namespace, owner_name) or cr_ref, type="Warning",
-                       reason="FightingWriter",
-                       message=f"{kind}/{target} keeps being changed by {other}; the operator puts it back with "
-                               f"back-off (now {decision.delay:.0f}s between repairs, at most "
-                               f"{fights.cap:.0f}s): stop the other writer or make it leave the operator's fields alone")
+            cr_ref = {
+                "apiVersion": S.API_VERSION,
+                "kind": S.KIND,
+                "metadata": {"name": owner_name, "namespace": namespace},
+            }
+            kopf.event(
+                await api.get(S.API_VERSION, S.KIND, namespace, owner_name) or cr_ref,
+                type="Warning",
+                reason="FightingWriter",
+                message=f"{kind}/{target} keeps being changed by {other}; the operator puts it back with "
+                f"back-off (now {decision.delay:.0f}s between repairs, at most "
+                f"{fights.cap:.0f}s): stop the other writer or make it leave the operator's fields alone",
+            )
         if decision.delay > 0:
             pending = memo.setdefault("delayed_repairs", {})
             if fight_key not in pending or pending[fight_key].done():
-                pending[fight_key] = asyncio.ensure_future(_delayed_repair(
-                    decision.delay, api, metrics, namespace, owner_name, kind, target, generations, fights,
-                    fight_key, logger))
+                pending[fight_key] = asyncio.ensure_future(
+                    _delayed_repair(
+                        decision.delay,
+                        api,
+                        metrics,
+                        namespace,
+                        owner_name,
+                        kind,
+                        target,
+                        generations,
+                        fights,
+                        fight_key,
+                        logger,
+                    )
+                )
             reapply = False
     for attempt in range(REPAIR_ATTEMPTS if reapply else 0):
         try:
-            restored = await _reapply_child(api, metrics, namespace, owner_name, kind, target, seen_version=seen,
-                                            generations=generations, logger=logger)
+            restored = await _reapply_child(
+                api,
+                metrics,
+                namespace,
+                owner_name,
+                kind,
+                target,
+                seen_version=seen,
+                generations=generations,
+                logger=logger,
+            )
             if restored and seen:  # only a repair that changed something counts towards a fight
                 fights.repaired((kind, namespace, target), time.monotonic())
             break
         except ApiError as e:  # kopf does not retry event handlers: a few tries here, then the next event
             metrics.api_errors.labels(str(e.status)).inc()
-            logger.warning(f"Could not re-apply {kind} {namespace}/{meta.get('name')} "
-                           f"(attempt {attempt + 1} of {REPAIR_ATTEMPTS}): {e}")
+            logger.warning(
+                f"Could not re-apply {kind} {namespace}/{meta.get('name')} "
+                f"(attempt {attempt + 1} of {REPAIR_ATTEMPTS}): {e}"
+            )
             if attempt + 1 < REPAIR_ATTEMPTS:
-                await asyncio.sleep(0.5 * 2 ** attempt)
+                await asyncio.sleep(0.5 * 2**attempt)
     if obj.get("kind") in ("StatefulSet", "Deployment"):
-        await refresh_status(api, metrics, namespace, owner_name,
-                             lambda: _children(namespace, owner_name, dsv4_statefulsets, dsv4_deployments))
+        await refresh_status(
+            api,
+            metrics,
+            namespace,
+            owner_name,
+            lambda: _children(namespace, owner_name, dsv4_statefulsets, dsv4_deployments),
+        )
 
 
-async def remove_foreign_entries(api: KubeApi, manifest: Mapping[str, Any],
-                                 live: Optional[Mapping[str, Any]] = None) -> list[str]:
+async def remove_foreign_entries(
+    api: KubeApi, manifest: Mapping[str, Any], live: Optional[Mapping[str, Any]] = None
+) -> list[str]:
     """Take out of a live child the list entries the manifest does not name and the foreign labels
     of its pod template and selectors (drift.py), by one
     JSON patch conditioned on the resourceVersion read (a concurrent write makes it a 422 and
@@ -594,8 +757,13 @@ async def remove_foreign_entries(api: KubeApi, manifest: Mapping[str, Any],
     if not ops:
         return []
     test = {"op": "test", "path": "/metadata/resourceVersion", "value": live["metadata"]["resourceVersion"]}
-    await api.request("PATCH", path_of(live), body=[test, *ops], content_type="application/json-patch+json",
-                      query=[("fieldManager", api.field_manager)])
+    await api.request(
+        "PATCH",
+        path_of(live),
+        body=[test, *ops],
+        content_type="application/json-patch+json",
+        query=[("fieldManager", api.field_manager)],
+    )
     return describe_removals(live, ops)
 
 
@@ -616,38 +784,71 @@ REPAIR_ATTEMPTS = 3  # event handlers are not retried by kopf: a repair retries 
 def foreign_write(obj: Mapping[str, Any]) -> bool:
     """Pure: the last write to a child (managedFields' latest entry) was not the operator's. Without
     managedFields (an API server that does not report them) every change counts as foreign."""
-    entries = [m for m in (obj.get("metadata") or {}).get("managedFields") or []
-               if m.get("subresource") != "status"]  # a controller's status write changes nothing we own
+    entries = [
+        m for m in (obj.get("metadata") or {}).get("managedFields") or [] if m.get("subresource") != "status"
+    ]  # a controller's status write changes nothing we own
     if not entries:
         return True
     latest = max(entries, key=lambda m: str(m.get("time") or ""))
     return latest.get("manager") not in (MANAGER, SCALE_MANAGER)
 
 
-_API_VERSION_OF_KIND = {"StatefulSet": "apps/v1", "Deployment": "apps/v1", "Role": "rbac.authorization.k8s.io/v1",
-                        "RoleBinding": "rbac.authorization.k8s.io/v1", "PodDisruptionBudget": "policy/v1",
-                        "NetworkPolicy": "networking.k8s.io/v1"}
+_API_VERSION_OF_KIND = {
+    "StatefulSet": "apps/v1",
+    "Deployment": "apps/v1",
+    "Role": "rbac.authorization.k8s.io/v1",
+    "RoleBinding": "rbac.authorization.k8s.io/v1",
+    "PodDisruptionBudget": "policy/v1",
+    "NetworkPolicy": "networking.k8s.io/v1",
+}
 
 
-async def _delayed_repair(delay: float, api: KubeApi, metrics: OperatorMetrics, namespace: str, owner_name: str,
-                          kind: str, name: str, generations: dict, fights: FightTracker, fight_key: tuple,
-                          logger: kopf.Logger) -> None:
+async def _delayed_repair(
+    delay: float,
+    api: KubeApi,
+    metrics: OperatorMetrics,
+    namespace: str,
+    owner_name: str,
+    kind: str,
+    name: str,
+    generations: dict,
+    fights: FightTracker,
+    fight_key: tuple,
+    logger: kopf.Logger,
+) -> None:
     """The repair of a child in a fight, after its back-off: one apply of whatever the child is then."""
     await asyncio.sleep(delay)
     try:
         live = await api.get(_API_VERSION_OF_KIND.get(kind, "v1"), kind, namespace, name)
-        if await _reapply_child(api, metrics, namespace, owner_name, kind, name,
-                                seen_version=None if live is None else live["metadata"]["resourceVersion"],
-                                generations=generations, logger=logger):
+        if await _reapply_child(
+            api,
+            metrics,
+            namespace,
+            owner_name,
+            kind,
+            name,
+            seen_version=None if live is None else live["metadata"]["resourceVersion"],
+            generations=generations,
+            logger=logger,
+        ):
             fights.repaired(fight_key, time.monotonic(), backed_off=True)  # still fighting: the next wait doubles
     except ApiError as e:
         metrics.api_errors.labels(str(e.status)).inc()
         logger.warning(f"Could not re-apply {kind} {namespace}/{name} after back-off: {e}")
 
 
-async def _reapply_child(api: KubeApi, metrics: OperatorMetrics, namespace: str, owner_name: str, kind: str,
-                         name: str, *, seen_version: Optional[str], generations: Optional[dict] = None,
-                         logger: kopf.Logger) -> bool:
+async def _reapply_child(
+    api: KubeApi,
+    metrics: OperatorMetrics,
+    namespace: str,
+    owner_name: str,
+    kind: str,
+    name: str,
+    *,
+    seen_version: Optional[str],
+    generations: Optional[dict] = None,
+    logger: kopf.Logger,
+) -> bool:
     """Apply the owner's current version of one child (`seen_version`: the resourceVersion the
     event showed; None: it was deleted). Nothing when the owner is gone or being deleted (the
     garbage collector is removing its children), or its spec cannot be acted on. True when it
@@ -655,13 +856,17 @@ async def _reapply_child(api: KubeApi, metrics: OperatorMetrics, namespace: str,
     cr = await api.get(S.API_VERSION, S.KIND, namespace, owner_name)
     if cr is None or cr["metadata"].get("deletionTimestamp"):
         return False
-    spec, _, _ = effective_spec(owner_name, cr.get("spec"), cr["metadata"].get("annotations"),
-                                int(cr["metadata"].get("generation") or 0))
+    spec, _, _ = effective_spec(
+        owner_name, cr.get("spec"), cr["metadata"].get("annotations"), int(cr["metadata"].get("generation") or 0)
+    )
     if spec is None:
         return False
     owner = Owner(owner_name, namespace, cr["metadata"]["uid"])
-    wanted = [m for m in build_children(spec, owner, operator_namespace())
-              if m["kind"] == kind and m["metadata"]["name"] == name]
+    wanted = [
+        m
+        for m in build_children(spec, owner, operator_namespace())
+        if m["kind"] == kind and m["metadata"]["name"] == name
+    ]
     if not wanted:
         return False  # not (or no longer) one the spec asks for
     if seen_version == "":  # a release: only a decode StatefulSet that is held has anything to take
@@ -669,13 +874,20 @@ async def _reapply_child(api: KubeApi, metrics: OperatorMetrics, namespace: str,
         partition = (((live or {}).get("spec") or {}).get("updateStrategy") or {}).get("rollingUpdate") or {}
         if partition.get("partition") != HOLD_PARTITION:
             return False
-    if kind == "StatefulSet" and name == child_name(owner_name, "decode") and \
-            await _hold_decode(api, spec, owner, wanted[0]):
+    if (
+        kind == "StatefulSet"
+        and name == child_name(owner_name, "decode")
+        and await _hold_decode(api, spec, owner, wanted[0])
+    ):
         wanted = [engine_statefulset(spec, owner, "decode", S.spec_revision(spec), hold=True)]
     removed = [] if seen_version in (None, "") else await remove_foreign_entries(api, wanted[0])
     if removed:
-        kopf.event(cr, type="Normal", reason="Restored",
-                   message=f"{kind}/{name}: removed entries the operator does not write (list entries, pod-template or selector labels): {', '.join(removed)}")
+        kopf.event(
+            cr,
+            type="Normal",
+            reason="Restored",
+            message=f"{kind}/{name}: removed entries the operator does not write (list entries, pod-template or selector labels): {', '.join(removed)}",
+        )
     after = await apply_repairing(api, wanted[0])
     _remember_generation(generations, after)
     metrics.applied.labels(kind).inc()
@@ -693,16 +905,18 @@ async def _reapply_child(api: KubeApi, metrics: OperatorMetrics, namespace: str,
 
 
 for _group, _version, _plural in (*WORKLOAD_KINDS, *OTHER_CHILD_KINDS):
-    kopf.on.event(_group, _version, _plural, id=f"{_plural}_changed", labels=CHILD_LABELS,
-                  registry=registry)(_child_changed)
+    kopf.on.event(_group, _version, _plural, id=f"{_plural}_changed", labels=CHILD_LABELS, registry=registry)(
+        _child_changed
+    )
 
 
 # ---- Pods the StatefulSet controller cannot create (pod_creation) ------------------------------
 
 
 @kopf.on.event("", "v1", "events", id="pod_creation_failed", field="reason", value=FAILED_CREATE, registry=registry)
-async def pod_creation_failed(event: kopf.RawEvent, memo: kopf.Memo, dsv4_statefulsets: kopf.Index,
-                              dsv4_deployments: kopf.Index, **_: Any) -> None:
+async def pod_creation_failed(
+    event: kopf.RawEvent, memo: kopf.Memo, dsv4_statefulsets: kopf.Index, dsv4_deployments: kopf.Index, **_: Any
+) -> None:
     """A StatefulSet of ours could not make a pod (Pod Security admission, a quota...): the
     owner's status says so, Degraded with the controller's message. main narrows this watch to
     such Events on the API server."""
@@ -714,11 +928,18 @@ async def pod_creation_failed(event: kopf.RawEvent, memo: kopf.Memo, dsv4_statef
     # watch event refreshes the owner's status then.
     CREATION_FAILURES.record(failure)
     for (namespace, owner_name), observations in dsv4_statefulsets.items():
-        if api is not None and namespace == failure.namespace and \
-                any(o is not None and o.name == failure.statefulset for o in observations):
-            await refresh_status(api, _metrics(memo), namespace, owner_name,
-                                 lambda ns=namespace, name=owner_name: _children(ns, name, dsv4_statefulsets,
-                                                                                 dsv4_deployments))
+        if (
+            api is not None
+            and namespace == failure.namespace
+            and any(o is not None and o.name == failure.statefulset for o in observations)
+        ):
+            await refresh_status(
+                api,
+                _metrics(memo),
+                namespace,
+                owner_name,
+                lambda ns=namespace, name=owner_name: _children(ns, name, dsv4_statefulsets, dsv4_deployments),
+            )
             return
 
 
@@ -726,10 +947,12 @@ async def pod_creation_failed(event: kopf.RawEvent, memo: kopf.Memo, dsv4_statef
 
 
 @kopf.daemon(*CR, id="wedge_watchdog", registry=registry, cancellation_backoff=1.0, cancellation_timeout=10.0)
-async def wedge_watchdog(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger,
-                         dsv4_pods: kopf.Index, **_: Any) -> None:
+async def wedge_watchdog(
+    stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, dsv4_pods: kopf.Index, **_: Any
+) -> None:
     """Scrape, judge and heal this deployment's engine pods for as long as it exists. `body` is
     kopf's live view of the resource: spec edits reach the running loop."""
+
     def post(type_: str, reason: str, message: str) -> None:
         kopf.event(body, type=type_, reason=reason, message=message)
 
@@ -739,21 +962,33 @@ async def wedge_watchdog(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kop
     admin_token, attempt, warned = None, 0, False
     while admin_token is None and not stopped:
         try:
-            admin_token = await deployment_admin_token(_api(memo), body["metadata"]["namespace"],
-                                                       body["metadata"]["name"])
+            admin_token = await deployment_admin_token(
+                _api(memo), body["metadata"]["namespace"], body["metadata"]["name"]
+            )
         except (ApiError, kopf.TemporaryError, AuthSecretRefused) as e:
             logger.warning(f"Cannot read the deployment's admin token yet: {e}")
             if isinstance(e, ApiError) and e.status == 403 and not warned:  # no token, no watchdog: say so once
-                post("Warning", "WatchdogWaiting", f"the wedge watchdog cannot read or create the auth Secret: "
-                                                   f"{describe_apply_error(e)}")
+                post(
+                    "Warning",
+                    "WatchdogWaiting",
+                    f"the wedge watchdog cannot read or create the auth Secret: {describe_apply_error(e)}",
+                )
                 warned = True
         if admin_token is None:
-            await stopped.wait(min(2.0 * 2 ** attempt, 60.0))
+            await stopped.wait(min(2.0 * 2**attempt, 60.0))
             attempt += 1
     if stopped:
         return
-    watchdog = DeploymentWatchdog(lambda: _api(memo), _metrics(memo), body, post, logger, admin_token=admin_token,
-                                  fleet=getattr(memo, "fleet", None), pods=pods)
+    watchdog = DeploymentWatchdog(
+        lambda: _api(memo),
+        _metrics(memo),
+        body,
+        post,
+        logger,
+        admin_token=admin_token,
+        fleet=getattr(memo, "fleet", None),
+        pods=pods,
+    )
     await watchdog.run(stopped)
 
 

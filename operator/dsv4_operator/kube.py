@@ -59,8 +59,13 @@ def in_cluster_available(env: Mapping[str, str] = os.environ, sa_dir: Path = SER
     return bool(env.get("KUBERNETES_SERVICE_HOST")) and (sa_dir / "token").is_file()
 
 
-async def load_configuration(kubeconfig: Optional[str] = None, *, env: Mapping[str, str] = os.environ,
-                             sa_dir: Path = SERVICE_ACCOUNT_DIR, home: Optional[Path] = None) -> k8s.Configuration:
+async def load_configuration(
+    kubeconfig: Optional[str] = None,
+    *,
+    env: Mapping[str, str] = os.environ,
+    sa_dir: Path = SERVICE_ACCOUNT_DIR,
+    home: Optional[Path] = None,
+) -> k8s.Configuration:
     """A kubernetes_asyncio Configuration from KUBECONFIG / in-cluster / ~/.kube/config."""
     kubeconfig = kubeconfig or env.get("KUBECONFIG")
     home_config = home if home is not None else Path("~/.kube/config").expanduser()
@@ -68,15 +73,21 @@ async def load_configuration(kubeconfig: Optional[str] = None, *, env: Mapping[s
     cfg = k8s.Configuration()
     if source == "in-cluster":
         # The service-account token is rotated on disk; the loader re-reads it when it expires.
-        k8s_config.load_incluster_config(client_configuration=cfg, try_refresh_token=True,
-                                         token_filename=str(sa_dir / "token"),
-                                         cert_filename=str(sa_dir / "ca.crt"), environ=env)
+        k8s_config.load_incluster_config(
+            client_configuration=cfg,
+            try_refresh_token=True,
+            token_filename=str(sa_dir / "token"),
+            cert_filename=str(sa_dir / "ca.crt"),
+            environ=env,
+        )
     elif source == "kubeconfig":
-        await k8s_config.load_kube_config(config_file=kubeconfig or str(home_config), client_configuration=cfg,
-                                          persist_config=False)
+        await k8s_config.load_kube_config(
+            config_file=kubeconfig or str(home_config), client_configuration=cfg, persist_config=False
+        )
     else:
-        raise kopf.LoginError("no Kubernetes credentials: set KUBECONFIG, run in a pod with a service "
-                              "account, or create ~/.kube/config")
+        raise kopf.LoginError(
+            "no Kubernetes credentials: set KUBECONFIG, run in a pod with a service account, or create ~/.kube/config"
+        )
     return cfg
 
 
@@ -99,8 +110,13 @@ async def connection_info(cfg: k8s.Configuration) -> kopf.ConnectionInfo:
     )
 
 
-def resource_path(api_version: str, plural: str, namespace: Optional[str] = None,
-                  name: Optional[str] = None, subresource: Optional[str] = None) -> str:
+def resource_path(
+    api_version: str,
+    plural: str,
+    namespace: Optional[str] = None,
+    name: Optional[str] = None,
+    subresource: Optional[str] = None,
+) -> str:
     path = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
     if namespace:
         path += f"/namespaces/{namespace}"
@@ -153,16 +169,30 @@ class KubeApi:
     async def close(self) -> None:
         await self._client.close()
 
-    async def request(self, method: str, path: str, *, body: Any = None, content_type: Optional[str] = None,
-                      query: Sequence[tuple[str, str]] = ()) -> Any:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        content_type: Optional[str] = None,
+        query: Sequence[tuple[str, str]] = (),
+    ) -> Any:
         headers = {"Accept": "application/json"}
         if content_type:
             headers["Content-Type"] = content_type
         try:
             return await self._client.call_api(
-                path, method, query_params=list(query), header_params=headers, body=body,
-                response_types_map={200: "object", 201: "object"}, auth_settings=["BearerToken"],
-                _return_http_data_only=True, _request_timeout=30)
+                path,
+                method,
+                query_params=list(query),
+                header_params=headers,
+                body=body,
+                response_types_map={200: "object", 201: "object"},
+                auth_settings=["BearerToken"],
+                _return_http_data_only=True,
+                _request_timeout=30,
+            )
         except ApiException as e:
             raise _api_error(e) from None
         except OSError as e:  # connection refused / reset: the API server is not there right now
@@ -170,14 +200,21 @@ class KubeApi:
         except asyncio.TimeoutError:
             raise ApiError(0, "Timeout", f"{method} {path} took longer than 30s") from None
 
-    async def get_text(self, path: str, query: Sequence[tuple[str, str]] = (), timeout: float = 10,
-                       limit: int = LOG_MAX_BYTES) -> str:
+    async def get_text(
+        self, path: str, query: Sequence[tuple[str, str]] = (), timeout: float = 10, limit: int = LOG_MAX_BYTES
+    ) -> str:
         """A plain-text read, e.g. pods/log (kept as text: a log line may look like JSON), of at
         most ``limit`` bytes: a longer body is cut there (a pod's log is tenant output)."""
         try:
             resp = await self._client.call_api(
-                path, "GET", query_params=list(query), header_params={"Accept": "text/plain, */*"},
-                auth_settings=["BearerToken"], _preload_content=False, _request_timeout=timeout)
+                path,
+                "GET",
+                query_params=list(query),
+                header_params={"Accept": "text/plain, */*"},
+                auth_settings=["BearerToken"],
+                _preload_content=False,
+                _request_timeout=timeout,
+            )
             try:
                 body = await read_capped(resp, limit, truncate=True)
             finally:
@@ -201,8 +238,12 @@ class KubeApi:
         """Server-side apply: creates the object or makes our fields match; force takes back
         fields someone else changed (the operator owns its children)."""
         return await self.request(
-            "PATCH", path_of(manifest), body=dict(manifest), content_type="application/apply-patch+yaml",
-            query=[("fieldManager", self.field_manager), ("force", "true")])
+            "PATCH",
+            path_of(manifest),
+            body=dict(manifest),
+            content_type="application/apply-patch+yaml",
+            query=[("fieldManager", self.field_manager), ("force", "true")],
+        )
 
     async def get(self, api_version: str, kind: str, namespace: Optional[str], name: str) -> Optional[dict]:
         try:
@@ -212,9 +253,17 @@ class KubeApi:
                 return None
             raise
 
-    async def patch_with_retry(self, api_version: str, kind: str, namespace: Optional[str], name: str,
-                               build: PatchBuilder, *, subresource: Optional[str] = None,
-                               attempts: int = PATCH_ATTEMPTS) -> Optional[dict]:
+    async def patch_with_retry(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: Optional[str],
+        name: str,
+        build: PatchBuilder,
+        *,
+        subresource: Optional[str] = None,
+        attempts: int = PATCH_ATTEMPTS,
+    ) -> Optional[dict]:
         """Read the object, ``build`` a merge patch from what was read, and write it with the
         resourceVersion read as a precondition; on 409 (someone wrote in between) read and build
         again. The one optimistic-concurrency loop of the operator: no write is last-writer-wins.
@@ -233,8 +282,7 @@ class KubeApi:
             if patch is None:
                 return obj
             body = dict(patch)
-            body["metadata"] = dict(body.get("metadata") or {},
-                                    resourceVersion=obj["metadata"].get("resourceVersion"))
+            body["metadata"] = dict(body.get("metadata") or {}, resourceVersion=obj["metadata"].get("resourceVersion"))
             try:
                 return await self.request("PATCH", path, body=body, content_type="application/merge-patch+json")
             except ApiError as e:
@@ -242,8 +290,9 @@ class KubeApi:
                     return None
                 if e.status != 409:
                     raise
-        raise ApiError(409, "Conflict", f"{kind} {namespace}/{name} kept changing: not written after "
-                                        f"{attempts} attempts")
+        raise ApiError(
+            409, "Conflict", f"{kind} {namespace}/{name} kept changing: not written after {attempts} attempts"
+        )
 
     async def served_resources(self, group_version: str) -> Optional[list[str]]:
         """The resource names the API server serves in a group/version (None: not served)."""

@@ -63,8 +63,10 @@ def default_identity() -> str:
     return f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}"
 
 
-def lease_namespace(env: Mapping[str, str] = os.environ,
-                    sa_namespace_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/namespace") -> str:
+def lease_namespace(
+    env: Mapping[str, str] = os.environ,
+    sa_namespace_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/namespace",
+) -> str:
     """POD_NAMESPACE (the chart sets it from the downward API), else the service account's
     namespace, else "default"."""
     if env.get("POD_NAMESPACE"):
@@ -89,8 +91,12 @@ class LeaseView:
     @classmethod
     def of(cls, lease: Optional[Mapping[str, Any]]) -> "LeaseView":
         spec = (lease or {}).get("spec") or {}
-        return cls(holder=spec.get("holderIdentity") or None, renew_time=spec.get("renewTime"),
-                   transitions=int(spec.get("leaseTransitions") or 0), acquire_time=spec.get("acquireTime"))
+        return cls(
+            holder=spec.get("holderIdentity") or None,
+            renew_time=spec.get("renewTime"),
+            transitions=int(spec.get("leaseTransitions") or 0),
+            acquire_time=spec.get("acquireTime"),
+        )
 
 
 def decide(view: LeaseView, identity: str, observed_at: Optional[float], now: float, lease_s: float) -> str:
@@ -112,17 +118,27 @@ def micro_time(t: float) -> str:
 def lease_spec(view: LeaseView, identity: str, action: str, wall: float, lease_s: float) -> dict[str, Any]:
     now = micro_time(wall)
     taking = action == ACQUIRE
-    return {"holderIdentity": identity, "leaseDurationSeconds": max(int(round(lease_s)), 1),
-            "acquireTime": now if taking else (view.acquire_time or now), "renewTime": now,
-            "leaseTransitions": view.transitions + (1 if taking and view.holder not in (None, identity) else 0)}
+    return {
+        "holderIdentity": identity,
+        "leaseDurationSeconds": max(int(round(lease_s)), 1),
+        "acquireTime": now if taking else (view.acquire_time or now),
+        "renewTime": now,
+        "leaseTransitions": view.transitions + (1 if taking and view.holder not in (None, identity) else 0),
+    }
 
 
 # ---- I/O --------------------------------------------------------------------------------------
 
 
 class LeaderElector:
-    def __init__(self, api: Callable[[], KubeApi], config: LeaderElection, *,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        api: Callable[[], KubeApi],
+        config: LeaderElection,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self.api, self.config = api, config
         self.identity = config.identity or default_identity()
         self.clock, self.wall = clock, wall
@@ -154,17 +170,24 @@ class LeaderElector:
         key = (view.holder, view.renew_time)
         if key != self._seen:
             self._seen, self._seen_at = key, started
-        action = decide(view, self.identity, self._seen_at if lease is not None else None, started,
-                        self.config.lease_s)
+        action = decide(view, self.identity, self._seen_at if lease is not None else None, started, self.config.lease_s)
         if action == WAIT:
             self._valid_until = None  # someone else holds it (or took it over)
             return False
         spec = lease_spec(view, self.identity, action, self.wall(), self.config.lease_s)
         try:
             if lease is None:
-                await api.request("POST", self.path, content_type="application/json", body={
-                    "apiVersion": LEASE_API, "kind": "Lease",
-                    "metadata": {"name": self.config.name, "namespace": self.config.namespace}, "spec": spec})
+                await api.request(
+                    "POST",
+                    self.path,
+                    content_type="application/json",
+                    body={
+                        "apiVersion": LEASE_API,
+                        "kind": "Lease",
+                        "metadata": {"name": self.config.name, "namespace": self.config.namespace},
+                        "spec": spec,
+                    },
+                )
             else:
                 await self._patch(api, lease, spec)
         except ApiError as e:
@@ -179,9 +202,12 @@ class LeaderElector:
 
     async def _patch(self, api: KubeApi, lease: Mapping[str, Any], spec: Mapping[str, Any]) -> None:
         """A merge patch naming the resourceVersion read: of two writers racing, one gets 409."""
-        await api.request("PATCH", f"{self.path}/{self.config.name}", content_type="application/merge-patch+json",
-                          body={"metadata": {"resourceVersion": lease["metadata"]["resourceVersion"]},
-                                "spec": dict(spec)})
+        await api.request(
+            "PATCH",
+            f"{self.path}/{self.config.name}",
+            content_type="application/merge-patch+json",
+            body={"metadata": {"resourceVersion": lease["metadata"]["resourceVersion"]}, "spec": dict(spec)},
+        )
 
     async def _attempt(self) -> bool:
         try:

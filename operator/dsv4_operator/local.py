@@ -60,7 +60,9 @@ PD_SECRET_FILE = "pd-secret"
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("DSV4_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache")), "dsv4")
+    base = os.environ.get("DSV4_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache")), "dsv4"
+    )
     return Path(base)
 
 
@@ -96,8 +98,9 @@ def engine_deadlines(engine_args: Sequence[str]) -> Optional[dict[str, float]]:
     return out
 
 
-def detection_window(requested: Optional[float], deadlines: Optional[Mapping[str, float]],
-                     scrape_interval: float) -> float:
+def detection_window(
+    requested: Optional[float], deadlines: Optional[Mapping[str, float]], scrape_interval: float
+) -> float:
     """The watchdog's detection window. With deadlines on, it must outlast the longest one by two
     scrapes (the clean failure has to show in a scrape before the window closes), or a stalled
     transfer the engine would fail by itself becomes a restart; left out, it is the longest
@@ -113,11 +116,13 @@ def detection_window(requested: Optional[float], deadlines: Optional[Mapping[str
             f"--detection-window {requested:g} s is too short: the engines' {flag} is {longest:g} s, so the "
             f"watchdog would restart an engine for a stalled transfer that the engine fails by itself. Use at "
             f"least {minimum:g} s (the longest deadline + 2 scrape intervals), leave it out for "
-            f"{longest + WINDOW_MARGIN_S:g} s, shorten the deadlines with --engine-arg, or pass --no-deadlines.")
+            f"{longest + WINDOW_MARGIN_S:g} s, shorten the deadlines with --engine-arg, or pass --no-deadlines."
+        )
     return float(requested)
 
 
 # ---- secrets -------------------------------------------------------------------------------------
+
 
 def private_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
@@ -247,9 +252,16 @@ class LocalExecutor:
         got = dict(zip((what for what, _ in fetch), await asyncio.gather(*(text(path) for _, path in fetch))))
         loads = got.get("loads")
         cm = build_evidence_configmap(
-            deployment="local", namespace="local", pod=eng.key, role=eng.role, captured_at=time.time(),
-            verdict=verdict_to_dict(verdict) if verdict is not None else {}, stacks=got.get("stacks"),
-            loads=json.loads(loads) if loads else None, metrics=got.get("metrics"), logs=eng.tail(),
+            deployment="local",
+            namespace="local",
+            pod=eng.key,
+            role=eng.role,
+            captured_at=time.time(),
+            verdict=verdict_to_dict(verdict) if verdict is not None else {},
+            stacks=got.get("stacks"),
+            loads=json.loads(loads) if loads else None,
+            metrics=got.get("metrics"),
+            logs=eng.tail(),
             spec_diff="(local deployment: no spec history)",
         )
         folder = self.up.evidence_dir / cm["metadata"]["name"]
@@ -294,8 +306,20 @@ class LocalDeployment:
         for role, n in roles:
             for i in range(n):
                 key = f"{role}-{i}"
-                cmd = [*args.dsv4_command, "serve", F.MODEL, str(self.model), F.ROLE, role,
-                       F.HOST, "127.0.0.1", F.PORT, str(port), F.SERVED_MODEL_NAME, self.model.name]
+                cmd = [
+                    *args.dsv4_command,
+                    "serve",
+                    F.MODEL,
+                    str(self.model),
+                    F.ROLE,
+                    role,
+                    F.HOST,
+                    "127.0.0.1",
+                    F.PORT,
+                    str(port),
+                    F.SERVED_MODEL_NAME,
+                    self.model.name,
+                ]
                 bport = None
                 if role == "prefill":
                     bport = args.port + 100 + i
@@ -305,19 +329,28 @@ class LocalDeployment:
                 if not args.deadlines:
                     cmd.append(F.NO_DEADLINES)
                 self._base_cmds[key] = cmd
-                self.engines[key] = EngineProc(key, role, port, self.engine_cmd(key, args.engine_args),
-                                               self.state_dir / f"{key}.log", bport, env)
+                self.engines[key] = EngineProc(
+                    key, role, port, self.engine_cmd(key, args.engine_args), self.state_dir / f"{key}.log", bport, env
+                )
                 port += 1
         router_cmd = [*args.dsv4_command, "router", R.HOST, args.host, R.PORT, str(args.port), R.HEALTH_INTERVAL, "1"]
         for e in self.engines.values():
             router_cmd += [getattr(R, e.role.upper()), e.url]
         self.router = EngineProc("router", "router", args.port, router_cmd, self.state_dir / "router.log", env=env)
-        self.supervisor = Supervisor([*self.engines.values(), self.router], self.supervised, args.crash_backoff,
-                                     on_change=self.write_processes)
+        self.supervisor = Supervisor(
+            [*self.engines.values(), self.router], self.supervised, args.crash_backoff, on_change=self.write_processes
+        )
         self.settings = RemediationSettings(
-            dry_run=False, max_unavailable={"prefill": args.max_unavailable, "decode": args.max_unavailable,
-                                            "mono": args.max_unavailable},
-            cooldown_s=args.cooldown, restart_grace_s=1.0, recovery_timeout_s=max(120.0, 4 * self.window))
+            dry_run=False,
+            max_unavailable={
+                "prefill": args.max_unavailable,
+                "decode": args.max_unavailable,
+                "mono": args.max_unavailable,
+            },
+            cooldown_s=args.cooldown,
+            restart_grace_s=1.0,
+            recovery_timeout_s=max(120.0, 4 * self.window),
+        )
         self.detector = Detector(window_s=self.window)
         self.events: list[dict] = []
 
@@ -375,15 +408,29 @@ class LocalDeployment:
                             # after a crash) says nothing about it.
                             self.detector.forget(k)
                         incarnation[k] = e.uid
-                    ready = dict(zip(self.engines, await asyncio.gather(*(self._ready(client, e) for e in self.engines.values()))))
+                    ready = dict(
+                        zip(
+                            self.engines, await asyncio.gather(*(self._ready(client, e) for e in self.engines.values()))
+                        )
+                    )
                     pods = {k: PodInfo(role=e.role, ready=ready[k], uid=e.uid) for k, e in self.engines.items()}
                     # A process that is not running is the supervisor's: crash is not a wedge.
                     # A canary under a rollout's probe is the rollout's to judge (and revert).
-                    targets = [ScrapeTarget(k, e.url, e.role) for k, e in self.engines.items()
-                               if e.running and k not in self.rolling]
-                    result = await loop.round(targets, pods, answered_before={k: e.ever_ready for k, e in self.engines.items()})
-                    status = {"time": time.time(), "detection_window_s": self.window, **result.summary(),
-                              "policy": loop.state.to_dict(), "events": self.events[-50:]}
+                    targets = [
+                        ScrapeTarget(k, e.url, e.role)
+                        for k, e in self.engines.items()
+                        if e.running and k not in self.rolling
+                    ]
+                    result = await loop.round(
+                        targets, pods, answered_before={k: e.ever_ready for k, e in self.engines.items()}
+                    )
+                    status = {
+                        "time": time.time(),
+                        "detection_window_s": self.window,
+                        **result.summary(),
+                        "policy": loop.state.to_dict(),
+                        "events": self.events[-50:],
+                    }
                     write_atomic(self.state_dir / "status.json", json.dumps(status, indent=1, default=str))
                     elapsed = time.monotonic() - started
                     try:
@@ -399,8 +446,12 @@ class LocalDeployment:
         a = self.args
         kind = "monolithic" if a.mono else f"prefill x{a.prefill}, decode x{a.decode}"
         deadlines = engine_deadlines(a.engine_args) if a.deadlines else None
-        why = "engine deadlines off" if deadlines is None else "longer than the engine deadlines: " + ", ".join(
-            f"{flag.lstrip('-').removesuffix('-timeout')} {s:g} s" for flag, s in deadlines.items())
+        why = (
+            "engine deadlines off"
+            if deadlines is None
+            else "longer than the engine deadlines: "
+            + ", ".join(f"{flag.lstrip('-').removesuffix('-timeout')} {s:g} s" for flag, s in deadlines.items())
+        )
         watchdog = f"detection window {self.window:g} s ({why})" if a.watchdog else "off"
         return [
             f"dsv4 up: router on {self.router_url} ({kind})",
@@ -411,7 +462,7 @@ class LocalDeployment:
             f"  evidence:    {self.evidence_dir}",
             f"  watchdog:    {watchdog}",
             f"  try: curl {self.router_url}{Paths.COMPLETIONS} -H 'Content-Type: application/json' "
-            f"-d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}'",
+            f'-d \'{{"prompt": "Hello", "max_tokens": 16}}\'',
         ]
 
     def announce(self) -> None:

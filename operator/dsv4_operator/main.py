@@ -52,8 +52,10 @@ def make_settings(standalone: bool) -> kopf.OperatorSettings:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
     # The watchdog's bookkeeping annotations are no change to act on.
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=ANNOTATION_PREFIX, key="last-handled-configuration",
-        ignored_fields=[("metadata", "annotations", key) for key in (STATE_ANNOTATION, REVISIONS_ANNOTATION)])
+        prefix=ANNOTATION_PREFIX,
+        key="last-handled-configuration",
+        ignored_fields=[("metadata", "annotations", key) for key in (STATE_ANNOTATION, REVISIONS_ANNOTATION)],
+    )
     settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/operator"
     # Events: ours (Applied, InvalidSpec, ...) plus kopf's warnings, not every handler's info line.
     settings.posting.level = logging.WARNING
@@ -187,8 +189,11 @@ def run_operator(namespaces: list[str], standalone: bool, health_port: int, log_
         # Without --standalone the replicas elect a leader on a Lease (kopf peering would let two
         # replicas of the same priority both act; see dsv4_operator.leader).
         election = None if standalone else LeaderElection(namespace=lease_namespace())
-        asyncio.run(serve_operator(namespaces=namespaces, standalone=standalone, health_port=health_port,
-                                   leader_election=election))
+        asyncio.run(
+            serve_operator(
+                namespaces=namespaces, standalone=standalone, health_port=health_port, leader_election=election
+            )
+        )
     except KeyboardInterrupt:
         pass
     except Exception as e:  # kopf already logged the details; leave one line and a failing exit code

@@ -21,8 +21,22 @@ from dsv4_operator import spec as S
 from dsv4_operator.quantity import QUANTITY_FIELDS, QUANTITY_MAPS, same_quantity
 from dsv4_operator.spec import DSV4DeploymentSpec, EnvVar, RoleSpec
 from dsv4_wire import (  # noqa: F401  (re-exported: the operator's modules read them from here)
-    ADMIN_TOKEN_ENV, PD_SECRET_ENV, ANNOTATION_REVISION, APP, ENGINE_CONTAINER, ENGINE_ROLES, LABEL_COMPONENT, LABEL_ENGINE_KIND, LABEL_INSTANCE,
-    LABEL_DRAINING, LABEL_MANAGED_BY, LABEL_NAME, LABEL_ROLE, MANAGER, EngineFlags, Paths,
+    ADMIN_TOKEN_ENV,
+    PD_SECRET_ENV,
+    ANNOTATION_REVISION,
+    APP,
+    ENGINE_CONTAINER,
+    ENGINE_ROLES,
+    LABEL_COMPONENT,
+    LABEL_ENGINE_KIND,
+    LABEL_INSTANCE,
+    LABEL_DRAINING,
+    LABEL_MANAGED_BY,
+    LABEL_NAME,
+    LABEL_ROLE,
+    MANAGER,
+    EngineFlags,
+    Paths,
 )
 from dsv4_wire.flags import RouterFlags
 
@@ -68,11 +82,13 @@ def unbuildable_reasons(name: str, spec: DSV4DeploymentSpec) -> list[str]:
     """What in a (schema-valid) resource the operator cannot turn into children."""
     reasons = []
     if not _DNS1035.match(name):
-        reasons.append(f"name {name!r} must be a DNS-1035 label (lower case, starts with a letter): "
-                       "it names the Services")
+        reasons.append(
+            f"name {name!r} must be a DNS-1035 label (lower case, starts with a letter): it names the Services"
+        )
     if len(name) > MAX_NAME_LENGTH:
-        reasons.append(f"name {name!r} is longer than {MAX_NAME_LENGTH} characters, too long for the "
-                       "StatefulSet pod labels")
+        reasons.append(
+            f"name {name!r} is longer than {MAX_NAME_LENGTH} characters, too long for the StatefulSet pod labels"
+        )
     # The CRD's CEL rules (spec.py) refuse the rest at admission; checked here too for a CRD
     # older than the operator, or an API server without CEL.
     vol = spec.model.volume
@@ -98,13 +114,23 @@ def unbuildable_reasons(name: str, spec: DSV4DeploymentSpec) -> list[str]:
 
 
 def owner_reference(owner: Owner) -> dict[str, Any]:
-    return {"apiVersion": S.API_VERSION, "kind": S.KIND, "name": owner.name, "uid": owner.uid,
-            "controller": True, "blockOwnerDeletion": True}
+    return {
+        "apiVersion": S.API_VERSION,
+        "kind": S.KIND,
+        "name": owner.name,
+        "uid": owner.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
 
 
 def _meta(owner: Owner, name: str, role: str, spec: DSV4DeploymentSpec, revision: str | None = None) -> dict:
-    meta: dict[str, Any] = {"name": name, "namespace": owner.namespace, "labels": labels(owner.name, role, spec),
-                            "ownerReferences": [owner_reference(owner)]}
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": labels(owner.name, role, spec),
+        "ownerReferences": [owner_reference(owner)],
+    }
     if revision is not None:
         meta["annotations"] = {ANNOTATION_REVISION: revision}
     return meta
@@ -210,11 +236,28 @@ def engine_command(spec: DSV4DeploymentSpec, role: str) -> list[str]:
         F = EngineFlags
         # Listen on every address, advertise the pod's own: decode tells prefill where to reach
         # it, and 0.0.0.0 there would be prefill's own loopback. Kubernetes expands $(POD_IP).
-        cmd = ["dsv4", "serve", F.MODEL, m.path, F.ROLE, role, F.HOST, "0.0.0.0", F.ADVERTISE_HOST, "$(POD_IP)",
-               F.PORT, str(e.port), F.BOOTSTRAP_PORT, str(t.bootstrap_port),
-               F.SERVED_MODEL_NAME, m.served,
-               F.BOOTSTRAP_TIMEOUT, str(t.bootstrap_timeout_seconds),
-               F.TRANSFER_TIMEOUT, str(t.transfer_timeout_seconds)]
+        cmd = [
+            "dsv4",
+            "serve",
+            F.MODEL,
+            m.path,
+            F.ROLE,
+            role,
+            F.HOST,
+            "0.0.0.0",
+            F.ADVERTISE_HOST,
+            "$(POD_IP)",
+            F.PORT,
+            str(e.port),
+            F.BOOTSTRAP_PORT,
+            str(t.bootstrap_port),
+            F.SERVED_MODEL_NAME,
+            m.served,
+            F.BOOTSTRAP_TIMEOUT,
+            str(t.bootstrap_timeout_seconds),
+            F.TRANSFER_TIMEOUT,
+            str(t.transfer_timeout_seconds),
+        ]
         if role == "decode":  # decode waits for its peer's bootstrap and then the transfer
             cmd += [F.WAITING_TIMEOUT, str(t.bootstrap_timeout_seconds + t.transfer_timeout_seconds)]
         if r.gpus_per_pod > 0:
@@ -222,10 +265,24 @@ def engine_command(spec: DSV4DeploymentSpec, role: str) -> list[str]:
         if r.gpus_per_pod > 1:  # one engine spans every GPU of its pod
             cmd += [F.TP_SIZE, str(r.gpus_per_pod)]
     else:
-        cmd = ["python3", "-m", "sglang.launch_server", "--model-path", m.path,
-               "--served-model-name", m.served, "--host", "0.0.0.0", "--port", str(e.port),
-               "--disaggregation-mode", role, "--disaggregation-transfer-backend", t.backend,
-               "--enable-metrics"]
+        cmd = [
+            "python3",
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            m.path,
+            "--served-model-name",
+            m.served,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(e.port),
+            "--disaggregation-mode",
+            role,
+            "--disaggregation-transfer-backend",
+            t.backend,
+            "--enable-metrics",
+        ]
         if role == "prefill":
             cmd += ["--disaggregation-bootstrap-port", str(t.bootstrap_port)]
         if r.gpus_per_pod > 1:
@@ -244,24 +301,58 @@ def router_command(spec: DSV4DeploymentSpec, owner: Owner) -> list[str]:
     serving = f"{LABEL_DRAINING}={NOT_DRAINING}"
     if spec.engine.kind == "builtin":
         R = RouterFlags
-        cmd = ["dsv4", "router", R.HOST, "0.0.0.0", R.PORT, str(spec.router.port),
-               R.DISCOVER_NAMESPACE, owner.namespace, R.SELECTOR, instance]
+        cmd = [
+            "dsv4",
+            "router",
+            R.HOST,
+            "0.0.0.0",
+            R.PORT,
+            str(spec.router.port),
+            R.DISCOVER_NAMESPACE,
+            owner.namespace,
+            R.SELECTOR,
+            instance,
+        ]
         for role in ENGINE_ROLES:  # only the pods of our StatefulSets, not any pod with our labels
             cmd += [R.OWNER, child_name(owner.name, role)]
     else:
-        cmd = ["python3", "-m", "sglang_router.launch_router", "--pd-disaggregation",
-               "--host", "0.0.0.0", "--port", str(spec.router.port),
-               "--service-discovery", "--service-discovery-namespace", owner.namespace,
-               "--service-discovery-port", str(spec.engine.port),
-               "--prefill-selector", instance, f"{LABEL_ROLE}=prefill", serving,
-               "--decode-selector", instance, f"{LABEL_ROLE}=decode", serving,
-               "--prometheus-host", "0.0.0.0", "--prometheus-port", str(SGLANG_ROUTER_METRICS_PORT)]
+        cmd = [
+            "python3",
+            "-m",
+            "sglang_router.launch_router",
+            "--pd-disaggregation",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(spec.router.port),
+            "--service-discovery",
+            "--service-discovery-namespace",
+            owner.namespace,
+            "--service-discovery-port",
+            str(spec.engine.port),
+            "--prefill-selector",
+            instance,
+            f"{LABEL_ROLE}=prefill",
+            serving,
+            "--decode-selector",
+            instance,
+            f"{LABEL_ROLE}=decode",
+            serving,
+            "--prometheus-host",
+            "0.0.0.0",
+            "--prometheus-port",
+            str(SGLANG_ROUTER_METRICS_PORT),
+        ]
     return cmd + list(spec.router.args)
 
 
 def _http_probe(path: str, period: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": HTTP_PORT_NAME}, "periodSeconds": period,
-            "timeoutSeconds": 5, "failureThreshold": failures}
+    return {
+        "httpGet": {"path": path, "port": HTTP_PORT_NAME},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
 
 
 STARTUP_PROBE_PERIOD = 10
@@ -301,8 +392,9 @@ def engine_lifecycle(spec: DSV4DeploymentSpec, role: str) -> dict[str, Any]:
     budget = drain_budget_seconds(spec.role(role))
     if spec.engine.kind != "builtin":
         return {"preStop": {"exec": {"command": ["sleep", str(min(budget, 15))]}}}
-    script = _DRAIN_SCRIPT.format(port=spec.engine.port, token_env=ADMIN_TOKEN_ENV, budget=budget,
-                                  drain=Paths.ADMIN_DRAIN, loads=Paths.LOADS)
+    script = _DRAIN_SCRIPT.format(
+        port=spec.engine.port, token_env=ADMIN_TOKEN_ENV, budget=budget, drain=Paths.ADMIN_DRAIN, loads=Paths.LOADS
+    )
     return {"preStop": {"exec": {"command": ["python3", "-c", script]}}}
 
 
@@ -333,7 +425,9 @@ ENGINE_HOME = "/home/dsv4"
 ENGINE_SCRATCH = (("tmp", "/tmp", "4Gi"), ("home", ENGINE_HOME, "8Gi"))
 
 
-def _resources(res: S.Resources, gpus: int, default: Optional[Mapping[str, Mapping[str, str]]] = None) -> dict[str, Any]:
+def _resources(
+    res: S.Resources, gpus: int, default: Optional[Mapping[str, Mapping[str, str]]] = None
+) -> dict[str, Any]:
     if default is not None and not res.limits and not res.requests:
         res = S.Resources(limits=dict(default.get("limits") or {}), requests=dict(default.get("requests") or {}))
     limits = dict(res.limits)
@@ -364,8 +458,10 @@ def _model_volume(spec: DSV4DeploymentSpec) -> tuple[list[dict], list[dict]]:
         assert vol.image is not None
         source = {"image": S.dump(vol.image)}
         read_only = True  # image volumes are always read-only
-    return ([{"name": "model", **source}],
-            [{"name": "model", "mountPath": spec.model.mount_path, "readOnly": read_only}])
+    return (
+        [{"name": "model", **source}],
+        [{"name": "model", "mountPath": spec.model.mount_path, "readOnly": read_only}],
+    )
 
 
 def _engine_pod(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict[str, Any]:
@@ -394,8 +490,11 @@ def _engine_pod(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict[str, 
         container["volumeMounts"] += [{"name": n, "mountPath": path} for n, path, _ in ENGINE_SCRATCH]
         scratch_volumes = [{"name": n, "emptyDir": {"sizeLimit": size}} for n, _, size in ENGINE_SCRATCH]
         container["env"] = merge_env([{"name": "HOME", "value": ENGINE_HOME}], container["env"])
-    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(spec.engine.port),
-                   "prometheus.io/path": Paths.METRICS}
+    annotations = {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(spec.engine.port),
+        "prometheus.io/path": Paths.METRICS,
+    }
     pod_labels = labels(owner.name, role, spec)
     if spec.engine.kind == "sglang":
         pod_labels[LABEL_DRAINING] = NOT_DRAINING  # see router_command
@@ -404,8 +503,11 @@ def _engine_pod(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict[str, 
     pod_spec: dict[str, Any] = {
         "containers": [container],
         # NCCL / NIXL use shared memory; the container default of 64Mi is far too small.
-        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": r.shm_size}}, *model_volumes,
-                    *scratch_volumes],
+        "volumes": [
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": r.shm_size}},
+            *model_volumes,
+            *scratch_volumes,
+        ],
         "nodeSelector": dict(r.node_selector),
         "tolerations": [S.dump(t) for t in r.tolerations],
         "automountServiceAccountToken": False,  # engines never talk to the API server
@@ -429,9 +531,11 @@ def prefill_rolled_out(prefill: Mapping[str, Any] | None) -> bool:
         return True
     spec, status = prefill.get("spec") or {}, prefill.get("status") or {}
     replicas = int(spec.get("replicas", 1))
-    return (int(status.get("observedGeneration") or 0) >= int((prefill.get("metadata") or {}).get("generation") or 0)
-            and int(status.get("updatedReplicas") or 0) >= replicas
-            and int(status.get("readyReplicas") or 0) >= replicas)
+    return (
+        int(status.get("observedGeneration") or 0) >= int((prefill.get("metadata") or {}).get("generation") or 0)
+        and int(status.get("updatedReplicas") or 0) >= replicas
+        and int(status.get("readyReplicas") or 0) >= replicas
+    )
 
 
 def contains(live: Any, wanted: Any, quantity: bool = False) -> bool:
@@ -443,15 +547,18 @@ def contains(live: Any, wanted: Any, quantity: bool = False) -> bool:
             return False
         if quantity:  # resources.limits / requests: every value a quantity
             return all(live.get(k) == v or same_quantity(live.get(k), v) for k, v in wanted.items())
-        return all(contains(live.get(k), v, quantity=k in QUANTITY_MAPS + QUANTITY_FIELDS)
-                   for k, v in wanted.items())
+        return all(contains(live.get(k), v, quantity=k in QUANTITY_MAPS + QUANTITY_FIELDS) for k, v in wanted.items())
     if isinstance(wanted, list):
         return isinstance(live, list) and len(live) == len(wanted) and all(map(contains, live, wanted))
     return live == wanted or (quantity and same_quantity(live, wanted))
 
 
-def decode_held(spec: DSV4DeploymentSpec, prefill_ready: bool, live_decode: Mapping[str, Any] | None,
-                wanted_decode: Mapping[str, Any]) -> bool:
+def decode_held(
+    spec: DSV4DeploymentSpec,
+    prefill_ready: bool,
+    live_decode: Mapping[str, Any] | None,
+    wanted_decode: Mapping[str, Any],
+) -> bool:
     """PD-aware order (docs/operations.md, Rollouts): decode takes a new pod template only once
     prefill rolled out. Held while prefill is not rolled out and decode has a change to take:
     its template differs from the wanted one, or its pods are not all on its latest template."""
@@ -462,8 +569,9 @@ def decode_held(spec: DSV4DeploymentSpec, prefill_ready: bool, live_decode: Mapp
     return behind or not contains((live_decode.get("spec") or {}).get("template"), wanted_decode["spec"]["template"])
 
 
-def engine_statefulset(spec: DSV4DeploymentSpec, owner: Owner, role: str, revision: str | None = None,
-                       hold: bool = False) -> dict:
+def engine_statefulset(
+    spec: DSV4DeploymentSpec, owner: Owner, role: str, revision: str | None = None, hold: bool = False
+) -> dict:
     """`hold`: keep every pod on its current template (partition past any ordinal)."""
     name = child_name(owner.name, role)
     partition = HOLD_PARTITION if hold else spec.role(role).partition
@@ -504,17 +612,26 @@ def scale_handover(owner: Owner, role: str, replicas: int) -> dict[str, Any]:
     ownership) instead of letting it fall back to 1; after a create, it sets the starting
     count. Whoever scales next (HPA, kubectl scale) takes the field over."""
     kind = "Deployment" if role == "router" else "StatefulSet"
-    return {"apiVersion": "apps/v1", "kind": kind,
-            "metadata": {"name": child_name(owner.name, role), "namespace": owner.namespace},
-            "spec": {"replicas": replicas}}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": kind,
+        "metadata": {"name": child_name(owner.name, role), "namespace": owner.namespace},
+        "spec": {"replicas": replicas},
+    }
 
 
 def engine_service(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict:
     name = child_name(owner.name, role)
     ports = [{"name": HTTP_PORT_NAME, "port": spec.engine.port, "targetPort": HTTP_PORT_NAME, "protocol": "TCP"}]
     if role == "prefill":
-        ports.append({"name": BOOTSTRAP_PORT_NAME, "port": spec.transfer.bootstrap_port,
-                      "targetPort": BOOTSTRAP_PORT_NAME, "protocol": "TCP"})
+        ports.append(
+            {
+                "name": BOOTSTRAP_PORT_NAME,
+                "port": spec.transfer.bootstrap_port,
+                "targetPort": BOOTSTRAP_PORT_NAME,
+                "protocol": "TCP",
+            }
+        )
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -541,12 +658,16 @@ def router_deployment(spec: DSV4DeploymentSpec, owner: Owner, revision: str | No
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": router_command(spec, owner),
         "ports": ports,
-        "env": merge_env([_field_env("POD_NAMESPACE", "metadata.namespace"), *auth_env(spec, owner.name, ROUTER_ADMIN_TOKEN_KEY)],
-                         spec.router.env),
+        "env": merge_env(
+            [_field_env("POD_NAMESPACE", "metadata.namespace"), *auth_env(spec, owner.name, ROUTER_ADMIN_TOKEN_KEY)],
+            spec.router.env,
+        ),
         "resources": _resources(spec.router.resources, 0) or dict(ROUTER_DEFAULT_RESOURCES),
         # Our router writes nothing but /tmp (an emptyDir): its root file system is read-only.
-        "securityContext": {**container_security_context(spec, engine=False),
-                            **({"readOnlyRootFilesystem": True} if builtin else {})},
+        "securityContext": {
+            **container_security_context(spec, engine=False),
+            **({"readOnlyRootFilesystem": True} if builtin else {}),
+        },
         "livenessProbe": _http_probe(live, 10, 3),
         "readinessProbe": _http_probe(ready, 5, 3),
     }
@@ -563,13 +684,21 @@ def router_deployment(spec: DSV4DeploymentSpec, owner: Owner, revision: str | No
             # Never drop below the desired routers during an update.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {
-                "metadata": {"labels": labels(owner.name, "router", spec),
-                             "annotations": {"prometheus.io/scrape": "true",
-                                             "prometheus.io/port": str(metrics_port),
-                                             "prometheus.io/path": Paths.METRICS}},
-                "spec": {"serviceAccountName": name, "containers": [container], "enableServiceLinks": False,
-                         "securityContext": pod_security_context(spec, builtin_image=builtin),
-                         **({"volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}]} if builtin else {})},
+                "metadata": {
+                    "labels": labels(owner.name, "router", spec),
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(metrics_port),
+                        "prometheus.io/path": Paths.METRICS,
+                    },
+                },
+                "spec": {
+                    "serviceAccountName": name,
+                    "containers": [container],
+                    "enableServiceLinks": False,
+                    "securityContext": pod_security_context(spec, builtin_image=builtin),
+                    **({"volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}]} if builtin else {}),
+                },
             },
         },
     }
@@ -584,8 +713,9 @@ def router_service(spec: DSV4DeploymentSpec, owner: Owner) -> dict:
         "spec": {
             "type": "ClusterIP",
             "selector": selector_labels(owner.name, "router"),
-            "ports": [{"name": HTTP_PORT_NAME, "port": spec.router.port, "targetPort": HTTP_PORT_NAME,
-                       "protocol": "TCP"}],
+            "ports": [
+                {"name": HTTP_PORT_NAME, "port": spec.router.port, "targetPort": HTTP_PORT_NAME, "protocol": "TCP"}
+            ],
         },
     }
 
@@ -600,8 +730,11 @@ def engine_disruption_budget(spec: DSV4DeploymentSpec, owner: Owner, role: str) 
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": _meta(owner, name, role, spec),
-        "spec": {"maxUnavailable": limit, "selector": {"matchLabels": selector_labels(owner.name, role)},
-                 "unhealthyPodEvictionPolicy": "AlwaysAllow"},
+        "spec": {
+            "maxUnavailable": limit,
+            "selector": {"matchLabels": selector_labels(owner.name, role)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
     }
 
 
@@ -613,17 +746,20 @@ API_SERVER_PORTS = (443, 6443)  # the kubernetes Service's port, and the API ser
 def _operator_peer(spec: DSV4DeploymentSpec, operator_namespace: Optional[str]) -> dict[str, Any]:
     np = spec.security.network_policy
     namespace = np.operator_namespace or operator_namespace
-    return {"podSelector": {"matchLabels": dict(np.operator_pod_labels)},
-            "namespaceSelector": ({"matchLabels": {"kubernetes.io/metadata.name": namespace}} if namespace else {})}
+    return {
+        "podSelector": {"matchLabels": dict(np.operator_pod_labels)},
+        "namespaceSelector": ({"matchLabels": {"kubernetes.io/metadata.name": namespace}} if namespace else {}),
+    }
 
 
 def _engines_selector(owner: Owner) -> dict[str, Any]:
-    return {"matchLabels": {LABEL_NAME: APP, LABEL_INSTANCE: owner.name},
-            "matchExpressions": [{"key": LABEL_ROLE, "operator": "In", "values": list(ENGINE_ROLES)}]}
+    return {
+        "matchLabels": {LABEL_NAME: APP, LABEL_INSTANCE: owner.name},
+        "matchExpressions": [{"key": LABEL_ROLE, "operator": "In", "values": list(ENGINE_ROLES)}],
+    }
 
 
-def engine_network_policy(spec: DSV4DeploymentSpec, owner: Owner,
-                          operator_namespace: Optional[str] = None) -> dict:
+def engine_network_policy(spec: DSV4DeploymentSpec, owner: Owner, operator_namespace: Optional[str] = None) -> dict:
     """Ingress to the engine pods from: the router (HTTP port), the operator (HTTP port: scrape,
     drain, abort), the deployment's other engines (every port: NIXL/UCX over TCP picks its
     own), and `allowFrom` (HTTP port). Egress to: the deployment's other engines (every port),
@@ -632,8 +768,13 @@ def engine_network_policy(spec: DSV4DeploymentSpec, owner: Owner,
     http = [{"port": spec.engine.port, "protocol": "TCP"}]
     engines = _engines_selector(owner)
     ingress = [
-        {"from": [{"podSelector": {"matchLabels": selector_labels(owner.name, "router")}},
-                  _operator_peer(spec, operator_namespace)], "ports": http},
+        {
+            "from": [
+                {"podSelector": {"matchLabels": selector_labels(owner.name, "router")}},
+                _operator_peer(spec, operator_namespace),
+            ],
+            "ports": http,
+        },
         {"from": [{"podSelector": engines}]},
     ]
     if np.allow_from:
@@ -647,8 +788,7 @@ def engine_network_policy(spec: DSV4DeploymentSpec, owner: Owner,
     }
 
 
-def router_network_policy(spec: DSV4DeploymentSpec, owner: Owner,
-                          operator_namespace: Optional[str] = None) -> dict:
+def router_network_policy(spec: DSV4DeploymentSpec, owner: Owner, operator_namespace: Optional[str] = None) -> dict:
     """Ingress to the router pods on its port from: the clients (`clients`; default every pod of
     the namespace), the operator (canary probes) and `allowFrom`. Egress to: the engines' HTTP
     port, DNS, the Kubernetes API (`apiServerCidrs`, for discovery) and `extraEgress`."""
@@ -659,8 +799,10 @@ def router_network_policy(spec: DSV4DeploymentSpec, owner: Owner,
     egress = [
         {"to": [{"podSelector": _engines_selector(owner)}], "ports": [{"port": spec.engine.port, "protocol": "TCP"}]},
         dict(DNS_EGRESS),
-        {"to": [{"ipBlock": {"cidr": c}} for c in np.api_server_cidrs],
-         "ports": [{"port": p, "protocol": "TCP"} for p in API_SERVER_PORTS]},
+        {
+            "to": [{"ipBlock": {"cidr": c}} for c in np.api_server_cidrs],
+            "ports": [{"port": p, "protocol": "TCP"} for p in API_SERVER_PORTS],
+        },
         *(dict(r) for r in np.extra_egress),
     ]
     if spec.engine.kind != "builtin":  # sgl-router's metrics port, for the same scrapers as ours
@@ -669,9 +811,12 @@ def router_network_policy(spec: DSV4DeploymentSpec, owner: Owner,
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": _meta(owner, child_name(owner.name, "router"), "router", spec),
-        "spec": {"podSelector": {"matchLabels": selector_labels(owner.name, "router")},
-                 "policyTypes": ["Ingress", "Egress"], "ingress": [{"from": peers, "ports": port}],
-                 "egress": egress},
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(owner.name, "router")},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [{"from": peers, "ports": port}],
+            "egress": egress,
+        },
     }
 
 
@@ -680,12 +825,19 @@ def router_rbac(spec: DSV4DeploymentSpec, owner: Owner) -> list[dict]:
     name = child_name(owner.name, "router")
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _meta(owner, name, "router", spec)},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _meta(owner, name, "router", spec),
-         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-         "metadata": _meta(owner, name, "router", spec),
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}]},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _meta(owner, name, "router", spec),
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _meta(owner, name, "router", spec),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
+        },
     ]
 
 
@@ -700,21 +852,31 @@ def absent_children(spec: DSV4DeploymentSpec, owner: Owner) -> list[tuple[str, s
     return out
 
 
-def build_children(spec: DSV4DeploymentSpec, owner: Owner, operator_namespace: Optional[str] = None,
-                   hold_decode: bool = False) -> list[dict[str, Any]]:
+def build_children(
+    spec: DSV4DeploymentSpec, owner: Owner, operator_namespace: Optional[str] = None, hold_decode: bool = False
+) -> list[dict[str, Any]]:
     """Every object a DSV4Deployment owns, in the order to apply them (RBAC and Services
     before the workloads that use them). The auth Secret is not among them: it is created
     once, never applied (see handlers.ensure_auth_secret)."""
     revision = S.spec_revision(spec)
     return [
         *router_rbac(spec, owner),
-        *([engine_network_policy(spec, owner, operator_namespace), router_network_policy(spec, owner, operator_namespace)]
-          if spec.security.network_policy.enabled else []),
+        *(
+            [
+                engine_network_policy(spec, owner, operator_namespace),
+                router_network_policy(spec, owner, operator_namespace),
+            ]
+            if spec.security.network_policy.enabled
+            else []
+        ),
         engine_service(spec, owner, "prefill"),
         engine_service(spec, owner, "decode"),
         router_service(spec, owner),
-        *([engine_disruption_budget(spec, owner, role) for role in ENGINE_ROLES]
-          if spec.remediation.pod_disruption_budget else []),
+        *(
+            [engine_disruption_budget(spec, owner, role) for role in ENGINE_ROLES]
+            if spec.remediation.pod_disruption_budget
+            else []
+        ),
         engine_statefulset(spec, owner, "prefill", revision),
         engine_statefulset(spec, owner, "decode", revision, hold=hold_decode),
         router_deployment(spec, owner, revision),

@@ -31,8 +31,9 @@ def pinned_revision(annotations: Optional[Mapping[str, str]], generation: int) -
     return revision
 
 
-def pinned_spec(annotations: Optional[Mapping[str, str]], generation: int,
-                raw_spec: Optional[Mapping[str, Any]]) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+def pinned_spec(
+    annotations: Optional[Mapping[str, str]], generation: int, raw_spec: Optional[Mapping[str, Any]]
+) -> tuple[Optional[dict[str, Any]], Optional[str]]:
     """(the spec to build children from, its revision hash) when a pin applies, else (None,
     None). A pin applies while the resource is at the pinned generation, and only to a revision
     the history holds. The remediation section is always the current one (revisions leave it
@@ -49,8 +50,9 @@ def pinned_spec(annotations: Optional[Mapping[str, str]], generation: int,
     return (spec, revision) if spec is not None else (None, None)
 
 
-def revision_spec(tracker: RevisionTracker, revision: str,
-                  raw_spec: Optional[Mapping[str, Any]]) -> Optional[dict[str, Any]]:
+def revision_spec(
+    tracker: RevisionTracker, revision: str, raw_spec: Optional[Mapping[str, Any]]
+) -> Optional[dict[str, Any]]:
     """The stored revision's spec with the current remediation section, or None if the history
     does not hold it."""
     for rev in tracker.revisions:

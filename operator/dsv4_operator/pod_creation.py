@@ -40,8 +40,9 @@ def creation_failure(event: Mapping[str, Any]) -> Optional[CreationFailure]:
     return CreationFailure(namespace, involved["name"], involved.get("uid"), str(event.get("message") or FAILED_CREATE))
 
 
-def standing_failures(failures: Mapping[tuple[str, str], CreationFailure], namespace: str,
-                      children: Iterable[Any]) -> dict[str, str]:
+def standing_failures(
+    failures: Mapping[tuple[str, str], CreationFailure], namespace: str, children: Iterable[Any]
+) -> dict[str, str]:
     """Pure: role -> the controller's message, for the StatefulSets among `children`
     (status.ChildObservation) that are short of pods and have a failure on record."""
     out = {}

@@ -94,8 +94,7 @@ def canary_key(engines: dict) -> str:
 class LocalRollout:
     """`up`: the running dsv4_operator.local.LocalDeployment (not imported: local imports this module)."""
 
-    def __init__(self, up: Any, request: ReconfigureRequest,
-                 thresholds: CanaryThresholds = CanaryThresholds()):
+    def __init__(self, up: Any, request: ReconfigureRequest, thresholds: CanaryThresholds = CanaryThresholds()):
         self.up = up
         self.request = request
         self.settings = request.settings()
@@ -118,7 +117,9 @@ class LocalRollout:
             except httpx.HTTPError:
                 pass
             if eng.popen is not None and eng.popen.poll() is not None:
-                raise RuntimeError(f"{eng.key} exited with {eng.popen.returncode} under the new flags; see {eng.log_path}")
+                raise RuntimeError(
+                    f"{eng.key} exited with {eng.popen.returncode} under the new flags; see {eng.log_path}"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{eng.key} not ready after {timeout:.0f} s; see {eng.log_path}")
             await asyncio.sleep(0.3)
@@ -140,8 +141,9 @@ class LocalRollout:
                 return
             await asyncio.sleep(0.2)
 
-    async def _restart(self, eng: "EngineProc", engine_args: list[str], *, out_of_rotation: bool,
-                       drain_s: float = 10.0) -> None:
+    async def _restart(
+        self, eng: "EngineProc", engine_args: list[str], *, out_of_rotation: bool, drain_s: float = 10.0
+    ) -> None:
         """Restart one engine with `engine_args`: out of the rotation first (its running requests
         finish within a bound, the rest migrate when it stops), back in once ready unless
         `out_of_rotation` (a canary stays out until its verdict)."""
@@ -159,8 +161,9 @@ class LocalRollout:
             await self._router("POST", {"url": eng.url, "role": role, "canary": False})
 
     async def _probe(self, eng: "EngineProc"):
-        return await run_probe(self.up.router_url, eng.url, eng.role, self.settings, pin=eng.url,
-                               admin_token=self.up.admin_token)
+        return await run_probe(
+            self.up.router_url, eng.url, eng.role, self.settings, pin=eng.url, admin_token=self.up.admin_token
+        )
 
     async def run(self) -> dict:
         started = time.monotonic()
@@ -175,6 +178,7 @@ class LocalRollout:
             now = time.monotonic()
             phases[name] = round(now - since, 3)
             return now
+
         try:
             self.event("CanaryBaseline", key, "probing the stable revision")
             t = time.monotonic()
@@ -195,8 +199,9 @@ class LocalRollout:
             if verdict.passed:
                 self.event("CanaryPassed", key, verdict.summary())
                 await self._router("POST", {"url": eng.url, "role": eng.role, "canary": False})
-                rest = sorted((k for k in self.up.engines if k != key),
-                              key=lambda k: (self.up.engines[k].role != "prefill", k))
+                rest = sorted(
+                    (k for k in self.up.engines if k != key), key=lambda k: (self.up.engines[k].role != "prefill", k)
+                )
                 for k in rest:
                     self.event("RolloutStep", k, f"restarting with {new}")
                     await self._restart(self.up.engines[k], new, out_of_rotation=False)
@@ -220,7 +225,9 @@ class LocalRollout:
     def _evidence(self, eng: "EngineProc", verdict: dict) -> Path:
         folder = self.up.evidence_dir / f"canary-{eng.key}-{int(time.time())}"
         folder.mkdir(parents=True, exist_ok=True)
-        write_atomic(folder / "verdict.json", json.dumps({**verdict, "engine_args": self.request.engine_args}, indent=1))
+        write_atomic(
+            folder / "verdict.json", json.dumps({**verdict, "engine_args": self.request.engine_args}, indent=1)
+        )
         write_atomic(folder / "log.txt", "".join(eng.tail()))
         return folder
 

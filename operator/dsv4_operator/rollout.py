@@ -42,9 +42,13 @@ REVISION_LABEL = "controller-revision-hash"  # set by the StatefulSet controller
 
 def probe_settings(c: S.CanarySpec) -> ProbeSettings:
     shape = ConversationShape(growth_tokens=c.growth_tokens, max_rounds=c.rounds, context_share=c.context_share)
-    return ProbeSettings(shape=shape, concurrency=c.concurrency, duration_s=float(c.duration_seconds),
-                         request_timeout_s=float(c.request_timeout_seconds),
-                         settle_s=min(10.0, float(c.request_timeout_seconds)))
+    return ProbeSettings(
+        shape=shape,
+        concurrency=c.concurrency,
+        duration_s=float(c.duration_seconds),
+        request_timeout_s=float(c.request_timeout_seconds),
+        settle_s=min(10.0, float(c.request_timeout_seconds)),
+    )
 
 
 def thresholds(c: S.CanarySpec) -> CanaryThresholds:
@@ -56,10 +60,12 @@ def pod_on_template(pod: Optional[dict], sts: Optional[dict], wanted_template: d
     if not pod or not sts:
         return False
     st, meta = sts.get("status") or {}, sts.get("metadata") or {}
-    return (contains((sts.get("spec") or {}).get("template"), wanted_template)
-            and int(st.get("observedGeneration") or 0) >= int(meta.get("generation") or 0)
-            and bool(st.get("updateRevision"))
-            and ((pod.get("metadata") or {}).get("labels") or {}).get(REVISION_LABEL) == st.get("updateRevision"))
+    return (
+        contains((sts.get("spec") or {}).get("template"), wanted_template)
+        and int(st.get("observedGeneration") or 0) >= int(meta.get("generation") or 0)
+        and bool(st.get("updateRevision"))
+        and ((pod.get("metadata") or {}).get("labels") or {}).get(REVISION_LABEL) == st.get("updateRevision")
+    )
 
 
 def router_urls(pods: list[dict], port: int, deployment: str) -> list[str]:
@@ -110,8 +116,12 @@ class CanaryRun:
 
     async def write(self, record: plan.CanaryRecord) -> None:
         path = resource_path(S.API_VERSION, S.PLURAL, self.namespace, self.name)
-        await self.api.request("PATCH", path, body={"metadata": {"annotations": {
-            plan.ANNOTATION_CANARY: record.to_annotation()}}}, content_type="application/merge-patch+json")
+        await self.api.request(
+            "PATCH",
+            path,
+            body={"metadata": {"annotations": {plan.ANNOTATION_CANARY: record.to_annotation()}}},
+            content_type="application/merge-patch+json",
+        )
 
     async def tick(self) -> None:
         spec, raw, annotations = self.current()
@@ -133,14 +143,19 @@ class CanaryRun:
             assert record is not None and step.state is not None
             await self.probe(spec, raw, record, step.state)
 
-    async def probe(self, spec: S.DSV4DeploymentSpec, raw: dict, record: plan.CanaryRecord,
-                    state: plan.CanaryState) -> None:
+    async def probe(
+        self, spec: S.DSV4DeploymentSpec, raw: dict, record: plan.CanaryRecord, state: plan.CanaryState
+    ) -> None:
         c = spec.rollout.canary
         if record.state != state:  # first tick of this canary
             record = plan.with_state(record, state)
             await self.write(record)
-            self.post("Normal", "CanaryStarted", f"revision {state.revision}: {state.pod} moves to it first and is "
-                                                 f"probed; the rest stay on {state.stable_revision}")
+            self.post(
+                "Normal",
+                "CanaryStarted",
+                f"revision {state.revision}: {state.pod} moves to it first and is "
+                f"probed; the rest stay on {state.stable_revision}",
+            )
         started = time.monotonic()
         try:
             verdict, urls = await self.measure(spec, raw, state, c)
@@ -152,22 +167,41 @@ class CanaryRun:
         self.metrics.canary_verdicts.labels("passed" if verdict.passed else "failed").inc()
         if plan.serving_revision(dict(self.body.get("spec") or {})) != state.revision:
             return  # edited while probing: that verdict is for a spec no longer asked for
-        figures = {"canary": verdict.canary, "stable": verdict.stable, "probeSeconds": round(time.monotonic() - started, 3)}
+        figures = {
+            "canary": verdict.canary,
+            "stable": verdict.stable,
+            "probeSeconds": round(time.monotonic() - started, 3),
+        }
         if verdict.passed:
             await self.set_canary_flag(urls, False)
-            done = plan.CanaryState(**{**state.to_dict(), "phase": plan.PASSED, "figures": figures,
-                                       "summary": verdict.summary()})
+            done = plan.CanaryState(
+                **{**state.to_dict(), "phase": plan.PASSED, "figures": figures, "summary": verdict.summary()}
+            )
             await self.write(plan.with_baseline(record, raw, done))
-            self.post("Normal", "CanaryPassed", f"revision {state.revision}: {state.pod} passed its probe "
-                                                f"({_brief(verdict)}); the rollout continues")
+            self.post(
+                "Normal",
+                "CanaryPassed",
+                f"revision {state.revision}: {state.pod} passed its probe ({_brief(verdict)}); the rollout continues",
+            )
             return
         evidence = await self.evidence(state, verdict, figures)
-        failed = plan.CanaryState(**{**state.to_dict(), "phase": plan.FAILED, "figures": figures,
-                                     "summary": verdict.summary(), "evidence": evidence})
+        failed = plan.CanaryState(
+            **{
+                **state.to_dict(),
+                "phase": plan.FAILED,
+                "figures": figures,
+                "summary": verdict.summary(),
+                "evidence": evidence,
+            }
+        )
         await self.write(plan.with_state(record, failed))
-        self.post("Warning", "CanaryFailed", f"revision {state.revision}: {state.pod} failed its probe: "
-                                             f"{verdict.summary()}; it goes back to {state.stable_revision}, the "
-                                             f"spec is untouched" + (f"; evidence: ConfigMap {evidence}" if evidence else ""))
+        self.post(
+            "Warning",
+            "CanaryFailed",
+            f"revision {state.revision}: {state.pod} failed its probe: "
+            f"{verdict.summary()}; it goes back to {state.stable_revision}, the "
+            f"spec is untouched" + (f"; evidence: ConfigMap {evidence}" if evidence else ""),
+        )
 
     async def wait_for(self, what: str, check: Any, timeout: float, revision: str) -> Any:
         deadline = time.monotonic() + timeout
@@ -181,8 +215,9 @@ class CanaryRun:
                 raise CanaryFailure(f"{what} within {timeout:.0f} s")
             await asyncio.sleep(TICK_SECONDS)
 
-    async def measure(self, spec: S.DSV4DeploymentSpec, raw: dict, state: plan.CanaryState, c: S.CanarySpec
-                      ) -> tuple[CanaryVerdict, dict]:
+    async def measure(
+        self, spec: S.DSV4DeploymentSpec, raw: dict, state: plan.CanaryState, c: S.CanarySpec
+    ) -> tuple[CanaryVerdict, dict]:
         owner = Owner(self.name, self.namespace, self.body["metadata"].get("uid", ""))
         wanted = engine_statefulset(spec, owner, state.role)["spec"]["template"]
         sts_name = child_name(self.name, state.role)
@@ -193,29 +228,42 @@ class CanaryRun:
             ep = engine_pod(pod or {}, spec.engine.port)
             return pod if pod_on_template(pod, sts, wanted) and ep is not None and ep.ready and ep.url else None
 
-        await self.wait_for(f"{state.pod} did not run the new revision and become ready", canary_ready,
-                            float(c.ready_timeout_seconds), state.revision)
+        await self.wait_for(
+            f"{state.pod} did not run the new revision and become ready",
+            canary_ready,
+            float(c.ready_timeout_seconds),
+            state.revision,
+        )
         canary_url = engine_pod(await canary_ready() or {}, spec.engine.port)
         if canary_url is None or canary_url.url is None:
             raise CanaryFailure(f"{state.pod} has no address")
 
         async def routers() -> list[str]:
             sel = ",".join(f"{k}={v}" for k, v in selector_labels(self.name, "router").items())
-            listed = await self.api.request("GET", resource_path("v1", "pods", self.namespace),
-                                            query=[("labelSelector", sel)])
+            listed = await self.api.request(
+                "GET", resource_path("v1", "pods", self.namespace), query=[("labelSelector", sel)]
+            )
             return router_urls(list((listed or {}).get("items") or []), spec.router.port, self.name)
 
-        router_list = await self.wait_for("no router pod was ready to send the probe through", routers,
-                                          float(c.ready_timeout_seconds), state.revision)
+        router_list = await self.wait_for(
+            "no router pod was ready to send the probe through", routers, float(c.ready_timeout_seconds), state.revision
+        )
         stable_name = f"{self.name}-{state.role}-0"
         stable = None
         if stable_name != state.pod:
             pod = engine_pod(await self.api.get("v1", "Pod", self.namespace, stable_name) or {}, spec.engine.port)
             stable = pod.url if pod is not None and pod.ready and pod.url else None
-        self.post("Normal", "CanaryProbing", f"{state.pod} runs revision {state.revision} and is ready: probing it "
-                                             f"for {c.duration_seconds} s at concurrency {c.concurrency}"
-                                             + (f", after {stable_name} for the stable figures" if stable else
-                                                " (no stable pod to compare with: one replica)"))
+        self.post(
+            "Normal",
+            "CanaryProbing",
+            f"{state.pod} runs revision {state.revision} and is ready: probing it "
+            f"for {c.duration_seconds} s at concurrency {c.concurrency}"
+            + (
+                f", after {stable_name} for the stable figures"
+                if stable
+                else " (no stable pod to compare with: one replica)"
+            ),
+        )
         token = await deployment_admin_token(self.api, self.namespace, self.name)
         urls = {"routers": router_list, "canary": canary_url.url, "role": state.role, "token": token}
         if spec.role(state.role).replicas > 1:  # with one replica it keeps its traffic: nothing else could serve it
@@ -225,8 +273,9 @@ class CanaryRun:
         stable_figures = None
         if stable is not None:
             stable_figures, _ = await run_probe(router, stable, state.role, settings, pin=stable, admin_token=token)
-        figures, signals = await run_probe(router, canary_url.url, state.role, settings, pin=canary_url.url,
-                                           admin_token=token)
+        figures, signals = await run_probe(
+            router, canary_url.url, state.role, settings, pin=canary_url.url, admin_token=token
+        )
         return judge(figures, stable_figures, signals, thresholds(c)), urls
 
     async def set_canary_flag(self, urls: dict, canary: bool) -> None:
@@ -236,8 +285,10 @@ class CanaryRun:
         async with httpx.AsyncClient(timeout=5.0, headers=authorization_header(urls.get("token"))) as client:
             for router in urls["routers"]:
                 try:
-                    r = await client.post(router + Paths.ADMIN_WORKERS,
-                                          json={"url": urls["canary"], "role": urls["role"], "canary": canary})
+                    r = await client.post(
+                        router + Paths.ADMIN_WORKERS,
+                        json={"url": urls["canary"], "role": urls["role"], "canary": canary},
+                    )
                     if r.status_code >= 400:
                         self.logger.warning(f"router {router} refused the canary flag: {r.status_code} {r.text[:200]}")
                 except httpx.HTTPError as e:
@@ -246,18 +297,31 @@ class CanaryRun:
     async def evidence(self, state: plan.CanaryState, verdict: CanaryVerdict, figures: dict) -> Optional[str]:
         name = f"{self.name}-canary-{state.revision[:10]}"
         meta = self.body["metadata"]
-        cm = {"apiVersion": "v1", "kind": "ConfigMap",
-              "metadata": {"name": name, "namespace": self.namespace,
-                           "labels": {EVIDENCE_LABEL: "true", DEPLOYMENT_LABEL: self.name},
-                           "ownerReferences": [{"apiVersion": S.API_VERSION, "kind": S.KIND, "name": self.name,
-                                                "uid": meta.get("uid", "")}]},
-              "data": {"verdict.json": json.dumps(verdict.to_dict(), indent=1, sort_keys=True),
-                       "canary.json": json.dumps(state.to_dict(), indent=1, sort_keys=True),
-                       "figures.json": json.dumps(figures, indent=1, sort_keys=True)}}
+        cm = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": name,
+                "namespace": self.namespace,
+                "labels": {EVIDENCE_LABEL: "true", DEPLOYMENT_LABEL: self.name},
+                "ownerReferences": [
+                    {"apiVersion": S.API_VERSION, "kind": S.KIND, "name": self.name, "uid": meta.get("uid", "")}
+                ],
+            },
+            "data": {
+                "verdict.json": json.dumps(verdict.to_dict(), indent=1, sort_keys=True),
+                "canary.json": json.dumps(state.to_dict(), indent=1, sort_keys=True),
+                "figures.json": json.dumps(figures, indent=1, sort_keys=True),
+            },
+        }
         try:
-            await self.api.request("PATCH", resource_path("v1", "configmaps", self.namespace, name), body=cm,
-                                   content_type="application/apply-patch+yaml",
-                                   query=[("fieldManager", self.api.field_manager), ("force", "true")])
+            await self.api.request(
+                "PATCH",
+                resource_path("v1", "configmaps", self.namespace, name),
+                body=cm,
+                content_type="application/apply-patch+yaml",
+                query=[("fieldManager", self.api.field_manager), ("force", "true")],
+            )
             return name
         except ApiError as e:
             self.logger.warning(f"Could not write the canary evidence ConfigMap {name}: {e}")
@@ -273,16 +337,21 @@ def _brief(v: CanaryVerdict) -> str:
 
     def ms(x: Any) -> str:
         return "-" if x is None else f"{x * 1000:.0f} ms"
-    out = f"{c.get('requests', 0)} requests, context up to {c.get('max_context', 0)}, TTFT p99 {ms(c.get('ttft_p99_s'))}"
+
+    out = (
+        f"{c.get('requests', 0)} requests, context up to {c.get('max_context', 0)}, TTFT p99 {ms(c.get('ttft_p99_s'))}"
+    )
     if s:
         out += f" (stable {ms(s.get('ttft_p99_s'))})"
     return out
 
 
 @kopf.daemon(*CR, id="canary_rollout", registry=registry, cancellation_backoff=1.0, cancellation_timeout=10.0)
-async def canary_rollout(stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger,
-                         **_: Any) -> None:
+async def canary_rollout(
+    stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+) -> None:
     """The canary step of this deployment's engine rollouts, for as long as it exists."""
+
     def post(type_: str, reason: str, message: str) -> None:
         kopf.event(body, type=type_, reason=reason, message=message)
 

@@ -35,13 +35,17 @@ DEFAULT_TOLERATIONS = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect":
 # common to RE2 (CEL), Rust's regex (pydantic) and Python's re (jsonschema).
 
 # A Kubernetes resource quantity, as apimachinery parses it: 4, "16Gi", "500m", "1e3".
-QUANTITY_PATTERN = (r"^[+-]?(([0-9]+([.][0-9]*)?)|([.][0-9]+))"
-                    r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+([.][0-9]*)?)|([.][0-9]+))))?$")
+QUANTITY_PATTERN = (
+    r"^[+-]?(([0-9]+([.][0-9]*)?)|([.][0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE][+-]?(([0-9]+([.][0-9]*)?)|([.][0-9]+))))?$"
+)
 # An environment variable name (the C identifier rule, plus '-' and '.', as the API server takes).
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 # A label / node-selector / resource key: [DNS-subdomain prefix "/"] name of up to 63 characters.
-QUALIFIED_NAME_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
-                          r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+QUALIFIED_NAME_PATTERN = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
 # A label value: empty, or up to 63 alphanumerics with '-', '_', '.' inside.
 LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
 DEADLINE_MARGIN_SECONDS = 30  # the default window outlasts the engine's longest PD deadline by this
@@ -85,9 +89,7 @@ def _nested(model: type[BaseModel]) -> Any:
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=False
-    )
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=False)
 
 
 class _OpenModel(_Model):
@@ -100,8 +102,9 @@ class _OpenModel(_Model):
 
 
 class EnvVar(_Model):
-    model_config = ConfigDict(json_schema_extra=_rules(
-        cel("!(has(self.value) && has(self.valueFrom))", MSG_ENV_VALUE_AND_FROM)))
+    model_config = ConfigDict(
+        json_schema_extra=_rules(cel("!(has(self.value) && has(self.valueFrom))", MSG_ENV_VALUE_AND_FROM))
+    )
 
     name: str = Field(min_length=1, pattern=ENV_NAME_PATTERN, description="Environment variable name.")
     value: Optional[str] = Field(None, description="Literal value.")
@@ -111,14 +114,23 @@ class EnvVar(_Model):
 
 
 class Toleration(_Model):
-    model_config = ConfigDict(json_schema_extra=_rules(
-        cel("!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
-            MSG_EXISTS_WITH_VALUE),
-        cel("(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
-            MSG_EMPTY_KEY_NEEDS_EXISTS),
-        # The API server refuses the pod template otherwise (422), after the resource was accepted.
-        cel("!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
-            MSG_SECONDS_NEED_NO_EXECUTE)))
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            cel(
+                "!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
+                MSG_EXISTS_WITH_VALUE,
+            ),
+            cel(
+                "(has(self.key) && self.key != '') || (has(self.operator) && self.operator == 'Exists')",
+                MSG_EMPTY_KEY_NEEDS_EXISTS,
+            ),
+            # The API server refuses the pod template otherwise (422), after the resource was accepted.
+            cel(
+                "!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+                MSG_SECONDS_NEED_NO_EXECUTE,
+            ),
+        )
+    )
 
     key: Optional[Annotated[str, Field(pattern="^(" + QUALIFIED_NAME_PATTERN[1:-1] + ")?$")]] = None
     operator: Optional[Literal["Exists", "Equal"]] = None
@@ -150,9 +162,14 @@ class ImageSource(_Model):
 class ModelVolume(_Model):
     """Where the checkpoint comes from; give exactly one source."""
 
-    model_config = ConfigDict(json_schema_extra=_rules(cel(
-        "(has(self.persistentVolumeClaim) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) + (has(self.image) ? 1 : 0) == 1",
-        MSG_ONE_VOLUME_SOURCE)))
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            cel(
+                "(has(self.persistentVolumeClaim) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) + (has(self.image) ? 1 : 0) == 1",
+                MSG_ONE_VOLUME_SOURCE,
+            )
+        )
+    )
 
     persistent_volume_claim: Optional[PVCSource] = None
     host_path: Optional[HostPathSource] = None
@@ -192,15 +209,18 @@ class RoleSpec(_Model):
     scaling: Literal["operator", "external"] = Field(
         "operator",
         description="operator: replicas is the count, and the operator puts it back if changed. external: an HPA, "
-                    "KEDA or `kubectl scale` owns the workload's replicas; replicas is only the count it starts with.")
+        "KEDA or `kubectl scale` owns the workload's replicas; replicas is only the count it starts with.",
+    )
     gpus_per_pod: int = Field(4, ge=0, description="nvidia.com/gpu per pod (0: no GPU request).")
     resources: Resources = _nested(Resources)
     node_selector: dict[QualifiedName, LabelValue] = Field(
-        DEFAULT_NODE_SELECTOR, max_length=MAX_MAP_ENTRIES,
+        DEFAULT_NODE_SELECTOR,
+        max_length=MAX_MAP_ENTRIES,
         description="Replaces the Blackwell default when set ({} for none).",
     )
     tolerations: list[Toleration] = Field(
-        [Toleration.model_validate(t) for t in DEFAULT_TOLERATIONS], max_length=MAX_MAP_ENTRIES,
+        [Toleration.model_validate(t) for t in DEFAULT_TOLERATIONS],
+        max_length=MAX_MAP_ENTRIES,
         description="Replaces the default GPU-taint toleration when set ([] for none).",
     )
     affinity: dict[str, Any] = Field({}, description="A Kubernetes Affinity.")
@@ -208,16 +228,25 @@ class RoleSpec(_Model):
     args: list[str] = []
     shm_size: str = Field("32Gi", pattern=QUANTITY_PATTERN, description="Size limit of the memory-backed /dev/shm.")
     partition: int = Field(
-        0, ge=0, description="Canary: on a change, only pods with ordinal >= partition get the new pod template "
-                             "(the StatefulSet partition); lower it to roll on, 0 rolls every pod.")
+        0,
+        ge=0,
+        description="Canary: on a change, only pods with ordinal >= partition get the new pod template "
+        "(the StatefulSet partition); lower it to roll on, 0 rolls every pod.",
+    )
     termination_grace_period_seconds: int = Field(
-        120, ge=1, le=86400,
+        120,
+        ge=1,
+        le=86400,
         description="Seconds a stopping pod gets: its preStop hook drains in-flight requests for all but the "
-                    "last 10 of them, then the engine is sent SIGTERM.")
+        "last 10 of them, then the engine is sent SIGTERM.",
+    )
     startup_timeout_seconds: int = Field(
-        1800, ge=10, le=86400,
+        1800,
+        ge=10,
+        le=86400,
         description="How long an engine may take to load the checkpoint and answer /health before the kubelet "
-                    "restarts it (the startup probe's budget, in 10 s periods).")
+        "restarts it (the startup probe's budget, in 10 s periods).",
+    )
 
 
 class RouterSpec(_Model):
@@ -225,7 +254,8 @@ class RouterSpec(_Model):
     scaling: Literal["operator", "external"] = Field(
         "operator",
         description="operator: replicas is the count, and the operator puts it back if changed. external: an HPA, "
-                    "KEDA or `kubectl scale` owns the workload's replicas; replicas is only the count it starts with.")
+        "KEDA or `kubectl scale` owns the workload's replicas; replicas is only the count it starts with.",
+    )
     port: int = Field(8000, ge=1, le=65535)
     image: Optional[str] = Field(None, description="Router image (default: the engine image).")
     args: list[str] = []
@@ -253,25 +283,35 @@ class RemediationSpec(_Model):
     enabled: bool = True
     dry_run: bool = False
     scrape_interval_seconds: float = Field(
-        10, ge=0.1, description="How often every engine pod is scraped (fractions allowed, e.g. 0.5).")
+        10, ge=0.1, description="How often every engine pod is scraped (fractions allowed, e.g. 0.5)."
+    )
     detection_window_seconds: Optional[int] = Field(
-        None, ge=1, description="How long nothing may move before a pod is wedged. Unset: derived so the engine's own "
-                                "deadlines act first (builtin: bootstrap + transfer timeout + 30 s, the longest PD "
-                                "deadline; sglang: 120 s, its inflight queue has none).")
+        None,
+        ge=1,
+        description="How long nothing may move before a pod is wedged. Unset: derived so the engine's own "
+        "deadlines act first (builtin: bootstrap + transfer timeout + 30 s, the longest PD "
+        "deadline; sglang: 120 s, its inflight queue has none).",
+    )
     transfer_failure_rate_threshold: float = Field(0.5, ge=0, le=1)
     max_unavailable: MaxUnavailable = _nested(MaxUnavailable)
     cooldown_seconds: int = Field(300, ge=0)
     pod_disruption_budget: bool = Field(
-        True, description="A PodDisruptionBudget per engine role with maxUnavailable from maxUnavailable; turn off "
-                          "if you manage your own (two budgets on one pod make every eviction fail).")
+        True,
+        description="A PodDisruptionBudget per engine role with maxUnavailable from maxUnavailable; turn off "
+        "if you manage your own (two budgets on one pod make every eviction fail).",
+    )
     capture_evidence: bool = True
     rollback: Literal["off", "suggest", "auto"] = Field(
-        "suggest", description="When wedges follow a spec change: off; suggest (name the stable revision); auto "
-                               "(pin it: the children run it, the spec is never rewritten).")
+        "suggest",
+        description="When wedges follow a spec change: off; suggest (name the stable revision); auto "
+        "(pin it: the children run it, the spec is never rewritten).",
+    )
 
 
-MSG_TRAFFIC_PERCENT = ("rollout.canary.trafficPercent: only 0 is supported: the router does not split live traffic "
-                       "to a canary yet, so the canary serves only the probe's pinned requests")
+MSG_TRAFFIC_PERCENT = (
+    "rollout.canary.trafficPercent: only 0 is supported: the router does not split live traffic "
+    "to a canary yet, so the canary serves only the probe's pinned requests"
+)
 
 
 class CanarySpec(_Model):
@@ -279,24 +319,44 @@ class CanarySpec(_Model):
 
     model_config = ConfigDict(json_schema_extra=_rules(cel("self.trafficPercent == 0", MSG_TRAFFIC_PERCENT)))
 
-    enabled: bool = Field(True, description="On a change to the engines (image, args, env, resources), move one pod "
-                                            "of the changed role first and probe it before the rest roll.")
-    duration_seconds: int = Field(120, ge=1, le=3600, description="How long the probe sends requests (per engine "
-                                                                  "probed: the canary and one stable pod).")
+    enabled: bool = Field(
+        True,
+        description="On a change to the engines (image, args, env, resources), move one pod "
+        "of the changed role first and probe it before the rest roll.",
+    )
+    duration_seconds: int = Field(
+        120,
+        ge=1,
+        le=3600,
+        description="How long the probe sends requests (per engine probed: the canary and one stable pod).",
+    )
     concurrency: int = Field(2, ge=1, le=64, description="Conversations the probe runs at once.")
     rounds: int = Field(32, ge=1, le=1000, description="Most rounds of one conversation before a new one starts.")
-    growth_tokens: int = Field(96, ge=1, le=65536, description="Tokens each round adds (a tool call's result and "
-                                                               "the next turn).")
-    context_share: float = Field(0.5, gt=0, le=1, description="The share of the model's context the conversation "
-                                                              "grows to.")
-    request_timeout_seconds: int = Field(30, ge=1, le=600, description="A probe request unanswered after this is "
-                                                                       "stalled: the canary fails.")
-    ready_timeout_seconds: int = Field(1800, ge=10, le=86400, description="How long the canary pod may take to run "
-                                                                          "the new revision and be ready; then it fails.")
-    traffic_percent: int = Field(0, ge=0, le=100, description="Share of live traffic the canary takes while probed. "
-                                                              "Only 0 is supported: the canary serves the probe alone.")
-    max_ttft_ratio: float = Field(2.0, ge=1, description="Canary TTFT p99 at most this times the stable pod's "
-                                                         "(+ 50 ms).")
+    growth_tokens: int = Field(
+        96, ge=1, le=65536, description="Tokens each round adds (a tool call's result and the next turn)."
+    )
+    context_share: float = Field(
+        0.5, gt=0, le=1, description="The share of the model's context the conversation grows to."
+    )
+    request_timeout_seconds: int = Field(
+        30, ge=1, le=600, description="A probe request unanswered after this is stalled: the canary fails."
+    )
+    ready_timeout_seconds: int = Field(
+        1800,
+        ge=10,
+        le=86400,
+        description="How long the canary pod may take to run the new revision and be ready; then it fails.",
+    )
+    traffic_percent: int = Field(
+        0,
+        ge=0,
+        le=100,
+        description="Share of live traffic the canary takes while probed. "
+        "Only 0 is supported: the canary serves the probe alone.",
+    )
+    max_ttft_ratio: float = Field(
+        2.0, ge=1, description="Canary TTFT p99 at most this times the stable pod's (+ 50 ms)."
+    )
     max_itl_ratio: float = Field(2.0, ge=1, description="Canary ITL p99 at most this times the stable pod's (+ 50 ms).")
 
     @model_validator(mode="after")
@@ -310,55 +370,82 @@ class RolloutSpec(_Model):
     order: Literal["prefillFirst", "together"] = Field(
         "prefillFirst",
         description="prefillFirst: a change to the engines rolls prefill, and decode only once every prefill pod "
-                    "is updated and ready. together: both at once (faster; a full outage with one replica each).")
+        "is updated and ready. together: both at once (faster; a full outage with one replica each).",
+    )
     canary: CanarySpec = _nested(CanarySpec)
 
 
 class NetworkPolicySpec(_Model):
     enabled: bool = Field(
-        True, description="NetworkPolicies for engines (ingress from the router, the operator and their PD peers) "
-                          "and router (ingress from clients, egress to engines, DNS and the API server); on by "
-                          "default: engines take the PD secret's requests and admin calls.")
+        True,
+        description="NetworkPolicies for engines (ingress from the router, the operator and their PD peers) "
+        "and router (ingress from clients, egress to engines, DNS and the API server); on by "
+        "default: engines take the PD secret's requests and admin calls.",
+    )
     operator_namespace: Optional[str] = Field(
-        None, max_length=63, description="Namespace of the operator's pods (default: the operator's own).")
+        None, max_length=63, description="Namespace of the operator's pods (default: the operator's own)."
+    )
     operator_pod_labels: dict[QualifiedName, LabelValue] = Field(
-        {"app.kubernetes.io/name": "dsv4-operator"}, max_length=MAX_MAP_ENTRIES,
-        description="Labels of the operator's pods (the chart's default).")
+        {"app.kubernetes.io/name": "dsv4-operator"},
+        max_length=MAX_MAP_ENTRIES,
+        description="Labels of the operator's pods (the chart's default).",
+    )
     allow_from: list[dict[str, Any]] = Field(
-        [], description="More NetworkPolicyPeers allowed to the engine and router HTTP ports (e.g. your Prometheus).")
+        [], description="More NetworkPolicyPeers allowed to the engine and router HTTP ports (e.g. your Prometheus)."
+    )
     clients: Optional[list[dict[str, Any]]] = Field(
-        None, description="NetworkPolicyPeers allowed to the router's port, the clients (default: every pod of "
-                          "the deployment's namespace; [] admits only the operator and allowFrom).")
+        None,
+        description="NetworkPolicyPeers allowed to the router's port, the clients (default: every pod of "
+        "the deployment's namespace; [] admits only the operator and allowFrom).",
+    )
     api_server_cidrs: list[str] = Field(
-        ["0.0.0.0/0", "::/0"], max_length=MAX_LIST_ITEMS,
+        ["0.0.0.0/0", "::/0"],
+        max_length=MAX_LIST_ITEMS,
         description="Where the router may reach the Kubernetes API (TCP 443 and 6443) to discover engine pods; "
-                    "narrow it to your API server's addresses.")
+        "narrow it to your API server's addresses.",
+    )
     extra_egress: list[dict[str, Any]] = Field(
-        [], description="More NetworkPolicyEgressRules for engines and router (e.g. an OTLP collector); besides "
-                        "them, engines reach only their PD peers and DNS, the router only the engines, DNS and "
-                        "the API server.")
+        [],
+        description="More NetworkPolicyEgressRules for engines and router (e.g. an OTLP collector); besides "
+        "them, engines reach only their PD peers and DNS, the router only the engines, DNS and "
+        "the API server.",
+    )
 
 
 class SecuritySpec(_Model):
     secret_name: Optional[str] = Field(
-        None, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        None,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
         description="Secret with keys admin-token and pd-secret (default <name>-auth); the operator creates it, "
-                    "with random values, when absent, and adds a missing key.")
+        "with random values, when absent, and adds a missing key.",
+    )
     run_as_user: Optional[int] = Field(
-        None, ge=1, description="UID of the engine and router containers (default: the image's; the builtin "
-                                "image runs as 10001). Set it for an SGLang image to run it non-root.")
+        None,
+        ge=1,
+        description="UID of the engine and router containers (default: the image's; the builtin "
+        "image runs as 10001). Set it for an SGLang image to run it non-root.",
+    )
     ipc_lock: bool = Field(
-        False, description="Add the IPC_LOCK capability to engines (RDMA memory registration where the runtime's "
-                           "memlock limit is too low); the pods then need Pod Security privileged (IPC_LOCK is in neither "
-                           "baseline nor restricted).")
+        False,
+        description="Add the IPC_LOCK capability to engines (RDMA memory registration where the runtime's "
+        "memlock limit is too low); the pods then need Pod Security privileged (IPC_LOCK is in neither "
+        "baseline nor restricted).",
+    )
     network_policy: NetworkPolicySpec = _nested(NetworkPolicySpec)
 
 
 class DSV4DeploymentSpec(_Model):
-    model_config = ConfigDict(json_schema_extra=_rules(
-        cel("self.engine.port != self.transfer.bootstrapPort", MSG_PORT_CLASH, ".transfer.bootstrapPort"),
-        cel(f"self.engine.kind != 'sglang' || self.router.port != {SGLANG_ROUTER_METRICS_PORT}",
-            MSG_ROUTER_PORT_CLASH, ".router.port")))
+    model_config = ConfigDict(
+        json_schema_extra=_rules(
+            cel("self.engine.port != self.transfer.bootstrapPort", MSG_PORT_CLASH, ".transfer.bootstrapPort"),
+            cel(
+                f"self.engine.kind != 'sglang' || self.router.port != {SGLANG_ROUTER_METRICS_PORT}",
+                MSG_ROUTER_PORT_CLASH,
+                ".router.port",
+            ),
+        )
+    )
 
     model: ModelSpec
     engine: EngineSpec
@@ -433,14 +520,17 @@ class DSV4DeploymentStatus(_Model):
     revision: Optional[str] = Field(None, description="Hash of the spec last applied.")
     stable_revision: Optional[str] = Field(None, description="Last revision that ran without wedges.")
     pinned_revision: Optional[str] = Field(
-        None, description="The revision the children run instead of the spec (a rollback pin), while it applies.")
+        None, description="The revision the children run instead of the spec (a rollback pin), while it applies."
+    )
     wedged_pods: Optional[int] = Field(None, ge=0)
     last_remediation: Optional[RemediationRecord] = None
     remediations_total: Optional[int] = Field(None, ge=0)
     canary: Optional[dict[str, Any]] = Field(
-        None, description="The last canary: revision, role, pod, phase (Probing, Passed, Failed), the stable "
-                          "revision, the probe's figures and the evidence ConfigMap.",
-        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
+        None,
+        description="The last canary: revision, role, pod, phase (Probing, Passed, Failed), the stable "
+        "revision, the probe's figures and the evidence ConfigMap.",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
 
 
 def parse_spec(raw: Any) -> DSV4DeploymentSpec:

@@ -44,7 +44,6 @@ class ChildObservation:
     created: int = 0  # pods its controller made (status.replicas), ready or not
     uid: Optional[str] = None
 
-
     @property
     def settled(self) -> bool:
         """Its controller has seen the latest spec and every replica runs it."""
@@ -136,22 +135,28 @@ def compute_status(
     desired = {role: wanted(role) for role in ROLES}
     roles = {role: role_status(desired[role], by_role.get(role)) for role in ROLES}
 
-    unavailable = [role for role in ROLES if roles[role]["readyReplicas"] < 1
-                   and not (role == "router" and desired[role] == 0)]
+    unavailable = [
+        role for role in ROLES if roles[role]["readyReplicas"] < 1 and not (role == "router" and desired[role] == 0)
+    ]
     available = _condition(
-        "Available", not unavailable,
+        "Available",
+        not unavailable,
         "MinimumReplicasAvailable" if not unavailable else "NoReadyReplicas",
-        "every role has a ready replica" if not unavailable else f"no ready replica: {', '.join(unavailable)}")
+        "every role has a ready replica" if not unavailable else f"no ready replica: {', '.join(unavailable)}",
+    )
 
     summary = ", ".join(f"{role} {roles[role]['ready']} ready" for role in ROLES)
     if spec is None:
         progressing = _condition("Progressing", False, "InvalidSpec", "the spec cannot be acted on")
     else:
-        behind = [role for role in ROLES
-                  if role not in by_role
-                  or by_role[role].spec_replicas != desired[role]
-                  or not by_role[role].settled
-                  or by_role[role].ready < desired[role]]
+        behind = [
+            role
+            for role in ROLES
+            if role not in by_role
+            or by_role[role].spec_replicas != desired[role]
+            or not by_role[role].settled
+            or by_role[role].ready < desired[role]
+        ]
         pending = observed_generation is None or observed_generation < generation
         if pending:
             progressing = _condition("Progressing", True, "SpecChanged", f"generation {generation} not yet applied")
@@ -169,24 +174,34 @@ def compute_status(
     elif apply_error is not None:
         degraded = _condition("Degraded", True, getattr(apply_error, "reason", "ApplyFailed"), apply_error)
     elif creation_failures:
-        degraded = _condition("Degraded", True, "FailedCreate", "; ".join(
-            f"{role}: {creation_failures[role]}" for role in ROLES if role in creation_failures))
+        degraded = _condition(
+            "Degraded",
+            True,
+            "FailedCreate",
+            "; ".join(f"{role}: {creation_failures[role]}" for role in ROLES if role in creation_failures),
+        )
     elif canary_failed is not None:  # the spec as written failed its canary: the fleet runs the stable revision
         from dsv4_operator.canary.plan import degraded_condition
+
         degraded = degraded_condition(canary_failed)
     else:
         repeated = sorted(p for p, n in (remediation_counts or {}).items() if n >= REPEATED_WEDGES)
         if repeated:
             counts = ", ".join(f"{p} x{(remediation_counts or {})[p]}" for p in repeated)
-            degraded = _condition("Degraded", True, "RepeatedWedges",
-                                  f"wedges keep coming back after restarts ({counts}): read the evidence "
-                                  "ConfigMaps and consider a rollback")
+            degraded = _condition(
+                "Degraded",
+                True,
+                "RepeatedWedges",
+                f"wedges keep coming back after restarts ({counts}): read the evidence "
+                "ConfigMaps and consider a rollback",
+            )
         else:
             degraded = _condition("Degraded", False, "AsExpected", "the operator can act on the spec")
 
     prev_conditions = {c.get("type"): c for c in previous.get("conditions") or []}
     wedged = prev_conditions.get("Wedged") or _condition(
-        "Wedged", None, "NotEvaluated", "the wedge watchdog has not reported")
+        "Wedged", None, "NotEvaluated", "the wedge watchdog has not reported"
+    )
 
     conditions = []
     for cond in (available, progressing, degraded, wedged):

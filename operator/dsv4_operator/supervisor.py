@@ -77,8 +77,9 @@ class EngineProc:
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
-            self.popen = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                          env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env})
+            self.popen = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+            )
         self.started_at = time.monotonic()
         self.ever_ready = False
         self.stopping = False
@@ -103,9 +104,15 @@ class EngineProc:
             return []
 
     def to_dict(self) -> dict:
-        return {"pid": self.popen.pid if self.popen else None, "running": self.running, "port": self.port,
-                "restarts": self.restarts, "crashes_in_a_row": self.crashes, "last_exit": self.last_exit,
-                "log": str(self.log_path)}
+        return {
+            "pid": self.popen.pid if self.popen else None,
+            "running": self.running,
+            "port": self.port,
+            "restarts": self.restarts,
+            "crashes_in_a_row": self.crashes,
+            "last_exit": self.last_exit,
+            "log": str(self.log_path),
+        }
 
 
 EventSink = Callable[[str, str, str], None]  # (reason, process key, message)
@@ -114,8 +121,14 @@ EventSink = Callable[[str, str, str], None]  # (reason, process key, message)
 class Supervisor:
     """Restarts processes that exit on their own; `run` until `stop` is set."""
 
-    def __init__(self, procs: list[EngineProc], events: EventSink, backoff: CrashBackoff = CrashBackoff(),
-                 poll_s: float = 0.1, on_change: Optional[Callable[[], None]] = None):
+    def __init__(
+        self,
+        procs: list[EngineProc],
+        events: EventSink,
+        backoff: CrashBackoff = CrashBackoff(),
+        poll_s: float = 0.1,
+        on_change: Optional[Callable[[], None]] = None,
+    ):
         self.procs = procs
         self.events = events
         self.backoff = backoff
@@ -132,8 +145,12 @@ class Supervisor:
                 p.last_exit = p.popen.returncode
                 p.crashes = self.backoff.crashes_after(p.crashes, now - p.started_at)
                 p.restart_at = now + self.backoff.delay(p.crashes)
-                self.events("Crashed", p.key, f"exit {p.last_exit} after {now - p.started_at:.1f} s; restart in "
-                            f"{p.restart_at - now:.0f} s (crash {p.crashes} in a row)")
+                self.events(
+                    "Crashed",
+                    p.key,
+                    f"exit {p.last_exit} after {now - p.started_at:.1f} s; restart in "
+                    f"{p.restart_at - now:.0f} s (crash {p.crashes} in a row)",
+                )
                 changed = True
             if p.restart_at is not None and now >= p.restart_at:
                 try:

@@ -20,46 +20,78 @@ class OperatorMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.reconciles = Counter(
-            "dsv4_operator_reconciles_total", "Reconciliations of a DSV4Deployment, by result.",
-            ["result"], registry=self.registry)
+            "dsv4_operator_reconciles_total",
+            "Reconciliations of a DSV4Deployment, by result.",
+            ["result"],
+            registry=self.registry,
+        )
         self.reconcile_seconds = Histogram(
-            "dsv4_operator_reconcile_duration_seconds", "Time to apply the children of a DSV4Deployment.",
-            registry=self.registry)
+            "dsv4_operator_reconcile_duration_seconds",
+            "Time to apply the children of a DSV4Deployment.",
+            registry=self.registry,
+        )
         self.applied = Counter(
-            "dsv4_operator_objects_applied_total", "Child objects applied (server-side apply), by kind.",
-            ["kind"], registry=self.registry)
+            "dsv4_operator_objects_applied_total",
+            "Child objects applied (server-side apply), by kind.",
+            ["kind"],
+            registry=self.registry,
+        )
         self.status_writes = Counter(
-            "dsv4_operator_status_updates_total", "Status writes to DSV4Deployments.", registry=self.registry)
+            "dsv4_operator_status_updates_total", "Status writes to DSV4Deployments.", registry=self.registry
+        )
         self.api_errors = Counter(
-            "dsv4_operator_api_errors_total", "Kubernetes API errors met by the handlers, by HTTP status.",
-            ["status"], registry=self.registry)
+            "dsv4_operator_api_errors_total",
+            "Kubernetes API errors met by the handlers, by HTTP status.",
+            ["status"],
+            registry=self.registry,
+        )
         self.deployments = Gauge(
-            "dsv4_operator_deployments", "DSV4Deployments the operator currently serves.", registry=self.registry)
+            "dsv4_operator_deployments", "DSV4Deployments the operator currently serves.", registry=self.registry
+        )
         self.up = Gauge("dsv4_operator_up", "1 while the operator runs its handlers.", registry=self.registry)
         # The wedge watchdog (dsv4_operator.remediation).
         self.wedges_detected = Counter(
-            "dsv4_operator_wedges_detected_total", "Wedge episodes detected on engine pods, by role and reason.",
-            ["role", "reason"], registry=self.registry)
+            "dsv4_operator_wedges_detected_total",
+            "Wedge episodes detected on engine pods, by role and reason.",
+            ["role", "reason"],
+            registry=self.registry,
+        )
         self.remediations = Counter(
             "dsv4_operator_remediations_total",
             "Remediation steps taken (capture_evidence, drain, abort, restart, rollback) or held, by result.",
-            ["action", "role", "result"], registry=self.registry)
+            ["action", "role", "result"],
+            registry=self.registry,
+        )
         self.scrape_seconds = Histogram(
-            "dsv4_operator_scrape_duration_seconds", "Time to scrape every engine pod of a deployment, concurrently.",
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0), registry=self.registry)
+            "dsv4_operator_scrape_duration_seconds",
+            "Time to scrape every engine pod of a deployment, concurrently.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            registry=self.registry,
+        )
         self.scrape_errors = Counter(
-            "dsv4_operator_scrape_errors_total", "Engine scrapes with an unanswered or failed endpoint, by role.",
-            ["role"], registry=self.registry)
+            "dsv4_operator_scrape_errors_total",
+            "Engine scrapes with an unanswered or failed endpoint, by role.",
+            ["role"],
+            registry=self.registry,
+        )
         self.canary_verdicts = Counter(
-            "dsv4_operator_canary_verdicts_total", "Canary verdicts of engine rollouts, by result (passed, failed).",
-            ["result"], registry=self.registry)
+            "dsv4_operator_canary_verdicts_total",
+            "Canary verdicts of engine rollouts, by result (passed, failed).",
+            ["result"],
+            registry=self.registry,
+        )
         self.canary_probe_seconds = Histogram(
             "dsv4_operator_canary_probe_duration_seconds",
             "Time from a canary pod being ready-checked to its verdict (stable and canary probes included).",
-            buckets=(5, 15, 30, 60, 120, 240, 480, 900, 1800, 3600), registry=self.registry)
+            buckets=(5, 15, 30, 60, 120, 240, 480, 900, 1800, 3600),
+            registry=self.registry,
+        )
         self.wedged_pods = Gauge(
-            "dsv4_operator_wedged_pods", "Engine pods wedged or under remediation now, per deployment.",
-            ["namespace", "deployment"], registry=self.registry)
+            "dsv4_operator_wedged_pods",
+            "Engine pods wedged or under remediation now, per deployment.",
+            ["namespace", "deployment"],
+            registry=self.registry,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

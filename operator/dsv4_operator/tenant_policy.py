@@ -34,9 +34,13 @@ class TenantPolicy:
             v = doc.get(key)
             return None if v is None else tuple(str(x) for x in v)
 
-        return cls(image_registries=names("imageRegistries"), allow_host_path=bool(doc.get("allowHostPath", True)),
-                   toleration_keys=names("tolerationKeys"), allow_secret_env=bool(doc.get("allowSecretEnv", True)),
-                   allow_root=bool(doc.get("allowRoot", True)))
+        return cls(
+            image_registries=names("imageRegistries"),
+            allow_host_path=bool(doc.get("allowHostPath", True)),
+            toleration_keys=names("tolerationKeys"),
+            allow_secret_env=bool(doc.get("allowSecretEnv", True)),
+            allow_root=bool(doc.get("allowRoot", True)),
+        )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "TenantPolicy":
@@ -54,8 +58,9 @@ class TenantPolicy:
 
 def _registry_ok(image: str, prefixes: tuple[str, ...]) -> bool:
     # "registry.example.com/team" allows "registry.example.com/team/x:1", not ".../teamx"
-    return any(image == p or image.startswith(p.rstrip("/") + "/") or image.startswith(p.rstrip("/") + "@")
-               for p in prefixes)
+    return any(
+        image == p or image.startswith(p.rstrip("/") + "/") or image.startswith(p.rstrip("/") + "@") for p in prefixes
+    )
 
 
 def policy_violations(spec: DSV4DeploymentSpec, policy: TenantPolicy) -> list[str]:
@@ -70,25 +75,38 @@ def policy_violations(spec: DSV4DeploymentSpec, policy: TenantPolicy) -> list[st
             images["spec.model.volume.image.reference"] = vol.image.reference
         for where, image in images.items():
             if not _registry_ok(image, policy.image_registries):
-                out.append(f"{where} {image!r} is not from an allowed registry ({', '.join(policy.image_registries) or 'none'})")
+                out.append(
+                    f"{where} {image!r} is not from an allowed registry ({', '.join(policy.image_registries) or 'none'})"
+                )
     if not policy.allow_host_path and spec.model.volume is not None and spec.model.volume.host_path is not None:
         out.append("spec.model.volume.hostPath is not allowed on this cluster (use a PVC or an image volume)")
     if policy.toleration_keys is not None:
         for role in ("prefill", "decode"):
             for t in getattr(spec, role).tolerations:
                 if not t.key:
-                    out.append(f"spec.{role}.tolerations: a toleration without a key tolerates every taint; not allowed")
+                    out.append(
+                        f"spec.{role}.tolerations: a toleration without a key tolerates every taint; not allowed"
+                    )
                 elif t.key not in policy.toleration_keys:
-                    out.append(f"spec.{role}.tolerations: taint key {t.key!r} is not allowed "
-                               f"({', '.join(policy.toleration_keys) or 'none'})")
+                    out.append(
+                        f"spec.{role}.tolerations: taint key {t.key!r} is not allowed "
+                        f"({', '.join(policy.toleration_keys) or 'none'})"
+                    )
     if not policy.allow_secret_env:
-        groups = {"engine": spec.engine.env, "transfer": spec.transfer.env, "router": spec.router.env,
-                  "prefill": spec.prefill.env, "decode": spec.decode.env}
+        groups = {
+            "engine": spec.engine.env,
+            "transfer": spec.transfer.env,
+            "router": spec.router.env,
+            "prefill": spec.prefill.env,
+            "decode": spec.decode.env,
+        }
         for where, envs in groups.items():
             for e in envs:
                 if e.value_from and "secretKeyRef" in e.value_from:
                     out.append(f"spec.{where}.env {e.name}: valueFrom.secretKeyRef is not allowed on this cluster")
     if not policy.allow_root and spec.engine.kind != "builtin" and spec.security.run_as_user is None:
-        out.append(f"engine.kind {spec.engine.kind} runs as root unless spec.security.runAsUser is set; "
-                   "root is not allowed on this cluster")
+        out.append(
+            f"engine.kind {spec.engine.kind} runs as root unless spec.security.runAsUser is set; "
+            "root is not allowed on this cluster"
+        )
     return out

@@ -22,8 +22,9 @@ def docker_daemon_problem() -> str:
     if docker is None:
         return "no docker CLI on PATH"
     try:
-        proc = subprocess.run([docker, "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True,
-                              timeout=30)
+        proc = subprocess.run(
+            [docker, "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True, timeout=30
+        )
     except subprocess.TimeoutExpired:
         return "docker info did not answer within 30 s"
     if proc.returncode != 0:

@@ -154,7 +154,8 @@ dsl.View.__contains__ = _view_contains
 
 _SELECTOR_TERM = re.compile(
     r"^\s*(?P<neg>!)?\s*(?P<key>[A-Za-z0-9./_-]+)\s*"
-    r"(?:(?P<op>==|!=|=|\s+in\s+|\s+notin\s+)\s*(?P<val>\([^)]*\)|[A-Za-z0-9._-]*))?\s*$")
+    r"(?:(?P<op>==|!=|=|\s+in\s+|\s+notin\s+)\s*(?P<val>\([^)]*\)|[A-Za-z0-9._-]*))?\s*$"
+)
 
 
 def _split_selector(selector: str) -> list[str]:
@@ -177,6 +178,7 @@ def _scaled(value: Any, total: int, up: bool) -> int:
     """An int-or-percent (`2`, "50%") of `total`, rounded up (as PDBs count)."""
     if isinstance(value, str) and value.endswith("%"):
         import math
+
         share = int(value[:-1]) * total / 100
         return math.ceil(share) if up else math.floor(share)
     return int(value)
@@ -207,9 +209,21 @@ def label_selector_matches(selector: Optional[str], labels: Mapping[str, str]) -
 
 # Field selectors a real API server serves beyond metadata.name/namespace, per kind (an Event's
 # involved object, reason and type are what controllers' failures are found by).
-EVENT_FIELDS = frozenset({"involvedObject.kind", "involvedObject.namespace", "involvedObject.name",
-                          "involvedObject.uid", "involvedObject.apiVersion", "involvedObject.resourceVersion",
-                          "involvedObject.fieldPath", "reason", "reportingComponent", "source", "type"})
+EVENT_FIELDS = frozenset(
+    {
+        "involvedObject.kind",
+        "involvedObject.namespace",
+        "involvedObject.name",
+        "involvedObject.uid",
+        "involvedObject.apiVersion",
+        "involvedObject.resourceVersion",
+        "involvedObject.fieldPath",
+        "reason",
+        "reportingComponent",
+        "source",
+        "type",
+    }
+)
 
 
 def _field_value(obj: Mapping[str, Any], key: str) -> Any:
@@ -256,8 +270,19 @@ def merge_patch(target: Any, patch: Any) -> Any:
 # Server-side apply merges these lists by key (`x-kubernetes-list-type: map` in the built-in
 # schemas): an entry is owned, kept and removed on its own, fields inside it too. Every other
 # list is atomic (tolerations, rules, args, ...).
-LIST_MAP_FIELDS = frozenset({"containers", "initContainers", "ephemeralContainers", "env", "volumes", "volumeMounts",
-                             "ports", "imagePullSecrets", "ownerReferences"})
+LIST_MAP_FIELDS = frozenset(
+    {
+        "containers",
+        "initContainers",
+        "ephemeralContainers",
+        "env",
+        "volumes",
+        "volumeMounts",
+        "ports",
+        "imagePullSecrets",
+        "ownerReferences",
+    }
+)
 
 
 def _entry_key(field: Any, item: Any) -> Optional[str]:
@@ -377,8 +402,9 @@ def apply_merge(target: Any, patch: Any, field: Any = None) -> Any:
     return copy.deepcopy(patch)
 
 
-def server_side_apply(live: Optional[dict], applied: dict, previously_applied: Optional[dict],
-                      kept: Iterable[tuple] = ()) -> dict:
+def server_side_apply(
+    live: Optional[dict], applied: dict, previously_applied: Optional[dict], kept: Iterable[tuple] = ()
+) -> dict:
     """Server-side apply for one field manager: the fields (and list-map entries) it applied
     before but no longer applies are removed unless another manager owns them too (`kept`),
     then the new configuration is merged in (apply_merge)."""
@@ -408,8 +434,11 @@ def _value_at(obj: Any, path: tuple) -> Any:
 def _owned_paths(obj: Mapping[str, Any]) -> set[tuple]:
     """Leaf paths a writer can own: not status, not the server's metadata."""
     server = {"uid", "resourceVersion", "generation", "creationTimestamp", "managedFields", "deletionTimestamp"}
-    return {p for p in _leaf_paths(_without(obj, "status"))
-            if p and p[0] not in ("apiVersion", "kind") and not (p[0] == "metadata" and len(p) > 1 and p[1] in server)}
+    return {
+        p
+        for p in _leaf_paths(_without(obj, "status"))
+        if p and p[0] not in ("apiVersion", "kind") and not (p[0] == "metadata" and len(p) > 1 and p[1] in server)
+    }
 
 
 def changed_paths(old: Mapping[str, Any], new: Mapping[str, Any]) -> set[tuple]:
@@ -426,13 +455,16 @@ def changed_paths(old: Mapping[str, Any], new: Mapping[str, Any]) -> set[tuple]:
 
 _BINARY = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
 _DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
-_QUANTITY = re.compile(r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(?:([eE][+-]?[0-9]+)|(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])?)$")
+_QUANTITY = re.compile(
+    r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(?:([eE][+-]?[0-9]+)|(Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])?)$"
+)
 
 
 def canonical_quantity(value: Any) -> str:
     """`4` -> "4", "1000m" -> "1", "0.5" -> "500m", "1024Mi" -> "1Gi", "1e3" -> "1e3"; ValueError
     for anything that is not a quantity."""
     from decimal import ROUND_CEILING, Decimal
+
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"quantities must match the regular expression: {value!r}")
     m = _QUANTITY.match(str(value).strip())
@@ -460,7 +492,7 @@ def canonical_quantity(value: Any) -> str:
     mantissa = int(amount / Decimal(10) ** power)
     if form == "exponent":
         return f"{mantissa}e{power}" if power else str(mantissa)
-    return f"{mantissa}{ {v: k for k, v in _DECIMAL.items()}[power]}"
+    return f"{mantissa}{ {v: k for k, v in _DECIMAL.items()}[power] }"
 
 
 def canonicalize_quantities(obj: Any, path: tuple = ()) -> Any:
@@ -473,8 +505,9 @@ def canonicalize_quantities(obj: Any, path: tuple = ()) -> Any:
     out = {}
     for key, value in obj.items():
         here = path + (key,)
-        quantity_map = len(here) >= 2 and here[-2] in ("resources",) and key in ("limits", "requests") \
-            or key == "overhead"
+        quantity_map = (
+            len(here) >= 2 and here[-2] in ("resources",) and key in ("limits", "requests") or key == "overhead"
+        )
         try:
             if quantity_map and isinstance(value, dict):
                 out[key] = {k: canonical_quantity(v) for k, v in value.items()}
@@ -555,11 +588,16 @@ def validate_builtin(obj: Mapping[str, Any]) -> None:
             problems.append(f"{where}.volumes.name: Duplicate value: {name!r}")
         for i, t in enumerate(pod.get("tolerations") or []):
             if t.get("tolerationSeconds") is not None and t.get("effect") != "NoExecute":
-                problems.append(f"{where}.tolerations[{i}].effect: Invalid value: {t.get('effect')!r}: "
-                                "effect must be 'NoExecute' when `tolerationSeconds` is set")
+                problems.append(
+                    f"{where}.tolerations[{i}].effect: Invalid value: {t.get('effect')!r}: "
+                    "effect must be 'NoExecute' when `tolerationSeconds` is set"
+                )
     if problems:
-        raise kmock.KubernetesError(422, "Invalid", f"{obj.get('kind')} {(obj.get('metadata') or {}).get('name')!r} "
-                                    f"is invalid: " + "; ".join(problems))
+        raise kmock.KubernetesError(
+            422,
+            "Invalid",
+            f"{obj.get('kind')} {(obj.get('metadata') or {}).get('name')!r} is invalid: " + "; ".join(problems),
+        )
 
 
 # ---- The API call recorder -----------------------------------------------------------------------
@@ -581,8 +619,12 @@ def rbac_verb(method: str, name: Optional[str], params: Mapping[str, str]) -> st
         if params.get("watch") in ("true", "1"):
             return "watch"
         return "get" if name else "list"
-    return {"POST": "create", "PUT": "update", "PATCH": "patch",
-            "DELETE": "delete" if name else "deletecollection"}.get(method, method.lower())
+    return {
+        "POST": "create",
+        "PUT": "update",
+        "PATCH": "patch",
+        "DELETE": "delete" if name else "deletecollection",
+    }.get(method, method.lower())
 
 
 @dataclass
@@ -596,18 +638,26 @@ class ApiCallRecorder:
         if res is None or res.plural is None:
             return  # discovery (/api, /apis/...): readable by every authenticated user
         resource = res.plural + (f"/{request.subresource}" if request.subresource else "")
-        self.calls.append(ApiCall(
-            verb=verb or rbac_verb(str(request.method.value), request.name, request.params),
-            group=res.group or "", resource=resource, namespace=request.namespace, name=request.name,
-            agent=str(request.headers.get("User-Agent", "")), label_selector=request.params.get("labelSelector"),
-        ))
+        self.calls.append(
+            ApiCall(
+                verb=verb or rbac_verb(str(request.method.value), request.name, request.params),
+                group=res.group or "",
+                resource=resource,
+                namespace=request.namespace,
+                name=request.name,
+                agent=str(request.headers.get("User-Agent", "")),
+                label_selector=request.params.get("labelSelector"),
+            )
+        )
 
-    def record_check(self, verb: str, group: str, resource: str, namespace: Optional[str], name: Optional[str],
-                     agent: str) -> None:
+    def record_check(
+        self, verb: str, group: str, resource: str, namespace: Optional[str], name: Optional[str], agent: str
+    ) -> None:
         """An authorization check an admission plugin made on the caller's behalf (RBAC must
         grant it just as it grants a call)."""
-        self.calls.append(ApiCall(verb=verb, group=group, resource=resource, namespace=namespace, name=name,
-                                  agent=agent))
+        self.calls.append(
+            ApiCall(verb=verb, group=group, resource=resource, namespace=namespace, name=name, agent=agent)
+        )
 
     def observed(self, exclude_agents: Iterable[str] = (TEST_AGENT, "kmock/")) -> set[tuple[str, str, str]]:
         """{(verb, apiGroup, resource)} made by anyone but the tests themselves."""
@@ -623,8 +673,9 @@ class ApiCallRecorder:
 
     def to_json(self, exclude_agents: Iterable[str] = (TEST_AGENT, "kmock/")) -> str:
         rules = self.rules(exclude_agents)
-        return json.dumps([{"apiGroup": g, "resource": r, "verbs": sorted(v)} for (g, r), v in sorted(rules.items())],
-                          indent=2)
+        return json.dumps(
+            [{"apiGroup": g, "resource": r, "verbs": sorted(v)} for (g, r), v in sorted(rules.items())], indent=2
+        )
 
 
 # ---- The emulator ---------------------------------------------------------------------------------
@@ -695,11 +746,14 @@ class KubeCluster(kmock.KubernetesEmulator):
         for version in spec["versions"]:
             res = kmock.resource(spec["group"], version["name"], names["plural"])
             self.resources[res] = kmock.ResourceInfo(
-                kind=names["kind"], singular=names.get("singular") or names["kind"].lower(),
+                kind=names["kind"],
+                singular=names.get("singular") or names["kind"].lower(),
                 namespaced=spec.get("scope", "Namespaced") == "Namespaced",
-                shortnames=names.get("shortNames", []), categories=names.get("categories", []),
+                shortnames=names.get("shortNames", []),
+                categories=names.get("categories", []),
                 subresources=list((version.get("subresources") or {}).keys()),
-                verbs=["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"])
+                verbs=["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"],
+            )
             self._custom.add(res)
             schema = (version.get("schema") or {}).get("openAPIV3Schema")
             if validate and schema:
@@ -739,8 +793,11 @@ class KubeCluster(kmock.KubernetesEmulator):
             return (group, resource, verb) in self._owner_ref_grants
 
         if live is not None and not allowed("delete", res.group or "", res.plural, name):
-            raise kmock.KubernetesError(403, "Forbidden", f"{res.plural} {name!r} is forbidden: cannot set an "
-                                        "ownerRef on a resource you can't delete")
+            raise kmock.KubernetesError(
+                403,
+                "Forbidden",
+                f"{res.plural} {name!r} is forbidden: cannot set an ownerRef on a resource you can't delete",
+            )
         blocking_before = {r.get("uid") for r in old_refs if r.get("blockOwnerDeletion")}
         for ref in new_refs:
             if not ref.get("blockOwnerDeletion") or ref.get("uid") in blocking_before:
@@ -750,9 +807,12 @@ class KubeCluster(kmock.KubernetesEmulator):
                 raise kmock.KubernetesError(422, "Invalid", f"ownerReferences: no resource for kind {ref.get('kind')}")
             if not allowed("update", owner.group or "", f"{owner.plural}/finalizers", ref.get("name")):
                 raise kmock.KubernetesError(
-                    403, "Forbidden", f"{res.plural} {name!r} is forbidden: cannot set blockOwnerDeletion if an "
+                    403,
+                    "Forbidden",
+                    f"{res.plural} {name!r} is forbidden: cannot set blockOwnerDeletion if an "
                     f"ownerReference refers to a resource you can't set finalizers on: User cannot update resource "
-                    f"\"{owner.plural}/finalizers\" in API group \"{owner.group}\" in the namespace \"{namespace}\"")
+                    f'"{owner.plural}/finalizers" in API group "{owner.group}" in the namespace "{namespace}"',
+                )
 
     # -- Pod Security admission and the controllers that answer it --
 
@@ -768,8 +828,12 @@ class KubeCluster(kmock.KubernetesEmulator):
         async with self._lock:
             live = self._live(key)
             if live is None:
-                return await self._create(NAMESPACES, None, {"apiVersion": "v1", "kind": "Namespace", "metadata": {
-                    "name": name, "labels": dict(labels or {})}}, manager="kubectl-create")
+                return await self._create(
+                    NAMESPACES,
+                    None,
+                    {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": dict(labels or {})}},
+                    manager="kubectl-create",
+                )
             new = copy.deepcopy(live)
             new["metadata"]["labels"] = dict(labels or {})
             return await self._store(key, new, live, updater="kubectl-label")
@@ -779,7 +843,9 @@ class KubeCluster(kmock.KubernetesEmulator):
         level = self.pod_security_level(meta.get("namespace"))
         found = pod_security.violations(pod.get("spec") or {}, level)
         if found:
-            raise kmock.KubernetesError(403, "Forbidden", pod_security.forbidden_message(meta.get("name", ""), level, found))
+            raise kmock.KubernetesError(
+                403, "Forbidden", pod_security.forbidden_message(meta.get("name", ""), level, found)
+            )
 
     async def _controllers_after(self, key: tuple, new: dict, live: Optional[dict]) -> None:
         """What kube-controller-manager does after a write, where a test relies on it:
@@ -794,9 +860,13 @@ class KubeCluster(kmock.KubernetesEmulator):
         caller, self._caller = self._caller, None  # the controllers' writes are not the caller's
         try:
             kind, namespace = new.get("kind"), key[1]
-            if kind == "StatefulSet" and (live is None or new["metadata"].get("generation") != live["metadata"].get("generation")):
+            if kind == "StatefulSet" and (
+                live is None or new["metadata"].get("generation") != live["metadata"].get("generation")
+            ):
                 await self._statefulset_creates_pods(new)
-            if kind == "PodDisruptionBudget" and (live is None or new["metadata"].get("generation") != live["metadata"].get("generation")):
+            if kind == "PodDisruptionBudget" and (
+                live is None or new["metadata"].get("generation") != live["metadata"].get("generation")
+            ):
                 await self._disruption_status(key)
             elif kind == "Pod":
                 for (res, ns, name), obj in list(self.objects._objects.items()):
@@ -814,23 +884,37 @@ class KubeCluster(kmock.KubernetesEmulator):
         if not replicas or not found:
             return
         pod = f"{meta['name']}-0"
-        message = (f"create Pod {pod} in StatefulSet {meta['name']} failed error: "
-                   + pod_security.forbidden_message(pod, level, found))
+        message = f"create Pod {pod} in StatefulSet {meta['name']} failed error: " + pod_security.forbidden_message(
+            pod, level, found
+        )
         await self.post_event(sts, "Warning", "FailedCreate", message, component="statefulset-controller")
 
-    async def post_event(self, obj: Mapping[str, Any], type_: str, reason: str, message: str,
-                         component: str) -> dict:
+    async def post_event(self, obj: Mapping[str, Any], type_: str, reason: str, message: str, component: str) -> dict:
         """A core/v1 Event on an object, as a controller posts it."""
         meta = obj["metadata"]
         now = _now()
-        event = {"apiVersion": "v1", "kind": "Event",
-                 "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}", "namespace": meta.get("namespace")},
-                 "involvedObject": {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"), "name": meta["name"],
-                                    "namespace": meta.get("namespace"), "uid": meta.get("uid"),
-                                    "resourceVersion": meta.get("resourceVersion")},
-                 "reason": reason, "message": message, "type": type_, "source": {"component": component},
-                 "reportingComponent": component, "reportingInstance": "", "count": 1,
-                 "firstTimestamp": now, "lastTimestamp": now}
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}", "namespace": meta.get("namespace")},
+            "involvedObject": {
+                "apiVersion": obj.get("apiVersion"),
+                "kind": obj.get("kind"),
+                "name": meta["name"],
+                "namespace": meta.get("namespace"),
+                "uid": meta.get("uid"),
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "reason": reason,
+            "message": message,
+            "type": type_,
+            "source": {"component": component},
+            "reportingComponent": component,
+            "reportingInstance": "",
+            "count": 1,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+        }
         return await self._create(EVENTS, meta.get("namespace"), event, manager="kube-controller-manager")
 
     async def _disruption_status(self, key: tuple) -> None:
@@ -839,11 +923,22 @@ class KubeCluster(kmock.KubernetesEmulator):
             return
         spec = live.get("spec") or {}
         match = (spec.get("selector") or {}).get("matchLabels") or {}
-        pods = [o.raw for (res, ns, _), o in self.objects._objects.items()
-                if res == PODS and ns == key[1] and not o.deleted
-                and all(((o.raw.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in match.items())]
-        healthy = sum(1 for p in pods if any(c.get("type") == "Ready" and c.get("status") == "True"
-                                             for c in (p.get("status") or {}).get("conditions") or []))
+        pods = [
+            o.raw
+            for (res, ns, _), o in self.objects._objects.items()
+            if res == PODS
+            and ns == key[1]
+            and not o.deleted
+            and all(((o.raw.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in match.items())
+        ]
+        healthy = sum(
+            1
+            for p in pods
+            if any(
+                c.get("type") == "Ready" and c.get("status") == "True"
+                for c in (p.get("status") or {}).get("conditions") or []
+            )
+        )
         expected = len(pods)
         if "minAvailable" in spec:
             desired = _scaled(spec["minAvailable"], expected, up=True)
@@ -852,22 +947,37 @@ class KubeCluster(kmock.KubernetesEmulator):
         else:
             desired = expected
         allowed = max(0, healthy - desired)
-        status = {"observedGeneration": live["metadata"].get("generation"), "currentHealthy": healthy,
-                  "desiredHealthy": desired, "expectedPods": expected, "disruptionsAllowed": allowed,
-                  "conditions": [{"type": "DisruptionAllowed", "status": "True" if allowed else "False",
-                                  "reason": "SufficientPods" if allowed else "InsufficientPods",
-                                  "message": "", "observedGeneration": live["metadata"].get("generation"),
-                                  "lastTransitionTime": _now()}]}
+        status = {
+            "observedGeneration": live["metadata"].get("generation"),
+            "currentHealthy": healthy,
+            "desiredHealthy": desired,
+            "expectedPods": expected,
+            "disruptionsAllowed": allowed,
+            "conditions": [
+                {
+                    "type": "DisruptionAllowed",
+                    "status": "True" if allowed else "False",
+                    "reason": "SufficientPods" if allowed else "InsufficientPods",
+                    "message": "",
+                    "observedGeneration": live["metadata"].get("generation"),
+                    "lastTransitionTime": _now(),
+                }
+            ],
+        }
         before = dict(live.get("status") or {})
-        if {k: v for k, v in before.items() if k != "conditions"} == {k: v for k, v in status.items() if k != "conditions"} \
-                and [c.get("status") for c in before.get("conditions") or []] == ["True" if allowed else "False"]:
+        if {k: v for k, v in before.items() if k != "conditions"} == {
+            k: v for k, v in status.items() if k != "conditions"
+        } and [c.get("status") for c in before.get("conditions") or []] == ["True" if allowed else "False"]:
             return  # nothing changed: the controller writes nothing
         await self._store(key, dict(live, status=status), live, updater="kube-controller-manager", subresource="status")
 
     def objects_of(self, resource: Any, namespace: Optional[str] = None) -> list[dict]:
         res = kmock.resource(resource) if isinstance(resource, str) else resource
-        return [obj.raw for (r, ns, _), obj in self.objects.items()
-                if r == res and not obj.deleted and (namespace is None or ns == namespace)]
+        return [
+            obj.raw
+            for (r, ns, _), obj in self.objects.items()
+            if r == res and not obj.deleted and (namespace is None or ns == namespace)
+        ]
 
     # -- request routing --
 
@@ -902,25 +1012,33 @@ class KubeCluster(kmock.KubernetesEmulator):
     async def _mutate_locked(self, request: rendering.Request, method: str, res: Any) -> tuple[int, dict]:
         if method == "POST" and request.name is None:
             self.recorder.record(request)
-            return 201, await self._create(res, request.namespace, self._body(request),
-                                           request.params.get("fieldManager") or "unnamed-updater")
+            return 201, await self._create(
+                res, request.namespace, self._body(request), request.params.get("fieldManager") or "unnamed-updater"
+            )
         if request.name is None:
             raise kmock.KubernetesError(405, "MethodNotAllowed", f"{method} needs an object name")
         key = (res, request.namespace, request.name)
         live = self._live(key)
         updater = request.params.get("fieldManager") or "unnamed-updater"
-        if request.subresource == "scale" and live is not None and method in ("PATCH", "PUT") \
-                and live.get("kind") in ("StatefulSet", "Deployment", "ReplicaSet"):
+        if (
+            request.subresource == "scale"
+            and live is not None
+            and method in ("PATCH", "PUT")
+            and live.get("kind") in ("StatefulSet", "Deployment", "ReplicaSet")
+        ):
             self.recorder.record(request)
-            replicas = ((self._body(request).get("spec") or {}).get("replicas"))
+            replicas = (self._body(request).get("spec") or {}).get("replicas")
             if not isinstance(replicas, int) or replicas < 0:
                 raise kmock.KubernetesError(422, "Invalid", "spec.replicas must be a non-negative integer")
             new = copy.deepcopy(live)
             new["spec"]["replicas"] = replicas
             stored = await self._store(key, new, live, updater=updater)
-            return 200, {"apiVersion": "autoscaling/v1", "kind": "Scale",
-                         "metadata": {"name": request.name, "namespace": request.namespace},
-                         "spec": {"replicas": stored["spec"]["replicas"]}}
+            return 200, {
+                "apiVersion": "autoscaling/v1",
+                "kind": "Scale",
+                "metadata": {"name": request.name, "namespace": request.namespace},
+                "spec": {"replicas": stored["spec"]["replicas"]},
+            }
         if request.subresource not in (None, "status"):
             raise kmock.KubernetesNotFoundError(message=f"subresource {request.subresource} is not served")
         if method == "DELETE":
@@ -977,8 +1095,9 @@ class KubeCluster(kmock.KubernetesEmulator):
 
     # -- writes --
 
-    async def _create(self, res: Any, url_namespace: Optional[str], body: dict,
-                      manager: str = "unnamed-updater") -> dict:
+    async def _create(
+        self, res: Any, url_namespace: Optional[str], body: dict, manager: str = "unnamed-updater"
+    ) -> dict:
         meta = body.setdefault("metadata", {})
         if url_namespace and meta.get("namespace") not in (None, url_namespace):
             raise kmock.KubernetesError(400, "BadRequest", "the namespace of the object does not match the URL")
@@ -1003,8 +1122,9 @@ class KubeCluster(kmock.KubernetesEmulator):
         self._writer = self._writer or (manager, "Update")
         return await self._store(key, body, None)
 
-    async def _apply(self, key: tuple, subresource: Optional[str], applied: dict, manager: str,
-                     force: bool = True) -> dict:
+    async def _apply(
+        self, key: tuple, subresource: Optional[str], applied: dict, manager: str, force: bool = True
+    ) -> dict:
         res, namespace, name = key
         if res not in self._custom:
             applied = canonicalize_quantities(applied)  # fields are compared as the server stores them
@@ -1019,8 +1139,11 @@ class KubeCluster(kmock.KubernetesEmulator):
         self._check_precondition(live, applied)
         owners = self._owners.setdefault(key, {})
         if not force:  # a different value for a field someone else owns is a conflict
-            taken = sorted(".".join(map(str, p)) for p in _owned_paths(applied)
-                           if owners.get(p, set()) - {manager} and _value_at(live, p) != _value_at(applied, p))
+            taken = sorted(
+                ".".join(map(str, p))
+                for p in _owned_paths(applied)
+                if owners.get(p, set()) - {manager} and _value_at(live, p) != _value_at(applied, p)
+            )
             if taken:
                 raise kmock.KubernetesError(409, "Conflict", f"Apply failed with conflicts: {', '.join(taken)}")
         # Fields another manager owns stay when this one stops applying them (shared ownership).
@@ -1037,8 +1160,9 @@ class KubeCluster(kmock.KubernetesEmulator):
         self._applied[(key, manager)] = copy.deepcopy(applied)
         return await self._store(key, new, live)
 
-    async def _patch(self, key: tuple, subresource: Optional[str], body: Any, ctype: str,
-                     updater: str = "unnamed-updater") -> dict:
+    async def _patch(
+        self, key: tuple, subresource: Optional[str], body: Any, ctype: str, updater: str = "unnamed-updater"
+    ) -> dict:
         live = self._live(key)
         assert live is not None
         if isinstance(body, list):
@@ -1053,15 +1177,17 @@ class KubeCluster(kmock.KubernetesEmulator):
             patched = merge_patch(live, body)
         else:
             raise kmock.KubernetesError(415, "UnsupportedMediaType", f"unsupported patch type {ctype!r}")
-        return await self._store(key, self._scoped_write(live, patched, subresource), live, updater=updater,
-                                 subresource=subresource)
+        return await self._store(
+            key, self._scoped_write(live, patched, subresource), live, updater=updater, subresource=subresource
+        )
 
     @staticmethod
     def _check_precondition(live: dict, body: Mapping[str, Any]) -> None:
         wanted = (body.get("metadata") or {}).get("resourceVersion")
         if wanted and wanted != live["metadata"].get("resourceVersion"):
             raise kmock.KubernetesError(
-                409, "Conflict", "the object has been modified; please apply your changes to the latest version")
+                409, "Conflict", "the object has been modified; please apply your changes to the latest version"
+            )
 
     def _scoped_write(self, live: dict, new: dict, subresource: Optional[str]) -> dict:
         """A /status write changes only status; other writes never change status (when the
@@ -1091,8 +1217,14 @@ class KubeCluster(kmock.KubernetesEmulator):
                 return "status" in info.subresources
         return False
 
-    async def _store(self, key: tuple, new: dict, live: Optional[dict], updater: Optional[str] = None,
-                     subresource: Optional[str] = None) -> dict:
+    async def _store(
+        self,
+        key: tuple,
+        new: dict,
+        live: Optional[dict],
+        updater: Optional[str] = None,
+        subresource: Optional[str] = None,
+    ) -> dict:
         """`updater`: the field manager of a non-apply write; it becomes the only owner of the
         fields it changed (as an Update does in managedFields)."""
         res = key[0]
@@ -1127,8 +1259,11 @@ class KubeCluster(kmock.KubernetesEmulator):
             return new  # dryRun=All: admitted and answered, never stored
         if res not in self._custom:  # who wrote what, as a real API server reports it
             if writer is not None:
-                self._write_times.setdefault(key, {})[writer[0]] = (writer[1], _now_precise(),
-                                                                     writer[2] if len(writer) > 2 else None)
+                self._write_times.setdefault(key, {})[writer[0]] = (
+                    writer[1],
+                    _now_precise(),
+                    writer[2] if len(writer) > 2 else None,
+                )
             meta["managedFields"] = self._managed_fields(key)
         self._rv += 1
         meta["resourceVersion"] = str(self._rv)
@@ -1164,15 +1299,30 @@ class KubeCluster(kmock.KubernetesEmulator):
         out = []
         for manager, fields_v1 in sorted(by_manager.items()):
             operation, when, sub = (self._write_times.get(key) or {}).get(manager, ("Update", _now_precise(), None))
-            entry = {"manager": manager, "operation": operation, "apiVersion": key[0].version,
-                     "time": when, "fieldsType": "FieldsV1", "fieldsV1": fields_v1}
+            entry = {
+                "manager": manager,
+                "operation": operation,
+                "apiVersion": key[0].version,
+                "time": when,
+                "fieldsType": "FieldsV1",
+                "fieldsV1": fields_v1,
+            }
             if sub:
                 entry["subresource"] = sub
             out.append(entry)
         for manager, (operation, when, sub) in sorted((self._write_times.get(key) or {}).items()):
             if manager not in by_manager and sub == "status":  # status writers own status fields (not tracked)
-                out.append({"manager": manager, "operation": operation, "apiVersion": key[0].version, "time": when,
-                            "fieldsType": "FieldsV1", "fieldsV1": {"f:status": {}}, "subresource": sub})
+                out.append(
+                    {
+                        "manager": manager,
+                        "operation": operation,
+                        "apiVersion": key[0].version,
+                        "time": when,
+                        "fieldsType": "FieldsV1",
+                        "fieldsV1": {"f:status": {}},
+                        "subresource": sub,
+                    }
+                )
         return out
 
     def _admit_custom(self, res: Any, obj: dict) -> dict:
@@ -1181,8 +1331,7 @@ class KubeCluster(kmock.KubernetesEmulator):
         validator = jsonschema.Draft202012Validator(to_jsonschema(schema))
         errors = sorted(validator.iter_errors(obj), key=lambda e: list(e.absolute_path))
         if errors:
-            message = "; ".join(f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}"
-                                for e in errors)
+            message = "; ".join(f"{'.'.join(str(p) for p in e.absolute_path) or '<root>'}: {e.message}" for e in errors)
             raise kmock.KubernetesError(422, "Invalid", message)
         broken = cel_violations(obj, schema)
         if broken:
@@ -1237,8 +1386,9 @@ class KubeCluster(kmock.KubernetesEmulator):
                 await self._delete(key)
 
     def _uid_alive(self, uid: Optional[str]) -> bool:
-        return any(not obj.deleted and obj.raw.get("metadata", {}).get("uid") == uid
-                   for obj in self.objects._objects.values())
+        return any(
+            not obj.deleted and obj.raw.get("metadata", {}).get("uid") == uid for obj in self.objects._objects.values()
+        )
 
     # -- reads --
 
@@ -1253,8 +1403,9 @@ class KubeCluster(kmock.KubernetesEmulator):
                 continue
             raw = obj.raw
             try:
-                if label_selector_matches(selector, raw.get("metadata", {}).get("labels") or {}) and \
-                        field_selector_matches(fields, raw, self._kind_of(res)):
+                if label_selector_matches(
+                    selector, raw.get("metadata", {}).get("labels") or {}
+                ) and field_selector_matches(fields, raw, self._kind_of(res)):
                     out.append(copy.deepcopy(raw))
             except ValueError as e:
                 raise kmock.KubernetesError(400, "BadRequest", str(e)) from None
@@ -1262,7 +1413,7 @@ class KubeCluster(kmock.KubernetesEmulator):
 
     def _kind_of(self, res: Any) -> str:
         info = self.resources[res] if res in self.resources else None
-        return (info.kind if info is not None and info.kind else res.plural.capitalize())
+        return info.kind if info is not None and info.kind else res.plural.capitalize()
 
     async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
         if request.resource not in self.resources and not any(r == request.resource for r, _, _ in self.objects):
@@ -1271,8 +1422,12 @@ class KubeCluster(kmock.KubernetesEmulator):
             items = self._matching(request)
             rv = str(self._rv)
         res = request.resource
-        return {"apiVersion": f"{res.group}/{res.version}" if res.group else res.version,
-                "kind": f"{self._kind_of(res)}List", "metadata": {"resourceVersion": rv}, "items": items}
+        return {
+            "apiVersion": f"{res.group}/{res.version}" if res.group else res.version,
+            "kind": f"{self._kind_of(res)}List",
+            "metadata": {"resourceVersion": rv},
+            "items": items,
+        }
 
     def _publish(self, res: Any, event: dict) -> None:
         """An event to every watch of the resource, and to its history (what a watch from an older
@@ -1317,9 +1472,14 @@ class KubeCluster(kmock.KubernetesEmulator):
             self._watch_gate.set()
 
     def _bookmark(self, res: Any, rv: int) -> dict:
-        return {"type": "BOOKMARK", "object": {
-            "apiVersion": f"{res.group}/{res.version}" if res.group else res.version, "kind": self._kind_of(res),
-            "metadata": {"resourceVersion": str(rv)}}}
+        return {
+            "type": "BOOKMARK",
+            "object": {
+                "apiVersion": f"{res.group}/{res.version}" if res.group else res.version,
+                "kind": self._kind_of(res),
+                "metadata": {"resourceVersion": str(rv)},
+            },
+        }
 
     async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[rendering.Payload]:
         """A watch as the API server serves one: without a resourceVersion (or "0") the current
@@ -1341,8 +1501,18 @@ class KubeCluster(kmock.KubernetesEmulator):
         try:
             field_selector_matches(fields, {}, kind)
         except ValueError as e:
-            yield {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                                               "reason": "BadRequest", "code": 400, "message": str(e)}}
+            yield {
+                "type": "ERROR",
+                "object": {
+                    "kind": "Status",
+                    "apiVersion": "v1",
+                    "metadata": {},
+                    "status": "Failure",
+                    "reason": "BadRequest",
+                    "code": 400,
+                    "message": str(e),
+                },
+            }
             return
         queue: asyncio.Queue = asyncio.Queue()
         async with self._lock:  # no write can slip between the snapshot and the subscription
@@ -1350,16 +1520,28 @@ class KubeCluster(kmock.KubernetesEmulator):
             if expired:
                 replay = []
             elif since and since != "0":
-                replay = [e for e in self._history.get(res, [])
-                          if int(e["object"]["metadata"]["resourceVersion"]) > int(since)]
+                replay = [
+                    e
+                    for e in self._history.get(res, [])
+                    if int(e["object"]["metadata"]["resourceVersion"]) > int(since)
+                ]
             else:
                 replay = [{"type": "ADDED", "object": obj} for obj in self._matching(request)]
             if not expired:
                 self._watchers.setdefault(res, []).append(queue)
         if expired:
-            yield {"type": "ERROR", "object": {
-                "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "reason": "Expired",
-                "code": 410, "message": f"too old resource version: {since} ({self._compacted_rv})"}}
+            yield {
+                "type": "ERROR",
+                "object": {
+                    "kind": "Status",
+                    "apiVersion": "v1",
+                    "metadata": {},
+                    "status": "Failure",
+                    "reason": "Expired",
+                    "code": 410,
+                    "message": f"too old resource version: {since} ({self._compacted_rv})",
+                },
+            }
             return
         try:
             for event in replay:
@@ -1394,15 +1576,23 @@ class KubeCluster(kmock.KubernetesEmulator):
                 watchers.remove(queue)
 
     @staticmethod
-    def _filter_event(event: Mapping[str, Any], namespace: Optional[str], selector: Optional[str],
-                      fields: Optional[str], kind: Optional[str] = None) -> Optional[dict]:
+    def _filter_event(
+        event: Mapping[str, Any],
+        namespace: Optional[str],
+        selector: Optional[str],
+        fields: Optional[str],
+        kind: Optional[str] = None,
+    ) -> Optional[dict]:
         obj = event["object"]
         if namespace is not None and obj.get("metadata", {}).get("namespace") != namespace:
             return None
 
         def matches(o: Optional[Mapping[str, Any]]) -> bool:
-            return o is not None and label_selector_matches(
-                selector, (o.get("metadata") or {}).get("labels") or {}) and field_selector_matches(fields, o, kind)
+            return (
+                o is not None
+                and label_selector_matches(selector, (o.get("metadata") or {}).get("labels") or {})
+                and field_selector_matches(fields, o, kind)
+            )
 
         now_in, was_in = matches(obj), matches(event.get("old"))
         if event["type"] == "MODIFIED":
@@ -1431,8 +1621,13 @@ class ClusterError(Exception):
         self.body = body
 
 
-def object_path(api_version: str, plural: str, namespace: Optional[str] = None, name: Optional[str] = None,
-                subresource: Optional[str] = None) -> str:
+def object_path(
+    api_version: str,
+    plural: str,
+    namespace: Optional[str] = None,
+    name: Optional[str] = None,
+    subresource: Optional[str] = None,
+) -> str:
     path = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
     if namespace:
         path += f"/namespaces/{namespace}"
@@ -1460,12 +1655,19 @@ class ClusterClient:
         assert self._session is not None
         await self._session.close()
 
-    async def call(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
-                   params: Optional[Mapping[str, str]] = None) -> Any:
+    async def call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str = "application/json",
+        params: Optional[Mapping[str, str]] = None,
+    ) -> Any:
         assert self._session is not None
         data = None if body is None else json.dumps(body)
-        async with self._session.request(method, self.base_url + path, data=data, params=params,
-                                         headers={"Content-Type": content_type}) as resp:
+        async with self._session.request(
+            method, self.base_url + path, data=data, params=params, headers={"Content-Type": content_type}
+        ) as resp:
             text = await resp.text()
             doc = json.loads(text) if text else None
             if resp.status >= 400:
@@ -1484,16 +1686,28 @@ class ClusterClient:
                 return None
             raise
 
-    async def list(self, api_version: str, plural: str, namespace: Optional[str] = None,
-                   label_selector: Optional[str] = None) -> list[dict]:
+    async def list(
+        self, api_version: str, plural: str, namespace: Optional[str] = None, label_selector: Optional[str] = None
+    ) -> list[dict]:
         params = {"labelSelector": label_selector} if label_selector else None
         doc = await self.call("GET", object_path(api_version, plural, namespace), params=params)
         return doc["items"]
 
-    async def patch(self, api_version: str, plural: str, namespace: Optional[str], name: str, patch: Any,
-                    subresource: Optional[str] = None) -> dict:
-        return await self.call("PATCH", object_path(api_version, plural, namespace, name, subresource), patch,
-                               content_type="application/merge-patch+json")
+    async def patch(
+        self,
+        api_version: str,
+        plural: str,
+        namespace: Optional[str],
+        name: str,
+        patch: Any,
+        subresource: Optional[str] = None,
+    ) -> dict:
+        return await self.call(
+            "PATCH",
+            object_path(api_version, plural, namespace, name, subresource),
+            patch,
+            content_type="application/merge-patch+json",
+        )
 
     async def delete(self, api_version: str, plural: str, namespace: Optional[str], name: str) -> dict:
         return await self.call("DELETE", object_path(api_version, plural, namespace, name))
@@ -1522,12 +1736,20 @@ async def eventually(check: Any, timeout: float = 10.0, interval: float = 0.05) 
 
 
 def write_kubeconfig(path: Path, server: str, token: str = "test-token", namespace: str = "default") -> Path:
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
-        "clusters": [{"name": "kmock", "cluster": {"server": server}}],
-        "users": [{"name": "operator", "user": {"token": token}}],
-        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "operator", "namespace": namespace}}],
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "kmock",
+                "clusters": [{"name": "kmock", "cluster": {"server": server}}],
+                "users": [{"name": "operator", "user": {"token": token}}],
+                "contexts": [
+                    {"name": "kmock", "context": {"cluster": "kmock", "user": "operator", "namespace": namespace}}
+                ],
+            }
+        )
+    )
     return path
 
 
@@ -1560,7 +1782,20 @@ def api_calls(kube_cluster: KubeCluster) -> ApiCallRecorder:
 
 
 __all__ = [
-    "ApiCall", "ApiCallRecorder", "ClusterClient", "ClusterError", "KubeCluster", "TEST_AGENT", "api_calls",
-    "eventually", "kube_client", "kube_cluster", "kubeconfig", "label_selector_matches", "merge_patch",
-    "object_path", "server_side_apply", "write_kubeconfig",
+    "ApiCall",
+    "ApiCallRecorder",
+    "ClusterClient",
+    "ClusterError",
+    "KubeCluster",
+    "TEST_AGENT",
+    "api_calls",
+    "eventually",
+    "kube_client",
+    "kube_cluster",
+    "kubeconfig",
+    "label_selector_matches",
+    "merge_patch",
+    "object_path",
+    "server_side_apply",
+    "write_kubeconfig",
 ]

@@ -24,8 +24,14 @@ class OperatorThread:
     """The real operator (kopf + handlers + health server) in its own thread and event loop,
     talking to the emulator over HTTP through a kubeconfig, as `dsv4 operator` does."""
 
-    def __init__(self, kubeconfig: Path, namespaces: list[str], health_port: int, standalone: bool = True,
-                 leader_election: Optional[LeaderElection] = None) -> None:
+    def __init__(
+        self,
+        kubeconfig: Path,
+        namespaces: list[str],
+        health_port: int,
+        standalone: bool = True,
+        leader_election: Optional[LeaderElection] = None,
+    ) -> None:
         self.kubeconfig = kubeconfig
         self.standalone = standalone
         self.namespaces = namespaces
@@ -43,10 +49,21 @@ class OperatorThread:
         settings.watching.reconnect_backoff = 0.05
         settings.posting.level = 30  # logging.WARNING
         try:
-            asyncio.run(serve_operator(
-                namespaces=self.namespaces, standalone=self.standalone, health_host="127.0.0.1", health_port=self.health_port,
-                kubeconfig=str(self.kubeconfig), stop_flag=self.stop_flag, ready_flag=self.ready_flag,
-                settings=settings, state=self.state, metrics=self.metrics, leader_election=self.leader_election))
+            asyncio.run(
+                serve_operator(
+                    namespaces=self.namespaces,
+                    standalone=self.standalone,
+                    health_host="127.0.0.1",
+                    health_port=self.health_port,
+                    kubeconfig=str(self.kubeconfig),
+                    stop_flag=self.stop_flag,
+                    ready_flag=self.ready_flag,
+                    settings=settings,
+                    state=self.state,
+                    metrics=self.metrics,
+                    leader_election=self.leader_election,
+                )
+            )
         except BaseException as e:  # surfaced by stop()
             self.error = e
 

@@ -15,8 +15,13 @@ PROMPT = list(range(5, 70))  # 65 tokens: 4 full pages of 16
 def cached(client: openai.OpenAI, salt: str | None, chat: bool = False) -> int:
     extra = {"cache_salt": salt} if salt is not None else {}
     if chat:
-        r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "tell me " * 40}],
-                                           max_tokens=2, temperature=0, extra_body=extra)
+        r = client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "tell me " * 40}],
+            max_tokens=2,
+            temperature=0,
+            extra_body=extra,
+        )
     else:
         r = client.completions.create(model="m", prompt=PROMPT, max_tokens=2, temperature=0, extra_body=extra)
     return r.usage.prompt_tokens_details.cached_tokens

@@ -20,8 +20,11 @@ AUTH = {"Authorization": f"Bearer {SECRET}"}
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    with serving(["--model", tiny_model, "--kv-pages", 256, "--served-model-name", "tiny"],
-                 tmp_path_factory.mktemp("continuation") / "engine.log", env={"DSV4_PD_SECRET": SECRET}) as url:
+    with serving(
+        ["--model", tiny_model, "--kv-pages", 256, "--served-model-name", "tiny"],
+        tmp_path_factory.mktemp("continuation") / "engine.log",
+        env={"DSV4_PD_SECRET": SECRET},
+    ) as url:
         yield url
 
 
@@ -31,7 +34,9 @@ def sse(r: httpx.Response) -> list[dict]:
 
 
 def stream(url: str, path: str, body: dict) -> tuple[list[dict], str, list[int]]:
-    evs = sse(httpx.post(url + path, json={**body, "stream": True, "return_token_ids": True}, headers=AUTH, timeout=120))
+    evs = sse(
+        httpx.post(url + path, json={**body, "stream": True, "return_token_ids": True}, headers=AUTH, timeout=120)
+    )
     text, ids = "", []
     for e in evs:
         for c in e["choices"]:
@@ -40,16 +45,24 @@ def stream(url: str, path: str, body: dict) -> tuple[list[dict], str, list[int]]
     return evs, text, ids
 
 
-@pytest.mark.parametrize("fields", [
-    {"temperature": 0},
-    {"temperature": 0.9, "seed": 7, "presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.2},
-    {"temperature": 0, "stop": ["zzq", "ab"], "logprobs": 2},
-    {"temperature": 0.7, "seed": 3, "min_tokens": 20, "ignore_eos": False},
-])
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": 0},
+        {"temperature": 0.9, "seed": 7, "presence_penalty": 1.0, "frequency_penalty": 0.5, "repetition_penalty": 1.2},
+        {"temperature": 0, "stop": ["zzq", "ab"], "logprobs": 2},
+        {"temperature": 0.7, "seed": 3, "min_tokens": 20, "ignore_eos": False},
+    ],
+)
 @pytest.mark.parametrize("k", [1, 9])
 def test_a_continuation_goes_on_as_the_undisturbed_request(server, fields, k):
-    body = {"prompt": [5, 6, 7, 8, 9], "max_tokens": 24, "ignore_eos": True, "stream_options": {"include_usage": True},
-            **fields}
+    body = {
+        "prompt": [5, 6, 7, 8, 9],
+        "max_tokens": 24,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+        **fields,
+    }
     full_evs, full_text, full_ids = stream(server, "/v1/completions", body)
     # what the client had when the first engine stopped: the events carrying the first k tokens
     seen_text, seen_ids = "", []
@@ -66,12 +79,16 @@ def test_a_continuation_goes_on_as_the_undisturbed_request(server, fields, k):
     if "logprobs" in fields:
         full_offsets = [o for e in full_evs for c in e["choices"] for o in (c["logprobs"] or {}).get("text_offset", [])]
         offsets = [o for e in evs for c in e["choices"] for o in (c["logprobs"] or {}).get("text_offset", [])]
-        assert full_offsets[len(seen_ids):] == offsets
+        assert full_offsets[len(seen_ids) :] == offsets
 
 
 def test_a_chat_continuation_sends_no_second_role_chunk(server):
-    body = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 12, "temperature": 0,
-            "ignore_eos": True}
+    body = {
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     full_evs, full_text, full_ids = stream(server, "/v1/chat/completions", body)
     evs, text, ids = stream(server, "/v1/chat/completions", {**body, "continuation_token_ids": full_ids[:4]})
     assert full_ids[:4] + ids == full_ids
@@ -79,22 +96,38 @@ def test_a_chat_continuation_sends_no_second_role_chunk(server):
     assert sum("role" in (c.get("delta") or {}) for e in full_evs for c in e["choices"]) == 1
 
 
-@pytest.mark.parametrize("body,headers,status,param", [
-    ({"continuation_token_ids": [5]}, {}, 401, "continuation_token_ids"),  # the router's field, behind the PD secret
-    ({"continuation_token_ids": [5] * 8}, AUTH, 400, "continuation_token_ids"),  # nothing left of max_tokens
-    ({"continuation_token_ids": [10 ** 6]}, AUTH, 400, "continuation_token_ids"),
-    ({"continuation_token_ids": [True]}, AUTH, 400, None),
-])
+@pytest.mark.parametrize(
+    "body,headers,status,param",
+    [
+        (
+            {"continuation_token_ids": [5]},
+            {},
+            401,
+            "continuation_token_ids",
+        ),  # the router's field, behind the PD secret
+        ({"continuation_token_ids": [5] * 8}, AUTH, 400, "continuation_token_ids"),  # nothing left of max_tokens
+        ({"continuation_token_ids": [10**6]}, AUTH, 400, "continuation_token_ids"),
+        ({"continuation_token_ids": [True]}, AUTH, 400, None),
+    ],
+)
 def test_a_continuation_only_from_the_router_and_within_bounds(server, body, headers, status, param):
-    r = httpx.post(f"{server}/v1/completions", json={"prompt": [5, 6], "max_tokens": 8, **body}, headers=headers, timeout=30)
+    r = httpx.post(
+        f"{server}/v1/completions", json={"prompt": [5, 6], "max_tokens": 8, **body}, headers=headers, timeout=30
+    )
     assert r.status_code == status, r.text
     if param:
         assert r.json()["error"]["param"] == param
 
 
-SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 900},
-                                           "note": {"type": "string", "pattern": "^[a-z ]{20,30}$"}},
-          "required": ["id", "note"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 900},
+        "note": {"type": "string", "pattern": "^[a-z ]{20,30}$"},
+    },
+    "required": ["id", "note"],
+    "additionalProperties": False,
+}
 
 
 @pytest.mark.parametrize("k", [1, 6, 17])
@@ -102,8 +135,12 @@ def test_a_structured_continuation_rebuilds_the_grammar_from_the_answer_so_far(s
     """The matcher of a continuation accepts its tokens once before the first new one: the rest
     is the undisturbed answer and the whole stays schema-valid (a matcher that missed them would
     mask as at the start of the JSON and produce something else)."""
-    body = {"prompt": [5, 6, 7, 8, 9], "max_tokens": 120, "temperature": 0,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}}
+    body = {
+        "prompt": [5, 6, 7, 8, 9],
+        "max_tokens": 120,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}},
+    }
     _, full_text, full_ids = stream(server, "/v1/completions", body)
     json.loads(full_text)
     assert len(full_ids) > k

@@ -31,8 +31,10 @@ def stream_events(url: str, body: dict, first: threading.Event, out: list) -> No
 def test_sigterm_drains_running_requests_then_exits_zero(tiny_model, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = Proc(["serve", "--model", tiny_model, "--port", port, "--kv-pages", 512, "--shutdown-grace", GRACE],
-                tmp_path / "engine.log")
+    proc = Proc(
+        ["serve", "--model", tiny_model, "--port", port, "--kv-pages", 512, "--shutdown-grace", GRACE],
+        tmp_path / "engine.log",
+    )
     try:
         proc.wait_ready(url)
         long_stream, long_first = [], threading.Event()
@@ -44,8 +46,10 @@ def test_sigterm_drains_running_requests_then_exits_zero(tiny_model, tmp_path):
             with httpx.Client(base_url=url, timeout=120) as c:
                 long_plain["r"] = c.post("/v1/completions", json=long_body)
 
-        threads = [threading.Thread(target=stream_events, args=(url, long_body, long_first, long_stream)),
-                   threading.Thread(target=plain)]
+        threads = [
+            threading.Thread(target=stream_events, args=(url, long_body, long_first, long_stream)),
+            threading.Thread(target=plain),
+        ]
         for t in threads:
             t.start()
         assert long_first.wait(60)
@@ -53,8 +57,10 @@ def test_sigterm_drains_running_requests_then_exits_zero(tiny_model, tmp_path):
         while httpx.get(f"{url}/v1/loads").json()["queues"]["running"] < 2:
             assert time.monotonic() < deadline, "the long requests never ran"
             time.sleep(0.02)
-        short = threading.Thread(target=stream_events,
-                                 args=(url, {"prompt": "short", "max_tokens": 20, "ignore_eos": True}, short_first, short_stream))
+        short = threading.Thread(
+            target=stream_events,
+            args=(url, {"prompt": "short", "max_tokens": 20, "ignore_eos": True}, short_first, short_stream),
+        )
         short.start()
         assert short_first.wait(60)
 

@@ -20,8 +20,10 @@ LIMIT = 8 * 1024 * 1024
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    with serving(["--model", tiny_model, "--kv-pages", 512, "--served-model-name", "tiny", "--max-request-bytes", LIMIT],
-                 tmp_path_factory.mktemp("hostile") / "engine.log") as url:
+    with serving(
+        ["--model", tiny_model, "--kv-pages", 512, "--served-model-name", "tiny", "--max-request-bytes", LIMIT],
+        tmp_path_factory.mktemp("hostile") / "engine.log",
+    ) as url:
         yield url
 
 
@@ -100,7 +102,11 @@ HOSTILE = [
     ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
+        400,
+    ),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 123}]}, 400),
@@ -111,7 +117,11 @@ HOSTILE = [
     ("/v1/chat/completions", {"messages": "hello"}, 400),
     ("/v1/chat/completions", {"messages": []}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 5}, 400),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+        400,
+    ),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": "yes please"}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 2**2000}, 400),
@@ -147,14 +157,23 @@ class NormalTraffic:
             n = 0
             while not self.stop.is_set():
                 n += 1
-                body = {"prompt": f"normal request {i} {n}", "max_tokens": 12, "ignore_eos": True,
-                        "temperature": 0.8 if n % 2 else 0, "seed": n, "logprobs": 2 if n % 3 == 0 else None}
+                body = {
+                    "prompt": f"normal request {i} {n}",
+                    "max_tokens": 12,
+                    "ignore_eos": True,
+                    "temperature": 0.8 if n % 2 else 0,
+                    "seed": n,
+                    "logprobs": 2 if n % 3 == 0 else None,
+                }
                 try:
                     if n % 2:
                         with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
                             events = sse_events(r.iter_lines()) if r.status_code == 200 else None
-                        good = (r.status_code == 200 and events[-1] == "[DONE]"
-                                and events[-2]["choices"][0]["finish_reason"] == "length")
+                        good = (
+                            r.status_code == 200
+                            and events[-1] == "[DONE]"
+                            and events[-2]["choices"][0]["finish_reason"] == "length"
+                        )
                         detail = (r.status_code, events[-3:] if events else None)
                     else:
                         r = c.post("/v1/completions", json=body)
@@ -183,8 +202,10 @@ def check_bodies_over_the_limit_are_413(server: str, client: httpx.Client) -> No
     # Declared too large: refused before the body is read.
     host, port = server.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n{\"prompt\": \"" % (LIMIT + 1))
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: %d\r\n\r\n{"prompt": "' % (LIMIT + 1)
+        )
         reply = b""
         while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
             chunk = s.recv(65536)
@@ -224,8 +245,10 @@ def test_hostile_matrix_under_normal_traffic(server, client):
         start_ok = traffic.ok
         while traffic.ok < start_ok + 6 and time.monotonic() < deadline:
             time.sleep(0.05)
-    print(f"{len(HOSTILE)} hostile + {len(EXTREME_VALID)} extreme-valid requests; {traffic.ok} normal requests, "
-          f"{len(traffic.failures)} failed")
+    print(
+        f"{len(HOSTILE)} hostile + {len(EXTREME_VALID)} extreme-valid requests; {traffic.ok} normal requests, "
+        f"{len(traffic.failures)} failed"
+    )
     assert traffic.failures == [], traffic.failures[:5]
     assert traffic.ok >= 6
     assert client.get("/ready").status_code == 200
@@ -274,7 +297,12 @@ def test_completion_logprobs(client):
 
 
 def test_chat_logprobs(client):
-    req = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    req = {
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     assert client.post("/v1/chat/completions", json=req).json()["choices"][0]["logprobs"] is None
     body = client.post("/v1/chat/completions", json={**req, "logprobs": True, "top_logprobs": 2}).json()
     content = body["choices"][0]["logprobs"]["content"]
@@ -286,9 +314,13 @@ def test_chat_logprobs(client):
         else:
             assert item["bytes"] == list(item["token"].encode())
         assert len(item["top_logprobs"]) == 2 and item["top_logprobs"][0]["logprob"] == pytest.approx(item["logprob"])
-    only = client.post("/v1/chat/completions", json={**req, "logprobs": True}).json()["choices"][0]["logprobs"]["content"]
+    only = client.post("/v1/chat/completions", json={**req, "logprobs": True}).json()["choices"][0]["logprobs"][
+        "content"
+    ]
     assert [i["token"] for i in only] == [i["token"] for i in content] and all(i["top_logprobs"] == [] for i in only)
-    with client.stream("POST", "/v1/chat/completions", json={**req, "logprobs": True, "top_logprobs": 2, "stream": True}) as r:
+    with client.stream(
+        "POST", "/v1/chat/completions", json={**req, "logprobs": True, "top_logprobs": 2, "stream": True}
+    ) as r:
         events = sse_events(r.iter_lines())
     streamed = [i for e in events[1:-1] for i in (e["choices"][0]["logprobs"] or {"content": []})["content"]]
     assert [i["token"] for i in streamed] == [i["token"] for i in content]
@@ -298,10 +330,12 @@ def test_health_answers_while_huge_prompts_are_processed(server, client):
     """Multi-megabyte prompts (text, token ids, chat) are parsed, tokenised and refused off the
     event loop: /health and /ready keep answering promptly meanwhile."""
     text = "the quick brown fox jumps over the lazy dog. " * (7 * 1024 * 1024 // 45)  # ~7 MB, under the limit
-    bodies = [("/v1/completions", {"prompt": text, "max_tokens": 1}),
-              ("/v1/completions", {"prompt": [7] * 1_000_000, "max_tokens": 1}),  # ~3 MB of token ids
-              ("/v1/chat/completions", {"messages": [{"role": "user", "content": text[: 5 * 1024 * 1024]}]}),
-              ("/v1/completions", {"prompt": text[:40_000], "max_tokens": 1})]  # tokenised in full
+    bodies = [
+        ("/v1/completions", {"prompt": text, "max_tokens": 1}),
+        ("/v1/completions", {"prompt": [7] * 1_000_000, "max_tokens": 1}),  # ~3 MB of token ids
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text[: 5 * 1024 * 1024]}]}),
+        ("/v1/completions", {"prompt": text[:40_000], "max_tokens": 1}),
+    ]  # tokenised in full
     results: dict = {}
 
     def big(i, path, body):

@@ -16,8 +16,10 @@ ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    with serving(["--model", tiny_model, "--kv-pages", 256, "--admin-token", TOKEN, "--served-model-name", "tiny"],
-                 tmp_path_factory.mktemp("mono") / "engine.log") as url:
+    with serving(
+        ["--model", tiny_model, "--kv-pages", 256, "--admin-token", TOKEN, "--served-model-name", "tiny"],
+        tmp_path_factory.mktemp("mono") / "engine.log",
+    ) as url:
         yield url
 
 
@@ -55,8 +57,17 @@ def test_models_health_ready(client):
 
 
 def test_completion_text_and_token_ids(client):
-    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "The weather today is", "max_tokens": 12,
-                                             "temperature": 0, "return_token_ids": True, "some_unknown_field": 1})
+    r = client.post(
+        "/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": "The weather today is",
+            "max_tokens": 12,
+            "temperature": 0,
+            "return_token_ids": True,
+            "some_unknown_field": 1,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     choice = body["choices"][0]
@@ -65,15 +76,24 @@ def test_completion_text_and_token_ids(client):
     assert body["usage"]["prompt_tokens"] == len(body["prompt_token_ids"])
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
     # The same prompt given as token ids yields the same greedy tokens.
-    r2 = client.post("/v1/completions", json={"prompt": body["prompt_token_ids"], "max_tokens": 12,
-                                              "temperature": 0, "return_token_ids": True}).json()
+    r2 = client.post(
+        "/v1/completions",
+        json={"prompt": body["prompt_token_ids"], "max_tokens": 12, "temperature": 0, "return_token_ids": True},
+    ).json()
     assert r2["choices"][0]["token_ids"] == choice["token_ids"]
     assert r2["choices"][0]["text"] == choice["text"]
 
 
 def test_batch_of_prompts(client):
-    r = client.post("/v1/completions", json={"prompt": ["one", "two words", "three words here"], "max_tokens": 4,
-                                             "temperature": 0, "ignore_eos": True})
+    r = client.post(
+        "/v1/completions",
+        json={
+            "prompt": ["one", "two words", "three words here"],
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert body["usage"]["completion_tokens"] == 12
@@ -82,7 +102,9 @@ def test_batch_of_prompts(client):
 def test_stream_matches_non_stream_and_reports_usage(client):
     req = {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
     full = client.post("/v1/completions", json=req).json()
-    with client.stream("POST", "/v1/completions", json={**req, "stream": True, "stream_options": {"include_usage": True}}) as r:
+    with client.stream(
+        "POST", "/v1/completions", json={**req, "stream": True, "stream_options": {"include_usage": True}}
+    ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]"
@@ -95,11 +117,16 @@ def test_stream_matches_non_stream_and_reports_usage(client):
 
 def test_chat_stream_and_non_stream(client):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
-    full = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 8, "temperature": 0, "ignore_eos": True}).json()
+    full = client.post(
+        "/v1/chat/completions", json={"messages": msgs, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    ).json()
     assert full["object"] == "chat.completion"
     assert full["choices"][0]["message"]["role"] == "assistant"
-    with client.stream("POST", "/v1/chat/completions", json={"messages": msgs, "max_tokens": 8, "temperature": 0,
-                                                             "ignore_eos": True, "stream": True}) as r:
+    with client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={"messages": msgs, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "stream": True},
+    ) as r:
         events = sse_events(r.iter_lines())
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
@@ -108,11 +135,16 @@ def test_chat_stream_and_non_stream(client):
 
 
 def test_stop_string_and_seeded_sampling(client):
-    base = client.post("/v1/completions", json={"prompt": "The", "max_tokens": 16, "temperature": 0, "ignore_eos": True}).json()
+    base = client.post(
+        "/v1/completions", json={"prompt": "The", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    ).json()
     text = base["choices"][0]["text"]
     stop = text[4:7]
     assert stop.strip(), f"need a visible stop string in {text!r}"
-    cut = client.post("/v1/completions", json={"prompt": "The", "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stop": [stop]}).json()
+    cut = client.post(
+        "/v1/completions",
+        json={"prompt": "The", "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stop": [stop]},
+    ).json()
     assert cut["choices"][0]["finish_reason"] == "stop"
     assert cut["choices"][0]["text"] == text[: text.index(stop)]
     sampled = {"prompt": "The", "max_tokens": 16, "temperature": 1.0, "top_p": 0.9, "top_k": 50, "seed": 7}
@@ -121,21 +153,24 @@ def test_stop_string_and_seeded_sampling(client):
     assert a == b
 
 
-@pytest.mark.parametrize("body,status,needle", [
-    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-    ({"prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
-    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
-    ({"prompt": "x", "top_p": 0}, 400, "top_p"),
-    ({"prompt": "x", "top_k": -5}, 400, "top_k"),
-    ({"prompt": "x", "n": 17}, 400, "less than or equal to 16"),
-    ({"prompt": ""}, 400, "empty"),
-    ({"prompt": [1, 2, 99999]}, 400, "out of range"),
-    ({"prompt": "x", "model": "gpt-4"}, 404, "does not exist"),
-    ({"max_tokens": 3}, 400, "prompt"),
-    ({"prompt": "x", "max_tokens": 1_000_000}, 400, "maximum context length"),
-    ({"prompt": list(range(5, 505)) * 5}, 400, "maximum context length"),
-    ({"prompt": "x", "stop": [""]}, 400, "stop"),
-])
+@pytest.mark.parametrize(
+    "body,status,needle",
+    [
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+        ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "x", "top_p": 0}, 400, "top_p"),
+        ({"prompt": "x", "top_k": -5}, 400, "top_k"),
+        ({"prompt": "x", "n": 17}, 400, "less than or equal to 16"),
+        ({"prompt": ""}, 400, "empty"),
+        ({"prompt": [1, 2, 99999]}, 400, "out of range"),
+        ({"prompt": "x", "model": "gpt-4"}, 404, "does not exist"),
+        ({"max_tokens": 3}, 400, "prompt"),
+        ({"prompt": "x", "max_tokens": 1_000_000}, 400, "maximum context length"),
+        ({"prompt": list(range(5, 505)) * 5}, 400, "maximum context length"),
+        ({"prompt": "x", "stop": [""]}, 400, "stop"),
+    ],
+)
 def test_bad_input_is_a_4xx_with_openai_body(client, body, status, needle):
     r = client.post("/v1/completions", json=body)
     assert r.status_code == status, r.text
@@ -156,24 +191,53 @@ def test_metrics_have_every_contract_name_with_labels(client):
     text = client.get("/metrics").text
     from prometheus_client.parser import text_string_to_metric_families
 
-    names = {s.name for fam in text_string_to_metric_families(text) for s in fam.samples if s.labels.get("role") == "mono"
-             and s.labels.get("model_name") == "tiny"}
-    for g in ["num_running_reqs", "num_queue_reqs", "num_prefill_bootstrap_queue_reqs", "num_prefill_inflight_queue_reqs",
-              "num_decode_prealloc_queue_reqs", "num_decode_transfer_queue_reqs", "prefill_inflight_oldest_age_seconds",
-              "kv_pages_free", "kv_pages_total"]:
+    names = {
+        s.name
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.labels.get("role") == "mono" and s.labels.get("model_name") == "tiny"
+    }
+    for g in [
+        "num_running_reqs",
+        "num_queue_reqs",
+        "num_prefill_bootstrap_queue_reqs",
+        "num_prefill_inflight_queue_reqs",
+        "num_decode_prealloc_queue_reqs",
+        "num_decode_transfer_queue_reqs",
+        "prefill_inflight_oldest_age_seconds",
+        "kv_pages_free",
+        "kv_pages_total",
+    ]:
         assert f"dsv4:{g}" in names, g
-    for c in ["num_bootstrap_failed_reqs", "num_transfer_failed_reqs", "num_transfer_timeout_reqs", "kv_transfers_completed",
-              "kv_transfer_bytes", "prompt_tokens", "generation_tokens", "num_aborted_reqs", "scheduler_loop_iterations"]:
+    for c in [
+        "num_bootstrap_failed_reqs",
+        "num_transfer_failed_reqs",
+        "num_transfer_timeout_reqs",
+        "kv_transfers_completed",
+        "kv_transfer_bytes",
+        "prompt_tokens",
+        "generation_tokens",
+        "num_aborted_reqs",
+        "scheduler_loop_iterations",
+    ]:
         assert f"dsv4:{c}_total" in names, c
-    for h in ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds", "kv_transfer_latency_seconds"]:
+    for h in [
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "kv_transfer_latency_seconds",
+    ]:
         assert f"dsv4:{h}_bucket" in names, h
 
 
 def test_client_disconnect_aborts_and_frees_pages(client, server):
     before = client.get("/v1/loads", headers=ADMIN).json()["counters"]["num_aborted_reqs"]
     with httpx.Client(base_url=server, timeout=30) as other:
-        with other.stream("POST", "/v1/completions", json={"prompt": "a long story", "max_tokens": 1500,
-                                                           "ignore_eos": True, "stream": True}) as r:
+        with other.stream(
+            "POST",
+            "/v1/completions",
+            json={"prompt": "a long story", "max_tokens": 1500, "ignore_eos": True, "stream": True},
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     break  # one chunk, then hang up
@@ -192,7 +256,9 @@ def test_admin_abort_and_token(client, server):
 
     def long_request():
         with httpx.Client(base_url=server, timeout=60) as c:
-            result["r"] = c.post("/v1/completions", json={"prompt": "tell me", "max_tokens": 1500, "ignore_eos": True, "rid": "victim"})
+            result["r"] = c.post(
+                "/v1/completions", json={"prompt": "tell me", "max_tokens": 1500, "ignore_eos": True, "rid": "victim"}
+            )
 
     t = threading.Thread(target=long_request)
     t.start()

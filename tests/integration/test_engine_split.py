@@ -83,8 +83,11 @@ def test_engine_core_exits_with_its_http_process(tiny_model, tmp_path):
         core = psutil.Process(httpx.get(f"{url}/server_info").json()["engine_pid"])
         proc.popen.kill()
         proc.popen.wait(10)
-        _wait(lambda: not core.is_running() or core.status() == psutil.STATUS_ZOMBIE, 30,
-              "the engine core outlived its HTTP process")
+        _wait(
+            lambda: not core.is_running() or core.status() == psutil.STATUS_ZOMBIE,
+            30,
+            "the engine core outlived its HTTP process",
+        )
     finally:
         proc.stop()
 
@@ -97,9 +100,13 @@ def test_sigterm_stops_both_processes_cleanly(tiny_model, tmp_path):
     assert httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=60).status_code == 200
     proc.popen.send_signal(signal.SIGTERM)
     assert proc.popen.wait(30) == 0, proc.log()
-    _wait(lambda: not core.is_running() or core.status() == psutil.STATUS_ZOMBIE, 30, "the engine core outlived SIGTERM")
+    _wait(
+        lambda: not core.is_running() or core.status() == psutil.STATUS_ZOMBIE, 30, "the engine core outlived SIGTERM"
+    )
     proc.stop()
-    assert "Traceback" not in proc.log_path.read_text(errors="replace"), proc.log_path.read_text(errors="replace")[-3000:]
+    assert "Traceback" not in proc.log_path.read_text(errors="replace"), proc.log_path.read_text(errors="replace")[
+        -3000:
+    ]
 
 
 def test_flags_that_cannot_serve_are_refused_in_one_line(tiny_model):
@@ -109,11 +116,28 @@ def test_flags_that_cannot_serve_are_refused_in_one_line(tiny_model):
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    for flags, says in ((["--max-num-seqs", 0], "--max-num-seqs must be at least 1"),
-                        (["--max-num-batched-tokens", 0], "--max-num-batched-tokens must be at least 1"),
-                        (["--kernel-backend", "triton", "--device", "cpu"], "--kernel-backend triton needs a CUDA device")):
-        r = subprocess.run([sys.executable, "-m", "dsv4_cli", "serve", "--model", str(tiny_model), "--port",
-                            str(free_port()), *map(str, flags)], capture_output=True, text=True, timeout=120, env=env)
+    for flags, says in (
+        (["--max-num-seqs", 0], "--max-num-seqs must be at least 1"),
+        (["--max-num-batched-tokens", 0], "--max-num-batched-tokens must be at least 1"),
+        (["--kernel-backend", "triton", "--device", "cpu"], "--kernel-backend triton needs a CUDA device"),
+    ):
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dsv4_cli",
+                "serve",
+                "--model",
+                str(tiny_model),
+                "--port",
+                str(free_port()),
+                *map(str, flags),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (flags, r.stdout, r.stderr)
         assert says in lines[0], lines[0]

@@ -26,13 +26,31 @@ def urls(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("n-choices")
     m_port, p_port, b_port, d_port, r_port = (free_port() for _ in range(5))
     base = ["serve", "--model", tiny_model, *COMMON]
-    procs = [Proc([*base, "--role", "mono", "--port", m_port], tmp / "mono.log"),
-             Proc([*base, "--role", "prefill", "--port", p_port, "--bootstrap-port", b_port], tmp / "prefill.log"),
-             Proc([*base, "--role", "decode", "--port", d_port], tmp / "decode.log")]
-    u = {role: f"http://127.0.0.1:{port}" for role, port in
-         (("mono", m_port), ("prefill", p_port), ("decode", d_port), ("pd", r_port))}
-    procs.append(Proc(["router", "--prefill", u["prefill"], "--decode", u["decode"], "--port", r_port,
-                       "--health-interval", "0.5"], tmp / "router.log"))
+    procs = [
+        Proc([*base, "--role", "mono", "--port", m_port], tmp / "mono.log"),
+        Proc([*base, "--role", "prefill", "--port", p_port, "--bootstrap-port", b_port], tmp / "prefill.log"),
+        Proc([*base, "--role", "decode", "--port", d_port], tmp / "decode.log"),
+    ]
+    u = {
+        role: f"http://127.0.0.1:{port}"
+        for role, port in (("mono", m_port), ("prefill", p_port), ("decode", d_port), ("pd", r_port))
+    }
+    procs.append(
+        Proc(
+            [
+                "router",
+                "--prefill",
+                u["prefill"],
+                "--decode",
+                u["decode"],
+                "--port",
+                r_port,
+                "--health-interval",
+                "0.5",
+            ],
+            tmp / "router.log",
+        )
+    )
     try:
         for url, proc in zip((u["mono"], u["prefill"], u["decode"], u["pd"]), procs):
             proc.wait_ready(url)
@@ -60,17 +78,28 @@ def wait_pages_back(*urls: str, timeout: float = 15.0) -> None:
 SAMPLED = dict(max_tokens=8, temperature=1.0, seed=1234, extra_body={"ignore_eos": True, "return_token_ids": True})
 
 
-def completion_choices(url: str, prompt=PROMPT, stream: bool = False, model: str = "tiny", **kw) -> tuple[list[dict], dict]:
+def completion_choices(
+    url: str, prompt=PROMPT, stream: bool = False, model: str = "tiny", **kw
+) -> tuple[list[dict], dict]:
     """(choices as {index, text, token_ids, finish_reason} in index order, usage)."""
     args = {**SAMPLED, **kw}
     c = client(url)
     if not stream:
         r = c.completions.create(model=model, prompt=prompt, **args)
-        return [{"index": ch.index, "text": ch.text, "token_ids": ch.model_extra["token_ids"],
-                 "finish_reason": ch.finish_reason} for ch in r.choices], r.usage.model_dump()
+        return [
+            {
+                "index": ch.index,
+                "text": ch.text,
+                "token_ids": ch.model_extra["token_ids"],
+                "finish_reason": ch.finish_reason,
+            }
+            for ch in r.choices
+        ], r.usage.model_dump()
     got: dict[int, dict] = {}
     usage = None
-    for ev in c.completions.create(model=model, prompt=prompt, stream=True, stream_options={"include_usage": True}, **args):
+    for ev in c.completions.create(
+        model=model, prompt=prompt, stream=True, stream_options={"include_usage": True}, **args
+    ):
         for ch in ev.choices:
             g = got.setdefault(ch.index, {"index": ch.index, "text": "", "token_ids": [], "finish_reason": None})
             g["text"] += ch.text
@@ -86,16 +115,25 @@ def chat_choices(url: str, stream: bool = False, model: str = "tiny", **kw) -> t
     c = client(url)
     if not stream:
         r = c.chat.completions.create(model=model, messages=CHAT, **args)
-        return [{"index": ch.index, "content": ch.message.content, "role": ch.message.role,
-                 "token_ids": ch.model_extra["token_ids"], "finish_reason": ch.finish_reason} for ch in r.choices], \
-            r.usage.model_dump()
+        return [
+            {
+                "index": ch.index,
+                "content": ch.message.content,
+                "role": ch.message.role,
+                "token_ids": ch.model_extra["token_ids"],
+                "finish_reason": ch.finish_reason,
+            }
+            for ch in r.choices
+        ], r.usage.model_dump()
     got: dict[int, dict] = {}
     usage = None
-    for ev in c.chat.completions.create(model=model, messages=CHAT, stream=True,
-                                        stream_options={"include_usage": True}, **args):
+    for ev in c.chat.completions.create(
+        model=model, messages=CHAT, stream=True, stream_options={"include_usage": True}, **args
+    ):
         for ch in ev.choices:
-            g = got.setdefault(ch.index, {"index": ch.index, "content": "", "role": None, "token_ids": [],
-                                          "finish_reason": None})
+            g = got.setdefault(
+                ch.index, {"index": ch.index, "content": "", "role": None, "token_ids": [], "finish_reason": None}
+            )
             g["role"] = ch.delta.role or g["role"]
             g["content"] += ch.delta.content or ""
             g["token_ids"] += ch.model_extra.get("token_ids") or []
@@ -207,13 +245,16 @@ def test_greedy_choices_are_identical(urls):
     assert len(choices) == 3 and len({tuple(c["token_ids"]) for c in choices}) == 1
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"n": 17}, "n"),
-    ({"n": 0}, "n"),
-    ({"n": 3, "best_of": 2}, "best_of"),
-    ({"best_of": 17}, "best_of"),
-    ({"n": 2, "best_of": 3, "stream": True}, "best_of"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"n": 17}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 3, "best_of": 2}, "best_of"),
+        ({"best_of": 17}, "best_of"),
+        ({"n": 2, "best_of": 3, "stream": True}, "best_of"),
+    ],
+)
 def test_choices_beyond_the_limits_are_a_400_naming_the_field(urls, body, param):
     for path, extra in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": CHAT})):
         r = httpx.post(f"{urls['mono']}{path}", json={**extra, "max_tokens": 4, **body}, timeout=30)
@@ -266,8 +307,11 @@ def test_v4_pd_gives_what_v4_mono_gives_for_n_choices(v4_cluster):
         deadline = time.monotonic() + 15
         while True:
             ld = httpx.get(f"{url}/v1/loads", timeout=5).json()
-            if (ld["kv_pages_free"] == ld["kv_pages_total"] and ld["kv_slots_free"] == ld["kv_slots_total"]
-                    and sum(ld["queues"].values()) == 0):
+            if (
+                ld["kv_pages_free"] == ld["kv_pages_total"]
+                and ld["kv_slots_free"] == ld["kv_slots_total"]
+                and sum(ld["queues"].values()) == 0
+            ):
                 break
             assert time.monotonic() < deadline, f"{url} still holds state: {ld}"
             time.sleep(0.05)

@@ -26,20 +26,64 @@ class PDCluster:
         self.model, self.tmp = model, tmp
         self.procs: list[Proc] = []
         self.p_port, self.b_port, self.d_port, self.m_port, self.r_port = (free_port() for _ in range(5))
-        self.prefill = self._start("prefill", ["--port", self.p_port, "--bootstrap-port", self.b_port,
-                                               "--transfer-timeout", TRANSFER_TIMEOUT, *prefill_args])
+        self.prefill = self._start(
+            "prefill",
+            [
+                "--port",
+                self.p_port,
+                "--bootstrap-port",
+                self.b_port,
+                "--transfer-timeout",
+                TRANSFER_TIMEOUT,
+                *prefill_args,
+            ],
+        )
         self.decode = self._start("decode", ["--port", self.d_port, "--waiting-timeout", WAITING_TIMEOUT, *decode_args])
         self.mono = self._start("mono", ["--port", self.m_port])
-        self.router = Proc(["router", "--prefill", self.p_url, "--decode", self.d_url, "--port", self.r_port,
-                            "--health-interval", "0.5"], tmp / "router.log")
+        self.router = Proc(
+            [
+                "router",
+                "--prefill",
+                self.p_url,
+                "--decode",
+                self.d_url,
+                "--port",
+                self.r_port,
+                "--health-interval",
+                "0.5",
+            ],
+            tmp / "router.log",
+        )
         self.procs.append(self.router)
-        for url, proc in [(self.p_url, self.prefill), (self.d_url, self.decode), (self.m_url, self.mono), (self.r_url, self.router)]:
+        for url, proc in [
+            (self.p_url, self.prefill),
+            (self.d_url, self.decode),
+            (self.m_url, self.mono),
+            (self.r_url, self.router),
+        ]:
             proc.wait_ready(url)
 
     def _start(self, role, args) -> Proc:
-        p = Proc(["serve", "--model", self.model, "--role", role, "--kv-pages", 128, "--page-size", 16,
-                  "--bootstrap-timeout", BOOTSTRAP_TIMEOUT, "--enable-fault-injection", "--served-model-name", "m", *args],
-                 self.tmp / f"{role}-{len(self.procs)}.log")
+        p = Proc(
+            [
+                "serve",
+                "--model",
+                self.model,
+                "--role",
+                role,
+                "--kv-pages",
+                128,
+                "--page-size",
+                16,
+                "--bootstrap-timeout",
+                BOOTSTRAP_TIMEOUT,
+                "--enable-fault-injection",
+                "--served-model-name",
+                "m",
+                *args,
+            ],
+            self.tmp / f"{role}-{len(self.procs)}.log",
+        )
         self.procs.append(p)
         return p
 
@@ -66,8 +110,18 @@ def cluster(request, make_model, tmp_path_factory):
 
 
 def complete(url: str, prompt, max_tokens: int = 16, **extra) -> dict:
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                                                   "ignore_eos": True, "return_token_ids": True, **extra}, timeout=120)
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            **extra,
+        },
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -130,11 +184,14 @@ def _counter(url: str, name: str) -> float:
     return loads(url)["counters"][name]
 
 
-@pytest.mark.parametrize("fault,counter_url,counter,bound", [
-    ("stall_transfer", "p", "num_transfer_timeout_reqs", TRANSFER_TIMEOUT),
-    ("fail_transfer", "p", "num_transfer_failed_reqs", 0.0),
-    ("drop_notification", "d", "num_transfer_timeout_reqs", WAITING_TIMEOUT),
-])
+@pytest.mark.parametrize(
+    "fault,counter_url,counter,bound",
+    [
+        ("stall_transfer", "p", "num_transfer_timeout_reqs", TRANSFER_TIMEOUT),
+        ("fail_transfer", "p", "num_transfer_failed_reqs", 0.0),
+        ("drop_notification", "d", "num_transfer_timeout_reqs", WAITING_TIMEOUT),
+    ],
+)
 def test_fault_fails_within_deadline_then_router_retries(cluster, fault, counter_url, counter, bound):
     url = {"p": cluster.p_url, "d": cluster.d_url}[counter_url]
     before = _counter(url, counter)
@@ -154,10 +211,18 @@ def test_fault_fails_within_deadline_then_router_retries(cluster, fault, counter
 def test_fault_without_router_gives_the_client_a_clear_error(cluster):
     """Talking to a pair directly (no retry), a failed transfer is an error, not a hang."""
     arm(cluster.p_url, "fail_transfer")
-    body = {"prompt": list(range(5, 40)), "max_tokens": 4, "temperature": 0, "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": cluster.b_port, "bootstrap_room": 424242}
+    body = {
+        "prompt": list(range(5, 40)),
+        "max_tokens": 4,
+        "temperature": 0,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": cluster.b_port,
+        "bootstrap_room": 424242,
+    }
     res = {}
-    t = threading.Thread(target=lambda: res.update(p=httpx.post(f"{cluster.p_url}/v1/completions", json=body, timeout=60)))
+    t = threading.Thread(
+        target=lambda: res.update(p=httpx.post(f"{cluster.p_url}/v1/completions", json=body, timeout=60))
+    )
     t.start()
     d = httpx.post(f"{cluster.d_url}/v1/completions", json=body, timeout=60)
     t.join(60)
@@ -179,20 +244,27 @@ def test_engine_requests_need_the_router(cluster):
     assert r.status_code == 400 and "router" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("body,status", [
-    (b"{nope", 400), (b"[1, 2]", 400),
-])
+@pytest.mark.parametrize(
+    "body,status",
+    [
+        (b"{nope", 400),
+        (b"[1, 2]", 400),
+    ],
+)
 def test_router_rejects_malformed_bodies(cluster, body, status):
     r = httpx.post(f"{cluster.r_url}/v1/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == status and "error" in r.json()
 
 
-@pytest.mark.parametrize("body", [
-    {"prompt": "x", "max_tokens": 0},
-    {"prompt": "x", "model": "nope"},
-    {"prompt": "x", "max_tokens": 100000},
-    {"prompt": "x", "temperature": -2},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "x", "max_tokens": 0},
+        {"prompt": "x", "model": "nope"},
+        {"prompt": "x", "max_tokens": 100000},
+        {"prompt": "x", "temperature": -2},
+    ],
+)
 def test_router_bad_input_matches_the_engine(cluster, body):
     via_router = httpx.post(f"{cluster.r_url}/v1/completions", json=body, timeout=30)
     direct = httpx.post(f"{cluster.m_url}/v1/completions", json=body, timeout=30)
@@ -208,8 +280,9 @@ def test_a_list_of_prompts_through_pd_answers_each_as_alone(cluster):
     r = httpx.post(f"{cluster.r_url}/v1/completions", json={"prompt": prompts, **body}, timeout=60)
     assert r.status_code == 200, r.text
     got = r.json()
-    alone = [httpx.post(f"{cluster.r_url}/v1/completions", json={"prompt": p, **body}, timeout=60).json()
-             for p in prompts]
+    alone = [
+        httpx.post(f"{cluster.r_url}/v1/completions", json={"prompt": p, **body}, timeout=60).json() for p in prompts
+    ]
     assert [c["index"] for c in got["choices"]] == [0, 1]
     assert [c["text"] for c in got["choices"]] == [a["choices"][0]["text"] for a in alone]
     assert got["usage"]["prompt_tokens"] == 5 and got["usage"]["completion_tokens"] == 6
@@ -219,8 +292,14 @@ def test_a_list_of_prompts_through_pd_answers_each_as_alone(cluster):
 def test_stream_with_usage_through_router(cluster):
     """stream_options belong to the streaming decode leg only: the prefill leg is not streamed,
     and an engine refuses stream_options without stream (it once failed every such request)."""
-    body = {"prompt": list(range(3, 30)), "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": list(range(3, 30)),
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.monotonic()
     with httpx.stream("POST", f"{cluster.r_url}/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
@@ -231,13 +310,21 @@ def test_stream_with_usage_through_router(cluster):
 
 def test_stream_through_router_and_client_disconnect(cluster):
     prompt = list(range(3, 30))
-    with httpx.stream("POST", f"{cluster.r_url}/v1/completions", json={"prompt": prompt, "max_tokens": 10, "temperature": 0,
-                                                                      "ignore_eos": True, "stream": True}, timeout=60) as r:
+    with httpx.stream(
+        "POST",
+        f"{cluster.r_url}/v1/completions",
+        json={"prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True, "stream": True},
+        timeout=60,
+    ) as r:
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     before = _counter(cluster.d_url, "num_aborted_reqs")
-    with httpx.stream("POST", f"{cluster.r_url}/v1/completions", json={"prompt": prompt, "max_tokens": 1000, "ignore_eos": True,
-                                                                      "stream": True}, timeout=60) as r:
+    with httpx.stream(
+        "POST",
+        f"{cluster.r_url}/v1/completions",
+        json={"prompt": prompt, "max_tokens": 1000, "ignore_eos": True, "stream": True},
+        timeout=60,
+    ) as r:
         for ln in r.iter_lines():
             if ln.startswith("data: "):
                 break
@@ -250,10 +337,18 @@ def test_wedge_reproduced_with_deadlines_disabled(cluster):
     for url in (cluster.p_url, cluster.d_url):
         arm(url, "disable_deadlines", -1)
     arm(cluster.p_url, "stall_transfer")
-    body = {"prompt": list(range(20, 70)), "max_tokens": 4, "temperature": 0, "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": cluster.b_port, "bootstrap_room": 777}
-    threads = [threading.Thread(target=lambda u=u: httpx.post(f"{u}/v1/completions", json=body, timeout=60))
-               for u in (cluster.p_url, cluster.d_url)]
+    body = {
+        "prompt": list(range(20, 70)),
+        "max_tokens": 4,
+        "temperature": 0,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": cluster.b_port,
+        "bootstrap_room": 777,
+    }
+    threads = [
+        threading.Thread(target=lambda u=u: httpx.post(f"{u}/v1/completions", json=body, timeout=60))
+        for u in (cluster.p_url, cluster.d_url)
+    ]
     for t in threads:
         t.start()
     try:
@@ -285,10 +380,18 @@ def crash_decode_mid_transfer(cluster, room: int, slack: float) -> None:
     connection drops), never a hang, and prefill fails the request within its transfer deadline."""
     arm(cluster.d_url, "crash")
     arm(cluster.p_url, "stall_transfer")
-    body = {"prompt": list(range(30, 80)), "max_tokens": 4, "temperature": 0, "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": cluster.b_port, "bootstrap_room": room}
+    body = {
+        "prompt": list(range(30, 80)),
+        "max_tokens": 4,
+        "temperature": 0,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": cluster.b_port,
+        "bootstrap_room": room,
+    }
     res = {}
-    t = threading.Thread(target=lambda: res.update(p=httpx.post(f"{cluster.p_url}/v1/completions", json=body, timeout=60)))
+    t = threading.Thread(
+        target=lambda: res.update(p=httpx.post(f"{cluster.p_url}/v1/completions", json=body, timeout=60))
+    )
     t.start()
     try:
         r = httpx.post(f"{cluster.d_url}/v1/completions", json=body, timeout=60)
@@ -307,7 +410,11 @@ def test_decode_crash_empties_prefill_inflight_and_traffic_recovers(cluster):
     cluster.restart_decode()
     deadline = time.monotonic() + 20
     while True:  # the router notices the new decode at its next health check
-        r = httpx.post(f"{cluster.r_url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True}, timeout=60)
+        r = httpx.post(
+            f"{cluster.r_url}/v1/completions",
+            json={"prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True},
+            timeout=60,
+        )
         if r.status_code == 200:
             break
         assert time.monotonic() < deadline, r.text
@@ -318,7 +425,10 @@ def test_decode_crash_empties_prefill_inflight_and_traffic_recovers(cluster):
 def test_client_giving_up_on_a_non_streamed_request_aborts_it(cluster):
     before = _counter(cluster.d_url, "num_aborted_reqs")
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{cluster.r_url}/v1/completions", json={"prompt": [4, 5, 6], "max_tokens": 1500, "ignore_eos": True},
-                   timeout=httpx.Timeout(60, read=1.0))
+        httpx.post(
+            f"{cluster.r_url}/v1/completions",
+            json={"prompt": [4, 5, 6], "max_tokens": 1500, "ignore_eos": True},
+            timeout=httpx.Timeout(60, read=1.0),
+        )
     wait_pages_back(cluster.p_url, cluster.d_url)
     assert _counter(cluster.d_url, "num_aborted_reqs") == before + 1

@@ -27,7 +27,7 @@ def sent_to(router: str, urls: list[str]) -> list[float]:
 
 def hits(url: str) -> float:
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    m = re.search(rf'^{re.escape(metric_name("prefix_cache_hit_tokens", "_total"))}{{[^}}]*}} (\S+)$', text, re.M)
+    m = re.search(rf"^{re.escape(metric_name('prefix_cache_hit_tokens', '_total'))}{{[^}}]*}} (\S+)$", text, re.M)
     assert m
     return float(m.group(1))
 
@@ -35,12 +35,19 @@ def hits(url: str) -> float:
 def test_short_plain_conversations_keep_their_engine_and_survive_membership_changes(tiny_model, tmp_path):
     ports = [free_port(), free_port()]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    engines = [Proc(["serve", "--model", tiny_model, "--port", p, "--served-model-name", "m", "--kv-pages", 128],
-                    tmp_path / f"engine{i}.log") for i, p in enumerate(ports)]
+    engines = [
+        Proc(
+            ["serve", "--model", tiny_model, "--port", p, "--served-model-name", "m", "--kv-pages", 128],
+            tmp_path / f"engine{i}.log",
+        )
+        for i, p in enumerate(ports)
+    ]
     r_port = free_port()
     router_url = f"http://127.0.0.1:{r_port}"
-    router = Proc(["router", *[x for u in urls for x in ("--mono", u)], "--port", r_port, "--health-interval", "0.5"],
-                  tmp_path / "router.log")
+    router = Proc(
+        ["router", *[x for u in urls for x in ("--mono", u)], "--port", r_port, "--health-interval", "0.5"],
+        tmp_path / "router.log",
+    )
     rng = random.Random(4)
     try:
         for e, u in zip(engines, urls):
@@ -52,23 +59,29 @@ def test_short_plain_conversations_keep_their_engine_and_survive_membership_chan
             def round_(prompt) -> int:
                 """Send one round; the index of the engine it went to."""
                 before = sent_to(router_url, urls)
-                r = c.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 4,
-                                                    "temperature": 0, "return_token_ids": True})
+                r = c.post(
+                    "/v1/completions",
+                    json={"model": "m", "prompt": prompt, "max_tokens": 4, "temperature": 0, "return_token_ids": True},
+                )
                 assert r.status_code == 200, r.text
                 moved = [i for i, (a, b) in enumerate(zip(before, sent_to(router_url, urls))) if b > a]
                 assert len(moved) == 1, moved
                 return moved[0]
 
             # Four conversations of each kind, four rounds each, the first round under the key.
-            convos = [f"Trip {i}: walk the ridge, then " for i in range(4)] + \
-                     [[rng.randrange(3, 400) for _ in range(12)] for _ in range(4)]
+            convos = [f"Trip {i}: walk the ridge, then " for i in range(4)] + [
+                [rng.randrange(3, 400) for _ in range(12)] for _ in range(4)
+            ]
             where = {}
             hits_before = [hits(u) for u in urls]
             for rnd in range(4):
                 for i, convo in enumerate(convos):
                     where.setdefault(i, set()).add(round_(convo))
-                    convos[i] = convo + (" and rest by the river" * 2 if isinstance(convo, str)
-                                         else [rng.randrange(3, 400) for _ in range(40)])
+                    convos[i] = convo + (
+                        " and rest by the river" * 2
+                        if isinstance(convo, str)
+                        else [rng.randrange(3, 400) for _ in range(40)]
+                    )
             assert all(len(w) == 1 for w in where.values()), where  # every conversation stayed put
             assert sum(hits(u) for u in urls) - sum(hits_before) > 0
 

@@ -17,14 +17,23 @@ PROMPT = list(range(5, 70))  # 65 tokens: 4 full pages of 16, the last token rec
 
 
 def counter(text: str, key: str) -> float:
-    m = re.search(rf'^{re.escape(metric_name(key, "_total"))}{{[^}}]*}} (\S+)$', text, re.M)
+    m = re.search(rf"^{re.escape(metric_name(key, '_total'))}{{[^}}]*}} (\S+)$", text, re.M)
     assert m, f"{key} missing from /metrics"
     return float(m.group(1))
 
 
 def complete(c: httpx.Client, prompt: list[int]) -> list[int]:
-    r = c.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0,
-                                        "ignore_eos": True, "return_token_ids": True})
+    r = c.post(
+        "/v1/completions",
+        json={
+            "model": "m",
+            "prompt": prompt,
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
 
@@ -46,12 +55,22 @@ def test_metrics_move_and_outputs_match_a_server_without_the_cache(tiny_model, t
         # usage says what the cache served (OpenAI's prompt_tokens_details.cached_tokens), streamed too
         r = c.post("/v1/completions", json={"model": "m", "prompt": PROMPT + [3, 4, 5], "max_tokens": 2})
         assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 64}, r.json()["usage"]
-        r = c.post("/v1/completions", json={"model": "m", "prompt": [9] * 40, "max_tokens": 2, "stream": True,
-                                            "stream_options": {"include_usage": True}})
+        r = c.post(
+            "/v1/completions",
+            json={
+                "model": "m",
+                "prompt": [9] * 40,
+                "max_tokens": 2,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
         last = [ln for ln in r.text.splitlines() if ln.startswith("data: {")][-1]
         assert json.loads(last[6:])["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
-    with serving([*common, EngineFlags.DISABLE_PREFIX_CACHE], tmp_path / "off.log") as url, \
-            httpx.Client(base_url=url, timeout=120) as c:
+    with (
+        serving([*common, EngineFlags.DISABLE_PREFIX_CACHE], tmp_path / "off.log") as url,
+        httpx.Client(base_url=url, timeout=120) as c,
+    ):
         assert complete(c, PROMPT) == first
         assert complete(c, PROMPT + [3, 4, 5]) == second
         assert counter(c.get("/metrics").text, "prefix_cache_query_tokens") == 0

@@ -23,8 +23,18 @@ LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 48, 64, 65]  # around page boundaries (
 
 
 async def complete(c: httpx.AsyncClient, prompt: list[int], n: int, **extra):
-    r = await c.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0,
-                                              "ignore_eos": True, "return_token_ids": True, **extra})
+    r = await c.post(
+        "/v1/completions",
+        json={
+            "model": "m",
+            "prompt": prompt,
+            "max_tokens": n,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            **extra,
+        },
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
 
@@ -55,9 +65,21 @@ async def workload(url: str) -> dict:
         out["seeded"] = [await complete(c, BASE[:50], 8, temperature=0.9, seed=5) for _ in range(2)]
         chat = []
         for _ in range(2):
-            r = await c.post("/v1/chat/completions", json={"model": "m", "max_tokens": 5, "temperature": 0, "messages": [
-                {"role": "system", "content": [{"type": "text", "text": "You are terse. " * 6}]},
-                {"role": "user", "content": [{"type": "text", "text": "Plan a walk. "}, {"type": "text", "text": "Short."}]}]})
+            r = await c.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "m",
+                    "max_tokens": 5,
+                    "temperature": 0,
+                    "messages": [
+                        {"role": "system", "content": [{"type": "text", "text": "You are terse. " * 6}]},
+                        {
+                            "role": "user",
+                            "content": [{"type": "text", "text": "Plan a walk. "}, {"type": "text", "text": "Short."}],
+                        },
+                    ],
+                },
+            )
             assert r.status_code == 200, r.text
             chat.append(r.json()["choices"][0]["message"]["content"])
         out["chat"] = chat
@@ -74,7 +96,18 @@ async def workload(url: str) -> dict:
 
 
 def test_tiny_pool_shared_prefixes_and_hang_ups_match_a_server_without_the_cache(tiny_model, tmp_path):
-    common = ["--model", tiny_model, "--kv-pages", 6, "--page-size", 16, "--max-num-seqs", 4, "--served-model-name", "m"]
+    common = [
+        "--model",
+        tiny_model,
+        "--kv-pages",
+        6,
+        "--page-size",
+        16,
+        "--max-num-seqs",
+        4,
+        "--served-model-name",
+        "m",
+    ]
     with serving(common, tmp_path / "on.log") as url:
         on = asyncio.run(workload(url))
     with serving([*common, EngineFlags.DISABLE_PREFIX_CACHE], tmp_path / "off.log") as url:
@@ -87,6 +120,6 @@ def test_tiny_pool_shared_prefixes_and_hang_ups_match_a_server_without_the_cache
     assert 0 < loads["kv_pages_cached"] == loads["kv_pages_cached_idle"], loads
     stats = loads["prefix_cache"]
     assert stats["hit_tokens"] > 0.3 * stats["query_tokens"], stats
-    gauge = re.search(rf'^{re.escape(metric_name("prefix_cache_pages"))}{{[^}}]*}} (\S+)$', on["metrics"], re.M)
+    gauge = re.search(rf"^{re.escape(metric_name('prefix_cache_pages'))}{{[^}}]*}} (\S+)$", on["metrics"], re.M)
     assert gauge and float(gauge.group(1)) == loads["kv_pages_cached"]
     assert off["loads"]["kv_pages_free"] == 6 and off["loads"]["kv_pages_cached"] == 0

@@ -36,7 +36,13 @@ from chart_testutil import grants, helm_template, rbac_rules  # noqa: E402
 from kmock_cluster import *  # noqa: E402,F401,F403  (fixtures: kube_client, kubeconfig, api_calls)
 from kmock_cluster import ApiCallRecorder, ClusterClient, eventually  # noqa: E402
 from watchdog_harness import (  # noqa: E402
-    NS, PodFarm, ScriptedEngine, WatchdogCluster, deployment, events, evidence_maps,
+    NS,
+    PodFarm,
+    ScriptedEngine,
+    WatchdogCluster,
+    deployment,
+    events,
+    evidence_maps,
 )
 
 from dsv4_operator.crd import build_crd  # noqa: E402
@@ -51,44 +57,69 @@ NAMESPACES = ["ns1", "ns2", NS]  # NS: the watchdog part's namespace
 
 # Granted although the scenario does not call them, each for a reason. An entry here that the
 # chart stops granting fails the test, so the list cannot outlive the grants it explains.
-ROUTER_ROLE = ("the operator creates the router's Role, which grants it; the API server refuses a Role granting "
-               "what its creator does not hold (an escalation check the emulator does not make)")
+ROUTER_ROLE = (
+    "the operator creates the router's Role, which grants it; the API server refuses a Role granting "
+    "what its creator does not hold (an escalation check the emulator does not make)"
+)
 JUSTIFIED: dict[tuple[str, str, str], str] = {
     ("", "pods", "get"): ROUTER_ROLE,
     ("", "pods", "watch"): ROUTER_ROLE,
 }
 # What the scenario must have seen, or it did not exercise the operator and proves nothing.
 MUST_RECORD = {
-    ("serving.dsv4.dev", "dsv4deployments", "list"), ("serving.dsv4.dev", "dsv4deployments", "watch"),
-    ("serving.dsv4.dev", "dsv4deployments/status", "patch"), ("apps", "statefulsets", "create"),
-    ("", "events", "list"), ("", "events", "watch"),  # the StatefulSet controllers' FailedCreate
-    ("apps", "statefulsets", "patch"), ("apps", "statefulsets", "watch"), ("apps", "deployments", "create"),
-    ("rbac.authorization.k8s.io", "roles", "create"), ("rbac.authorization.k8s.io", "rolebindings", "create"),
-    ("", "services", "create"), ("", "serviceaccounts", "create"), ("", "events", "create"),
+    ("serving.dsv4.dev", "dsv4deployments", "list"),
+    ("serving.dsv4.dev", "dsv4deployments", "watch"),
+    ("serving.dsv4.dev", "dsv4deployments/status", "patch"),
+    ("apps", "statefulsets", "create"),
+    ("", "events", "list"),
+    ("", "events", "watch"),  # the StatefulSet controllers' FailedCreate
+    ("apps", "statefulsets", "patch"),
+    ("apps", "statefulsets", "watch"),
+    ("apps", "deployments", "create"),
+    ("rbac.authorization.k8s.io", "roles", "create"),
+    ("rbac.authorization.k8s.io", "rolebindings", "create"),
+    ("", "services", "create"),
+    ("", "serviceaccounts", "create"),
+    ("", "events", "create"),
     # The watchdog: finds the engine pods, labels the wedged one draining, restarts it, keeps its
     # log and the rest as an evidence ConfigMap, prunes evidence past retention, reads and writes
     # the resource (state annotations, status).
-    ("", "pods", "list"), ("", "pods", "watch"), ("", "pods", "patch"), ("", "pods/eviction", "create"),
+    ("", "pods", "list"),
+    ("", "pods", "watch"),
+    ("", "pods", "patch"),
+    ("", "pods/eviction", "create"),
     ("", "pods/log", "get"),
-    ("", "configmaps", "create"), ("", "configmaps", "list"), ("", "configmaps", "delete"),
-    ("serving.dsv4.dev", "dsv4deployments", "get"), ("serving.dsv4.dev", "dsv4deployments", "patch"),
+    ("", "configmaps", "create"),
+    ("", "configmaps", "list"),
+    ("", "configmaps", "delete"),
+    ("serving.dsv4.dev", "dsv4deployments", "get"),
+    ("serving.dsv4.dev", "dsv4deployments", "patch"),
     # The auth Secret (created; an existing one read, never patched: issue 27), PDBs and the NetworkPolicies
     # (applied, then deleted when the spec turns them off).
-    ("", "secrets", "get"), ("", "secrets", "create"),
-    ("policy", "poddisruptionbudgets", "create"), ("policy", "poddisruptionbudgets", "patch"),
-    ("policy", "poddisruptionbudgets", "get"), ("policy", "poddisruptionbudgets", "delete"),
-    ("networking.k8s.io", "networkpolicies", "create"), ("networking.k8s.io", "networkpolicies", "patch"),
-    ("networking.k8s.io", "networkpolicies", "get"), ("networking.k8s.io", "networkpolicies", "delete"),
+    ("", "secrets", "get"),
+    ("", "secrets", "create"),
+    ("policy", "poddisruptionbudgets", "create"),
+    ("policy", "poddisruptionbudgets", "patch"),
+    ("policy", "poddisruptionbudgets", "get"),
+    ("policy", "poddisruptionbudgets", "delete"),
+    ("networking.k8s.io", "networkpolicies", "create"),
+    ("networking.k8s.io", "networkpolicies", "patch"),
+    ("networking.k8s.io", "networkpolicies", "get"),
+    ("networking.k8s.io", "networkpolicies", "delete"),
     # OwnerReferencesPermissionEnforcement: every child's blockOwnerDeletion reference.
     ("serving.dsv4.dev", "dsv4deployments/finalizers", "update"),
     # PD-aware rollout: the prefill and decode StatefulSets are read.
     ("apps", "statefulsets", "get"),
     # Drift: every kind of child is watched.
-    ("", "services", "watch"), ("", "serviceaccounts", "watch"), ("rbac.authorization.k8s.io", "roles", "watch"),
-    ("rbac.authorization.k8s.io", "rolebindings", "watch"), ("policy", "poddisruptionbudgets", "watch"),
+    ("", "services", "watch"),
+    ("", "serviceaccounts", "watch"),
+    ("rbac.authorization.k8s.io", "roles", "watch"),
+    ("rbac.authorization.k8s.io", "rolebindings", "watch"),
+    ("policy", "poddisruptionbudgets", "watch"),
     ("networking.k8s.io", "networkpolicies", "watch"),
     # Leader election on a Lease (the chart's leader-election Role in the release namespace).
-    ("coordination.k8s.io", "leases", "get"), ("coordination.k8s.io", "leases", "create"),
+    ("coordination.k8s.io", "leases", "get"),
+    ("coordination.k8s.io", "leases", "create"),
     ("coordination.k8s.io", "leases", "patch"),
 }
 
@@ -119,11 +150,19 @@ class Operator:
         settings = make_settings(standalone=True)
         settings.watching.reconnect_backoff = 0.05
         try:
-            asyncio.run(serve_operator(namespaces=namespaces, standalone=True, health_host="127.0.0.1",
-                                       health_port=free_port(), kubeconfig=kubeconfig, stop_flag=self.stop_flag,
-                                       ready_flag=self.ready_flag, settings=settings,
-                                       leader_election=LeaderElection(namespace=NS, lease_s=10, renew_deadline_s=8,
-                                                                      retry_s=0.5)))
+            asyncio.run(
+                serve_operator(
+                    namespaces=namespaces,
+                    standalone=True,
+                    health_host="127.0.0.1",
+                    health_port=free_port(),
+                    kubeconfig=kubeconfig,
+                    stop_flag=self.stop_flag,
+                    ready_flag=self.ready_flag,
+                    settings=settings,
+                    leader_election=LeaderElection(namespace=NS, lease_s=10, renew_deadline_s=8, retry_s=0.5),
+                )
+            )
         except BaseException as e:  # reported by the test
             self.error = e
 
@@ -141,8 +180,12 @@ class Operator:
 
 def resource(name: str, namespace: str, **spec: Any) -> dict:
     body = {"model": {"name": "m", "path": "/models/m"}, "engine": {"image": "reg/dsv4:1"}, **spec}
-    return {"apiVersion": API, "kind": "DSV4Deployment", "metadata": {"name": name, "namespace": namespace},
-            "spec": body}
+    return {
+        "apiVersion": API,
+        "kind": "DSV4Deployment",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": body,
+    }
 
 
 async def observed(client: ClusterClient, ns: str, name: str, generation: int) -> bool:
@@ -152,15 +195,20 @@ async def observed(client: ClusterClient, ns: str, name: str, generation: int) -
 
 async def children(client: ClusterClient, ns: str, name: str) -> list[dict]:
     sel = f"app.kubernetes.io/instance={name}"
-    return [*await client.list("apps/v1", "statefulsets", ns, sel), *await client.list("apps/v1", "deployments", ns, sel)]
+    return [
+        *await client.list("apps/v1", "statefulsets", ns, sel),
+        *await client.list("apps/v1", "deployments", ns, sel),
+    ]
 
 
-async def run_scenario(cluster: WatchdogCluster, client: ClusterClient, kubeconfig: Path,
-                       namespaces: list[str]) -> None:
+async def run_scenario(
+    cluster: WatchdogCluster, client: ClusterClient, kubeconfig: Path, namespaces: list[str]
+) -> None:
     # A CRD without the replicas minimum, so that a spec the operator refuses can reach it.
     crd = copy.deepcopy(build_crd())
     crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["prefill"][
-        "properties"]["replicas"].pop("minimum")
+        "properties"
+    ]["replicas"].pop("minimum")
     cluster.register_crd(crd)
     async with Operator(kubeconfig, namespaces):
         await asyncio.gather(reconcile_scenario(client), watchdog_scenario(cluster, client))
@@ -170,26 +218,54 @@ async def run_scenario(cluster: WatchdogCluster, client: ClusterClient, kubeconf
 async def reconcile_scenario(client: ClusterClient) -> None:
     # The user brought an auth Secret: used as it is (the operator never patches a Secret). It
     # carries the operator's label: the operator uses no Secret of the namespace it was not given.
-    await client.create({"apiVersion": "v1", "kind": "Secret", "metadata": {
-        "name": "flash-auth", "namespace": "ns1", "labels": {"app.kubernetes.io/managed-by": "dsv4-operator"}},
-        "data": {"admin-token": "dXNlcg==", "pd-secret": "cGQ=", "router-admin-token": "cm91dGVy"}}, "secrets")
+    await client.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {
+                "name": "flash-auth",
+                "namespace": "ns1",
+                "labels": {"app.kubernetes.io/managed-by": "dsv4-operator"},
+            },
+            "data": {"admin-token": "dXNlcg==", "pd-secret": "cGQ=", "router-admin-token": "cm91dGVy"},
+        },
+        "secrets",
+    )
     await client.create(resource("flash", "ns1"), PLURAL)
     await eventually(lambda: observed(client, "ns1", "flash", 1), timeout=60)
     # The controllers report ready workloads (the emulator has none): status follows.
     for obj in await children(client, "ns1", "flash"):
         plural = "statefulsets" if obj["kind"] == "StatefulSet" else "deployments"
         n = obj["spec"].get("replicas", 1)
-        await client.patch("apps/v1", plural, "ns1", obj["metadata"]["name"], {"status": {
-            "observedGeneration": obj["metadata"]["generation"], "replicas": n, "readyReplicas": n,
-            "updatedReplicas": n, "availableReplicas": n}}, subresource="status")
+        await client.patch(
+            "apps/v1",
+            plural,
+            "ns1",
+            obj["metadata"]["name"],
+            {
+                "status": {
+                    "observedGeneration": obj["metadata"]["generation"],
+                    "replicas": n,
+                    "readyReplicas": n,
+                    "updatedReplicas": n,
+                    "availableReplicas": n,
+                }
+            },
+            subresource="status",
+        )
     # An update rolls through; a deleted child is put back.
     await client.patch(API, PLURAL, "ns1", "flash", {"spec": {"decode": {"replicas": 2}}})
     await eventually(lambda: observed(client, "ns1", "flash", 2), timeout=60)
     secret = await client.get("v1", "secrets", "ns1", "flash-auth")
     assert secret["data"]["admin-token"] == "dXNlcg==" and secret["data"]["pd-secret"] == "cGQ=", "user's values kept"
     # Optional children: a NetworkPolicy on, the PDBs off (deleted); then the policy off again.
-    await client.patch(API, PLURAL, "ns1", "flash", {"spec": {"security": {"networkPolicy": {"enabled": True}},
-                                                              "remediation": {"podDisruptionBudget": False}}})
+    await client.patch(
+        API,
+        PLURAL,
+        "ns1",
+        "flash",
+        {"spec": {"security": {"networkPolicy": {"enabled": True}}, "remediation": {"podDisruptionBudget": False}}},
+    )
     await eventually(lambda: observed(client, "ns1", "flash", 3), timeout=60)
     assert await client.get("networking.k8s.io/v1", "networkpolicies", "ns1", "flash-engines")
     assert await client.get("networking.k8s.io/v1", "networkpolicies", "ns1", "flash-router")
@@ -219,12 +295,21 @@ async def watchdog_scenario(cluster: WatchdogCluster, client: ClusterClient) -> 
     so that the new record pushes the oldest out."""
     name, pod = "healer", "healer-prefill-0"
     for i in range(EVIDENCE_KEPT):
-        await client.create(build_evidence_configmap(
-            deployment=name, namespace=NS, pod=pod, role="prefill", captured_at=1_000_000_000 + 60 * i,
-            verdict={"reason": "stuck_inflight"}), "configmaps")
+        await client.create(
+            build_evidence_configmap(
+                deployment=name,
+                namespace=NS,
+                pod=pod,
+                role="prefill",
+                captured_at=1_000_000_000 + 60 * i,
+                verdict={"reason": "stuck_inflight"},
+            ),
+            "configmaps",
+        )
     oldest = min(evidence_maps(cluster), key=lambda cm: cm["metadata"]["name"])["metadata"]["name"]
-    await client.create(deployment(name, remediation={"scrapeIntervalSeconds": 0.25, "detectionWindowSeconds": 1}),
-                        "dsv4deployments")
+    await client.create(
+        deployment(name, remediation={"scrapeIntervalSeconds": 0.25, "detectionWindowSeconds": 1}), "dsv4deployments"
+    )
     engine = await ScriptedEngine("prefill").start()
     farm = PodFarm(client, cluster, name)
     try:
@@ -248,9 +333,9 @@ def recorded_grants(recorder: ApiCallRecorder) -> set[tuple[str, str, str]]:
 
 
 @pytest.mark.parametrize("scope", ["cluster", "namespaces"])
-async def test_the_chart_grants_exactly_what_the_operator_calls(scope: str, kube_cluster: WatchdogCluster,
-                                                                kube_client: ClusterClient, kubeconfig: Path,
-                                                                api_calls: ApiCallRecorder) -> None:
+async def test_the_chart_grants_exactly_what_the_operator_calls(
+    scope: str, kube_cluster: WatchdogCluster, kube_client: ClusterClient, kubeconfig: Path, api_calls: ApiCallRecorder
+) -> None:
     namespaces = [] if scope == "cluster" else NAMESPACES
     values: dict[str, Any] = {"watch.scope": scope}
     if namespaces:
@@ -262,15 +347,20 @@ async def test_the_chart_grants_exactly_what_the_operator_calls(scope: str, kube
     recorded = recorded_grants(api_calls)
     assert MUST_RECORD <= recorded, f"the scenario did not exercise: {sorted(MUST_RECORD - recorded)}"
 
-    roles = [d for d in docs if d["kind"] in ("Role", "ClusterRole")
-             and not d["metadata"]["name"].endswith("-leader-election")]  # the Lease's Role, in the release namespace
+    roles = [
+        d
+        for d in docs
+        if d["kind"] in ("Role", "ClusterRole") and not d["metadata"]["name"].endswith("-leader-election")
+    ]  # the Lease's Role, in the release namespace
     assert {d["kind"] for d in roles} == {"ClusterRole" if scope == "cluster" else "Role"}
     granted = grants(rbac_rules(docs))
 
     missing = recorded - granted
     assert not missing, f"the operator calls what the chart does not grant: {sorted(missing)}"
     unexplained = granted - recorded - set(JUSTIFIED)
-    assert not unexplained, f"the chart grants what the operator never calls and nobody justified: {sorted(unexplained)}"
+    assert not unexplained, (
+        f"the chart grants what the operator never calls and nobody justified: {sorted(unexplained)}"
+    )
     stale = set(JUSTIFIED) - granted
     assert not stale, f"JUSTIFIED explains grants the chart no longer makes: {sorted(stale)}"
     assert not any("*" in part for g in granted for part in g), "no wildcards"

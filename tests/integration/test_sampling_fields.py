@@ -17,8 +17,10 @@ PROMPT = "the quick brown fox"
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    with serving(["--model", tiny_model, "--kv-pages", 256, "--served-model-name", "tiny"],
-                 tmp_path_factory.mktemp("sampling") / "engine.log") as url:
+    with serving(
+        ["--model", tiny_model, "--kv-pages", 256, "--served-model-name", "tiny"],
+        tmp_path_factory.mktemp("sampling") / "engine.log",
+    ) as url:
         yield url
 
 
@@ -40,9 +42,19 @@ def test_logit_bias_forces_and_bans_tokens(server):
     banned = tokens(server, ignore_eos=True, logit_bias={str(plain[0]): -100})
     assert banned[0] != plain[0]
     # chat, sampled (not greedy), with a seed: the bias still wins
-    r = httpx.post(f"{server}/v1/chat/completions", timeout=120, json={
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 1.0, "seed": 3,
-        "ignore_eos": True, "return_token_ids": True, "logit_bias": {str(forced): 100}})
+    r = httpx.post(
+        f"{server}/v1/chat/completions",
+        timeout=120,
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 5,
+            "temperature": 1.0,
+            "seed": 3,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            "logit_bias": {str(forced): 100},
+        },
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["token_ids"] == [forced] * 5
 
@@ -50,7 +62,9 @@ def test_logit_bias_forces_and_bans_tokens(server):
 def test_logprobs_are_the_models_raw_ones(server):
     plain = complete(server, ignore_eos=True, max_tokens=1, logprobs=1).json()["choices"][0]
     forced = next(t for t in range(5, 200) if t != plain["token_ids"][0])
-    biased = complete(server, ignore_eos=True, max_tokens=1, logprobs=1, logit_bias={str(forced): 100}).json()["choices"][0]
+    biased = complete(server, ignore_eos=True, max_tokens=1, logprobs=1, logit_bias={str(forced): 100}).json()[
+        "choices"
+    ][0]
     assert biased["token_ids"] == [forced]
     # the top alternative is still the model's favourite, with the logprob the model gave it
     top_tok, top_lp = max(plain["logprobs"]["top_logprobs"][0].items(), key=lambda kv: kv[1])
@@ -73,7 +87,7 @@ def test_min_tokens_holds_eos_back(server):
 def test_stop_strings_wait_for_min_tokens(server):
     """As vLLM: a stop string that shows up before min_tokens are out does not end the request."""
     plain = complete(server, ignore_eos=True).json()["choices"][0]
-    stop = next(plain["text"][i:i + 2] for i in range(len(plain["text"]) - 1) if plain["text"][i:i + 2].strip())
+    stop = next(plain["text"][i : i + 2] for i in range(len(plain["text"]) - 1) if plain["text"][i : i + 2].strip())
     early = complete(server, ignore_eos=True, stop=[stop]).json()["choices"][0]
     assert early["finish_reason"] == "stop" and len(early["token_ids"]) < 12, (stop, early)
     held = complete(server, ignore_eos=True, stop=[stop], min_tokens=12).json()["choices"][0]
@@ -88,28 +102,45 @@ def test_penalties_change_repetition(server):
     repetition = tokens(server, ignore_eos=True, max_tokens=24, repetition_penalty=5.0)
     for out in (presence, frequency, repetition):
         assert out != plain and len(set(out)) > len(set(plain)), (plain, out)
-    assert tokens(server, ignore_eos=True, max_tokens=24, presence_penalty=0, frequency_penalty=0,
-                  repetition_penalty=1, best_of=1, min_tokens=0) == plain
+    assert (
+        tokens(
+            server,
+            ignore_eos=True,
+            max_tokens=24,
+            presence_penalty=0,
+            frequency_penalty=0,
+            repetition_penalty=1,
+            best_of=1,
+            min_tokens=0,
+        )
+        == plain
+    )
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"logit_bias": {"999999": 5}}, "logit_bias"),
-    ({"logit_bias": {"five": 5}}, "logit_bias"),
-    ({"logit_bias": {"-3": 5}}, "logit_bias"),
-    ({"logit_bias": {"5": 101}}, "logit_bias"),
-    ({"logit_bias": {"5": "up"}}, "logit_bias.5"),
-    ({"logit_bias": [5]}, "logit_bias"),
-    ({"presence_penalty": 2.5}, "presence_penalty"),
-    ({"frequency_penalty": -2.01}, "frequency_penalty"),
-    ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"repetition_penalty": -1}, "repetition_penalty"),
-    ({"min_tokens": -1}, "min_tokens"),
-    ({"min_tokens": 13}, "min_tokens"),  # above max_tokens (12)
-    ({"n": 2, "best_of": 1}, "best_of"),
-    ({"best_of": 0}, "best_of"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"logit_bias": {"999999": 5}}, "logit_bias"),
+        ({"logit_bias": {"five": 5}}, "logit_bias"),
+        ({"logit_bias": {"-3": 5}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"5": "up"}}, "logit_bias.5"),
+        ({"logit_bias": [5]}, "logit_bias"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": -1}, "repetition_penalty"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 13}, "min_tokens"),  # above max_tokens (12)
+        ({"n": 2, "best_of": 1}, "best_of"),
+        ({"best_of": 0}, "best_of"),
+    ],
+)
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(server, body, param):
-    for path, base in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+    for path, base in (
+        ("/v1/completions", {"prompt": PROMPT}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ):
         r = httpx.post(f"{server}{path}", json={**base, "max_tokens": 12, **body}, timeout=60)
         assert r.status_code == 400, (path, r.text)
         err = r.json()["error"]
@@ -118,16 +149,25 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(server, body, param):
 
 # ---- PD: the first token is sampled on prefill, the rest on decode ----------------------------
 
+
 @pytest.fixture(scope="module")
 def pd(tiny_model, tmp_path_factory, server):
     tmp = tmp_path_factory.mktemp("sampling-pd")
     p_port, b_port, d_port, r_port = (free_port() for _ in range(4))
     common = ["--model", tiny_model, "--kv-pages", 128, "--page-size", 16, "--served-model-name", "tiny"]
-    procs = [Proc(["serve", *common, "--role", "prefill", "--port", p_port, "--bootstrap-port", b_port], tmp / "prefill.log"),
-             Proc(["serve", *common, "--role", "decode", "--port", d_port], tmp / "decode.log")]
+    procs = [
+        Proc(
+            ["serve", *common, "--role", "prefill", "--port", p_port, "--bootstrap-port", b_port], tmp / "prefill.log"
+        ),
+        Proc(["serve", *common, "--role", "decode", "--port", d_port], tmp / "decode.log"),
+    ]
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
-    procs.append(Proc(["router", "--prefill", p_url, "--decode", d_url, "--port", r_port, "--health-interval", "0.5"],
-                      tmp / "router.log"))
+    procs.append(
+        Proc(
+            ["router", "--prefill", p_url, "--decode", d_url, "--port", r_port, "--health-interval", "0.5"],
+            tmp / "router.log",
+        )
+    )
     try:
         for url, proc in zip((p_url, d_url, f"http://127.0.0.1:{r_port}"), procs):
             proc.wait_ready(url)
@@ -141,12 +181,21 @@ def _first_three_not_eos(toks):
     return len(toks) == 4 and EOS not in toks[:3] and toks[3] == EOS  # held back 3 times, then forced
 
 
-@pytest.mark.parametrize("fields,shows", [
-    ({"logit_bias": {"7": 100}}, lambda toks: toks == [7] * 10),  # the first token (prefill) and the rest (decode)
-    ({"logit_bias": {str(EOS): 100}, "min_tokens": 3, "ignore_eos": False}, _first_three_not_eos),  # prefill holds EOS back too
-    ({"presence_penalty": 2.0, "frequency_penalty": 1.0, "repetition_penalty": 1.5}, None),  # decode counts prefill's token
-    ({"temperature": 0.9, "seed": 11, "presence_penalty": 1.0, "logit_bias": {"9": 4}}, None),
-])
+@pytest.mark.parametrize(
+    "fields,shows",
+    [
+        ({"logit_bias": {"7": 100}}, lambda toks: toks == [7] * 10),  # the first token (prefill) and the rest (decode)
+        (
+            {"logit_bias": {str(EOS): 100}, "min_tokens": 3, "ignore_eos": False},
+            _first_three_not_eos,
+        ),  # prefill holds EOS back too
+        (
+            {"presence_penalty": 2.0, "frequency_penalty": 1.0, "repetition_penalty": 1.5},
+            None,
+        ),  # decode counts prefill's token
+        ({"temperature": 0.9, "seed": 11, "presence_penalty": 1.0, "logit_bias": {"9": 4}}, None),
+    ],
+)
 def test_pd_samples_what_mono_samples(pd, server, fields, shows):
     body = {"ignore_eos": True, "max_tokens": 10, **fields}
     mono = complete(server, **body)
@@ -155,5 +204,17 @@ def test_pd_samples_what_mono_samples(pd, server, fields, shows):
     toks = split.json()["choices"][0]["token_ids"]
     assert toks == mono.json()["choices"][0]["token_ids"]
     assert split.json()["choices"][0]["finish_reason"] == mono.json()["choices"][0]["finish_reason"]
-    assert shows(toks) if shows else toks != tokens(pd, **{**body, **{k: 0 for k in ("presence_penalty", "frequency_penalty")},
-                                                          "repetition_penalty": 1, "logit_bias": {}})
+    assert (
+        shows(toks)
+        if shows
+        else toks
+        != tokens(
+            pd,
+            **{
+                **body,
+                **{k: 0 for k in ("presence_penalty", "frequency_penalty")},
+                "repetition_penalty": 1,
+                "logit_bias": {},
+            },
+        )
+    )

@@ -62,21 +62,37 @@ def _plain(model) -> list[tuple[list[int], str, str]]:
 
 
 def counter(text: str, key: str) -> float:
-    m = re.search(rf'^{re.escape(metric_name(key, "_total"))}{{[^}}]*}} (\S+)$', text, re.M)
+    m = re.search(rf"^{re.escape(metric_name(key, '_total'))}{{[^}}]*}} (\S+)$", text, re.M)
     assert m, f"{key} missing from /metrics"
     return float(m.group(1))
 
 
 def test_served_with_speculation_equals_plain_decoding(tiny_mtp, tmp_path):
     plain = _plain(tiny_mtp)
-    args = ["--model", tiny_mtp, "--kv-pages", 64, "--served-model-name", "m",
-            EngineFlags.SPECULATIVE_ALGORITHM, "EAGLE", EngineFlags.SPECULATIVE_NUM_STEPS, 2]
+    args = [
+        "--model",
+        tiny_mtp,
+        "--kv-pages",
+        64,
+        "--served-model-name",
+        "m",
+        EngineFlags.SPECULATIVE_ALGORITHM,
+        "EAGLE",
+        EngineFlags.SPECULATIVE_NUM_STEPS,
+        2,
+    ]
     with serving(args, tmp_path / "spec.log", env={"OMP_NUM_THREADS": "1"}) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
         def ask(i: int, stop=None):
-            return client.completions.create(model="m", prompt=PROMPTS[i], max_tokens=MAX_TOKENS[i], temperature=0,
-                                             stop=stop, extra_body={"ignore_eos": True, "return_token_ids": True})
+            return client.completions.create(
+                model="m",
+                prompt=PROMPTS[i],
+                max_tokens=MAX_TOKENS[i],
+                temperature=0,
+                stop=stop,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
 
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             answers = list(pool.map(ask, range(len(PROMPTS))))
@@ -105,10 +121,29 @@ def test_speculation_is_refused_in_one_line_where_it_cannot_run(tiny_model, tiny
     for model, flags, says in (
         (tiny_model, [EngineFlags.SPECULATIVE_ALGORITHM, "mtp"], "needs a checkpoint with an MTP layer"),
         (tiny_mtp, [EngineFlags.SPECULATIVE_ALGORITHM, "medusa"], "is not supported; use mtp"),
-        (tiny_mtp, [EngineFlags.SPECULATIVE_ALGORITHM, "NEXTN", EngineFlags.SPECULATIVE_NUM_STEPS, 9], "between 1 and 8"),
+        (
+            tiny_mtp,
+            [EngineFlags.SPECULATIVE_ALGORITHM, "NEXTN", EngineFlags.SPECULATIVE_NUM_STEPS, 9],
+            "between 1 and 8",
+        ),
     ):
-        r = subprocess.run([sys.executable, "-m", "dsv4_cli", "serve", "--model", str(model), "--port", str(free_port()),
-                            *map(str, flags)], capture_output=True, text=True, timeout=120, env=env)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dsv4_cli",
+                "serve",
+                "--model",
+                str(model),
+                "--port",
+                str(free_port()),
+                *map(str, flags),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (flags, r.stdout, r.stderr)
         assert says in lines[0], lines[0]

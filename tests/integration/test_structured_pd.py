@@ -15,10 +15,12 @@ from test_pd import PDCluster, complete, loads
 
 SCHEMA = {
     "type": "object",
-    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 500},
-                   "kind": {"enum": ["a", "bb", "ccc"]},
-                   "xs": {"type": "array", "items": {"type": "number", "minimum": -3, "maximum": 3}, "maxItems": 3},
-                   "name": {"type": "string", "pattern": "^[a-z]{2,5}$"}},
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 500},
+        "kind": {"enum": ["a", "bb", "ccc"]},
+        "xs": {"type": "array", "items": {"type": "number", "minimum": -3, "maximum": 3}, "maxItems": 3},
+        "name": {"type": "string", "pattern": "^[a-z]{2,5}$"},
+    },
     "required": ["id", "kind", "xs", "name"],
     "additionalProperties": False,
 }
@@ -32,11 +34,14 @@ def cluster(request, make_model, tmp_path_factory):
     c.stop()
 
 
-@pytest.mark.parametrize("extra", [
-    {"temperature": 0},
-    {"temperature": 1.0, "seed": 7},  # decode continues prefill's seeded stream
-    {"temperature": 0, "guided_choice": ["left", "right"]},  # the first token may be the whole answer's start
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"temperature": 0},
+        {"temperature": 1.0, "seed": 7},  # decode continues prefill's seeded stream
+        {"temperature": 0, "guided_choice": ["left", "right"]},  # the first token may be the whole answer's start
+    ],
+)
 def test_pd_equals_mono_under_a_grammar(cluster, extra):
     extra = {**extra}
     if "guided_choice" not in extra:
@@ -56,6 +61,7 @@ def test_pd_equals_mono_under_a_grammar(cluster, extra):
 
 
 def test_refused_grammar_is_a_400_through_the_router(cluster):
-    r = httpx.post(f"{cluster.r_url}/v1/completions",
-                   json={"prompt": "x", "max_tokens": 8, "guided_regex": "(["}, timeout=60)
+    r = httpx.post(
+        f"{cluster.r_url}/v1/completions", json={"prompt": "x", "max_tokens": 8, "guided_regex": "(["}, timeout=60
+    )
     assert r.status_code == 400 and "regex" in r.json()["error"]["message"], r.text

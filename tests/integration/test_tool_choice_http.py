@@ -42,22 +42,35 @@ def gen_schema(rng: random.Random, depth: int = 0) -> dict:
     if kind == "boolean":
         return {"type": "boolean"}
     if kind == "array":
-        return {"type": "array", "items": gen_schema(rng, depth + 1), "minItems": rng.randint(0, 1),
-                "maxItems": rng.randint(1, 3)}
+        return {
+            "type": "array",
+            "items": gen_schema(rng, depth + 1),
+            "minItems": rng.randint(0, 1),
+            "maxItems": rng.randint(1, 3),
+        }
     return gen_object(rng, depth + 1)
 
 
 def gen_object(rng: random.Random, depth: int = 0) -> dict:
     names = rng.sample(["city", "days", "unit", "query", "limit", "tags", "opts", "point", "flag"], rng.randint(1, 3))
     props = {n: gen_schema(rng, depth) for n in names}
-    return {"type": "object", "properties": props, "required": rng.sample(names, rng.randint(0, len(names))),
-            "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": props,
+        "required": rng.sample(names, rng.randint(0, len(names))),
+        "additionalProperties": False,
+    }
 
 
 def gen_tools(seed: int) -> list[dict]:
     rng = random.Random(seed)
-    return [{"type": "function", "function": {"name": f"tool_{seed}_{i}", "description": f"tool number {i}",
-                                              "parameters": gen_object(rng)}} for i in range(rng.randint(1, 2))]
+    return [
+        {
+            "type": "function",
+            "function": {"name": f"tool_{seed}_{i}", "description": f"tool number {i}", "parameters": gen_object(rng)},
+        }
+        for i in range(rng.randint(1, 2))
+    ]
 
 
 SCHEMA_SEEDS = range(12)
@@ -109,8 +122,15 @@ def check_calls(choice, tools, only=None) -> list:
 
 def test_required_gives_a_valid_call(client):
     tools = gen_tools(2)  # the smallest of the generated sets: the fast check of the default run
-    r = client.chat.completions.create(model="m", messages=MSGS, tools=tools, tool_choice="required",
-                                       parallel_tool_calls=False, max_tokens=MAX_TOKENS, temperature=0)
+    r = client.chat.completions.create(
+        model="m",
+        messages=MSGS,
+        tools=tools,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
     assert len(check_calls(r.choices[0], tools)) == 1
 
 
@@ -118,13 +138,27 @@ def test_required_gives_a_valid_call(client):
 def test_required_and_named_always_give_valid_calls(client):
     for seed in SCHEMA_SEEDS:
         tools = gen_tools(seed)
-        r = client.chat.completions.create(model="m", messages=MSGS, tools=tools, tool_choice="required",
-                                           parallel_tool_calls=False, max_tokens=MAX_TOKENS, temperature=0)
+        r = client.chat.completions.create(
+            model="m",
+            messages=MSGS,
+            tools=tools,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+        )
         assert len(check_calls(r.choices[0], tools)) == 1
         name = tools[-1]["function"]["name"]
-        r = client.chat.completions.create(model="m", messages=MSGS, tools=tools, max_tokens=MAX_TOKENS,
-                                           tool_choice={"type": "function", "function": {"name": name}},
-                                           temperature=1.0, seed=seed, parallel_tool_calls=False)
+        r = client.chat.completions.create(
+            model="m",
+            messages=MSGS,
+            tools=tools,
+            max_tokens=MAX_TOKENS,
+            tool_choice={"type": "function", "function": {"name": name}},
+            temperature=1.0,
+            seed=seed,
+            parallel_tool_calls=False,
+        )
         check_calls(r.choices[0], tools, only=name)
 
 
@@ -132,8 +166,15 @@ def test_required_and_named_always_give_valid_calls(client):
 def test_streamed_call_assembles_to_the_non_streamed_one(client):
     for seed in (3, 5):
         tools = gen_tools(seed)
-        kw = dict(model="m", messages=MSGS, tools=tools, tool_choice="required", max_tokens=MAX_TOKENS,
-                  temperature=0, parallel_tool_calls=False)
+        kw = dict(
+            model="m",
+            messages=MSGS,
+            tools=tools,
+            tool_choice="required",
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            parallel_tool_calls=False,
+        )
         whole = check_calls(client.chat.completions.create(**kw).choices[0], tools)
         calls: dict[int, dict] = {}
         finish = None
@@ -151,8 +192,9 @@ def test_streamed_call_assembles_to_the_non_streamed_one(client):
                     if d.function and d.function.arguments:
                         call["arguments"] += d.function.arguments
         assert finish == "tool_calls"
-        assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == \
-            [(c.function.name, json.loads(c.function.arguments)) for c in whole]
+        assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == [
+            (c.function.name, json.loads(c.function.arguments)) for c in whole
+        ]
 
 
 @pytest.mark.slow
@@ -161,9 +203,20 @@ def test_tool_result_round_trip_and_n2(client):
     kw = dict(model="m", tools=tools, tool_choice="required", max_tokens=MAX_TOKENS, parallel_tool_calls=False)
     r = client.chat.completions.create(messages=MSGS, temperature=0, **kw)
     call = check_calls(r.choices[0], tools)[0]
-    round2 = MSGS + [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
-        {"role": "tool", "tool_call_id": call.id, "content": "result: 42"}]
+    round2 = MSGS + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": call.function.arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": "result: 42"},
+    ]
     r2 = client.chat.completions.create(messages=round2, temperature=0, **kw)
     check_calls(r2.choices[0], tools)
     assert r2.usage.prompt_tokens > r.usage.prompt_tokens
@@ -175,16 +228,18 @@ def test_tool_result_round_trip_and_n2(client):
 
 def test_parallel_calls_are_each_valid(client):
     tools = gen_tools(1)
-    r = client.chat.completions.create(model="m", messages=MSGS, tools=tools, tool_choice="required",
-                                       max_tokens=MAX_TOKENS, temperature=1.0, seed=11)
+    r = client.chat.completions.create(
+        model="m", messages=MSGS, tools=tools, tool_choice="required", max_tokens=MAX_TOKENS, temperature=1.0, seed=11
+    )
     if r.choices[0].finish_reason != "length":  # random weights may chain calls until max_tokens
         check_calls(r.choices[0], tools)
 
 
 def test_short_max_tokens_ends_with_length(client):
     tools = gen_tools(2)
-    r = client.chat.completions.create(model="m", messages=MSGS, tools=tools, tool_choice="required", max_tokens=3,
-                                       temperature=0)
+    r = client.chat.completions.create(
+        model="m", messages=MSGS, tools=tools, tool_choice="required", max_tokens=3, temperature=0
+    )
     assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
 
 
@@ -192,7 +247,8 @@ def test_required_with_another_constraint_is_refused(client):
     tools = gen_tools(0)
     for extra in ({"response_format": {"type": "json_object"}}, {"extra_body": {"guided_regex": "a+"}}):
         with pytest.raises(openai.BadRequestError) as e:
-            client.chat.completions.create(model="m", messages=MSGS, tools=tools, tool_choice="required", max_tokens=8,
-                                           **extra)
+            client.chat.completions.create(
+                model="m", messages=MSGS, tools=tools, tool_choice="required", max_tokens=8, **extra
+            )
         assert e.value.body["param"] == "tool_choice"
         assert ("response_format" if "response_format" in extra else "guided_regex") in e.value.body["message"]

@@ -13,10 +13,23 @@ import pytest
 
 from test_pd import PDCluster
 
-TOOLS = [{"type": "function", "function": {"name": "shell", "parameters": {
-    "type": "object", "properties": {"cmd": {"type": "string", "pattern": "^[a-z]{1,8}$"},
-                                     "n": {"type": "integer", "minimum": 1, "maximum": 9}},
-    "required": ["cmd", "n"], "additionalProperties": False}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "shell",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "cmd": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+                    "n": {"type": "integer", "minimum": 1, "maximum": 9},
+                },
+                "required": ["cmd", "n"],
+                "additionalProperties": False,
+            },
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module", params=["tiny", "v4-tiny"])
@@ -46,8 +59,15 @@ def streamed(url: str, body: dict) -> tuple[list[dict], str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("extra", [{"temperature": 0}, {"temperature": 1.0, "seed": 5}])
 def test_streamed_tool_call_through_pd_equals_mono(cluster, extra):
-    body = {"model": "m", "messages": [{"role": "user", "content": "list files"}], "tools": TOOLS,
-            "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 250, **extra}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "list files"}],
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_tokens": 250,
+        **extra,
+    }
     pd, pd_finish = streamed(cluster.r_url, body)
     mono, mono_finish = streamed(cluster.m_url, body)
     assert pd == mono and pd_finish == mono_finish == "tool_calls"
@@ -56,6 +76,6 @@ def test_streamed_tool_call_through_pd_equals_mono(cluster, extra):
     named = {**body, "stream": False, "tool_choice": {"type": "function", "function": {"name": "shell"}}}
     a = httpx.post(f"{cluster.r_url}/v1/chat/completions", json=named, timeout=300).json()
     b = httpx.post(f"{cluster.m_url}/v1/chat/completions", json=named, timeout=300).json()
-    strip = (lambda m: [(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]])
+    strip = lambda m: [(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
     assert strip(a["choices"][0]["message"]) == strip(b["choices"][0]["message"])
     assert a["choices"][0]["finish_reason"] == "tool_calls"

@@ -67,7 +67,9 @@ def test_tp2_serves_the_same_text_as_tp1(tiny_model, tmp_path):
         loads = httpx.get(f"{url}/v1/loads").json()
         assert loads["tp_size"] == 2 and loads["kv_pages_total"] == 128
         metrics = httpx.get(f"{url}/metrics").text
-        assert any(ln.startswith("dsv4:tp_size{") and ln.endswith(" 2.0") for ln in metrics.splitlines()), metrics[:2000]
+        assert any(ln.startswith("dsv4:tp_size{") and ln.endswith(" 2.0") for ln in metrics.splitlines()), metrics[
+            :2000
+        ]
     assert ref
 
 
@@ -140,8 +142,12 @@ def test_a_tp_size_the_model_cannot_split_is_refused_in_one_line(tiny_model):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "dsv4_cli", "serve", "--model", str(tiny_model), "--tp-size", "3"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "dsv4_cli", "serve", "--model", str(tiny_model), "--tp-size", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0
     assert "--tp-size 3 does not divide num_attention_heads (8)" in r.stderr + r.stdout
 
@@ -155,8 +161,11 @@ def test_dsv4_up_restarts_an_engine_whose_rank_died(tiny_model, tmp_path):
     from dsv4_testutil import free_port_block
 
     port = free_port_block()
-    up = Proc(["up", "--mono", "--model", tiny_model, "--port", port, "--tp-size", 2, "--no-deadlines",
-               "--no-watchdog"], tmp_path / "up.log", env={"DSV4_CACHE": str(tmp_path / "cache"), "COLUMNS": "80"})
+    up = Proc(
+        ["up", "--mono", "--model", tiny_model, "--port", port, "--tp-size", 2, "--no-deadlines", "--no-watchdog"],
+        tmp_path / "up.log",
+        env={"DSV4_CACHE": str(tmp_path / "cache"), "COLUMNS": "80"},
+    )
     url = f"http://127.0.0.1:{port}"
     state = tmp_path / "cache" / "up" / str(port)
     body = {"prompt": "after the storm", "max_tokens": 4, "ignore_eos": True, "temperature": 0}
@@ -197,8 +206,11 @@ def test_a_hung_rank_fails_the_engine_when_its_collective_times_out(tiny_model, 
     """A rank that stops answering (SIGSTOP) without exiting: the watchdog sees a live process,
     so the collective's timeout (DSV4_TP_TIMEOUT_S, 3 s here) is what ends the wait."""
     port = free_port()
-    proc = Proc(["serve", "--model", tiny_model, *ARGS, "--tp-size", 2, "--port", port], tmp_path / "hung.log",
-                env={"DSV4_TP_TIMEOUT_S": "3"})
+    proc = Proc(
+        ["serve", "--model", tiny_model, *ARGS, "--tp-size", 2, "--port", port],
+        tmp_path / "hung.log",
+        env={"DSV4_TP_TIMEOUT_S": "3"},
+    )
     url = f"http://127.0.0.1:{port}"
     rank1 = None
     try:

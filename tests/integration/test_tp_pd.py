@@ -24,14 +24,34 @@ class Pair:
         self.procs: list[Proc] = []
         p, b, d, r = (free_port() for _ in range(4))
         self.p_url, self.d_url, self.url = (f"http://127.0.0.1:{x}" for x in (p, d, r))
-        common = ["serve", "--model", model, "--kv-pages", 64, "--page-size", 16, "--served-model-name", "m",
-                  "--device", "cpu"]
-        self.procs.append(Proc([*common, "--role", "prefill", "--port", p, "--bootstrap-port", b,
-                                "--tp-size", prefill_tp], tmp / f"prefill-tp{prefill_tp}.log"))
-        self.procs.append(Proc([*common, "--role", "decode", "--port", d, "--tp-size", decode_tp],
-                               tmp / f"decode-tp{decode_tp}.log"))
-        self.procs.append(Proc(["router", "--prefill", self.p_url, "--decode", self.d_url, "--port", r,
-                                "--health-interval", "0.5"], tmp / f"router-{prefill_tp}-{decode_tp}.log"))
+        common = [
+            "serve",
+            "--model",
+            model,
+            "--kv-pages",
+            64,
+            "--page-size",
+            16,
+            "--served-model-name",
+            "m",
+            "--device",
+            "cpu",
+        ]
+        self.procs.append(
+            Proc(
+                [*common, "--role", "prefill", "--port", p, "--bootstrap-port", b, "--tp-size", prefill_tp],
+                tmp / f"prefill-tp{prefill_tp}.log",
+            )
+        )
+        self.procs.append(
+            Proc([*common, "--role", "decode", "--port", d, "--tp-size", decode_tp], tmp / f"decode-tp{decode_tp}.log")
+        )
+        self.procs.append(
+            Proc(
+                ["router", "--prefill", self.p_url, "--decode", self.d_url, "--port", r, "--health-interval", "0.5"],
+                tmp / f"router-{prefill_tp}-{decode_tp}.log",
+            )
+        )
 
     def wait(self) -> None:
         for url, proc in zip((self.p_url, self.d_url, self.url), self.procs):
@@ -43,8 +63,17 @@ class Pair:
 
 
 def complete(url: str, prompt: list[int], max_tokens: int) -> list[int]:
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                                                   "ignore_eos": True, "return_token_ids": True}, timeout=180)
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+        timeout=180,
+    )
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
 
@@ -55,11 +84,39 @@ def deployments(tiny_model, tmp_path_factory):
     pairs = {"2->1": Pair(tiny_model, tmp, 2, 1), "1->2": Pair(tiny_model, tmp, 1, 2)}
     # 2 -> 2: a third router pairs the tp-2 prefill of one pair with the tp-2 decode of the other.
     r = free_port()
-    router = Proc(["router", "--prefill", pairs["2->1"].p_url, "--decode", pairs["1->2"].d_url, "--port", r,
-                   "--health-interval", "0.5"], tmp / "router-2-2.log")
+    router = Proc(
+        [
+            "router",
+            "--prefill",
+            pairs["2->1"].p_url,
+            "--decode",
+            pairs["1->2"].d_url,
+            "--port",
+            r,
+            "--health-interval",
+            "0.5",
+        ],
+        tmp / "router-2-2.log",
+    )
     m = free_port()
-    mono = Proc(["serve", "--model", tiny_model, "--kv-pages", 64, "--page-size", 16, "--served-model-name", "m",
-                 "--device", "cpu", "--port", m], tmp / "mono.log")
+    mono = Proc(
+        [
+            "serve",
+            "--model",
+            tiny_model,
+            "--kv-pages",
+            64,
+            "--page-size",
+            16,
+            "--served-model-name",
+            "m",
+            "--device",
+            "cpu",
+            "--port",
+            m,
+        ],
+        tmp / "mono.log",
+    )
     try:
         for pair in pairs.values():
             pair.wait()
@@ -104,8 +161,24 @@ def test_v4_pd_into_a_tp2_decode_equals_mono(make_model, tmp_path):
     model = make_model("v4-tiny")
     pair = Pair(model, tmp_path, 1, 2)
     m = free_port()
-    mono = Proc(["serve", "--model", model, "--kv-pages", 64, "--page-size", 16, "--served-model-name", "m",
-                 "--device", "cpu", "--port", m], tmp_path / "mono.log")
+    mono = Proc(
+        [
+            "serve",
+            "--model",
+            model,
+            "--kv-pages",
+            64,
+            "--page-size",
+            16,
+            "--served-model-name",
+            "m",
+            "--device",
+            "cpu",
+            "--port",
+            m,
+        ],
+        tmp_path / "mono.log",
+    )
     try:
         pair.wait()
         mono.wait_ready(f"http://127.0.0.1:{m}")

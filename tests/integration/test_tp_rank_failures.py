@@ -37,8 +37,24 @@ def test_a_broken_tensor_of_rank_1s_experts_is_refused_in_one_line_before_any_ra
     w = load_file(str(bad / "model.safetensors"))
     del w["layers.2.ffn.experts.3.w2.scale"]  # expert 3 of 4: rank 1's at --tp-size 2
     save_file(w, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    r = subprocess.run([sys.executable, "-m", "dsv4_cli", "serve", "--model", str(bad), *map(str, ARGS),
-                        "--tp-size", "2", "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsv4_cli",
+            "serve",
+            "--model",
+            str(bad),
+            *map(str, ARGS),
+            "--tp-size",
+            "2",
+            "--port",
+            str(free_port()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     out = (r.stdout + r.stderr).strip()
     assert r.returncode == 2, out
     assert out.count("\n") == 0 and "layers.2.ffn.experts.3.w2.weight is fp8" in out and "no scales" in out, out
@@ -57,8 +73,24 @@ def test_a_load_failure_on_rank_1_alone_is_named_in_the_engines_last_line(tmp_pa
     w["layers.2.ffn.experts.3.w1.scale"] = torch.full(w["layers.2.ffn.experts.3.w1.scale"].shape, 0.3)
     save_file(w, str(bad / "model.safetensors"), metadata={"format": "pt"})
     started = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "dsv4_cli", "serve", "--model", str(bad), *map(str, ARGS),
-                        "--tp-size", "2", "--port", str(free_port())], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsv4_cli",
+            "serve",
+            "--model",
+            str(bad),
+            *map(str, ARGS),
+            "--tp-size",
+            "2",
+            "--port",
+            str(free_port()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     last = (r.stdout + r.stderr).strip().splitlines()[-1]
     assert r.returncode != 0 and time.monotonic() - started < 60
     assert "rank 1" in last and "layers.2.ffn.experts.3.w1.weight: fp4 scales must be powers of two" in last, last
@@ -72,8 +104,11 @@ def _loading(pid: int) -> bool:
 
 
 def test_a_rank_that_hangs_while_loading_fails_the_start(mla512_model, tmp_path):
-    proc = Proc(["serve", "--model", mla512_model, *ARGS, "--tp-size", 2, "--port", free_port()],
-                tmp_path / "serve.log", env={"DSV4_TP_TIMEOUT_S": "3"})
+    proc = Proc(
+        ["serve", "--model", mla512_model, *ARGS, "--tp-size", 2, "--port", free_port()],
+        tmp_path / "serve.log",
+        env={"DSV4_TP_TIMEOUT_S": "3"},
+    )
     rank1 = None
     try:
         deadline = time.monotonic() + 90
@@ -96,15 +131,36 @@ def test_a_rank_that_hangs_while_loading_fails_the_start(mla512_model, tmp_path)
 
 
 BODIES = [
-    {"prompt": "the quick brown fox jumps over the lazy dog " * 3, "max_tokens": 16, "temperature": 0,
-     "ignore_eos": True, "stream": True},
-    {"prompt": "once upon a time there was a model", "max_tokens": 16, "temperature": 0.8, "seed": 7,
-     "ignore_eos": True, "stream": True},
-    {"prompt": "hello world and more words to read", "max_tokens": 12, "temperature": 0.5, "seed": 3, "logprobs": 2,
-     "ignore_eos": True},
+    {
+        "prompt": "the quick brown fox jumps over the lazy dog " * 3,
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    },
+    {
+        "prompt": "once upon a time there was a model",
+        "max_tokens": 16,
+        "temperature": 0.8,
+        "seed": 7,
+        "ignore_eos": True,
+        "stream": True,
+    },
+    {
+        "prompt": "hello world and more words to read",
+        "max_tokens": 12,
+        "temperature": 0.5,
+        "seed": 3,
+        "logprobs": 2,
+        "ignore_eos": True,
+    },
     {"prompt": "a b c d e f g h i j k l m n o p q r s t", "max_tokens": 16, "temperature": 0, "ignore_eos": True},
-    {"prompt": "the quick brown fox jumps over the lazy dog " * 3, "max_tokens": 16, "temperature": 0,
-     "ignore_eos": True},  # the first prompt again: a prefix-cache hit on V3
+    {
+        "prompt": "the quick brown fox jumps over the lazy dog " * 3,
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+    },  # the first prompt again: a prefix-cache hit on V3
 ]
 
 
@@ -159,8 +215,20 @@ def test_tp2_serves_concurrent_mixed_requests_as_tp1_over_http(make_model, tmp_p
 
     out = {}
     for tp in (1, 2):
-        args = ["--model", make_model(preset), "--kv-pages", 16, "--page-size", 8, "--served-model-name", "m",
-                "--device", "cpu", "--tp-size", tp]
+        args = [
+            "--model",
+            make_model(preset),
+            "--kv-pages",
+            16,
+            "--page-size",
+            8,
+            "--served-model-name",
+            "m",
+            "--device",
+            "cpu",
+            "--tp-size",
+            tp,
+        ]
         with serving(args, tmp_path / f"tp{tp}.log") as url:
             out[tp] = asyncio.run(run(url))
     (ref, loads1), (got, loads2) = out[1], out[2]
@@ -176,8 +244,11 @@ def test_an_idle_engine_notices_a_stopped_rank_by_its_heartbeat(tiny_model, tmp_
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = Proc(["serve", "--model", tiny_model, *ARGS, "--tp-size", 2, "--port", port], tmp_path / "idle.log",
-                env={"DSV4_TP_TIMEOUT_S": "3"})
+    proc = Proc(
+        ["serve", "--model", tiny_model, *ARGS, "--tp-size", 2, "--port", port],
+        tmp_path / "idle.log",
+        env={"DSV4_TP_TIMEOUT_S": "3"},
+    )
     rank1 = None
     try:
         proc.wait_ready(url)

@@ -34,10 +34,17 @@ class Collector:
                     service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
                     for ss in rs.scope_spans:
                         for s in ss.spans:
-                            spans.append({"service": service, "name": s.name, "trace": s.trace_id.hex(),
-                                          "id": s.span_id.hex(), "parent": s.parent_span_id.hex(),
-                                          "events": [e.name for e in s.events],
-                                          "attrs": {a.key: a.value for a in s.attributes}})
+                            spans.append(
+                                {
+                                    "service": service,
+                                    "name": s.name,
+                                    "trace": s.trace_id.hex(),
+                                    "id": s.span_id.hex(),
+                                    "parent": s.parent_span_id.hex(),
+                                    "events": [e.name for e in s.events],
+                                    "attrs": {a.key: a.value for a in s.attributes},
+                                }
+                            )
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.end_headers()
@@ -55,13 +62,41 @@ def traced(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tracing")
     col = Collector()
     p_port, b_port, d_port, r_port = (free_port() for _ in range(4))
-    common = ["--model", tiny_model, "--kv-pages", 128, "--page-size", 16, "--served-model-name", "m",
-              "--otlp-traces-endpoint", col.url]
-    procs = [Proc(["serve", *common, "--role", "prefill", "--port", p_port, "--bootstrap-port", b_port], tmp / "p.log"),
-             Proc(["serve", *common, "--role", "decode", "--port", d_port], tmp / "d.log")]
+    common = [
+        "--model",
+        tiny_model,
+        "--kv-pages",
+        128,
+        "--page-size",
+        16,
+        "--served-model-name",
+        "m",
+        "--otlp-traces-endpoint",
+        col.url,
+    ]
+    procs = [
+        Proc(["serve", *common, "--role", "prefill", "--port", p_port, "--bootstrap-port", b_port], tmp / "p.log"),
+        Proc(["serve", *common, "--role", "decode", "--port", d_port], tmp / "d.log"),
+    ]
     p_url, d_url, r_url = (f"http://127.0.0.1:{p}" for p in (p_port, d_port, r_port))
-    procs.append(Proc(["router", "--prefill", p_url, "--decode", d_url, "--port", r_port, "--health-interval", "0.5",
-                       "--otlp-traces-endpoint", col.url], tmp / "r.log"))
+    procs.append(
+        Proc(
+            [
+                "router",
+                "--prefill",
+                p_url,
+                "--decode",
+                d_url,
+                "--port",
+                r_port,
+                "--health-interval",
+                "0.5",
+                "--otlp-traces-endpoint",
+                col.url,
+            ],
+            tmp / "r.log",
+        )
+    )
     try:
         for url, proc in zip((p_url, d_url, r_url), procs):
             proc.wait_ready(url)
@@ -74,13 +109,23 @@ def traced(tiny_model, tmp_path_factory):
 
 def test_one_trace_across_router_prefill_and_decode(traced):
     col, url = traced
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0,
-                                                  "ignore_eos": True, "stream": True},
-                   headers={"traceparent": f"00-{TRACE_ID}-{PARENT}-01"}, timeout=60)
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True},
+        headers={"traceparent": f"00-{TRACE_ID}-{PARENT}-01"},
+        timeout=60,
+    )
     assert r.status_code == 200 and "[DONE]" in r.text
-    want = {("dsv4-router", "router.request"), ("dsv4-router", "router.attempt"), ("dsv4-router", "router.prefill_leg"),
-            ("dsv4-prefill", "engine.request"), ("dsv4-prefill", "engine.prefill_and_transfer"),
-            ("dsv4-decode", "engine.request"), ("dsv4-decode", "engine.transfer"), ("dsv4-decode", "engine.decode")}
+    want = {
+        ("dsv4-router", "router.request"),
+        ("dsv4-router", "router.attempt"),
+        ("dsv4-router", "router.prefill_leg"),
+        ("dsv4-prefill", "engine.request"),
+        ("dsv4-prefill", "engine.prefill_and_transfer"),
+        ("dsv4-decode", "engine.request"),
+        ("dsv4-decode", "engine.transfer"),
+        ("dsv4-decode", "engine.decode"),
+    }
     deadline = time.monotonic() + 20
     while True:
         mine = [s for s in col.spans if s["trace"] == TRACE_ID]

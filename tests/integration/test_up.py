@@ -18,7 +18,9 @@ import httpx
 from dsv4_testutil import Proc, free_port_block
 
 WINDOW = 4.0
-CRASH_RESTART_BOUND_S = 60.0  # kill -9 -> ready again: measured 6.5-12.3 s (engine), 0.8-2.9 s (router) on 2 shared cores
+CRASH_RESTART_BOUND_S = (
+    60.0  # kill -9 -> ready again: measured 6.5-12.3 s (engine), 0.8-2.9 s (router) on 2 shared cores
+)
 
 
 class Up:
@@ -43,9 +45,25 @@ def start_up(tmp: Path, model: Path, *extra: str) -> Up:
     port = free_port_block()
     evidence = tmp / "evidence"
     # COLUMNS=80: the startup lines must not break the (long) pytest paths.
-    proc = Proc(["up", "--model", model, "--port", port, "--enable-fault-injection", "--detection-window", WINDOW,
-                 "--scrape-interval", 0.5, "--evidence-dir", evidence, *extra], tmp / "up.log",
-                env={"DSV4_CACHE": str(tmp / "cache"), "COLUMNS": "80"})
+    proc = Proc(
+        [
+            "up",
+            "--model",
+            model,
+            "--port",
+            port,
+            "--enable-fault-injection",
+            "--detection-window",
+            WINDOW,
+            "--scrape-interval",
+            0.5,
+            "--evidence-dir",
+            evidence,
+            *extra,
+        ],
+        tmp / "up.log",
+        env={"DSV4_CACHE": str(tmp / "cache"), "COLUMNS": "80"},
+    )
     url = f"http://127.0.0.1:{port}"
     proc.wait_ready(url, timeout=120)
     up = Up(proc, url, evidence, tmp / "cache" / "up" / str(port))
@@ -63,7 +81,9 @@ def workers(up: Up) -> dict[str, dict]:
 def complete_eventually(url: str, timeout: float = 60.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": "after the storm", "max_tokens": 4, "ignore_eos": True}, timeout=30)
+        r = httpx.post(
+            f"{url}/v1/completions", json={"prompt": "after the storm", "max_tokens": 4, "ignore_eos": True}, timeout=30
+        )
         if r.status_code == 200:
             return r.json()
         assert time.monotonic() < deadline, r.text
@@ -71,8 +91,10 @@ def complete_eventually(url: str, timeout: float = 60.0) -> dict:
 
 
 def wedge_request(url: str) -> threading.Thread:
-    t = threading.Thread(target=lambda: httpx.post(f"{url}/v1/completions", json={"prompt": "stuck", "max_tokens": 4},
-                                                   timeout=120), daemon=True)
+    t = threading.Thread(
+        target=lambda: httpx.post(f"{url}/v1/completions", json={"prompt": "stuck", "max_tokens": 4}, timeout=120),
+        daemon=True,
+    )
     t.start()
     return t
 
@@ -91,10 +113,15 @@ def check_security(up: Up) -> None:
         argv = Path(f"/proc/{info['pid']}/cmdline").read_bytes().decode(errors="replace")
         assert token not in argv and "DSV4_ADMIN_TOKEN" not in argv
     engine = workers(up)["decode"]["url"]
-    for method, url in (("GET", up.url + "/admin/workers"), ("POST", up.url + "/admin/workers"),
-                        ("DELETE", up.url + "/admin/workers"), ("GET", engine + "/debug/stacks"),
-                        ("POST", engine + "/admin/drain"), ("POST", engine + "/admin/abort"),
-                        ("GET", engine + "/admin/faults")):
+    for method, url in (
+        ("GET", up.url + "/admin/workers"),
+        ("POST", up.url + "/admin/workers"),
+        ("DELETE", up.url + "/admin/workers"),
+        ("GET", engine + "/debug/stacks"),
+        ("POST", engine + "/admin/drain"),
+        ("POST", engine + "/admin/abort"),
+        ("GET", engine + "/admin/faults"),
+    ):
         r = httpx.request(method, url, json={"url": "http://127.0.0.1:1", "role": "decode"})
         assert r.status_code == 401, (method, url, r.status_code, r.text)
         r = httpx.request(method, url, headers={"Authorization": "Bearer not-the-token"}, json={})
@@ -111,8 +138,9 @@ def test_up_heals_a_reproduced_wedge(tmp_path, tiny_model):
         assert complete_eventually(url)["usage"]["completion_tokens"] == 4
         prefill = workers(up)["prefill"]["url"]
         old_pid = httpx.get(f"{prefill}/server_info").json()["boot_id"]
-        httpx.post(f"{prefill}/admin/faults", json={"fault": "stall_transfer", "count": 1},
-                   headers=up.admin).raise_for_status()
+        httpx.post(
+            f"{prefill}/admin/faults", json={"fault": "stall_transfer", "count": 1}, headers=up.admin
+        ).raise_for_status()
         t = wedge_request(url)
         deadline = time.monotonic() + WINDOW + 30
         while not any(p.name.startswith("local-evidence-prefill") for p in evidence.glob("*")):
@@ -133,7 +161,12 @@ def test_up_heals_a_reproduced_wedge(tmp_path, tiny_model):
         new_pid = httpx.get(f"{prefill}/server_info").json()["boot_id"]
         assert new_pid != old_pid, "the wedged prefill was not restarted"
         log = proc.log()
-        for event in ("WedgeDetected prefill-0", "EvidenceCaptured prefill-0", "Drained prefill-0", "Restarted prefill-0"):
+        for event in (
+            "WedgeDetected prefill-0",
+            "EvidenceCaptured prefill-0",
+            "Drained prefill-0",
+            "Restarted prefill-0",
+        ):
             assert event in log, log
         # Drained and restarted through the router's /admin/workers: with the token, it is back.
         assert workers(up)["prefill"]["url"] == prefill
@@ -148,14 +181,24 @@ def test_up_heals_a_reproduced_wedge(tmp_path, tiny_model):
 
 def test_up_with_deadlines_on_remediates_nothing(tmp_path, tiny_model):
     # The window (4 s) outlasts every deadline by two scrapes: bootstrap 3, transfer 1.5, waiting 2.5.
-    up = start_up(tmp_path, tiny_model, "--engine-arg=--transfer-timeout=1.5",
-                  "--engine-arg=--waiting-timeout=2.5", "--engine-arg=--bootstrap-timeout=3")
+    up = start_up(
+        tmp_path,
+        tiny_model,
+        "--engine-arg=--transfer-timeout=1.5",
+        "--engine-arg=--waiting-timeout=2.5",
+        "--engine-arg=--bootstrap-timeout=3",
+    )
     url, evidence, proc = up.url, up.evidence, up.proc
     try:
         prefill = workers(up)["prefill"]["url"]
-        httpx.post(f"{prefill}/admin/faults", json={"fault": "stall_transfer", "count": 2},
-                   headers=up.admin).raise_for_status()
-        r = httpx.post(f"{url}/v1/completions", json={"prompt": "stuck but healed", "max_tokens": 4, "ignore_eos": True}, timeout=60)
+        httpx.post(
+            f"{prefill}/admin/faults", json={"fault": "stall_transfer", "count": 2}, headers=up.admin
+        ).raise_for_status()
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json={"prompt": "stuck but healed", "max_tokens": 4, "ignore_eos": True},
+            timeout=60,
+        )
         # Two tries hit the stall; each fails at the engine's own deadline, well inside the window,
         # and the router sends the request again (migration): the client sees latency, no error.
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
@@ -213,7 +256,8 @@ def test_up_restarts_a_crashed_process_without_the_watchdog(tmp_path, tiny_model
             killed_at = time.monotonic()
             os.kill(info["pid"], signal.SIGKILL)
             figures[key + " (new process)"], figures[key + " (ready)"] = wait_back(
-                up, key, url, info["pid"], CRASH_RESTART_BOUND_S)
+                up, key, url, info["pid"], CRASH_RESTART_BOUND_S
+            )
             assert figures[key + " (new process)"] < 2.0  # at once: the first crash has no backoff
             complete_eventually(up.url)
             figures[key + " (service)"] = time.monotonic() - killed_at

@@ -21,16 +21,40 @@ pytestmark = pytest.mark.slow
 
 # The request timeout is generous: two busy shared cores can take seconds for one round of the
 # healthy engine; the stall is forever, so it is caught whatever the bound.
-PROBE = ["--probe-duration", "8", "--probe-concurrency", "2", "--probe-growth-tokens", "40",
-         "--probe-context-share", "0.25", "--probe-request-timeout", "10"]
+PROBE = [
+    "--probe-duration",
+    "8",
+    "--probe-concurrency",
+    "2",
+    "--probe-growth-tokens",
+    "40",
+    "--probe-context-share",
+    "0.25",
+    "--probe-request-timeout",
+    "10",
+]
 STALL_TOKENS = 100  # past the probe's first round (64 + 16 tokens), under its second (120)
 
 
 def reconfigure(port: int, env: dict, *engine_args: str) -> tuple[int, dict, float]:
     started = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "dsv4_cli", "up", "--port", str(port), "--reconfigure", *PROBE,
-                          *(f"--engine-arg={a}" for a in engine_args)],
-                         capture_output=True, text=True, timeout=400, env=env)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsv4_cli",
+            "up",
+            "--port",
+            str(port),
+            "--reconfigure",
+            *PROBE,
+            *(f"--engine-arg={a}" for a in engine_args),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
+    )
     assert out.stdout.strip(), out.stderr
     return out.returncode, json.loads(out.stdout), time.monotonic() - started
 
@@ -46,8 +70,11 @@ class Traffic:
     def run(self) -> None:
         while not self.stop.is_set():
             try:
-                r = httpx.post(f"{self.url}/v1/completions", json={"prompt": "hi there", "max_tokens": 8,
-                                                                    "temperature": 0}, timeout=60)
+                r = httpx.post(
+                    f"{self.url}/v1/completions",
+                    json={"prompt": "hi there", "max_tokens": 8, "temperature": 0},
+                    timeout=60,
+                )
                 if r.status_code == 200:
                     self.ok += 1
                 else:
@@ -66,8 +93,23 @@ def test_reconfigure_reverts_a_stalling_change_and_keeps_a_harmless_one(tmp_path
 
     port = free_port_block()
     env = {**os.environ, "DSV4_CACHE": str(tmp_path / "cache")}
-    up = Proc(["up", "--model", tiny_model, "--port", port, "--decode", 2, "--scrape-interval", 0.5,
-               "--evidence-dir", tmp_path / "evidence"], tmp_path / "up.log", env={"DSV4_CACHE": str(tmp_path / "cache")})
+    up = Proc(
+        [
+            "up",
+            "--model",
+            tiny_model,
+            "--port",
+            port,
+            "--decode",
+            2,
+            "--scrape-interval",
+            0.5,
+            "--evidence-dir",
+            tmp_path / "evidence",
+        ],
+        tmp_path / "up.log",
+        env={"DSV4_CACHE": str(tmp_path / "cache")},
+    )
     url = f"http://127.0.0.1:{port}"
     state = tmp_path / "cache" / "up" / str(port)
     try:
@@ -77,8 +119,9 @@ def test_reconfigure_reverts_a_stalling_change_and_keeps_a_harmless_one(tmp_path
             assert time.monotonic() < deadline, up.log()
             time.sleep(0.2)
         traffic = Traffic(url)
-        rc, bad, took = reconfigure(port, env, "--enable-fault-injection",
-                                    f"--arm-fault=stall_long_context:tokens={STALL_TOKENS}")
+        rc, bad, took = reconfigure(
+            port, env, "--enable-fault-injection", f"--arm-fault=stall_long_context:tokens={STALL_TOKENS}"
+        )
         assert rc == 1 and bad["kept"] is False, bad
         reasons = " ".join(bad["verdict"]["reasons"])
         assert "no answer within the request timeout" in reasons or "reached" in reasons, reasons
@@ -103,7 +146,9 @@ def test_reconfigure_reverts_a_stalling_change_and_keeps_a_harmless_one(tmp_path
         for key in ("prefill-0", "decode-0", "decode-1"):
             cmdline = Path(f"/proc/{procs[key]['pid']}/cmdline").read_bytes().split(b"\0")
             assert b"--max-num-seqs=32" in cmdline, key
-        assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60).status_code == 200
+        assert (
+            httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60).status_code == 200
+        )
         (tmp_path / "reconfigure.json").write_text(json.dumps({"bad": bad, "good": good}, indent=1))
     finally:
         up.stop()

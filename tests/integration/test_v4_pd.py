@@ -47,7 +47,11 @@ def wait_idle(*urls: str, timeout: float = 15.0) -> None:
         while True:
             ld = loads(url)
             busy = sum(ld["queues"].values())
-            if busy == 0 and ld["kv_pages_free"] == ld["kv_pages_total"] and ld["kv_slots_free"] == ld["kv_slots_total"]:
+            if (
+                busy == 0
+                and ld["kv_pages_free"] == ld["kv_pages_total"]
+                and ld["kv_slots_free"] == ld["kv_slots_total"]
+            ):
                 break
             assert time.monotonic() < deadline, f"{url} still holds state: {ld}"
             time.sleep(0.05)
@@ -94,11 +98,14 @@ def test_v4_growing_conversation_equals_mono(cluster):
     wait_idle(cluster.p_url, cluster.d_url)
 
 
-@pytest.mark.parametrize("fault,side,counter,bound", [
-    ("stall_transfer", "p", "num_transfer_timeout_reqs", TRANSFER_TIMEOUT),
-    ("fail_transfer", "p", "num_transfer_failed_reqs", 0.0),
-    ("drop_notification", "d", "num_transfer_timeout_reqs", WAITING_TIMEOUT),
-])
+@pytest.mark.parametrize(
+    "fault,side,counter,bound",
+    [
+        ("stall_transfer", "p", "num_transfer_timeout_reqs", TRANSFER_TIMEOUT),
+        ("fail_transfer", "p", "num_transfer_failed_reqs", 0.0),
+        ("drop_notification", "d", "num_transfer_timeout_reqs", WAITING_TIMEOUT),
+    ],
+)
 def test_v4_transfer_fault_fails_within_its_deadline_then_router_retries(cluster, fault, side, counter, bound):
     """Over real NIXL, with every V4 region in the transfer: the faulted hand-off ends within
     its deadline, the right side counts it, every page and slot row comes back on both sides,
@@ -128,7 +135,9 @@ def test_v4_delayed_bootstrap_still_succeeds(cluster):
 def pair_request(cluster, body: dict) -> tuple[httpx.Response, httpx.Response]:
     """Straight to the pair (no router retry): prefill and decode legs at once."""
     res = {}
-    t = threading.Thread(target=lambda: res.update(p=httpx.post(f"{cluster.p_url}/v1/completions", json=body, timeout=60)))
+    t = threading.Thread(
+        target=lambda: res.update(p=httpx.post(f"{cluster.p_url}/v1/completions", json=body, timeout=60))
+    )
     t.start()
     d = httpx.post(f"{cluster.d_url}/v1/completions", json=body, timeout=60)
     t.join(60)
@@ -139,8 +148,14 @@ def pair_request(cluster, body: dict) -> tuple[httpx.Response, httpx.Response]:
 def test_v4_corrupted_slot_or_page_region_fails_the_request_with_checksum_on(cluster, state):
     before = loads(cluster.d_url)["counters"]
     arm(cluster.p_url, "corrupt_transfer", state=state)
-    body = {"prompt": list(range(5, 40)), "max_tokens": 4, "temperature": 0, "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": cluster.b_port, "bootstrap_room": {"swa_kv": 515151, "csa_kv": 515152}[state]}
+    body = {
+        "prompt": list(range(5, 40)),
+        "max_tokens": 4,
+        "temperature": 0,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": cluster.b_port,
+        "bootstrap_room": {"swa_kv": 515151, "csa_kv": 515152}[state],
+    }
     p, d = pair_request(cluster, body)
     assert p.status_code == 200  # prefill's part went through; what landed differs
     assert d.status_code == 502 and f"checksum mismatch in region(s) {state}" in d.json()["error"]["message"], d.text
@@ -150,7 +165,9 @@ def test_v4_corrupted_slot_or_page_region_fails_the_request_with_checksum_on(clu
     wait_idle(cluster.p_url, cluster.d_url)
     # the flipped byte was put back on prefill: the next request is exact
     prompt = list(range(5, 40))
-    assert tokens(complete(cluster.r_url, prompt, max_tokens=6)) == tokens(complete(cluster.m_url, prompt, max_tokens=6))
+    assert tokens(complete(cluster.r_url, prompt, max_tokens=6)) == tokens(
+        complete(cluster.m_url, prompt, max_tokens=6)
+    )
 
 
 def test_v4_wedge_with_deadlines_off_holds_until_aborted(cluster):
@@ -159,8 +176,14 @@ def test_v4_wedge_with_deadlines_off_holds_until_aborted(cluster):
         arm(url, "disable_deadlines", count=-1)
     try:
         arm(cluster.p_url, "stall_transfer")
-        body = {"prompt": list(range(20, 60)), "max_tokens": 4, "temperature": 0, "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": cluster.b_port, "bootstrap_room": 626262}
+        body = {
+            "prompt": list(range(20, 60)),
+            "max_tokens": 4,
+            "temperature": 0,
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": cluster.b_port,
+            "bootstrap_room": 626262,
+        }
         res = {}
         t = threading.Thread(target=lambda: res.update(pd=pair_request(cluster, body)))
         t.start()
@@ -191,8 +214,11 @@ def test_v4_decode_crash_frees_prefill_pages_and_slot_row_and_traffic_recovers(c
     prompt = list(range(40, 75))
     deadline = time.monotonic() + 30
     while True:  # the router notices the new decode at its next health check
-        r = httpx.post(f"{cluster.r_url}/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0,
-                                                                "ignore_eos": True, "return_token_ids": True}, timeout=60)
+        r = httpx.post(
+            f"{cluster.r_url}/v1/completions",
+            json={"prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "return_token_ids": True},
+            timeout=60,
+        )
         if r.status_code == 200:
             break
         assert time.monotonic() < deadline, r.text
@@ -208,8 +234,9 @@ def test_up_runs_v4_in_pd_and_its_watchdog_heals_a_v4_wedge(tmp_path, v4_dir):
         prefill = workers(up)["prefill"]["url"]
         assert httpx.get(f"{prefill}/v1/loads", headers=up.admin).json()["kv_transfer_bytes_by_state"]["swa_kv"] > 0
         old = httpx.get(f"{prefill}/server_info").json()["boot_id"]
-        httpx.post(f"{prefill}/admin/faults", json={"fault": "stall_transfer", "count": 1},
-                   headers=up.admin).raise_for_status()
+        httpx.post(
+            f"{prefill}/admin/faults", json={"fault": "stall_transfer", "count": 1}, headers=up.admin
+        ).raise_for_status()
         t = wedge_request(up.url)
         deadline = time.monotonic() + 60
         while not any(p.name.startswith("local-evidence-prefill") for p in up.evidence.glob("*")):
@@ -233,8 +260,12 @@ def test_v4_flash_shape_pd_equals_mono(make_model, tmp_path):
     os.environ["OMP_NUM_THREADS"] = "1"  # three engines on two shared cores: spinning threads only slow them
     try:
         # a flash-shape prefill takes seconds here: decode's wait for the KV starts before it
-        c = PDCluster(make_model("v4-flash-shape"), tmp_path, prefill_args=["--bootstrap-timeout", 60],
-                      decode_args=["--transfer-checksum", "--waiting-timeout", 300, "--bootstrap-timeout", 60])
+        c = PDCluster(
+            make_model("v4-flash-shape"),
+            tmp_path,
+            prefill_args=["--bootstrap-timeout", 60],
+            decode_args=["--transfer-checksum", "--waiting-timeout", 300, "--bootstrap-timeout", 60],
+        )
     finally:
         os.environ.pop("OMP_NUM_THREADS") if saved is None else os.environ.__setitem__("OMP_NUM_THREADS", saved)
     try:
@@ -250,8 +281,24 @@ def test_v4_flash_shape_pd_equals_mono(make_model, tmp_path):
 
 def test_bench_pd_quick_on_v4_reports_bytes_by_state_and_checksum_cost(v4_dir, tmp_path):
     """`dsv4 bench pd --quick` on a V4 checkpoint with --transfer-checksum: a smoke run, not a figure."""
-    r = subprocess.run([sys.executable, "-m", "dsv4_cli", "bench", "pd", "--quick", "--model", str(v4_dir),
-                        "--transfer-checksum", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsv4_cli",
+            "bench",
+            "pd",
+            "--quick",
+            "--model",
+            str(v4_dir),
+            "--transfer-checksum",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "pd.json").read_text())
     assert report["settings"]["transfer_checksum"] is True and report["model"]["model_type"] == "deepseek_v4"

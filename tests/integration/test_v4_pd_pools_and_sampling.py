@@ -23,8 +23,12 @@ DEADLINES = ["--bootstrap-timeout", 30]
 
 @pytest.fixture(scope="module")
 def cluster(make_model, tmp_path_factory):
-    c = PDCluster(make_model("v4-tiny"), tmp_path_factory.mktemp("v4edges"), prefill_args=[*DEADLINES, "--page-size", 4],
-                  decode_args=[*DEADLINES, "--max-num-seqs", 2, "--kv-pages", 24, "--page-size", 4])
+    c = PDCluster(
+        make_model("v4-tiny"),
+        tmp_path_factory.mktemp("v4edges"),
+        prefill_args=[*DEADLINES, "--page-size", 4],
+        decode_args=[*DEADLINES, "--max-num-seqs", 2, "--kv-pages", 24, "--page-size", 4],
+    )
     yield c
     c.stop()
 
@@ -34,8 +38,11 @@ def test_decode_pool_is_the_small_one(cluster):
     assert (ld["kv_slots_total"], ld["kv_pages_total"], ld["kv_page_size"]) == (2, 24, 4)
 
 
-@pytest.mark.parametrize("params", [dict(temperature=0.9, seed=7), dict(temperature=1.0, seed=11, top_p=0.8),
-                                    dict(temperature=0.7, seed=3, top_k=5)], ids=["temperature", "top_p", "top_k"])
+@pytest.mark.parametrize(
+    "params",
+    [dict(temperature=0.9, seed=7), dict(temperature=1.0, seed=11, top_p=0.8), dict(temperature=0.7, seed=3, top_k=5)],
+    ids=["temperature", "top_p", "top_k"],
+)
 def test_seeded_sampling_through_pd_equals_mono(cluster, params):
     prompt = list(range(3, 20))
     pd = complete(cluster.r_url, prompt, max_tokens=12, **params)
@@ -57,8 +64,10 @@ def test_more_requests_than_decode_rows_with_clients_giving_up(cluster):
     preempts); a third of the clients give up at random moments. Every page and row comes back
     on both sides; every request that was let finish equals mono."""
     rng = random.Random(4)
-    reqs = [([rng.randrange(2, 500) for _ in range(rng.randint(1, 40))], rng.choice([None, None, 0.2, 0.6, 1.5]))
-            for _ in range(16)]
+    reqs = [
+        ([rng.randrange(2, 500) for _ in range(rng.randint(1, 40))], rng.choice([None, None, 0.2, 0.6, 1.5]))
+        for _ in range(16)
+    ]
 
     async def one(client, prompt, give_up):
         body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
@@ -79,4 +88,3 @@ def test_more_requests_than_decode_rows_with_clients_giving_up(cluster):
     finished = [(p, toks) for (p, _), toks in zip(reqs, got) if toks is not None]
     for prompt, toks in finished:
         assert toks == tokens(complete(cluster.m_url, prompt, max_tokens=24)), len(prompt)
-

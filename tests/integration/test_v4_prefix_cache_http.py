@@ -21,8 +21,20 @@ def test_v4_conversation_with_the_cache_equals_without_in_mono_and_pd(make_model
     model = make_model("v4-tiny")
     cluster = PDCluster(model, tmp_path)
     try:
-        with serving(["--model", model, "--kv-pages", 128, "--page-size", 16, "--served-model-name", "m",
-                      EngineFlags.DISABLE_PREFIX_CACHE], tmp_path / "nocache.log") as off:
+        with serving(
+            [
+                "--model",
+                model,
+                "--kv-pages",
+                128,
+                "--page-size",
+                16,
+                "--served-model-name",
+                "m",
+                EngineFlags.DISABLE_PREFIX_CACHE,
+            ],
+            tmp_path / "nocache.log",
+        ) as off:
             rng = random.Random(21)
             history = [rng.randrange(2, 250) for _ in range(40)]
             cached = {"pd": [], "mono": []}
@@ -41,9 +53,12 @@ def test_v4_conversation_with_the_cache_equals_without_in_mono_and_pd(make_model
             for url in (cluster.p_url, cluster.m_url):
                 pc = loads(url)["prefix_cache"]
                 assert pc["enabled"] and pc["snapshots_cached"] > 0 and pc["snapshots_restored"] >= 2, pc
-                assert pc["bytes_by_state"]["swa_kv"] == pc["snapshots_cached"] * loads(url)["kv_state_bytes_per_request"]["swa_kv"]
+                assert (
+                    pc["bytes_by_state"]["swa_kv"]
+                    == pc["snapshots_cached"] * loads(url)["kv_state_bytes_per_request"]["swa_kv"]
+                )
                 text = httpx.get(f"{url}/metrics", timeout=10).text
-                m = re.search(r'^dsv4:prefix_cache_snapshots\{[^}]*\} (\S+)$', text, re.M)
+                m = re.search(r"^dsv4:prefix_cache_snapshots\{[^}]*\} (\S+)$", text, re.M)
                 assert m and float(m.group(1)) == pc["snapshots_cached"]
                 assert re.search(r'^dsv4:prefix_cache_state_bytes\{[^}]*state="csa_stage"[^}]*\} \S+$', text, re.M)
             assert loads(cluster.d_url)["prefix_cache"]["enabled"] is False

@@ -37,7 +37,9 @@ REGISTRY: dict[str, ModelEntry] = {
     "deepseek_v3": ModelEntry("deepseek_v3", *_V3),
     "deepseek_v2": ModelEntry("deepseek_v2", *_V3),  # same architecture family, same code path
     "deepseek_v4": ModelEntry(
-        "deepseek_v4", "dsv4_engine.models.deepseek_v4_config:DeepseekV4Config", "dsv4_engine.models.deepseek_v4:DeepseekV4"
+        "deepseek_v4",
+        "dsv4_engine.models.deepseek_v4_config:DeepseekV4Config",
+        "dsv4_engine.models.deepseek_v4:DeepseekV4",
     ),
 }
 

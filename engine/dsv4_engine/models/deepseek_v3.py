@@ -64,7 +64,7 @@ def yarn_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
-    scale = cfg.qk_head_dim ** -0.5
+    scale = cfg.qk_head_dim**-0.5
     rs = cfg.rope_scaling or {}
     if rs.get("rope_type", rs.get("type", "default")) not in (None, "default"):
         m_all = rs.get("mscale_all_dim", 0)
@@ -101,8 +101,9 @@ class DeepseekV3:
         """Per request: the MLA latent and the rope key of every token in every layer."""
         return [StateSpec(cls.LATENT_KV, cfg.num_hidden_layers, (cfg.kv_cache_dim,))]
 
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], ops, dtype: torch.dtype, device: torch.device,
-                 tp=None):
+    def __init__(
+        self, cfg: ModelConfig, weights: dict[str, torch.Tensor], ops, dtype: torch.dtype, device: torch.device, tp=None
+    ):
         self.cfg = cfg
         # One rank of --tp-size N (dsv4_engine.parallel): cfg and weights are this rank's heads,
         # MLP width and experts; tp sums the partial results and maps expert ids to local ones.
@@ -163,7 +164,7 @@ class DeepseekV3:
             perm = torch.stack([torch.arange(rope // 2), torch.arange(rope // 2) + rope // 2], 1).reshape(-1)
             qb = q_b.view(H, nope + rope, -1)
             qb[:, nope:] = qb[:, nope:][:, perm]
-            L["kv_a"][cfg.kv_lora_rank:] = L["kv_a"][cfg.kv_lora_rank:][perm]
+            L["kv_a"][cfg.kv_lora_rank :] = L["kv_a"][cfg.kv_lora_rank :][perm]
         L["q_b"] = q_b
         # kv_b is split per head for the absorbed form (bmm, not F.linear): dense, as DeepSeek's
         # own inference dequantizes it
@@ -190,7 +191,10 @@ class DeepseekV3:
             return take(prefix + ".gate_up_proj"), take(prefix + ".down_proj")
         E = self.cfg.n_routed_experts
         w13 = torch.stack(
-            [torch.cat([take(f"{prefix}.{e}.gate_proj.weight"), take(f"{prefix}.{e}.up_proj.weight")], 0) for e in range(E)]
+            [
+                torch.cat([take(f"{prefix}.{e}.gate_proj.weight"), take(f"{prefix}.{e}.up_proj.weight")], 0)
+                for e in range(E)
+            ]
         )
         w2 = torch.stack([take(f"{prefix}.{e}.down_proj.weight") for e in range(E)])
         return w13.contiguous(), w2.contiguous()
@@ -201,8 +205,14 @@ class DeepseekV3:
         gate, up = F.linear(x, w13).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, w2)
 
-    def _attention(self, L: dict, x: torch.Tensor, fb: ForwardBatch, kv_layer: torch.Tensor,
-                   slots: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def _attention(
+        self,
+        L: dict,
+        x: torch.Tensor,
+        fb: ForwardBatch,
+        kv_layer: torch.Tensor,
+        slots: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
         cfg, ops = self.cfg, self.ops
         T = x.shape[0]
         H, nope, C = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
@@ -223,8 +233,9 @@ class DeepseekV3:
         pages, offs = slots
         kv_layer[pages, offs] = torch.cat([latent, k_rope.squeeze(1)], dim=-1).to(kv_layer.dtype)
         if not fb.all_decode and getattr(ops, "EXPANDED_PREFILL", False) and fb.extend_lens_host is not None:
-            expand = [expanded_is_cheaper(e, n, cfg) if e else False
-                      for e, n in zip(fb.extend_lens_host, fb.seq_lens_host)]
+            expand = [
+                expanded_is_cheaper(e, n, cfg) if e else False for e, n in zip(fb.extend_lens_host, fb.seq_lens_host)
+            ]
             if any(expand):
                 o = self._attend_mixed_forms(L, q, fb, kv_layer, expand)
                 return self._reduce(F.linear(o.reshape(T, -1), L["o"]))
@@ -245,12 +256,14 @@ class DeepseekV3:
             o = ops.mla_decode(q_full, kv_layer, fb.block_table, fb.seq_lens, self.scale, C)
         else:
             bound = max(fb.extend_lens_host) if fb.extend_lens_host else None  # host int: no device read
-            o = ops.mla_extend(q_full, kv_layer, fb.block_table, fb.seq_lens, fb.extend_lens, self.scale, C,
-                               max_extend_len=bound)
+            o = ops.mla_extend(
+                q_full, kv_layer, fb.block_table, fb.seq_lens, fb.extend_lens, self.scale, C, max_extend_len=bound
+            )
         return torch.bmm(o.to(q.dtype).transpose(0, 1), L["w_uv"].transpose(1, 2))  # [H, T, v]
 
-    def _attend_mixed_forms(self, L: dict, q: torch.Tensor, fb: ForwardBatch, kv_layer: torch.Tensor,
-                            expand: list[bool]) -> torch.Tensor:
+    def _attend_mixed_forms(
+        self, L: dict, q: torch.Tensor, fb: ForwardBatch, kv_layer: torch.Tensor, expand: list[bool]
+    ) -> torch.Tensor:
         """[T, H, v]: requests marked in `expand` attend in the per-head form, the others in
         the absorbed form (one call over all of them)."""
         cfg = self.cfg
@@ -265,20 +278,29 @@ class DeepseekV3:
             rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in keep]).to(q.device)
             idx = torch.tensor(keep, device=q.device)
             sub = ForwardBatch(
-                input_ids=fb.input_ids[rows], positions=fb.positions[rows], slot_mapping=fb.slot_mapping[rows],
-                block_table=fb.block_table[idx], seq_lens=fb.seq_lens[idx], extend_lens=fb.extend_lens[idx],
-                logits_indices=fb.logits_indices[idx], all_decode=False, page_size=fb.page_size,
-                seq_lens_host=[lens[b] for b in keep], extend_lens_host=[exts[b] for b in keep],
+                input_ids=fb.input_ids[rows],
+                positions=fb.positions[rows],
+                slot_mapping=fb.slot_mapping[rows],
+                block_table=fb.block_table[idx],
+                seq_lens=fb.seq_lens[idx],
+                extend_lens=fb.extend_lens[idx],
+                logits_indices=fb.logits_indices[idx],
+                all_decode=False,
+                page_size=fb.page_size,
+                seq_lens_host=[lens[b] for b in keep],
+                extend_lens_host=[exts[b] for b in keep],
             )
             out[rows] = self._attend_absorbed(L, q[rows], sub, kv_layer).transpose(0, 1)
         for b, x in enumerate(expand):
             if x:
-                out[starts[b] : starts[b + 1]] = self._attend_expanded(L, q[starts[b] : starts[b + 1]], fb.block_table[b],
-                                                                       lens[b], kv_layer)
+                out[starts[b] : starts[b + 1]] = self._attend_expanded(
+                    L, q[starts[b] : starts[b + 1]], fb.block_table[b], lens[b], kv_layer
+                )
         return out
 
-    def _attend_expanded(self, L: dict, q: torch.Tensor, table_row: torch.Tensor, seq_len: int,
-                         kv_layer: torch.Tensor) -> torch.Tensor:
+    def _attend_expanded(
+        self, L: dict, q: torch.Tensor, table_row: torch.Tensor, seq_len: int, kv_layer: torch.Tensor
+    ) -> torch.Tensor:
         """One request's new tokens q [e, H, nope + R] over its seq_len cached tokens in the
         per-head form: the cached latents lifted through W_UK / W_UV into per-head keys and
         values, then causal attention -> [e, H, v]."""
@@ -296,7 +318,10 @@ class DeepseekV3:
         if e == seq_len:
             o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=self.scale)
         else:
-            visible = torch.arange(seq_len, device=q.device)[None, :] <= torch.arange(seq_len - e, seq_len, device=q.device)[:, None]
+            visible = (
+                torch.arange(seq_len, device=q.device)[None, :]
+                <= torch.arange(seq_len - e, seq_len, device=q.device)[:, None]
+            )
             o = F.scaled_dot_product_attention(qh, k, v, attn_mask=visible, scale=self.scale)
         return o.transpose(0, 1)
 
@@ -304,8 +329,13 @@ class DeepseekV3:
         cfg, ops = self.cfg, self.ops
         logits = F.linear(x.float(), L["gate"])
         weights, ids = ops.moe_route(
-            logits, L["bias"], cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok,
-            cfg.norm_topk_prob, cfg.routed_scaling_factor,
+            logits,
+            L["bias"],
+            cfg.n_group,
+            cfg.topk_group,
+            cfg.num_experts_per_tok,
+            cfg.norm_topk_prob,
+            cfg.routed_scaling_factor,
         )
         if self.tp is not None:
             weights, ids = self.tp.local_experts(weights, ids)
@@ -314,8 +344,15 @@ class DeepseekV3:
             out = out + self._mlp(x, L["s_w13"], L["s_w2"])
         return self._reduce(out)
 
-    def decoder_layer(self, L: dict, x: torch.Tensor, residual: Optional[torch.Tensor], fb: ForwardBatch,
-                      kv_layer: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def decoder_layer(
+        self,
+        L: dict,
+        x: torch.Tensor,
+        residual: Optional[torch.Tensor],
+        fb: ForwardBatch,
+        kv_layer: torch.Tensor,
+        slots: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder layer: (output, residual) as the next layer's rmsnorm takes them."""
         cfg, ops = self.cfg, self.ops
         h, residual = ops.rmsnorm(x, L["input_norm"], cfg.rms_norm_eps, residual)
@@ -329,8 +366,9 @@ class DeepseekV3:
         return x, residual
 
     @torch.inference_mode()
-    def hidden_states(self, fb: ForwardBatch, states: dict[str, torch.Tensor],
-                      rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def hidden_states(
+        self, fb: ForwardBatch, states: dict[str, torch.Tensor], rows: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """The final-normed hidden state (what the lm_head reads) of the tokens at `rows` (all
         tokens when None), [len(rows), hidden]: speculative decoding verifies every position."""
         kv_pool = states[self.LATENT_KV]

@@ -93,8 +93,15 @@ class DeepseekV4:
     def load_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
         return load_v4_weights(model_dir)
 
-    def __init__(self, cfg: DeepseekV4Config, weights: dict[str, torch.Tensor], ops=None,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", tp=None):
+    def __init__(
+        self,
+        cfg: DeepseekV4Config,
+        weights: dict[str, torch.Tensor],
+        ops=None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        tp=None,
+    ):
         self.cfg = cfg
         self.tp = tp  # one rank of --tp-size N: this rank's experts only (dsv4_engine.parallel)
         self._step_index: dict = {}  # see _index
@@ -158,12 +165,20 @@ class DeepseekV4:
             }
             if L["type"] in (CSA, HCA):
                 c = a + "compressor."
-                L["comp"] = (take(c + "wkv.weight"), take(c + "wgate.weight"), take(c + "ape", f32),
-                             take(c + "norm.weight", f32))
+                L["comp"] = (
+                    take(c + "wkv.weight"),
+                    take(c + "wgate.weight"),
+                    take(c + "ape", f32),
+                    take(c + "norm.weight", f32),
+                )
             if L["type"] == CSA:
                 c = a + "indexer.compressor."
-                L["icomp"] = (take(c + "wkv.weight"), take(c + "wgate.weight"), take(c + "ape", f32),
-                              take(c + "norm.weight", f32))
+                L["icomp"] = (
+                    take(c + "wkv.weight"),
+                    take(c + "wgate.weight"),
+                    take(c + "ape", f32),
+                    take(c + "norm.weight", f32),
+                )
                 L["idx_wq_b"] = take(a + "indexer.wq_b.weight")
                 L["idx_w"] = take(a + "indexer.weights_proj.weight")
             L["gate"] = take(f + "gate.weight")
@@ -180,18 +195,21 @@ class DeepseekV4:
             L["s_w2"] = take(f + "shared_experts.w2.weight")
             self._fuse_projections(L)
             self.layers.append(L)
-        self.resident_bytes = log_resident("deepseek_v4", dev, self.embed, self.head, self.norm, self.hc_head, self.layers)
+        self.resident_bytes = log_resident(
+            "deepseek_v4", dev, self.embed, self.head, self.norm, self.hc_head, self.layers
+        )
 
     @staticmethod
     def _fuse_projections(L: dict) -> None:
         """One matmul for everything a layer projects from its input (and one from the q LoRA):
         the weights are concatenated once and the per-name entries become views into it, so
         nothing is held twice. At small widths this halves the op count of a step."""
+
         def fuse(key: str, names: list[str]) -> None:
             fused = torch.cat(one_format([L[n] for n in names]), 0).contiguous()
             L[key], L[key + "_split"], row = fused, [L[n].shape[0] for n in names], 0
             for n in names:
-                L[n] = fused[row: row + L[n].shape[0]]
+                L[n] = fused[row : row + L[n].shape[0]]
                 row += L[n].shape[0]
 
         names = ["wq_a", "wkv"]
@@ -251,8 +269,15 @@ class DeepseekV4:
         logits = F.linear(x, L["gate"])
         shared = F.linear(self._swiglu(F.linear(x, L["s_w13"])), L["s_w2"])
         if self.kops is not None:
-            wts, ids = self.kops.v4_moe_route(logits, L.get("bias"), L.get("tid2eid"), input_ids,
-                                              cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.scoring_func)
+            wts, ids = self.kops.v4_moe_route(
+                logits,
+                L.get("bias"),
+                L.get("tid2eid"),
+                input_ids,
+                cfg.num_experts_per_tok,
+                cfg.routed_scaling_factor,
+                cfg.scoring_func,
+            )
         else:
             scores = F.softplus(logits).sqrt() if cfg.scoring_func == "sqrtsoftplus" else torch.sigmoid(logits)
             if "tid2eid" in L:
@@ -276,15 +301,24 @@ class DeepseekV4:
 
     # ---- compressors ---------------------------------------------------------------------------
 
-    def _pool_windows(self, win_kv: torch.Tensor, win_gate: torch.Tensor, prev_kv: Optional[torch.Tensor],
-                      prev_gate: Optional[torch.Tensor], w_ids: torch.Tensor, params, rate: int) -> torch.Tensor:
+    def _pool_windows(
+        self,
+        win_kv: torch.Tensor,
+        win_gate: torch.Tensor,
+        prev_kv: Optional[torch.Tensor],
+        prev_gate: Optional[torch.Tensor],
+        w_ids: torch.Tensor,
+        params,
+        rate: int,
+    ) -> torch.Tensor:
         """Compressed entries of windows w_ids [N] from their projections [N, rate, width] (and,
         for the overlapping CSA compressor, window w-1's: its first series joins the pool; window
         0 has none): gated softmax pooling, norm, rope at the window's first position."""
         _, _, ape, norm_w = params
         if self.kops is not None:
-            entries = self.kops.v4_compress_pool(win_kv, win_gate, prev_kv, prev_gate, ape, norm_w, w_ids,
-                                                 self.cfg.rms_norm_eps)
+            entries = self.kops.v4_compress_pool(
+                win_kv, win_gate, prev_kv, prev_gate, ape, norm_w, w_ids, self.cfg.rms_norm_eps
+            )
             return rope_at(entries, w_ids * rate, self.inv_freq["compress"])
         win_gate = win_gate + ape
         if prev_kv is not None:
@@ -300,9 +334,20 @@ class DeepseekV4:
         entries = rms(pooled, norm_w, self.cfg.rms_norm_eps)
         return rope_at(entries, w_ids * rate, self.inv_freq["compress"])
 
-    def _close_decode(self, rows: torch.Tensor, t: torch.Tensor, slots: torch.Tensor, fb: V4Batch, j: int,
-                      stage: torch.Tensor, params, rate: int, overlap: bool, store: torch.Tensor,
-                      closes: Optional[torch.Tensor] = None) -> None:
+    def _close_decode(
+        self,
+        rows: torch.Tensor,
+        t: torch.Tensor,
+        slots: torch.Tensor,
+        fb: V4Batch,
+        j: int,
+        stage: torch.Tensor,
+        params,
+        rate: int,
+        overlap: bool,
+        store: torch.Tensor,
+        closes: Optional[torch.Tensor] = None,
+    ) -> None:
         """Decode tokens at positions t [N] that close a window, all at once: the stage ring
         already holds every projection of the window (this step's included), so the window and,
         for CSA, its predecessor are read back from it. With `closes` [N] (a captured step, whose
@@ -330,12 +375,15 @@ class DeepseekV4:
     def _compressors(self, kind: str) -> list[tuple[str, str, str, bool]]:
         """A compressed layer's compressors: (stage ring, projections, entry store, overlapping)."""
         if kind == CSA:
-            return [(self.CSA_STAGE, "comp", self.CSA_KV, True),
-                    (self.CSA_INDEX_STAGE, "icomp", self.CSA_INDEX_K, True)]
+            return [
+                (self.CSA_STAGE, "comp", self.CSA_KV, True),
+                (self.CSA_INDEX_STAGE, "icomp", self.CSA_INDEX_K, True),
+            ]
         return [(self.HCA_STAGE, "comp", self.HCA_KV, False)]
 
-    def _gather_entries(self, store: torch.Tensor, block_table: torch.Tensor, w: torch.Tensor, rate: int,
-                        page_size: int) -> torch.Tensor:
+    def _gather_entries(
+        self, store: torch.Tensor, block_table: torch.Tensor, w: torch.Tensor, rate: int, page_size: int
+    ) -> torch.Tensor:
         """Entries w [C] of every request of block_table [B, pages] from a layer's paged store
         [num_pages, epp, dim]: [B, C, dim] (entries a request has not closed are masked by the caller)."""
         page, off = self._locate(w, rate, page_size, store.shape[1])
@@ -353,8 +401,10 @@ class DeepseekV4:
     def _span_tensors(self, spans: list[tuple[int, int, int]], device: torch.device):
         """(first row, new tokens, first position) of each request as [B] tensors."""
         key = tuple(spans)
-        return tuple(self._index((what, key), lambda c=c: [s[c] for s in spans], device)
-                     for c, what in enumerate(("row", "n", "start")))
+        return tuple(
+            self._index((what, key), lambda c=c: [s[c] for s in spans], device)
+            for c, what in enumerate(("row", "n", "start"))
+        )
 
     @staticmethod
     def _locate(w: torch.Tensor, rate: int, page_size: int, epp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,8 +413,16 @@ class DeepseekV4:
 
     # ---- attention -----------------------------------------------------------------------------
 
-    def _attention(self, i: int, L: dict, h: torch.Tensor, fb: V4Batch, states: dict[str, torch.Tensor],
-                   spans: list[tuple[int, int, int]], rope: dict) -> torch.Tensor:
+    def _attention(
+        self,
+        i: int,
+        L: dict,
+        h: torch.Tensor,
+        fb: V4Batch,
+        states: dict[str, torch.Tensor],
+        spans: list[tuple[int, int, int]],
+        rope: dict,
+    ) -> torch.Tensor:
         cfg = self.cfg
         T = h.shape[0]
         H, hd, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
@@ -378,7 +436,7 @@ class DeepseekV4:
             proj["comp"] = (parts[2], parts[3])
         if kind == CSA:
             proj["icomp"] = (parts[4], parts[5])
-            proj["iw"] = parts[6].float() * cfg.index_n_heads ** -0.5
+            proj["iw"] = parts[6].float() * cfg.index_n_heads**-0.5
             q, iq = F.linear(qr, L["w_qb"]).split(L["w_qb_split"], dim=-1)
             proj["iq"] = apply_rope(iq.reshape(T, cfg.index_n_heads, cfg.index_head_dim), rope["compress"])
         else:
@@ -397,8 +455,9 @@ class DeepseekV4:
         o = torch.bmm(grouped, wa).transpose(0, 1).reshape(T, -1)
         return F.linear(o, L["wo_b"])
 
-    def _select(self, L: dict, iq: torch.Tensor, iw: torch.Tensor, ikeys: torch.Tensor,
-                visible: torch.Tensor) -> torch.Tensor:
+    def _select(
+        self, L: dict, iq: torch.Tensor, iw: torch.Tensor, ikeys: torch.Tensor, visible: torch.Tensor
+    ) -> torch.Tensor:
         """Lightning indexer: score sum_h w_h * relu(q_h . k) * scale per entry, keep the top-k
         visible entries of each query. iq [B, M, IH, d], iw [B, M, IH], ikeys [B, C, d],
         visible [B, M, C] (M queries of each of B requests)."""
@@ -406,7 +465,7 @@ class DeepseekV4:
         B, M, IH, d = iq.shape
         C = ikeys.shape[1]
         score = torch.bmm(iq.reshape(B, M * IH, d).float(), ikeys.float().transpose(1, 2)).view(B, M, IH, C)
-        score = (F.relu(score) * cfg.index_head_dim ** -0.5 * iw.unsqueeze(-1)).sum(dim=-2)
+        score = (F.relu(score) * cfg.index_head_dim**-0.5 * iw.unsqueeze(-1)).sum(dim=-2)
         score = score.masked_fill(~visible, float("-inf"))
         top = score.topk(min(cfg.index_topk, C), dim=-1).indices
         return visible & torch.zeros_like(visible).scatter_(-1, top, True)
@@ -419,8 +478,9 @@ class DeepseekV4:
         K = keys.shape[1]
         # the scale rides in the GEMM, and the softmax runs in place on the fresh logits with the
         # sink joining the max and the denominator only (no concatenated copy of the scores)
-        logits = torch.baddbmm(q.new_zeros(()), q.reshape(B, M * H, hd), keys.transpose(1, 2), beta=0,
-                               alpha=hd ** -0.5).view(B, M, H, K)
+        logits = torch.baddbmm(
+            q.new_zeros(()), q.reshape(B, M * H, hd), keys.transpose(1, 2), beta=0, alpha=hd**-0.5
+        ).view(B, M, H, K)
         logits.masked_fill_(~allowed.unsqueeze(-2), float("-inf"))
         sink = L["sink"].to(logits.dtype).view(H, 1)
         top = torch.maximum(logits.amax(dim=-1, keepdim=True), sink)  # finite: padding rows see only the sink
@@ -449,17 +509,36 @@ class DeepseekV4:
             longest, keys = lm, km
         return groups
 
-    def _attend_varlen(self, i: int, L: dict, q: torch.Tensor, kv: torch.Tensor, proj: dict, fb: V4Batch,
-                       states: dict[str, torch.Tensor], spans: list[tuple[int, int, int]]) -> torch.Tensor:
+    def _attend_varlen(
+        self,
+        i: int,
+        L: dict,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        proj: dict,
+        fb: V4Batch,
+        states: dict[str, torch.Tensor],
+        spans: list[tuple[int, int, int]],
+    ) -> torch.Tensor:
         """Any mix of prefill chunks and decode tokens, padded to the longest chunk of a group."""
         out = q.new_empty(q.shape[0] + 1, *q.shape[1:])  # the last row takes the padding's writes
         for group in self._groups(spans):
             self._attend_group(i, L, q, kv, proj, fb, states, [spans[r] for r in group], group, out)
         return out[:-1]
 
-    def _attend_group(self, i: int, L: dict, q: torch.Tensor, kv: torch.Tensor, proj: dict, fb: V4Batch,
-                      states: dict[str, torch.Tensor], spans: list[tuple[int, int, int]], group: list[int],
-                      out: torch.Tensor) -> None:
+    def _attend_group(
+        self,
+        i: int,
+        L: dict,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        proj: dict,
+        fb: V4Batch,
+        states: dict[str, torch.Tensor],
+        spans: list[tuple[int, int, int]],
+        group: list[int],
+        out: torch.Tensor,
+    ) -> None:
         """Requests `group` at once. A request's keys are the window positions before its chunk
         (read from the ring, in position order) followed by the chunk itself, one row per request
         masked by position, then its visible compressed entries."""
@@ -489,7 +568,7 @@ class DeepseekV4:
         kpos = kbase[:, None] + torch.arange(W - R, W + Lmax, device=dev)
         kp, qp = kpos[:, None, :], qpos[:, :, None]
         allowed = (kp <= qp) & (kp > qp - W) & (kp >= 0)  # [B, Lmax, R + Lmax]
-        keys = ext_kv[:, W - R:]
+        keys = ext_kv[:, W - R :]
         if kind in (CSA, HCA):
             rate = cfg.compress_rates[kind]
             self._close_windows(L, proj, tok, spans, slots, pages, fb, states, j, rate, group)
@@ -501,8 +580,9 @@ class DeepseekV4:
                 if kind == CSA:
                     ikeys = self._gather_entries(states[self.CSA_INDEX_K][:, j], pages, w, rate, fb.page_size)
                     visible = self._select(L, proj["iq"][tok], proj["iw"][tok], ikeys, visible)
-                entries = self._gather_entries(states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j], pages, w,
-                                               rate, fb.page_size)
+                entries = self._gather_entries(
+                    states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j], pages, w, rate, fb.page_size
+                )
                 keys = torch.cat([keys, entries.to(kv.dtype)], 1)
                 allowed = torch.cat([allowed, visible], 2)
         o = self._softmax_attend(L, q[tok], keys, allowed)  # [B, Lmax, H, hd]
@@ -511,12 +591,24 @@ class DeepseekV4:
         # new ring is ext_kv's p - kbase; positions before the chunk rewrite what they held
         end = start + n
         keep = torch.arange(W, device=dev)
-        ring_store[slots[:, None], i, (end[:, None] - W + keep) % W] = \
-            ext_kv[b_ix, n[:, None] + keep].to(ring_store.dtype)
+        ring_store[slots[:, None], i, (end[:, None] - W + keep) % W] = ext_kv[b_ix, n[:, None] + keep].to(
+            ring_store.dtype
+        )
 
-    def _close_windows(self, L: dict, proj: dict, tok: torch.Tensor, spans: list[tuple[int, int, int]],
-                       slots: torch.Tensor, pages: torch.Tensor, fb: V4Batch, states: dict[str, torch.Tensor],
-                       j: int, rate: int, group: Optional[list[int]] = None) -> None:
+    def _close_windows(
+        self,
+        L: dict,
+        proj: dict,
+        tok: torch.Tensor,
+        spans: list[tuple[int, int, int]],
+        slots: torch.Tensor,
+        pages: torch.Tensor,
+        fb: V4Batch,
+        states: dict[str, torch.Tensor],
+        j: int,
+        rate: int,
+        group: Optional[list[int]] = None,
+    ) -> None:
         """Feed a group's chunks to the layer's compressor(s): close every window whose last token
         arrived (its entry goes to the paged store) and keep each request's last projections in
         its stage ring. A window may have started in an earlier step: its first tokens are read
@@ -546,17 +638,24 @@ class DeepseekV4:
                 rows = cb
                 win = ext[rows[:, None], offs]
                 prev = ext[rows[:, None], offs - rate] if overlap else None  # rows of window 0 are masked
-                entries = self._pool_windows(win[..., :width], win[..., width:],
-                                             None if prev is None else prev[..., :width],
-                                             None if prev is None else prev[..., width:], w_ids, L[key], rate)
+                entries = self._pool_windows(
+                    win[..., :width],
+                    win[..., width:],
+                    None if prev is None else prev[..., :width],
+                    None if prev is None else prev[..., width:],
+                    w_ids,
+                    L[key],
+                    rate,
+                )
                 store = states[store_name][:, j]
                 page, off = self._locate(w_ids, rate, fb.page_size, store.shape[1])
                 store[pages[rows, page].long(), off] = entries.to(store.dtype)
             keep = torch.arange(S, device=dev)
             st[slots[:, None], j, (end[:, None] - S + keep) % S] = ext[b_ix, n[:, None] + keep].to(st.dtype)
 
-    def _save_snapshots(self, fb: V4Batch, group: list[int], spans: list[tuple[int, int, int]], name: str,
-                        layer: int, ext: torch.Tensor) -> None:
+    def _save_snapshots(
+        self, fb: V4Batch, group: list[int], spans: list[tuple[int, int, int]], name: str, layer: int, ext: torch.Tensor
+    ) -> None:
         """The prefix cache's snapshots inside this step's chunks (torch path): slot state `name`
         of request group[k] as it stands at a boundary b its chunk passes, taken from ext [B,
         S + Lmax, ...] (positions start - S ..: what the row held, then the chunk), into
@@ -572,10 +671,19 @@ class DeepseekV4:
             for req, b, sid in snaps:
                 if req == g:
                     start = spans[k][2]
-                    store[sid, layer, (b - S + keep) % S] = ext[k, b - start: b - start + S].to(store.dtype)
+                    store[sid, layer, (b - S + keep) % S] = ext[k, b - start : b - start + S].to(store.dtype)
 
-    def _attend_decode(self, i: int, L: dict, q: torch.Tensor, kv: torch.Tensor, proj: dict, fb: V4Batch,
-                       states: dict[str, torch.Tensor], spans: list[tuple[int, int, int]]) -> torch.Tensor:
+    def _attend_decode(
+        self,
+        i: int,
+        L: dict,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        proj: dict,
+        fb: V4Batch,
+        states: dict[str, torch.Tensor],
+        spans: list[tuple[int, int, int]],
+    ) -> torch.Tensor:
         """One new token per request: every request at once, window closing included."""
         cfg = self.cfg
         W, kind, j = cfg.sliding_window, L["type"], self.type_index.get(i)
@@ -596,20 +704,31 @@ class DeepseekV4:
                 visible = w[None] < counts[:, None]  # [B, C]
 
                 if kind == CSA:
-                    ikeys = self._gather_entries(states[self.CSA_INDEX_K][:, j], fb.block_table, w, rate,
-                                                 fb.page_size)  # [B, C, ihd]
-                    visible = self._select(L, proj["iq"].unsqueeze(1), proj["iw"].unsqueeze(1), ikeys,
-                                           visible.unsqueeze(1)).squeeze(1)
-                entries = self._gather_entries(states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j],
-                                               fb.block_table, w, rate, fb.page_size)
+                    ikeys = self._gather_entries(
+                        states[self.CSA_INDEX_K][:, j], fb.block_table, w, rate, fb.page_size
+                    )  # [B, C, ihd]
+                    visible = self._select(
+                        L, proj["iq"].unsqueeze(1), proj["iw"].unsqueeze(1), ikeys, visible.unsqueeze(1)
+                    ).squeeze(1)
+                entries = self._gather_entries(
+                    states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j], fb.block_table, w, rate, fb.page_size
+                )
                 keys = torch.cat([keys, entries.to(kv.dtype)], 1)
                 allowed = torch.cat([allowed, visible], 1)
         out = self._softmax_attend(L, q.unsqueeze(1), keys, allowed.unsqueeze(1)).squeeze(1)
         ring_store[slots, i, t % W] = kv.to(ring_store.dtype)
         return out
 
-    def _stage_decode(self, L: dict, proj: dict, fb: V4Batch, states: dict[str, torch.Tensor], j: int,
-                      rate: int, spans: Optional[list[tuple[int, int, int]]]) -> None:
+    def _stage_decode(
+        self,
+        L: dict,
+        proj: dict,
+        fb: V4Batch,
+        states: dict[str, torch.Tensor],
+        j: int,
+        rate: int,
+        spans: Optional[list[tuple[int, int, int]]],
+    ) -> None:
         """Decode tokens go to their stage rings; those that close a window close it (spans None:
         a captured step, where every row runs the close, masked)."""
         t, slots = fb.positions, fb.slot_ids.long()
@@ -623,14 +742,25 @@ class DeepseekV4:
             st[slots, j, t % st.shape[2]] = torch.cat(proj[key], dim=-1).to(st.dtype)
             if spans is None:
                 rows = torch.arange(t.shape[0], device=t.device)
-                self._close_decode(rows, t, slots, fb, j, st, L[key], rate, overlap, states[store][:, j],
-                                   closes=(t + 1) % rate == 0)
+                self._close_decode(
+                    rows, t, slots, fb, j, st, L[key], rate, overlap, states[store][:, j], closes=(t + 1) % rate == 0
+                )
             elif closes:
-                self._close_decode(closing, t[closing], slots[closing], fb, j, st, L[key], rate, overlap,
-                                   states[store][:, j])
+                self._close_decode(
+                    closing, t[closing], slots[closing], fb, j, st, L[key], rate, overlap, states[store][:, j]
+                )
 
-    def _attend_kernels(self, i: int, L: dict, q: torch.Tensor, kv: torch.Tensor, proj: dict, fb: V4Batch,
-                        states: dict[str, torch.Tensor], spans: list[tuple[int, int, int]]) -> torch.Tensor:
+    def _attend_kernels(
+        self,
+        i: int,
+        L: dict,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        proj: dict,
+        fb: V4Batch,
+        states: dict[str, torch.Tensor],
+        spans: list[tuple[int, int, int]],
+    ) -> torch.Tensor:
         """The kernel path: windows close first (their entries are visible to this step's later
         tokens), the indexer picks CSA entries, one attention launch reads the ring, the chunk's
         own keys and the entries in place; then the ring takes each request's last W tokens."""
@@ -651,20 +781,33 @@ class DeepseekV4:
                 self._close_windows(L, proj, tok, spans, slots, fb.block_table, fb, states, j, rate)
             comp_kv = states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j]
             if kind == CSA:
-                comp_idx = ops.v4_indexer_topk(proj["iq"], proj["iw"], states[self.CSA_INDEX_K][:, j], fb.block_table,
-                                               fb.positions, fb.extend_lens, cfg.index_topk, cfg.index_head_dim ** -0.5,
-                                               rate, fb.page_size)
+                comp_idx = ops.v4_indexer_topk(
+                    proj["iq"],
+                    proj["iw"],
+                    states[self.CSA_INDEX_K][:, j],
+                    fb.block_table,
+                    fb.positions,
+                    fb.extend_lens,
+                    cfg.index_topk,
+                    cfg.index_head_dim**-0.5,
+                    rate,
+                    fb.page_size,
+                )
         ring_store = states[self.SWA_KV]
         args = (q, kv, ring_store[:, i], fb.slot_ids)
-        tail = (fb.block_table, comp_kv, comp_idx, L["sink"], cfg.head_dim ** -0.5, rate, fb.page_size)
+        tail = (fb.block_table, comp_kv, comp_idx, L["sink"], cfg.head_dim**-0.5, rate, fb.page_size)
         if decode:
             out = ops.v4_attention_decode(*args, fb.positions, *tail)
             ring_store[slots, i, fb.positions % W] = kv.to(ring_store.dtype)
             return out
         out = ops.v4_attention_extend(*args, fb.positions, fb.extend_lens, *tail)
         key = tuple(spans)  # each request's last W tokens go to its ring
-        keep = self._index(("ring_rows", key), lambda: [r + a for r, n, _ in spans for a in range(max(0, n - W), n)], dev)
-        req = self._index(("ring_req", key), lambda: [b for b, (_, n, _) in enumerate(spans) for _ in range(min(n, W))], dev)
+        keep = self._index(
+            ("ring_rows", key), lambda: [r + a for r, n, _ in spans for a in range(max(0, n - W), n)], dev
+        )
+        req = self._index(
+            ("ring_req", key), lambda: [b for b, (_, n, _) in enumerate(spans) for _ in range(min(n, W))], dev
+        )
         ring_store[slots[req], i, fb.positions[keep] % W] = kv[keep].to(ring_store.dtype)
         return out
 
@@ -712,8 +855,14 @@ class DeepseekV4:
         return logits
 
 
-def allocate_states(specs: list[StateSpec], num_pages: int, page_size: int, max_requests: int,
-                    dtype: torch.dtype, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+def allocate_states(
+    specs: list[StateSpec],
+    num_pages: int,
+    page_size: int,
+    max_requests: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor]:
     """One tensor per state: paged ones page-major, slot ones one row per running request."""
     out = {}
     for s in specs:

@@ -156,7 +156,8 @@ class DeepseekV4Config:
             mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
         mlp_types = list(mlp_types[:n])
         for name, types, allowed in (
-            ("layer_types", layer_types, LAYER_TYPES), ("mlp_layer_types", mlp_types, MLP_TYPES)
+            ("layer_types", layer_types, LAYER_TYPES),
+            ("mlp_layer_types", mlp_types, MLP_TYPES),
         ):
             if len(types) != n:
                 raise ValueError(f"{name} has {len(types)} entries for {n} layers")
@@ -205,9 +206,14 @@ class DeepseekV4Config:
             if attn is None:
                 raise ValueError("yarn rope without attention_factor: V4 needs it forced to 1.0")
             return RopeConfig(
-                theta=float(p.get("rope_theta", compress_theta)), dim=dim, rope_type="yarn", factor=float(factor),
-                original_max_position_embeddings=orig, beta_fast=float(p.get("beta_fast") or 32),
-                beta_slow=float(p.get("beta_slow") or 1), attention_factor=1.0,
+                theta=float(p.get("rope_theta", compress_theta)),
+                dim=dim,
+                rope_type="yarn",
+                factor=float(factor),
+                original_max_position_embeddings=orig,
+                beta_fast=float(p.get("beta_fast") or 32),
+                beta_slow=float(p.get("beta_slow") or 1),
+                attention_factor=1.0,
             )
 
         cfg = cls(

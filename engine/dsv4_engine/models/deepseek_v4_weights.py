@@ -47,7 +47,7 @@ _TO_RELEASE = [
 
 def release_name(name: str) -> str:
     """The DeepSeek release name of a tensor named in any layout we read."""
-    n = name[len("model."):] if name.startswith("model.") else name
+    n = name[len("model.") :] if name.startswith("model.") else name
     for pat, rep in _TO_RELEASE:
         n = re.sub(pat, rep, n)
     return n

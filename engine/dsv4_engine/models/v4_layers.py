@@ -27,8 +27,9 @@ def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.T
     return cis, cis.conj().resolve_conj()
 
 
-def apply_rope(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor], conj: bool = False,
-               inplace: bool = False) -> torch.Tensor:
+def apply_rope(
+    x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor], conj: bool = False, inplace: bool = False
+) -> torch.Tensor:
     """Interleaved rope on the trailing rope slice of x [N, ..., dim] with a `rope_table`: each
     (even, odd) pair is a complex number turned by the angle, one complex multiply (in fp32).
     conj rotates by -angle (undoes the rope that values picked up, at the query position).

@@ -91,8 +91,10 @@ def device_refusal(device: Optional[str], size: int, device_count: Optional[int]
     count = torch.cuda.device_count() if device_count is None else device_count
     base = torch.device(device).index or 0
     if base + size > count:
-        return (f"--tp-size {size} needs {size} GPUs from cuda:{base} (one per rank); this host has {count} "
-                f"visible (CUDA_VISIBLE_DEVICES)")
+        return (
+            f"--tp-size {size} needs {size} GPUs from cuda:{base} (one per rank); this host has {count} "
+            f"visible (CUDA_VISIBLE_DEVICES)"
+        )
     return None
 
 
@@ -119,8 +121,13 @@ def join(shard: Shard, port: int, device: str) -> TPRank:
     cuda = torch.device(device).type == "cuda"
     if cuda:
         torch.cuda.set_device(torch.device(device))
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=shard.rank,
-                            world_size=shard.size, timeout=timedelta(seconds=STEP_TIMEOUT_S))
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=shard.rank,
+        world_size=shard.size,
+        timeout=timedelta(seconds=STEP_TIMEOUT_S),
+    )
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return TPRank(shard, dist.group.WORLD, control)
 
@@ -152,8 +159,15 @@ class TPGroup:
         self.error_files = [f"{stem}{r}.err" for r in range(1, size)]
         self.alive_files = [f"{stem}{r}.alive" for r in range(1, size)]
         for r in range(1, size):
-            spec = {"rank": r, "size": size, "port": port, "parent": os.getpid(), "engine": engine_args,
-                    "error_file": self.error_files[r - 1], "alive_file": self.alive_files[r - 1]}
+            spec = {
+                "rank": r,
+                "size": size,
+                "port": port,
+                "parent": os.getpid(),
+                "engine": engine_args,
+                "error_file": self.error_files[r - 1],
+                "alive_file": self.alive_files[r - 1],
+            }
             env = {**os.environ, SPEC_ENV: json.dumps(spec)}
             self.procs.append(subprocess.Popen([sys.executable, "-m", "dsv4_engine.parallel.worker"], env=env))
         self._watch = threading.Thread(target=self._watch_ranks, name="dsv4-tp-watchdog", daemon=True)
@@ -174,8 +188,11 @@ class TPGroup:
         self._loading = True
         try:
             with self.step("waiting for the other ranks to load their weights", timed=False):
-                dist.broadcast(torch.tensor([num_pages, page_size, max_num_seqs, num_snapshots], dtype=torch.int64), 0,
-                               group=self.rank.control)
+                dist.broadcast(
+                    torch.tensor([num_pages, page_size, max_num_seqs, num_snapshots], dtype=torch.int64),
+                    0,
+                    group=self.rank.control,
+                )
         finally:
             self._loading = False
 
@@ -317,8 +334,10 @@ class TPGroup:
                 continue
             if now - max(last, self._beat_floor) > STEP_TIMEOUT_S:
                 during = " while loading its weights" if self._loading else ""
-                return (f"rank {r} (pid {self.procs[r - 1].pid}) gave no sign of life for more than "
-                        f"{STEP_TIMEOUT_S:g} s{during} (a rank is hung)")
+                return (
+                    f"rank {r} (pid {self.procs[r - 1].pid}) gave no sign of life for more than "
+                    f"{STEP_TIMEOUT_S:g} s{during} (a rank is hung)"
+                )
         return None
 
     def _kill_ranks(self) -> None:

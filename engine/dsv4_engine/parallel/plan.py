@@ -71,6 +71,7 @@ def expert_slice(name: str, shape: tuple[int, ...], lo: int, hi: int) -> Slice |
 
 # ---- DeepSeek-V3 ------------------------------------------------------------------------------
 
+
 def _layer_kinds(cfg) -> tuple[bool, bool]:
     """(has dense MLP layers, has MoE layers): dense layers come from first_k_dense_replace, from
     moe_layer_freq > 1, or from a model without routed experts."""
@@ -93,10 +94,13 @@ def v3_refusal(cfg, size: int) -> Optional[str]:
     qb = quant_block(cfg)
     if qb:
         h = cfg.num_attention_heads // size
-        widths = {"q_b rows": h * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim),
-                  "kv_b rows": h * (cfg.qk_nope_head_dim + cfg.v_head_dim), "o_proj columns": h * cfg.v_head_dim,
-                  "dense MLP width": cfg.intermediate_size // size if has_dense else 0,
-                  "shared experts' width": shared // size}
+        widths = {
+            "q_b rows": h * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim),
+            "kv_b rows": h * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+            "o_proj columns": h * cfg.v_head_dim,
+            "dense MLP width": cfg.intermediate_size // size if has_dense else 0,
+            "shared experts' width": shared // size,
+        }
         for what, w in widths.items():
             if w % qb[0] or w % qb[1]:
                 return f"--tp-size {size} leaves {w} {what} a rank, off the {qb[0]}x{qb[1]} quantization blocks"
@@ -106,8 +110,12 @@ def v3_refusal(cfg, size: int) -> Optional[str]:
 def v3_local_config(cfg, shard: Shard):
     """The config one rank's model is built from: its heads, its MLP width, its experts."""
     lo, hi = block(cfg.n_routed_experts, shard)
-    return replace(cfg, num_attention_heads=cfg.num_attention_heads // shard.size,
-                   intermediate_size=cfg.intermediate_size // shard.size, n_routed_experts=hi - lo)
+    return replace(
+        cfg,
+        num_attention_heads=cfg.num_attention_heads // shard.size,
+        intermediate_size=cfg.intermediate_size // shard.size,
+        n_routed_experts=hi - lo,
+    )
 
 
 def quant_block(cfg) -> Optional[tuple[int, int]]:
@@ -152,8 +160,13 @@ def v3_slicer(cfg, shard: Shard) -> Slicer:
         if ex is not False:
             return ex  # type: ignore[return-value]
         # fp8 block scales follow their weight's split (both spellings pair_quantized reads)
-        weight = (name.removesuffix("_scale_inv") if name.endswith(".weight_scale_inv")
-                  else name.removesuffix(".scale") + ".weight" if name.endswith(".scale") else None)
+        weight = (
+            name.removesuffix("_scale_inv")
+            if name.endswith(".weight_scale_inv")
+            else name.removesuffix(".scale") + ".weight"
+            if name.endswith(".scale")
+            else None
+        )
         if weight is not None:
             part = split_of(weight)
             if part is None:
@@ -170,6 +183,7 @@ def v3_slicer(cfg, shard: Shard) -> Slicer:
 
 
 # ---- DeepSeek-V4 ------------------------------------------------------------------------------
+
 
 def v4_refusal(cfg, size: int) -> Optional[str]:
     if cfg.n_routed_experts < size:

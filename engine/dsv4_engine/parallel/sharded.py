@@ -33,8 +33,9 @@ class ShardComm:
         return weights * mine, torch.where(mine, ids - lo, torch.full_like(ids, -1))
 
 
-def build_sharded(model_cls, model_type: str, cfg, model_dir: str | Path, ops, dtype: torch.dtype,
-                  device: torch.device, rank):
+def build_sharded(
+    model_cls, model_type: str, cfg, model_dir: str | Path, ops, dtype: torch.dtype, device: torch.device, rank
+):
     plan = plan_for(model_type)
     refusal = plan.refusal(cfg, rank.shard.size)
     if refusal:

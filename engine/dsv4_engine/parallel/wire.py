@@ -56,14 +56,32 @@ def pack(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(header, payload) on the CPU for a ForwardBatch."""
     T, B = fb.input_ids.numel(), fb.seq_lens.numel()
     P = fb.block_table.shape[1]
-    parts = [fb.input_ids, fb.positions, fb.slot_mapping, fb.block_table.reshape(-1), fb.seq_lens, fb.extend_lens,
-             fb.logits_indices]
+    parts = [
+        fb.input_ids,
+        fb.positions,
+        fb.slot_mapping,
+        fb.block_table.reshape(-1),
+        fb.seq_lens,
+        fb.extend_lens,
+        fb.logits_indices,
+    ]
     if fb.slot_ids is not None:
         parts.append(fb.slot_ids)
     # One concatenation where the batch lives, then one copy to the CPU (one sync on CUDA).
     payload = torch.cat([p.to(torch.int64) for p in parts]).cpu()
-    header = torch.tensor([OP_FORWARD, T, B, P, int(fb.all_decode), int(fb.slot_ids is not None),
-                           -1 if fb.page_size is None else fb.page_size, payload.numel()], dtype=torch.int64)
+    header = torch.tensor(
+        [
+            OP_FORWARD,
+            T,
+            B,
+            P,
+            int(fb.all_decode),
+            int(fb.slot_ids is not None),
+            -1 if fb.page_size is None else fb.page_size,
+            payload.numel(),
+        ],
+        dtype=torch.int64,
+    )
     return header, payload
 
 
@@ -81,10 +99,18 @@ def unpack(header: torch.Tensor, payload: torch.Tensor, device: torch.device) ->
     p = [t.to(device) for t in host]
     i32 = torch.int32
     return ForwardBatch(
-        seq_lens_host=host[4].tolist(), extend_lens_host=host[5].tolist(),
-        input_ids=p[0], positions=p[1], slot_mapping=p[2], block_table=p[3].view(B, P).to(i32),
-        seq_lens=p[4].to(i32), extend_lens=p[5].to(i32), logits_indices=p[6], all_decode=bool(h[ALL_DECODE]),
-        slot_ids=p[7] if h[HAS_SLOTS] else None, page_size=None if h[PAGE_SIZE] < 0 else h[PAGE_SIZE],
+        seq_lens_host=host[4].tolist(),
+        extend_lens_host=host[5].tolist(),
+        input_ids=p[0],
+        positions=p[1],
+        slot_mapping=p[2],
+        block_table=p[3].view(B, P).to(i32),
+        seq_lens=p[4].to(i32),
+        extend_lens=p[5].to(i32),
+        logits_indices=p[6],
+        all_decode=bool(h[ALL_DECODE]),
+        slot_ids=p[7] if h[HAS_SLOTS] else None,
+        page_size=None if h[PAGE_SIZE] < 0 else h[PAGE_SIZE],
     )
 
 
@@ -100,11 +126,19 @@ def pack_host(hb) -> tuple[torch.Tensor, torch.Tensor]:
     import numpy as np
 
     B, P = hb.block_table.shape
-    parts = [hb.input_ids, hb.positions, hb.slot_mapping, hb.block_table.reshape(-1), hb.seq_lens, hb.extend_lens,
-             hb.logits_indices] + ([] if hb.slot_ids is None else [hb.slot_ids])
+    parts = [
+        hb.input_ids,
+        hb.positions,
+        hb.slot_mapping,
+        hb.block_table.reshape(-1),
+        hb.seq_lens,
+        hb.extend_lens,
+        hb.logits_indices,
+    ] + ([] if hb.slot_ids is None else [hb.slot_ids])
     payload = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
-    header = torch.tensor([OP_GRAPH, hb.input_ids.shape[0], B, P, 1, int(hb.slot_ids is not None), -1,
-                           payload.numel()], dtype=torch.int64)
+    header = torch.tensor(
+        [OP_GRAPH, hb.input_ids.shape[0], B, P, 1, int(hb.slot_ids is not None), -1, payload.numel()], dtype=torch.int64
+    )
     return header, payload
 
 
@@ -118,6 +152,13 @@ def unpack_host(header: torch.Tensor, payload: torch.Tensor):
     if sum(sizes) != payload.numel():
         raise ValueError(f"payload of {payload.numel()} ints does not match its header {h}")
     a = [t.numpy() for t in torch.split(payload, sizes)]
-    return HostBatch(input_ids=a[0], positions=a[1], slot_mapping=a[2], block_table=a[3].reshape(B, P).astype("int32"),
-                     seq_lens=a[4].astype("int32"), extend_lens=a[5].astype("int32"), logits_indices=a[6],
-                     slot_ids=a[7] if h[HAS_SLOTS] else None)
+    return HostBatch(
+        input_ids=a[0],
+        positions=a[1],
+        slot_mapping=a[2],
+        block_table=a[3].reshape(B, P).astype("int32"),
+        seq_lens=a[4].astype("int32"),
+        extend_lens=a[5].astype("int32"),
+        logits_indices=a[6],
+        slot_ids=a[7] if h[HAS_SLOTS] else None,
+    )

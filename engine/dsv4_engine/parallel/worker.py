@@ -76,8 +76,14 @@ def serve_rank(spec: dict) -> None:
     num_pages, page_size, max_num_seqs, num_snapshots = sizes.tolist()
     pool = KVPool(runner.state_specs, num_pages, page_size, runner.dtype, runner.device, max_num_seqs)
     # The prefix cache's snapshots of slot rows (V4): rank 0 keeps the books, this rank the copies.
-    snapshots = {name: torch.zeros(num_snapshots, *t.shape[1:], dtype=t.dtype, device=t.device)
-                 for name, t in pool.slot_states.items()} if num_snapshots else {}
+    snapshots = (
+        {
+            name: torch.zeros(num_snapshots, *t.shape[1:], dtype=t.dtype, device=t.device)
+            for name, t in pool.slot_states.items()
+        }
+        if num_snapshots
+        else {}
+    )
     header = torch.zeros(wire.HEADER_LEN, dtype=torch.int64)
     while True:
         dist.broadcast(header, 0, group=rank.control)

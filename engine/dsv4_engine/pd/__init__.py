@@ -11,8 +11,11 @@ from dsv4_engine.pd.request_info import PDRequestInfo
 
 # The rest pulls in the transport (torch): loaded on first use, so that the HTTP process, which
 # only checks a PD request's bootstrap fields, stays torch-free.
-_LAZY = {"BOOT_ID": "dsv4_engine.pd.common", "PDSettings": "dsv4_engine.pd.common",
-         "FaultInjector": "dsv4_engine.pd.faults"}
+_LAZY = {
+    "BOOT_ID": "dsv4_engine.pd.common",
+    "PDSettings": "dsv4_engine.pd.common",
+    "FaultInjector": "dsv4_engine.pd.faults",
+}
 
 
 def __getattr__(name: str):
@@ -47,9 +50,14 @@ def attach_role(engine, args) -> None:
     states = PoolStates.of_pool(engine.pool)  # paged regions and slot rows alike
     agent = KVTransferAgent(f"{args.role}-{BOOT_ID}", states, default_timeout_s=None)
     channel = HttpChannel(engine.call, headers=authorization_header(getattr(args, "pd_secret", None)))
-    engine.pd = Controller(engine, PDSettings.from_args(args), FaultyTransport(agent, faults, states=states),
-                           FaultyChannel(channel, faults),
-                           deadlines=Deadlines(args.deadlines, faults), faults=faults)
+    engine.pd = Controller(
+        engine,
+        PDSettings.from_args(args),
+        FaultyTransport(agent, faults, states=states),
+        FaultyChannel(channel, faults),
+        deadlines=Deadlines(args.deadlines, faults),
+        faults=faults,
+    )
 
 
 __all__ = ["BOOT_ID", "FaultInjector", "PDRequestInfo", "PDSettings", "attach_role", "bootstrap_target"]

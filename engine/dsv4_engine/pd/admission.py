@@ -20,18 +20,26 @@ log = logging.getLogger("dsv4.pd")
 _warned = threading.Event()
 
 
-def bootstrap_target(host: Optional[str], port: Optional[int], room: Optional[int], *, role: str,
-                     secret_set: bool, authorized: bool) -> PDRequestInfo:
+def bootstrap_target(
+    host: Optional[str], port: Optional[int], room: Optional[int], *, role: str, secret_set: bool, authorized: bool
+) -> PDRequestInfo:
     """The PD bookkeeping for a request naming this peer, or an APIError (400/401) saying why not."""
     if room is None:
         raise APIError(f"this is a {role} engine: send requests through the dsv4 router", param="bootstrap_room")
     if secret_set and not authorized:
-        raise APIError("bootstrap_host/bootstrap_port/bootstrap_room need the PD secret: send requests through the "
-                       "dsv4 router", 401, "authentication_error", param="bootstrap_room")
+        raise APIError(
+            "bootstrap_host/bootstrap_port/bootstrap_room need the PD secret: send requests through the dsv4 router",
+            401,
+            "authentication_error",
+            param="bootstrap_room",
+        )
     if not secret_set and not _warned.is_set():
         _warned.set()
-        log.warning("no PD secret is set (--pd-secret / DSV4_PD_SECRET): this %s engine honours bootstrap "
-                    "targets from any client; set one outside local development", role)
+        log.warning(
+            "no PD secret is set (--pd-secret / DSV4_PD_SECRET): this %s engine honours bootstrap "
+            "targets from any client; set one outside local development",
+            role,
+        )
     if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 2**63:
         raise APIError("bootstrap_room must be an integer in [0, 2^63)", param="bootstrap_room")
     if role == "decode":

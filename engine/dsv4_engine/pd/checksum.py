@@ -50,11 +50,11 @@ def units_checksum(units: Sequence[torch.Tensor]) -> str:
         chunk = max(1, _CHUNK if words.device.type == "cpu" else words.numel())
         weights = _weights(min(words.numel(), chunk), words.device)
         for start in range(0, words.numel(), chunk):
-            w = words[start:start + chunk].to(torch.int64)
+            w = words[start : start + chunk].to(torch.int64)
             total = int(w.sum())
             plain += total
             # positions offset+start+1, offset+start+2, ...
-            weighted += int((w * weights[:w.numel()]).sum()) + (offset + start) * total
+            weighted += int((w * weights[: w.numel()]).sum()) + (offset + start) * total
         offset += words.numel()
     return f"{plain & _MASK:016x}{weighted & _MASK:016x}"
 
@@ -72,7 +72,7 @@ def region_checksums(pool: PoolStates, pages: Sequence[int], slot: Optional[int]
     for name, t in pool.pages.items():
         # gather a cache-sized group of pages at a time (all at once on a GPU)
         per = len(pages) if t.device.type != "cpu" else max(1, _CHUNK * 4 // (t[0].numel() * t.element_size()))
-        out[name] = units_checksum([t[idx[i:i + per].to(t.device)] for i in range(0, len(pages), per)])
+        out[name] = units_checksum([t[idx[i : i + per].to(t.device)] for i in range(0, len(pages), per)])
     if slot is not None:
         for name, t in pool.slots.items():
             out[name] = units_checksum([t[slot]])
@@ -85,5 +85,7 @@ def checksum_mismatch(sent: Mapping[str, str], landed: Mapping[str, str]) -> Opt
         return f"checksummed regions differ: sent {sorted(sent)}, landed {sorted(landed)}"
     bad = [name for name in sent if sent[name] != landed[name]]
     if bad:
-        return f"KV transfer checksum mismatch in region(s) {', '.join(bad)}: the bytes that landed are not the bytes sent"
+        return (
+            f"KV transfer checksum mismatch in region(s) {', '.join(bad)}: the bytes that landed are not the bytes sent"
+        )
     return None

@@ -24,7 +24,9 @@ log = logging.getLogger("dsv4.pd")
 
 BOOT_ID = uuid.uuid4().hex[:12]  # one per process: a restarted peer is a different peer
 HEARTBEAT_INTERVAL_S = 1.0
-HEARTBEAT_MISSES = 5  # this many intervals without an answer and the peer is declared dead (3 was too tight on busy 2-core machines)
+HEARTBEAT_MISSES = (
+    5  # this many intervals without an answer and the peer is declared dead (3 was too tight on busy 2-core machines)
+)
 
 Clock = Callable[[], float]
 
@@ -41,10 +43,16 @@ class PDSettings:
 
     @classmethod
     def from_args(cls, args, environ: Optional[Mapping[str, str]] = None) -> "PDSettings":
-        url = advertised_url(args.host, args.port, getattr(args, "advertise_host", None),
-                             os.environ if environ is None else environ)
-        return cls(args.bootstrap_timeout, args.transfer_timeout, args.waiting_timeout, url,
-                   bool(getattr(args, "transfer_checksum", False)))
+        url = advertised_url(
+            args.host, args.port, getattr(args, "advertise_host", None), os.environ if environ is None else environ
+        )
+        return cls(
+            args.bootstrap_timeout,
+            args.transfer_timeout,
+            args.waiting_timeout,
+            url,
+            bool(getattr(args, "transfer_checksum", False)),
+        )
 
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "", "[::]")
@@ -76,9 +84,18 @@ class PDController:
     control channel), the deadline policy, the fault injector /admin/faults arms, a clock, and
     the pool's state regions."""
 
-    def __init__(self, engine: Engine, settings: PDSettings, transport: KVTransport, channel: ControlChannel, *,
-                 deadlines: Optional[Deadlines] = None, faults: Optional[FaultInjector] = None,
-                 boot_id: str = BOOT_ID, clock: Clock = time.monotonic):
+    def __init__(
+        self,
+        engine: Engine,
+        settings: PDSettings,
+        transport: KVTransport,
+        channel: ControlChannel,
+        *,
+        deadlines: Optional[Deadlines] = None,
+        faults: Optional[FaultInjector] = None,
+        boot_id: str = BOOT_ID,
+        clock: Clock = time.monotonic,
+    ):
         self.engine = engine
         self.settings = settings
         self.transport = transport
@@ -100,8 +117,11 @@ class PDController:
         read from another thread (a copy of each list; the caller retries a resized dict)."""
         now, wall = self.clock(), time.time()
         last_token = (lambda s: s.last_token_time) if self.clock is time.monotonic else (lambda s: None)
-        views = [timeline_view(s.rid, s.pd, last_token(s), len(s.output_ids), now, wall, list(s.pd.timeline))
-                 for s in list(self.engine.seqs.values()) if isinstance(s.pd, PDRequestInfo)]
+        views = [
+            timeline_view(s.rid, s.pd, last_token(s), len(s.output_ids), now, wall, list(s.pd.timeline))
+            for s in list(self.engine.seqs.values())
+            if isinstance(s.pd, PDRequestInfo)
+        ]
         return stuck_first(views)
 
     def on_prefill_done(self, seq: Sequence) -> None:

@@ -74,12 +74,21 @@ class DecodeController(PDController):
             self._on_notif(msg)
         for seq in list(self.prealloc) + list(self.registering.values()):
             if seq.pd.expired(now):
-                self._fail(seq, 504, f"bootstrap with prefill {seq.pd.bootstrap_addr} timed out after "
-                           f"{self.settings.bootstrap_timeout:g}s", "num_bootstrap_failed_reqs")
+                self._fail(
+                    seq,
+                    504,
+                    f"bootstrap with prefill {seq.pd.bootstrap_addr} timed out after "
+                    f"{self.settings.bootstrap_timeout:g}s",
+                    "num_bootstrap_failed_reqs",
+                )
         for seq in list(self.transfer.values()):
             if seq.pd.expired(now):
-                self._fail(seq, 504, f"KV from prefill did not arrive within {self.settings.waiting_timeout:g}s",
-                           "num_transfer_timeout_reqs")
+                self._fail(
+                    seq,
+                    504,
+                    f"KV from prefill did not arrive within {self.settings.waiting_timeout:g}s",
+                    "num_transfer_timeout_reqs",
+                )
         self._heartbeats(now)
 
     def _preallocate(self) -> None:
@@ -104,9 +113,16 @@ class DecodeController(PDController):
             self.prealloc.popleft()
             seq.pages, seq.slot = pages, slot
             self.registering[seq.pd.room] = seq
-            msg = RegisterRoom(room=seq.pd.room, rid=seq.rid, desc=self.transport.descriptor(), dst_pages=pages,
-                               decode_url=self.settings.url, decode_boot=self.boot_id, dst_slot=slot,
-                               checksum=self.settings.transfer_checksum)
+            msg = RegisterRoom(
+                room=seq.pd.room,
+                rid=seq.rid,
+                desc=self.transport.descriptor(),
+                dst_pages=pages,
+                decode_url=self.settings.url,
+                decode_boot=self.boot_id,
+                dst_slot=slot,
+                checksum=self.settings.transfer_checksum,
+            )
             self.channel.register(seq.pd.bootstrap_addr, msg, lambda res, err, seq=seq: self._registered(seq, res, err))
 
     def _registered(self, seq: Sequence, res: Optional[dict], err: Optional[str]) -> None:
@@ -194,7 +210,11 @@ class DecodeController(PDController):
                 continue
             if not peer.asking and now - peer.asked >= HEARTBEAT_INTERVAL_S:
                 peer.asking, peer.asked = True, now
-                self.channel.heartbeat(addr, self.boot_id, lambda res, err, addr=addr, peer=peer: self._heartbeat_answer(addr, peer, res, err))
+                self.channel.heartbeat(
+                    addr,
+                    self.boot_id,
+                    lambda res, err, addr=addr, peer=peer: self._heartbeat_answer(addr, peer, res, err),
+                )
 
     def _heartbeat_answer(self, addr: str, peer: PrefillPeer, res: Optional[dict], err: Optional[str]) -> None:
         peer.asking = False
@@ -203,7 +223,9 @@ class DecodeController(PDController):
         peer.last_heard = self.clock()
         boot = res.get("boot_id")
         for seq in [s for s in self.transfer.values() if s.pd.bootstrap_addr == addr and s.pd.peer_boot != boot]:
-            self._fail(seq, 502, f"prefill {addr} restarted while sending this request's KV", "num_transfer_failed_reqs")
+            self._fail(
+                seq, 502, f"prefill {addr} restarted while sending this request's KV", "num_transfer_failed_reqs"
+            )
 
     def _fail_prefill(self, addr: str, msg: str) -> None:
         for seq in [s for s in self.transfer.values() if s.pd.bootstrap_addr == addr]:
@@ -234,6 +256,12 @@ class DecodeController(PDController):
         m.set("num_decode_transfer_queue_reqs", len(self.transfer))
 
     def loads(self) -> tuple[dict, dict]:
-        return ({"prealloc": len(self.prealloc) + len(self.registering), "transfer": len(self.transfer)},
-                {"deadlines": self.deadlines.on, "boot_id": self.boot_id, "requests": self.timelines(),
-                 "transfer_checksum_seconds": round(self.checksum_seconds, 6)})
+        return (
+            {"prealloc": len(self.prealloc) + len(self.registering), "transfer": len(self.transfer)},
+            {
+                "deadlines": self.deadlines.on,
+                "boot_id": self.boot_id,
+                "requests": self.timelines(),
+                "transfer_checksum_seconds": round(self.checksum_seconds, 6),
+            },
+        )

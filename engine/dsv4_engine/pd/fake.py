@@ -24,7 +24,14 @@ from dsv4_engine.pd.channel import Deliver, Done
 from dsv4_engine.pd.messages import RegisterRoom
 from dsv4_engine.pd.nixl.agent import check_page_mapping
 from dsv4_engine.pd.transport import (
-    Layout, PoolStates, Region, TransferInfo, TransferState, check_layout, check_slot_mapping, transfer_bytes,
+    Layout,
+    PoolStates,
+    Region,
+    TransferInfo,
+    TransferState,
+    check_layout,
+    check_slot_mapping,
+    transfer_bytes,
 )
 
 DISCONNECT = "remote disconnect: peer {} is gone"
@@ -120,19 +127,34 @@ class FakeTransport:
         return self._name
 
     def descriptor(self) -> dict:
-        return {"agent": self._name, "num_pages": self._num_pages, "num_slots": self._num_slots,
-                "page_size": self._layout.page_size, "regions": [r.to_dict() for r in self._regions]}
+        return {
+            "agent": self._name,
+            "num_pages": self._num_pages,
+            "num_slots": self._num_slots,
+            "page_size": self._layout.page_size,
+            "regions": [r.to_dict() for r in self._regions],
+        }
 
     def add_peer(self, desc: dict) -> str:
         name = desc["agent"]
         if name not in self.fabric.transports:
             raise ValueError(f"no fake transport named {name!r} on this fabric")
-        check_layout(self._layout, Layout(tuple(Region.from_dict(r) for r in desc["regions"]), desc.get("page_size", 0)), name)
+        check_layout(
+            self._layout, Layout(tuple(Region.from_dict(r) for r in desc["regions"]), desc.get("page_size", 0)), name
+        )
         self._peers.add(name)
         return name
 
-    def write_pages(self, peer: str, src_pages: Sequence[int], dst_pages: Sequence[int], notif: bytes, *,
-                    src_slot: Optional[int] = None, dst_slot: Optional[int] = None) -> int:
+    def write_pages(
+        self,
+        peer: str,
+        src_pages: Sequence[int],
+        dst_pages: Sequence[int],
+        notif: bytes,
+        *,
+        src_slot: Optional[int] = None,
+        dst_slot: Optional[int] = None,
+    ) -> int:
         if self._closed:
             raise RuntimeError(f"fake transport {self._name!r} is closed")
         if peer not in self._peers:
@@ -142,8 +164,17 @@ class FakeTransport:
         check_slot_mapping(src_slot, dst_slot, self._num_slots, target._num_slots)
         handle = next(self._ids)
         by_state = transfer_bytes(self._regions, len(src), src_slot is not None)
-        info = TransferInfo(handle, peer, len(src), sum(by_state.values()), TransferState.PENDING, None,
-                            time.monotonic(), None, by_state)
+        info = TransferInfo(
+            handle,
+            peer,
+            len(src),
+            sum(by_state.values()),
+            TransferState.PENDING,
+            None,
+            time.monotonic(),
+            None,
+            by_state,
+        )
         drop = self._drop > 0
         self._drop -= drop
 

@@ -5,8 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-FAULTS = ("stall_transfer", "fail_transfer", "drop_notification", "delay_bootstrap", "crash", "disable_deadlines",
-          "corrupt_transfer", "stall_long_context")
+FAULTS = (
+    "stall_transfer",
+    "fail_transfer",
+    "drop_notification",
+    "delay_bootstrap",
+    "crash",
+    "disable_deadlines",
+    "corrupt_transfer",
+    "stall_long_context",
+)
 STALL_DEFAULT_TOKENS = 1024  # stall_long_context's threshold when `tokens` is not given
 
 

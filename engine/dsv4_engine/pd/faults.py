@@ -131,8 +131,13 @@ class FaultyTransport:
     """A KVTransport that applies armed transfer faults, then defers to the real one. `states`
     (the sender's pool) is what corrupt_transfer flips a byte of."""
 
-    def __init__(self, inner: KVTransport, faults: FaultInjector, exit_fn: Callable[[int], Any] = os._exit,
-                 states: Optional[PoolStates] = None):
+    def __init__(
+        self,
+        inner: KVTransport,
+        faults: FaultInjector,
+        exit_fn: Callable[[int], Any] = os._exit,
+        states: Optional[PoolStates] = None,
+    ):
         self.inner = inner
         self.faults = faults
         self._exit = exit_fn
@@ -152,15 +157,24 @@ class FaultyTransport:
     def add_peer(self, desc: dict) -> str:
         return self.inner.add_peer(desc)
 
-    def write_pages(self, peer: str, src_pages: Sequence[int], dst_pages: Sequence[int], notif: bytes, *,
-                    src_slot: Optional[int] = None, dst_slot: Optional[int] = None) -> int:
+    def write_pages(
+        self,
+        peer: str,
+        src_pages: Sequence[int],
+        dst_pages: Sequence[int],
+        notif: bytes,
+        *,
+        src_slot: Optional[int] = None,
+        dst_slot: Optional[int] = None,
+    ) -> int:
         handle = next(self._ids)
         for fault, state in (("stall_transfer", TransferState.PENDING), ("fail_transfer", TransferState.FAILED)):
             if self.faults.take(fault):  # stalled: never started, never failed (the production wedge)
                 error = f"injected fault {fault}" if state is TransferState.FAILED else None
                 now = time.monotonic()
-                self._injected[handle] = TransferInfo(handle, peer, len(src_pages), 0, state, error, now,
-                                                      None if state is TransferState.PENDING else now)
+                self._injected[handle] = TransferInfo(
+                    handle, peer, len(src_pages), 0, state, error, now, None if state is TransferState.PENDING else now
+                )
                 return handle
         if self.faults.take("drop_notification"):
             notif = b""  # the data lands but decode is never told: its deadline must catch it
@@ -168,8 +182,9 @@ class FaultyTransport:
         if corrupt:
             self._restore[handle] = self._flip_byte(corrupt.get("state"), src_pages, src_slot)
         try:
-            self._handles[handle] = self.inner.write_pages(peer, src_pages, dst_pages, notif,
-                                                           **slot_args(src_slot, dst_slot))
+            self._handles[handle] = self.inner.write_pages(
+                peer, src_pages, dst_pages, notif, **slot_args(src_slot, dst_slot)
+            )
         except Exception:
             self._put_back(handle)
             raise

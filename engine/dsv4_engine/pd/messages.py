@@ -20,7 +20,9 @@ from typing import Any, Mapping, Optional
 def _int(body: Mapping[str, Any], name: str, minimum: Optional[int] = None) -> int:
     value = body.get(name)
     if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
-        raise ValueError(f"{name} must be an integer{f' >= {minimum}' if minimum is not None else ''}, got {value!r:.40}")
+        raise ValueError(
+            f"{name} must be an integer{f' >= {minimum}' if minimum is not None else ''}, got {value!r:.40}"
+        )
     return value
 
 
@@ -57,8 +59,9 @@ class RegisterRoom:
     def of(cls, body: Any) -> "RegisterRoom":
         body = _object(body, "a registration")
         pages = body.get("dst_pages")
-        if not isinstance(pages, list) or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0
-                                                  for p in pages):
+        if not isinstance(pages, list) or not all(
+            isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in pages
+        ):
             raise ValueError(f"dst_pages must be a list of page numbers, got {pages!r:.40}")
         slot = body.get("dst_slot")
         if slot is not None:
@@ -67,9 +70,16 @@ class RegisterRoom:
         if not isinstance(desc, dict):
             raise ValueError(f"desc must be a JSON object, got {desc!r:.40}")
         rid = body.get("rid", "")
-        return cls(room=_int(body, "room"), rid=rid if isinstance(rid, str) else str(rid), desc=desc,
-                   dst_pages=list(pages), decode_url=_str(body, "decode_url"), decode_boot=_str(body, "decode_boot"),
-                   dst_slot=slot, checksum=bool(body.get("checksum", False)))
+        return cls(
+            room=_int(body, "room"),
+            rid=rid if isinstance(rid, str) else str(rid),
+            desc=desc,
+            dst_pages=list(pages),
+            decode_url=_str(body, "decode_url"),
+            decode_boot=_str(body, "decode_boot"),
+            dst_slot=slot,
+            checksum=bool(body.get("checksum", False)),
+        )
 
 
 @dataclass(frozen=True)
@@ -116,7 +126,11 @@ class TransferNote:
             raise ValueError(f"checksums must be a JSON object, got {checksums!r:.40}")
         logprobs = body.get("logprobs")
         boot = body.get("prefill_boot", "")
-        return cls(room=_int(body, "room"), token=_int(body, "token", 0),
-                   prefill_boot=boot if isinstance(boot, str) else str(boot),
-                   cached_tokens=cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else 0,
-                   logprobs=logprobs if isinstance(logprobs, dict) else None, checksums=checksums)
+        return cls(
+            room=_int(body, "room"),
+            token=_int(body, "token", 0),
+            prefill_boot=boot if isinstance(boot, str) else str(boot),
+            cached_tokens=cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else 0,
+            logprobs=logprobs if isinstance(logprobs, dict) else None,
+            checksums=checksums,
+        )

@@ -63,9 +63,15 @@ class PrefillController(PDController):
     def register(self, msg: RegisterRoom) -> None:
         now = self.clock()
         reg = Registration(
-            room=msg.room, desc=msg.desc, dst_pages=msg.dst_pages, decode_url=msg.decode_url,
-            decode_boot=msg.decode_boot, received=now, apply_at=now + self.faults.bootstrap_delay(),
-            dst_slot=msg.dst_slot, checksum=msg.checksum,
+            room=msg.room,
+            desc=msg.desc,
+            dst_pages=msg.dst_pages,
+            decode_url=msg.decode_url,
+            decode_boot=msg.decode_boot,
+            received=now,
+            apply_at=now + self.faults.bootstrap_delay(),
+            dst_slot=msg.dst_slot,
+            checksum=msg.checksum,
         )
         self.heartbeat(reg.decode_boot)
         self.registrations.put(reg)
@@ -101,8 +107,13 @@ class PrefillController(PDController):
             self._poll_transfer(seq, now)
         for seq in list(self.bootstrap.values()):
             if seq.pd.expired(now):
-                self._fail(seq, 504, f"bootstrap timed out after {self.settings.bootstrap_timeout:g}s: "
-                           f"no decode peer registered room {seq.pd.room}", "num_bootstrap_failed_reqs")
+                self._fail(
+                    seq,
+                    504,
+                    f"bootstrap timed out after {self.settings.bootstrap_timeout:g}s: "
+                    f"no decode peer registered room {seq.pd.room}",
+                    "num_bootstrap_failed_reqs",
+                )
         self._check_decode_liveness(now)
         for room, reg in list(self.pending.items()):
             if now - reg.received > PENDING_REGISTRATION_TTL_S:
@@ -148,7 +159,12 @@ class PrefillController(PDController):
         seq.pd.peer_boot = reg.decode_boot
         need = -(-seq.num_tokens // self.engine.pool.page_size)  # prompt (+ a continuation's tokens)
         if len(reg.dst_pages) < need:
-            self._fail(seq, 500, f"decode reserved {len(reg.dst_pages)} pages, prompt needs {need}", "num_bootstrap_failed_reqs")
+            self._fail(
+                seq,
+                500,
+                f"decode reserved {len(reg.dst_pages)} pages, prompt needs {need}",
+                "num_bootstrap_failed_reqs",
+            )
             return
         try:
             seq.pd.peer = self.transport.add_peer(reg.desc)
@@ -156,8 +172,12 @@ class PrefillController(PDController):
             self._fail(seq, 502, f"cannot connect to decode peer: {e}", "num_bootstrap_failed_reqs")
             return
         if self.engine.pool.slots is not None and reg.dst_slot is None:
-            self._fail(seq, 500, f"decode reserved no slot row for this model's slot states "
-                       f"({', '.join(self.states.slots)})", "num_bootstrap_failed_reqs")
+            self._fail(
+                seq,
+                500,
+                f"decode reserved no slot row for this model's slot states ({', '.join(self.states.slots)})",
+                "num_bootstrap_failed_reqs",
+            )
             return
         del self.bootstrap[seq.pd.room]
         seq.pd.dst_pages = reg.dst_pages[:need]
@@ -183,11 +203,18 @@ class PrefillController(PDController):
             t0 = time.perf_counter()
             checksums = region_checksums(self.states, seq.pages[:n], src_slot)
             self.checksum_seconds += time.perf_counter() - t0
-        note = TransferNote(pd.room, seq.output_ids[-1], self.boot_id, seq.num_cached_tokens,
-                            logprobs[-1] if logprobs else None, checksums)
+        note = TransferNote(
+            pd.room,
+            seq.output_ids[-1],
+            self.boot_id,
+            seq.num_cached_tokens,
+            logprobs[-1] if logprobs else None,
+            checksums,
+        )
         try:
-            pd.handle = self.transport.write_pages(pd.peer, seq.pages[:n], pd.dst_pages, note.encode(),
-                                                   **slot_args(src_slot, pd.dst_slot))
+            pd.handle = self.transport.write_pages(
+                pd.peer, seq.pages[:n], pd.dst_pages, note.encode(), **slot_args(src_slot, pd.dst_slot)
+            )
         except Exception as e:
             self._fail(seq, 502, f"KV transfer could not start: {e}", "num_transfer_failed_reqs")
 
@@ -208,10 +235,20 @@ class PrefillController(PDController):
                 self.engine.finish(seq, "stop")
                 return
             if state is TransferState.FAILED:
-                self._fail(seq, 502, f"KV transfer to decode failed: {self.transport.error(pd.handle)}", "num_transfer_failed_reqs")
+                self._fail(
+                    seq,
+                    502,
+                    f"KV transfer to decode failed: {self.transport.error(pd.handle)}",
+                    "num_transfer_failed_reqs",
+                )
                 return
         if pd.expired(now):
-            self._fail(seq, 504, f"KV transfer timed out after {self.settings.transfer_timeout:g}s", "num_transfer_timeout_reqs")
+            self._fail(
+                seq,
+                504,
+                f"KV transfer timed out after {self.settings.transfer_timeout:g}s",
+                "num_transfer_timeout_reqs",
+            )
 
     def _check_decode_liveness(self, now: float) -> None:
         if not self.deadlines.on:
@@ -220,8 +257,12 @@ class PrefillController(PDController):
         for seq in list(self.inflight.values()):
             last = self.decode_heartbeats.get(seq.pd.peer_boot or "", now)
             if now - last > limit:
-                self._fail(seq, 502, f"decode peer {seq.pd.peer_url} stopped answering (no heartbeat for {now - last:.1f}s)",
-                           "num_transfer_failed_reqs")
+                self._fail(
+                    seq,
+                    502,
+                    f"decode peer {seq.pd.peer_url} stopped answering (no heartbeat for {now - last:.1f}s)",
+                    "num_transfer_failed_reqs",
+                )
 
     def abort_room(self, room: int, reason: str) -> None:
         """Decode gave up on this room: fail it here too, wherever it is."""
@@ -267,11 +308,25 @@ class PrefillController(PDController):
 
     def loads(self) -> tuple[dict, dict]:
         now = self.clock()
-        inflight = [{"rid": s.rid, "room": s.pd.room, "state": s.pd.state.value,
-                     "age_seconds": round(now - s.pd.transfer_started, 3), "peer": s.pd.peer_url}
-                    for s in list(self.inflight.values())]
-        return ({"bootstrap": len(self.bootstrap), "inflight": len(self.inflight)},
-                {"prefill_inflight_oldest_age_seconds": round(self.oldest_inflight_age(), 3),
-                 "inflight_requests": inflight, "requests": self.timelines(), "deadlines": self.deadlines.on, "boot_id": self.boot_id,
-                 "kv_transfer_bytes_by_state": dict(self.bytes_by_state),
-                 "transfer_checksum_seconds": round(self.checksum_seconds, 6)})
+        inflight = [
+            {
+                "rid": s.rid,
+                "room": s.pd.room,
+                "state": s.pd.state.value,
+                "age_seconds": round(now - s.pd.transfer_started, 3),
+                "peer": s.pd.peer_url,
+            }
+            for s in list(self.inflight.values())
+        ]
+        return (
+            {"bootstrap": len(self.bootstrap), "inflight": len(self.inflight)},
+            {
+                "prefill_inflight_oldest_age_seconds": round(self.oldest_inflight_age(), 3),
+                "inflight_requests": inflight,
+                "requests": self.timelines(),
+                "deadlines": self.deadlines.on,
+                "boot_id": self.boot_id,
+                "kv_transfer_bytes_by_state": dict(self.bytes_by_state),
+                "transfer_checksum_seconds": round(self.checksum_seconds, 6),
+            },
+        )

@@ -61,21 +61,32 @@ class PDRequestInfo:
 TIMELINE_REQUESTS = 32
 
 
-def timeline_view(rid: str, pd: PDRequestInfo, last_token_time: Optional[float], tokens: int, now: float,
-                  wall_now: float, events: Optional[list[tuple[str, float]]] = None) -> dict:
+def timeline_view(
+    rid: str,
+    pd: PDRequestInfo,
+    last_token_time: Optional[float],
+    tokens: int,
+    now: float,
+    wall_now: float,
+    events: Optional[list[tuple[str, float]]] = None,
+) -> dict:
     """One PD request's timeline as /v1/loads shows it: each event's age (seconds before `now`)
     and wall-clock time, the state it is in and for how long, and how long since it last made
     progress (an event or a token). Pure."""
     events = pd.timeline if events is None else events
     last = max([t for _, t in events] + ([last_token_time] if last_token_time is not None else []), default=now)
     return {
-        "rid": rid, "room": pd.room, "state": pd.state.value, "peer": pd.peer_url,
+        "rid": rid,
+        "room": pd.room,
+        "state": pd.state.value,
+        "peer": pd.peer_url,
         "in_state_seconds": round(now - pd.entered, 3),
         "deadline_in_seconds": None if pd.deadline is None else round(pd.deadline - now, 3),
         "output_tokens": tokens,
         "last_progress_seconds_ago": round(now - last, 3),
-        "events": [{"event": e, "seconds_ago": round(now - t, 3), "at": round(wall_now - (now - t), 3)}
-                   for e, t in events],
+        "events": [
+            {"event": e, "seconds_ago": round(now - t, 3), "at": round(wall_now - (now - t), 3)} for e, t in events
+        ],
     }
 
 

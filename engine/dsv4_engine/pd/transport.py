@@ -81,8 +81,14 @@ class Region:
     tokens_per_entry: int = 1  # a compressed state's rate; 1 for plain per-token state
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "dtype": self.dtype, "shape": list(self.shape),
-                "nbytes": self.nbytes, "tokens_per_entry": self.tokens_per_entry}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "nbytes": self.nbytes,
+            "tokens_per_entry": self.tokens_per_entry,
+        }
 
     @classmethod
     def from_dict(cls, d: object) -> "Region":
@@ -97,7 +103,9 @@ class Region:
         if not isinstance(shape, list) or not shape or not all(_pos_int(x) for x in shape):
             raise ValueError(f"region {name!r} shape must be positive integers, got {shape!r}")
         if not _pos_int(nbytes) or not _pos_int(tpe):
-            raise ValueError(f"region {name!r} nbytes and tokens_per_entry must be positive integers, got {nbytes!r}, {tpe!r}")
+            raise ValueError(
+                f"region {name!r} nbytes and tokens_per_entry must be positive integers, got {nbytes!r}, {tpe!r}"
+            )
         return cls(name, dtype, tuple(shape), nbytes, kind, tpe)
 
 
@@ -118,8 +126,12 @@ class PoolStates:
     @classmethod
     def of_pool(cls, pool: Any) -> "PoolStates":
         """The states of an engine's `KVPool`."""
-        return cls(dict(pool.states), dict(pool.slot_states), pool.page_size,
-                   {name: spec.tokens_per_entry for name, spec in pool.specs.items()})
+        return cls(
+            dict(pool.states),
+            dict(pool.slot_states),
+            pool.page_size,
+            {name: spec.tokens_per_entry for name, spec in pool.specs.items()},
+        )
 
     @classmethod
     def of(cls, states: Union["PoolStates", Mapping[str, torch.Tensor], torch.Tensor]) -> "PoolStates":
@@ -149,12 +161,21 @@ class PoolStates:
 
 
 def _region(name: str, t: torch.Tensor, kind: str, tpe: int) -> Region:
-    return Region(name, str(t.dtype).removeprefix("torch."), tuple(int(x) for x in t.shape[1:]),
-                  t[0].numel() * t.element_size(), kind, tpe)
+    return Region(
+        name,
+        str(t.dtype).removeprefix("torch."),
+        tuple(int(x) for x in t.shape[1:]),
+        t[0].numel() * t.element_size(),
+        kind,
+        tpe,
+    )
 
 
-def regions_of(states: Mapping[str, torch.Tensor], slot_states: Optional[Mapping[str, torch.Tensor]] = None,
-               tokens_per_entry: Optional[Mapping[str, int]] = None) -> list[Region]:
+def regions_of(
+    states: Mapping[str, torch.Tensor],
+    slot_states: Optional[Mapping[str, torch.Tensor]] = None,
+    tokens_per_entry: Optional[Mapping[str, int]] = None,
+) -> list[Region]:
     """The regions of a pool's states, paged ones then slot ones, each in declaration order;
     checks each is unit-major (page-major / row-major) and shares its kind's unit count."""
     if not states:
@@ -165,9 +186,13 @@ def regions_of(states: Mapping[str, torch.Tensor], slot_states: Optional[Mapping
         count = None
         for name, t in group.items():
             if not isinstance(t, torch.Tensor) or t.dim() < 2 or not t.is_contiguous() or t.numel() == 0:
-                raise ValueError(f"state {name!r} must be a contiguous non-empty tensor [num_{unit.replace(' ', '_')}, ...]")
+                raise ValueError(
+                    f"state {name!r} must be a contiguous non-empty tensor [num_{unit.replace(' ', '_')}, ...]"
+                )
             if count is not None and t.shape[0] != count:
-                raise ValueError(f"state {name!r} has {t.shape[0]} {unit}, the others {count}: they share {unit[:-1]} ids")
+                raise ValueError(
+                    f"state {name!r} has {t.shape[0]} {unit}, the others {count}: they share {unit[:-1]} ids"
+                )
             count = t.shape[0]
             out.append(_region(name, t, kind, int(tpe.get(name, 1))))
     if len({r.name for r in out}) != len(out):
@@ -253,8 +278,16 @@ class KVTransport(Protocol):
 
     def add_peer(self, desc: dict) -> str: ...
 
-    def write_pages(self, peer: str, src_pages: Sequence[int], dst_pages: Sequence[int], notif: bytes, *,
-                    src_slot: Optional[int] = None, dst_slot: Optional[int] = None) -> int: ...
+    def write_pages(
+        self,
+        peer: str,
+        src_pages: Sequence[int],
+        dst_pages: Sequence[int],
+        notif: bytes,
+        *,
+        src_slot: Optional[int] = None,
+        dst_slot: Optional[int] = None,
+    ) -> int: ...
 
     def poll(self, handle: int) -> TransferState: ...
 

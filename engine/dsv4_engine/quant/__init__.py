@@ -10,7 +10,19 @@ from dsv4_engine.quant.scheme import QuantScheme, UnsupportedQuantization, check
 from dsv4_engine.quant.tensors import QuantWeight, dense, is_quantized, moe_experts_for, one_format
 
 __all__ = [
-    "LoadReport", "QuantScheme", "QuantWeight", "UnsupportedQuantization", "checkpoint_scheme", "dense",
-    "is_quantized", "keep_quantized", "log_resident", "moe_experts_for", "one_format", "pair_quantized", "place", "resident_bytes",
+    "LoadReport",
+    "QuantScheme",
+    "QuantWeight",
+    "UnsupportedQuantization",
+    "checkpoint_scheme",
+    "dense",
+    "is_quantized",
+    "keep_quantized",
+    "log_resident",
+    "moe_experts_for",
+    "one_format",
+    "pair_quantized",
+    "place",
+    "resident_bytes",
     "scheme_from_config",
 ]

@@ -27,6 +27,7 @@ FP4_MAX = 6.0
 
 # ---- scales ----------------------------------------------------------------------------------------
 
+
 def float_to_e8m0_bytes(s: torch.Tensor) -> torch.Tensor:
     """Exact powers of two (fp32) -> exponent bytes (uint8)."""
     e = torch.log2(s.float()).round()
@@ -45,8 +46,10 @@ def _pow2_ceil(x: torch.Tensor) -> torch.Tensor:
 
 # ---- fp8 block ---------------------------------------------------------------------------------
 
-def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128), pow2: bool = False
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+
+def quantize_fp8_block(
+    w: torch.Tensor, block: tuple[int, int] = (128, 128), pow2: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] float -> (e4m3 [N, K], fp32 scale_inv [ceil(N/bn), ceil(K/bk)]). pow2 rounds each
     scale up to a power of two (ue8m0 storage) so that it is stored exactly."""
     N, K = w.shape
@@ -68,12 +71,14 @@ def expand_block_scale(scale_inv: torch.Tensor, n: int, bn: int) -> torch.Tensor
     return scale_inv.repeat_interleave(bn, dim=-2)[..., :n, :].contiguous()
 
 
-def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),
-                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_fp8_block(
+    q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128), dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     return dequantize_fp8_rows(q, expand_block_scale(scale_as_float(scale_inv), q.shape[-2], block[0]), block[1], dtype)
 
 
 # ---- fp4 (e2m1) ----------------------------------------------------------------------------------
+
 
 def quantize_fp4(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] float (K a multiple of group) -> (packed int8 [N, K/2], e8m0 exponent bytes
@@ -104,7 +109,17 @@ def fp4_bytes_per_param(group: int = 32) -> float:
 
 
 __all__ = [
-    "FP8_MAX", "E2M1_VALUES", "cdiv", "quantize_fp8_block", "dequantize_fp8_block", "dequantize_fp8_rows",
-    "expand_block_scale", "quantize_fp4", "unpack_fp4", "dequantize_fp4", "e8m0_to_float", "float_to_e8m0_bytes",
+    "FP8_MAX",
+    "E2M1_VALUES",
+    "cdiv",
+    "quantize_fp8_block",
+    "dequantize_fp8_block",
+    "dequantize_fp8_rows",
+    "expand_block_scale",
+    "quantize_fp4",
+    "unpack_fp4",
+    "dequantize_fp4",
+    "e8m0_to_float",
+    "float_to_e8m0_bytes",
     "scale_as_float",
 ]

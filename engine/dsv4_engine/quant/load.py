@@ -53,8 +53,9 @@ def _fp8(name: str, q: torch.Tensor, s: torch.Tensor, scheme: QuantScheme) -> Qu
     N, K = q.shape[-2:]
     want = (*q.shape[:-2], cdiv(N, bn), cdiv(K, bk))
     if tuple(s.shape) != want:
-        raise UnsupportedQuantization(f"{name}: fp8 weight {tuple(q.shape)} needs scales {want} for {bn}x{bk} blocks, "
-                                      f"found {tuple(s.shape)}")
+        raise UnsupportedQuantization(
+            f"{name}: fp8 weight {tuple(q.shape)} needs scales {want} for {bn}x{bk} blocks, found {tuple(s.shape)}"
+        )
     return QuantWeight(FP8, q, scale_as_float(s).contiguous(), K)  # block scales kept as stored
 
 
@@ -62,8 +63,10 @@ def _fp4(name: str, q: torch.Tensor, s: torch.Tensor) -> QuantWeight:
     K = 2 * q.shape[-1]
     want = (*q.shape[:-1], cdiv(K, FP4_GROUP))
     if tuple(s.shape) != want:
-        raise UnsupportedQuantization(f"{name}: fp4 weight {tuple(q.shape)} (packed) needs one scale per {FP4_GROUP} "
-                                      f"values {want}, found {tuple(s.shape)}")
+        raise UnsupportedQuantization(
+            f"{name}: fp4 weight {tuple(q.shape)} (packed) needs one scale per {FP4_GROUP} "
+            f"values {want}, found {tuple(s.shape)}"
+        )
     if s.dtype == torch.uint8:
         exps = s
     elif _E8M0 is not None and s.dtype == _E8M0:
@@ -76,8 +79,7 @@ def _fp4(name: str, q: torch.Tensor, s: torch.Tensor) -> QuantWeight:
     return QuantWeight(FP4, q.contiguous().view(torch.uint8), exps.contiguous(), K)
 
 
-def pair_quantized(raw: dict[str, torch.Tensor], scheme: Optional[QuantScheme]
-                   ) -> tuple[dict[str, Any], LoadReport]:
+def pair_quantized(raw: dict[str, torch.Tensor], scheme: Optional[QuantScheme]) -> tuple[dict[str, Any], LoadReport]:
     """name -> tensor, or QuantWeight for a quantized weight (its scale entry consumed)."""
     out: dict[str, Any] = {}
     report = LoadReport()
@@ -90,8 +92,10 @@ def pair_quantized(raw: dict[str, torch.Tensor], scheme: Optional[QuantScheme]
         if t.dtype in _FP8_DTYPES or (sk is not None and t.dtype in _PACKED_FP4):
             scale_of[name] = sk
         elif sk is not None and t.is_floating_point():
-            raise UnsupportedQuantization(f"{name} is {t.dtype} (not quantized) but the checkpoint also holds "
-                                          f"scales for it ({sk}): refusing to guess whether they apply")
+            raise UnsupportedQuantization(
+                f"{name} is {t.dtype} (not quantized) but the checkpoint also holds "
+                f"scales for it ({sk}): refusing to guess whether they apply"
+            )
     scales = {sk for sk in scale_of.values() if sk is not None}
     for name, t in raw.items():
         if name in scales:
@@ -101,20 +105,25 @@ def pair_quantized(raw: dict[str, torch.Tensor], scheme: Optional[QuantScheme]
             report.add(str(t.dtype).removeprefix("torch."), t.nbytes)
             continue
         if scheme is None:
-            raise UnsupportedQuantization(f"{name} is quantized ({t.dtype}) but config.json has no "
-                                          f"quantization_config: refusing to guess its scales")
+            raise UnsupportedQuantization(
+                f"{name} is quantized ({t.dtype}) but config.json has no "
+                f"quantization_config: refusing to guess its scales"
+            )
         sk = scale_of[name]
         if sk is None:
-            raise UnsupportedQuantization(f"{name} is {t.dtype} but the checkpoint has no scales for it "
-                                          f"(expected {name.removesuffix('.weight')}.weight_scale_inv or .scale)")
+            raise UnsupportedQuantization(
+                f"{name} is {t.dtype} but the checkpoint has no scales for it "
+                f"(expected {name.removesuffix('.weight')}.weight_scale_inv or .scale)"
+            )
         s = raw[sk]
         if t.dtype in _FP8_DTYPES:
             out[name] = _fp8(name, t, s, scheme)
             report.add("fp8", t.nbytes + s.nbytes)
         else:
             if scheme.expert_dtype != "fp4":
-                raise UnsupportedQuantization(f"{name} is packed fp4 but quantization_config says expert_dtype "
-                                              f"{scheme.expert_dtype!r}")
+                raise UnsupportedQuantization(
+                    f"{name} is packed fp4 but quantization_config says expert_dtype {scheme.expert_dtype!r}"
+                )
             out[name] = _fp4(name, t, s)
             report.add("fp4", t.nbytes + s.nbytes)
     return out, report
@@ -134,8 +143,10 @@ def place(t: Any, device: torch.device, dtype: Optional[torch.dtype]) -> Any:
     if t.dtype in _FP8_DTYPES | _OTHER_FP8 or t.dtype == getattr(torch, "float4_e2m1fn_x2", None):
         # a quantized tensor that reached a model without its scales (not through load_weights):
         # casting it would silently misread it
-        raise UnsupportedQuantization(f"a {t.dtype} weight reached the model without its scales; "
-                                      f"load checkpoints with dsv4_engine.weights.load_weights")
+        raise UnsupportedQuantization(
+            f"a {t.dtype} weight reached the model without its scales; "
+            f"load checkpoints with dsv4_engine.weights.load_weights"
+        )
     t = t.to(device=device)
     return (t.to(dtype) if dtype is not None else t).contiguous()
 
@@ -173,6 +184,14 @@ def log_resident(model: str, device: torch.device, *objs: Any) -> dict[str, int]
     b = resident_bytes(*objs)
     total = sum(b.values())
     how = "kept quantized" if keep_quantized(device) else "quantized weights dequantized once at load"
-    log.info("%s weights resident on %s: %s (fp8 %s, fp4 %s, dense %s; %s)", model, torch.device(device).type,
-             mib(total), mib(b["fp8"]), mib(b["fp4"]), mib(b["dense"]), how)
+    log.info(
+        "%s weights resident on %s: %s (fp8 %s, fp4 %s, dense %s; %s)",
+        model,
+        torch.device(device).type,
+        mib(total),
+        mib(b["fp8"]),
+        mib(b["fp4"]),
+        mib(b["dense"]),
+        how,
+    )
     return b

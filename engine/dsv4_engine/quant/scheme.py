@@ -60,7 +60,9 @@ def scheme_from_config(config: dict) -> Optional[QuantScheme]:
         raise UnsupportedQuantization(f"unsupported fp8 fmt {fmt!r}: this engine loads e4m3 weights")
     act = q.get("activation_scheme", "dynamic")
     if act != "dynamic":
-        raise UnsupportedQuantization(f"unsupported fp8 activation_scheme {act!r}: this engine quantizes activations dynamically")
+        raise UnsupportedQuantization(
+            f"unsupported fp8 activation_scheme {act!r}: this engine quantizes activations dynamically"
+        )
     scale_fmt = q.get("scale_fmt") or "float"
     if scale_fmt not in ("float", "ue8m0"):
         raise UnsupportedQuantization(f"unsupported fp8 scale_fmt {scale_fmt!r}: expected 'float' or 'ue8m0'")
@@ -109,8 +111,11 @@ def _safetensors_files(d: Path) -> list[Path]:
     return sorted(d.glob("*.safetensors"))
 
 
-def tensor_refusal(tensors: dict[str, tuple[str, tuple[int, ...]]], scheme: Optional[QuantScheme],
-                   files: Optional[dict[str, str]] = None) -> Optional[str]:
+def tensor_refusal(
+    tensors: dict[str, tuple[str, tuple[int, ...]]],
+    scheme: Optional[QuantScheme],
+    files: Optional[dict[str, str]] = None,
+) -> Optional[str]:
     """Why these tensors (name -> (dtype code, shape), every file of a checkpoint) cannot be read
     correctly under `scheme`, in one line, or None. From the headers alone, so that a bad tensor
     stops the engine before any weight is read (and, at --tp-size > 1, before any rank starts:
@@ -120,33 +125,48 @@ def tensor_refusal(tensors: dict[str, tuple[str, tuple[int, ...]]], scheme: Opti
         if sk is not None and code in _FLOAT_CODES:
             # scales beside an unquantized weight: were the values dequantized already, or cast
             # without their scales? Either reading could be wrong.
-            return (f"{name} is {code} (not quantized) but the checkpoint also holds scales for it ({sk}): "
-                    f"refusing to guess whether they apply")
+            return (
+                f"{name} is {code} (not quantized) but the checkpoint also holds scales for it ({sk}): "
+                f"refusing to guess whether they apply"
+            )
         if scheme is None:
-            if code in _QUANTIZED_CODES or name.endswith(("_scale_inv", ".weight_scale")) or (
-                    sk is not None and code in _PACKED_FP4_CODES):
-                return (f"{(files or {}).get(name, 'the checkpoint')} holds quantized tensor {name} ({code}) but "
-                        f"config.json has no quantization_config: "
-                        f"refusing to guess its scales")
+            if (
+                code in _QUANTIZED_CODES
+                or name.endswith(("_scale_inv", ".weight_scale"))
+                or (sk is not None and code in _PACKED_FP4_CODES)
+            ):
+                return (
+                    f"{(files or {}).get(name, 'the checkpoint')} holds quantized tensor {name} ({code}) but "
+                    f"config.json has no quantization_config: "
+                    f"refusing to guess its scales"
+                )
             continue
         if code in ("F8_E5M2",):
             return f"{name} is {code}: this engine loads e4m3 fp8 weights only"
         if code == "F8_E4M3":
             if sk is None:
-                return (f"{name} is fp8 ({code}) but the checkpoint has no scales for it (expected "
-                        f"{name.removesuffix('.weight')}.weight_scale_inv or .scale)")
+                return (
+                    f"{name} is fp8 ({code}) but the checkpoint has no scales for it (expected "
+                    f"{name.removesuffix('.weight')}.weight_scale_inv or .scale)"
+                )
             bn, bk = scheme.block
             want = (*shape[:-2], cdiv(shape[-2], bn), cdiv(shape[-1], bk)) if len(shape) >= 2 else None
             if tensors[sk][1] != want:
-                return (f"{name}: fp8 weight {shape} needs scales {want} for {bn}x{bk} blocks, found "
-                        f"{tensors[sk][1]} in {sk}")
+                return (
+                    f"{name}: fp8 weight {shape} needs scales {want} for {bn}x{bk} blocks, found "
+                    f"{tensors[sk][1]} in {sk}"
+                )
         elif sk is not None and code in _PACKED_FP4_CODES:
             if scheme.expert_dtype != "fp4":
-                return f"{name} is packed fp4 ({code}) but quantization_config says expert_dtype {scheme.expert_dtype!r}"
+                return (
+                    f"{name} is packed fp4 ({code}) but quantization_config says expert_dtype {scheme.expert_dtype!r}"
+                )
             want = (*shape[:-1], cdiv(2 * shape[-1], FP4_GROUP)) if shape else None
             if tensors[sk][1] != want:
-                return (f"{name}: fp4 weight {shape} (packed) needs one scale per {FP4_GROUP} values {want}, "
-                        f"found {tensors[sk][1]} in {sk}")
+                return (
+                    f"{name}: fp4 weight {shape} (packed) needs one scale per {FP4_GROUP} values {want}, "
+                    f"found {tensors[sk][1]} in {sk}"
+                )
     return None
 
 

@@ -57,7 +57,9 @@ class QuantWeight:
         if rb == 1:
             return self
         n = self.data.shape[-2]
-        return QuantWeight(self.kind, self.data, self.scale.repeat_interleave(rb, dim=-2)[..., :n, :].contiguous(), self.k)
+        return QuantWeight(
+            self.kind, self.data, self.scale.repeat_interleave(rb, dim=-2)[..., :n, :].contiguous(), self.k
+        )
 
     @property
     def nbytes(self) -> int:
@@ -87,8 +89,9 @@ class QuantWeight:
             raise ValueError("a QuantWeight can be chunked along its rows only")
         n, rb = self.data.shape[-2], self.row_block
         w = self if n % chunks == 0 and (n // chunks) % rb == 0 else self.per_row()
-        return tuple(QuantWeight(self.kind, d, s, self.k)
-                     for d, s in zip(w.data.chunk(chunks, -2), w.scale.chunk(chunks, -2)))
+        return tuple(
+            QuantWeight(self.kind, d, s, self.k) for d, s in zip(w.data.chunk(chunks, -2), w.scale.chunk(chunks, -2))
+        )
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] @ W^T -> [..., N] in x's dtype."""
@@ -132,8 +135,9 @@ class QuantWeight:
                 aligned = aligned and len({p.data.shape for p in parts}) == 1
             if not aligned:  # rows of different blocks would share a scale row: scales per row
                 parts = [p.per_row() for p in parts]
-            return QuantWeight(parts[0].kind, func([p.data for p in parts], dim), func([p.scale for p in parts], dim),
-                               parts[0].k)
+            return QuantWeight(
+                parts[0].kind, func([p.data for p in parts], dim), func([p.scale for p in parts], dim), parts[0].k
+            )
         raise TypeError(
             f"{getattr(func, '__name__', func)} is not defined on a quantized ({types}) weight: only F.linear, "
             f"torch.cat/stack of rows and expert indexing are; dequantize it at load instead"

@@ -24,15 +24,18 @@ def speculation_refusal(args) -> Optional[str]:
     from dsv4_engine.models import entry_for_dir
 
     entry = entry_for_dir(args.model)
-    refusal = engine_refusal(algorithm, args.speculative_num_steps, entry.model_type, num_mtp_layers(args.model),
-                             args.role, args.tp_size)
+    refusal = engine_refusal(
+        algorithm, args.speculative_num_steps, entry.model_type, num_mtp_layers(args.model), args.role, args.tp_size
+    )
     if refusal is None and entry.model_type == "deepseek_v4":
         from dsv4_engine.spec_decode.mtp_v4 import min_ring
 
         ring = min_ring(entry.model_class().state_specs(entry.config_class().from_dir(args.model)))
         if args.speculative_num_steps + 1 > ring:
-            return (f"--speculative-num-steps {args.speculative_num_steps}: a step's drafts and last token must fit "
-                    f"the model's smallest ring ({ring} positions: window or compressor stage); use at most {ring - 1}")
+            return (
+                f"--speculative-num-steps {args.speculative_num_steps}: a step's drafts and last token must fit "
+                f"the model's smallest ring ({ring} positions: window or compressor stage); use at most {ring - 1}"
+            )
     return refusal
 
 

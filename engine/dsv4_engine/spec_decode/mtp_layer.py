@@ -100,8 +100,13 @@ class MTPLayer:
         self.embed = dense(take(p + "embed_tokens.weight"), dt) if p + "embed_tokens.weight" in w else model.embed
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, states: dict[str, torch.Tensor], prev_hidden: torch.Tensor,
-                rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        fb: ForwardBatch,
+        states: dict[str, torch.Tensor],
+        prev_hidden: torch.Tensor,
+        rows: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """fb's input_ids are the next tokens (i+1 for position i), prev_hidden [T, hidden] the
         hidden states they follow. Writes the block's KV at fb's slots. Returns (fp32 logits,
         output hidden state) of the tokens at `rows` (default: each request's last)."""

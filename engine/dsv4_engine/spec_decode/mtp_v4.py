@@ -54,12 +54,13 @@ def load_v4_mtp_weights(model_dir: str | Path, n: int, layer: int) -> dict:
     out = {}
     for prefix in (f"mtp.{n}.", f"model.mtp.{n}."):
         for name, t in load_layer_weights(model_dir, prefix).items():
-            rest = re.sub(r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1", name[len(prefix):])
+            rest = re.sub(r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1", name[len(prefix) :])
             out[f"layers.{layer}.{rest}"] = t
     return to_release_layout(out)
 
 
 # ---- the target's side: streams for every position, the head on chosen rows -------------------
+
 
 def run_layers(m: DeepseekV4, layers: list[tuple[int, dict]], x: torch.Tensor, fb, states: dict) -> torch.Tensor:
     """x [T, hc, D] through `layers` ((state layer index, weights) pairs) as DeepseekV4.forward
@@ -113,11 +114,15 @@ class V4MTPLayer:
         p = f"layers.{self.layer}."
         w = load_v4_mtp_weights(model_dir, index, self.layer)
         if not w:
-            raise ValueError(f"config.json says num_nextn_predict_layers >= 1 but the checkpoint has no mtp.{index}.* "
-                             "tensors (DeepSeek-V4's MTP block)")
+            raise ValueError(
+                f"config.json says num_nextn_predict_layers >= 1 but the checkpoint has no mtp.{index}.* "
+                "tensors (DeepSeek-V4's MTP block)"
+            )
         if any(k.startswith(p + "attn.compressor.") or k.startswith(p + "attn.indexer.") for k in w):
-            raise ValueError("--speculative-algorithm mtp: this V4 MTP block has a compressor (compressed "
-                             "attention); only a sliding-window MTP block is supported")
+            raise ValueError(
+                "--speculative-algorithm mtp: this V4 MTP block has a compressor (compressed "
+                "attention); only a sliding-window MTP block is supported"
+            )
         f32 = torch.float32
 
         def take(name: str, dtype: Optional[torch.dtype] = dt):
@@ -128,16 +133,26 @@ class V4MTPLayer:
         E = cfg.n_routed_experts
         L = {
             "type": SLIDING,
-            "attn_norm": take("attn_norm.weight", f32), "ffn_norm": take("ffn_norm.weight", f32),
+            "attn_norm": take("attn_norm.weight", f32),
+            "ffn_norm": take("ffn_norm.weight", f32),
             "hc_attn": tuple(take(f"hc_attn_{k}", f32) for k in ("fn", "base", "scale")),
             "hc_ffn": tuple(take(f"hc_ffn_{k}", f32) for k in ("fn", "base", "scale")),
-            "wq_a": take("attn.wq_a.weight"), "q_norm": take("attn.q_norm.weight", f32),
-            "wq_b": take("attn.wq_b.weight"), "wkv": take("attn.wkv.weight"),
-            "kv_norm": take("attn.kv_norm.weight", f32), "wo_a": dense(take("attn.wo_a.weight"), dt),
-            "wo_b": take("attn.wo_b.weight"), "sink": take("attn.attn_sink", f32),
-            "gate": take("ffn.gate.weight"), "bias": take("ffn.gate.bias", f32),
-            "w13": torch.stack([torch.cat([take(f"ffn.experts.{e}.w1.weight"), take(f"ffn.experts.{e}.w3.weight")], 0)
-                                for e in range(E)]),
+            "wq_a": take("attn.wq_a.weight"),
+            "q_norm": take("attn.q_norm.weight", f32),
+            "wq_b": take("attn.wq_b.weight"),
+            "wkv": take("attn.wkv.weight"),
+            "kv_norm": take("attn.kv_norm.weight", f32),
+            "wo_a": dense(take("attn.wo_a.weight"), dt),
+            "wo_b": take("attn.wo_b.weight"),
+            "sink": take("attn.attn_sink", f32),
+            "gate": take("ffn.gate.weight"),
+            "bias": take("ffn.gate.bias", f32),
+            "w13": torch.stack(
+                [
+                    torch.cat([take(f"ffn.experts.{e}.w1.weight"), take(f"ffn.experts.{e}.w3.weight")], 0)
+                    for e in range(E)
+                ]
+            ),
             "w2": torch.stack([take(f"ffn.experts.{e}.w2.weight") for e in range(E)]),
             "s_w13": torch.cat([take("ffn.shared_experts.w1.weight"), take("ffn.shared_experts.w3.weight")], 0),
             "s_w2": take("ffn.shared_experts.w2.weight"),
@@ -149,8 +164,9 @@ class V4MTPLayer:
         self.hc_head = tuple(take(f"hc_head_{k}", f32) for k in ("fn", "base", "scale"))
 
     @torch.inference_mode()
-    def forward(self, fb, states: dict[str, torch.Tensor], prev: torch.Tensor,
-                rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, fb, states: dict[str, torch.Tensor], prev: torch.Tensor, rows: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """fb's input_ids are the next tokens (i+1 for position i), prev [T, hc, D] the streams
         they follow. Writes the block's ring at fb's positions. Returns (fp32 logits, output
         streams) of the tokens at `rows` (default: each request's last)."""
@@ -172,16 +188,20 @@ class RingRollback:
         self.rows = torch.tensor(rows, dtype=torch.long, device=dev)
         self.pos = torch.tensor(positions, dtype=torch.long, device=dev)
         self.rings = rings
-        self.saved = {name: st[self.rows, :, self.pos % st.shape[2]].clone() for name, st in rings.items()} \
-            if rows else {}
+        self.saved = (
+            {name: st[self.rows, :, self.pos % st.shape[2]].clone() for name, st in rings.items()} if rows else {}
+        )
 
     def restore(self, keep_below: Optional[list[int]] = None) -> None:
         """Put back the saved entries: all of them, or those at positions >= keep_below[k] (one
         bound per saved entry: its request's first rejected position)."""
         if not self.saved:
             return
-        sel = slice(None) if keep_below is None else \
-            self.pos >= torch.tensor(keep_below, dtype=torch.long, device=self.pos.device)
+        sel = (
+            slice(None)
+            if keep_below is None
+            else self.pos >= torch.tensor(keep_below, dtype=torch.long, device=self.pos.device)
+        )
         for name, st in self.rings.items():
             st[self.rows[sel], :, (self.pos % st.shape[2])[sel]] = self.saved[name][sel]
 
@@ -190,4 +210,3 @@ def min_ring(specs: list[StateSpec]) -> int:
     """The smallest ring of the main model's slot states: a step's drafts (plus its last real
     token) must not wrap around it, or a rejected draft would overwrite an accepted one."""
     return min((s.slots for s in specs if not s.paged), default=1 << 30)
-

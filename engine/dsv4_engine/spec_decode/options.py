@@ -19,13 +19,16 @@ def normalize_algorithm(name: Optional[str]) -> Optional[str]:
         return None
     canon = ALGORITHM_ALIASES.get(name.lower())
     if canon is None:
-        raise ValueError(f"--speculative-algorithm {name!r} is not supported; use mtp "
-                         f"(aliases: {', '.join(sorted(set(ALGORITHM_ALIASES) - {'mtp'}))})")
+        raise ValueError(
+            f"--speculative-algorithm {name!r} is not supported; use mtp "
+            f"(aliases: {', '.join(sorted(set(ALGORITHM_ALIASES) - {'mtp'}))})"
+        )
     return canon
 
 
-def engine_refusal(algorithm: Optional[str], num_steps: int, model_type: str, num_mtp_layers: int, role: str,
-                   tp_size: int) -> Optional[str]:
+def engine_refusal(
+    algorithm: Optional[str], num_steps: int, model_type: str, num_mtp_layers: int, role: str, tp_size: int
+) -> Optional[str]:
     """Why an engine cannot speculate as asked, in one line, or None. Everything not built yet is
     refused here rather than run without speculation."""
     if algorithm is None:
@@ -35,8 +38,10 @@ def engine_refusal(algorithm: Optional[str], num_steps: int, model_type: str, nu
     if model_type not in ("deepseek_v3", "deepseek_v4"):
         return f"--speculative-algorithm mtp runs DeepSeek-V3's and V4's MTP layer; {model_type} is not supported"
     if num_mtp_layers < 1:
-        return ("--speculative-algorithm mtp needs a checkpoint with an MTP layer (config.json "
-                "num_nextn_predict_layers >= 1; `dsv4 model init --mtp` writes one)")
+        return (
+            "--speculative-algorithm mtp needs a checkpoint with an MTP layer (config.json "
+            "num_nextn_predict_layers >= 1; `dsv4 model init --mtp` writes one)"
+        )
     if tp_size != 1:
         return "--speculative-algorithm mtp is not supported with --tp-size > 1 yet"
     return None
@@ -46,14 +51,18 @@ def request_refusal(params) -> Optional[str]:
     """Why a request cannot be served by a speculating engine, naming the field, or None.
     Logits processing (penalties, logit_bias, min_tokens) depends on the tokens before each
     position, which verification would have to replay per draft: not built yet."""
-    for field, active in (("presence_penalty", params.presence_penalty != 0),
-                          ("frequency_penalty", params.frequency_penalty != 0),
-                          ("repetition_penalty", params.repetition_penalty != 1),
-                          ("logit_bias", bool(params.logit_bias)),
-                          ("min_tokens", params.min_tokens > 0)):
+    for field, active in (
+        ("presence_penalty", params.presence_penalty != 0),
+        ("frequency_penalty", params.frequency_penalty != 0),
+        ("repetition_penalty", params.repetition_penalty != 1),
+        ("logit_bias", bool(params.logit_bias)),
+        ("min_tokens", params.min_tokens > 0),
+    ):
         if active:
             return f"{field} is not supported with --speculative-algorithm mtp yet"
     if getattr(params, "structured", None) is not None:  # response_format / structured_outputs / guided_*
-        return "structured outputs (response_format, structured_outputs, guided_*) are not supported with " \
-               "--speculative-algorithm mtp yet"
+        return (
+            "structured outputs (response_format, structured_outputs, guided_*) are not supported with "
+            "--speculative-algorithm mtp yet"
+        )
     return None

@@ -93,7 +93,8 @@ class MTPSpeculator:
         drafts = t.get("spec_decode_num_draft_tokens", 0)
         accepted = t.get("spec_decode_num_accepted_tokens", 0)
         return {
-            "algorithm": "mtp", "num_steps": self.k,
+            "algorithm": "mtp",
+            "num_steps": self.k,
             # Tokens a verify step emits on average (accepted drafts + the target's own).
             "mean_acceptance_length": round(1 + accepted / steps, 4) if steps else None,
             "draft_acceptance_rate": round(accepted / drafts, 4) if drafts else None,
@@ -112,14 +113,30 @@ class MTPSpeculator:
         news = hb.extend_lens.tolist()
         t = buffers.upload(hb)
         return ForwardBatch(
-            input_ids=t["input_ids"], positions=t["positions"], slot_mapping=t["slot_mapping"],
-            block_table=t["block_table"], seq_lens=t["seq_lens"], extend_lens=t["extend_lens"],
-            logits_indices=t["logits_indices"], all_decode=all(n == 1 for n in news), slot_ids=t.get("slot_ids"),
-            page_size=page_size, seq_lens_host=hb.seq_lens.tolist(), extend_lens_host=news,
+            input_ids=t["input_ids"],
+            positions=t["positions"],
+            slot_mapping=t["slot_mapping"],
+            block_table=t["block_table"],
+            seq_lens=t["seq_lens"],
+            extend_lens=t["extend_lens"],
+            logits_indices=t["logits_indices"],
+            all_decode=all(n == 1 for n in news),
+            slot_ids=t.get("slot_ids"),
+            page_size=page_size,
+            seq_lens_host=hb.seq_lens.tolist(),
+            extend_lens_host=news,
         )
 
-    def _batch(self, buffers: BatchBuffers, starts: list[int], news: list[int], pages: list[list[int]],
-               toks: list[list[int]], slots: list, page_size: int) -> ForwardBatch:
+    def _batch(
+        self,
+        buffers: BatchBuffers,
+        starts: list[int],
+        news: list[int],
+        pages: list[list[int]],
+        toks: list[list[int]],
+        slots: list,
+        page_size: int,
+    ) -> ForwardBatch:
         """The step's batch. On V3, when every request computes at most k+1 tokens (verify rows,
         short chunks), each token becomes a one-token row of its own (its request's pages, the
         context up to itself): the whole step runs the batched decode attention instead of a
@@ -155,9 +172,15 @@ class MTPSpeculator:
         # V4's rings: what the drafts' positions will overwrite, to put back where they are rejected.
         spec_rows = [i for i in range(len(batch)) if ndraft[i]]
         rings = {n: t for n, t in pool.slot_states.items() if n != self.mtp_ring}
-        ring_undo = RingRollback(rings, [slots[i] for i in spec_rows for _ in range(ndraft[i])],
-                                 [starts[i] + real[i] + j for i in spec_rows for j in range(ndraft[i])]) \
-            if rings and spec_rows else None
+        ring_undo = (
+            RingRollback(
+                rings,
+                [slots[i] for i in spec_rows for _ in range(ndraft[i])],
+                [starts[i] + real[i] + j for i in spec_rows for j in range(ndraft[i])],
+            )
+            if rings and spec_rows
+            else None
+        )
         hidden = self.target.hidden(fb, states)  # [T, hidden] (V4: [T, hc, hidden] streams)
         row0 = [0, *itertools.accumulate(news)][:-1]  # first token row of each request
 
@@ -169,8 +192,11 @@ class MTPSpeculator:
             logits = self.target.logits(hidden[torch.tensor(idx, device=dev)])
             self._verify(batch, ends, ndraft, logits, results)
         if ring_undo is not None:  # a failed row's request ends: its row's content no longer matters
-            first_rejected = [starts[i] + (real[i] + len(results[i].tokens) - 1 if isinstance(results[i], SpecResult)
-                                           else 0) for i in spec_rows for _ in range(ndraft[i])]
+            first_rejected = [
+                starts[i] + (real[i] + len(results[i].tokens) - 1 if isinstance(results[i], SpecResult) else 0)
+                for i in spec_rows
+                for _ in range(ndraft[i])
+            ]
             ring_undo.restore(first_rejected)
 
         # Catch-up: the MTP block over every position now valid, with the token after each.
@@ -187,8 +213,15 @@ class MTPSpeculator:
             cu_rows.extend(range(row0[i], row0[i] + m))
         if not cu:
             return results
-        fb2 = self._batch(self.draft_buffers, cu_starts, cu_news, [batch[i].seq.pages for i in cu], cu_toks,
-                          [slots[i] for i in cu], ps)
+        fb2 = self._batch(
+            self.draft_buffers,
+            cu_starts,
+            cu_news,
+            [batch[i].seq.pages for i in cu],
+            cu_toks,
+            [slots[i] for i in cu],
+            ps,
+        )
         last = torch.tensor(list(itertools.accumulate(cu_news)), device=dev) - 1  # each request's last row
         dlogits, dhidden = self.mtp.forward(fb2, states, hidden[torch.tensor(cu_rows, device=dev)], last)
 
@@ -226,8 +259,9 @@ class MTPSpeculator:
                 if p.greedy:
                     toks = accept_greedy(drafted, host_argmax[lo:hi])
                 else:
-                    probs = sampling_probs(logits[lo:hi], [p.temperature] * counts[n], [p.top_k] * counts[n],
-                                           [p.top_p] * counts[n])
+                    probs = sampling_probs(
+                        logits[lo:hi], [p.temperature] * counts[n], [p.top_k] * counts[n], [p.top_p] * counts[n]
+                    )
                     if not torch.isfinite(probs).all() or (probs.sum(dim=-1) <= 0).any():
                         raise SamplingError("the sampling distribution is not finite (check temperature/top_p/top_k)")
                     q = draft.probs[: ndraft[i]] if ndraft[i] else probs[:0]
@@ -273,7 +307,9 @@ class MTPSpeculator:
         sampled = [n for n, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
             ps = [seqs[n].params for n in sampled]
-            q = sampling_probs(logits[sampled], [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps])
+            q = sampling_probs(
+                logits[sampled], [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps]
+            )
             q = torch.nan_to_num(q, nan=0.0)
             for j, n in enumerate(sampled):
                 row = q[j]
@@ -295,16 +331,29 @@ class MTPSpeculator:
         # The chain writes the block's ring past the request's valid positions; V4's ring wraps,
         # so what those writes overwrite is put back once the drafts are made.
         ring = {self.mtp_ring: pool.slot_states[self.mtp_ring]} if self.mtp_ring else {}
-        undo = RingRollback(ring, [seqs[n].slot for n in live for s in range(1, chain[n][2])],
-                            [chain[n][3] + s - 1 for n in live for s in range(1, chain[n][2])]) if ring else None
+        undo = (
+            RingRollback(
+                ring,
+                [seqs[n].slot for n in live for s in range(1, chain[n][2])],
+                [chain[n][3] + s - 1 for n in live for s in range(1, chain[n][2])],
+            )
+            if ring
+            else None
+        )
         step = 1
         while True:
             live = [n for n in live if chain[n][2] > step]
             if not live:
                 break
             pos = [chain[n][3] + step - 1 for n in live]
-            hb = host_batch(pos, [1] * len(live), [seqs[n].pages for n in live],
-                            [[drafts[n].tokens[-1]] for n in live], [seqs[n].slot for n in live], pool.page_size)
+            hb = host_batch(
+                pos,
+                [1] * len(live),
+                [seqs[n].pages for n in live],
+                [[drafts[n].tokens[-1]] for n in live],
+                [seqs[n].slot for n in live],
+                pool.page_size,
+            )
             fb = self._fb(self.draft_buffers, hb, pool.page_size)
             sel = torch.tensor(live, device=dev)
             lg, h = self.mtp.forward(fb, pool.all_states, hid[sel])

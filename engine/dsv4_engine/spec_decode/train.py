@@ -23,8 +23,17 @@ import torch.nn.functional as F
 
 log = logging.getLogger("dsv4.train_mtp")
 
-TRAINED = ("enorm", "hnorm", "eh_proj", "shared_head.norm", "self_attn", "input_layernorm",
-           "post_attention_layernorm", "mlp.experts", "mlp.shared_experts")
+TRAINED = (
+    "enorm",
+    "hnorm",
+    "eh_proj",
+    "shared_head.norm",
+    "self_attn",
+    "input_layernorm",
+    "post_attention_layernorm",
+    "mlp.experts",
+    "mlp.shared_experts",
+)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,21 +51,28 @@ class TrainableMTP:
 
     def __init__(self, cfg, weights: dict[str, torch.Tensor], layer: int, model):
         self.cfg, self.p, self.model = cfg, f"model.layers.{layer}.", model
-        self.w = {k[len(self.p):]: v.float().clone() for k, v in weights.items() if k.startswith(self.p)}
+        self.w = {k[len(self.p) :]: v.float().clone() for k, v in weights.items() if k.startswith(self.p)}
         self.params = [v.requires_grad_() for k, v in self.w.items() if k.startswith(TRAINED)]
 
     def forward(self, next_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """next_ids [T] (token i+1 at position i), hidden [T, D] -> logits [T, V] (one sequence)."""
         cfg, w, m = self.cfg, self.w, self.model
         eps, T = cfg.rms_norm_eps, next_ids.shape[0]
-        H, nope, R, v, C = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
-                            cfg.kv_lora_rank)
+        H, nope, R, v, C = (
+            cfg.num_attention_heads,
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+            cfg.v_head_dim,
+            cfg.kv_lora_rank,
+        )
         e = _rms(F.embedding(next_ids, m.embed.float()), w["enorm.weight"], eps)
         x = F.linear(torch.cat([e, _rms(hidden, w["hnorm.weight"], eps)], -1), w["eh_proj.weight"])
         h = _rms(x, w["input_layernorm.weight"], eps)
         if cfg.q_lora_rank:
-            q = F.linear(_rms(F.linear(h, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_layernorm.weight"], eps),
-                         w["self_attn.q_b_proj.weight"])
+            q = F.linear(
+                _rms(F.linear(h, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_layernorm.weight"], eps),
+                w["self_attn.q_b_proj.weight"],
+            )
         else:
             q = F.linear(h, w["self_attn.q_proj.weight"])
         q = q.view(T, H, nope + R).transpose(0, 1)  # [H, T, nope+R]
@@ -79,8 +95,14 @@ class TrainableMTP:
             return self._mlp(h, "mlp.")
         with torch.no_grad():
             weights, ids = self.model.ops.moe_route(
-                F.linear(h.float(), w["mlp.gate.weight"]), w["mlp.gate.e_score_correction_bias"], cfg.n_group,
-                cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+                F.linear(h.float(), w["mlp.gate.weight"]),
+                w["mlp.gate.e_score_correction_bias"],
+                cfg.n_group,
+                cfg.topk_group,
+                cfg.num_experts_per_tok,
+                cfg.norm_topk_prob,
+                cfg.routed_scaling_factor,
+            )
         out = torch.zeros_like(h)
         for e in range(cfg.n_routed_experts):
             gate = (weights * (ids == e)).sum(-1, keepdim=True)  # [T, 1], 0 where not routed
@@ -92,8 +114,10 @@ class TrainableMTP:
 
     def _mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
         w = self.w
-        return F.linear(F.silu(F.linear(h, w[p + "gate_proj.weight"])) * F.linear(h, w[p + "up_proj.weight"]),
-                        w[p + "down_proj.weight"])
+        return F.linear(
+            F.silu(F.linear(h, w[p + "gate_proj.weight"])) * F.linear(h, w[p + "up_proj.weight"]),
+            w[p + "down_proj.weight"],
+        )
 
 
 def _greedy_continuations(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -103,8 +127,16 @@ def _greedy_continuations(model_dir: Path, prompts: list[list[int]], new_tokens:
     from dsv4_engine.sampling_params import SamplingParams
     from dsv4_engine.sequence import Sequence
 
-    engine = Engine(EngineArgs(model=str(model_dir), device="cpu", kernel_backend="torch", kv_pages=1024,
-                               max_num_seqs=64, enable_prefix_cache=False))
+    engine = Engine(
+        EngineArgs(
+            model=str(model_dir),
+            device="cpu",
+            kernel_backend="torch",
+            kv_pages=1024,
+            max_num_seqs=64,
+            enable_prefix_cache=False,
+        )
+    )
     out: dict[str, list[int]] = {}
     done = threading.Event()
 
@@ -118,8 +150,9 @@ def _greedy_continuations(model_dir: Path, prompts: list[list[int]], new_tokens:
     engine.start()
     try:
         for i, p in enumerate(prompts):
-            engine.submit(Sequence(f"s{i}", p, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True),
-                                   sink=sink))
+            engine.submit(
+                Sequence(f"s{i}", p, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True), sink=sink)
+            )
         if not done.wait(1800):
             raise RuntimeError("greedy continuations did not finish")
     finally:
@@ -137,15 +170,25 @@ def _hidden_and_logits(model, seq: list[int]) -> tuple[torch.Tensor, torch.Tenso
     n_pages = -(-len(seq) // page)
     states = {model.LATENT_KV: torch.zeros(n_pages, model.cfg.num_hidden_layers, page, model.cfg.kv_cache_dim)}
     hb = host_batch([0], [len(seq)], [list(range(n_pages))], [seq], [None], page)
-    t = {k: torch.from_numpy(getattr(hb, k)) for k in ("input_ids", "positions", "slot_mapping", "block_table",
-                                                      "seq_lens", "extend_lens", "logits_indices")}
+    t = {
+        k: torch.from_numpy(getattr(hb, k))
+        for k in ("input_ids", "positions", "slot_mapping", "block_table", "seq_lens", "extend_lens", "logits_indices")
+    }
     fb = ForwardBatch(**t, all_decode=False, page_size=page, seq_lens_host=[len(seq)], extend_lens_host=[len(seq)])
     h = model.hidden_states(fb, states)
     return h.float(), F.linear(h, model.lm_head).float()
 
 
-def train_mtp(model_dir: str | Path, steps: int = 600, num_prompts: int = 128, prompt_len: int = 24,
-              new_tokens: int = 96, lr: float = 2e-3, seed: int = 0, batch: int = 2) -> dict:
+def train_mtp(
+    model_dir: str | Path,
+    steps: int = 600,
+    num_prompts: int = 128,
+    prompt_len: int = 24,
+    new_tokens: int = 96,
+    lr: float = 2e-3,
+    seed: int = 0,
+    batch: int = 2,
+) -> dict:
     """Train the checkpoint's MTP layer in place (model.safetensors rewritten); returns a report
     (steps, seconds, held-out next-next-token agreement with the target before and after)."""
     from safetensors.torch import load_file, save_file
@@ -159,8 +202,10 @@ def train_mtp(model_dir: str | Path, steps: int = 600, num_prompts: int = 128, p
     import json
 
     if json.loads((d / "config.json").read_text()).get("model_type") != "deepseek_v3":
-        raise ValueError("--train-mtp trains DeepSeek-V3's MTP layer; DeepSeek-V4 presets are not supported yet "
-                         "(use --mtp for an untrained V4 MTP block)")
+        raise ValueError(
+            "--train-mtp trains DeepSeek-V3's MTP layer; DeepSeek-V4 presets are not supported yet "
+            "(use --mtp for an untrained V4 MTP block)"
+        )
     cfg = ModelConfig.from_dir(d)
     if not cfg.extra.get("num_nextn_predict_layers"):
         raise ValueError("--train-mtp needs an MTP layer (add --mtp)")
@@ -173,7 +218,7 @@ def train_mtp(model_dir: str | Path, steps: int = 600, num_prompts: int = 128, p
     seqs = _greedy_continuations(d, prompts, new_tokens)
     model = DeepseekV3(cfg, load_weights(d), get_ops("torch"), torch.float32, torch.device("cpu"))
     data = [(torch.tensor(s), *_hidden_and_logits(model, s)) for s in seqs]
-    held_out, train = data[: max(1, len(data) // 8)], data[max(1, len(data) // 8):]
+    held_out, train = data[: max(1, len(data) // 8)], data[max(1, len(data) // 8) :]
     weights = load_file(str(d / "model.safetensors"))
     mtp = TrainableMTP(cfg, weights, cfg.num_hidden_layers, model)
     opt = torch.optim.Adam(mtp.params, lr=lr)
@@ -209,8 +254,13 @@ def train_mtp(model_dir: str | Path, steps: int = 600, num_prompts: int = 128, p
     tmp = d / "model.safetensors.tmp"
     save_file(weights, str(tmp), metadata={"format": "pt"})
     tmp.replace(d / "model.safetensors")
-    report = {"steps": steps, "seconds": round(time.monotonic() - t0, 1), "sequences": len(seqs),
-              "held_out_top1_agreement_before": round(before, 4), "held_out_top1_agreement_after": round(after, 4)}
+    report = {
+        "steps": steps,
+        "seconds": round(time.monotonic() - t0, 1),
+        "sequences": len(seqs),
+        "held_out_top1_agreement_before": round(before, 4),
+        "held_out_top1_agreement_after": round(after, 4),
+    }
     if not math.isfinite(loss.item()):
         raise RuntimeError(f"--train-mtp diverged: {report}")
     return report

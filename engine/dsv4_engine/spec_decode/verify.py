@@ -28,8 +28,9 @@ def accept_greedy(drafts: list[int], target: list[int]) -> list[int]:
     return target[: n + 1]
 
 
-def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: list[int],
-                     generator: Optional[torch.Generator]) -> list[int]:
+def rejection_sample(
+    p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator: Optional[torch.Generator]
+) -> list[int]:
     """The tokens to emit from target probabilities p [k+1, V], draft probabilities q [k, V]
     (float, rows summing to 1) and the k drafted ids (each drawn from its row of q)."""
     k = len(drafts)
@@ -54,7 +55,9 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, drafts: list[int],
     return out
 
 
-def sampling_probs(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float]) -> torch.Tensor:
+def sampling_probs(
+    logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float]
+) -> torch.Tensor:
     """Rows of fp32 logits [B, V] -> the distributions a request samples from: temperature, then
     top-k, then top-p (the smallest prefix of the sorted probabilities reaching top_p), as the
     engine's sampler does, renormalised."""

@@ -53,8 +53,7 @@ class MaskFiller:
             rows = max(n, 2 * (self._host.shape[0] if self._host is not None else 4))
             # The previous step's copy out of this buffer has finished: the sampler read its
             # results back to the host (a sync) before this step fills it again.
-            self._host = torch.empty((rows, self.width), dtype=torch.int32,
-                                     pin_memory=self.device.type == "cuda")
+            self._host = torch.empty((rows, self.width), dtype=torch.int32, pin_memory=self.device.type == "cuda")
         return self._host[:n]
 
     def fill(self, seqs: Sequence) -> Optional[StepMask]:

@@ -38,8 +38,9 @@ def tokenizer_info(backend, vocab_size: int, stop_ids: Iterable[int]) -> xgr.Tok
     for i in range(vocab_size):
         tok = backend.id_to_token(i)
         vocab.append("" if tok is None or tok in special else tok)
-    return xgr.TokenizerInfo(vocab, _vocab_type(backend), vocab_size=vocab_size, stop_token_ids=sorted(set(stop_ids)),
-                             add_prefix_space=False)
+    return xgr.TokenizerInfo(
+        vocab, _vocab_type(backend), vocab_size=vocab_size, stop_token_ids=sorted(set(stop_ids)), add_prefix_space=False
+    )
 
 
 def _vocab_type(backend) -> xgr.VocabType:
@@ -130,7 +131,7 @@ class Matcher:
 
     def sync(self, output_ids: list[int]) -> None:
         """Accept output_ids[accepted:]; raise GrammarError if one is outside the grammar."""
-        for tok in output_ids[self.accepted:]:
+        for tok in output_ids[self.accepted :]:
             if self.m.is_terminated():
                 raise GrammarError(f"token {tok} came after the grammar was complete")
             if not self.m.accept_token(tok):
@@ -147,5 +148,7 @@ class Matcher:
         self.m.fill_next_token_bitmask(bitmask, row)
 
 
-def new_compiler(backend, vocab_size: int, stop_ids: Iterable[int], cache_size: Optional[int] = None) -> GrammarCompiler:
+def new_compiler(
+    backend, vocab_size: int, stop_ids: Iterable[int], cache_size: Optional[int] = None
+) -> GrammarCompiler:
     return GrammarCompiler(tokenizer_info(backend, vocab_size, stop_ids), cache_size or DEFAULT_CACHE_SIZE)

@@ -18,10 +18,17 @@ def length_strings_safe(schema):
         return [length_strings_safe(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: length_strings_safe(v) if isinstance(v, (dict, list)) and k not in ("enum", "const", "default", "examples")
-           else v for k, v in schema.items()}
-    if (out.get("type") == "string" and ("minLength" in out or "maxLength" in out)
-            and not any(k in out for k in _STRING_SHAPERS)):
+    out = {
+        k: length_strings_safe(v)
+        if isinstance(v, (dict, list)) and k not in ("enum", "const", "default", "examples")
+        else v
+        for k, v in schema.items()
+    }
+    if (
+        out.get("type") == "string"
+        and ("minLength" in out or "maxLength" in out)
+        and not any(k in out for k in _STRING_SHAPERS)
+    ):
         lo, hi = int(out.pop("minLength", 0)), out.pop("maxLength", None)
         out["pattern"] = f"^{_PLAIN_CHAR}{{{lo},{'' if hi is None else int(hi)}}}$"
     return out
@@ -44,9 +51,12 @@ def strings_without(schema, forbidden: str):
         return [strings_without(s, forbidden) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: strings_without(v, forbidden) if isinstance(v, (dict, list)) and k not in ("enum", "const", "default",
-                                                                                          "examples")
-           else v for k, v in schema.items()}
+    out = {
+        k: strings_without(v, forbidden)
+        if isinstance(v, (dict, list)) and k not in ("enum", "const", "default", "examples")
+        else v
+        for k, v in schema.items()
+    }
     if out.get("type") == "string" and not any(k in out for k in _STRING_SHAPERS):
         plain = _PLAIN_CHAR[:-1] + forbidden + "]"
         if "minLength" in out or "maxLength" in out:

@@ -90,8 +90,9 @@ def _check_tool_calls(v: Any) -> None:
         raise ValueError("tool_calls: a JSON object is required")
     parser = v.get("parser")
     if not isinstance(parser, str) or canonical(parser) not in TOOL_CALL_FORMATS:
-        raise ValueError(f"tool_calls: no tool-call grammar for parser {parser!r} "
-                         f"(one of {', '.join(TOOL_CALL_FORMATS)})")
+        raise ValueError(
+            f"tool_calls: no tool-call grammar for parser {parser!r} (one of {', '.join(TOOL_CALL_FORMATS)})"
+        )
     tools = v.get("tools")
     if not isinstance(tools, list) or not tools:
         raise ValueError("tool_calls: a non-empty list of tools is required")
@@ -109,20 +110,30 @@ def _check_tool_calls(v: Any) -> None:
         if name not in names:
             raise ValueError(f"tool_calls: tool_choice names {name!r}, which is not among the tools")
     elif choice != "required":
-        raise ValueError(f"tool_calls: tool_choice must be \"required\" or a named function, not {choice!r}")
+        raise ValueError(f'tool_calls: tool_choice must be "required" or a named function, not {choice!r}')
     for key in ("parallel_tool_calls", "thinking"):
         if not isinstance(v.get(key, False), bool):
             raise ValueError(f"tool_calls: {key} must be true or false")
 
 
-def tool_calls(parser: str, tools: list[dict], tool_choice: Union[str, dict], parallel_tool_calls: bool = True,
-               thinking: bool = False) -> StructuredSpec:
+def tool_calls(
+    parser: str,
+    tools: list[dict],
+    tool_choice: Union[str, dict],
+    parallel_tool_calls: bool = True,
+    thinking: bool = False,
+) -> StructuredSpec:
     """A spec constraining the output to the model's native tool-call text (`parser`'s format):
     one call, or with `parallel_tool_calls` one or more, to the allowed tools (`tool_choice`
     "required": any of `tools`; {"type": "function", "function": {"name": N}}: N only), with
     arguments valid under each tool's parameters schema; after the reasoning when `thinking`."""
-    value = {"parser": canonical(parser), "tools": tools, "tool_choice": tool_choice,
-             "parallel_tool_calls": bool(parallel_tool_calls), "thinking": bool(thinking)}
+    value = {
+        "parser": canonical(parser),
+        "tools": tools,
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": bool(parallel_tool_calls),
+        "thinking": bool(thinking),
+    }
     spec = StructuredSpec("tool_calls", json.dumps(value, ensure_ascii=False))
     spec.check()
     return spec

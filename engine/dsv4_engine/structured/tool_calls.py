@@ -36,8 +36,13 @@ def _allowed(tools: list[dict], tool_choice: Union[str, dict, None]) -> list[dic
     return fns
 
 
-def tool_call_grammar(parser_name: str, tools: list[dict], tool_choice: Union[str, dict, None] = "required",
-                      parallel_tool_calls: bool = True, thinking: bool = False) -> str:
+def tool_call_grammar(
+    parser_name: str,
+    tools: list[dict],
+    tool_choice: Union[str, dict, None] = "required",
+    parallel_tool_calls: bool = True,
+    thinking: bool = False,
+) -> str:
     """An xgrammar EBNF grammar (root rule `root`; load it with `xgrammar.Grammar.from_ebnf`) that
     admits exactly the model's native text for one call — or, with `parallel_tool_calls`, one or
     more — to the allowed tools (`tool_choice` "required": any of `tools`; {"type": "function",
@@ -66,8 +71,9 @@ def _tool_call_grammar(xg, parser_name: str, tools: list[dict], tool_choice, par
 
     def schema_json(schema: Optional[dict]) -> "xg.Grammar":
         schema = strings_without(schema, T.MARKER_BAR) if schema else {"type": "object"}
-        return xg.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False,
-                                           separators=_JSON_SEPARATORS, strict_mode=True)
+        return xg.Grammar.from_json_schema(
+            json.dumps(schema), any_whitespace=False, separators=_JSON_SEPARATORS, strict_mode=True
+        )
 
     if fmt in ("deepseek_v3", "deepseek_v31"):
         calls = []
@@ -85,11 +91,16 @@ def _tool_call_grammar(xg, parser_name: str, tools: list[dict], tool_choice, par
     if fmt in ("deepseek_v32", "deepseek_v4"):
         block = "function_calls" if fmt == "deepseek_v32" else "tool_calls"
         d = T.DSML
-        calls = [xg.Grammar.concat(ebnf(_lit(f"<{d}invoke name=\"{fn['name']}\">\n")), _dsml_params(xg, ebnf, fn),
-                                   ebnf(_lit(f"</{d}invoke>"))) for fn in fns]
+        calls = [
+            xg.Grammar.concat(
+                ebnf(_lit(f'<{d}invoke name="{fn["name"]}">\n')),
+                _dsml_params(xg, ebnf, fn),
+                ebnf(_lit(f"</{d}invoke>")),
+            )
+            for fn in fns
+        ]
         call = xg.Grammar.union(*calls) if len(calls) > 1 else calls[0]
-        return _block(xg, ebnf, call, _lit(f"\n\n<{d}{block}>\n"), _lit(f"\n</{d}{block}>"), "\n",
-                      parallel_tool_calls)
+        return _block(xg, ebnf, call, _lit(f"\n\n<{d}{block}>\n"), _lit(f"\n</{d}{block}>"), "\n", parallel_tool_calls)
     raise ValueError(f"no tool-call grammar for parser {parser_name!r}")
 
 
@@ -133,11 +144,15 @@ def _dsml_params(xg, ebnf, fn: dict):
                 value = xg.Grammar.from_regex(f"[^<]{{{int(sub.get('minLength', 0))},{'' if hi is None else int(hi)}}}")
             else:
                 value = ebnf(raw)
-            head = f"<{d}parameter name=\"{name}\" string=\"true\">"
+            head = f'<{d}parameter name="{name}" string="true">'
         else:
-            value = xg.Grammar.from_json_schema(json.dumps(strings_without(sub or {}, T.MARKER_BAR)), any_whitespace=False,
-                                                separators=_JSON_SEPARATORS, strict_mode=True)
-            head = f"<{d}parameter name=\"{name}\" string=\"false\">"
+            value = xg.Grammar.from_json_schema(
+                json.dumps(strings_without(sub or {}, T.MARKER_BAR)),
+                any_whitespace=False,
+                separators=_JSON_SEPARATORS,
+                strict_mode=True,
+            )
+            head = f'<{d}parameter name="{name}" string="false">'
         item = xg.Grammar.concat(ebnf(_lit(head)), value, ebnf(_lit(f"</{d}parameter>\n")))
         items.append(item if name in required else xg.Grammar.union(item, ebnf('""')))
     if not items:
@@ -152,5 +167,10 @@ def spec_grammar(value: str) -> str:
     """The EBNF of a `tool_calls` spec's value (JSON: parser, tools, tool_choice,
     parallel_tool_calls, thinking; see `dsv4_engine.structured.spec.tool_calls`)."""
     v = json.loads(value)
-    return tool_call_grammar(v["parser"], v["tools"], v["tool_choice"], bool(v.get("parallel_tool_calls", True)),
-                             bool(v.get("thinking", False)))
+    return tool_call_grammar(
+        v["parser"],
+        v["tools"],
+        v["tool_choice"],
+        bool(v.get("parallel_tool_calls", True)),
+        bool(v.get("thinking", False)),
+    )

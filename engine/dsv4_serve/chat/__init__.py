@@ -5,4 +5,13 @@ torch; `grammar` imports xgrammar, which does, so only the engine side imports i
 from dsv4_serve.chat.registry import ChatSetup, default_setup, tool_parser, with_overrides
 from dsv4_serve.chat.render import ChatOptions, Rendered, RenderError, render
 
-__all__ = ["ChatOptions", "ChatSetup", "RenderError", "Rendered", "default_setup", "render", "tool_parser", "with_overrides"]
+__all__ = [
+    "ChatOptions",
+    "ChatSetup",
+    "RenderError",
+    "Rendered",
+    "default_setup",
+    "render",
+    "tool_parser",
+    "with_overrides",
+]

@@ -32,7 +32,7 @@ class ChatOutput:
         calls = []
         if self.tool_parser is not None:
             parsed = self.tool_parser.parse(content)
-            content, calls = parsed.content, parsed.calls[:self.max_calls]
+            content, calls = parsed.content, parsed.calls[: self.max_calls]
         self.has_calls = bool(calls)
         msg["content"] = content if content or not calls else None
         if calls:

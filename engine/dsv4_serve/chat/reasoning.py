@@ -17,7 +17,7 @@ def split_reasoning(text: str, in_reasoning: bool, partial: bool = False) -> tup
     body = text
     stripped = body.lstrip()
     if stripped.startswith(T.THINK_START):
-        body, in_reasoning = stripped[len(T.THINK_START):], True
+        body, in_reasoning = stripped[len(T.THINK_START) :], True
     elif partial and not in_reasoning and T.THINK_START.startswith(stripped):
         return "", "", False  # may still become <think>
     if not in_reasoning:
@@ -25,9 +25,9 @@ def split_reasoning(text: str, in_reasoning: bool, partial: bool = False) -> tup
     j = body.find(T.THINK_END)
     if j < 0:
         if partial:
-            body = body[:len(body) - _partial_marker_tail(body, T.THINK_END)]
+            body = body[: len(body) - _partial_marker_tail(body, T.THINK_END)]
         return body, "", False
-    return body[:j], body[j + len(T.THINK_END):], True
+    return body[:j], body[j + len(T.THINK_END) :], True
 
 
 class ReasoningStream:
@@ -50,7 +50,7 @@ class ReasoningStream:
         out = []
         for k, now in enumerate((reasoning, content)):
             if now.startswith(self.sent[k]):
-                out.append(now[len(self.sent[k]):])
+                out.append(now[len(self.sent[k]) :])
                 self.sent[k] = now
             else:
                 out.append("")

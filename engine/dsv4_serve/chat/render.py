@@ -73,8 +73,12 @@ def _json(obj: Any) -> str:
 
 
 def _function(tool: dict) -> dict:
-    if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(tool.get("function"), dict):
-        raise RenderError("each tool must be {\"type\": \"function\", \"function\": {...}}")
+    if (
+        not isinstance(tool, dict)
+        or tool.get("type", "function") != "function"
+        or not isinstance(tool.get("function"), dict)
+    ):
+        raise RenderError('each tool must be {"type": "function", "function": {...}}')
     return tool["function"]
 
 
@@ -87,7 +91,8 @@ def _calls(m: dict) -> list[dict]:
 _V31_FORMAT = (
     "\n\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\n"
     f"{T.TOOL_CALLS_BEGIN}{T.TOOL_CALL_BEGIN}tool_call_name{T.TOOL_SEP}tool_call_arguments{T.TOOL_CALL_END}"
-    "{additional_tool_calls}" f"{T.TOOL_CALLS_END}\n\n"
+    "{additional_tool_calls}"
+    f"{T.TOOL_CALLS_END}\n\n"
     "Where:\n"
     "- `tool_call_name` must be an exact match to one of the available tools\n"
     "- `tool_call_arguments` must be valid JSON that strictly follows the tool's Parameters Schema\n"
@@ -176,7 +181,15 @@ _EFFORT_PROMPTS = {
     ),
 }
 # OpenAI's reasoning_effort values onto the encoder's three levels ("low" adds no prompt).
-EFFORT_LEVELS = {"none": None, "minimal": "low", "low": "low", "medium": "low", "high": "high", "xhigh": "max", "max": "max"}
+EFFORT_LEVELS = {
+    "none": None,
+    "minimal": "low",
+    "low": "low",
+    "medium": "low",
+    "high": "high",
+    "xhigh": "max",
+    "max": "max",
+}
 
 
 def _dsml_tools_prompt(block: str) -> str:
@@ -184,12 +197,12 @@ def _dsml_tools_prompt(block: str) -> str:
     return (
         "## Tools\n\n"
         f"You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "
-        f"\"<{d}{block}>\" block like the following:\n\n"
-        f"<{d}{block}>\n<{d}invoke name=\"$TOOL_NAME\">\n"
-        f"<{d}parameter name=\"$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE</{d}parameter>\n...\n"
-        f"</{d}invoke>\n<{d}invoke name=\"$TOOL_NAME2\">\n...\n</{d}invoke>\n</{d}{block}>\n\n"
-        "String parameters should be specified as is and set `string=\"true\"`. For all other types (numbers, "
-        "booleans, arrays, objects), pass the value in JSON format and set `string=\"false\"`.\n\n"
+        f'"<{d}{block}>" block like the following:\n\n'
+        f'<{d}{block}>\n<{d}invoke name="$TOOL_NAME">\n'
+        f'<{d}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{d}parameter>\n...\n'
+        f'</{d}invoke>\n<{d}invoke name="$TOOL_NAME2">\n...\n</{d}invoke>\n</{d}{block}>\n\n'
+        'String parameters should be specified as is and set `string="true"`. For all other types (numbers, '
+        'booleans, arrays, objects), pass the value in JSON format and set `string="false"`.\n\n'
         f"If thinking_mode is enabled (triggered by {T.THINK_START}), you MUST output your complete reasoning inside "
         f"{T.THINK_START}...{T.THINK_END} BEFORE any tool calls or final response.\n\n"
         f"Otherwise, output directly after {T.THINK_END} with tool calls or final response.\n\n"
@@ -197,7 +210,9 @@ def _dsml_tools_prompt(block: str) -> str:
     )
 
 
-_DSML_TOOLS_TAIL = "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+_DSML_TOOLS_TAIL = (
+    "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.\n"
+)
 
 
 def _merge_tool_results(messages: Sequence[dict]) -> list[dict]:
@@ -287,21 +302,23 @@ def render_dsml(messages: Sequence[dict], opts: ChatOptions, block: str = "tool_
                     try:
                         args = json.loads(fn.get("arguments") or "{}")
                     except (TypeError, ValueError):
-                        raise RenderError(f"tool call arguments must be a JSON object (call {fn.get('name')!r})") from None
+                        raise RenderError(
+                            f"tool call arguments must be a JSON object (call {fn.get('name')!r})"
+                        ) from None
                     if not isinstance(args, dict):
                         raise RenderError(f"tool call arguments must be a JSON object (call {fn.get('name')!r})")
                     if k:
                         out.add("\n")
-                    out.add(f"<{d}invoke name=\"")
+                    out.add(f'<{d}invoke name="')
                     out.user(str(fn.get("name", "")))
-                    out.add("\">\n")
+                    out.add('">\n')
                     for n, (key, value) in enumerate(args.items()):
                         text, is_string = _dsml_value(value)
                         if n:
                             out.add("\n")
-                        out.add(f"<{d}parameter name=\"")
+                        out.add(f'<{d}parameter name="')
                         out.user(str(key))
-                        out.add(f"\" string=\"{is_string}\">")
+                        out.add(f'" string="{is_string}">')
                         out.user(text)
                         out.add(f"</{d}parameter>")
                     out.add(f"\n</{d}invoke>")
@@ -321,8 +338,9 @@ def render_dsml(messages: Sequence[dict], opts: ChatOptions, block: str = "tool_
 _MARK = "\ue000{}\ue001"
 
 
-def render_jinja(template: str, messages: Sequence[dict], opts: ChatOptions, bos: str, eos: str,
-                 reserved: Sequence[str]) -> Rendered:
+def render_jinja(
+    template: str, messages: Sequence[dict], opts: ChatOptions, bos: str, eos: str, reserved: Sequence[str]
+) -> Rendered:
     """Render with a Jinja template. Client strings are swapped for private-use markers first, so
     that the output can be cut back into trusted template text and untrusted client text. A
     template that transforms a string (so its marker does not survive) falls back to the plain
@@ -342,9 +360,16 @@ def render_jinja(template: str, messages: Sequence[dict], opts: ChatOptions, bos
         mm = dict(m)
         mm["content"] = mark(m.get("content"))
         if m.get("tool_calls"):
-            mm["tool_calls"] = [{**c, "function": {"name": mark((c.get("function") or {}).get("name")),
-                                                   "arguments": mark((c.get("function") or {}).get("arguments"))}}
-                                for c in m["tool_calls"]]
+            mm["tool_calls"] = [
+                {
+                    **c,
+                    "function": {
+                        "name": mark((c.get("function") or {}).get("name")),
+                        "arguments": mark((c.get("function") or {}).get("arguments")),
+                    },
+                }
+                for c in m["tool_calls"]
+            ]
         marked.append(mm)
     variables = dict(opts.template_kwargs)
     variables.setdefault("thinking", opts.thinking)
@@ -361,7 +386,7 @@ def render_jinja(template: str, messages: Sequence[dict], opts: ChatOptions, bos
         b = text.find("\ue001", a + 1) if a >= 0 else -1
         if a < 0 or b < 0:
             break
-        idx = text[a + 1:b]
+        idx = text[a + 1 : b]
         if not idx.isdigit() or int(idx) >= len(originals):
             break
         pieces.append((text[pos:a], True))
@@ -375,14 +400,23 @@ def render_jinja(template: str, messages: Sequence[dict], opts: ChatOptions, bos
     for s in originals:
         for tok in reserved:
             if tok and tok in s:
-                raise RenderError(f"message text contains the special token {tok!r}, which this chat template "
-                                  "cannot keep as plain text")
+                raise RenderError(
+                    f"message text contains the special token {tok!r}, which this chat template "
+                    "cannot keep as plain text"
+                )
     text = render_jinja_text(template, list(messages), opts.add_generation_prompt, bos, eos, variables)
     return Rendered([(text, True)], text.rstrip().endswith(T.THINK_START))
 
 
-def render(setup_renderer: str, template: Optional[str], messages: Sequence[dict], opts: ChatOptions,
-           bos: str = T.BOS, eos: str = T.EOS, reserved: Sequence[str] = ()) -> Rendered:
+def render(
+    setup_renderer: str,
+    template: Optional[str],
+    messages: Sequence[dict],
+    opts: ChatOptions,
+    bos: str = T.BOS,
+    eos: str = T.EOS,
+    reserved: Sequence[str] = (),
+) -> Rendered:
     """Dispatch on the renderer name (see registry.RENDERERS)."""
     if setup_renderer == "deepseek_v31":
         return render_v31(messages, opts)

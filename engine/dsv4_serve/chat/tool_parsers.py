@@ -54,7 +54,7 @@ def _held(text: str, markers: tuple[str, ...], partial: bool) -> str:
     if not partial:
         return text
     cut = max(_partial_marker_tail(text, m) for m in markers)
-    return text[:len(text) - cut]
+    return text[: len(text) - cut]
 
 
 class _Incomplete(Exception):
@@ -76,7 +76,7 @@ class _Cursor:
         if self.text.startswith(lit, self.pos):
             self.pos += len(lit)
             return
-        rest = self.text[self.pos:]
+        rest = self.text[self.pos :]
         if self.partial and lit.startswith(rest):
             raise _Incomplete
         raise Malformed(f"expected {lit!r}")
@@ -88,7 +88,7 @@ class _Cursor:
             if self.partial:
                 raise _Incomplete
             raise Malformed(f"missing {delim!r}")
-        out = self.text[self.pos:j]
+        out = self.text[self.pos : j]
         self.pos = j + len(delim)
         return out
 
@@ -99,10 +99,10 @@ class _Cursor:
         if j < 0:
             if not self.partial:
                 raise Malformed(f"missing {delim!r}")
-            rest = self.text[self.pos:]
+            rest = self.text[self.pos :]
             self.pos = len(self.text)
-            return rest[:len(rest) - _partial_marker_tail(rest, delim)], False
-        out = self.text[self.pos:j]
+            return rest[: len(rest) - _partial_marker_tail(rest, delim)], False
+        out = self.text[self.pos : j]
         self.pos = j + len(delim)
         return out, True
 
@@ -139,7 +139,7 @@ class ToolParser:
             return Parse(text)
         if not calls and not partial:
             return Parse(text)
-        after = text[cur.pos:] if closed else ""
+        after = text[cur.pos :] if closed else ""
         return Parse(content + _held(after, (self.start,), partial), calls)
 
     def _content_before(self, text: str, partial: bool, block_follows: bool = False) -> str:
@@ -209,8 +209,8 @@ class DsmlParser(ToolParser):
     def __init__(self) -> None:
         d = T.DSML
         self.start, self.end = f"<{d}{self.block}>", f"</{d}{self.block}>"
-        self.invoke, self.invoke_end = f"<{d}invoke name=\"", f"</{d}invoke>"
-        self.param, self.param_end = f"<{d}parameter name=\"", f"</{d}parameter>"
+        self.invoke, self.invoke_end = f'<{d}invoke name="', f"</{d}invoke>"
+        self.param, self.param_end = f'<{d}parameter name="', f"</{d}parameter>"
 
     def _content_before(self, text: str, partial: bool, block_follows: bool = False) -> str:
         if block_follows:
@@ -228,8 +228,8 @@ class DsmlParser(ToolParser):
             if cur.pos >= len(cur.text) and cur.partial:
                 raise _Incomplete
             cur.expect(self.invoke)
-            name = cur.until("\">")
-            if not name or any(ch in name for ch in "\"<>\n"):
+            name = cur.until('">')
+            if not name or any(ch in name for ch in '"<>\n'):
                 raise Malformed("bad tool name")
             call = Call(name, "{")
             calls.append(call)
@@ -242,14 +242,14 @@ class DsmlParser(ToolParser):
                     call.done = True
                     break
                 cur.expect(self.param)
-                key = cur.until("\" string=\"")
-                if key in seen or not key or any(ch in key for ch in "\"<>\n"):
+                key = cur.until('" string="')
+                if key in seen or not key or any(ch in key for ch in '"<>\n'):
                     raise Malformed("bad or repeated parameter name")
-                if cur.at("true\">"):
-                    cur.pos += len("true\">")
+                if cur.at('true">'):
+                    cur.pos += len('true">')
                     is_string = True
                 else:
-                    cur.expect("false\">")
+                    cur.expect('false">')
                     is_string = False
                 raw = cur.until(self.param_end)
                 if is_string:
@@ -305,17 +305,19 @@ class ToolCallStream:
     def _emit(self, p: Parse) -> tuple[str, list[dict]]:
         content = ""
         if p.content.startswith(self.sent_content):
-            content = p.content[len(self.sent_content):]
+            content = p.content[len(self.sent_content) :]
             self.sent_content = p.content
         deltas: list[dict] = []
         for i, call in enumerate(p.calls):
             if i >= len(self.sent):
                 cid = new_call_id()
                 self.sent.append([cid, ""])
-                deltas.append({"index": i, "id": cid, "type": "function", "function": {"name": call.name, "arguments": ""}})
+                deltas.append(
+                    {"index": i, "id": cid, "type": "function", "function": {"name": call.name, "arguments": ""}}
+                )
             sent = self.sent[i][1]
             if len(call.arguments) > len(sent) and call.arguments.startswith(sent):
-                frag = call.arguments[len(sent):]
+                frag = call.arguments[len(sent) :]
                 self.sent[i][1] = call.arguments
                 if deltas and deltas[-1]["index"] == i and not deltas[-1]["function"]["arguments"]:
                     deltas[-1]["function"]["arguments"] = frag
@@ -325,5 +327,6 @@ class ToolCallStream:
 
 
 def openai_tool_calls(calls: list[Call]) -> list[dict]:
-    return [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in calls]
+    return [
+        {"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+    ]

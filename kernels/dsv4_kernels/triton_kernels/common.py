@@ -83,8 +83,9 @@ def small_shared(arch: int | None) -> bool:
     return arch is not None and SHARED_LIMIT.get(arch, 232448) < LARGE_SHARED
 
 
-def occupancy(shared_bytes: int, regs_per_thread: int, num_warps: int, shared_per_sm: int, regs_per_sm: int,
-              threads_per_sm: int) -> int:
+def occupancy(
+    shared_bytes: int, regs_per_thread: int, num_warps: int, shared_per_sm: int, regs_per_sm: int, threads_per_sm: int
+) -> int:
     """Blocks of one compiled kernel resident on an SM at once: the least of what its shared
     memory, its registers and its threads allow (at least 1)."""
     threads = 32 * num_warps
@@ -112,9 +113,14 @@ def note_occupancy(key: tuple, compiled: Any, device: torch.device, num_warps: i
         return
     try:
         props = torch.cuda.get_device_properties(device)
-        _RESIDENT[key] = occupancy(int(compiled.metadata.shared), int(getattr(compiled, "n_regs", 0) or 0), num_warps,
-                                   props.shared_memory_per_multiprocessor, props.regs_per_multiprocessor,
-                                   props.max_threads_per_multi_processor)
+        _RESIDENT[key] = occupancy(
+            int(compiled.metadata.shared),
+            int(getattr(compiled, "n_regs", 0) or 0),
+            num_warps,
+            props.shared_memory_per_multiprocessor,
+            props.regs_per_multiprocessor,
+            props.max_threads_per_multi_processor,
+        )
     except Exception:  # a Triton or torch without these fields: keep the config's guess
         _RESIDENT[key] = 0
         del _RESIDENT[key]
@@ -165,8 +171,10 @@ class KernelVariant:
         """Indices of the arguments to compile with a divisible-by-16 hint, as the JIT would."""
         types = self.signature(arg_names)
         return [
-            i for i, name in enumerate(arg_names)
-            if types[name].startswith("*") or (types[name] != "constexpr" and (name.startswith("stride_") or name in self.divisible))
+            i
+            for i, name in enumerate(arg_names)
+            if types[name].startswith("*")
+            or (types[name] != "constexpr" and (name.startswith("stride_") or name in self.divisible))
         ]
 
 
@@ -179,8 +187,16 @@ def fp32_twins(variants: list[KernelVariant]) -> list[KernelVariant]:
         if "bf16" not in v.name:
             continue
         types = {k: ("*fp32" if t == "*bf16" else t) for k, t in v.types.items()}
-        twins.append(KernelVariant(name=v.name.replace("bf16", "fp32"), kernel=v.kernel, types=types,
-                                   constexprs=v.constexprs, num_warps=v.num_warps, num_stages=v.num_stages,
-                                   divisible=v.divisible))
+        twins.append(
+            KernelVariant(
+                name=v.name.replace("bf16", "fp32"),
+                kernel=v.kernel,
+                types=types,
+                constexprs=v.constexprs,
+                num_warps=v.num_warps,
+                num_stages=v.num_stages,
+                divisible=v.divisible,
+            )
+        )
     names = {v.name for v in variants}
     return variants + [t for t in twins if t.name not in names]

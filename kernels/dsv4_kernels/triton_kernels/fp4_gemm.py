@@ -38,12 +38,33 @@ def _e2m1(code):
 
 @triton.jit
 def fp4_gemm_kernel(
-    a_ptr, w_ptr, w_s_ptr, out_ptr, route_w_ptr, rows_ptr, block_expert_ptr,
-    num_rows, N, K, swiglu_limit,
-    stride_a, stride_we, stride_wn, stride_wse, stride_wsn, stride_o,
-    A_DIV: tl.constexpr, DENSE: tl.constexpr, GATED: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    ROUTE_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP: tl.constexpr, UPCAST: tl.constexpr,
+    a_ptr,
+    w_ptr,
+    w_s_ptr,
+    out_ptr,
+    route_w_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    num_rows,
+    N,
+    K,
+    swiglu_limit,
+    stride_a,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_o,
+    A_DIV: tl.constexpr,
+    DENSE: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    ROUTE_W: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -56,9 +77,11 @@ def fp4_gemm_kernel(
     if ROUTE_W:
         if expert == -2:  # moe_experts.ZERO_BLOCK: other ranks' pairs add zero rows to the sum
             z_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + z_cols[None, :],
-                     tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty),
-                     mask=(rows < num_rows)[:, None] & (z_cols < N)[None, :])
+            tl.store(
+                out_ptr + rows.to(tl.int64)[:, None] * stride_o + z_cols[None, :],
+                tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty),
+                mask=(rows < num_rows)[:, None] & (z_cols < N)[None, :],
+            )
     if expert >= 0:
         r_mask = rows < num_rows
         prow = rows.to(tl.int64)  # row * stride can pass 2**31 on long prefills
@@ -81,7 +104,9 @@ def fp4_gemm_kernel(
             group = (2 * offs_j) // GROUP
             for half in tl.static_range(2 if GATED else 1):
                 cols = offs_n + half * N
-                packed = tl.load(w_base + cols[None, :] * stride_wn + offs_j[:, None], mask=w_mask, other=0).to(tl.int32)
+                packed = tl.load(w_base + cols[None, :] * stride_wn + offs_j[:, None], mask=w_mask, other=0).to(
+                    tl.int32
+                )
                 exps = tl.load(ws_base + cols[None, :] * stride_wsn + group[:, None], mask=w_mask, other=127)
                 scale = tl.exp2(exps.to(tl.float32) - 127.0)
                 w_even = _e2m1(packed & 15) * scale  # [HALF, BLOCK_N]
@@ -105,8 +130,11 @@ def fp4_gemm_kernel(
             acc = gate * tl.sigmoid(gate) * up
         if ROUTE_W:
             acc = acc * tl.load(route_w_ptr + prow, mask=r_mask, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + prow[:, None] * stride_o + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=r_mask[:, None] & n_mask[None, :])
+        tl.store(
+            out_ptr + prow[:, None] * stride_o + offs_n[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=r_mask[:, None] & n_mask[None, :],
+        )
 
 
 def fp4_blocks(rows: int, gated: bool = False, elem_size: int = 2) -> tuple[int, int, int]:
@@ -120,17 +148,55 @@ def fp4_blocks(rows: int, gated: bool = False, elem_size: int = 2) -> tuple[int,
     return (16, 16, 8) if gated else (16, 32, 8)
 
 
-def _launch(a, w, w_s, out, route_w, rows, block_expert, num_rows, n, *, a_div, dense, gated, limit,
-            tiles: tuple[int, int, int], num_m_blocks: int) -> None:
+def _launch(
+    a,
+    w,
+    w_s,
+    out,
+    route_w,
+    rows,
+    block_expert,
+    num_rows,
+    n,
+    *,
+    a_div,
+    dense,
+    gated,
+    limit,
+    tiles: tuple[int, int, int],
+    num_m_blocks: int,
+) -> None:
     block_m, block_n, warps = tiles
     fp4_gemm_kernel[(num_m_blocks, triton.cdiv(n, block_n))](
-        a, w, w_s, out, route_w if route_w is not None else out, rows, block_expert,
-        num_rows, n, a.shape[1], float(limit or 0.0),
-        a.stride(0), w.stride(0) if w.dim() == 3 else 0, w.stride(-2),
-        w_s.stride(0) if w_s.dim() == 3 else 0, w_s.stride(-2), out.stride(0),
-        A_DIV=a_div, DENSE=dense, GATED=gated, HAS_LIMIT=bool(limit), ROUTE_W=route_w is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, GROUP=GROUP, UPCAST=on_interpreter(a),
-        num_warps=warps, num_stages=3,
+        a,
+        w,
+        w_s,
+        out,
+        route_w if route_w is not None else out,
+        rows,
+        block_expert,
+        num_rows,
+        n,
+        a.shape[1],
+        float(limit or 0.0),
+        a.stride(0),
+        w.stride(0) if w.dim() == 3 else 0,
+        w.stride(-2),
+        w_s.stride(0) if w_s.dim() == 3 else 0,
+        w_s.stride(-2),
+        out.stride(0),
+        A_DIV=a_div,
+        DENSE=dense,
+        GATED=gated,
+        HAS_LIMIT=bool(limit),
+        ROUTE_W=route_w is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=BLOCK_K,
+        GROUP=GROUP,
+        UPCAST=on_interpreter(a),
+        num_warps=warps,
+        num_stages=3,
     )
 
 
@@ -150,14 +216,35 @@ def fp4_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
         return out
     tiles = fp4_blocks(M, elem_size=x.element_size())
     dummy = torch.empty(1, dtype=torch.int32, device=x.device)
-    _launch(x, w, w_scale, out, None, dummy, dummy, M, N, a_div=1, dense=True, gated=False, limit=None,
-            tiles=tiles, num_m_blocks=triton.cdiv(M, tiles[0]))
+    _launch(
+        x,
+        w,
+        w_scale,
+        out,
+        None,
+        dummy,
+        dummy,
+        M,
+        N,
+        a_div=1,
+        dense=True,
+        gated=False,
+        limit=None,
+        tiles=tiles,
+        num_m_blocks=triton.cdiv(M, tiles[0]),
+    )
     return out
 
 
 def fp4_moe_experts(
-    x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-    topk_weights: torch.Tensor, topk_ids: torch.Tensor, swiglu_limit: Optional[float] = None,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    s13: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    swiglu_limit: Optional[float] = None,
 ) -> torch.Tensor:
     """Routed experts with packed fp4 weights w13 [E, 2I, H/2], w2 [E, H, I/2] and e8m0 scales."""
     check_launchable(fp4_gemm_kernel, x)
@@ -174,13 +261,41 @@ def fp4_moe_experts(
     sorted_pairs, block_expert = align_pairs_by_expert(topk_ids, E, tiles[0])
     grid = dict(tiles=tiles, num_m_blocks=block_expert.shape[0])
     inter = torch.empty(pairs, inter_size, dtype=x.dtype, device=x.device)
-    _launch(x, w13, s13, inter, None, sorted_pairs, block_expert, pairs, inter_size,
-            a_div=top_k, dense=False, gated=True, limit=swiglu_limit,
-            tiles=fp4_blocks(pairs // E, gated=True, elem_size=x.element_size()), num_m_blocks=block_expert.shape[0])
+    _launch(
+        x,
+        w13,
+        s13,
+        inter,
+        None,
+        sorted_pairs,
+        block_expert,
+        pairs,
+        inter_size,
+        a_div=top_k,
+        dense=False,
+        gated=True,
+        limit=swiglu_limit,
+        tiles=fp4_blocks(pairs // E, gated=True, elem_size=x.element_size()),
+        num_m_blocks=block_expert.shape[0],
+    )
     y = torch.empty(pairs, H, dtype=torch.float32, device=x.device)
     route_w = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    _launch(inter, w2, s2, y, route_w, sorted_pairs, block_expert, pairs, H,
-            a_div=1, dense=False, gated=False, limit=None, **grid)
+    _launch(
+        inter,
+        w2,
+        s2,
+        y,
+        route_w,
+        sorted_pairs,
+        block_expert,
+        pairs,
+        H,
+        a_div=1,
+        dense=False,
+        gated=False,
+        limit=None,
+        **grid,
+    )
     return y.view(T, top_k, H).sum(1).to(x.dtype)
 
 
@@ -190,10 +305,22 @@ def aot_variants(arch: int) -> list[KernelVariant]:
     variants = []
     for dtype, elem in (("bf16", 2), ("fp32", 4)):
         types = {
-            "a_ptr": f"*{dtype}", "w_ptr": "*u8", "w_s_ptr": "*u8", "out_ptr": f"*{dtype}",
-            "route_w_ptr": "*fp32", "rows_ptr": "*i32", "block_expert_ptr": "*i32",
-            "num_rows": "i32", "N": "i32", "K": "i32", "swiglu_limit": "fp32",
-            "stride_a": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_wse": "i32", "stride_wsn": "i32",
+            "a_ptr": f"*{dtype}",
+            "w_ptr": "*u8",
+            "w_s_ptr": "*u8",
+            "out_ptr": f"*{dtype}",
+            "route_w_ptr": "*fp32",
+            "rows_ptr": "*i32",
+            "block_expert_ptr": "*i32",
+            "num_rows": "i32",
+            "N": "i32",
+            "K": "i32",
+            "swiglu_limit": "fp32",
+            "stride_a": "i32",
+            "stride_we": "i64",
+            "stride_wn": "i32",
+            "stride_wse": "i32",
+            "stride_wsn": "i32",
             "stride_o": "i32",
         }
         for rows, label in ((8, "decode"), (4096, "prefill")):
@@ -205,9 +332,15 @@ def aot_variants(arch: int) -> list[KernelVariant]:
                 ("moe_gate_up", dict(A_DIV=8, DENSE=False, GATED=True, HAS_LIMIT=True, ROUTE_W=False), f"*{dtype}"),
                 ("moe_down", dict(A_DIV=1, DENSE=False, GATED=False, HAS_LIMIT=False, ROUTE_W=True), "*fp32"),
             ):
-                variants.append(KernelVariant(
-                    name=f"fp4_gemm[{dtype},{kind},{label}]", kernel=fp4_gemm_kernel, types={**types, "out_ptr": out},
-                    constexprs={**extra, **shapes, **({"BLOCK_N": gated_n} if extra["GATED"] else {})},
-                    num_warps=warps, num_stages=3, divisible=("N", "K"),
-                ))
+                variants.append(
+                    KernelVariant(
+                        name=f"fp4_gemm[{dtype},{kind},{label}]",
+                        kernel=fp4_gemm_kernel,
+                        types={**types, "out_ptr": out},
+                        constexprs={**extra, **shapes, **({"BLOCK_N": gated_n} if extra["GATED"] else {})},
+                        num_warps=warps,
+                        num_stages=3,
+                        divisible=("N", "K"),
+                    )
+                )
     return variants

@@ -31,9 +31,17 @@ FP8_MAX = 448.0
 
 @triton.jit
 def fp8_act_quant_kernel(
-    x_ptr, q_ptr, s_ptr, M, K,
-    stride_x, stride_q, stride_s,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, EXACT_ROUND: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    M,
+    K,
+    stride_x,
+    stride_q,
+    stride_s,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     g = tl.program_id(1)
@@ -60,12 +68,35 @@ def fp8_act_quant_kernel(
 
 @triton.jit
 def fp8_gemm_kernel(
-    a_ptr, a_s_ptr, w_ptr, w_s_ptr, out_ptr, route_w_ptr, rows_ptr, block_expert_ptr,
-    num_rows, N, K, swiglu_limit,
-    stride_a, stride_as, stride_we, stride_wn, stride_wse, stride_wsn, stride_o,
-    A_DIV: tl.constexpr, DENSE: tl.constexpr, GATED: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    ROUTE_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SCALE_ROWS: tl.constexpr, UPCAST: tl.constexpr,
+    a_ptr,
+    a_s_ptr,
+    w_ptr,
+    w_s_ptr,
+    out_ptr,
+    route_w_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    num_rows,
+    N,
+    K,
+    swiglu_limit,
+    stride_a,
+    stride_as,
+    stride_we,
+    stride_wn,
+    stride_wse,
+    stride_wsn,
+    stride_o,
+    A_DIV: tl.constexpr,
+    DENSE: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    ROUTE_W: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -78,9 +109,11 @@ def fp8_gemm_kernel(
     if ROUTE_W:
         if expert == -2:  # moe_experts.ZERO_BLOCK: other ranks' pairs add zero rows to the sum
             z_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + z_cols[None, :],
-                     tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty),
-                     mask=(rows < num_rows)[:, None] & (z_cols < N)[None, :])
+            tl.store(
+                out_ptr + rows.to(tl.int64)[:, None] * stride_o + z_cols[None, :],
+                tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty),
+                mask=(rows < num_rows)[:, None] & (z_cols < N)[None, :],
+            )
     if expert >= 0:
         r_mask = rows < num_rows
         prow = rows.to(tl.int64)  # row * stride can pass 2**31 on long prefills
@@ -95,8 +128,9 @@ def fp8_gemm_kernel(
             kb = k0 // BLOCK_K
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < K
-            a = tl.load(a_ptr + a_rows[:, None] * stride_a + offs_k[None, :],
-                        mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+            a = tl.load(
+                a_ptr + a_rows[:, None] * stride_a + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0
+            )
             a_s = tl.load(a_s_ptr + a_rows * stride_as + kb, mask=r_mask, other=0.0)
             w_mask = k_mask[:, None] & n_mask[None, :]
             w = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=w_mask, other=0.0)
@@ -123,8 +157,11 @@ def fp8_gemm_kernel(
             acc = gate * tl.sigmoid(gate) * up
         if ROUTE_W:
             acc = acc * tl.load(route_w_ptr + prow, mask=r_mask, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + prow[:, None] * stride_o + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=r_mask[:, None] & n_mask[None, :])
+        tl.store(
+            out_ptr + prow[:, None] * stride_o + offs_n[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=r_mask[:, None] & n_mask[None, :],
+        )
 
 
 def gemm_blocks(rows: int, gated: bool = False) -> tuple[int, int, int]:
@@ -147,23 +184,74 @@ def fp8_act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if M:
         block_m = 16
         fp8_act_quant_kernel[(triton.cdiv(M, block_m), triton.cdiv(K, GROUP))](
-            x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), GROUP=GROUP, BLOCK_M=block_m,
-            EXACT_ROUND=on_interpreter(x), num_warps=4)
+            x,
+            q,
+            s,
+            M,
+            K,
+            x.stride(0),
+            q.stride(0),
+            s.stride(0),
+            GROUP=GROUP,
+            BLOCK_M=block_m,
+            EXACT_ROUND=on_interpreter(x),
+            num_warps=4,
+        )
     return q, s
 
 
-def _launch(a, a_s, w, w_s, out, route_w, rows, block_expert, num_rows, n, *, a_div, dense, gated, limit,
-            tiles: tuple[int, int, int], num_m_blocks: int) -> None:
+def _launch(
+    a,
+    a_s,
+    w,
+    w_s,
+    out,
+    route_w,
+    rows,
+    block_expert,
+    num_rows,
+    n,
+    *,
+    a_div,
+    dense,
+    gated,
+    limit,
+    tiles: tuple[int, int, int],
+    num_m_blocks: int,
+) -> None:
     block_m, block_n, warps = tiles
     fp8_gemm_kernel[(num_m_blocks, triton.cdiv(n, block_n))](
-        a, a_s, w, w_s, out, route_w if route_w is not None else a_s, rows, block_expert,
-        num_rows, n, a.shape[1], float(limit or 0.0),
-        a.stride(0), a_s.stride(0), w.stride(0) if w.dim() == 3 else 0, w.stride(-2),
-        w_s.stride(0) if w_s.dim() == 3 else 0, w_s.stride(-2), out.stride(0),
-        A_DIV=a_div, DENSE=dense, GATED=gated, HAS_LIMIT=bool(limit), ROUTE_W=route_w is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP, SCALE_ROWS=scale_row_block(w, w_s),
+        a,
+        a_s,
+        w,
+        w_s,
+        out,
+        route_w if route_w is not None else a_s,
+        rows,
+        block_expert,
+        num_rows,
+        n,
+        a.shape[1],
+        float(limit or 0.0),
+        a.stride(0),
+        a_s.stride(0),
+        w.stride(0) if w.dim() == 3 else 0,
+        w.stride(-2),
+        w_s.stride(0) if w_s.dim() == 3 else 0,
+        w_s.stride(-2),
+        out.stride(0),
+        A_DIV=a_div,
+        DENSE=dense,
+        GATED=gated,
+        HAS_LIMIT=bool(limit),
+        ROUTE_W=route_w is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=GROUP,
+        SCALE_ROWS=scale_row_block(w, w_s),
         UPCAST=on_interpreter(a),
-        num_warps=warps, num_stages=3,
+        num_warps=warps,
+        num_stages=3,
     )
 
 
@@ -181,14 +269,36 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch
     q, s = fp8_act_quant(x)
     tiles = gemm_blocks(M)
     dummy = torch.empty(1, dtype=torch.int32, device=x.device)  # no pair list in the dense case
-    _launch(q, s, w, w_scale, out, None, dummy, dummy, M, N, a_div=1, dense=True, gated=False, limit=None,
-            tiles=tiles, num_m_blocks=triton.cdiv(M, tiles[0]))
+    _launch(
+        q,
+        s,
+        w,
+        w_scale,
+        out,
+        None,
+        dummy,
+        dummy,
+        M,
+        N,
+        a_div=1,
+        dense=True,
+        gated=False,
+        limit=None,
+        tiles=tiles,
+        num_m_blocks=triton.cdiv(M, tiles[0]),
+    )
     return out
 
 
 def fp8_moe_experts(
-    x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-    topk_weights: torch.Tensor, topk_ids: torch.Tensor, swiglu_limit: Optional[float] = None,
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    s13: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    swiglu_limit: Optional[float] = None,
 ) -> torch.Tensor:
     """Routed experts with fp8 weights w13 [E, 2I, H], w2 [E, H, I] and per-row scales; returns
     [T, H] in x's dtype (the top_k rows of a token summed in a fixed order)."""
@@ -206,50 +316,126 @@ def fp8_moe_experts(
     gated_tiles = gemm_blocks(pairs // E, gated=True)
     xq, xs = fp8_act_quant(x)
     inter = torch.empty(pairs, inter_size, dtype=x.dtype, device=x.device)
-    _launch(xq, xs, w13, s13, inter, None, sorted_pairs, block_expert, pairs, inter_size,
-            a_div=top_k, dense=False, gated=True, limit=swiglu_limit, tiles=gated_tiles,
-            num_m_blocks=block_expert.shape[0])
+    _launch(
+        xq,
+        xs,
+        w13,
+        s13,
+        inter,
+        None,
+        sorted_pairs,
+        block_expert,
+        pairs,
+        inter_size,
+        a_div=top_k,
+        dense=False,
+        gated=True,
+        limit=swiglu_limit,
+        tiles=gated_tiles,
+        num_m_blocks=block_expert.shape[0],
+    )
     iq, is_ = fp8_act_quant(inter)
     y = torch.empty(pairs, H, dtype=torch.float32, device=x.device)
     route_w = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    _launch(iq, is_, w2, s2, y, route_w, sorted_pairs, block_expert, pairs, H,
-            a_div=1, dense=False, gated=False, limit=None, **grid)
+    _launch(
+        iq,
+        is_,
+        w2,
+        s2,
+        y,
+        route_w,
+        sorted_pairs,
+        block_expert,
+        pairs,
+        H,
+        a_div=1,
+        dense=False,
+        gated=False,
+        limit=None,
+        **grid,
+    )
     return y.view(T, top_k, H).sum(1).to(x.dtype)
 
 
 def aot_variants(arch: int) -> list[KernelVariant]:
     """Activation quantization (bf16 in), the dense GEMM at decode and prefill tiles, and the two
     expert GEMMs (gated gate/up with V4's clamp, routed down) at both ends of M."""
-    variants = [KernelVariant(
-        name="fp8_act_quant[bf16]", kernel=fp8_act_quant_kernel,
-        types={"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32", "K": "i32",
-               "stride_x": "i32", "stride_q": "i32", "stride_s": "i32"},
-        constexprs=dict(GROUP=GROUP, BLOCK_M=16, EXACT_ROUND=False), num_warps=4, num_stages=1, divisible=("K",),
-    )]
+    variants = [
+        KernelVariant(
+            name="fp8_act_quant[bf16]",
+            kernel=fp8_act_quant_kernel,
+            types={
+                "x_ptr": "*bf16",
+                "q_ptr": "*fp8e4nv",
+                "s_ptr": "*fp32",
+                "M": "i32",
+                "K": "i32",
+                "stride_x": "i32",
+                "stride_q": "i32",
+                "stride_s": "i32",
+            },
+            constexprs=dict(GROUP=GROUP, BLOCK_M=16, EXACT_ROUND=False),
+            num_warps=4,
+            num_stages=1,
+            divisible=("K",),
+        )
+    ]
     types = {
-        "a_ptr": "*fp8e4nv", "a_s_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_s_ptr": "*fp32", "out_ptr": "*bf16",
-        "route_w_ptr": "*fp32", "rows_ptr": "*i32", "block_expert_ptr": "*i32",
-        "num_rows": "i32", "N": "i32", "K": "i32", "swiglu_limit": "fp32",
-        "stride_a": "i32", "stride_as": "i32", "stride_we": "i64", "stride_wn": "i32", "stride_wse": "i32",
-        "stride_wsn": "i32", "stride_o": "i32",
+        "a_ptr": "*fp8e4nv",
+        "a_s_ptr": "*fp32",
+        "w_ptr": "*fp8e4nv",
+        "w_s_ptr": "*fp32",
+        "out_ptr": "*bf16",
+        "route_w_ptr": "*fp32",
+        "rows_ptr": "*i32",
+        "block_expert_ptr": "*i32",
+        "num_rows": "i32",
+        "N": "i32",
+        "K": "i32",
+        "swiglu_limit": "fp32",
+        "stride_a": "i32",
+        "stride_as": "i32",
+        "stride_we": "i64",
+        "stride_wn": "i32",
+        "stride_wse": "i32",
+        "stride_wsn": "i32",
+        "stride_o": "i32",
     }
     for rows, label in ((8, "decode"), (4096, "prefill")):
         bm, bn, warps = gemm_blocks(rows)
         shapes = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=GROUP, SCALE_ROWS=GROUP, UPCAST=False)
         gated_shapes = {**shapes, "BLOCK_N": gemm_blocks(rows, gated=True)[1]}
-        variants.append(KernelVariant(
-            name=f"fp8_gemm[bf16,dense,{label}]", kernel=fp8_gemm_kernel, types=types,
-            constexprs=dict(A_DIV=1, DENSE=True, GATED=False, HAS_LIMIT=False, ROUTE_W=False, **shapes),
-            num_warps=warps, num_stages=3, divisible=("N", "K"),
-        ))
-        variants.append(KernelVariant(
-            name=f"fp8_gemm[bf16,moe_gate_up,{label}]", kernel=fp8_gemm_kernel, types=types,
-            constexprs=dict(A_DIV=8, DENSE=False, GATED=True, HAS_LIMIT=True, ROUTE_W=False, **gated_shapes),
-            num_warps=warps, num_stages=3, divisible=("N", "K"),
-        ))
-        variants.append(KernelVariant(
-            name=f"fp8_gemm[bf16,moe_down,{label}]", kernel=fp8_gemm_kernel, types={**types, "out_ptr": "*fp32"},
-            constexprs=dict(A_DIV=1, DENSE=False, GATED=False, HAS_LIMIT=False, ROUTE_W=True, **shapes),
-            num_warps=warps, num_stages=3, divisible=("N", "K"),
-        ))
+        variants.append(
+            KernelVariant(
+                name=f"fp8_gemm[bf16,dense,{label}]",
+                kernel=fp8_gemm_kernel,
+                types=types,
+                constexprs=dict(A_DIV=1, DENSE=True, GATED=False, HAS_LIMIT=False, ROUTE_W=False, **shapes),
+                num_warps=warps,
+                num_stages=3,
+                divisible=("N", "K"),
+            )
+        )
+        variants.append(
+            KernelVariant(
+                name=f"fp8_gemm[bf16,moe_gate_up,{label}]",
+                kernel=fp8_gemm_kernel,
+                types=types,
+                constexprs=dict(A_DIV=8, DENSE=False, GATED=True, HAS_LIMIT=True, ROUTE_W=False, **gated_shapes),
+                num_warps=warps,
+                num_stages=3,
+                divisible=("N", "K"),
+            )
+        )
+        variants.append(
+            KernelVariant(
+                name=f"fp8_gemm[bf16,moe_down,{label}]",
+                kernel=fp8_gemm_kernel,
+                types={**types, "out_ptr": "*fp32"},
+                constexprs=dict(A_DIV=1, DENSE=False, GATED=False, HAS_LIMIT=False, ROUTE_W=True, **shapes),
+                num_warps=warps,
+                num_stages=3,
+                divisible=("N", "K"),
+            )
+        )
     return fp32_twins(variants)  # x in fp32: only the output dtype changes (activations go to fp8)

@@ -16,8 +16,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (KernelVariant, fp32_twins, check_launchable, cuda_arch, next_pow2, note_occupancy, on_interpreter,
-                     programs_per_sm, small_shared, sm_count)
+from .common import (
+    KernelVariant,
+    fp32_twins,
+    check_launchable,
+    cuda_arch,
+    next_pow2,
+    note_occupancy,
+    on_interpreter,
+    programs_per_sm,
+    small_shared,
+    sm_count,
+)
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -25,12 +35,32 @@ MAX_SPLITS = 64
 
 @triton.jit
 def mla_decode_split_kernel(
-    q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, num_heads, num_splits,
-    stride_q_b, stride_q_h, stride_kv_page, stride_kv_slot, stride_bt_b,
-    stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h,
-    PAGE_SIZE: tl.constexpr, V_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+    q_ptr,
+    kv_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qk_scale,
+    num_heads,
+    num_splits,
+    stride_q_b,
+    stride_q_h,
+    stride_kv_page,
+    stride_kv_slot,
+    stride_bt_b,
+    stride_po_b,
+    stride_po_h,
+    stride_po_s,
+    stride_pl_b,
+    stride_pl_h,
+    PAGE_SIZE: tl.constexpr,
+    V_DIM: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
@@ -93,9 +123,20 @@ def mla_decode_split_kernel(
 
 @triton.jit
 def mla_decode_merge_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, num_splits,
-    stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_o_b, stride_o_h,
-    V_DIM: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    num_splits,
+    stride_po_b,
+    stride_po_h,
+    stride_po_s,
+    stride_pl_b,
+    stride_pl_h,
+    stride_o_b,
+    stride_o_h,
+    V_DIM: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     head = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -147,8 +188,14 @@ def decode_config(v_dim: int, heads: int, arch: int | None, elem_size: int = 2) 
     return DecodeConfig(block_h=16, block_n=32, num_warps=4, programs_per_sm=2)
 
 
-def default_num_splits(batch: int, head_blocks: int, max_len_bound: int, cfg: DecodeConfig, device: torch.device,
-                       resident: int | None = None) -> int:
+def default_num_splits(
+    batch: int,
+    head_blocks: int,
+    max_len_bound: int,
+    cfg: DecodeConfig,
+    device: torch.device,
+    resident: int | None = None,
+) -> int:
     """Slices per request so that all (request, head block, slice) programs fit in one wave of
     resident programs: a second, partial wave would leave most of the GPU idle at the end.
     Never more slices than tiles in the longest possible sequence. `resident`: blocks an SM
@@ -184,8 +231,14 @@ def mla_decode(
     head_blocks = triton.cdiv(heads, cfg.block_h)
     occupancy_key = ("mla_decode_split", cfg, q.dtype, dim, v_dim, q.device)
     if num_splits is None:
-        num_splits = default_num_splits(batch, head_blocks, block_table.shape[1] * page_size, cfg, q.device,
-                                        programs_per_sm(occupancy_key, cfg.programs_per_sm))
+        num_splits = default_num_splits(
+            batch,
+            head_blocks,
+            block_table.shape[1] * page_size,
+            cfg,
+            q.device,
+            programs_per_sm(occupancy_key, cfg.programs_per_sm),
+        )
     part_out = torch.empty(batch, heads, num_splits, v_dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
     # The engine passes int32 already; a no-op .to is still a dispatch on every layer.
@@ -194,21 +247,52 @@ def mla_decode(
     if block_table.dtype != torch.int32:
         block_table = block_table.to(torch.int32)
     compiled = mla_decode_split_kernel[(head_blocks, num_splits, batch)](
-        q, kv_cache, block_table, seq_lens, part_out, part_lse,
-        sm_scale * LOG2E, heads, num_splits,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        PAGE_SIZE=page_size, V_DIM=v_dim, ROPE_DIM=dim - v_dim,
-        BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_V=next_pow2(v_dim), BLOCK_R=max(16, next_pow2(dim - v_dim)),
+        q,
+        kv_cache,
+        block_table,
+        seq_lens,
+        part_out,
+        part_lse,
+        sm_scale * LOG2E,
+        heads,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        block_table.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        PAGE_SIZE=page_size,
+        V_DIM=v_dim,
+        ROPE_DIM=dim - v_dim,
+        BLOCK_H=cfg.block_h,
+        BLOCK_N=cfg.block_n,
+        BLOCK_V=next_pow2(v_dim),
+        BLOCK_R=max(16, next_pow2(dim - v_dim)),
         UPCAST=on_interpreter(q),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     note_occupancy(occupancy_key, compiled, q.device, cfg.num_warps)
     mla_decode_merge_kernel[(heads, batch)](
-        part_out, part_lse, out, num_splits,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1),
-        V_DIM=v_dim, BLOCK_V=next_pow2(v_dim), BLOCK_S=next_pow2(num_splits),
+        part_out,
+        part_lse,
+        out,
+        num_splits,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        V_DIM=v_dim,
+        BLOCK_V=next_pow2(v_dim),
+        BLOCK_S=next_pow2(num_splits),
         num_warps=4 if v_dim >= 256 else 1,
     )
     return out
@@ -218,34 +302,82 @@ def aot_variants(arch: int) -> list[KernelVariant]:
     """The real latent width (512 + 64) in bf16 at 16 and 128 heads and in fp32, and the tiny
     test model's (64 + 16)."""
     variants = []
-    for dtype, v_dim, rope_dim, heads in (("bf16", 512, 64, 16), ("bf16", 512, 64, 128), ("bf16", 64, 16, 4), ("fp32", 512, 64, 16)):
+    for dtype, v_dim, rope_dim, heads in (
+        ("bf16", 512, 64, 16),
+        ("bf16", 512, 64, 128),
+        ("bf16", 64, 16, 4),
+        ("fp32", 512, 64, 16),
+    ):
         cfg = decode_config(v_dim, heads, arch, 4 if dtype == "fp32" else 2)
-        variants.append(KernelVariant(
-            name=f"mla_decode_split[{dtype},d{v_dim + rope_dim},h{heads}]",
-            kernel=mla_decode_split_kernel,
+        variants.append(
+            KernelVariant(
+                name=f"mla_decode_split[{dtype},d{v_dim + rope_dim},h{heads}]",
+                kernel=mla_decode_split_kernel,
+                types={
+                    "q_ptr": f"*{dtype}",
+                    "kv_ptr": f"*{dtype}",
+                    "block_table_ptr": "*i32",
+                    "seq_lens_ptr": "*i32",
+                    "part_out_ptr": "*fp32",
+                    "part_lse_ptr": "*fp32",
+                    "qk_scale": "fp32",
+                    "num_heads": "i32",
+                    "num_splits": "i32",
+                    **{
+                        name: "i32"
+                        for name in (
+                            "stride_q_b",
+                            "stride_q_h",
+                            "stride_kv_page",
+                            "stride_kv_slot",
+                            "stride_bt_b",
+                            "stride_po_b",
+                            "stride_po_h",
+                            "stride_po_s",
+                            "stride_pl_b",
+                            "stride_pl_h",
+                        )
+                    },
+                },
+                constexprs=dict(
+                    PAGE_SIZE=64,
+                    V_DIM=v_dim,
+                    ROPE_DIM=rope_dim,
+                    BLOCK_H=cfg.block_h,
+                    BLOCK_N=cfg.block_n,
+                    BLOCK_V=next_pow2(v_dim),
+                    BLOCK_R=max(16, next_pow2(rope_dim)),
+                    UPCAST=False,
+                ),
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+            )
+        )
+    variants.append(
+        KernelVariant(
+            name="mla_decode_merge[bf16,v512]",
+            kernel=mla_decode_merge_kernel,
             types={
-                "q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
-                "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-                "qk_scale": "fp32", "num_heads": "i32", "num_splits": "i32",
-                **{name: "i32" for name in (
-                    "stride_q_b", "stride_q_h", "stride_kv_page", "stride_kv_slot", "stride_bt_b",
-                    "stride_po_b", "stride_po_h", "stride_po_s", "stride_pl_b", "stride_pl_h")},
+                "part_out_ptr": "*fp32",
+                "part_lse_ptr": "*fp32",
+                "out_ptr": "*bf16",
+                "num_splits": "i32",
+                **{
+                    name: "i32"
+                    for name in (
+                        "stride_po_b",
+                        "stride_po_h",
+                        "stride_po_s",
+                        "stride_pl_b",
+                        "stride_pl_h",
+                        "stride_o_b",
+                        "stride_o_h",
+                    )
+                },
             },
-            constexprs=dict(
-                PAGE_SIZE=64, V_DIM=v_dim, ROPE_DIM=rope_dim, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-                BLOCK_V=next_pow2(v_dim), BLOCK_R=max(16, next_pow2(rope_dim)), UPCAST=False,
-            ),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        ))
-    variants.append(KernelVariant(
-        name="mla_decode_merge[bf16,v512]",
-        kernel=mla_decode_merge_kernel,
-        types={
-            "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "num_splits": "i32",
-            **{name: "i32" for name in (
-                "stride_po_b", "stride_po_h", "stride_po_s", "stride_pl_b", "stride_pl_h", "stride_o_b", "stride_o_h")},
-        },
-        constexprs=dict(V_DIM=512, BLOCK_V=512, BLOCK_S=16),
-        num_warps=4, num_stages=1,
-    ))
+            constexprs=dict(V_DIM=512, BLOCK_V=512, BLOCK_S=16),
+            num_warps=4,
+            num_stages=1,
+        )
+    )
     return variants[:-1] + fp32_twins(variants[-1:])  # the merge: same tiles in either dtype

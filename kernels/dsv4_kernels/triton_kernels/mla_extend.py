@@ -22,11 +22,29 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def mla_extend_kernel(
-    q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, extend_lens_ptr, q_start_ptr, out_ptr,
-    qk_scale, num_heads,
-    stride_q_t, stride_q_h, stride_kv_page, stride_kv_slot, stride_bt_b, stride_o_t, stride_o_h,
-    PAGE_SIZE: tl.constexpr, V_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
+    q_ptr,
+    kv_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    extend_lens_ptr,
+    q_start_ptr,
+    out_ptr,
+    qk_scale,
+    num_heads,
+    stride_q_t,
+    stride_q_h,
+    stride_kv_page,
+    stride_kv_slot,
+    stride_bt_b,
+    stride_o_t,
+    stride_o_h,
+    PAGE_SIZE: tl.constexpr,
+    V_DIM: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -146,14 +164,32 @@ def mla_extend(
             raise ValueError(f"sum(extend_lens)={covered} does not match q.shape[0]={total}")
     grid = (triton.cdiv(max_extend_len * heads, cfg.block_m), batch)
     mla_extend_kernel[grid](
-        q, kv_cache, block_table, seq_lens, extend_lens, q_start, out,
-        sm_scale * LOG2E, heads,
-        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
-        out.stride(0), out.stride(1),
-        PAGE_SIZE=page_size, V_DIM=v_dim, ROPE_DIM=dim - v_dim,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_V=next_pow2(v_dim), BLOCK_R=max(16, next_pow2(dim - v_dim)),
+        q,
+        kv_cache,
+        block_table,
+        seq_lens,
+        extend_lens,
+        q_start,
+        out,
+        sm_scale * LOG2E,
+        heads,
+        q.stride(0),
+        q.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        PAGE_SIZE=page_size,
+        V_DIM=v_dim,
+        ROPE_DIM=dim - v_dim,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_V=next_pow2(v_dim),
+        BLOCK_R=max(16, next_pow2(dim - v_dim)),
         UPCAST=on_interpreter(q),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out
 
@@ -163,21 +199,45 @@ def aot_variants(arch: int) -> list[KernelVariant]:
     variants = []
     for dtype in ("bf16", "fp32"):
         cfg = extend_config(512, arch, 4 if dtype == "fp32" else 2)
-        variants.append(KernelVariant(
-            name=f"mla_extend[{dtype},d576]",
-            kernel=mla_extend_kernel,
-            types={
-                "q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
-                "extend_lens_ptr": "*i32", "q_start_ptr": "*i32", "out_ptr": f"*{dtype}",
-                "qk_scale": "fp32", "num_heads": "i32",
-                **{name: "i32" for name in (
-                    "stride_q_t", "stride_q_h", "stride_kv_page", "stride_kv_slot", "stride_bt_b",
-                    "stride_o_t", "stride_o_h")},
-            },
-            constexprs=dict(
-                PAGE_SIZE=64, V_DIM=512, ROPE_DIM=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                BLOCK_V=512, BLOCK_R=64, UPCAST=False,
-            ),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        ))
+        variants.append(
+            KernelVariant(
+                name=f"mla_extend[{dtype},d576]",
+                kernel=mla_extend_kernel,
+                types={
+                    "q_ptr": f"*{dtype}",
+                    "kv_ptr": f"*{dtype}",
+                    "block_table_ptr": "*i32",
+                    "seq_lens_ptr": "*i32",
+                    "extend_lens_ptr": "*i32",
+                    "q_start_ptr": "*i32",
+                    "out_ptr": f"*{dtype}",
+                    "qk_scale": "fp32",
+                    "num_heads": "i32",
+                    **{
+                        name: "i32"
+                        for name in (
+                            "stride_q_t",
+                            "stride_q_h",
+                            "stride_kv_page",
+                            "stride_kv_slot",
+                            "stride_bt_b",
+                            "stride_o_t",
+                            "stride_o_h",
+                        )
+                    },
+                },
+                constexprs=dict(
+                    PAGE_SIZE=64,
+                    V_DIM=512,
+                    ROPE_DIM=64,
+                    BLOCK_M=cfg.block_m,
+                    BLOCK_N=cfg.block_n,
+                    BLOCK_V=512,
+                    BLOCK_R=64,
+                    UPCAST=False,
+                ),
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+            )
+        )
     return variants

@@ -30,11 +30,25 @@ ZERO_BLOCK = -2
 
 @triton.jit
 def moe_gate_up_kernel(
-    x_ptr, w13_ptr, inter_ptr, sorted_pairs_ptr, block_expert_ptr,
-    num_pairs, hidden, inter_size, swiglu_limit,
-    stride_x_t, stride_w_e, stride_w_n, stride_i_p,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    CLAMP: tl.constexpr, UPCAST: tl.constexpr,
+    x_ptr,
+    w13_ptr,
+    inter_ptr,
+    sorted_pairs_ptr,
+    block_expert_ptr,
+    num_pairs,
+    hidden,
+    inter_size,
+    swiglu_limit,
+    stride_x_t,
+    stride_w_e,
+    stride_w_n,
+    stride_i_p,
+    TOP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CLAMP: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -54,8 +68,11 @@ def moe_gate_up_kernel(
         for k0 in range(0, hidden, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < hidden
-            a = tl.load(x_ptr + tokens[:, None] * stride_x_t + offs_k[None, :],
-                        mask=p_mask[:, None] & k_mask[None, :], other=0.0)
+            a = tl.load(
+                x_ptr + tokens[:, None] * stride_x_t + offs_k[None, :],
+                mask=p_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )
             w_mask = k_mask[:, None] & n_mask[None, :]
             wg = tl.load(gate_cols + offs_k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
             wu = tl.load(up_cols + offs_k[:, None], mask=w_mask, other=0.0)
@@ -69,16 +86,31 @@ def moe_gate_up_kernel(
             acc_gate = tl.minimum(acc_gate, swiglu_limit)
             acc_up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
         act = acc_gate * tl.sigmoid(acc_gate) * acc_up
-        tl.store(inter_ptr + pairs[:, None] * stride_i_p + offs_n[None, :],
-                 act.to(inter_ptr.dtype.element_ty), mask=p_mask[:, None] & n_mask[None, :])
+        tl.store(
+            inter_ptr + pairs[:, None] * stride_i_p + offs_n[None, :],
+            act.to(inter_ptr.dtype.element_ty),
+            mask=p_mask[:, None] & n_mask[None, :],
+        )
 
 
 @triton.jit
 def moe_down_kernel(
-    inter_ptr, w2_ptr, topk_weights_ptr, y_ptr, sorted_pairs_ptr, block_expert_ptr,
-    num_pairs, hidden, inter_size,
-    stride_i_p, stride_w_e, stride_w_n, stride_y_p,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    inter_ptr,
+    w2_ptr,
+    topk_weights_ptr,
+    y_ptr,
+    sorted_pairs_ptr,
+    block_expert_ptr,
+    num_pairs,
+    hidden,
+    inter_size,
+    stride_i_p,
+    stride_w_e,
+    stride_w_n,
+    stride_y_p,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -90,16 +122,22 @@ def moe_down_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
     if expert == -2:  # ZERO_BLOCK: other ranks' pairs add nothing to this rank's sum
-        tl.store(y_ptr + pairs[:, None] * stride_y_p + offs_n[None, :], tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
-                 mask=p_mask[:, None] & n_mask[None, :])
+        tl.store(
+            y_ptr + pairs[:, None] * stride_y_p + offs_n[None, :],
+            tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32),
+            mask=p_mask[:, None] & n_mask[None, :],
+        )
     if expert >= 0:
         w_cols = w2_ptr + expert.to(tl.int64) * stride_w_e + offs_n[None, :] * stride_w_n
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, inter_size, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < inter_size
-            a = tl.load(inter_ptr + pairs[:, None] * stride_i_p + offs_k[None, :],
-                        mask=p_mask[:, None] & k_mask[None, :], other=0.0)
+            a = tl.load(
+                inter_ptr + pairs[:, None] * stride_i_p + offs_k[None, :],
+                mask=p_mask[:, None] & k_mask[None, :],
+                other=0.0,
+            )
             w = tl.load(w_cols + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             if UPCAST:
                 a = a.to(tl.float32)
@@ -205,21 +243,50 @@ def moe_experts(
 
     inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
     moe_gate_up_kernel[(num_blocks, triton.cdiv(inter_size, cfg.block_n))](
-        x, w13, inter, sorted_pairs, block_expert,
-        num_pairs, hidden, inter_size, float(swiglu_limit),
-        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, CLAMP=swiglu_limit > 0,
+        x,
+        w13,
+        inter,
+        sorted_pairs,
+        block_expert,
+        num_pairs,
+        hidden,
+        inter_size,
+        float(swiglu_limit),
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        inter.stride(0),
+        TOP_K=top_k,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        CLAMP=swiglu_limit > 0,
         UPCAST=upcast,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     moe_down_kernel[(num_blocks, triton.cdiv(hidden, cfg.block_n))](
-        inter, w2, weights, y, sorted_pairs, block_expert,
-        num_pairs, hidden, inter_size,
-        inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=upcast,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        inter,
+        w2,
+        weights,
+        y,
+        sorted_pairs,
+        block_expert,
+        num_pairs,
+        hidden,
+        inter_size,
+        inter.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        y.stride(0),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        UPCAST=upcast,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return y.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)
 
@@ -229,41 +296,73 @@ def aot_variants(arch: int) -> list[KernelVariant]:
     DeepSeek-V3's top-8; and DeepSeek-V4's clamped SwiGLU with top-6."""
     variants = []
     for dtype, pairs, label, top_k, clamp in (
-        ("bf16", 8, "decode", 8, False), ("bf16", 65536, "prefill", 8, False),
-        ("fp32", 8, "decode", 8, False), ("fp32", 65536, "prefill", 8, False),
-        ("bf16", 6, "v4,decode", 6, True), ("bf16", 49152, "v4,prefill", 6, True),
-        ("fp32", 6, "v4,decode", 6, True), ("fp32", 49152, "v4,prefill", 6, True),
+        ("bf16", 8, "decode", 8, False),
+        ("bf16", 65536, "prefill", 8, False),
+        ("fp32", 8, "decode", 8, False),
+        ("fp32", 65536, "prefill", 8, False),
+        ("bf16", 6, "v4,decode", 6, True),
+        ("bf16", 49152, "v4,prefill", 6, True),
+        ("fp32", 6, "v4,decode", 6, True),
+        ("fp32", 49152, "v4,prefill", 6, True),
     ):
         cfg = experts_config(pairs, 256, 4 if dtype == "fp32" else 2)
         label = f"{dtype},{label}"
         common = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        variants.append(KernelVariant(
-            name=f"moe_gate_up[{label}]",
-            kernel=moe_gate_up_kernel,
-            types={
-                "x_ptr": f"*{dtype}", "w13_ptr": f"*{dtype}", "inter_ptr": f"*{dtype}",
-                "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32",
-                "num_pairs": "i32", "hidden": "i32", "inter_size": "i32", "swiglu_limit": "fp32",
-                "stride_x_t": "i32", "stride_w_e": "i64", "stride_w_n": "i32", "stride_i_p": "i32",
-            },
-            constexprs=dict(TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, CLAMP=clamp,
-                            UPCAST=False),
-            divisible=("hidden", "inter_size"),
-            **common,
-        ))
+        variants.append(
+            KernelVariant(
+                name=f"moe_gate_up[{label}]",
+                kernel=moe_gate_up_kernel,
+                types={
+                    "x_ptr": f"*{dtype}",
+                    "w13_ptr": f"*{dtype}",
+                    "inter_ptr": f"*{dtype}",
+                    "sorted_pairs_ptr": "*i32",
+                    "block_expert_ptr": "*i32",
+                    "num_pairs": "i32",
+                    "hidden": "i32",
+                    "inter_size": "i32",
+                    "swiglu_limit": "fp32",
+                    "stride_x_t": "i32",
+                    "stride_w_e": "i64",
+                    "stride_w_n": "i32",
+                    "stride_i_p": "i32",
+                },
+                constexprs=dict(
+                    TOP_K=top_k,
+                    BLOCK_M=cfg.block_m,
+                    BLOCK_N=cfg.block_n,
+                    BLOCK_K=cfg.block_k,
+                    CLAMP=clamp,
+                    UPCAST=False,
+                ),
+                divisible=("hidden", "inter_size"),
+                **common,
+            )
+        )
         if clamp:
             continue  # the down GEMM does not depend on the activation: compiled above
-        variants.append(KernelVariant(
-            name=f"moe_down[{label}]",
-            kernel=moe_down_kernel,
-            types={
-                "inter_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}", "topk_weights_ptr": "*fp32", "y_ptr": "*fp32",
-                "sorted_pairs_ptr": "*i32", "block_expert_ptr": "*i32",
-                "num_pairs": "i32", "hidden": "i32", "inter_size": "i32",
-                "stride_i_p": "i32", "stride_w_e": "i64", "stride_w_n": "i32", "stride_y_p": "i32",
-            },
-            constexprs=dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=False),
-            divisible=("hidden", "inter_size"),
-            **common,
-        ))
+        variants.append(
+            KernelVariant(
+                name=f"moe_down[{label}]",
+                kernel=moe_down_kernel,
+                types={
+                    "inter_ptr": f"*{dtype}",
+                    "w2_ptr": f"*{dtype}",
+                    "topk_weights_ptr": "*fp32",
+                    "y_ptr": "*fp32",
+                    "sorted_pairs_ptr": "*i32",
+                    "block_expert_ptr": "*i32",
+                    "num_pairs": "i32",
+                    "hidden": "i32",
+                    "inter_size": "i32",
+                    "stride_i_p": "i32",
+                    "stride_w_e": "i64",
+                    "stride_w_n": "i32",
+                    "stride_y_p": "i32",
+                },
+                constexprs=dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, UPCAST=False),
+                divisible=("hidden", "inter_size"),
+                **common,
+            )
+        )
     return variants

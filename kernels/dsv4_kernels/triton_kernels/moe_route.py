@@ -17,11 +17,24 @@ from .common import KernelVariant, check_launchable, next_pow2
 
 @triton.jit
 def moe_route_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr,
-    num_tokens, stride_l_t, stride_w_t, stride_i_t, scaling,
-    N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_tokens,
+    stride_l_t,
+    stride_w_t,
+    stride_i_t,
+    scaling,
+    N_GROUP: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    TOP_K: tl.constexpr,
     NORM_TOPK: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = tokens < num_tokens
@@ -32,7 +45,8 @@ def moe_route_kernel(
 
     logits = tl.load(
         logits_ptr + tokens[:, None, None].to(tl.int64) * stride_l_t + expert[None, :, :],
-        mask=t_mask[:, None, None] & cell[None, :, :], other=0.0,
+        mask=t_mask[:, None, None] & cell[None, :, :],
+        other=0.0,
     ).to(tl.float32)
     scores = tl.sigmoid(logits)
     bias = tl.load(bias_ptr + expert, mask=cell, other=0.0).to(tl.float32)
@@ -100,11 +114,23 @@ def moe_route(
         return weights, ids
     block_t = _block_t(num_experts)
     moe_route_kernel[(triton.cdiv(num_tokens, block_t),)](
-        router_logits, correction_bias.contiguous(), weights, ids,
-        num_tokens, router_logits.stride(0), weights.stride(0), ids.stride(0), float(routed_scaling_factor),
-        N_GROUP=n_group, GROUP_SIZE=num_experts // n_group, TOPK_GROUP=topk_group, TOP_K=top_k,
+        router_logits,
+        correction_bias.contiguous(),
+        weights,
+        ids,
+        num_tokens,
+        router_logits.stride(0),
+        weights.stride(0),
+        ids.stride(0),
+        float(routed_scaling_factor),
+        N_GROUP=n_group,
+        GROUP_SIZE=num_experts // n_group,
+        TOPK_GROUP=topk_group,
+        TOP_K=top_k,
         NORM_TOPK=bool(norm_topk_prob),
-        BLOCK_T=block_t, BLOCK_G=next_pow2(n_group), BLOCK_E=next_pow2(num_experts // n_group),
+        BLOCK_T=block_t,
+        BLOCK_G=next_pow2(n_group),
+        BLOCK_E=next_pow2(num_experts // n_group),
         BLOCK_K=next_pow2(top_k),
         num_warps=4,
     )
@@ -113,16 +139,33 @@ def moe_route(
 
 def aot_variants(arch: int) -> list[KernelVariant]:
     """DeepSeek-V3's routing: 256 experts in 8 groups, 4 groups kept, 8 experts chosen."""
-    return [KernelVariant(
-        name="moe_route[fp32,e256,g8]",
-        kernel=moe_route_kernel,
-        types={
-            "logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i32",
-            "num_tokens": "i32", "stride_l_t": "i32", "stride_w_t": "i32", "stride_i_t": "i32", "scaling": "fp32",
-        },
-        constexprs=dict(
-            N_GROUP=8, GROUP_SIZE=32, TOPK_GROUP=4, TOP_K=8, NORM_TOPK=True,
-            BLOCK_T=_block_t(256), BLOCK_G=8, BLOCK_E=32, BLOCK_K=8,
-        ),
-        num_warps=4, num_stages=1,
-    )]
+    return [
+        KernelVariant(
+            name="moe_route[fp32,e256,g8]",
+            kernel=moe_route_kernel,
+            types={
+                "logits_ptr": "*fp32",
+                "bias_ptr": "*fp32",
+                "weights_ptr": "*fp32",
+                "ids_ptr": "*i32",
+                "num_tokens": "i32",
+                "stride_l_t": "i32",
+                "stride_w_t": "i32",
+                "stride_i_t": "i32",
+                "scaling": "fp32",
+            },
+            constexprs=dict(
+                N_GROUP=8,
+                GROUP_SIZE=32,
+                TOPK_GROUP=4,
+                TOP_K=8,
+                NORM_TOPK=True,
+                BLOCK_T=_block_t(256),
+                BLOCK_G=8,
+                BLOCK_E=32,
+                BLOCK_K=8,
+            ),
+            num_warps=4,
+            num_stages=1,
+        )
+    ]

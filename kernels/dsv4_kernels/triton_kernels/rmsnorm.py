@@ -16,10 +16,21 @@ from .common import KernelVariant, check_launchable, next_pow2, fp32_twins
 
 @triton.jit
 def rmsnorm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-    num_rows, hidden, eps,
-    stride_x, stride_r, stride_o, stride_ro,
-    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    num_rows,
+    hidden,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    HAS_RESIDUAL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -67,10 +78,21 @@ def rmsnorm(
     if num_rows:
         rows, block, warps = _tiles(hidden)
         rmsnorm_kernel[(triton.cdiv(num_rows, rows),)](
-            x2, res2, weight.contiguous(), out, res_out,
-            num_rows, hidden, float(eps),
-            x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0),
-            HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK=block,
+            x2,
+            res2,
+            weight.contiguous(),
+            out,
+            res_out,
+            num_rows,
+            hidden,
+            float(eps),
+            x2.stride(0),
+            res2.stride(0),
+            out.stride(0),
+            res_out.stride(0),
+            HAS_RESIDUAL=residual is not None,
+            ROWS=rows,
+            BLOCK=block,
             num_warps=warps,
         )
     if residual is None:
@@ -84,16 +106,28 @@ def aot_variants(arch: int) -> list[KernelVariant]:
     variants = []
     for hidden, has_residual in ((7168, True), (7168, False), (512, False)):
         rows, block, warps = _tiles(hidden)
-        variants.append(KernelVariant(
-            name=f"rmsnorm[bf16,{hidden},{'residual' if has_residual else 'plain'}]",
-            kernel=rmsnorm_kernel,
-            types={
-                "x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*bf16",
-                "residual_out_ptr": "*bf16", "num_rows": "i32", "hidden": "i32", "eps": "fp32",
-                "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_ro": "i32",
-            },
-            constexprs=dict(HAS_RESIDUAL=has_residual, ROWS=rows, BLOCK=block),
-            divisible=("hidden",),
-            num_warps=warps, num_stages=1,
-        ))
+        variants.append(
+            KernelVariant(
+                name=f"rmsnorm[bf16,{hidden},{'residual' if has_residual else 'plain'}]",
+                kernel=rmsnorm_kernel,
+                types={
+                    "x_ptr": "*bf16",
+                    "residual_ptr": "*bf16",
+                    "weight_ptr": "*bf16",
+                    "out_ptr": "*bf16",
+                    "residual_out_ptr": "*bf16",
+                    "num_rows": "i32",
+                    "hidden": "i32",
+                    "eps": "fp32",
+                    "stride_x": "i32",
+                    "stride_r": "i32",
+                    "stride_o": "i32",
+                    "stride_ro": "i32",
+                },
+                constexprs=dict(HAS_RESIDUAL=has_residual, ROWS=rows, BLOCK=block),
+                divisible=("hidden",),
+                num_warps=warps,
+                num_stages=1,
+            )
+        )
     return fp32_twins(variants)

@@ -22,8 +22,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (KernelVariant, fp32_twins, check_grid, check_launchable, cuda_arch, next_pow2, note_occupancy,
-                     on_interpreter, programs_per_sm, small_shared, sm_count)
+from .common import (
+    KernelVariant,
+    fp32_twins,
+    check_grid,
+    check_launchable,
+    cuda_arch,
+    next_pow2,
+    note_occupancy,
+    on_interpreter,
+    programs_per_sm,
+    small_shared,
+    sm_count,
+)
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -31,14 +42,52 @@ MAX_SPLITS = 64
 
 @triton.jit
 def v4_attn_kernel(
-    q_ptr, kv_ptr, ring_ptr, comp_ptr, block_table_ptr, comp_idx_ptr, sink_ptr,
-    positions_ptr, token_req_ptr, req_row0_ptr, slot_ids_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, num_heads, num_splits, window, rate, page_size, entries_per_page, num_comp_idx,
-    stride_q_t, stride_q_h, stride_kv_t, stride_ring_slot, stride_ring_w, stride_comp_page, stride_comp_e,
-    stride_bt_b, stride_ci_t, stride_o_t, stride_o_h, stride_po_t, stride_po_h, stride_po_s, stride_pl_t, stride_pl_h,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_COMP: tl.constexpr, SPARSE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
+    q_ptr,
+    kv_ptr,
+    ring_ptr,
+    comp_ptr,
+    block_table_ptr,
+    comp_idx_ptr,
+    sink_ptr,
+    positions_ptr,
+    token_req_ptr,
+    req_row0_ptr,
+    slot_ids_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    qk_scale,
+    num_heads,
+    num_splits,
+    window,
+    rate,
+    page_size,
+    entries_per_page,
+    num_comp_idx,
+    stride_q_t,
+    stride_q_h,
+    stride_kv_t,
+    stride_ring_slot,
+    stride_ring_w,
+    stride_comp_page,
+    stride_comp_e,
+    stride_bt_b,
+    stride_ci_t,
+    stride_o_t,
+    stride_o_h,
+    stride_po_t,
+    stride_po_h,
+    stride_po_s,
+    stride_pl_t,
+    stride_pl_h,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_COMP: tl.constexpr,
+    SPARSE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     # Tokens on axis 0: axes 1 and 2 of a CUDA grid stop at 65,535, axis 0 does not, so extend
     # steps of any length launch. (Decoding over (token, head block) in one axis cost 8 bytes
@@ -70,8 +119,11 @@ def v4_attn_kernel(
     head_mask = heads < num_heads
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + t.to(tl.int64) * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :],
-                mask=head_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + t.to(tl.int64) * stride_q_t + heads[:, None] * stride_q_h + offs_d[None, :],
+        mask=head_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -121,8 +173,13 @@ def v4_attn_kernel(
     if SPLIT:
         live_s = l_i > 0.0
         l_safe = tl.where(live_s, l_i, 1.0)
-        po = (part_out_ptr + t.to(tl.int64) * stride_po_t + heads[:, None] * stride_po_h + pid_s * stride_po_s
-              + offs_d[None, :])
+        po = (
+            part_out_ptr
+            + t.to(tl.int64) * stride_po_t
+            + heads[:, None] * stride_po_h
+            + pid_s * stride_po_s
+            + offs_d[None, :]
+        )
         tl.store(po, acc / l_safe[:, None], mask=head_mask[:, None] & d_mask[None, :])
         lse = tl.where(live_s, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + t.to(tl.int64) * stride_pl_t + heads * stride_pl_h + pid_s, lse, mask=head_mask)
@@ -132,15 +189,30 @@ def v4_attn_kernel(
         m_fin = tl.maximum(m_i, sink)
         denom = l_i * tl.exp2(m_i - m_fin) + tl.exp2(sink - m_fin)
         out = acc * (tl.exp2(m_i - m_fin) / denom)[:, None]
-        tl.store(out_ptr + t.to(tl.int64) * stride_o_t + heads[:, None] * stride_o_h + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & d_mask[None, :])
+        tl.store(
+            out_ptr + t.to(tl.int64) * stride_o_t + heads[:, None] * stride_o_h + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=head_mask[:, None] & d_mask[None, :],
+        )
 
 
 @triton.jit
 def v4_attn_merge_kernel(
-    part_out_ptr, part_lse_ptr, sink_ptr, out_ptr, num_splits,
-    stride_po_t, stride_po_h, stride_po_s, stride_pl_t, stride_pl_h, stride_o_t, stride_o_h,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    part_out_ptr,
+    part_lse_ptr,
+    sink_ptr,
+    out_ptr,
+    num_splits,
+    stride_po_t,
+    stride_po_h,
+    stride_po_s,
+    stride_pl_t,
+    stride_pl_h,
+    stride_o_t,
+    stride_o_h,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     t = tl.program_id(0)  # tokens on axis 0: more than 65,535 of them launch
     head = tl.program_id(1)
@@ -157,8 +229,11 @@ def v4_attn_merge_kernel(
     for sp in range(0, num_splits):
         w = tl.exp2(tl.load(lse_row + sp) - m)
         acc += w * tl.load(po_row + sp * stride_po_s + offs_d, mask=d_mask, other=0.0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_o_t + head * stride_o_h + offs_d,
-             (acc / denom).to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(
+        out_ptr + t.to(tl.int64) * stride_o_t + head * stride_o_h + offs_d,
+        (acc / denom).to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
 
 
 @dataclass(frozen=True)
@@ -210,8 +285,24 @@ def _check(q, kv, ring, comp_kv):
             raise ValueError(f"v4 attention: q is {q.dtype} but {name} is {x.dtype}")
 
 
-def _launch(q, kv, ring, slot_ids, positions, token_req, req_row0, block_table, comp_kv, comp_idx, sink, sm_scale,
-            rate, page_size, num_splits, cfg):
+def _launch(
+    q,
+    kv,
+    ring,
+    slot_ids,
+    positions,
+    token_req,
+    req_row0,
+    block_table,
+    comp_kv,
+    comp_idx,
+    sink,
+    sm_scale,
+    rate,
+    page_size,
+    num_splits,
+    cfg,
+):
     T, H, hd = q.shape
     out = torch.empty_like(q)
     if T == 0:
@@ -231,32 +322,82 @@ def _launch(q, kv, ring, slot_ids, positions, token_req, req_row0, block_table, 
     epp = comp.shape[1] if has_comp else 1
     sink = sink.to(device=q.device, dtype=torch.float32).contiguous()
     compiled = v4_attn_kernel[attn_grid(T, head_blocks, num_splits)](
-        q, kv, ring, comp, block_table, cidx, sink,
-        positions, token_req, req_row0, slot_ids,
-        out, part_out, part_lse,
-        sm_scale * LOG2E, H, num_splits, ring.shape[1], max(1, rate), page_size, epp,
+        q,
+        kv,
+        ring,
+        comp,
+        block_table,
+        cidx,
+        sink,
+        positions,
+        token_req,
+        req_row0,
+        slot_ids,
+        out,
+        part_out,
+        part_lse,
+        sm_scale * LOG2E,
+        H,
+        num_splits,
+        ring.shape[1],
+        max(1, rate),
+        page_size,
+        epp,
         cidx.shape[1] if sparse else 0,
-        q.stride(0), q.stride(1), kv.stride(0), ring.stride(0), ring.stride(1), comp.stride(0), comp.stride(1),
-        block_table.stride(0), cidx.stride(0) if sparse else 0, out.stride(0), out.stride(1),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        HEAD_DIM=hd, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_D=next_pow2(hd),
-        HAS_COMP=has_comp, SPARSE=sparse, SPLIT=split, UPCAST=on_interpreter(q),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        q.stride(0),
+        q.stride(1),
+        kv.stride(0),
+        ring.stride(0),
+        ring.stride(1),
+        comp.stride(0),
+        comp.stride(1),
+        block_table.stride(0),
+        cidx.stride(0) if sparse else 0,
+        out.stride(0),
+        out.stride(1),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        HEAD_DIM=hd,
+        BLOCK_H=cfg.block_h,
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=next_pow2(hd),
+        HAS_COMP=has_comp,
+        SPARSE=sparse,
+        SPLIT=split,
+        UPCAST=on_interpreter(q),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     note_occupancy(_occupancy_key(q, cfg, comp_kv, comp_idx), compiled, q.device, cfg.num_warps)
     if split:
         v4_attn_merge_kernel[merge_grid(T, H)](
-            part_out, part_lse, sink, out, num_splits,
-            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1),
-            HEAD_DIM=hd, BLOCK_D=next_pow2(hd), BLOCK_S=next_pow2(num_splits),
+            part_out,
+            part_lse,
+            sink,
+            out,
+            num_splits,
+            part_out.stride(0),
+            part_out.stride(1),
+            part_out.stride(2),
+            part_lse.stride(0),
+            part_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=hd,
+            BLOCK_D=next_pow2(hd),
+            BLOCK_S=next_pow2(num_splits),
             num_warps=4 if hd >= 256 else 1,
         )
     return out
 
 
-HEAD_TILE_STEPS = {64: AttnConfig(block_h=32, block_n=32, num_warps=8, programs_per_sm=2),
-                   32: AttnConfig(block_h=16, block_n=32, num_warps=8, programs_per_sm=2)}
+HEAD_TILE_STEPS = {
+    64: AttnConfig(block_h=32, block_n=32, num_warps=8, programs_per_sm=2),
+    32: AttnConfig(block_h=16, block_n=32, num_warps=8, programs_per_sm=2),
+}
 
 
 def decode_config(head_dim: int, heads: int, arch: int | None, elem_size: int, tokens: int, sms: int) -> AttnConfig:
@@ -271,8 +412,9 @@ def decode_config(head_dim: int, heads: int, arch: int | None, elem_size: int, t
     return cfg
 
 
-def default_num_splits(tokens: int, head_blocks: int, max_keys: int, cfg: AttnConfig, device: torch.device,
-                       resident: int | None = None) -> int:
+def default_num_splits(
+    tokens: int, head_blocks: int, max_keys: int, cfg: AttnConfig, device: torch.device, resident: int | None = None
+) -> int:
     """Slices of each key list: none once the grid fills a quarter of the resident programs
     (partials would cost more HBM traffic than the idle SMs save); else enough to fill one
     wave, with at least two key tiles a slice. `resident`: blocks an SM holds at once,
@@ -314,12 +456,33 @@ def v4_attention_decode(
     B, H, hd = q.shape
     cfg = config or decode_config(hd, H, cuda_arch(q.device), q.element_size(), B, sm_count(q.device))
     if num_splits is None:
-        num_splits = default_num_splits(B, triton.cdiv(H, cfg.block_h),
-                                        _max_keys(ring, block_table, comp_kv, comp_idx, rate, page_size), cfg, q.device,
-                                        programs_per_sm(_occupancy_key(q, cfg, comp_kv, comp_idx), cfg.programs_per_sm))
+        num_splits = default_num_splits(
+            B,
+            triton.cdiv(H, cfg.block_h),
+            _max_keys(ring, block_table, comp_kv, comp_idx, rate, page_size),
+            cfg,
+            q.device,
+            programs_per_sm(_occupancy_key(q, cfg, comp_kv, comp_idx), cfg.programs_per_sm),
+        )
     ar = torch.arange(B, dtype=torch.int32, device=q.device)
-    return _launch(q, kv, ring, _i32(slot_ids, q), _i32(positions, q), ar, ar, _i32(block_table, q),
-                   comp_kv, comp_idx, sink, sm_scale, rate, page_size, num_splits, cfg)
+    return _launch(
+        q,
+        kv,
+        ring,
+        _i32(slot_ids, q),
+        _i32(positions, q),
+        ar,
+        ar,
+        _i32(block_table, q),
+        comp_kv,
+        comp_idx,
+        sink,
+        sm_scale,
+        rate,
+        page_size,
+        num_splits,
+        cfg,
+    )
 
 
 def v4_attention_extend(
@@ -345,8 +508,24 @@ def v4_attention_extend(
     T, H, hd = q.shape
     cfg = config or attn_config(hd, H, cuda_arch(q.device), q.element_size())
     token_req, req_row0 = varlen_index(extend_lens.to(q.device), T)
-    return _launch(q, kv, ring, _i32(slot_ids, q), _i32(positions, q), token_req, req_row0,
-                   _i32(block_table, q), comp_kv, comp_idx, sink, sm_scale, rate, page_size, num_splits, cfg)
+    return _launch(
+        q,
+        kv,
+        ring,
+        _i32(slot_ids, q),
+        _i32(positions, q),
+        token_req,
+        req_row0,
+        _i32(block_table, q),
+        comp_kv,
+        comp_idx,
+        sink,
+        sm_scale,
+        rate,
+        page_size,
+        num_splits,
+        cfg,
+    )
 
 
 def _i32(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -382,42 +561,107 @@ def aot_variants(arch: int) -> list[KernelVariant]:
     )
     for dtype, hd, heads, has_comp, sparse, split, label in shapes:
         cfg = attn_config(hd, heads, arch, 4 if dtype == "fp32" else 2)
-        variants.append(KernelVariant(
-            name=f"v4_attn[{dtype},d{hd},h{heads},{label}]",
-            kernel=v4_attn_kernel,
-            types={
-                "q_ptr": f"*{dtype}", "kv_ptr": f"*{dtype}", "ring_ptr": f"*{dtype}", "comp_ptr": f"*{dtype}",
-                "block_table_ptr": "*i32", "comp_idx_ptr": "*i32", "sink_ptr": "*fp32",
-                "positions_ptr": "*i32", "token_req_ptr": "*i32", "req_row0_ptr": "*i32", "slot_ids_ptr": "*i32",
-                "out_ptr": f"*{dtype}", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-                "qk_scale": "fp32", "num_heads": "i32", "num_splits": "i32", "window": "i32", "rate": "i32",
-                "page_size": "i32", "entries_per_page": "i32", "num_comp_idx": "i32",
-                **{name: "i32" for name in (
-                    "stride_q_t", "stride_q_h", "stride_kv_t", "stride_ring_slot", "stride_ring_w", "stride_comp_page",
-                    "stride_comp_e", "stride_bt_b", "stride_ci_t", "stride_o_t", "stride_o_h",
-                    "stride_po_t", "stride_po_h", "stride_po_s", "stride_pl_t", "stride_pl_h")},
-            },
-            constexprs=dict(HEAD_DIM=hd, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_D=next_pow2(hd),
-                            HAS_COMP=has_comp, SPARSE=sparse, SPLIT=split, UPCAST=False),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        ))
+        variants.append(
+            KernelVariant(
+                name=f"v4_attn[{dtype},d{hd},h{heads},{label}]",
+                kernel=v4_attn_kernel,
+                types={
+                    "q_ptr": f"*{dtype}",
+                    "kv_ptr": f"*{dtype}",
+                    "ring_ptr": f"*{dtype}",
+                    "comp_ptr": f"*{dtype}",
+                    "block_table_ptr": "*i32",
+                    "comp_idx_ptr": "*i32",
+                    "sink_ptr": "*fp32",
+                    "positions_ptr": "*i32",
+                    "token_req_ptr": "*i32",
+                    "req_row0_ptr": "*i32",
+                    "slot_ids_ptr": "*i32",
+                    "out_ptr": f"*{dtype}",
+                    "part_out_ptr": "*fp32",
+                    "part_lse_ptr": "*fp32",
+                    "qk_scale": "fp32",
+                    "num_heads": "i32",
+                    "num_splits": "i32",
+                    "window": "i32",
+                    "rate": "i32",
+                    "page_size": "i32",
+                    "entries_per_page": "i32",
+                    "num_comp_idx": "i32",
+                    **{
+                        name: "i32"
+                        for name in (
+                            "stride_q_t",
+                            "stride_q_h",
+                            "stride_kv_t",
+                            "stride_ring_slot",
+                            "stride_ring_w",
+                            "stride_comp_page",
+                            "stride_comp_e",
+                            "stride_bt_b",
+                            "stride_ci_t",
+                            "stride_o_t",
+                            "stride_o_h",
+                            "stride_po_t",
+                            "stride_po_h",
+                            "stride_po_s",
+                            "stride_pl_t",
+                            "stride_pl_h",
+                        )
+                    },
+                },
+                constexprs=dict(
+                    HEAD_DIM=hd,
+                    BLOCK_H=cfg.block_h,
+                    BLOCK_N=cfg.block_n,
+                    BLOCK_D=next_pow2(hd),
+                    HAS_COMP=has_comp,
+                    SPARSE=sparse,
+                    SPLIT=split,
+                    UPCAST=False,
+                ),
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+            )
+        )
     for step in HEAD_TILE_STEPS.values():  # what decode_config falls back to at small batches
         base = variants[0]
-        variants.append(KernelVariant(
-            name=f"v4_attn[bf16,d512,h64,csa,decode,bh{step.block_h}]", kernel=v4_attn_kernel, types=base.types,
-            constexprs={**base.constexprs, "BLOCK_H": step.block_h, "BLOCK_N": step.block_n},
-            num_warps=step.num_warps, num_stages=step.num_stages,
-        ))
-    variants.append(KernelVariant(
-        name="v4_attn_merge[bf16,d512]",
-        kernel=v4_attn_merge_kernel,
-        types={
-            "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*bf16",
-            "num_splits": "i32",
-            **{name: "i32" for name in (
-                "stride_po_t", "stride_po_h", "stride_po_s", "stride_pl_t", "stride_pl_h", "stride_o_t", "stride_o_h")},
-        },
-        constexprs=dict(HEAD_DIM=512, BLOCK_D=512, BLOCK_S=16),
-        num_warps=4, num_stages=1,
-    ))
+        variants.append(
+            KernelVariant(
+                name=f"v4_attn[bf16,d512,h64,csa,decode,bh{step.block_h}]",
+                kernel=v4_attn_kernel,
+                types=base.types,
+                constexprs={**base.constexprs, "BLOCK_H": step.block_h, "BLOCK_N": step.block_n},
+                num_warps=step.num_warps,
+                num_stages=step.num_stages,
+            )
+        )
+    variants.append(
+        KernelVariant(
+            name="v4_attn_merge[bf16,d512]",
+            kernel=v4_attn_merge_kernel,
+            types={
+                "part_out_ptr": "*fp32",
+                "part_lse_ptr": "*fp32",
+                "sink_ptr": "*fp32",
+                "out_ptr": "*bf16",
+                "num_splits": "i32",
+                **{
+                    name: "i32"
+                    for name in (
+                        "stride_po_t",
+                        "stride_po_h",
+                        "stride_po_s",
+                        "stride_pl_t",
+                        "stride_pl_h",
+                        "stride_o_t",
+                        "stride_o_h",
+                    )
+                },
+            },
+            constexprs=dict(HEAD_DIM=512, BLOCK_D=512, BLOCK_S=16),
+            num_warps=4,
+            num_stages=1,
+        )
+    )
     return variants[:-1] + fp32_twins(variants[-1:])  # the merge: same tiles in either dtype

@@ -20,8 +20,22 @@ from .common import fp32_twins
 
 
 @triton.jit
-def _pool_rows(kv_row, gate_row, ape_ptr, col0, rate, stride_kv_r, stride_g_r, stride_a,
-               m_i, l_i, acc, offs_d, d_mask, BLOCK_R: tl.constexpr):
+def _pool_rows(
+    kv_row,
+    gate_row,
+    ape_ptr,
+    col0,
+    rate,
+    stride_kv_r,
+    stride_g_r,
+    stride_a,
+    m_i,
+    l_i,
+    acc,
+    offs_d,
+    d_mask,
+    BLOCK_R: tl.constexpr,
+):
     """Fold rows 0..rate-1 (columns col0..) of one series into the running softmax."""
     for r0 in range(0, rate, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
@@ -42,11 +56,30 @@ def _pool_rows(kv_row, gate_row, ape_ptr, col0, rate, stride_kv_r, stride_g_r, s
 
 @triton.jit
 def v4_compress_pool_kernel(
-    win_kv_ptr, win_gate_ptr, prev_kv_ptr, prev_gate_ptr, ape_ptr, norm_ptr, w_ids_ptr, out_ptr,
-    rate, eps,
-    stride_wk_n, stride_wk_r, stride_wg_n, stride_wg_r, stride_pk_n, stride_pk_r, stride_pg_n, stride_pg_r,
-    stride_a, stride_o,
-    HEAD_DIM: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    win_kv_ptr,
+    win_gate_ptr,
+    prev_kv_ptr,
+    prev_gate_ptr,
+    ape_ptr,
+    norm_ptr,
+    w_ids_ptr,
+    out_ptr,
+    rate,
+    eps,
+    stride_wk_n,
+    stride_wk_r,
+    stride_wg_n,
+    stride_wg_r,
+    stride_pk_n,
+    stride_pk_r,
+    stride_pg_n,
+    stride_pg_r,
+    stride_a,
+    stride_o,
+    HEAD_DIM: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     k = tl.program_id(0)
     k64 = k.to(tl.int64)
@@ -59,13 +92,55 @@ def v4_compress_pool_kernel(
     own_gate = win_gate_ptr + k64 * stride_wg_n
     if OVERLAP:
         if tl.load(w_ids_ptr + k) > 0:
-            m_i, l_i, acc = _pool_rows(prev_kv_ptr + k64 * stride_pk_n, prev_gate_ptr + k64 * stride_pg_n, ape_ptr, 0,
-                                       rate, stride_pk_r, stride_pg_r, stride_a, m_i, l_i, acc, offs_d, d_mask, BLOCK_R)
-        m_i, l_i, acc = _pool_rows(own_kv, own_gate, ape_ptr, HEAD_DIM, rate, stride_wk_r, stride_wg_r, stride_a,
-                                   m_i, l_i, acc, offs_d, d_mask, BLOCK_R)
+            m_i, l_i, acc = _pool_rows(
+                prev_kv_ptr + k64 * stride_pk_n,
+                prev_gate_ptr + k64 * stride_pg_n,
+                ape_ptr,
+                0,
+                rate,
+                stride_pk_r,
+                stride_pg_r,
+                stride_a,
+                m_i,
+                l_i,
+                acc,
+                offs_d,
+                d_mask,
+                BLOCK_R,
+            )
+        m_i, l_i, acc = _pool_rows(
+            own_kv,
+            own_gate,
+            ape_ptr,
+            HEAD_DIM,
+            rate,
+            stride_wk_r,
+            stride_wg_r,
+            stride_a,
+            m_i,
+            l_i,
+            acc,
+            offs_d,
+            d_mask,
+            BLOCK_R,
+        )
     else:
-        m_i, l_i, acc = _pool_rows(own_kv, own_gate, ape_ptr, 0, rate, stride_wk_r, stride_wg_r, stride_a,
-                                   m_i, l_i, acc, offs_d, d_mask, BLOCK_R)
+        m_i, l_i, acc = _pool_rows(
+            own_kv,
+            own_gate,
+            ape_ptr,
+            0,
+            rate,
+            stride_wk_r,
+            stride_wg_r,
+            stride_a,
+            m_i,
+            l_i,
+            acc,
+            offs_d,
+            d_mask,
+            BLOCK_R,
+        )
     pooled = tl.where(d_mask, acc / tl.where(l_i > 0, l_i, 1.0), 0.0)
     inv = tl.rsqrt(tl.sum(pooled * pooled, 0) / HEAD_DIM + eps)
     w = tl.load(norm_ptr + offs_d, mask=d_mask, other=0.0).to(tl.float32)
@@ -101,11 +176,30 @@ def v4_compress_pool(
     ape = ape.float().contiguous()
     block_d = next_pow2(hd)
     v4_compress_pool_kernel[(N,)](
-        win_kv, win_gate, pk, pg, ape, norm_weight.float().contiguous(), w_ids.to(torch.int32).contiguous(), out,
-        rate, eps,
-        win_kv.stride(0), win_kv.stride(1), win_gate.stride(0), win_gate.stride(1),
-        pk.stride(0), pk.stride(1), pg.stride(0), pg.stride(1), ape.stride(0), out.stride(0),
-        HEAD_DIM=hd, OVERLAP=overlap, BLOCK_D=block_d, BLOCK_R=_block_r(rate, block_d),
+        win_kv,
+        win_gate,
+        pk,
+        pg,
+        ape,
+        norm_weight.float().contiguous(),
+        w_ids.to(torch.int32).contiguous(),
+        out,
+        rate,
+        eps,
+        win_kv.stride(0),
+        win_kv.stride(1),
+        win_gate.stride(0),
+        win_gate.stride(1),
+        pk.stride(0),
+        pk.stride(1),
+        pg.stride(0),
+        pg.stride(1),
+        ape.stride(0),
+        out.stride(0),
+        HEAD_DIM=hd,
+        OVERLAP=overlap,
+        BLOCK_D=block_d,
+        BLOCK_R=_block_r(rate, block_d),
         num_warps=4,
     )
     return out
@@ -115,19 +209,48 @@ def aot_variants(arch: int) -> list[KernelVariant]:
     """V4-Flash's compressors: CSA's KV (overlap, rate 4, 512) and indexer (rate 4, 128) and
     HCA's (rate 128, 512), in bf16; CSA's in fp32."""
     variants = []
-    for dtype, hd, overlap, rate, label in (("bf16", 512, True, 4, "csa"), ("bf16", 128, True, 4, "csa_index"),
-                                            ("bf16", 512, False, 128, "hca"), ("fp32", 512, True, 4, "csa")):
-        variants.append(KernelVariant(
-            name=f"v4_compress_pool[{dtype},{label},d{hd}]",
-            kernel=v4_compress_pool_kernel,
-            types={
-                "win_kv_ptr": f"*{dtype}", "win_gate_ptr": f"*{dtype}", "prev_kv_ptr": f"*{dtype}",
-                "prev_gate_ptr": f"*{dtype}", "ape_ptr": "*fp32", "norm_ptr": "*fp32", "w_ids_ptr": "*i32",
-                "out_ptr": f"*{dtype}", "rate": "i32", "eps": "fp32",
-                **{n: "i32" for n in ("stride_wk_n", "stride_wk_r", "stride_wg_n", "stride_wg_r", "stride_pk_n",
-                                      "stride_pk_r", "stride_pg_n", "stride_pg_r", "stride_a", "stride_o")},
-            },
-            constexprs=dict(HEAD_DIM=hd, OVERLAP=overlap, BLOCK_D=next_pow2(hd), BLOCK_R=_block_r(rate, next_pow2(hd))),
-            num_warps=4, num_stages=2,
-        ))
+    for dtype, hd, overlap, rate, label in (
+        ("bf16", 512, True, 4, "csa"),
+        ("bf16", 128, True, 4, "csa_index"),
+        ("bf16", 512, False, 128, "hca"),
+        ("fp32", 512, True, 4, "csa"),
+    ):
+        variants.append(
+            KernelVariant(
+                name=f"v4_compress_pool[{dtype},{label},d{hd}]",
+                kernel=v4_compress_pool_kernel,
+                types={
+                    "win_kv_ptr": f"*{dtype}",
+                    "win_gate_ptr": f"*{dtype}",
+                    "prev_kv_ptr": f"*{dtype}",
+                    "prev_gate_ptr": f"*{dtype}",
+                    "ape_ptr": "*fp32",
+                    "norm_ptr": "*fp32",
+                    "w_ids_ptr": "*i32",
+                    "out_ptr": f"*{dtype}",
+                    "rate": "i32",
+                    "eps": "fp32",
+                    **{
+                        n: "i32"
+                        for n in (
+                            "stride_wk_n",
+                            "stride_wk_r",
+                            "stride_wg_n",
+                            "stride_wg_r",
+                            "stride_pk_n",
+                            "stride_pk_r",
+                            "stride_pg_n",
+                            "stride_pg_r",
+                            "stride_a",
+                            "stride_o",
+                        )
+                    },
+                },
+                constexprs=dict(
+                    HEAD_DIM=hd, OVERLAP=overlap, BLOCK_D=next_pow2(hd), BLOCK_R=_block_r(rate, next_pow2(hd))
+                ),
+                num_warps=4,
+                num_stages=2,
+            )
+        )
     return fp32_twins(variants)

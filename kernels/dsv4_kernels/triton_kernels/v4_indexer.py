@@ -20,14 +20,34 @@ from .common import KernelVariant, check_launchable, cuda_arch, next_pow2, on_in
 from .v4_attention import _i32, varlen_index
 
 
-
 @triton.jit
 def v4_indexer_topk_kernel(
-    iq_ptr, iw_ptr, ik_ptr, block_table_ptr, positions_ptr, token_req_ptr, out_ptr,
-    top_k, scale, rate, page_size, entries_per_page,
-    stride_q_t, stride_q_h, stride_w_t, stride_k_page, stride_k_e, stride_bt_b, stride_o_t,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_IH: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, K_PAD: tl.constexpr, UPCAST: tl.constexpr,
+    iq_ptr,
+    iw_ptr,
+    ik_ptr,
+    block_table_ptr,
+    positions_ptr,
+    token_req_ptr,
+    out_ptr,
+    top_k,
+    scale,
+    rate,
+    page_size,
+    entries_per_page,
+    stride_q_t,
+    stride_q_h,
+    stride_w_t,
+    stride_k_page,
+    stride_k_e,
+    stride_bt_b,
+    stride_o_t,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_IH: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    K_PAD: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     t = tl.program_id(0)
     p = tl.load(positions_ptr + t).to(tl.int32)
@@ -38,8 +58,11 @@ def v4_indexer_topk_kernel(
     h_mask = h < NUM_HEADS
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(iq_ptr + t.to(tl.int64) * stride_q_t + h[:, None] * stride_q_h + offs_d[None, :],
-                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        iq_ptr + t.to(tl.int64) * stride_q_t + h[:, None] * stride_q_h + offs_d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
     hw = tl.load(iw_ptr + t.to(tl.int64) * stride_w_t + h, mask=h_mask, other=0.0).to(tl.float32) * scale
@@ -118,13 +141,34 @@ def v4_indexer_topk(
     k_pad, block_n, num_warps = indexer_tiles(top_k, iq.element_size(), cuda_arch(iq.device))
     iw = iw.float().contiguous()
     v4_indexer_topk_kernel[(T,)](
-        iq, iw, index_k, _i32(block_table, iq), _i32(positions, iq), token_req, out,
-        top_k, scale, rate, page_size, index_k.shape[1],
-        iq.stride(0), iq.stride(1), iw.stride(0), index_k.stride(0), index_k.stride(1),
-        block_table.stride(0), out.stride(0),
-        NUM_HEADS=IH, HEAD_DIM=d, BLOCK_IH=max(16, next_pow2(IH)), BLOCK_D=max(16, next_pow2(d)),
-        BLOCK_N=block_n, K_PAD=k_pad, UPCAST=on_interpreter(iq),
-        num_warps=num_warps, num_stages=2,
+        iq,
+        iw,
+        index_k,
+        _i32(block_table, iq),
+        _i32(positions, iq),
+        token_req,
+        out,
+        top_k,
+        scale,
+        rate,
+        page_size,
+        index_k.shape[1],
+        iq.stride(0),
+        iq.stride(1),
+        iw.stride(0),
+        index_k.stride(0),
+        index_k.stride(1),
+        block_table.stride(0),
+        out.stride(0),
+        NUM_HEADS=IH,
+        HEAD_DIM=d,
+        BLOCK_IH=max(16, next_pow2(IH)),
+        BLOCK_D=max(16, next_pow2(d)),
+        BLOCK_N=block_n,
+        K_PAD=k_pad,
+        UPCAST=on_interpreter(iq),
+        num_warps=num_warps,
+        num_stages=2,
     )
     return out
 
@@ -135,19 +179,47 @@ def aot_variants(arch: int) -> list[KernelVariant]:
     variants = []
     for dtype, ih, d, top_k in (("bf16", 64, 128, 512), ("fp32", 64, 128, 512), ("bf16", 8, 32, 4)):
         k_pad, block_n, num_warps = indexer_tiles(top_k, 4 if dtype == "fp32" else 2, arch)
-        variants.append(KernelVariant(
-            name=f"v4_indexer_topk[{dtype},h{ih},d{d},k{top_k}]",
-            kernel=v4_indexer_topk_kernel,
-            types={
-                "iq_ptr": f"*{dtype}", "iw_ptr": "*fp32", "ik_ptr": f"*{dtype}", "block_table_ptr": "*i32",
-                "positions_ptr": "*i32", "token_req_ptr": "*i32", "out_ptr": "*i32",
-                "top_k": "i32", "scale": "fp32", "rate": "i32", "page_size": "i32", "entries_per_page": "i32",
-                **{name: "i32" for name in (
-                    "stride_q_t", "stride_q_h", "stride_w_t", "stride_k_page", "stride_k_e", "stride_bt_b",
-                    "stride_o_t")},
-            },
-            constexprs=dict(NUM_HEADS=ih, HEAD_DIM=d, BLOCK_IH=max(16, next_pow2(ih)), BLOCK_D=max(16, next_pow2(d)),
-                            BLOCK_N=block_n, K_PAD=k_pad, UPCAST=False),
-            num_warps=num_warps, num_stages=2,
-        ))
+        variants.append(
+            KernelVariant(
+                name=f"v4_indexer_topk[{dtype},h{ih},d{d},k{top_k}]",
+                kernel=v4_indexer_topk_kernel,
+                types={
+                    "iq_ptr": f"*{dtype}",
+                    "iw_ptr": "*fp32",
+                    "ik_ptr": f"*{dtype}",
+                    "block_table_ptr": "*i32",
+                    "positions_ptr": "*i32",
+                    "token_req_ptr": "*i32",
+                    "out_ptr": "*i32",
+                    "top_k": "i32",
+                    "scale": "fp32",
+                    "rate": "i32",
+                    "page_size": "i32",
+                    "entries_per_page": "i32",
+                    **{
+                        name: "i32"
+                        for name in (
+                            "stride_q_t",
+                            "stride_q_h",
+                            "stride_w_t",
+                            "stride_k_page",
+                            "stride_k_e",
+                            "stride_bt_b",
+                            "stride_o_t",
+                        )
+                    },
+                },
+                constexprs=dict(
+                    NUM_HEADS=ih,
+                    HEAD_DIM=d,
+                    BLOCK_IH=max(16, next_pow2(ih)),
+                    BLOCK_D=max(16, next_pow2(d)),
+                    BLOCK_N=block_n,
+                    K_PAD=k_pad,
+                    UPCAST=False,
+                ),
+                num_warps=num_warps,
+                num_stages=2,
+            )
+        )
     return variants

@@ -20,10 +20,28 @@ from .common import fp32_twins
 
 @triton.jit
 def v4_hc_pre_kernel(
-    x_ptr, fn_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, collapsed_ptr,
-    num_tokens, dim, rms_eps, hc_eps, sinkhorn_iters,
-    stride_x_t, stride_fn, stride_p_t, stride_c_t, stride_o_t,
-    HC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HC: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr,
+    fn_ptr,
+    base_ptr,
+    scale_ptr,
+    post_ptr,
+    comb_ptr,
+    collapsed_ptr,
+    num_tokens,
+    dim,
+    rms_eps,
+    hc_eps,
+    sinkhorn_iters,
+    stride_x_t,
+    stride_fn,
+    stride_p_t,
+    stride_c_t,
+    stride_o_t,
+    HC: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_HC: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = tok < num_tokens
@@ -41,14 +59,18 @@ def v4_hc_pre_kernel(
     for k0 in range(0, flat, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < flat
-        xv = tl.load(x_ptr + t64[:, None] * stride_x_t + k[None, :], mask=t_mask[:, None] & k_mask[None, :],
-                     other=0.0).to(tl.float32)  # [T, K]
+        xv = tl.load(
+            x_ptr + t64[:, None] * stride_x_t + k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0
+        ).to(tl.float32)  # [T, K]
         sq += tl.sum(xv * xv, 1)
         m2 = i_mask[:, None] & k_mask[None, :]
         f_pre = tl.load(fn_ptr + i[:, None] * stride_fn + k[None, :], mask=m2, other=0.0)
         f_post = tl.load(fn_ptr + (HC + i)[:, None] * stride_fn + k[None, :], mask=m2, other=0.0)
-        f_comb = tl.load(fn_ptr + comb_rows[:, :, None] * stride_fn + k[None, None, :],
-                         mask=ij_mask[:, :, None] & k_mask[None, None, :], other=0.0)
+        f_comb = tl.load(
+            fn_ptr + comb_rows[:, :, None] * stride_fn + k[None, None, :],
+            mask=ij_mask[:, :, None] & k_mask[None, None, :],
+            other=0.0,
+        )
         a_pre += tl.sum(f_pre[None, :, :] * xv[:, None, :], 2)
         a_post += tl.sum(f_post[None, :, :] * xv[:, None, :], 2)
         a_comb += tl.sum(f_comb[None, :, :, :] * xv[:, None, None, :], 3)
@@ -69,24 +91,44 @@ def v4_hc_pre_kernel(
         comb = comb / (tl.sum(comb, 2)[:, :, None] + hc_eps)
         comb = comb / (tl.sum(comb, 1)[:, None, :] + hc_eps)
     tl.store(post_ptr + t64[:, None] * stride_p_t + i[None, :], post, mask=t_mask[:, None] & i_mask[None, :])
-    tl.store(comb_ptr + t64[:, None, None] * stride_c_t + (i[:, None] * HC + i[None, :])[None, :, :], comb,
-             mask=t_mask[:, None, None] & ij_mask[None, :, :])
+    tl.store(
+        comb_ptr + t64[:, None, None] * stride_c_t + (i[:, None] * HC + i[None, :])[None, :, :],
+        comb,
+        mask=t_mask[:, None, None] & ij_mask[None, :, :],
+    )
     # pass 2: the collapsed input sum_j pre_j x_j
     for d0 in range(0, dim, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         d_mask = d < dim
-        xs = tl.load(x_ptr + t64[:, None, None] * stride_x_t + i[None, :, None] * dim + d[None, None, :],
-                     mask=t_mask[:, None, None] & i_mask[None, :, None] & d_mask[None, None, :], other=0.0)
+        xs = tl.load(
+            x_ptr + t64[:, None, None] * stride_x_t + i[None, :, None] * dim + d[None, None, :],
+            mask=t_mask[:, None, None] & i_mask[None, :, None] & d_mask[None, None, :],
+            other=0.0,
+        )
         col = tl.sum(xs.to(tl.float32) * pre[:, :, None], 1)
-        tl.store(collapsed_ptr + t64[:, None] * stride_o_t + d[None, :], col.to(collapsed_ptr.dtype.element_ty),
-                 mask=t_mask[:, None] & d_mask[None, :])
+        tl.store(
+            collapsed_ptr + t64[:, None] * stride_o_t + d[None, :],
+            col.to(collapsed_ptr.dtype.element_ty),
+            mask=t_mask[:, None] & d_mask[None, :],
+        )
 
 
 @triton.jit
 def v4_hc_post_kernel(
-    x_ptr, out_ptr, post_ptr, comb_ptr, new_ptr,
-    dim, stride_x_t, stride_o_t, stride_p_t, stride_c_t, stride_n_t,
-    HC: tl.constexpr, BLOCK_HC: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    post_ptr,
+    comb_ptr,
+    new_ptr,
+    dim,
+    stride_x_t,
+    stride_o_t,
+    stride_p_t,
+    stride_c_t,
+    stride_n_t,
+    HC: tl.constexpr,
+    BLOCK_HC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -94,16 +136,21 @@ def v4_hc_post_kernel(
     j = tl.arange(0, BLOCK_HC)
     j_mask = j < HC
     t64 = t.to(tl.int64)
-    xs = tl.load(x_ptr + t64 * stride_x_t + j[:, None] * dim + d[None, :], mask=j_mask[:, None] & d_mask[None, :],
-                 other=0.0).to(tl.float32)
+    xs = tl.load(
+        x_ptr + t64 * stride_x_t + j[:, None] * dim + d[None, :], mask=j_mask[:, None] & d_mask[None, :], other=0.0
+    ).to(tl.float32)
     o = tl.load(out_ptr + t64 * stride_o_t + d, mask=d_mask, other=0.0).to(tl.float32)
     post = tl.load(post_ptr + t64 * stride_p_t + j, mask=j_mask, other=0.0)
-    comb = tl.load(comb_ptr + t64 * stride_c_t + j[:, None] * HC + j[None, :], mask=j_mask[:, None] & j_mask[None, :],
-                   other=0.0)  # [j, k]
+    comb = tl.load(
+        comb_ptr + t64 * stride_c_t + j[:, None] * HC + j[None, :], mask=j_mask[:, None] & j_mask[None, :], other=0.0
+    )  # [j, k]
     mixed = tl.sum(comb[:, :, None] * xs[:, None, :], 0)  # [k, d]
     new = post[:, None] * o[None, :] + mixed
-    tl.store(new_ptr + t64 * stride_n_t + j[:, None] * dim + d[None, :], new.to(new_ptr.dtype.element_ty),
-             mask=j_mask[:, None] & d_mask[None, :])
+    tl.store(
+        new_ptr + t64 * stride_n_t + j[:, None] * dim + d[None, :],
+        new.to(new_ptr.dtype.element_ty),
+        mask=j_mask[:, None] & d_mask[None, :],
+    )
 
 
 def hc_pre_tiles(interpreter: bool) -> tuple[int, int, int]:
@@ -133,10 +180,28 @@ def v4_hc_pre(
     fn = fn.float().contiguous()
     block_t, block_k, block_d = hc_pre_tiles(on_interpreter(x))
     v4_hc_pre_kernel[(triton.cdiv(T, block_t),)](
-        x, fn, base.float().contiguous(), scale.float().contiguous(), post, comb, collapsed,
-        T, dim, rms_eps, hc_eps, sinkhorn_iters,
-        x.stride(0), fn.stride(0), post.stride(0), comb.stride(0), collapsed.stride(0),
-        HC=hc, BLOCK_T=block_t, BLOCK_HC=next_pow2(hc), BLOCK_K=block_k, BLOCK_D=min(block_d, next_pow2(dim)),
+        x,
+        fn,
+        base.float().contiguous(),
+        scale.float().contiguous(),
+        post,
+        comb,
+        collapsed,
+        T,
+        dim,
+        rms_eps,
+        hc_eps,
+        sinkhorn_iters,
+        x.stride(0),
+        fn.stride(0),
+        post.stride(0),
+        comb.stride(0),
+        collapsed.stride(0),
+        HC=hc,
+        BLOCK_T=block_t,
+        BLOCK_HC=next_pow2(hc),
+        BLOCK_K=block_k,
+        BLOCK_D=min(block_d, next_pow2(dim)),
         num_warps=4,
     )
     return post, comb, collapsed
@@ -154,9 +219,20 @@ def v4_hc_post(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: tor
     comb = comb.float().contiguous()
     block_d = min(512, next_pow2(dim))
     v4_hc_post_kernel[(T, triton.cdiv(dim, block_d))](
-        x, out, post, comb, new,
-        dim, x.stride(0), out.stride(0), post.stride(0), comb.stride(0), new.stride(0),
-        HC=hc, BLOCK_HC=next_pow2(hc), BLOCK_D=block_d,
+        x,
+        out,
+        post,
+        comb,
+        new,
+        dim,
+        x.stride(0),
+        out.stride(0),
+        post.stride(0),
+        comb.stride(0),
+        new.stride(0),
+        HC=hc,
+        BLOCK_HC=next_pow2(hc),
+        BLOCK_D=block_d,
         num_warps=4,
     )
     return new
@@ -164,29 +240,53 @@ def v4_hc_post(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: tor
 
 def aot_variants(arch: int) -> list[KernelVariant]:
     """V4-Flash's mHC: 4 streams of 4096, bf16 residuals."""
-    return fp32_twins([
-        KernelVariant(
-            name="v4_hc_pre[bf16,hc4]",
-            kernel=v4_hc_pre_kernel,
-            types={
-                "x_ptr": "*bf16", "fn_ptr": "*fp32", "base_ptr": "*fp32", "scale_ptr": "*fp32", "post_ptr": "*fp32",
-                "comb_ptr": "*fp32", "collapsed_ptr": "*bf16", "num_tokens": "i32", "dim": "i32", "rms_eps": "fp32",
-                "hc_eps": "fp32", "sinkhorn_iters": "i32",
-                **{n: "i32" for n in ("stride_x_t", "stride_fn", "stride_p_t", "stride_c_t", "stride_o_t")},
-            },
-            constexprs=dict(HC=4, BLOCK_T=hc_pre_tiles(False)[0], BLOCK_HC=4, BLOCK_K=hc_pre_tiles(False)[1],
-                            BLOCK_D=hc_pre_tiles(False)[2]),
-            divisible=("dim",), num_warps=4, num_stages=2,
-        ),
-        KernelVariant(
-            name="v4_hc_post[bf16,hc4]",
-            kernel=v4_hc_post_kernel,
-            types={
-                "x_ptr": "*bf16", "out_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "new_ptr": "*bf16",
-                "dim": "i32",
-                **{n: "i32" for n in ("stride_x_t", "stride_o_t", "stride_p_t", "stride_c_t", "stride_n_t")},
-            },
-            constexprs=dict(HC=4, BLOCK_HC=4, BLOCK_D=512),
-            divisible=("dim",), num_warps=4, num_stages=1,
-        ),
-    ])
+    return fp32_twins(
+        [
+            KernelVariant(
+                name="v4_hc_pre[bf16,hc4]",
+                kernel=v4_hc_pre_kernel,
+                types={
+                    "x_ptr": "*bf16",
+                    "fn_ptr": "*fp32",
+                    "base_ptr": "*fp32",
+                    "scale_ptr": "*fp32",
+                    "post_ptr": "*fp32",
+                    "comb_ptr": "*fp32",
+                    "collapsed_ptr": "*bf16",
+                    "num_tokens": "i32",
+                    "dim": "i32",
+                    "rms_eps": "fp32",
+                    "hc_eps": "fp32",
+                    "sinkhorn_iters": "i32",
+                    **{n: "i32" for n in ("stride_x_t", "stride_fn", "stride_p_t", "stride_c_t", "stride_o_t")},
+                },
+                constexprs=dict(
+                    HC=4,
+                    BLOCK_T=hc_pre_tiles(False)[0],
+                    BLOCK_HC=4,
+                    BLOCK_K=hc_pre_tiles(False)[1],
+                    BLOCK_D=hc_pre_tiles(False)[2],
+                ),
+                divisible=("dim",),
+                num_warps=4,
+                num_stages=2,
+            ),
+            KernelVariant(
+                name="v4_hc_post[bf16,hc4]",
+                kernel=v4_hc_post_kernel,
+                types={
+                    "x_ptr": "*bf16",
+                    "out_ptr": "*bf16",
+                    "post_ptr": "*fp32",
+                    "comb_ptr": "*fp32",
+                    "new_ptr": "*bf16",
+                    "dim": "i32",
+                    **{n: "i32" for n in ("stride_x_t", "stride_o_t", "stride_p_t", "stride_c_t", "stride_n_t")},
+                },
+                constexprs=dict(HC=4, BLOCK_HC=4, BLOCK_D=512),
+                divisible=("dim",),
+                num_warps=4,
+                num_stages=1,
+            ),
+        ]
+    )

@@ -17,17 +17,35 @@ from .common import KernelVariant, check_launchable, next_pow2
 
 @triton.jit
 def v4_moe_route_kernel(
-    logits_ptr, bias_ptr, tid2eid_ptr, input_ids_ptr, weights_ptr, ids_ptr,
-    num_tokens, num_experts, stride_l_t, stride_h_v, stride_w_t, stride_i_t, scaling,
-    TOP_K: tl.constexpr, HASH: tl.constexpr, SQRT_SOFTPLUS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    logits_ptr,
+    bias_ptr,
+    tid2eid_ptr,
+    input_ids_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_tokens,
+    num_experts,
+    stride_l_t,
+    stride_h_v,
+    stride_w_t,
+    stride_i_t,
+    scaling,
+    TOP_K: tl.constexpr,
+    HASH: tl.constexpr,
+    SQRT_SOFTPLUS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = tokens < num_tokens
     e = tl.arange(0, BLOCK_E)
     e_mask = e < num_experts
-    x = tl.load(logits_ptr + tokens[:, None].to(tl.int64) * stride_l_t + e[None, :],
-                mask=t_mask[:, None] & e_mask[None, :], other=0.0).to(tl.float32)
+    x = tl.load(
+        logits_ptr + tokens[:, None].to(tl.int64) * stride_l_t + e[None, :],
+        mask=t_mask[:, None] & e_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)
     if SQRT_SOFTPLUS:
         # softplus as torch computes it: x past 20, exp(x) far below 0 (where log(1 + exp) rounds to 0)
         sp = tl.where(x > 20.0, x, tl.where(x < -15.0, tl.exp(x), tl.log(1.0 + tl.exp(x))))
@@ -91,11 +109,25 @@ def v4_moe_route(
     bias = correction_bias.float().contiguous() if correction_bias is not None else weights
     block_t = _block_t(num_experts)
     v4_moe_route_kernel[(triton.cdiv(num_tokens, block_t),)](
-        router_logits, bias, table, input_ids.to(dev).contiguous(), weights, ids,
-        num_tokens, num_experts, router_logits.stride(0), table.stride(0) if hashed else 0,
-        weights.stride(0), ids.stride(0), float(routed_scaling_factor),
-        TOP_K=top_k, HASH=hashed, SQRT_SOFTPLUS=scoring_func == "sqrtsoftplus",
-        BLOCK_T=block_t, BLOCK_E=next_pow2(num_experts), BLOCK_K=next_pow2(top_k),
+        router_logits,
+        bias,
+        table,
+        input_ids.to(dev).contiguous(),
+        weights,
+        ids,
+        num_tokens,
+        num_experts,
+        router_logits.stride(0),
+        table.stride(0) if hashed else 0,
+        weights.stride(0),
+        ids.stride(0),
+        float(routed_scaling_factor),
+        TOP_K=top_k,
+        HASH=hashed,
+        SQRT_SOFTPLUS=scoring_func == "sqrtsoftplus",
+        BLOCK_T=block_t,
+        BLOCK_E=next_pow2(num_experts),
+        BLOCK_K=next_pow2(top_k),
         num_warps=4,
     )
     return weights, ids
@@ -106,16 +138,30 @@ def aot_variants(arch: int) -> list[KernelVariant]:
     engine's dtype (the gate is a plain linear of the hidden state), the bias in fp32."""
     variants = []
     for dtype, hashed in (("fp32", False), ("fp32", True), ("bf16", False), ("bf16", True)):
-        variants.append(KernelVariant(
-            name=f"v4_moe_route[{dtype},e256,k6,{'hash' if hashed else 'learned'}]",
-            kernel=v4_moe_route_kernel,
-            types={
-                "logits_ptr": f"*{dtype}", "bias_ptr": "*fp32", "tid2eid_ptr": "*i32", "input_ids_ptr": "*i64",
-                "weights_ptr": "*fp32", "ids_ptr": "*i32",
-                "num_tokens": "i32", "num_experts": "i32", "stride_l_t": "i32", "stride_h_v": "i32",
-                "stride_w_t": "i32", "stride_i_t": "i32", "scaling": "fp32",
-            },
-            constexprs=dict(TOP_K=6, HASH=hashed, SQRT_SOFTPLUS=True, BLOCK_T=_block_t(256), BLOCK_E=256, BLOCK_K=8),
-            num_warps=4, num_stages=1,
-        ))
+        variants.append(
+            KernelVariant(
+                name=f"v4_moe_route[{dtype},e256,k6,{'hash' if hashed else 'learned'}]",
+                kernel=v4_moe_route_kernel,
+                types={
+                    "logits_ptr": f"*{dtype}",
+                    "bias_ptr": "*fp32",
+                    "tid2eid_ptr": "*i32",
+                    "input_ids_ptr": "*i64",
+                    "weights_ptr": "*fp32",
+                    "ids_ptr": "*i32",
+                    "num_tokens": "i32",
+                    "num_experts": "i32",
+                    "stride_l_t": "i32",
+                    "stride_h_v": "i32",
+                    "stride_w_t": "i32",
+                    "stride_i_t": "i32",
+                    "scaling": "fp32",
+                },
+                constexprs=dict(
+                    TOP_K=6, HASH=hashed, SQRT_SOFTPLUS=True, BLOCK_T=_block_t(256), BLOCK_E=256, BLOCK_K=8
+                ),
+                num_warps=4,
+                num_stages=1,
+            )
+        )
     return variants

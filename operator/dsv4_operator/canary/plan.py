@@ -36,6 +36,7 @@ GATE_OPEN, GATE_PROBING, GATE_REVERTED = "open", "probing", "reverted"
 @dataclass(frozen=True)
 class CanaryState:
     """status.canary: which revision's canary, on which pod, and how it went."""
+
     revision: str
     role: str
     pod: str
@@ -73,8 +74,14 @@ class CanaryRecord:
             return None  # unreadable: as if none (the daemon writes a fresh baseline)
 
     def to_annotation(self) -> str:
-        return json.dumps({"baselineRevision": self.baseline_revision, "baselineSpec": self.baseline_spec,
-                           "state": self.state.to_dict() if self.state else None}, sort_keys=True)
+        return json.dumps(
+            {
+                "baselineRevision": self.baseline_revision,
+                "baselineSpec": self.baseline_spec,
+                "state": self.state.to_dict() if self.state else None,
+            },
+            sort_keys=True,
+        )
 
 
 @dataclass(frozen=True)
@@ -95,10 +102,14 @@ def changed_roles(baseline: "DSV4DeploymentSpec", wanted: "DSV4DeploymentSpec", 
     from dsv4_operator.manifests import Owner, engine_statefulset
 
     owner = Owner(name, "", "")
-    return [role for role in ("decode", "prefill")
-            if baseline.role(role).replicas > 0 and wanted.role(role).replicas > 0
-            and engine_statefulset(baseline, owner, role)["spec"]["template"]
-            != engine_statefulset(wanted, owner, role)["spec"]["template"]]
+    return [
+        role
+        for role in ("decode", "prefill")
+        if baseline.role(role).replicas > 0
+        and wanted.role(role).replicas > 0
+        and engine_statefulset(baseline, owner, role)["spec"]["template"]
+        != engine_statefulset(wanted, owner, role)["spec"]["template"]
+    ]
 
 
 def canary_enabled(spec: "DSV4DeploymentSpec") -> bool:
@@ -136,9 +147,13 @@ def probing_spec(spec: "DSV4DeploymentSpec", hold_partition: int, role: str = "d
     return out
 
 
-def effective(name: str, spec: "DSV4DeploymentSpec", raw_spec: Optional[Mapping[str, Any]],
-              annotations: Optional[Mapping[str, str]], hold_partition: int
-              ) -> tuple["DSV4DeploymentSpec", Optional[str]]:
+def effective(
+    name: str,
+    spec: "DSV4DeploymentSpec",
+    raw_spec: Optional[Mapping[str, Any]],
+    annotations: Optional[Mapping[str, str]],
+    hold_partition: int,
+) -> tuple["DSV4DeploymentSpec", Optional[str]]:
     """(the spec to build the children from, the baseline revision when a failed canary put the
     fleet back on it). Anything unreadable opens the gate: the canary never blocks a rollout it
     cannot reason about."""
@@ -167,8 +182,9 @@ def effective(name: str, spec: "DSV4DeploymentSpec", raw_spec: Optional[Mapping[
     return spec, None
 
 
-def next_step(record: Optional[CanaryRecord], name: str, spec: "DSV4DeploymentSpec",
-              raw_spec: Mapping[str, Any]) -> CanaryStep:
+def next_step(
+    record: Optional[CanaryRecord], name: str, spec: "DSV4DeploymentSpec", raw_spec: Mapping[str, Any]
+) -> CanaryStep:
     """The daemon's next step for the spec as it is now."""
     from dsv4_operator.spec import parse_spec
 
@@ -186,17 +202,24 @@ def next_step(record: Optional[CanaryRecord], name: str, spec: "DSV4DeploymentSp
     if g == GATE_REVERTED:
         return CanaryStep("none")
     if g == GATE_PROBING:
-        st = record.state if record.state is not None and record.state.revision == revision else \
-            CanaryState(revision, "decode", canary_pod(name, spec), PROBING, record.baseline_revision)
+        st = (
+            record.state
+            if record.state is not None and record.state.revision == revision
+            else CanaryState(revision, "decode", canary_pod(name, spec), PROBING, record.baseline_revision)
+        )
         return CanaryStep("probe", st)
     if changed and canary_enabled(spec):  # prefill alone changed: no canary can be pinned to it
-        return CanaryStep("skip", reason=f"revision {revision} changes only prefill's pod template: the router "
-                                         "pins probes to decode engines only, so it rolls without a canary")
+        return CanaryStep(
+            "skip",
+            reason=f"revision {revision} changes only prefill's pod template: the router "
+            "pins probes to decode engines only, so it rolls without a canary",
+        )
     return CanaryStep("baseline", reason="no engine change to probe" if not changed else "canary disabled")
 
 
-def with_baseline(record: Optional[CanaryRecord], raw_spec: Mapping[str, Any],
-                  state: Optional[CanaryState] = None) -> CanaryRecord:
+def with_baseline(
+    record: Optional[CanaryRecord], raw_spec: Mapping[str, Any], state: Optional[CanaryState] = None
+) -> CanaryRecord:
     """The record once `raw_spec` is what the fleet runs (kept: the last canary's state)."""
     keep = state if state is not None else (record.state if record is not None else None)
     return CanaryRecord(serving_revision(raw_spec), serving_spec(dict(raw_spec)), keep)
@@ -217,15 +240,18 @@ def mark(annotations: Optional[Mapping[str, str]]) -> Optional[str]:
 
 def degraded_condition(state: CanaryState) -> dict[str, Any]:
     """status.conditions entry of a failed canary (figures live in status.canary)."""
-    message = (f"canary {state.pod} (revision {state.revision}) failed its probe: {state.summary or 'see status.canary'}"
-               f"; back on revision {state.stable_revision}, the spec is untouched: edit it to try again")
+    message = (
+        f"canary {state.pod} (revision {state.revision}) failed its probe: {state.summary or 'see status.canary'}"
+        f"; back on revision {state.stable_revision}, the spec is untouched: edit it to try again"
+    )
     if state.evidence:
         message += f"; evidence: ConfigMap {state.evidence}"
     return {"type": "Degraded", "status": "True", "reason": "CanaryFailed", "message": message}
 
 
-def failed_for(annotations: Optional[Mapping[str, str]], raw_spec: Optional[Mapping[str, Any]]
-               ) -> Optional[CanaryState]:
+def failed_for(
+    annotations: Optional[Mapping[str, str]], raw_spec: Optional[Mapping[str, Any]]
+) -> Optional[CanaryState]:
     """The failed canary of the spec as it is now, if any (status: Degraded=CanaryFailed)."""
     record = CanaryRecord.from_annotations(annotations)
     st = record.state if record is not None else None

@@ -66,8 +66,9 @@ class _Tally:
         self.first_error = self.first_error or why
 
 
-async def _one(client: httpx.AsyncClient, url: str, headers: dict, prompt: list[int], max_tokens: int,
-               tally: _Tally) -> bool:
+async def _one(
+    client: httpx.AsyncClient, url: str, headers: dict, prompt: list[int], max_tokens: int, tally: _Tally
+) -> bool:
     """One streamed round; True when it got its whole answer."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
     sent = time.monotonic()
@@ -101,8 +102,14 @@ async def _one(client: httpx.AsyncClient, url: str, headers: dict, prompt: list[
     return True
 
 
-async def watch_engine(engine_url: str, role: str, settings: ProbeSettings, stop: asyncio.Event,
-                       wedged: list, headers: Optional[dict] = None) -> None:
+async def watch_engine(
+    engine_url: str,
+    role: str,
+    settings: ProbeSettings,
+    stop: asyncio.Event,
+    wedged: list,
+    headers: Optional[dict] = None,
+) -> None:
     """The watchdog's detector on the canary while the probe runs: its first Wedged reason.
     `headers`: the admin token (/v1/loads is behind it)."""
     detector = Detector(window_s=settings.wedge_window_s)
@@ -117,7 +124,9 @@ async def watch_engine(engine_url: str, role: str, settings: ProbeSettings, stop
                 pass
 
 
-async def kv_pages(client: httpx.AsyncClient, engine_url: str, idle_within: float = 0.0) -> tuple[Optional[float], Optional[float]]:
+async def kv_pages(
+    client: httpx.AsyncClient, engine_url: str, idle_within: float = 0.0
+) -> tuple[Optional[float], Optional[float]]:
     """(free, total) KV pages, read once the engine is idle (or `idle_within` seconds have passed)."""
     deadline = time.monotonic() + idle_within
     loads: dict = {}
@@ -132,14 +141,23 @@ async def kv_pages(client: httpx.AsyncClient, engine_url: str, idle_within: floa
         await asyncio.sleep(0.2)
 
 
-async def run_probe(url: str, engine_url: str, role: str, settings: ProbeSettings, *, pin: Optional[str] = None,
-                    admin_token: Optional[str] = None, max_model_len: Optional[int] = None
-                    ) -> tuple[ProbeFigures, WatchdogSignals]:
+async def run_probe(
+    url: str,
+    engine_url: str,
+    role: str,
+    settings: ProbeSettings,
+    *,
+    pin: Optional[str] = None,
+    admin_token: Optional[str] = None,
+    max_model_len: Optional[int] = None,
+) -> tuple[ProbeFigures, WatchdogSignals]:
     """The probe against the engine at `engine_url`, sent to `url` (the router, with `pin`, or the
     engine itself). Bounded: duration_s + request_timeout_s + settle_s at most."""
     auth = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
     headers = {PIN_HEADER: pin} if pin else {}
-    async with httpx.AsyncClient(timeout=httpx.Timeout(settings.request_timeout_s, connect=5.0), headers=auth) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(settings.request_timeout_s, connect=5.0), headers=auth
+    ) as client:
         if max_model_len is None:
             models = (await client.get(engine_url + Paths.MODELS)).json()
             max_model_len = int(models["data"][0]["max_model_len"])
@@ -162,8 +180,10 @@ async def run_probe(url: str, engine_url: str, role: str, settings: ProbeSetting
                         return
                     tally.requests += 1
                     try:
-                        ok = await asyncio.wait_for(_one(client, url, headers, prompt, settings.shape.answer_tokens, tally),
-                                                    settings.request_timeout_s)
+                        ok = await asyncio.wait_for(
+                            _one(client, url, headers, prompt, settings.shape.answer_tokens, tally),
+                            settings.request_timeout_s,
+                        )
                     except asyncio.TimeoutError:
                         tally.stalled += 1
                         return  # a stalled conversation goes no further
@@ -184,8 +204,16 @@ async def run_probe(url: str, engine_url: str, role: str, settings: ProbeSetting
             await watcher
         free_after, _ = await kv_pages(client, engine_url, settings.settle_s)
     figures = ProbeFigures(
-        requests=tally.requests, errors=tally.errors, stalled=tally.stalled,
-        ttft_p99_s=percentile(tally.ttfts, 99), itl_p99_s=percentile(tally.gaps, 99),
-        prompt_tokens=tally.prompt_tokens, completion_tokens=tally.completion_tokens, max_context=tally.max_context,
-        context_target=target, duration_s=round(duration, 3), first_error=tally.first_error)
+        requests=tally.requests,
+        errors=tally.errors,
+        stalled=tally.stalled,
+        ttft_p99_s=percentile(tally.ttfts, 99),
+        itl_p99_s=percentile(tally.gaps, 99),
+        prompt_tokens=tally.prompt_tokens,
+        completion_tokens=tally.completion_tokens,
+        max_context=tally.max_context,
+        context_target=target,
+        duration_s=round(duration, 3),
+        first_error=tally.first_error,
+    )
     return figures, WatchdogSignals(wedged[0] if wedged else None, free_before, free_after, total)

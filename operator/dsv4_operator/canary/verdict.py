@@ -10,6 +10,7 @@ from typing import Any, Optional
 @dataclass(frozen=True)
 class ProbeFigures:
     """What one probe measured on one engine."""
+
     requests: int = 0  # answered or failed
     errors: int = 0  # answered with an error (HTTP status or an error event in the stream)
     stalled: int = 0  # still without an answer after the probe's request timeout
@@ -29,6 +30,7 @@ class ProbeFigures:
 @dataclass(frozen=True)
 class WatchdogSignals:
     """What the watchdog read on the canary while the probe ran."""
+
     wedged: Optional[str] = None  # the wedge detector's reason, if it called the engine wedged
     kv_pages_free_before: Optional[float] = None  # idle, before the probe
     kv_pages_free_after: Optional[float] = None  # idle again after it (pages all back?)
@@ -61,7 +63,9 @@ class CanaryVerdict:
         return {"passed": self.passed, "reasons": list(self.reasons), "canary": self.canary, "stable": self.stable}
 
 
-def _ratio_reason(name: str, canary: Optional[float], stable: Optional[float], ratio: float, slack: float) -> Optional[str]:
+def _ratio_reason(
+    name: str, canary: Optional[float], stable: Optional[float], ratio: float, slack: float
+) -> Optional[str]:
     if canary is None or stable is None:
         return None
     limit = stable * ratio + slack
@@ -70,8 +74,12 @@ def _ratio_reason(name: str, canary: Optional[float], stable: Optional[float], r
     return None
 
 
-def judge(canary: ProbeFigures, stable: Optional[ProbeFigures], signals: WatchdogSignals,
-          t: CanaryThresholds = CanaryThresholds()) -> CanaryVerdict:
+def judge(
+    canary: ProbeFigures,
+    stable: Optional[ProbeFigures],
+    signals: WatchdogSignals,
+    t: CanaryThresholds = CanaryThresholds(),
+) -> CanaryVerdict:
     """Pass only if the canary answered every probe request without error or stall, was never
     called wedged, gave every KV page back, carried the conversation as far as the stable
     revision did, and kept TTFT/ITL p99 within the ratios of the stable revision's."""
@@ -81,7 +89,9 @@ def judge(canary: ProbeFigures, stable: Optional[ProbeFigures], signals: Watchdo
     if canary.stalled:
         reasons.append(f"{canary.stalled} probe request(s) got no answer within the request timeout")
     if canary.errors:
-        reasons.append(f"{canary.errors} probe request(s) failed" + (f": {canary.first_error}" if canary.first_error else ""))
+        reasons.append(
+            f"{canary.errors} probe request(s) failed" + (f": {canary.first_error}" if canary.first_error else "")
+        )
     if canary.requests == 0:
         reasons.append("the probe completed no request")
     before, after = signals.kv_pages_free_before, signals.kv_pages_free_after
@@ -89,12 +99,18 @@ def judge(canary: ProbeFigures, stable: Optional[ProbeFigures], signals: Watchdo
         reasons.append(f"memory: {before - after:g} KV page(s) not given back after the probe")
     reach = stable.max_context if stable is not None else canary.context_target
     if reach and canary.max_context < t.min_context_ratio * reach:
-        reasons.append(f"the conversation reached {canary.max_context} tokens of context on the canary, "
-                       f"{reach} on {'the stable revision' if stable is not None else 'the target'}")
+        reasons.append(
+            f"the conversation reached {canary.max_context} tokens of context on the canary, "
+            f"{reach} on {'the stable revision' if stable is not None else 'the target'}"
+        )
     if stable is not None:
-        for name, c, s, r in (("TTFT", canary.ttft_p99_s, stable.ttft_p99_s, t.max_ttft_ratio),
-                              ("ITL", canary.itl_p99_s, stable.itl_p99_s, t.max_itl_ratio)):
+        for name, c, s, r in (
+            ("TTFT", canary.ttft_p99_s, stable.ttft_p99_s, t.max_ttft_ratio),
+            ("ITL", canary.itl_p99_s, stable.itl_p99_s, t.max_itl_ratio),
+        ):
             why = _ratio_reason(name, c, s, r, t.latency_slack_s)
             if why:
                 reasons.append(why)
-    return CanaryVerdict(not reasons, tuple(reasons), canary.to_dict(), stable.to_dict() if stable is not None else None)
+    return CanaryVerdict(
+        not reasons, tuple(reasons), canary.to_dict(), stable.to_dict() if stable is not None else None
+    )

@@ -54,23 +54,32 @@ def _table(engine: str) -> dict[str, Step]:
     return {
         REPORT: Step("WedgeDetected", warning=True),
         HELD: Step("RemediationHeld", warning=True),
-        CAPTURE_EVIDENCE: Step("EvidenceCaptured", fetch=(
-            # SGLang has no stack dump endpoint: its stacks come from py-spy, outside our reach.
-            ("stacks", Paths.DEBUG_STACKS if builtin else None),
-            ("loads", LOADS_PATH[engine]),
-            ("metrics", Paths.METRICS),
-        )),
+        CAPTURE_EVIDENCE: Step(
+            "EvidenceCaptured",
+            fetch=(
+                # SGLang has no stack dump endpoint: its stacks come from py-spy, outside our reach.
+                ("stacks", Paths.DEBUG_STACKS if builtin else None),
+                ("loads", LOADS_PATH[engine]),
+                ("metrics", Paths.METRICS),
+            ),
+        ),
         # SGLang has no drain endpoint: leaving the router is the whole drain.
         DRAIN: Step("Drained", calls=(AdminCall("POST", Paths.ADMIN_DRAIN),) if builtin else (), leaves_router=True),
-        ABORT: Step("Aborted", calls=(
-            AdminCall("POST", Paths.ADMIN_ABORT, MappingProxyType({"all": True, "reason": ABORT_REASON})) if builtin
-            else AdminCall("POST", "/abort_request", MappingProxyType({"rid": "", "abort_all": True})),)),
+        ABORT: Step(
+            "Aborted",
+            calls=(
+                AdminCall("POST", Paths.ADMIN_ABORT, MappingProxyType({"all": True, "reason": ABORT_REASON}))
+                if builtin
+                else AdminCall("POST", "/abort_request", MappingProxyType({"rid": "", "abort_all": True})),
+            ),
+        ),
         RESTART: Step("Restarted", replaces_engine=True),
     }
 
 
 ACTIONS: Mapping[str, Mapping[str, Step]] = MappingProxyType(
-    {engine: MappingProxyType(_table(engine)) for engine in (BUILTIN, SGLANG)})
+    {engine: MappingProxyType(_table(engine)) for engine in (BUILTIN, SGLANG)}
+)
 
 
 def step_for(action_kind: str, engine_kind: str = BUILTIN) -> Optional[Step]:
@@ -97,6 +106,12 @@ async def dispatch(executor: Steps, action: Action, verdict: Optional[Verdict]) 
     """Run ``action`` on ``executor``: the one place an action kind becomes a step."""
     if step_for(action.kind, executor.engine_kind) is None:
         return False, f"unknown action {action.kind}"
-    run = {REPORT: executor.report, HELD: executor.held, CAPTURE_EVIDENCE: executor.capture, DRAIN: executor.drain,
-           ABORT: executor.abort, RESTART: executor.restart}[action.kind]
+    run = {
+        REPORT: executor.report,
+        HELD: executor.held,
+        CAPTURE_EVIDENCE: executor.capture,
+        DRAIN: executor.drain,
+        ABORT: executor.abort,
+        RESTART: executor.restart,
+    }[action.kind]
     return await run(action, verdict)

@@ -30,16 +30,41 @@ from dsv4_operator import spec as S
 from dsv4_operator.kube import ApiError, KubeApi, PatchAborted, resource_path
 from dsv4_operator.pinning import pin_value, pinned_revision, revision_spec
 from dsv4_operator.remediation.executor import DeploymentContext, EventSink, KubernetesExecutor
-from dsv4_operator.watchdog.pods import EnginePod, engine_pod, pod_selector, remediation_settings, scrape_timeout, stable_after_seconds, watch_plan
-from dsv4_operator.watchdog.report import OPERATOR_BLIND, blind_message, iso, merged_status, round_records, wedged_condition, wedged_pod_count
+from dsv4_operator.watchdog.pods import (
+    EnginePod,
+    engine_pod,
+    pod_selector,
+    remediation_settings,
+    scrape_timeout,
+    stable_after_seconds,
+    watch_plan,
+)
+from dsv4_operator.watchdog.report import (
+    OPERATOR_BLIND,
+    blind_message,
+    iso,
+    merged_status,
+    round_records,
+    wedged_condition,
+    wedged_pod_count,
+)
 from dsv4_operator.status import status_changed
 from dsv4_operator.telemetry import OperatorMetrics
 from dsv4_operator.watchdog.corroboration import Fleet
 from dsv4_operator.watchdog.detector import Detector, Wedged
 from dsv4_operator.watchdog.policy import STATE_ANNOTATION, PolicyState
 from dsv4_operator.watchdog.revisions import (
-    ROLLBACK_AUTO, ROLLBACK_OFF, ROLLBACK_SUGGEST, RevisionTracker, RollbackDecision, SuspectChange, correlate,
-    decide_rollback, describe_change, serving_spec, spec_hash,
+    ROLLBACK_AUTO,
+    ROLLBACK_OFF,
+    ROLLBACK_SUGGEST,
+    RevisionTracker,
+    RollbackDecision,
+    SuspectChange,
+    correlate,
+    decide_rollback,
+    describe_change,
+    serving_spec,
+    spec_hash,
 )
 from dsv4_operator.remediation.runner import RoundResult, WatchdogLoop
 
@@ -71,18 +96,37 @@ class Episode:
 
 
 class DeploymentWatchdog:
-    def __init__(self, api: Callable[[], KubeApi], metrics: OperatorMetrics, body: Mapping[str, Any],
-                 events: EventSink, logger: logging.Logger | logging.LoggerAdapter, *,
-                 clock: Callable[[], float] = time.time, admin_token: Optional[str] = None,
-                 fleet: Optional[Fleet] = None, pods: Optional[PodSource] = None) -> None:
+    def __init__(
+        self,
+        api: Callable[[], KubeApi],
+        metrics: OperatorMetrics,
+        body: Mapping[str, Any],
+        events: EventSink,
+        logger: logging.Logger | logging.LoggerAdapter,
+        *,
+        clock: Callable[[], float] = time.time,
+        admin_token: Optional[str] = None,
+        fleet: Optional[Fleet] = None,
+        pods: Optional[PodSource] = None,
+    ) -> None:
         meta = body["metadata"]
-        self.api, self.metrics, self.body, self.events, self.logger, self.clock = api, metrics, body, events, logger, clock
+        self.api, self.metrics, self.body, self.events, self.logger, self.clock = (
+            api,
+            metrics,
+            body,
+            events,
+            logger,
+            clock,
+        )
         self.namespace, self.name = meta["namespace"], meta["name"]
         annotations = dict(meta.get("annotations") or {})
         self.persisted_state: Optional[str] = annotations.get(STATE_ANNOTATION)
         self.state = self._load_state(self.persisted_state)
         self.tracker = self._load_tracker(annotations.get(REVISIONS_ANNOTATION))
-        self.persisted_tracker: tuple[Optional[str], Optional[float]] = (self._tracker_key(), self.tracker.last_wedge_at)
+        self.persisted_tracker: tuple[Optional[str], Optional[float]] = (
+            self._tracker_key(),
+            self.tracker.last_wedge_at,
+        )
         self.ctx = DeploymentContext(self.namespace, self.name, meta["uid"])
         self.executor = KubernetesExecutor(api, self.ctx, events, metrics, admin_token=admin_token)
         self.loop: Optional[WatchdogLoop] = None
@@ -148,8 +192,11 @@ class DeploymentWatchdog:
         if not rem.enabled:
             self.episode = None
             await self._persist_tracker()
-            await self._write_status(wedged_condition(enabled=False, pods=0, verdicts={}, active={}, dry_run=False),
-                                     {"wedgedPods": 0}, restarts=0)
+            await self._write_status(
+                wedged_condition(enabled=False, pods=0, verdicts={}, active={}, dry_run=False),
+                {"wedgedPods": 0},
+                restarts=0,
+            )
             self.metrics.wedged_pods.labels(self.namespace, self.name).set(0)
             return float(rem.scrape_interval_seconds)
 
@@ -187,8 +234,16 @@ class DeploymentWatchdog:
         last, restarts = round_records(result.results, self.clock(), self.executor.evidence)
         count = wedged_pod_count(result.verdicts, loop.state.active, loop.state.held)
         condition = wedged_condition(
-            enabled=True, pods=len(pods), verdicts=result.verdicts, active=loop.state.active, dry_run=rem.dry_run,
-            suspect=suspect_words, rollback=rollback_words, held=loop.state.held, blind=self._blindness(result, now))
+            enabled=True,
+            pods=len(pods),
+            verdicts=result.verdicts,
+            active=loop.state.active,
+            dry_run=rem.dry_run,
+            suspect=suspect_words,
+            rollback=rollback_words,
+            held=loop.state.held,
+            blind=self._blindness(result, now),
+        )
         fields: dict[str, Any] = {"wedgedPods": count}
         if rollback_record is not None or last is not None:
             fields["lastRemediation"] = rollback_record or last
@@ -203,9 +258,17 @@ class DeploymentWatchdog:
         params = (spec.detection_window(), float(rem.transfer_failure_rate_threshold))
         settings = remediation_settings(rem)
         if self.loop is None:
-            self.loop = WatchdogLoop(settings, Detector(*params), self.executor, state=self.state,
-                                     scrape_timeout=scrape_timeout(rem), on_state=self._persist_state,
-                                     fleet=self.fleet, name=self.key, headers=self.executor.headers)
+            self.loop = WatchdogLoop(
+                settings,
+                Detector(*params),
+                self.executor,
+                state=self.state,
+                scrape_timeout=scrape_timeout(rem),
+                on_state=self._persist_state,
+                fleet=self.fleet,
+                name=self.key,
+                headers=self.executor.headers,
+            )
         else:
             self.loop.settings, self.loop.scrape_timeout = settings, scrape_timeout(rem)
             if params != self._detector_params:
@@ -221,8 +284,9 @@ class DeploymentWatchdog:
         if self.pod_source is not None:  # kopf's pod index, kept current by one watch
             pods = (engine_pod(obj, default_port) for obj in self.pod_source(self.namespace, self.name))
             return [p for p in pods if p is not None]
-        doc = await self.api().request("GET", resource_path("v1", "pods", self.namespace),
-                                       query=[("labelSelector", pod_selector(self.name))])
+        doc = await self.api().request(
+            "GET", resource_path("v1", "pods", self.namespace), query=[("labelSelector", pod_selector(self.name))]
+        )
         pods = (engine_pod(obj, default_port) for obj in (doc or {}).get("items") or [])
         return [p for p in pods if p is not None]
 
@@ -231,8 +295,11 @@ class DeploymentWatchdog:
         episode as a Warning Event; the Wedged condition says it every round it lasts."""
         if not (result.blind and result.silence.silent):
             if self.blind_since is not None:
-                self.events("Normal", "OperatorSeesAgain", "the operator reaches the engine pods again; "
-                            "silence-based remediation resumes")
+                self.events(
+                    "Normal",
+                    "OperatorSeesAgain",
+                    "the operator reaches the engine pods again; silence-based remediation resumes",
+                )
             self.blind_since = None
             return None
         words = blind_message(result.silence.silent, result.silence.ready)
@@ -275,8 +342,9 @@ class DeploymentWatchdog:
 
     # ---- rollback ---------------------------------------------------------------------------------
 
-    async def _consider_rollback(self, rem: S.RemediationSpec, raw_spec: Mapping[str, Any],
-                                 suspect: SuspectChange) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    async def _consider_rollback(
+        self, rem: S.RemediationSpec, raw_spec: Mapping[str, Any], suspect: SuspectChange
+    ) -> tuple[Optional[dict[str, Any]], Optional[str]]:
         mode = rem.rollback
         if rem.dry_run and mode == ROLLBACK_AUTO:
             mode = ROLLBACK_SUGGEST  # dry run acts on nothing, the spec included
@@ -288,8 +356,9 @@ class DeploymentWatchdog:
             self.events("Warning", "RollbackSuggested", f"{suspect.summary()}; {decision.message}")
         return None, (decision.message if mode != ROLLBACK_OFF else None)
 
-    async def _roll_back(self, decision: RollbackDecision, suspect: SuspectChange
-                         ) -> tuple[Optional[dict[str, Any]], Optional[str]]:
+    async def _roll_back(
+        self, decision: RollbackDecision, suspect: SuspectChange
+    ) -> tuple[Optional[dict[str, Any]], Optional[str]]:
         """Pin the stable revision: one annotation write, with the history that marks the bad
         revision rolled back in the same patch, so a crash leaves both or neither (never a
         second rollback), and only while the spec is still the bad revision."""
@@ -305,8 +374,14 @@ class DeploymentWatchdog:
                 raise PatchAborted("the spec changed before the rollback: not rolled back")
             generation = int(cr["metadata"].get("generation") or 0)
             pinned_at[:] = [generation]
-            return {"metadata": {"annotations": {REVISIONS_ANNOTATION: history,
-                                                 ANNOTATION_PINNED_REVISION: pin_value(stable.hash, generation)}}}
+            return {
+                "metadata": {
+                    "annotations": {
+                        REVISIONS_ANNOTATION: history,
+                        ANNOTATION_PINNED_REVISION: pin_value(stable.hash, generation),
+                    }
+                }
+            }
 
         try:
             written = await self.api().patch_with_retry(S.API_VERSION, S.KIND, self.namespace, self.name, pin)
@@ -321,17 +396,26 @@ class DeploymentWatchdog:
             self.tracker.rolled_back.discard(decision.from_revision)
             return None, None
         self.persisted_tracker = (self._tracker_key(), self.tracker.last_wedge_at)
-        words = (f"rolled back to stable revision {stable.hash} (generation {stable.generation}) by pinning it "
-                 f"({ANNOTATION_PINNED_REVISION}={pin_value(stable.hash, pinned_at[0])}); the spec is unchanged "
-                 "and its next edit ends the pin")
+        words = (
+            f"rolled back to stable revision {stable.hash} (generation {stable.generation}) by pinning it "
+            f"({ANNOTATION_PINNED_REVISION}={pin_value(stable.hash, pinned_at[0])}); the spec is unchanged "
+            "and its next edit ends the pin"
+        )
         self.rollback_note = (stable.hash, suspect.summary(), words)
         self.metrics.remediations.labels("rollback", "spec", "ok").inc()
         self.events("Warning", "RolledBack", f"{suspect.summary()}; {words}")
         self.logger.warning(f"{suspect.summary()}; {words}")
-        record = {"time": iso(self.clock()), "action": "rollback", "reason": suspect.summary(), "dryRun": False,
-                  "result": "ok", "fromRevision": decision.from_revision, "toRevision": stable.hash,
-                  "pinned": pin_value(stable.hash, pinned_at[0]),
-                  "changes": list(suspect.changes_since_stable or suspect.changes)}
+        record = {
+            "time": iso(self.clock()),
+            "action": "rollback",
+            "reason": suspect.summary(),
+            "dryRun": False,
+            "result": "ok",
+            "fromRevision": decision.from_revision,
+            "toRevision": stable.hash,
+            "pinned": pin_value(stable.hash, pinned_at[0]),
+            "changes": list(suspect.changes_since_stable or suspect.changes),
+        }
         return record, words
 
     # ---- persistence ------------------------------------------------------------------------------
@@ -383,8 +467,9 @@ class DeploymentWatchdog:
         old_key, old_wedge_at = self.persisted_tracker
         # The last wedge time moves every round of a wedge; storing it once per quiet-period
         # fifth is enough to keep a restarted operator from calling a bad revision stable.
-        wedge_moved = wedge_at is not None and (old_wedge_at is None
-                                                or wedge_at - old_wedge_at >= self.tracker.quiet_period_s / 5)
+        wedge_moved = wedge_at is not None and (
+            old_wedge_at is None or wedge_at - old_wedge_at >= self.tracker.quiet_period_s / 5
+        )
         if not force and key == old_key and not wedge_moved:
             return
         await self._patch_annotations({REVISIONS_ANNOTATION: self._tracker_text()})
@@ -394,8 +479,13 @@ class DeploymentWatchdog:
         return json.dumps(self.tracker.to_dict(), sort_keys=True, separators=(",", ":"), default=str)
 
     async def _patch_annotations(self, annotations: Mapping[str, str]) -> None:
-        await self.api().patch_with_retry(S.API_VERSION, S.KIND, self.namespace, self.name,
-                                          lambda cr: {"metadata": {"annotations": dict(annotations)}})
+        await self.api().patch_with_retry(
+            S.API_VERSION,
+            S.KIND,
+            self.namespace,
+            self.name,
+            lambda cr: {"metadata": {"annotations": dict(annotations)}},
+        )
 
     # ---- status -----------------------------------------------------------------------------------
 
@@ -403,8 +493,11 @@ class DeploymentWatchdog:
         if self.tracker.stable is not None:
             fields["stableRevision"] = self.tracker.stable.hash
         live = dict(self.body.get("status") or {})
-        if not restarts and not status_changed(live, merged_status(live, condition, fields, "")) \
-                and "remediationsTotal" in live:
+        if (
+            not restarts
+            and not status_changed(live, merged_status(live, condition, fields, ""))
+            and "remediationsTotal" in live
+        ):
             return  # nothing new (lastTransitionTime is kept when the status does not flip)
         wrote = []
 
@@ -421,9 +514,15 @@ class DeploymentWatchdog:
             return {"status": new}
 
         try:
-            written = await self.api().patch_with_retry(S.API_VERSION, S.KIND, self.namespace, self.name,
-                                                        status_patch, subresource="status",
-                                                        attempts=STATUS_WRITE_ATTEMPTS)
+            written = await self.api().patch_with_retry(
+                S.API_VERSION,
+                S.KIND,
+                self.namespace,
+                self.name,
+                status_patch,
+                subresource="status",
+                attempts=STATUS_WRITE_ATTEMPTS,
+            )
         except ApiError as e:
             if e.status == 409:
                 self.logger.warning("The status kept changing under the watchdog; will write next round")

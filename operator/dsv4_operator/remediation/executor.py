@@ -72,10 +72,19 @@ class DeploymentContext:
 
 
 class KubernetesExecutor:
-    def __init__(self, api: Callable[[], KubeApi], context: DeploymentContext, events: EventSink,
-                 metrics: OperatorMetrics, *, admin_token: Optional[str] = None, http_timeout: float = 5.0,
-                 log_lines: int = LOG_LINES, evidence_kept: int = EVIDENCE_KEPT,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        api: Callable[[], KubeApi],
+        context: DeploymentContext,
+        events: EventSink,
+        metrics: OperatorMetrics,
+        *,
+        admin_token: Optional[str] = None,
+        http_timeout: float = 5.0,
+        log_lines: int = LOG_LINES,
+        evidence_kept: int = EVIDENCE_KEPT,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.api = api
         self.ctx = context
         self.events = events
@@ -145,8 +154,9 @@ class KubernetesExecutor:
                 missing.append(f"{what} ({err})")
             return text
 
-        *fetched, logs = await asyncio.gather(*(fetch(path, what) for what, path in step.fetch),
-                                              self._pod_log(action.pod, missing))
+        *fetched, logs = await asyncio.gather(
+            *(fetch(path, what) for what, path in step.fetch), self._pod_log(action.pod, missing)
+        )
         got = dict(zip((what for what, _ in step.fetch), fetched))
         stacks, loads_text, metrics_text = got.get("stacks"), got.get("loads"), got.get("metrics")
         loads: Any = loads_text
@@ -155,19 +165,39 @@ class KubernetesExecutor:
                 loads = json.loads(loads_text)
             except ValueError:
                 pass
-        verdict_doc = verdict_to_dict(verdict) if verdict is not None else {
-            # Resumed after an operator restart: the detector's window is gone, the policy's
-            # record of why is not.
-            "state": "Wedged", "reason": action.reason, "details": dict(action.details), "resumed": True}
+        verdict_doc = (
+            verdict_to_dict(verdict)
+            if verdict is not None
+            else {
+                # Resumed after an operator restart: the detector's window is gone, the policy's
+                # record of why is not.
+                "state": "Wedged",
+                "reason": action.reason,
+                "details": dict(action.details),
+                "resumed": True,
+            }
+        )
         now = self.clock()
         cm = build_evidence_configmap(
-            deployment=self.ctx.name, namespace=self.ctx.namespace, pod=action.pod, role=action.role,
-            captured_at=now, verdict=verdict_doc, stacks=stacks, loads=loads, metrics=metrics_text, logs=logs,
-            spec_diff=self.ctx.spec_diff, revision=self.ctx.revision, owner_references=[self.ctx.owner_reference()])
+            deployment=self.ctx.name,
+            namespace=self.ctx.namespace,
+            pod=action.pod,
+            role=action.role,
+            captured_at=now,
+            verdict=verdict_doc,
+            stacks=stacks,
+            loads=loads,
+            metrics=metrics_text,
+            logs=logs,
+            spec_diff=self.ctx.spec_diff,
+            revision=self.ctx.revision,
+            owner_references=[self.ctx.owner_reference()],
+        )
         name = cm["metadata"]["name"]
         try:
-            await self.api().request("POST", resource_path("v1", "configmaps", self.ctx.namespace), body=cm,
-                                     content_type="application/json")
+            await self.api().request(
+                "POST", resource_path("v1", "configmaps", self.ctx.namespace), body=cm, content_type="application/json"
+            )
         except ApiError as e:
             if e.status != 409:  # 409: this very capture was written already (a replayed step)
                 return False, f"evidence ConfigMap {name} not written: {e}"
@@ -177,8 +207,9 @@ class KubernetesExecutor:
         if pruned:
             notes.append(pruned)
         note = "; ".join(notes) or None
-        self.events("Normal", step.event,
-                    f"{action.pod} ({action.role}): ConfigMap {name}" + (f"; {note}" if note else ""))
+        self.events(
+            "Normal", step.event, f"{action.pod} ({action.role}): ConfigMap {name}" + (f"; {note}" if note else "")
+        )
         return True, note
 
     async def drain(self, action: Action, verdict: Optional[Verdict]) -> tuple[bool, Optional[str]]:
@@ -187,12 +218,21 @@ class KubernetesExecutor:
             return True, gone
         # A JSON patch whose first operation tests the UID: the label lands on this incarnation
         # or nowhere (a replacement pod must not leave the router for good).
-        patch = [{"op": "test", "path": "/metadata/uid", "value": action.uid or pod.uid},
-                 {"op": "add", "path": "/metadata/labels/" + DRAINING_LABEL.replace("~", "~0").replace("/", "~1"),
-                  "value": "true"}]
+        patch = [
+            {"op": "test", "path": "/metadata/uid", "value": action.uid or pod.uid},
+            {
+                "op": "add",
+                "path": "/metadata/labels/" + DRAINING_LABEL.replace("~", "~0").replace("/", "~1"),
+                "value": "true",
+            },
+        ]
         try:
-            await self.api().request("PATCH", resource_path("v1", "pods", self.ctx.namespace, action.pod),
-                                     body=patch, content_type="application/json-patch+json")
+            await self.api().request(
+                "PATCH",
+                resource_path("v1", "pods", self.ctx.namespace, action.pod),
+                body=patch,
+                content_type="application/json-patch+json",
+            )
         except ApiError as e:
             if e.status in (404, 409, 422):  # gone, or not the same pod any more
                 return True, f"not labelled: {e}"
@@ -200,8 +240,12 @@ class KubernetesExecutor:
         step = step_for(action.kind, self.engine_kind)
         errors = await self._engine_calls(pod.url, step) if pod.url else []
         note = f"engine drain: {'; '.join(errors)}" if errors else None
-        self.events("Normal", step.event, f"{action.pod} ({action.role}): labelled {DRAINING_LABEL}=true, out of "
-                    f"the router" + (f"; {note}" if note else ""))
+        self.events(
+            "Normal",
+            step.event,
+            f"{action.pod} ({action.role}): labelled {DRAINING_LABEL}=true, out of "
+            f"the router" + (f"; {note}" if note else ""),
+        )
         return True, note
 
     async def abort(self, action: Action, verdict: Optional[Verdict]) -> tuple[bool, Optional[str]]:
@@ -210,21 +254,31 @@ class KubernetesExecutor:
             return True, gone or "no pod IP"
         step = step_for(action.kind, self.engine_kind)
         err = "; ".join(await self._engine_calls(pod.url, step)) or None
-        self.events("Normal", step.event, f"{action.pod} ({action.role}): " +
-                    (f"abort failed: {err}" if err else "aborted every request it held"))
+        self.events(
+            "Normal",
+            step.event,
+            f"{action.pod} ({action.role}): " + (f"abort failed: {err}" if err else "aborted every request it held"),
+        )
         return True, f"abort: {err}" if err else None
 
     async def restart(self, action: Action, verdict: Optional[Verdict]) -> tuple[bool, Optional[str]]:
         """Evict the pod (policy/v1 Eviction, which honours PodDisruptionBudgets) with a UID
         precondition; its StatefulSet recreates it. A PDB that allows no disruption now answers
         429: the restart stays pending and is retried next round (an Event says so once)."""
-        body: dict[str, Any] = {"apiVersion": "policy/v1", "kind": "Eviction",
-                                "metadata": {"name": action.pod, "namespace": self.ctx.namespace}}
+        body: dict[str, Any] = {
+            "apiVersion": "policy/v1",
+            "kind": "Eviction",
+            "metadata": {"name": action.pod, "namespace": self.ctx.namespace},
+        }
         if action.uid:
             body["deleteOptions"] = {"preconditions": {"uid": action.uid}}
         try:
-            await self.api().request("POST", resource_path("v1", "pods", self.ctx.namespace, action.pod, "eviction"),
-                                     body=body, content_type="application/json")
+            await self.api().request(
+                "POST",
+                resource_path("v1", "pods", self.ctx.namespace, action.pod, "eviction"),
+                body=body,
+                content_type="application/json",
+            )
         except ApiError as e:
             if e.status == 404:
                 return True, "already gone"
@@ -238,15 +292,20 @@ class KubernetesExecutor:
                 note = f"eviction blocked by a PodDisruptionBudget: {e.message or e.reason}"
                 if self.blocked.get(action.pod) != action.uid:
                     self.blocked[action.pod] = action.uid
-                    self.events("Warning", "EvictionBlocked", f"{action.pod} ({action.role}): {note}; retried "
-                                f"every round until the budget allows it")
+                    self.events(
+                        "Warning",
+                        "EvictionBlocked",
+                        f"{action.pod} ({action.role}): {note}; retried every round until the budget allows it",
+                    )
                 self.metrics.remediations.labels("eviction_blocked", action.role, action.reason).inc()
                 return False, note
             return False, f"eviction failed: {e}"
         self.blocked.pop(action.pod, None)
-        self.events("Normal", step_for(action.kind, self.engine_kind).event,
-                    f"{action.pod} ({action.role}): evicted (uid {action.uid}); its "
-                    f"StatefulSet recreates it")
+        self.events(
+            "Normal",
+            step_for(action.kind, self.engine_kind).event,
+            f"{action.pod} ({action.role}): evicted (uid {action.uid}); its StatefulSet recreates it",
+        )
         return True, None
 
     # ---- I/O helpers ----------------------------------------------------------------------------
@@ -255,8 +314,9 @@ class KubernetesExecutor:
         """The step's admin calls on the engine at ``url``, in order; what went wrong, if anything."""
         errors = []
         for call in step.calls:
-            _, err = await self._http_text(call.method, url + call.path,
-                                           body=dict(call.body) if call.body is not None else None)
+            _, err = await self._http_text(
+                call.method, url + call.path, body=dict(call.body) if call.body is not None else None
+            )
             if err:
                 errors.append(err)
         return errors
@@ -265,8 +325,9 @@ class KubernetesExecutor:
         if self._http is None:
             self._http = aiohttp.ClientSession(trust_env=False, headers=self.headers)
         try:
-            async with self._http.request(method, url, json=body,
-                                          timeout=aiohttp.ClientTimeout(total=self.http_timeout)) as resp:
+            async with self._http.request(
+                method, url, json=body, timeout=aiohttp.ClientTimeout(total=self.http_timeout)
+            ) as resp:
                 text = (await read_capped(resp, EVIDENCE_MAX_BYTES)).decode("utf-8", "replace")
                 if resp.status >= 400:
                     return None, f"HTTP {resp.status} from {url}: {text[:200]}"
@@ -280,16 +341,20 @@ class KubernetesExecutor:
         api = self.api()
         selector = f"{EVIDENCE_LABEL}=true,{DEPLOYMENT_LABEL}={deployment_label}"
         try:
-            doc = await api.request("GET", resource_path("v1", "configmaps", self.ctx.namespace),
-                                    query=[("labelSelector", selector)])
+            doc = await api.request(
+                "GET", resource_path("v1", "configmaps", self.ctx.namespace), query=[("labelSelector", selector)]
+            )
             # By the API server's creation time: an annotation anyone who may edit ConfigMaps can
             # forge (a far-future captured-at kept a planted map forever).
-            items = sorted((doc or {}).get("items") or [], key=lambda cm: (
-                cm["metadata"].get("creationTimestamp", ""), cm["metadata"]["name"]))
-            for old in items[:-self.evidence_kept]:
+            items = sorted(
+                (doc or {}).get("items") or [],
+                key=lambda cm: (cm["metadata"].get("creationTimestamp", ""), cm["metadata"]["name"]),
+            )
+            for old in items[: -self.evidence_kept]:
                 try:
-                    await api.request("DELETE", resource_path("v1", "configmaps", self.ctx.namespace,
-                                                              old["metadata"]["name"]))
+                    await api.request(
+                        "DELETE", resource_path("v1", "configmaps", self.ctx.namespace, old["metadata"]["name"])
+                    )
                 except ApiError as e:
                     if e.status != 404:
                         raise
@@ -302,9 +367,15 @@ class KubernetesExecutor:
         try:
             # The engine container by name: with a sidecar (a mesh proxy, a log shipper) a pods/log
             # read without container= is a 400.
-            text = await self.api().get_text(path, [("container", ENGINE_CONTAINER), ("tailLines", str(self.log_lines)),
-                                                    ("limitBytes", str(LOG_MAX_BYTES))],
-                                             limit=LOG_MAX_BYTES)
+            text = await self.api().get_text(
+                path,
+                [
+                    ("container", ENGINE_CONTAINER),
+                    ("tailLines", str(self.log_lines)),
+                    ("limitBytes", str(LOG_MAX_BYTES)),
+                ],
+                limit=LOG_MAX_BYTES,
+            )
         except ApiError as e:
             missing.append(f"logs ({e})")
             return f"(pod logs unavailable: {e})\n"

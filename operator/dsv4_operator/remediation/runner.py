@@ -16,8 +16,18 @@ from typing import Any, Awaitable, Callable, Mapping, Optional, Protocol
 from dsv4_operator.watchdog.corroboration import Fleet, Silence, observe_silence
 from dsv4_operator.watchdog.detector import Detector, Verdict, verdict_to_dict
 from dsv4_operator.watchdog.policy import (
-    ABORT, CAPTURE_EVIDENCE, DRAIN, HELD, REPORT, RESTART, Action, PodInfo, PolicyState,
-    RemediationSettings, complete_step, decide,
+    ABORT,
+    CAPTURE_EVIDENCE,
+    DRAIN,
+    HELD,
+    REPORT,
+    RESTART,
+    Action,
+    PodInfo,
+    PolicyState,
+    RemediationSettings,
+    complete_step,
+    decide,
 )
 from dsv4_operator.remediation.scrape import scrape_all
 from dsv4_operator.watchdog.signals import ScrapeTarget
@@ -61,10 +71,19 @@ class WatchdogLoop:
     blindness judgement to the whole operator and holds the operator-wide restart rate limit;
     without it (``dsv4 up``) the round judges blindness from its own pods only."""
 
-    def __init__(self, settings: RemediationSettings, detector: Detector, executor: Executor,
-                 state: Optional[PolicyState] = None, scrape_timeout: float = 2.0, concurrency: int = 64,
-                 on_state: Optional[StateSink] = None, fleet: Optional[Fleet] = None, name: str = "",
-                 headers: Optional[Mapping[str, str]] = None):
+    def __init__(
+        self,
+        settings: RemediationSettings,
+        detector: Detector,
+        executor: Executor,
+        state: Optional[PolicyState] = None,
+        scrape_timeout: float = 2.0,
+        concurrency: int = 64,
+        on_state: Optional[StateSink] = None,
+        fleet: Optional[Fleet] = None,
+        name: str = "",
+        headers: Optional[Mapping[str, str]] = None,
+    ):
         self.settings = settings
         self.detector = detector
         self.executor = executor
@@ -77,8 +96,13 @@ class WatchdogLoop:
         self.session = None
         self.headers = dict(headers or {})  # the admin token: /v1/loads is behind it
 
-    async def round(self, targets: list[ScrapeTarget], pods: Mapping[str, PodInfo], now: Optional[float] = None,
-                    answered_before: Mapping[str, bool] | None = None) -> RoundResult:
+    async def round(
+        self,
+        targets: list[ScrapeTarget],
+        pods: Mapping[str, PodInfo],
+        now: Optional[float] = None,
+        answered_before: Mapping[str, bool] | None = None,
+    ) -> RoundResult:
         if self.session is None:
             from .scrape import make_session
 
@@ -87,8 +111,10 @@ class WatchdogLoop:
         samples = await scrape_all(targets, self.concurrency, self.scrape_timeout, client=self.session)
         scrape_seconds = time.monotonic() - started
         now = time.time() if now is None else now
-        verdicts = {key: self.detector.observe(key, s, answered_before=(answered_before or {}).get(key, False))
-                    for key, s in samples.items()}
+        verdicts = {
+            key: self.detector.observe(key, s, answered_before=(answered_before or {}).get(key, False))
+            for key, s in samples.items()
+        }
         for key in set(self.detector.pods()) - set(samples):
             self.detector.forget(key)  # a pod that is gone takes its window with it
         infos = {k: p if isinstance(p, PodInfo) else PodInfo(role=str(p)) for k, p in pods.items()}
@@ -98,16 +124,16 @@ class WatchdogLoop:
             allowance: Optional[int] = self.fleet.restarts.allowance(now)
         else:
             blind, allowance = silence.blind, None
-        decision = decide(verdicts, infos, self.state, now, self.settings, blind=blind,
-                          restart_allowance=allowance)
+        decision = decide(verdicts, infos, self.state, now, self.settings, blind=blind, restart_allowance=allowance)
         started = len(set(decision.state.active) - set(self.state.active))
         if self.fleet is not None and started:
             self.fleet.restarts.record(now, started)  # before any await: rounds interleave
         self.state = decision.state
         if self.on_state is not None:
             await self.on_state(self.state)
-        result = RoundResult(verdicts, decision.actions, samples=samples, scrape_seconds=scrape_seconds,
-                             silence=silence, blind=blind)
+        result = RoundResult(
+            verdicts, decision.actions, samples=samples, scrape_seconds=scrape_seconds, silence=silence, blind=blind
+        )
         for action in decision.actions:
             if self.fleet is not None and not self.fleet.may_act():
                 log.warning("no longer the leader: the rest of this round is not acted on")

@@ -45,8 +45,9 @@ def _timeout(seconds: float) -> aiohttp.ClientTimeout:
     return aiohttp.ClientTimeout(total=seconds)
 
 
-async def _get_aiohttp(session: aiohttp.ClientSession, url: str, timeout: float,
-                       limit: int) -> tuple[str | None, str | None]:
+async def _get_aiohttp(
+    session: aiohttp.ClientSession, url: str, timeout: float, limit: int
+) -> tuple[str | None, str | None]:
     try:
         async with session.get(_url(url), timeout=_timeout(timeout)) as resp:
             if resp.status != 200:
@@ -57,9 +58,9 @@ async def _get_aiohttp(session: aiohttp.ClientSession, url: str, timeout: float,
         return None, _describe(url, exc)
 
 
-async def _get_httpx(client: Any, url: str, timeout: float,
-                     limit: int) -> tuple[str | None, str | None]:
+async def _get_httpx(client: Any, url: str, timeout: float, limit: int) -> tuple[str | None, str | None]:
     import httpx
+
     try:
         async with client.stream("GET", url, timeout=timeout) as resp:
             if resp.status_code != 200:
@@ -82,8 +83,17 @@ INLINE_PARSE_BYTES = 64 << 10
 _PARSE_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="dsv4-parse")
 
 
-def _reduce(stamp: float, role: str, kind: str, base: str, metrics_text: str | None,
-            loads_text: str | None, errors: list[str], *, inline: bool) -> EngineSample | None:
+def _reduce(
+    stamp: float,
+    role: str,
+    kind: str,
+    base: str,
+    metrics_text: str | None,
+    loads_text: str | None,
+    errors: list[str],
+    *,
+    inline: bool,
+) -> EngineSample | None:
     """Both bodies -> a sample (pure).  ``inline``: None instead of any slow path."""
     metrics_values = None
     if metrics_text is not None and inline:
@@ -96,24 +106,35 @@ def _reduce(stamp: float, role: str, kind: str, base: str, metrics_text: str | N
             loads = json.loads(loads_text)
         except (ValueError, RecursionError):  # RecursionError: nesting deeper than Python's stack
             errors = errors + [f"{base}/v1/loads: invalid JSON"]
-    return build_sample(stamp, role, kind, metrics_text=metrics_text, loads=loads,
-                        error="; ".join(errors) or None, metrics_values=metrics_values)
+    return build_sample(
+        stamp,
+        role,
+        kind,
+        metrics_text=metrics_text,
+        loads=loads,
+        error="; ".join(errors) or None,
+        metrics_values=metrics_values,
+    )
 
 
-async def scrape_engine(client: aiohttp.ClientSession | Any, base_url: str, role: str,
-                        kind: str = BUILTIN, *, timeout: float = 2.0,
-                        clock: Callable[[], float] = time.time) -> EngineSample:
+async def scrape_engine(
+    client: aiohttp.ClientSession | Any,
+    base_url: str,
+    role: str,
+    kind: str = BUILTIN,
+    *,
+    timeout: float = 2.0,
+    clock: Callable[[], float] = time.time,
+) -> EngineSample:
     """One scrape: both endpoints concurrently, each bounded by ``timeout`` seconds in all and
     by a byte cap.  ``client``: an aiohttp ClientSession (fast) or an httpx AsyncClient."""
     get = _get_aiohttp if isinstance(client, aiohttp.ClientSession) else _get_httpx
     base = base_url.rstrip("/")
     stamp = clock()
     # Both requests in flight at once; the loads request gets a task, /metrics runs in ours.
-    loads_req = asyncio.ensure_future(get(client, base + LOADS_PATH.get(kind, Paths.LOADS),
-                                          timeout, LOADS_MAX_BYTES))
+    loads_req = asyncio.ensure_future(get(client, base + LOADS_PATH.get(kind, Paths.LOADS), timeout, LOADS_MAX_BYTES))
     try:
-        metrics_text, metrics_err = await get(client, base + Paths.METRICS, timeout,
-                                              METRICS_MAX_BYTES)
+        metrics_text, metrics_err = await get(client, base + Paths.METRICS, timeout, METRICS_MAX_BYTES)
     except BaseException:
         loads_req.cancel()
         raise
@@ -125,22 +146,29 @@ async def scrape_engine(client: aiohttp.ClientSession | Any, base_url: str, role
         if sample is not None:
             return sample
     return await asyncio.get_running_loop().run_in_executor(
-        _PARSE_POOL, functools.partial(_reduce, stamp, role, kind, base, metrics_text, loads_text,
-                                       errors, inline=False))
+        _PARSE_POOL, functools.partial(_reduce, stamp, role, kind, base, metrics_text, loads_text, errors, inline=False)
+    )
 
 
 def make_session(concurrency: int = 64, headers: dict[str, str] | None = None) -> aiohttp.ClientSession:
     """A session for repeated scrape rounds: idle connections to every engine are kept between
     rounds (one keep-alive per endpoint), active ones bounded by the round's concurrency."""
-    connector = aiohttp.TCPConnector(limit=max(2 * concurrency, 2), limit_per_host=0,
-                                     keepalive_timeout=120.0, ttl_dns_cache=300)
-    return aiohttp.ClientSession(connector=connector, trust_env=False, headers=headers,
-                                 auto_decompress=True, raise_for_status=False)
+    connector = aiohttp.TCPConnector(
+        limit=max(2 * concurrency, 2), limit_per_host=0, keepalive_timeout=120.0, ttl_dns_cache=300
+    )
+    return aiohttp.ClientSession(
+        connector=connector, trust_env=False, headers=headers, auto_decompress=True, raise_for_status=False
+    )
 
 
-async def scrape_all(targets: Iterable[ScrapeTarget], concurrency: int = 64,
-                     timeout: float = 2.0, *, client: aiohttp.ClientSession | Any = None,
-                     clock: Callable[[], float] = time.time) -> dict[str, EngineSample]:
+async def scrape_all(
+    targets: Iterable[ScrapeTarget],
+    concurrency: int = 64,
+    timeout: float = 2.0,
+    *,
+    client: aiohttp.ClientSession | Any = None,
+    clock: Callable[[], float] = time.time,
+) -> dict[str, EngineSample]:
     """Scrape every target, at most ``concurrency`` engines at a time.  Pass a long-lived
     ``client`` (see :func:`make_session`) to reuse connections across rounds."""
     pending = list(targets)
@@ -155,8 +183,7 @@ async def scrape_all(targets: Iterable[ScrapeTarget], concurrency: int = 64,
     async def worker() -> None:
         while pending:
             t = pending.pop()
-            results[t.key] = await scrape_engine(client, t.base_url, t.role, t.kind,
-                                                 timeout=timeout, clock=clock)
+            results[t.key] = await scrape_engine(client, t.base_url, t.role, t.kind, timeout=timeout, clock=clock)
 
     try:
         await asyncio.gather(*(worker() for _ in range(max(min(concurrency, len(pending)), 1))))

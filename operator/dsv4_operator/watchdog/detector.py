@@ -38,6 +38,7 @@ from .signals import BUILTIN, COUNTER_FIELDS, EngineSample
 class Reason(StrEnum):
     """Why a pod is Slow or Wedged: one name per cause, compared by the policy and the reports
     (a StrEnum: it prints, serialises and labels metrics as its plain value)."""
+
     UNRESPONSIVE = "unresponsive"  # silent for a whole window after it had answered
     TRANSFER_FAILURES = "transfer_failures"  # most KV transfers failing
     STUCK_INFLIGHT = "stuck_inflight"  # prefill: a hand-off pending and not moving (the incident)
@@ -55,6 +56,7 @@ class Healthy:
 @dataclass(frozen=True)
 class Slow:
     """Work is waiting longer than usual but still within the window (or still moving)."""
+
     reason: str
     details: Mapping[str, Any] = field(default_factory=dict)
     state: ClassVar[str] = "Slow"
@@ -119,8 +121,12 @@ def _handoff_pending(s: EngineSample) -> float | None:
 # is the completion counter) leave transfers_completed unknown. A prefill then falls back on its
 # finished-requests counter, which every build exposes: a PD request finishes on prefill only
 # once its KV left (or failed, which the failure counters see).
-PROGRESS_SIGNALS = ("transfers_completed", "transfer_bytes", "prefill_inflight_oldest_age_seconds",
-                    "requests_completed")
+PROGRESS_SIGNALS = (
+    "transfers_completed",
+    "transfer_bytes",
+    "prefill_inflight_oldest_age_seconds",
+    "requests_completed",
+)
 
 
 def progress_signals(s: EngineSample) -> tuple[str, ...]:
@@ -138,8 +144,12 @@ def _requests_stand_in(s: EngineSample) -> bool:
     """Finished requests stand in for completed transfers on a prefill without the counter, but
     only when its inflight count is live: from SGLang's stale gauge alone, an idle prefill whose
     last request left after the last logged batch would read as one stuck forever."""
-    return (s.role == "prefill" and s.transfers_completed is None and s.requests_completed is not None
-            and (s.kind == BUILTIN or s.live_queues))
+    return (
+        s.role == "prefill"
+        and s.transfers_completed is None
+        and s.requests_completed is not None
+        and (s.kind == BUILTIN or s.live_queues)
+    )
 
 
 def _completions(s: EngineSample) -> float | None:
@@ -166,9 +176,11 @@ def _handoff_moved(prev: EngineSample, cur: EngineSample) -> bool:
 
 
 def _compute_moved(prev: EngineSample, cur: EngineSample) -> bool:
-    return (_counter_delta(prev.loop_iterations, cur.loop_iterations) > 0
-            or _counter_delta(prev.generation_tokens, cur.generation_tokens) > 0
-            or _counter_delta(prev.prompt_tokens, cur.prompt_tokens) > 0)
+    return (
+        _counter_delta(prev.loop_iterations, cur.loop_iterations) > 0
+        or _counter_delta(prev.generation_tokens, cur.generation_tokens) > 0
+        or _counter_delta(prev.prompt_tokens, cur.prompt_tokens) > 0
+    )
 
 
 def _has_work(s: EngineSample) -> bool:
@@ -187,8 +199,14 @@ class _PodWindow:
 class Detector:
     """Keeps a window per pod; ``observe`` one sample at a time, in timestamp order per pod."""
 
-    def __init__(self, window_s: float = 120.0, failure_rate_threshold: float = 0.5, *,
-                 min_failed_transfers: int = 3, slow_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        window_s: float = 120.0,
+        failure_rate_threshold: float = 0.5,
+        *,
+        min_failed_transfers: int = 3,
+        slow_after_s: float | None = None,
+    ) -> None:
         if window_s <= 0:
             raise ValueError("window_s must be positive")
         if not 0.0 <= failure_rate_threshold <= 1.0:
@@ -217,8 +235,7 @@ class Detector:
 
     # -- the verdict -----------------------------------------------------------------------------
 
-    def observe(self, pod_key: str, sample: EngineSample, *,
-                answered_before: bool = False) -> Verdict:
+    def observe(self, pod_key: str, sample: EngineSample, *, answered_before: bool = False) -> Verdict:
         """``answered_before``: the caller knows the engine served before this detector saw
         it (e.g. its pod was Ready, or the operator restarted), so a silence from the start may
         still end in ``unresponsive``; a pod never known to answer is only Unreachable."""
@@ -229,14 +246,16 @@ class Detector:
             if pod.unreachable_since is None:
                 pod.unreachable_since = now
             pod.last_error = sample.error
-            silent_for = now - (pod.last_reachable_ts if pod.last_reachable_ts is not None
-                                else pod.unreachable_since)
+            silent_for = now - (pod.last_reachable_ts if pod.last_reachable_ts is not None else pod.unreachable_since)
             if pod.ever_reachable and silent_for >= self.window_s:
-                return Wedged(Reason.UNRESPONSIVE, {
-                    "silent_seconds": round(silent_for, 3),
-                    "window_seconds": self.window_s,
-                    "last_error": sample.error,
-                })
+                return Wedged(
+                    Reason.UNRESPONSIVE,
+                    {
+                        "silent_seconds": round(silent_for, 3),
+                        "window_seconds": self.window_s,
+                        "last_error": sample.error,
+                    },
+                )
             return Unreachable(pod.unreachable_since, sample.error)
 
         pod.ever_reachable = True
@@ -293,9 +312,13 @@ class Detector:
         rate = failed / (failed + completed)
         if rate <= self.failure_rate_threshold:
             return None
-        details = {"failed_transfers": failed, "completed_transfers": completed,
-                   "failure_rate": round(rate, 4), "threshold": self.failure_rate_threshold,
-                   "window_seconds": self.window_s}
+        details = {
+            "failed_transfers": failed,
+            "completed_transfers": completed,
+            "failure_rate": round(rate, 4),
+            "threshold": self.failure_rate_threshold,
+            "window_seconds": self.window_s,
+        }
         if failed >= self.min_failed_transfers:
             return Wedged(Reason.TRANSFER_FAILURES, details)
         return Slow(Reason.TRANSFER_FAILURES, details)
@@ -324,8 +347,7 @@ class Detector:
             "transfers_completed": latest.transfers_completed,
             "progress_signals": list(signals),
         }
-        if (covered and stuck_for >= self.window_s and has_progress_signal
-                and (age is None or age >= self.window_s)):
+        if covered and stuck_for >= self.window_s and has_progress_signal and (age is None or age >= self.window_s):
             reason = Reason.STUCK_INFLIGHT if latest.role == "prefill" else Reason.STUCK_TRANSFER
             return Wedged(reason, details)
         if stuck_for >= self.slow_after_s or (age is not None and age >= self.slow_after_s):
@@ -343,9 +365,13 @@ class Detector:
                 break
             start = prev.timestamp
         stalled_for = latest.timestamp - start
-        details = {"stalled_seconds": round(stalled_for, 3), "window_seconds": self.window_s,
-                   "num_running": latest.num_running, "num_queue": latest.num_queue,
-                   "loop_iterations": latest.loop_iterations}
+        details = {
+            "stalled_seconds": round(stalled_for, 3),
+            "window_seconds": self.window_s,
+            "num_running": latest.num_running,
+            "num_queue": latest.num_queue,
+            "loop_iterations": latest.loop_iterations,
+        }
         if stalled_for >= self.window_s:
             return Wedged(Reason.SCHEDULER_STALLED, details)
         if stalled_for >= self.slow_after_s:

@@ -52,16 +52,14 @@ def truncate_utf8(text: str, limit: int, keep: str = "head") -> str:
         return raw[: max(limit, 0)].decode("utf-8", "ignore")
     marker = _marker(len(raw) - room)
     if keep == "tail":
-        return marker.lstrip("\n") + raw[len(raw) - room:].decode("utf-8", "ignore")
+        return marker.lstrip("\n") + raw[len(raw) - room :].decode("utf-8", "ignore")
     if keep == "both":
         head = room // 2
-        return (raw[:head].decode("utf-8", "ignore") + marker
-                + raw[len(raw) - (room - head):].decode("utf-8", "ignore"))
+        return raw[:head].decode("utf-8", "ignore") + marker + raw[len(raw) - (room - head) :].decode("utf-8", "ignore")
     return raw[:room].decode("utf-8", "ignore") + marker.rstrip("\n")
 
 
-def split_budget(sizes: Mapping[str, int], weights: Mapping[str, float],
-                 budget: int) -> dict[str, int]:
+def split_budget(sizes: Mapping[str, int], weights: Mapping[str, float], budget: int) -> dict[str, int]:
     """Weighted water-filling: fields under their share keep their size, the rest share what is
     left by weight.  Returns a byte limit per field whose sum is at most ``budget``."""
     limits: dict[str, int] = {}
@@ -69,8 +67,7 @@ def split_budget(sizes: Mapping[str, int], weights: Mapping[str, float],
     left = budget
     while open_fields:
         total_w = sum(weights.get(k, 1.0) for k in open_fields)
-        fits = {k: s for k, s in open_fields.items()
-                if s <= left * weights.get(k, 1.0) / total_w}
+        fits = {k: s for k, s in open_fields.items() if s <= left * weights.get(k, 1.0) / total_w}
         if not fits:
             for k in open_fields:
                 limits[k] = int(left * weights.get(k, 1.0) / total_w)
@@ -123,10 +120,19 @@ def stuck_timelines(loads: Any) -> Any:
 
 
 def build_evidence_configmap(
-    *, deployment: str, namespace: str, pod: str, role: str, captured_at: float,
-    verdict: Mapping[str, Any], stacks: str | None = None, loads: Any = None,
-    metrics: str | None = None, logs: str | Iterable[str] | None = None,
-    spec_diff: str | Iterable[str] | None = None, revision: str | None = None,
+    *,
+    deployment: str,
+    namespace: str,
+    pod: str,
+    role: str,
+    captured_at: float,
+    verdict: Mapping[str, Any],
+    stacks: str | None = None,
+    loads: Any = None,
+    metrics: str | None = None,
+    logs: str | Iterable[str] | None = None,
+    spec_diff: str | Iterable[str] | None = None,
+    revision: str | None = None,
     owner_references: list[Mapping[str, Any]] | None = None,
     data_budget: int = DEFAULT_DATA_BUDGET,
 ) -> dict[str, Any]:
@@ -134,13 +140,13 @@ def build_evidence_configmap(
     /debug/stacks) are written as a one-line note so the record says what could not be had."""
     raw = {
         "verdict.json": _as_text(dict(verdict)),
-        "spec-diff.txt": _as_text(list(spec_diff) if spec_diff is not None
-                                  and not isinstance(spec_diff, str) else spec_diff),
+        "spec-diff.txt": _as_text(
+            list(spec_diff) if spec_diff is not None and not isinstance(spec_diff, str) else spec_diff
+        ),
         "loads.json": _as_text(loads),
         "timelines.json": _as_text(stuck_timelines(loads)),
         "stacks.txt": _as_text(stacks),
-        "logs.txt": _as_text(list(logs) if logs is not None and not isinstance(logs, str)
-                             else logs),
+        "logs.txt": _as_text(list(logs) if logs is not None and not isinstance(logs, str) else logs),
         "metrics.txt": _as_text(metrics),
     }
     for key, text in raw.items():
@@ -161,8 +167,7 @@ def build_evidence_configmap(
         },
         "annotations": {
             POD_LABEL: pod,
-            "serving.dsv4.dev/captured-at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                          time.gmtime(captured_at)),
+            "serving.dsv4.dev/captured-at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(captured_at)),
             "serving.dsv4.dev/reason": str(verdict.get("reason", verdict.get("state", ""))),
             "serving.dsv4.dev/truncated": ",".join(k for k in raw if sizes[k] > limits[k]),
         },

@@ -55,8 +55,11 @@ def engine_pod_index_key(namespace: str, labels: Mapping[str, str]) -> Optional[
 
 def pod_snapshot(body: Mapping[str, Any]) -> dict[str, Any]:
     """The parts of a Pod the watchdog reads, copied out of kopf's live body."""
-    return {"metadata": dict(body.get("metadata") or {}), "spec": dict(body.get("spec") or {}),
-            "status": dict(body.get("status") or {})}
+    return {
+        "metadata": dict(body.get("metadata") or {}),
+        "spec": dict(body.get("spec") or {}),
+        "status": dict(body.get("status") or {}),
+    }
 
 
 def engine_pod_watch_selector() -> str:
@@ -71,8 +74,9 @@ def pod_selector(instance: str) -> str:
 
 def _http_port(pod_spec: Mapping[str, Any], default_port: Optional[int]) -> Optional[int]:
     containers = list(pod_spec.get("containers") or [])
-    ordered = [c for c in containers if c.get("name") == ENGINE_CONTAINER] + \
-              [c for c in containers if c.get("name") != ENGINE_CONTAINER]
+    ordered = [c for c in containers if c.get("name") == ENGINE_CONTAINER] + [
+        c for c in containers if c.get("name") != ENGINE_CONTAINER
+    ]
     for container in ordered:
         for port in container.get("ports") or []:
             if port.get("name") == HTTP_PORT_NAME and port.get("containerPort"):
@@ -109,9 +113,14 @@ def engine_pod(obj: Mapping[str, Any], default_port: Optional[int] = None) -> Op
     status = obj.get("status") or {}
     terminating = bool(meta.get("deletionTimestamp"))
     return EnginePod(
-        name=meta["name"], uid=meta.get("uid"), role=role, ip=status.get("podIP") or None,
-        port=_http_port(obj.get("spec") or {}, default_port), ready=_is_ready(status) and not terminating,
-        terminating=terminating, draining=labels.get(DRAINING_LABEL) == "true",
+        name=meta["name"],
+        uid=meta.get("uid"),
+        role=role,
+        ip=status.get("podIP") or None,
+        port=_http_port(obj.get("spec") or {}, default_port),
+        ready=_is_ready(status) and not terminating,
+        terminating=terminating,
+        draining=labels.get(DRAINING_LABEL) == "true",
         restarting=_is_restarting(status),
     )
 
@@ -135,9 +144,11 @@ def watch_plan(pods: Iterable[EnginePod], kind: str) -> WatchPlan:
 
 def remediation_settings(rem: RemediationSpec) -> RemediationSettings:
     return RemediationSettings(
-        enabled=rem.enabled, dry_run=rem.dry_run,
+        enabled=rem.enabled,
+        dry_run=rem.dry_run,
         max_unavailable={"prefill": rem.max_unavailable.prefill, "decode": rem.max_unavailable.decode},
-        cooldown_s=float(rem.cooldown_seconds), capture_evidence=rem.capture_evidence,
+        cooldown_s=float(rem.cooldown_seconds),
+        capture_evidence=rem.capture_evidence,
     )
 
 

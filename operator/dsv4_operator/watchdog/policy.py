@@ -80,8 +80,7 @@ class RemediationSettings:
     enabled: bool = True
     dry_run: bool = False
     # Per role: an int, or a percentage string ("25%") of the role's pods, rounded up.
-    max_unavailable: Mapping[str, int | str] = field(
-        default_factory=lambda: {"prefill": 1, "decode": 1})
+    max_unavailable: Mapping[str, int | str] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
     default_max_unavailable: int | str = 1
     cooldown_s: float = 300.0
     max_backoff_s: float = 3600.0
@@ -169,9 +168,12 @@ class PolicyState:
             rec["notes"] = tuple(rec.get("notes") or ())
             active[pod] = RemediationRecord(**rec)
         history = {pod: PodHistory(**h) for pod, h in (data.get("history") or {}).items()}
-        return cls(active=_frozen(active), history=_frozen(history),
-                   reported=frozenset(data.get("reported") or ()),
-                   held=_frozen(data.get("held") or {}))
+        return cls(
+            active=_frozen(active),
+            history=_frozen(history),
+            reported=frozenset(data.get("reported") or ()),
+            held=_frozen(data.get("held") or {}),
+        )
 
     @classmethod
     def from_json(cls, text: str | None) -> "PolicyState":
@@ -203,9 +205,16 @@ def _as_pod_info(value: PodInfo | str) -> PodInfo:
     return value if isinstance(value, PodInfo) else PodInfo(role=str(value))
 
 
-def decide(verdicts: Mapping[str, Verdict], pods: Mapping[str, PodInfo | str],
-           state: PolicyState, now: float, settings: RemediationSettings, *,
-           blind: bool = False, restart_allowance: int | None = None) -> Decision:
+def decide(
+    verdicts: Mapping[str, Verdict],
+    pods: Mapping[str, PodInfo | str],
+    state: PolicyState,
+    now: float,
+    settings: RemediationSettings,
+    *,
+    blind: bool = False,
+    restart_allowance: int | None = None,
+) -> Decision:
     """One round of the policy.  ``pods``: every engine pod the watchdog sees (a bare role string
     stands for a Ready pod of that role).  ``blind``: the operator cannot trust its own view of
     reachability (most Ready pods went silent together): hold every ``unresponsive`` pod.
@@ -227,9 +236,12 @@ def decide(verdicts: Mapping[str, Verdict], pods: Mapping[str, PodInfo | str],
         del active[pod]
         closed.add(pod)
         prev = history.get(pod)
-        history[pod] = PodHistory(count=(prev.count if prev else 0) + 1, last_finished_at=now,
-                                  last_wedged_at=prev.last_wedged_at if prev else rec.started_at,
-                                  last_result=result)
+        history[pod] = PodHistory(
+            count=(prev.count if prev else 0) + 1,
+            last_finished_at=now,
+            last_wedged_at=prev.last_wedged_at if prev else rec.started_at,
+            last_result=result,
+        )
 
     # 2. Remember wedges; forget the remediation count of pods quiet for long enough.
     for pod, hist in list(history.items()):
@@ -239,8 +251,7 @@ def decide(verdicts: Mapping[str, Verdict], pods: Mapping[str, PodInfo | str],
             del history[pod]
 
     # 3. A wedge episode ends when the pod stops being Wedged or its remediation closes.
-    reported = {p for p in state.reported
-                if (p in wedged or p in active) and p not in closed}
+    reported = {p for p in state.reported if (p in wedged or p in active) and p not in closed}
     held = {p: r for p, r in state.held.items() if p in wedged}
 
     # 4. Who is unavailable now, per role.
@@ -260,9 +271,16 @@ def decide(verdicts: Mapping[str, Verdict], pods: Mapping[str, PodInfo | str],
 
     # 6. New wedges.
     prefill_trouble = sorted(
-        p for p, v in verdicts.items() if p in info and info[p].role == "prefill"
-        and ((isinstance(v, Wedged) and v.reason == Reason.STUCK_INFLIGHT)
-             or (isinstance(v, Slow) and v.reason == Reason.HANDOFF_SLOW) or p in active))
+        p
+        for p, v in verdicts.items()
+        if p in info
+        and info[p].role == "prefill"
+        and (
+            (isinstance(v, Wedged) and v.reason == Reason.STUCK_INFLIGHT)
+            or (isinstance(v, Slow) and v.reason == Reason.HANDOFF_SLOW)
+            or p in active
+        )
+    )
     for pod in sorted(wedged):
         if pod in active or pod not in info:
             continue
@@ -272,11 +290,19 @@ def decide(verdicts: Mapping[str, Verdict], pods: Mapping[str, PodInfo | str],
         if hold is None and pod not in reported:
             # A silence the cluster does not confirm is no wedge to report, only a hold.
             reported.add(pod)
-            actions.append(Action(REPORT, pod, role, verdict.reason, uid=info[pod].uid,
-                                  dry_run=settings.dry_run, details=dict(verdict.details)))
+            actions.append(
+                Action(
+                    REPORT,
+                    pod,
+                    role,
+                    verdict.reason,
+                    uid=info[pod].uid,
+                    dry_run=settings.dry_run,
+                    details=dict(verdict.details),
+                )
+            )
         if hold is None:
-            hold, hold_details = _hold_reason(pod, role, history.get(pod), unavailable, role_size,
-                                              now, settings)
+            hold, hold_details = _hold_reason(pod, role, history.get(pod), unavailable, role_size, now, settings)
         if hold is None and restart_allowance is not None and not settings.dry_run:
             if restart_allowance <= 0:
                 hold, hold_details = HOLD_RATE_LIMIT, {}
@@ -289,44 +315,51 @@ def decide(verdicts: Mapping[str, Verdict], pods: Mapping[str, PodInfo | str],
         if hold is not None:
             if held.get(pod) != hold:
                 held[pod] = hold
-                actions.append(Action(HELD, pod, role, hold, uid=info[pod].uid,
-                                      dry_run=settings.dry_run, details=hold_details))
+                actions.append(
+                    Action(HELD, pod, role, hold, uid=info[pod].uid, dry_run=settings.dry_run, details=hold_details)
+                )
             continue
         held.pop(pod, None)
         unavailable.setdefault(role, set()).add(pod)
         if settings.dry_run:
             continue  # counted against the budget of this round only: shows what would happen
         prev = history.get(pod)
-        rec = RemediationRecord(pod=pod, role=role, reason=verdict.reason, started_at=now,
-                                attempt=(prev.count if prev else 0) + 1, uid=info[pod].uid,
-                                steps_done=() if settings.capture_evidence
-                                else (CAPTURE_EVIDENCE,))
+        rec = RemediationRecord(
+            pod=pod,
+            role=role,
+            reason=verdict.reason,
+            started_at=now,
+            attempt=(prev.count if prev else 0) + 1,
+            uid=info[pod].uid,
+            steps_done=() if settings.capture_evidence else (CAPTURE_EVIDENCE,),
+        )
         active[pod] = rec
         actions.extend(_step_actions(rec, settings, details=dict(verdict.details)))
 
-    new_state = PolicyState(active=_frozen(active), history=_frozen(history),
-                            reported=frozenset(reported), held=_frozen(held))
+    new_state = PolicyState(
+        active=_frozen(active), history=_frozen(history), reported=frozenset(reported), held=_frozen(held)
+    )
     return Decision(actions, new_state)
 
 
-def _closing_result(rec: RemediationRecord, pod: PodInfo | None, now: float,
-                    settings: RemediationSettings) -> str | None:
+def _closing_result(
+    rec: RemediationRecord, pod: PodInfo | None, now: float, settings: RemediationSettings
+) -> str | None:
     if rec.restarted_at is None:
         return "pod_gone" if pod is None else None
     if pod is None:  # deleted by our restart and not yet recreated: still unavailable
-        return "recovery_timeout" if now - rec.restarted_at >= settings.recovery_timeout_s \
-            else None
+        return "recovery_timeout" if now - rec.restarted_at >= settings.recovery_timeout_s else None
     replaced = rec.uid is not None and pod.uid is not None and pod.uid != rec.uid
-    if pod.ready and (replaced or ((rec.uid is None or pod.uid is None)
-                                   and now - rec.restarted_at >= settings.restart_grace_s)):
+    if pod.ready and (
+        replaced or ((rec.uid is None or pod.uid is None) and now - rec.restarted_at >= settings.restart_grace_s)
+    ):
         return "restarted"
     if now - rec.restarted_at >= settings.recovery_timeout_s:
         return "recovery_timeout"
     return None
 
 
-def _corroboration_hold(verdict: Wedged, pod: PodInfo, blind: bool
-                        ) -> tuple[str | None, dict[str, Any]]:
+def _corroboration_hold(verdict: Wedged, pod: PodInfo, blind: bool) -> tuple[str | None, dict[str, Any]]:
     """Silence alone is the operator's evidence, not the cluster's: act on it only when the
     kubelet agrees, and never while the operator is blind."""
     if verdict.reason != UNRESPONSIVE:
@@ -338,44 +371,56 @@ def _corroboration_hold(verdict: Wedged, pod: PodInfo, blind: bool
     return None, {}
 
 
-def _hold_reason(pod: str, role: str, hist: PodHistory | None,
-                 unavailable: Mapping[str, set[str]], role_size: Mapping[str, int], now: float,
-                 settings: RemediationSettings) -> tuple[str | None, dict[str, Any]]:
+def _hold_reason(
+    pod: str,
+    role: str,
+    hist: PodHistory | None,
+    unavailable: Mapping[str, set[str]],
+    role_size: Mapping[str, int],
+    now: float,
+    settings: RemediationSettings,
+) -> tuple[str | None, dict[str, Any]]:
     if hist is not None:
         wait = backoff_seconds(hist.count, settings)
         until = hist.last_finished_at + wait
         if now < until:
-            return HOLD_COOLDOWN, {"until": until, "backoff_seconds": wait,
-                                   "remediations": hist.count}
+            return HOLD_COOLDOWN, {"until": until, "backoff_seconds": wait, "remediations": hist.count}
     limit = resolve_max_unavailable(
-        settings.max_unavailable.get(role, settings.default_max_unavailable),
-        role_size.get(role, 0))
+        settings.max_unavailable.get(role, settings.default_max_unavailable), role_size.get(role, 0)
+    )
     others = sorted(unavailable.get(role, set()) - {pod})
     if len(others) + 1 > limit:
         return HOLD_BUDGET, {"max_unavailable": limit, "unavailable": others}
     return None, {}
 
 
-def _step_actions(rec: RemediationRecord, settings: RemediationSettings,
-                  details: Mapping[str, Any] | None = None) -> list[Action]:
-    return [Action(step, rec.pod, rec.role, rec.reason, uid=rec.uid, attempt=rec.attempt,
-                   details=dict(details or {})) for step in rec.remaining()]
+def _step_actions(
+    rec: RemediationRecord, settings: RemediationSettings, details: Mapping[str, Any] | None = None
+) -> list[Action]:
+    return [
+        Action(step, rec.pod, rec.role, rec.reason, uid=rec.uid, attempt=rec.attempt, details=dict(details or {}))
+        for step in rec.remaining()
+    ]
 
 
-def complete_step(state: PolicyState, pod: str, step: str, now: float, *, ok: bool = True,
-                  note: str | None = None) -> PolicyState:
+def complete_step(
+    state: PolicyState, pod: str, step: str, now: float, *, ok: bool = True, note: str | None = None
+) -> PolicyState:
     """Record that the executor ran ``step`` for ``pod``.  Best-effort steps count as done even
     when they failed (with a note); a failed restart stays pending."""
     rec = state.active.get(pod)
     if rec is None or step not in STEPS or step in rec.steps_done:
         return state
-    notes = rec.notes + ((f"{step}: {note}" if note else f"{step} failed",) if not ok or note
-                         else ())
+    notes = rec.notes + ((f"{step}: {note}" if note else f"{step} failed",) if not ok or note else ())
     if step == RESTART and not ok:
         rec = replace(rec, notes=notes)
     else:
-        rec = replace(rec, steps_done=rec.steps_done + (step,), notes=notes,
-                      restarted_at=now if step == RESTART else rec.restarted_at)
+        rec = replace(
+            rec,
+            steps_done=rec.steps_done + (step,),
+            notes=notes,
+            restarted_at=now if step == RESTART else rec.restarted_at,
+        )
     active = dict(state.active)
     active[pod] = rec
     return replace(state, active=_frozen(active))

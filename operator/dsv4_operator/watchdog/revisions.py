@@ -25,8 +25,7 @@ def serving_spec(spec: Mapping[str, Any], ignore: Iterable[str] = IGNORED_KEYS) 
 
 def spec_hash(spec: Mapping[str, Any], ignore: Iterable[str] = IGNORED_KEYS) -> str:
     """Stable short hash of the serving part of a spec (key order does not matter)."""
-    canonical = json.dumps(serving_spec(spec, ignore), sort_keys=True, separators=(",", ":"),
-                           default=str)
+    canonical = json.dumps(serving_spec(spec, ignore), sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
@@ -40,14 +39,25 @@ class Revision:
     stable_at: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"hash": self.hash, "generation": self.generation, "applied_at": self.applied_at,
-                "spec": self.spec, "stable": self.stable, "stable_at": self.stable_at}
+        return {
+            "hash": self.hash,
+            "generation": self.generation,
+            "applied_at": self.applied_at,
+            "spec": self.spec,
+            "stable": self.stable,
+            "stable_at": self.stable_at,
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Revision":
-        return cls(hash=d["hash"], generation=int(d["generation"]),
-                   applied_at=float(d["applied_at"]), spec=d.get("spec") or {},
-                   stable=bool(d.get("stable")), stable_at=d.get("stable_at"))
+        return cls(
+            hash=d["hash"],
+            generation=int(d["generation"]),
+            applied_at=float(d["applied_at"]),
+            spec=d.get("spec") or {},
+            stable=bool(d.get("stable")),
+            stable_at=d.get("stable_at"),
+        )
 
 
 class RevisionTracker:
@@ -84,8 +94,7 @@ class RevisionTracker:
         if earlier is not None:
             rev = replace(earlier, generation=int(generation), applied_at=now)
         else:
-            rev = Revision(hash=h, generation=int(generation), applied_at=now,
-                           spec=serving_spec(spec))
+            rev = Revision(hash=h, generation=int(generation), applied_at=now, spec=serving_spec(spec))
         self.revisions.append(rev)
         self._trim()
         return rev
@@ -117,16 +126,21 @@ class RevisionTracker:
         self.rolled_back.add(revision_hash)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"quiet_period_s": self.quiet_period_s, "max_revisions": self.max_revisions,
-                "revisions": [r.to_dict() for r in self.revisions],
-                "last_wedge_at": self.last_wedge_at, "rolled_back": sorted(self.rolled_back)}
+        return {
+            "quiet_period_s": self.quiet_period_s,
+            "max_revisions": self.max_revisions,
+            "revisions": [r.to_dict() for r in self.revisions],
+            "last_wedge_at": self.last_wedge_at,
+            "rolled_back": sorted(self.rolled_back),
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None, **overrides: Any) -> "RevisionTracker":
         d = d or {}
-        tracker = cls(quiet_period_s=overrides.get("quiet_period_s",
-                                                   d.get("quiet_period_s", 600.0)),
-                      max_revisions=overrides.get("max_revisions", d.get("max_revisions", 10)))
+        tracker = cls(
+            quiet_period_s=overrides.get("quiet_period_s", d.get("quiet_period_s", 600.0)),
+            max_revisions=overrides.get("max_revisions", d.get("max_revisions", 10)),
+        )
         tracker.revisions = [Revision.from_dict(r) for r in d.get("revisions") or ()]
         tracker.last_wedge_at = d.get("last_wedge_at")
         tracker.rolled_back = set(d.get("rolled_back") or ())
@@ -134,6 +148,7 @@ class RevisionTracker:
 
 
 # --- naming a change in words ------------------------------------------------------------------
+
 
 def _show(value: Any, limit: int = 80) -> str:
     text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
@@ -160,8 +175,11 @@ def _env_map(value: Any) -> dict[str, Any] | None:
 
 
 def _named_items(value: Any) -> dict[str, Any] | None:
-    if isinstance(value, list) and value and all(
-            isinstance(i, Mapping) and isinstance(i.get("name"), str) for i in value):
+    if (
+        isinstance(value, list)
+        and value
+        and all(isinstance(i, Mapping) and isinstance(i.get("name"), str) for i in value)
+    ):
         names = [i["name"] for i in value]
         if len(set(names)) == len(names):
             return {i["name"]: i for i in value}
@@ -181,8 +199,7 @@ def _describe(path: str, old: Any, new: Any, out: list[str]) -> None:
                 elif name not in b:
                     out.append(f"{path} {name} removed (was {_show_env(name, a[name])})")
                 elif a[name] != b[name]:
-                    out.append(f"{path} {name} changed from {_show_env(name, a[name])} to "
-                               f"{_show_env(name, b[name])}")
+                    out.append(f"{path} {name} changed from {_show_env(name, a[name])} to {_show_env(name, b[name])}")
             return
     if isinstance(old, Mapping) and isinstance(new, Mapping):
         for key in sorted(set(old) | set(new), key=str):
@@ -213,8 +230,7 @@ def _describe(path: str, old: Any, new: Any, out: list[str]) -> None:
         out.append(f"{path} changed from {_show(old)} to {_show(new)}")
 
 
-def describe_change(old_spec: Mapping[str, Any] | None,
-                    new_spec: Mapping[str, Any] | None) -> list[str]:
+def describe_change(old_spec: Mapping[str, Any] | None, new_spec: Mapping[str, Any] | None) -> list[str]:
     """The differences between two specs, one short sentence each, in path order."""
     out: list[str] = []
     _describe("", dict(old_spec or {}), dict(new_spec or {}), out)
@@ -222,6 +238,7 @@ def describe_change(old_spec: Mapping[str, Any] | None,
 
 
 # --- a wedge right after a change --------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class SuspectChange:
@@ -237,8 +254,10 @@ class SuspectChange:
     def summary(self, limit: int = 3) -> str:
         shown = "; ".join(self.changes[:limit]) or "no serving change"
         more = f" (+{len(self.changes) - limit} more)" if len(self.changes) > limit else ""
-        return (f"wedges began {self.seconds_after:.0f}s after generation {self.generation} "
-                f"(revision {self.revision}): {shown}{more}")
+        return (
+            f"wedges began {self.seconds_after:.0f}s after generation {self.generation} "
+            f"(revision {self.revision}): {shown}{more}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -247,8 +266,7 @@ class SuspectChange:
         return d
 
 
-def correlate(wedge_time: float, revisions: Sequence[Revision],
-              within_s: float = 3600.0) -> SuspectChange | None:
+def correlate(wedge_time: float, revisions: Sequence[Revision], within_s: float = 3600.0) -> SuspectChange | None:
     """The spec change that wedges starting at ``wedge_time`` most likely follow: the revision
     running then, if it was applied at most ``within_s`` earlier, replaced another, and had not
     yet proven itself stable."""
@@ -265,8 +283,11 @@ def correlate(wedge_time: float, revisions: Sequence[Revision],
     baseline = ordered[running_idx - 1]
     stable = next((r for r in reversed(ordered[:running_idx]) if r.stable), None)
     return SuspectChange(
-        revision=rev.hash, generation=rev.generation, applied_at=rev.applied_at,
-        seconds_after=wedge_time - rev.applied_at, baseline=baseline.hash,
+        revision=rev.hash,
+        generation=rev.generation,
+        applied_at=rev.applied_at,
+        seconds_after=wedge_time - rev.applied_at,
+        baseline=baseline.hash,
         changes=tuple(describe_change(baseline.spec, rev.spec)),
         stable_revision=stable.hash if stable else None,
         changes_since_stable=tuple(describe_change(stable.spec, rev.spec)) if stable else (),
@@ -274,6 +295,7 @@ def correlate(wedge_time: float, revisions: Sequence[Revision],
 
 
 # --- rolling back ------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class RollbackDecision:
@@ -283,28 +305,38 @@ class RollbackDecision:
     to_revision: str | None = None
 
 
-def decide_rollback(mode: str, suspect: SuspectChange | None, stable: Revision | None,
-                    current_spec: Mapping[str, Any], rolled_back: Iterable[str]) -> RollbackDecision:
+def decide_rollback(
+    mode: str,
+    suspect: SuspectChange | None,
+    stable: Revision | None,
+    current_spec: Mapping[str, Any],
+    rolled_back: Iterable[str],
+) -> RollbackDecision:
     """off: nothing; suggest: name the revision to go back to; auto: pin the stable revision
     (the children are built from it; the spec is left as written), at most once per bad
     revision, and only while that revision is still the running one (a newer edit means a
     person is already changing things)."""
     if mode == ROLLBACK_OFF or suspect is None:
-        return RollbackDecision("none", "no rollback: " + ("disabled" if mode == ROLLBACK_OFF
-                                                            else "no suspect change"))
+        return RollbackDecision("none", "no rollback: " + ("disabled" if mode == ROLLBACK_OFF else "no suspect change"))
     if stable is None or stable.hash == suspect.revision:
-        return RollbackDecision("none", "no rollback: no earlier stable revision",
-                                from_revision=suspect.revision)
+        return RollbackDecision("none", "no rollback: no earlier stable revision", from_revision=suspect.revision)
     target = f"stable revision {stable.hash} (generation {stable.generation})"
     if mode == ROLLBACK_SUGGEST:
-        return RollbackDecision("suggest", f"suggest rolling back to {target}",
-                                suspect.revision, stable.hash)
+        return RollbackDecision("suggest", f"suggest rolling back to {target}", suspect.revision, stable.hash)
     if mode != ROLLBACK_AUTO:
         raise ValueError(f"unknown rollback mode {mode!r}")
     if suspect.revision in set(rolled_back):
-        return RollbackDecision("suggest", f"already rolled back from {suspect.revision} once; "
-                                f"suggest rolling back to {target}", suspect.revision, stable.hash)
+        return RollbackDecision(
+            "suggest",
+            f"already rolled back from {suspect.revision} once; suggest rolling back to {target}",
+            suspect.revision,
+            stable.hash,
+        )
     if spec_hash(current_spec) != suspect.revision:
-        return RollbackDecision("suggest", f"spec changed since revision {suspect.revision}; "
-                                f"suggest rolling back to {target}", suspect.revision, stable.hash)
+        return RollbackDecision(
+            "suggest",
+            f"spec changed since revision {suspect.revision}; suggest rolling back to {target}",
+            suspect.revision,
+            stable.hash,
+        )
     return RollbackDecision("pin", f"rolling back to {target}", suspect.revision, stable.hash)

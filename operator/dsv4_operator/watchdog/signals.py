@@ -25,10 +25,12 @@ SGLANG = "sglang"
 @dataclass(frozen=True)
 class ScrapeTarget:
     """One engine the watchdog reads (the I/O: dsv4_operator.remediation.scrape)."""
+
     key: str  # the pod's identity for the detector (include its UID: a new pod is a new key)
     base_url: str
     role: str
     kind: str = BUILTIN
+
 
 GAUGE_FIELDS = (
     "num_running",
@@ -96,8 +98,7 @@ class EngineSample:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def unreachable_sample(timestamp: float, role: str, kind: str = BUILTIN,
-                       error: str | None = None) -> EngineSample:
+def unreachable_sample(timestamp: float, role: str, kind: str = BUILTIN, error: str | None = None) -> EngineSample:
     return EngineSample(timestamp=timestamp, role=role, reachable=False, kind=kind, error=error)
 
 
@@ -107,6 +108,7 @@ def unreachable_sample(timestamp: float, role: str, kind: str = BUILTIN,
 # leaves it on the sample, and an exposition without `# TYPE` lines yields untyped families named
 # after the full sample name.  Counters are also accepted without `_total` (untyped old style).
 
+
 def _with_bare_counters(table: dict[str, str]) -> dict[str, str]:
     out = dict(table)
     for name, field in table.items():
@@ -115,49 +117,53 @@ def _with_bare_counters(table: dict[str, str]) -> dict[str, str]:
     return out
 
 
-_BUILTIN_NAMES = _with_bare_counters({
-    metric_name("num_running_reqs"): "num_running",
-    metric_name("num_queue_reqs"): "num_queue",
-    metric_name("num_prefill_bootstrap_queue_reqs"): "bootstrap_queue",
-    metric_name("num_prefill_inflight_queue_reqs"): "prefill_inflight",
-    metric_name("num_decode_prealloc_queue_reqs"): "decode_prealloc",
-    metric_name("num_decode_transfer_queue_reqs"): "decode_transfer",
-    metric_name("prefill_inflight_oldest_age_seconds"): "prefill_inflight_oldest_age_seconds",
-    metric_name("kv_pages_free"): "kv_pages_free",
-    metric_name("kv_pages_total"): "kv_pages_total",
-    metric_name("kv_transfers_completed", "_total"): "transfers_completed",
-    metric_name("kv_transfer_bytes", "_total"): "transfer_bytes",
-    metric_name("num_transfer_failed_reqs", "_total"): "transfer_failed",
-    metric_name("num_transfer_timeout_reqs", "_total"): "transfer_timeout",
-    metric_name("num_bootstrap_failed_reqs", "_total"): "bootstrap_failed",
-    metric_name("generation_tokens", "_total"): "generation_tokens",
-    metric_name("prompt_tokens", "_total"): "prompt_tokens",
-    metric_name("num_aborted_reqs", "_total"): "aborted",
-    metric_name("e2e_request_latency_seconds", "_count"): "requests_completed",
-    metric_name("scheduler_loop_iterations", "_total"): "loop_iterations",
-})
+_BUILTIN_NAMES = _with_bare_counters(
+    {
+        metric_name("num_running_reqs"): "num_running",
+        metric_name("num_queue_reqs"): "num_queue",
+        metric_name("num_prefill_bootstrap_queue_reqs"): "bootstrap_queue",
+        metric_name("num_prefill_inflight_queue_reqs"): "prefill_inflight",
+        metric_name("num_decode_prealloc_queue_reqs"): "decode_prealloc",
+        metric_name("num_decode_transfer_queue_reqs"): "decode_transfer",
+        metric_name("prefill_inflight_oldest_age_seconds"): "prefill_inflight_oldest_age_seconds",
+        metric_name("kv_pages_free"): "kv_pages_free",
+        metric_name("kv_pages_total"): "kv_pages_total",
+        metric_name("kv_transfers_completed", "_total"): "transfers_completed",
+        metric_name("kv_transfer_bytes", "_total"): "transfer_bytes",
+        metric_name("num_transfer_failed_reqs", "_total"): "transfer_failed",
+        metric_name("num_transfer_timeout_reqs", "_total"): "transfer_timeout",
+        metric_name("num_bootstrap_failed_reqs", "_total"): "bootstrap_failed",
+        metric_name("generation_tokens", "_total"): "generation_tokens",
+        metric_name("prompt_tokens", "_total"): "prompt_tokens",
+        metric_name("num_aborted_reqs", "_total"): "aborted",
+        metric_name("e2e_request_latency_seconds", "_count"): "requests_completed",
+        metric_name("scheduler_loop_iterations", "_total"): "loop_iterations",
+    }
+)
 
 # SGLang: the bootstrap gauge had an older name; completed transfers are the observation count of
 # its KV-transfer latency histogram (counted on the sending, prefill side); KV capacity is in
 # tokens (max_total_num_tokens / num_used_tokens), reported here in the kv_pages_* fields.
-_SGLANG_NAMES = _with_bare_counters({
-    "sglang:num_running_reqs": "num_running",
-    "sglang:num_queue_reqs": "num_queue",
-    "sglang:num_prefill_bootstrap_queue_reqs": "bootstrap_queue",
-    "sglang:num_prefill_prealloc_queue_reqs": "bootstrap_queue",
-    "sglang:num_prefill_inflight_queue_reqs": "prefill_inflight",
-    "sglang:num_decode_prealloc_queue_reqs": "decode_prealloc",
-    "sglang:num_decode_transfer_queue_reqs": "decode_transfer",
-    "sglang:max_total_num_tokens": "kv_pages_total",
-    "sglang:num_used_tokens": "_kv_used",
-    "sglang:kv_transfer_latency_ms_count": "transfers_completed",
-    "sglang:num_transfer_failed_reqs_total": "transfer_failed",
-    "sglang:num_bootstrap_failed_reqs_total": "bootstrap_failed",
-    "sglang:generation_tokens_total": "generation_tokens",
-    "sglang:prompt_tokens_total": "prompt_tokens",
-    "sglang:num_aborted_requests_total": "aborted",
-    "sglang:num_requests_total": "requests_completed",
-})
+_SGLANG_NAMES = _with_bare_counters(
+    {
+        "sglang:num_running_reqs": "num_running",
+        "sglang:num_queue_reqs": "num_queue",
+        "sglang:num_prefill_bootstrap_queue_reqs": "bootstrap_queue",
+        "sglang:num_prefill_prealloc_queue_reqs": "bootstrap_queue",
+        "sglang:num_prefill_inflight_queue_reqs": "prefill_inflight",
+        "sglang:num_decode_prealloc_queue_reqs": "decode_prealloc",
+        "sglang:num_decode_transfer_queue_reqs": "decode_transfer",
+        "sglang:max_total_num_tokens": "kv_pages_total",
+        "sglang:num_used_tokens": "_kv_used",
+        "sglang:kv_transfer_latency_ms_count": "transfers_completed",
+        "sglang:num_transfer_failed_reqs_total": "transfer_failed",
+        "sglang:num_bootstrap_failed_reqs_total": "bootstrap_failed",
+        "sglang:generation_tokens_total": "generation_tokens",
+        "sglang:prompt_tokens_total": "prompt_tokens",
+        "sglang:num_aborted_requests_total": "aborted",
+        "sglang:num_requests_total": "requests_completed",
+    }
+)
 
 _NAMES = {BUILTIN: _BUILTIN_NAMES, SGLANG: _SGLANG_NAMES}
 
@@ -166,7 +172,6 @@ _MAX_FIELDS = frozenset({"prefill_inflight_oldest_age_seconds"})
 
 
 _PREFIX = {BUILTIN: "dsv4:", SGLANG: "sglang:"}
-
 
 
 def _label_set_end(line: str, brace: int) -> int:
@@ -242,7 +247,7 @@ def _read_wanted(text: str, kind: str) -> dict[str, float]:
             if "#" not in line and close > brace:
                 # Nothing after the label set holds a brace (value, timestamp), so the last
                 # brace closes it whatever the label values contain.
-                rest = line[close + 1:].split(None, 1)
+                rest = line[close + 1 :].split(None, 1)
                 token = rest[0] if rest else ""
             else:  # an OpenMetrics exemplar ("# {...}") may follow: read the label set exactly
                 end = _label_set_end(line, brace)
@@ -298,6 +303,7 @@ def parse_metrics(text: str, kind: str = BUILTIN) -> dict[str, float]:
 
 
 # --- /v1/loads ---------------------------------------------------------------------------------
+
 
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -420,10 +426,16 @@ def parse_metrics_fast(text: str, kind: str = BUILTIN) -> dict[str, float] | Non
         return None
 
 
-def build_sample(timestamp: float, role: str, kind: str = BUILTIN, *,
-                 metrics_text: str | None = None, loads: Any = None,
-                 error: str | None = None,
-                 metrics_values: Mapping[str, float] | None = None) -> EngineSample:
+def build_sample(
+    timestamp: float,
+    role: str,
+    kind: str = BUILTIN,
+    *,
+    metrics_text: str | None = None,
+    loads: Any = None,
+    error: str | None = None,
+    metrics_values: Mapping[str, float] | None = None,
+) -> EngineSample:
     """Merge one scrape's two sources into a sample.  Reachable when either source answered.
     ``metrics_values``: ``metrics_text`` already parsed (by :func:`parse_metrics_fast`)."""
     if metrics_text is None and loads is None:
@@ -443,5 +455,6 @@ def build_sample(timestamp: float, role: str, kind: str = BUILTIN, *,
         if v is not None:
             values[field] = v
     live = any(field in from_loads for field in ("prefill_inflight", "decode_transfer"))
-    return EngineSample(timestamp=timestamp, role=role, reachable=True, kind=kind, error=error,
-                        live_queues=live, **values)
+    return EngineSample(
+        timestamp=timestamp, role=role, reachable=True, kind=kind, error=error, live_queues=live, **values
+    )

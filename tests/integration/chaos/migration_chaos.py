@@ -112,8 +112,14 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict, chat: bool,
 
 
 def body_for(i: int, max_tokens: int, chat: bool = False, **extra) -> dict:
-    b = {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-         "stream_options": {"include_usage": True}, **extra}
+    b = {
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
     if chat:
         b["messages"] = [{"role": "user", "content": f"question number {i}: tell me"}]
     else:
@@ -126,6 +132,7 @@ def streams(url: str, bodies: list[dict], chat: bool = False, deadline_s: float 
         conn = aiohttp.TCPConnector(limit=0, force_close=True)
         async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=None)) as session:
             return list(await asyncio.gather(*(_one(session, url, b, chat, deadline_s) for b in bodies)))
+
     return asyncio.run(go())
 
 
@@ -142,7 +149,11 @@ def mismatches(got: list[Stream], want: list[Stream], max_tokens: Optional[int])
             why.append(f"text differs: {str(g.texts)[:90]}... vs {str(w.texts)[:90]}...")
         if g.finishes != w.finishes:
             why.append(f"finish reasons {g.finishes} vs {w.finishes}")
-        if not g.usage or g.usage.get("completion_tokens") != completion or g.usage.get("prompt_tokens") != w.usage["prompt_tokens"]:
+        if (
+            not g.usage
+            or g.usage.get("completion_tokens") != completion
+            or g.usage.get("prompt_tokens") != w.usage["prompt_tokens"]
+        ):
             why.append(f"usage {g.usage} (want {completion} completion, {w.usage['prompt_tokens']} prompt)")
         if len(g.ids) != 1:
             why.append(f"ids {g.ids}")
@@ -156,8 +167,19 @@ def mismatches(got: list[Stream], want: list[Stream], max_tokens: Optional[int])
 class Cluster:
     """prefill + N decode engines (or N mono engines) + a router, real processes."""
 
-    def __init__(self, model: Path, tmp: Path, *, decodes: int = 2, prefills: int = 1, mono: bool = False,
-                 secret: str = "mig-secret", engine_args=(), router_args=(), decode_args=()):
+    def __init__(
+        self,
+        model: Path,
+        tmp: Path,
+        *,
+        decodes: int = 2,
+        prefills: int = 1,
+        mono: bool = False,
+        secret: str = "mig-secret",
+        engine_args=(),
+        router_args=(),
+        decode_args=(),
+    ):
         self.model, self.tmp, self.mono = Path(model), Path(tmp), mono
         self.env = {"DSV4_PD_SECRET": secret}
         self.engine_args = [*ENGINE_ARGS, *engine_args]
@@ -175,9 +197,15 @@ class Cluster:
             self.r_url = f"http://127.0.0.1:{free_port()}"
             role_args = []
             for name, u in self.urls.items():
-                role_args += [f"--{'mono' if name.startswith('mono') else 'prefill' if name.startswith('prefill') else 'decode'}", u]
-            self.router = Proc(["router", *role_args, "--port", self.r_url.rsplit(":", 1)[1], "--health-interval", 0.5,
-                                *router_args], self.tmp / "router.log", env=self.env)
+                role_args += [
+                    f"--{'mono' if name.startswith('mono') else 'prefill' if name.startswith('prefill') else 'decode'}",
+                    u,
+                ]
+            self.router = Proc(
+                ["router", *role_args, "--port", self.r_url.rsplit(":", 1)[1], "--health-interval", 0.5, *router_args],
+                self.tmp / "router.log",
+                env=self.env,
+            )
             self.router.wait_ready(self.r_url, timeout=60)
             self.router.wait_workers_healthy(self.r_url, len(self.procs), timeout=60)
         except BaseException:
@@ -187,8 +215,11 @@ class Cluster:
     def _engine(self, name: str, role: str, extra: list) -> None:
         port, role, extra = self.ports.setdefault(name, [free_port(), role, extra])
         self.urls[name] = f"http://127.0.0.1:{port}"
-        self.procs[name] = Proc(["serve", "--model", self.model, "--role", role, *self.engine_args, "--port", port, *extra],
-                                self.tmp / f"{name}-{time.monotonic_ns()}.log", env=self.env)
+        self.procs[name] = Proc(
+            ["serve", "--model", self.model, "--role", role, *self.engine_args, "--port", port, *extra],
+            self.tmp / f"{name}-{time.monotonic_ns()}.log",
+            env=self.env,
+        )
 
     def restart(self, name: str, timeout: float = 120.0) -> None:
         """The same engine again (same port and flags) after it died."""
@@ -226,7 +257,9 @@ class Cluster:
                 p.stop()
 
     def logs(self) -> str:
-        return "\n".join(f"--- {name}\n{p.log()}" for name, p in [("router", self.router), *self.procs.items()] if p is not None)
+        return "\n".join(
+            f"--- {name}\n{p.log()}" for name, p in [("router", self.router), *self.procs.items()] if p is not None
+        )
 
 
 def idle(url: str) -> bool:
@@ -255,9 +288,22 @@ class LocalUp:
         self.port = free_port_block()
         self.url = f"http://127.0.0.1:{self.port}"
         self.state = tmp / "cache" / "up" / str(self.port)
-        self.proc = Proc(["up", "--model", model, "--port", self.port, "--evidence-dir", tmp / "evidence",
-                          "--engine-arg=--kv-pages=512", "--engine-arg=--page-size=16", *args], tmp / "up.log",
-                         env={"DSV4_CACHE": str(tmp / "cache"), "COLUMNS": "200"})
+        self.proc = Proc(
+            [
+                "up",
+                "--model",
+                model,
+                "--port",
+                self.port,
+                "--evidence-dir",
+                tmp / "evidence",
+                "--engine-arg=--kv-pages=512",
+                "--engine-arg=--page-size=16",
+                *args,
+            ],
+            tmp / "up.log",
+            env={"DSV4_CACHE": str(tmp / "cache"), "COLUMNS": "200"},
+        )
         try:
             self.proc.wait_ready(self.url, timeout=180)
             deadline = time.monotonic() + 60

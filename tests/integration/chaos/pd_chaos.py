@@ -53,9 +53,16 @@ def _is_openai_error(obj) -> bool:
     return isinstance(err, dict) and isinstance(err.get("message"), str) and "type" in err and "code" in err
 
 
-async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int, *,
-                     leave_after_events: Optional[int] = None, leave_after_s: Optional[float] = None,
-                     deadline_s: float = 60.0) -> Outcome:
+async def stream_one(
+    session: aiohttp.ClientSession,
+    url: str,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    leave_after_events: Optional[int] = None,
+    leave_after_s: Optional[float] = None,
+    deadline_s: float = 60.0,
+) -> Outcome:
     t0 = time.monotonic()
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
 
@@ -67,8 +74,9 @@ async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int]
                     shaped = _is_openai_error(json.loads(text))
                 except ValueError:
                     shaped = False
-                return Outcome("http", r.status, detail=text[:300], retry_after=r.headers.get("Retry-After"),
-                               openai_error=shaped)
+                return Outcome(
+                    "http", r.status, detail=text[:300], retry_after=r.headers.get("Retry-After"), openai_error=shaped
+                )
             events, buf = 0, b""
             async for chunk in r.content.iter_any():
                 buf += chunk
@@ -84,8 +92,9 @@ async def stream_one(session: aiohttp.ClientSession, url: str, prompt: list[int]
                     except ValueError:
                         return Outcome("truncated", 200, events=events, detail=f"bad event {data[:100]!r}")
                     if "error" in obj:
-                        return Outcome("sse_error", 200, events=events, detail=str(obj)[:300],
-                                       openai_error=_is_openai_error(obj))
+                        return Outcome(
+                            "sse_error", 200, events=events, detail=str(obj)[:300], openai_error=_is_openai_error(obj)
+                        )
                     events += 1
                     if leave_after_events is not None and events >= leave_after_events:
                         r.close()  # hang up mid-stream: drop the connection
@@ -155,15 +164,21 @@ def storm(url: str, spec: StormSpec) -> list[Outcome]:
 def tally(outcomes: list[Outcome]) -> dict:
     kinds = Counter(o.kind if o.kind != "http" else f"http_{o.status}" for o in outcomes)
     elapsed = sorted(o.elapsed for o in outcomes)
-    return {"requests": len(outcomes), "outcomes": dict(sorted(kinds.items())),
-            "p50_s": round(elapsed[len(elapsed) // 2], 2) if elapsed else None,
-            "max_s": round(elapsed[-1], 2) if elapsed else None}
+    return {
+        "requests": len(outcomes),
+        "outcomes": dict(sorted(kinds.items())),
+        "p50_s": round(elapsed[len(elapsed) // 2], 2) if elapsed else None,
+        "max_s": round(elapsed[-1], 2) if elapsed else None,
+    }
 
 
 def server_errors(outcomes: list[Outcome]) -> list[Outcome]:
     """What must never happen under load alone: 5xx, error events, cut streams, hangs."""
-    return [o for o in outcomes if o.kind in ("sse_error", "truncated", "conn_error", "hang")
-            or (o.kind == "http" and o.status >= 500)]
+    return [
+        o
+        for o in outcomes
+        if o.kind in ("sse_error", "truncated", "conn_error", "hang") or (o.kind == "http" and o.status >= 500)
+    ]
 
 
 # ---- the processes ---------------------------------------------------------------------------
@@ -177,8 +192,18 @@ class PDStack:
     `router_cmd` replaces the router process's command (e.g. the router code of another commit);
     by default it is `dsv4 router` from this tree with `router_args`."""
 
-    def __init__(self, model: Path, tmp: Path, *, router_args=(), engine_args=(), pd_secret: Optional[str] = None,
-                 router_python_path: Optional[str] = None, start_router: bool = True, health_interval: float = 0.5):
+    def __init__(
+        self,
+        model: Path,
+        tmp: Path,
+        *,
+        router_args=(),
+        engine_args=(),
+        pd_secret: Optional[str] = None,
+        router_python_path: Optional[str] = None,
+        start_router: bool = True,
+        health_interval: float = 0.5,
+    ):
         self.model, self.tmp = Path(model), Path(tmp)
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.p_port, self.b_port, self.d_port, self.r_port = (free_port() for _ in range(4))
@@ -201,8 +226,11 @@ class PDStack:
             raise
 
     def _engine(self, role: str, args: list) -> Proc:
-        return Proc(["serve", "--model", self.model, "--role", role, *self.engine_args, *args],
-                    self.tmp / f"{role}-{self.restarts}.log", env=self.env)
+        return Proc(
+            ["serve", "--model", self.model, "--role", role, *self.engine_args, *args],
+            self.tmp / f"{role}-{self.restarts}.log",
+            env=self.env,
+        )
 
     def start_router(self) -> None:
         self.router, url = self.another_router(self.router_args, port=self.r_port)
@@ -213,8 +241,22 @@ class PDStack:
         if self.router_python_path:  # run another commit's router package instead of this tree's
             env["PYTHONPATH"] = self.router_python_path + os.pathsep + os.environ.get("PYTHONPATH", "")
         port = port or free_port()
-        proc = Proc(["router", "--prefill", self.p_url, "--decode", self.d_url, "--port", port,
-                     "--health-interval", self.health_interval, *router_args], self.tmp / f"{name}-{port}.log", env=env)
+        proc = Proc(
+            [
+                "router",
+                "--prefill",
+                self.p_url,
+                "--decode",
+                self.d_url,
+                "--port",
+                port,
+                "--health-interval",
+                self.health_interval,
+                *router_args,
+            ],
+            self.tmp / f"{name}-{port}.log",
+            env=env,
+        )
         url = f"http://127.0.0.1:{port}"
         try:
             proc.wait_ready(url, timeout=60)
@@ -244,8 +286,11 @@ class PDStack:
                 p.stop()
 
     def logs(self) -> str:
-        return "\n".join(f"--- {name}\n{p.log()}" for name, p in
-                         (("router", self.router), ("decode", self.decode), ("prefill", self.prefill)) if p is not None)
+        return "\n".join(
+            f"--- {name}\n{p.log()}"
+            for name, p in (("router", self.router), ("decode", self.decode), ("prefill", self.prefill))
+            if p is not None
+        )
 
 
 # ---- settling ----------------------------------------------------------------------------------
@@ -275,8 +320,11 @@ def wait_engines_idle(*urls: str, timeout: float = 30.0) -> float:
 
 
 def fresh_request(url: str, timeout: float = 10.0) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0,
-                                                     "ignore_eos": True}, timeout=timeout)
+    return httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": [5, 6, 7, 8], "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+        timeout=timeout,
+    )
 
 
 def wait_service(router_url: str, timeout: float = 30.0) -> float:
@@ -311,15 +359,23 @@ def wait_router_idle(router_url: str, timeout: float = 10.0) -> float:
     raise TimeoutError(f"router still holds requests after {timeout}s: {last}")
 
 
-def kill_decode_mid_stream(stack: PDStack, *, requests: int, seed: int, recovery_s: float,
-                           max_tokens: int = 400) -> tuple[dict, list[Outcome]]:
+def kill_decode_mid_stream(
+    stack: PDStack, *, requests: int, seed: int, recovery_s: float, max_tokens: int = 400
+) -> tuple[dict, list[Outcome]]:
     """Streams running through the router, then kill -9 of the decode engine, then its restart.
 
     Returns the figures (how long until every client had its answer, the engine's restart,
     service through the router after the engine is ready again) and the clients' outcomes."""
     box: dict = {}
-    spec = StormSpec(requests=requests, max_tokens=max_tokens, leave_mid_stream=0.0, leave_on_timer=0.0, seed=seed,
-                     prompt_len=(4, 12), deadline_s=60)
+    spec = StormSpec(
+        requests=requests,
+        max_tokens=max_tokens,
+        leave_mid_stream=0.0,
+        leave_on_timer=0.0,
+        seed=seed,
+        prompt_len=(4, 12),
+        deadline_s=60,
+    )
     t = threading.Thread(target=lambda: box.update(out=storm(stack.r_url, spec)))
     t.start()
     deadline = time.monotonic() + 60
@@ -338,5 +394,12 @@ def kill_decode_mid_stream(stack: PDStack, *, requests: int, seed: int, recovery
     stack.restart_decode()
     engine_up = time.monotonic() - t0
     back = wait_service(stack.r_url, timeout=recovery_s)
-    return ({"clients_told_s": round(told, 2), "decode_restart_s": round(engine_up, 2),
-             "service_back_after_ready_s": round(back, 2), "outcomes": tally(box["out"])["outcomes"]}, box["out"])
+    return (
+        {
+            "clients_told_s": round(told, 2),
+            "decode_restart_s": round(engine_up, 2),
+            "service_back_after_ready_s": round(back, 2),
+            "outcomes": tally(box["out"])["outcomes"],
+        },
+        box["out"],
+    )

@@ -177,15 +177,27 @@ def test_watchdog_remediating_a_wedge_costs_no_client_an_error(tiny_model, tmp_p
     its whole, undisturbed answer."""
     from migration_chaos import LocalUp
 
-    up = LocalUp(tiny_model, tmp_path, "--prefill", 2, "--enable-fault-injection", "--no-deadlines",
-                 "--detection-window", 3, "--scrape-interval", 0.5)
+    up = LocalUp(
+        tiny_model,
+        tmp_path,
+        "--prefill",
+        2,
+        "--enable-fault-injection",
+        "--no-deadlines",
+        "--detection-window",
+        3,
+        "--scrape-interval",
+        0.5,
+    )
     try:
         bodies = [body_for(i, TOKENS) for i in range(STREAMS)]
         want = streams(up.url, bodies)
         assert all(w.ok for w in want), [w.error for w in want if not w.ok]
         p0 = up.engine_url("prefill-0")
         old_boot = httpx.get(f"{p0}/server_info").json()["boot_id"]
-        httpx.post(f"{p0}/admin/faults", json={"fault": "stall_transfer", "count": 1}, headers=up.admin).raise_for_status()
+        httpx.post(
+            f"{p0}/admin/faults", json={"fault": "stall_transfer", "count": 1}, headers=up.admin
+        ).raise_for_status()
         got = streams(up.url, bodies, deadline_s=120)
         bad = mismatches(got, want, TOKENS)
         log = up.proc.log()

@@ -22,9 +22,11 @@ from migration_chaos import Cluster, body_for, mismatches, streams, wait_idle
 TOKENS = 96
 SCHEMA = {
     "type": "object",
-    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 900},
-                   "note": {"type": "string", "pattern": "^[a-z ]{50,70}$"},
-                   "kind": {"enum": ["a", "bb", "ccc"]}},
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 900},
+        "note": {"type": "string", "pattern": "^[a-z ]{50,70}$"},
+        "kind": {"enum": ["a", "bb", "ccc"]},
+    },
     "required": ["id", "note", "kind"],
     "additionalProperties": False,
 }
@@ -91,11 +93,16 @@ def test_n2_structured_and_plain_streams_survive_a_decode_sigkill(cluster):
     assert not t.is_alive() and not t2.is_alive(), "a client hangs\n" + c.logs()
     got, got_chat = box["comp"], box["chat"]
 
-    bad = (mismatches([got[i] for i in kinds["plain"]], [want[i] for i in kinds["plain"]], TOKENS)
-           + mismatches([got[i] for i in kinds["n2"] + kinds["n2_unstreamed"]],
-                        [want[i] for i in kinds["n2"] + kinds["n2_unstreamed"]], 2 * TOKENS)
-           + mismatches([got[i] for i in kinds["structured"]], [want[i] for i in kinds["structured"]], None)
-           + mismatches(got_chat, want_chat, 2 * TOKENS))
+    bad = (
+        mismatches([got[i] for i in kinds["plain"]], [want[i] for i in kinds["plain"]], TOKENS)
+        + mismatches(
+            [got[i] for i in kinds["n2"] + kinds["n2_unstreamed"]],
+            [want[i] for i in kinds["n2"] + kinds["n2_unstreamed"]],
+            2 * TOKENS,
+        )
+        + mismatches([got[i] for i in kinds["structured"]], [want[i] for i in kinds["structured"]], None)
+        + mismatches(got_chat, want_chat, 2 * TOKENS)
+    )
     assert not bad, "\n".join(bad[:6]) + "\n" + c.logs()
     for i in kinds["structured"]:
         jsonschema.validate(json.loads(got[i].text), SCHEMA)

@@ -25,7 +25,16 @@ import httpx
 import pytest
 
 from pd_chaos import (
-    PDStack, StormSpec, kill_decode_mid_stream, loads, server_errors, storm, tally, wait_engines_idle, wait_router_idle, wait_service,
+    PDStack,
+    StormSpec,
+    kill_decode_mid_stream,
+    loads,
+    server_errors,
+    storm,
+    tally,
+    wait_engines_idle,
+    wait_router_idle,
+    wait_service,
 )
 
 SECRET = "chaos-pd-secret"
@@ -69,8 +78,9 @@ def test_deliberate_overload_gets_429_with_retry_after(stack):
     """A second router on the same engines, with room for 4 requests and 4 waiting."""
     proc, url = stack.another_router(["--max-inflight", 4, "--max-queue", 4, "--queue-timeout", 2], name="tight")
     try:
-        outcomes = storm(url, StormSpec(requests=120, max_tokens=8, leave_mid_stream=0.1, leave_on_timer=0.0,
-                                        seed=2, deadline_s=60))
+        outcomes = storm(
+            url, StormSpec(requests=120, max_tokens=8, leave_mid_stream=0.1, leave_on_timer=0.0, seed=2, deadline_s=60)
+        )
         assert not server_errors(outcomes), _explain(stack, outcomes) + proc.log()
         refused = [o for o in outcomes if o.kind == "http"]
         assert refused and all(o.status == 429 for o in refused), tally(outcomes)
@@ -84,9 +94,12 @@ def test_deliberate_overload_gets_429_with_retry_after(stack):
 
 
 def test_bad_requests_in_the_load_keep_the_pair_in_rotation(stack):
-    bad_bodies = [{"prompt": "x", "max_tokens": 0}, {"prompt": [10 ** 9], "max_tokens": 2},
-                  {"messages": [{"role": "user", "content": {"nested": [1, 2]}}], "max_tokens": 2},
-                  {"prompt": "x", "temperature": -5}]
+    bad_bodies = [
+        {"prompt": "x", "max_tokens": 0},
+        {"prompt": [10**9], "max_tokens": 2},
+        {"messages": [{"role": "user", "content": {"nested": [1, 2]}}], "max_tokens": 2},
+        {"prompt": "x", "temperature": -5},
+    ]
     stop = threading.Event()
     statuses: list[int] = []
 

@@ -66,24 +66,42 @@ class FakeEngine:
             await self._runner.cleanup()
 
     def loads(self) -> dict:
-        return {"role": self.role, "queues": {"waiting": 0, "running": self.running, "prealloc": 0, "transfer": 0},
-                "counters": {"kv_transfers_completed": 0.0, "prompt_tokens": float(sum(self.requests)),
-                             "generation_tokens": float(self.generated), "num_transfer_failed_reqs": 0.0,
-                             "num_transfer_timeout_reqs": 0.0,
-                             "scheduler_loop_iterations": round((time.monotonic() - self.iterations_t0) * 50)},
-                "prefill_inflight_oldest_age_seconds": 0.0, "kv_pages_free": 100 - self.running, "kv_pages_total": 128}
+        return {
+            "role": self.role,
+            "queues": {"waiting": 0, "running": self.running, "prealloc": 0, "transfer": 0},
+            "counters": {
+                "kv_transfers_completed": 0.0,
+                "prompt_tokens": float(sum(self.requests)),
+                "generation_tokens": float(self.generated),
+                "num_transfer_failed_reqs": 0.0,
+                "num_transfer_timeout_reqs": 0.0,
+                "scheduler_loop_iterations": round((time.monotonic() - self.iterations_t0) * 50),
+            },
+            "prefill_inflight_oldest_age_seconds": 0.0,
+            "kv_pages_free": 100 - self.running,
+            "kv_pages_total": 128,
+        }
 
     def metrics(self) -> str:
         ld = self.loads()
         lab = f'{{model_name="m",role="{self.role}"}}'
-        return "\n".join([f"dsv4:num_running_reqs{lab} {self.running}", f"dsv4:num_decode_transfer_queue_reqs{lab} 0",
-                          f"dsv4:generation_tokens_total{lab} {self.generated}",
-                          f"dsv4:prompt_tokens_total{lab} {ld['counters']['prompt_tokens']}",
-                          f"dsv4:scheduler_loop_iterations_total{lab} {ld['counters']['scheduler_loop_iterations']}"]) + "\n"
+        return (
+            "\n".join(
+                [
+                    f"dsv4:num_running_reqs{lab} {self.running}",
+                    f"dsv4:num_decode_transfer_queue_reqs{lab} 0",
+                    f"dsv4:generation_tokens_total{lab} {self.generated}",
+                    f"dsv4:prompt_tokens_total{lab} {ld['counters']['prompt_tokens']}",
+                    f"dsv4:scheduler_loop_iterations_total{lab} {ld['counters']['scheduler_loop_iterations']}",
+                ]
+            )
+            + "\n"
+        )
 
     async def _models(self, _: aiohttp.web.Request) -> aiohttp.web.Response:
-        return aiohttp.web.json_response({"object": "list", "data": [{"id": "m", "object": "model",
-                                                                      "max_model_len": MAX_MODEL_LEN}]})
+        return aiohttp.web.json_response(
+            {"object": "list", "data": [{"id": "m", "object": "model", "max_model_len": MAX_MODEL_LEN}]}
+        )
 
     async def _completions(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
         body = await request.json()
@@ -141,12 +159,14 @@ class FakeRouter:
     async def _completions(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
         pin = request.headers.get(PIN_HEADER)
         if not pin:
-            return aiohttp.web.json_response({"error": {"message": "this stand-in routes pinned requests only"}},
-                                             status=400)
+            return aiohttp.web.json_response(
+                {"error": {"message": "this stand-in routes pinned requests only"}}, status=400
+            )
         self.pinned.append(pin)
         assert self._session is not None
-        async with self._session.post(pin + "/v1/completions", data=await request.read(),
-                                      headers={"Content-Type": "application/json"}) as upstream:
+        async with self._session.post(
+            pin + "/v1/completions", data=await request.read(), headers={"Content-Type": "application/json"}
+        ) as upstream:
             resp = aiohttp.web.StreamResponse(status=upstream.status, headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             try:
@@ -175,14 +195,28 @@ class FakeFleet:
 
     async def start(self) -> "FakeFleet":
         await self.router.start()
-        rs = await self.client.create({  # the Deployment controller's ReplicaSet, which controls the router pod
-            "apiVersion": "apps/v1", "kind": "ReplicaSet",
-            "metadata": {"name": f"{self.name}-router-5d8f9c7b6", "namespace": self.ns},
-            "spec": {"selector": {"matchLabels": {"serving.dsv4.dev/role": "router"}},
-                     "template": {"metadata": {"labels": {"serving.dsv4.dev/role": "router"}},
-                                  "spec": {"containers": [{"name": "router", "image": "img"}]}}}}, "replicasets")
-        await self._pod(f"{self.name}-router-5d8f9c7b6-x2x7q", "router", self.router.port, {},
-                        {"kind": "ReplicaSet", "name": rs["metadata"]["name"], "uid": rs["metadata"]["uid"]})
+        rs = await self.client.create(
+            {  # the Deployment controller's ReplicaSet, which controls the router pod
+                "apiVersion": "apps/v1",
+                "kind": "ReplicaSet",
+                "metadata": {"name": f"{self.name}-router-5d8f9c7b6", "namespace": self.ns},
+                "spec": {
+                    "selector": {"matchLabels": {"serving.dsv4.dev/role": "router"}},
+                    "template": {
+                        "metadata": {"labels": {"serving.dsv4.dev/role": "router"}},
+                        "spec": {"containers": [{"name": "router", "image": "img"}]},
+                    },
+                },
+            },
+            "replicasets",
+        )
+        await self._pod(
+            f"{self.name}-router-5d8f9c7b6-x2x7q",
+            "router",
+            self.router.port,
+            {},
+            {"kind": "ReplicaSet", "name": rs["metadata"]["name"], "uid": rs["metadata"]["uid"]},
+        )
         self._task = asyncio.create_task(self._loop())
         return self
 
@@ -196,19 +230,44 @@ class FakeFleet:
 
     async def _pod(self, pod: str, role: str, port: int, extra_labels: dict, owner: dict) -> None:
         """`owner`: the controller's ownerReference (kind, name, uid), as the real controllers set it."""
-        labels = {"app.kubernetes.io/name": "dsv4", "app.kubernetes.io/instance": self.name,
-                  "app.kubernetes.io/component": role, "serving.dsv4.dev/role": role, **extra_labels}
-        meta = {"name": pod, "namespace": self.ns, "labels": labels,
-                "ownerReferences": [{"apiVersion": "apps/v1", "controller": True, "blockOwnerDeletion": True, **owner}]}
-        body = {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
-                "spec": {"containers": [{"name": "engine" if role != "router" else "router", "image": "img",
-                                         "ports": [{"name": "http", "containerPort": port}]}]}}
+        labels = {
+            "app.kubernetes.io/name": "dsv4",
+            "app.kubernetes.io/instance": self.name,
+            "app.kubernetes.io/component": role,
+            "serving.dsv4.dev/role": role,
+            **extra_labels,
+        }
+        meta = {
+            "name": pod,
+            "namespace": self.ns,
+            "labels": labels,
+            "ownerReferences": [{"apiVersion": "apps/v1", "controller": True, "blockOwnerDeletion": True, **owner}],
+        }
+        body = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": meta,
+            "spec": {
+                "containers": [
+                    {
+                        "name": "engine" if role != "router" else "router",
+                        "image": "img",
+                        "ports": [{"name": "http", "containerPort": port}],
+                    }
+                ]
+            },
+        }
         if await self.client.get("v1", "pods", self.ns, pod) is not None:
             await self.client.delete("v1", "pods", self.ns, pod)
         await self.client.create(body, "pods")
-        await self.client.patch("v1", "pods", self.ns, pod, {"status": {
-            "phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}},
-            subresource="status")
+        await self.client.patch(
+            "v1",
+            "pods",
+            self.ns,
+            pod,
+            {"status": {"phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}},
+            subresource="status",
+        )
 
     async def _loop(self) -> None:
         while True:
@@ -234,15 +293,27 @@ class FakeFleet:
                 engine = await FakeEngine(role, image).start()
                 self.engines[pod], self.revisions[pod], self.images[pod] = engine, update, image
                 self.timeline.append((time.monotonic(), pod, image))
-                await self._pod(pod, role, engine.port, {"controller-revision-hash": update},
-                                {"kind": "StatefulSet", "name": sts["metadata"]["name"], "uid": sts["metadata"]["uid"]})
+                await self._pod(
+                    pod,
+                    role,
+                    engine.port,
+                    {"controller-revision-hash": update},
+                    {"kind": "StatefulSet", "name": sts["metadata"]["name"], "uid": sts["metadata"]["uid"]},
+                )
         updated = sum(1 for i in range(n) if self.revisions.get(f"{self.name}-{role}-{i}") == update)
-        status = {"observedGeneration": sts["metadata"]["generation"], "replicas": n, "readyReplicas": n,
-                  "updatedReplicas": updated, "availableReplicas": n, "updateRevision": update,
-                  "currentRevision": update if updated == n else (sts.get("status") or {}).get("currentRevision", update)}
+        status = {
+            "observedGeneration": sts["metadata"]["generation"],
+            "replicas": n,
+            "readyReplicas": n,
+            "updatedReplicas": updated,
+            "availableReplicas": n,
+            "updateRevision": update,
+            "currentRevision": update if updated == n else (sts.get("status") or {}).get("currentRevision", update),
+        }
         if {k: (sts.get("status") or {}).get(k) for k in status} != status:
-            await self.client.patch("apps/v1", "statefulsets", self.ns, sts["metadata"]["name"], {"status": status},
-                                    subresource="status")
+            await self.client.patch(
+                "apps/v1", "statefulsets", self.ns, sts["metadata"]["name"], {"status": status}, subresource="status"
+            )
 
     def images_of(self, role: str) -> list[str]:
         return [self.images.get(f"{self.name}-{role}-{i}", "") for i in range(len(self.roles(role)))]

@@ -17,7 +17,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "watchdog"))  # wat
 
 from kmock_cluster import ClusterClient, eventually  # noqa: E402
 from watchdog_harness import (  # noqa: E402
-    API, NS, PLURAL, PodFarm, ScriptedEngine, WatchdogCluster, deployment, events,  # noqa: E402
+    API,
+    NS,
+    PLURAL,
+    PodFarm,
+    ScriptedEngine,
+    WatchdogCluster,
+    deployment,
+    events,  # noqa: E402
     pod_body,
 )
 
@@ -42,14 +49,15 @@ class TokenRecordingEngine(ScriptedEngine):
         return await super()._admin(request)
 
 
-async def test_watchdog_calls_carry_the_deployments_admin_token(kube_cluster: WatchdogCluster,
-                                                                kube_client: ClusterClient, operator_factory,
-                                                                monkeypatch) -> None:
+async def test_watchdog_calls_carry_the_deployments_admin_token(
+    kube_cluster: WatchdogCluster, kube_client: ClusterClient, operator_factory, monkeypatch
+) -> None:
     monkeypatch.setenv("DSV4_ADMIN_TOKEN", "from-the-operator-env")  # must not be what is sent
     await operator_factory([NS])
     name, pod = "healer", "healer-prefill-0"
-    await kube_client.create(deployment(name, remediation={"scrapeIntervalSeconds": 0.25,
-                                                           "detectionWindowSeconds": 1}), "dsv4deployments")
+    await kube_client.create(
+        deployment(name, remediation={"scrapeIntervalSeconds": 0.25, "detectionWindowSeconds": 1}), "dsv4deployments"
+    )
     secret = await eventually(lambda: kube_client.get("v1", "secrets", NS, f"{name}-auth"), timeout=20)
     token = base64.b64decode(secret["data"]["admin-token"]).decode()
     assert len(token) >= 32 and base64.b64decode(secret["data"]["pd-secret"])
@@ -63,9 +71,14 @@ async def test_watchdog_calls_carry_the_deployments_admin_token(kube_cluster: Wa
         # sent the admin token, never drained or restarted.
         fake = pod_body(name, "healer-prefill-9", "prefill", impostor.port)
         await kube_client.create(fake, "pods")
-        await kube_client.patch("v1", "pods", NS, "healer-prefill-9", {"status": {
-            "phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}},
-            subresource="status")
+        await kube_client.patch(
+            "v1",
+            "pods",
+            NS,
+            "healer-prefill-9",
+            {"status": {"phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}},
+            subresource="status",
+        )
         kube_cluster.pod_logs[(NS, pod)] = lambda: "log\n"
         await farm.add(pod, "prefill", engine.port)
         await eventually(lambda: events(kube_cluster, name, "Restarted"), timeout=30)
@@ -78,9 +91,9 @@ async def test_watchdog_calls_carry_the_deployments_admin_token(kube_cluster: Wa
     assert await kube_client.get("v1", "pods", NS, "healer-prefill-9") is not None
 
 
-async def test_a_named_secret_is_used_only_when_it_is_the_operators(kube_cluster: WatchdogCluster,
-                                                                   kube_client: ClusterClient, operator_factory,
-                                                                   monkeypatch) -> None:
+async def test_a_named_secret_is_used_only_when_it_is_the_operators(
+    kube_cluster: WatchdogCluster, kube_client: ClusterClient, operator_factory, monkeypatch
+) -> None:
     """security.secretName could name any Secret of the namespace (issue 27): the operator uses
     only one that carries its label (or its owner reference), never writes to an existing one,
     and says in the resource's status why it does not use one."""
@@ -88,8 +101,12 @@ async def test_a_named_secret_is_used_only_when_it_is_the_operators(kube_cluster
 
     monkeypatch.setattr(auth_secret, "SECRET_RECHECK_SECONDS", 1.0)
     await operator_factory([NS])
-    theirs = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "team-b-creds", "namespace": NS},
-              "data": {"admin-token": base64.b64encode(b"team-b").decode()}}
+    theirs = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "team-b-creds", "namespace": NS},
+        "data": {"admin-token": base64.b64encode(b"team-b").decode()},
+    }
     await kube_client.create(theirs, "secrets")
     cr = deployment("grabby", remediation={})
     cr["spec"]["security"] = {"secretName": "team-b-creds"}
@@ -108,12 +125,15 @@ async def test_a_named_secret_is_used_only_when_it_is_the_operators(kube_cluster
     assert set(secret["data"]) == {"admin-token"}, "not patched"
     assert await kube_client.get("apps/v1", "statefulsets", NS, "grabby-prefill") is None
     # Given to the operator by its label, but incomplete: said so, still not written to.
-    await kube_client.patch("v1", "secrets", NS, "team-b-creds",
-                            {"metadata": {"labels": {"app.kubernetes.io/managed-by": "dsv4-operator"}}})
+    await kube_client.patch(
+        "v1", "secrets", NS, "team-b-creds", {"metadata": {"labels": {"app.kubernetes.io/managed-by": "dsv4-operator"}}}
+    )
     cond = await eventually(lambda: degraded("SecretUnusable"), timeout=40)
     assert "pd-secret" in cond["message"]
     assert set((await kube_client.get("v1", "secrets", NS, "team-b-creds"))["data"]) == {"admin-token"}
     # Completed by its owner: adopted, the children applied.
-    await kube_client.patch("v1", "secrets", NS, "team-b-creds", {"stringData": {"pd-secret": "p", "router-admin-token": "r"}})
+    await kube_client.patch(
+        "v1", "secrets", NS, "team-b-creds", {"stringData": {"pd-secret": "p", "router-admin-token": "r"}}
+    )
     await eventually(lambda: kube_client.get("apps/v1", "statefulsets", NS, "grabby-prefill"), timeout=60)
     assert not any(op == "patch" for op, group, resource in kube_cluster.recorder.observed() if resource == "secrets")

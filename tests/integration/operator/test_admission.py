@@ -16,13 +16,22 @@ from test_operator_cel import ACCEPTED, REFUSED, minimal  # noqa: E402
 
 API = "serving.dsv4.dev/v1alpha1"
 PLURAL = "dsv4deployments"
-REVIEW = ["name_too_long", "two_volume_sources", "no_volume_source", "engine_port_is_bootstrap_port",
-          "quantity_words", "env_name_with_space", "node_selector_key_bad", "toleration_exists_with_value"]
+REVIEW = [
+    "name_too_long",
+    "two_volume_sources",
+    "no_volume_source",
+    "engine_port_is_bootstrap_port",
+    "quantity_words",
+    "env_name_with_space",
+    "node_selector_key_bad",
+    "toleration_exists_with_value",
+]
 
 
 @pytest.mark.parametrize("case", REVIEW)
-async def test_bad_specs_are_refused_at_create(cluster_with_crd: KubeCluster, kube_client: ClusterClient,
-                                               case: str) -> None:
+async def test_bad_specs_are_refused_at_create(
+    cluster_with_crd: KubeCluster, kube_client: ClusterClient, case: str
+) -> None:
     cr, fragment = REFUSED[case]
     with pytest.raises(ClusterError) as err:
         await kube_client.create(cr, PLURAL)
@@ -32,8 +41,9 @@ async def test_bad_specs_are_refused_at_create(cluster_with_crd: KubeCluster, ku
     assert await kube_client.list(API, PLURAL, "ns") == []
 
 
-async def test_good_specs_are_admitted_and_a_bad_update_is_refused(cluster_with_crd: KubeCluster,
-                                                                    kube_client: ClusterClient) -> None:
+async def test_good_specs_are_admitted_and_a_bad_update_is_refused(
+    cluster_with_crd: KubeCluster, kube_client: ClusterClient
+) -> None:
     for i, case in enumerate(["minimal", "pvc_only", "quantity_forms", "selector_prefixed"]):
         cr = ACCEPTED[case]
         cr = {**cr, "metadata": {**cr["metadata"], "name": f"ok{i}"}}

@@ -28,13 +28,26 @@ from dsv4_operator.canary.plan import ANNOTATION_CANARY  # noqa: E402
 NS = "ns1"
 # Latency ratios loose: these fakes share one loaded process with the emulator and the operator, so
 # their TTFT/ITL are noise (the ratios are judged in tests/unit/canary/test_verdict.py).
-PROBE = {"durationSeconds": 3, "requestTimeoutSeconds": 2, "concurrency": 2, "readyTimeoutSeconds": 30,
-         "maxTtftRatio": 20, "maxItlRatio": 20}
+PROBE = {
+    "durationSeconds": 3,
+    "requestTimeoutSeconds": 2,
+    "concurrency": 2,
+    "readyTimeoutSeconds": 30,
+    "maxTtftRatio": 20,
+    "maxItlRatio": 20,
+}
 
 
 def spec(**extra) -> dict:
-    return deployment("flash", NS, prefill={"replicas": 2}, decode={"replicas": 3},
-                      remediation={"enabled": False}, rollout={"canary": PROBE}, **extra)
+    return deployment(
+        "flash",
+        NS,
+        prefill={"replicas": 2},
+        decode={"replicas": 3},
+        remediation={"enabled": False},
+        rollout={"canary": PROBE},
+        **extra,
+    )
 
 
 async def baseline_recorded(client: ClusterClient) -> Optional[dict]:
@@ -44,9 +57,13 @@ async def baseline_recorded(client: ClusterClient) -> Optional[dict]:
 
 
 def reasons(cluster: KubeCluster) -> list[str]:
-    return [e["reason"] for e in sorted(cluster.objects_of("v1/events", NS),
-                                        key=lambda e: e.get("firstTimestamp") or e.get("eventTime") or "")
-            if e["involvedObject"].get("name") == "flash"]
+    return [
+        e["reason"]
+        for e in sorted(
+            cluster.objects_of("v1/events", NS), key=lambda e: e.get("firstTimestamp") or e.get("eventTime") or ""
+        )
+        if e["involvedObject"].get("name") == "flash"
+    ]
 
 
 async def start(cluster: KubeCluster, client: ClusterClient, operator_factory) -> FakeFleet:
@@ -64,7 +81,8 @@ async def start(cluster: KubeCluster, client: ClusterClient, operator_factory) -
 
 @pytest.mark.slow  # ~25 s: two probes of a few seconds, pods recreated twice
 async def test_a_change_that_stalls_long_contexts_is_caught_and_rolled_back(
-        cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory) -> None:
+    cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory
+) -> None:
     fleet = await start(cluster_with_crd, kube_client, operator_factory)
     try:
         applied = time.monotonic()
@@ -79,8 +97,10 @@ async def test_a_change_that_stalls_long_contexts_is_caught_and_rolled_back(
 
         async def failed() -> Optional[dict]:
             cr = await get_cr(kube_client, NS, "flash")
-            ok = condition(cr, "Degraded").get("reason") == "CanaryFailed" and \
-                fleet.images.get("flash-decode-2") == "reg/dsv4:1"
+            ok = (
+                condition(cr, "Degraded").get("reason") == "CanaryFailed"
+                and fleet.images.get("flash-decode-2") == "reg/dsv4:1"
+            )
             return cr if ok else None
 
         cr = await eventually(failed, timeout=40)
@@ -109,7 +129,8 @@ async def test_a_change_that_stalls_long_contexts_is_caught_and_rolled_back(
 
 @pytest.mark.slow  # ~20 s
 async def test_a_harmless_change_passes_and_rolls_everywhere(
-        cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory) -> None:
+    cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory
+) -> None:
     fleet = await start(cluster_with_crd, kube_client, operator_factory)
     try:
         await kube_client.patch(API, PLURAL, NS, "flash", {"spec": {"engine": {"image": "reg/dsv4:2"}}})
@@ -130,8 +151,9 @@ async def test_a_harmless_change_passes_and_rolls_everywhere(
         await fleet.stop()
 
 
-async def test_traffic_percent_is_refused_not_ignored(cluster_with_crd: KubeCluster, kube_client: ClusterClient,
-                                                      operator_factory) -> None:
+async def test_traffic_percent_is_refused_not_ignored(
+    cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory
+) -> None:
     from kmock_cluster import ClusterError
 
     try:

@@ -10,44 +10,65 @@ import aiohttp
 import pytest
 
 from kmock_cluster import (
-    ClusterClient, ClusterError, KubeCluster, TEST_AGENT, eventually, label_selector_matches, merge_patch,
+    ClusterClient,
+    ClusterError,
+    KubeCluster,
+    TEST_AGENT,
+    eventually,
+    label_selector_matches,
+    merge_patch,
     server_side_apply,
 )
 
 
 def cm(name: str, ns: str = "ns", **extra) -> dict:
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name, "namespace": ns, **extra},
-            "data": {"k": "v"}}
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": ns, **extra},
+        "data": {"k": "v"},
+    }
 
 
-@pytest.mark.parametrize("selector,labels,ok", [
-    ("a=1", {"a": "1"}, True), ("a==1", {"a": "2"}, False), ("a!=1", {}, True), ("a", {"a": ""}, True),
-    ("!a", {"a": "x"}, False), ("a in (1, 2),b", {"a": "2", "b": "x"}, True), ("a notin (1,2)", {"a": "1"}, False),
-    ("", {}, True),
-])
+@pytest.mark.parametrize(
+    "selector,labels,ok",
+    [
+        ("a=1", {"a": "1"}, True),
+        ("a==1", {"a": "2"}, False),
+        ("a!=1", {}, True),
+        ("a", {"a": ""}, True),
+        ("!a", {"a": "x"}, False),
+        ("a in (1, 2),b", {"a": "2", "b": "x"}, True),
+        ("a notin (1,2)", {"a": "1"}, False),
+        ("", {}, True),
+    ],
+)
 def test_label_selectors(selector: str, labels: dict, ok: bool) -> None:
     assert label_selector_matches(selector, labels) is ok
 
 
 def test_merge_patch_and_server_side_apply() -> None:
-    assert merge_patch({"a": {"b": 1, "c": 2}, "l": [1]}, {"a": {"b": None, "d": 3}, "l": [2]}) == \
-        {"a": {"c": 2, "d": 3}, "l": [2]}
+    assert merge_patch({"a": {"b": 1, "c": 2}, "l": [1]}, {"a": {"b": None, "d": 3}, "l": [2]}) == {
+        "a": {"c": 2, "d": 3},
+        "l": [2],
+    }
     live = {"spec": {"sel": {"x": "1", "y": "2"}, "other": "kept"}}
     first = {"spec": {"sel": {"x": "1", "y": "2"}}}
     second = {"spec": {"sel": {"y": "3"}}}
     assert server_side_apply(live, second, first) == {"spec": {"sel": {"y": "3"}, "other": "kept"}}
 
 
-async def test_writes_fill_metadata_and_follow_api_semantics(kube_cluster: KubeCluster,
-                                                             kube_client: ClusterClient) -> None:
-    made = await kube_client.call("POST", "/api/v1/namespaces/ns/configmaps",
-                                  cm("", generateName="gen-"))
+async def test_writes_fill_metadata_and_follow_api_semantics(
+    kube_cluster: KubeCluster, kube_client: ClusterClient
+) -> None:
+    made = await kube_client.call("POST", "/api/v1/namespaces/ns/configmaps", cm("", generateName="gen-"))
     assert made["metadata"]["name"].startswith("gen-") and len(made["metadata"]["name"]) == 9
     assert made["metadata"]["uid"] and made["metadata"]["creationTimestamp"]
     assert made["metadata"]["generation"] == 1
     with pytest.raises(ClusterError) as err:
-        await kube_client.create(dict(made, metadata={"name": made["metadata"]["name"], "namespace": "ns"}),
-                                 "configmaps")
+        await kube_client.create(
+            dict(made, metadata={"name": made["metadata"]["name"], "namespace": "ns"}), "configmaps"
+        )
     assert err.value.status == 409
 
     name = made["metadata"]["name"]
@@ -62,9 +83,12 @@ async def test_writes_fill_metadata_and_follow_api_semantics(kube_cluster: KubeC
         await kube_client.patch("v1", "configmaps", "ns", name, {"metadata": {"resourceVersion": rv1}, "data": {}})
     assert err.value.status == 409
     with pytest.raises(ClusterError) as err:  # a failed JSON-patch test is 422, as kopf expects
-        await kube_client.call("PATCH", f"/api/v1/namespaces/ns/configmaps/{name}",
-                               [{"op": "test", "path": "/metadata/resourceVersion", "value": rv1}],
-                               content_type="application/json-patch+json")
+        await kube_client.call(
+            "PATCH",
+            f"/api/v1/namespaces/ns/configmaps/{name}",
+            [{"op": "test", "path": "/metadata/resourceVersion", "value": rv1}],
+            content_type="application/json-patch+json",
+        )
     assert err.value.status == 422
     with pytest.raises(ClusterError) as err:
         await kube_client.patch("v1", "configmaps", "ns", "absent", {"data": {}})
@@ -89,15 +113,22 @@ async def test_server_side_apply_creates_then_updates(kube_cluster: KubeCluster,
 
 
 async def test_status_subresource_is_separate(kube_cluster: KubeCluster, kube_client: ClusterClient) -> None:
-    sts = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "s", "namespace": "ns"},
-           "spec": {"replicas": 1}, "status": {"replicas": 99}}
+    sts = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": "s", "namespace": "ns"},
+        "spec": {"replicas": 1},
+        "status": {"replicas": 99},
+    }
     made = await kube_client.create(sts, "statefulsets")
     assert "status" not in made  # ignored on create
-    st = await kube_client.patch("apps/v1", "statefulsets", "ns", "s", {"status": {"readyReplicas": 1},
-                                                                        "spec": {"replicas": 5}}, "status")
+    st = await kube_client.patch(
+        "apps/v1", "statefulsets", "ns", "s", {"status": {"readyReplicas": 1}, "spec": {"replicas": 5}}, "status"
+    )
     assert st["status"] == {"readyReplicas": 1} and st["spec"]["replicas"] == 1
-    main = await kube_client.patch("apps/v1", "statefulsets", "ns", "s", {"status": {"readyReplicas": 0},
-                                                                          "spec": {"replicas": 2}})
+    main = await kube_client.patch(
+        "apps/v1", "statefulsets", "ns", "s", {"status": {"readyReplicas": 0}, "spec": {"replicas": 2}}
+    )
     assert main["status"] == {"readyReplicas": 1} and main["spec"]["replicas"] == 2
     assert main["metadata"]["generation"] == 2
 
@@ -152,12 +183,21 @@ async def test_discovery_core_group_version(kube_cluster: KubeCluster, kube_clie
     assert "statefulsets/status" in {r["name"] for r in apps["resources"]}
 
 
-async def test_field_ownership_shared_fields_survive_and_scale_takes_over(kube_cluster: KubeCluster,
-                                                                         kube_client: ClusterClient) -> None:
+async def test_field_ownership_shared_fields_survive_and_scale_takes_over(
+    kube_cluster: KubeCluster, kube_client: ClusterClient
+) -> None:
     """What the operator's replicas hand-over relies on, as server-side apply does it."""
-    sts = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "s", "namespace": "ns"},
-           "spec": {"replicas": 4, "serviceName": "s", "selector": {"matchLabels": {"a": "b"}},
-                    "template": {"metadata": {"labels": {"a": "b"}}, "spec": {"containers": [{"name": "c"}]}}}}
+    sts = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": "s", "namespace": "ns"},
+        "spec": {
+            "replicas": 4,
+            "serviceName": "s",
+            "selector": {"matchLabels": {"a": "b"}},
+            "template": {"metadata": {"labels": {"a": "b"}}, "spec": {"containers": [{"name": "c"}]}},
+        },
+    }
     path = "/apis/apps/v1/namespaces/ns/statefulsets/s"
     apply = "application/apply-patch+yaml"
     await kube_client.call("PATCH", path, sts, apply, params={"fieldManager": "a", "force": "true"})
@@ -168,27 +208,50 @@ async def test_field_ownership_shared_fields_survive_and_scale_takes_over(kube_c
     assert "replicas" not in (await kube_client.get("apps/v1", "statefulsets", "ns", "s"))["spec"]
     # Owned by a second manager too: it stays when the first stops applying it.
     await kube_client.call("PATCH", path, sts, apply, params={"fieldManager": "a", "force": "true"})
-    await kube_client.call("PATCH", path, {"apiVersion": "apps/v1", "kind": "StatefulSet",
-                                           "metadata": {"name": "s", "namespace": "ns"}, "spec": {"replicas": 4}},
-                           apply, params={"fieldManager": "b"})
+    await kube_client.call(
+        "PATCH",
+        path,
+        {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": {"name": "s", "namespace": "ns"},
+            "spec": {"replicas": 4},
+        },
+        apply,
+        params={"fieldManager": "b"},
+    )
     await kube_client.call("PATCH", path, without, apply, params={"fieldManager": "a", "force": "true"})
     assert (await kube_client.get("apps/v1", "statefulsets", "ns", "s"))["spec"]["replicas"] == 4
     # The scale subresource writes replicas (an HPA, kubectl scale).
-    scale = await kube_client.call("PATCH", path + "/scale", {"spec": {"replicas": 9}},
-                                   "application/merge-patch+json", params={"fieldManager": "hpa"})
+    scale = await kube_client.call(
+        "PATCH",
+        path + "/scale",
+        {"spec": {"replicas": 9}},
+        "application/merge-patch+json",
+        params={"fieldManager": "hpa"},
+    )
     assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 9
     assert (await kube_client.get("apps/v1", "statefulsets", "ns", "s"))["spec"]["replicas"] == 9
     # Without force, applying another value to a field someone else owns is a conflict.
     with pytest.raises(ClusterError) as err:
-        await kube_client.call("PATCH", path, {"apiVersion": "apps/v1", "kind": "StatefulSet",
-                                               "metadata": {"name": "s", "namespace": "ns"}, "spec": {"replicas": 4}},
-                               apply, params={"fieldManager": "b"})
+        await kube_client.call(
+            "PATCH",
+            path,
+            {
+                "apiVersion": "apps/v1",
+                "kind": "StatefulSet",
+                "metadata": {"name": "s", "namespace": "ns"},
+                "spec": {"replicas": 4},
+            },
+            apply,
+            params={"fieldManager": "b"},
+        )
     assert err.value.status == 409 and "spec.replicas" in err.value.body["message"]
 
 
-async def test_reaction_lookup_does_not_rescan_every_served_request(kube_cluster: KubeCluster,
-                                                                    kube_client: ClusterClient,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_reaction_lookup_does_not_rescan_every_served_request(
+    kube_cluster: KubeCluster, kube_client: ClusterClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """kmock found a request's reaction by iterating every request served so far through each
     fallback's filters: each request cost O(history), and 50 DSV4Deployments never finished their
     first reconcile in bench/api_calls.py. The lookup now checks the one request; it must give
@@ -210,8 +273,14 @@ async def test_reaction_lookup_does_not_rescan_every_served_request(kube_cluster
     assert scanned == []  # no filter walked the history to serve it
     monkeypatch.undo()
 
-    views = [kube_cluster["get"], kube_cluster["post"], kube_cluster.fallback["get"], kube_cluster["get"][:3],
-             kube_cluster["get"] | kube_cluster["post"], kube_cluster.fallback["get"]["/api/v1/namespaces/ns/configmaps/a"]]
+    views = [
+        kube_cluster["get"],
+        kube_cluster["post"],
+        kube_cluster.fallback["get"],
+        kube_cluster["get"][:3],
+        kube_cluster["get"] | kube_cluster["post"],
+        kube_cluster.fallback["get"]["/api/v1/namespaces/ns/configmaps/a"],
+    ]
     requests = list(kube_cluster)
     assert len(requests) >= 32
     for view in views:

@@ -36,7 +36,8 @@ class OperatorProcess:
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1"}
         self._log = open(self.log_path, "wb")
         self.proc = await asyncio.create_subprocess_exec(
-            *dsv4_command(), "operator", *self.args, stdout=self._log, stderr=asyncio.subprocess.STDOUT, env=env)
+            *dsv4_command(), "operator", *self.args, stdout=self._log, stderr=asyncio.subprocess.STDOUT, env=env
+        )
         return self
 
     def log_lines(self) -> list[str]:
@@ -57,12 +58,17 @@ class OperatorProcess:
         return self.proc.returncode
 
 
-async def test_dsv4_operator_command(cluster_with_crd: KubeCluster, kube_client: ClusterClient, kubeconfig: Path,
-                                     tmp_path: Path) -> None:
+async def test_dsv4_operator_command(
+    cluster_with_crd: KubeCluster, kube_client: ClusterClient, kubeconfig: Path, tmp_path: Path
+) -> None:
     port = free_port()
-    op = await OperatorProcess(["--namespace", "ns1", "--namespace", "ns2", "--standalone",
-                                "--health-port", str(port)], kubeconfig, tmp_path / "operator.log").start()
+    op = await OperatorProcess(
+        ["--namespace", "ns1", "--namespace", "ns2", "--standalone", "--health-port", str(port)],
+        kubeconfig,
+        tmp_path / "operator.log",
+    ).start()
     try:
+
         async def healthy() -> bool:
             assert op.proc.returncode is None, "\n".join(op.log_lines()[-20:])
             try:
@@ -73,10 +79,15 @@ async def test_dsv4_operator_command(cluster_with_crd: KubeCluster, kube_client:
 
         await eventually(healthy, timeout=30)
         for ns in ("ns1", "ns2", "ns3"):
-            await kube_client.create({"apiVersion": API, "kind": "DSV4Deployment",
-                                      "metadata": {"name": "flash", "namespace": ns},
-                                      "spec": {"model": {"name": "m", "path": "/models/m"},
-                                               "engine": {"image": "reg/dsv4:1"}}}, "dsv4deployments")
+            await kube_client.create(
+                {
+                    "apiVersion": API,
+                    "kind": "DSV4Deployment",
+                    "metadata": {"name": "flash", "namespace": ns},
+                    "spec": {"model": {"name": "m", "path": "/models/m"}, "engine": {"image": "reg/dsv4:1"}},
+                },
+                "dsv4deployments",
+            )
 
         async def served(ns: str) -> bool:
             cr = await kube_client.get(API, "dsv4deployments", ns, "flash")
@@ -102,22 +113,34 @@ async def test_dsv4_operator_command(cluster_with_crd: KubeCluster, kube_client:
     assert any("Signal SIGTERM" in m for m in messages)
 
 
-async def test_missing_crd_stops_with_one_clear_line(kube_cluster: KubeCluster, kubeconfig: Path,
-                                                     tmp_path: Path) -> None:
-    op = await OperatorProcess(["--standalone", "--health-port", str(free_port()), "--log-format", "plain"],
-                               kubeconfig, tmp_path / "operator.log").start()
+async def test_missing_crd_stops_with_one_clear_line(
+    kube_cluster: KubeCluster, kubeconfig: Path, tmp_path: Path
+) -> None:
+    op = await OperatorProcess(
+        ["--standalone", "--health-port", str(free_port()), "--log-format", "plain"],
+        kubeconfig,
+        tmp_path / "operator.log",
+    ).start()
     try:
         code = await asyncio.wait_for(op.proc.wait(), 30)
     finally:
         await op.stop()
     assert code != 0
-    assert op.log_lines()[-1] == ("error: the operator stopped: the CRD dsv4deployments.serving.dsv4.dev "
-                                  "(serving.dsv4.dev/v1alpha1) is not installed; apply crds/dsv4deployment.yaml first")
+    assert op.log_lines()[-1] == (
+        "error: the operator stopped: the CRD dsv4deployments.serving.dsv4.dev "
+        "(serving.dsv4.dev/v1alpha1) is not installed; apply crds/dsv4deployment.yaml first"
+    )
 
 
 async def test_bad_flags_exit_non_zero_with_one_line(tmp_path: Path) -> None:
-    proc = await asyncio.create_subprocess_exec(*dsv4_command(), "operator", "--log-format", "xml",
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(
+        *dsv4_command(),
+        "operator",
+        "--log-format",
+        "xml",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await proc.communicate()
     assert proc.returncode == 2
     assert err.decode().strip() == "error: --log-format must be json or plain, not 'xml'"

@@ -18,18 +18,32 @@ from kmock_cluster import ClusterClient, ClusterError, KubeCluster, eventually
 API = "serving.dsv4.dev/v1alpha1"
 PLURAL = "dsv4deployments"
 WORKLOADS = (("apps/v1", "statefulsets"), ("apps/v1", "deployments"))
-ALL_CHILD_KINDS = (("apps/v1", "statefulsets"), ("apps/v1", "deployments"), ("v1", "services"),
-                   ("v1", "serviceaccounts"), ("rbac.authorization.k8s.io/v1", "roles"),
-                   ("rbac.authorization.k8s.io/v1", "rolebindings"))
+ALL_CHILD_KINDS = (
+    ("apps/v1", "statefulsets"),
+    ("apps/v1", "deployments"),
+    ("v1", "services"),
+    ("v1", "serviceaccounts"),
+    ("rbac.authorization.k8s.io/v1", "roles"),
+    ("rbac.authorization.k8s.io/v1", "rolebindings"),
+)
 
 
 def deployment(name: str, namespace: str, **spec: Any) -> dict:
-    body = {"model": {"name": "deepseek-v4-flash", "path": "/models/dsv4-flash",
-                      "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
-            "engine": {"image": "reg/dsv4:1"}}
+    body = {
+        "model": {
+            "name": "deepseek-v4-flash",
+            "path": "/models/dsv4-flash",
+            "volume": {"persistentVolumeClaim": {"claimName": "models"}},
+        },
+        "engine": {"image": "reg/dsv4:1"},
+    }
     body.update(spec)
-    return {"apiVersion": API, "kind": "DSV4Deployment", "metadata": {"name": name, "namespace": namespace},
-            "spec": body}
+    return {
+        "apiVersion": API,
+        "kind": "DSV4Deployment",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": body,
+    }
 
 
 async def get_cr(client: ClusterClient, ns: str, name: str) -> Optional[dict]:
@@ -64,17 +78,31 @@ async def mark_ready(client: ClusterClient, ns: str, name: str) -> None:
     for api_version, plural in WORKLOADS:
         for obj in await client.list(api_version, plural, ns, f"app.kubernetes.io/instance={name}"):
             n = obj["spec"].get("replicas", 1)
-            await client.patch(api_version, plural, ns, obj["metadata"]["name"], {"status": {
-                "observedGeneration": obj["metadata"]["generation"], "replicas": n, "readyReplicas": n,
-                "updatedReplicas": n, "availableReplicas": n}}, subresource="status")
+            await client.patch(
+                api_version,
+                plural,
+                ns,
+                obj["metadata"]["name"],
+                {
+                    "status": {
+                        "observedGeneration": obj["metadata"]["generation"],
+                        "replicas": n,
+                        "readyReplicas": n,
+                        "updatedReplicas": n,
+                        "availableReplicas": n,
+                    }
+                },
+                subresource="status",
+            )
 
 
 async def events_for(client: ClusterClient, ns: str, name: str) -> list[dict]:
     return [e for e in await client.list("v1", "events", ns) if e["involvedObject"].get("name") == name]
 
 
-async def test_apply_creates_children_and_reports_status(cluster_with_crd: KubeCluster, kube_client: ClusterClient,
-                                                         operator_factory, api_calls) -> None:
+async def test_apply_creates_children_and_reports_status(
+    cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory, api_calls
+) -> None:
     op = await operator_factory(["ns1"])
     created = await kube_client.create(deployment("flash", "ns1", transfer={"ucxNetDevices": "mlx5_0:1"}), PLURAL)
     uid = created["metadata"]["uid"]
@@ -111,8 +139,11 @@ async def test_apply_creates_children_and_reports_status(cluster_with_crd: KubeC
 
     cr = await eventually(available)
     assert condition(cr, "Progressing")["status"] == "False"
-    assert {r: cr["status"][r]["ready"] for r in ("prefill", "decode", "router")} == \
-        {"prefill": "1/1", "decode": "1/1", "router": "1/1"}
+    assert {r: cr["status"][r]["ready"] for r in ("prefill", "decode", "router")} == {
+        "prefill": "1/1",
+        "decode": "1/1",
+        "router": "1/1",
+    }
     assert cr["status"]["observedGeneration"] == 1
 
     events = await eventually(lambda: events_for(kube_client, "ns1", "flash"))
@@ -128,10 +159,17 @@ async def test_apply_creates_children_and_reports_status(cluster_with_crd: KubeC
 
     # What the operator called, for the Helm chart's RBAC (the tests' own calls are not counted).
     observed = api_calls.observed()
-    assert {("watch", "serving.dsv4.dev", "dsv4deployments"), ("patch", "serving.dsv4.dev", "dsv4deployments"),
-            ("patch", "serving.dsv4.dev", "dsv4deployments/status"), ("get", "serving.dsv4.dev", "dsv4deployments"),
-            ("create", "apps", "statefulsets"), ("patch", "apps", "statefulsets"), ("watch", "apps", "statefulsets"),
-            ("create", "", "events"), ("patch", "rbac.authorization.k8s.io", "roles")} <= observed
+    assert {
+        ("watch", "serving.dsv4.dev", "dsv4deployments"),
+        ("patch", "serving.dsv4.dev", "dsv4deployments"),
+        ("patch", "serving.dsv4.dev", "dsv4deployments/status"),
+        ("get", "serving.dsv4.dev", "dsv4deployments"),
+        ("create", "apps", "statefulsets"),
+        ("patch", "apps", "statefulsets"),
+        ("watch", "apps", "statefulsets"),
+        ("create", "", "events"),
+        ("patch", "rbac.authorization.k8s.io", "roles"),
+    } <= observed
     assert ("create", "serving.dsv4.dev", "dsv4deployments") not in observed  # that was the test
 
 
@@ -145,19 +183,29 @@ async def _with_status(client: ClusterClient, ns: str, name: str, observed: int)
     return cr if (cr or {}).get("status", {}).get("observedGeneration") == observed else None
 
 
-async def test_update_rolls_through_to_the_children(cluster_with_crd: KubeCluster, kube_client: ClusterClient,
-                                                    operator_factory) -> None:
+async def test_update_rolls_through_to_the_children(
+    cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory
+) -> None:
     await operator_factory(["ns1"])
-    await kube_client.create(deployment("flash", "ns1", decode={"env": [{"name": "A", "value": "1"},
-                                                                        {"name": "B", "value": "2"}]}), PLURAL)
+    await kube_client.create(
+        deployment("flash", "ns1", decode={"env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]}), PLURAL
+    )
     await eventually(lambda: _with_status(kube_client, "ns1", "flash", observed=1))
 
-    await kube_client.patch(API, PLURAL, "ns1", "flash", {"spec": {
-        "engine": {"image": "reg/dsv4:2"},
-        "prefill": {"replicas": 3, "nodeSelector": {"nvidia.com/gpu.family": None, "pool": "b200"}},
-        "decode": {"env": [{"name": "A", "value": "10"}]},
-        "router": {"replicas": 2},
-    }})
+    await kube_client.patch(
+        API,
+        PLURAL,
+        "ns1",
+        "flash",
+        {
+            "spec": {
+                "engine": {"image": "reg/dsv4:2"},
+                "prefill": {"replicas": 3, "nodeSelector": {"nvidia.com/gpu.family": None, "pool": "b200"}},
+                "decode": {"env": [{"name": "A", "value": "10"}]},
+                "router": {"replicas": 2},
+            }
+        },
+    )
 
     async def rolled() -> Optional[dict]:
         children = await children_of(kube_client, "ns1", "flash")
@@ -177,8 +225,9 @@ async def test_update_rolls_through_to_the_children(cluster_with_crd: KubeCluste
     assert cr["status"]["prefill"]["ready"] == "0/3"
 
 
-async def test_deleting_the_resource_leaves_nothing_it_owned(cluster_with_crd: KubeCluster,
-                                                             kube_client: ClusterClient, operator_factory) -> None:
+async def test_deleting_the_resource_leaves_nothing_it_owned(
+    cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory
+) -> None:
     await operator_factory(["ns1"])
     await kube_client.create(deployment("flash", "ns1"), PLURAL)
     await eventually(lambda: _all_children(kube_client, "ns1", "flash"))
@@ -192,21 +241,26 @@ async def test_deleting_the_resource_leaves_nothing_it_owned(cluster_with_crd: K
     await eventually(gone)
     # ... and the operator does not bring any of it back.
     import asyncio
+
     await asyncio.sleep(0.5)
     assert await gone()
     assert not [o for o in cluster_with_crd.objects_of("apps/v1/statefulsets", "ns1")]
 
 
-async def test_two_namespaces_do_not_interfere(cluster_with_crd: KubeCluster, kube_client: ClusterClient,
-                                               operator_factory) -> None:
+async def test_two_namespaces_do_not_interfere(
+    cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory
+) -> None:
     await operator_factory()  # all namespaces
     await kube_client.create(deployment("flash", "ns1"), PLURAL)
     await kube_client.create(deployment("flash", "ns2", engine={"kind": "sglang", "image": "sgl:1"}), PLURAL)
     first = await eventually(lambda: _all_children(kube_client, "ns1", "flash"))
     second = await eventually(lambda: _all_children(kube_client, "ns2", "flash"))
     assert container(first[("StatefulSet", "flash-prefill")])["command"][0] == "dsv4"
-    assert container(second[("StatefulSet", "flash-prefill")])["command"][:3] == ["python3", "-m",
-                                                                                  "sglang.launch_server"]
+    assert container(second[("StatefulSet", "flash-prefill")])["command"][:3] == [
+        "python3",
+        "-m",
+        "sglang.launch_server",
+    ]
     assert "--discover-namespace" in container(first[("Deployment", "flash-router")])["command"]
     router2 = container(second[("Deployment", "flash-router")])["command"]
     assert router2[router2.index("--service-discovery-namespace") + 1] == "ns2"
@@ -239,8 +293,9 @@ async def _no_children(client: ClusterClient, ns: str, name: str) -> bool:
     return not await children_of(client, ns, name)
 
 
-async def test_namespaced_operator_ignores_other_namespaces(cluster_with_crd: KubeCluster,
-                                                            kube_client: ClusterClient, operator_factory) -> None:
+async def test_namespaced_operator_ignores_other_namespaces(
+    cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory
+) -> None:
     # Not standalone: with no kopf peering resources in the cluster it runs alone anyway.
     await operator_factory(["ns1"], standalone=False)
     await kube_client.create(deployment("other", "ns2"), PLURAL)
@@ -250,8 +305,9 @@ async def test_namespaced_operator_ignores_other_namespaces(cluster_with_crd: Ku
     assert "status" not in await get_cr(kube_client, "ns2", "other")
 
 
-async def test_broken_spec_yields_a_condition_not_a_crash_loop(kube_cluster: KubeCluster, crd: dict,
-                                                               kube_client: ClusterClient, operator_factory) -> None:
+async def test_broken_spec_yields_a_condition_not_a_crash_loop(
+    kube_cluster: KubeCluster, crd: dict, kube_client: ClusterClient, operator_factory
+) -> None:
     # An older CRD without the minimums lets replicas < 0 through to the operator.
     old = copy.deepcopy(crd)
     role = old["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["prefill"]
@@ -266,11 +322,14 @@ async def test_broken_spec_yields_a_condition_not_a_crash_loop(kube_cluster: Kub
     assert "spec.prefill.replicas" in degraded["message"]
     assert condition(cr, "Progressing")["reason"] == "InvalidSpec"
     assert not await children_of(kube_client, "ns1", "flash")
-    warnings = await eventually(lambda: [e for e in _sync_events(kube_cluster, "flash") if e["reason"] == "InvalidSpec"])
+    warnings = await eventually(
+        lambda: [e for e in _sync_events(kube_cluster, "flash") if e["reason"] == "InvalidSpec"]
+    )
     assert warnings[0]["type"] == "Warning"
 
     # No retry loop: it said so once and went quiet; and it is still alive.
     import asyncio
+
     await asyncio.sleep(1.5)
     assert len([e for e in _sync_events(kube_cluster, "flash") if e["reason"] == "InvalidSpec"]) == 1
     assert op.thread.is_alive() and op.error is None
@@ -290,8 +349,9 @@ def _sync_events(cluster: KubeCluster, name: str) -> list[dict]:
     return [e for e in cluster.objects_of("v1/events") if e["involvedObject"].get("name") == name]
 
 
-async def test_the_crd_schema_rejects_what_the_operator_cannot_run(cluster_with_crd: KubeCluster,
-                                                                   kube_client: ClusterClient) -> None:
+async def test_the_crd_schema_rejects_what_the_operator_cannot_run(
+    cluster_with_crd: KubeCluster, kube_client: ClusterClient
+) -> None:
     with pytest.raises(ClusterError) as err:
         await kube_client.create(deployment("flash", "ns1", prefill={"replicas": -1}), PLURAL)
     assert err.value.status == 422 and "replicas" in err.value.body["message"]
@@ -299,8 +359,9 @@ async def test_the_crd_schema_rejects_what_the_operator_cannot_run(cluster_with_
     assert created["spec"]["remediation"]["rollback"] == "suggest"  # defaults filled in by the schema
 
 
-async def test_a_deleted_child_is_put_back(cluster_with_crd: KubeCluster, kube_client: ClusterClient,
-                                           operator_factory) -> None:
+async def test_a_deleted_child_is_put_back(
+    cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory
+) -> None:
     await operator_factory(["ns1"])
     await kube_client.create(deployment("flash", "ns1"), PLURAL)
     children = await eventually(lambda: _all_children(kube_client, "ns1", "flash"))

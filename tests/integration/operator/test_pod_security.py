@@ -10,7 +10,8 @@ from test_operator_kmock import PLURAL, condition, deployment, get_cr, mark_read
 
 
 async def test_pod_security_refusal_is_degraded_with_the_controllers_message(
-        cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory) -> None:
+    cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory
+) -> None:
     await cluster_with_crd.put_namespace("ns1", {"pod-security.kubernetes.io/enforce": "baseline"})
     await operator_factory(["ns1"])
     # IPC_LOCK is outside baseline's capabilities (docs/operations.md: it needs privileged).

@@ -39,16 +39,29 @@ async def prefill_rolled(client: ClusterClient, ready: int) -> None:
     """Stand in for the StatefulSet controller: prefill's pods run the latest template, `ready` of them ready."""
     obj = await sts(client, "prefill")
     n = obj["spec"]["replicas"]
-    await client.patch(*STS, "ns1", "flash-prefill", {"status": {
-        "observedGeneration": obj["metadata"]["generation"], "replicas": n, "readyReplicas": ready,
-        "updatedReplicas": n}}, subresource="status")
+    await client.patch(
+        *STS,
+        "ns1",
+        "flash-prefill",
+        {
+            "status": {
+                "observedGeneration": obj["metadata"]["generation"],
+                "replicas": n,
+                "readyReplicas": ready,
+                "updatedReplicas": n,
+            }
+        },
+        subresource="status",
+    )
 
 
-async def test_engine_change_rolls_prefill_first_then_decode(cluster_with_crd: KubeCluster,
-                                                             kube_client: ClusterClient, operator_factory) -> None:
+async def test_engine_change_rolls_prefill_first_then_decode(
+    cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory
+) -> None:
     await operator_factory(["ns1"])
-    await kube_client.create(deployment("flash", "ns1", prefill={"replicas": 2}, decode={"replicas": 2},
-                                        rollout=NO_CANARY), PLURAL)
+    await kube_client.create(
+        deployment("flash", "ns1", prefill={"replicas": 2}, decode={"replicas": 2}, rollout=NO_CANARY), PLURAL
+    )
     await eventually(lambda: observed(kube_client, 1), timeout=20)
     await mark_ready(kube_client, "ns1", "flash")
     assert partition(await sts(kube_client, "decode")) == 0, "a new deployment holds nothing"
@@ -70,11 +83,14 @@ async def test_engine_change_rolls_prefill_first_then_decode(cluster_with_crd: K
     await eventually(released, timeout=20)
 
 
-async def test_together_and_canary_partition(cluster_with_crd: KubeCluster, kube_client: ClusterClient,
-                                             operator_factory) -> None:
+async def test_together_and_canary_partition(
+    cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory
+) -> None:
     await operator_factory(["ns1"])
-    await kube_client.create(deployment("flash", "ns1", rollout={"order": "together", **NO_CANARY},
-                                        decode={"replicas": 4, "partition": 3}), PLURAL)
+    await kube_client.create(
+        deployment("flash", "ns1", rollout={"order": "together", **NO_CANARY}, decode={"replicas": 4, "partition": 3}),
+        PLURAL,
+    )
     await eventually(lambda: observed(kube_client, 1), timeout=20)
     await mark_ready(kube_client, "ns1", "flash")
     await kube_client.patch(API, PLURAL, "ns1", "flash", {"spec": {"engine": {"image": "reg/dsv4:2"}}})
@@ -88,9 +104,9 @@ async def _prefill_status(client: ClusterClient, ready: int) -> Optional[bool]:
     return (obj.get("status") or {}).get("readyReplicas") == ready or None
 
 
-async def test_a_pinned_revision_rolls_back_without_touching_the_spec(cluster_with_crd: KubeCluster,
-                                                                      kube_client: ClusterClient,
-                                                                      operator_factory) -> None:
+async def test_a_pinned_revision_rolls_back_without_touching_the_spec(
+    cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory
+) -> None:
     """`rollback: auto` without a merge patch of the user's spec: the watchdog pins a stored
     revision (annotation "<hash>@<generation>"), the children follow it, the spec stays as the
     user (or GitOps) wrote it, and the user's next edit ends the pin."""
@@ -108,14 +124,27 @@ async def test_a_pinned_revision_rolls_back_without_touching_the_spec(cluster_wi
     assert image(await sts(kube_client, "decode")) == "reg/dsv4:bad"
 
     import json
-    await kube_client.patch(API, PLURAL, "ns1", "flash", {"metadata": {"annotations": {
-        ANNOTATION_REVISIONS: json.dumps(tracker.to_dict()),
-        ANNOTATION_PINNED_REVISION: f"{spec_hash(good)}@2"}}})
+
+    await kube_client.patch(
+        API,
+        PLURAL,
+        "ns1",
+        "flash",
+        {
+            "metadata": {
+                "annotations": {
+                    ANNOTATION_REVISIONS: json.dumps(tracker.to_dict()),
+                    ANNOTATION_PINNED_REVISION: f"{spec_hash(good)}@2",
+                }
+            }
+        },
+    )
 
     async def pinned() -> Optional[dict]:
         cr = await kube_client.get(API, PLURAL, "ns1", "flash")
-        ok = (image(await sts(kube_client, "decode")) == image(await sts(kube_client, "prefill")) == "reg/dsv4:1"
-              and (cr.get("status") or {}).get("pinnedRevision") == spec_hash(good))
+        ok = image(await sts(kube_client, "decode")) == image(await sts(kube_client, "prefill")) == "reg/dsv4:1" and (
+            cr.get("status") or {}
+        ).get("pinnedRevision") == spec_hash(good)
         return cr if ok else None
 
     cr = await eventually(pinned, timeout=20)
@@ -126,20 +155,24 @@ async def test_a_pinned_revision_rolls_back_without_touching_the_spec(cluster_wi
 
     async def unpinned() -> bool:
         cr = await kube_client.get(API, PLURAL, "ns1", "flash")
-        return (image(await sts(kube_client, "decode")) == "reg/dsv4:3"
-                and "pinnedRevision" not in (cr.get("status") or {}))
+        return image(await sts(kube_client, "decode")) == "reg/dsv4:3" and "pinnedRevision" not in (
+            cr.get("status") or {}
+        )
 
     await eventually(unpinned, timeout=20)
 
 
 async def test_an_unchanged_gpu_decode_is_not_held_while_prefill_is_not_ready(
-        cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory) -> None:
+    cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory
+) -> None:
     """The API server serves `nvidia.com/gpu: 4` back as "4": the live-versus-wanted comparison
     must see the same template, or every reconcile while prefill is not ready (first start, an
     operator restart, a prefill pod under remediation) holds an unchanged decode."""
     await operator_factory(["ns1"])
-    await kube_client.create(deployment("flash", "ns1", prefill={"replicas": 2, "gpusPerPod": 4},
-                                        decode={"replicas": 2, "gpusPerPod": 4}), PLURAL)
+    await kube_client.create(
+        deployment("flash", "ns1", prefill={"replicas": 2, "gpusPerPod": 4}, decode={"replicas": 2, "gpusPerPod": 4}),
+        PLURAL,
+    )
     await eventually(lambda: observed(kube_client, 1), timeout=20)
     decode = await sts(kube_client, "decode")
     assert decode["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"

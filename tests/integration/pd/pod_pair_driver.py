@@ -28,13 +28,22 @@ for url in (prefill, decode):
             sys.exit(1)
         time.sleep(0.3)
 
-httpx.post(prefill + "/admin/faults", json={"fault": "stall_transfer", "count": 1}, headers=adm,
-           timeout=10).raise_for_status()
-body = {"prompt": list(range(20, 60)), "max_tokens": 4, "temperature": 0, "bootstrap_host": boot_host,
-        "bootstrap_port": int(boot_port), "bootstrap_room": 4343}
+httpx.post(
+    prefill + "/admin/faults", json={"fault": "stall_transfer", "count": 1}, headers=adm, timeout=10
+).raise_for_status()
+body = {
+    "prompt": list(range(20, 60)),
+    "max_tokens": 4,
+    "temperature": 0,
+    "bootstrap_host": boot_host,
+    "bootstrap_port": int(boot_port),
+    "bootstrap_room": 4343,
+}
 res: dict = {}
-threading.Thread(target=lambda: res.update(p=httpx.post(prefill + "/v1/completions", json=body, headers=pd,
-                                                        timeout=120)), daemon=True).start()
+threading.Thread(
+    target=lambda: res.update(p=httpx.post(prefill + "/v1/completions", json=body, headers=pd, timeout=120)),
+    daemon=True,
+).start()
 
 
 def decode_leg() -> None:
@@ -56,5 +65,12 @@ aborted_at = time.monotonic()
 httpx.post(prefill + "/admin/abort", json={"all": True}, headers=adm, timeout=10).raise_for_status()
 leg.join(30)
 d = res.get("d")
-print(json.dumps({"peer": peer, "decode_status": d.status_code if d is not None else None,
-                  "decode_seconds": round(res["d_at"] - aborted_at, 2) if d is not None else None}))
+print(
+    json.dumps(
+        {
+            "peer": peer,
+            "decode_status": d.status_code if d is not None else None,
+            "decode_seconds": round(res["d_at"] - aborted_at, 2) if d is not None else None,
+        }
+    )
+)

@@ -80,8 +80,11 @@ def test_paged_write_random_mapping_is_byte_exact(peer, dtype):
 
 def test_every_state_region_moves_with_one_notification(peer):
     """A pool of several states (what DeepSeek-V4 declares): each page moves in every region."""
-    layout = {"latent": ((16, 2, 16, 64), "float32"), "ring": ((16, 3, 8, 32), "bfloat16"),
-              "index": ((16, 2, 4, 16), "float32")}
+    layout = {
+        "latent": ((16, 2, 16, 64), "float32"),
+        "ring": ((16, 3, 8, 32), "bfloat16"),
+        "index": ((16, 2, 4, 16), "float32"),
+    }
     g = torch.Generator().manual_seed(9)
     states = {name: torch.randn(shape, generator=g).to(getattr(torch, dt)) for name, (shape, dt) in layout.items()}
     with KVTransferAgent("multi-src", states) as src:
@@ -94,10 +97,13 @@ def test_every_state_region_moves_with_one_notification(peer):
         assert peer.wait_notifs("multi-dst", 1) == [("multi-src", b"all-regions")]
         for name in layout:
             assert peer.call("pages", "multi-dst", [4, 0, 15], name) == page_bytes(states[name], [1, 7, 3]), name
-            assert peer.call("pages", "multi-dst", [2], name) == bytes(states[name][0].numel() * states[name].element_size())
+            assert peer.call("pages", "multi-dst", [2], name) == bytes(
+                states[name][0].numel() * states[name].element_size()
+            )
         # A peer that lacks a region, or has it in another shape, is refused at add_peer.
-        for i, other in enumerate(({"latent": layout["latent"], "ring": layout["ring"]},
-                                   {**layout, "ring": ((16, 3, 16, 32), "bfloat16")})):
+        for i, other in enumerate(
+            ({"latent": layout["latent"], "ring": layout["ring"]}, {**layout, "ring": ((16, 3, 16, 32), "bfloat16")})
+        ):
             with pytest.raises(ValueError, match="incompatible KV layout"):
                 src.add_peer(peer.create(f"multi-bad{i}", other))
 
@@ -105,12 +111,17 @@ def test_every_state_region_moves_with_one_notification(peer):
 def test_slot_rows_move_with_the_pages_under_one_notification(peer):
     """DeepSeek-V4's pool: paged regions plus slot regions (one row per running request). One
     transfer writes the pages of every paged region and one row of every slot region."""
-    layout = {"csa_kv": ((16, 2, 4, 64), "float32"), "swa_kv": ((4, 3, 8, 64), "float32", "slot"),
-              "hca_stage": ((4, 1, 8, 32), "bfloat16", "slot")}
+    layout = {
+        "csa_kv": ((16, 2, 4, 64), "float32"),
+        "swa_kv": ((4, 3, 8, 64), "float32", "slot"),
+        "hca_stage": ((4, 1, 8, 32), "bfloat16", "slot"),
+    }
     g = torch.Generator().manual_seed(11)
     pages = {"csa_kv": torch.randn(16, 2, 4, 64, generator=g)}
-    slots = {"swa_kv": torch.randn(6, 3, 8, 64, generator=g),  # more rows here than the peer has
-             "hca_stage": torch.randn(6, 1, 8, 32, generator=g).bfloat16()}
+    slots = {
+        "swa_kv": torch.randn(6, 3, 8, 64, generator=g),  # more rows here than the peer has
+        "hca_stage": torch.randn(6, 1, 8, 32, generator=g).bfloat16(),
+    }
     with KVTransferAgent("slot-src", PoolStates(pages, slots)) as src:
         src.add_peer(peer.create("slot-dst", layout))
         h = src.write_pages("slot-dst", [5, 2], [0, 9], b"pages+row", src_slot=5, dst_slot=3)

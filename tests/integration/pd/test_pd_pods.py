@@ -35,8 +35,10 @@ def _netns_works() -> bool:
     return ok
 
 
-pytestmark = [pytest.mark.slow,  # two engines and a driver: ~20 s
-              pytest.mark.skipif(not _netns_works(), reason="needs root and `ip netns` (two network namespaces)")]
+pytestmark = [
+    pytest.mark.slow,  # two engines and a driver: ~20 s
+    pytest.mark.skipif(not _netns_works(), reason="needs root and `ip netns` (two network namespaces)"),
+]
 
 
 def _sh(*args: str) -> None:
@@ -68,12 +70,31 @@ def two_pods():
 def pod_command(model: Path, role: str) -> list[str]:
     """The builtin engine command line the operator puts in the StatefulSet, with the test's
     small-model arguments appended as a user's `engine.args` would be."""
-    spec = parse_spec({"model": {"name": "tiny", "path": str(model)},
-                       "engine": {"image": "i", "port": PORT,
-                                  "args": ["--kv-pages", "64", "--page-size", "16", "--enable-fault-injection",
-                                           "--pd-secret", SECRET, "--admin-token", ADMIN, "--device", "cpu"]},
-                       "transfer": {"bootstrapPort": BOOT},
-                       "prefill": {"gpusPerPod": 0}, "decode": {"gpusPerPod": 0}})
+    spec = parse_spec(
+        {
+            "model": {"name": "tiny", "path": str(model)},
+            "engine": {
+                "image": "i",
+                "port": PORT,
+                "args": [
+                    "--kv-pages",
+                    "64",
+                    "--page-size",
+                    "16",
+                    "--enable-fault-injection",
+                    "--pd-secret",
+                    SECRET,
+                    "--admin-token",
+                    ADMIN,
+                    "--device",
+                    "cpu",
+                ],
+            },
+            "transfer": {"bootstrapPort": BOOT},
+            "prefill": {"gpusPerPod": 0},
+            "decode": {"gpusPerPod": 0},
+        }
+    )
     return M.engine_command(spec, role)
 
 
@@ -93,14 +114,36 @@ def test_a_prefill_abort_reaches_decode_in_another_pod(two_pods, tiny_model, tmp
             cmd = kubelet_expand(pod_command(tiny_model, role), {"POD_IP": ip})
             assert cmd[:2] == ["dsv4", "serve"]
             log = open(tmp_path / f"{role}.log", "wb")
-            procs.append(subprocess.Popen(
-                ["ip", "netns", "exec", ns, sys.executable, "-m", "dsv4_cli", *cmd[1:]], stdout=log,
-                stderr=subprocess.STDOUT, env={**os.environ, "POD_IP": ip, "PYTHONUNBUFFERED": "1"},
-                start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    ["ip", "netns", "exec", ns, sys.executable, "-m", "dsv4_cli", *cmd[1:]],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, "POD_IP": ip, "PYTHONUNBUFFERED": "1"},
+                    start_new_session=True,
+                )
+            )
         (p_ns, p_ip), (_, d_ip) = two_pods["prefill"], two_pods["decode"]
-        out = subprocess.run(["ip", "netns", "exec", p_ns, sys.executable, str(DRIVER), f"http://{p_ip}:{PORT}",
-                              f"http://{d_ip}:{PORT}", p_ip, str(BOOT), SECRET, ADMIN],
-                             capture_output=True, text=True, timeout=240, env=os.environ)
+        out = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                p_ns,
+                sys.executable,
+                str(DRIVER),
+                f"http://{p_ip}:{PORT}",
+                f"http://{d_ip}:{PORT}",
+                p_ip,
+                str(BOOT),
+                SECRET,
+                ADMIN,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=os.environ,
+        )
         logs = "\n".join((tmp_path / f"{r}.log").read_text(errors="replace")[-2000:] for r in two_pods)
         assert out.returncode == 0, out.stdout + out.stderr + logs
         result = json.loads(out.stdout.strip().splitlines()[-1])

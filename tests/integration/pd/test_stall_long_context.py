@@ -21,14 +21,32 @@ THRESHOLD = 60
 def pd(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stall")
     p_port, b_port, d_port, r_port = (free_port() for _ in range(4))
-    common = ["serve", "--model", tiny_model, "--kv-pages", 128, "--page-size", 16, "--enable-fault-injection",
-              "--served-model-name", "m"]
-    procs = [Proc([*common, "--role", "prefill", "--port", p_port, "--bootstrap-port", b_port], tmp / "p.log"),
-             Proc([*common, "--role", "decode", "--port", d_port, "--arm-fault", f"stall_long_context:tokens={THRESHOLD}"],
-                  tmp / "d.log")]
+    common = [
+        "serve",
+        "--model",
+        tiny_model,
+        "--kv-pages",
+        128,
+        "--page-size",
+        16,
+        "--enable-fault-injection",
+        "--served-model-name",
+        "m",
+    ]
+    procs = [
+        Proc([*common, "--role", "prefill", "--port", p_port, "--bootstrap-port", b_port], tmp / "p.log"),
+        Proc(
+            [*common, "--role", "decode", "--port", d_port, "--arm-fault", f"stall_long_context:tokens={THRESHOLD}"],
+            tmp / "d.log",
+        ),
+    ]
     urls = [f"http://127.0.0.1:{p}" for p in (p_port, d_port, r_port)]
-    procs.append(Proc(["router", "--prefill", urls[0], "--decode", urls[1], "--port", r_port, "--health-interval", "0.5"],
-                      tmp / "r.log"))
+    procs.append(
+        Proc(
+            ["router", "--prefill", urls[0], "--decode", urls[1], "--port", r_port, "--health-interval", "0.5"],
+            tmp / "r.log",
+        )
+    )
     try:
         for proc, url in zip(procs, urls):
             proc.wait_ready(url)
@@ -39,9 +57,11 @@ def pd(tiny_model, tmp_path_factory):
 
 
 def _complete(url, n_prompt, timeout, max_tokens=8):
-    return httpx.post(f"{url}/v1/completions", json={"prompt": list(range(2, 2 + n_prompt)), "max_tokens": max_tokens,
-                                                     "temperature": 0, "ignore_eos": True}, timeout=timeout)
-
+    return httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": list(range(2, 2 + n_prompt)), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+        timeout=timeout,
+    )
 
 
 def test_short_passes_long_hangs_until_cleared(pd):
@@ -68,8 +88,11 @@ def test_short_passes_long_hangs_until_cleared(pd):
 
 def test_armed_over_http_with_seconds(pd):
     _, d_url, r_url = pd
-    r = httpx.post(f"{d_url}/admin/faults", json={"fault": "stall_long_context", "count": 1, "tokens": 30,
-                                                  "seconds": 1.5}, timeout=5)
+    r = httpx.post(
+        f"{d_url}/admin/faults",
+        json={"fault": "stall_long_context", "count": 1, "tokens": 30, "seconds": 1.5},
+        timeout=5,
+    )
     assert r.status_code == 200, r.text
     started = time.monotonic()
     assert _complete(r_url, 40, timeout=60).status_code == 200
@@ -77,10 +100,16 @@ def test_armed_over_http_with_seconds(pd):
     assert "stall_long_context" not in httpx.get(f"{d_url}/admin/faults", timeout=5).json()["armed"]
 
 
-@pytest.mark.parametrize("extra,says", [([], "--enable-fault-injection"),
-                                        (["--enable-fault-injection", "--role", "decode"], "unknown fault")])
+@pytest.mark.parametrize(
+    "extra,says",
+    [([], "--enable-fault-injection"), (["--enable-fault-injection", "--role", "decode"], "unknown fault")],
+)
 def test_arm_fault_refused_before_start(tiny_model, extra, says):
     name = "stall_long_context" if not extra else "stall_everything"
-    out = subprocess.run([sys.executable, "-m", "dsv4_cli", "serve", "--model", str(tiny_model), "--arm-fault", name,
-                          *extra], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "dsv4_cli", "serve", "--model", str(tiny_model), "--arm-fault", name, *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and says in out.stderr + out.stdout

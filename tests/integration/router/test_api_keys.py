@@ -24,11 +24,42 @@ def stack(tiny_model, tmp_path_factory):
     (tmp / "engine.keys").write_text(f"# the router's key\nrouter {ENGINE_KEY}\n")
     (tmp / "router.keys").write_text(f"alice {ALICE}\nbob {BOB}\n{CAROL}\n")
     e_port, r_port = free_port(), free_port()
-    engine = Proc(["serve", "--model", tiny_model, "--port", e_port, "--served-model-name", "m", "--kv-pages", 64,
-                   "--page-size", 16, "--api-key-file", tmp / "engine.keys"], tmp / "engine.log")
-    router = Proc(["router", "--mono", f"http://127.0.0.1:{e_port}", "--port", r_port, "--health-interval", "0.5",
-                   "--api-key-file", tmp / "router.keys", "--key-max-concurrency", 1, "--cache-salt-from-api-key"],
-                  tmp / "router.log", env={"DSV4_ENGINE_API_KEY": ENGINE_KEY})
+    engine = Proc(
+        [
+            "serve",
+            "--model",
+            tiny_model,
+            "--port",
+            e_port,
+            "--served-model-name",
+            "m",
+            "--kv-pages",
+            64,
+            "--page-size",
+            16,
+            "--api-key-file",
+            tmp / "engine.keys",
+        ],
+        tmp / "engine.log",
+    )
+    router = Proc(
+        [
+            "router",
+            "--mono",
+            f"http://127.0.0.1:{e_port}",
+            "--port",
+            r_port,
+            "--health-interval",
+            "0.5",
+            "--api-key-file",
+            tmp / "router.keys",
+            "--key-max-concurrency",
+            1,
+            "--cache-salt-from-api-key",
+        ],
+        tmp / "router.log",
+        env={"DSV4_ENGINE_API_KEY": ENGINE_KEY},
+    )
     try:
         engine.wait_ready(f"http://127.0.0.1:{e_port}")
         router.wait_ready(f"http://127.0.0.1:{r_port}")
@@ -47,8 +78,11 @@ def test_the_engine_wants_a_key_on_v1_and_leaves_health_and_metrics_open(stack):
     for path in ("/v1/models",):
         r = httpx.get(engine + path)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
-    r = httpx.post(engine + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1},
-                   headers={"Authorization": "Bearer wrong"})
+    r = httpx.post(
+        engine + "/v1/completions",
+        json={"model": "m", "prompt": "hi", "max_tokens": 1},
+        headers={"Authorization": "Bearer wrong"},
+    )
     assert r.status_code == 401
     for path in ("/health", "/ready", "/metrics", "/v1/loads"):
         assert httpx.get(engine + path).status_code == 200, path
@@ -70,8 +104,13 @@ def test_one_key_at_its_limit_gets_429_and_the_others_do_not(stack):
     held: list[int] = []
 
     def hold() -> None:  # alice's one allowed request, streaming until told to stop
-        with httpx.stream("POST", router + "/v1/completions", headers={"Authorization": f"Bearer {ALICE}"}, timeout=120,
-                          json={"model": "m", "prompt": "hi", "max_tokens": 300, "ignore_eos": True, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            router + "/v1/completions",
+            headers={"Authorization": f"Bearer {ALICE}"},
+            timeout=120,
+            json={"model": "m", "prompt": "hi", "max_tokens": 300, "ignore_eos": True, "stream": True},
+        ) as r:
             held.append(r.status_code)
             for _ in r.iter_lines():
                 started.set()
@@ -82,8 +121,12 @@ def test_one_key_at_its_limit_gets_429_and_the_others_do_not(stack):
     t.start()
     try:
         assert started.wait(60) and held == [200]
-        r = httpx.post(router + "/v1/completions", headers={"Authorization": f"Bearer {ALICE}"},
-                       json={"model": "m", "prompt": "hi", "max_tokens": 1}, timeout=30)
+        r = httpx.post(
+            router + "/v1/completions",
+            headers={"Authorization": f"Bearer {ALICE}"},
+            json={"model": "m", "prompt": "hi", "max_tokens": 1},
+            timeout=30,
+        )
         assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
         assert r.json()["error"]["code"] == "key_concurrency_limit"
         assert client(router, BOB).completions.create(model="m", prompt="hi", max_tokens=1).usage.completion_tokens == 1
@@ -101,8 +144,9 @@ def test_each_key_has_its_own_cache_namespace(stack):
     _, router = stack
 
     def cached(key: str, salt: str | None = None) -> int:
-        r = client(router, key).completions.create(model="m", prompt=PROMPT, max_tokens=1,
-                                                   extra_body={"cache_salt": salt} if salt else None)
+        r = client(router, key).completions.create(
+            model="m", prompt=PROMPT, max_tokens=1, extra_body={"cache_salt": salt} if salt else None
+        )
         return r.usage.prompt_tokens_details.cached_tokens
 
     assert cached(CAROL) == 0

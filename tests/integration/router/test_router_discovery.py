@@ -17,17 +17,30 @@ from dsv4_router.router import Router, RouterArgs  # noqa: E402
 from dsv4_router.discovery import pod_worker, sync, watch_pods  # noqa: E402
 
 
-def pod(name, role="prefill", ip="10.0.0.1", phase="Running", port=8100, draining=False, instance="flash",
-        owner=None):
+def pod(name, role="prefill", ip="10.0.0.1", phase="Running", port=8100, draining=False, instance="flash", owner=None):
     labels = {"app.kubernetes.io/instance": instance, "serving.dsv4.dev/role": role}
     if draining:
         labels["serving.dsv4.dev/draining"] = "true"
-    refs = [] if owner is None else [{"apiVersion": "apps/v1", "kind": owner[0], "name": owner[1], "uid": "u-1",
-                                      "controller": owner[2] if len(owner) > 2 else True}]
-    return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": "serving", "labels": labels, "ownerReferences": refs},
-            "spec": {"containers": [{"name": "engine", "image": "x", "ports": [{"name": "http", "containerPort": port}]}]},
-            "status": {"phase": phase, "podIP": ip}}
+    refs = (
+        []
+        if owner is None
+        else [
+            {
+                "apiVersion": "apps/v1",
+                "kind": owner[0],
+                "name": owner[1],
+                "uid": "u-1",
+                "controller": owner[2] if len(owner) > 2 else True,
+            }
+        ]
+    )
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "serving", "labels": labels, "ownerReferences": refs},
+        "spec": {"containers": [{"name": "engine", "image": "x", "ports": [{"name": "http", "containerPort": port}]}]},
+        "status": {"phase": phase, "podIP": ip},
+    }
 
 
 def test_pod_worker_rule():
@@ -57,7 +70,10 @@ def test_with_owners_only_pods_controlled_by_those_statefulsets_are_workers():
 def test_sync_keeps_static_workers_and_replaces_discovered_ones():
     router = Router(RouterArgs(decode=["http://127.0.0.1:1"], prefill=["http://127.0.0.1:2"]))
     sync(router, {"p": pod("p", ip="10.0.0.5"), "d": pod("d", role="decode", ip="10.0.0.6")})
-    assert {u for u, w in router.pool.workers.items() if w.source == "kubernetes"} == {"http://10.0.0.5:8100", "http://10.0.0.6:8100"}
+    assert {u for u, w in router.pool.workers.items() if w.source == "kubernetes"} == {
+        "http://10.0.0.5:8100",
+        "http://10.0.0.6:8100",
+    }
     sync(router, {"d": pod("d", role="decode", ip="10.0.0.6", draining=True)})
     assert set(router.pool.workers) == {"http://127.0.0.1:1", "http://127.0.0.1:2"}
 
@@ -68,8 +84,13 @@ async def test_watch_follows_pods_through_the_api(kube_client, kubeconfig, monke
     from kmock._internal import parsing
 
     guess = parsing.guess_k8s
-    monkeypatch.setattr(parsing, "guess_k8s", lambda k8s, method, query: guess(
-        k8s, method, {**query, **({"watch": "true"} if str(query.get("watch", "")).lower() == "true" else {})}))
+    monkeypatch.setattr(
+        parsing,
+        "guess_k8s",
+        lambda k8s, method, query: guess(
+            k8s, method, {**query, **({"watch": "true"} if str(query.get("watch", "")).lower() == "true" else {})}
+        ),
+    )
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     router = Router(RouterArgs())
@@ -81,7 +102,9 @@ async def test_watch_follows_pods_through_the_api(kube_client, kubeconfig, monke
 
     async def create(p):  # status is a subresource: the kubelet's part, written separately
         await kube_client.create(p, "pods")
-        await kube_client.patch("v1", "pods", "serving", p["metadata"]["name"], {"status": p["status"]}, subresource="status")
+        await kube_client.patch(
+            "v1", "pods", "serving", p["metadata"]["name"], {"status": p["status"]}, subresource="status"
+        )
 
     await create(pod("flash-prefill-0", ip="10.1.0.1"))
     await create(pod("other-prefill-0", ip="10.9.0.1", instance="other"))
@@ -90,8 +113,9 @@ async def test_watch_follows_pods_through_the_api(kube_client, kubeconfig, monke
         await eventually(lambda: set(router.pool.workers) == {"http://10.1.0.1:8100"})
         await create(pod("flash-decode-0", role="decode", ip="10.1.0.2"))
         await eventually(lambda: "http://10.1.0.2:8100" in router.pool.workers)
-        await kube_client.patch("v1", "pods", "serving", "flash-prefill-0",
-                                {"metadata": {"labels": {"serving.dsv4.dev/draining": "true"}}})
+        await kube_client.patch(
+            "v1", "pods", "serving", "flash-prefill-0", {"metadata": {"labels": {"serving.dsv4.dev/draining": "true"}}}
+        )
         await eventually(lambda: "http://10.1.0.1:8100" not in router.pool.workers)
         await kube_client.delete("v1", "pods", "serving", "flash-decode-0")
         await eventually(lambda: not router.pool.workers)

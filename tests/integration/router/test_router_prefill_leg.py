@@ -42,8 +42,10 @@ class Scripted:
         @app.post("/v1/completions")
         async def completions(http: Request):
             self.prefill_bodies.append(await http.json())
-            return JSONResponse({"error": {"message": f"scripted {self.status}", "type": "x", "param": None,
-                                           "code": self.status}}, status_code=self.status)
+            return JSONResponse(
+                {"error": {"message": f"scripted {self.status}", "type": "x", "param": None, "code": self.status}},
+                status_code=self.status,
+            )
 
         return app
 
@@ -78,8 +80,20 @@ def scripted(tmp_path_factory):
     s = Scripted()
     servers = [serve(s.prefill_app(), s.p_port), serve(s.decode_app(), s.d_port)]
     r_port = free_port()
-    router = Proc(["router", "--prefill", f"http://127.0.0.1:{s.p_port}", "--decode", f"http://127.0.0.1:{s.d_port}",
-                   "--port", r_port, "--health-interval", "0.5"], tmp_path_factory.mktemp("leg") / "router.log")
+    router = Proc(
+        [
+            "router",
+            "--prefill",
+            f"http://127.0.0.1:{s.p_port}",
+            "--decode",
+            f"http://127.0.0.1:{s.d_port}",
+            "--port",
+            r_port,
+            "--health-interval",
+            "0.5",
+        ],
+        tmp_path_factory.mktemp("leg") / "router.log",
+    )
     try:
         router.wait_ready(f"http://127.0.0.1:{r_port}")
         s.url = f"http://127.0.0.1:{r_port}"

@@ -17,17 +17,48 @@ def routers(tiny_model, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("router-edges")
     e_port, r_port, t_port = free_port(), free_port(), free_port()
-    engine = Proc(["serve", "--model", tiny_model, "--role", "mono", "--port", e_port, "--served-model-name", "m"], tmp / "mono.log")
-    open_router = Proc(["router", "--mono", f"http://127.0.0.1:{e_port}", "--port", r_port, "--health-interval", "0.5",
-                        "--max-body-bytes", 8192], tmp / "router.log")
-    token_router = Proc(["router", "--mono", f"http://127.0.0.1:{e_port}", "--port", t_port, "--health-interval", "0.5",
-                         "--admin-token", TOKEN], tmp / "router-token.log")
+    engine = Proc(
+        ["serve", "--model", tiny_model, "--role", "mono", "--port", e_port, "--served-model-name", "m"],
+        tmp / "mono.log",
+    )
+    open_router = Proc(
+        [
+            "router",
+            "--mono",
+            f"http://127.0.0.1:{e_port}",
+            "--port",
+            r_port,
+            "--health-interval",
+            "0.5",
+            "--max-body-bytes",
+            8192,
+        ],
+        tmp / "router.log",
+    )
+    token_router = Proc(
+        [
+            "router",
+            "--mono",
+            f"http://127.0.0.1:{e_port}",
+            "--port",
+            t_port,
+            "--health-interval",
+            "0.5",
+            "--admin-token",
+            TOKEN,
+        ],
+        tmp / "router-token.log",
+    )
     procs = [engine, open_router, token_router]
     try:
         engine.wait_ready(f"http://127.0.0.1:{e_port}")
         open_router.wait_ready(f"http://127.0.0.1:{r_port}")
         token_router.wait_ready(f"http://127.0.0.1:{t_port}")
-        yield {"engine": f"http://127.0.0.1:{e_port}", "open": f"http://127.0.0.1:{r_port}", "token": f"http://127.0.0.1:{t_port}"}
+        yield {
+            "engine": f"http://127.0.0.1:{e_port}",
+            "open": f"http://127.0.0.1:{r_port}",
+            "token": f"http://127.0.0.1:{t_port}",
+        }
     finally:
         for p in procs:
             p.stop()
@@ -40,15 +71,23 @@ def assert_openai_error(r: httpx.Response, status: int) -> dict:
     return err
 
 
-@pytest.mark.parametrize("raw", [
-    b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "top_p": Infinity}', b'{"prompt": "x", "temperature": 1e999}',
-    b'{"prompt": "x", "max_tokens": ' + b"1" * 5000 + b"}",
-    b'{"prompt": ' + b"[" * 3000 + b"]" * 3000 + b"}",
-    b"{nope", b"[1, 2]",
-    b'{"prompt": "\\ud800", "max_tokens": 2}',  # a lone surrogate: no character, not forwardable
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "x", "temperature": NaN}',
+        b'{"prompt": "x", "top_p": Infinity}',
+        b'{"prompt": "x", "temperature": 1e999}',
+        b'{"prompt": "x", "max_tokens": ' + b"1" * 5000 + b"}",
+        b'{"prompt": ' + b"[" * 3000 + b"]" * 3000 + b"}",
+        b"{nope",
+        b"[1, 2]",
+        b'{"prompt": "\\ud800", "max_tokens": 2}',  # a lone surrogate: no character, not forwardable
+    ],
+)
 def test_hostile_json_is_400_not_500(routers, raw):
-    r = httpx.post(f"{routers['open']}/v1/completions", content=raw, headers={"content-type": "application/json"}, timeout=10)
+    r = httpx.post(
+        f"{routers['open']}/v1/completions", content=raw, headers={"content-type": "application/json"}, timeout=10
+    )
     assert_openai_error(r, 400)
 
 
@@ -60,7 +99,9 @@ def test_body_size_limit_is_413(routers):
         for _ in range(10):
             yield b" " * 2000
 
-    r = httpx.post(f"{routers['open']}/v1/completions", content=chunked(), headers={"content-type": "application/json"}, timeout=10)
+    r = httpx.post(
+        f"{routers['open']}/v1/completions", content=chunked(), headers={"content-type": "application/json"}, timeout=10
+    )
     assert_openai_error(r, 413)
 
 
@@ -72,15 +113,28 @@ def test_unknown_paths_and_methods_are_openai_shaped(routers):
 
 def test_client_supplied_bootstrap_fields_are_not_forwarded(routers):
     # a mono engine would refuse nothing here; what matters is that the request is served normally
-    r = httpx.post(f"{routers['open']}/v1/completions", timeout=30, json={
-        "prompt": [5, 6, 7], "max_tokens": 2, "bootstrap_host": "203.0.113.9", "bootstrap_port": 1, "bootstrap_room": 7})
+    r = httpx.post(
+        f"{routers['open']}/v1/completions",
+        timeout=30,
+        json={
+            "prompt": [5, 6, 7],
+            "max_tokens": 2,
+            "bootstrap_host": "203.0.113.9",
+            "bootstrap_port": 1,
+            "bootstrap_room": 7,
+        },
+    )
     assert r.status_code == 200, r.text
     # nor is an answer so far (the router's own field for a migrated request): the same greedy
     # answer as without it, never one that continues tokens the client made up
-    plain = httpx.post(f"{routers['open']}/v1/completions", timeout=30,
-                       json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0})
-    forged = httpx.post(f"{routers['open']}/v1/completions", timeout=30,
-                        json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "continuation_token_ids": [9, 9]})
+    plain = httpx.post(
+        f"{routers['open']}/v1/completions", timeout=30, json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+    )
+    forged = httpx.post(
+        f"{routers['open']}/v1/completions",
+        timeout=30,
+        json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "continuation_token_ids": [9, 9]},
+    )
     assert plain.status_code == forged.status_code == 200, forged.text
     assert forged.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
     assert forged.json()["usage"] == plain.json()["usage"]
@@ -107,10 +161,15 @@ def test_admin_with_token_refuses_without_it(routers):
 
 
 def test_engine_4xx_does_not_take_the_worker_out(routers):
-    for body in ({"prompt": "x", "max_tokens": 0}, {"prompt": "x", "model": "nope"}, {"prompt": [10 ** 9]}):
+    for body in ({"prompt": "x", "max_tokens": 0}, {"prompt": "x", "model": "nope"}, {"prompt": [10**9]}):
         r = httpx.post(f"{routers['open']}/v1/completions", json=body, timeout=30)
         assert 400 <= r.status_code < 500, r.text
         assert "error" in r.json()
     workers = httpx.get(f"{routers['open']}/admin/workers").json()["workers"]
     assert all(w["healthy"] for w in workers), workers
-    assert httpx.post(f"{routers['open']}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=30).status_code == 200
+    assert (
+        httpx.post(
+            f"{routers['open']}/v1/completions", json={"prompt": [5, 6], "max_tokens": 2}, timeout=30
+        ).status_code
+        == 200
+    )

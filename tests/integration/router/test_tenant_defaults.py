@@ -19,10 +19,24 @@ def stack(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("defaults")
     (tmp / "token").write_text(TOKEN + "\n")
     e_port, r_port = free_port(), free_port()
-    engine = Proc(["serve", "--model", tiny_model, "--port", e_port, "--served-model-name", "m",
-                   "--admin-token-file", tmp / "token"], tmp / "engine.log")
-    router = Proc(["router", "--mono", f"http://127.0.0.1:{e_port}", "--port", r_port, "--health-interval", "0.5"],
-                  tmp / "router.log")
+    engine = Proc(
+        [
+            "serve",
+            "--model",
+            tiny_model,
+            "--port",
+            e_port,
+            "--served-model-name",
+            "m",
+            "--admin-token-file",
+            tmp / "token",
+        ],
+        tmp / "engine.log",
+    )
+    router = Proc(
+        ["router", "--mono", f"http://127.0.0.1:{e_port}", "--port", r_port, "--health-interval", "0.5"],
+        tmp / "router.log",
+    )
     try:
         engine.wait_ready(f"http://127.0.0.1:{e_port}")
         router.wait_ready(f"http://127.0.0.1:{r_port}")

@@ -46,7 +46,9 @@ async def engines() -> AsyncIterator[Callable[..., Any]]:
 
 
 @pytest_asyncio.fixture
-async def pod_farm(kube_client: ClusterClient, kube_cluster: WatchdogCluster) -> AsyncIterator[Callable[[str], PodFarm]]:
+async def pod_farm(
+    kube_client: ClusterClient, kube_cluster: WatchdogCluster
+) -> AsyncIterator[Callable[[str], PodFarm]]:
     farms: list[PodFarm] = []
 
     def make(deployment: str) -> PodFarm:

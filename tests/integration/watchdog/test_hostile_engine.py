@@ -65,8 +65,9 @@ async def _endless(request: aiohttp.web.Request, chunk: bytes) -> aiohttp.web.St
     return resp
 
 
-async def _remediation_delay(kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, engines,
-                             operator_factory, hostile: bool) -> tuple[float, float]:
+async def _remediation_delay(
+    kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, engines, operator_factory, hostile: bool
+) -> tuple[float, float]:
     """(seconds from the wedge to the wedged pod's deletion, worst /healthz latency meanwhile)."""
     op = await operator_factory()
     if hostile:
@@ -89,8 +90,9 @@ async def _remediation_delay(kube_cluster: WatchdogCluster, kube_client: Cluster
 
 async def _wedge_and_time(kube_cluster, kube_client, pod_farm, engines, health_port: int) -> tuple[float, float]:
     farm = pod_farm("flash")
-    _, backends = await start_deployment(kube_client, farm, engines, "flash", {
-        "flash-prefill-0": "healthy", "flash-decode-0": "healthy"})
+    _, backends = await start_deployment(
+        kube_client, farm, engines, "flash", {"flash-prefill-0": "healthy", "flash-decode-0": "healthy"}
+    )
     await eventually(lambda: watching(kube_client, "flash", 2), timeout=15)
     worst = 0.0
     stop = asyncio.Event()
@@ -110,6 +112,7 @@ async def _wedge_and_time(kube_cluster, kube_client, pod_farm, engines, health_p
     wedged_at = time.monotonic()
     deleted: Optional[float] = None
     try:
+
         async def gone() -> Optional[float]:
             for when, what, pod in farm.timeline:
                 if (what, pod) == ("deleted", "flash-prefill-0"):
@@ -124,14 +127,16 @@ async def _wedge_and_time(kube_cluster, kube_client, pod_farm, engines, health_p
 
 
 async def test_a_wedge_is_remediated_without_a_hostile_engine(
-        kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, engines, operator_factory) -> None:
+    kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, engines, operator_factory
+) -> None:
     delay, worst = await _remediation_delay(kube_cluster, kube_client, pod_farm, engines, operator_factory, False)
     print(f"\nremediation delay without a hostile engine: {delay:.2f}s, worst /healthz {worst * 1000:.0f} ms")
     assert delay < DETECT and worst < 3.0
 
 
 async def test_a_hostile_engine_neither_stalls_the_operator_nor_delays_another_remediation(
-        kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, engines, operator_factory) -> None:
+    kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, engines, operator_factory
+) -> None:
     delay, worst = await _remediation_delay(kube_cluster, kube_client, pod_farm, engines, operator_factory, True)
     print(f"\nremediation delay with a hostile engine: {delay:.2f}s, worst /healthz {worst * 1000:.0f} ms")
     assert delay < DETECT and worst < 3.0

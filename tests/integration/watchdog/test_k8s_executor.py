@@ -25,9 +25,14 @@ class Harness:
         self.api, self.client, self.engine = api, client, engine
         self.posted: list[tuple[str, str, str]] = []
         self.metrics = OperatorMetrics()
-        self.ctx = DeploymentContext(NS, cr["metadata"]["name"], cr["metadata"]["uid"], kind=kind,
-                                     spec_diff=["since stable revision abc (generation 1):",
-                                                "decode.env FOO changed from 1 to 2"], revision="def")
+        self.ctx = DeploymentContext(
+            NS,
+            cr["metadata"]["name"],
+            cr["metadata"]["uid"],
+            kind=kind,
+            spec_diff=["since stable revision abc (generation 1):", "decode.env FOO changed from 1 to 2"],
+            revision="def",
+        )
         self.executor = KubernetesExecutor(lambda: api, self.ctx, lambda *e: self.posted.append(e), self.metrics)
 
     async def refresh(self) -> None:
@@ -45,11 +50,17 @@ async def harness(kube_cluster: WatchdogCluster, kube_client: ClusterClient, kub
     engine = await engines("prefill", "wedged")
     # With a sidecar: the evidence must ask pods/log for the engine container by name.
     owner = await owner_statefulset(kube_client, "flash", "prefill", own=True)
-    await kube_client.create(pod_body("flash", "flash-prefill-0", "prefill", engine.port, sidecar=True, owner=owner),
-                             "pods")
-    await kube_client.patch("v1", "pods", NS, "flash-prefill-0", {"status": {
-        "phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}},
-        subresource="status")
+    await kube_client.create(
+        pod_body("flash", "flash-prefill-0", "prefill", engine.port, sidecar=True, owner=owner), "pods"
+    )
+    await kube_client.patch(
+        "v1",
+        "pods",
+        NS,
+        "flash-prefill-0",
+        {"status": {"phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}},
+        subresource="status",
+    )
     api = KubeApi(await load_configuration(str(kubeconfig)))
     h = Harness(api, kube_client, cr, engine)
     await h.refresh()
@@ -89,8 +100,13 @@ async def test_every_step_in_order(harness: Harness, kube_cluster: WatchdogClust
     assert ("create", "", "pods/eviction") in kube_cluster.recorder.observed()
     assert ("delete", "", "pods") not in kube_cluster.recorder.observed()
 
-    assert [reason for _, reason, _ in h.posted] == ["WedgeDetected", "EvidenceCaptured", "Drained", "Aborted",
-                                                      "Restarted"]
+    assert [reason for _, reason, _ in h.posted] == [
+        "WedgeDetected",
+        "EvidenceCaptured",
+        "Drained",
+        "Aborted",
+        "Restarted",
+    ]
     assert h.posted[0][0] == "Warning" and "stuck_inflight" in h.posted[0][2]
     rendered = h.metrics.render().decode()
     assert 'dsv4_operator_wedges_detected_total{reason="stuck_inflight",role="prefill"} 1.0' in rendered
@@ -109,8 +125,10 @@ async def test_a_replayed_step_never_touches_the_replacement(harness: Harness) -
     assert new_uid != old.uid
 
     # Acting on what the executor knows is the old pod: it says so and leaves the new one alone.
-    assert await h.executor.run(h.action(DRAIN, uid=old.uid), None) == \
-        (True, f"pod was replaced (uid {new_uid}, not {old.uid})")
+    assert await h.executor.run(h.action(DRAIN, uid=old.uid), None) == (
+        True,
+        f"pod was replaced (uid {new_uid}, not {old.uid})",
+    )
     # The API server is the last word: even with a stale view the label patch and the delete
     # carry the old UID as a precondition.
     h.ctx.pods["flash-prefill-0"] = dataclasses.replace(h.ctx.pods["flash-prefill-0"], uid=old.uid)
@@ -128,9 +146,12 @@ async def test_an_eviction_a_pdb_blocks_is_held_and_retried(harness: Harness, ku
     """A PodDisruptionBudget that allows no disruption answers 429: the restart fails (so the policy
     keeps it pending and retries), an Event says so once, and when the budget allows it goes."""
     h = harness
-    pdb = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-           "metadata": {"name": "flash-prefill", "namespace": NS},
-           "spec": {"minAvailable": 1, "selector": {"matchLabels": {"serving.dsv4.dev/role": "prefill"}}}}
+    pdb = {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": "flash-prefill", "namespace": NS},
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"serving.dsv4.dev/role": "prefill"}}},
+    }
     await h.client.create(pdb, "poddisruptionbudgets")
     for _ in range(3):
         ok, note = await h.executor.run(h.action(RESTART), None)
@@ -145,8 +166,9 @@ async def test_an_eviction_a_pdb_blocks_is_held_and_retried(harness: Harness, ku
     assert kube_cluster.evictions[-1] == ("flash-prefill-0", 201)
 
 
-async def test_an_eviction_the_api_server_throttles_is_not_blamed_on_a_budget(harness: Harness,
-                                                                              kube_cluster: WatchdogCluster) -> None:
+async def test_an_eviction_the_api_server_throttles_is_not_blamed_on_a_budget(
+    harness: Harness, kube_cluster: WatchdogCluster
+) -> None:
     """API Priority and Fairness answers 429 too: that is load shedding, no PodDisruptionBudget
     (there is none here). The restart stays pending and says why; no EvictionBlocked Event."""
     h = harness
@@ -174,14 +196,16 @@ async def test_evidence_from_a_dead_engine_and_no_pod_logs(harness: Harness, kub
     assert ok and note.startswith("abort: ")  # best effort: the restart still follows
 
 
-async def test_sglang_engines_are_aborted_their_way(kube_cluster: WatchdogCluster, kube_client: ClusterClient,
-                                                    kubeconfig: Path, engines) -> None:
+async def test_sglang_engines_are_aborted_their_way(
+    kube_cluster: WatchdogCluster, kube_client: ClusterClient, kubeconfig: Path, engines
+) -> None:
     cr = await kube_client.create(deployment("sgl", remediation={}), "dsv4deployments")
     engine = await engines("prefill", "wedged")
     owner = await owner_statefulset(kube_client, "sgl", "prefill", own=True)
     await kube_client.create(pod_body("sgl", "flash-prefill-0", "prefill", engine.port, owner=owner), "pods")
-    await kube_client.patch("v1", "pods", NS, "flash-prefill-0", {"status": {"podIP": "127.0.0.1"}},
-                            subresource="status")
+    await kube_client.patch(
+        "v1", "pods", NS, "flash-prefill-0", {"status": {"podIP": "127.0.0.1"}}, subresource="status"
+    )
     api = KubeApi(await load_configuration(str(kubeconfig)))
     try:
         h = Harness(api, kube_client, cr, engine, kind="sglang")
@@ -189,8 +213,9 @@ async def test_sglang_engines_are_aborted_their_way(kube_cluster: WatchdogCluste
         assert (await h.executor.run(h.action(DRAIN), None))[0]
         await h.executor.run(h.action(ABORT), None)
         assert engine.admin_calls() == ["/abort_request"]  # SGLang has no /admin/drain
-        await h.executor.run(h.action(HELD, reason="budget", details={"max_unavailable": 1,
-                                                                        "unavailable": ["flash-prefill-1"]}), None)
+        await h.executor.run(
+            h.action(HELD, reason="budget", details={"max_unavailable": 1, "unavailable": ["flash-prefill-1"]}), None
+        )
         assert h.posted[-1][1] == "RemediationHeld" and "maxUnavailable.prefill is 1" in h.posted[-1][2]
         await h.executor.close()
     finally:

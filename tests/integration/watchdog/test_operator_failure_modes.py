@@ -17,12 +17,17 @@ from watchdog_harness import NS, WatchdogCluster, condition, events, get_cr, ope
 from dsv4_operator.kube import KubeApi, load_configuration
 from dsv4_operator.leader import LeaderElection, LeaderElector
 
-FOUR = {"flash-prefill-0": "healthy", "flash-prefill-1": "healthy", "flash-decode-0": "healthy",
-        "flash-decode-1": "healthy"}
+FOUR = {
+    "flash-prefill-0": "healthy",
+    "flash-prefill-1": "healthy",
+    "flash-decode-0": "healthy",
+    "flash-decode-1": "healthy",
+}
 
 
 async def test_ready_but_unreachable_pods_are_never_restarted_and_the_operator_says_why(
-        kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, engines, operator_factory) -> None:
+    kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, engines, operator_factory
+) -> None:
     """A partition between the operator and every engine (the kubelet still reports them Ready):
     many detection windows pass and nothing is evicted; an OperatorBlind Event and the Wedged
     condition (Unknown, OperatorBlind) say it is the operator's own network."""
@@ -56,7 +61,8 @@ async def test_ready_but_unreachable_pods_are_never_restarted_and_the_operator_s
 
 
 async def test_a_wedged_pod_among_unreachable_ones_is_still_remediated(
-        kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, engines, operator_factory) -> None:
+    kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, engines, operator_factory
+) -> None:
     await operator_factory()
     farm = pod_farm("flash")
     farm.recreate_after = 0.2
@@ -78,7 +84,8 @@ async def test_a_wedged_pod_among_unreachable_ones_is_still_remediated(
 
 
 async def test_one_silent_ready_pod_waits_for_the_kubelet_to_agree(
-        kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, engines, operator_factory) -> None:
+    kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, engines, operator_factory
+) -> None:
     await operator_factory()
     farm = pod_farm("flash")
     _, backends = await start_deployment(kube_client, farm, engines, "flash", dict(FOUR))
@@ -95,14 +102,21 @@ async def test_one_silent_ready_pod_waits_for_the_kubelet_to_agree(
     assert cond["status"] == "False" and "not restarted on silence alone" in cond["message"]
 
     # The kubelet's probe fails too: now the cluster agrees, and the pod is restarted.
-    await kube_client.patch("v1", "pods", NS, "flash-decode-1", {"status": {
-        "conditions": [{"type": "Ready", "status": "False"}]}}, subresource="status")
+    await kube_client.patch(
+        "v1",
+        "pods",
+        NS,
+        "flash-decode-1",
+        {"status": {"conditions": [{"type": "Ready", "status": "False"}]}},
+        subresource="status",
+    )
     await eventually(lambda: kube_cluster.evictions, timeout=DETECT)
     assert kube_cluster.evictions == [("flash-decode-1", 201)]
 
 
 async def test_two_electors_one_leader_and_a_partitioned_leader_stops_first(
-        kube_cluster: WatchdogCluster, kubeconfig: Path) -> None:
+    kube_cluster: WatchdogCluster, kubeconfig: Path
+) -> None:
     cfg = LeaderElection(namespace=NS, lease_s=1.5, renew_deadline_s=1.0, retry_s=0.2)
     apis = [KubeApi(await load_configuration(str(kubeconfig))) for _ in range(2)]
     try:
@@ -129,7 +143,8 @@ async def test_two_electors_one_leader_and_a_partitioned_leader_stops_first(
 
 
 async def test_two_operators_one_wedge_one_remediation(
-        kube_cluster: WatchdogCluster, kube_client: ClusterClient, kubeconfig: Path, pod_farm, engines) -> None:
+    kube_cluster: WatchdogCluster, kube_client: ClusterClient, kubeconfig: Path, pod_farm, engines
+) -> None:
     election = LeaderElection(namespace=NS, lease_s=8.0, renew_deadline_s=6.0, retry_s=0.3)  # roomy: a busy CI
     ops = [OperatorThread(kubeconfig, [NS], free_port(), leader_election=election) for _ in range(2)]
     try:
@@ -138,8 +153,9 @@ async def test_two_operators_one_wedge_one_remediation(
         await eventually(lambda: ops[1].state.standby, timeout=10)
         farm = pod_farm("flash")
         farm.recreate_after = 0.2
-        _, backends = await start_deployment(kube_client, farm, engines, "flash", {
-            "flash-prefill-0": "healthy", "flash-decode-0": "healthy"})
+        _, backends = await start_deployment(
+            kube_client, farm, engines, "flash", {"flash-prefill-0": "healthy", "flash-decode-0": "healthy"}
+        )
         await eventually(lambda: watching(kube_client, "flash", 2), timeout=10)
         backends["flash-prefill-0"].set_mode("wedged")
         await eventually(lambda: events(kube_cluster, "flash", "Restarted"), timeout=DETECT)

@@ -41,12 +41,15 @@ async def test_a_raced_write_is_rebuilt_from_a_fresh_read(api: KubeApi, kube_cli
     assert written["metadata"]["annotations"]["mine"] == "2" and written["metadata"]["labels"]["other"] == "writer"
 
     with pytest.raises(PatchAborted):
-        await api.patch_with_retry(S.API_VERSION, S.KIND, NS, "flash", lambda cr: (_ for _ in ()).throw(
-            PatchAborted("no")))
+        await api.patch_with_retry(
+            S.API_VERSION, S.KIND, NS, "flash", lambda cr: (_ for _ in ()).throw(PatchAborted("no"))
+        )
     assert await api.patch_with_retry(S.API_VERSION, S.KIND, NS, "gone", lambda cr: {}) is None
 
     async def always_raced(cr: dict) -> dict:
-        await kube_client.patch(API, PLURAL, NS, "flash", {"metadata": {"labels": {"n": cr["metadata"]["resourceVersion"]}}})
+        await kube_client.patch(
+            API, PLURAL, NS, "flash", {"metadata": {"labels": {"n": cr["metadata"]["resourceVersion"]}}}
+        )
         return {"metadata": {"annotations": {"never": "x"}}}
 
     with pytest.raises(ApiError) as e:
@@ -55,7 +58,8 @@ async def test_a_raced_write_is_rebuilt_from_a_fresh_read(api: KubeApi, kube_cli
 
 
 async def test_the_policy_state_is_not_overwritten_when_another_writer_changed_it(
-        api: KubeApi, kube_client: ClusterClient) -> None:
+    api: KubeApi, kube_client: ClusterClient
+) -> None:
     cr = await kube_client.create(deployment("flash", remediation={}), PLURAL)
     watchdog = DeploymentWatchdog(lambda: api, OperatorMetrics(), cr, lambda *e: None, logging.getLogger("t"))
     rec = RemediationRecord(pod="flash-prefill-0", role="prefill", reason="stuck_inflight", started_at=1.0, attempt=1)

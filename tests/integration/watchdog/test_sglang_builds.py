@@ -51,21 +51,32 @@ class FakeSGLang:
             f"sglang:prompt_tokens_total{{{LABELS}}} {self.requests * 100}",
         ]
         if self.build == "histogram":
-            lines += ["# TYPE sglang:kv_transfer_latency_ms histogram",
-                      f'sglang:kv_transfer_latency_ms_bucket{{le="100.0",{LABELS}}} {self.transfers}',
-                      f'sglang:kv_transfer_latency_ms_bucket{{le="+Inf",{LABELS}}} {self.transfers}',
-                      f"sglang:kv_transfer_latency_ms_sum{{{LABELS}}} {self.transfers * 12.5}",
-                      f"sglang:kv_transfer_latency_ms_count{{{LABELS}}} {self.transfers}"]
+            lines += [
+                "# TYPE sglang:kv_transfer_latency_ms histogram",
+                f'sglang:kv_transfer_latency_ms_bucket{{le="100.0",{LABELS}}} {self.transfers}',
+                f'sglang:kv_transfer_latency_ms_bucket{{le="+Inf",{LABELS}}} {self.transfers}',
+                f"sglang:kv_transfer_latency_ms_sum{{{LABELS}}} {self.transfers * 12.5}",
+                f"sglang:kv_transfer_latency_ms_count{{{LABELS}}} {self.transfers}",
+            ]
         else:  # the older gauge: the last transfer's latency, nothing to count with
-            lines += ["# TYPE sglang:kv_transfer_latency_ms gauge",
-                      f"sglang:kv_transfer_latency_ms{{{LABELS}}} 12.5"]
+            lines += ["# TYPE sglang:kv_transfer_latency_ms gauge", f"sglang:kv_transfer_latency_ms{{{LABELS}}} 12.5"]
         return "\n".join(lines) + "\n"
 
     def loads(self) -> dict:
-        return {"timestamp": "2026-12-01T00:00:00Z", "version": "x", "loads": [{
-            "dp_rank": 0, "num_running_reqs": 0, "num_waiting_reqs": 0, "max_total_num_tokens": 100000,
-            "num_used_tokens": 512 * self.inflight,
-            "disaggregation": {"prefill_bootstrap_queue_reqs": 0, "prefill_inflight_queue_reqs": self.inflight}}]}
+        return {
+            "timestamp": "2026-12-01T00:00:00Z",
+            "version": "x",
+            "loads": [
+                {
+                    "dp_rank": 0,
+                    "num_running_reqs": 0,
+                    "num_waiting_reqs": 0,
+                    "max_total_num_tokens": 100000,
+                    "num_used_tokens": 512 * self.inflight,
+                    "disaggregation": {"prefill_bootstrap_queue_reqs": 0, "prefill_inflight_queue_reqs": self.inflight},
+                }
+            ],
+        }
 
     def finish_one(self) -> None:
         """A hand-off completes: the request leaves the inflight queue and finishes."""
@@ -74,6 +85,7 @@ class FakeSGLang:
 
     async def start(self) -> "FakeSGLang":
         app = web.Application()
+
         async def metrics(_: web.Request) -> web.Response:
             return web.Response(text=self.metrics())
 
@@ -98,8 +110,15 @@ class FakeSGLang:
             await self.runner.cleanup()
 
 
-async def watch(engine: FakeSGLang, session: aiohttp.ClientSession, detector: Detector, start: float,
-                seconds: float, step: float = 10.0, each=None) -> list:
+async def watch(
+    engine: FakeSGLang,
+    session: aiohttp.ClientSession,
+    detector: Detector,
+    start: float,
+    seconds: float,
+    step: float = 10.0,
+    each=None,
+) -> list:
     verdicts, t = [], start
     while t <= start + seconds:
         if each is not None:
@@ -117,8 +136,7 @@ async def test_the_incident_prefill_is_wedged_on_both_builds(build: str, signal:
     try:
         async with make_session() as session:
             # Healthy first: hand-offs complete, the queue drains.
-            healthy = await watch(engine, session, detector, 0.0, 200.0,
-                                  each=lambda e, t: e.finish_one())
+            healthy = await watch(engine, session, detector, 0.0, 200.0, each=lambda e, t: e.finish_one())
             assert not any(isinstance(v, Wedged) for _, _, v in healthy)
             # Then the incident: one request stays in the inflight queue, nothing moves.
             engine.inflight = engine.inflight_gauge = 1

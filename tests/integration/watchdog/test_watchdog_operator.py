@@ -17,7 +17,17 @@ import httpx
 
 from kmock_cluster import ClusterClient, eventually
 from watchdog_harness import (
-    API, NS, PLURAL, PodFarm, ScriptedEngine, WatchdogCluster, condition, deployment, events, evidence_maps, get_cr,
+    API,
+    NS,
+    PLURAL,
+    PodFarm,
+    ScriptedEngine,
+    WatchdogCluster,
+    condition,
+    deployment,
+    events,
+    evidence_maps,
+    get_cr,
     operator_calls,
 )
 from dsv4_operator.remediation.daemon import REVISIONS_ANNOTATION
@@ -29,9 +39,16 @@ WINDOW, INTERVAL = 2.0, 0.5
 DETECT = WINDOW + 6 * INTERVAL + 2.0  # a wedge is acted on within this (window + rounds + a busy machine)
 
 
-async def start_deployment(client: ClusterClient, farm: PodFarm, engines, name: str, pods: dict[str, str], *,
-                           remediation: Optional[dict] = None, decode_env: Optional[list] = None
-                           ) -> tuple[dict, dict[str, ScriptedEngine]]:
+async def start_deployment(
+    client: ClusterClient,
+    farm: PodFarm,
+    engines,
+    name: str,
+    pods: dict[str, str],
+    *,
+    remediation: Optional[dict] = None,
+    decode_env: Optional[list] = None,
+) -> tuple[dict, dict[str, ScriptedEngine]]:
     """The resource and its pods: {pod name: initial engine mode}."""
     cr = await client.create(deployment(name, remediation=remediation or {}, decode_env=decode_env), PLURAL)
     backends = {}
@@ -53,11 +70,13 @@ def remediation_state(cr: dict) -> dict:
 
 
 async def test_a_long_prefill_and_a_busy_decode_are_never_touched(
-        kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, engines, operator_factory) -> None:
+    kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, engines, operator_factory
+) -> None:
     await operator_factory()
     farm = pod_farm("flash")
-    _, backends = await start_deployment(kube_client, farm, engines, "flash", {
-        "flash-prefill-0": "long_prefill", "flash-decode-0": "busy_decode"})
+    _, backends = await start_deployment(
+        kube_client, farm, engines, "flash", {"flash-prefill-0": "long_prefill", "flash-decode-0": "busy_decode"}
+    )
     await eventually(lambda: watching(kube_client, "flash", 2), timeout=10)
     scrapes = {pod: b.scrapes for pod, b in backends.items()}
     await asyncio.sleep(2.5 * WINDOW)
@@ -71,19 +90,27 @@ async def test_a_long_prefill_and_a_busy_decode_are_never_touched(
         assert b.scrapes - scrapes[pod] >= 2.5 * WINDOW / INTERVAL - 3, "it kept looking"
         assert b.admin_calls() == [], pod
     assert not evidence_maps(kube_cluster) and not kube_cluster.removed_pods()
-    assert not operator_calls(kube_cluster, "patch", "pods") and not operator_calls(kube_cluster, "create", "pods/eviction")
+    assert not operator_calls(kube_cluster, "patch", "pods") and not operator_calls(
+        kube_cluster, "create", "pods/eviction"
+    )
     assert not events(kube_cluster, "flash", "WedgeDetected") and not events(kube_cluster, "flash", "RemediationHeld")
     assert cr["status"]["wedgedPods"] == 0
 
 
 async def test_two_wedged_pods_of_a_role_are_remediated_one_at_a_time(
-        kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, engines, operator_factory) -> None:
+    kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, engines, operator_factory
+) -> None:
     op = await operator_factory()
     farm = pod_farm("flash")
     farm.recreate_after = 0.5
-    _, backends = await start_deployment(kube_client, farm, engines, "flash", {
-        "flash-prefill-0": "healthy", "flash-prefill-1": "healthy", "flash-decode-0": "healthy"},
-        remediation={"maxUnavailable": {"prefill": 1, "decode": 1}})
+    _, backends = await start_deployment(
+        kube_client,
+        farm,
+        engines,
+        "flash",
+        {"flash-prefill-0": "healthy", "flash-prefill-1": "healthy", "flash-decode-0": "healthy"},
+        remediation={"maxUnavailable": {"prefill": 1, "decode": 1}},
+    )
     farm.on_recreate = lambda pod: backends[pod].reset("healthy")  # a new pod is a new, healthy engine
     await eventually(lambda: watching(kube_client, "flash", 3), timeout=10)
     for pod in ("flash-prefill-0", "flash-prefill-1"):
@@ -116,8 +143,12 @@ async def test_two_wedged_pods_of_a_role_are_remediated_one_at_a_time(
     cr = await eventually(healed, timeout=DETECT)
     assert cr["status"]["wedgedPods"] == 0
     last = cr["status"]["lastRemediation"]
-    assert (last["pod"], last["action"], last["reason"], last["dryRun"]) == \
-        ("flash-prefill-1", "restart", "stuck_inflight", False)
+    assert (last["pod"], last["action"], last["reason"], last["dryRun"]) == (
+        "flash-prefill-1",
+        "restart",
+        "stuck_inflight",
+        False,
+    )
     assert len(evidence_maps(kube_cluster)) == 2
     for reason in ("WedgeDetected", "EvidenceCaptured", "Drained", "Restarted"):
         found = events(kube_cluster, "flash", reason)
@@ -136,20 +167,29 @@ async def test_two_wedged_pods_of_a_role_are_remediated_one_at_a_time(
     assert "dsv4_operator_scrape_duration_seconds_count" in metrics
 
     # What the watchdog called, for the Helm chart's RBAC.
-    assert {("list", "", "pods"), ("watch", "", "pods"), ("patch", "", "pods"), ("create", "", "pods/eviction"),
-            ("get", "", "pods/log"),
-            ("create", "", "configmaps"), ("create", "", "events"),
-            ("get", "serving.dsv4.dev", "dsv4deployments"), ("patch", "serving.dsv4.dev", "dsv4deployments"),
-            ("patch", "serving.dsv4.dev", "dsv4deployments/status")} <= kube_cluster.recorder.observed()
+    assert {
+        ("list", "", "pods"),
+        ("watch", "", "pods"),
+        ("patch", "", "pods"),
+        ("create", "", "pods/eviction"),
+        ("get", "", "pods/log"),
+        ("create", "", "configmaps"),
+        ("create", "", "events"),
+        ("get", "serving.dsv4.dev", "dsv4deployments"),
+        ("patch", "serving.dsv4.dev", "dsv4deployments"),
+        ("patch", "serving.dsv4.dev", "dsv4deployments/status"),
+    } <= kube_cluster.recorder.observed()
     assert ("delete", "", "pods") not in kube_cluster.recorder.observed()  # evictions only
 
 
 async def test_an_operator_restart_mid_remediation_does_not_act_twice(
-        kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, engines, operator_factory) -> None:
+    kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, engines, operator_factory
+) -> None:
     first = await operator_factory()
     farm = pod_farm("flash")
-    _, backends = await start_deployment(kube_client, farm, engines, "flash", {
-        "flash-prefill-0": "healthy", "flash-decode-0": "healthy"})
+    _, backends = await start_deployment(
+        kube_client, farm, engines, "flash", {"flash-prefill-0": "healthy", "flash-decode-0": "healthy"}
+    )
     engine = backends["flash-prefill-0"]
     engine.abort_gate = asyncio.Event()  # the abort hangs: the operator stops in the middle of it
     await eventually(lambda: watching(kube_client, "flash", 2), timeout=10)
@@ -179,11 +219,18 @@ async def test_an_operator_restart_mid_remediation_does_not_act_twice(
 
 
 async def test_dry_run_reports_and_acts_on_nothing(
-        kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, engines, operator_factory) -> None:
+    kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, engines, operator_factory
+) -> None:
     await operator_factory()
     farm = pod_farm("flash")
-    _, backends = await start_deployment(kube_client, farm, engines, "flash", {
-        "flash-prefill-0": "healthy", "flash-decode-0": "healthy"}, remediation={"dryRun": True})
+    _, backends = await start_deployment(
+        kube_client,
+        farm,
+        engines,
+        "flash",
+        {"flash-prefill-0": "healthy", "flash-decode-0": "healthy"},
+        remediation={"dryRun": True},
+    )
     await eventually(lambda: watching(kube_client, "flash", 2), timeout=10)
     backends["flash-prefill-0"].set_mode("wedged")
 
@@ -200,7 +247,9 @@ async def test_dry_run_reports_and_acts_on_nothing(
     assert cr["status"]["wedgedPods"] == 1 and cr["status"]["remediationsTotal"] == 0
     assert all(b.admin_calls() == [] for b in backends.values())
     assert not evidence_maps(kube_cluster) and not kube_cluster.removed_pods()
-    assert not operator_calls(kube_cluster, "patch", "pods") and not operator_calls(kube_cluster, "create", "pods/eviction")
+    assert not operator_calls(kube_cluster, "patch", "pods") and not operator_calls(
+        kube_cluster, "create", "pods/eviction"
+    )
     assert len(events(kube_cluster, "flash", "WedgeDetected")) == 1  # once per wedge, not once per round
     assert remediation_state(cr)["active"] == {}
 
@@ -212,7 +261,7 @@ async def _decode_env(client: ClusterClient) -> list[dict]:
 async def _decode_child_env(client: ClusterClient) -> Optional[str]:
     """SPLIT_KV_TARGET in the decode StatefulSet the reconciler built (what the pods run)."""
     sts = await client.get("apps/v1", "statefulsets", NS, "flash-decode")
-    for c in ((sts or {}).get("spec", {}).get("template", {}).get("spec", {}).get("containers") or []):
+    for c in (sts or {}).get("spec", {}).get("template", {}).get("spec", {}).get("containers") or []:
         for e in c.get("env") or []:
             if e.get("name") == "SPLIT_KV_TARGET":
                 return e.get("value")
@@ -227,7 +276,8 @@ async def _running_revision(client: ClusterClient) -> tuple[Optional[str], list[
 
 
 async def test_wedges_after_a_spec_change_name_it_and_roll_back_once(
-        kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, engines, operator_factory) -> None:
+    kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, engines, operator_factory
+) -> None:
     """`rollback: auto` pins the stable revision (an annotation the reconciler builds the children
     from) and leaves the spec as written, so a GitOps tool has nothing to put back."""
     await operator_factory()
@@ -235,16 +285,22 @@ async def test_wedges_after_a_spec_change_name_it_and_roll_back_once(
     # maxUnavailable 0: nothing is restarted, so the wedge outlasts the rollback and the test can
     # check that the rollback happens once, not once per round.
     _, backends = await start_deployment(
-        kube_client, farm, engines, "flash", {"flash-prefill-0": "healthy", "flash-decode-0": "healthy"},
+        kube_client,
+        farm,
+        engines,
+        "flash",
+        {"flash-prefill-0": "healthy", "flash-decode-0": "healthy"},
         remediation={"rollback": "auto", "detectionWindowSeconds": 1, "maxUnavailable": {"prefill": 0, "decode": 0}},
-        decode_env=[{"name": "SPLIT_KV_TARGET", "value": "256"}])
+        decode_env=[{"name": "SPLIT_KV_TARGET", "value": "256"}],
+    )
 
     async def stable() -> Optional[str]:
         return (await get_cr(kube_client, "flash")).get("status", {}).get("stableRevision")
 
     good = await eventually(stable, timeout=15)  # quiet for 5 detection windows
-    await kube_client.patch(API, PLURAL, NS, "flash", {"spec": {"decode": {"env": [
-        {"name": "SPLIT_KV_TARGET", "value": "512"}]}}})
+    await kube_client.patch(
+        API, PLURAL, NS, "flash", {"spec": {"decode": {"env": [{"name": "SPLIT_KV_TARGET", "value": "512"}]}}}
+    )
     bad = await eventually(lambda: _changed_revision(kube_client, good), timeout=5)
     await eventually(lambda: _is(_decode_child_env(kube_client), "512"), timeout=10)
     backends["flash-prefill-0"].set_mode("wedged")

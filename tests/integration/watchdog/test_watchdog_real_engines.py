@@ -30,18 +30,32 @@ WINDOW, INTERVAL = 3.0, 0.5
 class RealPD:
     def __init__(self, model: Path, tmp: Path) -> None:
         self.p_port, self.b_port, self.d_port = free_port(), free_port(), free_port()
-        common = ["--model", model, "--kv-pages", 64, "--page-size", 16, "--served-model-name", "m",
-                  "--enable-fault-injection", "--no-deadlines"]
-        self.prefill = Proc(["serve", "--role", "prefill", "--port", self.p_port, "--bootstrap-port", self.b_port,
-                             *common], tmp / "prefill.log")
+        common = [
+            "--model",
+            model,
+            "--kv-pages",
+            64,
+            "--page-size",
+            16,
+            "--served-model-name",
+            "m",
+            "--enable-fault-injection",
+            "--no-deadlines",
+        ]
+        self.prefill = Proc(
+            ["serve", "--role", "prefill", "--port", self.p_port, "--bootstrap-port", self.b_port, *common],
+            tmp / "prefill.log",
+        )
         self.decode = Proc(["serve", "--role", "decode", "--port", self.d_port, *common], tmp / "decode.log")
 
     p_url = property(lambda self: f"http://127.0.0.1:{self.p_port}")
     d_url = property(lambda self: f"http://127.0.0.1:{self.d_port}")
 
     async def ready(self) -> None:
-        await asyncio.gather(asyncio.to_thread(self.prefill.wait_ready, self.p_url),
-                             asyncio.to_thread(self.decode.wait_ready, self.d_url))
+        await asyncio.gather(
+            asyncio.to_thread(self.prefill.wait_ready, self.p_url),
+            asyncio.to_thread(self.decode.wait_ready, self.d_url),
+        )
 
     def stop(self) -> None:
         self.prefill.stop()
@@ -56,13 +70,15 @@ def real_pd(tiny_model: Path, tmp_path: Path):
 
 
 async def test_a_wedged_prefill_pod_is_captured_drained_aborted_and_restarted(
-        kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, operator_factory, real_pd: RealPD) -> None:
+    kube_cluster: WatchdogCluster, kube_client: ClusterClient, pod_farm, operator_factory, real_pd: RealPD
+) -> None:
     await operator_factory()
     # Engines ready before the CR exists: its revision must not turn stable (5 windows without a
     # wedge) while two engines of two processes each still boot on a busy machine.
     await real_pd.ready()
-    cr = await kube_client.create(deployment("flash", remediation={
-        "detectionWindowSeconds": WINDOW, "scrapeIntervalSeconds": INTERVAL}), PLURAL)
+    cr = await kube_client.create(
+        deployment("flash", remediation={"detectionWindowSeconds": WINDOW, "scrapeIntervalSeconds": INTERVAL}), PLURAL
+    )
     kube_cluster.pod_logs[(NS, "flash-prefill-0")] = lambda: real_pd.prefill.log_path.read_text(errors="replace")
     farm = pod_farm("flash")
     await farm.add("flash-prefill-0", "prefill", real_pd.p_port)
@@ -75,11 +91,20 @@ async def test_a_wedged_prefill_pod_is_captured_drained_aborted_and_restarted(
     await eventually(watching, timeout=10)
 
     async with httpx.AsyncClient(timeout=60) as http:
-        (await http.post(f"{real_pd.p_url}/admin/faults", json={"fault": "stall_transfer", "count": 1})).raise_for_status()
-        body = {"prompt": list(range(20, 70)), "max_tokens": 4, "temperature": 0, "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": real_pd.b_port, "bootstrap_room": 4242}
-        clients = [asyncio.create_task(http.post(f"{url}/v1/completions", json=body))
-                   for url in (real_pd.p_url, real_pd.d_url)]
+        (
+            await http.post(f"{real_pd.p_url}/admin/faults", json={"fault": "stall_transfer", "count": 1})
+        ).raise_for_status()
+        body = {
+            "prompt": list(range(20, 70)),
+            "max_tokens": 4,
+            "temperature": 0,
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": real_pd.b_port,
+            "bootstrap_room": 4242,
+        }
+        clients = [
+            asyncio.create_task(http.post(f"{url}/v1/completions", json=body)) for url in (real_pd.p_url, real_pd.d_url)
+        ]
 
         async def inflight() -> bool:
             return (await http.get(f"{real_pd.p_url}/v1/loads")).json()["queues"]["inflight"] == 1
@@ -111,8 +136,13 @@ async def test_a_wedged_prefill_pod_is_captured_drained_aborted_and_restarted(
     assert loads["queues"]["inflight"] == 1 and loads["deadlines"] is False
     [stuck, *_] = json.loads(data["timelines.json"])  # the stuck request's PD events, oldest state first
     assert stuck["state"] == "Transferring" and stuck["in_state_seconds"] >= WINDOW
-    assert [e["event"] for e in stuck["events"]] == ["arrival", "Bootstrapping", "WaitingForInput", "forward_done",
-                                                     "Transferring"]
+    assert [e["event"] for e in stuck["events"]] == [
+        "arrival",
+        "Bootstrapping",
+        "WaitingForInput",
+        "forward_done",
+        "Transferring",
+    ]
     assert "--- thread" in data["stacks.txt"]  # every thread of the live engine
     assert 'dsv4:num_prefill_inflight_queue_reqs{model_name="m",role="prefill"} 1.0' in data["metrics.txt"]
     assert "dsv4 serve: prefill engine" in data["logs.txt"]  # the process's own log, via pods/log
@@ -122,11 +152,16 @@ async def test_a_wedged_prefill_pod_is_captured_drained_aborted_and_restarted(
     decode = await farm.get("flash-decode-0")
     assert "serving.dsv4.dev/draining" not in decode["metadata"]["labels"]
     for reason in ("WedgeDetected", "EvidenceCaptured", "Drained", "Aborted", "Restarted"):
-        found = await eventually(lambda: [e for e in events(kube_cluster, "flash", reason)
-                                          if e["message"].startswith("flash-prefill-0")], timeout=5)
+        found = await eventually(
+            lambda: [e for e in events(kube_cluster, "flash", reason) if e["message"].startswith("flash-prefill-0")],
+            timeout=5,
+        )
         assert len(found) == 1, reason
-    assert not [e for e in events(kube_cluster, "flash") if e["reason"] in ("Drained", "Restarted")
-                and e["message"].startswith("flash-decode-0")]
+    assert not [
+        e
+        for e in events(kube_cluster, "flash")
+        if e["reason"] in ("Drained", "Restarted") and e["message"].startswith("flash-decode-0")
+    ]
 
     async def recorded() -> Optional[dict]:
         found = await get_cr(kube_client, "flash")
@@ -139,7 +174,8 @@ async def test_a_wedged_prefill_pod_is_captured_drained_aborted_and_restarted(
     # its StatefulSet brings it back (which the emulator's missing controller never does).
     async def only_the_prefill() -> Optional[dict]:
         cond = condition(await get_cr(kube_client, "flash"))
-        return cond if cond.get("message") == "1 wedged: flash-prefill-0 (stuck_inflight, remediation restarted)" \
-            else None
+        return (
+            cond if cond.get("message") == "1 wedged: flash-prefill-0 (stuck_inflight, remediation restarted)" else None
+        )
 
     assert (await eventually(only_the_prefill, timeout=5))["status"] == "True"

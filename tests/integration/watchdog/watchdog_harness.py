@@ -51,22 +51,29 @@ class WatchdogCluster(KubeCluster):
                 if live is not None and ((len(names) > 1 and not chosen) or (chosen and chosen not in names)):
                     # As the API server: a pod of several containers needs container=, a wrong one is a 400.
                     self.recorder.record(request)
-                    return await self._render_error(kmock.KubernetesError(
-                        400, "BadRequest", f"a container name must be specified for pod {request.name}, "
-                                           f"choose one of: {names}" if not chosen else
-                        f"container {chosen} is not valid for pod {request.name}"))
+                    return await self._render_error(
+                        kmock.KubernetesError(
+                            400,
+                            "BadRequest",
+                            f"a container name must be specified for pod {request.name}, choose one of: {names}"
+                            if not chosen
+                            else f"container {chosen} is not valid for pod {request.name}",
+                        )
+                    )
             if method == "GET" and request.subresource == "log" and key in self.pod_logs:
                 self.recorder.record(request)
                 lines = self.pod_logs[key]().splitlines(keepends=True)
                 tail = request.params.get("tailLines")
-                return aiohttp.web.Response(text="".join(lines[-int(tail):] if tail else lines),
-                                            content_type="text/plain")
+                return aiohttp.web.Response(
+                    text="".join(lines[-int(tail) :] if tail else lines), content_type="text/plain"
+                )
             if method == "POST" and request.subresource == "eviction" and self.throttled > 0:
                 self.throttled -= 1  # the API server sheds load: a 429 that no PodDisruptionBudget asked for
                 self.recorder.record(request)
                 self.evictions.append((request.name, 429))
-                return await self._render_error(kmock.KubernetesError(
-                    429, "TooManyRequests", "Too many requests, please try again later."))
+                return await self._render_error(
+                    kmock.KubernetesError(429, "TooManyRequests", "Too many requests, please try again later.")
+                )
             if method == "POST" and request.subresource == "eviction":
                 self.recorder.record(request)
                 status, body = await self._evict(request.namespace, request.name, request.data)
@@ -79,9 +86,14 @@ class WatchdogCluster(KubeCluster):
                 live = self._live((res, request.namespace, request.name))
                 if wanted and live is not None and live["metadata"].get("uid") != wanted:
                     self.recorder.record(request)
-                    return await self._render_error(kmock.KubernetesError(
-                        409, "Conflict", f"Precondition failed: UID in precondition: {wanted}, "
-                                         f"UID in object meta: {live['metadata'].get('uid')}"))
+                    return await self._render_error(
+                        kmock.KubernetesError(
+                            409,
+                            "Conflict",
+                            f"Precondition failed: UID in precondition: {wanted}, "
+                            f"UID in object meta: {live['metadata'].get('uid')}",
+                        )
+                    )
         return await super()._handle(request)
 
     async def _evict(self, namespace: str, name: str, eviction: Any) -> tuple[int, Any]:
@@ -95,8 +107,10 @@ class WatchdogCluster(KubeCluster):
                 return 409, ("Conflict", f"Precondition failed: UID in precondition: {wanted}")
             for pdb in self.objects_of("policy/v1/poddisruptionbudgets", namespace):
                 if not _pdb_allows(pdb, live, self.objects_of(pods, namespace)):
-                    return 429, ("TooManyRequests", "Cannot evict pod as it would violate the pod's "
-                                 f"disruption budget {pdb['metadata']['name']}.")
+                    return 429, (
+                        "TooManyRequests",
+                        f"Cannot evict pod as it would violate the pod's disruption budget {pdb['metadata']['name']}.",
+                    )
             await self._delete((pods, namespace, name))
         return 201, {"kind": "Status", "apiVersion": "v1", "status": "Success"}
 
@@ -112,7 +126,9 @@ class WatchdogCluster(KubeCluster):
 
 def _ready(pod: dict) -> bool:
     return not pod["metadata"].get("deletionTimestamp") and any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in (pod.get("status") or {}).get("conditions") or [])
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in (pod.get("status") or {}).get("conditions") or []
+    )
 
 
 def _pdb_allows(pdb: dict, pod: dict, pods: list[dict]) -> bool:
@@ -180,11 +196,19 @@ class ScriptedEngine:
         now = time.monotonic()
         up = now - self.t0
         since = now - self.since
-        queues = {"waiting": 0, "running": 0, "bootstrap": 0, "inflight": 0} if self.role == "prefill" else \
-            {"waiting": 0, "running": 0, "prealloc": 0, "transfer": 0}
-        counters = {"kv_transfers_completed": self.transfers, "prompt_tokens": 0.0, "generation_tokens": 0.0,
-                    "num_transfer_failed_reqs": 0.0, "num_transfer_timeout_reqs": 0.0,
-                    "scheduler_loop_iterations": round(up * 50)}
+        queues = (
+            {"waiting": 0, "running": 0, "bootstrap": 0, "inflight": 0}
+            if self.role == "prefill"
+            else {"waiting": 0, "running": 0, "prealloc": 0, "transfer": 0}
+        )
+        counters = {
+            "kv_transfers_completed": self.transfers,
+            "prompt_tokens": 0.0,
+            "generation_tokens": 0.0,
+            "num_transfer_failed_reqs": 0.0,
+            "num_transfer_timeout_reqs": 0.0,
+            "scheduler_loop_iterations": round(up * 50),
+        }
         age = 0.0
         if self.mode == "wedged":
             queues["inflight" if self.role == "prefill" else "transfer"] = 1
@@ -196,8 +220,14 @@ class ScriptedEngine:
             queues["running"] = 4
             counters["generation_tokens"] = round(since * 120)
             counters["kv_transfers_completed"] = self.transfers + round(since * 2)
-        return {"role": self.role, "queues": queues, "counters": counters, "prefill_inflight_oldest_age_seconds": age,
-                "kv_pages_free": 100, "kv_pages_total": 128}
+        return {
+            "role": self.role,
+            "queues": queues,
+            "counters": counters,
+            "prefill_inflight_oldest_age_seconds": age,
+            "kv_pages_free": 100,
+            "kv_pages_total": 128,
+        }
 
     def metrics(self) -> str:
         ld = self.loads()
@@ -205,12 +235,17 @@ class ScriptedEngine:
         lines = [f"dsv4:num_running_reqs{labels} {ld['queues']['running']}"]
         if self.role == "prefill":
             lines.append(f"dsv4:num_prefill_inflight_queue_reqs{labels} {ld['queues']['inflight']}")
-            lines.append(f"dsv4:prefill_inflight_oldest_age_seconds{labels} {ld['prefill_inflight_oldest_age_seconds']}")
+            lines.append(
+                f"dsv4:prefill_inflight_oldest_age_seconds{labels} {ld['prefill_inflight_oldest_age_seconds']}"
+            )
         else:
             lines.append(f"dsv4:num_decode_transfer_queue_reqs{labels} {ld['queues']['transfer']}")
-        names = {"kv_transfers_completed": "kv_transfers_completed_total", "prompt_tokens": "prompt_tokens_total",
-                 "generation_tokens": "generation_tokens_total",
-                 "scheduler_loop_iterations": "scheduler_loop_iterations_total"}
+        names = {
+            "kv_transfers_completed": "kv_transfers_completed_total",
+            "prompt_tokens": "prompt_tokens_total",
+            "generation_tokens": "generation_tokens_total",
+            "scheduler_loop_iterations": "scheduler_loop_iterations_total",
+        }
         lines += [f"dsv4:{names[k]}{labels} {v}" for k, v in ld["counters"].items() if k in names]
         return "\n".join(lines) + "\n"
 
@@ -258,24 +293,41 @@ class ScriptedEngine:
 # ---- Pods: a StatefulSet controller and kubelet for the tests ----------------------------------------
 
 
-def pod_body(deployment: str, name: str, role: str, port: int, sidecar: bool = False,
-             owner: Optional[dict] = None) -> dict:
+def pod_body(
+    deployment: str, name: str, role: str, port: int, sidecar: bool = False, owner: Optional[dict] = None
+) -> dict:
     """`sidecar`: a second container, as a service mesh or log shipper injects (pods/log then needs
     container=). `owner`: the StatefulSet that controls the pod (the watchdog and the router take
     only pods their deployment's StatefulSets control)."""
     containers = [{"name": "engine", "image": "reg/dsv4:1", "ports": [{"name": "http", "containerPort": port}]}]
     if sidecar:
         containers.append({"name": "istio-proxy", "image": "istio/proxyv2:1"})
-    meta: dict[str, Any] = {"name": name, "namespace": NS, "labels": {
-        "app.kubernetes.io/name": "dsv4", "app.kubernetes.io/instance": deployment, "serving.dsv4.dev/role": role}}
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": NS,
+        "labels": {
+            "app.kubernetes.io/name": "dsv4",
+            "app.kubernetes.io/instance": deployment,
+            "serving.dsv4.dev/role": role,
+        },
+    }
     if owner is not None:
-        meta["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": owner["metadata"]["name"],
-                                    "uid": owner["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]
+        meta["ownerReferences"] = [
+            {
+                "apiVersion": "apps/v1",
+                "kind": "StatefulSet",
+                "name": owner["metadata"]["name"],
+                "uid": owner["metadata"]["uid"],
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": {"containers": containers}}
 
 
-async def owner_statefulset(client: ClusterClient, deployment_name: str, role: str, *, wait: float = 20.0,
-                            own: bool = False) -> dict:
+async def owner_statefulset(
+    client: ClusterClient, deployment_name: str, role: str, *, wait: float = 20.0, own: bool = False
+) -> dict:
     """The StatefulSet `<deployment>-<role>` that controls the test's pods, as the real controller's
     pods carry it: the operator's, once applied (waited for up to `wait` seconds); with `own` (no
     operator, or pods before their resource), one made here if there is none yet."""
@@ -293,8 +345,9 @@ async def owner_statefulset(client: ClusterClient, deployment_name: str, role: s
         await asyncio.sleep(0.1)
     if not own:
         raise AssertionError(f"the operator did not make StatefulSet {name} within {wait}s")
-    body = engine_statefulset(parse_spec(deployment(deployment_name, remediation={})["spec"]),
-                              Owner(deployment_name, NS, "none"), role)
+    body = engine_statefulset(
+        parse_spec(deployment(deployment_name, remediation={})["spec"]), Owner(deployment_name, NS, "none"), role
+    )
     del body["metadata"]["ownerReferences"]  # no resource yet: the garbage collector would take it
     return await client.create(body, "statefulsets")
 
@@ -317,9 +370,14 @@ class PodFarm:
         self.pods[name] = (role, port)
         owner = await owner_statefulset(self.client, self.deployment, role, own=self.own_statefulsets)
         await self.client.create(pod_body(self.deployment, name, role, port, owner=owner), "pods")
-        pod = await self.client.patch("v1", "pods", NS, name, {"status": {
-            "phase": "Running", "podIP": "127.0.0.1",
-            "conditions": [{"type": "Ready", "status": "True"}]}}, subresource="status")
+        pod = await self.client.patch(
+            "v1",
+            "pods",
+            NS,
+            name,
+            {"status": {"phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}},
+            subresource="status",
+        )
         self.timeline.append((time.monotonic(), "ready", name))
         return pod
 
@@ -363,9 +421,10 @@ class PodFarm:
 
 def deployment(name: str, *, remediation: dict, decode_env: Optional[list] = None) -> dict:
     spec: dict[str, Any] = {
-        "model": {"name": "m", "path": "/models/m"}, "engine": {"image": "reg/dsv4:1"},
-        "remediation": {"scrapeIntervalSeconds": 0.5, "detectionWindowSeconds": 2, "cooldownSeconds": 0,
-                        **remediation}}
+        "model": {"name": "m", "path": "/models/m"},
+        "engine": {"image": "reg/dsv4:1"},
+        "remediation": {"scrapeIntervalSeconds": 0.5, "detectionWindowSeconds": 2, "cooldownSeconds": 0, **remediation},
+    }
     if decode_env is not None:
         spec["decode"] = {"env": decode_env}
     return {"apiVersion": API, "kind": "DSV4Deployment", "metadata": {"name": name, "namespace": NS}, "spec": spec}
@@ -388,11 +447,17 @@ def events(cluster: KubeCluster, name: str, reason: Optional[str] = None) -> lis
 
 
 def evidence_maps(cluster: KubeCluster) -> list[dict]:
-    return [c for c in cluster.objects_of("v1/configmaps", NS)
-            if (c["metadata"].get("labels") or {}).get("serving.dsv4.dev/evidence") == "true"]
+    return [
+        c
+        for c in cluster.objects_of("v1/configmaps", NS)
+        if (c["metadata"].get("labels") or {}).get("serving.dsv4.dev/evidence") == "true"
+    ]
 
 
 def operator_calls(cluster: KubeCluster, verb: str, resource: str) -> list:
     """The operator's (not the tests') calls of one verb on one resource."""
-    return [c for c in cluster.recorder.calls if c.verb == verb and c.resource == resource
-            and not c.agent.startswith(("dsv4-tests", "kmock/"))]
+    return [
+        c
+        for c in cluster.recorder.calls
+        if c.verb == verb and c.resource == resource and not c.agent.startswith(("dsv4-tests", "kmock/"))
+    ]

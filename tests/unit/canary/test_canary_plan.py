@@ -13,8 +13,12 @@ from dsv4_operator.spec import MSG_TRAFFIC_PERCENT, parse_spec
 from dsv4_operator.status import compute_status
 
 HOLD = 100_000
-RAW = {"model": {"name": "m", "path": "/models/m"}, "engine": {"image": "reg/dsv4:1"},
-       "prefill": {"replicas": 2}, "decode": {"replicas": 3}}
+RAW = {
+    "model": {"name": "m", "path": "/models/m"},
+    "engine": {"image": "reg/dsv4:1"},
+    "prefill": {"replicas": 2},
+    "decode": {"replicas": 3},
+}
 
 
 def edited(**engine) -> dict:
@@ -95,11 +99,27 @@ def test_changed_roles_decode_first() -> None:
 
 def test_status_says_canary_failed_with_its_figures() -> None:
     raw = edited(image="reg/dsv4:2")
-    st = P.CanaryState(P.serving_revision(raw), "decode", "m-decode-2", P.FAILED, BASE.baseline_revision,
-                       {"canary": {"stalled": 2}}, "m-canary-abc", "2 probe request(s) got no answer")
+    st = P.CanaryState(
+        P.serving_revision(raw),
+        "decode",
+        "m-decode-2",
+        P.FAILED,
+        BASE.baseline_revision,
+        {"canary": {"stalled": 2}},
+        "m-canary-abc",
+        "2 probe request(s) got no answer",
+    )
     record = P.with_state(BASE, st)
-    status = compute_status(spec=parse_spec(RAW), generation=2, observed_generation=2, children=[], previous={},
-                            now="t", canary=record, canary_failed=P.failed_for(annotations(record), raw))
+    status = compute_status(
+        spec=parse_spec(RAW),
+        generation=2,
+        observed_generation=2,
+        children=[],
+        previous={},
+        now="t",
+        canary=record,
+        canary_failed=P.failed_for(annotations(record), raw),
+    )
     degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
     assert degraded["reason"] == "CanaryFailed" and "m-canary-abc" in degraded["message"]
     assert "no answer" in degraded["message"] and status["canary"]["figures"]["canary"]["stalled"] == 2

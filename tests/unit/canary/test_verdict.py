@@ -18,16 +18,19 @@ def test_a_healthy_canary_passes():
     assert v.to_dict()["stable"]["ttft_p99_s"] == 0.20
 
 
-@pytest.mark.parametrize("change,signals,says", [
-    ({"stalled": 2, "max_context": 400}, IDLE, "no answer within the request timeout"),
-    ({"errors": 1, "first_error": "HTTP 500: boom"}, IDLE, "HTTP 500: boom"),
-    ({}, WatchdogSignals(wedged="no_progress"), "wedged (no_progress)"),
-    ({}, WatchdogSignals(kv_pages_free_before=128, kv_pages_free_after=120), "8 KV page(s) not given back"),
-    ({"max_context": 400}, IDLE, "reached 400 tokens of context on the canary, 1000 on the stable"),
-    ({"ttft_p99_s": 0.50}, IDLE, "TTFT p99 500 ms > 2 x stable 200 ms + 50 ms"),
-    ({"itl_p99_s": 0.16}, IDLE, "ITL p99 160 ms"),
-    ({"requests": 0}, IDLE, "completed no request"),
-])
+@pytest.mark.parametrize(
+    "change,signals,says",
+    [
+        ({"stalled": 2, "max_context": 400}, IDLE, "no answer within the request timeout"),
+        ({"errors": 1, "first_error": "HTTP 500: boom"}, IDLE, "HTTP 500: boom"),
+        ({}, WatchdogSignals(wedged="no_progress"), "wedged (no_progress)"),
+        ({}, WatchdogSignals(kv_pages_free_before=128, kv_pages_free_after=120), "8 KV page(s) not given back"),
+        ({"max_context": 400}, IDLE, "reached 400 tokens of context on the canary, 1000 on the stable"),
+        ({"ttft_p99_s": 0.50}, IDLE, "TTFT p99 500 ms > 2 x stable 200 ms + 50 ms"),
+        ({"itl_p99_s": 0.16}, IDLE, "ITL p99 160 ms"),
+        ({"requests": 0}, IDLE, "completed no request"),
+    ],
+)
 def test_each_failure_is_a_reason(change, signals, says):
     v = judge(ProbeFigures(**{**GOOD.to_dict(), **change}), STABLE, signals)
     assert not v.passed and any(says in r for r in v.reasons), v.reasons
@@ -51,7 +54,7 @@ def test_conversation_grows_by_tool_sized_additions_up_to_its_share():
     rs = rounds(shape, 1024, seed=1)
     assert context_target(shape, 1024) == 512
     assert len(rs[0]) == 32 and all(len(b) - len(a) == 56 for a, b in zip(rs, rs[1:]))
-    assert all(b[:len(a)] == a for a, b in zip(rs, rs[1:]))  # each round extends the one before
+    assert all(b[: len(a)] == a for a, b in zip(rs, rs[1:]))  # each round extends the one before
     assert len(rs[-1]) <= 512 < len(rs[-1]) + 56
     assert rounds(shape, 1024, seed=1) == rs and rounds(shape, 1024, seed=2) != rs  # replayed from its seed
     assert all(2 <= t < shape.vocab for t in rs[-1])

@@ -27,8 +27,20 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: chart_testutil
 
 from chart_testutil import (  # noqa: E402
-    CHART, CRD_FILE, NAMESPACE, RELEASE, REPO, HelmError, by_kind, grants, helm_notes, helm_template, one,
-    rbac_rules, require_tool, run_helm,
+    CHART,
+    CRD_FILE,
+    NAMESPACE,
+    RELEASE,
+    REPO,
+    HelmError,
+    by_kind,
+    grants,
+    helm_notes,
+    helm_template,
+    one,
+    rbac_rules,
+    require_tool,
+    run_helm,
 )
 from dsv4_operator import manifests  # noqa: E402
 from dsv4_operator.crd import crd_jsonschema  # noqa: E402
@@ -41,22 +53,42 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "cluster-everything-on": ALL_ON,
     "namespaced-release-ns": {"watch.scope": "namespaces"},
-    "namespaced-two-ns-servicemonitor": {"watch.scope": "namespaces", "watch.namespaces": ["team-a", NAMESPACE],
-                                         "metrics.serviceMonitor.enabled": True, "sample.enabled": True},
+    "namespaced-two-ns-servicemonitor": {
+        "watch.scope": "namespaces",
+        "watch.namespaces": ["team-a", NAMESPACE],
+        "metrics.serviceMonitor.enabled": True,
+        "sample.enabled": True,
+    },
     "servicemonitor-operator-only": {"metrics.serviceMonitor.enabled": True, "metrics.serviceMonitor.engines": False},
-    "minimal": {"metrics.service.enabled": False, "rbac.create": False, "serviceAccount.create": False,
-                "serviceAccount.name": "existing-sa", "tenantPolicy.admissionPolicy": False,
-                "operatorKey.existingSecret": "existing-key"},
-    "pinned-image-and-scheduling": {"image.repository": "registry.example/dsv4-operator", "image.tag": "0.1.0-rc1",
-                                    "imagePullSecrets": [{"name": "regcred"}], "priorityClassName": "system-cluster-critical",
-                                    "nodeSelector": {"kubernetes.io/os": "linux"},
-                                    "tolerations": [{"key": "ops", "operator": "Exists", "effect": "NoSchedule"}],
-                                    "operator.extraArgs": ["--verbose"]},
+    "minimal": {
+        "metrics.service.enabled": False,
+        "rbac.create": False,
+        "serviceAccount.create": False,
+        "serviceAccount.name": "existing-sa",
+        "tenantPolicy.admissionPolicy": False,
+        "operatorKey.existingSecret": "existing-key",
+    },
+    "pinned-image-and-scheduling": {
+        "image.repository": "registry.example/dsv4-operator",
+        "image.tag": "0.1.0-rc1",
+        "imagePullSecrets": [{"name": "regcred"}],
+        "priorityClassName": "system-cluster-critical",
+        "nodeSelector": {"kubernetes.io/os": "linux"},
+        "tolerations": [{"key": "ops", "operator": "Exists", "effect": "NoSchedule"}],
+        "operator.extraArgs": ["--verbose"],
+    },
     "standalone": STANDALONE,
     "three-replicas-own-affinity-rate-limit": {
-        "replicaCount": 3, "operator.restartRateLimit": "4/300",
-        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-            {"matchExpressions": [{"key": "ops", "operator": "In", "values": ["true"]}]}]}}}},
+        "replicaCount": 3,
+        "operator.restartRateLimit": "4/300",
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [{"matchExpressions": [{"key": "ops", "operator": "In", "values": ["true"]}]}]
+                }
+            }
+        },
+    },
 }
 
 # The ServiceMonitor fields the chart sets, as prometheus-operator's monitoring.coreos.com/v1 API
@@ -69,19 +101,40 @@ SERVICE_MONITOR_SCHEMA = {
         "kind": {"const": "ServiceMonitor"},
         "metadata": {"type": "object", "required": ["name", "namespace"]},
         "spec": {
-            "type": "object", "additionalProperties": False, "required": ["selector", "endpoints"],
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["selector", "endpoints"],
             "properties": {
-                "selector": {"type": "object", "additionalProperties": False,
-                             "properties": {"matchLabels": {"type": "object",
-                                                            "additionalProperties": {"type": "string"}}}},
-                "namespaceSelector": {"type": "object", "additionalProperties": False, "properties": {
-                    "any": {"type": "boolean"}, "matchNames": {"type": "array", "items": {"type": "string"}}}},
+                "selector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}},
+                },
+                "namespaceSelector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "any": {"type": "boolean"},
+                        "matchNames": {"type": "array", "items": {"type": "string"}},
+                    },
+                },
                 "targetLabels": {"type": "array", "items": {"type": "string"}},
-                "endpoints": {"type": "array", "minItems": 1, "items": {
-                    "type": "object", "additionalProperties": False, "required": ["port"],
-                    "properties": {"port": {"type": "string"}, "path": {"type": "string"}, "honorLabels": {"type": "boolean"},
-                                   "interval": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"},
-                                   "scrapeTimeout": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"}}}},
+                "endpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["port"],
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string"},
+                            "honorLabels": {"type": "boolean"},
+                            "interval": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"},
+                            "scrapeTimeout": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h))+$"},
+                        },
+                    },
+                },
             },
         },
     },
@@ -112,7 +165,9 @@ def operator_container(docs: list[dict[str, Any]]) -> dict[str, Any]:
 # ---- lint and render -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("values", [{}, ALL_ON, {"watch.scope": "namespaces", **ALL_ON}], ids=["defaults", "all-on", "namespaced-all-on"])
+@pytest.mark.parametrize(
+    "values", [{}, ALL_ON, {"watch.scope": "namespaces", **ALL_ON}], ids=["defaults", "all-on", "namespaced-all-on"]
+)
 def test_helm_lint_strict(values: dict[str, Any]) -> None:
     args = [a for k, v in values.items() for a in ("--set-json", f"{k}={json.dumps(v)}")]
     proc = run_helm("lint", "--strict", str(CHART), "--namespace", NAMESPACE, *args, check=False)
@@ -133,8 +188,13 @@ def test_rendered_objects_validate(variant: str) -> None:
     # Everything namespaced lands in a namespace the values name (release or watched).
     allowed = {NAMESPACE, *VARIANTS[variant].get("watch.namespaces", [])}
     for doc in docs:
-        if doc["kind"] not in ("CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding",
-                               "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"):
+        if doc["kind"] not in (
+            "CustomResourceDefinition",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "ValidatingAdmissionPolicy",
+            "ValidatingAdmissionPolicyBinding",
+        ):
             assert doc["metadata"]["namespace"] in allowed, doc["kind"]
 
 
@@ -151,11 +211,23 @@ def test_optional_objects_follow_their_switches() -> None:
     default = helm_template()
     # Namespace scope by default (issue 27): a Role for the watched namespace and one for the Lease.
     # ... and the tenant policy as a ValidatingAdmissionPolicy.
-    assert kinds(default) == ["Deployment", "PodDisruptionBudget", "Role", "Role",
-                              "RoleBinding", "RoleBinding", "Secret", "Service", "ServiceAccount",
-                              "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    assert kinds(default) == [
+        "Deployment",
+        "PodDisruptionBudget",
+        "Role",
+        "Role",
+        "RoleBinding",
+        "RoleBinding",
+        "Secret",
+        "Service",
+        "ServiceAccount",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    ]
     everything = helm_template(ALL_ON)
-    assert kinds(everything) == sorted(kinds(default) + ["ConfigMap", "DSV4Deployment", "ServiceMonitor", "ServiceMonitor"])
+    assert kinds(everything) == sorted(
+        kinds(default) + ["ConfigMap", "DSV4Deployment", "ServiceMonitor", "ServiceMonitor"]
+    )
     minimal = helm_template(VARIANTS["minimal"])
     assert kinds(minimal) == ["Deployment", "PodDisruptionBudget"]
     assert operator_deployment(minimal)["spec"]["template"]["spec"]["serviceAccountName"] == "existing-sa"
@@ -176,7 +248,11 @@ def test_operator_pod_is_hardened_and_probed() -> None:
     sc = c["securityContext"]
     assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
     assert sc["capabilities"] == {"drop": ["ALL"]}
-    assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"] and c["resources"]["limits"]["memory"]
+    assert (
+        c["resources"]["requests"]["cpu"]
+        and c["resources"]["requests"]["memory"]
+        and c["resources"]["limits"]["memory"]
+    )
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert c[probe]["httpGet"] == {"path": "/healthz", "port": "health"}, probe
     assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
@@ -198,9 +274,15 @@ def test_operator_replicas_elect_a_leader_and_roll_without_a_gap() -> None:
     assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     assert "DSV4_RESTART_RATE_LIMIT" not in env  # the operator's default
     selector = dep["spec"]["selector"]["matchLabels"]
-    spread = dep["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
-    assert spread == [{"weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
-                                                          "labelSelector": {"matchLabels": selector}}}]
+    spread = dep["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert spread == [
+        {
+            "weight": 100,
+            "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": selector}},
+        }
+    ]
     pdb = one(docs, "PodDisruptionBudget")
     assert pdb["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": selector}}
     assert pdb["metadata"]["namespace"] == NAMESPACE
@@ -223,6 +305,7 @@ def test_operator_values_reach_the_pod() -> None:
     assert {"name": "DSV4_RESTART_RATE_LIMIT", "value": "4/300"} in c["env"]
     assert dep["spec"]["template"]["spec"]["affinity"] == variant["affinity"]  # the user's, not the default
     from dsv4_operator.watchdog.corroboration import RestartRateLimit
+
     limit = RestartRateLimit.parse("4/300")  # the form the operator reads
     assert (limit.max_restarts, limit.per_seconds) == (4, 300.0)
 
@@ -231,8 +314,9 @@ def test_operator_args_follow_the_watch_scope() -> None:
     cluster = operator_container(helm_template({"watch.scope": "cluster"}))["args"]
     assert cluster == ["--health-port=8080", "--log-format=json"]
     assert operator_container(helm_template())["args"][-1] == f"--namespace={NAMESPACE}"  # the default
-    namespaced = operator_container(helm_template({"watch.scope": "namespaces",
-                                                   "watch.namespaces": ["a", "b", "a"]}))["args"]
+    namespaced = operator_container(helm_template({"watch.scope": "namespaces", "watch.namespaces": ["a", "b", "a"]}))[
+        "args"
+    ]
     assert namespaced == ["--health-port=8080", "--log-format=json", "--namespace=a", "--namespace=b"]
     own = operator_container(helm_template({"watch.scope": "namespaces"}))["args"]
     assert own[-1] == f"--namespace={NAMESPACE}"
@@ -266,11 +350,16 @@ def test_the_operator_cli_accepts_the_rendered_args(monkeypatch: pytest.MonkeyPa
 
 
 def test_cluster_scope_uses_a_cluster_role_bound_to_the_service_account() -> None:
-    docs = [d for d in helm_template({"watch.scope": "cluster"}) if not d["metadata"]["name"].endswith("-leader-election")]
+    docs = [
+        d for d in helm_template({"watch.scope": "cluster"}) if not d["metadata"]["name"].endswith("-leader-election")
+    ]
     assert not by_kind(docs, "Role") and not by_kind(docs, "RoleBinding")  # but the Lease's, below
     role, binding = one(docs, "ClusterRole"), one(docs, "ClusterRoleBinding")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                                  "name": role["metadata"]["name"]}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": RELEASE, "namespace": NAMESPACE}]
 
 
@@ -279,7 +368,9 @@ def test_namespaced_scope_uses_a_role_in_each_watched_namespace_and_nothing_clus
     assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
     election = [d for d in docs if d["metadata"]["name"].endswith("-leader-election")]
     assert sorted((d["kind"], d["metadata"]["namespace"]) for d in election) == [
-        ("Role", NAMESPACE), ("RoleBinding", NAMESPACE)]  # the leader Lease lives in the release namespace
+        ("Role", NAMESPACE),
+        ("RoleBinding", NAMESPACE),
+    ]  # the leader Lease lives in the release namespace
     docs = [d for d in docs if d not in election]
     roles, bindings = by_kind(docs, "Role"), by_kind(docs, "RoleBinding")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
@@ -327,7 +418,9 @@ def test_default_install_has_no_cluster_wide_secret_verbs_and_an_operator_key() 
     assert vol["secret"]["secretName"] == f"{RELEASE}-key"
     mine = helm_template({"operatorKey.existingSecret": "my-key"})
     assert not by_kind(mine, "Secret")
-    (vol,) = [v for v in operator_deployment(mine)["spec"]["template"]["spec"]["volumes"] if v["name"] == "operator-key"]
+    (vol,) = [
+        v for v in operator_deployment(mine)["spec"]["template"]["spec"]["volumes"] if v["name"] == "operator-key"
+    ]
     assert vol["secret"]["secretName"] == "my-key"
 
 
@@ -353,26 +446,29 @@ def test_the_operator_holds_what_its_router_role_grants() -> None:
 # ---- values.schema.json -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("values, complaint", [
-    ({"watch.scope": "everywhere"}, "/watch/scope"),
-    ({"watch.namespaces": ["Team_A"]}, "/watch/namespaces/0"),
-    ({"operator.healthPort": 0}, "/operator/healthPort"),
-    ({"operator.healthPort": "8080"}, "/operator/healthPort"),
-    ({"operator.logFormat": "xml"}, "/operator/logFormat"),
-    ({"image.pullPolicy": "Sometimes"}, "/image/pullPolicy"),
-    ({"image.repository": ""}, "/image/repository"),
-    ({"replicaCount": 0}, "/replicaCount"),
-    ({"leaderElection.enabled": False}, "/replicaCount"),  # standalone: one replica, or two would act
-    ({"leaderElection.enabled": False, "replicaCount": 3}, "/replicaCount"),
-    ({"operator.restartRateLimit": "10 per hour"}, "/operator/restartRateLimit"),
-    ({"podDisruptionBudget": {"enable": True}}, "/podDisruptionBudget"),
-    ({"rbac.create": "yes"}, "/rbac/create"),
-    ({"metrics.serviceMonitor.interval": "30 seconds"}, "/metrics/serviceMonitor/interval"),
-    ({"sample.name": "Flash"}, "/sample/name"),
-    ({"sample.name": "f" * 45}, "/sample/name"),
-    ({"sample.spec.model": None}, "/sample/spec"),  # null removes the default model
-    ({"podLabels": {"team": 1}}, "/podLabels/team"),
-])
+@pytest.mark.parametrize(
+    "values, complaint",
+    [
+        ({"watch.scope": "everywhere"}, "/watch/scope"),
+        ({"watch.namespaces": ["Team_A"]}, "/watch/namespaces/0"),
+        ({"operator.healthPort": 0}, "/operator/healthPort"),
+        ({"operator.healthPort": "8080"}, "/operator/healthPort"),
+        ({"operator.logFormat": "xml"}, "/operator/logFormat"),
+        ({"image.pullPolicy": "Sometimes"}, "/image/pullPolicy"),
+        ({"image.repository": ""}, "/image/repository"),
+        ({"replicaCount": 0}, "/replicaCount"),
+        ({"leaderElection.enabled": False}, "/replicaCount"),  # standalone: one replica, or two would act
+        ({"leaderElection.enabled": False, "replicaCount": 3}, "/replicaCount"),
+        ({"operator.restartRateLimit": "10 per hour"}, "/operator/restartRateLimit"),
+        ({"podDisruptionBudget": {"enable": True}}, "/podDisruptionBudget"),
+        ({"rbac.create": "yes"}, "/rbac/create"),
+        ({"metrics.serviceMonitor.interval": "30 seconds"}, "/metrics/serviceMonitor/interval"),
+        ({"sample.name": "Flash"}, "/sample/name"),
+        ({"sample.name": "f" * 45}, "/sample/name"),
+        ({"sample.spec.model": None}, "/sample/spec"),  # null removes the default model
+        ({"podLabels": {"team": 1}}, "/podLabels/team"),
+    ],
+)
 def test_schema_rejects_bad_values(values: dict[str, Any], complaint: str) -> None:
     with pytest.raises(HelmError) as err:
         helm_template(values)
@@ -433,9 +529,15 @@ def test_samples_validate_against_the_crd_and_the_operator(source: str) -> None:
 
 
 def test_the_crd_schema_check_can_fail() -> None:
-    cr = one(helm_template({"sample.enabled": True, "sample.spec": {"model": {"name": "m", "path": "relative"},
-                                                                  "engine": {"image": "x", "kind": "vllm"}}}),
-             "DSV4Deployment")
+    cr = one(
+        helm_template(
+            {
+                "sample.enabled": True,
+                "sample.spec": {"model": {"name": "m", "path": "relative"}, "engine": {"image": "x", "kind": "vllm"}},
+            }
+        ),
+        "DSV4Deployment",
+    )
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(cr, crd_jsonschema(yaml.safe_load(CRD_FILE.read_text())))
 
@@ -452,7 +554,9 @@ def test_notes_say_what_to_run_next() -> None:
     assert "every namespace" in helm_notes({"watch.scope": "cluster"})
     ns = helm_notes({"watch.scope": "namespaces", "watch.namespaces": ["team-a"], "sample.enabled": False})
     assert "in: team-a" in ns and "kubectl -n team-a get dsv4d -w" in ns
-    sample = helm_notes({"sample.enabled": True, "metrics.serviceMonitor.enabled": True, "grafanaDashboard.enabled": True})
+    sample = helm_notes(
+        {"sample.enabled": True, "metrics.serviceMonitor.enabled": True, "grafanaDashboard.enabled": True}
+    )
     assert f"kubectl -n {NAMESPACE} get dsv4d flash -w" in sample
     assert "ServiceMonitors" in sample and f"ConfigMap {RELEASE}-dashboard" in sample
 

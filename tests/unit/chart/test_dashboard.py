@@ -38,8 +38,12 @@ def engine_series() -> dict[str, set[str]]:
 
 def operator_series() -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
-    suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count"),
-                "summary": ("_sum", "_count", "")}
+    suffixes = {
+        "counter": ("_total",),
+        "gauge": ("",),
+        "histogram": ("_bucket", "_sum", "_count"),
+        "summary": ("_sum", "_count", ""),
+    }
     for family in OperatorMetrics().registry.collect():  # labelled families have no samples yet
         out[family.name] = {family.name + s for s in suffixes[family.type]}
     return out
@@ -97,6 +101,14 @@ def test_the_configmap_carries_the_dashboard_as_is() -> None:
     cm = one(helm_template({"grafanaDashboard.enabled": True}), "ConfigMap")
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(cm["data"]["dsv4.json"]) == json.loads(DASHBOARD.read_text())
-    other = one(helm_template({"grafanaDashboard.enabled": True, "grafanaDashboard.namespace": "monitoring",
-                               "grafanaDashboard.labels": {"dashboards": "dsv4"}}), "ConfigMap")
+    other = one(
+        helm_template(
+            {
+                "grafanaDashboard.enabled": True,
+                "grafanaDashboard.namespace": "monitoring",
+                "grafanaDashboard.labels": {"dashboards": "dsv4"},
+            }
+        ),
+        "ConfigMap",
+    )
     assert other["metadata"]["namespace"] == "monitoring" and other["metadata"]["labels"]["dashboards"] == "dsv4"

@@ -86,7 +86,11 @@ def test_the_build_context_has_what_the_dockerfile_copies(dockerfile: Path) -> N
     import tomllib
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
-    needed = {"pyproject.toml", project["project"]["readme"], *project["tool"]["setuptools"]["packages"]["find"]["where"]}
+    needed = {
+        "pyproject.toml",
+        project["project"]["readme"],
+        *project["tool"]["setuptools"]["packages"]["find"]["where"],
+    }
     assert needed <= set(sources), f"{dockerfile.name} does not copy {needed - set(sources)}"
 
 

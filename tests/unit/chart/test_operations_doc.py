@@ -23,7 +23,7 @@ def table_after(heading: str) -> list[list[str]]:
     lines = DOC.read_text().splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.strip() == heading)
     rows, seen_table = [], False
-    for ln in lines[start + 1:]:
+    for ln in lines[start + 1 :]:
         if ln.startswith("|"):
             seen_table = True
             cells = [c.strip() for c in re.split(r"(?<!\\)\|", ln.strip())[1:-1]]
@@ -58,7 +58,9 @@ def test_chart_values_table_matches_values_yaml() -> None:
 
 def test_remediation_table_matches_the_crd_defaults() -> None:
     crd = yaml.safe_load(CRD_FILE.read_text())
-    remediation = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["remediation"]
+    remediation = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+        "remediation"
+    ]
     rows = table_after("## 6. Tuning detection")
     documented = set()
     for field_cell, default_cell, _ in rows:

@@ -22,16 +22,32 @@ VALUES = {"tenantPolicy.imageRegistries": ["registry.corp/ml"]}
 SPECS = {
     "plain": {"engine": {"image": "registry.corp/ml/dsv4:1"}},
     "other-registry": {"engine": {"image": "registry.corp/mlx/dsv4:1"}},
-    "router-digest": {"engine": {"image": "registry.corp/ml/dsv4:1"}, "router": {"image": "registry.corp/ml@sha256:ab"}},
-    "host-path": {"engine": {"image": "registry.corp/ml/dsv4:1"},
-                  "model": {"name": "m", "path": "/m", "volume": {"hostPath": {"path": "/"}}}},
-    "keyless-toleration": {"engine": {"image": "registry.corp/ml/dsv4:1"}, "prefill": {"tolerations": [{"operator": "Exists"}]}},
-    "control-plane": {"engine": {"image": "registry.corp/ml/dsv4:1"},
-                      "decode": {"tolerations": [{"key": "node-role.kubernetes.io/control-plane", "operator": "Exists"}]}},
-    "secret-env": {"engine": {"image": "registry.corp/ml/dsv4:1", "env": [
-        {"name": "T", "valueFrom": {"secretKeyRef": {"name": "x", "key": "y"}}}]}},
-    "field-env": {"engine": {"image": "registry.corp/ml/dsv4:1"}, "router": {"env": [
-        {"name": "N", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]}},
+    "router-digest": {
+        "engine": {"image": "registry.corp/ml/dsv4:1"},
+        "router": {"image": "registry.corp/ml@sha256:ab"},
+    },
+    "host-path": {
+        "engine": {"image": "registry.corp/ml/dsv4:1"},
+        "model": {"name": "m", "path": "/m", "volume": {"hostPath": {"path": "/"}}},
+    },
+    "keyless-toleration": {
+        "engine": {"image": "registry.corp/ml/dsv4:1"},
+        "prefill": {"tolerations": [{"operator": "Exists"}]},
+    },
+    "control-plane": {
+        "engine": {"image": "registry.corp/ml/dsv4:1"},
+        "decode": {"tolerations": [{"key": "node-role.kubernetes.io/control-plane", "operator": "Exists"}]},
+    },
+    "secret-env": {
+        "engine": {
+            "image": "registry.corp/ml/dsv4:1",
+            "env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "x", "key": "y"}}}],
+        }
+    },
+    "field-env": {
+        "engine": {"image": "registry.corp/ml/dsv4:1"},
+        "router": {"env": [{"name": "N", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]},
+    },
     "sglang-root": {"engine": {"image": "registry.corp/ml/sglang:1", "kind": "sglang"}},
     "sglang-uid": {"engine": {"image": "registry.corp/ml/sglang:1", "kind": "sglang"}, "security": {"runAsUser": 1000}},
 }
@@ -50,10 +66,15 @@ def _admits(vap: dict, spec: dict[str, Any]) -> bool:
     variables = {}
     for v in vap["spec"].get("variables") or []:
         variables[v["name"]] = env.program(env.compile(v["expression"])).evaluate(
-            {"object": obj, "variables": celpy.json_to_cel({}) if not variables else celpy.celtypes.MapType(variables)})
+            {"object": obj, "variables": celpy.json_to_cel({}) if not variables else celpy.celtypes.MapType(variables)}
+        )
     for rule in vap["spec"]["validations"]:
         ok = env.program(env.compile(rule["expression"])).evaluate(
-            {"object": obj, "variables": celpy.celtypes.MapType({celpy.celtypes.StringType(k): v for k, v in variables.items()})})
+            {
+                "object": obj,
+                "variables": celpy.celtypes.MapType({celpy.celtypes.StringType(k): v for k, v in variables.items()}),
+            }
+        )
         if not bool(ok):
             return False
     return True
@@ -68,9 +89,15 @@ def _full(raw: dict) -> dict:
 def test_admission_and_reconcile_agree(name):
     vap, binding = _policy(VALUES)
     assert binding["spec"] == {"policyName": vap["metadata"]["name"], "validationActions": ["Deny"]}
-    policy = TenantPolicy.from_mapping({"imageRegistries": ["registry.corp/ml"], "allowHostPath": False,
-                                        "tolerationKeys": ["nvidia.com/gpu"], "allowSecretEnv": False,
-                                        "allowRoot": False})
+    policy = TenantPolicy.from_mapping(
+        {
+            "imageRegistries": ["registry.corp/ml"],
+            "allowHostPath": False,
+            "tolerationKeys": ["nvidia.com/gpu"],
+            "allowSecretEnv": False,
+            "allowRoot": False,
+        }
+    )
     spec = _full(SPECS[name])  # as the API server holds it: CRD defaults applied
     reconcile_ok = policy_violations(parse_spec(spec), policy) == []
     assert _admits(vap, spec) == reconcile_ok, (name, policy_violations(parse_spec(spec), policy))

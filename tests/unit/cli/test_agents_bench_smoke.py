@@ -12,8 +12,12 @@ import pytest
 
 @pytest.mark.slow
 def test_agents_bench_quick_writes_its_report(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "dsv4_cli", "bench", "agents", "--quick", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "dsv4_cli", "bench", "agents", "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "agents.json").read_text())
     assert (tmp_path / "agents.png").stat().st_size > 0

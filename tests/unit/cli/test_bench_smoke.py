@@ -23,8 +23,18 @@ import prom  # noqa: E402
 
 from dsv4_cli.bench import script_argv  # noqa: E402
 
-SUMMARY_FIELDS = {"requests", "errors", "completion_tokens", "wall_s", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms",
-                  "itl_p50_ms", "runs_tok_s", "load_average"}
+SUMMARY_FIELDS = {
+    "requests",
+    "errors",
+    "completion_tokens",
+    "wall_s",
+    "output_tok_s",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "runs_tok_s",
+    "load_average",
+}
 
 
 # ---- pure parts -----------------------------------------------------------------------------------
@@ -78,12 +88,14 @@ dsv4:kv_transfer_latency_seconds_count{role="prefill"} 2.0
 # TYPE dsv4:kv_transfer_bytes counter
 dsv4:kv_transfer_bytes_total{role="prefill"} 100.0
 """
-METRICS_AFTER = METRICS_BEFORE.replace('0.001",role="prefill"} 1.0', '0.001",role="prefill"} 1.0') \
-    .replace('le="0.01",role="prefill"} 2.0', 'le="0.01",role="prefill"} 6.0') \
-    .replace('le="+Inf",role="prefill"} 2.0', 'le="+Inf",role="prefill"} 6.0') \
-    .replace("_sum{role=\"prefill\"} 0.006", "_sum{role=\"prefill\"} 0.026") \
-    .replace("_count{role=\"prefill\"} 2.0", "_count{role=\"prefill\"} 6.0") \
-    .replace("bytes_total{role=\"prefill\"} 100.0", "bytes_total{role=\"prefill\"} 500.0")
+METRICS_AFTER = (
+    METRICS_BEFORE.replace('0.001",role="prefill"} 1.0', '0.001",role="prefill"} 1.0')
+    .replace('le="0.01",role="prefill"} 2.0', 'le="0.01",role="prefill"} 6.0')
+    .replace('le="+Inf",role="prefill"} 2.0', 'le="+Inf",role="prefill"} 6.0')
+    .replace('_sum{role="prefill"} 0.006', '_sum{role="prefill"} 0.026')
+    .replace('_count{role="prefill"} 2.0', '_count{role="prefill"} 6.0')
+    .replace('bytes_total{role="prefill"} 100.0', 'bytes_total{role="prefill"} 500.0')
+)
 
 
 def test_histogram_delta_and_quantile_of_one_run():
@@ -93,13 +105,37 @@ def test_histogram_delta_and_quantile_of_one_run():
     assert d["buckets"] == [(0.001, 0.0), (0.01, 4.0), (float("inf"), 4.0)]
     assert prom.bucket_quantile(d["buckets"], 0.5) == pytest.approx(0.0055)  # halfway into (1 ms, 10 ms]
     assert prom.bucket_quantile([], 0.5) is None
-    assert prom.counter(METRICS_AFTER, "dsv4:kv_transfer_bytes_total") - prom.counter(METRICS_BEFORE, "dsv4:kv_transfer_bytes_total") == 400
+    assert (
+        prom.counter(METRICS_AFTER, "dsv4:kv_transfer_bytes_total")
+        - prom.counter(METRICS_BEFORE, "dsv4:kv_transfer_bytes_total")
+        == 400
+    )
 
 
 def test_cli_forwards_only_the_options_given():
-    argv = script_argv({"model": Path("/m"), "preset": None, "no_hf": True, "mono_via_router": False,
-                        "vllm_arg": ["--a", "b"], "quick": None, "repeats": 2})
-    assert argv == ["--model", "/m", "--no-hf", "--no-mono-via-router", "--vllm-arg", "--a", "--vllm-arg", "b", "--repeats", "2"]
+    argv = script_argv(
+        {
+            "model": Path("/m"),
+            "preset": None,
+            "no_hf": True,
+            "mono_via_router": False,
+            "vllm_arg": ["--a", "b"],
+            "quick": None,
+            "repeats": 2,
+        }
+    )
+    assert argv == [
+        "--model",
+        "/m",
+        "--no-hf",
+        "--no-mono-via-router",
+        "--vllm-arg",
+        "--a",
+        "--vllm-arg",
+        "b",
+        "--repeats",
+        "2",
+    ]
 
 
 # ---- the benchmarks, end to end at tiny sizes -----------------------------------------------------

@@ -8,7 +8,18 @@ import sys
 
 import pytest
 
-COMMANDS = [["model", "init"], ["serve"], ["router"], ["up"], ["operator"], ["bench", "serve"], ["bench", "pd"], ["bench", "nixl"], ["bench", "grammar"], ["bench", "agents"]]
+COMMANDS = [
+    ["model", "init"],
+    ["serve"],
+    ["router"],
+    ["up"],
+    ["operator"],
+    ["bench", "serve"],
+    ["bench", "pd"],
+    ["bench", "nixl"],
+    ["bench", "grammar"],
+    ["bench", "agents"],
+]
 
 
 def dsv4(*args: str) -> subprocess.CompletedProcess:
@@ -26,14 +37,18 @@ def test_bad_flag_is_one_clear_error(cmd):
     r = dsv4(*cmd, "--no-such-flag")
     assert r.returncode == 2
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("Error:")]
-    assert errors == ["Error: No such option: --no-such-flag"] or (len(errors) == 1 and "--no-such-flag" in errors[0]), r.stderr
+    assert errors == ["Error: No such option: --no-such-flag"] or (
+        len(errors) == 1 and "--no-such-flag" in errors[0]
+    ), r.stderr
 
 
 @pytest.mark.parametrize("args", [["serve", "--model", "/nonexistent"], ["up", "--model", "/nonexistent"]])
 def test_missing_model_is_one_line(args):
     r = dsv4(*args)
     assert r.returncode == 2
-    assert r.stderr.strip().splitlines() == ["error: no model at /nonexistent (expected /nonexistent/config.json); make one with `dsv4 model init DIR`"]
+    assert r.stderr.strip().splitlines() == [
+        "error: no model at /nonexistent (expected /nonexistent/config.json); make one with `dsv4 model init DIR`"
+    ]
 
 
 def test_bad_values():
@@ -44,9 +59,11 @@ def test_bad_values():
 
 
 def test_bad_chat_flags_are_one_line(tiny_model):
-    for flags, words in ((["--tool-call-parser", "hermes"], "unknown tool-call parser 'hermes'"),
-                         (["--reasoning-parser", "qwen3"], "unknown reasoning parser 'qwen3'"),
-                         (["--chat-template", "/nonexistent.jinja"], "--chat-template: no file")):
+    for flags, words in (
+        (["--tool-call-parser", "hermes"], "unknown tool-call parser 'hermes'"),
+        (["--reasoning-parser", "qwen3"], "unknown reasoning parser 'qwen3'"),
+        (["--chat-template", "/nonexistent.jinja"], "--chat-template: no file"),
+    ):
         r = dsv4("serve", "--model", str(tiny_model), *flags)
         assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and words in r.stderr, r.stderr
 

@@ -12,8 +12,12 @@ import pytest
 
 
 def test_prefix_bench_quick_writes_its_report(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "dsv4_cli", "bench", "prefix", "--quick", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "dsv4_cli", "bench", "prefix", "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "prefix.json").read_text())
     assert (tmp_path / "prefix.png").stat().st_size > 0
@@ -38,9 +42,15 @@ def test_sides_rerun_keeps_the_others_only_from_a_report_with_the_same_settings(
 
     a = prefix_bench.parse_args(["--quick", "--out", str(tmp_path), "--sides", "ours-nocache"])
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
-    (tmp_path / "prefix.json").write_text(json.dumps({
-        "started": "then", "settings": {**settings, "sides": None},
-        "sides": {"ours+cache": {"load_average_start": [1, 2, 3]}, "ours-nocache": {"old": True}}}))
+    (tmp_path / "prefix.json").write_text(
+        json.dumps(
+            {
+                "started": "then",
+                "settings": {**settings, "sides": None},
+                "sides": {"ours+cache": {"load_average_start": [1, 2, 3]}, "ours-nocache": {"old": True}},
+            }
+        )
+    )
     kept = prefix_bench.previous_sides(a)
     assert kept["ours+cache"] == {"load_average_start": [1, 2, 3], "measured_in": "then"}
     b = prefix_bench.parse_args(["--quick", "--out", str(tmp_path), "--sides", "ours-nocache", "--prompt-len", "64"])

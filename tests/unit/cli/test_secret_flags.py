@@ -12,8 +12,13 @@ import pytest
 
 
 def dsv4(*args, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dsv4_cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "dsv4_cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -22,7 +27,8 @@ def test_a_pd_engine_on_a_public_address_needs_a_pd_secret(tiny_model, role):
     r = dsv4("serve", "--model", tiny_model, "--role", role, "--host", "0.0.0.0", env=env)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         f"error: --role {role} on 0.0.0.0 needs a PD secret (--pd-secret-file or DSV4_PD_SECRET): without one "
-        "anyone who reaches the port can register as a peer and choose bootstrap targets"], r.stderr
+        "anyone who reaches the port can register as a peer and choose bootstrap targets"
+    ], r.stderr
 
 
 def test_secret_files_and_their_refusals(tiny_model, tmp_path):

@@ -22,10 +22,17 @@ aten = torch.ops.aten
 READ_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 # Ops whose result shape depends on tensor values: on CUDA they synchronise to learn it.
 SHAPE_FROM_VALUES = {
-    aten.nonzero.default, aten.masked_select.default, aten._local_scalar_dense.default,
-    aten.unique_dim.default, aten._unique2.default, aten.unique_consecutive.default,
-    aten.bincount.default, aten.is_nonzero.default, aten.equal.default,
-    aten.repeat_interleave.Tensor, aten.nonzero_static.default if hasattr(aten, "nonzero_static") else aten.nonzero.default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten._local_scalar_dense.default,
+    aten.unique_dim.default,
+    aten._unique2.default,
+    aten.unique_consecutive.default,
+    aten.bincount.default,
+    aten.is_nonzero.default,
+    aten.equal.default,
+    aten.repeat_interleave.Tensor,
+    aten.nonzero_static.default if hasattr(aten, "nonzero_static") else aten.nonzero.default,
 }
 
 
@@ -48,11 +55,17 @@ class _ShapeOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         bool_index = func is aten.index.Tensor and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or []))
-        to_host = (func in (aten._to_copy.default, aten.copy_.default) and isinstance(args[0], torch.Tensor)
-                   and args[0].device.type != "cpu" and
-                   (kwargs.get("device") == torch.device("cpu") or
-                    (func is aten.copy_.default and args[0].device.type == "cpu")))
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or [])
+        )
+        to_host = (
+            func in (aten._to_copy.default, aten.copy_.default)
+            and isinstance(args[0], torch.Tensor)
+            and args[0].device.type != "cpu"
+            and (
+                kwargs.get("device") == torch.device("cpu")
+                or (func is aten.copy_.default and args[0].device.type == "cpu")
+            )
+        )
         if (func in SHAPE_FROM_VALUES and func is not aten._local_scalar_dense.default) or bool_index or to_host:
             if not from_interpreter():
                 self.hits.append(f"{func} at {''.join(traceback.format_stack(limit=6)[:-1])}")
@@ -70,6 +83,7 @@ def count_host_syncs():
             if not from_interpreter():
                 hits.append(f"Tensor.{name} at {''.join(traceback.format_stack(limit=6)[:-1])}")
             return orig(self, *a, **kw)
+
         return method
 
     for name, orig in originals.items():

@@ -34,9 +34,7 @@ def ckpt(request, tiny_model, mla512_model):
 
 @pytest.fixture(scope="module")
 def hf_model(ckpt):
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        ckpt, dtype=torch.float32, output_loading_info=True
-    )
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32, output_loading_info=True)
     return model.eval(), info
 
 
@@ -64,7 +62,10 @@ def test_mla512_has_the_real_latent_width_and_yarn(mla512_model):
     c = _read_config(mla512_model)
     assert (c["kv_lora_rank"], c["qk_rope_head_dim"]) == (512, 64)
     assert c["rope_scaling"]["type"] == "yarn"
-    assert c["rope_scaling"]["factor"] == c["max_position_embeddings"] / c["rope_scaling"]["original_max_position_embeddings"]
+    assert (
+        c["rope_scaling"]["factor"]
+        == c["max_position_embeddings"] / c["rope_scaling"]["original_max_position_embeddings"]
+    )
     assert PRESETS["tiny"]["rope_scaling"] is None  # tiny keeps plain rope: both paths get tested
 
 
@@ -100,7 +101,10 @@ def test_transformers_loads_every_weight_unchanged(ckpt, hf_model):
         p = f"model.layers.{i}.mlp.experts."
         if p + "0.gate_proj.weight" in ours:
             expected[p + "gate_up_proj"] = torch.stack(
-                [torch.cat([ours[p + f"{j}.gate_proj.weight"], ours[p + f"{j}.up_proj.weight"]]) for j in range(n_experts)]
+                [
+                    torch.cat([ours[p + f"{j}.gate_proj.weight"], ours[p + f"{j}.up_proj.weight"]])
+                    for j in range(n_experts)
+                ]
             )
             expected[p + "down_proj"] = torch.stack([ours[p + f"{j}.down_proj.weight"] for j in range(n_experts)])
     assert set(expected) == set(state)
@@ -129,13 +133,19 @@ def test_greedy_decoding_has_clear_margins(ckpt, hf_model):
     for prompt in ["The weather today is", "def add(a, b):", "今天天气很好 😊"]:
         ids = torch.tensor([tok.encode(prompt)])
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True)
+            out = model.generate(
+                ids,
+                max_new_tokens=64,
+                min_new_tokens=64,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
         logits = torch.stack(out.logits, 1)[0]
         assert torch.isfinite(logits).all() and logits.abs().max() < 100
         top2 = logits.topk(2, dim=-1).values
         min_gap = min(min_gap, (top2[:, 0] - top2[:, 1]).min().item())
-        generated = out.sequences[0, ids.shape[1]:].tolist()
+        generated = out.sequences[0, ids.shape[1] :].tolist()
         assert len(set(generated)) >= 8, generated
     print(f"min top-1/top-2 gap over 3x64 greedy steps: {min_gap:.4f}")
     assert min_gap > 1e-3
@@ -143,8 +153,11 @@ def test_greedy_decoding_has_clear_margins(ckpt, hf_model):
 
 def test_same_seed_same_bytes_also_in_another_process(tiny_model, tmp_path):
     init_checkpoint(tmp_path / "a", preset="tiny", seed=0)
-    subprocess.run([sys.executable, "-m", "dsv4_cli", "model", "init", str(tmp_path / "b"),
-                    "--preset", "tiny", "--seed", "0"], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "dsv4_cli", "model", "init", str(tmp_path / "b"), "--preset", "tiny", "--seed", "0"],
+        check=True,
+        capture_output=True,
+    )
     init_checkpoint(tmp_path / "c", preset="tiny", seed=1)
     for name in FILES:
         assert (tmp_path / "a" / name).read_bytes() == (tiny_model / name).read_bytes(), name

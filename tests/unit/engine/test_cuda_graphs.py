@@ -12,8 +12,13 @@ import torch
 from host_sync_probe import count_host_syncs, from_interpreter
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dsv4_engine.cuda_graphs import (DECODE_DISPATCHES_PER_LAYER, V4_DECODE_DISPATCHES_PER_LAYER, bucket_for,
-                                     graph_buckets, pad_decode)
+from dsv4_engine.cuda_graphs import (
+    DECODE_DISPATCHES_PER_LAYER,
+    V4_DECODE_DISPATCHES_PER_LAYER,
+    bucket_for,
+    graph_buckets,
+    pad_decode,
+)
 from dsv4_engine.kv_cache import KVPool
 from dsv4_engine.model_runner import ModelRunner
 from dsv4_engine.sampling_params import SamplingParams
@@ -43,7 +48,9 @@ class Trace(TorchDispatchMode):
         if from_interpreter():  # Triton's interpreter running a kernel on CPU: a launch on a GPU
             return out
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        self.events.append(("op", str(func), tuple((tuple(o.shape), o.dtype) for o in outs if isinstance(o, torch.Tensor))))
+        self.events.append(
+            ("op", str(func), tuple((tuple(o.shape), o.dtype) for o in outs if isinstance(o, torch.Tensor)))
+        )
         return out
 
 
@@ -103,7 +110,9 @@ def reorder_tol(runner) -> float:
     return 2 * runner.cfg.hidden_size * 2.0**-24 * runner.cfg.num_hidden_layers
 
 
-def assert_same_writes(after: torch.Tensor, before: torch.Tensor, want: torch.Tensor, tol: float, msg: str = "") -> None:
+def assert_same_writes(
+    after: torch.Tensor, before: torch.Tensor, want: torch.Tensor, tol: float, msg: str = ""
+) -> None:
     """`after` changed exactly the elements the plain step changed (`before` -> `want`): every
     other element is bit for bit as it was, the written ones are within the float32 bound."""
     written = want != before
@@ -123,8 +132,10 @@ def assert_same_capture(runner, pool, graphs, one, two, launches, budget: int) -
     for i, (x, y) in enumerate(zip(trace1, trace2)):
         assert x == y, f"dispatch {i} differs between two steps of one bucket: {x} vs {y}"
     per_layer = len(trace1) / runner.cfg.num_hidden_layers
-    print(f"{runner.model_type} decode dispatches: {len(trace1)} in {runner.cfg.num_hidden_layers} layers "
-          f"({sum(e[0] == 'launch' for e in trace1)} kernel launches)")
+    print(
+        f"{runner.model_type} decode dispatches: {len(trace1)} in {runner.cfg.num_hidden_layers} layers "
+        f"({sum(e[0] == 'launch' for e in trace1)} kernel launches)"
+    )
     assert per_layer <= budget, f"{per_layer:.1f} dispatches a layer > budget {budget}"
 
 
@@ -134,10 +145,17 @@ def test_decode_step_is_capture_safe(runner, launches):
     pool.states[runner.model.LATENT_KV].normal_()  # any cached content: the trace must not care
     graphs = runner.decode_graphs(pool.page_size, pool.num_pages, capture=False)
     assert graphs.width == 16  # fixed: the pool's pages (tiny's context is longer)
-    one = [_decoding("a", [5, 6, 7], [8], [0]), _decoding("b", list(range(3, 20)), [4, 9], [1, 2, 3]),
-           _decoding("f", [1, 2], [3], [11])]
-    two = [_decoding("c", list(range(30, 60)), [2], [4, 5, 6, 7]), _decoding("d", [11], [12, 13, 14, 15, 16, 17, 18, 19, 20], [8, 9]),
-           _decoding("e", [21, 22], [23], [10]), _decoding("g", list(range(50, 90)), [1], [12, 13, 14, 15, 0, 1])]
+    one = [
+        _decoding("a", [5, 6, 7], [8], [0]),
+        _decoding("b", list(range(3, 20)), [4, 9], [1, 2, 3]),
+        _decoding("f", [1, 2], [3], [11]),
+    ]
+    two = [
+        _decoding("c", list(range(30, 60)), [2], [4, 5, 6, 7]),
+        _decoding("d", [11], [12, 13, 14, 15, 16, 17, 18, 19, 20], [8, 9]),
+        _decoding("e", [21, 22], [23], [10]),
+        _decoding("g", list(range(50, 90)), [1], [12, 13, 14, 15, 0, 1]),
+    ]
     assert_same_capture(runner, pool, graphs, one, two, launches, DECODE_DISPATCHES_PER_LAYER)
 
 
@@ -145,8 +163,11 @@ def test_padded_static_step_gives_the_plain_steps_logits(runner):
     pool = KVPool(runner.state_specs, 16, 8, torch.float32, DEVICE)
     torch.manual_seed(1)
     pool.states[runner.model.LATENT_KV].normal_()
-    batch = [_decoding("a", [5, 6, 7], [8], [0]), _decoding("b", list(range(3, 20)), [4, 9], [1, 2, 3]),
-             _decoding("c", [40, 41], [42], [5])]
+    batch = [
+        _decoding("a", [5, 6, 7], [8], [0]),
+        _decoding("b", list(range(3, 20)), [4, 9], [1, 2, 3]),
+        _decoding("c", [40, 41], [42], [5]),
+    ]
     snapshot = pool.states[runner.model.LATENT_KV].clone()
     plain = runner.model.forward(runner.build_batch(batch, pool.page_size), pool.all_states)
     after_plain = pool.states[runner.model.LATENT_KV].clone()
@@ -184,8 +205,14 @@ def test_captured_graphs_replay_the_eager_decode(tiny_model):
     assert sorted(r.graphs.graphs) == r.graphs.buckets
     torch.manual_seed(2)
     pool.states[r.model.LATENT_KV].normal_()
-    for batch in ([_decoding("a", [5, 6, 7], [8], [0]), _decoding("b", list(range(3, 20)), [4, 9], [1, 2, 3])],
-                  [_decoding("c", [40, 41], [42], [5]), _decoding("d", [1] * 30, [2], [6, 7, 8, 9]), _decoding("e", [3], [4], [10])]):
+    for batch in (
+        [_decoding("a", [5, 6, 7], [8], [0]), _decoding("b", list(range(3, 20)), [4, 9], [1, 2, 3])],
+        [
+            _decoding("c", [40, 41], [42], [5]),
+            _decoding("d", [1] * 30, [2], [6, 7, 8, 9]),
+            _decoding("e", [3], [4], [10]),
+        ],
+    ):
         snapshot = pool.states[r.model.LATENT_KV].clone()
         eager = r.model.forward(r.build_batch(batch, pool.page_size), pool.all_states).clone()
         pool.states[r.model.LATENT_KV].copy_(snapshot)
@@ -222,10 +249,17 @@ def test_v4_decode_step_is_capture_safe(v4_runner, launches):
     pool = _v4_pool(v4_runner, 3)
     graphs = v4_runner.decode_graphs(pool.page_size, pool.num_pages, capture=False)
     # positions 7 (closes CSA and HCA), 5 (none), 11 (CSA) / 4, 9, 14, 2 (none close)
-    one = [_v4_decoding("a", list(range(3, 10)), [4], [0], 0), _v4_decoding("b", [5, 6, 7], [8, 9, 1], [1], 1),
-           _v4_decoding("c", list(range(20, 30)), [2, 3], [2, 3], 2)]
-    two = [_v4_decoding("d", [1, 2, 3, 4], [5], [4], 3), _v4_decoding("e", list(range(40, 48)), [6, 7], [5, 6], 4),
-           _v4_decoding("f", list(range(60, 75)), [1], [7, 8], 5), _v4_decoding("g", [9, 8], [7], [9], 0)]
+    one = [
+        _v4_decoding("a", list(range(3, 10)), [4], [0], 0),
+        _v4_decoding("b", [5, 6, 7], [8, 9, 1], [1], 1),
+        _v4_decoding("c", list(range(20, 30)), [2, 3], [2, 3], 2),
+    ]
+    two = [
+        _v4_decoding("d", [1, 2, 3, 4], [5], [4], 3),
+        _v4_decoding("e", list(range(40, 48)), [6, 7], [5, 6], 4),
+        _v4_decoding("f", list(range(60, 75)), [1], [7, 8], 5),
+        _v4_decoding("g", [9, 8], [7], [9], 0),
+    ]
     assert_same_capture(v4_runner, pool, graphs, one, two, launches, V4_DECODE_DISPATCHES_PER_LAYER)
 
 
@@ -234,8 +268,11 @@ def test_v4_padded_static_step_gives_the_plain_steps_logits_and_states(v4_runner
     that close: same logits, every state tensor the same afterwards (rows that close nothing
     and the padding row leave their stores as they were)."""
     pool = _v4_pool(v4_runner, 4)
-    batch = [_v4_decoding("a", list(range(3, 10)), [4], [0], 0), _v4_decoding("b", [5, 6, 7], [8, 9, 1], [1], 1),
-             _v4_decoding("c", list(range(20, 30)), [2, 3], [2, 3], 2)]  # positions 7, 5, 11
+    batch = [
+        _v4_decoding("a", list(range(3, 10)), [4], [0], 0),
+        _v4_decoding("b", [5, 6, 7], [8, 9, 1], [1], 1),
+        _v4_decoding("c", list(range(20, 30)), [2, 3], [2, 3], 2),
+    ]  # positions 7, 5, 11
     snapshot = {k: v.clone() for k, v in pool.all_states.items()}
     plain = v4_runner.model.forward(v4_runner.build_batch(batch, pool.page_size), pool.all_states)
     after_plain = {k: v.clone() for k, v in pool.all_states.items()}
@@ -259,9 +296,14 @@ def test_v4_captured_graphs_replay_the_eager_decode(make_model):
     torch.manual_seed(5)
     for t in pool.all_states.values():
         t.normal_()
-    for batch in ([_v4_decoding("a", list(range(3, 10)), [4], [0], 0), _v4_decoding("b", [5, 6, 7], [8, 9, 1], [1], 1)],
-                  [_v4_decoding("c", list(range(20, 30)), [2, 3], [2, 3], 2), _v4_decoding("d", [1, 2, 3, 4], [5], [4], 3),
-                   _v4_decoding("e", list(range(40, 48)), [6, 7], [5, 6], 4)]):
+    for batch in (
+        [_v4_decoding("a", list(range(3, 10)), [4], [0], 0), _v4_decoding("b", [5, 6, 7], [8, 9, 1], [1], 1)],
+        [
+            _v4_decoding("c", list(range(20, 30)), [2, 3], [2, 3], 2),
+            _v4_decoding("d", [1, 2, 3, 4], [5], [4], 3),
+            _v4_decoding("e", list(range(40, 48)), [6, 7], [5, 6], 4),
+        ],
+    ):
         snapshot = {k: v.clone() for k, v in pool.all_states.items()}
         eager = r.model.forward(r.build_batch(batch, pool.page_size), pool.all_states).clone()
         for k, v in pool.all_states.items():

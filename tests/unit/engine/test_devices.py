@@ -35,8 +35,9 @@ def test_the_engine_thread_asks_for_the_engines_device_before_any_step(tiny_mode
     engine = Engine(EngineArgs(model=str(tiny_model), device="cpu", kernel_backend="torch", kv_pages=32, page_size=8))
     asked: dict[str, list[torch.device]] = {}
     stepped: dict[str, int] = {}
-    monkeypatch.setattr(engine_mod, "use_device",
-                        lambda d: asked.setdefault(threading.current_thread().name, []).append(d))
+    monkeypatch.setattr(
+        engine_mod, "use_device", lambda d: asked.setdefault(threading.current_thread().name, []).append(d)
+    )
     step = engine.runner.step
 
     def recording_step(*a, **kw):
@@ -47,8 +48,14 @@ def test_the_engine_thread_asks_for_the_engines_device_before_any_step(tiny_mode
 
     engine.runner.step = recording_step
     done = threading.Event()
-    engine.submit(Sequence("a", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
-                           sink=lambda out: out.finished and done.set()))
+    engine.submit(
+        Sequence(
+            "a",
+            [5, 6, 7],
+            SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+            sink=lambda out: out.finished and done.set(),
+        )
+    )
     engine.start()
     try:
         assert done.wait(30)

@@ -85,7 +85,11 @@ def test_inbox_holds_typed_commands(engine):
 def test_sampler_fails_a_nan_row_alone():
     logits = torch.randn(3, 50)
     logits[1, 7] = math.nan
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, logprobs=2)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=1.0, logprobs=2),
+    ]
     gens = [None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
     out = sample(logits, params, gens)
     assert out[0].token == int(logits[0].argmax())
@@ -96,7 +100,9 @@ def test_sampler_fails_a_nan_row_alone():
 def test_logprobs_are_the_raw_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     for temperature in (0.0, 0.5, 3.0):
-        (r,) = sample(logits, [SamplingParams(temperature=temperature, top_k=2, logprobs=3)], [torch.Generator().manual_seed(0)])
+        (r,) = sample(
+            logits, [SamplingParams(temperature=temperature, top_k=2, logprobs=3)], [torch.Generator().manual_seed(0)]
+        )
         ref = torch.log_softmax(logits[0], -1)
         assert r.logprob["logprob"] == pytest.approx(float(ref[r.token]))
         assert [t for t, _ in r.logprob["top"]] == [0, 1, 2]

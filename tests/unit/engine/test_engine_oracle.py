@@ -37,9 +37,17 @@ def hf(model_dir):
 def hf_generate(hf, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
     """HF greedy tokens and the raw logits of every step (prefill's last position first)."""
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    return out.sequences[0, len(prompt):].tolist(), [lg[0].float() for lg in out.logits]
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), [lg[0].float() for lg in out.logits]
 
 
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
@@ -74,7 +82,9 @@ def test_logits_match_every_step(model_dir, hf):
     assert worst < 1e-4
 
 
-def run_engine(model_dir, arrivals: dict[int, list[tuple[str, list[int]]]], **kw) -> tuple[dict[str, list[int]], Engine, list]:
+def run_engine(
+    model_dir, arrivals: dict[int, list[tuple[str, list[int]]]], **kw
+) -> tuple[dict[str, list[int]], Engine, list]:
     """Drive an engine step by step (no thread); requests join at the steps given."""
     engine = Engine(EngineArgs(model=str(model_dir), device="cpu", kernel_backend="torch", **kw))
     outs: dict[str, list[int]] = {}
@@ -86,6 +96,7 @@ def run_engine(model_dir, arrivals: dict[int, list[tuple[str, list[int]]]], **kw
             if out.finished:
                 assert out.finish_reason == "length", (rid, out)
                 done.add(rid)
+
         return sink
 
     total = sum(len(v) for v in arrivals.values())
@@ -93,7 +104,14 @@ def run_engine(model_dir, arrivals: dict[int, list[tuple[str, list[int]]]], **kw
     step = 0
     while len(done) < total:
         for rid, prompt in arrivals.get(step, []):
-            seqs.append(Sequence(rid, prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True), sink=sink_for(rid)))
+            seqs.append(
+                Sequence(
+                    rid,
+                    prompt,
+                    SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
+                    sink=sink_for(rid),
+                )
+            )
             engine.submit(seqs[-1])
         engine.step()
         step += 1
@@ -129,11 +147,29 @@ def test_checkpoint_saved_by_transformers_loads_and_matches(tmp_path):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = DeepseekV3Config(vocab_size=300, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48,
-                           kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
-                           n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
-                           routed_scaling_factor=2.0, max_position_embeddings=512, initializer_range=0.1)
+    cfg = DeepseekV3Config(
+        vocab_size=300,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=48,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.0,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+    )
     hf = DeepseekV3ForCausalLM(cfg).eval()
     with torch.no_grad():
         for mod in hf.modules():

@@ -15,8 +15,13 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 shared cores: spinning OpenMP 
 
 def test_attention_forms_quick(tmp_path):
     out = tmp_path / "forms.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "attention_forms.py"), "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, env=ENV)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "attention_forms.py"), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
@@ -28,9 +33,27 @@ def test_attention_forms_quick(tmp_path):
 
 def test_engine_smoke_quick_on_cpu(tmp_path, tiny_model):
     out = tmp_path / "smoke.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "engine_gpu_smoke.py"), "--device", "cpu", "--dtype", "float32",
-                           "--backend", "torch", "--quick", "--model", str(tiny_model), "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, env=ENV)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "engine_gpu_smoke.py"),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--backend",
+            "torch",
+            "--quick",
+            "--model",
+            str(tiny_model),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     run = json.loads(out.read_text())["runs"][0]
     assert run["seeded_equal"] and not run["sampling_errors"]

@@ -21,8 +21,13 @@ from dsv4_engine.sequence import Sequence
 
 
 def capturing_graphs(calls: list) -> DecodeGraphs:
-    g = DecodeGraphs(lambda t, bs: calls.append(("forward", bs, int(t["seq_lens"][0]))) or torch.zeros(bs, 3),
-                     max_bs=16, width=4, device=torch.device("cpu"), capture=False)
+    g = DecodeGraphs(
+        lambda t, bs: calls.append(("forward", bs, int(t["seq_lens"][0]))) or torch.zeros(bs, 3),
+        max_bs=16,
+        width=4,
+        device=torch.device("cpu"),
+        capture=False,
+    )
     g.capture = True  # what a CUDA device gets; the CUDA calls are recorded below
     g._synchronize = lambda: None
     return g
@@ -92,7 +97,10 @@ def test_a_failed_bucket_drops_every_graph_and_says_which(cuda_recorded):
 
     g._capture_one = failing
     reason = g.capture_all()
-    assert reason == "capturing the decode graph of batch size 4 failed: RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert (
+        reason
+        == "capturing the decode graph of batch size 4 failed: RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    )
     assert g.graphs == {} and g.outputs == {} and g.pool is None and not g.captured
     # Not captured: a decode of any size runs the same padded step eagerly, never a KeyError.
     hb = cuda_graphs.warmup_batch(4)
@@ -105,7 +113,9 @@ def test_the_runner_captures_on_demand_and_turns_graphs_off_in_one_line(tiny_mod
     from dsv4_engine.kv_cache import KVPool
 
     pool = KVPool(runner.state_specs, 8, 8, torch.float32, runner.device)
-    monkeypatch.setattr(DecodeGraphs, "capture_all", lambda self: "capturing the decode graph of batch size 2 failed: X")
+    monkeypatch.setattr(
+        DecodeGraphs, "capture_all", lambda self: "capturing the decode graph of batch size 2 failed: X"
+    )
     pool.states[runner.model.LATENT_KV].fill_(1.0)  # what a warm-up forward writes, zeroed again
     with caplog.at_level(logging.INFO, logger="dsv4_engine.model_runner"):
         assert runner.capture_graphs(pool) is False
@@ -118,8 +128,11 @@ def test_the_runner_captures_on_demand_and_turns_graphs_off_in_one_line(tiny_mod
 def test_the_engine_captures_at_start_up_before_any_request(tiny_model, monkeypatch):
     captured = []
     monkeypatch.setattr(ModelRunner, "capture_graphs", lambda self, pool: captured.append(pool) or True)
-    e = Engine(EngineArgs(model=str(tiny_model), device="cpu", kernel_backend="torch", kv_pages=16, page_size=8,
-                          cuda_graph_max_bs=8))
+    e = Engine(
+        EngineArgs(
+            model=str(tiny_model), device="cpu", kernel_backend="torch", kv_pages=16, page_size=8, cuda_graph_max_bs=8
+        )
+    )
     assert captured == [e.pool] and not e.seqs
 
 
@@ -129,15 +142,26 @@ def test_at_tp2_all_ranks_keep_their_graphs_or_none(tiny_model, monkeypatch, cap
     monkeypatch.setattr(ModelRunner, "graphs_supported", lambda self: True)
     monkeypatch.setattr(ModelRunner, "capture_graphs", lambda self, pool: True)
     with caplog.at_level(logging.INFO):
-        e = Engine(EngineArgs(model=str(tiny_model), device="cpu", kernel_backend="torch", kv_pages=16, page_size=8,
-                              cuda_graph_max_bs=8, tp_size=2))
+        e = Engine(
+            EngineArgs(
+                model=str(tiny_model),
+                device="cpu",
+                kernel_backend="torch",
+                kv_pages=16,
+                page_size=8,
+                cuda_graph_max_bs=8,
+                tp_size=2,
+            )
+        )
     try:
         assert e.runner.cuda_graph_max_bs == 0 and e.runner.graphs is None
         assert [r.getMessage() for r in caplog.records if "CUDA graphs off" in r.getMessage()] == [
-            "CUDA graphs off: another rank could not capture its decode graphs (its log says why)"]
+            "CUDA graphs off: another rank could not capture its decode graphs (its log says why)"
+        ]
         outs = []
-        e.submit(Sequence("a", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
-                          sink=outs.append))
+        e.submit(
+            Sequence("a", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), sink=outs.append)
+        )
         for _ in range(50):
             e.step()
             if outs and outs[-1].finished:

@@ -122,8 +122,14 @@ def test_vectorised_batch_equals_the_per_request_reading():
         news.append(n)
     from dsv4_engine.batch_buffers import host_batch
 
-    hb = host_batch([s.num_computed for s in seqs], news, [s.pages for s in seqs],
-                    [_new_tokens(s, s.num_computed, n) for s, n in zip(seqs, news)], [s.slot for s in seqs], page_size)
+    hb = host_batch(
+        [s.num_computed for s in seqs],
+        news,
+        [s.pages for s in seqs],
+        [_new_tokens(s, s.num_computed, n) for s, n in zip(seqs, news)],
+        [s.slot for s in seqs],
+        page_size,
+    )
     ids, pos, slots, last = [], [], [], []
     for s, n in zip(seqs, news):
         for j in range(s.num_computed, s.num_computed + n):
@@ -136,5 +142,5 @@ def test_vectorised_batch_equals_the_per_request_reading():
     assert hb.seq_lens.tolist() == [s.num_computed + n for s, n in zip(seqs, news)]
     for b, s in enumerate(seqs):
         assert hb.block_table[b, : len(s.pages)].tolist() == s.pages
-        assert not hb.block_table[b, len(s.pages):].any()
+        assert not hb.block_table[b, len(s.pages) :].any()
     assert hb.slot_ids.tolist() == list(range(7))

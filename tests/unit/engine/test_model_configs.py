@@ -41,17 +41,29 @@ def test_v4_reads_every_plain_field_as_written():
 
 
 def test_v4_null_means_not_set_and_numbers_are_coerced():
-    cfg = DeepseekV4Config.from_dict({"hidden_size": 512.0, "rms_norm_eps": "1e-5", "index_topk": None,
-                                      "bos_token_id": None})
+    cfg = DeepseekV4Config.from_dict(
+        {"hidden_size": 512.0, "rms_norm_eps": "1e-5", "index_topk": None, "bos_token_id": None}
+    )
     assert cfg.hidden_size == 512 and isinstance(cfg.hidden_size, int)
     assert cfg.rms_norm_eps == 1e-5 and cfg.index_topk == 512
     assert cfg.bos_token_id is None  # Optional: a null is a value
 
 
 def test_v3_fields_come_from_the_dataclass():
-    base = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
-            "num_hidden_layers": 2, "num_attention_heads": 2, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
-            "qk_rope_head_dim": 4, "v_head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2}
+    base = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 8,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+    }
     cfg = ModelConfig.from_dict(base)
     for f in fields(ModelConfig):
         if f.name not in base and f.name != "extra":

@@ -24,9 +24,18 @@ def test_mtp_checkpoint_layout(tiny_mtp, tiny_model):
     with safe_open(str(tiny_mtp / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
         p = f"model.layers.{n}."
-        for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
-                     "shared_head.head.weight", "embed_tokens.weight", "self_attn.kv_a_proj_with_mqa.weight",
-                     "mlp.gate.weight", "mlp.experts.0.gate_proj.weight", "input_layernorm.weight"):
+        for name in (
+            "enorm.weight",
+            "hnorm.weight",
+            "eh_proj.weight",
+            "shared_head.norm.weight",
+            "shared_head.head.weight",
+            "embed_tokens.weight",
+            "self_attn.kv_a_proj_with_mqa.weight",
+            "mlp.gate.weight",
+            "mlp.experts.0.gate_proj.weight",
+            "input_layernorm.weight",
+        ):
             assert p + name in keys, name
         assert f.get_slice(p + "eh_proj.weight").get_shape() == [cfg["hidden_size"], 2 * cfg["hidden_size"]]
         # The release keeps copies of the main embedding and head in the block.
@@ -60,8 +69,10 @@ def test_trainable_forward_equals_the_engines(tiny_mtp):
     n = -(-T // page)
     states = {STATE: torch.zeros(n, 1, page, cfg.kv_cache_dim)}
     hb = host_batch([0], [T], [list(range(n))], [seq[1:]], [None], page)
-    t = {k: torch.from_numpy(getattr(hb, k)) for k in ("input_ids", "positions", "slot_mapping", "block_table",
-                                                      "seq_lens", "extend_lens", "logits_indices")}
+    t = {
+        k: torch.from_numpy(getattr(hb, k))
+        for k in ("input_ids", "positions", "slot_mapping", "block_table", "seq_lens", "extend_lens", "logits_indices")
+    }
     fb = ForwardBatch(**t, all_decode=False, page_size=page, seq_lens_host=[T], extend_lens_host=[T])
     b, _ = MTPLayer(model, tiny_mtp).forward(fb, states, hidden[:-1], rows=torch.arange(T))
     # fp32 through one layer and the head (logits of order 10): summation-order rounding only.

@@ -19,8 +19,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def engine_for(model, cache: bool = True, **kw) -> Engine:
-    args = dict(model=str(model), device="cpu", kernel_backend="torch", page_size=PS, kv_pages=64,
-                max_num_seqs=8, max_num_batched_tokens=16, enable_prefix_cache=cache)
+    args = dict(
+        model=str(model),
+        device="cpu",
+        kernel_backend="torch",
+        page_size=PS,
+        kv_pages=64,
+        max_num_seqs=8,
+        max_num_batched_tokens=16,
+        enable_prefix_cache=cache,
+    )
     args.update(kw)
     return Engine(EngineArgs(**args))
 
@@ -38,15 +46,19 @@ def counting(engine: Engine) -> list[int]:
     return computed
 
 
-def run(engine: Engine, requests: list[Sequence], aborts: Optional[dict[int, str]] = None) -> dict[str, tuple[list[int], str]]:
+def run(
+    engine: Engine, requests: list[Sequence], aborts: Optional[dict[int, str]] = None
+) -> dict[str, tuple[list[int], str]]:
     aborts = aborts or {}
     outs: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
     for s in requests:
+
         def sink(out, rid=s.rid):
             outs.setdefault(rid, []).extend(out.token_ids)
             if out.finished:
                 reasons[rid] = out.finish_reason
+
         s.sink = sink
         engine.submit(s)
     step = 0
@@ -61,9 +73,15 @@ def run(engine: Engine, requests: list[Sequence], aborts: Optional[dict[int, str
 
 def choices(prompt: list[int], n: int, seed: int = 7, max_tokens: int = 6) -> list[Sequence]:
     """What the HTTP process sends for one request with n choices: seed + j, choice j > 0 naming choice 0."""
-    return [Sequence(f"r-{j}", list(prompt), SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed + j,
-                                                             ignore_eos=True),
-                     share_prefix_of="r-0" if j else None) for j in range(n)]
+    return [
+        Sequence(
+            f"r-{j}",
+            list(prompt),
+            SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed + j, ignore_eos=True),
+            share_prefix_of="r-0" if j else None,
+        )
+        for j in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")

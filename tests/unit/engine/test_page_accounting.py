@@ -13,8 +13,17 @@ from dsv4_engine.sequence import Sequence
 
 
 def test_pages_return_after_random_requests_and_aborts(tiny_model):
-    engine = Engine(EngineArgs(model=str(tiny_model), device="cpu", kernel_backend="torch", kv_pages=40,
-                               page_size=8, max_num_seqs=16, max_num_batched_tokens=96))
+    engine = Engine(
+        EngineArgs(
+            model=str(tiny_model),
+            device="cpu",
+            kernel_backend="torch",
+            kv_pages=40,
+            page_size=8,
+            max_num_seqs=16,
+            max_num_batched_tokens=96,
+        )
+    )
     rng = random.Random(0)
     done = threading.Event()
     finished: dict[str, str] = {}
@@ -32,8 +41,12 @@ def test_pages_return_after_random_requests_and_aborts(tiny_model):
     try:
         for i in range(n):
             prompt = [rng.randrange(2, 500) for _ in range(rng.randint(1, 60))]
-            params = SamplingParams(max_tokens=rng.randint(1, 40), temperature=rng.choice([0, 0.8]), ignore_eos=rng.random() < 0.5,
-                                    seed=rng.randint(0, 99))
+            params = SamplingParams(
+                max_tokens=rng.randint(1, 40),
+                temperature=rng.choice([0, 0.8]),
+                ignore_eos=rng.random() < 0.5,
+                seed=rng.randint(0, 99),
+            )
             engine.submit(Sequence(f"r{i}", prompt, params, sink=sink))
             if rng.random() < 0.3:
                 engine.abort(f"r{rng.randint(max(0, i - 5), i)}")

@@ -156,8 +156,16 @@ def test_which_engines_build_a_cache(tiny_model, make_model):
     # several ranks tests/unit/parallel/test_tp_engine.py), except with no snapshots
     assert prefix_cache_refusal([paged, window], "mono") is None
     assert "snapshots 0" in prefix_cache_refusal([paged, window], "mono", snapshots=0)
-    v4 = Engine(EngineArgs(model=str(make_model("v4-tiny")), device="cpu", kernel_backend="torch", kv_pages=16,
-                           max_num_seqs=2, prefix_cache_snapshots=0))
+    v4 = Engine(
+        EngineArgs(
+            model=str(make_model("v4-tiny")),
+            device="cpu",
+            kernel_backend="torch",
+            kv_pages=16,
+            max_num_seqs=2,
+            prefix_cache_snapshots=0,
+        )
+    )
     assert v4.prefix_cache is None and v4.scheduler.cache is None
     assert v4.loads()["prefix_cache"]["enabled"] is False
     assert engine_for(tiny_model, True).loads()["prefix_cache"]["enabled"] is True
@@ -177,14 +185,16 @@ def drive(engine: Engine, arrivals: dict[int, list[tuple[str, list[int], int]]],
             outs.setdefault(rid, []).extend(out.token_ids)
             if out.finished:
                 reasons[rid] = out.finish_reason
+
         return sink
 
     total = sum(len(v) for v in arrivals.values())
     step = 0
     while len(reasons) < total:
         for rid, prompt, n in arrivals.get(step, []):
-            seqs.append(Sequence(rid, prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
-                                 sink=sink_for(rid)))
+            seqs.append(
+                Sequence(rid, prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), sink=sink_for(rid))
+            )
             engine.submit(seqs[-1])
         for rid in aborts.get(step, []):
             engine.abort(rid)
@@ -211,8 +221,16 @@ def workload(seed: int, n: int, vocab: int):
 
 
 def engine_for(model, cache: bool, **kw) -> Engine:
-    args = dict(model=str(model), device="cpu", kernel_backend="torch", page_size=4, kv_pages=64,
-                max_num_seqs=8, max_num_batched_tokens=48, enable_prefix_cache=cache)
+    args = dict(
+        model=str(model),
+        device="cpu",
+        kernel_backend="torch",
+        page_size=4,
+        kv_pages=64,
+        max_num_seqs=8,
+        max_num_batched_tokens=48,
+        enable_prefix_cache=cache,
+    )
     args.update(kw)
     return Engine(EngineArgs(**args))
 
@@ -290,8 +308,9 @@ def test_random_shared_prefixes_and_aborts_on_a_tiny_pool_return_every_page(tiny
     try:
         for i in range(n):
             prompt = rng.choice(systems) + [rng.randrange(3, 400) for _ in range(rng.randint(0, 20))]
-            params = SamplingParams(max_tokens=rng.randint(1, 16), temperature=rng.choice([0, 0.9]),
-                                    ignore_eos=True, seed=rng.randint(0, 9))
+            params = SamplingParams(
+                max_tokens=rng.randint(1, 16), temperature=rng.choice([0, 0.9]), ignore_eos=True, seed=rng.randint(0, 9)
+            )
             engine.submit(Sequence(f"r{i}", prompt, params, sink=sink))
             if rng.random() < 0.3:
                 engine.abort(f"r{rng.randint(max(0, i - 4), i)}")

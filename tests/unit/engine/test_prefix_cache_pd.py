@@ -22,8 +22,18 @@ PAGES = 48
 
 
 def make(model, role: str, cache: bool = True) -> Engine:
-    return Engine(EngineArgs(model=str(model), role=role, device="cpu", kernel_backend="torch", kv_pages=PAGES,
-                             page_size=8, served_model_name="m", enable_prefix_cache=cache))
+    return Engine(
+        EngineArgs(
+            model=str(model),
+            role=role,
+            device="cpu",
+            kernel_backend="torch",
+            kv_pages=PAGES,
+            page_size=8,
+            served_model_name="m",
+            enable_prefix_cache=cache,
+        )
+    )
 
 
 def run(engines: list[Engine], done, limit: int = 3000) -> None:
@@ -31,7 +41,9 @@ def run(engines: list[Engine], done, limit: int = 3000) -> None:
         if done():
             return
         for e in engines:
-            e.step() if (e.scheduler.has_work() or not e.inbox.empty() or (e.pd and e.pd.busy())) else (e.pd and e.pd.poll())
+            e.step() if (e.scheduler.has_work() or not e.inbox.empty() or (e.pd and e.pd.busy())) else (
+                e.pd and e.pd.poll()
+            )
     raise AssertionError("no progress")
 
 
@@ -53,9 +65,15 @@ def test_prefill_cache_hits_and_decode_gets_the_whole_state(tiny_model):
         params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         ends = {}
         for side, eng in (("p", p), ("d", d)):
-            s = Sequence(f"{side}{room}", list(prompt), params, sink=lambda o, side=side: (
-                got.setdefault(room, []).extend(o.token_ids) if side == "d" else None,
-                ends.__setitem__(side, o) if o.finished else None))
+            s = Sequence(
+                f"{side}{room}",
+                list(prompt),
+                params,
+                sink=lambda o, side=side: (
+                    got.setdefault(room, []).extend(o.token_ids) if side == "d" else None,
+                    ends.__setitem__(side, o) if o.finished else None,
+                ),
+            )
             s.pd = PDRequestInfo("127.0.0.1", 9100, room)
             s.prefill_only = side == "p"
             eng.submit(s)

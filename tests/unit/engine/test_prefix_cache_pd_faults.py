@@ -27,19 +27,35 @@ SYSTEM = list(range(10, 60))  # 50 tokens: 3 full pages of 16 that every request
 
 class Cluster:
     def __init__(self, model):
-        make = lambda role, cache=True: Engine(EngineArgs(  # noqa: E731
-            model=str(model), role=role, device="cpu", kernel_backend="torch", kv_pages=PAGES, page_size=16,
-            served_model_name="m", enable_prefix_cache=cache))
+        make = lambda role, cache=True: Engine(
+            EngineArgs(  # noqa: E731
+                model=str(model),
+                role=role,
+                device="cpu",
+                kernel_backend="torch",
+                kv_pages=PAGES,
+                page_size=16,
+                served_model_name="m",
+                enable_prefix_cache=cache,
+            )
+        )
         self.p, self.d, self.mono = make("prefill"), make("decode"), make("mono", cache=False)
         self.fabric = FakeFabric()
         self.faults = FaultInjector()
         settings = PDSettings(bootstrap_timeout=30, transfer_timeout=30, waiting_timeout=30, url=DECODE_URL)
         pstates = PoolStates.of_pool(self.p.pool)
-        self.p.pd = PrefillController(self.p, settings, FaultyTransport(self.fabric.transport("prefill-x", pstates),
-                                                                       self.faults, states=pstates),
-                                      self.fabric.channel(self.p.call))
-        self.d.pd = DecodeController(self.d, settings, self.fabric.transport("decode-x", PoolStates.of_pool(self.d.pool)),
-                                     self.fabric.channel(self.d.call))
+        self.p.pd = PrefillController(
+            self.p,
+            settings,
+            FaultyTransport(self.fabric.transport("prefill-x", pstates), self.faults, states=pstates),
+            self.fabric.channel(self.p.call),
+        )
+        self.d.pd = DecodeController(
+            self.d,
+            settings,
+            self.fabric.transport("decode-x", PoolStates.of_pool(self.d.pool)),
+            self.fabric.channel(self.d.call),
+        )
         self.fabric.serve(BOOTSTRAP_ADDR, self.p.pd, "prefill")
         self.fabric.serve(DECODE_URL, self.d.pd, "decode")
         self.room = 0
@@ -51,13 +67,19 @@ class Cluster:
         ends: dict = {}
         seqs = []
         for side, eng in (("p", self.p), ("d", self.d)):
+
             def sink(o, side=side):
                 if side == "d":
                     tokens.extend(o.token_ids)
                 if o.finished:
                     ends[side] = o
-            s = Sequence(f"{side}{self.room}", list(prompt), SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
-                         sink=sink)
+
+            s = Sequence(
+                f"{side}{self.room}",
+                list(prompt),
+                SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+                sink=sink,
+            )
             s.pd = PDRequestInfo("127.0.0.1", 9100, self.room)
             s.prefill_only = side == "p"
             eng.submit(s)
@@ -77,8 +99,12 @@ class Cluster:
 
     def mono_tokens(self, prompt: list[int], n: int = 5) -> list[int]:
         out: list[int] = []
-        s = Sequence(f"m{len(prompt)}-{n}-{self.room}", list(prompt),
-                     SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), sink=lambda o: out.extend(o.token_ids))
+        s = Sequence(
+            f"m{len(prompt)}-{n}-{self.room}",
+            list(prompt),
+            SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+            sink=lambda o: out.extend(o.token_ids),
+        )
         self.mono.submit(s)
         while not s.finished:
             self.mono.step()

@@ -43,17 +43,30 @@ def test_a_request_that_loses_the_race_takes_the_cached_page_and_keeps_caching_i
 
 
 def engine_for(model, cache: bool) -> Engine:
-    return Engine(EngineArgs(model=str(model), device="cpu", kernel_backend="torch", page_size=PS, kv_pages=160,
-                             max_num_seqs=8, max_num_batched_tokens=1024, enable_prefix_cache=cache))
+    return Engine(
+        EngineArgs(
+            model=str(model),
+            device="cpu",
+            kernel_backend="torch",
+            page_size=PS,
+            kv_pages=160,
+            max_num_seqs=8,
+            max_num_batched_tokens=1024,
+            enable_prefix_cache=cache,
+        )
+    )
 
 
 def run_round(engine: Engine, prompts: list[list[int]], n: int) -> list[list[int]]:
     outs: list[list[int]] = [[] for _ in prompts]
     seqs = []
     for i, p in enumerate(prompts):
-        s = Sequence(f"c{i}-{engine.scheduler.cache.query_tokens if engine.scheduler.cache else 0}", list(p),
-                     SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
-                     sink=lambda o, i=i: outs[i].extend(o.token_ids))
+        s = Sequence(
+            f"c{i}-{engine.scheduler.cache.query_tokens if engine.scheduler.cache else 0}",
+            list(p),
+            SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
+            sink=lambda o, i=i: outs[i].extend(o.token_ids),
+        )
         seqs.append(s)
         engine.submit(s)
     for _ in range(500):
@@ -105,7 +118,10 @@ def test_random_races_preemptions_and_releases_keep_every_page_accounted_for():
         for t in range(2500):
             op = rng.random()
             if op < 0.3 and len(live) < 6:  # admission: reuse, then room for one token
-                s = seq(f"s{t}", rng.choice(bases)[: rng.randint(1, 24)] + [rng.randrange(3) for _ in range(rng.randint(0, 6))])
+                s = seq(
+                    f"s{t}",
+                    rng.choice(bases)[: rng.randint(1, 24)] + [rng.randrange(3) for _ in range(rng.randint(0, 6))],
+                )
                 cache.attach(s)
                 pages = alloc.allocate(max(0, -(-(s.num_computed + 1) // PS) - len(s.pages)))
                 if pages is None:

@@ -34,9 +34,22 @@ def test_a_seed_gives_the_same_tokens_whatever_the_batch_around_it():
     torch.manual_seed(0)
     logits = torch.randn(6, 100)
     alone = sample(logits[2:3], [SamplingParams(temperature=0.9, top_k=20, seed=5)], [torch.Generator().manual_seed(5)])
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_p=0.8), SamplingParams(temperature=0.9, top_k=20, seed=5),
-              SamplingParams(temperature=0.5), SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=1.5)]
-    gens = [None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(5), None, None, torch.Generator().manual_seed(3)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, top_p=0.8),
+        SamplingParams(temperature=0.9, top_k=20, seed=5),
+        SamplingParams(temperature=0.5),
+        SamplingParams(temperature=0, logprobs=2),
+        SamplingParams(temperature=1.5),
+    ]
+    gens = [
+        None,
+        torch.Generator().manual_seed(1),
+        torch.Generator().manual_seed(5),
+        None,
+        None,
+        torch.Generator().manual_seed(3),
+    ]
     out = sample(logits, params, gens)
     assert out[2].token == alone[0].token
     assert out[0].token == int(logits[0].argmax()) and out[4].token == int(logits[4].argmax())
@@ -45,7 +58,10 @@ def test_a_seed_gives_the_same_tokens_whatever_the_batch_around_it():
 
 def test_one_host_read_per_batch():
     logits = torch.randn(16, 64)
-    params = [SamplingParams(temperature=0.7, top_k=8, top_p=0.9) if i % 2 else SamplingParams(temperature=0) for i in range(16)]
+    params = [
+        SamplingParams(temperature=0.7, top_k=8, top_p=0.9) if i % 2 else SamplingParams(temperature=0)
+        for i in range(16)
+    ]
     gens = [torch.Generator().manual_seed(i) for i in range(16)]
     with count_host_syncs() as hits:
         out = sample(logits, params, gens)

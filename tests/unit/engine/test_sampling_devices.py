@@ -36,9 +36,14 @@ class RecordingGenerator:
         return self
 
 
-@pytest.mark.parametrize("params", [SamplingParams(max_tokens=2, temperature=0.7),
-                                    SamplingParams(max_tokens=2, temperature=0, seed=7),
-                                    SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9, seed=3)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=2, temperature=0.7),
+        SamplingParams(max_tokens=2, temperature=0, seed=7),
+        SamplingParams(max_tokens=2, temperature=1.0, top_p=0.9, seed=3),
+    ],
+)
 def test_generators_are_made_on_the_runner_device(tiny_model, monkeypatch, params):
     engine = Engine(EngineArgs(model=str(tiny_model), device="cpu", kernel_backend="torch", kv_pages=16))
     engine.runner.device = torch.device("cuda", 0)  # what the logits' device would be on a GPU

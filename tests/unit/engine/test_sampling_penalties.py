@@ -48,8 +48,12 @@ def test_logit_bias_forces_a_greedy_token_and_leaves_logprobs_raw():
     torch.manual_seed(0)
     logits = torch.randn(2, V)
     forced = 7 if int(logits[0].argmax()) != 7 else 8
-    out = sample(logits, [SamplingParams(temperature=0, logit_bias={forced: 100.0}, logprobs=1),
-                          SamplingParams(temperature=0)], [None, None], [History(), History()])
+    out = sample(
+        logits,
+        [SamplingParams(temperature=0, logit_bias={forced: 100.0}, logprobs=1), SamplingParams(temperature=0)],
+        [None, None],
+        [History(), History()],
+    )
     assert out[0].token == forced and out[1].token == int(logits[1].argmax())
     raw = torch.log_softmax(logits[0], -1)
     assert out[0].logprob["logprob"] == pytest.approx(float(raw[forced]), abs=1e-5)  # vLLM's default: raw
@@ -58,15 +62,18 @@ def test_logit_bias_forces_a_greedy_token_and_leaves_logprobs_raw():
     assert banned[0].token != int(logits[0].argmax())
 
 
-@pytest.mark.parametrize("p", [
-    SamplingParams(presence_penalty=1.5),
-    SamplingParams(frequency_penalty=0.7),
-    SamplingParams(presence_penalty=-0.5, frequency_penalty=1.2),
-    SamplingParams(repetition_penalty=1.3),
-    SamplingParams(repetition_penalty=0.8, frequency_penalty=0.3, logit_bias={3: 2.5, 9: -4.0}),
-    SamplingParams(min_tokens=4, stop_token_ids=[5, 6], max_tokens=8),
-    SamplingParams(min_tokens=4, stop_token_ids=[5], ignore_eos=True, max_tokens=8),
-])
+@pytest.mark.parametrize(
+    "p",
+    [
+        SamplingParams(presence_penalty=1.5),
+        SamplingParams(frequency_penalty=0.7),
+        SamplingParams(presence_penalty=-0.5, frequency_penalty=1.2),
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(repetition_penalty=0.8, frequency_penalty=0.3, logit_bias={3: 2.5, 9: -4.0}),
+        SamplingParams(min_tokens=4, stop_token_ids=[5, 6], max_tokens=8),
+        SamplingParams(min_tokens=4, stop_token_ids=[5], ignore_eos=True, max_tokens=8),
+    ],
+)
 def test_processing_equals_the_naive_reference(p):
     torch.manual_seed(1)
     logits = torch.randn(1, V) * 3
@@ -91,6 +98,7 @@ def test_penalties_make_greedy_decoding_repeat_less():
     """A toy model whose logits favour the last token strongly and token 20 mildly: plain greedy
     repeats one token forever; a presence penalty breaks the loop; a frequency penalty lets the
     favourite come back only as often as its lead allows."""
+
     def run(p, steps=12):
         h = History(prompt_ids=[20])
         for _ in range(steps):
@@ -128,12 +136,14 @@ def test_min_tokens_blocks_eos_and_stop_ids_until_reached():
 def test_a_mixed_batch_gives_each_request_what_it_gets_alone():
     torch.manual_seed(3)
     logits = torch.randn(6, V) * 2
-    params = [SamplingParams(temperature=0),
-              SamplingParams(temperature=0, frequency_penalty=1.0, logit_bias={4: 3.0}),
-              SamplingParams(temperature=0.8, seed=7),
-              SamplingParams(temperature=0.8, seed=9, presence_penalty=2.0, repetition_penalty=1.2, logprobs=2),
-              SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[int(logits[4].argmax())], max_tokens=4),
-              SamplingParams(temperature=1.2, top_k=5, seed=11, logit_bias={int(logits[5].argmin()): 100.0})]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, frequency_penalty=1.0, logit_bias={4: 3.0}),
+        SamplingParams(temperature=0.8, seed=7),
+        SamplingParams(temperature=0.8, seed=9, presence_penalty=2.0, repetition_penalty=1.2, logprobs=2),
+        SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[int(logits[4].argmax())], max_tokens=4),
+        SamplingParams(temperature=1.2, top_k=5, seed=11, logit_bias={int(logits[5].argmin()): 100.0}),
+    ]
     hists = [History([1, 2], [int(logits[i].argmax()), 3, 3]) for i in range(6)]
     hists[4].output_ids = [3]  # one token of its min_tokens=2 so far
 
@@ -143,7 +153,7 @@ def test_a_mixed_batch_gives_each_request_what_it_gets_alone():
     g = gens()
     together = sample(logits, params, g, hists, [EOS])
     g = gens()
-    alone = [sample(logits[i:i + 1], [params[i]], [g[i]], [hists[i]], [EOS])[0] for i in range(6)]
+    alone = [sample(logits[i : i + 1], [params[i]], [g[i]], [hists[i]], [EOS])[0] for i in range(6)]
     assert all(isinstance(o, Sampled) for o in together)
     assert [o.token for o in together] == [o.token for o in alone]
     assert together[3].logprob == alone[3].logprob
@@ -162,9 +172,21 @@ def test_no_processing_adds_no_op_and_processing_reads_nothing_back(monkeypatch)
     assert calls == []
     monkeypatch.undo()
 
-    params = [SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
-                             logit_bias={3: 1.0}, min_tokens=5, stop_token_ids=[4], max_tokens=9) if i % 2 else
-              SamplingParams(temperature=0) for i in range(8)]
+    params = [
+        SamplingParams(
+            temperature=0.7,
+            presence_penalty=0.5,
+            frequency_penalty=0.5,
+            repetition_penalty=1.1,
+            logit_bias={3: 1.0},
+            min_tokens=5,
+            stop_token_ids=[4],
+            max_tokens=9,
+        )
+        if i % 2
+        else SamplingParams(temperature=0)
+        for i in range(8)
+    ]
     hists = [History([1, 2, 3], [5, 6, 5]) for _ in range(8)]
     with count_host_syncs() as hits:
         process_logits(logits, params, hists, [EOS])
@@ -184,7 +206,13 @@ def test_an_id_past_the_vocab_never_reaches_the_device():
 def test_the_new_fields_cross_to_the_engine_core_process():
     from dsv4_serve import core_messages as cm
 
-    p = SamplingParams(max_tokens=9, presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2,
-                       logit_bias={7: -100.0, 3: 2.5}, min_tokens=4)
+    p = SamplingParams(
+        max_tokens=9,
+        presence_penalty=0.5,
+        frequency_penalty=-1.0,
+        repetition_penalty=1.2,
+        logit_bias={7: -100.0, 3: 2.5},
+        min_tokens=4,
+    )
     msg = cm.loads(cm.dumps(cm.add_msg(1, "r", [1, 2], p, None, False, 0.0)))
     assert cm.params_of(msg[4]) == p

@@ -74,8 +74,13 @@ def _run(engine: Engine, requests: list[tuple[list[int], SamplingParams]], timeo
 
 def _requests(seed: int = 0, n: int = 6):
     rng = random.Random(seed)
-    return [([rng.randrange(2, 500) for _ in range(rng.randint(3, 30))],
-             SamplingParams(max_tokens=rng.randint(5, 24), temperature=0, ignore_eos=True)) for _ in range(n)]
+    return [
+        (
+            [rng.randrange(2, 500) for _ in range(rng.randint(3, 30))],
+            SamplingParams(max_tokens=rng.randint(5, 24), temperature=0, ignore_eos=True),
+        )
+        for _ in range(n)
+    ]
 
 
 def test_greedy_with_the_real_drafter_equals_plain_decoding(tiny_mtp):
@@ -99,7 +104,7 @@ def _steer(engine: Engine, reference: dict, accuracy: dict[str, float], seed: in
     def lookahead(seq):
         n = original(seq)
         if n:
-            want = reference[seq.rid][0][len(seq.output_ids):]
+            want = reference[seq.rid][0][len(seq.output_ids) :]
             d = spec.drafts[seq]
             for j in range(n):
                 right = want[j] if j < len(want) else 7
@@ -154,14 +159,18 @@ def test_stop_strings_and_max_tokens_are_never_passed(tiny_mtp):
 
 
 def test_sampled_requests_finish_and_return_pages(tiny_mtp):
-    reqs = [(p, SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.95, seed=i, ignore_eos=True))
-            for i, (p, _) in enumerate(_requests(4, n=4))]
+    reqs = [
+        (p, SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.95, seed=i, ignore_eos=True))
+        for i, (p, _) in enumerate(_requests(4, n=4))
+    ]
     outs = _run(_engine(tiny_mtp, True, steps=2), reqs)
     assert all(len(v[0]) == 12 and v[2] == "length" for v in outs.values())
 
 
 def test_unsupported_request_fields_are_refused_per_request(tiny_mtp):
-    outs = _run(_engine(tiny_mtp, True), [([5, 6, 7], SamplingParams(max_tokens=4, temperature=0, presence_penalty=0.5))])
+    outs = _run(
+        _engine(tiny_mtp, True), [([5, 6, 7], SamplingParams(max_tokens=4, temperature=0, presence_penalty=0.5))]
+    )
     toks, _, reason, error = outs["r0"]
     assert reason == "error" and "presence_penalty" in error and "speculative" in error and not toks
 
@@ -173,7 +182,9 @@ def test_refusals_at_start(tiny_mtp, tiny_model):
         normalize_algorithm("medusa")
     assert engine_refusal("mtp", 2, "deepseek_v4", 1, "mono", 1) is None  # V4: tests/unit/engine/test_spec_decode_v4.py
     assert "not supported" in engine_refusal("mtp", 2, "llama", 1, "mono", 1)
-    assert engine_refusal("mtp", 2, "deepseek_v3", 1, "decode", 1) is None  # PD: tests/unit/engine/test_spec_decode_pd.py
+    assert (
+        engine_refusal("mtp", 2, "deepseek_v3", 1, "decode", 1) is None
+    )  # PD: tests/unit/engine/test_spec_decode_pd.py
     assert "--tp-size" in engine_refusal("mtp", 2, "deepseek_v3", 1, "mono", 2)
     assert "between 1 and" in engine_refusal("mtp", 0, "deepseek_v3", 1, "mono", 1)
     assert engine_refusal("mtp", 2, "deepseek_v3", 1, "mono", 1) is None
@@ -249,7 +260,9 @@ def test_sampling_probs_matches_temperature_top_k_top_p():
 
 
 def test_logprobs_of_accepted_tokens_equal_plain_decoding(tiny_mtp):
-    reqs = [(p, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)) for p, _ in _requests(5, n=3)]
+    reqs = [
+        (p, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)) for p, _ in _requests(5, n=3)
+    ]
     got = {}
     for spec in (False, True):
         engine = _engine(tiny_mtp, spec, steps=3)
@@ -264,8 +277,11 @@ def test_logprobs_of_accepted_tokens_equal_plain_decoding(tiny_mtp):
                 logprobs[o.rid + "!"] = []
 
         if spec:
-            plain_tokens = {rid: ([e["token_id"] for e in v], "", None, None) for rid, v in got[False].items()
-                            if not rid.endswith("!")}
+            plain_tokens = {
+                rid: ([e["token_id"] for e in v], "", None, None)
+                for rid, v in got[False].items()
+                if not rid.endswith("!")
+            }
             _steer(engine, plain_tokens, {"r0": 1.0, "r1": 0.5, "r2": 0.0})
         engine.start()
         try:
@@ -298,12 +314,15 @@ def test_sharded_and_fp8_checkpoints_load_their_mtp_layer(tiny_mtp, tmp_path):
     weights = load_file(str(sharded / "model.safetensors"))
     (sharded / "model.safetensors").unlink()
     names = sorted(weights)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for f, keys in shards.items():
         save_file({k: weights[k] for k in keys}, str(sharded / f))
-    (sharded / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}))
+    (sharded / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}})
+    )
     fp8 = init_checkpoint(tmp_path / "fp8", preset="tiny", seed=0, mtp=True, quant="fp8")
     for model in (sharded, fp8):
         reqs = _requests(6, n=2)
@@ -329,7 +348,9 @@ def test_choices_sharing_a_prompt_speculate_like_plain_decoding(tiny_mtp):
         engine.start()
         try:
             for i in range(3):
-                seq = Sequence(f"c{i}", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), sink=sink)
+                seq = Sequence(
+                    f"c{i}", prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), sink=sink
+                )
                 seq.share_prefix_of = "c0" if i else None
                 engine.submit(seq)
             assert done.wait(60)

@@ -40,14 +40,27 @@ def models(tmp_path_factory):
     from dsv4_engine.checkpoint import init_checkpoint
 
     d = tmp_path_factory.mktemp("pdmtp")
-    return {"v3": init_checkpoint(d / "tiny-mtp", preset="tiny", seed=0, mtp=True),
-            "v4": init_checkpoint(d / "v4-tiny-mtp", preset="v4-tiny", seed=0, mtp=True)}
+    return {
+        "v3": init_checkpoint(d / "tiny-mtp", preset="tiny", seed=0, mtp=True),
+        "v4": init_checkpoint(d / "v4-tiny-mtp", preset="v4-tiny", seed=0, mtp=True),
+    }
 
 
 def make(model, role: str, spec: bool) -> Engine:
     extra = dict(speculative_algorithm="mtp", speculative_num_steps=3) if spec else {}
-    return Engine(EngineArgs(model=str(model), role=role, device="cpu", kernel_backend="torch", kv_pages=PAGES,
-                             page_size=8, served_model_name="m", max_num_seqs=8, **extra))
+    return Engine(
+        EngineArgs(
+            model=str(model),
+            role=role,
+            device="cpu",
+            kernel_backend="torch",
+            kv_pages=PAGES,
+            page_size=8,
+            served_model_name="m",
+            max_num_seqs=8,
+            **extra,
+        )
+    )
 
 
 def run(engines: list[Engine], done, limit: int = 5000) -> None:
@@ -55,7 +68,9 @@ def run(engines: list[Engine], done, limit: int = 5000) -> None:
         if done():
             return
         for e in engines:
-            e.step() if (e.scheduler.has_work() or not e.inbox.empty() or (e.pd and e.pd.busy())) else (e.pd and e.pd.poll())
+            e.step() if (e.scheduler.has_work() or not e.inbox.empty() or (e.pd and e.pd.busy())) else (
+                e.pd and e.pd.poll()
+            )
     raise AssertionError("no progress")
 
 
@@ -63,8 +78,12 @@ def pair(model, p_spec: bool, d_spec: bool):
     p, d = make(model, "prefill", p_spec), make(model, "decode", d_spec)
     fabric = FakeFabric()
     settings = PDSettings(bootstrap_timeout=30, transfer_timeout=30, waiting_timeout=30, url=DECODE_URL)
-    p.pd = PrefillController(p, settings, fabric.transport("prefill-x", PoolStates.of_pool(p.pool)), fabric.channel(p.call))
-    d.pd = DecodeController(d, settings, fabric.transport("decode-x", PoolStates.of_pool(d.pool)), fabric.channel(d.call))
+    p.pd = PrefillController(
+        p, settings, fabric.transport("prefill-x", PoolStates.of_pool(p.pool)), fabric.channel(p.call)
+    )
+    d.pd = DecodeController(
+        d, settings, fabric.transport("decode-x", PoolStates.of_pool(d.pool)), fabric.channel(d.call)
+    )
     fabric.serve(BOOTSTRAP_ADDR, p.pd, "prefill")
     fabric.serve(DECODE_URL, d.pd, "decode")
     return p, d
@@ -76,18 +95,22 @@ def through_pd(p: Engine, d: Engine, reqs) -> dict:
     ends: dict = {}
     for room, (prompt, params) in enumerate(reqs, start=1):
         for side, eng in (("p", p), ("d", d)):
+
             def sink(o, side=side, room=room):
                 if side == "d":
                     got.setdefault(f"r{room - 1}", []).extend(o.token_ids)
                 if o.finished:
                     ends[(side, room)] = o
+
             s = Sequence(f"{side}{room}", list(prompt), params, sink=sink)
             s.pd = PDRequestInfo("127.0.0.1", 9100, room)
             s.prefill_only = side == "p"
             eng.submit(s)
     run([p, d], lambda: len(ends) == 2 * len(reqs))
-    return {f"r{room - 1}": (got.get(f"r{room - 1}", []), ends[("d", room)].finish_reason, ends[("d", room)].error)
-            for room in range(1, len(reqs) + 1)}
+    return {
+        f"r{room - 1}": (got.get(f"r{room - 1}", []), ends[("d", room)].finish_reason, ends[("d", room)].error)
+        for room in range(1, len(reqs) + 1)
+    }
 
 
 def mono(model, reqs, spec: bool = False, prep=None) -> tuple[dict, object]:
@@ -132,8 +155,9 @@ def all_back(*engines: Engine) -> None:
 @pytest.mark.parametrize("kind", ["v3", "v4"])
 def test_pd_with_speculation_equals_mono(models, kind):
     model = models[kind]
-    reqs = _requests(5, n=5) + [([7] * 8 + list(range(30, 39)), SamplingParams(max_tokens=14, temperature=0,
-                                                                               ignore_eos=True))]
+    reqs = _requests(5, n=5) + [
+        ([7] * 8 + list(range(30, 39)), SamplingParams(max_tokens=14, temperature=0, ignore_eos=True))
+    ]
     want, _ = mono(model, reqs)
     same, drafts_mono = mono(model, reqs, spec=True, prep=lambda e: record_drafts(e, lambda rid: int(rid[1:])))
     assert same == want
@@ -195,6 +219,7 @@ def test_pd_decode_aborts_mid_speculation_return_everything(models, kind):
     got: dict = {}
     for room, (prompt, params) in enumerate(reqs, start=1):
         for side, eng in (("p", p), ("d", d)):
+
             def sink(o, side=side, room=room):
                 if side == "d":
                     got.setdefault(room - 1, []).extend(o.token_ids)
@@ -202,6 +227,7 @@ def test_pd_decode_aborts_mid_speculation_return_everything(models, kind):
                         d.abort(f"d{room}")
                 if o.finished:
                     ends[(side, room)] = o
+
             s = Sequence(f"{side}{room}", list(prompt), params, sink=sink)
             s.pd = PDRequestInfo("127.0.0.1", 9100, room)
             s.prefill_only = side == "p"

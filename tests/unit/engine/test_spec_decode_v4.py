@@ -37,8 +37,13 @@ def _boundary_requests(seed: int = 0) -> list:
     before, on and after those boundaries, and answers that cross several more."""
     rng = random.Random(seed)
     lens = [3, 7, 8, 9, 15, 16, 17, 23]
-    return [([rng.randrange(2, 500) for _ in range(n)],
-             SamplingParams(max_tokens=rng.randint(10, 20), temperature=0, ignore_eos=True)) for n in lens]
+    return [
+        (
+            [rng.randrange(2, 500) for _ in range(n)],
+            SamplingParams(max_tokens=rng.randint(10, 20), temperature=0, ignore_eos=True),
+        )
+        for n in lens
+    ]
 
 
 def _slots_back(engine) -> None:
@@ -90,16 +95,21 @@ def test_v4_without_the_ring_rollback_outputs_differ(v4_mtp, monkeypatch):
     reqs = _boundary_requests(1)[:4]
     plain = _run(_engine(v4_mtp, False), reqs)
     original = mtp_v4.RingRollback.restore
-    monkeypatch.setattr(mtp_v4.RingRollback, "restore",
-                        lambda self, keep_below=None: original(self, keep_below) if keep_below is None else None)
+    monkeypatch.setattr(
+        mtp_v4.RingRollback,
+        "restore",
+        lambda self, keep_below=None: original(self, keep_below) if keep_below is None else None,
+    )
     engine = _engine(v4_mtp, True, steps=3)
     _steer(engine, plain, {"r0": 0.5, "r1": 0.0, "r2": 0.5, "r3": 0.3})
     assert _run(engine, reqs) != plain
 
 
 def test_v4_sampled_requests_finish_and_return_everything(v4_mtp):
-    reqs = [(p, SamplingParams(max_tokens=10, temperature=0.9, top_k=50, seed=i, ignore_eos=True))
-            for i, (p, _) in enumerate(_requests(4, n=3))]
+    reqs = [
+        (p, SamplingParams(max_tokens=10, temperature=0.9, top_k=50, seed=i, ignore_eos=True))
+        for i, (p, _) in enumerate(_requests(4, n=3))
+    ]
     engine = _engine(v4_mtp, True, steps=2)
     outs = _run(engine, reqs)
     assert all(len(v[0]) == 10 and v[2] == "length" for v in outs.values())
@@ -109,12 +119,24 @@ def test_v4_sampled_requests_finish_and_return_everything(v4_mtp):
 def _transformers_names(w: dict) -> dict:
     """mtp.0.* in release names -> model.mtp.0.* in transformers' module names (what our reader
     maps back with release_name), experts fused as transformers stores them."""
-    ren = [(".attn.", ".self_attn."), (".ffn.", ".mlp."), (".attn_norm.", ".input_layernorm."),
-           (".ffn_norm.", ".post_attention_layernorm."), (".wq_a.", ".q_a_proj."), (".wq_b.", ".q_b_proj."),
-           (".wkv.", ".kv_proj."), (".wo_a.", ".o_a_proj."), (".wo_b.", ".o_b_proj."), (".q_norm.", ".q_a_norm."),
-           (".kv_norm.", ".norm."), (".attn_sink", ".sinks"), (".gate.bias", ".gate.e_score_correction_bias"),
-           (".shared_experts.w1.", ".shared_experts.gate_proj."), (".shared_experts.w2.", ".shared_experts.down_proj."),
-           (".shared_experts.w3.", ".shared_experts.up_proj.")]
+    ren = [
+        (".attn.", ".self_attn."),
+        (".ffn.", ".mlp."),
+        (".attn_norm.", ".input_layernorm."),
+        (".ffn_norm.", ".post_attention_layernorm."),
+        (".wq_a.", ".q_a_proj."),
+        (".wq_b.", ".q_b_proj."),
+        (".wkv.", ".kv_proj."),
+        (".wo_a.", ".o_a_proj."),
+        (".wo_b.", ".o_b_proj."),
+        (".q_norm.", ".q_a_norm."),
+        (".kv_norm.", ".norm."),
+        (".attn_sink", ".sinks"),
+        (".gate.bias", ".gate.e_score_correction_bias"),
+        (".shared_experts.w1.", ".shared_experts.gate_proj."),
+        (".shared_experts.w2.", ".shared_experts.down_proj."),
+        (".shared_experts.w3.", ".shared_experts.up_proj."),
+    ]
     out, experts = {}, {}
     for k, v in w.items():
         if not k.startswith("mtp.0."):
@@ -133,7 +155,8 @@ def _transformers_names(w: dict) -> dict:
         out[n] = v
     E = len(experts)
     out["model.mtp.0.mlp.experts.gate_up_proj"] = torch.stack(
-        [torch.cat([experts[e]["w1"], experts[e]["w3"]]) for e in range(E)])
+        [torch.cat([experts[e]["w1"], experts[e]["w3"]]) for e in range(E)]
+    )
     out["model.mtp.0.mlp.experts.down_proj"] = torch.stack([experts[e]["w2"] for e in range(E)])
     return out
 
@@ -225,8 +248,10 @@ def test_v4_aborts_mid_speculation_return_everything_and_leave_others_exact(v4_m
 def test_v4_speculation_on_the_kernel_path_equals_plain(v4_mtp):
     """The Triton kernel path (on CPU: its interpreter, ~90 s): verify extends, window closing in
     the compressor kernels, the MTP block's ring, all with drafts steered to be partly rejected."""
-    reqs = [([5, 9, 77, 31, 200, 18, 44, 61, 90], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)),
-            ([7, 8, 9, 10, 11, 12, 13], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
+    reqs = [
+        ([5, 9, 77, 31, 200, 18, 44, 61, 90], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)),
+        ([7, 8, 9, 10, 11, 12, 13], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)),
+    ]
     plain = _run(_engine(v4_mtp, False, kernel_backend="triton"), reqs, timeout=900)
     engine = _engine(v4_mtp, True, steps=2, kernel_backend="triton")
     _steer(engine, plain, {"r0": 0.5, "r1": 0.7})
@@ -269,8 +294,11 @@ def test_v4_mtp_ring_survives_the_draft_chain(v4_mtp, monkeypatch):
     common = set(one) & set(three)
     assert len(common) > 20 and all(one[p] == three[p] for p in common)
     original = mtp_v4.RingRollback.restore
-    monkeypatch.setattr(mtp_v4.RingRollback, "restore",
-                        lambda self, keep_below=None: None if keep_below is None else original(self, keep_below))
+    monkeypatch.setattr(
+        mtp_v4.RingRollback,
+        "restore",
+        lambda self, keep_below=None: None if keep_below is None else original(self, keep_below),
+    )
     broken = firsts(3)
     common = set(one) & set(broken)
     assert any(one[p] != broken[p] for p in common)

@@ -38,9 +38,13 @@ def gen_schema(rng: random.Random, depth: int = 0) -> dict:
         lo = rng.choice([-2.5, 0, 1, 10])
         return {"type": "number", "minimum": lo, "maximum": lo + rng.choice([1, 5.5, 100])}
     if kind == "string":
-        return rng.choice([{"type": "string", "pattern": "^[a-z]{1,6}$"},
-                           {"type": "string", "pattern": "^[A-Z][0-9]{2}$"},
-                           {"type": "string", "minLength": 1, "maxLength": 4}])
+        return rng.choice(
+            [
+                {"type": "string", "pattern": "^[a-z]{1,6}$"},
+                {"type": "string", "pattern": "^[A-Z][0-9]{2}$"},
+                {"type": "string", "minLength": 1, "maxLength": 4},
+            ]
+        )
     if kind == "enum":
         return {"enum": rng.sample(["red", "green", "blue", 1, 2.5, True, None], rng.randint(1, 4))}
     if kind == "boolean":
@@ -49,11 +53,20 @@ def gen_schema(rng: random.Random, depth: int = 0) -> dict:
         return {"type": "null"}
     if kind == "array":
         lo = rng.randint(0, 1)
-        return {"type": "array", "items": gen_schema(rng, depth + 1), "minItems": lo, "maxItems": lo + rng.randint(0, 2)}
+        return {
+            "type": "array",
+            "items": gen_schema(rng, depth + 1),
+            "minItems": lo,
+            "maxItems": lo + rng.randint(0, 2),
+        }
     names = rng.sample(["id", "name", "tags", "score", "meta", "ok", "x"], rng.randint(1, 3))
     props = {n: gen_schema(rng, depth + 1) for n in names}
-    return {"type": "object", "properties": props, "required": rng.sample(names, rng.randint(1, len(names))),
-            "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": props,
+        "required": rng.sample(names, rng.randint(1, len(names))),
+        "additionalProperties": False,
+    }
 
 
 def object_schema(rng: random.Random) -> dict:
@@ -108,8 +121,9 @@ def test_generated_schemas_always_yield_valid_json(engine):
     seqs = []
     for i, schema in enumerate(schemas):
         greedy = i % 2 == 0
-        params = SamplingParams(max_tokens=200, temperature=0 if greedy else 1.0, seed=i,
-                                structured=structured.json_schema(schema))
+        params = SamplingParams(
+            max_tokens=200, temperature=0 if greedy else 1.0, seed=i, structured=structured.json_schema(schema)
+        )
         seqs.append(Sequence(f"s{i}", [5 + i, 6, 7], params))
     outs = run(engine, seqs)
     for i, schema in enumerate(schemas):
@@ -123,27 +137,54 @@ def test_a_grammar_that_admits_every_text_changes_nothing(v3):
     # Our tokenizer's single bytes >= 0x80 are not text on their own (a grammar over characters
     # forbids them, and the special tokens but EOS): both runs keep away from them by bias.
     tok = v3.tokenizer
-    not_text = {i: -100.0 for i in range(v3.cfg.vocab_size)
-                if i not in v3.eos_ids and ("\ufffd" in tok.decode([i]) or i in (0, 2, 3))}
+    not_text = {
+        i: -100.0
+        for i in range(v3.cfg.vocab_size)
+        if i not in v3.eos_ids and ("\ufffd" in tok.decode([i]) or i in (0, 2, 3))
+    }
     anything = structured.StructuredSpec("regex", r"[\s\S]*")
     for temp, seed in ((0, None), (0.9, 11)):
+
         def req(rid, spec):
-            return Sequence(rid, [9, 10, 11, 12], SamplingParams(max_tokens=24, temperature=temp, seed=seed,
-                                                                   logit_bias=not_text, structured=spec))
+            return Sequence(
+                rid,
+                [9, 10, 11, 12],
+                SamplingParams(max_tokens=24, temperature=temp, seed=seed, logit_bias=not_text, structured=spec),
+            )
+
         outs = run(v3, [req("free", None), req("any", anything)])
         assert tokens(outs["any"]) == tokens(outs["free"]) and len(tokens(outs["free"])) > 3
 
 
 def test_regex_and_choice_hold(v3):
-    seqs = [Sequence(f"r{i}", [5, 6 + i], SamplingParams(max_tokens=40, temperature=1.0, seed=i,
-                                                           structured=structured.StructuredSpec("regex", r"[a-f]{3}-[0-9]{2,4}")))
-            for i in range(4)]
-    seqs += [Sequence(f"c{i}", [7, 8 + i], SamplingParams(max_tokens=40, temperature=1.0, seed=i,
-                                                            structured=structured.choice(["north", "south", "east west"])))
-             for i in range(4)]
+    seqs = [
+        Sequence(
+            f"r{i}",
+            [5, 6 + i],
+            SamplingParams(
+                max_tokens=40,
+                temperature=1.0,
+                seed=i,
+                structured=structured.StructuredSpec("regex", r"[a-f]{3}-[0-9]{2,4}"),
+            ),
+        )
+        for i in range(4)
+    ]
+    seqs += [
+        Sequence(
+            f"c{i}",
+            [7, 8 + i],
+            SamplingParams(
+                max_tokens=40, temperature=1.0, seed=i, structured=structured.choice(["north", "south", "east west"])
+            ),
+        )
+        for i in range(4)
+    ]
     outs = run(v3, seqs)
     for i in range(4):
-        assert re.fullmatch(r"[a-f]{3}-[0-9]{2,4}", text(v3, outs[f"r{i}"])) and outs[f"r{i}"][-1].finish_reason == "stop"
+        assert (
+            re.fullmatch(r"[a-f]{3}-[0-9]{2,4}", text(v3, outs[f"r{i}"])) and outs[f"r{i}"][-1].finish_reason == "stop"
+        )
         assert text(v3, outs[f"c{i}"]) in ("north", "south", "east west")
 
 
@@ -155,34 +196,56 @@ def test_max_tokens_mid_json_ends_with_length(v3):
 
 def test_an_uncompilable_grammar_is_refused_before_any_compute(v3):
     before = v3.metrics.totals.get("generation_tokens", 0)
-    bad = Sequence("bad", [5, 6], SamplingParams(max_tokens=8, structured=structured.StructuredSpec("json_schema", '{"type": "nosuch"}')))
+    bad = Sequence(
+        "bad",
+        [5, 6],
+        SamplingParams(max_tokens=8, structured=structured.StructuredSpec("json_schema", '{"type": "nosuch"}')),
+    )
     ok = Sequence("ok", [5, 6], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     outs = run(v3, [bad, ok])
     last = outs["bad"][-1]
-    assert last.finish_reason == "error" and last.error_code == 400 and "nosuch" in last.error and not tokens(outs["bad"])
+    assert (
+        last.finish_reason == "error" and last.error_code == 400 and "nosuch" in last.error and not tokens(outs["bad"])
+    )
     assert v3.metrics.totals.get("generation_tokens", 0) - before == 3  # only the good request generated
 
 
 def test_compiled_grammars_are_cached_by_spec(v3):
     spec = structured.json_schema({"type": "object", "properties": {"k": {"enum": [1, 2]}}, "required": ["k"]})
     hits = v3.grammars.hits
-    run(v3, [Sequence(f"c{i}", [5, 6], SamplingParams(max_tokens=20, temperature=0, structured=spec)) for i in range(3)])
+    run(
+        v3, [Sequence(f"c{i}", [5, 6], SamplingParams(max_tokens=20, temperature=0, structured=spec)) for i in range(3)]
+    )
     assert v3.grammars.hits - hits >= 2
 
 
 def test_preemption_rebuilds_the_grammar_state_from_the_output(tiny_model):
-    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer", "minimum": 0,
-                                                                                 "maximum": 999}, "minItems": 10, "maxItems": 10}},
-              "required": ["a"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": 999},
+                "minItems": 10,
+                "maxItems": 10,
+            }
+        },
+        "required": ["a"],
+        "additionalProperties": False,
+    }
     spec = structured.json_schema(schema)
 
     def reqs():
-        return [Sequence(f"p{i}", list(range(5 + i, 21 + i)), SamplingParams(max_tokens=80, temperature=0, structured=spec))
-                for i in range(4)]
+        return [
+            Sequence(f"p{i}", list(range(5 + i, 21 + i)), SamplingParams(max_tokens=80, temperature=0, structured=spec))
+            for i in range(4)
+        ]
 
     roomy = _engine(tiny_model)
     want = run(roomy, reqs())
-    tight = _engine(tiny_model, kv_pages=16, enable_prefix_cache=False)  # 4 requests of ~50 tokens and more do not fit in 128 slots
+    tight = _engine(
+        tiny_model, kv_pages=16, enable_prefix_cache=False
+    )  # 4 requests of ~50 tokens and more do not fit in 128 slots
     seqs = reqs()
     got = run(tight, seqs)
     assert sum(s.num_preemptions for s in seqs) > 0, [len(tokens(o)) for o in got.values()]
@@ -192,8 +255,13 @@ def test_preemption_rebuilds_the_grammar_state_from_the_output(tiny_model):
 
 
 def test_abort_frees_the_grammar_state(v3):
-    spec = structured.json_schema({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"},
-                                                                         "minItems": 20}}, "required": ["a"]})
+    spec = structured.json_schema(
+        {
+            "type": "object",
+            "properties": {"a": {"type": "array", "items": {"type": "integer"}, "minItems": 20}},
+            "required": ["a"],
+        }
+    )
     seq = Sequence("ab", [5, 6], SamplingParams(max_tokens=50, temperature=0, structured=spec))
     outs = []
     seq.sink = outs.append
@@ -207,8 +275,18 @@ def test_abort_frees_the_grammar_state(v3):
 
 
 def test_properties_come_in_the_schemas_order(v3):
-    schema = {"type": "object", "properties": {"zeta": {"enum": [1]}, "alpha": {"enum": [2]}, "mid": {"enum": [3]}},
-              "required": ["zeta", "alpha", "mid"], "additionalProperties": False}
-    outs = run(v3, [Sequence("order", [5, 6], SamplingParams(max_tokens=60, temperature=0,
-                                                             structured=structured.json_schema(schema)))])
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"enum": [1]}, "alpha": {"enum": [2]}, "mid": {"enum": [3]}},
+        "required": ["zeta", "alpha", "mid"],
+        "additionalProperties": False,
+    }
+    outs = run(
+        v3,
+        [
+            Sequence(
+                "order", [5, 6], SamplingParams(max_tokens=60, temperature=0, structured=structured.json_schema(schema))
+            )
+        ],
+    )
     assert list(json.loads(text(v3, outs["order"]))) == ["zeta", "alpha", "mid"]

@@ -54,13 +54,16 @@ def test_only_the_rows_that_ask_are_masked_and_the_others_are_unchanged():
     assert torch.isinf(out[1]).sum() == V - len(allowed)
 
 
-@pytest.mark.parametrize("p", [
-    SamplingParams(temperature=0, logit_bias={7: 100.0}),  # a bias cannot lift a forbidden token
-    SamplingParams(temperature=0, repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=0.5),
-    SamplingParams(temperature=1.3, top_k=3, seed=5),
-    SamplingParams(temperature=0.7, top_p=0.5, seed=6),
-    SamplingParams(temperature=1.0, logprobs=5, seed=7),
-])
+@pytest.mark.parametrize(
+    "p",
+    [
+        SamplingParams(temperature=0, logit_bias={7: 100.0}),  # a bias cannot lift a forbidden token
+        SamplingParams(temperature=0, repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=0.5),
+        SamplingParams(temperature=1.3, top_k=3, seed=5),
+        SamplingParams(temperature=0.7, top_p=0.5, seed=6),
+        SamplingParams(temperature=1.0, logprobs=5, seed=7),
+    ],
+)
 def test_every_sampling_feature_stays_inside_the_grammar(p):
     torch.manual_seed(2)
     allowed = {2, 11, 40}
@@ -68,8 +71,9 @@ def test_every_sampling_feature_stays_inside_the_grammar(p):
         logits = torch.randn(2, V) * 4
         gens = [torch.Generator().manual_seed(trial)] * 2
         hist = [History([3, 11], [11, 40]), History()]
-        out = sample(logits, [p, SamplingParams(temperature=0)], gens, hist, [EOS],
-                     mask=StepMask([0], mask_of([allowed])))
+        out = sample(
+            logits, [p, SamplingParams(temperature=0)], gens, hist, [EOS], mask=StepMask([0], mask_of([allowed]))
+        )
         assert out[0].token in allowed, (trial, out[0])
         assert out[1].token == int(logits[1].argmax())
         if p.logprobs:  # more alternatives asked than allowed: the rest are reported at the floor
@@ -108,8 +112,12 @@ def test_a_rows_grammar_failure_fails_that_row_only():
 
 def test_masking_reads_nothing_back():
     logits = torch.randn(4, V)
-    params = [SamplingParams(temperature=0.8, seed=1, logit_bias={3: 1.0}, min_tokens=2), SamplingParams(temperature=0),
-              SamplingParams(temperature=0, presence_penalty=0.5), SamplingParams(temperature=1.0, top_p=0.9)]
+    params = [
+        SamplingParams(temperature=0.8, seed=1, logit_bias={3: 1.0}, min_tokens=2),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, presence_penalty=0.5),
+        SamplingParams(temperature=1.0, top_p=0.9),
+    ]
     gens = [torch.Generator().manual_seed(i) for i in range(4)]
     hist = [History([1], [2]) for _ in range(4)]
     m = StepMask([0, 2], mask_of([{3, 4, 5}, {6, 7}]))

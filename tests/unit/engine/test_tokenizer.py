@@ -13,7 +13,14 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from dsv4_engine.checkpoint import corpus_lines, train_tokenizer
 from dsv4_engine.tokenizer import (
-    ASSISTANT_TOKEN, BOS_TOKEN, CHAT_TEMPLATE, EOS_TOKEN, USER_TOKEN, IncrementalDetokenizer, Tokenizer, render_chat,
+    ASSISTANT_TOKEN,
+    BOS_TOKEN,
+    CHAT_TEMPLATE,
+    EOS_TOKEN,
+    USER_TOKEN,
+    IncrementalDetokenizer,
+    Tokenizer,
+    render_chat,
 )
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,13 +40,33 @@ TEXTS = [
 
 CHATS = [
     [{"role": "user", "content": "Hi"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
-     {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And tomorrow? 😊"}],
-    [{"role": "user", "content": [{"type": "text", "text": "two "}, {"type": "image_url", "image_url": {"url": "x"}},
-                                  {"type": "text", "text": "parts"}]}],
-    [{"role": "system", "content": "one"}, {"role": "user", "content": "q"}, {"role": "system", "content": "two"},
-     {"role": "assistant", "content": None}],
-    [{"role": "system", "content": ""}, {"role": "system", "content": "after an empty one"}, {"role": "user", "content": ""}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Sunny."},
+        {"role": "user", "content": "And tomorrow? 😊"},
+    ],
+    [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "two "},
+                {"type": "image_url", "image_url": {"url": "x"}},
+                {"type": "text", "text": "parts"},
+            ],
+        }
+    ],
+    [
+        {"role": "system", "content": "one"},
+        {"role": "user", "content": "q"},
+        {"role": "system", "content": "two"},
+        {"role": "assistant", "content": None},
+    ],
+    [
+        {"role": "system", "content": ""},
+        {"role": "system", "content": "after an empty one"},
+        {"role": "user", "content": ""},
+    ],
 ]
 
 
@@ -104,8 +131,10 @@ def test_chat_template_python_equals_jinja_in_transformers(tok, hf_tok, chat, ge
 
 def test_chat_template_shape_and_errors(tok, hf_tok):
     text = tok.apply_chat_template(CHATS[1])
-    assert text == (f"{BOS_TOKEN}Be brief.{USER_TOKEN}Weather?{ASSISTANT_TOKEN}Sunny.{EOS_TOKEN}"
-                    f"{USER_TOKEN}And tomorrow? 😊{ASSISTANT_TOKEN}")
+    assert text == (
+        f"{BOS_TOKEN}Be brief.{USER_TOKEN}Weather?{ASSISTANT_TOKEN}Sunny.{EOS_TOKEN}"
+        f"{USER_TOKEN}And tomorrow? 😊{ASSISTANT_TOKEN}"
+    )
     assert tok.encode(text, add_bos=False)[0] == tok.bos_id
     bad = [{"role": "tool", "content": "x"}]
     with pytest.raises(ValueError, match="unsupported chat role"):
@@ -132,10 +161,16 @@ def test_loads_a_folder_that_transformers_saved(tok, hf_tok, tmp_path):
 def test_loads_foreign_config_forms(tiny_model, tmp_path):
     """Special tokens as AddedToken dicts, several end ids in generation_config, no bos in use."""
     (tmp_path / "tokenizer.json").write_bytes((tiny_model / "tokenizer.json").read_bytes())
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": {"content": BOS_TOKEN, "special": True}, "eos_token": {"content": EOS_TOKEN},
-        "add_bos_token": False, "chat_template": [{"name": "default", "template": "{{ messages[0]['content'] }}!"}],
-    }))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": {"content": BOS_TOKEN, "special": True},
+                "eos_token": {"content": EOS_TOKEN},
+                "add_bos_token": False,
+                "chat_template": [{"name": "default", "template": "{{ messages[0]['content'] }}!"}],
+            }
+        )
+    )
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3]}))
     other = Tokenizer.from_dir(tmp_path)
     assert other.bos_id == 0 and other.eos_ids == [1, 3]
@@ -201,12 +236,13 @@ def test_incremental_decode_sentencepiece_style_tokenizer():
     merges = []
     for word in ["▁the", "▁weather", "▁is", "▁fine"]:  # left-to-right merges that build each word
         for end in range(2, len(word) + 1):
-            merges.append((word[:end - 1], word[end - 1]))
+            merges.append((word[: end - 1], word[end - 1]))
             vocab.setdefault(word[:end], len(vocab))
     sp = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
     sp.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-    sp.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                    decoders.Strip(" ", 1, 0)])
+    sp.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     foreign = Tokenizer(sp, bos_token=None, eos_tokens=[])
     text = "The weather is fine, 今天 😊"
     ids = foreign.encode(text)
@@ -216,5 +252,5 @@ def test_incremental_decode_sentencepiece_style_tokenizer():
     # After a prompt, the first generated word keeps its space (a lone decode would strip it).
     cut = ids.index(sp.token_to_id("▁weather"))
     prompt, generated = ids[:cut], ids[cut:]
-    expected = foreign.decode(ids)[len(foreign.decode(prompt)):]
+    expected = foreign.decode(ids)[len(foreign.decode(prompt)) :]
     assert expected.startswith(" ") and "".join(_stream(foreign, generated, prompt_ids=prompt)) == expected

@@ -17,37 +17,66 @@ xgr = pytest.importorskip("xgrammar")
 
 D = T.DSML
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1},
-                                         "unit": {"type": "string", "enum": ["C", "F"]}},
-        "required": ["city"], "additionalProperties": False}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer", "minimum": 1},
+                    "unit": {"type": "string", "enum": ["C", "F"]},
+                },
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
     {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}},
 ]
 
 
 def v31(*calls):
-    return T.TOOL_CALLS_BEGIN + "".join(f"{T.TOOL_CALL_BEGIN}{n}{T.TOOL_SEP}{json.dumps(a)}{T.TOOL_CALL_END}"
-                                        for n, a in calls) + T.TOOL_CALLS_END
+    return (
+        T.TOOL_CALLS_BEGIN
+        + "".join(f"{T.TOOL_CALL_BEGIN}{n}{T.TOOL_SEP}{json.dumps(a)}{T.TOOL_CALL_END}" for n, a in calls)
+        + T.TOOL_CALLS_END
+    )
 
 
 def v3(*calls):
-    return T.TOOL_CALLS_BEGIN + "\n".join(
-        f"{T.TOOL_CALL_BEGIN}function{T.TOOL_SEP}{n}\n```json\n{json.dumps(a)}\n```{T.TOOL_CALL_END}"
-        for n, a in calls) + T.TOOL_CALLS_END
+    return (
+        T.TOOL_CALLS_BEGIN
+        + "\n".join(
+            f"{T.TOOL_CALL_BEGIN}function{T.TOOL_SEP}{n}\n```json\n{json.dumps(a)}\n```{T.TOOL_CALL_END}"
+            for n, a in calls
+        )
+        + T.TOOL_CALLS_END
+    )
 
 
 def dsml(block):
     def make(*calls):
         invokes = []
         for name, args in calls:
-            params = "\n".join(f"<{D}parameter name=\"{k}\" string=\"{'true' if isinstance(v, str) else 'false'}\">"
-                               f"{v if isinstance(v, str) else json.dumps(v)}</{D}parameter>" for k, v in args.items())
-            invokes.append(f"<{D}invoke name=\"{name}\">\n{params}\n</{D}invoke>")
+            params = "\n".join(
+                f'<{D}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
+                f"{v if isinstance(v, str) else json.dumps(v)}</{D}parameter>"
+                for k, v in args.items()
+            )
+            invokes.append(f'<{D}invoke name="{name}">\n{params}\n</{D}invoke>')
         return f"\n\n<{D}{block}>\n" + "\n".join(invokes) + f"\n</{D}{block}>"
+
     return make
 
 
-FORMATS = {"deepseek_v31": v31, "deepseek_v3": v3, "deepseek_v4": dsml("tool_calls"), "deepseek_v32": dsml("function_calls")}
+FORMATS = {
+    "deepseek_v31": v31,
+    "deepseek_v3": v3,
+    "deepseek_v4": dsml("tool_calls"),
+    "deepseek_v32": dsml("function_calls"),
+}
 GOOD = [
     [("get_weather", {"city": "Paris"})],
     [("get_weather", {"city": "Paris <b>", "days": 3, "unit": "F"})],
@@ -72,7 +101,9 @@ def compiler_and_tok(tmp_path_factory):
     d = tmp_path_factory.mktemp("tok")
     (d / "tokenizer.json").write_text(train_tokenizer().to_str(), encoding="utf-8")
     (d / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(4096)), encoding="utf-8")
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), eos_token=T.EOS, bos_token=T.BOS)
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(d / "tokenizer.json"), eos_token=T.EOS, bos_token=T.BOS
+    )
     info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=512)
     return xgr.GrammarCompiler(info), Tokenizer.from_dir(d)
 
@@ -93,8 +124,9 @@ def test_grammar_accepts_parsed_calls_and_rejects_malformed(compiler_and_tok, fm
     make = FORMATS[fmt]
     required = compiler.compile_grammar(xgr.Grammar.from_ebnf(tool_call_grammar(fmt, TOOLS, "required")))
     single = compiler.compile_grammar(xgr.Grammar.from_ebnf(tool_call_grammar(fmt, TOOLS, "required", False)))
-    named = compiler.compile_grammar(xgr.Grammar.from_ebnf(
-        tool_call_grammar(fmt, TOOLS, {"type": "function", "function": {"name": "now"}})))
+    named = compiler.compile_grammar(
+        xgr.Grammar.from_ebnf(tool_call_grammar(fmt, TOOLS, {"type": "function", "function": {"name": "now"}}))
+    )
     for calls in GOOD:
         text = make(*calls)
         parsed = tool_parser(fmt).parse(text)
@@ -147,7 +179,7 @@ def test_a_marker_cannot_open_inside_a_json_argument_string(compiler_and_tok, fm
     # and at the mask: inside the string, the marker's token is not among the allowed ones
     m = xgr.GrammarMatcher(g)
     prefix = make(("get_weather", {"city": "Pa"}))
-    prefix = prefix[:prefix.index('"Pa') + 3]
+    prefix = prefix[: prefix.index('"Pa') + 3]
     for t in tok.encode_pieces([(prefix, True)]):
         assert m.accept_token(t)
     end_id = tok.encode_pieces([(T.TOOL_CALL_END, True)])

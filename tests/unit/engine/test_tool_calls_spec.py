@@ -9,20 +9,32 @@ import pytest
 
 from dsv4_engine.structured.spec import StructuredSpec, tool_calls
 
-TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {
-    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+        },
+    }
+]
 
 
 def test_builder_canonicalises_and_checks():
     s = tool_calls("deepseekv31", TOOLS, "required")
     v = json.loads(s.value)
     assert s.kind == "tool_calls" and v["parser"] == "deepseek_v31" and v["parallel_tool_calls"] is True
-    assert tool_calls("deepseek-v4", TOOLS, {"type": "function", "function": {"name": "f"}}, False, True).kind == "tool_calls"
-    for bad in [dict(parser="hermes", tools=TOOLS, tool_choice="required"),
-                dict(parser="deepseek_v4", tools=[], tool_choice="required"),
-                dict(parser="deepseek_v4", tools=TOOLS, tool_choice="auto"),
-                dict(parser="deepseek_v4", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "g"}}),
-                dict(parser="deepseek_v4", tools=[{"function": {}}], tool_choice="required")]:
+    assert (
+        tool_calls("deepseek-v4", TOOLS, {"type": "function", "function": {"name": "f"}}, False, True).kind
+        == "tool_calls"
+    )
+    for bad in [
+        dict(parser="hermes", tools=TOOLS, tool_choice="required"),
+        dict(parser="deepseek_v4", tools=[], tool_choice="required"),
+        dict(parser="deepseek_v4", tools=TOOLS, tool_choice="auto"),
+        dict(parser="deepseek_v4", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "g"}}),
+        dict(parser="deepseek_v4", tools=[{"function": {}}], tool_choice="required"),
+    ]:
         with pytest.raises(ValueError, match="tool_calls"):
             tool_calls(**bad)
     with pytest.raises(ValueError, match="tool_calls"):
@@ -44,9 +56,24 @@ def test_engine_compiles_and_caches(tmp_path):
     compiled = gc.compile(spec)
     assert gc.compile(tool_calls("deepseek_v31", TOOLS, "required", False)) is compiled and gc.hits == 1
     m = Matcher(compiled)
-    text = f"{T.TOOL_CALLS_BEGIN}{T.TOOL_CALL_BEGIN}f{T.TOOL_SEP}{json.dumps({'x': 3})}{T.TOOL_CALL_END}{T.TOOL_CALLS_END}"
+    text = (
+        f"{T.TOOL_CALLS_BEGIN}{T.TOOL_CALL_BEGIN}f{T.TOOL_SEP}{json.dumps({'x': 3})}{T.TOOL_CALL_END}{T.TOOL_CALLS_END}"
+    )
     m.sync(tok.encode_pieces([(text, True)]) + [tok.eos_ids[0]])
     assert m.terminated
     with pytest.raises(GrammarError, match="tool_calls"):  # a schema xgrammar refuses: a 400 at admission
-        gc.compile(tool_calls("deepseek_v31", [{"type": "function", "function": {"name": "f", "parameters": {
-            "type": "object", "properties": {"x": {"type": "string", "pattern": "(["}}}}}], "required"))
+        gc.compile(
+            tool_calls(
+                "deepseek_v31",
+                [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"x": {"type": "string", "pattern": "(["}}},
+                        },
+                    }
+                ],
+                "required",
+            )
+        )

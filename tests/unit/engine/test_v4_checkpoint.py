@@ -58,16 +58,37 @@ def test_preset_config_reads_as_transformers_reads_it(preset):
 def test_legacy_flat_config_forms():
     """compress_ratios / compress_rate_* / num_hash_layers / qk_rope_head_dim / rope_scaling, and a
     flat rope_parameters, resolve as in transformers; the nested form is taken as given."""
-    base = {k: v for k, v in PRESETS["v4-tiny"].items()
-            if k not in ("layer_types", "mlp_layer_types", "compress_rates", "rope_parameters",
-                         "partial_rotary_factor")}
-    legacy = {**base, "compress_ratios": [0, 4, 128, 4], "compress_rate_csa": 4, "compress_rate_hca": 128,
-              "num_hash_layers": 1, "qk_rope_head_dim": 16,
-              "rope_scaling": {"type": "yarn", "factor": 8, "original_max_position_embeddings": 128,
-                               "beta_fast": 32, "beta_slow": 1}}
-    flat_params = {**base, "compress_ratios": [4, 0, 4, 128], "qk_rope_head_dim": 16,
-                   "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
-                                       "original_max_position_embeddings": 512}}
+    base = {
+        k: v
+        for k, v in PRESETS["v4-tiny"].items()
+        if k not in ("layer_types", "mlp_layer_types", "compress_rates", "rope_parameters", "partial_rotary_factor")
+    }
+    legacy = {
+        **base,
+        "compress_ratios": [0, 4, 128, 4],
+        "compress_rate_csa": 4,
+        "compress_rate_hca": 128,
+        "num_hash_layers": 1,
+        "qk_rope_head_dim": 16,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 8,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    }
+    flat_params = {
+        **base,
+        "compress_ratios": [4, 0, 4, 128],
+        "qk_rope_head_dim": 16,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 2.0,
+            "original_max_position_embeddings": 512,
+        },
+    }
     plain = {**base, "qk_rope_head_dim": 8}  # no layer types at all: transformers' default schedule
     for d in (legacy, flat_params, plain):
         ours = DeepseekV4Config.from_dict(json.loads(json.dumps(d)))
@@ -84,7 +105,9 @@ def test_v4_tiny_is_deterministic_per_seed(tmp_path, tiny_dir):
     again = tmp_path / "again"
     subprocess.run(
         [sys.executable, "-m", "dsv4_cli", "model", "init", str(again), "--preset", "v4-tiny", "--seed", "0"],
-        check=True, capture_output=True, timeout=300,
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     other = init_checkpoint(tmp_path / "other", preset="v4-tiny", seed=1)
     assert _digest(again) == _digest(tiny_dir)
@@ -98,20 +121,31 @@ def test_v4_tiny_is_in_the_release_layout_and_transformers_loads_it_whole(tiny_d
     with safe_open(str(tiny_dir / "model.safetensors"), "pt") as f:
         names = set(f.keys())
     assert names == set(v4_tensor_shapes(PRESETS["v4-tiny"]))
-    for n in ("embed.weight", "head.weight", "hc_head_fn", "layers.0.attn.wq_a.weight",
-              "layers.1.attn.indexer.wq_b.weight",
-              "layers.1.attn.indexer.compressor.ape", "layers.2.attn.compressor.wgate.weight",
-              "layers.0.ffn.gate.tid2eid", "layers.3.ffn.gate.bias", "layers.3.ffn.experts.3.w2.weight"):
+    for n in (
+        "embed.weight",
+        "head.weight",
+        "hc_head_fn",
+        "layers.0.attn.wq_a.weight",
+        "layers.1.attn.indexer.wq_b.weight",
+        "layers.1.attn.indexer.compressor.ape",
+        "layers.2.attn.compressor.wgate.weight",
+        "layers.0.ffn.gate.tid2eid",
+        "layers.3.ffn.gate.bias",
+        "layers.3.ffn.experts.3.w2.weight",
+    ):
         assert n in names
     model, info = transformers.DeepseekV4ForCausalLM.from_pretrained(
-        str(tiny_dir), dtype=torch.float32, output_loading_info=True)
+        str(tiny_dir), dtype=torch.float32, output_loading_info=True
+    )
     assert not any(info.values()), info  # every tensor used, none missing
     sd = model.state_dict()
     ours = load_v4_weights(tiny_dir)
     # the loaded tid2eid table is the one we wrote, and the fused experts are w1|w3 per expert
     assert torch.equal(sd["model.layers.0.mlp.gate.tid2eid"], ours["layers.0.ffn.gate.tid2eid"].long())
-    assert torch.equal(sd["model.layers.3.mlp.experts.gate_up_proj"][2],
-                       torch.cat([ours["layers.3.ffn.experts.2.w1.weight"], ours["layers.3.ffn.experts.2.w3.weight"]]))
+    assert torch.equal(
+        sd["model.layers.3.mlp.experts.gate_up_proj"][2],
+        torch.cat([ours["layers.3.ffn.experts.2.w1.weight"], ours["layers.3.ffn.experts.2.w3.weight"]]),
+    )
 
 
 def test_save_pretrained_and_native_layouts_load_to_the_release_tensors(tmp_path, tiny_dir):
@@ -124,8 +158,10 @@ def test_save_pretrained_and_native_layouts_load_to_the_release_tensors(tmp_path
         assert set(other) == set(release)
         for k, v in release.items():
             assert torch.equal(other[k].to(v.dtype), v), k
-    assert release_name("model.layers.1.self_attn.compressor.indexer.kv_norm.weight") == \
-        "layers.1.attn.indexer.compressor.norm.weight"
+    assert (
+        release_name("model.layers.1.self_attn.compressor.indexer.kv_norm.weight")
+        == "layers.1.attn.indexer.compressor.norm.weight"
+    )
 
 
 def test_mtp_tensors_are_skipped(tmp_path, tiny_dir):
@@ -190,8 +226,11 @@ def test_default_page_size_fills_compressed_pages():
     from dsv4_engine.models.state import StateSpec
 
     v3 = [StateSpec("latent_kv", 2, (576,))]
-    v4_flash = [StateSpec("csa_kv", 1, (512,), tokens_per_entry=4), StateSpec("hca_kv", 1, (512,), tokens_per_entry=128),
-                StateSpec("swa_kv", 1, (512,), kind="slot", slots=128)]
+    v4_flash = [
+        StateSpec("csa_kv", 1, (512,), tokens_per_entry=4),
+        StateSpec("hca_kv", 1, (512,), tokens_per_entry=128),
+        StateSpec("swa_kv", 1, (512,), kind="slot", slots=128),
+    ]
     v4_tiny = [StateSpec("csa_kv", 1, (64,), tokens_per_entry=4), StateSpec("hca_kv", 1, (64,), tokens_per_entry=8)]
     assert default_page_size(v3) == 16 and default_page_size(v4_tiny) == 16
     assert default_page_size(v4_flash) == 128

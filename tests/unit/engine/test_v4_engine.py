@@ -85,7 +85,9 @@ def run_engine(v4_dir, arrivals: dict[int, list[tuple[str, list[int]]]], **kw):
     step = 0
     while len(done) < total:
         for rid, p in arrivals.get(step, []):
-            seqs.append(Sequence(rid, p, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True), sink=sink))
+            seqs.append(
+                Sequence(rid, p, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True), sink=sink)
+            )
             engine.submit(seqs[-1])
         engine.step()
         step += 1
@@ -112,8 +114,12 @@ def test_staggered_arrivals_in_one_batch(v4_dir, hf):
     """Shorter than the window (8), at and one past the window / HCA window, one past a CSA
     window, long enough that top-4 drops CSA entries; joining while others decode."""
     ps = {f"r{i}": prompt(n, seed=20 + i) for i, n in enumerate([5, 8, 9, 17, 33, 26])}
-    arrivals = {0: [("r0", ps["r0"])], 2: [("r1", ps["r1"]), ("r2", ps["r2"])], 5: [("r3", ps["r3"])],
-                6: [("r4", ps["r4"]), ("r5", ps["r5"])]}
+    arrivals = {
+        0: [("r0", ps["r0"])],
+        2: [("r1", ps["r1"]), ("r2", ps["r2"])],
+        5: [("r3", ps["r3"])],
+        6: [("r4", ps["r4"]), ("r5", ps["r5"])],
+    }
     toks, logits, engine, _ = run_engine(v4_dir, arrivals, kv_pages=64, page_size=16, max_num_seqs=8)
     assert engine.runner.decode_apart and engine.mixed_steps > 0
     check(hf, ps, toks, logits)
@@ -125,8 +131,9 @@ def test_chunked_prefill_at_awkward_splits(v4_dir, hf):
     window, across page boundaries, while other requests decode in the same steps."""
     ps = {"a": prompt(23, 31), "b": prompt(40, 32), "c": prompt(13, 33)}
     arrivals = {0: [("a", ps["a"]), ("b", ps["b"])], 3: [("c", ps["c"])]}
-    toks, logits, engine, _ = run_engine(v4_dir, arrivals, kv_pages=64, page_size=4, max_num_batched_tokens=7,
-                                         max_num_seqs=4)
+    toks, logits, engine, _ = run_engine(
+        v4_dir, arrivals, kv_pages=64, page_size=4, max_num_batched_tokens=7, max_num_seqs=4
+    )
     check(hf, ps, toks, logits)
     all_returned(engine)
 
@@ -136,8 +143,9 @@ def test_forced_preemption_recomputes_from_zero(v4_dir, hf):
     preempts, every state (pages and slot row) goes back and the request is recomputed."""
     ps = {"a": prompt(30, 41), "b": prompt(27, 42), "c": prompt(21, 43)}
     arrivals = {0: [("a", ps["a"]), ("b", ps["b"])], 2: [("c", ps["c"])]}
-    toks, logits, engine, seqs = run_engine(v4_dir, arrivals, kv_pages=14, page_size=4, max_num_batched_tokens=11,
-                                            max_num_seqs=3)
+    toks, logits, engine, seqs = run_engine(
+        v4_dir, arrivals, kv_pages=14, page_size=4, max_num_batched_tokens=11, max_num_seqs=3
+    )
     assert sum(s.num_preemptions for s in seqs) > 0, "the small pool should have forced a preemption"
     check(hf, ps, toks, logits)
     all_returned(engine)
@@ -162,8 +170,17 @@ def test_state_sizing_reserves_slot_rows_first(v4_dir):
     with pytest.raises(ValueError, match="max-num-seqs"):
         pages_for_memory(specs, 16, torch.float32, 63 * row / (1 << 30), max_num_seqs=64)
     # (the prefix cache's snapshots take rows of their own: test_v4_prefix_cache)
-    engine = Engine(EngineArgs(model=str(v4_dir), device="cpu", kernel_backend="torch", kv_memory_gb=gb,
-                               page_size=16, max_num_seqs=64, enable_prefix_cache=False))
+    engine = Engine(
+        EngineArgs(
+            model=str(v4_dir),
+            device="cpu",
+            kernel_backend="torch",
+            kv_memory_gb=gb,
+            page_size=16,
+            max_num_seqs=64,
+            enable_prefix_cache=False,
+        )
+    )
     assert engine.pool.num_pages == 100 and engine.pool.num_slots == 64
     loads = engine.loads()
     assert loads["kv_state_bytes_per_token"] == {"csa_kv": 128.0, "csa_index_k": 64.0, "hca_kv": 32.0}
@@ -180,7 +197,9 @@ def test_page_size_refusals_and_every_role_takes_v4(v4_dir):
     assert state_refusal(specs, "mono", 16) is None and state_refusal(specs, "mono", 2) is None
     msg = state_refusal(specs, "mono", 6)  # CSA every 4 tokens: neither 6 | 4 nor 4 | 6
     assert msg and "--page-size 6" in msg and "\n" not in msg
-    assert state_refusal(specs, "decode", 16) is None and state_refusal(specs, "prefill", 16) is None  # PD moves slot rows
+    assert (
+        state_refusal(specs, "decode", 16) is None and state_refusal(specs, "prefill", 16) is None
+    )  # PD moves slot rows
     assert "--page-size 6" in state_refusal(specs, "decode", 6)
     with pytest.raises(ValueError, match="--page-size 6"):
         Engine(EngineArgs(model=str(v4_dir), device="cpu", kernel_backend="torch", kv_pages=8, page_size=6))

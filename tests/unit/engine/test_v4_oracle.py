@@ -68,8 +68,14 @@ class Driver:
         self.reqs: dict[int, dict] = {}
 
     def admit(self, rid: int, prompt: list[int]) -> None:
-        self.reqs[rid] = {"tokens": list(prompt), "done": 0, "prompt": len(prompt), "slot": self.free_slots.pop(),
-                          "pages": [], "logits": []}
+        self.reqs[rid] = {
+            "tokens": list(prompt),
+            "done": 0,
+            "prompt": len(prompt),
+            "slot": self.free_slots.pop(),
+            "pages": [],
+            "logits": [],
+        }
 
     def step(self, plan: dict[int, int]) -> None:
         """plan: request -> number of its next tokens to run this step."""
@@ -79,7 +85,7 @@ class Driver:
             start = r["done"]
             while len(r["pages"]) * self.page_size < start + n:
                 r["pages"].append(self.free_pages.pop())
-            ids += r["tokens"][start:start + n]
+            ids += r["tokens"][start : start + n]
             pos += range(start, start + n)
             lens.append(n)
             last.append(len(ids) - 1)
@@ -87,8 +93,15 @@ class Driver:
             slots.append(r["slot"])
         width = max(len(t) for t in table)
         bt = torch.tensor([t + [0] * (width - len(t)) for t in table], dtype=torch.int32)
-        fb = V4Batch(torch.tensor(ids), torch.tensor(pos), torch.tensor(lens), torch.tensor(last), bt,
-                     torch.tensor(slots), self.page_size)
+        fb = V4Batch(
+            torch.tensor(ids),
+            torch.tensor(pos),
+            torch.tensor(lens),
+            torch.tensor(last),
+            bt,
+            torch.tensor(slots),
+            self.page_size,
+        )
         logits = self.model.forward(fb, self.states)
         for (rid, n), lg in zip(plan.items(), logits):
             r = self.reqs[rid]
@@ -129,12 +142,15 @@ def _check(ours: torch.Tensor, theirs: torch.Tensor) -> None:
     assert float((top2[:, 0] - top2[:, 1]).min()) > 20 * TOL
 
 
-@pytest.mark.parametrize("length,chunks", [
-    (40, (3, 5, 1, 7, 1, 8, 9, 6)),  # ends at 3, 8 (=W), 9, 16, 17, 25, 34, 40
-    (64, (1,) * 64),  # token by token: every boundary crossed by a one-token step
-    (33, (33,)),  # one past a CSA, HCA and window boundary, in one go
-    (71, (31, 40)),  # 17 CSA entries for top-4, split mid-window
-])
+@pytest.mark.parametrize(
+    "length,chunks",
+    [
+        (40, (3, 5, 1, 7, 1, 8, 9, 6)),  # ends at 3, 8 (=W), 9, 16, 17, 25, 34, 40
+        (64, (1,) * 64),  # token by token: every boundary crossed by a one-token step
+        (33, (33,)),  # one past a CSA, HCA and window boundary, in one go
+        (71, (31, 40)),  # 17 CSA entries for top-4, split mid-window
+    ],
+)
 def test_prompt_in_awkward_chunks_then_48_greedy_tokens(tiny, length, chunks):
     """Long enough that top-4 keeps fewer CSA entries than exist (40 tokens = 10 entries, 5 HCA
     entries); chunks end mid-window and at and one past the window and compression boundaries."""
@@ -265,8 +281,16 @@ def test_a_batch_without_slot_rows_is_refused_clearly(tiny):
     from dsv4_engine.models.forward_batch import ForwardBatch
 
     cfg, ours, hf = tiny
-    fb = ForwardBatch(torch.tensor([0]), torch.tensor([0]), torch.tensor([0]), torch.zeros(1, 1, dtype=torch.int32),
-                      torch.tensor([1]), torch.tensor([1]), torch.tensor([0]), True)
+    fb = ForwardBatch(
+        torch.tensor([0]),
+        torch.tensor([0]),
+        torch.tensor([0]),
+        torch.zeros(1, 1, dtype=torch.int32),
+        torch.tensor([1]),
+        torch.tensor([1]),
+        torch.tensor([0]),
+        True,
+    )
     with pytest.raises(NotImplementedError, match="slot_ids"):
         ours.forward(fb, {})
 

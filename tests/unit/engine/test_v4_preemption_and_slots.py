@@ -23,8 +23,6 @@ from test_v4_state_machines import pair, v4_engines  # noqa: E402,F401  (fixture
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-
-
 def submit(engine: Engine, rid: str, prompt: list[int], params: SamplingParams, room=None) -> Client:
     client = Client()
     seq = Sequence(rid=rid, prompt_ids=list(prompt), params=params, sink=client.outputs.append)
@@ -35,11 +33,15 @@ def submit(engine: Engine, rid: str, prompt: list[int], params: SamplingParams, 
     return client
 
 
-@pytest.mark.parametrize("params", [
-    dict(temperature=0.9, seed=7),
-    dict(temperature=1.0, seed=11, top_p=0.8),
-    dict(temperature=0.7, seed=3, top_k=5),
-], ids=["temperature", "top_p", "top_k"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=0.9, seed=7),
+        dict(temperature=1.0, seed=11, top_p=0.8),
+        dict(temperature=0.7, seed=3, top_k=5),
+    ],
+    ids=["temperature", "top_p", "top_k"],
+)
 def test_seeded_sampling_through_pd_equals_mono(pair, v4_engines, params):
     """Prefill samples the first token from the request's seeded stream; decode must go on from
     the second draw of that stream, not start it again (which repeats the first token's noise)."""
@@ -66,8 +68,19 @@ def tight_decode(make_model):
     model = make_model("v4-tiny")
 
     def make(role: str, pages: int, seqs: int) -> Engine:
-        return Engine(EngineArgs(model=str(model), role=role, device="cpu", kernel_backend="torch", kv_pages=pages,
-                                 page_size=4, max_num_seqs=seqs, max_num_batched_tokens=64, served_model_name="m"))
+        return Engine(
+            EngineArgs(
+                model=str(model),
+                role=role,
+                device="cpu",
+                kernel_backend="torch",
+                kv_pages=pages,
+                page_size=4,
+                max_num_seqs=seqs,
+                max_num_batched_tokens=64,
+                served_model_name="m",
+            )
+        )
 
     return make("prefill", 40, 4), make("decode", 12, 2), make("mono", 200, 4)
 
@@ -91,14 +104,20 @@ def test_decode_preempts_a_handed_off_request_and_recomputes_it_exactly(tight_de
     sched._preempt = lambda seq: (preempted.append(seq.rid), real_preempt(seq))
     try:
         prompts = [[(7 * i + 3 * j) % 400 + 5 for j in range(n)] for i, n in enumerate([15, 13, 9])]
-        params = [SamplingParams(max_tokens=20, ignore_eos=True, temperature=0),
-                  SamplingParams(max_tokens=20, ignore_eos=True, temperature=0),
-                  SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, seed=4)]
+        params = [
+            SamplingParams(max_tokens=20, ignore_eos=True, temperature=0),
+            SamplingParams(max_tokens=20, ignore_eos=True, temperature=0),
+            SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, seed=4),
+        ]
         runs = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             pair.room += 1
-            runs.append((submit(pair.p, f"p{i}", prompt, sp, room=pair.room),
-                         submit(pair.d, f"d{i}", prompt, sp, room=pair.room)))
+            runs.append(
+                (
+                    submit(pair.p, f"p{i}", prompt, sp, room=pair.room),
+                    submit(pair.d, f"d{i}", prompt, sp, room=pair.room),
+                )
+            )
         pair.run_until(lambda: all(dc.ends for _, dc in runs), limit=120)
         assert preempted, "decode's 12 pages should have forced a preemption"
         for (pc, dc), prompt, sp in zip(runs, prompts, params):
@@ -120,8 +139,12 @@ def test_decode_without_a_free_slot_row_waits_then_takes_a_freed_one(tight_decod
         runs = []
         for i, prompt in enumerate(prompts):
             pair.room += 1
-            runs.append((submit(pair.p, f"p{i}", prompt, sp, room=pair.room),
-                         submit(pair.d, f"d{i}", prompt, sp, room=pair.room)))
+            runs.append(
+                (
+                    submit(pair.p, f"p{i}", prompt, sp, room=pair.room),
+                    submit(pair.d, f"d{i}", prompt, sp, room=pair.room),
+                )
+            )
         pair.step(2, dt=0.01)
         loads = pair.d.loads()
         assert loads["kv_slots_free"] == 0 and loads["queues"]["prealloc"] >= 2
@@ -134,15 +157,25 @@ def test_decode_without_a_free_slot_row_waits_then_takes_a_freed_one(tight_decod
         pair.close()
 
 
-@pytest.mark.parametrize("limits, flag", [(dict(max_num_batched_tokens=0), "--max-num-batched-tokens"),
-                                          (dict(max_num_seqs=0), "--max-num-seqs")])
+@pytest.mark.parametrize(
+    "limits, flag",
+    [(dict(max_num_batched_tokens=0), "--max-num-batched-tokens"), (dict(max_num_seqs=0), "--max-num-seqs")],
+)
 def test_limits_that_cannot_serve_are_refused_at_start(make_model, limits, flag):
     """A 0-token step budget admitted nothing (every request waited forever); 0 requests at once
     crashed V4's slot pool with an IndexError. Both are refused in one line before any weight loads."""
     assert limits_refusal(8, 1) is None
     with pytest.raises(ValueError, match=f"^{flag} must be at least 1, not 0$"):
-        Engine(EngineArgs(model=str(make_model("v4-tiny")), device="cpu", kernel_backend="torch", kv_pages=8,
-                          page_size=4, **limits))
+        Engine(
+            EngineArgs(
+                model=str(make_model("v4-tiny")),
+                device="cpu",
+                kernel_backend="torch",
+                kv_pages=8,
+                page_size=4,
+                **limits,
+            )
+        )
 
 
 def test_a_request_decode_preempted_resumes_before_new_hand_offs_take_its_row(tight_decode):
@@ -162,8 +195,13 @@ def test_a_request_decode_preempted_resumes_before_new_hand_offs_take_its_row(ti
         for i, n in enumerate([15, 13]):
             pair.room += 1
             prompt = [(7 * i + 3 * j) % 400 + 5 for j in range(n)]
-            firsts.append((prompt, submit(pair.p, f"p{i}", prompt, long, room=pair.room),
-                           submit(pair.d, f"d{i}", prompt, long, room=pair.room)))
+            firsts.append(
+                (
+                    prompt,
+                    submit(pair.p, f"p{i}", prompt, long, room=pair.room),
+                    submit(pair.d, f"d{i}", prompt, long, room=pair.room),
+                )
+            )
         pair.run_until(lambda: preempted, dt=0.01)
         victim = preempted[0]
         # A steady stream of short requests while the victim waits to resume.
@@ -172,8 +210,14 @@ def test_a_request_decode_preempted_resumes_before_new_hand_offs_take_its_row(ti
             if k % 2 == 0 and len(stream) < 12:
                 pair.room += 1
                 prompt = [11 + k, 12, 13]
-                stream.append((prompt, pair.room, submit(pair.p, f"pc{k}", prompt, short, room=pair.room),
-                               submit(pair.d, f"dc{k}", prompt, short, room=pair.room)))
+                stream.append(
+                    (
+                        prompt,
+                        pair.room,
+                        submit(pair.p, f"pc{k}", prompt, short, room=pair.room),
+                        submit(pair.d, f"dc{k}", prompt, short, room=pair.room),
+                    )
+                )
             waiting = victim in sched.waiting
             before = set(pair.d.pd.registering) | set(pair.d.pd.transfer)
             pair.step(1, dt=0.01)
@@ -181,7 +225,9 @@ def test_a_request_decode_preempted_resumes_before_new_hand_offs_take_its_row(ti
             if waiting and got:
                 taken_while_waiting.append(sorted(got))
         pair.run_until(lambda: all(dc.ends for *_, dc in firsts) and all(dc.ends for *_, dc in stream), dt=0.05)
-        assert not taken_while_waiting, f"new hand-offs took rows/pages while a preempted request waited: {taken_while_waiting}"
+        assert not taken_while_waiting, (
+            f"new hand-offs took rows/pages while a preempted request waited: {taken_while_waiting}"
+        )
         for prompt, _, dc in firsts:
             assert dc.end.error is None and dc.tokens == mono_tokens(tight_decode[2], prompt, long)
         for prompt, _, _, dc in stream:  # they waited their turn, within their deadlines

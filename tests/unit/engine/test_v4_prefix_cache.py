@@ -32,8 +32,17 @@ def v4_dir(make_model):
 
 
 def v4_engine(model, cache: bool, **kw) -> Engine:
-    args = dict(model=str(model), device="cpu", kernel_backend="torch", page_size=4, kv_pages=96, max_num_seqs=6,
-                max_num_batched_tokens=13, enable_prefix_cache=cache, prefix_cache_snapshots=48)
+    args = dict(
+        model=str(model),
+        device="cpu",
+        kernel_backend="torch",
+        page_size=4,
+        kv_pages=96,
+        max_num_seqs=6,
+        max_num_batched_tokens=13,
+        enable_prefix_cache=cache,
+        prefix_cache_snapshots=48,
+    )
     args.update(kw)
     return Engine(EngineArgs(**args))
 
@@ -136,12 +145,15 @@ def rows_only(engine: Engine) -> Engine:
     return engine
 
 
-@pytest.mark.parametrize("page_size,pool,in_forward", [
-    pytest.param(4, 96, True, id="page4-roomy"),
-    pytest.param(4, 96, False, id="page4-rows-only", marks=pytest.mark.slow),
-    pytest.param(4, 22, True, id="page4-preempting"),
-    pytest.param(16, 24, True, id="page16", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "page_size,pool,in_forward",
+    [
+        pytest.param(4, 96, True, id="page4-roomy"),
+        pytest.param(4, 96, False, id="page4-rows-only", marks=pytest.mark.slow),
+        pytest.param(4, 22, True, id="page4-preempting"),
+        pytest.param(16, 24, True, id="page16", marks=pytest.mark.slow),
+    ],
+)
 def test_greedy_outputs_with_the_cache_equal_outputs_without(v4_dir, page_size, pool, in_forward):
     """Page 4 (boundary 8: pages shorter than the HCA window, so a page is not final when its own
     tokens are) and page 16 (the preset's default); a 13-token step budget splits chunks at
@@ -244,8 +256,7 @@ def test_random_shared_prefixes_aborts_and_tiny_pools_return_everything(v4_dir):
     """The engine's own thread; 18 pages and 3 snapshots for 6 running requests: both pools
     evict under pressure, rows are preempted and re-admitted, aborts land anywhere. At the end
     every page, slot row and snapshot is back."""
-    engine = v4_engine(v4_dir, True, kv_pages=18, max_num_seqs=6, max_num_batched_tokens=21,
-                       prefix_cache_snapshots=3)
+    engine = v4_engine(v4_dir, True, kv_pages=18, max_num_seqs=6, max_num_batched_tokens=21, prefix_cache_snapshots=3)
     rng = random.Random(11)
     systems = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(4, 40))] for _ in range(5)]
     n = 90
@@ -264,8 +275,9 @@ def test_random_shared_prefixes_aborts_and_tiny_pools_return_everything(v4_dir):
     try:
         for i in range(n):
             prompt = rng.choice(systems) + [rng.randrange(3, VOCAB) for _ in range(rng.randint(0, 20))]
-            params = SamplingParams(max_tokens=rng.randint(1, 24), temperature=rng.choice([0, 0.9]),
-                                    ignore_eos=True, seed=rng.randint(0, 9))
+            params = SamplingParams(
+                max_tokens=rng.randint(1, 24), temperature=rng.choice([0, 0.9]), ignore_eos=True, seed=rng.randint(0, 9)
+            )
             engine.submit(Sequence(f"r{i}", prompt, params, sink=sink))
             if rng.random() < 0.3:
                 engine.abort(f"r{rng.randint(max(0, i - 4), i)}")

@@ -20,8 +20,17 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_pages_and_slot_rows_return_after_random_requests_and_aborts(make_model):
-    engine = Engine(EngineArgs(model=str(make_model("v4-tiny")), device="cpu", kernel_backend="torch", kv_pages=30,
-                               page_size=4, max_num_seqs=6, max_num_batched_tokens=37))
+    engine = Engine(
+        EngineArgs(
+            model=str(make_model("v4-tiny")),
+            device="cpu",
+            kernel_backend="torch",
+            kv_pages=30,
+            page_size=4,
+            max_num_seqs=6,
+            max_num_batched_tokens=37,
+        )
+    )
     rng = random.Random(0)
     done = threading.Event()
     finished: dict[str, str] = {}
@@ -40,8 +49,12 @@ def test_pages_and_slot_rows_return_after_random_requests_and_aborts(make_model)
     try:
         for i in range(n):
             prompt = [rng.randrange(2, 500) for _ in range(rng.randint(1, 40))]
-            params = SamplingParams(max_tokens=rng.randint(1, 24), temperature=rng.choice([0, 0.8]),
-                                    ignore_eos=rng.random() < 0.5, seed=rng.randint(0, 99))
+            params = SamplingParams(
+                max_tokens=rng.randint(1, 24),
+                temperature=rng.choice([0, 0.8]),
+                ignore_eos=rng.random() < 0.5,
+                seed=rng.randint(0, 99),
+            )
             seqs.append(Sequence(f"r{i}", prompt, params, sink=sink))
             engine.submit(seqs[-1])
             if rng.random() < 0.3:

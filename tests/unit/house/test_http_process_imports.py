@@ -54,7 +54,10 @@ def test_each_name_is_imported_from_its_home():
 
     assert issubclass(server_args.ServerArgs, engine_args.EngineArgs)
     engine = Path(__file__).resolve().parents[3] / "engine"
-    shims = [f"{p.relative_to(engine)}:{i}" for p in engine.rglob("*.py")
-             for i, line in enumerate(p.read_text().splitlines(), 1)
-             if "noqa: F401" in line and ("old home" in line or "re-exported" in line)]
+    shims = [
+        f"{p.relative_to(engine)}:{i}"
+        for p in engine.rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "noqa: F401" in line and ("old home" in line or "re-exported" in line)
+    ]
     assert not shims, shims

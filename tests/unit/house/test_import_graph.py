@@ -75,8 +75,13 @@ def test_every_package_is_placed_in_a_layer() -> None:
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_package_imports_only_lower_layers(package: str) -> None:
-    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if m.split(".")[0] == package
-                 for t in ts if t.split(".")[0] not in ALLOWED[package] | {package})
+    bad = sorted(
+        f"{m} -> {t}"
+        for m, ts in GRAPH.items()
+        if m.split(".")[0] == package
+        for t in ts
+        if t.split(".")[0] not in ALLOWED[package] | {package}
+    )
     assert not bad, "imports across layers:\n" + "\n".join(bad)
 
 
@@ -141,8 +146,12 @@ def folder_of(module: str) -> str:
 
 
 def test_no_folder_imports_one_drawn_above_it() -> None:
-    bad = sorted(f"{m} ({folder_of(m)}/) -> {t} ({folder_of(t)}/)" for m, ts in GRAPH.items() for t in ts
-                 if FOLDERS.index(folder_of(t)) > FOLDERS.index(folder_of(m)))
+    bad = sorted(
+        f"{m} ({folder_of(m)}/) -> {t} ({folder_of(t)}/)"
+        for m, ts in GRAPH.items()
+        for t in ts
+        if FOLDERS.index(folder_of(t)) > FOLDERS.index(folder_of(m))
+    )
     assert not bad, "imports of a folder drawn above:\n" + "\n".join(bad)
 
 
@@ -156,8 +165,16 @@ def test_the_watchdog_package_does_no_io() -> None:
     bad = []
     for path in root.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
-            bad += [f"{path.name}: {n}" for n in names
-                    if n.split(".")[0] in IO_LIBRARIES or n.startswith("dsv4_operator.remediation")]
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and node.level == 0
+                else []
+            )
+            bad += [
+                f"{path.name}: {n}"
+                for n in names
+                if n.split(".")[0] in IO_LIBRARIES or n.startswith("dsv4_operator.remediation")
+            ]
     assert not bad, bad

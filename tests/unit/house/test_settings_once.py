@@ -76,15 +76,19 @@ def _literal_defaults(tree: ast.AST):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             a = node.args
             positional = a.posonlyargs + a.args
-            pairs = list(zip(positional[len(positional) - len(a.defaults):], a.defaults))
+            pairs = list(zip(positional[len(positional) - len(a.defaults) :], a.defaults))
             pairs += [(arg, d) for arg, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
             for arg, d in pairs:
                 if isinstance(d, ast.Constant) and d.value is not None:
                     yield arg.arg, d.value, node.lineno
         elif isinstance(node, ast.ClassDef):
             for stmt in node.body:
-                if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                        and isinstance(stmt.value, ast.Constant) and stmt.value.value is not None):
+                if (
+                    isinstance(stmt, ast.AnnAssign)
+                    and isinstance(stmt.target, ast.Name)
+                    and isinstance(stmt.value, ast.Constant)
+                    and stmt.value.value is not None
+                ):
                     yield stmt.target.id, stmt.value.value, stmt.lineno
 
 
@@ -93,8 +97,11 @@ def _neutral(value: object) -> bool:
 
 
 def test_no_option_default_is_spelled_twice() -> None:
-    watched = {o.name: o.default for o in (*SERVE_OPTIONS, *ROUTER_OPTIONS)
-               if o.name not in SHARED_NAMES and o.default not in (None, REQUIRED) and not _neutral(o.default)}
+    watched = {
+        o.name: o.default
+        for o in (*SERVE_OPTIONS, *ROUTER_OPTIONS)
+        if o.name not in SHARED_NAMES and o.default not in (None, REQUIRED) and not _neutral(o.default)
+    }
     found = []
     for root in ("cli", "engine", "operator"):
         for path in (REPO / root).rglob("*.py"):

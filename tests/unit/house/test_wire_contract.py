@@ -12,21 +12,37 @@ from dsv4_wire import k8s
 from dsv4_wire.paths import Paths
 
 REPO = Path(__file__).resolve().parents[3]
-SOURCES = [p for root in ("cli", "engine", "kernels", "operator") for p in (REPO / root).rglob("*.py")
-           if "dsv4_wire" not in p.parts]
+SOURCES = [
+    p
+    for root in ("cli", "engine", "kernels", "operator")
+    for p in (REPO / root).rglob("*.py")
+    if "dsv4_wire" not in p.parts
+]
 
 ONCE = {
-    **{name: getattr(k8s, name) for name in dir(k8s) if name.startswith(("LABEL_", "ANNOTATION_")) and "serving.dsv4.dev" in getattr(k8s, name)},
-    **{name: getattr(Paths, name) for name in dir(Paths)
-       if name.startswith(("ADMIN_", "DEBUG_", "PD_", "BOOTSTRAP_")) or name in ("LOADS", "READY", "SERVER_INFO")},
+    **{
+        name: getattr(k8s, name)
+        for name in dir(k8s)
+        if name.startswith(("LABEL_", "ANNOTATION_")) and "serving.dsv4.dev" in getattr(k8s, name)
+    },
+    **{
+        name: getattr(Paths, name)
+        for name in dir(Paths)
+        if name.startswith(("ADMIN_", "DEBUG_", "PD_", "BOOTSTRAP_")) or name in ("LOADS", "READY", "SERVER_INFO")
+    },
 }
 
 
 def string_literals(path: Path) -> list[str]:
     tree = ast.parse(path.read_text(), str(path))
-    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
-                  if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                  and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    docstrings = {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        and n.body
+        and isinstance(n.body[0], ast.Expr)
+        and isinstance(n.body[0].value, ast.Constant)
+    }
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:

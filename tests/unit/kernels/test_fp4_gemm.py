@@ -99,7 +99,9 @@ def test_moe_experts_match_reference_with_ragged_experts(device, limit):
     deq2 = torch.stack([ref.dequantize_fp4(W2[e], S2[e]) for e in range(E)])
     bound = 2 * moe_fp32_bound(x, deq13, deq2, weights, ids, limit)  # values reach ~500: no fixed atol fits
     err = (y.cpu().double() - want.double()).abs()
-    assert (err <= bound).all(), f"max error {float(err.max()):.3g}, over its bound by {float((err / bound).max()):.3g}x"
+    assert (err <= bound).all(), (
+        f"max error {float(err.max()):.3g}, over its bound by {float((err / bound).max()):.3g}x"
+    )
     # and the bound still sees a real fault: a kernel that skipped one token's second expert
     dropped = weights.clone()
     dropped[int(weights[:, 1].argmin()), 1] = 0.0

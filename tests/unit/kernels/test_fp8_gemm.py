@@ -52,8 +52,8 @@ def test_reference_linear_is_the_dequantized_product_within_fp8_error():
     y = ref.fp8_linear(x, q, s)
     exact = x @ ref.dequantize_fp8_rows(q, s).T
     # e4m3 keeps 3 mantissa bits: each activation is off by <= 2**-4 relative
-    assert (y - exact).abs().max() <= 2 ** -4 * (x.abs() @ ref.dequantize_fp8_rows(q, s).abs().T).max()
-    assert (ref.dequantize_fp8_rows(q, s) - w).abs().max() <= 2 ** -4 * w.abs().max()
+    assert (y - exact).abs().max() <= 2**-4 * (x.abs() @ ref.dequantize_fp8_rows(q, s).abs().T).max()
+    assert (ref.dequantize_fp8_rows(q, s) - w).abs().max() <= 2**-4 * w.abs().max()
 
 
 @pytest.mark.parametrize("scales", ["block", "row"])

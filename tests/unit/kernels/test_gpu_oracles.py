@@ -36,13 +36,15 @@ def assert_same_choices_up_to_ties(choice: torch.Tensor, got_ids, want_ids, got_
         for e in a ^ b:
             assert abs(float(choice[t, e]) - float(kth[t])) <= SCORE_TIE, (
                 f"token {t}: expert {e} (score {float(choice[t, e]):.8f}) is no near-tie of the k-th "
-                f"choice ({float(kth[t]):.8f})")
+                f"choice ({float(kth[t]):.8f})"
+            )
     assert len(agree) >= 0.95 * choice.shape[0], f"only {len(agree)} of {choice.shape[0]} tokens agree"
     idx = torch.tensor(agree)
     order_g = got_ids[idx].argsort(-1)
     order_w = want_ids[idx].argsort(-1)
-    torch.testing.assert_close(got_w.float().cpu()[idx].gather(1, order_g), want_w.float().cpu()[idx].gather(1, order_w),
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        got_w.float().cpu()[idx].gather(1, order_g), want_w.float().cpu()[idx].gather(1, order_w), atol=1e-5, rtol=1e-4
+    )
 
 
 def test_v3_routing_at_deepseek_v3_width(device):
@@ -79,8 +81,8 @@ def test_experts_at_decode_and_prefill_sizes_in_bf16(device):
         gen = torch.Generator().manual_seed(tokens)
         E, H, inter, k = 64, 1024, 256, 8
         x = torch.randn(tokens, H, generator=gen).to(device, torch.bfloat16)
-        w13 = (torch.randn(E, 2 * inter, H, generator=gen) / H ** 0.5).to(device, torch.bfloat16)
-        w2 = (torch.randn(E, H, inter, generator=gen) / inter ** 0.5).to(device, torch.bfloat16)
+        w13 = (torch.randn(E, 2 * inter, H, generator=gen) / H**0.5).to(device, torch.bfloat16)
+        w2 = (torch.randn(E, H, inter, generator=gen) / inter**0.5).to(device, torch.bfloat16)
         ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(tokens)]).to(device, torch.int32)
         w = torch.rand(tokens, k, generator=gen).to(device)
         want = reference.moe_experts(x.float(), w13.float(), w2.float(), w, ids)

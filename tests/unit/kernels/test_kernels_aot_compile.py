@@ -23,7 +23,8 @@ def load_compile_script():
 def kernels_defined(module) -> set[str]:
     """The @triton.jit functions a kernel module defines (compiled or interpreted)."""
     return {
-        name for name, obj in vars(module).items()
+        name
+        for name, obj in vars(module).items()
         if name.endswith("_kernel") and hasattr(obj, "fn") and inspect.getmodule(obj.fn) is module
     }
 
@@ -49,8 +50,9 @@ def test_kernels_compile_for_hopper_and_blackwell_within_limits():
         assert script.problems(report) == [], report
         # The GEMM-shaped kernels pipeline their loads, and in bf16 take tensor cores (fp32
         # asks for exact products: FMA units).
-        if report["kernel"].startswith(("mla_decode_split", "mla_extend", "moe_gate_up", "moe_down", "v4_attn[",
-                                        "v4_indexer_topk[")):
+        if report["kernel"].startswith(
+            ("mla_decode_split", "mla_extend", "moe_gate_up", "moe_down", "v4_attn[", "v4_indexer_topk[")
+        ):
             assert report["pipelined"], report
             assert (report["mma"] != "-") == ("bf16" in report["kernel"]), report
         # The quantized-weight GEMMs take tensor cores (fp8 x fp8, or decoded fp4 in bf16); fp4

@@ -29,7 +29,9 @@ def test_backends_share_each_signature(name):
 
     def engine_facing(fn):
         """Parameters the engine passes; launchers may add keyword-only tuning knobs."""
-        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values() if p.kind != p.KEYWORD_ONLY]
+        return [
+            (p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values() if p.kind != p.KEYWORD_ONLY
+        ]
 
     assert engine_facing(getattr(triton_ops, name)) == engine_facing(getattr(reference, name))
 

@@ -19,7 +19,10 @@ def test_cpu_quick_bench_writes_decode_and_moe_results(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 shared cores: spinning OpenMP threads only add noise
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--cpu", "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=120, env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
@@ -36,5 +39,7 @@ def test_cpu_quick_bench_writes_decode_and_moe_results(tmp_path):
 def test_bench_without_cuda_or_cpu_flag_says_what_to_do(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the GPU benchmark would run")
-    proc = subprocess.run([sys.executable, str(BENCH), "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode != 0 and "--cpu" in proc.stderr

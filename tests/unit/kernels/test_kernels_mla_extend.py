@@ -18,7 +18,11 @@ def naive_mla_extend(q, kv, block_table, seq_lens, extend_lens, sm_scale, v_dim)
     t = 0
     for b in range(len(seq_lens)):
         n, ext = int(seq_lens[b]), int(extend_lens[b])
-        keys = torch.stack([kv[int(block_table[b, p // page_size]), p % page_size].double().cpu() for p in range(n)]) if n else None
+        keys = (
+            torch.stack([kv[int(block_table[b, p // page_size]), p % page_size].double().cpu() for p in range(n)])
+            if n
+            else None
+        )
         for i in range(ext):
             pos = n - ext + i
             visible = keys[: pos + 1]
@@ -47,8 +51,12 @@ CASES = [
 
 
 @pytest.mark.parametrize("heads,v_dim,rope,page_size,seq_lens,extend_lens", CASES)
-def test_reference_matches_per_token_causal_softmax(paged_cache, device, heads, v_dim, rope, page_size, seq_lens, extend_lens):
-    q, kv, table, lens, ext, scale = make_inputs(paged_cache, device, torch.float32, heads, v_dim, rope, page_size, seq_lens, extend_lens)
+def test_reference_matches_per_token_causal_softmax(
+    paged_cache, device, heads, v_dim, rope, page_size, seq_lens, extend_lens
+):
+    q, kv, table, lens, ext, scale = make_inputs(
+        paged_cache, device, torch.float32, heads, v_dim, rope, page_size, seq_lens, extend_lens
+    )
     got = reference.mla_extend(q, kv, table, lens, ext, scale, v_dim)
     want = naive_mla_extend(q, kv, table, lens, ext, scale, v_dim)
     torch.testing.assert_close(got.double().cpu(), want, atol=1e-5, rtol=1e-5)
@@ -70,10 +78,14 @@ def test_reference_rejects_extend_lens_that_do_not_cover_q(paged_cache, device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads,v_dim,rope,page_size,seq_lens,extend_lens", CASES)
-def test_triton_matches_reference(paged_cache, device, tol, dtype, heads, v_dim, rope, page_size, seq_lens, extend_lens):
+def test_triton_matches_reference(
+    paged_cache, device, tol, dtype, heads, v_dim, rope, page_size, seq_lens, extend_lens
+):
     from dsv4_kernels import triton_ops
 
-    q, kv, table, lens, ext, scale = make_inputs(paged_cache, device, dtype, heads, v_dim, rope, page_size, seq_lens, extend_lens)
+    q, kv, table, lens, ext, scale = make_inputs(
+        paged_cache, device, dtype, heads, v_dim, rope, page_size, seq_lens, extend_lens
+    )
     want = reference.mla_extend(q, kv, table, lens, ext, scale, v_dim)
     got = triton_ops.mla_extend(q, kv, table, lens, ext, scale, v_dim)
     assert got.dtype == dtype and got.shape == want.shape

@@ -77,8 +77,13 @@ def test_reference_route_matches_transformers_router(tokens, experts, n_group, t
     DeepseekV3Config, hf = hf_modules()
     hidden = 32
     cfg = DeepseekV3Config(
-        hidden_size=hidden, n_routed_experts=experts, n_group=n_group, topk_group=topk_group,
-        num_experts_per_tok=top_k, norm_topk_prob=norm, routed_scaling_factor=scale,
+        hidden_size=hidden,
+        n_routed_experts=experts,
+        n_group=n_group,
+        topk_group=topk_group,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=norm,
+        routed_scaling_factor=scale,
     )
     router = hf.DeepseekV3TopkRouter(cfg)
     gen = torch.Generator().manual_seed(3)
@@ -138,9 +143,17 @@ def expert_inputs(tokens, experts, top_k, hidden, inter, dtype, device, seed=0, 
     w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
     w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
     allowed = torch.tensor([e for e in range(experts) if e not in skip_experts])
-    ids = torch.stack([allowed[torch.randperm(len(allowed), generator=gen)[:top_k]] for _ in range(tokens)]).to(torch.int32)
+    ids = torch.stack([allowed[torch.randperm(len(allowed), generator=gen)[:top_k]] for _ in range(tokens)]).to(
+        torch.int32
+    )
     weights = torch.rand(tokens, top_k, generator=gen)
-    return (x.to(dtype).to(device), w13.to(dtype).to(device), w2.to(dtype).to(device), weights.to(device), ids.to(device))
+    return (
+        x.to(dtype).to(device),
+        w13.to(dtype).to(device),
+        w2.to(dtype).to(device),
+        weights.to(device),
+        ids.to(device),
+    )
 
 
 # (tokens, experts, top_k, hidden, inter, experts left without tokens)
@@ -161,7 +174,9 @@ def test_reference_experts_match_per_token_sum(device, tokens, experts, top_k, h
 def test_reference_experts_match_transformers_experts():
     DeepseekV3Config, hf = hf_modules()
     tokens, experts, top_k, hidden, inter = 9, 8, 3, 32, 24
-    cfg = DeepseekV3Config(hidden_size=hidden, n_routed_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter)
+    cfg = DeepseekV3Config(
+        hidden_size=hidden, n_routed_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter
+    )
     module = hf.DeepseekV3Experts(cfg)
     x, w13, w2, w, ids = expert_inputs(tokens, experts, top_k, hidden, inter, torch.float32, torch.device("cpu"))
     with torch.no_grad():
@@ -254,7 +269,7 @@ def test_blocks_hold_only_local_pairs_and_the_rest_go_to_zero_blocks(device):
     pairs, block_expert, flat = pairs.cpu(), block_expert.cpu(), ids.reshape(-1).cpu()
     computed, zeroed = [], []
     for blk, expert in enumerate(block_expert.tolist()):
-        members = pairs[blk * block_m: (blk + 1) * block_m]
+        members = pairs[blk * block_m : (blk + 1) * block_m]
         members = members[members < flat.numel()].tolist()
         if expert >= 0:
             assert all(int(flat[m]) == expert for m in members)

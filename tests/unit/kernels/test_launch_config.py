@@ -39,8 +39,9 @@ def test_cuda_arch_reads_the_device(monkeypatch):
     try:
         assert common.cuda_arch(torch.device("cuda", 1)) == 100
         # sm_103 takes sm_100's indexer tiles (tcgen05 there crashes Triton's TMEM pass).
-        assert v4_indexer.indexer_tiles(512, 2, common.cuda_arch(torch.device("cuda", 1))) == \
-            v4_indexer.indexer_tiles(512, 2, 100)
+        assert v4_indexer.indexer_tiles(512, 2, common.cuda_arch(torch.device("cuda", 1))) == v4_indexer.indexer_tiles(
+            512, 2, 100
+        )
     finally:
         common._tile_target.cache_clear()
     assert common.cuda_arch(torch.device("cpu")) is None
@@ -70,11 +71,16 @@ def test_blocks_per_sm_come_from_the_compiled_kernel(monkeypatch):
     assert common.occupancy(0, 0, 4, 233_472, 65_536, 2048) == 16
 
     class Props:
-        shared_memory_per_multiprocessor, regs_per_multiprocessor, max_threads_per_multi_processor = 102_400, 65_536, 1536
+        shared_memory_per_multiprocessor, regs_per_multiprocessor, max_threads_per_multi_processor = (
+            102_400,
+            65_536,
+            1536,
+        )
 
     class Compiled:
         class metadata:
             shared = 60_000
+
         n_regs = 128
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props)

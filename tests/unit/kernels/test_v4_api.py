@@ -12,8 +12,11 @@ V4_API = list(reference_v4.__all__)
 
 
 def test_v4_api_is_the_whole_reference_module():
-    public = {n for n, f in vars(reference_v4).items() if inspect.isfunction(f) and not n.startswith("_")
-              and f.__module__ == reference_v4.__name__}
+    public = {
+        n
+        for n, f in vars(reference_v4).items()
+        if inspect.isfunction(f) and not n.startswith("_") and f.__module__ == reference_v4.__name__
+    }
     assert public == set(V4_API)
 
 

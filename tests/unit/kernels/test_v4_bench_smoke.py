@@ -15,8 +15,13 @@ BENCH = Path(__file__).resolve().parents[3] / "bench" / "kernels_bench.py"
 def test_cpu_quick_v4_bench_writes_decode_attention_and_indexer(tmp_path):
     out = tmp_path / "v4.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(BENCH), "--cpu", "--quick", "--only", "v4", "--out", str(out)],
-                          capture_output=True, text=True, timeout=180, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--cpu", "--quick", "--only", "v4", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     rows = result["v4_attention_decode"]

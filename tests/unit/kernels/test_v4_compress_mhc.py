@@ -24,17 +24,28 @@ def make_windows(device, dtype, n, rate, hd, overlap, seed=0):
     w_ids = torch.arange(n) * 3  # 0, 3, 6, ...
     cast = lambda x: x.to(dtype).to(device)  # noqa: E731
     win, prev = cast(win), cast(prev)
-    args = (win[..., :width], win[..., width:], prev[..., :width] if overlap else None,
-            prev[..., width:] if overlap else None, ape.to(device), norm.to(device), w_ids.to(device), 1e-6)
+    args = (
+        win[..., :width],
+        win[..., width:],
+        prev[..., :width] if overlap else None,
+        prev[..., width:] if overlap else None,
+        ape.to(device),
+        norm.to(device),
+        w_ids.to(device),
+        1e-6,
+    )
     return args
 
 
-@pytest.mark.parametrize("overlap,rate,hd,n", [
-    (True, 4, 64, 5),     # CSA: window 0 has no predecessor, the others do
-    (False, 8, 64, 4),    # HCA
-    (False, 128, 48, 2),  # HCA's real rate, a width that is not a power of two
-    (True, 4, 128, 3),    # the indexer's compressor
-])
+@pytest.mark.parametrize(
+    "overlap,rate,hd,n",
+    [
+        (True, 4, 64, 5),  # CSA: window 0 has no predecessor, the others do
+        (False, 8, 64, 4),  # HCA
+        (False, 128, 48, 2),  # HCA's real rate, a width that is not a power of two
+        (True, 4, 128, 3),  # the indexer's compressor
+    ],
+)
 def test_compress_pool_matches_reference(device, tol, overlap, rate, hd, n):
     args = make_windows(device, torch.float32, n, rate, hd, overlap, seed=rate + n)
     torch.testing.assert_close(ck.v4_compress_pool(*args), ref.v4_compress_pool(*args), **tol[torch.float32])
@@ -70,8 +81,9 @@ def test_hc_post_matches_reference(device, tol):
     x, fn, base, scale = make_hc(device, 4, 4, 200)
     post, comb, _ = ref.v4_hc_pre(x, fn, base, scale, 1e-6, 1e-6, 20)
     out = torch.randn(4, 200).to(device)
-    torch.testing.assert_close(mk.v4_hc_post(x, out, post, comb), ref.v4_hc_post(x, out, post, comb),
-                               **tol[torch.float32])
+    torch.testing.assert_close(
+        mk.v4_hc_post(x, out, post, comb), ref.v4_hc_post(x, out, post, comb), **tol[torch.float32]
+    )
 
 
 def test_hc_v4_flash_width(device):

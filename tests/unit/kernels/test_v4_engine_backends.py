@@ -43,8 +43,17 @@ ARRIVALS = {0: ["a"], 1: ["b"]}
 def run(v4_dir, backend: str, kernel_ops=None, prompts=None, arrivals=None, new_tokens=NEW_TOKENS):
     """Greedy tokens and the logits each was sampled from, per request; the engine."""
     prompts, arrivals = prompts or PROMPTS, arrivals or ARRIVALS
-    engine = Engine(EngineArgs(model=str(v4_dir), device="cpu", kernel_backend=backend, kv_pages=64, page_size=4,
-                               max_num_batched_tokens=7, max_num_seqs=4))
+    engine = Engine(
+        EngineArgs(
+            model=str(v4_dir),
+            device="cpu",
+            kernel_backend=backend,
+            kv_pages=64,
+            page_size=4,
+            max_num_batched_tokens=7,
+            max_num_seqs=4,
+        )
+    )
     if kernel_ops is not None:
         engine.runner.model.kops = kernel_ops
     toks: dict[str, list[int]] = {}
@@ -174,13 +183,19 @@ def test_one_forward_mixing_chunks_and_decode_tokens(v4_dir):
         ids, pos, lens, last = [], [], [], []
         for rid, n in plan.items():
             s = done[rid]
-            ids += toks[rid][s:s + n]
+            ids += toks[rid][s : s + n]
             pos += range(s, s + n)
             lens.append(n)
             last.append(len(ids) - 1)
-        fb = V4Batch(torch.tensor(ids), torch.tensor(pos), torch.tensor(lens), torch.tensor(last),
-                     torch.tensor([tables[r] for r in plan], dtype=torch.int32), torch.tensor([slots[r] for r in plan]),
-                     page)
+        fb = V4Batch(
+            torch.tensor(ids),
+            torch.tensor(pos),
+            torch.tensor(lens),
+            torch.tensor(last),
+            torch.tensor([tables[r] for r in plan], dtype=torch.int32),
+            torch.tensor([slots[r] for r in plan]),
+            page,
+        )
         got, want = fast.forward(fb, states), plain.forward(fb, twin)
         assert float((got - want).abs().max()) < TOL
         for (rid, n), lg in zip(plan.items(), want):

@@ -12,8 +12,9 @@ from dsv4_kernels.triton_kernels import v4_moe_route as route_k
 from dsv4_kernels.triton_ops import moe_experts
 
 
-@pytest.mark.parametrize("experts,top_k,scoring",
-                         [(4, 2, "sqrtsoftplus"), (256, 6, "sqrtsoftplus"), (64, 6, "sigmoid")])
+@pytest.mark.parametrize(
+    "experts,top_k,scoring", [(4, 2, "sqrtsoftplus"), (256, 6, "sqrtsoftplus"), (64, 6, "sigmoid")]
+)
 def test_learned_routing_matches_reference(device, experts, top_k, scoring):
     gen = torch.Generator().manual_seed(experts)
     logits = (torch.randn(37, experts, generator=gen) * 3).to(device)

@@ -18,8 +18,13 @@ def test_every_policy_action_has_a_step_for_every_engine_kind() -> None:
     for engine in (BUILTIN, SGLANG):
         assert set(ACTIONS[engine]) == {*STEPS, REPORT, HELD}
     assert {k: s.event for k, s in ACTIONS[BUILTIN].items()} == {
-        REPORT: "WedgeDetected", HELD: "RemediationHeld", CAPTURE_EVIDENCE: "EvidenceCaptured",
-        DRAIN: "Drained", ABORT: "Aborted", RESTART: "Restarted"}
+        REPORT: "WedgeDetected",
+        HELD: "RemediationHeld",
+        CAPTURE_EVIDENCE: "EvidenceCaptured",
+        DRAIN: "Drained",
+        ABORT: "Aborted",
+        RESTART: "Restarted",
+    }
     assert step_for(REPORT).warning and step_for(HELD).warning and not step_for(DRAIN).warning
 
 
@@ -27,9 +32,15 @@ def test_builtin_engine_steps() -> None:
     capture = step_for(CAPTURE_EVIDENCE, BUILTIN)
     assert dict(capture.fetch) == {"stacks": Paths.DEBUG_STACKS, "loads": Paths.LOADS, "metrics": Paths.METRICS}
     drain = step_for(DRAIN, BUILTIN)
-    assert drain.leaves_router and [(c.method, c.path, c.body) for c in drain.calls] == [("POST", Paths.ADMIN_DRAIN, None)]
+    assert drain.leaves_router and [(c.method, c.path, c.body) for c in drain.calls] == [
+        ("POST", Paths.ADMIN_DRAIN, None)
+    ]
     (abort,) = step_for(ABORT, BUILTIN).calls
-    assert (abort.method, abort.path, dict(abort.body)) == ("POST", Paths.ADMIN_ABORT, {"all": True, "reason": "wedge remediation"})
+    assert (abort.method, abort.path, dict(abort.body)) == (
+        "POST",
+        Paths.ADMIN_ABORT,
+        {"all": True, "reason": "wedge remediation"},
+    )
     assert step_for(RESTART, BUILTIN).replaces_engine and not step_for(RESTART, BUILTIN).calls
 
 

@@ -16,13 +16,21 @@ import typer
 from dsv4_wire import EngineFlags as F
 from dsv4_operator import local
 from dsv4_operator.local import (
-    ENGINE_DEADLINES, NO_DEADLINES_WINDOW_S, WINDOW_MARGIN_S, LocalDeployment, UpArgs, WindowTooShort,
-    detection_window, engine_deadlines, stored_secret,
+    ENGINE_DEADLINES,
+    NO_DEADLINES_WINDOW_S,
+    WINDOW_MARGIN_S,
+    LocalDeployment,
+    UpArgs,
+    WindowTooShort,
+    detection_window,
+    engine_deadlines,
+    stored_secret,
 )
 from dsv4_operator.supervisor import CrashBackoff, EngineProc, Supervisor
 
 
 # ---- crash-loop backoff ------------------------------------------------------------------------
+
 
 def test_first_crash_restarts_at_once_then_doubles_to_the_cap() -> None:
     b = CrashBackoff(first_s=1.0, cap_s=30.0, stable_s=60.0)
@@ -70,15 +78,25 @@ def test_supervisor_leaves_a_process_stopped_on_purpose_alone(tmp_path) -> None:
 
 def test_secrets_reach_the_process_through_its_environment_not_argv(tmp_path) -> None:
     out = tmp_path / "env.txt"
-    p = EngineProc("router", "router", 0, [sys.executable, "-c",
-                   f"import os, sys; open({str(out)!r}, 'w').write(os.environ['DSV4_ADMIN_TOKEN'] + ' ' + ' '.join(sys.argv))"],
-                   tmp_path / "router.log", env={"DSV4_ADMIN_TOKEN": "s3cret"})
+    p = EngineProc(
+        "router",
+        "router",
+        0,
+        [
+            sys.executable,
+            "-c",
+            f"import os, sys; open({str(out)!r}, 'w').write(os.environ['DSV4_ADMIN_TOKEN'] + ' ' + ' '.join(sys.argv))",
+        ],
+        tmp_path / "router.log",
+        env={"DSV4_ADMIN_TOKEN": "s3cret"},
+    )
     p.start()
     p.popen.wait(10)
     assert out.read_text().startswith("s3cret ") and "s3cret" not in " ".join(p.cmd)
 
 
 # ---- the detection window ----------------------------------------------------------------------
+
 
 def test_the_window_defaults_past_the_longest_engine_deadline() -> None:
     deadlines = engine_deadlines([])
@@ -117,13 +135,19 @@ def test_the_deadlines_up_assumes_are_the_serve_commands_defaults() -> None:
 
 def test_the_cli_refuses_a_short_window_before_starting_anything(tmp_path) -> None:
     env = {**os.environ, "DSV4_CACHE": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-m", "dsv4_cli", "up", "--detection-window", "10"], env=env,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "dsv4_cli", "up", "--detection-window", "10"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "too short" in r.stderr, r.stderr
     assert not (tmp_path / "models").exists()  # refused before the tiny model was built
 
 
 # ---- secrets -----------------------------------------------------------------------------------
+
 
 def test_a_secret_is_made_once_with_mode_0600_and_kept(tmp_path) -> None:
     folder = local.private_dir(tmp_path / "up" / "8000")
@@ -143,6 +167,7 @@ def test_a_secret_others_could_read_is_replaced(tmp_path) -> None:
 
 
 # ---- startup lines -----------------------------------------------------------------------------
+
 
 def test_startup_lines_never_break_a_path_at_80_columns(tmp_path, monkeypatch) -> None:
     deep = tmp_path / ("a-rather-long-folder-name-" * 3) / "cache"

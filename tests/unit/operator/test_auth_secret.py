@@ -37,8 +37,10 @@ def test_the_operator_key_comes_from_its_file(tmp_path) -> None:
 
 
 def secret(labels=None, refs=None, data=None) -> dict:
-    return {"metadata": {"name": "s", "labels": labels or {}, "ownerReferences": refs or []},
-            "data": data if data is not None else {k: b64("v-" + k) for k in AUTH_SECRET_KEYS}}
+    return {
+        "metadata": {"name": "s", "labels": labels or {}, "ownerReferences": refs or []},
+        "data": data if data is not None else {k: b64("v-" + k) for k in AUTH_SECRET_KEYS},
+    }
 
 
 def test_only_the_operators_secret_is_used() -> None:
@@ -55,8 +57,9 @@ def test_only_the_operators_secret_is_used() -> None:
 def test_an_unusable_secret_of_ours_is_refused_with_its_reason() -> None:
     ours = {"app.kubernetes.io/managed-by": "dsv4-operator"}
     with pytest.raises(A.AuthSecretRefused) as err:
-        A.usable_values(secret(labels=ours, data={k: base64.b64encode(b"\xff\xfe").decode() for k in AUTH_SECRET_KEYS}),
-                        OWNER)
+        A.usable_values(
+            secret(labels=ours, data={k: base64.b64encode(b"\xff\xfe").decode() for k in AUTH_SECRET_KEYS}), OWNER
+        )
     assert err.value.reason == A.SECRET_UNUSABLE and "UTF-8" in str(err.value)
     with pytest.raises(A.AuthSecretRefused) as err:
         A.usable_values(secret(labels=ours, data={"admin-token": b64("a")}), OWNER)

@@ -20,8 +20,10 @@ def test_repairs_back_off_after_a_few_and_warn_once() -> None:
 
 
 def test_other_manager_is_the_latest_foreign_writer() -> None:
-    fields = [{"manager": "dsv4-operator", "time": "2026-01-01T00:00:09Z"},
-              {"manager": "kubectl-edit", "time": "2026-01-01T00:00:01Z"},
-              {"manager": "webhook", "time": "2026-01-01T00:00:05Z"}]
+    fields = [
+        {"manager": "dsv4-operator", "time": "2026-01-01T00:00:09Z"},
+        {"manager": "kubectl-edit", "time": "2026-01-01T00:00:01Z"},
+        {"manager": "webhook", "time": "2026-01-01T00:00:05Z"},
+    ]
     assert other_manager(fields, ["dsv4-operator"]) == "webhook"
     assert other_manager([], ["dsv4-operator"]) is None

@@ -3,7 +3,14 @@
 import pytest
 
 from dsv4_operator.leader import (
-    ACQUIRE, RENEW, WAIT, LeaderElection, LeaseView, decide, lease_namespace, lease_spec,
+    ACQUIRE,
+    RENEW,
+    WAIT,
+    LeaderElection,
+    LeaseView,
+    decide,
+    lease_namespace,
+    lease_spec,
 )
 
 

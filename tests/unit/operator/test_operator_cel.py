@@ -36,15 +36,32 @@ REFUSED: dict[str, tuple[dict, str]] = {
     "name_too_long": (named("a" * (MAX_NAME_LENGTH + 1)), "at most 44"),
     "name_not_dns1035": (named("9lives"), "DNS-1035"),
     "name_upper_case": (named("Flash"), "DNS-1035"),
-    "two_volume_sources": (with_spec(model={"name": "m", "path": "/m", "volume": {
-        "persistentVolumeClaim": {"claimName": "c"}, "hostPath": {"path": "/h"}}}), "exactly one"),
+    "two_volume_sources": (
+        with_spec(
+            model={
+                "name": "m",
+                "path": "/m",
+                "volume": {"persistentVolumeClaim": {"claimName": "c"}, "hostPath": {"path": "/h"}},
+            }
+        ),
+        "exactly one",
+    ),
     "no_volume_source": (with_spec(model={"name": "m", "path": "/m", "volume": {}}), "exactly one"),
     "engine_port_is_bootstrap_port": (with_spec(engine={"image": "i", "port": 8998}), "bootstrapPort"),
     "bootstrap_port_is_engine_port": (with_spec(transfer={"bootstrapPort": 8100}), "bootstrapPort"),
-    "sglang_router_on_metrics_port": (with_spec(engine={"kind": "sglang", "image": "i"}, router={"port": 29000}),
-                                      "29000"),
-    "env_value_and_value_from": (with_spec(engine={"image": "i", "env": [
-        {"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]}), "not both"),
+    "sglang_router_on_metrics_port": (
+        with_spec(engine={"kind": "sglang", "image": "i"}, router={"port": 29000}),
+        "29000",
+    ),
+    "env_value_and_value_from": (
+        with_spec(
+            engine={
+                "image": "i",
+                "env": [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+            }
+        ),
+        "not both",
+    ),
     "env_name_with_space": (with_spec(decode={"env": [{"name": "MY VAR", "value": "1"}]}), "pattern"),
     "env_name_with_equals": (with_spec(router={"env": [{"name": "A=B", "value": "1"}]}), "pattern"),
     "quantity_words": (with_spec(prefill={"resources": {"limits": {"memory": "lots"}}}), "pattern"),
@@ -59,8 +76,10 @@ REFUSED: dict[str, tuple[dict, str]] = {
     "toleration_exists_with_value": (tol(key="k", operator="Exists", value="v"), "Exists"),
     "toleration_no_key_equal": (tol(operator="Equal", value="v"), "without a key"),
     "toleration_key_bad": (tol(key="bad key", operator="Exists"), "pattern"),
-    "toleration_seconds_no_schedule": (tol(key="k", operator="Exists", effect="NoSchedule", tolerationSeconds=30),
-                                       "NoExecute"),
+    "toleration_seconds_no_schedule": (
+        tol(key="k", operator="Exists", effect="NoSchedule", tolerationSeconds=30),
+        "NoExecute",
+    ),
     "toleration_seconds_no_effect": (tol(key="k", operator="Exists", tolerationSeconds=30), "NoExecute"),
     "canary_traffic_percent": (with_spec(rollout={"canary": {"trafficPercent": 10}}), "only 0 is supported"),
 }
@@ -71,13 +90,15 @@ ACCEPTED: dict[str, dict] = {
     "pvc_only": with_spec(model={"name": "m", "path": "/m", "volume": {"persistentVolumeClaim": {"claimName": "c"}}}),
     "sglang_router_elsewhere": with_spec(engine={"kind": "sglang", "image": "i"}, router={"port": 8000}),
     "builtin_router_on_29000": with_spec(router={"port": 29000}),
-    "quantity_forms": with_spec(prefill={"resources": {"limits": {"cpu": "500m", "memory": "1.5Gi", "x.io/y": "1e3",
-                                                                  "ephemeral-storage": 10}}}),
+    "quantity_forms": with_spec(
+        prefill={"resources": {"limits": {"cpu": "500m", "memory": "1.5Gi", "x.io/y": "1e3", "ephemeral-storage": 10}}}
+    ),
     "env_names": with_spec(engine={"image": "i", "env": [{"name": "_A.b-1", "value": ""}]}),
     "toleration_match_all": tol(operator="Exists"),
     "toleration_seconds_no_execute": tol(key="k", operator="Exists", effect="NoExecute", tolerationSeconds=30),
-    "selector_prefixed": with_spec(decode={"nodeSelector": {"node.kubernetes.io/instance-type": "p5.48xlarge",
-                                                           "empty": ""}}),
+    "selector_prefixed": with_spec(
+        decode={"nodeSelector": {"node.kubernetes.io/instance-type": "p5.48xlarge", "empty": ""}}
+    ),
 }
 
 
@@ -97,8 +118,10 @@ def admission_errors(cr: dict) -> list[str]:
 def test_admission_refuses_what_the_operator_refuses(case: str) -> None:
     cr, fragment = REFUSED[case]
     errors = admission_errors(cr)
-    assert errors and any(fragment in e or (fragment == "pattern" and "does not match" in e)
-                          or (fragment == "long" and "too long" in e) for e in errors), errors
+    assert errors and any(
+        fragment in e or (fragment == "pattern" and "does not match" in e) or (fragment == "long" and "too long" in e)
+        for e in errors
+    ), errors
     parsed, problem = check_spec(cr["metadata"]["name"], cr["spec"])
     assert parsed is None and problem, f"the operator would act on {case}"
 
@@ -132,9 +155,13 @@ def test_every_rule_compiles_names_a_message_and_can_fail() -> None:
     for rule in rules:
         env.compile(rule["rule"])
         assert rule.get("message"), rule
-    broken = {v.split(": ", 1)[1] for cr, _ in REFUSED.values()
-              for v in cel_violations(prune_unknown(apply_defaults(cr, schema_of(build_crd())),
-                                                    schema_of(build_crd())), schema_of(build_crd()))}
+    broken = {
+        v.split(": ", 1)[1]
+        for cr, _ in REFUSED.values()
+        for v in cel_violations(
+            prune_unknown(apply_defaults(cr, schema_of(build_crd())), schema_of(build_crd())), schema_of(build_crd())
+        )
+    }
     assert {r["message"] for r in rules} <= broken, "a CEL rule no REFUSED case breaks"
 
 

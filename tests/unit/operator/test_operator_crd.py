@@ -16,7 +16,13 @@ from pydantic import ValidationError
 
 from dsv4_operator import spec as S
 from dsv4_operator.crd import (
-    apply_defaults, build_crd, cel_violations, crd_jsonschema, prune_unknown, render_crd_yaml, to_jsonschema,
+    apply_defaults,
+    build_crd,
+    cel_violations,
+    crd_jsonschema,
+    prune_unknown,
+    render_crd_yaml,
+    to_jsonschema,
 )
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -38,8 +44,12 @@ def schema_of(crd: dict) -> dict:
 
 
 def minimal() -> dict:
-    return {"apiVersion": S.API_VERSION, "kind": S.KIND, "metadata": {"name": "flash", "namespace": "ns"},
-            "spec": {"model": {"name": "m", "path": "/models/m"}, "engine": {"image": "img:1"}}}
+    return {
+        "apiVersion": S.API_VERSION,
+        "kind": S.KIND,
+        "metadata": {"name": "flash", "namespace": "ns"},
+        "spec": {"model": {"name": "m", "path": "/models/m"}, "engine": {"image": "img:1"}},
+    }
 
 
 def with_spec(**changes: Any) -> dict:
@@ -64,8 +74,12 @@ GOOD = {
     "scaled_to_zero": with_spec(prefill={"replicas": 0}, decode={"replicas": 0}, router={"replicas": 0}),
     "no_gpu_cpu_pool": with_spec(prefill={"gpusPerPod": 0, "nodeSelector": {}, "tolerations": []}),
     "quantities": with_spec(prefill={"resources": {"limits": {"memory": "512Gi", "cpu": 32}}}),
-    "env_from_secret": with_spec(engine={"image": "i", "env": [
-        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]}),
+    "env_from_secret": with_spec(
+        engine={
+            "image": "i",
+            "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
+        }
+    ),
     "rollback_auto": with_spec(remediation={"rollback": "auto", "dryRun": True}),
     "threshold_edge": with_spec(remediation={"transferFailureRateThreshold": 1}),
     "image_volume": with_spec(model={"name": "m", "path": "/m/x", "volume": {"image": {"reference": "reg/m:1"}}}),
@@ -109,7 +123,8 @@ def pydantic_accepts(cr: dict) -> bool:
 
 def test_checked_in_crd_is_what_the_models_generate() -> None:
     assert CRD_FILE.read_text() == render_crd_yaml(), (
-        "crds/dsv4deployment.yaml is stale: run `python -m dsv4_operator.crd --out crds/dsv4deployment.yaml`")
+        "crds/dsv4deployment.yaml is stale: run `python -m dsv4_operator.crd --out crds/dsv4deployment.yaml`"
+    )
 
 
 def test_crd_names_scope_subresources_and_printer_columns() -> None:
@@ -117,8 +132,13 @@ def test_crd_names_scope_subresources_and_printer_columns() -> None:
     spec = crd["spec"]
     assert crd["metadata"]["name"] == "dsv4deployments.serving.dsv4.dev"
     assert spec["group"] == "serving.dsv4.dev" and spec["scope"] == "Namespaced"
-    assert spec["names"] == {"kind": "DSV4Deployment", "listKind": "DSV4DeploymentList", "plural": "dsv4deployments",
-                             "singular": "dsv4deployment", "shortNames": ["dsv4d"]}
+    assert spec["names"] == {
+        "kind": "DSV4Deployment",
+        "listKind": "DSV4DeploymentList",
+        "plural": "dsv4deployments",
+        "singular": "dsv4deployment",
+        "shortNames": ["dsv4d"],
+    }
     (version,) = spec["versions"]
     assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
     assert version["subresources"] == {"status": {}}
@@ -147,8 +167,11 @@ def test_schema_is_structural() -> None:
         assert not {"$ref", "$defs", "title", "anyOf", "oneOf", "allOf"} & set(node), path
         assert "type" in node or node.get("x-kubernetes-int-or-string"), path
         if node.get("type") == "object" and path not in ("", ".metadata"):
-            assert ("properties" in node or "additionalProperties" in node
-                    or node.get("x-kubernetes-preserve-unknown-fields")), path
+            assert (
+                "properties" in node
+                or "additionalProperties" in node
+                or node.get("x-kubernetes-preserve-unknown-fields")
+            ), path
         if "default" in node:
             assert None not in (node["default"] if isinstance(node["default"], list) else [node["default"]]), path
 
@@ -157,22 +180,54 @@ def test_spec_requires_model_and_engine_and_the_issue_fields_exist() -> None:
     spec = schema_of(checked_in_crd())["properties"]["spec"]
     assert spec["required"] == ["model", "engine"]
     props = spec["properties"]
-    assert set(props) == {"model", "engine", "prefill", "decode", "router", "transfer", "remediation", "rollout",
-                          "security"}
+    assert set(props) == {
+        "model",
+        "engine",
+        "prefill",
+        "decode",
+        "router",
+        "transfer",
+        "remediation",
+        "rollout",
+        "security",
+    }
     assert props["engine"]["properties"]["kind"]["enum"] == ["builtin", "sglang"]
     role = props["prefill"]["properties"]
-    assert {"replicas", "gpusPerPod", "resources", "nodeSelector", "tolerations", "affinity", "env", "args"} <= set(role)
+    assert {"replicas", "gpusPerPod", "resources", "nodeSelector", "tolerations", "affinity", "env", "args"} <= set(
+        role
+    )
     assert role["replicas"]["minimum"] == 0
-    assert set(props["transfer"]["properties"]) >= {"backend", "ucxNetDevices", "bootstrapTimeoutSeconds",
-                                                    "transferTimeoutSeconds"}
+    assert set(props["transfer"]["properties"]) >= {
+        "backend",
+        "ucxNetDevices",
+        "bootstrapTimeoutSeconds",
+        "transferTimeoutSeconds",
+    }
     rem = props["remediation"]["properties"]
-    assert set(rem) == {"enabled", "dryRun", "scrapeIntervalSeconds", "detectionWindowSeconds",
-                        "transferFailureRateThreshold", "maxUnavailable", "cooldownSeconds", "captureEvidence",
-                        "rollback", "podDisruptionBudget"}
+    assert set(rem) == {
+        "enabled",
+        "dryRun",
+        "scrapeIntervalSeconds",
+        "detectionWindowSeconds",
+        "transferFailureRateThreshold",
+        "maxUnavailable",
+        "cooldownSeconds",
+        "captureEvidence",
+        "rollback",
+        "podDisruptionBudget",
+    }
     assert rem["rollback"]["enum"] == ["off", "suggest", "auto"] and rem["rollback"]["default"] == "suggest"
     status = schema_of(checked_in_crd())["properties"]["status"]["properties"]
-    assert {"observedGeneration", "conditions", "prefill", "decode", "lastRemediation", "remediationsTotal",
-            "stableRevision", "wedgedPods"} <= set(status)
+    assert {
+        "observedGeneration",
+        "conditions",
+        "prefill",
+        "decode",
+        "lastRemediation",
+        "remediationsTotal",
+        "stableRevision",
+        "wedgedPods",
+    } <= set(status)
     assert status["conditions"]["items"]["properties"]["type"]["enum"] == list(S.CONDITION_TYPES)
 
 

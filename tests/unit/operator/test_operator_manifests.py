@@ -23,9 +23,14 @@ SUPPORTED_K8S = ("1.29.0", "1.30.0", "1.31.0", "1.32.0", "1.33.0")
 
 
 def spec_of(**overrides: Any):
-    raw: dict[str, Any] = {"model": {"name": "deepseek-v4-flash", "path": "/models/dsv4-flash",
-                                     "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
-                           "engine": {"image": "reg/dsv4:1"}}
+    raw: dict[str, Any] = {
+        "model": {
+            "name": "deepseek-v4-flash",
+            "path": "/models/dsv4-flash",
+            "volume": {"persistentVolumeClaim": {"claimName": "models"}},
+        },
+        "engine": {"image": "reg/dsv4:1"},
+    }
     raw.update(overrides)
     return parse_spec(raw)
 
@@ -61,8 +66,14 @@ def test_strict_validation_does_reject_unknown_fields() -> None:
 
 @pytest.mark.parametrize("k8s_version", SUPPORTED_K8S)
 def test_held_and_scaled_children_validate_on_every_supported_release(k8s_version: str) -> None:
-    spec = spec_of(decode={"scaling": "external"}, prefill={"tolerations": [
-        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 30}]})
+    spec = spec_of(
+        decode={"scaling": "external"},
+        prefill={
+            "tolerations": [
+                {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 30}
+            ]
+        },
+    )
     for child in [*M.build_children(spec, OWNER), M.engine_statefulset(spec, OWNER, "decode", hold=True)]:
         kubernetes_validate.validate(child, k8s_version, strict=True)
 
@@ -78,9 +89,11 @@ def test_image_volumes_do_not_exist_before_1_31() -> None:
 
 
 def test_every_volume_source_validates() -> None:
-    for volume in ({"persistentVolumeClaim": {"claimName": "m", "readOnly": False}},
-                   {"hostPath": {"path": "/data/models", "type": "Directory"}},
-                   {"image": {"reference": "reg/ckpt:1", "pullPolicy": "IfNotPresent"}}):
+    for volume in (
+        {"persistentVolumeClaim": {"claimName": "m", "readOnly": False}},
+        {"hostPath": {"path": "/data/models", "type": "Directory"}},
+        {"image": {"reference": "reg/ckpt:1", "pullPolicy": "IfNotPresent"}},
+    ):
         spec = spec_of(model={"name": "m", "path": "/models/m", "volume": volume})
         sts = M.engine_statefulset(spec, OWNER, "decode")
         kubernetes_validate.validate(sts, K8S_VERSIONS[0], strict=True)
@@ -91,18 +104,33 @@ def test_every_volume_source_validates() -> None:
 def test_the_children_and_their_names() -> None:
     children = by_key(M.build_children(spec_of(), OWNER))
     assert set(children) == {
-        ("StatefulSet", "flash-prefill"), ("StatefulSet", "flash-decode"), ("Deployment", "flash-router"),
-        ("Service", "flash-prefill"), ("Service", "flash-decode"), ("Service", "flash-router"),
-        ("ServiceAccount", "flash-router"), ("Role", "flash-router"), ("RoleBinding", "flash-router"),
-        ("PodDisruptionBudget", "flash-prefill"), ("PodDisruptionBudget", "flash-decode"),
-        ("NetworkPolicy", "flash-engines"), ("NetworkPolicy", "flash-router"),  # on by default (issue 27)
+        ("StatefulSet", "flash-prefill"),
+        ("StatefulSet", "flash-decode"),
+        ("Deployment", "flash-router"),
+        ("Service", "flash-prefill"),
+        ("Service", "flash-decode"),
+        ("Service", "flash-router"),
+        ("ServiceAccount", "flash-router"),
+        ("Role", "flash-router"),
+        ("RoleBinding", "flash-router"),
+        ("PodDisruptionBudget", "flash-prefill"),
+        ("PodDisruptionBudget", "flash-decode"),
+        ("NetworkPolicy", "flash-engines"),
+        ("NetworkPolicy", "flash-router"),  # on by default (issue 27)
     }
     for (kind, name), child in children.items():
         meta = child["metadata"]
         assert meta["namespace"] == "serving"
-        assert meta["ownerReferences"] == [{"apiVersion": "serving.dsv4.dev/v1alpha1", "kind": "DSV4Deployment",
-                                            "name": "flash", "uid": OWNER.uid, "controller": True,
-                                            "blockOwnerDeletion": True}]
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "serving.dsv4.dev/v1alpha1",
+                "kind": "DSV4Deployment",
+                "name": "flash",
+                "uid": OWNER.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
         assert meta["labels"][M.LABEL_NAME] == "dsv4"
         assert meta["labels"][M.LABEL_INSTANCE] == "flash"
         assert meta["labels"][M.LABEL_ROLE] == name.rsplit("-", 1)[1]
@@ -116,8 +144,11 @@ def test_engine_statefulset_pod(role: str) -> None:
     assert sts["spec"]["podManagementPolicy"] == "Parallel"
     assert sts["metadata"]["annotations"] == {M.ANNOTATION_REVISION: "rev1"}
     selector = sts["spec"]["selector"]["matchLabels"]
-    assert selector == {"app.kubernetes.io/name": "dsv4", "app.kubernetes.io/instance": "flash",
-                        "serving.dsv4.dev/role": role}
+    assert selector == {
+        "app.kubernetes.io/name": "dsv4",
+        "app.kubernetes.io/instance": "flash",
+        "serving.dsv4.dev/role": role,
+    }
     pod = sts["spec"]["template"]
     assert selector.items() <= pod["metadata"]["labels"].items()
     assert pod["metadata"]["labels"][M.LABEL_ENGINE_KIND] == "builtin"
@@ -143,12 +174,28 @@ def test_engine_statefulset_pod(role: str) -> None:
 
 
 def test_builtin_commands() -> None:
-    spec = spec_of(engine={"image": "i", "args": ["--max-num-seqs", "128"]},
-                   prefill={"args": ["--kv-pages", "9000"]}, transfer={"bootstrapPort": 9000})
+    spec = spec_of(
+        engine={"image": "i", "args": ["--max-num-seqs", "128"]},
+        prefill={"args": ["--kv-pages", "9000"]},
+        transfer={"bootstrapPort": 9000},
+    )
     prefill = engine_container(M.engine_statefulset(spec, OWNER, "prefill"))["command"]
-    assert prefill[:14] == ["dsv4", "serve", "--model", "/models/dsv4-flash", "--role", "prefill",
-                            "--host", "0.0.0.0", "--advertise-host", "$(POD_IP)", "--port", "8100",
-                            "--bootstrap-port", "9000"]
+    assert prefill[:14] == [
+        "dsv4",
+        "serve",
+        "--model",
+        "/models/dsv4-flash",
+        "--role",
+        "prefill",
+        "--host",
+        "0.0.0.0",
+        "--advertise-host",
+        "$(POD_IP)",
+        "--port",
+        "8100",
+        "--bootstrap-port",
+        "9000",
+    ]
     assert prefill[-4:] == ["--max-num-seqs", "128", "--kv-pages", "9000"]  # user args last: they win
     assert prefill[prefill.index("--served-model-name") + 1] == "deepseek-v4-flash"
     assert prefill[prefill.index("--bootstrap-timeout") + 1] == "300"
@@ -158,17 +205,28 @@ def test_builtin_commands() -> None:
     router = M.router_deployment(spec, OWNER)["spec"]["template"]["spec"]
     assert router["serviceAccountName"] == "flash-router"
     (container,) = router["containers"]
-    assert container["command"] == ["dsv4", "router", "--host", "0.0.0.0", "--port", "8000",
-                                    "--discover-namespace", "serving",
-                                    "--selector", "app.kubernetes.io/instance=flash",
-                                    # only pods our StatefulSets control (issue 27)
-                                    "--owner", "flash-prefill", "--owner", "flash-decode"]
+    assert container["command"] == [
+        "dsv4",
+        "router",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8000",
+        "--discover-namespace",
+        "serving",
+        "--selector",
+        "app.kubernetes.io/instance=flash",
+        # only pods our StatefulSets control (issue 27)
+        "--owner",
+        "flash-prefill",
+        "--owner",
+        "flash-decode",
+    ]
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 8000}
 
 
 def test_sglang_commands() -> None:
-    spec = spec_of(engine={"kind": "sglang", "image": "lmsysorg/sglang:v1", "port": 30000},
-                   decode={"gpusPerPod": 8})
+    spec = spec_of(engine={"kind": "sglang", "image": "lmsysorg/sglang:v1", "port": 30000}, decode={"gpusPerPod": 8})
     prefill = engine_container(M.engine_statefulset(spec, OWNER, "prefill"))
     cmd = prefill["command"]
     assert cmd[:3] == ["python3", "-m", "sglang.launch_server"]
@@ -197,11 +255,17 @@ def test_sglang_commands() -> None:
     assert flag(rc, "--service-discovery-port") == "30000"
     # sgl-router matches labels by equality: a pod the watchdog labels draining=true drops out.
     i = rc.index("--prefill-selector")
-    assert rc[i + 1:i + 4] == ["app.kubernetes.io/instance=flash", "serving.dsv4.dev/role=prefill",
-                               "serving.dsv4.dev/draining=false"]
+    assert rc[i + 1 : i + 4] == [
+        "app.kubernetes.io/instance=flash",
+        "serving.dsv4.dev/role=prefill",
+        "serving.dsv4.dev/draining=false",
+    ]
     i = rc.index("--decode-selector")
-    assert rc[i + 1:i + 4] == ["app.kubernetes.io/instance=flash", "serving.dsv4.dev/role=decode",
-                               "serving.dsv4.dev/draining=false"]
+    assert rc[i + 1 : i + 4] == [
+        "app.kubernetes.io/instance=flash",
+        "serving.dsv4.dev/role=decode",
+        "serving.dsv4.dev/draining=false",
+    ]
     assert rc[i + 4].startswith("--")
     for role in ("prefill", "decode"):
         labels = M.engine_statefulset(spec, OWNER, role)["spec"]["template"]["metadata"]["labels"]
@@ -214,8 +278,10 @@ def test_sglang_commands() -> None:
 
 
 def test_transfer_environment() -> None:
-    spec = spec_of(transfer={"ucxNetDevices": "mlx5_0:1,mlx5_1:1", "env": [{"name": "UCX_TLS", "value": "rc,cuda"}]},
-                   decode={"env": [{"name": "UCX_TLS", "value": "rc"}]})
+    spec = spec_of(
+        transfer={"ucxNetDevices": "mlx5_0:1,mlx5_1:1", "env": [{"name": "UCX_TLS", "value": "rc,cuda"}]},
+        decode={"env": [{"name": "UCX_TLS", "value": "rc"}]},
+    )
     prefill = env_of(engine_container(M.engine_statefulset(spec, OWNER, "prefill")))
     decode = env_of(engine_container(M.engine_statefulset(spec, OWNER, "decode")))
     assert prefill["UCX_NET_DEVICES"] == decode["UCX_NET_DEVICES"] == "mlx5_0:1,mlx5_1:1"
@@ -227,11 +293,17 @@ def test_transfer_environment() -> None:
 
 
 def test_placement_and_resources_overrides() -> None:
-    spec = spec_of(prefill={"nodeSelector": {"pool": "b200"}, "tolerations": [],
-                            "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
-                            "resources": {"limits": {"memory": "900Gi"}, "requests": {"cpu": 16}},
-                            "gpusPerPod": 8, "shmSize": "64Gi"},
-                   decode={"gpusPerPod": 0})
+    spec = spec_of(
+        prefill={
+            "nodeSelector": {"pool": "b200"},
+            "tolerations": [],
+            "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}},
+            "resources": {"limits": {"memory": "900Gi"}, "requests": {"cpu": 16}},
+            "gpusPerPod": 8,
+            "shmSize": "64Gi",
+        },
+        decode={"gpusPerPod": 0},
+    )
     pod = M.engine_statefulset(spec, OWNER, "prefill")["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"pool": "b200"} and pod["tolerations"] == []
     assert "podAntiAffinity" in pod["affinity"]
@@ -270,14 +342,26 @@ def test_revision_annotation_follows_the_spec() -> None:
     assert rev(a) == spec_revision(a) != rev(b)
 
 
-@pytest.mark.parametrize("name,spec_overrides,fragment", [
-    ("a" * (M.MAX_NAME_LENGTH + 1), {}, "too long"),
-    ("9lives", {}, "DNS-1035"),
-    ("flash", {"model": {"name": "m", "path": "/m", "volume": {"persistentVolumeClaim": {"claimName": "x"},
-                                                                  "hostPath": {"path": "/y"}}}}, "exactly one"),
-    ("flash", {"model": {"name": "m", "path": "/m", "volume": {}}}, "exactly one"),
-    ("flash", {"engine": {"image": "i", "port": 8998}}, "bootstrapPort"),
-])
+@pytest.mark.parametrize(
+    "name,spec_overrides,fragment",
+    [
+        ("a" * (M.MAX_NAME_LENGTH + 1), {}, "too long"),
+        ("9lives", {}, "DNS-1035"),
+        (
+            "flash",
+            {
+                "model": {
+                    "name": "m",
+                    "path": "/m",
+                    "volume": {"persistentVolumeClaim": {"claimName": "x"}, "hostPath": {"path": "/y"}},
+                }
+            },
+            "exactly one",
+        ),
+        ("flash", {"model": {"name": "m", "path": "/m", "volume": {}}}, "exactly one"),
+        ("flash", {"engine": {"image": "i", "port": 8998}}, "bootstrapPort"),
+    ],
+)
 def test_unbuildable_specs_are_reported(name: str, spec_overrides: dict, fragment: str) -> None:
     reasons = M.unbuildable_reasons(name, spec_of(**spec_overrides))
     assert len(reasons) == 1 and fragment in reasons[0]
@@ -309,8 +393,10 @@ def test_disruption_budget_per_engine_role_follows_max_unavailable() -> None:
 def test_disruption_budget_off_is_not_built_and_is_deleted() -> None:
     spec = spec_of(remediation={"podDisruptionBudget": False})
     assert not [c for c in M.build_children(spec, OWNER) if c["kind"] == "PodDisruptionBudget"]
-    assert M.absent_children(spec, OWNER)[:2] == [("policy/v1", "PodDisruptionBudget", "flash-prefill"),
-                                                  ("policy/v1", "PodDisruptionBudget", "flash-decode")]
+    assert M.absent_children(spec, OWNER)[:2] == [
+        ("policy/v1", "PodDisruptionBudget", "flash-prefill"),
+        ("policy/v1", "PodDisruptionBudget", "flash-decode"),
+    ]
 
 
 def test_grace_and_startup_budget_come_from_the_role() -> None:
@@ -364,12 +450,16 @@ def test_prestop_drains_the_engine_then_waits_for_its_queues(tmp_path: Path) -> 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Engine)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        spec = spec_of(engine={"image": "i", "port": server.server_address[1]},
-                       decode={"terminationGracePeriodSeconds": 40})
-        command = engine_container(M.engine_statefulset(spec, OWNER, "decode"))["lifecycle"]["preStop"]["exec"]["command"]
+        spec = spec_of(
+            engine={"image": "i", "port": server.server_address[1]}, decode={"terminationGracePeriodSeconds": 40}
+        )
+        command = engine_container(M.engine_statefulset(spec, OWNER, "decode"))["lifecycle"]["preStop"]["exec"][
+            "command"
+        ]
         assert command[0] == "python3"
-        subprocess.run([sys.executable, *command[1:]], check=True, timeout=30,
-                       env={**os.environ, M.ADMIN_TOKEN_ENV: "s3cret"})
+        subprocess.run(
+            [sys.executable, *command[1:]], check=True, timeout=30, env={**os.environ, M.ADMIN_TOKEN_ENV: "s3cret"}
+        )
     finally:
         server.shutdown()
     assert seen[0] == ("POST", M.Paths.ADMIN_DRAIN, "Bearer s3cret")
@@ -383,8 +473,10 @@ PSA_RESTRICTED_CONTAINER = {"allowPrivilegeEscalation": False, "capabilities": {
 
 def pods_of(spec) -> dict[str, dict]:
     children = by_key(M.build_children(spec, OWNER))
-    return {role: children[(kind, f"flash-{role}")]["spec"]["template"]["spec"]
-            for role, kind in (("prefill", "StatefulSet"), ("decode", "StatefulSet"), ("router", "Deployment"))}
+    return {
+        role: children[(kind, f"flash-{role}")]["spec"]["template"]["spec"]
+        for role, kind in (("prefill", "StatefulSet"), ("decode", "StatefulSet"), ("router", "Deployment"))
+    }
 
 
 def test_builtin_pods_meet_the_restricted_profile() -> None:
@@ -394,8 +486,10 @@ def test_builtin_pods_meet_the_restricted_profile() -> None:
         # Builtin engines' and router's root file systems are read-only, scratch on emptyDirs (issue 27).
         assert container["securityContext"] == {**PSA_RESTRICTED_CONTAINER, "readOnlyRootFilesystem": True}, role
         # restricted allows these volume types only (hostPath is not among them)
-        assert all(set(v) - {"name"} <= {"emptyDir", "persistentVolumeClaim", "image", "secret", "configMap"}
-                   for v in pod.get("volumes", [])), role
+        assert all(
+            set(v) - {"name"} <= {"emptyDir", "persistentVolumeClaim", "image", "secret", "configMap"}
+            for v in pod.get("volumes", [])
+        ), role
 
 
 def test_the_router_has_default_limits_unless_resources_are_given() -> None:
@@ -420,8 +514,9 @@ def test_builtin_engines_write_only_to_emptydirs_and_have_default_limits() -> No
     gpus = M.engine_statefulset(spec_of(prefill={"gpusPerPod": 4}), OWNER, "prefill")
     res = engine_container(gpus)["resources"]
     assert res["limits"] == {**M.ENGINE_DEFAULT_RESOURCES["limits"], "nvidia.com/gpu": 4}
-    given = engine_container(M.engine_statefulset(spec_of(prefill={"resources": {"limits": {"memory": "1Ti"}}}),
-                                                  OWNER, "prefill"))
+    given = engine_container(
+        M.engine_statefulset(spec_of(prefill={"resources": {"limits": {"memory": "1Ti"}}}), OWNER, "prefill")
+    )
     assert given["resources"] == {"limits": {"memory": "1Ti", "nvidia.com/gpu": 4}, "requests": {"nvidia.com/gpu": 4}}
     # SGLang's image writes all over its root: left writable, said in docs/operations.md.
     sglang = pods_of(spec_of(engine={"kind": "sglang", "image": "lmsysorg/sglang:v0"}))["prefill"]["containers"][0]
@@ -436,7 +531,10 @@ def test_sglang_runs_as_root_unless_a_uid_is_given_and_ipc_lock_is_opt_in() -> N
     pinned = pods_of(spec_of(engine={"kind": "sglang", "image": "i"}, security={"runAsUser": 1000, "ipcLock": True}))
     assert pinned["prefill"]["securityContext"]["runAsUser"] == 1000
     assert pinned["prefill"]["securityContext"]["runAsNonRoot"] is True
-    assert pinned["prefill"]["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    assert pinned["prefill"]["containers"][0]["securityContext"]["capabilities"] == {
+        "drop": ["ALL"],
+        "add": ["IPC_LOCK"],
+    }
     assert pinned["router"]["containers"][0]["securityContext"] == PSA_RESTRICTED_CONTAINER
 
 
@@ -461,8 +559,14 @@ def test_network_policy_admits_router_operator_and_peers_only() -> None:
     assert not [c for c in M.build_children(off, OWNER) if c["kind"] == "NetworkPolicy"]
     assert ("networking.k8s.io/v1", "NetworkPolicy", "flash-engines") in M.absent_children(off, OWNER)
     assert ("networking.k8s.io/v1", "NetworkPolicy", "flash-router") in M.absent_children(off, OWNER)
-    spec = spec_of(security={"networkPolicy": {"enabled": True, "allowFrom": [
-        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]}})
+    spec = spec_of(
+        security={
+            "networkPolicy": {
+                "enabled": True,
+                "allowFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+            }
+        }
+    )
     policy = by_key(M.build_children(spec, OWNER, operator_namespace="dsv4-system"))[("NetworkPolicy", "flash-engines")]
     kubernetes_validate.validate(policy, K8S_VERSIONS[0], strict=True)
     assert M.absent_children(spec, OWNER) == []
@@ -474,24 +578,41 @@ def test_network_policy_admits_router_operator_and_peers_only() -> None:
     assert front["ports"] == [{"port": 8100, "protocol": "TCP"}]
     router, operator = front["from"]
     assert router == {"podSelector": {"matchLabels": M.selector_labels("flash", "router")}}
-    assert operator == {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "dsv4-operator"}},
-                        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "dsv4-system"}}}
+    assert operator == {
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "dsv4-operator"}},
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "dsv4-system"}},
+    }
     assert peers == {"from": [{"podSelector": sel}]}  # every port: NIXL over TCP picks its own
     assert extra["ports"] == front["ports"] and extra["from"][0]["namespaceSelector"]
     # the router pods match the router peer, engine pods the peer rule, neither matches the other
-    labels_of = {role: pod_labels for role, pod_labels in
-                 ((r, p["metadata"]["labels"]) for r, p in
-                  ((r, by_key(M.build_children(spec, OWNER))[(k, f"flash-{r}")]["spec"]["template"])
-                   for r, k in (("prefill", "StatefulSet"), ("decode", "StatefulSet"), ("router", "Deployment"))))}
+    labels_of = {
+        role: pod_labels
+        for role, pod_labels in (
+            (r, p["metadata"]["labels"])
+            for r, p in (
+                (r, by_key(M.build_children(spec, OWNER))[(k, f"flash-{r}")]["spec"]["template"])
+                for r, k in (("prefill", "StatefulSet"), ("decode", "StatefulSet"), ("router", "Deployment"))
+            )
+        )
+    }
     for role, pod_labels in labels_of.items():
         is_engine = pod_labels.get(M.LABEL_ROLE) in sel["matchExpressions"][0]["values"]
         assert is_engine == (role != "router")
-        assert all(pod_labels.get(k) == v for k, v in router["podSelector"]["matchLabels"].items()) == (role == "router")
+        assert all(pod_labels.get(k) == v for k, v in router["podSelector"]["matchLabels"].items()) == (
+            role == "router"
+        )
 
 
 def test_engine_egress_reaches_only_peers_dns_and_what_is_added() -> None:
-    spec = spec_of(security={"networkPolicy": {"extraEgress": [
-        {"to": [{"ipBlock": {"cidr": "10.9.0.0/16"}}], "ports": [{"port": 4317, "protocol": "TCP"}]}]}})
+    spec = spec_of(
+        security={
+            "networkPolicy": {
+                "extraEgress": [
+                    {"to": [{"ipBlock": {"cidr": "10.9.0.0/16"}}], "ports": [{"port": 4317, "protocol": "TCP"}]}
+                ]
+            }
+        }
+    )
     policy = by_key(M.build_children(spec, OWNER))[("NetworkPolicy", "flash-engines")]
     peers, dns, otlp = policy["spec"]["egress"]
     assert peers == {"to": [{"podSelector": policy["spec"]["podSelector"]}]}  # every port: NIXL
@@ -512,8 +633,10 @@ def test_router_network_policy_on_by_default_clients_in_egress_to_engines_dns_ap
     assert operator["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "dsv4-system"}}
     engines, dns, api = policy["spec"]["egress"]
     engine_policy = default[("NetworkPolicy", "flash-engines")]
-    assert engines == {"to": [{"podSelector": engine_policy["spec"]["podSelector"]}],
-                       "ports": [{"port": 8100, "protocol": "TCP"}]}
+    assert engines == {
+        "to": [{"podSelector": engine_policy["spec"]["podSelector"]}],
+        "ports": [{"port": 8100, "protocol": "TCP"}],
+    }
     assert dns["ports"][0]["port"] == 53 and "to" not in dns
     assert {p["port"] for p in api["ports"]} == {443, 6443}
     assert [t["ipBlock"]["cidr"] for t in api["to"]] == ["0.0.0.0/0", "::/0"]
@@ -524,12 +647,18 @@ def test_router_network_policy_on_by_default_clients_in_egress_to_engines_dns_ap
     assert all(router_labels.get(k) == v for k, v in sel.items())
     assert not all(engine_labels.get(k) == v for k, v in sel.items())
     # Clients named: only they (and the operator) reach the router; the API narrowed.
-    named = spec_of(security={"networkPolicy": {"clients": [
-        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress"}}}],
-        "apiServerCidrs": ["10.0.0.1/32"]}})
+    named = spec_of(
+        security={
+            "networkPolicy": {
+                "clients": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress"}}}],
+                "apiServerCidrs": ["10.0.0.1/32"],
+            }
+        }
+    )
     policy = by_key(M.build_children(named, OWNER))[("NetworkPolicy", "flash-router")]
     assert policy["spec"]["ingress"][0]["from"][0]["namespaceSelector"]["matchLabels"] == {
-        "kubernetes.io/metadata.name": "ingress"}
+        "kubernetes.io/metadata.name": "ingress"
+    }
     assert policy["spec"]["egress"][2]["to"] == [{"ipBlock": {"cidr": "10.0.0.1/32"}}]
     kubernetes_validate.validate(policy, K8S_VERSIONS[0], strict=True)
 
@@ -545,8 +674,12 @@ def test_external_scaling_leaves_replicas_out_of_the_applied_config() -> None:
     assert children[("StatefulSet", "flash-prefill")]["spec"]["replicas"] == 1
     assert M.initial_replicas(spec, "decode") == 3
     handover = M.scale_handover(OWNER, "decode", 3)
-    assert handover == {"apiVersion": "apps/v1", "kind": "StatefulSet",
-                        "metadata": {"name": "flash-decode", "namespace": "serving"}, "spec": {"replicas": 3}}
+    assert handover == {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": "flash-decode", "namespace": "serving"},
+        "spec": {"replicas": 3},
+    }
     assert M.scale_handover(OWNER, "router", 2)["kind"] == "Deployment"
     assert M.SCALE_MANAGER != M.MANAGER
 
@@ -557,7 +690,9 @@ def test_external_scaling_leaves_replicas_out_of_the_applied_config() -> None:
 def test_partition_and_hold() -> None:
     spec = spec_of(decode={"replicas": 4, "partition": 3})
     assert M.engine_statefulset(spec, OWNER, "decode")["spec"]["updateStrategy"] == {
-        "type": "RollingUpdate", "rollingUpdate": {"partition": 3}}
+        "type": "RollingUpdate",
+        "rollingUpdate": {"partition": 3},
+    }
     held = M.engine_statefulset(spec, OWNER, "decode", hold=True)
     assert held["spec"]["updateStrategy"]["rollingUpdate"]["partition"] == M.HOLD_PARTITION
     kubernetes_validate.validate(held, K8S_VERSIONS[0], strict=True)
@@ -565,8 +700,11 @@ def test_partition_and_hold() -> None:
 
 def test_prefill_rolled_out() -> None:
     def sts(gen: int, observed: int, replicas: int, updated: int, ready: int) -> dict:
-        return {"metadata": {"generation": gen}, "spec": {"replicas": replicas},
-                "status": {"observedGeneration": observed, "updatedReplicas": updated, "readyReplicas": ready}}
+        return {
+            "metadata": {"generation": gen},
+            "spec": {"replicas": replicas},
+            "status": {"observedGeneration": observed, "updatedReplicas": updated, "readyReplicas": ready},
+        }
 
     assert M.prefill_rolled_out(sts(2, 2, 3, 3, 3)) and M.prefill_rolled_out(None)
     assert not M.prefill_rolled_out(sts(3, 2, 3, 3, 3))  # the controller has not seen the new template
@@ -579,7 +717,9 @@ def test_decode_is_held_only_with_a_change_to_take_and_prefill_not_rolled_out() 
     old, new = spec_of(), spec_of(engine={"image": "reg/dsv4:2"})
     wanted = M.engine_statefulset(new, OWNER, "decode")
     live_old = M.engine_statefulset(old, OWNER, "decode")
-    live_old["spec"]["template"]["spec"]["containers"][0]["terminationMessagePath"] = "/dev/termination-log"  # a default
+    live_old["spec"]["template"]["spec"]["containers"][0]["terminationMessagePath"] = (
+        "/dev/termination-log"  # a default
+    )
     assert M.decode_held(new, False, live_old, wanted)  # its template is to change, prefill still rolling
     assert not M.decode_held(new, True, live_old, wanted)  # prefill done
     assert not M.decode_held(new, False, None, wanted)  # a new deployment: nothing to hold
@@ -595,13 +735,20 @@ def test_decode_is_held_only_with_a_change_to_take_and_prefill_not_rolled_out() 
 
 
 def test_contains_compares_quantities_by_value_as_the_server_serves_them() -> None:
-    wanted = {"resources": {"limits": {"nvidia.com/gpu": 4, "cpu": "1000m", "memory": "1024Mi"}},
-              "emptyDir": {"sizeLimit": "16384Mi"}, "replicas": 4}
-    served = {"resources": {"limits": {"nvidia.com/gpu": "4", "cpu": "1", "memory": "1Gi"}},
-              "emptyDir": {"sizeLimit": "16Gi"}, "replicas": 4}
+    wanted = {
+        "resources": {"limits": {"nvidia.com/gpu": 4, "cpu": "1000m", "memory": "1024Mi"}},
+        "emptyDir": {"sizeLimit": "16384Mi"},
+        "replicas": 4,
+    }
+    served = {
+        "resources": {"limits": {"nvidia.com/gpu": "4", "cpu": "1", "memory": "1Gi"}},
+        "emptyDir": {"sizeLimit": "16Gi"},
+        "replicas": 4,
+    }
     assert M.contains(served, wanted)
-    assert not M.contains(dict(served, resources={"limits": {"nvidia.com/gpu": "8", "cpu": "1", "memory": "1Gi"}}),
-                          wanted)
+    assert not M.contains(
+        dict(served, resources={"limits": {"nvidia.com/gpu": "8", "cpu": "1", "memory": "1Gi"}}), wanted
+    )
     assert not M.contains(dict(served, replicas="4"), wanted), "only quantity fields compare by value"
     # A decode StatefulSet read back from the server (quantities canonical) is the one wanted.
     spec = spec_of()

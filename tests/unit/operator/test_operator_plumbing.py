@@ -14,13 +14,16 @@ from dsv4_operator.main import make_settings
 from dsv4_operator.telemetry import HealthState, OperatorMetrics, health_verdict
 
 
-@pytest.mark.parametrize("env,in_cluster,home,expected", [
-    ("/k/config", True, True, "kubeconfig"),      # an explicit KUBECONFIG wins, even in a pod
-    (None, True, True, "in-cluster"),             # then the pod's service account
-    (None, False, True, "kubeconfig"),            # then ~/.kube/config
-    (None, False, False, None),
-    ("", True, False, "in-cluster"),
-])
+@pytest.mark.parametrize(
+    "env,in_cluster,home,expected",
+    [
+        ("/k/config", True, True, "kubeconfig"),  # an explicit KUBECONFIG wins, even in a pod
+        (None, True, True, "in-cluster"),  # then the pod's service account
+        (None, False, True, "kubeconfig"),  # then ~/.kube/config
+        (None, False, False, None),
+        ("", True, False, "in-cluster"),
+    ],
+)
 def test_login_source_order(env, in_cluster, home, expected) -> None:
     assert kube.choose_login_source(env, in_cluster, home) == expected
 
@@ -29,12 +32,20 @@ async def test_kubeconfig_becomes_kopf_connection_info(tmp_path: Path) -> None:
     ca = tmp_path / "ca.crt"
     ca.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
     cfg_path = tmp_path / "config"
-    cfg_path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "k", "cluster": {"server": "https://10.0.0.1:6443", "certificate-authority": str(ca)}}],
-        "users": [{"name": "u", "user": {"token": "s3cret"}}],
-        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
-    }))
+    cfg_path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "c",
+                "clusters": [
+                    {"name": "k", "cluster": {"server": "https://10.0.0.1:6443", "certificate-authority": str(ca)}}
+                ],
+                "users": [{"name": "u", "user": {"token": "s3cret"}}],
+                "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+            }
+        )
+    )
     cfg = await kube.load_configuration(str(cfg_path))
     info = await kube.connection_info(cfg)
     assert info.server == "https://10.0.0.1:6443"
@@ -46,12 +57,18 @@ async def test_kubeconfig_becomes_kopf_connection_info(tmp_path: Path) -> None:
 async def test_client_certificate_kubeconfig(tmp_path: Path) -> None:
     data = base64.b64encode(b"-----BEGIN X-----\nAA\n-----END X-----\n").decode()
     cfg_path = tmp_path / "config"
-    cfg_path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "c",
-        "clusters": [{"name": "k", "cluster": {"server": "https://k:6443", "insecure-skip-tls-verify": True}}],
-        "users": [{"name": "u", "user": {"client-certificate-data": data, "client-key-data": data}}],
-        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
-    }))
+    cfg_path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "c",
+                "clusters": [{"name": "k", "cluster": {"server": "https://k:6443", "insecure-skip-tls-verify": True}}],
+                "users": [{"name": "u", "user": {"client-certificate-data": data, "client-key-data": data}}],
+                "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+            }
+        )
+    )
     info = await kube.connection_info(await kube.load_configuration(str(cfg_path)))
     assert info.token is None and info.insecure is True
     assert Path(info.certificate_path).read_bytes() == base64.b64decode(data)
@@ -60,7 +77,11 @@ async def test_client_certificate_kubeconfig(tmp_path: Path) -> None:
 def test_resource_paths() -> None:
     assert kube.resource_path("v1", "services", "ns", "a") == "/api/v1/namespaces/ns/services/a"
     assert kube.resource_path("apps/v1", "statefulsets", "ns") == "/apis/apps/v1/namespaces/ns/statefulsets"
-    cr = {"apiVersion": "serving.dsv4.dev/v1alpha1", "kind": "DSV4Deployment", "metadata": {"name": "f", "namespace": "n"}}
+    cr = {
+        "apiVersion": "serving.dsv4.dev/v1alpha1",
+        "kind": "DSV4Deployment",
+        "metadata": {"name": "f", "namespace": "n"},
+    }
     assert kube.path_of(cr, "status") == "/apis/serving.dsv4.dev/v1alpha1/namespaces/n/dsv4deployments/f/status"
 
 
@@ -90,8 +111,9 @@ def test_metrics_are_in_their_own_registry() -> None:
 
 
 def test_spec_problems_are_one_readable_line() -> None:
-    spec, problem = handlers.check_spec("flash", {"model": {"name": "m", "path": "/m"},
-                                                  "engine": {"image": "i"}, "prefill": {"replicas": -1}})
+    spec, problem = handlers.check_spec(
+        "flash", {"model": {"name": "m", "path": "/m"}, "engine": {"image": "i"}, "prefill": {"replicas": -1}}
+    )
     assert spec is None
     assert problem == "spec.prefill.replicas: Input should be greater than or equal to 0"
     spec, problem = handlers.check_spec("x" * 60, {"model": {"name": "m", "path": "/m"}, "engine": {"image": "i"}})
@@ -112,7 +134,8 @@ def test_operator_settings() -> None:
     assert s.peering.standalone is True and s.scanning.disabled is True
     ours = "app.kubernetes.io/name=dsv4,app.kubernetes.io/managed-by=dsv4-operator"
     assert list(s.watching.label_selectors.values()) == [ours] * 2 + [ours] * 6 + [
-        "app.kubernetes.io/name=dsv4,serving.dsv4.dev/role in (prefill,decode)"]  # the watchdog's pod watch
+        "app.kubernetes.io/name=dsv4,serving.dsv4.dev/role in (prefill,decode)"
+    ]  # the watchdog's pod watch
 
 
 async def test_in_cluster_service_account_login(tmp_path: Path) -> None:

@@ -13,9 +13,10 @@ OWNER = M.Owner(name="flash", namespace="serving", uid="2f1e3b4c-0000-4000-8000-
 
 
 def spec_of(**overrides: Any):
-    raw: dict[str, Any] = {"model": {"name": "m", "path": "/models/m",
-                                     "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
-                           "engine": {"image": "reg/dsv4:1"}}
+    raw: dict[str, Any] = {
+        "model": {"name": "m", "path": "/models/m", "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
+        "engine": {"image": "reg/dsv4:1"},
+    }
     raw.update(overrides)
     return parse_spec(raw)
 

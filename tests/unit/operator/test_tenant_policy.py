@@ -11,36 +11,61 @@ from dsv4_operator.handlers import check_spec
 from dsv4_operator.spec import parse_spec
 from dsv4_operator.tenant_policy import POLICY_ENV, TenantPolicy, policy_violations
 
-STRICT = TenantPolicy.from_mapping({"imageRegistries": ["registry.corp/ml"], "allowHostPath": False,
-                                    "tolerationKeys": ["nvidia.com/gpu"], "allowSecretEnv": False, "allowRoot": False})
+STRICT = TenantPolicy.from_mapping(
+    {
+        "imageRegistries": ["registry.corp/ml"],
+        "allowHostPath": False,
+        "tolerationKeys": ["nvidia.com/gpu"],
+        "allowSecretEnv": False,
+        "allowRoot": False,
+    }
+)
 
 
 def spec_of(**overrides):
-    raw = {"model": {"name": "m", "path": "/models/m", "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
-           "engine": {"image": "registry.corp/ml/dsv4:1"}}
+    raw = {
+        "model": {"name": "m", "path": "/models/m", "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
+        "engine": {"image": "registry.corp/ml/dsv4:1"},
+    }
     raw.update(overrides)
     return parse_spec(raw)
 
 
 def test_a_plain_spec_passes_the_strict_policy_and_no_policy_restricts_nothing():
     assert policy_violations(spec_of(), STRICT) == []
-    hostile = spec_of(engine={"image": "evil.io/x:1", "kind": "sglang", "env": [
-        {"name": "T", "valueFrom": {"secretKeyRef": {"name": "other-team", "key": "token"}}}]},
+    hostile = spec_of(
+        engine={
+            "image": "evil.io/x:1",
+            "kind": "sglang",
+            "env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "other-team", "key": "token"}}}],
+        },
         model={"name": "m", "path": "/m", "volume": {"hostPath": {"path": "/"}}},
-        prefill={"tolerations": [{"operator": "Exists"}]})
+        prefill={"tolerations": [{"operator": "Exists"}]},
+    )
     assert policy_violations(hostile, TenantPolicy()) == []
     assert policy_violations(hostile, TenantPolicy.from_env({})) == []
 
 
 def test_each_thing_refused_is_named():
-    hostile = spec_of(engine={"image": "registry.corp/mlx/dsv4:1", "kind": "sglang", "env": [
-        {"name": "T", "valueFrom": {"secretKeyRef": {"name": "other-team", "key": "token"}}},
-        {"name": "P", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]},
+    hostile = spec_of(
+        engine={
+            "image": "registry.corp/mlx/dsv4:1",
+            "kind": "sglang",
+            "env": [
+                {"name": "T", "valueFrom": {"secretKeyRef": {"name": "other-team", "key": "token"}}},
+                {"name": "P", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            ],
+        },
         router={"image": "registry.corp/ml@sha256:abc"},
         model={"name": "m", "path": "/m", "volume": {"hostPath": {"path": "/"}}},
         prefill={"tolerations": [{"operator": "Exists"}]},
-        decode={"tolerations": [{"key": "node-role.kubernetes.io/control-plane", "operator": "Exists"},
-                                {"key": "nvidia.com/gpu", "operator": "Exists"}]})
+        decode={
+            "tolerations": [
+                {"key": "node-role.kubernetes.io/control-plane", "operator": "Exists"},
+                {"key": "nvidia.com/gpu", "operator": "Exists"},
+            ]
+        },
+    )
     found = policy_violations(hostile, STRICT)
     assert found == [
         "spec.engine.image 'registry.corp/mlx/dsv4:1' is not from an allowed registry (registry.corp/ml)",
@@ -50,16 +75,25 @@ def test_each_thing_refused_is_named():
         "spec.engine.env T: valueFrom.secretKeyRef is not allowed on this cluster",
         "engine.kind sglang runs as root unless spec.security.runAsUser is set; root is not allowed on this cluster",
     ]
-    assert policy_violations(spec_of(engine={"image": "registry.corp/ml/s:1", "kind": "sglang"},
-                                     security={"runAsUser": 1000}), STRICT) == []
+    assert (
+        policy_violations(
+            spec_of(engine={"image": "registry.corp/ml/s:1", "kind": "sglang"}, security={"runAsUser": 1000}), STRICT
+        )
+        == []
+    )
 
 
 def test_the_operator_refuses_at_reconcile_with_the_reasons(monkeypatch):
     import dsv4_operator.handlers as H
 
     monkeypatch.setattr(H, "TENANT_POLICY", STRICT)
-    spec, why = check_spec("flash", {"model": {"name": "m", "path": "/m", "volume": {"hostPath": {"path": "/"}}},
-                                     "engine": {"image": "registry.corp/ml/dsv4:1"}})
+    spec, why = check_spec(
+        "flash",
+        {
+            "model": {"name": "m", "path": "/m", "volume": {"hostPath": {"path": "/"}}},
+            "engine": {"image": "registry.corp/ml/dsv4:1"},
+        },
+    )
     assert spec is None and "hostPath is not allowed" in why
 
 

@@ -50,8 +50,9 @@ def test_v3_slices_reassemble_every_tensor(preset, size):
                 lo, _ = block(cfg.n_routed_experts, Shard(r, size))
                 assert local == name.replace(f".experts.{e}.", f".experts.{e - lo}.")
     for name, counts in seen.items():
-        split = any(k in name for k in ("q_b_proj", "q_proj", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
-                                        "down_proj"))
+        split = any(
+            k in name for k in ("q_b_proj", "q_proj", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        )
         if split:
             assert torch.all(counts == 1), name  # split by rows/columns or owned by one rank
         else:
@@ -73,7 +74,9 @@ def test_v3_local_config_has_this_ranks_heads_width_and_experts():
 
 def test_fused_experts_are_sliced_by_their_leading_dim_and_other_tensors_are_no_experts():
     assert expert_slice("model.layers.1.mlp.experts.gate_up_proj", (8, 4, 2), 2, 4) == (
-        "model.layers.1.mlp.experts.gate_up_proj", (slice(2, 4),))
+        "model.layers.1.mlp.experts.gate_up_proj",
+        (slice(2, 4),),
+    )
     assert expert_slice("layers.1.ffn.experts.5.w1", (4, 2), 4, 8) == ("layers.1.ffn.experts.1.w1", ())
     assert expert_slice("layers.1.ffn.experts.3.w1", (4, 2), 4, 8) is None
     assert expert_slice("layers.1.ffn.shared_experts.w1", (4, 2), 0, 1) is False
@@ -108,12 +111,18 @@ def test_fp8_block_scales_follow_their_weights_split():
     s1 = v3_slicer(cfg, Shard(1, 2))
     # q_b: 8 heads of 128 rows -> rank 1 holds rows 512..1024, scale rows 4..8.
     assert s1("model.layers.0.self_attn.q_b_proj.weight", (1024, 128)) == (
-        "model.layers.0.self_attn.q_b_proj.weight", (slice(512, 1024),))
+        "model.layers.0.self_attn.q_b_proj.weight",
+        (slice(512, 1024),),
+    )
     assert s1("model.layers.0.self_attn.q_b_proj.weight_scale_inv", (8, 1)) == (
-        "model.layers.0.self_attn.q_b_proj.weight_scale_inv", (slice(4, 8),))
+        "model.layers.0.self_attn.q_b_proj.weight_scale_inv",
+        (slice(4, 8),),
+    )
     # o_proj splits columns: its scale splits columns too.
     assert s1("model.layers.0.self_attn.o_proj.weight_scale_inv", (4, 4)) == (
-        "model.layers.0.self_attn.o_proj.weight_scale_inv", (slice(None), slice(2, 4)))
+        "model.layers.0.self_attn.o_proj.weight_scale_inv",
+        (slice(None), slice(2, 4)),
+    )
     # A replicated weight keeps its whole scale; a split off the block grid is refused.
     assert s1("model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv", (5, 4))[1] == ()
     with pytest.raises(ValueError, match="quantization blocks"):

@@ -13,8 +13,9 @@ BENCH = Path(__file__).resolve().parents[3] / "bench" / "tp_bench.py"
 
 def test_quick_tp_bench_writes_its_report(tmp_path):
     out = tmp_path / "tp.json"
-    r = subprocess.run([sys.executable, str(BENCH), "--quick", "--out", str(out)], capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--out", str(out)], capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(x["preset"], x["tp"]) for x in rows] == [("tiny", 1), ("tiny", 2)]

@@ -37,14 +37,21 @@ def drive(engine: Engine, arrivals: dict[int, list[tuple[str, list[int]]]]) -> t
             if out.finished:
                 assert out.finish_reason == "length", (rid, out)
                 done.add(rid)
+
         return sink
 
     total = sum(len(v) for v in arrivals.values())
     seqs, step = [], 0
     while len(done) < total:
         for rid, prompt in arrivals.get(step, []):
-            seqs.append(Sequence(rid, prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
-                                 sink=sink_for(rid)))
+            seqs.append(
+                Sequence(
+                    rid,
+                    prompt,
+                    SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
+                    sink=sink_for(rid),
+                )
+            )
             engine.submit(seqs[-1])
         engine.step()
         step += 1
@@ -67,13 +74,27 @@ def scenarios(engine: Engine) -> dict:
     base = prompts(v, [26], seed=3)[0]
     hits = engine.metrics.totals.get("prefix_cache_hit_tokens", 0)
     prefixed = {**drive(engine, {0: [("p0", base + [7, 8])]})[0], **drive(engine, {0: [("p1", base + [9])]})[0]}
-    return {"staggered": staggered, "chunked": chunked, "preemptions": sum(s.num_preemptions for s in seqs),
-            "prefixed": prefixed, "hit_tokens": engine.metrics.totals.get("prefix_cache_hit_tokens", 0) - hits}
+    return {
+        "staggered": staggered,
+        "chunked": chunked,
+        "preemptions": sum(s.num_preemptions for s in seqs),
+        "prefixed": prefixed,
+        "hit_tokens": engine.metrics.totals.get("prefix_cache_hit_tokens", 0) - hits,
+    }
 
 
 def engine(model_dir, tp_size: int) -> Engine:
-    return Engine(EngineArgs(model=str(model_dir), device="cpu", kernel_backend="torch", kv_pages=10, page_size=8,
-                             max_num_batched_tokens=16, tp_size=tp_size))
+    return Engine(
+        EngineArgs(
+            model=str(model_dir),
+            device="cpu",
+            kernel_backend="torch",
+            kv_pages=10,
+            page_size=8,
+            max_num_batched_tokens=16,
+            tp_size=tp_size,
+        )
+    )
 
 
 @pytest.mark.parametrize("preset", ["tiny", "mla512", "v4-tiny"])
@@ -98,8 +119,10 @@ def test_tp2_greedy_tokens_equal_tp1(make_model, preset):
 def test_each_rank_holds_half_the_experts_and_split_layers_plus_the_replicated_rest(make_model):
     model = make_model("tiny")
     full = ModelRunner(str(model), device="cpu", kernel_backend="torch").model
-    ranks = [ModelRunner(str(model), device="cpu", kernel_backend="torch", tp=TPRank(Shard(r, 2), None, None)).model
-             for r in range(2)]
+    ranks = [
+        ModelRunner(str(model), device="cpu", kernel_backend="torch", tp=TPRank(Shard(r, 2), None, None)).model
+        for r in range(2)
+    ]
     cfg = full.cfg
     moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
 
@@ -123,8 +146,10 @@ def test_each_rank_holds_half_the_experts_and_split_layers_plus_the_replicated_r
 def test_v4_ranks_split_the_routed_experts_and_replicate_the_rest(make_model):
     model = make_model("v4-tiny")
     full = ModelRunner(str(model), device="cpu", kernel_backend="torch").model
-    ranks = [ModelRunner(str(model), device="cpu", kernel_backend="torch", tp=TPRank(Shard(r, 2), None, None)).model
-             for r in range(2)]
+    ranks = [
+        ModelRunner(str(model), device="cpu", kernel_backend="torch", tp=TPRank(Shard(r, 2), None, None)).model
+        for r in range(2)
+    ]
 
     def nbytes(model, keys) -> int:
         return sum(L[k].numel() * L[k].element_size() for L in model.layers for k in keys if k in L)
@@ -136,7 +161,7 @@ def test_v4_ranks_split_the_routed_experts_and_replicate_the_rest(make_model):
         assert resident_weight_bytes(r) == replicated + nbytes(full, experts) // 2
     # Rank 1's experts are the full model's second half, under local ids.
     E = full.cfg.n_routed_experts
-    assert torch.equal(ranks[1].layers[0]["w13"], full.layers[0]["w13"][E // 2:])
+    assert torch.equal(ranks[1].layers[0]["w13"], full.layers[0]["w13"][E // 2 :])
 
 
 @pytest.mark.parametrize("preset,quant", [("mla512", "fp8"), ("v4-tiny", "fp4-experts")])
@@ -177,10 +202,31 @@ def test_v4_prefix_reuse_at_tp2_equals_tp1_without_a_cache(make_model):
         second, _ = drive(e, {0: [("a2", grown)], 2: [("c", system + c)]})
         return {**first, **second}
 
-    ref = run(Engine(EngineArgs(model=str(model), device="cpu", kernel_backend="torch", kv_pages=12, page_size=8,
-                                max_num_batched_tokens=16, enable_prefix_cache=False)))
-    e = Engine(EngineArgs(model=str(model), device="cpu", kernel_backend="torch", kv_pages=12, page_size=8,
-                          max_num_batched_tokens=16, tp_size=2, prefix_cache_snapshots=6))
+    ref = run(
+        Engine(
+            EngineArgs(
+                model=str(model),
+                device="cpu",
+                kernel_backend="torch",
+                kv_pages=12,
+                page_size=8,
+                max_num_batched_tokens=16,
+                enable_prefix_cache=False,
+            )
+        )
+    )
+    e = Engine(
+        EngineArgs(
+            model=str(model),
+            device="cpu",
+            kernel_backend="torch",
+            kv_pages=12,
+            page_size=8,
+            max_num_batched_tokens=16,
+            tp_size=2,
+            prefix_cache_snapshots=6,
+        )
+    )
     try:
         got = run(e)
         snaps = e.prefix_cache.snapshots

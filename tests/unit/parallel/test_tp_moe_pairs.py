@@ -28,8 +28,10 @@ def rank_module():
 def run_ranks(model_dir: Path, size: int, tmp_path: Path) -> list[dict]:
     port = free_port()
     outs = [tmp_path / f"size{size}-rank{r}.pt" for r in range(size)]
-    procs = [subprocess.Popen([sys.executable, str(RANK), str(model_dir), str(r), str(size), str(port), str(outs[r])])
-             for r in range(size)]
+    procs = [
+        subprocess.Popen([sys.executable, str(RANK), str(model_dir), str(r), str(size), str(port), str(outs[r])])
+        for r in range(size)
+    ]
     try:
         for p in procs:
             assert p.wait(timeout=120) == 0

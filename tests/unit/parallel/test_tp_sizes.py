@@ -65,13 +65,16 @@ def test_v4_sizes_up_to_the_expert_count_split_and_beyond_are_refused():
     assert why == f"--tp-size {cfg.n_routed_experts + 1} is more than the routed experts ({cfg.n_routed_experts})"
 
 
-@pytest.mark.parametrize("variant,size,named", [
-    ("freq2", 4, "intermediate_size (510)"),
-    ("all-dense", 4, "intermediate_size (510)"),
-    ("tiny", 3, "num_attention_heads (8)"),
-    ("tiny", 16, "num_attention_heads (8)"),
-    ("tiny-fp8", 2, "off the 128x128 quantization blocks"),
-])
+@pytest.mark.parametrize(
+    "variant,size,named",
+    [
+        ("freq2", 4, "intermediate_size (510)"),
+        ("all-dense", 4, "intermediate_size (510)"),
+        ("tiny", 3, "num_attention_heads (8)"),
+        ("tiny", 16, "num_attention_heads (8)"),
+        ("tiny-fp8", 2, "off the 128x128 quantization blocks"),
+    ],
+)
 def test_sizes_that_do_not_split_are_refused_naming_the_dimension(variant, size, named):
     why = tp_refusal("deepseek_v3", ModelConfig.from_dict(VARIANTS[variant]), size)
     assert why is not None and named in why
@@ -85,24 +88,40 @@ def test_every_scale_spelling_the_loader_pairs_is_split_with_its_weight():
 
     cfg = ModelConfig.from_dict(VARIANTS["mla512-fp8"])
     s1 = v3_slicer(cfg, Shard(1, 2))
-    assert s1("model.layers.0.self_attn.q_b_proj.scale", (8, 1)) == ("model.layers.0.self_attn.q_b_proj.scale",
-                                                                     (slice(4, 8),))
+    assert s1("model.layers.0.self_attn.q_b_proj.scale", (8, 1)) == (
+        "model.layers.0.self_attn.q_b_proj.scale",
+        (slice(4, 8),),
+    )
     assert s1("model.layers.0.self_attn.o_proj.scale", (4, 4))[1] == (slice(None), slice(2, 4))
     assert s1("model.layers.0.self_attn.kv_a_proj_with_mqa.scale", (5, 4))[1] == ()
     # transformers' stacked experts [E, ...] and their stacked scales: the same block of experts
-    for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.gate_up_proj_scale_inv",
-                 "model.layers.1.mlp.experts.down_proj_scale_inv", "layers.2.ffn.experts.down_proj_scale_inv"):
+    for name in (
+        "model.layers.1.mlp.experts.gate_up_proj",
+        "model.layers.1.mlp.experts.gate_up_proj_scale_inv",
+        "model.layers.1.mlp.experts.down_proj_scale_inv",
+        "layers.2.ffn.experts.down_proj_scale_inv",
+    ):
         assert expert_slice(name, (8, 4, 4), 4, 8) == (name, (slice(4, 8),)), name
 
 
 # ---- real ranks ---------------------------------------------------------------------------------
 
+
 def _engine(model_dir, tp_size: int):
     from dsv4_engine.engine import Engine
     from dsv4_engine.engine_args import EngineArgs
 
-    return Engine(EngineArgs(model=str(model_dir), device="cpu", kernel_backend="torch", kv_pages=10, page_size=8,
-                             max_num_batched_tokens=16, tp_size=tp_size))
+    return Engine(
+        EngineArgs(
+            model=str(model_dir),
+            device="cpu",
+            kernel_backend="torch",
+            kv_pages=10,
+            page_size=8,
+            max_num_batched_tokens=16,
+            tp_size=tp_size,
+        )
+    )
 
 
 def _serve(model_dir, tp_size: int, requests: dict, arrivals: dict, abort_at: dict | None = None) -> dict:
@@ -122,6 +141,7 @@ def _serve(model_dir, tp_size: int, requests: dict, arrivals: dict, abort_at: di
             lps.setdefault(rid, []).extend(out.logprobs or [])
             if out.finished:
                 reasons[rid] = out.finish_reason
+
         return sink
 
     seqs, step = [], 0
@@ -142,8 +162,13 @@ def _serve(model_dir, tp_size: int, requests: dict, arrivals: dict, abort_at: di
         if e.tp is not None:
             e.tp.close()
             assert all(p.poll() == 0 for p in e.tp.procs), "the other ranks stop cleanly when told"
-    return {"tokens": toks, "logprobs": lps, "reasons": reasons, "pages_back": pages_back,
-            "preemptions": sum(s.num_preemptions for s in seqs)}
+    return {
+        "tokens": toks,
+        "logprobs": lps,
+        "reasons": reasons,
+        "pages_back": pages_back,
+        "preemptions": sum(s.num_preemptions for s in seqs),
+    }
 
 
 def _prompts(lens: list[int], seed: int) -> list[list[int]]:
@@ -174,8 +199,9 @@ def test_odd_sizes_three_ranks_over_four_experts_and_a_rank_per_expert_equal_tp1
         assert got["pages_back"]
 
 
-@pytest.mark.parametrize("preset", ["v4-tiny", pytest.param("tiny", marks=pytest.mark.slow),
-                                    pytest.param("mla512", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "preset", ["v4-tiny", pytest.param("tiny", marks=pytest.mark.slow), pytest.param("mla512", marks=pytest.mark.slow)]
+)
 def test_tp2_sampling_logprobs_aborts_and_preemption_match_tp1(make_model, preset):
     """Rank 0 samples from its own full logits: seeded sampling (top-p, top-k), logprobs, an
     abort mid-decode and a preemption (10 pages of 8 tokens) give tp 1's tokens and finish
@@ -220,8 +246,9 @@ def test_more_ranks_than_visible_gpus_is_refused_before_any_rank_starts():
     from dsv4_engine.parallel.group import TPGroup, device_refusal
 
     assert device_refusal("cpu", 8, 0) is None and device_refusal("cuda", 2, 2) is None
-    assert device_refusal("cuda:1", 2, 2) == ("--tp-size 2 needs 2 GPUs from cuda:1 (one per rank); this host has 2 "
-                                              "visible (CUDA_VISIBLE_DEVICES)")
+    assert device_refusal("cuda:1", 2, 2) == (
+        "--tp-size 2 needs 2 GPUs from cuda:1 (one per rank); this host has 2 visible (CUDA_VISIBLE_DEVICES)"
+    )
     if not __import__("torch").cuda.is_available():  # this host: the group refuses before spawning anything
         with pytest.raises(ValueError, match="--tp-size 2 needs 2 GPUs from cuda:0"):
             TPGroup(2, {}, "cuda")
@@ -243,8 +270,12 @@ def test_a_slow_load_is_waited_for_while_its_heartbeat_goes_on(tmp_path):
     stale.touch()
     now = time.time()
     os.utime(stale, (now - g.STEP_TIMEOUT_S - 5, now - g.STEP_TIMEOUT_S - 5))
-    tp = SimpleNamespace(alive_files=[str(fresh)], procs=[SimpleNamespace(pid=11)], _loading=True,
-                         _beat_floor=now - 10 * g.STEP_TIMEOUT_S)
+    tp = SimpleNamespace(
+        alive_files=[str(fresh)],
+        procs=[SimpleNamespace(pid=11)],
+        _loading=True,
+        _beat_floor=now - 10 * g.STEP_TIMEOUT_S,
+    )
     assert g.TPGroup._silent_rank(tp) is None  # loading for ten timeouts, but alive
     tp.alive_files.append(str(stale))
     tp.procs.append(SimpleNamespace(pid=12))

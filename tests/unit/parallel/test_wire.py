@@ -11,11 +11,16 @@ from dsv4_engine.parallel import wire
 
 def batch(slots: bool) -> ForwardBatch:
     return ForwardBatch(
-        input_ids=torch.tensor([5, 6, 7, 9], dtype=torch.int64), positions=torch.tensor([0, 1, 2, 7]),
-        slot_mapping=torch.tensor([16, 17, 18, 39]), block_table=torch.tensor([[2, 0], [3, 4]], dtype=torch.int32),
-        seq_lens=torch.tensor([3, 8], dtype=torch.int32), extend_lens=torch.tensor([3, 1], dtype=torch.int32),
-        logits_indices=torch.tensor([2, 3]), all_decode=False,
-        slot_ids=torch.tensor([1, 0]) if slots else None, page_size=8 if slots else None,
+        input_ids=torch.tensor([5, 6, 7, 9], dtype=torch.int64),
+        positions=torch.tensor([0, 1, 2, 7]),
+        slot_mapping=torch.tensor([16, 17, 18, 39]),
+        block_table=torch.tensor([[2, 0], [3, 4]], dtype=torch.int32),
+        seq_lens=torch.tensor([3, 8], dtype=torch.int32),
+        extend_lens=torch.tensor([3, 1], dtype=torch.int32),
+        logits_indices=torch.tensor([2, 3]),
+        all_decode=False,
+        slot_ids=torch.tensor([1, 0]) if slots else None,
+        page_size=8 if slots else None,
     )
 
 
@@ -86,8 +91,16 @@ def test_a_captured_decode_step_round_trips_from_host_arrays(slots):
     header, payload = wire.pack_host(hb)
     assert int(header[wire.OP]) == wire.OP_GRAPH and wire.payload_len(header) == payload.numel()
     back = wire.unpack_host(header, payload)
-    for f in ("input_ids", "positions", "slot_mapping", "block_table", "seq_lens", "extend_lens", "logits_indices",
-              "slot_ids"):
+    for f in (
+        "input_ids",
+        "positions",
+        "slot_mapping",
+        "block_table",
+        "seq_lens",
+        "extend_lens",
+        "logits_indices",
+        "slot_ids",
+    ):
         a, b = getattr(hb, f), getattr(back, f)
         assert (a is None) == (b is None), f
         if a is not None:

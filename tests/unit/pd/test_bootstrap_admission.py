@@ -43,17 +43,20 @@ def test_with_no_secret_configured_targets_are_accepted_with_one_warning(caplog,
     assert [r.message for r in caplog.records if "no PD secret" in r.message] and len(caplog.records) == 1
 
 
-@pytest.mark.parametrize("host,port,room,param", [
-    ("evil.example/x", 9100, 7, "bootstrap_host"),
-    ("user@host", 9100, 7, "bootstrap_host"),
-    ("", 9100, 7, "bootstrap_host"),
-    (None, 9100, 7, "bootstrap_host"),
-    ("10.0.0.5", 0, 7, "bootstrap_port"),
-    ("10.0.0.5", 70000, 7, "bootstrap_port"),
-    ("10.0.0.5", None, 7, "bootstrap_port"),
-    ("10.0.0.5", 9100, -1, "bootstrap_room"),
-    ("10.0.0.5", 9100, 2**63, "bootstrap_room"),
-])
+@pytest.mark.parametrize(
+    "host,port,room,param",
+    [
+        ("evil.example/x", 9100, 7, "bootstrap_host"),
+        ("user@host", 9100, 7, "bootstrap_host"),
+        ("", 9100, 7, "bootstrap_host"),
+        (None, 9100, 7, "bootstrap_host"),
+        ("10.0.0.5", 0, 7, "bootstrap_port"),
+        ("10.0.0.5", 70000, 7, "bootstrap_port"),
+        ("10.0.0.5", None, 7, "bootstrap_port"),
+        ("10.0.0.5", 9100, -1, "bootstrap_room"),
+        ("10.0.0.5", 9100, 2**63, "bootstrap_room"),
+    ],
+)
 def test_decode_refuses_a_target_it_cannot_dial(host, port, room, param):
     with pytest.raises(APIError) as e:
         target("decode", host, port, room)

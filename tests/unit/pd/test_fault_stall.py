@@ -43,21 +43,30 @@ def test_hang_ends_after_its_seconds():
     assert 0.1 <= FaultInjector().hang(0.1, poll_s=0.01) < 1.0
 
 
-@pytest.mark.parametrize("text,want", [
-    ("stall_long_context", ("stall_long_context", -1, {})),
-    ("stall_long_context:tokens=300", ("stall_long_context", -1, {"tokens": 300})),
-    ("stall_long_context:tokens=300,seconds=2.5,count=3", ("stall_long_context", 3, {"tokens": 300, "seconds": 2.5})),
-    ("corrupt_transfer:state=swa_kv", ("corrupt_transfer", -1, {"state": "swa_kv"})),
-])
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        ("stall_long_context", ("stall_long_context", -1, {})),
+        ("stall_long_context:tokens=300", ("stall_long_context", -1, {"tokens": 300})),
+        (
+            "stall_long_context:tokens=300,seconds=2.5,count=3",
+            ("stall_long_context", 3, {"tokens": 300, "seconds": 2.5}),
+        ),
+        ("corrupt_transfer:state=swa_kv", ("corrupt_transfer", -1, {"state": "swa_kv"})),
+    ],
+)
 def test_parse_arm_fault(text, want):
     assert parse_arm_fault(text) == want
 
 
-@pytest.mark.parametrize("text,says", [
-    ("stall_everything", "unknown fault"),
-    ("stall_long_context:tokens", "not key=value"),
-    ("stall_long_context:count=0", "count"),
-])
+@pytest.mark.parametrize(
+    "text,says",
+    [
+        ("stall_everything", "unknown fault"),
+        ("stall_long_context:tokens", "not key=value"),
+        ("stall_long_context:count=0", "count"),
+    ],
+)
 def test_parse_arm_fault_refuses(text, says):
     with pytest.raises(ValueError, match=says):
         parse_arm_fault(text)

@@ -48,8 +48,17 @@ class Clock:
 @pytest.fixture(scope="module")
 def engines(tiny_model):
     def make(role: str) -> Engine:
-        return Engine(EngineArgs(model=str(tiny_model), role=role, device="cpu", kernel_backend="torch",
-                                 kv_pages=KV_PAGES, page_size=16, served_model_name="m"))
+        return Engine(
+            EngineArgs(
+                model=str(tiny_model),
+                role=role,
+                device="cpu",
+                kernel_backend="torch",
+                kv_pages=KV_PAGES,
+                page_size=16,
+                served_model_name="m",
+            )
+        )
 
     return make("prefill"), make("decode"), make("mono")
 
@@ -89,13 +98,25 @@ class Pair:
         self.dtrans = self.fabric.transport("decode-x", dstates)
         common = dict(clock=self.clock)
         self.p.pd = PrefillController(
-            self.p, settings, FaultyTransport(self.ptrans, self.pf, self.exits["prefill"].append, states=pstates),
+            self.p,
+            settings,
+            FaultyTransport(self.ptrans, self.pf, self.exits["prefill"].append, states=pstates),
             FaultyChannel(self.fabric.channel(self.p.call), self.pf, self.exits["prefill"].append),
-            deadlines=Deadlines(deadlines, self.pf), faults=self.pf, boot_id="pboot", **common)
+            deadlines=Deadlines(deadlines, self.pf),
+            faults=self.pf,
+            boot_id="pboot",
+            **common,
+        )
         self.d.pd = DecodeController(
-            self.d, settings, FaultyTransport(self.dtrans, self.df, self.exits["decode"].append, states=dstates),
+            self.d,
+            settings,
+            FaultyTransport(self.dtrans, self.df, self.exits["decode"].append, states=dstates),
             FaultyChannel(self.fabric.channel(self.d.call), self.df, self.exits["decode"].append),
-            deadlines=Deadlines(deadlines, self.df), faults=self.df, boot_id="dboot", **common)
+            deadlines=Deadlines(deadlines, self.df),
+            faults=self.df,
+            boot_id="dboot",
+            **common,
+        )
         self.fabric.serve(BOOTSTRAP_ADDR, self.p.pd, "prefill")
         self.fabric.serve(DECODE_URL, self.d.pd, "decode")
         self.counters = {"p": dict(self.p.metrics.totals), "d": dict(self.d.metrics.totals)}
@@ -104,12 +125,17 @@ class Pair:
 
     # ---- requests -----------------------------------------------------------------------------
 
-    def request(self, side: str, prompt=PROMPT, max_tokens: int = 4, room: Optional[int] = None) -> tuple[Sequence, Client]:
+    def request(
+        self, side: str, prompt=PROMPT, max_tokens: int = 4, room: Optional[int] = None
+    ) -> tuple[Sequence, Client]:
         self.room += 1
         client = Client()
-        seq = Sequence(rid=f"{side}-{self.room}", prompt_ids=list(prompt),
-                       params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                       sink=client.outputs.append)
+        seq = Sequence(
+            rid=f"{side}-{self.room}",
+            prompt_ids=list(prompt),
+            params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            sink=client.outputs.append,
+        )
         seq.pd = PDRequestInfo("127.0.0.1", 9100, room if room is not None else self.room)
         seq.prefill_only = side == "p"
         (self.p if side == "p" else self.d).submit(seq)
@@ -203,9 +229,14 @@ def pair_without_deadlines(engines):
 def mono_tokens(engines, prompt=PROMPT, max_tokens: int = 4) -> list[int]:
     mono = engines[2]
     client = Client()
-    mono.submit(Sequence(rid=f"mono-{len(prompt)}-{max_tokens}", prompt_ids=list(prompt),
-                         params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                         sink=client.outputs.append))
+    mono.submit(
+        Sequence(
+            rid=f"mono-{len(prompt)}-{max_tokens}",
+            prompt_ids=list(prompt),
+            params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+            sink=client.outputs.append,
+        )
+    )
     while not client.ends:
         mono.step()
     return client.tokens
@@ -530,8 +561,13 @@ def test_a_wedged_hand_off_shows_its_timeline_in_loads(pair_without_deadlines):
     pair.step(40, dt=10.0)
     (p_view,) = [v for v in pair.p.pd.loads()[1]["requests"] if v["rid"] == ps.rid]
     (d_view,) = [v for v in pair.d.pd.loads()[1]["requests"] if v["rid"] == ds.rid]
-    assert [e["event"] for e in p_view["events"]] == ["arrival", "Bootstrapping", "WaitingForInput", "forward_done",
-                                                        "Transferring"]
+    assert [e["event"] for e in p_view["events"]] == [
+        "arrival",
+        "Bootstrapping",
+        "WaitingForInput",
+        "forward_done",
+        "Transferring",
+    ]
     assert [e["event"] for e in d_view["events"]] == ["arrival", "Bootstrapping", "Transferring"]
     for v in (p_view, d_view):
         assert v["state"] == "Transferring" and v["room"] == ps.pd.room and v["deadline_in_seconds"] is None
@@ -547,8 +583,11 @@ def test_timelines_put_unfinished_hand_offs_first():
     from dsv4_engine.pd.request_info import PDRequestInfo, stuck_first, timeline_view
 
     views = []
-    for rid, state, t in (("landed", PDState.SUCCESS, 1.0), ("slow", PDState.TRANSFERRING, 5.0),
-                          ("stuck", PDState.TRANSFERRING, 2.0)):
+    for rid, state, t in (
+        ("landed", PDState.SUCCESS, 1.0),
+        ("slow", PDState.TRANSFERRING, 5.0),
+        ("stuck", PDState.TRANSFERRING, 2.0),
+    ):
         info = PDRequestInfo("h", 1, 7)
         info.mark("arrival", 0.0)
         info.enter(state, None, t)
@@ -701,11 +740,18 @@ def test_fake_fabric_moves_slot_rows_with_the_pages():
     pages, named on both sides; a pool with slots refuses a write without them."""
     fabric = FakeFabric()
     g = torch.Generator().manual_seed(2)
-    src = PoolStates({"csa": torch.randn(6, 2, 3, generator=g)}, {"ring": torch.randn(4, 5, 2, generator=g),
-                                                                  "stage": torch.randn(4, 3, generator=g).bfloat16()},
-                     page_size=8, tokens_per_entry={"csa": 4})
-    dst = PoolStates({"csa": torch.zeros(9, 2, 3)}, {"ring": torch.zeros(2, 5, 2), "stage": torch.zeros(2, 3).bfloat16()},
-                     page_size=8, tokens_per_entry={"csa": 4})
+    src = PoolStates(
+        {"csa": torch.randn(6, 2, 3, generator=g)},
+        {"ring": torch.randn(4, 5, 2, generator=g), "stage": torch.randn(4, 3, generator=g).bfloat16()},
+        page_size=8,
+        tokens_per_entry={"csa": 4},
+    )
+    dst = PoolStates(
+        {"csa": torch.zeros(9, 2, 3)},
+        {"ring": torch.zeros(2, 5, 2), "stage": torch.zeros(2, 3).bfloat16()},
+        page_size=8,
+        tokens_per_entry={"csa": 4},
+    )
     a, b = fabric.transport("a", src), fabric.transport("b", dst)
     a.add_peer(b.descriptor())
     h = a.write_pages("b", [5, 0], [8, 1], b"n", src_slot=3, dst_slot=1)
@@ -718,8 +764,11 @@ def test_fake_fabric_moves_slot_rows_with_the_pages():
         with pytest.raises(ValueError):
             a.write_pages("b", [0], [0], b"", **bad)
     # another compress rate, page size or slot shape is refused before anything moves
-    for other in (PoolStates(dst.pages, dst.slots, 8, {"csa": 8}), PoolStates(dst.pages, dst.slots, 16, {"csa": 4}),
-                  PoolStates(dst.pages, {**dst.slots, "ring": torch.zeros(2, 6, 2)}, 8, {"csa": 4})):
+    for other in (
+        PoolStates(dst.pages, dst.slots, 8, {"csa": 8}),
+        PoolStates(dst.pages, dst.slots, 16, {"csa": 4}),
+        PoolStates(dst.pages, {**dst.slots, "ring": torch.zeros(2, 6, 2)}, 8, {"csa": 4}),
+    ):
         with pytest.raises(ValueError, match="incompatible KV layout"):
             a.add_peer(fabric.transport("c", other).descriptor())
 

@@ -19,9 +19,15 @@ KV = Region("kv", "float32", (2, 16, 64), 8192)
 
 def descriptor(regions=(KV,), **over) -> PeerDescriptor:
     fields = dict(
-        agent="decode-0", nixl_metadata=b"\x00md\xff", num_pages=16, mem_type="DRAM", device_id=0,
-        regions=tuple(regions), base_addrs=tuple(0x7F00_0000_0000 + i * (1 << 30) for i in range(len(regions))),
-        num_slots=8 if any(r.kind == "slot" for r in regions) else 0, page_size=16,
+        agent="decode-0",
+        nixl_metadata=b"\x00md\xff",
+        num_pages=16,
+        mem_type="DRAM",
+        device_id=0,
+        regions=tuple(regions),
+        base_addrs=tuple(0x7F00_0000_0000 + i * (1 << 30) for i in range(len(regions))),
+        num_slots=8 if any(r.kind == "slot" for r in regions) else 0,
+        page_size=16,
     )
     fields.update(over)
     return PeerDescriptor(**fields)
@@ -49,12 +55,25 @@ def test_descriptor_round_trips_through_json():
         {"regions": [{"name": "", "dtype": "float32", "shape": [2, 16, 64], "nbytes": 8192, "base_addr": 1}]},
         {"regions": [{"name": "kv", "dtype": "float32", "shape": [2, 16, 64], "nbytes": 8192, "base_addr": 1}] * 2},
         {"regions": [{"name": "kv", "kind": "ring", "dtype": "float32", "shape": [2], "nbytes": 8, "base_addr": 1}]},
-        {"regions": [{"name": "kv", "dtype": "float32", "shape": [2], "nbytes": 8, "tokens_per_entry": 0, "base_addr": 1}]},
+        {
+            "regions": [
+                {"name": "kv", "dtype": "float32", "shape": [2], "nbytes": 8, "tokens_per_entry": 0, "base_addr": 1}
+            ]
+        },
         # a slot region needs num_slots > 0, and paged regions come first
-        {"regions": [{"name": "kv", "dtype": "float32", "shape": [2], "nbytes": 8, "base_addr": 1},
-                     {"name": "ring", "kind": "slot", "dtype": "float32", "shape": [2], "nbytes": 8, "base_addr": 2}]},
-        {"regions": [{"name": "ring", "kind": "slot", "dtype": "float32", "shape": [2], "nbytes": 8, "base_addr": 2},
-                     {"name": "kv", "dtype": "float32", "shape": [2], "nbytes": 8, "base_addr": 1}], "num_slots": 4},
+        {
+            "regions": [
+                {"name": "kv", "dtype": "float32", "shape": [2], "nbytes": 8, "base_addr": 1},
+                {"name": "ring", "kind": "slot", "dtype": "float32", "shape": [2], "nbytes": 8, "base_addr": 2},
+            ]
+        },
+        {
+            "regions": [
+                {"name": "ring", "kind": "slot", "dtype": "float32", "shape": [2], "nbytes": 8, "base_addr": 2},
+                {"name": "kv", "dtype": "float32", "shape": [2], "nbytes": 8, "base_addr": 1},
+            ],
+            "num_slots": 4,
+        },
         {"num_slots": 3},  # slots without slot regions
         {"num_pages": 0},
         {"page_size": -1},
@@ -93,9 +112,12 @@ def test_layout_mismatch_names_the_difference():
     assert "slot state regions [] != ['ring']" in d.layout_mismatch(descriptor([KV, RING]))
     assert descriptor([KV, RING]).layout_mismatch(descriptor([KV, RING], agent="y", num_slots=3)) is None
     wider = Region("ring", "bfloat16", (3, 16, 32), 3072, "slot")
-    assert "slot region ring: slot shape [3, 8, 32] != [3, 16, 32]" in descriptor([KV, RING]).layout_mismatch(descriptor([KV, wider]))
+    assert "slot region ring: slot shape [3, 8, 32] != [3, 16, 32]" in descriptor([KV, RING]).layout_mismatch(
+        descriptor([KV, wider])
+    )
     assert "slot region ring: dtype" in descriptor([KV, RING]).layout_mismatch(
-        descriptor([KV, Region("ring", "float32", (3, 8, 32), 3072, "slot")]))
+        descriptor([KV, Region("ring", "float32", (3, 8, 32), 3072, "slot")])
+    )
     # a compressed state whose rate differs, even where the page shape happens to agree
     other_rate = Region("csa_kv", "float32", (2, 4, 64), 2048, "page", 8)
     assert "compress rate 4 != 8" in descriptor([KV, CSA]).layout_mismatch(descriptor([KV, other_rate]))
@@ -119,23 +141,33 @@ def test_regions_of_a_pool_follow_its_states():
     assert regions_of(states) == [Region("kv", "float32", (2, 16, 8), 1024), Region("idx", "bfloat16", (3, 4), 24)]
     with pytest.raises(ValueError, match="share page ids"):
         regions_of({"kv": torch.zeros(5, 2), "ring": torch.zeros(4, 2)})
-    pool = PoolStates({"kv": torch.zeros(5, 2, 16, 8)}, {"ring": torch.zeros(3, 2, 8), "st": torch.zeros(3, 4)},
-                      page_size=16, tokens_per_entry={"kv": 1})
-    assert [(r.name, r.kind, r.nbytes) for r in pool.regions()] == [("kv", "page", 1024), ("ring", "slot", 64),
-                                                                     ("st", "slot", 16)]
+    pool = PoolStates(
+        {"kv": torch.zeros(5, 2, 16, 8)},
+        {"ring": torch.zeros(3, 2, 8), "st": torch.zeros(3, 4)},
+        page_size=16,
+        tokens_per_entry={"kv": 1},
+    )
+    assert [(r.name, r.kind, r.nbytes) for r in pool.regions()] == [
+        ("kv", "page", 1024),
+        ("ring", "slot", 64),
+        ("st", "slot", 16),
+    ]
     assert pool.layout() == Layout(tuple(pool.regions()), 16) and pool.num_slots == 3
     with pytest.raises(ValueError, match="share slot row ids"):
         regions_of({"kv": torch.zeros(5, 2)}, {"ring": torch.zeros(3, 2), "st": torch.zeros(2, 2)})
 
 
-@pytest.mark.parametrize("src,dst,slots,why", [
-    (None, 1, (4, 4), "src_slot must be a slot row"),
-    (0, None, (4, 4), "dst_slot must be a slot row"),
-    (4, 0, (4, 4), "src_slot 4 is outside"),
-    (0, -1, (4, 4), "dst_slot -1 is outside"),
-    (True, 0, (4, 4), "src_slot must be"),
-    (0, 0, (0, 0), "no slot state regions"),
-])
+@pytest.mark.parametrize(
+    "src,dst,slots,why",
+    [
+        (None, 1, (4, 4), "src_slot must be a slot row"),
+        (0, None, (4, 4), "dst_slot must be a slot row"),
+        (4, 0, (4, 4), "src_slot 4 is outside"),
+        (0, -1, (4, 4), "dst_slot -1 is outside"),
+        (True, 0, (4, 4), "src_slot must be"),
+        (0, 0, (0, 0), "no slot state regions"),
+    ],
+)
 def test_bad_slot_mapping_is_refused(src, dst, slots, why):
     with pytest.raises(ValueError, match=why):
         check_slot_mapping(src, dst, *slots)
@@ -145,8 +177,10 @@ def test_bad_slot_mapping_is_refused(src, dst, slots, why):
 
 def test_region_checksums_see_a_flipped_or_moved_byte_and_agree_across_layouts():
     g = torch.Generator().manual_seed(0)
-    pool = PoolStates({"kv": torch.randn(6, 2, 4, 8, generator=g), "idx": torch.randn(6, 3, generator=g).bfloat16()},
-                      {"ring": torch.randn(4, 5, 3, generator=g)})
+    pool = PoolStates(
+        {"kv": torch.randn(6, 2, 4, 8, generator=g), "idx": torch.randn(6, 3, generator=g).bfloat16()},
+        {"ring": torch.randn(4, 5, 3, generator=g)},
+    )
     sent = region_checksums(pool, [4, 1, 2], 3)
     assert set(sent) == {"kv", "idx", "ring"} and all(len(v) == 32 for v in sent.values())
     # the same bytes in other pages and rows of another pool check out

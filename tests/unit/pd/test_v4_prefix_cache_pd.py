@@ -23,9 +23,21 @@ def engines(make_model):
     model = make_model("v4-tiny")
 
     def make(role: str, cache: bool = True) -> Engine:
-        return Engine(EngineArgs(model=str(model), role=role, device="cpu", kernel_backend="torch", kv_pages=40,
-                                 page_size=8, max_num_seqs=4, max_num_batched_tokens=64, served_model_name="m",
-                                 enable_prefix_cache=cache, prefix_cache_snapshots=4))
+        return Engine(
+            EngineArgs(
+                model=str(model),
+                role=role,
+                device="cpu",
+                kernel_backend="torch",
+                kv_pages=40,
+                page_size=8,
+                max_num_seqs=4,
+                max_num_batched_tokens=64,
+                served_model_name="m",
+                enable_prefix_cache=cache,
+                prefix_cache_snapshots=4,
+            )
+        )
 
     return make("prefill"), make("decode"), make("mono", cache=False)
 

@@ -17,7 +17,15 @@ from dsv4_engine.pd.common import PDSettings
 from dsv4_engine.pd.request_info import PDState
 from dsv4_engine.pd.transport import PoolStates
 from test_state_machines import (
-    BOOTSTRAP_ADDR, DEATHS, DECODE_URL, HEARTBEAT_LIMIT, SETTINGS, STATES, Pair, assert_error, mono_tokens,
+    BOOTSTRAP_ADDR,
+    DEATHS,
+    DECODE_URL,
+    HEARTBEAT_LIMIT,
+    SETTINGS,
+    STATES,
+    Pair,
+    assert_error,
+    mono_tokens,
 )
 
 # v4-tiny: sliding window 8, CSA compresses every 4 tokens, HCA every 8, the indexer keeps top-4.
@@ -38,8 +46,19 @@ def v4_engines(make_model):
     model = make_model("v4-tiny")
 
     def make(role: str) -> Engine:
-        return Engine(EngineArgs(model=str(model), role=role, device="cpu", kernel_backend="torch", kv_pages=40,
-                                 page_size=8, max_num_seqs=4, max_num_batched_tokens=64, served_model_name="m"))
+        return Engine(
+            EngineArgs(
+                model=str(model),
+                role=role,
+                device="cpu",
+                kernel_backend="torch",
+                kv_pages=40,
+                page_size=8,
+                max_num_seqs=4,
+                max_num_batched_tokens=64,
+                served_model_name="m",
+            )
+        )
 
     return make("prefill"), make("decode"), make("mono")
 
@@ -120,11 +139,22 @@ def test_growing_conversation_equals_mono(pair, v4_engines):
 
 FAULTS = {
     # fault -> (armed on, params, prefill status/text or None (succeeds), decode status/text, counter moved)
-    "stall_transfer": ("p", {}, (504, "KV transfer timed out"), (502, "prefill failed"), ("p", "num_transfer_timeout_reqs")),
+    "stall_transfer": (
+        "p",
+        {},
+        (504, "KV transfer timed out"),
+        (502, "prefill failed"),
+        ("p", "num_transfer_timeout_reqs"),
+    ),
     "fail_transfer": ("p", {}, (502, "injected fault"), (502, "prefill failed"), ("p", "num_transfer_failed_reqs")),
     "drop_notification": ("p", {}, None, (504, "did not arrive within"), ("d", "num_transfer_timeout_reqs")),
-    "delay_bootstrap": ("p", {"seconds": 10.0}, (504, "bootstrap timed out"), (504, "did not arrive within"),
-                        ("p", "num_bootstrap_failed_reqs")),
+    "delay_bootstrap": (
+        "p",
+        {"seconds": 10.0},
+        (504, "bootstrap timed out"),
+        (504, "did not arrive within"),
+        ("p", "num_bootstrap_failed_reqs"),
+    ),
 }
 
 

@@ -14,8 +14,13 @@ BENCH = Path(__file__).resolve().parents[3] / "bench" / "quant_bench.py"
 def test_cpu_quick_bench_writes_json_and_png(tmp_path):
     out = tmp_path / "quant.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(BENCH), "--cpu", "--quick", "--out", str(out)],
-                          capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--cpu", "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["meta"]["device"] == "cpu" and result["meta"]["timing"] == "best of N"

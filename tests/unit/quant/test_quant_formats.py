@@ -10,7 +10,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from dsv4_engine.quant import QuantWeight, UnsupportedQuantization, checkpoint_scheme, pair_quantized, scheme_from_config
+from dsv4_engine.quant import (
+    QuantWeight,
+    UnsupportedQuantization,
+    checkpoint_scheme,
+    pair_quantized,
+    scheme_from_config,
+)
 from dsv4_engine.quant.codec import dequantize_fp4, dequantize_fp8_block, quantize_fp4, quantize_fp8_block
 from dsv4_engine.quant.scheme import QuantScheme
 
@@ -19,6 +25,7 @@ FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynami
 
 # ---- scheme --------------------------------------------------------------------------------------
 
+
 def test_v3_and_v4_release_configs_are_accepted():
     assert scheme_from_config({}) is None
     assert scheme_from_config({"quantization_config": FP8_CONFIG}) == QuantScheme()
@@ -26,15 +33,18 @@ def test_v3_and_v4_release_configs_are_accepted():
     assert (v4.scale_fmt, v4.expert_dtype) == ("ue8m0", "fp4")
 
 
-@pytest.mark.parametrize("q,named", [
-    ({"quant_method": "awq", "bits": 4}, "'awq'"),
-    ({"quant_method": "gptq"}, "'gptq'"),
-    ({**FP8_CONFIG, "weight_block_size": None}, "weight_block_size None"),
-    ({**FP8_CONFIG, "weight_block_size": [64, 64]}, "[64, 64]"),
-    ({**FP8_CONFIG, "fmt": "e5m2"}, "'e5m2'"),
-    ({**FP8_CONFIG, "activation_scheme": "static"}, "'static'"),
-    ({**FP8_CONFIG, "expert_dtype": "int4"}, "'int4'"),
-])
+@pytest.mark.parametrize(
+    "q,named",
+    [
+        ({"quant_method": "awq", "bits": 4}, "'awq'"),
+        ({"quant_method": "gptq"}, "'gptq'"),
+        ({**FP8_CONFIG, "weight_block_size": None}, "weight_block_size None"),
+        ({**FP8_CONFIG, "weight_block_size": [64, 64]}, "[64, 64]"),
+        ({**FP8_CONFIG, "fmt": "e5m2"}, "'e5m2'"),
+        ({**FP8_CONFIG, "activation_scheme": "static"}, "'static'"),
+        ({**FP8_CONFIG, "expert_dtype": "int4"}, "'int4'"),
+    ],
+)
 def test_unsupported_configs_fail_with_one_line_naming_them(q, named):
     with pytest.raises(UnsupportedQuantization) as e:
         scheme_from_config({"quantization_config": q})
@@ -50,7 +60,9 @@ def _folder(tmp_path, tensors, config):
 
 def test_fp8_tensors_without_a_quantization_config_are_refused(tmp_path):
     q, s = quantize_fp8_block(torch.randn(64, 64))
-    d = _folder(tmp_path, {"a.weight": q, "a.weight_scale_inv": s, "b.weight": torch.randn(4)}, {"model_type": "deepseek_v3"})
+    d = _folder(
+        tmp_path, {"a.weight": q, "a.weight_scale_inv": s, "b.weight": torch.randn(4)}, {"model_type": "deepseek_v3"}
+    )
     with pytest.raises(UnsupportedQuantization, match="no quantization_config: refusing to guess"):
         checkpoint_scheme(d)
     d2 = _folder(tmp_path / "plain", {"b.weight": torch.randn(4)}, {"model_type": "deepseek_v3"})
@@ -58,6 +70,7 @@ def test_fp8_tensors_without_a_quantization_config_are_refused(tmp_path):
 
 
 # ---- codec ---------------------------------------------------------------------------------------
+
 
 def test_fp8_block_round_trip_with_partial_edge_blocks():
     w = torch.randn(200, 300) * 0.05
@@ -69,10 +82,10 @@ def test_fp8_block_round_trip_with_partial_edge_blocks():
     for bi in range(2):
         for bj in range(3):
             blk = (slice(bi * 128, (bi + 1) * 128), slice(bj * 128, (bj + 1) * 128))
-            assert (back[blk] - w[blk]).abs().max() <= 2 ** -4 * w[blk].abs().max() + 1e-12
+            assert (back[blk] - w[blk]).abs().max() <= 2**-4 * w[blk].abs().max() + 1e-12
     pq, ps = quantize_fp8_block(w, pow2=True)
     assert torch.equal(torch.exp2(torch.log2(ps).round()), ps)  # ue8m0-representable
-    assert (dequantize_fp8_block(pq, ps) - w).abs().max() <= 2 ** -3 * w.abs().max()
+    assert (dequantize_fp8_block(pq, ps) - w).abs().max() <= 2**-3 * w.abs().max()
 
 
 def test_fp4_round_trip_and_grid():
@@ -100,14 +113,18 @@ def test_our_encodings_read_the_same_in_transformers():
 
 # ---- pairing ---------------------------------------------------------------------------------------
 
+
 def test_pairing_reads_both_scale_spellings_and_fp4_experts():
     w = torch.randn(200, 72)
     q, s = quantize_fp8_block(w)
     p4, e4 = quantize_fp4(torch.randn(40, 64))
     raw = {
-        "x.scale": s.clone(), "x.weight": q,  # V4 release spelling, scale listed first
-        "y.weight": q, "y.weight_scale_inv": s,  # V3 / transformers spelling
-        "z.weight": p4, "z.scale": e4.view(torch.float8_e8m0fnu),
+        "x.scale": s.clone(),
+        "x.weight": q,  # V4 release spelling, scale listed first
+        "y.weight": q,
+        "y.weight_scale_inv": s,  # V3 / transformers spelling
+        "z.weight": p4,
+        "z.scale": e4.view(torch.float8_e8m0fnu),
         "norm.weight": torch.ones(3),
     }
     out, report = pair_quantized(raw, QuantScheme(expert_dtype="fp4"))
@@ -121,11 +138,17 @@ def test_pairing_reads_both_scale_spellings_and_fp4_experts():
     assert torch.equal(out["z.weight"].dequantize(), dequantize_fp4(p4, e4))
 
 
-@pytest.mark.parametrize("raw,match", [
-    ({"a.weight": torch.zeros(4, 4).to(torch.float8_e4m3fn)}, "no scales for it"),
-    ({"a.weight": torch.zeros(4, 4).to(torch.float8_e4m3fn), "a.weight_scale_inv": torch.ones(2, 2)}, r"needs scales \(1, 1\)"),
-    ({"a.weight": torch.zeros(4, 4).to(torch.float8_e5m2)}, "e4m3 fp8 weights only"),
-])
+@pytest.mark.parametrize(
+    "raw,match",
+    [
+        ({"a.weight": torch.zeros(4, 4).to(torch.float8_e4m3fn)}, "no scales for it"),
+        (
+            {"a.weight": torch.zeros(4, 4).to(torch.float8_e4m3fn), "a.weight_scale_inv": torch.ones(2, 2)},
+            r"needs scales \(1, 1\)",
+        ),
+        ({"a.weight": torch.zeros(4, 4).to(torch.float8_e5m2)}, "e4m3 fp8 weights only"),
+    ],
+)
 def test_pairing_refuses_what_it_would_read_wrong(raw, match):
     with pytest.raises(UnsupportedQuantization, match=match):
         pair_quantized(raw, QuantScheme())
@@ -138,6 +161,7 @@ def test_fp4_weights_need_a_scheme_that_declares_them():
 
 
 # ---- the resident weight ----------------------------------------------------------------------------
+
 
 def _qw(n, k, seed=0):
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1

@@ -32,8 +32,16 @@ def test_quantized_linears_and_experts_make_no_host_syncs():
         fp8_linear(x, q8(96, H), sc(1, 1))
         fp8_moe_experts(x, q8(E, 2 * inter, H), sc(E, 1, 1), q8(E, H, inter), sc(E, 1, 1), wts, ids, 1.5)
         fp4_linear(x, u8(96, H // 2), exps(96, H // 32))
-        fp4_moe_experts(x, u8(E, 2 * inter, H // 2), exps(E, 2 * inter, H // 32), u8(E, H, inter // 2),
-                        exps(E, H, inter // 32), wts, ids, 1.5)
+        fp4_moe_experts(
+            x,
+            u8(E, 2 * inter, H // 2),
+            exps(E, 2 * inter, H // 32),
+            u8(E, H, inter // 2),
+            exps(E, H, inter // 32),
+            wts,
+            ids,
+            1.5,
+        )
     assert hits == [], "\n".join(hits)
     # the probe sees what the CPU reference does (a per-expert loop reads the expert ids)
     from dsv4_kernels import reference_quant as ref

@@ -58,8 +58,9 @@ def test_fp4_kernels_on_a_loaded_v4_checkpoint(tmp_path, monkeypatch):
     w13, w2 = L["w13"], L["w2"]
     assert (w13.kind, w2.kind) == ("fp4", "fp4")
     x = torch.randn(3, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(fp4_linear(*on(x, w13[1].data, w13[1].scale)).cpu(), torch.nn.functional.linear(x, w13[1]),
-                               **TOL)
+    torch.testing.assert_close(
+        fp4_linear(*on(x, w13[1].data, w13[1].scale)).cpu(), torch.nn.functional.linear(x, w13[1]), **TOL
+    )
     wts, ids = routing(3, model.cfg.n_routed_experts, model.cfg.num_experts_per_tok, 2)
     limit = model.cfg.swiglu_limit
     expected = ref.fp4_moe_experts(x, w13.data, w13.scale, w2.data, w2.scale, wts, ids, limit)
@@ -70,7 +71,7 @@ def test_fp4_kernels_on_a_loaded_v4_checkpoint(tmp_path, monkeypatch):
     for t in range(3):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
-            h = model._swiglu(torch.nn.functional.linear(x[t:t + 1], w13[e]))
+            h = model._swiglu(torch.nn.functional.linear(x[t : t + 1], w13[e]))
             out[t] += (torch.nn.functional.linear(h, w2[e]) * wts[t, j])[0]
     torch.testing.assert_close(expected, out, atol=1e-5, rtol=1e-5)
     mislabelled = QuantWeight("fp8", w2.data, w2.scale, w2.k)

@@ -38,9 +38,15 @@ def prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
 
 def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def engine_greedy(model_dir, ps: list[list[int]], n: int = NEW_TOKENS) -> dict[int, list[int]]:
@@ -53,11 +59,13 @@ def engine_greedy(model_dir, ps: list[list[int]], n: int = NEW_TOKENS) -> dict[i
             outs[i].extend(out.token_ids)
             if out.finished:
                 done.add(i)
+
         return sink
 
     for i, p in enumerate(ps):
-        engine.submit(Sequence(f"r{i}", p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True),
-                               sink=sink_for(i)))
+        engine.submit(
+            Sequence(f"r{i}", p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), sink=sink_for(i))
+        )
     for _ in range(500):
         if len(done) == len(ps):
             break
@@ -113,8 +121,11 @@ def test_cuda_form_keeps_weights_quantized_and_tracks_the_dense_model(v3_fp8, mo
     # gate|up rows, stacked experts through the expert call) adds nothing
     from dsv4_kernels import reference_quant
 
-    monkeypatch.setattr(reference_quant, "fp8_act_quant",
-                        lambda x, group=128: (x.float(), torch.ones(x.shape[0], -(-x.shape[1] // group))))
+    monkeypatch.setattr(
+        reference_quant,
+        "fp8_act_quant",
+        lambda x, group=128: (x.float(), torch.ones(x.shape[0], -(-x.shape[1] // group))),
+    )
     torch.testing.assert_close(engine_greedy_runner(kept, prompt), a, atol=1e-4, rtol=1e-4)
 
 
@@ -203,8 +214,11 @@ def test_v4_cuda_form_keeps_experts_quantized(v4_quant, monkeypatch):
     # (the grouped expert call, concatenated w1|w3, F.linear dispatch) adds nothing
     from dsv4_kernels import reference_quant
 
-    monkeypatch.setattr(reference_quant, "fp8_act_quant",
-                        lambda x, group=128: (x.float(), torch.ones(x.shape[0], -(-x.shape[1] // group))))
+    monkeypatch.setattr(
+        reference_quant,
+        "fp8_act_quant",
+        lambda x, group=128: (x.float(), torch.ones(x.shape[0], -(-x.shape[1] // group))),
+    )
     torch.testing.assert_close(engine_greedy_runner(kept, prompt), a, atol=1e-4, rtol=1e-4)
 
 

@@ -58,7 +58,9 @@ def test_unrelated_short_prompts_still_spread_and_a_shared_start_is_not_a_conver
     assert len(first) == 4 and min(first.values()) > 60, first
     # A whole earlier prompt that is too short to mean anything does not capture later ones.
     keys.key(PATH, {"prompt": "Hi"})
-    assert keys.key(PATH, {"prompt": "Hi there, plan my week"}) == affinity_key(PATH, {"prompt": "Hi there, plan my week"})
+    assert keys.key(PATH, {"prompt": "Hi there, plan my week"}) == affinity_key(
+        PATH, {"prompt": "Hi there, plan my week"}
+    )
 
 
 def test_chat_keys_are_unchanged_and_the_memory_is_bounded():

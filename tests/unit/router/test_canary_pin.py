@@ -10,7 +10,11 @@ from dsv4_wire import APIError
 
 def _router() -> Router:
     r = Router(RouterArgs())
-    for url, role, canary in (("http://p", "prefill", False), ("http://d0", "decode", False), ("http://d1", "decode", True)):
+    for url, role, canary in (
+        ("http://p", "prefill", False),
+        ("http://d0", "decode", False),
+        ("http://d1", "decode", True),
+    ):
         w = r.pool.add(url, role)
         w.healthy, w.canary = True, canary
         w.bootstrap_port = 1 if role == "prefill" else None
@@ -47,10 +51,13 @@ async def test_pin_needs_the_admin_token_and_canary_flag_is_checked():
         body = {"prompt": "hi", "max_tokens": 1}
         got = await c.post("/v1/completions", json=body, headers={PIN_HEADER: "http://d1"})
         assert got.status_code == 401 and PIN_HEADER in got.json()["error"]["message"]
-        got = await c.post("/v1/completions", json=body,
-                           headers={PIN_HEADER: "http://nowhere", "Authorization": "Bearer secret"})
+        got = await c.post(
+            "/v1/completions", json=body, headers={PIN_HEADER: "http://nowhere", "Authorization": "Bearer secret"}
+        )
         assert got.status_code == 400 and "not a decode or mono worker" in got.json()["error"]["message"]
         auth = {"Authorization": "Bearer secret"}
-        got = await c.post("/admin/workers", json={"url": "http://p:1", "role": "prefill", "canary": True}, headers=auth)
+        got = await c.post(
+            "/admin/workers", json={"url": "http://p:1", "role": "prefill", "canary": True}, headers=auth
+        )
         assert got.status_code == 400
     await r.stop()

@@ -17,8 +17,15 @@ def ev(obj) -> bytes:
 
 
 def chunk(rid, created, text, ids, finish=None):
-    return ev({"id": rid, "object": "text_completion", "created": created, "model": "m",
-               "choices": [{"index": 0, "text": text, "token_ids": ids, "finish_reason": finish, "logprobs": None}]})
+    return ev(
+        {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": "m",
+            "choices": [{"index": 0, "text": text, "token_ids": ids, "finish_reason": finish, "logprobs": None}],
+        }
+    )
 
 
 def events(raw: bytes) -> list:
@@ -26,7 +33,9 @@ def events(raw: bytes) -> list:
 
 
 def test_5xx_and_server_errors_move_4xx_do_not():
-    assert retryable({"error": {"message": "request aborted: server shutting down", "type": "server_error", "code": 503}})
+    assert retryable(
+        {"error": {"message": "request aborted: server shutting down", "type": "server_error", "code": 503}}
+    )
     assert retryable({"error": {"message": "x", "type": "server_error", "code": 502}})
     assert retryable({"error": {"message": "x", "type": "server_error", "code": "engine_gone"}})
     assert not retryable({"error": {"message": "bad", "type": "invalid_request_error", "code": 400}})
@@ -84,8 +93,15 @@ def test_migration_limit_zero_keeps_the_one_retry_before_any_output():
     assert allowed_resends(3, started=True) == 3
 
 
-@pytest.mark.parametrize("raw", [b'{"prompt": "\\ud800"}', b'{"prompt": "a\\udfffb"}', b'{"\\ud800": 1}',
-                                 b'{"messages": [{"role": "user", "content": "\\udc00"}]}'])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "\\ud800"}',
+        b'{"prompt": "a\\udfffb"}',
+        b'{"\\ud800": 1}',
+        b'{"messages": [{"role": "user", "content": "\\udc00"}]}',
+    ],
+)
 def test_lone_surrogates_are_a_400_not_a_500(raw):
     with pytest.raises(APIError) as e:
         parse_body(raw)
@@ -93,12 +109,19 @@ def test_lone_surrogates_are_a_400_not_a_500(raw):
 
 
 def test_a_surrogate_pair_is_a_character():
-    assert parse_body(b'{"prompt": "\\ud83d\\ude00"}')["prompt"] == "\U0001F600"
+    assert parse_body(b'{"prompt": "\\ud83d\\ude00"}')["prompt"] == "\U0001f600"
 
 
 def ichunk(rid, j, text, ids, finish=None):
-    return ev({"id": rid, "object": "text_completion", "created": 7, "model": "m",
-               "choices": [{"index": j, "text": text, "token_ids": ids, "finish_reason": finish, "logprobs": None}]})
+    return ev(
+        {
+            "id": rid,
+            "object": "text_completion",
+            "created": 7,
+            "model": "m",
+            "choices": [{"index": j, "text": text, "token_ids": ids, "finish_reason": finish, "logprobs": None}],
+        }
+    )
 
 
 def test_n_choices_are_tracked_per_index_and_split_into_one_request_each():
@@ -106,8 +129,12 @@ def test_n_choices_are_tracked_per_index_and_split_into_one_request_each():
     from dsv4_wire.choices import choice_seed as engine_choice_seed
 
     st = Resume("r", {"prompt": "hi", "n": 3, "seed": 2**63 - 2, "stream": True}, stream=True)
-    out, what = st.filter(ichunk("r", 0, "a", [1]) + ichunk("r", 2, "b", [2]) + ichunk("r", 0, "c", [3])
-                          + ichunk("r", 1, "d", [4], "length"))
+    out, what = st.filter(
+        ichunk("r", 0, "a", [1])
+        + ichunk("r", 2, "b", [2])
+        + ichunk("r", 0, "c", [3])
+        + ichunk("r", 1, "d", [4], "length")
+    )
     assert what is None and not st.finished
     assert st.choice_tokens == {0: [1, 3], 2: [2], 1: [4]} and st.choice_done == {1}
     kids = [st.child(j) for j in (0, 2)]
@@ -117,16 +144,36 @@ def test_n_choices_are_tracked_per_index_and_split_into_one_request_each():
         assert body["continuation_token_ids"] == st.choice_tokens[j]
         assert body["rid"] == f"r-c{j}-m{st.attempts}" or st.attempts == 0
     # a child's events are the client's index j under the client's id; its usage and [DONE] wait
-    out, what = kids[1].filter(ichunk("r-c2-m1", 0, "e", [5], "length")
-                               + ev({"id": "x", "object": "text_completion", "created": 9, "model": "m", "choices": [],
-                                     "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}})
-                               + ev(b"[DONE]"))
+    out, what = kids[1].filter(
+        ichunk("r-c2-m1", 0, "e", [5], "length")
+        + ev(
+            {
+                "id": "x",
+                "object": "text_completion",
+                "created": 9,
+                "model": "m",
+                "choices": [],
+                "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6},
+            }
+        )
+        + ev(b"[DONE]")
+    )
     got = events(out)
     assert what == "done" and len(got) == 1 and got[0]["choices"][0]["index"] == 2 and got[0]["id"] == "r"
     assert got[0]["created"] == 7 and st.choice_tokens[2] == [2, 5] and 2 in st.choice_done
-    kids[0].filter(ichunk("r-c0-m1", 0, "f", [6, 7], "length")
-                   + ev({"id": "y", "object": "text_completion", "created": 9, "model": "m", "choices": [],
-                         "usage": {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}}))
+    kids[0].filter(
+        ichunk("r-c0-m1", 0, "f", [6, 7], "length")
+        + ev(
+            {
+                "id": "y",
+                "object": "text_completion",
+                "created": 9,
+                "model": "m",
+                "choices": [],
+                "usage": {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8},
+            }
+        )
+    )
     u = st.usage()["usage"]
     assert u == {"prompt_tokens": 4, "completion_tokens": 4 + 1 + 2, "total_tokens": 11}  # prompt once
     assert st.finished
@@ -134,15 +181,31 @@ def test_n_choices_are_tracked_per_index_and_split_into_one_request_each():
 
 def test_a_choice_restarted_from_nothing_sends_no_second_role_chunk():
     st = Resume("c", {"messages": [], "n": 2, "stream": True}, stream=True)
-    role = ev({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
-               "choices": [{"index": 1, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+    role = ev(
+        {
+            "id": "c",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "m",
+            "choices": [{"index": 1, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+        }
+    )
     st.filter(role)
     kid = st.child(1)
     again = role.replace(b'"index": 1', b'"index": 0')
     out, _ = kid.filter(again)
     assert out == b""
-    out, _ = kid.filter(ev({"id": "c-c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
-                            "choices": [{"index": 0, "delta": {"content": "x"}, "token_ids": [3], "finish_reason": None}]}))
+    out, _ = kid.filter(
+        ev(
+            {
+                "id": "c-c1",
+                "object": "chat.completion.chunk",
+                "created": 1,
+                "model": "m",
+                "choices": [{"index": 0, "delta": {"content": "x"}, "token_ids": [3], "finish_reason": None}],
+            }
+        )
+    )
     assert events(out)[0]["choices"][0] == {"index": 1, "delta": {"content": "x"}, "finish_reason": None}
 
 

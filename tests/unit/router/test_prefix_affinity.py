@@ -17,16 +17,21 @@ def chat(*turns: tuple[str, str]) -> dict:
 
 def test_every_round_of_a_conversation_has_the_same_key():
     r1 = chat(("system", "You are terse."), ("user", "Plan the trip to Lyon."))
-    r2 = chat(("system", "You are terse."), ("user", "Plan the trip to Lyon."), ("assistant", "Train."),
-              ("user", "And back?"))
+    r2 = chat(
+        ("system", "You are terse."), ("user", "Plan the trip to Lyon."), ("assistant", "Train."), ("user", "And back?")
+    )
     other = chat(("system", "You are terse."), ("user", "Fix my bash script."))
     path = "/v1/chat/completions"
     assert affinity_key(path, r1) == affinity_key(path, r2) != affinity_key(path, other)
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Plan the trip to Lyon."}]}]}
-    assert affinity_key(path, parts) == affinity_key(path, {"messages": [{"role": "user", "content": "Plan the trip to Lyon."}]})
+    assert affinity_key(path, parts) == affinity_key(
+        path, {"messages": [{"role": "user", "content": "Plan the trip to Lyon."}]}
+    )
     # A growing plain prompt keeps its leading characters / token ids.
     base = "x" * 600
-    assert affinity_key("/v1/completions", {"prompt": base}) == affinity_key("/v1/completions", {"prompt": base + "more"})
+    assert affinity_key("/v1/completions", {"prompt": base}) == affinity_key(
+        "/v1/completions", {"prompt": base + "more"}
+    )
     ids = list(range(300))
     assert affinity_key("/v1/completions", {"prompt": ids}) == affinity_key("/v1/completions", {"prompt": ids + [7]})
     assert affinity_key("/v1/completions", {"prompt": ""}) is None and affinity_key("/v1/completions", {}) is None

@@ -90,12 +90,22 @@ def test_health_only_the_engines_own_answer_or_a_dead_connection_counts():
     assert health_after_check(down, 200, "", False) == (True, "ready", 0)  # the next /ready restores it
 
 
-@pytest.mark.parametrize("raw", [
-    b'{"temperature": NaN}', b'{"temperature": Infinity}', b'{"top_p": -Infinity}', b'{"temperature": 1e400}',
-    b'{"max_tokens": ' + b"9" * 5000 + b"}", b"[1]", b'"x"', b"{nope", b"\xff\xfe",
-    b'{"a": ' + b"[" * 100000 + b"]" * 100000 + b"}",
-    b'{"a": ' + b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1) + b"}",
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"temperature": NaN}',
+        b'{"temperature": Infinity}',
+        b'{"top_p": -Infinity}',
+        b'{"temperature": 1e400}',
+        b'{"max_tokens": ' + b"9" * 5000 + b"}",
+        b"[1]",
+        b'"x"',
+        b"{nope",
+        b"\xff\xfe",
+        b'{"a": ' + b"[" * 100000 + b"]" * 100000 + b"}",
+        b'{"a": ' + b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1) + b"}",
+    ],
+)
 def test_hostile_bodies_are_400(raw):
     with pytest.raises(APIError) as e:
         parse_body(raw)
@@ -103,8 +113,13 @@ def test_hostile_bodies_are_400(raw):
 
 
 def test_ordinary_bodies_pass():
-    body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
-            "temperature": 0.7, "max_tokens": 10 ** 6, "logit_bias": {"5": -100}}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        "temperature": 0.7,
+        "max_tokens": 10**6,
+        "logit_bias": {"5": -100},
+    }
     assert parse_body(json.dumps(body).encode()) == body
 
 

@@ -11,8 +11,12 @@ BENCH = Path(__file__).resolve().parents[3] / "bench"
 
 
 def test_channel_bench_quick(tmp_path):
-    r = subprocess.run([sys.executable, str(BENCH / "channel_bench.py"), "--quick", "--iters", "50", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(BENCH / "channel_bench.py"), "--quick", "--iters", "50", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads((tmp_path / "channel.json").read_text())
     trips = report["round_trip"]

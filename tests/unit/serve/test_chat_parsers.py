@@ -21,7 +21,9 @@ def v31(*calls, before="", after=""):
 
 
 def v3(*calls, before=""):
-    body = "\n".join(f"{T.TOOL_CALL_BEGIN}function{T.TOOL_SEP}{n}\n```json\n{a}\n```{T.TOOL_CALL_END}" for n, a in calls)
+    body = "\n".join(
+        f"{T.TOOL_CALL_BEGIN}function{T.TOOL_SEP}{n}\n```json\n{a}\n```{T.TOOL_CALL_END}" for n, a in calls
+    )
     return f"{before}{T.TOOL_CALLS_BEGIN}{body}{T.TOOL_CALLS_END}"
 
 
@@ -29,21 +31,35 @@ def dsml(block, *calls, before=""):
     invokes = []
     for name, args in calls:
         params = "\n".join(
-            f"<{D}parameter name=\"{k}\" string=\"{'true' if isinstance(v, str) else 'false'}\">"
-            f"{v if isinstance(v, str) else json.dumps(v)}</{D}parameter>" for k, v in args.items())
-        invokes.append(f"<{D}invoke name=\"{name}\">\n{params}\n</{D}invoke>")
+            f'<{D}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
+            f"{v if isinstance(v, str) else json.dumps(v)}</{D}parameter>"
+            for k, v in args.items()
+        )
+        invokes.append(f'<{D}invoke name="{name}">\n{params}\n</{D}invoke>')
     return f"{before}\n\n<{D}{block}>\n" + "\n".join(invokes) + f"\n</{D}{block}>"
 
 
 ARGS = {"city": "Paris <b>", "days": 2, "opts": {"unit": "C", "list": [1, 2]}, "ok": True}
 CASES = [
-    ("deepseek_v31", v31(("get_weather", json.dumps(ARGS)), before="Let me check. "),
-     "Let me check. ", [("get_weather", ARGS)]),
+    (
+        "deepseek_v31",
+        v31(("get_weather", json.dumps(ARGS)), before="Let me check. "),
+        "Let me check. ",
+        [("get_weather", ARGS)],
+    ),
     ("deepseek_v31", v31(("a", "{}"), ("b", '{"x": 1}')), "", [("a", {}), ("b", {"x": 1})]),
-    ("deepseek_v3", v3(("get_weather", json.dumps(ARGS)), ("b", "{}"), before="ok"), "ok",
-     [("get_weather", ARGS), ("b", {})]),
-    ("deepseek_v4", dsml("tool_calls", ("get_weather", ARGS), ("noop", {}), before="Sure."), "Sure.",
-     [("get_weather", ARGS), ("noop", {})]),
+    (
+        "deepseek_v3",
+        v3(("get_weather", json.dumps(ARGS)), ("b", "{}"), before="ok"),
+        "ok",
+        [("get_weather", ARGS), ("b", {})],
+    ),
+    (
+        "deepseek_v4",
+        dsml("tool_calls", ("get_weather", ARGS), ("noop", {}), before="Sure."),
+        "Sure.",
+        [("get_weather", ARGS), ("noop", {})],
+    ),
     ("deepseek_v32", dsml("function_calls", ("get_weather", ARGS)), "", [("get_weather", ARGS)]),
     ("deepseek_v4", "no calls here, just < and </ text", "no calls here, just < and </ text", []),
     ("deepseek_v31", "plain <｜tool", "plain <｜tool", []),
@@ -97,10 +113,10 @@ def test_streamed_at_every_split_point(name, text, content, calls):
 MALFORMED = [
     ("deepseek_v31", v31(("f", "{not json"))),
     ("deepseek_v31", v31(("f", "[1, 2]"))),
-    ("deepseek_v31", f"x{T.TOOL_CALLS_BEGIN}{T.TOOL_CALL_BEGIN}f{T.TOOL_SEP}{{\"a\": 1"),  # cut off by max_tokens
+    ("deepseek_v31", f'x{T.TOOL_CALLS_BEGIN}{T.TOOL_CALL_BEGIN}f{T.TOOL_SEP}{{"a": 1'),  # cut off by max_tokens
     ("deepseek_v3", v3(("f", "{oops"))),
-    ("deepseek_v4", dsml("tool_calls", ("f", {"a": 1})).replace("string=\"false\">1", "string=\"false\">nope")),
-    ("deepseek_v4", f"<{D}tool_calls>\n<{D}invoke name=\"f\">\n<{D}parameter name=\"a\" string=\"maybe\">1</{D}parameter>"),
+    ("deepseek_v4", dsml("tool_calls", ("f", {"a": 1})).replace('string="false">1', 'string="false">nope')),
+    ("deepseek_v4", f'<{D}tool_calls>\n<{D}invoke name="f">\n<{D}parameter name="a" string="maybe">1</{D}parameter>'),
     ("deepseek_v4", dsml("tool_calls", ("f", {"a": "x"})).replace(f"</{D}tool_calls>", "")),
 ]
 
@@ -112,7 +128,7 @@ def test_malformed_calls_stay_content(name, text):
     for cut in range(0, len(text) + 1, 3):
         out = ChatOutput(tool_parser(name), None)
         _, content, _, _ = assemble(out, [text[:cut], text[cut:]])
-        assert content.endswith(text[len(text) - 10:]) and not out.has_calls
+        assert content.endswith(text[len(text) - 10 :]) and not out.has_calls
 
 
 REASONING = [

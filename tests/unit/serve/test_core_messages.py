@@ -10,13 +10,30 @@ from dsv4_serve import core_messages as m
 
 
 def test_a_request_round_trips_with_every_sampling_field():
-    params = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, seed=-(2**63), stop=["\n\n", "x"],
-                            stop_token_ids=[4, 5], ignore_eos=True, logprobs=2)
-    msg = m.loads(m.dumps(m.add_msg(9, "cmpl-1", [1, 2, 3], params, ("10.0.0.1", 9100, 2**63 - 1), True, 12.5,
-                                    "cmpl-0", [7, 8])))
+    params = SamplingParams(
+        max_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=3,
+        seed=-(2**63),
+        stop=["\n\n", "x"],
+        stop_token_ids=[4, 5],
+        ignore_eos=True,
+        logprobs=2,
+    )
+    msg = m.loads(
+        m.dumps(m.add_msg(9, "cmpl-1", [1, 2, 3], params, ("10.0.0.1", 9100, 2**63 - 1), True, 12.5, "cmpl-0", [7, 8]))
+    )
     assert isinstance(msg, m.Add)
     assert (msg.key, msg.rid, msg.prompt_ids, msg.pd, msg.prefill_only, msg.arrival, msg.share_prefix_of) == (
-        9, "cmpl-1", [1, 2, 3], ("10.0.0.1", 9100, 2**63 - 1), True, 12.5, "cmpl-0")
+        9,
+        "cmpl-1",
+        [1, 2, 3],
+        ("10.0.0.1", 9100, 2**63 - 1),
+        True,
+        12.5,
+        "cmpl-0",
+    )
     assert m.params_of(msg.params) == params
     assert msg.output_ids == [7, 8]  # a migrated request's answer so far
 
@@ -56,13 +73,27 @@ def test_rpc_answers_with_numpy_or_torch_scalars_become_plain():
     import torch
 
     value = {"a": np.int64(3), "b": (torch.tensor(0.5), {1, 2}), "c": [np.float32(1.5)], "d": object}
-    assert m.loads(m.dumps(m.Reply(1, True, m.plain(value)))).value == {"a": 3, "b": [0.5, [1, 2]], "c": [1.5], "d": str(object)}
+    assert m.loads(m.dumps(m.Reply(1, True, m.plain(value)))).value == {
+        "a": 3,
+        "b": [0.5, [1, 2]],
+        "c": [1.5],
+        "d": str(object),
+    }
 
 
 def test_every_kind_round_trips_as_itself():
     """Each message kind comes back as its own type with its fields (receivers dispatch on it)."""
-    samples = [m.Init({"model": "/m"}), m.Hello({"pid": 1}), m.Fatal("x"), m.Refused("y"),
-               m.Abort(None, "r", "why", True), m.Finish(3), m.Call(4, "loads"), m.Out([]), m.Reply(4, True, [1])]
+    samples = [
+        m.Init({"model": "/m"}),
+        m.Hello({"pid": 1}),
+        m.Fatal("x"),
+        m.Refused("y"),
+        m.Abort(None, "r", "why", True),
+        m.Finish(3),
+        m.Call(4, "loads"),
+        m.Out([]),
+        m.Reply(4, True, [1]),
+    ]
     for msg in samples:
         back = m.loads(m.dumps(msg))
         assert type(back) is type(msg) and back == msg

@@ -40,14 +40,20 @@ def parse(model, **body):
     return parse_request(model, json.dumps(body).encode())
 
 
-@pytest.mark.parametrize("model,base", [(CompletionRequest, {"prompt": "x"}),
-                                        (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]})])
+@pytest.mark.parametrize(
+    "model,base",
+    [(CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}]})],
+)
 def test_n_and_best_of_limits(model, base):
     assert parse(model, **base, n=MAX_N).candidates == MAX_N
     assert parse(model, **base, n=2, best_of=5).candidates == 5
     assert parse(model, **base, n=3).candidates == 3
-    for bad, param in (({"n": 0}, "n"), ({"n": MAX_N + 1}, "n"), ({"best_of": MAX_N + 1}, "best_of"),
-                       ({"best_of": 0}, "best_of")):
+    for bad, param in (
+        ({"n": 0}, "n"),
+        ({"n": MAX_N + 1}, "n"),
+        ({"best_of": MAX_N + 1}, "best_of"),
+        ({"best_of": 0}, "best_of"),
+    ):
         with pytest.raises(APIError) as e:
             parse(model, **base, **bad)
         assert e.value.param == param, bad

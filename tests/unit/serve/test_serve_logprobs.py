@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 from dsv4_serve.logprobs import (
-    _byte_level_alphabet, byte_level_token_bytes, chat_logprobs, completion_logprobs, next_offset, text_of_bytes,
+    _byte_level_alphabet,
+    byte_level_token_bytes,
+    chat_logprobs,
+    completion_logprobs,
+    next_offset,
+    text_of_bytes,
 )
 
 
@@ -22,9 +27,11 @@ def test_partial_utf8_is_shown_as_bytes():
 
 TEXT = {1: "Hel", 2: "lo", 3: " world", 4: "\ufffd"}
 RAW = {1: b"Hel", 2: b"lo", 3: b" world", 4: b"\xe4"}
-ENTRIES = [{"token_id": 1, "logprob": -0.5, "top": [[1, -0.5], [2, -1.5]]},
-           {"token_id": 2, "logprob": -2.0, "top": [[3, -0.25]]},
-           {"token_id": 3, "logprob": -0.1, "top": []}]
+ENTRIES = [
+    {"token_id": 1, "logprob": -0.5, "top": [[1, -0.5], [2, -1.5]]},
+    {"token_id": 2, "logprob": -2.0, "top": [[3, -0.25]]},
+    {"token_id": 3, "logprob": -0.1, "top": []},
+]
 
 
 def test_completion_shape_offsets_and_sampled_token_in_top():
@@ -41,5 +48,7 @@ def test_chat_shape_carries_raw_bytes():
     lp = chat_logprobs([{"token_id": 4, "logprob": -1.0, "top": [[4, -1.0], [1, -2.0]]}], RAW.__getitem__)
     (item,) = lp["content"]
     assert item["token"] == "bytes:\\xe4" and item["bytes"] == [0xE4] and item["logprob"] == -1.0
-    assert item["top_logprobs"] == [{"token": "bytes:\\xe4", "logprob": -1.0, "bytes": [0xE4]},
-                                    {"token": "Hel", "logprob": -2.0, "bytes": list(b"Hel")}]
+    assert item["top_logprobs"] == [
+        {"token": "bytes:\\xe4", "logprob": -1.0, "bytes": [0xE4]},
+        {"token": "Hel", "logprob": -2.0, "bytes": list(b"Hel")},
+    ]

@@ -6,11 +6,25 @@ from dsv4_operator.watchdog.revisions import describe_change
 
 
 def test_credential_env_values_are_redacted_and_tuning_values_kept():
-    old = {"engine": {"env": [{"name": "HF_TOKEN", "value": "hf_old"}, {"name": "SPLIT", "value": "256"},
-                              {"name": "DB", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]}}
-    new = {"engine": {"env": [{"name": "HF_TOKEN", "value": "hf_new"}, {"name": "SPLIT", "value": "512"},
-                              {"name": "MY_API_KEY", "value": "sk-123"},
-                              {"name": "DB", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k2"}}}]}}
+    old = {
+        "engine": {
+            "env": [
+                {"name": "HF_TOKEN", "value": "hf_old"},
+                {"name": "SPLIT", "value": "256"},
+                {"name": "DB", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+            ]
+        }
+    }
+    new = {
+        "engine": {
+            "env": [
+                {"name": "HF_TOKEN", "value": "hf_new"},
+                {"name": "SPLIT", "value": "512"},
+                {"name": "MY_API_KEY", "value": "sk-123"},
+                {"name": "DB", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k2"}}},
+            ]
+        }
+    }
     lines = describe_change(old, new)
     text = "\n".join(lines)
     assert "hf_old" not in text and "hf_new" not in text and "sk-123" not in text, text
@@ -21,6 +35,12 @@ def test_credential_env_values_are_redacted_and_tuning_values_kept():
 
 
 def test_evidence_configmaps_are_immutable():
-    cm = build_evidence_configmap(deployment="d", namespace="n", pod="d-prefill-0", role="prefill",
-                                  captured_at=1.7e9, verdict={"state": "Wedged", "reason": "stuck_inflight"})
+    cm = build_evidence_configmap(
+        deployment="d",
+        namespace="n",
+        pod="d-prefill-0",
+        role="prefill",
+        captured_at=1.7e9,
+        verdict={"state": "Wedged", "reason": "stuck_inflight"},
+    )
     assert cm["immutable"] is True

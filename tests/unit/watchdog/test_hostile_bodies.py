@@ -20,7 +20,7 @@ def test_label_set_end_reads_quotes_escapes_and_braces():
     assert _label_set_end('a{x="}"} 1', 1) == 8
     assert _label_set_end('a{x="\\"}"} 1', 1) == 10
     assert _label_set_end('a{x="\\\\"} 1', 1) == 9  # an escaped backslash ends the value
-    assert _label_set_end('a{} 1', 1) == 3
+    assert _label_set_end("a{} 1", 1) == 3
     assert _label_set_end('a{x="', 1) == -1
     assert _label_set_end('a{x="y"', 1) == -1
 
@@ -35,7 +35,7 @@ def test_an_unclosed_label_set_is_read_in_linear_time():
 
 def test_megabyte_lines_cost_time_in_proportion():
     def cost(n: int) -> float:
-        text = GOOD + "dsv4:num_running_reqs{" + 'x="y",' * n + "} 3 # {a=\"b\"} 1\n"
+        text = GOOD + "dsv4:num_running_reqs{" + 'x="y",' * n + '} 3 # {a="b"} 1\n'
         started = time.perf_counter()
         assert parse_metrics(text) == {"num_queue": 2, "num_running": 3}
         return time.perf_counter() - started

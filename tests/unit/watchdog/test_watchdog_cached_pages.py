@@ -16,8 +16,11 @@ from dsv4_operator.watchdog.signals import build_sample
 
 
 def test_an_idle_engine_full_of_cached_pages_is_healthy(tiny_model):
-    engine = Engine(EngineArgs(model=str(tiny_model), role="prefill", device="cpu", kernel_backend="torch",
-                               kv_pages=12, page_size=4))
+    engine = Engine(
+        EngineArgs(
+            model=str(tiny_model), role="prefill", device="cpu", kernel_backend="torch", kv_pages=12, page_size=4
+        )
+    )
     ends = []
     for i in range(3):
         s = Sequence(f"r{i}", [10 + i] * 13, SamplingParams(max_tokens=1, temperature=0), sink=ends.append)
@@ -34,8 +37,17 @@ def test_an_idle_engine_full_of_cached_pages_is_healthy(tiny_model):
 
 
 def test_an_idle_v4_engine_holding_pages_and_snapshots_is_healthy(make_model):
-    engine = Engine(EngineArgs(model=str(make_model("v4-tiny")), role="prefill", device="cpu", kernel_backend="torch",
-                               kv_pages=12, page_size=4, max_num_seqs=2))
+    engine = Engine(
+        EngineArgs(
+            model=str(make_model("v4-tiny")),
+            role="prefill",
+            device="cpu",
+            kernel_backend="torch",
+            kv_pages=12,
+            page_size=4,
+            max_num_seqs=2,
+        )
+    )
     for i in range(3):
         s = Sequence(f"r{i}", [10 + i] * 13, SamplingParams(max_tokens=1, temperature=0), sink=lambda out: None)
         engine.submit(s)

@@ -5,17 +5,32 @@ pod wedged on its own metrics is still remediated, and the operator-wide restart
 import pytest
 
 from dsv4_operator.watchdog.corroboration import (
-    FleetSilence, RestartRateLimit, Silence, is_blind, observe_silence,
+    FleetSilence,
+    RestartRateLimit,
+    Silence,
+    is_blind,
+    observe_silence,
 )
 from dsv4_operator.watchdog.detector import Detector, Healthy, Unreachable, Wedged
 from dsv4_operator.watchdog.policy import (
-    HELD, HOLD_BUDGET, HOLD_OPERATOR_BLIND, HOLD_RATE_LIMIT, HOLD_UNCORROBORATED, REPORT, STEPS,
-    PodInfo, PolicyState, RemediationSettings, complete_step, decide,
+    HELD,
+    HOLD_BUDGET,
+    HOLD_OPERATOR_BLIND,
+    HOLD_RATE_LIMIT,
+    HOLD_UNCORROBORATED,
+    REPORT,
+    STEPS,
+    PodInfo,
+    PolicyState,
+    RemediationSettings,
+    complete_step,
+    decide,
 )
 from dsv4_operator.watchdog.signals import EngineSample, unreachable_sample
 
-SETTINGS = RemediationSettings(cooldown_s=300, max_backoff_s=1200, reset_after_s=3600,
-                               recovery_timeout_s=600, restart_grace_s=10)
+SETTINGS = RemediationSettings(
+    cooldown_s=300, max_backoff_s=1200, reset_after_s=3600, recovery_timeout_s=600, restart_grace_s=10
+)
 SILENT = Wedged("unresponsive", {"silent_seconds": 130.0})
 STUCK = Wedged("stuck_inflight", {"stuck_seconds": 130.0})
 
@@ -30,20 +45,24 @@ def kinds(actions):
 
 def test_a_silent_pod_the_kubelet_reports_ready_is_held_not_reported():
     pods = ready_pods("prefill-0", "prefill-1", "decode-0")
-    actions, state = decide({"prefill-0": SILENT, "prefill-1": Healthy(), "decode-0": Healthy()}, pods,
-                            PolicyState(), 100.0, SETTINGS)
+    actions, state = decide(
+        {"prefill-0": SILENT, "prefill-1": Healthy(), "decode-0": Healthy()}, pods, PolicyState(), 100.0, SETTINGS
+    )
     assert kinds(actions) == [(HELD, "prefill-0", HOLD_UNCORROBORATED)]
     assert actions[0].details == {"kubelet_ready": True}
     assert not state.active and not state.reported
     # Held once per episode: no Event storm while it stays silent.
-    actions, state = decide({"prefill-0": SILENT, "prefill-1": Healthy(), "decode-0": Healthy()}, pods,
-                            state, 110.0, SETTINGS)
+    actions, state = decide(
+        {"prefill-0": SILENT, "prefill-1": Healthy(), "decode-0": Healthy()}, pods, state, 110.0, SETTINGS
+    )
     assert actions == []
 
 
-@pytest.mark.parametrize("info", [PodInfo("prefill", ready=False, uid="u"),
-                                  PodInfo("prefill", ready=True, uid="u", restarting=True)],
-                         ids=["kubelet_not_ready", "container_restarting"])
+@pytest.mark.parametrize(
+    "info",
+    [PodInfo("prefill", ready=False, uid="u"), PodInfo("prefill", ready=True, uid="u", restarting=True)],
+    ids=["kubelet_not_ready", "container_restarting"],
+)
 def test_a_silent_pod_is_restarted_when_the_cluster_agrees(info):
     pods = {"prefill-0": info, **ready_pods("prefill-1")}
     actions, state = decide({"prefill-0": SILENT, "prefill-1": Healthy()}, pods, PolicyState(), 100.0, SETTINGS)
@@ -125,9 +144,19 @@ def test_the_budget_still_applies_after_corroboration():
 def _sample(t, role, reachable):
     if not reachable:
         return unreachable_sample(t, role, error="ConnectTimeout")
-    return EngineSample(timestamp=t, role=role, reachable=True, num_running=0, num_queue=0,
-                        prefill_inflight=0, decode_transfer=0, transfers_completed=3,
-                        loop_iterations=t * 50, generation_tokens=0, prompt_tokens=0)
+    return EngineSample(
+        timestamp=t,
+        role=role,
+        reachable=True,
+        num_running=0,
+        num_queue=0,
+        prefill_inflight=0,
+        decode_transfer=0,
+        transfers_completed=3,
+        loop_iterations=t * 50,
+        generation_tokens=0,
+        prompt_tokens=0,
+    )
 
 
 def simulate(pod_names, unreachable, hours, interval=10.0, window=120.0):
@@ -138,8 +167,10 @@ def simulate(pod_names, unreachable, hours, interval=10.0, window=120.0):
     state, fleet, taken = PolicyState(), FleetSilence(), []
     t = 0.0
     while t <= hours * 3600:
-        verdicts = {n: detector.observe(n, _sample(t, pods[n].role, n not in unreachable or t < 60),
-                                        answered_before=True) for n in pod_names}
+        verdicts = {
+            n: detector.observe(n, _sample(t, pods[n].role, n not in unreachable or t < 60), answered_before=True)
+            for n in pod_names
+        }
         blind = fleet.judge("d", observe_silence(verdicts, pods), t)
         actions, state = decide(verdicts, pods, state, t, SETTINGS, blind=blind)
         for a in actions:

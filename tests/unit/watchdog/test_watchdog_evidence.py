@@ -5,7 +5,11 @@ import re
 
 from dsv4_operator.watchdog.detector import Wedged, verdict_to_dict
 from dsv4_operator.watchdog.evidence import (
-    DEFAULT_DATA_BUDGET, EVIDENCE_LABEL, build_evidence_configmap, evidence_name, split_budget,
+    DEFAULT_DATA_BUDGET,
+    EVIDENCE_LABEL,
+    build_evidence_configmap,
+    evidence_name,
+    split_budget,
     truncate_utf8,
 )
 
@@ -16,8 +20,14 @@ LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
 def build(**kw):
-    args = dict(deployment="dsv4-flash", namespace="serving", pod="dsv4-flash-prefill-0",
-                role="prefill", captured_at=NOW, verdict=VERDICT)
+    args = dict(
+        deployment="dsv4-flash",
+        namespace="serving",
+        pod="dsv4-flash-prefill-0",
+        role="prefill",
+        captured_at=NOW,
+        verdict=VERDICT,
+    )
     args.update(kw)
     return build_evidence_configmap(**args)
 
@@ -27,13 +37,17 @@ def encoded_size(obj) -> int:
 
 
 def test_small_evidence_kept_whole():
-    cm = build(stacks="Thread 1:\n  File scheduler.py, line 10, in loop\n",
-               loads={"role": "prefill", "queues": {"inflight": 1}},
-               metrics="dsv4:num_prefill_inflight_queue_reqs 1\n",
-               logs=["line 1", "line 2"], spec_diff=["decode.env FOO changed from 1 to 512"],
-               revision="abc123", owner_references=[{"apiVersion": "serving.dsv4.dev/v1alpha1",
-                                                     "kind": "DSV4Deployment", "name": "x",
-                                                     "uid": "u1"}])
+    cm = build(
+        stacks="Thread 1:\n  File scheduler.py, line 10, in loop\n",
+        loads={"role": "prefill", "queues": {"inflight": 1}},
+        metrics="dsv4:num_prefill_inflight_queue_reqs 1\n",
+        logs=["line 1", "line 2"],
+        spec_diff=["decode.env FOO changed from 1 to 512"],
+        revision="abc123",
+        owner_references=[
+            {"apiVersion": "serving.dsv4.dev/v1alpha1", "kind": "DSV4Deployment", "name": "x", "uid": "u1"}
+        ],
+    )
     assert cm["apiVersion"] == "v1" and cm["kind"] == "ConfigMap"
     md = cm["metadata"]
     assert md["labels"][EVIDENCE_LABEL] == "true"
@@ -45,8 +59,15 @@ def test_small_evidence_kept_whole():
     assert md["annotations"]["serving.dsv4.dev/truncated"] == ""
     assert md["ownerReferences"][0]["kind"] == "DSV4Deployment"
     data = cm["data"]
-    assert set(data) == {"verdict.json", "spec-diff.txt", "loads.json", "timelines.json", "stacks.txt",
-                         "logs.txt", "metrics.txt"}
+    assert set(data) == {
+        "verdict.json",
+        "spec-diff.txt",
+        "loads.json",
+        "timelines.json",
+        "stacks.txt",
+        "logs.txt",
+        "metrics.txt",
+    }
     assert json.loads(data["verdict.json"])["details"]["stuck_seconds"] == 130.0
     assert json.loads(data["loads.json"])["queues"]["inflight"] == 1
     assert data["logs.txt"] == "line 1\nline 2\n"
@@ -65,10 +86,8 @@ def test_missing_pieces_say_so():
 def test_huge_evidence_fits_one_configmap():
     logs = [f"{i:08d} INFO scheduler: step ok" for i in range(200_000)]  # ~6 MB
     stacks = "".join(f'Thread {i}:\n  File "x.py", line {i}, in f\n' for i in range(100_000))
-    metrics = "".join(f'dsv4:kv_transfer_latency_seconds_bucket{{le="{i}"}} {i}\n'
-                      for i in range(100_000))
-    cm = build(stacks=stacks, logs=logs, metrics=metrics, loads={"q": list(range(1000))},
-               spec_diff=["x changed"])
+    metrics = "".join(f'dsv4:kv_transfer_latency_seconds_bucket{{le="{i}"}} {i}\n' for i in range(100_000))
+    cm = build(stacks=stacks, logs=logs, metrics=metrics, loads={"q": list(range(1000))}, spec_diff=["x changed"])
     assert encoded_size(cm) < 1024 * 1024
     data = cm["data"]
     assert sum(len(v.encode()) for v in data.values()) <= DEFAULT_DATA_BUDGET
@@ -116,14 +135,19 @@ def test_names_and_labels_are_valid_kubernetes_values():
     assert evidence_name("d", "p-0", NOW) != evidence_name("d", "p-0", NOW + 1)
     assert evidence_name("d", "p-0", NOW).startswith("d-evidence-p-0-")
     # Pods of one StatefulSet differ only at the end of their names.
-    assert (evidence_name("dsv4", "dsv4-flash-prefill-0", NOW)
-            != evidence_name("dsv4", "dsv4-flash-prefill-1", NOW))
+    assert evidence_name("dsv4", "dsv4-flash-prefill-0", NOW) != evidence_name("dsv4", "dsv4-flash-prefill-1", NOW)
 
 
 def test_the_stuck_requests_timelines_get_their_own_field():
-    stuck = {"rid": "r1", "state": "Transferring", "last_progress_seconds_ago": 130.0,
-             "events": [{"event": "arrival", "seconds_ago": 131.0, "at": NOW - 131},
-                        {"event": "Transferring", "seconds_ago": 130.0, "at": NOW - 130}]}
+    stuck = {
+        "rid": "r1",
+        "state": "Transferring",
+        "last_progress_seconds_ago": 130.0,
+        "events": [
+            {"event": "arrival", "seconds_ago": 131.0, "at": NOW - 131},
+            {"event": "Transferring", "seconds_ago": 130.0, "at": NOW - 130},
+        ],
+    }
     data = build(loads={"queues": {"inflight": 1}, "requests": [stuck]})["data"]
     assert json.loads(data["timelines.json"]) == [stuck]
     assert json.loads(data["loads.json"])["requests"] == [stuck]

@@ -7,14 +7,28 @@ import pytest
 
 from dsv4_operator.watchdog.detector import Healthy, Slow, Unreachable, Wedged
 from dsv4_operator.watchdog.policy import (
-    ABORT, CAPTURE_EVIDENCE, DRAIN, HELD, HOLD_BUDGET, HOLD_COOLDOWN, REPORT, RESTART, STEPS,
-    PodInfo, PolicyState, RemediationSettings, backoff_seconds, complete_step, decide,
+    ABORT,
+    CAPTURE_EVIDENCE,
+    DRAIN,
+    HELD,
+    HOLD_BUDGET,
+    HOLD_COOLDOWN,
+    REPORT,
+    RESTART,
+    STEPS,
+    PodInfo,
+    PolicyState,
+    RemediationSettings,
+    backoff_seconds,
+    complete_step,
+    decide,
     resolve_max_unavailable,
 )
 
 WEDGED = Wedged("stuck_inflight", {"stuck_seconds": 130.0})
-SETTINGS = RemediationSettings(cooldown_s=300, max_backoff_s=1200, reset_after_s=3600,
-                               recovery_timeout_s=600, restart_grace_s=10)
+SETTINGS = RemediationSettings(
+    cooldown_s=300, max_backoff_s=1200, reset_after_s=3600, recovery_timeout_s=600, restart_grace_s=10
+)
 
 
 def pods(**roles):
@@ -47,10 +61,10 @@ def remediate_once(state, pod_map, pod, now, settings=SETTINGS):
 
 def test_one_wedged_pod_full_sequence_in_order():
     p = pods(p0="prefill", p1="prefill", d0="decode")
-    actions, state = decide({"p0": WEDGED, "p1": Healthy(), "d0": Slow("handoff_slow")}, p,
-                            PolicyState(), 1000.0, SETTINGS)
-    assert kinds(actions) == [(REPORT, "p0"), (CAPTURE_EVIDENCE, "p0"), (DRAIN, "p0"),
-                              (ABORT, "p0"), (RESTART, "p0")]
+    actions, state = decide(
+        {"p0": WEDGED, "p1": Healthy(), "d0": Slow("handoff_slow")}, p, PolicyState(), 1000.0, SETTINGS
+    )
+    assert kinds(actions) == [(REPORT, "p0"), (CAPTURE_EVIDENCE, "p0"), (DRAIN, "p0"), (ABORT, "p0"), (RESTART, "p0")]
     assert all(a.uid == "p0-1" and a.role == "prefill" for a in actions)
     assert actions[0].reason == "stuck_inflight" and actions[0].details["stuck_seconds"] == 130
     assert actions[1].attempt == 1
@@ -146,8 +160,7 @@ def test_not_ready_pods_count_against_the_budget():
 
 def test_max_unavailable_two_and_percentages():
     settings = RemediationSettings(max_unavailable={"prefill": 2, "decode": "50%"})
-    p = pods(p0="prefill", p1="prefill", p2="prefill", d0="decode", d1="decode", d2="decode",
-             d3="decode")
+    p = pods(p0="prefill", p1="prefill", p2="prefill", d0="decode", d1="decode", d2="decode", d3="decode")
     verdicts = {name: WEDGED for name in p}
     actions, _ = decide(verdicts, p, PolicyState(), 0.0, settings)
     restarted = sorted(a.pod for a in actions if a.kind == RESTART)
@@ -245,8 +258,7 @@ def test_wedges_keep_the_backoff_count_alive():
     state = remediate_once(PolicyState(), p, "p0", 0.0)
     # Wedged (and held) at times that keep it from ever being quiet for an hour.
     for t in range(160, 4000, 600):
-        _, state = decide({"p0": WEDGED}, p, state, float(t),
-                          RemediationSettings(max_unavailable={"prefill": 0}))
+        _, state = decide({"p0": WEDGED}, p, state, float(t), RemediationSettings(max_unavailable={"prefill": 0}))
     assert state.history["p0"].count == 1
 
 

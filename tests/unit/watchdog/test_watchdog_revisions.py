@@ -6,16 +6,23 @@ import pytest
 
 from dsv4_operator.pinning import revision_spec
 from dsv4_operator.watchdog.revisions import (
-    Revision, RevisionTracker, correlate, decide_rollback, describe_change, spec_hash,
+    Revision,
+    RevisionTracker,
+    correlate,
+    decide_rollback,
+    describe_change,
+    spec_hash,
 )
 
 BASE = {
     "model": {"name": "dsv4-flash", "source": {"pvc": "models"}},
-    "engine": {"kind": "sglang", "image": "lmsysorg/sglang:v0.5.4",
-               "extraArgs": ["--disaggregation-transfer-backend", "nixl"]},
+    "engine": {
+        "kind": "sglang",
+        "image": "lmsysorg/sglang:v0.5.4",
+        "extraArgs": ["--disaggregation-transfer-backend", "nixl"],
+    },
     "prefill": {"replicas": 2, "env": [{"name": "UCX_NET_DEVICES", "value": "mlx5_0:1"}]},
-    "decode": {"replicas": 2, "env": [{"name": "FOO", "value": "1"},
-                                      {"name": "SGLANG_DEBUG_HOOK", "value": "0"}]},
+    "decode": {"replicas": 2, "env": [{"name": "FOO", "value": "1"}, {"name": "SGLANG_DEBUG_HOOK", "value": "0"}]},
     "remediation": {"enabled": True, "rollback": "auto"},
 }
 
@@ -34,6 +41,7 @@ def decode_env(spec, name, value):
 
 # --- hashing -------------------------------------------------------------------------------------
 
+
 def test_hash_ignores_key_order_and_remediation():
     reordered = dict(reversed(list(BASE.items())))
     assert spec_hash(reordered) == spec_hash(BASE)
@@ -46,6 +54,7 @@ def test_hash_ignores_key_order_and_remediation():
 
 # --- naming a change -------------------------------------------------------------------------------
 
+
 def test_decode_env_change_in_words():
     new = with_changes(BASE, lambda s: decode_env(s, "FOO", "512"))
     assert describe_change(BASE, new) == ["decode.env FOO changed from 1 to 512"]
@@ -54,13 +63,18 @@ def test_decode_env_change_in_words():
 def test_env_added_removed_and_map_form():
     def edit(s):
         s["decode"]["env"] = [{"name": "FOO", "value": "1"}, {"name": "BAR", "value": "x"}]
+
     assert describe_change(BASE, with_changes(BASE, edit)) == [
-        "decode.env BAR added (=x)", "decode.env SGLANG_DEBUG_HOOK removed (was 0)"]
+        "decode.env BAR added (=x)",
+        "decode.env SGLANG_DEBUG_HOOK removed (was 0)",
+    ]
     old = {"engine": {"env": {"A": "1", "B": "2"}}}
     new = {"engine": {"env": {"A": "3", "C": "4"}}}
-    assert describe_change(old, new) == ["engine.env A changed from 1 to 3",
-                                         "engine.env B removed (was 2)",
-                                         "engine.env C added (=4)"]
+    assert describe_change(old, new) == [
+        "engine.env A changed from 1 to 3",
+        "engine.env B removed (was 2)",
+        "engine.env C added (=4)",
+    ]
 
 
 def test_image_scalars_lists_and_sections():
@@ -70,37 +84,40 @@ def test_image_scalars_lists_and_sections():
         s["engine"]["extraArgs"] = ["--disaggregation-transfer-backend", "mooncake"]
         s["router"] = {"replicas": 1}
         del s["model"]["source"]
+
     changes = describe_change(BASE, with_changes(BASE, edit))
     assert changes == [
-        "engine.extraArgs changed from [\"--disaggregation-transfer-backend\", \"nixl\"] to "
-        "[\"--disaggregation-transfer-backend\", \"mooncake\"]",
+        'engine.extraArgs changed from ["--disaggregation-transfer-backend", "nixl"] to '
+        '["--disaggregation-transfer-backend", "mooncake"]',
         "engine.image changed from lmsysorg/sglang:v0.5.4 to lmsysorg/sglang:v0.5.5",
-        "model.source removed (was {\"pvc\": \"models\"})",
+        'model.source removed (was {"pvc": "models"})',
         "prefill.replicas changed from 2 to 3",
-        "router added (={\"replicas\": 1})",
+        'router added (={"replicas": 1})',
     ]
     assert describe_change(BASE, BASE) == []
 
 
 def test_named_list_items_and_long_values():
     old = {"prefill": {"tolerations": [{"name": "gpu", "effect": "NoSchedule"}]}}
-    new = {"prefill": {"tolerations": [{"name": "gpu", "effect": "NoExecute"},
-                                       {"name": "spot"}]}}
+    new = {"prefill": {"tolerations": [{"name": "gpu", "effect": "NoExecute"}, {"name": "spot"}]}}
     assert describe_change(old, new) == [
         "prefill.tolerations[gpu].effect changed from NoSchedule to NoExecute",
-        "prefill.tolerations[spot] added"]
+        "prefill.tolerations[spot] added",
+    ]
     long = describe_change({"x": "a" * 500}, {"x": "b"})[0]
     assert len(long) < 120 and long.endswith("to b")
 
 
 # --- tracker ---------------------------------------------------------------------------------------
 
+
 def test_revision_becomes_stable_after_quiet_period_wedges_postpone_it():
     tr = RevisionTracker(quiet_period_s=600)
     r1 = tr.observe(1, BASE, now=0.0)
     assert tr.current is r1 and tr.stable is None
-    assert tr.observe(2, with_changes(BASE, lambda s: s["remediation"].update(dryRun=True)),
-                      now=10.0) is r1  # remediation-only edit: same revision
+    assert (
+        tr.observe(2, with_changes(BASE, lambda s: s["remediation"].update(dryRun=True)), now=10.0) is r1
+    )  # remediation-only edit: same revision
     assert tr.tick(300.0) is None
     tr.note_wedge(400.0)
     assert tr.tick(900.0) is None  # only 500 s quiet since the wedge
@@ -127,8 +144,7 @@ def test_trim_keeps_the_stable_revision():
     tr.tick(20.0)
     stable_hash = tr.stable.hash
     for g in range(2, 10):
-        tr.observe(g, with_changes(BASE, lambda s, g=g: s["prefill"].update(replicas=g)),
-                   100.0 * g)
+        tr.observe(g, with_changes(BASE, lambda s, g=g: s["prefill"].update(replicas=g)), 100.0 * g)
     assert len(tr.revisions) == 3
     assert tr.stable.hash == stable_hash
     assert tr.current.generation == 9
@@ -147,6 +163,7 @@ def test_tracker_round_trips_through_a_dict():
 
 
 # --- correlation ------------------------------------------------------------------------------------
+
 
 def incident_tracker():
     """Stable morning, a decode-only tuning change in the afternoon (the incident's shape)."""
@@ -184,12 +201,12 @@ def test_two_changes_name_the_latest_and_diff_since_stable():
     worse = with_changes(bad, lambda s: s["engine"].update(image="lmsysorg/sglang:v0.5.5"))
     tr.observe(6, worse, now=9 * 3600.0 + 60)
     suspect = correlate(9 * 3600.0 + 120, tr.revisions)
-    assert suspect.changes == ("engine.image changed from lmsysorg/sglang:v0.5.4 to "
-                               "lmsysorg/sglang:v0.5.5",)
+    assert suspect.changes == ("engine.image changed from lmsysorg/sglang:v0.5.4 to lmsysorg/sglang:v0.5.5",)
     assert len(suspect.changes_since_stable) == 2
 
 
 # --- rollback ----------------------------------------------------------------------------------------
+
 
 def test_rollback_modes():
     tr, bad = incident_tracker()

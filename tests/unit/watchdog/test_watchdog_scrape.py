@@ -19,8 +19,7 @@ dsv4:num_prefill_inflight_queue_reqs{role="prefill",model_name="tiny"} 9
 # TYPE dsv4:kv_transfers_completed counter
 dsv4:kv_transfers_completed_total{role="prefill",model_name="tiny"} 41
 """
-LOADS = {"role": "prefill", "queues": {"inflight": 2, "waiting": 1},
-         "prefill_inflight_oldest_age_seconds": 3.5}
+LOADS = {"role": "prefill", "queues": {"inflight": 2, "waiting": 1}, "prefill_inflight_oldest_age_seconds": 3.5}
 
 
 class EngineEndpoints:
@@ -89,10 +88,17 @@ async def test_scrape_engine_merges_both_endpoints(engine):
 
 
 async def test_sglang_asks_for_disagg_section(engine):
-    engine.loads_body = json.dumps({"loads": [{"dp_rank": 0, "num_running_reqs": 0,
-                                               "disaggregation": {
-                                                   "mode": "prefill",
-                                                   "prefill_inflight_queue_reqs": 1}}]})
+    engine.loads_body = json.dumps(
+        {
+            "loads": [
+                {
+                    "dp_rank": 0,
+                    "num_running_reqs": 0,
+                    "disaggregation": {"mode": "prefill", "prefill_inflight_queue_reqs": 1},
+                }
+            ]
+        }
+    )
     async with make_session() as client:
         s = await scrape_engine(client, engine.url + "/", "prefill", SGLANG)
     assert "/v1/loads?include=disagg" in engine.requests

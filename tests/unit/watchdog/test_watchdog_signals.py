@@ -6,7 +6,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 
 from dsv4_operator.watchdog.signals import (
-    BUILTIN, COUNTER_FIELDS, GAUGE_FIELDS, SGLANG, build_sample, parse_loads, parse_metrics,
+    BUILTIN,
+    COUNTER_FIELDS,
+    GAUGE_FIELDS,
+    SGLANG,
+    build_sample,
+    parse_loads,
+    parse_metrics,
     parse_metrics_reference,
 )
 
@@ -60,12 +66,24 @@ def test_parser_strips_total_from_counter_family_names():
 def test_dsv4_metrics_every_signal():
     values = parse_metrics(dsv4_metrics_text(), BUILTIN)
     assert values == {
-        "num_running": 3, "num_queue": 4, "bootstrap_queue": 1, "prefill_inflight": 2,
-        "decode_prealloc": 0, "decode_transfer": 0,
-        "prefill_inflight_oldest_age_seconds": 12.5, "kv_pages_free": 100, "kv_pages_total": 512,
-        "bootstrap_failed": 2, "transfer_failed": 1, "transfer_timeout": 5,
-        "transfers_completed": 7, "transfer_bytes": 1 << 20, "prompt_tokens": 1000,
-        "generation_tokens": 50, "aborted": 6, "loop_iterations": 12345,
+        "num_running": 3,
+        "num_queue": 4,
+        "bootstrap_queue": 1,
+        "prefill_inflight": 2,
+        "decode_prealloc": 0,
+        "decode_transfer": 0,
+        "prefill_inflight_oldest_age_seconds": 12.5,
+        "kv_pages_free": 100,
+        "kv_pages_total": 512,
+        "bootstrap_failed": 2,
+        "transfer_failed": 1,
+        "transfer_timeout": 5,
+        "transfers_completed": 7,
+        "transfer_bytes": 1 << 20,
+        "prompt_tokens": 1000,
+        "generation_tokens": 50,
+        "aborted": 6,
+        "loop_iterations": 12345,
         "requests_completed": 9,
     }
 
@@ -91,15 +109,16 @@ dsv4:kv_transfers_completed_total{dp="1"} 5
 dsv4:kv_transfers_completed_created{dp="0"} 1.7e9
 """
     values = parse_metrics(text, BUILTIN)
-    assert values == {"prefill_inflight": 5, "prefill_inflight_oldest_age_seconds": 40,
-                      "transfers_completed": 15}
+    assert values == {"prefill_inflight": 5, "prefill_inflight_oldest_age_seconds": 40, "transfers_completed": 15}
 
 
 def test_nan_and_unknown_series_ignored():
-    text = ('dsv4:num_running_reqs NaN\n'
-            'dsv4:num_queue_reqs 2\n'
-            'process_resident_memory_bytes 1e9\n'
-            'dsv4:something_new_total 3\n')
+    text = (
+        "dsv4:num_running_reqs NaN\n"
+        "dsv4:num_queue_reqs 2\n"
+        "process_resident_memory_bytes 1e9\n"
+        "dsv4:something_new_total 3\n"
+    )
     assert parse_metrics(text, BUILTIN) == {"num_queue": 2}
     assert parse_metrics("", BUILTIN) == {}
 
@@ -118,9 +137,18 @@ dsv4:kv_transfers_completed_total{role="p"} 7 # {trace_id="abc"} 1.0 1700000000.
 
 
 def test_tricky_lines_read_like_the_reference_parser():
-    assert parse_metrics(TRICKY) == parse_metrics_reference(TRICKY) == {
-        "num_queue": 5, "num_running": float("inf"), "kv_pages_free": 5, "kv_pages_total": 9,
-        "decode_transfer": -15, "transfers_completed": 7}
+    assert (
+        parse_metrics(TRICKY)
+        == parse_metrics_reference(TRICKY)
+        == {
+            "num_queue": 5,
+            "num_running": float("inf"),
+            "kv_pages_free": 5,
+            "kv_pages_total": 9,
+            "decode_transfer": -15,
+            "transfers_completed": 7,
+        }
+    )
 
 
 def test_unreadable_line_goes_to_the_reference_parser():
@@ -190,14 +218,16 @@ def test_sglang_metrics_sum_ranks_and_accept_old_bootstrap_name():
 
 
 def test_fast_scan_equals_prometheus_client_parser():
-    for text, kind in ((dsv4_metrics_text(), BUILTIN), (SGLANG_METRICS, SGLANG),
-                       (dsv4_metrics_text(role="decode", inflight=0, age=0.0), BUILTIN)):
+    for text, kind in (
+        (dsv4_metrics_text(), BUILTIN),
+        (SGLANG_METRICS, SGLANG),
+        (dsv4_metrics_text(role="decode", inflight=0, age=0.0), BUILTIN),
+    ):
         assert parse_metrics(text, kind) == parse_metrics_reference(text, kind)
 
 
 def test_sglang_current_bootstrap_name():
-    text = SGLANG_METRICS.replace("num_prefill_prealloc_queue_reqs",
-                                  "num_prefill_bootstrap_queue_reqs")
+    text = SGLANG_METRICS.replace("num_prefill_prealloc_queue_reqs", "num_prefill_bootstrap_queue_reqs")
     assert parse_metrics(text, SGLANG)["bootstrap_queue"] == 3
 
 
@@ -206,17 +236,32 @@ SGLANG_LOADS = {
     "timestamp": "2026-11-29T10:00:00+00:00",
     "version": "0.5.x",
     "loads": [
-        {"dp_rank": 0, "num_running_reqs": 0, "num_waiting_reqs": 4,
-         "num_used_tokens": 100, "max_total_num_tokens": 1000,
-         "disaggregation": {"mode": "prefill", "prefill_bootstrap_queue_reqs": 0,
-                            "prefill_inflight_queue_reqs": 1, "decode_prealloc_queue_reqs": 0,
-                            "decode_transfer_queue_reqs": 0, "decode_retracted_queue_reqs": 0,
-                            "kv_transfer_speed_gb_s": 0.0, "kv_transfer_latency_ms": 0.0}},
-        {"dp_rank": 1, "num_running_reqs": 0, "num_waiting_reqs": 0,
-         "num_used_tokens": 0, "max_total_num_tokens": 1000,
-         "disaggregation": {"mode": "prefill", "prefill_prealloc_queue_reqs": 2,
-                            "prefill_inflight_queue_reqs": 0},
-         "queues": {"waiting": 0, "grammar": 0, "paused": 0, "retracted": 0}},
+        {
+            "dp_rank": 0,
+            "num_running_reqs": 0,
+            "num_waiting_reqs": 4,
+            "num_used_tokens": 100,
+            "max_total_num_tokens": 1000,
+            "disaggregation": {
+                "mode": "prefill",
+                "prefill_bootstrap_queue_reqs": 0,
+                "prefill_inflight_queue_reqs": 1,
+                "decode_prealloc_queue_reqs": 0,
+                "decode_transfer_queue_reqs": 0,
+                "decode_retracted_queue_reqs": 0,
+                "kv_transfer_speed_gb_s": 0.0,
+                "kv_transfer_latency_ms": 0.0,
+            },
+        },
+        {
+            "dp_rank": 1,
+            "num_running_reqs": 0,
+            "num_waiting_reqs": 0,
+            "num_used_tokens": 0,
+            "max_total_num_tokens": 1000,
+            "disaggregation": {"mode": "prefill", "prefill_prealloc_queue_reqs": 2, "prefill_inflight_queue_reqs": 0},
+            "queues": {"waiting": 0, "grammar": 0, "paused": 0, "retracted": 0},
+        },
         {"dp_rank": 2, "disaggregation": None},
     ],
 }
@@ -224,9 +269,16 @@ SGLANG_LOADS = {
 
 def test_sglang_loads_sum_dp_ranks():
     values = parse_loads(SGLANG_LOADS, SGLANG)
-    assert values == {"num_running": 0, "num_queue": 4, "kv_pages_total": 2000,
-                      "kv_pages_free": 1900, "prefill_inflight": 1, "bootstrap_queue": 2,
-                      "decode_prealloc": 0, "decode_transfer": 0}
+    assert values == {
+        "num_running": 0,
+        "num_queue": 4,
+        "kv_pages_total": 2000,
+        "kv_pages_free": 1900,
+        "prefill_inflight": 1,
+        "bootstrap_queue": 2,
+        "decode_prealloc": 0,
+        "decode_transfer": 0,
+    }
 
 
 def test_sglang_live_loads_override_stale_gauges_counters_from_metrics():
@@ -239,31 +291,43 @@ def test_sglang_live_loads_override_stale_gauges_counters_from_metrics():
 
 
 def test_sglang_without_loads_endpoint_uses_gauges():
-    s = build_sample(1.0, "prefill", SGLANG, metrics_text=SGLANG_METRICS, loads=None,
-                     error="/v1/loads: HTTP 404")
+    s = build_sample(1.0, "prefill", SGLANG, metrics_text=SGLANG_METRICS, loads=None, error="/v1/loads: HTTP 404")
     assert s.reachable and s.prefill_inflight == 0 and s.bootstrap_queue == 3
     assert s.error == "/v1/loads: HTTP 404"
 
 
 OWN_LOADS = {
     "role": "prefill",
-    "queues": {"waiting": 2, "running": 1, "bootstrap": 0, "inflight": 3, "prealloc": 0,
-               "transfer": 0},
+    "queues": {"waiting": 2, "running": 1, "bootstrap": 0, "inflight": 3, "prealloc": 0, "transfer": 0},
     "prefill_inflight_oldest_age_seconds": 33.0,
-    "kv_pages_free": 10, "kv_pages_total": 64,
-    "counters": {"kv_transfers_completed_total": 5, "num_transfer_failed_reqs": 1,
-                 "scheduler_loop_iterations": 99, "generation_tokens": 7, "unknown": 1},
+    "kv_pages_free": 10,
+    "kv_pages_total": 64,
+    "counters": {
+        "kv_transfers_completed_total": 5,
+        "num_transfer_failed_reqs": 1,
+        "scheduler_loop_iterations": 99,
+        "generation_tokens": 7,
+        "unknown": 1,
+    },
 }
 
 
 def test_own_loads_parsed():
     values = parse_loads(OWN_LOADS, BUILTIN)
     assert values == {
-        "num_queue": 2, "num_running": 1, "bootstrap_queue": 0, "prefill_inflight": 3,
-        "decode_prealloc": 0, "decode_transfer": 0,
-        "prefill_inflight_oldest_age_seconds": 33.0, "kv_pages_free": 10, "kv_pages_total": 64,
-        "counter:transfers_completed": 5, "counter:transfer_failed": 1,
-        "counter:loop_iterations": 99, "counter:generation_tokens": 7,
+        "num_queue": 2,
+        "num_running": 1,
+        "bootstrap_queue": 0,
+        "prefill_inflight": 3,
+        "decode_prealloc": 0,
+        "decode_transfer": 0,
+        "prefill_inflight_oldest_age_seconds": 33.0,
+        "kv_pages_free": 10,
+        "kv_pages_total": 64,
+        "counter:transfers_completed": 5,
+        "counter:transfer_failed": 1,
+        "counter:loop_iterations": 99,
+        "counter:generation_tokens": 7,
     }
 
 
@@ -271,23 +335,25 @@ def test_own_loads_tolerates_missing_and_wrong_types():
     assert parse_loads({}, BUILTIN) == {}
     assert parse_loads(None, BUILTIN) == {}
     assert parse_loads([1, 2], BUILTIN) == {}
-    odd = {"queues": {"inflight": "3", "waiting": None, "running": True, "transfer": 2},
-           "kv_pages_total": float("nan"), "counters": ["x"]}
+    odd = {
+        "queues": {"inflight": "3", "waiting": None, "running": True, "transfer": 2},
+        "kv_pages_total": float("nan"),
+        "counters": ["x"],
+    }
     assert parse_loads(odd, BUILTIN) == {"decode_transfer": 2}
 
 
 def test_loads_gauges_win_metrics_counters_win():
-    s = build_sample(5.0, "prefill", BUILTIN,
-                     metrics_text=dsv4_metrics_text(inflight=9, age=1.0, completed=70),
-                     loads=OWN_LOADS)
+    s = build_sample(
+        5.0, "prefill", BUILTIN, metrics_text=dsv4_metrics_text(inflight=9, age=1.0, completed=70), loads=OWN_LOADS
+    )
     assert s.prefill_inflight == 3 and s.prefill_inflight_oldest_age_seconds == 33.0
     assert s.transfers_completed == 70  # /metrics counter, not the loads fallback
     assert s.loop_iterations == 12345
 
 
 def test_loads_counters_fill_in_when_metrics_missing():
-    s = build_sample(5.0, "prefill", BUILTIN, metrics_text=None, loads=OWN_LOADS,
-                     error="/metrics: timeout")
+    s = build_sample(5.0, "prefill", BUILTIN, metrics_text=None, loads=OWN_LOADS, error="/metrics: timeout")
     assert s.reachable
     assert s.transfers_completed == 5 and s.loop_iterations == 99
     assert s.transfer_timeout is None

@@ -47,7 +47,14 @@ import torch
 
 from dsv4_engine.pd.nixl import compat as nixl_compat
 from dsv4_engine.pd.transport import (
-    PAGE, Layout, PoolStates, Region, TransferInfo, TransferState, check_layout, check_slot_mapping,
+    PAGE,
+    Layout,
+    PoolStates,
+    Region,
+    TransferInfo,
+    TransferState,
+    check_layout,
+    check_slot_mapping,
     transfer_bytes,
 )
 
@@ -155,13 +162,17 @@ class PeerDescriptor:
 
     def page_table(self) -> np.ndarray:
         """Every region's per-unit rows, back to back: paged regions' pages, then slot regions' rows."""
-        return np.concatenate([page_table(addr, r.nbytes, self.num_pages if r.kind == PAGE else self.num_slots,
-                                          self.device_id)
-                               for r, addr in zip(self.regions, self.base_addrs)])
+        return np.concatenate(
+            [
+                page_table(addr, r.nbytes, self.num_pages if r.kind == PAGE else self.num_slots, self.device_id)
+                for r, addr in zip(self.regions, self.base_addrs)
+            ]
+        )
 
 
-def transfer_rows(pages: np.ndarray, slot: Optional[int], regions: Sequence[Region], num_pages: int,
-                  num_slots: int) -> np.ndarray:
+def transfer_rows(
+    pages: np.ndarray, slot: Optional[int], regions: Sequence[Region], num_pages: int, num_slots: int
+) -> np.ndarray:
     """The descriptor rows of `pages` in every paged region and of row `slot` in every slot
     region, region by region (the layout of `PeerDescriptor.page_table`)."""
     rows, base = [], 0
@@ -249,8 +260,13 @@ class _Transfer:
 class KVTransferAgent:
     """One engine's NIXL endpoint for its KV pool. See the module docstring for the contract."""
 
-    def __init__(self, name: str, states: Union[PoolStates, Mapping[str, torch.Tensor], torch.Tensor], *,
-                 default_timeout_s: Optional[float] = DEFAULT_TIMEOUT_S):
+    def __init__(
+        self,
+        name: str,
+        states: Union[PoolStates, Mapping[str, torch.Tensor], torch.Tensor],
+        *,
+        default_timeout_s: Optional[float] = DEFAULT_TIMEOUT_S,
+    ):
         if not name:
             raise ValueError("agent name must not be empty")
         self._pool = PoolStates.of(states)
@@ -274,7 +290,9 @@ class KVTransferAgent:
         self._registration = self._agent.register_memory(tensors)
         try:
             self._local_dlist = self._agent.prep_xfer_dlist(
-                nixl_compat.LOCAL_SIDE, self._local_descriptor(with_metadata=False).page_table(), self._mem_type,
+                nixl_compat.LOCAL_SIDE,
+                self._local_descriptor(with_metadata=False).page_table(),
+                self._mem_type,
             )
         except Exception:
             self._agent.deregister_memory(self._registration)
@@ -425,8 +443,14 @@ class KVTransferAgent:
             handle = next(self._ids)
             t = _Transfer(
                 info=TransferInfo(
-                    handle=handle, peer=peer, num_pages=len(src), nbytes=sum(by_state.values()),
-                    state=TransferState.PENDING, error=None, started_at=now, finished_at=None,
+                    handle=handle,
+                    peer=peer,
+                    num_pages=len(src),
+                    nbytes=sum(by_state.values()),
+                    state=TransferState.PENDING,
+                    error=None,
+                    started_at=now,
+                    finished_at=None,
                     nbytes_by_state=by_state,
                 ),
                 peer=target,
@@ -435,9 +459,12 @@ class KVTransferAgent:
             self._transfers[handle] = t
             try:
                 t.xfer = self._agent.make_prepped_xfer(
-                    "WRITE", self._local_dlist, transfer_rows(src, src_slot, self._regions, self.num_pages, self.num_slots),
+                    "WRITE",
+                    self._local_dlist,
+                    transfer_rows(src, src_slot, self._regions, self.num_pages, self.num_slots),
                     target.remote_dlist,
-                    transfer_rows(dst, dst_slot, self._regions, target.desc.num_pages, target.desc.num_slots), bytes(notif)
+                    transfer_rows(dst, dst_slot, self._regions, target.desc.num_pages, target.desc.num_slots),
+                    bytes(notif),
                 )
                 self._apply_status(t, self._agent.transfer(t.xfer))
             except Exception as exc:

@@ -1,10 +1,12 @@
 """Run by test_triton_backend.py in a fresh process: TRITON_INTERPRET must be set before
 triton is first imported, so the triton backend can run on CPU through the interpreter.
 Prints, as JSON, each backend's logits for a few mixed prefill/decode steps."""
+
 import os
 import sys
 import time
 import json
+
 os.environ["TRITON_INTERPRET"] = "1"
 import torch
 from dsv4_engine.kv_cache import KVPool
@@ -12,6 +14,7 @@ from dsv4_engine.model_runner import ModelRunner
 from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.scheduler import Scheduler
 from dsv4_engine.sequence import Sequence
+
 model = sys.argv[1]
 out = {}
 for backend in ("torch", "triton"):
@@ -19,8 +22,10 @@ for backend in ("torch", "triton"):
     r = ModelRunner(model, "float32", "cpu", backend)
     pool = KVPool(r.state_specs, 8, 16, torch.float32, torch.device("cpu"))
     sch = Scheduler(pool.allocator, 16, 4, 64)
-    seqs = [Sequence("a", [5, 17, 42, 99, 7, 300, 12, 8, 77], SamplingParams(max_tokens=4, temperature=0)),
-            Sequence("b", [9, 3, 250], SamplingParams(max_tokens=4, temperature=0))]
+    seqs = [
+        Sequence("a", [5, 17, 42, 99, 7, 300, 12, 8, 77], SamplingParams(max_tokens=4, temperature=0)),
+        Sequence("b", [9, 3, 250], SamplingParams(max_tokens=4, temperature=0)),
+    ]
     for s in seqs:
         sch.add(s)
     steps = []

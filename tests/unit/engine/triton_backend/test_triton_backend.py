@@ -12,7 +12,9 @@ import pytest
 import torch
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the probe forces the CPU interpreter; on CUDA the kernel tests run compiled")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the probe forces the CPU interpreter; on CUDA the kernel tests run compiled"
+)
 def test_triton_backend_matches_torch_backend(tiny_model):
     probe = Path(__file__).with_name("probe.py")
     r = subprocess.run([sys.executable, str(probe), str(tiny_model)], capture_output=True, text=True, timeout=600)
