@@ -14,7 +14,7 @@ ROUTER_OPTIONS: tuple[Option, ...] = (
     _O("decode", str, (), "Decode engine URL (repeat for more).", scope="router", repeat=True),
     _O("mono", str, (), "Monolithic engine URL (repeat for more).", scope="router", repeat=True),
     _O("host", str, "127.0.0.1", "Address to listen on.", scope="router"),
-    _O("port", int, 8000, "Port of the OpenAI API.", scope="router", min=1),
+    _O("port", int, 8000, "Port of the OpenAI API.", scope="router"),
     _O("discover_namespace", str, None, "Find engine pods in this Kubernetes namespace.", scope="router"),
     _O("selector", str, None, "Label selector for discovery, e.g. app.kubernetes.io/instance=x.", scope="router"),
     _O(
@@ -26,7 +26,7 @@ ROUTER_OPTIONS: tuple[Option, ...] = (
         flag="--owner",
         repeat=True,
     ),
-    _O("health_interval", float, 2.0, "Seconds between /ready checks of each worker.", scope="router", min=0.01),
+    _O("health_interval", float, 2.0, "Seconds between /ready checks of each worker.", scope="router"),
     _O("health_timeout", float, 2.0, "Seconds one /ready check of a worker may take.", scope="router", min=0.1),
     _O(
         "admin_token",

@@ -28,19 +28,18 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         choices=("float32", "bfloat16"),
     ),
     _O("served_model_name", str, None, "Name in /v1/models (default: the checkpoint folder's name)."),
-    _O("kv_pages", int, None, "KV pool size in pages (default: from --kv-memory-gb).", min=1),
-    _O("kv_memory_gb", float, 1.0, "KV pool size in GiB when --kv-pages is not given.", min=0.0),
+    _O("kv_pages", int, None, "KV pool size in pages (default: from --kv-memory-gb)."),
+    _O("kv_memory_gb", float, 1.0, "KV pool size in GiB when --kv-pages is not given."),
     _O(
         "page_size",
         int,
         None,
         "Tokens per KV page (default: 16, or the model's longest compression window when "
         "longer, e.g. 128 for DeepSeek-V4-Flash, so compressed states fill their pages).",
-        min=1,
     ),
-    _O("max_num_seqs", int, 64, "Most requests running at once.", min=1),
-    _O("max_num_batched_tokens", int, 1024, "Token budget of one step (chunked prefill).", min=1),
-    _O("max_model_len", int, None, "Context limit (default: the model's).", min=1),
+    _O("max_num_seqs", int, 64, "Most requests running at once."),
+    _O("max_num_batched_tokens", int, 1024, "Token budget of one step (chunked prefill)."),
+    _O("max_model_len", int, None, "Context limit (default: the model's)."),
     _O(
         "kernel_backend",
         str,
@@ -102,7 +101,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     _O("speculative_num_steps", int, 1, "Tokens drafted per step with --speculative-algorithm.", min=1),
     # ---- the HTTP server and PD (ServerArgs) ----
     _O("host", str, "127.0.0.1", "Address to listen on.", scope="server"),
-    _O("port", int, 8100, "Port of the OpenAI API.", scope="server", min=1),
+    _O("port", int, 8100, "Port of the OpenAI API.", scope="server"),
     _O(
         "advertise_host",
         str,
@@ -117,11 +116,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         None,
         "Prefill: port of the bootstrap endpoint (default: --port + 1000).",
         scope="server",
-        min=1,
     ),
-    _O("bootstrap_timeout", float, 30.0, "Seconds a PD request may wait for its peer.", scope="server", min=0.001),
-    _O("transfer_timeout", float, 30.0, "Seconds a KV transfer may take.", scope="server", min=0.001),
-    _O("waiting_timeout", float, 60.0, "Seconds decode waits for the KV of a request.", scope="server", min=0.001),
+    _O("bootstrap_timeout", float, 30.0, "Seconds a PD request may wait for its peer.", scope="server"),
+    _O("transfer_timeout", float, 30.0, "Seconds a KV transfer may take.", scope="server"),
+    _O("waiting_timeout", float, 60.0, "Seconds decode waits for the KV of a request.", scope="server"),
     _O(
         "deadlines",
         bool,
