@@ -49,6 +49,22 @@ class Option:
         return self.name, annotation, dataclasses.field(default=self.default)
 
 
+def secret(name: str, help: str, scope: str, envvar: str) -> tuple[Option, Option]:
+    """A secret option and its file twin (`--admin-token` / `--admin-token-file`, with the
+    environment variables NAME and NAME_FILE): a mounted Kubernetes Secret is a file, and argv is
+    visible to every user. The command reads the file into the field (scope "command")."""
+    value = Option(name, str, None, help, scope=scope, envvar=envvar)
+    twin = Option(
+        f"{name}_file",
+        str,
+        None,
+        f"File holding the value of {value.cli_flag}.",
+        scope="command",
+        envvar=envvar + "_FILE",
+    )
+    return value, twin
+
+
 def in_scopes(table: Sequence[Option], *scopes: str) -> list[Option]:
     return [o for o in table if o.scope in scopes]
 

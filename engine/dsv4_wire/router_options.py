@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from dsv4_wire.auth import ADMIN_TOKEN_ENV, PD_SECRET_ENV
-from dsv4_wire.options import Option, in_scopes
+from dsv4_wire.options import Option, in_scopes, secret
 
 _O = Option  # short: the tables below are read as tables
 ROUTER_OPTIONS: tuple[Option, ...] = (
@@ -28,32 +28,14 @@ ROUTER_OPTIONS: tuple[Option, ...] = (
     ),
     _O("health_interval", float, 2.0, "Seconds between /ready checks of each worker.", scope="router"),
     _O("health_timeout", float, 2.0, "Seconds one /ready check of a worker may take.", scope="router", min=0.1),
-    _O(
+    *secret(
         "admin_token",
-        str,
-        None,
         "Token required by /admin (prefer --admin-token-file: argv is visible to every "
         "user). Without one, /admin/workers answers loopback clients only.",
-        scope="router",
-        envvar=ADMIN_TOKEN_ENV,
+        "router",
+        ADMIN_TOKEN_ENV,
     ),
-    _O(
-        "admin_token_file",
-        str,
-        None,
-        "File holding the admin token.",
-        scope="command",
-        envvar=ADMIN_TOKEN_ENV + "_FILE",
-    ),
-    _O(
-        "pd_secret",
-        str,
-        None,
-        "Shared secret sent with internal requests to PD engines.",
-        scope="router",
-        envvar=PD_SECRET_ENV,
-    ),
-    _O("pd_secret_file", str, None, "File holding the PD secret.", scope="command", envvar=PD_SECRET_ENV + "_FILE"),
+    *secret("pd_secret", "Shared secret sent with internal requests to PD engines.", "router", PD_SECRET_ENV),
     _O("request_timeout", float, 600.0, "Seconds an engine may stay silent on a request.", scope="router", min=1.0),
     _O(
         "max_inflight",

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from dsv4_wire.auth import ADMIN_TOKEN_ENV, PD_SECRET_ENV
-from dsv4_wire.options import REQUIRED, Option, in_scopes
+from dsv4_wire.options import REQUIRED, Option, in_scopes, secret
 
 _O = Option  # short: the tables below are read as tables
 SERVE_OPTIONS: tuple[Option, ...] = (
@@ -140,32 +140,19 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         flag="--arm-fault",
         repeat=True,
     ),
-    _O(
+    *secret(
         "admin_token",
-        str,
-        None,
         "Token required by /admin, /debug and /v1/loads (prefer --admin-token-file: argv is visible to every user).",
-        scope="server",
-        envvar=ADMIN_TOKEN_ENV,
+        "server",
+        ADMIN_TOKEN_ENV,
     ),
-    _O(
-        "admin_token_file",
-        str,
-        None,
-        "File holding the admin token.",
-        scope="command",
-        envvar=ADMIN_TOKEN_ENV + "_FILE",
-    ),
-    _O(
+    *secret(
         "pd_secret",
-        str,
-        None,
         "Shared secret of engine-to-engine PD calls and the router's internal requests "
         "(prefer --pd-secret-file). Required by prefill/decode engines on a non-loopback address.",
-        scope="server",
-        envvar=PD_SECRET_ENV,
+        "server",
+        PD_SECRET_ENV,
     ),
-    _O("pd_secret_file", str, None, "File holding the PD secret.", scope="command", envvar=PD_SECRET_ENV + "_FILE"),
     _O(
         "max_request_bytes",
         int,
