@@ -88,8 +88,10 @@ class Worker:
     failures: int = 0  # consecutive /ready checks that got no answer
     source: str = "static"  # static | admin | kubernetes
     # A canary (a rollout's first engine on the new revision): out of the normal rotation, it
-    # serves only requests pinned to it (PIN_HEADER, admin), e.g. the rollout probe's.
+    # serves requests pinned to it (PIN_HEADER, admin), e.g. the rollout probe's, and
+    # `canary_percent` percent of its role's live requests (the rollout's trafficPercent).
     canary: bool = False
+    canary_percent: float = 0.0
 
     @property
     def host(self) -> str:
@@ -105,6 +107,7 @@ class Worker:
             "bootstrap_port": self.bootstrap_port,
             "source": self.source,
             "canary": self.canary,
+            "canary_percent": self.canary_percent,
         }
 
 
@@ -183,9 +186,24 @@ class WorkerPool:
     def remove(self, url: str) -> bool:
         return self.workers.pop(url.rstrip("/"), None) is not None
 
-    def pick(self, role: str, exclude: set[str] = frozenset(), key: Optional[str] = None) -> Optional[Worker]:
+    def pick(
+        self, role: str, exclude: set[str] = frozenset(), key: Optional[str] = None, draw: Optional[float] = None
+    ) -> Optional[Worker]:
         """The least busy ready worker of a role; with a key (prefix affinity, see affinity.py),
-        the one the key prefers unless it is much busier than the least busy."""
+        the one the key prefers unless it is much busier than the least busy. A ready canary
+        with a traffic share takes that share of the picks (`draw`: a number in [0, 100), random
+        when not given)."""
+        canaries = [
+            w
+            for w in self.workers.values()
+            if w.role == role and w.healthy and w.canary and w.canary_percent > 0 and w.url not in exclude
+        ]
+        if canaries:
+            draw = random.uniform(0.0, 100.0) if draw is None else draw
+            for w in canaries:
+                if draw < w.canary_percent:
+                    return w
+                draw -= w.canary_percent
         ready = [
             w for w in self.workers.values() if w.role == role and w.healthy and not w.canary and w.url not in exclude
         ]
@@ -908,11 +926,24 @@ def build_app(router: Router) -> FastAPI:
             return body
         if body.get("role") not in ("prefill", "decode", "mono") or not _http_url(body.get("url")):
             return router.error(APIError('give {"url": "http://host:port", "role": "prefill|decode|mono"}'))
+        # Everything is checked before anything changes: a refused call leaves the pool as it was.
+        if "canary" in body and (not isinstance(body["canary"], bool) or body["role"] == "prefill"):
+            return router.error(APIError('"canary" is true or false, for a decode or mono worker'))
+        share = body.get("canary_percent")
+        if share is not None and (
+            isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 100
+        ):
+            return router.error(APIError('"canary_percent" is a number from 0 to 100'))
+        known = router.pool.workers.get(body["url"].rstrip("/"))
+        canary = body.get("canary", known.canary if known is not None else False)
+        if share and not canary:
+            return router.error(APIError('"canary_percent" is for a canary: give "canary": true with it'))
         w = router.pool.add(body["url"], body["role"], source="admin")
-        if "canary" in body:
-            if not isinstance(body["canary"], bool) or body["role"] == "prefill":
-                return router.error(APIError('"canary" is true or false, for a decode or mono worker'))
-            w.canary = body["canary"]
+        w.canary = canary
+        if share is not None:
+            w.canary_percent = float(share)
+        if not w.canary:
+            w.canary_percent = 0.0
         await router.check(w)
         return w.view()
 

@@ -267,7 +267,7 @@ class CanaryRun:
         token = await deployment_admin_token(self.api, self.namespace, self.name)
         urls = {"routers": router_list, "canary": canary_url.url, "role": state.role, "token": token}
         if spec.role(state.role).replicas > 1:  # with one replica it keeps its traffic: nothing else could serve it
-            await self.set_canary_flag(urls, True)
+            await self.set_canary_flag(urls, True, c.traffic_percent)
         settings = probe_settings(c)
         router = router_list[0]
         stable_figures = None
@@ -278,8 +278,9 @@ class CanaryRun:
         )
         return judge(figures, stable_figures, signals, thresholds(c)), urls
 
-    async def set_canary_flag(self, urls: dict, canary: bool) -> None:
-        """The routers' canary flag on the canary engine: out of (or back in) the normal rotation."""
+    async def set_canary_flag(self, urls: dict, canary: bool, traffic_percent: int = 0) -> None:
+        """The routers' canary flag on the canary engine: out of (or back in) the normal rotation,
+        taking `traffic_percent` percent of its role's live requests while it is a canary."""
         if not urls:
             return
         async with httpx.AsyncClient(timeout=5.0, headers=authorization_header(urls.get("token"))) as client:
@@ -287,7 +288,12 @@ class CanaryRun:
                 try:
                     r = await client.post(
                         router + Paths.ADMIN_WORKERS,
-                        json={"url": urls["canary"], "role": urls["role"], "canary": canary},
+                        json={
+                            "url": urls["canary"],
+                            "role": urls["role"],
+                            "canary": canary,
+                            "canary_percent": traffic_percent if canary else 0,
+                        },
                     )
                     if r.status_code >= 400:
                         self.logger.warning(f"router {router} refused the canary flag: {r.status_code} {r.text[:200]}")

@@ -14,7 +14,7 @@ import hashlib
 import json
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 GROUP = "serving.dsv4.dev"
@@ -308,16 +308,8 @@ class RemediationSpec(_Model):
     )
 
 
-MSG_TRAFFIC_PERCENT = (
-    "rollout.canary.trafficPercent: only 0 is supported: the router does not split live traffic "
-    "to a canary yet, so the canary serves only the probe's pinned requests"
-)
-
-
 class CanarySpec(_Model):
     """The canary step of an engine rollout (docs/operations.md, "Rolling out engine changes")."""
-
-    model_config = ConfigDict(json_schema_extra=_rules(cel("self.trafficPercent == 0", MSG_TRAFFIC_PERCENT)))
 
     enabled: bool = Field(
         True,
@@ -350,20 +342,14 @@ class CanarySpec(_Model):
     traffic_percent: int = Field(
         0,
         ge=0,
-        le=100,
-        description="Share of live traffic the canary takes while probed. "
-        "Only 0 is supported: the canary serves the probe alone.",
+        le=50,
+        description="Percent of its role's live requests each router sends the canary while it is probed "
+        "(0: the probe's pinned requests alone). At most 50: the stable pods keep most of the traffic.",
     )
     max_ttft_ratio: float = Field(
         2.0, ge=1, description="Canary TTFT p99 at most this times the stable pod's (+ 50 ms)."
     )
     max_itl_ratio: float = Field(2.0, ge=1, description="Canary ITL p99 at most this times the stable pod's (+ 50 ms).")
-
-    @model_validator(mode="after")
-    def _traffic_supported(self) -> "CanarySpec":
-        if self.traffic_percent != 0:  # a known field we cannot honour is refused, never ignored
-            raise ValueError(MSG_TRAFFIC_PERCENT)
-        return self
 
 
 class RolloutSpec(_Model):

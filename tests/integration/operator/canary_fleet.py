@@ -130,6 +130,7 @@ class FakeRouter:
         self.port = free_port()
         self.canary: dict[str, bool] = {}  # worker url -> canary flag, as set by the operator
         self.flag_calls: list[tuple[str, bool]] = []
+        self.shares: list[tuple[bool, float]] = []  # (canary, canary_percent) as the operator sent them
         self.pinned: list[str] = []
         self._runner: Optional[aiohttp.web.AppRunner] = None
         self._session: Optional[aiohttp.ClientSession] = None
@@ -154,6 +155,7 @@ class FakeRouter:
         body = await request.json()
         self.canary[body["url"]] = bool(body.get("canary"))
         self.flag_calls.append((body["url"], bool(body.get("canary"))))
+        self.shares.append((bool(body.get("canary")), float(body.get("canary_percent", 0))))
         return aiohttp.web.json_response({"url": body["url"], "role": body["role"], "canary": body.get("canary")})
 
     async def _completions(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:

@@ -133,7 +133,14 @@ async def test_a_harmless_change_passes_and_rolls_everywhere(
 ) -> None:
     fleet = await start(cluster_with_crd, kube_client, operator_factory)
     try:
-        await kube_client.patch(API, PLURAL, NS, "flash", {"spec": {"engine": {"image": "reg/dsv4:2"}}})
+        # with a share of live traffic for the canary while it is probed (trafficPercent)
+        await kube_client.patch(
+            API,
+            PLURAL,
+            NS,
+            "flash",
+            {"spec": {"engine": {"image": "reg/dsv4:2"}, "rollout": {"canary": {"trafficPercent": 10}}}},
+        )
 
         async def rolled() -> bool:
             return fleet.images_of("decode") == ["reg/dsv4:2"] * 3 and fleet.images_of("prefill") == ["reg/dsv4:2"] * 2
@@ -147,18 +154,20 @@ async def test_a_harmless_change_passes_and_rolls_everywhere(
         seen = reasons(cluster_with_crd)
         assert "CanaryPassed" in seen and "CanaryFailed" not in seen, seen
         assert fleet.router.canary.get(fleet.engines["flash-decode-2"].url) in (None, False)
+        assert (True, 10.0) in fleet.router.shares and fleet.router.shares[-1] == (False, 0.0), fleet.router.shares
     finally:
         await fleet.stop()
 
 
-async def test_traffic_percent_is_refused_not_ignored(
+async def test_traffic_percent_is_bounded_by_the_api_server(
     cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory
 ) -> None:
     from kmock_cluster import ClusterError
 
     try:
-        await kube_client.create(deployment("flash", NS, rollout={"canary": {"trafficPercent": 10}}), PLURAL)
+        await kube_client.create(deployment("flash", NS, rollout={"canary": {"trafficPercent": 51}}), PLURAL)
     except ClusterError as e:
-        assert "trafficPercent: only 0 is supported" in str(e)
+        assert "trafficPercent" in str(e) and "50" in str(e)
     else:
-        raise AssertionError("the API server took trafficPercent > 0")
+        raise AssertionError("the API server took trafficPercent > 50")
+    await kube_client.create(deployment("flash", NS, rollout={"canary": {"trafficPercent": 10}}), PLURAL)

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from dsv4_operator.canary import plan as P
-from dsv4_operator.spec import MSG_TRAFFIC_PERCENT, parse_spec
+from dsv4_operator.spec import parse_spec
 from dsv4_operator.status import compute_status
 
 HOLD = 100_000
@@ -125,7 +125,7 @@ def test_status_says_canary_failed_with_its_figures() -> None:
     assert "no answer" in degraded["message"] and status["canary"]["figures"]["canary"]["stalled"] == 2
 
 
-def test_traffic_percent_is_refused_with_a_clear_message() -> None:
-    with pytest.raises(ValidationError, match="only 0 is supported"):
-        parse_spec({**RAW, "rollout": {"canary": {"trafficPercent": 5}}})
-    assert "trafficPercent" in MSG_TRAFFIC_PERCENT
+def test_traffic_percent_is_a_bounded_share() -> None:
+    assert parse_spec({**RAW, "rollout": {"canary": {"trafficPercent": 5}}}).rollout.canary.traffic_percent == 5
+    with pytest.raises(ValidationError, match="trafficPercent|traffic_percent"):
+        parse_spec({**RAW, "rollout": {"canary": {"trafficPercent": 51}}})

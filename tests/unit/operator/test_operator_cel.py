@@ -81,7 +81,7 @@ REFUSED: dict[str, tuple[dict, str]] = {
         "NoExecute",
     ),
     "toleration_seconds_no_effect": (tol(key="k", operator="Exists", tolerationSeconds=30), "NoExecute"),
-    "canary_traffic_percent": (with_spec(rollout={"canary": {"trafficPercent": 10}}), "only 0 is supported"),
+    "canary_traffic_percent": (with_spec(rollout={"canary": {"trafficPercent": 51}}), "50"),
 }
 
 ACCEPTED: dict[str, dict] = {
