@@ -215,4 +215,4 @@ def test_the_new_fields_cross_to_the_engine_core_process():
         min_tokens=4,
     )
     msg = cm.loads(cm.dumps(cm.add_msg(1, "r", [1, 2], p, None, False, 0.0)))
-    assert cm.params_of(msg[4]) == p
+    assert cm.params_of(msg.params) == p
