@@ -9,6 +9,8 @@ import inspect
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "compile_kernels.py"
 
 
@@ -38,13 +40,18 @@ def test_every_kernel_has_an_aot_variant_on_every_target():
                 assert (module.__name__, name) in compiled, f"{module.__name__}.{name} has no AOT variant for sm_{arch}"
 
 
-def test_kernels_compile_for_hopper_and_blackwell_within_limits():
+# The default run compiles for sm_120 (the users' RTX PRO 6000 Blackwell: the tightest shared
+# memory of the three, about 99 KB a block); Hopper and datacentre Blackwell run with -m slow
+# (the three together take about two minutes on 2 cores).
+@pytest.mark.parametrize(
+    "arch", [pytest.param(90, marks=pytest.mark.slow), pytest.param(100, marks=pytest.mark.slow), 120]
+)
+def test_kernels_compile_for_hopper_and_blackwell_within_limits(arch):
     script = load_compile_script()
-    reports = script.compile_all(script.ARCHS)
+    reports = script.compile_all((arch,))
     print("\n" + script.format_table(reports))
-    for arch in script.ARCHS:
-        names = [r["kernel"] for r in reports if r["arch"] == f"sm_{arch}"]
-        assert names == [v.name for v in script.variants(arch)]
+    names = [r["kernel"] for r in reports if r["arch"] == f"sm_{arch}"]
+    assert names == [v.name for v in script.variants(arch)]
     for report in reports:
         assert report["registers"] > 0
         assert script.problems(report) == [], report
