@@ -146,6 +146,17 @@ def _loopback(host: str) -> bool:
     return host == "localhost" or is_loopback(host)
 
 
+def _read_command_inputs(declared: list, values: dict, given: dict) -> None:
+    """Fill the fields the command's own inputs stand for: the API keys from --api-key and
+    --api-key-file, and each secret from its value or its file twin (dsv4_wire.options.secret)."""
+    values["api_keys"] = _api_keys(given["api_key"], given["api_key_file"])
+    by_name = {o.name: o for o in declared}
+    for o in declared:
+        field = o.name.removesuffix("_file")
+        if o.scope == "command" and field != o.name and field in values and field in by_name:
+            values[field] = _secret(values[field], given[o.name], by_name[field].cli_flag)
+
+
 def _api_keys(keys: List[str], files: List[str]) -> list:
     from dsv4_wire.api_keys import load_api_keys
 
@@ -190,9 +201,7 @@ def _serve(**given) -> None:
             reasoning_parser_name(values["reasoning_parser"])
     except ValueError as e:
         _fail(str(e))
-    values["api_keys"] = _api_keys(given["api_key"], given["api_key_file"])
-    values["admin_token"] = _secret(values["admin_token"], given["admin_token_file"], EngineFlags.ADMIN_TOKEN)
-    values["pd_secret"] = _secret(values["pd_secret"], given["pd_secret_file"], EngineFlags.PD_SECRET)
+    _read_command_inputs(declared, values, given)
     if role != "mono" and not values["pd_secret"] and not _loopback(values["host"]):
         _fail(
             f"--role {role} on {values['host']} needs a PD secret (--pd-secret-file or {PD_SECRET_ENV}): without "
@@ -220,9 +229,7 @@ def _router(**given) -> None:
         _fail("give --prefill and --decode URLs (or --mono URLs, or --discover-namespace)")
     if bool(values["prefill"]) != bool(values["decode"]):
         _fail("PD routing needs at least one --prefill and one --decode")
-    values["api_keys"] = _api_keys(given["api_key"], given["api_key_file"])
-    values["admin_token"] = _secret(values["admin_token"], given["admin_token_file"], "--admin-token")
-    values["pd_secret"] = _secret(values["pd_secret"], given["pd_secret_file"], "--pd-secret")
+    _read_command_inputs(router_options(*ROUTER_SCOPES), values, given)
     if values["cache_salt_from_api_key"] and not values["api_keys"]:
         _fail("--cache-salt-from-api-key needs --api-key or --api-key-file")
     from dsv4_router.router import RouterArgs, run_router
