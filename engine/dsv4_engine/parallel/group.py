@@ -230,10 +230,14 @@ class TPGroup:
             yield
         except Exception as e:
             # A collective that breaks is most often a rank that just failed: name that failure.
+            own = f"{what} failed: {type(e).__name__}: {e}"
             reason = self._rank_exit(wait_s=2.0)
-            self.fail(reason or f"{what} failed: {type(e).__name__}: {e}")
-            if reason:
-                raise RuntimeError(f"tensor-parallel group failed: {reason}") from e
+            self.fail(reason or own)
+            # The rank watcher may have failed the group first, with the rank's own line (and
+            # removed its file since, so that reason read here lacks it): name the first one.
+            named = self.failed or reason
+            if named and named != own:
+                raise RuntimeError(f"tensor-parallel group failed: {named}") from e
             raise
         finally:
             self._busy_since = None

@@ -126,8 +126,11 @@ def main() -> None:
             _forget_files(spec)
         elif spec.get("error_file"):  # rank 0 names this line in its own failure
             try:
-                with open(spec["error_file"], "w") as f:
+                # Whole or not at all: rank 0 may read it the moment this process is gone.
+                tmp = spec["error_file"] + ".tmp"
+                with open(tmp, "w") as f:
                     f.write(f"{type(e).__name__}: {e}".splitlines()[0][:2000])
+                os.replace(tmp, spec["error_file"])
             except OSError:
                 pass
         os._exit(1)
