@@ -40,6 +40,7 @@ from dsv4_engine.prefix_cache import PrefixCache
 from dsv4_engine.sampling import request_generator, skip_draw
 from dsv4_engine.scheduler import Scheduler
 from dsv4_engine.sequence import Sequence, SeqStatus
+from dsv4_engine.step_clock import StepClock
 from dsv4_engine.request_output import RequestOutput
 from dsv4_engine.step_phases import PHASES
 from dsv4_engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -281,6 +282,7 @@ class Engine:
         self.inbox: "queue.Queue[Command]" = queue.Queue()
         self.draining = False
         self.last_iteration = time.monotonic()
+        self.step_clock = StepClock()  # how long the step in progress may take before /ready fails
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.eos_ids = set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_ids)
@@ -494,6 +496,7 @@ class Engine:
         if batch and self.pd is not None:
             self._fault_stall(batch)
         if batch:
+            self.step_clock.begin(sum(b.num_new for b in batch))
             try:
                 results = (
                     self.spec.step(batch, self.pool) if self.spec is not None else self.runner.step(batch, self.pool)
@@ -503,6 +506,7 @@ class Engine:
                 for b in batch:
                     self.fail_request(b.seq, "engine error", e)
                 results = []
+            self.step_clock.end()
             if self.spec is not None:
                 for b, r in zip(batch, results):
                     self._speculated(b, r)

@@ -152,6 +152,7 @@ class CoreServer:
         return {
             "alive": engine.alive,
             "stalled": time.monotonic() - engine.last_iteration,
+            "stall_allowance": engine.step_clock.allowance(),
             "draining": engine.draining,
             "seqs": len(engine.seqs),
         }

@@ -792,9 +792,14 @@ def build_app(
         state, why = await core_state()
         if state is None:
             return JSONResponse({"ready": False, "reason": why}, status_code=503)
-        if not state["alive"] or state["stalled"] > 10:
+        if not state["alive"] or state["stalled"] > state["stall_allowance"]:
             return JSONResponse(
-                {"ready": False, "reason": f"engine loop not progressing ({state['stalled']:.1f}s)"}, status_code=503
+                {
+                    "ready": False,
+                    "reason": f"engine loop not progressing ({state['stalled']:.1f}s, "
+                    f"more than the {state['stall_allowance']:.0f}s its current step may take)",
+                },
+                status_code=503,
             )
         if state["draining"] or lifecycle.draining:
             return JSONResponse({"ready": False, "reason": "draining"}, status_code=503)
