@@ -156,7 +156,7 @@ class MTPSpeculator:
         """The target's hidden states at every row of hb: the captured verify graph when there
         is one for this step's shape, else the eager forward."""
         g = self.graphs
-        if g is not None and one_token_rows and g.fits(hb):
+        if g is not None and one_token_rows and g.fits(hb, verify=True):
             return g.hidden(hb, pool)
         return self.target.hidden(self._fb(self.target_buffers, hb, pool.page_size), pool.all_states)
 

@@ -13,12 +13,14 @@ import torch
 from host_sync_probe import count_host_syncs
 from test_cuda_graphs import Trace, assert_same_writes, launches, reorder_tol  # noqa: F401 (fixture)
 from test_spec_decode import _engine, _requests, _run, _steer, tiny_mtp  # noqa: F401 (fixture)
+from test_spec_decode_v4 import _boundary_requests, v4_mtp  # noqa: F401 (fixture)
 
 from dsv4_engine.cuda_graphs import bucket_for, pad_decode
 from dsv4_engine.kv_cache import KVPool
 from dsv4_engine.model_runner import ModelRunner
 from dsv4_engine.spec_decode.graphs import SpecGraphs, spec_buckets, widened
 from dsv4_engine.spec_decode.mtp_layer import mtp_state_spec
+from dsv4_engine.spec_decode.mtp_v4 import v4_mtp_state_spec
 from dsv4_engine.spec_decode.speculator import MTPSpeculator
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -47,12 +49,12 @@ def _pool(spec, seed: int) -> KVPool:
     return pool
 
 
-def _rows(spec, reqs, page_size=8):
+def _rows(spec, reqs, page_size=8, slots=None):
     """A one-token-row step as the speculator builds it: reqs are (first position, token ids,
     pages); verify rows (the last token then its drafts) or catch-up rows alike."""
     hb, one_token_rows = spec._batch(
         [s for s, _, _ in reqs], [len(t) for _, t, _ in reqs], [p for _, _, p in reqs],
-        [t for _, t, _ in reqs], [None] * len(reqs), page_size,
+        [t for _, t, _ in reqs], slots or [None] * len(reqs), page_size,
     )  # fmt: skip
     assert one_token_rows
     return hb
@@ -84,14 +86,16 @@ def _trace(graphs, g, hb, launches, prev=None):
 
 
 def _same_capture(graphs, g, one, two, launches, prev=False):
-    h = spec_hidden = graphs.spec.runner.cfg.hidden_size
-    p1 = torch.randn(one.input_ids.shape[0], h) if prev else None
-    p2 = torch.randn(two.input_ids.shape[0], h) if prev else None
+    spec_hidden = graphs.spec.runner.cfg.hidden_size
+    h = graphs.prev.shape[1:]
+    p1 = torch.randn(one.input_ids.shape[0], *h) if prev else None
+    p2 = torch.randn(two.input_ids.shape[0], *h) if prev else None
     assert bucket_for(one.input_ids.shape[0], g.buckets) == bucket_for(two.input_ids.shape[0], g.buckets)
     out1, trace1, syncs1 = _trace(graphs, g, one, launches, p1)
     out2, trace2, syncs2 = _trace(graphs, g, two, launches, p2)
     assert syncs1 == [] and syncs2 == [], "\n".join(syncs1 + syncs2)
-    assert out1.shape == (one.input_ids.shape[0], spec_hidden) and out2.shape[0] == two.input_ids.shape[0]
+    assert out1.shape[0] == one.input_ids.shape[0] and out1.shape[-1] == spec_hidden
+    assert out2.shape[0] == two.input_ids.shape[0]
     assert len(trace1) == len(trace2)
     for i, (x, y) in enumerate(zip(trace1, trace2)):
         assert x == y, f"dispatch {i} differs between two steps of one bucket: {x} vs {y}"
@@ -174,6 +178,8 @@ def _counting(graphs: SpecGraphs) -> dict:
     used = {"verify": 0, "draft": 0}
     for name in used:
         g = getattr(graphs, name)
+        if g is None:  # V4 verifies eagerly
+            continue
         step = g.step
         g.step = lambda hb, step=step, name=name: (used.__setitem__(name, used[name] + 1), step(hb))[1]
     return used
@@ -216,3 +222,67 @@ def test_captured_spec_graphs_give_the_eager_greedy_tokens(tiny_mtp):
     engine = _engine(tiny_mtp, True, steps=K, cuda_graph_max_bs=8, **common)
     assert engine.spec.graphs is not None and engine.spec.graphs.captured
     assert _run(engine, reqs) == eager
+
+
+# ---- DeepSeek-V4: the chained draft steps (one row a request, the MTP block's ring a slot state)
+
+
+@pytest.fixture(scope="module")
+def v4_spec(v4_mtp):
+    runner = ModelRunner(v4_mtp, "float32", str(DEVICE), "triton")
+    s = MTPSpeculator(runner, str(v4_mtp), K)
+    s.state_specs = [v4_mtp_state_spec(runner.cfg)]
+    return s
+
+
+def _v4_pool(spec, seed: int) -> KVPool:
+    pool = KVPool(spec.runner.state_specs + spec.state_specs, 16, 8, torch.float32, DEVICE, max_num_seqs=6)
+    torch.manual_seed(seed)
+    for t in pool.all_states.values():
+        t.normal_()
+    return pool
+
+
+def test_v4_draft_step_is_capture_safe(v4_spec, launches):
+    pool = _v4_pool(v4_spec, 3)
+    graphs = SpecGraphs(v4_spec, pool.page_size, pool.num_pages, 8, capture=False)
+    assert graphs.verify is None and graphs.buckets == [1, 2, 4, 8]  # V4 verifies eagerly
+    graphs.states = pool.all_states
+    one = _rows(v4_spec, CHAIN, slots=[0, 1])
+    two = _rows(v4_spec, [(3, [5], [4]), (14, [8], [5, 6])], slots=[4, 2])  # a ring that wraps (window 8)
+    _same_capture(graphs, graphs.draft, one, two, launches, prev=True)
+
+
+def test_v4_padded_static_draft_step_gives_the_eager_steps_outputs_and_writes(v4_mtp):
+    runner = ModelRunner(v4_mtp, "float32", str(DEVICE), "torch")
+    spec = MTPSpeculator(runner, str(v4_mtp), K)
+    spec.state_specs = [v4_mtp_state_spec(runner.cfg)]
+    pool = _v4_pool(spec, 4)
+    graphs = SpecGraphs(spec, pool.page_size, pool.num_pages, 8, capture=False)
+    used = _counting(graphs)
+    hb = _rows(spec, CHAIN_THREE, slots=[3, 0, 5])  # 3 rows in bucket 4
+    prev = torch.linspace(-1, 1, 3 * runner.cfg.hc_mult * runner.cfg.hidden_size).view(3, runner.cfg.hc_mult, -1)
+    snapshot = {k: v.clone() for k, v in pool.all_states.items()}
+    eager = spec._mtp_forward(hb, True, pool, prev)
+    after_eager = {k: v.clone() for k, v in pool.all_states.items()}
+    _restore(pool, snapshot)
+    spec.graphs = graphs
+    try:
+        static = spec._mtp_forward(hb, True, pool, prev)
+    finally:
+        spec.graphs = None
+    assert used["draft"] == 1
+    tol = reorder_tol(runner)
+    for a, b in zip(static, eager, strict=True):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+    for k, v in pool.all_states.items():
+        assert_same_writes(v, snapshot[k], after_eager[k], tol, k)
+
+
+def test_v4_greedy_with_graphs_equals_plain_decoding(v4_mtp):
+    reqs = _boundary_requests(0)
+    plain = _run(_engine(v4_mtp, False), reqs)
+    engine = _engine(v4_mtp, True, steps=K)
+    used = _with_graphs(engine)
+    assert _run(engine, reqs) == plain
+    assert used["draft"] > 0 and used["verify"] == 0
