@@ -191,5 +191,7 @@ def capture_spec_graphs(spec, pool) -> bool:
     if failure is not None:
         log.warning("CUDA graphs off: %s", failure)
         return False
+    if not graphs.captured:  # not a CUDA device after all: nothing to replay
+        return False
     spec.graphs = graphs
     return True

@@ -12,7 +12,8 @@ import pytest
 import torch
 from host_sync_probe import count_host_syncs
 from test_cuda_graphs import Trace, assert_same_writes, launches, reorder_tol  # noqa: F401 (fixture)
-from test_spec_decode import _engine, _requests, _run, _steer, tiny_mtp  # noqa: F401 (fixture)
+from test_graph_capture import cuda_recorded  # noqa: F401 (fixture)
+from test_spec_decode import _engine, _requests, _run, _steer, one_thread, tiny_mtp  # noqa: F401 (fixtures)
 from test_spec_decode_v4 import _boundary_requests, v4_mtp  # noqa: F401 (fixture)
 
 from dsv4_engine.cuda_graphs import bucket_for, pad_decode
@@ -212,6 +213,46 @@ def test_greedy_with_graphs_and_mixed_acceptance_and_preemption(tiny_mtp):
     assert used["verify"] > 0 and used["draft"] > 0
     t = engine.metrics.totals
     assert 0 < t["spec_decode_num_accepted_tokens"] < t["spec_decode_num_draft_tokens"]
+
+
+def test_both_sets_are_captured_or_neither(torch_spec, cuda_recorded):
+    """Every bucket of verify and draft captured (torch.cuda's graph calls recorded, the forwards
+    run), the warm-ups' writes zeroed; a failure in the draft set drops the verify set too and
+    says which graph failed, in one line."""
+    spec = torch_spec
+    pool = _pool(spec, 6)
+    graphs = SpecGraphs(spec, pool.page_size, pool.num_pages, 1, capture=False)
+    assert graphs.buckets == [1, 4]  # one request: its decode, or its verify with k drafts
+    for g in graphs.sets:
+        g.capture, g._synchronize = True, lambda: None  # what a CUDA device gets
+    assert graphs.capture_all(pool) is None and graphs.captured
+    assert all(sorted(g.graphs) == graphs.buckets for g in graphs.sets)
+    assert not any(t.any() for t in pool.all_states.values()) and not graphs.prev.any()
+    assert len(cuda_recorded) == 2 * len(graphs.buckets)  # one capture per bucket of each set
+
+    failing = SpecGraphs(spec, pool.page_size, pool.num_pages, 1, capture=False)
+    for g in failing.sets:
+        g.capture, g._synchronize = True, lambda: None
+    real = failing.draft._capture_one
+    failing.draft._capture_one = lambda bs: (_ for _ in ()).throw(RuntimeError("boom\nmore")) if bs == 1 else real(bs)
+    reason = failing.capture_all(pool)
+    assert reason == "capturing the speculative draft graph of batch size 1 failed: RuntimeError: boom"
+    assert not failing.captured and not failing.verify.graphs and not failing.draft.graphs
+
+
+def test_a_speculating_engine_captures_its_steps_instead_of_the_plain_decode(tiny_mtp, monkeypatch):
+    monkeypatch.setattr(ModelRunner, "graphs_supported", lambda self: True)
+    monkeypatch.setattr(ModelRunner, "capture_graphs", lambda self, pool: pytest.fail("captured the plain decode"))
+    seen = []
+    monkeypatch.setattr(SpecGraphs, "capture_all", lambda self, pool: seen.append(pool))
+    monkeypatch.setattr(SpecGraphs, "captured", property(lambda self: True))
+    reqs = _requests(6, n=3)
+    plain = _run(_engine(tiny_mtp, False), reqs)
+    engine = _engine(tiny_mtp, True, steps=K, cuda_graph_max_bs=4)
+    assert seen == [engine.pool] and engine.spec.graphs is not None
+    used = _counting(engine.spec.graphs)  # not captured on CPU: the same padded steps, eagerly
+    assert _run(engine, reqs) == plain
+    assert used["verify"] > 0 and used["draft"] > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU to capture")
