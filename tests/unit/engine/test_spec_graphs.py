@@ -262,7 +262,9 @@ def test_captured_spec_graphs_give_the_eager_greedy_tokens(tiny_mtp):
     eager = _run(_engine(tiny_mtp, True, steps=K, **common), reqs)
     engine = _engine(tiny_mtp, True, steps=K, cuda_graph_max_bs=8, **common)
     assert engine.spec.graphs is not None and engine.spec.graphs.captured
+    used = _counting(engine.spec.graphs)
     assert _run(engine, reqs) == eager
+    assert used["verify"] > 0 and used["draft"] > 0
 
 
 # ---- DeepSeek-V4: the chained draft steps (one row a request, the MTP block's ring a slot state)
@@ -327,3 +329,15 @@ def test_v4_greedy_with_graphs_equals_plain_decoding(v4_mtp):
     used = _with_graphs(engine)
     assert _run(engine, reqs) == plain
     assert used["draft"] > 0 and used["verify"] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU to capture")
+def test_v4_captured_draft_graphs_give_the_eager_greedy_tokens(v4_mtp):
+    reqs = _boundary_requests(2)
+    common = dict(device="cuda", kernel_backend="triton", dtype="float32")
+    eager = _run(_engine(v4_mtp, True, steps=K, **common), reqs)
+    engine = _engine(v4_mtp, True, steps=K, cuda_graph_max_bs=8, **common)
+    assert engine.spec.graphs is not None and engine.spec.graphs.captured and engine.spec.graphs.verify is None
+    used = _counting(engine.spec.graphs)
+    assert _run(engine, reqs) == eager
+    assert used["draft"] > 0
