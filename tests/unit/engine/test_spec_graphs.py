@@ -16,7 +16,7 @@ from test_graph_capture import cuda_recorded  # noqa: F401 (fixture)
 from test_spec_decode import _engine, _requests, _run, _steer, one_thread, tiny_mtp  # noqa: F401 (fixtures)
 from test_spec_decode_v4 import _boundary_requests, v4_mtp  # noqa: F401 (fixture)
 
-from dsv4_engine.cuda_graphs import bucket_for, pad_decode
+from dsv4_engine.cuda_graphs import DECODE_DISPATCHES_PER_LAYER, bucket_for, pad_decode
 from dsv4_engine.kv_cache import KVPool
 from dsv4_engine.model_runner import ModelRunner
 from dsv4_engine.spec_decode.graphs import SpecGraphs, spec_buckets, widened
@@ -101,6 +101,7 @@ def _same_capture(graphs, g, one, two, launches, prev=False):
     for i, (x, y) in enumerate(zip(trace1, trace2)):
         assert x == y, f"dispatch {i} differs between two steps of one bucket: {x} vs {y}"
     assert any(e[0] == "launch" for e in trace1), "the Triton kernels ran (the path a GPU captures)"
+    return trace1
 
 
 def test_verify_step_is_capture_safe(spec, launches):
@@ -108,7 +109,9 @@ def test_verify_step_is_capture_safe(spec, launches):
     graphs = SpecGraphs(spec, pool.page_size, pool.num_pages, 8, capture=False)
     graphs.states = pool.all_states
     one, two = _rows(spec, VERIFY_ONE), _rows(spec, VERIFY_TWO)
-    _same_capture(graphs, graphs.verify, one, two, launches)
+    trace = _same_capture(graphs, graphs.verify, one, two, launches)
+    layers = spec.runner.cfg.num_hidden_layers
+    assert len(trace) / layers <= DECODE_DISPATCHES_PER_LAYER, "the plain decode step's budget a layer"
 
 
 def test_draft_step_is_capture_safe(spec, launches):
@@ -117,7 +120,9 @@ def test_draft_step_is_capture_safe(spec, launches):
     pool = _pool(spec, 1)
     graphs = SpecGraphs(spec, pool.page_size, pool.num_pages, 8, capture=False)
     graphs.states = pool.all_states
-    _same_capture(graphs, graphs.draft, _rows(spec, CHAIN), _rows(spec, CATCH_UP), launches, prev=True)
+    trace = _same_capture(graphs, graphs.draft, _rows(spec, CHAIN), _rows(spec, CATCH_UP), launches, prev=True)
+    # One MoE layer (more than the average layer), the block's input norms and projection: 127 measured.
+    assert len(trace) <= DECODE_DISPATCHES_PER_LAYER + 30
 
 
 def _restore(pool, snapshot):
