@@ -137,13 +137,13 @@ class MTPSpeculator:
         slots: list,
         page_size: int,
     ) -> tuple[HostBatch, bool]:
-        """The step's batch, and whether its every row is one token (a decode-shaped step,
-        which a captured graph can run: dsv4_engine.spec_decode.graphs). On V3, when every request computes at most k+1 tokens (verify rows,
-        short chunks), each token becomes a one-token row of its own (its request's pages, the
-        context up to itself): the whole step runs the batched decode attention instead of a
-        per-request extend. The same math (the step writes every token's KV before attending),
-        one attention call where the extend path loops over requests. V4's rings are read
-        before a step's writes, so its rows stay whole."""
+        """The step's batch, and whether its every row is one token (a decode-shaped step, which
+        a captured graph can run: dsv4_engine.spec_decode.graphs). On V3, when every request
+        computes at most k+1 tokens (verify rows, short chunks), each token becomes a one-token
+        row of its own (its request's pages, the context up to itself): the whole step runs the
+        batched decode attention instead of a per-request extend. The same math (the step
+        writes every token's KV before attending), one attention call where the extend path
+        loops over requests. V4's rings are read before a step's writes, so its rows stay whole."""
         if self.explode and news and max(news) <= self.k + 1 and max(news) > 1:
             xs = [s + j for s, n in zip(starts, news) for j in range(n)]
             xp = [pg for pg, n in zip(pages, news) for _ in range(n)]
