@@ -155,9 +155,10 @@ class DecodeGraphs:
         width: int,
         device: torch.device,
         capture: bool,
+        buckets: Optional[list[int]] = None,
     ):
         self.run_forward = run_forward
-        self.buckets = graph_buckets(max_bs)
+        self.buckets = buckets or graph_buckets(max_bs)  # the speculator's steps have their own
         self.width = width
         self.device = device
         self.capture = capture and device.type == "cuda"
@@ -165,6 +166,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
+        self.name = "decode"  # what the log lines call these graphs
 
     @property
     def captured(self) -> bool:
@@ -190,8 +192,8 @@ class DecodeGraphs:
             self.outputs.clear()
             self.pool = None
             first = (str(e).strip().splitlines() or [""])[0][:300]
-            return f"capturing the decode graph of batch size {bs} failed: {type(e).__name__}: {first}"
-        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+            return f"capturing the {self.name} graph of batch size {bs} failed: {type(e).__name__}: {first}"
+        log.info("captured %s CUDA graphs for batch sizes %s", self.name, self.buckets)
         return None
 
     def _capture_one(self, bs: int) -> None:

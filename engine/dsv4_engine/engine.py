@@ -229,7 +229,11 @@ class Engine:
         # Decode graphs are captured now, before the first request (seconds, not a stall of a live
         # step), and on every rank together at --tp-size > 1; all buckets or none.
         if args.cuda_graph_max_bs:
-            if self.tp is None:
+            if self.spec is not None:  # its verify and draft steps instead: it never runs a plain decode
+                from dsv4_engine.spec_decode.graphs import capture_spec_graphs
+
+                capture_spec_graphs(self.spec, self.pool)
+            elif self.tp is None:
                 self.runner.capture_graphs(self.pool)
             elif not self.tp.capture_graphs(args.cuda_graph_max_bs, lambda: self.runner.capture_graphs(self.pool)):
                 self.runner.drop_graphs()

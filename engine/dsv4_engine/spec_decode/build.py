@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 from dsv4_engine.spec_decode.mtp_layer import mtp_state_spec, num_mtp_layers
 from dsv4_engine.spec_decode.options import engine_refusal, normalize_algorithm
 from dsv4_engine.spec_decode.speculator import MTPSpeculator
-
-log = logging.getLogger("dsv4.engine")
 
 
 def speculation_refusal(args) -> Optional[str]:
@@ -52,8 +49,6 @@ def build_speculator(args, runner) -> MTPSpeculator:
     refusal = speculation_refusal(args)
     if refusal:
         raise ValueError(refusal)
-    if runner.cuda_graph_max_bs:
-        log.info("speculative decoding: draft and verify steps run eagerly (decode CUDA graphs are not used)")
     spec = MTPSpeculator(runner, args.model, args.speculative_num_steps)
     if runner.model_type == "deepseek_v4":
         from dsv4_engine.spec_decode.mtp_v4 import v4_mtp_state_spec

@@ -110,6 +110,17 @@ class MTPLayer:
         """fb's input_ids are the next tokens (i+1 for position i), prev_hidden [T, hidden] the
         hidden states they follow. Writes the block's KV at fb's slots. Returns (fp32 logits,
         output hidden state) of the tokens at `rows` (default: each request's last)."""
+        x, residual = self.body(fb, states, prev_hidden)
+        idx = fb.logits_indices if rows is None else rows
+        out = x[idx] + residual[idx]
+        return self.logits(out), out
+
+    @torch.inference_mode()
+    def body(
+        self, fb: ForwardBatch, states: dict[str, torch.Tensor], prev_hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block up to its output, at every token: (x, residual) [T, hidden], their sum the
+        output hidden state. What a captured draft step runs (dsv4_engine.spec_decode.graphs)."""
         m, ops, eps = self.model, self.model.ops, self.model.cfg.rms_norm_eps
         e, _ = ops.rmsnorm(F.embedding(fb.input_ids, self.embed), self.enorm, eps)
         h, _ = ops.rmsnorm(prev_hidden.to(e.dtype), self.hnorm, eps)
@@ -117,8 +128,10 @@ class MTPLayer:
         kv = states[STATE]
         page_size = kv.shape[2]
         slots = (fb.slot_mapping // page_size, fb.slot_mapping % page_size)
-        x, residual = m.decoder_layer(self.L, x, None, fb, kv[:, 0], slots)
-        idx = fb.logits_indices if rows is None else rows
-        out = x[idx] + residual[idx]
-        hn, _ = ops.rmsnorm(out, self.head_norm, eps)
-        return F.linear(hn, self.head).float(), out
+        return m.decoder_layer(self.L, x, None, fb, kv[:, 0], slots)
+
+    @torch.inference_mode()
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of output hidden states [N, hidden]."""
+        hn, _ = self.model.ops.rmsnorm(out, self.head_norm, self.model.cfg.rms_norm_eps)
+        return F.linear(hn, self.head).float()

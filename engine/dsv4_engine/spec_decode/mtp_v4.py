@@ -66,7 +66,10 @@ def run_layers(m: DeepseekV4, layers: list[tuple[int, dict]], x: torch.Tensor, f
     """x [T, hc, D] through `layers` ((state layer index, weights) pairs) as DeepseekV4.forward
     runs its own; returns the streams after the last one."""
     eps = m.cfg.rms_norm_eps
-    spans = request_spans(fb)
+    # A decode step without host lengths is a captured one (spec_decode.graphs): as the model's
+    # own forward, no span is read from the device; the kernel path closes windows masked.
+    static = m.kops is not None and fb.all_decode and fb.seq_lens_host is None
+    spans = None if static else request_spans(fb)
     m._step_index = {}
     rope = {name: rope_table(fb.positions, inv) for name, inv in m.inv_freq.items()}
     for i, L in layers:
@@ -170,13 +173,22 @@ class V4MTPLayer:
         """fb's input_ids are the next tokens (i+1 for position i), prev [T, hc, D] the streams
         they follow. Writes the block's ring at fb's positions. Returns (fp32 logits, output
         streams) of the tokens at `rows` (default: each request's last)."""
+        out = self.body(fb, states, prev)[fb.logits_indices if rows is None else rows]
+        return self.logits(out), out
+
+    @torch.inference_mode()
+    def body(self, fb, states: dict[str, torch.Tensor], prev: torch.Tensor) -> torch.Tensor:
+        """The block's output streams [T, hc, D] at every token: what a captured draft step runs."""
         m, eps = self.model, self.model.cfg.rms_norm_eps
         e = rms(F.embedding(fb.input_ids, m.embed), self.enorm, eps)
         h = rms(prev.to(e.dtype), self.hnorm, eps)
         x = (F.linear(e, self.e_proj).unsqueeze(1) + F.linear(h, self.h_proj)).contiguous()
-        x = run_layers(m, [(0, self.L)], x, fb, {**states, DeepseekV4.SWA_KV: states[STATE]})
-        out = x[fb.logits_indices if rows is None else rows]
-        return head_logits(m, out, self.hc_head, self.norm), out
+        return run_layers(m, [(0, self.L)], x, fb, {**states, DeepseekV4.SWA_KV: states[STATE]})
+
+    @torch.inference_mode()
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of output streams [N, hc, D]."""
+        return head_logits(self.model, out, self.hc_head, self.norm)
 
 
 class RingRollback:

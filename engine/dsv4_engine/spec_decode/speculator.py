@@ -25,7 +25,7 @@ from typing import Optional, Union
 
 import torch
 
-from dsv4_engine.batch_buffers import BatchBuffers, host_batch
+from dsv4_engine.batch_buffers import BatchBuffers, HostBatch, host_batch
 from dsv4_engine.models.forward_batch import ForwardBatch
 from dsv4_engine.sampling import SamplingError, logprob_entry
 from dsv4_engine.scheduler import ScheduledSeq
@@ -76,6 +76,7 @@ class MTPSpeculator:
         self.max_model_len: int = runner.cfg.max_position_embeddings  # the engine sets its own limit
         self.eos_ids: set[int] = set(runner.cfg.eos_token_ids)
         self.state_specs: list = []  # set by build_speculator
+        self.graphs = None  # captured verify/draft steps (spec_decode.graphs.SpecGraphs), when on
 
     # ---- metrics -------------------------------------------------------------------------------
 
@@ -129,33 +130,51 @@ class MTPSpeculator:
 
     def _batch(
         self,
-        buffers: BatchBuffers,
         starts: list[int],
         news: list[int],
         pages: list[list[int]],
         toks: list[list[int]],
         slots: list,
         page_size: int,
-    ) -> ForwardBatch:
-        """The step's batch. On V3, when every request computes at most k+1 tokens (verify rows,
-        short chunks), each token becomes a one-token row of its own (its request's pages, the
-        context up to itself): the whole step runs the batched decode attention instead of a
-        per-request extend. The same math (the step writes every token's KV before attending),
-        one attention call where the extend path loops over requests. V4's rings are read
-        before a step's writes, so its rows stay whole."""
+    ) -> tuple[HostBatch, bool]:
+        """The step's batch, and whether its every row is one token (a decode-shaped step, which
+        a captured graph can run: dsv4_engine.spec_decode.graphs). On V3, when every request
+        computes at most k+1 tokens (verify rows, short chunks), each token becomes a one-token
+        row of its own (its request's pages, the context up to itself): the whole step runs the
+        batched decode attention instead of a per-request extend. The same math (the step
+        writes every token's KV before attending), one attention call where the extend path
+        loops over requests. V4's rings are read before a step's writes, so its rows stay whole."""
         if self.explode and news and max(news) <= self.k + 1 and max(news) > 1:
             xs = [s + j for s, n in zip(starts, news) for j in range(n)]
             xp = [pg for pg, n in zip(pages, news) for _ in range(n)]
             xt = [[t] for tk in toks for t in tk]
             xsl = [sl for sl, n in zip(slots, news) for _ in range(n)]
-            return self._fb(buffers, host_batch(xs, [1] * len(xs), xp, xt, xsl, page_size), page_size)
-        return self._fb(buffers, host_batch(starts, news, pages, toks, slots, page_size), page_size)
+            return host_batch(xs, [1] * len(xs), xp, xt, xsl, page_size), True
+        return host_batch(starts, news, pages, toks, slots, page_size), all(n == 1 for n in news)
+
+    def _hidden(self, hb: HostBatch, one_token_rows: bool, pool) -> torch.Tensor:
+        """The target's hidden states at every row of hb: the captured verify graph when there
+        is one for this step's shape, else the eager forward."""
+        g = self.graphs
+        if g is not None and one_token_rows and g.fits(hb, verify=True):
+            return g.hidden(hb, pool)
+        return self.target.hidden(self._fb(self.target_buffers, hb, pool.page_size), pool.all_states)
+
+    def _mtp_forward(self, hb: HostBatch, one_token_rows: bool, pool, prev: torch.Tensor, rows=None):
+        """The MTP block over hb (prev: the hidden states its tokens follow): (logits, output
+        hidden states) at `rows` (default: each request's last), captured when it can be."""
+        g = self.graphs
+        if g is not None and one_token_rows and g.fits(hb):
+            out = g.draft_hidden(hb, prev, pool)  # every row (one token each: each its request's last)
+            out = out if rows is None else out[rows]
+            return self.mtp.logits(out), out
+        return self.mtp.forward(self._fb(self.draft_buffers, hb, pool.page_size), pool.all_states, prev, rows)
 
     def step(self, batch: list[ScheduledSeq], pool) -> list[Union[SpecResult, Exception, None]]:
         """Results in batch order: a SpecResult (None for a prefill chunk that ends before the
         request's last token: it only computed), or the exception one request's row raised.
         A failed forward raises (it fails the batch)."""
-        ps, states = pool.page_size, pool.all_states
+        ps = pool.page_size
         dev = self.runner.device
         starts, news, toks, real, ndraft = [], [], [], [], []
         for b in batch:
@@ -168,7 +187,7 @@ class MTPSpeculator:
             starts.append(start), news.append(b.num_new), real.append(r), ndraft.append(d)
             toks.append(_tokens(seq, start, r) + drafted)
         slots = [b.seq.slot for b in batch]
-        fb = self._batch(self.target_buffers, starts, news, [b.seq.pages for b in batch], toks, slots, ps)
+        hb, one_token_rows = self._batch(starts, news, [b.seq.pages for b in batch], toks, slots, ps)
         # V4's rings: what the drafts' positions will overwrite, to put back where they are rejected.
         spec_rows = [i for i in range(len(batch)) if ndraft[i]]
         rings = {n: t for n, t in pool.slot_states.items() if n != self.mtp_ring}
@@ -181,7 +200,7 @@ class MTPSpeculator:
             if rings and spec_rows
             else None
         )
-        hidden = self.target.hidden(fb, states)  # [T, hidden] (V4: [T, hc, hidden] streams)
+        hidden = self._hidden(hb, one_token_rows, pool)  # [T, hidden] (V4: [T, hc, hidden] streams)
         row0 = [0, *itertools.accumulate(news)][:-1]  # first token row of each request
 
         # Target logits at every position that verifies: the last real token and each draft.
@@ -213,8 +232,7 @@ class MTPSpeculator:
             cu_rows.extend(range(row0[i], row0[i] + m))
         if not cu:
             return results
-        fb2 = self._batch(
-            self.draft_buffers,
+        hb2, one_token_rows2 = self._batch(
             cu_starts,
             cu_news,
             [batch[i].seq.pages for i in cu],
@@ -223,7 +241,9 @@ class MTPSpeculator:
             ps,
         )
         last = torch.tensor(list(itertools.accumulate(cu_news)), device=dev) - 1  # each request's last row
-        dlogits, dhidden = self.mtp.forward(fb2, states, hidden[torch.tensor(cu_rows, device=dev)], last)
+        dlogits, dhidden = self._mtp_forward(
+            hb2, one_token_rows2, pool, hidden[torch.tensor(cu_rows, device=dev)], last
+        )
 
         # Drafts for the next step, for requests that go on.
         chain = []  # (batch index, row in dlogits, drafts wanted, next position)
@@ -354,9 +374,8 @@ class MTPSpeculator:
                 [seqs[n].slot for n in live],
                 pool.page_size,
             )
-            fb = self._fb(self.draft_buffers, hb, pool.page_size)
             sel = torch.tensor(live, device=dev)
-            lg, h = self.mtp.forward(fb, pool.all_states, hid[sel])
+            lg, h = self._mtp_forward(hb, True, pool, hid[sel])
             t, pr = self._pick(lg, [seqs[n] for n in live])
             new_hid = hid.clone()
             new_hid[sel] = h

@@ -1,0 +1,197 @@
+"""The speculator's decode-shaped steps replayed from captured CUDA graphs.
+
+On V3 a verify step is a decode step: the speculator runs every token as a one-token row of its
+own (`MTPSpeculator._batch`), so a batch of requests that each verify their last token and up to
+k drafts is a decode batch of T = sum(1 + drafts) rows, whatever each request drafted. The same
+holds for the MTP block's catch-up over the positions a step made valid (1..k+1 rows a request)
+and for each of the k-1 chained draft steps (one row a request). So each is a
+`cuda_graphs.DecodeGraphs` over rows, with its own buckets of row counts:
+
+- `verify`: the target's final-normed hidden states at every row (the graph ends before the
+  head: the host then takes the logits of the rows that verify, one matmul);
+- `draft`: the MTP block's output hidden state at every row, reading the hidden states its tokens
+  follow from one more static buffer, `prev` (its logits, one norm and one matmul, run after).
+
+Padding rows repeat row 0 (its token, position, KV slot, slot row and, for the draft, its `prev`
+row), so they write what row 0 writes, as the plain decode graphs do. Accepting, rejecting and
+drafting stay on the host after the replays; prefill chunks and steps longer than the largest
+bucket run eagerly.
+
+DeepSeek-V4 runs a request's verify rows whole (its rings are read before a step's writes): an
+extend, which stays eager, and so does a catch-up over more than one position of a request. Its
+chained draft steps (k-1 of them a step, one row a request, the MTP block's sliding-window ring
+as a slot state) are captured: `draft` only, over the plain decode buckets, `prev` holding the
+block's [hc, hidden] residual streams.
+
+Capture safety is checked on CPU by tests/unit/engine/test_spec_graphs.py, as
+test_cuda_graphs.py checks the plain decode step.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import numpy as np
+import torch
+
+from dsv4_engine.batch_buffers import HostBatch
+from dsv4_engine.cuda_graphs import DecodeGraphs, bucket_for, graph_buckets
+from dsv4_engine.models.forward_batch import ForwardBatch
+
+log = logging.getLogger("dsv4.engine")
+
+
+def spec_buckets(max_bs: int, k: int) -> list[int]:
+    """Row counts with a captured graph: the decode buckets (a chained draft step has one row a
+    request) and each of them times k+1 (a verify step where every request has k drafts)."""
+    base = graph_buckets(max_bs)
+    return sorted(set(base) | {b * (k + 1) for b in base})
+
+
+def widened(hb: HostBatch, width: int) -> HostBatch:
+    """hb with its block table `width` columns wide (zeros past each row's pages)."""
+    have = hb.block_table.shape[1]
+    if have == width:
+        return hb
+    table = np.zeros((hb.block_table.shape[0], width), dtype=hb.block_table.dtype)
+    table[:, :have] = hb.block_table
+    return HostBatch(
+        input_ids=hb.input_ids,
+        positions=hb.positions,
+        slot_mapping=hb.slot_mapping,
+        block_table=table,
+        seq_lens=hb.seq_lens,
+        extend_lens=hb.extend_lens,
+        logits_indices=hb.logits_indices,
+        slot_ids=hb.slot_ids,
+    )
+
+
+def supported(spec) -> bool:
+    """The speculator's steps are capturable: DeepSeek-V3 or V4, one rank."""
+    return spec.runner.model_type in ("deepseek_v3", "deepseek_v4") and spec.runner.group is None
+
+
+class SpecGraphs:
+    """Verify and draft forwards over one-token rows, one graph per row bucket of each.
+
+    With capture=False (CPU, tests) the same padded steps run eagerly on the same static buffers:
+    what the tests check is what the graphs would replay."""
+
+    def __init__(self, spec, page_size: int, num_pages: int, max_bs: int, capture: bool):
+        runner = spec.runner
+        self.spec = spec
+        self.states: dict[str, torch.Tensor] = {}  # the pool's tensors, which the graphs read
+        cfg = runner.cfg
+        width = max(1, min(num_pages, -(-cfg.max_position_embeddings // page_size)))
+        v3 = runner.model_type == "deepseek_v3"
+        buckets = spec_buckets(max_bs, spec.k) if v3 else graph_buckets(max_bs)
+        dev = runner.device
+        streams = () if v3 else (cfg.hc_mult,)  # V4's MTP block reads [hc, hidden] residual streams
+        self.prev = torch.zeros(buckets[-1], *streams, cfg.hidden_size, dtype=runner.dtype, device=dev)
+        target, mtp = spec.target.model, spec.mtp
+        slots = runner.has_slot_states
+
+        def fb_of(t: dict[str, torch.Tensor]) -> ForwardBatch:
+            return ForwardBatch(
+                input_ids=t["input_ids"],
+                positions=t["positions"],
+                slot_mapping=t["slot_mapping"],
+                block_table=t["block_table"],
+                seq_lens=t["seq_lens"],
+                extend_lens=t["extend_lens"],
+                logits_indices=t["logits_indices"],
+                all_decode=True,
+                page_size=page_size,
+                slot_ids=t["slot_ids"] if slots else None,
+            )
+
+        def run_verify(t: dict[str, torch.Tensor], bs: int) -> torch.Tensor:
+            return target.hidden_states(fb_of(t), self.states)
+
+        def run_draft(t: dict[str, torch.Tensor], bs: int) -> torch.Tensor:
+            if v3:
+                x, residual = mtp.body(fb_of(t), self.states, self.prev[:bs])
+                return x + residual
+            return mtp.body(fb_of(t), self.states, self.prev[:bs])
+
+        self.verify = DecodeGraphs(run_verify, buckets[-1], width, dev, capture, buckets) if v3 else None
+        self.draft = DecodeGraphs(run_draft, buckets[-1], width, dev, capture, buckets)
+        self.draft.name = "speculative draft"
+        if self.verify is not None:
+            self.verify.name = "speculative verify"
+        self.buckets, self.width = buckets, width
+
+    @property
+    def sets(self) -> list[DecodeGraphs]:
+        return [g for g in (self.verify, self.draft) if g is not None]
+
+    @property
+    def captured(self) -> bool:
+        return all(g.captured for g in self.sets)
+
+    def fits(self, hb: HostBatch, verify: bool = False) -> bool:
+        """A step of one-token rows a graph can run: a graph for it (V4 verifies eagerly), few
+        enough rows, pages within the width."""
+        return (
+            (self.verify is not None or not verify)
+            and hb.input_ids.shape[0] <= self.buckets[-1]
+            and hb.block_table.shape[1] <= self.width
+        )
+
+    def hidden(self, hb: HostBatch, pool) -> torch.Tensor:
+        """The target's hidden states [T, hidden] at hb's rows (a view of the graph's output:
+        valid until the next verify replay)."""
+        self.states = pool.all_states
+        return self.verify.step(widened(hb, self.width))
+
+    def draft_hidden(self, hb: HostBatch, prev: torch.Tensor, pool) -> torch.Tensor:
+        """The MTP block's output hidden states [T, hidden] (V4: streams [T, hc, hidden]) at hb's
+        rows, prev the same shape, what their tokens follow (a view: valid until the next draft
+        replay)."""
+        self.states = pool.all_states
+        n = hb.input_ids.shape[0]
+        bs = bucket_for(n, self.buckets)
+        self.prev[:n].copy_(prev)
+        self.prev[n:bs].copy_(prev[:1].expand(bs - n, *prev.shape[1:]))  # padding rows repeat row 0
+        return self.draft.step(widened(hb, self.width))
+
+    def capture_all(self, pool) -> Optional[str]:
+        """Capture every bucket of both, all or none; None, or why not in one line. Call on a
+        fresh pool: the warm-ups write page 0 (and row 0 of prev), zeroed again after."""
+        self.states = pool.all_states
+        failure = None
+        for g in self.sets:
+            failure = failure or g.capture_all()
+        with torch.no_grad():
+            for t in pool.all_states.values():
+                t.zero_()
+            self.prev.zero_()
+        if failure is not None:
+            for g in self.sets:
+                g.graphs.clear()
+                g.outputs.clear()
+                g.pool = None
+        return failure
+
+
+def capture_spec_graphs(spec, pool) -> bool:
+    """At start-up with --cuda-graph-max-bs: capture the speculator's verify and draft steps
+    (instead of the plain decode step, which a speculating engine never runs). False, with one
+    line saying why, when they run eagerly."""
+    runner = spec.runner
+    if not runner.cuda_graph_max_bs:
+        return False  # CPU, the torch backend or a model that is not capture-safe: said at start
+    if not supported(spec):
+        log.info("speculative decoding: its steps run eagerly (captured for DeepSeek-V3 and V4 on one rank)")
+        return False
+    graphs = SpecGraphs(spec, pool.page_size, pool.num_pages, runner.cuda_graph_max_bs, capture=True)
+    failure = graphs.capture_all(pool)
+    if failure is not None:
+        log.warning("CUDA graphs off: %s", failure)
+        return False
+    if not graphs.captured:  # not a CUDA device after all: nothing to replay
+        return False
+    spec.graphs = graphs
+    return True
