@@ -19,6 +19,14 @@ from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.sequence import Sequence
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: threads only contend on these shared cores
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def mtp_models(tmp_path_factory):
     from dsv4_engine.checkpoint import init_checkpoint
