@@ -115,8 +115,6 @@ def broadcast_speculator(spec, group, pool) -> None:
 # ---- the other ranks -----------------------------------------------------------------------------
 
 
-
-
 class SpecRank:
     """A rank other than 0: runs the speculator's forwards and ring rollbacks as rank 0 sends
     them, on its own shard of the weights and its own pool."""
