@@ -224,6 +224,10 @@ class Engine:
 
             self.tp.announce_pool(num_pages, page_size, args.max_num_seqs, num_snapshots)
             self.runner.model = BroadcastForward(self.runner.model, self.tp)
+            if self.spec is not None:  # its own forwards and ring rollbacks reach the other ranks too
+                from dsv4_engine.parallel.spec import broadcast_speculator
+
+                broadcast_speculator(self.spec, self.tp, self.pool)
             self.tp.on_failure.append(lambda reason: self.abort(reason=reason, all_=True))
             self.runner.group = self.tp
         # Decode graphs are captured now, before the first request (seconds, not a stall of a live

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 from safetensors import safe_open
@@ -26,14 +27,21 @@ def checkpoint_files(d: Path) -> list[str]:
     return files
 
 
-def load_shard(model_dir: str | Path, slicer: Slicer) -> dict:
+def load_shard(model_dir: str | Path, slicer: Slicer, keep: Optional[Callable[[str], bool]] = None) -> dict:
+    """This rank's tensors of the checkpoint; `keep` picks which checkpoint names are read at all
+    (default: every tensor but the MTP layers', which speculation reads on its own)."""
     d = Path(model_dir)
+    if keep is None:
+
+        def keep(key: str) -> bool:
+            return not _MTP.search(key)
+
     weights: dict[str, torch.Tensor] = {}
     local_name: dict[str, str] = {}  # checkpoint name -> this rank's name (experts renumbered)
     for name in checkpoint_files(d):
         with safe_open(str(d / name), framework="pt") as f:
             for key in f.keys():
-                if _MTP.search(key):
+                if not keep(key):
                     continue
                 part = f.get_slice(key)
                 got = slicer(key, tuple(part.get_shape()))

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from dsv4_engine.parallel.loader import load_shard
-from dsv4_engine.parallel.plan import block, plan_for
+from dsv4_engine.parallel.plan import Shard, Slicer, block, plan_for
 
 
 class ShardComm:
@@ -43,6 +44,18 @@ def build_sharded(
     weights = load_shard(model_dir, plan.slicer(cfg, rank.shard))
     comm = ShardComm(rank, block(cfg.n_routed_experts, rank.shard))
     return model_cls(plan.local_config(cfg, rank.shard), weights, ops, dtype, device, tp=comm)
+
+
+def rank_slicer(model, model_dir: str | Path) -> Optional[Slicer]:
+    """The slicer of the rank whose model `model` is (None at --tp-size 1), for weights read
+    besides the model's own: the MTP layer's are split as the target's layers are."""
+    tp = getattr(model, "tp", None)
+    if tp is None:
+        return None
+    from dsv4_engine.models import entry_for_dir
+
+    entry = entry_for_dir(model_dir)  # the plan splits the checkpoint's full config, not the rank's
+    return plan_for(entry.model_type).slicer(entry.config_class().from_dir(model_dir), Shard(tp.rank, tp.size))
 
 
 def resident_weight_bytes(model) -> int:

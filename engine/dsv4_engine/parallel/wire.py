@@ -16,6 +16,13 @@ OP, TOKENS, REQS, MAX_PAGES, ALL_DECODE, HAS_SLOTS, PAGE_SIZE, PAYLOAD = range(H
 # OP_SNAPSHOT: a prefix-cache snapshot copy between a slot row and a snapshot row (V4).
 OP_FORWARD, OP_STOP, OP_STATE, OP_CAPTURE, OP_GRAPH, OP_SNAPSHOT = 1, 2, 3, 4, 5, 6
 SNAPSHOT_COPIES = ("save", "restore")  # payload [kind index, snapshot, slot row]
+# Speculative decoding (dsv4_engine.parallel.spec): OP_SPEC_TARGET, the target's forward over a
+# step's tokens (a batch payload); OP_SPEC_MTP, one forward of the MTP block (a batch payload, then
+# its input hidden states: `hidden_meta` on the control group, the tensor on the compute group);
+# OP_RING_SAVE / OP_RING_RESTORE, V4's ring rollback around them (`ring_message`).
+OP_SPEC_TARGET, OP_SPEC_MTP, OP_RING_SAVE, OP_RING_RESTORE = 7, 8, 9, 10
+HIDDEN_DTYPES = ("float32", "bfloat16", "float16")
+HIDDEN_META_LEN = 6  # [dtype index, ndim, dims padded with 0]
 
 
 def state_message(pages: list[int], slot) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +59,38 @@ def stop_header() -> torch.Tensor:
     return h
 
 
-def pack(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def ring_message(op: int, names: list[int], ints: "list[int] | None") -> tuple[torch.Tensor, torch.Tensor]:
+    """(header, payload) of a ring rollback: the rings (indices into the sorted slot-state names)
+    and, for OP_RING_SAVE, rows then positions; for OP_RING_RESTORE, each saved entry's first
+    rejected position, or None: put back every entry."""
+    body = [] if ints is None else list(ints)
+    payload = torch.tensor([len(names), *names, int(ints is not None), *body], dtype=torch.int64)
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[OP], header[PAYLOAD] = op, payload.numel()
+    return header, payload
+
+
+def unpack_ring(payload: torch.Tensor) -> tuple[list[int], "list[int] | None"]:
+    v = payload.tolist()
+    n = v[0]
+    names, has, body = v[1 : 1 + n], v[1 + n], v[2 + n :]
+    return names, (body if has else None)
+
+
+def hidden_meta(x: torch.Tensor) -> torch.Tensor:
+    """What the other ranks allocate to receive x: its dtype and shape (at most 4 dims)."""
+    if x.dim() > HIDDEN_META_LEN - 2:
+        raise ValueError(f"hidden states of {x.dim()} dims do not fit the wire's {HIDDEN_META_LEN - 2}")
+    dims = list(x.shape) + [0] * (HIDDEN_META_LEN - 2 - x.dim())
+    return torch.tensor([HIDDEN_DTYPES.index(str(x.dtype).removeprefix("torch.")), x.dim(), *dims], dtype=torch.int64)
+
+
+def empty_hidden(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+    m = meta.tolist()
+    return torch.empty(m[2 : 2 + m[1]], dtype=getattr(torch, HIDDEN_DTYPES[m[0]]), device=device)
+
+
+def pack(fb: ForwardBatch, op: int = OP_FORWARD) -> tuple[torch.Tensor, torch.Tensor]:
     """(header, payload) on the CPU for a ForwardBatch."""
     T, B = fb.input_ids.numel(), fb.seq_lens.numel()
     P = fb.block_table.shape[1]
@@ -71,7 +109,7 @@ def pack(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
     payload = torch.cat([p.to(torch.int64) for p in parts]).cpu()
     header = torch.tensor(
         [
-            OP_FORWARD,
+            op,
             T,
             B,
             P,

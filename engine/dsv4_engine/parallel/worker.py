@@ -71,10 +71,21 @@ def serve_rank(spec: dict) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // shard.size))
     rank = join(shard, spec["port"], device)
     runner = ModelRunner(ea["model"], ea.get("dtype"), device, ea.get("kernel_backend"), tp=rank)
+    specs, speculator = runner.state_specs, None
+    if ea.get("speculative_algorithm") is not None:  # as rank 0's Engine: its MTP shard and state
+        from dsv4_engine.spec_decode.build import make_speculator
+
+        speculator = make_speculator(runner, ea["model"], ea["speculative_num_steps"])
+        specs = specs + speculator.state_specs
     sizes = torch.zeros(4, dtype=torch.int64)
     dist.broadcast(sizes, 0, group=rank.control)
     num_pages, page_size, max_num_seqs, num_snapshots = sizes.tolist()
-    pool = KVPool(runner.state_specs, num_pages, page_size, runner.dtype, runner.device, max_num_seqs)
+    pool = KVPool(specs, num_pages, page_size, runner.dtype, runner.device, max_num_seqs)
+    spec_rank = None
+    if speculator is not None:
+        from dsv4_engine.parallel.spec import SpecRank
+
+        spec_rank = SpecRank(speculator, pool, rank)
     # The prefix cache's snapshots of slot rows (V4): rank 0 keeps the books, this rank the copies.
     snapshots = (
         {
@@ -99,6 +110,10 @@ def serve_rank(spec: dict) -> None:
         dist.broadcast(payload, 0, group=rank.control)
         if op == wire.OP_FORWARD:
             runner.model.forward(wire.unpack(header, payload, runner.device), pool.all_states)
+        elif op in (wire.OP_SPEC_TARGET, wire.OP_SPEC_MTP, wire.OP_RING_SAVE, wire.OP_RING_RESTORE):
+            if spec_rank is None:
+                raise RuntimeError("rank 0 sent a speculative step, but this rank runs without speculation")
+            spec_rank.handle(op, header, payload)
         elif op == wire.OP_GRAPH:
             runner._states = pool.all_states
             runner.graphs.step(wire.unpack_host(header, payload))

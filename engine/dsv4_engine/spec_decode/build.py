@@ -49,7 +49,13 @@ def build_speculator(args, runner) -> MTPSpeculator:
     refusal = speculation_refusal(args)
     if refusal:
         raise ValueError(refusal)
-    spec = MTPSpeculator(runner, args.model, args.speculative_num_steps)
+    return make_speculator(runner, args.model, args.speculative_num_steps)
+
+
+def make_speculator(runner, model_dir: str, num_steps: int) -> MTPSpeculator:
+    """The speculator over `runner`'s model, its MTP layer loaded (this rank's shard of it at
+    --tp-size N: the other ranks build one too, and run its forwards as rank 0 sends them)."""
+    spec = MTPSpeculator(runner, model_dir, num_steps)
     if runner.model_type == "deepseek_v4":
         from dsv4_engine.spec_decode.mtp_v4 import v4_mtp_state_spec
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from dsv4_engine.models.deepseek_v3 import DeepseekV3
 from dsv4_engine.models.forward_batch import ForwardBatch
 from dsv4_engine.models.state import StateSpec
+from dsv4_engine.parallel.sharded import rank_slicer
 from dsv4_engine.quant import checkpoint_scheme, dense, pair_quantized, place
 
 STATE = "mtp_latent_kv"
@@ -41,10 +42,15 @@ def mtp_state_spec(cfg) -> StateSpec:
     return StateSpec(STATE, 1, (cfg.kv_cache_dim,))
 
 
-def load_layer_weights(model_dir: str | Path, prefix: str) -> dict[str, Any]:
-    """The tensors whose names start with `prefix`, quantized ones paired with their scales."""
+def load_layer_weights(model_dir: str | Path, prefix: str, slicer=None) -> dict[str, Any]:
+    """The tensors whose names start with `prefix`, quantized ones paired with their scales;
+    with a slicer (one rank of --tp-size N: dsv4_engine.parallel), only this rank's part."""
     from safetensors import safe_open
 
+    if slicer is not None:
+        from dsv4_engine.parallel.loader import load_shard
+
+        return load_shard(model_dir, slicer, keep=lambda key: key.startswith(prefix))
     d = Path(model_dir)
     index = d / "model.safetensors.index.json"
     if index.is_file():
@@ -83,7 +89,7 @@ class MTPLayer:
         self.model = model
         self.layer = cfg.num_hidden_layers + index
         p = f"model.layers.{self.layer}."
-        w = load_layer_weights(model_dir, p)
+        w = load_layer_weights(model_dir, p, rank_slicer(model, model_dir))  # split like the target's layers
         dt, dev = model.dtype, model.device
 
         def take(name: str, dtype: torch.dtype = dt):

@@ -39,6 +39,7 @@ from dsv4_engine.models.deepseek_v4_weights import to_release_layout
 from dsv4_engine.models.forward_batch import request_spans
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.models.v4_layers import rms, rope_table, unweighted_rms
+from dsv4_engine.parallel.sharded import rank_slicer
 from dsv4_engine.quant import dense, place
 from dsv4_engine.spec_decode.mtp_layer import load_layer_weights
 
@@ -49,11 +50,12 @@ def v4_mtp_state_spec(cfg) -> StateSpec:
     return StateSpec(STATE, 1, (cfg.head_dim,), kind="slot", slots=cfg.sliding_window)
 
 
-def load_v4_mtp_weights(model_dir: str | Path, n: int, layer: int) -> dict:
-    """Block n's tensors, renamed to release names under `layers.{layer}.` (experts split)."""
+def load_v4_mtp_weights(model_dir: str | Path, n: int, layer: int, slicer=None) -> dict:
+    """Block n's tensors, renamed to release names under `layers.{layer}.` (experts split); with
+    a slicer (one rank of --tp-size N), this rank's routed experts only, under local ids."""
     out = {}
     for prefix in (f"mtp.{n}.", f"model.mtp.{n}."):
-        for name, t in load_layer_weights(model_dir, prefix).items():
+        for name, t in load_layer_weights(model_dir, prefix, slicer).items():
             rest = re.sub(r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1", name[len(prefix) :])
             out[f"layers.{layer}.{rest}"] = t
     return to_release_layout(out)
@@ -115,7 +117,7 @@ class V4MTPLayer:
         self.model = model
         self.layer = cfg.num_hidden_layers + index
         p = f"layers.{self.layer}."
-        w = load_v4_mtp_weights(model_dir, index, self.layer)
+        w = load_v4_mtp_weights(model_dir, index, self.layer, rank_slicer(model, model_dir))
         if not w:
             raise ValueError(
                 f"config.json says num_nextn_predict_layers >= 1 but the checkpoint has no mtp.{index}.* "

@@ -42,8 +42,6 @@ def engine_refusal(
             "--speculative-algorithm mtp needs a checkpoint with an MTP layer (config.json "
             "num_nextn_predict_layers >= 1; `dsv4 model init --mtp` writes one)"
         )
-    if tp_size != 1:
-        return "--speculative-algorithm mtp is not supported with --tp-size > 1 yet"
     return None
 
 

@@ -77,6 +77,9 @@ class MTPSpeculator:
         self.eos_ids: set[int] = set(runner.cfg.eos_token_ids)
         self.state_specs: list = []  # set by build_speculator
         self.graphs = None  # captured verify/draft steps (spec_decode.graphs.SpecGraphs), when on
+        # Saves and puts back V4's ring entries around drafts; at --tp-size N, a version that
+        # does the same on every rank (dsv4_engine.parallel.spec).
+        self.rollback = RingRollback
 
     # ---- metrics -------------------------------------------------------------------------------
 
@@ -192,7 +195,7 @@ class MTPSpeculator:
         spec_rows = [i for i in range(len(batch)) if ndraft[i]]
         rings = {n: t for n, t in pool.slot_states.items() if n != self.mtp_ring}
         ring_undo = (
-            RingRollback(
+            self.rollback(
                 rings,
                 [slots[i] for i in spec_rows for _ in range(ndraft[i])],
                 [starts[i] + real[i] + j for i in spec_rows for j in range(ndraft[i])],
@@ -352,7 +355,7 @@ class MTPSpeculator:
         # so what those writes overwrite is put back once the drafts are made.
         ring = {self.mtp_ring: pool.slot_states[self.mtp_ring]} if self.mtp_ring else {}
         undo = (
-            RingRollback(
+            self.rollback(
                 ring,
                 [seqs[n].slot for n in live for s in range(1, chain[n][2])],
                 [chain[n][3] + s - 1 for n in live for s in range(1, chain[n][2])],

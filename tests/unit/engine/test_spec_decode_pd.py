@@ -46,8 +46,8 @@ def models(tmp_path_factory):
     }
 
 
-def make(model, role: str, spec: bool) -> Engine:
-    extra = dict(speculative_algorithm="mtp", speculative_num_steps=3) if spec else {}
+def make(model, role: str, spec: bool, **kw) -> Engine:
+    extra = dict(speculative_algorithm="mtp", speculative_num_steps=3, **kw) if spec else kw
     return Engine(
         EngineArgs(
             model=str(model),
@@ -74,8 +74,8 @@ def run(engines: list[Engine], done, limit: int = 5000) -> None:
     raise AssertionError("no progress")
 
 
-def pair(model, p_spec: bool, d_spec: bool):
-    p, d = make(model, "prefill", p_spec), make(model, "decode", d_spec)
+def pair(model, p_spec: bool, d_spec: bool, engines: tuple = ()):
+    p, d = engines or (make(model, "prefill", p_spec), make(model, "decode", d_spec))
     fabric = FakeFabric()
     settings = PDSettings(bootstrap_timeout=30, transfer_timeout=30, waiting_timeout=30, url=DECODE_URL)
     p.pd = PrefillController(
@@ -239,4 +239,28 @@ def test_pd_decode_aborts_mid_speculation_return_everything(models, kind):
             assert end.finish_reason == "abort" and toks == want[f"r{room - 1}"][0][: len(toks)] and len(toks) < 20
         else:
             assert (toks, end.finish_reason) == tuple(want[f"r{room - 1}"][:2])
+    all_back(p, d)
+
+
+def test_v4_pd_with_speculation_into_a_tp2_decode_equals_mono(models):
+    """Decode at --tp-size 2 (its rank 1 a real child process; one TP group per process, so
+    prefill has one rank here): decode's rank 0 receives the request's state (the MTP ring's slot
+    row included) and copies it to its rank 1, then both ranks draft and verify. Greedy tokens
+    equal mono, and decode drafts what a one-rank mono engine drafts at the same points (rank 1's
+    MTP state arrived: its half of the block's experts computes on it)."""
+    model = models["v4"]
+    reqs = _requests(5, n=4)
+    want, _ = mono(model, reqs)
+    _, drafts_mono = mono(model, reqs, spec=True, prep=lambda e: record_drafts(e, lambda rid: int(rid[1:])))
+    p, d = make(model, "prefill", True), make(model, "decode", True, tp_size=2)
+    try:
+        p, d = pair(model, True, True, engines=(p, d))
+        drafts_pd = record_drafts(d, lambda rid: int(rid[1:]) - 1)
+        assert through_pd(p, d, reqs) == want
+        assert d.tp.failed is None
+    finally:
+        d.tp.close()
+    assert all(proc.poll() == 0 for proc in d.tp.procs)
+    common = set(drafts_pd) & set(drafts_mono)
+    assert len(common) > 5 and all(drafts_pd[k] == drafts_mono[k] for k in common)
     all_back(p, d)

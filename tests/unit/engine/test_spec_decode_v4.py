@@ -184,7 +184,9 @@ def test_v4_refusals_at_start(v4_mtp, tmp_path):
         _engine(v4_mtp, True, steps=8)  # v4-tiny's rings hold 8 positions: 8 drafts + 1 do not fit
     from dsv4_engine.spec_decode.options import engine_refusal
 
-    assert "--tp-size" in engine_refusal("mtp", 2, "deepseek_v4", 1, "mono", 2)
+    assert (
+        engine_refusal("mtp", 2, "deepseek_v4", 1, "mono", 2) is None
+    )  # TP: tests/unit/parallel/test_tp_spec_decode.py
     broken = tmp_path / "compressed"
     shutil.copytree(v4_mtp, broken)
     w = load_file(str(broken / "model.safetensors"))

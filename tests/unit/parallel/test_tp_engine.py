@@ -21,6 +21,16 @@ from dsv4_engine.sequence import Sequence
 NEW_TOKENS = 8
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Rank 0 computes on one thread, as TPGroup sets it for the shared cores: the tp-1 reference
+    engines too (on a busy machine, two threads contending over tiny matmuls were several times slower)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def prompts(vocab: int, lens: list[int], seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lens]

@@ -111,3 +111,22 @@ def test_a_captured_decode_step_round_trips_from_host_arrays(slots):
 def test_the_capture_header_names_the_largest_bucket():
     h = wire.capture_header(48)
     assert int(h[wire.OP]) == wire.OP_CAPTURE and int(h[wire.REQS]) == 48
+
+
+def test_speculative_messages_round_trip():
+    """A speculative step's batch keeps its operation; ring rollbacks carry their rings and rows
+    and positions (save) or first rejected positions, or none: put back all (restore); hidden
+    states announce their dtype and shape."""
+    header, _ = wire.pack(batch(True), wire.OP_SPEC_MTP)
+    assert int(header[wire.OP]) == wire.OP_SPEC_MTP
+    ops = {wire.OP_FORWARD, wire.OP_STOP, wire.OP_STATE, wire.OP_CAPTURE, wire.OP_GRAPH, wire.OP_SNAPSHOT}
+    spec_ops = {wire.OP_SPEC_TARGET, wire.OP_SPEC_MTP, wire.OP_RING_SAVE, wire.OP_RING_RESTORE}
+    assert len(ops | spec_ops) == 10
+    header, payload = wire.ring_message(wire.OP_RING_SAVE, [0, 2], [1, 1, 7, 8])
+    assert int(header[wire.OP]) == wire.OP_RING_SAVE and wire.payload_len(header) == payload.numel()
+    assert wire.unpack_ring(payload) == ([0, 2], [1, 1, 7, 8])
+    assert wire.unpack_ring(wire.ring_message(wire.OP_RING_RESTORE, [3], None)[1]) == ([3], None)
+    assert wire.unpack_ring(wire.ring_message(wire.OP_RING_RESTORE, [3], [])[1]) == ([3], [])
+    for x in (torch.zeros(5, 16), torch.zeros(3, 2, 8, dtype=torch.bfloat16), torch.zeros(0, 4)):
+        y = wire.empty_hidden(wire.hidden_meta(x), torch.device("cpu"))
+        assert y.shape == x.shape and y.dtype == x.dtype

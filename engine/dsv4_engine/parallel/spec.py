@@ -1,0 +1,146 @@
+"""Speculative decoding over N ranks (`--tp-size N --speculative-algorithm mtp`).
+
+Rank 0 runs the speculator (dsv4_engine.spec_decode.speculator) as a single rank does: it
+schedules, verifies, picks the drafts and decides what each request keeps. Every forward the
+speculator runs is a forward of the sharded model (all-reduces inside), so each one reaches the
+other ranks first, in the order rank 0 runs them:
+- the target over a step's tokens (prefill chunks, last tokens with their drafts);
+- each forward of the MTP block (the catch-up, every step of the draft chain), with the hidden
+  states it reads broadcast from rank 0: the draft tokens in its batch were picked there, and the
+  block then computes on the same input on every rank;
+- V4's ring rollbacks: the save before a forward writes drafts' positions, and the put-back after
+  rank 0 verified them, whose bounds (each request's first rejected position) carry the accept
+  decision to every rank.
+The other ranks compute no logits and verify nothing (the head is replicated: rank 0's is enough).
+Pages and slot rows are rank 0's books; every rank's pool mirrors its shape, MTP state included,
+and every rank writes the same positions of it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from dsv4_engine.parallel import wire
+from dsv4_engine.spec_decode.mtp_v4 import RingRollback
+
+
+def _send(group, header: torch.Tensor, payload: torch.Tensor) -> None:
+    dist.broadcast(header, 0, group=group.rank.control)
+    dist.broadcast(payload, 0, group=group.rank.control)
+
+
+def _on_wire(x: torch.Tensor) -> torch.Tensor:
+    """gloo (CPU) broadcasts float32 as we want; other float types travel as float32 (exact)."""
+    return x.contiguous() if x.is_cuda or x.dtype == torch.float32 else x.float().contiguous()
+
+
+def send_hidden(group, x: torch.Tensor) -> None:
+    dist.broadcast(wire.hidden_meta(x), 0, group=group.rank.control)
+    dist.broadcast(_on_wire(x), 0, group=group.rank.compute)
+
+
+def receive_hidden(rank, device: torch.device) -> torch.Tensor:
+    meta = torch.zeros(wire.HIDDEN_META_LEN, dtype=torch.int64)
+    dist.broadcast(meta, 0, group=rank.control)
+    x = wire.empty_hidden(meta, device)
+    buf = _on_wire(x)
+    dist.broadcast(buf, 0, group=rank.compute)
+    return buf if buf is x else buf.to(x.dtype)
+
+
+# ---- rank 0 --------------------------------------------------------------------------------------
+
+
+class BroadcastTarget:
+    """The speculator's target on rank 0: its forward reaches the other ranks first."""
+
+    def __init__(self, target, group):
+        self.target, self.group = target, group
+
+    def hidden(self, fb, states: dict) -> torch.Tensor:
+        with self.group.step("a speculative target step on rank 0"):
+            _send(self.group, *wire.pack(fb, wire.OP_SPEC_TARGET))
+            return self.target.hidden(fb, states)
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+
+class BroadcastMTP:
+    """The speculator's MTP block on rank 0: each forward, and the hidden states it reads, reach
+    the other ranks first."""
+
+    def __init__(self, mtp, group):
+        self.mtp, self.group = mtp, group
+
+    def forward(self, fb, states: dict, prev: torch.Tensor, rows: Optional[torch.Tensor] = None):
+        with self.group.step("a speculative MTP step on rank 0"):
+            _send(self.group, *wire.pack(fb, wire.OP_SPEC_MTP))
+            send_hidden(self.group, prev)
+            return self.mtp.forward(fb, states, prev, rows)
+
+    def __getattr__(self, name):
+        return getattr(self.mtp, name)
+
+
+def mirrored_rollback(group, slot_names):
+    """A RingRollback class whose save and put-back every other rank repeats on its own rings."""
+    order = sorted(slot_names)
+
+    class MirroredRollback(RingRollback):
+        def __init__(self, rings: dict, rows: list[int], positions: list[int]):
+            self._names = [order.index(n) for n in rings]
+            with group.step("saving ring entries on every rank"):
+                _send(group, *wire.ring_message(wire.OP_RING_SAVE, self._names, [*rows, *positions]))
+                super().__init__(rings, rows, positions)
+
+        def restore(self, keep_below: Optional[list[int]] = None) -> None:
+            with group.step("putting back ring entries on every rank"):
+                _send(group, *wire.ring_message(wire.OP_RING_RESTORE, self._names, keep_below))
+                super().restore(keep_below)
+
+    return MirroredRollback
+
+
+def broadcast_speculator(spec, group, pool) -> None:
+    """Make rank 0's speculator send each forward and ring rollback to the other ranks."""
+    spec.target = BroadcastTarget(spec.target, group)
+    spec.mtp = BroadcastMTP(spec.mtp, group)
+    spec.rollback = mirrored_rollback(group, pool.slot_states)
+
+
+# ---- the other ranks -----------------------------------------------------------------------------
+
+
+class SpecRank:
+    """A rank other than 0: runs the speculator's forwards and ring rollbacks as rank 0 sends
+    them, on its own shard of the weights and its own pool."""
+
+    def __init__(self, spec, pool, rank):
+        self.spec, self.pool, self.rank = spec, pool, rank
+        self.order = sorted(pool.slot_states)
+        self.saved: dict[tuple[int, ...], RingRollback] = {}  # by rings: a later save replaces
+
+    def handle(self, op: int, header: torch.Tensor, payload: torch.Tensor) -> None:
+        dev, states = self.spec.runner.device, self.pool.all_states
+        if op == wire.OP_SPEC_TARGET:
+            self.spec.target.hidden(wire.unpack(header, payload, dev), states)
+        elif op == wire.OP_SPEC_MTP:
+            fb = wire.unpack(header, payload, dev)
+            self.spec.mtp.forward(fb, states, receive_hidden(self.rank, dev))
+        elif op == wire.OP_RING_SAVE:
+            names, ints = wire.unpack_ring(payload)
+            n = len(ints) // 2
+            rings = {self.order[i]: self.pool.slot_states[self.order[i]] for i in names}
+            self.saved[tuple(names)] = RingRollback(rings, ints[:n], ints[n:])
+        elif op == wire.OP_RING_RESTORE:
+            names, keep_below = wire.unpack_ring(payload)
+            undo = self.saved.pop(tuple(names), None)
+            if undo is None:
+                raise RuntimeError("rank 0 put back ring entries this rank never saved")
+            undo.restore(keep_below)
+        else:
+            raise RuntimeError(f"unknown speculative operation {op} from rank 0")
