@@ -164,7 +164,7 @@ def _logits_requests(stop_tok: int) -> list:
     # rarely repeats a token within 16, so positive ones would change nothing here.
     g = dict(temperature=0, max_tokens=16, ignore_eos=True)
     return [
-        ([5, 6, 7], SamplingParams(presence_penalty=-3.0, **g)),
+        ([5, 6, 7], SamplingParams(presence_penalty=-2.0, **g)),
         ([5, 6, 7], SamplingParams(frequency_penalty=-1.5, **g)),
         ([8, 9, 10, 11], SamplingParams(repetition_penalty=0.4, **g)),
         ([12, 13], SamplingParams(logit_bias={40: 3.0, 41: -100.0, 77: 2.5}, **g)),
