@@ -151,12 +151,10 @@ def test_structured_outputs_greedy_equal_plain_with_real_and_steered_drafts(v3_m
     real = _engine(v3_mtp, True, steps=3)
     assert _run(real, reqs) == plain
     assert real.metrics.totals["spec_decode_num_draft_tokens"] > 0
-    for accuracy, seed in ((1.0, 0), (0.5, 1)):
-        eng = _engine(v3_mtp, True, steps=3)
-        _steer(eng, plain, accuracy, seed)
-        assert _run(eng, reqs) == plain
-        accepted = eng.metrics.totals.get("spec_decode_num_accepted_tokens", 0)
-        assert accepted > (50 if accuracy == 1 else 10)  # accepted drafts advanced the grammar
+    eng = _engine(v3_mtp, True, steps=3)
+    _steer(eng, plain, 0.75, 0)  # runs of accepted drafts, and wrong ones (mostly outside the grammar)
+    assert _run(eng, reqs) == plain
+    assert eng.metrics.totals.get("spec_decode_num_accepted_tokens", 0) > 50  # accepted drafts advanced the grammar
 
 
 def _logits_requests(stop_tok: int) -> list:
@@ -198,7 +196,7 @@ def test_penalties_logit_bias_min_tokens_greedy_equal_plain(v3_mtp):
 
 
 def test_v4_structured_and_penalties_greedy_equal_plain(v4_mtp):
-    reqs = [_structured_requests()[0], _structured_requests()[4], *_logits_requests(3)[:4]]
+    reqs = [_structured_requests()[0], *_logits_requests(3)[:4]]
     plain = _run(_engine(v4_mtp, False), reqs)
     assert _run(_engine(v4_mtp, True, steps=2), reqs) == plain
     eng = _engine(v4_mtp, True, steps=2)
@@ -244,18 +242,20 @@ def test_sampled_under_a_grammar_keeps_the_masked_target_distribution(v3_mtp):
     (several tokens each; the spec run's drafts are verified by rejection sampling over the masked,
     renormalised distributions): same distribution, and every answer inside the grammar."""
     options = ["a", "b", "c", "ab", "ba", "cab"]
-    reqs = [
-        ([5, 6], SamplingParams(temperature=1.5, seed=i, max_tokens=8, structured=structured.choice(options)))
-        for i in range(160)
-    ]
+
+    def reqs(seed0: int):  # independent samples: the two runs draw with different seeds
+        params = dict(temperature=4.0, max_tokens=8, structured=structured.choice(options))
+        return [([5, 6], SamplingParams(seed=seed0 + i, **params)) for i in range(160)]
+
     eng = _engine(v3_mtp, True, steps=2, max_num_seqs=32, kv_pages=160)
-    spec = _run(eng, reqs, timeout=300)
-    plain = _run(_engine(v3_mtp, False, max_num_seqs=32, kv_pages=160), reqs, timeout=300)
-    assert eng.metrics.totals["spec_decode_num_draft_tokens"] > 0
+    spec = _run(eng, reqs(0), timeout=300)
+    plain = _run(_engine(v3_mtp, False, max_num_seqs=32, kv_pages=160), reqs(10_000), timeout=300)
+    assert eng.metrics.totals["spec_decode_num_accepted_tokens"] > 50  # drafts were kept, and rejected
     a, b = Counter(v[1] for v in plain.values()), Counter(v[1] for v in spec.values())
     assert set(a) | set(b) <= set(options), (a, b)
     cats = [c for c in options if a[c] + b[c] > 0]
     n1, n2 = sum(a.values()), sum(b.values())
     chi2 = sum((a[c] * (n2 / n1) ** 0.5 - b[c] * (n1 / n2) ** 0.5) ** 2 / (a[c] + b[c]) for c in cats)
     # 99.9th percentile of chi-square with len(cats) - 1 <= 5 degrees of freedom: 20.5.
+    print("CHI", a, b, chi2, eng.metrics.totals["spec_decode_num_accepted_tokens"])
     assert chi2 < 20.5, (a, b, chi2)
