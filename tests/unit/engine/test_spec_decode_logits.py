@@ -257,5 +257,4 @@ def test_sampled_under_a_grammar_keeps_the_masked_target_distribution(v3_mtp):
     n1, n2 = sum(a.values()), sum(b.values())
     chi2 = sum((a[c] * (n2 / n1) ** 0.5 - b[c] * (n1 / n2) ** 0.5) ** 2 / (a[c] + b[c]) for c in cats)
     # 99.9th percentile of chi-square with len(cats) - 1 <= 5 degrees of freedom: 20.5.
-    print("CHI", a, b, chi2, eng.metrics.totals["spec_decode_num_accepted_tokens"])
     assert chi2 < 20.5, (a, b, chi2)
