@@ -258,3 +258,25 @@ def test_sampled_under_a_grammar_keeps_the_masked_target_distribution(v3_mtp):
     chi2 = sum((a[c] * (n2 / n1) ** 0.5 - b[c] * (n1 / n2) ** 0.5) ** 2 / (a[c] + b[c]) for c in cats)
     # 99.9th percentile of chi-square with len(cats) - 1 <= 5 degrees of freedom: 20.5.
     assert chi2 < 20.5, (a, b, chi2)
+
+
+def test_structured_and_penalties_under_preemption_and_through_pd(v3_mtp):
+    """Preempted requests rebuild their grammar state from their output (drafts dropped) and go
+    on as plain decoding does; a PD pair (prefill verifies the first token under the grammar,
+    decode drafts and verifies the rest) answers what a plain engine does."""
+    from test_spec_decode_pd import all_back, pair, through_pd
+
+    s, lg = _structured_requests(), _logits_requests(3)
+    reqs = [lg[0], lg[3], lg[4], s[0], s[2], s[4]]  # the newest are preempted first: the grammars
+    plain = _run(_engine(v3_mtp, False), reqs)
+    eng = _engine(v3_mtp, True, steps=3, kv_pages=11)
+    _steer(eng, plain, 0.75, 6)
+    preempted = []
+    preempt = eng.scheduler._preempt
+    eng.scheduler._preempt = lambda seq: (preempted.append(seq.rid), preempt(seq))
+    assert _run(eng, reqs) == plain
+    assert {"r3", "r4", "r5"} & set(preempted), "the pool was meant to be small enough to preempt"
+    p, d = pair(v3_mtp, True, True)
+    assert through_pd(p, d, reqs) == {k: (v[0], v[2], v[3]) for k, v in plain.items()}
+    assert d.metrics.totals["spec_decode_num_draft_tokens"] > 0
+    all_back(p, d)
