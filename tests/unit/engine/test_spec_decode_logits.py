@@ -280,3 +280,52 @@ def test_structured_and_penalties_under_preemption_and_through_pd(v3_mtp):
     assert through_pd(p, d, reqs) == {k: (v[0], v[2], v[3]) for k, v in plain.items()}
     assert d.metrics.totals["spec_decode_num_draft_tokens"] > 0
     all_back(p, d)
+
+
+def test_pending_tokens_count_as_output():
+    """process_logits with `pending` tokens after a history equals it with them in the output."""
+    import torch
+
+    from dsv4_engine.sampling import process_logits
+
+    class H:
+        def __init__(self, prompt, output):
+            self.prompt_ids, self.output_ids = prompt, output
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 50, generator=gen)
+    p = SamplingParams(
+        presence_penalty=0.7, frequency_penalty=-0.4, repetition_penalty=1.6, logit_bias={3: 2.0}, min_tokens=5
+    )
+    params, eos = [p, p, p], [7]
+    base = H([1, 2, 3], [4, 4, 9])
+    pend = [[], [4], [11, 12, 13]]
+    got = process_logits(x, params, [base, base, base], eos, pending=pend)
+    want = process_logits(x, params, [H([1, 2, 3], [4, 4, 9] + t) for t in pend], eos)
+    assert torch.equal(got, want)
+    assert torch.isneginf(got[1, 7]) and not torch.isneginf(got[2, 7])  # min_tokens counts them too
+
+
+def test_fill_along_masks_each_state_and_rolls_back():
+    """The mask after tokens[:j] for every j, the matcher where it began afterwards; it stops at a
+    refused token and after the one that completes the grammar."""
+    import torch
+    import xgrammar as xgr
+
+    from dsv4_engine.structured.bitmask import fill_along
+    from dsv4_engine.structured.grammar import Matcher
+
+    info = xgr.TokenizerInfo(["a", "b", "c", "</s>"], xgr.VocabType.RAW, vocab_size=4, stop_token_ids=[3])
+    compiled = xgr.GrammarCompiler(info).compile_grammar('root ::= "a" ("b" | "c") "a"')
+    m = Matcher(compiled)
+    host = torch.full((5, 1), -1, dtype=torch.int32)
+    assert fill_along(m, [0, 1, 0, 3], host, 0) == (4, 4)  # a b a </s>: four taken, no state after </s>
+    bits = [v & 0b1111 for v in host[:, 0].tolist()]  # the 4 tokens' bits (xgrammar sets the others at will)
+    assert bits[:4] == [0b0001, 0b0110, 0b0001, 0b1000] and host[4, 0] == -1
+    assert fill_along(m, [0, 0, 1], host, 0) == (1, 2)  # the second "a" is refused
+    # A draft step's mask: the state after all the tokens only, into row 1.
+    assert fill_along(m, [0, 2], host, 1, skip=2) == (2, 1) and host[1, 0] & 0b1111 == 0b0001
+    m.sync([0])  # the matcher is where it began: nothing accepted
+    host.fill_(-1)
+    m.fill(host, 0)
+    assert host[0, 0] & 0b1111 == 0b0110
