@@ -305,6 +305,8 @@ class MTPSpeculator:
         for n, i in enumerate(ends):
             seq = batch[i].seq
             # Drafts past the first the grammar refuses are never kept: verify those before it.
+            # (Drafts are drawn under the very masks verified here, so only drafts replaced
+            # from outside are ever refused; a sampled row never has one.)
             a = accepted[n]
             lo, hi = offs[n], offs[n] + a + 1
             try:
