@@ -391,13 +391,6 @@ class Engine:
         if seq.rid in self.seqs:
             seq.sink(RequestOutput(seq.rid, [], "", True, "error", f"duplicate request id {seq.rid}", 400))
             return
-        if self.spec is not None:
-            from dsv4_engine.spec_decode.options import request_refusal
-
-            refusal = request_refusal(seq.params)
-            if refusal:
-                seq.sink(RequestOutput(seq.rid, [], "", True, "error", refusal, 400))
-                return
         if seq.params.structured is not None:
             from dsv4_engine.structured.grammar import GrammarError
 

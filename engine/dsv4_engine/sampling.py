@@ -149,6 +149,7 @@ def process_logits(
     histories: Optional[Sequence[TokenHistory]],
     eos_ids: Sequence[int] = (),
     may_end: frozenset[int] = frozenset(),
+    pending: Optional[Sequence[Sequence[int]]] = None,
 ) -> torch.Tensor:
     """The logits each request samples from, [B, V]: `logits` itself when no request processes
     them (no op at all), else a copy where the rows that do are processed together:
@@ -157,7 +158,9 @@ def process_logits(
     logit_bias, then min_tokens (EOS and stop token ids to -inf while the output is shorter).
     Everything the host knows (ids, lengths, knobs) is uploaded without waiting; nothing is
     read back. Without `histories` a request counts as having seen no token. Rows in `may_end`
-    (a complete grammar that admits only a stop token) are not held back by min_tokens."""
+    (a complete grammar that admits only a stop token) are not held back by min_tokens.
+    `pending[i]`: tokens row i's request has after its history's output (speculation: the
+    tokens accepted this step and the drafts before the row's position), counted as output."""
     rows = [i for i, p in enumerate(params) if p.processes_logits]
     if not rows:
         return logits
@@ -183,8 +186,14 @@ def process_logits(
         pidx = torch.tensor(pen).to(dev, non_blocking=True) if len(pen) != len(rows) else None
         y = x if pidx is None else x[pidx]
         out = torch.stack([c.output for c in counts]).float()
+        extra = [n * vocab + t for n, j in enumerate(pen) for t in _pending(pending, rows[j]) if 0 <= t < vocab]
+        extra_idx = torch.tensor(extra, dtype=torch.long).to(dev, non_blocking=True) if extra else None
+        if extra_idx is not None:
+            out.view(-1).index_add_(0, extra_idx, torch.ones(len(extra), dtype=out.dtype).to(dev, non_blocking=True))
         if any(params[rows[j]].repetition_penalty != 1 for j in pen):
             seen = torch.stack([c.seen if c.seen is not None else c.output > 0 for c in counts])
+            if extra_idx is not None:
+                seen.view(-1).index_fill_(0, extra_idx, True)
             rep = knobs[:, :1]
             y = torch.where(seen, torch.where(y > 0, y / rep, y * rep), y)
         y = y.sub_(knobs[:, 2:3] * out).sub_(knobs[:, 1:2] * (out > 0))  # y is this step's own copy
@@ -200,7 +209,7 @@ def process_logits(
         for tok, bias in p.logit_bias.items():
             if 0 <= tok < vocab:  # the API refuses others; an id past the vocab must not reach the device
                 b_flat.append(j * vocab + tok), b_vals.append(bias)
-        if len(h.output_ids) < p.min_tokens and i not in may_end:
+        if len(h.output_ids) + len(_pending(pending, i)) < p.min_tokens and i not in may_end:
             blocked = {t for t in (*p.stop_token_ids, *(() if p.ignore_eos else eos_ids)) if 0 <= t < vocab}
             m_flat += [j * vocab + t for t in sorted(blocked)]
     flat = x.view(-1)  # x is this step's own contiguous copy
@@ -212,6 +221,10 @@ def process_logits(
     if len(rows) == len(params):
         return x  # every row processed: x is the whole batch, in order
     return logits.index_copy(0, idx, x)
+
+
+def _pending(pending: Optional[Sequence[Sequence[int]]], i: int) -> Sequence[int]:
+    return pending[i] if pending is not None else ()
 
 
 class _NoHistory:

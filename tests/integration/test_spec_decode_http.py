@@ -1,10 +1,12 @@
 """A real `dsv4 serve --speculative-algorithm mtp` answers the official client exactly as an
 engine without speculation does (greedy, concurrent requests, stop strings, max_tokens), counts
-drafts and accepted tokens on /metrics, shows the mean acceptance length on /v1/loads, refuses
-fields it cannot honour with a 400 naming them, and refuses to start where it cannot speculate."""
+drafts and accepted tokens on /metrics, shows the mean acceptance length on /v1/loads, serves
+structured outputs (guided_json, tool_choice required) and penalties / logit_bias / min_tokens
+as plain decoding does, and refuses to start where it cannot speculate."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -13,6 +15,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -31,13 +34,46 @@ def tiny_mtp(tmp_path_factory):
     return init_checkpoint(tmp_path_factory.mktemp("mtp") / "tiny-mtp", preset="tiny", seed=0, mtp=True)
 
 
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,6}$"}, "n": {"type": "integer", "minimum": 0}},
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+LOGITS = dict(presence_penalty=-2.0, frequency_penalty=0.5, logit_bias={"40": 3.0, "77": 2.5}, min_tokens=4)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 8}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+]
+
+
+def _plain_requests():
+    from dsv4_engine.sampling_params import SamplingParams
+    from dsv4_engine.structured import spec as structured
+
+    reqs = [(p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True)) for p, m in zip(PROMPTS, MAX_TOKENS)]
+    reqs.append(([5, 6, 7], SamplingParams(max_tokens=60, temperature=0, structured=structured.json_schema(SCHEMA))))
+    knobs = {**LOGITS, "logit_bias": {int(k): v for k, v in LOGITS["logit_bias"].items()}}
+    reqs.append(([8, 9], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, **knobs)))
+    return reqs
+
+
 def _plain(model) -> list[tuple[list[int], str, str]]:
     """What an engine without speculation answers (in-process, same model and device)."""
     import torch
 
     from dsv4_engine.engine import Engine
     from dsv4_engine.engine_args import EngineArgs
-    from dsv4_engine.sampling_params import SamplingParams
     from dsv4_engine.sequence import Sequence
 
     torch.set_num_threads(1)
@@ -48,17 +84,18 @@ def _plain(model) -> list[tuple[list[int], str, str]]:
     def sink(o):
         toks, text, _ = out.get(o.rid, ([], "", None))
         out[o.rid] = (toks + list(o.token_ids), text + o.text, o.finish_reason)
-        if o.finished and sum(v[2] is not None for v in out.values()) == len(PROMPTS):
+        if o.finished and sum(v[2] is not None for v in out.values()) == len(reqs):
             done.set()
 
+    reqs = _plain_requests()
     engine.start()
     try:
-        for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS)):
-            engine.submit(Sequence(f"r{i}", p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True), sink=sink))
+        for i, (p, params) in enumerate(reqs):
+            engine.submit(Sequence(f"r{i}", p, params, sink=sink))
         assert done.wait(120)
     finally:
         engine.stop()
-    return [out[f"r{i}"] for i in range(len(PROMPTS))]
+    return [out[f"r{i}"] for i in range(len(reqs))]
 
 
 def counter(text: str, key: str) -> float:
@@ -96,7 +133,7 @@ def test_served_with_speculation_equals_plain_decoding(tiny_mtp, tmp_path):
 
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             answers = list(pool.map(ask, range(len(PROMPTS))))
-        for (toks, text, _), a in zip(plain, answers):
+        for (toks, text, _), a in zip(plain[: len(PROMPTS)], answers):
             assert a.choices[0].text == text and a.choices[0].finish_reason == "length"
             assert a.usage.completion_tokens == len(toks)
             assert a.choices[0].model_extra["token_ids"] == toks
@@ -112,8 +149,43 @@ def test_served_with_speculation_equals_plain_decoding(tiny_mtp, tmp_path):
         assert "dsv4:spec_decode_accept_length_bucket" in metrics
         spec = httpx.get(f"{url}/v1/loads").json()["speculative"]
         assert spec["algorithm"] == "mtp" and spec["num_steps"] == 2 and spec["mean_acceptance_length"] >= 1
-        with pytest.raises(openai.BadRequestError, match="presence_penalty"):
-            client.completions.create(model="m", prompt=[5, 6], max_tokens=3, presence_penalty=0.5)
+        # Structured output and logits processing: what plain decoding answers, token for token.
+        toks, text, reason = plain[len(PROMPTS)]
+        a = client.completions.create(
+            model="m",
+            prompt=[5, 6, 7],
+            max_tokens=60,
+            temperature=0,
+            extra_body={"guided_json": SCHEMA, "return_token_ids": True},
+        )
+        assert a.choices[0].model_extra["token_ids"] == toks and a.choices[0].text == text and reason == "stop"
+        jsonschema.validate(json.loads(text), SCHEMA)
+        toks, text, _ = plain[len(PROMPTS) + 1]
+        a = client.completions.create(
+            model="m",
+            prompt=[8, 9],
+            max_tokens=12,
+            temperature=0,
+            presence_penalty=LOGITS["presence_penalty"],
+            frequency_penalty=LOGITS["frequency_penalty"],
+            logit_bias=LOGITS["logit_bias"],
+            extra_body={"min_tokens": LOGITS["min_tokens"], "ignore_eos": True, "return_token_ids": True},
+        )
+        assert a.choices[0].model_extra["token_ids"] == toks and a.choices[0].text == text
+        # tool_choice required: the answer is a call to the tool, arguments valid under its schema.
+        r = client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "weather?"}],
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=300,
+            temperature=0,
+        )
+        assert r.choices[0].finish_reason == "tool_calls", (r.choices[0].message, r.usage)
+        call = r.choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
 
 
 def test_speculation_is_refused_in_one_line_where_it_cannot_run(tiny_model, tiny_mtp):

@@ -1,6 +1,8 @@
-"""`--speculative-algorithm` and `--speculative-num-steps`: spellings, limits and refusals.
+"""`--speculative-algorithm` and `--speculative-num-steps`: spellings, limits and refusals at start.
 
-Pure (no torch): the CLI and the HTTP process check flags and requests with it.
+Pure (no torch): the CLI and the HTTP process check flags with it. Every request a plain engine
+serves, a speculating one serves too (structured outputs, penalties, logit_bias, min_tokens:
+verification processes each position's logits from the tokens before it).
 """
 
 from __future__ import annotations
@@ -41,26 +43,5 @@ def engine_refusal(
         return (
             "--speculative-algorithm mtp needs a checkpoint with an MTP layer (config.json "
             "num_nextn_predict_layers >= 1; `dsv4 model init --mtp` writes one)"
-        )
-    return None
-
-
-def request_refusal(params) -> Optional[str]:
-    """Why a request cannot be served by a speculating engine, naming the field, or None.
-    Logits processing (penalties, logit_bias, min_tokens) depends on the tokens before each
-    position, which verification would have to replay per draft: not built yet."""
-    for field, active in (
-        ("presence_penalty", params.presence_penalty != 0),
-        ("frequency_penalty", params.frequency_penalty != 0),
-        ("repetition_penalty", params.repetition_penalty != 1),
-        ("logit_bias", bool(params.logit_bias)),
-        ("min_tokens", params.min_tokens > 0),
-    ):
-        if active:
-            return f"{field} is not supported with --speculative-algorithm mtp yet"
-    if getattr(params, "structured", None) is not None:  # response_format / structured_outputs / guided_*
-        return (
-            "structured outputs (response_format, structured_outputs, guided_*) are not supported with "
-            "--speculative-algorithm mtp yet"
         )
     return None

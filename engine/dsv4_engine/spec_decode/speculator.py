@@ -80,6 +80,7 @@ class MTPSpeculator:
         # Saves and puts back V4's ring entries around drafts; at --tp-size N, a version that
         # does the same on every rank (dsv4_engine.parallel.spec).
         self.rollback = RingRollback
+        self._mask_filler = None  # structured outputs' masks (`_masks`)
 
     # ---- metrics -------------------------------------------------------------------------------
 
@@ -261,37 +262,97 @@ class MTPSpeculator:
             else:
                 self.drafts[batch[i].seq] = Draft([])
         if chain:
-            self._draft(batch, chain, dlogits, dhidden, pool)
+            self._draft(batch, chain, dlogits, dhidden, pool, [results[i].tokens for i, _, _, _ in chain])
         return results
 
+    def _masks(self):
+        """The grammar masks' host buffer (structured outputs), made on first use."""
+        if self._mask_filler is None:
+            from dsv4_engine.structured.bitmask import MaskFiller
+
+            self._mask_filler = MaskFiller(self.runner.cfg.vocab_size, self.runner.device, self.runner.eos_ids)
+        return self._mask_filler
+
+    def _processed(self, logits: torch.Tensor, items: list[tuple]) -> tuple:
+        """What each row samples from, as the plain sampler makes it: `items[n]` = (seq, tokens,
+        skip) for rows n .. n + len(tokens) - skip of `logits` (row j past the first: the state
+        after tokens[:skip + j], tokens not yet in the request's output). The grammar's mask of
+        that state first, then penalties, logit_bias and min_tokens counting those tokens as
+        output. Returns (masked fp32 logits (the logprobs' distribution), processed logits,
+        per item: tokens the grammar accepts, rows that have a state, {item: grammar error})."""
+        from dsv4_engine.sampling import apply_token_mask, process_logits
+
+        raw = logits.float()
+        rows, row = [], 0
+        for seq, toks, skip in items:
+            rows.append((seq, toks, skip, row))
+            row += len(toks) - skip + 1
+        mask, accepted, filled = (
+            self._masks().fill_chains(rows)
+            if any(s.grammar is not None for s, _, _ in items)
+            else (None, [len(t) for _, t, _ in items], [len(t) - k + 1 for _, t, k in items])
+        )
+        masked = apply_token_mask(raw, mask.rows, mask.bits) if mask is not None else raw
+        errors = {n: mask.errors[r[3]] for n, r in enumerate(rows) if mask is not None and r[3] in mask.errors}
+        if not any(s.params.processes_logits for s, _, _ in items):
+            return masked, masked, accepted, filled, errors
+        params, hist, pend = [], [], []
+        for seq, toks, skip in items:
+            for j in range(skip, len(toks) + 1):
+                params.append(seq.params), hist.append(seq), pend.append(toks[:j])
+        may_end = frozenset(mask.may_end) if mask is not None else frozenset()
+        return (
+            masked,
+            process_logits(masked, params, hist, self.runner.eos_ids, may_end, pend),
+            accepted,
+            filled,
+            errors,
+        )
+
     def _verify(self, batch, ends, ndraft, logits, results) -> None:
-        """Greedy and sampled rows of the verifying requests, all argmaxes read back at once."""
+        """Greedy and sampled rows of the verifying requests, all argmaxes read back at once.
+        Each position's logits are processed as plain decoding would have at that point: the
+        grammar's mask after the drafts before it, penalties counting them (`_processed`)."""
         counts = [ndraft[i] + 1 for i in ends]
         offs = [sum(counts[:n]) for n in range(len(ends))]
-        nan = torch.isnan(logits).any(dim=-1)
-        host_argmax, host_nan = logits.argmax(dim=-1).tolist(), nan.tolist()
+        drafts = [self.drafts.get(batch[i].seq) for i in ends]
+        drafted = [d.tokens[: ndraft[i]] if ndraft[i] else [] for d, i in zip(drafts, ends)]
+        nan = torch.isnan(logits).any(dim=-1)  # before a mask's -inf hides a NaN
+        masked, x, accepted, _, errors = self._processed(
+            logits, [(batch[i].seq, drafted[n], 0) for n, i in enumerate(ends)]
+        )
+        nothing = torch.isneginf(x).all(dim=-1)
+        host = torch.cat([x.argmax(dim=-1), nan.long(), nothing.long()]).tolist()
+        R = x.shape[0]
+        host_argmax, host_nan, host_nothing = host[:R], host[R : 2 * R], host[2 * R :]
         for n, i in enumerate(ends):
             seq = batch[i].seq
-            lo, hi = offs[n], offs[n] + counts[n]
+            # Drafts past the first the grammar refuses are never kept: verify those before it.
+            # (Drafts are drawn under the very masks verified here, so only drafts replaced
+            # from outside are ever refused; a sampled row never has one.)
+            a = accepted[n]
+            lo, hi = offs[n], offs[n] + a + 1
             try:
+                if n in errors:
+                    raise SamplingError(f"structured output: {errors[n]}")
                 if any(host_nan[lo:hi]):
                     raise SamplingError("the model produced NaN logits for this request")
-                draft = self.drafts.get(seq)
-                drafted = draft.tokens[: ndraft[i]] if ndraft[i] else []
                 p = seq.params
                 if p.greedy:
-                    toks = accept_greedy(drafted, host_argmax[lo:hi])
+                    toks = accept_greedy(drafted[n][:a], host_argmax[lo:hi])
                 else:
                     probs = sampling_probs(
-                        logits[lo:hi], [p.temperature] * counts[n], [p.top_k] * counts[n], [p.top_p] * counts[n]
+                        x[lo:hi], [p.temperature] * (a + 1), [p.top_k] * (a + 1), [p.top_p] * (a + 1)
                     )
                     if not torch.isfinite(probs).all() or (probs.sum(dim=-1) <= 0).any():
                         raise SamplingError("the sampling distribution is not finite (check temperature/top_p/top_k)")
-                    q = draft.probs[: ndraft[i]] if ndraft[i] else probs[:0]
-                    toks = rejection_sample(probs, q, drafted, seq.generator)
+                    q = drafts[n].probs[:a] if a else probs[:0]
+                    toks = rejection_sample(probs, q, drafted[n][:a], seq.generator)
+                if any(host_nothing[lo : lo + len(toks)]):
+                    raise SamplingError("no token is allowed here (the grammar and min_tokens/logit_bias leave none)")
                 lps = None
                 if p.logprobs is not None:
-                    ls = torch.log_softmax(logits[lo : lo + len(toks)], dim=-1)
+                    ls = torch.log_softmax(masked[lo : lo + len(toks)], dim=-1)
                     lps = [logprob_entry(ls[j], t, p.logprobs) for j, t in enumerate(toks)]
                 results[i] = SpecResult(toks, 0, ndraft[i], lps)
             except Exception as e:  # noqa: BLE001 — one request's row fails that request alone
@@ -322,33 +383,44 @@ class MTPSpeculator:
             seq.pages.extend(pages)
         return want
 
-    def _pick(self, logits: torch.Tensor, seqs) -> tuple[list[int], list[Optional[torch.Tensor]]]:
-        """A draft token per row: the argmax for greedy requests, a draw from the drafter's own
-        distribution (kept, for verification) for sampled ones."""
-        toks = logits.argmax(dim=-1).tolist()
-        probs: list[Optional[torch.Tensor]] = [None] * len(seqs)
-        sampled = [n for n, s in enumerate(seqs) if not s.params.greedy]
+    def _pick(
+        self, logits: torch.Tensor, seqs, pending: list[list[int]]
+    ) -> tuple[list[Optional[int]], list[Optional[torch.Tensor]]]:
+        """A draft token per row, drawn from the drafter's logits processed as the target's will
+        be at that position (`pending[n]`: the request's tokens after its output so far: the
+        grammar's mask after them, penalties counting them): the argmax for greedy requests, a
+        draw from that distribution (kept, for verification) for sampled ones. None where the
+        row cannot draft (its grammar is complete or refuses what came before, or nothing is allowed)."""
+        _, x, _, filled, errors = self._processed(logits, [(s, t, len(t)) for s, t in zip(seqs, pending)])
+        host = torch.cat([x.argmax(dim=-1), torch.isneginf(x).all(dim=-1).long()]).tolist()
+        B = len(seqs)
+        toks: list[Optional[int]] = [
+            t if filled[n] and not host[B + n] and n not in errors else None for n, t in enumerate(host[:B])
+        ]
+        probs: list[Optional[torch.Tensor]] = [None] * B
+        sampled = [n for n, s in enumerate(seqs) if not s.params.greedy and toks[n] is not None]
         if sampled:
             ps = [seqs[n].params for n in sampled]
-            q = sampling_probs(
-                logits[sampled], [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps]
-            )
+            q = sampling_probs(x[sampled], [p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps])
             q = torch.nan_to_num(q, nan=0.0)
             for j, n in enumerate(sampled):
                 row = q[j]
-                if not (row.sum() > 0):
-                    row = torch.full_like(row, 1.0 / row.numel())
+                if not (row.sum() > 0):  # e.g. NaN drafter logits: uniform over what is allowed
+                    allowed = ~torch.isneginf(x[n])
+                    row = allowed.float() / allowed.sum()
                     q[j] = row
                 toks[n] = int(torch.multinomial(row.double(), 1, generator=seqs[n].generator))
                 probs[n] = q[j]
         return toks, probs
 
-    def _draft(self, batch, chain, dlogits, dhidden, pool) -> None:
+    def _draft(self, batch, chain, dlogits, dhidden, pool, news: list[list[int]]) -> None:
+        """`news[n]`: the tokens chain entry n's request emits this step (not in its output yet).
+        A request stops drafting where `_pick` has no token for it (its grammar ends)."""
         dev = self.runner.device
         seqs = [batch[i].seq for i, _, _, _ in chain]
         rows = torch.tensor([j for _, j, _, _ in chain], device=dev)
-        toks, probs = self._pick(dlogits[rows], seqs)
-        drafts = [Draft([t], None if pr is None else [pr]) for t, pr in zip(toks, probs)]
+        toks, probs = self._pick(dlogits[rows], seqs, [list(t) for t in news])
+        drafts = [Draft([] if t is None else [t], None if pr is None else [pr]) for t, pr in zip(toks, probs)]
         hid = dhidden[rows]
         live = list(range(len(chain)))  # chain entries still drafting
         # The chain writes the block's ring past the request's valid positions; V4's ring wraps,
@@ -365,7 +437,7 @@ class MTPSpeculator:
         )
         step = 1
         while True:
-            live = [n for n in live if chain[n][2] > step]
+            live = [n for n in live if chain[n][2] > step and len(drafts[n].tokens) == step]
             if not live:
                 break
             pos = [chain[n][3] + step - 1 for n in live]
@@ -379,11 +451,13 @@ class MTPSpeculator:
             )
             sel = torch.tensor(live, device=dev)
             lg, h = self._mtp_forward(hb, True, pool, hid[sel])
-            t, pr = self._pick(lg, [seqs[n] for n in live])
+            t, pr = self._pick(lg, [seqs[n] for n in live], [news[n] + drafts[n].tokens for n in live])
             new_hid = hid.clone()
             new_hid[sel] = h
             hid = new_hid
             for m, n in enumerate(live):
+                if t[m] is None:
+                    continue
                 drafts[n].tokens.append(t[m])
                 if pr[m] is not None:
                     drafts[n].probs.append(pr[m])
@@ -392,4 +466,4 @@ class MTPSpeculator:
             undo.restore()
         for n, s in enumerate(seqs):
             d = drafts[n]
-            self.drafts[s] = Draft(d.tokens, torch.stack(d.probs) if d.probs is not None else None)
+            self.drafts[s] = Draft(d.tokens, torch.stack(d.probs) if d.probs else None)

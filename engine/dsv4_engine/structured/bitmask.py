@@ -25,6 +25,32 @@ def ensure_matcher(seq) -> Matcher:
     return seq.matcher
 
 
+def fill_along(
+    matcher: Matcher, tokens: Sequence[int], host: torch.Tensor, row0: int, skip: int = 0
+) -> tuple[int, int]:
+    """Speculation: the masks at the states after tokens[:j], for j = skip .. len(tokens), into
+    host rows row0 + j - skip, the matcher advanced over `tokens` on the way and then rolled
+    back to where it was (what the request accepts is taken by `ensure_matcher`, once).
+    Returns (accepted, filled): how many leading tokens the grammar takes (it stops at the first
+    it refuses, and after the one that completes it), and how many rows from row0 hold a mask
+    (a state past a refused token or after completion has none: its rows are left as they are)."""
+    m, accepted, filled = matcher.m, 0, 0
+    try:
+        for j in range(len(tokens) + 1):
+            if j >= skip:
+                if m.is_terminated():
+                    break
+                m.fill_next_token_bitmask(host, row0 + j - skip)
+                filled += 1
+            if j == len(tokens) or m.is_terminated() or not m.accept_token(tokens[j]):
+                break
+            accepted += 1
+    finally:
+        if accepted:
+            m.rollback(accepted)
+    return accepted, filled
+
+
 def bitmask_width(vocab: int) -> int:
     return -(-vocab // 32)
 
@@ -79,6 +105,37 @@ class MaskFiller:
         else:
             out.bits = host.clone()  # the buffer is refilled next step
         return out
+
+    def fill_chains(self, items: Sequence[tuple]) -> tuple[Optional[StepMask], list[int], list[int]]:
+        """Speculation's masks: for each (seq, tokens, skip, row) the masks at the states after
+        tokens[:j] (j = skip .. len(tokens), the request's output so far before them) for the
+        logits rows row, row + 1, ...; rows of requests without a grammar are left out. Returns
+        the mask (None when no request has a grammar), and per item the tokens its grammar
+        accepts and the rows it filled (`fill_along`; len(tokens) and every row without a grammar)."""
+        accepted = [len(t) for _, t, _, _ in items]
+        filled = [len(t) - k + 1 for _, t, k, _ in items]
+        mine = [n for n, it in enumerate(items) if getattr(it[0], "grammar", None) is not None]
+        if not mine:
+            return None, accepted, filled
+        host = self._buffer(sum(filled[n] for n in mine))
+        host.fill_(-1)  # a row past the grammar's end stays all-allowed: what it picks is never emitted
+        out = StepMask([], host)
+        at = 0
+        for n in mine:
+            seq, toks, skip, row = items[n]
+            out.rows.extend(range(row, row + filled[n]))
+            try:
+                accepted[n], filled[n] = fill_along(ensure_matcher(seq), toks, host, at, skip)
+            except (GrammarError, RuntimeError, ValueError) as e:
+                out.errors[row] = e
+                accepted[n], filled[n] = 0, 0
+            for j in range(filled[n]):
+                short = len(seq.output_ids) + skip + j < seq.params.min_tokens
+                if short and not bool((host[at + j] & self._not_stop).any()):
+                    out.may_end.add(row + j)
+            at += len(toks) - skip + 1
+        out.bits = host.to(self.device, non_blocking=True) if self.device.type != "cpu" else host.clone()
+        return out, accepted, filled
 
 
 def _pack(allowed: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Speculative decoding with the MTP layer: greedy output equals plain decoding token for token
 (whatever the drafts: the real drafter, or drafts steered to be right, wrong or half right per
 request), under concurrency, preemption, stop strings and max_tokens, with every page back; the
-rejection sampler keeps the target's distribution; what is not built yet is refused."""
+rejection sampler keeps the target's distribution; what is not built yet is refused at start
+(structured outputs and logits processing: tests/unit/engine/test_spec_decode_logits.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from dsv4_engine.engine import Engine
 from dsv4_engine.engine_args import EngineArgs
 from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.sequence import Sequence
-from dsv4_engine.spec_decode.options import engine_refusal, normalize_algorithm, request_refusal
+from dsv4_engine.spec_decode.options import engine_refusal, normalize_algorithm
 from dsv4_engine.spec_decode.verify import accept_greedy, rejection_sample, sampling_probs
 
 
@@ -167,14 +168,6 @@ def test_sampled_requests_finish_and_return_pages(tiny_mtp):
     assert all(len(v[0]) == 12 and v[2] == "length" for v in outs.values())
 
 
-def test_unsupported_request_fields_are_refused_per_request(tiny_mtp):
-    outs = _run(
-        _engine(tiny_mtp, True), [([5, 6, 7], SamplingParams(max_tokens=4, temperature=0, presence_penalty=0.5))]
-    )
-    toks, _, reason, error = outs["r0"]
-    assert reason == "error" and "presence_penalty" in error and "speculative" in error and not toks
-
-
 def test_refusals_at_start(tiny_mtp, tiny_model):
     assert normalize_algorithm("EAGLE") == normalize_algorithm("NEXTN") == normalize_algorithm("deepseek_mtp") == "mtp"
     assert normalize_algorithm(None) is None
@@ -192,10 +185,6 @@ def test_refusals_at_start(tiny_mtp, tiny_model):
     assert engine_refusal("mtp", 2, "deepseek_v3", 1, "mono", 1) is None
     with pytest.raises(ValueError, match="MTP layer"):
         _engine(tiny_model, True)  # the default tiny preset has no MTP layer
-    assert request_refusal(SamplingParams(min_tokens=2)) and request_refusal(SamplingParams()) is None
-    from dsv4_engine.structured.spec import StructuredSpec
-
-    assert "structured outputs" in request_refusal(SamplingParams(structured=StructuredSpec("json_object", "")))
 
 
 def test_accept_greedy():
