@@ -76,6 +76,9 @@ class MTPSpeculator:
         self.max_model_len: int = runner.cfg.max_position_embeddings  # the engine sets its own limit
         self.eos_ids: set[int] = set(runner.cfg.eos_token_ids)
         self.state_specs: list = []  # set by build_speculator
+        # The prefix cache's snapshot boundary (models with slot states; set by the engine): see
+        # _drafts_wanted. None: no snapshots.
+        self.cache_boundary: Optional[int] = None
 
     # ---- metrics -------------------------------------------------------------------------------
 
@@ -169,6 +172,10 @@ class MTPSpeculator:
             toks.append(_tokens(seq, start, r) + drafted)
         slots = [b.seq.slot for b in batch]
         fb = self._batch(self.target_buffers, starts, news, [b.seq.pages for b in batch], toks, slots, ps)
+        snaps = pool.snapshots
+        if snaps is not None and any(b.snapshots for b in batch):  # the prefix cache's, inside chunks
+            fb.snapshots = [(i, pos, sid) for i, b in enumerate(batch) for pos, sid in b.snapshots]
+            fb.snapshot_states = snaps.states
         # V4's rings: what the drafts' positions will overwrite, to put back where they are rejected.
         spec_rows = [i for i in range(len(batch)) if ndraft[i]]
         rings = {n: t for n, t in pool.slot_states.items() if n != self.mtp_ring}
@@ -222,6 +229,8 @@ class MTPSpeculator:
             [slots[i] for i in cu],
             ps,
         )
+        if fb.snapshots:
+            self._snapshots_in_catch_up(batch, cu, cu_starts, cu_news, fb2, snaps)
         last = torch.tensor(list(itertools.accumulate(cu_news)), device=dev) - 1  # each request's last row
         dlogits, dhidden = self.mtp.forward(fb2, states, hidden[torch.tensor(cu_rows, device=dev)], last)
 
@@ -240,6 +249,28 @@ class MTPSpeculator:
         if chain:
             self._draft(batch, chain, dlogits, dhidden, pool)
         return results
+
+    def _snapshots_in_catch_up(self, batch, cu, cu_starts, cu_news, fb2, snaps) -> None:
+        """The prefix cache's snapshots inside this step's chunks (V4's torch path): the target
+        wrote its part of each (the main model's rings as of that boundary); keep those whose
+        positions all became valid, strictly inside the catch-up's span, and have the catch-up
+        write the MTP block's ring into them (from its ring and the span, as the target did).
+        The others go back: past a rejected draft, or on the span's end (after the step the row
+        stands there, and `PrefixCache.snapshot_due` copies it whole). The drafts never cross a
+        boundary (`_drafts_wanted`), so in practice only prefill chunks carry any."""
+        for j, i in enumerate(cu):
+            keep = []
+            for pos, sid in batch[i].snapshots:
+                if cu_starts[j] < pos < cu_starts[j] + cu_news[j]:
+                    keep.append((pos, sid))
+                else:
+                    snaps.release(sid)
+            batch[i].snapshots = keep
+        fb2.snapshots = [(j, pos, sid) for j, i in enumerate(cu) for pos, sid in batch[i].snapshots] or None
+        if fb2.snapshots and self.mtp_ring:
+            from dsv4_engine.models.deepseek_v4 import DeepseekV4
+
+            fb2.snapshot_states = {DeepseekV4.SWA_KV: snaps.states[self.mtp_ring]}
 
     def _verify(self, batch, ends, ndraft, logits, results) -> None:
         """Greedy and sampled rows of the verifying requests, all argmaxes read back at once."""
@@ -287,6 +318,11 @@ class MTPSpeculator:
             return 0
         out_len, total = len(seq.output_ids) + len(new), seq.num_tokens + len(new)
         want = min(self.k, p.max_tokens - out_len - 1, self.max_model_len - total - 1)
+        if self.cache_boundary:
+            # The prefix cache keeps a decode snapshot where the request stands exactly on a
+            # boundary: a step's chunk (next_pos, its drafts) ends at the next one at the latest,
+            # so every boundary is reached after acceptance and copied from the row there.
+            want = min(want, (next_pos // self.cache_boundary + 1) * self.cache_boundary - next_pos - 1)
         if want <= 0:
             return 0
         # The chain's k-1 decode steps write positions next_pos .. next_pos + want - 2.
