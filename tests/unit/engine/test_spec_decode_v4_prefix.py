@@ -22,6 +22,7 @@ from test_v4_prefix_cache import assert_everything_back, rows_only
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 VOCAB = 400
 BOUNDARY = 8  # page 4, HCA window 8
+PREEMPTING = 30  # pages: the third round preempts (and resumes from the cache)
 
 
 @pytest.fixture(scope="module")
@@ -76,12 +77,33 @@ def conversations(engine: Engine, rounds: int, seed: int, steer: dict | None = N
     return outs, seqs
 
 
-@pytest.mark.parametrize("in_forward", [pytest.param(True, id="in-forward"), pytest.param(False, id="rows-only")])
-def test_multi_round_conversations_with_speculation_and_the_cache_equal_neither(v4_mtp, in_forward):
-    ref, _ = conversations(engine_for(v4_mtp, False, False), 3, seed=1)
-    engine = engine_for(v4_mtp, True, True)
+@pytest.fixture(scope="module")
+def plain(v4_mtp):
+    """The conversations on an engine with neither speculation nor cache."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return conversations(engine_for(v4_mtp, False, False), 3, seed=1)[0]
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize(
+    "in_forward,pages",
+    [
+        pytest.param(True, 160, id="in-forward"),
+        pytest.param(False, 160, id="rows-only", marks=pytest.mark.slow),
+        pytest.param(True, PREEMPTING, id="preempting"),
+    ],
+)
+def test_multi_round_conversations_with_speculation_and_the_cache_equal_neither(v4_mtp, plain, in_forward, pages):
+    ref = plain
+    engine = engine_for(v4_mtp, True, True, kv_pages=pages)
     if not in_forward:
         rows_only(engine)  # the kernel path's way: chunks end at boundaries, rows copied after steps
+    preempted = []
+    preempt = engine.scheduler._preempt
+    engine.scheduler._preempt = lambda seq: (preempted.append(seq.rid), preempt(seq))
     assert engine.loads()["prefix_cache"]["enabled"] is True
     got, seqs = conversations(engine, 3, seed=1, steer=ref)
     assert got == ref
@@ -92,7 +114,7 @@ def test_multi_round_conversations_with_speculation_and_the_cache_equal_neither(
     hit = {s.rid: s.num_cached_tokens for s in seqs}
     for s in seqs:
         assert hit[s.rid] % BOUNDARY == 0
-        if not s.rid.endswith("r0"):
+        if not s.rid.endswith("r0") and pages != PREEMPTING:  # (a small pool evicts what it needs)
             # it resumes inside the previous answer, at the latest boundary that round reached
             # before its last step (at most k + 1 = 4 tokens): drafts never jump over a
             # boundary, so every one is reached and snapshotted
@@ -101,6 +123,7 @@ def test_multi_round_conversations_with_speculation_and_the_cache_equal_neither(
             want = (prev.num_tokens - 1 - 4) // BOUNDARY * BOUNDARY
             assert want > len(prev.prompt_ids) and hit[s.rid] >= want, (s.rid, hit[s.rid], prev.num_tokens)
     assert hit["c1r0"] == 16  # the second conversation resumes in the first one's system prompt
+    assert bool(preempted) == (pages == PREEMPTING), preempted
     assert_everything_back(engine)
 
 
