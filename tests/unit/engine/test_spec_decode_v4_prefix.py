@@ -1,9 +1,10 @@
 """DeepSeek-V4's prefix cache with MTP speculation on: multi-round conversations (a round's prompt
 is the previous prompt, its answer and a new user turn) over v4-tiny (window 8, CSA every 4,
 HCA every 8; page 4, so snapshots every 8 tokens), several at once, give the same greedy tokens
-as an engine with neither; later rounds resume from the cache inside the previous answer; the
-drafter (the MTP block's ring, in the same snapshots) drafts after a resume exactly what it
-drafts after computing the prefix itself; every page, slot row and snapshot comes back."""
+as an engine with neither (also under preemption, and for n > 1 choices sharing a prompt); later
+rounds resume from the cache inside the previous answer; the drafter (the MTP block's ring, in
+the same snapshots) drafts after a resume exactly what it drafts after computing the prefix
+itself; every page, slot row and snapshot comes back."""
 
 from __future__ import annotations
 
@@ -184,3 +185,33 @@ def test_drafts_after_a_resume_equal_drafts_after_computing_the_prefix(v4_mtp, w
     other, hit = drafts(blind)
     assert hit == resume
     assert max((a - b).abs().max().item() for (_, a), (_, b) in zip(other, want)) > 1e-2
+
+
+def test_choices_sharing_a_prompt_resume_from_the_first_ones_snapshot(v4_mtp):
+    """n > 1 with speculation: the other choices wait for the first one's prompt and resume at
+    its last boundary (pages, rings and the MTP block's ring from the snapshot); every greedy
+    choice equals plain decoding."""
+    from dsv4_engine.sampling_params import SamplingParams
+
+    prompt = list(range(7, 45))  # 38 tokens: resumes at 32
+    want, _ = drive(engine_for(v4_mtp, False, False), {0: [("c0", prompt, 12)]}, {})
+    engine = engine_for(v4_mtp, True, True)
+    outs: dict = {}
+    seqs = []
+    for i in range(3):
+        seq = Sequence(
+            f"c{i}",
+            prompt,
+            SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+            sink=lambda o, i=i: outs.setdefault(i, []).extend(o.token_ids),
+        )
+        seq.share_prefix_of = "c0" if i else None
+        seqs.append(seq)
+        engine.submit(seq)
+    for _ in range(500):
+        if all(s.finished for s in seqs):
+            break
+        engine.step()
+    assert [outs[i] for i in range(3)] == [want["c0"][0]] * 3
+    assert [s.num_cached_tokens for s in seqs] == [0, 32, 32]
+    assert_everything_back(engine)
