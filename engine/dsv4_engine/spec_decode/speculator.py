@@ -14,6 +14,13 @@ nothing reads it (attention reads only up to each request's length) and the next
 those positions again before reading them; the prefix cache takes only pages whose every token is
 computed. The pages stay with the request for its next step (drafting needs them again) and go
 back with the rest when it ends.
+
+V4's prefix cache also keeps snapshots of a request's slot row at boundaries (its rings, the MTP
+block's ring included). None is taken where a draft could still be rejected: drafts never cross
+a boundary (`_drafts_wanted`), so a request stands on each one after acceptance and the row is
+copied there; snapshots inside a chunk (prefill) get the block's ring from the catch-up
+(`_snapshots_in_catch_up`). A request resumed from one starts with the block's state at the
+boundary, as if it had computed the prefix (docs/prefix-caching.md).
 """
 
 from __future__ import annotations
