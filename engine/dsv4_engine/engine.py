@@ -201,10 +201,6 @@ class Engine:
         self.prefix_cache_off = prefix_cache_refusal(
             specs, args.role, args.enable_prefix_cache, args.prefix_cache_snapshots
         )
-        if self.spec is not None and self.prefix_cache_off is None and args.enable_prefix_cache:
-            from dsv4_engine.spec_decode.build import prefix_cache_refusal as spec_cache_refusal
-
-            self.prefix_cache_off = spec_cache_refusal(self.runner)
         has_slots = any(not s.paged for s in specs)
         num_snapshots = 0
         if has_slots and self.prefix_cache_off is None:
@@ -262,6 +258,8 @@ class Engine:
             self.pool.snapshots = snaps
             self.runner.snapshot_states = snaps.states if snaps is not None else None
             self.prefix_cache = PrefixCache(self.pool.allocator, page_size, snaps, boundary, in_forward, interval)
+            if self.spec is not None:
+                self.spec.cache_boundary = boundary  # drafts stop at boundaries (decode snapshots)
         self.scheduler = Scheduler(
             self.pool.allocator,
             page_size,
@@ -565,7 +563,9 @@ class Engine:
                     self._append_token(seq, tok, r.logprobs[n] if r.logprobs else None)
                     if seq.finished:
                         break
-            self.scheduler.computed(seq)  # once the accepted tokens are in (a finished request is skipped)
+            # once the accepted tokens are in (a finished request is skipped); the snapshots the
+            # step wrote inside its chunk are the speculator's kept ones (the rest went back)
+            self.scheduler.computed(seq, b)
         except Exception as e:  # detokenising, stop handling: this request only
             self.fail_request(seq, "generation failed", e)
 

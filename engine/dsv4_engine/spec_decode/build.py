@@ -36,15 +36,6 @@ def speculation_refusal(args) -> Optional[str]:
     return refusal
 
 
-def prefix_cache_refusal(runner) -> Optional[str]:
-    """Why the prefix cache is off with speculation, or None. DeepSeek-V4's cache snapshots slot
-    rows at boundaries inside a step's chunk; a verify step's chunk carries drafts whose ring
-    entries may be rejected, and its snapshots are not written by the speculator yet."""
-    if runner.model_type == "deepseek_v4":
-        return "DeepSeek-V4 with --speculative-algorithm mtp (slot-row snapshots are not taken by verify steps yet)"
-    return None
-
-
 def build_speculator(args, runner) -> MTPSpeculator:
     refusal = speculation_refusal(args)
     if refusal:

@@ -16,6 +16,7 @@ x = e_proj(enorm(e)) + h_proj(hnorm(h_i)) on every stream, one V4 layer, then it
 The block's attention is a sliding-window layer (no compressor; DeepSeek's release has no
 compressor or indexer tensors in it): its only state is a ring of the last `sliding_window`
 tokens' kv, `STATE`, a slot state of one layer. A block with a compressor is refused at start.
+Being a slot state, it is part of every prefix-cache snapshot of the row and moves with PD.
 
 Rollback: V4's per-request rings (the window ring and the compressor stages of every layer) are
 overwritten at position p % size by whatever a step writes, rejected drafts included, so the

@@ -14,6 +14,13 @@ nothing reads it (attention reads only up to each request's length) and the next
 those positions again before reading them; the prefix cache takes only pages whose every token is
 computed. The pages stay with the request for its next step (drafting needs them again) and go
 back with the rest when it ends.
+
+V4's prefix cache also keeps snapshots of a request's slot row at boundaries (its rings, the MTP
+block's ring included). None is taken where a draft could still be rejected: drafts never cross
+a boundary (`_drafts_wanted`), so a request stands on each one after acceptance and the row is
+copied there; snapshots inside a chunk (prefill) get the block's ring from the catch-up
+(`_snapshots_in_catch_up`). A request resumed from one starts with the block's state at the
+boundary, as if it had computed the prefix (docs/prefix-caching.md).
 """
 
 from __future__ import annotations
@@ -81,6 +88,9 @@ class MTPSpeculator:
         # does the same on every rank (dsv4_engine.parallel.spec).
         self.rollback = RingRollback
         self._mask_filler = None  # structured outputs' masks (`_masks`)
+        # The prefix cache's snapshot boundary (models with slot states; set by the engine): see
+        # _drafts_wanted. None: no snapshots.
+        self.cache_boundary: Optional[int] = None
 
     # ---- metrics -------------------------------------------------------------------------------
 
@@ -156,23 +166,31 @@ class MTPSpeculator:
             return host_batch(xs, [1] * len(xs), xp, xt, xsl, page_size), True
         return host_batch(starts, news, pages, toks, slots, page_size), all(n == 1 for n in news)
 
-    def _hidden(self, hb: HostBatch, one_token_rows: bool, pool) -> torch.Tensor:
-        """The target's hidden states at every row of hb: the captured verify graph when there
-        is one for this step's shape, else the eager forward."""
-        g = self.graphs
-        if g is not None and one_token_rows and g.fits(hb, verify=True):
-            return g.hidden(hb, pool)
-        return self.target.hidden(self._fb(self.target_buffers, hb, pool.page_size), pool.all_states)
+    def _fb_with(self, buffers: BatchBuffers, hb: HostBatch, pool, snapshots: Optional[tuple]) -> ForwardBatch:
+        fb = self._fb(buffers, hb, pool.page_size)
+        if snapshots is not None:  # (where in the chunks, the snapshot rows' tensors)
+            fb.snapshots, fb.snapshot_states = snapshots
+        return fb
 
-    def _mtp_forward(self, hb: HostBatch, one_token_rows: bool, pool, prev: torch.Tensor, rows=None):
+    def _hidden(self, hb: HostBatch, one_token_rows: bool, pool, snapshots: Optional[tuple] = None) -> torch.Tensor:
+        """The target's hidden states at every row of hb: the captured verify graph when there
+        is one for this step's shape, else the eager forward (which also writes the prefix
+        cache's snapshots inside chunks)."""
+        g = self.graphs
+        if g is not None and one_token_rows and snapshots is None and g.fits(hb, verify=True):
+            return g.hidden(hb, pool)
+        return self.target.hidden(self._fb_with(self.target_buffers, hb, pool, snapshots), pool.all_states)
+
+    def _mtp_forward(self, hb: HostBatch, one_token_rows: bool, pool, prev: torch.Tensor, rows=None, snapshots=None):
         """The MTP block over hb (prev: the hidden states its tokens follow): (logits, output
         hidden states) at `rows` (default: each request's last), captured when it can be."""
         g = self.graphs
-        if g is not None and one_token_rows and g.fits(hb):
+        if g is not None and one_token_rows and snapshots is None and g.fits(hb):
             out = g.draft_hidden(hb, prev, pool)  # every row (one token each: each its request's last)
             out = out if rows is None else out[rows]
             return self.mtp.logits(out), out
-        return self.mtp.forward(self._fb(self.draft_buffers, hb, pool.page_size), pool.all_states, prev, rows)
+        fb = self._fb_with(self.draft_buffers, hb, pool, snapshots)
+        return self.mtp.forward(fb, pool.all_states, prev, rows)
 
     def step(self, batch: list[ScheduledSeq], pool) -> list[Union[SpecResult, Exception, None]]:
         """Results in batch order: a SpecResult (None for a prefill chunk that ends before the
@@ -192,6 +210,10 @@ class MTPSpeculator:
             toks.append(_tokens(seq, start, r) + drafted)
         slots = [b.seq.slot for b in batch]
         hb, one_token_rows = self._batch(starts, news, [b.seq.pages for b in batch], toks, slots, ps)
+        snaps = pool.snapshots
+        in_chunk = None  # the prefix cache's snapshots inside this step's chunks, and where they go
+        if snaps is not None and any(b.snapshots for b in batch):
+            in_chunk = ([(i, pos, sid) for i, b in enumerate(batch) for pos, sid in b.snapshots], snaps.states)
         # V4's rings: what the drafts' positions will overwrite, to put back where they are rejected.
         spec_rows = [i for i in range(len(batch)) if ndraft[i]]
         rings = {n: t for n, t in pool.slot_states.items() if n != self.mtp_ring}
@@ -204,7 +226,7 @@ class MTPSpeculator:
             if rings and spec_rows
             else None
         )
-        hidden = self._hidden(hb, one_token_rows, pool)  # [T, hidden] (V4: [T, hc, hidden] streams)
+        hidden = self._hidden(hb, one_token_rows, pool, in_chunk)  # [T, hidden] (V4: [T, hc, hidden] streams)
         row0 = [0, *itertools.accumulate(news)][:-1]  # first token row of each request
 
         # Target logits at every position that verifies: the last real token and each draft.
@@ -244,9 +266,10 @@ class MTPSpeculator:
             [slots[i] for i in cu],
             ps,
         )
+        cu_snaps = self._snapshots_in_catch_up(batch, cu, cu_starts, cu_news, snaps) if in_chunk else None
         last = torch.tensor(list(itertools.accumulate(cu_news)), device=dev) - 1  # each request's last row
         dlogits, dhidden = self._mtp_forward(
-            hb2, one_token_rows2, pool, hidden[torch.tensor(cu_rows, device=dev)], last
+            hb2, one_token_rows2, pool, hidden[torch.tensor(cu_rows, device=dev)], last, cu_snaps
         )
 
         # Drafts for the next step, for requests that go on.
@@ -308,6 +331,29 @@ class MTPSpeculator:
             filled,
             errors,
         )
+
+    def _snapshots_in_catch_up(self, batch, cu, cu_starts, cu_news, snaps) -> Optional[tuple]:
+        """The prefix cache's snapshots inside this step's chunks (V4's torch path): the target
+        wrote its part of each (the main model's rings as of that boundary); keep those whose
+        positions all became valid, strictly inside the catch-up's span, and have the catch-up
+        write the MTP block's ring into them (from its ring and the span, as the target did).
+        The others go back: past a rejected draft, or on the span's end (after the step the row
+        stands there, and `PrefixCache.snapshot_due` copies it whole). The drafts never cross a
+        boundary (`_drafts_wanted`), so in practice only prefill chunks carry any."""
+        for j, i in enumerate(cu):
+            keep = []
+            for pos, sid in batch[i].snapshots:
+                if cu_starts[j] < pos < cu_starts[j] + cu_news[j]:
+                    keep.append((pos, sid))
+                else:
+                    snaps.release(sid)
+            batch[i].snapshots = keep
+        kept = [(j, pos, sid) for j, i in enumerate(cu) for pos, sid in batch[i].snapshots]
+        if not kept or not self.mtp_ring:
+            return None
+        from dsv4_engine.models.deepseek_v4 import DeepseekV4
+
+        return kept, {DeepseekV4.SWA_KV: snaps.states[self.mtp_ring]}
 
     def _verify(self, batch, ends, ndraft, logits, results) -> None:
         """Greedy and sampled rows of the verifying requests, all argmaxes read back at once.
@@ -371,6 +417,11 @@ class MTPSpeculator:
             return 0
         out_len, total = len(seq.output_ids) + len(new), seq.num_tokens + len(new)
         want = min(self.k, p.max_tokens - out_len - 1, self.max_model_len - total - 1)
+        if self.cache_boundary:
+            # The prefix cache keeps a decode snapshot where the request stands exactly on a
+            # boundary: a step's chunk (next_pos, its drafts) ends at the next one at the latest,
+            # so every boundary is reached after acceptance and copied from the row there.
+            want = min(want, (next_pos // self.cache_boundary + 1) * self.cache_boundary - next_pos - 1)
         if want <= 0:
             return 0
         # The chain's k-1 decode steps write positions next_pos .. next_pos + want - 2.
