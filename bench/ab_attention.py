@@ -58,14 +58,16 @@ def main() -> None:
             for _ in range(a.reps):
                 for mib in budgets:
                     R.DECODE_TILE_BYTES = (mib << 20) if mib else 1 << 62
-                    t0 = time.perf_counter()
+                    t0 = time.thread_time()  # CPU time: a loaded machine's waits for a core left out
                     outs[mib] = R.mla_decode(q, kv, table, lens, 0.1, a.v_dim)
-                    best[mib] = min(best.get(mib, 1e9), time.perf_counter() - t0)
+                    best[mib] = min(best.get(mib, 1e9), time.thread_time() - t0)
         finally:
             R.DECODE_TILE_BYTES = keep
         r = {
             "batch": B,
-            "ms_by_tile_mib": {("whole batch" if k == 0 else f"{k} MiB"): round(v * 1e3, 3) for k, v in best.items()},
+            "cpu_ms_by_tile_mib": {
+                ("whole batch" if k == 0 else f"{k} MiB"): round(v * 1e3, 3) for k, v in best.items()
+            },
             "bit_equal_to_whole_batch": all(torch.equal(o, outs[budgets[0]]) for o in outs.values()),
         }
         out["results"].append(r)
