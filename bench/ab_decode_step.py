@@ -4,7 +4,7 @@
 the current code, and so on, keeping each side's best step and its phase breakdown. On a shared
 machine this is the fair comparison; two separate runs minutes apart are not.
 
-    python bench/ab_decode_step.py --model mla512=DIR [-c 8 -c 32] [--rounds 6 --steps 3]
+    python bench/ab_decode_step.py --model mla512=DIR [-c 8 -c 32] [--rounds 6 --steps 3] [--change NAME]
 """
 
 from __future__ import annotations
@@ -23,49 +23,87 @@ import ab_moe  # noqa: E402
 import decode_breakdown as bd  # noqa: E402
 
 
-def sides():
+def _patcher(module, before: dict, after: dict) -> dict:
+    """Two sides that set module attributes: 'before' (the earlier code) and 'after' (now)."""
+
+    def use(side: dict) -> None:
+        for k, v in side.items():
+            setattr(module, k, v)
+
+    return {"before": lambda: use(before), "after": lambda: use(after)}
+
+
+def _round1():
+    """Issue 33's first pass: per-expert index_add MoE and the whole batch's keys in one tile."""
     from dsv4_kernels import reference as R
 
     now = {"moe_experts": R.moe_experts, "DECODE_TILE_BYTES": R.DECODE_TILE_BYTES}
     before = {"moe_experts": ab_moe.loop_experts_any, "DECODE_TILE_BYTES": 1 << 62}
-
-    def use(side: dict) -> None:
-        for k, v in side.items():
-            setattr(R, k, v)
-
-    return {"before": lambda: use(before), "after": lambda: use(now)}
+    return _patcher(R, before, now)
 
 
-def measure(model: Path, c: int, rounds: int, steps: int) -> dict:
+def _gather():
+    """The decode's page gather: advanced indexing (before) vs index_select over page runs."""
+    from dsv4_kernels import reference as R
+
+    return _patcher(R, {"take_pages": lambda cache, pages: cache[pages]}, {"take_pages": R.take_pages})
+
+
+# --change NAME: which earlier code the "before" side runs
+CHANGES = {"round1": _round1, "gather": _gather}
+
+
+def sides(change: str = "round1"):
+    return CHANGES[change]()
+
+
+def measure(model: Path, c: int, rounds: int, steps: int, change: str = "round1", check_tokens: int = 0) -> dict:
     from dsv4_engine.step_phases import PHASES
 
     engine = bd._engine(model, c, 128, rounds * steps * 2 + 8)
     seqs = bd._fill(engine, c, 128, rounds * steps * 2 + 8, seed=0)
-    use = sides()
+    use = sides(change)
     best: dict = {}
+    cpu_best: dict = {}
     each: dict = {k: [] for k in use}
     try:
         for r in range(rounds):
             for name in list(use) if r % 2 == 0 else list(reversed(use)):
                 use[name]()
                 PHASES.enable(True)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 for _ in range(steps):
                     engine.step()
                 ms = (time.perf_counter() - t0) * 1000 / steps
+                cpu_best[name] = min(cpu_best.get(name, 1e9), (time.thread_time() - c0) * 1000 / steps)
                 each[name].append(round(ms, 2))
                 if ms < best.get(name, (1e9,))[0]:
                     best[name] = (ms, PHASES.summary().get("decode"))
                 PHASES.enable(False)
+        engine.abort(all_=True)
+        engine.step()
+        assert all(s.output_ids for s in seqs)
+        same = None
+        if check_tokens:  # the same prompts decoded greedily by each side: identical tokens?
+            got = {}
+            for name in use:
+                use[name]()
+                done = bd._fill(engine, c, 128, check_tokens, seed=1)
+                while engine.scheduler.has_work():
+                    engine.step()
+                got[name] = [s.output_ids for s in done]
+            same = got["before"] == got["after"]
     finally:
         use["after"]()
-    engine.abort(all_=True)
-    engine.step()
-    assert all(s.output_ids for s in seqs)
     return {
         "concurrency": c,
         "step_ms_best": {k: round(v[0], 2) for k, v in best.items()},
         "speedup": round(best["before"][0] / best["after"][0], 2),
+        # CPU time of the stepping thread (torch runs on it with 1 thread): what the step costs
+        # without the waits for a core that a loaded shared machine adds to the wall clock
+        "step_cpu_ms_best": {k: round(v, 2) for k, v in cpu_best.items()},
+        "cpu_speedup": round(cpu_best["before"] / cpu_best["after"], 2),
+        "greedy_tokens_identical": same,
         "step_ms_each": each,
         "phases_best": {
             k: {p: v["ms_per_step"] for p, v in (b[1] or {}).get("phases", {}).items()} for k, b in best.items()
@@ -79,15 +117,24 @@ def main() -> None:
     p.add_argument("-c", "--concurrency", type=int, action="append")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument(
+        "--change", default="round1", choices=sorted(CHANGES), help="which change to undo on the before side"
+    )
+    p.add_argument(
+        "--check-tokens",
+        type=int,
+        default=0,
+        help="then decode N greedy tokens of other prompts with each side and compare",
+    )
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     torch.set_num_threads(1)
-    out = {"load_average_start": list(os.getloadavg()), "models": {}}
+    out = {"change": a.change, "load_average_start": list(os.getloadavg()), "models": {}}
     for spec in a.model:
         name, _, d = spec.partition("=")
         out["models"][name] = []
         for c in a.concurrency or [8, 32]:
-            r = measure(Path(d), c, a.rounds, a.steps)
+            r = measure(Path(d), c, a.rounds, a.steps, a.change, a.check_tokens)
             out["models"][name].append(r)
             print(name, json.dumps(r))
     out["load_average_end"] = list(os.getloadavg())

