@@ -245,8 +245,8 @@ class MTPSpeculator:
         """Greedy and sampled rows of the verifying requests, all argmaxes read back at once."""
         counts = [ndraft[i] + 1 for i in ends]
         offs = [sum(counts[:n]) for n in range(len(ends))]
-        nan = torch.isnan(logits).any(dim=-1)
-        host_argmax, host_nan = logits.argmax(dim=-1).tolist(), nan.tolist()
+        # One read back for both (a device sync each on a GPU).
+        host_argmax, host_nan = torch.stack([logits.argmax(dim=-1), torch.isnan(logits).any(dim=-1)]).tolist()
         for n, i in enumerate(ends):
             seq = batch[i].seq
             lo, hi = offs[n], offs[n] + counts[n]
@@ -320,13 +320,39 @@ class MTPSpeculator:
                 probs[n] = q[j]
         return toks, probs
 
+    def _advance(self, fb: ForwardBatch, tokens: list[int], page_size: int) -> ForwardBatch:
+        """A one-token-per-row batch moved one position on, with new input tokens: positions
+        and lengths + 1, each row's KV slot looked up in its block table (on the device)."""
+        pos = fb.positions + 1
+        rows = torch.arange(pos.shape[0], device=pos.device)
+        slot = fb.block_table[rows, pos // page_size].long() * page_size + pos % page_size
+        return ForwardBatch(
+            input_ids=torch.tensor(tokens, dtype=torch.int64, device=pos.device),
+            positions=pos,
+            slot_mapping=slot,
+            block_table=fb.block_table,
+            seq_lens=fb.seq_lens + 1,
+            extend_lens=fb.extend_lens,
+            logits_indices=fb.logits_indices,
+            all_decode=True,
+            slot_ids=fb.slot_ids,
+            page_size=page_size,
+            seq_lens_host=[n + 1 for n in fb.seq_lens_host],
+            extend_lens_host=fb.extend_lens_host,
+        )
+
     def _draft(self, batch, chain, dlogits, dhidden, pool) -> None:
         dev = self.runner.device
         seqs = [batch[i].seq for i, _, _, _ in chain]
-        rows = torch.tensor([j for _, j, _, _ in chain], device=dev)
-        toks, probs = self._pick(dlogits[rows], seqs)
+        js = [j for _, j, _, _ in chain]
+        if js == list(range(dlogits.shape[0])):  # every catch-up row drafts: no gather
+            rows = None
+        else:
+            rows = torch.tensor(js, device=dev)
+            dlogits, dhidden = dlogits[rows], dhidden[rows]
+        toks, probs = self._pick(dlogits, seqs)
         drafts = [Draft([t], None if pr is None else [pr]) for t, pr in zip(toks, probs)]
-        hid = dhidden[rows]
+        hid = dhidden
         live = list(range(len(chain)))  # chain entries still drafting
         # The chain writes the block's ring past the request's valid positions; V4's ring wraps,
         # so what those writes overwrite is put back once the drafts are made.
@@ -340,27 +366,36 @@ class MTPSpeculator:
             if ring
             else None
         )
-        step = 1
+        step, fb, prev_live = 1, None, None
         while True:
             live = [n for n in live if chain[n][2] > step]
             if not live:
                 break
-            pos = [chain[n][3] + step - 1 for n in live]
-            hb = host_batch(
-                pos,
-                [1] * len(live),
-                [seqs[n].pages for n in live],
-                [[drafts[n].tokens[-1]] for n in live],
-                [seqs[n].slot for n in live],
-                pool.page_size,
-            )
-            fb = self._fb(self.draft_buffers, hb, pool.page_size)
-            sel = torch.tensor(live, device=dev)
-            lg, h = self.mtp.forward(fb, pool.all_states, hid[sel])
+            if fb is not None and live == prev_live:
+                # The same rows one position further: advance the last batch on the device
+                # instead of building and uploading a new one (the pages are already there).
+                fb = self._advance(fb, [drafts[n].tokens[-1] for n in live], pool.page_size)
+            else:
+                pos = [chain[n][3] + step - 1 for n in live]
+                hb = host_batch(
+                    pos,
+                    [1] * len(live),
+                    [seqs[n].pages for n in live],
+                    [[drafts[n].tokens[-1]] for n in live],
+                    [seqs[n].slot for n in live],
+                    pool.page_size,
+                )
+                fb = self._fb(self.draft_buffers, hb, pool.page_size)
+            if len(live) == len(chain):  # every row drafts on: no gather, no scatter
+                lg, hid = self.mtp.forward(fb, pool.all_states, hid)
+            else:
+                sel = torch.tensor(live, device=dev)
+                lg, h = self.mtp.forward(fb, pool.all_states, hid[sel])
+                new_hid = hid.clone()
+                new_hid[sel] = h
+                hid = new_hid
+            prev_live = live
             t, pr = self._pick(lg, [seqs[n] for n in live])
-            new_hid = hid.clone()
-            new_hid[sel] = h
-            hid = new_hid
             for m, n in enumerate(live):
                 drafts[n].tokens.append(t[m])
                 if pr[m] is not None:
