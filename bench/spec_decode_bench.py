@@ -56,7 +56,7 @@ def main() -> None:
     )
     # extend: `--steps 0 1` and `--steps 0 --steps 1` (what `dsv4 bench spec` passes) both work
     ap.add_argument("--steps", type=int, nargs="+", action="extend", help="K values, 0 = plain (default: 0 1 2 3)")
-    ap.add_argument("--concurrency", type=int, nargs="+", action="extend", help="(default: 1)")
+    ap.add_argument("--concurrency", type=int, nargs="+", action="extend", help="(default: 1 8 32)")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1", help="OMP_NUM_THREADS of the servers")
     a = ap.parse_args()
     a.steps = a.steps or [0, 1, 2, 3]
-    a.concurrency = a.concurrency or [1]
+    a.concurrency = a.concurrency or [1, 8, 32]
     if a.model is None:
         a.model = str(default_model())
     if a.random_prompts:

@@ -1,13 +1,15 @@
-"""Self-distillation of a checkpoint's MTP layer (`dsv4 model init --train-mtp`).
+"""Making speculation accept drafts on a tiny preset: `dsv4 model init --train --train-mtp`.
 
-A randomly initialised MTP layer drafts noise, so speculation would accept nothing. This trains
-the layer for a few CPU minutes on the model's own greedy continuations: the engine (without
-speculation) continues random prompts greedily; the main model's final-normed hidden states of
-those sequences are the layer's inputs (as at serving time), and at each position i it learns
-the main model's distribution at position i+1 (soft cross-entropy), i.e. the token after next.
-The embedding and the output head stay the main model's copies; routing (gate, bias) stays as
-initialised. The layer's forward here is a plain differentiable torch version of the engine's
-(MLA in per-head form, each expert over the tokens routed to it).
+A random model's greedy continuations are close to a hash of the context, which no one-layer
+drafter can learn, and a random MTP layer drafts noise. `--train` (`train_base`) trains the main
+model for a few CPU minutes on the shipped corpus (the tokenizer's training text), so that its
+continuations have structure. `--train-mtp` (`train_mtp`) then self-distils the MTP layer: the
+engine (without speculation) continues corpus prompts greedily; the main model's final-normed
+hidden states of those sequences are the layer's inputs (as at serving time), and at each
+position i it learns the main model's distribution at position i+1 (soft cross-entropy), i.e.
+the token after next. The embedding and the output head stay the main model's; routing (gate,
+bias) stays as initialised. The forwards here are plain differentiable torch versions of the
+engine's (MLA in per-head form, each expert over the tokens routed to it), checked against it.
 """
 
 from __future__ import annotations
@@ -124,12 +126,17 @@ class TrainableMTP:
         """next_ids [(B,) T] (token i+1 at position i), hidden [(B,) T, D] -> logits [(B,) T, V]."""
         if next_ids.dim() == 1:
             return self.forward(next_ids[None], hidden[None])[0]
+        return self.forward_with_hidden(next_ids, hidden)[0]
+
+    def forward_with_hidden(self, next_ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, T] and [B, T, D] -> (logits [B, T, V], the block's output hidden state [B, T, D]:
+        what the draft chain feeds back as the next position's hidden)."""
         cfg, w, m, p = self.cfg, self.w, self.model, self.p
         eps = cfg.rms_norm_eps
         e = _rms(F.embedding(next_ids, m.embed.float()), w[p + "enorm.weight"], eps)
         x = F.linear(torch.cat([e, _rms(hidden, w[p + "hnorm.weight"], eps)], -1), w[p + "eh_proj.weight"])
         x = decoder_layer(cfg, w, p, x, m)
-        return F.linear(_rms(x, w[p + "shared_head.norm.weight"], eps), m.lm_head.float())
+        return F.linear(_rms(x, w[p + "shared_head.norm.weight"], eps), m.lm_head.float()), x
 
 
 class TrainableV3:
@@ -176,10 +183,10 @@ def corpus_prompts(model_dir: str | Path, n: int, length: int, seed: int) -> lis
 
 def train_base(
     model_dir: str | Path,
-    steps: int = 300,
-    seq_len: int = 64,
-    batch: int = 16,
-    lr: float = 3e-3,
+    steps: int = 150,
+    seq_len: int = 48,
+    batch: int = 8,
+    lr: float = 5e-3,
     seed: int = 0,
 ) -> dict:
     """Train the main model (not the MTP block) in place on the shipped corpus, next-token
@@ -221,6 +228,7 @@ def train_base(
         raise RuntimeError(f"--train diverged at loss {losses[-1]}")
     for k, v in net.w.items():
         weights[k] = v.detach().contiguous()
+    _sync_mtp_copies(cfg, weights)
     _save(d, weights)
     tail = losses[-20:]
     return {
@@ -245,6 +253,19 @@ def _v3_float_dir(model_dir: str | Path, flag: str) -> Path:
     if config.get("quantization_config"):
         raise ValueError(f"{flag} trains float weights: quantize afterwards, not with --quant")
     return d
+
+
+def _sync_mtp_copies(cfg, weights: dict[str, torch.Tensor]) -> None:
+    """The MTP blocks' copies of the embedding and the head (the release keeps them equal to the
+    main model's, and the engine reads the copies) set to the main model's current ones."""
+    for i in range(int(cfg.extra.get("num_nextn_predict_layers") or 0)):
+        p = f"model.layers.{cfg.num_hidden_layers + i}."
+        for copy, main in (
+            ("embed_tokens.weight", "model.embed_tokens.weight"),
+            ("shared_head.head.weight", "lm_head.weight"),
+        ):
+            if p + copy in weights:
+                weights[p + copy] = weights[main].clone()
 
 
 def _save(d: Path, weights: dict[str, torch.Tensor]) -> None:
@@ -316,20 +337,23 @@ def _hidden_and_logits(model, seq: list[int]) -> tuple[torch.Tensor, torch.Tenso
 
 def train_mtp(
     model_dir: str | Path,
-    steps: int = 600,
-    num_prompts: int = 256,
+    steps: int = 200,
+    num_prompts: int = 128,
     prompt_len: int = 16,
     new_tokens: int = 64,
     lr: float = 2e-3,
     seed: int = 0,
     batch: int = 16,
+    chain: bool = False,
 ) -> dict:
     """Train the checkpoint's MTP layer in place (model.safetensors rewritten) on the model's own
     greedy continuations of corpus prompts; returns a report (steps, seconds, held-out agreement
     of the block's top-1 with the target's next-next token before and after).
 
     The block's decoder layer starts from a copy of the main model's last layer (same shapes;
-    a better start than random weights when the main model was trained)."""
+    a better start than random weights when the main model was trained). With `chain` it also
+    learns the draft chain's second step, which reads the block's own output hidden state (off
+    by default: not shown to help; see docs/speculative-decoding.md)."""
     from safetensors.torch import load_file
 
     from dsv4_engine.config import ModelConfig
@@ -365,21 +389,27 @@ def train_mtp(
 
     def example(sel):
         # Position i (i + 2 < T): inputs h_i and token i+1, target the model's distribution at i+1.
-        return mtp.forward(ids[sel, 1:-1], hidden[sel, :-2]), logits[sel, 1:-1]
+        pred, out = mtp.forward_with_hidden(ids[sel, 1:-1], hidden[sel, :-2])
+        pairs = [(pred, logits[sel, 1:-1])]
+        if chain:
+            # The chain's next draft: position i+1 reads the block's own output at i (not the
+            # target's hidden state) and token i+2; target the distribution at i+2.
+            pred2, _ = mtp.forward_with_hidden(ids[sel, 2:-1], out[:, :-1])
+            pairs.append((pred2, logits[sel, 2:-1]))
+        return pairs
 
-    def agreement(sel) -> float:
+    def agreement(sel) -> list[float]:
         with torch.no_grad():
-            pred, tgt = example(sel)
-        return float((pred[:, sl].argmax(-1) == tgt[:, sl].argmax(-1)).float().mean())
+            pairs = example(sel)
+        return [round(float((p[:, sl].argmax(-1) == t[:, sl].argmax(-1)).float().mean()), 4) for p, t in pairs]
 
     before = agreement(held)
     g = torch.Generator().manual_seed(seed)
     n_train = len(seqs) - n_held
     for step in range(steps):
         pick = torch.randint(0, n_train, (min(batch, n_train),), generator=g)
-        pred, tgt = example(pick)
         # KL(target || block) up to the target's entropy: cross-entropy on its soft distribution.
-        loss = -(F.softmax(tgt, -1) * F.log_softmax(pred, -1)).sum(-1).mean()
+        loss = sum(-(F.softmax(t, -1) * F.log_softmax(p, -1)).sum(-1).mean() for p, t in example(pick))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -391,12 +421,17 @@ def train_mtp(
     after = agreement(held)
     for k, v in mtp.w.items():
         weights[k] = v.detach().contiguous()
+    _sync_mtp_copies(cfg, weights)  # what the block was trained with
     _save(d, weights)
     return {
         "steps": steps,
         "seconds": round(time.monotonic() - t0, 1),
         "sequences": len(seqs),
         "held_out_sequences": n_held,
-        "held_out_top1_agreement_before": round(before, 4),
-        "held_out_top1_agreement_after": round(after, 4),
+        # Top-1 agreement with the target's next-next token on held-out continuations: the
+        # first draft (from the target's hidden state) and, with `chain`, the second (from the
+        # block's own, given a right first draft).
+        "held_out_top1_agreement_before": before[0],
+        "held_out_top1_agreement_after": after[0],
+        **({"held_out_chained_agreement_after": after[1]} if chain else {}),
     }

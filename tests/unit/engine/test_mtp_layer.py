@@ -106,11 +106,18 @@ def test_train_base_lowers_the_corpus_loss(tmp_path):
     torch.set_num_threads(1)
     from dsv4_engine.spec_decode.train import train_base
 
-    d = init_checkpoint(tmp_path / "m", preset="tiny", seed=2)
+    d = init_checkpoint(tmp_path / "m", preset="tiny", seed=2, mtp=True)
     before = (d / "model.safetensors").read_bytes()
     report = train_base(d, steps=8, batch=2, seq_len=16)
     assert report["loss_last20_mean"] < report["loss_first"], report
     assert (d / "model.safetensors").read_bytes() != before
+    # The MTP block's copies of the embedding and head (what the engine's drafter reads) follow.
+    with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+        for copy, main in (
+            ("embed_tokens.weight", "model.embed_tokens.weight"),
+            ("shared_head.head.weight", "lm_head.weight"),
+        ):
+            assert torch.equal(f.get_tensor("model.layers.4." + copy), f.get_tensor(main)), copy
 
 
 @pytest.mark.slow
