@@ -18,6 +18,7 @@ back with the rest when it ends.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import weakref
 from dataclasses import dataclass
@@ -213,17 +214,24 @@ class MTPSpeculator:
             cu_rows.extend(range(row0[i], row0[i] + m))
         if not cu:
             return results
-        fb2 = self._batch(
-            self.draft_buffers,
-            cu_starts,
-            cu_news,
-            [batch[i].seq.pages for i in cu],
-            cu_toks,
-            [slots[i] for i in cu],
-            ps,
-        )
+        every_row = len(cu_rows) == hidden.shape[0]  # cu_rows are increasing: then they are all rows
+        if self.explode and fb.all_decode:
+            # The verify batch has one row per token, at the positions, pages and slots the
+            # catch-up computes: its rows (those still valid) with the next tokens as input.
+            fb2 = self._rows(fb, None if every_row else cu_rows, list(itertools.chain.from_iterable(cu_toks)))
+        else:
+            fb2 = self._batch(
+                self.draft_buffers,
+                cu_starts,
+                cu_news,
+                [batch[i].seq.pages for i in cu],
+                cu_toks,
+                [slots[i] for i in cu],
+                ps,
+            )
         last = torch.tensor(list(itertools.accumulate(cu_news)), device=dev) - 1  # each request's last row
-        dlogits, dhidden = self.mtp.forward(fb2, states, hidden[torch.tensor(cu_rows, device=dev)], last)
+        prev = hidden if every_row else hidden[torch.tensor(cu_rows, device=dev)]
+        dlogits, dhidden = self.mtp.forward(fb2, states, prev, last)
 
         # Drafts for the next step, for requests that go on.
         chain = []  # (batch index, row in dlogits, drafts wanted, next position)
@@ -319,6 +327,28 @@ class MTPSpeculator:
                 toks[n] = int(torch.multinomial(row.double(), 1, generator=seqs[n].generator))
                 probs[n] = q[j]
         return toks, probs
+
+    def _rows(self, fb: ForwardBatch, rows: Optional[list[int]], tokens: list[int]) -> ForwardBatch:
+        """Some rows (None: all) of a one-token-per-row batch, with other input tokens."""
+        dev = fb.input_ids.device
+        ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
+        if rows is None:
+            return dataclasses.replace(fb, input_ids=ids)
+        sel = torch.tensor(rows, device=dev)
+        return ForwardBatch(
+            input_ids=ids,
+            positions=fb.positions[sel],
+            slot_mapping=fb.slot_mapping[sel],
+            block_table=fb.block_table[sel],
+            seq_lens=fb.seq_lens[sel],
+            extend_lens=fb.extend_lens[sel],
+            logits_indices=torch.arange(len(rows), device=dev),
+            all_decode=True,
+            slot_ids=None if fb.slot_ids is None else fb.slot_ids[sel],
+            page_size=fb.page_size,
+            seq_lens_host=[fb.seq_lens_host[r] for r in rows],
+            extend_lens_host=[1] * len(rows),
+        )
 
     def _advance(self, fb: ForwardBatch, tokens: list[int], page_size: int) -> ForwardBatch:
         """A one-token-per-row batch moved one position on, with new input tokens: positions
