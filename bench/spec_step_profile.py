@@ -17,7 +17,7 @@ import time
 import torch
 
 
-def profile(model: str, spec_steps: int, max_tokens: int) -> dict:
+def profile(model: str, spec_steps: int, max_tokens: int, prompt: list[int]) -> dict:
     import dsv4_engine.spec_decode.speculator as speculator
     from dsv4_engine.engine import Engine
     from dsv4_engine.engine_args import EngineArgs
@@ -71,7 +71,7 @@ def profile(model: str, spec_steps: int, max_tokens: int) -> dict:
         e.submit(
             Sequence(
                 "p",
-                list(range(5, 29)),
+                prompt,
                 SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
                 sink=lambda o: o.finished and done.append(o),
             )
@@ -99,9 +99,16 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--steps", type=int, default=1, help="--speculative-num-steps of the speculative run")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--random-prompt", action="store_true", help="ids 5..28 instead of a window of the shipped corpus")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    res = profile(a.model, a.steps, a.max_tokens)
+    if a.random_prompt:
+        prompt = list(range(5, 29))
+    else:  # what a preset trained with `dsv4 model init --train` knows (the bench's prompts)
+        from dsv4_engine.spec_decode.train import corpus_prompts
+
+        prompt = corpus_prompts(a.model, 1, 24, seed=7)[0]
+    res = profile(a.model, a.steps, a.max_tokens, prompt)
     for k, r in res.items():
         print(f"{'plain' if not k else f'K={k}'}: {r['ms_per_step']} ms/step, {r['tokens_per_step']} tokens/step")
         for key, v in r["parts_ms_per_step"].items():

@@ -359,15 +359,16 @@ if __name__ == "__main__":
 def spec(
     model: Optional[Path] = typer.Option(
         None,
-        help="Checkpoint with a trained MTP layer (default: the tiny preset, "
-        "self-distilled once into the cache folder, ~2-4 CPU minutes).",
+        help="Checkpoint with a trained MTP layer (default: the tiny preset trained on the shipped corpus "
+        "with a self-distilled MTP layer, made once into the cache folder, a few CPU minutes).",
     ),
     speculative_num_steps: List[int] = typer.Option(
         [], "--speculative-num-steps", help="K to compare, repeat for several; 0 = no speculation (default: 0 1 2 3)."
     ),
-    concurrency: List[int] = typer.Option([], help="Concurrent requests, repeat for several (default: 1)."),
-    prompts: Optional[int] = typer.Option(None, help="Greedy prompts per run (default: 8)."),
-    max_tokens: Optional[int] = typer.Option(None, help="Output tokens per request (default: 64)."),
+    concurrency: List[int] = typer.Option([], help="Concurrent requests, repeat for several (default: 1 8 32)."),
+    prompts: Optional[int] = typer.Option(None, help="Greedy prompts per run (default: 32)."),
+    max_tokens: Optional[int] = typer.Option(None, help="Output tokens per request (default: 32)."),
+    repeats: Optional[int] = typer.Option(None, help="Measured passes per K and concurrency, best kept (default: 2)."),
     out: Optional[Path] = typer.Option(None, help="Output path without suffix (default: bench/results/spec_decode)."),
 ) -> None:
     """MTP speculative decoding vs plain decoding: acceptance length, tok/s and ITL (spec_decode.json + .png)."""
@@ -379,6 +380,7 @@ def spec(
             concurrency=concurrency or None,
             prompts=prompts,
             max_tokens=max_tokens,
+            repeats=repeats,
             out=out,
         ),
     )

@@ -93,13 +93,21 @@ def model_init(
         help="Add one multi-token-prediction layer (V3: model.layers.N, V4: mtp.0; "
         "num_nextn_predict_layers: 1) for --speculative-algorithm mtp.",
     ),
+    train: bool = typer.Option(
+        False,
+        "--train",
+        help="Train the main model (DeepSeek-V3 presets) on the shipped corpus for a few CPU minutes, so "
+        "that its greedy continuations have structure (a random model's are close to a hash of the context).",
+    ),
+    train_base_steps: int = typer.Option(150, "--train-base-steps", min=1, help="Optimizer steps of --train."),
     train_mtp: bool = typer.Option(
         False,
         "--train-mtp",
         help="Implies --mtp: self-distil the MTP layer (DeepSeek-V3 presets) on the model's own greedy "
-        "continuations (a few CPU minutes) so that speculation accepts drafts.",
+        "continuations of corpus prompts (a few CPU minutes; after --train when both are given) so that "
+        "speculation accepts drafts.",
     ),
-    train_steps: int = typer.Option(600, "--train-steps", min=1, help="Optimizer steps of --train-mtp."),
+    train_steps: int = typer.Option(200, "--train-steps", min=1, help="Optimizer steps of --train-mtp."),
 ) -> None:
     """Write a Hugging Face-format DeepSeek-V3 or -V4 checkpoint (config, safetensors, tokenizer)."""
     from dsv4_engine.checkpoint import PRESETS, init_checkpoint
@@ -107,20 +115,25 @@ def model_init(
     if preset not in PRESETS:
         _fail(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     try:
-        if train_mtp and quant:
-            raise ValueError("--train-mtp trains float weights: write the checkpoint without --quant")
-        if train_mtp and PRESETS[preset].get("model_type") == "deepseek_v4":
-            raise ValueError("--train-mtp trains DeepSeek-V3's MTP layer; for a V4 preset use --mtp (untrained block)")
+        for flag, on in (("--train", train), ("--train-mtp", train_mtp)):
+            if on and quant:
+                raise ValueError(f"{flag} trains float weights: write the checkpoint without --quant")
+            if on and PRESETS[preset].get("model_type") == "deepseek_v4":
+                raise ValueError(f"{flag} trains DeepSeek-V3 presets; for a V4 preset use --mtp (untrained block)")
         init_checkpoint(out_dir, preset=preset, seed=seed, quant=quant, mtp=mtp or train_mtp)
-        if train_mtp:
-            from dsv4_engine.spec_decode.train import train_mtp as train
+        if train:
+            from dsv4_engine.spec_decode.train import train_base
 
-            report = train(out_dir, steps=train_steps, seed=seed)
-            typer.echo(f"trained the MTP layer: {report}")
+            typer.echo(f"trained the main model: {train_base(out_dir, steps=train_base_steps, seed=seed)}")
+        if train_mtp:
+            from dsv4_engine.spec_decode.train import train_mtp as distil
+
+            typer.echo(f"trained the MTP layer: {distil(out_dir, steps=train_steps, seed=seed)}")
     except ValueError as e:
         _fail(str(e))
     typer.echo(
-        f"wrote {preset} checkpoint (seed {seed}{', ' + quant if quant else ''}{', MTP layer' if mtp or train_mtp else ''}) "
+        f"wrote {preset} checkpoint (seed {seed}{', ' + quant if quant else ''}{', trained' if train else ''}"
+        f"{', MTP layer' if mtp or train_mtp else ''}) "
         f"to {out_dir}"
     )
 

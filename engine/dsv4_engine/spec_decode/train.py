@@ -1,13 +1,15 @@
-"""Self-distillation of a checkpoint's MTP layer (`dsv4 model init --train-mtp`).
+"""Making speculation accept drafts on a tiny preset: `dsv4 model init --train --train-mtp`.
 
-A randomly initialised MTP layer drafts noise, so speculation would accept nothing. This trains
-the layer for a few CPU minutes on the model's own greedy continuations: the engine (without
-speculation) continues random prompts greedily; the main model's final-normed hidden states of
-those sequences are the layer's inputs (as at serving time), and at each position i it learns
-the main model's distribution at position i+1 (soft cross-entropy), i.e. the token after next.
-The embedding and the output head stay the main model's copies; routing (gate, bias) stays as
-initialised. The layer's forward here is a plain differentiable torch version of the engine's
-(MLA in per-head form, experts computed densely and weighted by the routing).
+A random model's greedy continuations are close to a hash of the context, which no one-layer
+drafter can learn, and a random MTP layer drafts noise. `--train` (`train_base`) trains the main
+model for a few CPU minutes on the shipped corpus (the tokenizer's training text), so that its
+continuations have structure. `--train-mtp` (`train_mtp`) then self-distils the MTP layer: the
+engine (without speculation) continues corpus prompts greedily; the main model's final-normed
+hidden states of those sequences are the layer's inputs (as at serving time), and at each
+position i it learns the main model's distribution at position i+1 (soft cross-entropy), i.e.
+the token after next. The embedding and the output head stay the main model's; routing (gate,
+bias) stays as initialised. The forwards here are plain differentiable torch versions of the
+engine's (MLA in per-head form, each expert over the tokens routed to it), checked against it.
 """
 
 from __future__ import annotations
@@ -46,78 +48,232 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
 
 
+def decoder_layer(cfg, w: dict, p: str, x: torch.Tensor, model) -> torch.Tensor:
+    """One decoder layer (attention + MLP/MoE, pre-norm residuals) over x [B, T, D]: weights
+    `w[p + name]`, rope tables and the softmax scale from the engine's `model`."""
+    eps, (B, T, _) = cfg.rms_norm_eps, x.shape
+    H, nope, R, v, C = (
+        cfg.num_attention_heads,
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+        cfg.kv_lora_rank,
+    )
+    h = _rms(x, w[p + "input_layernorm.weight"], eps)
+    if cfg.q_lora_rank:
+        q = F.linear(
+            _rms(F.linear(h, w[p + "self_attn.q_a_proj.weight"]), w[p + "self_attn.q_a_layernorm.weight"], eps),
+            w[p + "self_attn.q_b_proj.weight"],
+        )
+    else:
+        q = F.linear(h, w[p + "self_attn.q_proj.weight"])
+    q = q.view(B, T, H, nope + R).transpose(1, 2)  # [B, H, T, nope+R]
+    ckv = F.linear(h, w[p + "self_attn.kv_a_proj_with_mqa.weight"])
+    latent = _rms(ckv[..., :C], w[p + "self_attn.kv_a_layernorm.weight"], eps)
+    cos, sin = model.cos[:T].float(), model.sin[:T].float()
+    k_rope = _rope(ckv[..., C:], cos, sin).unsqueeze(1)  # [B, 1, T, R]
+    q = torch.cat([q[..., :nope], _rope(q[..., nope:], cos, sin)], -1)
+    kv = F.linear(latent, w[p + "self_attn.kv_b_proj.weight"]).view(B, T, H, nope + v).transpose(1, 2)
+    k = torch.cat([kv[..., :nope], k_rope.expand(B, H, T, R)], -1)
+    o = F.scaled_dot_product_attention(q, k, kv[..., nope:], is_causal=True, scale=model.scale)
+    x = F.linear(o.transpose(1, 2).reshape(B, T, H * v), w[p + "self_attn.o_proj.weight"]) + x
+    h = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
+    return _moe(cfg, w, p, h.reshape(B * T, -1), model).view(B, T, -1) + x
+
+
+def _moe(cfg, w: dict, p: str, h: torch.Tensor, model) -> torch.Tensor:
+    """The MLP of a dense layer, or a MoE layer: each expert over the tokens routed to it,
+    weighted by the routing (which is not trained: gate and bias stay as initialised)."""
+    if p + "mlp.gate.weight" not in w:
+        return _mlp(w, p + "mlp.", h)
+    with torch.no_grad():
+        weights, ids = model.ops.moe_route(
+            F.linear(h.float(), w[p + "mlp.gate.weight"]),
+            w[p + "mlp.gate.e_score_correction_bias"],
+            cfg.n_group,
+            cfg.topk_group,
+            cfg.num_experts_per_tok,
+            cfg.norm_topk_prob,
+            cfg.routed_scaling_factor,
+        )
+    out = torch.zeros_like(h)
+    for e in range(cfg.n_routed_experts):
+        gate = (weights * (ids == e)).sum(-1)  # [N], 0 where not routed
+        rows = gate.nonzero().squeeze(-1)  # the tokens routed to e: only those are computed
+        if rows.numel():
+            out = out.index_add(0, rows, gate[rows, None] * _mlp(w, f"{p}mlp.experts.{e}.", h[rows]))
+    if cfg.n_shared_experts:
+        out = out + _mlp(w, p + "mlp.shared_experts.", h)
+    return out
+
+
+def _mlp(w: dict, p: str, h: torch.Tensor) -> torch.Tensor:
+    return F.linear(
+        F.silu(F.linear(h, w[p + "gate_proj.weight"])) * F.linear(h, w[p + "up_proj.weight"]),
+        w[p + "down_proj.weight"],
+    )
+
+
 class TrainableMTP:
     """The MTP block's float weights as leaf tensors, and its forward over whole sequences."""
 
     def __init__(self, cfg, weights: dict[str, torch.Tensor], layer: int, model):
         self.cfg, self.p, self.model = cfg, f"model.layers.{layer}.", model
-        self.w = {k[len(self.p) :]: v.float().clone() for k, v in weights.items() if k.startswith(self.p)}
-        self.params = [v.requires_grad_() for k, v in self.w.items() if k.startswith(TRAINED)]
+        self.w = {k: v.float().clone() for k, v in weights.items() if k.startswith(self.p)}
+        self.params = [v.requires_grad_() for k, v in self.w.items() if k[len(self.p) :].startswith(TRAINED)]
 
     def forward(self, next_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """next_ids [T] (token i+1 at position i), hidden [T, D] -> logits [T, V] (one sequence)."""
-        cfg, w, m = self.cfg, self.w, self.model
-        eps, T = cfg.rms_norm_eps, next_ids.shape[0]
-        H, nope, R, v, C = (
-            cfg.num_attention_heads,
-            cfg.qk_nope_head_dim,
-            cfg.qk_rope_head_dim,
-            cfg.v_head_dim,
-            cfg.kv_lora_rank,
-        )
-        e = _rms(F.embedding(next_ids, m.embed.float()), w["enorm.weight"], eps)
-        x = F.linear(torch.cat([e, _rms(hidden, w["hnorm.weight"], eps)], -1), w["eh_proj.weight"])
-        h = _rms(x, w["input_layernorm.weight"], eps)
-        if cfg.q_lora_rank:
-            q = F.linear(
-                _rms(F.linear(h, w["self_attn.q_a_proj.weight"]), w["self_attn.q_a_layernorm.weight"], eps),
-                w["self_attn.q_b_proj.weight"],
-            )
-        else:
-            q = F.linear(h, w["self_attn.q_proj.weight"])
-        q = q.view(T, H, nope + R).transpose(0, 1)  # [H, T, nope+R]
-        ckv = F.linear(h, w["self_attn.kv_a_proj_with_mqa.weight"])
-        latent = _rms(ckv[:, :C], w["self_attn.kv_a_layernorm.weight"], eps)
-        cos, sin = m.cos[:T].float(), m.sin[:T].float()
-        k_rope = _rope(ckv[:, C:], cos, sin)  # [T, R]
-        q = torch.cat([q[..., :nope], _rope(q[..., nope:], cos, sin)], -1)
-        kv = F.linear(latent, w["self_attn.kv_b_proj.weight"]).view(T, H, nope + v).transpose(0, 1)
-        k = torch.cat([kv[..., :nope], k_rope.expand(H, T, R)], -1)
-        o = F.scaled_dot_product_attention(q, k, kv[..., nope:], is_causal=True, scale=m.scale)
-        x = F.linear(o.transpose(0, 1).reshape(T, H * v), w["self_attn.o_proj.weight"]) + x
-        h = _rms(x, w["post_attention_layernorm.weight"], eps)
-        x = self._moe(h) + x
-        return F.linear(_rms(x, w["shared_head.norm.weight"], eps), m.lm_head.float())
+        """next_ids [(B,) T] (token i+1 at position i), hidden [(B,) T, D] -> logits [(B,) T, V]."""
+        if next_ids.dim() == 1:
+            return self.forward(next_ids[None], hidden[None])[0]
+        return self.forward_with_hidden(next_ids, hidden)[0]
 
-    def _moe(self, h: torch.Tensor) -> torch.Tensor:
+    def forward_with_hidden(self, next_ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, T] and [B, T, D] -> (logits [B, T, V], the block's output hidden state [B, T, D]:
+        what the draft chain feeds back as the next position's hidden)."""
+        cfg, w, m, p = self.cfg, self.w, self.model, self.p
+        eps = cfg.rms_norm_eps
+        e = _rms(F.embedding(next_ids, m.embed.float()), w[p + "enorm.weight"], eps)
+        x = F.linear(torch.cat([e, _rms(hidden, w[p + "hnorm.weight"], eps)], -1), w[p + "eh_proj.weight"])
+        x = decoder_layer(cfg, w, p, x, m)
+        return F.linear(_rms(x, w[p + "shared_head.norm.weight"], eps), m.lm_head.float()), x
+
+
+class TrainableV3:
+    """The main model (embedding, layers, final norm, head) as float leaf tensors, and its
+    forward over a batch of whole sequences; the MTP block's tensors are left out."""
+
+    def __init__(self, cfg, weights: dict[str, torch.Tensor], model):
+        self.cfg, self.model = cfg, model
+        mtp = tuple(f"model.layers.{cfg.num_hidden_layers + i}." for i in range(4))
+        self.w = {k: v.float().clone() for k, v in weights.items() if not k.startswith(mtp)}
+        self.params = [v.requires_grad_() for k, v in self.w.items() if not k.endswith(BASE_FROZEN)]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, T] -> logits [B, T, V]."""
         cfg, w = self.cfg, self.w
-        if "mlp.gate.weight" not in w:
-            return self._mlp(h, "mlp.")
-        with torch.no_grad():
-            weights, ids = self.model.ops.moe_route(
-                F.linear(h.float(), w["mlp.gate.weight"]),
-                w["mlp.gate.e_score_correction_bias"],
-                cfg.n_group,
-                cfg.topk_group,
-                cfg.num_experts_per_tok,
-                cfg.norm_topk_prob,
-                cfg.routed_scaling_factor,
-            )
-        out = torch.zeros_like(h)
-        for e in range(cfg.n_routed_experts):
-            gate = (weights * (ids == e)).sum(-1, keepdim=True)  # [T, 1], 0 where not routed
-            if bool((gate != 0).any()):
-                out = out + gate * self._mlp(h, f"mlp.experts.{e}.")
-        if cfg.n_shared_experts:
-            out = out + self._mlp(h, "mlp.shared_experts.")
-        return out
+        x = F.embedding(ids, w["model.embed_tokens.weight"])
+        for i in range(cfg.num_hidden_layers):
+            x = decoder_layer(cfg, w, f"model.layers.{i}.", x, self.model)
+        return F.linear(_rms(x, w["model.norm.weight"], cfg.rms_norm_eps), w["lm_head.weight"])
 
-    def _mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
-        w = self.w
-        return F.linear(
-            F.silu(F.linear(h, w[p + "gate_proj.weight"])) * F.linear(h, w[p + "up_proj.weight"]),
-            w[p + "down_proj.weight"],
+
+BASE_FROZEN = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # routing stays as initialised
+
+
+def corpus_ids(model_dir: str | Path) -> list[int]:
+    """The shipped corpus (the tokenizer's training text) as one stream of the checkpoint's
+    token ids, lines joined by newlines."""
+    from tokenizers import Tokenizer
+
+    from dsv4_engine.checkpoint import corpus_lines
+
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    return tok.encode("\n".join(corpus_lines()), add_special_tokens=False).ids
+
+
+def corpus_prompts(model_dir: str | Path, n: int, length: int, seed: int) -> list[list[int]]:
+    """`n` windows of `length` tokens at random places in the corpus (the prompts `--train-mtp`
+    distils on and the speculation benchmark sends: the distribution the trained model knows)."""
+    ids = corpus_ids(model_dir)
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(ids) - length, (n,), generator=g).tolist()
+    return [ids[s : s + length] for s in starts]
+
+
+def train_base(
+    model_dir: str | Path,
+    steps: int = 150,
+    seq_len: int = 48,
+    batch: int = 8,
+    lr: float = 5e-3,
+    seed: int = 0,
+) -> dict:
+    """Train the main model (not the MTP block) in place on the shipped corpus, next-token
+    cross-entropy on random windows, so that its greedy continuations have structure (a random
+    model's are close to a hash of the context, which no drafter can predict). Returns a report
+    (steps, seconds, loss at the start and end)."""
+    from safetensors.torch import load_file
+
+    from dsv4_engine.config import ModelConfig
+    from dsv4_engine.model_runner import get_ops
+    from dsv4_engine.models.deepseek_v3 import DeepseekV3
+    from dsv4_engine.weights import load_weights
+
+    d = _v3_float_dir(model_dir, "--train")
+    t0 = time.monotonic()
+    cfg = ModelConfig.from_dir(d)
+    model = DeepseekV3(cfg, load_weights(d), get_ops("torch"), torch.float32, torch.device("cpu"))
+    weights = load_file(str(d / "model.safetensors"))
+    net = TrainableV3(cfg, weights, model)
+    data = torch.tensor(corpus_ids(d))
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(net.params, lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    losses = []
+    for step in range(steps):
+        starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=g)
+        win = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()])
+        logits = net.forward(win[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), win[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.params, 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if step % 50 == 0:
+            log.info("train step %d loss %.3f", step, losses[-1])
+    if not math.isfinite(losses[-1]):
+        raise RuntimeError(f"--train diverged at loss {losses[-1]}")
+    for k, v in net.w.items():
+        weights[k] = v.detach().contiguous()
+    _sync_mtp_copies(cfg, weights)
+    _save(d, weights)
+    tail = losses[-20:]
+    return {
+        "steps": steps,
+        "seconds": round(time.monotonic() - t0, 1),
+        "corpus_tokens": len(data),
+        "loss_first": round(losses[0], 3),
+        "loss_last20_mean": round(sum(tail) / len(tail), 3),
+    }
+
+
+def _v3_float_dir(model_dir: str | Path, flag: str) -> Path:
+    import json
+
+    d = Path(model_dir)
+    config = json.loads((d / "config.json").read_text())
+    if config.get("model_type") != "deepseek_v3":
+        raise ValueError(
+            f"{flag} trains DeepSeek-V3 presets; DeepSeek-V4 presets are not supported yet "
+            "(use --mtp for an untrained V4 MTP block)"
         )
+    if config.get("quantization_config"):
+        raise ValueError(f"{flag} trains float weights: quantize afterwards, not with --quant")
+    return d
+
+
+def _sync_mtp_copies(cfg, weights: dict[str, torch.Tensor]) -> None:
+    """The MTP blocks' copies of the embedding and the head (the release keeps them equal to the
+    main model's, and the engine reads the copies) set to the main model's current ones."""
+    for i in range(int(cfg.extra.get("num_nextn_predict_layers") or 0)):
+        p = f"model.layers.{cfg.num_hidden_layers + i}."
+        for copy, main in (
+            ("embed_tokens.weight", "model.embed_tokens.weight"),
+            ("shared_head.head.weight", "lm_head.weight"),
+        ):
+            if p + copy in weights:
+                weights[p + copy] = weights[main].clone()
+
+
+def _save(d: Path, weights: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    tmp = d / "model.safetensors.tmp"
+    save_file(weights, str(tmp), metadata={"format": "pt"})
+    tmp.replace(d / "model.safetensors")
 
 
 def _greedy_continuations(model_dir: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -181,86 +337,101 @@ def _hidden_and_logits(model, seq: list[int]) -> tuple[torch.Tensor, torch.Tenso
 
 def train_mtp(
     model_dir: str | Path,
-    steps: int = 600,
+    steps: int = 200,
     num_prompts: int = 128,
-    prompt_len: int = 24,
-    new_tokens: int = 96,
+    prompt_len: int = 16,
+    new_tokens: int = 64,
     lr: float = 2e-3,
     seed: int = 0,
-    batch: int = 2,
+    batch: int = 16,
+    chain: bool = False,
 ) -> dict:
-    """Train the checkpoint's MTP layer in place (model.safetensors rewritten); returns a report
-    (steps, seconds, held-out next-next-token agreement with the target before and after)."""
-    from safetensors.torch import load_file, save_file
+    """Train the checkpoint's MTP layer in place (model.safetensors rewritten) on the model's own
+    greedy continuations of corpus prompts; returns a report (steps, seconds, held-out agreement
+    of the block's top-1 with the target's next-next token before and after).
+
+    The block's decoder layer starts from a copy of the main model's last layer (same shapes;
+    a better start than random weights when the main model was trained). With `chain` it also
+    learns the draft chain's second step, which reads the block's own output hidden state (off
+    by default: not shown to help; see docs/speculative-decoding.md)."""
+    from safetensors.torch import load_file
 
     from dsv4_engine.config import ModelConfig
     from dsv4_engine.model_runner import get_ops
     from dsv4_engine.models.deepseek_v3 import DeepseekV3
     from dsv4_engine.weights import load_weights
 
-    d = Path(model_dir)
-    import json
-
-    if json.loads((d / "config.json").read_text()).get("model_type") != "deepseek_v3":
-        raise ValueError(
-            "--train-mtp trains DeepSeek-V3's MTP layer; DeepSeek-V4 presets are not supported yet "
-            "(use --mtp for an untrained V4 MTP block)"
-        )
+    d = _v3_float_dir(model_dir, "--train-mtp")
     cfg = ModelConfig.from_dir(d)
     if not cfg.extra.get("num_nextn_predict_layers"):
         raise ValueError("--train-mtp needs an MTP layer (add --mtp)")
-    if cfg.extra.get("quantization_config"):
-        raise ValueError("--train-mtp trains float weights: quantize afterwards, not with --quant")
     t0 = time.monotonic()
-    g = torch.Generator().manual_seed(seed)
-    # Prompts: random ids from the tokenizer's ordinary range (past the special tokens).
-    prompts = [torch.randint(3, cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(num_prompts)]
+    # Prompts from the corpus (what the benchmark sends); the held-out eighth has its own seed.
+    n_held = max(1, num_prompts // 8)
+    prompts = corpus_prompts(d, num_prompts - n_held, prompt_len, seed) + corpus_prompts(
+        d, n_held, prompt_len, seed + 1_000_003
+    )
     seqs = _greedy_continuations(d, prompts, new_tokens)
     model = DeepseekV3(cfg, load_weights(d), get_ops("torch"), torch.float32, torch.device("cpu"))
-    data = [(torch.tensor(s), *_hidden_and_logits(model, s)) for s in seqs]
-    held_out, train = data[: max(1, len(data) // 8)], data[max(1, len(data) // 8) :]
+    rows = [_hidden_and_logits(model, s) for s in seqs]
+    ids = torch.tensor(seqs)  # every sequence is prompt_len + new_tokens long
+    hidden, logits = torch.stack([h for h, _ in rows]), torch.stack([lg for _, lg in rows])
+    held = slice(len(seqs) - n_held, None)
     weights = load_file(str(d / "model.safetensors"))
+    last, mtp_p = f"model.layers.{cfg.num_hidden_layers - 1}.", f"model.layers.{cfg.num_hidden_layers}."
+    for k in list(weights):
+        if k.startswith(last) and mtp_p + k[len(last) :] in weights:
+            weights[mtp_p + k[len(last) :]] = weights[k].clone()
     mtp = TrainableMTP(cfg, weights, cfg.num_hidden_layers, model)
     opt = torch.optim.Adam(mtp.params, lr=lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
+    sl = slice(prompt_len - 1, None)  # positions whose next-next token is generated
 
-    def example(ids, hidden, logits):
+    def example(sel):
         # Position i (i + 2 < T): inputs h_i and token i+1, target the model's distribution at i+1.
-        return mtp.forward(ids[1:-1], hidden[:-2]), logits[1:-1]
+        pred, out = mtp.forward_with_hidden(ids[sel, 1:-1], hidden[sel, :-2])
+        pairs = [(pred, logits[sel, 1:-1])]
+        if chain:
+            # The chain's next draft: position i+1 reads the block's own output at i (not the
+            # target's hidden state) and token i+2; target the distribution at i+2.
+            pred2, _ = mtp.forward_with_hidden(ids[sel, 2:-1], out[:, :-1])
+            pairs.append((pred2, logits[sel, 2:-1]))
+        return pairs
 
-    def agreement(rows) -> float:
-        hit = total = 0
+    def agreement(sel) -> list[float]:
         with torch.no_grad():
-            for ids, hidden, logits in rows:
-                pred, tgt = example(ids, hidden, logits)
-                sl = slice(prompt_len - 1, None)  # positions whose next-next token is generated
-                hit += int((pred[sl].argmax(-1) == tgt[sl].argmax(-1)).sum())
-                total += pred[sl].shape[0]
-        return hit / max(total, 1)
+            pairs = example(sel)
+        return [round(float((p[:, sl].argmax(-1) == t[:, sl].argmax(-1)).float().mean()), 4) for p, t in pairs]
 
-    before = agreement(held_out)
+    before = agreement(held)
+    g = torch.Generator().manual_seed(seed)
+    n_train = len(seqs) - n_held
     for step in range(steps):
+        pick = torch.randint(0, n_train, (min(batch, n_train),), generator=g)
+        # KL(target || block) up to the target's entropy: cross-entropy on its soft distribution.
+        loss = sum(-(F.softmax(t, -1) * F.log_softmax(p, -1)).sum(-1).mean() for p, t in example(pick))
         opt.zero_grad()
-        for j in range(batch):  # `batch` sequences a step, gradients summed
-            ids, hidden, logits = train[(step * batch + j) % len(train)]
-            pred, tgt = example(ids, hidden, logits)
-            loss = -(F.softmax(tgt, -1) * F.log_softmax(pred, -1)).sum(-1).mean() / batch
-            loss.backward()
+        loss.backward()
         opt.step()
+        sched.step()
         if step % 50 == 0:
             log.info("train-mtp step %d loss %.3f", step, loss.item())
-    after = agreement(held_out)
+    if not math.isfinite(loss.item()):
+        raise RuntimeError(f"--train-mtp diverged at loss {loss.item()}")
+    after = agreement(held)
     for k, v in mtp.w.items():
-        weights[mtp.p + k] = v.detach().contiguous()
-    tmp = d / "model.safetensors.tmp"
-    save_file(weights, str(tmp), metadata={"format": "pt"})
-    tmp.replace(d / "model.safetensors")
-    report = {
+        weights[k] = v.detach().contiguous()
+    _sync_mtp_copies(cfg, weights)  # what the block was trained with
+    _save(d, weights)
+    return {
         "steps": steps,
         "seconds": round(time.monotonic() - t0, 1),
         "sequences": len(seqs),
-        "held_out_top1_agreement_before": round(before, 4),
-        "held_out_top1_agreement_after": round(after, 4),
+        "held_out_sequences": n_held,
+        # Top-1 agreement with the target's next-next token on held-out continuations: the
+        # first draft (from the target's hidden state) and, with `chain`, the second (from the
+        # block's own, given a right first draft).
+        "held_out_top1_agreement_before": before[0],
+        "held_out_top1_agreement_after": after[0],
+        **({"held_out_chained_agreement_after": after[1]} if chain else {}),
     }
-    if not math.isfinite(loss.item()):
-        raise RuntimeError(f"--train-mtp diverged: {report}")
-    return report

@@ -68,7 +68,8 @@ def test_bad_chat_flags_are_one_line(tiny_model):
         assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and words in r.stderr, r.stderr
 
 
-def test_train_mtp_on_a_v4_preset_is_refused_before_writing(tmp_path):
-    r = dsv4("model", "init", str(tmp_path / "m"), "--preset", "v4-tiny", "--train-mtp")
-    assert r.returncode == 2 and "--train-mtp trains DeepSeek-V3" in r.stderr, r.stderr
-    assert not (tmp_path / "m" / "config.json").exists()
+def test_training_a_v4_preset_is_refused_before_writing(tmp_path):
+    for flag in ("--train-mtp", "--train"):
+        r = dsv4("model", "init", str(tmp_path / "m"), "--preset", "v4-tiny", flag)
+        assert r.returncode == 2 and f"{flag} trains DeepSeek-V3" in r.stderr, r.stderr
+        assert not (tmp_path / "m" / "config.json").exists()

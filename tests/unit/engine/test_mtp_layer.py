@@ -1,5 +1,5 @@
 """The MTP layer in the checkpoint (DeepSeek-V3's layout), the engine's forward of it, and the
-trainable forward `--train-mtp` uses: the two compute the same logits."""
+trainable forwards `--train-mtp` and `--train` use: each computes the engine's logits."""
 
 from __future__ import annotations
 
@@ -78,6 +78,46 @@ def test_trainable_forward_equals_the_engines(tiny_mtp):
     # fp32 through one layer and the head (logits of order 10): summation-order rounding only.
     assert (a - b).abs().max() < 1e-3 * max(1.0, float(b.abs().max()))
     assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_trainable_main_model_equals_the_engines(tiny_mtp):
+    from safetensors.torch import load_file
+
+    from dsv4_engine.config import ModelConfig
+    from dsv4_engine.model_runner import get_ops
+    from dsv4_engine.models.deepseek_v3 import DeepseekV3
+    from dsv4_engine.spec_decode.train import TrainableV3, _hidden_and_logits, corpus_prompts
+    from dsv4_engine.weights import load_weights
+
+    cfg = ModelConfig.from_dir(tiny_mtp)
+    model = DeepseekV3(cfg, load_weights(tiny_mtp), get_ops("torch"), torch.float32, torch.device("cpu"))
+    seqs = corpus_prompts(tiny_mtp, 2, 24, seed=0)
+    assert len(seqs) == 2 and all(len(s) == 24 for s in seqs) and seqs[0] != seqs[1]
+    with torch.no_grad():
+        a = TrainableV3(cfg, load_file(str(tiny_mtp / "model.safetensors")), model).forward(torch.tensor(seqs))
+    for row, seq in zip(a, seqs):
+        _, b = _hidden_and_logits(model, seq)
+        # fp32 through four layers and the head: summation-order rounding only.
+        assert (row - b).abs().max() < 1e-3 * max(1.0, float(b.abs().max()))
+        assert torch.equal(row.argmax(-1), b.argmax(-1))
+
+
+def test_train_base_lowers_the_corpus_loss(tmp_path):
+    torch.set_num_threads(1)
+    from dsv4_engine.spec_decode.train import train_base
+
+    d = init_checkpoint(tmp_path / "m", preset="tiny", seed=2, mtp=True)
+    before = (d / "model.safetensors").read_bytes()
+    report = train_base(d, steps=8, batch=2, seq_len=16)
+    assert report["loss_last20_mean"] < report["loss_first"], report
+    assert (d / "model.safetensors").read_bytes() != before
+    # The MTP block's copies of the embedding and head (what the engine's drafter reads) follow.
+    with safe_open(str(d / "model.safetensors"), framework="pt") as f:
+        for copy, main in (
+            ("embed_tokens.weight", "model.embed_tokens.weight"),
+            ("shared_head.head.weight", "lm_head.weight"),
+        ):
+            assert torch.equal(f.get_tensor("model.layers.4." + copy), f.get_tensor(main)), copy
 
 
 @pytest.mark.slow
