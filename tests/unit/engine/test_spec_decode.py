@@ -14,12 +14,13 @@ import time
 import pytest
 import torch
 
-from dsv4_engine.engine import Engine
-from dsv4_engine.engine_args import EngineArgs
 from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.sequence import Sequence
 from dsv4_engine.spec_decode.options import engine_refusal, normalize_algorithm
 from dsv4_engine.spec_decode.verify import accept_greedy, rejection_sample, sampling_probs
+from spec_testutil import run_all as _run
+from spec_testutil import spec_engine as _engine
+from spec_testutil import steer as _steer
 
 
 @pytest.fixture(autouse=True)
@@ -35,42 +36,6 @@ def tiny_mtp(tmp_path_factory):
     from dsv4_engine.checkpoint import init_checkpoint
 
     return init_checkpoint(tmp_path_factory.mktemp("mtp") / "tiny-mtp", preset="tiny", seed=0, mtp=True)
-
-
-def _engine(model, spec: bool, steps: int = 3, **kw) -> Engine:
-    args = dict(model=str(model), device="cpu", kernel_backend="torch", kv_pages=64, page_size=8, max_num_seqs=8)
-    args.update(kw)
-    if spec:
-        args.update(speculative_algorithm="mtp", speculative_num_steps=steps)
-    return Engine(EngineArgs(**args))
-
-
-def _run(engine: Engine, requests: list[tuple[list[int], SamplingParams]], timeout: float = 120) -> dict:
-    """rid -> (token ids, text, finish_reason, error); checks every page came back."""
-    outs: dict = {}
-    done = threading.Event()
-    lock = threading.Lock()
-
-    def sink(o):
-        with lock:
-            toks, text, _, _ = outs.get(o.rid, ([], "", None, None))
-            outs[o.rid] = (toks + list(o.token_ids), text + o.text, o.finish_reason, o.error)
-            if o.finished and sum(v[2] is not None for v in outs.values()) == len(requests):
-                done.set()
-
-    engine.start()
-    try:
-        for i, (prompt, params) in enumerate(requests):
-            engine.submit(Sequence(f"r{i}", prompt, params, sink=sink))
-        assert done.wait(timeout), f"only {sum(v[2] is not None for v in outs.values())} finished"
-        deadline = time.monotonic() + 5
-        while engine.pool.allocator.num_free != engine.pool.num_pages and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert engine.pool.allocator.num_free == engine.pool.num_pages, "pages not returned"
-        assert not engine.seqs and not engine.scheduler.running
-    finally:
-        engine.stop()
-    return outs
 
 
 def _requests(seed: int = 0, n: int = 6):
@@ -93,26 +58,6 @@ def test_greedy_with_the_real_drafter_equals_plain_decoding(tiny_mtp):
     totals = spec_engine.metrics.totals
     assert totals["spec_decode_num_draft_tokens"] > 0  # it did speculate
     assert spec_engine.loads()["speculative"]["mean_acceptance_length"] >= 1
-
-
-def _steer(engine: Engine, reference: dict, accuracy: dict[str, float], seed: int = 0) -> None:
-    """Replace each request's drafts, just before they are verified, by the reference's next
-    tokens (right) or by other tokens (wrong), right with the request's `accuracy`: the verify,
-    rollback and catch-up paths all run for real, with acceptance chosen per request."""
-    spec, rng = engine.spec, random.Random(seed)
-    original = spec.lookahead
-
-    def lookahead(seq):
-        n = original(seq)
-        if n:
-            want = reference[seq.rid][0][len(seq.output_ids) :]
-            d = spec.drafts[seq]
-            for j in range(n):
-                right = want[j] if j < len(want) else 7
-                d.tokens[j] = right if rng.random() < accuracy[seq.rid] else (right + 1) % 500
-        return n
-
-    spec.lookahead = engine.scheduler.lookahead = lookahead
 
 
 def test_greedy_equals_plain_with_different_acceptance_per_request_and_preemption(tiny_mtp):

@@ -8,19 +8,24 @@ distribution; every page comes back."""
 from __future__ import annotations
 
 import json
-import random
 import threading
-import time
 from collections import Counter
 
 import jsonschema
 import pytest
 
 from dsv4_engine.engine import Engine
-from dsv4_engine.engine_args import EngineArgs
 from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.sequence import Sequence
 from dsv4_engine.structured import spec as structured
+from spec_testutil import run_all as _run
+from spec_testutil import spec_engine
+from spec_testutil import steer as _steer
+
+
+def _engine(model, spec: bool, steps: int = 3, **kw):
+    return spec_engine(model, spec, steps, **{"kv_pages": 96, **kw})
+
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -63,61 +68,6 @@ def v4_mtp(tmp_path_factory):
     from dsv4_engine.checkpoint import init_checkpoint
 
     return init_checkpoint(tmp_path_factory.mktemp("v4mtp") / "v4-tiny-mtp", preset="v4-tiny", seed=0, mtp=True)
-
-
-def _engine(model, spec: bool, steps: int = 3, **kw) -> Engine:
-    args = dict(model=str(model), device="cpu", kernel_backend="torch", kv_pages=96, page_size=8, max_num_seqs=8)
-    args.update(kw)
-    if spec:
-        args.update(speculative_algorithm="mtp", speculative_num_steps=steps)
-    return Engine(EngineArgs(**args))
-
-
-def _run(engine: Engine, requests: list[tuple[list[int], SamplingParams]], timeout: float = 120) -> dict:
-    """rid -> (token ids, text, finish_reason, error); checks every page came back."""
-    outs: dict = {}
-    done = threading.Event()
-    lock = threading.Lock()
-
-    def sink(o):
-        with lock:
-            toks, text, _, _ = outs.get(o.rid, ([], "", None, None))
-            outs[o.rid] = (toks + list(o.token_ids), text + o.text, o.finish_reason, o.error)
-            if o.finished and sum(v[2] is not None for v in outs.values()) == len(requests):
-                done.set()
-
-    engine.start()
-    try:
-        for i, (prompt, params) in enumerate(requests):
-            engine.submit(Sequence(f"r{i}", prompt, params, sink=sink))
-        assert done.wait(timeout), f"only {sum(v[2] is not None for v in outs.values())} finished"
-        deadline = time.monotonic() + 5
-        while engine.pool.allocator.num_free != engine.pool.num_pages and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert engine.pool.allocator.num_free == engine.pool.num_pages, "pages not returned"
-        assert not engine.seqs and not engine.scheduler.running
-    finally:
-        engine.stop()
-    return outs
-
-
-def _steer(engine: Engine, reference: dict, accuracy: float, seed: int = 0) -> None:
-    """Each draft, just before it is verified, becomes the reference's next token (right) or
-    another token (wrong: mostly outside the grammar), right with probability `accuracy`."""
-    spec, rng = engine.spec, random.Random(seed)
-    original = spec.lookahead
-
-    def lookahead(seq):
-        n = original(seq)
-        if n:
-            want = reference[seq.rid][0][len(seq.output_ids) :]
-            d = spec.drafts[seq]
-            for j in range(n):
-                right = want[j] if j < len(want) else 7
-                d.tokens[j] = right if rng.random() < accuracy else (right + 1) % 500
-        return n
-
-    spec.lookahead = engine.scheduler.lookahead = lookahead
 
 
 def _structured_requests() -> list:
