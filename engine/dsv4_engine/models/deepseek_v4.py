@@ -50,6 +50,7 @@ from dsv4_engine.models.state import StateSpec
 from dsv4_engine.models.v4_layers import apply_rope, rms, rope_at, rope_table, sinkhorn_, unweighted_rms
 from dsv4_engine.quant import dense, is_quantized, log_resident, moe_experts_for, one_format, place
 from dsv4_engine.step_phases import PHASES
+from dsv4_kernels import cpu_mhc
 from dsv4_kernels.grouped_moe import grouped_experts
 
 
@@ -116,6 +117,8 @@ class DeepseekV4:
         self.snapshots_in_forward = self.kops is None
         self.dtype = dtype
         self.device = torch.device(device)
+        # mHC after its mixing linear as one native call on the CPU (dsv4_kernels.cpu_mhc)
+        self.native_hc = self.kops is None and self.device.type == "cpu" and cpu_mhc.available()
         self.inv_freq = {
             "main": cfg.rope_main.inv_freq().to(self.device),
             "compress": cfg.rope_compress.inv_freq().to(self.device),
@@ -239,6 +242,8 @@ class DeepseekV4:
         # rms by a norm: one reduction, no squared copy of the streams
         ms = torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square_().div_(flat.shape[-1])
         mixes = F.linear(flat * ms.add_(cfg.rms_norm_eps).rsqrt_(), fn)
+        if self.native_hc:
+            return cpu_mhc.hc_pre_tail(mixes, base, scale, x, cfg.hc_eps, cfg.hc_sinkhorn_iters)
         pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
         pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
         pre = torch.sigmoid(pre_w * scale[0] + pre_b) + cfg.hc_eps
