@@ -29,7 +29,11 @@ def _native_mhc(model, on: bool) -> None:
     model.native_hc = on and cpu_mhc.available()
 
 
-CHANGES = {"native_mhc": _native_mhc}
+def _step_indices(model, on: bool) -> None:
+    model.reuse_step_indices = on
+
+
+CHANGES = {"native_mhc": _native_mhc, "step_indices": _step_indices}
 
 
 def _ops_per_step(engine, steps: int) -> float:
