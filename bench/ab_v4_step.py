@@ -1,7 +1,8 @@
 """DeepSeek-V4 whole decode steps with one change of issue 33 off and on, interleaved in one engine
 (in process, 1 torch thread, as bench/ab_decode_step.py does for mla512): the same running batch
 steps a few times with the change off, then on, alternating, keeping each side's best step and
-its phase breakdown; the torch op count per step of each side from torch.profiler. Each change
+its phase breakdown, and the process's CPU time per step (1 torch thread: on a loaded machine
+this is the code's own cost, where wall time also holds the waits for a core); the torch op count per step of each side from torch.profiler. Each change
 is a switch on the model object, so "off" is the code as it was before that commit.
 
     python bench/ab_v4_step.py --model v4-tiny=DIR --change native_mhc [-c 8 -c 32]
@@ -55,6 +56,7 @@ def measure(model: Path, c: int, change: str, rounds: int, steps: int) -> dict:
     switch = {"before": lambda: CHANGES[change](m, False), "after": lambda: CHANGES[change](m, True)}
     best: dict = {}
     each: dict = {k: [] for k in switch}
+    cpu: dict = {k: [] for k in switch}  # the process's CPU time: what the code costs, less the waits for a core
     ops: dict = {}
     try:
         for name in switch:
@@ -64,11 +66,12 @@ def measure(model: Path, c: int, change: str, rounds: int, steps: int) -> dict:
             for name in list(switch) if r % 2 == 0 else list(reversed(switch)):
                 switch[name]()
                 PHASES.enable(True)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(steps):
                     engine.step()
                 ms = (time.perf_counter() - t0) * 1000 / steps
                 each[name].append(round(ms, 2))
+                cpu[name].append(round((time.process_time() - c0) * 1000 / steps, 2))
                 if ms < best.get(name, (1e9,))[0]:
                     best[name] = (ms, PHASES.summary().get("decode"))
                 PHASES.enable(False)
@@ -81,6 +84,9 @@ def measure(model: Path, c: int, change: str, rounds: int, steps: int) -> dict:
         "concurrency": c,
         "step_ms_best": {k: round(v[0], 2) for k, v in best.items()},
         "speedup": round(best["before"][0] / best["after"][0], 2),
+        "cpu_ms_per_step_best": {k: min(v) for k, v in cpu.items()},
+        "cpu_speedup": round(min(cpu["before"]) / min(cpu["after"]), 2),
+        "cpu_ms_each": cpu,
         "torch_ops_per_step": ops,
         "step_ms_each": each,
         "phases_best": {
