@@ -34,7 +34,13 @@ def _step_indices(model, on: bool) -> None:
     model.reuse_step_indices = on
 
 
-CHANGES = {"native_mhc": _native_mhc, "step_indices": _step_indices}
+def _rope_in_place(model, on: bool) -> None:
+    from dsv4_engine.models import v4_layers
+
+    v4_layers.ROPE_IN_PLACE = on
+
+
+CHANGES = {"native_mhc": _native_mhc, "step_indices": _step_indices, "rope_in_place": _rope_in_place}
 
 
 def _ops_per_step(engine, steps: int) -> float:
