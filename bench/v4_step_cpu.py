@@ -1,6 +1,7 @@
 """DeepSeek-V4 decode steps, ours against transformers' own cached loop, in CPU time: both in this
 process with 1 torch thread, on the same checkpoint and the same prompts (c requests of
-`prompt_len` tokens), each timed per decode step of the whole batch after its prefill. On a
+`prompt_len` tokens), both prefilled, then their decode steps of the whole batch interleaved
+(one of ours, one of transformers', ...) and each timed. On a
 shared machine the wall time of a step is mostly the wait for a core (load 17 on 2 cores: a
 v4-tiny step is ~12 ms of CPU in ~100 ms of wall), and that wait does not fall evenly on two
 programs run minutes apart; CPU time is each program's own cost. Also compares the greedy tokens.
@@ -27,43 +28,55 @@ import decode_breakdown as bd  # noqa: E402
 import loadgen  # noqa: E402
 
 
-def ours(model: Path, c: int, prompt_len: int, steps: int) -> dict:
+def _ours(model: Path, c: int, prompt_len: int, steps: int):
     engine = bd._engine(model, c, prompt_len, steps)
     bd._fill(engine, min(c, 4), prompt_len, 4, seed=99)  # warm-up: first-call allocations
     while engine.scheduler.has_work():
         engine.step()
     seqs = bd._fill(engine, c, prompt_len, steps + 1, seed=0)  # prefilled: each has its first token
-    cpu, wall = [], []
-    for _ in range(steps):
-        c0, t0 = time.process_time(), time.perf_counter()
-        engine.step()
-        cpu.append((time.process_time() - c0) * 1000)
-        wall.append((time.perf_counter() - t0) * 1000)
-    tokens = [s.output_ids[: steps + 1] for s in seqs]
-    engine.abort(all_=True)
-    engine.step()
-    return {"cpu_ms": cpu, "wall_ms": wall, "tokens": tokens, "prompts": None}
+    return engine, seqs
 
 
-def hf(model: Path, c: int, prompt_len: int, steps: int, vocab: int) -> dict:
+def _hf(model: Path, c: int, prompt_len: int, vocab: int):
     import transformers
 
     m = transformers.DeepseekV4ForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
-    prompts = loadgen.random_prompts(c, prompt_len, vocab, 0)
-    ids = torch.tensor(prompts, dtype=torch.long)
-    cpu, wall = [], []
+    ids = torch.tensor(loadgen.random_prompts(c, prompt_len, vocab, 0), dtype=torch.long)
     with torch.inference_mode():
         out = m(ids, use_cache=True, logits_to_keep=1)
-        toks = [out.logits[:, -1].argmax(-1, keepdim=True)]
-        for _ in range(steps):
-            c0, t0 = time.process_time(), time.perf_counter()
+    return m, out, [out.logits[:, -1].argmax(-1, keepdim=True)]
+
+
+def interleaved(model: Path, c: int, prompt_len: int, steps: int, vocab: int) -> dict:
+    """Both prefilled, then one decode step of ours, one of transformers', and so on: the two
+    see the same machine, step by step."""
+    engine, seqs = _ours(model, c, prompt_len, steps)
+    m, out, toks = _hf(model, c, prompt_len, vocab)
+    cpu: dict = {"ours": [], "hf": []}
+    wall: dict = {"ours": [], "hf": []}
+
+    def timed(side: str, fn) -> None:
+        c0, t0 = time.process_time(), time.perf_counter()
+        fn()
+        cpu[side].append((time.process_time() - c0) * 1000)
+        wall[side].append((time.perf_counter() - t0) * 1000)
+
+    def hf_step() -> None:
+        nonlocal out
+        with torch.inference_mode():
             out = m(toks[-1], cache=out.past_key_values, use_cache=True)
             toks.append(out.logits[:, -1].argmax(-1, keepdim=True))
-            cpu.append((time.process_time() - c0) * 1000)
-            wall.append((time.perf_counter() - t0) * 1000)
-    del m
+
+    for _ in range(steps):
+        timed("ours", engine.step)
+        timed("hf", hf_step)
+    ours_tokens = [s.output_ids[: steps + 1] for s in seqs]
+    hf_tokens = torch.cat(toks, 1).tolist()
+    engine.abort(all_=True)
+    engine.step()
+    engine = None
     gc.collect()
-    return {"cpu_ms": cpu, "wall_ms": wall, "tokens": torch.cat(toks, 1).tolist()}
+    return {"cpu_ms": cpu, "wall_ms": wall, "tokens": (ours_tokens, hf_tokens)}
 
 
 def _stats(xs: list[float]) -> dict:
@@ -85,10 +98,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         vocab = json.loads((Path(d) / "config.json").read_text())["vocab_size"]
         result["models"][name] = []
         for c in a.concurrency or [8, 32]:
-            o = ours(Path(d), c, a.prompt_len, a.steps)
-            h = hf(Path(d), c, a.prompt_len, a.steps, vocab)
-            same = sum(x == y for ro, rh in zip(o["tokens"], h["tokens"]) for x, y in zip(ro, rh))
-            total = sum(min(len(ro), len(rh)) for ro, rh in zip(o["tokens"], h["tokens"]))
+            run = interleaved(Path(d), c, a.prompt_len, a.steps, vocab)
+            o = {"cpu_ms": run["cpu_ms"]["ours"], "wall_ms": run["wall_ms"]["ours"]}
+            h = {"cpu_ms": run["cpu_ms"]["hf"], "wall_ms": run["wall_ms"]["hf"]}
+            ours_tokens, hf_tokens = run["tokens"]
+            same = sum(x == y for ro, rh in zip(ours_tokens, hf_tokens) for x, y in zip(ro, rh))
+            total = sum(min(len(ro), len(rh)) for ro, rh in zip(ours_tokens, hf_tokens))
             r = {
                 "concurrency": c,
                 "prompt_len": a.prompt_len,
