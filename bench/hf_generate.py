@@ -10,7 +10,7 @@ Runs in its own process (serve_bench.py starts it) so that its peak RSS is its o
 
     python bench/hf_generate.py SPEC.json OUT.json
 
-SPEC: {"model": DIR, "dtype": "float32", "new_tokens": 64, "repeats": 3,
+SPEC: {"model": DIR, "dtype": "float32", "threads": N | null, "new_tokens": 64, "repeats": 3,
        "fixed": [{"name": "c8", "prompts": [[ids...], ...]}, ...],
        "multiround": {"first": [[ids...]...], "append": [[[ids...] per round] per conv], "rounds": 4} | null}
 OUT:  {"fixed": {name: {"batch", "output_tok_s", "wall_s", "runs": [...]}}, "multiround": {...},
@@ -72,6 +72,8 @@ def main(spec_path: str, out_path: str) -> None:
     import transformers
 
     spec = json.loads(open(spec_path).read())
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
     new_tokens, repeats = spec["new_tokens"], spec["repeats"]
     dtype = getattr(torch, spec.get("dtype", "float32"))
     model_type = json.loads(open(f"{spec['model']}/config.json").read()).get("model_type")

@@ -90,6 +90,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         default=None,
         help="results folder (default bench/results; bench/results/quick with --quick)",
     )
+    p.add_argument(
+        "--hf-threads",
+        type=int,
+        default=None,
+        help="torch threads of the transformers run (default: torch's own, every CPU); on a loaded machine "
+        "1, as our engine core's model math gets, since OpenMP threads that wait for each other spin",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run (tiny model, no vllm)")
     a = p.parse_args(argv)
@@ -297,6 +304,7 @@ def run_hf(model: Path, workloads: list[dict], a: argparse.Namespace, tmp: Path)
         "new_tokens": a.new_tokens,
         "repeats": a.repeats,
         "dtype": a.dtype,
+        "threads": a.hf_threads,
         "fixed": [
             {"name": w["name"], "prompts": w["prompts"][: w["concurrency"]]} for w in workloads if w["kind"] == "fixed"
         ],

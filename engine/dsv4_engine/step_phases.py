@@ -10,7 +10,9 @@ embed, norms (RMSNorm / mHC mixing), attention, moe (routed + shared experts, ga
 layers count as moe too), lm_head (final norm + head), sampling, output (stop checks,
 detokenising, handing tokens to sinks), after_step (gauges, the step's message to the HTTP
 process). On CUDA the laps synchronise the device, so they time the kernels, not their launch
-(and slow the step a little).
+(and slow the step a little). `enable(cpu_clock=True)` times the loop thread's CPU instead of the
+wall (on the CPU with 1 torch thread, the code's own cost: on a loaded machine wall laps also
+hold the waits for a core, and land on whichever phase was running).
 
 One process runs one engine loop, so the timer is a module global: the model code reaches it
 without being handed it.
@@ -29,13 +31,15 @@ class StepPhases:
         self.on = False
         self._sync = False
         self._t = 0.0
+        self._clock = time.perf_counter
         self._cur: dict[str, float] = {}
         self.totals: dict[str, dict[str, float]] = {}  # kind -> phase -> seconds
         self.steps: dict[str, int] = {}
         self.decode = True  # the current step ran decode-only forwards (the runner clears it)
 
-    def enable(self, on: bool = True, device: Optional[torch.device] = None) -> None:
+    def enable(self, on: bool = True, device: Optional[torch.device] = None, cpu_clock: bool = False) -> None:
         self.on = on
+        self._clock = time.thread_time if cpu_clock else time.perf_counter
         self._sync = bool(on and device is not None and device.type == "cuda")
         self.reset()
 
@@ -46,13 +50,13 @@ class StepPhases:
         if self.on:
             self._cur = {}
             self.decode = True
-            self._t = time.perf_counter()
+            self._t = self._clock()
 
     def lap(self, name: str) -> None:
         if self.on:
             if self._sync:
                 torch.cuda.synchronize()
-            now = time.perf_counter()
+            now = self._clock()
             self._cur[name] = self._cur.get(name, 0.0) + (now - self._t)
             self._t = now
 

@@ -50,6 +50,7 @@ from dsv4_engine.models.state import StateSpec
 from dsv4_engine.models.v4_layers import apply_rope, rms, rope_at, rope_table, sinkhorn_, unweighted_rms
 from dsv4_engine.quant import dense, is_quantized, log_resident, moe_experts_for, one_format, place
 from dsv4_engine.step_phases import PHASES
+from dsv4_kernels import cpu_mhc
 from dsv4_kernels.grouped_moe import grouped_experts
 
 
@@ -116,6 +117,9 @@ class DeepseekV4:
         self.snapshots_in_forward = self.kops is None
         self.dtype = dtype
         self.device = torch.device(device)
+        # mHC after its mixing linear as one native call on the CPU (dsv4_kernels.cpu_mhc)
+        self.reuse_step_indices = True  # see _memo
+        self.native_hc = self.kops is None and self.device.type == "cpu" and cpu_mhc.available()
         self.inv_freq = {
             "main": cfg.rope_main.inv_freq().to(self.device),
             "compress": cfg.rope_compress.inv_freq().to(self.device),
@@ -239,6 +243,8 @@ class DeepseekV4:
         # rms by a norm: one reduction, no squared copy of the streams
         ms = torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square_().div_(flat.shape[-1])
         mixes = F.linear(flat * ms.add_(cfg.rms_norm_eps).rsqrt_(), fn)
+        if self.native_hc:
+            return cpu_mhc.hc_pre_tail(mixes, base, scale, x, cfg.hc_eps, cfg.hc_sinkhorn_iters)
         pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
         pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
         pre = torch.sigmoid(pre_w * scale[0] + pre_b) + cfg.hc_eps
@@ -355,20 +361,28 @@ class DeepseekV4:
         a row that closes none writes back the entry it read: the same bytes, so harmless even in
         a page the prefix cache shares, whose windows are all closed and never written otherwise."""
         S, width = stage.shape[2], stage.shape[3] // 2
-        w = (t + 1) // rate - 1
-        if closes is not None:
-            w = w.clamp(min=0)
-        first = w[:, None] * rate + torch.arange(rate, device=t.device)  # [N, rate] positions
 
-        def read(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            held = stage[slots[:, None], j, positions % S]  # [N, rate, 2 * width]
+        def indices():
+            w = (t + 1) // rate - 1
+            if closes is not None:
+                w = w.clamp(min=0)
+            first = w[:, None] * rate + torch.arange(rate, device=t.device)  # [N, rate] positions
+            page, off = self._locate(w, rate, fb.page_size, store.shape[1])
+            # ring slots of the window and of its predecessor (unused rows masked for w == 0)
+            return w, slots[:, None], first % S, (first - rate) % S, (fb.block_table[rows, page].long(), off)
+
+        if closes is None:  # rows, t and slots are this step's closing rows at this rate
+            w, srow, cur, prev, at = self._memo(("close_decode", rate, S, store.shape[1]), indices)
+        else:
+            w, srow, cur, prev, at = indices()
+
+        def read(ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            held = stage[srow, j, ring]  # [N, rate, 2 * width]
             return held[..., :width], held[..., width:]
 
-        win_kv, win_gate = read(first)
-        prev_kv, prev_gate = read(first - rate) if overlap else (None, None)  # unused rows masked for w == 0
+        win_kv, win_gate = read(cur)
+        prev_kv, prev_gate = read(prev) if overlap else (None, None)
         entries = self._pool_windows(win_kv, win_gate, prev_kv, prev_gate, w, params, rate)
-        page, off = self._locate(w, rate, fb.page_size, store.shape[1])
-        at = (fb.block_table[rows, page].long(), off)
         entries = entries.to(store.dtype)
         store[at] = entries if closes is None else torch.where(closes[:, None], entries, store[at])
 
@@ -397,6 +411,17 @@ class DeepseekV4:
         if t is None:
             t = self._step_index[key] = torch.tensor(values(), dtype=torch.long, device=device)
         return t
+
+    def _memo(self, key: tuple, make):
+        """Anything a decode step computes from positions, slots and the block table alone (the
+        sliding-window masks, the entries' gather and window-closing indices) is the same for
+        every layer of a rate: made by the first layer and reused by the rest of the step."""
+        if not self.reuse_step_indices:  # bench/ab_v4_step.py's "before"
+            return make()
+        got = self._step_index.get(key)
+        if got is None:
+            got = self._step_index[key] = make()
+        return got
 
     def _span_tensors(self, spans: list[tuple[int, int, int]], device: torch.device):
         """(first row, new tokens, first position) of each request as [B] tensors."""
@@ -690,30 +715,39 @@ class DeepseekV4:
         t = fb.positions  # [B]
         slots = fb.slot_ids.long()
         ring_store = states[self.SWA_KV]
-        ring_pos = (t[:, None] - 1) - torch.remainder(t[:, None] - 1 - torch.arange(W, device=t.device), W)
+
+        def window() -> torch.Tensor:
+            ring_pos = (t[:, None] - 1) - torch.remainder(t[:, None] - 1 - torch.arange(W, device=t.device), W)
+            kpos = torch.cat([ring_pos, t[:, None]], 1)
+            return (kpos <= t[:, None]) & (kpos > t[:, None] - W) & (kpos >= 0)
+
+        allowed = self._memo(("decode_window",), window)  # [B, W+1], the same in every layer
         keys = torch.cat([ring_store[slots, i].to(kv.dtype), kv[:, None]], 1)  # [B, W+1, hd]
-        kpos = torch.cat([ring_pos, t[:, None]], 1)
-        allowed = (kpos <= t[:, None]) & (kpos > t[:, None] - W) & (kpos >= 0)
         if kind in (CSA, HCA):
             rate = cfg.compress_rates[kind]
             self._stage_decode(L, proj, fb, states, j, rate, spans)
-            counts = (t + 1) // rate
             C = max((st + 1) // rate for _, _, st in spans)
             if C:
-                w = torch.arange(C, device=t.device)
-                visible = w[None] < counts[:, None]  # [B, C]
 
+                def entry_indices(epp: int):
+                    w = torch.arange(C, device=t.device)
+                    page, off = self._locate(w, rate, fb.page_size, epp)
+                    at = (fb.block_table[:, page].long(), off[None].expand(fb.block_table.shape[0], -1))
+                    return w[None] < ((t + 1) // rate)[:, None], at  # visible [B, C], gather index
+
+                def gather(store: torch.Tensor) -> torch.Tensor:  # [B, C, dim] of a layer's paged store
+                    return store[
+                        self._memo(("decode_entries", rate, store.shape[1]), lambda: entry_indices(store.shape[1]))[1]
+                    ]
+
+                store = states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j]
+                visible = self._memo(("decode_entries", rate, store.shape[1]), lambda: entry_indices(store.shape[1]))[0]
                 if kind == CSA:
-                    ikeys = self._gather_entries(
-                        states[self.CSA_INDEX_K][:, j], fb.block_table, w, rate, fb.page_size
-                    )  # [B, C, ihd]
+                    ikeys = gather(states[self.CSA_INDEX_K][:, j])  # [B, C, ihd]
                     visible = self._select(
                         L, proj["iq"].unsqueeze(1), proj["iw"].unsqueeze(1), ikeys, visible.unsqueeze(1)
                     ).squeeze(1)
-                entries = self._gather_entries(
-                    states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j], fb.block_table, w, rate, fb.page_size
-                )
-                keys = torch.cat([keys, entries.to(kv.dtype)], 1)
+                keys = torch.cat([keys, gather(store).to(kv.dtype)], 1)
                 allowed = torch.cat([allowed, visible], 1)
         out = self._softmax_attend(L, q.unsqueeze(1), keys, allowed.unsqueeze(1)).squeeze(1)
         ring_store[slots, i, t % W] = kv.to(ring_store.dtype)

@@ -39,13 +39,24 @@ def apply_rope(
         cis = cis.unsqueeze(1)
     rd = 2 * cis.shape[-1]
     pairs = x[..., -rd:].float().unflatten(-1, (-1, 2))
-    if pairs.storage_offset() % 2 or any(st % 2 for st in pairs.stride()[:-1]):
+    if inplace and ROPE_IN_PLACE and pairs.dtype == x.dtype and _pair_aligned(pairs):
+        # fp32: multiply x's own pairs as complex numbers, the same kernel without the copies back
+        torch.view_as_complex(pairs).mul_(cis)
+        return x
+    if not _pair_aligned(pairs):
         pairs = pairs.contiguous()  # a complex view needs pair-aligned strides
     rotated = torch.view_as_real(torch.view_as_complex(pairs) * cis).flatten(-2).to(x.dtype)
     if inplace:
         x[..., -rd:] = rotated
         return x
     return torch.cat([x[..., :-rd], rotated], dim=-1)
+
+
+ROPE_IN_PLACE = True  # bench/ab_v4_step.py's "before" turns it off
+
+
+def _pair_aligned(pairs: torch.Tensor) -> bool:
+    return pairs.storage_offset() % 2 == 0 and all(st % 2 == 0 for st in pairs.stride()[:-1])
 
 
 def rope_at(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, conj: bool = False) -> torch.Tensor:

@@ -1,0 +1,128 @@
+"""DeepSeek-V4 whole decode steps with one change of issue 33 off and on, interleaved in one engine
+(in process, 1 torch thread, as bench/ab_decode_step.py does for mla512): the same running batch
+steps a few times with the change off, then on, alternating, keeping each side's best step and
+its phase breakdown (in the loop thread's CPU time), and the process's CPU time per step (1 torch thread: on a loaded machine
+this is the code's own cost, where wall time also holds the waits for a core); the torch op count per step of each side from torch.profiler. Each change
+is a switch on the model object, so "off" is the code as it was before that commit.
+
+    python bench/ab_v4_step.py --model v4-tiny=DIR --change native_mhc [-c 8 -c 32]
+        [--rounds 6 --steps 3] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode_breakdown as bd  # noqa: E402
+
+
+def _native_mhc(model, on: bool) -> None:
+    from dsv4_kernels import cpu_mhc
+
+    model.native_hc = on and cpu_mhc.available()
+
+
+def _step_indices(model, on: bool) -> None:
+    model.reuse_step_indices = on
+
+
+def _rope_in_place(model, on: bool) -> None:
+    from dsv4_engine.models import v4_layers
+
+    v4_layers.ROPE_IN_PLACE = on
+
+
+CHANGES = {"native_mhc": _native_mhc, "step_indices": _step_indices, "rope_in_place": _rope_in_place}
+
+
+def _ops_per_step(engine, steps: int) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as tp:
+        for _ in range(steps):
+            engine.step()
+    return round(sum(e.count for e in tp.key_averages() if e.key.startswith("aten::")) / steps, 1)
+
+
+def measure(model: Path, c: int, change: str, rounds: int, steps: int) -> dict:
+    from dsv4_engine.step_phases import PHASES
+
+    total = rounds * steps * 2 + 2 * steps + 8
+    engine = bd._engine(model, c, 128, total)
+    seqs = bd._fill(engine, c, 128, total, seed=0)
+    m = engine.runner.model
+    switch = {"before": lambda: CHANGES[change](m, False), "after": lambda: CHANGES[change](m, True)}
+    best: dict = {}
+    each: dict = {k: [] for k in switch}
+    cpu: dict = {k: [] for k in switch}  # the process's CPU time: what the code costs, less the waits for a core
+    ops: dict = {}
+    try:
+        for name in switch:
+            switch[name]()
+            ops[name] = _ops_per_step(engine, steps)
+        for r in range(rounds):
+            for name in list(switch) if r % 2 == 0 else list(reversed(switch)):
+                switch[name]()
+                PHASES.enable(True, cpu_clock=True)  # phases in CPU time (see the docstring)
+                t0, c0 = time.perf_counter(), time.process_time()
+                for _ in range(steps):
+                    engine.step()
+                each[name].append(round((time.perf_counter() - t0) * 1000 / steps, 2))
+                ms = (time.process_time() - c0) * 1000 / steps
+                cpu[name].append(round(ms, 2))
+                if ms < best.get(name, (1e9,))[0]:  # the round of least CPU, and its phases
+                    best[name] = (ms, PHASES.summary().get("decode"))
+                PHASES.enable(False)
+    finally:
+        switch["after"]()
+    engine.abort(all_=True)
+    engine.step()
+    assert all(s.output_ids for s in seqs)
+    return {
+        "concurrency": c,
+        "cpu_ms_per_step_best": {k: round(v[0], 2) for k, v in best.items()},
+        "cpu_speedup": round(best["before"][0] / best["after"][0], 2),
+        "step_ms_best": {k: min(v) for k, v in each.items()},
+        "cpu_ms_each": cpu,
+        "torch_ops_per_step": ops,
+        "step_ms_each": each,
+        "phases_best": {
+            k: {p: v["ms_per_step"] for p, v in (b[1] or {}).get("phases", {}).items()} for k, b in best.items()
+        },
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", action="append", required=True, help="NAME=DIR")
+    p.add_argument("--change", required=True, choices=sorted(CHANGES))
+    p.add_argument("-c", "--concurrency", type=int, action="append")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--out", type=Path)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    out = {"change": a.change, "load_average_start": list(os.getloadavg()), "models": {}}
+    for spec in a.model:
+        name, _, d = spec.partition("=")
+        out["models"][name] = []
+        for c in a.concurrency or [8, 32]:
+            r = measure(Path(d), c, a.change, a.rounds, a.steps)
+            out["models"][name].append(r)
+            print(name, json.dumps(r))
+    out["load_average_end"] = list(os.getloadavg())
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
