@@ -638,7 +638,8 @@ def init_checkpoint(
     if num_layers is not None:
         if num_layers < 1:
             raise ValueError(f"--num-layers must be at least 1, got {num_layers}")
-        if config.get("model_type") == "deepseek_v4":  # their per-layer lists (layer_types, compress_ratios) fix the depth
+        # V4 presets list each layer (layer_types, compress_ratios): their depth is fixed
+        if config.get("model_type") == "deepseek_v4":
             raise ValueError(f"--num-layers changes DeepSeek-V3 presets; {preset!r} lays out each layer")
         config["num_hidden_layers"] = num_layers
     if mtp:  # one multi-token-prediction block: V3's `model.layers.N.*`, V4's `mtp.0.*`
