@@ -108,6 +108,12 @@ def model_init(
         "speculation accepts drafts.",
     ),
     train_steps: int = typer.Option(200, "--train-steps", min=1, help="Optimizer steps of --train-mtp."),
+    num_layers: Optional[int] = typer.Option(
+        None,
+        "--num-layers",
+        help="Override the preset's num_hidden_layers (at least 1), e.g. a 16-layer tiny model where one "
+        "MTP layer costs a realistic share of a forward.",
+    ),
 ) -> None:
     """Write a Hugging Face-format DeepSeek-V3 or -V4 checkpoint (config, safetensors, tokenizer)."""
     from dsv4_engine.checkpoint import PRESETS, init_checkpoint
@@ -120,7 +126,7 @@ def model_init(
                 raise ValueError(f"{flag} trains float weights: write the checkpoint without --quant")
             if on and PRESETS[preset].get("model_type") == "deepseek_v4":
                 raise ValueError(f"{flag} trains DeepSeek-V3 presets; for a V4 preset use --mtp (untrained block)")
-        init_checkpoint(out_dir, preset=preset, seed=seed, quant=quant, mtp=mtp or train_mtp)
+        init_checkpoint(out_dir, preset=preset, seed=seed, quant=quant, mtp=mtp or train_mtp, num_layers=num_layers)
         if train:
             from dsv4_engine.spec_decode.train import train_base
 
@@ -132,7 +138,8 @@ def model_init(
     except ValueError as e:
         _fail(str(e))
     typer.echo(
-        f"wrote {preset} checkpoint (seed {seed}{', ' + quant if quant else ''}{', trained' if train else ''}"
+        f"wrote {preset} checkpoint (seed {seed}{f', {num_layers} layers' if num_layers else ''}"
+        f"{', ' + quant if quant else ''}{', trained' if train else ''}"
         f"{', MTP layer' if mtp or train_mtp else ''}) "
         f"to {out_dir}"
     )

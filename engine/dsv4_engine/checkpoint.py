@@ -620,14 +620,28 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, dtype: str = "float3
 
 
 def init_checkpoint(
-    out_dir: str | Path, preset: str = "tiny", seed: int = 0, quant: str | None = None, mtp: bool = False
+    out_dir: str | Path,
+    preset: str = "tiny",
+    seed: int = 0,
+    quant: str | None = None,
+    mtp: bool = False,
+    num_layers: int | None = None,
 ) -> Path:
     """Write a checkpoint of `preset` with weights from `seed` into out_dir and return its path;
     with `quant` ("fp8", or "fp4-experts" for V4 presets) its linear weights are quantized from
-    the float ones. config.json is written last, so a folder that has one is complete."""
+    the float ones; `num_layers` overrides the preset's num_hidden_layers (a deeper model makes
+    one MTP layer's share of a forward realistic). config.json is written last, so a folder that
+    has one is complete."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     config = dict(PRESETS[preset])
+    if num_layers is not None:
+        if num_layers < 1:
+            raise ValueError(f"--num-layers must be at least 1, got {num_layers}")
+        # V4 presets list each layer (layer_types, compress_ratios): their depth is fixed
+        if config.get("model_type") == "deepseek_v4":
+            raise ValueError(f"--num-layers changes DeepSeek-V3 presets; {preset!r} lays out each layer")
+        config["num_hidden_layers"] = num_layers
     if mtp:  # one multi-token-prediction block: V3's `model.layers.N.*`, V4's `mtp.0.*`
         config["num_nextn_predict_layers"] = 1
     if quant is not None:

@@ -177,3 +177,36 @@ def test_tokenizer_files_name_the_special_tokens(tiny_model):
     cfg = json.loads((tiny_model / "tokenizer_config.json").read_text())
     assert (cfg["bos_token"], cfg["eos_token"]) == (BOS_TOKEN, EOS_TOKEN)
     assert "<｜User｜>" in cfg["chat_template"] and "<｜Assistant｜>" in cfg["chat_template"]
+
+
+def test_num_layers_writes_a_deeper_model_the_engine_runs(tmp_path):
+    """`dsv4 model init --num-layers N` (a deeper tiny model, where one MTP layer costs a realistic
+    share of a forward): config, tensors and the engine's model all have N layers, MTP block at N."""
+    from dsv4_engine.model_runner import get_ops
+    from dsv4_engine.models.deepseek_v3 import DeepseekV3
+    from dsv4_engine.spec_decode.train import _hidden_and_logits
+    from dsv4_engine.weights import load_weights
+
+    out = tmp_path / "deep"
+    subprocess.run(
+        [sys.executable, "-m", "dsv4_cli", "model", "init", str(out), "--preset", "tiny", "--num-layers", "6", "--mtp"],
+        check=True,
+        capture_output=True,
+    )
+    c = _read_config(out)
+    assert c["num_hidden_layers"] == 6 and c["num_nextn_predict_layers"] == 1
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        layers = {int(k.split(".")[2]) for k in f.keys() if k.startswith("model.layers.")}
+    assert layers == set(range(7))  # 6 main layers + the MTP block as model.layers.6
+    cfg = ModelConfig.from_dir(out)
+    model = DeepseekV3(cfg, load_weights(out), get_ops("torch"), torch.float32, torch.device("cpu"))
+    assert cfg.num_hidden_layers == 6 and len(model.layers) == 6
+    hidden, logits = _hidden_and_logits(model, list(range(5, 21)))
+    assert torch.isfinite(logits).all() and logits.shape[0] == 16
+
+
+@pytest.mark.parametrize("preset,n,match", [("tiny", 0, "at least 1"), ("v4-tiny", 8, "DeepSeek-V3 presets")])
+def test_num_layers_is_validated(tmp_path, preset, n, match):
+    with pytest.raises(ValueError, match=match):
+        init_checkpoint(tmp_path, preset=preset, num_layers=n)
+    assert not any(tmp_path.iterdir())
