@@ -127,18 +127,7 @@ class ModelRunner:
             max_bs = self.cuda_graph_max_bs or 8
 
             def run_forward(t: dict[str, torch.Tensor], bs: int) -> torch.Tensor:
-                fb = ForwardBatch(
-                    input_ids=t["input_ids"],
-                    positions=t["positions"],
-                    slot_mapping=t["slot_mapping"],
-                    block_table=t["block_table"],
-                    seq_lens=t["seq_lens"],
-                    extend_lens=t["extend_lens"],
-                    logits_indices=t["logits_indices"],
-                    all_decode=True,
-                    page_size=page_size,
-                    slot_ids=t["slot_ids"] if self.has_slot_states else None,
-                )
+                fb = ForwardBatch.of_tensors(t, page_size, all_decode=True, slots=self.has_slot_states)
                 return self.local_model.forward(fb, self._states)
 
             self.graphs = DecodeGraphs(run_forward, max_bs, width, self.device, capture)
@@ -190,22 +179,11 @@ class ModelRunner:
         all_decode = all(n == 1 for n in news)
         if not all_decode:
             PHASES.decode = False
-        fb = ForwardBatch(
-            snapshots=snapshots,
-            snapshot_states=self.snapshot_states if snapshots else None,
-            input_ids=t["input_ids"],
-            positions=t["positions"],
-            slot_mapping=t["slot_mapping"],
-            block_table=t["block_table"],
-            seq_lens=t["seq_lens"],
-            extend_lens=t["extend_lens"],
-            logits_indices=t["logits_indices"],
-            all_decode=all_decode,
-            slot_ids=t["slot_ids"],
-            page_size=page_size,
-            seq_lens_host=hb.seq_lens.tolist(),
-            extend_lens_host=news,
+        fb = ForwardBatch.of_tensors(
+            t, page_size, all_decode, seq_lens_host=hb.seq_lens.tolist(), extend_lens_host=news
         )
+        fb.snapshots = snapshots
+        fb.snapshot_states = self.snapshot_states if snapshots else None
         PHASES.lap("batch_build")
         return fb
 

@@ -35,6 +35,34 @@ class ForwardBatch:
     seq_lens_host: Optional[list[int]] = None
     extend_lens_host: Optional[list[int]] = None
 
+    @classmethod
+    def of_tensors(
+        cls,
+        t: dict[str, Optional[torch.Tensor]],
+        page_size: int,
+        all_decode: bool,
+        slots: bool = True,
+        seq_lens_host: Optional[list[int]] = None,
+        extend_lens_host: Optional[list[int]] = None,
+    ) -> "ForwardBatch":
+        """The batch over a step's device tensors by name: what `BatchBuffers.upload` returns,
+        or a decode graph's static inputs. `slots`: pass the slot rows on (models with slot
+        states; a graph's inputs carry the tensor either way)."""
+        return cls(
+            input_ids=t["input_ids"],
+            positions=t["positions"],
+            slot_mapping=t["slot_mapping"],
+            block_table=t["block_table"],
+            seq_lens=t["seq_lens"],
+            extend_lens=t["extend_lens"],
+            logits_indices=t["logits_indices"],
+            all_decode=all_decode,
+            slot_ids=t.get("slot_ids") if slots else None,
+            page_size=page_size,
+            seq_lens_host=seq_lens_host,
+            extend_lens_host=extend_lens_host,
+        )
+
 
 @dataclass
 class V4Batch:

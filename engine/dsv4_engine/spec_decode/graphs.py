@@ -94,18 +94,7 @@ class SpecGraphs:
         slots = runner.has_slot_states
 
         def fb_of(t: dict[str, torch.Tensor]) -> ForwardBatch:
-            return ForwardBatch(
-                input_ids=t["input_ids"],
-                positions=t["positions"],
-                slot_mapping=t["slot_mapping"],
-                block_table=t["block_table"],
-                seq_lens=t["seq_lens"],
-                extend_lens=t["extend_lens"],
-                logits_indices=t["logits_indices"],
-                all_decode=True,
-                page_size=page_size,
-                slot_ids=t["slot_ids"] if slots else None,
-            )
+            return ForwardBatch.of_tensors(t, page_size, all_decode=True, slots=slots)
 
         def run_verify(t: dict[str, torch.Tensor], bs: int) -> torch.Tensor:
             return target.hidden_states(fb_of(t), self.states)

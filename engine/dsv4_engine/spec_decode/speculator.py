@@ -126,18 +126,10 @@ class MTPSpeculator:
 
     def _fb(self, buffers: BatchBuffers, hb, page_size: int) -> ForwardBatch:
         news = hb.extend_lens.tolist()
-        t = buffers.upload(hb)
-        return ForwardBatch(
-            input_ids=t["input_ids"],
-            positions=t["positions"],
-            slot_mapping=t["slot_mapping"],
-            block_table=t["block_table"],
-            seq_lens=t["seq_lens"],
-            extend_lens=t["extend_lens"],
-            logits_indices=t["logits_indices"],
-            all_decode=all(n == 1 for n in news),
-            slot_ids=t.get("slot_ids"),
-            page_size=page_size,
+        return ForwardBatch.of_tensors(
+            buffers.upload(hb),
+            page_size,
+            all(n == 1 for n in news),
             seq_lens_host=hb.seq_lens.tolist(),
             extend_lens_host=news,
         )
