@@ -4,67 +4,29 @@ streams) for the whole batch, instead of ~15 torch ops and ~80 numpy ops per lay
 
 The C file is built with the system C compiler at first use into the user's cache (no torch
 headers, well under a second) and loaded with ctypes. Where no compiler works, or
-DSV4_NO_NATIVE_MHC=1, `available()` is False and the model keeps its torch form."""
+DSV4_NO_NATIVE_MHC=1 or DSV4_NO_NATIVE=1 (dsv4_kernels.native), `available()` is False and the model keeps its torch form."""
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-_SRC = Path(__file__).parent / "csrc" / "v4_mhc_cpu.c"
-_FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno"]
+from dsv4_kernels import native
+
 _lib: Optional[ctypes.CDLL] = None
-_tried = False
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(root) / "dsv4" / "native"
-
-
-def _build() -> Optional[ctypes.CDLL]:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        return None
-    src = _SRC.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"v4_mhc_cpu-{key}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        try:
-            subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SRC), "-lm"], check=True, capture_output=True, timeout=120)
-            os.replace(tmp, out)  # atomic: another process building the same key reads a whole file
-        except (OSError, subprocess.SubprocessError):
-            Path(tmp).unlink(missing_ok=True)
-            return None
-    try:
-        lib = ctypes.CDLL(str(out))
-    except OSError:  # a cache on a noexec mount, a foreign architecture's file: keep the torch form
-        return None
-    f = lib.v4_hc_pre_tail
-    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    f.argtypes = [p, i64, p, p, p, i64, i64, i64, f32, i64, p, p, p]
-    f.restype = None
-    return lib
 
 
 def available() -> bool:
-    global _lib, _tried
-    if not _tried:
-        _tried = True
-        if os.environ.get("DSV4_NO_NATIVE_MHC", "") not in ("", "0"):
-            return False
-        _lib = _build()
+    global _lib
+    lib = native.load("v4_mhc_cpu", ["-ffp-contract=off"], off_env="DSV4_NO_NATIVE_MHC")
+    if lib is not None and _lib is None:
+        f = lib.v4_hc_pre_tail
+        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        f.argtypes = [p, i64, p, p, p, i64, i64, i64, f32, i64, p, p, p]
+        f.restype = None
+        _lib = lib
     return _lib is not None
 
 
