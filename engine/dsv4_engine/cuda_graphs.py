@@ -103,11 +103,11 @@ class StaticDecodeInputs:
         """Copy a padded batch's arrays into the first rows of the static buffers."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the pinned buffers
-        n = hb.seq_lens.shape[0]
         for k in self.dev:
             src = getattr(hb, k)
             if src is None:  # slot_ids of a model without slot states
                 continue
+            n = src.shape[0]  # rows (an extend step's token fields have more: ExtendGraphs)
             self.host[k][:n].numpy()[:] = src
             self.dev[k][:n].copy_(self.host[k][:n], non_blocking=True)
         if self.device.type == "cuda":
@@ -181,7 +181,7 @@ class DecodeGraphs:
         reason comes back as one line (None: all captured, or nothing to capture here)."""
         if not self.capture:
             return None
-        self.inputs.load(pad_decode(warmup_batch(self.width), self.buckets[-1]))
+        self.inputs.load(self._padded(self._warmup(), self.buckets[-1]))
         bs = self.buckets[-1]
         try:
             for bs in reversed(self.buckets):
@@ -214,13 +214,24 @@ class DecodeGraphs:
     def _synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
+    # What a step of another shape overrides (spec_decode.graphs.ExtendGraphs: n tokens a row).
+    def _padded(self, hb: HostBatch, bs: int) -> HostBatch:
+        return pad_decode(hb, bs)
+
+    def _warmup(self) -> HostBatch:
+        return warmup_batch(self.width)
+
+    def _out_rows(self, hb: HostBatch) -> int:
+        return hb.seq_lens.shape[0]
+
     def step(self, hb: HostBatch) -> torch.Tensor:
         """Logits [n, vocab] of a decode batch (block table `width` columns wide): the captured
         graph of its bucket replayed, or (not captured) the same padded step run eagerly."""
         n = hb.seq_lens.shape[0]
         bs = bucket_for(n, self.buckets)
-        self.inputs.load(pad_decode(hb, bs))
+        self.inputs.load(self._padded(hb, bs))
+        rows = self._out_rows(hb)
         if self.graphs:
             self.graphs[bs].replay()
-            return self.outputs[bs][:n]
-        return self.run_forward(self.inputs.view(bs), bs)[:n]
+            return self.outputs[bs][:rows]
+        return self.run_forward(self.inputs.view(bs), bs)[:rows]

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from dsv4_engine.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4_engine.models.deepseek_v4_weights import load_v4_weights, to_release_layout
 from dsv4_engine.models.forward_batch import ForwardBatch, V4Batch, request_spans
+from dsv4_engine.models import v4_verify
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.models.v4_layers import apply_rope, rms, rope_at, rope_table, sinkhorn_, unweighted_rms
 from dsv4_engine.quant import dense, is_quantized, log_resident, moe_experts_for, one_format, place
@@ -467,7 +468,9 @@ class DeepseekV4:
         else:
             q = F.linear(qr, L["wq_b"])
         q = apply_rope(unweighted_rms(q.reshape(T, H, hd), eps), table, inplace=True)
-        if self.kops is not None:
+        if isinstance(spans, v4_verify.FixedRows):  # a verify step at a fixed shape (a CUDA graph's)
+            out = v4_verify.attend(self, i, L, q, kv, proj, fb, states, spans.n)
+        elif self.kops is not None:
             out = self._attend_kernels(i, L, q, kv, proj, fb, states, spans)  # spans None: a captured decode
         elif all(n == 1 for _, n, _ in spans):
             out = self._attend_decode(i, L, q, kv, proj, fb, states, spans)

@@ -35,8 +35,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from dsv4_engine.batch_buffers import HostBatch
-from dsv4_engine.cuda_graphs import DecodeGraphs, bucket_for, graph_buckets
+from dsv4_engine.batch_buffers import HostBatch, host_batch
+from dsv4_engine.cuda_graphs import DecodeGraphs, StaticDecodeInputs, bucket_for, graph_buckets
 from dsv4_engine.models.forward_batch import ForwardBatch
 
 log = logging.getLogger("dsv4.engine")
@@ -66,6 +66,95 @@ def widened(hb: HostBatch, width: int) -> HostBatch:
         logits_indices=hb.logits_indices,
         slot_ids=hb.slot_ids,
     )
+
+
+TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping")  # one per token; the rest one per request
+
+
+def pad_extend(hb: HostBatch, bucket: int, n: int) -> HostBatch:
+    """hb (requests of 1..n tokens) as `bucket` requests of n rows each: a request's real tokens,
+    then padding tokens at the positions after them (the id and KV slot of its last token; the
+    model masks their writes by `seq_lens`, the real run's end); requests past hb's repeat
+    request 0 whole, so they write what it writes. extend_lens is n for every request."""
+    lens = hb.extend_lens.astype(np.int64)
+    row0 = np.cumsum(lens) - lens
+    take = np.concatenate([np.arange(lens.shape[0]), np.zeros(bucket - lens.shape[0], dtype=np.int64)])
+    j = np.arange(n)
+    src = (row0[:, None] + np.minimum(j, lens[:, None] - 1))[take].reshape(-1)  # [bucket * n] token rows
+    return HostBatch(
+        input_ids=hb.input_ids[src],
+        positions=(hb.positions[row0][:, None] + j)[take].reshape(-1),
+        slot_mapping=hb.slot_mapping[src],
+        block_table=hb.block_table[take],
+        seq_lens=hb.seq_lens[take],
+        extend_lens=np.full(bucket, n, dtype=hb.extend_lens.dtype),
+        logits_indices=np.arange(bucket, dtype=np.int64) * n + n - 1,
+        slot_ids=None if hb.slot_ids is None else hb.slot_ids[take],
+    )
+
+
+def real_rows(hb: HostBatch, n: int) -> np.ndarray:
+    """The rows of a `pad_extend`ed step that hold hb's tokens, in hb's order."""
+    lens = hb.extend_lens.astype(np.int64)
+    b = np.repeat(np.arange(lens.shape[0]), lens)
+    return b * n + np.arange(b.shape[0]) - (np.cumsum(lens) - lens)[b]
+
+
+class StaticExtendInputs(StaticDecodeInputs):
+    """The static buffers of an extend step of n tokens a request: the token fields n times
+    longer than the request fields."""
+
+    def __init__(self, max_bs: int, n: int, width: int, device: torch.device):
+        super().__init__(max_bs, width, device)
+        self.n = n
+        for k in TOKEN_FIELDS:
+            self.dev[k] = torch.zeros(max_bs * n, dtype=self.FIELDS[k], device=device)
+            self.host[k] = torch.zeros(max_bs * n, dtype=self.FIELDS[k], pin_memory=device.type == "cuda")
+        self.dev["extend_lens"].fill_(n)
+
+    def view(self, bs: int) -> dict[str, torch.Tensor]:
+        return {k: v[: bs * self.n] if k in TOKEN_FIELDS else v[:bs] for k, v in self.dev.items()}
+
+
+class ExtendGraphs(DecodeGraphs):
+    """DecodeGraphs over steps of requests with 1..n tokens each (a V4 verify step: the last
+    token and up to k drafts), each run as n rows (`pad_extend`), buckets counted in requests;
+    a step's output has a row per token of the step."""
+
+    def __init__(self, run_forward, n: int, page_size: int, width: int, device, capture: bool, buckets: list[int]):
+        super().__init__(run_forward, buckets[-1], width, device, capture, buckets)
+        self.n, self.page_size = n, page_size
+        self.inputs = StaticExtendInputs(buckets[-1], n, width, device)
+
+    def takes(self, hb: HostBatch) -> bool:
+        """Every request has 1..n tokens, there are few enough with few enough pages, and every
+        padded run stays within the block table (its padding tokens' entries are looked up)."""
+        lens = hb.extend_lens
+        starts = hb.seq_lens.astype(np.int64) - lens
+        return (
+            bool(((lens >= 1) & (lens <= self.n)).all())
+            and bool((starts + self.n <= self.width * self.page_size).all())
+            and self.fits(lens.shape[0], hb.block_table.shape[1])
+        )
+
+    def step(self, hb: HostBatch) -> torch.Tensor:
+        """Output rows of hb's tokens (padding rows dropped): an index copy of the graph's output."""
+        out = super().step(hb)
+        if bool((hb.extend_lens == self.n).all()):
+            return out
+        return out[torch.as_tensor(real_rows(hb, self.n), device=out.device)]
+
+    def _padded(self, hb: HostBatch, bs: int) -> HostBatch:
+        return pad_extend(hb, bs, self.n)
+
+    def _warmup(self) -> HostBatch:
+        """Request 0 at positions 0 .. n-1 of page 0 (every column of its table page 0), slot row
+        0: it writes only there, zeroed after capturing."""
+        pages = [0] * max(1, -(-self.n // self.page_size))
+        return host_batch([0], [self.n], [pages], [[0] * self.n], [0], self.page_size, self.width)
+
+    def _out_rows(self, hb: HostBatch) -> int:
+        return hb.seq_lens.shape[0] * self.n
 
 
 def supported(spec) -> bool:
@@ -105,11 +194,17 @@ class SpecGraphs:
                 return x + residual
             return mtp.body(fb_of(t), self.states, self.prev[:bs])
 
-        self.verify = DecodeGraphs(run_verify, buckets[-1], width, dev, capture, buckets) if v3 else None
+        def run_verify_v4(t: dict[str, torch.Tensor], bs: int) -> torch.Tensor:
+            fb = ForwardBatch.of_tensors(t, page_size, all_decode=False, slots=True)
+            return spec.target.hidden(fb, self.states, fixed=spec.k + 1)
+
+        if v3:
+            self.verify = DecodeGraphs(run_verify, buckets[-1], width, dev, capture, buckets)
+        else:  # requests of k + 1 tokens each, over the plain decode buckets
+            self.verify = ExtendGraphs(run_verify_v4, spec.k + 1, page_size, width, dev, capture, buckets)
         self.draft = DecodeGraphs(run_draft, buckets[-1], width, dev, capture, buckets)
         self.draft.name = "speculative draft"
-        if self.verify is not None:
-            self.verify.name = "speculative verify"
+        self.verify.name = "speculative verify"
         self.buckets, self.width = buckets, width
 
     @property
@@ -121,17 +216,20 @@ class SpecGraphs:
         return all(g.captured for g in self.sets)
 
     def fits(self, hb: HostBatch, verify: bool = False) -> bool:
-        """A step of one-token rows a graph can run: a graph for it (V4 verifies eagerly), few
-        enough rows, pages within the width."""
-        return (
-            (self.verify is not None or not verify)
-            and hb.input_ids.shape[0] <= self.buckets[-1]
-            and hb.block_table.shape[1] <= self.width
-        )
+        """A step a graph can run: one-token rows, few enough, pages within the width; a V4
+        verify step: every request with k + 1 tokens (`ExtendGraphs.takes`)."""
+        if verify and isinstance(self.verify, ExtendGraphs):
+            return self.verify.takes(hb)
+        return hb.input_ids.shape[0] <= self.buckets[-1] and hb.block_table.shape[1] <= self.width
+
+    @property
+    def verifies_extends(self) -> bool:
+        """The verify graph takes whole requests (V4), not one-token rows (V3)."""
+        return isinstance(self.verify, ExtendGraphs)
 
     def hidden(self, hb: HostBatch, pool) -> torch.Tensor:
-        """The target's hidden states [T, hidden] at hb's rows (a view of the graph's output:
-        valid until the next verify replay)."""
+        """The target's hidden states [T, hidden] at hb's rows (V4: streams [T, hc, hidden]; a
+        view of the graph's output: valid until the next verify replay)."""
         self.states = pool.all_states
         return self.verify.step(widened(hb, self.width))
 

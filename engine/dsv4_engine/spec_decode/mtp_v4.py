@@ -39,6 +39,7 @@ from dsv4_engine.models.deepseek_v4 import SLIDING, DeepseekV4
 from dsv4_engine.models.deepseek_v4_weights import to_release_layout
 from dsv4_engine.models.forward_batch import request_spans
 from dsv4_engine.models.state import StateSpec
+from dsv4_engine.models.v4_verify import FixedRows
 from dsv4_engine.models.v4_layers import rms, rope_table, unweighted_rms
 from dsv4_engine.parallel.sharded import rank_slicer
 from dsv4_engine.quant import dense, place
@@ -65,14 +66,20 @@ def load_v4_mtp_weights(model_dir: str | Path, n: int, layer: int, slicer=None) 
 # ---- the target's side: streams for every position, the head on chosen rows -------------------
 
 
-def run_layers(m: DeepseekV4, layers: list[tuple[int, dict]], x: torch.Tensor, fb, states: dict) -> torch.Tensor:
+def run_layers(
+    m: DeepseekV4, layers: list[tuple[int, dict]], x: torch.Tensor, fb, states: dict, fixed: Optional[int] = None
+) -> torch.Tensor:
     """x [T, hc, D] through `layers` ((state layer index, weights) pairs) as DeepseekV4.forward
-    runs its own; returns the streams after the last one."""
+    runs its own; returns the streams after the last one. fixed=n: every request has n new
+    tokens and nothing is read from the host (a captured verify step: models.v4_verify)."""
     eps = m.cfg.rms_norm_eps
     # A decode step without host lengths is a captured one (spec_decode.graphs): as the model's
     # own forward, no span is read from the device; the kernel path closes windows masked.
     static = m.kops is not None and fb.all_decode and fb.seq_lens_host is None
-    spans = None if static else request_spans(fb)
+    if fixed is not None:
+        spans = FixedRows(fixed)
+    else:
+        spans = None if static else request_spans(fb)
     m._step_index = {}
     rope = {name: rope_table(fb.positions, inv) for name, inv in m.inv_freq.items()}
     for i, L in layers:
@@ -101,10 +108,12 @@ class V4Target:
         self.model = model
 
     @torch.inference_mode()
-    def hidden(self, fb, states: dict) -> torch.Tensor:
+    def hidden(self, fb, states: dict, fixed: Optional[int] = None) -> torch.Tensor:
+        """Streams [T, hc, D] at every token; fixed=n: a verify step of n tokens a request at a
+        fixed shape, its windows found on the device (what spec_decode.graphs captures)."""
         m = self.model
         x = F.embedding(fb.input_ids, m.embed).unsqueeze(1).expand(-1, m.cfg.hc_mult, -1).contiguous()
-        return run_layers(m, list(enumerate(m.layers)), x, fb, states)
+        return run_layers(m, list(enumerate(m.layers)), x, fb, states, fixed)
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         return head_logits(self.model, rows, self.model.hc_head, self.model.norm)

@@ -169,7 +169,8 @@ class MTPSpeculator:
         is one for this step's shape, else the eager forward (which also writes the prefix
         cache's snapshots inside chunks)."""
         g = self.graphs
-        if g is not None and one_token_rows and snapshots is None and g.fits(hb, verify=True):
+        rows_fit = one_token_rows or (g is not None and g.verifies_extends)  # V4: k + 1 tokens a request
+        if g is not None and rows_fit and snapshots is None and g.fits(hb, verify=True):
             return g.hidden(hb, pool)
         return self.target.hidden(self._fb_with(self.target_buffers, hb, pool, snapshots), pool.all_states)
 
