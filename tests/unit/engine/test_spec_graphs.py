@@ -19,7 +19,7 @@ from test_spec_decode_v4 import _boundary_requests, v4_mtp  # noqa: F401 (fixtur
 from dsv4_engine.cuda_graphs import DECODE_DISPATCHES_PER_LAYER, bucket_for, pad_decode
 from dsv4_engine.kv_cache import KVPool
 from dsv4_engine.model_runner import ModelRunner
-from dsv4_engine.spec_decode.graphs import SpecGraphs, spec_buckets, widened
+from dsv4_engine.spec_decode.graphs import ExtendGraphs, SpecGraphs, spec_buckets, widened
 from dsv4_engine.spec_decode.mtp_layer import mtp_state_spec
 from dsv4_engine.spec_decode.mtp_v4 import v4_mtp_state_spec
 from dsv4_engine.spec_decode.speculator import MTPSpeculator
@@ -184,17 +184,16 @@ def _counting(graphs: SpecGraphs) -> dict:
     used = {"verify": 0, "draft": 0}
     for name in used:
         g = getattr(graphs, name)
-        if g is None:  # V4 verifies eagerly
-            continue
         step = g.step
         g.step = lambda hb, step=step, name=name: (used.__setitem__(name, used[name] + 1), step(hb))[1]
     return used
 
 
-def _with_graphs(engine) -> dict:
+def _with_graphs(engine, max_bs: int = 4) -> dict:
     """Run the engine's speculator through static-buffer graphs (what a GPU replays), with
-    buckets up to 4 requests (16 rows): larger steps run eagerly. Counts the steps that took them."""
-    graphs = SpecGraphs(engine.spec, engine.pool.page_size, engine.pool.num_pages, 4, capture=False)
+    buckets up to max_bs requests (V3: 4 * (k + 1) rows): larger steps run eagerly. Counts the
+    steps that took them."""
+    graphs = SpecGraphs(engine.spec, engine.pool.page_size, engine.pool.num_pages, max_bs, capture=False)
     engine.spec.graphs = graphs
     return _counting(graphs)
 
@@ -273,6 +272,7 @@ def test_captured_spec_graphs_give_the_eager_greedy_tokens(tiny_mtp):
 
 
 # ---- DeepSeek-V4: the chained draft steps (one row a request, the MTP block's ring a slot state)
+# and the verify (k + 1 rows a request: test_spec_graphs_v4_verify.py checks the step itself)
 
 
 @pytest.fixture(scope="module")
@@ -294,7 +294,8 @@ def _v4_pool(spec, seed: int) -> KVPool:
 def test_v4_draft_step_is_capture_safe(v4_spec, launches):
     pool = _v4_pool(v4_spec, 3)
     graphs = SpecGraphs(v4_spec, pool.page_size, pool.num_pages, 8, capture=False)
-    assert graphs.verify is None and graphs.buckets == [1, 2, 4, 8]  # V4 verifies eagerly
+    assert graphs.buckets == [1, 2, 4, 8]  # the verify's are the same, counted in requests of k + 1 rows
+    assert isinstance(graphs.verify, ExtendGraphs) and graphs.verify.buckets == graphs.buckets
     graphs.states = pool.all_states
     one = _rows(v4_spec, CHAIN, slots=[0, 1])
     two = _rows(v4_spec, [(3, [5], [4]), (14, [8], [5, 6])], slots=[4, 2])  # a ring that wraps (window 8)
@@ -328,12 +329,31 @@ def test_v4_padded_static_draft_step_gives_the_eager_steps_outputs_and_writes(v4
 
 
 def test_v4_greedy_with_graphs_equals_plain_decoding(v4_mtp):
+    """Verify steps of 1..k+1 tokens a request (drafts cut at the prefix cache's boundaries and
+    at max_tokens) through the fixed-shape verify, across the window and compression boundaries."""
     reqs = _boundary_requests(0)
     plain = _run(_engine(v4_mtp, False), reqs)
     engine = _engine(v4_mtp, True, steps=K)
-    used = _with_graphs(engine)
+    used = _with_graphs(engine, 8)
     assert _run(engine, reqs) == plain
-    assert used["draft"] > 0 and used["verify"] == 0
+    assert used["draft"] > 0 and used["verify"] > 0
+
+
+def test_v4_greedy_with_graphs_mixed_acceptance_and_preemption(v4_mtp):
+    """Drafts steered right and wrong (the rings and stages rolled back after a captured verify)
+    and a pool small enough to preempt."""
+    reqs = _boundary_requests(1)
+    plain = _run(_engine(v4_mtp, False, kv_pages=12), reqs)
+    engine = _engine(v4_mtp, True, steps=K, kv_pages=12)
+    _steer(engine, plain, {f"r{i}": a for i, a in enumerate([1.0, 0.0, 0.5, 0.8, 0.3, 0.6, 1.0, 0.2])})
+    used = _with_graphs(engine, 8)
+    preempted = []
+    preempt = engine.scheduler._preempt
+    engine.scheduler._preempt = lambda seq: (preempted.append(seq.rid), preempt(seq))
+    assert _run(engine, reqs) == plain
+    assert used["draft"] > 0 and used["verify"] > 0 and preempted
+    t = engine.metrics.totals
+    assert 0 < t["spec_decode_num_accepted_tokens"] < t["spec_decode_num_draft_tokens"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU to capture")
@@ -342,7 +362,8 @@ def test_v4_captured_draft_graphs_give_the_eager_greedy_tokens(v4_mtp):
     common = dict(device="cuda", kernel_backend="triton", dtype="float32")
     eager = _run(_engine(v4_mtp, True, steps=K, **common), reqs)
     engine = _engine(v4_mtp, True, steps=K, cuda_graph_max_bs=8, **common)
-    assert engine.spec.graphs is not None and engine.spec.graphs.captured and engine.spec.graphs.verify is None
+    assert engine.spec.graphs is not None and engine.spec.graphs.captured
+    assert sorted(engine.spec.graphs.verify.graphs) == engine.spec.graphs.verify.buckets
     used = _counting(engine.spec.graphs)
     assert _run(engine, reqs) == eager
-    assert used["draft"] > 0
+    assert used["draft"] > 0 and used["verify"] > 0
