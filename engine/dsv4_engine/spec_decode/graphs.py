@@ -18,13 +18,18 @@ drafting stay on the host after the replays; prefill chunks and steps longer tha
 bucket run eagerly.
 
 DeepSeek-V4 runs a request's verify rows whole (its rings are read before a step's writes): an
-extend, which stays eager, and so does a catch-up over more than one position of a request. Its
-chained draft steps (k-1 of them a step, one row a request, the MTP block's sliding-window ring
-as a slot state) are captured: `draft` only, over the plain decode buckets, `prev` holding the
-block's [hc, hidden] residual streams.
+extend, captured at a fixed shape (`ExtendGraphs`, the forward in dsv4_engine.models.v4_verify):
+over the plain decode buckets counted in requests, each request k + 1 rows, its real tokens
+(1..k+1: fewer drafts near max_tokens or a prefix-cache boundary) then padding tokens after them,
+whose writes the model masks (`pad_extend`); the replay's rows of real tokens come back in the
+step's order. A step with a longer chunk, snapshots inside a chunk, or more requests than the
+largest bucket runs eagerly, and so does a catch-up over more than one position of a request.
+Its chained draft steps (k-1 of them a step, one row a request, the MTP block's sliding-window
+ring as a slot state) are captured over the same buckets, `prev` holding the block's [hc, hidden]
+residual streams.
 
-Capture safety is checked on CPU by tests/unit/engine/test_spec_graphs.py, as
-test_cuda_graphs.py checks the plain decode step.
+Capture safety is checked on CPU by tests/unit/engine/test_spec_graphs.py and
+test_spec_graphs_v4_verify.py, as test_cuda_graphs.py checks the plain decode step.
 """
 
 from __future__ import annotations

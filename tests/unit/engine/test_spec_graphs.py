@@ -328,6 +328,24 @@ def test_v4_padded_static_draft_step_gives_the_eager_steps_outputs_and_writes(v4
         assert_same_writes(v, snapshot[k], after_eager[k], tol, k)
 
 
+def test_v4_both_sets_are_captured(v4_mtp, cuda_recorded):
+    """Every bucket of the V4 verify (k + 1 rows a request, on its own warm-up request) and draft
+    captured (torch.cuda's graph calls recorded, the forwards run), the warm-ups' writes zeroed."""
+    runner = ModelRunner(v4_mtp, "float32", str(DEVICE), "torch")
+    spec = MTPSpeculator(runner, str(v4_mtp), K)
+    spec.state_specs = [v4_mtp_state_spec(runner.cfg)]
+    pool = _v4_pool(spec, 7)
+    graphs = SpecGraphs(spec, pool.page_size, pool.num_pages, 2, capture=False)
+    assert graphs.buckets == [1, 2]
+    for g in graphs.sets:
+        g.capture, g._synchronize = True, lambda: None  # what a CUDA device gets
+    assert graphs.capture_all(pool) is None and graphs.captured
+    assert all(sorted(g.graphs) == graphs.buckets for g in graphs.sets)
+    assert graphs.verify.outputs[2].shape[0] == 2 * (K + 1)  # streams at every row of 2 requests
+    assert not any(t.any() for t in pool.all_states.values()) and not graphs.prev.any()
+    assert len(cuda_recorded) == 2 * len(graphs.buckets)
+
+
 def test_v4_greedy_with_graphs_equals_plain_decoding(v4_mtp):
     """Verify steps of 1..k+1 tokens a request (drafts cut at the prefix cache's boundaries and
     at max_tokens) through the fixed-shape verify, across the window and compression boundaries."""
