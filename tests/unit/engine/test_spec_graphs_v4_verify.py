@@ -106,6 +106,19 @@ def test_pad_extend_keeps_the_real_rows_and_repeats_request_0():
     assert (p.positions[rows] == hb.positions).all() and (p.input_ids[rows] == hb.input_ids).all()
 
 
+def test_what_runs_eagerly_is_decided_on_the_host(v4_mtp):
+    """A request with more than k + 1 tokens (a longer prefill chunk), more requests than the
+    largest bucket, or a padded run past the block table (at the context limit) stays eager."""
+    spec = _spec(v4_mtp, "torch")
+    graphs = SpecGraphs(spec, PAGE, 16, 2, capture=False)  # buckets 1, 2; table 16 pages wide
+    assert graphs.fits(_batch(STEP[:2]), verify=True)
+    assert not graphs.fits(_batch([(5, [1, 2, 3, 4, 5], [0, 1], 0)]), verify=True)
+    assert not graphs.fits(_batch(STEP[:3]), verify=True)
+    last = list(range(16))
+    assert graphs.fits(_batch([(16 * PAGE - K - 1, [1, 2], last, 0)]), verify=True)
+    assert not graphs.fits(_batch([(16 * PAGE - K, [1, 2], last, 0)]), verify=True)
+
+
 def _restore(pool, snapshot):
     for k, v in pool.all_states.items():
         v.copy_(snapshot[k])
