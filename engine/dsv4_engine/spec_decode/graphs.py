@@ -76,16 +76,19 @@ def widened(hb: HostBatch, width: int) -> HostBatch:
 TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping")  # one per token; the rest one per request
 
 
-def pad_extend(hb: HostBatch, bucket: int, n: int) -> HostBatch:
+def pad_extend(hb: HostBatch, bucket: int, n: int, rows: bool = False):
     """hb (requests of 1..n tokens) as `bucket` requests of n rows each: a request's real tokens,
     then padding tokens at the positions after them (the id and KV slot of its last token; the
     model masks their writes by `seq_lens`, the real run's end); requests past hb's repeat
-    request 0 whole, so they write what it writes. extend_lens is n for every request."""
+    request 0 whole, so they write what it writes. extend_lens is n for every request.
+    rows=True: only the row of hb each padded row copies, [bucket * n]."""
     lens = hb.extend_lens.astype(np.int64)
     row0 = np.cumsum(lens) - lens
     take = np.concatenate([np.arange(lens.shape[0]), np.zeros(bucket - lens.shape[0], dtype=np.int64)])
     j = np.arange(n)
     src = (row0[:, None] + np.minimum(j, lens[:, None] - 1))[take].reshape(-1)  # [bucket * n] token rows
+    if rows:
+        return src
     return HostBatch(
         input_ids=hb.input_ids[src],
         positions=(hb.positions[row0][:, None] + j)[take].reshape(-1),
@@ -203,10 +206,21 @@ class SpecGraphs:
             fb = ForwardBatch.of_tensors(t, page_size, all_decode=False, slots=True)
             return spec.target.hidden(fb, self.states, fixed=spec.k + 1)
 
+        def run_catch_up(t: dict[str, torch.Tensor], bs: int) -> torch.Tensor:
+            fb = ForwardBatch.of_tensors(t, page_size, all_decode=False, slots=True)
+            return mtp.body(fb, self.states, self.prev_ext[: bs * (spec.k + 1)], fixed=spec.k + 1)
+
+        self.catch_up: Optional[ExtendGraphs] = None  # V4: the MTP block over 1..k+1 positions a request
         if v3:
             self.verify = DecodeGraphs(run_verify, buckets[-1], width, dev, capture, buckets)
         else:  # requests of k + 1 tokens each, over the plain decode buckets
-            self.verify = ExtendGraphs(run_verify_v4, spec.k + 1, page_size, width, dev, capture, buckets)
+            n = spec.k + 1
+            self.verify = ExtendGraphs(run_verify_v4, n, page_size, width, dev, capture, buckets)
+            self.catch_up = ExtendGraphs(run_catch_up, n, page_size, width, dev, capture, buckets)
+            self.catch_up.name = "speculative catch-up"
+        self.prev_ext = torch.zeros(
+            buckets[-1] * (spec.k + 1) if not v3 else 0, *streams, cfg.hidden_size, dtype=runner.dtype, device=dev
+        )  # the catch-up's `prev`, k + 1 rows a request
         self.draft = DecodeGraphs(run_draft, buckets[-1], width, dev, capture, buckets)
         self.draft.name = "speculative draft"
         self.verify.name = "speculative verify"
@@ -214,7 +228,7 @@ class SpecGraphs:
 
     @property
     def sets(self) -> list[DecodeGraphs]:
-        return [g for g in (self.verify, self.draft) if g is not None]
+        return [g for g in (self.verify, self.draft, self.catch_up) if g is not None]
 
     @property
     def captured(self) -> bool:
@@ -249,6 +263,23 @@ class SpecGraphs:
         self.prev[n:bs].copy_(prev[:1].expand(bs - n, *prev.shape[1:]))  # padding rows repeat row 0
         return self.draft.step(widened(hb, self.width))
 
+    def takes_catch_up(self, hb: HostBatch) -> bool:
+        """A V4 catch-up of 1..k+1 positions a request the catch-up graph can run."""
+        return self.catch_up is not None and self.catch_up.takes(hb)
+
+    def catch_up_hidden(self, hb: HostBatch, prev: torch.Tensor, pool) -> torch.Tensor:
+        """The MTP block's output streams [T, hc, hidden] at hb's rows (1..k+1 a request), prev
+        the same shape, the target's streams its tokens follow (a view or a gathered copy: valid
+        until the next catch-up replay). prev goes to the padded layout: a padding token takes
+        its request's last row, a padding request request 0's rows (it writes what 0 writes)."""
+        self.states = pool.all_states
+        g = self.catch_up
+        b = hb.extend_lens.shape[0]
+        bs = bucket_for(b, g.buckets)
+        src = pad_extend(hb, bs, g.n, rows=True)
+        self.prev_ext[: bs * g.n].copy_(prev[torch.as_tensor(src, device=prev.device)])
+        return g.step(widened(hb, self.width))
+
     def capture_all(self, pool) -> Optional[str]:
         """Capture every bucket of both, all or none; None, or why not in one line. Call on a
         fresh pool: the warm-ups write page 0 (and row 0 of prev), zeroed again after."""
@@ -260,6 +291,7 @@ class SpecGraphs:
             for t in pool.all_states.values():
                 t.zero_()
             self.prev.zero_()
+            self.prev_ext.zero_()
         if failure is not None:
             for g in self.sets:
                 g.graphs.clear()

@@ -189,13 +189,16 @@ class V4MTPLayer:
         return self.logits(out), out
 
     @torch.inference_mode()
-    def body(self, fb, states: dict[str, torch.Tensor], prev: torch.Tensor) -> torch.Tensor:
-        """The block's output streams [T, hc, D] at every token: what a captured draft step runs."""
+    def body(
+        self, fb, states: dict[str, torch.Tensor], prev: torch.Tensor, fixed: Optional[int] = None
+    ) -> torch.Tensor:
+        """The block's output streams [T, hc, D] at every token: what a captured draft step runs
+        (fixed=n: a catch-up of n rows a request at a fixed shape, as the target's verify)."""
         m, eps = self.model, self.model.cfg.rms_norm_eps
         e = rms(F.embedding(fb.input_ids, m.embed), self.enorm, eps)
         h = rms(prev.to(e.dtype), self.hnorm, eps)
         x = (F.linear(e, self.e_proj).unsqueeze(1) + F.linear(h, self.h_proj)).contiguous()
-        return run_layers(m, [(0, self.L)], x, fb, {**states, DeepseekV4.SWA_KV: states[STATE]})
+        return run_layers(m, [(0, self.L)], x, fb, {**states, DeepseekV4.SWA_KV: states[STATE]}, fixed)
 
     @torch.inference_mode()
     def logits(self, out: torch.Tensor) -> torch.Tensor:

@@ -182,6 +182,10 @@ class MTPSpeculator:
             out = g.draft_hidden(hb, prev, pool)  # every row (one token each: each its request's last)
             out = out if rows is None else out[rows]
             return self.mtp.logits(out), out
+        if g is not None and snapshots is None and g.takes_catch_up(hb):  # V4: 1..k+1 positions a request
+            out = g.catch_up_hidden(hb, prev, pool)
+            out = out[torch.as_tensor(hb.logits_indices, device=out.device) if rows is None else rows]
+            return self.mtp.logits(out), out
         fb = self._fb_with(self.draft_buffers, hb, pool, snapshots)
         return self.mtp.forward(fb, pool.all_states, prev, rows)
 

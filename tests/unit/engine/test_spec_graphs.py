@@ -180,10 +180,12 @@ def test_padded_static_steps_give_the_eager_steps_outputs_and_writes(torch_spec)
 
 
 def _counting(graphs: SpecGraphs) -> dict:
-    """How many steps each of graphs' two sets ran, counted as they run."""
-    used = {"verify": 0, "draft": 0}
+    """How many steps each of graphs' sets ran, counted as they run."""
+    used = {"verify": 0, "draft": 0, "catch_up": 0}
     for name in used:
         g = getattr(graphs, name)
+        if g is None:  # V3 has no catch-up set: its catch-up is one-token rows, the draft's
+            continue
         step = g.step
         g.step = lambda hb, step=step, name=name: (used.__setitem__(name, used[name] + 1), step(hb))[1]
     return used
@@ -329,8 +331,8 @@ def test_v4_padded_static_draft_step_gives_the_eager_steps_outputs_and_writes(v4
 
 
 def test_v4_both_sets_are_captured(v4_mtp, cuda_recorded):
-    """Every bucket of the V4 verify (k + 1 rows a request, on its own warm-up request) and draft
-    captured (torch.cuda's graph calls recorded, the forwards run), the warm-ups' writes zeroed."""
+    """Every bucket of the V4 verify and catch-up (k + 1 rows a request, on their own warm-up
+    request) and draft captured (torch.cuda's graph calls recorded, the forwards run), the warm-ups' writes zeroed."""
     runner = ModelRunner(v4_mtp, "float32", str(DEVICE), "torch")
     spec = MTPSpeculator(runner, str(v4_mtp), K)
     spec.state_specs = [v4_mtp_state_spec(runner.cfg)]
@@ -343,7 +345,9 @@ def test_v4_both_sets_are_captured(v4_mtp, cuda_recorded):
     assert all(sorted(g.graphs) == graphs.buckets for g in graphs.sets)
     assert graphs.verify.outputs[2].shape[0] == 2 * (K + 1)  # streams at every row of 2 requests
     assert not any(t.any() for t in pool.all_states.values()) and not graphs.prev.any()
-    assert len(cuda_recorded) == 2 * len(graphs.buckets)
+    assert graphs.catch_up.outputs[2].shape[0] == 2 * (K + 1)
+    assert not graphs.prev_ext.any()
+    assert len(cuda_recorded) == 3 * len(graphs.buckets)  # verify, draft and catch-up
 
 
 def test_v4_greedy_with_graphs_equals_plain_decoding(v4_mtp):
@@ -354,12 +358,13 @@ def test_v4_greedy_with_graphs_equals_plain_decoding(v4_mtp):
     engine = _engine(v4_mtp, True, steps=K)
     used = _with_graphs(engine, 8)
     assert _run(engine, reqs) == plain
-    assert used["draft"] > 0 and used["verify"] > 0
+    assert used["draft"] > 0 and used["verify"] > 0  # random drafts: no catch-up past one row
 
 
 def test_v4_greedy_with_graphs_mixed_acceptance_and_preemption(v4_mtp):
-    """Drafts steered right and wrong (the rings and stages rolled back after a captured verify)
-    and a pool small enough to preempt."""
+    """Drafts steered right and wrong (the rings and stages rolled back after a captured verify;
+    accepted drafts make catch-ups of several positions, through their graph) and a pool small
+    enough to preempt."""
     reqs = _boundary_requests(1)
     plain = _run(_engine(v4_mtp, False, kv_pages=12), reqs)
     engine = _engine(v4_mtp, True, steps=K, kv_pages=12)
@@ -369,7 +374,7 @@ def test_v4_greedy_with_graphs_mixed_acceptance_and_preemption(v4_mtp):
     preempt = engine.scheduler._preempt
     engine.scheduler._preempt = lambda seq: (preempted.append(seq.rid), preempt(seq))
     assert _run(engine, reqs) == plain
-    assert used["draft"] > 0 and used["verify"] > 0 and preempted
+    assert used["draft"] > 0 and used["verify"] > 0 and used["catch_up"] > 0 and preempted
     t = engine.metrics.totals
     assert 0 < t["spec_decode_num_accepted_tokens"] < t["spec_decode_num_draft_tokens"]
 

@@ -203,3 +203,68 @@ def test_verify_step_is_capture_safe(v4_mtp, launches):
     layers = spec.runner.cfg.num_hidden_layers
     print(f"V4 verify dispatches: {len(one)} in {layers} layers ({sum(e[0] == 'launch' for e in one)} launches)")
     assert len(one) / layers <= V4_VERIFY_DISPATCHES_PER_LAYER
+
+
+# ---- the MTP block's catch-up over the positions a verify made valid (1..k+1 a request) -------
+
+
+def _catch_up(spec, pool, reqs, graphs):
+    """(logits, streams) of each request's last row, from the MTP block over reqs' rows."""
+    hb = _batch(reqs)
+    T = hb.input_ids.shape[0]
+    cfg = spec.runner.cfg
+    prev = torch.linspace(-1, 1, T * cfg.hc_mult * cfg.hidden_size).view(T, cfg.hc_mult, -1)
+    spec.graphs = graphs
+    try:
+        return spec._mtp_forward(hb, False, pool, prev)
+    finally:
+        spec.graphs = None
+
+
+def test_fixed_catch_up_equals_the_eager_one(v4_mtp):
+    """5 requests of 1..4 positions in bucket 8 through the catch-up's static buffers (padding
+    tokens, padding requests) against the eager MTP forward: logits, streams, the block's ring."""
+    spec = _spec(v4_mtp, "torch")
+    pool = _pool(spec, 5)
+    graphs = SpecGraphs(spec, pool.page_size, pool.num_pages, 8, capture=False)
+    used = []
+    step = graphs.catch_up.step
+    graphs.catch_up.step = lambda h: (used.append(1), step(h))[1]
+    snapshot = {k: v.clone() for k, v in pool.all_states.items()}
+    eager = [t.clone() for t in _catch_up(spec, pool, STEP, None)]
+    after_eager = {k: v.clone() for k, v in pool.all_states.items()}
+    _restore(pool, snapshot)
+    static = [t.clone() for t in _catch_up(spec, pool, STEP, graphs)]
+    assert used == [1]
+    tol = reorder_tol(spec.runner)
+    for a, b in zip(static, eager, strict=True):
+        assert a.shape[0] == len(STEP)
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+    ring = spec.mtp_ring
+    assert not torch.equal(after_eager[ring], snapshot[ring])
+    for k, v in pool.all_states.items():
+        assert_same_writes(v, snapshot[k], after_eager[k], tol, k)
+
+
+def test_catch_up_step_is_capture_safe(v4_mtp, launches):
+    spec = _spec(v4_mtp, "triton", k=1)
+    pool = _pool(spec, 6)
+    graphs = SpecGraphs(spec, pool.page_size, pool.num_pages, 8, capture=False)
+    graphs.states = pool.all_states
+    g = graphs.catch_up
+    traces = []
+    for reqs in (ONE, TWO):
+        hb = widened(_batch(reqs), g.width)
+        bs = bucket_for(hb.seq_lens.shape[0], g.buckets)
+        g.inputs.load(pad_extend(hb, bs, 2))
+        graphs.prev_ext.normal_()
+        launches.clear()
+        with count_host_syncs() as syncs, Trace() as trace:
+            out = g.run_forward(g.inputs.view(bs), bs)
+        assert syncs == [], "\n".join(syncs)
+        assert out.shape[0] == bs * 2
+        traces.append(trace.events + list(launches))
+    one, two = traces
+    assert len(one) == len(two) and any(e[0] == "launch" for e in one)
+    for i, (x, y) in enumerate(zip(one, two)):
+        assert x == y, f"dispatch {i} differs between two catch-ups of one bucket: {x} vs {y}"
