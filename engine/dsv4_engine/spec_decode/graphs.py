@@ -23,7 +23,8 @@ over the plain decode buckets counted in requests, each request k + 1 rows, its 
 (1..k+1: fewer drafts near max_tokens or a prefix-cache boundary) then padding tokens after them,
 whose writes the model masks (`pad_extend`); the replay's rows of real tokens come back in the
 step's order. A step with a longer chunk, snapshots inside a chunk, or more requests than the
-largest bucket runs eagerly, and so does a catch-up over more than one position of a request.
+largest bucket runs eagerly. The MTP block's catch-up over 1..k+1 positions a request is a
+third set, `catch_up`, of the same shape (`prev_ext` holds the streams it reads, padded alike).
 Its chained draft steps (k-1 of them a step, one row a request, the MTP block's sliding-window
 ring as a slot state) are captured over the same buckets, `prev` holding the block's [hc, hidden]
 residual streams.
