@@ -225,7 +225,7 @@ def train_base(
     data = torch.tensor(corpus_ids(kit.dir))
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(net.params, lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=warmup_fraction(steps))
     losses = []
     for step in range(steps):
         starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=g)
@@ -253,6 +253,12 @@ def train_base(
         "loss_first": round(losses[0], 3),
         "loss_last20_mean": round(sum(tail) / len(tail), 3),
     }
+
+
+def warmup_fraction(steps: int) -> float:
+    """One-cycle warm-up: a tenth of the steps, at least two. OneCycleLR divides by zero when the
+    warm-up ends exactly on step 1 (a tenth of 10 steps, half of 2)."""
+    return min(0.4, max(0.1, 2 / steps))
 
 
 def family_kit(model_dir: str | Path, flag: str):

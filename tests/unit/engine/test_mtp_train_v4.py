@@ -113,3 +113,15 @@ def test_v4_base_training_lowers_the_corpus_loss_and_loads_in_transformers(tmp_p
         theirs = hf(torch.tensor([seq])).logits[0]
         ours = TrainableV4(cfg, load_file(str(d / "model.safetensors"))).forward(torch.tensor([seq]))[0]
     assert (ours - theirs).abs().max() < 1e-3 * max(1.0, float(theirs.abs().max()))
+
+
+@pytest.mark.parametrize("steps", range(1, 41))
+def test_the_one_cycle_schedule_takes_any_step_count(steps):
+    # `--train-base-steps 10` used to end in OneCycleLR's ZeroDivisionError
+    from dsv4_engine.spec_decode.train import warmup_fraction
+
+    opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=steps, pct_start=warmup_fraction(steps))
+    for _ in range(steps):
+        opt.step()
+        sched.step()
