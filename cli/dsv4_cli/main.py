@@ -96,14 +96,14 @@ def model_init(
     train: bool = typer.Option(
         False,
         "--train",
-        help="Train the main model (DeepSeek-V3 presets) on the shipped corpus for a few CPU minutes, so "
+        help="Train the main model (any float preset; v4-flash-shape is far too big for CPU minutes) on the shipped corpus for a few CPU minutes, so "
         "that its greedy continuations have structure (a random model's are close to a hash of the context).",
     ),
     train_base_steps: int = typer.Option(150, "--train-base-steps", min=1, help="Optimizer steps of --train."),
     train_mtp: bool = typer.Option(
         False,
         "--train-mtp",
-        help="Implies --mtp: self-distil the MTP layer (DeepSeek-V3 presets) on the model's own greedy "
+        help="Implies --mtp: self-distil the MTP layer (V3 or V4) on the model's own greedy "
         "continuations of corpus prompts (a few CPU minutes; after --train when both are given) so that "
         "speculation accepts drafts.",
     ),
@@ -124,8 +124,6 @@ def model_init(
         for flag, on in (("--train", train), ("--train-mtp", train_mtp)):
             if on and quant:
                 raise ValueError(f"{flag} trains float weights: write the checkpoint without --quant")
-            if on and PRESETS[preset].get("model_type") == "deepseek_v4":
-                raise ValueError(f"{flag} trains DeepSeek-V3 presets; for a V4 preset use --mtp (untrained block)")
         init_checkpoint(out_dir, preset=preset, seed=seed, quant=quant, mtp=mtp or train_mtp, num_layers=num_layers)
         if train:
             from dsv4_engine.spec_decode.train import train_base

@@ -10,10 +10,16 @@ position i it learns the main model's distribution at position i+1 (soft cross-e
 the token after next. The embedding and the output head stay the main model's; routing (gate,
 bias) stays as initialised. The forwards here are plain differentiable torch versions of the
 engine's (MLA in per-head form, each expert over the tokens routed to it), checked against it.
+
+Both model families train through the same loops (`train_base`, `train_mtp`); what differs (the
+differentiable forwards, where the block's inputs come from, how the block is seeded and which
+copies follow the main model) is a family's kit: `V3Kit` here, `V4Kit` in
+dsv4_engine.spec_decode.train_v4 (DeepSeek-V4's whole-sequence forwards).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -181,6 +187,23 @@ def corpus_prompts(model_dir: str | Path, n: int, length: int, seed: int) -> lis
     return [ids[s : s + length] for s in starts]
 
 
+def one_torch_thread(fn):
+    """Run fn with one torch thread: at these tiny widths a second OpenMP thread mostly spins,
+    and on a loaded 2-core machine a v4-tiny step took ~10x longer with two."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(before)
+
+    return run
+
+
+@one_torch_thread
 def train_base(
     model_dir: str | Path,
     steps: int = 150,
@@ -195,21 +218,14 @@ def train_base(
     (steps, seconds, loss at the start and end)."""
     from safetensors.torch import load_file
 
-    from dsv4_engine.config import ModelConfig
-    from dsv4_engine.model_runner import get_ops
-    from dsv4_engine.models.deepseek_v3 import DeepseekV3
-    from dsv4_engine.weights import load_weights
-
-    d = _v3_float_dir(model_dir, "--train")
+    kit = family_kit(model_dir, "--train")
     t0 = time.monotonic()
-    cfg = ModelConfig.from_dir(d)
-    model = DeepseekV3(cfg, load_weights(d), get_ops("torch"), torch.float32, torch.device("cpu"))
-    weights = load_file(str(d / "model.safetensors"))
-    net = TrainableV3(cfg, weights, model)
-    data = torch.tensor(corpus_ids(d))
+    weights = load_file(str(kit.dir / "model.safetensors"))
+    net = kit.base(weights)
+    data = torch.tensor(corpus_ids(kit.dir))
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(net.params, lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=warmup_fraction(steps))
     losses = []
     for step in range(steps):
         starts = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=g)
@@ -226,10 +242,9 @@ def train_base(
             log.info("train step %d loss %.3f", step, losses[-1])
     if not math.isfinite(losses[-1]):
         raise RuntimeError(f"--train diverged at loss {losses[-1]}")
-    for k, v in net.w.items():
-        weights[k] = v.detach().contiguous()
-    _sync_mtp_copies(cfg, weights)
-    _save(d, weights)
+    _write_back(weights, net.w)
+    kit.sync_copies(weights)
+    _save(kit.dir, weights)
     tail = losses[-20:]
     return {
         "steps": steps,
@@ -240,19 +255,70 @@ def train_base(
     }
 
 
-def _v3_float_dir(model_dir: str | Path, flag: str) -> Path:
+def warmup_fraction(steps: int) -> float:
+    """One-cycle warm-up: a tenth of the steps, at least two. OneCycleLR divides by zero when the
+    warm-up ends exactly on step 1 (a tenth of 10 steps, half of 2)."""
+    return min(0.4, max(0.1, 2 / steps))
+
+
+def family_kit(model_dir: str | Path, flag: str):
+    """The training kit of the checkpoint's model family (float weights only)."""
     import json
 
     d = Path(model_dir)
     config = json.loads((d / "config.json").read_text())
-    if config.get("model_type") != "deepseek_v3":
-        raise ValueError(
-            f"{flag} trains DeepSeek-V3 presets; DeepSeek-V4 presets are not supported yet "
-            "(use --mtp for an untrained V4 MTP block)"
-        )
     if config.get("quantization_config"):
         raise ValueError(f"{flag} trains float weights: quantize afterwards, not with --quant")
-    return d
+    if config.get("model_type") == "deepseek_v4":
+        from dsv4_engine.spec_decode.train_v4 import V4Kit
+
+        return V4Kit(d)
+    if config.get("model_type") == "deepseek_v3":
+        return V3Kit(d)
+    raise ValueError(f"{flag} trains DeepSeek-V3 and -V4 checkpoints, not model_type {config.get('model_type')!r}")
+
+
+class V3Kit:
+    """DeepSeek-V3's side of training: the engine's model (for the block's inputs and the rope
+    tables), the trainable forwards, and the block's layout (`model.layers.{N}.`)."""
+
+    def __init__(self, d: Path):
+        from dsv4_engine.config import ModelConfig
+        from dsv4_engine.model_runner import get_ops
+        from dsv4_engine.models.deepseek_v3 import DeepseekV3
+        from dsv4_engine.weights import load_weights
+
+        self.dir, self.cfg = d, ModelConfig.from_dir(d)
+        self.model = DeepseekV3(self.cfg, load_weights(d), get_ops("torch"), torch.float32, torch.device("cpu"))
+        self.num_mtp = int(self.cfg.extra.get("num_nextn_predict_layers") or 0)
+
+    def base(self, weights: dict) -> TrainableV3:
+        return TrainableV3(self.cfg, weights, self.model)
+
+    def targets(self, weights: dict, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The main model's final-normed hidden states [N, T, D] and logits [N, T, V] (the engine's)."""
+        rows = [_hidden_and_logits(self.model, s) for s in seqs]
+        return torch.stack([h for h, _ in rows]), torch.stack([lg for _, lg in rows])
+
+    def seed_mtp(self, weights: dict) -> None:
+        """The block's decoder layer starts from a copy of the main model's last layer."""
+        cfg = self.cfg
+        last, mtp_p = f"model.layers.{cfg.num_hidden_layers - 1}.", f"model.layers.{cfg.num_hidden_layers}."
+        for k in list(weights):
+            if k.startswith(last) and mtp_p + k[len(last) :] in weights:
+                weights[mtp_p + k[len(last) :]] = weights[k].clone()
+
+    def mtp(self, weights: dict) -> TrainableMTP:
+        return TrainableMTP(self.cfg, weights, self.cfg.num_hidden_layers, self.model)
+
+    def sync_copies(self, weights: dict) -> None:
+        _sync_mtp_copies(self.cfg, weights)
+
+
+def _write_back(weights: dict[str, torch.Tensor], trained: dict[str, torch.Tensor]) -> None:
+    """Trained tensors back into the checkpoint's dict, in the checkpoint's dtypes."""
+    for k, v in trained.items():
+        weights[k] = v.detach().to(weights[k].dtype).contiguous()
 
 
 def _sync_mtp_copies(cfg, weights: dict[str, torch.Tensor]) -> None:
@@ -335,6 +401,7 @@ def _hidden_and_logits(model, seq: list[int]) -> tuple[torch.Tensor, torch.Tenso
     return h.float(), F.linear(h, model.lm_head).float()
 
 
+@one_torch_thread
 def train_mtp(
     model_dir: str | Path,
     steps: int = 200,
@@ -356,14 +423,9 @@ def train_mtp(
     by default: not shown to help; see docs/speculative-decoding.md)."""
     from safetensors.torch import load_file
 
-    from dsv4_engine.config import ModelConfig
-    from dsv4_engine.model_runner import get_ops
-    from dsv4_engine.models.deepseek_v3 import DeepseekV3
-    from dsv4_engine.weights import load_weights
-
-    d = _v3_float_dir(model_dir, "--train-mtp")
-    cfg = ModelConfig.from_dir(d)
-    if not cfg.extra.get("num_nextn_predict_layers"):
+    kit = family_kit(model_dir, "--train-mtp")
+    d = kit.dir
+    if not kit.num_mtp:
         raise ValueError("--train-mtp needs an MTP layer (add --mtp)")
     t0 = time.monotonic()
     # Prompts from the corpus (what the benchmark sends); the held-out eighth has its own seed.
@@ -372,17 +434,12 @@ def train_mtp(
         d, n_held, prompt_len, seed + 1_000_003
     )
     seqs = _greedy_continuations(d, prompts, new_tokens)
-    model = DeepseekV3(cfg, load_weights(d), get_ops("torch"), torch.float32, torch.device("cpu"))
-    rows = [_hidden_and_logits(model, s) for s in seqs]
     ids = torch.tensor(seqs)  # every sequence is prompt_len + new_tokens long
-    hidden, logits = torch.stack([h for h, _ in rows]), torch.stack([lg for _, lg in rows])
-    held = slice(len(seqs) - n_held, None)
     weights = load_file(str(d / "model.safetensors"))
-    last, mtp_p = f"model.layers.{cfg.num_hidden_layers - 1}.", f"model.layers.{cfg.num_hidden_layers}."
-    for k in list(weights):
-        if k.startswith(last) and mtp_p + k[len(last) :] in weights:
-            weights[mtp_p + k[len(last) :]] = weights[k].clone()
-    mtp = TrainableMTP(cfg, weights, cfg.num_hidden_layers, model)
+    hidden, logits = kit.targets(weights, seqs)
+    held = slice(len(seqs) - n_held, None)
+    kit.seed_mtp(weights)
+    mtp = kit.mtp(weights)
     opt = torch.optim.Adam(mtp.params, lr=lr)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
     sl = slice(prompt_len - 1, None)  # positions whose next-next token is generated
@@ -406,6 +463,7 @@ def train_mtp(
     before = agreement(held)
     g = torch.Generator().manual_seed(seed)
     n_train = len(seqs) - n_held
+    losses = []
     for step in range(steps):
         pick = torch.randint(0, n_train, (min(batch, n_train),), generator=g)
         # KL(target || block) up to the target's entropy: cross-entropy on its soft distribution.
@@ -414,20 +472,23 @@ def train_mtp(
         loss.backward()
         opt.step()
         sched.step()
+        losses.append(loss.item())
         if step % 50 == 0:
-            log.info("train-mtp step %d loss %.3f", step, loss.item())
+            log.info("train-mtp step %d loss %.3f", step, losses[-1])
     if not math.isfinite(loss.item()):
         raise RuntimeError(f"--train-mtp diverged at loss {loss.item()}")
     after = agreement(held)
-    for k, v in mtp.w.items():
-        weights[k] = v.detach().contiguous()
-    _sync_mtp_copies(cfg, weights)  # what the block was trained with
+    _write_back(weights, mtp.w)
+    kit.sync_copies(weights)  # what the block was trained with
     _save(d, weights)
     return {
         "steps": steps,
         "seconds": round(time.monotonic() - t0, 1),
         "sequences": len(seqs),
         "held_out_sequences": n_held,
+        # the distillation loss (soft cross-entropy against the target's next-next distribution)
+        "loss_first": round(losses[0], 3),
+        "loss_last20_mean": round(sum(losses[-20:]) / len(losses[-20:]), 3),
         # Top-1 agreement with the target's next-next token on held-out continuations: the
         # first draft (from the target's hidden state) and, with `chain`, the second (from the
         # block's own, given a right first draft).

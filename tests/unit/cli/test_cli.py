@@ -68,8 +68,22 @@ def test_bad_chat_flags_are_one_line(tiny_model):
         assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and words in r.stderr, r.stderr
 
 
-def test_training_a_v4_preset_is_refused_before_writing(tmp_path):
-    for flag in ("--train-mtp", "--train"):
-        r = dsv4("model", "init", str(tmp_path / "m"), "--preset", "v4-tiny", flag)
-        assert r.returncode == 2 and f"{flag} trains DeepSeek-V3" in r.stderr, r.stderr
-        assert not (tmp_path / "m" / "config.json").exists()
+def test_training_a_v4_preset_with_quantized_weights_is_refused_before_writing(tmp_path):
+    r = dsv4("model", "init", str(tmp_path / "q"), "--preset", "v4-tiny", "--train-mtp", "--quant", "fp8")
+    assert r.returncode == 2 and "--train-mtp trains float weights" in r.stderr, r.stderr
+    assert not (tmp_path / "q" / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_training_a_v4_preset_is_not_refused(tmp_path):
+    # `--train` and `--train-mtp` on v4-tiny, tiny budgets (the V4 trainer's own tests:
+    # tests/unit/engine/test_mtp_train_v4.py)
+    r = subprocess.run(
+        [sys.executable, "-m", "dsv4_cli", "model", "init", str(tmp_path / "m"), "--preset", "v4-tiny", "--train"]
+        + ["--train-base-steps", "12", "--train-mtp", "--train-steps", "5"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "trained the main model" in r.stdout and "trained the MTP layer" in r.stdout, r.stdout
