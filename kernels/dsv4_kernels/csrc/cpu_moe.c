@@ -43,7 +43,7 @@ static inline float hsum(vf v) {
 /* out[j * ldo + r] = dot(W[r * K ...], X[j][...]) for r < R, j < N; R and N are compile-time
  * constants at every call (inlined), so the R * N accumulators live in registers. */
 static inline __attribute__((always_inline)) void tile(const float *W, int64_t K, const float *const *X, int R,
-                                                      int N, float *out, int64_t ldo) {
+                                                      int N, float *out, int64_t ldo, const float *pf) {
     vf acc[8][4];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < N; j++) acc[r][j] = (vf){0};
@@ -52,6 +52,8 @@ static inline __attribute__((always_inline)) void tile(const float *W, int64_t K
         vf xv[4], wv[8];
         for (int j = 0; j < N; j++) xv[j] = keep(load(X[j] + k));
         for (int r = 0; r < R; r++) wv[r] = keep(load(W + r * K + k));
+        if (pf) /* the next block's rows, a line per row per step: DRAM latency hidden behind this block */
+            for (int r = 0; r < R; r++) __builtin_prefetch(pf + r * K + k, 0, 0);
         for (int r = 0; r < R; r++)
             for (int j = 0; j < N; j++) acc[r][j] += wv[r] * xv[j];
     }
@@ -68,22 +70,25 @@ static inline __attribute__((always_inline)) void tile(const float *W, int64_t K
 static void dots(const float *W, int64_t rows, int64_t K, const float *const *X, int64_t n, float *out,
                  int64_t ldo) {
     int64_t r = 0;
+    /* the first pass over a block prefetches the block after next (no further than the last row) */
+#define NEXT(R) (r + 3 * (R) <= rows ? W + (r + 2 * (R)) * K : NULL)
     if (n == 1) { /* one token (a single stream): more rows per pass for independent sums */
-        for (; r + 8 <= rows; r += 8) tile(W + r * K, K, X, 8, 1, out + r, ldo);
+        for (; r + 8 <= rows; r += 8) tile(W + r * K, K, X, 8, 1, out + r, ldo, NEXT(8));
     } else {
         for (; r + 4 <= rows; r += 4) {
-            const float *w = W + r * K;
+            const float *w = W + r * K, *pf = NEXT(4);
             int64_t j = 0;
-            for (; j + 4 <= n; j += 4) tile(w, K, X + j, 4, 4, out + j * ldo + r, ldo);
+            for (; j + 4 <= n; j += 4, pf = NULL) tile(w, K, X + j, 4, 4, out + j * ldo + r, ldo, pf);
             switch (n - j) {
-            case 3: tile(w, K, X + j, 4, 3, out + j * ldo + r, ldo); break;
-            case 2: tile(w, K, X + j, 4, 2, out + j * ldo + r, ldo); break;
-            case 1: tile(w, K, X + j, 4, 1, out + j * ldo + r, ldo); break;
+            case 3: tile(w, K, X + j, 4, 3, out + j * ldo + r, ldo, pf); break;
+            case 2: tile(w, K, X + j, 4, 2, out + j * ldo + r, ldo, pf); break;
+            case 1: tile(w, K, X + j, 4, 1, out + j * ldo + r, ldo, pf); break;
             }
         }
     }
+#undef NEXT
     for (; r < rows; r++)
-        for (int64_t j = 0; j < n; j++) tile(W + r * K, K, X + j, 1, 1, out + j * ldo + r, ldo);
+        for (int64_t j = 0; j < n; j++) tile(W + r * K, K, X + j, 1, 1, out + j * ldo + r, ldo, NULL);
 }
 
 /* One expert over n tokens: y_j = W2 (silu(g_j) * u_j), [g_j; u_j] = W13 x_j, added to out
