@@ -1,5 +1,5 @@
 """The engine's greedy tokens with the native CPU MoE call (dsv4_kernels.cpu_moe) on and off:
-identical on both V3 presets, and the native call really ran on the decode steps."""
+identical on both V3 presets and v4-tiny, and the native call really ran on the decode steps."""
 
 import pytest
 import torch
@@ -31,7 +31,7 @@ def _greedy(model_dir, prompts, n):
     return [s.output_ids for s in seqs]
 
 
-@pytest.mark.parametrize("preset", ["tiny", "mla512"])
+@pytest.mark.parametrize("preset", ["tiny", "mla512", "v4-tiny"])
 def test_greedy_tokens_native_on_and_off(preset, make_model, monkeypatch):
     model_dir = make_model(preset)
     g = torch.Generator().manual_seed(4)
