@@ -52,8 +52,9 @@ static inline __attribute__((always_inline)) void tile(const float *W, int64_t K
         vf xv[4], wv[8];
         for (int j = 0; j < N; j++) xv[j] = keep(load(X[j] + k));
         for (int r = 0; r < R; r++) wv[r] = keep(load(W + r * K + k));
-        if (pf) /* the next block's rows, a line per row per step: DRAM latency hidden behind this block */
-            for (int r = 0; r < R; r++) __builtin_prefetch(pf + r * K + k, 0, 0);
+        if (pf) /* a later block's rows, a line per row per step, into L2 (not L1: the block, the
+                 * tokens and the prefetched rows together would overflow it; NTA measured slower) */
+            for (int r = 0; r < R; r++) __builtin_prefetch(pf + r * K + k, 0, 1);
         for (int r = 0; r < R; r++)
             for (int j = 0; j < N; j++) acc[r][j] += wv[r] * xv[j];
     }
