@@ -142,3 +142,14 @@ def test_applies_only_to_small_fp32_cpu_batches(monkeypatch):
     assert not cpu_moe.applies(torch.zeros(0, 4), w, w)
     monkeypatch.setattr(cpu_moe, "MAX_TOKENS", 0)
     assert not cpu_moe.applies(torch.zeros(1, 4), w, w)
+
+
+@pytest.mark.parametrize("env", ["DSV4_NO_NATIVE_MOE", "DSV4_NO_NATIVE"])
+def test_switches_turn_it_off(env, monkeypatch):
+    from dsv4_kernels import native
+
+    monkeypatch.setattr(native, "_loaded", {})  # as in a fresh process
+    monkeypatch.setattr(cpu_moe, "_lib", None)
+    monkeypatch.setenv(env, "1")
+    assert not cpu_moe.available()
+    assert not cpu_moe.applies(torch.zeros(1, 4), torch.zeros(2, 8, 4), torch.zeros(2, 4, 4))
