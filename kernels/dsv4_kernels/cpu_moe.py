@@ -31,7 +31,9 @@ def available() -> bool:
     global _lib
     if _lib is None:
         lib = native.load("cpu_moe", ["-march=native"], off_env="DSV4_NO_NATIVE_MOE")
-        if lib is None:
+        # built without 8-wide vectors (no AVX: SSE-only x86, or another ISA) the loop was slower
+        # than torch's GEMMs from 8 tokens an expert on the one machine measured: keep torch there
+        if lib is None or lib.cpu_moe_lanes() < 8:
             return False
         f = lib.cpu_moe
         p, i64 = ctypes.c_void_p, ctypes.c_int64

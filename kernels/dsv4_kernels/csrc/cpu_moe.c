@@ -9,23 +9,41 @@
  *
  * Plain C on float32 with GCC vector extensions (no torch headers, no OpenMP: the engine core
  * runs one compute thread), built at first use and loaded with ctypes by dsv4_kernels.cpu_moe.
- * Sums are fp32 in a fixed order (16 lanes over the row, then the lanes), not MKL's: results
- * differ from torch's by rounding only. */
+ * Sums are fp32 in a fixed order (LANES lanes over the row, then a tree over the lanes), not
+ * MKL's: results differ from torch's by rounding only. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+/* Vector width and register tile by what the build targets (-march=native): the R x N
+ * accumulators, R weight vectors and N token vectors of a tile must fit the vector registers
+ * (32 with AVX-512, 16 with AVX2 / SSE), or the tile spills and turns load-bound. */
+#if defined(__AVX512F__)
 #define LANES 16
+#define TOKS 4  /* tokens per tile: 4 x 4 accumulators + 8 loads = 24 of 32 registers */
+#define ROWS1 8 /* rows per tile for a lone token */
+#elif defined(__AVX__)
+#define LANES 8
+#define TOKS 2 /* 4 x 2 + 6 = 14 of 16 registers */
+#define ROWS1 4
+#else
+#define LANES 4
+#define TOKS 2
+#define ROWS1 4
+#endif
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 typedef float vfu __attribute__((vector_size(LANES * sizeof(float)), aligned(sizeof(float))));
 
 static inline vf load(const float *p) { return *(const vfu *)p; }
 
 /* a loaded vector pinned in a register: without this GCC folds the load into every FMA that
- * uses it, R * N loads per step instead of R + N, and the tile becomes load-bound */
+ * uses it on x86 (memory operands), R * N loads per step instead of R + N, and the tile becomes
+ * load-bound. (Load-store ISAs cannot fold, so they need nothing.) */
 #if defined(__GNUC__) && defined(__x86_64__) && defined(__AVX512F__)
 #define keep(v) ({ vf _v = (v); __asm__("" : "+v"(_v)); _v; })
+#elif defined(__GNUC__) && defined(__x86_64__)
+#define keep(v) ({ vf _v = (v); __asm__("" : "+x"(_v)); _v; })
 #else
 #define keep(v) (v)
 #endif
@@ -33,10 +51,19 @@ static inline vf load(const float *p) { return *(const vfu *)p; }
 /* the lanes' sum as a tree of vector adds (a scalar chain of 15 adds would cost as much as the
  * dot itself for a 256-long row) */
 static inline float hsum(vf v) {
+#if LANES == 16
     v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
     v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
     v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
     v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+#elif LANES == 8
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+#else
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2);
+#endif
     return v[0];
 }
 
@@ -74,15 +101,17 @@ static void dots(const float *W, int64_t rows, int64_t K, const float *const *X,
     /* the first pass over a block prefetches the block after next (no further than the last row) */
 #define NEXT(R) (r + 3 * (R) <= rows ? W + (r + 2 * (R)) * K : NULL)
     if (n == 1) { /* one token (a single stream): more rows per pass for independent sums */
-        for (; r + 8 <= rows; r += 8) tile(W + r * K, K, X, 8, 1, out + r, ldo, NEXT(8));
+        for (; r + ROWS1 <= rows; r += ROWS1) tile(W + r * K, K, X, ROWS1, 1, out + r, ldo, NEXT(ROWS1));
     } else {
         for (; r + 4 <= rows; r += 4) {
             const float *w = W + r * K, *pf = NEXT(4);
             int64_t j = 0;
-            for (; j + 4 <= n; j += 4, pf = NULL) tile(w, K, X + j, 4, 4, out + j * ldo + r, ldo, pf);
-            switch (n - j) {
+            for (; j + TOKS <= n; j += TOKS, pf = NULL) tile(w, K, X + j, 4, TOKS, out + j * ldo + r, ldo, pf);
+            switch (n - j) { /* fewer than TOKS left */
+#if TOKS > 3
             case 3: tile(w, K, X + j, 4, 3, out + j * ldo + r, ldo, pf); break;
             case 2: tile(w, K, X + j, 4, 2, out + j * ldo + r, ldo, pf); break;
+#endif
             case 1: tile(w, K, X + j, 4, 1, out + j * ldo + r, ldo, pf); break;
             }
         }
@@ -184,3 +213,7 @@ int cpu_moe(const float *x, int64_t T, int64_t D, const int32_t *ids, const floa
     }
     return 0;
 }
+
+/* The vector width this build got: with 4 lanes (no AVX) the loop measured slower than torch's
+ * GEMMs from 8 tokens an expert, so the caller keeps torch there. */
+int cpu_moe_lanes(void) { return LANES; }

@@ -12,7 +12,7 @@ from dsv4_kernels import cpu_moe
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
-    pytest.mark.skipif(not cpu_moe.available(), reason="no C compiler on this machine"),
+    pytest.mark.skipif(not cpu_moe.available(), reason="no native MoE here (no C compiler, or no AVX)"),
 ]
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from dsv4_kernels import cpu_moe
 from dsv4_kernels.reference import moe_experts
 
-pytestmark = pytest.mark.skipif(not cpu_moe.available(), reason="no C compiler on this machine")
+pytestmark = pytest.mark.skipif(not cpu_moe.available(), reason="no native MoE here (no C compiler, or no AVX)")
 
 U = 2.0**-24  # fp32 unit roundoff
 
