@@ -31,18 +31,17 @@ def _abs_bound(x, w13, w2):
 
 
 def _want(x, w13, w2, wts, ids, shared, limit):
-    """(fp64 result, fp64 magnitude) over each token's pairs in k order; ids outside [0, E) skip."""
+    """(fp64 result, fp64 magnitude), expert by expert over its pairs; ids outside [0, E) skip."""
     x64 = x.double()
     out = torch.zeros(x.shape, dtype=torch.float64)
     mag = torch.zeros(x.shape, dtype=torch.float64)
     if w13 is not None:
-        for t in range(x.shape[0]):
-            for j in range(ids.shape[1]):
-                e = int(ids[t, j])
-                if 0 <= e < w13.shape[0]:
-                    a, b, w = w13[e].double(), w2[e].double(), float(wts[t, j])
-                    out[t] += w * _swiglu64(x64[t : t + 1], a, b, limit)[0]
-                    mag[t] += abs(w) * _abs_bound(x64[t : t + 1], a, b)[0]
+        for e in range(w13.shape[0]):
+            t, j = (ids == e).nonzero(as_tuple=True)
+            if len(t):
+                a, b, w = w13[e].double(), w2[e].double(), wts[t, j].double()[:, None]
+                out.index_add_(0, t, w * _swiglu64(x64[t], a, b, limit))
+                mag.index_add_(0, t, w.abs() * _abs_bound(x64[t], a, b))
     if shared is not None:
         a, b = shared[0].double(), shared[1].double()
         out += _swiglu64(x64, a, b, limit)
