@@ -40,7 +40,19 @@ def _rope_in_place(model, on: bool) -> None:
     v4_layers.ROPE_IN_PLACE = on
 
 
-CHANGES = {"native_mhc": _native_mhc, "step_indices": _step_indices, "rope_in_place": _rope_in_place}
+def _native_moe(model, on: bool) -> None:
+    from dsv4_kernels import cpu_moe
+
+    _native_moe.__dict__.setdefault("on", cpu_moe.MAX_TOKENS)  # the shipped limit, before any patch
+    cpu_moe.MAX_TOKENS = _native_moe.on if on else 0
+
+
+CHANGES = {
+    "native_mhc": _native_mhc,
+    "step_indices": _step_indices,
+    "rope_in_place": _rope_in_place,
+    "native_moe": _native_moe,
+}
 
 
 def _ops_per_step(engine, steps: int) -> float:

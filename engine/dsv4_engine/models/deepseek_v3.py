@@ -22,6 +22,7 @@ from dsv4_engine.models.forward_batch import ForwardBatch
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.quant import dense, log_resident, moe_experts_for, place
 from dsv4_engine.step_phases import PHASES
+from dsv4_kernels import cpu_moe
 
 
 def yarn_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -202,6 +203,8 @@ class DeepseekV3:
     # ---- forward -------------------------------------------------------------------------------
 
     def _mlp(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        if cpu_moe.applies(x, w13, w2):  # a decode step's few tokens on the CPU: one native call
+            return cpu_moe.mlp(x, w13, w2)
         gate, up = F.linear(x, w13).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, w2)
 
@@ -339,6 +342,13 @@ class DeepseekV3:
         )
         if self.tp is not None:
             weights, ids = self.tp.local_experts(weights, ids)
+        shared = (L["s_w13"], L["s_w2"]) if "s_w13" in L else (None, None)
+        if cpu_moe.applies(x, L["w13"], L["w2"], *shared):
+            # a decode step's few tokens on the CPU: routed and shared experts in one native call
+            # that reads each used expert's weights once (dsv4_kernels.cpu_moe)
+            return self._reduce(
+                cpu_moe.experts(x, L["w13"], L["w2"], weights, ids, shared if shared[0] is not None else None)
+            )
         out = self.moe_experts(x, L["w13"], L["w2"], weights, ids)
         if "s_w13" in L:
             out = out + self._mlp(x, L["s_w13"], L["s_w2"])

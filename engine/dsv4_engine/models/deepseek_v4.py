@@ -51,7 +51,7 @@ from dsv4_engine.models.state import StateSpec
 from dsv4_engine.models.v4_layers import apply_rope, rms, rope_at, rope_table, sinkhorn_, unweighted_rms
 from dsv4_engine.quant import dense, is_quantized, log_resident, moe_experts_for, one_format, place
 from dsv4_engine.step_phases import PHASES
-from dsv4_kernels import cpu_mhc
+from dsv4_kernels import cpu_mhc, cpu_moe
 from dsv4_kernels.grouped_moe import grouped_experts
 
 
@@ -274,7 +274,9 @@ class DeepseekV4:
     def _moe(self, L: dict, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         logits = F.linear(x, L["gate"])
-        shared = F.linear(self._swiglu(F.linear(x, L["s_w13"])), L["s_w2"])
+        # a decode step's few tokens on the CPU: routed and shared experts in one native call
+        native = self.kops is None and cpu_moe.applies(x, L["w13"], L["w2"], L["s_w13"], L["s_w2"])
+        shared = None if native else F.linear(self._swiglu(F.linear(x, L["s_w13"])), L["s_w2"])
         if self.kops is not None:
             wts, ids = self.kops.v4_moe_route(
                 logits,
@@ -299,6 +301,10 @@ class DeepseekV4:
             out = self.moe_experts(x, L["w13"], L["w2"], wts, ids)
         elif self.kops is not None:
             out = self.kops.v4_moe_experts(x, L["w13"], L["w2"], wts, ids, cfg.swiglu_limit)
+        elif native:  # the shared expert joins once (rank 0 under tensor parallelism)
+            s = (L["s_w13"], L["s_w2"]) if self.tp is None or self.tp.rank == 0 else None
+            out = cpu_moe.experts(x, L["w13"], L["w2"], wts, ids, s, cfg.swiglu_limit)
+            return out if self.tp is None else self.tp.all_reduce(out)
         else:
             # pairs grouped by expert, one matmul pair each, no index_add (ids < 0: another rank's)
             out = grouped_experts(x, L["w13"], L["w2"], wts, ids, self._swiglu, x.dtype)

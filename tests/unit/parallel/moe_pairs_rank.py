@@ -20,23 +20,37 @@ def prefill_and_count(runner) -> tuple[torch.Tensor, int, int]:
     from dsv4_engine.scheduler import ScheduledSeq
     from dsv4_engine.sequence import Sequence
 
+    from dsv4_kernels import cpu_moe
+
     model = runner.model
     counted = {"computed": 0, "routed": 0}
-    experts = model.moe_experts
+    experts, native = model.moe_experts, cpu_moe.experts
 
-    def counting(x, w13, w2, weights, ids):
+    def count(w13, ids) -> None:
         counted["computed"] += int(((ids >= 0) & (ids < w13.shape[0])).sum())
         counted["routed"] += ids.numel()
+
+    def counting(x, w13, w2, weights, ids):
+        count(w13, ids)
         return experts(x, w13, w2, weights, ids)
 
+    def counting_native(x, w13, w2, weights, ids, *rest, **kw):  # a few tokens on the CPU: one C call
+        if w13 is not None:
+            count(w13, ids)
+        return native(x, w13, w2, weights, ids, *rest, **kw)
+
     model.moe_experts = counting
+    cpu_moe.experts = counting_native
     pool = KVPool(runner.state_specs, 16, 8, runner.dtype, runner.device)
     batch = []
     for i, (prompt, pages) in enumerate((([5 + j for j in range(13)], [0, 1]), ([40, 41, 42, 43, 44], [2]))):
         s = Sequence(f"r{i}", prompt, SamplingParams(max_tokens=4, temperature=0))
         s.pages = pages
         batch.append(ScheduledSeq(s, len(prompt)))
-    logits = model.forward(runner.build_batch(batch, pool.page_size), pool.all_states)
+    try:
+        logits = model.forward(runner.build_batch(batch, pool.page_size), pool.all_states)
+    finally:
+        cpu_moe.experts = native  # the test process runs this too: leave the module as it was
     return logits, counted["computed"], counted["routed"]
 
 
