@@ -5,12 +5,17 @@
    page table, scores s[h][t] = (scale * q[h]) . kv[t], a softmax over t per head, and
    out[h] = sum_t p[h][t] * kv[t][:V]. Flash-decoding order: blocks of BLK rows, each block's
    scores first (every row read once for all heads), then the running max / denominator /
-   accumulator updated by the block (one rescale per block, not per row).
+   accumulator updated by the block (one rescale per block, not per row, folded into the
+   block's value pass). Register blocking: scores take two rows x up to four heads per pass
+   over D, values up to eight heads x 32 columns per pass over the block's rows, so a loaded
+   row feeds several FMAs and the accumulators stay in registers (measured 1.2-1.4x CPU time
+   over one dot and one axpy per row and head on this project's EPYC test box; four rows per
+   score pass measured the same as two).
 
    fp32 arithmetic throughout; the pool is fp32 or bf16 (bf16 rows widened to fp32 into a small
-   tile). The dot products and the value sums use LANES partial sums in index order: a
-   different summation order from torch's bmm, an fp32 rounding difference, not a different
-   result (tests/unit/kernels/test_native_mla_decode.py bounds it). */
+   tile). The dot products use W partial sums in index order and the value sums run over the
+   rows in order: a different summation order from torch's bmm, an fp32 rounding difference,
+   not a different result (tests/unit/kernels/test_native_mla_decode.py bounds it). */
 
 #include <math.h>
 #include <stdint.h>
@@ -18,26 +23,112 @@
 #include <string.h>
 
 #define BLK 32
-#define LANES 16
+#define W 16 /* floats in one vector register (AVX-512; two AVX2 registers elsewhere) */
 
-/* q . k over n values: LANES independent partial sums the compiler keeps in one vector
-   register (no reassociation needed, so it vectorises without -ffast-math). */
-static inline float dot(const float *restrict q, const float *restrict k, int64_t n) {
-    float acc[LANES] = {0};
-    int64_t d = 0;
-    for (; d + LANES <= n; d += LANES)
-        for (int j = 0; j < LANES; j++) acc[j] += q[d + j] * k[d + j];
-    float s = 0.0f;
-    for (; d < n; d++) s += q[d] * k[d];
-    for (int j = 0; j < LANES; j++) s += acc[j];
-    return s;
-}
+/* GCC/clang vector extension: one v16 is W floats, loaded unaligned from any float pointer. */
+typedef float v16 __attribute__((vector_size(W * sizeof(float)), aligned(4)));
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
+}
+
+static inline float hsum(v16 v) {
+    float s = 0.0f;
+    for (int j = 0; j < W; j++) s += v[j];
+    return s;
+}
+
+/* s[h * BLK + i] = qs[h] . rows[i] for G heads h0.. and the rows i0, i0 + 1 (i1 may equal i0:
+   then both pairs compute the same row). The 2 x G partial sums stay in registers over D. */
+static inline __attribute__((always_inline)) void scores_group(int G, const float *qs, int64_t h0, const float *r0,
+                                                                const float *r1, int i0, int i1, int64_t D,
+                                                                float *s) {
+    v16 a0[8], a1[8];
+    for (int g = 0; g < G; g++) a0[g] = a1[g] = (v16){0};
+    int64_t d = 0;
+    for (; d + W <= D; d += W) {
+        v16 k0 = *(const v16 *)(r0 + d), k1 = *(const v16 *)(r1 + d);
+        for (int g = 0; g < G; g++) {
+            v16 qv = *(const v16 *)(qs + (h0 + g) * D + d);
+            a0[g] += qv * k0;
+            a1[g] += qv * k1;
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const float *qh = qs + (h0 + g) * D;
+        float t0 = 0.0f, t1 = 0.0f;
+        for (int64_t e = d; e < D; e++) {
+            t0 += qh[e] * r0[e];
+            t1 += qh[e] * r1[e];
+        }
+        s[(h0 + g) * BLK + i0] = hsum(a0[g]) + t0;
+        s[(h0 + g) * BLK + i1] = hsum(a1[g]) + t1;
+    }
+}
+
+static void scores_block(const float *qs, int64_t H, const float *const *rows, int n, int64_t D, float *s) {
+    for (int i = 0; i < n; i += 2) {
+        int j = i + 1 < n ? i + 1 : i;
+        int64_t h = 0;
+        for (; h + 4 <= H; h += 4) scores_group(4, qs, h, rows[i], rows[j], i, j, D, s);
+        for (; h + 2 <= H; h += 2) scores_group(2, qs, h, rows[i], rows[j], i, j, D, s);
+        for (; h < H; h++) scores_group(1, qs, h, rows[i], rows[j], i, j, D, s);
+    }
+}
+
+/* o[h][:V] = o[h][:V] * alpha[h] + sum_i p[h][i] * rows[i][:V] for G heads h0..: per chunk of W
+   values the G accumulators stay in registers over the block's rows (the old o read and
+   written once per block, the rescale folded into that read). */
+static inline __attribute__((always_inline)) void values_group(int G, float *o, int64_t h0, const float *alpha,
+                                                                const float *p, const float *const *rows, int n,
+                                                                int64_t V) {
+    int64_t d = 0;
+    for (; d + 2 * W <= V; d += 2 * W) { /* two chunks: each broadcast p feeds two FMAs */
+        v16 a0[8], a1[8];
+        for (int g = 0; g < G; g++) {
+            a0[g] = *(v16 *)(o + (h0 + g) * V + d) * alpha[h0 + g];
+            a1[g] = *(v16 *)(o + (h0 + g) * V + d + W) * alpha[h0 + g];
+        }
+        for (int i = 0; i < n; i++) {
+            v16 r0 = *(const v16 *)(rows[i] + d), r1 = *(const v16 *)(rows[i] + d + W);
+            for (int g = 0; g < G; g++) {
+                float pg = p[(h0 + g) * BLK + i];
+                a0[g] += pg * r0;
+                a1[g] += pg * r1;
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            *(v16 *)(o + (h0 + g) * V + d) = a0[g];
+            *(v16 *)(o + (h0 + g) * V + d + W) = a1[g];
+        }
+    }
+    for (; d + W <= V; d += W) {
+        v16 acc[8];
+        for (int g = 0; g < G; g++) acc[g] = *(v16 *)(o + (h0 + g) * V + d) * alpha[h0 + g];
+        for (int i = 0; i < n; i++) {
+            v16 r = *(const v16 *)(rows[i] + d);
+            for (int g = 0; g < G; g++) acc[g] += p[(h0 + g) * BLK + i] * r;
+        }
+        for (int g = 0; g < G; g++) *(v16 *)(o + (h0 + g) * V + d) = acc[g];
+    }
+    for (; d < V; d++)
+        for (int g = 0; g < G; g++) {
+            float a = o[(h0 + g) * V + d] * alpha[h0 + g];
+            for (int i = 0; i < n; i++) a += p[(h0 + g) * BLK + i] * rows[i][d];
+            o[(h0 + g) * V + d] = a;
+        }
+}
+
+static void values_block(float *o, int64_t H, const float *alpha, const float *p, const float *const *rows, int n,
+                         int64_t V) {
+    int64_t h = 0;
+    for (; h + 8 <= H; h += 8) values_group(8, o, h, alpha, p, rows, n, V);
+    for (; h + 4 <= H; h += 4) values_group(4, o, h, alpha, p, rows, n, V);
+    for (; h + 2 <= H; h += 2) values_group(2, o, h, alpha, p, rows, n, V);
+    for (; h < H; h++) values_group(1, o, h, alpha, p, rows, n, V);
 }
 
 /* Returns 0, or -1 when a live token's page id is outside [0, num_pages) (nothing written for
@@ -52,9 +143,10 @@ int mla_decode_paged(const float *q, const void *kv, int kv_dtype, int64_t num_p
     float *s = malloc(sizeof(float) * H * BLK);
     float *m = malloc(sizeof(float) * H);
     float *den = malloc(sizeof(float) * H);
+    float *alpha = malloc(sizeof(float) * H);
     float *tile = kv_dtype == 1 ? malloc(sizeof(float) * BLK * D) : NULL;
     const float *rows[BLK];
-    if (!qs || !s || !m || !den || (kv_dtype == 1 && !tile)) {
+    if (!qs || !s || !m || !den || !alpha || (kv_dtype == 1 && !tile)) {
         status = -2;
         goto done;
     }
@@ -92,21 +184,16 @@ int mla_decode_paged(const float *q, const void *kv, int kv_dtype, int64_t num_p
                     rows[i] = dst;
                 }
             }
+            scores_block(qs, H, rows, n, D, s);
             for (int64_t h = 0; h < H; h++) {
-                const float *qh = qs + h * D;
                 float *sh = s + h * BLK;
                 float bm = -INFINITY;
-                for (int i = 0; i < n; i++) {
-                    sh[i] = dot(qh, rows[i], D);
+                for (int i = 0; i < n; i++)
                     if (sh[i] > bm) bm = sh[i];
-                }
                 float mn = bm > m[h] ? bm : m[h];
-                float *oh = o + h * V;
-                if (mn > m[h] && m[h] != -INFINITY) { /* a new max: rescale what came before */
-                    float alpha = expf(m[h] - mn);
-                    den[h] *= alpha;
-                    for (int64_t d = 0; d < V; d++) oh[d] *= alpha;
-                }
+                /* a new max rescales what came before (folded into values_block's read) */
+                alpha[h] = m[h] == -INFINITY ? 0.0f : (mn > m[h] ? expf(m[h] - mn) : 1.0f);
+                den[h] *= alpha[h];
                 m[h] = mn;
                 float sum = 0.0f;
                 for (int i = 0; i < n; i++) {
@@ -115,15 +202,7 @@ int mla_decode_paged(const float *q, const void *kv, int kv_dtype, int64_t num_p
                 }
                 den[h] += sum;
             }
-            /* out[h] += sum_i p[h][i] * kv[i][:V]: each row (in L1) added to every head. */
-            for (int i = 0; i < n; i++) {
-                const float *r = rows[i];
-                for (int64_t h = 0; h < H; h++) {
-                    float p = s[h * BLK + i];
-                    float *oh = o + h * V;
-                    for (int64_t d = 0; d < V; d++) oh[d] += p * r[d];
-                }
-            }
+            values_block(o, H, alpha, s, rows, n, V);
         }
         for (int64_t h = 0; h < H; h++) {
             float dh = den[h] > 0.0f ? den[h] : 1.0f;
@@ -136,6 +215,7 @@ done:
     free(s);
     free(m);
     free(den);
+    free(alpha);
     free(tile);
     return status;
 }
