@@ -49,15 +49,32 @@ def _gather():
     return _patcher(R, {"take_pages": lambda cache, pages: cache[pages]}, {"take_pages": R.take_pages})
 
 
+def _native_mla():
+    """The V3 decode attention: the torch form (before) vs the native C decode (dsv4_kernels.cpu_mla)."""
+    from dsv4_kernels import cpu_mla
+
+    if not cpu_mla.available():
+        raise SystemExit("the native decode is not available here (no C compiler, or turned off)")
+    return _patcher(cpu_mla, {"supports": lambda q, kv: False}, {"supports": cpu_mla.supports})
+
+
 # --change NAME: which earlier code the "before" side runs
-CHANGES = {"round1": _round1, "gather": _gather}
+CHANGES = {"round1": _round1, "gather": _gather, "native_mla": _native_mla}
 
 
 def sides(change: str = "round1"):
     return CHANGES[change]()
 
 
-def measure(model: Path, c: int, rounds: int, steps: int, change: str = "round1", check_tokens: int = 0) -> dict:
+def measure(
+    model: Path,
+    c: int,
+    rounds: int,
+    steps: int,
+    change: str = "round1",
+    check_tokens: int = 0,
+    cpu_phases: bool = False,
+) -> dict:
     from dsv4_engine.step_phases import PHASES
 
     engine = bd._engine(model, c, 128, rounds * steps * 2 + 8)
@@ -70,7 +87,7 @@ def measure(model: Path, c: int, rounds: int, steps: int, change: str = "round1"
         for r in range(rounds):
             for name in list(use) if r % 2 == 0 else list(reversed(use)):
                 use[name]()
-                PHASES.enable(True)
+                PHASES.enable(True, cpu_clock=cpu_phases)
                 t0, c0 = time.perf_counter(), time.thread_time()
                 for _ in range(steps):
                     engine.step()
@@ -105,6 +122,7 @@ def measure(model: Path, c: int, rounds: int, steps: int, change: str = "round1"
         "cpu_speedup": round(cpu_best["before"] / cpu_best["after"], 2),
         "greedy_tokens_identical": same,
         "step_ms_each": each,
+        "phases_clock": "thread CPU" if cpu_phases else "wall",
         "phases_best": {
             k: {p: v["ms_per_step"] for p, v in (b[1] or {}).get("phases", {}).items()} for k, b in best.items()
         },
@@ -126,6 +144,9 @@ def main() -> None:
         default=0,
         help="then decode N greedy tokens of other prompts with each side and compare",
     )
+    p.add_argument(
+        "--cpu-phases", action="store_true", help="time the phases on the stepping thread's CPU clock, not the wall"
+    )
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -134,7 +155,7 @@ def main() -> None:
         name, _, d = spec.partition("=")
         out["models"][name] = []
         for c in a.concurrency or [8, 32]:
-            r = measure(Path(d), c, a.rounds, a.steps, a.change, a.check_tokens)
+            r = measure(Path(d), c, a.rounds, a.steps, a.change, a.check_tokens, a.cpu_phases)
             out["models"][name].append(r)
             print(name, json.dumps(r))
     out["load_average_end"] = list(os.getloadavg())
