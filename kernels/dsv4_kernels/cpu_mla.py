@@ -27,7 +27,7 @@ def available() -> bool:
     if lib is not None and _lib is None:
         f = lib.mla_decode_paged
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        f.argtypes = [p, p, i32, i64, i64, i64, p, i64, p, i64, i64, i64, i64, f32, p]
+        f.argtypes = [p, p, i32, i64, i64, i64, p, i64, i64, p, i64, i64, i64, i64, f32, p]
         f.restype = ctypes.c_int
         _lib = lib
     return _lib is not None
@@ -59,7 +59,7 @@ def mla_decode(
 ) -> torch.Tensor:
     """q [B, H, D], kv_cache [num_pages, page_size, D], block_table [B, width], seq_lens [B] ->
     [B, H, v_dim] in q's dtype (see reference.mla_decode). Call `available()` and `supports()`
-    first. A live token on a page id outside the pool raises IndexError."""
+    first. A live token on a page id outside the pool, or past the table's width, raises IndexError."""
     assert _lib is not None, "call available() first"
     B, H, D = q.shape
     if not 0 < v_dim <= D:
@@ -72,10 +72,7 @@ def mla_decode(
     lens = lens.contiguous()
     if table.shape[0] != B or lens.shape[0] != B:
         raise ValueError(f"block_table {tuple(table.shape)} / seq_lens {tuple(lens.shape)} do not match batch {B}")
-    width = table.shape[1]
     page_size = kv_cache.shape[1]
-    if B and int(lens.max()) > width * page_size:
-        raise ValueError(f"a seq_len exceeds the block table's {width} pages of {page_size}")
     out = torch.empty(B, H, v_dim, dtype=torch.float32)
     rc = _lib.mla_decode_paged(
         qf.data_ptr(),
@@ -85,6 +82,7 @@ def mla_decode(
         kv_cache.stride(0),
         page_size,
         table.data_ptr(),
+        table.shape[1],
         table.stride(0),
         lens.data_ptr(),
         B,
@@ -95,7 +93,7 @@ def mla_decode(
         out.data_ptr(),
     )
     if rc == -1:
-        raise IndexError("mla_decode: a block table entry of a live token is outside the page pool")
+        raise IndexError("mla_decode: a live token's page is outside the page pool or past the block table's width")
     if rc != 0:
         raise MemoryError("mla_decode: native scratch allocation failed")
     return out if q.dtype == torch.float32 else out.to(q.dtype)

@@ -132,13 +132,13 @@ static void values_block(float *o, int64_t H, const float *alpha, const float *p
     for (; h < H; h++) values_group(1, o, h, alpha, p, rows, n, V);
 }
 
-/* Returns 0, or -1 when a live token's page id is outside [0, num_pages) (nothing written for
-   that request; the caller raises). kv_dtype: 0 = fp32, 1 = bf16. q is fp32 [B, H, D]
+/* Returns 0, or -1 when a live token's page id is outside [0, num_pages) or a seq_len needs more
+   than the table's table_width columns (that request's output left zero; the caller raises). kv_dtype: 0 = fp32, 1 = bf16. q is fp32 [B, H, D]
    contiguous, block_table int32 [B, table_stride] (only the columns a request's seq_len
    covers are read), out fp32 [B, H, V] contiguous. */
 int mla_decode_paged(const float *q, const void *kv, int kv_dtype, int64_t num_pages, int64_t page_stride,
-                     int64_t page_size, const int32_t *block_table, int64_t table_stride, const int32_t *seq_lens,
-                     int64_t B, int64_t H, int64_t D, int64_t V, float scale, float *out) {
+                     int64_t page_size, const int32_t *block_table, int64_t table_width, int64_t table_stride,
+                     const int32_t *seq_lens, int64_t B, int64_t H, int64_t D, int64_t V, float scale, float *out) {
     int status = 0;
     float *qs = malloc(sizeof(float) * H * D);
     float *s = malloc(sizeof(float) * H * BLK);
@@ -158,8 +158,8 @@ int mla_decode_paged(const float *q, const void *kv, int kv_dtype, int64_t num_p
         if (len <= 0) continue;
         const int32_t *table = block_table + b * table_stride;
         int64_t last_page = (len - 1) / page_size;
-        int bad = 0;
-        for (int64_t c = 0; c <= last_page; c++)
+        int bad = last_page >= table_width;
+        for (int64_t c = 0; c <= last_page && !bad; c++)
             if (table[c] < 0 || table[c] >= num_pages) bad = 1;
         if (bad) {
             status = -1;

@@ -100,6 +100,12 @@ def test_a_live_token_on_a_page_outside_the_pool_raises():
         cpu_mla.mla_decode(q, kv, table, seq_lens, 0.1, 512)
 
 
+def test_a_seq_len_past_the_tables_width_raises():
+    q, kv, table, seq_lens = _case(16, 2, [20], seed=1)
+    with pytest.raises(IndexError):
+        cpu_mla.mla_decode(q, kv, table[:, :1], seq_lens, 0.1, 512)  # 20 tokens need 2 pages
+
+
 def test_supports_cpu_fp32_and_bf16_pools_only():
     q, kv, _, _ = _case(16, 2, [3])
     assert cpu_mla.supports(q, kv)
