@@ -3,6 +3,10 @@ and an fp64 oracle over random paged pools; then the engine's greedy tokens with
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -154,3 +158,11 @@ def test_engine_greedy_tokens_unchanged_by_the_native_decode(preset, make_model,
         assert _greedy(model_dir, True, monkeypatch) == _greedy(model_dir, False, monkeypatch)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_kernels_own_switch_keeps_the_torch_form():
+    """DSV4_NO_NATIVE_MLA=1 (a fresh process: the library is loaded once per process)."""
+    code = "from dsv4_kernels import cpu_mla; print(cpu_mla.available())"
+    env = {**os.environ, "DSV4_NO_NATIVE_MLA": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
