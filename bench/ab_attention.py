@@ -3,10 +3,13 @@ N each, 1 torch thread): the whole batch in one tile vs a few requests at a time
 (DECODE_TILE_BYTES budgets), checking the outputs are bit for bit the same. With --gathers,
 the page gather instead: advanced indexing (`index`, the earlier code) vs index_select over each
 page's contiguous run (`runs`, reference.take_pages), at the current tile budget. The cache is
-one layer of a page-major pool of --layers layers (strided pages), as the engine's is.
+one layer of a page-major pool of --layers layers (strided pages), as the engine's is. With
+--native, the torch form (`torch`, reference.mla_decode) vs the native C decode (`native`,
+dsv4_kernels.cpu_mla), with the largest difference between their outputs.
 
     python bench/ab_attention.py [-b 8 -b 32] [--dim 576 --v-dim 512 --heads 8 --ctx 160]
     python bench/ab_attention.py --gathers [-b 8 -b 32]
+    python bench/ab_attention.py --native [-b 1 -b 8 -b 32] [--out FILE]
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--budgets", default="0,1,2,4,8", help="DECODE_TILE_BYTES in MiB; 0 = the whole batch at once")
     p.add_argument("--gathers", action="store_true", help="compare the page gathers instead of tile budgets")
+    p.add_argument("--native", action="store_true", help="compare the torch form with the native C decode instead")
     p.add_argument("--layers", type=int, default=4, help="layers of the page-major pool the cache is a layer of")
+    p.add_argument("--out", help="also write the JSON here")
     a = p.parse_args()
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
@@ -47,8 +52,8 @@ def main() -> None:
         table = torch.randperm(pages, generator=g)[: B * width].view(B, width).int()
         best: dict = {}
         outs: dict = {}
-        if a.gathers:
-            r = _gathers(R, q, kv, table, lens, a)
+        if a.gathers or a.native:
+            r = (_native if a.native else _gathers)(R, q, kv, table, lens, a)
             r["batch"] = B
             out["results"].append(r)
             print(r)
@@ -72,7 +77,32 @@ def main() -> None:
         }
         out["results"].append(r)
         print(r)
+    out["load_average_end"] = list(os.getloadavg())
     print(json.dumps(out))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def _native(R, q, kv, table, lens, a) -> dict:
+    from dsv4_kernels import cpu_mla
+
+    if not cpu_mla.available():
+        raise SystemExit("the native decode is not available here (no C compiler, or turned off)")
+    sides = {"torch": R.mla_decode, "native": cpu_mla.mla_decode}
+    best: dict = {}
+    outs: dict = {}
+    for i in range(a.reps):
+        for name in list(sides) if i % 2 == 0 else list(reversed(sides)):
+            t0 = time.thread_time()  # CPU time: a loaded machine's waits for a core left out
+            outs[name] = sides[name](q, kv, table, lens, 0.1, a.v_dim)
+            best[name] = min(best.get(name, 1e9), time.thread_time() - t0)
+    return {
+        "cpu_ms": {k: round(v * 1e3, 3) for k, v in best.items()},
+        "speedup": round(best["torch"] / best["native"], 2),
+        "max_abs_diff": (outs["torch"] - outs["native"]).abs().max().item(),
+        "tile_mib": R.DECODE_TILE_BYTES / (1 << 20),
+    }
 
 
 def _gathers(R, q, kv, table, lens, a) -> dict:

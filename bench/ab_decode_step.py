@@ -57,8 +57,17 @@ def _native_moe():
     return _patcher(cpu_moe, {"MAX_TOKENS": 0}, {"MAX_TOKENS": cpu_moe.MAX_TOKENS})
 
 
+def _native_mla():
+    """The V3 decode attention: the torch form (before) vs the native C decode (dsv4_kernels.cpu_mla)."""
+    from dsv4_kernels import cpu_mla
+
+    if not cpu_mla.available():
+        raise SystemExit("the native decode is not available here (no C compiler, or turned off)")
+    return _patcher(cpu_mla, {"supports": lambda q, kv: False}, {"supports": cpu_mla.supports})
+
+
 # --change NAME: which earlier code the "before" side runs
-CHANGES = {"round1": _round1, "gather": _gather, "native-moe": _native_moe}
+CHANGES = {"round1": _round1, "gather": _gather, "native-moe": _native_moe, "native-mla": _native_mla}
 
 
 def sides(change: str = "round1"):
@@ -125,6 +134,7 @@ def measure(
         "cpu_speedup": round(cpu_best["before"] / cpu_best["after"], 2),
         "greedy_tokens_identical": same,
         "step_ms_each": each,
+        "phases_clock": "thread CPU" if cpu_phases else "wall",
         "phases_best": {
             k: {p: v["ms_per_step"] for p, v in (b[1] or {}).get("phases", {}).items()} for k, b in best.items()
         },

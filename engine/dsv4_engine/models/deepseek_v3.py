@@ -22,7 +22,7 @@ from dsv4_engine.models.forward_batch import ForwardBatch
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.quant import dense, log_resident, moe_experts_for, place
 from dsv4_engine.step_phases import PHASES
-from dsv4_kernels import cpu_moe
+from dsv4_kernels import cpu_mla, cpu_moe
 
 
 def yarn_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -113,6 +113,9 @@ class DeepseekV3:
         self.dtype = dtype
         self.device = device
         self.scale = softmax_scale(cfg)
+        # Decode attention as one native call on the CPU's torch backend (dsv4_kernels.cpu_mla):
+        # the latent rows read in place from the pages instead of a gathered copy and two bmms.
+        self.native_mla = device.type == "cpu" and getattr(ops, "EXPANDED_PREFILL", False) and cpu_mla.available()
         inv_freq, attn_factor = yarn_inv_freq(cfg)
         max_pos = max(cfg.max_position_embeddings, 1)
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
@@ -256,7 +259,8 @@ class DeepseekV3:
         q_latent = torch.bmm(q[:, :, :nope].transpose(0, 1), L["w_uk"]).transpose(0, 1)  # [T, H, C]
         q_full = torch.cat([q_latent, q[:, :, nope:]], dim=-1)
         if fb.all_decode:
-            o = ops.mla_decode(q_full, kv_layer, fb.block_table, fb.seq_lens, self.scale, C)
+            decode = cpu_mla.mla_decode if self.native_mla and cpu_mla.supports(q_full, kv_layer) else ops.mla_decode
+            o = decode(q_full, kv_layer, fb.block_table, fb.seq_lens, self.scale, C)
         else:
             bound = max(fb.extend_lens_host) if fb.extend_lens_host else None  # host int: no device read
             o = ops.mla_extend(
