@@ -40,7 +40,25 @@ def _rope_in_place(model, on: bool) -> None:
     v4_layers.ROPE_IN_PLACE = on
 
 
-CHANGES = {"native_mhc": _native_mhc, "step_indices": _step_indices, "rope_in_place": _rope_in_place}
+def _native_hc_post(model, on: bool) -> None:
+    from dsv4_kernels import cpu_mhc
+
+    model.native_hc_post = on and cpu_mhc.available() and model.dtype == torch.float32
+
+
+def _native_attn(model, on: bool) -> None:
+    from dsv4_kernels import cpu_v4_attention
+
+    model.native_attn = on and cpu_v4_attention.available() and model.dtype == torch.float32
+
+
+CHANGES = {
+    "native_mhc": _native_mhc,
+    "step_indices": _step_indices,
+    "rope_in_place": _rope_in_place,
+    "native_hc_post": _native_hc_post,
+    "native_attn": _native_attn,
+}
 
 
 def _ops_per_step(engine, steps: int) -> float:

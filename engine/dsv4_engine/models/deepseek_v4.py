@@ -50,7 +50,7 @@ from dsv4_engine.models.state import StateSpec
 from dsv4_engine.models.v4_layers import apply_rope, rms, rope_at, rope_table, sinkhorn_, unweighted_rms
 from dsv4_engine.quant import dense, is_quantized, log_resident, moe_experts_for, one_format, place
 from dsv4_engine.step_phases import PHASES
-from dsv4_kernels import cpu_mhc
+from dsv4_kernels import cpu_mhc, cpu_v4_attention
 from dsv4_kernels.grouped_moe import grouped_experts
 
 
@@ -120,6 +120,11 @@ class DeepseekV4:
         # mHC after its mixing linear as one native call on the CPU (dsv4_kernels.cpu_mhc)
         self.reuse_step_indices = True  # see _memo
         self.native_hc = self.kops is None and self.device.type == "cpu" and cpu_mhc.available()
+        self.native_hc_post = self.native_hc and dtype == torch.float32  # the mixing back, as one call too
+        # decode attention over the ring and the entries in place, one native call a layer
+        self.native_attn = (
+            self.kops is None and self.device.type == "cpu" and dtype == torch.float32 and cpu_v4_attention.available()
+        )
         self.inv_freq = {
             "main": cfg.rope_main.inv_freq().to(self.device),
             "compress": cfg.rope_compress.inv_freq().to(self.device),
@@ -260,6 +265,8 @@ class DeepseekV4:
         # comb is applied transposed: stream k gets sum_j comb[j, k] * x[j]
         if self.kops is not None:
             return self.kops.v4_hc_post(x, out, post, comb)
+        if self.native_hc_post and x.dtype == torch.float32 and out.dtype == torch.float32:
+            return cpu_mhc.hc_post(x, out, post, comb)
         dt = x.dtype
         return torch.baddbmm(post.to(dt).unsqueeze(-1) * out.unsqueeze(-2), comb.to(dt).transpose(-1, -2), x)
 
@@ -721,8 +728,16 @@ class DeepseekV4:
             kpos = torch.cat([ring_pos, t[:, None]], 1)
             return (kpos <= t[:, None]) & (kpos > t[:, None] - W) & (kpos >= 0)
 
-        allowed = self._memo(("decode_window",), window)  # [B, W+1], the same in every layer
-        keys = torch.cat([ring_store[slots, i].to(kv.dtype), kv[:, None]], 1)  # [B, W+1, hd]
+        entry_store = {CSA: self.CSA_KV, HCA: self.HCA_KV}.get(kind)
+        native = (
+            self.native_attn
+            and ring_store.dtype == q.dtype == torch.float32
+            and (entry_store is None or states[entry_store].dtype == torch.float32)
+        )
+        if not native:
+            allowed = self._memo(("decode_window",), window)  # [B, W+1], the same in every layer
+            keys = torch.cat([ring_store[slots, i].to(kv.dtype), kv[:, None]], 1)  # [B, W+1, hd]
+        entries_at = None  # the native call's (store, visible)
         if kind in (CSA, HCA):
             rate = cfg.compress_rates[kind]
             self._stage_decode(L, proj, fb, states, j, rate, spans)
@@ -740,16 +755,36 @@ class DeepseekV4:
                         self._memo(("decode_entries", rate, store.shape[1]), lambda: entry_indices(store.shape[1]))[1]
                     ]
 
-                store = states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j]
+                store = states[entry_store][:, j]
                 visible = self._memo(("decode_entries", rate, store.shape[1]), lambda: entry_indices(store.shape[1]))[0]
                 if kind == CSA:
                     ikeys = gather(states[self.CSA_INDEX_K][:, j])  # [B, C, ihd]
                     visible = self._select(
                         L, proj["iq"].unsqueeze(1), proj["iw"].unsqueeze(1), ikeys, visible.unsqueeze(1)
                     ).squeeze(1)
-                keys = torch.cat([keys, gather(store).to(kv.dtype)], 1)
-                allowed = torch.cat([allowed, visible], 1)
-        out = self._softmax_attend(L, q.unsqueeze(1), keys, allowed.unsqueeze(1)).squeeze(1)
+                if native:
+                    entries_at = (store, visible, rate)
+                else:
+                    keys = torch.cat([keys, gather(store).to(kv.dtype)], 1)
+                    allowed = torch.cat([allowed, visible], 1)
+        if native:
+            store, visible, rate = entries_at or (None, None, 0)
+            out = cpu_v4_attention.decode(
+                q,
+                kv,
+                ring_store[:, i],
+                slots,
+                t,
+                L["sink"],
+                cfg.head_dim**-0.5,
+                store,
+                fb.block_table,
+                visible,
+                rate,
+                fb.page_size,
+            )
+        else:
+            out = self._softmax_attend(L, q.unsqueeze(1), keys, allowed.unsqueeze(1)).squeeze(1)
         ring_store[slots, i, t % W] = kv.to(ring_store.dtype)
         return out
 
