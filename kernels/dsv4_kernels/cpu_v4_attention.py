@@ -24,6 +24,9 @@ def available() -> bool:
         p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         f.argtypes = [p, p, p, i64, p, p, i64, p, i64, i64, p, i64, p, i64, i64, i64, p, f32, i64, i64, i64, p]
         f.restype = None
+        g = lib.v4_attn_extend
+        g.argtypes = [p, p, i64, p, p, p, i64, p, p, i64, i64, p, f32, i64, i64, i64, p]
+        g.restype = None
         _lib = lib
     return _lib is not None
 
@@ -83,3 +86,54 @@ def decode(
         out.data_ptr(),
     )
     return out
+
+
+def extend(
+    q: torch.Tensor,
+    ext: torch.Tensor,
+    row: torch.Tensor,
+    n: torch.Tensor,
+    start: torch.Tensor,
+    W: int,
+    sink: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    entries: Optional[torch.Tensor] = None,
+    visible: Optional[torch.Tensor] = None,
+) -> None:
+    """A group of prefill chunks: request b's n[b] queries at rows row[b] .. of q [T, H, hd] over
+    ext [B, W + Lmax, hd] (positions start[b] - W .. in order), each seeing its own last W
+    positions, then entries [B, C, hd] where visible [B, Lmax, C]; written into out [>= T, H, hd]."""
+    assert _lib is not None, "call available() first"
+    B, ext_len, hd = ext.shape
+    H = q.shape[1]
+    assert q.dtype == ext.dtype == out.dtype == torch.float32 and q.is_contiguous() and out.is_contiguous()
+    ext = ext.contiguous()
+    row, n, start = row.long().contiguous(), n.long().contiguous(), start.long().contiguous()
+    sink = sink.float().contiguous()
+    C = 0 if visible is None else visible.shape[-1]
+    if C:
+        entries = entries.float().contiguous()
+        vis = visible.contiguous().view(torch.uint8)
+        Lmax = visible.shape[1]
+    else:
+        vis, Lmax = None, ext_len - W
+    _lib.v4_attn_extend(
+        q.data_ptr(),
+        ext.data_ptr(),
+        ext_len,
+        row.data_ptr(),
+        n.data_ptr(),
+        start.data_ptr(),
+        W,
+        entries.data_ptr() if C else None,
+        vis.data_ptr() if C else None,
+        C,
+        Lmax,
+        sink.data_ptr(),
+        scale,
+        B,
+        H,
+        hd,
+        out.data_ptr(),
+    )

@@ -597,10 +597,15 @@ class DeepseekV4:
         # only the last R ring positions can be seen (R < W when every chunk of the group starts
         # early: a fresh prompt attends to none of the ring)
         R = min(W, max(s[2] for s in spans))
-        kpos = kbase[:, None] + torch.arange(W - R, W + Lmax, device=dev)
-        kp, qp = kpos[:, None, :], qpos[:, :, None]
-        allowed = (kp <= qp) & (kp > qp - W) & (kp >= 0)  # [B, Lmax, R + Lmax]
-        keys = ext_kv[:, W - R :]
+        # a window much narrower than the chunk: each query's own W keys in one native call,
+        # where the padded tile would score (and mask) R + Lmax keys per query
+        native = self.native_attn and ext_kv.dtype == torch.float32 and 4 * W <= R + Lmax
+        if not native:
+            kpos = kbase[:, None] + torch.arange(W - R, W + Lmax, device=dev)
+            kp, qp = kpos[:, None, :], qpos[:, :, None]
+            allowed = (kp <= qp) & (kp > qp - W) & (kp >= 0)  # [B, Lmax, R + Lmax]
+            keys = ext_kv[:, W - R :]
+        entries = visible = None
         if kind in (CSA, HCA):
             rate = cfg.compress_rates[kind]
             self._close_windows(L, proj, tok, spans, slots, pages, fb, states, j, rate, group)
@@ -615,10 +620,14 @@ class DeepseekV4:
                 entries = self._gather_entries(
                     states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j], pages, w, rate, fb.page_size
                 )
-                keys = torch.cat([keys, entries.to(kv.dtype)], 1)
-                allowed = torch.cat([allowed, visible], 2)
-        o = self._softmax_attend(L, q[tok], keys, allowed)  # [B, Lmax, H, hd]
-        out[torch.where(valid, tok, out.shape[0] - 1)] = o  # padding lands on the scratch row
+                if not native:
+                    keys = torch.cat([keys, entries.to(kv.dtype)], 1)
+                    allowed = torch.cat([allowed, visible], 2)
+        if native:
+            cpu_v4_attention.extend(q, ext_kv, row, n, start, W, L["sink"], cfg.head_dim**-0.5, out, entries, visible)
+        else:
+            o = self._softmax_attend(L, q[tok], keys, allowed)  # [B, Lmax, H, hd]
+            out[torch.where(valid, tok, out.shape[0] - 1)] = o  # padding lands on the scratch row
         # the ring keeps the last W positions (written after the reads above): position p of the
         # new ring is ext_kv's p - kbase; positions before the chunk rewrite what they held
         end = start + n

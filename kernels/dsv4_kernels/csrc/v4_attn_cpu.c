@@ -8,22 +8,46 @@
  * Plain C on float32 (no torch headers), loaded with ctypes by dsv4_kernels.cpu_v4_attention.
  * Keys in the torch form's order (ring slots 0..W-1, this step's key, entries 0..C-1): the same
  * logits, max, exponentials and weights; the dot products and sums run in their own order where the
- * GEMMs block them (dot products in 16 lanes, then the lanes), so results differ from the torch
+ * GEMMs block them (dot products in 64 lanes, then the lanes), so results differ from the torch
  * form by rounding only. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-/* 16 partial sums (one vector register's lanes), then the lanes in order */
+/* 64 partial sums (independent vector accumulators), then the lanes in order */
 static inline float dot(const float *a, const float *b, int64_t n) {
-    float acc[16] = {0};
+    float acc[64] = {0};
     int64_t d = 0;
+    for (; d + 64 <= n; d += 64)
+        for (int l = 0; l < 64; l++) acc[l] += a[d + l] * b[d + l];
     for (; d + 16 <= n; d += 16)
         for (int l = 0; l < 16; l++) acc[l] += a[d + l] * b[d + l];
     float s = 0.0f;
-    for (int l = 0; l < 16; l++) s += acc[l];
+    for (int l = 0; l < 64; l++) s += acc[l];
     for (; d < n; d++) s += a[d] * b[d];
     return s;
+}
+
+/* softmax with the sink over K keys of one head, then the weighted sum of the keys into o [hd] */
+static void attend(const float *qh, const float **keys, int64_t K, float sink, float scale, int64_t hd,
+                   float *logit, float *o) {
+    float top = sink;
+    for (int64_t k = 0; k < K; k++) {
+        logit[k] = dot(qh, keys[k], hd) * scale;
+        if (logit[k] > top) top = logit[k];
+    }
+    float den = 0.0f;
+    for (int64_t k = 0; k < K; k++) {
+        logit[k] = expf(logit[k] - top);
+        den += logit[k];
+    }
+    den += expf(sink - top);
+    for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
+    for (int64_t k = 0; k < K; k++) {
+        float p = logit[k] / den;
+        const float *kk = keys[k];
+        for (int64_t d = 0; d < hd; d++) o[d] += p * kk[d];
+    }
 }
 
 /* q [B, H, hd]; kv [B, hd] (this step's key == value); ring: slot row r of this layer at
@@ -54,27 +78,33 @@ void v4_attn_decode(const float *q, const float *kv, const float *ring, int64_t 
             int64_t page = bt[b * bt_rs + (w * rate) / page_size];
             keys[K++] = store + page * store_ps + (w % epp) * hd;
         }
-        for (int64_t h = 0; h < H; h++) {
-            const float *qh = q + (b * H + h) * hd;
-            float top = sink[h];
-            for (int64_t k = 0; k < K; k++) {
-                const float *kk = keys[k];
-                logit[k] = dot(qh, kk, hd) * scale;
-                if (logit[k] > top) top = logit[k];
-            }
-            float den = 0.0f;
-            for (int64_t k = 0; k < K; k++) {
-                logit[k] = expf(logit[k] - top);
-                den += logit[k];
-            }
-            den += expf(sink[h] - top);
-            float *o = out + (b * H + h) * hd;
-            for (int64_t d = 0; d < hd; d++) o[d] = 0.0f;
-            for (int64_t k = 0; k < K; k++) {
-                float p = logit[k] / den;
-                const float *kk = keys[k];
-                for (int64_t d = 0; d < hd; d++) o[d] += p * kk[d];
-            }
+        for (int64_t h = 0; h < H; h++)
+            attend(q + (b * H + h) * hd, keys, K, sink[h], scale, hd, logit, out + (b * H + h) * hd);
+    }
+    free(keys);
+    free(logit);
+}
+
+/* A prefill / mixed group: request b's n[b] new tokens sit at rows row[b] .. of q [T, H, hd] and
+ * out [T, H, hd], at positions start[b] ..; ext [B, W + Lmax, hd] holds its positions
+ * start[b] - W .. in order (the ring's, then the chunk's). A query at p sees positions
+ * (p - W, p] that are >= 0, then entries [B, C, hd] (gathered) where visible [B, Lmax, C]. */
+void v4_attn_extend(const float *q, const float *ext, int64_t ext_len, const int64_t *row, const int64_t *n,
+                    const int64_t *start, int64_t W, const float *entries, const uint8_t *visible, int64_t C,
+                    int64_t Lmax, const float *sink, float scale, int64_t B, int64_t H, int64_t hd, float *out) {
+    const float **keys = malloc(sizeof(float *) * (size_t)(W + C));
+    float *logit = malloc(sizeof(float) * (size_t)(W + C));
+    for (int64_t b = 0; b < B; b++) {
+        const float *e = ext + b * ext_len * hd;
+        for (int64_t m = 0; m < n[b]; m++) {
+            int64_t p = start[b] + m, K = 0;
+            for (int64_t k = 0; k < W; k++)  /* position p - W + 1 + k is ext row m + 1 + k */
+                if (p - W + 1 + k >= 0) keys[K++] = e + (m + 1 + k) * hd;
+            for (int64_t w = 0; w < C; w++)
+                if (visible[(b * Lmax + m) * C + w]) keys[K++] = entries + (b * C + w) * hd;
+            int64_t r = row[b] + m;
+            for (int64_t h = 0; h < H; h++)
+                attend(q + (r * H + h) * hd, keys, K, sink[h], scale, hd, logit, out + (r * H + h) * hd);
         }
     }
     free(keys);

@@ -50,3 +50,40 @@ def test_native_decode_matches_torch(entries, H, hd, W):
     got = cpu_v4_attention.decode(q, kv, ring, slots, t, sink, scale, store, bt, visible, rate, page_size)
     want = _torch_form(q, kv, ring, slots, t, sink, scale, store, bt, visible, rate, page_size)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _torch_extend(q, ext, row, n, start, W, sink, scale, entries, visible):
+    """One query at a time: its last W positions (>= 0) from ext, then its visible entries."""
+    out = torch.zeros_like(q)
+    for b in range(ext.shape[0]):
+        for m in range(int(n[b])):
+            p = int(start[b]) + m
+            keys = [ext[b, m + 1 + k] for k in range(W) if p - W + 1 + k >= 0]
+            if visible is not None:
+                keys += [entries[b, w] for w in range(visible.shape[2]) if visible[b, m, w]]
+            keys = torch.stack(keys)
+            r = int(row[b]) + m
+            logits = torch.cat([q[r] @ keys.T * scale, sink[:, None]], 1)
+            out[r] = logits.softmax(-1)[:, :-1] @ keys
+    return out
+
+
+@pytest.mark.skipif(not cpu_v4_attention.available(), reason="no C compiler on this machine")
+@pytest.mark.parametrize("entries", [False, True])
+def test_native_extend_matches_torch(entries):
+    g = torch.Generator().manual_seed(3)
+    H, hd, W, C = 4, 64, 8, 6
+    n = torch.tensor([5, 1, 12])  # a chunk, a decode token, a longer chunk
+    start = torch.tensor([0, 30, 3])  # a fresh prompt, then chunks after earlier ones
+    row = torch.tensor([0, 5, 6])
+    Lmax, T = int(n.max()), int(n.sum())
+    q = torch.randn(T, H, hd, generator=g)
+    ext = torch.randn(3, W + Lmax, hd, generator=g)
+    sink = torch.randn(H, generator=g)
+    ent = torch.randn(3, C, hd, generator=g) if entries else None
+    vis = (torch.rand(3, Lmax, C, generator=g) < 0.5) if entries else None
+    got = torch.full((T + 1, H, hd), 7.0)
+    cpu_v4_attention.extend(q, ext, row, n, start, W, sink, hd**-0.5, got, ent, vis)
+    want = _torch_extend(q, ext, row, n, start, W, sink, hd**-0.5, ent, vis)
+    torch.testing.assert_close(got[:T], want, rtol=1e-5, atol=1e-5)
+    assert (got[T] == 7.0).all()  # the scratch row past the batch is not written
