@@ -52,7 +52,8 @@ def _native_hc_post(model, on: bool) -> None:
 def _native_attn(model, on: bool) -> None:
     from dsv4_kernels import cpu_v4_attention
 
-    model.native_attn = on and cpu_v4_attention.available() and model.dtype == torch.float32
+    wide = model.cfg.num_attention_heads * model.cfg.head_dim > model.NATIVE_ATTN_MAX_WIDTH
+    model.native_attn = on and cpu_v4_attention.available() and model.dtype == torch.float32 and not wide
 
 
 CHANGES = {

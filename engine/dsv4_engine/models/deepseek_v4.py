@@ -68,6 +68,7 @@ class DeepseekV4:
     # nothing back and keeps its shapes: it may be captured in a CUDA graph
     # (tests/unit/engine/test_cuda_graphs.py). The torch path is not (its MoE reads expert ids).
     CUDA_GRAPH_SAFE = True
+    NATIVE_ATTN_MAX_WIDTH = 4096  # see native_attn
 
     @classmethod
     def state_specs(cls, cfg: DeepseekV4Config) -> list[StateSpec]:
@@ -121,9 +122,15 @@ class DeepseekV4:
         self.reuse_step_indices = True  # see _memo
         self.native_hc = self.kops is None and self.device.type == "cpu" and cpu_mhc.available()
         self.native_hc_post = self.native_hc and dtype == torch.float32  # the mixing back, as one call too
-        # decode attention over the ring and the entries in place, one native call a layer
+        # attention over the ring and the entries in place, one native call a layer, where the
+        # torch form's ~25 ops cost more than its GEMMs: heads x head_dim 256 (v4-tiny) 1.6x
+        # faster; at 32,768 (V4-Flash) MKL's GEMMs win by 1.4-1.8x, so wide models keep them
         self.native_attn = (
-            self.kops is None and self.device.type == "cpu" and dtype == torch.float32 and cpu_v4_attention.available()
+            self.kops is None
+            and self.device.type == "cpu"
+            and dtype == torch.float32
+            and cfg.num_attention_heads * cfg.head_dim <= self.NATIVE_ATTN_MAX_WIDTH
+            and cpu_v4_attention.available()
         )
         self.inv_freq = {
             "main": cfg.rope_main.inv_freq().to(self.device),
