@@ -56,12 +56,17 @@ def _native_attn(model, on: bool) -> None:
     model.native_attn = on and cpu_v4_attention.available() and model.dtype == torch.float32 and not wide
 
 
+def _take_rows(model, on: bool) -> None:
+    model.take_rows = on
+
+
 CHANGES = {
     "native_mhc": _native_mhc,
     "step_indices": _step_indices,
     "rope_in_place": _rope_in_place,
     "native_hc_post": _native_hc_post,
     "native_attn": _native_attn,
+    "take_rows": _take_rows,
 }
 
 

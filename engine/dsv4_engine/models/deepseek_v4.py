@@ -120,6 +120,7 @@ class DeepseekV4:
         self.device = torch.device(device)
         # mHC after its mixing linear as one native call on the CPU (dsv4_kernels.cpu_mhc)
         self.reuse_step_indices = True  # see _memo
+        self.take_rows = True  # see _take
         self.native_hc = self.kops is None and self.device.type == "cpu" and cpu_mhc.available()
         self.native_hc_post = self.native_hc and dtype == torch.float32  # the mixing back, as one call too
         # attention over the ring and the entries in place, one native call a layer, where the
@@ -445,6 +446,13 @@ class DeepseekV4:
             for c, what in enumerate(("row", "n", "start"))
         )
 
+    def _take(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """x[idx] for an index tensor over x's first dim: by index_select, one copy per row,
+        where advanced indexing walks every element (the same values, bit for bit)."""
+        if not self.take_rows:  # bench/ab_v4_step.py's "before"
+            return x[idx]
+        return x.index_select(0, idx.reshape(-1)).view(*idx.shape, *x.shape[1:])
+
     @staticmethod
     def _locate(w: torch.Tensor, rate: int, page_size: int, epp: int) -> tuple[torch.Tensor, torch.Tensor]:
         # as StateSpec.entry_location: the page of the window's first token
@@ -599,7 +607,7 @@ class DeepseekV4:
         ring_store = states[self.SWA_KV]
         kbase = start - W  # the ring holds positions start - W .. start - 1
         ring = ring_store[slots[:, None], i, (kbase[:, None] + torch.arange(W, device=dev)) % W]
-        ext_kv = torch.cat([ring.to(kv.dtype), kv[tok]], 1)  # [B, W + Lmax, hd] in position order
+        ext_kv = torch.cat([ring.to(kv.dtype), self._take(kv, tok)], 1)  # [B, W + Lmax, hd] in position order
         self._save_snapshots(fb, group, spans, self.SWA_KV, i, ext_kv)
         # only the last R ring positions can be seen (R < W when every chunk of the group starts
         # early: a fresh prompt attends to none of the ring)
@@ -623,7 +631,7 @@ class DeepseekV4:
 
                 if kind == CSA:
                     ikeys = self._gather_entries(states[self.CSA_INDEX_K][:, j], pages, w, rate, fb.page_size)
-                    visible = self._select(L, proj["iq"][tok], proj["iw"][tok], ikeys, visible)
+                    visible = self._select(L, self._take(proj["iq"], tok), self._take(proj["iw"], tok), ikeys, visible)
                 entries = self._gather_entries(
                     states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j], pages, w, rate, fb.page_size
                 )
@@ -674,7 +682,7 @@ class DeepseekV4:
         for name, key, store_name, overlap in self._compressors(kind):
             st = states[name]  # [rows, layers, S, 2 * width]: [kv | gate] projections
             S, width = st.shape[2], st.shape[3] // 2
-            chunk = torch.cat(proj[key], dim=-1)[tok]  # [B, Lmax, 2 * width]
+            chunk = self._take(torch.cat(proj[key], dim=-1), tok)  # [B, Lmax, 2 * width]
             ebase = start - S
             held = st[slots[:, None], j, (ebase[:, None] + torch.arange(S, device=dev)) % S]
             ext = torch.cat([held.to(chunk.dtype), chunk], 1)  # positions ebase .. ebase + S + Lmax - 1
@@ -684,8 +692,9 @@ class DeepseekV4:
                 w_ids = start[cb] // rate + ck  # [N] the windows closing now
                 offs = (w_ids * rate - ebase[cb])[:, None] + torch.arange(rate, device=dev)  # [N, rate] rows of ext
                 rows = cb
-                win = ext[rows[:, None], offs]
-                prev = ext[rows[:, None], offs - rate] if overlap else None  # rows of window 0 are masked
+                at = rows[:, None] * ext.shape[1] + offs  # rows of ext flattened over its first two dims
+                win = self._take(ext.flatten(0, 1), at)
+                prev = self._take(ext.flatten(0, 1), at - rate) if overlap else None  # rows of window 0 are masked
                 entries = self._pool_windows(
                     win[..., :width],
                     win[..., width:],
