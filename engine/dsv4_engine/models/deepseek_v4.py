@@ -124,8 +124,9 @@ class DeepseekV4:
         self.native_hc = self.kops is None and self.device.type == "cpu" and cpu_mhc.available()
         self.native_hc_post = self.native_hc and dtype == torch.float32  # the mixing back, as one call too
         # attention over the ring and the entries in place, one native call a layer, where the
-        # torch form's ~25 ops cost more than its GEMMs: heads x head_dim 256 (v4-tiny) 1.6x
-        # faster; at 32,768 (V4-Flash) MKL's GEMMs win by 1.4-1.8x, so wide models keep them
+        # torch form's ~25 ops cost more than its GEMMs: a decode layer at heads x head_dim 256
+        # (v4-tiny, 32 requests) 0.42 -> 0.12 ms; at 32,768 (V4-Flash) MKL's GEMMs still win
+        # (4.2 against 5.1 ms at 8 requests), so wide models keep them
         self.native_attn = (
             self.kops is None
             and self.device.type == "cpu"

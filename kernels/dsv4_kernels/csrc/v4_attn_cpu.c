@@ -8,22 +8,39 @@
  * Plain C on float32 (no torch headers), loaded with ctypes by dsv4_kernels.cpu_v4_attention.
  * Keys in the torch form's order (ring slots 0..W-1, this step's key, entries 0..C-1): the same
  * logits, max, exponentials and weights; the dot products and sums run in their own order where the
- * GEMMs block them (dot products in 64 lanes, then the lanes), so results differ from the torch
+ * GEMMs block them (dot products in 64 lanes, folded), so results differ from the torch
  * form by rounding only. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
-/* 64 partial sums (independent vector accumulators), then the lanes in order */
+/* 64 partial sums (four 16-lane vectors), added pairwise and folded in halves, then the tail:
+ * a fixed order, all in vector registers (GCC / Clang vector extensions) */
+typedef float v16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
 static inline float dot(const float *a, const float *b, int64_t n) {
-    float acc[64] = {0};
+    v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     int64_t d = 0;
-    for (; d + 64 <= n; d += 64)
-        for (int l = 0; l < 64; l++) acc[l] += a[d + l] * b[d + l];
-    for (; d + 16 <= n; d += 16)
-        for (int l = 0; l < 16; l++) acc[l] += a[d + l] * b[d + l];
-    float s = 0.0f;
-    for (int l = 0; l < 64; l++) s += acc[l];
+    for (; d + 64 <= n; d += 64) {
+        a0 += load16(a + d) * load16(b + d);
+        a1 += load16(a + d + 16) * load16(b + d + 16);
+        a2 += load16(a + d + 32) * load16(b + d + 32);
+        a3 += load16(a + d + 48) * load16(b + d + 48);
+    }
+    for (; d + 16 <= n; d += 16) a0 += load16(a + d) * load16(b + d);
+    v16 v = (a0 + a1) + (a2 + a3);
+    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1);
+    v += __builtin_shufflevector(v, v, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0);
+    float s = v[0];
     for (; d < n; d++) s += a[d] * b[d];
     return s;
 }
