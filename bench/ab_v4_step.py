@@ -60,6 +60,12 @@ def _take_rows(model, on: bool) -> None:
     model.take_rows = on
 
 
+def _native_pool(model, on: bool) -> None:
+    from dsv4_kernels import cpu_v4_compress
+
+    model.native_pool = on and cpu_v4_compress.available() and model.dtype == torch.float32
+
+
 CHANGES = {
     "native_mhc": _native_mhc,
     "step_indices": _step_indices,
@@ -67,6 +73,7 @@ CHANGES = {
     "native_hc_post": _native_hc_post,
     "native_attn": _native_attn,
     "take_rows": _take_rows,
+    "native_pool": _native_pool,
 }
 
 

@@ -50,7 +50,7 @@ from dsv4_engine.models.state import StateSpec
 from dsv4_engine.models.v4_layers import apply_rope, rms, rope_at, rope_table, sinkhorn_, unweighted_rms
 from dsv4_engine.quant import dense, is_quantized, log_resident, moe_experts_for, one_format, place
 from dsv4_engine.step_phases import PHASES
-from dsv4_kernels import cpu_mhc, cpu_v4_attention
+from dsv4_kernels import cpu_mhc, cpu_v4_attention, cpu_v4_compress
 from dsv4_kernels.grouped_moe import grouped_experts
 
 
@@ -121,6 +121,10 @@ class DeepseekV4:
         # mHC after its mixing linear as one native call on the CPU (dsv4_kernels.cpu_mhc)
         self.reuse_step_indices = True  # see _memo
         self.take_rows = True  # see _take
+        # the compressors' pooling (closing windows) as one native call (fp32 CPU path)
+        self.native_pool = (
+            self.kops is None and self.device.type == "cpu" and dtype == torch.float32 and cpu_v4_compress.available()
+        )
         self.native_hc = self.kops is None and self.device.type == "cpu" and cpu_mhc.available()
         self.native_hc_post = self.native_hc and dtype == torch.float32  # the mixing back, as one call too
         # attention over the ring and the entries in place, one native call a layer, where the
@@ -323,6 +327,20 @@ class DeepseekV4:
 
     # ---- compressors ---------------------------------------------------------------------------
 
+    def _pool(
+        self, win: torch.Tensor, prev: Optional[torch.Tensor], w_ids: torch.Tensor, params, rate: int
+    ) -> torch.Tensor:
+        """`_pool_windows` over stage rows win, prev [N, rate, 2 * width] ([kv | gate]): one
+        native call on the fp32 CPU path (dsv4_kernels.cpu_v4_compress)."""
+        width = win.shape[-1] // 2
+        if self.native_pool and win.dtype == torch.float32:
+            _, _, ape, norm_w = params
+            return cpu_v4_compress.pool_windows(
+                win, prev, w_ids, ape, norm_w, self.cfg.rms_norm_eps, self.inv_freq["compress"], rate
+            ).to(win.dtype)
+        pk, pg = (None, None) if prev is None else (prev[..., :width], prev[..., width:])
+        return self._pool_windows(win[..., :width], win[..., width:], pk, pg, w_ids, params, rate)
+
     def _pool_windows(
         self,
         win_kv: torch.Tensor,
@@ -376,7 +394,7 @@ class DeepseekV4:
         launches cannot depend on which rows close): every row pools its latest full window, and
         a row that closes none writes back the entry it read: the same bytes, so harmless even in
         a page the prefix cache shares, whose windows are all closed and never written otherwise."""
-        S, width = stage.shape[2], stage.shape[3] // 2
+        S = stage.shape[2]
 
         def indices():
             w = (t + 1) // rate - 1
@@ -392,13 +410,8 @@ class DeepseekV4:
         else:
             w, srow, cur, prev, at = indices()
 
-        def read(ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            held = stage[srow, j, ring]  # [N, rate, 2 * width]
-            return held[..., :width], held[..., width:]
-
-        win_kv, win_gate = read(cur)
-        prev_kv, prev_gate = read(prev) if overlap else (None, None)
-        entries = self._pool_windows(win_kv, win_gate, prev_kv, prev_gate, w, params, rate)
+        win = stage[srow, j, cur]  # [N, rate, 2 * width]: [kv | gate] rows
+        entries = self._pool(win, stage[srow, j, prev] if overlap else None, w, params, rate)
         entries = entries.to(store.dtype)
         store[at] = entries if closes is None else torch.where(closes[:, None], entries, store[at])
 
@@ -682,7 +695,7 @@ class DeepseekV4:
         ck = self._index(("close_k", ckey), lambda: [k for _, k in closing], dev)
         for name, key, store_name, overlap in self._compressors(kind):
             st = states[name]  # [rows, layers, S, 2 * width]: [kv | gate] projections
-            S, width = st.shape[2], st.shape[3] // 2
+            S = st.shape[2]
             chunk = self._take(torch.cat(proj[key], dim=-1), tok)  # [B, Lmax, 2 * width]
             ebase = start - S
             held = st[slots[:, None], j, (ebase[:, None] + torch.arange(S, device=dev)) % S]
@@ -696,15 +709,7 @@ class DeepseekV4:
                 at = rows[:, None] * ext.shape[1] + offs  # rows of ext flattened over its first two dims
                 win = self._take(ext.flatten(0, 1), at)
                 prev = self._take(ext.flatten(0, 1), at - rate) if overlap else None  # rows of window 0 are masked
-                entries = self._pool_windows(
-                    win[..., :width],
-                    win[..., width:],
-                    None if prev is None else prev[..., :width],
-                    None if prev is None else prev[..., width:],
-                    w_ids,
-                    L[key],
-                    rate,
-                )
+                entries = self._pool(win, prev, w_ids, L[key], rate)
                 store = states[store_name][:, j]
                 page, off = self._locate(w_ids, rate, fb.page_size, store.shape[1])
                 store[pages[rows, page].long(), off] = entries.to(store.dtype)
