@@ -8,6 +8,7 @@
  * differ from torch's vectorised ones by rounding only. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 /* Window n's rows r < rate: kv at kv + n * s_n + r * s_r, gate likewise (each `width` wide);
  * prev* the window before (overlap only; window 0 has none). ape [rate, width], norm_w [hd],
@@ -17,40 +18,36 @@ void v4_pool_windows(const float *kv, const float *gate, const float *pkv, const
                      int64_t s_r, const int64_t *w_ids, int64_t N, int64_t rate, int64_t hd, int64_t overlap,
                      const float *ape, int64_t width, const float *norm_w, float eps, const float *inv_freq,
                      int64_t half_rd, float *out) {
+    float *e = malloc(sizeof(float) * (size_t)(2 * rate));
+    const float **v = malloc(sizeof(float *) * (size_t)(2 * rate));
     for (int64_t n = 0; n < N; n++) {
         int64_t w = w_ids[n];
         int has_prev = overlap && w >= 1;
+        int64_t off = overlap ? hd : 0;
         float *o = out + n * hd;
         for (int64_t c = 0; c < hd; c++) {
-            /* the pool: (prev rows' channel c, then this window's channel off + c) */
-            int64_t off = overlap ? hd : 0;
+            /* the pool, in the torch form's order: the previous window's rows (channel c; zero
+             * weight for window 0), then this window's rows (channel off + c) */
+            int64_t K = 0;
             float mx = -INFINITY;
-            if (has_prev)
-                for (int64_t r = 0; r < rate; r++) {
-                    float g = pgate[n * s_n + r * s_r + c] + ape[r * width + c];
-                    if (g > mx) mx = g;
+            if (overlap)
+                for (int64_t r = 0; r < rate; r++, K++) {
+                    e[K] = has_prev ? pgate[n * s_n + r * s_r + c] + ape[r * width + c] : -INFINITY;
+                    v[K] = pkv + n * s_n + r * s_r + c;
+                    if (e[K] > mx) mx = e[K];
                 }
-            for (int64_t r = 0; r < rate; r++) {
-                float g = gate[n * s_n + r * s_r + off + c] + ape[r * width + off + c];
-                if (g > mx) mx = g;
+            for (int64_t r = 0; r < rate; r++, K++) {
+                e[K] = gate[n * s_n + r * s_r + off + c] + ape[r * width + off + c];
+                v[K] = kv + n * s_n + r * s_r + off + c;
+                if (e[K] > mx) mx = e[K];
             }
             float den = 0.0f;
-            if (has_prev)
-                for (int64_t r = 0; r < rate; r++)
-                    den += expf(pgate[n * s_n + r * s_r + c] + ape[r * width + c] - mx);
-            for (int64_t r = 0; r < rate; r++)
-                den += expf(gate[n * s_n + r * s_r + off + c] + ape[r * width + off + c] - mx);
-            float acc = 0.0f;
-            if (overlap)
-                for (int64_t r = 0; r < rate; r++) {
-                    float p = has_prev ? expf(pgate[n * s_n + r * s_r + c] + ape[r * width + c] - mx) / den : 0.0f;
-                    float v = has_prev ? pkv[n * s_n + r * s_r + c] : 0.0f;
-                    acc += v * p;
-                }
-            for (int64_t r = 0; r < rate; r++) {
-                float p = expf(gate[n * s_n + r * s_r + off + c] + ape[r * width + off + c] - mx) / den;
-                acc += kv[n * s_n + r * s_r + off + c] * p;
+            for (int64_t k = 0; k < K; k++) {
+                e[k] = expf(e[k] - mx);
+                den += e[k];
             }
+            float acc = 0.0f;
+            for (int64_t k = 0; k < K; k++) acc += (e[k] == 0.0f ? 0.0f : *v[k]) * (e[k] / den);
             o[c] = acc;
         }
         float ss = 0.0f;
@@ -66,4 +63,6 @@ void v4_pool_windows(const float *kv, const float *gate, const float *pkv, const
             pr[2 * i + 1] = a * sn + b * cs;
         }
     }
+    free(e);
+    free(v);
 }
