@@ -66,6 +66,12 @@ def _native_pool(model, on: bool) -> None:
     model.native_pool = on and cpu_v4_compress.available() and model.dtype == torch.float32
 
 
+def _native_rms_rope(model, on: bool) -> None:
+    from dsv4_kernels import cpu_v4_attention
+
+    model.native_rms_rope = on and cpu_v4_attention.available() and model.dtype == torch.float32
+
+
 CHANGES = {
     "native_mhc": _native_mhc,
     "step_indices": _step_indices,
@@ -74,6 +80,7 @@ CHANGES = {
     "native_attn": _native_attn,
     "take_rows": _take_rows,
     "native_pool": _native_pool,
+    "native_rms_rope": _native_rms_rope,
 }
 
 

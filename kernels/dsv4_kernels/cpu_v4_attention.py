@@ -27,6 +27,9 @@ def available() -> bool:
         g = lib.v4_attn_extend
         g.argtypes = [p, p, i64, p, p, p, i64, p, p, i64, i64, p, f32, i64, i64, i64, p]
         g.restype = None
+        h = lib.v4_rms_rope
+        h.argtypes = [p, i64, i64, i64, i64, i64, i64, p, f32, p, i64, i64, p]
+        h.restype = None
         _lib = lib
     return _lib is not None
 
@@ -137,3 +140,40 @@ def extend(
         hd,
         out.data_ptr(),
     )
+
+
+def rms_rope(
+    x: torch.Tensor,
+    weight: Optional[torch.Tensor],
+    eps: float,
+    cis: Optional[torch.Tensor],
+    norm: bool = True,
+    conj: bool = False,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """x [T, n, D] fp32 (channels contiguous) -> [T, n, D]: the rms norm (times weight when
+    given; none when not `norm`), then the interleaved rope on the trailing channels with cis
+    [T, D_rope / 2] complex64 (a `rope_table` half), by -angle when conj. out may be x itself."""
+    assert _lib is not None, "call available() first"
+    T, n, D = x.shape
+    assert x.dtype == torch.float32 and x.stride(2) == 1
+    y = torch.empty(T, n, D, dtype=torch.float32) if out is None else out
+    assert y.is_contiguous()
+    w = None if weight is None else weight.float().contiguous()
+    c = None if cis is None else torch.view_as_real(cis).contiguous()
+    _lib.v4_rms_rope(
+        x.data_ptr(),
+        T,
+        n,
+        D,
+        x.stride(0),
+        x.stride(1),
+        int(norm),
+        None if w is None else w.data_ptr(),
+        eps,
+        None if c is None else c.data_ptr(),
+        0 if c is None else c.shape[1],
+        int(conj),
+        y.data_ptr(),
+    )
+    return y

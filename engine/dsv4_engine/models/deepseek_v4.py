@@ -121,6 +121,10 @@ class DeepseekV4:
         # mHC after its mixing linear as one native call on the CPU (dsv4_kernels.cpu_mhc)
         self.reuse_step_indices = True  # see _memo
         self.take_rows = True  # see _take
+        # the attention's rms norms and ropes as one native call each (fp32 CPU path)
+        self.native_rms_rope = (
+            self.kops is None and self.device.type == "cpu" and dtype == torch.float32 and cpu_v4_attention.available()
+        )
         # the compressors' pooling (closing windows) as one native call (fp32 CPU path)
         self.native_pool = (
             self.kops is None and self.device.type == "cpu" and dtype == torch.float32 and cpu_v4_compress.available()
@@ -490,8 +494,13 @@ class DeepseekV4:
         kind = L["type"]
         table = rope["main" if kind == SLIDING else "compress"]
         parts = F.linear(h, L["w_in"]).split(L["w_in_split"], dim=-1)
-        qr = rms(parts[0], L["q_norm"], eps)
-        kv = apply_rope(rms(parts[1], L["kv_norm"], eps), table, inplace=True)  # [T, hd]: key == value
+        native = self.native_rms_rope and h.dtype == torch.float32  # norms + rope: one call each
+        if native:
+            qr = cpu_v4_attention.rms_rope(parts[0][:, None], L["q_norm"], eps, None).view(T, -1)
+            kv = cpu_v4_attention.rms_rope(parts[1][:, None], L["kv_norm"], eps, table[0]).view(T, -1)
+        else:
+            qr = rms(parts[0], L["q_norm"], eps)
+            kv = apply_rope(rms(parts[1], L["kv_norm"], eps), table, inplace=True)  # [T, hd]: key == value
         proj = {}
         if kind in (CSA, HCA):
             proj["comp"] = (parts[2], parts[3])
@@ -499,17 +508,27 @@ class DeepseekV4:
             proj["icomp"] = (parts[4], parts[5])
             proj["iw"] = parts[6].float() * cfg.index_n_heads**-0.5
             q, iq = F.linear(qr, L["w_qb"]).split(L["w_qb_split"], dim=-1)
-            proj["iq"] = apply_rope(iq.reshape(T, cfg.index_n_heads, cfg.index_head_dim), rope["compress"])
+            iq = iq.reshape(T, cfg.index_n_heads, cfg.index_head_dim)
+            if native:
+                proj["iq"] = cpu_v4_attention.rms_rope(iq, None, eps, rope["compress"][0], norm=False)
+            else:
+                proj["iq"] = apply_rope(iq, rope["compress"])
         else:
             q = F.linear(qr, L["wq_b"])
-        q = apply_rope(unweighted_rms(q.reshape(T, H, hd), eps), table, inplace=True)
+        if native:
+            q = cpu_v4_attention.rms_rope(q.view(T, H, hd), None, eps, table[0])
+        else:
+            q = apply_rope(unweighted_rms(q.reshape(T, H, hd), eps), table, inplace=True)
         if self.kops is not None:
             out = self._attend_kernels(i, L, q, kv, proj, fb, states, spans)  # spans None: a captured decode
         elif all(n == 1 for _, n, _ in spans):
             out = self._attend_decode(i, L, q, kv, proj, fb, states, spans)
         else:
             out = self._attend_varlen(i, L, q, kv, proj, fb, states, spans)
-        out = apply_rope(out, table, conj=True, inplace=True)
+        if native and out.is_contiguous():
+            out = cpu_v4_attention.rms_rope(out, None, eps, table[0], norm=False, conj=True, out=out)
+        else:
+            out = apply_rope(out, table, conj=True, inplace=True)
         G = cfg.o_groups
         grouped = out.reshape(T, G, -1).transpose(0, 1)  # [G, T, H*hd/G]
         wa = L["wo_a"].view(G, -1, grouped.shape[-1]).transpose(1, 2)  # [G, in, o_lora]

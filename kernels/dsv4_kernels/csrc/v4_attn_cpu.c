@@ -127,3 +127,37 @@ void v4_attn_extend(const float *q, const float *ext, int64_t ext_len, const int
     free(keys);
     free(logit);
 }
+
+/* The attention's per-row norms and rope in one pass: x [T, n, D] (rows at x + t * sx_t + i *
+ * sx_n, channels contiguous) -> y [T, n, D] contiguous (may be x itself when x is contiguous).
+ * do_rms: y = x / sqrt(mean(x^2) + eps), times w [D] when given; then the interleaved rope on the
+ * trailing 2 * half channels with cis [T, half, 2] (cos, sin) of the row's position, turned by
+ * -angle when conj. */
+void v4_rms_rope(const float *x, int64_t T, int64_t n, int64_t D, int64_t sx_t, int64_t sx_n, int64_t do_rms,
+                 const float *w, float eps, const float *cis, int64_t half, int64_t conj, float *y) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cis + t * half * 2;
+        for (int64_t i = 0; i < n; i++) {
+            const float *xr = x + t * sx_t + i * sx_n;
+            float *yr = y + (t * n + i) * D;
+            if (do_rms) {
+                float ss = 0.0f;
+                for (int64_t d = 0; d < D; d++) ss += xr[d] * xr[d];
+                float r = 1.0f / sqrtf(ss / (float)D + eps);
+                if (w)
+                    for (int64_t d = 0; d < D; d++) yr[d] = w[d] * (xr[d] * r);
+                else
+                    for (int64_t d = 0; d < D; d++) yr[d] = xr[d] * r;
+            } else if (yr != xr) {
+                for (int64_t d = 0; d < D; d++) yr[d] = xr[d];
+            }
+            float *p = yr + D - 2 * half;
+            for (int64_t k = 0; k < half; k++) {
+                float cs = c[2 * k], sn = conj ? -c[2 * k + 1] : c[2 * k + 1];
+                float a = p[2 * k], b = p[2 * k + 1];
+                p[2 * k] = a * cs - b * sn;
+                p[2 * k + 1] = a * sn + b * cs;
+            }
+        }
+    }
+}

@@ -87,3 +87,24 @@ def test_native_extend_matches_torch(entries):
     want = _torch_extend(q, ext, row, n, start, W, sink, hd**-0.5, ent, vis)
     torch.testing.assert_close(got[:T], want, rtol=1e-5, atol=1e-5)
     assert (got[T] == 7.0).all()  # the scratch row past the batch is not written
+
+
+@pytest.mark.skipif(not cpu_v4_attention.available(), reason="no C compiler on this machine")
+@pytest.mark.parametrize("weighted,norm,conj", [(True, True, False), (False, True, False), (False, False, True)])
+def test_native_rms_rope_matches_torch(weighted, norm, conj):
+    """The attention's norm + rope pass against v4_layers' torch forms, on a strided slice of a
+    projection's output as the model passes it."""
+    from dsv4_engine.models.v4_layers import apply_rope, rms, rope_table, unweighted_rms
+
+    g = torch.Generator().manual_seed(int(weighted) + 2 * int(norm))
+    T, n, D, half = 9, 3, 64, 8
+    wide = torch.randn(T, n * D + 24, generator=g) * 3
+    x = wide[:, 5 : 5 + n * D].view(T, n, D)  # rows 88 + n * D apart, not contiguous
+    w = torch.rand(D, generator=g) + 0.5 if weighted else None
+    table = rope_table(torch.tensor([0, 1, 2, 7, 8, 63, 64, 500, 1023]), 1.0 / (10000 ** (torch.arange(half) / half)))
+    got = cpu_v4_attention.rms_rope(x, w, 1e-6, table[0], norm=norm, conj=conj)
+    want = x.clone()
+    if norm:
+        want = rms(want, w, 1e-6) if weighted else unweighted_rms(want, 1e-6)
+    want = apply_rope(want, table, conj=conj)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
