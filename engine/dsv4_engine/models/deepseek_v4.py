@@ -118,17 +118,8 @@ class DeepseekV4:
         self.snapshots_in_forward = self.kops is None
         self.dtype = dtype
         self.device = torch.device(device)
-        # mHC after its mixing linear as one native call on the CPU (dsv4_kernels.cpu_mhc)
         self.reuse_step_indices = True  # see _memo
-        self.take_rows = True  # see _take
-        # the attention's rms norms and ropes as one native call each (fp32 CPU path)
-        self.native_rms_rope = (
-            self.kops is None and self.device.type == "cpu" and dtype == torch.float32 and cpu_v4_attention.available()
-        )
-        # the compressors' pooling (closing windows) as one native call (fp32 CPU path)
-        self.native_pool = (
-            self.kops is None and self.device.type == "cpu" and dtype == torch.float32 and cpu_v4_compress.available()
-        )
+        # mHC after its mixing linear as one native call on the CPU (dsv4_kernels.cpu_mhc)
         self.native_hc = self.kops is None and self.device.type == "cpu" and cpu_mhc.available()
         self.native_hc_post = self.native_hc and dtype == torch.float32  # the mixing back, as one call too
         # attention over the ring and the entries in place, one native call a layer, where the
@@ -141,6 +132,15 @@ class DeepseekV4:
             and dtype == torch.float32
             and cfg.num_attention_heads * cfg.head_dim <= self.NATIVE_ATTN_MAX_WIDTH
             and cpu_v4_attention.available()
+        )
+        self.take_rows = True  # see _take
+        # the attention's rms norms and ropes as one native call each (fp32 CPU path)
+        self.native_rms_rope = (
+            self.kops is None and self.device.type == "cpu" and dtype == torch.float32 and cpu_v4_attention.available()
+        )
+        # the compressors' pooling (closing windows) as one native call (fp32 CPU path)
+        self.native_pool = (
+            self.kops is None and self.device.type == "cpu" and dtype == torch.float32 and cpu_v4_compress.available()
         )
         self.inv_freq = {
             "main": cfg.rope_main.inv_freq().to(self.device),

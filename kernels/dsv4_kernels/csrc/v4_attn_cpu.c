@@ -141,9 +141,7 @@ void v4_rms_rope(const float *x, int64_t T, int64_t n, int64_t D, int64_t sx_t, 
             const float *xr = x + t * sx_t + i * sx_n;
             float *yr = y + (t * n + i) * D;
             if (do_rms) {
-                float ss = 0.0f;
-                for (int64_t d = 0; d < D; d++) ss += xr[d] * xr[d];
-                float r = 1.0f / sqrtf(ss / (float)D + eps);
+                float r = 1.0f / sqrtf(dot(xr, xr, D) / (float)D + eps);
                 if (w)
                     for (int64_t d = 0; d < D; d++) yr[d] = w[d] * (xr[d] * r);
                 else
