@@ -6,7 +6,10 @@ this is the code's own cost, where wall time also holds the waits for a core); t
 is a switch on the model object, so "off" is the code as it was before that commit.
 
     python bench/ab_v4_step.py --model v4-tiny=DIR --change native_mhc [-c 8 -c 32]
-        [--rounds 6 --steps 3] [--out FILE]
+        [--rounds 6 --steps 3] [--prefill] [--out FILE]
+
+--prefill times the prefill of c fresh 128-token prompts instead (the change off and on in
+alternating rounds, CPU time, first tokens compared).
 """
 
 from __future__ import annotations
@@ -47,11 +50,45 @@ def _native_moe(model, on: bool) -> None:
     cpu_moe.MAX_TOKENS = _native_moe.on if on else 0
 
 
+def _native_hc_post(model, on: bool) -> None:
+    from dsv4_kernels import cpu_mhc
+
+    model.native_hc_post = on and cpu_mhc.available() and model.dtype == torch.float32
+
+
+def _native_attn(model, on: bool) -> None:
+    from dsv4_kernels import cpu_v4_attention
+
+    wide = model.cfg.num_attention_heads * model.cfg.head_dim > model.NATIVE_ATTN_MAX_WIDTH
+    model.native_attn = on and cpu_v4_attention.available() and model.dtype == torch.float32 and not wide
+
+
+def _take_rows(model, on: bool) -> None:
+    model.take_rows = on
+
+
+def _native_pool(model, on: bool) -> None:
+    from dsv4_kernels import cpu_v4_compress
+
+    model.native_pool = on and cpu_v4_compress.available() and model.dtype == torch.float32
+
+
+def _native_rms_rope(model, on: bool) -> None:
+    from dsv4_kernels import cpu_v4_attention
+
+    model.native_rms_rope = on and cpu_v4_attention.available() and model.dtype == torch.float32
+
+
 CHANGES = {
     "native_mhc": _native_mhc,
     "step_indices": _step_indices,
     "rope_in_place": _rope_in_place,
     "native_moe": _native_moe,
+    "native_hc_post": _native_hc_post,
+    "native_attn": _native_attn,
+    "take_rows": _take_rows,
+    "native_pool": _native_pool,
+    "native_rms_rope": _native_rms_rope,
 }
 
 
@@ -112,6 +149,40 @@ def measure(model: Path, c: int, change: str, rounds: int, steps: int) -> dict:
     }
 
 
+def measure_prefill(model: Path, c: int, change: str, rounds: int) -> dict:
+    """The prefill of c fresh 128-token prompts (until each has its first token), the change
+    off and on in alternating rounds, in the process's CPU time."""
+    engine = bd._engine(model, c, 128, 8)
+    bd._fill(engine, min(c, 4), 128, 2, seed=99)  # warm-up: first-call allocations
+    while engine.scheduler.has_work():
+        engine.step()
+    m = engine.runner.model
+    switch = {"before": lambda: CHANGES[change](m, False), "after": lambda: CHANGES[change](m, True)}
+    cpu: dict = {k: [] for k in switch}
+    tokens: dict = {}
+    try:
+        for r in range(rounds):
+            for name in list(switch) if r % 2 == 0 else list(reversed(switch)):
+                switch[name]()
+                c0 = time.process_time()
+                seqs = bd._fill(engine, c, 128, 1, seed=1000 + r)
+                cpu[name].append(round((time.process_time() - c0) * 1000, 1))
+                tokens.setdefault(r, {})[name] = [s.output_ids[0] for s in seqs]
+                while engine.scheduler.has_work():
+                    engine.step()
+    finally:
+        switch["after"]()
+    same = all(t["before"] == t["after"] for t in tokens.values())
+    return {
+        "concurrency": c,
+        "prompt_len": 128,
+        "prefill_cpu_ms_best": {k: min(v) for k, v in cpu.items()},
+        "prefill_cpu_speedup": round(min(cpu["before"]) / min(cpu["after"]), 2),
+        "prefill_cpu_ms_each": cpu,
+        "first_tokens_identical": same,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", action="append", required=True, help="NAME=DIR")
@@ -119,6 +190,7 @@ def main() -> None:
     p.add_argument("-c", "--concurrency", type=int, action="append")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--prefill", action="store_true", help="time the prefill of c prompts instead of decode steps")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -127,7 +199,10 @@ def main() -> None:
         name, _, d = spec.partition("=")
         out["models"][name] = []
         for c in a.concurrency or [8, 32]:
-            r = measure(Path(d), c, a.change, a.rounds, a.steps)
+            if a.prefill:
+                r = measure_prefill(Path(d), c, a.change, a.rounds)
+            else:
+                r = measure(Path(d), c, a.change, a.rounds, a.steps)
             out["models"][name].append(r)
             print(name, json.dumps(r))
     out["load_average_end"] = list(os.getloadavg())

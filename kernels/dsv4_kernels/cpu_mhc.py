@@ -26,6 +26,9 @@ def available() -> bool:
         p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         f.argtypes = [p, i64, p, p, p, i64, i64, i64, f32, i64, p, p, p]
         f.restype = None
+        g = lib.v4_hc_post
+        g.argtypes = [p, p, p, p, i64, i64, i64, p]
+        g.restype = None
         _lib = lib
     return _lib is not None
 
@@ -68,3 +71,15 @@ def hc_pre_tail(
         collapsed.data_ptr(),
     )
     return post, comb, collapsed.to(x.dtype)
+
+
+def hc_post(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """The mHC post step for fp32 on the CPU: x [T, hc, D] streams, out [T, D] the layer's output,
+    post [T, hc], comb [T, hc, hc] -> [T, hc, D], stream k = post[k] * out + sum_j comb[j, k] * x[j]."""
+    assert _lib is not None, "call available() first"
+    T, hc, D = x.shape
+    x, out = x.contiguous(), out.contiguous()
+    post, comb = post.float().contiguous(), comb.float().contiguous()
+    y = torch.empty(T, hc, D, dtype=torch.float32)
+    _lib.v4_hc_post(x.data_ptr(), out.data_ptr(), post.data_ptr(), comb.data_ptr(), T, hc, D, y.data_ptr())
+    return y

@@ -51,7 +51,7 @@ from dsv4_engine.models.state import StateSpec
 from dsv4_engine.models.v4_layers import apply_rope, rms, rope_at, rope_table, sinkhorn_, unweighted_rms
 from dsv4_engine.quant import dense, is_quantized, log_resident, moe_experts_for, one_format, place
 from dsv4_engine.step_phases import PHASES
-from dsv4_kernels import cpu_mhc, cpu_moe
+from dsv4_kernels import cpu_mhc, cpu_moe, cpu_v4_attention, cpu_v4_compress
 from dsv4_kernels.grouped_moe import grouped_experts
 
 
@@ -69,6 +69,7 @@ class DeepseekV4:
     # nothing back and keeps its shapes: it may be captured in a CUDA graph
     # (tests/unit/engine/test_cuda_graphs.py). The torch path is not (its MoE reads expert ids).
     CUDA_GRAPH_SAFE = True
+    NATIVE_ATTN_MAX_WIDTH = 4096  # see native_attn
 
     @classmethod
     def state_specs(cls, cfg: DeepseekV4Config) -> list[StateSpec]:
@@ -118,9 +119,30 @@ class DeepseekV4:
         self.snapshots_in_forward = self.kops is None
         self.dtype = dtype
         self.device = torch.device(device)
-        # mHC after its mixing linear as one native call on the CPU (dsv4_kernels.cpu_mhc)
         self.reuse_step_indices = True  # see _memo
+        # mHC after its mixing linear as one native call on the CPU (dsv4_kernels.cpu_mhc)
         self.native_hc = self.kops is None and self.device.type == "cpu" and cpu_mhc.available()
+        self.native_hc_post = self.native_hc and dtype == torch.float32  # the mixing back, as one call too
+        # attention over the ring and the entries in place, one native call a layer, where the
+        # torch form's ~25 ops cost more than its GEMMs: a decode layer at heads x head_dim 256
+        # (v4-tiny, 32 requests) 0.42 -> 0.12 ms; at 32,768 (V4-Flash) MKL's GEMMs still win
+        # (4.2 against 5.1 ms at 8 requests), so wide models keep them
+        self.native_attn = (
+            self.kops is None
+            and self.device.type == "cpu"
+            and dtype == torch.float32
+            and cfg.num_attention_heads * cfg.head_dim <= self.NATIVE_ATTN_MAX_WIDTH
+            and cpu_v4_attention.available()
+        )
+        self.take_rows = True  # see _take
+        # the attention's rms norms and ropes as one native call each (fp32 CPU path)
+        self.native_rms_rope = (
+            self.kops is None and self.device.type == "cpu" and dtype == torch.float32 and cpu_v4_attention.available()
+        )
+        # the compressors' pooling (closing windows) as one native call (fp32 CPU path)
+        self.native_pool = (
+            self.kops is None and self.device.type == "cpu" and dtype == torch.float32 and cpu_v4_compress.available()
+        )
         self.inv_freq = {
             "main": cfg.rope_main.inv_freq().to(self.device),
             "compress": cfg.rope_compress.inv_freq().to(self.device),
@@ -261,6 +283,8 @@ class DeepseekV4:
         # comb is applied transposed: stream k gets sum_j comb[j, k] * x[j]
         if self.kops is not None:
             return self.kops.v4_hc_post(x, out, post, comb)
+        if self.native_hc_post and x.dtype == torch.float32 and out.dtype == torch.float32:
+            return cpu_mhc.hc_post(x, out, post, comb)
         dt = x.dtype
         return torch.baddbmm(post.to(dt).unsqueeze(-1) * out.unsqueeze(-2), comb.to(dt).transpose(-1, -2), x)
 
@@ -313,6 +337,20 @@ class DeepseekV4:
         return self.tp.all_reduce(out + shared if self.tp.rank == 0 else out)  # the shared expert joins once
 
     # ---- compressors ---------------------------------------------------------------------------
+
+    def _pool(
+        self, win: torch.Tensor, prev: Optional[torch.Tensor], w_ids: torch.Tensor, params, rate: int
+    ) -> torch.Tensor:
+        """`_pool_windows` over stage rows win, prev [N, rate, 2 * width] ([kv | gate]): one
+        native call on the fp32 CPU path (dsv4_kernels.cpu_v4_compress)."""
+        width = win.shape[-1] // 2
+        if self.native_pool and win.dtype == torch.float32:
+            _, _, ape, norm_w = params
+            return cpu_v4_compress.pool_windows(
+                win, prev, w_ids, ape, norm_w, self.cfg.rms_norm_eps, self.inv_freq["compress"], rate
+            ).to(win.dtype)
+        pk, pg = (None, None) if prev is None else (prev[..., :width], prev[..., width:])
+        return self._pool_windows(win[..., :width], win[..., width:], pk, pg, w_ids, params, rate)
 
     def _pool_windows(
         self,
@@ -367,7 +405,7 @@ class DeepseekV4:
         launches cannot depend on which rows close): every row pools its latest full window, and
         a row that closes none writes back the entry it read: the same bytes, so harmless even in
         a page the prefix cache shares, whose windows are all closed and never written otherwise."""
-        S, width = stage.shape[2], stage.shape[3] // 2
+        S = stage.shape[2]
 
         def indices():
             w = (t + 1) // rate - 1
@@ -383,13 +421,8 @@ class DeepseekV4:
         else:
             w, srow, cur, prev, at = indices()
 
-        def read(ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            held = stage[srow, j, ring]  # [N, rate, 2 * width]
-            return held[..., :width], held[..., width:]
-
-        win_kv, win_gate = read(cur)
-        prev_kv, prev_gate = read(prev) if overlap else (None, None)
-        entries = self._pool_windows(win_kv, win_gate, prev_kv, prev_gate, w, params, rate)
+        win = stage[srow, j, cur]  # [N, rate, 2 * width]: [kv | gate] rows
+        entries = self._pool(win, stage[srow, j, prev] if overlap else None, w, params, rate)
         entries = entries.to(store.dtype)
         store[at] = entries if closes is None else torch.where(closes[:, None], entries, store[at])
 
@@ -438,6 +471,13 @@ class DeepseekV4:
             for c, what in enumerate(("row", "n", "start"))
         )
 
+    def _take(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """x[idx] for an index tensor over x's first dim: by index_select, one copy per row,
+        where advanced indexing walks every element (the same values, bit for bit)."""
+        if not self.take_rows:  # bench/ab_v4_step.py's "before"
+            return x[idx]
+        return x.index_select(0, idx.reshape(-1)).view(*idx.shape, *x.shape[1:])
+
     @staticmethod
     def _locate(w: torch.Tensor, rate: int, page_size: int, epp: int) -> tuple[torch.Tensor, torch.Tensor]:
         # as StateSpec.entry_location: the page of the window's first token
@@ -461,8 +501,13 @@ class DeepseekV4:
         kind = L["type"]
         table = rope["main" if kind == SLIDING else "compress"]
         parts = F.linear(h, L["w_in"]).split(L["w_in_split"], dim=-1)
-        qr = rms(parts[0], L["q_norm"], eps)
-        kv = apply_rope(rms(parts[1], L["kv_norm"], eps), table, inplace=True)  # [T, hd]: key == value
+        native = self.native_rms_rope and h.dtype == torch.float32  # norms + rope: one call each
+        if native:
+            qr = cpu_v4_attention.rms_rope(parts[0][:, None], L["q_norm"], eps, None).view(T, -1)
+            kv = cpu_v4_attention.rms_rope(parts[1][:, None], L["kv_norm"], eps, table[0]).view(T, -1)
+        else:
+            qr = rms(parts[0], L["q_norm"], eps)
+            kv = apply_rope(rms(parts[1], L["kv_norm"], eps), table, inplace=True)  # [T, hd]: key == value
         proj = {}
         if kind in (CSA, HCA):
             proj["comp"] = (parts[2], parts[3])
@@ -470,10 +515,17 @@ class DeepseekV4:
             proj["icomp"] = (parts[4], parts[5])
             proj["iw"] = parts[6].float() * cfg.index_n_heads**-0.5
             q, iq = F.linear(qr, L["w_qb"]).split(L["w_qb_split"], dim=-1)
-            proj["iq"] = apply_rope(iq.reshape(T, cfg.index_n_heads, cfg.index_head_dim), rope["compress"])
+            iq = iq.reshape(T, cfg.index_n_heads, cfg.index_head_dim)
+            if native:
+                proj["iq"] = cpu_v4_attention.rms_rope(iq, None, eps, rope["compress"][0], norm=False)
+            else:
+                proj["iq"] = apply_rope(iq, rope["compress"])
         else:
             q = F.linear(qr, L["wq_b"])
-        q = apply_rope(unweighted_rms(q.reshape(T, H, hd), eps), table, inplace=True)
+        if native:
+            q = cpu_v4_attention.rms_rope(q.view(T, H, hd), None, eps, table[0])
+        else:
+            q = apply_rope(unweighted_rms(q.reshape(T, H, hd), eps), table, inplace=True)
         if isinstance(spans, v4_verify.FixedRows):  # a verify step at a fixed shape (a CUDA graph's)
             out = v4_verify.attend(self, i, L, q, kv, proj, fb, states, spans.n)
         elif self.kops is not None:
@@ -482,7 +534,10 @@ class DeepseekV4:
             out = self._attend_decode(i, L, q, kv, proj, fb, states, spans)
         else:
             out = self._attend_varlen(i, L, q, kv, proj, fb, states, spans)
-        out = apply_rope(out, table, conj=True, inplace=True)
+        if native and out.is_contiguous():
+            out = cpu_v4_attention.rms_rope(out, None, eps, table[0], norm=False, conj=True, out=out)
+        else:
+            out = apply_rope(out, table, conj=True, inplace=True)
         G = cfg.o_groups
         grouped = out.reshape(T, G, -1).transpose(0, 1)  # [G, T, H*hd/G]
         wa = L["wo_a"].view(G, -1, grouped.shape[-1]).transpose(1, 2)  # [G, in, o_lora]
@@ -594,15 +649,20 @@ class DeepseekV4:
         ring_store = states[self.SWA_KV]
         kbase = start - W  # the ring holds positions start - W .. start - 1
         ring = ring_store[slots[:, None], i, (kbase[:, None] + torch.arange(W, device=dev)) % W]
-        ext_kv = torch.cat([ring.to(kv.dtype), kv[tok]], 1)  # [B, W + Lmax, hd] in position order
+        ext_kv = torch.cat([ring.to(kv.dtype), self._take(kv, tok)], 1)  # [B, W + Lmax, hd] in position order
         self._save_snapshots(fb, group, spans, self.SWA_KV, i, ext_kv)
         # only the last R ring positions can be seen (R < W when every chunk of the group starts
         # early: a fresh prompt attends to none of the ring)
         R = min(W, max(s[2] for s in spans))
-        kpos = kbase[:, None] + torch.arange(W - R, W + Lmax, device=dev)
-        kp, qp = kpos[:, None, :], qpos[:, :, None]
-        allowed = (kp <= qp) & (kp > qp - W) & (kp >= 0)  # [B, Lmax, R + Lmax]
-        keys = ext_kv[:, W - R :]
+        # a window much narrower than the chunk: each query's own W keys in one native call,
+        # where the padded tile would score (and mask) R + Lmax keys per query
+        native = self.native_attn and ext_kv.dtype == torch.float32 and 4 * W <= R + Lmax
+        if not native:
+            kpos = kbase[:, None] + torch.arange(W - R, W + Lmax, device=dev)
+            kp, qp = kpos[:, None, :], qpos[:, :, None]
+            allowed = (kp <= qp) & (kp > qp - W) & (kp >= 0)  # [B, Lmax, R + Lmax]
+            keys = ext_kv[:, W - R :]
+        entries = visible = None
         if kind in (CSA, HCA):
             rate = cfg.compress_rates[kind]
             self._close_windows(L, proj, tok, spans, slots, pages, fb, states, j, rate, group)
@@ -613,14 +673,18 @@ class DeepseekV4:
 
                 if kind == CSA:
                     ikeys = self._gather_entries(states[self.CSA_INDEX_K][:, j], pages, w, rate, fb.page_size)
-                    visible = self._select(L, proj["iq"][tok], proj["iw"][tok], ikeys, visible)
+                    visible = self._select(L, self._take(proj["iq"], tok), self._take(proj["iw"], tok), ikeys, visible)
                 entries = self._gather_entries(
                     states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j], pages, w, rate, fb.page_size
                 )
-                keys = torch.cat([keys, entries.to(kv.dtype)], 1)
-                allowed = torch.cat([allowed, visible], 2)
-        o = self._softmax_attend(L, q[tok], keys, allowed)  # [B, Lmax, H, hd]
-        out[torch.where(valid, tok, out.shape[0] - 1)] = o  # padding lands on the scratch row
+                if not native:
+                    keys = torch.cat([keys, entries.to(kv.dtype)], 1)
+                    allowed = torch.cat([allowed, visible], 2)
+        if native:
+            cpu_v4_attention.extend(q, ext_kv, row, n, start, W, L["sink"], cfg.head_dim**-0.5, out, entries, visible)
+        else:
+            o = self._softmax_attend(L, q[tok], keys, allowed)  # [B, Lmax, H, hd]
+            out[torch.where(valid, tok, out.shape[0] - 1)] = o  # padding lands on the scratch row
         # the ring keeps the last W positions (written after the reads above): position p of the
         # new ring is ext_kv's p - kbase; positions before the chunk rewrite what they held
         end = start + n
@@ -659,8 +723,8 @@ class DeepseekV4:
         ck = self._index(("close_k", ckey), lambda: [k for _, k in closing], dev)
         for name, key, store_name, overlap in self._compressors(kind):
             st = states[name]  # [rows, layers, S, 2 * width]: [kv | gate] projections
-            S, width = st.shape[2], st.shape[3] // 2
-            chunk = torch.cat(proj[key], dim=-1)[tok]  # [B, Lmax, 2 * width]
+            S = st.shape[2]
+            chunk = self._take(torch.cat(proj[key], dim=-1), tok)  # [B, Lmax, 2 * width]
             ebase = start - S
             held = st[slots[:, None], j, (ebase[:, None] + torch.arange(S, device=dev)) % S]
             ext = torch.cat([held.to(chunk.dtype), chunk], 1)  # positions ebase .. ebase + S + Lmax - 1
@@ -670,17 +734,10 @@ class DeepseekV4:
                 w_ids = start[cb] // rate + ck  # [N] the windows closing now
                 offs = (w_ids * rate - ebase[cb])[:, None] + torch.arange(rate, device=dev)  # [N, rate] rows of ext
                 rows = cb
-                win = ext[rows[:, None], offs]
-                prev = ext[rows[:, None], offs - rate] if overlap else None  # rows of window 0 are masked
-                entries = self._pool_windows(
-                    win[..., :width],
-                    win[..., width:],
-                    None if prev is None else prev[..., :width],
-                    None if prev is None else prev[..., width:],
-                    w_ids,
-                    L[key],
-                    rate,
-                )
+                at = rows[:, None] * ext.shape[1] + offs  # rows of ext flattened over its first two dims
+                win = self._take(ext.flatten(0, 1), at)
+                prev = self._take(ext.flatten(0, 1), at - rate) if overlap else None  # rows of window 0 are masked
+                entries = self._pool(win, prev, w_ids, L[key], rate)
                 store = states[store_name][:, j]
                 page, off = self._locate(w_ids, rate, fb.page_size, store.shape[1])
                 store[pages[rows, page].long(), off] = entries.to(store.dtype)
@@ -730,8 +787,16 @@ class DeepseekV4:
             kpos = torch.cat([ring_pos, t[:, None]], 1)
             return (kpos <= t[:, None]) & (kpos > t[:, None] - W) & (kpos >= 0)
 
-        allowed = self._memo(("decode_window",), window)  # [B, W+1], the same in every layer
-        keys = torch.cat([ring_store[slots, i].to(kv.dtype), kv[:, None]], 1)  # [B, W+1, hd]
+        entry_store = {CSA: self.CSA_KV, HCA: self.HCA_KV}.get(kind)
+        native = (
+            self.native_attn
+            and ring_store.dtype == q.dtype == torch.float32
+            and (entry_store is None or states[entry_store].dtype == torch.float32)
+        )
+        if not native:
+            allowed = self._memo(("decode_window",), window)  # [B, W+1], the same in every layer
+            keys = torch.cat([ring_store[slots, i].to(kv.dtype), kv[:, None]], 1)  # [B, W+1, hd]
+        entries_at = None  # the native call's (store, visible)
         if kind in (CSA, HCA):
             rate = cfg.compress_rates[kind]
             self._stage_decode(L, proj, fb, states, j, rate, spans)
@@ -749,16 +814,36 @@ class DeepseekV4:
                         self._memo(("decode_entries", rate, store.shape[1]), lambda: entry_indices(store.shape[1]))[1]
                     ]
 
-                store = states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j]
+                store = states[entry_store][:, j]
                 visible = self._memo(("decode_entries", rate, store.shape[1]), lambda: entry_indices(store.shape[1]))[0]
                 if kind == CSA:
                     ikeys = gather(states[self.CSA_INDEX_K][:, j])  # [B, C, ihd]
                     visible = self._select(
                         L, proj["iq"].unsqueeze(1), proj["iw"].unsqueeze(1), ikeys, visible.unsqueeze(1)
                     ).squeeze(1)
-                keys = torch.cat([keys, gather(store).to(kv.dtype)], 1)
-                allowed = torch.cat([allowed, visible], 1)
-        out = self._softmax_attend(L, q.unsqueeze(1), keys, allowed.unsqueeze(1)).squeeze(1)
+                if native:
+                    entries_at = (store, visible, rate)
+                else:
+                    keys = torch.cat([keys, gather(store).to(kv.dtype)], 1)
+                    allowed = torch.cat([allowed, visible], 1)
+        if native:
+            store, visible, rate = entries_at or (None, None, 0)
+            out = cpu_v4_attention.decode(
+                q,
+                kv,
+                ring_store[:, i],
+                slots,
+                t,
+                L["sink"],
+                cfg.head_dim**-0.5,
+                store,
+                fb.block_table,
+                visible,
+                rate,
+                fb.page_size,
+            )
+        else:
+            out = self._softmax_attend(L, q.unsqueeze(1), keys, allowed.unsqueeze(1)).squeeze(1)
         ring_store[slots, i, t % W] = kv.to(ring_store.dtype)
         return out
 

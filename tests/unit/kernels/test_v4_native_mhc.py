@@ -35,3 +35,18 @@ def test_native_tail_matches_torch(T, hc, D):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
     # the rows of a doubly stochastic matrix after Sinkhorn: columns sum to ~1
     torch.testing.assert_close(got[1].sum(-2), torch.ones(T, hc), rtol=0, atol=1e-4)
+
+
+@pytest.mark.skipif(not cpu_mhc.available(), reason="no C compiler on this machine")
+@pytest.mark.parametrize("T,hc,D", [(1, 4, 64), (9, 4, 128), (5, 2, 48)])
+def test_native_post_matches_torch(T, hc, D):
+    """The post step against the model's torch form (baddbmm): the same products, the sums in
+    j order here where the GEMM may fuse them, so an ulp or so apart."""
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, hc, D, generator=g) * 4
+    out = torch.randn(T + 2, D, generator=g)[1 : T + 1]  # a view inside a wider buffer
+    post = torch.rand(T, hc, generator=g) * 2
+    comb = torch.softmax(torch.randn(T, hc, hc, generator=g), -1)
+    want = torch.baddbmm(post.unsqueeze(-1) * out.unsqueeze(-2), comb.transpose(-1, -2), x)
+    got = cpu_mhc.hc_post(x, out, post, comb)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=4e-6)
