@@ -14,22 +14,23 @@ from typing import Optional
 import torch
 
 from dsv4_kernels import native
+from dsv4_kernels.native import F32, I64, P
 
 _lib: Optional[ctypes.CDLL] = None
 
 
 def available() -> bool:
     global _lib
-    lib = native.load("v4_mhc_cpu", ["-ffp-contract=off"], off_env="DSV4_NO_NATIVE_MHC")
-    if lib is not None and _lib is None:
-        f = lib.v4_hc_pre_tail
-        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        f.argtypes = [p, i64, p, p, p, i64, i64, i64, f32, i64, p, p, p]
-        f.restype = None
-        g = lib.v4_hc_post
-        g.argtypes = [p, p, p, p, i64, i64, i64, p]
-        g.restype = None
-        _lib = lib
+    if _lib is None:
+        _lib = native.load(
+            "v4_mhc_cpu",
+            ["-ffp-contract=off"],
+            off_env="DSV4_NO_NATIVE_MHC",
+            signatures={
+                "v4_hc_pre_tail": ([P, I64, P, P, P, I64, I64, I64, F32, I64, P, P, P], None),
+                "v4_hc_post": ([P, P, P, P, I64, I64, I64, P], None),
+            },
+        )
     return _lib is not None
 
 

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 
 from dsv4_kernels import native
+from dsv4_kernels.native import F32, I32, I64, P
 
 _lib: Optional[ctypes.CDLL] = None
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -23,13 +24,18 @@ _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 def available() -> bool:
     global _lib
-    lib = native.load("mla_decode_cpu", ["-march=native"], off_env="DSV4_NO_NATIVE_MLA")
-    if lib is not None and _lib is None:
-        f = lib.mla_decode_paged
-        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        f.argtypes = [p, p, i32, i64, i64, i64, p, i64, i64, p, i64, i64, i64, i64, f32, p]
-        f.restype = ctypes.c_int
-        _lib = lib
+    if _lib is None:
+        _lib = native.load(
+            "mla_decode_cpu",
+            ["-march=native"],
+            off_env="DSV4_NO_NATIVE_MLA",
+            signatures={
+                "mla_decode_paged": (
+                    [P, P, I32, I64, I64, I64, P, I64, I64, P, I64, I64, I64, I64, F32, P],
+                    ctypes.c_int,
+                ),
+            },
+        )
     return _lib is not None
 
 

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from dsv4_kernels import native
+from dsv4_kernels.native import F32, I64, P
 
 # Tokens per call up to which the native loop beats the grouped GEMMs (decode steps); 0 turns
 # the native path off (bench/ab_decode_step.py's "native-moe" before side).
@@ -30,17 +31,20 @@ _lib: Optional[ctypes.CDLL] = None
 def available() -> bool:
     global _lib
     if _lib is None:
-        lib = native.load("cpu_moe", ["-march=native"], off_env="DSV4_NO_NATIVE_MOE")
+        _lib = native.load(
+            "cpu_moe",
+            ["-march=native"],
+            off_env="DSV4_NO_NATIVE_MOE",
+            signatures={
+                "cpu_moe": ([P, I64, I64, P, P, I64, P, P, I64, I64, P, P, I64, F32, P], ctypes.c_int),
+                "cpu_moe_lanes": ([], ctypes.c_int),
+            },
+        )
         # built without 8-wide vectors (no AVX: SSE-only x86, or another ISA) the loop was slower
         # than torch's GEMMs from 8 tokens an expert on the one machine measured: keep torch there
-        if lib is None or lib.cpu_moe_lanes() < 8:
-            return False
-        f = lib.cpu_moe
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        f.argtypes = [p, i64, i64, p, p, i64, p, p, i64, i64, p, p, i64, ctypes.c_float, p]
-        f.restype = ctypes.c_int
-        _lib = lib
-    return True
+        if _lib is not None and _lib.cpu_moe_lanes() < 8:
+            _lib = None
+    return _lib is not None
 
 
 def _dense_f32(t: Optional[torch.Tensor]) -> bool:

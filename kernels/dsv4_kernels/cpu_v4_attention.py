@@ -12,25 +12,27 @@ from typing import Optional
 import torch
 
 from dsv4_kernels import native
+from dsv4_kernels.native import F32, I64, P
 
 _lib: Optional[ctypes.CDLL] = None
 
 
 def available() -> bool:
     global _lib
-    lib = native.load("v4_attn_cpu", ["-march=native"], off_env="DSV4_NO_NATIVE_V4_ATTN")
-    if lib is not None and _lib is None:
-        f = lib.v4_attn_decode
-        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        f.argtypes = [p, p, p, i64, p, p, i64, p, i64, i64, p, i64, p, i64, i64, i64, p, f32, i64, i64, i64, p]
-        f.restype = None
-        g = lib.v4_attn_extend
-        g.argtypes = [p, p, i64, p, p, p, i64, p, p, i64, i64, p, f32, i64, i64, i64, p]
-        g.restype = None
-        h = lib.v4_rms_rope
-        h.argtypes = [p, i64, i64, i64, i64, i64, i64, p, f32, p, i64, i64, p]
-        h.restype = None
-        _lib = lib
+    if _lib is None:
+        _lib = native.load(
+            "v4_attn_cpu",
+            ["-march=native"],
+            off_env="DSV4_NO_NATIVE_V4_ATTN",
+            signatures={
+                "v4_attn_decode": (
+                    [P, P, P, I64, P, P, I64, P, I64, I64, P, I64, P, I64, I64, I64, P, F32, I64, I64, I64, P],
+                    None,
+                ),
+                "v4_attn_extend": ([P, P, I64, P, P, P, I64, P, P, I64, I64, P, F32, I64, I64, I64, P], None),
+                "v4_rms_rope": ([P, I64, I64, I64, I64, I64, I64, P, F32, P, I64, I64, P], None),
+            },
+        )
     return _lib is not None
 
 

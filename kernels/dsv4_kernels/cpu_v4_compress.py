@@ -11,19 +11,22 @@ from typing import Optional
 import torch
 
 from dsv4_kernels import native
+from dsv4_kernels.native import F32, I64, P
 
 _lib: Optional[ctypes.CDLL] = None
 
 
 def available() -> bool:
     global _lib
-    lib = native.load("v4_compress_cpu", ["-ffp-contract=off"], off_env="DSV4_NO_NATIVE_V4_COMPRESS")
-    if lib is not None and _lib is None:
-        f = lib.v4_pool_windows
-        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        f.argtypes = [p, p, p, p, i64, i64, p, i64, i64, i64, i64, p, i64, p, f32, p, i64, p]
-        f.restype = None
-        _lib = lib
+    if _lib is None:
+        _lib = native.load(
+            "v4_compress_cpu",
+            ["-ffp-contract=off"],
+            off_env="DSV4_NO_NATIVE_V4_COMPRESS",
+            signatures={
+                "v4_pool_windows": ([P, P, P, P, I64, I64, P, I64, I64, I64, I64, P, I64, P, F32, P, I64, P], None),
+            },
+        )
     return _lib is not None
 
 

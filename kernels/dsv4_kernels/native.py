@@ -15,11 +15,15 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 CSRC = Path(__file__).parent / "csrc"
 BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-fno-math-errno")
 _loaded: dict[str, Optional[ctypes.CDLL]] = {}
+
+# argument types for `signatures`: pointers (a tensor's data_ptr()), integers, floats
+P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+Signatures = Mapping[str, tuple[Sequence[type], Optional[type]]]
 
 
 def cache_dir() -> Path:
@@ -63,9 +67,12 @@ def _build(src: Path, flags: Sequence[str]) -> Optional[Path]:
     return out
 
 
-def load(name: str, extra_flags: Sequence[str] = (), *, off_env: str = "") -> Optional[ctypes.CDLL]:
+def load(
+    name: str, extra_flags: Sequence[str] = (), *, off_env: str = "", signatures: Optional[Signatures] = None
+) -> Optional[ctypes.CDLL]:
     """csrc/<name>.c as a loaded library, or None (see the module's docstring). Built once per
-    process; `off_env` names a kernel's own switch besides DSV4_NO_NATIVE."""
+    process; `off_env` names a kernel's own switch besides DSV4_NO_NATIVE; `signatures` gives
+    each C function's (argument types, return type), set once when the library loads."""
     if name in _loaded:
         return _loaded[name]
     lib = None
@@ -74,7 +81,9 @@ def load(name: str, extra_flags: Sequence[str] = (), *, off_env: str = "") -> Op
         if so is not None:
             try:
                 lib = ctypes.CDLL(str(so))
-            except OSError:
+                for fn, (args, res) in (signatures or {}).items():
+                    getattr(lib, fn).argtypes, getattr(lib, fn).restype = list(args), res
+            except (OSError, AttributeError):  # AttributeError: a stale build without a function
                 lib = None
     _loaded[name] = lib
     return lib

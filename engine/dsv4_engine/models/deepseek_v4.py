@@ -469,6 +469,22 @@ class DeepseekV4(V4Compressors, V4TorchAttention):
                     start = spans[k][2]
                     store[sid, layer, (b - S + keep) % S] = ext[k, b - start : b - start + S].to(store.dtype)
 
+    def _csa_topk(self, proj: dict, states: dict, j: int, fb, rate: int) -> torch.Tensor:
+        """The kernel path's CSA top-k: the lightning indexer over a layer's indexer keys."""
+        cfg = self.cfg
+        return self.kops.v4_indexer_topk(
+            proj["iq"],
+            proj["iw"],
+            states[self.CSA_INDEX_K][:, j],
+            fb.block_table,
+            fb.positions,
+            fb.extend_lens,
+            cfg.index_topk,
+            cfg.index_head_dim**-0.5,
+            rate,
+            fb.page_size,
+        )
+
     def _attend_kernels(
         self,
         i: int,
@@ -500,18 +516,7 @@ class DeepseekV4(V4Compressors, V4TorchAttention):
                 self._close_windows(L, proj, tok, spans, slots, fb.block_table, fb, states, j, rate)
             comp_kv = states[self.CSA_KV if kind == CSA else self.HCA_KV][:, j]
             if kind == CSA:
-                comp_idx = ops.v4_indexer_topk(
-                    proj["iq"],
-                    proj["iw"],
-                    states[self.CSA_INDEX_K][:, j],
-                    fb.block_table,
-                    fb.positions,
-                    fb.extend_lens,
-                    cfg.index_topk,
-                    cfg.index_head_dim**-0.5,
-                    rate,
-                    fb.page_size,
-                )
+                comp_idx = self._csa_topk(proj, states, j, fb, rate)
         ring_store = states[self.SWA_KV]
         args = (q, kv, ring_store[:, i], fb.slot_ids)
         tail = (fb.block_table, comp_kv, comp_idx, L["sink"], cfg.head_dim**-0.5, rate, fb.page_size)

@@ -142,18 +142,7 @@ def _attend_kernels(m, i, L, q, kv, proj, fb, states, j, rate):
     if rate:
         comp_kv = states[m.CSA_KV if L["type"] == CSA else m.HCA_KV][:, j]
         if L["type"] == CSA:
-            comp_idx = ops.v4_indexer_topk(
-                proj["iq"],
-                proj["iw"],
-                states[m.CSA_INDEX_K][:, j],
-                fb.block_table,
-                fb.positions,
-                fb.extend_lens,
-                cfg.index_topk,
-                cfg.index_head_dim**-0.5,
-                rate,
-                fb.page_size,
-            )
+            comp_idx = m._csa_topk(proj, states, j, fb, rate)
     return ops.v4_attention_extend(
         q,
         kv,
