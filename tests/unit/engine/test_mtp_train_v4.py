@@ -98,6 +98,20 @@ def test_v4_distillation_lowers_its_loss_and_trains_only_the_block(tmp_path):
     V4MTPLayer(DeepseekV4(DeepseekV4Config.from_dir(d), load_v4_weights(d)), d)
 
 
+def test_v4_chained_distillation_lowers_both_steps_loss(tmp_path):
+    """`chain=True`: the block also learns the draft chain's second step, from its
+    own output streams; the summed loss of both steps falls and the report has the chained
+    agreement. The block still loads in the engine's drafter."""
+    from dsv4_engine.spec_decode.train import train_mtp
+
+    d = init_checkpoint(tmp_path / "m", preset="v4-tiny", seed=4, mtp=True)
+    report = train_mtp(d, steps=30, num_prompts=8, new_tokens=16, batch=7, chain=True)
+    assert report["loss_last20_mean"] < 0.9 * report["loss_first"], report
+    assert 0.0 <= report["held_out_chained_agreement_after"] <= 1.0
+    assert (report["lr"], report["hard_weight"]) == (5e-3, 1.0)  # V4's recipe (V4Kit)
+    V4MTPLayer(DeepseekV4(DeepseekV4Config.from_dir(d), load_v4_weights(d)), d)
+
+
 def test_v4_base_training_lowers_the_corpus_loss_and_loads_in_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     from dsv4_engine.spec_decode.train import train_base
