@@ -112,7 +112,8 @@ def model_init(
         None,
         "--num-layers",
         help="Override the preset's num_hidden_layers (at least 1), e.g. a 16-layer tiny model where one "
-        "MTP layer costs a realistic share of a forward.",
+        "MTP layer costs a realistic share of a forward. V4 presets keep their first layers' types and "
+        "go on alternating their last two (CSA / HCA), hash-routed layers first.",
     ),
 ) -> None:
     """Write a Hugging Face-format DeepSeek-V3 or -V4 checkpoint (config, safetensors, tokenizer)."""

@@ -619,6 +619,35 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path, dtype: str = "float3
     return dst
 
 
+def _extend(types: list, n: int) -> list:
+    """The first n of a per-layer list; past its end, its last two entries keep alternating."""
+    out = list(types[:n])
+    period = 2 if len(types) >= 2 else 1
+    while len(out) < n:
+        out.append(out[-period])
+    return out
+
+
+def v4_with_depth(config: dict, n: int) -> dict:
+    """A V4 preset's config at depth n. V4 configs lay out each layer: the attention types
+    (`layer_types`, or the release's `compress_ratios`) keep the preset's first layers and then
+    alternate its last two (v4-tiny: sliding, CSA, HCA, CSA, HCA, CSA, ...: CSA and HCA layers
+    interleaved after the first, as in V4-Flash); the MLP types keep the preset's hash-routed
+    layers first (`mlp_layer_types` or `num_hash_layers`) and learned routing after them.
+    Written in the preset's own spelling, so the config reads the same in transformers."""
+    config = dict(config)
+    config["num_hidden_layers"] = n
+    for key in ("layer_types", "compress_ratios"):
+        if key in config:
+            config[key] = _extend(config[key], n)
+    if "mlp_layer_types" in config:
+        hashed = [t for t in config["mlp_layer_types"] if t == "hash_moe"]
+        config["mlp_layer_types"] = (hashed + ["moe"] * n)[:n]
+    elif "num_hash_layers" in config:
+        config["num_hash_layers"] = min(int(config["num_hash_layers"]), n)
+    return config
+
+
 def init_checkpoint(
     out_dir: str | Path,
     preset: str = "tiny",
@@ -638,10 +667,10 @@ def init_checkpoint(
     if num_layers is not None:
         if num_layers < 1:
             raise ValueError(f"--num-layers must be at least 1, got {num_layers}")
-        # V4 presets list each layer (layer_types, compress_ratios): their depth is fixed
         if config.get("model_type") == "deepseek_v4":
-            raise ValueError(f"--num-layers changes DeepSeek-V3 presets; {preset!r} lays out each layer")
-        config["num_hidden_layers"] = num_layers
+            config = v4_with_depth(config, num_layers)
+        else:
+            config["num_hidden_layers"] = num_layers
     if mtp:  # one multi-token-prediction block: V3's `model.layers.N.*`, V4's `mtp.0.*`
         config["num_nextn_predict_layers"] = 1
     if quant is not None:

@@ -81,7 +81,9 @@ def run_layers(
     else:
         spans = None if static else request_spans(fb)
     m._step_index = {}
-    rope = {name: rope_table(fb.positions, inv) for name, inv in m.inv_freq.items()}
+    # only the tables these layers read (the MTP block, a sliding layer: the main rope alone)
+    needed = {"main" if L["type"] == SLIDING else "compress" for _, L in layers}
+    rope = {name: rope_table(fb.positions, inv) for name, inv in m.inv_freq.items() if name in needed}
     for i, L in layers:
         post, comb, collapsed = m._hc(x, L["hc_attn"])
         a = m._attention(i, L, rms(collapsed, L["attn_norm"], eps), fb, states, spans, rope)

@@ -98,6 +98,20 @@ def test_v4_distillation_lowers_its_loss_and_trains_only_the_block(tmp_path):
     V4MTPLayer(DeepseekV4(DeepseekV4Config.from_dir(d), load_v4_weights(d)), d)
 
 
+def test_v4_chained_distillation_lowers_both_steps_loss(tmp_path):
+    """`chain=True`: the block also learns the draft chain's second step, from its
+    own output streams; the summed loss of both steps falls and the report has the chained
+    agreement. The block still loads in the engine's drafter."""
+    from dsv4_engine.spec_decode.train import train_mtp
+
+    d = init_checkpoint(tmp_path / "m", preset="v4-tiny", seed=4, mtp=True)
+    report = train_mtp(d, steps=30, num_prompts=8, new_tokens=16, batch=7, chain=True)
+    assert report["loss_last20_mean"] < 0.9 * report["loss_first"], report
+    assert 0.0 <= report["held_out_chained_agreement_after"] <= 1.0
+    assert (report["lr"], report["hard_weight"]) == (5e-3, 1.0)  # V4's recipe (V4Kit)
+    V4MTPLayer(DeepseekV4(DeepseekV4Config.from_dir(d), load_v4_weights(d)), d)
+
+
 def test_v4_base_training_lowers_the_corpus_loss_and_loads_in_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     from dsv4_engine.spec_decode.train import train_base
@@ -113,6 +127,45 @@ def test_v4_base_training_lowers_the_corpus_loss_and_loads_in_transformers(tmp_p
         theirs = hf(torch.tensor([seq])).logits[0]
         ours = TrainableV4(cfg, load_file(str(d / "model.safetensors"))).forward(torch.tensor([seq]))[0]
     assert (ours - theirs).abs().max() < 1e-3 * max(1.0, float(theirs.abs().max()))
+
+
+def test_num_layers_deepens_a_v4_preset_into_a_checkpoint_the_engine_and_transformers_run(tmp_path):
+    """`--num-layers 6` on v4-tiny (4 layers listed): the attention types go on alternating
+    CSA / HCA after the preset's layers, the hash-routed layers stay the preset's first two, and
+    the checkpoint (MTP block included) loads in the engine and in transformers with the same
+    logits."""
+    transformers = pytest.importorskip("transformers")
+    from dsv4_engine.checkpoint import PRESETS
+
+    d = init_checkpoint(tmp_path / "m", preset="v4-tiny", seed=3, mtp=True, num_layers=6)
+    cfg = DeepseekV4Config.from_dir(d)
+    assert cfg.num_hidden_layers == 6
+    assert cfg.layer_types == PRESETS["v4-tiny"]["layer_types"] + [
+        "heavily_compressed_attention",
+        "compressed_sparse_attention",
+    ]
+    assert cfg.mlp_layer_types == ["hash_moe", "hash_moe", "moe", "moe", "moe", "moe"]
+    hf_cfg = transformers.AutoConfig.from_pretrained(str(d))
+    assert list(hf_cfg.layer_types) == cfg.layer_types and list(hf_cfg.mlp_layer_types) == cfg.mlp_layer_types
+    model = DeepseekV4(cfg, load_v4_weights(d))
+    seq = [(11 * i + 5) % 500 + 2 for i in range(30)]
+    streams, _ = _engine_streams(model, V4MTPLayer(model, d), seq)
+    ours = V4Target(model).logits(streams)
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(torch.tensor([seq])).logits[0]
+    assert (ours - theirs).abs().max() < 1e-3 * max(1.0, float(theirs.abs().max()))
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+def test_num_layers_keeps_the_release_spelling_of_a_v4_preset():
+    from dsv4_engine.checkpoint import PRESETS, v4_with_depth
+
+    c = v4_with_depth(PRESETS["v4-flash-shape"], 6)
+    assert c["compress_ratios"] == [0, 4, 128, 4, 128, 4] and c["num_hash_layers"] == 1
+    assert DeepseekV4Config.from_dict(c).num_hidden_layers == 6
+    short = v4_with_depth(PRESETS["v4-tiny"], 2)
+    assert DeepseekV4Config.from_dict(short).layer_types == PRESETS["v4-tiny"]["layer_types"][:2]
 
 
 @pytest.mark.parametrize("steps", range(1, 41))
