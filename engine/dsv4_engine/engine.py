@@ -302,8 +302,10 @@ class Engine:
         # False: outputs carry token ids only, and stop strings are judged by whoever turns them
         # into text (the HTTP process; it ends the request with `finish(seq, "stop")`).
         self.detokenize = True
-        if os.environ.get("DSV4_STEP_PHASES", "") not in ("", "0"):
-            PHASES.enable(True, self.runner.device)
+        phases = os.environ.get("DSV4_STEP_PHASES", "")
+        if phases not in ("", "0"):
+            # "cpu": the loop thread's CPU time per phase, not the wall (its own cost on a loaded machine)
+            PHASES.enable(True, self.runner.device, cpu_clock=phases == "cpu")
 
     # ---- thread-safe entry points ----------------------------------------------------------------
 

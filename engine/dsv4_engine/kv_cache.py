@@ -135,7 +135,8 @@ class KVPool:
 
     def page_bytes_by_state(self) -> dict[str, int]:
         """Bytes one page costs in each paged state."""
-        return {name: t[0].numel() * t.element_size() for name, t in self.states.items()}
+        # numel // pages, not t[0].numel(): no view made (the engine asks every step)
+        return {name: t.numel() // t.shape[0] * t.element_size() for name, t in self.states.items()}
 
     def bytes_per_token(self) -> dict[str, float]:
         """What each paged state costs per token of context (for /v1/loads and sizing)."""
@@ -321,7 +322,8 @@ class SnapshotPool:
         return snap in self._lru
 
     def bytes_per_snapshot(self) -> dict[str, int]:
-        return {name: t[0].numel() * t.element_size() for name, t in self.states.items()}
+        # numel // pages, not t[0].numel(): no view made (the engine asks every step)
+        return {name: t.numel() // t.shape[0] * t.element_size() for name, t in self.states.items()}
 
     def reserve(self) -> int:
         """A snapshot row to be written (by the model's forward, or `save`): free, or the least

@@ -50,17 +50,30 @@ class EngineMetrics:
         }
         # Plain mirrors of the counters so /v1/loads can report them without parsing.
         self.totals = {k: 0.0 for k in COUNTERS}
+        # The engine sets every gauge once per step and most do not move between steps: what was
+        # last set, so an unchanged value costs a dict lookup instead of a locked write.
+        self._last: dict = {}
+        self._state_children: dict = {}  # (name, state) -> that labelled gauge, made once
 
     def inc(self, name: str, amount: float = 1.0) -> None:
         self.counters[name].inc(amount)
         self.totals[name] += amount
 
     def set(self, name: str, value: float) -> None:
-        self.gauges[name].set(value)
+        if self._last.get(name) != value:
+            self.gauges[name].set(value)
+            self._last[name] = value
 
     def set_state(self, name: str, state: str, value: float) -> None:
         """A per-state gauge (STATE_GAUGES), e.g. bytes per token of one state."""
-        self.state_gauges[name].labels(**self.labels, **{STATE_LABEL: state}).set(value)
+        key = (name, state)
+        if self._last.get(key) == value:
+            return
+        child = self._state_children.get(key)
+        if child is None:
+            child = self._state_children[key] = self.state_gauges[name].labels(**self.labels, **{STATE_LABEL: state})
+        child.set(value)
+        self._last[key] = value
 
     def observe(self, name: str, value: float) -> None:
         self.histograms[name].observe(value)
