@@ -66,8 +66,24 @@ def _native_mla():
     return _patcher(cpu_mla, {"supports": lambda q, kv: False}, {"supports": cpu_mla.supports})
 
 
+def _native_norm():
+    """The V3 RMSNorms (17 a step): the torch form (before) vs one native call each
+    (dsv4_kernels.cpu_rmsnorm)."""
+    from dsv4_kernels import cpu_rmsnorm
+
+    if not cpu_rmsnorm.available():
+        raise SystemExit("the native rmsnorm is not available here (no C compiler, or turned off)")
+    return _patcher(cpu_rmsnorm, {"supports": lambda *a: False}, {"supports": cpu_rmsnorm.supports})
+
+
 # --change NAME: which earlier code the "before" side runs
-CHANGES = {"round1": _round1, "gather": _gather, "native-moe": _native_moe, "native-mla": _native_mla}
+CHANGES = {
+    "round1": _round1,
+    "gather": _gather,
+    "native-moe": _native_moe,
+    "native-mla": _native_mla,
+    "native-norm": _native_norm,
+}
 
 
 def sides(change: str = "round1"):
