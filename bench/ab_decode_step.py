@@ -76,6 +76,15 @@ def _native_norm():
     return _patcher(cpu_rmsnorm, {"supports": lambda *a: False}, {"supports": cpu_rmsnorm.supports})
 
 
+def _native_rope():
+    """The V3 ropes (8 a step): the torch form (before) vs one native call each (dsv4_kernels.cpu_rope)."""
+    from dsv4_kernels import cpu_rope
+
+    if not cpu_rope.available():
+        raise SystemExit("the native rope is not available here (no C compiler, or turned off)")
+    return _patcher(cpu_rope, {"supports": lambda *a: False}, {"supports": cpu_rope.supports})
+
+
 # --change NAME: which earlier code the "before" side runs
 CHANGES = {
     "round1": _round1,
@@ -83,6 +92,7 @@ CHANGES = {
     "native-moe": _native_moe,
     "native-mla": _native_mla,
     "native-norm": _native_norm,
+    "native-rope": _native_rope,
 }
 
 

@@ -22,7 +22,7 @@ from dsv4_engine.models.forward_batch import ForwardBatch
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.quant import dense, log_resident, moe_experts_for, place
 from dsv4_engine.step_phases import PHASES
-from dsv4_kernels import cpu_mla, cpu_moe, cpu_rmsnorm
+from dsv4_kernels import cpu_mla, cpu_moe, cpu_rmsnorm, cpu_rope
 
 
 def yarn_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -119,6 +119,8 @@ class DeepseekV3:
         # RMSNorm (+ residual) as one native call on the same backend (dsv4_kernels.cpu_rmsnorm):
         # 17 calls a step over a few rows each, where the torch form's ~10 ops a call dominate.
         self.native_norm = device.type == "cpu" and getattr(ops, "EXPANDED_PREFILL", False) and cpu_rmsnorm.available()
+        # and the ropes (8 a step; bit for bit the torch form's: dsv4_kernels.cpu_rope)
+        self.native_rope = device.type == "cpu" and getattr(ops, "EXPANDED_PREFILL", False) and cpu_rope.available()
         inv_freq, attn_factor = yarn_inv_freq(cfg)
         max_pos = max(cfg.max_position_embeddings, 1)
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
@@ -215,6 +217,11 @@ class DeepseekV3:
             return cpu_rmsnorm.rmsnorm(x, weight, self.cfg.rms_norm_eps, residual)
         return self.ops.rmsnorm(x, weight, self.cfg.rms_norm_eps, residual)
 
+    def _rope_(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.native_rope and cpu_rope.supports(x, positions, self.cos, self.sin):
+            return cpu_rope.rope_interleaved_(x, positions, self.cos, self.sin)
+        return self.ops.rope_interleaved_(x, positions, self.cos, self.sin)
+
     def _mlp(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         if cpu_moe.applies(x, w13, w2):  # a decode step's few tokens on the CPU: one native call
             return cpu_moe.mlp(x, w13, w2)
@@ -242,8 +249,8 @@ class DeepseekV3:
         latent, _ = self._rmsnorm(ckv[:, :C], L["kv_a_norm"])
         k_rope = ckv[:, C:].unsqueeze(1)  # [T, 1, R]
         q_rope = q[:, :, nope:]
-        ops.rope_interleaved_(q_rope, fb.positions, self.cos, self.sin)
-        ops.rope_interleaved_(k_rope, fb.positions, self.cos, self.sin)
+        self._rope_(q_rope, fb.positions)
+        self._rope_(k_rope, fb.positions)
         # Write this step's latent + rope key into the pages before attending, so new tokens
         # see themselves and each other through the same paged read as the prefix.
         pages, offs = slots
