@@ -85,6 +85,12 @@ def _native_rope():
     return _patcher(cpu_rope, {"supports": lambda *a: False}, {"supports": cpu_rope.supports})
 
 
+def _native_norm_rope():
+    """Both of the above at once: the V3 norms and ropes in torch (before) vs native."""
+    a, b = _native_norm(), _native_rope()
+    return {side: (lambda side=side: (a[side](), b[side]())) for side in ("before", "after")}
+
+
 # --change NAME: which earlier code the "before" side runs
 CHANGES = {
     "round1": _round1,
@@ -93,6 +99,7 @@ CHANGES = {
     "native-mla": _native_mla,
     "native-norm": _native_norm,
     "native-rope": _native_rope,
+    "native-norm-rope": _native_norm_rope,
 }
 
 
