@@ -85,6 +85,16 @@ def _native_rope():
     return _patcher(cpu_rope, {"supports": lambda *a: False}, {"supports": cpu_rope.supports})
 
 
+def _native_route():
+    """The V3 router's expert choice: the torch form (before) vs one native call a layer
+    (dsv4_kernels.cpu_moe_route; the same ids, ties fall back to torch)."""
+    from dsv4_kernels import cpu_moe_route
+
+    if not cpu_moe_route.available():
+        raise SystemExit("the native routing is not available here (no C compiler, or turned off)")
+    return _patcher(cpu_moe_route, {"supports": lambda *a: False}, {"supports": cpu_moe_route.supports})
+
+
 def _native_norm_rope():
     """Both of the above at once: the V3 norms and ropes in torch (before) vs native."""
     a, b = _native_norm(), _native_rope()
@@ -100,6 +110,7 @@ CHANGES = {
     "native-norm": _native_norm,
     "native-rope": _native_rope,
     "native-norm-rope": _native_norm_rope,
+    "native-route": _native_route,
 }
 
 

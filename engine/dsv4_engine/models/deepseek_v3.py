@@ -22,7 +22,7 @@ from dsv4_engine.models.forward_batch import ForwardBatch
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.quant import dense, log_resident, moe_experts_for, place
 from dsv4_engine.step_phases import PHASES
-from dsv4_kernels import cpu_mla, cpu_moe, cpu_rmsnorm, cpu_rope
+from dsv4_kernels import cpu_mla, cpu_moe, cpu_moe_route, cpu_rmsnorm, cpu_rope
 
 
 def yarn_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -121,6 +121,10 @@ class DeepseekV3:
         self.native_norm = device.type == "cpu" and getattr(ops, "EXPANDED_PREFILL", False) and cpu_rmsnorm.available()
         # and the ropes (8 a step; bit for bit the torch form's: dsv4_kernels.cpu_rope)
         self.native_rope = device.type == "cpu" and getattr(ops, "EXPANDED_PREFILL", False) and cpu_rope.available()
+        # and the router's expert choice (the same ids as torch's, ties fall back: cpu_moe_route)
+        self.native_route = (
+            device.type == "cpu" and getattr(ops, "EXPANDED_PREFILL", False) and cpu_moe_route.available()
+        )
         inv_freq, attn_factor = yarn_inv_freq(cfg)
         max_pos = max(cfg.max_position_embeddings, 1)
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
@@ -352,7 +356,8 @@ class DeepseekV3:
     def _moe(self, L: dict, x: torch.Tensor) -> torch.Tensor:
         cfg, ops = self.cfg, self.ops
         logits = F.linear(x.float(), L["gate"])
-        weights, ids = ops.moe_route(
+        native = self.native_route and cpu_moe_route.supports(logits, L["bias"])
+        weights, ids = (cpu_moe_route.moe_route if native else ops.moe_route)(
             logits,
             L["bias"],
             cfg.n_group,
