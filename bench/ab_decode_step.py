@@ -101,6 +101,12 @@ def _native_norm_rope():
     return {side: (lambda side=side: (a[side](), b[side]())) for side in ("before", "after")}
 
 
+def _pass6():
+    """Section 6 whole: the V3 norms, ropes and expert choice in torch (before) vs native."""
+    parts = (_native_norm(), _native_rope(), _native_route())
+    return {side: (lambda side=side: [p[side]() for p in parts]) for side in ("before", "after")}
+
+
 # --change NAME: which earlier code the "before" side runs
 CHANGES = {
     "round1": _round1,
@@ -111,6 +117,7 @@ CHANGES = {
     "native-rope": _native_rope,
     "native-norm-rope": _native_norm_rope,
     "native-route": _native_route,
+    "pass6": _pass6,
 }
 
 
