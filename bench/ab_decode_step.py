@@ -66,8 +66,59 @@ def _native_mla():
     return _patcher(cpu_mla, {"supports": lambda q, kv: False}, {"supports": cpu_mla.supports})
 
 
+def _native_norm():
+    """The V3 RMSNorms (17 a step): the torch form (before) vs one native call each
+    (dsv4_kernels.cpu_rmsnorm)."""
+    from dsv4_kernels import cpu_rmsnorm
+
+    if not cpu_rmsnorm.available():
+        raise SystemExit("the native rmsnorm is not available here (no C compiler, or turned off)")
+    return _patcher(cpu_rmsnorm, {"supports": lambda *a: False}, {"supports": cpu_rmsnorm.supports})
+
+
+def _native_rope():
+    """The V3 ropes (8 a step): the torch form (before) vs one native call each (dsv4_kernels.cpu_rope)."""
+    from dsv4_kernels import cpu_rope
+
+    if not cpu_rope.available():
+        raise SystemExit("the native rope is not available here (no C compiler, or turned off)")
+    return _patcher(cpu_rope, {"supports": lambda *a: False}, {"supports": cpu_rope.supports})
+
+
+def _native_route():
+    """The V3 router's expert choice: the torch form (before) vs one native call a layer
+    (dsv4_kernels.cpu_moe_route; the same ids, ties fall back to torch)."""
+    from dsv4_kernels import cpu_moe_route
+
+    if not cpu_moe_route.available():
+        raise SystemExit("the native routing is not available here (no C compiler, or turned off)")
+    return _patcher(cpu_moe_route, {"supports": lambda *a: False}, {"supports": cpu_moe_route.supports})
+
+
+def _native_norm_rope():
+    """Both of the above at once: the V3 norms and ropes in torch (before) vs native."""
+    a, b = _native_norm(), _native_rope()
+    return {side: (lambda side=side: (a[side](), b[side]())) for side in ("before", "after")}
+
+
+def _pass6():
+    """Section 6 whole: the V3 norms, ropes and expert choice in torch (before) vs native."""
+    parts = (_native_norm(), _native_rope(), _native_route())
+    return {side: (lambda side=side: [p[side]() for p in parts]) for side in ("before", "after")}
+
+
 # --change NAME: which earlier code the "before" side runs
-CHANGES = {"round1": _round1, "gather": _gather, "native-moe": _native_moe, "native-mla": _native_mla}
+CHANGES = {
+    "round1": _round1,
+    "gather": _gather,
+    "native-moe": _native_moe,
+    "native-mla": _native_mla,
+    "native-norm": _native_norm,
+    "native-rope": _native_rope,
+    "native-norm-rope": _native_norm_rope,
+    "native-route": _native_route,
+    "pass6": _pass6,
+}
 
 
 def sides(change: str = "round1"):

@@ -22,7 +22,7 @@ from dsv4_engine.models.forward_batch import ForwardBatch
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.quant import dense, log_resident, moe_experts_for, place
 from dsv4_engine.step_phases import PHASES
-from dsv4_kernels import cpu_mla, cpu_moe
+from dsv4_kernels import cpu_mla, cpu_moe, cpu_moe_route, cpu_rmsnorm, cpu_rope
 
 
 def yarn_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -116,6 +116,15 @@ class DeepseekV3:
         # Decode attention as one native call on the CPU's torch backend (dsv4_kernels.cpu_mla):
         # the latent rows read in place from the pages instead of a gathered copy and two bmms.
         self.native_mla = device.type == "cpu" and getattr(ops, "EXPANDED_PREFILL", False) and cpu_mla.available()
+        # RMSNorm (+ residual) as one native call on the same backend (dsv4_kernels.cpu_rmsnorm):
+        # 17 calls a step over a few rows each, where the torch form's ~10 ops a call dominate.
+        self.native_norm = device.type == "cpu" and getattr(ops, "EXPANDED_PREFILL", False) and cpu_rmsnorm.available()
+        # and the ropes (8 a step; bit for bit the torch form's: dsv4_kernels.cpu_rope)
+        self.native_rope = device.type == "cpu" and getattr(ops, "EXPANDED_PREFILL", False) and cpu_rope.available()
+        # and the router's expert choice (the same ids as torch's, ties fall back: cpu_moe_route)
+        self.native_route = (
+            device.type == "cpu" and getattr(ops, "EXPANDED_PREFILL", False) and cpu_moe_route.available()
+        )
         inv_freq, attn_factor = yarn_inv_freq(cfg)
         max_pos = max(cfg.max_position_embeddings, 1)
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
@@ -205,6 +214,18 @@ class DeepseekV3:
 
     # ---- forward -------------------------------------------------------------------------------
 
+    def _rmsnorm(
+        self, x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.native_norm and cpu_rmsnorm.supports(x, weight, residual):
+            return cpu_rmsnorm.rmsnorm(x, weight, self.cfg.rms_norm_eps, residual)
+        return self.ops.rmsnorm(x, weight, self.cfg.rms_norm_eps, residual)
+
+    def _rope_(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self.native_rope and cpu_rope.supports(x, positions, self.cos, self.sin):
+            return cpu_rope.rope_interleaved_(x, positions, self.cos, self.sin)
+        return self.ops.rope_interleaved_(x, positions, self.cos, self.sin)
+
     def _mlp(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         if cpu_moe.applies(x, w13, w2):  # a decode step's few tokens on the CPU: one native call
             return cpu_moe.mlp(x, w13, w2)
@@ -223,17 +244,17 @@ class DeepseekV3:
         T = x.shape[0]
         H, nope, C = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank:
-            qa, _ = ops.rmsnorm(F.linear(x, L["q_a"]), L["q_a_norm"], cfg.rms_norm_eps)
+            qa, _ = self._rmsnorm(F.linear(x, L["q_a"]), L["q_a_norm"])
             q = F.linear(qa, L["q_b"])
         else:
             q = F.linear(x, L["q_b"])
         q = q.view(T, H, cfg.qk_head_dim)
         ckv = F.linear(x, L["kv_a"])
-        latent, _ = ops.rmsnorm(ckv[:, :C], L["kv_a_norm"], cfg.rms_norm_eps)
+        latent, _ = self._rmsnorm(ckv[:, :C], L["kv_a_norm"])
         k_rope = ckv[:, C:].unsqueeze(1)  # [T, 1, R]
         q_rope = q[:, :, nope:]
-        ops.rope_interleaved_(q_rope, fb.positions, self.cos, self.sin)
-        ops.rope_interleaved_(k_rope, fb.positions, self.cos, self.sin)
+        self._rope_(q_rope, fb.positions)
+        self._rope_(k_rope, fb.positions)
         # Write this step's latent + rope key into the pages before attending, so new tokens
         # see themselves and each other through the same paged read as the prefix.
         pages, offs = slots
@@ -335,7 +356,8 @@ class DeepseekV3:
     def _moe(self, L: dict, x: torch.Tensor) -> torch.Tensor:
         cfg, ops = self.cfg, self.ops
         logits = F.linear(x.float(), L["gate"])
-        weights, ids = ops.moe_route(
+        native = self.native_route and cpu_moe_route.supports(logits, L["bias"])
+        weights, ids = (cpu_moe_route.moe_route if native else ops.moe_route)(
             logits,
             L["bias"],
             cfg.n_group,
@@ -368,12 +390,11 @@ class DeepseekV3:
         slots: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder layer: (output, residual) as the next layer's rmsnorm takes them."""
-        cfg, ops = self.cfg, self.ops
-        h, residual = ops.rmsnorm(x, L["input_norm"], cfg.rms_norm_eps, residual)
+        h, residual = self._rmsnorm(x, L["input_norm"], residual)
         PHASES.lap("norms")
         x = self._attention(L, h, fb, kv_layer, slots)
         PHASES.lap("attention")
-        h, residual = ops.rmsnorm(x, L["post_norm"], cfg.rms_norm_eps, residual)
+        h, residual = self._rmsnorm(x, L["post_norm"], residual)
         PHASES.lap("norms")
         x = self._moe(L, h) if "gate" in L else self._reduce(self._mlp(h, L["d_w13"], L["d_w2"]))
         PHASES.lap("moe")
@@ -394,7 +415,7 @@ class DeepseekV3:
         for i, L in enumerate(self.layers):
             x, residual = self.decoder_layer(L, x, residual, fb, kv_pool[:, i], slots)
         h = x + residual if rows is None else x[rows] + residual[rows]
-        h, _ = self.ops.rmsnorm(h, self.final_norm, self.cfg.rms_norm_eps)
+        h, _ = self._rmsnorm(h, self.final_norm)
         return h
 
     @torch.inference_mode()
