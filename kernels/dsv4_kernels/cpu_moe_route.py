@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from dsv4_kernels import native
+from dsv4_kernels.native import I64, P
 from dsv4_kernels import reference as ref
 
 _lib: Optional[ctypes.CDLL] = None
@@ -22,13 +23,15 @@ _lib: Optional[ctypes.CDLL] = None
 
 def available() -> bool:
     global _lib
-    lib = native.load("moe_route_cpu", ["-march=native", "-ffp-contract=off"], off_env="DSV4_NO_NATIVE_ROUTE")
-    if lib is not None and _lib is None:
-        f = lib.moe_route_select
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        f.argtypes = [p, p, i64, i64, i64, i64, i64, p]
-        f.restype = ctypes.c_int
-        _lib = lib
+    if _lib is None:
+        _lib = native.load(
+            "moe_route_cpu",
+            ["-march=native", "-ffp-contract=off"],
+            off_env="DSV4_NO_NATIVE_ROUTE",
+            signatures={
+                "moe_route_select": ([P, P, I64, I64, I64, I64, I64, P], ctypes.c_int),
+            },
+        )
     return _lib is not None
 
 

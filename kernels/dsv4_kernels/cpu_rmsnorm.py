@@ -15,19 +15,22 @@ from typing import Optional
 import torch
 
 from dsv4_kernels import native
+from dsv4_kernels.native import F32, I64, P
 
 _lib: Optional[ctypes.CDLL] = None
 
 
 def available() -> bool:
     global _lib
-    lib = native.load("rmsnorm_cpu", ["-march=native"], off_env="DSV4_NO_NATIVE_NORM")
-    if lib is not None and _lib is None:
-        f = lib.rmsnorm_rows
-        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        f.argtypes = [p, i64, i64, i64, p, p, p, f32, p]
-        f.restype = None
-        _lib = lib
+    if _lib is None:
+        _lib = native.load(
+            "rmsnorm_cpu",
+            ["-march=native"],
+            off_env="DSV4_NO_NATIVE_NORM",
+            signatures={
+                "rmsnorm_rows": ([P, I64, I64, I64, P, P, P, F32, P], None),
+            },
+        )
     return _lib is not None
 
 

@@ -13,19 +13,22 @@ from typing import Optional
 import torch
 
 from dsv4_kernels import native
+from dsv4_kernels.native import I64, P
 
 _lib: Optional[ctypes.CDLL] = None
 
 
 def available() -> bool:
     global _lib
-    lib = native.load("rope_cpu", ["-march=native", "-ffp-contract=off"], off_env="DSV4_NO_NATIVE_ROPE")
-    if lib is not None and _lib is None:
-        f = lib.rope_interleaved_rows
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        f.argtypes = [p, i64, i64, i64, i64, i64, p, p, p, i64, i64]
-        f.restype = ctypes.c_int
-        _lib = lib
+    if _lib is None:
+        _lib = native.load(
+            "rope_cpu",
+            ["-march=native", "-ffp-contract=off"],
+            off_env="DSV4_NO_NATIVE_ROPE",
+            signatures={
+                "rope_interleaved_rows": ([P, I64, I64, I64, I64, I64, P, P, P, I64, I64], ctypes.c_int),
+            },
+        )
     return _lib is not None
 
 
