@@ -25,9 +25,11 @@ def build_workloads(
     append_len: int = 0,
 ) -> list[dict]:
     """Fixed workloads c{C} (closed loop, C clients) and, with rounds, a multi-round one; HF's
-    batch at concurrency C is the first C prompts of c{C}."""
-    most = max(concurrency) * requests_per_client
-    pool = loadgen.random_prompts(most, prompt_len, vocab, seed)
+    batch at concurrency C is the first C prompts of c{C}.
+
+    Every workload, every repeat of it (`for_run`) and the warm-up draw their own prompts: a
+    server with a prefix cache must not answer a measured run from the prompts of an earlier
+    one (the same prompts for every side within one run, so the sides still compare alike)."""
     ws = [
         {
             "name": f"c{c}",
@@ -35,12 +37,14 @@ def build_workloads(
             "concurrency": c,
             "prompt_len": prompt_len,
             "new_tokens": new_tokens,
-            "prompts": pool[: c * requests_per_client],
+            "prompts": loadgen.random_prompts(c * requests_per_client, prompt_len, vocab, seed * 1000 + c),
+            "fresh": {"n": c * requests_per_client, "length": prompt_len, "vocab": vocab, "seed": seed * 1000 + c},
         }
         for c in concurrency
     ]
     if rounds > 0 and conversations > 0:
-        first, append = loadgen.multiround_inputs(conversations, prompt_len, rounds, append_len, vocab, seed + 7)
+        mr_args = (conversations, prompt_len, rounds, append_len, vocab)
+        first, append = loadgen.multiround_inputs(*mr_args, seed + 7)
         ws.append(
             {
                 "name": "multiround",
@@ -52,14 +56,30 @@ def build_workloads(
                 "append_len": append_len,
                 "new_tokens": new_tokens,
                 "context_lens": loadgen.multiround_context_lens(prompt_len, rounds, append_len, new_tokens),
+                "fresh": {"args": mr_args, "seed": seed + 7},
             }
         )
     return ws
 
 
+RUN_SEED_STRIDE = 7919  # a prime: run r's seed never meets another workload's base seed
+
+
+def for_run(w: dict, r: int) -> dict:
+    """Workload w with the prompts of its run r (run 0: w's own; r < 0: the warm-up's)."""
+    if r == 0 or "fresh" not in w:
+        return w
+    f = w["fresh"]
+    seed = f["seed"] + RUN_SEED_STRIDE * r
+    if w["kind"] == "fixed":
+        return {**w, "prompts": loadgen.random_prompts(f["n"], f["length"], f["vocab"], seed)}
+    first, append = loadgen.multiround_inputs(*f["args"], seed)
+    return {**w, "first": first, "append": append}
+
+
 def describe(w: dict) -> dict:
     """A workload without its token ids (for the JSON record)."""
-    d = {k: v for k, v in w.items() if k not in ("prompts", "first", "append")}
+    d = {k: v for k, v in w.items() if k not in ("prompts", "first", "append", "fresh")}
     d["requests"] = len(w["prompts"]) if w["kind"] == "fixed" else len(w["first"]) * w["rounds"]
     return d
 
@@ -76,8 +96,9 @@ def run_workload(url: str, model_name: Optional[str], w: dict) -> dict:
 
 
 def warm_up(url: str, model_name: Optional[str], w: dict) -> None:
-    """A few short requests first: first-call allocations are not what we measure."""
-    prompts = (w.get("prompts") or w["first"])[:4]
+    """A few short requests first: first-call allocations are not what we measure (prompts of
+    their own, which no measured run sends)."""
+    prompts = (for_run(w, -1).get("prompts") or for_run(w, -1)["first"])[:4]
     run_workload(
         url,
         model_name,
@@ -115,8 +136,9 @@ def drive(sides: list[Side], workloads: list[dict], repeats: int, console: Conso
     for w in workloads:
         runs: dict[str, list[dict]] = {side.label: [] for side in sides}
         for r in range(repeats):
+            wr = for_run(w, r)
             for side in sides if r % 2 == 0 else list(reversed(sides)):
-                res = side.run(w)
+                res = side.run(wr)
                 res["load_average"] = load_average()
                 runs[side.label].append(res)
         for side in sides:

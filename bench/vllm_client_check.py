@@ -69,8 +69,8 @@ def run_client(py: str, url: str, model: Path, c: int, a: argparse.Namespace, ou
         "--max-concurrency",
         str(c),
         "--ignore-eos",
-        "--seed",
-        str(a.seed),
+        "--seed",  # each level its own prompts (the same for both servers): no prefix cache hit
+        str(a.seed * 1000 + c),  # on a prompt an earlier level already sent
         "--percentile-metrics",
         "ttft,tpot,itl",
         "--metric-percentiles",
