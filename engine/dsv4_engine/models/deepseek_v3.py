@@ -76,6 +76,11 @@ def softmax_scale(cfg: ModelConfig) -> float:
     return scale
 
 
+# Mixed steps hand their one-token requests to the decode path (bench/ab_decode_step.py
+# --change mixed_decode turns it off for the A/B).
+MIXED_DECODE_NATIVE = True
+
+
 def expanded_is_cheaper(extend_len: int, seq_len: int, cfg: ModelConfig) -> bool:
     """Whether a request's new tokens attend in fewer multiply-adds in the per-head (expanded)
     form than in the absorbed one. Absorbed: each new token's query is folded into and its
@@ -313,7 +318,9 @@ class DeepseekV3:
                 seq_lens=fb.seq_lens[idx],
                 extend_lens=fb.extend_lens[idx],
                 logits_indices=fb.logits_indices[idx],
-                all_decode=False,
+                # the decoding requests of a mixed step (one new token each) are a decode batch:
+                # the native decode kernel instead of mla_extend's per-request loop
+                all_decode=all(exts[b] == 1 for b in keep) and MIXED_DECODE_NATIVE,
                 page_size=fb.page_size,
                 seq_lens_host=[lens[b] for b in keep],
                 extend_lens_host=[exts[b] for b in keep],
