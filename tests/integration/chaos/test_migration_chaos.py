@@ -224,7 +224,9 @@ def test_v4_decode_sigkill_mid_stream(make_model, tmp_path):
     every V4 state (window ring, compressors, indexer) from the prefill that recomputes them."""
     c = Cluster(make_model("v4-tiny"), tmp_path, decodes=2)
     try:
-        n, tokens = 12, 48
+        # long enough that the kill lands mid-stream: with the native CPU kernels a v4-tiny
+        # decode step is a few ms, and 48-token streams had ended before it
+        n, tokens = 12, 192
         bodies = [body_for(i, tokens) for i in range(n)]
         want = streams(c.r_url, bodies)
         assert all(w.ok for w in want)
