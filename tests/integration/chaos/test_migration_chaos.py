@@ -17,7 +17,7 @@ import pytest
 from migration_chaos import Cluster, body_for, mismatches, streams, wait_idle
 
 STREAMS = 24
-TOKENS = 96
+TOKENS = 128  # streams long enough that a kill 0.15 s after admission lands mid-stream
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def test_decode_sigkill_mid_stream_costs_no_client_an_error(cluster):
 
     def kill():
         c.wait_running("decode0", 6)
-        time.sleep(0.3)  # mid-stream: tokens are out
+        time.sleep(0.15)  # mid-stream: tokens are out
         c.kill("decode0")
 
     got = _disturbed(c, bodies, kill)
@@ -88,7 +88,7 @@ def test_chat_seeded_and_unstreamed_requests_move_too(cluster):
     box: dict = {}
     t = threading.Thread(target=lambda: box.update(chat=streams(c.r_url, chat, chat=True)))
     t.start()
-    got_c = _disturbed(c, comp, lambda: (c.wait_running("decode1", 8), time.sleep(0.3), c.kill("decode1")))
+    got_c = _disturbed(c, comp, lambda: (c.wait_running("decode1", 8), time.sleep(0.15), c.kill("decode1")))
     t.join(180)
     bad = mismatches(got_c, want_c, TOKENS) + mismatches(box["chat"], want_chat, TOKENS)
     assert not bad, "\n".join(bad[:5]) + "\n" + c.logs()
@@ -107,7 +107,7 @@ def test_sigterm_drain_past_its_grace_moves_the_rest(tiny_model, tmp_path):
 
         def term():
             c.wait_running("decode0", 6)
-            time.sleep(0.3)
+            time.sleep(0.15)
             c.kill("decode0", signal.SIGTERM)
 
         got = _disturbed(c, bodies, term)
@@ -157,7 +157,7 @@ def test_lone_decode_killed_and_restarted_takes_its_streams_back(tiny_model, tmp
 
         def kill_and_restart():
             c.wait_running("decode0", 6)
-            time.sleep(0.3)
+            time.sleep(0.15)
             c.kill("decode0")
             c.restart("decode0")
 
