@@ -68,7 +68,4 @@ def moe_route(
         return ref.moe_route(
             router_logits, correction_bias, n_group, topk_group, top_k, norm_topk_prob, routed_scaling_factor
         )
-    weights = scores.gather(1, ids)
-    if norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, ids.to(torch.int32)
+    return ref.route_weights(scores, ids, norm_topk_prob, routed_scaling_factor)

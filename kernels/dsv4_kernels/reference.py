@@ -256,6 +256,14 @@ def moe_route(
     expert_mask = group_mask.repeat_interleave(per_group, dim=1)
     choice = choice.masked_fill(~expert_mask, float("-inf"))
     topk_ids = choice.topk(top_k, dim=-1)[1]
+    return route_weights(scores, topk_ids, norm_topk_prob, routed_scaling_factor)
+
+
+def route_weights(
+    scores: torch.Tensor, topk_ids: torch.Tensor, norm_topk_prob: bool, routed_scaling_factor: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chosen experts' weights (their sigmoid scores, normalised, scaled) and int32 ids:
+    what every form of the routing does once the experts are chosen."""
     weights = scores.gather(1, topk_ids)
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
