@@ -107,6 +107,17 @@ def _pass6():
     return {side: (lambda side=side: [p[side]() for p in parts]) for side in ("before", "after")}
 
 
+def _native_absorb():
+    """The V3 per-head projections around the attention (W_UK into the query, W_UV out of the
+    latent): bmm + transpose + cat / reshape in torch (before) vs one native pass each
+    (dsv4_kernels.cpu_mla_absorb). Both sides read w_uv from the same [H, C, v] storage."""
+    from dsv4_kernels import cpu_mla_absorb
+
+    if not cpu_mla_absorb.available():
+        raise SystemExit("the native absorb is not available here (no C compiler, or turned off)")
+    return _patcher(cpu_mla_absorb, {"supports": lambda *a: False}, {"supports": cpu_mla_absorb.supports})
+
+
 # --change NAME: which earlier code the "before" side runs
 CHANGES = {
     "round1": _round1,
@@ -118,6 +129,7 @@ CHANGES = {
     "native-norm-rope": _native_norm_rope,
     "native-route": _native_route,
     "pass6": _pass6,
+    "native-absorb": _native_absorb,
 }
 
 

@@ -22,7 +22,7 @@ from dsv4_engine.models.forward_batch import ForwardBatch
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.quant import dense, log_resident, moe_experts_for, place
 from dsv4_engine.step_phases import PHASES
-from dsv4_kernels import cpu_mla, cpu_moe, cpu_moe_route, cpu_rmsnorm, cpu_rope
+from dsv4_kernels import cpu_mla, cpu_mla_absorb, cpu_moe, cpu_moe_route, cpu_rmsnorm, cpu_rope
 
 
 def yarn_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -121,6 +121,11 @@ class DeepseekV3:
         # Decode attention as one native call on the CPU's torch backend (dsv4_kernels.cpu_mla):
         # the latent rows read in place from the pages instead of a gathered copy and two bmms.
         self.native_mla = device.type == "cpu" and getattr(ops, "EXPANDED_PREFILL", False) and cpu_mla.available()
+        # and the per-head projections around it (W_UK into the query, W_UV out of the latent):
+        # a native pass each instead of bmm + transpose + cat / reshape (dsv4_kernels.cpu_mla_absorb)
+        self.native_absorb = (
+            device.type == "cpu" and getattr(ops, "EXPANDED_PREFILL", False) and cpu_mla_absorb.available()
+        )
         # RMSNorm (+ residual) as one native call on the same backend (dsv4_kernels.cpu_rmsnorm):
         # 17 calls a step over a few rows each, where the torch form's ~10 ops a call dominate.
         self.native_norm = device.type == "cpu" and getattr(ops, "EXPANDED_PREFILL", False) and cpu_rmsnorm.available()
@@ -188,7 +193,11 @@ class DeepseekV3:
         # own inference dequantizes it
         kv_b = dense(take(p + "self_attn.kv_b_proj.weight"), dt).view(H, nope + v, cfg.kv_lora_rank)
         L["w_uk"] = kv_b[:, :nope].contiguous()  # [H, nope, C]: q_nope -> latent space
-        L["w_uv"] = kv_b[:, nope:].contiguous()  # [H, v, C]: latent -> value per head
+        if self.native_absorb:  # stored [H, C, v] for the native pass; w_uv is a view of it, no copy
+            L["w_uvt"] = kv_b[:, nope:].transpose(1, 2).contiguous()
+            L["w_uv"] = L["w_uvt"].transpose(1, 2)  # [H, v, C]: latent -> value per head
+        else:
+            L["w_uv"] = kv_b[:, nope:].contiguous()  # [H, v, C]: latent -> value per head
         if cfg.is_moe_layer(i):
             L["gate"] = take(p + "mlp.gate.weight", torch.float32)
             L["bias"] = take(p + "mlp.gate.e_score_correction_bias", torch.float32)
@@ -282,8 +291,12 @@ class DeepseekV3:
         [H, T, v] for q [T, H, nope + R]."""
         cfg, ops = self.cfg, self.ops
         nope, C = cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        q_latent = torch.bmm(q[:, :, :nope].transpose(0, 1), L["w_uk"]).transpose(0, 1)  # [T, H, C]
-        q_full = torch.cat([q_latent, q[:, :, nope:]], dim=-1)
+        native = self.native_absorb and "w_uvt" in L and cpu_mla_absorb.supports(q, L["w_uk"], L["w_uvt"])
+        if native:
+            q_full = cpu_mla_absorb.absorb_q(q, L["w_uk"])  # [T, H, C + R]
+        else:
+            q_latent = torch.bmm(q[:, :, :nope].transpose(0, 1), L["w_uk"]).transpose(0, 1)  # [T, H, C]
+            q_full = torch.cat([q_latent, q[:, :, nope:]], dim=-1)
         if fb.all_decode:
             decode = cpu_mla.mla_decode if self.native_mla and cpu_mla.supports(q_full, kv_layer) else ops.mla_decode
             o = decode(q_full, kv_layer, fb.block_table, fb.seq_lens, self.scale, C)
@@ -292,6 +305,8 @@ class DeepseekV3:
             o = ops.mla_extend(
                 q_full, kv_layer, fb.block_table, fb.seq_lens, fb.extend_lens, self.scale, C, max_extend_len=bound
             )
+        if native and o.dtype == torch.float32 and o.stride(2) == 1:
+            return cpu_mla_absorb.apply_uv(o, L["w_uvt"]).transpose(0, 1)  # [H, T, v]
         return torch.bmm(o.to(q.dtype).transpose(0, 1), L["w_uv"].transpose(1, 2))  # [H, T, v]
 
     def _attend_mixed_forms(
