@@ -79,6 +79,14 @@ def softmax_scale(cfg: ModelConfig) -> float:
 # Mixed steps hand their one-token requests to the decode path (bench/ab_decode_step.py
 # --change mixed_decode turns it off for the A/B).
 MIXED_DECODE_NATIVE = True
+# The per-head (expanded) form lifts all of a step's expanded requests in one GEMM a weight and
+# attends in causal row blocks (bench/ab_mixed_step.py --change prefill_attention turns it off
+# for the A/B: the per-request lift and SDPA of _attend_expanded).
+EXPANDED_BATCHED = True
+# Query rows a causal block of the per-head form: keys stop at the block's last row, so the
+# upper triangle is computed only on the diagonal blocks.
+EXPANDED_BLOCK = 64
+_CAUSAL_BIAS: dict = {}  # (rows, dtype, device) -> the block's causal mask as 0 / -inf, see _causal_bias
 
 
 def expanded_is_cheaper(extend_len: int, seq_len: int, cfg: ModelConfig) -> bool:
@@ -341,12 +349,81 @@ class DeepseekV3:
                 extend_lens_host=[exts[b] for b in keep],
             )
             out[rows] = self._attend_absorbed(L, q[rows], sub, kv_layer).transpose(0, 1)
+        if EXPANDED_BATCHED:
+            self._attend_expanded_batched(L, q, fb, kv_layer, [b for b, x in enumerate(expand) if x], starts, out)
+            return out
         for b, x in enumerate(expand):
             if x:
                 out[starts[b] : starts[b + 1]] = self._attend_expanded(
                     L, q[starts[b] : starts[b + 1]], fb.block_table[b], lens[b], kv_layer
                 )
         return out
+
+    def _attend_expanded_batched(
+        self,
+        L: dict,
+        q: torch.Tensor,
+        fb: ForwardBatch,
+        kv_layer: torch.Tensor,
+        reqs: list[int],
+        starts: list[int],
+        out: torch.Tensor,
+    ) -> None:
+        """_attend_expanded for the requests `reqs` of a step at once, into out [T, H, v]: their
+        cached latents gathered in one read of the pages and lifted by one GEMM through W_UK and
+        one through W_UV (weights viewed [H*nope, C], no copy), then causal attention per request
+        in blocks of query rows (no SDPA math path: its mask ops and the full square)."""
+        cfg = self.cfg
+        C, H, R = cfg.kv_lora_rank, cfg.num_attention_heads, cfg.qk_rope_head_dim
+        nope, vd = cfg.qk_nope_head_dim, cfg.v_head_dim
+        exts, lens = fb.extend_lens_host, fb.seq_lens_host
+        page_size = kv_layer.shape[1]
+        n_pages = [-(-lens[b] // page_size) for b in reqs]
+        pages = torch.cat([fb.block_table[b, :n] for b, n in zip(reqs, n_pages)]).long()
+        kv = kv_layer[pages].reshape(-1, kv_layer.shape[-1])
+        first = [0]  # each request's first row in kv: its pages' start
+        for n in n_pages:
+            first.append(first[-1] + n * page_size)
+        if any(lens[b] % page_size for b in reqs):  # drop the unwritten tails of last pages
+            rows = torch.cat([torch.arange(f, f + lens[b]) for f, b in zip(first, reqs)]).to(kv.device)
+            kv = kv[rows]
+            first = [0]
+            for b in reqs:
+                first.append(first[-1] + lens[b])
+        kv = kv.to(q.dtype)
+        latent = kv[:, :C]
+        k_nope = F.linear(latent, L["w_uk"].reshape(H * nope, C)).view(-1, H, nope)
+        v = F.linear(latent, L["w_uv"].reshape(H * vd, C)).view(-1, H, vd)
+        # scores, softmax and values in fp32 for half-precision models, as SDPA's math path does
+        acc = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        for f, b in zip(first, reqs):
+            s, e = lens[b], exts[b]
+            k = torch.empty(H, s, nope + R, dtype=acc, device=q.device)
+            k[:, :, :nope] = k_nope[f : f + s].transpose(0, 1)
+            k[:, :, nope:] = kv[f : f + s, C:]
+            kt = k.transpose(1, 2)  # [H, nope + R, s]
+            vh = v[f : f + s].transpose(0, 1).to(acc)  # [H, s, v]
+            qh = q[starts[b] : starts[b + 1]].transpose(0, 1).to(acc)  # [H, e, nope + R]
+            for r0 in range(0, e, EXPANDED_BLOCK):
+                r1 = min(e, r0 + EXPANDED_BLOCK)
+                kc = s - e + r1  # keys visible to the block's last row
+                scores = torch.baddbmm(
+                    self._causal_bias(r1 - r0, kc, acc, q.device), qh[:, r0:r1], kt[:, :, :kc], alpha=self.scale
+                )
+                o = torch.bmm(torch.softmax(scores, -1), vh[:, :kc])  # [H, rows, v]
+                out[starts[b] + r0 : starts[b] + r1] = o.transpose(0, 1)
+
+    def _causal_bias(self, rows: int, keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """[rows, keys]: 0 where query row i (the last `rows` of `keys` positions) sees key j,
+        -inf past it; a column slice of one cached tensor per (rows, dtype, device)."""
+        t = _CAUSAL_BIAS.get((rows, dtype, device))
+        if t is None or t.shape[1] < keys:
+            width = max(keys, 2 * t.shape[1] if t is not None else 256)
+            j = torch.arange(width, device=device)[None, :]
+            i = torch.arange(width - rows, width, device=device)[:, None]
+            t = torch.zeros(rows, width, dtype=dtype, device=device).masked_fill_(j > i, float("-inf"))
+            _CAUSAL_BIAS[(rows, dtype, device)] = t
+        return t[:, t.shape[1] - keys :]
 
     def _attend_expanded(
         self, L: dict, q: torch.Tensor, table_row: torch.Tensor, seq_len: int, kv_layer: torch.Tensor
