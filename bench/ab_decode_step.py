@@ -110,7 +110,7 @@ def _pass6():
 def _native_absorb():
     """The V3 per-head projections around the attention (W_UK into the query, W_UV out of the
     latent): bmm + transpose + cat / reshape in torch (before) vs one native pass each
-    (dsv4_kernels.cpu_mla_absorb). Both sides read w_uv from the same [H, C, v] storage."""
+    (dsv4_kernels.cpu_mla_absorb)."""
     from dsv4_kernels import cpu_mla_absorb
 
     if not cpu_mla_absorb.available():

@@ -201,11 +201,11 @@ class DeepseekV3:
         # own inference dequantizes it
         kv_b = dense(take(p + "self_attn.kv_b_proj.weight"), dt).view(H, nope + v, cfg.kv_lora_rank)
         L["w_uk"] = kv_b[:, :nope].contiguous()  # [H, nope, C]: q_nope -> latent space
-        if self.native_absorb:  # stored [H, C, v] for the native pass; w_uv is a view of it, no copy
-            L["w_uvt"] = kv_b[:, nope:].transpose(1, 2).contiguous()
-            L["w_uv"] = L["w_uvt"].transpose(1, 2)  # [H, v, C]: latent -> value per head
-        else:
-            L["w_uv"] = kv_b[:, nope:].contiguous()  # [H, v, C]: latent -> value per head
+        L["w_uv"] = kv_b[:, nope:].contiguous()  # [H, v, C]: latent -> value per head
+        if self.native_absorb:
+            # [H, C, v] for the native pass (its axpy form); a second copy of W_UV (half of
+            # kv_b), as the per-head prefill lifts through w_uv viewed [H * v, C]
+            L["w_uvt"] = L["w_uv"].transpose(1, 2).contiguous()
         if cfg.is_moe_layer(i):
             L["gate"] = take(p + "mlp.gate.weight", torch.float32)
             L["bias"] = take(p + "mlp.gate.e_score_correction_bias", torch.float32)

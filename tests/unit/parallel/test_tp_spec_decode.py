@@ -154,7 +154,7 @@ def test_each_rank_holds_its_share_of_the_mtp_block(mtp_models, preset):
     for r, L in enumerate(ranks):
         assert torch.equal(L["w13"], full["w13"][r * E // 2 : (r + 1) * E // 2])
         assert torch.equal(L["w2"], full["w2"][r * E // 2 : (r + 1) * E // 2])
-        split = ("q_b", "w_uk", "w_uv", "o", "s_w13", "s_w2") if preset == "tiny" else ()
+        split = ("q_b", "w_uk", "w_uv", "w_uvt", "o", "s_w13", "s_w2") if preset == "tiny" else ()
         for k in split:
             assert L[k].numel() * 2 == full[k].numel(), k
         for k in ("gate", "bias") + (("wkv", "wq_b", "s_w13") if preset == "v4-tiny" else ("kv_a",)):
