@@ -47,15 +47,22 @@ def grouped_experts(
     native = dtype == torch.float32 and x.stride(1) == 1 and cpu_grouped_moe.supports(x, w13, w2, topk_weights)
     native = native and (add is None or cpu_grouped_moe.supports(add))
     rows = order[:live] // top_k
-    xs = cpu_grouped_moe.gather_rows(x, rows) if native else x.index_select(0, rows).to(dtype)
-    gate_up = torch.empty(live, w13.shape[1], dtype=dtype, device=x.device)
+    if native:  # intermediates in reused scratch (cpu_grouped_moe: fresh pages cost more than the copies)
+        xs = cpu_grouped_moe.gather_rows(x, rows, cpu_grouped_moe.scratch("moe_xs", live, hidden))
+        gate_up = cpu_grouped_moe.scratch("moe_gate_up", live, w13.shape[1])
+    else:
+        xs = x.index_select(0, rows).to(dtype)
+        gate_up = torch.empty(live, w13.shape[1], dtype=dtype, device=x.device)
     start = 0
     for expert, count in enumerate(counts[:num_experts]):
         if count:
             torch.mm(xs[start : start + count], w13[expert].to(dtype).t(), out=gate_up[start : start + count])
             start += count
     h = act(gate_up)
-    ys = torch.empty(num_tokens * top_k, hidden, dtype=dtype, device=x.device)
+    if native:
+        ys = cpu_grouped_moe.scratch("moe_ys", num_tokens * top_k, hidden)
+    else:
+        ys = torch.empty(num_tokens * top_k, hidden, dtype=dtype, device=x.device)
     start = 0
     for expert, count in enumerate(counts[:num_experts]):
         if count:

@@ -274,8 +274,11 @@ def route_weights(
 
 
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    if cpu_grouped_moe.supports(gate_up) and gate_up.stride(1) == 1:  # one pass, no temporaries
-        return cpu_grouped_moe.swiglu(gate_up)
+    """grouped_experts' activation: silu(gate) * up. fp32 on the CPU it is one native pass into a
+    scratch buffer that the next call reuses (the down GEMMs consume it at once)."""
+    if cpu_grouped_moe.supports(gate_up) and gate_up.stride(1) == 1:
+        n, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        return cpu_grouped_moe.swiglu(gate_up, cpu_grouped_moe.scratch("moe_h", n, inter))
     inter = gate_up.shape[1] // 2
     return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
 

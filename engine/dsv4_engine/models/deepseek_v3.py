@@ -235,10 +235,9 @@ class DeepseekV3:
     def _mlp(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         if cpu_moe.applies(x, w13, w2):  # a decode step's few tokens on the CPU: one native call
             return cpu_moe.mlp(x, w13, w2)
-        gate_up = F.linear(x, w13)
-        if cpu_grouped_moe.supports(gate_up):  # prefill widths on the CPU: silu(gate) * up in one pass
-            return F.linear(cpu_grouped_moe.swiglu(gate_up), w2)
-        gate, up = gate_up.chunk(2, dim=-1)
+        if cpu_grouped_moe.supports(x, w13, w2):  # prefill widths on the CPU: one-pass SwiGLU, reused scratch
+            return cpu_grouped_moe.mlp(x, w13, w2)
+        gate, up = F.linear(x, w13).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, w2)
 
     def _attention(
@@ -386,10 +385,14 @@ class DeepseekV3:
             return self._reduce(
                 cpu_moe.experts(x, L["w13"], L["w2"], weights, ids, shared if shared[0] is not None else None)
             )
-        if "s_w13" in L and getattr(ops, "EXPANDED_PREFILL", False) and cpu_grouped_moe.supports(L["w13"], L["w2"]):
+        if (
+            "s_w13" in L
+            and getattr(ops, "EXPANDED_PREFILL", False)
+            and cpu_grouped_moe.supports(x, L["w13"], L["w2"], L["s_w13"], L["s_w2"])
+        ):
             # the torch backend on the CPU: the shared expert's output joins the routed top-k sum's
             # pass (same order as the add below: routed sum, then shared)
-            s = self._mlp(x, L["s_w13"], L["s_w2"])
+            s = cpu_grouped_moe.mlp(x, L["s_w13"], L["s_w2"], out_scratch="shared_out")
             return self._reduce(ops.moe_experts(x, L["w13"], L["w2"], weights, ids, add=s))
         out = self.moe_experts(x, L["w13"], L["w2"], weights, ids)
         if "s_w13" in L:
