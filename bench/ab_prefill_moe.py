@@ -198,7 +198,7 @@ def mixed_step(engine, side: _Side, decodes: int, prefills: int, rounds: int) ->
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
-    p.add_argument("--widths", default="128,512,1048")
+    p.add_argument("--widths", default="128,512,1048", help="layer widths ('' skips the layer A/B)")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--decodes", type=int, default=24)
     p.add_argument("--prefills", type=int, default=8)
@@ -214,7 +214,7 @@ def main() -> None:
         "model": a.model,
         "torch_threads": 1,
         "loadavg_start": os.getloadavg(),
-        "layers": layers(engine, side, [int(w) for w in a.widths.split(",")], a.reps),
+        "layers": layers(engine, side, [int(w) for w in a.widths.split(",") if w], a.reps),
         "mixed_step": mixed_step(engine, side, a.decodes, a.prefills, a.rounds),
         "loadavg_end": os.getloadavg(),
     }
