@@ -3,7 +3,11 @@ torch backend's MoE (V3 and V4 references) and the V4 model's own torch path sha
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+
+from dsv4_kernels import cpu_grouped_moe
 
 
 def grouped_experts(
@@ -14,6 +18,7 @@ def grouped_experts(
     topk_ids: torch.Tensor,
     act,
     dtype: torch.dtype = torch.float32,
+    add: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Routed experts over the (token, k) pairs sorted by expert, in `dtype`: one gather of the
     pairs' rows, one matmul pair per expert that received tokens (written into slices of one
@@ -24,7 +29,12 @@ def grouped_experts(
     is the same; the k results of a token are summed once instead of index_add'ed expert by
     expert (index_add_ on CPU is slow, and parallel it waits on every thread). With top-2 the
     sum is bit-for-bit the loop's (0 + a + b == b + a). Pairs whose id is outside [0, E) (-1:
-    another rank's expert under tensor parallelism) add nothing and cost nothing.
+    another rank's expert under tensor parallelism) add nothing and cost nothing. `add` [T,
+    hidden] (the shared expert's output) is added after the sum, as `out + add` would.
+
+    fp32 on the CPU the gather runs as a native copy, and with top-k <= 4 the weighting + sum +
+    add as one native pass (dsv4_kernels.cpu_grouped_moe) in torch's order (torch sums up to
+    4 rows in order from 0; more in an order of its own), so the result is the same bits.
     """
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -34,22 +44,36 @@ def grouped_experts(
     order = torch.argsort(flat_ids, stable=True)  # pairs by expert; within one, in (token, k) order
     counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()
     live = num_tokens * top_k - counts[num_experts]
-    xs = x.index_select(0, order[:live] // top_k).to(dtype)
-    gate_up = torch.empty(live, w13.shape[1], dtype=dtype, device=x.device)
+    native = dtype == torch.float32 and x.stride(1) == 1 and cpu_grouped_moe.supports(x, w13, w2, topk_weights)
+    native = native and (add is None or cpu_grouped_moe.supports(add))
+    rows = order[:live] // top_k
+    if native:  # intermediates in reused scratch (cpu_grouped_moe: fresh pages cost more than the copies)
+        xs = cpu_grouped_moe.gather_rows(x, rows, cpu_grouped_moe.scratch("moe_xs", live, hidden))
+        gate_up = cpu_grouped_moe.scratch("moe_gate_up", live, w13.shape[1])
+    else:
+        xs = x.index_select(0, rows).to(dtype)
+        gate_up = torch.empty(live, w13.shape[1], dtype=dtype, device=x.device)
     start = 0
     for expert, count in enumerate(counts[:num_experts]):
         if count:
             torch.mm(xs[start : start + count], w13[expert].to(dtype).t(), out=gate_up[start : start + count])
             start += count
     h = act(gate_up)
-    ys = torch.empty(num_tokens * top_k, hidden, dtype=dtype, device=x.device)
+    if native:
+        ys = cpu_grouped_moe.scratch("moe_ys", num_tokens * top_k, hidden)
+    else:
+        ys = torch.empty(num_tokens * top_k, hidden, dtype=dtype, device=x.device)
     start = 0
     for expert, count in enumerate(counts[:num_experts]):
         if count:
             torch.mm(h[start : start + count], w2[expert].to(dtype).t(), out=ys[start : start + count])
             start += count
-    ys[live:].zero_()
-    ys[:live].mul_(topk_weights.reshape(-1)[order[:live]].to(dtype)[:, None])
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)
-    return ys.index_select(0, back).view(num_tokens, top_k, hidden).sum(dim=1)
+    if native and top_k <= 4:  # one pass: each token's k weighted rows summed in k order (+ add)
+        pos = torch.where(back < live, back, -1).view(num_tokens, top_k)
+        return cpu_grouped_moe.combine(ys, pos, topk_weights.contiguous(), add)
+    ys[live:].zero_()
+    ys[:live].mul_(topk_weights.reshape(-1)[order[:live]].to(dtype)[:, None])
+    out = ys.index_select(0, back).view(num_tokens, top_k, hidden).sum(dim=1)
+    return out if add is None else out + add

@@ -8,9 +8,12 @@ saves) and over experts that received tokens (MoE).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
+from dsv4_kernels import cpu_grouped_moe
 from dsv4_kernels.grouped_moe import grouped_experts
 
 # Models may attend prefill/extend in MLA's per-head (expanded) form with plain torch ops
@@ -271,6 +274,11 @@ def route_weights(
 
 
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """grouped_experts' activation: silu(gate) * up. fp32 on the CPU it is one native pass into a
+    scratch buffer that the next call reuses (the down GEMMs consume it at once)."""
+    if cpu_grouped_moe.supports(gate_up) and gate_up.stride(1) == 1:
+        n, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        return cpu_grouped_moe.swiglu(gate_up, cpu_grouped_moe.scratch("moe_h", n, inter))
     inter = gate_up.shape[1] // 2
     return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
 
@@ -281,15 +289,19 @@ def moe_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    add: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Routed experts: out[t] = sum_k w[t,k] * w2[e] @ (silu(gate_e x) * (up_e x)), e = ids[t,k].
 
     x [T, hidden], w13 [E, 2I, hidden] (gate rows, then up rows), w2 [E, hidden, I].
     Computed in fp32 over the pairs grouped by expert (`grouped_experts`). A pair whose id is
     outside [0, E) adds nothing and costs nothing (tensor parallelism: -1 marks another rank's
-    expert).
+    expert). `add` [T, hidden] in x's dtype (the shared expert's output) is added to the result
+    as `out + add` would, in the same pass where it can be.
     """
-    return grouped_experts(x, w13, w2, topk_weights, topk_ids, _silu_mul).to(x.dtype)
+    if add is not None and x.dtype != torch.float32:
+        return grouped_experts(x, w13, w2, topk_weights, topk_ids, _silu_mul).to(x.dtype) + add
+    return grouped_experts(x, w13, w2, topk_weights, topk_ids, _silu_mul, add=add).to(x.dtype)
 
 
 def rmsnorm(

@@ -22,7 +22,7 @@ from dsv4_engine.models.forward_batch import ForwardBatch
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.quant import dense, log_resident, moe_experts_for, place
 from dsv4_engine.step_phases import PHASES
-from dsv4_kernels import cpu_mla, cpu_mla_absorb, cpu_moe, cpu_moe_route, cpu_rmsnorm, cpu_rope
+from dsv4_kernels import cpu_grouped_moe, cpu_mla, cpu_mla_absorb, cpu_moe, cpu_moe_route, cpu_rmsnorm, cpu_rope
 
 
 def yarn_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -251,6 +251,8 @@ class DeepseekV3:
     def _mlp(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         if cpu_moe.applies(x, w13, w2):  # a decode step's few tokens on the CPU: one native call
             return cpu_moe.mlp(x, w13, w2)
+        if cpu_grouped_moe.supports(x, w13, w2):  # prefill widths on the CPU: one-pass SwiGLU, reused scratch
+            return cpu_grouped_moe.mlp(x, w13, w2)
         gate, up = F.linear(x, w13).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, w2)
 
@@ -474,6 +476,15 @@ class DeepseekV3:
             return self._reduce(
                 cpu_moe.experts(x, L["w13"], L["w2"], weights, ids, shared if shared[0] is not None else None)
             )
+        if (
+            "s_w13" in L
+            and getattr(ops, "EXPANDED_PREFILL", False)
+            and cpu_grouped_moe.supports(x, L["w13"], L["w2"], L["s_w13"], L["s_w2"])
+        ):
+            # the torch backend on the CPU: the shared expert's output joins the routed top-k sum's
+            # pass (same order as the add below: routed sum, then shared)
+            s = cpu_grouped_moe.mlp(x, L["s_w13"], L["s_w2"], out_scratch="shared_out")
+            return self._reduce(ops.moe_experts(x, L["w13"], L["w2"], weights, ids, add=s))
         out = self.moe_experts(x, L["w13"], L["w2"], weights, ids)
         if "s_w13" in L:
             out = out + self._mlp(x, L["s_w13"], L["s_w2"])
