@@ -215,6 +215,11 @@ class Engine:
             specs, page_size, self.runner.dtype, args.kv_memory_gb, args.max_num_seqs, num_snapshots
         )
         self.pool = KVPool(specs, num_pages, page_size, self.runner.dtype, self.runner.device, args.max_num_seqs)
+        if self.runner.device.type == "cpu":  # every step streams the weights: 2 MB pages (as the pool's)
+            from dsv4_engine.parallel.sharded import model_tensors
+            from dsv4_kernels import huge_pages
+
+            huge_pages.advise_all(model_tensors(self.runner.model))
         if self.tp is not None:  # the other ranks mirror the pool; each step reaches them first
             from dsv4_engine.parallel.group import BroadcastForward
 

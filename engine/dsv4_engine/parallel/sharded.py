@@ -58,20 +58,19 @@ def rank_slicer(model, model_dir: str | Path) -> Optional[Slicer]:
     return plan_for(entry.model_type).slicer(entry.config_class().from_dir(model_dir), Shard(tp.rank, tp.size))
 
 
-def resident_weight_bytes(model) -> int:
-    """Bytes of every distinct tensor the model holds (walks its attributes, lists and dicts)."""
+def model_tensors(model) -> list[torch.Tensor]:
+    """One tensor per distinct storage the model holds (walks its attributes, lists and dicts)."""
     seen: set[int] = set()
-    total = 0
+    out: list[torch.Tensor] = []
 
     def walk(obj, depth: int = 0) -> None:
-        nonlocal total
         if depth > 6:
             return
         if isinstance(obj, torch.Tensor):
             key = obj.untyped_storage().data_ptr()
             if key not in seen:
                 seen.add(key)
-                total += obj.untyped_storage().nbytes()
+                out.append(obj)
         elif isinstance(obj, dict):
             for v in obj.values():
                 walk(v, depth + 1)
@@ -84,4 +83,9 @@ def resident_weight_bytes(model) -> int:
                     walk(v, depth + 1)
 
     walk(model)
-    return total
+    return out
+
+
+def resident_weight_bytes(model) -> int:
+    """Bytes of every distinct tensor the model holds."""
+    return sum(t.untyped_storage().nbytes() for t in model_tensors(model))

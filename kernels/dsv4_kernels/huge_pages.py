@@ -1,0 +1,70 @@
+"""Back long-lived CPU tensors (the weights, the KV pool) with 2 MB pages.
+
+A CPU decode step streams every weight and every request's KV pages from memory. With 4 KB pages
+the hardware prefetcher stops at each page boundary and every page costs a TLB entry; Linux
+hands out 2 MB pages to anonymous memory only where asked (transparent huge pages in `madvise`
+mode, the default of most distributions). `advise` marks a storage's 2 MB-aligned part
+MADV_HUGEPAGE and collapses what is already there (MADV_COLLAPSE, Linux 6.1+; on older kernels
+khugepaged collapses it later): the weights, once at load, ~0.1-0.5 ms a MB. `zeros` marks a new
+tensor before its first touch, so its pages come as 2 MB ones (the KV pool). The same bytes, no
+copy; where it cannot (another OS, THP off, no free 2 MB pages) nothing changes.
+DSV4_NO_HUGE_PAGES=1 turns it off. Measured: bench/results/decode_breakdown/README.md, section 9.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from typing import Iterable, Optional
+
+import torch
+
+_HUGE = 2 << 20
+_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25
+_libc: Optional[ctypes.CDLL] = None
+_advised: set[int] = set()
+
+
+def enabled() -> bool:
+    return sys.platform.startswith("linux") and os.environ.get("DSV4_NO_HUGE_PAGES", "") in ("", "0")
+
+
+def advise(t: torch.Tensor, collapse: bool = True) -> int:
+    """Ask for 2 MB pages under t's storage (CPU only, once per storage), collapsing the pages it
+    already has unless `collapse` is False: the bytes of it that were marked (0 where nothing
+    was: too small, not CPU, turned off, refused)."""
+    global _libc
+    if t.device.type != "cpu" or not enabled():
+        return 0
+    storage = t.untyped_storage()
+    base = storage.data_ptr()
+    if base in _advised:
+        return 0
+    _advised.add(base)
+    start = -(-base // _HUGE) * _HUGE  # only whole 2 MB pages inside the storage
+    end = (base + storage.nbytes()) // _HUGE * _HUGE
+    if end <= start:
+        return 0
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if _libc.madvise(start, end - start, _MADV_HUGEPAGE) != 0:
+        return 0
+    if collapse:
+        _libc.madvise(start, end - start, _MADV_COLLAPSE)  # may fail (old kernel): khugepaged does it later
+    return end - start
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros, on the CPU marked for 2 MB pages before the zeros touch it."""
+    if torch.device(device).type != "cpu" or not enabled():
+        return torch.zeros(shape, dtype=dtype, device=device)
+    t = torch.empty(shape, dtype=dtype, device=device)
+    advise(t, collapse=False)
+    return t.zero_()
+
+
+def advise_all(tensors: Iterable[torch.Tensor]) -> int:
+    """advise() each; the bytes marked in all."""
+    return sum(advise(t) for t in tensors)
