@@ -5,11 +5,14 @@ the page gather instead: advanced indexing (`index`, the earlier code) vs index_
 page's contiguous run (`runs`, reference.take_pages), at the current tile budget. The cache is
 one layer of a page-major pool of --layers layers (strided pages), as the engine's is. With
 --native, the torch form (`torch`, reference.mla_decode) vs the native C decode (`native`,
-dsv4_kernels.cpu_mla), with the largest difference between their outputs.
+dsv4_kernels.cpu_mla), with the largest difference between their outputs; with --base SRC as
+well, that native kernel built from another source of csrc/mla_decode_cpu.c (`base`, e.g. the
+previous commit's: `git show HEAD~1:kernels/dsv4_kernels/csrc/mla_decode_cpu.c > /tmp/old.c`),
+built with the same flags, interleaved with the other two.
 
     python bench/ab_attention.py [-b 8 -b 32] [--dim 576 --v-dim 512 --heads 8 --ctx 160]
     python bench/ab_attention.py --gathers [-b 8 -b 32]
-    python bench/ab_attention.py --native [-b 1 -b 8 -b 32] [--out FILE]
+    python bench/ab_attention.py --native [-b 1 -b 8 -b 32] [--base OLD.c] [--out FILE]
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ def main() -> None:
     p.add_argument("--gathers", action="store_true", help="compare the page gathers instead of tile budgets")
     p.add_argument("--native", action="store_true", help="compare the torch form with the native C decode instead")
     p.add_argument("--layers", type=int, default=4, help="layers of the page-major pool the cache is a layer of")
+    p.add_argument("--base", help="with --native: also time the native kernel built from this C source")
     p.add_argument("--out", help="also write the JSON here")
     a = p.parse_args()
     torch.set_num_threads(1)
@@ -90,6 +94,8 @@ def _native(R, q, kv, table, lens, a) -> dict:
     if not cpu_mla.available():
         raise SystemExit("the native decode is not available here (no C compiler, or turned off)")
     sides = {"torch": R.mla_decode, "native": cpu_mla.mla_decode}
+    if a.base:
+        sides["base"] = _base_kernel(cpu_mla, a.base)
     best: dict = {}
     outs: dict = {}
     for i in range(a.reps):
@@ -97,12 +103,41 @@ def _native(R, q, kv, table, lens, a) -> dict:
             t0 = time.thread_time()  # CPU time: a loaded machine's waits for a core left out
             outs[name] = sides[name](q, kv, table, lens, 0.1, a.v_dim)
             best[name] = min(best.get(name, 1e9), time.thread_time() - t0)
-    return {
+    r = {
         "cpu_ms": {k: round(v * 1e3, 3) for k, v in best.items()},
         "speedup": round(best["torch"] / best["native"], 2),
         "max_abs_diff": (outs["torch"] - outs["native"]).abs().max().item(),
         "tile_mib": R.DECODE_TILE_BYTES / (1 << 20),
     }
+    if a.base:
+        r["speedup_over_base"] = round(best["base"] / best["native"], 2)
+        r["max_abs_diff_base"] = (outs["torch"] - outs["base"]).abs().max().item()
+    return r
+
+
+def _base_kernel(cpu_mla, src: str):
+    """cpu_mla.mla_decode running the kernel built from `src` (same flags and signature)."""
+    import ctypes
+    from pathlib import Path
+
+    from dsv4_kernels import native
+
+    so = native._build(Path(src), [*native.BASE_FLAGS, *cpu_mla.FLAGS])
+    if so is None:
+        raise SystemExit(f"{src} did not build")
+    lib = ctypes.CDLL(str(so))
+    fn = cpu_mla._lib.mla_decode_paged
+    lib.mla_decode_paged.argtypes, lib.mla_decode_paged.restype = fn.argtypes, fn.restype
+
+    def run(*args):
+        keep = cpu_mla._lib
+        cpu_mla._lib = lib
+        try:
+            return cpu_mla.mla_decode(*args)
+        finally:
+            cpu_mla._lib = keep
+
+    return run
 
 
 def _gathers(R, q, kv, table, lens, a) -> dict:

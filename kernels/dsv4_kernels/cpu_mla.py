@@ -20,6 +20,7 @@ from dsv4_kernels.native import F32, I32, I64, P
 
 _lib: Optional[ctypes.CDLL] = None
 _KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+FLAGS = ("-march=native",)  # besides native.BASE_FLAGS (bench/ab_attention.py --base builds with the same)
 
 
 def available() -> bool:
@@ -27,7 +28,7 @@ def available() -> bool:
     if _lib is None:
         _lib = native.load(
             "mla_decode_cpu",
-            ["-march=native"],
+            FLAGS,
             off_env="DSV4_NO_NATIVE_MLA",
             signatures={
                 "mla_decode_paged": (

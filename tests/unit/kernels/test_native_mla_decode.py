@@ -57,6 +57,9 @@ def _fp64_oracle(q, kv, table, lens, scale, v_dim):
         (16, 3, [0, 16, 1]),  # seq_len 0: batch padding, zeros
         (64, 16, [1, 63, 64, 65, 200]),
         (64, 5, [129]),
+        # row counts off the three-row score passes and the 16-lane exp, a whole block, heads
+        # in a group of eight and one of four
+        (16, 12, [2, 3, 4, 48, 64, 95, 191]),
     ],
 )
 def test_native_matches_torch_and_fp64(page_size, heads, lens):
@@ -77,6 +80,24 @@ def test_native_matches_torch_and_fp64(page_size, heads, lens):
     for b, n in enumerate(lens):
         if n == 0:
             assert got[b].abs().max() == 0
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+def test_sharp_softmax(seed):
+    """Scores spread over [-240, 240], exact in fp32 (q one-hot at column 0 with the head's
+    number, column 0 of the rows small integers): most exps far below the max's, many under the
+    vector exp's flush to zero (exp < 2^-125), and the exps' own accuracy is what is checked."""
+    q, kv, table, seq_lens = _case(16, 8, [5, 70, 150], seed=seed)
+    q.zero_()
+    q[:, :, 0] = torch.arange(1, 9).float()
+    kv[..., 0] = torch.randint(-40, 41, kv.shape[:2], generator=torch.Generator().manual_seed(seed)).float()
+    got = cpu_mla.mla_decode(q, kv, table, seq_lens, 0.75, 512)
+    torch_form = R.mla_decode(q, kv, table, seq_lens, 0.75, 512)
+    torch.testing.assert_close(got, torch_form, rtol=0, atol=2e-5)
+    exact = _fp64_oracle(q, kv, table, seq_lens, 0.75, 512)
+    err_native = (got.double() - exact).abs().max().item()
+    err_torch = (torch_form.double() - exact).abs().max().item()
+    assert err_native <= 4 * err_torch + 8 * EPS32, (err_native, err_torch)
 
 
 @pytest.mark.parametrize("D,v_dim", [(80, 64), (19, 16), (576, 576)])
