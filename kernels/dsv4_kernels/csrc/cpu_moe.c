@@ -98,9 +98,10 @@ static inline v4 sum4(vf a, vf b, vf c, vf d) {
 #ifndef AHEAD
 #define AHEAD (32 << 10)
 #endif
-/* up to this many tokens an expert, its rows are read one after another (see dots) */
-#ifndef SEQ_TOKENS
-#define SEQ_TOKENS 3
+#if LANES == 16
+#define SEQ 4 /* tokens up to which an expert's rows are read one after another (see dots): 4 x 4 sums */
+#else
+#define SEQ 3 /* 4 x 3 sums + 2 of 16 registers */
 #endif
 
 /* The weights read after the current matrix (p NULL: none), for prefetches past its end. */
@@ -153,27 +154,28 @@ static inline __attribute__((always_inline)) void tile(const float *W, int64_t K
         }
 }
 
-/* As tile for 4 rows and N <= 3 tokens, but row after row: the weights are read in address
- * order, one stream the hardware prefetcher follows at full speed (four rows at once are four
- * streams it serves at about half: measured). With one or two tokens each row keeps two sums a
- * token (even and odd steps), so that the FMA latency does not bound the row. pf (or NULL):
- * later weights to prefetch, a vector's worth per step. */
+/* As tile for 4 rows and N <= SEQ tokens, but row after row, the weights read in address order
+ * (which helps the hardware prefetcher where the memory is the bound: few tokens). With one or
+ * two tokens each row keeps two sums a token (even and odd steps), so that the FMA latency does
+ * not bound it. pf[r] (or NULL): the later weights to prefetch as row r is read. */
 static inline __attribute__((always_inline)) void rows4(const float *W, int64_t K, const float *const *X, int N,
-                                                       float *out, int64_t ldo, const char *pf) {
+                                                       float *out, int64_t ldo, const char *const *pf) {
     const int U = N <= 2 ? 2 : 1;
-    vf acc[4][3];
+    vf acc[4][SEQ];
     int64_t k = 0;
     for (int r = 0; r < 4; r++) {
         const float *w = W + r * K;
-        vf a[2][3];
+        vf a[2][SEQ];
         for (int u = 0; u < U; u++)
             for (int j = 0; j < N; j++) a[u][j] = (vf){0};
-        for (k = 0; k + U * LANES <= K; k += U * LANES)
+        for (k = 0; k + U * LANES <= K; k += U * LANES) {
+            /* a line a step: with U = 2 every other line, which measured as fast as every line */
+            if (pf[r]) __builtin_prefetch(pf[r] + k * sizeof(float), 0, 1);
             for (int u = 0; u < U; u++) {
                 vf wv = keep(load(w + k + u * LANES));
-                if (pf) __builtin_prefetch(pf + (r * K + k + u * LANES) * sizeof(float), 0, 1);
                 for (int j = 0; j < N; j++) a[u][j] += wv * load(X[j] + k + u * LANES);
             }
+        }
         if (U == 2 && k + LANES <= K) {
             vf wv = keep(load(w + k));
             for (int j = 0; j < N; j++) a[0][j] += wv * load(X[j] + k);
@@ -190,28 +192,29 @@ static inline __attribute__((always_inline)) void rows4(const float *W, int64_t 
 }
 
 /* out[j * ldo + r] = dot(W row r, X[j]) for r < rows, j < n: rows in blocks of 4 that stay in
- * L1 while every token passes over them (the weights stream from memory once).
+ * L1 while every token passes over them (the weights stream from memory once): in 4 x TOKS
+ * register tiles, or with up to SEQ tokens in one pass row after row (rows4).
  *
- * With more than SEQ_TOKENS tokens a block goes through 4 x TOKS register tiles, the weights
- * read four rows at a time; the hardware prefetcher follows that poorly, so the weights AHEAD
- * bytes further on (this matrix's, then nx's) are prefetched, as many as a block has, spread
- * evenly over the block's token tiles: a steady stream of requests that keeps the memory busy
- * while the block computes (one burst a block filled the miss queues and stalled the loads).
- * With fewer tokens (memory-bound) the rows are read one after another (rows4), and only the
- * start of the next matrix is prefetched: the hardware prefetcher cannot guess that jump. */
+ * The weights AHEAD bytes on (this matrix's, then nx's: the hardware prefetcher neither follows
+ * four interleaved rows well nor jumps to the next matrix) are prefetched while a block is read,
+ * as many as a block has, spread evenly over its token tiles: a steady stream of requests that
+ * keeps the memory busy while the block computes (one burst a block filled the miss queues and
+ * stalled the loads). */
 static void dots(const float *W, int64_t rows, int64_t K, const float *const *X, int64_t n, float *out,
                  int64_t ldo, later nx) {
-    const int64_t bytes = rows * K * (int64_t)sizeof(float), block = 4 * K * (int64_t)sizeof(float);
+    const int64_t bytes = rows * K * (int64_t)sizeof(float), row = K * (int64_t)sizeof(float);
     int64_t r = 0;
-    if (n <= SEQ_TOKENS) {
+    if (n <= SEQ) {
         for (; r + 4 <= rows; r += 4) {
-            int64_t at = r * K * (int64_t)sizeof(float) + AHEAD;
-            const char *pf = at + block > bytes ? ahead(W, bytes, at, nx) : NULL;
-            if (pf && at < bytes) pf = NULL; /* straddling the end: leave it to the hardware */
+            const char *pf[4];
+            for (int q = 0; q < 4; q++) pf[q] = ahead(W, bytes, (r + q) * row + AHEAD, nx);
             switch (n) {
             case 1: rows4(W + r * K, K, X, 1, out + r, ldo, pf); break;
             case 2: rows4(W + r * K, K, X, 2, out + r, ldo, pf); break;
             case 3: rows4(W + r * K, K, X, 3, out + r, ldo, pf); break;
+#if SEQ > 3
+            case 4: rows4(W + r * K, K, X, 4, out + r, ldo, pf); break;
+#endif
             }
         }
     } else {
@@ -219,11 +222,11 @@ static void dots(const float *W, int64_t rows, int64_t K, const float *const *X,
         const int npf = (int)((4 + tiles - 1) / tiles); /* vectors to prefetch per step, per tile */
         for (; r + 4 <= rows; r += 4) {
             const float *w = W + r * K;
-            const int64_t at = r * K * (int64_t)sizeof(float) + AHEAD;
+            const int64_t at = r * row + AHEAD;
             for (int64_t j = 0, t = 0; j < n; j += TOKS, t++) {
                 /* tile t prefetches its share of the block AHEAD bytes on */
                 int64_t from = at + t * npf * steps * LANES * (int64_t)sizeof(float);
-                const char *pf = from < at + block ? ahead(W, bytes, from, nx) : NULL;
+                const char *pf = from < at + 4 * row ? ahead(W, bytes, from, nx) : NULL;
                 float *o = out + j * ldo + r;
                 switch (n - j < TOKS ? n - j : TOKS) {
 #if TOKS > 3
