@@ -3,7 +3,8 @@ each, 1 torch thread): the per-expert index_add loop the torch backend had vs th
 computation (dsv4_kernels.grouped_moe) vs the native call (dsv4_kernels.cpu_moe; with
 --shared also the shared expert: torch's grouped + F.linear SwiGLU vs one native call). On a shared machine the interleaving and best-of keep
 the comparison fair where two separate runs are not. --against REV adds the native kernel as
-csrc/cpu_moe.c was at git revision REV (built under another name), for old-vs-new kernel A/Bs.
+csrc/cpu_moe.c was at git revision REV (built under another name), for old-vs-new kernel A/Bs;
+it runs on its own copy of the weights in 4 KB pages (cpu_moe.huge_pages is the new side's).
 
     python bench/ab_moe.py [--hidden 512 --inter 256 --experts 8 --top-k 2] [-t 8 -t 32] [--against REV]
 """
@@ -75,12 +76,13 @@ def old_kernel(rev: str):
     lib = old_library(rev)
 
     def run(x, w13, w2, wts, ids, sh):
-        new = cpu_moe._lib
-        cpu_moe._lib = lib  # the same Python wrapper around the old library
+        new, huge = cpu_moe._lib, cpu_moe.HUGE_PAGES
+        # the same Python wrapper around the old library, without the 2 MB pages it did not ask for
+        cpu_moe._lib, cpu_moe.HUGE_PAGES = lib, False
         try:
             return cpu_moe.experts(x, w13, w2, wts, ids, sh)
         finally:
-            cpu_moe._lib = new
+            cpu_moe._lib, cpu_moe.HUGE_PAGES = new, huge
 
     return run
 
@@ -142,8 +144,11 @@ def main() -> None:
             )
         if cpu_moe.available():
             sides["native"] = over_layers(lambda w13, w2, sh: cpu_moe.experts(x, w13, w2, wts, ids, sh))
-            if old is not None:
-                sides["native_old"] = over_layers(lambda w13, w2, sh: old(x, w13, w2, wts, ids, sh))
+            if old is not None:  # on its own copy of the weights (4 KB pages: the new side's become 2 MB)
+                mine = [
+                    (a.clone(), b.clone(), None if c is None else (c[0].clone(), c[1].clone())) for a, b, c in layers
+                ]
+                sides["native_old"] = lambda: [old(x, *layer[:2], wts, ids, layer[2]) for layer in mine][0]
         clock = time.thread_time if a.cpu_time else time.perf_counter
         best = {k: 1e9 for k in sides}
         for _ in range(a.reps):
