@@ -60,8 +60,8 @@ def huge_pages(t: torch.Tensor) -> None:
     """Ask Linux to back t's memory with 2 MB pages, once per tensor: the 2 MB-aligned part of it
     (nothing outside t), marked MADV_HUGEPAGE and collapsed at once (MADV_COLLAPSE, Linux 6.1+;
     else khugepaged does it in the background). A decode step streams every expert's weights
-    from memory, and with 4 KB pages the hardware prefetcher stops at each page: the same kernel
-    read them ~1.3x faster from 2 MB pages (bench/results/decode_breakdown/10-moe-kernel.json).
+    from memory, and with 4 KB pages the hardware prefetcher stops at each page: a plain read ran
+    ~1.3x faster from 2 MB pages here, the kernel at 8 tokens ~1.1x (10-moe-kernel.json).
     The same bytes, no copy; a failure (another OS, THP off, a file mapping) changes nothing.
     Collapsing costs ~0.5 ms per MB, once."""
     global _libc
