@@ -87,6 +87,15 @@ def _case(T, D, E, inter, k, *, seed, limit=None, shared_inter=0, hits="spread")
         (33, 24, 64, 9, 8, 0, "spread"),  # k = 8 of 64: most experts hit 0-5 times
         (17, 48, 4, 20, 1, 12, "same"),  # one expert takes every token (4-wide token tiles + 1)
         (64, 96, 8, 32, 8, 16, "same"),  # every expert takes all 64 tokens
+        # experts of 1-4 tokens read their rows one after another, two sums a token for 1 or 2:
+        (1, 176, 8, 44, 2, 20, "same"),  # rows of 11 vectors (an odd one after the pairs) and 2 + 12 floats
+        (2, 200, 4, 30, 1, 0, "same"),  # 12 vectors + 8 floats; 30 = 1 vector + 14 floats
+        (3, 136, 8, 52, 2, 36, "same"),
+        (4, 160, 8, 52, 2, 36, "same"),  # 4 tokens: the last one-pass width with AVX-512
+        # 4 x 4 tiles and what is left (1-3 tokens), matrices past the prefetch distance (32 KB)
+        (5, 520, 8, 100, 2, 0, "same"),
+        (6, 520, 8, 100, 2, 36, "same"),
+        (7, 136, 6, 28, 2, 0, "same"),
     ],
 )
 def test_experts_within_fp32_bound(T, D, E, inter, k, shared_inter, hits):
@@ -152,3 +161,12 @@ def test_switches_turn_it_off(env, monkeypatch):
     monkeypatch.setenv(env, "1")
     assert not cpu_moe.available()
     assert not cpu_moe.applies(torch.zeros(1, 4), torch.zeros(2, 8, 4), torch.zeros(2, 4, 4))
+
+
+def test_huge_pages_keep_the_values():
+    w = torch.randn(3 << 19)  # 6 MB: whole 2 MB pages inside, and parts at both ends
+    before = w.clone()
+    cpu_moe.huge_pages(w)
+    cpu_moe.huge_pages(w)  # (once per tensor: the second call does nothing)
+    cpu_moe.huge_pages(torch.randn(100))  # no whole 2 MB page inside: nothing
+    assert torch.equal(w, before)
