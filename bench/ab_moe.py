@@ -4,7 +4,8 @@ computation (dsv4_kernels.grouped_moe) vs the native call (dsv4_kernels.cpu_moe;
 --shared also the shared expert: torch's grouped + F.linear SwiGLU vs one native call). On a shared machine the interleaving and best-of keep
 the comparison fair where two separate runs are not. --against REV adds the native kernel as
 csrc/cpu_moe.c was at git revision REV (built under another name), for old-vs-new kernel A/Bs;
-it runs on its own copy of the weights in 4 KB pages (cpu_moe.huge_pages is the new side's).
+it runs on its own copy of the weights in 4 KB pages (the new side's get 2 MB pages, as the engine's do:
+dsv4_kernels.huge_pages).
 
     python bench/ab_moe.py [--hidden 512 --inter 256 --experts 8 --top-k 2] [-t 8 -t 32] [--against REV]
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dsv4_kernels import cpu_moe, native
+from dsv4_kernels import cpu_moe, huge_pages, native
 from dsv4_kernels.grouped_moe import grouped_experts
 
 
@@ -76,13 +77,12 @@ def old_kernel(rev: str):
     lib = old_library(rev)
 
     def run(x, w13, w2, wts, ids, sh):
-        new, huge = cpu_moe._lib, cpu_moe.HUGE_PAGES
-        # the same Python wrapper around the old library, without the 2 MB pages it did not ask for
-        cpu_moe._lib, cpu_moe.HUGE_PAGES = lib, False
+        new = cpu_moe._lib
+        cpu_moe._lib = lib  # the same Python wrapper around the old library
         try:
             return cpu_moe.experts(x, w13, w2, wts, ids, sh)
         finally:
-            cpu_moe._lib, cpu_moe.HUGE_PAGES = new, huge
+            cpu_moe._lib = new
 
     return run
 
@@ -125,6 +125,8 @@ def main() -> None:
                     torch.randn(a.hidden, a.shared, generator=g) * 0.05,
                 )
             layers.append((w13, w2, sh))
+        # the weights on 2 MB pages, as the engine keeps them (the old kernel's copy below is not)
+        huge_pages.advise_all([w for w13, w2, sh in layers for w in (w13, w2, *(sh or ()))])
         ids = torch.stack([torch.randperm(a.experts, generator=g)[: a.top_k] for _ in range(t)]).int()
         wts = torch.rand(t, a.top_k, generator=g)
         w13, w2, sh = layers[0]

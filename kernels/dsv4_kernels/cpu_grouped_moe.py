@@ -42,9 +42,11 @@ def scratch(name: str, rows: int, cols: int) -> torch.Tensor:
     pool = getattr(_tls, "pool", None)
     if pool is None:
         pool = _tls.pool = {}
-    buf = pool.get(name)
+    # a buffer made under inference_mode cannot be written outside it: one set for each mode
+    key = (name, torch.is_inference_mode_enabled())
+    buf = pool.get(key)
     if buf is None or buf.numel() < n:
-        buf = pool[name] = torch.empty(n, dtype=torch.float32)
+        buf = pool[key] = torch.empty(n, dtype=torch.float32)
     return buf[:n].view(rows, cols)
 
 
@@ -69,7 +71,11 @@ def _f32(t: torch.Tensor) -> bool:
 
 
 def supports(*tensors: torch.Tensor) -> bool:
-    """Whether these (activations, weights) are fp32 CPU tensors and the build is here."""
+    """Whether these (activations, weights) are fp32 CPU tensors and the build is here, and no
+    gradient is wanted through them: the native passes and the out= matmuls are not
+    differentiable (training's forward keeps the torch form)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
     return all(_f32(t) for t in tensors) and available()
 
 

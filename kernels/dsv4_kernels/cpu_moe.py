@@ -14,8 +14,6 @@ experts keep their own path), or more than MAX_TOKENS tokens."""
 from __future__ import annotations
 
 import ctypes
-import os
-import sys
 from typing import Optional
 
 import torch
@@ -27,14 +25,7 @@ from dsv4_kernels.native import F32, I64, P
 # the native path off (bench/ab_decode_step.py's "native-moe" before side).
 MAX_TOKENS = 64
 
-# Back the expert weights with 2 MB pages (see huge_pages); DSV4_NO_HUGE_PAGES=1 turns it off.
-HUGE_PAGES = os.environ.get("DSV4_NO_HUGE_PAGES", "") in ("", "0")
-
 _lib: Optional[ctypes.CDLL] = None
-_libc: Optional[ctypes.CDLL] = None
-_advised: set[int] = set()
-_HUGE = 2 << 20
-_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25
 
 
 def available() -> bool:
@@ -54,30 +45,6 @@ def available() -> bool:
         if _lib is not None and _lib.cpu_moe_lanes() < 8:
             _lib = None
     return _lib is not None
-
-
-def huge_pages(t: torch.Tensor) -> None:
-    """Ask Linux to back t's memory with 2 MB pages, once per tensor: the 2 MB-aligned part of it
-    (nothing outside t), marked MADV_HUGEPAGE and collapsed at once (MADV_COLLAPSE, Linux 6.1+;
-    else khugepaged does it in the background). A decode step streams every expert's weights
-    from memory, and with 4 KB pages the hardware prefetcher stops at each page: a plain read ran
-    ~1.3x faster from 2 MB pages here, the kernel at 8 tokens ~1.1x (10-moe-kernel.json).
-    The same bytes, no copy; a failure (another OS, THP off, a file mapping) changes nothing.
-    Collapsing costs ~0.5 ms per MB, once."""
-    global _libc
-    key = t.data_ptr()
-    if key in _advised or not HUGE_PAGES or not sys.platform.startswith("linux"):
-        return
-    _advised.add(key)
-    start = -(-key // _HUGE) * _HUGE
-    end = (key + t.numel() * t.element_size()) // _HUGE * _HUGE
-    if end <= start:
-        return
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if _libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0:
-        _libc.madvise(start, end - start, _MADV_COLLAPSE)
 
 
 def _dense_f32(t: Optional[torch.Tensor]) -> bool:
@@ -123,8 +90,6 @@ def experts(
     routed: tuple = (None, None, 0, 0, None, None, 0)
     if w13 is not None:
         w13, w2 = _c(w13), _c(w2)
-        huge_pages(w13)
-        huge_pages(w2)
         ids = _c(topk_ids.to(torch.int32))
         wts = _c(topk_weights.to(torch.float32))
         routed = (
@@ -139,8 +104,6 @@ def experts(
     sh: tuple = (None, None, 0)
     if shared is not None:
         s13, s2 = _c(shared[0]), _c(shared[1])
-        huge_pages(s13)
-        huge_pages(s2)
         sh = (s13.data_ptr(), s2.data_ptr(), s13.shape[0] // 2)
     w13p, w2p, n_exp, inter, idp, wtp, k = routed
     limit = float(swiglu_limit or 0.0)

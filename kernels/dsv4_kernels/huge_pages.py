@@ -23,7 +23,6 @@ import torch
 _HUGE = 2 << 20
 _MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25
 _libc: Optional[ctypes.CDLL] = None
-_advised: set[int] = set()
 
 
 def enabled() -> bool:
@@ -31,17 +30,14 @@ def enabled() -> bool:
 
 
 def advise(t: torch.Tensor, collapse: bool = True) -> int:
-    """Ask for 2 MB pages under t's storage (CPU only, once per storage), collapsing the pages it
-    already has unless `collapse` is False: the bytes of it that were marked (0 where nothing
-    was: too small, not CPU, turned off, refused)."""
+    """Ask for 2 MB pages under t's storage (CPU only), collapsing the pages it already has unless
+    `collapse` is False: the bytes of it that were marked (0 where nothing was: too small, not
+    CPU, turned off, refused). Asking twice does no harm."""
     global _libc
     if t.device.type != "cpu" or not enabled():
         return 0
     storage = t.untyped_storage()
     base = storage.data_ptr()
-    if base in _advised:
-        return 0
-    _advised.add(base)
     start = -(-base // _HUGE) * _HUGE  # only whole 2 MB pages inside the storage
     end = (base + storage.nbytes()) // _HUGE * _HUGE
     if end <= start:
@@ -66,5 +62,12 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 
 
 def advise_all(tensors: Iterable[torch.Tensor]) -> int:
-    """advise() each; the bytes marked in all."""
-    return sum(advise(t) for t in tensors)
+    """advise() each distinct storage once; the bytes marked in all."""
+    seen: set[int] = set()
+    marked = 0
+    for t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            marked += advise(t)
+    return marked

@@ -122,3 +122,23 @@ def test_supports_only_fp32_cpu():
     assert C.supports(torch.randn(2, 4))
     assert not C.supports(torch.randn(2, 4).double())
     assert not C.supports(torch.randn(2, 4), torch.randn(2, 4).bfloat16())
+
+
+def test_weights_that_want_a_gradient_keep_the_torch_form():
+    """The native passes' results have no grad_fn: a forward that trains (weights requiring a
+    gradient, grad mode on) must keep the differentiable torch form (the V3 MLP's F.linear)."""
+    x, w13, w2 = torch.randn(6, 16), torch.randn(24, 16).requires_grad_(), torch.randn(16, 12)
+    assert not C.supports(x, w13, w2)
+    with torch.no_grad():
+        assert C.supports(x, w13, w2)
+    assert C.supports(x, w13.detach(), w2)
+
+
+def test_scratch_made_under_inference_mode_is_not_reused_outside_it():
+    with torch.inference_mode():
+        inside = C.scratch("mode_probe", 4, 8)
+    outside = C.scratch("mode_probe", 4, 8)
+    assert not outside.is_inference()
+    outside.fill_(1.0)  # an inference tensor would refuse this in-place write
+    with torch.inference_mode():
+        assert C.scratch("mode_probe", 4, 8).data_ptr() == inside.data_ptr()

@@ -161,12 +161,3 @@ def test_switches_turn_it_off(env, monkeypatch):
     monkeypatch.setenv(env, "1")
     assert not cpu_moe.available()
     assert not cpu_moe.applies(torch.zeros(1, 4), torch.zeros(2, 8, 4), torch.zeros(2, 4, 4))
-
-
-def test_huge_pages_keep_the_values():
-    w = torch.randn(3 << 19)  # 6 MB: whole 2 MB pages inside, and parts at both ends
-    before = w.clone()
-    cpu_moe.huge_pages(w)
-    cpu_moe.huge_pages(w)  # (once per tensor: the second call does nothing)
-    cpu_moe.huge_pages(torch.randn(100))  # no whole 2 MB page inside: nothing
-    assert torch.equal(w, before)
