@@ -34,8 +34,8 @@ from dsv4_kernels.native import F32, I64, P
 MAX_TOKENS = 64
 # Tokens up to which linear() beats F.linear with the weights cold in memory (measured:
 # bench/results/decode_breakdown/14-native-linear.json); 0 turns it off (bench/ab_decode_step.py's
-# "native-linear" before side).
-MAX_LINEAR_TOKENS = 64
+# "native-linear" before side). At 64 tokens the loop is compute-bound and K = 128 rows lost.
+MAX_LINEAR_TOKENS = 48
 
 _lib: Optional[ctypes.CDLL] = None
 
