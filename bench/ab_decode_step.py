@@ -118,6 +118,16 @@ def _native_absorb():
     return _patcher(cpu_mla_absorb, {"supports": lambda *a: False}, {"supports": cpu_mla_absorb.supports})
 
 
+def _native_linear():
+    """The V3 decode step's dense projections (q_a, q_b, kv_a, o, the router gate, the lm_head):
+    F.linear / MKL (before) vs the MoE loop's small-M linear (dsv4_kernels.cpu_moe.linear)."""
+    from dsv4_kernels import cpu_moe
+
+    if not cpu_moe.available():
+        raise SystemExit("the native linear is not available here (no C compiler, or turned off)")
+    return _patcher(cpu_moe, {"MAX_LINEAR_TOKENS": 0}, {"MAX_LINEAR_TOKENS": cpu_moe.MAX_LINEAR_TOKENS})
+
+
 # --change NAME: which earlier code the "before" side runs
 CHANGES = {
     "round1": _round1,
@@ -130,6 +140,7 @@ CHANGES = {
     "native-route": _native_route,
     "pass6": _pass6,
     "native-absorb": _native_absorb,
+    "native-linear": _native_linear,
 }
 
 

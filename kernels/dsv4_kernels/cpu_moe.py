@@ -9,11 +9,19 @@ with it. Above MAX_TOKENS tokens (prefill chunks) the GEMMs win and callers keep
 
 `applies()` is False where the call cannot run: no compiler (dsv4_kernels.native), DSV4_NO_NATIVE=1
 or DSV4_NO_NATIVE_MOE=1, weights or activations that are not dense fp32 on the CPU (quantized
-experts keep their own path), or more than MAX_TOKENS tokens."""
+experts keep their own path), or more than MAX_TOKENS tokens.
+
+`linear(x, W)` is a dense projection y = x @ W^T through the same loop, for a decode step's
+q/kv/o projections, router gate and lm_head: a small-M GEMM with the weights cold in memory (a
+step streams more weights than the L3 holds) reads them at a fraction of the memory's speed
+(MKL, one thread, [576, 512] fp32: 8.5 GB/s at 1 token, 3.3 GB/s at 32), the loop at close to
+a plain read's. `applies_linear()` says where it runs (up to MAX_LINEAR_TOKENS tokens, no
+gradient wanted); DSV4_NO_NATIVE_LINEAR=1 turns it off alone."""
 
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Optional
 
 import torch
@@ -24,6 +32,10 @@ from dsv4_kernels.native import F32, I64, P
 # Tokens per call up to which the native loop beats the grouped GEMMs (decode steps); 0 turns
 # the native path off (bench/ab_decode_step.py's "native-moe" before side).
 MAX_TOKENS = 64
+# Tokens up to which linear() beats F.linear with the weights cold in memory (measured:
+# bench/results/decode_breakdown/14-native-linear.json); 0 turns it off (bench/ab_decode_step.py's
+# "native-linear" before side). At 64 tokens the loop is compute-bound and K = 128 rows lost.
+MAX_LINEAR_TOKENS = 48
 
 _lib: Optional[ctypes.CDLL] = None
 
@@ -38,6 +50,7 @@ def available() -> bool:
             signatures={
                 "cpu_moe": ([P, I64, I64, P, P, I64, P, P, I64, I64, P, P, I64, F32, P], ctypes.c_int),
                 "cpu_moe_lanes": ([], ctypes.c_int),
+                "cpu_linear": ([P, I64, I64, I64, P, I64, P], ctypes.c_int),
             },
         )
         # built without 8-wide vectors (no AVX: SSE-only x86, or another ISA) the loop was slower
@@ -116,3 +129,36 @@ def experts(
 def mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, swiglu_limit: Optional[float] = None) -> torch.Tensor:
     """A dense SwiGLU MLP w2 @ (silu(gate x) * (up x)) (w13 [2I, D], w2 [D, I]) through the same loop."""
     return experts(x, None, None, None, None, (w13, w2), swiglu_limit)
+
+
+def applies_linear(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether linear(x, w) runs natively: x [T, K] fp32 on the CPU with contiguous channels (rows
+    may be strided), w [N, K] fp32 contiguous, 0 < T <= MAX_LINEAR_TOKENS, no gradient wanted
+    (the C loop has no backward), the library built and DSV4_NO_NATIVE_LINEAR unset."""
+    return (
+        type(x) is torch.Tensor
+        and type(w) is torch.Tensor
+        and x.dim() == 2
+        and w.dim() == 2
+        and 0 < x.shape[0] <= MAX_LINEAR_TOKENS
+        and x.shape[1] == w.shape[1]
+        and x.dtype == torch.float32
+        and w.dtype == torch.float32
+        and x.device.type == "cpu"
+        and w.device.type == "cpu"
+        and (x.stride(1) == 1 or x.shape[1] == 1)
+        and w.is_contiguous()
+        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        and os.environ.get("DSV4_NO_NATIVE_LINEAR", "") in ("", "0")
+        and available()
+    )
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, w) without bias as a new [T, N] tensor: fp32 sums in the loop's order, not
+    MKL's (rounding differences only). Call only where applies_linear() holds."""
+    assert _lib is not None, "call applies_linear() / available() first"
+    T, K = x.shape
+    out = torch.empty(T, w.shape[0], dtype=torch.float32)
+    _lib.cpu_linear(x.data_ptr(), T, K, x.stride(0), w.data_ptr(), w.shape[0], out.data_ptr())
+    return out

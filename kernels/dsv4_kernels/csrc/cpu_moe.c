@@ -371,6 +371,23 @@ int cpu_moe(const float *x, int64_t T, int64_t D, const int32_t *ids, const floa
     return 0;
 }
 
+/* y [T, N] = x [T, K] @ W [N, K]^T, a dense projection at decode sizes through the experts' loop
+ * (dots): W streams from memory once, a block of 4 rows in L1 while every token passes over it,
+ * with its rows prefetched ahead, where a small-M GEMM re-reads or under-prefetches the weights
+ * (measured: bench/results/decode_breakdown/14-native-linear.json). x rows x_stride floats apart
+ * (channels contiguous), W and y contiguous. Tokens go in chunks of LIN_CHUNK (the pointer
+ * array on the stack); callers keep T small, where each chunk's weights are one read anyway. */
+#define LIN_CHUNK 64
+int cpu_linear(const float *x, int64_t T, int64_t K, int64_t x_stride, const float *W, int64_t N, float *y) {
+    const float *xs[LIN_CHUNK];
+    for (int64_t j0 = 0; j0 < T; j0 += LIN_CHUNK) {
+        int64_t n = T - j0 < LIN_CHUNK ? T - j0 : LIN_CHUNK;
+        for (int64_t j = 0; j < n; j++) xs[j] = x + (j0 + j) * x_stride;
+        dots(W, N, K, xs, n, y + j0 * N, N, (later){NULL, 0});
+    }
+    return 0;
+}
+
 /* The vector width this build got: with 4 lanes (no AVX) the loop measured slower than torch's
  * GEMMs from 8 tokens an expert, so the caller keeps torch there. */
 int cpu_moe_lanes(void) { return LANES; }
