@@ -215,7 +215,7 @@ class Engine:
             specs, page_size, self.runner.dtype, args.kv_memory_gb, args.max_num_seqs, num_snapshots
         )
         self.pool = KVPool(specs, num_pages, page_size, self.runner.dtype, self.runner.device, args.max_num_seqs)
-        if self.runner.device.type == "cpu":  # every step streams the weights: 2 MB pages (as the pool's)
+        if self.runner.device.type == "cpu":  # every step streams the weights: 2 MB pages
             from dsv4_engine.parallel.sharded import model_tensors
             from dsv4_kernels import huge_pages
 

@@ -19,7 +19,6 @@ from typing import Callable, Optional, Protocol
 import torch
 
 from dsv4_engine.models.state import StateSpec
-from dsv4_kernels import huge_pages
 
 
 def page_nbytes(specs: list[StateSpec], page_size: int, dtype: torch.dtype) -> int:
@@ -103,8 +102,7 @@ class KVPool:
         self.page_size = page_size
         self.num_pages = num_pages
         self.states: dict[str, torch.Tensor] = {
-            # every decode step reads these pages: 2 MB pages on the CPU (dsv4_kernels.huge_pages)
-            spec.name: huge_pages.zeros((num_pages, *spec.page_shape(page_size)), dtype, device)
+            spec.name: torch.zeros(num_pages, *spec.page_shape(page_size), dtype=dtype, device=device)
             for spec in specs
             if spec.paged
         }
@@ -112,7 +110,8 @@ class KVPool:
         slot_specs = [spec for spec in specs if not spec.paged]
         self.num_slots = max_num_seqs if slot_specs else 0
         self.slot_states: dict[str, torch.Tensor] = {
-            spec.name: huge_pages.zeros((self.num_slots, *spec.slot_shape()), dtype, device) for spec in slot_specs
+            spec.name: torch.zeros(self.num_slots, *spec.slot_shape(), dtype=dtype, device=device)
+            for spec in slot_specs
         }
         # None when the model keeps nothing per request outside its pages (DeepSeek-V3).
         self.slots: SlotAllocator | None = SlotAllocator(self.num_slots) if slot_specs else None

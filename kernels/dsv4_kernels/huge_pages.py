@@ -1,12 +1,13 @@
-"""Back long-lived CPU tensors (the weights, the KV pool) with 2 MB pages.
+"""Back long-lived CPU tensors (the weights) with 2 MB pages.
 
-A CPU decode step streams every weight and every request's KV pages from memory. With 4 KB pages
-the hardware prefetcher stops at each page boundary and every page costs a TLB entry; Linux
+A CPU decode step streams every weight from memory. With 4 KB pages the hardware prefetcher
+stops at each page boundary and every page costs a TLB entry; Linux
 hands out 2 MB pages to anonymous memory only where asked (transparent huge pages in `madvise`
 mode, the default of most distributions). `advise` marks a storage's 2 MB-aligned part
 MADV_HUGEPAGE and collapses what is already there (MADV_COLLAPSE, Linux 6.1+; on older kernels
-khugepaged collapses it later): the weights, once at load, ~0.1-0.5 ms a MB. `zeros` marks a new
-tensor before its first touch, so its pages come as 2 MB ones (the KV pool). The same bytes, no
+khugepaged collapses it later): the weights, once at load, ~0.1-1.5 ms a MB (the first 2 MB pages
+a VM hands out cost the most). The KV pool keeps 4 KB pages: a 1 GiB pool on 2 MB pages took ~1.4
+s more to start on this project's VMs for no gain measured at 32 streams. The same bytes, no
 copy; where it cannot (another OS, THP off, no free 2 MB pages) nothing changes.
 DSV4_NO_HUGE_PAGES=1 turns it off. Measured: bench/results/decode_breakdown/README.md, section 9.
 """
@@ -50,15 +51,6 @@ def advise(t: torch.Tensor, collapse: bool = True) -> int:
     if collapse:
         _libc.madvise(start, end - start, _MADV_COLLAPSE)  # may fail (old kernel): khugepaged does it later
     return end - start
-
-
-def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.zeros, on the CPU marked for 2 MB pages before the zeros touch it."""
-    if torch.device(device).type != "cpu" or not enabled():
-        return torch.zeros(shape, dtype=dtype, device=device)
-    t = torch.empty(shape, dtype=dtype, device=device)
-    advise(t, collapse=False)
-    return t.zero_()
 
 
 def advise_all(tensors: Iterable[torch.Tensor]) -> int:

@@ -23,15 +23,7 @@ def test_advise_keeps_the_values_and_marks_whole_pages_inside():
     assert torch.equal(w, before)
 
 
-def test_zeros_are_zeros_of_the_asked_shape():
-    z = huge_pages.zeros((5, 1 << 19), torch.float32, torch.device("cpu"))
-    assert z.shape == (5, 1 << 19) and z.dtype == torch.float32 and not z.any()
-    small = huge_pages.zeros((0, 3), torch.bfloat16, torch.device("cpu"))
-    assert small.shape == (0, 3) and small.dtype == torch.bfloat16
-
-
 def test_the_switch_turns_it_off(monkeypatch):
     monkeypatch.setenv("DSV4_NO_HUGE_PAGES", "1")
     assert not huge_pages.enabled()
     assert huge_pages.advise(torch.randn(3 << 19)) == 0
-    assert not huge_pages.zeros((2, 3), torch.float32, torch.device("cpu")).any()
