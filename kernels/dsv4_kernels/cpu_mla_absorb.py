@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from dsv4_kernels import native
-from dsv4_kernels.native import I64, P
+from dsv4_kernels.native import I32, I64, P
 
 _lib: Optional[ctypes.CDLL] = None
 
@@ -28,7 +28,7 @@ def available() -> bool:
             ["-march=native"],
             off_env="DSV4_NO_NATIVE_ABSORB",
             signatures={
-                "absorb_q": ([P, I64, I64, I64, I64, I64, I64, P, I64, P], None),
+                "absorb_q": ([P, I64, I64, I64, I64, I64, I64, P, I64, I32, P], None),
                 "apply_uv": ([P, I64, I64, I64, I64, I64, P, I64, P], None),
             },
         )
@@ -56,14 +56,35 @@ def supports(q: torch.Tensor, w_uk: torch.Tensor, w_uvt: torch.Tensor) -> bool:
     )
 
 
-def absorb_q(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+# columns per register tile of the C kernel: pack_w_uk's tile width
+TILE = 64
+
+
+def pack_w_uk(w_uk: torch.Tensor) -> Optional[torch.Tensor]:
+    """w_uk [H, N, C] as absorb_q reads it fastest: [H, C / TILE, N, TILE], each tile's rows one
+    after another (None where C is not a multiple of TILE, or is one tile, already that layout:
+    absorb_q then reads w_uk itself)."""
+    H, N, C = w_uk.shape
+    if C % TILE or C == TILE:
+        return None
+    return w_uk.reshape(H, N, C // TILE, TILE).permute(0, 2, 1, 3).contiguous()
+
+
+def absorb_q(q: torch.Tensor, w_uk: torch.Tensor, packed: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[T, H, C + R]: q[:, :, :N] @ w_uk per head, then q's rope part q[:, :, N:] (the torch form:
-    cat([bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_rope], -1))."""
+    cat([bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_rope], -1)). `packed`:
+    pack_w_uk(w_uk), read instead of w_uk (the same products in the same order)."""
     assert _lib is not None, "call available() first"
     T, H, NR = q.shape
     _, N, C = w_uk.shape
+    w = w_uk
+    if packed is not None:
+        assert packed.is_contiguous() and packed.shape == (H, C // TILE, N, TILE)
+        w = packed
     out = torch.empty(T, H, C + NR - N, dtype=torch.float32)
-    _lib.absorb_q(q.data_ptr(), T, H, N, NR - N, q.stride(0), q.stride(1), w_uk.data_ptr(), C, out.data_ptr())
+    _lib.absorb_q(
+        q.data_ptr(), T, H, N, NR - N, q.stride(0), q.stride(1), w.data_ptr(), C, packed is not None, out.data_ptr()
+    )
     return out
 
 

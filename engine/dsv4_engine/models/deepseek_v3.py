@@ -210,6 +210,9 @@ class DeepseekV3:
             # [H, C, v] for the native pass (its axpy form); a second copy of W_UV (half of
             # kv_b), as the per-head prefill lifts through w_uv viewed [H * v, C]
             L["w_uvt"] = L["w_uv"].transpose(1, 2).contiguous()
+            packed = cpu_mla_absorb.pack_w_uk(L["w_uk"])  # W_UK read in order (one more copy of it)
+            if packed is not None:
+                L["w_uk_packed"] = packed
         if cfg.is_moe_layer(i):
             L["gate"] = take(p + "mlp.gate.weight", torch.float32)
             L["bias"] = take(p + "mlp.gate.e_score_correction_bias", torch.float32)
@@ -312,7 +315,7 @@ class DeepseekV3:
         nope, C = cfg.qk_nope_head_dim, cfg.kv_lora_rank
         native = self.native_absorb and "w_uvt" in L and cpu_mla_absorb.supports(q, L["w_uk"], L["w_uvt"])
         if native:
-            q_full = cpu_mla_absorb.absorb_q(q, L["w_uk"])  # [T, H, C + R]
+            q_full = cpu_mla_absorb.absorb_q(q, L["w_uk"], L.get("w_uk_packed"))  # [T, H, C + R]
         else:
             q_latent = torch.bmm(q[:, :, :nope].transpose(0, 1), L["w_uk"]).transpose(0, 1)  # [T, H, C]
             q_full = torch.cat([q_latent, q[:, :, nope:]], dim=-1)

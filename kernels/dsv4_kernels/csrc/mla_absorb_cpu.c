@@ -22,18 +22,22 @@
 
 typedef float v16 __attribute__((vector_size(W * sizeof(float)), aligned(4)));
 
-/* y[t][0:n_cols] (row stride ys) = sum_k x[t][k * xk] * w[k][0:n_cols] (row stride ws) for the
-   nt <= TT tokens at x + t * xs, over K weight rows. Columns in vector tiles, then a scalar tail. */
+/* y[t][0:n_cols] (row stride ys) = sum_k x[t][k] * w[k][0:n_cols] for the nt <= TT tokens at
+   x + t * xs, over K weight rows. Columns in tiles of CW * W (the tile j's row k at
+   w + j * ts + k * ws), then vectors and a scalar tail at w + k * ws + c (a row-major w: ts =
+   CW * W; a tile-packed one, [n_cols / (CW * W)][K][CW * W], has ws = CW * W, ts = K * CW * W and
+   no tail). */
 static inline __attribute__((always_inline)) void tile_axpy(int nt, const float *x, int64_t xs, const float *w,
-                                                             int64_t ws, int64_t K, int64_t n_cols, float *y,
-                                                             int64_t ys) {
+                                                             int64_t ws, int64_t ts, int64_t K, int64_t n_cols,
+                                                             float *y, int64_t ys) {
     int64_t c = 0;
     for (; c + CW * W <= n_cols; c += CW * W) {
         v16 acc[TT][CW];
         for (int t = 0; t < TT; t++)
             for (int j = 0; j < CW; j++) acc[t][j] = (v16){0};
+        const float *wt = w + c / (CW * W) * ts;
         for (int64_t k = 0; k < K; k++) {
-            const float *wr = w + k * ws + c;
+            const float *wr = wt + k * ws;
             v16 w0 = *(const v16 *)(wr), w1 = *(const v16 *)(wr + W), w2 = *(const v16 *)(wr + 2 * W),
                 w3 = *(const v16 *)(wr + 3 * W);
             for (int t = 0; t < nt; t++) {
@@ -65,15 +69,19 @@ static inline __attribute__((always_inline)) void tile_axpy(int nt, const float 
 }
 
 /* q: [T, H, N + R] with token stride qs_t and head stride qs_h (channels contiguous);
-   w_uk: [H, N, C] contiguous; qf: [T, H, C + R] contiguous. */
+   w_uk: [H, N, C] contiguous, or with `packed` (C a multiple of CW * W) [H, C / (CW * W), N, CW * W]:
+   a tile's rows one after another, so the pass reads the weights in order (row-major, a tile's
+   strip of each row sits 2 KB from the next one's: the prefetcher loses it and the strips fight
+   over a few L1 sets); qf: [T, H, C + R] contiguous. */
 void absorb_q(const float *q, int64_t T, int64_t H, int64_t N, int64_t R, int64_t qs_t, int64_t qs_h,
-              const float *w_uk, int64_t C, float *qf) {
+              const float *w_uk, int64_t C, int packed, float *qf) {
     int64_t D = C + R;
+    int64_t ws = packed ? CW * W : C, ts = packed ? N * CW * W : CW * W;
     for (int64_t h = 0; h < H; h++) {
         const float *wh = w_uk + h * N * C;
         for (int64_t t0 = 0; t0 < T; t0 += TT) {
             int nt = (int)(T - t0 < TT ? T - t0 : TT);
-            tile_axpy(nt, q + t0 * qs_t + h * qs_h, qs_t, wh, C, N, C, qf + (t0 * H + h) * D, H * D);
+            tile_axpy(nt, q + t0 * qs_t + h * qs_h, qs_t, wh, ws, ts, N, C, qf + (t0 * H + h) * D, H * D);
         }
     }
     for (int64_t t = 0; t < T; t++)
@@ -92,7 +100,7 @@ void apply_uv(const float *o, int64_t T, int64_t H, int64_t C, int64_t os_t, int
         const float *wh = w_uvt + h * C * V;
         for (int64_t t0 = 0; t0 < T; t0 += TT) {
             int nt = (int)(T - t0 < TT ? T - t0 : TT);
-            tile_axpy(nt, o + t0 * os_t + h * os_h, os_t, wh, V, C, V, y + (t0 * H + h) * V, H * V);
+            tile_axpy(nt, o + t0 * os_t + h * os_h, os_t, wh, V, CW * W, C, V, y + (t0 * H + h) * V, H * V);
         }
     }
 }

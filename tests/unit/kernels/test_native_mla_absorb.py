@@ -40,6 +40,11 @@ def test_absorb_q_is_the_torch_form_on_a_strided_query(T, H, N, R, C, V):
     tol = 4 * N * torch.finfo(torch.float32).eps * (q.abs().max().item() if T else 0) * w_uk.abs().max().item()
     assert (got[:, :, :C].double() - exact).abs().max().item() <= tol if T else True
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    packed = cpu_mla_absorb.pack_w_uk(w_uk)
+    if C % cpu_mla_absorb.TILE or C == cpu_mla_absorb.TILE:
+        assert packed is None
+    else:  # the packed weights: the same products in the same order, so the same bits
+        assert torch.equal(cpu_mla_absorb.absorb_q(q, w_uk, packed), got)
 
 
 @pytest.mark.parametrize("T,H,N,R,C,V", SHAPES)

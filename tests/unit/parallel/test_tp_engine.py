@@ -140,7 +140,7 @@ def test_each_rank_holds_half_the_experts_and_split_layers_plus_the_replicated_r
         return sum(L[k].numel() * L[k].element_size() for L in model.layers for k in keys if k in L)
 
     experts = ("w13", "w2")
-    split = ("q_b", "w_uk", "w_uv", "w_uvt", "o", "d_w13", "d_w2", "s_w13", "s_w2")
+    split = ("q_b", "w_uk", "w_uk_packed", "w_uv", "w_uvt", "o", "d_w13", "d_w2", "s_w13", "s_w2")
     # Experts: each rank holds exactly its half, and together they hold every expert once.
     assert [r.cfg.n_routed_experts for r in ranks] == [cfg.n_routed_experts // 2] * 2
     assert sum(nbytes(r, experts) for r in ranks) == nbytes(full, experts) > 0
