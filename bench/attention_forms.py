@@ -83,6 +83,8 @@ class _Attn(DeepseekV3):
 
     def __init__(self, cfg):  # the widths only: no weights are loaded
         self.cfg, self.ops, self.scale = cfg, reference, (NOPE + ROPE) ** -0.5
+        # the torch forms being compared (no native passes: L holds only w_uk / w_uv)
+        self.native_mla = self.native_absorb = self.native_linear = False
 
 
 def extend_row(requests: int, new: int, context: int, repeats: int, g: torch.Generator) -> dict:

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from dsv4_kernels import native
+import dsv4_kernels.native as native  # not via the package, whose get_ops imports reference
 from dsv4_kernels.native import I64, P
 
 _lib: Optional[ctypes.CDLL] = None

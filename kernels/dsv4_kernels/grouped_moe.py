@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from dsv4_kernels import cpu_grouped_moe
+import dsv4_kernels.cpu_grouped_moe as cpu_grouped_moe  # not via the package, whose get_ops imports reference
 
 
 def grouped_experts(

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from dsv4_kernels import cpu_grouped_moe
+import dsv4_kernels.cpu_grouped_moe as cpu_grouped_moe  # not via the package, whose get_ops imports reference
 from dsv4_kernels.grouped_moe import grouped_experts
 
 # Models may attend prefill/extend in MLA's per-head (expanded) form with plain torch ops

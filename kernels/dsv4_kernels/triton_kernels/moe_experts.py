@@ -218,11 +218,14 @@ def moe_experts(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    add: torch.Tensor | None = None,
     *,
     swiglu_limit: float = 0.0,
     config: ExpertsConfig | None = None,
 ) -> torch.Tensor:
-    """swiglu_limit > 0 clamps as DeepSeek-V4 does (see reference_v4.v4_moe_experts)."""
+    """swiglu_limit > 0 clamps as DeepSeek-V4 does (see reference_v4.v4_moe_experts). `add`
+    [T, hidden] in x's dtype (a shared expert's output) is added to the result, as the torch
+    backend's moe_experts does."""
     check_launchable(moe_gate_up_kernel, x)
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -230,7 +233,7 @@ def moe_experts(
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     if num_tokens == 0:
-        return torch.empty_like(x)
+        return torch.empty_like(x) if add is None else add.clone()
     for name, t in (("x", x), ("w13", w13), ("w2", w2)):
         if t.stride(-1) != 1:
             raise ValueError(f"moe_experts needs the last dim of {name} contiguous")
@@ -288,7 +291,8 @@ def moe_experts(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    return y.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)
+    out = y.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)
+    return out if add is None else out + add
 
 
 def aot_variants(arch: int) -> list[KernelVariant]:

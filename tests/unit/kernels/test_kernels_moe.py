@@ -196,6 +196,12 @@ def test_triton_experts_match_reference(device, tol, dtype, tokens, experts, top
     got = triton_ops.moe_experts(x, w13, w2, w, ids)
     assert got.dtype == dtype and got.shape == x.shape
     torch.testing.assert_close(got.float(), want.float(), **tol[dtype])
+    # `add` (a shared expert's output) joins the result on both backends
+    add = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(dtype=dtype, device=device)
+    with_add = triton_ops.moe_experts(x, w13, w2, w, ids, add)
+    torch.testing.assert_close(
+        with_add.float(), reference.moe_experts(x, w13, w2, w, ids, add=add).float(), **tol[dtype]
+    )
 
 
 def test_pairs_sorted_by_expert_cover_every_pair_once_in_single_expert_blocks(device):
