@@ -225,15 +225,15 @@ def test_v4_decode_sigkill_mid_stream(make_model, tmp_path):
     c = Cluster(make_model("v4-tiny"), tmp_path, decodes=2)
     try:
         # long enough that the kill lands mid-stream: with the native CPU kernels a v4-tiny
-        # decode step is a few ms, and 48-token streams had ended before it
-        n, tokens = 12, 192
+        # decode step is a few ms (less each pass), and 48-token streams had ended before it
+        n, tokens = 12, 256
         bodies = [body_for(i, tokens) for i in range(n)]
         want = streams(c.r_url, bodies)
         assert all(w.ok for w in want)
 
         def kill():
             c.wait_running("decode0", 3)
-            time.sleep(0.3)
+            time.sleep(0.1)
             c.kill("decode0")
 
         got = _disturbed(c, bodies, kill)
