@@ -227,6 +227,21 @@ def _serve(**given) -> None:
             f"one anyone who reaches the port can register as a peer and choose bootstrap targets"
         )
     values["served_model_name"] = values["served_model_name"] or model.resolve().name
+    from dsv4_engine.parallel.layout import layout_refusal
+
+    refusal = layout_refusal(values["tp_size"], values["nnodes"], values["node_rank"], values["dist_init_addr"])
+    if refusal:
+        _fail(refusal)
+    if values["nnodes"] > 1 and values["pd_secret"]:
+        # The node channel of a multi-node engine authenticates its nodes with the PD secret; the
+        # processes it starts read it from the environment (never argv).
+        import os
+
+        os.environ.setdefault(PD_SECRET_ENV, values["pd_secret"])
+    if values["node_rank"] > 0:  # a worker node: its ranks and a small HTTP surface, no engine of its own
+        from dsv4_serve.node_server import run_node_server
+
+        raise typer.Exit(run_node_server(values))
     from dsv4_serve.core_spawn import spawn_core
 
     # The engine core starts importing torch now, beside this process (it waits for its arguments).
