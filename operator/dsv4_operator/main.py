@@ -25,6 +25,7 @@ from typing import Any, Optional, Sequence, Union
 import kopf
 
 from dsv4_operator import handlers
+from dsv4_operator import group_controller  # noqa: F401  (registers the group controller in handlers.registry)
 from dsv4_operator import rollout  # noqa: F401  (registers the canary daemon in handlers.registry)
 from dsv4_operator.kube import KubeApi, load_configuration
 from dsv4_operator.leader import LeaderElection, LeaderElector, lease_namespace

@@ -204,6 +204,22 @@ class EngineSpec(_Model):
     env: list[EnvVar] = Field([], max_length=MAX_LIST_ITEMS)  # bounded: the API server budgets CEL cost
 
 
+class GroupTopology(_Model):
+    """Where a multi-node replica's pods go (nodesPerReplica > 1): into one domain of this node label."""
+
+    key: QualifiedName = Field(
+        "nvidia.com/gpu.clique",
+        description="Node label naming the domain a group's pods share (a rack, an NVLink domain; GPU feature "
+        "discovery labels GB200 nodes with nvidia.com/gpu.clique).",
+    )
+    required: bool = Field(
+        False,
+        description="false: the scheduler prefers one domain per group, and nodes without the label still take "
+        "pods; true: a group's pods only ever share one domain (pods wait when none has room; with a "
+        "LeaderWorkerSet, also one group per domain: its exclusive-topology).",
+    )
+
+
 class RoleSpec(_Model):
     replicas: int = Field(1, ge=0)
     scaling: Literal["operator", "external"] = Field(
@@ -212,6 +228,16 @@ class RoleSpec(_Model):
         "KEDA or `kubectl scale` owns the workload's replicas; replicas is only the count it starts with.",
     )
     gpus_per_pod: int = Field(4, ge=0, description="nvidia.com/gpu per pod (0: no GPU request).")
+    nodes_per_replica: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Hosts (pods) one engine of this role spans. Above 1 a replica is a gang of pods, one engine "
+        "with --tp-size gpusPerPod x nodesPerReplica: a LeaderWorkerSet where its CRD is installed, else a "
+        "leader StatefulSet and a worker StatefulSet per group made by the operator; it starts, serves and "
+        "restarts as one.",
+    )
+    group_topology: GroupTopology = _nested(GroupTopology)
     resources: Resources = _nested(Resources)
     node_selector: dict[QualifiedName, LabelValue] = Field(
         DEFAULT_NODE_SELECTOR,
@@ -494,6 +520,22 @@ class RemediationRecord(_OpenModel):
     dry_run: Optional[bool] = None
 
 
+class GroupPodStatus(_Model):
+    name: str
+    node: int = Field(0, description="Its node rank in the group (0: the leader, the engine's endpoint).")
+    ready: bool = False
+
+
+class GroupStatus(_Model):
+    """One multi-node engine (a role with nodesPerReplica > 1) and its pods."""
+
+    name: str = Field(description="The group's name: its leader pod's.")
+    role: str
+    ready: bool = Field(False, description="Every pod of the group is ready (the engine serves).")
+    nodes: str = Field("0/0", description="ready/size, as kubectl shows it.")
+    pods: list[GroupPodStatus] = []
+
+
 class DSV4DeploymentStatus(_Model):
     observed_generation: Optional[int] = None
     conditions: list[Condition] = Field(
@@ -509,6 +551,10 @@ class DSV4DeploymentStatus(_Model):
         None, description="The revision the children run instead of the spec (a rollback pin), while it applies."
     )
     wedged_pods: Optional[int] = Field(None, ge=0)
+    groups: Optional[list[GroupStatus]] = Field(
+        None,
+        description="Multi-node engines (nodesPerReplica > 1): each group and its pods, as the watchdog last saw them.",
+    )
     last_remediation: Optional[RemediationRecord] = None
     remediations_total: Optional[int] = Field(None, ge=0)
     canary: Optional[dict[str, Any]] = Field(
