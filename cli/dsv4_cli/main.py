@@ -330,6 +330,14 @@ def up(
     evidence_dir: Optional[Path] = typer.Option(None, help="Where evidence of wedges is written."),
     engine_arg: List[str] = typer.Option([], help="Extra argument passed to every engine (repeat)."),
     tp_size: int = typer.Option(1, EngineFlags.TP_SIZE, min=1, help="Ranks each engine spans (dsv4 serve --tp-size)."),
+    nnodes: int = typer.Option(
+        1,
+        EngineFlags.NNODES,
+        min=1,
+        help="Run each engine as a group of this many local 'node' processes (dsv4 serve --nnodes, on "
+        "127.0.0.1): node 0 serves, the others run ranks only, and the group restarts as one. --tp-size is "
+        "the whole engine's (default with --nnodes: one rank per node).",
+    ),
     admin_token: Optional[str] = typer.Option(
         None,
         envvar=ADMIN_TOKEN_ENV,
@@ -380,6 +388,10 @@ def up(
             probe_request_timeout,
         )
         return
+    if nnodes > 1 and tp_size == 1:
+        tp_size = nnodes  # one rank per node
+    if tp_size % nnodes:
+        _fail(f"--tp-size {tp_size} does not split over --nnodes {nnodes}: every node runs the same number of ranks")
     if model is not None:
         _check_model_dir(model)
         if not mono or tp_size > 1:  # a role the model cannot take is refused here, not in a restart loop
@@ -416,6 +428,7 @@ def up(
             scrape_interval=scrape_interval,
             evidence_dir=evidence_dir,
             engine_args=list(engine_arg),
+            nnodes=nnodes,
             admin_token=admin_token,
             pd_secret=pd_secret,
         )

@@ -29,6 +29,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
+from dsv4_operator import spec as S
 from dsv4_operator.spec import DSV4DeploymentSpec
 from dsv4_wire import LABEL_INSTANCE, LABEL_ROLE, controller_of
 from dsv4_wire.groups import group_member
@@ -57,7 +58,7 @@ LWS_LEADER_ADDRESS = "$(LWS_LEADER_ADDRESS)"
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
 POD_NAME_LABEL = "statefulset.kubernetes.io/pod-name"
 
-GROUP_PORT = 29500  # --dist-init-addr's port on the leader (torch's rendezvous); +1: the node channel
+GROUP_PORT = S.GROUP_PORT  # --dist-init-addr's port on the leader (torch's rendezvous); +1: the node channel
 NODE_RANK_ENV = "DSV4_NODE_RANK"
 LEADER_ADDRESS_ENV = "DSV4_LEADER_ADDRESS"
 NODE_RANK_REF = f"$({NODE_RANK_ENV})"

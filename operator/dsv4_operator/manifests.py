@@ -102,6 +102,11 @@ def unbuildable_reasons(name: str, spec: DSV4DeploymentSpec) -> list[str]:
         reasons.append(f"{S.MSG_PORT_CLASH} (both {spec.engine.port})")
     if spec.engine.kind == "sglang" and spec.router.port == SGLANG_ROUTER_METRICS_PORT:
         reasons.append(S.MSG_ROUTER_PORT_CLASH)
+    if any(multi_node(spec, r) for r in ENGINE_ROLES) and {spec.engine.port, spec.transfer.bootstrap_port} & {
+        GROUP_PORT,
+        GROUP_PORT + 1,
+    }:
+        reasons.append(S.MSG_GROUP_PORT_CLASH)
     envs = [*spec.engine.env, *spec.transfer.env, *spec.router.env, *spec.prefill.env, *spec.decode.env]
     if any(e.value is not None and e.value_from is not None for e in envs):
         reasons.append(S.MSG_ENV_VALUE_AND_FROM)

@@ -81,6 +81,11 @@ MSG_EMPTY_KEY_NEEDS_EXISTS = "a toleration without a key must use operator Exist
 MSG_SECONDS_NEED_NO_EXECUTE = "tolerationSeconds applies only to effect NoExecute"
 SGLANG_ROUTER_METRICS_PORT = 29000  # sgl-router's Prometheus port, beside router.port in its pod
 MSG_ROUTER_PORT_CLASH = f"router.port must not be {SGLANG_ROUTER_METRICS_PORT}: the SGLang router serves metrics there"
+GROUP_PORT = 29500  # a multi-node engine's rendezvous on its leader (and +1: its node channel)
+MSG_GROUP_PORT_CLASH = (
+    f"with nodesPerReplica > 1, engine.port and transfer.bootstrapPort must not be {GROUP_PORT} or {GROUP_PORT + 1}: "
+    "a group's leader listens there for its nodes"
+)
 
 
 def _nested(model: type[BaseModel]) -> Any:
@@ -233,11 +238,17 @@ class RoleSpec(_Model):
         ge=1,
         le=64,
         description="Hosts (pods) one engine of this role spans. Above 1 a replica is a gang of pods, one engine "
-        "with --tp-size gpusPerPod x nodesPerReplica: a LeaderWorkerSet where its CRD is installed, else a "
-        "leader StatefulSet and a worker StatefulSet per group made by the operator; it starts, serves and "
-        "restarts as one.",
+        "with --tp-size gpusPerPod x nodesPerReplica (`dsv4 serve --nnodes`; node 0's rendezvous on port 29500 "
+        "and 29501): a LeaderWorkerSet where its API is served, else a leader StatefulSet and a worker "
+        "StatefulSet per group made by the operator. A group starts, serves and restarts as one; the role's "
+        "PodDisruptionBudget counts whole groups. See docs/multi-node.md.",
     )
-    group_topology: GroupTopology = _nested(GroupTopology)
+    group_topology: GroupTopology = Field(
+        default_factory=GroupTopology,
+        json_schema_extra={"default": {}},
+        description="nodesPerReplica > 1: keep each group's pods in one domain of this node label (pod affinity "
+        "to the group's leader; a LeaderWorkerSet's exclusive-topology when required).",
+    )
     resources: Resources = _nested(Resources)
     node_selector: dict[QualifiedName, LabelValue] = Field(
         DEFAULT_NODE_SELECTOR,
@@ -455,6 +466,13 @@ class DSV4DeploymentSpec(_Model):
                 f"self.engine.kind != 'sglang' || self.router.port != {SGLANG_ROUTER_METRICS_PORT}",
                 MSG_ROUTER_PORT_CLASH,
                 ".router.port",
+            ),
+            cel(
+                "(self.prefill.nodesPerReplica == 1 && self.decode.nodesPerReplica == 1) || "
+                f"(!(self.engine.port in [{GROUP_PORT}, {GROUP_PORT + 1}]) && "
+                f"!(self.transfer.bootstrapPort in [{GROUP_PORT}, {GROUP_PORT + 1}]))",
+                MSG_GROUP_PORT_CLASH,
+                ".engine.port",
             ),
         )
     )

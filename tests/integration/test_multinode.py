@@ -184,6 +184,7 @@ def test_a_lost_node_moves_its_requests_to_another_replica(tiny_model, tmp_path)
         group.stop()
 
 
+@pytest.mark.slow  # a cheap refusal, but two more processes; test_nodes covers the rule itself
 def test_a_node_with_another_layout_is_refused_in_one_line(tiny_model, tmp_path):
     """Node 1 started with another --tp-size (a typo in one pod's flags) is refused by node 0 with
     the reason, before any rank of it starts; node 0 goes on waiting for a right one."""
@@ -199,3 +200,55 @@ def test_a_node_with_another_layout_is_refused_in_one_line(tiny_model, tmp_path)
     finally:
         node1.stop()
         node0.stop()
+
+
+@pytest.mark.slow  # `dsv4 up` is tested on its own (test_up); this is its --nnodes end to end
+def test_dsv4_up_runs_each_engine_as_a_two_node_group_and_restarts_it_whole(tiny_model, tmp_path):
+    """`dsv4 up --mono --nnodes 2`: the engine is node 0 (behind the router) and a node-1 process.
+    Node 1 killed: its group fails at once, node 0 exits, the supervisor starts both again, the
+    nodes meet again and the router serves the same answer."""
+    port = free_port_block((0, 1, 200, 300, 301))
+    up = Proc(
+        ["up", "--mono", "--model", tiny_model, "--port", port, "--nnodes", 2, "--no-deadlines", "--no-watchdog"],
+        tmp_path / "up.log",
+        env={"DSV4_CACHE": str(tmp_path / "cache"), "COLUMNS": "200"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    state = tmp_path / "cache" / "up" / str(port)
+    body = {"prompt": "after the storm", "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+
+    def serves(timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+                if r.status_code == 200:
+                    return r.json()
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, up.log()
+            time.sleep(0.5)
+
+    try:
+        up.wait_ready(url, timeout=240)
+        assert "each engine 2 node processes" in up.log()
+        first = serves(120)
+        procs = json.loads((state / "processes.json").read_text())
+        assert set(procs) == {"mono-0", "mono-0/node1", "router"}
+        node1 = httpx.get(f"http://127.0.0.1:{procs['mono-0/node1']['port']}/ready", timeout=5)
+        assert node1.status_code == 200, node1.text
+        os.kill(procs["mono-0/node1"]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:
+            now = json.loads((state / "processes.json").read_text())
+            if (
+                now["mono-0"]["pid"] != procs["mono-0"]["pid"]
+                and now["mono-0/node1"]["pid"] != procs["mono-0/node1"]["pid"]
+            ):
+                break
+            assert time.monotonic() < deadline, up.log()
+            time.sleep(0.2)
+        assert now["mono-0"]["last_exit"] == 1  # node 0 failed its group at once
+        assert serves(180)["choices"][0]["text"] == first["choices"][0]["text"]
+    finally:
+        up.stop()

@@ -247,7 +247,7 @@ class NodeServer:
             line.send({"refused": refusal})
             line.close()
             return
-        log.info("node %d joined from %s (ranks %s)", st.node, peer, sorted(st.pids))
+        log.info("node %d joined from %s (ranks %s)", st.node, peer, info.get("ranks"))
         line.send({"welcome": {"ready": self.ready}})
         if self.ready:
             line.send({"ready": True})
