@@ -80,7 +80,22 @@ class ScriptedNode:
         return aiohttp.web.json_response({"ok": True})
 
 
-Backend = Any  # ScriptedEngine | ScriptedNode
+class LeaderEngine(ScriptedEngine):
+    """A group's leader: as the real engine, /ready fails once its group failed (a node lost)."""
+
+    group_failed = False
+
+    def reset(self, mode: str) -> None:
+        super().reset(mode)
+        self.group_failed = False
+
+    async def _ready(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
+        if self.group_failed:
+            return aiohttp.web.json_response({"ready": False, "reason": "tensor-parallel group failed"}, status=503)
+        return await super()._ready(request)
+
+
+Backend = Any  # LeaderEngine | ScriptedNode
 
 
 class GroupFarm:
@@ -101,7 +116,7 @@ class GroupFarm:
     async def backend(self, pod: str, role: str, worker: bool) -> Backend:
         if pod not in self.backends:
             self.backends[pod] = await (
-                ScriptedNode(int(pod.rsplit("-", 1)[1])) if worker else ScriptedEngine(role)
+                ScriptedNode(int(pod.rsplit("-", 1)[1])) if worker else LeaderEngine(role)
             ).start()
         return self.backends[pod]
 
@@ -125,6 +140,9 @@ class GroupFarm:
             pods = self.pods()
             for name in self._seen - set(pods):
                 self.timeline.append((time.monotonic(), "deleted", name, ""))
+                leader = self.backends.get(name.rsplit("-", 1)[0])
+                if isinstance(leader, LeaderEngine) and name.rsplit("-", 1)[0] in pods:
+                    leader.group_failed = True  # its engine loses a node: the group fails at once
             self._seen = set(pods)
             for sts in self.cluster.objects_of("apps/v1/statefulsets", NS):
                 if (sts["metadata"].get("labels") or {}).get("app.kubernetes.io/instance") != self.deployment:
