@@ -35,7 +35,7 @@ from report import grouped_bars, machine, now_iso, pyplot, write_json  # noqa: E
 def default_model() -> Path:
     """The tiny preset trained on the shipped corpus, with a self-distilled MTP layer
     (`dsv4 model init --train --train-mtp`), made once into the cache folder."""
-    from dsv4_operator.local import cache_dir
+    from dsv4_operator.local.up import cache_dir
 
     out = cache_dir() / "models" / "tiny-trained-mtp-0"
     if not (out / "config.json").exists():

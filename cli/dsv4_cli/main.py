@@ -59,7 +59,7 @@ def _dsv4_command() -> list[str]:
 
 def _default_model() -> Path:
     """The tiny model, built once into the cache folder (what `dsv4 up` serves by default)."""
-    from dsv4_operator.local import cache_dir
+    from dsv4_operator.local.up import cache_dir
 
     from dsv4_wire.chat_tokens import TOOL_SEP
 
@@ -270,8 +270,8 @@ def _reconfigure_up(
 ) -> None:
     import json
 
-    from dsv4_operator.local import cache_dir
-    from dsv4_operator.reconfigure import ReconfigureRequest, submit
+    from dsv4_operator.local.up import cache_dir
+    from dsv4_operator.local.reconfigure import ReconfigureRequest, submit
 
     request = ReconfigureRequest(
         engine_args,
@@ -379,7 +379,7 @@ def up(
         _fail("--prefill and --decode must be at least 1")
     if scrape_interval <= 0:
         _fail("--scrape-interval must be positive")
-    from dsv4_operator.local import UpArgs, detection_window as window_for, engine_deadlines, run_up
+    from dsv4_operator.local.up import UpArgs, detection_window as window_for, engine_deadlines, run_up
 
     try:  # refuse a window shorter than the engines' deadlines before building anything
         window_for(detection_window, None if no_deadlines else engine_deadlines(engine_arg), scrape_interval)

@@ -32,11 +32,11 @@ from dsv4_wire import Paths, authorization_header
 from dsv4_operator.canary.conversation import ConversationShape
 from dsv4_operator.canary.probe import ProbeSettings, run_probe
 from dsv4_operator.canary.verdict import CanaryThresholds, judge
-from dsv4_operator.state_files import write_atomic
+from dsv4_operator.local.state_files import write_atomic
 
 
 if TYPE_CHECKING:
-    from dsv4_operator.supervisor import EngineProc
+    from dsv4_operator.local.supervisor import EngineProc
 
 
 REQUEST_FILE = "reconfigure-request.json"
@@ -92,7 +92,7 @@ def canary_key(engines: dict) -> str:
 
 
 class LocalRollout:
-    """`up`: the running dsv4_operator.local.LocalDeployment (not imported: local imports this module)."""
+    """`up`: the running dsv4_operator.local.up.LocalDeployment (not imported: local imports this module)."""
 
     def __init__(self, up: Any, request: ReconfigureRequest, thresholds: CanaryThresholds = CanaryThresholds()):
         self.up = up

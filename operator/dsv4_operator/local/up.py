@@ -7,7 +7,7 @@ evidence is written to files instead of a ConfigMap. What each remediation actio
 engine is the table in `dsv4_operator.remediation.actions`, shared with the Kubernetes executor.
 
 Three things keep out of each other's way:
-- the supervisor (`dsv4_operator.supervisor`) restarts a process that died, at once, with its
+- the supervisor (`dsv4_operator.local.supervisor`) restarts a process that died, at once, with its
   own crash-loop backoff; the watchdog does not look at a process that is not running;
 - the engine's own PD deadlines fail a stalled request cleanly; the detection window is longer
   than the longest of them (`detection_window`), so the watchdog acts only when they did not;
@@ -42,8 +42,8 @@ from dsv4_wire.serve_options import OPTIONS_BY_NAME, PD_DEADLINES
 from dsv4_wire import Paths
 
 from dsv4_operator.remediation.actions import dispatch, step_for
-from dsv4_operator.state_files import write_atomic
-from dsv4_operator.supervisor import CrashBackoff, EngineProc, Supervisor
+from dsv4_operator.local.state_files import write_atomic
+from dsv4_operator.local.supervisor import CrashBackoff, EngineProc, Supervisor
 from dsv4_operator.watchdog.detector import Detector, Verdict, verdict_to_dict
 from dsv4_operator.watchdog.evidence import build_evidence_configmap
 from dsv4_operator.watchdog.policy import Action, PodInfo, RemediationSettings
@@ -482,7 +482,7 @@ class LocalDeployment:
             await self.wait_ready()
             self.announce()
             supervisor = asyncio.create_task(self.supervisor.run(stop))
-            from dsv4_operator.reconfigure import serve_requests
+            from dsv4_operator.local.reconfigure import serve_requests
 
             reconfigures = asyncio.create_task(serve_requests(self, stop))
             if self.args.watchdog:

@@ -223,3 +223,16 @@ def test_the_watchdog_package_does_no_io() -> None:
                 if n.split(".")[0] in IO_LIBRARIES or n.startswith("dsv4_operator.remediation")
             ]
     assert not bad, bad
+
+
+def test_the_kubernetes_operator_does_not_carry_dsv4_up() -> None:
+    """`dsv4 up` (dsv4_operator.local) stands on the operator's watchdog, remediation and canary;
+    nothing else of dsv4_operator imports it."""
+    bad = [
+        f"{m} -> {t}"
+        for m, ts in GRAPH.items()
+        if m.startswith("dsv4_operator.") and not m.startswith("dsv4_operator.local")
+        for t in ts
+        if t.startswith("dsv4_operator.local")
+    ]
+    assert not bad, bad
