@@ -141,7 +141,7 @@ def runtime_floor_rss() -> Optional[int]:
     """RSS of a Python that only imported what the engine server imports (torch, FastAPI, ...):
     the part of our overhead that is the runtime, not the engine."""
     code = (
-        "import psutil, torch, uvicorn, fastapi, dsv4_serve.server, dsv4_engine.engine;"
+        "import psutil, torch, uvicorn, fastapi, dsv4_serve.process, dsv4_engine.engine;"
         "print(psutil.Process().memory_info().rss)"
     )
     try:

@@ -233,7 +233,8 @@ def _serve(**given) -> None:
     # This process never imports torch: the checks that need it (quantization, the model's states
     # against --page-size / --tp-size) run in the core; a refusal is still one line and exit 2.
     spawned = spawn_core()
-    from dsv4_serve.server import ServerArgs, run_server
+    from dsv4_serve.process import run_server
+    from dsv4_serve.server_args import ServerArgs
 
     run_server(ServerArgs(**values), spawned)
 

@@ -1,69 +1,46 @@
-"""The engine's HTTP server: the OpenAI API, health/readiness, metrics, live loads and admin.
-
-Two processes: this one (HTTP, validation, tokenising, chat templates) and the engine core
-(`engine_core`: scheduler, model, KV pool, PD controllers and the prefill's bootstrap server),
-started as its child. Handlers validate everything before a request reaches the core, and talk
-to it only through `engine_client.EngineClient` (a socket pair: requests in, one message of
-outputs per engine step back, feeding a per-request asyncio queue). /metrics and /v1/loads
-are the core's own, fetched over the channel; /debug/stacks shows both processes.
-Parsing, chat templating and tokenising run on a worker thread, so /health and /ready answer
-while a multi-megabyte prompt is processed. Every error a client sees is an OpenAI error body
+"""The OpenAI handlers of the engine's HTTP process: requests validated, tokenised and templated
+(on a worker thread, so /health and /ready answer while a multi-megabyte prompt is processed),
+fanned out to n choices, sent to the engine core through `engine_client.EngineClient`, and
+answered as one body or a stream. Every error a client sees is an OpenAI error body
 (`dsv4_wire.APIError`), in a stream too (an error event, then [DONE]).
 
-Shutdown: SIGTERM (or SIGINT) drains — new generation requests get a 503, /ready says
-"draining", running requests get `--shutdown-grace` seconds to finish, the rest are then ended
-with an error — and the process exits 0. A second signal cuts the grace short.
+The FastAPI app that routes to them is `app.build_app`; the process that runs it is `process`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
 import json
 import logging
 import os
-import signal
-import sys
 import time
 import traceback
 import uuid
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, AsyncIterator, Mapping, Optional
+from typing import AsyncIterator, Mapping, Optional
 
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.structured.spec import tool_calls as tool_calls_spec
 from dsv4_engine.request_output import RequestOutput
 from dsv4_engine.tokenizer import Tokenizer
-from dsv4_serve.admin import error_response, require_admin, thread_stacks
 from dsv4_serve.detokenize import OutputProcessor
-from dsv4_serve.engine_client import EngineClient, EngineGone, EngineRefused, EngineRequest, EngineStartError, call_soon
-from dsv4_serve.gate import Gate, Lifecycle
+from dsv4_serve.engine_client import EngineClient, EngineRequest
+from dsv4_serve.gate import Lifecycle
 from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completion_logprobs, next_offset, text_of_bytes
 from dsv4_serve.chat import ChatOptions, ChatSetup, default_setup, render, tool_parser, with_overrides
 from dsv4_serve.chat.output import ChatOutput, reasoning_tokens
+from dsv4_serve.choices import best_choices, choice_room
 from dsv4_serve.server_args import ServerArgs
 from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, _Common, parse_request
 from dsv4_wire import tracing
 from dsv4_wire.tracing import Tracing
-from dsv4_wire import APIError, Paths, token_matches
+from dsv4_wire import APIError, token_matches
 from dsv4_wire.choices import choice_seed
-from dsv4_wire.api_keys import ApiKeyGate, KeyRing
-
-if TYPE_CHECKING:
-    from dsv4_engine.engine import Engine
 
 log = logging.getLogger("dsv4.server")
-CORE_ANSWER_TIMEOUT = 10.0  # seconds the core's reader may take to answer a health or admin question
-# After the engine core died: /health says so and in-flight requests get their error for this
-# long, then the HTTP process exits 1 so that its supervisor (kubelet, `dsv4 up`) restarts both.
-DEAD_CORE_EXIT_DELAY = 5.0
 
 
 def internal_error(ref: str) -> APIError:
@@ -109,22 +86,6 @@ def chat_setup(args: ServerArgs, tokenizer: Tokenizer) -> ChatSetup:
 
 def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, allow_nan=False)}\n\n"
-
-
-def choice_room(room: int, index: int) -> int:
-    """PD: the bootstrap room of a request's sequence `index` (n > 1, several prompts). The router
-    names one room; prefill and decode both derive the same one per sequence from it, so each
-    sequence has its own hand-off. Sequence 0 keeps the router's room."""
-    if index == 0:
-        return room
-    digest = hashlib.blake2b(f"{room}/{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") >> 1  # [0, 2^63), as the router's rooms
-
-
-def best_choices(cumulative: list[float], n: int) -> list[int]:
-    """best_of: the indexes of the n candidates with the highest cumulative logprob of their
-    sampled tokens (vLLM's ranking), best first; ties keep the candidates' order."""
-    return sorted(range(len(cumulative)), key=lambda c: -cumulative[c])[:n]
 
 
 def _failure(out: RequestOutput) -> APIError:
@@ -699,301 +660,3 @@ class OpenAIServing:
         if include_usage:
             yield _sse(chunk([], _usage(*usage, reasoning_total)))
         yield _sse("[DONE]")
-
-
-def build_app(
-    client: EngineClient, tokenizer: Tokenizer, args: ServerArgs, lifecycle: Optional[Lifecycle] = None
-) -> FastAPI:
-    app = FastAPI(title="dsv4 engine", docs_url=None, redoc_url=None, openapi_url=None)
-    lifecycle = lifecycle or Lifecycle()
-    serving = OpenAIServing(client, tokenizer, args, lifecycle)
-    app.state.client = client
-    app.state.serving = serving
-    app.add_middleware(Gate, lifecycle=lifecycle, max_request_bytes=args.max_request_bytes)
-    # Outermost: a request without a key is refused before its body is read. The router's
-    # internal requests pass with the PD secret.
-    app.add_middleware(ApiKeyGate, ring=KeyRing(args.api_keys, internal=args.pd_secret))
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError):
-        return error_response(e)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError):
-        errs = e.errors()
-        first = errs[0] if errs else {}
-        loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        msg = f"{loc}: {first.get('msg', 'invalid request')}" if loc else first.get("msg", "invalid request")
-        return error_response(APIError(msg, 400, param=loc or None))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(http: Request, e: StarletteHTTPException):
-        if e.status_code == 404:
-            msg = f"Invalid URL ({http.method} {http.url.path})"
-        elif e.status_code == 405:
-            msg = f"Method {http.method} is not allowed on {http.url.path}"
-        else:
-            msg = str(e.detail)
-        return error_response(
-            APIError(msg, e.status_code, "invalid_request_error" if e.status_code < 500 else "server_error")
-        )
-
-    @app.exception_handler(Exception)
-    async def _unexpected(http: Request, e: Exception):
-        ref = uuid.uuid4().hex[:12]
-        log.error("%s %s failed (reference %s):\n%s", http.method, http.url.path, ref, traceback.format_exc())
-        return error_response(internal_error(ref))
-
-    @app.post(Paths.COMPLETIONS)
-    async def completions(http: Request):
-        return await serving.serve(serving.prepare_completion, http)
-
-    @app.post(Paths.CHAT_COMPLETIONS)
-    async def chat(http: Request):
-        return await serving.serve(serving.prepare_chat, http)
-
-    @app.get(Paths.MODELS)
-    async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": serving.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "dsv4",
-                    "max_model_len": client.max_model_len,
-                }
-            ],
-        }
-
-    async def core_state() -> tuple[Optional[dict], str]:
-        """The core's loop state, or None and why there is none (process gone, not answering)."""
-        if not client.alive:
-            return None, client.dead or "engine process exited"
-        try:
-            return await client.ask("state", timeout=CORE_ANSWER_TIMEOUT), ""
-        except EngineGone as e:
-            return None, str(e)
-        except asyncio.TimeoutError:
-            return None, f"engine process not answering for {CORE_ANSWER_TIMEOUT:.0f}s"
-
-    @app.get(Paths.HEALTH)
-    async def health():
-        state, why = await core_state()
-        if state is None:
-            return JSONResponse({"status": why}, status_code=503)
-        if not state["alive"]:
-            return JSONResponse({"status": "engine loop stopped"}, status_code=503)
-        return {"status": "ok"}
-
-    @app.get(Paths.READY)
-    async def ready():
-        state, why = await core_state()
-        if state is None:
-            return JSONResponse({"ready": False, "reason": why}, status_code=503)
-        if not state["alive"] or state["stalled"] > state["stall_allowance"]:
-            return JSONResponse(
-                {
-                    "ready": False,
-                    "reason": f"engine loop not progressing ({state['stalled']:.1f}s, "
-                    f"more than the {state['stall_allowance']:.0f}s its current step may take)",
-                },
-                status_code=503,
-            )
-        if state["draining"] or lifecycle.draining:
-            return JSONResponse({"ready": False, "reason": "draining"}, status_code=503)
-        return {"ready": True}
-
-    async def from_core(name: str):
-        try:
-            return await client.ask(name, timeout=CORE_ANSWER_TIMEOUT)
-        except (EngineGone, asyncio.TimeoutError) as e:
-            raise APIError(f"engine process unavailable: {str(e) or 'no answer'}", 503, "server_error") from None
-
-    @app.get(Paths.METRICS)
-    async def metrics():
-        # The core's registry, rendered there: one scrape, one round trip, the same text as ever.
-        return Response(await from_core("metrics"), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.get(Paths.SERVER_INFO)
-    async def server_info():
-        return {
-            "role": args.role,
-            "model": serving.model_name,
-            "bootstrap_port": args.bootstrap_port if args.role == "prefill" else None,
-            "boot_id": client.info["boot_id"],
-            "max_model_len": client.max_model_len,
-            "page_size": client.info["page_size"],
-            "kernel_backend": client.info["kernel_backend"],
-            "pid": os.getpid(),
-            "engine_pid": client.pid,
-        }
-
-    @app.get(Paths.LOADS)
-    async def loads(http: Request):
-        # Request ids, rooms and peer URLs: the admin token's (the operator and `dsv4 up` send it).
-        require_admin(http, args.admin_token)
-        return await from_core("loads")
-
-    @app.post(Paths.ADMIN_DRAIN)
-    async def drain(http: Request):
-        require_admin(http, args.admin_token)
-        await from_core("drain")
-        return {"draining": True}
-
-    @app.post(Paths.ADMIN_ABORT)
-    async def abort(http: Request):
-        require_admin(http, args.admin_token)
-        try:
-            body = await http.json()
-        except Exception:
-            raise APIError('body must be JSON: {"rid": ...} or {"all": true}') from None
-        if not isinstance(body, dict) or not (body.get("all") is True or isinstance(body.get("rid"), str)):
-            raise APIError('give {"rid": "..."} or {"all": true}')
-        try:
-            client.abort(
-                body.get("rid"), reason=str(body.get("reason", "aborted by admin")), all_=body.get("all") is True
-            )
-        except EngineGone as e:
-            raise APIError(f"engine process unavailable: {e}", 503, "server_error") from None
-        return {"aborted": body.get("rid") or "all"}
-
-    @app.get(Paths.DEBUG_STACKS)
-    async def stacks(http: Request):
-        require_admin(http, args.admin_token)
-        try:
-            core = await client.ask("stacks", timeout=CORE_ANSWER_TIMEOUT)
-        except (EngineGone, asyncio.TimeoutError) as e:
-            core = f"(no answer: {str(e) or 'timed out'})\n"
-        return PlainTextResponse(
-            f"=== HTTP process (pid {os.getpid()}) ===\n{thread_stacks()}\n"
-            f"=== engine core process (pid {client.pid}) ===\n{core}"
-        )
-
-    return app
-
-
-def make_engine(args: ServerArgs) -> Engine:
-    """The engine itself: the core process builds it (this process never imports torch)."""
-    from dsv4_engine.engine import Engine
-
-    engine = Engine(args.engine_args())
-    if args.role != "mono":
-        from dsv4_engine.pd import attach_role
-
-        attach_role(engine, args)
-    return engine
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own SIGTERM/SIGINT handling: `run_server` drains first."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-
-async def drain(client: EngineClient, lifecycle: Lifecycle, grace: float, hurry: asyncio.Event) -> None:
-    """Stop taking requests, let running ones finish for up to `grace` seconds (or until `hurry`
-    is set by a second signal), then end the rest with an error and wait for their answers."""
-    lifecycle.draining = True
-    start = time.monotonic()
-
-    async def core_busy() -> bool:
-        try:
-            return (await client.ask("state", timeout=CORE_ANSWER_TIMEOUT))["seqs"] > 0
-        except (EngineGone, asyncio.TimeoutError):
-            return False  # a core that is gone or mute has nothing left to finish
-
-    async def busy() -> bool:
-        return lifecycle.active > 0 or await core_busy()
-
-    try:
-        await client.ask("drain", timeout=CORE_ANSWER_TIMEOUT)
-    except (EngineGone, asyncio.TimeoutError):
-        pass
-    log.warning("draining: %d request(s) running, up to %.1fs to finish", lifecycle.active, grace)
-    while await busy() and time.monotonic() - start < grace and not hurry.is_set():
-        await asyncio.sleep(0.05)
-    if await busy():
-        log.warning("drain grace over: ending %d running request(s) with an error", lifecycle.active)
-        lifecycle.closed = True
-        try:
-            client.abort(reason="server shutting down", all_=True)
-        except EngineGone:
-            pass
-        end = time.monotonic() + 5.0
-        while lifecycle.active > 0 and time.monotonic() < end:
-            await asyncio.sleep(0.02)
-    log.warning("drained in %.1fs", time.monotonic() - start)
-
-
-def run_server(args: ServerArgs, spawned=None) -> None:
-    """Serve until SIGTERM/SIGINT; `spawned`: a `core_spawn.spawn_core()` started earlier."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    try:
-        client = EngineClient.start(args, spawned)  # the engine core process: model, KV pool, PD, bootstrap
-    except EngineRefused as e:  # as the CLI refuses any bad flag: one line, exit 2
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except EngineStartError as e:
-        print(f"dsv4 serve: the engine could not start: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    try:
-        _serve_http(client, args)
-    finally:
-        died = client.dead is not None
-        client.shutdown()
-    if died:
-        sys.exit(1)
-
-
-def _serve_http(client: EngineClient, args: ServerArgs) -> None:
-    lifecycle = Lifecycle()
-    app = build_app(client, Tokenizer.from_dir(args.model), args, lifecycle)
-    if args.role != "mono":
-        from dsv4_serve.pd_routes import extend_app
-
-        extend_app(app, client, args)
-    servers = [
-        _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5))
-    ]
-    extra = f", bootstrap on port {args.bootstrap_port}" if args.role == "prefill" else ""
-    print(
-        f"dsv4 serve: {args.role} engine for {args.served_model_name} on http://{args.host}:{args.port}{extra} "
-        f"({client.info['num_pages']} KV pages of {client.info['page_size']} tokens, max_model_len {client.max_model_len}, "
-        f"kernels {client.info['kernel_backend']}; engine core pid {client.pid})",
-        flush=True,
-    )
-
-    async def serve_all() -> None:
-        loop = asyncio.get_running_loop()
-        signalled, hurry = asyncio.Event(), asyncio.Event()
-
-        def on_signal() -> None:
-            (hurry if signalled.is_set() else signalled).set()
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal)
-        gone = asyncio.Event()
-        client.on_gone = lambda: call_soon(loop, gone.set)
-        if not client.alive:
-            gone.set()
-        tasks = [asyncio.create_task(s.serve()) for s in servers]
-        waiter = asyncio.create_task(signalled.wait())
-        core_waiter = asyncio.create_task(gone.wait())
-        done, _ = await asyncio.wait([waiter, core_waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        if waiter in done:  # SIGTERM/SIGINT: drain, then let uvicorn close the connections
-            await drain(client, lifecycle, args.shutdown_grace, hurry)
-        elif core_waiter in done:
-            log.error("the engine core process is gone (%s): exiting in %.0fs", client.dead, DEAD_CORE_EXIT_DELAY)
-            await asyncio.sleep(DEAD_CORE_EXIT_DELAY)
-        waiter.cancel()
-        core_waiter.cancel()
-        for s in servers:
-            s.should_exit = True
-        await asyncio.gather(*tasks)
-
-    asyncio.run(serve_all())

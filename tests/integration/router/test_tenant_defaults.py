@@ -78,7 +78,7 @@ def test_a_body_of_one_token_prompts_is_one_400(stack):
 
 
 def test_an_internal_error_names_no_exception():
-    from dsv4_serve.server import internal_error
+    from dsv4_serve.serving import internal_error
 
     e = internal_error("abc123")
     assert e.status == 500 and e.message == "internal error (reference abc123: see the engine's log)"
