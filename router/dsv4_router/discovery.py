@@ -110,4 +110,6 @@ async def watch_pods(router, namespace: str, selector: Optional[str]) -> None:
 
 async def _check_new(router) -> None:
     """Health-check workers not checked yet, so new pods join without waiting a full interval."""
-    await asyncio.gather(*(router.check(w) for w in router.pool.workers.values() if w.reason == "not checked yet"))
+    await asyncio.gather(
+        *(router.health.check(w) for w in router.pool.workers.values() if w.reason == "not checked yet")
+    )

@@ -11,20 +11,13 @@ are inside the router, up to --max-queue more wait up to --queue-timeout seconds
 /v1/models) have separate connection pools, the data ones sized so an admitted request never
 waits for a connection.
 
-Health: a worker is in rotation while its own /ready says so. A request that cannot connect to
-a worker takes it out until its next /ready check passes; an HTTP error answer to a request
-(a 4xx for bad input, a 5xx) never does. Workers that report draining leave the rotation; with
-Kubernetes discovery, pods labelled serving.dsv4.dev/draining=true leave it too.
-
-Admin (/admin/workers): with an admin token, every call needs `Authorization: Bearer <token>`;
-without one, only loopback clients (127.0.0.1, ::1) may call it, so a router bound to a public
-address without a token cannot be handed workers by strangers.
+This module places and relays requests (`Router`); the workers, their pool and health checks are
+`workers`, the HTTP app and `dsv4 router`'s process are `app`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import random
@@ -34,81 +27,29 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 import httpx
-import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from dsv4_router.router_args import RouterArgs
+from dsv4_router.workers import Health, RouterMetrics, Worker, WorkerPool
 from dsv4_router.admission import Admission, Overloaded, Slot
-from dsv4_router.affinity import ConversationKeys, choose
+from dsv4_router.affinity import ConversationKeys
 from dsv4_router.body import parse_body, read_limited
 from dsv4_router.migration import BROKEN, REFUSED, TRUNCATED, UNREACHABLE, Resume, allowed_resends
 from dsv4_router.relay import RelayResponse, error_events, first_event_error, split_events, sse
-from dsv4_router.tenancy import KeyLimiter, TenantGate, TenantLimits, TenantMetrics, apply_cache_salt
-from dsv4_router.upstream import BROKEN_CONNECTIONS, CONNECTION_FAILURES, Upstreams
+from dsv4_router.tenancy import apply_cache_salt
+from dsv4_router.upstream import CONNECTION_FAILURES, Upstreams
 from dsv4_wire import tracing
 from dsv4_wire.tracing import TRACE_HEADERS, Tracing
-from dsv4_wire import APIError, Paths, admin_refusal
-from dsv4_wire.api_keys import ApiKeyGate, KeyRing
-from dsv4_wire.options import dataclass_of
+from dsv4_wire import APIError, admin_refusal
 from dsv4_wire.request_fields import ROUTER_ONLY_FIELDS
-from dsv4_wire.router_options import ROUTER_OPTIONS
 
 # A request carrying this header (and the admin token) goes to the decode/mono worker it names,
 # canary or not: how a rollout probes one engine through the router.
 PIN_HEADER = "x-dsv4-pin-worker"
 
 log = logging.getLogger("dsv4.router")
-
-
-def _key_limits(self) -> TenantLimits:
-    return TenantLimits(self.key_max_concurrency, self.key_rate_limit, self.key_rate_burst)
-
-
-# The options of `dsv4 router` (their one declaration: dsv4_wire.router_options).
-RouterArgs = dataclass_of(
-    "RouterArgs",
-    ROUTER_OPTIONS,
-    ["router"],
-    doc="The options of dsv4_wire.router_options.",
-    namespace={"key_limits": property(_key_limits), "__module__": __name__},
-)
-
-
-@dataclass
-class Worker:
-    url: str
-    role: str  # prefill | decode | mono
-    healthy: bool = False
-    reason: str = "not checked yet"
-    bootstrap_port: Optional[int] = None
-    inflight: int = 0
-    failures: int = 0  # consecutive /ready checks that got no answer
-    source: str = "static"  # static | admin | kubernetes
-    # A canary (a rollout's first engine on the new revision): out of the normal rotation, it
-    # serves requests pinned to it (PIN_HEADER, admin), e.g. the rollout probe's, and
-    # `canary_percent` percent of its role's live requests (the rollout's trafficPercent).
-    canary: bool = False
-    canary_percent: float = 0.0
-
-    @property
-    def host(self) -> str:
-        return httpx.URL(self.url).host
-
-    def view(self) -> dict:
-        return {
-            "url": self.url,
-            "role": self.role,
-            "healthy": self.healthy,
-            "reason": self.reason,
-            "inflight": self.inflight,
-            "bootstrap_port": self.bootstrap_port,
-            "source": self.source,
-            "canary": self.canary,
-            "canary_percent": self.canary_percent,
-        }
 
 
 @dataclass
@@ -119,103 +60,6 @@ class Retry:
     status: int
     content: bytes
     reason: str = REFUSED
-
-
-# /ready checks in a row that get no answer (a timeout, not a refused connection) before a
-# worker leaves the rotation: an engine busy for a moment is not a dead one.
-UNANSWERED_CHECKS = 3
-
-
-def health_after_check(w: Worker, status: Optional[int], reason: str, refused: bool) -> tuple[bool, str, int]:
-    """(healthy, reason, failures) after one /ready check. Pure.
-
-    status: the HTTP status /ready answered, or None when there was no answer; refused: the
-    connection itself failed (the process is gone), which takes the worker out at once."""
-    if status == 200:
-        return True, "ready", 0
-    if status is not None:
-        return False, reason or f"/ready answered {status}", 0
-    failures = w.failures + 1
-    if refused or failures >= UNANSWERED_CHECKS or not w.healthy:
-        return False, reason, failures
-    return w.healthy, w.reason, failures
-
-
-class RouterMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter("dsv4_router:requests", "Requests received", ["endpoint"], registry=self.registry)
-        self.errors = Counter(
-            "dsv4_router:errors", "Requests answered with an error", ["status"], registry=self.registry
-        )
-        self.retries = Counter("dsv4_router:retries", "Requests retried on another pair", registry=self.registry)
-        self.worker_requests = Counter(
-            "dsv4_router:worker_requests", "Requests sent per worker", ["worker", "role"], registry=self.registry
-        )
-        self.worker_healthy = Gauge(
-            "dsv4_router:worker_healthy", "1 when the worker is in rotation", ["worker", "role"], registry=self.registry
-        )
-        self.inflight = Gauge(
-            "dsv4_router:inflight_requests", "Requests holding an admission slot", registry=self.registry
-        )
-        self.queued = Gauge(
-            "dsv4_router:queued_requests", "Requests waiting for an admission slot", registry=self.registry
-        )
-        self.rejected = Counter(
-            "dsv4_router:rejected", "Requests refused with 429 (router at its limit)", registry=self.registry
-        )
-        self.migrations = Counter(
-            "dsv4:router_migrations",
-            "Requests re-sent to another engine after a failure, by why",
-            ["reason"],
-            registry=self.registry,
-        )
-
-
-class WorkerPool:
-    def __init__(self) -> None:
-        self.workers: dict[str, Worker] = {}
-
-    def add(self, url: str, role: str, source: str = "static") -> Worker:
-        url = url.rstrip("/")
-        w = self.workers.get(url)
-        if w is None or w.role != role:
-            w = self.workers[url] = Worker(url, role, source=source)
-        return w
-
-    def remove(self, url: str) -> bool:
-        return self.workers.pop(url.rstrip("/"), None) is not None
-
-    def pick(
-        self, role: str, exclude: set[str] = frozenset(), key: Optional[str] = None, draw: Optional[float] = None
-    ) -> Optional[Worker]:
-        """The least busy ready worker of a role; with a key (prefix affinity, see affinity.py),
-        the one the key prefers unless it is much busier than the least busy. A ready canary
-        with a traffic share takes that share of the picks (`draw`: a number in [0, 100), random
-        when not given)."""
-        canaries = [
-            w
-            for w in self.workers.values()
-            if w.role == role and w.healthy and w.canary and w.canary_percent > 0 and w.url not in exclude
-        ]
-        if canaries:
-            draw = random.uniform(0.0, 100.0) if draw is None else draw
-            for w in canaries:
-                if draw < w.canary_percent:
-                    return w
-                draw -= w.canary_percent
-        ready = [
-            w for w in self.workers.values() if w.role == role and w.healthy and not w.canary and w.url not in exclude
-        ]
-        if not ready:
-            ready = [w for w in self.workers.values() if w.role == role and w.healthy and not w.canary]
-        if not ready:
-            return None
-        if key is not None:
-            url = choose(key, {w.url: w.inflight for w in ready})
-            return next(w for w in ready if w.url == url)
-        least = min(w.inflight for w in ready)
-        return random.choice([w for w in ready if w.inflight == least])
 
 
 class Router:
@@ -236,7 +80,7 @@ class Router:
         self.up: Optional[Upstreams] = None
         self.tracing = Tracing(args.otlp_traces_endpoint, "dsv4-router")
         self._tasks: list[asyncio.Task] = []
-        self._checking: dict[str, asyncio.Task] = {}
+        self.health = Health(args.health_interval, self.pool, self.metrics)
 
     async def start(self) -> None:
         self.up = Upstreams(
@@ -245,70 +89,20 @@ class Router:
             self.args.health_timeout,
             self.args.pd_secret or self.args.engine_api_key,
         )
-        await self.check_all()
-        self._tasks.append(asyncio.create_task(self._health_loop()))
+        self.health.control = self.up.control
+        await self.health.check_all()
+        self._tasks.append(asyncio.create_task(self.health.loop()))
         if self.args.discover_namespace:
             from dsv4_router.discovery import watch_pods
 
             self._tasks.append(asyncio.create_task(watch_pods(self, self.args.discover_namespace, self.args.selector)))
 
     async def stop(self) -> None:
-        for t in [*self._tasks, *self._checking.values()]:
+        for t in [*self._tasks, *self.health.checking.values()]:
             t.cancel()
         if self.up:
             await self.up.aclose()
         self.tracing.shutdown()
-
-    # ---- health ----------------------------------------------------------------------------------
-
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.args.health_interval)
-            try:
-                await self.check_all()
-            except Exception:
-                log.exception("health check round failed")
-
-    async def check_all(self) -> None:
-        await asyncio.gather(*(self.check(w) for w in list(self.pool.workers.values())))
-
-    async def check(self, w: Worker) -> None:
-        """One /ready check on the control pool (never behind request traffic)."""
-        status: Optional[int] = None
-        reason, refused = "", False
-        try:
-            r = await self.up.control.get(w.url + Paths.READY)
-            status = r.status_code
-            if status == 200 and w.role == "prefill" and w.bootstrap_port is None:
-                info = (await self.up.control.get(w.url + Paths.SERVER_INFO)).json()
-                w.bootstrap_port = info.get("bootstrap_port")
-            elif status != 200 and r.headers.get("content-type", "").startswith("application/json"):
-                body = r.json()
-                reason = str(body.get("reason", "")) if isinstance(body, dict) else ""
-        except CONNECTION_FAILURES as e:
-            reason, refused = f"unreachable: {type(e).__name__}", True
-        except (httpx.HTTPError, ValueError) as e:
-            status, reason = None, f"no answer to /ready: {type(e).__name__}"
-        w.healthy, w.reason, w.failures = health_after_check(w, status, reason, refused)
-        self.metrics.worker_healthy.labels(w.url, w.role).set(1 if w.healthy else 0)
-
-    def check_soon(self, w: Worker) -> None:
-        """A connection broke mid-answer: check that worker now rather than at the next round."""
-        if w.url not in self._checking:
-            t = asyncio.create_task(self.check(w))
-            self._checking[w.url] = t
-            t.add_done_callback(lambda _: self._checking.pop(w.url, None))
-
-    def mark_failed(self, w: Worker, reason: str) -> None:
-        """A request could not connect: out of rotation until /ready says otherwise."""
-        w.healthy, w.reason = False, reason
-        self.metrics.worker_healthy.labels(w.url, w.role).set(0)
-
-    def _connection_failed(self, w: Worker, e: Exception) -> None:
-        if isinstance(e, CONNECTION_FAILURES):
-            self.mark_failed(w, f"request failed: {type(e).__name__}")
-        elif isinstance(e, BROKEN_CONNECTIONS):
-            self.check_soon(w)
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -436,7 +230,7 @@ class Router:
             try:
                 content = await placed.resp.aread()
             except httpx.HTTPError as e:  # the body of a non-streaming answer broke off
-                self._connection_failed(placed.d, e)
+                self.health.connection_failed(placed.d, e)
                 return self.error(
                     APIError(f"the decode engine's answer broke off: {type(e).__name__}", 502, "server_error")
                 )
@@ -617,7 +411,7 @@ class Router:
                 client.build_request("POST", f"{d.url}{path}", json=body, headers=headers), stream=True
             )
         except httpx.HTTPError as e:
-            self._connection_failed(d, e)
+            self.health.connection_failed(d, e)
             return Retry(502, b"", UNREACHABLE if isinstance(e, CONNECTION_FAILURES) else BROKEN)
         try:
             if resp.status_code != 200:
@@ -643,7 +437,7 @@ class Router:
             return resp, chunks, first
         except httpx.HTTPError as e:
             await resp.aclose()
-            self._connection_failed(d, e)
+            self.health.connection_failed(d, e)
             return Retry(502, b"", BROKEN)
         except BaseException:
             await resp.aclose()
@@ -663,7 +457,7 @@ class Router:
             return r.status_code, r.content
         except httpx.HTTPError as e:
             error = type(e).__name__
-            self._connection_failed(p, e)
+            self.health.connection_failed(p, e)
             return (0, b"") if isinstance(e, CONNECTION_FAILURES) else (502, b"")
         except BaseException:
             error = "cancelled"
@@ -696,7 +490,7 @@ class Router:
                         break
                     pending += chunk
             except httpx.HTTPError as e:  # the decode engine died or the connection broke
-                self._connection_failed(leg.d, e)
+                self.health.connection_failed(leg.d, e)
                 reason = BROKEN
             failed = frozenset({leg.d.url})
             await leg.close()
@@ -816,161 +610,3 @@ def _with_id(content: bytes, rid: Optional[str]) -> bytes:
         obj["id"] = rid
         return json.dumps(obj).encode()
     return content
-
-
-def _http_url(url: object) -> bool:
-    """An http(s) URL a worker can be reached at (a malformed one is the caller's 400, not our 500)."""
-    if not isinstance(url, str):
-        return False
-    try:
-        parsed = httpx.URL(url)
-    except httpx.InvalidURL:
-        return False
-    return parsed.scheme in ("http", "https") and bool(parsed.host)
-
-
-def build_app(router: Router) -> FastAPI:
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):
-        await router.start()
-        try:
-            yield
-        finally:
-            await router.stop()
-
-    app = FastAPI(title="dsv4 router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    app.add_middleware(
-        TenantGate,
-        limiter=KeyLimiter(router.args.key_limits),
-        metrics=TenantMetrics(router.metrics.registry),
-        salt_from_key=router.args.cache_salt_from_api_key,
-    )
-    app.add_middleware(ApiKeyGate, ring=KeyRing(router.args.api_keys))  # outermost: who calls, first
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(http: Request, e: StarletteHTTPException):
-        # unknown paths and methods answer in the OpenAI shape too
-        msg = f"Invalid URL ({http.method} {http.url.path})" if e.status_code in (404, 405) else str(e.detail)
-        return router.error(APIError(msg, e.status_code, "invalid_request_error"), dict(e.headers or {}))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, e: Exception):
-        ref = uuid.uuid4().hex[:12]
-        log.exception("router error (reference %s)", ref)
-        return router.error(
-            APIError(f"internal router error (reference {ref}: see the router's log)", 500, "server_error")
-        )
-
-    def guard(http: Request) -> Optional[JSONResponse]:
-        refusal = admin_refusal(http.headers, router.args.admin_token, http.client.host if http.client else None)
-        if refusal is None:
-            return None
-        status, message = refusal
-        return router.error(APIError(message, status, "authentication_error" if status == 401 else "permission_error"))
-
-    async def admin_body(http: Request) -> dict | JSONResponse:
-        try:
-            return parse_body(await read_limited(http.headers.get("content-length"), http.stream(), 64 * 1024))
-        except APIError as e:
-            return router.error(e)
-        except ClientDisconnect:
-            return Response(status_code=499)
-
-    @app.post(Paths.COMPLETIONS)
-    async def completions(http: Request):
-        return await router.handle(Paths.COMPLETIONS, http)
-
-    @app.post(Paths.CHAT_COMPLETIONS)
-    async def chat(http: Request):
-        return await router.handle(Paths.CHAT_COMPLETIONS, http)
-
-    @app.get(Paths.MODELS)
-    async def models():
-        for w in router.pool.workers.values():
-            if w.healthy and w.role in ("decode", "mono"):
-                try:
-                    r = await router.up.control.get(w.url + Paths.MODELS)
-                    return JSONResponse(r.json(), r.status_code)
-                except (httpx.HTTPError, ValueError):
-                    continue
-        return router.error(
-            APIError("no healthy engine is available", 503, "service_unavailable"), {"Retry-After": "2"}
-        )
-
-    @app.get(Paths.HEALTH)
-    async def health():
-        return {"status": "ok"}
-
-    @app.get(Paths.READY)
-    async def ready():
-        try:
-            router._pair(set())
-        except APIError as e:
-            return JSONResponse({"ready": False, "reason": e.message}, 503)
-        return {"ready": True, "inflight": router.admission.inflight, "queued": router.admission.queued}
-
-    @app.get(Paths.METRICS)
-    async def metrics():
-        return Response(generate_latest(router.metrics.registry), media_type="text/plain; version=0.0.4")
-
-    @app.get(Paths.ADMIN_WORKERS)
-    async def list_workers(http: Request):
-        return guard(http) or {"workers": [w.view() for w in router.pool.workers.values()]}
-
-    @app.post(Paths.ADMIN_WORKERS)
-    async def add_worker(http: Request):
-        if (err := guard(http)) is not None:
-            return err
-        body = await admin_body(http)
-        if isinstance(body, JSONResponse):
-            return body
-        if body.get("role") not in ("prefill", "decode", "mono") or not _http_url(body.get("url")):
-            return router.error(APIError('give {"url": "http://host:port", "role": "prefill|decode|mono"}'))
-        # Everything is checked before anything changes: a refused call leaves the pool as it was.
-        if "canary" in body and (not isinstance(body["canary"], bool) or body["role"] == "prefill"):
-            return router.error(APIError('"canary" is true or false, for a decode or mono worker'))
-        share = body.get("canary_percent")
-        if share is not None and (
-            isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 100
-        ):
-            return router.error(APIError('"canary_percent" is a number from 0 to 100'))
-        known = router.pool.workers.get(body["url"].rstrip("/"))
-        canary = body.get("canary", known.canary if known is not None else False)
-        if share and not canary:
-            return router.error(APIError('"canary_percent" is for a canary: give "canary": true with it'))
-        w = router.pool.add(body["url"], body["role"], source="admin")
-        w.canary = canary
-        if share is not None:
-            w.canary_percent = float(share)
-        if not w.canary:
-            w.canary_percent = 0.0
-        await router.check(w)
-        return w.view()
-
-    @app.delete(Paths.ADMIN_WORKERS)
-    async def remove_worker(http: Request):
-        if (err := guard(http)) is not None:
-            return err
-        body = await admin_body(http)
-        if isinstance(body, JSONResponse):
-            return body
-        url = body.get("url")
-        if not isinstance(url, str) or not router.pool.remove(url):
-            return router.error(APIError(f"no such worker: {url}", 404, "not_found_error"))
-        return {"removed": url}
-
-    return app
-
-
-def run_router(args: RouterArgs) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    router = Router(args)
-    print(
-        f"dsv4 router on http://{args.host}:{args.port} "
-        f"(prefill {len(args.prefill)}, decode {len(args.decode)}, mono {len(args.mono)}"
-        f"{', discovering in ' + args.discover_namespace if args.discover_namespace else ''}; "
-        f"up to {args.max_inflight} requests in flight, {args.max_queue} queued)",
-        flush=True,
-    )
-    uvicorn.run(build_app(router), host=args.host, port=args.port, log_level="warning")

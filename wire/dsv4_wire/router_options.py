@@ -1,5 +1,6 @@
-"""Every option of `dsv4 router`, declared once (dsv4_wire.options): `dsv4_router.router.RouterArgs`
-and the command's parameters are made from it; the operator's manifests write its flags."""
+"""Every option of `dsv4 router`, declared once (dsv4_wire.options):
+`dsv4_router.router_args.RouterArgs` and the command's parameters are made from it; the
+operator's manifests write its flags."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from dsv4_cli.main import app
 from dsv4_engine.engine_args import EngineArgs
 from dsv4_engine.pd.common import PDSettings
 from dsv4_operator.local.up import ENGINE_DEADLINES
-from dsv4_router.router import RouterArgs
+from dsv4_router.router_args import RouterArgs
 from dsv4_serve.server_args import ServerArgs
 from dsv4_wire import EngineFlags
 from dsv4_wire.router_options import ROUTER_OPTIONS, ROUTER_OPTIONS_BY_NAME, router_options
