@@ -46,7 +46,8 @@ import operator_runner  # noqa: E402
 from kmock_cluster import TEST_AGENT, ClusterClient, KubeCluster, eventually, write_kubeconfig  # noqa: E402
 from operator_runner import OperatorThread, free_port  # noqa: E402
 
-from dsv4_operator import handlers, main  # noqa: E402
+from dsv4_operator import main  # noqa: E402
+from dsv4_operator.handlers import children  # noqa: E402
 from dsv4_operator.crd import build_crd  # noqa: E402
 from dsv4_operator.remediation.daemon import DeploymentWatchdog  # noqa: E402
 
@@ -74,7 +75,7 @@ def deployment(name: str, ns: str) -> dict:
 def cluster_wide_settings(standalone: bool = False):  # noqa: ANN201 (kopf.OperatorSettings)
     """The settings before the selector change: only the workloads and pods label-selected."""
     settings = main.make_settings(standalone=standalone)
-    for group, version, plural in handlers.OTHER_CHILD_KINDS:
+    for group, version, plural in children.OTHER_CHILD_KINDS:
         del settings.watching.label_selectors[group or version, plural]
     return settings
 

@@ -33,7 +33,7 @@ import kmock  # noqa: E402
 from kmock_cluster import ClusterClient, KubeCluster, eventually, write_kubeconfig  # noqa: E402
 from operator_runner import OperatorThread, free_port  # noqa: E402
 
-import dsv4_operator.handlers as handlers  # noqa: E402
+import dsv4_operator.handlers.children as children  # noqa: E402
 from dsv4_operator.crd import build_crd  # noqa: E402
 from dsv4_operator.fight import FightTracker  # noqa: E402
 
@@ -54,9 +54,9 @@ def deployment() -> dict:
 
 
 async def run(seconds: float, rate: float, backoff: bool) -> dict:
-    original = handlers.FightTracker
+    original = children.FightTracker
     if not backoff:
-        handlers.FightTracker = lambda: FightTracker(threshold=10**9)  # every change repaired at once
+        children.FightTracker = lambda: FightTracker(threshold=10**9)  # every change repaired at once
     try:
         async with KubeCluster() as cluster, kmock.Server(cluster):
             cluster.register_crd(build_crd())
@@ -106,7 +106,7 @@ async def run(seconds: float, rate: float, backoff: bool) -> dict:
                 finally:
                     await op.stop()
     finally:
-        handlers.FightTracker = original
+        children.FightTracker = original
     return {
         "backoff": backoff,
         "seconds": round(elapsed, 1),
