@@ -10,9 +10,9 @@ well, that native kernel built from another source of csrc/mla_decode_cpu.c (`ba
 previous commit's: `git show HEAD~1:kernels/dsv4_kernels/csrc/mla_decode_cpu.c > /tmp/old.c`),
 built with the same flags, interleaved with the other two.
 
-    python bench/ab_attention.py [-b 8 -b 32] [--dim 576 --v-dim 512 --heads 8 --ctx 160]
-    python bench/ab_attention.py --gathers [-b 8 -b 32]
-    python bench/ab_attention.py --native [-b 1 -b 8 -b 32] [--base OLD.c] [--out FILE]
+    python -m bench.experiments.ab_attention [-b 8 -b 32] [--dim 576 --v-dim 512 --heads 8 --ctx 160]
+    python -m bench.experiments.ab_attention --gathers [-b 8 -b 32]
+    python -m bench.experiments.ab_attention --native [-b 1 -b 8 -b 32] [--base OLD.c] [--out FILE]
 """
 
 from __future__ import annotations

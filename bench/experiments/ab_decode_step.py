@@ -4,7 +4,7 @@
 the current code, and so on, keeping each side's best step and its phase breakdown. On a shared
 machine this is the fair comparison; two separate runs minutes apart are not.
 
-    python bench/ab_decode_step.py --model mla512=DIR [-c 8 -c 32] [--rounds 6 --steps 3] [--change NAME]
+    python -m bench.experiments.ab_decode_step --model mla512=DIR [-c 8 -c 32] [--rounds 6 --steps 3] [--change NAME]
 """
 
 from __future__ import annotations
@@ -12,15 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ab_moe  # noqa: E402
-import decode_breakdown as bd  # noqa: E402
+from bench.experiments import ab_moe  # noqa: E402
+from bench.suites import decode_breakdown as bd  # noqa: E402
 
 
 def _patcher(module, before: dict, after: dict) -> dict:

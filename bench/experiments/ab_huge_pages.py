@@ -1,9 +1,9 @@
 """2 MB pages under the weights and the KV pool (dsv4_kernels.huge_pages) on and off: whole decode
-steps, in-process engines (bench/decode_breakdown.py, 1 torch thread, CPU time of the stepping
+steps, in-process engines (bench/suites/decode_breakdown.py, 1 torch thread, CPU time of the stepping
 thread), the two sides in alternating processes (a collapsed page cannot be split back inside one
 process), best of each side's runs. Greedy tokens of the first prompts are compared.
 
-    python bench/ab_huge_pages.py --model DIR [-c 8 -c 32] [--pairs 3] [--out FILE]
+    python -m bench.experiments.ab_huge_pages --model DIR [-c 8 -c 32] [--pairs 3] [--out FILE]
 """
 
 from __future__ import annotations
@@ -12,18 +12,16 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
+from bench import module_argv, module_env
 
 
 def one_run(model: str, conc: list[int], huge: bool, steps: int, rounds: int) -> dict:
     out = Path(tempfile.mkdtemp()) / "run.json"
-    cmd = [sys.executable, str(HERE / "decode_breakdown.py"), "--model", f"m={model}", "--out", str(out)]
+    cmd = module_argv("bench.suites.decode_breakdown", "--model", f"m={model}", "--out", out)
     cmd += [f"-c{c}" for c in conc] + ["--steps", str(steps), "--rounds", str(rounds)]
-    env = {**os.environ, "DSV4_NO_HUGE_PAGES": "0" if huge else "1", "OMP_NUM_THREADS": "1"}
+    env = module_env({**os.environ, "DSV4_NO_HUGE_PAGES": "0" if huge else "1", "OMP_NUM_THREADS": "1"})
     subprocess.run(cmd, env=env, check=True, capture_output=True)
     return {r["concurrency"]: r for r in json.loads(out.read_text())["models"]["m"]}
 

@@ -4,7 +4,7 @@ each round cycles once through ~90 MB of distinct weights of the mla512 shapes o
 both sides interleaved in one process (1 torch thread), each call timed on the thread's CPU
 clock; per shape and token count the best round's mean call and the weight bytes it read a second.
 
-    python bench/ab_linear.py [--tokens 1 8 16 32 64] [--rounds 7] [--out FILE]
+    python -m bench.experiments.ab_linear [--tokens 1 8 16 32 64] [--rounds 7] [--out FILE]
 """
 
 from __future__ import annotations

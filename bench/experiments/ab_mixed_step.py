@@ -8,7 +8,7 @@ module flag of dsv4_engine.models.deepseek_v3 each switches):
     prefill_attention  EXPANDED_BATCHED: the per-head form's lift in one GEMM a weight for all
                        prompts, causal attention in row blocks instead of SDPA per prompt
 
-    python bench/ab_mixed_step.py --model DIR [--change NAME] [--decodes 24 --prefills 8 --rounds 6] [--out FILE]
+    python -m bench.experiments.ab_mixed_step --model DIR [--change NAME] [--decodes 24 --prefills 8 --rounds 6] [--out FILE]
 """
 
 from __future__ import annotations
@@ -16,14 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import decode_breakdown as bd  # noqa: E402
+from bench.suites import decode_breakdown as bd  # noqa: E402
 
 CHANGES = {"mixed_decode": "MIXED_DECODE_NATIVE", "prefill_attention": "EXPANDED_BATCHED"}
 

@@ -7,7 +7,7 @@ csrc/cpu_moe.c was at git revision REV (built under another name), for old-vs-ne
 it runs on its own copy of the weights in 4 KB pages (the new side's get 2 MB pages, as the engine's do:
 dsv4_kernels.huge_pages).
 
-    python bench/ab_moe.py [--hidden 512 --inter 256 --experts 8 --top-k 2] [-t 8 -t 32] [--against REV]
+    python -m bench.experiments.ab_moe [--hidden 512 --inter 256 --experts 8 --top-k 2] [-t 8 -t 32] [--against REV]
 """
 
 from __future__ import annotations

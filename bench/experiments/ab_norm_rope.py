@@ -3,7 +3,7 @@ dsv4_kernels.cpu_rope), at mla512's shapes: per step 8 norms with the residual a
 4 over q_lora, 4 over the kv_a latent (a strided slice), the final norm, 4 query ropes [T, H, R]
 and 4 key ropes [T, 1, R]. Thread CPU time per step, interleaved, best of N (1 torch thread).
 
-    python bench/ab_norm_rope.py [-c 1 -c 8 -c 32] [--rounds 50] [--out FILE]
+    python -m bench.experiments.ab_norm_rope [-c 1 -c 8 -c 32] [--rounds 50] [--out FILE]
 """
 
 from __future__ import annotations

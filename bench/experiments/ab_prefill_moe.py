@@ -5,11 +5,11 @@ GEMMs), interleaved in one process, 1 torch thread, CPU time of the thread, best
 
   * one layer's `_moe` (routed + shared) and the dense layer's `_mlp` on the checkpoint's own
     weights at T = 128, 512, 1048 tokens (random hidden states), outputs compared;
-  * a whole mixed step as bench/ab_mixed_step.py drives it (24 decodes + 8 fresh 128-token
+  * a whole mixed step as bench/experiments/ab_mixed_step.py drives it (24 decodes + 8 fresh 128-token
     prompts = 1048 tokens), with the "moe" phase's CPU time (dsv4_engine.step_phases) and the
     greedy tokens of every request compared.
 
-    python bench/ab_prefill_moe.py --model /tmp/smla/mla512 [--reps 15 --rounds 6] [--out FILE]
+    python -m bench.experiments.ab_prefill_moe --model /tmp/smla/mla512 [--reps 15 --rounds 6] [--out FILE]
 """
 
 from __future__ import annotations
@@ -17,16 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ab_mixed_step as mixed  # noqa: E402
-import decode_breakdown as bd  # noqa: E402
+from bench.experiments import ab_mixed_step as mixed  # noqa: E402
+from bench.suites import decode_breakdown as bd  # noqa: E402
 
 
 # ---- the before side: the torch forms as they were --------------------------------------------

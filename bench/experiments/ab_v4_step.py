@@ -1,11 +1,11 @@
 """DeepSeek-V4 whole decode steps with one change of issue 33 off and on, interleaved in one engine
-(in process, 1 torch thread, as bench/ab_decode_step.py does for mla512): the same running batch
+(in process, 1 torch thread, as bench/experiments/ab_decode_step.py does for mla512): the same running batch
 steps a few times with the change off, then on, alternating, keeping each side's best step and
 its phase breakdown (in the loop thread's CPU time), and the process's CPU time per step (1 torch thread: on a loaded machine
 this is the code's own cost, where wall time also holds the waits for a core); the torch op count per step of each side from torch.profiler. Each change
 is a switch on the model object, so "off" is the code as it was before that commit.
 
-    python bench/ab_v4_step.py --model v4-tiny=DIR --change native_mhc [-c 8 -c 32]
+    python -m bench.experiments.ab_v4_step --model v4-tiny=DIR --change native_mhc [-c 8 -c 32]
         [--rounds 6 --steps 3] [--prefill] [--out FILE]
 
 --prefill times the prefill of c fresh 128-token prompts instead (the change off and on in
@@ -17,14 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import decode_breakdown as bd  # noqa: E402
+from bench.suites import decode_breakdown as bd  # noqa: E402
 
 
 def _native_mhc(model, on: bool) -> None:

@@ -12,21 +12,19 @@
 Each row is one layer's attention for a batch (projections common to both sides left out),
 best of --repeats, with the maximum difference between the sides (they compute the same thing).
 
-    python bench/attention_forms.py [--quick] [--out bench/results/attention_forms.json]
+    python -m bench.experiments.attention_forms [--quick] [--out bench/results/attention_forms.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import grouped_bars, pyplot, write_json  # noqa: E402
+from bench.harness.report import grouped_bars, pyplot, write_json  # noqa: E402
 
 from dsv4_engine.models.deepseek_v3 import DeepseekV3, expanded_is_cheaper  # noqa: E402
 from dsv4_engine.models.forward_batch import ForwardBatch  # noqa: E402

@@ -4,7 +4,7 @@ output row per running request), and the per-token bookkeeping (`Engine._append_
 stop checks, the output to the sink) for `-c` requests. Thread CPU time, best of --rounds, so a
 loaded machine's waits for a core do not count.
 
-    python bench/engine_overhead.py --model DIR [-c 32] [--iters 2000] [--out FILE]
+    python -m bench.experiments.engine_overhead --model DIR [-c 32] [--iters 2000] [--out FILE]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ shapes, in plain torch on this CPU (evidence for an engine change; the engine is
 Both compute the same output (checked here to 1e-4); projections common to both (q_a, q_b, kv_a,
 o_proj) are left out. Best of --repeats.
 
-    python bench/mla_prefill_forms.py [--requests 8] [--new 128] [--context 128]
+    python -m bench.experiments.mla_prefill_forms [--requests 8] [--new 128] [--context 128]
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ After each storm it measures recovery: seconds until the engines are idle and th
 a fresh request. For this tree it also kills the decode engine (kill -9) mid-stream and measures
 how long until every client was told, the engine's restart, and service back after it.
 
-    python bench/router_load.py [--levels 50,100,200,300,400] [--old-ref main] [--skip-old]
+    python -m bench.experiments.router_load [--levels 50,100,200,300,400] [--old-ref main] [--skip-old]
 
 Prints a summary and writes bench/results/router_load.json.
 """
@@ -24,12 +24,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from bench import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "integration" / "chaos"))
-sys.path.insert(0, str(ROOT / "tests"))
 
-from pd_chaos import (  # noqa: E402
+from bench.harness.pd_chaos import (  # noqa: E402
     PDStack,
     StormSpec,
     kill_decode_mid_stream,

@@ -22,8 +22,8 @@ from typing import Optional
 import aiohttp
 import aiohttp.web
 
-from kmock_cluster import ClusterClient
-from operator_runner import free_port
+from bench.harness.kmock_cluster import ClusterClient
+from bench.harness.operator_runner import free_port
 
 PIN_HEADER = "x-dsv4-pin-worker"
 MAX_MODEL_LEN = 2048

@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from bench import RESULTS
 from typing import Optional
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def ensure_model(model: Optional[Path], preset: str, seed: int) -> Path:

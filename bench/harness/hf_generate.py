@@ -8,7 +8,7 @@ without its cache), while this loop is what the oracle tests match the engine ag
 
 Runs in its own process (serve_bench.py starts it) so that its peak RSS is its own:
 
-    python bench/hf_generate.py SPEC.json OUT.json
+    python -m bench.harness.hf_generate SPEC.json OUT.json
 
 SPEC: {"model": DIR, "dtype": "float32", "threads": N | null, "new_tokens": 64, "repeats": 3,
        "fixed": [{"name": "c8", "prompts": [[ids...], ...]}, ...],
@@ -124,5 +124,5 @@ def main(spec_path: str, out_path: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python bench/hf_generate.py SPEC.json OUT.json")
+        sys.exit("usage: python -m bench.harness.hf_generate SPEC.json OUT.json")
     main(sys.argv[1], sys.argv[2])

@@ -8,9 +8,9 @@ from typing import Callable, Optional
 
 from rich.console import Console
 
-import loadgen
-from procs import load_average
-from report import fmt
+from bench.harness import loadgen
+from bench.harness.procs import load_average
+from bench.harness.report import fmt
 
 
 def build_workloads(

@@ -37,7 +37,7 @@ What this adds to kmock (each is what a real API server does):
   writes (then compacts); `watch_events` counts what each client was streamed;
 - Pod Security admission: a pod created in a namespace labelled
   `pod-security.kubernetes.io/enforce: baseline|restricted` that breaks the level is a 403
-  (tests/integration/pod_security.py; `put_namespace` makes or relabels a Namespace);
+  (bench/harness/pod_security.py; `put_namespace` makes or relabels a Namespace);
 - two controllers of kube-controller-manager: the StatefulSet controller, where admission would
   refuse the pods of a new or changed template, makes none and posts a Warning Event
   FailedCreate with the admission's message (it makes no pods otherwise either: tests stand in);
@@ -95,7 +95,7 @@ import pytest_asyncio
 import yaml
 from kmock._internal import dsl, rendering  # the request type kmock hands to handlers
 
-import pod_security  # noqa: E402  (tests/integration: next to this file)
+from bench.harness import pod_security  # noqa: E402  (tests/integration: next to this file)
 
 from dsv4_operator.crd import apply_defaults, cel_violations, prune_unknown, to_jsonschema
 

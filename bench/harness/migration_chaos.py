@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +21,7 @@ from typing import Optional
 import aiohttp
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: dsv4_testutil
-from dsv4_testutil import Proc, free_port  # noqa: E402
+from bench.harness.commands import Proc, free_port  # noqa: E402
 
 ENGINE_ARGS = ["--kv-pages", 512, "--page-size", 16, "--max-num-seqs", 64, "--served-model-name", "m"]
 
@@ -283,7 +281,7 @@ class LocalUp:
     """`dsv4 up` as a real process (router, engines, supervisor and watchdog)."""
 
     def __init__(self, model: Path, tmp: Path, *args):
-        from dsv4_testutil import free_port_block
+        from bench.harness.commands import free_port_block
 
         self.port = free_port_block()
         self.url = f"http://127.0.0.1:{self.port}"

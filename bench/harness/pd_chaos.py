@@ -1,4 +1,4 @@
-"""Real-process PD load with hostile clients, shared by the chaos tests and bench/router_load.py.
+"""Real-process PD load with hostile clients, shared by the chaos tests and bench/experiments/router_load.py.
 
 A `PDStack` is a prefill engine, a decode engine and a router, each a real `dsv4` process on
 127.0.0.1. `storm` sends many concurrent streaming completions through the router; some
@@ -13,7 +13,6 @@ import json
 import os
 import random
 import signal
-import sys
 import threading
 import time
 from collections import Counter
@@ -24,8 +23,7 @@ from typing import Optional
 import aiohttp
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: dsv4_testutil
-from dsv4_testutil import Proc, free_port  # noqa: E402
+from bench.harness.commands import Proc, free_port  # noqa: E402
 
 # ---- one request -----------------------------------------------------------------------------
 

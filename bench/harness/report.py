@@ -10,7 +10,7 @@ import platform
 from pathlib import Path
 from typing import Optional
 
-from procs import load_average
+from bench.harness.procs import load_average
 
 
 def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:

@@ -9,7 +9,7 @@ wall time of the whole run; for each preset (V3 `tiny`, V4 `v4-tiny` by default)
 checkpoints get a longer context (random weights; positions raised in config.json) so that six
 rounds of tool results fit. Writes OUT/agents.json and OUT/agents.png.
 
-    python bench/agents_bench.py [--presets tiny v4-tiny] [--agents 16] [--rounds 6] [--quick]
+    python -m bench.suites.agents_bench [--presets tiny v4-tiny] [--agents 16] [--rounds 6] [--quick]
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Optional
 
 import httpx
 
-from checkpoints import RESULTS, ensure_model
-from procs import Server, free_port
-from report import machine, now_iso, pyplot, write_json
+from bench.harness.checkpoints import RESULTS, ensure_model
+from bench.harness.procs import Server, free_port
+from bench.harness.report import machine, now_iso, pyplot, write_json
 
 TOOLS = [
     {

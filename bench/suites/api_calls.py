@@ -3,7 +3,7 @@ label-selected on the API server (as shipped) and watched cluster-wide with clie
 (before issue 32: only the workloads were label-selected).
 
 The real operator (kopf + handlers + watchdog daemons, in a thread) against the test emulator
-(tests/integration/kmock_cluster.py), which records every request and counts the watch events it
+(bench/harness/kmock_cluster.py), which records every request and counts the watch events it
 streams to each client. N DSV4Deployments spread over a few namespaces that also hold other
 people's Services and PodDisruptionBudgets (unlabelled, as in any shared namespace); then, for a
 steady window, another writer keeps changing those (`--churn` writes per second) while the
@@ -17,12 +17,12 @@ Counted for the operator (every client but the test's own):
   a read would show here);
 - watch events the API server streamed to it, per resource, in each phase.
 
-    python bench/api_calls.py [--deployments 50] [--namespaces 5] [--seconds 20] [--churn 20]
+    python -m bench.suites.api_calls [--deployments 50] [--namespaces 5] [--seconds 20] [--churn 20]
 
 Writes bench/results/api_calls.json (committed: 50 deployments in 5 namespaces; the first reconcile
 of all 50 takes 12-15 s on the 2-core test machine). Earlier only 12 could be measured: the
 emulator's request lookup (kmock scanning every request served so far for each new one) made
-each request cost O(history); that is fixed in tests/integration/kmock_cluster.py.
+each request cost O(history); that is fixed in bench/harness/kmock_cluster.py.
 """
 
 from __future__ import annotations
@@ -37,14 +37,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests" / "integration"))
-sys.path.insert(0, str(HERE.parent / "tests" / "integration" / "operator"))
 
 import kmock  # noqa: E402
-import operator_runner  # noqa: E402
-from kmock_cluster import TEST_AGENT, ClusterClient, KubeCluster, eventually, write_kubeconfig  # noqa: E402
-from operator_runner import OperatorThread, free_port  # noqa: E402
+from bench import RESULTS
+from bench.harness import operator_runner  # noqa: E402
+from bench.harness.kmock_cluster import TEST_AGENT, ClusterClient, KubeCluster, eventually, write_kubeconfig  # noqa: E402
+from bench.harness.operator_runner import OperatorThread, free_port  # noqa: E402
 
 from dsv4_operator import main  # noqa: E402
 from dsv4_operator.handlers import children  # noqa: E402
@@ -228,7 +226,7 @@ def main_() -> None:
     ap.add_argument("--namespaces", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--churn", type=float, default=20.0, help="foreign writes per second in the steady window")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "api_calls.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "api_calls.json")
     ap.add_argument("--scrape-interval", type=float, default=SCRAPE_INTERVAL)
     args = ap.parse_args()
     globals()["SCRAPE_INTERVAL"] = args.scrape_interval

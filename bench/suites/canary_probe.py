@@ -7,7 +7,7 @@ requests, prompt and generated tokens it put on the canary (the canary's own cou
 figures, and the steady client's latency during the probe against before it. Then the same probe
 against a decode armed with stall_long_context: how long until the verdict says fail.
 
-    python bench/canary_probe.py [--out bench/results/canary_probe.json]
+    python -m bench.suites.canary_probe [--out bench/results/canary_probe.json]
 """
 
 from __future__ import annotations
@@ -17,17 +17,15 @@ import asyncio
 import json
 import platform
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import httpx
+from bench import RESULTS
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from procs import Server, free_port, load_average  # noqa: E402
+from bench.harness.procs import Server, free_port, load_average  # noqa: E402
 
 from dsv4_operator.canary.conversation import ConversationShape  # noqa: E402
 from dsv4_operator.canary.probe import ProbeSettings, run_probe  # noqa: E402
@@ -78,7 +76,7 @@ class Steady:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "canary_probe.json"))
+    ap.add_argument("--out", default=str(RESULTS / "canary_probe.json"))
     args = ap.parse_args()
     from dsv4_engine.checkpoint import init_checkpoint
 

@@ -2,13 +2,13 @@
 the canary's own probe time; and the time to catch and revert a change that stalls long contexts.
 
 The real operator (kopf + handlers + canary daemon, in a thread) against the test emulator
-(tests/integration/kmock_cluster.py) over HTTP, with the stand-in StatefulSet controller and
-engines of tests/integration/operator/canary_fleet.py (pods are recreated at once; a real pod's
+(bench/harness/kmock_cluster.py) over HTTP, with the stand-in StatefulSet controller and
+engines of bench/harness/canary_fleet.py (pods are recreated at once; a real pod's
 start, image pull and model load come on top, once more for the canary, which goes first alone).
 Deployment: prefill 2, decode 3, prefillFirst; probe: `--duration` s at concurrency 2, per engine
 probed (a stable pod, then the canary).
 
-    python bench/canary_rollout.py [--duration 5] [--runs 2]
+    python -m bench.suites.canary_rollout [--duration 5] [--runs 2]
 
 Writes bench/results/canary_rollout.json.
 """
@@ -21,19 +21,16 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests" / "integration"))
-sys.path.insert(0, str(HERE.parent / "tests" / "integration" / "operator"))
 
 import kmock  # noqa: E402
-from canary_fleet import STALL_AFTER, FakeFleet  # noqa: E402
-from kmock_cluster import ClusterClient, KubeCluster, eventually, write_kubeconfig  # noqa: E402
-from operator_runner import OperatorThread, free_port  # noqa: E402
+from bench import RESULTS
+from bench.harness.canary_fleet import STALL_AFTER, FakeFleet  # noqa: E402
+from bench.harness.kmock_cluster import ClusterClient, KubeCluster, eventually, write_kubeconfig  # noqa: E402
+from bench.harness.operator_runner import OperatorThread, free_port  # noqa: E402
 
 from dsv4_operator.canary.plan import ANNOTATION_CANARY  # noqa: E402
 from dsv4_operator.crd import build_crd  # noqa: E402
@@ -149,7 +146,7 @@ async def main() -> None:
         "summary": summary,
         "runs": runs,
     }
-    path = HERE / "results" / "canary_rollout.json"
+    path = RESULTS / "canary_rollout.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
 

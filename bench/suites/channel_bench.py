@@ -6,7 +6,7 @@ one engine step's outputs for 1, 8, 32 and 64 running requests (one token each, 
 without logprobs), an ADD of a 128- and a 4096-token prompt, and a small RPC. Beside it, what
 encoding the 32-row step costs in marshal (what we use), pickle and json.
 
-    python bench/channel_bench.py [--iters 2000] [--quick] [--out bench/results]
+    python -m bench.suites.channel_bench [--iters 2000] [--quick] [--out bench/results]
 Writes OUT/channel.json; best (lowest) p50 of --repeats runs.
 """
 
@@ -21,13 +21,13 @@ import sys
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
+from bench import RESULTS
 from typing import Optional
 
 from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.request_output import RequestOutput
 from dsv4_serve import core_messages as m
 
-RESULTS = Path(__file__).resolve().parent / "results"
 ECHO = (
     "import sys; from multiprocessing.connection import Connection; c = Connection(int(sys.argv[1]))\n"
     "try:\n    while True:\n        c.send_bytes(c.recv_bytes())\nexcept (EOFError, OSError):\n    pass\n"

@@ -3,7 +3,7 @@ few models and concurrencies, in one process: an in-process Engine (no HTTP), `c
 prefilled, then decode steps of the whole batch, best of N rounds (the machine is shared: the
 least disturbed round is the closest to the code's own cost).
 
-    python bench/decode_breakdown.py --model mla512=/path --model v4-tiny=/path [-c 8 -c 32]
+    python -m bench.suites.decode_breakdown --model mla512=/path --model v4-tiny=/path [-c 8 -c 32]
         [--steps 24] [--rounds 3] [--ops] [--out bench/results/decode_breakdown.json]
 """
 
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import loadgen
+from bench.harness import loadgen
 
 
 def _engine(model: Path, c: int, prompt_len: int, steps: int):
@@ -175,5 +175,4 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.exit(main())

@@ -8,7 +8,7 @@ CUDA graphs off and on. Checks and measures, and writes one JSON:
   - inter-token latency: mean wall time of an all-decode step at batch 1, 8 and 32 (128-token
     prompts, 64 new tokens), with and without graphs.
 
-    python bench/engine_gpu_smoke.py [--model DIR] [--out bench/results/engine_gpu_smoke.json]
+    python -m bench.suites.engine_gpu_smoke [--model DIR] [--out bench/results/engine_gpu_smoke.json]
 
 With no --model it writes a preset (--preset, default mla512; bench/gpu_kernels.sh runs v4-tiny too)
 to a temporary folder. --device cuda:1 runs it off GPU 0 (every thread must choose its device);

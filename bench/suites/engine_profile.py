@@ -6,7 +6,7 @@ batch of requests and then decodes, stepped from here, seen three ways:
   python      cProfile of the decode steps, top functions by own time;
   ops         torch.profiler of the decode steps, top aten ops by self CPU time.
 
-    python bench/engine_profile.py --model DIR [--batch 32] [--prompt-len 128] [--steps 32]
+    python -m bench.suites.engine_profile --model DIR [--batch 32] [--prompt-len 128] [--steps 32]
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from bench import RESULTS
 from typing import Optional
 
-import loadgen
+from bench.harness import loadgen
 
 
 class Timers:
@@ -306,7 +307,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    p.add_argument("--out", type=Path, default=RESULTS)
     a = p.parse_args(argv)
     r = profile(a.model, a.batch, a.prompt_len, a.steps, a.out, a.dtype)
     print(Path(r["report"]).read_text())

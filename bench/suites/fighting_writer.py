@@ -9,7 +9,7 @@ back-off (as shipped) and without it (FightTracker with a threshold no fight rea
 foreign change repaired at once, as before issue 32's item 5; the rest of today's repair, such as
 removing the foreign port, is the same in both runs).
 
-    python bench/fighting_writer.py [--seconds 60] [--rate 5]
+    python -m bench.suites.fighting_writer [--seconds 60] [--rate 5]
 
 Writes bench/results/fighting_writer.json.
 """
@@ -20,20 +20,17 @@ import argparse
 import asyncio
 import json
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests" / "integration"))
-sys.path.insert(0, str(HERE.parent / "tests" / "integration" / "operator"))
 
 import kmock  # noqa: E402
-from kmock_cluster import ClusterClient, KubeCluster, eventually, write_kubeconfig  # noqa: E402
-from operator_runner import OperatorThread, free_port  # noqa: E402
+from bench.harness.kmock_cluster import ClusterClient, KubeCluster, eventually, write_kubeconfig  # noqa: E402
+from bench.harness.operator_runner import OperatorThread, free_port  # noqa: E402
 
 import dsv4_operator.handlers.children as children  # noqa: E402
+from bench import RESULTS
 from dsv4_operator.crd import build_crd  # noqa: E402
 from dsv4_operator.fight import FightTracker  # noqa: E402
 
@@ -134,7 +131,7 @@ def main() -> None:
         "note": "a repair is up to two writes: a JSON patch removing the foreign entry, then an apply",
         "runs": results,
     }
-    path = HERE / "results" / "fighting_writer.json"
+    path = RESULTS / "fighting_writer.json"
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))
 

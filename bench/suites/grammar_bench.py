@@ -7,7 +7,7 @@ decode steps for each side, alternating sides `--repeats` times and keeping each
 the two sides differ only by the grammar. Per step it also reports the time spent filling the
 masks on the CPU (on a GPU that overlaps the forward; on a CPU it adds to it).
 
-    python bench/grammar_bench.py [--model DIR | --preset mla512] [--concurrency 1 8 32] [--steps 24]
+    python -m bench.suites.grammar_bench [--model DIR | --preset mla512] [--concurrency 1 8 32] [--steps 24]
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from bench import RESULTS
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import report as rpt  # noqa: E402
-from checkpoints import ensure_model  # noqa: E402
+from bench.harness import report as rpt  # noqa: E402
+from bench.harness.checkpoints import ensure_model  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
 # A schema a request keeps following for many tokens (a long array of small records): the
 # decode steps measured are all mid-grammar.

@@ -2,8 +2,8 @@
 """Kernel benchmarks: mla_decode memory bandwidth and MoE expert throughput, Triton kernels
 against the torch reference, written as JSON.
 
-    python bench/kernels_bench.py --out bench/results/kernels_bench.json      # CUDA machine
-    python bench/kernels_bench.py --cpu --quick --out /tmp/kernels_cpu.json   # torch backend on CPU
+    python -m bench.suites.kernels_bench --out bench/results/kernels_bench.json      # CUDA machine
+    python -m bench.suites.kernels_bench --cpu --quick --out /tmp/kernels_cpu.json   # torch backend on CPU
 
 On CUDA: mla_decode at the real latent width (512 + 64, bf16, page 64) for batch 1..128 and
 context 1k..32k, as achieved GB/s (KV bytes read + q + out over time) and as a share of the
@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))  # runs without pip install
 
 from dsv4_kernels import reference  # noqa: E402
 

@@ -10,7 +10,7 @@ own median pause (what the move cost it); the undisturbed streams of the round g
 figure for comparison (what batching jitter alone costs). Every client must end whole: any
 error fails the run.
 
-    python bench/migration_latency.py [--levels 8,32] [--rounds 4] [--tokens 64]
+    python -m bench.suites.migration_latency [--levels 8,32] [--rounds 4] [--tokens 64]
 
 Writes bench/results/migration_latency.json and .png.
 """
@@ -24,19 +24,16 @@ import platform
 import re
 import signal
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
 import httpx
+from bench import RESULTS
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "integration" / "chaos"))
-sys.path.insert(0, str(ROOT / "tests"))
 
-from migration_chaos import Cluster  # noqa: E402
+from bench.harness.migration_chaos import Cluster  # noqa: E402
 
 
 async def one(session: aiohttp.ClientSession, url: str, i: int, tokens: int) -> dict:
@@ -119,7 +116,7 @@ def main() -> None:
         "--rounds", type=int, default=4, help="rounds per level; the last one kills (-9) instead of aborting"
     )
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "migration_latency.json"))
+    ap.add_argument("--out", default=str(RESULTS / "migration_latency.json"))
     args = ap.parse_args()
     from dsv4_engine.checkpoint import init_checkpoint
 

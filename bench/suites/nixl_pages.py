@@ -8,7 +8,7 @@ pools and the same page mapping:
   paged copy   dst.index_copy_(0, dst_idx, src.index_select(0, src_idx)) (torch, page by page)
 Each figure is the best of `--repeats` timed runs. Target: NIXL >= 50% of memcpy at 64 KiB.
 
-    python bench/nixl_pages.py [--sizes 4096,65536,262144] [--mib 32] [--repeats 20]
+    python -m bench.suites.nixl_pages [--sizes 4096,65536,262144] [--mib 32] [--repeats 20]
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 import torch
+from bench import RESULTS
 
-RESULTS = Path(__file__).resolve().parent / "results"
 ROW_WIDTH = 256  # elements per page row; a page is [1, rows, ROW_WIDTH]
 TARGET_PAGE_BYTES = 65536
 TARGET_RATIO = 0.5

@@ -16,7 +16,7 @@ stages): the report gives the bytes moved per request and per prompt token by st
 prefill's /v1/loads. --transfer-checksum runs PD with region checksums on and reports what
 they cost per transfer on each side.
 
-    python bench/pd_bench.py [--preset mla512|v4-tiny|v4-flash-shape] [--concurrency 8,32] [--repeats 2]
+    python -m bench.suites.pd_bench [--preset mla512|v4-tiny|v4-flash-shape] [--concurrency 8,32] [--repeats 2]
                              [--transfer-checksum] [--quick]
 """
 
@@ -31,11 +31,11 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-import prom
-from checkpoints import RESULTS, ensure_model, model_facts
-from http_side import Side, build_workloads, describe, drive
-from procs import Server, free_port
-from report import fmt, fmt_ratio, grouped_bars, machine, now_iso, pyplot, ratio, target, write_json
+from bench.harness import prom
+from bench.harness.checkpoints import RESULTS, ensure_model, model_facts
+from bench.harness.http_side import Side, build_workloads, describe, drive
+from bench.harness.procs import Server, free_port
+from bench.harness.report import fmt, fmt_ratio, grouped_bars, machine, now_iso, pyplot, ratio, target, write_json
 
 console = Console(width=None if sys.stdout.isatty() else 180)
 TARGET_TRANSFER_SHARE = 0.10

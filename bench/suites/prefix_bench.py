@@ -19,7 +19,7 @@ a round there reuses the previous round's prompt and recomputes its answer (docs
 Every side of ours reports what its cache holds at the end (/v1/loads): bytes per state, per
 cached token and, for DeepSeek-V4, per slot-row snapshot.
 
-    python bench/prefix_bench.py [--preset mla512|v4-tiny|v4-flash-shape] [--repeats 3] [--pd] [--quick]
+    python -m bench.suites.prefix_bench [--preset mla512|v4-tiny|v4-flash-shape] [--repeats 3] [--pd] [--quick]
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-import loadgen
-import prom
-from checkpoints import RESULTS, ensure_model, model_facts
-from procs import Server, free_port, load_average
-from report import fmt, fmt_ratio, machine, now_iso, pyplot, ratio, target, write_json
-from serve_bench import BENCH, vllm_skip_reason
+from bench.harness import loadgen
+from bench.harness import prom
+from bench.harness.checkpoints import RESULTS, ensure_model, model_facts
+from bench.harness.procs import Server, free_port, load_average
+from bench.harness.report import fmt, fmt_ratio, machine, now_iso, pyplot, ratio, target, write_json
+from bench.suites.serve_bench import BENCH, vllm_skip_reason
 
 console = Console(width=None if sys.stdout.isatty() else 180)
 TARGET_WARM_OVER_COLD = 0.35

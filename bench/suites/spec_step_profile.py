@@ -2,7 +2,7 @@
 steps driven on this thread, one torch thread): the target's forward, the MTP block's forward
 (catch-up and draft chain), the host-side batch building and uploads, and the rest.
 
-    python bench/spec_step_profile.py --model DIR [--steps 1] [--max-tokens 64]
+    python -m bench.suites.spec_step_profile --model DIR [--steps 1] [--max-tokens 64]
 
 Prints ms per engine step for each part and tokens per step; the ratio of a speculative step's
 cost to a plain one is the acceptance length it needs to break even.

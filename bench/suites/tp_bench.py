@@ -1,8 +1,8 @@
 """`--tp-size` side by side: what each rank holds, and what the engine generates, at tp 1, 2, ...
 
-    python bench/tp_bench.py [--presets tiny,mla512,v4-tiny] [--tp 1,2] [--batch 8]
+    python -m bench.suites.tp_bench [--presets tiny,mla512,v4-tiny] [--tp 1,2] [--batch 8]
                              [--new-tokens 32] [--runs 3] [--out bench/results/tp_bench.json]
-    python bench/tp_bench.py --quick        # smoke: tiny, tp 1 and 2, a few tokens, one run
+    python -m bench.suites.tp_bench --quick        # smoke: tiny, tp 1 and 2, a few tokens, one run
 
 Memory: resident weight bytes of every rank's model, measured from the tensors it keeps (built
 in this process with each rank's plan; no group needed to build). Throughput: an in-process
@@ -20,10 +20,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import report  # noqa: E402
-from checkpoints import RESULTS, ensure_model  # noqa: E402
+from bench.harness import report  # noqa: E402
+from bench.harness.checkpoints import RESULTS, ensure_model  # noqa: E402
 
 
 def rank_bytes(model: Path, tp: int, device: str) -> list[int]:

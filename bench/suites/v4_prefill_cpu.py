@@ -4,7 +4,7 @@ the engine (chunked at its token budget, 1,024) until each has its first token; 
 forward of the [c, prompt_len] batch with its cache on. Rounds alternate the two; the first
 tokens are compared. Where a serving run's TTFT and mixed steps go, without the HTTP side.
 
-    python bench/v4_prefill_cpu.py --model v4-tiny=DIR [-c 32] [--rounds 3] [--out FILE]
+    python -m bench.suites.v4_prefill_cpu --model v4-tiny=DIR [-c 32] [--rounds 3] [--out FILE]
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from typing import Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import decode_breakdown as bd  # noqa: E402
-import loadgen  # noqa: E402
+from bench.suites import decode_breakdown as bd  # noqa: E402
+from bench.harness import loadgen  # noqa: E402
 
 
 def measure(model: Path, c: int, prompt_len: int, rounds: int) -> dict:

@@ -6,7 +6,7 @@ shared machine the wall time of a step is mostly the wait for a core (load 17 on
 v4-tiny step is ~12 ms of CPU in ~100 ms of wall), and that wait does not fall evenly on two
 programs run minutes apart; CPU time is each program's own cost. Also compares the greedy tokens.
 
-    python bench/v4_step_cpu.py --model v4-tiny=DIR [-c 8 -c 32] [--steps 16] [--out FILE]
+    python -m bench.suites.v4_step_cpu --model v4-tiny=DIR [-c 8 -c 32] [--steps 16] [--out FILE]
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from typing import Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import decode_breakdown as bd  # noqa: E402
-import loadgen  # noqa: E402
+from bench.suites import decode_breakdown as bd  # noqa: E402
+from bench.harness import loadgen  # noqa: E402
 
 
 def _ours(model: Path, c: int, prompt_len: int, steps: int):

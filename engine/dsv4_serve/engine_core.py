@@ -13,7 +13,7 @@ the HTTP process, which drains and then says SHUTDOWN. When the channel closes (
 process is gone, even by SIGKILL) the core exits at once, freeing the bootstrap port.
 
 Profiling: DSV4_CORE_PROFILE=<file> runs the engine thread under cProfile and writes the stats
-to <file> at shutdown (see bench/serve_bench.py --profile-core).
+to <file> at shutdown (see bench/suites/serve_bench.py --profile-core).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from kmock_cluster import ClusterClient, KubeCluster, eventually
+from bench.harness.kmock_cluster import ClusterClient, KubeCluster, eventually
 from test_operator_kmock import PLURAL, condition, deployment, events_for, get_cr
 
 from dsv4_operator.handlers.apply import retry_delay

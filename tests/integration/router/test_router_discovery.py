@@ -4,14 +4,10 @@ Kubernetes API (kmock): pods join, draining pods and deleted pods leave."""
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/integration: shared helpers
-
-from kmock_cluster import *  # noqa: E402,F401,F403  (fixtures: kube_cluster, kube_client, kubeconfig)
-from kmock_cluster import eventually  # noqa: E402
+from bench.harness.kmock_cluster import *  # noqa: E402,F401,F403  (fixtures: kube_cluster, kube_client, kubeconfig)
+from bench.harness.kmock_cluster import eventually  # noqa: E402
 
 from dsv4_router.router import Router  # noqa: E402
 from dsv4_router.router_args import RouterArgs  # noqa: E402

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from dsv4_testutil import Proc, free_port
+from bench.harness.commands import Proc, free_port
 
 TOKEN = "admin-token-for-tests"
 
