@@ -54,7 +54,14 @@ def main() -> None:
         help="checkpoint with a (trained) MTP layer (default: tiny, self-distilled once into the cache folder)",
     )
     # extend: `--steps 0 1` and `--steps 0 --steps 1` (what `dsv4 bench spec` passes) both work
-    ap.add_argument("--steps", type=int, nargs="+", action="extend", help="K values, 0 = plain (default: 0 1 2 3)")
+    ap.add_argument(
+        "--steps",
+        "--speculative-num-steps",
+        type=int,
+        nargs="+",
+        action="extend",
+        help="K values, 0 = plain (default: 0 1 2 3)",
+    )
     ap.add_argument("--concurrency", type=int, nargs="+", action="extend", help="(default: 1 8 32)")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--prompt-len", type=int, default=16)

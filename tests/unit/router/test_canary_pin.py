@@ -90,7 +90,7 @@ async def test_the_admin_sets_a_canary_share_and_clears_it_with_the_flag():
     async def no_health_check(worker) -> None:  # the worker is not there: the flags are what is tested
         return None
 
-    r.check = no_health_check
+    r.health.check = no_health_check
     transport = httpx.ASGITransport(app=build_app(r), client=("10.0.0.9", 1234))
     auth = {"Authorization": "Bearer secret"}
     async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
