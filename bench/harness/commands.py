@@ -1,4 +1,5 @@
-"""Helpers for tests that run dsv4 as real processes (importable from any test module)."""
+"""dsv4 commands as real processes, for the tests and the chaos clusters: free ports, `Proc`
+(a `dsv4 ...` process with its log), `serving` (`dsv4 serve` on a free port until it is ready)."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ Still missing: other controllers (a StatefulSet makes no pods: tests stand in fo
 admission beyond CRD schemas and the checks above, RBAC enforcement of every call (test_rbac
 compares the recorded calls with the chart instead), initial-events streaming (sendInitialEvents).
 
-Use: `from kmock_cluster import *` in a conftest.py next to the tests (see
+Use: `from bench.harness.kmock_cluster import *` in a conftest.py next to the tests (see
 tests/integration/operator/conftest.py) for the `kube_cluster`, `kube_client`, `kubeconfig`
 and `api_calls` fixtures.
 """
@@ -95,7 +95,7 @@ import pytest_asyncio
 import yaml
 from kmock._internal import dsl, rendering  # the request type kmock hands to handlers
 
-from bench.harness import pod_security  # noqa: E402  (tests/integration: next to this file)
+from bench.harness import pod_security
 
 from dsv4_operator.crd import apply_defaults, cel_violations, prune_unknown, to_jsonschema
 
