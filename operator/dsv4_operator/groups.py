@@ -1,5 +1,5 @@
 """Multi-node replicas (a role's nodesPerReplica N > 1): what the operator renders for them and how
-it keeps a group whole. Pure: dicts in, dicts out; the kopf shells are in group_controller.
+it keeps a group whole. Pure: dicts in, dicts out; the kopf shell is handlers/groups.py.
 
 One replica is a gang of N pods, one engine (`dsv4 serve --nnodes N`): the leader (node 0) serves
 HTTP and PD, the workers run ranks only. Two forms, the same pods and names

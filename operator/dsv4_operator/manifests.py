@@ -949,7 +949,7 @@ def build_children(
 ) -> list[dict[str, Any]]:
     """Every object a DSV4Deployment owns, in the order to apply them (RBAC and Services
     before the workloads that use them). The auth Secret is not among them: it is created
-    once, never applied (see handlers.ensure_auth_secret). `lws`: the cluster serves the
+    once, never applied (see auth_secret.ensure_auth_secret). `lws`: the cluster serves the
     LeaderWorkerSet API, so multi-node roles are LeaderWorkerSets (dsv4_operator.groups)."""
     revision = S.spec_revision(spec)
     return [
