@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dsv4_testutil import Proc, free_port, free_port_block
+from bench.harness.commands import Proc, free_port, free_port_block
 
 BODY = {"prompt": "the quick brown fox jumps over", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
 # From a node's death to its group's requests ending: the node channel closes at once; the engine

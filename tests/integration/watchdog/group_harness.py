@@ -16,8 +16,8 @@ from typing import Any, Callable, Optional
 
 import aiohttp.web
 
-from kmock_cluster import ClusterClient
-from operator_runner import free_port
+from bench.harness.kmock_cluster import ClusterClient
+from bench.harness.operator_runner import free_port
 from watchdog_harness import NS, ScriptedEngine, WatchdogCluster
 
 

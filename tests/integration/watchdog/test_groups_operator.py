@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: chart_te
 
 from chart_testutil import grants, helm_template, rbac_rules
 from group_harness import GroupFarm, uid_of, until
-from kmock_cluster import ClusterClient
+from bench.harness.kmock_cluster import ClusterClient
 from watchdog_harness import API, NS, PLURAL, WatchdogCluster, events, evidence_maps, get_cr, operator_calls
 
 from dsv4_operator import workload_form

@@ -13,7 +13,7 @@ from dsv4_engine.parallel.layout import NodeLayout, interface_of, layout_refusal
 from dsv4_engine.parallel.node_channel import NodeClient, NodeServer, answer, hello_refusal
 from dsv4_engine.parallel.ranks import node_timeout_s
 
-from dsv4_testutil import free_port_block
+from bench.harness.commands import free_port_block
 
 
 def test_ranks_are_laid_out_node_by_node():
