@@ -121,13 +121,13 @@ async def test_a_group_restarts_once_whether_a_worker_pod_goes_or_a_worker_rank_
         )
         url = f"http://127.0.0.1:{farm.backends['flash-decode-0'].port}"
         rounds: list[float] = []  # when each of the router's health-check rounds ended
-        check_all = router.check_all
+        check_all = router.health.check_all
 
         async def counted() -> None:
             await check_all()
             rounds.append(time.monotonic())
 
-        router.check_all = counted  # type: ignore[method-assign]
+        router.health.check_all = counted  # type: ignore[method-assign]
         await router.start()
         await until(lambda: url in router.pool.workers and router.pool.workers[url].healthy, timeout=10)
 
