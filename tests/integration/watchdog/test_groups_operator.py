@@ -253,3 +253,9 @@ async def test_with_leaderworkerset_installed_the_role_is_one_lws_the_api_server
     assert "--nnodes" not in sts["spec"]["template"]["spec"]["containers"][0]["command"]
     assert await kube_client.get("leaderworkerset.x-k8s.io/v1", "leaderworkersets", NS, "flash-decode") is None
     granted_by_chart(kube_cluster)
+    await kube_client.delete(API, PLURAL, NS, "flash")  # its daemons end with it, not at the operator's stop
+
+    async def gone() -> bool:
+        return await kube_client.get(API, PLURAL, NS, "flash") is None
+
+    await until(gone, timeout=15)
