@@ -56,6 +56,8 @@ def observe(body: Mapping[str, Any]) -> Optional[ChildObservation]:
     role = (meta.get("labels") or {}).get(LABEL_ROLE)
     if role not in ROLES or body.get("kind") not in ("StatefulSet", "Deployment"):
         return None
+    if any(ref.get("kind") == "Pod" for ref in meta.get("ownerReferences") or []):
+        return None  # a multi-node group's workers (owned by its leader pod): the role's is the leaders' one
     spec = body.get("spec") or {}
     status = body.get("status") or {}
     return ChildObservation(

@@ -327,3 +327,15 @@ def test_the_pd_aware_order_holds_a_leaderworkerset_like_a_statefulset():
     held = M.engine_workload(s, OWNER, "decode", hold=True, lws=True)
     assert M.partition_of(held) == M.HOLD_PARTITION and M.partition_of(live) == 0
     assert M.partition_of(M.engine_statefulset(s, OWNER, "decode", hold=True)) == M.HOLD_PARTITION
+
+
+def test_a_groups_worker_statefulset_is_not_the_roles_workload_in_status():
+    """The role's status comes from its leaders' StatefulSet; a worker StatefulSet (owned by its
+    leader pod, in both forms) must not stand in for it."""
+    from dsv4_operator.status import observe
+
+    sts = M.engine_statefulset(multi(), OWNER, "decode")
+    leaders = {**sts, "status": {"readyReplicas": 2, "replicas": 2}}
+    workers = G.worker_statefulset(leader_pod(sts, 0), "k", False)
+    assert observe(leaders).name == "flash-decode" and observe(leaders).ready == 2
+    assert observe(workers) is None
