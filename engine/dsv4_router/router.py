@@ -44,6 +44,7 @@ from starlette.requests import ClientDisconnect
 from dsv4_router.admission import Admission, Overloaded, Slot
 from dsv4_router.affinity import ConversationKeys, choose
 from dsv4_router.body import parse_body, read_limited
+from dsv4_router.fastlane import FastLane
 from dsv4_router.migration import BROKEN, REFUSED, TRUNCATED, UNREACHABLE, Resume, allowed_resends
 from dsv4_router.relay import RelayResponse, error_events, first_event_error, split_events, sse
 from dsv4_router.tenancy import KeyLimiter, TenantGate, TenantLimits, TenantMetrics, apply_cache_salt
@@ -611,11 +612,8 @@ class Router:
     ) -> "tuple[httpx.Response, AsyncIterator[bytes], bytes] | Response | Retry":
         """Send to decode and read up to its first event: (response, its byte stream, first
         bytes) when it is on its way, else the final answer or a Retry."""
-        client = self.up.decode
         try:
-            resp = await client.send(
-                client.build_request("POST", f"{d.url}{path}", json=body, headers=headers), stream=True
-            )
+            resp = await self.up.open_stream(f"{d.url}{path}", body, headers)
         except httpx.HTTPError as e:
             self._connection_failed(d, e)
             return Retry(502, b"", UNREACHABLE if isinstance(e, CONNECTION_FAILURES) else BROKEN)
@@ -839,6 +837,15 @@ def build_app(router: Router) -> FastAPI:
             await router.stop()
 
     app = FastAPI(title="dsv4 router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+
+    async def _internal_error(_: Request, e: Exception):
+        ref = uuid.uuid4().hex[:12]
+        log.exception("router error (reference %s)", ref)
+        return router.error(
+            APIError(f"internal router error (reference {ref}: see the router's log)", 500, "server_error")
+        )
+
+    app.add_middleware(FastLane, handle=router.handle, on_error=_internal_error)  # innermost: see fastlane.py
     app.add_middleware(
         TenantGate,
         limiter=KeyLimiter(router.args.key_limits),
@@ -853,13 +860,7 @@ def build_app(router: Router) -> FastAPI:
         msg = f"Invalid URL ({http.method} {http.url.path})" if e.status_code in (404, 405) else str(e.detail)
         return router.error(APIError(msg, e.status_code, "invalid_request_error"), dict(e.headers or {}))
 
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, e: Exception):
-        ref = uuid.uuid4().hex[:12]
-        log.exception("router error (reference %s)", ref)
-        return router.error(
-            APIError(f"internal router error (reference {ref}: see the router's log)", 500, "server_error")
-        )
+    app.exception_handler(Exception)(_internal_error)
 
     def guard(http: Request) -> Optional[JSONResponse]:
         refusal = admin_refusal(http.headers, router.args.admin_token, http.client.host if http.client else None)
