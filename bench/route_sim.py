@@ -52,23 +52,41 @@ import heapq
 import json
 import math
 import platform
-import sys
 import time
 from collections import OrderedDict, deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import hashlib
+
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "engine"))
+from dsv4_router.affinity import ConversationKeys, choose as affinity_choose
+from dsv4_router.cache_events import CacheEvents, CacheSnapshot, Change
+from dsv4_router.cache_index import CacheIndex
+from dsv4_router.scoring import LOAD_WEIGHT, Candidate, TierCosts, choose as cache_choose
+from dsv4_wire import kv_events
 
-from dsv4_router.affinity import ConversationKeys, choose as affinity_choose  # noqa: E402
-from dsv4_router.cache_events import CacheEvent, CacheSnapshot, chain_hashes  # noqa: E402
-from dsv4_router.cache_index import CacheIndex  # noqa: E402
-from dsv4_router.scoring import LOAD_WEIGHT, Candidate, TierCosts, choose as cache_choose  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
+
 
 CHAT = "/v1/chat/completions"
+ROOT_HASH = kv_events.root_hash()
+
+
+def _chain(packed: bytes, page: int, parent: bytes) -> list[bytes]:
+    """The contract's page hashes (dsv4_wire.kv_events) of tokens packed as little-endian uint32,
+    continuing a chain at `parent`: the same bytes kv_events.chain_hash hashes, without
+    unpacking numpy's tokens into lists (checked against it at start-up)."""
+    out, step = [], 4 * page
+    for start in range(0, len(packed) - step + 1, step):
+        parent = hashlib.blake2b(parent + packed[start : start + step], digest_size=16).digest()
+        out.append(parent)
+    return out
+
+
+_probe = np.arange(7, 7 + 130, dtype="<u4")
+assert _chain(_probe.tobytes(), 64, ROOT_HASH) == kv_events.page_hashes(_probe.tolist(), 64)
 COMPLETIONS = "/v1/completions"
 
 
@@ -153,7 +171,7 @@ class _Session:
         raw = self.tail + tokens.tobytes()
         full = len(raw) // (4 * page) * 4 * page
         parent = self.chain[-1] if self.chain else b""
-        new = chain_hashes(raw[:full], page, parent)
+        new = _chain(raw[:full], page, parent or ROOT_HASH)
         self.chain.extend(new)
         for h in new:
             live[h] = live.get(h, 0) + 1
@@ -413,7 +431,7 @@ def run_rule(rule: str, reqs: list[Request], p: TraceParams, engines_n: int, poo
         def publish(kind: str, hashes: list) -> None:
             seqs[0] += 1
             pending_events.append(
-                (now[0] + args.event_lag, name, CacheEvent("i0", seqs[0], kind, "device", tuple(hashes)))
+                (now[0] + args.event_lag, name, CacheEvents("i0", seqs[0], (Change(kind, "device", tuple(hashes)),)))
             )
 
         return publish
@@ -433,7 +451,7 @@ def run_rule(rule: str, reqs: list[Request], p: TraceParams, engines_n: int, poo
             for i in range(engines_n)
         ]
     for e in engines:
-        index.snapshot(e.name, CacheSnapshot("i0", 0, {}), 0.0)
+        index.snapshot(e.name, CacheSnapshot("i0", 0, {}, p.page, p.page), 0.0)
     by_name = {e.name: e for e in engines}
     keys = ConversationKeys()
     last: dict[int, str] = {}

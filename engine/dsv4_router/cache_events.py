@@ -1,68 +1,80 @@
-"""What the router's cache index consumes: a worker's cache snapshot and its events, in the
-router's own terms.
-
-This is the seam between the engines' KV-events stream (its wire format and the page hash are
-defined once, in dsv4_wire, by the KV-continuity work) and the index (cache_index.py). Until that
-contract exists the index is built against these types; the subscription client turns each wire
-message into one of them (`from_wire`), so a change of the wire format touches only that function.
-
-- A subscription starts with a `CacheSnapshot`: every page hash the engine holds, per tier, as
-  of its event `seq`, under the engine's `instance` id (new at every engine start).
-- Then `CacheEvent`s, numbered `seq` + 1, + 2, ... within that instance: pages `stored` in a
-  tier, `evicted` from it, or the tier (or every tier) `cleared`; a `heartbeat` carries no
-  change and says the stream is alive while the cache is idle.
-
-`page_hashes` is the chained hash of a prompt's full pages (a page's hash covers every token
-before it): a stand-in with the shape of the engines' definition, to be replaced by the import
-of dsv4_wire's once it exists.
+"""The engines' KV cache events (dsv4_wire.kv_events, the contract) in the terms of the router's
+index (cache_index.py): `from_wire` turns one decoded message of an engine's /v1/kv_events
+stream into a `CacheSnapshot`, a `CacheEvents` batch or a `Heartbeat`, so a change of the wire
+format touches this module only. Page hashes are the contract's (`prompt_hashes`), as hex.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
-TIERS = ("device", "host", "disk")  # best first: a page found in an earlier tier is cheaper to reuse
-KINDS = ("stored", "evicted", "cleared", "heartbeat")
+from dsv4_wire import kv_events as wire
+
+TIERS = wire.TIERS  # best first: a page found in an earlier tier is cheaper to reuse
 
 
 @dataclass(frozen=True)
-class CacheEvent:
-    instance: str
-    seq: int
-    kind: str  # one of KINDS
-    tier: Optional[str] = None  # for cleared: None = every tier
+class Change:
+    kind: str  # stored | evicted | cleared
+    tier: str
     hashes: tuple = ()
 
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown cache event kind {self.kind!r}")
-        if self.tier is not None and self.tier not in TIERS:
-            raise ValueError(f"unknown cache tier {self.tier!r}")
-        if self.kind in ("stored", "evicted") and self.tier is None:
-            raise ValueError(f"a {self.kind} event names its tier")
+
+@dataclass(frozen=True)
+class CacheEvents:
+    """One batch of changes, numbered `seq` (the previous batch's + 1) within `instance`."""
+
+    instance: str
+    seq: int
+    changes: tuple = ()
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    instance: str
+    seq: int  # the last batch sent
 
 
 @dataclass(frozen=True)
 class CacheSnapshot:
     instance: str
-    seq: int  # the last event this snapshot includes; the next event is seq + 1
+    seq: int  # the last batch this snapshot includes; the next is seq + 1
     pages: dict = field(default_factory=dict)  # tier -> iterable of page hashes
+    page_size: int = 0
+    boundary_tokens: int = 0
 
 
-def page_hashes(tokens: Sequence[int], page_size: int, salt: bytes = b"") -> list[bytes]:
-    """The chained hashes of the full pages of `tokens` (the last partial page has none)."""
-    return chain_hashes(array("I", tokens).tobytes(), page_size, salt)
+Message = Union[CacheSnapshot, CacheEvents, Heartbeat]
 
 
-def chain_hashes(packed: bytes, page_size: int, parent: bytes = b"") -> list[bytes]:
-    """`page_hashes` of tokens packed as 4-byte little-endian unsigned ints, continuing a chain
-    whose last page hash is `parent` (b"" or the salt: a chain's start)."""
-    out: list[bytes] = []
-    step = 4 * page_size
-    for start in range(0, len(packed) - step + 1, step):
-        parent = hashlib.blake2b(parent + packed[start : start + step], digest_size=16).digest()
-        out.append(parent)
-    return out
+class Unreadable(ValueError):
+    """A message the router cannot follow (another version, or not the contract): resubscribe."""
+
+
+def from_wire(msg: dict) -> Message:
+    """One message of the stream (already `wire.decode`d) in the index's terms."""
+    if msg.get("v") != wire.VERSION:
+        raise Unreadable(f"kv events version {msg.get('v')!r}, this router reads {wire.VERSION}")
+    kind, instance, seq = msg["type"], msg["instance"], msg["seq"]
+    if kind == "snapshot":
+        return CacheSnapshot(
+            instance,
+            seq,
+            {t: tuple(hs) for t, hs in msg["tiers"].items()},
+            page_size=msg["page_size"],
+            boundary_tokens=msg["boundary_tokens"],
+        )
+    if kind == "heartbeat":
+        return Heartbeat(instance, seq)
+    return CacheEvents(
+        instance, seq, tuple(Change(e["kind"], e["tier"], tuple(e.get("hashes", ()))) for e in msg["events"])
+    )
+
+
+def prompt_hashes(
+    tokens: Sequence[int], page_size: int, boundary: Optional[int] = None, salt: Optional[str] = None
+) -> list[str]:
+    """The contract's hashes of a prompt's pages (those whose key is complete), as the stream
+    spells them."""
+    return [h.hex() for h in wire.page_hashes(tokens, page_size, boundary, salt)]

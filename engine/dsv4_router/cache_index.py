@@ -1,14 +1,16 @@
 """The router's index of the fleet's caches: per worker, the page hashes it holds, per tier,
-kept from each engine's cache events (cache_events.py). No I/O: the subscription client feeds it
-snapshots and events, the placement asks it what each worker holds of a prompt.
+kept from each engine's cache events (dsv4_wire.kv_events, read through cache_events.py). No I/O:
+the subscription client (cache_subscriber.py) feeds it snapshots, event batches and heartbeats;
+the placement asks it what each worker holds of a prompt.
 
 Trust rules (a claim the index cannot vouch for is never used; the worker is then scored on
 load alone, see scoring.py):
-- A worker is *synced* once a snapshot of its current instance is applied and no event has been
-  lost since. Events are applied in `seq` order: a duplicate or an old one is dropped; one past
+- A worker is *synced* once a snapshot of its current instance is applied and no batch has been
+  lost since. Batches are applied in `seq` order: a duplicate or an old one is dropped; one past
   a gap waits (up to `reorder_window` of them, for at most `gap_timeout` seconds) for the gap to
-  fill. While a gap is open the worker is not fresh. A gap that does not fill is a lost event:
-  the worker's pages are dropped and it needs a new snapshot (`resync` answers say so).
+  fill; a heartbeat naming a later `seq` than applied opens a gap too. While a gap is open the
+  worker is not fresh. A gap that does not fill is a lost batch: the worker's pages are dropped
+  and it needs a new snapshot (`RESYNC` answers say so).
 - An event or snapshot under a new instance id is a restarted or replaced engine: everything
   known of the old one is dropped first. A `cleared` event drops a tier (or all of them).
 - A worker whose stream has said nothing (not even a heartbeat) for `stale_after` seconds is not
@@ -20,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
-from dsv4_router.cache_events import TIERS, CacheEvent, CacheSnapshot
+from dsv4_router.cache_events import TIERS, CacheEvents, CacheSnapshot, Heartbeat
 from dsv4_router.scoring import NO_MATCH, Match
 
 BIT = {t: 1 << i for i, t in enumerate(TIERS)}
@@ -30,7 +32,8 @@ RESYNC = "resync"  # the answer that asks the caller for a new snapshot of that 
 @dataclass
 class WorkerCache:
     instance: Optional[str] = None
-    seq: int = -1  # the last event applied (or included in the snapshot)
+    seq: int = -1  # the last batch applied (or included in the snapshot)
+    expect: int = -1  # the last batch the stream said it sent (a heartbeat's seq)
     synced: bool = False
     pages: dict = field(default_factory=lambda: {t: set() for t in TIERS})
     pending: dict = field(default_factory=dict)  # seq -> event, past a gap (or before the snapshot)
@@ -38,6 +41,8 @@ class WorkerCache:
     last_heard: Optional[float] = None  # when the stream last said anything
     lost: int = 0  # times events were lost (a resync followed)
     restarts: int = 0  # new instances seen
+    page_size: int = 0  # the engine's page geometry, from its snapshot: how to hash a prompt for it
+    boundary_tokens: int = 0
 
 
 class CacheIndex:
@@ -64,6 +69,8 @@ class CacheIndex:
             w.restarts += 1
         self._drop(worker, w, TIERS)
         w.instance, w.seq, w.synced, w.last_heard, w.gap_since = snap.instance, snap.seq, True, now, None
+        w.expect = snap.seq
+        w.page_size, w.boundary_tokens = snap.page_size, snap.boundary_tokens
         for tier, hashes in snap.pages.items():
             if tier not in BIT:
                 raise ValueError(f"unknown cache tier {tier!r}")
@@ -74,16 +81,23 @@ class CacheIndex:
             if ev.instance == snap.instance and seq > snap.seq:
                 self.event(worker, ev, now)
 
-    def event(self, worker: str, ev: CacheEvent, now: float) -> Optional[str]:
-        """One event of the worker's stream; RESYNC when a new snapshot is needed."""
+    def event(self, worker: str, ev: "CacheEvents | Heartbeat", now: float) -> Optional[str]:
+        """One batch (or heartbeat) of the worker's stream; RESYNC when a new snapshot is needed."""
         w = self._state(worker)
         w.last_heard = now
+        if isinstance(ev, Heartbeat):
+            if ev.instance != w.instance and w.instance is not None:
+                return self.event(worker, CacheEvents(ev.instance, ev.seq), now)  # a new engine: same as a batch
+            if w.synced and ev.seq > w.seq:
+                w.expect = max(w.expect, ev.seq)  # batches up to ev.seq were sent and are not here (yet)
+                w.gap_since = w.gap_since or now
+            return None
         if ev.instance != w.instance:
             # a restarted or replaced engine: nothing of the old one holds
             if w.instance is not None:
                 w.restarts += 1
             self._drop(worker, w, TIERS)
-            w.instance, w.seq, w.synced, w.gap_since = ev.instance, -1, False, None
+            w.instance, w.seq, w.expect, w.synced, w.gap_since = ev.instance, -1, -1, False, None
             w.pending = {ev.seq: ev}
             return RESYNC
         if not w.synced:  # waiting for the snapshot: keep what comes meanwhile (bounded)
@@ -103,8 +117,7 @@ class CacheIndex:
         while w.seq + 1 in w.pending:
             self._apply(worker, w, w.pending.pop(w.seq + 1))
         w.pending = {s: e for s, e in w.pending.items() if s > w.seq}
-        if not w.pending:
-            w.gap_since = None
+        w.gap_since = (w.gap_since or now) if w.pending or w.seq < w.expect else None
         return None
 
     def tick(self, now: float) -> list[str]:
@@ -175,6 +188,8 @@ class CacheIndex:
             "synced": w.synced,
             "fresh": self.fresh(worker, now),
             "pages": {t: len(w.pages[t]) for t in TIERS},
+            "page_size": w.page_size,
+            "boundary_tokens": w.boundary_tokens,
             "last_event_age_s": None if w.last_heard is None else round(now - w.last_heard, 3),
             "events_lost": w.lost,
             "restarts": w.restarts,
@@ -188,14 +203,17 @@ class CacheIndex:
         w.lost += 1
         return RESYNC
 
-    def _apply(self, worker: str, w: WorkerCache, ev: CacheEvent) -> None:
+    def _apply(self, worker: str, w: WorkerCache, ev: CacheEvents) -> None:
         w.seq = ev.seq
-        if ev.kind == "stored":
-            self._store(worker, w, ev.tier, ev.hashes)
-        elif ev.kind == "evicted":
-            self._evict(worker, w, ev.tier, ev.hashes)
-        elif ev.kind == "cleared":
-            self._drop(worker, w, TIERS if ev.tier is None else (ev.tier,))
+        for c in ev.changes:
+            if c.tier not in BIT:
+                raise ValueError(f"unknown cache tier {c.tier!r}")
+            if c.kind == "stored":
+                self._store(worker, w, c.tier, c.hashes)
+            elif c.kind == "evicted":
+                self._evict(worker, w, c.tier, c.hashes)
+            elif c.kind == "cleared":
+                self._drop(worker, w, (c.tier,))
 
     def _store(self, worker: str, w: WorkerCache, tier: str, hashes: Iterable) -> None:
         bit, pages, holders = BIT[tier], w.pages[tier], self.holders

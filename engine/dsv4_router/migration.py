@@ -99,6 +99,7 @@ class Resume:
     # The fast path (see `_fast`): the bytes every event of the current engine starts with, up
     # to its choices, once one event showed they need no rewriting (its id and created are ours).
     head: Optional[bytes] = None
+    prompt_ids: Optional[list] = None  # the prompt's token ids when the router knows them (placement)
 
     @property
     def n(self) -> int:

@@ -44,6 +44,9 @@ from starlette.requests import ClientDisconnect
 from dsv4_router.admission import Admission, Overloaded, Slot
 from dsv4_router.affinity import ConversationKeys, choose
 from dsv4_router.body import parse_body, read_limited
+from dsv4_router.cache_index import CacheIndex
+from dsv4_router.cache_placement import CachePlacement, Tokenize, prompt_ids
+from dsv4_router.cache_subscriber import CacheSubscriber
 from dsv4_router.fastlane import FastLane
 from dsv4_router.migration import BROKEN, REFUSED, TRUNCATED, UNREACHABLE, Resume, allowed_resends
 from dsv4_router.relay import RelayResponse, error_events, first_event_error, split_events, sse
@@ -51,7 +54,7 @@ from dsv4_router.tenancy import KeyLimiter, TenantGate, TenantLimits, TenantMetr
 from dsv4_router.upstream import BROKEN_CONNECTIONS, CONNECTION_FAILURES, Upstreams
 from dsv4_wire import tracing
 from dsv4_wire.tracing import TRACE_HEADERS, Tracing
-from dsv4_wire import APIError, Paths, admin_refusal
+from dsv4_wire import APIError, Paths, admin_refusal, authorization_header
 from dsv4_wire.api_keys import ApiKeyGate, KeyRing
 from dsv4_wire.options import dataclass_of
 from dsv4_wire.request_fields import ROUTER_ONLY_FIELDS
@@ -93,6 +96,7 @@ class Worker:
     # `canary_percent` percent of its role's live requests (the rollout's trafficPercent).
     canary: bool = False
     canary_percent: float = 0.0
+    load_tokens: int = 0  # prompt tokens of this router's requests in flight here (cache placement's load)
 
     @property
     def host(self) -> str:
@@ -109,6 +113,7 @@ class Worker:
             "source": self.source,
             "canary": self.canary,
             "canary_percent": self.canary_percent,
+            "load_tokens": self.load_tokens,
         }
 
 
@@ -188,7 +193,12 @@ class WorkerPool:
         return self.workers.pop(url.rstrip("/"), None) is not None
 
     def pick(
-        self, role: str, exclude: set[str] = frozenset(), key: Optional[str] = None, draw: Optional[float] = None
+        self,
+        role: str,
+        exclude: set[str] = frozenset(),
+        key: Optional[str] = None,
+        draw: Optional[float] = None,
+        placed=None,
     ) -> Optional[Worker]:
         """The least busy ready worker of a role; with a key (prefix affinity, see affinity.py),
         the one the key prefers unless it is much busier than the least busy. A ready canary
@@ -212,6 +222,10 @@ class WorkerPool:
             ready = [w for w in self.workers.values() if w.role == role and w.healthy and not w.canary]
         if not ready:
             return None
+        if placed is not None:  # by what each engine holds (cache_placement.py), when it is known
+            w = placed(ready)
+            if w is not None:
+                return w
         if key is not None:
             url = choose(key, {w.url: w.inflight for w in ready})
             return next(w for w in ready if w.url == url)
@@ -231,6 +245,12 @@ class Router:
             self.pool.add(u, "mono")
         self.metrics = RouterMetrics()
         self.keys = ConversationKeys()  # prefix-affinity keys, remembering short plain prompts
+        # what each engine holds (its KV cache events) and placement by it; `tokenize` (set by
+        # the CLI from the engine's own code) lets it score text and chat prompts too
+        self.index = CacheIndex()
+        self.placement = CachePlacement(self.index)
+        self.subscriber: Optional[CacheSubscriber] = None
+        self.tokenize: Optional[Tokenize] = None
         self.admission = Admission(args.max_inflight, args.max_queue, args.queue_timeout)
         self.metrics.inflight.set_function(lambda: self.admission.inflight)
         self.metrics.queued.set_function(lambda: self.admission.queued)
@@ -246,6 +266,10 @@ class Router:
             self.args.health_timeout,
             self.args.pd_secret or self.args.engine_api_key,
         )
+        if self.args.cache_events:
+            secret = self.args.pd_secret or self.args.engine_api_key
+            self.subscriber = CacheSubscriber(self.index, headers=authorization_header(secret))
+            self.subscriber.start()
         await self.check_all()
         self._tasks.append(asyncio.create_task(self._health_loop()))
         if self.args.discover_namespace:
@@ -258,6 +282,8 @@ class Router:
             t.cancel()
         if self.up:
             await self.up.aclose()
+        if self.subscriber is not None:
+            await self.subscriber.aclose()
         self.tracing.shutdown()
 
     # ---- health ----------------------------------------------------------------------------------
@@ -272,6 +298,11 @@ class Router:
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in list(self.pool.workers.values())))
+        if self.subscriber is not None:  # follow every worker's cache events; forget removed ones
+            for url in set(self.subscriber.following()) - set(self.pool.workers):
+                self.subscriber.drop(url)
+            for url in self.pool.workers:
+                self.subscriber.follow(url)
 
     async def check(self, w: Worker) -> None:
         """One /ready check on the control pool (never behind request traffic)."""
@@ -321,26 +352,39 @@ class Router:
             raise APIError(f"the pinned worker {w.url} is not ready: {w.reason}", 503, "service_unavailable")
         return w
 
+    def _placer(self, st: Optional[Resume], key: Optional[str]):
+        """Placement by what each engine holds, for this request (None: its tokens are unknown)."""
+        ids = getattr(st, "prompt_ids", None)
+        if not ids:
+            return None
+        body = st.body
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        session = body.get("prompt_cache_key") if isinstance(body.get("prompt_cache_key"), str) else None
+        return lambda ready: self.placement.pick(ready, ids, salt, session or key or "", session or key)
+
     def _pair(
-        self, exclude: set[str], key: Optional[str] = None, pin: Optional[str] = None
+        self, exclude: set[str], key: Optional[str] = None, pin: Optional[str] = None, st: Optional[Resume] = None
     ) -> tuple[Optional[Worker], Worker]:
         """key: the request's prefix-affinity key; it steers the engine that prefills (prefill or
         mono: the one whose prefix cache it hopes to hit), never decode (it receives every page).
         pin: the decode or mono worker this request must reach (a canary probe's)."""
+        placed = self._placer(st, key)
         if pin is not None:
             w = self._pinned(pin)
             if w.role == "mono":
                 return None, w
-            p = self.pool.pick("prefill", exclude, key)
+            p = self.pool.pick("prefill", exclude, key, placed=placed)
             if p is None or p.bootstrap_port is None:
                 raise APIError("no healthy prefill is available", 503, "service_unavailable")
             return p, w
         if any(w.role == "prefill" for w in self.pool.workers.values()):
-            p, d = self.pool.pick("prefill", exclude, key), self.pool.pick("decode", exclude)
+            # decode too goes where the conversation is held, when decode engines publish events
+            p = self.pool.pick("prefill", exclude, key, placed=placed)
+            d = self.pool.pick("decode", exclude, placed=placed)
             if p is None or d is None or p.bootstrap_port is None:
                 raise APIError("no healthy prefill/decode pair is available", 503, "service_unavailable")
             return p, d
-        m = self.pool.pick("mono", exclude, key)
+        m = self.pool.pick("mono", exclude, key, placed=placed)
         if m is None:
             raise APIError("no healthy engine is available", 503, "service_unavailable")
         return None, m
@@ -426,6 +470,7 @@ class Router:
             attributes={"dsv4.rid": rid, "http.route": path, "dsv4.stream": st.stream},
         )
         key = self.keys.key(path, body)
+        st.prompt_ids = prompt_ids(path, body, self.tokenize) if self.subscriber is not None else None
         handed_off = False
         try:
             placed = await self._place(path, st, key)
@@ -478,7 +523,7 @@ class Router:
                     ) or budget <= 0:
                         return self._gave_up(st, last, budget <= 0)
                 try:
-                    p, d = self._pair(tried, key, st.pin)
+                    p, d = self._pair(tried, key, st.pin, st)
                 except APIError as e:
                     if reason is None:
                         return self.error(e, {"Retry-After": "2"})
@@ -510,11 +555,14 @@ class Router:
                     },
                 )
                 opening = self._open(path, body, p, d, span, st.trace_in)
+                load = _Load(len(getattr(st, "prompt_ids", None) or ()), p, d)
                 try:
                     result = await (opening if reason is None else asyncio.wait_for(opening, max(budget, 0.01)))
                 except BaseException as e:
+                    load.release()
                     tracing.end(span, error=type(e).__name__)
                     raise
+                load.hand_to(result)
                 if not isinstance(result, Retry):
                     if not isinstance(result, Leg):
                         tracing.end(span, error=f"answered {result.status_code}")
@@ -790,6 +838,7 @@ class Leg:
     first: bytes
     closed: bool = False
     span: object = None  # its router.attempt span (tracing on)
+    tokens: int = 0  # counted in d.load_tokens while the stream runs
 
     async def close(self) -> None:
         if self.closed:
@@ -797,9 +846,41 @@ class Leg:
         self.closed = True
         tracing.end(self.span)
         self.d.inflight -= 1
+        self.d.load_tokens -= self.tokens
+        self.tokens = 0
         if self.prefill is not None and not self.prefill.done():
             self.prefill.cancel()
         await self.resp.aclose()
+
+
+class _Load:
+    """A request's prompt tokens counted in its workers' `load_tokens` from the moment it is
+    sent: on prefill until its leg ends, on decode (or mono) until the stream ends."""
+
+    def __init__(self, n: int, p: Optional[Worker], d: Worker):
+        self.n, self.p, self.d = n, p, d
+        for w in (p, d):
+            if w is not None:
+                w.load_tokens += n
+
+    def release(self) -> None:
+        for w in (self.p, self.d):
+            if w is not None:
+                w.load_tokens -= self.n
+        self.n = 0
+
+    def hand_to(self, result) -> None:
+        """The attempt's outcome: a Leg carries the decode's share; the prefill's ends with its leg."""
+        if not isinstance(result, Leg) or not self.n:
+            return self.release()
+        result.tokens = self.n
+        p, n = self.p, self.n
+        if p is not None:
+            if result.prefill is None or result.prefill.done():
+                p.load_tokens -= n
+            else:
+                result.prefill.add_done_callback(lambda _: setattr(p, "load_tokens", p.load_tokens - n))
+        self.n = 0
 
 
 def _with_id(content: bytes, rid: Optional[str]) -> bytes:
@@ -916,7 +997,18 @@ def build_app(router: Router) -> FastAPI:
 
     @app.get(Paths.ADMIN_WORKERS)
     async def list_workers(http: Request):
-        return guard(http) or {"workers": [w.view() for w in router.pool.workers.values()]}
+        now = time.monotonic()
+        return guard(http) or {
+            "workers": [
+                dict(
+                    w.view(),
+                    cache=dict(router.index.view(w.url, now), subscription=router.subscriber.status.get(w.url))
+                    if router.subscriber is not None
+                    else None,
+                )
+                for w in router.pool.workers.values()
+            ]
+        }
 
     @app.post(Paths.ADMIN_WORKERS)
     async def add_worker(http: Request):

@@ -100,6 +100,33 @@ class _Conn(asyncio.Protocol):
             self.transport.resume_reading()
 
 
+async def _bounded(aw, timeout: float, timed_out, undo):
+    """`await aw` within `timeout` seconds (else raise timed_out()). Unlike asyncio.wait_for on
+    Python < 3.12, a cancellation of the caller is never lost when `aw` completes at the same
+    moment: it is raised, and what `aw` produced is undone (`undo(result)`: a connection closed,
+    a slot given back)."""
+    fut = asyncio.ensure_future(aw)
+    try:
+        done, _ = await asyncio.wait({fut}, timeout=timeout)
+    except BaseException:
+        _abandon(fut, undo)
+        raise
+    if not done:
+        _abandon(fut, undo)
+        raise timed_out()
+    return fut.result()
+
+
+def _abandon(fut: asyncio.Future, undo) -> None:
+    fut.cancel()
+
+    def settle(f: asyncio.Future) -> None:
+        if not f.cancelled() and f.exception() is None:
+            undo(f.result())
+
+    fut.add_done_callback(settle)
+
+
 def _time_out(w: asyncio.Future) -> None:
     if not w.done():
         w.set_result(True)
@@ -230,10 +257,12 @@ class StreamClient:
             f"content-length: {len(payload)}\r\n"
         ).encode("latin-1")
         request = head + self.headers + extra + b"\r\n" + payload
-        try:
-            await asyncio.wait_for(self._slots.acquire(), self.pool_timeout)
-        except asyncio.TimeoutError:
-            raise httpx.PoolTimeout("no connection to the engine came free in time") from None
+        await _bounded(
+            self._slots.acquire(),
+            self.pool_timeout,
+            lambda: httpx.PoolTimeout("no connection to the engine came free in time"),
+            lambda _: self._slots.release(),
+        )
         ok = False
         try:
             for attempt in range(2):
@@ -242,14 +271,14 @@ class StreamClient:
                 conn.resp = resp
                 conn.transport.write(request)
                 try:
-                    await asyncio.wait_for(asyncio.shield(resp._head), self.read_timeout)
+                    done, _ = await asyncio.wait({resp._head}, timeout=self.read_timeout)
+                    if not done:
+                        raise httpx.ReadTimeout(f"the engine did not answer in {self.read_timeout:g}s")
+                    resp._head.result()
                 except httpx.RemoteProtocolError:
                     if reused and attempt == 0 and not resp.headers:
                         continue  # the engine had closed that idle connection: once more, on a new one
                     raise
-                except asyncio.TimeoutError:
-                    conn.transport.close()
-                    raise httpx.ReadTimeout(f"the engine did not answer in {self.read_timeout:g}s") from None
                 except BaseException:
                     conn.resp = None
                     conn.transport.close()
@@ -271,11 +300,12 @@ class StreamClient:
             c.transport.close()
         loop = asyncio.get_running_loop()
         try:
-            _, c = await asyncio.wait_for(
-                loop.create_connection(lambda: _Conn(key, self), key[0], key[1]), self.connect_timeout
+            _, c = await _bounded(
+                loop.create_connection(lambda: _Conn(key, self), key[0], key[1]),
+                self.connect_timeout,
+                lambda: httpx.ConnectTimeout(f"no connection to {key[0]}:{key[1]} in {self.connect_timeout:g}s"),
+                lambda made: made[0].close(),
             )
-        except asyncio.TimeoutError:
-            raise httpx.ConnectTimeout(f"no connection to {key[0]}:{key[1]} in {self.connect_timeout:g}s") from None
         except OSError as e:
             raise httpx.ConnectError(f"cannot connect to {key[0]}:{key[1]}: {e}") from None
         self._open.add(c)
