@@ -16,7 +16,7 @@ from dsv4_router.cache_events import prompt_hashes
 from dsv4_router.cache_index import CacheIndex
 from dsv4_router.cache_placement import CachePlacement, prompt_ids
 from dsv4_router.cache_subscriber import CacheSubscriber
-from dsv4_router.router import Worker
+from dsv4_router.workers import Worker
 from dsv4_wire import Paths
 from dsv4_wire import kv_events as wire
 
