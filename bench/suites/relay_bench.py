@@ -450,7 +450,7 @@ def main() -> None:
             mine = [r for r in runs if r["router"] == kind and r["streams"] == n]
             best.append(max(mine, key=lambda r: r["tokens_per_s"]))
     result = {
-        "what": "dsv4 router vs sglang-router 0.3.2 relaying SSE from a stub engine (bench/relay_bench.py)",
+        "what": "dsv4 router vs sglang-router 0.3.2 relaying SSE from a stub engine (bench/suites/relay_bench.py)",
         "gap_ms": args.gap_ms,
         "tokens": args.tokens,
         "repeats": args.repeats,

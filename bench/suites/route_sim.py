@@ -351,7 +351,7 @@ def main() -> None:
     aff = next((r for r in rows if r["rule"] == "affinity"), None)
     cache = next((r for r in rows if r["rule"] == "cache"), None)
     result = {
-        "what": "prefix reuse and load of placement rules on a simulated agent trace (bench/route_sim.py)",
+        "what": "prefix reuse and load of placement rules on a simulated agent trace (bench/suites/route_sim.py)",
         "engines": args.engines,
         "mix": "chat" if not p.ids_share else f"ids{round(p.ids_share * 100)}",
         "seed": args.seed,

@@ -2,7 +2,7 @@
 
 Every event of a relayed stream used to pass two exception-handling `send` wrappers of
 FastAPI/Starlette, and every request its router and dependency machinery; at fleet rates that
-is a share of the router's CPU per token (bench/relay_bench.py). This innermost middleware
+is a share of the router's CPU per token (bench/suites/relay_bench.py). This innermost middleware
 (inside the API-key and tenancy gates, which still see every request) answers POSTs to the
 generation paths itself with the router's own `handle`, and passes everything else on.
 

@@ -1,6 +1,6 @@
 """Which engine should take a prompt: the one where it costs least, counting both what the
 engine already holds of it and how busy the engine is. Pure functions; the router (and the
-simulator in bench/route_sim.py) feed them.
+simulator, bench.suites.route_sim) feed them.
 
 The cost of a prompt on a candidate, in tokens of work:
 
@@ -15,11 +15,11 @@ The cost of a prompt on a candidate, in tokens of work:
   to be prefilled, contexts being decoded).
 - `load_weight` (default `LOAD_WEIGHT`, 1/32) is the exchange rate: a session leaves the engine
   holding its prefix only when that engine carries 32 tokens of load more per token the move
-  would recompute. At 1 (the shape of Dynamo's default cost) ordinary load fluctuations (a few
-  long contexts decoding at once) pull sessions off their caches: in the simulator
-  (bench/route_sim.py) reuse fell to 0.71x the one-shared-cache oracle's at weight 1, 0.93x at
-  1/10, 0.98x at 1/32, while engine loads stayed within 1.03-1.12 max/mean; at 0 (cache only)
-  hot spots form (max/mean 4.2) and reuse falls too. bench/results/route_sim has the sweep.
+  would recompute. At 1 (the shape of Dynamo's default cost) ordinary load swings (a few long
+  contexts decoding at once) pull sessions off their caches. In the simulator (bench.suites.
+  route_sim, 8 engines, chat mix) reuse was 0.65x the one-shared-cache oracle's at weight 1,
+  0.93x at 1/10, 0.97x at 1/32 and 0.99x at 1/100, engine loads 1.01, 1.01, 1.04 and 1.19
+  max/mean; with no load term at all hot spots form. bench/results/route_sim has the sweep.
 - A candidate whose cache events are stale (`fresh` false) is scored on load alone: its claims
   are not trusted, the prompt counts as wholly uncached there.
 

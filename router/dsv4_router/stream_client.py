@@ -4,7 +4,7 @@ through it, so it is built for that and nothing else.
 One asyncio Protocol per connection, httptools' C parser (the parser uvicorn uses on the
 server side) feeding the body straight into the response's buffer: no per-chunk event objects,
 state machines or task-local context as in httpx/httpcore/h11, which cost the relay most of its
-CPU per token (bench/relay_bench.py). Keep-alive connections are pooled per host, bounded.
+CPU per token (bench/suites/relay_bench.py). Keep-alive connections are pooled per host, bounded.
 
 Its answers look like httpx's where the router uses them (`status_code`, `aread`, `aiter_raw`,
 `aclose`) and its failures are httpx's exception types, so the router tells an engine that
