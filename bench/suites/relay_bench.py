@@ -272,7 +272,9 @@ def _wait_http(port: int, path: str, timeout: float) -> None:
 def start_router(kind: str, port: int, stub_port: int, args) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     stub_url = f"http://127.0.0.1:{stub_port}"
-    if kind == "dsv4":
+    if kind == "dsv4-base":  # the router packages of another commit, first on the path
+        env["PYTHONPATH"] = os.pathsep.join(str(args.base_dir / d) for d in ("router", "cli", "wire"))
+    if kind.startswith("dsv4"):
         cmd = [
             sys.executable,
             "-m",
@@ -374,7 +376,7 @@ def plot(result: dict, path: Path) -> None:
 
     best = result["best"]
     streams = sorted({b["streams"] for b in best})
-    kinds = ["sglang", "dsv4"]
+    kinds = [k for k in ("sglang", "dsv4-base", "dsv4") if any(b["router"] == k for b in best)]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
     for ax, key, title in zip(
         axes,
@@ -383,8 +385,14 @@ def plot(result: dict, path: Path) -> None:
     ):
         for j, kind in enumerate(kinds):
             vals = [next((b[key] for b in best if b["router"] == kind and b["streams"] == s), 0) for s in streams]
-            xs = [i + (j - 0.5) * 0.38 for i in range(len(streams))]
-            ax.bar(xs, vals, width=0.38, label="sglang-router 0.3.2" if kind == "sglang" else "dsv4 router")
+            w = 0.8 / len(kinds)
+            xs = [i + (j - (len(kinds) - 1) / 2) * w for i in range(len(streams))]
+            names = {
+                "sglang": "sglang-router 0.3.2",
+                "dsv4": "dsv4 router",
+                "dsv4-base": f"dsv4 router @ {result.get('base_ref')}",
+            }
+            ax.bar(xs, vals, width=w, label=names[kind])
             for x, v in zip(xs, vals):
                 ax.text(x, v, f"{v:.0f}" if v >= 10 else f"{v:.1f}", ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(streams)))
@@ -407,7 +415,8 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=15.0)
     ap.add_argument("--gap-ms", type=float, default=40.0)
     ap.add_argument("--tokens", type=int, default=200)
-    ap.add_argument("--routers", default="sglang,dsv4")
+    ap.add_argument("--routers", default="sglang,dsv4", help="of sglang, dsv4, dsv4-base")
+    ap.add_argument("--base-ref", default="main", help="the commit dsv4-base runs the router of")
     ap.add_argument("--sglang-router", default=str(ROOT / ".venv-sglang-router" / "bin" / "python"))
     ap.add_argument("--router-cpu", default="0")
     ap.add_argument("--load-cpu", default="1")
@@ -419,6 +428,19 @@ def main() -> None:
     out = Path(args.out)
     args.logs = out / "logs"
     args.logs.mkdir(parents=True, exist_ok=True)
+    if "dsv4-base" in args.routers.split(","):
+        import tempfile
+
+        args.base_dir = Path(tempfile.mkdtemp(prefix="relay-base-"))
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", args.base_ref, "router/dsv4_router", "cli/dsv4_cli", "wire/dsv4_wire"],
+            check=True,
+            capture_output=True,
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(args.base_dir)], input=archive, check=True)
+        args.base_commit = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", args.base_ref], check=True, capture_output=True, text=True
+        ).stdout.strip()
     stub_port = free_port()
     stub = subprocess.Popen(
         [
@@ -454,6 +476,7 @@ def main() -> None:
         "gap_ms": args.gap_ms,
         "tokens": args.tokens,
         "repeats": args.repeats,
+        "base_ref": f"{args.base_ref} ({args.base_commit})" if hasattr(args, "base_commit") else None,
         "duration_s": args.duration,
         "router_cpu": args.router_cpu,
         "load_cpu": args.load_cpu,
