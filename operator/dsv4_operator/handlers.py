@@ -324,7 +324,7 @@ async def apply_children(
     our writes gave the workloads (see _child_changed)."""
     await ensure_auth_secret(api, spec, owner)
     existing = existing_replicas or {}
-    external = [role for role in ROLES if spec.scaling_of(role) == "external"]
+    external = [role for role in ROLES if spec.replicas_from_workload(role)]
     for role in external:  # before our apply stops carrying replicas, so the count stays
         if role in existing:
             await hand_over_replicas(api, owner, role, existing[role])
@@ -892,7 +892,7 @@ async def _reapply_child(
     _remember_generation(generations, after)
     metrics.applied.labels(kind).inc()
     role = (wanted[0]["metadata"].get("labels") or {}).get(LABEL_ROLE, "")
-    if seen_version is None and kind in ("StatefulSet", "Deployment") and spec.scaling_of(role) == "external":
+    if seen_version is None and kind in ("StatefulSet", "Deployment") and spec.replicas_from_workload(role):
         await hand_over_replicas(api, owner, role, initial_replicas(spec, role))  # made anew: starting count
     if seen_version == "":
         return False  # a release of decode after prefill rolled out, not a repair

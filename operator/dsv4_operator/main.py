@@ -26,6 +26,7 @@ import kopf
 
 from dsv4_operator import handlers
 from dsv4_operator import rollout  # noqa: F401  (registers the canary daemon in handlers.registry)
+from dsv4_operator.planner import shell as planner_shell  # noqa: F401  (registers the planner daemon)
 from dsv4_operator.kube import KubeApi, load_configuration
 from dsv4_operator.leader import LeaderElection, LeaderElector, lease_namespace
 from dsv4_operator.manifests import APP, LABEL_MANAGED_BY, LABEL_NAME, MANAGER
