@@ -124,6 +124,7 @@ class RoleState:
     base: Holt = field(default_factory=Holt)  # the baseline (the demand without bursts) and its trend
     size: Optional[float] = None  # decode: mean context of a running request; prefill: mean prompt length
     token_context: Optional[float] = None  # prefill: the mean context a prompt token is computed with
+    largest_step: Optional[float] = None  # decode: the largest mean batch seen (the fit's trusted range)
     queued_tokens: Optional[float] = None
     last_change_at: Optional[float] = None
     last_up_at: Optional[float] = None  # the last scale-up (or the first round): the cool-down counts from it
@@ -274,6 +275,20 @@ def _update_prefill(
 # ---- demand and counts ------------------------------------------------------------------------
 
 
+def _largest_batch(engines: Iterable[EngineLoad], previous: Optional[float]) -> Optional[float]:
+    """The largest mean decode batch of the interval's engines (requests per step, or the running
+    batch of an engine without step totals), if above `previous`."""
+    sizes = []
+    for e in engines:
+        totals = e.steps.get("decode") or {}
+        steps = float(totals.get("steps") or 0)
+        if steps > 0:
+            sizes.append(float(totals.get("requests") or 0) / steps)
+        elif e.running > 0 and e.itl_n >= MIN_LATENCY_SAMPLES:
+            sizes.append(e.running)
+    return max([s for s in sizes if s > 0] + ([previous] if previous else []), default=None)
+
+
 def _smooth(previous: Optional[float], value: Optional[float]) -> Optional[float]:
     if value is None or value <= 0:
         return previous
@@ -368,6 +383,7 @@ def _size_role(
             rs.size or 1.0,
             kv * KV_SHARE if kv else None,
             _first(e.max_batch for e in obs.engines),
+            rs.largest_step,
         )
         per, text, util = cap.tokens_per_s, cap.describe(), u
         target_s = settings.itl_target_s
@@ -435,6 +451,8 @@ def decide_role(
     model = state.models.role(role)
     demand_now, size, queued = _demand(role, obs, rs)
     rs = replace(rs, size=_smooth(rs.size, size), queued_tokens=queued)
+    if role == "decode":
+        rs = replace(rs, largest_step=_largest_batch(obs.engines, rs.largest_step))
     if role == "prefill":
         totals = [e.steps.get("prefill") or {} for e in obs.engines]
         tokens = sum(float(t.get("tokens") or 0) for t in totals)
@@ -516,6 +534,12 @@ def decide_role(
     over_max = n > hi
     target = hi if over_max else min(hi, max(lo, allowed))
     if target >= n:
+        if sizing.need_down < n:
+            why = (
+                f"a scale-down to {max(lo, sizing.need_down)} needs the load that low for the whole cool-down window "
+                f"({settings.scale_down_cooldown_s:.0f}s; the highest need in it is {allowed})"
+            )
+            return decision(HOLD, n, why, "stabilizing"), rs, model
         return decision(HOLD, n, "the replicas serve the load at the targets", "steady"), rs, model
     if not over_max:
         since = now - (rs.last_up_at if rs.last_up_at is not None else now)

@@ -43,6 +43,12 @@ ABSOLUTE_NOISE = 0.001  # ...plus this many seconds
 CORRECTION_BOUNDS = (0.5, 4.0)
 CORRECTION_SMOOTHING = 0.3  # weight of the newest measured/predicted ratio
 DEFAULT_MAX_BATCHED_TOKENS = 8192  # a prefill step's size when the engine does not say
+# The decode fit is trusted up to this many times the largest batch it has seen (and always up to
+# TRUST_FLOOR requests): engines that ran at one batch size tell little of the slope beyond it,
+# and a prior's slope is a guess. The capacity grows with what the load shows the engines can do.
+# (Prefill needs no such bound: prompts of different lengths already vary every term.)
+TRUST_FACTOR = 2.0
+TRUST_FLOOR = 8.0
 
 
 @dataclass(frozen=True)
@@ -139,7 +145,7 @@ class RoleModel:
 class DecodeCapacity:
     batch: float  # streams one replica runs at the target
     tokens_per_s: float  # tokens it then generates per second
-    bound: str  # what limits it: itl, kv or max_batch (none: the target is out of reach)
+    bound: str  # what limits it: itl, kv, max_batch or seen (none: the target is out of reach)
     itl_s: float  # the ITL at that batch, as predicted
 
     def describe(self) -> str:
@@ -152,10 +158,11 @@ def decode_capacity(
     context: float,
     kv_tokens: Optional[float] = None,
     max_batch: Optional[float] = None,
+    largest_seen: Optional[float] = None,
 ) -> DecodeCapacity:
     """One decode replica at the ITL target: the largest batch whose predicted step (with the
-    correction) fits the target, bounded by the KV cache (kv_tokens of context in all) and the
-    engine's batch limit."""
+    correction) fits the target, bounded by the KV cache (kv_tokens of context in all), the
+    engine's batch limit and TRUST_FACTOR x the largest batch the fit has seen."""
     a, b, c = model.fit.coefficients()
     k = model.correction
     context = max(1.0, context)
@@ -168,6 +175,9 @@ def decode_capacity(
         batch, bound = kv_tokens / context, "kv"
     if max_batch is not None and max_batch > 0 and max_batch < batch:
         batch, bound = float(max_batch), "max_batch"
+    trusted = max(TRUST_FLOOR, TRUST_FACTOR * (largest_seen or 0.0))
+    if largest_seen is not None and trusted < batch:
+        batch, bound = trusted, "seen"
     if not math.isfinite(batch):
         batch = 1e6
     itl = k * (a + per * batch)
