@@ -131,12 +131,16 @@ def ordinal(pod: str) -> int:
     return int(tail) if tail.isdigit() else -1
 
 
-def resume_drains(state: PlannerState, drained: Mapping[str, tuple[str, ...]], now: float) -> PlannerState:
+def resume_drains(
+    state: PlannerState, drained: Mapping[str, tuple[str, ...]], replicas: Mapping[str, int], now: float
+) -> PlannerState:
     """A drain found annotated on pods but not in the state (the operator restarted): resumed, its
-    target the lowest drained ordinal (the StatefulSet keeps the ordinals below it)."""
+    target the lowest drained ordinal (the StatefulSet keeps the ordinals below it). Pods at or
+    past the count are being removed already (a drain that finished): nothing to resume."""
     roles = dict(state.roles)
-    for role, pods in drained.items():
+    for role, found in drained.items():
         rs = state.role(role)
+        pods = tuple(p for p in found if ordinal(p) < replicas.get(role, 0))
         if pods and rs.drain is None:
             roles[role] = replace(rs, drain=Drain(pods, min(ordinal(p) for p in pods), now))
     return PlannerState(state.models, roles)
@@ -224,7 +228,7 @@ class DeploymentPlanner:
                 planned=planned and sts is not None,
             )
             drained[role] = planner_drained(raw_pods, role)
-        self.state = resume_drains(self.state, drained, now)
+        self.state = resume_drains(self.state, drained, {r: o.replicas for r, o in observations.items()}, now)
         decision = decide(observations, self.state, settings, now)
         self.state = decision.state
         self.last = decision
@@ -250,7 +254,10 @@ class DeploymentPlanner:
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None or self._http.closed:
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT), trust_env=False)
+            # the admin token on every call: /v1/loads answers it alone (it lists requests)
+            self._http = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT), trust_env=False, headers=self.headers
+            )
         return self._http
 
     async def _get(self, url: str, limit: int) -> Optional[str]:
@@ -338,7 +345,7 @@ class DeploymentPlanner:
                 continue  # gone or replaced
             if pod.url:
                 try:
-                    async with self._session().post(pod.url + Paths.ADMIN_DRAIN, headers=self.headers) as resp:
+                    async with self._session().post(pod.url + Paths.ADMIN_DRAIN) as resp:
                         if resp.status >= 400:
                             self.logger.warning(f"Planner: drain of {pod.name} answered {resp.status}")
                 except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:

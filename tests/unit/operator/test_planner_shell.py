@@ -76,11 +76,16 @@ def test_a_drain_found_on_the_pods_is_resumed_after_a_restart() -> None:
         pod("flash-prefill-1", "prefill"),
     ]
     assert planner_drained(pods, "decode") == ("flash-decode-2", "flash-decode-3")
-    state = resume_drains(PlannerState(), {"decode": planner_drained(pods, "decode"), "prefill": ()}, 50.0)
+    replicas = {"decode": 4, "prefill": 2}
+    state = resume_drains(PlannerState(), {"decode": planner_drained(pods, "decode"), "prefill": ()}, replicas, 50.0)
     assert state.role("decode").drain == Drain(("flash-decode-2", "flash-decode-3"), 2, 50.0)
     assert state.role("prefill").drain is None
-    again = resume_drains(state, {"decode": ("flash-decode-3",)}, 99.0)  # a drain already known stays as it was
+    again = resume_drains(state, {"decode": ("flash-decode-3",)}, replicas, 99.0)  # a known drain stays as it was
     assert again.role("decode").drain.started_at == 50.0
+    # the count already dropped past them: a finished drain whose pods are on their way out
+    assert (
+        resume_drains(PlannerState(), {"decode": ("flash-decode-3",)}, {"decode": 3}, 9.0).role("decode").drain is None
+    )
 
 
 def test_scaling_planner_leaves_replicas_to_the_planner_within_its_bounds() -> None:
