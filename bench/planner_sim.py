@@ -470,8 +470,8 @@ def minute_attainment(requests: list[Request], minutes: int, ttft_target: float,
         m = int(r.arrival // 60)
         if m >= minutes:
             continue
-        ttft = (r.first_token - r.arrival) if r.first_token is not None else math.inf
-        itl = r.decode_time / max(1, r.output - 1) if r.done is not None else math.inf
+        ttft = (r.first_token - r.arrival) if r.first_token is not None else 1e9
+        itl = r.decode_time / max(1, r.output - 1) if r.done is not None else 1e9
         rows[m]["requests"] += 1
         rows[m]["met"] += int(ttft <= ttft_target and itl <= itl_target)
         ttfts[m].append(ttft)
@@ -778,10 +778,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--ttft", type=float, default=3.0, help="TTFT target, seconds")
     ap.add_argument("--itl", type=float, default=0.06, help="ITL target, seconds")
     ap.add_argument("--max-replicas", type=int, default=16)
-    ap.add_argument("--burst-factor", type=float, default=3.5, help="the planner's burstFactor")
+    ap.add_argument("--burst-factor", type=float, default=3.5, help="the planner's burstFactor (the run compared)")
+    ap.add_argument("--burst-sweep", type=float, nargs="*", default=[1.0, 2.0, 3.0, 4.0], help="other burstFactors run")
     ap.add_argument("--hpa-targets", type=float, nargs="*", default=[4.0, 8.0, 12.0])
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="no static sweep, one HPA target")
+    ap.add_argument(
+        "--random-bursts",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="the three bursts at minutes drawn uniformly from this seed (default: at 13, 29 and 46, the "
+        "peaks of the prefill-heavy mix, of the day and of the next prefill-heavy mix)",
+    )
     args = ap.parse_args(argv)
     started = time.time()
     timing = calibrate()
@@ -793,6 +802,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             seed=args.seed,
             bursts=tuple((s * scale, l) for s, l in spec.bursts),
             mix_period_min=40 * scale,
+        )
+    if args.random_bursts is not None:
+        rng = random.Random(args.random_bursts)
+        starts = sorted(rng.uniform(2.0, args.minutes - 6.0) for _ in range(3))
+        lengths = [rng.uniform(3.0, 4.0) for _ in range(3)]
+        spec = TraceSpec(
+            **{**spec.__dict__, "bursts": tuple((round(a, 1), round(b, 1)) for a, b in zip(starts, lengths))}
         )
     trace = make_trace(spec)
     log = lambda s: print(s, file=sys.stderr, flush=True)
@@ -811,6 +827,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     planner = simulate(Planner(settings, {"prefill": 2, "decode": 2}), trace, timing, spec, args.ttft, args.itl)
     log(f"planner: {planner['sla_attainment']:.1%}, {planner['replica_minutes']}")
+    burst_sweep = []
+    for b in [] if args.quick else args.burst_sweep:
+        from dataclasses import replace as _replace
+
+        r = simulate(
+            Planner(_replace(settings, burst_factor=b), {"prefill": 2, "decode": 2}),
+            trace,
+            timing,
+            spec,
+            args.ttft,
+            args.itl,
+        )
+        log(f"planner burstFactor {b}: {r['sla_attainment']:.1%}, {r['replica_minutes']}")
+        burst_sweep.append({"burst_factor": b, **summary(r)})
     hpas = []
     for target in args.hpa_targets[: 1 if args.quick else None]:
         r = simulate(HPALike(target, lo, hi, {"prefill": 2, "decode": 2}), trace, timing, spec, args.ttft, args.itl)
@@ -849,6 +879,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "best_static": summary(static) if static else None,
         "static_sweep": sweep,
         "hpa_like": [summary(r) for r in hpas],
+        "planner_burst_factor_sweep": burst_sweep,
         "hpa_like_compared": hpa["policy"],
         "per_minute": {
             "planner": planner["minutes"],

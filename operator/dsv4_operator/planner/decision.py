@@ -411,7 +411,7 @@ def _size_role(
         need_down=max(
             replicas_for(down_demand, per, down_util, lo, hi),
             replicas_for(up_demand, per, util, lo, hi),
-            replicas_for(reserve, per, burst_util * (1 - settings.hysteresis), lo, hi),
+            replicas_for(reserve, per, burst_util, lo, hi),
         ),
         measured_s=measured_s,
         target_s=target_s,

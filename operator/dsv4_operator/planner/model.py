@@ -188,7 +188,7 @@ def decode_capacity(
 class PrefillCapacity:
     tokens_per_s: float  # prompt tokens one replica prefills per second with full steps
     service_s: float  # time to first token of one prompt on an idle replica, as predicted
-    max_utilization: float  # the busiest a replica may be for the queueing to stay within the TTFT target
+    max_utilization: float  # the busiest a replica may be for the queueing to keep the TTFT p90 within the target
 
     def describe(self) -> str:
         return (
@@ -205,13 +205,19 @@ def prefill_service_s(model: RoleModel, prompt_len: float, context: Optional[flo
     return model.correction * model.fit.predict(prefill_features(prompt_len, prompt_len * ctx))
 
 
-def queueing_ttft_s(service_s: float, utilization: float) -> float:
-    """Mean time to first token of a replica this busy: its service time plus the wait of a queue
-    with (nearly) constant service times (M/D/1): service x rho / (2 (1 - rho))."""
+# The TTFT target is for the 90th percentile of requests, not the mean: the wait of a busy queue
+# has a tail close to an exponential's, whose 90th percentile is ln(10) times its mean.
+TTFT_TAIL = math.log(10)
+
+
+def queueing_ttft_s(service_s: float, utilization: float, tail: float = 1.0) -> float:
+    """Time to first token of a replica this busy: its service time plus the wait of a queue with
+    (nearly) constant service times (M/D/1), whose mean is service x rho / (2 (1 - rho)); `tail`
+    scales the wait (1: the mean; TTFT_TAIL: about the 90th percentile)."""
     if utilization >= 1:
         return math.inf
     rho = max(0.0, utilization)
-    return service_s * (1 + rho / (2 * (1 - rho)))
+    return service_s * (1 + tail * rho / (2 * (1 - rho)))
 
 
 def prefill_capacity(
@@ -238,8 +244,9 @@ def prefill_capacity(
         rho = 0.0
     elif math.isinf(r):
         rho = 1.0
-    else:  # solve queueing_ttft_s(service, rho) = target for rho
-        rho = 2 * (r - 1) / (1 + 2 * (r - 1))
+    else:  # solve queueing_ttft_s(service, rho, TTFT_TAIL) = target for rho
+        x = 2 * (r - 1) / TTFT_TAIL
+        rho = x / (1 + x)
     return PrefillCapacity(rate, service, rho)
 
 

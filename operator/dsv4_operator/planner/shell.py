@@ -241,7 +241,7 @@ class DeploymentPlanner:
                     await self._scale(role, d.target)
                 elif d.action == DRAIN:
                     await self._drain([p for p in pods if p.name in d.drain])
-            if d.changes or self.posted.get(role) != d.key:
+            if (d.changes and not d.dry_run) or self.posted.get(role) != d.key:
                 self.events(
                     "Normal",
                     EVENT_REASONS.get(d.action, HOLD_REASON) if not d.dry_run else HOLD_REASON,
