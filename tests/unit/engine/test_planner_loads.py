@@ -19,7 +19,10 @@ def test_queued_prompt_tokens_running_context_and_step_totals(make_model):
         EngineArgs(model=str(make_model("tiny")), device="cpu", kernel_backend="torch", kv_pages=64, max_num_seqs=2)
     )
     prompts = [[5 + i] * (8 + 4 * i) for i in range(3)]  # 8, 12 and 16 tokens
-    seqs = [Sequence(f"r{i}", p, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)) for i, p in enumerate(prompts)]
+    seqs = [
+        Sequence(f"r{i}", p, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
     for s in seqs:
         s.sink = lambda out: None
         engine._add(s)
