@@ -273,10 +273,13 @@ class DeploymentPlanner:
         async def one(pod: EnginePod) -> tuple[EnginePod, Optional[str], Optional[str], float]:
             assert pod.url is not None
             loads_path = Paths.LOADS + ("?include=disagg" if kind != BUILTIN else "")
+            sent = self.clock()
             loads, metrics = await asyncio.gather(
                 self._get(pod.url + loads_path, LOADS_MAX_BYTES), self._get(pod.url + Paths.METRICS, METRICS_MAX_BYTES)
             )
-            return pod, loads, metrics, self.clock()
+            # the engine read its counters somewhere between sending and answering: the midpoint
+            # (a slow answer would otherwise shorten or stretch the interval its rates are over)
+            return pod, loads, metrics, (sent + self.clock()) / 2
 
         out: dict[str, EngineLoad] = {}
         seen: set[tuple[str, Optional[str]]] = set()

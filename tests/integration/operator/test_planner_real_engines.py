@@ -4,7 +4,7 @@ discovering them (planner_fleet.py). A load step up makes the planner add a deco
 step down makes it drain one and remove it, the StatefulSet's replicas follow the Events'
 decisions, and no client request fails across the scale-down.
 
-The ITL target is set from the decode engine's own step time at one stream (three times it):
+The ITL target is set from the decode engine's own step time at one stream (four times it):
 one replica then serves a light load within the target and not a heavy one, whatever the speed of
 the machine. The short form runs in the default suite; the heavy form (both roles planned, several
 steps up and down) is behind `slow`.
@@ -29,7 +29,9 @@ NAME = "flash"
 API = "serving.dsv4.dev/v1alpha1"
 
 
-def resource(planner: dict, prefill_scaling: str = "operator") -> dict:
+def resource(planner: dict) -> dict:
+    """Both roles at one replica, scaled by the operator: the planner takes them over once the ITL
+    target is measured (calibrate_and_plan)."""
     return {
         "apiVersion": API,
         "kind": "DSV4Deployment",
@@ -37,8 +39,8 @@ def resource(planner: dict, prefill_scaling: str = "operator") -> dict:
         "spec": {
             "model": {"name": "m", "path": "/models/m"},
             "engine": {"image": "reg/dsv4:1"},
-            "prefill": {"replicas": 1, "scaling": prefill_scaling},
-            "decode": {"replicas": 1, "scaling": "planner"},
+            "prefill": {"replicas": 1},
+            "decode": {"replicas": 1},
             "router": {"replicas": 0},
             "planner": planner,
         },
@@ -79,9 +81,9 @@ async def step_seconds(url: str, headers: dict) -> float:
     return steps["seconds"] / steps["steps"]
 
 
-async def bring_up(cluster, client, kubeconfig, operator_factory, model, tmp, planner, prefill_scaling="operator"):
+async def bring_up(cluster, client, kubeconfig, operator_factory, model, tmp, planner):
     await operator_factory([NS])
-    await client.create(resource(planner, prefill_scaling), "dsv4deployments")
+    await client.create(resource(planner), "dsv4deployments")
     t0 = time.monotonic()
     fleet = await Fleet(client, NS, NAME, Path(model), tmp).start()
     router, r_url = start_router(kubeconfig, NS, NAME, tmp, fleet.env)  # starts while the engines load
@@ -92,15 +94,20 @@ async def bring_up(cluster, client, kubeconfig, operator_factory, model, tmp, pl
     return fleet, router, r_url
 
 
-async def calibrate_itl_target(client: ClusterClient, fleet: Fleet, r_url: str, factor: float = 3.0) -> float:
-    """Three times one engine's decode step at a single stream; set in the resource."""
+async def calibrate_and_plan(
+    client: ClusterClient, fleet: Fleet, r_url: str, roles: tuple = ("decode",), factor: float = 4.0
+) -> float:
+    """Four times one engine's decode step at a single stream, set in the resource: a few streams
+    fit one replica with room for a busy machine's noise, two dozen do not. Then `roles` switch to
+    `scaling: planner` (their running count handed over to it)."""
     one = Load(r_url, max_tokens=32)
     await one.set_clients(1)
     await eventually(lambda: one.ok >= 1, timeout=60)
     await one.stop()
     assert not one.failures, one.failures
     target = factor * await step_seconds(fleet.url(f"{NAME}-decode-0"), fleet.admin_headers)
-    await client.patch(API, "dsv4deployments", NS, NAME, {"spec": {"planner": {"itlTargetSeconds": round(target, 4)}}})
+    patch = {"planner": {"itlTargetSeconds": round(target, 4)}, **{r: {"scaling": "planner"} for r in roles}}
+    await client.patch(API, "dsv4deployments", NS, NAME, {"spec": patch})
     return target
 
 
@@ -119,26 +126,19 @@ async def test_a_load_step_up_and_down_changes_decode_replicas_and_no_request_fa
     )
     load = Load(r_url, max_tokens=32)
     try:
-        t0 = time.monotonic()
-        target = await calibrate_itl_target(kube_client, fleet, r_url)
-        print(f"calibrated {time.monotonic() - t0:.1f}")
+        target = await calibrate_and_plan(kube_client, fleet, r_url)
         # Step up: many streams on the one decode engine -> the planner asks for a second.
         await load.set_clients(24)
         await eventually(lambda: _is(replicas(kube_client, "decode"), 2), timeout=90)
-        print(f"scaled up {time.monotonic() - t0:.1f}")
         await eventually(lambda: fleet.ready_count("decode") == 2, timeout=120)
-        print(f"ready {time.monotonic() - t0:.1f}")
         await asyncio.to_thread(router.wait_workers_healthy, r_url, 3, 60)
         await eventually(lambda: _running(fleet.url(f"{NAME}-decode-1"), fleet.admin_headers), timeout=30)  # serves
         # Step down: two streams -> after the cool-down, decode-1 is drained, then removed.
         await load.set_clients(2)
-        print(f"light {time.monotonic() - t0:.1f}")
         drained = await eventually(lambda: _drained_pod(kube_client), timeout=90)
-        print(f"drained {time.monotonic() - t0:.1f}")
         assert drained["metadata"]["name"] == f"{NAME}-decode-1"
         await eventually(lambda: _is(replicas(kube_client, "decode"), 1), timeout=90)
         await eventually(lambda: f"{NAME}-decode-1" not in fleet.pods, timeout=60)
-        print(f"removed {time.monotonic() - t0:.1f}")
         ok_before = load.ok
         await eventually(lambda: load.ok >= ok_before + 2, timeout=60)  # traffic goes on after the scale-down
     finally:
@@ -158,9 +158,11 @@ async def test_a_load_step_up_and_down_changes_decode_replicas_and_no_request_fa
     assert f"draining {NAME}-decode-1" in drain["message"], drain
     down = next(e for e in events if e["reason"] == "PlannerScaleDown")
     assert "-> 1" in down["message"], down
-    # the StatefulSet's replicas changed as the decisions said, in that order
-    order = [(t, ev, pod) for t, ev, pod in fleet.timeline if pod.endswith("decode-1")]
-    assert [ev for _, ev, _ in order][:2] == ["created", "ready"] and order[-1][1] == "stopped", order
+    # the StatefulSet's replicas changed as the decisions said, in that order (a busy machine may make
+    # the light load look heavy again afterwards: only the first round is checked)
+    order = [ev for _, ev, pod in fleet.timeline if pod.endswith("decode-1")]
+    assert order[:2] == ["created", "ready"] and "stopped" in order, order
+    assert order.index("deleted") < order.index("stopped"), order
     assert load.ok > 0
 
 
@@ -200,12 +202,12 @@ async def test_heavy_both_roles_planned_two_steps_up_and_down_no_request_fails(
         "drainTimeoutSeconds": 30,
     }
     fleet, router, r_url = await bring_up(
-        cluster_with_crd, kube_client, kubeconfig, operator_factory, tiny_model, tmp_path, planner, "planner"
+        cluster_with_crd, kube_client, kubeconfig, operator_factory, tiny_model, tmp_path, planner
     )
     load = Load(r_url, max_tokens=64)
     seen: list[tuple[float, int, int]] = []
     try:
-        await calibrate_itl_target(kube_client, fleet, r_url)
+        await calibrate_and_plan(kube_client, fleet, r_url, ("prefill", "decode"))
         for _ in range(2):
             await load.set_clients(40)
             await eventually(lambda: _is(replicas(kube_client, "decode"), 3), timeout=150)
