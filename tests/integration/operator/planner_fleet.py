@@ -284,12 +284,17 @@ class Load:
     ok: int = 0
     failures: list[str] = field(default_factory=list)
     _tasks: list[asyncio.Task] = field(default_factory=list)
+    _running: dict[int, asyncio.Task] = field(default_factory=dict)
     _stop: bool = False
 
     async def set_clients(self, n: int) -> None:
+        """Clients 0..n-1 run; those at n and above stop after their current request."""
         self.clients = n
-        while len([t for t in self._tasks if not t.done()]) < n:
-            self._tasks.append(asyncio.create_task(self._client(len(self._tasks))))
+        running = {i for i, t in self._running.items() if not t.done()}
+        for i in range(n):
+            if i not in running:
+                self._running[i] = task = asyncio.create_task(self._client(i))
+                self._tasks.append(task)
 
     async def _client(self, index: int) -> None:
         from openai import AsyncOpenAI
