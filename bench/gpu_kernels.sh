@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a CUDA machine: the kernel tests compiled for the GPU (the same tests that run under the
-# Triton interpreter on CPU), then bench/kernels_bench.py: DeepSeek-V4 decode attention GB/s and
+# Triton interpreter on CPU), then bench/suites/kernels_bench.py: DeepSeek-V4 decode attention GB/s and
 # % of memory bandwidth per layer type (CSA / HCA / sliding, batch 1-128 x context 1k-64k; the
 # acceptance point is CSA at batch 64, 4k) and the V4 indexer; then mla_decode GB/s for batch
 # 1-128 x context 1k-32k and MoE TFLOP/s, against torch.
@@ -8,7 +8,7 @@
 #   bash bench/gpu_kernels.sh [OUT_DIR]        # default $OUT when set (the device runner's), else bench/results
 #   PARTS=engine bash bench/gpu_kernels.sh     # only the engine part (<= 9 min; PARTS=kernels: only kernels)
 #
-# Then bench/engine_gpu_smoke.py: the engine itself (bf16, triton backend, seeded sampling,
+# Then bench/suites/engine_gpu_smoke.py: the engine itself (bf16, triton backend, seeded sampling,
 # decode CUDA graphs off and on, inter-token latency at batch 1/8/32 with and without graphs),
 # and the capture-safety / host-sync tests on the GPU. With two or more GPUs also: the smoke on
 # cuda:1 (not 0: every thread that launches must choose its device) and at --tp-size 2 with
@@ -18,13 +18,14 @@
 # Writes OUT_DIR/kernel_tests.xml + .log, OUT_DIR/kernels_bench_v4.json, OUT_DIR/kernels_bench.json
 # and OUT_DIR/engine_gpu_smoke*.json (…_cuda1.json, …_tp2.json with two GPUs). Needs python3 with a
 # CUDA torch, triton, pytest (transformers for the HF comparisons); the project need not be
-# pip-installed: kernels/ goes on PYTHONPATH. Exit status: non-zero if tests or bench failed.
+# pip-installed: the checkout and its source folders go on PYTHONPATH. Exit status: non-zero if
+# tests or bench failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-bench/results}}"
 mkdir -p "$out"
 py="${PYTHON:-python3}"
-export PYTHONPATH="$PWD/kernels:$PWD/engine${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD:$PWD/wire:$PWD/kernels:$PWD/engine:$PWD/router${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 
@@ -46,9 +47,9 @@ if [[ "$parts" == *kernels* ]]; then
 timeout 210 "$py" -m pytest -q -p no:cacheprovider tests/unit/kernels \
     --junitxml "$out/kernel_tests.xml" 2>&1 | tee "$out/kernel_tests.log"
 rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "kernel tests failed (exit $rc)"; status=1; }
-timeout 120 "$py" bench/kernels_bench.py --only v4 --out "$out/kernels_bench_v4.json"
+timeout 120 "$py" -m bench.suites.kernels_bench --only v4 --out "$out/kernels_bench_v4.json"
 rc=$?; [ "$rc" -ne 0 ] && { echo "V4 benchmark failed (exit $rc)"; status=1; }
-timeout 250 "$py" bench/kernels_bench.py --only v3 --out "$out/kernels_bench.json"
+timeout 250 "$py" -m bench.suites.kernels_bench --only v3 --out "$out/kernels_bench.json"
 rc=$?; [ "$rc" -ne 0 ] && { echo "benchmark failed (exit $rc)"; status=1; }
 fi
 if [[ "$parts" == *engine* ]]; then
@@ -57,18 +58,18 @@ timeout 150 "$py" -m pytest -q -p no:cacheprovider tests/unit/engine/test_cuda_g
     tests/unit/engine/test_sampling_devices.py --junitxml "$out/engine_gpu_tests.xml" 2>&1 | tee "$out/engine_gpu_tests.log"
 rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "engine GPU tests failed (exit $rc)"; status=1; }
 # Engine smoke (~3-5 min: two engines on the mla512 preset, Triton JIT and graph capture included).
-timeout 400 "$py" bench/engine_gpu_smoke.py --out "$out/engine_gpu_smoke.json"
+timeout 400 "$py" -m bench.suites.engine_gpu_smoke --out "$out/engine_gpu_smoke.json"
 rc=$?; [ "$rc" -ne 0 ] && { echo "engine smoke failed (exit $rc)"; status=1; }
 # The same on DeepSeek-V4 (v4-tiny): its kernel path, masked window closing under graphs.
-timeout 240 "$py" bench/engine_gpu_smoke.py --preset v4-tiny --out "$out/engine_gpu_smoke_v4.json"
+timeout 240 "$py" -m bench.suites.engine_gpu_smoke --preset v4-tiny --out "$out/engine_gpu_smoke_v4.json"
 rc=$?; [ "$rc" -ne 0 ] && { echo "V4 engine smoke failed (exit $rc)"; status=1; }
 gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
 if [ "${gpus:-1}" -ge 2 ]; then
 # Off GPU 0: kernels launched from a thread that never chose its device would land on GPU 0.
-timeout 240 "$py" bench/engine_gpu_smoke.py --preset v4-tiny --device cuda:1 --out "$out/engine_gpu_smoke_cuda1.json"
+timeout 240 "$py" -m bench.suites.engine_gpu_smoke --preset v4-tiny --device cuda:1 --out "$out/engine_gpu_smoke_cuda1.json"
 rc=$?; [ "$rc" -ne 0 ] && { echo "engine smoke on cuda:1 failed (exit $rc)"; status=1; }
 # Two ranks (NCCL), decode graphs captured on both at start-up.
-timeout 300 "$py" bench/engine_gpu_smoke.py --preset mla512 --tp 2 --graphs 16 --out "$out/engine_gpu_smoke_tp2.json"
+timeout 300 "$py" -m bench.suites.engine_gpu_smoke --preset mla512 --tp 2 --graphs 16 --out "$out/engine_gpu_smoke_tp2.json"
 rc=$?; [ "$rc" -ne 0 ] && { echo "TP 2 engine smoke with graphs failed (exit $rc)"; status=1; }
 else
 echo "one GPU: the cuda:1 and --tp-size 2 smokes need two"

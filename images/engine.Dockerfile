@@ -32,6 +32,8 @@ COPY cli cli
 COPY engine engine
 COPY kernels kernels
 COPY operator operator
+COPY router router
+COPY wire wire
 RUN /opt/dsv4/bin/pip install --no-cache-dir . \
  && /opt/dsv4/bin/pip check \
  && /opt/dsv4/bin/dsv4 serve --help >/dev/null

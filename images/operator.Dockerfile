@@ -18,6 +18,8 @@ COPY cli cli
 COPY engine engine
 COPY kernels kernels
 COPY operator operator
+COPY router router
+COPY wire wire
 # The project itself without its engine dependencies; then prove the operator starts its CLI.
 RUN /opt/dsv4/bin/pip install --no-cache-dir --no-deps . \
  && /opt/dsv4/bin/python -c "import dsv4_operator.main" \

@@ -15,7 +15,7 @@ if "TRITON_INTERPRET" not in os.environ:
 
 import pytest
 
-from dsv4_testutil import Proc, free_port  # noqa: F401  (re-exported for tests)
+from bench.harness.commands import Proc, free_port  # noqa: F401  (re-exported for tests)
 
 
 @pytest.fixture(scope="session")

@@ -59,7 +59,7 @@ def _dsv4_command() -> list[str]:
 
 def _default_model() -> Path:
     """The tiny model, built once into the cache folder (what `dsv4 up` serves by default)."""
-    from dsv4_operator.local import cache_dir
+    from dsv4_operator.local.up import cache_dir
 
     from dsv4_wire.chat_tokens import TOOL_SEP
 
@@ -233,7 +233,8 @@ def _serve(**given) -> None:
     # This process never imports torch: the checks that need it (quantization, the model's states
     # against --page-size / --tp-size) run in the core; a refusal is still one line and exit 2.
     spawned = spawn_core()
-    from dsv4_serve.server import ServerArgs, run_server
+    from dsv4_serve.process import run_server
+    from dsv4_serve.server_args import ServerArgs
 
     run_server(ServerArgs(**values), spawned)
 
@@ -251,7 +252,8 @@ def _router(**given) -> None:
     _read_command_inputs(router_options(*ROUTER_SCOPES), values, given)
     if values["cache_salt_from_api_key"] and not values["api_keys"]:
         _fail("--cache-salt-from-api-key needs --api-key or --api-key-file")
-    from dsv4_router.router import RouterArgs, run_router
+    from dsv4_router.app import run_router
+    from dsv4_router.router_args import RouterArgs
 
     run_router(RouterArgs(**values))
 
@@ -270,8 +272,8 @@ def _reconfigure_up(
 ) -> None:
     import json
 
-    from dsv4_operator.local import cache_dir
-    from dsv4_operator.reconfigure import ReconfigureRequest, submit
+    from dsv4_operator.local.up import cache_dir
+    from dsv4_operator.local.reconfigure import ReconfigureRequest, submit
 
     request = ReconfigureRequest(
         engine_args,
@@ -379,7 +381,7 @@ def up(
         _fail("--prefill and --decode must be at least 1")
     if scrape_interval <= 0:
         _fail("--scrape-interval must be positive")
-    from dsv4_operator.local import UpArgs, detection_window as window_for, engine_deadlines, run_up
+    from dsv4_operator.local.up import UpArgs, detection_window as window_for, engine_deadlines, run_up
 
     try:  # refuse a window shorter than the engines' deadlines before building anything
         window_for(detection_window, None if no_deadlines else engine_deadlines(engine_arg), scrape_interval)

@@ -31,6 +31,7 @@ from dsv4_serve.core_spawn import spawn_core
 from dsv4_serve.detokenize import OutputProcessor
 
 log = logging.getLogger("dsv4.client")
+CORE_ANSWER_TIMEOUT = 10.0  # seconds the core's reader may take to answer a health or admin question
 
 
 def call_soon(loop: Optional[asyncio.AbstractEventLoop], fn: Callable, *args) -> None:

@@ -13,7 +13,7 @@ the HTTP process, which drains and then says SHUTDOWN. When the channel closes (
 process is gone, even by SIGKILL) the core exits at once, freeing the bootstrap port.
 
 Profiling: DSV4_CORE_PROFILE=<file> runs the engine thread under cProfile and writes the stats
-to <file> at shutdown (see bench/serve_bench.py --profile-core).
+to <file> at shutdown (see bench/suites/serve_bench.py --profile-core).
 """
 
 from __future__ import annotations
@@ -27,9 +27,13 @@ import time
 import traceback
 from collections import deque
 from multiprocessing.connection import Connection
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from dsv4_serve import core_messages as m
+
+if TYPE_CHECKING:
+    from dsv4_engine.engine import Engine
+    from dsv4_serve.server_args import ServerArgs
 
 log = logging.getLogger("dsv4.core")
 
@@ -274,6 +278,19 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
+def make_engine(args: ServerArgs) -> Engine:
+    """The engine itself, built here in the core process (the HTTP process never imports torch
+    nor this function's imports)."""
+    from dsv4_engine.engine import Engine
+
+    engine = Engine(args.engine_args())
+    if args.role != "mono":
+        from dsv4_engine.pd import attach_role
+
+        attach_role(engine, args)
+    return engine
+
+
 def _start_bootstrap(engine, args) -> None:
     """The prefill's bootstrap server, on a thread of the core (decode engines call it)."""
     import asyncio
@@ -281,9 +298,9 @@ def _start_bootstrap(engine, args) -> None:
     import uvicorn
 
     from dsv4_serve.pd_routes import build_bootstrap_app
-    from dsv4_serve.server import _Server
+    from dsv4_serve.uvicorn_server import UvicornServer
 
-    server = _Server(
+    server = UvicornServer(
         uvicorn.Config(build_bootstrap_app(engine, args), host=args.host, port=args.bootstrap_port, log_level="warning")
     )
     failed: list[BaseException] = []
@@ -355,8 +372,9 @@ def main(argv: list[str]) -> None:
     fd = int(argv[0])
     os.set_inheritable(fd, False)  # the channel must close when this process dies, not live on in children
     conn = Connection(fd)
-    # Import torch and the engine while the HTTP process still imports its own modules.
-    from dsv4_serve.server import ServerArgs, make_engine
+    # The engine's arguments only: the core imports none of the HTTP process's modules (fastapi,
+    # the app, the OpenAI handlers); make_engine imports torch and the engine.
+    from dsv4_serve.server_args import ServerArgs
 
     try:
         init = m.loads(conn.recv_bytes())

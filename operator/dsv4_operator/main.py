@@ -24,9 +24,12 @@ from typing import Any, Optional, Sequence, Union
 
 import kopf
 
-from dsv4_operator import handlers
-from dsv4_operator import rollout  # noqa: F401  (registers the canary daemon in handlers.registry)
-from dsv4_operator.planner import shell as planner_shell  # noqa: F401  (registers the planner daemon)
+# Each handler module registers its handlers on registry.registry when imported.
+from dsv4_operator import rollout  # noqa: F401  (the canary daemon)
+from dsv4_operator.handlers import apply, watchdog_daemon  # noqa: F401  (the reconciler, the wedge watchdog)
+from dsv4_operator.handlers import children
+from dsv4_operator.handlers.registry import registry
+from dsv4_operator.planner import shell as planner_shell  # noqa: F401  (the planner daemon)
 from dsv4_operator.kube import KubeApi, load_configuration
 from dsv4_operator.leader import LeaderElection, LeaderElector, lease_namespace
 from dsv4_operator.manifests import APP, LABEL_MANAGED_BY, LABEL_NAME, MANAGER
@@ -69,7 +72,7 @@ def make_settings(standalone: bool) -> kopf.OperatorSettings:
     settings.watching.label_selectors["apps", "deployments"] = ours
     # Every other kind of child too: a cluster's Services, Roles, PDBs (whose status the disruption
     # controller rewrites all the time) never reach the operator to be filtered out.
-    for group, version, plural in handlers.OTHER_CHILD_KINDS:
+    for group, version, plural in children.OTHER_CHILD_KINDS:
         settings.watching.label_selectors[group or version, plural] = ours
     # The watchdog's pod index: engine pods only, one watch for every deployment.
     settings.watching.label_selectors["v1", "pods"] = engine_pod_watch_selector()
@@ -140,7 +143,7 @@ async def serve_operator(
 
             holder = asyncio.create_task(keep())
         await kopf.operator(
-            registry=handlers.registry,
+            registry=registry,
             settings=settings or make_settings(standalone or leader_election is not None),
             clusterwide=not namespaces,
             namespaces=list(namespaces),

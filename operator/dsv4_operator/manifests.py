@@ -864,7 +864,7 @@ def build_children(
 ) -> list[dict[str, Any]]:
     """Every object a DSV4Deployment owns, in the order to apply them (RBAC and Services
     before the workloads that use them). The auth Secret is not among them: it is created
-    once, never applied (see handlers.ensure_auth_secret)."""
+    once, never applied (see auth_secret.ensure_auth_secret)."""
     revision = S.spec_revision(spec)
     return [
         *router_rbac(spec, owner),

@@ -10,7 +10,7 @@ Each tick it reads the resource as kopf sees it and asks `plan.next_step`:
   ConfigMap, the failed state (the reconciler builds from the baseline again, status says
   Degraded=CanaryFailed). The spec is never written.
 Every step leaves an Event. Writing the record (an annotation) makes the reconciler re-apply
-(handlers.pin_changed)."""
+(handlers.apply.pin_changed)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ from dsv4_operator.canary import plan
 from dsv4_operator.canary.conversation import ConversationShape
 from dsv4_operator.canary.probe import ProbeSettings, run_probe
 from dsv4_operator.canary.verdict import CanaryThresholds, CanaryVerdict, judge
-from dsv4_operator.handlers import CR, _api, _metrics, check_spec, deployment_admin_token, registry
+from dsv4_operator.handlers.apply import check_spec, deployment_admin_token
+from dsv4_operator.handlers.registry import CR, _api, _metrics, registry
 from dsv4_operator.kube import ApiError, KubeApi, resource_path
 from dsv4_operator.manifests import HTTP_PORT_NAME, Owner, child_name, contains, engine_statefulset, selector_labels
 from dsv4_operator.pinning import pinned_revision

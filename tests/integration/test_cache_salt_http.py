@@ -7,7 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from dsv4_testutil import serving
+from bench.harness.commands import serving
 
 PROMPT = list(range(5, 70))  # 65 tokens: 4 full pages of 16
 

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from dsv4_testutil import serving
+from bench.harness.commands import serving
 from dsv4_wire import chat_tokens as T
 
 TOOLS = [
@@ -231,7 +231,7 @@ def test_malformed_call_from_the_model_stays_content(server, http, make_model):
 def test_router_passes_agent_fields_through(server, tmp_path):
     """Through a real router: the same answers, token ids and refusals as from the engine itself,
     and each agent round reuses the previous round's cached prompt pages."""
-    from dsv4_testutil import Proc, free_port
+    from bench.harness.commands import Proc, free_port
 
     port = free_port()
     router = Proc(["router", "--mono", server[1], "--port", port, "--health-interval", "0.5"], tmp_path / "router.log")

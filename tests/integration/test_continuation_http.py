@@ -12,7 +12,7 @@ import json
 import httpx
 import pytest
 
-from dsv4_testutil import serving
+from bench.harness.commands import serving
 
 SECRET = "cont-secret"
 AUTH = {"Authorization": f"Bearer {SECRET}"}

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from dsv4_testutil import Proc, free_port
+from bench.harness.commands import Proc, free_port
 
 GRACE = 3.0
 

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from dsv4_testutil import serving
+from bench.harness.commands import serving
 
 LIMIT = 8 * 1024 * 1024
 

@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from dsv4_testutil import serving
+from bench.harness.commands import serving
 
 TOKEN = "sekret"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}

@@ -13,7 +13,7 @@ import time
 import httpx
 import psutil
 
-from dsv4_testutil import Proc, free_port
+from bench.harness.commands import Proc, free_port
 
 
 def _start(tiny_model, tmp_path, name: str) -> tuple[Proc, str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from dsv4_testutil import Proc, free_port
+from bench.harness.commands import Proc, free_port
 
 
 def _mapped(pid: int) -> str:

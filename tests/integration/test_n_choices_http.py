@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from dsv4_testutil import Proc, free_port
+from bench.harness.commands import Proc, free_port
 
 PROMPT = "the quick brown fox jumps over the lazy dog and then it runs far away into the woods"
 CHAT = [{"role": "user", "content": "tell me a story about a fox and a dog in the woods"}]

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from dsv4_testutil import Proc, free_port
+from bench.harness.commands import Proc, free_port
 
 BOOTSTRAP_TIMEOUT, TRANSFER_TIMEOUT, WAITING_TIMEOUT = 4.0, 3.0, 5.0
 SLACK = 6.0  # scheduling noise on two busy cores, plus one retry's prefill

@@ -11,7 +11,7 @@ import re
 
 import httpx
 
-from dsv4_testutil import Proc, free_port
+from bench.harness.commands import Proc, free_port
 from dsv4_wire.metrics import metric_name
 
 

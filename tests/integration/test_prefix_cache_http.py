@@ -9,7 +9,7 @@ import re
 
 import httpx
 
-from dsv4_testutil import serving
+from bench.harness.commands import serving
 from dsv4_wire import EngineFlags
 from dsv4_wire.metrics import metric_name
 

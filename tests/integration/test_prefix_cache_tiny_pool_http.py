@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from dsv4_testutil import serving
+from bench.harness.commands import serving
 from dsv4_wire import EngineFlags
 from dsv4_wire.metrics import metric_name
 

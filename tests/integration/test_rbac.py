@@ -3,7 +3,7 @@ than a list justified here.
 
 The real operator (kopf, handlers, the wedge watchdog daemon, health server, `serve_operator` as
 `dsv4 operator` runs it) works through a scenario against the kmock-based API server
-(tests/integration/kmock_cluster.py, with the watchdog harness's pods/log and DELETE
+(bench/harness/kmock_cluster.py, with the watchdog harness's pods/log and DELETE
 preconditions), which records every call as RBAC sees it: (verb, apiGroup, resource[/subresource]).
 Two parts run side by side in one operator: the reconciler's (create, update, a deleted child put
 back, a spec it cannot act on, status as the children become ready, deletion) and the watchdog's
@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: chart
 sys.path.insert(0, str(Path(__file__).resolve().parent / "watchdog"))  # watchdog_harness
 
 from chart_testutil import grants, helm_template, rbac_rules  # noqa: E402
-from kmock_cluster import *  # noqa: E402,F401,F403  (fixtures: kube_client, kubeconfig, api_calls)
-from kmock_cluster import ApiCallRecorder, ClusterClient, eventually  # noqa: E402
+from bench.harness.kmock_cluster import *  # noqa: E402,F401,F403  (fixtures: kube_client, kubeconfig, api_calls)
+from bench.harness.kmock_cluster import ApiCallRecorder, ClusterClient, eventually  # noqa: E402
 from watchdog_harness import (  # noqa: E402
     NS,
     PodFarm,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from dsv4_testutil import Proc, free_port, serving
+from bench.harness.commands import Proc, free_port, serving
 
 EOS = 1  # the tiny checkpoint's eos_token_id
 PROMPT = "the quick brown fox"

@@ -19,7 +19,7 @@ import jsonschema
 import openai
 import pytest
 
-from dsv4_testutil import free_port, serving
+from bench.harness.commands import free_port, serving
 from dsv4_wire import EngineFlags
 from dsv4_wire.metrics import metric_name
 

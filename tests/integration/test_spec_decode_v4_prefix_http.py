@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from dsv4_testutil import serving
+from bench.harness.commands import serving
 from dsv4_wire import EngineFlags
 from test_pd import loads
 from test_v4_pd import wait_idle

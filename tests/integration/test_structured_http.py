@@ -12,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from dsv4_testutil import Proc, free_port
+from bench.harness.commands import Proc, free_port
 
 SCHEMA = {
     "type": "object",

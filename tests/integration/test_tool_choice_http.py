@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 
-from dsv4_testutil import serving
+from bench.harness.commands import serving
 
 MAX_TOKENS = 300  # every generated schema is bounded (strings, arrays, numbers) well below this
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dsv4_testutil import Proc, free_port, serving
+from bench.harness.commands import Proc, free_port, serving
 
 BODY = {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 # From a rank's death to the process gone: the watchdog's poll (0.2 s) + FAIL_GRACE_S (2 s),
@@ -158,7 +158,7 @@ def test_dsv4_up_restarts_an_engine_whose_rank_died(tiny_model, tmp_path):
     restarts it like any dead engine, and the router serves again."""
     import json
 
-    from dsv4_testutil import free_port_block
+    from bench.harness.commands import free_port_block
 
     port = free_port_block()
     up = Proc(

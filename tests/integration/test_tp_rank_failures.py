@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from dsv4_testutil import Proc, free_port
+from bench.harness.commands import Proc, free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_tp import ranks_of  # noqa: E402
@@ -201,7 +201,7 @@ def test_tp2_serves_concurrent_mixed_requests_as_tp1_over_http(make_model, tmp_p
 
     import httpx
 
-    from dsv4_testutil import serving
+    from bench.harness.commands import serving
 
     async def run(url):
         async with httpx.AsyncClient(base_url=url, timeout=120) as c:

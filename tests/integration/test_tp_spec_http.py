@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from dsv4_testutil import Proc, free_port
+from bench.harness.commands import Proc, free_port
 
 pytestmark = pytest.mark.slow  # six engine processes and a router on two cores: about a minute
 

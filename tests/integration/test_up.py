@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from dsv4_testutil import Proc, free_port_block
+from bench.harness.commands import Proc, free_port_block
 
 WINDOW = 4.0
 CRASH_RESTART_BOUND_S = (

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dsv4_testutil import Proc, free_port_block
+from bench.harness.commands import Proc, free_port_block
 
 pytestmark = pytest.mark.slow
 

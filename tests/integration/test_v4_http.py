@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from dsv4_testutil import Proc, free_port, free_port_block, serving
+from bench.harness.commands import Proc, free_port, free_port_block, serving
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import re
 
 import httpx
 
-from dsv4_testutil import serving
+from bench.harness.commands import serving
 from dsv4_wire import EngineFlags
 from test_pd import PDCluster, complete, loads
 from test_v4_pd import tokens, wait_idle

@@ -5,4 +5,4 @@ conversation whose context grows every round — and a verdict decides keep or r
 - `conversation`: the replayed conversation, pure (token ids, no model output needed);
 - `probe`: runs it against one engine (through the router, pinned) for a bounded time: figures;
 - `verdict`: canary figures + stable figures + the watchdog's signals -> pass or fail, pure.
-`dsv4 up --reconfigure` (dsv4_operator.reconfigure) and the operator (dsv4_operator.rollout) use them."""
+`dsv4 up --reconfigure` (dsv4_operator.local.reconfigure) and the operator (dsv4_operator.rollout) use them."""

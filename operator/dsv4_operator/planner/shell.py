@@ -35,7 +35,9 @@ import kopf
 
 from dsv4_wire import ANNOTATION_PLANNER_DRAIN, LABEL_DRAINING, Paths, authorization_header
 
-from dsv4_operator import handlers, spec as S
+from dsv4_operator import spec as S
+from dsv4_operator.handlers.apply import deployment_admin_token
+from dsv4_operator.handlers.registry import CR, _api, _metrics, registry
 from dsv4_operator.auth_secret import AuthSecretRefused
 from dsv4_operator.bounded import LOADS_MAX_BYTES, METRICS_MAX_BYTES, BodyTooLarge, read_capped
 from dsv4_operator.canary.plan import PROBING, CanaryRecord
@@ -362,9 +364,7 @@ def _escape(key: str) -> str:
 # ---- the kopf daemon ----------------------------------------------------------------------------
 
 
-@kopf.daemon(
-    *handlers.CR, id="planner", registry=handlers.registry, cancellation_backoff=1.0, cancellation_timeout=10.0
-)
+@kopf.daemon(*CR, id="planner", registry=registry, cancellation_backoff=1.0, cancellation_timeout=10.0)
 async def planner_daemon(
     stopped: kopf.DaemonStopped, body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, dsv4_pods: kopf.Index, **_: Any
 ) -> None:
@@ -389,8 +389,8 @@ async def planner_daemon(
             await stopped.wait(IDLE_INTERVAL)
             continue
         try:
-            admin_token = await handlers.deployment_admin_token(
-                handlers._api(memo), body["metadata"]["namespace"], body["metadata"]["name"]
+            admin_token = await deployment_admin_token(
+                _api(memo), body["metadata"]["namespace"], body["metadata"]["name"]
             )
         except (ApiError, kopf.TemporaryError, AuthSecretRefused) as e:
             logger.warning(f"Planner: cannot read the deployment's admin token yet: {e}")
@@ -400,8 +400,8 @@ async def planner_daemon(
     if stopped:
         return
     planner = DeploymentPlanner(
-        lambda: handlers._api(memo),
-        handlers._metrics(memo),
+        lambda: _api(memo),
+        _metrics(memo),
         body,
         post,
         logger,

@@ -1,4 +1,4 @@
-"""Carries out the policy's actions on Kubernetes: the twin of `dsv4_operator.local.LocalExecutor`.
+"""Carries out the policy's actions on Kubernetes: the twin of `dsv4_operator.local.up.LocalExecutor`.
 What each action asks of the engine (paths, bodies, evidence) is the shared table of
 `dsv4_operator.remediation.actions`; this module adds the cluster's side:
 

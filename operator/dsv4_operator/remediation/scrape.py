@@ -6,7 +6,7 @@ time gives a sample with ``reachable=False`` (the detector decides what that mea
 The HTTP client is aiohttp: measured on this project's machines against 127.0.0.1 servers,
 an aiohttp GET costs ~0.17 ms of CPU, an httpx GET ~0.8 ms with a client per engine and several
 ms with one shared client (httpcore's pool scans every connection for every request), which is
-the whole 1 ms per pod per scrape budget of the watchdog (bench/watchdog_scale.py).  An
+the whole 1 ms per pod per scrape budget of the watchdog (bench/suites/watchdog_scale.py).  An
 ``httpx.AsyncClient`` is still accepted by :func:`scrape_engine` for callers that have one.
 """
 

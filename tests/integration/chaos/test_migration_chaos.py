@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from migration_chaos import Cluster, body_for, mismatches, streams, wait_idle
+from bench.harness.migration_chaos import Cluster, body_for, mismatches, streams, wait_idle
 
 STREAMS = 24
 TOKENS = 128  # streams long enough that a kill 0.15 s after admission lands mid-stream
@@ -175,7 +175,7 @@ def test_watchdog_remediating_a_wedge_costs_no_client_an_error(tiny_model, tmp_p
     (the production wedge). The watchdog captures, drains, aborts and restarts prefill-0; the
     wedged request and whatever else prefill-0 held move to prefill-1, and every client gets
     its whole, undisturbed answer."""
-    from migration_chaos import LocalUp
+    from bench.harness.migration_chaos import LocalUp
 
     up = LocalUp(
         tiny_model,

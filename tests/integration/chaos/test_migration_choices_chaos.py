@@ -17,7 +17,7 @@ import time
 import jsonschema
 import pytest
 
-from migration_chaos import Cluster, body_for, mismatches, streams, wait_idle
+from bench.harness.migration_chaos import Cluster, body_for, mismatches, streams, wait_idle
 
 TOKENS = 96
 SCHEMA = {

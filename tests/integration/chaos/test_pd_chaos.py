@@ -24,7 +24,7 @@ import threading
 import httpx
 import pytest
 
-from pd_chaos import (
+from bench.harness.pd_chaos import (
     PDStack,
     StormSpec,
     kill_decode_mid_stream,

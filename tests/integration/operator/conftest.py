@@ -1,20 +1,18 @@
 """Fixtures for the operator's integration tests: the kmock-based API server (shared with other
-integration tests in tests/integration/kmock_cluster.py) and the operator running in a thread
-(tests/integration/operator_runner.py)."""
+integration tests in bench/harness/kmock_cluster.py) and the operator running in a thread
+(bench/harness/operator_runner.py)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Iterator, Optional
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/integration: shared helpers
 
-from kmock_cluster import *  # noqa: E402,F401,F403  (fixtures: kube_cluster, kube_client, kubeconfig, api_calls)
-from kmock_cluster import KubeCluster  # noqa: E402
-from operator_runner import OperatorThread, free_port  # noqa: E402,F401
+from bench.harness.kmock_cluster import *  # noqa: E402,F401,F403  (fixtures: kube_cluster, kube_client, kubeconfig, api_calls)
+from bench.harness.kmock_cluster import KubeCluster  # noqa: E402
+from bench.harness.operator_runner import OperatorThread, free_port  # noqa: E402,F401
 
 from dsv4_operator.crd import build_crd  # noqa: E402
 

@@ -15,7 +15,7 @@ import pytest_asyncio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "watchdog"))  # watchdog_harness
 
-from kmock_cluster import ClusterClient, eventually  # noqa: E402
+from bench.harness.kmock_cluster import ClusterClient, eventually  # noqa: E402
 from watchdog_harness import (  # noqa: E402
     API,
     NS,

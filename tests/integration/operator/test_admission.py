@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "unit" / "operator"))  # the shared cases
 
-from kmock_cluster import ClusterClient, ClusterError, KubeCluster  # noqa: E402
+from bench.harness.kmock_cluster import ClusterClient, ClusterError, KubeCluster  # noqa: E402
 from test_operator_cel import ACCEPTED, REFUSED, minimal  # noqa: E402
 
 API = "serving.dsv4.dev/v1alpha1"

@@ -10,15 +10,12 @@ live StatefulSets (canary_fleet.py):
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from canary_fleet import STALL_AFTER, FakeFleet  # noqa: E402
-from kmock_cluster import ClusterClient, KubeCluster, eventually  # noqa: E402
+from bench.harness.canary_fleet import STALL_AFTER, FakeFleet  # noqa: E402
+from bench.harness.kmock_cluster import ClusterClient, KubeCluster, eventually  # noqa: E402
 from test_operator_kmock import API, PLURAL, condition, deployment, get_cr  # noqa: E402
 
 import pytest  # noqa: E402
@@ -162,7 +159,7 @@ async def test_a_harmless_change_passes_and_rolls_everywhere(
 async def test_traffic_percent_is_bounded_by_the_api_server(
     cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory
 ) -> None:
-    from kmock_cluster import ClusterError
+    from bench.harness.kmock_cluster import ClusterError
 
     try:
         await kube_client.create(deployment("flash", NS, rollout={"canary": {"trafficPercent": 51}}), PLURAL)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Optional
 
-from kmock_cluster import TEST_AGENT, ClusterClient, KubeCluster, eventually
+from bench.harness.kmock_cluster import TEST_AGENT, ClusterClient, KubeCluster, eventually
 from test_operator_kmock import API, PLURAL, deployment, events_for, get_cr, mark_ready
 
 STS = ("apps/v1", "statefulsets")

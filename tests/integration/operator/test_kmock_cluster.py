@@ -9,7 +9,7 @@ import json
 import aiohttp
 import pytest
 
-from kmock_cluster import (
+from bench.harness.kmock_cluster import (
     ClusterClient,
     ClusterError,
     KubeCluster,
@@ -254,7 +254,7 @@ async def test_reaction_lookup_does_not_rescan_every_served_request(
 ) -> None:
     """kmock found a request's reaction by iterating every request served so far through each
     fallback's filters: each request cost O(history), and 50 DSV4Deployments never finished their
-    first reconcile in bench/api_calls.py. The lookup now checks the one request; it must give
+    first reconcile in bench/suites/api_calls.py. The lookup now checks the one request; it must give
     kmock's answer for every view, the ones a test builds (slices, groups) included."""
     from kmock._internal import dsl
 

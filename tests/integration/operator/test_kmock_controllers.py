@@ -10,8 +10,8 @@ from typing import Any, Optional
 
 import aiohttp
 import pytest
-from kmock_cluster import ClusterClient, ClusterError, KubeCluster, eventually
-from pod_security import violations
+from bench.harness.kmock_cluster import ClusterClient, ClusterError, KubeCluster, eventually
+from bench.harness.pod_security import violations
 
 NS = "psa"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kmock_cluster import ClusterClient, ClusterError, KubeCluster, canonical_quantity
+from bench.harness.kmock_cluster import ClusterClient, ClusterError, KubeCluster, canonical_quantity
 
 APPLY = "application/apply-patch+yaml"
 

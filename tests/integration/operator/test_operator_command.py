@@ -14,8 +14,8 @@ from typing import Optional
 
 import httpx
 
-from operator_runner import free_port
-from kmock_cluster import ClusterClient, KubeCluster, eventually
+from bench.harness.operator_runner import free_port
+from bench.harness.kmock_cluster import ClusterClient, KubeCluster, eventually
 
 API = "serving.dsv4.dev/v1alpha1"
 

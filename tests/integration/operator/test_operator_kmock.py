@@ -13,7 +13,7 @@ from typing import Any, Optional
 import httpx
 import pytest
 
-from kmock_cluster import ClusterClient, ClusterError, KubeCluster, eventually
+from bench.harness.kmock_cluster import ClusterClient, ClusterError, KubeCluster, eventually
 
 API = "serving.dsv4.dev/v1alpha1"
 PLURAL = "dsv4deployments"

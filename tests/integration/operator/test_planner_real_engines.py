@@ -1,6 +1,6 @@
 """The planner on a real system: the real operator against the strict emulated API server
-(kmock_cluster.py), real `dsv4 serve` engines as the deployment's pods and the real router
-discovering them (planner_fleet.py). A load step up makes the planner add a decode replica, a
+(bench/harness/kmock_cluster.py), real `dsv4 serve` engines as the deployment's pods and the real
+router discovering them (bench/harness/planner_fleet.py). A load step up makes the planner add a decode replica, a
 step down makes it drain one and remove it, the StatefulSet's replicas follow the Events'
 decisions, and no client request fails across the scale-down.
 
@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kmock_cluster import ClusterClient, KubeCluster, eventually
-from planner_fleet import Fleet, Load, start_router
+from bench.harness.kmock_cluster import ClusterClient, KubeCluster, eventually
+from bench.harness.planner_fleet import Fleet, Load, start_router
 
 from dsv4_wire import ANNOTATION_PLANNER_DRAIN, LABEL_DRAINING, Paths
 

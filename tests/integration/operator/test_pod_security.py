@@ -5,7 +5,7 @@ that message instead of RollingOut forever, and is no longer Degraded once the p
 
 from __future__ import annotations
 
-from kmock_cluster import ClusterClient, KubeCluster, eventually
+from bench.harness.kmock_cluster import ClusterClient, KubeCluster, eventually
 from test_operator_kmock import PLURAL, condition, deployment, get_cr, mark_ready
 
 

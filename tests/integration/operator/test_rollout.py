@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from kmock_cluster import ClusterClient, KubeCluster, eventually
+from bench.harness.kmock_cluster import ClusterClient, KubeCluster, eventually
 from test_operator_kmock import API, PLURAL, deployment, mark_ready
 
 from dsv4_operator.manifests import HOLD_PARTITION

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from kmock_cluster import ClusterClient, KubeCluster, eventually
+from bench.harness.kmock_cluster import ClusterClient, KubeCluster, eventually
 from test_operator_kmock import PLURAL, condition, deployment, events_for, get_cr
 
-from dsv4_operator.handlers import retry_delay
+from dsv4_operator.handlers.apply import retry_delay
 
 
 async def test_owner_references_without_the_finalizers_grant_are_reported_not_retried_blindly(

@@ -8,7 +8,7 @@ meanwhile is still acted on (the new spec applied, the hand edit put right)."""
 
 from __future__ import annotations
 
-from kmock_cluster import ClusterClient, KubeCluster, eventually
+from bench.harness.kmock_cluster import ClusterClient, KubeCluster, eventually
 from test_drift_and_scaling import STS, _ready
 from test_operator_kmock import API, PLURAL, container, deployment, get_cr
 

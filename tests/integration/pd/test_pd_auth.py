@@ -9,7 +9,7 @@ import threading
 import httpx
 import pytest
 
-from dsv4_testutil import Proc, free_port
+from bench.harness.commands import Proc, free_port
 from dsv4_wire import Paths, authorization_header
 
 SECRET, ADMIN = "pd-secret-for-tests", "admin-token-for-tests"

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from dsv4_testutil import Proc, free_port
+from bench.harness.commands import Proc, free_port
 
 THRESHOLD = 60
 

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from dsv4_testutil import Proc, free_port
+from bench.harness.commands import Proc, free_port
 
 ENGINE_KEY = "engine-key-0123456789"
 ALICE, BOB, CAROL = "alice-key-0123456789", "bob-key-0123456789", "carol-key-0123456789"

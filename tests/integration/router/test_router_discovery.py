@@ -4,16 +4,13 @@ Kubernetes API (kmock): pods join, draining pods and deleted pods leave."""
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/integration: shared helpers
+from bench.harness.kmock_cluster import *  # noqa: E402,F401,F403  (fixtures: kube_cluster, kube_client, kubeconfig)
+from bench.harness.kmock_cluster import eventually  # noqa: E402
 
-from kmock_cluster import *  # noqa: E402,F401,F403  (fixtures: kube_cluster, kube_client, kubeconfig)
-from kmock_cluster import eventually  # noqa: E402
-
-from dsv4_router.router import Router, RouterArgs  # noqa: E402
+from dsv4_router.router import Router  # noqa: E402
+from dsv4_router.router_args import RouterArgs  # noqa: E402
 from dsv4_router.discovery import pod_worker, sync, watch_pods  # noqa: E402
 
 
@@ -98,7 +95,7 @@ async def test_watch_follows_pods_through_the_api(kube_client, kubeconfig, monke
     async def no_check(w):  # the pods' IPs are not reachable from here; only membership is tested
         w.reason = "checked"
 
-    router.check = no_check
+    router.health.check = no_check
 
     async def create(p):  # status is a subresource: the kubelet's part, written separately
         await kube_client.create(p, "pods")

@@ -15,7 +15,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from dsv4_testutil import Proc, free_port
+from bench.harness.commands import Proc, free_port
 
 
 class Scripted:

@@ -6,14 +6,14 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from dsv4_testutil import free_port
+from bench.harness.commands import free_port
 
 TOKEN = "s3cret-admin"
 
 
 @pytest.fixture(scope="module")
 def routers(tiny_model, tmp_path_factory):
-    from dsv4_testutil import Proc
+    from bench.harness.commands import Proc
 
     tmp = tmp_path_factory.mktemp("router-edges")
     e_port, r_port, t_port = free_port(), free_port(), free_port()

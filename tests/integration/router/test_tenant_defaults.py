@@ -9,7 +9,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from dsv4_testutil import Proc, free_port
+from bench.harness.commands import Proc, free_port
 
 TOKEN = "admin-token-for-tests"
 
@@ -78,7 +78,7 @@ def test_a_body_of_one_token_prompts_is_one_400(stack):
 
 
 def test_an_internal_error_names_no_exception():
-    from dsv4_serve.server import internal_error
+    from dsv4_serve.serving import internal_error
 
     e = internal_error("abc123")
     assert e.status == 500 and e.message == "internal error (reference abc123: see the engine's log)"

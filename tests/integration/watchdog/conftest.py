@@ -12,12 +12,11 @@ from typing import Any, AsyncIterator, Callable
 import kmock
 import pytest_asyncio
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/integration: shared helpers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kmock_cluster import *  # noqa: E402,F401,F403  (fixtures: kube_client, kubeconfig, api_calls)
-from kmock_cluster import ClusterClient  # noqa: E402
-from operator_runner import OperatorThread, free_port  # noqa: E402
+from bench.harness.kmock_cluster import *  # noqa: E402,F401,F403  (fixtures: kube_client, kubeconfig, api_calls)
+from bench.harness.kmock_cluster import ClusterClient  # noqa: E402
+from bench.harness.operator_runner import OperatorThread, free_port  # noqa: E402
 from watchdog_harness import NS, PodFarm, ScriptedEngine, WatchdogCluster  # noqa: E402
 
 from dsv4_operator.crd import build_crd  # noqa: E402

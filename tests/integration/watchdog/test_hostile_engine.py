@@ -19,7 +19,7 @@ import aiohttp
 import aiohttp.web
 import httpx
 
-from kmock_cluster import ClusterClient, eventually
+from bench.harness.kmock_cluster import ClusterClient, eventually
 from test_watchdog_operator import DETECT, start_deployment, watching
 from watchdog_harness import NS, PLURAL, ScriptedEngine, WatchdogCluster, deployment
 

@@ -9,8 +9,8 @@ import asyncio
 import time
 from pathlib import Path
 
-from kmock_cluster import ClusterClient, eventually
-from operator_runner import OperatorThread, free_port
+from bench.harness.kmock_cluster import ClusterClient, eventually
+from bench.harness.operator_runner import OperatorThread, free_port
 from test_watchdog_operator import DETECT, INTERVAL, WINDOW, start_deployment, watching
 from watchdog_harness import NS, WatchdogCluster, condition, events, get_cr, operator_calls
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kmock_cluster import ClusterClient
+from bench.harness.kmock_cluster import ClusterClient
 from watchdog_harness import API, NS, PLURAL, WatchdogCluster, deployment
 
 from dsv4_operator import spec as S

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import httpx
 
-from kmock_cluster import ClusterClient, eventually
+from bench.harness.kmock_cluster import ClusterClient, eventually
 from watchdog_harness import (
     API,
     NS,

@@ -20,8 +20,8 @@ from typing import Optional
 import httpx
 import pytest
 
-from dsv4_testutil import Proc, free_port
-from kmock_cluster import ClusterClient, eventually
+from bench.harness.commands import Proc, free_port
+from bench.harness.kmock_cluster import ClusterClient, eventually
 from watchdog_harness import NS, PLURAL, WatchdogCluster, condition, deployment, events, evidence_maps, get_cr
 
 WINDOW, INTERVAL = 3.0, 0.5

@@ -2,7 +2,7 @@
 DELETE preconditions, scripted engines, a StatefulSet controller and kubelet for the tests' pods,
 and small readers of the resource, its Events and evidence.
 
-Besides the shared emulator (tests/integration/kmock_cluster.py) this adds the API server
+Besides the shared emulator (bench/harness/kmock_cluster.py) this adds the API server
 behaviours the watchdog relies on: DELETE honours `preconditions.uid` (409 on a mismatch);
 pods/log serves text for pods whose log the test registers (other pods get kmock's own answer,
 the Pod object, which is the "no logs served" case the operator must survive); and the
@@ -21,8 +21,8 @@ import aiohttp.web
 import attrs
 import kmock
 
-from kmock_cluster import ClusterClient, KubeCluster
-from operator_runner import free_port
+from bench.harness.kmock_cluster import ClusterClient, KubeCluster
+from bench.harness.operator_runner import free_port
 
 API = "serving.dsv4.dev/v1alpha1"
 PLURAL = "dsv4deployments"

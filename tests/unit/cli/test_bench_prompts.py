@@ -1,11 +1,7 @@
 """The serving benches never measure a run on prompts a server has already seen: each workload,
 each repeat and the warm-up draw their own, while every side of one run gets the same."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
-import http_side  # noqa: E402
+from bench.harness import http_side  # noqa: E402
 
 
 def _prefixes(prompts):

@@ -9,19 +9,16 @@ transformers generate is slow (a second torch + transformers import) and marked 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[3] / "bench"
-sys.path.insert(0, str(BENCH))
-
-import loadgen  # noqa: E402
-import prom  # noqa: E402
-
-from dsv4_cli.bench import script_argv  # noqa: E402
+from bench import BENCH
+from bench.harness import loadgen, prom
+from dsv4_cli.bench import SUITES, suite_command
 
 SUMMARY_FIELDS = {
     "requests",
@@ -112,30 +109,13 @@ def test_histogram_delta_and_quantile_of_one_run():
     )
 
 
-def test_cli_forwards_only_the_options_given():
-    argv = script_argv(
-        {
-            "model": Path("/m"),
-            "preset": None,
-            "no_hf": True,
-            "mono_via_router": False,
-            "vllm_arg": ["--a", "b"],
-            "quick": None,
-            "repeats": 2,
-        }
-    )
-    assert argv == [
-        "--model",
-        "/m",
-        "--no-hf",
-        "--no-mono-via-router",
-        "--vllm-arg",
-        "--a",
-        "--vllm-arg",
-        "b",
-        "--repeats",
-        "2",
-    ]
+def test_cli_forwards_every_argument_to_the_suite():
+    """`dsv4 bench NAME ARGS` runs the suite's module with ARGS as given (the suite declares its
+    options once), the checkout on the child's path."""
+    argv, env = suite_command("serve_bench", ["--model", "/m", "--no-hf", "--vllm-arg", "--a", "--help"])
+    assert argv[1:] == ["-m", "bench.suites.serve_bench", "--model", "/m", "--no-hf", "--vllm-arg", "--a", "--help"]
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(Path(__file__).resolve().parents[3])
+    assert {module for module, _ in SUITES.values()} <= {p.stem for p in (BENCH / "suites").glob("*.py")}
 
 
 # ---- the benchmarks, end to end at tiny sizes -----------------------------------------------------

@@ -14,12 +14,10 @@ COMMANDS = [
     ["router"],
     ["up"],
     ["operator"],
-    ["bench", "serve"],
-    ["bench", "pd"],
-    ["bench", "nixl"],
-    ["bench", "grammar"],
-    ["bench", "agents"],
 ]
+# `dsv4 bench NAME` hands every argument to its suite (an argparse parser): help and errors are the
+# suite's own.
+BENCH_COMMANDS = [["bench", name] for name in ("serve", "pd", "nixl", "grammar", "agents", "prefix", "spec")]
 
 
 def dsv4(*args: str) -> subprocess.CompletedProcess:
@@ -40,6 +38,15 @@ def test_bad_flag_is_one_clear_error(cmd):
     assert errors == ["Error: No such option: --no-such-flag"] or (
         len(errors) == 1 and "--no-such-flag" in errors[0]
     ), r.stderr
+
+
+@pytest.mark.parametrize("cmd", BENCH_COMMANDS, ids=" ".join)
+def test_bench_help_and_bad_flag_are_the_suites(cmd):
+    r = dsv4(*cmd, "--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage:"), r.stdout + r.stderr
+    r = dsv4(*cmd, "--no-such-flag")
+    errors = [ln for ln in r.stderr.splitlines() if "error:" in ln]
+    assert r.returncode == 2 and len(errors) == 1 and "--no-such-flag" in errors[0], r.stderr
 
 
 @pytest.mark.parametrize("args", [["serve", "--model", "/nonexistent"], ["up", "--model", "/nonexistent"]])

@@ -36,9 +36,7 @@ def test_prefix_bench_quick_writes_its_report(tmp_path):
 def test_sides_rerun_keeps_the_others_only_from_a_report_with_the_same_settings(tmp_path, monkeypatch):
     """--sides: the sides not rerun come from OUT/prefix.json, each marked with the run it came
     from; a report measured with other settings is not merged."""
-    bench = Path(__file__).resolve().parents[3] / "bench"
-    monkeypatch.syspath_prepend(str(bench))
-    import prefix_bench
+    from bench.suites import prefix_bench
 
     a = prefix_bench.parse_args(["--quick", "--out", str(tmp_path), "--sides", "ours-nocache"])
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}

@@ -6,17 +6,16 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[3] / "bench"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 shared cores: spinning OpenMP threads only add noise
+from bench import module_argv, module_env
+
+ENV = module_env({**os.environ, "OMP_NUM_THREADS": "1"})  # 2 shared cores: spinning OpenMP threads only add noise
 
 
 def test_attention_forms_quick(tmp_path):
     out = tmp_path / "forms.json"
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "attention_forms.py"), "--quick", "--out", str(out)],
+        module_argv("bench.experiments.attention_forms", "--quick", "--out", out),
         capture_output=True,
         text=True,
         timeout=300,
@@ -35,8 +34,7 @@ def test_engine_smoke_quick_on_cpu(tmp_path, tiny_model):
     out = tmp_path / "smoke.json"
     proc = subprocess.run(
         [
-            sys.executable,
-            str(BENCH / "engine_gpu_smoke.py"),
+            *module_argv("bench.suites.engine_gpu_smoke"),
             "--device",
             "cpu",
             "--dtype",

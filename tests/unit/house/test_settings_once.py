@@ -16,15 +16,15 @@ from typer.testing import CliRunner
 from dsv4_cli.main import app
 from dsv4_engine.engine_args import EngineArgs
 from dsv4_engine.pd.common import PDSettings
-from dsv4_operator.local import ENGINE_DEADLINES
-from dsv4_router.router import RouterArgs
+from dsv4_operator.local.up import ENGINE_DEADLINES
+from dsv4_router.router_args import RouterArgs
 from dsv4_serve.server_args import ServerArgs
 from dsv4_wire import EngineFlags
 from dsv4_wire.router_options import ROUTER_OPTIONS, ROUTER_OPTIONS_BY_NAME, router_options
 from dsv4_wire.serve_options import OPTIONS_BY_NAME, PD_DEADLINES, REQUIRED, SERVE_OPTIONS, options
 
 REPO = Path(__file__).resolve().parents[3]
-DECLARATIONS = {REPO / "engine" / "dsv4_wire" / f for f in ("serve_options.py", "router_options.py")}
+DECLARATIONS = {REPO / "wire" / "dsv4_wire" / f for f in ("serve_options.py", "router_options.py")}
 # Names other settings share (a router's port, a sampling seed): a same-named literal elsewhere
 # is another setting, not this one's default written twice.
 SHARED_NAMES = {"model", "role", "host", "port", "seed", "device", "dtype", "api_keys", "admin_token", "pd_secret"}
@@ -103,7 +103,7 @@ def test_no_option_default_is_spelled_twice() -> None:
         if o.name not in SHARED_NAMES and o.default not in (None, REQUIRED) and not _neutral(o.default)
     }
     found = []
-    for root in ("cli", "engine", "operator"):
+    for root in ("cli", "engine", "operator", "router", "wire"):
         for path in (REPO / root).rglob("*.py"):
             if path in DECLARATIONS:
                 continue

@@ -14,7 +14,7 @@ from dsv4_wire.paths import Paths
 REPO = Path(__file__).resolve().parents[3]
 SOURCES = [
     p
-    for root in ("cli", "engine", "kernels", "operator")
+    for root in ("cli", "engine", "kernels", "operator", "router", "wire")
     for p in (REPO / root).rglob("*.py")
     if "dsv4_wire" not in p.parts
 ]
@@ -61,7 +61,7 @@ def test_spelled_only_in_the_wire_package(name: str) -> None:
 
 
 def test_the_check_sees_a_literal() -> None:
-    src = REPO / "engine" / "dsv4_wire" / "k8s.py"
+    src = REPO / "wire" / "dsv4_wire" / "k8s.py"
     assert k8s.LABEL_DRAINING in string_literals(src)
 
 

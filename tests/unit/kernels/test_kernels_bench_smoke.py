@@ -1,24 +1,22 @@
-"""bench/kernels_bench.py runs end to end on CPU (--cpu --quick) and writes its JSON."""
+"""bench/suites/kernels_bench.py runs end to end on CPU (--cpu --quick) and writes its JSON."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[3] / "bench" / "kernels_bench.py"
+from bench import module_argv, module_env
 
 
 def test_cpu_quick_bench_writes_decode_and_moe_results(tmp_path):
     out = tmp_path / "kernels.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 shared cores: spinning OpenMP threads only add noise
+    env = module_env({**os.environ, "OMP_NUM_THREADS": "1"})  # 2 shared cores: spinning OpenMP threads only add noise
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--cpu", "--quick", "--out", str(out)],
+        [*module_argv("bench.suites.kernels_bench"), "--cpu", "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -40,6 +38,10 @@ def test_bench_without_cuda_or_cpu_flag_says_what_to_do(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the GPU benchmark would run")
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--out", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=60
+        [*module_argv("bench.suites.kernels_bench"), "--out", str(tmp_path / "x.json")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=module_env(),
     )
     assert proc.returncode != 0 and "--cpu" in proc.stderr

@@ -1,4 +1,4 @@
-"""bench/kernels_bench.py --only v4 runs end to end on CPU (--cpu --quick) and writes the V4
+"""bench/suites/kernels_bench.py --only v4 runs end to end on CPU (--cpu --quick) and writes the V4
 decode attention and indexer rows."""
 
 from __future__ import annotations
@@ -6,17 +6,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[3] / "bench" / "kernels_bench.py"
+from bench import module_argv, module_env
 
 
 def test_cpu_quick_v4_bench_writes_decode_attention_and_indexer(tmp_path):
     out = tmp_path / "v4.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = module_env({**os.environ, "OMP_NUM_THREADS": "1"})
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--cpu", "--quick", "--only", "v4", "--out", str(out)],
+        [*module_argv("bench.suites.kernels_bench"), "--cpu", "--quick", "--only", "v4", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=180,

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from dsv4_wire import Paths
-from dsv4_operator.local import LocalExecutor
+from dsv4_operator.local.up import LocalExecutor
 from dsv4_operator.remediation.actions import ACTIONS, dispatch, step_for
 from dsv4_operator.remediation.executor import KubernetesExecutor
 from dsv4_operator.watchdog.policy import ABORT, CAPTURE_EVIDENCE, DRAIN, HELD, REPORT, RESTART, STEPS, Action

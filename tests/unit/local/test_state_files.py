@@ -8,8 +8,8 @@ import os
 import stat
 import threading
 
-from dsv4_operator.local import stored_secret
-from dsv4_operator.state_files import write_atomic
+from dsv4_operator.local.up import stored_secret
+from dsv4_operator.local.state_files import write_atomic
 
 
 def test_a_reader_in_a_tight_loop_never_meets_a_torn_file(tmp_path):

@@ -14,8 +14,8 @@ import pytest
 import typer
 
 from dsv4_wire import EngineFlags as F
-from dsv4_operator import local
-from dsv4_operator.local import (
+from dsv4_operator.local import up as local
+from dsv4_operator.local.up import (
     ENGINE_DEADLINES,
     NO_DEADLINES_WINDOW_S,
     WINDOW_MARGIN_S,
@@ -26,7 +26,7 @@ from dsv4_operator.local import (
     engine_deadlines,
     stored_secret,
 )
-from dsv4_operator.supervisor import CrashBackoff, EngineProc, Supervisor
+from dsv4_operator.local.supervisor import CrashBackoff, EngineProc, Supervisor
 
 
 # ---- crash-loop backoff ------------------------------------------------------------------------

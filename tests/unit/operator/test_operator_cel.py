@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from dsv4_operator.crd import apply_defaults, build_crd, cel_violations, prune_unknown
-from dsv4_operator.handlers import check_spec
+from dsv4_operator.handlers.apply import check_spec
 from dsv4_operator.manifests import MAX_NAME_LENGTH
 
 from test_operator_crd import GOOD, checked_in_crd, minimal, schema_of, with_spec

@@ -79,7 +79,7 @@ def test_held_and_scaled_children_validate_on_every_supported_release(k8s_versio
 
 
 def test_image_volumes_do_not_exist_before_1_31() -> None:
-    """Why the operator asks the cluster before it uses an image volume (handlers.image_volume_refusal)."""
+    """Why the operator asks the cluster before it uses an image volume (handlers.apply.image_volume_refusal)."""
     spec = spec_of(model={"name": "m", "path": "/models/m", "volume": {"image": {"reference": "reg/ckpt:1"}}})
     sts = M.engine_statefulset(spec, OWNER, "decode")
     for old in ("1.29.0", "1.30.0"):

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dsv4_operator import handlers, kube
+from dsv4_operator import kube
+from dsv4_operator.handlers import apply as handlers
 from dsv4_operator.main import make_settings
 from dsv4_operator.telemetry import HealthState, OperatorMetrics, health_verdict
 
@@ -162,7 +163,7 @@ def test_drift_worth_reapplying() -> None:
     """Deleted: always. Changed: workloads only when their generation moved (their status changes
     all the time), other children on every change. Added: never (the reconcile applies). Listed:
     as changed."""
-    from dsv4_operator.handlers import drift_worth_reapplying as drift
+    from dsv4_operator.handlers.children import drift_worth_reapplying as drift
 
     assert drift("DELETED", "Service", None, None) and drift("DELETED", "StatefulSet", 3, 3)
     assert drift("MODIFIED", "Service", None, None) and drift("MODIFIED", "Role", 1, 1)

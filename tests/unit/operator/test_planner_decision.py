@@ -4,9 +4,7 @@ made up the way engines report them (dsv4_operator.planner.observe.EngineLoad)."
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -232,12 +230,14 @@ def test_a_burst_within_the_reserve_asks_for_no_replica() -> None:
 def test_closed_loop_on_a_simulated_fleet_step_up_and_down() -> None:
     """The planner driving the bench simulator's engines (calibrated from bench/results) on a load
     step: it scales decode up, then back down once the cool-down allows, losing no request."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
-    import planner_sim as ps
+    from bench.harness import fleet_sim
+    from bench.suites import planner_sim
 
-    timing = ps.calibrate()
-    spec = ps.TraceSpec(minutes=16, trough_rps=0.4, peak_ratio=1.0, bursts=((3.0, 5.0),), burst_ratio=4.0, seed=3)
-    trace = ps.make_trace(spec)
+    timing = fleet_sim.calibrate()
+    spec = fleet_sim.TraceSpec(
+        minutes=16, trough_rps=0.4, peak_ratio=1.0, bursts=((3.0, 5.0),), burst_ratio=4.0, seed=3
+    )
+    trace = fleet_sim.make_trace(spec)
     settings = Settings(
         interval_s=15,
         ttft_target_s=3,
@@ -247,7 +247,7 @@ def test_closed_loop_on_a_simulated_fleet_step_up_and_down() -> None:
         drain_timeout_s=60,
         max_unavailable={"prefill": 2, "decode": 2},
     )
-    r = ps.simulate(ps.Planner(settings, {"prefill": 1, "decode": 1}), trace, timing, spec, 3, 0.06)
+    r = planner_sim.simulate(planner_sim.Planner(settings, {"prefill": 1, "decode": 1}), trace, timing, spec, 3, 0.06)
     decode = [c[2] for c in r["counts"]]
     assert max(decode) >= 3 and decode[-1] < max(decode), decode
     assert r["unfinished"] == 0

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from dsv4_operator.handlers import check_spec
+from dsv4_operator.handlers.apply import check_spec
 from dsv4_operator.spec import parse_spec
 from dsv4_operator.tenant_policy import POLICY_ENV, TenantPolicy, policy_violations
 
@@ -84,7 +84,7 @@ def test_each_thing_refused_is_named():
 
 
 def test_the_operator_refuses_at_reconcile_with_the_reasons(monkeypatch):
-    import dsv4_operator.handlers as H
+    import dsv4_operator.handlers.apply as H
 
     monkeypatch.setattr(H, "TENANT_POLICY", STRICT)
     spec, why = check_spec(

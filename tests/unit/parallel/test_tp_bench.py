@@ -1,20 +1,22 @@
-"""`bench/tp_bench.py --quick` runs tp 1 and 2 on the tiny model and writes its JSON and PNG
+"""`bench/suites/tp_bench.py --quick` runs tp 1 and 2 on the tiny model and writes its JSON and PNG
 (the full run is for a quiet machine: see docs/tensor-parallel.md)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[3] / "bench" / "tp_bench.py"
+from bench import module_argv, module_env
 
 
 def test_quick_tp_bench_writes_its_report(tmp_path):
     out = tmp_path / "tp.json"
     r = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--out", str(out)], capture_output=True, text=True, timeout=600
+        module_argv("bench.suites.tp_bench", "--quick", "--out", out),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=module_env(),
     )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]

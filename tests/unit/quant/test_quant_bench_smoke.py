@@ -1,21 +1,19 @@
-"""bench/quant_bench.py runs end to end on CPU (--cpu --quick) and writes its JSON and PNG."""
+"""bench/suites/quant_bench.py runs end to end on CPU (--cpu --quick) and writes its JSON and PNG."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[3] / "bench" / "quant_bench.py"
+from bench import module_argv, module_env
 
 
 def test_cpu_quick_bench_writes_json_and_png(tmp_path):
     out = tmp_path / "quant.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = module_env({**os.environ, "OMP_NUM_THREADS": "1"})
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "--cpu", "--quick", "--out", str(out)],
+        [*module_argv("bench.suites.quant_bench"), "--cpu", "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4_router.router import Router, RouterArgs
+from dsv4_router.router import Router
+from dsv4_router.router_args import RouterArgs
 from dsv4_wire import APIError
 
 
@@ -43,7 +44,8 @@ def test_pin_refusals():
 async def test_pin_needs_the_admin_token_and_canary_flag_is_checked():
     import httpx
 
-    from dsv4_router.router import PIN_HEADER, build_app
+    from dsv4_router.app import build_app
+    from dsv4_router.router import PIN_HEADER
 
     r = Router(RouterArgs(admin_token="secret"))
     transport = httpx.ASGITransport(app=build_app(r), client=("10.0.0.9", 1234))
@@ -81,14 +83,14 @@ def test_a_canary_with_a_traffic_share_takes_that_share_of_live_picks():
 async def test_the_admin_sets_a_canary_share_and_clears_it_with_the_flag():
     import httpx
 
-    from dsv4_router.router import build_app
+    from dsv4_router.app import build_app
 
     r = Router(RouterArgs(admin_token="secret"))
 
     async def no_health_check(worker) -> None:  # the worker is not there: the flags are what is tested
         return None
 
-    r.check = no_health_check
+    r.health.check = no_health_check
     transport = httpx.ASGITransport(app=build_app(r), client=("10.0.0.9", 1234))
     auth = {"Authorization": "Bearer secret"}
     async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 
 from dsv4_router.affinity import affinity_key, choose, preference
-from dsv4_router.router import WorkerPool
+from dsv4_router.workers import WorkerPool
 
 URLS = [f"http://10.0.0.{i}:8100" for i in range(1, 5)]
 

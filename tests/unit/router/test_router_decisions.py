@@ -11,7 +11,7 @@ import pytest
 from dsv4_router.admission import Admission, Overloaded, Slot, decide
 from dsv4_router.body import MAX_DEPTH, parse_body, read_limited
 from dsv4_router.relay import first_event_error, split_events
-from dsv4_router.router import UNANSWERED_CHECKS, Worker, health_after_check
+from dsv4_router.workers import UNANSWERED_CHECKS, Worker, health_after_check
 from dsv4_wire import is_loopback
 from dsv4_router.upstream import plan_pools
 from dsv4_wire import APIError

@@ -1,18 +1,17 @@
-"""bench/channel_bench.py --quick runs and writes what docs/process-shape.md quotes."""
+"""bench/suites/channel_bench.py --quick runs and writes what docs/process-shape.md quotes."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[3] / "bench"
+from bench import module_argv, module_env
 
 
 def test_channel_bench_quick(tmp_path):
     r = subprocess.run(
-        [sys.executable, str(BENCH / "channel_bench.py"), "--quick", "--iters", "50", "--out", str(tmp_path)],
+        module_argv("bench.suites.channel_bench", "--quick", "--iters", "50", "--out", tmp_path),
+        env=module_env(),
         capture_output=True,
         text=True,
         timeout=120,

@@ -239,7 +239,8 @@ def test_defaults_from_checkpoint_and_names():
 
 
 def test_server_chat_setup_from_checkpoint_and_flags(tokenizer, tmp_path):
-    from dsv4_serve.server import ServerArgs, chat_setup
+    from dsv4_serve.server_args import ServerArgs
+    from dsv4_serve.serving import chat_setup
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
     args = ServerArgs(model=str(tmp_path))

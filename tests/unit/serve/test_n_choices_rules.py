@@ -7,7 +7,7 @@ import pytest
 
 from dsv4_serve.protocol import INT64_MAX, INT64_MIN, MAX_N, ChatCompletionRequest, CompletionRequest, parse_request
 from dsv4_wire.choices import choice_seed
-from dsv4_serve.server import best_choices, choice_room
+from dsv4_serve.choices import best_choices, choice_room
 from dsv4_wire import APIError
 
 

@@ -1,0 +1,612 @@
+"""The PD router: the OpenAI API in front of prefill + decode (or monolithic) engines.
+
+Each request gets a prefill and a decode worker (least busy, by the router's own count of
+requests in flight; the prefill, or mono, worker by prefix affinity within a load bound, see
+affinity.py) and a random bootstrap room, and goes to both at once; the client reads the
+decode's answer. A request that fails before its first byte is retried once on another pair.
+
+Holding under load (see admission.py, upstream.py, relay.py): at most --max-inflight requests
+are inside the router, up to --max-queue more wait up to --queue-timeout seconds, the rest get
+429 with Retry-After. Prefill legs, decode streams and control traffic (health checks,
+/v1/models) have separate connection pools, the data ones sized so an admitted request never
+waits for a connection.
+
+This module places and relays requests (`Router`); the workers, their pool and health checks are
+`workers`, the HTTP app and `dsv4 router`'s process are `app`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
+
+from dsv4_router.router_args import RouterArgs
+from dsv4_router.workers import Health, RouterMetrics, Worker, WorkerPool
+from dsv4_router.admission import Admission, Overloaded, Slot
+from dsv4_router.affinity import ConversationKeys
+from dsv4_router.body import parse_body, read_limited
+from dsv4_router.migration import BROKEN, REFUSED, TRUNCATED, UNREACHABLE, Resume, allowed_resends
+from dsv4_router.relay import RelayResponse, error_events, first_event_error, split_events, sse
+from dsv4_router.tenancy import apply_cache_salt
+from dsv4_router.upstream import CONNECTION_FAILURES, Upstreams
+from dsv4_wire import tracing
+from dsv4_wire.tracing import TRACE_HEADERS, Tracing
+from dsv4_wire import APIError, admin_refusal
+from dsv4_wire.request_fields import ROUTER_ONLY_FIELDS
+
+# A request carrying this header (and the admin token) goes to the decode/mono worker it names,
+# canary or not: how a rollout probes one engine through the router.
+PIN_HEADER = "x-dsv4-pin-worker"
+
+log = logging.getLogger("dsv4.router")
+
+
+@dataclass
+class Retry:
+    """An attempt that failed before any output: what the engine said, if anything, and why
+    (a reason of dsv4_router.migration)."""
+
+    status: int
+    content: bytes
+    reason: str = REFUSED
+
+
+class Router:
+    def __init__(self, args: RouterArgs):
+        self.args = args
+        self.pool = WorkerPool()
+        for u in args.prefill:
+            self.pool.add(u, "prefill")
+        for u in args.decode:
+            self.pool.add(u, "decode")
+        for u in args.mono:
+            self.pool.add(u, "mono")
+        self.metrics = RouterMetrics()
+        self.keys = ConversationKeys()  # prefix-affinity keys, remembering short plain prompts
+        self.admission = Admission(args.max_inflight, args.max_queue, args.queue_timeout)
+        self.metrics.inflight.set_function(lambda: self.admission.inflight)
+        self.metrics.queued.set_function(lambda: self.admission.queued)
+        self.up: Optional[Upstreams] = None
+        self.tracing = Tracing(args.otlp_traces_endpoint, "dsv4-router")
+        self._tasks: list[asyncio.Task] = []
+        self.health = Health(args.health_interval, self.pool, self.metrics)
+
+    async def start(self) -> None:
+        self.up = Upstreams(
+            self.args.max_inflight,
+            self.args.request_timeout,
+            self.args.health_timeout,
+            self.args.pd_secret or self.args.engine_api_key,
+        )
+        self.health.control = self.up.control
+        await self.health.check_all()
+        self._tasks.append(asyncio.create_task(self.health.loop()))
+        if self.args.discover_namespace:
+            from dsv4_router.discovery import watch_pods
+
+            self._tasks.append(asyncio.create_task(watch_pods(self, self.args.discover_namespace, self.args.selector)))
+
+    async def stop(self) -> None:
+        for t in [*self._tasks, *self.health.checking.values()]:
+            t.cancel()
+        if self.up:
+            await self.up.aclose()
+        self.tracing.shutdown()
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    def _pinned(self, pin: str) -> Worker:
+        w = self.pool.workers.get(pin.rstrip("/"))
+        if w is None or w.role == "prefill":
+            raise APIError(f"{PIN_HEADER}: {pin} is not a decode or mono worker of this router", 400)
+        if not w.healthy:
+            raise APIError(f"the pinned worker {w.url} is not ready: {w.reason}", 503, "service_unavailable")
+        return w
+
+    def _pair(
+        self, exclude: set[str], key: Optional[str] = None, pin: Optional[str] = None
+    ) -> tuple[Optional[Worker], Worker]:
+        """key: the request's prefix-affinity key; it steers the engine that prefills (prefill or
+        mono: the one whose prefix cache it hopes to hit), never decode (it receives every page).
+        pin: the decode or mono worker this request must reach (a canary probe's)."""
+        if pin is not None:
+            w = self._pinned(pin)
+            if w.role == "mono":
+                return None, w
+            p = self.pool.pick("prefill", exclude, key)
+            if p is None or p.bootstrap_port is None:
+                raise APIError("no healthy prefill is available", 503, "service_unavailable")
+            return p, w
+        if any(w.role == "prefill" for w in self.pool.workers.values()):
+            p, d = self.pool.pick("prefill", exclude, key), self.pool.pick("decode", exclude)
+            if p is None or d is None or p.bootstrap_port is None:
+                raise APIError("no healthy prefill/decode pair is available", 503, "service_unavailable")
+            return p, d
+        m = self.pool.pick("mono", exclude, key)
+        if m is None:
+            raise APIError("no healthy engine is available", 503, "service_unavailable")
+        return None, m
+
+    async def handle(self, path: str, http: Request) -> Response:
+        self.metrics.requests.labels(path).inc()
+        pin = http.headers.get(PIN_HEADER)
+        if pin is not None:  # only an admin may aim a request at one engine (a canary)
+            refusal = admin_refusal(http.headers, self.args.admin_token, http.client.host if http.client else None)
+            if refusal is not None:
+                status, message = refusal
+                return self.error(
+                    APIError(
+                        f"{PIN_HEADER}: {message}",
+                        status,
+                        "authentication_error" if status == 401 else "permission_error",
+                    )
+                )
+        try:
+            raw = await read_limited(http.headers.get("content-length"), http.stream(), self.args.max_body_bytes)
+            body = parse_body(raw)
+        except APIError as e:
+            return self.error(e)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        for k in ROUTER_ONLY_FIELDS:  # a client chooses no prefill for a decode and forges no answer so far
+            body.pop(k, None)
+        trace_in = {k: http.headers[k] for k in TRACE_HEADERS if k in http.headers}
+        apply_cache_salt(body, http.scope)
+        # A client that hangs up (queued or not) cancels the work: closing the upstream
+        # connections is what makes the engines abort (and, through them, the PD peer).
+        slot = Slot(self.admission)
+        work = asyncio.ensure_future(self._admitted(path, body, slot, trace_in, pin))
+        gone = asyncio.ensure_future(self._wait_disconnect(http))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+        if work.cancelled():
+            slot.release()
+            return Response(status_code=499)
+        try:
+            result = work.result()
+        except BaseException:
+            slot.release()
+            raise
+        if not isinstance(result, RelayResponse):
+            slot.release()  # a stream keeps its slot until it ends
+        return result
+
+    @staticmethod
+    async def _wait_disconnect(http: Request) -> None:
+        # The body is read: the next ASGI message is the disconnect, whenever it comes.
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    async def _admitted(
+        self, path: str, body: dict, slot: Slot, trace_in: Optional[dict] = None, pin: Optional[str] = None
+    ) -> Response:
+        try:
+            await slot.acquire()
+        except Overloaded as e:
+            self.metrics.rejected.inc()
+            return self.error(
+                APIError(e.reason, 429, "rate_limit_exceeded", code="router_overloaded"),
+                {"Retry-After": str(e.retry_after)},
+            )
+        return await self._route(path, body, slot, trace_in or {}, pin)
+
+    async def _route(self, path: str, body: dict, slot: Slot, trace_in: dict, pin: Optional[str] = None) -> Response:
+        rid = body.get("rid") if isinstance(body.get("rid"), str) else None
+        rid = rid or f"{'chatcmpl' if 'chat' in path else 'cmpl'}-{uuid.uuid4().hex}"
+        st = Resume(rid, body, stream=bool(body.get("stream")), client_wants_ids=body.get("return_token_ids") is True)
+        st.trace_in = trace_in
+        st.pin = pin
+        st.span = self.tracing.start(
+            "router.request",
+            headers=trace_in,
+            kind="server",
+            attributes={"dsv4.rid": rid, "http.route": path, "dsv4.stream": st.stream},
+        )
+        key = self.keys.key(path, body)
+        handed_off = False
+        try:
+            placed = await self._place(path, st, key)
+            if not isinstance(placed, Leg):
+                return placed
+            if st.stream:
+                handed_off = True
+                return RelayResponse(self._relay(path, st, placed, key), on_close=lambda: self._stream_closed(st, slot))
+            try:
+                content = await placed.resp.aread()
+            except httpx.HTTPError as e:  # the body of a non-streaming answer broke off
+                self.health.connection_failed(placed.d, e)
+                return self.error(
+                    APIError(f"the decode engine's answer broke off: {type(e).__name__}", 502, "server_error")
+                )
+            finally:
+                await placed.close()
+            return Response(_with_id(content, st.rid), 200, media_type="application/json")
+        finally:
+            if not handed_off:
+                self._log_moves(st)
+
+    def error(self, e: APIError, headers: Optional[dict] = None) -> JSONResponse:
+        self.metrics.errors.labels(str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    async def _place(
+        self, path: str, st: Resume, key: Optional[str], reason: Optional[str] = None, failed: frozenset = frozenset()
+    ) -> "Leg | Response":
+        """Send the request (again, after `reason`, away from the workers in `failed`) until an
+        engine is on its way with it: a Leg, or the final answer (a 4xx, or the one clear error
+        once --migration-limit or --migration-timeout is spent).
+
+        A first send has no time bound of its own (a prefill may queue); re-placing does: the
+        time from each break to the next first event, summed over the request. An engine that
+        cannot even be connected to does not count against the limit (it is out of rotation at
+        once), so a request can wait, within the time bound, for one that is coming back."""
+        a = self.args
+        tried = set(failed)
+        last: Optional[Retry] = None
+        t_break = time.monotonic() if reason is not None else None  # the bound runs from the first failure
+        budget = a.migration_timeout
+        try:
+            while True:
+                if reason is not None:
+                    t_break = t_break or time.monotonic()
+                    budget = a.migration_timeout - st.placing_s - (time.monotonic() - t_break)
+                    if (
+                        reason != UNREACHABLE and st.resends >= allowed_resends(a.migration_limit, st.started)
+                    ) or budget <= 0:
+                        return self._gave_up(st, last, budget <= 0)
+                try:
+                    p, d = self._pair(tried, key, st.pin)
+                except APIError as e:
+                    if reason is None:
+                        return self.error(e, {"Retry-After": "2"})
+                    if budget <= 0.25 or a.migration_limit == 0:
+                        return self._gave_up(st, last, timed_out=a.migration_limit > 0)
+                    await asyncio.sleep(0.25)  # nothing healthy now: wait, within the bound, for one to come back
+                    continue
+                tried.update({d.url} | ({p.url} if p else set()))
+                if reason is not None:
+                    tracing.event(
+                        st.span, "migration", reason=reason, tokens_carried=len(st.tokens), attempt=st.attempts
+                    )
+                    st.reasons.append(f"{reason} after {len(st.tokens)} token(s)")
+                    st.resends += reason != UNREACHABLE  # an engine that was never reached costs only time
+                    self.metrics.migrations.labels(reason).inc()
+                    if not st.started:
+                        self.metrics.retries.inc()
+                body = st.attempt_body()
+                st.attempts += 1
+                span = self.tracing.start(
+                    "router.attempt",
+                    parent=st.span,
+                    attributes={
+                        "dsv4.attempt": st.attempts,
+                        "dsv4.decode": d.url,
+                        "dsv4.prefill": p.url if p else None,
+                        "dsv4.migration_reason": reason,
+                        "dsv4.continuation_tokens": len(st.tokens),
+                    },
+                )
+                opening = self._open(path, body, p, d, span, st.trace_in)
+                try:
+                    result = await (opening if reason is None else asyncio.wait_for(opening, max(budget, 0.01)))
+                except BaseException as e:
+                    tracing.end(span, error=type(e).__name__)
+                    raise
+                if not isinstance(result, Retry):
+                    if not isinstance(result, Leg):
+                        tracing.end(span, error=f"answered {result.status_code}")
+                    return result
+                tracing.end(span, error=f"failed: {result.reason} ({result.status})")
+                last = result
+                if result.reason == UNREACHABLE:
+                    tried.discard(d.url)  # out of rotation now; welcome back once /ready passes
+                reason = result.reason
+        except asyncio.TimeoutError:
+            return self._gave_up(st, last, True)
+        finally:
+            if t_break is not None:
+                st.placing_s += time.monotonic() - t_break
+
+    def _gave_up(self, st: Resume, last: Optional[Retry], timed_out: bool) -> Response:
+        if last is not None and last.content and not st.started and not timed_out:
+            self.metrics.errors.labels(str(last.status)).inc()
+            return Response(last.content, last.status, media_type="application/json")
+        why = (
+            f"no engine took it over within --migration-timeout ({self.args.migration_timeout:g}s)"
+            if timed_out
+            else f"it failed on {st.attempts} engine(s) (--migration-limit {self.args.migration_limit})"
+        )
+        return self.error(
+            APIError(f"the request could not be completed: {why}; see the engines' logs", 503, "service_unavailable"),
+            {"Retry-After": "2"},
+        )
+
+    def _log_moves(self, st: Resume) -> None:
+        tracing.end(
+            st.span, migrations=len(st.reasons), completion_tokens_relayed=len(st.tokens) if st.stream else None
+        )
+        st.span = None
+        if st.reasons:
+            log.info(
+                "request %s: migrations=%d (%s), %.2fs re-placing",
+                st.rid,
+                len(st.reasons),
+                "; ".join(st.reasons),
+                st.placing_s,
+            )
+
+    async def _open(
+        self, path: str, body: dict, p: Optional[Worker], d: Worker, span=None, trace_in: Optional[dict] = None
+    ) -> "Leg | Response | Retry":
+        """One send to one pair, up to the decode's first event: a Leg on its way, a final
+        answer (4xx), or a Retry (failed before any output)."""
+        prefill: Optional[asyncio.Task] = None
+        if p is not None:
+            body.update(bootstrap_host=p.host, bootstrap_port=p.bootstrap_port, bootstrap_room=random.getrandbits(63))
+            leg = {k: v for k, v in body.items() if k != "stream_options"}  # stream_options needs stream
+            prefill = asyncio.create_task(self._prefill(path, dict(leg, stream=False), p, span, trace_in))
+        d.inflight += 1
+        self.metrics.worker_requests.labels(d.url, d.role).inc()
+        opening = asyncio.create_task(self._open_decode(path, body, d, self.tracing.headers(span, trace_in)))
+        handed_off = False
+        try:
+            if prefill is not None:
+                # A prefill leg that fails before decode's first byte dooms the attempt: answer or
+                # retry now instead of letting decode wait out its deadline for KV that will not come.
+                await asyncio.wait({opening, prefill}, return_when=asyncio.FIRST_COMPLETED)
+                if not opening.done() and prefill.exception() is None:
+                    status, content = prefill.result()
+                    if status == 0 or status >= 400:
+                        opening.cancel()  # closing decode's connection aborts its side of the room
+                        await asyncio.gather(opening, return_exceptions=True)
+                        if 400 <= status < 500:  # the client's request: every pair would refuse it
+                            self.metrics.errors.labels(str(status)).inc()
+                            return Response(content, status, media_type="application/json")
+                        return Retry(status or 502, content, REFUSED)
+            opened = await opening
+            if not isinstance(opened, tuple):
+                return opened
+            resp, chunks, first = opened
+            handed_off = True
+            return Leg(d, prefill, resp, chunks, first, span=span)
+        finally:
+            if not opening.done():
+                opening.cancel()  # it closes its response itself
+            elif (
+                not handed_off
+                and not opening.cancelled()
+                and opening.exception() is None
+                and isinstance(opening.result(), tuple)
+            ):
+                await opening.result()[0].aclose()  # opened, then abandoned (client left)
+            if not handed_off:
+                d.inflight -= 1
+                if prefill is not None and not prefill.done():
+                    prefill.cancel()  # closing the connection aborts the request on prefill
+
+    async def _open_decode(
+        self, path: str, body: dict, d: Worker, headers: Optional[dict] = None
+    ) -> "tuple[httpx.Response, AsyncIterator[bytes], bytes] | Response | Retry":
+        """Send to decode and read up to its first event: (response, its byte stream, first
+        bytes) when it is on its way, else the final answer or a Retry."""
+        client = self.up.decode
+        try:
+            resp = await client.send(
+                client.build_request("POST", f"{d.url}{path}", json=body, headers=headers), stream=True
+            )
+        except httpx.HTTPError as e:
+            self.health.connection_failed(d, e)
+            return Retry(502, b"", UNREACHABLE if isinstance(e, CONNECTION_FAILURES) else BROKEN)
+        try:
+            if resp.status_code != 200:
+                content = await resp.aread()
+                await resp.aclose()
+                if 400 <= resp.status_code < 500:
+                    self.metrics.errors.labels(str(resp.status_code)).inc()
+                    return Response(_with_id(content, body.get("rid")), resp.status_code, media_type="application/json")
+                return Retry(resp.status_code, content, REFUSED)
+            if not body.get("stream"):
+                return resp, None, b""
+            first = b""
+            chunks = resp.aiter_raw()
+            async for chunk in chunks:
+                first += chunk
+                if b"\n\n" in first:
+                    break
+            err = first_event_error(first.split(b"\n\n", 1)[0])
+            if err is not None:
+                # failed before producing anything (e.g. the KV transfer): another pair may do
+                await resp.aclose()
+                return Retry(502, err, REFUSED)
+            return resp, chunks, first
+        except httpx.HTTPError as e:
+            await resp.aclose()
+            self.health.connection_failed(d, e)
+            return Retry(502, b"", BROKEN)
+        except BaseException:
+            await resp.aclose()
+            raise
+
+    async def _prefill(
+        self, path: str, body: dict, p: Worker, parent=None, trace_in: Optional[dict] = None
+    ) -> tuple[int, bytes]:
+        """The prefill leg; (0, b"") when the prefill engine could not be reached."""
+        p.inflight += 1
+        self.metrics.worker_requests.labels(p.url, p.role).inc()
+        span = self.tracing.start("router.prefill_leg", parent=parent, attributes={"dsv4.prefill": p.url})
+        error = None
+        try:
+            r = await self.up.prefill.post(f"{p.url}{path}", json=body, headers=self.tracing.headers(span, trace_in))
+            error = f"answered {r.status_code}" if r.status_code >= 400 else None
+            return r.status_code, r.content
+        except httpx.HTTPError as e:
+            error = type(e).__name__
+            self.health.connection_failed(p, e)
+            return (0, b"") if isinstance(e, CONNECTION_FAILURES) else (502, b"")
+        except BaseException:
+            error = "cancelled"
+            raise
+        finally:
+            p.inflight -= 1
+            tracing.end(span, error=error)
+
+    async def _relay(self, path: str, st: Resume, leg: "Leg", key: Optional[str]) -> AsyncIterator[bytes]:
+        """The client's stream, across every engine the request visits. Whole events only: a
+        stream that breaks mid-event leaves no half event with the client."""
+        st.leg = leg
+        while True:
+            pending, chunks, reason = leg.first, leg.chunks, None
+            try:
+                while reason is None:
+                    whole, pending = split_events(pending)
+                    if whole:
+                        out, what = st.filter(whole)
+                        if out:
+                            yield out
+                        if what == "done":
+                            return
+                        reason = what
+                        if reason is not None:
+                            break
+                    chunk = await anext(chunks, None)
+                    if chunk is None:
+                        reason = TRUNCATED
+                        break
+                    pending += chunk
+            except httpx.HTTPError as e:  # the decode engine died or the connection broke
+                self.health.connection_failed(leg.d, e)
+                reason = BROKEN
+            failed = frozenset({leg.d.url})
+            await leg.close()
+            st.leg = None
+            if st.finished:  # everything was said but the end: say it
+                if st.parent is None:
+                    yield sse("[DONE]")
+                return
+            if st.splittable and st.started:  # an engine continues one sequence: one request per choice
+                async for out in self._split(path, st, key, reason, failed):
+                    yield out
+                return
+            placed = await self._place(path, st, key, reason, failed)
+            if not isinstance(placed, Leg):
+                yield self._failed_events(st, placed)
+                return
+            leg = st.leg = placed
+
+    @staticmethod
+    def _failed_events(st: Resume, placed: Response) -> bytes:
+        st.failed = True
+        msg = json.loads(placed.body) if placed.body else {}
+        message = msg.get("error", {}).get("message") if isinstance(msg, dict) else None
+        return error_events(message or "the decode engine's stream broke off", 503)
+
+    async def _split(
+        self, path: str, st: Resume, key: Optional[str], reason: str, failed: frozenset
+    ) -> AsyncIterator[bytes]:
+        """A stream of n > 1 choices broke: each unfinished choice goes on as its own n = 1
+        request (see migration.py), their events merged into the client's stream as they come;
+        then one usage chunk for all of them and [DONE]. The first child that gives up ends the
+        stream with its one error."""
+        kids = [st.child(j) for j in range(st.n) if j not in st.choice_done]
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def run(kid: Resume) -> None:
+            try:
+                placed = await self._place(path, kid, key, reason, failed)
+                if not isinstance(placed, Leg):
+                    await q.put(self._failed_events(kid, placed))
+                    return
+                gen = self._relay(path, kid, placed, key)
+                try:
+                    async for out in gen:
+                        await q.put(out)
+                finally:
+                    await gen.aclose()
+            finally:
+                await q.put(None)
+
+        tasks = [asyncio.create_task(run(k)) for k in kids]
+        try:
+            left = len(tasks)
+            while left:
+                out = await q.get()
+                if out is None:
+                    left -= 1
+                    continue
+                yield out
+                if any(k.failed for k in kids):
+                    st.failed = True
+                    return
+            st.resends = max(k.resends for k in kids) if kids else st.resends
+            usage = st.usage()
+            if usage is not None:
+                yield sse(usage)
+            yield sse("[DONE]")
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for k in kids:
+                if k.leg is not None:
+                    await k.leg.close()
+                    k.leg = None
+
+    async def _stream_closed(self, st: Resume, slot: Slot) -> None:
+        slot.release()
+        self._log_moves(st)
+        for r in (st, *st.kids):
+            if r.leg is not None:
+                await r.leg.close()  # a client that left closes the decode stream: decode aborts
+
+
+@dataclass
+class Leg:
+    """One engine (pair) on its way with a request: the decode's response and its prefill leg."""
+
+    d: Worker
+    prefill: Optional[asyncio.Task]
+    resp: httpx.Response
+    chunks: Optional[AsyncIterator[bytes]]
+    first: bytes
+    closed: bool = False
+    span: object = None  # its router.attempt span (tracing on)
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        tracing.end(self.span)
+        self.d.inflight -= 1
+        if self.prefill is not None and not self.prefill.done():
+            self.prefill.cancel()
+        await self.resp.aclose()
+
+
+def _with_id(content: bytes, rid: Optional[str]) -> bytes:
+    """A JSON answer under the client's response id (a re-sent request ran under its own)."""
+    if rid is None:
+        return content
+    try:
+        obj = json.loads(content)
+    except ValueError:
+        return content
+    if isinstance(obj, dict) and "id" in obj and obj["id"] != rid:
+        obj["id"] = rid
+        return json.dumps(obj).encode()
+    return content
