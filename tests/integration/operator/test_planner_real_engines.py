@@ -84,13 +84,16 @@ async def step_seconds(url: str, headers: dict) -> float:
 async def bring_up(cluster, client, kubeconfig, operator_factory, model, tmp, planner):
     await operator_factory([NS])
     await client.create(resource(planner), "dsv4deployments")
-    t0 = time.monotonic()
     fleet = await Fleet(client, NS, NAME, Path(model), tmp).start()
     router, r_url = start_router(kubeconfig, NS, NAME, tmp, fleet.env)  # starts while the engines load
-    await eventually(lambda: fleet.ready_count("prefill") == 1 and fleet.ready_count("decode") == 1, timeout=180)
-    print(f"engines ready after {time.monotonic() - t0:.1f}s")
-    await asyncio.to_thread(router.wait_ready, r_url, 60)
-    await asyncio.to_thread(router.wait_workers_healthy, r_url, 2, 60)
+    try:
+        await eventually(lambda: fleet.ready_count("prefill") == 1 and fleet.ready_count("decode") == 1, timeout=180)
+        await asyncio.to_thread(router.wait_ready, r_url, 60)
+        await asyncio.to_thread(router.wait_workers_healthy, r_url, 2, 60)
+    except BaseException:  # no engine or router left behind
+        router.stop()
+        await fleet.stop()
+        raise
     return fleet, router, r_url
 
 
