@@ -57,6 +57,8 @@ class Fleet:
     pods: dict[str, EnginePodProc] = field(default_factory=dict)
     timeline: list[tuple[float, str, str]] = field(default_factory=list)  # (monotonic, event, pod)
     env: dict[str, str] = field(default_factory=dict)
+    spares: dict[str, int] = field(default_factory=dict)  # role -> engines started ahead (a warm node)
+    _spares: dict[str, list] = field(default_factory=dict)
     _task: Optional[asyncio.Task] = None
     _stops: list[asyncio.Task] = field(default_factory=list)
 
@@ -71,6 +73,8 @@ class Fleet:
                 await asyncio.sleep(0.1)
         data = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
         self.env = {ADMIN_TOKEN_ENV: data["admin-token"], PD_SECRET_ENV: data["pd-secret"]}
+        for role, n in self.spares.items():  # loading beside the first pods: a scale-up gets one at once
+            self._spares[role] = [self._spawn(f"{self.deployment}-{role}-spare{i}", role) for i in range(n)]
         self._task = asyncio.create_task(self._controller())
         return self
 
@@ -79,8 +83,8 @@ class Fleet:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         await asyncio.gather(*self._stops, return_exceptions=True)
-        for p in self.pods.values():
-            await asyncio.to_thread(p.proc.stop)
+        procs = [p.proc for p in self.pods.values()] + [proc for spare in self._spares.values() for _, proc in spare]
+        await asyncio.gather(*(asyncio.to_thread(proc.stop) for proc in procs))
 
     @property
     def admin_headers(self) -> dict[str, str]:
@@ -137,7 +141,7 @@ class Fleet:
                 subresource="status",
             )
 
-    async def _create(self, sts: dict, name: str, role: str) -> None:
+    def _spawn(self, name: str, role: str) -> tuple[int, Proc]:
         port = free_port()
         extra = ["--bootstrap-port", free_port()] if role == "prefill" else []
         proc = Proc(
@@ -157,6 +161,11 @@ class Fleet:
             self.tmp / f"{name}-{time.monotonic_ns()}.log",
             env=self.env,
         )
+        return port, proc
+
+    async def _create(self, sts: dict, name: str, role: str) -> None:
+        spare = self._spares.get(role) or []
+        port, proc = spare.pop(0) if spare else self._spawn(name, role)
         self.pods[name] = EnginePodProc(name, role, port, proc)
         labels = dict(((sts["spec"].get("template") or {}).get("metadata") or {}).get("labels") or {})
         await self.client.create(

@@ -81,10 +81,10 @@ async def step_seconds(url: str, headers: dict) -> float:
     return steps["seconds"] / steps["steps"]
 
 
-async def bring_up(cluster, client, kubeconfig, operator_factory, model, tmp, planner):
+async def bring_up(cluster, client, kubeconfig, operator_factory, model, tmp, planner, spares=None):
     await operator_factory([NS])
     await client.create(resource(planner), "dsv4deployments")
-    fleet = await Fleet(client, NS, NAME, Path(model), tmp).start()
+    fleet = await Fleet(client, NS, NAME, Path(model), tmp, spares=spares or {}).start()
     router, r_url = start_router(kubeconfig, NS, NAME, tmp, fleet.env)  # starts while the engines load
     try:
         await eventually(lambda: fleet.ready_count("prefill") == 1 and fleet.ready_count("decode") == 1, timeout=180)
@@ -124,8 +124,10 @@ async def test_a_load_step_up_and_down_changes_decode_replicas_and_no_request_fa
         "startupSeconds": 5,
         "drainTimeoutSeconds": 30,
     }
+    # a decode engine loads beside the first two (a node with the engine warm): the scale-up's pod
+    # serves once the planner asks for it, which keeps this form short; the slow form starts cold
     fleet, router, r_url = await bring_up(
-        cluster_with_crd, kube_client, kubeconfig, operator_factory, tiny_model, tmp_path, planner
+        cluster_with_crd, kube_client, kubeconfig, operator_factory, tiny_model, tmp_path, planner, {"decode": 1}
     )
     load = Load(r_url, max_tokens=32)
     try:
