@@ -25,6 +25,9 @@ ANNOTATION_REMEDIATION_STATE = "serving.dsv4.dev/remediation-state"
 # "<revision hash>@<generation>": while the resource is at that generation, the operator builds its
 # children from that stored revision's spec instead (a rollback that leaves the spec alone).
 ANNOTATION_PINNED_REVISION = "serving.dsv4.dev/pinned-revision"
+# On an engine pod the operator's planner is draining to remove it (scale-down): the draining label
+# keeps it out of the routers, this says whose drain it is (a restarted operator resumes it).
+ANNOTATION_PLANNER_DRAIN = "serving.dsv4.dev/planner-drain"
 
 ENGINE_CONTAINER = "engine"
 ENGINE_ROLES = ("prefill", "decode")

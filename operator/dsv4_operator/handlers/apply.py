@@ -284,7 +284,7 @@ async def apply_children(
     our writes gave the workloads (see _child_changed)."""
     await ensure_auth_secret(api, spec, owner)
     existing = existing_replicas or {}
-    external = [role for role in ROLES if spec.scaling_of(role) == "external"]
+    external = [role for role in ROLES if spec.replicas_from_workload(role)]
     for role in external:  # before our apply stops carrying replicas, so the count stays
         if role in existing:
             await hand_over_replicas(api, owner, role, existing[role])
