@@ -41,6 +41,7 @@ from dsv4_engine.sampling import request_generator, skip_draw
 from dsv4_engine.scheduler import Scheduler
 from dsv4_engine.sequence import Sequence, SeqStatus
 from dsv4_engine.step_clock import StepClock
+from dsv4_engine.step_tally import StepTally
 from dsv4_engine.request_output import RequestOutput
 from dsv4_engine.step_phases import PHASES
 from dsv4_engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -310,6 +311,7 @@ class Engine:
         self.draining = False
         self.last_iteration = time.monotonic()
         self.step_clock = StepClock()  # how long the step in progress may take before /ready fails
+        self.step_tally = StepTally()  # steps, seconds and sizes by kind: the planner's performance model
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.eos_ids = set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_ids)
@@ -519,6 +521,7 @@ class Engine:
             self._fault_stall(batch)
         if batch:
             self.step_clock.begin(sum(b.num_new for b in batch))
+            forward_started = time.monotonic()
             try:
                 results = (
                     self.spec.step(batch, self.pool) if self.spec is not None else self.runner.step(batch, self.pool)
@@ -529,6 +532,7 @@ class Engine:
                     self.fail_request(b.seq, "engine error", e)
                 results = []
             self.step_clock.end()
+            self.step_tally.record(batch, time.monotonic() - forward_started)
             if self.spec is not None:
                 for b, r in zip(batch, results):
                     self._speculated(b, r)
@@ -740,6 +744,19 @@ class Engine:
         if self.pd is not None:
             self.pd.update_gauges(m)
 
+    def _queued_prompt_tokens(self) -> int:
+        """Tokens not computed yet of requests still in their prefill: waiting ones, and running ones
+        in a chunked prefill (a decoding request has one token pending, its last sampled one)."""
+        waiting = sum(max(0, s.num_tokens - s.num_computed) for s in list(self.scheduler.waiting))
+        # PD prefill: requests waiting for their decode peer's handshake are queued prompts too.
+        booting = getattr(self.pd, "bootstrap", None)
+        if isinstance(booting, dict):
+            waiting += sum(max(0, s.num_tokens - s.num_computed) for s in list(booting.values()))
+        chunked = sum(
+            s.num_tokens - s.num_computed for s in list(self.scheduler.running) if s.num_tokens - s.num_computed > 1
+        )
+        return waiting + chunked
+
     def loads(self) -> dict:
         """Live view for /v1/loads (read from another thread: plain reads of ints are safe)."""
         queues = {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running)}
@@ -778,6 +795,13 @@ class Engine:
             "speculative": self.spec.loads(self.metrics) if self.spec is not None else None,
             "draining": self.draining,
             "seconds_since_last_iteration": round(time.monotonic() - self.last_iteration, 3),
+            # The planner's live load (docs/operations.md, "The planner"): prompt tokens waiting to
+            # be computed, context held by the running batch, and the forward steps so far by kind.
+            "queued_prompt_tokens": self._queued_prompt_tokens(),
+            "max_num_seqs": self.args.max_num_seqs,
+            "max_num_batched_tokens": self.args.max_num_batched_tokens,
+            "running_context_tokens": sum(s.num_tokens for s in list(self.scheduler.running)),
+            "steps": self.step_tally.as_dict(),
             "counters": dict(self.metrics.totals),
             # DSV4_STEP_PHASES=1: wall time per phase of the decode / mixed steps (dsv4_engine.step_phases)
             **({"step_phases": PHASES.summary()} if PHASES.on else {}),

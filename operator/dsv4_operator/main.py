@@ -29,6 +29,7 @@ from dsv4_operator import rollout  # noqa: F401  (the canary daemon)
 from dsv4_operator.handlers import apply, groups, watchdog_daemon  # noqa: F401  (reconciler, group controller, watchdog)
 from dsv4_operator.handlers import children
 from dsv4_operator.handlers.registry import registry
+from dsv4_operator.planner import shell as planner_shell  # noqa: F401  (the planner daemon)
 from dsv4_operator.kube import KubeApi, load_configuration
 from dsv4_operator.leader import LeaderElection, LeaderElector, lease_namespace
 from dsv4_operator.manifests import APP, LABEL_MANAGED_BY, LABEL_NAME, MANAGER

@@ -678,13 +678,20 @@ SCALE_MANAGER = f"{MANAGER}-scale"  # the field manager that hands replicas over
 
 
 def initial_replicas(spec: DSV4DeploymentSpec, role: str) -> int:
-    return spec.router.replicas if role == "router" else spec.role(role).replicas
+    """The count a workload starts with; a planned role's within the planner's bounds."""
+    if role == "router":
+        return spec.router.replicas
+    replicas = spec.role(role).replicas
+    if spec.role(role).scaling == "planner":
+        bounds = getattr(spec.planner_settings(), role)
+        replicas = min(max(replicas, bounds.min_replicas), bounds.max_replicas)
+    return replicas
 
 
 def _replicas(spec: DSV4DeploymentSpec, role: str) -> dict[str, int]:
     """replicas is in the applied config only when the operator owns it: server-side apply then
     never touches what an HPA, KEDA or `kubectl scale` set (see scale_handover)."""
-    if spec.scaling_of(role) == "external":
+    if spec.replicas_from_workload(role):
         return {}
     return {"replicas": initial_replicas(spec, role)}
 

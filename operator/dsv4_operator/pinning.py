@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional
 
 from dsv4_wire import ANNOTATION_PINNED_REVISION, ANNOTATION_REVISIONS
 
-from dsv4_operator.watchdog.revisions import RevisionTracker
+from dsv4_operator.watchdog.revisions import IGNORED_KEYS, RevisionTracker
 
 
 def pin_value(revision_hash: str, generation: int) -> str:
@@ -53,12 +53,13 @@ def pinned_spec(
 def revision_spec(
     tracker: RevisionTracker, revision: str, raw_spec: Optional[Mapping[str, Any]]
 ) -> Optional[dict[str, Any]]:
-    """The stored revision's spec with the current remediation section, or None if the history
-    does not hold it."""
+    """The stored revision's spec with the current remediation and planner sections (the parts
+    revisions leave out), or None if the history does not hold it."""
     for rev in tracker.revisions:
         if rev.hash == revision:
             spec = copy.deepcopy(dict(rev.spec))
-            if raw_spec and "remediation" in raw_spec:
-                spec["remediation"] = copy.deepcopy(raw_spec["remediation"])
+            for key in IGNORED_KEYS:
+                if raw_spec and key in raw_spec:
+                    spec[key] = copy.deepcopy(raw_spec[key])
             return spec
     return None

@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from dsv4_operator.planner.settings import MSG_PLANNER_MIN_MAX, PlannerRoleSpec, PlannerSpec  # noqa: F401  (part of the schema)
+
 GROUP = "serving.dsv4.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -227,10 +229,12 @@ class GroupTopology(_Model):
 
 class RoleSpec(_Model):
     replicas: int = Field(1, ge=0)
-    scaling: Literal["operator", "external"] = Field(
+    scaling: Literal["operator", "external", "planner"] = Field(
         "operator",
         description="operator: replicas is the count, and the operator puts it back if changed. external: an HPA, "
-        "KEDA or `kubectl scale` owns the workload's replicas; replicas is only the count it starts with.",
+        "KEDA or `kubectl scale` owns the workload's replicas; replicas is only the count it starts with. "
+        "planner: the operator's planner sets the count against the TTFT/ITL targets of spec.planner, within its "
+        "minReplicas..maxReplicas; replicas is the count it starts with.",
     )
     gpus_per_pod: int = Field(4, ge=0, description="nvidia.com/gpu per pod (0: no GPU request).")
     nodes_per_replica: int = Field(
@@ -486,6 +490,10 @@ class DSV4DeploymentSpec(_Model):
     remediation: RemediationSpec = _nested(RemediationSpec)
     rollout: RolloutSpec = _nested(RolloutSpec)
     security: SecuritySpec = _nested(SecuritySpec)
+    planner: Optional[PlannerSpec] = Field(
+        None,
+        description="Settings of the roles with `scaling: planner` (defaults when absent); ignored by other roles.",
+    )
 
     def role(self, role: str) -> RoleSpec:
         return {"prefill": self.prefill, "decode": self.decode}[role]
@@ -505,6 +513,18 @@ class DSV4DeploymentSpec(_Model):
     def scaling_of(self, role: str) -> str:
         """How `role` (prefill, decode or router) is scaled: by the operator or from outside."""
         return self.router.scaling if role == "router" else self.role(role).scaling
+
+    def replicas_from_workload(self, role: str) -> bool:
+        """The workload's replicas are not the spec's: an autoscaler (external) or the planner sets them,
+        and the operator's apply leaves the field out."""
+        return self.scaling_of(role) in ("external", "planner")
+
+    def planner_settings(self) -> PlannerSpec:
+        return self.planner if self.planner is not None else PlannerSpec()
+
+    def planned_roles(self) -> list[str]:
+        """The engine roles whose count the planner sets."""
+        return [role for role in ("prefill", "decode") if self.role(role).scaling == "planner"]
 
 
 # ---- The status ----------------------------------------------------------------------------

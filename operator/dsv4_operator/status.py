@@ -130,7 +130,7 @@ def compute_status(
     def wanted(role: str) -> int:
         """The spec's count; for a role scaled from outside, what its workload says now."""
         child = by_role.get(role)
-        if spec is None or (spec.scaling_of(role) == "external" and child is not None):
+        if spec is None or (spec.replicas_from_workload(role) and child is not None):
             return child.spec_replicas if child is not None else 0
         return spec.router.replicas if role == "router" else spec.role(role).replicas
 

@@ -92,6 +92,19 @@ class OperatorMetrics:
             ["namespace", "deployment"],
             registry=self.registry,
         )
+        # The planner (dsv4_operator.planner): what it decided, and the counts it wants.
+        self.planner_decisions = Counter(
+            "dsv4_operator_planner_decisions_total",
+            "Planner decisions that changed something (scale_up, drain, scale_down), by role.",
+            ["role", "action"],
+            registry=self.registry,
+        )
+        self.planner_target = Gauge(
+            "dsv4_operator_planner_target_replicas",
+            "The replica count the planner last decided for a role.",
+            ["namespace", "deployment", "role"],
+            registry=self.registry,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import uuid
 from typing import Optional
 
@@ -24,6 +25,7 @@ from starlette.requests import ClientDisconnect
 from dsv4_router.router_args import RouterArgs
 from dsv4_router.router import Router
 from dsv4_router.body import parse_body, read_limited
+from dsv4_router.fastlane import FastLane
 from dsv4_router.tenancy import KeyLimiter, TenantGate, TenantMetrics
 from dsv4_wire import APIError, Paths, admin_refusal
 from dsv4_wire.api_keys import ApiKeyGate, KeyRing
@@ -52,6 +54,15 @@ def build_app(router: Router) -> FastAPI:
             await router.stop()
 
     app = FastAPI(title="dsv4 router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+
+    async def _internal_error(_: Request, e: Exception):
+        ref = uuid.uuid4().hex[:12]
+        log.exception("router error (reference %s)", ref)
+        return router.error(
+            APIError(f"internal router error (reference {ref}: see the router's log)", 500, "server_error")
+        )
+
+    app.add_middleware(FastLane, handle=router.handle, on_error=_internal_error)  # innermost: see fastlane.py
     app.add_middleware(
         TenantGate,
         limiter=KeyLimiter(router.args.key_limits),
@@ -66,13 +77,7 @@ def build_app(router: Router) -> FastAPI:
         msg = f"Invalid URL ({http.method} {http.url.path})" if e.status_code in (404, 405) else str(e.detail)
         return router.error(APIError(msg, e.status_code, "invalid_request_error"), dict(e.headers or {}))
 
-    @app.exception_handler(Exception)
-    async def _internal_error(_: Request, e: Exception):
-        ref = uuid.uuid4().hex[:12]
-        log.exception("router error (reference %s)", ref)
-        return router.error(
-            APIError(f"internal router error (reference {ref}: see the router's log)", 500, "server_error")
-        )
+    app.exception_handler(Exception)(_internal_error)
 
     def guard(http: Request) -> Optional[JSONResponse]:
         refusal = admin_refusal(http.headers, router.args.admin_token, http.client.host if http.client else None)
@@ -128,7 +133,19 @@ def build_app(router: Router) -> FastAPI:
 
     @app.get(Paths.ADMIN_WORKERS)
     async def list_workers(http: Request):
-        return guard(http) or {"workers": [w.view() for w in router.pool.workers.values()]}
+        now = time.monotonic()
+        return guard(http) or {
+            "workers": [
+                dict(
+                    w.view(),
+                    # what the router knows of its cache: indexed pages per tier, last event age
+                    cache=dict(router.index.view(w.url, now), subscription=router.subscriber.status.get(w.url))
+                    if router.subscriber is not None
+                    else None,
+                )
+                for w in router.pool.workers.values()
+            ]
+        }
 
     @app.post(Paths.ADMIN_WORKERS)
     async def add_worker(http: Request):

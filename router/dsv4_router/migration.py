@@ -96,6 +96,10 @@ class Resume:
     kids: list["Resume"] = field(default_factory=list)  # a split parent's children
     usage_chunk: Optional[dict] = None  # a child's usage chunk, held back for its parent
     failed: bool = False  # the client got this request's one clear error
+    # The fast path (see `_fast`): the bytes every event of the current engine starts with, up
+    # to its choices, once one event showed they need no rewriting (its id and created are ours).
+    head: Optional[bytes] = None
+    prompt_ids: Optional[list] = None  # the prompt's token ids when the router knows them (placement)
 
     @property
     def n(self) -> int:
@@ -182,6 +186,11 @@ class Resume:
         for event in whole.split(b"\n\n"):
             if not event:
                 continue
+            if self.head is not None and event.startswith(self.head):
+                fast = self._fast(event)
+                if fast is not None:
+                    out += fast
+                    continue
             if not event.startswith(b"data: "):
                 out += event + b"\n\n"
                 continue
@@ -206,6 +215,16 @@ class Resume:
             if self.created is None:
                 self.created = obj.get("created")
             top = self.parent or self
+            if (
+                self.head is None
+                and self.parent is None
+                and self.n == 1
+                and obj.get("id") == top.rid
+                and obj.get("created") == self.created
+            ):
+                cut = data.find(b'"choices": [{')
+                if cut > 0 and data.startswith(b'{"id": '):
+                    self.head = b"data: " + data[: cut + len(b'"choices": [')]
             obj["id"] = top.rid
             obj["created"] = self.created
             choices = obj.get("choices")
@@ -248,6 +267,37 @@ class Resume:
                 obj["choices"] = kept
             out += b"data: " + json.dumps(obj, separators=(", ", ": ")).encode() + b"\n\n"
         return bytes(out), None
+
+    # The events of a stream, but for its first and last, are one choice's plain delta: nothing
+    # in them changes on the way to the client except the token ids the router asked for. They
+    # are relayed as bytes: the ids are read and cut out, no JSON is decoded or encoded.
+    _PLAIN = b'{"index": 0, "finish_reason": null, '
+    _IDS = b', "token_ids": ['
+    _ENDS = (b"}]}", b'}], "usage": null}')
+
+    def _fast(self, event: bytes) -> Optional[bytes]:
+        """The client's bytes for a plain delta event of this request's current engine (the
+        same bytes the JSON path gives), or None when the event needs that path."""
+        rest = len(self.head)
+        if not event.startswith(self._PLAIN, rest):
+            return None
+        at = event.rfind(self._IDS, rest)
+        if at < 0:
+            return None
+        close = event.find(b"]", at)
+        if close < 0 or event[close + 1 :] not in self._ENDS:
+            return None
+        raw = event[at + len(self._IDS) : close]
+        try:
+            ids = [int(t) for t in raw.split(b",")] if raw.strip() else []
+        except ValueError:
+            return None
+        if ids:
+            self.tokens.extend(ids)
+            self.choice_tokens.setdefault(0, []).extend(ids)
+        if self.client_wants_ids:
+            return event + b"\n\n"
+        return event[:at] + event[close + 1 :] + b"\n\n"
 
 
 def allowed_resends(limit: int, started: bool) -> int:

@@ -36,13 +36,16 @@ from dsv4_router.workers import Health, RouterMetrics, Worker, WorkerPool
 from dsv4_router.admission import Admission, Overloaded, Slot
 from dsv4_router.affinity import ConversationKeys
 from dsv4_router.body import parse_body, read_limited
+from dsv4_router.cache_index import CacheIndex
+from dsv4_router.cache_placement import CachePlacement, Tokenize, prompt_ids
+from dsv4_router.cache_subscriber import CacheSubscriber
 from dsv4_router.migration import BROKEN, REFUSED, TRUNCATED, UNREACHABLE, Resume, allowed_resends
 from dsv4_router.relay import RelayResponse, error_events, first_event_error, split_events, sse
 from dsv4_router.tenancy import apply_cache_salt
 from dsv4_router.upstream import CONNECTION_FAILURES, Upstreams
 from dsv4_wire import tracing
 from dsv4_wire.tracing import TRACE_HEADERS, Tracing
-from dsv4_wire import APIError, admin_refusal
+from dsv4_wire import APIError, admin_refusal, authorization_header
 from dsv4_wire.request_fields import ROUTER_ONLY_FIELDS
 
 # A request carrying this header (and the admin token) goes to the decode/mono worker it names,
@@ -81,6 +84,12 @@ class Router:
         self.tracing = Tracing(args.otlp_traces_endpoint, "dsv4-router")
         self._tasks: list[asyncio.Task] = []
         self.health = Health(args.health_interval, self.pool, self.metrics)
+        # what each engine holds (its KV cache events) and placement by it; `tokenize` (set by
+        # the CLI from the engine's own code) would let it score text and chat prompts too
+        self.index = CacheIndex()
+        self.placement = CachePlacement(self.index)
+        self.subscriber: Optional[CacheSubscriber] = None
+        self.tokenize: Optional[Tokenize] = None
 
     async def start(self) -> None:
         self.up = Upstreams(
@@ -90,6 +99,11 @@ class Router:
             self.args.pd_secret or self.args.engine_api_key,
         )
         self.health.control = self.up.control
+        if self.args.cache_events:
+            secret = self.args.pd_secret or self.args.engine_api_key
+            self.subscriber = CacheSubscriber(self.index, headers=authorization_header(secret))
+            self.subscriber.start()
+            self._tasks.append(asyncio.create_task(self._follow_loop()))
         await self.health.check_all()
         self._tasks.append(asyncio.create_task(self.health.loop()))
         if self.args.discover_namespace:
@@ -102,7 +116,18 @@ class Router:
             t.cancel()
         if self.up:
             await self.up.aclose()
+        if self.subscriber is not None:
+            await self.subscriber.aclose()
         self.tracing.shutdown()
+
+    async def _follow_loop(self) -> None:
+        """Follow every worker's cache events (cache_subscriber.py); forget removed workers."""
+        while True:
+            for url in set(self.subscriber.following()) - set(self.pool.workers):
+                self.subscriber.drop(url)
+            for url in self.pool.workers:
+                self.subscriber.follow(url)
+            await asyncio.sleep(min(self.args.health_interval, 1.0))
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -114,26 +139,39 @@ class Router:
             raise APIError(f"the pinned worker {w.url} is not ready: {w.reason}", 503, "service_unavailable")
         return w
 
+    def _placer(self, st: Optional[Resume], key: Optional[str]):
+        """Placement by what each engine holds, for this request (None: its tokens are unknown)."""
+        ids = getattr(st, "prompt_ids", None)
+        if not ids:
+            return None
+        body = st.body
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        session = body.get("prompt_cache_key") if isinstance(body.get("prompt_cache_key"), str) else None
+        return lambda ready: self.placement.pick(ready, ids, salt, session or key or "", session or key)
+
     def _pair(
-        self, exclude: set[str], key: Optional[str] = None, pin: Optional[str] = None
+        self, exclude: set[str], key: Optional[str] = None, pin: Optional[str] = None, st: Optional[Resume] = None
     ) -> tuple[Optional[Worker], Worker]:
         """key: the request's prefix-affinity key; it steers the engine that prefills (prefill or
         mono: the one whose prefix cache it hopes to hit), never decode (it receives every page).
         pin: the decode or mono worker this request must reach (a canary probe's)."""
+        placed = self._placer(st, key)
         if pin is not None:
             w = self._pinned(pin)
             if w.role == "mono":
                 return None, w
-            p = self.pool.pick("prefill", exclude, key)
+            p = self.pool.pick("prefill", exclude, key, placed=placed)
             if p is None or p.bootstrap_port is None:
                 raise APIError("no healthy prefill is available", 503, "service_unavailable")
             return p, w
         if any(w.role == "prefill" for w in self.pool.workers.values()):
-            p, d = self.pool.pick("prefill", exclude, key), self.pool.pick("decode", exclude)
+            # decode too goes where the conversation is held, when decode engines publish events
+            p = self.pool.pick("prefill", exclude, key, placed=placed)
+            d = self.pool.pick("decode", exclude, placed=placed)
             if p is None or d is None or p.bootstrap_port is None:
                 raise APIError("no healthy prefill/decode pair is available", 503, "service_unavailable")
             return p, d
-        m = self.pool.pick("mono", exclude, key)
+        m = self.pool.pick("mono", exclude, key, placed=placed)
         if m is None:
             raise APIError("no healthy engine is available", 503, "service_unavailable")
         return None, m
@@ -219,6 +257,7 @@ class Router:
             attributes={"dsv4.rid": rid, "http.route": path, "dsv4.stream": st.stream},
         )
         key = self.keys.key(path, body)
+        st.prompt_ids = prompt_ids(path, body, self.tokenize) if self.subscriber is not None else None
         handed_off = False
         try:
             placed = await self._place(path, st, key)
@@ -271,7 +310,7 @@ class Router:
                     ) or budget <= 0:
                         return self._gave_up(st, last, budget <= 0)
                 try:
-                    p, d = self._pair(tried, key, st.pin)
+                    p, d = self._pair(tried, key, st.pin, st)
                 except APIError as e:
                     if reason is None:
                         return self.error(e, {"Retry-After": "2"})
@@ -303,11 +342,14 @@ class Router:
                     },
                 )
                 opening = self._open(path, body, p, d, span, st.trace_in)
+                load = _Load(len(getattr(st, "prompt_ids", None) or ()), p, d)
                 try:
                     result = await (opening if reason is None else asyncio.wait_for(opening, max(budget, 0.01)))
                 except BaseException as e:
+                    load.release()
                     tracing.end(span, error=type(e).__name__)
                     raise
+                load.hand_to(result)
                 if not isinstance(result, Retry):
                     if not isinstance(result, Leg):
                         tracing.end(span, error=f"answered {result.status_code}")
@@ -405,11 +447,8 @@ class Router:
     ) -> "tuple[httpx.Response, AsyncIterator[bytes], bytes] | Response | Retry":
         """Send to decode and read up to its first event: (response, its byte stream, first
         bytes) when it is on its way, else the final answer or a Retry."""
-        client = self.up.decode
         try:
-            resp = await client.send(
-                client.build_request("POST", f"{d.url}{path}", json=body, headers=headers), stream=True
-            )
+            resp = await self.up.open_stream(f"{d.url}{path}", body, headers)
         except httpx.HTTPError as e:
             self.health.connection_failed(d, e)
             return Retry(502, b"", UNREACHABLE if isinstance(e, CONNECTION_FAILURES) else BROKEN)
@@ -586,6 +625,7 @@ class Leg:
     first: bytes
     closed: bool = False
     span: object = None  # its router.attempt span (tracing on)
+    tokens: int = 0  # counted in d.load_tokens while the stream runs
 
     async def close(self) -> None:
         if self.closed:
@@ -593,9 +633,41 @@ class Leg:
         self.closed = True
         tracing.end(self.span)
         self.d.inflight -= 1
+        self.d.load_tokens -= self.tokens
+        self.tokens = 0
         if self.prefill is not None and not self.prefill.done():
             self.prefill.cancel()
         await self.resp.aclose()
+
+
+class _Load:
+    """A request's prompt tokens counted in its workers' `load_tokens` from the moment it is
+    sent: on prefill until its leg ends, on decode (or mono) until the stream ends."""
+
+    def __init__(self, n: int, p: Optional[Worker], d: Worker):
+        self.n, self.p, self.d = n, p, d
+        for w in (p, d):
+            if w is not None:
+                w.load_tokens += n
+
+    def release(self) -> None:
+        for w in (self.p, self.d):
+            if w is not None:
+                w.load_tokens -= self.n
+        self.n = 0
+
+    def hand_to(self, result) -> None:
+        """The attempt's outcome: a Leg carries the decode's share; the prefill's ends with its leg."""
+        if not isinstance(result, Leg) or not self.n:
+            return self.release()
+        result.tokens = self.n
+        p, n = self.p, self.n
+        if p is not None:
+            if result.prefill is None or result.prefill.done():
+                p.load_tokens -= n
+            else:
+                result.prefill.add_done_callback(lambda _: setattr(p, "load_tokens", p.load_tokens - n))
+        self.n = 0
 
 
 def _with_id(content: bytes, rid: Optional[str]) -> bytes:

@@ -15,9 +15,11 @@ pool had. Health checks never wait behind either.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import httpx
 
+from dsv4_router.stream_client import StreamClient
 from dsv4_wire import authorization_header
 
 SLACK = 8  # connections being closed (cancelled attempts) while their replacement opens
@@ -59,13 +61,25 @@ class Upstreams:
             )
 
         self.prefill = data_client()
-        self.decode = data_client()
+        self.decode = data_client()  # https engines; plain http ones stream through `stream`
+        # the relayed streams (every token passes here): the client built for it (stream_client.py)
+        self.stream = StreamClient(
+            headers, plan.data_connections, read_timeout=request_timeout, connect_timeout=5.0, pool_timeout=10.0
+        )
         self.control = httpx.AsyncClient(
             headers=headers,
             limits=httpx.Limits(max_connections=plan.control_connections, max_keepalive_connections=16),
             timeout=httpx.Timeout(health_timeout, pool=health_timeout),
         )
 
+    async def open_stream(self, url: str, body: dict, headers: Optional[dict] = None):
+        """POST to a decode (or mono) engine, the answer open for streaming: a StreamResponse, or
+        an httpx.Response for an https engine. Raises httpx's errors either way."""
+        if url.startswith("http://"):
+            return await self.stream.post(url, body, headers)
+        return await self.decode.send(self.decode.build_request("POST", url, json=body, headers=headers), stream=True)
+
     async def aclose(self) -> None:
         for c in (self.prefill, self.decode, self.control):
             await c.aclose()
+        await self.stream.aclose()

@@ -42,6 +42,7 @@ class Worker:
     # `canary_percent` percent of its role's live requests (the rollout's trafficPercent).
     canary: bool = False
     canary_percent: float = 0.0
+    load_tokens: int = 0  # prompt tokens of this router's requests in flight here (cache placement's load)
 
     @property
     def host(self) -> str:
@@ -58,6 +59,7 @@ class Worker:
             "source": self.source,
             "canary": self.canary,
             "canary_percent": self.canary_percent,
+            "load_tokens": self.load_tokens,
         }
 
 
@@ -126,7 +128,12 @@ class WorkerPool:
         return self.workers.pop(url.rstrip("/"), None) is not None
 
     def pick(
-        self, role: str, exclude: set[str] = frozenset(), key: Optional[str] = None, draw: Optional[float] = None
+        self,
+        role: str,
+        exclude: set[str] = frozenset(),
+        key: Optional[str] = None,
+        draw: Optional[float] = None,
+        placed=None,
     ) -> Optional[Worker]:
         """The least busy ready worker of a role; with a key (prefix affinity, see affinity.py),
         the one the key prefers unless it is much busier than the least busy. A ready canary
@@ -150,6 +157,10 @@ class WorkerPool:
             ready = [w for w in self.workers.values() if w.role == role and w.healthy and not w.canary]
         if not ready:
             return None
+        if placed is not None:  # by what each engine holds (cache_placement.py), when it is known
+            w = placed(ready)
+            if w is not None:
+                return w
         if key is not None:
             url = choose(key, {w.url: w.inflight for w in ready})
             return next(w for w in ready if w.url == url)

@@ -19,6 +19,7 @@ from dsv4_wire.errors import APIError
 from dsv4_wire.flags import EngineFlags
 from dsv4_wire.k8s import (
     ANNOTATION_PINNED_REVISION,
+    ANNOTATION_PLANNER_DRAIN,
     ANNOTATION_REMEDIATION_STATE,
     ANNOTATION_REVISION,
     ANNOTATION_REVISIONS,
@@ -55,6 +56,7 @@ __all__ = [
     "APIError",
     "EngineFlags",
     "ANNOTATION_PINNED_REVISION",
+    "ANNOTATION_PLANNER_DRAIN",
     "ANNOTATION_REMEDIATION_STATE",
     "ANNOTATION_REVISION",
     "ANNOTATION_REVISIONS",

@@ -37,6 +37,9 @@ ANNOTATION_PINNED_REVISION = "serving.dsv4.dev/pinned-revision"
 # workers, as JSON; the operator makes each group's worker StatefulSet from its leader pod's copy,
 # so a group's workers always run the leader's revision.
 ANNOTATION_WORKER_TEMPLATE = "serving.dsv4.dev/worker-template"
+# On an engine pod the operator's planner is draining to remove it (scale-down): the draining label
+# keeps it out of the routers, this says whose drain it is (a restarted operator resumes it).
+ANNOTATION_PLANNER_DRAIN = "serving.dsv4.dev/planner-drain"
 
 ENGINE_CONTAINER = "engine"
 ENGINE_ROLES = ("prefill", "decode")

@@ -12,6 +12,8 @@ class Paths:
     METRICS = "/metrics"
     LOADS = "/v1/loads"
     SERVER_INFO = "/server_info"
+    # KV cache events (dsv4_wire.kv_events): newline-delimited JSON, snapshot first
+    KV_EVENTS = "/v1/kv_events"
     # admin (behind the admin token when one is set)
     ADMIN_DRAIN = "/admin/drain"
     ADMIN_ABORT = "/admin/abort"

@@ -69,6 +69,17 @@ ROUTER_OPTIONS: tuple[Option, ...] = (
         min=0.1,
     ),
     _O(
+        "cache_events",
+        bool,
+        True,
+        "Do not follow the engines' KV cache events: place requests by prefix affinity on the "
+        "conversation's start, as before (by default the router follows every engine's "
+        "/v1/kv_events and sends each request where its prompt costs least: what the engine "
+        "holds of it against its load).",
+        scope="router",
+        flag="--no-cache-events",
+    ),
+    _O(
         "otlp_traces_endpoint",
         str,
         None,

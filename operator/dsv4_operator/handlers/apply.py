@@ -291,7 +291,7 @@ async def apply_children(
     lws = await lws_served(api)  # multi-node roles: LeaderWorkerSets where the cluster has them
     await remove_replaced(api, spec, owner, lws)  # a workload of the other form must go first
     existing = existing_replicas or {}
-    external = [role for role in ROLES if spec.scaling_of(role) == "external"]
+    external = [role for role in ROLES if spec.replicas_from_workload(role)]
     for role in external:  # before our apply stops carrying replicas, so the count stays
         if role in existing:
             await hand_over_replicas(api, owner, role, existing[role], workload_kind(spec, role, lws))

@@ -309,7 +309,7 @@ async def _reapply_child(
     _remember_generation(generations, after)
     metrics.applied.labels(kind).inc()
     role = (wanted[0]["metadata"].get("labels") or {}).get(LABEL_ROLE, "")
-    if seen_version is None and kind in ("StatefulSet", "Deployment") and spec.scaling_of(role) == "external":
+    if seen_version is None and kind in ("StatefulSet", "Deployment") and spec.replicas_from_workload(role):
         # made anew: its starting count
         await hand_over_replicas(api, owner, role, initial_replicas(spec, role), workload_kind(spec, role, lws))
     if seen_version == "":

@@ -14,7 +14,8 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, Sequence
 
-IGNORED_KEYS = ("remediation",)
+# Not the serving part: the watchdog's and the planner's own settings (an edit there is no new revision).
+IGNORED_KEYS = ("remediation", "planner")
 ROLLBACK_OFF, ROLLBACK_SUGGEST, ROLLBACK_AUTO = "off", "suggest", "auto"
 
 

@@ -33,6 +33,11 @@ OPTIONS = {
         },
         "prefill": {"scaling": "external"},
     },
+    "planner-scaling": {
+        "prefill": {"scaling": "planner"},
+        "decode": {"scaling": "planner", "replicas": 3},
+        "planner": {"decode": {"minReplicas": 2, "maxReplicas": 6}, "burstFactor": 2},
+    },
     "network-policy": {
         "security": {
             "networkPolicy": {

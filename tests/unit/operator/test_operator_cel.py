@@ -86,6 +86,13 @@ REFUSED: dict[str, tuple[dict, str]] = {
     ),
     "toleration_seconds_no_effect": (tol(key="k", operator="Exists", tolerationSeconds=30), "NoExecute"),
     "canary_traffic_percent": (with_spec(rollout={"canary": {"trafficPercent": 51}}), "50"),
+    "planner_min_above_max": (
+        with_spec(decode={"scaling": "planner"}, planner={"decode": {"minReplicas": 5, "maxReplicas": 2}}),
+        "minReplicas must not exceed maxReplicas",
+    ),
+    "planner_default_max_below_min": (with_spec(planner={"prefill": {"minReplicas": 9}}), "minReplicas"),
+    "planner_scaling_unknown": (with_spec(prefill={"scaling": "hpa"}), "planner"),
+    "planner_utilization_zero": (with_spec(planner={"targetUtilization": 0}), "minimum"),
 }
 
 ACCEPTED: dict[str, dict] = {
@@ -102,6 +109,16 @@ ACCEPTED: dict[str, dict] = {
     "toleration_seconds_no_execute": tol(key="k", operator="Exists", effect="NoExecute", tolerationSeconds=30),
     "selector_prefixed": with_spec(
         decode={"nodeSelector": {"node.kubernetes.io/instance-type": "p5.48xlarge", "empty": ""}}
+    ),
+    "planner_defaults": with_spec(prefill={"scaling": "planner"}, decode={"scaling": "planner"}),
+    "planner_settings": with_spec(
+        decode={"scaling": "planner", "replicas": 2},
+        planner={
+            "ttftTargetSeconds": 1.5,
+            "itlTargetSeconds": 0.04,
+            "decode": {"minReplicas": 2, "maxReplicas": 2},
+            "burstFactor": 3,
+        },
     ),
 }
 

@@ -190,8 +190,27 @@ def test_spec_requires_model_and_engine_and_the_issue_fields_exist() -> None:
         "remediation",
         "rollout",
         "security",
+        "planner",
     }
     assert props["engine"]["properties"]["kind"]["enum"] == ["builtin", "sglang"]
+    # scaling: planner (issue 48), beside operator and external; the router has no planner.
+    assert props["prefill"]["properties"]["scaling"]["enum"] == ["operator", "external", "planner"]
+    assert props["router"]["properties"]["scaling"]["enum"] == ["operator", "external"]
+    assert "default" not in props["planner"]  # absent stays absent: older objects keep their revision
+    assert set(props["planner"]["properties"]) == {
+        "intervalSeconds",
+        "ttftTargetSeconds",
+        "itlTargetSeconds",
+        "prefill",
+        "decode",
+        "targetUtilization",
+        "hysteresis",
+        "scaleDownCooldownSeconds",
+        "startupSeconds",
+        "drainTimeoutSeconds",
+        "burstFactor",
+        "dryRun",
+    }
     role = props["prefill"]["properties"]
     assert {"replicas", "gpusPerPod", "resources", "nodeSelector", "tolerations", "affinity", "env", "args"} <= set(
         role

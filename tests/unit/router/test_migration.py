@@ -216,3 +216,76 @@ def test_several_prompts_count_every_choice_but_are_not_split():
     assert not st.finished  # two of four choices ended: a break now is not the end
     assert Resume("r", {"prompt": [1, 2], "n": 2}, stream=True).splittable
     assert Resume("r", {"prompt": ["one text"], "n": 3}, stream=True).n == 3
+
+
+def engine_event(rid, created, delta, ids, finish=None, usage=False, logprobs=None) -> bytes:
+    """An event as dsv4's engine writes it (json.dumps' default separators, token_ids last)."""
+    c = {"index": 0, "finish_reason": finish, "logprobs": logprobs, "delta": delta, "token_ids": ids}
+    obj = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": "m", "choices": [c]}
+    if usage:
+        obj["usage"] = None
+    return ev(obj)
+
+
+@pytest.mark.parametrize("wants_ids", [False, True])
+@pytest.mark.parametrize("usage", [False, True])
+def test_plain_deltas_are_relayed_as_bytes_identical_to_the_json_path(wants_ids, usage):
+    stream = [
+        ev(
+            {
+                "id": "r",
+                "object": "chat.completion.chunk",
+                "created": 7,
+                "model": "m",
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+            }
+        ),
+        engine_event("r", 7, {"content": "He"}, [5], usage=usage),
+        engine_event("r", 7, {"content": 'say "token_ids": [1] \u00e9\\n'}, [6, 7], usage=usage),
+        engine_event("r", 7, {"reasoning_content": "hm"}, [], usage=usage),
+        engine_event("r", 7, {"content": "x"}, [8], logprobs={"content": [{"token": "x", "logprob": -0.5}]}),
+        engine_event("r", 7, {"content": "!"}, [9], finish="stop", usage=usage),
+        ev(b"[DONE]"),
+    ]
+    fast = Resume("r", {}, stream=True, client_wants_ids=wants_ids)
+    slow = Resume("r", {}, stream=True, client_wants_ids=wants_ids)
+    outs = []
+    for e in stream:
+        outs.append(fast.filter(e))
+        slow.head = None  # never the bytes path
+        assert slow.filter(e) == outs[-1]
+    assert fast.head is not None and fast.tokens == slow.tokens == [5, 6, 7, 8, 9]
+    assert outs[-1][1] == "done" and fast.finished
+
+
+def test_events_between_the_first_and_the_last_decode_no_json(monkeypatch):
+    st = Resume("r", {}, stream=True)
+    st.filter(engine_event("r", 7, {"content": "a"}, [1]))
+
+    def no_json(*a, **k):
+        raise AssertionError("the JSON path was taken")
+
+    more = b"".join(engine_event("r", 7, {"content": c}, [i]) for i, c in enumerate("bcd", 2))
+    monkeypatch.setattr(json, "loads", no_json)
+    monkeypatch.setattr(json, "dumps", no_json)
+    out, what = st.filter(more)
+    monkeypatch.undo()
+    assert (
+        what is None
+        and st.tokens == [1, 2, 3, 4]
+        and [e["choices"][0]["delta"]["content"] for e in events(out)]
+        == [
+            "b",
+            "c",
+            "d",
+        ]
+    )
+
+
+def test_the_bytes_path_leaves_a_moved_request_to_the_json_path():
+    st = Resume("r", {}, stream=True)
+    st.filter(engine_event("r", 7, {"content": "a"}, [1]))
+    assert st.head is not None
+    st.attempts = 2  # the next engine answers under its own id and time: rewritten to the client's
+    out, _ = st.filter(engine_event("r-m1", 9, {"content": "b"}, [2]))
+    assert events(out)[0]["id"] == "r" and events(out)[0]["created"] == 7 and st.tokens == [1, 2]

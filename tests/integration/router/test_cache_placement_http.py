@@ -1,0 +1,137 @@
+"""Placement by what each engine holds, end to end through a real router process: scripted mono
+engines publish their caches on /v1/kv_events (the contract's own message builders) and answer
+completions with their name. A prompt goes where its pages are; when that engine's stream says
+the pages are gone (a restart: a new instance, empty), the claim is no longer used; the admin
+view shows what the router indexed. The engines' side of the events is the KV-continuity work's;
+these scripted ones stand in for it here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from bench.harness.commands import Proc, free_port
+from dsv4_wire import kv_events as wire
+
+TOKENS = list(range(1000, 1000 + 16 * 8))  # 8 pages of 16
+HELD = [h.hex() for h in wire.page_hashes(TOKENS, 16)]
+
+
+class Engine:
+    def __init__(self, name: str, held: list[str]):
+        self.name, self.instance, self.held = name, f"{name}-1", list(held)
+        self.port = free_port()
+        self.served = 0
+        self.restarted = threading.Event()
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/ready")
+        async def ready():
+            return {"ready": True}
+
+        @app.get("/v1/kv_events")
+        async def events():
+            async def stream():
+                yield wire.encode(
+                    wire.snapshot_message(
+                        self.instance,
+                        0,
+                        {"device": self.held},
+                        model="m",
+                        role="mono",
+                        page_size=16,
+                        boundary_tokens=16,
+                    )
+                )
+                while not self.restarted.is_set():
+                    await asyncio.sleep(0.1)
+                    yield wire.encode(wire.heartbeat_message(self.instance, 0))
+                # the process restarted: the stream ends; the next subscription meets the new one
+                self.instance, self.held = f"{self.name}-2", []
+
+            return StreamingResponse(stream(), media_type=wire.CONTENT_TYPE)
+
+        @app.post("/v1/completions")
+        async def completions(http: Request):
+            body = await http.json()
+            self.served += 1
+            return {
+                "id": body.get("rid", "x"),
+                "object": "text_completion",
+                "model": "m",
+                "choices": [{"index": 0, "text": self.name, "finish_reason": "length", "logprobs": None}],
+                "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1, "total_tokens": 1},
+            }
+
+        return app
+
+
+def serve(app: FastAPI, port: int) -> uvicorn.Server:
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return server
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    engines = [Engine("a", []), Engine("b", HELD), Engine("c", HELD[:2])]
+    servers = [serve(e.app(), e.port) for e in engines]
+    r_port = free_port()
+    args = ["router", "--port", r_port, "--health-interval", "0.5"]
+    for e in engines:
+        args += ["--mono", f"http://127.0.0.1:{e.port}"]
+    router = Proc(args, tmp_path_factory.mktemp("cache") / "router.log")
+    try:
+        url = f"http://127.0.0.1:{r_port}"
+        router.wait_ready(url)
+        deadline = time.monotonic() + 20
+        while True:  # every engine followed
+            ws = httpx.get(f"{url}/admin/workers").json()["workers"]
+            if all(w["cache"] and w["cache"].get("fresh") for w in ws):
+                break
+            assert time.monotonic() < deadline, ws
+            time.sleep(0.1)
+        yield url, engines
+    finally:
+        router.stop()
+        for s in servers:
+            s.should_exit = True
+
+
+def test_a_prompt_goes_where_its_pages_are_and_a_lost_claim_is_not_used(fleet):
+    url, (a, b, c) = fleet
+    answers = [
+        httpx.post(f"{url}/v1/completions", json={"prompt": TOKENS + [7, 8], "max_tokens": 1}, timeout=30).json()
+        for _ in range(6)
+    ]
+    assert [r["choices"][0]["text"] for r in answers] == ["b"] * 6
+    view = {w["url"]: w["cache"] for w in httpx.get(f"{url}/admin/workers").json()["workers"]}
+    assert view[f"http://127.0.0.1:{b.port}"]["pages"]["device"] == 8
+    assert view[f"http://127.0.0.1:{c.port}"]["pages"]["device"] == 2
+    assert all(v["last_event_age_s"] < 5 for v in view.values())
+    # b restarts: its stream ends, the new instance holds nothing; c's two pages now win
+    b.restarted.set()
+    deadline = time.monotonic() + 20
+    while True:
+        v = {w["url"]: w["cache"] for w in httpx.get(f"{url}/admin/workers").json()["workers"]}
+        bv = v[f"http://127.0.0.1:{b.port}"]
+        if bv.get("instance") == "b-2" and bv.get("fresh"):
+            break
+        assert time.monotonic() < deadline, bv
+        time.sleep(0.1)
+    got = httpx.post(f"{url}/v1/completions", json={"prompt": TOKENS + [9], "max_tokens": 1}, timeout=30).json()
+    assert got["choices"][0]["text"] == "c", json.dumps(got)
