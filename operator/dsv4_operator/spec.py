@@ -1,4 +1,4 @@
-"""The DSV4Deployment resource in code: pydantic models of its spec and status.
+"""The DSV4Deployment resource in code: pydantic models of its spec (its status: `status_model`).
 
 This is the in-code twin of the CustomResourceDefinition: `dsv4_operator.crd` generates the
 CRD's openAPIV3Schema from these models, so a field, default, enum or minimum lives here once.
@@ -211,6 +211,19 @@ class EngineSpec(_Model):
     env: list[EnvVar] = Field([], max_length=MAX_LIST_ITEMS)  # bounded: the API server budgets CEL cost
 
 
+NODES_PER_REPLICA_DOC = (
+    "Hosts (pods) one engine of this role spans. Above 1 a replica is a gang of pods, one engine with --tp-size "
+    "gpusPerPod x nodesPerReplica (`dsv4 serve --nnodes`; node 0's rendezvous on port 29500 and 29501): a "
+    "LeaderWorkerSet where its API is served, else a leader StatefulSet and a worker StatefulSet per group made "
+    "by the operator. A group starts, serves and restarts as one; the role's PodDisruptionBudget counts whole "
+    "groups. See docs/multi-node.md."
+)
+GROUP_TOPOLOGY_DOC = (
+    "nodesPerReplica > 1: keep each group's pods in one domain of this node label (pod affinity to the group's "
+    "leader; a LeaderWorkerSet's exclusive-topology when required)."
+)
+
+
 class GroupTopology(_Model):
     """Where a multi-node replica's pods go (nodesPerReplica > 1): into one domain of this node label."""
 
@@ -237,21 +250,9 @@ class RoleSpec(_Model):
         "minReplicas..maxReplicas; replicas is the count it starts with.",
     )
     gpus_per_pod: int = Field(4, ge=0, description="nvidia.com/gpu per pod (0: no GPU request).")
-    nodes_per_replica: int = Field(
-        1,
-        ge=1,
-        le=64,
-        description="Hosts (pods) one engine of this role spans. Above 1 a replica is a gang of pods, one engine "
-        "with --tp-size gpusPerPod x nodesPerReplica (`dsv4 serve --nnodes`; node 0's rendezvous on port 29500 "
-        "and 29501): a LeaderWorkerSet where its API is served, else a leader StatefulSet and a worker "
-        "StatefulSet per group made by the operator. A group starts, serves and restarts as one; the role's "
-        "PodDisruptionBudget counts whole groups. See docs/multi-node.md.",
-    )
+    nodes_per_replica: int = Field(1, ge=1, le=64, description=NODES_PER_REPLICA_DOC)
     group_topology: GroupTopology = Field(
-        default_factory=GroupTopology,
-        json_schema_extra={"default": {}},
-        description="nodesPerReplica > 1: keep each group's pods in one domain of this node label (pod affinity "
-        "to the group's leader; a LeaderWorkerSet's exclusive-topology when required).",
+        default_factory=GroupTopology, json_schema_extra={"default": {}}, description=GROUP_TOPOLOGY_DOC
     )
     resources: Resources = _nested(Resources)
     node_selector: dict[QualifiedName, LabelValue] = Field(
@@ -525,82 +526,6 @@ class DSV4DeploymentSpec(_Model):
     def planned_roles(self) -> list[str]:
         """The engine roles whose count the planner sets."""
         return [role for role in ("prefill", "decode") if self.role(role).scaling == "planner"]
-
-
-# ---- The status ----------------------------------------------------------------------------
-
-ConditionType = Literal["Available", "Progressing", "Degraded", "Wedged"]
-CONDITION_TYPES: tuple[str, ...] = ("Available", "Progressing", "Degraded", "Wedged")
-
-
-class Condition(_Model):
-    type: ConditionType
-    status: Literal["True", "False", "Unknown"]
-    reason: str = ""
-    message: str = ""
-    last_transition_time: Optional[str] = None
-    observed_generation: Optional[int] = None
-
-
-class RoleStatus(_Model):
-    replicas: int = 0
-    ready_replicas: int = 0
-    updated_replicas: int = 0
-    ready: str = Field("0/0", description="ready/desired, as kubectl shows it.")
-
-
-class RemediationRecord(_OpenModel):
-    time: Optional[str] = None
-    pod: Optional[str] = None
-    role: Optional[str] = None
-    action: Optional[str] = None
-    reason: Optional[str] = None
-    dry_run: Optional[bool] = None
-
-
-class GroupPodStatus(_Model):
-    name: str
-    node: int = Field(0, description="Its node rank in the group (0: the leader, the engine's endpoint).")
-    ready: bool = False
-
-
-class GroupStatus(_Model):
-    """One multi-node engine (a role with nodesPerReplica > 1) and its pods."""
-
-    name: str = Field(description="The group's name: its leader pod's.")
-    role: str
-    ready: bool = Field(False, description="Every pod of the group is ready (the engine serves).")
-    nodes: str = Field("0/0", description="ready/size, as kubectl shows it.")
-    pods: list[GroupPodStatus] = []
-
-
-class DSV4DeploymentStatus(_Model):
-    observed_generation: Optional[int] = None
-    conditions: list[Condition] = Field(
-        [],
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-    )
-    prefill: Optional[RoleStatus] = None
-    decode: Optional[RoleStatus] = None
-    router: Optional[RoleStatus] = None
-    revision: Optional[str] = Field(None, description="Hash of the spec last applied.")
-    stable_revision: Optional[str] = Field(None, description="Last revision that ran without wedges.")
-    pinned_revision: Optional[str] = Field(
-        None, description="The revision the children run instead of the spec (a rollback pin), while it applies."
-    )
-    wedged_pods: Optional[int] = Field(None, ge=0)
-    groups: Optional[list[GroupStatus]] = Field(
-        None,
-        description="Multi-node engines (nodesPerReplica > 1): each group and its pods, as the watchdog last saw them.",
-    )
-    last_remediation: Optional[RemediationRecord] = None
-    remediations_total: Optional[int] = Field(None, ge=0)
-    canary: Optional[dict[str, Any]] = Field(
-        None,
-        description="The last canary: revision, role, pod, phase (Probing, Passed, Failed), the stable "
-        "revision, the probe's figures and the evidence ConfigMap.",
-        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
-    )
 
 
 def parse_spec(raw: Any) -> DSV4DeploymentSpec:

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
 from dsv4_operator.manifests import HOLD_PARTITION, LABEL_ROLE
-from dsv4_operator.spec import CONDITION_TYPES, DSV4DeploymentSpec
+from dsv4_operator.spec import DSV4DeploymentSpec
+from dsv4_operator.status_model import CONDITION_TYPES
 from dsv4_operator.watchdog.policy import STATE_ANNOTATION, PolicyState
 
 ROLES = ("prefill", "decode", "router")
