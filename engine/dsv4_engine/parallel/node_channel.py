@@ -99,9 +99,12 @@ class _Line:
             return False
 
     def recv(self) -> Optional[dict]:
-        """The next message, or None when the connection closed (or broke)."""
+        """The next message, None when the connection closed (or broke), {"silent": True} when the
+        socket's timeout passed without a byte (the peer beats every BEAT_S: it is frozen or cut off)."""
         try:
             line = self.reader.readline()
+        except TimeoutError:
+            return {"silent": True}
         except OSError:
             return None
         if not line:
@@ -228,9 +231,9 @@ class NodeServer:
         peer = str(addr[0]) if isinstance(addr, tuple) else str(addr)
         challenge = secrets.token_hex(16)
         line.send({"challenge": challenge})
+        # Reads and writes time out: a node that stops beating (or reading) must not hold a thread.
         conn.settimeout(self.timeout_s)
         hello = line.recv()
-        conn.settimeout(None)
         if not hello or not isinstance(hello.get("hello"), dict):
             line.close()
             return  # a port scan, or a client that gave up: not a node
@@ -253,6 +256,13 @@ class NodeServer:
             line.send({"ready": True})
         while True:
             msg = line.recv()
+            if msg is not None and msg.get("silent"):
+                if not self._closing:
+                    self._fail(
+                        f"node {st.node} ({st.host}) gave no sign of life on the node channel for more than "
+                        f"{self.timeout_s:g} s (host frozen or cut off)"
+                    )
+                return
             if msg is None:
                 if not self._closing:
                     self._fail(f"node {st.node} ({st.host}) is gone: its node channel closed")
@@ -312,7 +322,7 @@ class NodeClient:
                     ) from None
                 time.sleep(0.5)
                 continue
-            sock.settimeout(None)
+            sock.settimeout(self.timeout_s)  # node 0 beats every BEAT_S: a longer silence is a loss
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             line = _Line(sock)
             first = line.recv() or {}
@@ -360,6 +370,9 @@ class NodeClient:
     def _read(self, line: _Line) -> None:
         while True:
             msg = line.recv()
+            if msg is not None and msg.get("silent"):
+                self._lose(self.silent() or f"node 0 ({self.host}) gave no sign of life on the node channel")
+                return
             if msg is None:
                 if self.stopping:
                     self._lose("node 0 stopped the engine")
