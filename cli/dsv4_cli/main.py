@@ -227,6 +227,21 @@ def _serve(**given) -> None:
             f"one anyone who reaches the port can register as a peer and choose bootstrap targets"
         )
     values["served_model_name"] = values["served_model_name"] or model.resolve().name
+    from dsv4_engine.parallel.layout import layout_refusal
+
+    refusal = layout_refusal(values["tp_size"], values["nnodes"], values["node_rank"], values["dist_init_addr"])
+    if refusal:
+        _fail(refusal)
+    if values["nnodes"] > 1 and values["pd_secret"]:
+        # The node channel of a multi-node engine authenticates its nodes with the PD secret; the
+        # processes it starts read it from the environment (never argv).
+        import os
+
+        os.environ.setdefault(PD_SECRET_ENV, values["pd_secret"])
+    if values["node_rank"] > 0:  # a worker node: its ranks and a small HTTP surface, no engine of its own
+        from dsv4_serve.node_server import run_node_server
+
+        raise typer.Exit(run_node_server(values))
     from dsv4_serve.core_spawn import spawn_core
 
     # The engine core starts importing torch now, beside this process (it waits for its arguments).
@@ -317,6 +332,14 @@ def up(
     evidence_dir: Optional[Path] = typer.Option(None, help="Where evidence of wedges is written."),
     engine_arg: List[str] = typer.Option([], help="Extra argument passed to every engine (repeat)."),
     tp_size: int = typer.Option(1, EngineFlags.TP_SIZE, min=1, help="Ranks each engine spans (dsv4 serve --tp-size)."),
+    nnodes: int = typer.Option(
+        1,
+        EngineFlags.NNODES,
+        min=1,
+        help="Run each engine as a group of this many local 'node' processes (dsv4 serve --nnodes, on "
+        "127.0.0.1): node 0 serves, the others run ranks only, and the group restarts as one. --tp-size is "
+        "the whole engine's (default with --nnodes: one rank per node).",
+    ),
     admin_token: Optional[str] = typer.Option(
         None,
         envvar=ADMIN_TOKEN_ENV,
@@ -367,6 +390,10 @@ def up(
             probe_request_timeout,
         )
         return
+    if nnodes > 1 and tp_size == 1:
+        tp_size = nnodes  # one rank per node
+    if tp_size % nnodes:
+        _fail(f"--tp-size {tp_size} does not split over --nnodes {nnodes}: every node runs the same number of ranks")
     if model is not None:
         _check_model_dir(model)
         if not mono or tp_size > 1:  # a role the model cannot take is refused here, not in a restart loop
@@ -403,6 +430,7 @@ def up(
             scrape_interval=scrape_interval,
             evidence_dir=evidence_dir,
             engine_args=list(engine_arg),
+            nnodes=nnodes,
             admin_token=admin_token,
             pd_secret=pd_secret,
         )

@@ -89,9 +89,22 @@ def state_refusal(specs: list[StateSpec], role: str, page_size: Optional[int]) -
 def args_refusal(args: EngineArgs) -> Optional[str]:
     """Why an engine cannot be built from these flags alone (no checkpoint read), in one line,
     or None: limits that serve nothing, a kernel backend this device cannot run."""
-    return limits_refusal(args.max_num_seqs, args.max_num_batched_tokens) or backend_refusal(
-        args.kernel_backend, args.device
+    from dsv4_engine.parallel.layout import layout_refusal
+
+    return (
+        limits_refusal(args.max_num_seqs, args.max_num_batched_tokens)
+        or backend_refusal(args.kernel_backend, args.device)
+        or layout_refusal(args.tp_size, args.nnodes, args.node_rank, args.dist_init_addr)
+        or node_role_refusal(args)
     )
+
+
+def node_role_refusal(args: EngineArgs) -> Optional[str]:
+    """An engine object is node 0's: the other nodes of a multi-node engine run ranks only
+    (dsv4_engine.parallel.node_agent)."""
+    if args.node_rank != 0:
+        return f"--node-rank {args.node_rank} runs ranks only (the node agent), not an engine"
+    return None
 
 
 def limits_refusal(max_num_seqs: int, max_num_batched_tokens: int) -> Optional[str]:
@@ -171,11 +184,13 @@ class Engine:
         self.tp = None  # rank 0's handle on the other ranks when tp_size > 1
         if args.tp_size > 1:
             from dsv4_engine.parallel.group import TPGroup, rank_device
+            from dsv4_engine.parallel.layout import NodeLayout
 
             refusal = serving_refusal(args.model, args.role, args.page_size, args.tp_size)
             if refusal:  # before any rank is spawned
                 raise ValueError(refusal)
-            self.tp = TPGroup(args.tp_size, asdict(args), args.device)
+            layout = NodeLayout(args.tp_size, args.nnodes, args.node_rank, args.dist_init_addr)
+            self.tp = TPGroup(args.tp_size, asdict(args), args.device, layout)
             self.runner = ModelRunner(
                 args.model,
                 args.dtype,
@@ -285,6 +300,7 @@ class Engine:
         self.metrics = EngineMetrics(args.role, args.served_model_name)
         self.metrics.set("kv_pages_total", num_pages)
         self.metrics.set("tp_size", args.tp_size)
+        self.metrics.set("nnodes", args.nnodes)
         for name, nbytes in self.pool.bytes_per_token().items():
             self.metrics.set_state("kv_state_bytes_per_token", name, nbytes)
         for name, nbytes in self.pool.bytes_per_request().items():
@@ -752,6 +768,7 @@ class Engine:
             "role": self.args.role,
             "model": self.args.served_model_name,
             "tp_size": self.args.tp_size,
+            **({"nodes": self.tp.describe()} if self.tp is not None and self.args.nnodes > 1 else {}),
             "queues": queues,
             "kv_pages_free": self.pool.allocator.num_free,
             "kv_pages_total": self.pool.num_pages,

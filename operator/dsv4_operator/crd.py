@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from dsv4_operator import spec as S
+from dsv4_operator.status_model import DSV4DeploymentStatus
 from dsv4_operator.manifests import DNS1035_PATTERN, MAX_NAME_LENGTH
 
 CRD_NAME = f"{S.PLURAL}.{S.GROUP}"
@@ -188,7 +189,7 @@ def cr_schema() -> dict[str, Any]:
             "kind": {"type": "string"},
             "metadata": {"type": "object"},
             "spec": openapi_schema(S.DSV4DeploymentSpec),
-            "status": openapi_schema(S.DSV4DeploymentStatus),
+            "status": openapi_schema(DSV4DeploymentStatus),
         },
     }
 

@@ -26,7 +26,7 @@ import kopf
 
 # Each handler module registers its handlers on registry.registry when imported.
 from dsv4_operator import rollout  # noqa: F401  (the canary daemon)
-from dsv4_operator.handlers import apply, watchdog_daemon  # noqa: F401  (the reconciler, the wedge watchdog)
+from dsv4_operator.handlers import apply, groups, watchdog_daemon  # noqa: F401  (reconciler, group controller, watchdog)
 from dsv4_operator.handlers import children
 from dsv4_operator.handlers.registry import registry
 from dsv4_operator.planner import shell as planner_shell  # noqa: F401  (the planner daemon)

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
+from dsv4_operator import groups as G
 from dsv4_operator import spec as S
 from dsv4_operator.quantity import QUANTITY_FIELDS, QUANTITY_MAPS, same_quantity
 from dsv4_operator.spec import DSV4DeploymentSpec, EnvVar, RoleSpec
@@ -40,6 +41,7 @@ from dsv4_wire import (  # noqa: F401  (re-exported: the operator's modules read
 )
 from dsv4_wire.flags import RouterFlags
 
+GROUP_PORT = G.GROUP_PORT
 SGLANG_BOOTSTRAP_ANNOTATION = "sglang.ai/bootstrap-port"  # where sgl-router's discovery reads it
 
 ROUTER_CONTAINER = "router"
@@ -100,6 +102,11 @@ def unbuildable_reasons(name: str, spec: DSV4DeploymentSpec) -> list[str]:
         reasons.append(f"{S.MSG_PORT_CLASH} (both {spec.engine.port})")
     if spec.engine.kind == "sglang" and spec.router.port == SGLANG_ROUTER_METRICS_PORT:
         reasons.append(S.MSG_ROUTER_PORT_CLASH)
+    if any(multi_node(spec, r) for r in ENGINE_ROLES) and {spec.engine.port, spec.transfer.bootstrap_port} & {
+        GROUP_PORT,
+        GROUP_PORT + 1,
+    }:
+        reasons.append(S.MSG_GROUP_PORT_CLASH)
     envs = [*spec.engine.env, *spec.transfer.env, *spec.router.env, *spec.prefill.env, *spec.decode.env]
     if any(e.value is not None and e.value_from is not None for e in envs):
         reasons.append(S.MSG_ENV_VALUE_AND_FROM)
@@ -230,8 +237,13 @@ def engine_env(spec: DSV4DeploymentSpec, role: str, name: Optional[str] = None) 
     return merge_env(base, t.env, spec.engine.env, spec.role(role).env)
 
 
-def engine_command(spec: DSV4DeploymentSpec, role: str) -> list[str]:
+def engine_command(spec: DSV4DeploymentSpec, role: str, node: Optional[tuple[str, str]] = None) -> list[str]:
+    """`node`: (node rank, node 0's address) of one pod of a multi-node group (nodesPerReplica > 1),
+    each maybe a $(VAR) the kubelet expands; the engine then spans every GPU of the group."""
     m, e, t, r = spec.model, spec.engine, spec.transfer, spec.role(role)
+    tp = max(1, r.gpus_per_pod) * r.nodes_per_replica if node is not None else r.gpus_per_pod
+    group = [] if node is None else ["--nnodes", str(r.nodes_per_replica), "--node-rank", node[0]]
+    group += [] if node is None else ["--dist-init-addr", f"{node[1]}:{GROUP_PORT}"]
     if e.kind == "builtin":
         F = EngineFlags
         # Listen on every address, advertise the pod's own: decode tells prefill where to reach
@@ -262,8 +274,9 @@ def engine_command(spec: DSV4DeploymentSpec, role: str) -> list[str]:
             cmd += [F.WAITING_TIMEOUT, str(t.bootstrap_timeout_seconds + t.transfer_timeout_seconds)]
         if r.gpus_per_pod > 0:
             cmd += [F.DTYPE, "bfloat16"]
-        if r.gpus_per_pod > 1:  # one engine spans every GPU of its pod
-            cmd += [F.TP_SIZE, str(r.gpus_per_pod)]
+        if tp > 1:  # one engine spans every GPU of its pod (of its group's pods)
+            cmd += [F.TP_SIZE, str(tp)]
+        cmd += group
     else:
         cmd = [
             "python3",
@@ -285,8 +298,9 @@ def engine_command(spec: DSV4DeploymentSpec, role: str) -> list[str]:
         ]
         if role == "prefill":
             cmd += ["--disaggregation-bootstrap-port", str(t.bootstrap_port)]
-        if r.gpus_per_pod > 1:
-            cmd += ["--tp-size", str(r.gpus_per_pod)]
+        if tp > 1:
+            cmd += ["--tp-size", str(tp)]
+        cmd += group  # SGLang's own flags of the same names
     # User arguments last: for repeated flags the last one wins.
     return cmd + list(e.args) + list(r.args)
 
@@ -464,7 +478,10 @@ def _model_volume(spec: DSV4DeploymentSpec) -> tuple[list[dict], list[dict]]:
     )
 
 
-def _engine_pod(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict[str, Any]:
+def _engine_pod(
+    spec: DSV4DeploymentSpec, owner: Owner, role: str, node: Optional[tuple[str, str]] = None
+) -> dict[str, Any]:
+    """`node`: see engine_command (a pod of a multi-node group; dsv4_operator.groups shapes the rest)."""
     r: RoleSpec = spec.role(role)
     ports = [{"name": HTTP_PORT_NAME, "containerPort": spec.engine.port, "protocol": "TCP"}]
     if role == "prefill":
@@ -474,7 +491,7 @@ def _engine_pod(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict[str, 
         "name": ENGINE_CONTAINER,
         "image": spec.engine.image,
         "imagePullPolicy": spec.engine.image_pull_policy,
-        "command": engine_command(spec, role),
+        "command": engine_command(spec, role, node),
         "ports": ports,
         "env": engine_env(spec, role, owner.name),
         "resources": _resources(r.resources, r.gpus_per_pod, ENGINE_DEFAULT_RESOURCES),
@@ -553,6 +570,21 @@ def contains(live: Any, wanted: Any, quantity: bool = False) -> bool:
     return live == wanted or (quantity and same_quantity(live, wanted))
 
 
+def workload_template(obj: Mapping[str, Any] | None) -> Any:
+    """Pure: the pod template(s) of an engine workload: a StatefulSet's template, a
+    LeaderWorkerSet's leaderWorkerTemplate."""
+    spec = (obj or {}).get("spec") or {}
+    return spec.get("leaderWorkerTemplate") if (obj or {}).get("kind") == G.LWS_KIND else spec.get("template")
+
+
+def partition_of(obj: Mapping[str, Any] | None) -> Any:
+    """Pure: the rollout partition of a StatefulSet or a LeaderWorkerSet (None when unset)."""
+    spec = (obj or {}).get("spec") or {}
+    if (obj or {}).get("kind") == G.LWS_KIND:
+        return ((spec.get("rolloutStrategy") or {}).get("rollingUpdateConfiguration") or {}).get("partition")
+    return ((spec.get("updateStrategy") or {}).get("rollingUpdate") or {}).get("partition")
+
+
 def decode_held(
     spec: DSV4DeploymentSpec,
     prefill_ready: bool,
@@ -561,12 +593,15 @@ def decode_held(
 ) -> bool:
     """PD-aware order (docs/operations.md, Rollouts): decode takes a new pod template only once
     prefill rolled out. Held while prefill is not rolled out and decode has a change to take:
-    its template differs from the wanted one, or its pods are not all on its latest template."""
+    its template differs from the wanted one, or its pods (groups) are not all on its latest template."""
     if spec.rollout.order != "prefillFirst" or prefill_ready or not live_decode:
         return False
     status = live_decode.get("status") or {}
-    behind = status.get("currentRevision") != status.get("updateRevision")
-    return behind or not contains((live_decode.get("spec") or {}).get("template"), wanted_decode["spec"]["template"])
+    if live_decode.get("kind") == G.LWS_KIND:
+        behind = int(status.get("updatedReplicas") or 0) < int(status.get("replicas") or 0)
+    else:
+        behind = status.get("currentRevision") != status.get("updateRevision")
+    return behind or not contains(workload_template(live_decode), workload_template(wanted_decode))
 
 
 def engine_statefulset(
@@ -586,9 +621,57 @@ def engine_statefulset(
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": partition}},
             "selector": {"matchLabels": selector_labels(owner.name, role)},
-            "template": _engine_pod(spec, owner, role),
+            "template": (
+                leader_template(spec, owner, role) if multi_node(spec, role) else _engine_pod(spec, owner, role)
+            ),
         },
     }
+
+
+def multi_node(spec: DSV4DeploymentSpec, role: str) -> bool:
+    return spec.role(role).nodes_per_replica > 1
+
+
+def leader_template(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict[str, Any]:
+    """A multi-node role's pod template for its leaders (node 0), carrying its workers' template
+    (dsv4_operator.groups)."""
+    worker = G.worker_template(_engine_pod(spec, owner, role, (G.NODE_RANK_REF, G.LEADER_ADDRESS_REF)), spec, role)
+    return G.leader_template(_engine_pod(spec, owner, role, ("0", G.LEADER_SELF_ADDRESS)), worker, spec, role)
+
+
+def engine_workload(
+    spec: DSV4DeploymentSpec,
+    owner: Owner,
+    role: str,
+    revision: str | None = None,
+    hold: bool = False,
+    lws: bool = False,
+) -> dict:
+    """The workload of one engine role: its StatefulSet, or (a multi-node role on a cluster with
+    LeaderWorkerSet, `lws`) its LeaderWorkerSet, made from the same leader StatefulSet."""
+    sts = engine_statefulset(spec, owner, role, revision, hold)
+    return G.leaderworkerset(sts, spec, role) if lws and multi_node(spec, role) else sts
+
+
+def workload_kind(spec: DSV4DeploymentSpec, role: str, lws: bool) -> tuple[str, str]:
+    """(apiVersion, kind) of engine_workload's object for this role."""
+    return (G.LWS_API_VERSION, G.LWS_KIND) if lws and multi_node(spec, role) else ("apps/v1", "StatefulSet")
+
+
+def replaced_workloads(spec: DSV4DeploymentSpec, owner: Owner, lws: bool) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of an engine role's workload of the other kind, to delete before
+    this one is applied: a LeaderWorkerSet makes its own StatefulSet of the same name, which an
+    operator's StatefulSet left behind would fight (and the other way round). Only when the
+    LeaderWorkerSet API is there to have made one."""
+    if not lws:
+        return []
+    out = []
+    for role in ENGINE_ROLES:
+        name = child_name(owner.name, role)
+        out.append(
+            ("apps/v1", "StatefulSet", name) if multi_node(spec, role) else (G.LWS_API_VERSION, G.LWS_KIND, name)
+        )
+    return out
 
 
 SCALE_MANAGER = f"{MANAGER}-scale"  # the field manager that hands replicas over to an autoscaler
@@ -613,14 +696,16 @@ def _replicas(spec: DSV4DeploymentSpec, role: str) -> dict[str, int]:
     return {"replicas": initial_replicas(spec, role)}
 
 
-def scale_handover(owner: Owner, role: str, replicas: int) -> dict[str, Any]:
+def scale_handover(
+    owner: Owner, role: str, replicas: int, kind: tuple[str, str] = ("apps/v1", "StatefulSet")
+) -> dict[str, Any]:
     """The replicas of a workload alone, applied by SCALE_MANAGER, for a role scaled from outside:
     applied before the operator's own apply stops carrying replicas, it keeps the field (shared
     ownership) instead of letting it fall back to 1; after a create, it sets the starting
     count. Whoever scales next (HPA, kubectl scale) takes the field over."""
-    kind = "Deployment" if role == "router" else "StatefulSet"
+    api_version, kind = ("apps/v1", "Deployment") if role == "router" else kind
     return {
-        "apiVersion": "apps/v1",
+        "apiVersion": api_version,
         "kind": kind,
         "metadata": {"name": child_name(owner.name, role), "namespace": owner.namespace},
         "spec": {"replicas": replicas},
@@ -732,7 +817,10 @@ def engine_disruption_budget(spec: DSV4DeploymentSpec, owner: Owner, role: str) 
     pods of a role at once. Pods that are not Ready may always be evicted: a wedged or crashing
     pod must not hold a node drain (or its own restart) hostage."""
     name = child_name(owner.name, role)
-    limit = getattr(spec.remediation.max_unavailable, role)
+    # A multi-node role's budget counts whole groups: every pod of a broken group is unready
+    # together (the engine fails as one, see dsv4_operator.groups), so maxUnavailable groups are
+    # maxUnavailable x nodesPerReplica pods. One budget over the role's pods, never a second one.
+    limit = getattr(spec.remediation.max_unavailable, role) * spec.role(role).nodes_per_replica
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
@@ -860,11 +948,16 @@ def absent_children(spec: DSV4DeploymentSpec, owner: Owner) -> list[tuple[str, s
 
 
 def build_children(
-    spec: DSV4DeploymentSpec, owner: Owner, operator_namespace: Optional[str] = None, hold_decode: bool = False
+    spec: DSV4DeploymentSpec,
+    owner: Owner,
+    operator_namespace: Optional[str] = None,
+    hold_decode: bool = False,
+    lws: bool = False,
 ) -> list[dict[str, Any]]:
     """Every object a DSV4Deployment owns, in the order to apply them (RBAC and Services
     before the workloads that use them). The auth Secret is not among them: it is created
-    once, never applied (see auth_secret.ensure_auth_secret)."""
+    once, never applied (see auth_secret.ensure_auth_secret). `lws`: the cluster serves the
+    LeaderWorkerSet API, so multi-node roles are LeaderWorkerSets (dsv4_operator.groups)."""
     revision = S.spec_revision(spec)
     return [
         *router_rbac(spec, owner),
@@ -884,7 +977,7 @@ def build_children(
             if spec.remediation.pod_disruption_budget
             else []
         ),
-        engine_statefulset(spec, owner, "prefill", revision),
-        engine_statefulset(spec, owner, "decode", revision, hold=hold_decode),
+        engine_workload(spec, owner, "prefill", revision, lws=lws),
+        engine_workload(spec, owner, "decode", revision, hold=hold_decode, lws=lws),
         router_deployment(spec, owner, revision),
     ]

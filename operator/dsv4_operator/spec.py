@@ -1,4 +1,4 @@
-"""The DSV4Deployment resource in code: pydantic models of its spec and status.
+"""The DSV4Deployment resource in code: pydantic models of its spec (its status: `status_model`).
 
 This is the in-code twin of the CustomResourceDefinition: `dsv4_operator.crd` generates the
 CRD's openAPIV3Schema from these models, so a field, default, enum or minimum lives here once.
@@ -83,6 +83,11 @@ MSG_EMPTY_KEY_NEEDS_EXISTS = "a toleration without a key must use operator Exist
 MSG_SECONDS_NEED_NO_EXECUTE = "tolerationSeconds applies only to effect NoExecute"
 SGLANG_ROUTER_METRICS_PORT = 29000  # sgl-router's Prometheus port, beside router.port in its pod
 MSG_ROUTER_PORT_CLASH = f"router.port must not be {SGLANG_ROUTER_METRICS_PORT}: the SGLang router serves metrics there"
+GROUP_PORT = 29500  # a multi-node engine's rendezvous on its leader (and +1: its node channel)
+MSG_GROUP_PORT_CLASH = (
+    f"with nodesPerReplica > 1, engine.port and transfer.bootstrapPort must not be {GROUP_PORT} or {GROUP_PORT + 1}: "
+    "a group's leader listens there for its nodes"
+)
 
 
 def _nested(model: type[BaseModel]) -> Any:
@@ -206,6 +211,35 @@ class EngineSpec(_Model):
     env: list[EnvVar] = Field([], max_length=MAX_LIST_ITEMS)  # bounded: the API server budgets CEL cost
 
 
+NODES_PER_REPLICA_DOC = (
+    "Hosts (pods) one engine of this role spans. Above 1 a replica is a gang of pods, one engine with --tp-size "
+    "gpusPerPod x nodesPerReplica (`dsv4 serve --nnodes`; node 0's rendezvous on port 29500 and 29501): a "
+    "LeaderWorkerSet where its API is served, else a leader StatefulSet and a worker StatefulSet per group made "
+    "by the operator. A group starts, serves and restarts as one; the role's PodDisruptionBudget counts whole "
+    "groups. See docs/multi-node.md."
+)
+GROUP_TOPOLOGY_DOC = (
+    "nodesPerReplica > 1: keep each group's pods in one domain of this node label (pod affinity to the group's "
+    "leader; a LeaderWorkerSet's exclusive-topology when required)."
+)
+
+
+class GroupTopology(_Model):
+    """Where a multi-node replica's pods go (nodesPerReplica > 1): into one domain of this node label."""
+
+    key: QualifiedName = Field(
+        "nvidia.com/gpu.clique",
+        description="Node label naming the domain a group's pods share (a rack, an NVLink domain; GPU feature "
+        "discovery labels GB200 nodes with nvidia.com/gpu.clique).",
+    )
+    required: bool = Field(
+        False,
+        description="false: the scheduler prefers one domain per group, and nodes without the label still take "
+        "pods; true: a group's pods only ever share one domain (pods wait when none has room; with a "
+        "LeaderWorkerSet, also one group per domain: its exclusive-topology).",
+    )
+
+
 class RoleSpec(_Model):
     replicas: int = Field(1, ge=0)
     scaling: Literal["operator", "external", "planner"] = Field(
@@ -216,6 +250,10 @@ class RoleSpec(_Model):
         "minReplicas..maxReplicas; replicas is the count it starts with.",
     )
     gpus_per_pod: int = Field(4, ge=0, description="nvidia.com/gpu per pod (0: no GPU request).")
+    nodes_per_replica: int = Field(1, ge=1, le=64, description=NODES_PER_REPLICA_DOC)
+    group_topology: GroupTopology = Field(
+        default_factory=GroupTopology, json_schema_extra={"default": {}}, description=GROUP_TOPOLOGY_DOC
+    )
     resources: Resources = _nested(Resources)
     node_selector: dict[QualifiedName, LabelValue] = Field(
         DEFAULT_NODE_SELECTOR,
@@ -434,6 +472,13 @@ class DSV4DeploymentSpec(_Model):
                 MSG_ROUTER_PORT_CLASH,
                 ".router.port",
             ),
+            cel(
+                "(self.prefill.nodesPerReplica == 1 && self.decode.nodesPerReplica == 1) || "
+                f"(!(self.engine.port in [{GROUP_PORT}, {GROUP_PORT + 1}]) && "
+                f"!(self.transfer.bootstrapPort in [{GROUP_PORT}, {GROUP_PORT + 1}]))",
+                MSG_GROUP_PORT_CLASH,
+                ".engine.port",
+            ),
         )
     )
 
@@ -481,62 +526,6 @@ class DSV4DeploymentSpec(_Model):
     def planned_roles(self) -> list[str]:
         """The engine roles whose count the planner sets."""
         return [role for role in ("prefill", "decode") if self.role(role).scaling == "planner"]
-
-
-# ---- The status ----------------------------------------------------------------------------
-
-ConditionType = Literal["Available", "Progressing", "Degraded", "Wedged"]
-CONDITION_TYPES: tuple[str, ...] = ("Available", "Progressing", "Degraded", "Wedged")
-
-
-class Condition(_Model):
-    type: ConditionType
-    status: Literal["True", "False", "Unknown"]
-    reason: str = ""
-    message: str = ""
-    last_transition_time: Optional[str] = None
-    observed_generation: Optional[int] = None
-
-
-class RoleStatus(_Model):
-    replicas: int = 0
-    ready_replicas: int = 0
-    updated_replicas: int = 0
-    ready: str = Field("0/0", description="ready/desired, as kubectl shows it.")
-
-
-class RemediationRecord(_OpenModel):
-    time: Optional[str] = None
-    pod: Optional[str] = None
-    role: Optional[str] = None
-    action: Optional[str] = None
-    reason: Optional[str] = None
-    dry_run: Optional[bool] = None
-
-
-class DSV4DeploymentStatus(_Model):
-    observed_generation: Optional[int] = None
-    conditions: list[Condition] = Field(
-        [],
-        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-    )
-    prefill: Optional[RoleStatus] = None
-    decode: Optional[RoleStatus] = None
-    router: Optional[RoleStatus] = None
-    revision: Optional[str] = Field(None, description="Hash of the spec last applied.")
-    stable_revision: Optional[str] = Field(None, description="Last revision that ran without wedges.")
-    pinned_revision: Optional[str] = Field(
-        None, description="The revision the children run instead of the spec (a rollback pin), while it applies."
-    )
-    wedged_pods: Optional[int] = Field(None, ge=0)
-    last_remediation: Optional[RemediationRecord] = None
-    remediations_total: Optional[int] = Field(None, ge=0)
-    canary: Optional[dict[str, Any]] = Field(
-        None,
-        description="The last canary: revision, role, pod, phase (Probing, Passed, Failed), the stable "
-        "revision, the probe's figures and the evidence ConfigMap.",
-        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
-    )
 
 
 def parse_spec(raw: Any) -> DSV4DeploymentSpec:

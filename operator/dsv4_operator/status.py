@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
 from dsv4_operator.manifests import HOLD_PARTITION, LABEL_ROLE
-from dsv4_operator.spec import CONDITION_TYPES, DSV4DeploymentSpec
+from dsv4_operator.spec import DSV4DeploymentSpec
+from dsv4_operator.status_model import CONDITION_TYPES
 from dsv4_operator.watchdog.policy import STATE_ANNOTATION, PolicyState
 
 ROLES = ("prefill", "decode", "router")
@@ -56,6 +57,8 @@ def observe(body: Mapping[str, Any]) -> Optional[ChildObservation]:
     role = (meta.get("labels") or {}).get(LABEL_ROLE)
     if role not in ROLES or body.get("kind") not in ("StatefulSet", "Deployment"):
         return None
+    if any(ref.get("kind") == "Pod" for ref in meta.get("ownerReferences") or []):
+        return None  # a multi-node group's workers (owned by its leader pod): the role's is the leaders' one
     spec = body.get("spec") or {}
     status = body.get("status") or {}
     return ChildObservation(

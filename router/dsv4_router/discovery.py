@@ -3,7 +3,9 @@ watch. A pod serves traffic while it is Running with an IP, not being deleted, a
 labelled serving.dsv4.dev/draining=true (how the operator drains a wedged pod). With `owners`
 (--owner, which the operator always passes) it must also be controlled by one of those
 StatefulSets: labels alone can be copied onto any pod, and a worker gets user traffic and the
-PD secret."""
+PD secret. A multi-node engine (a group of pods, dsv4_wire.groups) is one worker, its leader,
+and only while the group is whole: a group missing a node, or with one not ready or terminating,
+is taken out of the rotation at the pod event, before any health check."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import logging
 import os
 from typing import Any, Mapping, Optional, Sequence
 
-from dsv4_wire import LABEL_DRAINING, LABEL_ROLE, owned_engine_pod
+from dsv4_wire import LABEL_DRAINING, LABEL_INSTANCE, LABEL_ROLE, owned_engine_pod
+from dsv4_wire.groups import group_size, is_worker_node, whole_groups
 
 log = logging.getLogger("dsv4.router.discovery")
 DEFAULT_PORT = 8100
@@ -48,10 +51,29 @@ def pod_worker(pod: Mapping, owners: Sequence[str] = ()) -> Optional[tuple[str, 
     return f"http://{ip}:{port}", role
 
 
+def serving_workers(pods: Mapping[str, Mapping], owners: Sequence[str] = ()) -> set[tuple[str, str]]:
+    """(url, role) of every pod that should take traffic: pod_worker's, where a group of pods
+    counts once, by its leader, and only while whole. Pure."""
+    wanted = set()
+    whole: dict[tuple[str, str], set[str]] = {}
+    for pod in pods.values():
+        w = pod_worker(pod, owners)
+        if w is None or is_worker_node(pod):
+            continue
+        if group_size(pod) > 1:
+            key = (str((_get(pod, "metadata", "labels") or {}).get(LABEL_INSTANCE) or ""), w[1])
+            if key not in whole:
+                whole[key] = whole_groups(pods.values(), *key)
+            if _get(pod, "metadata", "name") not in whole[key]:
+                continue
+        wanted.add(w)
+    return wanted
+
+
 def sync(router, pods: Mapping[str, Mapping]) -> None:
     """Make the router's Kubernetes-sourced workers exactly the serving pods given."""
     owners = getattr(router.args, "owners", None) or ()
-    wanted = {w for w in (pod_worker(p, owners) for p in pods.values()) if w is not None}
+    wanted = serving_workers(pods, owners)
     for url, w in list(router.pool.workers.items()):
         if w.source == "kubernetes" and (url, w.role) not in wanted:
             router.pool.remove(url)

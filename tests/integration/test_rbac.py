@@ -61,9 +61,16 @@ ROUTER_ROLE = (
     "the operator creates the router's Role, which grants it; the API server refuses a Role granting "
     "what its creator does not hold (an escalation check the emulator does not make)"
 )
+GROUPS = (
+    "multi-node roles (nodesPerReplica > 1), which this scenario does not run: "
+    "tests/integration/watchdog/test_groups_operator.py records these calls and checks the chart grants them"
+)
 JUSTIFIED: dict[tuple[str, str, str], str] = {
     ("", "pods", "get"): ROUTER_ROLE,
     ("", "pods", "watch"): ROUTER_ROLE,
+    ("", "pods", "delete"): GROUPS,
+    ("apps", "statefulsets", "delete"): GROUPS,
+    **{("leaderworkerset.x-k8s.io", "leaderworkersets", verb): GROUPS for verb in ("get", "create", "patch", "delete")},
 }
 # What the scenario must have seen, or it did not exercise the operator and proves nothing.
 MUST_RECORD = {

@@ -18,6 +18,14 @@ LABEL_ENGINE_KIND = "serving.dsv4.dev/engine-kind"
 LABEL_EVIDENCE = "serving.dsv4.dev/evidence"
 LABEL_DEPLOYMENT = "serving.dsv4.dev/deployment"
 LABEL_POD = "serving.dsv4.dev/pod"
+# Multi-node engines (a role's nodesPerReplica > 1): every pod of a group says the group's size and
+# whether it is the group's leader (node 0: the engine's endpoint) or a worker (ranks only); the
+# pods a worker StatefulSet of the operator's own makes also name their group (its leader pod).
+LABEL_GROUP_SIZE = "serving.dsv4.dev/group-size"
+LABEL_NODE = "serving.dsv4.dev/node"
+LABEL_GROUP = "serving.dsv4.dev/group"
+NODE_LEADER = "leader"
+NODE_WORKER = "worker"
 
 ANNOTATION_REVISION = "serving.dsv4.dev/revision"
 ANNOTATION_REVISIONS = "serving.dsv4.dev/revisions"
@@ -25,6 +33,10 @@ ANNOTATION_REMEDIATION_STATE = "serving.dsv4.dev/remediation-state"
 # "<revision hash>@<generation>": while the resource is at that generation, the operator builds its
 # children from that stored revision's spec instead (a rollback that leaves the spec alone).
 ANNOTATION_PINNED_REVISION = "serving.dsv4.dev/pinned-revision"
+# On a group leader's pod template (StatefulSet pair form): the pod template of its group's
+# workers, as JSON; the operator makes each group's worker StatefulSet from its leader pod's copy,
+# so a group's workers always run the leader's revision.
+ANNOTATION_WORKER_TEMPLATE = "serving.dsv4.dev/worker-template"
 # On an engine pod the operator's planner is draining to remove it (scale-down): the draining label
 # keeps it out of the routers, this says whose drain it is (a restarted operator resumes it).
 ANNOTATION_PLANNER_DRAIN = "serving.dsv4.dev/planner-drain"

@@ -20,6 +20,14 @@ GAUGES = {
     "prefix_cache_pages": "KV pages held by the prefix cache (the idle ones also count as free)",
     "prefix_cache_snapshots": "Slot-row snapshots held by the prefix cache (models with slot states: DeepSeek-V4)",
     "tp_size": "Ranks (devices) this engine runs on (--tp-size); rank 0 reports for all",
+    "nnodes": "Hosts this engine spans (--nnodes); every node reports it",
+}
+# Served by the other nodes of a multi-node engine (their node agent's /metrics), with `nnodes`.
+NODE_GAUGES = {
+    "node_rank": "This node's place in its engine (--node-rank)",
+    "node_group_ready": "1 once node 0 said every rank of the engine loaded (the group serves)",
+    "node_ranks_running": "This node's rank processes still running",
+    "node_rank_beat_age_seconds": "Age of the oldest heartbeat among this node's ranks (a stopped rank's grows)",
 }
 # Gauges with a `state` label besides role/model_name: one series per state the model declares
 # (DeepSeek-V3: its one latent cache; V4: windowed and compressed states). Paged states cost
@@ -64,6 +72,7 @@ def metric_name(key: str, suffix: str = "") -> str:
     """The exposed name of a metric key: metric_name("kv_transfers_completed", "_total")."""
     if (
         key not in GAUGES
+        and key not in NODE_GAUGES
         and key not in STATE_GAUGES
         and key not in COUNTERS
         and key not in HISTOGRAMS

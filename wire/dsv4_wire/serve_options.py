@@ -91,6 +91,22 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         min=1,
     ),
     _O(
+        "nnodes",
+        int,
+        1,
+        "Hosts one engine spans (SGLang's flag): --tp-size is the whole engine's, each node runs --tp-size / "
+        "--nnodes ranks. Node 0 serves HTTP and PD; the others run ranks only.",
+        min=1,
+    ),
+    _O("node_rank", int, 0, "This host's place among --nnodes (0: the node that serves).", min=0),
+    _O(
+        "dist_init_addr",
+        str,
+        None,
+        "Node 0's HOST:PORT, the same on every node: torch.distributed's rendezvous there, the node channel on "
+        "PORT+1 (needed with --nnodes > 1).",
+    ),
+    _O(
         "speculative_algorithm",
         str,
         None,

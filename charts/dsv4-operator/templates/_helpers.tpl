@@ -83,10 +83,18 @@ records the operator's calls against an API server and checks this list against 
   resources: ["statefulsets", "deployments"]
   verbs: ["list", "watch", "create", "patch"]
 # PD-aware rollouts read the prefill and decode StatefulSets (has prefill rolled out; is decode
-# to take a new template).
+# to take a new template). Multi-node roles without LeaderWorkerSet (nodesPerReplica > 1): the
+# operator makes each group's worker StatefulSet (create), and deletes one an earlier leader left
+# behind, or the role's StatefulSet when a LeaderWorkerSet replaces it.
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
-  verbs: ["get"]
+  verbs: ["get", "delete"]
+# Multi-node roles where the cluster serves LeaderWorkerSet (sigs.k8s.io/lws): the role's
+# LeaderWorkerSet by server-side apply, read by the PD-aware rollout, deleted when the role goes
+# back to one node per replica. (Discovery of the API group needs no grant.)
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets"]
+  verbs: ["get", "create", "patch", "delete"]
 # Every other kind of child is watched too (list, watch), so a hand-deleted or hand-edited one
 # is re-applied at once rather than at the next change of the resource.
 - apiGroups: [""]
@@ -115,9 +123,11 @@ records the operator's calls against an API server and checks this list against 
 # The wedge watchdog: lists and watches engine pods (kopf's pod index), labels one draining,
 # restarts it through the Eviction API (PodDisruptionBudgets apply), and keeps its last log lines
 # as evidence. get it never calls: the router's Role grants it.
+# A multi-node group of the StatefulSet pair is made anew by deleting its leader pod (as
+# LeaderWorkerSet's RecreateGroupOnPodRestart does), its uid as precondition.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["get", "list", "watch", "patch", "delete"]
 - apiGroups: [""]
   resources: ["pods/eviction"]
   verbs: ["create"]

@@ -20,17 +20,14 @@ the all-reduces inside the forward. A rank that dies or hangs takes the engine d
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Callable, Optional
 
@@ -38,37 +35,23 @@ import torch
 import torch.distributed as dist
 
 from dsv4_engine.parallel import wire
+from dsv4_engine.parallel.layout import NodeLayout, set_socket_interface
+from dsv4_engine.parallel.node_channel import NodeServer, config_fingerprint, group_secret
 from dsv4_engine.parallel.plan import Shard
+from dsv4_engine.parallel.ranks import LocalRanks, node_timeout_s, step_timeout_s
 
 log = logging.getLogger("dsv4.tp")
-
-SPEC_ENV = "DSV4_TP_SPEC"  # a worker's rank, world, rendezvous port and engine arguments (JSON)
-# The longest one step may wait on the other ranks (generous: a first step may JIT-compile kernels).
-TIMEOUT_ENV = "DSV4_TP_TIMEOUT_S"
-
-
-def step_timeout_s(environ=os.environ) -> float:
-    """DSV4_TP_TIMEOUT_S (default 300), checked: a typo must not surface as a bare float() error
-    from the engine's start, nor 0 fail every step."""
-    raw = environ.get(TIMEOUT_ENV, "300")
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not (0 < value < float("inf")):
-        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds > 0, not {raw!r}")
-    return value
 
 
 STEP_TIMEOUT_S = step_timeout_s()
 CONTROL_TIMEOUT = timedelta(days=7)  # the other ranks wait for the next batch while the engine idles
 FAIL_GRACE_S = 2.0
 WATCH_INTERVAL_S = 0.2
-HEARTBEAT_S = 1.0  # how often a rank touches its heartbeat file (a stopped process cannot)
 
 
 def rank_device(device: Optional[str], rank: int) -> str:
-    """The device of one rank: cuda:(base + rank) on CUDA, cpu otherwise."""
+    """The device of one rank by its local rank (its place on its host): cuda:(base + rank) on
+    CUDA, cpu otherwise."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     d = torch.device(device)
@@ -83,16 +66,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def device_refusal(device: Optional[str], size: int, device_count: Optional[int] = None) -> Optional[str]:
-    """Why `size` ranks cannot each have their device (rank r on cuda:base+r), in one line, or
-    None; checked before any rank starts, not left to a rank's 'invalid device ordinal'."""
+def device_refusal(
+    device: Optional[str], size: int, device_count: Optional[int] = None, nnodes: int = 1
+) -> Optional[str]:
+    """Why this host's `size` ranks cannot each have their device (local rank r on cuda:base+r),
+    in one line, or None; checked before any rank starts, not left to a rank's 'invalid device
+    ordinal'. `size`: the ranks of this host (--tp-size / --nnodes)."""
     if device is None or torch.device(device).type != "cuda":
         return None
     count = torch.cuda.device_count() if device_count is None else device_count
     base = torch.device(device).index or 0
     if base + size > count:
+        flag = f"--tp-size {size}" if nnodes == 1 else f"--tp-size {size * nnodes} over --nnodes {nnodes}"
+        per = "" if nnodes == 1 else " on each node"
         return (
-            f"--tp-size {size} needs {size} GPUs from cuda:{base} (one per rank); this host has {count} "
+            f"{flag} needs {size} GPUs{per} from cuda:{base} (one per rank); this host has {count} "
             f"visible (CUDA_VISIBLE_DEVICES)"
         )
     return None
@@ -114,16 +102,17 @@ class TPRank:
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
-def join(shard: Shard, port: int, device: str) -> TPRank:
-    """Join (or, on rank 0, open) the group; blocks until every rank is in."""
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this host
+def join(shard: Shard, init: "int | str", device: str, layout: Optional[NodeLayout] = None) -> TPRank:
+    """Join (or, on rank 0, open) the group; blocks until every rank is in. `init`: a port on
+    127.0.0.1 (every rank on this host) or a torch init method (tcp://HOST:PORT, node 0's)."""
+    init_method = f"tcp://127.0.0.1:{init}" if isinstance(init, int) else init
+    set_socket_interface(layout or NodeLayout(shard.size))
     cuda = torch.device(device).type == "cuda"
     if cuda:
         torch.cuda.set_device(torch.device(device))
     dist.init_process_group(
         "nccl" if cuda else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=init_method,
         rank=shard.rank,
         world_size=shard.size,
         timeout=timedelta(seconds=STEP_TIMEOUT_S),
@@ -133,10 +122,13 @@ def join(shard: Shard, port: int, device: str) -> TPRank:
 
 
 class TPGroup:
-    """Rank 0's handle on the group: spawns the other ranks, sends them each batch, watches them."""
+    """Rank 0's handle on the group: spawns this host's other ranks, admits the other nodes' (with
+    --nnodes), sends them each batch, watches them all."""
 
-    def __init__(self, size: int, engine_args: dict, device: Optional[str]):
-        refusal = device_refusal(rank_device(device, 0), size)
+    def __init__(self, size: int, engine_args: dict, device: Optional[str], layout: Optional[NodeLayout] = None):
+        layout = layout or NodeLayout(size)
+        per_node = layout.ranks_per_node
+        refusal = device_refusal(rank_device(device, 0), per_node, nnodes=layout.nnodes)
         if refusal:
             raise ValueError(refusal)
         self.size = size
@@ -150,32 +142,69 @@ class TPGroup:
         # Heartbeats older than this (wall clock) are not held against a rank: moved forward when
         # this process itself was frozen (a suspended host or terminal stops every rank alike).
         self._beat_floor = time.time()
-        port = free_port()
-        self.procs: list[subprocess.Popen] = []
-        # Where each rank leaves the one line saying why it failed: rank 0 names it in its own
-        # failure, instead of the collective's "connection reset by peer" that follows it.
-        # Each rank's heartbeat: its load may take as long as it takes, but not without a sign of life.
-        stem = os.path.join(tempfile.gettempdir(), f"dsv4-tp-{os.getpid()}-{port}-rank")
-        self.error_files = [f"{stem}{r}.err" for r in range(1, size)]
-        self.alive_files = [f"{stem}{r}.alive" for r in range(1, size)]
-        for r in range(1, size):
-            spec = {
-                "rank": r,
-                "size": size,
-                "port": port,
-                "parent": os.getpid(),
-                "engine": engine_args,
-                "error_file": self.error_files[r - 1],
-                "alive_file": self.alive_files[r - 1],
-            }
-            env = {**os.environ, SPEC_ENV: json.dumps(spec)}
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "dsv4_engine.parallel.worker"], env=env))
+        if layout.dist_init_addr is None:  # one host: a rendezvous on loopback
+            layout = replace(layout, dist_init_addr=f"127.0.0.1:{free_port()}")
+        self.layout = layout
+        self.nodes: Optional[NodeServer] = None
+        if layout.multi_node:  # before any rank starts: a busy port is one clear line
+            try:
+                self.nodes = NodeServer(
+                    layout.channel_port,
+                    {
+                        "nnodes": layout.nnodes,
+                        "tp_size": size,
+                        "model": config_fingerprint(engine_args.get("model", "")),
+                    },
+                    node_timeout_s(),
+                    group_secret(),
+                )
+            except OSError as e:
+                raise RuntimeError(
+                    f"the node channel cannot listen on port {layout.channel_port} (--dist-init-addr port + 1): {e}"
+                ) from None
+        self._started = time.monotonic()
+        # This host's other ranks (local ranks 1..), each on its own device.
+        ranks = layout.local_ranks()
+        self.local = LocalRanks(
+            ranks[1:],
+            size,
+            layout.init_method(),
+            engine_args,
+            {r: i for i, r in enumerate(ranks)},
+            str(layout.init_port),
+        )
         self._watch = threading.Thread(target=self._watch_ranks, name="dsv4-tp-watchdog", daemon=True)
         self._watch.start()
         self._threads = torch.get_num_threads()
         if torch.device(rank_device(device, 0)).type == "cpu":  # the ranks share this host's cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-        self.rank = join(Shard(0, size), port, rank_device(device, 0))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
+        try:
+            self.rank = join(Shard(0, size), layout.init_method(), rank_device(device, 0), layout)
+        except Exception as e:
+            missing = self.nodes.missing() if self.nodes is not None else []
+            if missing:
+                raise RuntimeError(self._missing_nodes(missing)) from e
+            raise
+
+    # Compatibility: what tests and the status read of this host's ranks.
+    @property
+    def procs(self) -> list:
+        return list(self.local.procs.values())
+
+    def _missing_nodes(self, missing: list[int]) -> str:
+        return (
+            f"node{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of --nnodes {self.layout.nnodes} "
+            f"did not join within {STEP_TIMEOUT_S:g} s (node 0 waits at {self.layout.dist_init_addr} and port "
+            f"{self.layout.channel_port}; is `dsv4 serve --node-rank N --dist-init-addr {self.layout.dist_init_addr}` "
+            "running there?)"
+        )
+
+    def describe(self) -> dict:
+        """The group's shape for /v1/loads: nodes, and this host's ranks."""
+        out: dict = {"nnodes": self.layout.nnodes, "node_ranks": self.layout.ranks_per_node}
+        if self.nodes is not None:
+            out["nodes"] = self.nodes.describe()
+        return out
 
     # ---- the step channel --------------------------------------------------------------------
 
@@ -195,6 +224,8 @@ class TPGroup:
                 )
         finally:
             self._loading = False
+        if self.nodes is not None:  # every rank loaded: the other nodes' agents turn ready
+            self.nodes.announce_ready()
 
     def send_batch(self, fb) -> None:
         header, payload = wire.pack(fb)
@@ -272,6 +303,8 @@ class TPGroup:
                 return
             self.failed = reason
         self._remove_error_files()  # read already (the reason names them); the process may not get to it
+        if self.nodes is not None:  # the other nodes stop their ranks at once, with the reason
+            self.nodes.announce_failure(reason)
         log.critical("tensor-parallel group failed: %s; the engine goes down in %.1f s", reason, FAIL_GRACE_S)
         print(f"dsv4: tensor-parallel group failed: {reason}", file=sys.stderr, flush=True)
         for cb in self.on_failure:
@@ -288,20 +321,14 @@ class TPGroup:
         os._exit(1)
 
     def _rank_exit(self, wait_s: float = 0.0) -> Optional[str]:
-        """'rank r (pid) exited with code c: why' for the first rank found gone (waiting up to
-        wait_s for one to go), or None."""
+        """Why a rank or a node is gone: 'rank r (pid) exited with code c: why' for the first of
+        this host's ranks found gone, else the node channel's reason (another node lost, or a
+        node's rank gone), waiting up to wait_s for one; or None."""
         deadline = time.monotonic() + wait_s
         while True:
-            for r, p in enumerate(self.procs, start=1):
-                code = p.poll()
-                if code is not None:
-                    why = ""
-                    with contextlib.suppress(OSError):
-                        with open(self.error_files[r - 1]) as f:
-                            why = f.read().strip()
-                    return f"rank {r} (pid {p.pid}) exited with code {code}" + (f": {why}" if why else "")
-            if time.monotonic() >= deadline:
-                return None
+            found = self.local.exited() or (self.nodes.failure() if self.nodes is not None else None)
+            if found is not None or time.monotonic() >= deadline:
+                return found
             time.sleep(0.05)
 
     def _watch_ranks(self) -> None:
@@ -323,37 +350,27 @@ class TPGroup:
             if since is not None and time.monotonic() - since > STEP_TIMEOUT_S:
                 self.fail(f"a step waited on the other ranks for more than {STEP_TIMEOUT_S:g} s (a rank is hung)")
                 return
+            missing = self.nodes.missing() if self.nodes is not None else []
+            if missing and time.monotonic() - self._started > STEP_TIMEOUT_S:
+                self.fail(self._missing_nodes(missing))
+                return
             time.sleep(WATCH_INTERVAL_S)
 
     def _silent_rank(self) -> Optional[str]:
-        """The first rank whose heartbeat is older than STEP_TIMEOUT_S (a stopped process, alive to
-        the watchdog's poll), or None. Judged whether or not a step is under way, so that an idle
-        engine's /health also fails; a rank that has not written its first beat yet (still
-        starting) is left to the group's join timeout."""
-        now = time.time()
-        for r, path in enumerate(self.alive_files, start=1):
-            try:
-                last = os.path.getmtime(path)
-            except OSError:
-                continue
-            if now - max(last, self._beat_floor) > STEP_TIMEOUT_S:
-                during = " while loading its weights" if self._loading else ""
-                return (
-                    f"rank {r} (pid {self.procs[r - 1].pid}) gave no sign of life for more than "
-                    f"{STEP_TIMEOUT_S:g} s{during} (a rank is hung)"
-                )
-        return None
+        """The first of this host's ranks whose heartbeat is older than STEP_TIMEOUT_S (a stopped
+        process, alive to the watchdog's poll), or None. Judged whether or not a step is under
+        way, so that an idle engine's /health also fails; a rank that has not written its first
+        beat yet (still starting) is left to the group's join timeout. (Other nodes judge their
+        own ranks the same way and report on the node channel.)"""
+        return self.local.silent(STEP_TIMEOUT_S, self._beat_floor, self._loading)
 
     def _kill_ranks(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-        self._remove_error_files()
+        self.local.kill()
+        if self.nodes is not None:
+            self.nodes.close()
 
     def _remove_error_files(self) -> None:
-        for path in (*self.error_files, *self.alive_files):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        self.local.remove_files()
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the other ranks (orderly when the group still works) and leave the group."""
@@ -364,6 +381,9 @@ class TPGroup:
         deadline = time.monotonic() + timeout
         teller: Optional[threading.Thread] = None
         if self.failed is None:
+            if self.nodes is not None:  # the other nodes' ranks exit next: not a failure
+                self.nodes.announce_stop()
+
             # In a thread: a hung rank would hold the send forever; it is killed below instead.
             def tell_stop() -> None:
                 try:
@@ -374,12 +394,9 @@ class TPGroup:
             teller = threading.Thread(target=tell_stop, name="dsv4-tp-stop", daemon=True)
             teller.start()
             teller.join(timeout)
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        self.local.wait(max(0.1, deadline - time.monotonic()))
+        if self.nodes is not None:
+            self.nodes.close()
         torch.set_num_threads(self._threads)
         self._remove_error_files()
         if teller is not None and teller.is_alive():

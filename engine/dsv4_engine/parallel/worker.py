@@ -1,14 +1,18 @@
-"""A rank other than 0: `python -m dsv4_engine.parallel.worker`, spawned by rank 0.
+"""A rank other than 0: `python -m dsv4_engine.parallel.worker`, spawned by rank 0 (or, on the
+other nodes of a multi-node engine, by that node's agent: dsv4_engine.parallel.node_agent).
 
 It loads its shard of the weights, builds a KV pool that mirrors rank 0's, then runs each batch
 rank 0 broadcasts until told to stop. It never recovers from an error: it exits non-zero, and
-rank 0's watchdog takes the engine down."""
+whoever spawned it takes the engine down (rank 0's watchdog, or the node agent, which tells
+node 0). SIGUSR1 dumps every thread's stack into its stacks file (evidence of a stuck rank)."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -18,8 +22,10 @@ import torch
 import torch.distributed as dist
 
 from dsv4_engine.parallel import wire
-from dsv4_engine.parallel.group import HEARTBEAT_S, SPEC_ENV, all_ranks_agree, join, rank_device, receive_state
+from dsv4_engine.parallel.group import all_ranks_agree, join, rank_device, receive_state
+from dsv4_engine.parallel.layout import NodeLayout
 from dsv4_engine.parallel.plan import Shard
+from dsv4_engine.parallel.ranks import HEARTBEAT_S, SPEC_ENV
 
 log = logging.getLogger("dsv4.tp")
 
@@ -34,11 +40,11 @@ def _forget_files(spec: dict) -> None:
 
 
 def _watch_parent(spec: dict) -> None:
-    """Rank 0 gone (killed, crashed): this rank has nothing left to serve."""
+    """Its parent (rank 0, or this node's agent) is gone (killed, crashed): nothing left to serve."""
     parent = spec["parent"]
     while True:
         if os.getppid() != parent:
-            print(f"dsv4 tp rank: rank 0 (pid {parent}) is gone; exiting", file=sys.stderr, flush=True)
+            print(f"dsv4 tp rank: its parent (pid {parent}) is gone; exiting", file=sys.stderr, flush=True)
             _forget_files(spec)
             os._exit(1)
         time.sleep(0.25)
@@ -66,10 +72,14 @@ def serve_rank(spec: dict) -> None:
 
     shard = Shard(spec["rank"], spec["size"])
     ea = spec["engine"]
-    device = rank_device(ea.get("device"), shard.rank)
+    local_rank, local_size = spec.get("local_rank", shard.rank), spec.get("local_size", shard.size)
+    device = rank_device(ea.get("device"), local_rank)  # this host's GPU of its place on the host
     if torch.device(device).type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // shard.size))
-    rank = join(shard, spec["port"], device)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
+    layout = NodeLayout(
+        ea.get("tp_size") or shard.size, ea.get("nnodes") or 1, ea.get("node_rank") or 0, ea.get("dist_init_addr")
+    )
+    rank = join(shard, spec.get("init") or spec["port"], device, layout)
     runner = ModelRunner(ea["model"], ea.get("dtype"), device, ea.get("kernel_backend"), tp=rank)
     specs, speculator = runner.state_specs, None
     if ea.get("speculative_algorithm") is not None:  # as rank 0's Engine: its MTP shard and state
@@ -130,6 +140,8 @@ def serve_rank(spec: dict) -> None:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = json.loads(os.environ[SPEC_ENV])
+    if spec.get("stacks_file"):  # before the heartbeat: whoever sees a beat may ask for stacks
+        faulthandler.register(signal.SIGUSR1, file=open(spec["stacks_file"], "a"), all_threads=True)
     threading.Thread(target=_watch_parent, args=(spec,), daemon=True).start()
     if spec.get("alive_file"):
         threading.Thread(target=_heartbeat, args=(spec["alive_file"],), daemon=True).start()

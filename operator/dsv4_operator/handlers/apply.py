@@ -32,14 +32,17 @@ from dsv4_operator.manifests import (
     child_name,
     decode_held,
     engine_statefulset,
+    engine_workload,
     initial_replicas,
     prefill_rolled_out,
     scale_handover,
     unbuildable_reasons,
+    workload_kind,
 )
 from dsv4_operator.canary import plan as canary_plan
 from dsv4_operator.pinning import pinned_spec
 from dsv4_operator.pod_creation import CREATION_FAILURES
+from dsv4_operator.workload_form import lws_served, remove_replaced
 from dsv4_operator.status import (
     APPLY_REFUSAL_REASONS,
     ROLES,
@@ -254,10 +257,12 @@ async def deployment_admin_token(api: KubeApi, namespace: str, name: str) -> Opt
     return values.get(ADMIN_TOKEN_KEY)
 
 
-async def hand_over_replicas(api: KubeApi, owner: Owner, role: str, replicas: int) -> None:
+async def hand_over_replicas(
+    api: KubeApi, owner: Owner, role: str, replicas: int, kind: tuple[str, str] = ("apps/v1", "StatefulSet")
+) -> None:
     """Apply a workload's replicas alone as SCALE_MANAGER (see manifests.scale_handover). Not
     forced: if an autoscaler already set another value, it owns the field, as it should."""
-    manifest = scale_handover(owner, role, replicas)
+    manifest = scale_handover(owner, role, replicas, kind)
     try:
         await api.request(
             "PATCH",
@@ -283,22 +288,24 @@ async def apply_children(
     (from the index), for the roles scaled from outside; `seen`: where to note the generations
     our writes gave the workloads (see _child_changed)."""
     await ensure_auth_secret(api, spec, owner)
+    lws = await lws_served(api)  # multi-node roles: LeaderWorkerSets where the cluster has them
+    await remove_replaced(api, spec, owner, lws)  # a workload of the other form must go first
     existing = existing_replicas or {}
     external = [role for role in ROLES if spec.replicas_from_workload(role)]
     for role in external:  # before our apply stops carrying replicas, so the count stays
         if role in existing:
-            await hand_over_replicas(api, owner, role, existing[role])
+            await hand_over_replicas(api, owner, role, existing[role], workload_kind(spec, role, lws))
     applied = []
     prefill: Optional[dict[str, Any]] = None
     prefill_name, decode_name = child_name(owner.name, "prefill"), child_name(owner.name, "decode")
-    for manifest in build_children(spec, owner, operator_namespace()):
-        is_sts = manifest["kind"] == "StatefulSet"
+    for manifest in build_children(spec, owner, operator_namespace(), lws=lws):
+        is_sts = manifest["kind"] in ("StatefulSet", "LeaderWorkerSet")
         if (
             is_sts
             and manifest["metadata"]["name"] == decode_name
-            and await _hold_decode(api, spec, owner, manifest, prefill or {})
+            and await _hold_decode(api, spec, owner, manifest, prefill or {}, lws)
         ):
-            manifest = engine_statefulset(spec, owner, "decode", S.spec_revision(spec), hold=True)
+            manifest = engine_workload(spec, owner, "decode", S.spec_revision(spec), hold=True, lws=lws)
         result = await apply_repairing(api, manifest)
         _remember_generation(seen, result)
         if is_sts and manifest["metadata"]["name"] == prefill_name:
@@ -307,7 +314,7 @@ async def apply_children(
         metrics.applied.labels(manifest["kind"]).inc()
     for role in external:  # just created (at the default of 1): the starting count
         if role not in existing:
-            await hand_over_replicas(api, owner, role, initial_replicas(spec, role))
+            await hand_over_replicas(api, owner, role, initial_replicas(spec, role), workload_kind(spec, role, lws))
     for api_version, kind, child in absent_children(spec, owner):
         await delete_if_present(api, api_version, kind, owner.namespace, child)
     return applied
@@ -319,16 +326,19 @@ async def _hold_decode(
     owner: Owner,
     wanted: dict[str, Any],
     prefill: Optional[dict[str, Any]] = None,
+    lws: bool = False,
 ) -> bool:
     """Whether to apply decode held (manifests.decode_held); `prefill`: the prefill StatefulSet as
     just applied, else it is read."""
     if spec.rollout.order != "prefillFirst":
         return False  # no reads needed
     if prefill is None:
-        prefill = await api.get("apps/v1", "StatefulSet", owner.namespace, child_name(owner.name, "prefill"))
+        prefill = await api.get(
+            *workload_kind(spec, "prefill", lws), owner.namespace, child_name(owner.name, "prefill")
+        )
     if prefill_rolled_out(prefill):
         return False
-    live = await api.get("apps/v1", "StatefulSet", owner.namespace, wanted["metadata"]["name"])
+    live = await api.get(wanted["apiVersion"], wanted["kind"], owner.namespace, wanted["metadata"]["name"])
     return decode_held(spec, False, live, wanted)
 
 

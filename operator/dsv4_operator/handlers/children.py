@@ -34,12 +34,15 @@ from dsv4_operator.manifests import (
     Owner,
     build_children,
     child_name,
-    engine_statefulset,
+    engine_workload,
     initial_replicas,
+    partition_of,
     prefill_rolled_out,
+    workload_kind,
 )
 from dsv4_operator.pod_creation import CREATION_FAILURES, FAILED_CREATE, creation_failure
 from dsv4_operator.telemetry import OperatorMetrics
+from dsv4_operator.workload_form import lws_served
 
 
 # ---- Children: status from the workloads, drift put right ---------------------------------------
@@ -271,24 +274,29 @@ async def _reapply_child(
     if spec is None:
         return False
     owner = Owner(owner_name, namespace, cr["metadata"]["uid"])
+    lws = await lws_served(api)
+    # A LeaderWorkerSet makes a StatefulSet of its own name (with our labels): that one's events
+    # stand for the LeaderWorkerSet.
+    kinds = (kind, "LeaderWorkerSet") if kind == "StatefulSet" else (kind,)
     wanted = [
         m
-        for m in build_children(spec, owner, operator_namespace())
-        if m["kind"] == kind and m["metadata"]["name"] == name
+        for m in build_children(spec, owner, operator_namespace(), lws=lws)
+        if m["kind"] in kinds and m["metadata"]["name"] == name
     ]
     if not wanted:
         return False  # not (or no longer) one the spec asks for
     if seen_version == "":  # a release: only a decode StatefulSet that is held has anything to take
-        live = await api.get("apps/v1", "StatefulSet", namespace, name)
-        partition = (((live or {}).get("spec") or {}).get("updateStrategy") or {}).get("rollingUpdate") or {}
-        if partition.get("partition") != HOLD_PARTITION:
+        live = await api.get(wanted[0]["apiVersion"], wanted[0]["kind"], namespace, name)
+        if partition_of(live) != HOLD_PARTITION:
             return False
+    if wanted[0]["kind"] == "LeaderWorkerSet" and seen_version not in (None, ""):
+        return False  # LeaderWorkerSet writes its own StatefulSet: not drift of ours
     if (
-        kind == "StatefulSet"
+        kind in ("StatefulSet", "LeaderWorkerSet")
         and name == child_name(owner_name, "decode")
-        and await _hold_decode(api, spec, owner, wanted[0])
+        and await _hold_decode(api, spec, owner, wanted[0], lws=lws)
     ):
-        wanted = [engine_statefulset(spec, owner, "decode", S.spec_revision(spec), hold=True)]
+        wanted = [engine_workload(spec, owner, "decode", S.spec_revision(spec), hold=True, lws=lws)]
     removed = [] if seen_version in (None, "") else await remove_foreign_entries(api, wanted[0])
     if removed:
         kopf.event(
@@ -302,7 +310,8 @@ async def _reapply_child(
     metrics.applied.labels(kind).inc()
     role = (wanted[0]["metadata"].get("labels") or {}).get(LABEL_ROLE, "")
     if seen_version is None and kind in ("StatefulSet", "Deployment") and spec.replicas_from_workload(role):
-        await hand_over_replicas(api, owner, role, initial_replicas(spec, role))  # made anew: starting count
+        # made anew: its starting count
+        await hand_over_replicas(api, owner, role, initial_replicas(spec, role), workload_kind(spec, role, lws))
     if seen_version == "":
         return False  # a release of decode after prefill rolled out, not a repair
     if seen_version is None or seen_version != after["metadata"].get("resourceVersion"):

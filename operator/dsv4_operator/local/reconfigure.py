@@ -152,10 +152,7 @@ class LocalRollout:
         if role != "prefill" and not alone:
             await self._router("POST", {"url": eng.url, "role": role, "canary": True})
             await self._idle(eng, timeout=drain_s)
-        await asyncio.to_thread(eng.stop)
-        eng.cmd = self.up.engine_cmd(eng.key, engine_args)
-        eng.start()
-        self.up.write_processes()
+        await self.up.restart_engine(eng, engine_args)  # every node of its group, with --nnodes
         await self._wait_ready(eng)
         if role != "prefill" and not alone and not out_of_rotation:
             await self._router("POST", {"url": eng.url, "role": role, "canary": False})

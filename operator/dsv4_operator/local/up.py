@@ -41,11 +41,13 @@ from dsv4_wire.flags import RouterFlags as R
 from dsv4_wire.serve_options import OPTIONS_BY_NAME, PD_DEADLINES
 from dsv4_wire import Paths
 
+from dsv4_operator.local.groups import make_groups, rebuild
 from dsv4_operator.remediation.actions import dispatch, step_for
 from dsv4_operator.local.state_files import write_atomic
 from dsv4_operator.local.supervisor import CrashBackoff, EngineProc, Supervisor
 from dsv4_operator.watchdog.detector import Detector, Verdict, verdict_to_dict
 from dsv4_operator.watchdog.evidence import build_evidence_configmap
+from dsv4_operator.watchdog.groups import unit_info
 from dsv4_operator.watchdog.policy import Action, PodInfo, RemediationSettings
 from dsv4_operator.remediation.runner import WatchdogLoop
 from dsv4_operator.watchdog.signals import ScrapeTarget
@@ -163,6 +165,7 @@ class UpArgs:
     scrape_interval: float = 2.0
     evidence_dir: Optional[Path] = None
     engine_args: list[str] = field(default_factory=list)
+    nnodes: int = 1  # each engine a group of this many local "node" processes (dsv4_operator.local.groups)
     max_unavailable: int = 1
     cooldown: float = 30.0
     admin_token: Optional[str] = None  # None: generated and kept in the state folder
@@ -196,8 +199,8 @@ class LocalExecutor:
     held = report
 
     async def capture(self, action: Action, verdict: Optional[Verdict]) -> tuple[bool, Optional[str]]:
-        path = await self._capture(self.up.engines[action.pod], action, verdict)
-        self._event(action, str(path))
+        paths = [await self._capture(p, action, verdict) for p in self.up.group(action.pod)]
+        self._event(action, ", ".join(map(str, paths)))
         return True, None
 
     async def drain(self, action: Action, verdict: Optional[Verdict]) -> tuple[bool, Optional[str]]:
@@ -216,9 +219,7 @@ class LocalExecutor:
         eng = self.up.engines[action.pod]
         note = None
         if action.uid is None or eng.uid == action.uid:
-            await asyncio.to_thread(eng.stop)
-            eng.start()
-            self.up.write_processes()
+            await self.up.restart_engine(eng)
         else:  # the supervisor replaced it already (it crashed): leave the new process alone
             note = f"already replaced (process {eng.uid}, not {action.uid})"
         await self.call(self.up.router_url + Paths.ADMIN_WORKERS, "POST", {"url": eng.url, "role": eng.role})
@@ -333,12 +334,18 @@ class LocalDeployment:
                     key, role, port, self.engine_cmd(key, args.engine_args), self.state_dir / f"{key}.log", bport, env
                 )
                 port += 1
+        self.nodes = make_groups(
+            self.engines, self._base_cmds, args.engine_args, args.nnodes, args.port, self.state_dir, env
+        )
         router_cmd = [*args.dsv4_command, "router", R.HOST, args.host, R.PORT, str(args.port), R.HEALTH_INTERVAL, "1"]
         for e in self.engines.values():
             router_cmd += [getattr(R, e.role.upper()), e.url]
         self.router = EngineProc("router", "router", args.port, router_cmd, self.state_dir / "router.log", env=env)
         self.supervisor = Supervisor(
-            [*self.engines.values(), self.router], self.supervised, args.crash_backoff, on_change=self.write_processes
+            [*self.engines.values(), *self.node_procs(), self.router],
+            self.supervised,
+            args.crash_backoff,
+            on_change=self.write_processes,
         )
         self.settings = RemediationSettings(
             dry_run=False,
@@ -358,6 +365,26 @@ class LocalDeployment:
         """Engine `key`'s command line with these extra engine args (a reconfigure changes them)."""
         return [*self._base_cmds[key], *engine_args]
 
+    def node_procs(self) -> list[EngineProc]:
+        return [n for nodes in self.nodes.values() for n in nodes]
+
+    def group(self, key: str) -> list[EngineProc]:
+        """Engine `key`'s processes: itself, and its other nodes (--nnodes)."""
+        return [self.engines[key], *self.nodes.get(key, [])]
+
+    async def restart_engine(self, eng: EngineProc, engine_args: Optional[Sequence[str]] = None) -> None:
+        """Stop an engine (every node of its group) and start it again, with new extra engine args
+        when given: a group starts and restarts as one."""
+        procs = self.group(eng.key)
+        for p in reversed(procs):
+            await asyncio.to_thread(p.stop)
+        if engine_args is not None:
+            eng.cmd = self.engine_cmd(eng.key, engine_args)
+            rebuild(self.nodes.get(eng.key, []), self._base_cmds[eng.key], list(engine_args), self.args.nnodes)
+        for p in procs:
+            p.start()
+        self.write_processes()
+
     def event(self, reason: str, pod: str, message: str) -> None:
         self._record("watchdog", "red" if reason == "WedgeDetected" else "yellow", reason, pod, message)
 
@@ -370,7 +397,7 @@ class LocalDeployment:
 
     def write_processes(self) -> None:
         """processes.json: each process's PID, restarts and log, for people and tests."""
-        doc = {p.key: p.to_dict() for p in [*self.engines.values(), self.router]}
+        doc = {p.key: p.to_dict() for p in [*self.engines.values(), *self.node_procs(), self.router]}
         write_atomic(self.state_dir / "processes.json", json.dumps(doc, indent=1))
 
     async def _ready(self, client: httpx.AsyncClient, eng: EngineProc) -> bool:
@@ -386,7 +413,7 @@ class LocalDeployment:
     async def wait_ready(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
         async with httpx.AsyncClient() as client:
-            for eng in [*self.engines.values(), self.router]:
+            for eng in [*self.engines.values(), *self.node_procs(), self.router]:
                 while not await self._ready(client, eng):
                     if eng.popen.poll() is not None:
                         raise RuntimeError(f"{eng.key} exited with {eng.popen.returncode}; see {eng.log_path}")
@@ -402,7 +429,7 @@ class LocalDeployment:
             try:
                 while not stop.is_set():
                     started = time.monotonic()
-                    for k, e in self.engines.items():
+                    for k, e in [*self.engines.items(), *((n.key, n) for n in self.node_procs())]:
                         if incarnation.get(k, e.uid) != e.uid:
                             # A new process is a new pod: what the old one did (or its silence
                             # after a crash) says nothing about it.
@@ -413,16 +440,34 @@ class LocalDeployment:
                             self.engines, await asyncio.gather(*(self._ready(client, e) for e in self.engines.values()))
                         )
                     )
-                    pods = {k: PodInfo(role=e.role, ready=ready[k], uid=e.uid) for k, e in self.engines.items()}
+                    nodes_ready = dict(
+                        zip(
+                            [n.key for n in self.node_procs()],
+                            await asyncio.gather(*(self._ready(client, n) for n in self.node_procs())),
+                        )
+                    )
+                    pods = {
+                        k: unit_info(
+                            PodInfo(role=e.role, ready=ready[k], uid=e.uid),
+                            [PodInfo(role=n.role, ready=nodes_ready[n.key]) for n in self.nodes.get(k, [])],
+                            self.args.nnodes if k in self.nodes else 1,
+                        )
+                        for k, e in self.engines.items()
+                    }
                     # A process that is not running is the supervisor's: crash is not a wedge.
                     # A canary under a rollout's probe is the rollout's to judge (and revert).
                     targets = [
-                        ScrapeTarget(k, e.url, e.role)
-                        for k, e in self.engines.items()
-                        if e.running and k not in self.rolling
+                        ScrapeTarget(p.key, p.url, p.role)
+                        for k in self.engines
+                        for p in self.group(k)
+                        if p.running and k not in self.rolling
                     ]
+                    groups = {n.key: k for k, nodes in self.nodes.items() for n in nodes}
                     result = await loop.round(
-                        targets, pods, answered_before={k: e.ever_ready for k, e in self.engines.items()}
+                        targets,
+                        pods,
+                        answered_before={p.key: p.ever_ready for k in self.engines for p in self.group(k)},
+                        groups=groups,
                     )
                     status = {
                         "time": time.time(),
@@ -445,6 +490,8 @@ class LocalDeployment:
         """What `dsv4 up` says once serving: one fact a line, each path whole."""
         a = self.args
         kind = "monolithic" if a.mono else f"prefill x{a.prefill}, decode x{a.decode}"
+        if a.nnodes > 1:
+            kind += f"; each engine {a.nnodes} node processes (--nnodes)"
         deadlines = engine_deadlines(a.engine_args) if a.deadlines else None
         why = (
             "engine deadlines off"
@@ -474,7 +521,7 @@ class LocalDeployment:
         aloop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             aloop.add_signal_handler(sig, stop.set)
-        for eng in [*self.engines.values(), self.router]:
+        for eng in [*self.engines.values(), *self.node_procs(), self.router]:
             eng.start()
         self.write_processes()
         supervisor = None
@@ -495,7 +542,7 @@ class LocalDeployment:
                 await supervisor
                 reconfigures.cancel()
                 await asyncio.gather(reconfigures, return_exceptions=True)
-            for eng in [self.router, *self.engines.values()]:
+            for eng in [self.router, *self.node_procs(), *self.engines.values()]:
                 eng.stop()
             console.print("dsv4 up: stopped")
 

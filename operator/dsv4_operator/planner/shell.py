@@ -42,7 +42,8 @@ from dsv4_operator.auth_secret import AuthSecretRefused
 from dsv4_operator.bounded import LOADS_MAX_BYTES, METRICS_MAX_BYTES, BodyTooLarge, read_capped
 from dsv4_operator.canary.plan import PROBING, CanaryRecord
 from dsv4_operator.kube import ApiError, KubeApi, path_of, resource_path
-from dsv4_operator.manifests import HOLD_PARTITION, SCALE_MANAGER, Owner, child_name, scale_handover
+from dsv4_operator.manifests import HOLD_PARTITION, SCALE_MANAGER, Owner, child_name, scale_handover, workload_kind
+from dsv4_operator.workload_form import lws_served
 from dsv4_operator.planner.decision import (
     DRAIN,
     ROLES,
@@ -308,7 +309,10 @@ class DeploymentPlanner:
     async def _scale(self, role: str, replicas: int) -> None:
         """The StatefulSet's replicas alone, by server-side apply under SCALE_MANAGER (the field
         manager of a role whose count is not the spec's), forced: the planner owns the count."""
-        manifest = scale_handover(Owner(self.name, self.namespace, self.uid), role, replicas)
+        spec = self._spec()
+        # A multi-node role on a cluster with LeaderWorkerSet: its LeaderWorkerSet's groups.
+        kind = workload_kind(spec, role, await lws_served(self.api())) if spec is not None else None
+        manifest = scale_handover(Owner(self.name, self.namespace, self.uid), role, replicas, *([kind] if kind else []))
         await self.api().request(
             "PATCH",
             path_of(manifest),

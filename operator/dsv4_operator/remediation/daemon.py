@@ -33,7 +33,9 @@ from dsv4_operator.remediation.executor import DeploymentContext, EventSink, Kub
 from dsv4_operator.watchdog.pods import (
     EnginePod,
     engine_pod,
+    group_status,
     pod_selector,
+    worker_pod,
     remediation_settings,
     scrape_timeout,
     stable_after_seconds,
@@ -192,25 +194,29 @@ class DeploymentWatchdog:
         if not rem.enabled:
             self.episode = None
             await self._persist_tracker()
+            pods, workers = await self._engine_pods(spec.engine.port)
             await self._write_status(
                 wedged_condition(enabled=False, pods=0, verdicts={}, active={}, dry_run=False),
-                {"wedgedPods": 0},
+                {"wedgedPods": 0, **group_status(pods, watch_plan(pods, spec.engine.kind, workers).members)},
                 restarts=0,
             )
             self.metrics.wedged_pods.labels(self.namespace, self.name).set(0)
             return float(rem.scrape_interval_seconds)
 
         loop = self._loop_for(spec)
-        pods = await self._engine_pods(spec.engine.port)
-        plan = watch_plan(pods, spec.engine.kind)
-        for pod in pods:
+        pods, workers = await self._engine_pods(spec.engine.port)
+        plan = watch_plan(pods, spec.engine.kind, workers)
+        for pod in [*pods, *workers]:
             if self.uids.get(pod.name, pod.uid) != pod.uid:
                 loop.detector.forget(pod.name)  # a new incarnation starts with a fresh window
             self.uids[pod.name] = pod.uid
         self.ctx.kind, self.ctx.pods, self.ctx.revision = spec.engine.kind, {p.name: p for p in pods}, revision.hash
+        self.ctx.members = plan.members
         self.ctx.spec_diff = self._spec_diff(raw_spec)
 
-        result = await loop.round(plan.targets, plan.pods, now=now, answered_before=plan.answered_before)
+        result = await loop.round(
+            plan.targets, plan.pods, now=now, answered_before=plan.answered_before, groups=plan.groups
+        )
         self._count_scrapes(result)
 
         wedged = [p for p, v in result.verdicts.items() if isinstance(v, Wedged)]
@@ -244,7 +250,7 @@ class DeploymentWatchdog:
             held=loop.state.held,
             blind=self._blindness(result, now),
         )
-        fields: dict[str, Any] = {"wedgedPods": count}
+        fields: dict[str, Any] = {"wedgedPods": count, **group_status(pods, plan.members)}
         if rollback_record is not None or last is not None:
             fields["lastRemediation"] = rollback_record or last
         await self._write_status(condition, fields, restarts)
@@ -280,15 +286,18 @@ class DeploymentWatchdog:
     def key(self) -> str:
         return f"{self.namespace}/{self.name}"
 
-    async def _engine_pods(self, default_port: int) -> list[EnginePod]:
+    async def _engine_pods(self, default_port: int) -> tuple[list[EnginePod], list[EnginePod]]:
+        """The engine pods (a multi-node engine's leader among them) and the workers of groups."""
         if self.pod_source is not None:  # kopf's pod index, kept current by one watch
-            pods = (engine_pod(obj, default_port) for obj in self.pod_source(self.namespace, self.name))
-            return [p for p in pods if p is not None]
-        doc = await self.api().request(
-            "GET", resource_path("v1", "pods", self.namespace), query=[("labelSelector", pod_selector(self.name))]
-        )
-        pods = (engine_pod(obj, default_port) for obj in (doc or {}).get("items") or [])
-        return [p for p in pods if p is not None]
+            objs = list(self.pod_source(self.namespace, self.name))
+        else:
+            doc = await self.api().request(
+                "GET", resource_path("v1", "pods", self.namespace), query=[("labelSelector", pod_selector(self.name))]
+            )
+            objs = list((doc or {}).get("items") or [])
+        pods = [p for p in (engine_pod(obj, default_port) for obj in objs) if p is not None]
+        workers = [p for p in (worker_pod(obj, default_port) for obj in objs) if p is not None]
+        return pods, workers
 
     def _blindness(self, result: RoundResult, now: float) -> Optional[str]:
         """Why the operator cannot trust its view of this deployment (None: it can). Said once per

@@ -62,6 +62,7 @@ class DeploymentContext:
     uid: str
     kind: str = "builtin"
     pods: dict[str, EnginePod] = field(default_factory=dict)
+    members: dict[str, list[EnginePod]] = field(default_factory=dict)  # a group's leader -> its workers
     spec_diff: Sequence[str] | str = "(no spec history yet)"
     revision: Optional[str] = None
 
@@ -137,7 +138,26 @@ class KubernetesExecutor:
         return pod, None
 
     async def capture(self, action: Action, verdict: Optional[Verdict]) -> tuple[bool, Optional[str]]:
+        """Evidence of the wedged engine; of a multi-node engine, of every pod of its group (its
+        workers' node agents answer stacks, loads and metrics; each pod's log): one ConfigMap each."""
         pod, gone = self._current(action)
+        ok, note = await self._capture_pod(action, verdict, action.pod, pod, gone)
+        for worker in self.ctx.members.get(action.pod, []):
+            w_ok, w_note = await self._capture_pod(action, verdict, worker.name, worker, None, group=action.pod)
+            ok = ok and w_ok
+            if w_note:
+                note = f"{note}; {worker.name}: {w_note}" if note else f"{worker.name}: {w_note}"
+        return ok, note
+
+    async def _capture_pod(
+        self,
+        action: Action,
+        verdict: Optional[Verdict],
+        pod_name: str,
+        pod: Optional[EnginePod],
+        gone: Optional[str],
+        group: Optional[str] = None,
+    ) -> tuple[bool, Optional[str]]:
         step = step_for(action.kind, self.engine_kind)
         missing: list[str] = []
         url = pod.url if pod else None
@@ -155,7 +175,7 @@ class KubernetesExecutor:
             return text
 
         *fetched, logs = await asyncio.gather(
-            *(fetch(path, what) for what, path in step.fetch), self._pod_log(action.pod, missing)
+            *(fetch(path, what) for what, path in step.fetch), self._pod_log(pod_name, missing)
         )
         got = dict(zip((what for what, _ in step.fetch), fetched))
         stacks, loads_text, metrics_text = got.get("stacks"), got.get("loads"), got.get("metrics")
@@ -177,11 +197,13 @@ class KubernetesExecutor:
                 "resumed": True,
             }
         )
+        if group is not None:  # a worker of the wedged group: the group's verdict, and which pod this is
+            verdict_doc = {**verdict_doc, "group": group, "node": pod.node if pod else None}
         now = self.clock()
         cm = build_evidence_configmap(
             deployment=self.ctx.name,
             namespace=self.ctx.namespace,
-            pod=action.pod,
+            pod=pod_name,
             role=action.role,
             captured_at=now,
             verdict=verdict_doc,
@@ -201,14 +223,17 @@ class KubernetesExecutor:
         except ApiError as e:
             if e.status != 409:  # 409: this very capture was written already (a replayed step)
                 return False, f"evidence ConfigMap {name} not written: {e}"
-        self.evidence[action.pod] = name
+        self.evidence[pod_name] = name
         notes = [f"not captured: {'; '.join(missing)}"] if missing else []
         pruned = await self._prune_evidence(cm["metadata"]["labels"][DEPLOYMENT_LABEL])
         if pruned:
             notes.append(pruned)
         note = "; ".join(notes) or None
         self.events(
-            "Normal", step.event, f"{action.pod} ({action.role}): ConfigMap {name}" + (f"; {note}" if note else "")
+            "Normal",
+            step.event,
+            f"{pod_name} ({action.role}{f', group {group}' if group else ''}): ConfigMap {name}"
+            + (f"; {note}" if note else ""),
         )
         return True, note
 
@@ -304,7 +329,12 @@ class KubernetesExecutor:
         self.events(
             "Normal",
             step_for(action.kind, self.engine_kind).event,
-            f"{action.pod} ({action.role}): evicted (uid {action.uid}); its StatefulSet recreates it",
+            f"{action.pod} ({action.role}): evicted (uid {action.uid}); "
+            + (
+                "its group is made anew, every pod of it"
+                if (self.ctx.pods.get(action.pod) and self.ctx.pods[action.pod].group_size > 1)
+                else "its StatefulSet recreates it"
+            ),
         )
         return True, None
 

@@ -15,6 +15,7 @@ from typing import Any, Awaitable, Callable, Mapping, Optional, Protocol
 
 from dsv4_operator.watchdog.corroboration import Fleet, Silence, observe_silence
 from dsv4_operator.watchdog.detector import Detector, Verdict, verdict_to_dict
+from dsv4_operator.watchdog.groups import fold_verdicts
 from dsv4_operator.watchdog.policy import (
     ABORT,
     CAPTURE_EVIDENCE,
@@ -102,7 +103,11 @@ class WatchdogLoop:
         pods: Mapping[str, PodInfo],
         now: Optional[float] = None,
         answered_before: Mapping[str, bool] | None = None,
+        groups: Mapping[str, str] | None = None,
     ) -> RoundResult:
+        """`groups`: worker pod -> its group's leader (multi-node engines): every pod is judged on
+        its own window, then a group's verdicts fold into its leader's (watchdog.groups), so the
+        policy and the actions see the group as one engine."""
         if self.session is None:
             from .scrape import make_session
 
@@ -117,6 +122,8 @@ class WatchdogLoop:
         }
         for key in set(self.detector.pods()) - set(samples):
             self.detector.forget(key)  # a pod that is gone takes its window with it
+        if groups:
+            verdicts = fold_verdicts(verdicts, groups)
         infos = {k: p if isinstance(p, PodInfo) else PodInfo(role=str(p)) for k, p in pods.items()}
         silence = observe_silence(verdicts, infos)
         if self.fleet is not None:

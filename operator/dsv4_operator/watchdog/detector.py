@@ -14,6 +14,8 @@ only when, for the whole detection window,
   iterate and no token moves (only where the engine exports a loop counter: SGLang's gauges are
   stale when idle, so they cannot prove a stall);
 * ``unresponsive``: a pod that answered before has answered nothing for the window;
+* ``rank_stalled`` (a worker node of a multi-node engine): one of its ranks has not beaten its
+  heartbeat for the window (a rank frozen: the whole engine's collectives wait on it);
 
 or, over the window, ``transfer_failures``: failed + timed-out transfers exceed the threshold share
 of all finished transfers, with at least ``min_failed_transfers`` failures.
@@ -45,6 +47,7 @@ class Reason(StrEnum):
     STUCK_TRANSFER = "stuck_transfer"  # decode: likewise, waiting for KV
     HANDOFF_SLOW = "handoff_slow"
     SCHEDULER_STALLED = "scheduler_stalled"  # work queued, the loop not turning
+    RANK_STALLED = "rank_stalled"  # a worker node's rank frozen (its heartbeat stopped)
     SCHEDULER_SLOW = "scheduler_slow"
 
 
@@ -286,6 +289,10 @@ class Detector:
         stall = self._stall_verdict(seq)
         if isinstance(stall, Wedged):
             return stall
+
+        age = latest.rank_beat_age_seconds
+        if age is not None and age >= self.window_s:
+            return Wedged(Reason.RANK_STALLED, {"rank_beat_age_seconds": age, "window_seconds": self.window_s})
 
         for maybe in (handoff, stall, failures):
             if maybe is not None:

@@ -42,6 +42,7 @@ GAUGE_FIELDS = (
     "prefill_inflight_oldest_age_seconds",
     "kv_pages_free",
     "kv_pages_total",
+    "rank_beat_age_seconds",
 )
 
 # Monotonic counters; a value lower than the previous scrape's means the engine restarted.
@@ -79,6 +80,9 @@ class EngineSample:
     # idle never reads as pinned pages. No verdict reads these two; evidence reports them.
     kv_pages_free: float | None = None
     kv_pages_total: float | None = None
+    # A worker node of a multi-node engine (its node agent's /metrics): the oldest heartbeat among
+    # its ranks; one that stopped (a rank frozen) grows without end.
+    rank_beat_age_seconds: float | None = None
     # counters
     transfers_completed: float | None = None
     transfer_bytes: float | None = None
@@ -128,6 +132,7 @@ _BUILTIN_NAMES = _with_bare_counters(
         metric_name("prefill_inflight_oldest_age_seconds"): "prefill_inflight_oldest_age_seconds",
         metric_name("kv_pages_free"): "kv_pages_free",
         metric_name("kv_pages_total"): "kv_pages_total",
+        metric_name("node_rank_beat_age_seconds"): "rank_beat_age_seconds",
         metric_name("kv_transfers_completed", "_total"): "transfers_completed",
         metric_name("kv_transfer_bytes", "_total"): "transfer_bytes",
         metric_name("num_transfer_failed_reqs", "_total"): "transfer_failed",
@@ -168,7 +173,7 @@ _SGLANG_NAMES = _with_bare_counters(
 _NAMES = {BUILTIN: _BUILTIN_NAMES, SGLANG: _SGLANG_NAMES}
 
 # Fields where summing over label sets would be wrong: the oldest age is a maximum.
-_MAX_FIELDS = frozenset({"prefill_inflight_oldest_age_seconds"})
+_MAX_FIELDS = frozenset({"prefill_inflight_oldest_age_seconds", "rank_beat_age_seconds"})
 
 
 _PREFIX = {BUILTIN: "dsv4:", SGLANG: "sglang:"}

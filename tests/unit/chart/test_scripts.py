@@ -1,4 +1,4 @@
-"""The shell scripts users and CI run: scripts/get-tools.sh and tests/e2e/kind.sh pass ShellCheck,
+"""The shell scripts users and CI run: scripts/get-tools.sh and tests/e2e/kind*.sh pass ShellCheck,
 and get-tools.sh is idempotent (a second run finds every tool in place and fetches nothing)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: chart_te
 
 from chart_testutil import GET_TOOLS, REPO, TOOLS_BIN, require_tool  # noqa: E402
 
-SCRIPTS = [GET_TOOLS, REPO / "tests" / "e2e" / "kind.sh"]
+SCRIPTS = [GET_TOOLS, REPO / "tests" / "e2e" / "kind.sh", REPO / "tests" / "e2e" / "kind-multinode.sh"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)

@@ -49,6 +49,10 @@ REFUSED: dict[str, tuple[dict, str]] = {
     "no_volume_source": (with_spec(model={"name": "m", "path": "/m", "volume": {}}), "exactly one"),
     "engine_port_is_bootstrap_port": (with_spec(engine={"image": "i", "port": 8998}), "bootstrapPort"),
     "bootstrap_port_is_engine_port": (with_spec(transfer={"bootstrapPort": 8100}), "bootstrapPort"),
+    "group_leader_port_is_engine_port": (
+        with_spec(engine={"image": "i", "port": 29500}, decode={"nodesPerReplica": 2}),
+        "29500",
+    ),
     "sglang_router_on_metrics_port": (
         with_spec(engine={"kind": "sglang", "image": "i"}, router={"port": 29000}),
         "29000",

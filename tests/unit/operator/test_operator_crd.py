@@ -15,6 +15,7 @@ import yaml
 from pydantic import ValidationError
 
 from dsv4_operator import spec as S
+from dsv4_operator import status_model as SM
 from dsv4_operator.crd import (
     apply_defaults,
     build_crd,
@@ -247,7 +248,7 @@ def test_spec_requires_model_and_engine_and_the_issue_fields_exist() -> None:
         "stableRevision",
         "wedgedPods",
     } <= set(status)
-    assert status["conditions"]["items"]["properties"]["type"]["enum"] == list(S.CONDITION_TYPES)
+    assert status["conditions"]["items"]["properties"]["type"]["enum"] == list(SM.CONDITION_TYPES)
 
 
 @pytest.mark.parametrize("name", sorted(GOOD))
@@ -325,7 +326,7 @@ def test_models_and_crd_have_the_same_fields_everywhere() -> None:
                 check(nested[0], target, f"{where}.{alias}")
 
     check(S.DSV4DeploymentSpec, crd_spec["spec"], "spec")
-    check(S.DSV4DeploymentStatus, crd_spec["status"], "status")
+    check(SM.DSV4DeploymentStatus, crd_spec["status"], "status")
 
 
 def test_spec_revision_is_stable_and_sensitive() -> None:

@@ -238,7 +238,7 @@ def test_tp2_sampling_logprobs_aborts_and_preemption_match_tp1(make_model, prese
 
 
 def test_the_step_timeout_from_the_environment_is_checked():
-    from dsv4_engine.parallel.group import step_timeout_s
+    from dsv4_engine.parallel.ranks import step_timeout_s
 
     assert step_timeout_s({}) == 300 and step_timeout_s({"DSV4_TP_TIMEOUT_S": "2.5"}) == 2.5
     for bad in ("abc", "0", "-1", "inf", "nan", ""):
@@ -268,27 +268,23 @@ def test_a_slow_load_is_waited_for_while_its_heartbeat_goes_on(tmp_path):
     from types import SimpleNamespace
 
     from dsv4_engine.parallel import group as g
+    from dsv4_engine.parallel.ranks import LocalRanks
 
     fresh, stale = tmp_path / "r1.alive", tmp_path / "r2.alive"
     fresh.touch()
     stale.touch()
     now = time.time()
-    os.utime(stale, (now - g.STEP_TIMEOUT_S - 5, now - g.STEP_TIMEOUT_S - 5))
-    tp = SimpleNamespace(
-        alive_files=[str(fresh)],
-        procs=[SimpleNamespace(pid=11)],
-        _loading=True,
-        _beat_floor=now - 10 * g.STEP_TIMEOUT_S,
-    )
-    assert g.TPGroup._silent_rank(tp) is None  # loading for ten timeouts, but alive
-    tp.alive_files.append(str(stale))
-    tp.procs.append(SimpleNamespace(pid=12))
-    assert "rank 2 (pid 12) gave no sign of life for more than" in g.TPGroup._silent_rank(tp)
-    assert "while loading its weights" in g.TPGroup._silent_rank(tp)
-    tp._loading = False  # idle or in a step, a stopped rank is found too (an idle engine's /health fails)
-    assert "while loading" not in g.TPGroup._silent_rank(tp)
-    tp._beat_floor = now  # this process was frozen until now: the stale beat is forgiven
-    assert g.TPGroup._silent_rank(tp) is None
-    tp._beat_floor = now - 10 * g.STEP_TIMEOUT_S
-    tp.alive_files[1] = str(tmp_path / "not-yet.alive")  # still starting: the join timeout's to judge
-    assert g.TPGroup._silent_rank(tp) is None
+    timeout = g.STEP_TIMEOUT_S
+    os.utime(stale, (now - timeout - 5, now - timeout - 5))
+    ranks = SimpleNamespace(alive_files={1: str(fresh)}, procs={1: SimpleNamespace(pid=11)})
+    floor = now - 10 * timeout
+    assert LocalRanks.silent(ranks, timeout, floor, loading=True) is None  # loading for ten timeouts, but alive
+    ranks.alive_files[2] = str(stale)
+    ranks.procs[2] = SimpleNamespace(pid=12)
+    assert "rank 2 (pid 12) gave no sign of life for more than" in LocalRanks.silent(ranks, timeout, floor, True)
+    assert "while loading its weights" in LocalRanks.silent(ranks, timeout, floor, True)
+    # idle or in a step, a stopped rank is found too (an idle engine's /health fails)
+    assert "while loading" not in LocalRanks.silent(ranks, timeout, floor)
+    assert LocalRanks.silent(ranks, timeout, now) is None  # this process was frozen until now: forgiven
+    ranks.alive_files[2] = str(tmp_path / "not-yet.alive")  # still starting: the join timeout's to judge
+    assert LocalRanks.silent(ranks, timeout, floor) is None
