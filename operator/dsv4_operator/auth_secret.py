@@ -5,9 +5,13 @@ The values of a Secret the operator makes are derived, HMAC-SHA256(operator key,
 an operator key (the chart's Secret, mounted as a file) and the deployment's uid: the reconciler
 and the watchdog daemon, or two operator replicas, racing to create it write the same values,
 and the operator never patches a Secret. A Secret that exists already is used only when it is
-the operator's (its managed-by label or an owner reference to the deployment); otherwise, or when
-it cannot be used (a value that is not text, a key missing), the deployment's status says so
-(Degraded, reason SecretNotOwned or SecretUnusable) and nothing is written to it.
+created for this deployment (an owner reference to it), or the user's and given to this
+deployment by name (the operator's managed-by label and the annotation serving.dsv4.dev/deployment
+naming the deployment). A Secret owned by another DSV4Deployment is never used (issue 39: one
+deployment naming another's Secret would get its admin token, PD secret and router token).
+Otherwise, or when it cannot be used (a value that is not text, a key missing), the deployment's
+status says so (Degraded, reason SecretOfAnotherDeployment, SecretNotOwned or SecretUnusable)
+and nothing is written to it.
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ from dsv4_operator.kube import ApiError, KubeApi, resource_path
 from dsv4_operator.manifests import (
     AUTH_SECRET_KEYS,
     LABEL_MANAGED_BY,
+    ANNOTATION_SECRET_FOR,
     MANAGER,
     Owner,
     auth_secret,
     auth_secret_name,
 )
-from dsv4_operator.spec import DSV4DeploymentSpec
+from dsv4_operator.spec import KIND, DSV4DeploymentSpec
 
 log = logging.getLogger("dsv4.operator.auth")
 
@@ -37,7 +42,8 @@ OPERATOR_KEY_ENV = "DSV4_OPERATOR_KEY"
 OPERATOR_KEY_FILE_ENV = "DSV4_OPERATOR_KEY_FILE"
 SECRET_NOT_OWNED = "SecretNotOwned"
 SECRET_UNUSABLE = "SecretUnusable"
-REASONS = (SECRET_NOT_OWNED, SECRET_UNUSABLE)
+SECRET_OF_ANOTHER = "SecretOfAnotherDeployment"
+REASONS = (SECRET_OF_ANOTHER, SECRET_NOT_OWNED, SECRET_UNUSABLE)
 SECRET_RECHECK_SECONDS = 10.0  # a refused Secret is looked at again this often (Secrets are not watched)
 
 _process_key: Optional[bytes] = None
@@ -89,12 +95,22 @@ def usable_values(live: Mapping[str, Any], owner: Owner) -> dict[str, str]:
     """Pure: the values of an existing Secret, or AuthSecretRefused saying why it cannot be used."""
     meta = live.get("metadata") or {}
     where = f"Secret {owner.namespace}/{meta.get('name')}"
-    ours = (meta.get("labels") or {}).get(LABEL_MANAGED_BY) == MANAGER or any(
-        ref.get("uid") == owner.uid for ref in meta.get("ownerReferences") or []
-    )
-    if not ours:  # any Secret of the namespace could be named: use only those given to us
+    refs = meta.get("ownerReferences") or []
+    created_for_us = any(ref.get("uid") == owner.uid for ref in refs)
+    others = [r for r in refs if r.get("kind") == KIND and r.get("uid") != owner.uid]
+    if others and not created_for_us:  # another deployment's tokens: never handed to this one
         raise AuthSecretRefused(
-            f"{where} is not the operator's: label it {LABEL_MANAGED_BY}={MANAGER} to let this deployment use it "
+            f"{where} belongs to DSV4Deployment {others[0].get('name')!r}, not to {owner.name!r}: name a Secret "
+            "of this deployment's own (or none, and the operator creates one); nothing was applied",
+            SECRET_OF_ANOTHER,
+        )
+    given = (meta.get("labels") or {}).get(LABEL_MANAGED_BY) == MANAGER and (meta.get("annotations") or {}).get(
+        ANNOTATION_SECRET_FOR
+    ) == owner.name
+    if not (created_for_us or given):  # any Secret of the namespace could be named: use only those given to us
+        raise AuthSecretRefused(
+            f"{where} is not the operator's for this deployment: label it {LABEL_MANAGED_BY}={MANAGER} and "
+            f"annotate it {ANNOTATION_SECRET_FOR}={owner.name} to let this deployment use it "
             "(or name no secret and let the operator create one); nothing was applied",
             SECRET_NOT_OWNED,
         )

@@ -31,6 +31,7 @@ from dsv4_wire import (  # noqa: F401  (re-exported: the operator's modules read
     LABEL_COMPONENT,
     LABEL_ENGINE_KIND,
     LABEL_INSTANCE,
+    LABEL_DEPLOYMENT,
     LABEL_DRAINING,
     LABEL_MANAGED_BY,
     LABEL_NAME,
@@ -167,6 +168,12 @@ ROUTER_ADMIN_TOKEN_KEY = "router-admin-token"
 AUTH_SECRET_KEYS = (ADMIN_TOKEN_KEY, PD_SECRET_KEY, ROUTER_ADMIN_TOKEN_KEY)
 
 
+# On an auth Secret: the one deployment (by name) that may use it. The operator writes it on the
+# Secrets it creates; a user's own Secret carries it to be used (auth_secret.usable_values). The
+# same key as the evidence label that names a deployment.
+ANNOTATION_SECRET_FOR = LABEL_DEPLOYMENT
+
+
 def auth_secret_name(spec: DSV4DeploymentSpec, name: str) -> str:
     return spec.security.secret_name or child_name(name, "auth")
 
@@ -174,13 +181,9 @@ def auth_secret_name(spec: DSV4DeploymentSpec, name: str) -> str:
 def auth_secret(spec: DSV4DeploymentSpec, owner: Owner, values: dict[str, str]) -> dict[str, Any]:
     """The Secret the operator creates when absent (values: one random string per key). Owned by
     the resource, so it goes with it; a Secret the user made is never replaced."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "type": "Opaque",
-        "metadata": _meta(owner, auth_secret_name(spec, owner.name), "auth", spec),
-        "stringData": dict(values),
-    }
+    meta = _meta(owner, auth_secret_name(spec, owner.name), "auth", spec)
+    meta["annotations"] = {ANNOTATION_SECRET_FOR: owner.name}
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": meta, "stringData": dict(values)}
 
 
 def _secret_env(env: str, secret: str, key: str) -> dict[str, Any]:

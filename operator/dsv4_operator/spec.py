@@ -445,8 +445,9 @@ class SecuritySpec(_Model):
         None,
         max_length=253,
         pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
-        description="Secret with keys admin-token and pd-secret (default <name>-auth); the operator creates it, "
-        "with random values, when absent, and adds a missing key.",
+        description="Secret with keys admin-token, pd-secret and router-admin-token (default <name>-auth); the "
+        "operator creates it when absent. An existing one is used only when owned by this deployment, or labelled "
+        "app.kubernetes.io/managed-by=dsv4-operator and annotated serving.dsv4.dev/deployment=<name>.",
     )
     run_as_user: Optional[int] = Field(
         None,

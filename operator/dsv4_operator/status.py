@@ -99,7 +99,13 @@ class ApplyRefusal(str):
 
 
 # Degraded reasons that stand for "the children were not applied", carried until the next apply.
-APPLY_REFUSAL_REASONS = ("ApplyFailed", "ImageVolumeUnsupported", "SecretNotOwned", "SecretUnusable")
+APPLY_REFUSAL_REASONS = (
+    "ApplyFailed",
+    "ImageVolumeUnsupported",
+    "SecretOfAnotherDeployment",
+    "SecretNotOwned",
+    "SecretUnusable",
+)
 
 
 def compute_status(

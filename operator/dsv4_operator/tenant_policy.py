@@ -27,6 +27,8 @@ class TenantPolicy:
     toleration_keys: Optional[tuple[str, ...]] = None  # taint keys a role may tolerate (None: any)
     allow_secret_env: bool = True  # env valueFrom.secretKeyRef
     allow_root: bool = True  # pods whose image runs as root (engine.kind sglang without runAsUser)
+    secret_names: Optional[tuple[str, ...]] = None  # Secrets security.secretName may name (None: any)
+    pvc_names: Optional[tuple[str, ...]] = None  # PVCs model.volume may mount (None: any)
 
     @classmethod
     def from_mapping(cls, doc: Mapping[str, Any]) -> "TenantPolicy":
@@ -40,6 +42,8 @@ class TenantPolicy:
             toleration_keys=names("tolerationKeys"),
             allow_secret_env=bool(doc.get("allowSecretEnv", True)),
             allow_root=bool(doc.get("allowRoot", True)),
+            secret_names=names("secretNames"),
+            pvc_names=names("pvcNames"),
         )
 
     @classmethod
@@ -108,5 +112,17 @@ def policy_violations(spec: DSV4DeploymentSpec, policy: TenantPolicy) -> list[st
         out.append(
             f"engine.kind {spec.engine.kind} runs as root unless spec.security.runAsUser is set; "
             "root is not allowed on this cluster"
+        )
+    name = spec.security.secret_name
+    if policy.secret_names is not None and name is not None and name not in policy.secret_names:
+        out.append(
+            f"spec.security.secretName {name!r} is not allowed ({', '.join(policy.secret_names) or 'none'}): "
+            "another deployment's Secret holds its tokens"
+        )
+    pvc = spec.model.volume.persistent_volume_claim if spec.model.volume is not None else None
+    if policy.pvc_names is not None and pvc is not None and pvc.claim_name not in policy.pvc_names:
+        out.append(
+            f"spec.model.volume.persistentVolumeClaim {pvc.claim_name!r} is not allowed "
+            f"({', '.join(policy.pvc_names) or 'none'}): another team's checkpoint may be on it"
         )
     return out

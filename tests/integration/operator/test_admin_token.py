@@ -91,6 +91,33 @@ async def test_watchdog_calls_carry_the_deployments_admin_token(
     assert await kube_client.get("v1", "pods", NS, "healer-prefill-9") is not None
 
 
+async def degraded(kube_client: ClusterClient, name: str, reason: str):
+    got = await kube_client.get(API, PLURAL, NS, name)
+    conds = {c["type"]: c for c in (got.get("status") or {}).get("conditions") or []}
+    cond = conds.get("Degraded") or {}
+    return cond if cond.get("status") == "True" and cond.get("reason") == reason else None
+
+
+async def test_a_deployment_cannot_name_another_deployments_secret(
+    kube_cluster: WatchdogCluster, kube_client: ClusterClient, operator_factory
+) -> None:
+    """Issue 39 item 1: the Secret the operator made for deployment A carries its managed-by
+    label; deployment B naming it would run with A's admin token, PD secret and router token."""
+    await operator_factory([NS])
+    await kube_client.create(deployment("victim", remediation={}), "dsv4deployments")
+    await eventually(lambda: kube_client.get("v1", "secrets", NS, "victim-auth"), timeout=20)
+    thief = deployment("thief", remediation={})
+    thief["spec"]["security"] = {"secretName": "victim-auth"}
+    await kube_client.create(thief, "dsv4deployments")
+    cond = await eventually(lambda: degraded(kube_client, "thief", "SecretOfAnotherDeployment"), timeout=20)
+    assert "victim-auth" in cond["message"] and "'victim'" in cond["message"]
+    assert events(kube_cluster, "thief", "SecretOfAnotherDeployment")
+    for kind, plural in (("apps/v1", "statefulsets"), ("apps/v1", "deployments")):
+        assert await kube_client.get(kind, plural, NS, "thief-prefill") is None
+        assert await kube_client.get(kind, plural, NS, "thief-router") is None
+    assert await kube_client.get("apps/v1", "statefulsets", NS, "victim-prefill") is not None
+
+
 async def test_a_named_secret_is_used_only_when_it_is_the_operators(
     kube_cluster: WatchdogCluster, kube_client: ClusterClient, operator_factory, monkeypatch
 ) -> None:
@@ -112,23 +139,26 @@ async def test_a_named_secret_is_used_only_when_it_is_the_operators(
     cr["spec"]["security"] = {"secretName": "team-b-creds"}
     await kube_client.create(cr, "dsv4deployments")
 
-    async def degraded(reason: str):
-        got = await kube_client.get(API, PLURAL, NS, "grabby")
-        conds = {c["type"]: c for c in (got.get("status") or {}).get("conditions") or []}
-        cond = conds.get("Degraded") or {}
-        return cond if cond.get("status") == "True" and cond.get("reason") == reason else None
-
-    cond = await eventually(lambda: degraded("SecretNotOwned"), timeout=20)
+    cond = await eventually(lambda: degraded(kube_client, "grabby", "SecretNotOwned"), timeout=20)
     assert "team-b-creds" in cond["message"] and "not the operator's" in cond["message"]
     assert events(kube_cluster, "grabby", "SecretNotOwned")
     secret = await kube_client.get("v1", "secrets", NS, "team-b-creds")
     assert set(secret["data"]) == {"admin-token"}, "not patched"
     assert await kube_client.get("apps/v1", "statefulsets", NS, "grabby-prefill") is None
-    # Given to the operator by its label, but incomplete: said so, still not written to.
+    # Given to this deployment by label and annotation (issue 39), but incomplete: said so, still not written to.
     await kube_client.patch(
-        "v1", "secrets", NS, "team-b-creds", {"metadata": {"labels": {"app.kubernetes.io/managed-by": "dsv4-operator"}}}
+        "v1",
+        "secrets",
+        NS,
+        "team-b-creds",
+        {
+            "metadata": {
+                "labels": {"app.kubernetes.io/managed-by": "dsv4-operator"},
+                "annotations": {"serving.dsv4.dev/deployment": "grabby"},
+            }
+        },
     )
-    cond = await eventually(lambda: degraded("SecretUnusable"), timeout=40)
+    cond = await eventually(lambda: degraded(kube_client, "grabby", "SecretUnusable"), timeout=40)
     assert "pd-secret" in cond["message"]
     assert set((await kube_client.get("v1", "secrets", NS, "team-b-creds"))["data"]) == {"admin-token"}
     # Completed by its owner: adopted, the children applied.

@@ -17,7 +17,11 @@ from chart_testutil import helm_template, by_kind, one  # noqa: E402
 from dsv4_operator.spec import parse_spec  # noqa: E402
 from dsv4_operator.tenant_policy import TenantPolicy, policy_violations  # noqa: E402
 
-VALUES = {"tenantPolicy.imageRegistries": ["registry.corp/ml"]}
+VALUES = {
+    "tenantPolicy.imageRegistries": ["registry.corp/ml"],
+    "tenantPolicy.secretNames": ["team-a-auth"],
+    "tenantPolicy.pvcNames": ["c"],
+}
 
 SPECS = {
     "plain": {"engine": {"image": "registry.corp/ml/dsv4:1"}},
@@ -49,6 +53,12 @@ SPECS = {
         "router": {"env": [{"name": "N", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]},
     },
     "sglang-root": {"engine": {"image": "registry.corp/ml/sglang:1", "kind": "sglang"}},
+    "own-secret": {"engine": {"image": "registry.corp/ml/dsv4:1"}, "security": {"secretName": "team-a-auth"}},
+    "other-secret": {"engine": {"image": "registry.corp/ml/dsv4:1"}, "security": {"secretName": "team-b-auth"}},
+    "other-pvc": {
+        "engine": {"image": "registry.corp/ml/dsv4:1"},
+        "model": {"name": "m", "path": "/m", "volume": {"persistentVolumeClaim": {"claimName": "team-b"}}},
+    },
     "sglang-uid": {"engine": {"image": "registry.corp/ml/sglang:1", "kind": "sglang"}, "security": {"runAsUser": 1000}},
 }
 
@@ -96,12 +106,14 @@ def test_admission_and_reconcile_agree(name):
             "tolerationKeys": ["nvidia.com/gpu"],
             "allowSecretEnv": False,
             "allowRoot": False,
+            "secretNames": ["team-a-auth"],
+            "pvcNames": ["c"],
         }
     )
     spec = _full(SPECS[name])  # as the API server holds it: CRD defaults applied
     reconcile_ok = policy_violations(parse_spec(spec), policy) == []
     assert _admits(vap, spec) == reconcile_ok, (name, policy_violations(parse_spec(spec), policy))
-    assert reconcile_ok == (name in ("plain", "router-digest", "field-env", "sglang-uid"))
+    assert reconcile_ok == (name in ("plain", "router-digest", "field-env", "sglang-uid", "own-secret"))
 
 
 def test_it_can_be_left_out():

@@ -102,3 +102,22 @@ def test_the_policy_comes_from_the_environment_as_json():
     assert p.allow_host_path is False and p.image_registries == () and p.allow_root is True
     with pytest.raises(ValueError, match="not JSON"):
         TenantPolicy.from_env({POLICY_ENV: "{"})
+
+
+def test_another_teams_secret_or_pvc_is_refused_by_name():
+    """Issue 39 items 1 and 6: a CR names any Secret or PVC of the namespace unless the cluster
+    lists those its tenants may name."""
+    policy = TenantPolicy.from_mapping({"secretNames": ["a-auth"], "pvcNames": ["a-models"]})
+    own = spec_of(
+        model={"name": "m", "path": "/m", "volume": {"persistentVolumeClaim": {"claimName": "a-models"}}},
+        security={"secretName": "a-auth"},
+    )
+    assert policy_violations(own, policy) == []
+    assert policy_violations(spec_of(model={"name": "m", "path": "/m"}), policy) == []
+    foreign = spec_of(
+        model={"name": "m", "path": "/m", "volume": {"persistentVolumeClaim": {"claimName": "b-models"}}},
+        security={"secretName": "b-auth"},
+    )
+    found = policy_violations(foreign, policy)
+    assert len(found) == 2 and "'b-auth' is not allowed" in found[0] and "'b-models' is not allowed" in found[1]
+    assert policy_violations(foreign, TenantPolicy()) == []
