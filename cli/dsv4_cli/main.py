@@ -267,6 +267,8 @@ def _router(**given) -> None:
     _read_command_inputs(router_options(*ROUTER_SCOPES), values, given)
     if values["cache_salt_from_api_key"] and not values["api_keys"]:
         _fail("--cache-salt-from-api-key needs --api-key or --api-key-file")
+    if values["cache_salt_from_api_key"] and values["shared_prefix_cache"]:
+        _fail("--cache-salt-from-api-key and --shared-prefix-cache contradict each other")
     from dsv4_router.app import run_router
     from dsv4_router.router_args import RouterArgs
 

@@ -26,7 +26,7 @@ from dsv4_router.router_args import RouterArgs
 from dsv4_router.router import Router
 from dsv4_router.body import parse_body, read_limited
 from dsv4_router.fastlane import FastLane
-from dsv4_router.tenancy import KeyLimiter, TenantGate, TenantMetrics
+from dsv4_router.tenancy import KeyLimiter, TenantGate, TenantMetrics, salt_per_key
 from dsv4_wire import APIError, Paths, admin_refusal
 from dsv4_wire.api_keys import ApiKeyGate, KeyRing
 
@@ -67,7 +67,7 @@ def build_app(router: Router) -> FastAPI:
         TenantGate,
         limiter=KeyLimiter(router.args.key_limits),
         metrics=TenantMetrics(router.metrics.registry),
-        salt_from_key=router.args.cache_salt_from_api_key,
+        salt_from_key=salt_per_key(bool(router.args.api_keys), router.args.shared_prefix_cache),
     )
     app.add_middleware(ApiKeyGate, ring=KeyRing(router.args.api_keys))  # outermost: who calls, first
 

@@ -82,6 +82,13 @@ class KeyLimiter:
         return st.inflight if st else 0
 
 
+def salt_per_key(has_keys: bool, shared_prefix_cache: bool) -> bool:
+    """Whether each key gets its own cache namespace: yes whenever keys are configured (issue 39:
+    else a key's cached_tokens says whether another key's prompt prefix is cached), unless the
+    operator opts out with --shared-prefix-cache."""
+    return has_keys and not shared_prefix_cache
+
+
 def derived_salt(key: ApiKey, client_salt: Optional[str]) -> str:
     """The cache namespace of a key's requests. A client's own salt subdivides its key's
     namespace and can never name another key's (the key's hash comes first)."""

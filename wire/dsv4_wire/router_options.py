@@ -121,7 +121,15 @@ ROUTER_OPTIONS: tuple[Option, ...] = (
         "cache_salt_from_api_key",
         bool,
         False,
-        "Give each API key its own prefix-cache namespace (cache_salt).",
+        "Give each API key its own prefix-cache namespace (cache_salt); the default whenever keys are set.",
+        scope="router",
+    ),
+    _O(
+        "shared_prefix_cache",
+        bool,
+        False,
+        "Let all API keys share one prefix-cache namespace (opt-out of the per-key cache_salt): "
+        "cached_tokens then tells one key whether another key's prompt prefix is cached.",
         scope="router",
     ),
     _O(

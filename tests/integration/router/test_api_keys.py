@@ -54,8 +54,7 @@ def stack(tiny_model, tmp_path_factory):
             "--api-key-file",
             tmp / "router.keys",
             "--key-max-concurrency",
-            1,
-            "--cache-salt-from-api-key",
+            1,  # no --cache-salt-from-api-key: per-key namespaces are the default with keys (issue 39)
         ],
         tmp / "router.log",
         env={"DSV4_ENGINE_API_KEY": ENGINE_KEY},

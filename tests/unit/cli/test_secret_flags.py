@@ -42,6 +42,10 @@ def test_secret_files_and_their_refusals(tiny_model, tmp_path):
     assert r.returncode == 2 and "--pd-secret-file" in r.stderr and "No such file" in r.stderr, r.stderr
     r = dsv4("router", "--mono", "http://127.0.0.1:1", "--cache-salt-from-api-key")
     assert r.returncode == 2 and "needs --api-key" in r.stderr, r.stderr
+    r = dsv4(
+        "router", "--mono", "http://127.0.0.1:1", "--api-key", "k", "--cache-salt-from-api-key", "--shared-prefix-cache"
+    )
+    assert r.returncode == 2 and "contradict" in r.stderr, r.stderr
 
 
 def test_a_secret_is_read_whole_from_its_file(tmp_path):

@@ -53,3 +53,14 @@ def test_a_derived_salt_is_per_key_and_a_client_salt_stays_under_its_key():
     assert "sk-a" not in derived_salt(a, None)
     assert derived_salt(b, derived_salt(a, None)) != derived_salt(a, None)
     assert derived_salt(a, "x").startswith(derived_salt(a, None) + ":")
+
+
+def test_each_key_has_its_own_cache_namespace_by_default():
+    """Issue 39 item 11: with keys configured, salting is on unless opted out."""
+    from dsv4_router.router_args import RouterArgs
+    from dsv4_router.tenancy import salt_per_key
+
+    assert salt_per_key(has_keys=True, shared_prefix_cache=False)
+    assert not salt_per_key(has_keys=True, shared_prefix_cache=True)
+    assert not salt_per_key(has_keys=False, shared_prefix_cache=False)
+    assert RouterArgs().shared_prefix_cache is False and RouterArgs().cache_salt_from_api_key is False
