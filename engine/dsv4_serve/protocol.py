@@ -152,7 +152,8 @@ class _Common(BaseModel):
     bootstrap_host: Optional[str] = Field(None, max_length=256)
     bootstrap_port: Optional[int] = Field(None, ge=0, le=65535)
     bootstrap_room: Optional[int] = Field(None, ge=0, le=INT64_MAX)
-    rid: Optional[str] = Field(None, min_length=1, max_length=256)
+    # Logged and used as the response id: a newline in it would forge log lines (issue 39).
+    rid: Optional[str] = Field(None, min_length=1, max_length=256, pattern=r"^[A-Za-z0-9._:-]+$")
     # Migration: the router resends a request whose engine failed mid-answer with the tokens it
     # already streamed; this engine continues from there (same PD-secret rule as bootstrap_*).
     continuation_token_ids: Optional[list[StrictInt]] = None

@@ -22,7 +22,6 @@ import json
 import logging
 import random
 import time
-import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
@@ -47,6 +46,7 @@ from dsv4_wire import tracing
 from dsv4_wire.tracing import TRACE_HEADERS, Tracing
 from dsv4_wire import APIError, admin_refusal, authorization_header
 from dsv4_wire.request_fields import ROUTER_ONLY_FIELDS
+from dsv4_router.request_id import request_id
 
 # A request carrying this header (and the admin token) goes to the decode/mono worker it names,
 # canary or not: how a rollout probes one engine through the router.
@@ -199,6 +199,10 @@ class Router:
             return Response(status_code=499)
         for k in ROUTER_ONLY_FIELDS:  # a client chooses no prefill for a decode and forges no answer so far
             body.pop(k, None)
+        try:  # unique whatever the client sends, and safe to log
+            body["rid"] = request_id(body.get("rid"), chat="chat" in path)
+        except APIError as e:
+            return self.error(e)
         trace_in = {k: http.headers[k] for k in TRACE_HEADERS if k in http.headers}
         apply_cache_salt(body, http.scope)
         # A client that hangs up (queued or not) cancels the work: closing the upstream
@@ -245,8 +249,7 @@ class Router:
         return await self._route(path, body, slot, trace_in or {}, pin)
 
     async def _route(self, path: str, body: dict, slot: Slot, trace_in: dict, pin: Optional[str] = None) -> Response:
-        rid = body.get("rid") if isinstance(body.get("rid"), str) else None
-        rid = rid or f"{'chatcmpl' if 'chat' in path else 'cmpl'}-{uuid.uuid4().hex}"
+        rid = body.get("rid") if isinstance(body.get("rid"), str) else request_id(None, chat="chat" in path)
         st = Resume(rid, body, stream=bool(body.get("stream")), client_wants_ids=body.get("return_token_ids") is True)
         st.trace_in = trace_in
         st.pin = pin

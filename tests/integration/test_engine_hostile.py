@@ -90,6 +90,7 @@ HOSTILE = [
     ("/v1/completions", {"prompt": "x", "stream": "maybe"}, 400),
     ("/v1/completions", {"prompt": "x", "bootstrap_room": 2**70}, 400),
     ("/v1/completions", {"prompt": "x", "rid": "r" * 300}, 400),
+    ("/v1/completions", {"prompt": "x", "rid": "a\nINFO forged log line"}, 400),  # issue 39
     ("/v1/completions", {"prompt": [2**70]}, 400),
     ("/v1/completions", {"prompt": [[]]}, 400),
     ("/v1/completions", {"prompt": {"text": "x"}}, 400),

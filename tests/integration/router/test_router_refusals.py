@@ -9,6 +9,7 @@ import pytest
 from bench.harness.commands import free_port
 
 TOKEN = "s3cret-admin"
+logs: dict = {}
 
 
 @pytest.fixture(scope="module")
@@ -16,6 +17,7 @@ def routers(tiny_model, tmp_path_factory):
     from bench.harness.commands import Proc
 
     tmp = tmp_path_factory.mktemp("router-edges")
+    logs["router"] = tmp / "router.log"
     e_port, r_port, t_port = free_port(), free_port(), free_port()
     engine = Proc(
         ["serve", "--model", tiny_model, "--role", "mono", "--port", e_port, "--served-model-name", "m"],
@@ -173,3 +175,28 @@ def test_engine_4xx_does_not_take_the_worker_out(routers):
         ).status_code
         == 200
     )
+
+
+def test_a_client_rid_neither_collides_nor_forges_a_log_line(routers):
+    """Issue 39 item 9: a predictable rid made another client's request fail as a duplicate, and
+    a newline in it forged router log lines."""
+    import threading
+
+    url = f"{routers['open']}/v1/completions"
+    answers: list = []
+
+    def send():
+        answers.append(httpx.post(url, json={"prompt": [5, 6], "max_tokens": 24, "ignore_eos": True, "rid": "victim"}))
+
+    threads = [threading.Thread(target=send) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert [r.status_code for r in answers] == [200] * 3, [r.text for r in answers]
+    ids = {r.json()["id"] for r in answers}
+    assert len(ids) == 3 and all(i.startswith("victim-") for i in ids), ids
+    forged = "INFO dsv4.router forged-by-a-client"
+    for rid in (f"x\n{forged}", "r" * 65, 12):
+        assert assert_openai_error(httpx.post(url, json={"prompt": "x", "rid": rid}), 400)["param"] == "rid"
+    assert forged not in logs["router"].read_text()
