@@ -37,7 +37,7 @@ from dsv4_engine.metrics import EngineMetrics
 from dsv4_engine.model_runner import ModelRunner, default_device
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.prefix_cache import PrefixCache
-from dsv4_engine.sampling import request_generator, skip_draw
+from dsv4_engine.sampling import SamplingError, request_generator, skip_draw
 from dsv4_engine.scheduler import Scheduler
 from dsv4_engine.sequence import Sequence, SeqStatus
 from dsv4_engine.step_clock import StepClock
@@ -459,14 +459,20 @@ class Engine:
             self._grammars = new_compiler(self.tokenizer.backend, self.cfg.vocab_size, sorted(self.eos_ids))
         return self._grammars
 
-    def fail_request(self, seq: Sequence, what: str, exc: BaseException, code: int = 500) -> None:
-        """End one request with an error after something went wrong for it alone."""
-        log.error(
-            "%s (request %s):\n%s",
-            what,
-            seq.rid,
-            "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        )
+    def fail_request(self, seq: Sequence, what: str, exc: BaseException, code: Optional[int] = None) -> None:
+        """End one request with an error after something went wrong for it alone: the
+        exception's own `status` (a 4xx: the request's fault, one line in the log), else 500."""
+        if code is None:
+            code = exc.status if isinstance(exc, SamplingError) else 500
+        if 400 <= code < 500:
+            log.warning("%s (request %s): %s", what, seq.rid, exc)
+        else:
+            log.error(
+                "%s (request %s):\n%s",
+                what,
+                seq.rid,
+                "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+            )
         try:
             self.finish(seq, "error", error=f"{what}: {exc}", error_code=code)
             return

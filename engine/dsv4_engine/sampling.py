@@ -40,6 +40,19 @@ class Sampled:
 class SamplingError(RuntimeError):
     """This row could not be sampled; only its request fails."""
 
+    status = 500
+
+
+class NoTokenAllowed(SamplingError):
+    """The request's own constraints (grammar, stop ids held back by min_tokens, logit_bias)
+    leave no token: the client's error, a 400 that the router never moves to another engine
+    (issue 39: a 500 was retried on up to three more engines, each re-prefilling)."""
+
+    status = 400
+
+    def __init__(self) -> None:
+        super().__init__("no token is allowed here (the grammar and min_tokens/logit_bias leave none)")
+
 
 def request_generator(seed: int, device: torch.device) -> torch.Generator:
     """A request's own random stream, on the device its logits live on: torch.multinomial
@@ -324,7 +337,7 @@ def sample(
             if nan_rows[i] & 1:
                 raise SamplingError("the model produced NaN logits for this request")
             if nan_rows[i] & 2:
-                raise SamplingError("no token is allowed here (the grammar and min_tokens/logit_bias leave none)")
+                raise NoTokenAllowed()
             if p.greedy:
                 tok = greedy[i]
             else:

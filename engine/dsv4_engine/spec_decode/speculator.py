@@ -34,7 +34,7 @@ import torch
 
 from dsv4_engine.batch_buffers import BatchBuffers, HostBatch, host_batch
 from dsv4_engine.models.forward_batch import ForwardBatch
-from dsv4_engine.sampling import SamplingError, logprob_entry
+from dsv4_engine.sampling import NoTokenAllowed, SamplingError, logprob_entry
 from dsv4_engine.scheduler import ScheduledSeq
 from dsv4_engine.spec_decode.mtp_layer import MTPLayer, V3Target
 from dsv4_engine.spec_decode.mtp_v4 import RingRollback
@@ -392,7 +392,7 @@ class MTPSpeculator:
                     q = drafts[n].probs[:a] if a else probs[:0]
                     toks = rejection_sample(probs, q, drafted[n][:a], seq.generator)
                 if any(host_nothing[lo : lo + len(toks)]):
-                    raise SamplingError("no token is allowed here (the grammar and min_tokens/logit_bias leave none)")
+                    raise NoTokenAllowed()
                 lps = None
                 if p.logprobs is not None:
                     ls = torch.log_softmax(masked[lo : lo + len(toks)], dim=-1)

@@ -200,3 +200,33 @@ def test_a_client_rid_neither_collides_nor_forges_a_log_line(routers):
     for rid in (f"x\n{forged}", "r" * 65, 12):
         assert assert_openai_error(httpx.post(url, json={"prompt": "x", "rid": rid}), 400)["param"] == "rid"
     assert forged not in logs["router"].read_text()
+
+
+def _worker_requests(router: str) -> float:
+    text = httpx.get(f"{router}/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("dsv4_router:worker_requests_total{")
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_whose_own_constraints_allow_no_token_is_a_4xx_sent_once(routers, stream):
+    """Issue 39 item 7: the grammar allows one token, which the request also names a stop token
+    that min_tokens holds back: no token is allowed. That is the request's fault: a 4xx, never a
+    500 migrated to other engines (each re-prefilling and logging a traceback)."""
+    url = f"{routers['open']}/v1/completions"
+    probe = {"prompt": "x", "max_tokens": 4, "guided_choice": ["a"], "return_token_ids": True}
+    ids = httpx.post(url, json=probe, timeout=60).json()["choices"][0]["token_ids"]
+    before = _worker_requests(routers["open"])
+    body = {**probe, "stop_token_ids": ids[:1], "min_tokens": 3, "stream": stream}
+    body.pop("return_token_ids")
+    r = httpx.post(url, json=body, timeout=60)
+    if stream and r.status_code == 200:  # the refusal came after the headers: an error event
+        errors = [line for line in r.text.splitlines() if line.startswith("data: {") and '"error"' in line]
+        assert errors and '"code": 400' in errors[0], r.text
+    else:
+        assert 400 <= r.status_code < 500, r.text
+    assert _worker_requests(routers["open"]) == before + 1, "sent to an engine again"
+    assert httpx.get(f"{routers['open']}/admin/workers").json()["workers"][0]["healthy"]
