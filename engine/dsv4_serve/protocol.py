@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, f
 from dsv4_engine.sampling_params import MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, MAX_PENALTY, SamplingParams
 from dsv4_engine.structured import spec as structured
 from dsv4_wire.errors import APIError
+from dsv4_wire.sequences import MAX_SEQUENCES_PER_REQUEST, too_many_sequences
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP_STRINGS = 16
@@ -374,6 +375,17 @@ class CompletionRequest(_Common):
         if isinstance(v, list) and v and not isinstance(v[0], int) and len(v) > MAX_PROMPTS_PER_REQUEST:
             raise ValueError(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, not {len(v)}")
         return v
+
+    @model_validator(mode="after")
+    def _sequence_count(self):
+        prompts = (
+            len(self.prompt)
+            if isinstance(self.prompt, list) and self.prompt and not isinstance(self.prompt[0], int)
+            else 1
+        )
+        if prompts * self.candidates > MAX_SEQUENCES_PER_REQUEST:
+            raise ValueError(too_many_sequences(prompts * self.candidates))
+        return self
 
     @model_validator(mode="after")
     def _echo_logprobs(self):

@@ -40,12 +40,13 @@ from dsv4_router.cache_placement import CachePlacement, Tokenize, prompt_ids
 from dsv4_router.cache_subscriber import CacheSubscriber
 from dsv4_router.migration import BROKEN, REFUSED, TRUNCATED, UNREACHABLE, Resume, allowed_resends
 from dsv4_router.relay import RelayResponse, error_events, first_event_error, split_events, sse
-from dsv4_router.tenancy import apply_cache_salt
+from dsv4_router.tenancy import admit_sequences, apply_cache_salt
 from dsv4_router.upstream import CONNECTION_FAILURES, Upstreams
 from dsv4_wire import tracing
 from dsv4_wire.tracing import TRACE_HEADERS, Tracing
 from dsv4_wire import APIError, admin_refusal, authorization_header
 from dsv4_wire.request_fields import ROUTER_ONLY_FIELDS
+from dsv4_wire.sequences import MAX_SEQUENCES_PER_REQUEST, sequence_count, too_many_sequences
 from dsv4_router.request_id import request_id
 
 # A request carrying this header (and the admin token) goes to the decode/mono worker it names,
@@ -203,6 +204,12 @@ class Router:
             body["rid"] = request_id(body.get("rid"), chat="chat" in path)
         except APIError as e:
             return self.error(e)
+        sequences = sequence_count(body)
+        if sequences > MAX_SEQUENCES_PER_REQUEST:
+            return self.error(APIError(too_many_sequences(sequences), 400, "invalid_request_error", param="n"))
+        refused = admit_sequences(http.scope, sequences)  # the caller's key pays per sequence
+        if refused is not None:
+            return self.error(refused, {"Retry-After": str(refused.retry_after)})
         trace_in = {k: http.headers[k] for k in TRACE_HEADERS if k in http.headers}
         apply_cache_salt(body, http.scope)
         # A client that hangs up (queued or not) cancels the work: closing the upstream

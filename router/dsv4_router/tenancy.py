@@ -18,12 +18,13 @@ from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from dsv4_wire import Paths
+from dsv4_wire import APIError, Paths
 from dsv4_wire.api_keys import ApiKey
 
 ANONYMOUS = "anonymous"
 GENERATION_PATHS = frozenset({Paths.COMPLETIONS, Paths.CHAT_COMPLETIONS})
 SALT_SCOPE_KEY = "dsv4.cache_salt"
+ADMIT_SCOPE_KEY = "dsv4.key_admit"
 
 
 @dataclass(frozen=True)
@@ -55,27 +56,44 @@ class KeyLimiter:
         self.limits = limits
         self.keys: dict[str, _KeyState] = {}
 
-    def admit(self, key: str, now: float) -> Optional[tuple[str, int]]:
-        """None: admitted (release() it when done); else (why, seconds to wait)."""
-        lim = self.limits
+    def _state(self, key: str, now: float) -> _KeyState:
         st = self.keys.get(key)
         if st is None:
-            st = self.keys[key] = _KeyState(tokens=lim.bucket, stamp=now)
+            st = self.keys[key] = _KeyState(tokens=self.limits.bucket, stamp=now)
+        if self.limits.rate > 0:
+            st.tokens = min(self.limits.bucket, st.tokens + (now - st.stamp) * self.limits.rate)
+            st.stamp = now
+        return st
+
+    def over(self, key: str, now: float) -> Optional[tuple[str, int]]:
+        """Whether the key is at a limit already (checked at the door, before the body is read);
+        nothing is charged."""
+        lim, st = self.limits, self._state(key, now)
         if lim.max_concurrency and st.inflight >= lim.max_concurrency:
             return "concurrency", 1
-        if lim.rate > 0:
-            st.tokens = min(lim.bucket, st.tokens + (now - st.stamp) * lim.rate)
-            st.stamp = now
-            if st.tokens < 1.0:
-                return "rate", max(1, math.ceil((1.0 - st.tokens) / lim.rate))
-            st.tokens -= 1.0
-        st.inflight += 1
+        if lim.rate > 0 and st.tokens < 1.0:
+            return "rate", max(1, math.ceil((1.0 - st.tokens) / lim.rate))
         return None
 
-    def release(self, key: str) -> None:
+    def admit(self, key: str, now: float, sequences: int = 1) -> Optional[tuple[str, int]]:
+        """None: admitted (release() it when done); else (why, seconds to wait). A request
+        counts its sequences (issue 39: prompts x n), in flight and against the rate; one alone
+        in flight is always let in, and one larger than the bucket leaves the key in debt."""
+        lim, st = self.limits, self._state(key, now)
+        if lim.max_concurrency and st.inflight and st.inflight + sequences > lim.max_concurrency:
+            return "concurrency", 1
+        if lim.rate > 0:
+            need = min(float(sequences), lim.bucket)
+            if st.tokens < need:
+                return "rate", max(1, math.ceil((need - st.tokens) / lim.rate))
+            st.tokens -= sequences
+        st.inflight += sequences
+        return None
+
+    def release(self, key: str, sequences: int = 1) -> None:
         st = self.keys.get(key)
-        if st is not None and st.inflight > 0:
-            st.inflight -= 1
+        if st is not None:
+            st.inflight = max(0, st.inflight - sequences)
 
     def inflight(self, key: str) -> int:
         st = self.keys.get(key)
@@ -141,12 +159,26 @@ class TenantGate:
             return await self.app(scope, receive, send)
         key: Optional[ApiKey] = scope.get("dsv4.api_key")
         name = key.name if key is not None else ANONYMOUS
-        refused = self.limiter.admit(name, self.clock()) if self.limiter.limits.active else None
-        if refused is not None:
-            why, wait = refused
-            self.metrics.requests.labels(name, why).inc()
-            return await _too_many(send, why, wait)
-        self.metrics.requests.labels(name, "admitted").inc()
+        held = [0]  # sequences charged to the key (once the router has parsed the body)
+        if self.limiter.limits.active:
+            refused = self.limiter.over(name, self.clock())
+            if refused is not None:
+                why, wait = refused
+                self.metrics.requests.labels(name, why).inc()
+                return await _too_many(send, why, wait)
+
+            def admit(sequences: int) -> Optional[APIError]:
+                refused = self.limiter.admit(name, self.clock(), sequences)
+                if refused is not None:
+                    self.metrics.requests.labels(name, refused[0]).inc()
+                    return key_limit_error(*refused)
+                self.metrics.requests.labels(name, "admitted").inc()
+                held[0] = sequences
+                return None
+
+            scope[ADMIT_SCOPE_KEY] = admit
+        else:
+            self.metrics.requests.labels(name, "admitted").inc()
         if self.salt_from_key and key is not None:
             scope[SALT_SCOPE_KEY] = lambda client, k=key: derived_salt(k, client)
         gauge = self.metrics.inflight.labels(name)
@@ -155,22 +187,31 @@ class TenantGate:
             await self.app(scope, receive, send)  # returns once the response (a stream too) is sent
         finally:
             gauge.dec()
-            if self.limiter.limits.active:
-                self.limiter.release(name)
+            if held[0]:
+                self.limiter.release(name, held[0])
+
+
+def admit_sequences(scope: dict, sequences: int) -> Optional[APIError]:
+    """The router's hook after parsing a body: charge the caller's key for the request's
+    sequences. None: go on; else the 429 to answer."""
+    admit = scope.get(ADMIT_SCOPE_KEY)
+    return admit(sequences) if admit is not None else None
+
+
+def key_limit_error(why: str, wait: int) -> APIError:
+    what = "requests in flight" if why == "concurrency" else "requests per second"
+    e = APIError(
+        f"this API key is at its limit of {what} (a request counts its prompts x n); retry after {wait}s",
+        429,
+        "rate_limit_exceeded",
+        code=f"key_{why}_limit",
+    )
+    e.retry_after = wait
+    return e
 
 
 async def _too_many(send, why: str, wait: int) -> None:
-    what = "requests in flight" if why == "concurrency" else "requests per second"
-    body = json.dumps(
-        {
-            "error": {
-                "message": f"this API key is at its limit of {what}; retry after {wait}s",
-                "type": "rate_limit_exceeded",
-                "param": None,
-                "code": f"key_{why}_limit",
-            }
-        }
-    ).encode()
+    body = json.dumps(key_limit_error(why, wait).body()).encode()
     await send(
         {
             "type": "http.response.start",

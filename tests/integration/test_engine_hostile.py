@@ -91,6 +91,8 @@ HOSTILE = [
     ("/v1/completions", {"prompt": "x", "bootstrap_room": 2**70}, 400),
     ("/v1/completions", {"prompt": "x", "rid": "r" * 300}, 400),
     ("/v1/completions", {"prompt": "x", "rid": "a\nINFO forged log line"}, 400),  # issue 39
+    ("/v1/completions", {"prompt": ["x"] * 256, "n": 16, "max_tokens": 1}, 400),  # 4,096 sequences
+    ("/v1/completions", {"prompt": ["x"] * 32, "best_of": 9, "max_tokens": 1}, 400),
     ("/v1/completions", {"prompt": [2**70]}, 400),
     ("/v1/completions", {"prompt": [[]]}, 400),
     ("/v1/completions", {"prompt": {"text": "x"}}, 400),

@@ -93,6 +93,21 @@ def test_hostile_json_is_400_not_500(routers, raw):
     assert_openai_error(r, 400)
 
 
+# Issue 39, through the router: each is refused before any engine sees it.
+ROUTER_HOSTILE = [
+    ({"prompt": ["x"] * 256, "n": 16, "max_tokens": 1}, "n"),  # 4,096 sequences
+    ({"prompt": "x", "rid": "a\nINFO forged"}, "rid"),
+]
+
+
+@pytest.mark.parametrize("body,param", ROUTER_HOSTILE)
+def test_issue_39_hostile_bodies_are_400_at_the_router(routers, body, param):
+    before = _worker_requests(routers["open"])
+    r = httpx.post(f"{routers['open']}/v1/completions", json=body, timeout=30)
+    assert assert_openai_error(r, 400)["param"] == param
+    assert _worker_requests(routers["open"]) == before
+
+
 def test_body_size_limit_is_413(routers):
     r = httpx.post(f"{routers['open']}/v1/completions", json={"prompt": "x" * 20000, "max_tokens": 1}, timeout=10)
     assert assert_openai_error(r, 413)["code"] == "request_too_large"

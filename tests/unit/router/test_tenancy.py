@@ -64,3 +64,44 @@ def test_each_key_has_its_own_cache_namespace_by_default():
     assert not salt_per_key(has_keys=True, shared_prefix_cache=True)
     assert not salt_per_key(has_keys=False, shared_prefix_cache=False)
     assert RouterArgs().shared_prefix_cache is False and RouterArgs().cache_salt_from_api_key is False
+
+
+def test_limits_count_sequences_not_requests():
+    """Issue 39 item 8: one request of 256 prompts x n=16 counted as one request."""
+    from dsv4_wire.sequences import MAX_SEQUENCES_PER_REQUEST, sequence_count
+
+    assert sequence_count({"prompt": ["a"] * 256, "n": 16}) == 4096 > MAX_SEQUENCES_PER_REQUEST
+    assert sequence_count({"prompt": [[1, 2]] * 3, "n": 2, "best_of": 4}) == 12
+    assert sequence_count({"prompt": [1, 2, 3], "n": True}) == 1  # one token-id prompt; a bool is no count
+    assert sequence_count({"messages": [], "n": 4}) == 4
+    lim = KeyLimiter(TenantLimits(max_concurrency=8))
+    assert lim.admit("a", 0, sequences=6) is None
+    assert lim.admit("a", 0, sequences=4) == ("concurrency", 1)  # 6 + 4 > 8
+    assert lim.admit("a", 0, sequences=2) is None
+    lim.release("a", 8)
+    assert lim.admit("a", 0, sequences=16) is None  # alone in flight: let in, never starved
+    rate = KeyLimiter(TenantLimits(rate=1.0, burst=4))
+    assert rate.admit("a", 0.0, sequences=16) is None  # a full bucket lets a big one in, in debt
+    assert rate.over("a", 0.0) == ("rate", 13)
+    assert rate.admit("a", 12.0, sequences=1) == ("rate", 1)
+    assert rate.over("b", 0.0) is None
+
+
+async def test_the_gate_charges_the_sequences_the_router_counts():
+    from prometheus_client import CollectorRegistry
+
+    from dsv4_router.tenancy import TenantGate, TenantMetrics, admit_sequences
+
+    answers = []
+
+    async def router(scope, receive, send):  # what the router does once it has parsed the body
+        answers.append(admit_sequences(scope, scope["sequences"]))
+
+    gate = TenantGate(router, KeyLimiter(TenantLimits(max_concurrency=4)), TenantMetrics(CollectorRegistry()))
+    key = ApiKey("alice", "sk-a")
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "dsv4.api_key": key}
+    gate.limiter.admit("alice", 0.0, 3)  # another request of alice's, 3 sequences, in flight
+    await gate({**scope, "sequences": 2}, None, None)
+    assert answers[-1] is not None and answers[-1].status == 429 and answers[-1].code == "key_concurrency_limit"
+    await gate({**scope, "sequences": 1}, None, None)
+    assert answers[-1] is None and gate.limiter.inflight("alice") == 3  # released when it ended
