@@ -9,8 +9,9 @@ plain Python. A foreign chat template is rendered with jinja2, as transformers w
 from __future__ import annotations
 
 import json
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import tokenizers
 
@@ -249,6 +250,15 @@ class Tokenizer:
 
 
 _JINJA_CACHE: dict[str, Any] = {}
+# What the `tojson` filter does to its output during one render (the chat renderer's: client
+# strings marked as untrusted are re-marked with their JSON-escaped text).
+_TOJSON_HOOK: ContextVar[Optional[Callable[[str], str]]] = ContextVar("tojson_hook", default=None)
+
+
+def _tojson(x: Any, indent: Optional[int] = None) -> str:
+    text = json.dumps(x, ensure_ascii=False, indent=indent)
+    hook = _TOJSON_HOOK.get()
+    return hook(text) if hook is not None else text
 
 
 def render_jinja_text(
@@ -258,9 +268,11 @@ def render_jinja_text(
     bos_token: str,
     eos_token: str,
     variables: Optional[dict] = None,
+    tojson_hook: Optional[Callable[[str], str]] = None,
 ) -> str:
     """Render a chat template in the environment transformers uses for them: sandboxed, trimmed
-    blocks, loop controls, and a raise_exception helper that templates call on bad input."""
+    blocks, loop controls, and a raise_exception helper that templates call on bad input.
+    `tojson_hook`: applied to every `tojson` output of this render."""
     compiled = _JINJA_CACHE.get(template)
     if compiled is None:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -271,16 +283,20 @@ def render_jinja_text(
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = raise_exception
         compiled = _JINJA_CACHE[template] = env.from_string(template)
-    return compiled.render(
-        **(variables or {}),
-        messages=messages,
-        add_generation_prompt=add_generation_prompt,
-        bos_token=bos_token,
-        eos_token=eos_token,
-    )
+    token = _TOJSON_HOOK.set(tojson_hook)
+    try:
+        return compiled.render(
+            **(variables or {}),
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token,
+            eos_token=eos_token,
+        )
+    finally:
+        _TOJSON_HOOK.reset(token)
 
 
 class IncrementalDetokenizer:

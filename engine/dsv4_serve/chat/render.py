@@ -25,6 +25,7 @@ N+1 (round N's messages + the assistant's reply + tool results) starts with roun
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -336,41 +337,79 @@ def render_dsml(messages: Sequence[dict], opts: ChatOptions, block: str = "tool_
 # ---- any Jinja template ----------------------------------------------------------------------------
 
 _MARK = "\ue000{}\ue001"
+_MARKER = re.compile("\ue000([0-9]+)\ue001")
+# Fields whose values templates compare (`message.role == 'user'`, `tool.type == 'function'`):
+# validated enumerations, left as they are unless they spell a special token.
+_COMPARED_FIELDS = frozenset({"role", "type"})
 
 
 def render_jinja(
     template: str, messages: Sequence[dict], opts: ChatOptions, bos: str, eos: str, reserved: Sequence[str]
 ) -> Rendered:
-    """Render with a Jinja template. Client strings are swapped for private-use markers first, so
-    that the output can be cut back into trusted template text and untrusted client text. A
+    """Render with a Jinja template. Every client string (issue 39: tool descriptions, reasoning,
+    tool-call ids and chat_template_kwargs values too) is swapped for a private-use marker first,
+    so that the output can be cut back into trusted template text and untrusted client text.
+    Strings a template compares (roles, `type`s, dict keys, chat_template_kwargs values) stay as
+    they are unless they spell a special token, so a template's own variables keep working. A
     template that transforms a string (so its marker does not survive) falls back to the plain
-    render, which is refused if that string spells one of the `reserved` (special) tokens."""
+    render, which is refused if a client string spells one of the `reserved` (special) tokens."""
     from dsv4_engine.tokenizer import render_jinja_text
 
     originals: list[str] = []
 
-    def mark(s: Any) -> Any:
-        if not isinstance(s, str) or not s:
-            return s
-        originals.append(s)
-        return _MARK.format(len(originals) - 1)
+    def spelled(s: str) -> bool:
+        return any(tok and tok in s for tok in reserved) or "\ue000" in s or "\ue001" in s
 
-    marked = []
-    for m in messages:
-        mm = dict(m)
-        mm["content"] = mark(m.get("content"))
-        if m.get("tool_calls"):
-            mm["tool_calls"] = [
-                {
-                    **c,
-                    "function": {
-                        "name": mark((c.get("function") or {}).get("name")),
-                        "arguments": mark((c.get("function") or {}).get("arguments")),
-                    },
-                }
-                for c in m["tool_calls"]
-            ]
-        marked.append(mm)
+    def mark(x: Any, compared: bool = False) -> Any:
+        if isinstance(x, str):
+            if not x or (compared and not spelled(x)):
+                return x
+            originals.append(x)
+            return _MARK.format(len(originals) - 1)
+        if isinstance(x, dict):
+            return {mark(k, True): mark(v, compared or k in _COMPARED_FIELDS) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [mark(v, compared) for v in x]
+        return x
+
+    def tojson_hook(text: str) -> str:
+        # a marked string inside JSON: its text must be the JSON-escaped original
+        def escaped(m: "re.Match[str]") -> str:
+            originals.append(json.dumps(originals[int(m.group(1))], ensure_ascii=False)[1:-1])
+            return _MARK.format(len(originals) - 1)
+
+        return _MARKER.sub(escaped, text)
+
+    marked = [mark(dict(m)) for m in messages]
+    variables = {k: mark(v, True) for k, v in opts.template_kwargs.items()}
+    variables.setdefault("thinking", opts.thinking)
+    variables.setdefault("enable_thinking", opts.thinking)
+    if opts.reasoning_effort is not None:
+        variables.setdefault("reasoning_effort", mark(opts.reasoning_effort, True))
+    if opts.tools:
+        variables["tools"] = mark(list(opts.tools))
+    sent = len(originals)
+    text = render_jinja_text(template, marked, opts.add_generation_prompt, bos, eos, variables, tojson_hook)
+    pieces: list[Piece] = []
+    pos = 0
+    for m in _MARKER.finditer(text):
+        pieces.append((text[pos : m.start()], True))
+        pieces.append((originals[int(m.group(1))], False))  # < len(originals): only ours are in `text`
+        pos = m.end()
+    pieces.append((text[pos:], True))
+    # A marker the template cut or reversed leaves a stray delimiter; one it dropped leaves nothing
+    # (a template need not render ids or descriptions), and one it kept whole is client text.
+    mangled = any("\ue000" in t or "\ue001" in t for t, trusted in pieces if trusted)
+    if not mangled:
+        return Rendered([p for p in pieces if p[0]], text.rstrip().endswith(T.THINK_START))
+    # The template changed some string: render the real strings and check them instead.
+    for s in originals[:sent]:
+        for tok in reserved:
+            if tok and tok in s:
+                raise RenderError(
+                    f"message text contains the special token {tok!r}, which this chat template "
+                    "cannot keep as plain text"
+                )
     variables = dict(opts.template_kwargs)
     variables.setdefault("thinking", opts.thinking)
     variables.setdefault("enable_thinking", opts.thinking)
@@ -378,32 +417,6 @@ def render_jinja(
         variables.setdefault("reasoning_effort", opts.reasoning_effort)
     if opts.tools:
         variables["tools"] = opts.tools
-    text = render_jinja_text(template, marked, opts.add_generation_prompt, bos, eos, variables)
-    pieces: list[Piece] = []
-    pos, seen = 0, 0
-    while True:
-        a = text.find("\ue000", pos)
-        b = text.find("\ue001", a + 1) if a >= 0 else -1
-        if a < 0 or b < 0:
-            break
-        idx = text[a + 1 : b]
-        if not idx.isdigit() or int(idx) >= len(originals):
-            break
-        pieces.append((text[pos:a], True))
-        pieces.append((originals[int(idx)], False))
-        seen += 1
-        pos = b + 1
-    pieces.append((text[pos:], True))
-    if seen == len(originals) and "\ue000" not in text[pos:]:
-        return Rendered([p for p in pieces if p[0]], text.rstrip().endswith(T.THINK_START))
-    # The template changed some string: render the real strings and check them instead.
-    for s in originals:
-        for tok in reserved:
-            if tok and tok in s:
-                raise RenderError(
-                    f"message text contains the special token {tok!r}, which this chat template "
-                    "cannot keep as plain text"
-                )
     text = render_jinja_text(template, list(messages), opts.add_generation_prompt, bos, eos, variables)
     return Rendered([(text, True)], text.rstrip().endswith(T.THINK_START))
 
