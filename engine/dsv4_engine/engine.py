@@ -321,7 +321,8 @@ class Engine:
         # Called on the engine thread after every step: an out-of-process front end sends the
         # outputs the step's sinks collected as one message instead of one per token.
         self.after_step: Optional[Callable[[], None]] = None
-        self._grammars = None  # structured outputs' GrammarCompiler, made on the first request that asks
+        self._grammars = None  # structured outputs' CompileThread, made on the first request that asks
+        self._compiling: dict[str, Sequence] = {}  # requests waiting for their grammar, by rid
         # False: outputs carry token ids only, and stop strings are judged by whoever turns them
         # into text (the HTTP process; it ends the request with `finish(seq, "stop")`).
         self.detokenize = True
@@ -396,6 +397,11 @@ class Engine:
             else:
                 found = self.seqs.get(cmd.rid) if cmd.rid is not None else None
                 targets = [found] if found is not None and (cmd.seq is None or found is cmd.seq) else []
+            waiting = self._compiling.get(cmd.rid) if cmd.rid is not None else None
+            for seq in [*self._compiling.values()] if cmd.all else [waiting] if waiting is not None else []:
+                if cmd.seq is None or seq is cmd.seq:  # its grammar still compiling: never admitted
+                    self._compiling.pop(seq.rid, None)
+                    self._refuse(seq, f"request aborted: {cmd.reason}", 503)
             for seq in targets:
                 try:
                     self.finish(seq, "abort", error=f"request aborted: {cmd.reason}", error_code=503)
@@ -410,22 +416,22 @@ class Engine:
         else:
             log.error("unknown engine command %r", cmd)
 
+    def _refuse(self, seq: Sequence, error: str, code: int) -> None:
+        """End a request that was never admitted (it holds no pages, is in no queue)."""
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
+        seq.sink(RequestOutput(seq.rid, [], "", True, "error", error, code, len(seq.prompt_ids), 0))
+
     def _add(self, seq: Sequence) -> None:
-        if seq.rid in self.seqs:
+        if seq.rid in self.seqs or seq.rid in self._compiling:
             seq.sink(RequestOutput(seq.rid, [], "", True, "error", f"duplicate request id {seq.rid}", 400))
             return
-        if seq.params.structured is not None:
-            from dsv4_engine.structured.grammar import GrammarError
-
-            try:  # before the request is queued: a grammar we cannot compile is the client's 400
-                seq.grammar = self.grammars.compile(seq.params.structured)
-            except GrammarError as e:
-                seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
-                seq.sink(
-                    RequestOutput(
-                        seq.rid, [], "", True, "error", f"invalid structured output: {e}", 400, len(seq.prompt_ids), 0
-                    )
-                )
+        if seq.params.structured is not None and seq.grammar is None:
+            # Before the request is queued: a grammar we cannot compile is the client's 400. A
+            # grammar not compiled before compiles off this thread (issue 39), then _add again.
+            seq.grammar = self.grammars.cached(seq.params.structured)
+            if seq.grammar is None:
+                self._compiling[seq.rid] = seq
+                self.grammars.start(seq.params.structured, lambda compiled, e: self._compiled(seq, compiled, e))
                 return
         if self.detokenize:
             seq.detok = IncrementalDetokenizer(self.tokenizer)
@@ -450,13 +456,31 @@ class Engine:
         else:
             self.scheduler.add(seq)
 
+    def _compiled(self, seq: Sequence, compiled, error) -> None:
+        """A grammar's compile ended (engine thread): admit its request, or refuse it (400)."""
+        if self._compiling.pop(seq.rid, None) is not seq:
+            return  # aborted meanwhile
+        if error is not None:
+            self._refuse(seq, f"invalid structured output: {error}", 400)
+            return
+        seq.grammar = compiled
+        try:
+            self._add(seq)
+        except Exception as e:
+            self.fail_request(seq, "request could not be started", e)
+
     @property
     def grammars(self):
-        """The grammar compiler (and its cache of compiled grammars) for this model's vocabulary."""
+        """The grammar compiler thread (and its cache of compiled grammars) for this model's vocabulary."""
         if self._grammars is None:
+            from dsv4_engine.structured.compile_thread import CompileThread
             from dsv4_engine.structured.grammar import new_compiler
 
-            self._grammars = new_compiler(self.tokenizer.backend, self.cfg.vocab_size, sorted(self.eos_ids))
+            self._grammars = CompileThread(
+                lambda: new_compiler(self.tokenizer.backend, self.cfg.vocab_size, sorted(self.eos_ids)),
+                self.call,
+                getattr(self.args, "grammar_compile_timeout", 10.0),
+            )
         return self._grammars
 
     def fail_request(self, seq: Sequence, what: str, exc: BaseException, code: Optional[int] = None) -> None:

@@ -93,6 +93,9 @@ HOSTILE = [
     ("/v1/completions", {"prompt": "x", "rid": "a\nINFO forged log line"}, 400),  # issue 39
     ("/v1/completions", {"prompt": ["x"] * 256, "n": 16, "max_tokens": 1}, 400),  # 4,096 sequences
     ("/v1/completions", {"prompt": ["x"] * 32, "best_of": 9, "max_tokens": 1}, 400),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "a{0,100000000}"}, 400),  # grammar bombs
+    ("/v1/completions", {"prompt": "x", "guided_grammar": 'root ::= "a" r0\n' + "r0 ::= " + "x" * 70000}, 400),
+    ("/v1/completions", {"prompt": "x", "guided_json": {"type": "string", "maxLength": 10**8}}, 400),
     ("/v1/completions", {"prompt": [2**70]}, 400),
     ("/v1/completions", {"prompt": [[]]}, 400),
     ("/v1/completions", {"prompt": {"text": "x"}}, 400),

@@ -41,6 +41,14 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     _O("max_num_batched_tokens", int, 1024, "Token budget of one step (chunked prefill)."),
     _O("max_model_len", int, None, "Context limit (default: the model's)."),
     _O(
+        "grammar_compile_timeout",
+        float,
+        10.0,
+        "Seconds a structured-output grammar may take to compile (on a thread of its own) before "
+        "its request is refused with a 400.",
+        min=0.1,
+    ),
+    _O(
         "kernel_backend",
         str,
         None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from typing import Iterable, Optional
 
@@ -68,12 +69,21 @@ class GrammarCompiler:
         self._cache: "OrderedDict[StructuredSpec, xgr.CompiledGrammar]" = OrderedDict()
         self.cache_size = cache_size
         self.hits = self.misses = 0
+        self._lock = threading.Lock()  # the cache: read on the engine thread, filled on the compile thread
+
+    def cached(self, spec: StructuredSpec) -> Optional[xgr.CompiledGrammar]:
+        """The compiled grammar of a spec compiled before, else None (no compiling: safe on the
+        engine thread while another thread compiles)."""
+        with self._lock:
+            got = self._cache.get(spec)
+            if got is not None:
+                self._cache.move_to_end(spec)
+                self.hits += 1
+            return got
 
     def compile(self, spec: StructuredSpec) -> xgr.CompiledGrammar:
-        got = self._cache.get(spec)
+        got = self.cached(spec)
         if got is not None:
-            self._cache.move_to_end(spec)
-            self.hits += 1
             return got
         self.misses += 1
         try:
@@ -83,9 +93,10 @@ class GrammarCompiler:
             raise
         except Exception as e:  # xgrammar raises RuntimeError/ValueError/its own types, with the reason
             raise GrammarError(f"{spec.kind}: {_first_line(e)}") from None
-        self._cache[spec] = compiled
-        while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self._cache[spec] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
         return compiled
 
     def _compile(self, spec: StructuredSpec) -> xgr.CompiledGrammar:

@@ -9,8 +9,9 @@ grammar the engine cannot compile ends the request with a 400 before any compute
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Iterator, Union
 
 from dsv4_wire.chat_names import TOOL_CALL_FORMATS, canonical
 
@@ -22,6 +23,40 @@ from dsv4_wire.chat_names import TOOL_CALL_FORMATS, canonical
 # the grammar, `dsv4_engine.structured.tool_calls`).
 KINDS = ("json_object", "json_schema", "regex", "choice", "ebnf", "structural_tag", "tool_calls")
 MAX_SPEC_CHARS = 1 << 20  # a constraint's text, at most (1 MiB; a schema bigger than that is abuse)
+# Grammar text (EBNF, regex) at most: compile time grows faster than its size (issue 39: 12,000
+# rules took 18 s), so its bound is far below a schema's.
+MAX_GRAMMAR_CHARS = 64 * 1024
+# A repeat count ({n,m} in a regex or EBNF, a schema's length/item/property bounds) at most.
+MAX_REPEAT = 65536
+_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+_SCHEMA_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+
+
+def _schema_counts(v: Any) -> Iterator[tuple[str, Any]]:
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            for k, item in x.items():
+                if k in _SCHEMA_COUNTS:
+                    yield k, item
+                if isinstance(item, (dict, list)):
+                    stack.append(item)
+        elif isinstance(x, list):
+            stack.extend(i for i in x if isinstance(i, (dict, list)))
+
+
+def _check_bounds(kind: str, value: str, parsed: Any = None) -> None:
+    if kind in ("regex", "ebnf"):
+        if len(value) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"{kind}: the grammar is longer than {MAX_GRAMMAR_CHARS} characters")
+        for m in _REPEAT.finditer(value):
+            if any(n and int(n) > MAX_REPEAT for n in m.groups()):
+                raise ValueError(f"{kind}: the repeat count {m.group(0)} is over {MAX_REPEAT}")
+    if kind == "json_schema":
+        for k, n in _schema_counts(parsed):
+            if isinstance(n, (int, float)) and not isinstance(n, bool) and n > MAX_REPEAT:
+                raise ValueError(f"json_schema: {k} {n} is over {MAX_REPEAT}")
 
 
 @dataclass(frozen=True)
@@ -42,6 +77,7 @@ class StructuredSpec:
             return
         if not self.value.strip():
             raise ValueError(f"{self.kind}: the constraint is empty")
+        _check_bounds(self.kind, self.value)
         if self.kind in ("json_schema", "choice", "structural_tag", "tool_calls"):
             try:
                 v = json.loads(self.value)
@@ -49,6 +85,7 @@ class StructuredSpec:
                 raise ValueError(f"{self.kind}: not valid JSON ({e})") from None
             if self.kind == "json_schema" and not isinstance(v, (dict, bool)):
                 raise ValueError("json_schema: a JSON Schema is an object (or true/false)")
+            _check_bounds(self.kind, self.value, v)
             if self.kind == "choice" and (not isinstance(v, list) or not v or not all(isinstance(c, str) for c in v)):
                 raise ValueError("choice: a non-empty list of strings is required")
             if self.kind == "structural_tag" and not isinstance(v, dict):

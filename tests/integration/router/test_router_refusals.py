@@ -98,6 +98,11 @@ ROUTER_HOSTILE = [
     ({"prompt": ["x"] * 256, "n": 16, "max_tokens": 1}, "n"),  # 4,096 sequences
     ({"prompt": "x", "rid": "a\nINFO forged"}, "rid"),
 ]
+# ... and those the engine refuses (a 400 the router passes on, sent once, the engine kept).
+ENGINE_HOSTILE = [
+    {"prompt": "x", "guided_regex": "a{0,100000000}"},
+    {"prompt": "x", "guided_json": {"type": "string", "maxLength": 10**8}},
+]
 
 
 @pytest.mark.parametrize("body,param", ROUTER_HOSTILE)
@@ -106,6 +111,14 @@ def test_issue_39_hostile_bodies_are_400_at_the_router(routers, body, param):
     r = httpx.post(f"{routers['open']}/v1/completions", json=body, timeout=30)
     assert assert_openai_error(r, 400)["param"] == param
     assert _worker_requests(routers["open"]) == before
+
+
+@pytest.mark.parametrize("body", ENGINE_HOSTILE)
+def test_issue_39_hostile_bodies_the_engine_refuses_are_400_once(routers, body):
+    before = _worker_requests(routers["open"])
+    assert_openai_error(httpx.post(f"{routers['open']}/v1/completions", json=body, timeout=30), 400)
+    assert _worker_requests(routers["open"]) == before + 1
+    assert httpx.get(f"{routers['open']}/admin/workers").json()["workers"][0]["healthy"]
 
 
 def test_body_size_limit_is_413(routers):
