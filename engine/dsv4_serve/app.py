@@ -39,7 +39,13 @@ def build_app(
     serving = OpenAIServing(client, tokenizer, args, lifecycle)
     app.state.client = client
     app.state.serving = serving
-    app.add_middleware(Gate, lifecycle=lifecycle, max_request_bytes=args.max_request_bytes)
+    app.add_middleware(
+        Gate,
+        lifecycle=lifecycle,
+        max_request_bytes=args.max_request_bytes,
+        admin_token=args.admin_token,
+        pd_secret=args.pd_secret,
+    )
     # Outermost: a request without a key is refused before its body is read. The router's
     # internal requests pass with the PD secret.
     app.add_middleware(ApiKeyGate, ring=KeyRing(args.api_keys, internal=args.pd_secret))

@@ -300,9 +300,12 @@ def _start_bootstrap(engine, args) -> None:
     from dsv4_serve.pd_routes import build_bootstrap_app
     from dsv4_serve.uvicorn_server import UvicornServer
 
-    server = UvicornServer(
-        uvicorn.Config(build_bootstrap_app(engine, args), host=args.host, port=args.bootstrap_port, log_level="warning")
+    from dsv4_wire.slow_clients import bounded
+
+    app, limits = bounded(
+        build_bootstrap_app(engine, args), getattr(args, "client_timeout", 30.0), getattr(args, "max_connections", 4096)
     )
+    server = UvicornServer(uvicorn.Config(app, host=args.host, port=args.bootstrap_port, log_level="warning", **limits))
     failed: list[BaseException] = []
 
     def run() -> None:

@@ -1,5 +1,6 @@
-"""The door of an engine's HTTP server: a request body size limit, and admission while the
-server drains on SIGTERM.
+"""The door of an engine's HTTP server: a request body size limit, admin and PD paths refused
+before their body is read when the caller lacks the token, and admission while the server
+drains on SIGTERM.
 
 One ASGI middleware, ahead of routing, so that every path (OpenAI, admin, PD) gets the same
 limit and its 413 is OpenAI-shaped; the generation paths are counted while they run (streams
@@ -11,8 +12,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Optional
 
-from dsv4_wire import APIError, Paths
+from dsv4_wire import APIError, Paths, admin_refusal
+from dsv4_wire.auth import token_matches
 from dsv4_wire.serve_options import default
 
 DEFAULT_MAX_REQUEST_BYTES = default("max_request_bytes")  # the engine's --max-request-bytes
@@ -40,11 +43,39 @@ async def send_error(send, e: APIError, headers: tuple = ()) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+ADMIN_PREFIXES = ("/admin/", "/debug/")
+PD_PREFIXES = ("/pd/", "/bootstrap/")
+
+
+def unauthenticated(
+    path: str, headers: dict, client_host: Optional[str], admin_token: Optional[str], pd_secret: Optional[str]
+) -> Optional[APIError]:
+    """Pure: why an admin or engine-to-engine request is refused before its body is read (issue
+    39: a caller without the token could make the engine buffer a 16 MiB body first), else None.
+    The same rules as the handlers' (dsv4_wire.auth)."""
+    if path.startswith(ADMIN_PREFIXES):
+        refusal = admin_refusal(headers, admin_token, client_host)
+        if refusal is not None:
+            status, message = refusal
+            return APIError(message, status, "authentication_error" if status == 401 else "permission_error")
+    if path.startswith(PD_PREFIXES) and not token_matches(headers, pd_secret):
+        return APIError("PD secret required", 401, "authentication_error")
+    return None
+
+
 class Gate:
-    def __init__(self, app, lifecycle: Lifecycle, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+    def __init__(
+        self,
+        app,
+        lifecycle: Lifecycle,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        admin_token: Optional[str] = None,
+        pd_secret: Optional[str] = None,
+    ):
         self.app = app
         self.lifecycle = lifecycle
         self.limit = max_request_bytes
+        self.admin_token, self.pd_secret = admin_token, pd_secret
 
     def _too_large(self, size: int) -> APIError:
         return APIError(
@@ -66,6 +97,14 @@ class Gate:
                 ),
                 ((b"connection", b"close"),),
             )
+        if scope["path"].startswith(ADMIN_PREFIXES + PD_PREFIXES):
+            headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers") or []}
+            client = scope.get("client")
+            refused = unauthenticated(
+                scope["path"], headers, client[0] if client else None, self.admin_token, self.pd_secret
+            )
+            if refused is not None:
+                return await send_error(send, refused, ((b"connection", b"close"),))
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None:
             try:

@@ -7,6 +7,7 @@ from fastapi import FastAPI, Request
 
 from dsv4_engine.pd.messages import AbortRoom, RegisterRoom
 from dsv4_serve.admin import error_response, require_admin, require_token
+from dsv4_serve.gate import Gate, Lifecycle
 from dsv4_wire import APIError, Paths
 
 
@@ -67,6 +68,8 @@ def extend_app(app: FastAPI, engine, args) -> None:
 def build_bootstrap_app(engine, args) -> FastAPI:
     """The prefill's bootstrap endpoint: decode engines register rooms, abort them, heartbeat."""
     app = FastAPI(title="dsv4 bootstrap", docs_url=None, redoc_url=None, openapi_url=None)
+    # a caller without the PD secret is refused before its body is read; bodies here are small
+    app.add_middleware(Gate, lifecycle=Lifecycle(), max_request_bytes=1 << 20, pd_secret=args.pd_secret)
     ctl = engine.pd
 
     @app.exception_handler(APIError)

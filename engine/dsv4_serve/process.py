@@ -16,6 +16,7 @@ import sys
 import time
 
 import uvicorn
+from dsv4_wire.slow_clients import bounded
 
 from dsv4_engine.tokenizer import Tokenizer
 from dsv4_serve.engine_client import (
@@ -100,9 +101,12 @@ def _serve_http(client: EngineClient, args: ServerArgs) -> None:
         from dsv4_serve.pd_routes import extend_app
 
         extend_app(app, client, args)
+    app, limits = bounded(app, args.client_timeout, args.max_connections)  # slow and many clients
     servers = [
         UvicornServer(
-            uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+            uvicorn.Config(
+                app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5, **limits
+            )
         )
     ]
     extra = f", bootstrap on port {args.bootstrap_port}" if args.role == "prefill" else ""

@@ -16,6 +16,7 @@ from typing import Optional
 
 import httpx
 import uvicorn
+from dsv4_wire.slow_clients import bounded
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import generate_latest
@@ -203,4 +204,5 @@ def run_router(args: RouterArgs) -> None:
         f"up to {args.max_inflight} requests in flight, {args.max_queue} queued)",
         flush=True,
     )
-    uvicorn.run(build_app(router), host=args.host, port=args.port, log_level="warning")
+    app, limits = bounded(build_app(router), args.client_timeout, args.max_connections)  # slow and many clients
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", **limits)

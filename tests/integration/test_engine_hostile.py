@@ -16,12 +16,27 @@ import pytest
 from bench.harness.commands import serving
 
 LIMIT = 8 * 1024 * 1024
+ADMIN = {"Authorization": "Bearer hostile-admin"}
+CLIENT_TIMEOUT = 2.0  # --client-timeout: headers, then the body, each within this
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     with serving(
-        ["--model", tiny_model, "--kv-pages", 512, "--served-model-name", "tiny", "--max-request-bytes", LIMIT],
+        [
+            "--model",
+            tiny_model,
+            "--kv-pages",
+            512,
+            "--served-model-name",
+            "tiny",
+            "--max-request-bytes",
+            LIMIT,
+            "--admin-token",
+            "hostile-admin",
+            "--client-timeout",
+            CLIENT_TIMEOUT,
+        ],
         tmp_path_factory.mktemp("hostile") / "engine.log",
     ) as url:
         yield url
@@ -258,11 +273,11 @@ def test_hostile_matrix_under_normal_traffic(server, client):
     assert traffic.failures == [], traffic.failures[:5]
     assert traffic.ok >= 6
     assert client.get("/ready").status_code == 200
-    loads = client.get("/v1/loads").json()
+    loads = client.get("/v1/loads", headers=ADMIN).json()
     deadline = time.monotonic() + 10
     while loads["kv_pages_free"] != loads["kv_pages_total"] and time.monotonic() < deadline:
         time.sleep(0.05)
-        loads = client.get("/v1/loads").json()
+        loads = client.get("/v1/loads", headers=ADMIN).json()
     assert loads["kv_pages_free"] == loads["kv_pages_total"]
 
 
@@ -271,7 +286,7 @@ def test_unknown_path_wrong_method_bad_admin_body_are_openai_errors(client):
     assert_openai_error(client.post("/v1/embeddings", json={}), 404)
     assert_openai_error(client.get("/v1/completions"), 405)
     assert_openai_error(client.delete("/v1/chat/completions"), 405)
-    assert_openai_error(client.post("/admin/abort", content=b"[" * 5000), 400)
+    assert_openai_error(client.post("/admin/abort", content=b"[" * 5000, headers=ADMIN), 400)
 
 
 def test_completion_logprobs(client):
@@ -368,3 +383,67 @@ def test_health_answers_while_huge_prompts_are_processed(server, client):
     # Bounded with room for a loaded CI machine; tokenising the 7 MB text alone on the event loop
     # stalled it for 10+ s before.
     assert worst < 2.0, f"/health+/ready took {worst:.2f}s while multi-megabyte prompts were processed"
+
+
+def raw_exchange(server: str, head: bytes, wait: float) -> tuple[bytes, float]:
+    """Send `head` on a new connection, then read what comes back (until the server closes or
+    `wait` passes): (the reply, seconds until the server answered or closed)."""
+    host, port = server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait) as s:
+        t0 = time.monotonic()
+        s.sendall(head)
+        reply = b""
+        try:
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                reply += chunk
+                if b"\r\n\r\n" in reply and reply.rstrip().endswith(b"}"):
+                    break
+        except socket.timeout:
+            pass
+        return reply, time.monotonic() - t0
+
+
+def test_slow_clients_are_cut_off_while_others_are_served(server, client):
+    """Issue 39 item 5: headers that trickle in, and a body that never completes, hold a
+    connection no longer than --client-timeout; others are served meanwhile."""
+    host, port = server.removeprefix("http://").split(":")
+    trickler = socket.create_connection((host, int(port)), timeout=10)
+    t0, closed_after = time.monotonic(), None
+    try:
+        for byte in b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200:
+            trickler.sendall(bytes([byte]))
+            r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+            assert r.status_code == 200
+            time.sleep(0.05)
+            if time.monotonic() - t0 > 4 * CLIENT_TIMEOUT:
+                break
+    except (BrokenPipeError, ConnectionResetError):
+        closed_after = time.monotonic() - t0
+    finally:
+        trickler.close()
+    assert closed_after is not None and closed_after < 2 * CLIENT_TIMEOUT, closed_after
+    reply, took = raw_exchange(
+        server,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 1000\r\n\r\n{"prompt": "',
+        wait=4 * CLIENT_TIMEOUT,
+    )
+    assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply, reply[:300]
+    assert took < 2 * CLIENT_TIMEOUT
+    assert client.get("/ready").status_code == 200
+
+
+def test_unauthenticated_admin_bodies_are_refused_before_they_are_read(server):
+    """Issue 39 item 5: a caller without the admin token declared a 16 MiB body and was waited
+    for while the engine buffered it; now it is refused at the headers."""
+    for path in ("/admin/abort", "/admin/drain"):
+        reply, took = raw_exchange(
+            server,
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+            + b"Content-Length: 8000000\r\n\r\n",
+            wait=CLIENT_TIMEOUT / 2,
+        )
+        assert reply.startswith(b"HTTP/1.1 401"), (path, reply[:200], took)

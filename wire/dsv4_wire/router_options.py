@@ -118,6 +118,22 @@ ROUTER_OPTIONS: tuple[Option, ...] = (
         min=0.0,
     ),
     _O(
+        "client_timeout",
+        float,
+        30.0,
+        "Seconds a client has to send a request's headers, and then its body (slower: cut off, 408).",
+        scope="router",
+        min=0.1,
+    ),
+    _O(
+        "max_connections",
+        int,
+        4096,
+        "Connections and requests served at once (more: 503).",
+        scope="router",
+        min=1,
+    ),
+    _O(
         "cache_salt_from_api_key",
         bool,
         False,

@@ -186,6 +186,22 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         min=1,
     ),
     _O(
+        "client_timeout",
+        float,
+        30.0,
+        "Seconds a client has to send a request's headers, and then its body (slower: cut off, 408).",
+        scope="server",
+        min=0.1,
+    ),
+    _O(
+        "max_connections",
+        int,
+        4096,
+        "Connections and requests served at once (more: 503).",
+        scope="server",
+        min=1,
+    ),
+    _O(
         "shutdown_grace",
         float,
         30.0,

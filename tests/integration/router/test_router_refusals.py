@@ -9,6 +9,7 @@ import pytest
 from bench.harness.commands import free_port
 
 TOKEN = "s3cret-admin"
+CLIENT_TIMEOUT = 2.0
 logs: dict = {}
 
 
@@ -34,6 +35,8 @@ def routers(tiny_model, tmp_path_factory):
             "0.5",
             "--max-body-bytes",
             8192,
+            "--client-timeout",
+            CLIENT_TIMEOUT,
         ],
         tmp / "router.log",
     )
@@ -258,3 +261,31 @@ def test_a_request_whose_own_constraints_allow_no_token_is_a_4xx_sent_once(route
         assert 400 <= r.status_code < 500, r.text
     assert _worker_requests(routers["open"]) == before + 1, "sent to an engine again"
     assert httpx.get(f"{routers['open']}/admin/workers").json()["workers"][0]["healthy"]
+
+
+def test_slow_clients_are_cut_off_at_the_router(routers):
+    """Issue 39 item 5: a trickled header and a body that never completes hold a router
+    connection no longer than --client-timeout (408 for the body)."""
+    import socket
+    import time
+
+    host, port = routers["open"].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        t0, closed_after = time.monotonic(), None
+        try:
+            for byte in b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200:
+                s.sendall(bytes([byte]))
+                time.sleep(0.05)
+                if time.monotonic() - t0 > 4 * CLIENT_TIMEOUT:
+                    break
+            closed_after = time.monotonic() - t0 if s.recv(1) == b"" else None
+        except (BrokenPipeError, ConnectionResetError):
+            closed_after = time.monotonic() - t0
+    assert closed_after is not None and closed_after < 2 * CLIENT_TIMEOUT, closed_after
+    with socket.create_connection((host, int(port)), timeout=4 * CLIENT_TIMEOUT) as s:
+        t0 = time.monotonic()
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+        reply = s.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    assert time.monotonic() - t0 < 2 * CLIENT_TIMEOUT
+    assert httpx.post(f"{routers['open']}/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
