@@ -34,7 +34,7 @@ from dsv4_router.router_args import RouterArgs
 from dsv4_router.workers import Health, RouterMetrics, Worker, WorkerPool
 from dsv4_router.admission import Admission, Overloaded, Slot
 from dsv4_router.affinity import ConversationKeys
-from dsv4_router.body import parse_body, read_limited
+from dsv4_router.body import body_limit, parse_body, read_limited
 from dsv4_router.cache_index import CacheIndex
 from dsv4_router.cache_placement import CachePlacement, Tokenize, prompt_ids
 from dsv4_router.cache_subscriber import CacheSubscriber
@@ -192,7 +192,8 @@ class Router:
                     )
                 )
         try:
-            raw = await read_limited(http.headers.get("content-length"), http.stream(), self.args.max_body_bytes)
+            limit = body_limit(self.args.max_body_bytes, (w.max_model_len for w in self.pool.workers.values()))
+            raw = await read_limited(http.headers.get("content-length"), http.stream(), limit)
             body = parse_body(raw)
         except APIError as e:
             return self.error(e)

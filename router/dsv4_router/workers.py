@@ -27,6 +27,11 @@ from dsv4_wire import Paths
 log = logging.getLogger("dsv4.router")
 
 
+def _context_length(info: object) -> Optional[int]:
+    n = info.get("max_model_len") if isinstance(info, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
 @dataclass
 class Worker:
     url: str
@@ -43,6 +48,8 @@ class Worker:
     canary: bool = False
     canary_percent: float = 0.0
     load_tokens: int = 0  # prompt tokens of this router's requests in flight here (cache placement's load)
+    max_model_len: Optional[int] = None  # its context length, from /server_info (the default body limit)
+    info_read: bool = False  # /server_info asked once (an engine without it says nothing more later)
 
     @property
     def host(self) -> str:
@@ -203,6 +210,13 @@ class Health:
             if status == 200 and w.role == "prefill" and w.bootstrap_port is None:
                 info = (await self.control.get(w.url + Paths.SERVER_INFO)).json()
                 w.bootstrap_port = info.get("bootstrap_port")
+                w.max_model_len = _context_length(info)
+            elif status == 200 and not w.info_read:
+                w.info_read = True
+                try:  # only for the default body limit: an engine without /server_info stays healthy
+                    w.max_model_len = _context_length((await self.control.get(w.url + Paths.SERVER_INFO)).json())
+                except (httpx.HTTPError, ValueError):
+                    pass
             elif status != 200 and r.headers.get("content-type", "").startswith("application/json"):
                 body = r.json()
                 reason = str(body.get("reason", "")) if isinstance(body, dict) else ""

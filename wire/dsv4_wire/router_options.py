@@ -50,7 +50,15 @@ ROUTER_OPTIONS: tuple[Option, ...] = (
         "max_queue", int, 256, "Most requests waiting for a slot; more get 429 with Retry-After.", scope="router", min=0
     ),
     _O("queue_timeout", float, 30.0, "Seconds a request may wait for a slot before 429.", scope="router", min=0.001),
-    _O("max_body_bytes", int, 16 * 1024 * 1024, "Largest request body accepted (413 beyond).", scope="router", min=1),
+    _O(
+        "max_body_bytes",
+        int,
+        None,
+        "Largest request body accepted (413 beyond); default: 1 MiB + 32 bytes per token of the "
+        "engines' context length, at most 16 MiB.",
+        scope="router",
+        min=1,
+    ),
     _O(
         "migration_limit",
         int,

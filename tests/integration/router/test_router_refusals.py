@@ -289,3 +289,24 @@ def test_slow_clients_are_cut_off_at_the_router(routers):
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
     assert time.monotonic() - t0 < 2 * CLIENT_TIMEOUT
     assert httpx.post(f"{routers['open']}/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_the_default_body_limit_follows_the_engines_context_length(routers):
+    """Issue 39 item 4: without --max-body-bytes the router took 16 MiB bodies whatever the
+    engines could hold; now 1 MiB + 32 bytes per token of their context length."""
+    context = httpx.get(f"{routers['engine']}/server_info").json()["max_model_len"]
+    limit = (1 << 20) + 32 * context
+    assert limit < 16 << 20
+    r = httpx.post(
+        f"{routers['token']}/v1/completions",
+        content=b'{"prompt": "' + b"a" * limit + b'"}',
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert assert_openai_error(r, 413)["code"] == "request_too_large"
+    arrays = b'{"prompt": "x", "extra": [' + b",".join([b"[]"] * 70_000) + b"]}"  # under the limit
+    assert len(arrays) < limit
+    r = httpx.post(
+        f"{routers['token']}/v1/completions", content=arrays, headers={"content-type": "application/json"}, timeout=30
+    )
+    assert "arrays and objects" in assert_openai_error(r, 400)["message"]
