@@ -99,13 +99,17 @@ async def degraded(kube_client: ClusterClient, name: str, reason: str):
 
 
 async def test_a_deployment_cannot_name_another_deployments_secret(
-    kube_cluster: WatchdogCluster, kube_client: ClusterClient, operator_factory
+    kube_cluster: WatchdogCluster, kube_client: ClusterClient, operator_factory, monkeypatch
 ) -> None:
     """Issue 39 item 1: the Secret the operator made for deployment A carries its managed-by
     label; deployment B naming it would run with A's admin token, PD secret and router token."""
+    from dsv4_operator import auth_secret
+
+    monkeypatch.setattr(auth_secret, "SECRET_RECHECK_SECONDS", 1.0)
     await operator_factory([NS])
     await kube_client.create(deployment("victim", remediation={}), "dsv4deployments")
     await eventually(lambda: kube_client.get("v1", "secrets", NS, "victim-auth"), timeout=20)
+    await eventually(lambda: kube_client.get("apps/v1", "statefulsets", NS, "victim-prefill"), timeout=20)
     thief = deployment("thief", remediation={})
     thief["spec"]["security"] = {"secretName": "victim-auth"}
     await kube_client.create(thief, "dsv4deployments")
@@ -115,7 +119,9 @@ async def test_a_deployment_cannot_name_another_deployments_secret(
     for kind, plural in (("apps/v1", "statefulsets"), ("apps/v1", "deployments")):
         assert await kube_client.get(kind, plural, NS, "thief-prefill") is None
         assert await kube_client.get(kind, plural, NS, "thief-router") is None
-    assert await kube_client.get("apps/v1", "statefulsets", NS, "victim-prefill") is not None
+    assert (await kube_client.get("v1", "secrets", NS, "victim-auth"))["metadata"]["ownerReferences"][0]["name"] == (
+        "victim"
+    )
 
 
 async def test_a_named_secret_is_used_only_when_it_is_the_operators(
