@@ -8,6 +8,7 @@ these scripted ones stand in for it here."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -61,6 +62,20 @@ class Engine:
 
             return StreamingResponse(stream(), media_type=wire.CONTENT_TYPE)
 
+        @app.post("/v1/chat/completions")
+        async def chat(http: Request):
+            await http.json()
+            self.served += 1
+            return {
+                "id": "chatcmpl-x",
+                "object": "chat.completion",
+                "model": "m",
+                "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": self.name}, "finish_reason": "length"}
+                ],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+
         @app.post("/v1/completions")
         async def completions(http: Request):
             body = await http.json()
@@ -70,7 +85,7 @@ class Engine:
                 "object": "text_completion",
                 "model": "m",
                 "choices": [{"index": 0, "text": self.name, "finish_reason": "length", "logprobs": None}],
-                "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1, "total_tokens": 1},
+                "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1, "total_tokens": 2},
             }
 
         return app
@@ -86,15 +101,15 @@ def serve(app: FastAPI, port: int) -> uvicorn.Server:
     return server
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    engines = [Engine("a", []), Engine("b", HELD), Engine("c", HELD[:2])]
+@contextlib.contextmanager
+def running(engines: list[Engine], log_dir, *router_args: str):
+    """The scripted engines and a real router process in front of them, every engine followed."""
     servers = [serve(e.app(), e.port) for e in engines]
     r_port = free_port()
-    args = ["router", "--port", r_port, "--health-interval", "0.5"]
+    args = ["router", "--port", r_port, "--health-interval", "0.5", *router_args]
     for e in engines:
         args += ["--mono", f"http://127.0.0.1:{e.port}"]
-    router = Proc(args, tmp_path_factory.mktemp("cache") / "router.log")
+    router = Proc(args, log_dir / "router.log")
     try:
         url = f"http://127.0.0.1:{r_port}"
         router.wait_ready(url)
@@ -105,11 +120,18 @@ def fleet(tmp_path_factory):
                 break
             assert time.monotonic() < deadline, ws
             time.sleep(0.1)
-        yield url, engines
+        yield url
     finally:
         router.stop()
         for s in servers:
             s.should_exit = True
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    engines = [Engine("a", []), Engine("b", HELD), Engine("c", HELD[:2])]
+    with running(engines, tmp_path_factory.mktemp("cache")) as url:
+        yield url, engines
 
 
 def test_a_prompt_goes_where_its_pages_are_and_a_lost_claim_is_not_used(fleet):
@@ -135,3 +157,34 @@ def test_a_prompt_goes_where_its_pages_are_and_a_lost_claim_is_not_used(fleet):
         time.sleep(0.1)
     got = httpx.post(f"{url}/v1/completions", json={"prompt": TOKENS + [9], "max_tokens": 1}, timeout=30).json()
     assert got["choices"][0]["text"] == "c", json.dumps(got)
+
+
+def test_with_the_tokenizer_chat_and_text_prompts_are_placed_by_their_pages(tiny_model, tmp_path):
+    """`--tokenizer`: the router renders a chat (and tokenizes a text prompt) as the engine
+    would, so an engine holding those pages wins them; without it both would go by affinity."""
+    from dsv4_serve.chat_prompt import PromptIds
+
+    tokenize = PromptIds(str(tiny_model))
+    chat = {
+        "messages": [
+            {"role": "system", "content": "You are a careful agent. " * 20},
+            {"role": "user", "content": "List the files, then read the largest one. " * 4},
+        ],
+        "max_tokens": 1,
+    }
+    text = {"prompt": "An agent's long shared task description. " * 30, "max_tokens": 1}
+    chat_ids = tokenize("/v1/chat/completions", chat)
+    text_ids = tokenize("/v1/completions", text)
+    assert len(chat_ids) >= 64 and len(text_ids) >= 64
+    held_chat = [h.hex() for h in wire.page_hashes(chat_ids, 16)]
+    held_text = [h.hex() for h in wire.page_hashes(text_ids, 16)]
+    engines = [Engine("a", []), Engine("b", held_chat), Engine("c", held_text), Engine("d", [])]
+    with running(engines, tmp_path, "--tokenizer", str(tiny_model)) as url:
+        for _ in range(4):
+            got = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=30).json()
+            assert got["choices"][0]["message"]["content"] == "b", json.dumps(got)
+            got = httpx.post(f"{url}/v1/completions", json=text, timeout=30).json()
+            assert got["choices"][0]["text"] == "c", json.dumps(got)
+        # a chat the engine would refuse (no messages) is not the router's to judge: it is sent on
+        bad = httpx.post(f"{url}/v1/chat/completions", json={"messages": []}, timeout=30)
+        assert bad.status_code == 200
