@@ -54,9 +54,10 @@ class Engine:
                         boundary_tokens=16,
                     )
                 )
-                while not self.restarted.is_set():
+                instance = self.instance
+                while not (self.restarted.is_set() and instance == f"{self.name}-1"):
                     await asyncio.sleep(0.1)
-                    yield wire.encode(wire.heartbeat_message(self.instance, 0))
+                    yield wire.encode(wire.heartbeat_message(instance, 0))
                 # the process restarted: the stream ends; the next subscription meets the new one
                 self.instance, self.held = f"{self.name}-2", []
 
@@ -102,9 +103,11 @@ def serve(app: FastAPI, port: int) -> uvicorn.Server:
 
 
 @contextlib.contextmanager
-def running(engines: list[Engine], log_dir, *router_args: str):
-    """The scripted engines and a real router process in front of them, every engine followed."""
-    servers = [serve(e.app(), e.port) for e in engines]
+def running(engines: list[Engine], log_dir, *router_args: str, start_engines: bool = True):
+    """The scripted engines (already running where not `start_engines`) and a real router
+    process in front of them, every engine followed."""
+    servers = [serve(e.app(), e.port) for e in engines] if start_engines else []
+    log_dir.mkdir(parents=True, exist_ok=True)
     r_port = free_port()
     args = ["router", "--port", r_port, "--health-interval", "0.5", *router_args]
     for e in engines:
@@ -188,3 +191,20 @@ def test_with_the_tokenizer_chat_and_text_prompts_are_placed_by_their_pages(tiny
         # a chat the engine would refuse (no messages) is not the router's to judge: it is sent on
         bad = httpx.post(f"{url}/v1/chat/completions", json={"messages": []}, timeout=30)
         assert bad.status_code == 200
+
+
+def test_two_router_replicas_agree_without_talking_to_each_other(tmp_path):
+    """Each replica follows every engine's events on its own: both send a prompt to the engine
+    that holds it, with no channel between them."""
+    prompts = {name: list(range(base, base + 16 * 6)) for name, base in (("a", 2000), ("b", 3000), ("c", 4000))}
+    held = {name: [h.hex() for h in wire.page_hashes(ids, 16)] for name, ids in prompts.items()}
+    # a partial overlap: d holds the first two pages of c's prompt, which c holds whole
+    engines = [Engine("a", held["a"]), Engine("b", held["b"]), Engine("c", held["c"]), Engine("d", held["c"][:2])]
+    with running(engines, tmp_path / "r1") as one, running(engines, tmp_path / "r2", start_engines=False) as two:
+        for url in (one, two):
+            for name, ids in prompts.items():
+                for tail in range(3):
+                    got = httpx.post(
+                        f"{url}/v1/completions", json={"prompt": ids + [tail], "max_tokens": 1}, timeout=30
+                    )
+                    assert got.json()["choices"][0]["text"] == name, (url, got.text)
