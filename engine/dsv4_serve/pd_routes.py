@@ -69,7 +69,9 @@ def build_bootstrap_app(engine, args) -> FastAPI:
     """The prefill's bootstrap endpoint: decode engines register rooms, abort them, heartbeat."""
     app = FastAPI(title="dsv4 bootstrap", docs_url=None, redoc_url=None, openapi_url=None)
     # a caller without the PD secret is refused before its body is read; bodies here are small
-    app.add_middleware(Gate, lifecycle=Lifecycle(), max_request_bytes=1 << 20, pd_secret=args.pd_secret)
+    app.add_middleware(
+        Gate, lifecycle=Lifecycle(), max_request_bytes=1 << 20, pd_secret=getattr(args, "pd_secret", None)
+    )
     ctl = engine.pd
 
     @app.exception_handler(APIError)
