@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
+from dsv4_engine.cuda_graphs import resolve_graph_max_bs
 from dsv4_engine.devices import use_device
 from dsv4_engine.engine_args import EngineArgs
 from dsv4_engine.kv_cache import (
@@ -30,9 +31,9 @@ from dsv4_engine.kv_cache import (
     SnapshotPool,
     check_page_size,
     default_page_size,
-    pages_for_memory,
     snapshot_boundary,
 )
+from dsv4_engine.kv_sizing import KVBudget, PoolSize, device_memory, graph_reserve_bytes, kv_budget, size_pool
 from dsv4_engine.metrics import EngineMetrics
 from dsv4_engine.model_runner import ModelRunner, default_device
 from dsv4_engine.models.state import StateSpec
@@ -182,6 +183,7 @@ class Engine:
             raise ValueError(refusal)
         self.args = args
         self.tp = None  # rank 0's handle on the other ranks when tp_size > 1
+        graph_max_bs = resolve_graph_max_bs(args.cuda_graph_max_bs, args.max_num_seqs)
         if args.tp_size > 1:
             from dsv4_engine.parallel.group import TPGroup, rank_device
             from dsv4_engine.parallel.layout import NodeLayout
@@ -196,11 +198,11 @@ class Engine:
                 args.dtype,
                 rank_device(args.device, 0),
                 args.kernel_backend,
-                args.cuda_graph_max_bs,
+                graph_max_bs,
                 tp=self.tp.rank,
             )
         else:
-            self.runner = ModelRunner(args.model, args.dtype, args.device, args.kernel_backend, args.cuda_graph_max_bs)
+            self.runner = ModelRunner(args.model, args.dtype, args.device, args.kernel_backend, graph_max_bs)
         self.cfg = self.runner.cfg
         self.tokenizer = Tokenizer.from_dir(args.model)
         specs = self.runner.state_specs
@@ -217,18 +219,33 @@ class Engine:
         self.prefix_cache_off = prefix_cache_refusal(
             specs, args.role, args.enable_prefix_cache, args.prefix_cache_snapshots
         )
-        has_slots = any(not s.paged for s in specs)
-        num_snapshots = 0
-        if has_slots and self.prefix_cache_off is None:
-            num_snapshots = (
-                args.prefix_cache_snapshots
-                if args.prefix_cache_snapshots is not None
-                else default_snapshots(args.max_num_seqs)
-            )
         # Slot rows for max_num_seqs requests (and the cache's snapshots of them) come first; the
-        # rest of the memory becomes pages.
-        num_pages = args.kv_pages or pages_for_memory(
-            specs, page_size, self.runner.dtype, args.kv_memory_gb, args.max_num_seqs, num_snapshots
+        # rest of the memory becomes pages (dsv4_engine.kv_sizing).
+        cache_slots = any(not s.paged for s in specs) and self.prefix_cache_off is None
+        snapshots = args.prefix_cache_snapshots if cache_slots else 0
+        memory = device_memory(self.runner.device)  # after this rank's weights
+        if self.tp is not None:  # and the other ranks': the tightest one sizes every rank's pool
+            memory = self.tp.tightest_memory(memory)
+        if args.kv_pages:
+            n = snapshots if snapshots is not None else default_snapshots(args.max_num_seqs)
+            self.pool_size = PoolSize(args.kv_pages, n, KVBudget(0, f"--kv-pages {args.kv_pages}"))
+        else:
+            reserve = graph_reserve_bytes(self.runner.cuda_graph_max_bs, self.cfg.vocab_size)
+            budget = kv_budget(args.kv_memory_gb, args.kv_memory_fraction, memory, reserve)
+            default = default_snapshots(args.max_num_seqs) if cache_slots else 0
+            self.pool_size = size_pool(
+                specs, page_size, self.runner.dtype, budget, args.max_num_seqs, snapshots, default
+            )
+        num_pages, num_snapshots = self.pool_size.num_pages, self.pool_size.num_snapshots
+        if cache_slots and num_snapshots == 0 and self.prefix_cache_off is None:
+            self.prefix_cache_off = "no room for a slot-row snapshot in a quarter of the KV pool"
+        log.info(
+            "KV pool: %d pages of %d tokens, %d slot rows, %d prefix-cache snapshots (%s)",
+            num_pages,
+            page_size,
+            args.max_num_seqs,
+            num_snapshots,
+            self.pool_size.budget.source,
         )
         self.pool = KVPool(specs, num_pages, page_size, self.runner.dtype, self.runner.device, args.max_num_seqs)
         if self.runner.device.type == "cpu":  # every step streams the weights: 2 MB pages
@@ -249,14 +266,17 @@ class Engine:
             self.runner.group = self.tp
         # Decode graphs are captured now, before the first request (seconds, not a stall of a live
         # step), and on every rank together at --tp-size > 1; all buckets or none.
-        if args.cuda_graph_max_bs:
+        # Any failure falls back to eager decodes, logged and said in /v1/loads (`graphs_status`).
+        if self.runner.cuda_graph_max_bs:
             if self.spec is not None:  # its verify and draft steps instead: it never runs a plain decode
                 from dsv4_engine.spec_decode.graphs import capture_spec_graphs
 
                 capture_spec_graphs(self.spec, self.pool)
             elif self.tp is None:
                 self.runner.capture_graphs(self.pool)
-            elif not self.tp.capture_graphs(args.cuda_graph_max_bs, lambda: self.runner.capture_graphs(self.pool)):
+            elif not self.tp.capture_graphs(
+                self.runner.cuda_graph_max_bs, lambda agree: self.runner.capture_graphs(self.pool, agree)
+            ):
                 self.runner.drop_graphs()
         self.prefix_cache: Optional[PrefixCache] = None
         if self.prefix_cache_off is None:
@@ -793,6 +813,9 @@ class Engine:
             "kv_state_bytes_per_token": self.pool.bytes_per_token(),
             "kv_state_bytes_per_request": self.pool.bytes_per_request(),
             "speculative": self.spec.loads(self.metrics) if self.spec is not None else None,
+            # Decode CUDA graphs: on (batch sizes) or why decodes run eagerly; how the pool was sized.
+            "cuda_graphs": self.runner.graphs_status(getattr(self.spec, "graphs", None)),
+            "kv_sizing": self.pool_size.describe(),
             "draining": self.draining,
             "seconds_since_last_iteration": round(time.monotonic() - self.last_iteration, 3),
             # The planner's live load (docs/operations.md, "The planner"): prompt tokens waiting to
