@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 import torch
 
 from dsv4_engine.cuda_graphs import resolve_graph_max_bs
+from dsv4_engine.device_errors import device_failure
 from dsv4_engine.devices import use_device
 from dsv4_engine.engine_args import EngineArgs
 from dsv4_engine.kv_cache import (
@@ -33,7 +34,15 @@ from dsv4_engine.kv_cache import (
     default_page_size,
     snapshot_boundary,
 )
-from dsv4_engine.kv_sizing import KVBudget, PoolSize, device_memory, graph_reserve_bytes, kv_budget, size_pool
+from dsv4_engine.kv_sizing import (
+    KVBudget,
+    PoolSize,
+    device_memory,
+    graph_reserve_bytes,
+    kv_budget,
+    memory_refusal,
+    size_pool,
+)
 from dsv4_engine.metrics import EngineMetrics
 from dsv4_engine.model_runner import ModelRunner, default_device
 from dsv4_engine.models.state import StateSpec
@@ -51,6 +60,8 @@ if TYPE_CHECKING:
     from dsv4_engine.pd.role import RoleController
 
 log = logging.getLogger("dsv4.engine")
+
+DEVICE_FAIL_GRACE_S = 1.0  # after a device failure: time for the failed requests' outputs to leave
 
 
 @dataclass(frozen=True)
@@ -92,8 +103,11 @@ def args_refusal(args: EngineArgs) -> Optional[str]:
     or None: limits that serve nothing, a kernel backend this device cannot run."""
     from dsv4_engine.parallel.layout import layout_refusal
 
+    from dsv4_engine.kv_sizing import fraction_refusal
+
     return (
         limits_refusal(args.max_num_seqs, args.max_num_batched_tokens)
+        or fraction_refusal(args.kv_memory_fraction)
         or backend_refusal(args.kernel_backend, args.device)
         or layout_refusal(args.tp_size, args.nnodes, args.node_rank, args.dist_init_addr)
         or node_role_refusal(args)
@@ -181,6 +195,9 @@ class Engine:
         refusal = args_refusal(args)
         if refusal:  # before any weight is read or rank spawned
             raise ValueError(refusal)
+        refusal = memory_refusal(args)  # a checkpoint that cannot fit the device: before it is read
+        if refusal:
+            raise ValueError(f"{args.model}: {refusal}")
         self.args = args
         self.tp = None  # rank 0's handle on the other ranks when tp_size > 1
         graph_max_bs = resolve_graph_max_bs(args.cuda_graph_max_bs, args.max_num_seqs)
@@ -334,6 +351,8 @@ class Engine:
         self.step_tally = StepTally()  # steps, seconds and sizes by kind: the planner's performance model
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self.failed: Optional[str] = None  # why the device is gone (`device_failed`)
+        self.exit_on_device_failure = False  # the serving process sets it: it must not outlive its device
         self.eos_ids = set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_ids)
         self.runner.eos_ids = sorted(self.eos_ids)  # min_tokens holds back the same ids that stop a request
         if self.spec is not None:
@@ -379,7 +398,31 @@ class Engine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and (self.tp is None or self.tp.failed is None)
+        return (
+            self._thread is not None
+            and self._thread.is_alive()
+            and self.failed is None
+            and (self.tp is None or self.tp.failed is None)
+        )
+
+    def device_failed(self, reason: str) -> None:
+        """The device is gone (`device_errors`): /health fails from now on, every request ends
+        with the reason, the loop stops and (`exit_on_device_failure`, set by the serving process;
+        always at --tp-size > 1, with the group) the process exits, so its requests migrate."""
+        self.failed = f"device failed: {reason}"
+        log.critical("%s; the engine stops and its process exits", self.failed)
+        for seq in list(self.seqs.values()):
+            self.finish(seq, "abort", error=f"engine {self.failed}", error_code=500)
+        self._stop.set()
+        if self.tp is not None:
+            self.tp.fail(self.failed)
+        elif self.exit_on_device_failure:
+
+            def exit_later() -> None:
+                time.sleep(DEVICE_FAIL_GRACE_S)  # the step's outputs reach the HTTP process first
+                os._exit(1)
+
+            threading.Thread(target=exit_later, name="dsv4-device-exit", daemon=True).start()
 
     # ---- the loop --------------------------------------------------------------------------------
 
@@ -551,6 +594,10 @@ class Engine:
                 for b in batch:
                     self.fail_request(b.seq, "engine error", e)
                 results = []
+                fatal = device_failure(e)
+                if fatal is not None:  # ... unless the device is gone: then the engine goes too
+                    self.device_failed(fatal)
+                    return
             self.step_clock.end()
             self.step_tally.record(batch, time.monotonic() - forward_started)
             if self.spec is not None:
