@@ -138,9 +138,15 @@ class StaticDecodeInputs:
         self.dev["extend_lens"].fill_(1)
         self.dev["logits_indices"].copy_(torch.arange(max_bs))
         self._copied: Optional[torch.cuda.Event] = None
+        # Columns of the block table at and past this one are zero in every row.
+        self._table_used = 0
 
     def load(self, hb: HostBatch) -> None:
-        """Copy a padded batch's arrays into the first rows of the static buffers."""
+        """Copy a padded batch's arrays into the first rows of the static buffers. The block table
+        goes as wide as the batch uses (its longest request's pages), not the captured width (the
+        model's whole context: 8,192 columns for V4-Flash): the host bytes of a step follow the
+        batch, not the model. Columns a wider step left behind are zeroed on the device, so each
+        row reads as the zero-padded table it would have been."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the pinned buffers
         for k in self.dev:
@@ -148,11 +154,24 @@ class StaticDecodeInputs:
             if src is None:  # slot_ids of a model without slot states
                 continue
             n = src.shape[0]  # rows (an extend step's token fields have more: ExtendGraphs)
+            if k == "block_table":
+                self._load_table(src)
+                continue
             self.host[k][:n].numpy()[:] = src
             self.dev[k][:n].copy_(self.host[k][:n], non_blocking=True)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
+
+    def _load_table(self, src: np.ndarray) -> None:
+        n, w = src.shape
+        dev = self.dev["block_table"]
+        staged = self.host["block_table"].view(-1)[: n * w].view(n, w)  # contiguous: one async copy
+        staged.numpy()[:] = src
+        dev[:n, :w].copy_(staged, non_blocking=True)
+        if w < self._table_used:
+            dev[:, w : self._table_used].zero_()  # on the device, in stream order: no host bytes
+        self._table_used = w
 
     def view(self, bs: int) -> dict[str, torch.Tensor]:
         return {k: v[:bs] for k, v in self.dev.items()}

@@ -212,7 +212,7 @@ class ModelRunner:
             and graphs.fits(len(batch), max(len(b.seq.pages) for b in batch))
         ):
             self._states = pool.all_states
-            hb = self.host_batch(batch, pool.page_size, graphs.width)
+            hb = self.host_batch(batch, pool.page_size)  # the used width only (StaticDecodeInputs.load)
             PHASES.lap("batch_build")
             if self.group is None:
                 out = graphs.step(hb)
