@@ -40,9 +40,9 @@ from dsv4_engine.kv_sizing import (
     device_memory,
     graph_reserve_bytes,
     kv_budget,
-    memory_refusal,
     size_pool,
 )
+from dsv4_engine.start_fit import memory_refusal
 from dsv4_engine.metrics import EngineMetrics
 from dsv4_engine.model_runner import ModelRunner, default_device
 from dsv4_engine.models.state import StateSpec

@@ -243,7 +243,7 @@ def _refusal(args) -> Optional[str]:
         return f"{args.model}: {e}"
     refusal = serving_refusal(args.model, args.role, args.page_size, args.tp_size)
     if refusal is None:  # weights that cannot fit the device: said before they are read
-        from dsv4_engine.kv_sizing import memory_refusal
+        from dsv4_engine.start_fit import memory_refusal
 
         refusal = memory_refusal(args)
     if refusal is None and args.speculative_algorithm is not None:
