@@ -16,8 +16,9 @@
 # engine: the capture-safety / host-sync / sampling tests on the GPU; then
 # bench/suites/engine_gpu_checks.py, one `CHECK name: PASS|FAIL ...` line each: the KV pool sized
 # from free memory with no memory flags and graphs on by default (default_kv_sizing), greedy
-# tokens equal with and without decode graphs in fp32 and >= 90% in bf16, a long context in the
-# batch (greedy_graphs_fp32 / _bf16), a device-side assert failing the engine (dead_device); then
+# tokens equal with and without decode graphs in fp32 and >= 90% in bf16, with a long context and
+# mixed steps (V4 decode rows replaying the graphs) in the batch (greedy_graphs_fp32 / _bf16), a
+# device-side assert failing the engine (dead_device); then
 # bench/suites/engine_gpu_smoke.py on v4-tiny (bf16, seeded sampling, inter-token latency at
 # batch 1/8/32 with and without graphs). docs/gpu-path.md lists the expected lines.
 #

@@ -203,33 +203,48 @@ class ModelRunner:
     def forward(self, batch: list[ScheduledSeq], pool: KVPool) -> torch.Tensor:
         """Logits of each request's last new token, [len(batch), vocab], in batch order."""
         decodes = [i for i, b in enumerate(batch) if b.num_new == 1]
-        graphs = self.graphs
-        if (
-            self.cuda_graph_max_bs
-            and graphs is not None
-            and graphs.captured
-            and len(decodes) == len(batch)
-            and graphs.fits(len(batch), max(len(b.seq.pages) for b in batch))
-        ):
-            self._states = pool.all_states
-            hb = self.host_batch(batch, pool.page_size)  # the used width only (StaticDecodeInputs.load)
-            PHASES.lap("batch_build")
-            if self.group is None:
-                out = graphs.step(hb)
-                PHASES.lap("graph_replay")
-                return out
-            with self.group.step("a captured decode step on rank 0"):
-                self.group.send_graph_step(hb)  # host arrays: no read of the device for the header
-                return graphs.step(hb)
+        if len(decodes) == len(batch):
+            graphed = self._graph_forward(batch, pool)
+            if graphed is not None:
+                return graphed
         if not self.decode_apart or not decodes or len(decodes) == len(batch):
             return self.model.forward(self.build_batch(batch, pool.page_size), pool.all_states)
+        # A mixed step of a model that runs its decode rows apart (V4): those rows replay the
+        # decode graphs when they fit, as an all-decode step would, instead of ~300 eager ops a layer.
         others = [i for i, b in enumerate(batch) if b.num_new != 1]
         out: list[torch.Tensor] = [None] * len(batch)  # type: ignore[list-item]
         for rows in (decodes, others):
-            logits = self.model.forward(self.build_batch([batch[i] for i in rows], pool.page_size), pool.all_states)
+            sub = [batch[i] for i in rows]
+            logits = self._graph_forward(sub, pool) if rows is decodes else None
+            if logits is None:
+                logits = self.model.forward(self.build_batch(sub, pool.page_size), pool.all_states)
             for j, i in enumerate(rows):
                 out[i] = logits[j]
         return torch.stack(out)
+
+    def _graph_forward(self, batch: list[ScheduledSeq], pool: KVPool) -> Optional[torch.Tensor]:
+        """Logits of an all-decode batch replayed from the captured graphs, or None when it does
+        not fit them (no graphs, too many rows or pages, a snapshot to write in the forward).
+        The logits are the graph's static output: read them before the next replay."""
+        graphs = self.graphs
+        if not (
+            self.cuda_graph_max_bs
+            and graphs is not None
+            and graphs.captured
+            and graphs.fits(len(batch), max(len(b.seq.pages) for b in batch))
+            and not any(b.snapshots for b in batch)
+        ):
+            return None
+        self._states = pool.all_states
+        hb = self.host_batch(batch, pool.page_size)  # the used width only (StaticDecodeInputs.load)
+        PHASES.lap("batch_build")
+        if self.group is None:
+            out = graphs.step(hb)
+            PHASES.lap("graph_replay")
+            return out
+        with self.group.step("a captured decode step on rank 0"):
+            self.group.send_graph_step(hb)  # host arrays: no read of the device for the header
+            return graphs.step(hb)
 
     def grammar_masks(self, seqs: list):
         """This step's token masks for the requests with structured output (None: no such request)."""

@@ -60,3 +60,41 @@ def test_graph_steps_send_the_used_width_and_read_a_zero_padded_table(runner, mo
     torch.testing.assert_close(graphed, plain, atol=1e-5, rtol=1e-5)
     full = pad_decode(runner.host_batch(short, pool.page_size, graphs.width), bs)
     assert torch.equal(table[:bs], torch.from_numpy(full.block_table))
+
+
+def test_v4_mixed_steps_run_their_decode_rows_through_the_graphs(make_model, monkeypatch):
+    """A mixed step of V4 (decode rows run apart from the prefill rows) replays the decode graphs
+    for its decode rows when they fit, with the logits and state writes of the eager step."""
+    v4 = ModelRunner(make_model("v4-tiny"), "float32", "cpu", "torch")
+    pool = KVPool(v4.state_specs, 16, 8, torch.float32, v4.device, max_num_seqs=4)
+    torch.manual_seed(0)
+    for t in pool.all_states.values():
+        t.normal_()
+
+    def seq(rid, prompt, out, pages, slot):
+        b = _decoding(rid, prompt, out, pages)
+        b.seq.slot = slot
+        return b
+
+    a = seq("a", [(7 * k) % 500 + 3 for k in range(21)], [7, 5], [0, 1, 2], 0)
+    b = seq("b", [9, 3, 250], [8, 8], [3], 1)
+    c = _decoding("c", list(range(40, 53)), [], [4, 5])
+    c.seq.num_computed, c.seq.slot = 0, 2
+    c = ScheduledSeq(c.seq, 13)  # a 13-token prefill chunk in the same step
+    batch = [a, c, b]
+    snapshot = {k: t.clone() for k, t in pool.all_states.items()}
+    plain = v4.forward(batch, pool)  # no graphs: two eager forwards
+    after_plain = {k: t.clone() for k, t in pool.all_states.items()}
+    for k, t in pool.all_states.items():
+        t.copy_(snapshot[k])
+    graphs = v4.decode_graphs(pool.page_size, pool.num_pages, capture=False)
+    monkeypatch.setattr(DecodeGraphs, "captured", property(lambda self: True))  # eager replay of the same step
+    v4.cuda_graph_max_bs = 8
+    replayed = []
+    step = graphs.step
+    monkeypatch.setattr(graphs, "step", lambda hb: replayed.append(hb.seq_lens.tolist()) or step(hb))
+    mixed = v4.forward(batch, pool)
+    assert replayed == [[23, 5]]  # the two decode rows (their context lengths), through the graph
+    torch.testing.assert_close(mixed, plain, atol=1e-4, rtol=1e-4)
+    for k, t in pool.all_states.items():
+        torch.testing.assert_close(t, after_plain[k], atol=1e-4, rtol=1e-4, msg=k)
