@@ -247,7 +247,7 @@ class Engine:
             n = snapshots if snapshots is not None else default_snapshots(args.max_num_seqs)
             self.pool_size = PoolSize(args.kv_pages, n, KVBudget(0, f"--kv-pages {args.kv_pages}"))
         else:
-            reserve = graph_reserve_bytes(self.runner.cuda_graph_max_bs, self.cfg.vocab_size)
+            reserve = graph_reserve_bytes(self.runner.cuda_graph_max_bs, self.cfg.vocab_size, self.spec is not None)
             budget = kv_budget(args.kv_memory_gb, args.kv_memory_fraction, memory, reserve)
             default = default_snapshots(args.max_num_seqs) if cache_slots else 0
             self.pool_size = size_pool(
@@ -596,6 +596,7 @@ class Engine:
                 results = []
                 fatal = device_failure(e)
                 if fatal is not None:  # ... unless the device is gone: then the engine goes too
+                    self.step_clock.end()
                     self.device_failed(fatal)
                     return
             self.step_clock.end()

@@ -66,11 +66,12 @@ class PoolSize:
         }
 
 
-def graph_reserve_bytes(graph_max_bs: int, vocab_size: int) -> int:
-    """Memory set aside for the decode graphs (0 with graphs off)."""
+def graph_reserve_bytes(graph_max_bs: int, vocab_size: int, speculative: bool = False) -> int:
+    """Memory set aside for the decode graphs (0 with graphs off); a speculating engine captures
+    up to three sets instead (verify, draft, V4's catch-up)."""
     if graph_max_bs <= 0:
         return 0
-    return GRAPH_RESERVE_FIXED + 2 * graph_max_bs * vocab_size * 4
+    return (3 if speculative else 1) * (GRAPH_RESERVE_FIXED + 2 * graph_max_bs * vocab_size * 4)
 
 
 def tightest(ranks: list[DeviceMemory]) -> DeviceMemory:

@@ -39,6 +39,8 @@ def memory_refusal(args) -> Optional[str]:
         args.kv_memory_fraction,
         args.kv_memory_gb,
         min_kv,
-        kv_sizing.graph_reserve_bytes(graphs, cfg.vocab_size) if args.kv_memory_gb is None else 0,
+        kv_sizing.graph_reserve_bytes(graphs, cfg.vocab_size, args.speculative_algorithm is not None)
+        if args.kv_memory_gb is None
+        else 0,
         args.tp_size,
     )
