@@ -139,6 +139,9 @@ class ModelRunner:
     def enable_graphs(self, max_bs: int) -> None:
         """Another rank of a TP group: rank 0 says which buckets to capture."""
         self.cuda_graph_max_bs = max_bs if self.graphs_supported() else 0
+        self.graphs_off = (
+            None if self.cuda_graph_max_bs else "need a CUDA device, the triton kernel backend and a capture-safe model"
+        )
 
     def capture_graphs(self, pool: KVPool, agree: Agree = alone) -> bool:
         """Capture every decode bucket now, at start-up, before any request: all or none, on
@@ -146,6 +149,8 @@ class ModelRunner:
         and says why in one line; decodes then run eagerly. Call on a fresh pool (all zeros):
         the warm-up forwards write page 0 and slot row 0, zeroed again."""
         if not self.cuda_graph_max_bs:
+            if agree is not alone:  # asked by rank 0 all the same: vote no at its first batch size, as one
+                agree(f"CUDA graphs off on this rank: {self.graphs_off}")
             return False
         use_device(self.device)  # captures on this thread's current device
         self._states = pool.all_states

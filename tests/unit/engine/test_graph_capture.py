@@ -138,10 +138,11 @@ def test_the_engine_captures_at_start_up_before_any_request(tiny_model, monkeypa
 
 
 def test_at_tp2_all_ranks_keep_their_graphs_or_none(tiny_model, monkeypatch, caplog):
-    """Rank 0 (here) captures; rank 1 (a real child process, CPU) cannot. They agree over gloo
-    to drop the graphs, rank 0 says so in one line, and the group still serves in step."""
+    """Rank 0 (here) captures its first batch size; rank 1 (a real child process, CPU) cannot
+    capture at all and votes no at that size. They agree over gloo to drop the graphs, rank 0
+    says why in one line naming rank 1, and the group still serves in step."""
     monkeypatch.setattr(ModelRunner, "graphs_supported", lambda self: True)
-    monkeypatch.setattr(ModelRunner, "capture_graphs", lambda self, pool, agree=None: True)
+    monkeypatch.setattr(DecodeGraphs, "capture_all", lambda self, agree: agree(None))  # one size, then the vote
     with caplog.at_level(logging.INFO):
         e = Engine(
             EngineArgs(
@@ -157,8 +158,10 @@ def test_at_tp2_all_ranks_keep_their_graphs_or_none(tiny_model, monkeypatch, cap
     try:
         assert e.runner.cuda_graph_max_bs == 0 and e.runner.graphs is None
         assert [r.getMessage() for r in caplog.records if "CUDA graphs off" in r.getMessage()] == [
-            "CUDA graphs off: another rank could not capture its decode graphs (its log says why)"
+            "CUDA graphs off, decodes run eagerly: rank 1: CUDA graphs off on this rank: need a CUDA device, the "
+            "triton kernel backend and a capture-safe model"
         ]
+        assert e.loads()["cuda_graphs"]["enabled"] is False
         outs = []
         e.submit(
             Sequence("a", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), sink=outs.append)
