@@ -1,25 +1,33 @@
 #!/usr/bin/env bash
-# On a CUDA machine: the kernel tests compiled for the GPU (the same tests that run under the
-# Triton interpreter on CPU), then bench/suites/kernels_bench.py: DeepSeek-V4 decode attention GB/s and
-# % of memory bandwidth per layer type (CSA / HCA / sliding, batch 1-128 x context 1k-64k; the
-# acceptance point is CSA at batch 64, 4k) and the V4 indexer; then mla_decode GB/s for batch
-# 1-128 x context 1k-32k and MoE TFLOP/s, against torch.
+# On a CUDA machine, in two calls of under 10 minutes each (one lent run of 15 minutes holds both):
 #
-#   bash bench/gpu_kernels.sh [OUT_DIR]        # default $OUT when set (the device runner's), else bench/results
-#   PARTS=engine bash bench/gpu_kernels.sh     # only the engine part (<= 9 min; PARTS=kernels: only kernels)
+#   PARTS=kernels bash bench/gpu_kernels.sh [OUT_DIR]   # ~9 min at most
+#   PARTS=engine  bash bench/gpu_kernels.sh [OUT_DIR]   # ~9 min at most
+#   PARTS=engine-v3,multi bash bench/gpu_kernels.sh     # the V3 (mla512) smoke; cuda:1 and --tp-size 2 with 2+ GPUs
 #
-# Then bench/suites/engine_gpu_smoke.py: the engine itself (bf16, triton backend, seeded sampling,
-# decode CUDA graphs off and on, inter-token latency at batch 1/8/32 with and without graphs),
-# and the capture-safety / host-sync tests on the GPU. With two or more GPUs also: the smoke on
-# cuda:1 (not 0: every thread that launches must choose its device) and at --tp-size 2 with
-# graphs (captured on both ranks at start-up). The kernel tests include tests/unit/kernels/
-# test_gpu_oracles.py (real widths, tolerances for the device's approximate math and routing ties).
+# OUT_DIR defaults to $OUT when set (the device runner's), else bench/results.
 #
-# Writes OUT_DIR/kernel_tests.xml + .log, OUT_DIR/kernels_bench_v4.json, OUT_DIR/kernels_bench.json
-# and OUT_DIR/engine_gpu_smoke*.json (…_cuda1.json, …_tp2.json with two GPUs). Needs python3 with a
-# CUDA torch, triton, pytest (transformers for the HF comparisons); the project need not be
-# pip-installed: the checkout and its source folders go on PYTHONPATH. Exit status: non-zero if
-# tests or bench failed.
+# kernels: the kernel tests compiled for the GPU (the same tests that run under the Triton
+# interpreter on CPU, incl. tests/unit/kernels/test_gpu_oracles.py at real widths), then
+# bench/suites/kernels_bench.py: DeepSeek-V4 decode attention GB/s and % of memory bandwidth per
+# layer type (CSA / HCA / sliding, batch 1-128 x context 1k-64k; the acceptance point is CSA at
+# batch 64, 4k) and the V4 indexer; then mla_decode GB/s and MoE TFLOP/s against torch.
+#
+# engine: the capture-safety / host-sync / sampling tests on the GPU; then
+# bench/suites/engine_gpu_checks.py, one `CHECK name: PASS|FAIL ...` line each: the KV pool sized
+# from free memory with no memory flags and graphs on by default (default_kv_sizing), greedy
+# tokens equal with and without decode graphs in fp32 and >= 90% in bf16, with a long context and
+# mixed steps (V4 decode rows replaying the graphs) in the batch (greedy_graphs_fp32 / _bf16), a
+# device-side assert failing the engine (dead_device); then
+# bench/suites/engine_gpu_smoke.py on v4-tiny (bf16, seeded sampling, inter-token latency at
+# batch 1/8/32 with and without graphs). docs/gpu-path.md lists the expected lines.
+#
+# Writes OUT_DIR/kernel_tests.xml + .log, kernels_bench_v4.json, kernels_bench.json (kernels);
+# engine_gpu_tests.xml + .log, engine_gpu_checks.json + .log, engine_gpu_smoke_v4.json (engine);
+# engine_gpu_smoke.json, engine_gpu_smoke_cuda1.json, engine_gpu_smoke_tp2.json (engine-v3, multi).
+# Needs python3 with a CUDA torch, triton, pytest (transformers for the HF comparisons); the
+# project need not be pip-installed: the checkout and its source folders go on PYTHONPATH.
+# Exit status: non-zero if tests, checks or bench failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-bench/results}}"
@@ -41,34 +49,45 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.memory --forma
 
 start=$SECONDS
 status=0
-# Budget: kernels part under 8 min (tests ~3 min with first-time JIT, bench ~4 min); engine part <= 9 min.
 parts="${PARTS:-kernels,engine}"
-if [[ "$parts" == *kernels* ]]; then
+has() { [[ ",$parts," == *",$1,"* ]]; }
+if has kernels; then
+# Budget: tests ~3 min with first-time JIT, benchmarks ~5 min; the time-outs add to 530 s.
 timeout 210 "$py" -m pytest -q -p no:cacheprovider tests/unit/kernels \
     --junitxml "$out/kernel_tests.xml" 2>&1 | tee "$out/kernel_tests.log"
 rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "kernel tests failed (exit $rc)"; status=1; }
 timeout 120 "$py" -m bench.suites.kernels_bench --only v4 --out "$out/kernels_bench_v4.json"
 rc=$?; [ "$rc" -ne 0 ] && { echo "V4 benchmark failed (exit $rc)"; status=1; }
-timeout 250 "$py" -m bench.suites.kernels_bench --only v3 --out "$out/kernels_bench.json"
+timeout 200 "$py" -m bench.suites.kernels_bench --only v3 --out "$out/kernels_bench.json"
 rc=$?; [ "$rc" -ne 0 ] && { echo "benchmark failed (exit $rc)"; status=1; }
 fi
-if [[ "$parts" == *engine* ]]; then
+if has engine; then
+# Budget: the time-outs add to 540 s.
 # Capture safety, host syncs and graph replay of the engine's decode, compiled (~1 min).
-timeout 150 "$py" -m pytest -q -p no:cacheprovider tests/unit/engine/test_cuda_graphs.py tests/unit/engine/test_host_syncs.py \
+timeout 110 "$py" -m pytest -q -p no:cacheprovider tests/unit/engine/test_cuda_graphs.py tests/unit/engine/test_host_syncs.py \
     tests/unit/engine/test_sampling_devices.py --junitxml "$out/engine_gpu_tests.xml" 2>&1 | tee "$out/engine_gpu_tests.log"
 rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "engine GPU tests failed (exit $rc)"; status=1; }
-# Engine smoke (~3-5 min: two engines on the mla512 preset, Triton JIT and graph capture included).
+# Default KV sizing, graphs on by default, greedy equality with and without graphs, a dead device.
+timeout 200 "$py" -m bench.suites.engine_gpu_checks --preset v4-tiny --out "$out/engine_gpu_checks.json" 2>&1 \
+    | tee "$out/engine_gpu_checks.log"
+rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "engine GPU checks failed (exit $rc)"; status=1; }
+# DeepSeek-V4 (v4-tiny) smoke: its kernel path, masked window closing under graphs, latency.
+timeout 230 "$py" -m bench.suites.engine_gpu_smoke --preset v4-tiny --out "$out/engine_gpu_smoke_v4.json"
+rc=$?; [ "$rc" -ne 0 ] && { echo "V4 engine smoke failed (exit $rc)"; status=1; }
+grep -h "^CHECK " "$out/engine_gpu_checks.log" 2>/dev/null
+fi
+if has engine-v3; then
+# Engine smoke on the mla512 preset (~3-5 min: Triton JIT and graph capture included).
 timeout 400 "$py" -m bench.suites.engine_gpu_smoke --out "$out/engine_gpu_smoke.json"
 rc=$?; [ "$rc" -ne 0 ] && { echo "engine smoke failed (exit $rc)"; status=1; }
-# The same on DeepSeek-V4 (v4-tiny): its kernel path, masked window closing under graphs.
-timeout 240 "$py" -m bench.suites.engine_gpu_smoke --preset v4-tiny --out "$out/engine_gpu_smoke_v4.json"
-rc=$?; [ "$rc" -ne 0 ] && { echo "V4 engine smoke failed (exit $rc)"; status=1; }
+fi
+if has multi; then
 gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
 if [ "${gpus:-1}" -ge 2 ]; then
 # Off GPU 0: kernels launched from a thread that never chose its device would land on GPU 0.
 timeout 240 "$py" -m bench.suites.engine_gpu_smoke --preset v4-tiny --device cuda:1 --out "$out/engine_gpu_smoke_cuda1.json"
 rc=$?; [ "$rc" -ne 0 ] && { echo "engine smoke on cuda:1 failed (exit $rc)"; status=1; }
-# Two ranks (NCCL), decode graphs captured on both at start-up.
+# Two ranks (NCCL), decode graphs captured on both at start-up, agreeing after every batch size.
 timeout 300 "$py" -m bench.suites.engine_gpu_smoke --preset mla512 --tp 2 --graphs 16 --out "$out/engine_gpu_smoke_tp2.json"
 rc=$?; [ "$rc" -ne 0 ] && { echo "TP 2 engine smoke with graphs failed (exit $rc)"; status=1; }
 else

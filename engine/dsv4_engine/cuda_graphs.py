@@ -41,6 +41,46 @@ DECODE_DISPATCHES_PER_LAYER = 100
 V4_DECODE_DISPATCHES_PER_LAYER = 330  # 314 measured (39 kernel launches in 4 layers)
 
 
+# --cuda-graph-max-bs when not given: graphs on by default wherever they are supported (CUDA, the
+# Triton backend, a capture-safe model), for batches up to this many requests (or --max-num-seqs).
+DEFAULT_GRAPH_MAX_BS = 64
+
+
+def resolve_graph_max_bs(requested: Optional[int], max_num_seqs: int) -> int:
+    """The largest captured batch: the flag when given (0 = off), else min(max_num_seqs, 64)."""
+    if requested is None:
+        return min(max_num_seqs, DEFAULT_GRAPH_MAX_BS)
+    return requested
+
+
+Agree = Callable[[Optional[str]], Optional[str]]
+
+
+def alone(failure: Optional[str]) -> Optional[str]:
+    """The agreement of a group of one: its own verdict."""
+    return failure
+
+
+def capture_buckets(
+    buckets: list[int], capture_one: Callable[[int], None], agree: Agree = alone, what: str = "decode"
+) -> Optional[str]:
+    """Capture each bucket in turn; after each, every rank says how it went (`agree` takes this
+    rank's failure line or None and returns the group's first one). The first failure anywhere
+    ends capture on every rank at the same bucket, so no rank goes on to a warm-up whose
+    collectives the others never join. Returns that failure line, or None when all captured."""
+    for bs in buckets:
+        failure = None
+        try:
+            capture_one(bs)
+        except Exception as e:  # out of memory, a capture-unsafe op, a kernel that does not compile
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            failure = f"capturing the {what} graph of batch size {bs} failed: {type(e).__name__}: {first}"
+        failure = agree(failure)
+        if failure is not None:
+            return failure
+    return None
+
+
 def graph_buckets(max_bs: int) -> list[int]:
     """Padded batch sizes with a captured graph: 1, 2, 4, 8, then every 8 up to max_bs (and
     max_bs itself). A step pads to the smallest bucket that holds it: at most 7 wasted rows
@@ -98,9 +138,15 @@ class StaticDecodeInputs:
         self.dev["extend_lens"].fill_(1)
         self.dev["logits_indices"].copy_(torch.arange(max_bs))
         self._copied: Optional[torch.cuda.Event] = None
+        # Columns of the block table at and past this one are zero in every row.
+        self._table_used = 0
 
     def load(self, hb: HostBatch) -> None:
-        """Copy a padded batch's arrays into the first rows of the static buffers."""
+        """Copy a padded batch's arrays into the first rows of the static buffers. The block table
+        goes as wide as the batch uses (its longest request's pages), not the captured width (the
+        model's whole context: 8,192 columns for V4-Flash): the host bytes of a step follow the
+        batch, not the model. Columns a wider step left behind are zeroed on the device, so each
+        row reads as the zero-padded table it would have been."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy has left the pinned buffers
         for k in self.dev:
@@ -108,11 +154,24 @@ class StaticDecodeInputs:
             if src is None:  # slot_ids of a model without slot states
                 continue
             n = src.shape[0]  # rows (an extend step's token fields have more: ExtendGraphs)
+            if k == "block_table":
+                self._load_table(src)
+                continue
             self.host[k][:n].numpy()[:] = src
             self.dev[k][:n].copy_(self.host[k][:n], non_blocking=True)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
+
+    def _load_table(self, src: np.ndarray) -> None:
+        n, w = src.shape
+        dev = self.dev["block_table"]
+        staged = self.host["block_table"].view(-1)[: n * w].view(n, w)  # contiguous: one async copy
+        staged.numpy()[:] = src
+        dev[:n, :w].copy_(staged, non_blocking=True)
+        if w < self._table_used:
+            dev[:, w : self._table_used].zero_()  # on the device, in stream order: no host bytes
+        self._table_used = w
 
     def view(self, bs: int) -> dict[str, torch.Tensor]:
         return {k: v[:bs] for k, v in self.dev.items()}
@@ -175,24 +234,26 @@ class DecodeGraphs:
     def fits(self, n: int, max_pages: int) -> bool:
         return bucket_for(n, self.buckets) is not None and max_pages <= self.width
 
-    def capture_all(self) -> Optional[str]:
+    def capture_all(self, agree: Agree = alone) -> Optional[str]:
         """Capture every bucket, largest first (its memory pool then serves the smaller ones),
-        on the warm-up batch. All or none: on the first failure every graph is dropped and the
-        reason comes back as one line (None: all captured, or nothing to capture here)."""
+        on the warm-up batch, agreeing with the other ranks after each (`capture_buckets`). All
+        or none: on the first failure anywhere every graph is dropped and the reason comes back
+        as one line (None: all captured, or nothing to capture here)."""
         if not self.capture:
             return None
         self.inputs.load(self._padded(self._warmup(), self.buckets[-1]))
-        bs = self.buckets[-1]
-        try:
-            for bs in reversed(self.buckets):
-                self._capture_one(bs)
-            self._synchronize()
-        except Exception as e:  # out of memory, a capture-unsafe op, a kernel that does not compile
+
+        def one(bs: int) -> None:
+            self._capture_one(bs)
+            if bs == self.buckets[0]:
+                self._synchronize()  # the last bucket: a fault of any replay-to-be shows here
+
+        failure = capture_buckets(list(reversed(self.buckets)), one, agree, self.name)
+        if failure is not None:
             self.graphs.clear()
             self.outputs.clear()
             self.pool = None
-            first = (str(e).strip().splitlines() or [""])[0][:300]
-            return f"capturing the {self.name} graph of batch size {bs} failed: {type(e).__name__}: {first}"
+            return failure
         log.info("captured %s CUDA graphs for batch sizes %s", self.name, self.buckets)
         return None
 

@@ -24,3 +24,16 @@ def use_device(device: torch.device) -> None:
     """Make `device` this thread's current CUDA device (nothing to do off CUDA)."""
     if device.type == "cuda":
         torch.cuda.set_device(resolve(device))
+
+
+def upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host numbers (a list, an array) as a tensor on `device` without the host waiting: on CUDA
+    staged in pinned memory and copied non-blocking (torch's pinned allocator keeps the staging
+    block until the copy is done). `torch.tensor(values, device="cuda")` copies from pageable
+    memory instead, which first synchronises the stream: a wait for every queued kernel."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

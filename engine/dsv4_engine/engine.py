@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
+from dsv4_engine.cuda_graphs import resolve_graph_max_bs
+from dsv4_engine.device_errors import device_failure
 from dsv4_engine.devices import use_device
 from dsv4_engine.engine_args import EngineArgs
 from dsv4_engine.kv_cache import (
@@ -30,9 +32,17 @@ from dsv4_engine.kv_cache import (
     SnapshotPool,
     check_page_size,
     default_page_size,
-    pages_for_memory,
     snapshot_boundary,
 )
+from dsv4_engine.kv_sizing import (
+    KVBudget,
+    PoolSize,
+    device_memory,
+    graph_reserve_bytes,
+    kv_budget,
+    size_pool,
+)
+from dsv4_engine.start_fit import memory_refusal
 from dsv4_engine.metrics import EngineMetrics
 from dsv4_engine.model_runner import ModelRunner, default_device
 from dsv4_engine.models.state import StateSpec
@@ -50,6 +60,8 @@ if TYPE_CHECKING:
     from dsv4_engine.pd.role import RoleController
 
 log = logging.getLogger("dsv4.engine")
+
+DEVICE_FAIL_GRACE_S = 1.0  # after a device failure: time for the failed requests' outputs to leave
 
 
 @dataclass(frozen=True)
@@ -91,8 +103,11 @@ def args_refusal(args: EngineArgs) -> Optional[str]:
     or None: limits that serve nothing, a kernel backend this device cannot run."""
     from dsv4_engine.parallel.layout import layout_refusal
 
+    from dsv4_engine.kv_sizing import fraction_refusal
+
     return (
         limits_refusal(args.max_num_seqs, args.max_num_batched_tokens)
+        or fraction_refusal(args.kv_memory_fraction)
         or backend_refusal(args.kernel_backend, args.device)
         or layout_refusal(args.tp_size, args.nnodes, args.node_rank, args.dist_init_addr)
         or node_role_refusal(args)
@@ -180,8 +195,12 @@ class Engine:
         refusal = args_refusal(args)
         if refusal:  # before any weight is read or rank spawned
             raise ValueError(refusal)
+        refusal = memory_refusal(args)  # a checkpoint that cannot fit the device: before it is read
+        if refusal:
+            raise ValueError(f"{args.model}: {refusal}")
         self.args = args
         self.tp = None  # rank 0's handle on the other ranks when tp_size > 1
+        graph_max_bs = resolve_graph_max_bs(args.cuda_graph_max_bs, args.max_num_seqs)
         if args.tp_size > 1:
             from dsv4_engine.parallel.group import TPGroup, rank_device
             from dsv4_engine.parallel.layout import NodeLayout
@@ -196,11 +215,11 @@ class Engine:
                 args.dtype,
                 rank_device(args.device, 0),
                 args.kernel_backend,
-                args.cuda_graph_max_bs,
+                graph_max_bs,
                 tp=self.tp.rank,
             )
         else:
-            self.runner = ModelRunner(args.model, args.dtype, args.device, args.kernel_backend, args.cuda_graph_max_bs)
+            self.runner = ModelRunner(args.model, args.dtype, args.device, args.kernel_backend, graph_max_bs)
         self.cfg = self.runner.cfg
         self.tokenizer = Tokenizer.from_dir(args.model)
         specs = self.runner.state_specs
@@ -217,18 +236,33 @@ class Engine:
         self.prefix_cache_off = prefix_cache_refusal(
             specs, args.role, args.enable_prefix_cache, args.prefix_cache_snapshots
         )
-        has_slots = any(not s.paged for s in specs)
-        num_snapshots = 0
-        if has_slots and self.prefix_cache_off is None:
-            num_snapshots = (
-                args.prefix_cache_snapshots
-                if args.prefix_cache_snapshots is not None
-                else default_snapshots(args.max_num_seqs)
-            )
         # Slot rows for max_num_seqs requests (and the cache's snapshots of them) come first; the
-        # rest of the memory becomes pages.
-        num_pages = args.kv_pages or pages_for_memory(
-            specs, page_size, self.runner.dtype, args.kv_memory_gb, args.max_num_seqs, num_snapshots
+        # rest of the memory becomes pages (dsv4_engine.kv_sizing).
+        cache_slots = any(not s.paged for s in specs) and self.prefix_cache_off is None
+        snapshots = args.prefix_cache_snapshots if cache_slots else 0
+        memory = device_memory(self.runner.device)  # after this rank's weights
+        if self.tp is not None:  # and the other ranks': the tightest one sizes every rank's pool
+            memory = self.tp.tightest_memory(memory)
+        if args.kv_pages:
+            n = snapshots if snapshots is not None else default_snapshots(args.max_num_seqs)
+            self.pool_size = PoolSize(args.kv_pages, n, KVBudget(0, f"--kv-pages {args.kv_pages}"))
+        else:
+            reserve = graph_reserve_bytes(self.runner.cuda_graph_max_bs, self.cfg.vocab_size, self.spec is not None)
+            budget = kv_budget(args.kv_memory_gb, args.kv_memory_fraction, memory, reserve)
+            default = default_snapshots(args.max_num_seqs) if cache_slots else 0
+            self.pool_size = size_pool(
+                specs, page_size, self.runner.dtype, budget, args.max_num_seqs, snapshots, default
+            )
+        num_pages, num_snapshots = self.pool_size.num_pages, self.pool_size.num_snapshots
+        if cache_slots and num_snapshots == 0 and self.prefix_cache_off is None:
+            self.prefix_cache_off = "no room for a slot-row snapshot in a quarter of the KV pool"
+        log.info(
+            "KV pool: %d pages of %d tokens, %d slot rows, %d prefix-cache snapshots (%s)",
+            num_pages,
+            page_size,
+            args.max_num_seqs,
+            num_snapshots,
+            self.pool_size.budget.source,
         )
         self.pool = KVPool(specs, num_pages, page_size, self.runner.dtype, self.runner.device, args.max_num_seqs)
         if self.runner.device.type == "cpu":  # every step streams the weights: 2 MB pages
@@ -249,14 +283,17 @@ class Engine:
             self.runner.group = self.tp
         # Decode graphs are captured now, before the first request (seconds, not a stall of a live
         # step), and on every rank together at --tp-size > 1; all buckets or none.
-        if args.cuda_graph_max_bs:
+        # Any failure falls back to eager decodes, logged and said in /v1/loads (`graphs_status`).
+        if self.runner.cuda_graph_max_bs:
             if self.spec is not None:  # its verify and draft steps instead: it never runs a plain decode
                 from dsv4_engine.spec_decode.graphs import capture_spec_graphs
 
                 capture_spec_graphs(self.spec, self.pool)
             elif self.tp is None:
                 self.runner.capture_graphs(self.pool)
-            elif not self.tp.capture_graphs(args.cuda_graph_max_bs, lambda: self.runner.capture_graphs(self.pool)):
+            elif not self.tp.capture_graphs(
+                self.runner.cuda_graph_max_bs, lambda agree: self.runner.capture_graphs(self.pool, agree)
+            ):
                 self.runner.drop_graphs()
         self.prefix_cache: Optional[PrefixCache] = None
         if self.prefix_cache_off is None:
@@ -314,6 +351,8 @@ class Engine:
         self.step_tally = StepTally()  # steps, seconds and sizes by kind: the planner's performance model
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self.failed: Optional[str] = None  # why the device is gone (`device_failed`)
+        self.exit_on_device_failure = False  # the serving process sets it: it must not outlive its device
         self.eos_ids = set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_ids)
         self.runner.eos_ids = sorted(self.eos_ids)  # min_tokens holds back the same ids that stop a request
         if self.spec is not None:
@@ -360,7 +399,31 @@ class Engine:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and (self.tp is None or self.tp.failed is None)
+        return (
+            self._thread is not None
+            and self._thread.is_alive()
+            and self.failed is None
+            and (self.tp is None or self.tp.failed is None)
+        )
+
+    def device_failed(self, reason: str) -> None:
+        """The device is gone (`device_errors`): /health fails from now on, every request ends
+        with the reason, the loop stops and (`exit_on_device_failure`, set by the serving process;
+        always at --tp-size > 1, with the group) the process exits, so its requests migrate."""
+        self.failed = f"device failed: {reason}"
+        log.critical("%s; the engine stops and its process exits", self.failed)
+        for seq in list(self.seqs.values()):
+            self.finish(seq, "abort", error=f"engine {self.failed}", error_code=500)
+        self._stop.set()
+        if self.tp is not None:
+            self.tp.fail(self.failed)
+        elif self.exit_on_device_failure:
+
+            def exit_later() -> None:
+                time.sleep(DEVICE_FAIL_GRACE_S)  # the step's outputs reach the HTTP process first
+                os._exit(1)
+
+            threading.Thread(target=exit_later, name="dsv4-device-exit", daemon=True).start()
 
     # ---- the loop --------------------------------------------------------------------------------
 
@@ -561,6 +624,11 @@ class Engine:
                 for b in batch:
                     self.fail_request(b.seq, "engine error", e)
                 results = []
+                fatal = device_failure(e)
+                if fatal is not None:  # ... unless the device is gone: then the engine goes too
+                    self.step_clock.end()
+                    self.device_failed(fatal)
+                    return
             self.step_clock.end()
             self.step_tally.record(batch, time.monotonic() - forward_started)
             if self.spec is not None:
@@ -823,6 +891,9 @@ class Engine:
             "kv_state_bytes_per_token": self.pool.bytes_per_token(),
             "kv_state_bytes_per_request": self.pool.bytes_per_request(),
             "speculative": self.spec.loads(self.metrics) if self.spec is not None else None,
+            # Decode CUDA graphs: on (batch sizes) or why decodes run eagerly; how the pool was sized.
+            "cuda_graphs": self.runner.graphs_status(getattr(self.spec, "graphs", None)),
+            "kv_sizing": self.pool_size.describe(),
             "draining": self.draining,
             "seconds_since_last_iteration": round(time.monotonic() - self.last_iteration, 3),
             # The planner's live load (docs/operations.md, "The planner"): prompt tokens waiting to

@@ -10,7 +10,7 @@ from typing import Optional, Union
 import torch
 
 from dsv4_engine.batch_buffers import BatchBuffers, HostBatch, host_batch
-from dsv4_engine.cuda_graphs import DecodeGraphs
+from dsv4_engine.cuda_graphs import Agree, DecodeGraphs, alone
 from dsv4_engine.devices import resolve, use_device
 from dsv4_engine.kv_cache import KVPool
 from dsv4_engine.models import entry_for_dir
@@ -105,8 +105,11 @@ class ModelRunner:
         # Captured decode graphs: CUDA, the Triton backend (the torch backend's MoE reads expert
         # counts on the host) and a model whose decode forward is capture-safe (V3, V4).
         self.cuda_graph_max_bs = cuda_graph_max_bs if self.graphs_supported() else 0
+        # Why decodes run eagerly (None: graphs on), for the log and /v1/loads.
+        self.graphs_off: Optional[str] = None if cuda_graph_max_bs else "--cuda-graph-max-bs 0"
         if cuda_graph_max_bs and not self.cuda_graph_max_bs:
-            log.info("CUDA graphs off: need a CUDA device, the triton kernel backend and a capture-safe model")
+            self.graphs_off = "need a CUDA device, the triton kernel backend and a capture-safe model"
+            log.info("CUDA graphs off: %s", self.graphs_off)
         self.graphs: Optional[DecodeGraphs] = None
         self._states: dict[str, torch.Tensor] = {}  # the pool's tensors, which a captured graph reads
         self._masks = None  # structured outputs' MaskFiller, made when a request first has a grammar
@@ -136,30 +139,45 @@ class ModelRunner:
     def enable_graphs(self, max_bs: int) -> None:
         """Another rank of a TP group: rank 0 says which buckets to capture."""
         self.cuda_graph_max_bs = max_bs if self.graphs_supported() else 0
+        self.graphs_off = (
+            None if self.cuda_graph_max_bs else "need a CUDA device, the triton kernel backend and a capture-safe model"
+        )
 
-    def capture_graphs(self, pool: KVPool) -> bool:
-        """Capture every decode bucket now, at start-up, before any request: all or none. A
-        failure drops them all and says why in one line; decodes then run eagerly. Call on a
-        fresh pool (all zeros): the warm-up forwards write page 0 and slot row 0, zeroed again."""
+    def capture_graphs(self, pool: KVPool, agree: Agree = alone) -> bool:
+        """Capture every decode bucket now, at start-up, before any request: all or none, on
+        every rank (`agree`: the group's verdict after each bucket). A failure drops them all
+        and says why in one line; decodes then run eagerly. Call on a fresh pool (all zeros):
+        the warm-up forwards write page 0 and slot row 0, zeroed again."""
         if not self.cuda_graph_max_bs:
+            if agree is not alone:  # asked by rank 0 all the same: vote no at its first batch size, as one
+                agree(f"CUDA graphs off on this rank: {self.graphs_off}")
             return False
         use_device(self.device)  # captures on this thread's current device
         self._states = pool.all_states
         graphs = self.decode_graphs(pool.page_size, pool.num_pages)
-        failure = graphs.capture_all()
+        failure = graphs.capture_all(agree)
         with torch.no_grad():
             for t in pool.all_states.values():
                 t.zero_()
         if failure is not None or not graphs.captured:
             if failure is not None:
-                log.warning("CUDA graphs off: %s", failure)
-            self.drop_graphs()
+                log.warning("CUDA graphs off, decodes run eagerly: %s", failure)
+            self.drop_graphs(failure or "nothing captured on this device")
             return False
         return True
 
-    def drop_graphs(self) -> None:
+    def drop_graphs(self, why: str = "another rank could not capture its decode graphs") -> None:
         self.graphs = None
         self.cuda_graph_max_bs = 0
+        if self.graphs_off is None:
+            self.graphs_off = why
+
+    def graphs_status(self, spec_graphs=None) -> dict:
+        """What /v1/loads says of the decode graphs (a speculator's when it has them): on, with
+        their batch sizes, or why decodes run eagerly."""
+        g = spec_graphs if spec_graphs is not None else self.graphs
+        on = g is not None and g.captured and bool(self.cuda_graph_max_bs)
+        return {"enabled": on, "batch_sizes": list(g.buckets) if on else [], "eager_reason": self.graphs_off}
 
     def host_batch(self, batch: list[ScheduledSeq], page_size: int, width: Optional[int] = None) -> HostBatch:
         starts = [b.seq.num_computed for b in batch]
@@ -190,33 +208,48 @@ class ModelRunner:
     def forward(self, batch: list[ScheduledSeq], pool: KVPool) -> torch.Tensor:
         """Logits of each request's last new token, [len(batch), vocab], in batch order."""
         decodes = [i for i, b in enumerate(batch) if b.num_new == 1]
-        graphs = self.graphs
-        if (
-            self.cuda_graph_max_bs
-            and graphs is not None
-            and graphs.captured
-            and len(decodes) == len(batch)
-            and graphs.fits(len(batch), max(len(b.seq.pages) for b in batch))
-        ):
-            self._states = pool.all_states
-            hb = self.host_batch(batch, pool.page_size, graphs.width)
-            PHASES.lap("batch_build")
-            if self.group is None:
-                out = graphs.step(hb)
-                PHASES.lap("graph_replay")
-                return out
-            with self.group.step("a captured decode step on rank 0"):
-                self.group.send_graph_step(hb)  # host arrays: no read of the device for the header
-                return graphs.step(hb)
+        if len(decodes) == len(batch):
+            graphed = self._graph_forward(batch, pool)
+            if graphed is not None:
+                return graphed
         if not self.decode_apart or not decodes or len(decodes) == len(batch):
             return self.model.forward(self.build_batch(batch, pool.page_size), pool.all_states)
+        # A mixed step of a model that runs its decode rows apart (V4): those rows replay the
+        # decode graphs when they fit, as an all-decode step would, instead of ~300 eager ops a layer.
         others = [i for i, b in enumerate(batch) if b.num_new != 1]
         out: list[torch.Tensor] = [None] * len(batch)  # type: ignore[list-item]
         for rows in (decodes, others):
-            logits = self.model.forward(self.build_batch([batch[i] for i in rows], pool.page_size), pool.all_states)
+            sub = [batch[i] for i in rows]
+            logits = self._graph_forward(sub, pool) if rows is decodes else None
+            if logits is None:
+                logits = self.model.forward(self.build_batch(sub, pool.page_size), pool.all_states)
             for j, i in enumerate(rows):
                 out[i] = logits[j]
         return torch.stack(out)
+
+    def _graph_forward(self, batch: list[ScheduledSeq], pool: KVPool) -> Optional[torch.Tensor]:
+        """Logits of an all-decode batch replayed from the captured graphs, or None when it does
+        not fit them (no graphs, too many rows or pages, a snapshot to write in the forward).
+        The logits are the graph's static output: read them before the next replay."""
+        graphs = self.graphs
+        if not (
+            self.cuda_graph_max_bs
+            and graphs is not None
+            and graphs.captured
+            and graphs.fits(len(batch), max(len(b.seq.pages) for b in batch))
+            and not any(b.snapshots for b in batch)
+        ):
+            return None
+        self._states = pool.all_states
+        hb = self.host_batch(batch, pool.page_size)  # the used width only (StaticDecodeInputs.load)
+        PHASES.lap("batch_build")
+        if self.group is None:
+            out = graphs.step(hb)
+            PHASES.lap("graph_replay")
+            return out
+        with self.group.step("a captured decode step on rank 0"):
+            self.group.send_graph_step(hb)  # host arrays: no read of the device for the header
+            return graphs.step(hb)
 
     def grammar_masks(self, seqs: list):
         """This step's token masks for the requests with structured output (None: no such request)."""

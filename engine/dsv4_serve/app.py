@@ -120,7 +120,7 @@ def build_app(
         if state is None:
             return JSONResponse({"status": why}, status_code=503)
         if not state["alive"]:
-            return JSONResponse({"status": "engine loop stopped"}, status_code=503)
+            return JSONResponse({"status": state.get("failed") or "engine loop stopped"}, status_code=503)
         return {"status": "ok"}
 
     @app.get(Paths.READY)

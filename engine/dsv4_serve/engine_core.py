@@ -155,6 +155,7 @@ class CoreServer:
         engine = self.engine
         return {
             "alive": engine.alive,
+            "failed": engine.failed,
             "stalled": time.monotonic() - engine.last_iteration,
             "stall_allowance": engine.step_clock.allowance(),
             "draining": engine.draining,
@@ -241,6 +242,10 @@ def _refusal(args) -> Optional[str]:
     except UnsupportedQuantization as e:
         return f"{args.model}: {e}"
     refusal = serving_refusal(args.model, args.role, args.page_size, args.tp_size)
+    if refusal is None:  # weights that cannot fit the device: said before they are read
+        from dsv4_engine.start_fit import memory_refusal
+
+        refusal = memory_refusal(args)
     if refusal is None and args.speculative_algorithm is not None:
         from dsv4_engine.spec_decode.build import speculation_refusal
 
@@ -401,6 +406,7 @@ def main(argv: list[str]) -> None:
     from dsv4_engine.pd import BOOT_ID
 
     engine.detokenize = False  # text and stop strings are the HTTP process's (dsv4_serve.detokenize)
+    engine.exit_on_device_failure = True  # a dead device takes the process down: its requests migrate
     core = CoreServer(engine, conn)
     profile = os.environ.get("DSV4_CORE_PROFILE")
     if profile:

@@ -279,6 +279,10 @@ def engine_command(spec: DSV4DeploymentSpec, role: str, node: Optional[tuple[str
             cmd += [F.DTYPE, "bfloat16"]
         if tp > 1:  # one engine spans every GPU of its pod (of its group's pods)
             cmd += [F.TP_SIZE, str(tp)]
+        if e.kv_memory_fraction is not None:
+            cmd += [F.KV_MEMORY_FRACTION, f"{e.kv_memory_fraction:g}"]
+        if e.cuda_graph_max_bs is not None:
+            cmd += [F.CUDA_GRAPH_MAX_BS, str(e.cuda_graph_max_bs)]
         cmd += group
     else:
         cmd = [

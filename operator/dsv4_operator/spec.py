@@ -209,6 +209,20 @@ class EngineSpec(_Model):
     port: int = Field(8100, ge=1, le=65535, description="Engine HTTP port (API, /health, /metrics).")
     args: list[str] = Field([], description="Extra arguments for every engine.")
     env: list[EnvVar] = Field([], max_length=MAX_LIST_ITEMS)  # bounded: the API server budgets CEL cost
+    kv_memory_fraction: Optional[float] = Field(
+        None,
+        gt=0,
+        le=1,
+        description="builtin: share of a GPU's memory free after the weights that the KV pool takes, less a "
+        "reserve for CUDA graphs (`dsv4 serve --kv-memory-fraction`; unset: the engine's default, 0.9).",
+    )
+    cuda_graph_max_bs: Optional[int] = Field(
+        None,
+        ge=0,
+        description="builtin: decode batches up to this many requests replay CUDA graphs (`dsv4 serve "
+        "--cuda-graph-max-bs`; 0 turns them off; unset: the engine's default, on up to 64, falling back to "
+        "eager decodes, reported in /v1/loads, when capture fails).",
+    )
 
 
 NODES_PER_REPLICA_DOC = (

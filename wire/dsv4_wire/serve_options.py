@@ -28,8 +28,22 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         choices=("float32", "bfloat16"),
     ),
     _O("served_model_name", str, None, "Name in /v1/models (default: the checkpoint folder's name)."),
-    _O("kv_pages", int, None, "KV pool size in pages (default: from --kv-memory-gb)."),
-    _O("kv_memory_gb", float, 1.0, "KV pool size in GiB when --kv-pages is not given."),
+    _O("kv_pages", int, None, "KV pool size in pages (default: from the device's memory, or --kv-memory-gb)."),
+    _O(
+        "kv_memory_gb",
+        float,
+        None,
+        "KV pool size in GiB, overriding --kv-memory-fraction (default: from the device's free memory on CUDA, "
+        "1 GiB on CPU).",
+    ),
+    _O(
+        "kv_memory_fraction",
+        float,
+        0.9,
+        "CUDA: the KV pool takes this share of the memory free once the weights are loaded, less a reserve for "
+        "the decode CUDA graphs, on the tightest rank (as SGLang's --mem-fraction-static / vLLM's "
+        "--gpu-memory-utilization; prefix-cache snapshots take at most a quarter of it by default).",
+    ),
     _O(
         "page_size",
         int,
@@ -71,7 +85,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         int,
         None,
         "DeepSeek-V4: slot-row snapshots the prefix cache keeps, each one slot "
-        "row of memory taken from --kv-memory-gb (default: 4 x --max-num-seqs; 0 turns V4 prefix reuse off).",
+        "row of memory taken from the KV pool (default: 4 x --max-num-seqs, at most a quarter of the pool; 0 turns "
+        "V4 prefix reuse off).",
         min=0,
     ),
     _O(
@@ -86,8 +101,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     _O(
         "cuda_graph_max_bs",
         int,
-        0,
-        "Decode batches up to N requests replay captured CUDA graphs (CUDA + triton kernels; 0 = off).",
+        None,
+        "Decode batches up to N requests replay captured CUDA graphs (CUDA + triton kernels; 0 = off; default: "
+        "min(--max-num-seqs, 64) where graphs are supported; a failed capture falls back to eager, logged and in "
+        "/v1/loads).",
         min=0,
     ),
     _O(

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4_engine.config import ModelConfig
+from dsv4_engine.devices import upload
 from dsv4_engine.models.forward_batch import ForwardBatch
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.quant import dense, log_resident, moe_experts_for, place
@@ -345,8 +346,8 @@ class DeepseekV3:
             starts.append(starts[-1] + e)
         keep = [b for b, x in enumerate(expand) if not x and exts[b]]
         if keep:
-            rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in keep]).to(q.device)
-            idx = torch.tensor(keep, device=q.device)
+            rows = upload([i for b in keep for i in range(starts[b], starts[b + 1])], torch.long, q.device)
+            idx = upload(keep, torch.long, q.device)
             sub = ForwardBatch(
                 input_ids=fb.input_ids[rows],
                 positions=fb.positions[rows],

@@ -43,6 +43,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from dsv4_engine.devices import upload
 from dsv4_engine.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4_engine.models.deepseek_v4_weights import load_v4_weights, to_release_layout
 from dsv4_engine.models.forward_batch import ForwardBatch, V4Batch, request_spans
@@ -354,7 +355,7 @@ class DeepseekV4(V4Compressors, V4TorchAttention):
         same indices from device values (nonzero, boolean masks, .max()) would, on a GPU."""
         t = self._step_index.get(key)
         if t is None:
-            t = self._step_index[key] = torch.tensor(values(), dtype=torch.long, device=device)
+            t = self._step_index[key] = upload(values(), torch.long, device)
         return t
 
     def _memo(self, key: tuple, make):

@@ -34,6 +34,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from dsv4_engine.kv_sizing import DeviceMemory
 from dsv4_engine.parallel import wire
 from dsv4_engine.parallel.layout import NodeLayout, set_socket_interface
 from dsv4_engine.parallel.node_channel import NodeServer, config_fingerprint, group_secret
@@ -208,6 +209,17 @@ class TPGroup:
 
     # ---- the step channel --------------------------------------------------------------------
 
+    def tightest_memory(self, own: Optional[DeviceMemory]) -> Optional[DeviceMemory]:
+        """The least free device memory of any rank once all have loaded their weights (every
+        rank mirrors rank 0's pool, so the tightest one sizes it). The other ranks may still be
+        loading: waited for as `announce_pool` waits."""
+        self._loading = True
+        try:
+            with self.step("waiting for the other ranks to load their weights", timed=False):
+                return tightest_memory(own, self.rank)
+        finally:
+            self._loading = False
+
     def announce_pool(self, num_pages: int, page_size: int, max_num_seqs: int, num_snapshots: int = 0) -> None:
         """Tell the other ranks the size of the KV pool to build (theirs mirrors rank 0's, the
         prefix cache's slot-row snapshots included). The
@@ -238,13 +250,15 @@ class TPGroup:
         dist.broadcast(header, 0, group=self.rank.control)
         dist.broadcast(payload, 0, group=self.rank.control)
 
-    def capture_graphs(self, max_bs: int, capture: Callable[[], bool]) -> bool:
+    def capture_graphs(self, max_bs: int, capture: Callable[[Callable], bool]) -> bool:
         """Every rank captures its decode graphs now, together: the warm-up forwards run the
-        all-reduces, so the ranks do them in the same order. Then all keep them or all drop them
-        (a rank without graphs could not replay rank 0's captured steps)."""
+        all-reduces, so the ranks do them in the same order, and after each batch size all say
+        how it went (`agree_failure`), so a failure on any rank ends capture on all of them at
+        that size. Then all keep them or all drop them (a rank without graphs could not replay
+        rank 0's captured steps). `capture(agree)` captures rank 0's."""
         with self.step("capturing CUDA graphs on every rank", timed=False):
             dist.broadcast(wire.capture_header(max_bs), 0, group=self.rank.control)
-            ok = capture()
+            ok = capture(lambda failure: agree_failure(failure, self.rank))
             agreed = all_ranks_agree(ok, self.rank)
         if ok and not agreed:
             log.warning("CUDA graphs off: another rank could not capture its decode graphs (its log says why)")
@@ -405,6 +419,30 @@ class TPGroup:
             dist.destroy_process_group()
         except Exception:
             pass
+
+
+UNKNOWN_BYTES = 1 << 62  # a rank whose device reports no memory (CPU) leaves the minimum to the others
+
+
+def tightest_memory(own: Optional[DeviceMemory], rank: TPRank) -> Optional[DeviceMemory]:
+    """On every rank: the least free (and least total) device memory over the ranks, or None
+    when no rank's device reports its memory."""
+    t = torch.tensor([own.free, own.total] if own is not None else [UNKNOWN_BYTES] * 2, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=rank.control)
+    free, total = t.tolist()
+    return None if free >= UNKNOWN_BYTES else DeviceMemory(free, total)
+
+
+def agree_failure(failure: Optional[str], rank: TPRank) -> Optional[str]:
+    """Every rank's verdict on the step all just did (None: it went well), gathered on every
+    rank: the first failure, naming its rank, or None when none failed. Each rank calls it the
+    same number of times (`cuda_graphs.capture_buckets` stops all at the same bucket)."""
+    lines: list[Optional[str]] = [None] * dist.get_world_size(rank.control)
+    dist.all_gather_object(lines, failure, group=rank.control)
+    for r, line in enumerate(lines):
+        if line is not None:
+            return f"rank {r}: {line}"
+    return None
 
 
 def all_ranks_agree(ok: bool, rank: TPRank) -> bool:

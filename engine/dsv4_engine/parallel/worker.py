@@ -22,7 +22,14 @@ import torch
 import torch.distributed as dist
 
 from dsv4_engine.parallel import wire
-from dsv4_engine.parallel.group import all_ranks_agree, join, rank_device, receive_state
+from dsv4_engine.parallel.group import (
+    agree_failure,
+    all_ranks_agree,
+    join,
+    rank_device,
+    receive_state,
+    tightest_memory,
+)
 from dsv4_engine.parallel.layout import NodeLayout
 from dsv4_engine.parallel.plan import Shard
 from dsv4_engine.parallel.ranks import HEARTBEAT_S, SPEC_ENV
@@ -68,6 +75,7 @@ def _heartbeat(path: str) -> None:
 
 def serve_rank(spec: dict) -> None:
     from dsv4_engine.kv_cache import KVPool, copy_snapshot
+    from dsv4_engine.kv_sizing import device_memory
     from dsv4_engine.model_runner import ModelRunner
 
     shard = Shard(spec["rank"], spec["size"])
@@ -87,6 +95,7 @@ def serve_rank(spec: dict) -> None:
 
         speculator = make_speculator(runner, ea["model"], ea["speculative_num_steps"])
         specs = specs + speculator.state_specs
+    tightest_memory(device_memory(runner.device), rank)  # rank 0 sizes the pool on the tightest rank
     sizes = torch.zeros(4, dtype=torch.int64)
     dist.broadcast(sizes, 0, group=rank.control)
     num_pages, page_size, max_num_seqs, num_snapshots = sizes.tolist()
@@ -113,7 +122,7 @@ def serve_rank(spec: dict) -> None:
             return
         if op == wire.OP_CAPTURE:  # at start-up, with every other rank: all keep graphs or none
             runner.enable_graphs(int(header[wire.REQS]))
-            if not all_ranks_agree(runner.capture_graphs(pool), rank):
+            if not all_ranks_agree(runner.capture_graphs(pool, lambda f: agree_failure(f, rank)), rank):
                 runner.drop_graphs()
             continue
         payload = torch.empty(wire.payload_len(header), dtype=torch.int64)

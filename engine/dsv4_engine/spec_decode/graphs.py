@@ -310,13 +310,16 @@ def capture_spec_graphs(spec, pool) -> bool:
         return False  # CPU, the torch backend or a model that is not capture-safe: said at start
     if not supported(spec):
         log.info("speculative decoding: its steps run eagerly (captured for DeepSeek-V3 and V4 on one rank)")
+        runner.graphs_off = "speculative steps are captured on one rank only"
         return False
     graphs = SpecGraphs(spec, pool.page_size, pool.num_pages, runner.cuda_graph_max_bs, capture=True)
     failure = graphs.capture_all(pool)
     if failure is not None:
         log.warning("CUDA graphs off: %s", failure)
+        runner.graphs_off = failure
         return False
     if not graphs.captured:  # not a CUDA device after all: nothing to replay
+        runner.graphs_off = "nothing captured on this device"
         return False
     spec.graphs = graphs
     return True

@@ -94,3 +94,29 @@ def count_host_syncs():
     finally:
         for name, orig in originals.items():
             setattr(torch.Tensor, name, orig)
+
+
+@contextmanager
+def count_blocking_uploads():
+    """Yields the list of uploads of host data that would wait on a GPU: `torch.tensor(...,
+    device=...)` / `torch.as_tensor(..., device=...)` of host numbers. From pageable memory CUDA
+    first synchronises the stream (the host waits for every queued kernel); `devices.upload`
+    stages in pinned memory instead. On CPU the device is the host, so the calls are what is
+    counted, as for host reads. (`Tensor.to(device)` of a host tensor is not counted: on CPU it
+    cannot be told from a no-op `.to` of a tensor already on the device.)"""
+    hits: list[str] = []
+    made = {"tensor": torch.tensor, "as_tensor": torch.as_tensor}
+
+    def creating(name, orig):
+        def fn(data, *a, **kw):
+            if kw.get("device") is not None and not isinstance(data, torch.Tensor) and not from_interpreter():
+                hits.append(f"torch.{name}(device=...) at {''.join(traceback.format_stack(limit=6)[:-1])}")
+            return orig(data, *a, **kw)
+
+        return fn
+
+    torch.tensor, torch.as_tensor = creating("tensor", made["tensor"]), creating("as_tensor", made["as_tensor"])
+    try:
+        yield hits
+    finally:
+        torch.tensor, torch.as_tensor = made["tensor"], made["as_tensor"]

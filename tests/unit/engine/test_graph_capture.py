@@ -114,20 +114,21 @@ def test_the_runner_captures_on_demand_and_turns_graphs_off_in_one_line(tiny_mod
 
     pool = KVPool(runner.state_specs, 8, 8, torch.float32, runner.device)
     monkeypatch.setattr(
-        DecodeGraphs, "capture_all", lambda self: "capturing the decode graph of batch size 2 failed: X"
+        DecodeGraphs, "capture_all", lambda self, agree=None: "capturing the decode graph of batch size 2 failed: X"
     )
     pool.states[runner.model.LATENT_KV].fill_(1.0)  # what a warm-up forward writes, zeroed again
     with caplog.at_level(logging.INFO, logger="dsv4_engine.model_runner"):
         assert runner.capture_graphs(pool) is False
     lines = [r.getMessage() for r in caplog.records if "CUDA graphs" in r.getMessage()]
-    assert lines == ["CUDA graphs off: capturing the decode graph of batch size 2 failed: X"]
+    assert lines == ["CUDA graphs off, decodes run eagerly: capturing the decode graph of batch size 2 failed: X"]
     assert runner.graphs is None and runner.cuda_graph_max_bs == 0
     assert not pool.states[runner.model.LATENT_KV].any()
 
 
 def test_the_engine_captures_at_start_up_before_any_request(tiny_model, monkeypatch):
     captured = []
-    monkeypatch.setattr(ModelRunner, "capture_graphs", lambda self, pool: captured.append(pool) or True)
+    monkeypatch.setattr(ModelRunner, "graphs_supported", lambda self: True)
+    monkeypatch.setattr(ModelRunner, "capture_graphs", lambda self, pool, agree=None: captured.append(pool) or True)
     e = Engine(
         EngineArgs(
             model=str(tiny_model), device="cpu", kernel_backend="torch", kv_pages=16, page_size=8, cuda_graph_max_bs=8
@@ -137,10 +138,11 @@ def test_the_engine_captures_at_start_up_before_any_request(tiny_model, monkeypa
 
 
 def test_at_tp2_all_ranks_keep_their_graphs_or_none(tiny_model, monkeypatch, caplog):
-    """Rank 0 (here) captures; rank 1 (a real child process, CPU) cannot. They agree over gloo
-    to drop the graphs, rank 0 says so in one line, and the group still serves in step."""
+    """Rank 0 (here) captures its first batch size; rank 1 (a real child process, CPU) cannot
+    capture at all and votes no at that size. They agree over gloo to drop the graphs, rank 0
+    says why in one line naming rank 1, and the group still serves in step."""
     monkeypatch.setattr(ModelRunner, "graphs_supported", lambda self: True)
-    monkeypatch.setattr(ModelRunner, "capture_graphs", lambda self, pool: True)
+    monkeypatch.setattr(DecodeGraphs, "capture_all", lambda self, agree: agree(None))  # one size, then the vote
     with caplog.at_level(logging.INFO):
         e = Engine(
             EngineArgs(
@@ -156,8 +158,10 @@ def test_at_tp2_all_ranks_keep_their_graphs_or_none(tiny_model, monkeypatch, cap
     try:
         assert e.runner.cuda_graph_max_bs == 0 and e.runner.graphs is None
         assert [r.getMessage() for r in caplog.records if "CUDA graphs off" in r.getMessage()] == [
-            "CUDA graphs off: another rank could not capture its decode graphs (its log says why)"
+            "CUDA graphs off, decodes run eagerly: rank 1: CUDA graphs off on this rank: need a CUDA device, the "
+            "triton kernel backend and a capture-safe model"
         ]
+        assert e.loads()["cuda_graphs"]["enabled"] is False
         outs = []
         e.submit(
             Sequence("a", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), sink=outs.append)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from host_sync_probe import count_host_syncs
+from host_sync_probe import count_blocking_uploads, count_host_syncs
 
 from dsv4_engine.kv_cache import KVPool
 from dsv4_engine.model_runner import ModelRunner
@@ -34,9 +34,19 @@ def _seq(rid: str, prompt: list[int], computed: int, pages: list[int], out: list
 
 def _forward_syncs(runner, pool, batch) -> list[str]:
     fb = runner.build_batch(batch, pool.page_size)  # building may read the host's own lists
-    with count_host_syncs() as hits:
+    with count_host_syncs() as hits, count_blocking_uploads() as uploads:
         runner.model.forward(fb, pool.all_states)
-    return hits
+    return hits + uploads
+
+
+def test_probe_sees_a_blocking_upload_and_not_a_staged_one():
+    from dsv4_engine.devices import upload
+
+    with count_blocking_uploads() as hits:
+        torch.tensor([1, 2], device="cpu")
+        torch.as_tensor([3], device="cpu")
+        upload([1, 2], torch.long, torch.device("cpu"))
+    assert len(hits) == 2, hits
 
 
 def test_probe_sees_a_host_read():

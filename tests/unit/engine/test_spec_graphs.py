@@ -253,7 +253,7 @@ def test_a_speculating_engine_captures_its_steps_instead_of_the_plain_decode(tin
     monkeypatch.setattr(SpecGraphs, "capture_all", lambda self, pool: seen.append(pool))
     monkeypatch.setattr(SpecGraphs, "captured", property(lambda self: True))
     reqs = _requests(6, n=3)
-    plain = _run(_engine(tiny_mtp, False), reqs)
+    plain = _run(_engine(tiny_mtp, False, cuda_graph_max_bs=0), reqs)  # graphs are on by default
     engine = _engine(tiny_mtp, True, steps=K, cuda_graph_max_bs=4)
     assert seen == [engine.pool] and engine.spec.graphs is not None
     used = _counting(engine.spec.graphs)  # not captured on CPU: the same padded steps, eagerly

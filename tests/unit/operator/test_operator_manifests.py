@@ -225,6 +225,20 @@ def test_builtin_commands() -> None:
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 8000}
 
 
+def test_kv_memory_fraction_and_cuda_graphs_reach_every_builtin_engine() -> None:
+    """The CRD's engine.kvMemoryFraction / cudaGraphMaxBs become the engine's flags (before the
+    user's args, which win); unset, the engine's own defaults apply (nothing passed)."""
+    spec = spec_of(engine={"image": "i", "kvMemoryFraction": 0.85, "cudaGraphMaxBs": 0})
+    for role in ("prefill", "decode"):
+        cmd = engine_container(M.engine_statefulset(spec, OWNER, role))["command"]
+        assert cmd[cmd.index("--kv-memory-fraction") + 1] == "0.85"
+        assert cmd[cmd.index("--cuda-graph-max-bs") + 1] == "0"
+    plain = engine_container(M.engine_statefulset(spec_of(engine={"image": "i"}), OWNER, "decode"))["command"]
+    assert "--kv-memory-fraction" not in plain and "--cuda-graph-max-bs" not in plain
+    with pytest.raises(ValueError, match="kvMemoryFraction|kv_memory_fraction"):
+        spec_of(engine={"image": "i", "kvMemoryFraction": 1.5})
+
+
 def test_sglang_commands() -> None:
     spec = spec_of(engine={"kind": "sglang", "image": "lmsysorg/sglang:v1", "port": 30000}, decode={"gpusPerPod": 8})
     prefill = engine_container(M.engine_statefulset(spec, OWNER, "prefill"))
