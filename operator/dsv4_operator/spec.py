@@ -445,8 +445,9 @@ class SecuritySpec(_Model):
         None,
         max_length=253,
         pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
-        description="Secret with keys admin-token and pd-secret (default <name>-auth); the operator creates it, "
-        "with random values, when absent, and adds a missing key.",
+        description="Secret with keys admin-token and pd-secret (default <name>-auth); the operator creates it "
+        "when absent, with values derived from its operator key and the deployment's uid (HMAC-SHA256), and never "
+        "changes it: one it does not own, or one missing a key, is reported (Degraded: SecretNotOwned, SecretUnusable).",
     )
     run_as_user: Optional[int] = Field(
         None,
