@@ -78,7 +78,8 @@ async def test_the_example_applied_as_the_readme_says_is_served(
 
     async def served() -> dict:
         cr = await get_cr(kube_client, target_ns, name)
-        return (cr or {}).get("status", {}).get("watchedBy") and cr
+        status = (cr or {}).get("status") or {}
+        return status.get("watchedBy") and status.get("observedGeneration") and cr
 
     cr = await eventually(served, timeout=20)
     assert cr["status"]["observedGeneration"] == 1
