@@ -168,3 +168,67 @@ def test_the_budget_alert_matches_what_the_executor_records() -> None:
 
     expr = alert_rules()["DSV4RemediationBudgetSpent"]["expr"]
     assert f'result=~"{HOLD_BUDGET}|{HOLD_RATE_LIMIT}"' in expr and 'action="held"' in expr
+
+
+# The fields of prometheus-operator's PrometheusRule (monitoring.coreos.com/v1) the chart writes.
+PROMETHEUS_RULE_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PrometheusRule"},
+        "metadata": {"type": "object", "required": ["name", "namespace"]},
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                "groups": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["name", "rules"],
+                        "properties": {
+                            "name": {"type": "string"},
+                            "rules": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "additionalProperties": False,
+                                    "required": ["alert", "expr"],
+                                    "properties": {
+                                        "alert": {"type": "string", "pattern": "^[A-Za-z][A-Za-z0-9]*$"},
+                                        "expr": {"type": "string"},
+                                        "for": {"type": "string", "pattern": "^([0-9]+(ms|s|m|h|d|w|y))+$"},
+                                        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+                                        "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+                                    },
+                                },
+                            },
+                        },
+                    },
+                }
+            },
+        },
+    },
+}
+
+
+def test_the_rule_is_well_formed_and_its_templates_reach_prometheus() -> None:
+    import jsonschema
+
+    from chart_testutil import CHART, run_helm
+
+    (rule,) = [
+        d
+        for d in helm_template({"alerts.enabled": True, "alerts.labels": {"release": "kps"}})
+        if d["kind"] == "PrometheusRule"
+    ]
+    jsonschema.validate(rule, PROMETHEUS_RULE_SCHEMA)
+    assert rule["metadata"]["labels"]["release"] == "kps"
+    for r in (r for g in rule["spec"]["groups"] for r in g["rules"]):
+        assert r["expr"].count("(") == r["expr"].count(")"), r["alert"]
+    # Prometheus' own templating, escaped through helm's: it must arrive as {{ $labels.x }}.
+    assert "{{ $labels.namespace }}" in alert_rules()["DSV4PodWedged"]["annotations"]["summary"]
+    lint = run_helm("lint", "--strict", str(CHART), "--set", "alerts.enabled=true", check=False)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
