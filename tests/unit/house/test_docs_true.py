@@ -248,3 +248,11 @@ def test_the_checks_can_fail(tmp_path: Path) -> None:
     text = "\n".join(found)
     for expected in ("--no-such-flag", "teleport", "engine.extraArgs", "watch.scopes", "--kv-memory-gbs", "missing.md"):
         assert expected in text, (expected, text)
+
+
+def test_the_readme_test_command_is_what_ci_runs() -> None:
+    """README's "Run the tests" block is the test line of .ci/run, word for word."""
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("## Run the tests", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0].strip()
+    ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines() if "pytest" in line]
+    assert ci and block == ci[-1], (block, ci)
