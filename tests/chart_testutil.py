@@ -88,18 +88,32 @@ def helm_template(
     namespace: str = NAMESPACE,
     release: str = RELEASE,
     include_crds: bool = False,
+    kube_version: Optional[str] = None,
+    api_versions: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
     """`helm template` of the chart with `values` (dotted keys -> JSON values); the documents
-    (a fresh copy each call: renders are cached per session, tests may change what they get)."""
+    (a fresh copy each call: renders are cached per session, tests may change what they get).
+    `kube_version` / `api_versions`: the cluster helm renders for (its Capabilities)."""
     key = json.dumps(values or {}, sort_keys=True)
-    return copy.deepcopy(_render(key, namespace, release, include_crds))
+    return copy.deepcopy(_render(key, namespace, release, include_crds, kube_version, api_versions))
 
 
 @functools.lru_cache(maxsize=None)
-def _render(values_json: str, namespace: str, release: str, include_crds: bool) -> list[dict[str, Any]]:
+def _render(
+    values_json: str,
+    namespace: str,
+    release: str,
+    include_crds: bool,
+    kube_version: Optional[str] = None,
+    api_versions: tuple[str, ...] = (),
+) -> list[dict[str, Any]]:
     args = ["template", release, str(CHART), "--namespace", namespace, *_set_args(json.loads(values_json))]
     if include_crds:
         args.append("--include-crds")
+    if kube_version:
+        args += ["--kube-version", kube_version]
+    for api in api_versions:
+        args += ["--api-versions", api]
     out = run_helm(*args).stdout
     return [doc for doc in yaml.safe_load_all(out) if doc]
 

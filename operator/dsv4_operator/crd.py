@@ -66,6 +66,12 @@ PRINTER_COLUMNS = [
         "jsonPath": ".status.wedgedPods",
         "description": "Pods the watchdog holds wedged now.",
     },
+    {
+        "name": "Watched-By",
+        "type": "string",
+        "jsonPath": ".status.watchedBy",
+        "description": "The operator serving this resource (its namespace); empty: no operator watches this namespace.",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     {"name": "Router", "type": "string", "jsonPath": ".status.router.ready", "priority": 1},
     {"name": "Engine", "type": "string", "jsonPath": ".spec.engine.kind", "priority": 1},

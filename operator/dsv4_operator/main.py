@@ -117,6 +117,7 @@ async def serve_operator(
         if isinstance(ready_flag, (asyncio.Event, threading.Event)):
             ready_flag.set()
 
+    logging.getLogger("dsv4.operator").warning(scope_line(namespaces))
     watcher = asyncio.create_task(watch_ready())
     fleet = fleet or Fleet(restarts=RestartRateLimit.parse(os.environ.get(RESTART_RATE_LIMIT_ENV)))
     memo = kopf.Memo(metrics=metrics, kubeconfig=kubeconfig, api=None, fleet=fleet)
@@ -170,6 +171,16 @@ async def serve_operator(
             await lease_api.close()
         if runner is not None:
             await runner.cleanup()
+
+
+def scope_line(namespaces: Sequence[str]) -> str:
+    """The operator's first log line: where it reads DSV4Deployments (and that it reads nothing else)."""
+    if not namespaces:
+        return "serving DSV4Deployments in every namespace"
+    return (
+        f"serving DSV4Deployments in namespace(s) {', '.join(namespaces)} only: one applied anywhere else is "
+        "stored and ignored (kubectl get dsv4d -A shows it with an empty WATCHED-BY)"
+    )
 
 
 class LeadershipLost(RuntimeError):

@@ -460,8 +460,11 @@ class SecuritySpec(_Model):
         max_length=253,
         pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
         description="Secret with keys admin-token, pd-secret and router-admin-token (default <name>-auth); the "
-        "operator creates it when absent. An existing one is used only when owned by this deployment, or labelled "
-        "app.kubernetes.io/managed-by=dsv4-operator and annotated serving.dsv4.dev/deployment=<name>.",
+        "operator creates it when absent, with values derived from its operator key and the deployment's uid "
+        "(HMAC-SHA256), and never changes it. An existing one is used only when owned by this deployment, or labelled "
+        "app.kubernetes.io/managed-by=dsv4-operator and annotated serving.dsv4.dev/deployment=<name>; another "
+        "deployment's Secret, one not given to this deployment, or one missing a key is reported (Degraded: "
+        "SecretOfAnotherDeployment, SecretNotOwned, SecretUnusable).",
     )
     run_as_user: Optional[int] = Field(
         None,

@@ -124,11 +124,14 @@ def compute_status(
     canary: Any = None,
     canary_failed: Any = None,
     creation_failures: Optional[Mapping[str, str]] = None,
+    watched_by: Optional[str] = None,
 ) -> dict[str, Any]:
     """The whole new status. `spec` is None when the spec is invalid (then `spec_error` says why);
     `observed_generation` is the generation the operator last acted on (applied or rejected).
     `remediation_counts`: pod -> remediations the watchdog still remembers (its policy state).
-    `creation_failures`: role -> why its controller cannot make its pods (pod_creation)."""
+    `creation_failures`: role -> why its controller cannot make its pods (pod_creation).
+    `watched_by`: who serves it (`operator_identity`), so `kubectl get dsv4d -A` tells a watched
+    namespace from one no operator reads (whose resources never get a status)."""
     previous = dict(previous or {})
     by_role: dict[str, ChildObservation] = {}
     for child in children:
@@ -240,7 +243,15 @@ def compute_status(
         if key in previous:
             status[key] = previous[key]
     status.setdefault("wedgedPods", 0)
+    if watched_by:
+        status["watchedBy"] = watched_by
     return status
+
+
+def operator_identity(env: Mapping[str, str], hostname: str) -> str:
+    """What `status.watchedBy` says: the operator's namespace (the chart sets POD_NAMESPACE), or
+    the host it runs on when it runs outside a cluster."""
+    return env.get("POD_NAMESPACE") or hostname
 
 
 def remediation_counts(annotations: Optional[Mapping[str, str]]) -> dict[str, int]:

@@ -54,6 +54,12 @@ class DSV4DeploymentStatus(_Model):
         None, description="The revision the children run instead of the spec (a rollback pin), while it applies."
     )
     wedged_pods: Optional[int] = Field(None, ge=0)
+    watched_by: Optional[str] = Field(
+        None,
+        description="Which operator serves this resource: its namespace (its host name when it runs outside a "
+        "cluster). Written on every status update; empty: no operator watches this namespace (with the chart's "
+        "defaults, only the release namespace is watched).",
+    )
     groups: Optional[list[dict[str, Any]]] = Field(
         None,
         description="Multi-node engines (nodesPerReplica > 1), as the watchdog last saw them: each group's name (its "

@@ -274,6 +274,30 @@ def test_admin_abort_and_token(client, server):
     assert client.post("/admin/abort", json={"nothing": 1}, headers=ADMIN).status_code == 400
 
 
+def readme_quick_start() -> tuple[dict, str]:
+    """The README's quick-start curl body and its `openai` client example (issue 43)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (curl,) = [line for line in text.splitlines() if line.startswith("curl http://127.0.0.1:8000/v1/chat/completions")]
+    argv = shlex.split(curl)
+    body = json.loads(argv[argv.index("-d") + 1])
+    (python,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    return body, python
+
+
+def test_the_readme_quick_start_works_as_written(server, client, capsys):
+    """Its curl body and its openai example, run as written (the URL pointed at this engine)."""
+    body, python = readme_quick_start()
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+    assert "http://127.0.0.1:8000/v1" in python
+    exec(compile(python.replace("http://127.0.0.1:8000/v1", server + "/v1"), "README.md", "exec"), {})
+    assert capsys.readouterr().out.strip()
+
+
 def test_drain_makes_ready_fail(client):
     # Last in this module: draining is one-way.
     assert client.post("/admin/drain", headers=ADMIN).json() == {"draining": True}

@@ -137,7 +137,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         None,
         "Speculative decoding with the checkpoint's own MTP layer: mtp (aliases "
         "EAGLE, NEXTN, deepseek_mtp). Off by default; DeepSeek-V3 and -V4 checkpoints with an MTP layer (mono, "
-        "or prefill and decode both with it), --tp-size 1.",
+        "or prefill and decode both with it), any --tp-size (the MTP block splits like a layer).",
     ),
     _O("speculative_num_steps", int, 1, "Tokens drafted per step with --speculative-algorithm.", min=1),
     # ---- the HTTP server and PD (ServerArgs) ----

@@ -146,3 +146,15 @@ records the operator's calls against an API server and checks this list against 
   resources: ["events"]
   verbs: ["create", "list", "watch"]
 {{- end -}}
+
+{{/*
+The ValidatingAdmissionPolicy API this cluster serves (empty: none): v1 from Kubernetes 1.30,
+else v1beta1 where discovery lists it (1.28-1.29 with the feature gate on).
+*/}}
+{{- define "dsv4-operator.admissionPolicyVersion" -}}
+{{- if semverCompare ">=1.30.0-0" .Capabilities.KubeVersion.Version -}}
+admissionregistration.k8s.io/v1
+{{- else if .Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1beta1/ValidatingAdmissionPolicy" -}}
+admissionregistration.k8s.io/v1beta1
+{{- end -}}
+{{- end }}

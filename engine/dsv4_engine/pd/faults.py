@@ -1,6 +1,6 @@
 """Fault injection for PD, applied at the seams rather than inside the state machines.
 
-Faults are armed over /admin/faults (names below; README documents them). Each affects `count`
+Faults are armed over /admin/faults (names below; docs/engine.md documents them). Each affects `count`
 uses (-1: until cleared):
 - stall_transfer, fail_transfer, drop_notification: the next KV transfer never finishes, fails
   at once, or lands without telling decode (`FaultyTransport`);

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import time
 from typing import Any, Callable, Iterable, Mapping, Optional
 
@@ -49,6 +50,7 @@ from dsv4_operator.status import (
     ApplyRefusal,
     ChildObservation,
     compute_status,
+    operator_identity,
     remediation_counts,
     status_changed,
 )
@@ -218,6 +220,7 @@ async def refresh_status(
             pinned_revision=pinned,
             canary=canary_plan.CanaryRecord.from_annotations(meta.get("annotations")),
             canary_failed=canary_plan.failed_for(meta.get("annotations"), cr.get("spec")),
+            watched_by=operator_identity(os.environ, socket.gethostname()),
         )
         changed = status_changed(previous, new)
         computed.append((new, changed))

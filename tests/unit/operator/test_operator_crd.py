@@ -144,7 +144,7 @@ def test_crd_names_scope_subresources_and_printer_columns() -> None:
     assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
     assert version["subresources"] == {"status": {}}
     default_columns = [c["name"].upper() for c in version["additionalPrinterColumns"] if not c.get("priority")]
-    assert default_columns == ["READY", "PREFILL", "DECODE", "WEDGED", "AGE"]
+    assert default_columns == ["READY", "PREFILL", "DECODE", "WEDGED", "WATCHED-BY", "AGE"]
     by_name = {c["name"].upper(): c for c in version["additionalPrinterColumns"]}
     assert by_name["READY"]["jsonPath"] == '.status.conditions[?(@.type=="Available")].status'
     assert by_name["AGE"]["type"] == "date"

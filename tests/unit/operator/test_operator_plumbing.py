@@ -172,3 +172,11 @@ def test_drift_worth_reapplying() -> None:
     assert not drift("ADDED", "Service", 1, None) and not drift(None, "StatefulSet", 1, None)
     # A listing (kopf relists after 410 Gone): a child edited while no watch was open.
     assert drift(None, "Role", 1, None) and drift(None, "StatefulSet", 4, 3) and not drift(None, "StatefulSet", 3, 3)
+
+
+def test_the_first_log_line_says_where_the_operator_reads() -> None:
+    from dsv4_operator.main import scope_line
+
+    assert "every namespace" in scope_line([])
+    line = scope_line(["dsv4-system", "llm"])
+    assert "dsv4-system, llm only" in line and "WATCHED-BY" in line

@@ -261,3 +261,24 @@ def test_a_held_decode_is_named_in_progressing() -> None:
     assert decode is not None and decode.held
     st = compute(children=[child("prefill", 1, 0), decode, child("router")])
     assert cond(st, "Progressing")["message"].endswith("decode waits for prefill to roll out first")
+
+
+def test_the_status_names_who_watches_it() -> None:
+    """`kubectl get dsv4d -A` shows WATCHED-BY from this field: a namespace nobody watches has
+    resources without it (issue 43)."""
+    from dsv4_operator.status import operator_identity
+
+    assert (
+        compute_status(
+            spec=spec(),
+            generation=1,
+            observed_generation=1,
+            children=all_ready(),
+            previous=None,
+            now=T0,
+            watched_by="dsv4-system",
+        )["watchedBy"]
+        == "dsv4-system"
+    )
+    assert operator_identity({"POD_NAMESPACE": "dsv4-system"}, "host") == "dsv4-system"
+    assert operator_identity({}, "laptop") == "laptop"

@@ -199,3 +199,14 @@ def test_unreachable_before_the_window_is_no_wedge_and_no_hold():
     pods = ready_pods("prefill-0")
     actions, _ = decide({"prefill-0": Unreachable(0.0)}, pods, PolicyState(), 10.0, SETTINGS)
     assert actions == []
+
+
+def test_a_zero_rate_limit_is_the_fleet_wide_off_switch():
+    """`operator.restartRateLimit: "0/600"` (docs/operations.md): every new remediation of every
+    deployment is held (reported, never acted on); nothing starts."""
+    limit = RestartRateLimit.parse("0/600")
+    pods = ready_pods("prefill-0", "decode-0")
+    verdicts = {"prefill-0": STUCK, "decode-0": Wedged("scheduler_stalled")}
+    actions, state = decide(verdicts, pods, PolicyState(), 0.0, SETTINGS, restart_allowance=limit.allowance(0.0))
+    assert not state.active and not [a for a in actions if a.kind in STEPS]
+    assert {(HELD, "prefill-0", HOLD_RATE_LIMIT), (HELD, "decode-0", HOLD_RATE_LIMIT)} <= set(kinds(actions))
