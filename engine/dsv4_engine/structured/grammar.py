@@ -18,7 +18,7 @@ import xgrammar as xgr
 
 from dsv4_engine.structured.schema import length_strings_safe
 from dsv4_engine.structured.spec import StructuredSpec
-from dsv4_engine.structured.tool_calls import spec_grammar
+from dsv4_engine.structured.tool_calls import is_auto, spec_grammar, spec_structural_tag
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (a JSON-schema grammar on a 128k vocab is ~100s of KiB)
 
@@ -107,6 +107,8 @@ class GrammarCompiler:
         if spec.kind == "structural_tag":
             return c.compile_structural_tag(spec.value)
         if spec.kind == "tool_calls":
+            if is_auto(spec.value):  # free text, then (maybe) one well-formed call block
+                return c.compile_structural_tag(spec_structural_tag(spec.value))
             return c.compile_grammar(spec_grammar(spec.value))
         raise GrammarError(f"unknown structured output kind {spec.kind!r}")
 

@@ -62,18 +62,15 @@ def tool_call_grammar(
     return str(xg.Grammar.concat(reasoning, grammar))
 
 
-def _tool_call_grammar(xg, parser_name: str, tools: list[dict], tool_choice, parallel_tool_calls: bool):
+def _block_parts(xg, parser_name: str, tools: list[dict], tool_choice, parallel_tool_calls: bool):
+    """(begin, calls, end): the block's opening marker text, the grammar of the calls inside it
+    (one, or with `parallel_tool_calls` one or more, separated as the format writes them), and
+    its closing marker text."""
     fmt = canonical(parser_name)
     fns = _allowed(tools, tool_choice)
 
     def ebnf(body: str) -> "xg.Grammar":
         return xg.Grammar.from_ebnf(f"root ::= {body}")
-
-    def schema_json(schema: Optional[dict]) -> "xg.Grammar":
-        schema = strings_without(schema, T.MARKER_BAR) if schema else {"type": "object"}
-        return xg.Grammar.from_json_schema(
-            json.dumps(schema), any_whitespace=False, separators=_JSON_SEPARATORS, strict_mode=True
-        )
 
     if fmt in ("deepseek_v3", "deepseek_v31"):
         calls = []
@@ -84,10 +81,10 @@ def _tool_call_grammar(xg, parser_name: str, tools: list[dict], tool_choice, par
             else:
                 head = ebnf(_lit(f"{T.TOOL_CALL_BEGIN}function{T.TOOL_SEP}{fn['name']}\n```json\n"))
                 tail = ebnf(_lit(f"\n```{T.TOOL_CALL_END}"))
-            calls.append(xg.Grammar.concat(head, schema_json(fn.get("parameters")), tail))
+            calls.append(xg.Grammar.concat(head, _schema_json(xg, fn.get("parameters")), tail))
         call = xg.Grammar.union(*calls) if len(calls) > 1 else calls[0]
         sep = "\n" if fmt == "deepseek_v3" else ""
-        return _block(xg, ebnf, call, _lit(T.TOOL_CALLS_BEGIN), _lit(T.TOOL_CALLS_END), sep, parallel_tool_calls)
+        return T.TOOL_CALLS_BEGIN, _repeat(xg, ebnf, call, sep, parallel_tool_calls), T.TOOL_CALLS_END
     if fmt in ("deepseek_v32", "deepseek_v4"):
         block = "function_calls" if fmt == "deepseek_v32" else "tool_calls"
         d = T.DSML
@@ -100,19 +97,29 @@ def _tool_call_grammar(xg, parser_name: str, tools: list[dict], tool_choice, par
             for fn in fns
         ]
         call = xg.Grammar.union(*calls) if len(calls) > 1 else calls[0]
-        return _block(xg, ebnf, call, _lit(f"\n\n<{d}{block}>\n"), _lit(f"\n</{d}{block}>"), "\n", parallel_tool_calls)
+        body = xg.Grammar.concat(ebnf(_lit("\n")), _repeat(xg, ebnf, call, "\n", parallel_tool_calls), ebnf(_lit("\n")))
+        return f"<{d}{block}>", body, f"</{d}{block}>"
     raise ValueError(f"no tool-call grammar for parser {parser_name!r}")
 
 
-def _block(xg, ebnf, call, begin: str, end: str, sep: str, parallel: bool):
-    """begin call (sep call)* end, or begin call end."""
-    parts = [ebnf(begin), call]
-    if parallel:
-        more = xg.Grammar.concat(ebnf(_lit(sep)), call) if sep else call
-        # zero or more further calls: a union with the empty string, repeated through a rule
-        parts.append(_star(xg, more))
-    parts.append(ebnf(end))
-    return xg.Grammar.concat(*parts)
+def _tool_call_grammar(xg, parser_name: str, tools: list[dict], tool_choice, parallel_tool_calls: bool):
+    begin, calls, end = _block_parts(xg, parser_name, tools, tool_choice, parallel_tool_calls)
+    if canonical(parser_name) in ("deepseek_v32", "deepseek_v4"):
+        begin = "\n\n" + begin  # the encoder writes a blank line before the block
+    return xg.Grammar.concat(xg.Grammar.from_ebnf(f"root ::= {_lit(begin)}"), calls, xg.Grammar.from_ebnf(f"root ::= {_lit(end)}"))
+
+
+def _schema_json(xg, schema: Optional[dict]) -> "xg.Grammar":
+    schema = strings_without(schema, T.MARKER_BAR) if schema else {"type": "object"}
+    return xg.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=_JSON_SEPARATORS, strict_mode=True)
+
+
+def _repeat(xg, ebnf, call, sep: str, parallel: bool):
+    """call (sep call)*, or call alone."""
+    if not parallel:
+        return call
+    more = xg.Grammar.concat(ebnf(_lit(sep)), call) if sep else call
+    return xg.Grammar.concat(call, _star(xg, more))
 
 
 def _star(xg, g):
@@ -132,8 +139,9 @@ def _dsml_params(xg, ebnf, fn: dict):
     required = set(schema.get("required") or [])
     raw = r'([^<] | "<" [^/])*'
     items = []
+    defs = {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema.get(k), dict)}
     for name, sub in props.items():
-        sub = sub if isinstance(sub, dict) else {}
+        sub = _deref(sub if isinstance(sub, dict) else {}, schema)
         if sub.get("type") == "string":
             if "enum" in sub:
                 value = ebnf("(" + " | ".join(_lit(str(v)) for v in sub["enum"]) + ")")
@@ -146,8 +154,10 @@ def _dsml_params(xg, ebnf, fn: dict):
                 value = ebnf(raw)
             head = f'<{d}parameter name="{name}" string="true">'
         else:
+            # each parameter is its own schema: it keeps the root's definitions, so a pydantic
+            # `$ref: "#/$defs/Model"` inside it still resolves
             value = xg.Grammar.from_json_schema(
-                json.dumps(strings_without(sub or {}, T.MARKER_BAR)),
+                json.dumps(strings_without({**sub, **defs} if defs else sub, T.MARKER_BAR)),
                 any_whitespace=False,
                 separators=_JSON_SEPARATORS,
                 strict_mode=True,
@@ -161,6 +171,80 @@ def _dsml_params(xg, ebnf, fn: dict):
     if required & set(props):
         return seq
     return xg.Grammar.union(seq, ebnf(_lit("\n")))  # every parameter optional: none at all is "\n"
+
+
+def _deref(sub: dict, root: dict) -> dict:
+    """A parameter schema that is only a local `$ref` (pydantic writes enums and nested models
+    so), replaced by what it points to, so the string/JSON choice sees the real type."""
+    ref = sub.get("$ref")
+    if not isinstance(ref, str) or not ref.startswith("#/"):
+        return sub
+    target = root
+    for part in ref[2:].split("/"):
+        target = target.get(part) if isinstance(target, dict) else None
+    if not isinstance(target, dict) or "$ref" in target:
+        return sub
+    return {**target, **{k: v for k, v in sub.items() if k != "$ref"}}
+
+
+# Free text under `tool_choice: "auto"`: a trigger (a prefix of the block's opening marker) hands
+# the rest of the output to the call-block grammar; the format's other markers may not appear
+# in the free text at all (a weak model writing them would leak markup into `content`).
+_AUTO_TRIGGER = {
+    "deepseek_v3": "<｜tool▁call",  # also covers <｜tool▁call▁begin｜>: no call outside a block
+    "deepseek_v31": "<｜tool▁call",
+    "deepseek_v32": f"<{T.DSML}",
+    "deepseek_v4": f"<{T.DSML}",
+}
+_AUTO_EXCLUDES = {
+    "deepseek_v3": (T.TOOL_SEP, T.TOOL_OUTPUT_BEGIN, T.TOOL_OUTPUT_END, T.TOOL_OUTPUTS_BEGIN, T.TOOL_OUTPUTS_END),
+    "deepseek_v31": (T.TOOL_SEP, T.TOOL_OUTPUT_BEGIN, T.TOOL_OUTPUT_END, T.TOOL_OUTPUTS_BEGIN, T.TOOL_OUTPUTS_END),
+    "deepseek_v32": (f"</{T.DSML}",),
+    "deepseek_v4": (f"</{T.DSML}",),
+}
+
+
+def auto_structural_tag(
+    parser_name: str, tools: list[dict], parallel_tool_calls: bool = True, thinking: bool = False
+) -> str:
+    """xgrammar structural tag (JSON text) for `tool_choice: "auto"`: the answer is free text
+    until the format's tool-call marker; from there it is one well-formed call block (the same
+    grammar as "required") and then only the end of the output. With `thinking`, the reasoning
+    comes first, free but without tool-call markup, up to `</think>` (the formats put calls after
+    the reasoning)."""
+    import xgrammar as xg
+
+    fmt = canonical(parser_name)
+    begin, calls, end = _block_parts(xg, fmt, tools, "auto", parallel_tool_calls)
+    trigger, excludes = _AUTO_TRIGGER[fmt], list(_AUTO_EXCLUDES[fmt])
+    answer = {
+        "type": "triggered_tags",
+        "triggers": [trigger],
+        "tags": [{"type": "tag", "begin": begin, "content": {"type": "grammar", "grammar": str(calls)}, "end": end}],
+        "stop_after_first": True,
+        "excludes": excludes,
+    }
+    fmt_ = answer
+    if thinking:
+        reasoning = {
+            "type": "tag",
+            "begin": "",
+            "content": {"type": "any_text", "excludes": [trigger, *excludes]},
+            "end": T.THINK_END,
+        }
+        fmt_ = {"type": "sequence", "elements": [reasoning, answer]}
+    return json.dumps({"type": "structural_tag", "format": fmt_}, ensure_ascii=False)
+
+
+def is_auto(value: str) -> bool:
+    return json.loads(value).get("tool_choice") == "auto"
+
+
+def spec_structural_tag(value: str) -> str:
+    v = json.loads(value)
+    return auto_structural_tag(
+        v["parser"], v["tools"], bool(v.get("parallel_tool_calls", True)), bool(v.get("thinking", False))
+    )
 
 
 def spec_grammar(value: str) -> str:

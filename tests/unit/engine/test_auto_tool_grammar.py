@@ -1,0 +1,102 @@
+"""`tool_choice: "auto"` grammar (a structural tag): free text, then at most one well-formed call
+block of the given tools and nothing after it; the format's other markers never in the free
+text; with thinking, reasoning first and no call inside it. Compiled against a tiny checkpoint's
+tokenizer and fed the model's own tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsv4_engine.structured.tool_calls import auto_structural_tag
+from dsv4_wire import chat_tokens as T
+
+from tests.unit.engine.test_tool_call_grammar import BAD, FORMATS, GOOD, TOOLS, accepts, compiler_and_tok  # noqa: F401
+
+xgr = pytest.importorskip("xgrammar")
+
+PYDANTIC_NESTED = {  # what pydantic writes for a model with a nested model, an enum and an optional
+    "$defs": {
+        "Addr": {
+            "properties": {
+                "city": {"title": "City", "type": "string"},
+                "zip": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None},
+            },
+            "required": ["city"],
+            "title": "Addr",
+            "type": "object",
+            "additionalProperties": False,
+        },
+        "Kind": {"enum": ["home", "work"], "title": "Kind", "type": "string"},
+    },
+    "properties": {
+        "name": {"title": "Name", "type": "string"},
+        "kind": {"$ref": "#/$defs/Kind"},
+        "addr": {"$ref": "#/$defs/Addr"},
+        "more": {"default": [], "items": {"$ref": "#/$defs/Addr"}, "type": "array"},
+    },
+    "required": ["name", "kind", "addr"],
+    "title": "User",
+    "type": "object",
+}
+
+
+def compile_auto(compiler, fmt, tools=TOOLS, parallel=True, thinking=False):
+    return compiler.compile_structural_tag(auto_structural_tag(fmt, tools, parallel, thinking))
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_auto_free_text_then_one_good_block(compiler_and_tok, fmt):
+    compiler, tok = compiler_and_tok
+    g = compile_auto(compiler, fmt)
+    make = FORMATS[fmt]
+    assert accepts(g, tok, "Just an answer, no call.")
+    assert accepts(g, tok, "")
+    for calls in GOOD:
+        assert accepts(g, tok, make(*calls)), calls
+        assert accepts(g, tok, "Let me check." + make(*calls)), calls
+    for calls in BAD:
+        assert not accepts(g, tok, "Let me check." + make(*calls)), calls
+    good = make(*GOOD[0])
+    assert not accepts(g, tok, good + "more text")  # nothing after the block
+    assert not accepts(g, tok, good + good)
+    # a cut-off block cannot end the output
+    assert not accepts(g, tok, good[: len(good) // 2])
+    # markup outside a block is refused (it would leak into content)
+    stray = T.TOOL_SEP if fmt in ("deepseek_v3", "deepseek_v31") else f"</{T.DSML}invoke>"
+    assert not accepts(g, tok, f"text {stray} text")
+    single = compile_auto(compiler, fmt, parallel=False)
+    assert accepts(single, tok, make(*GOOD[0]))
+    assert not accepts(single, tok, make(*GOOD[3]))
+
+
+@pytest.mark.parametrize("fmt", ["deepseek_v31", "deepseek_v4"])
+def test_auto_with_thinking(compiler_and_tok, fmt):
+    compiler, tok = compiler_and_tok
+    g = compile_auto(compiler, fmt, thinking=True)
+    block = FORMATS[fmt](*GOOD[1])
+    assert accepts(g, tok, f"I should call it.{T.THINK_END}" + block)
+    assert accepts(g, tok, f"I should answer.{T.THINK_END}The answer.")
+    assert not accepts(g, tok, "thinking" + block)  # no call inside the reasoning
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_pydantic_nested_models_one_and_several_tools(compiler_and_tok, fmt):
+    """instructor's TOOLS mode with a nested model: `$defs`/`$ref` still resolve once the
+    parameters are split into DSML parameters (they used to be refused)."""
+    from dsv4_engine.structured.tool_calls import tool_call_grammar
+
+    compiler, tok = compiler_and_tok
+    user = {"type": "function", "function": {"name": "User", "parameters": PYDANTIC_NESTED}}
+    args = {"name": "Ann", "kind": "work", "addr": {"city": "Oslo", "zip": None}, "more": [{"city": "Rome", "zip": "1"}]}
+    for tools in ([user], [user, *TOOLS]):
+        required = compiler.compile_grammar(tool_call_grammar(fmt, tools, "required"))
+        auto = compile_auto(compiler, fmt, tools)
+        text = FORMATS[fmt](("User", args))
+        assert accepts(required, tok, text) and accepts(auto, tok, text)
+        bad = FORMATS[fmt](("User", {**args, "kind": "school"}))
+        assert not accepts(required, tok, bad)
+        bad = FORMATS[fmt](("User", {**args, "addr": {"city": "Oslo", "extra": 1}}))
+        assert not accepts(required, tok, bad)
+    assert json.loads(json.dumps(PYDANTIC_NESTED)) == PYDANTIC_NESTED
