@@ -347,8 +347,17 @@ class OpenAIServing:
         reasoning = None
         if setup.reasoning_parser is not None:
             reasoning = rendered.thinking or setup.reasoning_parser == "deepseek_r1"
-        if forced:
-            choice = req.tool_choice if req.tool_choice == "required" else req.tool_choice.model_dump()
+        auto = (
+            tools
+            and req.tool_choice in (None, "auto")
+            and setup.tool_parser
+            and not self.args.disable_auto_tool_grammar
+            and not req.constraint_fields()  # a response_format of the client's own wins
+        )
+        if forced or auto:
+            choice = (
+                "auto" if auto else req.tool_choice if req.tool_choice == "required" else req.tool_choice.model_dump()
+            )
             try:
                 spec = tool_calls_spec(
                     setup.tool_parser, tools, choice, req.parallel_tool_calls is not False, bool(reasoning)
@@ -543,7 +552,10 @@ class OpenAIServing:
                     logprobs = chat_logprobs(r["logprobs"], self.token_bytes)
                 out = p.outputs[s] if p.outputs else ChatOutput(None, None)
                 message = out.message(r["text"])
-                finish = "tool_calls" if out.has_calls and r["finish_reason"] == "stop" else r["finish_reason"]
+                # calls returned (also the complete ones before a max_tokens cut): the client must run them
+                finish = (
+                    "tool_calls" if out.has_calls and r["finish_reason"] in ("stop", "length") else r["finish_reason"]
+                )
                 c = {"index": i, "message": message, "finish_reason": finish, "logprobs": logprobs}
                 thought = self._reasoning_tokens(out, r["token_ids"], bool(message.get("reasoning_content")))
                 if thought is not None:
@@ -634,7 +646,7 @@ class OpenAIServing:
                 if out.finished:
                     for key, value in o.finish().items():
                         delta[key] = delta.get(key, [] if key == "tool_calls" else "") + value
-                    if o.has_calls and finish_reason == "stop":
+                    if o.has_calls and finish_reason in ("stop", "length"):
                         c["finish_reason"] = "tool_calls"
                 reasoning_seen[i] = reasoning_seen[i] or bool(delta.get("reasoning_content"))
                 c["delta"] = delta

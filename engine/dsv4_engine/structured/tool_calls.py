@@ -106,12 +106,16 @@ def _tool_call_grammar(xg, parser_name: str, tools: list[dict], tool_choice, par
     begin, calls, end = _block_parts(xg, parser_name, tools, tool_choice, parallel_tool_calls)
     if canonical(parser_name) in ("deepseek_v32", "deepseek_v4"):
         begin = "\n\n" + begin  # the encoder writes a blank line before the block
-    return xg.Grammar.concat(xg.Grammar.from_ebnf(f"root ::= {_lit(begin)}"), calls, xg.Grammar.from_ebnf(f"root ::= {_lit(end)}"))
+    return xg.Grammar.concat(
+        xg.Grammar.from_ebnf(f"root ::= {_lit(begin)}"), calls, xg.Grammar.from_ebnf(f"root ::= {_lit(end)}")
+    )
 
 
 def _schema_json(xg, schema: Optional[dict]) -> "xg.Grammar":
     schema = strings_without(schema, T.MARKER_BAR) if schema else {"type": "object"}
-    return xg.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=_JSON_SEPARATORS, strict_mode=True)
+    return xg.Grammar.from_json_schema(
+        json.dumps(schema), any_whitespace=False, separators=_JSON_SEPARATORS, strict_mode=True
+    )
 
 
 def _repeat(xg, ebnf, call, sep: str, parallel: bool):
