@@ -49,14 +49,6 @@ def _partial_marker_tail(text: str, marker: str) -> int:
     return 0
 
 
-def _held(text: str, markers: tuple[str, ...], partial: bool) -> str:
-    """`text` without a tail that could still become one of `markers` (streaming only)."""
-    if not partial:
-        return text
-    cut = max(_partial_marker_tail(text, m) for m in markers)
-    return text[: len(text) - cut]
-
-
 class _Incomplete(Exception):
     """The text ends inside a construct (streaming: wait for more)."""
 
@@ -144,7 +136,14 @@ class ToolParser:
             pos = cur.pos
 
     def _content_before(self, text: str, partial: bool, block_follows: bool = False) -> str:
-        return _held(text, (self.start,), partial)
+        return text[: len(text) - self._cut_tail(text, partial)]
+
+    def _cut_tail(self, text: str, partial: bool) -> int:
+        """How much of the end of the text to hold back (streaming: it may still become the
+        block's marker) or drop (the final text: a marker cut short by max_tokens; one `<` alone
+        is kept, as prose)."""
+        cut = _partial_marker_tail(text, self.start)
+        return cut if partial or cut >= 2 else 0
 
     def _calls(self, cur: _Cursor, calls: list[Call]) -> bool:
         raise NotImplementedError
@@ -216,8 +215,9 @@ class DsmlParser(ToolParser):
     def _content_before(self, text: str, partial: bool, block_follows: bool = False) -> str:
         if block_follows:
             return text.rstrip("\n")  # the encoder writes "\n\n" before the block
-        if partial:  # trailing newlines may still precede a block
-            return _held(text, (self.start,), True).rstrip("\n")
+        cut = self._cut_tail(text, partial)
+        if cut or partial:  # trailing newlines may still precede a block (or preceded a cut one)
+            return text[: len(text) - cut].rstrip("\n")
         return text
 
     def _calls(self, cur: _Cursor, calls: list[Call]) -> bool:
