@@ -25,6 +25,7 @@ N+1 (round N's messages + the assistant's reply + tool results) starts with roun
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -141,7 +142,7 @@ def render_v31(messages: Sequence[dict], opts: ChatOptions) -> Rendered:
                     out.add(T.TOOL_CALL_BEGIN)
                     out.user(str(fn.get("name", "")))
                     out.add(T.TOOL_SEP)
-                    out.user(str(fn.get("arguments", "")))
+                    out.user(str(fn.get("arguments") or "{}"))  # clients send "" for a call without arguments
                     out.add(T.TOOL_CALL_END)
                 out.add(T.TOOL_CALLS_END)
             out.add(T.EOS)
@@ -216,26 +217,87 @@ _DSML_TOOLS_TAIL = (
 
 
 def _merge_tool_results(messages: Sequence[dict]) -> list[dict]:
-    """Tool results (and a user message right after them) become one user turn of blocks."""
+    """Tool results and user messages in a row become one user turn of blocks (DeepSeek's V4
+    encoder merges them: two user messages in a row are one turn, not two)."""
     merged: list[dict] = []
     for m in messages:
         role = m["role"]
-        if role == "tool":
-            block = ("tool", m.get("content") or "")
-            if merged and merged[-1]["role"] == "user" and merged[-1].get("_blocks_open"):
+        if role in ("tool", "user"):
+            block = ("tool" if role == "tool" else "text", m.get("content") or "")
+            if merged and merged[-1]["role"] == "user":
                 merged[-1]["blocks"].append(block)
-            else:
-                merged.append({"role": "user", "blocks": [block], "_blocks_open": True})
-        elif role == "user":
-            block = ("text", m.get("content") or "")
-            if merged and merged[-1]["role"] == "user" and merged[-1].get("_blocks_open"):
-                merged[-1]["blocks"].append(block)
-                merged[-1]["_blocks_open"] = False
             else:
                 merged.append({"role": "user", "blocks": [block]})
         else:
             merged.append(dict(m))
     return merged
+
+
+def results_in_call_order(messages: Sequence[dict]) -> list[dict]:
+    """Each run of tool results put in the order of the calls they answer (by `tool_call_id`),
+    as DeepSeek's V4 encoder does: the prompt carries no ids, so the model pairs results with
+    calls by position. Results whose id names no call keep their place after the others."""
+    out = list(messages)
+    i = 0
+    while i < len(out):
+        j = i
+        while j < len(out) and out[j]["role"] == "tool":
+            j += 1
+        if j > i and i > 0 and out[i - 1]["role"] == "assistant":
+            ids = [c.get("id") for c in out[i - 1].get("tool_calls") or []]
+            rank = {cid: k for k, cid in enumerate(ids) if cid}
+            out[i:j] = sorted(out[i:j], key=lambda m: rank.get(m.get("tool_call_id"), len(ids)))
+        i = j + 1
+    return out
+
+
+def call_arguments(arguments: Any) -> Optional[dict]:
+    """A past call's arguments as an object: "" (clients send it for a call without arguments)
+    is {}, and a call cut short (JSON ended early, as a max_tokens cut leaves it) is closed as far
+    as it got ({} when even that fails). None when it is JSON but not an object."""
+    if isinstance(arguments, dict):
+        return arguments
+    text = (arguments or "").strip() or "{}"
+    for candidate in (text, _closed(text)):
+        try:
+            value = json.loads(candidate)
+        except (TypeError, ValueError):
+            continue
+        return value if isinstance(value, dict) else None
+    return {}  # beyond repair: the call is still rendered (its name), not refused
+
+
+def _closed(text: str) -> str:
+    """JSON text cut short, completed: an open string closed, a dangling comma, colon or key
+    dropped, open arrays and objects closed."""
+    stack: list[str] = []
+    in_str = esc = False
+    for ch in text:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            stack.append("]" if ch == "[" else "}")
+        elif ch in "]}" and stack:
+            stack.pop()
+    if in_str:
+        text = (text[:-1] if esc else text) + '"'
+    text = text.rstrip().rstrip(",:").rstrip()
+    if stack and stack[-1] == "}" and text.endswith('"'):
+        # an object's last string may be a key without its value: drop it when it follows { or ,
+        k = len(text) - 1
+        while k > 0 and not (text[k - 1] == '"' and (k < 2 or text[k - 2] != "\\")):
+            k -= 1
+        head = text[: k - 1].rstrip()
+        if head.endswith(("{", ",")):
+            text = head.rstrip(",")
+    return text + "".join(reversed(stack))
 
 
 def _last_user(messages: Sequence[dict]) -> int:
@@ -255,7 +317,7 @@ def render_dsml(messages: Sequence[dict], opts: ChatOptions, block: str = "tool_
         if not msgs or msgs[0]["role"] != "system":
             msgs.insert(0, {"role": "system", "content": ""})
         msgs[0]["tools"] = opts.tools
-    msgs = _merge_tool_results(msgs)
+    msgs = _merge_tool_results(results_in_call_order(msgs) if block == "tool_calls" else msgs)
     thinking = opts.thinking
     effort = EFFORT_LEVELS.get(opts.reasoning_effort or "low", "low") or "low"
     drop = not opts.tools  # earlier reasoning is dropped unless tools are present
@@ -299,13 +361,8 @@ def render_dsml(messages: Sequence[dict], opts: ChatOptions, block: str = "tool_
             if calls:
                 out.add(f"\n\n<{d}{block}>\n")
                 for k, fn in enumerate(calls):
-                    try:
-                        args = json.loads(fn.get("arguments") or "{}")
-                    except (TypeError, ValueError):
-                        raise RenderError(
-                            f"tool call arguments must be a JSON object (call {fn.get('name')!r})"
-                        ) from None
-                    if not isinstance(args, dict):
+                    args = call_arguments(fn.get("arguments"))
+                    if args is None:
                         raise RenderError(f"tool call arguments must be a JSON object (call {fn.get('name')!r})")
                     if k:
                         out.add("\n")
@@ -336,6 +393,7 @@ def render_dsml(messages: Sequence[dict], opts: ChatOptions, block: str = "tool_
 # ---- any Jinja template ----------------------------------------------------------------------------
 
 _MARK = "\ue000{}\ue001"
+_TOJSON_ARGUMENTS = re.compile(r"arguments['\"]?\]?\s*\|\s*tojson")
 
 
 def render_jinja(
@@ -355,6 +413,30 @@ def render_jinja(
         originals.append(s)
         return _MARK.format(len(originals) - 1)
 
+    def mark_json(value: Any) -> Any:
+        """Arguments given as an object to a `|tojson` template: every string marked with its
+        JSON-escaped text, which is what the template's tojson would have written there."""
+        if isinstance(value, str):
+            if not value:
+                return value
+            originals.append(json.dumps(value, ensure_ascii=False)[1:-1])
+            return _MARK.format(len(originals) - 1)
+        if isinstance(value, dict):
+            return {mark_json(k): mark_json(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [mark_json(v) for v in value]
+        return value
+
+    # vLLM gives templates that write `arguments|tojson` (its V3/R1 tool templates) the arguments
+    # as an object: with the JSON text, tojson would write a quoted string, markers inside.
+    as_objects = _TOJSON_ARGUMENTS.search(template) is not None
+
+    def arguments(text: Any) -> Any:
+        if as_objects:
+            args = call_arguments(text)
+            return mark_json(args if args is not None else {})
+        return mark(text)
+
     marked = []
     for m in messages:
         mm = dict(m)
@@ -365,7 +447,7 @@ def render_jinja(
                     **c,
                     "function": {
                         "name": mark((c.get("function") or {}).get("name")),
-                        "arguments": mark((c.get("function") or {}).get("arguments")),
+                        "arguments": arguments((c.get("function") or {}).get("arguments")),
                     },
                 }
                 for c in m["tool_calls"]
@@ -404,7 +486,27 @@ def render_jinja(
                     f"message text contains the special token {tok!r}, which this chat template "
                     "cannot keep as plain text"
                 )
-    text = render_jinja_text(template, list(messages), opts.add_generation_prompt, bos, eos, variables)
+    plain = list(messages)
+    if as_objects:
+        plain = [
+            {
+                **m,
+                "tool_calls": [
+                    {
+                        **c,
+                        "function": {
+                            **(c.get("function") or {}),
+                            "arguments": call_arguments((c.get("function") or {}).get("arguments")) or {},
+                        },
+                    }
+                    for c in m["tool_calls"]
+                ],
+            }
+            if m.get("tool_calls")
+            else m
+            for m in messages
+        ]
+    text = render_jinja_text(template, plain, opts.add_generation_prompt, bos, eos, variables)
     return Rendered([(text, True)], text.rstrip().endswith(T.THINK_START))
 
 
