@@ -191,53 +191,38 @@ def _deref(sub: dict, root: dict) -> dict:
     return {**target, **{k: v for k, v in sub.items() if k != "$ref"}}
 
 
-# Free text under `tool_choice: "auto"`: a trigger (a prefix of the block's opening marker) hands
-# the rest of the output to the call-block grammar; the format's other markers may not appear
-# in the free text at all (a weak model writing them would leak markup into `content`).
-_AUTO_TRIGGER = {
-    "deepseek_v3": "<｜tool▁call",  # also covers <｜tool▁call▁begin｜>: no call outside a block
-    "deepseek_v31": "<｜tool▁call",
-    "deepseek_v32": f"<{T.DSML}",
-    "deepseek_v4": f"<{T.DSML}",
-}
-_AUTO_EXCLUDES = {
-    "deepseek_v3": (T.TOOL_SEP, T.TOOL_OUTPUT_BEGIN, T.TOOL_OUTPUT_END, T.TOOL_OUTPUTS_BEGIN, T.TOOL_OUTPUTS_END),
-    "deepseek_v31": (T.TOOL_SEP, T.TOOL_OUTPUT_BEGIN, T.TOOL_OUTPUT_END, T.TOOL_OUTPUTS_BEGIN, T.TOOL_OUTPUTS_END),
-    "deepseek_v32": (f"</{T.DSML}",),
-    "deepseek_v4": (f"</{T.DSML}",),
-}
-
-
 def auto_structural_tag(
     parser_name: str, tools: list[dict], parallel_tool_calls: bool = True, thinking: bool = False
 ) -> str:
-    """xgrammar structural tag (JSON text) for `tool_choice: "auto"`: the answer is free text
-    until the format's tool-call marker; from there it is one well-formed call block (the same
-    grammar as "required") and then only the end of the output. With `thinking`, the reasoning
-    comes first, free but without tool-call markup, up to `</think>` (the formats put calls after
-    the reasoning)."""
+    """xgrammar structural tag (JSON text) for `tool_choice: "auto"`: the answer is free text,
+    then optionally one well-formed call block (the same grammar as "required"), and then only the
+    end of the output. The free text never holds the full-width bar `｜`: every DeepSeek marker
+    contains it, so no markup can start outside the block (and leak into `content`), while the
+    block's own opening marker is where the bar may first appear. With `thinking`, the reasoning
+    comes first, free but without the bar, up to `</think>` (the formats put calls after it)."""
     import xgrammar as xg
 
     fmt = canonical(parser_name)
     begin, calls, end = _block_parts(xg, fmt, tools, "auto", parallel_tool_calls)
-    trigger, excludes = _AUTO_TRIGGER[fmt], list(_AUTO_EXCLUDES[fmt])
-    answer = {
-        "type": "triggered_tags",
-        "triggers": [trigger],
-        "tags": [{"type": "tag", "begin": begin, "content": {"type": "grammar", "grammar": str(calls)}, "end": end}],
-        "stop_after_first": True,
-        "excludes": excludes,
-    }
-    fmt_ = answer
+    free = f"[^{T.MARKER_BAR}]*"
+    block = xg.Grammar.concat(
+        xg.Grammar.from_ebnf(f"root ::= {_lit(begin)}"), calls, xg.Grammar.from_ebnf(f"root ::= {_lit(end)}")
+    )
+    answer = xg.Grammar.concat(xg.Grammar.from_ebnf(f"root ::= {free}"), xg.Grammar.union(block, _empty(xg)))
+    fmt_: dict = {"type": "grammar", "grammar": str(answer)}
     if thinking:
         reasoning = {
             "type": "tag",
             "begin": "",
-            "content": {"type": "any_text", "excludes": [trigger, *excludes]},
+            "content": {"type": "any_text", "excludes": [T.MARKER_BAR]},
             "end": T.THINK_END,
         }
-        fmt_ = {"type": "sequence", "elements": [reasoning, answer]}
+        fmt_ = {"type": "sequence", "elements": [reasoning, fmt_]}
     return json.dumps({"type": "structural_tag", "format": fmt_}, ensure_ascii=False)
+
+
+def _empty(xg):
+    return xg.Grammar.from_ebnf('root ::= ""')
 
 
 def is_auto(value: str) -> bool:

@@ -64,8 +64,9 @@ def test_auto_free_text_then_one_good_block(compiler_and_tok, fmt):
     # a cut-off block cannot end the output
     assert not accepts(g, tok, good[: len(good) // 2])
     # markup outside a block is refused (it would leak into content)
-    stray = T.TOOL_SEP if fmt in ("deepseek_v3", "deepseek_v31") else f"</{T.DSML}invoke>"
-    assert not accepts(g, tok, f"text {stray} text")
+    strays = [T.TOOL_SEP, T.TOOL_CALL_END] if fmt in ("deepseek_v3", "deepseek_v31") else [f"</{T.DSML}invoke>", T.DSML]
+    for stray in strays:
+        assert not accepts(g, tok, f"text {stray} text"), stray
     single = compile_auto(compiler, fmt, parallel=False)
     assert accepts(single, tok, make(*GOOD[0]))
     assert not accepts(single, tok, make(*GOOD[3]))
@@ -89,7 +90,12 @@ def test_pydantic_nested_models_one_and_several_tools(compiler_and_tok, fmt):
 
     compiler, tok = compiler_and_tok
     user = {"type": "function", "function": {"name": "User", "parameters": PYDANTIC_NESTED}}
-    args = {"name": "Ann", "kind": "work", "addr": {"city": "Oslo", "zip": None}, "more": [{"city": "Rome", "zip": "1"}]}
+    args = {
+        "name": "Ann",
+        "kind": "work",
+        "addr": {"city": "Oslo", "zip": None},
+        "more": [{"city": "Rome", "zip": "1"}],
+    }
     for tools in ([user], [user, *TOOLS]):
         required = compiler.compile_grammar(tool_call_grammar(fmt, tools, "required"))
         auto = compile_auto(compiler, fmt, tools)
