@@ -106,3 +106,17 @@ def test_pydantic_nested_models_one_and_several_tools(compiler_and_tok, fmt):
         bad = FORMATS[fmt](("User", {**args, "addr": {"city": "Oslo", "extra": 1}}))
         assert not accepts(required, tok, bad)
     assert json.loads(json.dumps(PYDANTIC_NESTED)) == PYDANTIC_NESTED
+
+
+def test_pydantic_nested_model_as_json_schema(compiler_and_tok):
+    """`response_format: json_schema` with what pydantic writes for a nested model (instructor's
+    JSON modes): compiled as the engine does, it takes a valid instance and refuses a bad one."""
+    from dsv4_engine.structured.schema import length_strings_safe
+
+    compiler, tok = compiler_and_tok
+    g = compiler.compile_json_schema(
+        json.dumps(length_strings_safe(PYDANTIC_NESTED)), any_whitespace=False, strict_mode=True
+    )
+    good = {"name": "Ann", "kind": "home", "addr": {"city": "Oslo", "zip": None}, "more": []}
+    assert accepts(g, tok, json.dumps(good))
+    assert not accepts(g, tok, json.dumps({**good, "kind": "school"}))
