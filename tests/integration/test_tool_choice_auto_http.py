@@ -112,10 +112,10 @@ def test_auto_calls_are_well_formed_and_streaming_agrees(server):
         temperature=1.0,
         logit_bias=_bias(model),
     )
-    r = client.chat.completions.create(**kw, n=6, seed=11)
+    r = client.chat.completions.create(**kw, n=4, seed=11)
     got = [check(preset, c) for c in r.choices]
     assert any(got), [(c.finish_reason, c.message.content) for c in r.choices]
-    for seed in (3, 4):
+    for seed in (3,):
         whole = client.chat.completions.create(**kw, seed=seed).choices[0]
         calls = check(preset, whole)
         content, s_calls, finish = streamed(client, **kw, seed=seed)
