@@ -111,7 +111,7 @@ def _tool_call_grammar(xg, parser_name: str, tools: list[dict], tool_choice, par
     )
 
 
-def _schema_json(xg, schema: Optional[dict]) -> "xg.Grammar":
+def _schema_json(xg, schema: Optional[dict]):
     schema = strings_without(schema, T.MARKER_BAR) if schema else {"type": "object"}
     return xg.Grammar.from_json_schema(
         json.dumps(schema), any_whitespace=False, separators=_JSON_SEPARATORS, strict_mode=True
