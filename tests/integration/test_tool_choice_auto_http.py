@@ -63,7 +63,7 @@ def _bias(model) -> dict:
     return {str(i): b for i, b in bias.items()}
 
 
-@pytest.fixture(scope="module", params=["v4-tiny", "tiny"])
+@pytest.fixture(scope="module", params=["v4-tiny", pytest.param("tiny", marks=pytest.mark.slow)])
 def server(request, make_model, tmp_path_factory):
     model, ctx = _serve(make_model, tmp_path_factory, request.param)
     with ctx as url:
@@ -132,3 +132,44 @@ def test_disable_flag_gives_the_raw_model(make_model, tmp_path_factory):
         )
         # unconstrained, the biased random model writes markers that are no call (dropped from content)
         assert not any(c.message.tool_calls for c in r.choices)
+
+
+NESTED = {  # as pydantic writes a model with a nested model and an enum (instructor's TOOLS mode)
+    "$defs": {
+        "Addr": {
+            "properties": {
+                "city": {"maxLength": 6, "title": "City", "type": "string"},
+                "zip": {"anyOf": [{"pattern": "^[0-9]{3}$", "type": "string"}, {"type": "null"}], "default": None},
+            },
+            "required": ["city"],
+            "title": "Addr",
+            "type": "object",
+        },
+        "Kind": {"enum": ["home", "work"], "title": "Kind", "type": "string"},
+    },
+    "properties": {"kind": {"$ref": "#/$defs/Kind"}, "addr": {"$ref": "#/$defs/Addr"}},
+    "required": ["kind", "addr"],
+    "title": "User",
+    "type": "object",
+}
+
+
+def test_nested_pydantic_tool_named_and_auto(server):
+    """A tool whose parameters use `$defs`/`$ref` is served (it was a 400 on DSML checkpoints),
+    named as instructor names it and under auto with another tool beside it."""
+    preset, model, client = server
+    tools = [{"type": "function", "function": {"name": "User", "parameters": NESTED}}, TOOLS[1]]
+    named = client.chat.completions.create(
+        model="m",
+        messages=MSGS,
+        tools=tools[:1],
+        tool_choice={"type": "function", "function": {"name": "User"}},
+        max_tokens=300,
+        temperature=0,
+    ).choices[0]
+    assert named.finish_reason == "tool_calls", named
+    jsonschema.validate(json.loads(named.message.tool_calls[0].function.arguments), NESTED)
+    auto = client.chat.completions.create(
+        model="m", messages=MSGS, tools=tools, max_tokens=120, temperature=1.0, seed=2, logit_bias=_bias(model)
+    ).choices[0]
+    assert not any(m in (auto.message.content or "") for m in MARKERS[preset])
