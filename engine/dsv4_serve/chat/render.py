@@ -236,7 +236,8 @@ def _merge_tool_results(messages: Sequence[dict]) -> list[dict]:
 def results_in_call_order(messages: Sequence[dict]) -> list[dict]:
     """Each run of tool results put in the order of the calls they answer (by `tool_call_id`),
     as DeepSeek's V4 encoder does: the prompt carries no ids, so the model pairs results with
-    calls by position. Results whose id names no call keep their place after the others."""
+    calls by position. Results whose id names no call rank as the first call (as the encoder
+    ranks them; the sort is stable)."""
     out = list(messages)
     i = 0
     while i < len(out):
@@ -246,7 +247,7 @@ def results_in_call_order(messages: Sequence[dict]) -> list[dict]:
         if j > i and i > 0 and out[i - 1]["role"] == "assistant":
             ids = [c.get("id") for c in out[i - 1].get("tool_calls") or []]
             rank = {cid: k for k, cid in enumerate(ids) if cid}
-            out[i:j] = sorted(out[i:j], key=lambda m: rank.get(m.get("tool_call_id"), len(ids)))
+            out[i:j] = sorted(out[i:j], key=lambda m: rank.get(m.get("tool_call_id"), 0))
         i = j + 1
     return out
 
