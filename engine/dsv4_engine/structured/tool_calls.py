@@ -199,7 +199,8 @@ def auto_structural_tag(
     end of the output. The free text never holds the full-width bar `｜`: every DeepSeek marker
     contains it, so no markup can start outside the block (and leak into `content`), while the
     block's own opening marker is where the bar may first appear. With `thinking`, the reasoning
-    comes first, free but without the bar, up to `</think>` (the formats put calls after it)."""
+    comes first, free but without the bar, up to `</think>` (the formats put calls after it); the
+    output may also end inside it (a model that ran out of thoughts is not held to `max_tokens`)."""
     import xgrammar as xg
 
     fmt = canonical(parser_name)
@@ -217,7 +218,9 @@ def auto_structural_tag(
             "content": {"type": "any_text", "excludes": [T.MARKER_BAR]},
             "end": T.THINK_END,
         }
-        fmt_ = {"type": "sequence", "elements": [reasoning, fmt_]}
+        # or reasoning that never closes: the output may still end there (EOS), as without a grammar
+        unclosed = {"type": "any_text", "excludes": [T.MARKER_BAR, T.THINK_END]}
+        fmt_ = {"type": "or", "elements": [{"type": "sequence", "elements": [reasoning, fmt_]}, unclosed]}
     return json.dumps({"type": "structural_tag", "format": fmt_}, ensure_ascii=False)
 
 

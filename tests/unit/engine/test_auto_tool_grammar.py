@@ -80,6 +80,7 @@ def test_auto_with_thinking(compiler_and_tok, fmt):
     assert accepts(g, tok, f"I should call it.{T.THINK_END}" + block)
     assert accepts(g, tok, f"I should answer.{T.THINK_END}The answer.")
     assert not accepts(g, tok, "thinking" + block)  # no call inside the reasoning
+    assert accepts(g, tok, "reasoning that never closed")  # may end there, as without a grammar
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
