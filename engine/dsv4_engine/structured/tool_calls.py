@@ -141,33 +141,27 @@ def _dsml_params(xg, ebnf, fn: dict):
     schema = fn.get("parameters") or {}
     props: dict = schema.get("properties") or {}
     required = set(schema.get("required") or [])
-    raw = r'([^<] | "<" [^/])*'
     items = []
     defs = {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema.get(k), dict)}
     for name, sub in props.items():
-        sub = _deref(sub if isinstance(sub, dict) else {}, schema)
-        if sub.get("type") == "string":
-            if "enum" in sub:
-                value = ebnf("(" + " | ".join(_lit(str(v)) for v in sub["enum"]) + ")")
-            elif "pattern" in sub:
-                value = xg.Grammar.from_regex(sub["pattern"])
-            elif "minLength" in sub or "maxLength" in sub:  # bounded: a weak model cannot run on for ever
-                hi = sub.get("maxLength")
-                value = xg.Grammar.from_regex(f"[^<]{{{int(sub.get('minLength', 0))},{'' if hi is None else int(hi)}}}")
-            else:
-                value = ebnf(raw)
-            head = f'<{d}parameter name="{name}" string="true">'
-        else:
+        string, other = _string_split(_deref(sub if isinstance(sub, dict) else {}, schema), schema)
+        forms = []
+        if string is not None:  # a string value is written raw, as the encoder writes it
+            forms.append(
+                xg.Grammar.concat(ebnf(_lit(f'<{d}parameter name="{name}" string="true">')), _raw(xg, ebnf, string))
+            )
+        if other is not None:
             # each parameter is its own schema: it keeps the root's definitions, so a pydantic
             # `$ref: "#/$defs/Model"` inside it still resolves
             value = xg.Grammar.from_json_schema(
-                json.dumps(strings_without({**sub, **defs} if defs else sub, T.MARKER_BAR)),
+                json.dumps(strings_without({**other, **defs} if defs else other, T.MARKER_BAR)),
                 any_whitespace=False,
                 separators=_JSON_SEPARATORS,
                 strict_mode=True,
             )
-            head = f'<{d}parameter name="{name}" string="false">'
-        item = xg.Grammar.concat(ebnf(_lit(head)), value, ebnf(_lit(f"</{d}parameter>\n")))
+            forms.append(xg.Grammar.concat(ebnf(_lit(f'<{d}parameter name="{name}" string="false">')), value))
+        form = xg.Grammar.union(*forms) if len(forms) > 1 else forms[0]
+        item = xg.Grammar.concat(form, ebnf(_lit(f"</{d}parameter>\n")))
         items.append(item if name in required else xg.Grammar.union(item, ebnf('""')))
     if not items:
         return ebnf(_lit("\n"))
@@ -175,6 +169,43 @@ def _dsml_params(xg, ebnf, fn: dict):
     if required & set(props):
         return seq
     return xg.Grammar.union(seq, ebnf(_lit("\n")))  # every parameter optional: none at all is "\n"
+
+
+def _string_split(sub: dict, root: dict) -> tuple[Optional[dict], Optional[dict]]:
+    """(the parameter's string form, its other forms) as schemas, None where it has none. A
+    string parameter is only a string; `anyOf`/`oneOf` with a string branch (pydantic's
+    `Optional[str]`) and `type: ["string", "null"]` may be either: the encoder writes a string
+    value raw (string="true") and anything else as JSON."""
+    t = sub.get("type")
+    if t == "string":
+        return sub, None
+    if isinstance(t, list) and "string" in t:
+        rest = [x for x in t if x != "string"]
+        return {**sub, "type": "string"}, ({**sub, "type": rest if len(rest) > 1 else rest[0]} if rest else None)
+    for key in ("anyOf", "oneOf"):
+        branches = sub.get(key)
+        if isinstance(branches, list) and "type" not in sub:
+            resolved = [_deref(b, root) if isinstance(b, dict) else {} for b in branches]
+            strings = [b for b in resolved if b.get("type") == "string"]
+            if strings:
+                rest = [b for b, r in zip(branches, resolved) if r.get("type") != "string"]
+                other = {k: v for k, v in sub.items() if k != key}
+                return strings[0], ({**other, key: rest} if rest else None)
+    return None, sub
+
+
+def _raw(xg, ebnf, sub: dict):
+    """A raw (string="true") parameter value: no "</" inside (it would end the parameter)."""
+    if "enum" in sub:
+        return ebnf("(" + " | ".join(_lit(str(v)) for v in sub["enum"]) + ")")
+    if "const" in sub:
+        return ebnf(_lit(str(sub["const"])))
+    if "pattern" in sub:
+        return xg.Grammar.from_regex(sub["pattern"])
+    if "minLength" in sub or "maxLength" in sub:  # bounded: a weak model cannot run on for ever
+        hi = sub.get("maxLength")
+        return xg.Grammar.from_regex(f"[^<]{{{int(sub.get('minLength', 0))},{'' if hi is None else int(hi)}}}")
+    return ebnf(r'([^<] | "<" [^/])*')
 
 
 def _deref(sub: dict, root: dict) -> dict:

@@ -121,3 +121,38 @@ def test_pydantic_nested_model_as_json_schema(compiler_and_tok):
     good = {"name": "Ann", "kind": "home", "addr": {"city": "Oslo", "zip": None}, "more": []}
     assert accepts(g, tok, json.dumps(good))
     assert not accepts(g, tok, json.dumps({**good, "kind": "school"}))
+
+
+@pytest.mark.parametrize("fmt", ["deepseek_v4", "deepseek_v32"])
+def test_dsml_optional_string_may_be_raw_or_null(compiler_and_tok, fmt):
+    """pydantic's `Optional[str]` (anyOf string/null) and `type: ["string", "null"]`: a string is
+    written raw (string="true"), as DeepSeek's encoder writes it, and null as JSON."""
+    from dsv4_engine.structured.tool_calls import tool_call_grammar
+
+    compiler, tok = compiler_and_tok
+    d = T.DSML
+    block = "tool_calls" if fmt == "deepseek_v4" else "function_calls"
+    for sub in (
+        {"anyOf": [{"type": "string", "maxLength": 8}, {"type": "null"}], "default": None},
+        {"type": ["string", "null"]},
+    ):
+        tools = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "f",
+                    "parameters": {"type": "object", "properties": {"q": sub}, "required": ["q"]},
+                },
+            }
+        ]
+        g = compiler.compile_grammar(tool_call_grammar(fmt, tools, "required"))
+
+        def call(kind, value):
+            return (
+                f'\n\n<{d}{block}>\n<{d}invoke name="f">\n<{d}parameter name="q" string="{kind}">{value}'
+                f"</{d}parameter>\n</{d}invoke>\n</{d}{block}>"
+            )
+
+        assert accepts(g, tok, call("true", "Paris"))
+        assert accepts(g, tok, call("false", "null"))
+        assert not accepts(g, tok, call("false", "5"))
