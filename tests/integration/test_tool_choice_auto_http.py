@@ -173,3 +173,25 @@ def test_nested_pydantic_tool_named_and_auto(server):
         model="m", messages=MSGS, tools=tools, max_tokens=120, temperature=1.0, seed=2, logit_bias=_bias(model)
     ).choices[0]
     assert not any(m in (auto.message.content or "") for m in MARKERS[preset])
+
+
+def test_auto_with_thinking(server):
+    """Thinking on: reasoning first (no call inside it), then free text or a call."""
+    preset, model, client = server
+    tok = json.loads((model / "tokenizer.json").read_text())
+    think_end = next(t["id"] for t in tok["added_tokens"] if t["content"] == T.THINK_END)
+    r = client.chat.completions.create(
+        model="m",
+        messages=MSGS,
+        tools=TOOLS,
+        max_tokens=200,
+        temperature=1.0,
+        n=2,
+        seed=4,
+        logit_bias={**_bias(model), str(think_end): 3},
+        extra_body={"chat_template_kwargs": {"thinking": True}},
+    )
+    for c in r.choices:
+        check(preset, c)
+        reasoning = getattr(c.message, "reasoning_content", None) or ""
+        assert not any(m in reasoning for m in MARKERS[preset])
