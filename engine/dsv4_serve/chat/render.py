@@ -10,11 +10,12 @@ Families (learned from DeepSeek's public templates and reference encoders, writt
   `<｜Assistant｜>` turns opened by `</think>` (thinking off) or `<think>` (on), tool calls as
   `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>JSON<｜tool▁call▁end｜>...`, tool results as
   `<｜tool▁output▁begin｜>...<｜tool▁output▁end｜>` right after the call.
-- `deepseek_v4` / `deepseek_v32`: the DSML encoding (V4 ships it as Python, not Jinja): tool
-  schemas in the system prompt, calls as a `<｜DSML｜tool_calls>` (V3.2: `function_calls`) block of
-  `invoke`/`parameter` elements, tool results as `<tool_result>` blocks inside the next user
+- `deepseek_v4`: the DSML encoding (V4 ships it as Python, not Jinja): tool schemas in the
+  system prompt, calls as a `<｜DSML｜tool_calls>` block of `invoke`/`parameter` elements, tool results as `<tool_result>` blocks inside the next user
   turn, `reasoning_effort` as a prefix of the first message, and earlier turns' reasoning dropped
   unless tools are present.
+- `deepseek_v32`: V3.2's own encoding (render_v32): DSML `function_calls` blocks, tool results in
+  `<function_results>` right after the calls.
 - `jinja`: any Jinja template (the checkpoint's, or `--chat-template FILE`), rendered as
   transformers does, client strings swapped for markers so they stay untrusted.
 
@@ -526,7 +527,9 @@ def render(
     if setup_renderer == "deepseek_v4":
         return render_dsml(messages, opts, "tool_calls")
     if setup_renderer == "deepseek_v32":
-        return render_dsml(messages, opts, "function_calls")
+        from dsv4_serve.chat.render_v32 import render_v32  # (it builds on this module's pieces)
+
+        return render_v32(messages, opts)
     if template is None:
         raise RenderError("this model has no chat template (give one with --chat-template FILE)")
     return render_jinja(template, messages, opts, bos, eos, reserved)

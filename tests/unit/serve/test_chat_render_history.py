@@ -74,3 +74,28 @@ def test_tojson_template_gets_arguments_as_an_object():
     assert json.loads(line.split(" ", 2)[2]) == {"q": 'a "quoted" <b>'}  # an object, not a quoted string
     # the argument text stays client text (untrusted), not template text
     assert any(not trusted and "quoted" in t for t, trusted in r.pieces)
+
+
+def test_v32_renders_its_own_encoding():
+    """V3.2's encoder, not V4's: its tools prompt (`<functions>`), results in `<function_results>`
+    right after the calls (not a user turn), reasoning kept after the last user message."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    calls = [_call("c1", "f", '{"q": "x", "n": 2}'), _call("c2", "f", "")]
+    msgs = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None, "reasoning_content": "plan", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "tool", "tool_call_id": "c2", "content": "two"},
+    ]
+    r = render("deepseek_v32", None, msgs, ChatOptions(tools=tools, thinking=True))
+    text = r.text()
+    assert "<functions>\n" + json.dumps(tools[0]["function"]) + "\n</functions>" in text
+    assert f"{T.USER}go{T.ASSISTANT}{T.THINK_START}plan{T.THINK_END}\n\n<{D}function_calls>\n" in text
+    assert f'<{D}parameter name="q" string="true">x</{D}parameter>\n<{D}parameter name="n" string="false">2' in text
+    assert text.endswith(
+        f"</{D}function_calls>{T.EOS}\n\n<function_results>\n<result>one</result>\n<result>two</result>"
+        f"\n</function_results>\n\n{T.THINK_START}"
+    )
+    assert r.thinking and "<tool_result>" not in text and T.USER + "<" not in text
+    off = render("deepseek_v32", None, msgs[:1], ChatOptions(tools=tools)).text()
+    assert off.endswith(f"{T.USER}go{T.ASSISTANT}{T.THINK_END}")
