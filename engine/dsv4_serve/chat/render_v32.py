@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from dsv4_serve.chat.render import (
+from dsv4_serve.chat.pieces import (
     ChatOptions,
     Rendered,
     RenderError,

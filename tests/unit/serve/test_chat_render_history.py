@@ -10,7 +10,8 @@ import json
 import pytest
 
 from dsv4_serve.chat import ChatOptions
-from dsv4_serve.chat.render import call_arguments, render, render_dsml
+from dsv4_serve.chat.pieces import call_arguments
+from dsv4_serve.chat.render import render, render_dsml
 from dsv4_wire import chat_tokens as T
 
 D = T.DSML
