@@ -156,3 +156,25 @@ def test_dsml_optional_string_may_be_raw_or_null(compiler_and_tok, fmt):
         assert accepts(g, tok, call("true", "Paris"))
         assert accepts(g, tok, call("false", "null"))
         assert not accepts(g, tok, call("false", "5"))
+
+
+def test_markers_a_tokenizer_calls_special_are_still_grammar_text():
+    """A checkpoint whose tokenizer marks DeepSeek's chat markers special: the grammars are made
+    of them, so the engine's token table keeps their text (else no call could ever be made)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from dsv4_engine.checkpoint import train_tokenizer
+    from dsv4_engine.structured.grammar import tokenizer_info
+    from dsv4_engine.structured.tool_calls import tool_call_grammar
+
+    raw = json.loads(train_tokenizer().to_str())
+    for t in raw["added_tokens"]:
+        if t["content"] in T.CHAT_ADDED_TOKENS:
+            t["special"] = True
+    backend = HFTokenizer.from_str(json.dumps(raw))
+    eos = backend.token_to_id(T.EOS)
+    compiler = xgr.GrammarCompiler(tokenizer_info(backend, 512, [eos]))
+    g = compiler.compile_grammar(tool_call_grammar("deepseek_v31", TOOLS, "required"))
+    m = xgr.GrammarMatcher(g)
+    text = FORMATS["deepseek_v31"](*GOOD[0])
+    assert all(m.accept_token(t) for t in backend.encode(text, add_special_tokens=False).ids) and m.accept_token(eos)
