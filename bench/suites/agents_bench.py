@@ -1,7 +1,15 @@
 """`dsv4 bench agents`: an agent harness replayed against real servers. --agents agents run at
 once, each for --rounds rounds; every round is a streamed chat completion with `tools` and
-`tool_choice: "required"` (so every round really is a tool call, constrained by the tool-call
-grammar), then a ~--result-tokens-token tool result is appended and the next, longer round sent.
+`tool_choice: "auto"` as agent harnesses send it (`--tool-choice required` forces a call), then a
+~--result-tokens-token tool result is appended (or, after an answer without a call, a user's "go
+on") and the next, longer round sent. Random weights rarely open a call on their own, so the
+tokens that open one get a logit bias (`--marker-bias 0` turns it off).
+
+Counted per side, per 1,000 rounds: malformed calls (tool-call markup left in `content`, or a
+returned call whose arguments are not an object of the tool's required keys), lost calls (the
+output opened a call block, stopped, and no call came back), and calls cut by max_tokens; with the
+`auto` grammar on and off (`--grammar on off`: off starts the engines with
+`--disable-auto-tool-grammar`, the raw model).
 
 Measured per round: TTFT (time to the first streamed chunk, which goes out with the first token) p50/p90 over the agents, and the
 wall time of the whole run; for each preset (V3 `tiny`, V4 `v4-tiny` by default), mono and PD
@@ -67,6 +75,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         help="answer budget per round (a V3.1 call takes ~20 tokens, a V4 DSML one ~60-100)",
     )
     p.add_argument("--modes", nargs="+", default=["mono", "pd"], choices=["mono", "pd"])
+    p.add_argument(
+        "--tool-choice", default="auto", choices=["auto", "required"], help='as the harness sends it (default "auto")'
+    )
+    p.add_argument("--grammar", nargs="+", default=["on", "off"], choices=["on", "off"], help="auto tool grammar sides")
+    p.add_argument("--caches", nargs="+", default=["on", "off"], choices=["on", "off"], help="prefix cache sides")
+    p.add_argument("--marker-bias", type=float, default=4.0, help="logit bias toward the call-opening tokens")
     p.add_argument("--kv-pages", type=int, default=None, help="KV pool per engine in pages (default 2048)")
     p.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/agents)")
     p.add_argument("--seed", type=int, default=0)
@@ -78,7 +92,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         if getattr(a, k) is None:
             setattr(a, k, v)
     if a.quick:
-        a.modes = ["mono"]
+        a.modes, a.grammar = ["mono"], ["on"]
     a.out = a.out or (RESULTS / "agents" / ("quick" if a.quick else ""))
     return a
 
@@ -98,7 +112,9 @@ def long_context(model: Path, positions: int = 8192) -> Path:
 # ---- servers -----------------------------------------------------------------------------------
 
 
-def start(mode: str, model: Path, cache: bool, a: argparse.Namespace, logs: Path) -> tuple[str, list[Server]]:
+def start(
+    mode: str, model: Path, cache: bool, a: argparse.Namespace, logs: Path, grammar: bool = True
+) -> tuple[str, list[Server]]:
     common = [
         "--model",
         model,
@@ -109,7 +125,8 @@ def start(mode: str, model: Path, cache: bool, a: argparse.Namespace, logs: Path
         "--served-model-name",
         "bench",
     ] + ([] if cache else ["--disable-prefix-cache"])
-    tag = f"{model.name}-{mode}-{'cache' if cache else 'nocache'}"
+    common += [] if grammar else ["--disable-auto-tool-grammar"]
+    tag = f"{model.name}-{mode}-{'cache' if cache else 'nocache'}-{'grammar' if grammar else 'raw'}"
     if mode == "mono":
         port = free_port()
         s = Server.dsv4(f"{tag}-mono", ["serve", *common, "--port", port], port, logs)
@@ -140,21 +157,74 @@ def tool_result(rng: random.Random, tokens: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(max(1, tokens // 3)))
 
 
-async def one_round(client: httpx.AsyncClient, url: str, messages: list, max_tokens: int) -> dict:
+def marker_ids(model: Path) -> dict[str, int]:
+    """The ids of the tokens that open a call block: V3.1's one-token marker, DSML's `｜DSML｜`
+    (after "<"), and "<"."""
+    from dsv4_wire import chat_tokens as T
+
+    tok = json.loads((model / "tokenizer.json").read_text())
+    ids = {t["content"]: t["id"] for t in tok["added_tokens"] if t["content"] in (T.DSML, T.TOOL_CALLS_BEGIN)}
+    ids["<"] = tok["model"]["vocab"]["<"]
+    return ids
+
+
+def marker_bias(model: Path, bias: float) -> dict:
+    from dsv4_wire import chat_tokens as T
+
+    if not bias:
+        return {}
+    scale = {T.DSML: 7.5, T.TOOL_CALLS_BEGIN: 1.25, "<": 1.0}  # DSML opens only after "<": make it follow
+    return {str(i): bias * scale[m] for m, i in marker_ids(model).items()}
+
+
+def judge(r: dict, opener_ids: set[int]) -> dict:
+    """One round's verdict: malformed (markup in content, or a call that is not an object of the
+    tool's required keys), lost (a block was opened, the answer stopped, no call came back), cut
+    (a block was opened and max_tokens ended it)."""
+    from dsv4_wire import chat_tokens as T
+
+    schema = TOOLS[0]["function"]["parameters"]
+    bad_call = False
+    for c in r["calls"]:
+        try:
+            args = json.loads(c["arguments"])
+        except ValueError:
+            args = None
+        if c["name"] != TOOLS[0]["function"]["name"] or not isinstance(args, dict):
+            bad_call = True
+        elif not set(schema["required"]) <= set(args) or not set(args) <= set(schema["properties"]):
+            bad_call = True
+    leaked = any(
+        m in r["content"] for m in (T.DSML, T.TOOL_CALLS_BEGIN, T.TOOL_CALL_BEGIN, T.TOOL_SEP, T.TOOL_CALL_END)
+    )
+    opened = bool(opener_ids & set(r["token_ids"]))
+    return {
+        "malformed": leaked or bad_call,
+        "lost": opened and not r["calls"] and r["finish"] != "length",
+        "cut": opened and not r["calls"] and r["finish"] == "length",
+    }
+
+
+async def one_round(
+    client: httpx.AsyncClient, url: str, messages: list, max_tokens: int, tool_choice: str = "required", bias=None
+) -> dict:
     body = {
         "model": "bench",
         "messages": messages,
         "tools": TOOLS,
-        "tool_choice": "required",
+        "tool_choice": tool_choice,
         "parallel_tool_calls": False,
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+        **({"logit_bias": bias} if bias else {}),
     }
     t0 = time.perf_counter()
     ttft = None
     calls: dict[int, dict] = {}
+    content, token_ids = "", []
     finish = usage = None
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
@@ -168,6 +238,8 @@ async def one_round(client: httpx.AsyncClient, url: str, messages: list, max_tok
                 d = ch.get("delta") or {}
                 if ttft is None:  # the role chunk goes out with the first token
                     ttft = time.perf_counter() - t0
+                content += d.get("content") or ""
+                token_ids += ch.get("token_ids") or []
                 for tc in d.get("tool_calls") or []:
                     c = calls.setdefault(tc["index"], {"id": None, "name": None, "arguments": ""})
                     c["id"] = tc.get("id") or c["id"]
@@ -180,6 +252,8 @@ async def one_round(client: httpx.AsyncClient, url: str, messages: list, max_tok
         "latency": time.perf_counter() - t0,
         "finish": finish,
         "calls": [calls[i] for i in sorted(calls)],
+        "content": content,
+        "token_ids": token_ids,
         "prompt_tokens": (usage or {}).get("prompt_tokens"),
         "cached_tokens": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens"),
     }
@@ -193,10 +267,16 @@ async def agent(client, url: str, k: int, a: argparse.Namespace) -> list[dict]:
     ]
     out = []
     for i in range(a.rounds):
-        r = await one_round(client, url, messages, a.max_tokens)
+        r = await one_round(client, url, messages, a.max_tokens, a.tool_choice, a.bias)
         out.append(r)
-        if r.get("error") or not r["calls"]:
+        if r.get("error"):
             break
+        if not r["calls"]:  # an answer without a call: the user asks the agent to go on
+            messages += [
+                {"role": "assistant", "content": r["content"]},
+                {"role": "user", "content": "Go on: " + tool_result(rng, 30)},
+            ]
+            continue
         call = r["calls"][0]
         messages += [
             {
@@ -226,6 +306,8 @@ async def harness(url: str, a: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         runs = await asyncio.gather(*(agent(client, url, k, a) for k in range(a.agents)))
         wall = time.perf_counter() - t0
+    every = [judge(r, a.opener_ids) for run in runs for r in run if not r.get("error")]
+    per_k = lambda key: round(1000 * sum(v[key] for v in every) / max(1, len(every)), 1)  # noqa: E731
     rounds = []
     for i in range(a.rounds):
         rs = [r[i] for r in runs if i < len(r)]
@@ -243,7 +325,14 @@ async def harness(url: str, a: argparse.Namespace) -> dict:
                 "errors": [r["error"] for r in rs if r.get("error")][:2],
             }
         )
-    return {"wall_s": round(wall, 2), "per_round": rounds}
+    quality = {
+        "rounds": len(every),
+        "calls": sum(len(r["calls"]) for run in runs for r in run if not r.get("error")),
+        "malformed_per_1000_rounds": per_k("malformed"),
+        "lost_per_1000_rounds": per_k("lost"),
+        "cut_by_max_tokens_per_1000_rounds": per_k("cut"),
+    }
+    return {"wall_s": round(wall, 2), "quality": quality, "per_round": rounds}
 
 
 def plot(report: dict, path: Path) -> None:
@@ -278,27 +367,31 @@ def main(argv: Optional[list[str]] = None) -> None:
     }
     for preset in a.presets:
         model = long_context(ensure_model(None, preset, a.seed))
+        a.bias = marker_bias(model, a.marker_bias)
+        a.opener_ids = set(marker_ids(model).values()) - {marker_ids(model)["<"]}
         report["results"][preset] = {}
-        for mode in a.modes:
-            for cache in (True, False):
-                name = f"{mode}{'+cache' if cache else '-nocache'}"
-                print(f"{preset} {name} ...", flush=True)
-                url, procs = start(mode, model, cache, a, logs)
-                try:
-                    for s in procs:
-                        s.wait_ready(300)
-                    res = asyncio.run(harness(url, a))
-                finally:
-                    for s in reversed(procs):
-                        s.stop()
-                report["results"][preset][name] = res
-                write_json(report, a.out / "agents.json")  # after every side: a cut-short run keeps what it measured
-                print(
-                    f"  wall {res['wall_s']} s; TTFT p50 per round (ms): "
-                    f"{[r['ttft_p50_ms'] for r in res['per_round']]}; tool calls "
-                    f"{sum(r['tool_calls'] for r in res['per_round'])}/{sum(r['requests'] for r in res['per_round'])}",
-                    flush=True,
-                )
+        grammars = a.grammar if a.tool_choice == "auto" else ["on"]
+        for mode, cache_side, grammar_side in ((m, c, g) for m in a.modes for c in a.caches for g in grammars):
+            cache, grammar = cache_side == "on", grammar_side == "on"
+            name = f"{mode}{'+cache' if cache else '-nocache'}" + ("" if grammar else "-raw")
+            print(f"{preset} {name} ...", flush=True)
+            url, procs = start(mode, model, cache, a, logs, grammar)
+            try:
+                for s in procs:
+                    s.wait_ready(300)
+                res = asyncio.run(harness(url, a))
+            finally:
+                for s in reversed(procs):
+                    s.stop()
+            report["results"][preset][name] = res
+            write_json(report, a.out / "agents.json")  # after every side: a cut-short run keeps what it measured
+            print(
+                f"  wall {res['wall_s']} s; TTFT p50 per round (ms): "
+                f"{[r['ttft_p50_ms'] for r in res['per_round']]}; tool calls "
+                f"{sum(r['tool_calls'] for r in res['per_round'])}/{sum(r['requests'] for r in res['per_round'])}; "
+                f"{res['quality']}",
+                flush=True,
+            )
     a.out.mkdir(parents=True, exist_ok=True)
     write_json(report, a.out / "agents.json")
     plot(report, a.out / "agents.png")

@@ -75,12 +75,21 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true")
+    p.add_argument(
+        "--spec",
+        default="json_schema",
+        choices=["json_schema", "auto_tools"],
+        help='what every constrained row follows: a long JSON schema, or `tool_choice: "auto"` over two tools '
+        "(free text until the call marker; the checkpoint's tool-call format)",
+    )
     a = p.parse_args(argv)
     a.preset = a.preset or ("tiny" if a.quick else "mla512")
     a.concurrency = a.concurrency or ([1, 4] if a.quick else [1, 8, 32])
     a.steps = a.steps or (4 if a.quick else 24)
     a.repeats = a.repeats or (1 if a.quick else 2)
-    a.out = a.out or (RESULTS / "quick" if a.quick else RESULTS)
+    if a.out is None:
+        a.out = RESULTS / "quick" if a.quick else RESULTS
+        a.out = a.out / "grammar_auto_tools" if a.spec == "auto_tools" else a.out
     return a
 
 
@@ -166,6 +175,33 @@ def compact_instances(tok) -> list[list[int]]:
 
 # ---- the engine, per decode step -------------------------------------------------------------
 
+AGENT_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "shell",
+            "parameters": {
+                "type": "object",
+                "properties": {"cmd": {"type": "string"}, "timeout": {"type": "integer", "minimum": 1}},
+                "required": ["cmd"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {"name": "read_file", "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}},
+    },
+]
+
+
+def auto_tools_spec(model: Path):
+    """`tool_choice: "auto"` as the HTTP process builds it, in the checkpoint's tool-call format."""
+    from dsv4_engine.structured.spec import tool_calls
+
+    model_type = json.loads((Path(model) / "config.json").read_text()).get("model_type")
+    parser = "deepseek_v4" if model_type == "deepseek_v4" else "deepseek_v31"
+    return tool_calls(parser, AGENT_TOOLS, "auto")
+
 
 def engine_steps(model: Path, conc: int, a: argparse.Namespace) -> dict:
     import torch
@@ -213,7 +249,7 @@ def engine_steps(model: Path, conc: int, a: argparse.Namespace) -> dict:
     sampling_mod.apply_token_mask = timed(sampling_mod.apply_token_mask)
     bitmask_mod.ensure_matcher = timed(bitmask_mod.ensure_matcher)
     del engine_mod
-    spec = json_schema(LONG_SCHEMA)
+    spec = json_schema(LONG_SCHEMA) if a.spec == "json_schema" else auto_tools_spec(model)
     vocab = eng.cfg.vocab_size
 
     def side(with_grammar: bool, rep: int) -> dict:

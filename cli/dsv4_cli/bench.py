@@ -38,7 +38,7 @@ SUITES = {
     ),
     "agents": (
         "agents_bench",
-        'An agent harness replay: N agents x R rounds of tool_choice "required" calls, each followed by a '
+        'An agent harness replay: N agents x R rounds with tool_choice "auto" (or required), each followed by a '
         "~300-token tool result; TTFT per round and wall time, mono and PD, with and without the prefix cache "
         "(agents.json + agents.png).",
     ),

@@ -10,7 +10,7 @@ from typing import Optional
 
 from dsv4_engine.tokenizer import Tokenizer
 from dsv4_serve.chat import ChatOptions, ChatSetup, default_setup, render, with_overrides
-from dsv4_serve.chat.render import Rendered
+from dsv4_serve.chat.pieces import Rendered
 from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest
 from dsv4_wire import APIError
 

@@ -22,7 +22,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from dsv4_engine.sampling_params import SamplingParams
-from dsv4_engine.structured.spec import tool_calls as tool_calls_spec
 from dsv4_engine.request_output import RequestOutput
 from dsv4_engine.tokenizer import Tokenizer
 from dsv4_serve.detokenize import OutputProcessor
@@ -32,6 +31,7 @@ from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completio
 from dsv4_serve.chat import ChatSetup, tool_parser
 from dsv4_serve.chat_prompt import chat_setup as prompt_chat_setup, chat_tools, longest_token_chars, render_chat
 from dsv4_serve.chat.output import ChatOutput, reasoning_tokens
+from dsv4_serve.chat.tool_choice import tool_choice_spec
 from dsv4_serve.choices import best_choices, choice_room
 from dsv4_serve.server_args import ServerArgs
 from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, _Common, parse_request
@@ -278,37 +278,23 @@ class OpenAIServing:
         req = parse_request(ChatCompletionRequest, body)
         self._check_model(req)
         setup = self.chat_setup
-        forced = req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice)
-        if forced:
-            # The answer is constrained to the model's native tool-call text (one grammar per request).
-            what = '"required"' if req.tool_choice == "required" else "a named function"
-            others = req.constraint_fields()
-            if others:
-                raise APIError(
-                    f"tool_choice {what} constrains the output to tool calls; it cannot be combined "
-                    f"with {', '.join(others)}",
-                    param="tool_choice",
-                )
-            if not setup.tool_parser:
-                raise APIError(
-                    f"tool_choice {what} needs a tool-call format, and this model has none "
-                    "(start the server with --tool-call-parser)",
-                    param="tool_choice",
-                )
         tools = chat_tools(req)
         rendered, ids = render_chat(setup, self.tokenizer, req, self.max_model_len, self._max_token_chars)
         params = self._params(req, len(ids), None)
         reasoning = None
         if setup.reasoning_parser is not None:
             reasoning = rendered.thinking or setup.reasoning_parser == "deepseek_r1"
-        if forced:
-            choice = req.tool_choice if req.tool_choice == "required" else req.tool_choice.model_dump()
-            try:
-                spec = tool_calls_spec(
-                    setup.tool_parser, tools, choice, req.parallel_tool_calls is not False, bool(reasoning)
-                )
-            except ValueError as e:
-                raise APIError(str(e), param="tool_choice") from None
+        choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
+        spec = tool_choice_spec(
+            setup.tool_parser,
+            tools,
+            choice,
+            req.parallel_tool_calls is not False,
+            bool(reasoning),
+            req.constraint_fields(),
+            not self.args.disable_auto_tool_grammar,
+        )
+        if spec is not None:
             params = replace(params, structured=spec)
         rid = req.rid or f"chatcmpl-{uuid.uuid4().hex}"
         seqs = self._choices(req, [ids], [params], rid, headers)
@@ -497,7 +483,10 @@ class OpenAIServing:
                     logprobs = chat_logprobs(r["logprobs"], self.token_bytes)
                 out = p.outputs[s] if p.outputs else ChatOutput(None, None)
                 message = out.message(r["text"])
-                finish = "tool_calls" if out.has_calls and r["finish_reason"] == "stop" else r["finish_reason"]
+                # calls returned (also the complete ones before a max_tokens cut): the client must run them
+                finish = (
+                    "tool_calls" if out.has_calls and r["finish_reason"] in ("stop", "length") else r["finish_reason"]
+                )
                 c = {"index": i, "message": message, "finish_reason": finish, "logprobs": logprobs}
                 thought = self._reasoning_tokens(out, r["token_ids"], bool(message.get("reasoning_content")))
                 if thought is not None:
@@ -588,7 +577,7 @@ class OpenAIServing:
                 if out.finished:
                     for key, value in o.finish().items():
                         delta[key] = delta.get(key, [] if key == "tool_calls" else "") + value
-                    if o.has_calls and finish_reason == "stop":
+                    if o.has_calls and finish_reason in ("stop", "length"):
                         c["finish_reason"] = "tool_calls"
                 reasoning_seen[i] = reasoning_seen[i] or bool(delta.get("reasoning_content"))
                 c["delta"] = delta

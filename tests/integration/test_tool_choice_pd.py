@@ -79,3 +79,40 @@ def test_streamed_tool_call_through_pd_equals_mono(cluster, extra):
     strip = lambda m: [(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
     assert strip(a["choices"][0]["message"]) == strip(b["choices"][0]["message"])
     assert a["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.slow
+def test_auto_through_pd_equals_mono(cluster):
+    """`tool_choice: "auto"` (free text, then a call block) through the router equals mono, token
+    for token: prefill and decode compile the same structural tag. The marker tokens are biased so
+    the random model opens a call."""
+    from dsv4_wire import chat_tokens as T
+
+    tok = json.loads((cluster.model / "tokenizer.json").read_text())
+    added = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    bias = {str(added[m]): b for m, b in ((T.DSML, 30), (T.TOOL_CALLS_BEGIN, 5)) if m in added}
+    bias[str(tok["model"]["vocab"]["<"])] = 4
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "list files"}],
+        "tools": TOOLS,
+        "tool_choice": "auto",
+        "max_tokens": 250,
+        "temperature": 1.0,
+        "logit_bias": bias,
+        "stream": False,
+    }
+    for seed in (1, 2, 3):
+        a = httpx.post(f"{cluster.r_url}/v1/chat/completions", json={**body, "seed": seed}, timeout=300).json()
+        b = httpx.post(f"{cluster.m_url}/v1/chat/completions", json={**body, "seed": seed}, timeout=300).json()
+        strip = lambda r: (
+            r["choices"][0]["message"]["content"],
+            [
+                (c["function"]["name"], c["function"]["arguments"])
+                for c in r["choices"][0]["message"].get("tool_calls") or []
+            ],
+            r["choices"][0]["finish_reason"],
+        )
+        assert strip(a) == strip(b)
+        for name, args in strip(a)[1]:
+            jsonschema.validate(json.loads(args), TOOLS[0]["function"]["parameters"])

@@ -251,6 +251,15 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         scope="server",
     ),
     _O(
+        "disable_auto_tool_grammar",
+        bool,
+        False,
+        'Leave `tool_choice: "auto"` unconstrained (the raw model). By default a request with '
+        "tools and `auto` is free text until the format's tool-call marker, then held to a "
+        "well-formed call block of the given tools.",
+        scope="server",
+    ),
+    _O(
         "reasoning_parser",
         str,
         None,

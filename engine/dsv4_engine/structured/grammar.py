@@ -19,7 +19,8 @@ import xgrammar as xgr
 
 from dsv4_engine.structured.schema import length_strings_safe
 from dsv4_engine.structured.spec import StructuredSpec
-from dsv4_engine.structured.tool_calls import spec_grammar
+from dsv4_wire import chat_tokens as T
+from dsv4_engine.structured.tool_calls import is_auto, spec_grammar, spec_structural_tag
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (a JSON-schema grammar on a 128k vocab is ~100s of KiB)
 
@@ -33,8 +34,11 @@ def tokenizer_info(backend, vocab_size: int, stop_ids: Iterable[int]) -> xgr.Tok
     tokenizer's own encoding (byte-level, byte-fallback or raw), `vocab_size` ids in all (the
     model's, which may exceed the tokenizer's: ids without a token are never allowed). Special
     tokens are given as empty strings, which xgrammar never allows inside a grammar; the stop
-    ids are the only special tokens it lets through, and only where the grammar may end."""
-    special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+    ids are the only special tokens it lets through, and only where the grammar may end.
+    DeepSeek's chat markers (`<think>`, the tool-call tokens, `｜DSML｜`) are text to the
+    grammars even where a tokenizer marks them special: the tool-call and reasoning grammars
+    are made of them, and would otherwise admit no call at all."""
+    special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special} - set(T.CHAT_ADDED_TOKENS)
     vocab: list[str] = []
     for i in range(vocab_size):
         tok = backend.id_to_token(i)
@@ -118,6 +122,8 @@ class GrammarCompiler:
         if spec.kind == "structural_tag":
             return c.compile_structural_tag(spec.value)
         if spec.kind == "tool_calls":
+            if is_auto(spec.value):  # free text, then (maybe) one well-formed call block
+                return c.compile_structural_tag(spec_structural_tag(spec.value))
             return c.compile_grammar(spec_grammar(spec.value))
         raise GrammarError(f"unknown structured output kind {spec.kind!r}")
 

@@ -19,7 +19,7 @@ from dsv4_wire.chat_names import TOOL_CALL_FORMATS, canonical
 # expression the whole output matches; choice: a JSON list of strings, the output is one of them;
 # ebnf: xgrammar's EBNF (GBNF-like) grammar text; structural_tag: xgrammar's structural tag (JSON
 # text); tool_calls: the model's native tool-call text for `tool_choice` "required" or a named
-# function (JSON: {parser, tools, tool_choice, parallel_tool_calls, thinking}; the engine builds
+# function, free text with at most one well-formed call block for "auto" (JSON: {parser, tools, tool_choice, parallel_tool_calls, thinking}; the engine builds
 # the grammar, `dsv4_engine.structured.tool_calls`).
 KINDS = ("json_object", "json_schema", "regex", "choice", "ebnf", "structural_tag", "tool_calls")
 MAX_SPEC_CHARS = 1 << 20  # a constraint's text, at most (1 MiB; a schema bigger than that is abuse)
@@ -146,8 +146,8 @@ def _check_tool_calls(v: Any) -> None:
         name = (choice.get("function") or {}).get("name")
         if name not in names:
             raise ValueError(f"tool_calls: tool_choice names {name!r}, which is not among the tools")
-    elif choice != "required":
-        raise ValueError(f'tool_calls: tool_choice must be "required" or a named function, not {choice!r}')
+    elif choice not in ("required", "auto"):
+        raise ValueError(f'tool_calls: tool_choice must be "required", "auto" or a named function, not {choice!r}')
     for key in ("parallel_tool_calls", "thinking"):
         if not isinstance(v.get(key, False), bool):
             raise ValueError(f"tool_calls: {key} must be true or false")

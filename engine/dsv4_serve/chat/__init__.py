@@ -3,7 +3,8 @@ tool-call grammar. Pure functions: the HTTP server calls them, they do no I/O (a
 torch; `grammar` imports xgrammar, which does, so only the engine side imports it)."""
 
 from dsv4_serve.chat.registry import ChatSetup, default_setup, tool_parser, with_overrides
-from dsv4_serve.chat.render import ChatOptions, Rendered, RenderError, render
+from dsv4_serve.chat.pieces import ChatOptions, Rendered, RenderError
+from dsv4_serve.chat.render import render
 
 __all__ = [
     "ChatOptions",

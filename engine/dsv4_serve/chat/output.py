@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from dsv4_serve.chat.reasoning import ReasoningStream, split_reasoning
-from dsv4_serve.chat.tool_parsers import ToolCallStream, ToolParser, openai_tool_calls
+from dsv4_serve.chat.tool_parsers import DsmlParser, ToolCallStream, ToolParser, openai_tool_calls
 
 
 class ChatOutput:
@@ -18,7 +18,9 @@ class ChatOutput:
         self.tool_parser = tool_parser
         self.reasoning = reasoning
         self.max_calls = None if parallel else 1
-        self._rs = ReasoningStream(reasoning) if reasoning is not None else None
+        # DSML: the block's start marker ends reasoning left open (DeepSeek's V4 parsers do too)
+        self._ends_at = (tool_parser.start,) if isinstance(tool_parser, DsmlParser) else ()
+        self._rs = ReasoningStream(reasoning, self._ends_at) if reasoning is not None else None
         self._ts = ToolCallStream(tool_parser) if tool_parser is not None else None
         self.has_calls = False
 
@@ -27,12 +29,12 @@ class ChatOutput:
         msg: dict = {"role": "assistant"}
         content = text
         if self.reasoning is not None:
-            reasoning, content, _ = split_reasoning(text, self.reasoning)
+            reasoning, content, _ = split_reasoning(text, self.reasoning, False, self._ends_at)
             msg["reasoning_content"] = reasoning or None
         calls = []
         if self.tool_parser is not None:
             parsed = self.tool_parser.parse(content)
-            content, calls = parsed.content, parsed.calls[: self.max_calls]
+            content, calls = parsed.content, [c for c in parsed.calls if c.done][: self.max_calls]
         self.has_calls = bool(calls)
         msg["content"] = content if content or not calls else None
         if calls:

@@ -10,11 +10,12 @@ Families (learned from DeepSeek's public templates and reference encoders, writt
   `<｜Assistant｜>` turns opened by `</think>` (thinking off) or `<think>` (on), tool calls as
   `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>JSON<｜tool▁call▁end｜>...`, tool results as
   `<｜tool▁output▁begin｜>...<｜tool▁output▁end｜>` right after the call.
-- `deepseek_v4` / `deepseek_v32`: the DSML encoding (V4 ships it as Python, not Jinja): tool
-  schemas in the system prompt, calls as a `<｜DSML｜tool_calls>` (V3.2: `function_calls`) block of
-  `invoke`/`parameter` elements, tool results as `<tool_result>` blocks inside the next user
+- `deepseek_v4`: the DSML encoding (V4 ships it as Python, not Jinja): tool schemas in the
+  system prompt, calls as a `<｜DSML｜tool_calls>` block of `invoke`/`parameter` elements, tool results as `<tool_result>` blocks inside the next user
   turn, `reasoning_effort` as a prefix of the first message, and earlier turns' reasoning dropped
   unless tools are present.
+- `deepseek_v32`: V3.2's own encoding (render_v32): DSML `function_calls` blocks, tool results in
+  `<function_results>` right after the calls.
 - `jinja`: any Jinja template (the checkpoint's, or `--chat-template FILE`), rendered as
   transformers does, client strings swapped for markers so they stay untrusted.
 
@@ -26,65 +27,23 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from dsv4_wire import chat_tokens as T
 
-Piece = tuple[str, bool]  # (text, trusted)
-
-
-class RenderError(ValueError):
-    """The messages cannot be rendered in this format (a 400 naming `messages`)."""
-
-
-@dataclass
-class ChatOptions:
-    tools: Optional[list[dict]] = None  # OpenAI tool objects; None when tool_choice is "none"
-    thinking: bool = False
-    reasoning_effort: Optional[str] = None
-    add_generation_prompt: bool = True
-    template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs, for Jinja templates
-
-
-@dataclass
-class Rendered:
-    pieces: list[Piece]
-    thinking: bool  # the prompt leaves the model inside a <think> block
-
-    def text(self) -> str:
-        return "".join(t for t, _ in self.pieces)
-
-
-class _Out:
-    def __init__(self) -> None:
-        self.pieces: list[Piece] = []
-
-    def add(self, text: str) -> None:
-        if text:
-            self.pieces.append((text, True))
-
-    def user(self, text: Optional[str]) -> None:
-        if text:
-            self.pieces.append((text, False))
-
-
-def _json(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False)
-
-
-def _function(tool: dict) -> dict:
-    if (
-        not isinstance(tool, dict)
-        or tool.get("type", "function") != "function"
-        or not isinstance(tool.get("function"), dict)
-    ):
-        raise RenderError('each tool must be {"type": "function", "function": {...}}')
-    return tool["function"]
-
-
-def _calls(m: dict) -> list[dict]:
-    return [c.get("function") or {} for c in (m.get("tool_calls") or [])]
+from dsv4_serve.chat.pieces import (
+    ChatOptions,
+    Piece,
+    Rendered,
+    RenderError,
+    _calls,
+    _dsml_value,
+    _function,
+    _json,
+    _Out,
+    call_arguments,
+)
+from dsv4_serve.chat.render_v32 import render_v32
 
 
 # ---- DeepSeek-V3.1 ---------------------------------------------------------------------------
@@ -142,7 +101,7 @@ def render_v31(messages: Sequence[dict], opts: ChatOptions) -> Rendered:
                     out.add(T.TOOL_CALL_BEGIN)
                     out.user(str(fn.get("name", "")))
                     out.add(T.TOOL_SEP)
-                    out.user(str(fn.get("arguments", "")))
+                    out.user(str(fn.get("arguments") or "{}"))  # clients send "" for a call without arguments
                     out.add(T.TOOL_CALL_END)
                 out.add(T.TOOL_CALLS_END)
             out.add(T.EOS)
@@ -217,21 +176,15 @@ _DSML_TOOLS_TAIL = (
 
 
 def _merge_tool_results(messages: Sequence[dict]) -> list[dict]:
-    """Tool results (and a user message right after them) become one user turn of blocks."""
+    """Tool results and user messages in a row become one user turn of blocks (DeepSeek's V4
+    encoder merges them: two user messages in a row are one turn, not two)."""
     merged: list[dict] = []
     for m in messages:
         role = m["role"]
-        if role == "tool":
-            block = ("tool", m.get("content") or "")
-            if merged and merged[-1]["role"] == "user" and merged[-1].get("_blocks_open"):
+        if role in ("tool", "user"):
+            block = ("tool" if role == "tool" else "text", m.get("content") or "")
+            if merged and merged[-1]["role"] == "user":
                 merged[-1]["blocks"].append(block)
-            else:
-                merged.append({"role": "user", "blocks": [block], "_blocks_open": True})
-        elif role == "user":
-            block = ("text", m.get("content") or "")
-            if merged and merged[-1]["role"] == "user" and merged[-1].get("_blocks_open"):
-                merged[-1]["blocks"].append(block)
-                merged[-1]["_blocks_open"] = False
             else:
                 merged.append({"role": "user", "blocks": [block]})
         else:
@@ -239,12 +192,27 @@ def _merge_tool_results(messages: Sequence[dict]) -> list[dict]:
     return merged
 
 
+def results_in_call_order(messages: Sequence[dict]) -> list[dict]:
+    """Each run of tool results put in the order of the calls they answer (by `tool_call_id`),
+    as DeepSeek's V4 encoder does: the prompt carries no ids, so the model pairs results with
+    calls by position. Results whose id names no call rank as the first call (as the encoder
+    ranks them; the sort is stable)."""
+    out = list(messages)
+    i = 0
+    while i < len(out):
+        j = i
+        while j < len(out) and out[j]["role"] == "tool":
+            j += 1
+        if j > i and i > 0 and out[i - 1]["role"] == "assistant":
+            ids = [c.get("id") for c in out[i - 1].get("tool_calls") or []]
+            rank = {cid: k for k, cid in enumerate(ids) if cid}
+            out[i:j] = sorted(out[i:j], key=lambda m: rank.get(m.get("tool_call_id"), 0))
+        i = j + 1
+    return out
+
+
 def _last_user(messages: Sequence[dict]) -> int:
     return max((i for i, m in enumerate(messages) if m["role"] in ("user", "developer")), default=-1)
-
-
-def _dsml_value(value: Any) -> tuple[str, str]:
-    return (value, "true") if isinstance(value, str) else (_json(value), "false")
 
 
 def render_dsml(messages: Sequence[dict], opts: ChatOptions, block: str = "tool_calls") -> Rendered:
@@ -256,7 +224,7 @@ def render_dsml(messages: Sequence[dict], opts: ChatOptions, block: str = "tool_
         if not msgs or msgs[0]["role"] != "system":
             msgs.insert(0, {"role": "system", "content": ""})
         msgs[0]["tools"] = opts.tools
-    msgs = _merge_tool_results(msgs)
+    msgs = _merge_tool_results(results_in_call_order(msgs) if block == "tool_calls" else msgs)
     thinking = opts.thinking
     effort = EFFORT_LEVELS.get(opts.reasoning_effort or "low", "low") or "low"
     drop = not opts.tools  # earlier reasoning is dropped unless tools are present
@@ -300,13 +268,8 @@ def render_dsml(messages: Sequence[dict], opts: ChatOptions, block: str = "tool_
             if calls:
                 out.add(f"\n\n<{d}{block}>\n")
                 for k, fn in enumerate(calls):
-                    try:
-                        args = json.loads(fn.get("arguments") or "{}")
-                    except (TypeError, ValueError):
-                        raise RenderError(
-                            f"tool call arguments must be a JSON object (call {fn.get('name')!r})"
-                        ) from None
-                    if not isinstance(args, dict):
+                    args = call_arguments(fn.get("arguments"))
+                    if args is None:
                         raise RenderError(f"tool call arguments must be a JSON object (call {fn.get('name')!r})")
                     if k:
                         out.add("\n")
@@ -341,6 +304,18 @@ _MARKER = re.compile("\ue000([0-9]+)\ue001")
 # Fields whose values templates compare (`message.role == 'user'`, `tool.type == 'function'`):
 # validated enumerations, left as they are unless they spell a special token.
 _COMPARED_FIELDS = frozenset({"role", "type"})
+_TOJSON_ARGUMENTS = re.compile(r"arguments['\"]?\]?\s*\|\s*tojson")
+
+
+def _arguments_as_objects(m: dict) -> dict:
+    """A message whose tool calls carry their arguments as objects (an unreadable one as {})."""
+    if not m.get("tool_calls"):
+        return m
+    calls = []
+    for c in m["tool_calls"]:
+        fn = c.get("function") or {}
+        calls.append({**c, "function": {**fn, "arguments": call_arguments(fn.get("arguments")) or {}}})
+    return {**m, "tool_calls": calls}
 
 
 def render_jinja(
@@ -380,6 +355,10 @@ def render_jinja(
 
         return _MARKER.sub(escaped, text)
 
+    # vLLM gives templates that write `arguments|tojson` (its V3/R1 tool templates) the arguments
+    # as an object: with the JSON text, tojson would write a quoted string, markers inside.
+    if _TOJSON_ARGUMENTS.search(template) is not None:
+        messages = [_arguments_as_objects(m) for m in messages]
     marked = [mark(dict(m)) for m in messages]
     variables = {k: mark(v, True) for k, v in opts.template_kwargs.items()}
     variables.setdefault("thinking", opts.thinking)
@@ -436,7 +415,7 @@ def render(
     if setup_renderer == "deepseek_v4":
         return render_dsml(messages, opts, "tool_calls")
     if setup_renderer == "deepseek_v32":
-        return render_dsml(messages, opts, "function_calls")
+        return render_v32(messages, opts)
     if template is None:
         raise RenderError("this model has no chat template (give one with --chat-template FILE)")
     return render_jinja(template, messages, opts, bos, eos, reserved)

@@ -49,14 +49,6 @@ def _partial_marker_tail(text: str, marker: str) -> int:
     return 0
 
 
-def _held(text: str, markers: tuple[str, ...], partial: bool) -> str:
-    """`text` without a tail that could still become one of `markers` (streaming only)."""
-    if not partial:
-        return text
-    cut = max(_partial_marker_tail(text, m) for m in markers)
-    return text[: len(text) - cut]
-
-
 class _Incomplete(Exception):
     """The text ends inside a construct (streaming: wait for more)."""
 
@@ -123,27 +115,35 @@ class ToolParser:
     end = ""
 
     def parse(self, text: str, partial: bool = False) -> Parse:
-        i = text.find(self.start)
-        if i < 0:
-            return Parse(self._content_before(text, partial))
-        content = self._content_before(text[:i], False, block_follows=True)
-        calls: list[Call] = []
-        cur = _Cursor(text, i + len(self.start), partial)
-        try:
-            closed = self._calls(cur, calls)
-        except _Incomplete:
-            return Parse(content, calls)
-        except Malformed:
-            if partial:
+        """Content outside the blocks and the calls inside them. A block keeps the calls that
+        were complete and well formed before it went wrong or was cut off (max_tokens); its
+        markup never becomes content. Text after a closed block is content (or another block)."""
+        content, calls, pos = "", [], 0
+        while True:
+            i = text.find(self.start, pos)
+            if i < 0:
+                return Parse(content + self._content_before(text[pos:], partial), calls)
+            content += self._content_before(text[pos:i], False, block_follows=True)
+            cur = _Cursor(text, i + len(self.start), partial)
+            mine: list[Call] = []
+            try:
+                closed = self._calls(cur, mine)
+            except (_Incomplete, Malformed):
+                closed = False
+            calls += [c for c in mine if c.done]
+            if not closed:
                 return Parse(content, calls)
-            return Parse(text)
-        if not calls and not partial:
-            return Parse(text)
-        after = text[cur.pos :] if closed else ""
-        return Parse(content + _held(after, (self.start,), partial), calls)
+            pos = cur.pos
 
     def _content_before(self, text: str, partial: bool, block_follows: bool = False) -> str:
-        return _held(text, (self.start,), partial)
+        return text[: len(text) - self._cut_tail(text, partial)]
+
+    def _cut_tail(self, text: str, partial: bool) -> int:
+        """How much of the end of the text to hold back (streaming: it may still become the
+        block's marker) or drop (the final text: a marker cut short by max_tokens; one `<` alone
+        is kept, as prose)."""
+        cut = _partial_marker_tail(text, self.start)
+        return cut if partial or cut >= 2 else 0
 
     def _calls(self, cur: _Cursor, calls: list[Call]) -> bool:
         raise NotImplementedError
@@ -215,8 +215,9 @@ class DsmlParser(ToolParser):
     def _content_before(self, text: str, partial: bool, block_follows: bool = False) -> str:
         if block_follows:
             return text.rstrip("\n")  # the encoder writes "\n\n" before the block
-        if partial:  # trailing newlines may still precede a block
-            return _held(text, (self.start,), True).rstrip("\n")
+        cut = self._cut_tail(text, partial)
+        if cut or partial:  # trailing newlines may still precede a block (or preceded a cut one)
+            return text[: len(text) - cut].rstrip("\n")
         return text
 
     def _calls(self, cur: _Cursor, calls: list[Call]) -> bool:
@@ -258,7 +259,7 @@ class DsmlParser(ToolParser):
                     try:
                         value = json.loads(raw)
                     except ValueError:
-                        raise Malformed(f"parameter {key!r} is not JSON") from None
+                        value = raw  # a string the model marked string="false": kept, as the peers do
                 seen.add(key)
                 sep = ", " if len(seen) > 1 else ""
                 call.arguments += f"{sep}{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
@@ -308,7 +309,9 @@ class ToolCallStream:
             content = p.content[len(self.sent_content) :]
             self.sent_content = p.content
         deltas: list[dict] = []
-        for i, call in enumerate(p.calls):
+        # A call goes out whole, once it is complete and well formed: a call the final answer
+        # would drop (cut by max_tokens, malformed later on) is never streamed.
+        for i, call in enumerate(c for c in p.calls if c.done):
             if i >= len(self.sent):
                 cid = new_call_id()
                 self.sent.append([cid, ""])

@@ -1,5 +1,5 @@
-"""`dsv4 bench agents --quick` runs 2 agents x 2 tool-call rounds on the tiny model (cache on and
-off) and writes the JSON and the PNG; every round is a tool call."""
+"""`dsv4 bench agents --quick` runs 2 agents x 2 rounds (`tool_choice: "auto"`, the grammar on) on
+the tiny model (cache on and off) and writes the JSON and the PNG; no round is malformed or lost."""
 
 from __future__ import annotations
 
@@ -24,5 +24,6 @@ def test_agents_bench_quick_writes_its_report(tmp_path):
     sides = report["results"]["tiny"]
     assert set(sides) == {"mono+cache", "mono-nocache"}
     for side in sides.values():
-        assert [r["tool_calls"] for r in side["per_round"]] == [2, 2]
+        assert [r["requests"] for r in side["per_round"]] == [2, 2]
+        assert side["quality"]["malformed_per_1000_rounds"] == side["quality"]["lost_per_1000_rounds"] == 0
         assert all(r["ttft_p50_ms"] > 0 for r in side["per_round"])

@@ -286,3 +286,30 @@ def test_fill_along_masks_each_state_and_rolls_back():
     host.fill_(-1)
     m.fill(host, 0)
     assert host[0, 0] & 0b1111 == 0b0110
+
+
+def test_auto_tool_grammar_greedy_equal_plain_with_drafts(v3_mtp):
+    """`tool_choice: "auto"` (free text, then a call block) under MTP: the structural tag's state
+    rolls back past rejected drafts like any grammar. The call-opening token is biased so a block
+    is entered and finished."""
+    from dsv4_engine.tokenizer import Tokenizer
+    from dsv4_wire import chat_tokens as T
+
+    opener = Tokenizer.from_dir(v3_mtp).encode_pieces([(T.TOOL_CALLS_BEGIN, True)])[0]
+    g = dict(temperature=0, max_tokens=80)
+    reqs = [
+        ([5, 6, 7], SamplingParams(structured=structured.tool_calls("deepseek_v31", TOOLS, "auto"), **g)),
+        (
+            [8, 9],
+            SamplingParams(
+                structured=structured.tool_calls("deepseek_v31", TOOLS, "auto"), logit_bias={opener: 8.0}, **g
+            ),
+        ),
+        ([10, 11], SamplingParams(structured=structured.tool_calls("deepseek_v3", TOOLS, "auto", False), **g)),
+    ]
+    plain = _run(_engine(v3_mtp, False), reqs)
+    assert T.TOOL_CALLS_BEGIN in plain["r1"][1] and plain["r1"][2] == "stop"  # a call was opened and finished
+    assert _run(_engine(v3_mtp, True, steps=3), reqs) == plain
+    eng = _engine(v3_mtp, True, steps=3)
+    _steer(eng, plain, 0.75, 0)
+    assert _run(eng, reqs) == plain

@@ -31,7 +31,7 @@ def test_builder_canonicalises_and_checks():
     for bad in [
         dict(parser="hermes", tools=TOOLS, tool_choice="required"),
         dict(parser="deepseek_v4", tools=[], tool_choice="required"),
-        dict(parser="deepseek_v4", tools=TOOLS, tool_choice="auto"),
+        dict(parser="deepseek_v4", tools=TOOLS, tool_choice="none"),
         dict(parser="deepseek_v4", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "g"}}),
         dict(parser="deepseek_v4", tools=[{"function": {}}], tool_choice="required"),
     ]:

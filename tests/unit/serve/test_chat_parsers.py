@@ -62,7 +62,7 @@ CASES = [
     ),
     ("deepseek_v32", dsml("function_calls", ("get_weather", ARGS)), "", [("get_weather", ARGS)]),
     ("deepseek_v4", "no calls here, just < and </ text", "no calls here, just < and </ text", []),
-    ("deepseek_v31", "plain <｜tool", "plain <｜tool", []),
+    ("deepseek_v31", "plain <｜tool", "plain ", []),  # a marker cut short is not content
 ]
 
 
@@ -103,11 +103,10 @@ def test_streamed_at_every_split_point(name, text, content, calls):
             _, got_content, got_calls, _ = assemble(ChatOutput(tool_parser(name), None), pieces)
             assert got_calls == want, (cut, cut2)
             assert got_content == content, (cut, cut2)
-    # character by character: arguments arrive in several fragments
+    # character by character: each call goes out once, whole, when it is complete
     out = ChatOutput(tool_parser(name), None)
-    frags = [d for d in (out.feed(ch) for ch in text) if d.get("tool_calls")]
-    if calls:
-        assert len(frags) > len(calls)
+    frags = [c for d in (out.feed(ch) for ch in text) for c in d.get("tool_calls", [])]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in frags] == want
 
 
 MALFORMED = [
@@ -115,20 +114,42 @@ MALFORMED = [
     ("deepseek_v31", v31(("f", "[1, 2]"))),
     ("deepseek_v31", f'x{T.TOOL_CALLS_BEGIN}{T.TOOL_CALL_BEGIN}f{T.TOOL_SEP}{{"a": 1'),  # cut off by max_tokens
     ("deepseek_v3", v3(("f", "{oops"))),
-    ("deepseek_v4", dsml("tool_calls", ("f", {"a": 1})).replace('string="false">1', 'string="false">nope')),
     ("deepseek_v4", f'<{D}tool_calls>\n<{D}invoke name="f">\n<{D}parameter name="a" string="maybe">1</{D}parameter>'),
-    ("deepseek_v4", dsml("tool_calls", ("f", {"a": "x"})).replace(f"</{D}tool_calls>", "")),
 ]
 
 
+@pytest.mark.parametrize(
+    "name,text",
+    [
+        ("deepseek_v4", dsml("tool_calls", ("f", {"a": "x"}), ("g", {"b": [1, 2]}), before="On it.")),
+        ("deepseek_v31", v31(("f", '{"a": "x"}'), ("g", '{"b": [1, 2]}'), before="On it.")),
+    ],
+)
+def test_cut_mid_parallel_calls_keeps_the_complete_ones(name, text):
+    """max_tokens ends the output inside the second of two calls: the first is returned, no
+    markup is content, and the stream says the same at every split."""
+    cut = text.find('"b"' if name == "deepseek_v31" else 'name="b"') + 2
+    last_close = text.rfind(T.TOOL_CALL_END if name == "deepseek_v31" else f"</{D}invoke>")
+    for end in range(cut, last_close + 1):
+        partial_out = text[:end]
+        msg = ChatOutput(tool_parser(name), None).message(partial_out)
+        assert msg["content"] == "On it." and [c["function"]["name"] for c in msg["tool_calls"]] == ["f"], end
+        for at in (1, 5, end // 2):
+            _, content, calls, _ = assemble(ChatOutput(tool_parser(name), None), [partial_out[:at], partial_out[at:]])
+            assert content == "On it." and [c[0] for c in calls] == ["f"]
+
+
 @pytest.mark.parametrize("name,text", MALFORMED)
-def test_malformed_calls_stay_content(name, text):
+def test_malformed_blocks_give_no_call_and_no_markup(name, text):
+    """A block with no well-formed call: no call, and its markup is not content (it used to be
+    returned as content, markers and all)."""
+    before = text[: text.find(tool_parser(name).start)]
     msg = ChatOutput(tool_parser(name), None).message(text)
-    assert "tool_calls" not in msg and msg["content"] == text
+    assert "tool_calls" not in msg and msg["content"] == before.rstrip("\n")
     for cut in range(0, len(text) + 1, 3):
         out = ChatOutput(tool_parser(name), None)
-        _, content, _, _ = assemble(out, [text[:cut], text[cut:]])
-        assert content.endswith(text[len(text) - 10 :]) and not out.has_calls
+        _, content, calls, _ = assemble(out, [text[:cut], text[cut:]])
+        assert content == before.rstrip("\n") and not calls and not out.has_calls
 
 
 REASONING = [

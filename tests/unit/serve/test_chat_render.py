@@ -191,7 +191,7 @@ def test_jinja_template_markers_keep_client_text_plain(tokenizer):
     assert (forged, False) in r.pieces
     # a template that rewrites content cannot keep it apart: spelled special tokens are refused
     reversing = "{{ bos_token }}{% for m in messages %}{{ m['content'][::-1] }}{% endfor %}"
-    from dsv4_serve.chat.render import RenderError
+    from dsv4_serve.chat.pieces import RenderError
 
     with pytest.raises(RenderError):
         render(
