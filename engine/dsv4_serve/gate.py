@@ -16,7 +16,7 @@ from dsv4_wire import APIError, Paths
 from dsv4_wire.serve_options import default
 
 DEFAULT_MAX_REQUEST_BYTES = default("max_request_bytes")  # the engine's --max-request-bytes
-GENERATION_PATHS = frozenset({Paths.COMPLETIONS, Paths.CHAT_COMPLETIONS})
+GENERATION_PATHS = frozenset({Paths.COMPLETIONS, Paths.CHAT_COMPLETIONS, Paths.RESPONSES, Paths.MESSAGES})
 
 
 @dataclass

@@ -176,7 +176,8 @@ class Router:
             raise APIError("no healthy engine is available", 503, "service_unavailable")
         return None, m
 
-    async def handle(self, path: str, http: Request) -> Response:
+    async def handle(self, path: str, http: Request, body: Optional[dict] = None) -> Response:
+        """`body`: the request's, already read (an agent API's, translated to chat: agent_routes.py)."""
         self.metrics.requests.labels(path).inc()
         pin = http.headers.get(PIN_HEADER)
         if pin is not None:  # only an admin may aim a request at one engine (a canary)
@@ -191,8 +192,9 @@ class Router:
                     )
                 )
         try:
-            raw = await read_limited(http.headers.get("content-length"), http.stream(), self.args.max_body_bytes)
-            body = parse_body(raw)
+            if body is None:
+                raw = await read_limited(http.headers.get("content-length"), http.stream(), self.args.max_body_bytes)
+                body = parse_body(raw)
         except APIError as e:
             return self.error(e)
         except ClientDisconnect:

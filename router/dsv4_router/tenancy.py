@@ -22,7 +22,7 @@ from dsv4_wire import Paths
 from dsv4_wire.api_keys import ApiKey
 
 ANONYMOUS = "anonymous"
-GENERATION_PATHS = frozenset({Paths.COMPLETIONS, Paths.CHAT_COMPLETIONS})
+GENERATION_PATHS = frozenset({Paths.COMPLETIONS, Paths.CHAT_COMPLETIONS, Paths.RESPONSES, Paths.MESSAGES})
 SALT_SCOPE_KEY = "dsv4.cache_salt"
 
 
