@@ -4,9 +4,11 @@ What Claude Code sends is served: `system` (text or text blocks), `messages` wit
 `tool_use`, `tool_result` and `thinking` blocks, `tools` with `input_schema`, `tool_choice`
 (`auto`, `any`, `tool`, `none`, `disable_parallel_tool_use`), `thinking` (enabled, adaptive or
 disabled), `max_tokens` (required, as Anthropic has it), `stop_sequences`, `temperature`,
-`top_p`, `top_k`, `stream`, `metadata`. `cache_control` marks are accepted: every prompt prefix
-is cached anyway. What this server cannot honour (images and documents, server tools such as web
-search, redacted thinking, an assistant prefill to continue, MCP servers, containers) is a 400
+`top_p`, `top_k`, `stream`, `metadata`, `output_config` (`effort`, a JSON-schema `format`).
+`cache_control` marks (on blocks, tools, or the request) are accepted: every prompt prefix is
+cached anyway; `user_profile_id` and `workspace_id` name the caller and change nothing. What this server cannot honour (images and documents, server tools such as web
+search, redacted thinking, an assistant prefill to continue, MCP servers, containers, diagnostics, an inference region, fast mode, thinking between tools or
+with its display omitted) is a 400
 naming it; fields nobody defines are ignored, as on the chat route.
 """
 
@@ -19,7 +21,14 @@ from typing import Any, Optional
 from dsv4_wire.errors import APIError
 
 # Messages fields with no meaning here: a value other than the neutral one is refused.
-NEUTRAL = {"mcp_servers": (None, []), "container": (None,), "context_management": (None,)}
+NEUTRAL = {
+    "mcp_servers": (None, []),
+    "container": (None,),
+    "context_management": (None,),
+    "diagnostics": (None,),  # a cache-miss report nothing here writes
+    "inference_geo": (None,),
+    "speed": (None, "standard"),
+}
 
 
 @dataclass
@@ -145,6 +154,8 @@ def _thinking(thinking: Any, max_tokens: int) -> bool:
     if kind == "disabled":
         return False
     if kind == "adaptive":
+        if thinking.get("display") not in (None, "summarized"):
+            raise _bad('thinking.display "omitted" is not supported: the thinking comes whole', "thinking.display")
         return True
     if kind == "enabled":
         budget = thinking.get("budget_tokens")
@@ -152,6 +163,23 @@ def _thinking(thinking: Any, max_tokens: int) -> bool:
             raise _bad("thinking.budget_tokens must be an integer below max_tokens", "thinking.budget_tokens")
         return True
     raise _bad(f"thinking {thinking!r} is not supported (enabled, adaptive or disabled)", "thinking")
+
+
+def _output_config(config: Any, chat: dict) -> None:
+    """output_config: `effort` as the chat path's reasoning_effort, `format` as a JSON-schema
+    response_format."""
+    if not isinstance(config, dict):
+        raise _bad("output_config must be an object", "output_config")
+    unknown = sorted(set(config) - {"effort", "format"})
+    if unknown:
+        raise _bad(f"output_config.{unknown[0]} is not supported", "output_config")
+    if config.get("effort") is not None:
+        chat["reasoning_effort"] = config["effort"]
+    fmt = config.get("format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+            raise _bad('output_config.format must be {"type": "json_schema", "schema": {...}}', "output_config.format")
+        chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
 def messages_to_chat(body: Any) -> MessagesRequest:
@@ -198,6 +226,8 @@ def messages_to_chat(body: Any) -> MessagesRequest:
         _tool_choice(body["tool_choice"], chat)
     if body.get("thinking") is not None:
         chat["chat_template_kwargs"] = {"thinking": _thinking(body["thinking"], max_tokens)}
+    if body.get("output_config") is not None:
+        _output_config(body["output_config"], chat)
     if body.get("service_tier") not in (None, "auto", "standard_only"):
         raise _bad(f"service_tier {body['service_tier']!r} is not supported", "service_tier")
     stream = body.get("stream") is True
