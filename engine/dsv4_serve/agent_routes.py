@@ -6,14 +6,18 @@ grammars as `/v1/chat/completions`."""
 from __future__ import annotations
 
 import json
+import logging
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from dsv4_serve.serving import OpenAIServing
+from dsv4_serve.serving import OpenAIServing, internal_error
 from dsv4_wire import APIError, Paths
 from dsv4_wire.agent_apis.edge import MESSAGES, RESPONSES, AgentCall, messages_call, refusal, responses_call, stored
 from dsv4_wire.agent_apis.store import ResponseStore
+
+log = logging.getLogger("dsv4.server")
 
 
 def _json(status: int, content: bytes) -> Response:
@@ -31,6 +35,10 @@ def add_agent_routes(app: FastAPI, serving: OpenAIServing) -> None:
             answer = await serving.serve(serving.prepare_chat, http, json.dumps(call.chat).encode())
         except APIError as e:
             return _json(*refusal(api, e))
+        except Exception:  # a bug: logged with a reference, answered in the route's shape
+            ref = uuid.uuid4().hex[:12]
+            log.exception("%s failed (reference %s)", http.url.path, ref)
+            return _json(*refusal(api, internal_error(ref)))
         if isinstance(answer, StreamingResponse):
             return StreamingResponse(call.events(answer.body_iterator), media_type="text/event-stream")
         if answer.status_code == 499:  # the client left

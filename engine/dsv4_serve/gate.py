@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 
 from dsv4_wire import APIError, Paths
+from dsv4_wire.agent_apis.messages_output import error_body
 from dsv4_wire.serve_options import default
 
 DEFAULT_MAX_REQUEST_BYTES = default("max_request_bytes")  # the engine's --max-request-bytes
@@ -28,8 +29,9 @@ class Lifecycle:
     active: int = 0  # generation requests being answered right now
 
 
-async def send_error(send, e: APIError, headers: tuple = ()) -> None:
-    body = json.dumps(e.body()).encode()
+async def send_error(send, e: APIError, headers: tuple = (), path: str = "") -> None:
+    # Anthropic's route answers in Anthropic's shape, at the door too
+    body = json.dumps(error_body(e.status, e.message) if path == Paths.MESSAGES else e.body()).encode()
     await send(
         {
             "type": "http.response.start",
@@ -65,15 +67,16 @@ class Gate:
                     "the server is shutting down; retry on another replica", 503, "server_error", code="shutting_down"
                 ),
                 ((b"connection", b"close"),),
+                scope["path"],
             )
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None:
             try:
                 size = int(declared)
             except ValueError:
-                return await send_error(send, APIError("invalid Content-Length header"))
+                return await send_error(send, APIError("invalid Content-Length header"), (), scope["path"])
             if size > self.limit:
-                return await send_error(send, self._too_large(size), ((b"connection", b"close"),))
+                return await send_error(send, self._too_large(size), ((b"connection", b"close"),), scope["path"])
         # Read the body here (bounded), then hand it on: a chunked body cannot outgrow the limit.
         chunks, size, more = [], 0, True
         while more:
@@ -83,7 +86,7 @@ class Gate:
             chunk = msg.get("body", b"")
             size += len(chunk)
             if size > self.limit:
-                return await send_error(send, self._too_large(size), ((b"connection", b"close"),))
+                return await send_error(send, self._too_large(size), ((b"connection", b"close"),), scope["path"])
             chunks.append(chunk)
             more = msg.get("more_body", False)
         body, replayed = b"".join(chunks), False

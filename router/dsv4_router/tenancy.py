@@ -19,6 +19,7 @@ from typing import Callable, Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from dsv4_wire import Paths
+from dsv4_wire.agent_apis.messages_output import error_body
 from dsv4_wire.api_keys import ApiKey
 
 ANONYMOUS = "anonymous"
@@ -138,7 +139,7 @@ class TenantGate:
         if refused is not None:
             why, wait = refused
             self.metrics.requests.labels(name, why).inc()
-            return await _too_many(send, why, wait)
+            return await _too_many(send, why, wait, scope["path"])
         self.metrics.requests.labels(name, "admitted").inc()
         if self.salt_from_key and key is not None:
             scope[SALT_SCOPE_KEY] = lambda client, k=key: derived_salt(k, client)
@@ -152,18 +153,14 @@ class TenantGate:
                 self.limiter.release(name)
 
 
-async def _too_many(send, why: str, wait: int) -> None:
+async def _too_many(send, why: str, wait: int, path: str) -> None:
     what = "requests in flight" if why == "concurrency" else "requests per second"
-    body = json.dumps(
-        {
-            "error": {
-                "message": f"this API key is at its limit of {what}; retry after {wait}s",
-                "type": "rate_limit_exceeded",
-                "param": None,
-                "code": f"key_{why}_limit",
-            }
-        }
-    ).encode()
+    message = f"this API key is at its limit of {what}; retry after {wait}s"
+    if path == Paths.MESSAGES:  # Anthropic's route answers in Anthropic's shape
+        obj = error_body(429, message)
+    else:
+        obj = {"error": {"message": message, "type": "rate_limit_exceeded", "param": None, "code": f"key_{why}_limit"}}
+    body = json.dumps(obj).encode()
     await send(
         {
             "type": "http.response.start",

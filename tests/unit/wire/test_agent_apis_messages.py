@@ -346,3 +346,37 @@ def test_x_api_key_is_a_key_and_messages_refusals_are_anthropic_shaped():
     assert status == 401 and body["type"] == "error" and body["error"]["type"] == "authentication_error"
     status, body = asyncio.run(call("/v1/responses", []))
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
+
+
+def test_the_doors_answer_messages_in_anthropic_shape():
+    """The router's per-key limit (429) and a draining engine (503) refuse /v1/messages in
+    Anthropic's shape and the chat route in OpenAI's, and count the agent routes as generation."""
+    from prometheus_client import CollectorRegistry
+
+    from dsv4_router.tenancy import KeyLimiter, TenantGate, TenantLimits, TenantMetrics
+    from dsv4_serve.gate import Gate, Lifecycle
+
+    async def app(scope, receive, send):
+        raise AssertionError("a refused request reaches no app")
+
+    async def call(door, path: str) -> tuple[int, dict]:
+        sent = []
+
+        async def send(msg):
+            sent.append(msg)
+
+        await door({"type": "http", "method": "POST", "path": path, "headers": []}, None, send)
+        return sent[0]["status"], json.loads(sent[1]["body"])
+
+    limiter = KeyLimiter(TenantLimits(rate=0.5, burst=1))
+    tenants = TenantGate(app, limiter, TenantMetrics(CollectorRegistry()), clock=lambda: 0.0)
+    limiter.admit("anonymous", 0.0)  # the bucket is empty now
+    for door, status in ((tenants, 429), (Gate(app, Lifecycle(draining=True)), 503)):
+        got, body = asyncio.run(call(door, "/v1/messages"))
+        assert (
+            got == status
+            and body["type"] == "error"
+            and body["error"]["type"] in ("rate_limit_error", "overloaded_error")
+        )
+        got, body = asyncio.run(call(door, "/v1/responses"))
+        assert got == status and "message" in body["error"]
