@@ -20,6 +20,12 @@ from dsv4_wire.agent_apis.store import ResponseStore
 log = logging.getLogger("dsv4.server")
 
 
+def owner(http: Request) -> str:
+    """The caller's API key name (left by dsv4_wire.api_keys.ApiKeyGate), or "" without keys."""
+    key = http.scope.get("dsv4.api_key")
+    return key.name if key is not None else ""
+
+
 def _json(status: int, content: bytes) -> Response:
     return Response(content, status, media_type="application/json")
 
@@ -31,7 +37,7 @@ def add_agent_routes(app: FastAPI, serving: OpenAIServing) -> None:
     async def serve(api: str, http: Request) -> Response:
         try:
             raw = await http.body()
-            call: AgentCall = responses_call(raw, store) if api == RESPONSES else messages_call(raw)
+            call: AgentCall = responses_call(raw, store, owner(http)) if api == RESPONSES else messages_call(raw)
             answer = await serving.serve(serving.prepare_chat, http, json.dumps(call.chat).encode())
         except APIError as e:
             return _json(*refusal(api, e))
@@ -50,12 +56,12 @@ def add_agent_routes(app: FastAPI, serving: OpenAIServing) -> None:
         return await serve(RESPONSES, http)
 
     @app.get(Paths.RESPONSES + "/{rid}")
-    async def get_response(rid: str):
-        return _json(*stored(store, rid))
+    async def get_response(rid: str, http: Request):
+        return _json(*stored(store, rid, owner(http)))
 
     @app.delete(Paths.RESPONSES + "/{rid}")
-    async def delete_response(rid: str):
-        return _json(*stored(store, rid, delete=True))
+    async def delete_response(rid: str, http: Request):
+        return _json(*stored(store, rid, owner(http), delete=True))
 
     @app.post(Paths.MESSAGES)
     async def messages(http: Request):

@@ -18,6 +18,12 @@ from dsv4_wire.agent_apis.edge import MESSAGES, RESPONSES, AgentCall, messages_c
 from dsv4_wire.agent_apis.store import ResponseStore
 
 
+def owner(http: Request) -> str:
+    """The caller's API key name (left by dsv4_wire.api_keys.ApiKeyGate), or "" without keys."""
+    key = http.scope.get("dsv4.api_key")
+    return key.name if key is not None else ""
+
+
 def _json(status: int, content: bytes) -> Response:
     return Response(content, status, media_type="application/json")
 
@@ -30,7 +36,9 @@ def add_agent_routes(app: FastAPI, router: Router) -> None:
         try:
             raw = await read_limited(http.headers.get("content-length"), http.stream(), router.args.max_body_bytes)
             call: AgentCall = (
-                responses_call(parse_body(raw), store) if api == RESPONSES else messages_call(parse_body(raw))
+                responses_call(parse_body(raw), store, owner(http))
+                if api == RESPONSES
+                else messages_call(parse_body(raw))
             )
         except APIError as e:
             router.metrics.errors.labels(str(e.status)).inc()
@@ -50,12 +58,12 @@ def add_agent_routes(app: FastAPI, router: Router) -> None:
         return await serve(RESPONSES, http)
 
     @app.get(Paths.RESPONSES + "/{rid}")
-    async def get_response(rid: str):
-        return _json(*stored(store, rid))
+    async def get_response(rid: str, http: Request):
+        return _json(*stored(store, rid, owner(http)))
 
     @app.delete(Paths.RESPONSES + "/{rid}")
-    async def delete_response(rid: str):
-        return _json(*stored(store, rid, delete=True))
+    async def delete_response(rid: str, http: Request):
+        return _json(*stored(store, rid, owner(http), delete=True))
 
     @app.post(Paths.MESSAGES)
     async def messages(http: Request):

@@ -353,3 +353,16 @@ def test_the_store_is_bounded_least_recently_used_first():
     s.put({"id": "huge", "pad": "x" * 20_000}, [])
     assert s.get("huge") is None
     assert RESPONSES == "responses"
+
+
+def test_a_stored_response_is_its_api_keys_alone():
+    store = ResponseStore()
+    call = responses_call(b'{"input": "secret plans"}', store, owner="alice")
+    rid = json.loads(call.answer(200, json.dumps(chat_answer(calls=())).encode())[1])["id"]
+    for other in ("bob", ""):
+        assert stored(store, rid, other)[0] == 404
+        assert stored(store, rid, other, delete=True)[0] == 404
+        with pytest.raises(APIError):
+            responses_call(json.dumps({"input": "and?", "previous_response_id": rid}).encode(), store, owner=other)
+    assert stored(store, rid, "alice")[0] == 200
+    assert responses_call(json.dumps({"input": "and?", "previous_response_id": rid}).encode(), store, "alice").chat

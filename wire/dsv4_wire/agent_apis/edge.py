@@ -44,14 +44,15 @@ class AgentCall:
         stream: bool,
         req: Optional[ResponsesRequest] = None,
         store: Optional[ResponseStore] = None,
+        owner: str = "",
     ):
         self.api, self.chat, self.stream = api, chat, stream
-        self.req, self.store = req, store
+        self.req, self.store, self.owner = req, store, owner
         self.id = new_id("resp") if api == RESPONSES else new_id("msg")
 
     def _keep(self, response: dict) -> None:
         if self.req is not None and self.req.store and self.store is not None:
-            self.store.put(response, [*self.req.messages, assistant_message(response["output"])])
+            self.store.put(response, [*self.req.messages, assistant_message(response["output"])], self.owner)
 
     def answer(self, status: int, content: bytes) -> tuple[int, bytes]:
         """The chat path's JSON answer (a completion or an error) as this API's."""
@@ -108,13 +109,14 @@ class AgentCall:
                 await close()
 
 
-def responses_call(raw: Union[bytes, dict], store: ResponseStore) -> AgentCall:
-    """A Responses request, with the conversation of its `previous_response_id`."""
+def responses_call(raw: Union[bytes, dict], store: ResponseStore, owner: str = "") -> AgentCall:
+    """A Responses request, with the conversation of its `previous_response_id`; `owner`: the
+    caller's API key name (stored responses are per key)."""
     body = _json(raw)
     history = None
     prev = body.get("previous_response_id") if isinstance(body, dict) else None
     if prev is not None:
-        found = store.get(prev) if isinstance(prev, str) else None
+        found = store.get(prev, owner) if isinstance(prev, str) else None
         if found is None:
             raise APIError(
                 f"Previous response with id '{prev}' not found (responses are kept in this server's memory "
@@ -125,7 +127,7 @@ def responses_call(raw: Union[bytes, dict], store: ResponseStore) -> AgentCall:
             )
         history = found.messages
     req = responses_to_chat(body, history)
-    return AgentCall(RESPONSES, req.chat, req.stream, req, store)
+    return AgentCall(RESPONSES, req.chat, req.stream, req, store, owner)
 
 
 def messages_call(raw: Union[bytes, dict]) -> AgentCall:
@@ -133,14 +135,14 @@ def messages_call(raw: Union[bytes, dict]) -> AgentCall:
     return AgentCall(MESSAGES, req.chat, req.stream)
 
 
-def stored(store: ResponseStore, rid: str, delete: bool = False) -> tuple[int, bytes]:
-    """GET (or DELETE) /v1/responses/{rid}."""
-    found = store.get(rid)
+def stored(store: ResponseStore, rid: str, owner: str = "", delete: bool = False) -> tuple[int, bytes]:
+    """GET (or DELETE) /v1/responses/{rid}, for the caller's API key name `owner`."""
+    found = store.get(rid, owner)
     if found is None:
         return refusal(
             RESPONSES, APIError(f"Response with id '{rid}' not found.", 404, param="response_id", code="not_found")
         )
     if delete:
-        store.delete(rid)
+        store.delete(rid, owner)
         return 200, json.dumps({"id": rid, "object": "response.deleted", "deleted": True}).encode()
     return 200, json.dumps(found.response).encode()

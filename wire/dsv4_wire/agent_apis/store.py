@@ -1,7 +1,8 @@
 """Stored responses of the Responses API (`store`, `previous_response_id`, GET and DELETE), kept
 in the serving process's memory under a bound: the least recently used go first once there are
 more than `max_items` or their JSON passes `max_bytes`. A restart forgets them all, and a router
-and an engine each keep their own (a conversation continues where it started)."""
+and an engine each keep their own (a conversation continues where it started). With API keys,
+a stored response belongs to the key that made it: another key neither finds nor deletes it."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class Stored:
     response: dict  # the response object, as GET returns it
     messages: list  # the conversation as chat messages, its answer included (instructions not)
     size: int
+    owner: str = ""  # the API key's name that stored it: only that key finds it again
 
 
 class ResponseStore:
@@ -30,26 +32,31 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, response: dict, messages: list) -> None:
+    def put(self, response: dict, messages: list, owner: str = "") -> None:
         size = len(json.dumps(response)) + len(json.dumps(messages))
-        self.delete(response["id"])
+        old = self._items.pop(response["id"], None)
+        if old is not None:
+            self.bytes -= old.size
         if size > self.max_bytes:
             return  # larger than the whole store: not kept (a later previous_response_id is a 404)
-        self._items[response["id"]] = Stored(response, messages, size)
+        self._items[response["id"]] = Stored(response, messages, size, owner)
         self.bytes += size
         while len(self._items) > self.max_items or self.bytes > self.max_bytes:
             _, old = self._items.popitem(last=False)
             self.bytes -= old.size
 
-    def get(self, rid: str) -> Optional[Stored]:
+    def get(self, rid: str, owner: str = "") -> Optional[Stored]:
         found = self._items.get(rid)
+        if found is not None and found.owner != owner:
+            return None  # another key's: as if it were not there
         if found is not None:
             self._items.move_to_end(rid)
         return found
 
-    def delete(self, rid: str) -> bool:
-        old = self._items.pop(rid, None)
-        if old is None:
+    def delete(self, rid: str, owner: str = "") -> bool:
+        old = self._items.get(rid)
+        if old is None or old.owner != owner:
             return False
+        del self._items[rid]
         self.bytes -= old.size
         return True
