@@ -116,10 +116,20 @@ def test_output_config_and_adaptive_thinking():
         "output_config": {"effort": "high", "format": {"type": "json_schema", "schema": SCHEMA}},
         "cache_control": {"type": "ephemeral"},
         "speed": "standard",
+        # what Claude Code 2.1 sends with every request: keep all thinking, i.e. change nothing
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
     }
     chat = messages_to_chat(body).chat
     assert chat["chat_template_kwargs"] == {"thinking": True} and chat["reasoning_effort"] == "high"
     assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "output", "schema": SCHEMA}}
+
+
+def test_a_system_message_mid_conversation_stays_where_it_is():
+    body = {
+        "max_tokens": 5,
+        "messages": [*USER, {"role": "system", "content": [{"type": "text", "text": "agents: ..."}]}],
+    }
+    assert messages_to_chat(body).chat["messages"] == [*USER, {"role": "system", "content": "agents: ..."}]
 
 
 def test_thinking_disabled_and_a_results_only_turn():
@@ -153,12 +163,21 @@ def test_thinking_disabled_and_a_results_only_turn():
             },
             "redacted_thinking",
         ),
-        ({"messages": [{"role": "system", "content": "x"}]}, "role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "role"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search_20250305"),
         ({"tool_choice": {"type": "sometimes"}}, "tool_choice"),
         ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "budget_tokens"),
         ({"mcp_servers": [{"url": "x"}]}, "mcp_servers"),
         ({"diagnostics": {"previous_message_id": None}}, "diagnostics"),
+        ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}, "context_management.edits[0]"),
+        (
+            {
+                "context_management": {
+                    "edits": [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 1}}]
+                }
+            },
+            "context_management",
+        ),
         ({"speed": "fast"}, "speed"),
         ({"thinking": {"type": "between_tools"}}, "between_tools"),
         ({"thinking": {"type": "adaptive", "display": "omitted"}}, "omitted"),

@@ -1,13 +1,14 @@
 """An Anthropic Messages request (`POST /v1/messages`) as a chat-completions body. Pure.
 
-What Claude Code sends is served: `system` (text or text blocks), `messages` with `text`,
+What Claude Code sends is served: `system` (text or text blocks), `messages` (user, assistant,
+and system ones mid-conversation, rendered where they stand as the model's format does) with `text`,
 `tool_use`, `tool_result` and `thinking` blocks, `tools` with `input_schema`, `tool_choice`
 (`auto`, `any`, `tool`, `none`, `disable_parallel_tool_use`), `thinking` (enabled, adaptive or
 disabled), `max_tokens` (required, as Anthropic has it), `stop_sequences`, `temperature`,
 `top_p`, `top_k`, `stream`, `metadata`, `output_config` (`effort`, a JSON-schema `format`).
 `cache_control` marks (on blocks, tools, or the request) are accepted: every prompt prefix is
 cached anyway; `user_profile_id` and `workspace_id` name the caller and change nothing. What this server cannot honour (images and documents, server tools such as web
-search, redacted thinking, an assistant prefill to continue, MCP servers, containers, diagnostics, an inference region, fast mode, thinking between tools or
+search, redacted thinking, an assistant prefill to continue, MCP servers, containers, context-management edits that would clear something, diagnostics, an inference region, fast mode, thinking between tools or
 with its display omitted) is a 400
 naming it; fields nobody defines are ignored, as on the chat route.
 """
@@ -24,7 +25,6 @@ from dsv4_wire.errors import APIError
 NEUTRAL = {
     "mcp_servers": (None, []),
     "container": (None,),
-    "context_management": (None,),
     "diagnostics": (None,),  # a cache-miss report nothing here writes
     "inference_geo": (None,),
     "speed": (None, "standard"),
@@ -165,6 +165,21 @@ def _thinking(thinking: Any, max_tokens: int) -> bool:
     raise _bad(f"thinking {thinking!r} is not supported (enabled, adaptive or disabled)", "thinking")
 
 
+def _context_management(cm: Any) -> None:
+    """Only the edit that changes nothing is served: keep every thinking block (Claude Code sends
+    it). What a turn re-renders of earlier reasoning is the model format's rule, as on the chat
+    path; clearing tool results or thinking is the client's to do (send less)."""
+    edits = cm.get("edits") if isinstance(cm, dict) else None
+    if not isinstance(edits, list) or set(cm) - {"edits"}:
+        raise _bad('context_management must be {"edits": [...]}', "context_management")
+    for i, edit in enumerate(edits):
+        if not (isinstance(edit, dict) and edit.get("type") == "clear_thinking_20251015" and edit.get("keep") == "all"):
+            raise _bad(
+                f"context_management.edits[{i}] is not supported (only clear_thinking keeping all)",
+                "context_management",
+            )
+
+
 def _output_config(config: Any, chat: dict) -> None:
     """output_config: `effort` as the chat path's reasoning_effort, `format` as a JSON-schema
     response_format."""
@@ -204,8 +219,10 @@ def messages_to_chat(body: Any) -> MessagesRequest:
             chat_msgs += _user(m, where)
         elif role == "assistant":
             chat_msgs.append(_assistant(m, where))
+        elif role == "system":  # a system message mid-conversation (Claude Code sends them): rendered where it is
+            chat_msgs.append({"role": "system", "content": _text_blocks(m.get("content"), f"{where}.content")})
         else:
-            raise _bad(f"{where}: role {role!r} is not supported (user or assistant)", "messages")
+            raise _bad(f"{where}: role {role!r} is not supported (user, assistant or system)", "messages")
     if msgs[-1].get("role") == "assistant":
         raise _bad("a final assistant message (a prefill to continue) is not supported", "messages")
     chat: dict = {"messages": chat_msgs, "max_tokens": max_tokens}
@@ -226,6 +243,8 @@ def messages_to_chat(body: Any) -> MessagesRequest:
         _tool_choice(body["tool_choice"], chat)
     if body.get("thinking") is not None:
         chat["chat_template_kwargs"] = {"thinking": _thinking(body["thinking"], max_tokens)}
+    if body.get("context_management") is not None:
+        _context_management(body["context_management"])
     if body.get("output_config") is not None:
         _output_config(body["output_config"], chat)
     if body.get("service_tier") not in (None, "auto", "standard_only"):
