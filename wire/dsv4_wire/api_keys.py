@@ -1,6 +1,7 @@
 """Client API keys on the OpenAI surface, as vLLM's `--api-key`: `Authorization: Bearer <key>`
-(or Anthropic's `x-api-key: <key>`) on /v1/* (completions, chat, responses, messages, models); /health, /ready, /metrics and the live /v1/loads stay
-open as vLLM's health and metrics do (the operator and load balancers read them).
+(or Anthropic's `x-api-key: <key>`) on /v1/* (completions, chat, responses, messages, models);
+/health, /ready, /metrics and the live /v1/loads stay open as vLLM's health and metrics do (the
+operator and load balancers read them).
 
 Keys come from `--api-key KEY` (repeatable) and `--api-key-file PATH` (one key per line, or
 `NAME KEY` to name it in metrics; `#` starts a comment). Metrics never carry a key: a named key
