@@ -7,7 +7,8 @@ on the tiny checkpoint (V3.1 tool-call format). The router over a real prefill/d
 tests/integration/test_agent_apis_pd.py.
 
 Calls are forced, one a turn (`tool_choice: "required"` / `{"type": "any"}` without parallel
-calls: the grammar makes even random weights call) and greedy, so every round is a call and mono and router answer alike."""
+calls: the grammar makes even random weights call) and greedy, so every round is a call and mono
+and router answer alike."""
 
 from __future__ import annotations
 
@@ -142,7 +143,9 @@ def test_responses_refuse_what_they_cannot_honour(urls):
 def test_messages_tool_use_rounds_streamed_and_not(urls, where):
     client = claude(urls[where])
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
-    body = dict(model="m", max_tokens=80, system="Use the tool.", tools=ATOOLS, tool_choice={"type": "any", "disable_parallel_tool_use": True},
+    once = {"type": "any", "disable_parallel_tool_use": True}
+    # temperature is no argument of this anthropic client's create(): it rides extra_body
+    body = dict(model="m", max_tokens=80, system="Use the tool.", tools=ATOOLS, tool_choice=once,
                 extra_body={"temperature": 0})  # fmt: skip
     inputs = []
     for i in range(2):

@@ -1,16 +1,18 @@
 """An Anthropic Messages request (`POST /v1/messages`) as a chat-completions body. Pure.
 
 What Claude Code sends is served: `system` (text or text blocks), `messages` (user, assistant,
-and system ones mid-conversation, rendered where they stand as the model's format does) with `text`,
-`tool_use`, `tool_result` and `thinking` blocks, `tools` with `input_schema`, `tool_choice`
-(`auto`, `any`, `tool`, `none`, `disable_parallel_tool_use`), `thinking` (enabled, adaptive or
-disabled), `max_tokens` (required, as Anthropic has it), `stop_sequences`, `temperature`,
-`top_p`, `top_k`, `stream`, `metadata`, `output_config` (`effort`, a JSON-schema `format`).
-`cache_control` marks (on blocks, tools, or the request) are accepted: every prompt prefix is
-cached anyway; `user_profile_id` and `workspace_id` name the caller and change nothing. What this server cannot honour (images and documents, server tools such as web
-search, redacted thinking, an assistant prefill to continue, MCP servers, containers, context-management edits that would clear something, diagnostics, an inference region, fast mode, thinking between tools or
-with its display omitted) is a 400
-naming it; fields nobody defines are ignored, as on the chat route.
+and system ones mid-conversation, rendered where they stand as the model's format does) with
+`text`, `tool_use`, `tool_result` and `thinking` blocks, `tools` with `input_schema`,
+`tool_choice` (`auto`, `any`, `tool`, `none`, `disable_parallel_tool_use`), `thinking`
+(enabled, adaptive or disabled), `max_tokens` (required, as Anthropic has it), `stop_sequences`,
+`temperature`, `top_p`, `top_k`, `stream`, `metadata`, `output_config` (`effort`, a JSON-schema
+`format`), `context_management` that keeps all thinking. `cache_control` marks (on blocks,
+tools, or the request) are accepted: every prompt prefix is cached anyway; `user_profile_id`
+and `workspace_id` name the caller and change nothing. What this server cannot honour (images
+and documents, server tools such as web search, redacted thinking, an assistant prefill to
+continue, MCP servers, containers, context-management edits that would clear something,
+diagnostics, an inference region, fast mode, thinking between tools or with its display
+omitted) is a 400 naming it; fields nobody defines are ignored, as on the chat route.
 """
 
 from __future__ import annotations
