@@ -177,8 +177,9 @@ class Router:
         return None, m
 
     async def handle(self, path: str, http: Request, body: Optional[dict] = None) -> Response:
-        """`body`: the request's, already read (an agent API's, translated to chat: agent_routes.py)."""
-        self.metrics.requests.labels(path).inc()
+        """`body`: the request's, already read (an agent API's, translated to chat: agent_routes.py;
+        counted under the path the client called)."""
+        self.metrics.requests.labels(http.url.path if body is not None else path).inc()
         pin = http.headers.get(PIN_HEADER)
         if pin is not None:  # only an admin may aim a request at one engine (a canary)
             refusal = admin_refusal(http.headers, self.args.admin_token, http.client.host if http.client else None)

@@ -193,3 +193,6 @@ def test_messages_errors_are_anthropic_shaped_and_keys_ride_x_api_key(urls):
     assert e.value.body["error"]["type"] == "authentication_error"
     r = httpx.post(f"{urls['router']}/v1/messages", json={"messages": []}, headers={"x-api-key": KEY}, timeout=30)
     assert r.status_code == 400 and r.json()["type"] == "error"
+    # the router counts them under the path the client called
+    metrics = httpx.get(f"{urls['router']}/metrics", timeout=30).text
+    assert 'dsv4_router:requests_total{endpoint="/v1/messages"}' in metrics
