@@ -129,6 +129,7 @@ def test_history_comes_first_and_instructions_are_not_carried():
         ("text", {"format": {"type": "grammar"}}),
         ("top_logprobs", 3),
         ("max_tool_calls", 2),
+        ("moderation", {"input": True}),
         ("service_tier", "flex"),
     ],
 )

@@ -97,7 +97,8 @@ class AgentCall:
                         err = data["error"]
                         code = err.get("code")
                         status = code if isinstance(code, int) else 500
-                        yield failed(status, str(err.get("message") or "the request failed"), str(code))
+                        message = str(err.get("message") or "the request failed")
+                        yield failed(status, message, None if code is None else str(code))
                         return
                     out = b"".join(named_event(e) for e in t.feed(data))
                     if out:

@@ -17,31 +17,6 @@ from typing import Any, Optional
 
 from dsv4_wire.errors import APIError
 
-# Responses fields we serve (translated below) or that change nothing here (identifiers).
-SERVED = {
-    "model",
-    "input",
-    "instructions",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "max_output_tokens",
-    "temperature",
-    "top_p",
-    "stream",
-    "stream_options",
-    "store",
-    "previous_response_id",
-    "metadata",
-    "reasoning",
-    "text",
-    "truncation",
-    "include",
-    "user",
-    "safety_identifier",
-    "prompt_cache_key",
-    "service_tier",
-}
 # Responses fields with no meaning here: a value other than the neutral one is refused.
 NEUTRAL = {
     "background": (None, False),
@@ -51,6 +26,10 @@ NEUTRAL = {
     "top_logprobs": (None, 0),
     "context_management": (None, []),
     "prompt_cache_retention": (None, "in_memory"),
+    "moderation": (None,),
+    "image": (None,),
+    "access_programs": (None,),
+    "background_options": (None,),
 }
 # sampling extras the chat route serves (vLLM's), passed through as they are
 CHAT_EXTRAS = ("top_k", "seed", "stop", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -165,7 +144,7 @@ class _Conversation:
                     self.messages.append(msg := {"role": "assistant", "content": None})
                 msg["content"] = (msg["content"] or "") + text
                 return
-            self._dangling()
+            self.drop_unanswered_reasoning()
             text = _text_of(item.get("content"), where, ("input_text", "text"))
             self.messages.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
@@ -179,7 +158,7 @@ class _Conversation:
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise _bad(f"{where}: a function_call_output needs call_id", "input")
-            self._dangling()
+            self.drop_unanswered_reasoning()
             out = _text_of(item.get("output"), where, ("input_text", "output_text", "text"))
             self.messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": out})
         elif kind == "reasoning":
@@ -193,9 +172,9 @@ class _Conversation:
         else:
             raise _bad(f"{where}: input item type {kind!r} is not supported", "input")
 
-    def _dangling(self) -> None:
-        if self.reasoning is not None:  # reasoning with no answer after it: nothing to keep it with
-            self.reasoning = None
+    def drop_unanswered_reasoning(self) -> None:
+        """Reasoning with no assistant turn after it has nothing to be rendered with."""
+        self.reasoning = None
 
 
 def responses_to_chat(body: Any, history: Optional[list] = None) -> ResponsesRequest:
@@ -224,7 +203,7 @@ def responses_to_chat(body: Any, history: Optional[list] = None) -> ResponsesReq
             conv.add(item, i)
     else:
         raise _bad("input must be a string or a list of items", "input")
-    conv._dangling()
+    conv.drop_unanswered_reasoning()
     if not conv.messages:
         raise _bad("input must not be empty", "input")
     messages = conv.messages
