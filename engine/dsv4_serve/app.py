@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsv4_engine.tokenizer import Tokenizer
 from dsv4_serve.admin import error_response, require_admin, thread_stacks
+from dsv4_serve.agent_routes import add_agent_routes
 from dsv4_serve.engine_client import CORE_ANSWER_TIMEOUT, EngineClient, EngineGone
 from dsv4_serve.gate import Gate, Lifecycle
 from dsv4_serve.server_args import ServerArgs
@@ -87,6 +88,8 @@ def build_app(
     @app.post(Paths.CHAT_COMPLETIONS)
     async def chat(http: Request):
         return await serving.serve(serving.prepare_chat, http)
+
+    add_agent_routes(app, serving)
 
     @app.get(Paths.MODELS)
     async def models():

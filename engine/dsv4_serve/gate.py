@@ -16,10 +16,11 @@ from typing import Optional
 
 from dsv4_wire import APIError, Paths, admin_refusal
 from dsv4_wire.auth import token_matches
+from dsv4_wire.agent_apis.messages_output import error_body
 from dsv4_wire.serve_options import default
 
 DEFAULT_MAX_REQUEST_BYTES = default("max_request_bytes")  # the engine's --max-request-bytes
-GENERATION_PATHS = frozenset({Paths.COMPLETIONS, Paths.CHAT_COMPLETIONS})
+GENERATION_PATHS = frozenset({Paths.COMPLETIONS, Paths.CHAT_COMPLETIONS, Paths.RESPONSES, Paths.MESSAGES})
 
 
 @dataclass
@@ -31,8 +32,9 @@ class Lifecycle:
     active: int = 0  # generation requests being answered right now
 
 
-async def send_error(send, e: APIError, headers: tuple = ()) -> None:
-    body = json.dumps(e.body()).encode()
+async def send_error(send, e: APIError, headers: tuple = (), path: str = "") -> None:
+    # Anthropic's route answers in Anthropic's shape, at the door too
+    body = json.dumps(error_body(e.status, e.message) if path == Paths.MESSAGES else e.body()).encode()
     await send(
         {
             "type": "http.response.start",
@@ -96,6 +98,7 @@ class Gate:
                     "the server is shutting down; retry on another replica", 503, "server_error", code="shutting_down"
                 ),
                 ((b"connection", b"close"),),
+                scope["path"],
             )
         if scope["path"].startswith(ADMIN_PREFIXES + PD_PREFIXES):
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers") or []}
@@ -104,15 +107,15 @@ class Gate:
                 scope["path"], headers, client[0] if client else None, self.admin_token, self.pd_secret
             )
             if refused is not None:
-                return await send_error(send, refused, ((b"connection", b"close"),))
+                return await send_error(send, refused, ((b"connection", b"close"),), scope["path"])
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None:
             try:
                 size = int(declared)
             except ValueError:
-                return await send_error(send, APIError("invalid Content-Length header"))
+                return await send_error(send, APIError("invalid Content-Length header"), (), scope["path"])
             if size > self.limit:
-                return await send_error(send, self._too_large(size), ((b"connection", b"close"),))
+                return await send_error(send, self._too_large(size), ((b"connection", b"close"),), scope["path"])
         # Read the body here (bounded), then hand it on: a chunked body cannot outgrow the limit.
         chunks, size, more = [], 0, True
         while more:
@@ -122,7 +125,7 @@ class Gate:
             chunk = msg.get("body", b"")
             size += len(chunk)
             if size > self.limit:
-                return await send_error(send, self._too_large(size), ((b"connection", b"close"),))
+                return await send_error(send, self._too_large(size), ((b"connection", b"close"),), scope["path"])
             chunks.append(chunk)
             more = msg.get("more_body", False)
         body, replayed = b"".join(chunks), False

@@ -316,8 +316,9 @@ class OpenAIServing:
         processor.resume(seq.output_ids)
         return processor
 
-    async def serve(self, prepare, http: Request) -> Response:
-        body = await http.body()
+    async def serve(self, prepare, http: Request, body: Optional[bytes] = None) -> Response:
+        """`body`: the request's, when it is not the HTTP one (an agent API translated to chat)."""
+        body = await http.body() if body is None else body
         p: Prepared = await asyncio.to_thread(prepare, body, http.headers)
         p.span = self.tracing.start(
             "engine.request",

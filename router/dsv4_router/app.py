@@ -23,6 +23,7 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from dsv4_router.agent_routes import add_agent_routes
 from dsv4_router.cache_placement import Tokenize
 from dsv4_router.router_args import RouterArgs
 from dsv4_router.router import Router
@@ -103,6 +104,8 @@ def build_app(router: Router) -> FastAPI:
     @app.post(Paths.CHAT_COMPLETIONS)
     async def chat(http: Request):
         return await router.handle(Paths.CHAT_COMPLETIONS, http)
+
+    add_agent_routes(app, router)
 
     @app.get(Paths.MODELS)
     async def models():

@@ -177,8 +177,10 @@ class Router:
             raise APIError("no healthy engine is available", 503, "service_unavailable")
         return None, m
 
-    async def handle(self, path: str, http: Request) -> Response:
-        self.metrics.requests.labels(path).inc()
+    async def handle(self, path: str, http: Request, body: Optional[dict] = None) -> Response:
+        """`body`: the request's, already read (an agent API's, translated to chat: agent_routes.py;
+        counted under the path the client called)."""
+        self.metrics.requests.labels(http.url.path if body is not None else path).inc()
         pin = http.headers.get(PIN_HEADER)
         if pin is not None:  # only an admin may aim a request at one engine (a canary)
             refusal = admin_refusal(http.headers, self.args.admin_token, http.client.host if http.client else None)
@@ -192,9 +194,10 @@ class Router:
                     )
                 )
         try:
-            limit = body_limit(self.args.max_body_bytes, (w.max_model_len for w in self.pool.workers.values()))
-            raw = await read_limited(http.headers.get("content-length"), http.stream(), limit)
-            body = parse_body(raw)
+            if body is None:
+                limit = body_limit(self.args.max_body_bytes, (w.max_model_len for w in self.pool.workers.values()))
+                raw = await read_limited(http.headers.get("content-length"), http.stream(), limit)
+                body = parse_body(raw)
         except APIError as e:
             return self.error(e)
         except ClientDisconnect:

@@ -19,10 +19,11 @@ from typing import Callable, Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from dsv4_wire import APIError, Paths
+from dsv4_wire.agent_apis.messages_output import error_body
 from dsv4_wire.api_keys import ApiKey
 
 ANONYMOUS = "anonymous"
-GENERATION_PATHS = frozenset({Paths.COMPLETIONS, Paths.CHAT_COMPLETIONS})
+GENERATION_PATHS = frozenset({Paths.COMPLETIONS, Paths.CHAT_COMPLETIONS, Paths.RESPONSES, Paths.MESSAGES})
 SALT_SCOPE_KEY = "dsv4.cache_salt"
 ADMIT_SCOPE_KEY = "dsv4.key_admit"
 
@@ -165,7 +166,7 @@ class TenantGate:
             if refused is not None:
                 why, wait = refused
                 self.metrics.requests.labels(name, why).inc()
-                return await _too_many(send, why, wait)
+                return await _too_many(send, why, wait, scope["path"])
 
             def admit(sequences: int) -> Optional[APIError]:
                 refused = self.limiter.admit(name, self.clock(), sequences)
@@ -210,8 +211,10 @@ def key_limit_error(why: str, wait: int) -> APIError:
     return e
 
 
-async def _too_many(send, why: str, wait: int) -> None:
-    body = json.dumps(key_limit_error(why, wait).body()).encode()
+async def _too_many(send, why: str, wait: int, path: str) -> None:
+    e = key_limit_error(why, wait)
+    # Anthropic's route answers in Anthropic's shape
+    body = json.dumps(error_body(429, e.message) if path == Paths.MESSAGES else e.body()).encode()
     await send(
         {
             "type": "http.response.start",

@@ -1,6 +1,7 @@
 """Client API keys on the OpenAI surface, as vLLM's `--api-key`: `Authorization: Bearer <key>`
-on /v1/* (completions, chat, models); /health, /ready, /metrics and the live /v1/loads stay
-open as vLLM's health and metrics do (the operator and load balancers read them).
+(or Anthropic's `x-api-key: <key>`) on /v1/* (completions, chat, responses, messages, models);
+/health, /ready, /metrics and the live /v1/loads stay open as vLLM's health and metrics do (the
+operator and load balancers read them).
 
 Keys come from `--api-key KEY` (repeatable) and `--api-key-file PATH` (one key per line, or
 `NAME KEY` to name it in metrics; `#` starts a comment). Metrics never carry a key: a named key
@@ -78,7 +79,8 @@ class KeyRing:
         return bool(self.keys)
 
     def identify(self, headers: Mapping[str, str]) -> Optional[ApiKey]:
-        got = bearer_token(headers)
+        # Anthropic's clients send `x-api-key`; OpenAI's `Authorization: Bearer`. Either, on every route.
+        got = bearer_token(headers) or headers.get("x-api-key") or None
         if got is None:
             return None
         raw = got.encode()
@@ -95,15 +97,13 @@ def protected(path: str) -> bool:
     return path.startswith("/v1/") and path not in OPEN_V1_PATHS
 
 
+NEEDS_KEY = "a valid API key is required (Authorization: Bearer <key>, or x-api-key: <key>)"
 UNAUTHORIZED = json.dumps(
-    {
-        "error": {
-            "message": "a valid API key is required (Authorization: Bearer <key>)",
-            "type": "authentication_error",
-            "param": None,
-            "code": "invalid_api_key",
-        }
-    }
+    {"error": {"message": NEEDS_KEY, "type": "authentication_error", "param": None, "code": "invalid_api_key"}}
+).encode()
+# /v1/messages answers in Anthropic's error shape, its refusals at the door too
+UNAUTHORIZED_ANTHROPIC = json.dumps(
+    {"type": "error", "error": {"type": "authentication_error", "message": NEEDS_KEY}}
 ).encode()
 
 
@@ -121,17 +121,18 @@ class ApiKeyGate:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers") or []}
         found = self.ring.identify(headers)
         if found is None:
+            body = UNAUTHORIZED_ANTHROPIC if scope["path"] == Paths.MESSAGES else UNAUTHORIZED
             await send(
                 {
                     "type": "http.response.start",
                     "status": 401,
                     "headers": [
                         (b"content-type", b"application/json"),
-                        (b"content-length", str(len(UNAUTHORIZED)).encode()),
+                        (b"content-length", str(len(body)).encode()),
                         (b"www-authenticate", b"Bearer"),
                     ],
                 }
             )
-            return await send({"type": "http.response.body", "body": UNAUTHORIZED})
+            return await send({"type": "http.response.body", "body": body})
         scope["dsv4.api_key"] = found
         return await self.app(scope, receive, send)

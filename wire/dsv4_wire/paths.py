@@ -6,6 +6,9 @@ class Paths:
     COMPLETIONS = "/v1/completions"
     CHAT_COMPLETIONS = "/v1/chat/completions"
     MODELS = "/v1/models"
+    # the agent harnesses' APIs, translated onto chat completions (dsv4_wire.agent_apis)
+    RESPONSES = "/v1/responses"  # OpenAI Responses; GET/DELETE /v1/responses/{id} for stored ones
+    MESSAGES = "/v1/messages"  # Anthropic Messages
     # live state (every engine)
     HEALTH = "/health"
     READY = "/ready"
