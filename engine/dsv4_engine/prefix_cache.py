@@ -43,10 +43,20 @@ from typing import Optional
 
 from dsv4_engine.kv_cache import PageAllocator, SnapshotPool
 from dsv4_engine.sequence import Sequence
+from dsv4_wire.kv_events import chain_hash, root_hash
+
+
+def page_hash(parent: Optional[bytes], key: tuple) -> bytes:
+    """The contract's hash of a page from its parent's (None under the root) and its key, whose
+    first element is the cache salt on a salted first page (see `_page_tokens`)."""
+    if parent is None:
+        salt = key[0] if key and isinstance(key[0], str) else None
+        return chain_hash(root_hash(salt), key[1:] if salt else key)
+    return chain_hash(parent, key)
 
 
 class _Node:
-    __slots__ = ("tokens", "parent", "page", "children", "last_use", "depth", "snapshot")
+    __slots__ = ("tokens", "parent", "page", "children", "last_use", "depth", "snapshot", "hash")
 
     def __init__(self, tokens: tuple, parent: Optional["_Node"], page: int):
         self.tokens = tokens
@@ -56,6 +66,7 @@ class _Node:
         self.last_use = 0
         self.depth = parent.depth + 1 if parent is not None else 0  # pages from the root, this one included
         self.snapshot: Optional[int] = None  # slot-row snapshot at this node's end (models with slot states)
+        self.hash: Optional[bytes] = None  # the contract's page hash (dsv4_wire.kv_events), when published
 
 
 class PrefixCache:
@@ -94,6 +105,8 @@ class PrefixCache:
         self._tie = itertools.count()
         self.query_tokens = 0  # tokens looked up at admission
         self.hit_tokens = 0  # of which found cached
+        # Where the pages stored and evicted are told (/v1/kv_events; kv_journal.KVJournal), if anywhere.
+        self.journal = None
         allocator.cache = self
 
     # ---- what the allocator asks (PageKeeper) ------------------------------------------------
@@ -133,6 +146,8 @@ class PrefixCache:
             if node.snapshot is not None:
                 self._drop_snapshot(node)
             self._idle.discard(node.page)
+            if self.journal is not None and node.hash is not None:
+                self.journal.evicted("device", node.hash)
             out.append(node.page)
             if parent is not self.root and not parent.children and parent.page in self._idle:
                 self._push(parent)
@@ -326,6 +341,9 @@ class PrefixCache:
                 child = _Node(tokens, parent, seq.pages[i])
                 parent.children[tokens] = child
                 self._by_page[child.page] = child
+                if self.journal is not None and (parent is self.root or parent.hash is not None):
+                    child.hash = page_hash(parent.hash, tokens)
+                    self.journal.stored("device", child.hash)
             seq.cache_node = child
             seq.num_cached_pages = i + 1
 

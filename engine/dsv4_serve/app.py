@@ -23,6 +23,7 @@ from dsv4_engine.tokenizer import Tokenizer
 from dsv4_serve.admin import error_response, require_admin, thread_stacks
 from dsv4_serve.engine_client import CORE_ANSWER_TIMEOUT, EngineClient, EngineGone
 from dsv4_serve.gate import Gate, Lifecycle
+from dsv4_serve.kv_events_route import add_kv_events_route
 from dsv4_serve.server_args import ServerArgs
 from dsv4_serve.serving import OpenAIServing, internal_error
 from dsv4_wire import APIError, Paths
@@ -165,6 +166,8 @@ def build_app(
         # Request ids, rooms and peer URLs: the admin token's (the operator and `dsv4 up` send it).
         require_admin(http, args.admin_token)
         return await from_core("loads")
+
+    add_kv_events_route(app, client, args, serving.model_name, lifecycle)
 
     @app.post(Paths.ADMIN_DRAIN)
     async def drain(http: Request):

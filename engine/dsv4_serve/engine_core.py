@@ -194,6 +194,25 @@ class CoreServer:
         engine = self.engine
         engine.call(lambda: engine.pd.abort_room(room, reason))
 
+    def _kv_snapshot(self, _arg: Any) -> Optional[dict]:
+        """What the prefix cache holds, for a new /v1/kv_events subscriber (None: no cache)."""
+        cache = self.engine.prefix_cache
+        if cache is None or cache.journal is None:
+            return None
+        return {
+            **cache.journal.snapshot(),
+            "instance": cache.journal.instance,
+            "page_size": cache.page_size,
+            "boundary_tokens": cache.boundary,
+        }
+
+    def _kv_events(self, seq: Any) -> Optional[list]:
+        """The events messages after batch `seq` (None: resync with a new snapshot)."""
+        cache = self.engine.prefix_cache
+        if cache is None or cache.journal is None:
+            return None
+        return cache.journal.since(int(seq))
+
     def _faults_arm(self, arg: Any) -> Any:
         fault, count, params = arg
         self.engine.pd.faults.arm(fault, count, **params)
@@ -220,6 +239,8 @@ RPCS: dict[str, Callable[[CoreServer, Any], Any]] = {
     "drain": CoreServer._drain,
     "channel": CoreServer._channel,
     "pd_abort": CoreServer._pd_abort,
+    "kv_snapshot": CoreServer._kv_snapshot,
+    "kv_events": CoreServer._kv_events,
     "faults_arm": CoreServer._faults_arm,
     "faults_clear": CoreServer._faults_clear,
     "faults_snapshot": CoreServer._faults_snapshot,
@@ -398,6 +419,10 @@ def main(argv: list[str]) -> None:
     from dsv4_engine.pd import BOOT_ID
 
     engine.detokenize = False  # text and stop strings are the HTTP process's (dsv4_serve.detokenize)
+    if engine.prefix_cache is not None:  # /v1/kv_events: what the cache gains and loses, from the start
+        from dsv4_engine.kv_journal import KVJournal
+
+        engine.prefix_cache.journal = KVJournal(BOOT_ID)
     core = CoreServer(engine, conn)
     profile = os.environ.get("DSV4_CORE_PROFILE")
     if profile:
