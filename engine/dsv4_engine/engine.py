@@ -37,6 +37,7 @@ from dsv4_engine.metrics import EngineMetrics
 from dsv4_engine.model_runner import ModelRunner, default_device
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.prefix_cache import PrefixCache
+from dsv4_engine.session_pins import SessionPins, session_refusal
 from dsv4_engine.sampling import request_generator, skip_draw
 from dsv4_engine.scheduler import Scheduler
 from dsv4_engine.sequence import Sequence, SeqStatus
@@ -96,6 +97,7 @@ def args_refusal(args: EngineArgs) -> Optional[str]:
         or backend_refusal(args.kernel_backend, args.device)
         or layout_refusal(args.tp_size, args.nnodes, args.node_rank, args.dist_init_addr)
         or node_role_refusal(args)
+        or session_refusal(args.session_ttl, args.session_pin_share)
     )
 
 
@@ -279,6 +281,7 @@ class Engine:
             self.pool.snapshots = snaps
             self.runner.snapshot_states = snaps.states if snaps is not None else None
             self.prefix_cache = PrefixCache(self.pool.allocator, page_size, snaps, boundary, in_forward, interval)
+            self.prefix_cache.pins = SessionPins(num_pages, args.session_ttl, args.session_pin_share)
             if self.spec is not None:
                 self.spec.cache_boundary = boundary  # drafts stop at boundaries (decode snapshots)
         self.scheduler = Scheduler(
@@ -740,6 +743,11 @@ class Engine:
                 m.inc("prefix_cache_query_tokens", c.query_tokens - q)
             if c.hit_tokens > h:
                 m.inc("prefix_cache_hit_tokens", c.hit_tokens - h)
+                m.inc_tier("prefix_cache_tier_hit_tokens", "device", c.hit_tokens - h)
+            m.set_tier("prefix_cache_tier_pages", "device", c.num_cached)
+            if c.pins is not None:
+                m.set("kv_pages_pinned", c.pins.num_pinned)
+                m.set("sessions_active", len(c.pins.sessions))
             self._cache_counted = (c.query_tokens, c.hit_tokens)
         if self.pd is not None:
             self.pd.update_gauges(m)
@@ -785,6 +793,11 @@ class Engine:
                     **self.prefix_cache.stats(),
                     # what the cache holds now, per state kind (paged: its pages; slot: snapshots)
                     "bytes_by_state": self.prefix_cache.bytes_by_state(self.pool.page_bytes_by_state()),
+                    # per tier: pages held now and prompt tokens served from it; sessions' pins
+                    "tiers": {
+                        "device": {"pages": self.prefix_cache.num_cached, "hit_tokens": self.prefix_cache.hit_tokens}
+                    },
+                    "sessions": self.prefix_cache.pins.stats() if self.prefix_cache.pins is not None else None,
                 }
                 if self.prefix_cache is not None
                 else {"enabled": False, "why": self.prefix_cache_off}

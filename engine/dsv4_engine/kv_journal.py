@@ -80,9 +80,7 @@ class KVJournal:
                 return []
             if not self._batches or self._batches[0][0] > seq + 1:
                 return None
-            return [
-                wire.events_message(self.instance, s, evs, ts) for s, ts, evs in self._batches if s > seq
-            ]
+            return [wire.events_message(self.instance, s, evs, ts) for s, ts, evs in self._batches if s > seq]
 
     def _cut(self) -> None:
         """The pending changes as one batch (lock held): consecutive changes of one kind and tier

@@ -107,6 +107,8 @@ class PrefixCache:
         self.hit_tokens = 0  # of which found cached
         # Where the pages stored and evicted are told (/v1/kv_events; kv_journal.KVJournal), if anywhere.
         self.journal = None
+        # Sessions' pinned chains (session_pins.SessionPins): evicted last; None: plain LRU.
+        self.pins = None
         allocator.cache = self
 
     # ---- what the allocator asks (PageKeeper) ------------------------------------------------
@@ -134,12 +136,29 @@ class PrefixCache:
         self._idle.discard(page)
 
     def evict(self, n: int) -> list[int]:
-        """Forget up to n idle pages, least recently used leaves first; their ids, now free."""
+        """Forget up to n idle pages, least recently used leaves first, pages pinned by a
+        session (session_pins.py) only when no other is left; their ids, now free."""
+        if self.pins is None:
+            return self._evict(n, spare_pinned=False)
+        self.pins.expire()
+        out = self._evict(n, spare_pinned=True)
+        if len(out) < n:  # running work never waits on a pin
+            out += self._evict(n - len(out), spare_pinned=False)
+        return out
+
+    def _evict(self, n: int, spare_pinned: bool) -> list[int]:
         out: list[int] = []
+        spared: list[tuple[int, int, _Node]] = []
         while len(out) < n and self._heap:
-            last_use, _, node = heapq.heappop(self._heap)
+            entry = heapq.heappop(self._heap)
+            last_use, _, node = entry
             if not self._evictable(node) or node.last_use != last_use:
                 continue  # stale: referenced again, grew a child, or already gone
+            if self.pins is not None and self.pins.holds(node.page):
+                if spare_pinned:
+                    spared.append(entry)
+                    continue
+                self.pins.dropped(node.page)
             parent = node.parent
             del parent.children[node.tokens]
             del self._by_page[node.page]
@@ -151,6 +170,8 @@ class PrefixCache:
             out.append(node.page)
             if parent is not self.root and not parent.children and parent.page in self._idle:
                 self._push(parent)
+        for entry in spared:
+            heapq.heappush(self._heap, entry)
         return out
 
     def _evictable(self, node: _Node) -> bool:
@@ -347,13 +368,23 @@ class PrefixCache:
             seq.cache_node = child
             seq.num_cached_pages = i + 1
 
-    @staticmethod
-    def forget(seq: Sequence) -> None:
-        """The request gave its pages back (finish, preemption, abort): no chain position left."""
+    def forget(self, seq: Sequence) -> None:
+        """The request gave its pages back (finish, preemption, abort): no chain position left.
+        A named session's chain stays pinned for its TTL (session_pins.py)."""
+        if self.pins is not None and seq.params.session and seq.cache_node is not None:
+            self._pin(seq)
         seq.cache_node = None
         seq.num_cached_pages = 0
         seq.snapshot_node = None
         seq.snapshot_id = None
+
+    def _pin(self, seq: Sequence) -> None:
+        pages, node = [], seq.cache_node
+        while node is not None and node is not self.root:
+            pages.append(node.page)
+            node = node.parent
+        key = (seq.params.cache_salt or "", seq.params.session)
+        self.pins.pin(key, pages, seq.params.session_ttl)
 
     def stats(self) -> dict:
         out = {

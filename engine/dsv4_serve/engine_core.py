@@ -194,24 +194,33 @@ class CoreServer:
         engine = self.engine
         engine.call(lambda: engine.pd.abort_room(room, reason))
 
-    def _kv_snapshot(self, _arg: Any) -> Optional[dict]:
-        """What the prefix cache holds, for a new /v1/kv_events subscriber (None: no cache)."""
-        cache = self.engine.prefix_cache
-        if cache is None or cache.journal is None:
-            return None
+    def _kv_snapshot(self, _arg: Any) -> dict:
+        """What the prefix cache holds, for a new /v1/kv_events subscriber."""
+        engine = self.engine
+        cache = engine.prefix_cache
+        page = engine.pool.page_size
         return {
-            **cache.journal.snapshot(),
-            "instance": cache.journal.instance,
-            "page_size": cache.page_size,
-            "boundary_tokens": cache.boundary,
+            **engine.kv_journal.snapshot(),
+            "instance": engine.kv_journal.instance,
+            "page_size": page,
+            "boundary_tokens": cache.boundary if cache is not None else page,
         }
 
     def _kv_events(self, seq: Any) -> Optional[list]:
         """The events messages after batch `seq` (None: resync with a new snapshot)."""
+        return self.engine.kv_journal.since(int(seq))
+
+    def _session_delete(self, arg: Any) -> Optional[bool]:
+        """End session (tenant, id) on the engine thread; whether it was known (None: no cache)."""
+        import concurrent.futures
+
         cache = self.engine.prefix_cache
-        if cache is None or cache.journal is None:
+        if cache is None or cache.pins is None:
             return None
-        return cache.journal.since(int(seq))
+        key = tuple(arg)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self.engine.call(lambda: done.set_result(cache.pins.delete(key)))
+        return done.result(timeout=10)
 
     def _faults_arm(self, arg: Any) -> Any:
         fault, count, params = arg
@@ -241,6 +250,7 @@ RPCS: dict[str, Callable[[CoreServer, Any], Any]] = {
     "pd_abort": CoreServer._pd_abort,
     "kv_snapshot": CoreServer._kv_snapshot,
     "kv_events": CoreServer._kv_events,
+    "session_delete": CoreServer._session_delete,
     "faults_arm": CoreServer._faults_arm,
     "faults_clear": CoreServer._faults_clear,
     "faults_snapshot": CoreServer._faults_snapshot,
@@ -419,10 +429,13 @@ def main(argv: list[str]) -> None:
     from dsv4_engine.pd import BOOT_ID
 
     engine.detokenize = False  # text and stop strings are the HTTP process's (dsv4_serve.detokenize)
-    if engine.prefix_cache is not None:  # /v1/kv_events: what the cache gains and loses, from the start
-        from dsv4_engine.kv_journal import KVJournal
+    # /v1/kv_events: what the cache gains and loses, from the start. An engine without a prefix
+    # cache (decode, --disable-prefix-cache) publishes its journal too: it holds nothing.
+    from dsv4_engine.kv_journal import KVJournal
 
-        engine.prefix_cache.journal = KVJournal(BOOT_ID)
+    engine.kv_journal = KVJournal(BOOT_ID)
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.journal = engine.kv_journal
     core = CoreServer(engine, conn)
     profile = os.environ.get("DSV4_CORE_PROFILE")
     if profile:

@@ -6,8 +6,8 @@ batch of changes as the core cuts it (asked for every `POLL_S`), and a heartbeat
 changed for `wire.HEARTBEAT_S`. It ends (the subscriber resubscribes: a fresh snapshot) when the
 subscriber fell behind what the journal keeps, when the core stops answering, and when the
 server drains, so a shutdown never waits on a subscriber. Behind the PD secret when one is set,
-as the other engine-to-router surfaces. An engine without a prefix cache answers 404: it holds
-nothing, and a router scores it on load alone (as it does an engine of an older version).
+as the other engine-to-router surfaces. An engine without a prefix cache (decode today,
+--disable-prefix-cache) serves the stream too: its snapshot is empty and stays so.
 """
 
 from __future__ import annotations
@@ -38,8 +38,6 @@ def add_kv_events_route(app: FastAPI, client: EngineClient, args, model_name: st
             snap = await client.ask("kv_snapshot", timeout=CORE_ANSWER_TIMEOUT)
         except (EngineGone, asyncio.TimeoutError) as e:
             raise APIError(f"engine process unavailable: {str(e) or 'no answer'}", 503, "server_error") from None
-        if snap is None:
-            raise APIError("this engine keeps no prefix cache (--disable-prefix-cache): no KV events", 404)
         first = wire.snapshot_message(
             snap["instance"],
             snap["seq"],

@@ -26,6 +26,7 @@ from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.structured.spec import tool_calls as tool_calls_spec
 from dsv4_engine.request_output import RequestOutput
 from dsv4_engine.tokenizer import Tokenizer
+from dsv4_serve.sessions import session_of, with_session
 from dsv4_serve.detokenize import OutputProcessor
 from dsv4_serve.engine_client import EngineClient, EngineRequest
 from dsv4_serve.gate import Lifecycle
@@ -262,7 +263,9 @@ class OpenAIServing:
         keep their sampled tokens' logprobs (`logprobs` 0), shown only if the request asked."""
         k = req.candidates
         seqs: list[EngineRequest] = []
+        session, ttl = session_of(req.prompt_cache_key, headers)
         for i, (ids, p) in enumerate(zip(prompts, params)):
+            p = with_session(p, session, ttl)
             if k > req.n and p.logprobs is None:
                 p = replace(p, logprobs=0)
             for j in range(k):

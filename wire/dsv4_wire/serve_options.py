@@ -67,6 +67,20 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         min=0,
     ),
     _O(
+        "session_ttl",
+        float,
+        30.0,
+        "Seconds a named conversation's cached prefix (prompt_cache_key or x-session-id) stays "
+        "pinned after each round (more than 0, at most 3600).",
+    ),
+    _O(
+        "session_pin_share",
+        float,
+        0.5,
+        "Most of the KV pool one tenant's sessions may pin, as a fraction (0 to 1); pins past it are plain LRU.",
+        min=0,
+    ),
+    _O(
         "prefix_cache_snapshot_interval",
         int,
         None,
