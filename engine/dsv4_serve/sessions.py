@@ -5,12 +5,16 @@ by (cache salt, name): dsv4_engine.session_pins. Bad values are a 400 naming the
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from typing import Mapping, Optional
 
+from fastapi import Request
+
 from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.session_pins import MAX_SESSION_ID_CHARS, MAX_TTL_S
-from dsv4_wire import APIError
+from dsv4_serve.engine_client import CORE_ANSWER_TIMEOUT, EngineGone
+from dsv4_wire import APIError, Paths
 
 SESSION_HEADER = "x-session-id"
 SESSION_TTL_HEADER = "x-session-ttl"
@@ -50,13 +54,6 @@ def add_session_routes(app, client, args) -> None:
     LRU). The tenant is the request's cache salt (`?cache_salt=`, as its generation requests
     carried it; the router fills it from the API key): another tenant's session of the same name
     is another session, so it answers 404 as for a name never seen."""
-    import asyncio
-
-    from fastapi import Request
-
-    from dsv4_serve.engine_client import CORE_ANSWER_TIMEOUT, EngineGone
-    from dsv4_wire import Paths
-
     @app.delete(Paths.SESSIONS + "/{session_id}")
     async def delete_session(session_id: str, http: Request):
         salt = http.query_params.get("cache_salt")
