@@ -263,7 +263,7 @@ class OpenAIServing:
         keep their sampled tokens' logprobs (`logprobs` 0), shown only if the request asked."""
         k = req.candidates
         seqs: list[EngineRequest] = []
-        session, ttl = session_of(req.prompt_cache_key, headers)
+        session, ttl = session_of(req.prompt_cache_key, req.session_ttl, headers)
         for i, (ids, p) in enumerate(zip(prompts, params)):
             p = with_session(p, session, ttl)
             if k > req.n and p.logprobs is None:

@@ -1,6 +1,6 @@
 """Which conversation a request belongs to, from its HTTP request: OpenAI's `prompt_cache_key`
-field or the `x-session-id` header (the field wins), and `x-session-ttl` (seconds its prefix
-stays pinned after this round; default the engine's --session-ttl). The engine keys the session
+field or the `x-session-id` header (the field wins), and `session_ttl` or `x-session-ttl`
+(seconds its prefix stays pinned after this round; default the engine's --session-ttl). The engine keys the session
 by (cache salt, name): dsv4_engine.session_pins. Bad values are a 400 naming the field."""
 
 from __future__ import annotations
@@ -20,13 +20,17 @@ SESSION_HEADER = "x-session-id"
 SESSION_TTL_HEADER = "x-session-ttl"
 
 
-def session_of(field: Optional[str], headers: Mapping[str, str]) -> tuple[Optional[str], Optional[float]]:
-    """(session name or None, TTL in seconds or None) of a request."""
+def session_of(
+    field: Optional[str], ttl_field: Optional[float], headers: Mapping[str, str]
+) -> tuple[Optional[str], Optional[float]]:
+    """(session name or None, TTL in seconds or None) of a request: the body's fields
+    (`prompt_cache_key`, `session_ttl`: the router moves the headers there), else the headers."""
     name = field if field is not None else headers.get(SESSION_HEADER)
     if name is not None and not (1 <= len(name) <= MAX_SESSION_ID_CHARS):
         param = "prompt_cache_key" if field is not None else SESSION_HEADER
         raise APIError(f"{param} must be 1 to {MAX_SESSION_ID_CHARS} characters", param=param)
-    raw = headers.get(SESSION_TTL_HEADER)
+    raw = ttl_field if ttl_field is not None else headers.get(SESSION_TTL_HEADER)
+    param = "session_ttl" if ttl_field is not None else SESSION_TTL_HEADER
     if raw is None:
         return name, None
     try:
@@ -34,14 +38,9 @@ def session_of(field: Optional[str], headers: Mapping[str, str]) -> tuple[Option
     except ValueError:
         ttl = float("nan")
     if not (0 < ttl <= MAX_TTL_S):
-        raise APIError(
-            f"{SESSION_TTL_HEADER} is seconds, more than 0 and at most {MAX_TTL_S:g}; got {raw!r:.40}",
-            param=SESSION_TTL_HEADER,
-        )
+        raise APIError(f"{param} is seconds, more than 0 and at most {MAX_TTL_S:g}; got {raw!r:.40}", param=param)
     if name is None:
-        raise APIError(
-            f"{SESSION_TTL_HEADER} needs a session: give prompt_cache_key or {SESSION_HEADER}", param=SESSION_TTL_HEADER
-        )
+        raise APIError(f"{param} needs a session: give prompt_cache_key or {SESSION_HEADER}", param=param)
     return name, ttl
 
 
@@ -54,6 +53,7 @@ def add_session_routes(app, client, args) -> None:
     LRU). The tenant is the request's cache salt (`?cache_salt=`, as its generation requests
     carried it; the router fills it from the API key): another tenant's session of the same name
     is another session, so it answers 404 as for a name never seen."""
+
     @app.delete(Paths.SESSIONS + "/{session_id}")
     async def delete_session(session_id: str, http: Request):
         salt = http.query_params.get("cache_salt")
