@@ -47,7 +47,7 @@ def test_a_named_conversation_keeps_its_prefix_and_a_session_is_its_tenants(tiny
         assert loads["sessions"]["sessions"] == 2 and loads["sessions"]["pinned_pages"] >= 8
         assert loads["tiers"]["device"]["pages"] >= 8
         metrics = httpx.get(url + "/metrics").text
-        assert "dsv4:kv_pages_pinned{" in metrics and 'dsv4:prefix_cache_tier_pages{' in metrics
+        assert "dsv4:kv_pages_pinned{" in metrics and "dsv4:prefix_cache_tier_pages{" in metrics
 
         # DELETE: another tenant's name for it is unknown; the owner ends it; then it is unknown
         sessions = url + "/v1/sessions/agent-7"
