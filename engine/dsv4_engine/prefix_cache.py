@@ -109,6 +109,9 @@ class PrefixCache:
         self.journal = None
         # Sessions' pinned chains (session_pins.SessionPins): evicted last; None: plain LRU.
         self.pins = None
+        # The host tier below the device pool (host_tier.HostTier): evicted pages go there and
+        # come back on a hit; None: evicted pages are lost.
+        self.host = None
         allocator.cache = self
 
     # ---- what the allocator asks (PageKeeper) ------------------------------------------------
@@ -165,6 +168,9 @@ class PrefixCache:
             if node.snapshot is not None:
                 self._drop_snapshot(node)
             self._idle.discard(node.page)
+            if self.host is not None and node.hash is not None:  # down a tier, not lost
+                if self.host.put(node.hash, node.tokens, node.page) and self.journal is not None:
+                    self.journal.stored("host", node.hash)
             if self.journal is not None and node.hash is not None:
                 self.journal.evicted("device", node.hash)
             out.append(node.page)
@@ -331,7 +337,38 @@ class PrefixCache:
         seq.cache_node = chain[-1] if chain else None
         seq.num_cached_pages = len(chain)
         seq.num_computed = len(chain) * self.page_size
+        if self.host is not None:
+            self._from_host(seq, usable)
         return seq.num_computed
+
+    def _from_host(self, seq: Sequence, usable: int) -> None:
+        """Continue a request's cached chain with the pages the host tier holds past it: each is
+        copied into a new device page and becomes a device node again (a model without slot
+        states: any page is a resume point)."""
+        parent, got = seq.cache_node or self.root, 0
+        while seq.num_cached_pages < usable and (parent is self.root or parent.hash is not None):
+            key = self._page_tokens(seq, seq.num_cached_pages)
+            h = page_hash(parent.hash, key)
+            if key in parent.children or not self.host.holds(h):
+                break
+            page = self.allocator.allocate(1)  # may push other idle pages down (never this chain)
+            if page is None:
+                break
+            if not self.host.take(h, key, page[0]):  # the allocation pushed it out of the host tier
+                self.allocator.free(page)
+                break
+            node = _Node(key, parent, page[0])
+            node.hash, node.last_use = h, next(self._clock)
+            parent.children[key] = node
+            self._by_page[node.page] = node
+            if self.journal is not None:
+                self.journal.stored("device", h)
+            seq.pages.append(node.page)
+            seq.cache_node, parent = node, node
+            seq.num_cached_pages += 1
+            got += 1
+        seq.num_computed = seq.num_cached_pages * self.page_size
+        self.host.hit_tokens += got * self.page_size
 
     def count(self, query: int, hit: int) -> None:
         """An admission looked up `query` tokens and reused `hit` of them."""
@@ -362,9 +399,10 @@ class PrefixCache:
                 child = _Node(tokens, parent, seq.pages[i])
                 parent.children[tokens] = child
                 self._by_page[child.page] = child
-                if self.journal is not None and (parent is self.root or parent.hash is not None):
+                if parent is self.root or parent.hash is not None:
                     child.hash = page_hash(parent.hash, tokens)
-                    self.journal.stored("device", child.hash)
+                    if self.journal is not None:
+                        self.journal.stored("device", child.hash)
             seq.cache_node = child
             seq.num_cached_pages = i + 1
 

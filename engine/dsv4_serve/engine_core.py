@@ -436,6 +436,8 @@ def main(argv: list[str]) -> None:
     engine.kv_journal = KVJournal(BOOT_ID)
     if engine.prefix_cache is not None:
         engine.prefix_cache.journal = engine.kv_journal
+        if engine.prefix_cache.host is not None:
+            engine.prefix_cache.host.on_evict = lambda h: engine.kv_journal.evicted("host", h)
     core = CoreServer(engine, conn)
     profile = os.environ.get("DSV4_CORE_PROFILE")
     if profile:

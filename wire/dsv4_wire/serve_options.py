@@ -67,6 +67,14 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         min=0,
     ),
     _O(
+        "host_cache_gb",
+        float,
+        0.0,
+        "Host-memory tier under the device KV pool, in GiB (0: off): pages the pool evicts go there and "
+        "come back on a prefix hit instead of being recomputed (pinned memory on CUDA).",
+        min=0,
+    ),
+    _O(
         "session_ttl",
         float,
         30.0,

@@ -1,0 +1,117 @@
+"""The host tier: KV pages the device pool evicts go to host memory and come back on a hit
+instead of being recomputed (`--host-cache-gb`).
+
+A second pool of pages, one tensor per paged state, [host_pages, *page shape], in host memory
+(pinned on CUDA, so the copies are DMA and do not block the CPU). The prefix cache calls `put`
+when it evicts a page from the device (every evicted page goes down: write-back of all; a page
+already held here is only touched), and `take` when a request's prefix continues past what the
+device holds: the page is copied into a freshly allocated device page and becomes a device node
+again (the host keeps its copy, so the page is then in both tiers). The host tier's own LRU
+drops its least recently used page when full.
+
+Keys: a page is found by the contract's chain hash (dsv4_wire.kv_events; 128 bits over every
+token before it and its own) and its own key tokens, compared exactly. Unlike the device tree,
+which compares every token, a host hit relies on the chain hash for what comes before the page:
+a 2^-128 collision, the bound vLLM's block hashes also live with.
+
+Copies run on the stream of the step that needs them (CUDA: `non_blocking` from pinned memory;
+a device-to-host copy of an evicted page is ordered before the step that overwrites that page,
+host-to-device before the step that reads it), so no copy waits on the CPU and none can race.
+DeepSeek-V4's slot snapshots are not moved (its prefix resumes only at a snapshot): the engine
+refuses the flag for models with slot states, and at --tp-size > 1 (each rank holds its shard).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional
+
+import torch
+
+
+def host_pages_for(page_nbytes: int, gb: float) -> int:
+    return int(gb * (1 << 30)) // page_nbytes if gb > 0 else 0
+
+
+def host_tier_refusal(gb: float, has_slot_states: bool, tp_size: int, prefix_cache_off: Optional[str]) -> Optional[str]:
+    """Why --host-cache-gb cannot be used here, in one line, or None."""
+    if gb < 0:
+        return f"--host-cache-gb must be >= 0, not {gb:g}"
+    if gb == 0:
+        return None
+    if prefix_cache_off is not None:
+        return f"--host-cache-gb needs the prefix cache ({prefix_cache_off})"
+    if has_slot_states:
+        return "--host-cache-gb: this model keeps slot states (DeepSeek-V4 snapshots), which the host tier does not move yet"
+    if tp_size > 1:
+        return (
+            "--host-cache-gb: at --tp-size > 1 each rank holds its shard of a page; the host tier copies rank 0's only"
+        )
+    return None
+
+
+class HostTier:
+    def __init__(self, states: dict[str, torch.Tensor], num_pages: int):
+        if num_pages < 1:
+            raise ValueError("a host tier needs at least one page")
+        self.device_states = states
+        pin = any(t.is_cuda for t in states.values())
+        self.non_blocking = pin
+        self.states = {
+            name: torch.empty((num_pages, *t.shape[1:]), dtype=t.dtype, device="cpu", pin_memory=pin)
+            for name, t in states.items()
+        }
+        self.total = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))
+        self._lru: "OrderedDict[bytes, tuple[int, tuple]]" = OrderedDict()  # hash -> (slot, key tokens)
+        self.on_evict = lambda h: None  # told when the host tier drops a page (kv events)
+        self.stored = 0  # pages copied down
+        self.restored = 0  # pages copied back up
+        self.evicted = 0  # pages dropped from the host tier for room
+        self.hit_tokens = 0  # prompt tokens served from here
+
+    @property
+    def num_used(self) -> int:
+        return len(self._lru)
+
+    def holds(self, h: bytes) -> bool:
+        return h in self._lru
+
+    def put(self, h: bytes, key: tuple, page: int) -> bool:
+        """Copy device page `page` (hash h, key tokens `key`) down; True when it is newly held."""
+        if h in self._lru:
+            self._lru.move_to_end(h)
+            return False
+        if not self._free:
+            old, (slot, _) = self._lru.popitem(last=False)
+            self._free.append(slot)
+            self.evicted += 1
+            self.on_evict(old)
+        slot = self._free.pop()
+        for name, t in self.device_states.items():
+            self.states[name][slot].copy_(t[page], non_blocking=self.non_blocking)
+        self._lru[h] = (slot, key)
+        self.stored += 1
+        return True
+
+    def take(self, h: bytes, key: tuple, page: int) -> bool:
+        """Copy the page held under (h, key) into device page `page`; False when not held."""
+        got = self._lru.get(h)
+        if got is None or got[1] != key:
+            return False
+        slot = got[0]
+        for name, t in self.device_states.items():
+            t[page].copy_(self.states[name][slot], non_blocking=self.non_blocking)
+        self._lru.move_to_end(h)
+        self.restored += 1
+        return True
+
+    def stats(self) -> dict:
+        return {
+            "pages": self.num_used,
+            "pages_total": self.total,
+            "stored": self.stored,
+            "restored": self.restored,
+            "evicted": self.evicted,
+            "hit_tokens": self.hit_tokens,
+        }

@@ -1,0 +1,72 @@
+"""The host tier under the prefix cache, in a real tiny engine (CPU): a pool too small for the
+working set pushes pages down to host memory, a later round finds them there (cached tokens
+from the host tier, events per tier) instead of recomputing them, and greedy outputs equal an
+engine without the tier, token for token."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsv4_engine.engine import Engine
+from dsv4_engine.engine_args import EngineArgs
+from dsv4_engine.host_tier import host_tier_refusal
+from dsv4_engine.kv_journal import KVJournal
+from dsv4_engine.sampling_params import SamplingParams
+from dsv4_engine.sequence import Sequence
+from dsv4_wire import kv_events as wire
+
+PAGE = 16
+
+
+def prompts() -> list[list[int]]:
+    return [[(31 * k + 5 * i) % 400 + 20 for i in range(4 * PAGE + 3)] for k in range(6)]
+
+
+def run(engine: Engine, rid: str, prompt: list[int]) -> Sequence:
+    """One request to its end, stepping the engine by hand."""
+    s = Sequence(rid, prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    engine.submit(s)
+    for _ in range(500):
+        engine.step()
+        if s.finished:
+            return s
+    raise AssertionError("engine made no progress")
+
+
+def rounds(engine: Engine) -> tuple[list[list[int]], list[int]]:
+    """Two rounds over 6 conversations (round 2: round 1's prompt + answer + a new turn)."""
+    firsts = [p + run(engine, f"r1-{k}", p).output_ids for k, p in enumerate(prompts())]
+    seconds = [run(engine, f"r2-{k}", p + [7, 8, 9]) for k, p in enumerate(firsts)]
+    return [list(s.output_ids) for s in seconds], [s.num_cached_tokens for s in seconds]
+
+
+@pytest.fixture(scope="module")
+def args(tiny_model):
+    return dict(
+        model=str(tiny_model), device="cpu", kernel_backend="torch", kv_pages=14, page_size=PAGE, max_num_seqs=2
+    )
+
+
+def test_evicted_pages_come_back_from_host_and_outputs_do_not_change(args):
+    plain = Engine(EngineArgs(**args))
+    want, plain_hits = rounds(plain)
+    tiered = Engine(EngineArgs(**args, host_cache_gb=0.01))
+    journal = tiered.prefix_cache.journal = KVJournal("t")
+    tiered.prefix_cache.host.on_evict = lambda h: journal.evicted("host", h)
+    got, hits = rounds(tiered)
+    assert got == want
+    # a 14-page pool holds ~3 of the 6 conversations: without the tier most of round 2 recomputes
+    assert sum(hits) > sum(plain_hits) and min(hits) >= 4 * PAGE, (hits, plain_hits)
+    tiers = tiered._tiers()
+    assert tiers["host"]["restored"] > 0 and tiers["host"]["hit_tokens"] > 0
+    snap = journal.snapshot()["tiers"]
+    assert snap["host"] and set(snap["device"]) == {n.hash.hex() for n in tiered.prefix_cache._by_page.values()}
+    assert {h.hex() for h in wire.page_hashes(prompts()[0], PAGE)} <= set(snap["host"]) | set(snap["device"])
+    tiered.prefix_cache.check()
+
+
+def test_the_tier_is_refused_where_it_cannot_serve():
+    assert host_tier_refusal(0, True, 4, "off") is None
+    assert "slot states" in host_tier_refusal(1, True, 1, None)
+    assert "--tp-size" in host_tier_refusal(1, False, 2, None)
+    assert "prefix cache" in host_tier_refusal(1, False, 1, "a decode engine receives every page")
