@@ -821,9 +821,7 @@ class Engine:
                     # what the cache holds now, per state kind (paged: its pages; slot: snapshots)
                     "bytes_by_state": self.prefix_cache.bytes_by_state(self.pool.page_bytes_by_state()),
                     # per tier: pages held now and prompt tokens served from it; sessions' pins
-                    "tiers": {
-                        "device": {"pages": self.prefix_cache.num_cached, "hit_tokens": self.prefix_cache.hit_tokens}
-                    },
+                    "tiers": self._tiers(),
                     "sessions": self.prefix_cache.pins.stats() if self.prefix_cache.pins is not None else None,
                 }
                 if self.prefix_cache is not None
