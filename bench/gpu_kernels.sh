@@ -63,6 +63,12 @@ rc=$?; [ "$rc" -ne 0 ] && { echo "engine smoke failed (exit $rc)"; status=1; }
 # The same on DeepSeek-V4 (v4-tiny): its kernel path, masked window closing under graphs.
 timeout 240 "$py" -m bench.suites.engine_gpu_smoke --preset v4-tiny --out "$out/engine_gpu_smoke_v4.json"
 rc=$?; [ "$rc" -ne 0 ] && { echo "V4 engine smoke failed (exit $rc)"; status=1; }
+# The host KV tier (--host-cache-gb) on CUDA: pinned host pages, non_blocking copies on the step's
+# stream; outputs equal the no-tier engine's, then its copy cost per page (~1 min).
+timeout 120 "$py" -m pytest -q -p no:cacheprovider tests/unit/engine/test_host_tier.py 2>&1 | tee "$out/host_tier_tests.log"
+rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "host tier tests failed (exit $rc)"; status=1; }
+timeout 60 "$py" -m bench.suites.kv_tiers_bench --copy-cost-only --out "$out/kv_tiers_copy"
+rc=$?; [ "$rc" -ne 0 ] && { echo "host tier copy cost failed (exit $rc)"; status=1; }
 gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
 if [ "${gpus:-1}" -ge 2 ]; then
 # Off GPU 0: kernels launched from a thread that never chose its device would land on GPU 0.

@@ -6,6 +6,7 @@ engine without the tier, token for token."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dsv4_engine.engine import Engine
 from dsv4_engine.engine_args import EngineArgs
@@ -40,14 +41,15 @@ def rounds(engine: Engine) -> tuple[list[list[int]], list[int]]:
     return [list(s.output_ids) for s in seconds], [s.num_cached_tokens for s in seconds]
 
 
-@pytest.fixture(scope="module")
-def args(tiny_model):
-    return dict(
-        model=str(tiny_model), device="cpu", kernel_backend="torch", kv_pages=14, page_size=PAGE, max_num_seqs=2
-    )
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 
 
-def test_evicted_pages_come_back_from_host_and_outputs_do_not_change(args):
+@pytest.mark.parametrize("device", DEVICES)
+def test_evicted_pages_come_back_from_host_and_outputs_do_not_change(tiny_model, device):
+    # on CUDA: the host pool is pinned and every copy non_blocking on the step's stream
+    args = dict(model=str(tiny_model), device=device, kv_pages=14, page_size=PAGE, max_num_seqs=2)
+    if device == "cpu":
+        args["kernel_backend"] = "torch"
     plain = Engine(EngineArgs(**args))
     want, plain_hits = rounds(plain)
     tiered = Engine(EngineArgs(**args, host_cache_gb=0.01))
@@ -63,6 +65,8 @@ def test_evicted_pages_come_back_from_host_and_outputs_do_not_change(args):
     assert snap["host"] and set(snap["device"]) == {n.hash.hex() for n in tiered.prefix_cache._by_page.values()}
     assert {h.hex() for h in wire.page_hashes(prompts()[0], PAGE)} <= set(snap["host"]) | set(snap["device"])
     tiered.prefix_cache.check()
+    if device == "cuda":
+        assert all(t.is_pinned() for t in tiered.prefix_cache.host.states.values())
 
 
 def test_the_tier_is_refused_where_it_cannot_serve():
