@@ -23,6 +23,7 @@ refuses the flag for models with slot states, and at --tp-size > 1 (each rank ho
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from typing import Optional
 
@@ -57,8 +58,10 @@ class HostTier:
         self.device_states = states
         pin = any(t.is_cuda for t in states.values())
         self.non_blocking = pin
+        # zeros, not empty: every host page is touched here, at start-up, not on its first copy
+        # down (first touch cost ~40x the copy itself on the CPU: 5.2 ms vs 0.1 ms per 144 KiB page)
         self.states = {
-            name: torch.empty((num_pages, *t.shape[1:]), dtype=t.dtype, device="cpu", pin_memory=pin)
+            name: torch.zeros((num_pages, *t.shape[1:]), dtype=t.dtype, device="cpu", pin_memory=pin)
             for name, t in states.items()
         }
         self.total = num_pages
@@ -69,6 +72,7 @@ class HostTier:
         self.restored = 0  # pages copied back up
         self.evicted = 0  # pages dropped from the host tier for room
         self.hit_tokens = 0  # prompt tokens served from here
+        self.copy_s = 0.0  # engine-thread seconds spent copying (CUDA: enqueueing) pages either way
 
     @property
     def num_used(self) -> int:
@@ -88,8 +92,10 @@ class HostTier:
             self.evicted += 1
             self.on_evict(old)
         slot = self._free.pop()
+        t0 = time.perf_counter()
         for name, t in self.device_states.items():
             self.states[name][slot].copy_(t[page], non_blocking=self.non_blocking)
+        self.copy_s += time.perf_counter() - t0
         self._lru[h] = (slot, key)
         self.stored += 1
         return True
@@ -100,8 +106,10 @@ class HostTier:
         if got is None or got[1] != key:
             return False
         slot = got[0]
+        t0 = time.perf_counter()
         for name, t in self.device_states.items():
             t[page].copy_(self.states[name][slot], non_blocking=self.non_blocking)
+        self.copy_s += time.perf_counter() - t0
         self._lru.move_to_end(h)
         self.restored += 1
         return True
@@ -114,4 +122,5 @@ class HostTier:
             "restored": self.restored,
             "evicted": self.evicted,
             "hit_tokens": self.hit_tokens,
+            "copy_seconds": round(self.copy_s, 4),
         }
