@@ -1,7 +1,8 @@
 """Sessions through a real router (issue 41, item 2): the `x-session-id` header reaches the engine
 that prefills as the session (PD: prefill and decode get the same body), keyed by the tenant the
 router derives from the API key; DELETE through the router ends it for its tenant only (another
-key's DELETE of the same name is a 404, and leaves it pinned)."""
+key's DELETE of the same name is a 404, and leaves it pinned). Prefill and decode both serve
+their KV events."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import httpx
 import openai
 
 from bench.harness.commands import Proc, free_port
+from dsv4_wire import kv_events as wire
 
 PAGE = 16
 PROMPT = [(7 * i) % 300 + 30 for i in range(4 * PAGE + 1)]
@@ -51,6 +53,11 @@ def test_a_session_named_by_header_is_its_tenants_through_the_router(tiny_model,
         assert r.choices[0].finish_reason == "length"
         sessions = httpx.get(purl + "/v1/loads").json()["prefix_cache"]["sessions"]
         assert sessions["sessions"] == 1 and sessions["pinned_pages"] == 4
+        # every role publishes KV events: prefill its cache, decode (no cache) an empty one
+        for url, role, held in ((purl, "prefill", 4), (durl, "decode", 0)):
+            with httpx.stream("GET", url + "/v1/kv_events", timeout=20) as r:
+                snap = wire.decode(next(line for line in r.iter_lines() if line.strip()))
+            assert snap["type"] == "snapshot" and snap["role"] == role and len(snap["tiers"]["device"]) == held
 
         def delete(key: str) -> httpx.Response:
             return httpx.delete(rurl + "/v1/sessions/agent-1", headers={"Authorization": f"Bearer {key}"})
