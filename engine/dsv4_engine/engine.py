@@ -37,7 +37,7 @@ from dsv4_engine.metrics import EngineMetrics
 from dsv4_engine.model_runner import ModelRunner, default_device
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.prefix_cache import PrefixCache
-from dsv4_engine.host_tier import HostTier, host_pages_for, host_tier_refusal
+from dsv4_engine.host_tier import build_host_tier, host_tier_refusal
 from dsv4_engine.session_pins import SessionPins, session_refusal
 from dsv4_engine.sampling import request_generator, skip_draw
 from dsv4_engine.scheduler import Scheduler
@@ -285,13 +285,11 @@ class Engine:
             self.prefix_cache.pins = SessionPins(num_pages, args.session_ttl, args.session_pin_share)
             if self.spec is not None:
                 self.spec.cache_boundary = boundary  # drafts stop at boundaries (decode snapshots)
-        refusal = host_tier_refusal(args.host_cache_gb, has_slots, args.tp_size, self.prefix_cache_off)
+        refusal = host_tier_refusal(args.host_cache_gb, args.tp_size, self.prefix_cache_off)
         if refusal:
             raise ValueError(refusal)
         if args.host_cache_gb > 0:
-            self.prefix_cache.host = HostTier(
-                self.pool.states, max(1, host_pages_for(self.pool.page_nbytes, args.host_cache_gb))
-            )
+            self.prefix_cache.host = build_host_tier(self.pool, self.prefix_cache, args.host_cache_gb)
         self.scheduler = Scheduler(
             self.pool.allocator,
             page_size,

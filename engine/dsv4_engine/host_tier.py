@@ -17,8 +17,10 @@ a 2^-128 collision, the bound vLLM's block hashes also live with.
 Copies run on the stream of the step that needs them (CUDA: `non_blocking` from pinned memory;
 a device-to-host copy of an evicted page is ordered before the step that overwrites that page,
 host-to-device before the step that reads it), so no copy waits on the CPU and none can race.
-DeepSeek-V4's slot snapshots are not moved (its prefix resumes only at a snapshot): the engine
-refuses the flag for models with slot states, and at --tp-size > 1 (each rank holds its shard).
+DeepSeek-V4: a prefix resumes only at a boundary holding a snapshot of the slot row, so the
+snapshots a boundary page held go down with it (or alone, when the snapshot pool takes one back
+for room), and a request resumes from the host at the deepest boundary whose pages and snapshot
+are both there. Refused at --tp-size > 1 (each rank holds its shard of a page).
 """
 
 from __future__ import annotations
@@ -30,11 +32,15 @@ from typing import Optional
 import torch
 
 
-def host_pages_for(page_nbytes: int, gb: float) -> int:
-    return int(gb * (1 << 30)) // page_nbytes if gb > 0 else 0
+def host_sizes(gb: float, page_nbytes: int, pages_per_boundary: int = 1, row_nbytes: int = 0) -> tuple[int, int]:
+    """(host pages, host snapshots) that fit in `gb` GiB: with slot states (DeepSeek-V4) one
+    snapshot of a slot row per boundary's worth of pages, both out of the same budget."""
+    per = pages_per_boundary * page_nbytes + row_nbytes
+    boundaries = int(gb * (1 << 30)) // per if gb > 0 else 0
+    return boundaries * pages_per_boundary, (boundaries if row_nbytes else 0)
 
 
-def host_tier_refusal(gb: float, has_slot_states: bool, tp_size: int, prefix_cache_off: Optional[str]) -> Optional[str]:
+def host_tier_refusal(gb: float, tp_size: int, prefix_cache_off: Optional[str]) -> Optional[str]:
     """Why --host-cache-gb cannot be used here, in one line, or None."""
     if gb < 0:
         return f"--host-cache-gb must be >= 0, not {gb:g}"
@@ -42,8 +48,6 @@ def host_tier_refusal(gb: float, has_slot_states: bool, tp_size: int, prefix_cac
         return None
     if prefix_cache_off is not None:
         return f"--host-cache-gb needs the prefix cache ({prefix_cache_off})"
-    if has_slot_states:
-        return "--host-cache-gb: this model keeps slot states (DeepSeek-V4 snapshots), which the host tier does not move yet"
     if tp_size > 1:
         return (
             "--host-cache-gb: at --tp-size > 1 each rank holds its shard of a page; the host tier copies rank 0's only"
@@ -52,7 +56,13 @@ def host_tier_refusal(gb: float, has_slot_states: bool, tp_size: int, prefix_cac
 
 
 class HostTier:
-    def __init__(self, states: dict[str, torch.Tensor], num_pages: int):
+    def __init__(
+        self,
+        states: dict[str, torch.Tensor],
+        num_pages: int,
+        snapshot_states: Optional[dict[str, torch.Tensor]] = None,
+        num_snapshots: int = 0,
+    ):
         if num_pages < 1:
             raise ValueError("a host tier needs at least one page")
         self.device_states = states
@@ -65,6 +75,17 @@ class HostTier:
             for name, t in states.items()
         }
         self.total = num_pages
+        # DeepSeek-V4: copies of the prefix cache's slot-row snapshots at boundaries (a prefix
+        # resumes only where one is), keyed by their boundary page's hash, LRU of their own.
+        self.snapshot_src = snapshot_states or {}
+        self.snap_states = {
+            name: torch.zeros((num_snapshots, *t.shape[1:]), dtype=t.dtype, device="cpu", pin_memory=pin)
+            for name, t in self.snapshot_src.items()
+        }
+        self.snap_total = num_snapshots if self.snapshot_src else 0
+        self._snap_free = list(range(self.snap_total - 1, -1, -1))
+        self._snap_lru: "OrderedDict[bytes, int]" = OrderedDict()
+        self.snapshots_stored = self.snapshots_restored = 0
         self._free = list(range(num_pages - 1, -1, -1))
         self._lru: "OrderedDict[bytes, tuple[int, tuple]]" = OrderedDict()  # hash -> (slot, key tokens)
         self.on_evict = lambda h: None  # told when the host tier drops a page (kv events)
@@ -114,6 +135,40 @@ class HostTier:
         self.restored += 1
         return True
 
+    def holds_snapshot(self, h: bytes) -> bool:
+        return h in self._snap_lru
+
+    def put_snapshot(self, h: bytes, snap: int) -> None:
+        """Copy the device snapshot `snap` (of the boundary page hashed h) down."""
+        if not self.snap_total:
+            return
+        if h in self._snap_lru:
+            self._snap_lru.move_to_end(h)
+            return
+        if not self._snap_free:
+            _, slot = self._snap_lru.popitem(last=False)
+            self._snap_free.append(slot)
+        slot = self._snap_free.pop()
+        t0 = time.perf_counter()
+        for name, t in self.snapshot_src.items():
+            self.snap_states[name][slot].copy_(t[snap], non_blocking=self.non_blocking)
+        self.copy_s += time.perf_counter() - t0
+        self._snap_lru[h] = slot
+        self.snapshots_stored += 1
+
+    def take_snapshot(self, h: bytes, rows: dict[str, torch.Tensor], row: int) -> bool:
+        """Copy the snapshot held under h into slot row `row` of `rows` (a request's own)."""
+        slot = self._snap_lru.get(h)
+        if slot is None:
+            return False
+        t0 = time.perf_counter()
+        for name, t in rows.items():
+            t[row].copy_(self.snap_states[name][slot], non_blocking=self.non_blocking)
+        self.copy_s += time.perf_counter() - t0
+        self._snap_lru.move_to_end(h)
+        self.snapshots_restored += 1
+        return True
+
     def stats(self) -> dict:
         return {
             "pages": self.num_used,
@@ -123,4 +178,24 @@ class HostTier:
             "evicted": self.evicted,
             "hit_tokens": self.hit_tokens,
             "copy_seconds": round(self.copy_s, 4),
+            **(
+                {
+                    "snapshots": len(self._snap_lru),
+                    "snapshots_total": self.snap_total,
+                    "snapshots_stored": self.snapshots_stored,
+                    "snapshots_restored": self.snapshots_restored,
+                }
+                if self.snap_total
+                else {}
+            ),
         }
+
+
+def build_host_tier(pool, cache, gb: float) -> HostTier:
+    """The host tier of a KV pool and its prefix cache, `gb` GiB of host memory."""
+    snaps = cache.snapshots
+    row = sum(snaps.bytes_per_snapshot().values()) if snaps is not None else 0
+    pages, n_snaps = host_sizes(gb, pool.page_nbytes, cache.boundary // cache.page_size, row)
+    if pages < 1:
+        raise ValueError(f"--host-cache-gb {gb:g} holds no page of this model; raise it or leave it at 0")
+    return HostTier(pool.states, pages, snaps.states if snaps is not None else None, n_snaps)

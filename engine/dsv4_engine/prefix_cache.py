@@ -165,12 +165,14 @@ class PrefixCache:
             parent = node.parent
             del parent.children[node.tokens]
             del self._by_page[node.page]
-            if node.snapshot is not None:
-                self._drop_snapshot(node)
-            self._idle.discard(node.page)
             if self.host is not None and node.hash is not None:  # down a tier, not lost
                 if self.host.put(node.hash, node.tokens, node.page) and self.journal is not None:
                     self.journal.stored("host", node.hash)
+                if node.snapshot is not None:
+                    self.host.put_snapshot(node.hash, node.snapshot)
+            if node.snapshot is not None:
+                self._drop_snapshot(node)
+            self._idle.discard(node.page)
             if self.journal is not None and node.hash is not None:
                 self.journal.evicted("device", node.hash)
             out.append(node.page)
@@ -211,6 +213,8 @@ class PrefixCache:
         """The snapshot pool took this snapshot back for room: its node keeps its pages."""
         node = self._by_snapshot.pop(snap)
         node.snapshot = None
+        if self.host is not None and node.hash is not None:  # the row is still intact here
+            self.host.put_snapshot(node.hash, snap)
 
     def _drop_snapshot(self, node: _Node) -> None:
         snap, node.snapshot = node.snapshot, None
@@ -322,6 +326,7 @@ class PrefixCache:
             chain.append(child)
             node = child
         seq.cache_branch = len(chain) * self.page_size // self.boundary * self.boundary
+        walked = len(chain)
         while chain and not self._resumable(chain[-1]):
             chain.pop()  # slot states: back to the deepest boundary that holds a snapshot
         if chain and self.snapshots is not None:
@@ -337,20 +342,34 @@ class PrefixCache:
         seq.cache_node = chain[-1] if chain else None
         seq.num_cached_pages = len(chain)
         seq.num_computed = len(chain) * self.page_size
-        if self.host is not None:
+        if self.host is not None and len(chain) == walked:  # (past an unresumable device page: no)
             self._from_host(seq, usable)
         return seq.num_computed
 
     def _from_host(self, seq: Sequence, usable: int) -> None:
-        """Continue a request's cached chain with the pages the host tier holds past it: each is
-        copied into a new device page and becomes a device node again (a model without slot
-        states: any page is a resume point)."""
-        parent, got = seq.cache_node or self.root, 0
-        while seq.num_cached_pages < usable and (parent is self.root or parent.hash is not None):
-            key = self._page_tokens(seq, seq.num_cached_pages)
-            h = page_hash(parent.hash, key)
-            if key in parent.children or not self.host.holds(h):
+        """Continue a request's cached chain with the pages the host tier holds past it, up to
+        the deepest point it can resume at (any page; with slot states, a boundary whose snapshot
+        the host holds too): each page is copied into a new device page and becomes a device
+        node again, and the snapshot into the request's slot row (and a device snapshot)."""
+        parent = seq.cache_node or self.root
+        start = seq.num_cached_pages
+        if parent is not self.root and parent.hash is None:
+            return
+        # look ahead first: how far the host holds this prompt, and where it can resume
+        found, h, resume = [], parent.hash, start
+        for i in range(start, usable):
+            key = self._page_tokens(seq, i)
+            node_h = page_hash(h, key)
+            if (h is parent.hash and key in parent.children) or not self.host.holds(node_h):
                 break
+            found.append((key, node_h))
+            h = node_h
+            if self.snapshots is None or (
+                (i + 1) * self.page_size % self.boundary == 0 and self.host.holds_snapshot(h)
+            ):
+                resume = i + 1
+        got = 0
+        for key, h in found[: resume - start]:
             page = self.allocator.allocate(1)  # may push other idle pages down (never this chain)
             if page is None:
                 break
@@ -367,8 +386,41 @@ class PrefixCache:
             seq.cache_node, parent = node, node
             seq.num_cached_pages += 1
             got += 1
+        if self.snapshots is not None and got:
+            depth = seq.num_cached_pages
+            # back to the deepest boundary whose snapshot can be restored (all of them, unless an
+            # allocation above cut the walk short or pushed a snapshot out)
+            while depth > start and not (
+                depth * self.page_size % self.boundary == 0 and self.host.holds_snapshot(seq.cache_node.hash)
+            ):
+                depth -= 1
+                seq.cache_node = seq.cache_node.parent
+            if depth == start:  # nothing to resume at: keep the promoted pages cached, use none
+                self._give_back(seq, start)
+                return
+            self._give_back(seq, depth)
+            self.host.take_snapshot(seq.cache_node.hash, self.snapshots.slot_states, seq.slot)
+            if self.snapshots.mirror is not None:
+                raise RuntimeError("the host tier does not run at --tp-size > 1")
+            node = seq.cache_node
+            node.snapshot = self.snapshots.save(seq.slot)
+            self._by_snapshot[node.snapshot] = node
+            seq.cache_branch = max(seq.cache_branch, depth * self.page_size)
+            got = depth - start
         seq.num_computed = seq.num_cached_pages * self.page_size
         self.host.hit_tokens += got * self.page_size
+
+    def _give_back(self, seq: Sequence, depth: int) -> None:
+        """Keep only the first `depth` pages of the request's chain (the rest stay cached, idle)."""
+        extra = seq.pages[depth:]
+        if extra:
+            del seq.pages[depth:]
+            self.allocator.free(extra)
+        node = seq.cache_node
+        while node is not self.root and node is not None and node.depth > depth:
+            node = node.parent
+        seq.cache_node = node if node is not self.root else None
+        seq.num_cached_pages = depth
 
     def count(self, query: int, hit: int) -> None:
         """An admission looked up `query` tokens and reused `hit` of them."""

@@ -34,9 +34,9 @@ def run(engine: Engine, rid: str, prompt: list[int]) -> Sequence:
     raise AssertionError("engine made no progress")
 
 
-def rounds(engine: Engine) -> tuple[list[list[int]], list[int]]:
+def rounds(engine: Engine, first: list[list[int]] | None = None) -> tuple[list[list[int]], list[int]]:
     """Two rounds over 6 conversations (round 2: round 1's prompt + answer + a new turn)."""
-    firsts = [p + run(engine, f"r1-{k}", p).output_ids for k, p in enumerate(prompts())]
+    firsts = [p + run(engine, f"r1-{k}", p).output_ids for k, p in enumerate(first or prompts())]
     seconds = [run(engine, f"r2-{k}", p + [7, 8, 9]) for k, p in enumerate(firsts)]
     return [list(s.output_ids) for s in seconds], [s.num_cached_tokens for s in seconds]
 
@@ -70,7 +70,30 @@ def test_evicted_pages_come_back_from_host_and_outputs_do_not_change(tiny_model,
 
 
 def test_the_tier_is_refused_where_it_cannot_serve():
-    assert host_tier_refusal(0, True, 4, "off") is None
-    assert "slot states" in host_tier_refusal(1, True, 1, None)
-    assert "--tp-size" in host_tier_refusal(1, False, 2, None)
-    assert "prefix cache" in host_tier_refusal(1, False, 1, "a decode engine receives every page")
+    assert host_tier_refusal(0, 4, "off") is None
+    assert "--tp-size" in host_tier_refusal(1, 2, None)
+    assert "prefix cache" in host_tier_refusal(1, 1, "a decode engine receives every page")
+
+
+def test_v4_resumes_from_host_pages_and_snapshots_with_equal_outputs(make_model):
+    """DeepSeek-V4 (v4-tiny: window 8, CSA every 4, HCA every 8; pages of 4, boundary 8): the
+    snapshot of a boundary goes down with its page, and a request resumes from the host at the
+    deepest boundary holding both; outputs equal an engine without any cache."""
+    v4 = make_model("v4-tiny")
+    common = dict(
+        model=str(v4), device="cpu", kernel_backend="torch", page_size=4, max_num_seqs=2, max_num_batched_tokens=64
+    )
+    want, _ = rounds(Engine(EngineArgs(**common, kv_pages=64, enable_prefix_cache=False)), v4_prompts())
+    plain = Engine(EngineArgs(**common, kv_pages=40, prefix_cache_snapshots=8))
+    _, plain_hits = rounds(plain, v4_prompts())
+    tiered = Engine(EngineArgs(**common, kv_pages=40, prefix_cache_snapshots=8, host_cache_gb=0.01))
+    got, hits = rounds(tiered, v4_prompts())
+    assert got == want
+    host = tiered._tiers()["host"]
+    assert host["snapshots_restored"] > 0 and host["hit_tokens"] > 0, host
+    assert sum(hits) > sum(plain_hits), (hits, plain_hits)
+    tiered.prefix_cache.check()
+
+
+def v4_prompts() -> list[list[int]]:
+    return [[(31 * k + 5 * i) % 300 + 20 for i in range(27)] for k in range(6)]
