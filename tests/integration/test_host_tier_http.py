@@ -11,6 +11,7 @@ import signal
 
 import httpx
 import openai
+import pytest
 
 from bench.harness.commands import Proc, free_port
 from dsv4_wire import kv_events as wire
@@ -30,6 +31,7 @@ def snapshot(url: str) -> dict:
     raise AssertionError("no snapshot")
 
 
+@pytest.mark.slow  # two engine starts (~9 s); the tier's behaviour is in the default run's unit tests
 def test_pages_come_back_from_host_memory_and_kill_9_loses_only_cache(tiny_model, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
