@@ -750,7 +750,7 @@ class Engine:
                 m.inc("prefix_cache_query_tokens", c.query_tokens - q)
             if c.hit_tokens > h:
                 m.inc("prefix_cache_hit_tokens", c.hit_tokens - h)
-                m.inc_tier("prefix_cache_tier_hit_tokens", "device", c.hit_tokens - h - self._host_hit_delta(c))
+                m.inc_tier("prefix_cache_tier_hit_tokens", "device", max(0, c.hit_tokens - h - self._host_hit_delta(c)))
             m.set_tier("prefix_cache_tier_pages", "device", c.num_cached)
             if c.host is not None:
                 m.set_tier("prefix_cache_tier_pages", "host", c.host.num_used)

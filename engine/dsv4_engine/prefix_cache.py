@@ -112,6 +112,7 @@ class PrefixCache:
         # The host tier below the device pool (host_tier.HostTier): evicted pages go there and
         # come back on a hit; None: evicted pages are lost.
         self.host = None
+        self._host_hit = 0  # tokens the last attach took from the host tier
         allocator.cache = self
 
     # ---- what the allocator asks (PageKeeper) ------------------------------------------------
@@ -342,6 +343,7 @@ class PrefixCache:
         seq.cache_node = chain[-1] if chain else None
         seq.num_cached_pages = len(chain)
         seq.num_computed = len(chain) * self.page_size
+        self._host_hit = 0
         if self.host is not None and len(chain) == walked:  # (past an unresumable device page: no)
             self._from_host(seq, usable)
         return seq.num_computed
@@ -408,7 +410,7 @@ class PrefixCache:
             seq.cache_branch = max(seq.cache_branch, depth * self.page_size)
             got = depth - start
         seq.num_computed = seq.num_cached_pages * self.page_size
-        self.host.hit_tokens += got * self.page_size
+        self._host_hit = got * self.page_size  # counted when the request is admitted (`count`)
 
     def _give_back(self, seq: Sequence, depth: int) -> None:
         """Keep only the first `depth` pages of the request's chain (the rest stay cached, idle)."""
@@ -426,6 +428,9 @@ class PrefixCache:
         """An admission looked up `query` tokens and reused `hit` of them."""
         self.query_tokens += query
         self.hit_tokens += hit
+        if self.host is not None:  # of the hit, what the last attach took from the host tier
+            self.host.hit_tokens += min(self._host_hit, hit)
+            self._host_hit = 0
 
     def insert(self, seq: Sequence) -> None:
         """Cache the request's pages that became full (every token's KV computed) since last

@@ -97,3 +97,38 @@ def test_v4_resumes_from_host_pages_and_snapshots_with_equal_outputs(make_model)
 
 def v4_prompts() -> list[list[int]]:
     return [[(31 * k + 5 * i) % 300 + 20 for i in range(27)] for k in range(6)]
+
+
+def test_host_hits_count_only_for_admitted_requests():
+    """An attach that takes pages from the host, then fails admission (no room for the rest),
+    counts no host hit: hits per tier never exceed the cache's own hit count (before the fix the
+    device tier's counter was decremented, which Prometheus refuses)."""
+    from dsv4_engine.host_tier import HostTier
+    from dsv4_engine.kv_cache import PageAllocator
+    from dsv4_engine.prefix_cache import PrefixCache
+
+    ps, alloc = 4, PageAllocator(6)
+    cache = PrefixCache(alloc, ps)
+    cache.host = HostTier({"kv": torch.zeros(6, 8)}, 16)
+    toks = list(range(100, 117))
+
+    def admit(rid: str, count: bool) -> int:
+        s = Sequence(rid, list(toks), SamplingParams(max_tokens=1))
+        hit = cache.attach(s)
+        if count:
+            cache.count(s.num_tokens, hit)
+            s.pages.extend(alloc.allocate(-(-s.num_tokens // ps) - len(s.pages)))
+            s.num_computed = s.num_tokens
+            cache.insert(s)
+        alloc.free(s.pages)
+        s.pages = []
+        cache.forget(s)
+        return hit
+
+    admit("a", True)  # 4 full pages cached on the device
+    alloc.free(alloc.allocate(6))  # pushes all of them down to the host
+    assert cache.num_cached == 0 and cache.host.num_used == 4
+    assert admit("b", False) == 16  # promoted back, but not admitted
+    assert cache.host.hit_tokens == 0
+    alloc.free(alloc.allocate(6))
+    assert admit("c", True) == 16 and cache.host.hit_tokens == 16 == cache.hit_tokens
