@@ -80,6 +80,12 @@ if has engine-v3; then
 # Engine smoke on the mla512 preset (~3-5 min: Triton JIT and graph capture included).
 timeout 400 "$py" -m bench.suites.engine_gpu_smoke --out "$out/engine_gpu_smoke.json"
 rc=$?; [ "$rc" -ne 0 ] && { echo "engine smoke failed (exit $rc)"; status=1; }
+# The host KV tier (--host-cache-gb) on CUDA: pinned host pages, non_blocking copies on the step's
+# stream; outputs equal the no-tier engine's, then its copy cost per page (~1 min).
+timeout 120 "$py" -m pytest -q -p no:cacheprovider tests/unit/engine/test_host_tier.py 2>&1 | tee "$out/host_tier_tests.log"
+rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "host tier tests failed (exit $rc)"; status=1; }
+timeout 60 "$py" -m bench.suites.kv_tiers_bench --copy-cost-only --out "$out/kv_tiers_copy"
+rc=$?; [ "$rc" -ne 0 ] && { echo "host tier copy cost failed (exit $rc)"; status=1; }
 fi
 if has multi; then
 gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')

@@ -42,6 +42,11 @@ SUITES = {
         "~300-token tool result; TTFT per round and wall time, mono and PD, with and without the prefix cache "
         "(agents.json + agents.png).",
     ),
+    "kv_tiers": (
+        "kv_tiers_bench",
+        "The host KV tier: agents over a device pool at 1/4 of their working set, device-only vs host tier "
+        "(cached share, TTFT p50), a no-reuse workload tier on vs off, the tier's copy cost (kv_tiers.json + .png).",
+    ),
     "pd": (
         "pd_bench",
         "PD (router + prefill + decode over NIXL) vs one mono engine: tok/s, TTFT, KV-transfer share "

@@ -47,6 +47,8 @@ from dsv4_engine.metrics import EngineMetrics
 from dsv4_engine.model_runner import ModelRunner, default_device
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.prefix_cache import PrefixCache
+from dsv4_engine.host_tier import build_host_tier, host_tier_refusal
+from dsv4_engine.session_pins import SessionPins, session_refusal
 from dsv4_engine.sampling import SamplingError, request_generator, skip_draw
 from dsv4_engine.scheduler import Scheduler
 from dsv4_engine.sequence import Sequence, SeqStatus
@@ -111,6 +113,7 @@ def args_refusal(args: EngineArgs) -> Optional[str]:
         or backend_refusal(args.kernel_backend, args.device)
         or layout_refusal(args.tp_size, args.nnodes, args.node_rank, args.dist_init_addr)
         or node_role_refusal(args)
+        or session_refusal(args.session_ttl, args.session_pin_share)
     )
 
 
@@ -316,8 +319,14 @@ class Engine:
             self.pool.snapshots = snaps
             self.runner.snapshot_states = snaps.states if snaps is not None else None
             self.prefix_cache = PrefixCache(self.pool.allocator, page_size, snaps, boundary, in_forward, interval)
+            self.prefix_cache.pins = SessionPins(num_pages, args.session_ttl, args.session_pin_share)
             if self.spec is not None:
                 self.spec.cache_boundary = boundary  # drafts stop at boundaries (decode snapshots)
+        refusal = host_tier_refusal(args.host_cache_gb, args.tp_size, self.prefix_cache_off)
+        if refusal:
+            raise ValueError(refusal)
+        if args.host_cache_gb > 0:
+            self.prefix_cache.host = build_host_tier(self.pool, self.prefix_cache, args.host_cache_gb)
         self.scheduler = Scheduler(
             self.pool.allocator,
             page_size,
@@ -327,6 +336,7 @@ class Engine:
             self.prefix_cache,
         )
         self._cache_counted = (0, 0)  # prefix cache (query, hit) tokens already added to the counters
+        self._host_hits_counted = 0  # of the hits, host-tier tokens already added
         if self.spec is not None:
             self.scheduler.lookahead = self.spec.lookahead
         # The context limit is the model's, but never more than the pool can hold for one request.
@@ -838,9 +848,32 @@ class Engine:
                 m.inc("prefix_cache_query_tokens", c.query_tokens - q)
             if c.hit_tokens > h:
                 m.inc("prefix_cache_hit_tokens", c.hit_tokens - h)
+                m.inc_tier("prefix_cache_tier_hit_tokens", "device", max(0, c.hit_tokens - h - self._host_hit_delta(c)))
+            m.set_tier("prefix_cache_tier_pages", "device", c.num_cached)
+            if c.host is not None:
+                m.set_tier("prefix_cache_tier_pages", "host", c.host.num_used)
+                hh = self._host_hits_counted
+                if c.host.hit_tokens > hh:
+                    m.inc_tier("prefix_cache_tier_hit_tokens", "host", c.host.hit_tokens - hh)
+                    self._host_hits_counted = c.host.hit_tokens
+            if c.pins is not None:
+                m.set("kv_pages_pinned", c.pins.num_pinned)
+                m.set("sessions_active", len(c.pins.sessions))
             self._cache_counted = (c.query_tokens, c.hit_tokens)
         if self.pd is not None:
             self.pd.update_gauges(m)
+
+    def _host_hit_delta(self, c: PrefixCache) -> int:
+        return c.host.hit_tokens - self._host_hits_counted if c.host is not None else 0
+
+    def _tiers(self) -> dict:
+        """Per cache tier: pages held now and prompt tokens served from it (/v1/loads)."""
+        c = self.prefix_cache
+        host = c.host.hit_tokens if c.host is not None else 0
+        out = {"device": {"pages": c.num_cached, "hit_tokens": c.hit_tokens - host}}
+        if c.host is not None:
+            out["host"] = c.host.stats()
+        return out
 
     def _queued_prompt_tokens(self) -> int:
         """Tokens not computed yet of requests still in their prefill: waiting ones, and running ones
@@ -883,6 +916,9 @@ class Engine:
                     **self.prefix_cache.stats(),
                     # what the cache holds now, per state kind (paged: its pages; slot: snapshots)
                     "bytes_by_state": self.prefix_cache.bytes_by_state(self.pool.page_bytes_by_state()),
+                    # per tier: pages held now and prompt tokens served from it; sessions' pins
+                    "tiers": self._tiers(),
+                    "sessions": self.prefix_cache.pins.stats() if self.prefix_cache.pins is not None else None,
                 }
                 if self.prefix_cache is not None
                 else {"enabled": False, "why": self.prefix_cache_off}

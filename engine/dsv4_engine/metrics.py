@@ -14,7 +14,11 @@ from dsv4_wire.metrics import (
     PREFIX,
     STATE_GAUGES,
     STATE_LABEL,
+    TIER_COUNTERS,
+    TIER_GAUGES,
+    TIER_LABEL,
 )
+from dsv4_wire.kv_events import TIERS
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -48,6 +52,15 @@ class EngineMetrics:
         self.state_gauges = {
             k: Gauge(f"{PREFIX}{k}", d, [*labels, STATE_LABEL], registry=self.registry) for k, d in STATE_GAUGES.items()
         }
+        # One child per tier, made up front so every tier's series exists from the start (0).
+        self.tier_gauges = {}
+        for k, d in TIER_GAUGES.items():
+            g = Gauge(f"{PREFIX}{k}", d, [*labels, TIER_LABEL], registry=self.registry)
+            self.tier_gauges[k] = {t: g.labels(**self.labels, **{TIER_LABEL: t}) for t in TIERS}
+        self.tier_counters = {}
+        for k, d in TIER_COUNTERS.items():
+            c = Counter(f"{PREFIX}{k}", d, [*labels, TIER_LABEL], registry=self.registry)
+            self.tier_counters[k] = {t: c.labels(**self.labels, **{TIER_LABEL: t}) for t in TIERS}
         # Plain mirrors of the counters so /v1/loads can report them without parsing.
         self.totals = {k: 0.0 for k in COUNTERS}
         # The engine sets every gauge once per step and most do not move between steps: what was
@@ -74,6 +87,16 @@ class EngineMetrics:
             child = self._state_children[key] = self.state_gauges[name].labels(**self.labels, **{STATE_LABEL: state})
         child.set(value)
         self._last[key] = value
+
+    def set_tier(self, name: str, tier: str, value: float) -> None:
+        """A per-tier gauge (TIER_GAUGES)."""
+        if self._last.get((name, tier)) != value:
+            self.tier_gauges[name][tier].set(value)
+            self._last[(name, tier)] = value
+
+    def inc_tier(self, name: str, tier: str, amount: float) -> None:
+        """A per-tier counter (TIER_COUNTERS)."""
+        self.tier_counters[name][tier].inc(amount)
 
     def observe(self, name: str, value: float) -> None:
         self.histograms[name].observe(value)

@@ -43,10 +43,20 @@ from typing import Optional
 
 from dsv4_engine.kv_cache import PageAllocator, SnapshotPool
 from dsv4_engine.sequence import Sequence
+from dsv4_wire.kv_events import chain_hash, root_hash
+
+
+def page_hash(parent: Optional[bytes], key: tuple) -> bytes:
+    """The contract's hash of a page from its parent's (None under the root) and its key, whose
+    first element is the cache salt on a salted first page (see `_page_tokens`)."""
+    if parent is None:
+        salt = key[0] if key and isinstance(key[0], str) else None
+        return chain_hash(root_hash(salt), key[1:] if salt else key)
+    return chain_hash(parent, key)
 
 
 class _Node:
-    __slots__ = ("tokens", "parent", "page", "children", "last_use", "depth", "snapshot")
+    __slots__ = ("tokens", "parent", "page", "children", "last_use", "depth", "snapshot", "hash")
 
     def __init__(self, tokens: tuple, parent: Optional["_Node"], page: int):
         self.tokens = tokens
@@ -56,6 +66,7 @@ class _Node:
         self.last_use = 0
         self.depth = parent.depth + 1 if parent is not None else 0  # pages from the root, this one included
         self.snapshot: Optional[int] = None  # slot-row snapshot at this node's end (models with slot states)
+        self.hash: Optional[bytes] = None  # the contract's page hash (dsv4_wire.kv_events), when published
 
 
 class PrefixCache:
@@ -94,6 +105,14 @@ class PrefixCache:
         self._tie = itertools.count()
         self.query_tokens = 0  # tokens looked up at admission
         self.hit_tokens = 0  # of which found cached
+        # Where the pages stored and evicted are told (/v1/kv_events; kv_journal.KVJournal), if anywhere.
+        self.journal = None
+        # Sessions' pinned chains (session_pins.SessionPins): evicted last; None: plain LRU.
+        self.pins = None
+        # The host tier below the device pool (host_tier.HostTier): evicted pages go there and
+        # come back on a hit; None: evicted pages are lost.
+        self.host = None
+        self._host_hit = 0  # tokens the last attach took from the host tier
         allocator.cache = self
 
     # ---- what the allocator asks (PageKeeper) ------------------------------------------------
@@ -121,21 +140,47 @@ class PrefixCache:
         self._idle.discard(page)
 
     def evict(self, n: int) -> list[int]:
-        """Forget up to n idle pages, least recently used leaves first; their ids, now free."""
+        """Forget up to n idle pages, least recently used leaves first, pages pinned by a
+        session (session_pins.py) only when no other is left; their ids, now free."""
+        if self.pins is None:
+            return self._evict(n, spare_pinned=False)
+        self.pins.expire()
+        out = self._evict(n, spare_pinned=True)
+        if len(out) < n:  # running work never waits on a pin
+            out += self._evict(n - len(out), spare_pinned=False)
+        return out
+
+    def _evict(self, n: int, spare_pinned: bool) -> list[int]:
         out: list[int] = []
+        spared: list[tuple[int, int, _Node]] = []
         while len(out) < n and self._heap:
-            last_use, _, node = heapq.heappop(self._heap)
+            entry = heapq.heappop(self._heap)
+            last_use, _, node = entry
             if not self._evictable(node) or node.last_use != last_use:
                 continue  # stale: referenced again, grew a child, or already gone
+            if self.pins is not None and self.pins.holds(node.page):
+                if spare_pinned:
+                    spared.append(entry)
+                    continue
+                self.pins.dropped(node.page)
             parent = node.parent
             del parent.children[node.tokens]
             del self._by_page[node.page]
+            if self.host is not None and node.hash is not None:  # down a tier, not lost
+                if self.host.put(node.hash, node.tokens, node.page) and self.journal is not None:
+                    self.journal.stored("host", node.hash)
+                if node.snapshot is not None:
+                    self.host.put_snapshot(node.hash, node.snapshot)
             if node.snapshot is not None:
                 self._drop_snapshot(node)
             self._idle.discard(node.page)
+            if self.journal is not None and node.hash is not None:
+                self.journal.evicted("device", node.hash)
             out.append(node.page)
             if parent is not self.root and not parent.children and parent.page in self._idle:
                 self._push(parent)
+        for entry in spared:
+            heapq.heappush(self._heap, entry)
         return out
 
     def _evictable(self, node: _Node) -> bool:
@@ -169,6 +214,8 @@ class PrefixCache:
         """The snapshot pool took this snapshot back for room: its node keeps its pages."""
         node = self._by_snapshot.pop(snap)
         node.snapshot = None
+        if self.host is not None and node.hash is not None:  # the row is still intact here
+            self.host.put_snapshot(node.hash, snap)
 
     def _drop_snapshot(self, node: _Node) -> None:
         snap, node.snapshot = node.snapshot, None
@@ -280,6 +327,7 @@ class PrefixCache:
             chain.append(child)
             node = child
         seq.cache_branch = len(chain) * self.page_size // self.boundary * self.boundary
+        walked = len(chain)
         while chain and not self._resumable(chain[-1]):
             chain.pop()  # slot states: back to the deepest boundary that holds a snapshot
         if chain and self.snapshots is not None:
@@ -295,12 +343,94 @@ class PrefixCache:
         seq.cache_node = chain[-1] if chain else None
         seq.num_cached_pages = len(chain)
         seq.num_computed = len(chain) * self.page_size
+        self._host_hit = 0
+        if self.host is not None and len(chain) == walked:  # (past an unresumable device page: no)
+            self._from_host(seq, usable)
         return seq.num_computed
+
+    def _from_host(self, seq: Sequence, usable: int) -> None:
+        """Continue a request's cached chain with the pages the host tier holds past it, up to
+        the deepest point it can resume at (any page; with slot states, a boundary whose snapshot
+        the host holds too): each page is copied into a new device page and becomes a device
+        node again, and the snapshot into the request's slot row (and a device snapshot)."""
+        parent = seq.cache_node or self.root
+        start = seq.num_cached_pages
+        if parent is not self.root and parent.hash is None:
+            return
+        # look ahead first: how far the host holds this prompt, and where it can resume
+        found, h, resume = [], parent.hash, start
+        for i in range(start, usable):
+            key = self._page_tokens(seq, i)
+            node_h = page_hash(h, key)
+            if (h is parent.hash and key in parent.children) or not self.host.holds(node_h):
+                break
+            found.append((key, node_h))
+            h = node_h
+            if self.snapshots is None or (
+                (i + 1) * self.page_size % self.boundary == 0 and self.host.holds_snapshot(h)
+            ):
+                resume = i + 1
+        got = 0
+        for key, h in found[: resume - start]:
+            page = self.allocator.allocate(1)  # may push other idle pages down (never this chain)
+            if page is None:
+                break
+            if not self.host.take(h, key, page[0]):  # the allocation pushed it out of the host tier
+                self.allocator.free(page)
+                break
+            node = _Node(key, parent, page[0])
+            node.hash, node.last_use = h, next(self._clock)
+            parent.children[key] = node
+            self._by_page[node.page] = node
+            if self.journal is not None:
+                self.journal.stored("device", h)
+            seq.pages.append(node.page)
+            seq.cache_node, parent = node, node
+            seq.num_cached_pages += 1
+            got += 1
+        if self.snapshots is not None and got:
+            depth = seq.num_cached_pages
+            # back to the deepest boundary whose snapshot can be restored (all of them, unless an
+            # allocation above cut the walk short or pushed a snapshot out)
+            while depth > start and not (
+                depth * self.page_size % self.boundary == 0 and self.host.holds_snapshot(seq.cache_node.hash)
+            ):
+                depth -= 1
+                seq.cache_node = seq.cache_node.parent
+            if depth == start:  # nothing to resume at: keep the promoted pages cached, use none
+                self._give_back(seq, start)
+                return
+            self._give_back(seq, depth)
+            self.host.take_snapshot(seq.cache_node.hash, self.snapshots.slot_states, seq.slot)
+            if self.snapshots.mirror is not None:
+                raise RuntimeError("the host tier does not run at --tp-size > 1")
+            node = seq.cache_node
+            node.snapshot = self.snapshots.save(seq.slot)
+            self._by_snapshot[node.snapshot] = node
+            seq.cache_branch = max(seq.cache_branch, depth * self.page_size)
+            got = depth - start
+        seq.num_computed = seq.num_cached_pages * self.page_size
+        self._host_hit = got * self.page_size  # counted when the request is admitted (`count`)
+
+    def _give_back(self, seq: Sequence, depth: int) -> None:
+        """Keep only the first `depth` pages of the request's chain (the rest stay cached, idle)."""
+        extra = seq.pages[depth:]
+        if extra:
+            del seq.pages[depth:]
+            self.allocator.free(extra)
+        node = seq.cache_node
+        while node is not self.root and node is not None and node.depth > depth:
+            node = node.parent
+        seq.cache_node = node if node is not self.root else None
+        seq.num_cached_pages = depth
 
     def count(self, query: int, hit: int) -> None:
         """An admission looked up `query` tokens and reused `hit` of them."""
         self.query_tokens += query
         self.hit_tokens += hit
+        if self.host is not None:  # of the hit, what the last attach took from the host tier
+            self.host.hit_tokens += min(self._host_hit, hit)
+            self._host_hit = 0
 
     def insert(self, seq: Sequence) -> None:
         """Cache the request's pages that became full (every token's KV computed) since last
@@ -326,16 +456,30 @@ class PrefixCache:
                 child = _Node(tokens, parent, seq.pages[i])
                 parent.children[tokens] = child
                 self._by_page[child.page] = child
+                if parent is self.root or parent.hash is not None:
+                    child.hash = page_hash(parent.hash, tokens)
+                    if self.journal is not None:
+                        self.journal.stored("device", child.hash)
             seq.cache_node = child
             seq.num_cached_pages = i + 1
 
-    @staticmethod
-    def forget(seq: Sequence) -> None:
-        """The request gave its pages back (finish, preemption, abort): no chain position left."""
+    def forget(self, seq: Sequence) -> None:
+        """The request gave its pages back (finish, preemption, abort): no chain position left.
+        A named session's chain stays pinned for its TTL (session_pins.py)."""
+        if self.pins is not None and seq.params.session and seq.cache_node is not None:
+            self._pin(seq)
         seq.cache_node = None
         seq.num_cached_pages = 0
         seq.snapshot_node = None
         seq.snapshot_id = None
+
+    def _pin(self, seq: Sequence) -> None:
+        pages, node = [], seq.cache_node
+        while node is not None and node is not self.root:
+            pages.append(node.page)
+            node = node.parent
+        key = (seq.params.cache_salt or "", seq.params.session)
+        self.pins.pin(key, pages, seq.params.session_ttl)
 
     def stats(self) -> dict:
         out = {

@@ -40,6 +40,11 @@ class SamplingParams:
     # Not sampling, but per request and carried with it: the prefix cache's namespace (vLLM's
     # cache_salt). Requests with different salts (or one salted, one not) share no cached page.
     cache_salt: Optional[str] = None
+    # The conversation this request belongs to (prompt_cache_key / x-session-id), within its
+    # cache salt: its cached prefix is pinned for `session_ttl` seconds (None: the engine's) after
+    # it gives its pages back (dsv4_engine.session_pins).
+    session: Optional[str] = None
+    session_ttl: Optional[float] = None
 
     def validate(self) -> None:
         """Raise ValueError with a user-facing message for parameters we cannot honour."""

@@ -24,6 +24,8 @@ from dsv4_serve.admin import error_response, require_admin, thread_stacks
 from dsv4_serve.agent_routes import add_agent_routes
 from dsv4_serve.engine_client import CORE_ANSWER_TIMEOUT, EngineClient, EngineGone
 from dsv4_serve.gate import Gate, Lifecycle
+from dsv4_serve.kv_events_route import add_kv_events_route
+from dsv4_serve.sessions import add_session_routes
 from dsv4_serve.server_args import ServerArgs
 from dsv4_serve.serving import OpenAIServing, internal_error
 from dsv4_wire import APIError, Paths
@@ -174,6 +176,9 @@ def build_app(
         # Request ids, rooms and peer URLs: the admin token's (the operator and `dsv4 up` send it).
         require_admin(http, args.admin_token)
         return await from_core("loads")
+
+    add_kv_events_route(app, client, args, serving.model_name, lifecycle)
+    add_session_routes(app, client, args)
 
     @app.post(Paths.ADMIN_DRAIN)
     async def drain(http: Request):

@@ -195,6 +195,34 @@ class CoreServer:
         engine = self.engine
         engine.call(lambda: engine.pd.abort_room(room, reason))
 
+    def _kv_snapshot(self, _arg: Any) -> dict:
+        """What the prefix cache holds, for a new /v1/kv_events subscriber."""
+        engine = self.engine
+        cache = engine.prefix_cache
+        page = engine.pool.page_size
+        return {
+            **engine.kv_journal.snapshot(),
+            "instance": engine.kv_journal.instance,
+            "page_size": page,
+            "boundary_tokens": cache.boundary if cache is not None else page,
+        }
+
+    def _kv_events(self, seq: Any) -> Optional[list]:
+        """The events messages after batch `seq` (None: resync with a new snapshot)."""
+        return self.engine.kv_journal.since(int(seq))
+
+    def _session_delete(self, arg: Any) -> Optional[bool]:
+        """End session (tenant, id) on the engine thread; whether it was known (None: no cache)."""
+        import concurrent.futures
+
+        cache = self.engine.prefix_cache
+        if cache is None or cache.pins is None:
+            return None
+        key = tuple(arg)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self.engine.call(lambda: done.set_result(cache.pins.delete(key)))
+        return done.result(timeout=10)
+
     def _faults_arm(self, arg: Any) -> Any:
         fault, count, params = arg
         self.engine.pd.faults.arm(fault, count, **params)
@@ -221,6 +249,9 @@ RPCS: dict[str, Callable[[CoreServer, Any], Any]] = {
     "drain": CoreServer._drain,
     "channel": CoreServer._channel,
     "pd_abort": CoreServer._pd_abort,
+    "kv_snapshot": CoreServer._kv_snapshot,
+    "kv_events": CoreServer._kv_events,
+    "session_delete": CoreServer._session_delete,
     "faults_arm": CoreServer._faults_arm,
     "faults_clear": CoreServer._faults_clear,
     "faults_snapshot": CoreServer._faults_snapshot,
@@ -407,6 +438,15 @@ def main(argv: list[str]) -> None:
 
     engine.detokenize = False  # text and stop strings are the HTTP process's (dsv4_serve.detokenize)
     engine.exit_on_device_failure = True  # a dead device takes the process down: its requests migrate
+    # /v1/kv_events: what the cache gains and loses, from the start. An engine without a prefix
+    # cache (decode, --disable-prefix-cache) publishes its journal too: it holds nothing.
+    from dsv4_engine.kv_journal import KVJournal
+
+    engine.kv_journal = KVJournal(BOOT_ID)
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.journal = engine.kv_journal
+        if engine.prefix_cache.host is not None:
+            engine.prefix_cache.host.on_evict = lambda h: engine.kv_journal.evicted("host", h)
     core = CoreServer(engine, conn)
     profile = os.environ.get("DSV4_CORE_PROFILE")
     if profile:

@@ -149,6 +149,10 @@ class _Common(BaseModel):
     guided_whitespace_pattern: Optional[str] = None
     # vLLM's prefix-cache isolation: requests with different salts share no cached pages.
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # OpenAI's name for a conversation (also the x-session-id header): its prefix stays pinned for
+    # a TTL after each round (dsv4_serve.sessions, dsv4_engine.session_pins); checked there.
+    prompt_cache_key: Optional[str] = None
+    session_ttl: Optional[Union[float, str]] = None  # or the x-session-ttl header; checked there
     # PD: set by the router on the internal requests it sends to prefill and decode engines.
     bootstrap_host: Optional[str] = Field(None, max_length=256)
     bootstrap_port: Optional[int] = Field(None, ge=0, le=65535)

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.request_output import RequestOutput
 from dsv4_engine.tokenizer import Tokenizer
+from dsv4_serve.sessions import session_of, with_session
 from dsv4_serve.detokenize import OutputProcessor
 from dsv4_serve.engine_client import EngineClient, EngineRequest
 from dsv4_serve.gate import Lifecycle
@@ -246,7 +247,9 @@ class OpenAIServing:
         keep their sampled tokens' logprobs (`logprobs` 0), shown only if the request asked."""
         k = req.candidates
         seqs: list[EngineRequest] = []
+        session, ttl = session_of(req.prompt_cache_key, req.session_ttl, headers)
         for i, (ids, p) in enumerate(zip(prompts, params)):
+            p = with_session(p, session, ttl)
             if k > req.n and p.logprobs is None:
                 p = replace(p, logprobs=0)
             for j in range(k):

@@ -29,6 +29,7 @@ from dsv4_router.router_args import RouterArgs
 from dsv4_router.router import Router
 from dsv4_router.body import parse_body, read_limited
 from dsv4_router.fastlane import FastLane
+from dsv4_router.sessions import delete_session as end_session
 from dsv4_router.tenancy import KeyLimiter, TenantGate, TenantMetrics, salt_per_key
 from dsv4_wire import APIError, Paths, admin_refusal
 from dsv4_wire.api_keys import ApiKeyGate, KeyRing
@@ -119,6 +120,21 @@ def build_app(router: Router) -> FastAPI:
         return router.error(
             APIError("no healthy engine is available", 503, "service_unavailable"), {"Retry-After": "2"}
         )
+
+    @app.delete(Paths.SESSIONS + "/{session_id}")
+    async def delete_session(session_id: str, http: Request):
+        try:
+            status, body = await end_session(
+                router.up.control,
+                list(router.pool.workers),
+                session_id,
+                http.query_params.get("cache_salt"),
+                http.scope.get("dsv4.api_key"),
+                router.args.cache_salt_from_api_key,
+            )
+        except APIError as e:
+            return router.error(e)
+        return JSONResponse(body, status)
 
     @app.get(Paths.HEALTH)
     async def health():

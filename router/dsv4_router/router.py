@@ -40,6 +40,7 @@ from dsv4_router.cache_placement import CachePlacement, Tokenize, prompt_ids
 from dsv4_router.cache_subscriber import CacheSubscriber
 from dsv4_router.migration import BROKEN, REFUSED, TRUNCATED, UNREACHABLE, Resume, allowed_resends
 from dsv4_router.relay import RelayResponse, error_events, first_event_error, split_events, sse
+from dsv4_router.sessions import session_into_body
 from dsv4_router.tenancy import admit_sequences, apply_cache_salt
 from dsv4_router.upstream import CONNECTION_FAILURES, Upstreams
 from dsv4_wire import tracing
@@ -216,6 +217,7 @@ class Router:
             return self.error(refused, {"Retry-After": str(refused.retry_after)})
         trace_in = {k: http.headers[k] for k in TRACE_HEADERS if k in http.headers}
         apply_cache_salt(body, http.scope)
+        session_into_body(body, http.headers)
         # A client that hangs up (queued or not) cancels the work: closing the upstream
         # connections is what makes the engines abort (and, through them, the PD peer).
         slot = Slot(self.admission)

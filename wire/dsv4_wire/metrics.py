@@ -19,6 +19,8 @@ GAUGES = {
     "kv_pages_total": "Total KV cache pages",
     "prefix_cache_pages": "KV pages held by the prefix cache (the idle ones also count as free)",
     "prefix_cache_snapshots": "Slot-row snapshots held by the prefix cache (models with slot states: DeepSeek-V4)",
+    "kv_pages_pinned": "Cached KV pages pinned by named sessions (evicted only when nothing else is left)",
+    "sessions_active": "Named sessions (prompt_cache_key / x-session-id) whose TTL has not run out",
     "tp_size": "Ranks (devices) this engine runs on (--tp-size); rank 0 reports for all",
     "nnodes": "Hosts this engine spans (--nnodes); every node reports it",
 }
@@ -38,6 +40,14 @@ STATE_GAUGES = {
     "prefix_cache_state_bytes": "Bytes the prefix cache holds now in each state (paged: cached pages; slot: snapshots)",
 }
 STATE_LABEL = "state"
+# Series with a `tier` label (dsv4_wire.kv_events.TIERS: device, host, disk): one per cache tier.
+TIER_GAUGES = {
+    "prefix_cache_tier_pages": "KV pages the prefix cache holds in each tier",
+}
+TIER_COUNTERS = {
+    "prefix_cache_tier_hit_tokens": "Tokens of admitted requests whose KV came from each tier of the prefix cache",
+}
+TIER_LABEL = "tier"
 COUNTERS = {
     "num_bootstrap_failed_reqs": "Requests failed during the PD bootstrap",
     "num_transfer_failed_reqs": "Requests whose KV transfer failed",
@@ -77,6 +87,8 @@ def metric_name(key: str, suffix: str = "") -> str:
         and key not in COUNTERS
         and key not in HISTOGRAMS
         and key not in COUNT_HISTOGRAMS
+        and key not in TIER_GAUGES
+        and key not in TIER_COUNTERS
     ):
         raise KeyError(f"no dsv4 metric {key!r}")
     return f"{PREFIX}{key}{suffix}"

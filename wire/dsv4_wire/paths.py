@@ -17,6 +17,8 @@ class Paths:
     SERVER_INFO = "/server_info"
     # KV cache events (dsv4_wire.kv_events): newline-delimited JSON, snapshot first
     KV_EVENTS = "/v1/kv_events"
+    # sessions (named conversations whose prefix is pinned a while): DELETE SESSIONS/{id}
+    SESSIONS = "/v1/sessions"
     # admin (behind the admin token when one is set)
     ADMIN_DRAIN = "/admin/drain"
     ADMIN_ABORT = "/admin/abort"

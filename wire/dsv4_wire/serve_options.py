@@ -90,6 +90,28 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         min=0,
     ),
     _O(
+        "host_cache_gb",
+        float,
+        0.0,
+        "Host-memory tier under the device KV pool, in GiB (0: off): pages the pool evicts go there and "
+        "come back on a prefix hit instead of being recomputed (pinned memory on CUDA).",
+        min=0,
+    ),
+    _O(
+        "session_ttl",
+        float,
+        30.0,
+        "Seconds a named conversation's cached prefix (prompt_cache_key or x-session-id) stays "
+        "pinned after each round (more than 0, at most 3600).",
+    ),
+    _O(
+        "session_pin_share",
+        float,
+        0.5,
+        "Most of the KV pool one tenant's sessions may pin, as a fraction (0 to 1); pins past it are plain LRU.",
+        min=0,
+    ),
+    _O(
         "prefix_cache_snapshot_interval",
         int,
         None,
