@@ -76,6 +76,16 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         min=0,
     ),
     _O(
+        "decode_local_prefill",
+        int,
+        0,
+        "PD decode: keep a prefix cache of finished requests (prompt + answer) and serve a request "
+        "itself, with neither prefill nor KV transfer, when that cache holds all of it but at most N tokens "
+        "(the next round of a conversation: the new turn); 0 = off (decode receives every page from "
+        "prefill). docs/prefix-caching.md, PD.",
+        min=0,
+    ),
+    _O(
         "cuda_graph_max_bs",
         int,
         0,

@@ -51,6 +51,9 @@ class RegisterRoom:
     decode_boot: str  # the decode process's boot id (a restarted peer is a different peer)
     dst_slot: Optional[int] = None  # the decode's slot row (models with slot states)
     checksum: bool = False  # decode verifies region checksums
+    # decode serves this room from its own prefix cache (pd.continuation): prefill drops it,
+    # computing and sending nothing
+    local: bool = False
 
     def wire(self) -> dict:
         return asdict(self)
@@ -79,6 +82,7 @@ class RegisterRoom:
             decode_boot=_str(body, "decode_boot"),
             dst_slot=slot,
             checksum=bool(body.get("checksum", False)),
+            local=body.get("local", False) is True,
         )
 
 

@@ -43,6 +43,7 @@ class Registration:
     apply_at: float
     dst_slot: Optional[int] = None  # the decode's slot row (models with slot states)
     checksum: bool = False  # the decode verifies region checksums
+    local: bool = False  # the decode serves the room itself (pd.continuation): nothing to compute
 
 
 class PrefillController(PDController):
@@ -72,6 +73,7 @@ class PrefillController(PDController):
             apply_at=now + self.faults.bootstrap_delay(),
             dst_slot=msg.dst_slot,
             checksum=msg.checksum,
+            local=msg.local,
         )
         self.heartbeat(reg.decode_boot)
         self.registrations.put(reg)
@@ -157,6 +159,15 @@ class PrefillController(PDController):
     def _apply_registration(self, seq: Sequence, reg: Registration) -> None:
         seq.pd.peer_url = reg.decode_url  # from here on, a failure is told to this decode
         seq.pd.peer_boot = reg.decode_boot
+        if reg.local:
+            # Decode holds the conversation and computes its new tail itself: end the room here as
+            # a success (the router's prefill leg answers 200), having computed and sent nothing.
+            del self.bootstrap[seq.pd.room]
+            seq.pd.state = PDState.SUCCESS
+            seq.pd.mark("served_by_decode", self.clock())
+            self.engine.metrics.inc("num_decode_local_reqs")
+            self.engine.finish(seq, "stop")
+            return
         need = -(-seq.num_tokens // self.engine.pool.page_size)  # prompt (+ a continuation's tokens)
         if len(reg.dst_pages) < need:
             self._fail(
