@@ -32,6 +32,7 @@ from dsv4_serve.gate import Lifecycle
 from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completion_logprobs, next_offset, text_of_bytes
 from dsv4_serve.chat import ChatOptions, ChatSetup, default_setup, render, tool_parser, with_overrides
 from dsv4_serve.chat.output import ChatOutput, reasoning_tokens
+from dsv4_serve.chat.answer_memo import AnswerMemo, encode_with_answers
 from dsv4_serve.choices import best_choices, choice_room
 from dsv4_serve.server_args import ServerArgs
 from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, _Common, parse_request
@@ -128,6 +129,9 @@ class OpenAIServing:
         self.chat_setup = chat_setup(args, tokenizer)
         tokenizer.encode_plain("warm")  # builds the plain-text tokenizer now, not on the first chat
         self._think_end_id = tokenizer.backend.token_to_id("</think>")
+        # Answers this engine generated, by text, so a chat client's re-sent answer finds its KV
+        # (chat/answer_memo.py). Prefill never sees an answer: it renders as today.
+        self.answers = AnswerMemo() if args.role != "prefill" else None
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes of one token (for logprobs), cached: the vocabulary is bounded."""
@@ -340,10 +344,10 @@ class OpenAIServing:
             )
         except Exception as e:  # the format or template refused these messages (roles, order, ...)
             raise APIError(f"messages could not be rendered by the chat template: {e}", param="messages") from None
-        ids = self.tokenizer.encode_pieces(rendered.pieces)
+        ids, fallback = self._chat_ids(rendered.pieces, req.cache_salt)
         if not ids:
             raise APIError("the rendered chat prompt is empty", param="messages")
-        params = self._params(req, len(ids), None)
+        params = self._params(req, max(len(ids), len(fallback or ())), None)
         reasoning = None
         if setup.reasoning_parser is not None:
             reasoning = rendered.thinking or setup.reasoning_parser == "deepseek_r1"
@@ -358,10 +362,39 @@ class OpenAIServing:
             params = replace(params, structured=spec)
         rid = req.rid or f"chatcmpl-{uuid.uuid4().hex}"
         seqs = self._choices(req, [ids], [params], rid, headers)
+        for s in seqs:
+            s.fallback_prompt_ids = fallback
         parser = tool_parser(setup.tool_parser) if tools and setup.tool_parser else None
         # one output parser per sequence: each keeps its own streaming state
         outputs = [ChatOutput(parser, reasoning, req.parallel_tool_calls is not False) for _ in seqs]
         return Prepared(req, seqs, rid, chat=True, outputs=outputs)
+
+    def _chat_ids(self, pieces, salt: Optional[str]) -> tuple[list[int], Optional[list[int]]]:
+        """A rendered chat prompt's ids, with the answers this engine generated spliced in as their
+        generated ids (chat/answer_memo.py); and, on a PD decode that spliced some, the ids as
+        prefill renders them (without the memo), which decode uses when prefill computes the request."""
+        encode = self.tokenizer.encode_pieces
+        if self.answers is None:
+            return encode(pieces), None
+        ids, spliced = encode_with_answers(
+            pieces, encode, self.tokenizer.added_tokens, lambda text: self.answers.lookup(salt, text)
+        )
+        self.answers.spliced += spliced
+        return ids, (encode(pieces) if spliced and self.args.role == "decode" else None)
+
+    def _remember_answer(self, req, message: dict, token_ids: list[int]) -> None:
+        """A finished chat answer whose content is all it said (no reasoning, no tool calls)."""
+        if self.answers is None or message.get("tool_calls") or message.get("reasoning_content"):
+            return
+        content = message.get("content")
+        if isinstance(content, str):
+            self.answers.remember(
+                req.cache_salt,
+                content,
+                token_ids,
+                lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
+                self.tokenizer.eos_ids,
+            )
 
     def _reasoning_tokens(self, out: Optional[ChatOutput], token_ids: list[int], reasoning_seen: bool) -> Optional[int]:
         if out is None or out.reasoning is None:
@@ -545,6 +578,7 @@ class OpenAIServing:
                 message = out.message(r["text"])
                 finish = "tool_calls" if out.has_calls and r["finish_reason"] == "stop" else r["finish_reason"]
                 c = {"index": i, "message": message, "finish_reason": finish, "logprobs": logprobs}
+                self._remember_answer(req, message, r["token_ids"])
                 thought = self._reasoning_tokens(out, r["token_ids"], bool(message.get("reasoning_content")))
                 if thought is not None:
                     reasoning_total = (reasoning_total or 0) + thought
@@ -600,6 +634,7 @@ class OpenAIServing:
         ]
         outputs = p.outputs if chat and p.outputs else [ChatOutput(None, None) for _ in p.seqs]
         generated: list[list[int]] = [[] for _ in p.seqs]
+        said: list[dict] = [{} for _ in p.seqs]  # chat: each choice's message so far (content, reasoning, calls)
         reasoning_seen = [False] * len(p.seqs)
         reasoning_total: Optional[int] = None
 
@@ -637,6 +672,8 @@ class OpenAIServing:
                     if o.has_calls and finish_reason == "stop":
                         c["finish_reason"] = "tool_calls"
                 reasoning_seen[i] = reasoning_seen[i] or bool(delta.get("reasoning_content"))
+                for key, value in delta.items():
+                    said[i][key] = said[i].get(key, [] if key == "tool_calls" else "") + value
                 c["delta"] = delta
                 if wants_logprobs:
                     c["logprobs"] = chat_logprobs(out.logprobs or [], self.token_bytes)
@@ -654,6 +691,8 @@ class OpenAIServing:
                     usage[2] += out.cached_tokens
                 usage[1] += out.completion_tokens
                 if chat:
+                    if not p.seqs[i].output_ids:  # a continuation's start is not in `generated`
+                        self._remember_answer(req, said[i], generated[i])
                     thought = self._reasoning_tokens(outputs[i], generated[i], reasoning_seen[i])
                     if thought is not None:
                         reasoning_total = (reasoning_total or 0) + thought

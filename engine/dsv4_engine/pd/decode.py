@@ -64,6 +64,9 @@ class DecodeController(PDController):
         seq.pd.mark("arrival", self.clock())
         if self._serve_locally(seq):
             return
+        if seq.fallback_prompt_ids is not None:
+            # prefill computes it, from the prompt as prefill renders it (no remembered answers)
+            seq.prompt_ids, seq.fallback_prompt_ids = seq.fallback_prompt_ids, None
         seq.pd.enter(PDState.BOOTSTRAPPING, self._timeout(self.settings.bootstrap_timeout), self.clock())
         self.prealloc.append(seq)
 
