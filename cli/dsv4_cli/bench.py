@@ -42,6 +42,11 @@ SUITES = {
         "~300-token tool result; TTFT per round and wall time, mono and PD, with and without the prefix cache "
         "(agents.json + agents.png).",
     ),
+    "kv-continuity": (
+        "kv_continuity",
+        "Does round N+1 of a conversation find round N's prompt and answer? Cached share per round and KV bytes "
+        "moved prefill -> decode, mono and PD, through token ids and chat (kv_continuity.json + .png).",
+    ),
     "pd": (
         "pd_bench",
         "PD (router + prefill + decode over NIXL) vs one mono engine: tok/s, TTFT, KV-transfer share "

@@ -222,6 +222,10 @@ class DecodeController(PDController):
         seq.pd.state = PDState.SUCCESS
         seq.pd.mark("kv_landed", self.clock())
         seq.num_computed = seq.num_tokens
+        if self.engine.prefix_cache is not None:
+            # --decode-local-prefill: the landed prompt is this engine's to reuse from now on, and a
+            # prompt ending on a boundary is snapshotted here, the one time its row stands there
+            self.engine.scheduler.computed(seq)
         # prompt tokens prefill's prefix cache served (the client's usage.cached_tokens)
         seq.num_cached_tokens = note.cached_tokens if note.cached_tokens <= len(seq.prompt_ids) else 0
         self.engine.accept_first_token(seq, note.token, note.logprobs)

@@ -148,3 +148,21 @@ def test_an_aborted_local_round_gives_everything_back(pair, engines):
     assert dc.end.finish_reason == "abort" and pc.end.error is None
     pair.assert_clean("p", "d")
     engines[1].prefix_cache.check()
+
+
+def test_a_prompt_ending_on_a_boundary_is_kept_when_it_lands(pair, engines):
+    """An answer too short to reach the next boundary: decode keeps the landed prompt (and, for
+    V4, a snapshot of the row it landed with), so the next round still resumes there."""
+    d = engines[1]
+    b = d.prefix_cache.boundary
+    rng = random.Random(14)
+    convo = [rng.randrange(5, 250) for _ in range(4 * b)]
+    _, _, _, dc = pair.both(prompt=list(convo), max_tokens=b // 2)
+    pair.run_until(lambda: dc.ends)
+    convo += dc.tokens + [rng.randrange(5, 250) for _ in range(3)]
+    before = pair.moved("d", "kv_transfers_completed")
+    _, _, _, dc = pair.both(prompt=list(convo), max_tokens=4)
+    pair.run_until(lambda: dc.ends)
+    assert pair.moved("d", "kv_transfers_completed") == before and dc.end.cached_tokens == 4 * b
+    assert dc.tokens == mono(engines, convo, 4)
+    pair.assert_clean("p", "d")
