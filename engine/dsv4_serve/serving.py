@@ -382,19 +382,13 @@ class OpenAIServing:
         self.answers.spliced += spliced
         return ids, (encode(pieces) if spliced and self.args.role == "decode" else None)
 
-    def _remember_answer(self, req, message: dict, token_ids: list[int]) -> None:
-        """A finished chat answer whose content is all it said (no reasoning, no tool calls)."""
+    def _remember_answer(self, req, message: dict, token_ids: list[int], emitted: str, finish: str) -> None:
+        """A finished chat answer whose content is all the text it emitted (chat/answer_memo.py)."""
         if self.answers is None or message.get("tool_calls") or message.get("reasoning_content"):
             return
         content = message.get("content")
         if isinstance(content, str):
-            self.answers.remember(
-                req.cache_salt,
-                content,
-                token_ids,
-                lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
-                self.tokenizer.eos_ids,
-            )
+            self.answers.remember(req.cache_salt, content, token_ids, emitted, self.tokenizer.eos_ids, finish)
 
     def _reasoning_tokens(self, out: Optional[ChatOutput], token_ids: list[int], reasoning_seen: bool) -> Optional[int]:
         if out is None or out.reasoning is None:
@@ -578,7 +572,7 @@ class OpenAIServing:
                 message = out.message(r["text"])
                 finish = "tool_calls" if out.has_calls and r["finish_reason"] == "stop" else r["finish_reason"]
                 c = {"index": i, "message": message, "finish_reason": finish, "logprobs": logprobs}
-                self._remember_answer(req, message, r["token_ids"])
+                self._remember_answer(req, message, r["token_ids"], r["text"], r["finish_reason"])
                 thought = self._reasoning_tokens(out, r["token_ids"], bool(message.get("reasoning_content")))
                 if thought is not None:
                     reasoning_total = (reasoning_total or 0) + thought
@@ -635,6 +629,7 @@ class OpenAIServing:
         outputs = p.outputs if chat and p.outputs else [ChatOutput(None, None) for _ in p.seqs]
         generated: list[list[int]] = [[] for _ in p.seqs]
         said: list[dict] = [{} for _ in p.seqs]  # chat: each choice's message so far (content, reasoning, calls)
+        emitted = [""] * len(p.seqs)  # chat: each choice's text as the engine emitted it
         reasoning_seen = [False] * len(p.seqs)
         reasoning_total: Optional[int] = None
 
@@ -665,6 +660,7 @@ class OpenAIServing:
             if chat:
                 o = outputs[i]
                 generated[i] += out.token_ids
+                emitted[i] += out.text
                 delta = o.feed(out.text) if out.text else {}
                 if out.finished:
                     for key, value in o.finish().items():
@@ -692,7 +688,7 @@ class OpenAIServing:
                 usage[1] += out.completion_tokens
                 if chat:
                     if not p.seqs[i].output_ids:  # a continuation's start is not in `generated`
-                        self._remember_answer(req, said[i], generated[i])
+                        self._remember_answer(req, said[i], generated[i], emitted[i], out.finish_reason)
                     thought = self._reasoning_tokens(outputs[i], generated[i], reasoning_seen[i])
                     if thought is not None:
                         reasoning_total = (reasoning_total or 0) + thought

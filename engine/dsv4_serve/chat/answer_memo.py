@@ -5,8 +5,10 @@ would recompute the answer. This memo remembers, per cache salt (tenant), the id
 generated as, keyed by a hash of its text; rendering a later prompt splices those ids in where an
 assistant message's text is exactly such an answer.
 
-Exactness: an answer is remembered only when its ids decode to exactly the text the client got
-(no stop string cut it, no reasoning or tool call was parsed out of it), and spliced only where
+Exactness: an answer is remembered only when the client got, as the message's content, all the
+text the engine emitted for all of its ids (no reasoning or tool call was parsed out of it, and it
+ended at its length or an end-of-sequence token, not at a stop string whose tokens the text
+leaves out), and spliced only where
 it sits between two special tokens (the chat format's turn markers), so every other piece of the
 prompt encodes exactly as without the memo. A client that changed the text (one character) hashes
 differently and is tokenized as today. Bounded: the oldest entries go first.
@@ -41,22 +43,26 @@ class AnswerMemo:
     def remember(
         self,
         salt: Optional[str],
-        text: str,
+        content: str,
         ids: Sequence[int],
-        decode: Callable[[list[int]], str],
+        emitted: str,
         eos_ids: Iterable[int] = (),
+        finish: str = "length",
     ) -> bool:
-        """Keep `ids` (a finished answer's generated ids) for `text` (the content the client got)
-        when they spell exactly it; a trailing end-of-sequence token is the chat format's own
-        marker, not part of the content."""
+        """Keep `ids` (a finished answer's generated ids) for `content` (what the client got as the
+        message's content) when that content is all the text the engine emitted for those ids
+        (`emitted`: no reasoning or tool call parsed out of it). A trailing end-of-sequence token
+        is the chat format's own marker, which the renderer writes after the content."""
         ids = list(ids)
         eos = set(eos_ids)
+        if finish != "length" and not (finish == "stop" and ids and ids[-1] in eos):
+            return False  # a stop string or stop token: the text leaves some of the ids out
         while ids and ids[-1] in eos:
             ids.pop()
-        if not text or not ids or decode(ids) != text:
+        if not content or not ids or content != emitted:
             return False
         with self._lock:
-            key = _key(salt, text)
+            key = _key(salt, content)
             self._ids[key] = tuple(ids)
             self._ids.move_to_end(key)
             while len(self._ids) > self.capacity:

@@ -1,8 +1,9 @@
 """A chat client's re-sent answer rendered with the ids the model generated
 (dsv4_serve.chat.answer_memo): on DeepSeek-V3.1's and V4's formats, round 2's prompt ids start with
 round 1's prompt ids followed by the answer's generated ids (what the prefix cache holds), where
-tokenizing the same text again gives other ids; a changed answer, another tenant's salt or ids
-that do not spell the text fall back to plain tokenizing; the memo is bounded."""
+tokenizing the same text again gives other ids; a changed answer or another tenant's salt fall
+back to plain tokenizing; an answer the client did not get whole (a parser took part of it, a stop
+string cut it) is not remembered; the memo is bounded."""
 
 from __future__ import annotations
 
@@ -51,8 +52,8 @@ def test_round_two_carries_the_generated_ids(tokenizer, renderer):
     tok = tokenizer
     gen = generated_ids(tok, ANSWER)
     memo = AnswerMemo()
-    dec = lambda i: tok.decode(i, skip_special_tokens=False)  # noqa: E731
-    assert memo.remember(None, ANSWER, gen + tok.eos_ids[:1], dec, tok.eos_ids)  # the eos is the format's
+    # ended by its eos token, which the format writes itself after the content
+    assert memo.remember(None, ANSWER, gen + tok.eos_ids[:1], ANSWER, tok.eos_ids, "stop")
     first, second = rounds(ANSWER)
     p1 = tok.encode_pieces(render(renderer, None, first, ChatOptions()).pieces)
     pieces = render(renderer, None, second, ChatOptions()).pieces
@@ -69,18 +70,19 @@ def test_round_two_carries_the_generated_ids(tokenizer, renderer):
     assert encode(tok, memo, pieces, salt="tenant-b") == (plain, 0)
 
 
-def test_only_ids_that_spell_the_text_are_remembered(tokenizer):
+def test_only_answers_the_client_got_whole_are_remembered(tokenizer):
     tok = tokenizer
     memo = AnswerMemo()
-    dec = lambda i: tok.decode(i, skip_special_tokens=False)  # noqa: E731
-    assert not memo.remember(None, ANSWER, tok.encode_plain(ANSWER[:-1]), dec)  # a stop string cut it
-    assert not memo.remember(None, "", [], dec)
+    ids = tok.encode_plain(ANSWER)
+    assert not memo.remember(None, ANSWER[10:], ids, ANSWER)  # a parser took reasoning out of the text
+    assert not memo.remember(None, ANSWER, ids, ANSWER, tok.eos_ids, "stop")  # a stop string: ids past the text
+    assert not memo.remember(None, "", [], "")
     assert len(memo) == 0
+    assert memo.remember(None, ANSWER, ids, ANSWER, tok.eos_ids, "length") and memo.lookup(None, ANSWER) == tuple(ids)
 
 
 def test_the_memo_is_bounded_oldest_first():
     memo = AnswerMemo(capacity=2)
-    same = lambda ids: "".join(chr(65 + i) for i in ids)  # noqa: E731
     for text in ("A", "B", "C"):
-        assert memo.remember("s", text, [ord(text) - 65], same)
+        assert memo.remember("s", text, [ord(text) - 65], text)
     assert memo.lookup("s", "A") is None and memo.lookup("s", "C") == (2,) and len(memo) == 2
