@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 import traceback
 import uuid
@@ -30,7 +29,8 @@ from dsv4_serve.detokenize import OutputProcessor
 from dsv4_serve.engine_client import EngineClient, EngineRequest
 from dsv4_serve.gate import Lifecycle
 from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completion_logprobs, next_offset, text_of_bytes
-from dsv4_serve.chat import ChatOptions, ChatSetup, default_setup, render, tool_parser, with_overrides
+from dsv4_serve.chat import ChatSetup, tool_parser
+from dsv4_serve.chat_prompt import chat_setup as prompt_chat_setup, chat_tools, longest_token_chars, render_chat
 from dsv4_serve.chat.output import ChatOutput, reasoning_tokens
 from dsv4_serve.chat.answer_memo import AnswerMemo, encode_with_answers
 from dsv4_serve.choices import best_choices, choice_room
@@ -67,22 +67,8 @@ def _usage(prompt: int, completion: int, cached: int = 0, reasoning: Optional[in
 
 
 def chat_setup(args: ServerArgs, tokenizer: Tokenizer) -> ChatSetup:
-    """The checkpoint's chat format (model_type, vocabulary, template), then the flags."""
-    from dsv4_engine.tokenizer import CHAT_TEMPLATE
-
-    try:
-        with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
-            model_type = json.load(f).get("model_type")
-    except (OSError, ValueError):
-        model_type = None
-    setup = default_setup(
-        model_type, tokenizer.backend.get_vocab(with_added_tokens=True), tokenizer.chat_template, CHAT_TEMPLATE
-    )
-    template = None
-    if args.chat_template is not None:
-        with open(args.chat_template, encoding="utf-8") as f:
-            template = f.read()
-    return with_overrides(setup, template, args.tool_call_parser, args.reasoning_parser)
+    """The checkpoint's chat format, then the server's flags."""
+    return prompt_chat_setup(args.model, tokenizer, args.chat_template, args.tool_call_parser, args.reasoning_parser)
 
 
 def _sse(obj: dict | str) -> str:
@@ -123,9 +109,7 @@ class OpenAIServing:
         from tokenizers import decoders
 
         self._byte_level = isinstance(getattr(tokenizer.backend, "decoder", None), decoders.ByteLevel)
-        # No token spells more characters than its longest vocabulary entry: a text longer than
-        # that times the context cannot fit, and is refused without spending seconds tokenising it.
-        self._max_token_chars = max(len(k) for k in tokenizer.backend.get_vocab(with_added_tokens=True))
+        self._max_token_chars = longest_token_chars(tokenizer)
         self.chat_setup = chat_setup(args, tokenizer)
         tokenizer.encode_plain("warm")  # builds the plain-text tokenizer now, not on the first chat
         self._think_end_id = tokenizer.backend.token_to_id("</think>")
@@ -315,38 +299,9 @@ class OpenAIServing:
                     "(start the server with --tool-call-parser)",
                     param="tool_choice",
                 )
-        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if req.tool_choice != "none" else []
-        opts = ChatOptions(
-            tools=tools or None,
-            thinking=req.thinking(),
-            reasoning_effort=req.reasoning_effort,
-            add_generation_prompt=req.add_generation_prompt,
-            template_kwargs=dict(req.chat_template_kwargs or {}),
-        )
-        msgs = [m.as_dict() for m in req.messages]
-        chars = sum(len(m.get("content") or "") for m in msgs) + len(json.dumps(tools))
-        if chars > self.max_model_len * self._max_token_chars:
-            raise APIError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your messages "
-                f"have at least {chars // self._max_token_chars} tokens ({chars} characters).",
-                param="messages",
-                code="context_length_exceeded",
-            )
-        try:
-            rendered = render(
-                setup.renderer,
-                setup.template,
-                msgs,
-                opts,
-                self.tokenizer.bos_token or "",
-                self.tokenizer.eos_token or "",
-                self.tokenizer.added_tokens,
-            )
-        except Exception as e:  # the format or template refused these messages (roles, order, ...)
-            raise APIError(f"messages could not be rendered by the chat template: {e}", param="messages") from None
-        ids, fallback = self._chat_ids(rendered.pieces, req.cache_salt)
-        if not ids:
-            raise APIError("the rendered chat prompt is empty", param="messages")
+        tools = chat_tools(req)
+        rendered, plain = render_chat(setup, self.tokenizer, req, self.max_model_len, self._max_token_chars)
+        ids, fallback = self._chat_ids(rendered.pieces, req.cache_salt, plain)
         params = self._params(req, max(len(ids), len(fallback or ())), None)
         reasoning = None
         if setup.reasoning_parser is not None:
@@ -369,18 +324,22 @@ class OpenAIServing:
         outputs = [ChatOutput(parser, reasoning, req.parallel_tool_calls is not False) for _ in seqs]
         return Prepared(req, seqs, rid, chat=True, outputs=outputs)
 
-    def _chat_ids(self, pieces, salt: Optional[str]) -> tuple[list[int], Optional[list[int]]]:
-        """A rendered chat prompt's ids, with the answers this engine generated spliced in as their
-        generated ids (chat/answer_memo.py); and, on a PD decode that spliced some, the ids as
-        prefill renders them (without the memo), which decode uses when prefill computes the request."""
-        encode = self.tokenizer.encode_pieces
+    def _chat_ids(self, pieces, salt: Optional[str], plain: list[int]) -> tuple[list[int], Optional[list[int]]]:
+        """A rendered chat prompt's ids (`plain`: as tokenized), with the answers this engine
+        generated spliced in as their generated ids (chat/answer_memo.py); and, on a PD decode that
+        spliced some, the plain ids, which decode uses when prefill (no memo) computes the request."""
         if self.answers is None:
-            return encode(pieces), None
+            return plain, None
         ids, spliced = encode_with_answers(
-            pieces, encode, self.tokenizer.added_tokens, lambda text: self.answers.lookup(salt, text)
+            pieces,
+            self.tokenizer.encode_pieces,
+            self.tokenizer.added_tokens,
+            lambda text: self.answers.lookup(salt, text),
         )
+        if not spliced:
+            return plain, None
         self.answers.spliced += spliced
-        return ids, (encode(pieces) if spliced and self.args.role == "decode" else None)
+        return ids, (plain if self.args.role == "decode" else None)
 
     def _remember_answer(self, req, message: dict, token_ids: list[int], emitted: str, finish: str) -> None:
         """A finished chat answer whose content is all the text it emitted (chat/answer_memo.py)."""
