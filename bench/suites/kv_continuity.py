@@ -34,10 +34,13 @@ WORDS = (
     "file line error build test pass fail module import value return object list index count path "
     "config server request token cache page decode prefill router agent round result output"
 ).split()
-SIDES = {  # name -> (mode, decode's --decode-local-prefill)
-    "mono": ("mono", 0),
-    "pd": ("pd", 512),
-    "pd-before": ("pd", 0),  # decode without a cache: every round prefilled and shipped again
+SIDES = {  # name -> (mode, decode's --decode-local-prefill, chat answer memo)
+    "mono": ("mono", 0, True),
+    "pd": ("pd", 512, True),
+    # before this work: chat answers tokenized again; decode without a cache, so every round is
+    # prefilled (the previous answer again) and shipped whole
+    "mono-before": ("mono", 0, False),
+    "pd-before": ("pd", 0, False),
 }
 
 
@@ -65,8 +68,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def start(side: str, model: Path, a: argparse.Namespace, logs: Path) -> tuple[str, list[Server], Optional[str]]:
     """Servers of one side: (the URL clients use, every process, prefill's URL in PD)."""
-    mode, local = SIDES[side]
+    mode, local, memo = SIDES[side]
     common = ["--model", model, "--kv-pages", a.kv_pages, "--max-num-seqs", 16, "--served-model-name", "bench"]
+    common += [] if memo else ["--chat-answer-memo", 0]
     if mode == "mono":
         port = free_port()
         s = Server.dsv4(f"{side}-mono", ["serve", *common, "--port", port], port, logs)

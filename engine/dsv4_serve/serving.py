@@ -115,7 +115,8 @@ class OpenAIServing:
         self._think_end_id = tokenizer.backend.token_to_id("</think>")
         # Answers this engine generated, by text, so a chat client's re-sent answer finds its KV
         # (chat/answer_memo.py). Prefill never sees an answer: it renders as today.
-        self.answers = AnswerMemo() if args.role != "prefill" else None
+        memo = getattr(args, "chat_answer_memo", 0)
+        self.answers = AnswerMemo(memo) if memo and args.role != "prefill" else None
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes of one token (for logprobs), cached: the vocabulary is bounded."""

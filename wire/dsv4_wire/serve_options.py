@@ -126,6 +126,16 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     ),
     _O("speculative_num_steps", int, 1, "Tokens drafted per step with --speculative-algorithm.", min=1),
     # ---- the HTTP server and PD (ServerArgs) ----
+    _O(
+        "chat_answer_memo",
+        int,
+        4096,
+        "Chat: answers this engine generated, remembered by their text (per cache salt) so a re-sent "
+        "answer renders with its generated ids and the next round finds its KV; 0 = off (re-sent answers are "
+        "tokenized again). docs/prefix-caching.md, Chat.",
+        min=0,
+        scope="server",
+    ),
     _O("host", str, "127.0.0.1", "Address to listen on.", scope="server"),
     _O("port", int, 8100, "Port of the OpenAI API.", scope="server"),
     _O(
