@@ -166,3 +166,53 @@ def test_a_prompt_ending_on_a_boundary_is_kept_when_it_lands(pair, engines):
     assert pair.moved("d", "kv_transfers_completed") == before and dc.end.cached_tokens == 4 * b
     assert dc.tokens == mono(engines, convo, 4)
     pair.assert_clean("p", "d")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset,page", [("tiny", 8), ("v4-tiny", 8)])
+def test_local_rounds_under_preemption_on_a_small_decode_pool_equal_mono(make_model, preset, page):
+    """Decode's pool too small for three conversations at once: local rounds get preempted and
+    recomputed (from decode's cache), cached pages are evicted for running work; every token still
+    equals mono and everything comes back."""
+    model = make_model(preset)
+    extra = {"prefix_cache_snapshots": 6} if preset != "tiny" else {}
+
+    def make(role: str, pages: int, cache: bool = True, local: int = 0) -> Engine:
+        return Engine(
+            EngineArgs(
+                model=str(model),
+                role=role,
+                device="cpu",
+                kernel_backend="torch",
+                kv_pages=pages,
+                page_size=page,
+                max_num_seqs=3,
+                max_num_batched_tokens=48,
+                served_model_name="m",
+                enable_prefix_cache=cache,
+                decode_local_prefill=local,
+                **extra,
+            )
+        )
+
+    engines = (make("prefill", 60), make("decode", 22, local=LIMIT), make("mono", 60, cache=False))
+    pair = Pair(engines)
+    preempted = []
+    sched = engines[1].scheduler
+    real = sched._preempt
+    sched._preempt = lambda seq: (preempted.append(seq.rid), real(seq))[1]
+    try:
+        rng = random.Random(15)
+        convos = [[rng.randrange(5, 250) for _ in range(30)] for _ in range(3)]
+        for _ in range(3):
+            started = [pair.both(prompt=list(c), max_tokens=12) for c in convos]
+            pair.run_until(lambda: all(dc.ends for *_, dc in started), limit=120)
+            for i, (_, pc, _, dc) in enumerate(started):
+                assert dc.end.finish_reason == "length", dc.end.error
+                assert dc.tokens == mono(engines, convos[i], 12)
+                convos[i] = convos[i] + dc.tokens + [rng.randrange(5, 250) for _ in range(5)]
+        assert pair.moved("d", "num_decode_local_reqs") > 0 and preempted
+        pair.assert_clean("p", "d")
+        engines[1].prefix_cache.check()
+    finally:
+        pair.close()
