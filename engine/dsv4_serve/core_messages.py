@@ -53,7 +53,7 @@ class Add(NamedTuple):
     arrival: float
     share_prefix_of: Optional[str] = None  # the rid of the request's first choice (n > 1)
     output_ids: list = []  # the answer so far of a migrated request (the router's continuation)
-    fallback_prompt_ids: Optional[list] = None  # PD decode: the prompt as prefill has it (chat answer memo)
+    plain_prompt_ids: Optional[list] = None  # PD decode: the prompt as prefill tokenizes it (chat answer memo)
 
 
 class Abort(NamedTuple):
@@ -124,7 +124,7 @@ def add_msg(
     arrival: float,
     share_prefix_of: Optional[str] = None,
     output_ids: Optional[list[int]] = None,
-    fallback_prompt_ids: Optional[list[int]] = None,
+    plain_prompt_ids: Optional[list[int]] = None,
 ) -> Add:
     return Add(
         key,
@@ -136,7 +136,7 @@ def add_msg(
         arrival,
         share_prefix_of,
         list(output_ids or ()),
-        list(fallback_prompt_ids) if fallback_prompt_ids is not None else None,
+        list(plain_prompt_ids) if plain_prompt_ids is not None else None,
     )
 
 

@@ -319,7 +319,7 @@ class OpenAIServing:
         rid = req.rid or f"chatcmpl-{uuid.uuid4().hex}"
         seqs = self._choices(req, [ids], [params], rid, headers)
         for s in seqs:
-            s.fallback_prompt_ids = fallback
+            s.plain_prompt_ids = fallback
         parser = tool_parser(setup.tool_parser) if tools and setup.tool_parser else None
         # one output parser per sequence: each keeps its own streaming state
         outputs = [ChatOutput(parser, reasoning, req.parallel_tool_calls is not False) for _ in seqs]

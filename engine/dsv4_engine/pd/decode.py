@@ -64,9 +64,6 @@ class DecodeController(PDController):
         seq.pd.mark("arrival", self.clock())
         if self._serve_locally(seq):
             return
-        if seq.fallback_prompt_ids is not None:
-            # prefill computes it, from the prompt as prefill renders it (no remembered answers)
-            seq.prompt_ids, seq.fallback_prompt_ids = seq.fallback_prompt_ids, None
         seq.pd.enter(PDState.BOOTSTRAPPING, self._timeout(self.settings.bootstrap_timeout), self.clock())
         self.prealloc.append(seq)
 
@@ -162,6 +159,9 @@ class DecodeController(PDController):
                 decode_boot=self.boot_id,
                 dst_slot=slot,
                 checksum=self.settings.transfer_checksum,
+                # chat answers spliced as their generated ids (dsv4_serve.chat.answer_memo): prefill,
+                # which tokenized the text, computes these ids instead, so both sides hold one prompt
+                prompt_ids=seq.prompt_ids if seq.plain_prompt_ids not in (None, seq.prompt_ids) else None,
             )
             self.channel.register(seq.pd.bootstrap_addr, msg, lambda res, err, seq=seq: self._registered(seq, res, err))
 

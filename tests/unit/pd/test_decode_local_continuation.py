@@ -216,3 +216,33 @@ def test_local_rounds_under_preemption_on_a_small_decode_pool_equal_mono(make_mo
         engines[1].prefix_cache.check()
     finally:
         pair.close()
+
+
+def test_prefill_computes_decodes_prompt_when_decode_spliced_answers(pair, engines):
+    """Chat: decode rendered a re-sent answer as its generated ids, prefill (no memo) tokenized its
+    text into other ids. A round prefill computes uses decode's ids (sent in the registration), so
+    both sides hold one prompt and the tokens equal mono's on decode's ids."""
+    rng = random.Random(16)
+    spliced = [rng.randrange(5, 250) for _ in range(41)]
+    plain = spliced[:20] + [7, 8, 9] + spliced[22:]  # one answer token came back as three
+    ps, pc = pair.request("p", prompt=plain, max_tokens=6)
+    ds, dc = pair.request("d", prompt=spliced, max_tokens=6, room=ps.pd.room)
+    ds.plain_prompt_ids = plain  # as the HTTP process hands it over (before the engine takes it)
+    pair.run_until(lambda: dc.ends)
+    assert pc.end.error is None and dc.end.finish_reason == "length", dc.end.error
+    assert dc.tokens == mono(engines, spliced, 6)
+    assert ps.prompt_ids == spliced
+    pair.assert_clean("p", "d")
+
+
+def test_a_registration_carries_local_and_prompt_ids_and_refuses_bad_ones():
+    from dsv4_engine.pd.messages import RegisterRoom
+
+    msg = RegisterRoom(1, "r", {}, [], "http://d", "b", local=True, prompt_ids=[3, 4])
+    back = RegisterRoom.of(msg.wire())
+    assert back.local is True and back.prompt_ids == [3, 4]
+    old = {k: v for k, v in msg.wire().items() if k not in ("local", "prompt_ids")}  # an older decode
+    assert RegisterRoom.of(old).local is False and RegisterRoom.of(old).prompt_ids is None
+    for bad in ([], [-1], ["3"], [True], "3 4"):
+        with pytest.raises(ValueError, match="prompt_ids"):
+            RegisterRoom.of({**msg.wire(), "prompt_ids": bad})
