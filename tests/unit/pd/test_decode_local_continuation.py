@@ -246,3 +246,13 @@ def test_a_registration_carries_local_and_prompt_ids_and_refuses_bad_ones():
     for bad in ([], [-1], ["3"], [True], "3 4"):
         with pytest.raises(ValueError, match="prompt_ids"):
             RegisterRoom.of({**msg.wire(), "prompt_ids": bad})
+
+
+def test_prompt_ids_prefill_cannot_compute_fail_the_room_on_both_sides(pair, engines):
+    ps, pc = pair.request("p", prompt=list(range(10, 40)), max_tokens=4)
+    ds, dc = pair.request("d", prompt=list(range(10, 39)) + [10**6], max_tokens=4, room=ps.pd.room)
+    ds.plain_prompt_ids = list(range(10, 40))
+    pair.run_until(lambda: dc.ends and pc.ends)
+    assert pc.end.error_code == 400 and "out of range" in pc.end.error
+    assert dc.end.finish_reason in ("error", "abort") and "out of range" in dc.end.error
+    pair.assert_clean("p", "d")
