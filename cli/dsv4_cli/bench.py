@@ -47,6 +47,11 @@ SUITES = {
         "The host KV tier: agents over a device pool at 1/4 of their working set, device-only vs host tier "
         "(cached share, TTFT p50), a no-reuse workload tier on vs off, the tier's copy cost (kv_tiers.json + .png).",
     ),
+    "kv-continuity": (
+        "kv_continuity",
+        "Does round N+1 of a conversation find round N's prompt and answer? Cached share per round and KV bytes "
+        "moved prefill -> decode, mono and PD, through token ids and chat (kv_continuity.json + .png).",
+    ),
     "pd": (
         "pd_bench",
         "PD (router + prefill + decode over NIXL) vs one mono engine: tok/s, TTFT, KV-transfer share "

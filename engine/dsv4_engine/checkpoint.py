@@ -179,6 +179,12 @@ V4_PRESETS: dict[str, dict] = {
         },
         "torch_dtype": "float32",
     },
+}
+# v4-tiny with a context long enough for an agent's conversation (tool results of 200-2,000
+# tokens over several rounds; v4-tiny stops at 1,024 positions): the same weights' shapes, so the
+# same fast steps, only max_position_embeddings differs.
+V4_PRESETS["v4-tiny-long"] = {**V4_PRESETS["v4-tiny"], "max_position_embeddings": 16384}
+V4_PRESETS |= {
     # V4-Flash's per-layer widths (hidden 4096, 64 heads of 512 with 64 rope channels, q LoRA 1024,
     # 8 output groups of 1024, indexer 64 x 128 top-512, window 128, CSA 4 / HCA 128) with one
     # layer of each attention type and 4 small experts, stored in bf16 (~0.8 GB). Written in

@@ -166,13 +166,16 @@ def serving_refusal(model_dir: str, role: str, page_size: Optional[int], tp_size
 
 
 def prefix_cache_refusal(
-    specs: list[StateSpec], role: str, enabled: bool = True, snapshots: Optional[int] = None
+    specs: list[StateSpec], role: str, enabled: bool = True, snapshots: Optional[int] = None, decode_local: int = 0
 ) -> Optional[str]:
     """Why this engine runs without a prefix cache, in one line, or None when it has one."""
     if not enabled:
         return "turned off (--disable-prefix-cache)"
-    if role == "decode":
-        return "a decode engine receives every page of a request from prefill; it has nothing to reuse"
+    if role == "decode" and not decode_local:
+        return (
+            "a decode engine receives every page of a request from prefill; it has nothing to reuse "
+            "(--decode-local-prefill N gives it a cache of finished conversations)"
+        )
     slot_states = [s.name for s in specs if not s.paged]
     if slot_states and snapshots == 0:
         return "--prefix-cache-snapshots 0: no snapshot of the slot state to resume a prefix from"
@@ -237,7 +240,7 @@ class Engine:
         if refusal:
             raise ValueError(refusal)
         self.prefix_cache_off = prefix_cache_refusal(
-            specs, args.role, args.enable_prefix_cache, args.prefix_cache_snapshots
+            specs, args.role, args.enable_prefix_cache, args.prefix_cache_snapshots, args.decode_local_prefill
         )
         # Slot rows for max_num_seqs requests (and the cache's snapshots of them) come first; the
         # rest of the memory becomes pages (dsv4_engine.kv_sizing).

@@ -61,6 +61,9 @@ class Sequence:
     emitted_text_len: int = 0
     num_preemptions: int = 0
     prefill_only: bool = False  # PD prefill: stop after the first token, KV goes to decode
+    # PD decode: the prompt as its prefill tokenizes it on its own, when prompt_ids spliced
+    # remembered chat answers (dsv4_serve.chat.answer_memo): decode then tells prefill its ids.
+    plain_prompt_ids: Optional[list[int]] = None
     pd: Optional["PDRequestInfo"] = None  # PD bookkeeping (room, peer, deadlines), owned by dsv4_engine.pd
     # Structured output (dsv4_engine.structured): the compiled grammar, set at admission, and the
     # request's position in it, built on first use from output_ids and freed when the request

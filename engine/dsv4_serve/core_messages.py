@@ -53,6 +53,7 @@ class Add(NamedTuple):
     arrival: float
     share_prefix_of: Optional[str] = None  # the rid of the request's first choice (n > 1)
     output_ids: list = []  # the answer so far of a migrated request (the router's continuation)
+    plain_prompt_ids: Optional[list] = None  # PD decode: the prompt as prefill tokenizes it (chat answer memo)
 
 
 class Abort(NamedTuple):
@@ -123,9 +124,19 @@ def add_msg(
     arrival: float,
     share_prefix_of: Optional[str] = None,
     output_ids: Optional[list[int]] = None,
+    plain_prompt_ids: Optional[list[int]] = None,
 ) -> Add:
     return Add(
-        key, rid, prompt_ids, params_row(params), pd, prefill_only, arrival, share_prefix_of, list(output_ids or ())
+        key,
+        rid,
+        prompt_ids,
+        params_row(params),
+        pd,
+        prefill_only,
+        arrival,
+        share_prefix_of,
+        list(output_ids or ()),
+        list(plain_prompt_ids) if plain_prompt_ids is not None else None,
     )
 
 

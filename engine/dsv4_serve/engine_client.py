@@ -73,6 +73,10 @@ class EngineRequest:
     # A migrated request's answer so far (the router's continuation): the engine computes the
     # prompt and these, and generates what follows, as if it had produced them itself.
     output_ids: list[int] = field(default_factory=list)
+    # PD decode, chat: the prompt as prefill tokenizes it on its own, when this engine spliced
+    # remembered answers into prompt_ids (dsv4_serve.chat.answer_memo): decode then sends prefill
+    # its own ids in the registration.
+    plain_prompt_ids: Optional[list[int]] = None
 
 
 def _error_output(rid: str, message: str, code: int, prompt_tokens: int = 0) -> RequestOutput:
@@ -263,6 +267,7 @@ class EngineClient:
                         req.arrival,
                         req.share_prefix_of,
                         req.output_ids,
+                        req.plain_prompt_ids,
                     )
                 )
             except EngineGone:

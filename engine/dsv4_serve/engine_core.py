@@ -138,6 +138,7 @@ class CoreServer:
             arrival=msg.arrival,
             share_prefix_of=msg.share_prefix_of,
             output_ids=list(msg.output_ids),
+            plain_prompt_ids=msg.plain_prompt_ids,
         )
         if msg.pd is not None:
             from dsv4_engine.pd import PDRequestInfo

@@ -32,6 +32,7 @@ from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completio
 from dsv4_serve.chat import ChatSetup, tool_parser
 from dsv4_serve.chat_prompt import chat_setup as prompt_chat_setup, chat_tools, longest_token_chars, render_chat
 from dsv4_serve.chat.output import ChatOutput, reasoning_tokens
+from dsv4_serve.chat.answer_memo import AnswerMemo, encode_with_answers
 from dsv4_serve.chat.tool_choice import tool_choice_spec
 from dsv4_serve.choices import best_choices, choice_room
 from dsv4_serve.server_args import ServerArgs
@@ -113,6 +114,10 @@ class OpenAIServing:
         self.chat_setup = chat_setup(args, tokenizer)
         tokenizer.encode_plain("warm")  # builds the plain-text tokenizer now, not on the first chat
         self._think_end_id = tokenizer.backend.token_to_id("</think>")
+        # Answers this engine generated, by text, so a chat client's re-sent answer finds its KV
+        # (chat/answer_memo.py). Prefill never sees an answer: it renders as today.
+        memo = getattr(args, "chat_answer_memo", 0)
+        self.answers = AnswerMemo(memo) if memo and args.role != "prefill" else None
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes of one token (for logprobs), cached: the vocabulary is bounded."""
@@ -282,8 +287,9 @@ class OpenAIServing:
         self._check_model(req)
         setup = self.chat_setup
         tools = chat_tools(req)
-        rendered, ids = render_chat(setup, self.tokenizer, req, self.max_model_len, self._max_token_chars)
-        params = self._params(req, len(ids), None)
+        rendered, plain = render_chat(setup, self.tokenizer, req, self.max_model_len, self._max_token_chars)
+        ids, fallback = self._chat_ids(rendered.pieces, req.cache_salt, plain)
+        params = self._params(req, max(len(ids), len(fallback or ())), None)
         reasoning = None
         if setup.reasoning_parser is not None:
             reasoning = rendered.thinking or setup.reasoning_parser == "deepseek_r1"
@@ -301,10 +307,37 @@ class OpenAIServing:
             params = replace(params, structured=spec)
         rid = req.rid or f"chatcmpl-{uuid.uuid4().hex}"
         seqs = self._choices(req, [ids], [params], rid, headers)
+        for s in seqs:
+            s.plain_prompt_ids = fallback
         parser = tool_parser(setup.tool_parser) if tools and setup.tool_parser else None
         # one output parser per sequence: each keeps its own streaming state
         outputs = [ChatOutput(parser, reasoning, req.parallel_tool_calls is not False) for _ in seqs]
         return Prepared(req, seqs, rid, chat=True, outputs=outputs)
+
+    def _chat_ids(self, pieces, salt: Optional[str], plain: list[int]) -> tuple[list[int], Optional[list[int]]]:
+        """A rendered chat prompt's ids (`plain`: as tokenized), with the answers this engine
+        generated spliced in as their generated ids (chat/answer_memo.py); and, on a PD decode that
+        spliced some, the plain ids, which decode uses when prefill (no memo) computes the request."""
+        if self.answers is None:
+            return plain, None
+        ids, spliced = encode_with_answers(
+            pieces,
+            self.tokenizer.encode_pieces,
+            self.tokenizer.added_tokens,
+            lambda text: self.answers.lookup(salt, text),
+        )
+        if not spliced:
+            return plain, None
+        self.answers.spliced += spliced
+        return ids, (plain if self.args.role == "decode" else None)
+
+    def _remember_answer(self, req, message: dict, token_ids: list[int], emitted: str, finish: str) -> None:
+        """A finished chat answer whose content is all the text it emitted (chat/answer_memo.py)."""
+        if self.answers is None or message.get("tool_calls") or message.get("reasoning_content"):
+            return
+        content = message.get("content")
+        if isinstance(content, str):
+            self.answers.remember(req.cache_salt, content, token_ids, emitted, self.tokenizer.eos_ids, finish)
 
     def _reasoning_tokens(self, out: Optional[ChatOutput], token_ids: list[int], reasoning_seen: bool) -> Optional[int]:
         if out is None or out.reasoning is None:
@@ -492,6 +525,7 @@ class OpenAIServing:
                     "tool_calls" if out.has_calls and r["finish_reason"] in ("stop", "length") else r["finish_reason"]
                 )
                 c = {"index": i, "message": message, "finish_reason": finish, "logprobs": logprobs}
+                self._remember_answer(req, message, r["token_ids"], r["text"], r["finish_reason"])
                 thought = self._reasoning_tokens(out, r["token_ids"], bool(message.get("reasoning_content")))
                 if thought is not None:
                     reasoning_total = (reasoning_total or 0) + thought
@@ -547,6 +581,8 @@ class OpenAIServing:
         ]
         outputs = p.outputs if chat and p.outputs else [ChatOutput(None, None) for _ in p.seqs]
         generated: list[list[int]] = [[] for _ in p.seqs]
+        said: list[dict] = [{} for _ in p.seqs]  # chat: each choice's message so far (content, reasoning, calls)
+        emitted = [""] * len(p.seqs)  # chat: each choice's text as the engine emitted it
         reasoning_seen = [False] * len(p.seqs)
         reasoning_total: Optional[int] = None
 
@@ -577,6 +613,7 @@ class OpenAIServing:
             if chat:
                 o = outputs[i]
                 generated[i] += out.token_ids
+                emitted[i] += out.text
                 delta = o.feed(out.text) if out.text else {}
                 if out.finished:
                     for key, value in o.finish().items():
@@ -584,6 +621,8 @@ class OpenAIServing:
                     if o.has_calls and finish_reason in ("stop", "length"):
                         c["finish_reason"] = "tool_calls"
                 reasoning_seen[i] = reasoning_seen[i] or bool(delta.get("reasoning_content"))
+                for key, value in delta.items():
+                    said[i][key] = said[i].get(key, [] if key == "tool_calls" else "") + value
                 c["delta"] = delta
                 if wants_logprobs:
                     c["logprobs"] = chat_logprobs(out.logprobs or [], self.token_bytes)
@@ -601,6 +640,8 @@ class OpenAIServing:
                     usage[2] += out.cached_tokens
                 usage[1] += out.completion_tokens
                 if chat:
+                    if not p.seqs[i].output_ids:  # a continuation's start is not in `generated`
+                        self._remember_answer(req, said[i], generated[i], emitted[i], out.finish_reason)
                     thought = self._reasoning_tokens(outputs[i], generated[i], reasoning_seen[i])
                     if thought is not None:
                         reasoning_total = (reasoning_total or 0) + thought

@@ -58,6 +58,8 @@ COUNTERS = {
     "prompt_tokens": "Prompt tokens processed",
     "generation_tokens": "Tokens generated",
     "num_aborted_reqs": "Requests aborted (client gone, admin, peer)",
+    "num_decode_local_reqs": "PD requests decode served from its own prefix cache (--decode-local-prefill): "
+    "nothing prefilled on prefill, nothing transferred",
     "scheduler_loop_iterations": "Iterations of the scheduler loop",
     "prefix_cache_query_tokens": "Tokens of admitted requests looked up in the prefix cache",
     "prefix_cache_hit_tokens": "Tokens of admitted requests whose KV the prefix cache supplied",

@@ -121,6 +121,16 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         min=0,
     ),
     _O(
+        "decode_local_prefill",
+        int,
+        0,
+        "PD decode: keep a prefix cache of finished requests (prompt + answer) and serve a request "
+        "itself, with neither prefill nor KV transfer, when that cache holds all of it but at most N tokens "
+        "(the next round of a conversation: the new turn); 0 = off (decode receives every page from "
+        "prefill). docs/prefix-caching.md, PD.",
+        min=0,
+    ),
+    _O(
         "cuda_graph_max_bs",
         int,
         None,
@@ -163,6 +173,16 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     ),
     _O("speculative_num_steps", int, 1, "Tokens drafted per step with --speculative-algorithm.", min=1),
     # ---- the HTTP server and PD (ServerArgs) ----
+    _O(
+        "chat_answer_memo",
+        int,
+        4096,
+        "Chat: answers this engine generated, remembered by their text (per cache salt) so a re-sent "
+        "answer renders with its generated ids and the next round finds its KV; 0 = off (re-sent answers are "
+        "tokenized again). docs/prefix-caching.md, Chat.",
+        min=0,
+        scope="server",
+    ),
     _O("host", str, "127.0.0.1", "Address to listen on.", scope="server"),
     _O("port", int, 8100, "Port of the OpenAI API.", scope="server"),
     _O(

@@ -32,6 +32,7 @@ from typing import Optional
 
 from dsv4_engine.pd.checksum import checksum_mismatch, region_checksums
 from dsv4_engine.pd.common import HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, PDController
+from dsv4_engine.pd.continuation import cached_prefix_tokens, serve_locally
 from dsv4_engine.pd.messages import RegisterRoom, TransferNote
 from dsv4_engine.pd.request_info import PDState
 from dsv4_engine.sequence import Sequence
@@ -61,8 +62,44 @@ class DecodeController(PDController):
 
     def on_new(self, seq: Sequence) -> None:
         seq.pd.mark("arrival", self.clock())
+        if self._serve_locally(seq):
+            return
         seq.pd.enter(PDState.BOOTSTRAPPING, self._timeout(self.settings.bootstrap_timeout), self.clock())
         self.prealloc.append(seq)
+
+    def _serve_locally(self, seq: Sequence) -> bool:
+        """--decode-local-prefill: when this engine's prefix cache holds all of the request but a
+        short tail (the next round of a conversation it served), compute the tail here like a
+        monolithic engine and tell prefill to drop the room (pd.continuation)."""
+        limit = self.engine.args.decode_local_prefill
+        cache = self.engine.prefix_cache
+        if not limit or cache is None:
+            return False
+        if not serve_locally(seq.num_tokens, cached_prefix_tokens(cache, seq), limit):
+            return False
+        now = self.clock()
+        seq.pd.enter(PDState.SUCCESS, None, now)
+        seq.pd.mark("served_by_decode", now)
+        msg = RegisterRoom(
+            room=seq.pd.room,
+            rid=seq.rid,
+            desc=self.transport.descriptor(),
+            dst_pages=[],
+            decode_url=self.settings.url,
+            decode_boot=self.boot_id,
+            local=True,
+        )
+        self.channel.register(seq.pd.bootstrap_addr, msg, lambda res, err, seq=seq: self._released(seq, err))
+        self.engine.metrics.inc("num_decode_local_reqs")
+        self.engine.scheduler.add(seq)
+        return True
+
+    def _released(self, seq: Sequence, err: Optional[str]) -> None:
+        """Prefill's answer to a local registration: nothing waits on it. A lost one leaves
+        prefill's copy of the room to its bootstrap deadline; tell it once more to drop it."""
+        if err is not None:
+            log.warning("could not tell prefill that room %s is served here: %s", seq.pd.room, err)
+            self.channel.abort_prefill(seq.pd.bootstrap_addr, seq.pd.room, "served by decode from its own cache")
 
     def busy(self) -> bool:
         return bool(self.prealloc or self.registering or self.transfer)
@@ -122,6 +159,9 @@ class DecodeController(PDController):
                 decode_boot=self.boot_id,
                 dst_slot=slot,
                 checksum=self.settings.transfer_checksum,
+                # chat answers spliced as their generated ids (dsv4_serve.chat.answer_memo): prefill,
+                # which tokenized the text, computes these ids instead, so both sides hold one prompt
+                prompt_ids=seq.prompt_ids if seq.plain_prompt_ids not in (None, seq.prompt_ids) else None,
             )
             self.channel.register(seq.pd.bootstrap_addr, msg, lambda res, err, seq=seq: self._registered(seq, res, err))
 
@@ -182,6 +222,10 @@ class DecodeController(PDController):
         seq.pd.state = PDState.SUCCESS
         seq.pd.mark("kv_landed", self.clock())
         seq.num_computed = seq.num_tokens
+        if self.engine.prefix_cache is not None:
+            # --decode-local-prefill: the landed prompt is this engine's to reuse from now on, and a
+            # prompt ending on a boundary is snapshotted here, the one time its row stands there
+            self.engine.scheduler.computed(seq)
         # prompt tokens prefill's prefix cache served (the client's usage.cached_tokens)
         seq.num_cached_tokens = note.cached_tokens if note.cached_tokens <= len(seq.prompt_ids) else 0
         self.engine.accept_first_token(seq, note.token, note.logprobs)

@@ -33,6 +33,18 @@ def _str(body: Mapping[str, Any], name: str) -> str:
     return value
 
 
+def _ids(value: Any) -> Optional[list[int]]:
+    if value is None:
+        return None
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    ):
+        raise ValueError(f"prompt_ids must be a non-empty list of token ids, got {value!r:.40}")
+    return list(value)
+
+
 def _object(body: Any, what: str) -> Mapping[str, Any]:
     if not isinstance(body, Mapping):
         raise ValueError(f"{what} must be a JSON object, got {body!r:.40}")
@@ -51,6 +63,12 @@ class RegisterRoom:
     decode_boot: str  # the decode process's boot id (a restarted peer is a different peer)
     dst_slot: Optional[int] = None  # the decode's slot row (models with slot states)
     checksum: bool = False  # decode verifies region checksums
+    # decode serves this room from its own prefix cache (pd.continuation): prefill drops it,
+    # computing and sending nothing
+    local: bool = False
+    # decode's prompt ids when they differ from what prefill tokenized (chat answers spliced as
+    # their generated ids, dsv4_serve.chat.answer_memo): prefill computes these instead
+    prompt_ids: Optional[list[int]] = None
 
     def wire(self) -> dict:
         return asdict(self)
@@ -79,6 +97,8 @@ class RegisterRoom:
             decode_boot=_str(body, "decode_boot"),
             dst_slot=slot,
             checksum=bool(body.get("checksum", False)),
+            local=body.get("local", False) is True,
+            prompt_ids=_ids(body.get("prompt_ids")),
         )
 
 

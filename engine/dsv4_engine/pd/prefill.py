@@ -43,6 +43,8 @@ class Registration:
     apply_at: float
     dst_slot: Optional[int] = None  # the decode's slot row (models with slot states)
     checksum: bool = False  # the decode verifies region checksums
+    local: bool = False  # the decode serves the room itself (pd.continuation): nothing to compute
+    prompt_ids: Optional[list[int]] = None  # the decode's prompt when it differs (chat answer memo)
 
 
 class PrefillController(PDController):
@@ -72,6 +74,8 @@ class PrefillController(PDController):
             apply_at=now + self.faults.bootstrap_delay(),
             dst_slot=msg.dst_slot,
             checksum=msg.checksum,
+            local=msg.local,
+            prompt_ids=msg.prompt_ids,
         )
         self.heartbeat(reg.decode_boot)
         self.registrations.put(reg)
@@ -157,6 +161,21 @@ class PrefillController(PDController):
     def _apply_registration(self, seq: Sequence, reg: Registration) -> None:
         seq.pd.peer_url = reg.decode_url  # from here on, a failure is told to this decode
         seq.pd.peer_boot = reg.decode_boot
+        if reg.local:
+            # Decode holds the conversation and computes its new tail itself: end the room here as
+            # a success (the router's prefill leg answers 200), having computed and sent nothing.
+            del self.bootstrap[seq.pd.room]
+            seq.pd.state = PDState.SUCCESS
+            seq.pd.mark("served_by_decode", self.clock())
+            self.engine.metrics.inc("num_decode_local_reqs")
+            self.engine.finish(seq, "stop")
+            return
+        if reg.prompt_ids is not None:
+            why = self._prompt_refusal(reg.prompt_ids)
+            if why is not None:
+                self._fail(seq, 400, f"decode's prompt ids: {why}", "num_bootstrap_failed_reqs")
+                return
+            seq.prompt_ids = list(reg.prompt_ids)  # decode spliced remembered chat answers
         need = -(-seq.num_tokens // self.engine.pool.page_size)  # prompt (+ a continuation's tokens)
         if len(reg.dst_pages) < need:
             self._fail(
@@ -185,6 +204,16 @@ class PrefillController(PDController):
         seq.pd.checksum = reg.checksum or self.settings.transfer_checksum
         seq.pd.enter(PDState.WAITING_FOR_INPUT, None, self.clock())  # now an ordinary prefill in the scheduler
         self.engine.scheduler.add(seq)
+
+    def _prompt_refusal(self, ids: list[int]) -> Optional[str]:
+        """Why decode's prompt ids cannot be computed here, or None."""
+        vocab = self.engine.cfg.vocab_size
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            return f"token id {bad} is out of range [0, {vocab})"
+        if len(ids) >= self.engine.max_model_len:
+            return f"{len(ids)} tokens leave no room in the context ({self.engine.max_model_len})"
+        return None
 
     def on_prefill_done(self, seq: Sequence) -> None:
         """First token sampled: state pages go to decode, with the token in the notification."""
