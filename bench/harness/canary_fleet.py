@@ -9,11 +9,15 @@ contains "stall" behaves as `--arm-fault stall_long_context`: a request whose pr
 STALL_AFTER tokens never gets an answer — a short request passes, the growing conversation does
 not. The router stand-in honours what the operator relies on: the pin header (the request goes to
 that worker) and POST /admin/workers with "canary" (recorded; a canary takes no unpinned request);
-the real router's pin and canary paths are tested in tests/unit/router/test_canary_pin.py."""
+the real router's pin and canary paths are tested in tests/unit/router/test_canary_pin.py.
+Both check the tokens the real ones check, from the deployment's auth Secret: an engine's
+/v1/loads takes its admin token, the router's pin and /admin/workers its router-admin token
+(with set_tokens; before that, nothing is checked)."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import time
@@ -31,9 +35,16 @@ STALL_AFTER = 100  # tokens of context past which a "stall" engine's decode hang
 TOKEN_SECONDS = 0.002
 
 
+def _refused(request: aiohttp.web.Request, token: Optional[str]) -> Optional[aiohttp.web.Response]:
+    """A 401 as the real components answer an admin call without their token, else None."""
+    if token and request.headers.get("Authorization") != f"Bearer {token}":
+        return aiohttp.web.json_response({"error": {"message": "admin token required"}}, status=401)
+    return None
+
+
 class FakeEngine:
-    def __init__(self, role: str, image: str) -> None:
-        self.role, self.image = role, image
+    def __init__(self, role: str, image: str, admin_token: Optional[str] = None) -> None:
+        self.role, self.image, self.admin_token = role, image, admin_token
         self.stall = "stall" in image
         self.port = free_port()
         self.running = 0
@@ -51,7 +62,9 @@ class FakeEngine:
         app = aiohttp.web.Application()
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
-        app.router.add_get("/v1/loads", lambda _: aiohttp.web.json_response(self.loads()))
+        app.router.add_get(
+            "/v1/loads", lambda r: _refused(r, self.admin_token) or aiohttp.web.json_response(self.loads())
+        )
         app.router.add_get("/metrics", lambda _: aiohttp.web.Response(text=self.metrics()))
         app.router.add_get("/ready", lambda _: aiohttp.web.json_response({"ready": True}))
         app.router.add_get("/health", lambda _: aiohttp.web.json_response({"ok": True}))
@@ -132,6 +145,8 @@ class FakeRouter:
         self.flag_calls: list[tuple[str, bool]] = []
         self.shares: list[tuple[bool, float]] = []  # (canary, canary_percent) as the operator sent them
         self.pinned: list[str] = []
+        self.admin_token: Optional[str] = None  # the router-admin token, as the router pod's env has it
+        self.refused: list[str] = []  # admin calls without that token
         self._runner: Optional[aiohttp.web.AppRunner] = None
         self._session: Optional[aiohttp.ClientSession] = None
 
@@ -152,6 +167,10 @@ class FakeRouter:
             await self._runner.cleanup()
 
     async def _workers(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
+        refusal = _refused(request, self.admin_token)
+        if refusal is not None:
+            self.refused.append("/admin/workers")
+            return refusal
         body = await request.json()
         self.canary[body["url"]] = bool(body.get("canary"))
         self.flag_calls.append((body["url"], bool(body.get("canary"))))
@@ -164,6 +183,10 @@ class FakeRouter:
             return aiohttp.web.json_response(
                 {"error": {"message": "this stand-in routes pinned requests only"}}, status=400
             )
+        refusal = _refused(request, self.admin_token)
+        if refusal is not None:
+            self.refused.append("pin")
+            return refusal
         self.pinned.append(pin)
         assert self._session is not None
         async with self._session.post(
@@ -193,10 +216,12 @@ class FakeFleet:
         self.images: dict[str, str] = {}  # pod name -> image it runs
         self.timeline: list[tuple[float, str, str]] = []  # (monotonic, pod, image) of every pod (re)created
         self.router = FakeRouter()
+        self.admin_token: Optional[str] = None  # the engines' token, from the deployment's auth Secret
         self._task: Optional[asyncio.Task] = None
 
     async def start(self) -> "FakeFleet":
         await self.router.start()
+        await self._read_tokens()
         rs = await self.client.create(
             {  # the Deployment controller's ReplicaSet, which controls the router pod
                 "apiVersion": "apps/v1",
@@ -221,6 +246,21 @@ class FakeFleet:
         )
         self._task = asyncio.create_task(self._loop())
         return self
+
+    async def _read_tokens(self) -> None:
+        """The engines and the router take their tokens from the Secret the operator made, as the
+        pods' env does (the engines ADMIN_TOKEN_KEY, the router ROUTER_ADMIN_TOKEN_KEY)."""
+        deadline = time.monotonic() + 30
+        while True:
+            secret = await self.client.get("v1", "secrets", self.ns, f"{self.name}-auth")
+            if secret is not None:
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError("the operator made no auth Secret")
+            await asyncio.sleep(0.1)
+        data = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+        self.admin_token, self.router.admin_token = data["admin-token"], data["router-admin-token"]
+        assert self.admin_token != self.router.admin_token, "the Secret gives routers a token of their own"
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -292,7 +332,7 @@ class FakeFleet:
                 old = self.engines.pop(pod, None)
                 if old is not None:
                     await old.stop()
-                engine = await FakeEngine(role, image).start()
+                engine = await FakeEngine(role, image, self.admin_token).start()
                 self.engines[pod], self.revisions[pod], self.images[pod] = engine, update, image
                 self.timeline.append((time.monotonic(), pod, image))
                 await self._pod(

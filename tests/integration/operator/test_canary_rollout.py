@@ -5,7 +5,9 @@ live StatefulSets (canary_fleet.py):
   caught on ONE decode pod, which goes back to the stable revision; status says
   Degraded=CanaryFailed with the figures and an evidence ConfigMap; the spec is untouched; prefill
   never moved;
-- a harmless change passes the probe and rolls to every pod."""
+- a harmless change passes the probe and rolls to every pod.
+The engines and the router stand-ins check their own tokens (the engines' admin token, the
+router-admin token): the canary's calls must carry the right one to each."""
 
 from __future__ import annotations
 
@@ -116,6 +118,7 @@ async def test_a_change_that_stalls_long_contexts_is_caught_and_rolled_back(
         touched = {pod for when, pod, _ in fleet.timeline if when >= applied}
         assert touched == {"flash-decode-2"}, f"only the canary pod was ever restarted: {touched}"
         assert any(flag for _, flag in fleet.router.flag_calls), "the canary left the router's rotation"
+        assert not fleet.router.refused, f"the router refused the operator's admin calls: {fleet.router.refused}"
         seen = reasons(cluster_with_crd)
         for step in ("CanaryStarted", "CanaryProbing", "CanaryFailed"):
             assert step in seen, seen
@@ -152,6 +155,7 @@ async def test_a_harmless_change_passes_and_rolls_everywhere(
         assert "CanaryPassed" in seen and "CanaryFailed" not in seen, seen
         assert fleet.router.canary.get(fleet.engines["flash-decode-2"].url) in (None, False)
         assert (True, 10.0) in fleet.router.shares and fleet.router.shares[-1] == (False, 0.0), fleet.router.shares
+        assert not fleet.router.refused, f"the router refused the operator's admin calls: {fleet.router.refused}"
     finally:
         await fleet.stop()
 
