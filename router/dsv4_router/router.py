@@ -39,8 +39,9 @@ from dsv4_router.body import parse_body, read_limited
 from dsv4_router.cache_index import CacheIndex
 from dsv4_router.cache_placement import CachePlacement, Tokenize, prompt_ids
 from dsv4_router.cache_subscriber import CacheSubscriber
-from dsv4_router.migration import BROKEN, REFUSED, TRUNCATED, UNREACHABLE, Resume, allowed_resends
+from dsv4_router.migration import BROKEN, REFUSED, STALLED, TRUNCATED, UNREACHABLE, Resume, allowed_resends
 from dsv4_router.relay import RelayResponse, error_events, first_event_error, split_events, sse
+from dsv4_router.stall import StallWatch
 from dsv4_router.tenancy import apply_cache_salt
 from dsv4_router.upstream import CONNECTION_FAILURES, Upstreams
 from dsv4_wire import tracing
@@ -84,6 +85,7 @@ class Router:
         self.tracing = Tracing(args.otlp_traces_endpoint, "dsv4-router")
         self._tasks: list[asyncio.Task] = []
         self.health = Health(args.health_interval, self.pool, self.metrics)
+        self.stalls = StallWatch(self.health, args.stall_check_after)  # frozen engines: their requests move
         # what each engine holds (its KV cache events) and placement by it; `tokenize` (set by
         # the CLI from the engine's own code) would let it score text and chat prompts too
         self.index = CacheIndex()
@@ -106,6 +108,7 @@ class Router:
             self._tasks.append(asyncio.create_task(self._follow_loop()))
         await self.health.check_all()
         self._tasks.append(asyncio.create_task(self.health.loop()))
+        self._tasks.append(asyncio.create_task(self.stalls.loop()))
         if self.args.discover_namespace:
             from dsv4_router.discovery import watch_pods
 
@@ -406,21 +409,31 @@ class Router:
         d.inflight += 1
         self.metrics.worker_requests.labels(d.url, d.role).inc()
         opening = asyncio.create_task(self._open_decode(path, body, d, self.tracing.headers(span, trace_in)))
+        frozen = asyncio.get_running_loop().create_future()  # set by the stall watch: an engine froze
+        watched = self.stalls.watch((p, d) if p is not None else (d,), lambda w: frozen.done() or frozen.set_result(w))
         handed_off = False
         try:
-            if prefill is not None:
+            waits = {opening, frozen} | ({prefill} if prefill is not None else set())
+            while not opening.done():
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if frozen.done():  # silent, and its /ready unanswered: another pair
+                    opening.cancel()  # closing the connections aborts the request where it was
+                    await asyncio.gather(opening, return_exceptions=True)
+                    return Retry(502, b"", STALLED)
                 # A prefill leg that fails before decode's first byte dooms the attempt: answer or
                 # retry now instead of letting decode wait out its deadline for KV that will not come.
-                await asyncio.wait({opening, prefill}, return_when=asyncio.FIRST_COMPLETED)
-                if not opening.done() and prefill.exception() is None:
-                    status, content = prefill.result()
-                    if status == 0 or status >= 400:
-                        opening.cancel()  # closing decode's connection aborts its side of the room
-                        await asyncio.gather(opening, return_exceptions=True)
-                        if 400 <= status < 500:  # the client's request: every pair would refuse it
-                            self.metrics.errors.labels(str(status)).inc()
-                            return Response(content, status, media_type="application/json")
-                        return Retry(status or 502, content, REFUSED)
+                if prefill is not None and prefill.done() and prefill in waits:
+                    waits.discard(prefill)
+                    watched.workers = (d,)  # the prefill's part is over
+                    if not opening.done() and prefill.exception() is None:
+                        status, content = prefill.result()
+                        if status == 0 or status >= 400:
+                            opening.cancel()  # closing decode's connection aborts its side of the room
+                            await asyncio.gather(opening, return_exceptions=True)
+                            if 400 <= status < 500:  # the client's request: every pair would refuse it
+                                self.metrics.errors.labels(str(status)).inc()
+                                return Response(content, status, media_type="application/json")
+                            return Retry(status or 502, content, REFUSED)
             opened = await opening
             if not isinstance(opened, tuple):
                 return opened
@@ -428,6 +441,7 @@ class Router:
             handed_off = True
             return Leg(d, prefill, resp, chunks, first, span=span)
         finally:
+            self.stalls.unwatch(watched)
             if not opening.done():
                 opening.cancel()  # it closes its response itself
             elif (
@@ -511,6 +525,7 @@ class Router:
         st.leg = leg
         while True:
             pending, chunks, reason = leg.first, leg.chunks, None
+            watched = self._watch_stream(leg)
             try:
                 while reason is None:
                     whole, pending = split_events(pending)
@@ -527,10 +542,14 @@ class Router:
                     if chunk is None:
                         reason = TRUNCATED
                         break
+                    watched.event(time.monotonic())
                     pending += chunk
             except httpx.HTTPError as e:  # the decode engine died or the connection broke
-                self.health.connection_failed(leg.d, e)
-                reason = BROKEN
+                if watched.frozen is None:
+                    self.health.connection_failed(leg.d, e)
+                reason = STALLED if watched.frozen is not None else BROKEN
+            finally:
+                self.stalls.unwatch(watched)
             failed = frozenset({leg.d.url})
             await leg.close()
             st.leg = None
@@ -547,6 +566,17 @@ class Router:
                 yield self._failed_events(st, placed)
                 return
             leg = st.leg = placed
+
+    def _watch_stream(self, leg: "Leg"):
+        """The stall watch on a relayed stream: a frozen engine's read raises at once (the
+        engine would never close the connection itself)."""
+
+        def frozen(w: Worker) -> None:
+            interrupt = getattr(leg.resp, "interrupt", None)  # the stream client's answers (http engines)
+            if interrupt is not None:
+                interrupt(httpx.ReadError(f"{w.url} is frozen: no event, and no answer to /ready"))
+
+        return self.stalls.watch((leg.d,), frozen)
 
     @staticmethod
     def _failed_events(st: Resume, placed: Response) -> bytes:
