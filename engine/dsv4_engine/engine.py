@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from dsv4_engine.pd.role import RoleController
 
 log = logging.getLogger("dsv4.engine")
+QUEUE_FULL = "the engine's queue is full"  # the start of a --max-queued-requests refusal
 
 
 @dataclass(frozen=True)
@@ -410,9 +411,34 @@ class Engine:
         else:
             log.error("unknown engine command %r", cmd)
 
+    def queued_requests(self) -> int:
+        """Requests admitted that wait to run: the scheduler's waiting queue, and PD's queues
+        before it (prefill's bootstrap, decode's prealloc). Those computing or transferring
+        are not waiting."""
+        return len(self.scheduler.waiting) + (self.pd.waiting() if self.pd is not None else 0)
+
     def _add(self, seq: Sequence) -> None:
         if seq.rid in self.seqs:
             seq.sink(RequestOutput(seq.rid, [], "", True, "error", f"duplicate request id {seq.rid}", 400))
+            return
+        bound = self.args.max_queued_requests
+        if bound is not None and self.queued_requests() >= bound:
+            # refused before anything is registered (no seq, no PD room, no page): a 429 to retry later
+            seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
+            seq.sink(
+                RequestOutput(
+                    seq.rid,
+                    [],
+                    "",
+                    True,
+                    "error",
+                    f"{QUEUE_FULL}: {bound} requests wait already (--max-queued-requests {bound}); retry later",
+                    429,
+                    len(seq.prompt_ids),
+                    0,
+                )
+            )
+            self.metrics.inc("num_queue_full_reqs")
             return
         if seq.params.structured is not None:
             from dsv4_engine.structured.grammar import GrammarError

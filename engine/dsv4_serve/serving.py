@@ -88,9 +88,15 @@ def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, allow_nan=False)}\n\n"
 
 
+class _ClientGone(Exception):
+    """The client left before the request's first output."""
+
+
 def _failure(out: RequestOutput) -> APIError:
     """The client-facing error of a request the engine ended with an error or abort."""
     code = out.error_code if out.error_code >= 400 else 500
+    if code == 429:  # --max-queued-requests: the engine is full, the request is fine
+        return APIError(out.error or "the engine's queue is full", 429, "rate_limit_error", code="queue_full")
     return APIError(out.error or "request failed", code, "server_error" if code >= 500 else "invalid_request_error")
 
 
@@ -392,27 +398,43 @@ class OpenAIServing:
         )
         if p.req.stream:
             events = self._merged(p.seqs, p.span)
-            if any(seq.params.structured is not None for seq in p.seqs):
-                # The core compiles the grammar at admission: a refusal must be the response's
-                # status (400), so the headers wait for the first output (it comes with the first token).
+            if self.args.max_queued_requests is not None or any(seq.params.structured is not None for seq in p.seqs):
+                # The core compiles the grammar and bounds its queue at admission: a refusal must be
+                # the response's status (400, 429), so the headers wait for the first output (it
+                # comes with the first token).
                 try:
-                    events = await self._refusal_first(events)
+                    events = await self._refusal_first(events, http)
                 except APIError:
                     tracing.end(p.span, error="refused")
                     raise
+                except _ClientGone:  # before its first output (a PD decode waiting for KV that will not come)
+                    tracing.end(p.span, error="client gone")
+                    return Response(status_code=499)
             return StreamingResponse(self._stream(p, events), media_type="text/event-stream")
         try:
             return await self._complete(p, http)
         finally:
             tracing.end(p.span)
 
-    @staticmethod
     async def _refusal_first(
-        outputs: AsyncIterator[tuple[int, RequestOutput]],
+        self, outputs: AsyncIterator[tuple[int, RequestOutput]], http: Request
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """`outputs` again, after raising the error of a request the core refused (4xx) before
-        producing anything."""
-        first = await outputs.__anext__()
+        producing anything. A client that leaves before the first output ends the request
+        (_ClientGone): no response has started, so nothing else would notice (a PD decode's
+        first output waits for its KV, which may never come once the router gave up)."""
+        nxt = asyncio.ensure_future(outputs.__anext__())
+        gone = asyncio.ensure_future(self._wait_disconnect(http))
+        try:
+            await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not nxt.done():
+            nxt.cancel()
+            await asyncio.gather(nxt, return_exceptions=True)
+            await outputs.aclose()  # aborts the request in the core
+            raise _ClientGone()
+        first = nxt.result()
         out = first[1]
         if out.finished and out.finish_reason == "error" and 400 <= out.error_code < 500 and not out.token_ids:
             await outputs.aclose()  # ends (aborts) the other prompts of the request too

@@ -430,9 +430,9 @@ class Router:
                         if status == 0 or status >= 400:
                             opening.cancel()  # closing decode's connection aborts its side of the room
                             await asyncio.gather(opening, return_exceptions=True)
-                            if 400 <= status < 500:  # the client's request: every pair would refuse it
+                            if 400 <= status < 500:  # the client's request (or a full engine: 429)
                                 self.metrics.errors.labels(str(status)).inc()
-                                return Response(content, status, media_type="application/json")
+                                return Response(content, status, _retry_after(status), media_type="application/json")
                             return Retry(status or 502, content, REFUSED)
             opened = await opening
             if not isinstance(opened, tuple):
@@ -472,7 +472,12 @@ class Router:
                 await resp.aclose()
                 if 400 <= resp.status_code < 500:
                     self.metrics.errors.labels(str(resp.status_code)).inc()
-                    return Response(_with_id(content, body.get("rid")), resp.status_code, media_type="application/json")
+                    return Response(
+                        _with_id(content, body.get("rid")),
+                        resp.status_code,
+                        _retry_after(resp.status_code),
+                        media_type="application/json",
+                    )
                 return Retry(resp.status_code, content, REFUSED)
             if not body.get("stream"):
                 return resp, None, b""
@@ -698,6 +703,12 @@ class _Load:
             else:
                 result.prefill.add_done_callback(lambda _: setattr(p, "load_tokens", p.load_tokens - n))
         self.n = 0
+
+
+def _retry_after(status: int) -> Optional[dict]:
+    """An engine's 429 (its --max-queued-requests) reaches the client with a Retry-After, as the
+    router's own 429s do."""
+    return {"Retry-After": "1"} if status == 429 else None
 
 
 def _with_id(content: bytes, rid: Optional[str]) -> bytes:

@@ -48,6 +48,7 @@ COUNTERS = {
     "prompt_tokens": "Prompt tokens processed",
     "generation_tokens": "Tokens generated",
     "num_aborted_reqs": "Requests aborted (client gone, admin, peer)",
+    "num_queue_full_reqs": "Requests refused at admission with a 429: --max-queued-requests were waiting",
     "scheduler_loop_iterations": "Iterations of the scheduler loop",
     "prefix_cache_query_tokens": "Tokens of admitted requests looked up in the prefix cache",
     "prefix_cache_hit_tokens": "Tokens of admitted requests whose KV the prefix cache supplied",
