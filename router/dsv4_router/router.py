@@ -303,6 +303,7 @@ class Router:
         last: Optional[Retry] = None
         t_break = time.monotonic() if reason is not None else None  # the bound runs from the first failure
         budget = a.migration_timeout
+        held_since: Optional[float] = None  # a first send waiting for a healthy engine (pair)
         try:
             while True:
                 if reason is not None:
@@ -316,6 +317,13 @@ class Router:
                     p, d = self._pair(tried, key, st.pin, st)
                 except APIError as e:
                     if reason is None:
+                        # None healthy now (a restart, the roll of a one-replica role): hold the
+                        # request, within --engine-wait-timeout, for one to come back, rather than
+                        # a 503 (never a pinned one: the probe wants its answer)
+                        held_since = held_since or time.monotonic()
+                        if e.status == 503 and st.pin is None and time.monotonic() - held_since < a.engine_wait_timeout:
+                            await asyncio.sleep(0.25)
+                            continue
                         return self.error(e, {"Retry-After": "2"})
                     if budget <= 0.25 or a.migration_limit == 0:
                         return self._gave_up(st, last, timed_out=a.migration_limit > 0)

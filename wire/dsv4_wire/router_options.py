@@ -38,6 +38,15 @@ ROUTER_OPTIONS: tuple[Option, ...] = (
     ),
     *secret("pd_secret", "Shared secret sent with internal requests to PD engines.", "router", PD_SECRET_ENV),
     _O(
+        "engine_wait_timeout",
+        float,
+        30.0,
+        "Seconds a new request waits for a healthy engine (prefill/decode pair) when none is, as while the only "
+        "one of a role restarts, before a 503; 0: the 503 at once.",
+        scope="router",
+        min=0.0,
+    ),
+    _O(
         "stall_check_after",
         float,
         3.0,

@@ -113,3 +113,25 @@ def test_a_prefill_frozen_before_its_transfer_costs_latency_not_errors(tiny_mode
             except ProcessLookupError:
                 pass
         c.stop()
+
+
+@pytest.mark.slow  # ~25 s: an engine restarted on 2 shared cores
+def test_new_requests_wait_for_the_only_prefill_to_come_back_instead_of_a_503(tiny_model, tmp_path):
+    """A planned restart of a role with one replica (`dsv4 up --reconfigure`, a roll): requests
+    that arrive while no pair is healthy are held (--engine-wait-timeout) until it is back."""
+    c = Cluster(tiny_model, tmp_path, decodes=1)
+    try:
+        c.kill("prefill")
+        deadline = time.monotonic() + 10
+        while _workers(c)[c.urls["prefill"]]["healthy"]:  # the router saw it go
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        bodies = [body_for(i, 16) for i in range(4)]
+        box: dict = {}
+        t = threading.Thread(target=lambda: box.update(out=streams(c.r_url, bodies, deadline_s=60)))
+        t.start()
+        c.restart("prefill")
+        t.join(90)
+        assert all(s.ok for s in box["out"]), [s.error for s in box["out"]]
+    finally:
+        c.stop()
