@@ -28,6 +28,7 @@ from dsv4_engine.request_output import RequestOutput
 from dsv4_engine.tokenizer import Tokenizer
 from dsv4_serve.detokenize import OutputProcessor
 from dsv4_serve.engine_client import EngineClient, EngineRequest
+from dsv4_serve.awaiting import Awaiting, Held
 from dsv4_serve.gate import Lifecycle
 from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completion_logprobs, next_offset, text_of_bytes
 from dsv4_serve.chat import ChatOptions, ChatSetup, default_setup, render, tool_parser, with_overrides
@@ -110,6 +111,7 @@ class Prepared:
     chat: bool
     outputs: Optional[list[ChatOutput]] = None  # chat: one output parser per choice
     span: object = None  # this engine's span of the request (tracing on)
+    held: Optional[Held] = None  # counted in Awaiting until its first output (awaiting.py)
 
 
 class OpenAIServing:
@@ -120,6 +122,7 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.lifecycle = lifecycle or Lifecycle()
         self.args = args
+        self.awaiting = Awaiting()  # requests here with no output from the core yet
         self.tracing = Tracing(args.otlp_traces_endpoint, f"dsv4-{args.role}")
         self.model_name = args.served_model_name
         self.vocab = client.vocab_size
@@ -383,8 +386,17 @@ class OpenAIServing:
         return processor
 
     async def serve(self, prepare, http: Request) -> Response:
+        held = self.awaiting.enter()  # from arrival: tokenising counts (the core has nothing yet)
+        try:
+            return await self._serve(prepare, http, held)
+        except BaseException:
+            held.release()
+            raise
+
+    async def _serve(self, prepare, http: Request, held: Held) -> Response:
         body = await http.body()
         p: Prepared = await asyncio.to_thread(prepare, body, http.headers)
+        p.held = held
         p.span = self.tracing.start(
             "engine.request",
             headers=http.headers,
@@ -397,7 +409,7 @@ class OpenAIServing:
             },
         )
         if p.req.stream:
-            events = self._merged(p.seqs, p.span)
+            events = self._merged(p.seqs, p.span, p.held)
             if self.args.max_queued_requests is not None or any(seq.params.structured is not None for seq in p.seqs):
                 # The core compiles the grammar and bounds its queue at admission: a refusal must be
                 # the response's status (400, 429), so the headers wait for the first output (it
@@ -476,8 +488,21 @@ class OpenAIServing:
         finally:
             tracing.end(phase, error="ended early")
 
-    async def _merged(self, seqs: list[EngineRequest], span=None) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of several requests as they come, tagged with the request's index."""
+    async def _merged(
+        self, seqs: list[EngineRequest], span=None, held: Optional[Held] = None
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of several requests as they come, tagged with the request's index. `held`
+        is released at the first output (or the end)."""
+        try:
+            async for item in self._merged_outputs(seqs, span):
+                if held is not None:
+                    held.release()
+                yield item
+        finally:
+            if held is not None:
+                held.release()
+
+    async def _merged_outputs(self, seqs: list[EngineRequest], span=None) -> AsyncIterator[tuple[int, RequestOutput]]:
         if len(seqs) == 1:
             outs = self.client.generate(seqs[0], self.lifecycle.closed, self._processor(seqs[0]))
             async for out in self._traced(outs, span):
@@ -500,7 +525,7 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()
 
-    async def _collect(self, seqs: list[EngineRequest], span=None) -> list[dict]:
+    async def _collect(self, seqs: list[EngineRequest], span=None, held: Optional[Held] = None) -> list[dict]:
         results = [
             {
                 "text": "",
@@ -513,7 +538,7 @@ class OpenAIServing:
             }
             for _ in seqs
         ]
-        async for i, out in self._merged(seqs, span):
+        async for i, out in self._merged(seqs, span, held):
             r = results[i]
             r["text"] += out.text
             r["token_ids"] += out.token_ids
@@ -531,7 +556,7 @@ class OpenAIServing:
 
     async def _complete(self, p: Prepared, http: Request) -> Response:
         req, seqs, chat = p.req, p.seqs, p.chat
-        work = asyncio.ensure_future(self._collect(seqs, p.span))
+        work = asyncio.ensure_future(self._collect(seqs, p.span, p.held))
         gone = asyncio.ensure_future(self._wait_disconnect(http))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)

@@ -22,6 +22,11 @@ GAUGES = {
     "tp_size": "Ranks (devices) this engine runs on (--tp-size); rank 0 reports for all",
     "nnodes": "Hosts this engine spans (--nnodes); every node reports it",
 }
+# Served by the HTTP process itself (not the core's registry): what only it knows.
+HTTP_GAUGES = {
+    "num_http_waiting_reqs": "Requests the HTTP server holds with no output from the engine core yet "
+    "(tokenising, on their way, or waiting there)",
+}
 # Served by the other nodes of a multi-node engine (their node agent's /metrics), with `nnodes`.
 NODE_GAUGES = {
     "node_rank": "This node's place in its engine (--node-rank)",
@@ -74,6 +79,7 @@ def metric_name(key: str, suffix: str = "") -> str:
     if (
         key not in GAUGES
         and key not in NODE_GAUGES
+        and key not in HTTP_GAUGES
         and key not in STATE_GAUGES
         and key not in COUNTERS
         and key not in HISTOGRAMS
