@@ -55,6 +55,7 @@ def _frozen_moves(c: Cluster) -> float:
     return total
 
 
+@pytest.mark.slow  # ~18 s; the default run has it as the fault matrix's decode_sigstop cell (test_fault_matrix.py)
 def test_a_decode_frozen_mid_stream_costs_latency_not_errors(tiny_model, tmp_path):
     c = Cluster(tiny_model, tmp_path, decodes=2)
     try:

@@ -12,6 +12,7 @@ import asyncio
 
 import httpx
 import openai
+import pytest
 
 from bench.harness.migration_chaos import Cluster, wait_idle
 
@@ -64,6 +65,7 @@ async def _burst(url: str, n: int = BURST) -> tuple[int, list[str], list[str]]:
     return ok, retry_after, other
 
 
+@pytest.mark.slow  # ~12 s; the default run has the fault matrix's queue_burst cell (test_fault_matrix.py)
 def test_a_burst_past_the_queue_bound_gets_429s_and_leaves_no_pd_state(tiny_model, tmp_path):
     c = Cluster(tiny_model, tmp_path, decodes=1, engine_args=["--max-num-seqs", 2, "--max-queued-requests", 2])
     try:
