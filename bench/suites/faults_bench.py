@@ -53,7 +53,7 @@ def plot(cells: list[dict], modes: list[str], faults: list[str], path: Path) -> 
                 color = "#7ccf7c" if c["passed"] else "#e87c7c"
                 text = f"{'pass' if c['passed'] else 'FAIL'} {c['seconds']:.0f}s"
                 if c["refused_429"]:
-                    text += f"\\n{c['refused_429']} x 429"
+                    text += f"\n{c['refused_429']} x 429"
             ax.add_patch(plt.Rectangle((x, y), 1, 1, facecolor=color, edgecolor="white"))
             ax.text(x + 0.5, y + 0.5, text, ha="center", va="center", fontsize=8)
     ax.set_xticks([i + 0.5 for i in range(len(modes))], modes)
