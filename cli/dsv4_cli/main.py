@@ -270,7 +270,12 @@ def _router(**given) -> None:
     from dsv4_router.app import run_router
     from dsv4_router.router_args import RouterArgs
 
-    run_router(RouterArgs(**values))
+    tokenize = None
+    if values.get("tokenizer"):  # the engine's renderer and tokenizer: this package may import them
+        from dsv4_serve.chat_prompt import PromptIds
+
+        tokenize = PromptIds(values["tokenizer"], values.get("chat_template"))
+    run_router(RouterArgs(**values), tokenize)
 
 
 app.command("router")(command(router_options(*ROUTER_SCOPES), _router))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 import traceback
 import uuid
@@ -31,7 +30,8 @@ from dsv4_serve.engine_client import EngineClient, EngineRequest
 from dsv4_serve.awaiting import Awaiting, Held
 from dsv4_serve.gate import Lifecycle
 from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completion_logprobs, next_offset, text_of_bytes
-from dsv4_serve.chat import ChatOptions, ChatSetup, default_setup, render, tool_parser, with_overrides
+from dsv4_serve.chat import ChatSetup, tool_parser
+from dsv4_serve.chat_prompt import chat_setup as prompt_chat_setup, chat_tools, longest_token_chars, render_chat
 from dsv4_serve.chat.output import ChatOutput, reasoning_tokens
 from dsv4_serve.choices import best_choices, choice_room
 from dsv4_serve.server_args import ServerArgs
@@ -67,22 +67,8 @@ def _usage(prompt: int, completion: int, cached: int = 0, reasoning: Optional[in
 
 
 def chat_setup(args: ServerArgs, tokenizer: Tokenizer) -> ChatSetup:
-    """The checkpoint's chat format (model_type, vocabulary, template), then the flags."""
-    from dsv4_engine.tokenizer import CHAT_TEMPLATE
-
-    try:
-        with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
-            model_type = json.load(f).get("model_type")
-    except (OSError, ValueError):
-        model_type = None
-    setup = default_setup(
-        model_type, tokenizer.backend.get_vocab(with_added_tokens=True), tokenizer.chat_template, CHAT_TEMPLATE
-    )
-    template = None
-    if args.chat_template is not None:
-        with open(args.chat_template, encoding="utf-8") as f:
-            template = f.read()
-    return with_overrides(setup, template, args.tool_call_parser, args.reasoning_parser)
+    """The checkpoint's chat format, then the server's flags."""
+    return prompt_chat_setup(args.model, tokenizer, args.chat_template, args.tool_call_parser, args.reasoning_parser)
 
 
 def _sse(obj: dict | str) -> str:
@@ -131,9 +117,7 @@ class OpenAIServing:
         from tokenizers import decoders
 
         self._byte_level = isinstance(getattr(tokenizer.backend, "decoder", None), decoders.ByteLevel)
-        # No token spells more characters than its longest vocabulary entry: a text longer than
-        # that times the context cannot fit, and is refused without spending seconds tokenising it.
-        self._max_token_chars = max(len(k) for k in tokenizer.backend.get_vocab(with_added_tokens=True))
+        self._max_token_chars = longest_token_chars(tokenizer)
         self.chat_setup = chat_setup(args, tokenizer)
         tokenizer.encode_plain("warm")  # builds the plain-text tokenizer now, not on the first chat
         self._think_end_id = tokenizer.backend.token_to_id("</think>")
@@ -320,38 +304,8 @@ class OpenAIServing:
                     "(start the server with --tool-call-parser)",
                     param="tool_choice",
                 )
-        tools = [t.model_dump(exclude_none=True) for t in req.tools or []] if req.tool_choice != "none" else []
-        opts = ChatOptions(
-            tools=tools or None,
-            thinking=req.thinking(),
-            reasoning_effort=req.reasoning_effort,
-            add_generation_prompt=req.add_generation_prompt,
-            template_kwargs=dict(req.chat_template_kwargs or {}),
-        )
-        msgs = [m.as_dict() for m in req.messages]
-        chars = sum(len(m.get("content") or "") for m in msgs) + len(json.dumps(tools))
-        if chars > self.max_model_len * self._max_token_chars:
-            raise APIError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your messages "
-                f"have at least {chars // self._max_token_chars} tokens ({chars} characters).",
-                param="messages",
-                code="context_length_exceeded",
-            )
-        try:
-            rendered = render(
-                setup.renderer,
-                setup.template,
-                msgs,
-                opts,
-                self.tokenizer.bos_token or "",
-                self.tokenizer.eos_token or "",
-                self.tokenizer.added_tokens,
-            )
-        except Exception as e:  # the format or template refused these messages (roles, order, ...)
-            raise APIError(f"messages could not be rendered by the chat template: {e}", param="messages") from None
-        ids = self.tokenizer.encode_pieces(rendered.pieces)
-        if not ids:
-            raise APIError("the rendered chat prompt is empty", param="messages")
+        tools = chat_tools(req)
+        rendered, ids = render_chat(setup, self.tokenizer, req, self.max_model_len, self._max_token_chars)
         params = self._params(req, len(ids), None)
         reasoning = None
         if setup.reasoning_parser is not None:

@@ -22,6 +22,7 @@ from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from dsv4_router.cache_placement import Tokenize
 from dsv4_router.router_args import RouterArgs
 from dsv4_router.router import Router
 from dsv4_router.body import parse_body, read_limited
@@ -192,10 +193,13 @@ def build_app(router: Router) -> FastAPI:
     return app
 
 
-def run_router(args: RouterArgs) -> None:
+def run_router(args: RouterArgs, tokenize: Optional[Tokenize] = None) -> None:
+    """Serve the router; `tokenize` (the CLI's, from --tokenizer) turns text and chat prompts into
+    the ids placement scores."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     router = Router(args)
+    router.tokenize = tokenize
     print(
         f"dsv4 router on http://{args.host}:{args.port} "
         f"(prefill {len(args.prefill)}, decode {len(args.decode)}, mono {len(args.mono)}"

@@ -260,7 +260,7 @@ class Router:
             attributes={"dsv4.rid": rid, "http.route": path, "dsv4.stream": st.stream},
         )
         key = self.keys.key(path, body)
-        st.prompt_ids = prompt_ids(path, body, self.tokenize) if self.subscriber is not None else None
+        st.prompt_ids = await self._prompt_ids(path, body) if self.subscriber is not None else None
         handed_off = False
         try:
             placed = await self._place(path, st, key)
@@ -282,6 +282,14 @@ class Router:
         finally:
             if not handed_off:
                 self._log_moves(st)
+
+    async def _prompt_ids(self, path: str, body: dict) -> Optional[list]:
+        """The prompt's token ids for placement: as sent, or rendered and tokenized (--tokenizer)
+        on a worker thread, so a long conversation does not hold up every other stream."""
+        ids = prompt_ids(path, body)
+        if ids is None and self.tokenize is not None:
+            ids = await asyncio.to_thread(prompt_ids, path, body, self.tokenize)
+        return ids
 
     def error(self, e: APIError, headers: Optional[dict] = None) -> JSONResponse:
         self.metrics.errors.labels(str(e.status)).inc()

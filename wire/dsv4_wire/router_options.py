@@ -99,6 +99,22 @@ ROUTER_OPTIONS: tuple[Option, ...] = (
         flag="--no-cache-events",
     ),
     _O(
+        "tokenizer",
+        str,
+        None,
+        "Checkpoint folder whose tokenizer and chat format the router uses to turn text and chat "
+        "prompts into the token ids the engines will cache, so they are placed by what each engine "
+        "holds too (without it only prompts sent as token ids are; the others go by affinity).",
+        scope="router",
+    ),
+    _O(
+        "chat_template",
+        str,
+        None,
+        "The engines' --chat-template, when they were given one (with --tokenizer).",
+        scope="router",
+    ),
+    _O(
         "otlp_traces_endpoint",
         str,
         None,

@@ -148,6 +148,16 @@ def stored_secret(path: Path) -> str:
     return value
 
 
+def _flag_value(argv: Sequence[str], flag: str, as_flag: str) -> list[str]:
+    """`flag`'s value in `argv` (either spelling), given again under `as_flag`; [] when absent."""
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return [as_flag, argv[i + 1]]
+        if a.startswith(flag + "="):
+            return [as_flag, a[len(flag) + 1 :]]
+    return []
+
+
 @dataclass
 class UpArgs:
     model: Path  # the CLI builds the default tiny model before handing it over
@@ -340,6 +350,8 @@ class LocalDeployment:
         router_cmd = [*args.dsv4_command, "router", R.HOST, args.host, R.PORT, str(args.port), R.HEALTH_INTERVAL, "1"]
         for e in self.engines.values():
             router_cmd += [getattr(R, e.role.upper()), e.url]
+        # the router renders and tokenizes prompts as the engines do, to place them by what each holds
+        router_cmd += [R.TOKENIZER, str(self.model), *_flag_value(args.engine_args, F.CHAT_TEMPLATE, R.CHAT_TEMPLATE)]
         self.router = EngineProc("router", "router", args.port, router_cmd, self.state_dir / "router.log", env=env)
         self.supervisor = Supervisor(
             [*self.engines.values(), *self.node_procs(), self.router],

@@ -8,6 +8,7 @@ these scripted ones stand in for it here."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -53,13 +54,28 @@ class Engine:
                         boundary_tokens=16,
                     )
                 )
-                while not self.restarted.is_set():
+                instance = self.instance
+                while not (self.restarted.is_set() and instance == f"{self.name}-1"):
                     await asyncio.sleep(0.1)
-                    yield wire.encode(wire.heartbeat_message(self.instance, 0))
+                    yield wire.encode(wire.heartbeat_message(instance, 0))
                 # the process restarted: the stream ends; the next subscription meets the new one
                 self.instance, self.held = f"{self.name}-2", []
 
             return StreamingResponse(stream(), media_type=wire.CONTENT_TYPE)
+
+        @app.post("/v1/chat/completions")
+        async def chat(http: Request):
+            await http.json()
+            self.served += 1
+            return {
+                "id": "chatcmpl-x",
+                "object": "chat.completion",
+                "model": "m",
+                "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": self.name}, "finish_reason": "length"}
+                ],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
 
         @app.post("/v1/completions")
         async def completions(http: Request):
@@ -70,7 +86,7 @@ class Engine:
                 "object": "text_completion",
                 "model": "m",
                 "choices": [{"index": 0, "text": self.name, "finish_reason": "length", "logprobs": None}],
-                "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1, "total_tokens": 1},
+                "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1, "total_tokens": 2},
             }
 
         return app
@@ -86,15 +102,17 @@ def serve(app: FastAPI, port: int) -> uvicorn.Server:
     return server
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    engines = [Engine("a", []), Engine("b", HELD), Engine("c", HELD[:2])]
-    servers = [serve(e.app(), e.port) for e in engines]
+@contextlib.contextmanager
+def running(engines: list[Engine], log_dir, *router_args: str, start_engines: bool = True):
+    """The scripted engines (already running where not `start_engines`) and a real router
+    process in front of them, every engine followed."""
+    servers = [serve(e.app(), e.port) for e in engines] if start_engines else []
+    log_dir.mkdir(parents=True, exist_ok=True)
     r_port = free_port()
-    args = ["router", "--port", r_port, "--health-interval", "0.5"]
+    args = ["router", "--port", r_port, "--health-interval", "0.5", *router_args]
     for e in engines:
         args += ["--mono", f"http://127.0.0.1:{e.port}"]
-    router = Proc(args, tmp_path_factory.mktemp("cache") / "router.log")
+    router = Proc(args, log_dir / "router.log")
     try:
         url = f"http://127.0.0.1:{r_port}"
         router.wait_ready(url)
@@ -105,11 +123,18 @@ def fleet(tmp_path_factory):
                 break
             assert time.monotonic() < deadline, ws
             time.sleep(0.1)
-        yield url, engines
+        yield url
     finally:
         router.stop()
         for s in servers:
             s.should_exit = True
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    engines = [Engine("a", []), Engine("b", HELD), Engine("c", HELD[:2])]
+    with running(engines, tmp_path_factory.mktemp("cache")) as url:
+        yield url, engines
 
 
 def test_a_prompt_goes_where_its_pages_are_and_a_lost_claim_is_not_used(fleet):
@@ -135,3 +160,51 @@ def test_a_prompt_goes_where_its_pages_are_and_a_lost_claim_is_not_used(fleet):
         time.sleep(0.1)
     got = httpx.post(f"{url}/v1/completions", json={"prompt": TOKENS + [9], "max_tokens": 1}, timeout=30).json()
     assert got["choices"][0]["text"] == "c", json.dumps(got)
+
+
+def test_with_the_tokenizer_chat_and_text_prompts_are_placed_by_their_pages(tiny_model, tmp_path):
+    """`--tokenizer`: the router renders a chat (and tokenizes a text prompt) as the engine
+    would, so an engine holding those pages wins them; without it both would go by affinity."""
+    from dsv4_serve.chat_prompt import PromptIds
+
+    tokenize = PromptIds(str(tiny_model))
+    chat = {
+        "messages": [
+            {"role": "system", "content": "You are a careful agent. " * 20},
+            {"role": "user", "content": "List the files, then read the largest one. " * 4},
+        ],
+        "max_tokens": 1,
+    }
+    text = {"prompt": "An agent's long shared task description. " * 30, "max_tokens": 1}
+    chat_ids = tokenize("/v1/chat/completions", chat)
+    text_ids = tokenize("/v1/completions", text)
+    assert len(chat_ids) >= 64 and len(text_ids) >= 64
+    held_chat = [h.hex() for h in wire.page_hashes(chat_ids, 16)]
+    held_text = [h.hex() for h in wire.page_hashes(text_ids, 16)]
+    engines = [Engine("a", []), Engine("b", held_chat), Engine("c", held_text), Engine("d", [])]
+    with running(engines, tmp_path, "--tokenizer", str(tiny_model)) as url:
+        for _ in range(4):
+            got = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=30).json()
+            assert got["choices"][0]["message"]["content"] == "b", json.dumps(got)
+            got = httpx.post(f"{url}/v1/completions", json=text, timeout=30).json()
+            assert got["choices"][0]["text"] == "c", json.dumps(got)
+        # a chat the engine would refuse (no messages) is not the router's to judge: it is sent on
+        bad = httpx.post(f"{url}/v1/chat/completions", json={"messages": []}, timeout=30)
+        assert bad.status_code == 200
+
+
+def test_two_router_replicas_agree_without_talking_to_each_other(tmp_path):
+    """Each replica follows every engine's events on its own: both send a prompt to the engine
+    that holds it, with no channel between them."""
+    prompts = {name: list(range(base, base + 16 * 6)) for name, base in (("a", 2000), ("b", 3000), ("c", 4000))}
+    held = {name: [h.hex() for h in wire.page_hashes(ids, 16)] for name, ids in prompts.items()}
+    # a partial overlap: d holds the first two pages of c's prompt, which c holds whole
+    engines = [Engine("a", held["a"]), Engine("b", held["b"]), Engine("c", held["c"]), Engine("d", held["c"][:2])]
+    with running(engines, tmp_path / "r1") as one, running(engines, tmp_path / "r2", start_engines=False) as two:
+        for url in (one, two):
+            for name, ids in prompts.items():
+                for tail in range(3):
+                    got = httpx.post(
+                        f"{url}/v1/completions", json={"prompt": ids + [tail], "max_tokens": 1}, timeout=30
+                    )
+                    assert got.json()["choices"][0]["text"] == name, (url, got.text)
