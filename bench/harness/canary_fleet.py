@@ -25,6 +25,9 @@ from typing import Optional
 
 import aiohttp
 import aiohttp.web
+import httpx
+
+from pathlib import Path
 
 from bench.harness.kmock_cluster import ClusterClient
 from bench.harness.operator_runner import free_port
@@ -43,10 +46,10 @@ def _refused(request: aiohttp.web.Request, token: Optional[str]) -> Optional[aio
 
 
 class FakeEngine:
-    def __init__(self, role: str, image: str, admin_token: Optional[str] = None) -> None:
+    def __init__(self, role: str, image: str, admin_token: Optional[str] = None, port: Optional[int] = None) -> None:
         self.role, self.image, self.admin_token = role, image, admin_token
         self.stall = "stall" in image
-        self.port = free_port()
+        self.port = port or free_port()
         self.running = 0
         self.generated = 0
         self.iterations_t0 = time.monotonic()
@@ -68,6 +71,7 @@ class FakeEngine:
         app.router.add_get("/metrics", lambda _: aiohttp.web.Response(text=self.metrics()))
         app.router.add_get("/ready", lambda _: aiohttp.web.json_response({"ready": True}))
         app.router.add_get("/health", lambda _: aiohttp.web.json_response({"ok": True}))
+        app.router.add_get("/server_info", lambda _: aiohttp.web.json_response({"bootstrap_port": 1}))
         self._runner = aiohttp.web.AppRunner(app, access_log=None)
         await self._runner.setup()
         await aiohttp.web.TCPSite(self._runner, "127.0.0.1", self.port).start()
@@ -130,7 +134,9 @@ class FakeEngine:
                     raise ConnectionResetError("the pod went away")
                 await asyncio.sleep(TOKEN_SECONDS)
                 self.generated += 1
-                chunk = {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "x"}]}
+                last = i == int(body.get("max_tokens", 16)) - 1
+                choice = {"index": 0, "text": "x", "finish_reason": "length" if last else None}
+                chunk = {"id": "c", "object": "text_completion", "choices": [choice]}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
         finally:
@@ -209,8 +215,14 @@ def template_revision(template: dict) -> str:
 class FakeFleet:
     """The StatefulSet controller and kubelet for one deployment's engine pods, plus a router pod."""
 
-    def __init__(self, client: ClusterClient, namespace: str, name: str) -> None:
+    def __init__(self, client: ClusterClient, namespace: str, name: str, real_router: Optional[dict] = None) -> None:
+        """`real_router`: {"logs": folder, "replicas": {role: n}}: the real `dsv4 router` instead of
+        the stand-in, its workers the pods at fixed ports (a pod restarts on its port), its
+        router-admin token from the Secret."""
         self.client, self.ns, self.name = client, namespace, name
+        self.real_router = real_router
+        self.ports: dict[str, int] = {}  # pod name -> the port its engine listens on
+        self.router_proc = None
         self.engines: dict[str, FakeEngine] = {}  # pod name -> its engine
         self.revisions: dict[str, str] = {}  # pod name -> revision it runs
         self.images: dict[str, str] = {}  # pod name -> image it runs
@@ -220,8 +232,12 @@ class FakeFleet:
         self._task: Optional[asyncio.Task] = None
 
     async def start(self) -> "FakeFleet":
-        await self.router.start()
         await self._read_tokens()
+        if self.real_router is None:
+            await self.router.start()
+            router_port = self.router.port
+        else:
+            router_port = await asyncio.to_thread(self._start_real_router)
         rs = await self.client.create(
             {  # the Deployment controller's ReplicaSet, which controls the router pod
                 "apiVersion": "apps/v1",
@@ -240,7 +256,7 @@ class FakeFleet:
         await self._pod(
             f"{self.name}-router-5d8f9c7b6-x2x7q",
             "router",
-            self.router.port,
+            router_port,
             {},
             {"kind": "ReplicaSet", "name": rs["metadata"]["name"], "uid": rs["metadata"]["uid"]},
         )
@@ -269,6 +285,35 @@ class FakeFleet:
         for engine in self.engines.values():
             await engine.stop()
         await self.router.stop()
+        if self.router_proc is not None:
+            await asyncio.to_thread(self.router_proc.stop)
+
+    def _start_real_router(self) -> int:
+        from bench.harness.commands import Proc
+        from dsv4_wire import ADMIN_TOKEN_ENV
+
+        args = []
+        for role, n in self.real_router["replicas"].items():
+            for i in range(n):
+                port = self.ports.setdefault(f"{self.name}-{role}-{i}", free_port())
+                args += [f"--{role}", f"http://127.0.0.1:{port}"]
+        port = free_port()
+        self.router_url = f"http://127.0.0.1:{port}"
+        self.router_proc = Proc(
+            ["router", *args, "--port", port, "--health-interval", 0.5],
+            Path(self.real_router["logs"]) / "router.log",
+            env={ADMIN_TOKEN_ENV: self.router.admin_token},
+        )
+        deadline = time.monotonic() + 60
+        while True:  # up (its /ready waits for a healthy worker: the engines come after it)
+            try:
+                if httpx.get(self.router_url + "/metrics", timeout=1.0).status_code == 200:
+                    return port
+            except httpx.HTTPError:
+                pass
+            if self.router_proc.popen.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the router did not start:\n{self.router_proc.log()}")
+            time.sleep(0.2)
 
     async def _pod(self, pod: str, role: str, port: int, extra_labels: dict, owner: dict) -> None:
         """`owner`: the controller's ownerReference (kind, name, uid), as the real controllers set it."""
@@ -332,7 +377,7 @@ class FakeFleet:
                 old = self.engines.pop(pod, None)
                 if old is not None:
                     await old.stop()
-                engine = await FakeEngine(role, image, self.admin_token).start()
+                engine = await FakeEngine(role, image, self.admin_token, self.ports.get(pod)).start()
                 self.engines[pod], self.revisions[pod], self.images[pod] = engine, update, image
                 self.timeline.append((time.monotonic(), pod, image))
                 await self._pod(
