@@ -9,11 +9,15 @@ contains "stall" behaves as `--arm-fault stall_long_context`: a request whose pr
 STALL_AFTER tokens never gets an answer — a short request passes, the growing conversation does
 not. The router stand-in honours what the operator relies on: the pin header (the request goes to
 that worker) and POST /admin/workers with "canary" (recorded; a canary takes no unpinned request);
-the real router's pin and canary paths are tested in tests/unit/router/test_canary_pin.py."""
+the real router's pin and canary paths are tested in tests/unit/router/test_canary_pin.py.
+Both check the tokens the real ones check, from the deployment's auth Secret: an engine's
+/v1/loads takes its admin token, the router's pin and /admin/workers its router-admin token
+(with set_tokens; before that, nothing is checked)."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import time
@@ -21,6 +25,9 @@ from typing import Optional
 
 import aiohttp
 import aiohttp.web
+import httpx
+
+from pathlib import Path
 
 from bench.harness.kmock_cluster import ClusterClient
 from bench.harness.operator_runner import free_port
@@ -31,11 +38,18 @@ STALL_AFTER = 100  # tokens of context past which a "stall" engine's decode hang
 TOKEN_SECONDS = 0.002
 
 
+def _refused(request: aiohttp.web.Request, token: Optional[str]) -> Optional[aiohttp.web.Response]:
+    """A 401 as the real components answer an admin call without their token, else None."""
+    if token and request.headers.get("Authorization") != f"Bearer {token}":
+        return aiohttp.web.json_response({"error": {"message": "admin token required"}}, status=401)
+    return None
+
+
 class FakeEngine:
-    def __init__(self, role: str, image: str) -> None:
-        self.role, self.image = role, image
+    def __init__(self, role: str, image: str, admin_token: Optional[str] = None, port: Optional[int] = None) -> None:
+        self.role, self.image, self.admin_token = role, image, admin_token
         self.stall = "stall" in image
-        self.port = free_port()
+        self.port = port or free_port()
         self.running = 0
         self.generated = 0
         self.iterations_t0 = time.monotonic()
@@ -51,10 +65,13 @@ class FakeEngine:
         app = aiohttp.web.Application()
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
-        app.router.add_get("/v1/loads", lambda _: aiohttp.web.json_response(self.loads()))
+        app.router.add_get(
+            "/v1/loads", lambda r: _refused(r, self.admin_token) or aiohttp.web.json_response(self.loads())
+        )
         app.router.add_get("/metrics", lambda _: aiohttp.web.Response(text=self.metrics()))
         app.router.add_get("/ready", lambda _: aiohttp.web.json_response({"ready": True}))
         app.router.add_get("/health", lambda _: aiohttp.web.json_response({"ok": True}))
+        app.router.add_get("/server_info", lambda _: aiohttp.web.json_response({"bootstrap_port": 1}))
         self._runner = aiohttp.web.AppRunner(app, access_log=None)
         await self._runner.setup()
         await aiohttp.web.TCPSite(self._runner, "127.0.0.1", self.port).start()
@@ -117,7 +134,9 @@ class FakeEngine:
                     raise ConnectionResetError("the pod went away")
                 await asyncio.sleep(TOKEN_SECONDS)
                 self.generated += 1
-                chunk = {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "x"}]}
+                last = i == int(body.get("max_tokens", 16)) - 1
+                choice = {"index": 0, "text": "x", "finish_reason": "length" if last else None}
+                chunk = {"id": "c", "object": "text_completion", "choices": [choice]}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
         finally:
@@ -132,6 +151,8 @@ class FakeRouter:
         self.flag_calls: list[tuple[str, bool]] = []
         self.shares: list[tuple[bool, float]] = []  # (canary, canary_percent) as the operator sent them
         self.pinned: list[str] = []
+        self.admin_token: Optional[str] = None  # the router-admin token, as the router pod's env has it
+        self.refused: list[str] = []  # admin calls without that token
         self._runner: Optional[aiohttp.web.AppRunner] = None
         self._session: Optional[aiohttp.ClientSession] = None
 
@@ -152,6 +173,10 @@ class FakeRouter:
             await self._runner.cleanup()
 
     async def _workers(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
+        refusal = _refused(request, self.admin_token)
+        if refusal is not None:
+            self.refused.append("/admin/workers")
+            return refusal
         body = await request.json()
         self.canary[body["url"]] = bool(body.get("canary"))
         self.flag_calls.append((body["url"], bool(body.get("canary"))))
@@ -164,6 +189,10 @@ class FakeRouter:
             return aiohttp.web.json_response(
                 {"error": {"message": "this stand-in routes pinned requests only"}}, status=400
             )
+        refusal = _refused(request, self.admin_token)
+        if refusal is not None:
+            self.refused.append("pin")
+            return refusal
         self.pinned.append(pin)
         assert self._session is not None
         async with self._session.post(
@@ -186,17 +215,29 @@ def template_revision(template: dict) -> str:
 class FakeFleet:
     """The StatefulSet controller and kubelet for one deployment's engine pods, plus a router pod."""
 
-    def __init__(self, client: ClusterClient, namespace: str, name: str) -> None:
+    def __init__(self, client: ClusterClient, namespace: str, name: str, real_router: Optional[dict] = None) -> None:
+        """`real_router`: {"logs": folder, "replicas": {role: n}}: the real `dsv4 router` instead of
+        the stand-in, its workers the pods at fixed ports (a pod restarts on its port), its
+        router-admin token from the Secret."""
         self.client, self.ns, self.name = client, namespace, name
+        self.real_router = real_router
+        self.ports: dict[str, int] = {}  # pod name -> the port its engine listens on
+        self.router_proc = None
         self.engines: dict[str, FakeEngine] = {}  # pod name -> its engine
         self.revisions: dict[str, str] = {}  # pod name -> revision it runs
         self.images: dict[str, str] = {}  # pod name -> image it runs
         self.timeline: list[tuple[float, str, str]] = []  # (monotonic, pod, image) of every pod (re)created
         self.router = FakeRouter()
+        self.admin_token: Optional[str] = None  # the engines' token, from the deployment's auth Secret
         self._task: Optional[asyncio.Task] = None
 
     async def start(self) -> "FakeFleet":
-        await self.router.start()
+        await self._read_tokens()
+        if self.real_router is None:
+            await self.router.start()
+            router_port = self.router.port
+        else:
+            router_port = await asyncio.to_thread(self._start_real_router)
         rs = await self.client.create(
             {  # the Deployment controller's ReplicaSet, which controls the router pod
                 "apiVersion": "apps/v1",
@@ -215,12 +256,27 @@ class FakeFleet:
         await self._pod(
             f"{self.name}-router-5d8f9c7b6-x2x7q",
             "router",
-            self.router.port,
+            router_port,
             {},
             {"kind": "ReplicaSet", "name": rs["metadata"]["name"], "uid": rs["metadata"]["uid"]},
         )
         self._task = asyncio.create_task(self._loop())
         return self
+
+    async def _read_tokens(self) -> None:
+        """The engines and the router take their tokens from the Secret the operator made, as the
+        pods' env does (the engines ADMIN_TOKEN_KEY, the router ROUTER_ADMIN_TOKEN_KEY)."""
+        deadline = time.monotonic() + 30
+        while True:
+            secret = await self.client.get("v1", "secrets", self.ns, f"{self.name}-auth")
+            if secret is not None:
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError("the operator made no auth Secret")
+            await asyncio.sleep(0.1)
+        data = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+        self.admin_token, self.router.admin_token = data["admin-token"], data["router-admin-token"]
+        assert self.admin_token != self.router.admin_token, "the Secret gives routers a token of their own"
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -229,6 +285,35 @@ class FakeFleet:
         for engine in self.engines.values():
             await engine.stop()
         await self.router.stop()
+        if self.router_proc is not None:
+            await asyncio.to_thread(self.router_proc.stop)
+
+    def _start_real_router(self) -> int:
+        from bench.harness.commands import Proc
+        from dsv4_wire import ADMIN_TOKEN_ENV
+
+        args = []
+        for role, n in self.real_router["replicas"].items():
+            for i in range(n):
+                port = self.ports.setdefault(f"{self.name}-{role}-{i}", free_port())
+                args += [f"--{role}", f"http://127.0.0.1:{port}"]
+        port = free_port()
+        self.router_url = f"http://127.0.0.1:{port}"
+        self.router_proc = Proc(
+            ["router", *args, "--port", port, "--health-interval", 0.5],
+            Path(self.real_router["logs"]) / "router.log",
+            env={ADMIN_TOKEN_ENV: self.router.admin_token},
+        )
+        deadline = time.monotonic() + 60
+        while True:  # up (its /ready waits for a healthy worker: the engines come after it)
+            try:
+                if httpx.get(self.router_url + "/metrics", timeout=1.0).status_code == 200:
+                    return port
+            except httpx.HTTPError:
+                pass
+            if self.router_proc.popen.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the router did not start:\n{self.router_proc.log()}")
+            time.sleep(0.2)
 
     async def _pod(self, pod: str, role: str, port: int, extra_labels: dict, owner: dict) -> None:
         """`owner`: the controller's ownerReference (kind, name, uid), as the real controllers set it."""
@@ -292,7 +377,7 @@ class FakeFleet:
                 old = self.engines.pop(pod, None)
                 if old is not None:
                     await old.stop()
-                engine = await FakeEngine(role, image).start()
+                engine = await FakeEngine(role, image, self.admin_token, self.ports.get(pod)).start()
                 self.engines[pod], self.revisions[pod], self.images[pod] = engine, update, image
                 self.timeline.append((time.monotonic(), pod, image))
                 await self._pod(

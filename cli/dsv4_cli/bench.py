@@ -57,6 +57,15 @@ SUITES = {
         "PD (router + prefill + decode over NIXL) vs one mono engine: tok/s, TTFT, KV-transfer share "
         "(pd.json + pd.png).",
     ),
+    "checksum": (
+        "checksum_cost",
+        "What --transfer-checksum costs PD at 32 streams, on vs off taking turns (checksum/checksum.json + .png).",
+    ),
+    "faults": (
+        "faults_bench",
+        "The fault matrix: faults x modes (mono, PD, PD + structured outputs), each cell's expected outcome "
+        "first, 0 client errors where a healthy peer exists (faults/faults.json + .png).",
+    ),
     "nixl": (
         "nixl_pages",
         "NIXL KV-page transfer throughput between two processes vs an in-process memcpy.",

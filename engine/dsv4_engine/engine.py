@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from dsv4_engine.pd.role import RoleController
 
 log = logging.getLogger("dsv4.engine")
+QUEUE_FULL = "the engine's queue is full"  # the start of a --max-queued-requests refusal
 
 DEVICE_FAIL_GRACE_S = 1.0  # after a device failure: time for the failed requests' outputs to leave
 
@@ -497,9 +498,23 @@ class Engine:
         seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
         seq.sink(RequestOutput(seq.rid, [], "", True, "error", error, code, len(seq.prompt_ids), 0))
 
+    def queued_requests(self) -> int:
+        """Requests admitted that wait to run: the scheduler's waiting queue, and PD's queues
+        before it (prefill's bootstrap, decode's prealloc). Those computing or transferring
+        are not waiting."""
+        return len(self.scheduler.waiting) + (self.pd.waiting() if self.pd is not None else 0)
+
     def _add(self, seq: Sequence) -> None:
         if seq.rid in self.seqs or seq.rid in self._compiling:
             seq.sink(RequestOutput(seq.rid, [], "", True, "error", f"duplicate request id {seq.rid}", 400))
+            return
+        bound = self.args.max_queued_requests
+        if bound is not None and seq.grammar is None and self.queued_requests() >= bound:
+            # refused before anything is registered (no seq, no PD room, no page): a 429 to retry later
+            self._refuse(
+                seq, f"{QUEUE_FULL}: {bound} requests wait already (--max-queued-requests {bound}); retry later", 429
+            )
+            self.metrics.inc("num_queue_full_reqs")
             return
         if seq.params.structured is not None and seq.grammar is None:
             # Before the request is queued: a grammar we cannot compile is the client's 400. A

@@ -13,8 +13,12 @@ from fastapi.responses import JSONResponse
 from dsv4_wire import APIError, admin_refusal, token_matches
 
 
+RETRY_AFTER_S = 1  # a full queue (429) empties in about a step or a few: retry soon
+
+
 def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 def require_admin(http: Request, token: Optional[str]) -> None:

@@ -28,6 +28,7 @@ from dsv4_serve.kv_events_route import add_kv_events_route
 from dsv4_serve.sessions import add_session_routes
 from dsv4_serve.server_args import ServerArgs
 from dsv4_serve.serving import OpenAIServing, internal_error
+from dsv4_serve.awaiting import http_waiting_metric
 from dsv4_wire import APIError, Paths
 from dsv4_wire.api_keys import ApiKeyGate, KeyRing
 
@@ -154,8 +155,11 @@ def build_app(
 
     @app.get(Paths.METRICS)
     async def metrics():
-        # The core's registry, rendered there: one scrape, one round trip, the same text as ever.
-        return Response(await from_core("metrics"), media_type="text/plain; version=0.0.4; charset=utf-8")
+        # The core's registry, rendered there: one scrape, one round trip, the same text as ever;
+        # and the one gauge only this process knows (awaiting.py)
+        extra = http_waiting_metric(serving.awaiting.count, args.role, serving.model_name).encode()
+        text = await from_core("metrics") + extra
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get(Paths.SERVER_INFO)
     async def server_info():
@@ -175,7 +179,7 @@ def build_app(
     async def loads(http: Request):
         # Request ids, rooms and peer URLs: the admin token's (the operator and `dsv4 up` send it).
         require_admin(http, args.admin_token)
-        return await from_core("loads")
+        return {**await from_core("loads"), "http_waiting": serving.awaiting.count}
 
     add_kv_events_route(app, client, args, serving.model_name, lifecycle)
     add_session_routes(app, client, args)

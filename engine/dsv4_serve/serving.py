@@ -27,6 +27,7 @@ from dsv4_engine.tokenizer import Tokenizer
 from dsv4_serve.sessions import session_of, with_session
 from dsv4_serve.detokenize import OutputProcessor
 from dsv4_serve.engine_client import EngineClient, EngineRequest
+from dsv4_serve.awaiting import Awaiting, Held
 from dsv4_serve.gate import Lifecycle
 from dsv4_serve.logprobs import byte_level_token_bytes, chat_logprobs, completion_logprobs, next_offset, text_of_bytes
 from dsv4_serve.chat import ChatSetup, tool_parser
@@ -76,9 +77,15 @@ def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, allow_nan=False)}\n\n"
 
 
+class _ClientGone(Exception):
+    """The client left before the request's first output."""
+
+
 def _failure(out: RequestOutput) -> APIError:
     """The client-facing error of a request the engine ended with an error or abort."""
     code = out.error_code if out.error_code >= 400 else 500
+    if code == 429:  # --max-queued-requests: the engine is full, the request is fine
+        return APIError(out.error or "the engine's queue is full", 429, "rate_limit_error", code="queue_full")
     return APIError(out.error or "request failed", code, "server_error" if code >= 500 else "invalid_request_error")
 
 
@@ -92,6 +99,7 @@ class Prepared:
     chat: bool
     outputs: Optional[list[ChatOutput]] = None  # chat: one output parser per choice
     span: object = None  # this engine's span of the request (tracing on)
+    held: Optional[Held] = None  # counted in Awaiting until its first output (awaiting.py)
 
 
 class OpenAIServing:
@@ -102,6 +110,7 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.lifecycle = lifecycle or Lifecycle()
         self.args = args
+        self.awaiting = Awaiting()  # requests here with no output from the core yet
         self.tracing = Tracing(args.otlp_traces_endpoint, f"dsv4-{args.role}")
         self.model_name = args.served_model_name
         self.vocab = client.vocab_size
@@ -354,8 +363,17 @@ class OpenAIServing:
 
     async def serve(self, prepare, http: Request, body: Optional[bytes] = None) -> Response:
         """`body`: the request's, when it is not the HTTP one (an agent API translated to chat)."""
+        held = self.awaiting.enter()  # from arrival: tokenising counts (the core has nothing yet)
+        try:
+            return await self._serve(prepare, http, held, body)
+        except BaseException:
+            held.release()
+            raise
+
+    async def _serve(self, prepare, http: Request, held: Held, body: Optional[bytes]) -> Response:
         body = await http.body() if body is None else body
         p: Prepared = await asyncio.to_thread(prepare, body, http.headers)
+        p.held = held
         p.span = self.tracing.start(
             "engine.request",
             headers=http.headers,
@@ -368,28 +386,44 @@ class OpenAIServing:
             },
         )
         if p.req.stream:
-            events = self._merged(p.seqs, p.span)
-            if any(seq.params.structured is not None for seq in p.seqs):
-                # The core compiles the grammar at admission: a refusal must be the response's
-                # status (400), so the headers wait for the first output (it comes with the first token).
+            events = self._merged(p.seqs, p.span, p.held)
+            if self.args.max_queued_requests is not None or any(seq.params.structured is not None for seq in p.seqs):
+                # The core compiles the grammar and bounds its queue at admission: a refusal must be
+                # the response's status (400, 429), so the headers wait for the first output (it
+                # comes with the first token).
                 try:
-                    events = await self._refusal_first(events)
+                    events = await self._refusal_first(events, http)
                 except APIError:
                     tracing.end(p.span, error="refused")
                     raise
+                except _ClientGone:  # before its first output (a PD decode waiting for KV that will not come)
+                    tracing.end(p.span, error="client gone")
+                    return Response(status_code=499)
             return StreamingResponse(self._stream(p, events), media_type="text/event-stream")
         try:
             return await self._complete(p, http)
         finally:
             tracing.end(p.span)
 
-    @staticmethod
     async def _refusal_first(
-        outputs: AsyncIterator[tuple[int, RequestOutput]],
+        self, outputs: AsyncIterator[tuple[int, RequestOutput]], http: Request
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """`outputs` again, after raising the error of a request the core refused (4xx) before
-        producing anything."""
-        first = await outputs.__anext__()
+        producing anything. A client that leaves before the first output ends the request
+        (_ClientGone): no response has started, so nothing else would notice (a PD decode's
+        first output waits for its KV, which may never come once the router gave up)."""
+        nxt = asyncio.ensure_future(outputs.__anext__())
+        gone = asyncio.ensure_future(self._wait_disconnect(http))
+        try:
+            await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not nxt.done():
+            nxt.cancel()
+            await asyncio.gather(nxt, return_exceptions=True)
+            await outputs.aclose()  # aborts the request in the core
+            raise _ClientGone()
+        first = nxt.result()
         out = first[1]
         if out.finished and out.finish_reason == "error" and 400 <= out.error_code < 500 and not out.token_ids:
             await outputs.aclose()  # ends (aborts) the other prompts of the request too
@@ -431,8 +465,21 @@ class OpenAIServing:
         finally:
             tracing.end(phase, error="ended early")
 
-    async def _merged(self, seqs: list[EngineRequest], span=None) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of several requests as they come, tagged with the request's index."""
+    async def _merged(
+        self, seqs: list[EngineRequest], span=None, held: Optional[Held] = None
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of several requests as they come, tagged with the request's index. `held`
+        is released at the first output (or the end)."""
+        try:
+            async for item in self._merged_outputs(seqs, span):
+                if held is not None:
+                    held.release()
+                yield item
+        finally:
+            if held is not None:
+                held.release()
+
+    async def _merged_outputs(self, seqs: list[EngineRequest], span=None) -> AsyncIterator[tuple[int, RequestOutput]]:
         if len(seqs) == 1:
             outs = self.client.generate(seqs[0], self.lifecycle.closed, self._processor(seqs[0]))
             async for out in self._traced(outs, span):
@@ -455,7 +502,7 @@ class OpenAIServing:
             for t in tasks:
                 t.cancel()
 
-    async def _collect(self, seqs: list[EngineRequest], span=None) -> list[dict]:
+    async def _collect(self, seqs: list[EngineRequest], span=None, held: Optional[Held] = None) -> list[dict]:
         results = [
             {
                 "text": "",
@@ -468,7 +515,7 @@ class OpenAIServing:
             }
             for _ in seqs
         ]
-        async for i, out in self._merged(seqs, span):
+        async for i, out in self._merged(seqs, span, held):
             r = results[i]
             r["text"] += out.text
             r["token_ids"] += out.token_ids
@@ -486,7 +533,7 @@ class OpenAIServing:
 
     async def _complete(self, p: Prepared, http: Request) -> Response:
         req, seqs, chat = p.req, p.seqs, p.chat
-        work = asyncio.ensure_future(self._collect(seqs, p.span))
+        work = asyncio.ensure_future(self._collect(seqs, p.span, p.held))
         gone = asyncio.ensure_future(self._wait_disconnect(http))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)

@@ -29,10 +29,19 @@ from dsv4_operator.canary import plan
 from dsv4_operator.canary.conversation import ConversationShape
 from dsv4_operator.canary.probe import ProbeSettings, run_probe
 from dsv4_operator.canary.verdict import CanaryThresholds, CanaryVerdict, judge
-from dsv4_operator.handlers.apply import check_spec, deployment_admin_token
+from dsv4_operator.handlers.apply import check_spec, deployment_tokens
 from dsv4_operator.handlers.registry import CR, _api, _metrics, registry
 from dsv4_operator.kube import ApiError, KubeApi, resource_path
-from dsv4_operator.manifests import HTTP_PORT_NAME, Owner, child_name, contains, engine_statefulset, selector_labels
+from dsv4_operator.manifests import (
+    ADMIN_TOKEN_KEY,
+    HTTP_PORT_NAME,
+    ROUTER_ADMIN_TOKEN_KEY,
+    Owner,
+    child_name,
+    contains,
+    engine_statefulset,
+    selector_labels,
+)
 from dsv4_operator.pinning import pinned_revision
 from dsv4_operator.watchdog.pods import engine_pod
 from dsv4_operator.watchdog.evidence import DEPLOYMENT_LABEL, EVIDENCE_LABEL
@@ -265,17 +274,27 @@ class CanaryRun:
                 else " (no stable pod to compare with: one replica)"
             ),
         )
-        token = await deployment_admin_token(self.api, self.namespace, self.name)
-        urls = {"routers": router_list, "canary": canary_url.url, "role": state.role, "token": token}
+        tokens = await deployment_tokens(self.api, self.namespace, self.name) or {}
+        # the engines and the routers hold different tokens: each call carries the one its target checks
+        token, router_token = tokens.get(ADMIN_TOKEN_KEY), tokens.get(ROUTER_ADMIN_TOKEN_KEY)
+        urls = {"routers": router_list, "canary": canary_url.url, "role": state.role, "router_token": router_token}
         if spec.role(state.role).replicas > 1:  # with one replica it keeps its traffic: nothing else could serve it
             await self.set_canary_flag(urls, True, c.traffic_percent)
         settings = probe_settings(c)
         router = router_list[0]
         stable_figures = None
         if stable is not None:
-            stable_figures, _ = await run_probe(router, stable, state.role, settings, pin=stable, admin_token=token)
+            stable_figures, _ = await run_probe(
+                router, stable, state.role, settings, pin=stable, admin_token=token, router_token=router_token
+            )
         figures, signals = await run_probe(
-            router, canary_url.url, state.role, settings, pin=canary_url.url, admin_token=token
+            router,
+            canary_url.url,
+            state.role,
+            settings,
+            pin=canary_url.url,
+            admin_token=token,
+            router_token=router_token,
         )
         return judge(figures, stable_figures, signals, thresholds(c)), urls
 
@@ -284,7 +303,7 @@ class CanaryRun:
         taking `traffic_percent` percent of its role's live requests while it is a canary."""
         if not urls:
             return
-        async with httpx.AsyncClient(timeout=5.0, headers=authorization_header(urls.get("token"))) as client:
+        async with httpx.AsyncClient(timeout=5.0, headers=authorization_header(urls.get("router_token"))) as client:
             for router in urls["routers"]:
                 try:
                     r = await client.post(

@@ -37,6 +37,7 @@ ERROR_EVENT = "engine_error"  # a retryable error event: aborted, transfer faile
 TRUNCATED = "stream_cut"  # the stream ended without finishing
 REFUSED = "engine_refused"  # a 5xx answer, or a prefill leg that failed, before any output
 UNREACHABLE = "unreachable"  # the engine could not be connected to at all
+STALLED = "engine_frozen"  # silent far past its pace, and its /ready unanswered (stall.py)
 
 
 def retryable(err: dict) -> bool:

@@ -38,9 +38,10 @@ from dsv4_router.body import body_limit, parse_body, read_limited
 from dsv4_router.cache_index import CacheIndex
 from dsv4_router.cache_placement import CachePlacement, Tokenize, prompt_ids
 from dsv4_router.cache_subscriber import CacheSubscriber
-from dsv4_router.migration import BROKEN, REFUSED, TRUNCATED, UNREACHABLE, Resume, allowed_resends
+from dsv4_router.migration import BROKEN, REFUSED, STALLED, TRUNCATED, UNREACHABLE, Resume, allowed_resends
 from dsv4_router.relay import RelayResponse, error_events, first_event_error, split_events, sse
 from dsv4_router.sessions import session_into_body
+from dsv4_router.stall import StallWatch
 from dsv4_router.tenancy import admit_sequences, apply_cache_salt
 from dsv4_router.upstream import CONNECTION_FAILURES, Upstreams
 from dsv4_wire import tracing
@@ -86,6 +87,7 @@ class Router:
         self.tracing = Tracing(args.otlp_traces_endpoint, "dsv4-router")
         self._tasks: list[asyncio.Task] = []
         self.health = Health(args.health_interval, self.pool, self.metrics)
+        self.stalls = StallWatch(self.health, args.stall_check_after)  # frozen engines: their requests move
         # what each engine holds (its KV cache events) and placement by it; `tokenize` (set by
         # the CLI from the engine's own code) would let it score text and chat prompts too
         self.index = CacheIndex()
@@ -108,6 +110,7 @@ class Router:
             self._tasks.append(asyncio.create_task(self._follow_loop()))
         await self.health.check_all()
         self._tasks.append(asyncio.create_task(self.health.loop()))
+        self._tasks.append(asyncio.create_task(self.stalls.loop()))
         if self.args.discover_namespace:
             from dsv4_router.discovery import watch_pods
 
@@ -324,6 +327,7 @@ class Router:
         last: Optional[Retry] = None
         t_break = time.monotonic() if reason is not None else None  # the bound runs from the first failure
         budget = a.migration_timeout
+        held_since: Optional[float] = None  # a first send waiting for a healthy engine (pair)
         try:
             while True:
                 if reason is not None:
@@ -337,6 +341,13 @@ class Router:
                     p, d = self._pair(tried, key, st.pin, st)
                 except APIError as e:
                     if reason is None:
+                        # None healthy now (a restart, the roll of a one-replica role): hold the
+                        # request, within --engine-wait-timeout, for one to come back, rather than
+                        # a 503 (never a pinned one: the probe wants its answer)
+                        held_since = held_since or time.monotonic()
+                        if e.status == 503 and st.pin is None and time.monotonic() - held_since < a.engine_wait_timeout:
+                            await asyncio.sleep(0.25)
+                            continue
                         return self.error(e, {"Retry-After": "2"})
                     if budget <= 0.25 or a.migration_limit == 0:
                         return self._gave_up(st, last, timed_out=a.migration_limit > 0)
@@ -430,21 +441,31 @@ class Router:
         d.inflight += 1
         self.metrics.worker_requests.labels(d.url, d.role).inc()
         opening = asyncio.create_task(self._open_decode(path, body, d, self.tracing.headers(span, trace_in)))
+        frozen = asyncio.get_running_loop().create_future()  # set by the stall watch: an engine froze
+        watched = self.stalls.watch((p, d) if p is not None else (d,), lambda w: frozen.done() or frozen.set_result(w))
         handed_off = False
         try:
-            if prefill is not None:
+            waits = {opening, frozen} | ({prefill} if prefill is not None else set())
+            while not opening.done():
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if frozen.done():  # silent, and its /ready unanswered: another pair
+                    opening.cancel()  # closing the connections aborts the request where it was
+                    await asyncio.gather(opening, return_exceptions=True)
+                    return Retry(502, b"", STALLED)
                 # A prefill leg that fails before decode's first byte dooms the attempt: answer or
                 # retry now instead of letting decode wait out its deadline for KV that will not come.
-                await asyncio.wait({opening, prefill}, return_when=asyncio.FIRST_COMPLETED)
-                if not opening.done() and prefill.exception() is None:
-                    status, content = prefill.result()
-                    if status == 0 or status >= 400:
-                        opening.cancel()  # closing decode's connection aborts its side of the room
-                        await asyncio.gather(opening, return_exceptions=True)
-                        if 400 <= status < 500:  # the client's request: every pair would refuse it
-                            self.metrics.errors.labels(str(status)).inc()
-                            return Response(content, status, media_type="application/json")
-                        return Retry(status or 502, content, REFUSED)
+                if prefill is not None and prefill.done() and prefill in waits:
+                    waits.discard(prefill)
+                    watched.workers = (d,)  # the prefill's part is over
+                    if not opening.done() and prefill.exception() is None:
+                        status, content = prefill.result()
+                        if status == 0 or status >= 400:
+                            opening.cancel()  # closing decode's connection aborts its side of the room
+                            await asyncio.gather(opening, return_exceptions=True)
+                            if 400 <= status < 500:  # the client's request (or a full engine: 429)
+                                self.metrics.errors.labels(str(status)).inc()
+                                return Response(content, status, _retry_after(status), media_type="application/json")
+                            return Retry(status or 502, content, REFUSED)
             opened = await opening
             if not isinstance(opened, tuple):
                 return opened
@@ -452,6 +473,7 @@ class Router:
             handed_off = True
             return Leg(d, prefill, resp, chunks, first, span=span)
         finally:
+            self.stalls.unwatch(watched)
             if not opening.done():
                 opening.cancel()  # it closes its response itself
             elif (
@@ -482,7 +504,12 @@ class Router:
                 await resp.aclose()
                 if 400 <= resp.status_code < 500:
                     self.metrics.errors.labels(str(resp.status_code)).inc()
-                    return Response(_with_id(content, body.get("rid")), resp.status_code, media_type="application/json")
+                    return Response(
+                        _with_id(content, body.get("rid")),
+                        resp.status_code,
+                        _retry_after(resp.status_code),
+                        media_type="application/json",
+                    )
                 return Retry(resp.status_code, content, REFUSED)
             if not body.get("stream"):
                 return resp, None, b""
@@ -535,6 +562,7 @@ class Router:
         st.leg = leg
         while True:
             pending, chunks, reason = leg.first, leg.chunks, None
+            watched = self._watch_stream(leg)
             try:
                 while reason is None:
                     whole, pending = split_events(pending)
@@ -551,10 +579,14 @@ class Router:
                     if chunk is None:
                         reason = TRUNCATED
                         break
+                    watched.event(time.monotonic())
                     pending += chunk
             except httpx.HTTPError as e:  # the decode engine died or the connection broke
-                self.health.connection_failed(leg.d, e)
-                reason = BROKEN
+                if watched.frozen is None:
+                    self.health.connection_failed(leg.d, e)
+                reason = STALLED if watched.frozen is not None else BROKEN
+            finally:
+                self.stalls.unwatch(watched)
             failed = frozenset({leg.d.url})
             await leg.close()
             st.leg = None
@@ -571,6 +603,17 @@ class Router:
                 yield self._failed_events(st, placed)
                 return
             leg = st.leg = placed
+
+    def _watch_stream(self, leg: "Leg"):
+        """The stall watch on a relayed stream: a frozen engine's read raises at once (the
+        engine would never close the connection itself)."""
+
+        def frozen(w: Worker) -> None:
+            interrupt = getattr(leg.resp, "interrupt", None)  # the stream client's answers (http engines)
+            if interrupt is not None:
+                interrupt(httpx.ReadError(f"{w.url} is frozen: no event, and no answer to /ready"))
+
+        return self.stalls.watch((leg.d,), frozen)
 
     @staticmethod
     def _failed_events(st: Resume, placed: Response) -> bytes:
@@ -692,6 +735,12 @@ class _Load:
             else:
                 result.prefill.add_done_callback(lambda _: setattr(p, "load_tokens", p.load_tokens - n))
         self.n = 0
+
+
+def _retry_after(status: int) -> Optional[dict]:
+    """An engine's 429 (its --max-queued-requests) reaches the client with a Retry-After, as the
+    router's own 429s do."""
+    return {"Retry-After": "1"} if status == 429 else None
 
 
 def _with_id(content: bytes, rid: Optional[str]) -> bytes:

@@ -205,6 +205,11 @@ class StreamResponse:
                 return b"".join(parts)
             parts.append(data)
 
+    def interrupt(self, e: Exception) -> None:
+        """From another task: the read waiting on this answer raises `e` now (the router gave
+        up on a frozen engine, which would never close the connection itself)."""
+        self._fail(e)
+
     def _release(self) -> None:
         if not self._closed:
             self._closed = True

@@ -4,7 +4,8 @@ that keep them in or out of rotation (`Health`, the rule itself pure: `health_af
 the router's metrics.
 
 Health: a worker is in rotation while its own /ready says so. A request that cannot connect to
-a worker takes it out until its next /ready check passes; an HTTP error answer to a request
+a worker takes it out until its next /ready check passes; so does one that waits far past the
+stream's pace on a worker whose /ready then gets no answer (frozen, see stall.py); an HTTP error answer to a request
 (a 4xx for bad input, a 5xx) never does. Workers that report draining leave the rotation; with
 Kubernetes discovery, pods labelled serving.dsv4.dev/draining=true leave it too.
 """
@@ -226,6 +227,16 @@ class Health:
             status, reason = None, f"no answer to /ready: {type(e).__name__}"
         w.healthy, w.reason, w.failures = health_after_check(w, status, reason, refused)
         self.metrics.worker_healthy.labels(w.url, w.role).set(1 if w.healthy else 0)
+
+    async def frozen(self, w: Worker) -> bool:
+        """A request on `w` has waited far past its pace (stall.py): check it now. Frozen when
+        it does not answer (then out of rotation at once, not after UNANSWERED_CHECKS: a request
+        is known to be stuck on it) or answers that it is not ready."""
+        before = w.failures
+        await self.check(w)
+        if w.failures > before:
+            self.mark_failed(w, f"frozen: no answer to /ready while a request on it stalled ({w.reason})")
+        return not w.healthy
 
     def check_soon(self, w: Worker) -> None:
         """A connection broke mid-answer: check that worker now rather than at the next round."""

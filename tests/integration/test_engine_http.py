@@ -243,6 +243,9 @@ def test_client_disconnect_aborts_and_frees_pages(client, server):
                     break  # one chunk, then hang up
     loads = wait_idle(client)
     assert loads["counters"]["num_aborted_reqs"] == before + 1
+    # nothing left counted as waiting on the HTTP side (the watchdog's clients_waiting_idle reads it)
+    assert loads["http_waiting"] == 0
+    assert 'dsv4:num_http_waiting_reqs{model_name="tiny",role="mono"} 0' in client.get("/metrics").text
 
 
 def test_admin_abort_and_token(client, server):

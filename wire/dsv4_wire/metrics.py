@@ -24,6 +24,11 @@ GAUGES = {
     "tp_size": "Ranks (devices) this engine runs on (--tp-size); rank 0 reports for all",
     "nnodes": "Hosts this engine spans (--nnodes); every node reports it",
 }
+# Served by the HTTP process itself (not the core's registry): what only it knows.
+HTTP_GAUGES = {
+    "num_http_waiting_reqs": "Requests the HTTP server holds with no output from the engine core yet "
+    "(tokenising, on their way, or waiting there)",
+}
 # Served by the other nodes of a multi-node engine (their node agent's /metrics), with `nnodes`.
 NODE_GAUGES = {
     "node_rank": "This node's place in its engine (--node-rank)",
@@ -60,6 +65,7 @@ COUNTERS = {
     "num_aborted_reqs": "Requests aborted (client gone, admin, peer)",
     "num_decode_local_reqs": "PD requests decode served from its own prefix cache (--decode-local-prefill): "
     "nothing prefilled on prefill, nothing transferred",
+    "num_queue_full_reqs": "Requests refused at admission with a 429: --max-queued-requests were waiting",
     "scheduler_loop_iterations": "Iterations of the scheduler loop",
     "prefix_cache_query_tokens": "Tokens of admitted requests looked up in the prefix cache",
     "prefix_cache_hit_tokens": "Tokens of admitted requests whose KV the prefix cache supplied",
@@ -85,6 +91,7 @@ def metric_name(key: str, suffix: str = "") -> str:
     if (
         key not in GAUGES
         and key not in NODE_GAUGES
+        and key not in HTTP_GAUGES
         and key not in STATE_GAUGES
         and key not in COUNTERS
         and key not in HISTOGRAMS

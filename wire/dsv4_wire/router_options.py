@@ -37,6 +37,25 @@ ROUTER_OPTIONS: tuple[Option, ...] = (
         ADMIN_TOKEN_ENV,
     ),
     *secret("pd_secret", "Shared secret sent with internal requests to PD engines.", "router", PD_SECRET_ENV),
+    _O(
+        "engine_wait_timeout",
+        float,
+        30.0,
+        "Seconds a new request waits for a healthy engine (prefill/decode pair) when none is, as while the only "
+        "one of a role restarts, before a 503; 0: the 503 at once.",
+        scope="router",
+        min=0.0,
+    ),
+    _O(
+        "stall_check_after",
+        float,
+        3.0,
+        "Seconds a request may wait on an engine with nothing from it (or 20 times its stream's mean gap, "
+        "whichever is longer) before the router checks that engine's /ready: one that does not answer, or is "
+        "not ready, is frozen: it leaves the rotation and its requests move to another engine. 0: off.",
+        scope="router",
+        min=0.0,
+    ),
     _O("request_timeout", float, 600.0, "Seconds an engine may stay silent on a request.", scope="router", min=1.0),
     _O(
         "max_inflight",

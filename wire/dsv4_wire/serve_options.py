@@ -52,6 +52,15 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "longer, e.g. 128 for DeepSeek-V4-Flash, so compressed states fill their pages).",
     ),
     _O("max_num_seqs", int, 64, "Most requests running at once."),
+    _O(
+        "max_queued_requests",
+        int,
+        None,
+        "Most requests waiting to run (SGLang's flag): the waiting queue, plus PD's bootstrap and "
+        "prealloc queues. One more is refused at admission, before any PD state is made, with a "
+        "429 and Retry-After. Default: no bound.",
+        min=1,
+    ),
     _O("max_num_batched_tokens", int, 1024, "Token budget of one step (chunked prefill)."),
     _O("max_model_len", int, None, "Context limit (default: the model's)."),
     _O(

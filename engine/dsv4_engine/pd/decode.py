@@ -299,6 +299,9 @@ class DecodeController(PDController):
         m.set("num_decode_prealloc_queue_reqs", len(self.prealloc) + len(self.registering))
         m.set("num_decode_transfer_queue_reqs", len(self.transfer))
 
+    def waiting(self) -> int:
+        return len(self.prealloc) + len(self.registering)
+
     def loads(self) -> tuple[dict, dict]:
         return (
             {"prealloc": len(self.prealloc) + len(self.registering), "transfer": len(self.transfer)},

@@ -335,6 +335,9 @@ class PrefillController(PDController):
         m.set("num_prefill_inflight_queue_reqs", len(self.inflight))
         m.set("prefill_inflight_oldest_age_seconds", self.oldest_inflight_age())
 
+    def waiting(self) -> int:
+        return len(self.bootstrap)
+
     def loads(self) -> tuple[dict, dict]:
         now = self.clock()
         inflight = [

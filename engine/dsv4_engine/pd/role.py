@@ -33,4 +33,7 @@ class RoleController(Protocol):
     def loads(self) -> tuple[dict, dict]:
         """(queue sizes, extra fields) for /v1/loads."""
 
+    def waiting(self) -> int:
+        """Requests in its queues before the forward (--max-queued-requests counts them)."""
+
     def close(self) -> None: ...

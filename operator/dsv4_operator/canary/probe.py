@@ -17,7 +17,7 @@ from typing import Optional
 
 import httpx
 
-from dsv4_wire import Paths
+from dsv4_wire import Paths, authorization_header
 
 from dsv4_operator.canary.conversation import ConversationShape, context_target, rounds
 from dsv4_operator.canary.verdict import ProbeFigures, WatchdogSignals
@@ -149,12 +149,18 @@ async def run_probe(
     *,
     pin: Optional[str] = None,
     admin_token: Optional[str] = None,
+    router_token: Optional[str] = None,
     max_model_len: Optional[int] = None,
 ) -> tuple[ProbeFigures, WatchdogSignals]:
     """The probe against the engine at `engine_url`, sent to `url` (the router, with `pin`, or the
-    engine itself). Bounded: duration_s + request_timeout_s + settle_s at most."""
-    auth = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+    engine itself). Bounded: duration_s + request_timeout_s + settle_s at most.
+    Two tokens, since a router and its engines may hold different ones (the operator's Secret has
+    an admin token for the engines and a router-admin token for the routers): `admin_token` for
+    the engine's own endpoints (/v1/loads), `router_token` for the probe's requests to `url`
+    (a pin is an admin call of the router)."""
+    auth = authorization_header(admin_token)
     headers = {PIN_HEADER: pin} if pin else {}
+    headers.update(authorization_header(router_token if url != engine_url else admin_token))
     async with httpx.AsyncClient(
         timeout=httpx.Timeout(settings.request_timeout_s, connect=5.0), headers=auth
     ) as client:

@@ -247,17 +247,24 @@ def operator_namespace() -> Optional[str]:
     return os.environ.get("POD_NAMESPACE") or None
 
 
-async def deployment_admin_token(api: KubeApi, namespace: str, name: str) -> Optional[str]:
-    """The admin token of a deployment, for the operator's own calls to its engines (the watchdog's
-    drain and abort). None when the resource is gone or its spec cannot be acted on."""
+async def deployment_tokens(api: KubeApi, namespace: str, name: str) -> Optional[dict[str, str]]:
+    """The values of a deployment's auth Secret (ADMIN_TOKEN_KEY for its engines,
+    ROUTER_ADMIN_TOKEN_KEY for its routers). None when the resource is gone or its spec cannot be
+    acted on."""
     cr = await api.get(S.API_VERSION, S.KIND, namespace, name)
     if cr is None:
         return None
     spec, _ = check_spec(name, cr.get("spec"))
     if spec is None:
         return None
-    values = await ensure_auth_secret(api, spec, Owner(name, namespace, cr["metadata"]["uid"]))
-    return values.get(ADMIN_TOKEN_KEY)
+    return await ensure_auth_secret(api, spec, Owner(name, namespace, cr["metadata"]["uid"]))
+
+
+async def deployment_admin_token(api: KubeApi, namespace: str, name: str) -> Optional[str]:
+    """The engines' admin token of a deployment, for the operator's own calls to its engines (the
+    watchdog's drain and abort); never for its routers, which hold their own token."""
+    values = await deployment_tokens(api, namespace, name)
+    return None if values is None else values.get(ADMIN_TOKEN_KEY)
 
 
 async def hand_over_replicas(

@@ -159,7 +159,13 @@ class LocalRollout:
 
     async def _probe(self, eng: "EngineProc"):
         return await run_probe(
-            self.up.router_url, eng.url, eng.role, self.settings, pin=eng.url, admin_token=self.up.admin_token
+            self.up.router_url,
+            eng.url,
+            eng.role,
+            self.settings,
+            pin=eng.url,
+            admin_token=self.up.admin_token,
+            router_token=self.up.admin_token,  # `dsv4 up` gives its router the engines' token
         )
 
     async def run(self) -> dict:

@@ -50,6 +50,7 @@ from dsv4_operator.watchdog.evidence import build_evidence_configmap
 from dsv4_operator.watchdog.groups import unit_info
 from dsv4_operator.watchdog.policy import Action, PodInfo, RemediationSettings
 from dsv4_operator.remediation.runner import WatchdogLoop
+from dsv4_operator.local.router_watch import RouterWatch
 from dsv4_operator.watchdog.signals import ScrapeTarget
 from dsv4_operator.watchdog.signals import BUILTIN
 
@@ -436,6 +437,7 @@ class LocalDeployment:
     async def watch(self, stop: asyncio.Event) -> None:
         executor = LocalExecutor(self)
         loop = WatchdogLoop(self.settings, self.detector, executor, headers=authorization_header(self.admin_token))
+        router_watch = RouterWatch(self.window)  # the router as the wedge point (router_watch.py)
         incarnation: dict[str, Optional[str]] = {}
         async with httpx.AsyncClient() as client:
             try:
@@ -481,9 +483,14 @@ class LocalDeployment:
                         answered_before={p.key: p.ever_ready for k in self.engines for p in self.group(k)},
                         groups=groups,
                     )
+                    if self.router.running:
+                        said = await router_watch.round(client, self.router_url, self.router.uid)
+                        if said is not None:
+                            self.event("WedgeDetected", "router", f"{said.get('reason')}: {said.get('details')}")
                     status = {
                         "time": time.time(),
                         "detection_window_s": self.window,
+                        "router": router_watch.verdict,
                         **result.summary(),
                         "policy": loop.state.to_dict(),
                         "events": self.events[-50:],

@@ -16,6 +16,8 @@ only when, for the whole detection window,
 * ``unresponsive``: a pod that answered before has answered nothing for the window;
 * ``rank_stalled`` (a worker node of a multi-node engine): one of its ranks has not beaten its
   heartbeat for the window (a rank frozen: the whole engine's collectives wait on it);
+* ``clients_waiting_idle``, ``pd_not_exchanging``, ``router_stalled``: the hangs nobody else
+  sees (hangs.py);
 
 or, over the window, ``transfer_failures``: failed + timed-out transfers exceed the threshold share
 of all finished transfers, with at least ``min_failed_transfers`` failures.
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar, Mapping, Union
 
+from . import hangs
 from .signals import BUILTIN, COUNTER_FIELDS, EngineSample
 
 
@@ -49,6 +52,9 @@ class Reason(StrEnum):
     SCHEDULER_STALLED = "scheduler_stalled"  # work queued, the loop not turning
     RANK_STALLED = "rank_stalled"  # a worker node's rank frozen (its heartbeat stopped)
     SCHEDULER_SLOW = "scheduler_slow"
+    CLIENTS_WAITING_IDLE = hangs.CLIENTS_WAITING_IDLE  # HTTP side holds requests the idle core never got
+    PD_NOT_EXCHANGING = hangs.PD_NOT_EXCHANGING  # requests arrive, no KV moves with the peer role
+    ROUTER_STALLED = hangs.ROUTER_STALLED  # requests wait in the router, none sent to engines
 
 
 @dataclass(frozen=True)
@@ -289,6 +295,14 @@ class Detector:
         stall = self._stall_verdict(seq)
         if isinstance(stall, Wedged):
             return stall
+
+        for found in (
+            hangs.clients_waiting_idle(seq, self.window_s),
+            hangs.pd_not_exchanging(seq, self.window_s, covered),
+            hangs.router_stalled(seq, self.window_s),
+        ):
+            if found is not None:
+                return Wedged(Reason(found[0]), found[1])
 
         age = latest.rank_beat_age_seconds
         if age is not None and age >= self.window_s:

@@ -20,6 +20,7 @@ from dsv4_wire.metrics import metric_name
 
 BUILTIN = "builtin"
 SGLANG = "sglang"
+ROUTER = "router"  # a dsv4 router's /metrics (its own prefix): the router_* fields only
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ GAUGE_FIELDS = (
     "kv_pages_free",
     "kv_pages_total",
     "rank_beat_age_seconds",
+    "http_waiting",
+    "router_held",
 )
 
 # Monotonic counters; a value lower than the previous scrape's means the engine restarted.
@@ -57,6 +60,7 @@ COUNTER_FIELDS = (
     "aborted",
     "requests_completed",
     "loop_iterations",
+    "router_sent",
 )
 
 
@@ -83,6 +87,12 @@ class EngineSample:
     # A worker node of a multi-node engine (its node agent's /metrics): the oldest heartbeat among
     # its ranks; one that stopped (a rank frozen) grows without end.
     rank_beat_age_seconds: float | None = None
+    # Requests the engine's HTTP process holds with no output from its core yet (our engine only):
+    # with the core idle, clients wait on a hang /health does not see.
+    http_waiting: float | None = None
+    # A router (kind ROUTER): requests inside it (admitted + queued), and requests sent to engines.
+    router_held: float | None = None
+    router_sent: float | None = None
     # counters
     transfers_completed: float | None = None
     transfer_bytes: float | None = None
@@ -133,6 +143,7 @@ _BUILTIN_NAMES = _with_bare_counters(
         metric_name("kv_pages_free"): "kv_pages_free",
         metric_name("kv_pages_total"): "kv_pages_total",
         metric_name("node_rank_beat_age_seconds"): "rank_beat_age_seconds",
+        metric_name("num_http_waiting_reqs"): "http_waiting",
         metric_name("kv_transfers_completed", "_total"): "transfers_completed",
         metric_name("kv_transfer_bytes", "_total"): "transfer_bytes",
         metric_name("num_transfer_failed_reqs", "_total"): "transfer_failed",
@@ -170,13 +181,19 @@ _SGLANG_NAMES = _with_bare_counters(
     }
 )
 
-_NAMES = {BUILTIN: _BUILTIN_NAMES, SGLANG: _SGLANG_NAMES}
+_ROUTER_NAMES = {
+    "dsv4_router:inflight_requests": "router_held",
+    "dsv4_router:queued_requests": "router_held",
+    "dsv4_router:worker_requests_total": "router_sent",
+}
+
+_NAMES = {BUILTIN: _BUILTIN_NAMES, SGLANG: _SGLANG_NAMES, ROUTER: _ROUTER_NAMES}
 
 # Fields where summing over label sets would be wrong: the oldest age is a maximum.
 _MAX_FIELDS = frozenset({"prefill_inflight_oldest_age_seconds", "rank_beat_age_seconds"})
 
 
-_PREFIX = {BUILTIN: "dsv4:", SGLANG: "sglang:"}
+_PREFIX = {BUILTIN: "dsv4:", SGLANG: "sglang:", ROUTER: "dsv4_router:"}
 
 
 def _label_set_end(line: str, brace: int) -> int:
@@ -351,6 +368,9 @@ def _parse_own_loads(payload: Mapping[str, Any]) -> dict[str, float]:
         v = _number(payload.get(key))
         if v is not None:
             out[key] = v
+    v = _number(payload.get("http_waiting"))
+    if v is not None:
+        out["http_waiting"] = v
     counters = payload.get("counters")
     if isinstance(counters, Mapping):
         for key, value in counters.items():

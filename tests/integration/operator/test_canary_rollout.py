@@ -5,7 +5,9 @@ live StatefulSets (canary_fleet.py):
   caught on ONE decode pod, which goes back to the stable revision; status says
   Degraded=CanaryFailed with the figures and an evidence ConfigMap; the spec is untouched; prefill
   never moved;
-- a harmless change passes the probe and rolls to every pod."""
+- a harmless change passes the probe and rolls to every pod.
+The engines and the router stand-ins check their own tokens (the engines' admin token, the
+router-admin token): the canary's calls must carry the right one to each."""
 
 from __future__ import annotations
 
@@ -116,6 +118,7 @@ async def test_a_change_that_stalls_long_contexts_is_caught_and_rolled_back(
         touched = {pod for when, pod, _ in fleet.timeline if when >= applied}
         assert touched == {"flash-decode-2"}, f"only the canary pod was ever restarted: {touched}"
         assert any(flag for _, flag in fleet.router.flag_calls), "the canary left the router's rotation"
+        assert not fleet.router.refused, f"the router refused the operator's admin calls: {fleet.router.refused}"
         seen = reasons(cluster_with_crd)
         for step in ("CanaryStarted", "CanaryProbing", "CanaryFailed"):
             assert step in seen, seen
@@ -152,6 +155,7 @@ async def test_a_harmless_change_passes_and_rolls_everywhere(
         assert "CanaryPassed" in seen and "CanaryFailed" not in seen, seen
         assert fleet.router.canary.get(fleet.engines["flash-decode-2"].url) in (None, False)
         assert (True, 10.0) in fleet.router.shares and fleet.router.shares[-1] == (False, 0.0), fleet.router.shares
+        assert not fleet.router.refused, f"the router refused the operator's admin calls: {fleet.router.refused}"
     finally:
         await fleet.stop()
 
@@ -168,3 +172,37 @@ async def test_traffic_percent_is_bounded_by_the_api_server(
     else:
         raise AssertionError("the API server took trafficPercent > 50")
     await kube_client.create(deployment("flash", NS, rollout={"canary": {"trafficPercent": 10}}), PLURAL)
+
+
+@pytest.mark.slow  # ~20 s
+async def test_the_canary_passes_through_the_real_router_holding_its_own_token(
+    cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory, tmp_path
+) -> None:
+    """The real `dsv4 router` (its pin and canary paths, its router-admin token from the Secret)
+    in front of the engine stand-ins: the probe's pinned requests and the canary flag pass its
+    token check, the canary passes, the change rolls everywhere, the flag is cleared."""
+    import httpx
+
+    await operator_factory([NS])
+    await kube_client.create(spec(), PLURAL)
+    real = {"logs": tmp_path, "replicas": {"prefill": 2, "decode": 3}}
+    fleet = await FakeFleet(kube_client, NS, "flash", real_router=real).start()
+    try:
+        await eventually(lambda: baseline_recorded(kube_client), timeout=20)
+        await kube_client.patch(API, PLURAL, NS, "flash", {"spec": {"engine": {"image": "reg/dsv4:2"}}})
+
+        async def rolled() -> bool:
+            return fleet.images_of("decode") == ["reg/dsv4:2"] * 3 and fleet.images_of("prefill") == ["reg/dsv4:2"] * 2
+
+        await eventually(rolled, timeout=60)
+        cr = await get_cr(kube_client, NS, "flash")
+        assert cr["status"]["canary"]["phase"] == "Passed", cr["status"]["canary"]
+        figures = cr["status"]["canary"]["figures"]
+        assert figures["canary"]["errors"] == 0 and figures["canary"]["requests"] > 0, figures
+        headers = {"Authorization": f"Bearer {fleet.router.admin_token}"}
+        workers = httpx.get(fleet.router_url + "/admin/workers", headers=headers, timeout=5).json()["workers"]
+        assert not any(w["canary"] for w in workers), workers
+        seen = reasons(cluster_with_crd)
+        assert "CanaryPassed" in seen and "CanaryFailed" not in seen, seen
+    finally:
+        await fleet.stop()

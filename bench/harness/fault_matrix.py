@@ -1,0 +1,234 @@
+"""The fault matrix (issue 45): faults x modes, each cell stating its expected outcome before it
+runs, on real processes (bench/harness/migration_chaos.py's Cluster: a router and its engines on
+127.0.0.1, the tiny model).
+
+Modes: `mono` (two mono engines), `pd` (one prefill, two decodes), `pd_structured` (the PD
+cluster, json_schema streams mixed in: a moved structured stream rebuilds its grammar state).
+Every engine runs with --enable-fault-injection, --transfer-checksum and --max-queued-requests.
+
+Faults: the decode (mono: an engine) killed or frozen mid-stream; a KV transfer that fails, or
+whose bytes are corrupted in flight (PD only); a burst past the queue bound. Where a healthy
+peer exists the promise is 0 client errors and every stream equal to the undisturbed run; a
+corruption must be noticed (the checksum counter); a burst gets 429s with Retry-After and
+nothing else, and no PD state is left behind. After every cell every surviving engine is idle
+with every KV page back.
+
+`run_matrix(model, tmp, modes, faults)` -> the cells' records (pure data: JSON).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import httpx
+
+from bench.harness.migration_chaos import Cluster, body_for, mismatches, streams, wait_idle
+
+STREAMS = 12
+TOKENS = 96
+SCHEMA = {
+    "type": "object",
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 900}, "kind": {"enum": ["a", "bb", "ccc"]}},
+    "required": ["id", "kind"],
+    "additionalProperties": False,
+}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
+ENGINE_ARGS = ["--enable-fault-injection", "--transfer-checksum", "--max-queued-requests", 2 * STREAMS]
+MODES = ("mono", "pd", "pd_structured")
+FAULTS = ("decode_sigkill", "decode_sigstop", "transfer_fails", "transfer_corrupted", "queue_burst")
+EXPECT = {
+    "decode_sigkill": "0 client errors; every stream equal to the undisturbed run (migrated)",
+    "decode_sigstop": "0 client errors; every stream equal to the undisturbed run; moved within 25 s",
+    "transfer_fails": "0 client errors; every stream equal to the undisturbed run (re-sent)",
+    "transfer_corrupted": "0 client errors; every stream equal to the undisturbed run; the corruption noticed",
+    "queue_burst": "only 429s with Retry-After beyond the bound, the rest whole; no PD state left",
+}
+PD_ONLY = ("transfer_fails", "transfer_corrupted")
+
+
+@dataclass
+class Cell:
+    fault: str
+    mode: str
+    expect: str
+    applicable: bool = True
+    passed: Optional[bool] = None
+    client_errors: int = 0
+    wrong_answers: int = 0
+    refused_429: int = 0
+    seconds: float = 0.0
+    noticed: Optional[float] = None  # corruptions the checksum caught
+    why: list[str] = field(default_factory=list)
+
+
+def bodies(mode: str) -> list[dict]:
+    out = []
+    for i in range(STREAMS):
+        if mode == "pd_structured" and i % 3 == 0:
+            out.append(body_for(i, 96, ignore_eos=False, response_format=FORMAT))
+        else:
+            out.append(body_for(i, TOKENS))
+    return out
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(name + "{"))
+
+
+def _arm(url: str, fault: str, count: int = 1) -> None:
+    r = httpx.post(url + "/admin/faults", json={"fault": fault, "count": count}, timeout=5)
+    r.raise_for_status()
+
+
+def _healthy(c: Cluster, name: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        workers = httpx.get(c.r_url + "/admin/workers", timeout=5).json()["workers"]
+        if any(w["url"] == c.urls[name] and w["healthy"] for w in workers):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{name} did not come back into rotation")
+
+
+def _disturbed(c: Cluster, b: list[dict], fault: Callable[[], None]) -> tuple[list, float]:
+    box: dict = {}
+    t0 = time.monotonic()
+    t = threading.Thread(target=lambda: box.update(out=streams(c.r_url, b, deadline_s=90)))
+    t.start()
+    try:
+        fault()
+    finally:
+        t.join(120)
+    return box.get("out", []), time.monotonic() - t0
+
+
+def _judge_streams(cell: Cell, got: list, want: list) -> None:
+    if len(got) != len(want):
+        cell.why.append(f"{len(want) - len(got)} clients never returned")
+    bad = mismatches(got, want, None)
+    cell.client_errors = sum(1 for g in got if not g.ok)
+    cell.wrong_answers = sum(
+        1 for i, g in enumerate(got) if g.ok and any(line.startswith(f"stream {i}:") for line in bad)
+    )
+    cell.why += bad[:3]
+
+
+def _victim(mode: str) -> str:
+    return "mono0" if mode == "mono" else "decode0"
+
+
+def run_cell(c: Cluster, cell: Cell, want: list) -> None:
+    b = bodies(cell.mode)
+    victim = _victim(cell.mode)
+    t0 = time.monotonic()
+    if cell.fault == "decode_sigkill":
+
+        def fault() -> None:
+            c.wait_running(victim, 1, timeout=30)
+            time.sleep(0.1)
+            c.kill(victim)
+
+        got, _ = _disturbed(c, b, fault)
+        _judge_streams(cell, got, want)
+        c.restart(victim)
+        _healthy(c, victim)
+    elif cell.fault == "decode_sigstop":
+        pgid = c.procs[victim].popen.pid
+
+        def fault() -> None:
+            c.wait_running(victim, 1, timeout=30)
+            time.sleep(0.1)
+            os.killpg(pgid, signal.SIGSTOP)
+
+        try:
+            got, took = _disturbed(c, b, fault)
+        finally:
+            os.killpg(pgid, signal.SIGCONT)
+        _judge_streams(cell, got, want)
+        if took > 25:
+            cell.why.append(f"took {took:.1f}s")
+        _healthy(c, victim)
+    elif cell.fault in PD_ONLY:
+        name = "fail_transfer" if cell.fault == "transfer_fails" else "corrupt_transfer"
+        caught = sum(_metric(c.urls[d], "dsv4:kv_transfer_checksum_failed_total") for d in ("decode0", "decode1"))
+        got, _ = _disturbed(c, b, lambda: _arm(c.urls["prefill"], name, 2))
+        _judge_streams(cell, got, want)
+        if cell.fault == "transfer_corrupted":
+            cell.noticed = (
+                sum(_metric(c.urls[d], "dsv4:kv_transfer_checksum_failed_total") for d in ("decode0", "decode1"))
+                - caught
+            )
+            if not cell.noticed:
+                cell.why.append("no corruption was noticed")
+    elif cell.fault == "queue_burst":
+        ok, retry_after, other = asyncio.run(_burst(c.r_url, 160))
+        cell.refused_429, cell.client_errors = len(retry_after), len(other)
+        cell.why += other[:3]
+        if any(not r.isdigit() for r in retry_after):
+            cell.why.append(f"429 without Retry-After: {retry_after[:3]}")
+    cell.seconds = round(time.monotonic() - t0, 2)
+    try:
+        wait_idle(list(c.urls.values()), timeout=40)
+    except TimeoutError as e:
+        cell.why.append(f"left state behind: {str(e)[:300]}")
+    cell.passed = cell.client_errors == 0 and cell.wrong_answers == 0 and not cell.why
+
+
+async def _burst(url: str, n: int) -> tuple[int, list[str], list[str]]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=90)
+    ok, retry_after, other = 0, [], []
+
+    async def one(i: int) -> None:
+        nonlocal ok
+        try:
+            await client.completions.create(
+                model="m", prompt=[(3 * i + j) % 300 + 3 for j in range(6)], max_tokens=8, temperature=0
+            )
+            ok += 1
+        except openai.RateLimitError as e:
+            retry_after.append(e.response.headers.get("retry-after", ""))
+        except Exception as e:  # any other error fails the cell
+            other.append(f"{type(e).__name__}: {e}"[:200])
+
+    try:
+        await asyncio.gather(*(one(i) for i in range(n)))
+    finally:
+        await client.close()
+    return ok, retry_after, other
+
+
+def run_matrix(model: Path, tmp: Path, modes=MODES, faults=FAULTS, log=print) -> list[dict]:
+    cells: list[Cell] = []
+    clusters = {"mono": "mono", "pd": "pd", "pd_structured": "pd"}
+    for kind in dict.fromkeys(clusters[m] for m in modes):
+        (tmp / kind).mkdir(parents=True, exist_ok=True)
+        c = Cluster(model, tmp / kind, decodes=2, mono=kind == "mono", engine_args=ENGINE_ARGS)
+        try:
+            for mode in [m for m in modes if clusters[m] == kind]:
+                want = streams(c.r_url, bodies(mode))
+                if not all(w.ok for w in want):
+                    raise RuntimeError(f"the undisturbed run failed: {[w.error for w in want if not w.ok][:3]}")
+                for fault in faults:
+                    cell = Cell(fault, mode, EXPECT[fault], applicable=not (mode == "mono" and fault in PD_ONLY))
+                    log(f"[{mode} x {fault}] expect: {cell.expect}")
+                    if cell.applicable:
+                        try:
+                            run_cell(c, cell, want)
+                        except Exception as e:  # the cell could not run as planned: a failed cell, said
+                            cell.passed = False
+                            cell.why.append(f"{type(e).__name__}: {str(e)[:300]}")
+                        log(f"  -> {'PASS' if cell.passed else 'FAIL'} in {cell.seconds}s {cell.why[:2]}")
+                    cells.append(cell)
+        finally:
+            c.stop()
+    return [asdict(x) for x in cells]
