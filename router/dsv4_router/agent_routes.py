@@ -34,7 +34,7 @@ def add_agent_routes(app: FastAPI, router: Router) -> None:
 
     async def serve(api: str, http: Request) -> Response:
         try:
-            raw = await read_limited(http.headers.get("content-length"), http.stream(), router.args.max_body_bytes)
+            raw = await read_limited(http.headers.get("content-length"), http.stream(), router.body_limit())
             call: AgentCall = (
                 responses_call(parse_body(raw), store, owner(http))
                 if api == RESPONSES

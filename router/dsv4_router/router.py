@@ -199,8 +199,7 @@ class Router:
                 )
         try:
             if body is None:
-                limit = body_limit(self.args.max_body_bytes, (w.max_model_len for w in self.pool.workers.values()))
-                raw = await read_limited(http.headers.get("content-length"), http.stream(), limit)
+                raw = await read_limited(http.headers.get("content-length"), http.stream(), self.body_limit())
                 body = parse_body(raw)
         except APIError as e:
             return self.error(e)
@@ -298,6 +297,10 @@ class Router:
         finally:
             if not handed_off:
                 self._log_moves(st)
+
+    def body_limit(self) -> int:
+        """The largest body accepted: --max-body-bytes, or derived from the engines' context."""
+        return body_limit(self.args.max_body_bytes, (w.max_model_len for w in self.pool.workers.values()))
 
     async def _prompt_ids(self, path: str, body: dict) -> Optional[list]:
         """The prompt's token ids for placement: as sent, or rendered and tokenized (--tokenizer)

@@ -224,7 +224,8 @@ async def run_scenario(
 
 async def reconcile_scenario(client: ClusterClient) -> None:
     # The user brought an auth Secret: used as it is (the operator never patches a Secret). It
-    # carries the operator's label: the operator uses no Secret of the namespace it was not given.
+    # carries the operator's label and names its deployment: the operator uses no Secret of the
+    # namespace it was not given (issue 39).
     await client.create(
         {
             "apiVersion": "v1",
@@ -233,6 +234,7 @@ async def reconcile_scenario(client: ClusterClient) -> None:
                 "name": "flash-auth",
                 "namespace": "ns1",
                 "labels": {"app.kubernetes.io/managed-by": "dsv4-operator"},
+                "annotations": {"serving.dsv4.dev/deployment": "flash"},
             },
             "data": {"admin-token": "dXNlcg==", "pd-secret": "cGQ=", "router-admin-token": "cm91dGVy"},
         },
