@@ -97,10 +97,15 @@ class CachePlacement:
         salt: Optional[str],
         key: str,
         session: Optional[str] = None,
+        held_only: bool = False,
     ) -> Optional[_Worker]:
+        """The worker where the prompt costs least; None where no worker is followed, or, with
+        `held_only`, where none holds a page of it (the caller's own balance decides then)."""
         if not workers or not self.followed(workers):
             return None
         found = self.matches(ids, salt, workers)
+        if held_only and not any(m.pages for m in found.values()):
+            return None
         page = next((self.index.workers[u].page_size for u in found), 0) or 1
         cands = [Candidate(w.url, w.load_tokens, found.get(w.url, NO_MATCH), fresh=w.url in found) for w in workers]
         last = self.last.get(session) if session is not None else None

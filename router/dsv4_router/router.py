@@ -144,15 +144,18 @@ class Router:
             raise APIError(f"the pinned worker {w.url} is not ready: {w.reason}", 503, "service_unavailable")
         return w
 
-    def _placer(self, st: Optional[Resume], key: Optional[str]):
-        """Placement by what each engine holds, for this request (None: its tokens are unknown)."""
+    def _placer(self, st: Optional[Resume], key: Optional[str], held_only: bool = False):
+        """Placement by what each engine holds, for this request (None: its tokens are unknown).
+        `held_only`: decode's, which is balanced by load unless an engine holds the prompt (a
+        conversation's decode-side cache): the prefill's session tie-break must not pile every
+        stream of one conversation start onto one decode."""
         ids = getattr(st, "prompt_ids", None)
         if not ids:
             return None
         body = st.body
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         session = body.get("prompt_cache_key") if isinstance(body.get("prompt_cache_key"), str) else None
-        return lambda ready: self.placement.pick(ready, ids, salt, session or key or "", session or key)
+        return lambda ready: self.placement.pick(ready, ids, salt, session or key or "", session or key, held_only)
 
     def _pair(
         self, exclude: set[str], key: Optional[str] = None, pin: Optional[str] = None, st: Optional[Resume] = None
@@ -172,7 +175,7 @@ class Router:
         if any(w.role == "prefill" for w in self.pool.workers.values()):
             # decode too goes where the conversation is held, when decode engines publish events
             p = self.pool.pick("prefill", exclude, key, placed=placed)
-            d = self.pool.pick("decode", exclude, placed=placed)
+            d = self.pool.pick("decode", exclude, placed=self._placer(st, key, held_only=True))
             if p is None or d is None or p.bootstrap_port is None:
                 raise APIError("no healthy prefill/decode pair is available", 503, "service_unavailable")
             return p, d

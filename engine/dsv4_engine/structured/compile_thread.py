@@ -34,6 +34,11 @@ class CompileThread:
         self.deadline_s = deadline_s
         # two: one slow compile does not hold up every other request's grammar
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+        # a spec being compiled -> every request waiting for it: the same spec is compiled once,
+        # however many requests bring it before it is done (n > 1, a burst of one agent's tools)
+        self._waiting: dict[StructuredSpec, list[Done]] = {}
+        self._waiting_lock = threading.Lock()
+        self._joined = 0
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -44,7 +49,9 @@ class CompileThread:
 
     @property
     def hits(self) -> int:
-        return self._compiler.hits if self._compiler is not None else 0
+        """Requests whose grammar was compiled for another: the cache's hits and those that
+        joined a compile in flight."""
+        return (self._compiler.hits if self._compiler is not None else 0) + self._joined
 
     def cached(self, spec: StructuredSpec) -> Any:
         """The compiled grammar if this spec was compiled before (engine thread), else None."""
@@ -52,7 +59,14 @@ class CompileThread:
 
     def start(self, spec: StructuredSpec, done: Done) -> None:
         """Compile `spec`; `done` runs on the engine thread exactly once: with the grammar, with
-        its GrammarError, or with a GrammarError when the deadline passes first."""
+        its GrammarError, or with a GrammarError when the deadline passes first. A spec already
+        being compiled is not compiled again: `done` waits for that compile's answer."""
+        with self._waiting_lock:
+            if spec in self._waiting:
+                self._waiting[spec].append(done)
+                self._joined += 1
+                return
+            self._waiting[spec] = [done]
         lock, answered = threading.Lock(), [False]
 
         def answer(compiled: Any, error: Optional[GrammarError]) -> None:
@@ -61,7 +75,10 @@ class CompileThread:
                     return
                 answered[0] = True
             timer.cancel()
-            self._post(lambda: done(compiled, error))
+            with self._waiting_lock:
+                waiters = self._waiting.pop(spec, [])
+            for d in waiters:
+                self._post(lambda d=d: d(compiled, error))
 
         def work() -> None:
             try:
