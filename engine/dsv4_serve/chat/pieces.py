@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from dsv4_wire import chat_tokens as T
+
 Piece = tuple[str, bool]  # (text, trusted)
 
 
@@ -114,3 +116,30 @@ def _closed(text: str) -> str:
 
 def _dsml_value(value: Any) -> tuple[str, str]:
     return (value, "true") if isinstance(value, str) else (_json(value), "false")
+
+
+def dsml_call_block(out: _Out, calls: list[dict], block: str) -> None:
+    """Past tool calls as a DSML `block` (V4's `tool_calls`, V3.2's `function_calls`) of
+    `invoke`/`parameter` elements; names, keys and values are the client's text."""
+    d = T.DSML
+    out.add(f"\n\n<{d}{block}>\n")
+    for k, fn in enumerate(calls):
+        args = call_arguments(fn.get("arguments"))
+        if args is None:
+            raise RenderError(f"tool call arguments must be a JSON object (call {fn.get('name')!r})")
+        if k:
+            out.add("\n")
+        out.add(f'<{d}invoke name="')
+        out.user(str(fn.get("name", "")))
+        out.add('">\n')
+        for n, (key, value) in enumerate(args.items()):
+            text, is_string = _dsml_value(value)
+            if n:
+                out.add("\n")
+            out.add(f'<{d}parameter name="')
+            out.user(str(key))
+            out.add(f'" string="{is_string}">')
+            out.user(text)
+            out.add(f"</{d}parameter>")
+        out.add(f"\n</{d}invoke>")
+    out.add(f"\n</{d}{block}>")

@@ -37,11 +37,11 @@ from dsv4_serve.chat.pieces import (
     Rendered,
     RenderError,
     _calls,
-    _dsml_value,
     _function,
     _json,
     _Out,
     call_arguments,
+    dsml_call_block,
 )
 from dsv4_serve.chat.render_v32 import render_v32
 
@@ -232,7 +232,6 @@ def render_dsml(messages: Sequence[dict], opts: ChatOptions, block: str = "tool_
     out = _Out()
     out.add(T.BOS)
     opens_thinking = False
-    d = T.DSML
     for i, m in enumerate(msgs):
         role = m["role"]
         if i == 0 and thinking:
@@ -266,27 +265,7 @@ def render_dsml(messages: Sequence[dict], opts: ChatOptions, block: str = "tool_
             out.user(m.get("content") or "")
             calls = _calls(m)
             if calls:
-                out.add(f"\n\n<{d}{block}>\n")
-                for k, fn in enumerate(calls):
-                    args = call_arguments(fn.get("arguments"))
-                    if args is None:
-                        raise RenderError(f"tool call arguments must be a JSON object (call {fn.get('name')!r})")
-                    if k:
-                        out.add("\n")
-                    out.add(f'<{d}invoke name="')
-                    out.user(str(fn.get("name", "")))
-                    out.add('">\n')
-                    for n, (key, value) in enumerate(args.items()):
-                        text, is_string = _dsml_value(value)
-                        if n:
-                            out.add("\n")
-                        out.add(f'<{d}parameter name="')
-                        out.user(str(key))
-                        out.add(f'" string="{is_string}">')
-                        out.user(text)
-                        out.add(f"</{d}parameter>")
-                    out.add(f"\n</{d}invoke>")
-                out.add(f"\n</{d}{block}>")
+                dsml_call_block(out, calls, block)
             out.add(T.EOS)
         if i + 1 < len(msgs) and msgs[i + 1]["role"] != "assistant":
             continue

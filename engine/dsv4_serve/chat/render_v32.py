@@ -21,11 +21,10 @@ from dsv4_serve.chat.pieces import (
     Rendered,
     RenderError,
     _calls,
-    _dsml_value,
     _function,
     _json,
     _Out,
-    call_arguments,
+    dsml_call_block,
 )
 from dsv4_wire import chat_tokens as T
 
@@ -65,30 +64,6 @@ def _tools(out: _Out, tools: list) -> None:
             out.add("\n")
         out.user(_json(_function(tool)))
     out.add(_TOOLS_PROMPT_TAIL)
-
-
-def _call_block(out: _Out, calls: list[dict]) -> None:
-    out.add(f"\n\n<{_D}function_calls>\n")
-    for k, fn in enumerate(calls):
-        args = call_arguments(fn.get("arguments"))
-        if args is None:
-            raise RenderError(f"tool call arguments must be a JSON object (call {fn.get('name')!r})")
-        if k:
-            out.add("\n")
-        out.add(f'<{_D}invoke name="')
-        out.user(str(fn.get("name", "")))
-        out.add('">\n')
-        for n, (key, value) in enumerate(args.items()):
-            text, is_string = _dsml_value(value)
-            if n:
-                out.add("\n")
-            out.add(f'<{_D}parameter name="')
-            out.user(str(key))
-            out.add(f'" string="{is_string}">')
-            out.user(text)
-            out.add(f"</{_D}parameter>")
-        out.add(f"\n</{_D}invoke>")
-    out.add(f"\n</{_D}function_calls>")
 
 
 def render_v32(messages: Sequence[dict], opts: ChatOptions) -> Rendered:
@@ -135,7 +110,7 @@ def render_v32(messages: Sequence[dict], opts: ChatOptions) -> Rendered:
                 out.add(T.THINK_END)
             out.user(m.get("content") or "")
             if calls:
-                _call_block(out, calls)
+                dsml_call_block(out, calls, "function_calls")
             if calls or opts.add_generation_prompt or i + 1 < len(msgs):
                 out.add(T.EOS)  # else: a last answer to continue (add_generation_prompt false)
     return Rendered(out.pieces, _ends_thinking(out))
