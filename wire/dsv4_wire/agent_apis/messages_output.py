@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+from dsv4_wire.agent_apis.chat_stream import ChatChunkFolder
+
 from dsv4_wire.agent_apis.responses_output import new_id
 
 STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}
@@ -90,8 +92,10 @@ def message_from_chat(chat: dict, mid: str) -> dict:
     }
 
 
-class MessagesStream:
+class MessagesStream(ChatChunkFolder):
     """Chat stream chunks in, Messages events out (dicts; `sse.named_event` writes them)."""
+
+    REASONING, TEXT = "thinking", "text"
 
     def __init__(self, mid: str, model: str):
         self.mid, self.model = mid, model
@@ -167,22 +171,6 @@ class MessagesStream:
                     "delta": {"type": "input_json_delta", "partial_json": fn["arguments"]},
                 }
             )
-        return evs
-
-    def feed(self, chunk: dict) -> list[dict]:
-        evs = self._start(chunk.get("model") or "")
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                evs += self._text("thinking", delta["reasoning_content"])
-            if delta.get("content"):
-                evs += self._text("text", delta["content"])
-            for call in delta.get("tool_calls") or []:
-                evs += self._call(call)
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
         return evs
 
     def finish(self) -> list[dict]:

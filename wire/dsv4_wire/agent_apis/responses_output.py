@@ -19,6 +19,8 @@ import time
 import uuid
 from typing import Optional
 
+from dsv4_wire.agent_apis.chat_stream import ChatChunkFolder
+
 from dsv4_wire.agent_apis.responses_request import ResponsesRequest
 
 
@@ -148,8 +150,10 @@ def response_from_chat(req: ResponsesRequest, chat: dict, rid: str) -> dict:
     return _finished(resp, output, choice.get("finish_reason"), chat.get("usage"))
 
 
-class ResponsesStream:
+class ResponsesStream(ChatChunkFolder):
     """Chat stream chunks in, Responses events out (dicts; `sse.named_event` writes them)."""
+
+    REASONING, TEXT = "reasoning", "message"
 
     def __init__(self, req: ResponsesRequest, rid: str):
         self.req, self.rid = req, rid
@@ -267,23 +271,6 @@ class ResponsesStream:
                     "response.function_call_arguments.delta", item_id=item["id"], output_index=self._index(), delta=args
                 )
             )
-        return evs
-
-    def feed(self, chunk: dict) -> list[dict]:
-        """The events of one chat chunk."""
-        evs = self._start(chunk.get("model") or "")
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                evs += self._text("reasoning", delta["reasoning_content"])
-            if delta.get("content"):
-                evs += self._text("message", delta["content"])
-            for call in delta.get("tool_calls") or []:
-                evs += self._call(call)
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
         return evs
 
     def finish(self) -> list[dict]:
