@@ -16,14 +16,13 @@ from dsv4_serve.serving import OpenAIServing, internal_error
 from dsv4_wire import APIError, Paths
 from dsv4_wire.agent_apis.edge import MESSAGES, RESPONSES, AgentCall, messages_call, refusal, responses_call, stored
 from dsv4_wire.agent_apis.store import ResponseStore
+from dsv4_wire.api_keys import caller_name
 
 log = logging.getLogger("dsv4.server")
 
 
 def owner(http: Request) -> str:
-    """The caller's API key name (left by dsv4_wire.api_keys.ApiKeyGate), or "" without keys."""
-    key = http.scope.get("dsv4.api_key")
-    return key.name if key is not None else ""
+    return caller_name(http.scope)
 
 
 def _json(status: int, content: bytes) -> Response:

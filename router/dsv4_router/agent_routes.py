@@ -16,12 +16,11 @@ from dsv4_router.router import Router
 from dsv4_wire import APIError, Paths
 from dsv4_wire.agent_apis.edge import MESSAGES, RESPONSES, AgentCall, messages_call, refusal, responses_call, stored
 from dsv4_wire.agent_apis.store import ResponseStore
+from dsv4_wire.api_keys import caller_name
 
 
 def owner(http: Request) -> str:
-    """The caller's API key name (left by dsv4_wire.api_keys.ApiKeyGate), or "" without keys."""
-    key = http.scope.get("dsv4.api_key")
-    return key.name if key is not None else ""
+    return caller_name(http.scope)
 
 
 def _json(status: int, content: bytes) -> Response:

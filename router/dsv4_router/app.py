@@ -32,7 +32,7 @@ from dsv4_router.fastlane import FastLane
 from dsv4_router.sessions import delete_session as end_session
 from dsv4_router.tenancy import KeyLimiter, TenantGate, TenantMetrics, salt_per_key
 from dsv4_wire import APIError, Paths, admin_refusal
-from dsv4_wire.api_keys import ApiKeyGate, KeyRing
+from dsv4_wire.api_keys import ApiKeyGate, KeyRing, caller_key
 
 log = logging.getLogger("dsv4.router")
 
@@ -129,7 +129,7 @@ def build_app(router: Router) -> FastAPI:
                 list(router.pool.workers),
                 session_id,
                 http.query_params.get("cache_salt"),
-                http.scope.get("dsv4.api_key"),
+                caller_key(http.scope),
                 router.args.cache_salt_from_api_key,
             )
         except APIError as e:

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from dsv4_wire import APIError, Paths
 from dsv4_wire.agent_apis.messages_output import error_body
-from dsv4_wire.api_keys import ApiKey
+from dsv4_wire.api_keys import ApiKey, caller_key
 
 ANONYMOUS = "anonymous"
 GENERATION_PATHS = frozenset({Paths.COMPLETIONS, Paths.CHAT_COMPLETIONS, Paths.RESPONSES, Paths.MESSAGES})
@@ -158,7 +158,7 @@ class TenantGate:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in GENERATION_PATHS:
             return await self.app(scope, receive, send)
-        key: Optional[ApiKey] = scope.get("dsv4.api_key")
+        key: Optional[ApiKey] = caller_key(scope)
         name = key.name if key is not None else ANONYMOUS
         held = [0]  # sequences charged to the key (once the router has parsed the body)
         if self.limiter.limits.active:

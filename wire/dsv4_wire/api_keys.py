@@ -107,9 +107,23 @@ UNAUTHORIZED_ANTHROPIC = json.dumps(
 ).encode()
 
 
+SCOPE_KEY = "dsv4.api_key"  # where ApiKeyGate leaves the caller's key in the ASGI scope
+
+
+def caller_key(scope: dict) -> Optional[ApiKey]:
+    """The key ApiKeyGate found for this request (None without keys)."""
+    return scope.get(SCOPE_KEY)
+
+
+def caller_name(scope: dict) -> str:
+    """The caller's key name, or "" without keys (what stored responses and sessions belong to)."""
+    key = caller_key(scope)
+    return key.name if key is not None else ""
+
+
 class ApiKeyGate:
     """ASGI middleware: requests to protected paths need a key of the ring (401 otherwise); the
-    key found is left in ``scope["dsv4.api_key"]`` for what comes after (limits, metrics)."""
+    key found is left in the scope (`caller_key`) for what comes after (limits, metrics)."""
 
     def __init__(self, app, ring: KeyRing):
         self.app = app
@@ -134,5 +148,5 @@ class ApiKeyGate:
                 }
             )
             return await send({"type": "http.response.body", "body": body})
-        scope["dsv4.api_key"] = found
+        scope[SCOPE_KEY] = found
         return await self.app(scope, receive, send)
