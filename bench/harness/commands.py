@@ -14,21 +14,29 @@ from pathlib import Path
 import httpx
 
 
+_HANDED: set[int] = set()  # ports this process handed out: never twice, even before they are bound
+
+
 def free_port_block(offsets=(0, 1, 2, 3, 100, 101)) -> int:
     """A base port P with P+offset free for every offset (`dsv4 up --port P` puts engines on
-    P+1.. and prefill bootstrap ports on P+100..). Drawn below the kernel's ephemeral range so
-    outgoing connections of other tests do not take them meanwhile."""
+    P+1.. and prefill bootstrap ports on P+100..). Drawn below the kernel's ephemeral range
+    (32768-60999 here): a port that bind(0) found free is one an outgoing connection, or UCX's
+    listener in a NIXL agent, may take before the server binds it."""
     import random
 
     rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 30000)
+    for _ in range(500):
+        base = rng.randrange(20000, 32000)
+        ports = [base + off for off in offsets]
+        if any(p in _HANDED for p in ports):
+            continue
         socks = []
         try:
-            for off in offsets:
+            for port in ports:
                 s = socket.socket()
                 socks.append(s)
-                s.bind(("127.0.0.1", base + off))
+                s.bind(("127.0.0.1", port))
+            _HANDED.update(ports)
             return base
         except OSError:
             continue
@@ -39,9 +47,8 @@ def free_port_block(offsets=(0, 1, 2, 3, 100, 101)) -> int:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """One free port for a server a test starts (free_port_block's rules)."""
+    return free_port_block((0,))
 
 
 class Proc:

@@ -83,6 +83,10 @@ def _metric(url: str, name: str) -> float:
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith(name + "{"))
 
 
+def _checksum_failures(c: Cluster) -> float:
+    return sum(_metric(c.urls[d], "dsv4:kv_transfer_checksum_failed_total") for d in ("decode0", "decode1"))
+
+
 def _arm(url: str, fault: str, count: int = 1) -> None:
     r = httpx.post(url + "/admin/faults", json={"fault": fault, "count": count}, timeout=5)
     r.raise_for_status()
@@ -98,10 +102,21 @@ def _healthy(c: Cluster, name: str, timeout: float = 60.0) -> None:
     raise TimeoutError(f"{name} did not come back into rotation")
 
 
-def _disturbed(c: Cluster, b: list[dict], fault: Callable[[], None]) -> tuple[list, float]:
+def _disturbed(
+    c: Cluster, b: list[dict], fault: Callable[[], None], done: Optional[threading.Event] = None
+) -> tuple[list, float]:
+    """Run the streams, with `fault` applied meanwhile; `done` is set once they all returned."""
     box: dict = {}
+    done = done or threading.Event()
     t0 = time.monotonic()
-    t = threading.Thread(target=lambda: box.update(out=streams(c.r_url, b, deadline_s=90)))
+
+    def run() -> None:
+        try:
+            box["out"] = streams(c.r_url, b, deadline_s=90)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=run)
     t.start()
     try:
         fault()
@@ -121,51 +136,56 @@ def _judge_streams(cell: Cell, got: list, want: list) -> None:
     cell.why += bad[:3]
 
 
-def _victim(mode: str) -> str:
-    return "mono0" if mode == "mono" else "decode0"
+def _busy_engine(c: Cluster, mode: str, done: threading.Event, timeout: float = 30.0) -> str:
+    """The first of the two serving engines seen running a request: the victim. Not a fixed
+    one: the router may place every short stream of a run on one engine, and on the tiny model
+    a run is over in half a second."""
+    names = ("mono0", "mono1") if mode == "mono" else ("decode0", "decode1")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not done.is_set():
+        for name in names:
+            if c.running(name) >= 1:
+                return name
+        time.sleep(0.02)
+    raise TimeoutError(f"no engine of {names} was seen running a request\n{c.logs()}")
 
 
 def run_cell(c: Cluster, cell: Cell, want: list) -> None:
     b = bodies(cell.mode)
-    victim = _victim(cell.mode)
     t0 = time.monotonic()
-    if cell.fault == "decode_sigkill":
+    if cell.fault in ("decode_sigkill", "decode_sigstop"):
+        hit: dict = {}
+        done = threading.Event()
 
         def fault() -> None:
-            c.wait_running(victim, 1, timeout=30)
-            time.sleep(0.1)
-            c.kill(victim)
-
-        got, _ = _disturbed(c, b, fault)
-        _judge_streams(cell, got, want)
-        c.restart(victim)
-        _healthy(c, victim)
-    elif cell.fault == "decode_sigstop":
-        pgid = c.procs[victim].popen.pid
-
-        def fault() -> None:
-            c.wait_running(victim, 1, timeout=30)
-            time.sleep(0.1)
-            os.killpg(pgid, signal.SIGSTOP)
+            hit["name"] = victim = _busy_engine(c, cell.mode, done)
+            if cell.fault == "decode_sigkill":
+                c.kill(victim)
+            else:
+                hit["pgid"] = c.procs[victim].popen.pid
+                os.killpg(hit["pgid"], signal.SIGSTOP)
 
         try:
-            got, took = _disturbed(c, b, fault)
+            got, took = _disturbed(c, b, fault, done)
         finally:
-            os.killpg(pgid, signal.SIGCONT)
+            if "pgid" in hit:
+                os.killpg(hit["pgid"], signal.SIGCONT)
         _judge_streams(cell, got, want)
-        if took > 25:
+        if cell.fault == "decode_sigstop" and took > 25:
             cell.why.append(f"took {took:.1f}s")
-        _healthy(c, victim)
+        if cell.fault == "decode_sigkill":
+            c.restart(hit["name"])
+        _healthy(c, hit["name"])
     elif cell.fault in PD_ONLY:
         name = "fail_transfer" if cell.fault == "transfer_fails" else "corrupt_transfer"
-        caught = sum(_metric(c.urls[d], "dsv4:kv_transfer_checksum_failed_total") for d in ("decode0", "decode1"))
-        got, _ = _disturbed(c, b, lambda: _arm(c.urls["prefill"], name, 2))
+        caught = _checksum_failures(c)
+        # Armed before the streams start: the tiny model can prefill and send all of them before
+        # an arm sent alongside reaches the core, and the fault would land on the next cell.
+        _arm(c.urls["prefill"], name, 2)
+        got, _ = _disturbed(c, b, lambda: None)
         _judge_streams(cell, got, want)
         if cell.fault == "transfer_corrupted":
-            cell.noticed = (
-                sum(_metric(c.urls[d], "dsv4:kv_transfer_checksum_failed_total") for d in ("decode0", "decode1"))
-                - caught
-            )
+            cell.noticed = _checksum_failures(c) - caught
             if not cell.noticed:
                 cell.why.append("no corruption was noticed")
     elif cell.fault == "queue_burst":

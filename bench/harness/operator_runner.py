@@ -4,7 +4,6 @@ an API server given by a kubeconfig — for the operator's and the watchdog's in
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from pathlib import Path
 from typing import Optional
@@ -12,12 +11,7 @@ from typing import Optional
 from dsv4_operator.leader import LeaderElection
 from dsv4_operator.main import make_settings, serve_operator
 from dsv4_operator.telemetry import HealthState, OperatorMetrics
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.harness.commands import free_port  # noqa: F401 (re-exported: tests import it from here)
 
 
 class OperatorThread:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,12 +14,7 @@ from typing import Optional
 
 import httpx
 import psutil
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.harness.commands import free_port  # noqa: F401 (re-exported: tests import it from here)
 
 
 def tree_rss(proc: psutil.Process) -> int:

@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from array import array
 from pathlib import Path
 
 from bench import RESULTS, ROOT, module_argv, module_env
+from bench.harness.commands import free_port
 
 MODEL = "stub"
 ME = "bench.suites.relay_bench"
@@ -49,12 +49,6 @@ def _loop_policy() -> None:
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:
         pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- the stub engine --------------------------------------------------------------------------------

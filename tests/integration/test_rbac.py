@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import socket
 import sys
 import threading
 from pathlib import Path
@@ -50,6 +49,7 @@ from dsv4_operator.leader import LeaderElection  # noqa: E402
 from dsv4_operator.main import make_settings, serve_operator  # noqa: E402
 from dsv4_operator.remediation.executor import EVIDENCE_KEPT  # noqa: E402
 from dsv4_operator.watchdog.evidence import build_evidence_configmap  # noqa: E402
+from bench.harness.commands import free_port
 
 API = "serving.dsv4.dev/v1alpha1"
 PLURAL = "dsv4deployments"
@@ -137,12 +137,6 @@ async def kube_cluster() -> AsyncIterator[WatchdogCluster]:
     DELETE preconditions (replaces kmock_cluster's fixture of the same name)."""
     async with WatchdogCluster() as cluster, kmock.Server(cluster):
         yield cluster
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Operator:
