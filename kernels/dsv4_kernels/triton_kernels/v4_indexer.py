@@ -33,7 +33,7 @@ def _scan_keys(
     token_req_ptr,
     t,
     n_begin,
-    n_end,
+    n_step,
     scale,
     rate,
     page_size,
@@ -52,10 +52,11 @@ def _scan_keys(
     K_PAD: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Query t's best K_PAD encoded candidates among its visible entries in [n_begin, n_end)."""
+    """Query t's best K_PAD encoded candidates among its visible entries in the BLOCK_N tiles
+    starting at n_begin, n_begin + n_step, ..."""
     p = tl.load(positions_ptr + t).to(tl.int32)
     b = tl.load(token_req_ptr + t)
-    count = tl.minimum((p + 1) // rate, n_end)
+    count = (p + 1) // rate
 
     h = tl.arange(0, BLOCK_IH)
     h_mask = h < NUM_HEADS
@@ -76,7 +77,7 @@ def _scan_keys(
     rows_blk = tl.arange(0, K_PAD // BLOCK_N)
     half = tl.arange(0, 2)
     table = block_table_ptr + b.to(tl.int64) * stride_bt_b
-    for n0 in range(n_begin, count, BLOCK_N):
+    for n0 in range(n_begin, count, n_step):
         n = n0 + tl.arange(0, BLOCK_N)
         ok = n < count
         page = tl.load(table + (n * rate) // page_size, mask=ok, other=0).to(tl.int64)
@@ -142,7 +143,7 @@ def v4_indexer_topk_kernel(
     """One program a query over all its entries (enough queries to fill the device)."""
     t = tl.program_id(0)
     best = _scan_keys(
-        iq_ptr, iw_ptr, ik_ptr, block_table_ptr, positions_ptr, token_req_ptr, t, 0, 2147483647,
+        iq_ptr, iw_ptr, ik_ptr, block_table_ptr, positions_ptr, token_req_ptr, t, 0, BLOCK_N,
         scale, rate, page_size, entries_per_page, stride_q_t, stride_q_h, stride_w_t, stride_k_page,
         stride_k_e, stride_bt_b, NUM_HEADS, HEAD_DIM, BLOCK_IH, BLOCK_D, BLOCK_N, K_PAD, UPCAST,
     )  # fmt: skip
@@ -158,7 +159,7 @@ def v4_indexer_split_kernel(
     positions_ptr,
     token_req_ptr,
     part_ptr,
-    split_len,
+    num_splits,
     scale,
     rate,
     page_size,
@@ -178,13 +179,14 @@ def v4_indexer_split_kernel(
     K_PAD: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Program (t, s) scans entries [s * split_len, (s + 1) * split_len) of query t and writes
-    its best K_PAD encoded candidates (a split past the query's entries writes empties)."""
+    """Program (t, s) scans query t's tiles s, s + num_splits, s + 2 * num_splits, ... (interleaved,
+    so every split has work whatever the query's context, which the launch cannot know) and
+    writes its best K_PAD encoded candidates (empties where it found fewer)."""
     t = tl.program_id(0)
     s = tl.program_id(1)
     best = _scan_keys(
-        iq_ptr, iw_ptr, ik_ptr, block_table_ptr, positions_ptr, token_req_ptr, t, s * split_len,
-        (s + 1) * split_len, scale, rate, page_size, entries_per_page, stride_q_t, stride_q_h, stride_w_t,
+        iq_ptr, iw_ptr, ik_ptr, block_table_ptr, positions_ptr, token_req_ptr, t, s * BLOCK_N,
+        num_splits * BLOCK_N, scale, rate, page_size, entries_per_page, stride_q_t, stride_q_h, stride_w_t,
         stride_k_page, stride_k_e, stride_bt_b, NUM_HEADS, HEAD_DIM, BLOCK_IH, BLOCK_D, BLOCK_N, K_PAD, UPCAST,
     )  # fmt: skip
     kk = tl.arange(0, K_PAD)
@@ -202,8 +204,9 @@ def v4_indexer_merge_kernel(part_ptr, out_ptr, num_splits, top_k, stride_p_t, st
     best = tl.load(row + kk)
     for s in range(1, num_splits):
         blk = tl.load(row + s * K_PAD + kk)
-        both = tl.sort(tl.reshape(tl.join(best, blk), [2 * K_PAD]), descending=True)
-        best = tl.max(tl.where(half[:, None] == 0, tl.reshape(both, [2, K_PAD]), -9223372036854775807 - 1), 0)
+        if tl.max(blk, 0) > tl.min(best, 0):  # a split with nothing better (or nothing: short contexts) costs no sort
+            both = tl.sort(tl.reshape(tl.join(best, blk), [2 * K_PAD]), descending=True)
+            best = tl.max(tl.where(half[:, None] == 0, tl.reshape(both, [2, K_PAD]), -9223372036854775807 - 1), 0)
     _store_picks(out_ptr, t, stride_o_t, best, top_k, K_PAD)
 
 
@@ -222,23 +225,20 @@ def indexer_tiles(top_k: int, elem_size: int = 2, arch: int | None = None) -> tu
     return k_pad, min(64, k_pad), 8 if k_pad >= 256 else 4
 
 
-# A split scans at least the buffer's worth of entries (its first tile always sorts), and a
-# merge folds at most this many splits (one sort of 2 * K_PAD each, serially).
+# A merge folds at most this many splits per query (a sort of 2 * K_PAD each, serially, for
+# the splits that hold a candidate better than the running K-th).
 MAX_SPLITS = 32
 
 
-def indexer_splits(num_tokens: int, max_entries: int, k_pad: int, block_n: int, sms: int) -> tuple[int, int]:
-    """(num_splits, split_len): how many programs share each query's key scan, and the entries
-    each takes (a multiple of block_n, at least k_pad). From shapes alone (the block table's
-    width bounds a request's entries), so a captured decode graph replays the same split.
-    Enough programs for two waves of the device's SMs; one split (no merge) when the queries
-    already fill it."""
+def indexer_splits(num_tokens: int, max_entries: int, block_n: int, sms: int) -> int:
+    """How many programs share each query's key scan (each takes every num_splits-th tile).
+    From shapes alone (the block table's width bounds a request's entries), so a captured
+    decode graph replays the same split: enough programs for two waves of the device's SMs,
+    no more splits than tiles, at most MAX_SPLITS; one (the serial kernel, no merge) when the
+    queries already fill the device."""
     if num_tokens <= 0 or max_entries <= 0:
-        return 1, max(block_n, k_pad)
-    want = min(MAX_SPLITS, triton.cdiv(2 * sms, num_tokens), triton.cdiv(max_entries, k_pad))
-    split_len = triton.cdiv(triton.cdiv(max_entries, max(1, want)), block_n) * block_n
-    split_len = max(split_len, k_pad)
-    return triton.cdiv(max_entries, split_len), split_len
+        return 1
+    return max(1, min(MAX_SPLITS, triton.cdiv(2 * sms, num_tokens), triton.cdiv(max_entries, block_n)))
 
 
 def v4_indexer_topk(
@@ -269,12 +269,11 @@ def v4_indexer_topk(
     k_pad, block_n, num_warps = indexer_tiles(top_k, iq.element_size(), cuda_arch(iq.device))
     max_entries = block_table.shape[1] * page_size // rate
     if num_splits is None and on_interpreter(iq):
-        splits, split_len = 1, 0  # every program costs the interpreter CPU time: tests ask for splits
+        splits = 1  # every program costs the interpreter CPU time: tests ask for splits
     elif num_splits is None:
-        splits, split_len = indexer_splits(T, max_entries, k_pad, block_n, sm_count(iq.device))
+        splits = indexer_splits(T, max_entries, block_n, sm_count(iq.device))
     else:
         splits = max(1, int(num_splits))
-        split_len = triton.cdiv(triton.cdiv(max(1, max_entries), splits), block_n) * block_n
     iw = iw.float().contiguous()
     common = (
         iq,
@@ -311,7 +310,7 @@ def v4_indexer_topk(
         v4_indexer_topk_kernel[(T,)](*common, out, top_k, *strides, out.stride(0), **shapes)
         return out
     part = torch.empty(T, splits * k_pad, dtype=torch.int64, device=iq.device)
-    v4_indexer_split_kernel[check_grid((T, splits))](*common, part, split_len, *strides, part.stride(0), **shapes)
+    v4_indexer_split_kernel[check_grid((T, splits))](*common, part, splits, *strides, part.stride(0), **shapes)
     v4_indexer_merge_kernel[(T,)](
         part, out, splits, top_k, part.stride(0), out.stride(0), K_PAD=k_pad, num_warps=merge_warps(k_pad)
     )
@@ -366,7 +365,7 @@ def aot_variants(arch: int) -> list[KernelVariant]:
             KernelVariant(
                 name=f"v4_indexer_split[{label}]",
                 kernel=v4_indexer_split_kernel,
-                types={**types, "part_ptr": "*i64", "split_len": "i32", "stride_p_t": "i32"},
+                types={**types, "part_ptr": "*i64", "num_splits": "i32", "stride_p_t": "i32"},
                 constexprs=constexprs,
                 num_warps=num_warps,
                 num_stages=2,

@@ -159,7 +159,7 @@ def test_the_tie_check_refuses_a_real_swap():
 
 
 def test_split_scan_and_merge_pick_the_reference_entries(device):
-    """Keys split across programs (some splits past a query's entries, some chunks empty), then
+    """Key tiles interleaved across programs (a short query leaves some splits empty), then
     merged: the same picks as the reference, and exactly the serial scan's (ties included)."""
     lens = [1, 3, 1]
     positions = [170, 60, 61, 62, 2]
@@ -184,14 +184,11 @@ def test_split_merge_breaks_ties_toward_the_lower_entry(device):
 
 
 def test_indexer_splits_fill_the_device_from_shapes():
-    # decode at batch 1 over 2k entries on 132 SMs: 4 splits of 512 (a split covers the top-512 buffer)
-    assert tk.indexer_splits(1, 2048, 512, 64, 132) == (4, 512)
-    # 256k entries: capped at MAX_SPLITS programs a query
-    n, length = tk.indexer_splits(1, 262144, 512, 64, 132)
-    assert n == tk.MAX_SPLITS and n * length >= 262144 and length % 64 == 0
+    # decode at batch 1 on 132 SMs: 32 programs over the key tiles (capped by MAX_SPLITS)
+    assert tk.indexer_splits(1, 131072, 64, 132) == tk.MAX_SPLITS
+    # batch 32: 2 waves of 132 SMs need ~9 a query
+    assert tk.indexer_splits(32, 131072, 64, 132) == 9
     # enough queries to fill the device: the serial scan
-    assert tk.indexer_splits(512, 262144, 512, 64, 132)[0] == 1
-    # splits cover every entry, lengths are whole tiles
-    for T, entries in ((1, 100), (3, 5000), (8, 70000)):
-        n, length = tk.indexer_splits(T, entries, 16, 64, 132)
-        assert n * length >= entries and (n - 1) * length < entries and length % 64 == 0
+    assert tk.indexer_splits(512, 131072, 64, 132) == 1
+    # never more splits than tiles
+    assert tk.indexer_splits(1, 100, 64, 132) == 2
