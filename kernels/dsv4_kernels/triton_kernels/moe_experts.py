@@ -179,6 +179,10 @@ def sum_local_rows(y: torch.Tensor, topk_ids: torch.Tensor, dtype: torch.dtype, 
     its local pairs only (the rows of pairs with id -1 may hold anything: nobody wrote them)."""
     T, top_k = topk_ids.shape
     hidden = y.shape[1]
+    if add is not None and (add.dtype != dtype or add.shape != (T, hidden)):
+        return sum_local_rows(y, topk_ids, dtype) + add  # torch's promotion and broadcasting
+    if add is not None and add.stride(-1) != 1:
+        add = add.contiguous()
     out = torch.empty(T, hidden, dtype=dtype, device=y.device)
     if T == 0:
         return out

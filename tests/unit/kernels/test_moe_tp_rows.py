@@ -114,3 +114,16 @@ def test_fp8_experts_write_only_local_rows(device):
         a_div=1, dense=False, gated=False, limit=None, tiles=tiles, num_m_blocks=block_expert.shape[0],
     )  # fmt: skip
     assert_only_local_rows_written(y, ids)
+
+
+def test_sum_adds_a_differently_typed_or_strided_add_as_torch_would(device):
+    ids = tp_ids(4)
+    y = torch.randn(T * TOP_K, H)
+    base = moe_experts.sum_local_rows(y.to(device), ids.to(device), torch.float32).cpu()
+    wide = torch.randn(H, T).t()  # [T, H] with a non-unit last stride
+    got = moe_experts.sum_local_rows(y.to(device), ids.to(device), torch.float32, wide.to(device))
+    torch.testing.assert_close(got.cpu(), base + wide, atol=1e-6, rtol=1e-6)
+    row = torch.randn(H, dtype=torch.float64)  # broadcast, promoted
+    got = moe_experts.sum_local_rows(y.to(device), ids.to(device), torch.float32, row.to(device))
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got.cpu(), base + row)
