@@ -2,7 +2,7 @@
 (PARTS=kernels) runs them: one line per path, `CHECK <name>: PASS|FAIL <figures>`, and one JSON.
 
   - indexer_split: the V4 indexer (V4-Flash: 64 heads of 128, top-512) at decode, 32k context,
-    batch 1 and 4: the split scan + merge picks exactly the serial scan's entries; both timed;
+    batch 1 and 4: the split scan + merge picks exactly what one split (S = 1) picks; both timed;
   - hc_pre_split: v4_hc_pre at batch 1 (4 streams of 4096): the column-split kernels against the
     torch reference and the fused kernel; both timed;
   - moe_tp_rows: fp4 experts as rank 0 of TP 8 (32 of 256 experts, top-6, batch 64): equal to
@@ -76,7 +76,7 @@ def indexer_split() -> dict:
             "split_ms": time_ms(lambda: tk.v4_indexer_topk(**args)),
         }
     detail = " ".join(f"{k}: {v['serial_ms']:.3f} -> {v['split_ms']:.3f} ms" for k, v in figures.items())
-    return {**line("indexer_split", ok, f"picks equal the serial scan's; {detail}"), **figures}
+    return {**line("indexer_split", ok, f"picks equal one split's; {detail}"), **figures}
 
 
 def hc_pre_split() -> dict:

@@ -1,13 +1,16 @@
 """DeepSeek-V4 lightning indexer: score every visible compressed indexer key of a query and
 keep the top-k, without materialising the [queries, entries] score matrix.
 
-A program takes one query token: it walks the request's indexer keys in place (paged, via the
-block table) in BLOCK_N tiles, scores a tile with one [heads, d] x [d, BLOCK_N] dot (relu,
-weighted sum over heads), and folds it into a running top-K held in registers. A candidate is
-one int64: the score's order-preserving integer bits above, (2^31 - 1 - entry) below, so one
-descending sort ranks by score and breaks ties toward the lower entry (the reference's stable
-sort). A tile whose best candidate does not beat the current K-th is skipped without sorting,
-which on long contexts is most tiles once the buffer fills.
+Program (query t, split s) walks every num_splits-th of the request's indexer key tiles in
+place (paged, via the block table), scores a BLOCK_N tile with one [heads, d] x [d, BLOCK_N] dot
+(relu, weighted sum over heads), and folds it into a running top-K held in registers. A
+candidate is one int64: the score's order-preserving integer bits above, (2^31 - 1 - entry)
+below, so one descending sort ranks by score and breaks ties toward the lower entry (the
+reference's stable sort). A tile whose best candidate does not beat the current K-th is skipped
+without sorting, which on long contexts is most tiles once the buffer fills. A second kernel
+merges a query's splits (one split: it only decodes the candidates): candidates are unique, so
+the picks are the same however the tiles were split. Splitting lets decode at small batch fill
+the device (one program a query used to run over all its keys).
 """
 
 from __future__ import annotations
@@ -119,45 +122,6 @@ def v4_indexer_topk_kernel(
     block_table_ptr,
     positions_ptr,
     token_req_ptr,
-    out_ptr,
-    top_k,
-    scale,
-    rate,
-    page_size,
-    entries_per_page,
-    stride_q_t,
-    stride_q_h,
-    stride_w_t,
-    stride_k_page,
-    stride_k_e,
-    stride_bt_b,
-    stride_o_t,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_IH: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    K_PAD: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
-    """One program a query over all its entries (enough queries to fill the device)."""
-    t = tl.program_id(0)
-    best = _scan_keys(
-        iq_ptr, iw_ptr, ik_ptr, block_table_ptr, positions_ptr, token_req_ptr, t, 0, BLOCK_N,
-        scale, rate, page_size, entries_per_page, stride_q_t, stride_q_h, stride_w_t, stride_k_page,
-        stride_k_e, stride_bt_b, NUM_HEADS, HEAD_DIM, BLOCK_IH, BLOCK_D, BLOCK_N, K_PAD, UPCAST,
-    )  # fmt: skip
-    _store_picks(out_ptr, t, stride_o_t, best, top_k, K_PAD)
-
-
-@triton.jit
-def v4_indexer_split_kernel(
-    iq_ptr,
-    iw_ptr,
-    ik_ptr,
-    block_table_ptr,
-    positions_ptr,
-    token_req_ptr,
     part_ptr,
     num_splits,
     scale,
@@ -234,8 +198,8 @@ def indexer_splits(num_tokens: int, max_entries: int, block_n: int, sms: int) ->
     """How many programs share each query's key scan (each takes every num_splits-th tile).
     From shapes alone (the block table's width bounds a request's entries), so a captured
     decode graph replays the same split: enough programs for two waves of the device's SMs,
-    no more splits than tiles, at most MAX_SPLITS; one (the serial kernel, no merge) when the
-    queries already fill the device."""
+    no more splits than tiles, at most MAX_SPLITS; one when the queries already fill the
+    device (the merge then only decodes the candidates)."""
     if num_tokens <= 0 or max_entries <= 0:
         return 1
     return max(1, min(MAX_SPLITS, triton.cdiv(2 * sms, num_tokens), triton.cdiv(max_entries, block_n)))
@@ -306,11 +270,8 @@ def v4_indexer_topk(
         num_warps=num_warps,
         num_stages=2,
     )
-    if splits == 1:
-        v4_indexer_topk_kernel[(T,)](*common, out, top_k, *strides, out.stride(0), **shapes)
-        return out
     part = torch.empty(T, splits * k_pad, dtype=torch.int64, device=iq.device)
-    v4_indexer_split_kernel[check_grid((T, splits))](*common, part, splits, *strides, part.stride(0), **shapes)
+    v4_indexer_topk_kernel[check_grid((T, splits))](*common, part, splits, *strides, part.stride(0), **shapes)
     v4_indexer_merge_kernel[(T,)](
         part, out, splits, top_k, part.stride(0), out.stride(0), K_PAD=k_pad, num_warps=merge_warps(k_pad)
     )
@@ -355,16 +316,6 @@ def aot_variants(arch: int) -> list[KernelVariant]:
             KernelVariant(
                 name=f"v4_indexer_topk[{label}]",
                 kernel=v4_indexer_topk_kernel,
-                types={**types, "out_ptr": "*i32", "top_k": "i32", "stride_o_t": "i32"},
-                constexprs=constexprs,
-                num_warps=num_warps,
-                num_stages=2,
-            )
-        )
-        variants.append(
-            KernelVariant(
-                name=f"v4_indexer_split[{label}]",
-                kernel=v4_indexer_split_kernel,
                 types={**types, "part_ptr": "*i64", "num_splits": "i32", "stride_p_t": "i32"},
                 constexprs=constexprs,
                 num_warps=num_warps,
