@@ -70,6 +70,16 @@ SUITES = {
         "nixl_pages",
         "NIXL KV-page transfer throughput between two processes vs an in-process memcpy.",
     ),
+    "planner": (
+        "planner_sim",
+        "The PD planner in a simulated fleet (engine timing calibrated from bench/results): SLA minutes and "
+        "replica-minutes vs the best static split and an HPA-like rule (planner/planner_sim.json + .png).",
+    ),
+    "planner-seeds": (
+        "planner_seeds",
+        "The planner on the fixed trace and on random-burst traces, one per seed, vs the best static split "
+        "per trace and for every trace, and the HPA-like rule (planner/planner_seeds.json + .png).",
+    ),
     "spec": (
         "spec_decode_bench",
         "MTP speculative decoding vs plain decoding: acceptance length, tok/s and ITL (spec_decode.json + .png).",
