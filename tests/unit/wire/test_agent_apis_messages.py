@@ -399,3 +399,17 @@ def test_the_doors_answer_messages_in_anthropic_shape():
         )
         got, body = asyncio.run(call(door, "/v1/responses"))
         assert got == status and "message" in body["error"]
+
+
+def test_count_tokens_translates_the_prompt_as_the_request_does():
+    from dsv4_wire.agent_apis.edge import count_tokens_chat
+
+    tools = [{"name": "bash", "input_schema": SCHEMA}]
+    prompt = {"model": "m", "system": "s", "messages": USER, "tools": tools, "thinking": {"type": "adaptive"}}
+    real = messages_call({**prompt, "max_tokens": 9, "temperature": 0.5, "stream": True}).chat
+    counted = count_tokens_chat(prompt)  # no max_tokens needed
+    assert counted == {k: v for k, v in real.items() if k not in ("max_tokens", "temperature", "stream", "stream_options")}
+    assert count_tokens_chat({**prompt, "max_tokens": 9, "stop_sequences": ["x"]}) == counted
+    with pytest.raises(APIError) as e:
+        count_tokens_chat({"model": "m", "messages": [{"role": "user", "content": [{"type": "document"}]}]})
+    assert e.value.status == 400 and "document" in e.value.message

@@ -31,6 +31,8 @@ NEUTRAL = {
     "inference_geo": (None,),
     "speed": (None, "standard"),
 }
+# What a count_tokens body leaves out: it counts the prompt, and these change no prompt token.
+GENERATION_FIELDS = ("max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream", "metadata", "service_tier")
 
 
 @dataclass
@@ -199,12 +201,17 @@ def _output_config(config: Any, chat: dict) -> None:
         chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
-def messages_to_chat(body: Any) -> MessagesRequest:
+def messages_to_chat(body: Any, counting: bool = False) -> MessagesRequest:
+    """`counting`: a count_tokens body (the prompt's fields only: no max_tokens is needed, and
+    the generation fields, which change no prompt token, are not read)."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
     for name, allowed in NEUTRAL.items():
         if body.get(name) not in allowed:
             raise _bad(f"{name} is not supported by this server", name)
+    if counting:
+        body = {k: v for k, v in body.items() if k not in GENERATION_FIELDS}
+        body["max_tokens"] = 1 << 30  # no bound on a thinking budget either
     max_tokens = body.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise _bad("max_tokens is required: a positive integer", "max_tokens")
@@ -251,6 +258,8 @@ def messages_to_chat(body: Any) -> MessagesRequest:
         _output_config(body["output_config"], chat)
     if body.get("service_tier") not in (None, "auto", "standard_only"):
         raise _bad(f"service_tier {body['service_tier']!r} is not supported", "service_tier")
+    if counting:
+        del chat["max_tokens"]
     stream = body.get("stream") is True
     if stream:
         chat["stream"] = True
