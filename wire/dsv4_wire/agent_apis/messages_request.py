@@ -31,6 +31,10 @@ NEUTRAL = {
     "inference_geo": (None,),
     "speed": (None, "standard"),
 }
+# Tool fields with no meaning here: a tool found by search (defer_loading), one called from
+# code (allowed_callers), examples the model's format has no place for (input_examples).
+# eager_input_streaming is a latency hint: calls are streamed whole once complete either way.
+TOOL_NEUTRAL = {"defer_loading": (None, False), "allowed_callers": (None, ["direct"]), "input_examples": (None, [])}
 # What a count_tokens body leaves out: it counts the prompt, and these change no prompt token.
 GENERATION_FIELDS = ("max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream", "metadata", "service_tier")
 
@@ -130,9 +134,14 @@ def _tools(tools: Any) -> list[dict]:
             )
         if not isinstance(t.get("name"), str) or not isinstance(t.get("input_schema"), dict):
             raise _bad(f"tools[{i}]: a tool needs name and input_schema", "tools")
+        for field, neutral in TOOL_NEUTRAL.items():
+            if t.get(field) not in neutral:
+                raise _bad(f"tools[{i}].{field} is not supported by this server", f"tools.{field}")
         fn = {"name": t["name"], "parameters": t["input_schema"]}
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
+        if t.get("strict") is not None:
+            fn["strict"] = t["strict"]
         out.append({"type": "function", "function": fn})
     return out
 
@@ -157,9 +166,9 @@ def _thinking(thinking: Any, max_tokens: int) -> bool:
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind == "disabled":
         return False
+    if kind in ("adaptive", "enabled") and thinking.get("display") not in (None, "summarized"):
+        raise _bad('thinking.display "omitted" is not supported: the thinking comes whole', "thinking.display")
     if kind == "adaptive":
-        if thinking.get("display") not in (None, "summarized"):
-            raise _bad('thinking.display "omitted" is not supported: the thinking comes whole', "thinking.display")
         return True
     if kind == "enabled":
         budget = thinking.get("budget_tokens")
