@@ -4,7 +4,7 @@ What Claude Code sends is served: `system` (text or text blocks), `messages` (us
 and system ones mid-conversation, rendered where they stand as the model's format does) with
 `text`, `tool_use`, `tool_result` and `thinking` blocks, `tools` with `input_schema`,
 `tool_choice` (`auto`, `any`, `tool`, `none`, `disable_parallel_tool_use`), `thinking`
-(enabled, adaptive or disabled), `max_tokens` (required, as Anthropic has it), `stop_sequences`,
+(enabled, its budget as an effort tier; adaptive or disabled), `max_tokens` (required, as Anthropic has it), `stop_sequences`,
 `temperature`, `top_p`, `top_k`, `stream`, `metadata`, `output_config` (`effort`, a JSON-schema
 `format`), `context_management` that keeps all thinking. `cache_control` marks (on blocks,
 tools, or the request) are accepted: every prompt prefix is cached anyway; `user_profile_id`
@@ -36,7 +36,16 @@ NEUTRAL = {
 # eager_input_streaming is a latency hint: calls are streamed whole once complete either way.
 TOOL_NEUTRAL = {"defer_loading": (None, False), "allowed_callers": (None, ["direct"]), "input_examples": (None, [])}
 # What a count_tokens body leaves out: it counts the prompt, and these change no prompt token.
-GENERATION_FIELDS = ("max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream", "metadata", "service_tier")
+GENERATION_FIELDS = (
+    "max_tokens",
+    "stop_sequences",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stream",
+    "metadata",
+    "service_tier",
+)
 
 
 @dataclass
@@ -162,6 +171,16 @@ def _tool_choice(choice: Any, chat: dict) -> None:
         chat["parallel_tool_calls"] = False
 
 
+# thinking.budget_tokens onto the chat path's efforts (each checkpoint folds them onto its own
+# tiers): a budget asks for a depth of thinking, as an effort does. Below 2048 tokens low, below
+# 8192 medium, below 32768 high, else max. No budget is enforced beyond max_tokens.
+BUDGET_EFFORTS = ((2048, "low"), (8192, "medium"), (32768, "high"))
+
+
+def budget_effort(budget: int) -> str:
+    return next((effort for bound, effort in BUDGET_EFFORTS if budget < bound), "max")
+
+
 def _thinking(thinking: Any, max_tokens: int) -> bool:
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind == "disabled":
@@ -261,6 +280,8 @@ def messages_to_chat(body: Any, counting: bool = False) -> MessagesRequest:
         _tool_choice(body["tool_choice"], chat)
     if body.get("thinking") is not None:
         chat["chat_template_kwargs"] = {"thinking": _thinking(body["thinking"], max_tokens)}
+        if body["thinking"].get("type") == "enabled":  # output_config.effort, when given, wins
+            chat["reasoning_effort"] = budget_effort(body["thinking"]["budget_tokens"])
     if body.get("context_management") is not None:
         _context_management(body["context_management"])
     if body.get("output_config") is not None:

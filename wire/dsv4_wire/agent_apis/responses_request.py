@@ -33,7 +33,12 @@ NEUTRAL = {
 }
 # Function-tool fields with no meaning here: a tool found by search, one run asynchronously or
 # called from code, a description of its output (the model's format has no place for one).
-TOOL_NEUTRAL = {"defer_loading": (None, False), "async": (None, False), "allowed_callers": (None,), "output_schema": (None,)}
+TOOL_NEUTRAL = {
+    "defer_loading": (None, False),
+    "async": (None, False),
+    "allowed_callers": (None,),
+    "output_schema": (None,),
+}
 # reasoning fields: which turns' reasoning is kept is the model format's rule; one mode
 REASONING_NEUTRAL = {"context": (None, "auto"), "mode": (None, "standard")}
 # sampling extras the chat route serves (vLLM's), passed through as they are
