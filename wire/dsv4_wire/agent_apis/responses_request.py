@@ -42,7 +42,16 @@ TOOL_NEUTRAL = {
 # reasoning fields: which turns' reasoning is kept is the model format's rule; one mode
 REASONING_NEUTRAL = {"context": (None, "auto"), "mode": (None, "standard")}
 # sampling extras the chat route serves (vLLM's), passed through as they are
-CHAT_EXTRAS = ("top_k", "seed", "stop", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty")
+CHAT_EXTRAS = (
+    "top_k",
+    "seed",
+    "stop",
+    "min_tokens",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+)
 
 
 @dataclass
