@@ -93,17 +93,12 @@ def agents_sdk(a: argparse.Namespace) -> dict:
 
 
 def instructor_loop(a: argparse.Namespace) -> dict:
-    from enum import Enum
-    from typing import Optional
+    from typing import Literal, Optional
 
     import instructor
     from instructor.core.exceptions import IncompleteOutputException, InstructorRetryException
     from openai import OpenAI
     from pydantic import BaseModel, Field, ValidationError
-
-    class Unit(str, Enum):
-        c = "c"
-        f = "f"
 
     class Place(BaseModel):
         city: str = Field(pattern="^[a-z]{1,8}$")
@@ -111,7 +106,7 @@ def instructor_loop(a: argparse.Namespace) -> dict:
 
     class Forecast(BaseModel):
         place: Place
-        unit: Unit
+        unit: Literal["c", "f"]  # an enum in the schema (an Enum class fails instructor 1.17's partial stream)
         days: int = Field(ge=1, le=7)
 
     client = instructor.from_openai(

@@ -112,8 +112,6 @@ def plot(report: dict, path: Path) -> None:
 def main(argv: Optional[list[str]] = None) -> None:
     a = parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
-    model_dir = long_context(ensure_model(None, a.preset, a.seed))
-    bias = marker_bias(model_dir, a.marker_bias)
     report = {
         "benchmark": "frameworks",
         "started": now_iso(),
@@ -133,6 +131,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             report["runs"].append({"framework": fw, "skipped": why})
             print(f"{fw}: skipped ({why})", flush=True)
     if runnable:
+        model_dir = long_context(ensure_model(None, a.preset, a.seed))
+        bias = marker_bias(model_dir, a.marker_bias)
         port = free_port_block()
         args = ["up", "--model", model_dir, "--port", port, "--engine-arg", "--max-num-seqs=8"]
         args += ["--mono"] if a.mono else []
