@@ -154,6 +154,7 @@ class FakeTransport:
         *,
         src_slot: Optional[int] = None,
         dst_slot: Optional[int] = None,
+        ready: Optional[Any] = None,
     ) -> int:
         if self._closed:
             raise RuntimeError(f"fake transport {self._name!r} is closed")

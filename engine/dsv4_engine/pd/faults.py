@@ -166,6 +166,7 @@ class FaultyTransport:
         *,
         src_slot: Optional[int] = None,
         dst_slot: Optional[int] = None,
+        **ready: Any,
     ) -> int:
         handle = next(self._ids)
         for fault, state in (("stall_transfer", TransferState.PENDING), ("fail_transfer", TransferState.FAILED)):
@@ -183,7 +184,7 @@ class FaultyTransport:
             self._restore[handle] = self._flip_byte(corrupt.get("state"), src_pages, src_slot)
         try:
             self._handles[handle] = self.inner.write_pages(
-                peer, src_pages, dst_pages, notif, **slot_args(src_slot, dst_slot)
+                peer, src_pages, dst_pages, notif, **slot_args(src_slot, dst_slot), **ready
             )
         except Exception:
             self._put_back(handle)
