@@ -213,6 +213,15 @@ class FakeTransport:
     def release(self, handle: int) -> None:
         self._xfers.pop(handle, None)
 
+    def send_notif(self, peer: str, msg: bytes) -> bool:
+        """A standalone message to a peer (as the NIXL agent's); False when the peer is gone."""
+        if peer not in self._peers:
+            raise ValueError(f"unknown peer {peer!r}: add_peer it first")
+        if peer in self.fabric.dead:
+            return False
+        self.fabric.transports[peer]._inbox.append((self._name, bytes(msg)))
+        return True
+
     def poll_notifs(self) -> list[tuple[str, bytes]]:
         if self._closed or self._name in self.fabric.dead:
             return []

@@ -294,10 +294,13 @@ class PrefillController(PDController):
                 self.engine.finish(seq, "stop")
                 return
         if pd.expired(now):
+            pending = [r for r, h in enumerate(pd.handles) if self.transport.poll(h) is TransferState.PENDING]
+            ranks = f" (decode rank{'s' if len(pending) > 1 else ''} {', '.join(map(str, pending))})"
             self._fail(
                 seq,
                 504,
-                f"KV transfer timed out after {self.settings.transfer_timeout:g}s",
+                f"KV transfer timed out after {self.settings.transfer_timeout:g}s"
+                + (ranks if len(pd.handles) > 1 and pending else ""),
                 "num_transfer_timeout_reqs",
             )
 

@@ -38,13 +38,15 @@ class RankRelay:
     """On decode rank r > 0: this rank's pool behind its own NIXL agent, and a thread that relays
     every notification the agent receives (prefill's, one per request) to rank 0's agent."""
 
-    def __init__(self, agent, rank0_desc: dict):
+    def __init__(self, agent, rank0_desc: dict, thread: bool = True):
         self.agent = agent
         self.rank0 = agent.add_peer(rank0_desc)
         self.relayed = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="dsv4-pd-relay", daemon=True)
-        self._thread.start()
+        self._thread: Optional[threading.Thread] = None
+        if thread:  # (tests drive `relay_once` themselves)
+            self._thread = threading.Thread(target=self._run, name="dsv4-pd-relay", daemon=True)
+            self._thread.start()
 
     @classmethod
     def start(cls, pool, rank: int, gather: Callable[[dict], list[dict]]) -> "RankRelay":
@@ -58,15 +60,20 @@ class RankRelay:
         descs = gather(agent.descriptor())
         return cls(agent, descs[0])
 
+    def relay_once(self) -> int:
+        """Relay what arrived since the last call; how many notifications that was."""
+        got = self.agent.poll_notifs()  # also what lets prefill's connection to us progress
+        for _peer, msg in got:
+            if self.agent.send_notif(self.rank0, msg):
+                self.relayed += 1
+            else:  # rank 0's deadline fails the request; nothing to retry towards
+                log.warning("could not relay a notification to rank 0 (%d bytes)", len(msg))
+        return len(got)
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                got = self.agent.poll_notifs()  # also what lets prefill's connection to us progress
-                for _peer, msg in got:
-                    if self.agent.send_notif(self.rank0, msg):
-                        self.relayed += 1
-                    else:  # rank 0's deadline fails the request; nothing to retry towards
-                        log.warning("could not relay a notification to rank 0 (%d bytes)", len(msg))
+                got = self.relay_once()
             except Exception as e:  # the agent closed under us (the process is going down)
                 log.warning("notification relay stopped: %s", e)
                 return
@@ -75,5 +82,6 @@ class RankRelay:
 
     def close(self, timeout: Optional[float] = 1.0) -> None:
         self._stop.set()
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
         self.agent.close()

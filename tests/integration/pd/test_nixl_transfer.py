@@ -295,3 +295,28 @@ def test_receiver_keeps_working_when_the_writer_restarts():
                 assert prefill.wait_notifs("prefill-r", 1) == [("decode-r", b"abort:%d" % incarnation)]
             finally:
                 prefill.kill() if incarnation == 1 else prefill.stop()
+
+
+def test_a_write_waits_for_its_pages_ready_event_not_the_whole_stream(peer, monkeypatch):
+    """Prefill hands every write of a request the event recorded after the kernels that wrote its
+    pages (transport.pages_ready): each write waits for that, never for the whole stream."""
+
+    class Ready:  # what a torch.cuda.Event offers the agent
+        waits = 0
+
+        def synchronize(self) -> None:
+            self.waits += 1
+
+    def whole_stream(*_a, **_k):
+        raise AssertionError("a write synchronised the whole stream")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", whole_stream)
+    ready = Ready()
+    with KVTransferAgent("ready-src", filled_pool(torch.float32, 5)) as src:
+        src.add_peer(peer.create("ready-dst", SHAPE, "float32"))
+        for page in range(3):  # as prefill's writes into three decode ranks
+            h = src.write_pages("ready-dst", [page], [page], b"", ready=ready)
+            assert wait_terminal(src, h) is TransferState.DONE, src.error(h)
+        assert ready.waits == 3 and src.device_waits == 3
+        h = src.write_pages("ready-dst", [3], [3], b"")  # host memory, no event: nothing to wait for
+        assert wait_terminal(src, h) is TransferState.DONE and src.device_waits == 3
