@@ -38,7 +38,7 @@ from dsv4_engine.pd.checksum import checksum_mismatch, region_checksums
 from dsv4_engine.pd.common import HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, PDController
 from dsv4_engine.pd.continuation import cached_prefix_tokens, serve_locally
 from dsv4_engine.pd.messages import RegisterRoom, TransferNote
-from dsv4_engine.pd.rank_pools import missing_ranks
+from dsv4_engine.pd.rank_pools import missing_ranks, rank_refusal
 from dsv4_engine.pd.request_info import PDState
 from dsv4_engine.sequence import Sequence
 
@@ -184,6 +184,8 @@ class DecodeController(PDController):
             return
         if err is None and not isinstance(res, dict):
             err = f"registration answer is not a JSON object: {res!r:.80}"
+        if err is None:
+            err = rank_refusal(res, self.num_ranks)
         if err is not None:
             # Prefill may have taken the registration (our call timed out, its answer was lost):
             # tell it, or it could write into pages we are about to hand to another request.

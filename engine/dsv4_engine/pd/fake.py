@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 
 from dsv4_engine.pd.channel import Deliver, Done
-from dsv4_engine.pd.messages import RegisterRoom
+from dsv4_engine.pd.messages import RegisterRoom, registration_answer
 from dsv4_engine.pd.nixl.agent import check_page_mapping
 from dsv4_engine.pd.transport import (
     Layout,
@@ -279,7 +279,7 @@ class FakeChannel:
             ep.controller.register(RegisterRoom.of(msg.wire()))  # through its wire form, as over HTTP
         except ValueError as e:
             return self._answer(done, None, f"POST {bootstrap_addr} -> 400: bad registration: {e}")
-        self._answer(done, {"ok": True, "boot_id": ep.controller.boot_id}, None)
+        self._answer(done, registration_answer(ep.controller.boot_id), None)
 
     def heartbeat(self, bootstrap_addr: str, decode_boot: str, done: Done) -> None:
         self.fabric.sent.append(("heartbeat", bootstrap_addr, decode_boot))

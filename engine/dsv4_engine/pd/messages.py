@@ -109,6 +109,15 @@ class RegisterRoom:
         )
 
 
+WRITES_EVERY_RANK = "writes_every_rank"  # in prefill's answer to a registration: it honours rank_descs
+
+
+def registration_answer(boot_id: str) -> dict:
+    """Prefill -> decode, the answer to RegisterRoom: its process identity, and that it writes
+    into every decode rank the registration names."""
+    return {"ok": True, "boot_id": boot_id, WRITES_EVERY_RANK: True}
+
+
 @dataclass(frozen=True)
 class AbortRoom:
     """Either way: drop this room (its request failed or was aborted on the sender's side)."""

@@ -24,9 +24,23 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Optional
 
+from dsv4_engine.pd.messages import WRITES_EVERY_RANK
+
 log = logging.getLogger("dsv4.pd.ranks")
 
 RELAY_IDLE_S = 0.002  # a rank's relay thread sleeps this long when nothing arrived
+
+
+def rank_refusal(answer: Mapping[str, Any], num_ranks: int) -> Optional[str]:
+    """Why a decode of `num_ranks` ranks cannot use the prefill that gave `answer`, or None: a
+    prefill of an earlier release writes rank 0's pool only, and the request would wait for the
+    other ranks' notifications until its deadline."""
+    if num_ranks > 1 and answer.get(WRITES_EVERY_RANK) is not True:
+        return (
+            f"prefill writes into decode's rank 0 only (an earlier release); this decode's {num_ranks} "
+            "ranks each need their share: run prefill and decode of one release"
+        )
+    return None
 
 
 def missing_ranks(arrived: Mapping[int, Any], num_ranks: int) -> list[int]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4_engine.pd.messages import RegisterRoom, TransferNote
-from dsv4_engine.pd.rank_pools import RankRelay, missing_ranks
+from dsv4_engine.pd.messages import RegisterRoom, TransferNote, registration_answer
+from dsv4_engine.pd.rank_pools import RankRelay, missing_ranks, rank_refusal
 from dsv4_engine.pd.transport import PoolStates
 from test_state_machines import Pair, engines, mono_tokens  # noqa: F401  (engines: the fixture)
 
@@ -95,3 +95,11 @@ def test_the_rank_descriptors_and_the_notes_rank_travel_on_the_wire():
     assert b"rank" not in TransferNote(5, 7).encode()  # rank 0's note reads as before
     with pytest.raises(ValueError, match="rank"):
         TransferNote.decode(b'{"room": 5, "token": 7, "rank": -1}')
+
+
+def test_a_multi_rank_decode_refuses_a_prefill_that_writes_rank_0_only():
+    """A prefill of an earlier release answers without `writes_every_rank`: its registrations
+    would leave rank 1 empty and the request waiting for its deadline; decode fails it at once."""
+    assert rank_refusal(registration_answer("b"), 2) is None
+    assert rank_refusal({"ok": True, "boot_id": "b"}, 1) is None  # one rank: nothing else to write
+    assert "earlier release" in rank_refusal({"ok": True, "boot_id": "b"}, 2)
