@@ -70,11 +70,16 @@ for path in indexer_split hc_pre_split moe_tp_rows fp4_native; do
 done
 fi
 if has engine; then
-# Budget: the time-outs add to 540 s.
+# Budget: the time-outs add to 580 s.
 # Capture safety, host syncs and graph replay of the engine's decode, compiled (~1 min).
 timeout 110 "$py" -m pytest -q -p no:cacheprovider tests/unit/engine/test_cuda_graphs.py tests/unit/engine/test_host_syncs.py \
     tests/unit/engine/test_sampling_devices.py --junitxml "$out/engine_gpu_tests.xml" 2>&1 | tee "$out/engine_gpu_tests.log"
 rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "engine GPU tests failed (exit $rc)"; status=1; }
+# PD over VRAM: a NIXL write waits for the event after the kernel that wrote its page, not the stream.
+timeout 40 "$py" -m pytest -q -p no:cacheprovider \
+    "tests/integration/pd/test_nixl_transfer.py::test_a_write_from_vram_waits_for_the_kernel_that_wrote_its_page" \
+    2>&1 | tee "$out/pd_vram_ready.log"
+rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "PD VRAM ready-event test failed (exit $rc)"; status=1; }
 # Default KV sizing, graphs on by default, greedy equality with and without graphs, a dead device.
 timeout 200 "$py" -m bench.suites.engine_gpu_checks --preset v4-tiny --out "$out/engine_gpu_checks.json" 2>&1 \
     | tee "$out/engine_gpu_checks.log"

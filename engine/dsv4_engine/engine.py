@@ -756,9 +756,7 @@ class Engine:
     def accept_first_token(self, seq: Sequence, tok: int, logprob: Optional[dict] = None) -> None:
         """PD decode: the KV of the prompt has landed with the token prefill sampled (and, when
         the request asked for logprobs, that token's entry as prefill computed it)."""
-        try:
-            if self.tp is not None:  # the state landed on rank 0 only: the other ranks need it too
-                self.tp.send_state(self.pool, seq.pages[: -(-seq.num_computed // self.pool.page_size)], seq.slot)
+        try:  # at --tp-size > 1 every rank's pool received its share from prefill (pd.rank_pools)
             self._skip_first_draw(seq)
             self._append_token(seq, tok, logprob)
             if not seq.finished:
