@@ -324,6 +324,8 @@ class Engine:
             self.runner.snapshot_states = snaps.states if snaps is not None else None
             self.prefix_cache = PrefixCache(self.pool.allocator, page_size, snaps, boundary, in_forward, interval)
             self.prefix_cache.pins = SessionPins(num_pages, args.session_ttl, args.session_pin_share)
+            # a decode serving the next round itself must tell a continuation from a repeat
+            self.prefix_cache.record_tips = args.role == "decode"
             if self.spec is not None:
                 self.spec.cache_boundary = boundary  # drafts stop at boundaries (decode snapshots)
         refusal = host_tier_refusal(args.host_cache_gb, args.tp_size, self.prefix_cache_off)

@@ -132,11 +132,11 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     _O(
         "decode_local_prefill",
         int,
-        0,
+        2048,
         "PD decode: keep a prefix cache of finished requests (prompt + answer) and serve a request "
         "itself, with neither prefill nor KV transfer, when that cache holds all of it but at most N tokens "
-        "(the next round of a conversation: the new turn); 0 = off (decode receives every page from "
-        "prefill). docs/prefix-caching.md, PD.",
+        "(the next round of a conversation: the new turn, a tool result); 0 = off (decode keeps no cache and "
+        "receives every page from prefill). docs/prefix-caching.md, PD.",
         min=0,
     ),
     _O(
