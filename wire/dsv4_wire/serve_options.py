@@ -107,6 +107,21 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         min=0,
     ),
     _O(
+        "disk_cache_dir",
+        str,
+        None,
+        "Disk tier under the host tier: pages (and V4 snapshots) the host tier drops go to files here and come "
+        "back on a prefix hit (needs --host-cache-gb and --disk-cache-gb; emptied at start; refused when a "
+        "symlink, not ours or world-writable).",
+    ),
+    _O(
+        "disk_cache_gb",
+        float,
+        0.0,
+        "Bound of the disk tier in GiB (with --disk-cache-dir); its least recently used files go first.",
+        min=0,
+    ),
+    _O(
         "session_ttl",
         float,
         30.0,
