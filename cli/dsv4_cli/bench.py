@@ -52,6 +52,11 @@ SUITES = {
         "Does round N+1 of a conversation find round N's prompt and answer? Cached share per round and KV bytes "
         "moved prefill -> decode, mono and PD, through token ids and chat (kv_continuity.json + .png).",
     ),
+    "agentperf": (
+        "agentperf",
+        "The headline: the most concurrent agents held while every round's TTFT p95 and output speed stay within "
+        "a declared tier, mono vs PD, before vs after issue 41 (agentperf.json + .png).",
+    ),
     "decode-local-limit": (
         "decode_local_limit",
         "What --decode-local-prefill N trades: a round served by decode (TTFT, what its running streams pay) vs "
