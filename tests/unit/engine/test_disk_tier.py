@@ -16,28 +16,36 @@ from dsv4_engine.engine_args import EngineArgs
 from test_host_tier import PAGE, prompts, rounds
 
 
-def _args(tiny_model, **kw) -> dict:
-    return dict(
-        model=str(tiny_model), device="cpu", kernel_backend="torch", kv_pages=14, page_size=PAGE, max_num_seqs=2, **kw
-    )
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 
 
-@pytest.fixture(scope="module")
-def plain(tiny_model):
-    return rounds(Engine(EngineArgs(**_args(tiny_model))))
+def _args(tiny_model, device: str = "cpu", **kw) -> dict:
+    backend = {"kernel_backend": "torch"} if device == "cpu" else {}
+    return dict(model=str(tiny_model), device=device, kv_pages=14, page_size=PAGE, max_num_seqs=2, **backend, **kw)
 
 
-def _tiered(tiny_model, tmp_path, host_pages: int = 4, disk_gb: float = 0.05) -> Engine:
-    probe = Engine(EngineArgs(**_args(tiny_model)))
+_PLAIN: dict = {}
+
+
+def plain_rounds(tiny_model, device: str = "cpu"):
+    """Round 2's outputs and cached tokens of an engine without any tier (once per device)."""
+    if device not in _PLAIN:
+        _PLAIN[device] = rounds(Engine(EngineArgs(**_args(tiny_model, device))))
+    return _PLAIN[device]
+
+
+def _tiered(tiny_model, tmp_path, device: str = "cpu", host_pages: int = 4, disk_gb: float = 0.05) -> Engine:
+    probe = Engine(EngineArgs(**_args(tiny_model, device)))
     gb = host_pages * probe.pool.page_nbytes / (1 << 30)
-    return Engine(
-        EngineArgs(**_args(tiny_model, host_cache_gb=gb, disk_cache_dir=str(tmp_path / "kv"), disk_cache_gb=disk_gb))
-    )
+    disk = dict(host_cache_gb=gb, disk_cache_dir=str(tmp_path / "kv"), disk_cache_gb=disk_gb)
+    return Engine(EngineArgs(**_args(tiny_model, device, **disk)))
 
 
-def test_pages_the_host_tier_drops_come_back_from_disk_with_equal_outputs(tiny_model, tmp_path, plain):
-    want, plain_hits = plain
-    eng = _tiered(tiny_model, tmp_path)
+@pytest.mark.parametrize("device", DEVICES)
+def test_pages_the_host_tier_drops_come_back_from_disk_with_equal_outputs(tiny_model, tmp_path, device):
+    # on CUDA: the host pages are pinned and copied non_blocking; a dropped one is synced, then written
+    want, plain_hits = plain_rounds(tiny_model, device)
+    eng = _tiered(tiny_model, tmp_path, device)
     got, hits = rounds(eng)
     assert got == want
     tiers = eng._tiers()
@@ -48,8 +56,8 @@ def test_pages_the_host_tier_drops_come_back_from_disk_with_equal_outputs(tiny_m
     eng.prefix_cache.check()
 
 
-def test_a_corrupted_or_torn_file_is_a_miss_never_kv(tiny_model, tmp_path, plain):
-    want, _ = plain
+def test_a_corrupted_or_torn_file_is_a_miss_never_kv(tiny_model, tmp_path):
+    want, _ = plain_rounds(tiny_model)
     eng = _tiered(tiny_model, tmp_path)
     firsts = [p + list(eng_run(eng, f"a{k}", p)) for k, p in enumerate(prompts())]
     files = sorted((tmp_path / "kv").glob("*.page"))
