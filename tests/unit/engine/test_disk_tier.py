@@ -16,12 +16,13 @@ from dsv4_engine.engine_args import EngineArgs
 from test_host_tier import PAGE, prompts, rounds
 
 
+FIRSTS = prompts()[:4]  # 4 conversations of 5 pages each (prompt + answer)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 
 
 def _args(tiny_model, device: str = "cpu", **kw) -> dict:
     backend = {"kernel_backend": "torch"} if device == "cpu" else {}
-    return dict(model=str(tiny_model), device=device, kv_pages=14, page_size=PAGE, max_num_seqs=2, **backend, **kw)
+    return dict(model=str(tiny_model), device=device, kv_pages=10, page_size=PAGE, max_num_seqs=2, **backend, **kw)
 
 
 _PLAIN: dict = {}
@@ -30,13 +31,14 @@ _PLAIN: dict = {}
 def plain_rounds(tiny_model, device: str = "cpu"):
     """Round 2's outputs and cached tokens of an engine without any tier (once per device)."""
     if device not in _PLAIN:
-        _PLAIN[device] = rounds(Engine(EngineArgs(**_args(tiny_model, device))))
-    return _PLAIN[device]
+        eng = Engine(EngineArgs(**_args(tiny_model, device)))
+        _PLAIN[device] = (rounds(eng, FIRSTS), eng.pool.page_nbytes)
+    return _PLAIN[device][0]
 
 
-def _tiered(tiny_model, tmp_path, device: str = "cpu", host_pages: int = 4, disk_gb: float = 0.05) -> Engine:
-    probe = Engine(EngineArgs(**_args(tiny_model, device)))
-    gb = host_pages * probe.pool.page_nbytes / (1 << 30)
+def _tiered(tiny_model, tmp_path, device: str = "cpu", host_pages: int = 3, disk_gb: float = 0.05) -> Engine:
+    plain_rounds(tiny_model, device)
+    gb = host_pages * _PLAIN[device][1] / (1 << 30)
     disk = dict(host_cache_gb=gb, disk_cache_dir=str(tmp_path / "kv"), disk_cache_gb=disk_gb)
     return Engine(EngineArgs(**_args(tiny_model, device, **disk)))
 
@@ -46,20 +48,21 @@ def test_pages_the_host_tier_drops_come_back_from_disk_with_equal_outputs(tiny_m
     # on CUDA: the host pages are pinned and copied non_blocking; a dropped one is synced, then written
     want, plain_hits = plain_rounds(tiny_model, device)
     eng = _tiered(tiny_model, tmp_path, device)
-    got, hits = rounds(eng)
+    got, hits = rounds(eng, FIRSTS)
     assert got == want
     tiers = eng._tiers()
-    # 14 device pages + 4 host pages hold ~4 of the 6 conversations: the rest came from disk
+    # 10 device pages + 3 host pages hold 2 of the 4 conversations' 5 pages: the rest came from disk
     assert tiers["disk"]["stored"] > 0 and tiers["host"]["restored_from_disk"] > 0, tiers
     assert sum(hits) > sum(plain_hits) and min(hits) >= 4 * PAGE, (hits, plain_hits)
     assert tiers["disk"]["corrupt"] == 0 and tiers["disk"]["bytes"] <= tiers["disk"]["bytes_total"]
     eng.prefix_cache.check()
 
 
+@pytest.mark.slow
 def test_a_corrupted_or_torn_file_is_a_miss_never_kv(tiny_model, tmp_path):
     want, _ = plain_rounds(tiny_model)
     eng = _tiered(tiny_model, tmp_path)
-    firsts = [p + list(eng_run(eng, f"a{k}", p)) for k, p in enumerate(prompts())]
+    firsts = [p + list(eng_run(eng, f"a{k}", p)) for k, p in enumerate(FIRSTS)]
     files = sorted((tmp_path / "kv").glob("*.page"))
     assert files
     for i, f in enumerate(files):  # every other file corrupted in its payload, the rest torn
@@ -99,6 +102,21 @@ def test_the_tier_is_bounded_and_drops_its_oldest_files(tmp_path):
     assert all(torch.equal(got[n], page[n]) for n in page)
     assert tier.read(hs[4], (5, "salt"), page) is None  # another page's key: a miss, and the file goes
     assert not tier.holds(hs[4]) and tier.corrupt == 1
+
+
+def test_a_flipped_byte_or_a_cut_file_reads_as_a_miss_and_goes(tmp_path):
+    page = {"kv": torch.randn(16, 8)}
+    tier = DiskTier(str(tmp_path), 1 << 20)
+    for i, damage in enumerate(("flip", "cut", "empty")):
+        h = bytes([i]) * 16
+        tier.put(h, (i,), page)
+        f = tmp_path / (h.hex() + ".page")
+        data = bytearray(f.read_bytes())
+        if damage == "flip":
+            data[-40] ^= 1  # in the payload
+        f.write_bytes(bytes(data[: len(data) // 2]) if damage == "cut" else b"" if damage == "empty" else bytes(data))
+        assert tier.read(h, (i,), page) is None and not f.exists() and not tier.holds(h)
+    assert tier.corrupt == 3 and tier.bytes == 0
 
 
 def test_the_directory_is_emptied_of_tier_files_at_start(tmp_path):
