@@ -42,6 +42,11 @@ SUITES = {
         "~300-token tool result; TTFT per round and wall time, mono and PD, with and without the prefix cache "
         "(agents.json + agents.png).",
     ),
+    "frameworks": (
+        "frameworks_bench",
+        "Agent frameworks' own tool loops (OpenAI Agents SDK, instructor, LangChain; from the interpreter given by "
+        "--python) against dsv4 up: calls made and parsed, malformed, errors (frameworks/frameworks.json + .png).",
+    ),
     "kv_tiers": (
         "kv_tiers_bench",
         "The host and disk KV tiers: agents over a device pool at 1/4 of their working set, device-only vs "
