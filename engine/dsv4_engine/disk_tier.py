@@ -154,6 +154,8 @@ class DiskTier:
         if got is None:
             self.corrupt += 1
             self._drop(name)
+            if suffix == ".page":
+                self.on_evict(h)  # gone from this tier (kv events)
             return None
         self._lru.move_to_end(name)
         self.restored += 1

@@ -101,7 +101,7 @@ def test_the_tier_is_bounded_and_drops_its_oldest_files(tmp_path):
     got = tier.read(hs[4], (4, "salt"), page)
     assert all(torch.equal(got[n], page[n]) for n in page)
     assert tier.read(hs[4], (5, "salt"), page) is None  # another page's key: a miss, and the file goes
-    assert not tier.holds(hs[4]) and tier.corrupt == 1
+    assert not tier.holds(hs[4]) and tier.corrupt == 1 and evicted[-1] == hs[4]
 
 
 def test_a_flipped_byte_or_a_cut_file_reads_as_a_miss_and_goes(tmp_path):
