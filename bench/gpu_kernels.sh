@@ -97,6 +97,10 @@ rc=$?; [ "$rc" -ne 0 ] && { echo "engine smoke failed (exit $rc)"; status=1; }
 # stream; outputs equal the no-tier engine's, then its copy cost per page (~1 min).
 timeout 120 "$py" -m pytest -q -p no:cacheprovider tests/unit/engine/test_host_tier.py 2>&1 | tee "$out/host_tier_tests.log"
 rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "host tier tests failed (exit $rc)"; status=1; }
+# The disk tier under it (--disk-cache-dir) on CUDA: a dropped pinned host page is synced, then written;
+# pages read back from files equal the no-tier engine's outputs (~1 min).
+timeout 120 "$py" -m pytest -q -p no:cacheprovider tests/unit/engine/test_disk_tier.py 2>&1 | tee "$out/disk_tier_tests.log"
+rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "disk tier tests failed (exit $rc)"; status=1; }
 timeout 60 "$py" -m bench.suites.kv_tiers_bench --copy-cost-only --out "$out/kv_tiers_copy"
 rc=$?; [ "$rc" -ne 0 ] && { echo "host tier copy cost failed (exit $rc)"; status=1; }
 fi

@@ -85,7 +85,8 @@ class DecodeController(PDController):
         cache = self.engine.prefix_cache
         if not limit or cache is None:
             return False
-        if not serve_locally(seq.num_tokens, cached_prefix_tokens(cache, seq), limit):
+        cached, continues = cached_prefix_tokens(cache, seq)
+        if not serve_locally(seq.num_tokens, cached, limit, continues):
             return False
         now = self.clock()
         seq.pd.enter(PDState.SUCCESS, None, now)

@@ -49,6 +49,9 @@ def models(tmp_path_factory):
 def make(model, role: str, spec: bool, **extra) -> Engine:
     if spec:
         extra.update(speculative_algorithm="mtp", speculative_num_steps=3)
+    # a decode with no cache drafts past V4's boundaries like the cacheless mono these compare
+    # drafts with (a decode serving rounds itself: test_spec_decode_v4_local_pd.py)
+    extra.setdefault("decode_local_prefill", 0)
     return Engine(
         EngineArgs(
             model=str(model),

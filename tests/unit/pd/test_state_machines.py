@@ -57,6 +57,8 @@ def engines(tiny_model):
                 kv_pages=KV_PAGES,
                 page_size=16,
                 served_model_name="m",
+                # the transfer path under test: decode serving repeats itself is test_decode_local_continuation's
+                decode_local_prefill=0,
             )
         )
 
