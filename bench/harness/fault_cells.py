@@ -230,7 +230,28 @@ def kv_pool_full(c: Cluster, cell: "Cell") -> None:
         want += streams(c.r_url, b[i : i + 4], deadline_s=120)
     if not all(w.ok for w in want):
         raise RuntimeError(f"the small batches failed: {[w.error for w in want if not w.ok][:3]}")
-    got = streams(c.r_url, b, deadline_s=120)
+    low: dict = {}
+    over = threading.Event()
+
+    def watch() -> None:  # the least free share of any engine's pool while they run
+        while not over.is_set():
+            for u in c.engine_urls():
+                try:
+                    ld = httpx.get(u + "/v1/loads", timeout=2).json()
+                    low[u] = min(low.get(u, 1.0), ld["kv_pages_free"] / ld["kv_pages_total"])
+                except (httpx.HTTPError, ValueError, KeyError):
+                    pass
+            time.sleep(0.05)
+
+    w = threading.Thread(target=watch)
+    w.start()
+    try:
+        got = streams(c.r_url, b, deadline_s=120)
+    finally:
+        over.set()
+        w.join(10)
+    if min(low.values(), default=1.0) > 0.1:
+        cell.why.append(f"no pool came near full (least free share {min(low.values(), default=1.0):.2f})")
     refused = [g for g in got if g.error and g.error.startswith(("http 429", "http 503"))]
     cell.refused_429 = len(refused)
     ok = [(g, w) for g, w in zip(got, want) if g not in refused]
