@@ -40,6 +40,7 @@ class Stream:
     finishes: dict = field(default_factory=dict)
     role_per_choice: dict = field(default_factory=dict)
     errors: int = 0  # error events (one at most is right)
+    max_gap: float = 0.0  # the longest wait between two events (or for the first), seconds
 
     @property
     def ok(self) -> bool:
@@ -51,6 +52,7 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict, chat: bool,
     path = "/v1/chat/completions" if chat else "/v1/completions"
 
     async def run() -> None:
+        last = time.monotonic()
         async with session.post(url + path, json=body) as r:
             if r.status != 200:
                 s.error = f"http {r.status}: {(await r.text())[:300]}"
@@ -68,6 +70,8 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict, chat: bool,
                 return
             buf = b""
             async for chunk in r.content.iter_any():
+                now = time.monotonic()
+                s.max_gap, last = max(s.max_gap, now - last), now
                 buf += chunk
                 while b"\n\n" in buf:
                     event, buf = buf.split(b"\n\n", 1)
@@ -199,16 +203,25 @@ class Cluster:
                     f"--{'mono' if name.startswith('mono') else 'prefill' if name.startswith('prefill') else 'decode'}",
                     u,
                 ]
-            self.router = Proc(
-                ["router", *role_args, "--port", self.r_url.rsplit(":", 1)[1], "--health-interval", 0.5, *router_args],
-                self.tmp / "router.log",
-                env=self.env,
-            )
-            self.router.wait_ready(self.r_url, timeout=60)
-            self.router.wait_workers_healthy(self.r_url, len(self.procs), timeout=60)
+            self._router_cmd = [
+                "router",
+                *role_args,
+                *("--port", self.r_url.rsplit(":", 1)[1], "--health-interval", 0.5),
+                *router_args,
+            ]
+            self.start_router()
         except BaseException:
             self.stop()
             raise
+
+    def start_router(self) -> None:
+        """The router (again, on its port: a restart after it was killed)."""
+        if self.router is not None:
+            self.router.popen.wait(30)
+            self.router.stop()
+        self.router = Proc(self._router_cmd, self.tmp / f"router-{time.monotonic_ns()}.log", env=self.env)
+        self.router.wait_ready(self.r_url, timeout=60)
+        self.router.wait_workers_healthy(self.r_url, len(self.procs), timeout=60)
 
     def _engine(self, name: str, role: str, extra: list) -> None:
         port, role, extra = self.ports.setdefault(name, [free_port(), role, extra])
@@ -260,30 +273,31 @@ class Cluster:
         )
 
 
-def idle(url: str) -> bool:
-    ld = httpx.get(f"{url}/v1/loads", timeout=5).json()
+def idle(url: str, headers: Optional[dict] = None) -> bool:
+    ld = httpx.get(f"{url}/v1/loads", timeout=5, headers=headers).json()
     return sum(ld["queues"].values()) == 0 and ld["kv_pages_free"] == ld["kv_pages_total"]
 
 
-def wait_idle(urls: list[str], timeout: float = 30.0) -> None:
+def wait_idle(urls: list[str], timeout: float = 30.0, headers: Optional[dict] = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if all(idle(u) for u in urls):
+            if all(idle(u, headers) for u in urls):
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
-    raise TimeoutError(f"engines not idle after {timeout}s: {[httpx.get(u + '/v1/loads').json() for u in urls]}")
+    loads = [httpx.get(u + "/v1/loads", headers=headers).json() for u in urls]
+    raise TimeoutError(f"engines not idle after {timeout}s: {loads}")
 
 
 class LocalUp:
     """`dsv4 up` as a real process (router, engines, supervisor and watchdog)."""
 
-    def __init__(self, model: Path, tmp: Path, *args):
+    def __init__(self, model: Path, tmp: Path, *args, port: Optional[int] = None):
         from bench.harness.commands import free_port_block
 
-        self.port = free_port_block()
+        self.port = port or free_port_block()
         self.url = f"http://127.0.0.1:{self.port}"
         self.state = tmp / "cache" / "up" / str(self.port)
         self.proc = Proc(

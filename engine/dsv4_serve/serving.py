@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from dsv4_engine.sampling_params import SamplingParams
 from dsv4_engine.request_output import RequestOutput
 from dsv4_engine.tokenizer import Tokenizer
+from dsv4_serve.prepare_lanes import PrepareLanes
 from dsv4_serve.sessions import session_of, with_session
 from dsv4_serve.detokenize import OutputProcessor
 from dsv4_serve.engine_client import EngineClient, EngineRequest
@@ -111,6 +112,7 @@ class OpenAIServing:
         self.lifecycle = lifecycle or Lifecycle()
         self.args = args
         self.awaiting = Awaiting()  # requests here with no output from the core yet
+        self.lanes = PrepareLanes(args.max_queued_requests)  # long prompts never starve short ones
         self.tracing = Tracing(args.otlp_traces_endpoint, f"dsv4-{args.role}")
         self.model_name = args.served_model_name
         self.vocab = client.vocab_size
@@ -379,7 +381,7 @@ class OpenAIServing:
 
     async def _serve(self, prepare, http: Request, held: Held, body: Optional[bytes]) -> Response:
         body = await http.body() if body is None else body
-        p: Prepared = await asyncio.to_thread(prepare, body, http.headers)
+        p: Prepared = await self.lanes.run(len(body), prepare, body, http.headers)
         p.held = held
         p.span = self.tracing.start(
             "engine.request",

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
+from dsv4_operator.local.parent_death import term_with_parent
+
 
 @dataclass(frozen=True)
 class CrashBackoff:
@@ -78,7 +80,11 @@ class EngineProc:
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
             self.popen = subprocess.Popen(
-                self.cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+                self.cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+                preexec_fn=term_with_parent(),  # never outlive `dsv4 up` (a kill -9 of it included)
             )
         self.started_at = time.monotonic()
         self.ever_ready = False
