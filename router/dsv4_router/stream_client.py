@@ -190,6 +190,10 @@ class StreamResponse:
             if w.result():
                 raise httpx.ReadTimeout(f"the engine said nothing for {self._read_timeout:g}s")
 
+    def _no_head(self) -> None:
+        if not self._head.done():
+            self._head.set_exception(httpx.ReadTimeout(f"the engine did not answer in {self._read_timeout:g}s"))
+
     def _check_silence(self) -> None:
         """The read timeout: one timer per answer, moved on only when it fires (not armed and
         cancelled around every chunk); a waiting read times out once nothing came for a whole
@@ -305,11 +309,10 @@ class StreamClient:
                 resp = StreamResponse(conn, self.read_timeout)
                 conn.resp = resp
                 conn.transport.write(request)
+                # the head's own future, failed by a timer: no asyncio.wait (sets, callbacks) per request
+                timer = resp._loop.call_later(self.read_timeout, resp._no_head)
                 try:
-                    done, _ = await asyncio.wait({resp._head}, timeout=self.read_timeout)
-                    if not done:
-                        raise httpx.ReadTimeout(f"the engine did not answer in {self.read_timeout:g}s")
-                    resp._head.result()
+                    await resp._head
                 except httpx.RemoteProtocolError:
                     if reused and attempt == 0 and not resp.headers:
                         continue  # the engine had closed that idle connection: once more, on a new one
@@ -318,6 +321,8 @@ class StreamClient:
                     conn.resp = None
                     conn.transport.close()
                     raise
+                finally:
+                    timer.cancel()
                 ok = True
                 return resp
             raise AssertionError("unreachable")
