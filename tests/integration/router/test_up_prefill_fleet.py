@@ -41,7 +41,8 @@ def _starts() -> list[list[dict]]:
 
 class Up:
     def __init__(self, tmp: Path, model: Path, prefill: int):
-        port = free_port_block()
+        port = free_port_block()  # the router, prefill 0 and 1, decode; two bootstrap ports
+        tmp.mkdir(parents=True, exist_ok=True)
         self.url = f"http://127.0.0.1:{port}"
         self.state = tmp / "cache" / "up" / str(port)
         self.proc = Proc(
@@ -55,6 +56,7 @@ class Up:
             assert time.monotonic() < deadline, self.proc.log()
             time.sleep(0.3)
         self.admin = {"Authorization": f"Bearer {(self.state / 'admin-token').read_text().strip()}"}
+        self.model = model.name  # `dsv4 up` serves it under its folder's name
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, timeout=120)
 
     def processes(self) -> dict:
@@ -80,7 +82,7 @@ def _round(up: Up, convs: list[list[dict]], rnd: int) -> tuple[int, int]:
     for c, msgs in enumerate(convs):
         if rnd > 0:  # the agents diverge from their second round on
             msgs.append({"role": "user", "content": f"step {rnd} of agent {c}: " + _text(c * 10 + rnd, 24)})
-        r = up.client.chat.completions.create(model="m", messages=msgs, max_tokens=6, temperature=0)
+        r = up.client.chat.completions.create(model=up.model, messages=msgs, max_tokens=6, temperature=0)
         msgs.append({"role": "assistant", "content": r.choices[0].message.content})
         cached += r.usage.prompt_tokens_details.cached_tokens or 0
         total += r.usage.prompt_tokens
