@@ -14,8 +14,29 @@ from dsv4_router.relay import Outlet
 from dsv4_router.stream_client import StreamClient
 
 
-async def _serve_chunks(port: int, chunks: list[bytes], gap: float, ready: asyncio.Event):
+class Served:
+    def __init__(self, server: asyncio.Server, handlers: set):
+        self.server, self.handlers = server, handlers
+
+    async def stop(self) -> None:
+        self.server.close()
+        for t in self.handlers:
+            t.cancel()
+        await asyncio.gather(*self.handlers, return_exceptions=True)
+        await self.server.wait_closed()
+
+
+async def _serve_chunks(port: int, chunks: list[bytes], gap: float, ready: asyncio.Event) -> Served:
+    handlers: set = set()
+
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handlers.add(asyncio.current_task())
+        try:
+            await answer(reader, writer)
+        finally:
+            writer.close()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
         n = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
         await reader.readexactly(n)
@@ -26,11 +47,10 @@ async def _serve_chunks(port: int, chunks: list[bytes], gap: float, ready: async
         writer.write(b"0\r\n\r\n")
         await writer.drain()
         await reader.read()  # until the client closes
-        writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", port)
     ready.set()
-    return server
+    return Served(server, handlers)
 
 
 @pytest.mark.asyncio
@@ -48,14 +68,14 @@ async def test_a_read_waiting_while_the_sink_takes_every_chunk_does_not_time_out
         assert b"".join(taken) == b"".join(chunks) and rest == []
     finally:
         await client.aclose()
-        server.close()
+        await server.stop()
 
 
 @pytest.mark.asyncio
 async def test_a_silent_engine_still_times_out_the_waiting_read() -> None:
     port = free_port()
     ready = asyncio.Event()
-    server = await _serve_chunks(port, [b"data: 0\n\n", b"data: 1\n\n"], 0.9, ready)
+    server = await _serve_chunks(port, [b"data: 0\n\n", b"data: 1\n\n"], 3.0, ready)
     client = StreamClient({}, 4, read_timeout=0.3)
     try:
         resp = await client.post(f"http://127.0.0.1:{port}/x", {})
@@ -63,11 +83,11 @@ async def test_a_silent_engine_still_times_out_the_waiting_read() -> None:
         t0 = loop.time()
         with pytest.raises(httpx.ReadTimeout):
             await resp.__anext__()
-        assert 0.25 <= loop.time() - t0 < 0.8
+        assert 0.25 <= loop.time() - t0 < 2.5  # well before the first chunk (3 s)
         await resp.aclose()
     finally:
         await client.aclose()
-        server.close()
+        await server.stop()
 
 
 @pytest.mark.asyncio
