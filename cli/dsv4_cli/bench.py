@@ -42,6 +42,11 @@ SUITES = {
         "~300-token tool result; TTFT per round and wall time, mono and PD, with and without the prefix cache "
         "(agents.json + agents.png).",
     ),
+    "frameworks": (
+        "frameworks_bench",
+        "Agent frameworks' own tool loops (OpenAI Agents SDK, instructor, LangChain; from the interpreter given by "
+        "--python) against dsv4 up: calls made and parsed, malformed, errors (frameworks/frameworks.json + .png).",
+    ),
     "kv_tiers": (
         "kv_tiers_bench",
         "The host KV tier: agents over a device pool at 1/4 of their working set, device-only vs host tier "
@@ -69,6 +74,16 @@ SUITES = {
     "nixl": (
         "nixl_pages",
         "NIXL KV-page transfer throughput between two processes vs an in-process memcpy.",
+    ),
+    "planner": (
+        "planner_sim",
+        "The PD planner in a simulated fleet (engine timing calibrated from bench/results): SLA minutes and "
+        "replica-minutes vs the best static split and an HPA-like rule (planner/planner_sim.json + .png).",
+    ),
+    "planner-seeds": (
+        "planner_seeds",
+        "The planner on the fixed trace and on random-burst traces, one per seed, vs the best static split "
+        "per trace and for every trace, and the HPA-like rule (planner/planner_seeds.json + .png).",
     ),
     "spec": (
         "spec_decode_bench",
