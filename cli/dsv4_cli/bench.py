@@ -49,13 +49,23 @@ SUITES = {
     ),
     "kv_tiers": (
         "kv_tiers_bench",
-        "The host KV tier: agents over a device pool at 1/4 of their working set, device-only vs host tier "
-        "(cached share, TTFT p50), a no-reuse workload tier on vs off, the tier's copy cost (kv_tiers.json + .png).",
+        "The host and disk KV tiers: agents over a device pool at 1/4 of their working set, device-only vs "
+        "host tier vs disk tier (cached share, TTFT p50), a no-reuse workload tier on vs off, the tier's copy cost (kv_tiers.json + .png).",
     ),
     "kv-continuity": (
         "kv_continuity",
         "Does round N+1 of a conversation find round N's prompt and answer? Cached share per round and KV bytes "
         "moved prefill -> decode, mono and PD, through token ids and chat (kv_continuity.json + .png).",
+    ),
+    "agentperf": (
+        "agentperf",
+        "The headline: the most concurrent agents held while every round's TTFT p95 and output speed stay within "
+        "a declared tier, mono vs PD, before vs after issue 41 (agentperf.json + .png).",
+    ),
+    "decode-local-limit": (
+        "decode_local_limit",
+        "What --decode-local-prefill N trades: a round served by decode (TTFT, what its running streams pay) vs "
+        "via prefill, per tail length (decode_local_limit.json + .png).",
     ),
     "pd": (
         "pd_bench",
