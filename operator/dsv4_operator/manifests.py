@@ -336,6 +336,8 @@ def router_command(spec: DSV4DeploymentSpec, owner: Owner) -> list[str]:
         ]
         for role in ENGINE_ROLES:  # only the pods of our StatefulSets, not any pod with our labels
             cmd += [R.OWNER, child_name(owner.name, role)]
+        if router_reads_checkpoint(spec):  # renders and tokenizes as the engines do: placed by what each holds
+            cmd += [R.TOKENIZER, spec.model.path]
     else:
         cmd = [
             "python3",
@@ -744,6 +746,23 @@ def engine_service(spec: DSV4DeploymentSpec, owner: Owner, role: str) -> dict:
     }
 
 
+def router_reads_checkpoint(spec: DSV4DeploymentSpec) -> bool:
+    """Whether the builtin router mounts the checkpoint and tokenizes prompts with it (to place
+    chat and text prompts by what each engine holds, not by affinity): when the model comes from
+    an image volume (pulled on whatever node a router pod lands; a PersistentVolumeClaim may be
+    ReadWriteOnce and a hostPath on one node only), the router runs the engine image (it holds
+    the engine's renderer), and the engines render with the checkpoint's own template (no
+    --chat-template file the router could not see)."""
+    vol = spec.model.volume
+    return (
+        spec.engine.kind == "builtin"
+        and vol is not None
+        and vol.image is not None
+        and not spec.router.image
+        and EngineFlags.CHAT_TEMPLATE not in spec.engine.args
+    )
+
+
 def router_deployment(spec: DSV4DeploymentSpec, owner: Owner, revision: str | None = None) -> dict:
     name = child_name(owner.name, "router")
     builtin = spec.engine.kind == "builtin"
@@ -770,8 +789,13 @@ def router_deployment(spec: DSV4DeploymentSpec, owner: Owner, revision: str | No
         "livenessProbe": _http_probe(live, 10, 3),
         "readinessProbe": _http_probe(ready, 5, 3),
     }
+    volumes = [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}]
     if builtin:
         container["volumeMounts"] = [{"name": "tmp", "mountPath": "/tmp"}]
+        if router_reads_checkpoint(spec):
+            model_volumes, model_mounts = _model_volume(spec)
+            volumes += model_volumes
+            container["volumeMounts"] += model_mounts
     metrics_port = spec.router.port if builtin else SGLANG_ROUTER_METRICS_PORT
     return {
         "apiVersion": "apps/v1",
@@ -796,7 +820,7 @@ def router_deployment(spec: DSV4DeploymentSpec, owner: Owner, revision: str | No
                     "containers": [container],
                     "enableServiceLinks": False,
                     "securityContext": pod_security_context(spec, builtin_image=builtin),
-                    **({"volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}]} if builtin else {}),
+                    **({"volumes": volumes} if builtin else {}),
                 },
             },
         },

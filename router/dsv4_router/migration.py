@@ -276,6 +276,15 @@ class Resume:
     _IDS = b', "token_ids": ['
     _ENDS = (b"}]}", b'}], "usage": null}')
 
+    def plain_event(self, chunk: bytes) -> Optional[bytes]:
+        """The client's bytes when `chunk` is exactly one plain delta event of this request's
+        current engine (what `filter` gives for it, tokens recorded), else None with nothing
+        recorded: the chunk then goes through `filter`."""
+        head = self.head
+        if head is None or not chunk.startswith(head) or chunk.find(b"\n\n") != len(chunk) - 2:
+            return None
+        return self._fast(chunk[:-2])
+
     def _fast(self, event: bytes) -> Optional[bytes]:
         """The client's bytes for a plain delta event of this request's current engine (the
         same bytes the JSON path gives), or None when the event needs that path."""

@@ -23,7 +23,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 import httpx
 from fastapi import Request
@@ -39,7 +39,7 @@ from dsv4_router.cache_index import CacheIndex
 from dsv4_router.cache_placement import CachePlacement, Tokenize, prompt_ids
 from dsv4_router.cache_subscriber import CacheSubscriber
 from dsv4_router.migration import BROKEN, REFUSED, STALLED, TRUNCATED, UNREACHABLE, Resume, allowed_resends
-from dsv4_router.relay import RelayResponse, error_events, first_event_error, split_events, sse
+from dsv4_router.relay import Outlet, RelayResponse, error_events, first_event_error, split_events, sse
 from dsv4_router.sessions import session_into_body
 from dsv4_router.stall import StallWatch
 from dsv4_router.tenancy import admit_sequences, apply_cache_salt
@@ -286,7 +286,12 @@ class Router:
                 return placed
             if st.stream:
                 handed_off = True
-                return RelayResponse(self._relay(path, st, placed, key), on_close=lambda: self._stream_closed(st, slot))
+                outlet = Outlet()
+                return RelayResponse(
+                    self._relay(path, st, placed, key, outlet),
+                    on_close=lambda: self._stream_closed(st, slot),
+                    outlet=outlet,
+                )
             try:
                 content = await placed.resp.aread()
             except httpx.HTTPError as e:  # the body of a non-streaming answer broke off
@@ -562,13 +567,18 @@ class Router:
             p.inflight -= 1
             tracing.end(span, error=error)
 
-    async def _relay(self, path: str, st: Resume, leg: "Leg", key: Optional[str]) -> AsyncIterator[bytes]:
+    async def _relay(
+        self, path: str, st: Resume, leg: "Leg", key: Optional[str], outlet: Optional[Outlet] = None
+    ) -> AsyncIterator[bytes]:
         """The client's stream, across every engine the request visits. Whole events only: a
-        stream that breaks mid-event leaves no half event with the client."""
+        stream that breaks mid-event leaves no half event with the client. With an `outlet`,
+        plain token events go straight from the engine's connection to the client while this
+        waits (relay.py); everything else passes here."""
         st.leg = leg
         while True:
             pending, chunks, reason = leg.first, leg.chunks, None
             watched = self._watch_stream(leg)
+            direct = _direct(st, outlet, watched) if outlet is not None and hasattr(leg.resp, "sink") else None
             try:
                 while reason is None:
                     whole, pending = split_events(pending)
@@ -581,7 +591,13 @@ class Router:
                         reason = what
                         if reason is not None:
                             break
-                    chunk = await anext(chunks, None)
+                    if direct is not None and not pending:
+                        leg.resp.sink = direct
+                    try:
+                        chunk = await anext(chunks, None)
+                    finally:
+                        if direct is not None:
+                            leg.resp.sink = None
                     if chunk is None:
                         reason = TRUNCATED
                         break
@@ -685,6 +701,22 @@ class Router:
         for r in (st, *st.kids):
             if r.leg is not None:
                 await r.leg.close()  # a client that left closes the decode stream: decode aborts
+
+
+def _direct(st: Resume, outlet: Outlet, watched) -> Callable[[bytes], bool]:
+    """The engine connection's sink for a relayed stream: a chunk that is one plain token event
+    is written to the client at once; anything else is left to the relay loop."""
+
+    def sink(chunk: bytes) -> bool:
+        if not outlet.ready():
+            return False
+        out = st.plain_event(chunk)
+        if out is None:
+            return False
+        watched.event(time.monotonic())
+        return outlet.write(out)
+
+    return sink
 
 
 @dataclass

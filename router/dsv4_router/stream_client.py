@@ -18,7 +18,7 @@ import asyncio
 import json
 import time
 from collections import deque
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 from urllib.parse import urlsplit
 
 import httptools
@@ -76,6 +76,9 @@ class _Conn(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         r = self.resp
         if r is not None:
+            r._last = r._loop.time()
+            if r.sink is not None and not r._chunks and r.sink(body):
+                return  # relayed as it came: no buffer, no wake-up of the reading task
             r._chunks.append(body)
             r._buffered += len(body)
             if r._buffered > HIGH_WATER and not self.paused:
@@ -127,11 +130,6 @@ def _abandon(fut: asyncio.Future, undo) -> None:
     fut.add_done_callback(settle)
 
 
-def _time_out(w: asyncio.Future) -> None:
-    if not w.done():
-        w.set_result(True)
-
-
 class StreamResponse:
     def __init__(self, conn: _Conn, read_timeout: float):
         self._conn = conn
@@ -144,8 +142,15 @@ class StreamResponse:
         self._buffered = 0
         self._error: Optional[Exception] = None
         self._waiter: Optional[asyncio.Future] = None
-        self._head: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        self._head: asyncio.Future = self._loop.create_future()
         self._closed = False
+        self._last = 0.0  # when body bytes last came, or a read began to wait
+        self._timer: Optional[asyncio.TimerHandle] = None
+        # Set by the reader while it waits with nothing half-read: called with each body chunk
+        # as it arrives; True when it took the chunk (relayed it), False to have it buffered
+        # and the reader woken as usual.
+        self.sink: Optional[Callable[[bytes], bool]] = None
 
     def _wake(self) -> None:
         w = self._waiter
@@ -174,16 +179,40 @@ class StreamResponse:
                 return None
             if self._error is not None:
                 raise self._error
-            loop = asyncio.get_running_loop()
-            w = self._waiter = loop.create_future()
-            timer = loop.call_later(self._read_timeout, _time_out, w)
+            w = self._waiter = self._loop.create_future()
+            self._last = self._loop.time()
+            if self._timer is None:
+                self._timer = self._loop.call_at(self._last + self._read_timeout, self._check_silence)
             try:
                 await w
             finally:
-                timer.cancel()
                 self._waiter = None
             if w.result():
                 raise httpx.ReadTimeout(f"the engine said nothing for {self._read_timeout:g}s")
+
+    def _no_head(self) -> None:
+        if not self._head.done():
+            self._head.set_exception(httpx.ReadTimeout(f"the engine did not answer in {self._read_timeout:g}s"))
+
+    def _check_silence(self) -> None:
+        """The read timeout: one timer per answer, moved on only when it fires (not armed and
+        cancelled around every chunk); a waiting read times out once nothing came for a whole
+        read_timeout, counted from the later of its start and the last body bytes."""
+        self._timer = None
+        w = self._waiter
+        if w is None or w.done() or self._closed:
+            return
+        due = self._last + self._read_timeout
+        if self._loop.time() >= due:
+            w.set_result(True)
+        else:
+            self._timer = self._loop.call_at(due, self._check_silence)
+
+    def _stop_timer(self) -> None:
+        self.sink = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def aiter_raw(self) -> AsyncIterator[bytes]:
         return self  # its own iterator: one layer less per chunk than an async generator
@@ -212,6 +241,7 @@ class StreamResponse:
 
     def _release(self) -> None:
         if not self._closed:
+            self._stop_timer()
             self._closed = True
             self._conn.resp = None
             self._conn.pool._done(self._conn, reuse=self._keep and self._error is None)
@@ -224,6 +254,7 @@ class StreamResponse:
         if self.complete and self._error is None and not self._chunks:
             self._release()
             return
+        self._stop_timer()
         self._closed = True
         self._conn.resp = None
         if self._conn.transport is not None:
@@ -262,12 +293,15 @@ class StreamClient:
             f"content-length: {len(payload)}\r\n"
         ).encode("latin-1")
         request = head + self.headers + extra + b"\r\n" + payload
-        await _bounded(
-            self._slots.acquire(),
-            self.pool_timeout,
-            lambda: httpx.PoolTimeout("no connection to the engine came free in time"),
-            lambda _: self._slots.release(),
-        )
+        if not self._slots.locked():
+            await self._slots.acquire()  # free: returns without suspending (no task, no timer)
+        else:
+            await _bounded(
+                self._slots.acquire(),
+                self.pool_timeout,
+                lambda: httpx.PoolTimeout("no connection to the engine came free in time"),
+                lambda _: self._slots.release(),
+            )
         ok = False
         try:
             for attempt in range(2):
@@ -275,11 +309,10 @@ class StreamClient:
                 resp = StreamResponse(conn, self.read_timeout)
                 conn.resp = resp
                 conn.transport.write(request)
+                # the head's own future, failed by a timer: no asyncio.wait (sets, callbacks) per request
+                timer = resp._loop.call_later(self.read_timeout, resp._no_head)
                 try:
-                    done, _ = await asyncio.wait({resp._head}, timeout=self.read_timeout)
-                    if not done:
-                        raise httpx.ReadTimeout(f"the engine did not answer in {self.read_timeout:g}s")
-                    resp._head.result()
+                    await resp._head
                 except httpx.RemoteProtocolError:
                     if reused and attempt == 0 and not resp.headers:
                         continue  # the engine had closed that idle connection: once more, on a new one
@@ -288,6 +321,8 @@ class StreamClient:
                     conn.resp = None
                     conn.transport.close()
                     raise
+                finally:
+                    timer.cancel()
                 ok = True
                 return resp
             raise AssertionError("unreachable")

@@ -88,6 +88,35 @@ def test_image_volumes_do_not_exist_before_1_31() -> None:
     kubernetes_validate.validate(sts, "1.31.0", strict=True)
 
 
+def test_the_router_tokenizes_with_the_checkpoint_where_every_router_pod_can_mount_it() -> None:
+    """An image volume: the router mounts it read-only and gets --tokenizer (chat and text prompts
+    placed by what each engine holds); a claim (maybe ReadWriteOnce), a hostPath (one node), a
+    router image of its own or an engine chat template the router cannot see: no checkpoint."""
+    image = {"image": {"reference": "reg/ckpt:1"}}
+    spec = spec_of(model={"name": "m", "path": "/models/m", "volume": image})
+    dep = M.router_deployment(spec, OWNER)
+    kubernetes_validate.validate(dep, "1.31.0", strict=True)
+    pod = dep["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    cmd = container["command"]
+    assert cmd[cmd.index("--tokenizer") + 1] == "/models/m"
+    assert any(m["name"] == "model" and m["readOnly"] for m in container["volumeMounts"])
+    assert any(v["name"] == "model" and "image" in v for v in pod["volumes"])
+    for other in (
+        spec_of(),  # a claim
+        spec_of(model={"name": "m", "path": "/models/m", "volume": {"hostPath": {"path": "/data/m"}}}),
+        spec_of(model={"name": "m", "path": "/models/m", "volume": image}, router={"image": "reg/router:1"}),
+        spec_of(
+            model={"name": "m", "path": "/models/m", "volume": image},
+            engine={"image": "reg/dsv4:1", "args": ["--chat-template", "/etc/t.jinja"]},
+        ),
+    ):
+        dep = M.router_deployment(other, OWNER)
+        (container,) = dep["spec"]["template"]["spec"]["containers"]
+        assert "--tokenizer" not in container["command"]
+        assert all(m["name"] != "model" for m in container["volumeMounts"])
+
+
 def test_every_volume_source_validates() -> None:
     for volume in (
         {"persistentVolumeClaim": {"claimName": "m", "readOnly": False}},
