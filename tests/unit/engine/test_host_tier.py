@@ -49,7 +49,7 @@ def test_evicted_pages_come_back_from_host_and_outputs_do_not_change(tiny_model,
     # on CUDA: the host pool is pinned and every copy non_blocking on the step's stream
     args = dict(model=str(tiny_model), device=device, kv_pages=14, page_size=PAGE, max_num_seqs=2)
     if device == "cpu":
-        args["kernel_backend"] = "torch"
+        args["kernel_backend"] = "cpu"
     plain = Engine(EngineArgs(**args))
     want, plain_hits = rounds(plain)
     tiered = Engine(EngineArgs(**args, host_cache_gb=0.01))
