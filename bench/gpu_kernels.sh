@@ -11,7 +11,8 @@
 # interpreter on CPU, incl. tests/unit/kernels/test_gpu_oracles.py at real widths), then
 # bench/suites/kernels_bench.py: DeepSeek-V4 decode attention GB/s and % of memory bandwidth per
 # layer type (CSA / HCA / sliding, batch 1-128 x context 1k-64k; the acceptance point is CSA at
-# batch 64, 4k) and the V4 indexer; then mla_decode GB/s and MoE TFLOP/s against torch.
+# batch 64, 4k) and the V4 indexer; then mla_decode GB/s and MoE TFLOP/s against torch; then
+# bench/suites/kernel_paths.py: one CHECK line per path of issue 49 (docs/gpu-path.md lists them).
 #
 # engine: the capture-safety / host-sync / sampling tests on the GPU; then
 # bench/suites/engine_gpu_checks.py, one `CHECK name: PASS|FAIL ...` line each: the KV pool sized
@@ -22,7 +23,8 @@
 # bench/suites/engine_gpu_smoke.py on v4-tiny (bf16, seeded sampling, inter-token latency at
 # batch 1/8/32 with and without graphs). docs/gpu-path.md lists the expected lines.
 #
-# Writes OUT_DIR/kernel_tests.xml + .log, kernels_bench_v4.json, kernels_bench.json (kernels);
+# Writes OUT_DIR/kernel_tests.xml + .log, kernels_bench_v4.json, kernels_bench.json,
+# kernel_paths.json + .log (kernels);
 # engine_gpu_tests.xml + .log, engine_gpu_checks.json + .log, engine_gpu_smoke_v4.json (engine);
 # engine_gpu_smoke.json, engine_gpu_smoke_cuda1.json, engine_gpu_smoke_tp2.json (engine-v3, multi).
 # Needs python3 with a CUDA torch, triton, pytest (transformers for the HF comparisons); the
@@ -52,7 +54,7 @@ status=0
 parts="${PARTS:-kernels,engine}"
 has() { [[ ",$parts," == *",$1,"* ]]; }
 if has kernels; then
-# Budget: tests ~3 min with first-time JIT, benchmarks ~5 min; the time-outs add to 530 s.
+# Budget: tests ~3 min with first-time JIT, benchmarks ~5 min, paths ~1 min; the time-outs add to 590 s.
 timeout 210 "$py" -m pytest -q -p no:cacheprovider tests/unit/kernels \
     --junitxml "$out/kernel_tests.xml" 2>&1 | tee "$out/kernel_tests.log"
 rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "kernel tests failed (exit $rc)"; status=1; }
@@ -60,13 +62,24 @@ timeout 120 "$py" -m bench.suites.kernels_bench --only v4 --out "$out/kernels_be
 rc=$?; [ "$rc" -ne 0 ] && { echo "V4 benchmark failed (exit $rc)"; status=1; }
 timeout 200 "$py" -m bench.suites.kernels_bench --only v3 --out "$out/kernels_bench.json"
 rc=$?; [ "$rc" -ne 0 ] && { echo "benchmark failed (exit $rc)"; status=1; }
+# The paths that fill the device (issue 49), ~40 s with JIT: one `CHECK name: PASS|FAIL` line each.
+timeout 60 "$py" -m bench.suites.kernel_paths --out "$out/kernel_paths.json" > "$out/kernel_paths.log" 2>&1
+for path in indexer_split hc_pre_split moe_tp_rows fp4_native; do
+  grep -h "^CHECK $path: " "$out/kernel_paths.log" || echo "CHECK $path: FAIL (no line; see kernel_paths.log)"
+  grep -q "^CHECK $path: PASS" "$out/kernel_paths.log" || status=1
+done
 fi
 if has engine; then
-# Budget: the time-outs add to 540 s.
+# Budget: the time-outs add to 580 s.
 # Capture safety, host syncs and graph replay of the engine's decode, compiled (~1 min).
 timeout 110 "$py" -m pytest -q -p no:cacheprovider tests/unit/engine/test_cuda_graphs.py tests/unit/engine/test_host_syncs.py \
     tests/unit/engine/test_sampling_devices.py --junitxml "$out/engine_gpu_tests.xml" 2>&1 | tee "$out/engine_gpu_tests.log"
 rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "engine GPU tests failed (exit $rc)"; status=1; }
+# PD over VRAM: a NIXL write waits for the event after the kernel that wrote its page, not the stream.
+timeout 40 "$py" -m pytest -q -p no:cacheprovider \
+    "tests/integration/pd/test_nixl_transfer.py::test_a_write_from_vram_waits_for_the_kernel_that_wrote_its_page" \
+    2>&1 | tee "$out/pd_vram_ready.log"
+rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "PD VRAM ready-event test failed (exit $rc)"; status=1; }
 # Default KV sizing, graphs on by default, greedy equality with and without graphs, a dead device.
 timeout 200 "$py" -m bench.suites.engine_gpu_checks --preset v4-tiny --out "$out/engine_gpu_checks.json" 2>&1 \
     | tee "$out/engine_gpu_checks.log"
@@ -84,6 +97,10 @@ rc=$?; [ "$rc" -ne 0 ] && { echo "engine smoke failed (exit $rc)"; status=1; }
 # stream; outputs equal the no-tier engine's, then its copy cost per page (~1 min).
 timeout 120 "$py" -m pytest -q -p no:cacheprovider tests/unit/engine/test_host_tier.py 2>&1 | tee "$out/host_tier_tests.log"
 rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "host tier tests failed (exit $rc)"; status=1; }
+# The disk tier under it (--disk-cache-dir) on CUDA: a dropped pinned host page is synced, then written;
+# pages read back from files equal the no-tier engine's outputs (~1 min).
+timeout 120 "$py" -m pytest -q -p no:cacheprovider tests/unit/engine/test_disk_tier.py 2>&1 | tee "$out/disk_tier_tests.log"
+rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "disk tier tests failed (exit $rc)"; status=1; }
 timeout 60 "$py" -m bench.suites.kv_tiers_bench --copy-cost-only --out "$out/kv_tiers_copy"
 rc=$?; [ "$rc" -ne 0 ] && { echo "host tier copy cost failed (exit $rc)"; status=1; }
 fi

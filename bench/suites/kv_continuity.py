@@ -79,7 +79,7 @@ def start(side: str, model: Path, a: argparse.Namespace, logs: Path) -> tuple[st
     prefill = Server.dsv4(
         f"{side}-prefill", ["serve", *common, "--role", "prefill", "--port", pp, "--bootstrap-port", bp], pp, logs
     )
-    extra = ["--decode-local-prefill", local] if local else []
+    extra = ["--decode-local-prefill", local]  # 0 stated: the default is on
     decode = Server.dsv4(f"{side}-decode", ["serve", *common, "--role", "decode", "--port", dp, *extra], dp, logs)
     for s in (prefill, decode):
         s.wait_ready(300)

@@ -61,6 +61,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--noreuse-requests", type=int, default=32)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--noreuse-repeats", type=int, default=3, help="interleaved runs per side; the best counts")
+    p.add_argument(
+        "--sides",
+        default="device,host,full",
+        help="of device (the small pool alone), host (+ a host tier for the whole working set), disk (+ a "
+        "host tier of a quarter of it and a disk tier for the rest), full (a pool for everything)",
+    )
     p.add_argument("--quick", action="store_true", help="a short run (tests, smoke)")
     p.add_argument("--copy-cost-only", action="store_true", help="only the host tier's copy cost (GPU script)")
     p.add_argument("--out", type=Path, default=RESULTS / "kv_tiers")
@@ -157,12 +163,14 @@ def agent_figures(res: list[list[dict]]) -> dict:
     }
 
 
-def serve(name: str, model: Path, pages: int, host_gb: float, log_dir: Path) -> Server:
+def serve(name: str, model: Path, pages: int, host_gb: float, log_dir: Path, disk_gb: float = 0) -> Server:
     port = free_port()
     args = ["serve", "--model", model, "--port", port, "--kv-pages", pages, "--page-size", PAGE]
     args += ["--served-model-name", "m", "--max-num-seqs", 8]
     if host_gb:
         args += ["--host-cache-gb", host_gb]
+    if disk_gb:
+        args += ["--disk-cache-dir", log_dir / f"{name}-disk", "--disk-cache-gb", disk_gb]
     s = Server.dsv4(name, args, port, log_dir)
     s.wait_ready(180)
     return s
@@ -247,15 +255,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     }
     outputs = {}
     host_gb = None
-    for side, pages in (("device", small), ("host", small), ("full", working + small)):
-        probe = None
-        if side == "host":
-            probe = serve("probe", model, small, 0, logs)
-            pb = page_nbytes(probe.url)
-            probe.stop()
-            host_gb = round(1.25 * working * pb / (1 << 30), 4)
-            report["page_bytes"] = pb
-        s = serve(side, model, pages, host_gb if side == "host" else 0, logs)
+    sides = a.sides.split(",")
+    probe = serve("probe", model, small, 0, logs)
+    pb = page_nbytes(probe.url)
+    probe.stop()
+    host_gb = round(1.25 * working * pb / (1 << 30), 4)
+    report["page_bytes"] = pb
+    for side, pages in (("device", small), ("host", small), ("disk", small), ("full", working + small)):
+        if side not in sides:
+            continue
+        side_host = {"host": host_gb, "disk": round(working // 4 * pb / (1 << 30), 5)}.get(side, 0)
+        s = serve(side, model, pages, side_host, logs, disk_gb=host_gb if side == "disk" else 0)
         try:
             best = None
             for rep in range(a.repeats):
@@ -268,12 +278,25 @@ def main(argv: Optional[list[str]] = None) -> int:
             loads = httpx.get(s.url + "/v1/loads").json()["prefix_cache"]
             best["tiers"] = loads.get("tiers")
             best["pool_pages"] = pages
-            best["host_cache_gb"] = host_gb if side == "host" else 0
+            best["host_cache_gb"] = side_host
+            best["disk_cache_gb"] = host_gb if side == "disk" else 0
             report["sides"][side] = best
             print(side, json.dumps(best), flush=True)
         finally:
             s.stop()
-    report["outputs_equal_device_side"] = {k: v == outputs["device"] for k, v in outputs.items()}
+    first = next(iter(outputs))
+    report["outputs_equal_device_side" if first == "device" else f"outputs_equal_{first}_side"] = {
+        k: v == outputs[first] for k, v in outputs.items()
+    }
+    if not a.noreuse_requests:  # agents only (a rerun of some sides)
+        a.out.mkdir(parents=True, exist_ok=True)
+        report["copy_cost"] = copy_cost(pb)
+        report["targets"] = side_targets(report["sides"])
+        for t in report["targets"]:
+            print(f"{t['name']}: {t['value']} (target {t['target']}, met: {t['met']})")
+        write_json(report, a.out / "kv_tiers.json")
+        plot(report, a.out / "kv_tiers.png")
+        return 0
 
     # both engines up at once, runs interleaved (off, on, off, on, ...): the machine's load drifts
     walls: dict = {"off": [], "on": []}
@@ -323,6 +346,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
+def side_targets(sides: dict) -> list[dict]:
+    """Issue 41's agent targets for the tiers measured: cached share from round 2, TTFT vs device only."""
+    out = []
+    for tier in ("host", "disk"):
+        if tier not in sides:
+            continue
+        got = sides[tier]
+        out.append(target(f"cached share from round 2, {tier} tier", got["cached_share_from_round_2"], TARGET_SHARE))
+        if "device" in sides:
+            ratio = got["ttft_p50_ms_from_round_2"] / sides["device"]["ttft_p50_ms_from_round_2"]
+            out.append(target(f"TTFT p50 {tier} tier / device only", round(ratio, 3), TARGET_TTFT_RATIO, False))
+    return out
+
+
 def plot(report: dict, path: Path) -> None:
     plt = pyplot()
     sides = list(report["sides"])
@@ -335,7 +372,8 @@ def plot(report: dict, path: Path) -> None:
     w = report["workload"]
     fig.suptitle(
         f"{w['agents']} agents x {w['rounds']} rounds; device pool {report['device_pool_pages']} pages "
-        f"(working set {report['working_set_pages']}); no-reuse on/off {report['noreuse']['on_over_off']}"
+        f"(working set {report['working_set_pages']})"
+        + (f"; no-reuse on/off {report['noreuse']['on_over_off']}" if "noreuse" in report else "")
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)

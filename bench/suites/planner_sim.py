@@ -341,6 +341,44 @@ def plot(report: dict, runs: dict, spec: TraceSpec, path: Path) -> None:
     plt.close(fig)
 
 
+def trace_spec(minutes: float = 60.0, seed: int = 1, random_bursts: Optional[int] = None) -> TraceSpec:
+    """The trace: the bursts at minutes 13, 29 and 46 (scaled to `minutes`), or, with
+    `random_bursts`, three bursts of 3-4 minutes starting at minutes drawn uniformly from that seed."""
+    spec = TraceSpec(minutes=minutes, seed=seed)
+    if minutes < 60:
+        scale = minutes / 60
+        spec = TraceSpec(
+            minutes=minutes,
+            seed=seed,
+            bursts=tuple((s * scale, l) for s, l in spec.bursts),
+            mix_period_min=40 * scale,
+        )
+    if random_bursts is not None:
+        rng = random.Random(random_bursts)
+        starts = sorted(rng.uniform(2.0, minutes - 6.0) for _ in range(3))
+        lengths = [rng.uniform(3.0, 4.0) for _ in range(3)]
+        spec = TraceSpec(
+            **{**spec.__dict__, "bursts": tuple((round(a, 1), round(b, 1)) for a, b in zip(starts, lengths))}
+        )
+    return spec
+
+
+def planner_settings(ttft: float, itl: float, max_replicas: int, burst_factor: float) -> Settings:
+    """The planner's settings in the benchmark (the operator's defaults but these)."""
+    n = {"prefill": max_replicas, "decode": max_replicas}
+    return Settings(
+        interval_s=30.0,
+        ttft_target_s=ttft,
+        itl_target_s=itl,
+        min_replicas={"prefill": 1, "decode": 1},
+        max_replicas=n,
+        drain_timeout_s=120.0,
+        startup_s=180.0,
+        max_unavailable={"prefill": 2, "decode": 2},
+        burst_factor=burst_factor,
+    )
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=RESULTS / "planner")
@@ -364,37 +402,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     started = time.time()
     timing = calibrate()
-    spec = TraceSpec(minutes=args.minutes, seed=args.seed)
-    if args.minutes < 60:
-        scale = args.minutes / 60
-        spec = TraceSpec(
-            minutes=args.minutes,
-            seed=args.seed,
-            bursts=tuple((s * scale, l) for s, l in spec.bursts),
-            mix_period_min=40 * scale,
-        )
-    if args.random_bursts is not None:
-        rng = random.Random(args.random_bursts)
-        starts = sorted(rng.uniform(2.0, args.minutes - 6.0) for _ in range(3))
-        lengths = [rng.uniform(3.0, 4.0) for _ in range(3)]
-        spec = TraceSpec(
-            **{**spec.__dict__, "bursts": tuple((round(a, 1), round(b, 1)) for a, b in zip(starts, lengths))}
-        )
+    spec = trace_spec(args.minutes, args.seed, args.random_bursts)
     trace = make_trace(spec)
     log = lambda s: print(s, file=sys.stderr, flush=True)
     log(f"calibrated: decode {timing.decode}, prefill {timing.prefill}; {len(trace)} requests")
     lo, hi = {"prefill": 1, "decode": 1}, {"prefill": args.max_replicas, "decode": args.max_replicas}
-    settings = Settings(
-        interval_s=30.0,
-        ttft_target_s=args.ttft,
-        itl_target_s=args.itl,
-        min_replicas=lo,
-        max_replicas=hi,
-        drain_timeout_s=120.0,
-        startup_s=180.0,
-        max_unavailable={"prefill": 2, "decode": 2},
-        burst_factor=args.burst_factor,
-    )
+    settings = planner_settings(args.ttft, args.itl, args.max_replicas, args.burst_factor)
     planner = simulate(Planner(settings, {"prefill": 2, "decode": 2}), trace, timing, spec, args.ttft, args.itl)
     log(f"planner: {planner['sla_attainment']:.1%}, {planner['replica_minutes']}")
     burst_sweep = []
@@ -470,9 +483,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             < hpa["replica_minutes"]["total"],
         }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "planner_sim.json").write_text(json.dumps(report, indent=1, default=float))
+    stem = "planner_sim" + ("_random_bursts" if args.random_bursts is not None else "")
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=float))
     runs = {"planner": planner, "hpa": hpa, **({"static": static} if static else {})}
-    plot(report, runs, spec, args.out / "planner_sim.png")
+    plot(report, runs, spec, args.out / f"{stem}.png")
     log(
         json.dumps(
             {k: report[k] for k in ("planner", "best_static", "hpa_like_compared")} | {"goal": report.get("goal")},

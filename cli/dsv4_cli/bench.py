@@ -44,15 +44,30 @@ SUITES = {
         "~300-token tool result; TTFT per round and wall time, mono and PD, with and without the prefix cache "
         "(agents.json + agents.png).",
     ),
+    "frameworks": (
+        "frameworks_bench",
+        "Agent frameworks' own tool loops (OpenAI Agents SDK, instructor, LangChain; from the interpreter given by "
+        "--python) against dsv4 up: calls made and parsed, malformed, errors (frameworks/frameworks.json + .png).",
+    ),
     "kv_tiers": (
         "kv_tiers_bench",
-        "The host KV tier: agents over a device pool at 1/4 of their working set, device-only vs host tier "
-        "(cached share, TTFT p50), a no-reuse workload tier on vs off, the tier's copy cost (kv_tiers.json + .png).",
+        "The host and disk KV tiers: agents over a device pool at 1/4 of their working set, device-only vs "
+        "host tier vs disk tier (cached share, TTFT p50), a no-reuse workload tier on vs off, the tier's copy cost (kv_tiers.json + .png).",
     ),
     "kv-continuity": (
         "kv_continuity",
         "Does round N+1 of a conversation find round N's prompt and answer? Cached share per round and KV bytes "
         "moved prefill -> decode, mono and PD, through token ids and chat (kv_continuity.json + .png).",
+    ),
+    "agentperf": (
+        "agentperf",
+        "The headline: the most concurrent agents held while every round's TTFT p95 and output speed stay within "
+        "a declared tier, mono vs PD, before vs after issue 41 (agentperf.json + .png).",
+    ),
+    "decode-local-limit": (
+        "decode_local_limit",
+        "What --decode-local-prefill N trades: a round served by decode (TTFT, what its running streams pay) vs "
+        "via prefill, per tail length (decode_local_limit.json + .png).",
     ),
     "pd": (
         "pd_bench",
@@ -71,6 +86,16 @@ SUITES = {
     "nixl": (
         "nixl_pages",
         "NIXL KV-page transfer throughput between two processes vs an in-process memcpy.",
+    ),
+    "planner": (
+        "planner_sim",
+        "The PD planner in a simulated fleet (engine timing calibrated from bench/results): SLA minutes and "
+        "replica-minutes vs the best static split and an HPA-like rule (planner/planner_sim.json + .png).",
+    ),
+    "planner-seeds": (
+        "planner_seeds",
+        "The planner on the fixed trace and on random-burst traces, one per seed, vs the best static split "
+        "per trace and for every trace, and the HPA-like rule (planner/planner_seeds.json + .png).",
     ),
     "spec": (
         "spec_decode_bench",

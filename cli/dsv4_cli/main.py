@@ -3,6 +3,7 @@ that `dsv4 --help` stays fast and a command only pays for what it uses."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -208,6 +209,7 @@ def _serve(**given) -> None:
             _fail(str(e))
     if values["chat_template"] is not None and not Path(values["chat_template"]).is_file():
         _fail(f"{EngineFlags.CHAT_TEMPLATE}: no file {values['chat_template']}")
+    from dsv4_serve.chat.effort import profile_declared
     from dsv4_serve.chat.registry import reasoning_parser_name, tool_parser as _tool_parser
 
     from dsv4_engine.spec_decode.options import normalize_algorithm
@@ -218,6 +220,9 @@ def _serve(**given) -> None:
             _tool_parser(values["tool_call_parser"])
         if values["reasoning_parser"] is not None:
             reasoning_parser_name(values["reasoning_parser"])
+        config = json.loads((model / "config.json").read_text(encoding="utf-8"))
+        if isinstance(config, dict) and config.get("model_type") == "deepseek_v4":
+            profile_declared(str(model), config)  # a declared effort profile we do not know
     except ValueError as e:
         _fail(str(e))
     _read_command_inputs(declared, values, given)

@@ -49,6 +49,7 @@ from dsv4_engine.metrics import EngineMetrics
 from dsv4_engine.model_runner import ModelRunner, default_device
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.prefix_cache import PrefixCache
+from dsv4_engine.disk_tier import DiskTier, disk_tier_refusal
 from dsv4_engine.host_tier import build_host_tier, host_tier_refusal
 from dsv4_engine.session_pins import SessionPins, session_refusal
 from dsv4_engine.sampling import SamplingError, request_generator, skip_draw
@@ -326,13 +327,20 @@ class Engine:
             self.runner.snapshot_states = snaps.states if snaps is not None else None
             self.prefix_cache = PrefixCache(self.pool.allocator, page_size, snaps, boundary, in_forward, interval)
             self.prefix_cache.pins = SessionPins(num_pages, args.session_ttl, args.session_pin_share)
+            # a decode serving the next round itself must tell a continuation from a repeat
+            self.prefix_cache.record_tips = args.role == "decode"
             if self.spec is not None:
                 self.spec.cache_boundary = boundary  # drafts stop at boundaries (decode snapshots)
         refusal = host_tier_refusal(args.host_cache_gb, args.tp_size, self.prefix_cache_off)
         if refusal:
             raise ValueError(refusal)
+        refusal = disk_tier_refusal(args.disk_cache_dir, args.disk_cache_gb, args.host_cache_gb)
+        if refusal:
+            raise ValueError(refusal)
         if args.host_cache_gb > 0:
             self.prefix_cache.host = build_host_tier(self.pool, self.prefix_cache, args.host_cache_gb)
+            if args.disk_cache_dir is not None:
+                self.prefix_cache.host.disk = DiskTier(args.disk_cache_dir, int(args.disk_cache_gb * (1 << 30)))
         self.scheduler = Scheduler(
             self.pool.allocator,
             page_size,
@@ -760,9 +768,7 @@ class Engine:
     def accept_first_token(self, seq: Sequence, tok: int, logprob: Optional[dict] = None) -> None:
         """PD decode: the KV of the prompt has landed with the token prefill sampled (and, when
         the request asked for logprobs, that token's entry as prefill computed it)."""
-        try:
-            if self.tp is not None:  # the state landed on rank 0 only: the other ranks need it too
-                self.tp.send_state(self.pool, seq.pages[: -(-seq.num_computed // self.pool.page_size)], seq.slot)
+        try:  # at --tp-size > 1 every rank's pool received its share from prefill (pd.rank_pools)
             self._skip_first_draw(seq)
             self._append_token(seq, tok, logprob)
             if not seq.finished:
@@ -874,6 +880,8 @@ class Engine:
             m.set_tier("prefix_cache_tier_pages", "device", c.num_cached)
             if c.host is not None:
                 m.set_tier("prefix_cache_tier_pages", "host", c.host.num_used)
+                if c.host.disk is not None:
+                    m.set_tier("prefix_cache_tier_pages", "disk", c.host.disk.num_pages)
                 hh = self._host_hits_counted
                 if c.host.hit_tokens > hh:
                     m.inc_tier("prefix_cache_tier_hit_tokens", "host", c.host.hit_tokens - hh)
@@ -895,6 +903,8 @@ class Engine:
         out = {"device": {"pages": c.num_cached, "hit_tokens": c.hit_tokens - host}}
         if c.host is not None:
             out["host"] = c.host.stats()
+            if c.host.disk is not None:
+                out["disk"] = c.host.disk.stats()
         return out
 
     def _queued_prompt_tokens(self) -> int:

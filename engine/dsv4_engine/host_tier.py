@@ -90,17 +90,28 @@ class HostTier:
         self._lru: "OrderedDict[bytes, tuple[int, tuple]]" = OrderedDict()  # hash -> (slot, key tokens)
         self.on_evict = lambda h: None  # told when the host tier drops a page (kv events)
         self.stored = 0  # pages copied down
+        self.disk_restored = 0  # of the pages restored, those read from the disk tier
         self.restored = 0  # pages copied back up
         self.evicted = 0  # pages dropped from the host tier for room
         self.hit_tokens = 0  # prompt tokens served from here
         self.copy_s = 0.0  # engine-thread seconds spent copying (CUDA: enqueueing) pages either way
+        # The disk tier below (disk_tier.DiskTier): what this tier drops for room is written there
+        # and read back on a hit; None: dropped pages are lost.
+        self.disk = None
+        self.on_spill = lambda h: None  # told when a dropped page went to disk (kv events)
 
     @property
     def num_used(self) -> int:
         return len(self._lru)
 
     def holds(self, h: bytes) -> bool:
-        return h in self._lru
+        return h in self._lru or (self.disk is not None and self.disk.holds(h))
+
+    def _spill(self, h: bytes, key: tuple, states: dict[str, torch.Tensor], slot: int, suffix: str) -> bool:
+        """Write host slot `slot` of `states` to the disk tier before it is reused."""
+        if self.non_blocking:  # a copy down into this slot may still be in flight
+            torch.cuda.current_stream().synchronize()
+        return self.disk.put(h, key, {name: t[slot] for name, t in states.items()}, suffix)
 
     def put(self, h: bytes, key: tuple, page: int) -> bool:
         """Copy device page `page` (hash h, key tokens `key`) down; True when it is newly held."""
@@ -108,10 +119,12 @@ class HostTier:
             self._lru.move_to_end(h)
             return False
         if not self._free:
-            old, (slot, _) = self._lru.popitem(last=False)
+            old, (slot, old_key) = self._lru.popitem(last=False)
             self._free.append(slot)
             self.evicted += 1
             self.on_evict(old)
+            if self.disk is not None and self._spill(old, old_key, self.states, slot, ".page"):
+                self.on_spill(old)
         slot = self._free.pop()
         t0 = time.perf_counter()
         for name, t in self.device_states.items():
@@ -124,6 +137,8 @@ class HostTier:
     def take(self, h: bytes, key: tuple, page: int) -> bool:
         """Copy the page held under (h, key) into device page `page`; False when not held."""
         got = self._lru.get(h)
+        if got is None and self.disk is not None:
+            return self._from_disk(h, key, self.device_states, page, ".page")
         if got is None or got[1] != key:
             return False
         slot = got[0]
@@ -135,8 +150,24 @@ class HostTier:
         self.restored += 1
         return True
 
+    def _from_disk(self, h: bytes, key: tuple, dst: dict[str, torch.Tensor], index: int, suffix: str) -> bool:
+        """Read (h, key) from the disk tier into row `index` of `dst`; False on a miss or a bad file."""
+        got = self.disk.read(h, key, {name: t[index] for name, t in dst.items()}, suffix)
+        if got is None:
+            return False
+        t0 = time.perf_counter()
+        for name, t in dst.items():
+            t[index].copy_(got[name])  # from pageable memory: synchronous, as the read was
+        self.copy_s += time.perf_counter() - t0
+        if suffix == ".page":
+            self.restored += 1
+            self.disk_restored += 1
+        else:
+            self.snapshots_restored += 1
+        return True
+
     def holds_snapshot(self, h: bytes) -> bool:
-        return h in self._snap_lru
+        return h in self._snap_lru or (self.disk is not None and self.disk.holds(h, ".snap"))
 
     def put_snapshot(self, h: bytes, snap: int) -> None:
         """Copy the device snapshot `snap` (of the boundary page hashed h) down."""
@@ -146,8 +177,10 @@ class HostTier:
             self._snap_lru.move_to_end(h)
             return
         if not self._snap_free:
-            _, slot = self._snap_lru.popitem(last=False)
+            old, slot = self._snap_lru.popitem(last=False)
             self._snap_free.append(slot)
+            if self.disk is not None:
+                self._spill(old, (), self.snap_states, slot, ".snap")
         slot = self._snap_free.pop()
         t0 = time.perf_counter()
         for name, t in self.snapshot_src.items():
@@ -160,7 +193,7 @@ class HostTier:
         """Copy the snapshot held under h into slot row `row` of `rows` (a request's own)."""
         slot = self._snap_lru.get(h)
         if slot is None:
-            return False
+            return self.disk is not None and self._from_disk(h, (), rows, row, ".snap")
         t0 = time.perf_counter()
         for name, t in rows.items():
             t[row].copy_(self.snap_states[name][slot], non_blocking=self.non_blocking)
@@ -178,6 +211,7 @@ class HostTier:
             "evicted": self.evicted,
             "hit_tokens": self.hit_tokens,
             "copy_seconds": round(self.copy_s, 4),
+            **({"restored_from_disk": self.disk_restored} if self.disk is not None else {}),
             **(
                 {
                     "snapshots": len(self._snap_lru),

@@ -55,8 +55,13 @@ def page_hash(parent: Optional[bytes], key: tuple) -> bytes:
     return chain_hash(parent, key)
 
 
+# Conversations remembered ending at one page (PD decode): a shared prefix that many short
+# requests end at keeps only the latest few.
+TIPS_PER_PAGE = 4
+
+
 class _Node:
-    __slots__ = ("tokens", "parent", "page", "children", "last_use", "depth", "snapshot", "hash")
+    __slots__ = ("tokens", "parent", "page", "children", "last_use", "depth", "snapshot", "hash", "tips")
 
     def __init__(self, tokens: tuple, parent: Optional["_Node"], page: int):
         self.tokens = tokens
@@ -67,6 +72,10 @@ class _Node:
         self.depth = parent.depth + 1 if parent is not None else 0  # pages from the root, this one included
         self.snapshot: Optional[int] = None  # slot-row snapshot at this node's end (models with slot states)
         self.hash: Optional[bytes] = None  # the contract's page hash (dsv4_wire.kv_events), when published
+        # PD decode: the tokens past this page of requests that ended with it as their deepest
+        # cached page (rest of prompt + answer): a request starting with one continues that
+        # conversation (pd.continuation); None until one ends here
+        self.tips: Optional[list[tuple]] = None
 
 
 class PrefixCache:
@@ -113,6 +122,8 @@ class PrefixCache:
         # come back on a hit; None: evicted pages are lost.
         self.host = None
         self._host_hit = 0  # tokens the last attach took from the host tier
+        # PD decode (--decode-local-prefill): remember where each request ended (_Node.tips)
+        self.record_tips = False
         allocator.cache = self
 
     # ---- what the allocator asks (PageKeeper) ------------------------------------------------
@@ -468,6 +479,10 @@ class PrefixCache:
         A named session's chain stays pinned for its TTL (session_pins.py)."""
         if self.pins is not None and seq.params.session and seq.cache_node is not None:
             self._pin(seq)
+        if self.record_tips and seq.cache_node is not None:
+            node = seq.cache_node
+            tip = tuple(seq.token_at(j) for j in range(node.depth * self.page_size, seq.num_tokens))
+            node.tips = [t for t in (node.tips or []) if t != tip][-(TIPS_PER_PAGE - 1) :] + [tip]
         seq.cache_node = None
         seq.num_cached_pages = 0
         seq.snapshot_node = None

@@ -1,10 +1,12 @@
 """The engine's routes of the agent harnesses' APIs: OpenAI's Responses (`/v1/responses`, and
-GET/DELETE of a stored response) and Anthropic's Messages (`/v1/messages`), each translated onto
+GET/DELETE of a stored response) and Anthropic's Messages (`/v1/messages`, and
+`/v1/messages/count_tokens`: the prompt that request would have, counted), each translated onto
 the chat-completions path (`dsv4_wire.agent_apis`): same validation, renderers, parsers and
 grammars as `/v1/chat/completions`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -14,7 +16,17 @@ from fastapi.responses import Response, StreamingResponse
 
 from dsv4_serve.serving import OpenAIServing, internal_error
 from dsv4_wire import APIError, Paths
-from dsv4_wire.agent_apis.edge import MESSAGES, RESPONSES, AgentCall, messages_call, refusal, responses_call, stored
+from dsv4_wire.agent_apis.edge import (
+    MESSAGES,
+    RESPONSES,
+    AgentCall,
+    count_tokens_chat,
+    counted,
+    messages_call,
+    refusal,
+    responses_call,
+    stored,
+)
 from dsv4_wire.agent_apis.store import ResponseStore
 from dsv4_wire.api_keys import caller_name
 
@@ -65,3 +77,13 @@ def add_agent_routes(app: FastAPI, serving: OpenAIServing) -> None:
     @app.post(Paths.MESSAGES)
     async def messages(http: Request):
         return await serve(MESSAGES, http)
+
+    @app.post(Paths.MESSAGES_COUNT_TOKENS)
+    async def count_tokens(http: Request):
+        try:
+            chat = count_tokens_chat(await http.body())
+            # rendering and tokenising a long conversation is CPU work: off the event loop
+            tokens = await asyncio.to_thread(serving.count_chat_tokens, json.dumps(chat).encode())
+        except APIError as e:
+            return _json(*refusal(MESSAGES, e))
+        return _json(200, counted(tokens))

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from typing import Optional
 
 from dsv4_engine.tokenizer import Tokenizer
 from dsv4_serve.chat import ChatOptions, ChatSetup, default_setup, render, with_overrides
+from dsv4_serve.chat.effort import profile_declared
 from dsv4_serve.chat.pieces import Rendered
 from dsv4_serve.protocol import ChatCompletionRequest, CompletionRequest
 from dsv4_wire import APIError
@@ -27,12 +29,15 @@ def chat_setup(
 
     try:
         with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-            model_type = json.load(f).get("model_type")
+            config = json.load(f)
     except (OSError, ValueError):
-        model_type = None
+        config = {}
+    model_type = config.get("model_type") if isinstance(config, dict) else None
     setup = default_setup(
         model_type, tokenizer.backend.get_vocab(with_added_tokens=True), tokenizer.chat_template, CHAT_TEMPLATE
     )
+    if setup.effort_profile == "v4":  # V4's tiers changed with its encoder: the checkpoint's own
+        setup = replace(setup, effort_profile=profile_declared(model_dir, config))
     template = None
     if chat_template is not None:
         with open(chat_template, encoding="utf-8") as f:
@@ -60,6 +65,7 @@ def render_chat(
         tools=tools or None,
         thinking=req.thinking(),
         reasoning_effort=req.reasoning_effort,
+        effort_profile=setup.effort_profile,
         add_generation_prompt=req.add_generation_prompt,
         template_kwargs=dict(req.chat_template_kwargs or {}),
     )

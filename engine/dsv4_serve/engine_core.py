@@ -450,6 +450,10 @@ def main(argv: list[str]) -> None:
         engine.prefix_cache.journal = engine.kv_journal
         if engine.prefix_cache.host is not None:
             engine.prefix_cache.host.on_evict = lambda h: engine.kv_journal.evicted("host", h)
+            disk = engine.prefix_cache.host.disk
+            if disk is not None:
+                engine.prefix_cache.host.on_spill = lambda h: engine.kv_journal.stored("disk", h)
+                disk.on_evict = lambda h: engine.kv_journal.evicted("disk", h)
     core = CoreServer(engine, conn)
     profile = switches.read("DSV4_CORE_PROFILE")
     if profile:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from dsv4_wire import APIError, Paths, admin_refusal
+from dsv4_wire.paths import ANTHROPIC_PATHS
 from dsv4_wire.auth import token_matches
 from dsv4_wire.agent_apis.messages_output import error_body
 from dsv4_wire.serve_options import default
@@ -34,7 +35,7 @@ class Lifecycle:
 
 async def send_error(send, e: APIError, headers: tuple = (), path: str = "") -> None:
     # Anthropic's route answers in Anthropic's shape, at the door too
-    body = json.dumps(error_body(e.status, e.message) if path == Paths.MESSAGES else e.body()).encode()
+    body = json.dumps(error_body(e.status, e.message) if path in ANTHROPIC_PATHS else e.body()).encode()
     await send(
         {
             "type": "http.response.start",

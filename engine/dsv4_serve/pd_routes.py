@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
-from dsv4_engine.pd.messages import AbortRoom, RegisterRoom
+from dsv4_engine.pd.messages import AbortRoom, RegisterRoom, registration_answer
 from dsv4_serve.admin import error_response, require_admin, require_token
 from dsv4_serve.gate import Gate, Lifecycle
 from dsv4_wire import APIError, Paths
@@ -86,7 +86,7 @@ def build_bootstrap_app(engine, args) -> FastAPI:
             ctl.register(RegisterRoom.of(body))
         except ValueError as e:
             raise APIError(f"bad registration: {e}") from None
-        return {"ok": True, "boot_id": ctl.boot_id}
+        return registration_answer(ctl.boot_id)
 
     @app.post(Paths.BOOTSTRAP_ABORT)
     async def abort(http: Request):

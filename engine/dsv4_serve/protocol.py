@@ -549,7 +549,8 @@ class ChatCompletionRequest(_Common):
 
     def thinking(self) -> bool:
         """Thinking mode: chat_template_kwargs' `thinking` / `enable_thinking`, else on when a
-        reasoning_effort other than "none" is given (off by default, as SGLang)."""
+        reasoning_effort other than "none" is given (off by default, as SGLang); the tier an effort
+        lands on is the checkpoint's (chat/effort.py)."""
         kw = self.chat_template_kwargs or {}
         for key in ("thinking", "enable_thinking"):
             if key in kw:

@@ -323,6 +323,13 @@ class OpenAIServing:
         outputs = [ChatOutput(parser, reasoning, req.parallel_tool_calls is not False) for _ in seqs]
         return Prepared(req, seqs, rid, chat=True, outputs=outputs)
 
+    def count_chat_tokens(self, body: bytes) -> int:
+        """A chat body's prompt tokens, rendered and tokenized as prepare_chat renders them
+        (Anthropic's count_tokens); the same 400s and 404 as a real request."""
+        req = parse_request(ChatCompletionRequest, body)
+        self._check_model(req)
+        return len(render_chat(self.chat_setup, self.tokenizer, req, self.max_model_len, self._max_token_chars)[1])
+
     def _chat_ids(self, pieces, salt: Optional[str], plain: list[int]) -> tuple[list[int], Optional[list[int]]]:
         """A rendered chat prompt's ids (`plain`: as tokenized), with the answers this engine
         generated spliced in as their generated ids (chat/answer_memo.py); and, on a PD decode that

@@ -41,9 +41,11 @@ from dsv4_operator.manifests import (
     contains,
     engine_statefulset,
     selector_labels,
+    workload_kind,
 )
 from dsv4_operator.pinning import pinned_revision
 from dsv4_operator.watchdog.pods import engine_pod
+from dsv4_operator.workload_form import lws_served
 from dsv4_operator.watchdog.evidence import DEPLOYMENT_LABEL, EVIDENCE_LABEL
 
 TICK_SECONDS = 1.0
@@ -140,7 +142,7 @@ class CanaryRun:
         if pinned_revision(annotations, int(self.body["metadata"].get("generation") or 0)):
             return  # a rollback pin rules the children: no canary under it
         record = plan.CanaryRecord.from_annotations(annotations)
-        step = plan.next_step(record, self.name, spec, raw)
+        step = plan.next_step(record, self.name, spec, raw, await self.live_replicas(spec))
         if step.action == "baseline":
             await self.write(plan.with_baseline(record, raw))
         elif step.action == "skip":
@@ -152,6 +154,19 @@ class CanaryRun:
         elif step.action == "probe":
             assert record is not None and step.state is not None
             await self.probe(spec, raw, record, step.state)
+
+    async def live_replicas(self, spec: S.DSV4DeploymentSpec) -> dict[str, int]:
+        """The replicas of the engine roles whose count the planner or an autoscaler sets, read from
+        their workloads (a role whose workload is not there yet is left out)."""
+        out: dict[str, int] = {}
+        for role in ("prefill", "decode"):
+            if not spec.replicas_from_workload(role):
+                continue
+            api_version, kind = workload_kind(spec, role, await lws_served(self.api))
+            live = await self.api.get(api_version, kind, self.namespace, child_name(self.name, role))
+            if live is not None:
+                out[role] = int((live.get("spec") or {}).get("replicas") or 0)
+        return out
 
     async def probe(
         self, spec: S.DSV4DeploymentSpec, raw: dict, record: plan.CanaryRecord, state: plan.CanaryState
@@ -278,7 +293,7 @@ class CanaryRun:
         # the engines and the routers hold different tokens: each call carries the one its target checks
         token, router_token = tokens.get(ADMIN_TOKEN_KEY), tokens.get(ROUTER_ADMIN_TOKEN_KEY)
         urls = {"routers": router_list, "canary": canary_url.url, "role": state.role, "router_token": router_token}
-        if spec.role(state.role).replicas > 1:  # with one replica it keeps its traffic: nothing else could serve it
+        if (plan.pod_ordinal(state.pod) or 0) > 0:  # the only replica keeps its traffic: nothing else could serve it
             await self.set_canary_flag(urls, True, c.traffic_percent)
         settings = probe_settings(c)
         router = router_list[0]

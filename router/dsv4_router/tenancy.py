@@ -19,6 +19,7 @@ from typing import Callable, Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from dsv4_wire import APIError, Paths
+from dsv4_wire.paths import ANTHROPIC_PATHS
 from dsv4_wire.agent_apis.messages_output import error_body
 from dsv4_wire.api_keys import ApiKey, caller_key
 
@@ -214,7 +215,7 @@ def key_limit_error(why: str, wait: int) -> APIError:
 async def _too_many(send, why: str, wait: int, path: str) -> None:
     e = key_limit_error(why, wait)
     # Anthropic's route answers in Anthropic's shape
-    body = json.dumps(error_body(429, e.message) if path == Paths.MESSAGES else e.body()).encode()
+    body = json.dumps(error_body(429, e.message) if path in ANTHROPIC_PATHS else e.body()).encode()
     await send(
         {
             "type": "http.response.start",

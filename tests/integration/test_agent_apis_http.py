@@ -196,3 +196,28 @@ def test_messages_errors_are_anthropic_shaped_and_keys_ride_x_api_key(urls):
     # the router counts them under the path the client called
     metrics = httpx.get(f"{urls['router']}/metrics", timeout=30).text
     assert 'dsv4_router:requests_total{endpoint="/v1/messages"}' in metrics
+
+
+@pytest.mark.parametrize("where", ["mono", "router"])
+def test_messages_count_tokens_is_the_prompt_the_request_has(urls, where):
+    """`messages.count_tokens` counts the prompt `messages.create` gets: same translation, same
+    template (tools, tool_choice, thinking, a tool round), the cache's share included."""
+    client = claude(urls[where])
+    msgs = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}, {"type": "text", "text": "And Rome?"}]},
+    ]  # fmt: skip
+    prompt = dict(model="m", system="Use the tool.", messages=msgs, tools=ATOOLS, tool_choice={"type": "auto"})
+    for thinking in ({"type": "disabled"}, {"type": "enabled", "budget_tokens": 1}):
+        n = client.messages.count_tokens(**prompt, thinking=thinking).input_tokens
+        m = client.messages.create(**prompt, thinking=thinking, max_tokens=2, extra_body={"temperature": 0})
+        assert n == m.usage.input_tokens + m.usage.cache_read_input_tokens
+    bare = client.messages.count_tokens(model="m", messages=msgs[:1]).input_tokens
+    assert 0 < bare < n  # the tools prompt and the tool round are counted
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.count_tokens(model="m", messages=[{"role": "user", "content": [{"type": "image"}]}])
+    assert e.value.body["type"] == "error" and "image" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.messages.count_tokens(model="other", messages=msgs[:1])
+    assert e.value.body["error"]["type"] == "not_found_error"

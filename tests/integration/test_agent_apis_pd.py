@@ -92,3 +92,19 @@ def test_reasoning_items_and_thinking_blocks_through_pd_equal_mono(cluster):
         assert m.content[0].type == "thinking"
         got[where] = (text, strip(m))
     assert got["pd"] == got["mono"]
+
+
+@pytest.mark.slow
+def test_count_tokens_through_pd_is_the_prompt_mono_gets(cluster):
+    """The router has an engine of the PD pair count; the V4 prompt with tools and thinking on its
+    0731 high tier counts what the request's usage says."""
+    kw = dict(model="m", system="Use the tool.", messages=[{"role": "user", "content": "Weather?"}], tools=ATOOLS,
+              thinking={"type": "adaptive"}, output_config={"effort": "high"})  # fmt: skip
+    counts = []
+    for url in (cluster.r_url, cluster.m_url):
+        client = anthropic.Anthropic(base_url=url, api_key="none", timeout=300, max_retries=0)
+        counts.append(client.messages.count_tokens(**kw).input_tokens)
+        m = client.messages.create(**kw, max_tokens=8, extra_body={"temperature": 0})
+        assert counts[-1] == m.usage.input_tokens + m.usage.cache_read_input_tokens
+    low = client.messages.count_tokens(**{**kw, "output_config": {"effort": "low"}})
+    assert counts[0] == counts[1] > low.input_tokens  # the high tier's effort prompt is counted

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
 from dsv4_wire.auth import bearer_token
-from dsv4_wire.paths import Paths
+from dsv4_wire.paths import ANTHROPIC_PATHS, Paths
 
 # Open, as vLLM leaves health and metrics open; /v1/loads is the operator's live view (the
 # admin token guards it where one is set).
@@ -135,7 +135,7 @@ class ApiKeyGate:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers") or []}
         found = self.ring.identify(headers)
         if found is None:
-            body = UNAUTHORIZED_ANTHROPIC if scope["path"] == Paths.MESSAGES else UNAUTHORIZED
+            body = UNAUTHORIZED_ANTHROPIC if scope["path"] in ANTHROPIC_PATHS else UNAUTHORIZED
             await send(
                 {
                     "type": "http.response.start",

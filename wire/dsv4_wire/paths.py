@@ -9,6 +9,7 @@ class Paths:
     # the agent harnesses' APIs, translated onto chat completions (dsv4_wire.agent_apis)
     RESPONSES = "/v1/responses"  # OpenAI Responses; GET/DELETE /v1/responses/{id} for stored ones
     MESSAGES = "/v1/messages"  # Anthropic Messages
+    MESSAGES_COUNT_TOKENS = "/v1/messages/count_tokens"  # Anthropic's prompt token count
     # live state (every engine)
     HEALTH = "/health"
     READY = "/ready"
@@ -30,3 +31,7 @@ class Paths:
     BOOTSTRAP_REGISTER = "/bootstrap/register"
     BOOTSTRAP_ABORT = "/bootstrap/abort"
     BOOTSTRAP_HEARTBEAT = "/bootstrap/heartbeat"
+
+
+# Paths that answer in Anthropic's shape (errors at the door too)
+ANTHROPIC_PATHS = frozenset({Paths.MESSAGES, Paths.MESSAGES_COUNT_TOKENS})

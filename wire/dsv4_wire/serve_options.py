@@ -108,6 +108,21 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         min=0,
     ),
     _O(
+        "disk_cache_dir",
+        str,
+        None,
+        "Disk tier under the host tier: pages (and V4 snapshots) the host tier drops go to files here and come "
+        "back on a prefix hit (needs --host-cache-gb and --disk-cache-gb; emptied at start; refused when a "
+        "symlink, not ours or world-writable).",
+    ),
+    _O(
+        "disk_cache_gb",
+        float,
+        0.0,
+        "Bound of the disk tier in GiB (with --disk-cache-dir); its least recently used files go first.",
+        min=0,
+    ),
+    _O(
         "session_ttl",
         float,
         30.0,
@@ -133,11 +148,11 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     _O(
         "decode_local_prefill",
         int,
-        0,
+        2048,
         "PD decode: keep a prefix cache of finished requests (prompt + answer) and serve a request "
         "itself, with neither prefill nor KV transfer, when that cache holds all of it but at most N tokens "
-        "(the next round of a conversation: the new turn); 0 = off (decode receives every page from "
-        "prefill). docs/prefix-caching.md, PD.",
+        "(the next round of a conversation: the new turn, a tool result); 0 = off (decode keeps no cache and "
+        "receives every page from prefill). docs/prefix-caching.md, PD.",
         min=0,
     ),
     _O(

@@ -287,16 +287,13 @@ class TPGroup:
         finally:
             self._busy_since = None
 
-    def send_state(self, pool, pages: list[int], slot) -> None:
-        """PD decode: a request's state landed in rank 0's pool only; every rank keeps the full
-        state (replicated latent / attention), so rank 0 copies those pages (and its slot row) to
-        the others. One region per state, sent once by the rank that received it."""
-        with self.step("copying a landed request's state to the other ranks"):
-            header, payload = wire.state_message(pages, slot)
-            dist.broadcast(header, 0, group=self.rank.control)
-            dist.broadcast(payload, 0, group=self.rank.control)
-            for region in state_regions(pool, pages, slot):
-                dist.broadcast(region.contiguous(), 0, group=self.rank.compute)
+    def gather_rank_pools(self, desc: dict) -> list[dict]:
+        """PD decode: every rank registers its own pool with its own KV transport, and rank 0
+        learns their descriptors (`desc`: its own; returned: every rank's, rank 0's first), which
+        prefill then writes each rank's share into (`pd.rank_pools`)."""
+        with self.step("registering every rank's KV pool for PD", timed=False):
+            dist.broadcast(wire.op_header(wire.OP_PD_POOLS), 0, group=self.rank.control)
+            return gather_descriptors(desc, self.rank)
 
     def send_snapshot_copy(self, kind: str, snap: int, row: int) -> None:
         """Prefix cache (V4): rank 0 copied a slot row into a snapshot or back; every rank keeps
@@ -445,36 +442,18 @@ def agree_failure(failure: Optional[str], rank: TPRank) -> Optional[str]:
     return None
 
 
+def gather_descriptors(desc: dict, rank: TPRank) -> list[dict]:
+    """Every rank's transport descriptor, in rank order, on every rank."""
+    out: list[Optional[dict]] = [None] * dist.get_world_size(rank.control)
+    dist.all_gather_object(out, desc, group=rank.control)
+    return out
+
+
 def all_ranks_agree(ok: bool, rank: TPRank) -> bool:
     """True on every rank when `ok` is true on every rank (a MIN over the control group)."""
     flag = torch.tensor([int(bool(ok))], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=rank.control)
     return bool(flag.item())
-
-
-def state_regions(pool, pages: list[int], slot) -> list[torch.Tensor]:
-    """A request's state as the tensors rank 0 sends, in a fixed order every rank agrees on."""
-    idx = torch.tensor(pages, dtype=torch.long, device=pool.tensor.device)
-    out = [pool.states[name].index_select(0, idx) for name in sorted(pool.states)]
-    if slot is not None:
-        out += [pool.slot_states[name][slot] for name in sorted(pool.slot_states)]
-    return out
-
-
-def receive_state(pool, rank: TPRank, pages: list[int], slot) -> None:
-    """The other ranks' side of `TPGroup.send_state`: write the regions into their own pool."""
-    idx = torch.tensor(pages, dtype=torch.long, device=pool.tensor.device)
-    for name in sorted(pool.states):
-        t = pool.states[name]
-        buf = torch.empty((len(pages), *t.shape[1:]), dtype=t.dtype, device=t.device)
-        dist.broadcast(buf, 0, group=rank.compute)
-        t.index_copy_(0, idx, buf)
-    if slot is not None:
-        for name in sorted(pool.slot_states):
-            row = pool.slot_states[name][slot]
-            buf = torch.empty_like(row)
-            dist.broadcast(buf, 0, group=rank.compute)
-            row.copy_(buf)
 
 
 class BroadcastForward:

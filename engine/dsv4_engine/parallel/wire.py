@@ -14,7 +14,9 @@ OP, TOKENS, REQS, MAX_PAGES, ALL_DECODE, HAS_SLOTS, PAGE_SIZE, PAYLOAD = range(H
 # Operations. OP_CAPTURE: capture the decode graphs now (REQS: the largest bucket); OP_GRAPH: a
 # decode step replayed from them, its host arrays as a batch payload (REQS rows, MAX_PAGES wide).
 # OP_SNAPSHOT: a prefix-cache snapshot copy between a slot row and a snapshot row (V4).
-OP_FORWARD, OP_STOP, OP_STATE, OP_CAPTURE, OP_GRAPH, OP_SNAPSHOT = 1, 2, 3, 4, 5, 6
+# OP_PD_POOLS: PD decode, once at start-up: every rank registers its pool with its own KV transport
+# and the ranks swap descriptors (an all-gather on the control group; `pd.rank_pools`).
+OP_FORWARD, OP_STOP, OP_PD_POOLS, OP_CAPTURE, OP_GRAPH, OP_SNAPSHOT = 1, 2, 3, 4, 5, 6
 SNAPSHOT_COPIES = ("save", "restore")  # payload [kind index, snapshot, slot row]
 # Speculative decoding (dsv4_engine.parallel.spec): OP_SPEC_TARGET, the target's forward over a
 # step's tokens (a batch payload); OP_SPEC_MTP, one forward of the MTP block (a batch payload, then
@@ -25,18 +27,11 @@ HIDDEN_DTYPES = ("float32", "bfloat16", "float16")
 HIDDEN_META_LEN = 6  # [dtype index, ndim, dims padded with 0]
 
 
-def state_message(pages: list[int], slot) -> tuple[torch.Tensor, torch.Tensor]:
-    """(header, payload) announcing a request's state that landed on rank 0 (PD decode): its
-    pages, then its slot row (-1: none). The state tensors follow, one broadcast per state."""
-    payload = torch.tensor([*pages, -1 if slot is None else slot], dtype=torch.int64)
-    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    header[OP], header[PAYLOAD] = OP_STATE, payload.numel()
-    return header, payload
-
-
-def unpack_state(payload: torch.Tensor) -> tuple[list[int], "int | None"]:
-    ids = payload.tolist()
-    return ids[:-1], (None if ids[-1] < 0 else ids[-1])
+def op_header(op: int) -> torch.Tensor:
+    """The header of an operation that carries no payload."""
+    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    h[OP] = op
+    return h
 
 
 def snapshot_message(kind: str, snap: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,9 +49,7 @@ def unpack_snapshot(payload: torch.Tensor) -> tuple[str, int, int]:
 
 
 def stop_header() -> torch.Tensor:
-    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    h[OP] = OP_STOP
-    return h
+    return op_header(OP_STOP)
 
 
 def ring_message(op: int, names: list[int], ints: "list[int] | None") -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,9 +25,9 @@ from dsv4_engine.parallel import wire
 from dsv4_engine.parallel.group import (
     agree_failure,
     all_ranks_agree,
+    gather_descriptors,
     join,
     rank_device,
-    receive_state,
     tightest_memory,
 )
 from dsv4_engine.parallel.layout import NodeLayout
@@ -115,15 +115,23 @@ def serve_rank(spec: dict) -> None:
         else {}
     )
     header = torch.zeros(wire.HEADER_LEN, dtype=torch.int64)
+    relay = None  # PD decode: this rank's own KV transport and its notification relay to rank 0
     while True:
         dist.broadcast(header, 0, group=rank.control)
         op = int(header[wire.OP])
         if op == wire.OP_STOP:
+            if relay is not None:
+                relay.close()
             return
         if op == wire.OP_CAPTURE:  # at start-up, with every other rank: all keep graphs or none
             runner.enable_graphs(int(header[wire.REQS]))
             if not all_ranks_agree(runner.capture_graphs(pool, lambda f: agree_failure(f, rank)), rank):
                 runner.drop_graphs()
+            continue
+        if op == wire.OP_PD_POOLS:  # PD decode: this rank's pool receives its share from prefill itself
+            from dsv4_engine.pd.rank_pools import RankRelay
+
+            relay = RankRelay.start(pool, shard.rank, lambda desc: gather_descriptors(desc, rank))
             continue
         payload = torch.empty(wire.payload_len(header), dtype=torch.int64)
         dist.broadcast(payload, 0, group=rank.control)
@@ -136,8 +144,6 @@ def serve_rank(spec: dict) -> None:
         elif op == wire.OP_GRAPH:
             runner._states = pool.all_states
             runner.graphs.step(wire.unpack_host(header, payload))
-        elif op == wire.OP_STATE:
-            receive_state(pool, rank, *wire.unpack_state(payload))
         elif op == wire.OP_SNAPSHOT:
             if not snapshots:
                 raise RuntimeError("rank 0 copied a prefix-cache snapshot, but announced none")

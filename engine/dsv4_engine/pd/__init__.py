@@ -50,6 +50,9 @@ def attach_role(engine, args) -> None:
     states = PoolStates.of_pool(engine.pool)  # paged regions and slot rows alike
     agent = KVTransferAgent(f"{args.role}-{BOOT_ID}", states, default_timeout_s=None)
     channel = HttpChannel(engine.call, headers=authorization_header(getattr(args, "pd_secret", None)))
+    # A decode over several ranks: each rank's pool gets its own agent, named in every registration
+    decode_tp = engine.tp is not None and args.role == "decode"
+    rank_descs = engine.tp.gather_rank_pools(agent.descriptor())[1:] if decode_tp else []
     engine.pd = Controller(
         engine,
         PDSettings.from_args(args),
@@ -58,6 +61,8 @@ def attach_role(engine, args) -> None:
         deadlines=Deadlines(args.deadlines, faults),
         faults=faults,
     )
+    if decode_tp:
+        engine.pd.rank_descs = rank_descs
 
 
 __all__ = ["BOOT_ID", "FaultInjector", "PDRequestInfo", "PDSettings", "attach_role", "bootstrap_target"]

@@ -20,6 +20,10 @@ prefills and writes as soon as it has the registration, while the answer still w
 of decode's outbound HTTP threads or in its inbox. A notification for a room still registering
 is kept and applied the moment the registration completes (dropping it left the request
 waiting until its deadline: 1-8 in 200 under ~200 concurrent PD requests).
+
+A decode over several TP ranks names every rank's own pool in the registration; prefill writes
+each rank's share there and the request lands once every rank's notification is in
+(`pd.rank_pools`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from dsv4_engine.pd.checksum import checksum_mismatch, region_checksums
 from dsv4_engine.pd.common import HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, PDController
 from dsv4_engine.pd.continuation import cached_prefix_tokens, serve_locally
 from dsv4_engine.pd.messages import RegisterRoom, TransferNote
+from dsv4_engine.pd.rank_pools import missing_ranks, rank_refusal
 from dsv4_engine.pd.request_info import PDState
 from dsv4_engine.sequence import Sequence
 
@@ -56,7 +61,12 @@ class DecodeController(PDController):
         self.prealloc: deque[Sequence] = deque()
         self.registering: dict[int, Sequence] = {}
         self.transfer: dict[int, Sequence] = {}
-        self.early: dict[int, dict] = {}  # room -> notification that landed while it was registering
+        # room -> rank -> its notification: what landed (while registering, too) before every rank's did
+        self.arrived: dict[int, dict[int, TransferNote]] = {}
+        # at --tp-size > 1 the other ranks' transport descriptors (pd.rank_pools): prefill writes
+        # each rank's share into that rank's own pool, and a request lands once every rank's has
+        self.rank_descs: list[dict] = []
+        self.bytes_by_rank: dict[int, int] = {}  # state bytes that landed in each rank's pool
         self.prefills: dict[str, PrefillPeer] = {}  # bootstrap address -> peer, while rooms wait on it
         self.checksum_seconds = 0.0  # time spent verifying what landed (--transfer-checksum's cost)
 
@@ -75,7 +85,8 @@ class DecodeController(PDController):
         cache = self.engine.prefix_cache
         if not limit or cache is None:
             return False
-        if not serve_locally(seq.num_tokens, cached_prefix_tokens(cache, seq), limit):
+        cached, continues = cached_prefix_tokens(cache, seq)
+        if not serve_locally(seq.num_tokens, cached, limit, continues):
             return False
         now = self.clock()
         seq.pd.enter(PDState.SUCCESS, None, now)
@@ -120,10 +131,13 @@ class DecodeController(PDController):
                 )
         for seq in list(self.transfer.values()):
             if seq.pd.expired(now):
+                missing = missing_ranks(self.arrived.get(seq.pd.room, {}), self.num_ranks)
+                ranks = f" (rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))})"
                 self._fail(
                     seq,
                     504,
-                    f"KV from prefill did not arrive within {self.settings.waiting_timeout:g}s",
+                    f"KV from prefill did not arrive within {self.settings.waiting_timeout:g}s"
+                    + (ranks if self.num_ranks > 1 else ""),
                     "num_transfer_timeout_reqs",
                 )
         self._heartbeats(now)
@@ -159,6 +173,7 @@ class DecodeController(PDController):
                 decode_boot=self.boot_id,
                 dst_slot=slot,
                 checksum=self.settings.transfer_checksum,
+                rank_descs=self.rank_descs,
                 # chat answers spliced as their generated ids (dsv4_serve.chat.answer_memo): prefill,
                 # which tokenized the text, computes these ids instead, so both sides hold one prompt
                 prompt_ids=seq.prompt_ids if seq.plain_prompt_ids not in (None, seq.prompt_ids) else None,
@@ -170,6 +185,8 @@ class DecodeController(PDController):
             return
         if err is None and not isinstance(res, dict):
             err = f"registration answer is not a JSON object: {res!r:.80}"
+        if err is None:
+            err = rank_refusal(res, self.num_ranks)
         if err is not None:
             # Prefill may have taken the registration (our call timed out, its answer was lost):
             # tell it, or it could write into pages we are about to hand to another request.
@@ -187,9 +204,7 @@ class DecodeController(PDController):
         seq.pd.enter(PDState.TRANSFERRING, self._timeout(self.settings.waiting_timeout), now)
         seq.pd.transfer_started = now
         self.transfer[seq.pd.room] = seq
-        note = self.early.pop(seq.pd.room, None)
-        if note is not None:
-            self._land(self.transfer.pop(seq.pd.room), note)
+        self._land_when_complete(seq.pd.room)
 
     def _on_notif(self, msg: bytes) -> None:
         try:
@@ -198,16 +213,30 @@ class DecodeController(PDController):
             log.warning("ignoring malformed notification %r: %s", msg[:100], e)
             return
         room = note.room
-        if room in self.registering:  # landed before we took in prefill's answer: keep it
-            self.early[room] = note
+        if not 0 <= note.rank < self.num_ranks:
+            log.warning("ignoring a notification for room %s from rank %s of %s", room, note.rank, self.num_ranks)
             return
-        seq = self.transfer.pop(room, None)
-        if seq is None or seq.finished:
+        if room not in self.registering and room not in self.transfer:
             return  # a room we already gave up on
-        self._land(seq, note)
+        # (one landing before we took in prefill's answer to the registration is kept too)
+        self.arrived.setdefault(room, {})[note.rank] = note
+        self._land_when_complete(room)
+
+    @property
+    def num_ranks(self) -> int:
+        return 1 + len(self.rank_descs)
+
+    def _land_when_complete(self, room: int) -> None:
+        arrived = self.arrived.get(room, {})
+        if room not in self.transfer or missing_ranks(arrived, self.num_ranks):
+            return
+        seq = self.transfer.pop(room)
+        del self.arrived[room]
+        if not seq.finished:
+            self._land(seq, arrived[0])
 
     def _land(self, seq: Sequence, note: TransferNote) -> None:
-        """The request's state and first token are here: it decodes from now on."""
+        """The request's state and first token are here (in every rank's pool): it decodes from now on."""
         m = self.engine.metrics
         why = self._checksum_failure(seq, note)
         if why is not None:
@@ -217,7 +246,10 @@ class DecodeController(PDController):
         m.inc("kv_transfers_completed")
         pool = self.engine.pool
         row = sum(pool.bytes_per_request().values()) if seq.slot is not None else 0
-        m.inc("kv_transfer_bytes", len(seq.pages) * pool.page_nbytes + row)
+        share = len(seq.pages) * pool.page_nbytes + row  # every rank's pool received the whole state
+        for r in range(self.num_ranks):
+            self.bytes_by_rank[r] = self.bytes_by_rank.get(r, 0) + share
+        m.inc("kv_transfer_bytes", share * self.num_ranks)
         m.observe("kv_transfer_latency_seconds", self.clock() - seq.pd.transfer_started)
         seq.pd.state = PDState.SUCCESS
         seq.pd.mark("kv_landed", self.clock())
@@ -289,7 +321,7 @@ class DecodeController(PDController):
         was_waiting = pd.room in self.transfer or pd.room in self.registering or seq in self.prealloc
         self.transfer.pop(pd.room, None)
         self.registering.pop(pd.room, None)
-        self.early.pop(pd.room, None)
+        self.arrived.pop(pd.room, None)
         if seq in self.prealloc:
             self.prealloc.remove(seq)
         if was_waiting and not pd.peer_told:
@@ -310,5 +342,6 @@ class DecodeController(PDController):
                 "boot_id": self.boot_id,
                 "requests": self.timelines(),
                 "transfer_checksum_seconds": round(self.checksum_seconds, 6),
+                "kv_transfer_bytes_by_rank": {str(r): n for r, n in sorted(self.bytes_by_rank.items())},
             },
         )

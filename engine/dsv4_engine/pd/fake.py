@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 import torch
 
 from dsv4_engine.pd.channel import Deliver, Done
-from dsv4_engine.pd.messages import RegisterRoom
+from dsv4_engine.pd.messages import RegisterRoom, registration_answer
 from dsv4_engine.pd.nixl.agent import check_page_mapping
 from dsv4_engine.pd.transport import (
     Layout,
@@ -154,6 +154,7 @@ class FakeTransport:
         *,
         src_slot: Optional[int] = None,
         dst_slot: Optional[int] = None,
+        ready: Optional[Any] = None,
     ) -> int:
         if self._closed:
             raise RuntimeError(f"fake transport {self._name!r} is closed")
@@ -212,6 +213,15 @@ class FakeTransport:
     def release(self, handle: int) -> None:
         self._xfers.pop(handle, None)
 
+    def send_notif(self, peer: str, msg: bytes) -> bool:
+        """A standalone message to a peer (as the NIXL agent's); False when the peer is gone."""
+        if peer not in self._peers:
+            raise ValueError(f"unknown peer {peer!r}: add_peer it first")
+        if peer in self.fabric.dead:
+            return False
+        self.fabric.transports[peer]._inbox.append((self._name, bytes(msg)))
+        return True
+
     def poll_notifs(self) -> list[tuple[str, bytes]]:
         if self._closed or self._name in self.fabric.dead:
             return []
@@ -269,7 +279,7 @@ class FakeChannel:
             ep.controller.register(RegisterRoom.of(msg.wire()))  # through its wire form, as over HTTP
         except ValueError as e:
             return self._answer(done, None, f"POST {bootstrap_addr} -> 400: bad registration: {e}")
-        self._answer(done, {"ok": True, "boot_id": ep.controller.boot_id}, None)
+        self._answer(done, registration_answer(ep.controller.boot_id), None)
 
     def heartbeat(self, bootstrap_addr: str, decode_boot: str, done: Done) -> None:
         self.fabric.sent.append(("heartbeat", bootstrap_addr, decode_boot))

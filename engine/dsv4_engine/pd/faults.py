@@ -3,7 +3,8 @@
 Faults are armed over /admin/faults (names below; docs/engine.md documents them). Each affects `count`
 uses (-1: until cleared):
 - stall_transfer, fail_transfer, drop_notification: the next KV transfer never finishes, fails
-  at once, or lands without telling decode (`FaultyTransport`);
+  at once, or lands without telling decode (`FaultyTransport`); with `rank` (a decode over
+  several TP ranks) only the write into that rank's pool;
 - crash: the process exits (status 17) with a transfer in flight (prefill: right after
   starting it; decode: right after its room is registered, while it waits for the KV);
 - delay_bootstrap: a registration is accepted but applied `seconds` later (default 5);
@@ -35,7 +36,7 @@ from dsv4_engine.pd.channel import ControlChannel, Done
 import torch
 
 from dsv4_engine.pd.fault_names import FAULTS, STALL_DEFAULT_TOKENS
-from dsv4_engine.pd.messages import RegisterRoom
+from dsv4_engine.pd.messages import RegisterRoom, TransferNote
 from dsv4_engine.pd.transport import KVTransport, PoolStates, TransferInfo, TransferState, slot_args
 
 log = logging.getLogger("dsv4.pd.faults")
@@ -89,11 +90,12 @@ class FaultInjector:
         with self._lock:
             return name in self._armed
 
-    def take(self, name: str) -> Optional[dict[str, Any]]:
-        """Consume one use of a fault; its parameters, or None when it is not armed."""
+    def take(self, name: str, rank: Optional[int] = None) -> Optional[dict[str, Any]]:
+        """Consume one use of a fault; its parameters, or None when it is not armed. A transfer
+        fault armed with `rank` hits only the write to that decode rank (`rank`: this write's)."""
         with self._lock:
             f = self._armed.get(name)
-            if f is None:
+            if f is None or (rank is not None and f.get("rank", rank) != rank):
                 return None
             if f["count"] > 0:
                 f["count"] -= 1
@@ -125,6 +127,14 @@ class Deadlines:
     def timeout(self, seconds: float) -> Optional[float]:
         """`seconds`, or None (no deadline) while deadlines are off."""
         return seconds if self.on else None
+
+
+def note_rank(notif: bytes) -> int:
+    """The decode rank a write's notification names (0 when it names none or is no note)."""
+    try:
+        return TransferNote.decode(notif).rank if notif else 0
+    except ValueError:
+        return 0
 
 
 class FaultyTransport:
@@ -166,24 +176,26 @@ class FaultyTransport:
         *,
         src_slot: Optional[int] = None,
         dst_slot: Optional[int] = None,
+        **ready: Any,
     ) -> int:
         handle = next(self._ids)
+        rank = note_rank(notif)
         for fault, state in (("stall_transfer", TransferState.PENDING), ("fail_transfer", TransferState.FAILED)):
-            if self.faults.take(fault):  # stalled: never started, never failed (the production wedge)
+            if self.faults.take(fault, rank):  # stalled: never started, never failed (the production wedge)
                 error = f"injected fault {fault}" if state is TransferState.FAILED else None
                 now = time.monotonic()
                 self._injected[handle] = TransferInfo(
                     handle, peer, len(src_pages), 0, state, error, now, None if state is TransferState.PENDING else now
                 )
                 return handle
-        if self.faults.take("drop_notification"):
+        if self.faults.take("drop_notification", rank):
             notif = b""  # the data lands but decode is never told: its deadline must catch it
         corrupt = self.faults.take("corrupt_transfer")
         if corrupt:
             self._restore[handle] = self._flip_byte(corrupt.get("state"), src_pages, src_slot)
         try:
             self._handles[handle] = self.inner.write_pages(
-                peer, src_pages, dst_pages, notif, **slot_args(src_slot, dst_slot)
+                peer, src_pages, dst_pages, notif, **slot_args(src_slot, dst_slot), **ready
             )
         except Exception:
             self._put_back(handle)

@@ -3,8 +3,8 @@
 decode -> prefill   RegisterRoom (POST bootstrap/register; answered with the prefill's boot id),
                     AbortRoom (POST bootstrap/abort), heartbeats (GET, the decode's boot id)
 prefill -> decode   TransferNote (the notification that lands with the KV: first token, cached
-                    prompt tokens, optional logprobs and region checksums), AbortRoom (POST
-                    pd/abort)
+                    prompt tokens, optional logprobs and region checksums; one per decode rank,
+                    naming the rank), AbortRoom (POST pd/abort)
 
 Each class turns itself into its JSON form (`wire`) and back (`of`), and `of` is the one place
 a peer's message is validated: a malformed one is a ValueError naming the field.
@@ -13,7 +13,7 @@ a peer's message is validated: a malformed one is a ValueError naming the field.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional
 
 
@@ -69,6 +69,9 @@ class RegisterRoom:
     # decode's prompt ids when they differ from what prefill tokenized (chat answers spliced as
     # their generated ids, dsv4_serve.chat.answer_memo): prefill computes these instead
     prompt_ids: Optional[list[int]] = None
+    # a decode over several ranks: the transport descriptors of its ranks 1.., each with its own
+    # pool (the same page ids and slot row as `desc`'s); prefill writes each rank's share into it
+    rank_descs: list[dict] = field(default_factory=list)
 
     def wire(self) -> dict:
         return asdict(self)
@@ -88,6 +91,9 @@ class RegisterRoom:
         if not isinstance(desc, dict):
             raise ValueError(f"desc must be a JSON object, got {desc!r:.40}")
         rid = body.get("rid", "")
+        rank_descs = body.get("rank_descs", [])
+        if not isinstance(rank_descs, list) or not all(isinstance(d, dict) for d in rank_descs):
+            raise ValueError(f"rank_descs must be a list of JSON objects, got {rank_descs!r:.40}")
         return cls(
             room=_int(body, "room"),
             rid=rid if isinstance(rid, str) else str(rid),
@@ -99,7 +105,17 @@ class RegisterRoom:
             checksum=bool(body.get("checksum", False)),
             local=body.get("local", False) is True,
             prompt_ids=_ids(body.get("prompt_ids")),
+            rank_descs=list(rank_descs),
         )
+
+
+WRITES_EVERY_RANK = "writes_every_rank"  # in prefill's answer to a registration: it honours rank_descs
+
+
+def registration_answer(boot_id: str) -> dict:
+    """Prefill -> decode, the answer to RegisterRoom: its process identity, and that it writes
+    into every decode rank the registration names."""
+    return {"ok": True, "boot_id": boot_id, WRITES_EVERY_RANK: True}
 
 
 @dataclass(frozen=True)
@@ -129,9 +145,10 @@ class TransferNote:
     cached_tokens: int = 0  # prompt tokens prefill's prefix cache served (usage.cached_tokens)
     logprobs: Optional[dict] = None  # the first token's logprobs entry, when asked
     checksums: Optional[dict] = None  # region -> checksum (--transfer-checksum)
+    rank: int = 0  # the decode rank whose share landed (a decode over several ranks hears one per rank)
 
     def encode(self) -> bytes:
-        return json.dumps({k: v for k, v in asdict(self).items() if v is not None}).encode()
+        return json.dumps({k: v for k, v in asdict(self).items() if v is not None and (k != "rank" or v)}).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> "TransferNote":
@@ -153,4 +170,5 @@ class TransferNote:
             cached_tokens=cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else 0,
             logprobs=logprobs if isinstance(logprobs, dict) else None,
             checksums=checksums,
+            rank=_int(body, "rank", 0) if "rank" in body else 0,
         )

@@ -3,7 +3,8 @@
 A request waits in the bootstrap queue until its decode peer registers the pages (and, for a
 model with slot states, the slot row) it reserved, is prefilled like any other request, then
 sits in the inflight queue while every state region is written over the transport: its pages
-into the decode's pages, its slot row into the decode's row. With checksums on (our
+into the decode's pages, its slot row into the decode's row (into every rank's pool of a decode
+over several ranks, one transfer each; `pd.rank_pools`). With checksums on (our
 --transfer-checksum, or the decode's registration asks) the notification carries a checksum
 of each region as sent. Every one of those states has a deadline, a
 failed or timed-out transfer frees the pages and tells decode, and a decode that stops answering
@@ -15,14 +16,14 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from dsv4_engine.pd.common import HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, PDController
 from dsv4_engine.pd.request_info import PDState
 from dsv4_engine.pd.checksum import region_checksums
 from dsv4_engine.pd.messages import RegisterRoom, TransferNote
-from dsv4_engine.pd.transport import TransferState, slot_args
+from dsv4_engine.pd.transport import TransferState, pages_ready, ready_arg, slot_args
 from dsv4_engine.sequence import Sequence
 
 log = logging.getLogger("dsv4.pd.prefill")
@@ -45,6 +46,7 @@ class Registration:
     checksum: bool = False  # the decode verifies region checksums
     local: bool = False  # the decode serves the room itself (pd.continuation): nothing to compute
     prompt_ids: Optional[list[int]] = None  # the decode's prompt when it differs (chat answer memo)
+    rank_descs: list[dict] = field(default_factory=list)  # a decode over several ranks: its ranks 1..
 
 
 class PrefillController(PDController):
@@ -58,6 +60,7 @@ class PrefillController(PDController):
         self.dropped: dict[int, float] = {}  # room decode gave up on before its request reached us
         self.decode_heartbeats: dict[str, float] = {}  # decode boot id -> last time we heard from it
         self.bytes_by_state: dict[str, int] = {}  # moved by completed transfers, per state region
+        self.bytes_by_rank: dict[int, int] = {}  # moved by completed transfers, per decode rank
         self.checksum_seconds = 0.0  # time spent summing what was sent (--transfer-checksum's cost)
 
     # ---- called from the bootstrap HTTP thread ---------------------------------------------------
@@ -76,6 +79,7 @@ class PrefillController(PDController):
             checksum=msg.checksum,
             local=msg.local,
             prompt_ids=msg.prompt_ids,
+            rank_descs=msg.rank_descs,
         )
         self.heartbeat(reg.decode_boot)
         self.registrations.put(reg)
@@ -185,8 +189,9 @@ class PrefillController(PDController):
                 "num_bootstrap_failed_reqs",
             )
             return
-        try:
-            seq.pd.peer = self.transport.add_peer(reg.desc)
+        try:  # a decode over several ranks: each rank's own pool, rank 0's first (pd.rank_pools)
+            seq.pd.rank_peers = [self.transport.add_peer(d) for d in (reg.desc, *reg.rank_descs)]
+            seq.pd.peer = seq.pd.rank_peers[0]
         except Exception as e:  # unreachable, or a layout that cannot receive ours
             self._fail(seq, 502, f"cannot connect to decode peer: {e}", "num_bootstrap_failed_reqs")
             return
@@ -232,50 +237,70 @@ class PrefillController(PDController):
             t0 = time.perf_counter()
             checksums = region_checksums(self.states, seq.pages[:n], src_slot)
             self.checksum_seconds += time.perf_counter() - t0
-        note = TransferNote(
-            pd.room,
-            seq.output_ids[-1],
-            self.boot_id,
-            seq.num_cached_tokens,
-            logprobs[-1] if logprobs else None,
-            checksums,
-        )
+        # The kernels that wrote these pages are queued by now: the transport waits for them alone,
+        # once for every rank's write, not for whatever the stream holds later (None on CPU).
+        ready = pages_ready(self.engine.pool.tensor)
         try:
-            pd.handle = self.transport.write_pages(
-                pd.peer, seq.pages[:n], pd.dst_pages, note.encode(), **slot_args(src_slot, pd.dst_slot)
-            )
-        except Exception as e:
+            for rank, peer in enumerate(pd.rank_peers or [pd.peer]):  # each decode rank's own pool
+                note = TransferNote(
+                    pd.room,
+                    seq.output_ids[-1],
+                    self.boot_id,
+                    seq.num_cached_tokens,
+                    logprobs[-1] if logprobs else None,
+                    checksums,
+                    rank,
+                )
+                pd.handles.append(
+                    self.transport.write_pages(
+                        peer,
+                        seq.pages[:n],
+                        pd.dst_pages,
+                        note.encode(),
+                        **slot_args(src_slot, pd.dst_slot),
+                        **ready_arg(ready),
+                    )
+                )
+            pd.handle = pd.handles[0]
+        except Exception as e:  # the writes already started end with the room (on_finish)
             self._fail(seq, 502, f"KV transfer could not start: {e}", "num_transfer_failed_reqs")
 
     def _poll_transfer(self, seq: Sequence, now: float) -> None:
         pd = seq.pd
-        if pd.handle is not None:
-            state = self.transport.poll(pd.handle)
-            if state is TransferState.DONE:
-                info = self.transport.info(pd.handle)
+        if pd.handles:
+            states = [self.transport.poll(h) for h in pd.handles]  # one per decode rank
+            failed = next((r for r, st in enumerate(states) if st is TransferState.FAILED), None)
+            if failed is not None:  # any rank's share lost fails the request (decode frees its pages)
+                rank = f" rank {failed}" if len(pd.handles) > 1 else ""
+                self._fail(
+                    seq,
+                    502,
+                    f"KV transfer to decode{rank} failed: {self.transport.error(pd.handles[failed])}",
+                    "num_transfer_failed_reqs",
+                )
+                return
+            if all(st is TransferState.DONE for st in states):
                 m = self.engine.metrics
                 m.inc("kv_transfers_completed")
-                m.inc("kv_transfer_bytes", info.nbytes)
-                for name, nbytes in info.nbytes_by_state.items():
-                    self.bytes_by_state[name] = self.bytes_by_state.get(name, 0) + nbytes
+                for rank, h in enumerate(pd.handles):
+                    info = self.transport.info(h)
+                    m.inc("kv_transfer_bytes", info.nbytes)
+                    self.bytes_by_rank[rank] = self.bytes_by_rank.get(rank, 0) + info.nbytes
+                    for name, nbytes in info.nbytes_by_state.items():
+                        self.bytes_by_state[name] = self.bytes_by_state.get(name, 0) + nbytes
                 m.observe("kv_transfer_latency_seconds", now - pd.transfer_started)
                 pd.state = PDState.SUCCESS
                 pd.mark("transfer_done", now)
                 self.engine.finish(seq, "stop")
                 return
-            if state is TransferState.FAILED:
-                self._fail(
-                    seq,
-                    502,
-                    f"KV transfer to decode failed: {self.transport.error(pd.handle)}",
-                    "num_transfer_failed_reqs",
-                )
-                return
         if pd.expired(now):
+            pending = [r for r, h in enumerate(pd.handles) if self.transport.poll(h) is TransferState.PENDING]
+            ranks = f" (decode rank{'s' if len(pending) > 1 else ''} {', '.join(map(str, pending))})"
             self._fail(
                 seq,
                 504,
-                f"KV transfer timed out after {self.settings.transfer_timeout:g}s",
+                f"KV transfer timed out after {self.settings.transfer_timeout:g}s"
+                + (ranks if len(pd.handles) > 1 and pending else ""),
                 "num_transfer_timeout_reqs",
             )
 
@@ -313,9 +338,9 @@ class PrefillController(PDController):
         pd = seq.pd
         self.bootstrap.pop(pd.room, None)
         self.inflight.pop(pd.room, None)
-        if pd.handle is not None:
-            self.transport.release(pd.handle)
-            pd.handle = None
+        for h in pd.handles:
+            self.transport.release(h)
+        pd.handles, pd.handle = [], None
         if pd.state is PDState.SUCCESS:
             self.gone[pd.room] = (self.clock(), True)
             return
@@ -359,6 +384,7 @@ class PrefillController(PDController):
                 "deadlines": self.deadlines.on,
                 "boot_id": self.boot_id,
                 "kv_transfer_bytes_by_state": dict(self.bytes_by_state),
+                "kv_transfer_bytes_by_rank": {str(r): n for r, n in sorted(self.bytes_by_rank.items())},
                 "transfer_checksum_seconds": round(self.checksum_seconds, 6),
             },
         )

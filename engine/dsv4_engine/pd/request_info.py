@@ -34,7 +34,11 @@ class PDRequestInfo:
     dst_pages: list[int] = field(default_factory=list)
     dst_slot: Optional[int] = None  # prefill: the decode's slot row (models with slot states)
     checksum: bool = False  # prefill: the decode asked for region checksums with the KV
-    handle: Optional[int] = None  # prefill: the KV transfer
+    handle: Optional[int] = None  # prefill: the KV transfer to decode's rank 0
+    # prefill, a decode over several ranks: each rank's peer and transfer (rank 0's first), written
+    # straight into that rank's pool (`pd.rank_pools`)
+    rank_peers: list[str] = field(default_factory=list)
+    handles: list[int] = field(default_factory=list)
     transfer_started: Optional[float] = None
     # (event, clock time): every state entered and the hand-off's milestones, for the watchdog's
     # evidence (`timeline_view`); a few entries per request, appended on the engine thread

@@ -18,6 +18,8 @@ wrapper around either):
   yields `notif` once all of it has landed (an empty notif sends none). A pool with slot
   regions must name both rows; bad pages or rows, or an unknown peer, raise ValueError before
   anything starts; a transfer that cannot start (peer gone) returns a handle already FAILED.
+  `ready` (a CUDA event, `pages_ready`) is what the pages' writers must reach before the copy
+  reads them; without it a device transport waits for its whole current stream.
 - `poll(handle)` never raises for transfer faults and ends DONE or FAILED (a dead peer is a
   FAILED with a disconnect error). It may stay PENDING forever only for a stalled transfer;
   the controller's deadline is what catches that, not the transport.
@@ -262,6 +264,22 @@ def slot_args(src_slot: Optional[int], dst_slot: Optional[int]) -> dict:
     return {} if src_slot is None and dst_slot is None else {"src_slot": src_slot, "dst_slot": dst_slot}
 
 
+def pages_ready(t: torch.Tensor) -> Optional[Any]:
+    """An event on the current stream of `t`'s device, recorded once the kernels that wrote a
+    request's pages are queued: a transport waits for it (that work only), not for the whole
+    stream, once for however many writes share it. None on CPU: nothing runs ahead there."""
+    if not t.is_cuda:
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(t.device))
+    return ev
+
+
+def ready_arg(ready: Optional[Any]) -> dict:
+    """write_pages' `ready` keyword, only when there is an event to wait for (as `slot_args`)."""
+    return {} if ready is None else {"ready": ready}
+
+
 def transfer_bytes(regions: Sequence[Region], num_pages: int, with_slot: bool) -> dict[str, int]:
     """Bytes a transfer of `num_pages` pages (and one slot row) moves, per region."""
     return {r.name: r.nbytes * (num_pages if r.kind == PAGE else int(with_slot)) for r in regions}
@@ -287,6 +305,7 @@ class KVTransport(Protocol):
         *,
         src_slot: Optional[int] = None,
         dst_slot: Optional[int] = None,
+        ready: Optional[Any] = None,
     ) -> int: ...
 
     def poll(self, handle: int) -> TransferState: ...

@@ -21,6 +21,7 @@ class ChatOptions:
     tools: Optional[list[dict]] = None  # OpenAI tool objects; None when tool_choice is "none"
     thinking: bool = False
     reasoning_effort: Optional[str] = None
+    effort_profile: Optional[str] = "v4"  # the checkpoint's effort tiers (chat/effort.py)
     add_generation_prompt: bool = True
     template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs, for Jinja templates
 

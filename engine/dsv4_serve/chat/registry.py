@@ -55,6 +55,7 @@ class ChatSetup:
     template: Optional[str]  # the Jinja template when renderer == "jinja"
     tool_parser: Optional[str]
     reasoning_parser: Optional[str]
+    effort_profile: Optional[str] = None  # reasoning_effort's tiers (chat/effort.py); None: the template's
 
 
 def default_setup(
@@ -63,16 +64,16 @@ def default_setup(
     """The checkpoint's own format. `builtin_template`: the plain DeepSeek template that our older
     tiny checkpoints carry (rendered with the V3.1 renderer when the vocabulary has its tokens)."""
     if model_type == "deepseek_v4":
-        return ChatSetup("deepseek_v4", None, "deepseek_v4", "deepseek_v4")
+        return ChatSetup("deepseek_v4", None, "deepseek_v4", "deepseek_v4", "v4")
     if model_type == "deepseek_v32":
-        return ChatSetup("deepseek_v32", None, "deepseek_v32", "deepseek_v32")
+        return ChatSetup("deepseek_v32", None, "deepseek_v32", "deepseek_v32", "thinking")
     has_v31_tokens = T.TOOL_SEP in vocab and T.THINK_END in vocab
     if (
         model_type == "deepseek_v3"
         and has_v31_tokens
         and (template is None or template == builtin_template or T.THINK_END in template)
     ):
-        return ChatSetup("deepseek_v31", None, "deepseek_v31", "deepseek_v31")
+        return ChatSetup("deepseek_v31", None, "deepseek_v31", "deepseek_v31", "thinking")
     tools = "deepseek_v3" if model_type == "deepseek_v3" and T.TOOL_SEP in vocab else None
     reasoning = "deepseek_r1" if template and T.THINK_START in template else None
     return ChatSetup("jinja", template, tools, reasoning)
@@ -90,4 +91,5 @@ def with_overrides(
     reasoning = (
         setup.reasoning_parser if reasoning_parser_name_ is None else reasoning_parser_name(reasoning_parser_name_)
     )
-    return ChatSetup(renderer, template, tools, reasoning)
+    effort = None if chat_template is not None else setup.effort_profile
+    return ChatSetup(renderer, template, tools, reasoning, effort)

@@ -12,7 +12,7 @@ Families (learned from DeepSeek's public templates and reference encoders, writt
   `<｜tool▁output▁begin｜>...<｜tool▁output▁end｜>` right after the call.
 - `deepseek_v4`: the DSML encoding (V4 ships it as Python, not Jinja): tool schemas in the
   system prompt, calls as a `<｜DSML｜tool_calls>` block of `invoke`/`parameter` elements, tool results as `<tool_result>` blocks inside the next user
-  turn, `reasoning_effort` as a prefix of the first message, and earlier turns' reasoning dropped
+  turn, `reasoning_effort` as a prefix of the first message (the checkpoint's tiers: effort.py), and earlier turns' reasoning dropped
   unless tools are present.
 - `deepseek_v32`: V3.2's own encoding (render_v32): DSML `function_calls` blocks, tool results in
   `<function_results>` right after the calls.
@@ -43,6 +43,7 @@ from dsv4_serve.chat.pieces import (
     call_arguments,
     dsml_call_block,
 )
+from dsv4_serve.chat.effort import effort_prompt
 from dsv4_serve.chat.render_v32 import render_v32
 
 
@@ -122,35 +123,6 @@ def render_v31(messages: Sequence[dict], opts: ChatOptions) -> Rendered:
 
 # ---- DeepSeek-V3.2 / V4 (DSML) ------------------------------------------------------------------
 
-_EFFORT_PROMPTS = {
-    "high": (
-        "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
-        "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve "
-        "the root cause, rigorously stress-testing your logic against all potential paths, edge cases, and "
-        "adversarial scenarios.\n"
-        "Explicitly write out your entire deliberation process, documenting every intermediate step, "
-        "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n"
-    ),
-    "max": (
-        "Reasoning Effort: Beyond maximum — exhaustive, relentless, and uncompromising.\n"
-        "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: exhaustively "
-        "decompose the problem into its most fundamental components, trace every causal chain to its root, and "
-        "resolve the underlying cause rather than any surface symptom.\n"
-        "Do not stop reasoning until you have independently verified the solution from multiple angles and are "
-        "certain that no assumption remains unchecked and no error remains undiscovered.\n\n"
-    ),
-}
-# OpenAI's reasoning_effort values onto the encoder's three levels ("low" adds no prompt).
-EFFORT_LEVELS = {
-    "none": None,
-    "minimal": "low",
-    "low": "low",
-    "medium": "low",
-    "high": "high",
-    "xhigh": "max",
-    "max": "max",
-}
-
 
 def _dsml_tools_prompt(block: str) -> str:
     d = T.DSML
@@ -226,7 +198,6 @@ def render_dsml(messages: Sequence[dict], opts: ChatOptions, block: str = "tool_
         msgs[0]["tools"] = opts.tools
     msgs = _merge_tool_results(results_in_call_order(msgs) if block == "tool_calls" else msgs)
     thinking = opts.thinking
-    effort = EFFORT_LEVELS.get(opts.reasoning_effort or "low", "low") or "low"
     drop = not opts.tools  # earlier reasoning is dropped unless tools are present
     last_user = _last_user(msgs)
     out = _Out()
@@ -235,7 +206,7 @@ def render_dsml(messages: Sequence[dict], opts: ChatOptions, block: str = "tool_
     for i, m in enumerate(msgs):
         role = m["role"]
         if i == 0 and thinking:
-            out.add(_EFFORT_PROMPTS.get(effort, ""))
+            out.add(effort_prompt(opts.effort_profile, opts.reasoning_effort))
         if role in ("system", "developer"):
             if role == "developer":
                 out.add(T.USER)

@@ -12,15 +12,17 @@ the tiles.
 
 from __future__ import annotations
 
+import itertools
+import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import KernelVariant, check_launchable, on_interpreter
+from .common import KernelVariant, check_launchable, cuda_arch, on_interpreter
 from .fp8_gemm import gemm_blocks
-from .moe_experts import align_pairs_by_expert
+from .moe_experts import align_pairs_by_expert, sum_local_rows
 
 GROUP = 32
 BLOCK_K = 64  # logical K per step: 32 packed bytes, two scale groups
@@ -65,6 +67,7 @@ def fp4_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
     UPCAST: tl.constexpr,
+    NATIVE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -74,14 +77,6 @@ def fp4_gemm_kernel(
     else:
         expert = tl.load(block_expert_ptr + pid_m)
         rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    if ROUTE_W:
-        if expert == -2:  # moe_experts.ZERO_BLOCK: other ranks' pairs add zero rows to the sum
-            z_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            tl.store(
-                out_ptr + rows.to(tl.int64)[:, None] * stride_o + z_cols[None, :],
-                tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty),
-                mask=(rows < num_rows)[:, None] & (z_cols < N)[None, :],
-            )
     if expert >= 0:
         r_mask = rows < num_rows
         prow = rows.to(tl.int64)  # row * stride can pass 2**31 on long prefills
@@ -96,31 +91,52 @@ def fp4_gemm_kernel(
         for k0 in range(0, K, BLOCK_K):
             offs_j = k0 // 2 + tl.arange(0, HALF)  # packed byte columns
             j_mask = offs_j < K // 2
-            a_mask = r_mask[:, None] & j_mask[None, :]
-            a_row_ptr = a_ptr + a_rows[:, None] * stride_a + 2 * offs_j[None, :]
-            a_even = tl.load(a_row_ptr, mask=a_mask, other=0.0)
-            a_odd = tl.load(a_row_ptr + 1, mask=a_mask, other=0.0)
             w_mask = j_mask[:, None] & n_mask[None, :]
-            group = (2 * offs_j) // GROUP
-            for half in tl.static_range(2 if GATED else 1):
-                cols = offs_n + half * N
-                packed = tl.load(w_base + cols[None, :] * stride_wn + offs_j[:, None], mask=w_mask, other=0).to(
-                    tl.int32
+            if NATIVE:  # bf16 activations x packed e2m1 + e8m0 scales, decoded by the compiler's dot
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                a = tl.load(
+                    a_ptr + a_rows[:, None] * stride_a + offs_k[None, :],
+                    mask=r_mask[:, None] & (offs_k < K)[None, :],
+                    other=0.0,
                 )
-                exps = tl.load(ws_base + cols[None, :] * stride_wsn + group[:, None], mask=w_mask, other=127)
-                scale = tl.exp2(exps.to(tl.float32) - 127.0)
-                w_even = _e2m1(packed & 15) * scale  # [HALF, BLOCK_N]
-                w_odd = _e2m1(packed >> 4) * scale
-                if UPCAST:
-                    part = tl.dot(a_even.to(tl.float32), w_even, input_precision="ieee")
-                    part = tl.dot(a_odd.to(tl.float32), w_odd, part, input_precision="ieee")
-                else:
-                    part = tl.dot(a_even, w_even.to(a_even.dtype), input_precision="ieee")
-                    part = tl.dot(a_odd, w_odd.to(a_odd.dtype), part, input_precision="ieee")
-                if half == 0:
-                    acc += part
-                else:
-                    acc_up += part
+                groups = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+                for half in tl.static_range(2 if GATED else 1):
+                    cols = offs_n + half * N
+                    packed = tl.load(w_base + cols[None, :] * stride_wn + offs_j[:, None], mask=w_mask, other=0)
+                    exps = tl.load(
+                        ws_base + cols[:, None] * stride_wsn + groups[None, :],
+                        mask=n_mask[:, None] & (groups < tl.cdiv(K, GROUP))[None, :],
+                        other=127,
+                    )  # [BLOCK_N, BLOCK_K / GROUP], as dot_scaled takes a right-hand side's scales
+                    if half == 0:
+                        acc = tl.dot_scaled(a, None, "bf16", packed, exps, "e2m1", acc)
+                    else:
+                        acc_up = tl.dot_scaled(a, None, "bf16", packed, exps, "e2m1", acc_up)
+            else:
+                a_mask = r_mask[:, None] & j_mask[None, :]
+                a_row_ptr = a_ptr + a_rows[:, None] * stride_a + 2 * offs_j[None, :]
+                a_even = tl.load(a_row_ptr, mask=a_mask, other=0.0)
+                a_odd = tl.load(a_row_ptr + 1, mask=a_mask, other=0.0)
+                group = (2 * offs_j) // GROUP
+                for half in tl.static_range(2 if GATED else 1):
+                    cols = offs_n + half * N
+                    packed = tl.load(w_base + cols[None, :] * stride_wn + offs_j[:, None], mask=w_mask, other=0).to(
+                        tl.int32
+                    )
+                    exps = tl.load(ws_base + cols[None, :] * stride_wsn + group[:, None], mask=w_mask, other=127)
+                    scale = tl.exp2(exps.to(tl.float32) - 127.0)
+                    w_even = _e2m1(packed & 15) * scale  # [HALF, BLOCK_N]
+                    w_odd = _e2m1(packed >> 4) * scale
+                    if UPCAST:
+                        part = tl.dot(a_even.to(tl.float32), w_even, input_precision="ieee")
+                        part = tl.dot(a_odd.to(tl.float32), w_odd, part, input_precision="ieee")
+                    else:
+                        part = tl.dot(a_even, w_even.to(a_even.dtype), input_precision="ieee")
+                        part = tl.dot(a_odd, w_odd.to(a_odd.dtype), part, input_precision="ieee")
+                    if half == 0:
+                        acc += part
+                    else:
+                        acc_up += part
         if GATED:
             gate = acc
             up = acc_up
@@ -146,6 +162,24 @@ def fp4_blocks(rows: int, gated: bool = False, elem_size: int = 2) -> tuple[int,
     if elem_size <= 2:
         return gemm_blocks(rows, gated)
     return (16, 16, 8) if gated else (16, 32, 8)
+
+
+# Where the tl.dot_scaled path is taken: sm_100's tile family (compute capability 10.x/11.x,
+# see common.tile_target), where the AOT report shows Triton lowering a bf16 x e2m1 scaled dot
+# to the hardware's fp4 conversion feeding tcgen05. Elsewhere (sm_90, sm_120, the interpreter,
+# which has no dot_scaled) the registers decode stays, and fp32 activations (exact products,
+# not a format dot_scaled takes) keep it everywhere.
+NATIVE_ARCHS = frozenset({100})
+
+
+def fp4_native(arch: int | None, dtype: torch.dtype, disabled: bool = False) -> bool:
+    """Whether an fp4 GEMM with activations of `dtype` on AOT target `arch` (None off CUDA)
+    takes the dot_scaled path; `disabled` (DSV4_FP4_NATIVE=0) keeps the decode path anywhere."""
+    return not disabled and arch in NATIVE_ARCHS and dtype == torch.bfloat16
+
+
+def _native(a: torch.Tensor) -> bool:
+    return fp4_native(cuda_arch(a.device), a.dtype, os.environ.get("DSV4_FP4_NATIVE", "1") == "0")
 
 
 def _launch(
@@ -195,6 +229,7 @@ def _launch(
         BLOCK_K=BLOCK_K,
         GROUP=GROUP,
         UPCAST=on_interpreter(a),
+        NATIVE=_native(a),
         num_warps=warps,
         num_stages=3,
     )
@@ -296,12 +331,13 @@ def fp4_moe_experts(
         limit=None,
         **grid,
     )
-    return y.view(T, top_k, H).sum(1).to(x.dtype)
+    return sum_local_rows(y, topk_ids, x.dtype)
 
 
 def aot_variants(arch: int) -> list[KernelVariant]:
     """bf16 and fp32 activations: the dense GEMM and the two expert GEMMs at decode and prefill
-    tiles (fp32 at its own, narrower tiles)."""
+    tiles (fp32 at its own, narrower tiles); on the dot_scaled targets (NATIVE_ARCHS) the bf16
+    ones also with that path (",native"), the decode path staying compiled as their fall-back."""
     variants = []
     for dtype, elem in (("bf16", 2), ("fp32", 4)):
         types = {
@@ -327,17 +363,26 @@ def aot_variants(arch: int) -> list[KernelVariant]:
             bm, bn, warps = fp4_blocks(rows, elem_size=elem)
             shapes = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK_K, GROUP=GROUP, UPCAST=False)
             gated_n = fp4_blocks(rows, gated=True, elem_size=elem)[1]
-            for kind, extra, out in (
-                ("dense", dict(A_DIV=1, DENSE=True, GATED=False, HAS_LIMIT=False, ROUTE_W=False), f"*{dtype}"),
-                ("moe_gate_up", dict(A_DIV=8, DENSE=False, GATED=True, HAS_LIMIT=True, ROUTE_W=False), f"*{dtype}"),
-                ("moe_down", dict(A_DIV=1, DENSE=False, GATED=False, HAS_LIMIT=False, ROUTE_W=True), "*fp32"),
+            paths = (False, True) if fp4_native(arch, torch.bfloat16) and dtype == "bf16" else (False,)
+            for (kind, extra, out), native in itertools.product(
+                (
+                    ("dense", dict(A_DIV=1, DENSE=True, GATED=False, HAS_LIMIT=False, ROUTE_W=False), f"*{dtype}"),
+                    ("moe_gate_up", dict(A_DIV=8, DENSE=False, GATED=True, HAS_LIMIT=True, ROUTE_W=False), f"*{dtype}"),
+                    ("moe_down", dict(A_DIV=1, DENSE=False, GATED=False, HAS_LIMIT=False, ROUTE_W=True), "*fp32"),
+                ),
+                paths,
             ):
                 variants.append(
                     KernelVariant(
-                        name=f"fp4_gemm[{dtype},{kind},{label}]",
+                        name=f"fp4_gemm[{dtype},{kind},{label}{',native' if native else ''}]",
                         kernel=fp4_gemm_kernel,
                         types={**types, "out_ptr": out},
-                        constexprs={**extra, **shapes, **({"BLOCK_N": gated_n} if extra["GATED"] else {})},
+                        constexprs={
+                            **extra,
+                            **shapes,
+                            **({"BLOCK_N": gated_n} if extra["GATED"] else {}),
+                            "NATIVE": native,
+                        },
                         num_warps=warps,
                         num_stages=3,
                         divisible=("N", "K"),

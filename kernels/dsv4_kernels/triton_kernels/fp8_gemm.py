@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .common import KernelVariant, check_launchable, on_interpreter
 from .common import fp32_twins
-from .moe_experts import align_pairs_by_expert
+from .moe_experts import align_pairs_by_expert, sum_local_rows
 from ..reference_quant import scale_row_block
 
 GROUP = 128
@@ -106,14 +106,6 @@ def fp8_gemm_kernel(
     else:
         expert = tl.load(block_expert_ptr + pid_m)
         rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    if ROUTE_W:
-        if expert == -2:  # moe_experts.ZERO_BLOCK: other ranks' pairs add zero rows to the sum
-            z_cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            tl.store(
-                out_ptr + rows.to(tl.int64)[:, None] * stride_o + z_cols[None, :],
-                tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty),
-                mask=(rows < num_rows)[:, None] & (z_cols < N)[None, :],
-            )
     if expert >= 0:
         r_mask = rows < num_rows
         prow = rows.to(tl.int64)  # row * stride can pass 2**31 on long prefills
@@ -354,7 +346,7 @@ def fp8_moe_experts(
         limit=None,
         **grid,
     )
-    return y.view(T, top_k, H).sum(1).to(x.dtype)
+    return sum_local_rows(y, topk_ids, x.dtype)
 
 
 def aot_variants(arch: int) -> list[KernelVariant]:

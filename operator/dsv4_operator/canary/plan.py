@@ -5,7 +5,9 @@ them; neither decides on its own.
 The record (annotation ANNOTATION_CANARY on the DSV4Deployment, written by the daemon) holds the
 baseline — the serving spec the fleet runs, and its revision — and the last canary's state. A
 spec whose engine pod template differs from the baseline's is gated:
-- Probing: the decode StatefulSet moves ONE pod (partition = replicas - 1, the highest ordinal),
+- Probing: the decode StatefulSet moves ONE pod (partition = its ordinal: the highest of the pods
+  that run — the spec's replicas - 1, or the workload's live count - 1 where the planner or an
+  autoscaler sets it, as the daemon recorded it),
   prefill is held (HOLD_PARTITION), and both apply at once (the prefillFirst hold would stop
   decode); the daemon probes that pod;
 - Passed: the baseline becomes this spec and the gate opens: the rollout goes on as usual
@@ -86,7 +88,7 @@ class CanaryRecord:
 
 @dataclass(frozen=True)
 class CanaryStep:
-    action: str  # none | baseline | probe | skip
+    action: str  # none | baseline | probe | skip | wait
     state: Optional[CanaryState] = None  # the canary to probe (action probe)
     reason: str = ""
 
@@ -132,17 +134,46 @@ def gate(record: Optional[CanaryRecord], revision: str, changed: list[str], enab
     return GATE_PROBING
 
 
-def canary_pod(name: str, spec: "DSV4DeploymentSpec", role: str = "decode") -> str:
-    return f"{name}-{role}-{spec.role(role).replicas - 1}"
+def live_replicas(spec: "DSV4DeploymentSpec", role: str, live: Optional[Mapping[str, int]] = None) -> Optional[int]:
+    """How many pods of `role` run: the spec's count where the operator owns it; the workload's
+    own where the planner or an autoscaler sets it (`live`, read from the workload), None when
+    that is not known."""
+    if not spec.replicas_from_workload(role):
+        return spec.role(role).replicas
+    return (live or {}).get(role)
 
 
-def probing_spec(spec: "DSV4DeploymentSpec", hold_partition: int, role: str = "decode") -> "DSV4DeploymentSpec":
+def canary_pod(
+    name: str, spec: "DSV4DeploymentSpec", role: str = "decode", live: Optional[Mapping[str, int]] = None
+) -> Optional[str]:
+    """The pod the canary moves and probes: the highest ordinal of the pods that run (the one a
+    partition of count - 1 moves). None when the live count of a planned/external role is not known."""
+    n = live_replicas(spec, role, live)
+    return f"{name}-{role}-{n - 1}" if n else None
+
+
+def pod_ordinal(pod: str) -> Optional[int]:
+    tail = pod.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+def probing_spec(
+    spec: "DSV4DeploymentSpec", hold_partition: int, role: str = "decode", canary: Optional[str] = None
+) -> "DSV4DeploymentSpec":
     """The spec the children are built from while the canary is probed: one pod of `role` moves
-    (a user's higher partition stands), the other engine role is held, both apply at once."""
+    (a user's higher partition stands), the other engine role is held, both apply at once. The pod
+    is `canary` (the daemon's record) or, before the daemon picked it, the highest ordinal of the
+    spec's count; a role whose count is not the spec's (planner, external) is held until then:
+    the spec's count minus one would move every pod above it, or none."""
     out = spec.model_copy(deep=True)
+    ordinal = pod_ordinal(canary) if canary else None
+    if ordinal is None and not spec.replicas_from_workload(role):
+        ordinal = spec.role(role).replicas - 1
     for r in ("prefill", "decode"):
         rs = out.role(r)
-        rs.partition = max(rs.partition, rs.replicas - 1) if r == role else hold_partition
+        rs.partition = (
+            max(rs.partition, ordinal if ordinal is not None else hold_partition) if r == role else hold_partition
+        )
     out.rollout.order = "together"
     return out
 
@@ -176,16 +207,23 @@ def effective(
         return spec, None
     g = gate(record, revision, changed_roles(baseline, spec, name), canary_enabled(spec))
     if g == GATE_PROBING:
-        return probing_spec(spec, hold_partition), None
+        st = record.state
+        canary = st.pod if st is not None and st.revision == revision and st.role == "decode" else None
+        return probing_spec(spec, hold_partition, canary=canary), None
     if g == GATE_REVERTED:
         return baseline, record.baseline_revision
     return spec, None
 
 
 def next_step(
-    record: Optional[CanaryRecord], name: str, spec: "DSV4DeploymentSpec", raw_spec: Mapping[str, Any]
+    record: Optional[CanaryRecord],
+    name: str,
+    spec: "DSV4DeploymentSpec",
+    raw_spec: Mapping[str, Any],
+    live: Optional[Mapping[str, int]] = None,
 ) -> CanaryStep:
-    """The daemon's next step for the spec as it is now."""
+    """The daemon's next step for the spec as it is now (`live`: the roles' workloads' replicas,
+    which the canary's pod is picked from where the planner or an autoscaler sets the count)."""
     from dsv4_operator.spec import parse_spec
 
     revision = serving_revision(raw_spec)
@@ -202,12 +240,12 @@ def next_step(
     if g == GATE_REVERTED:
         return CanaryStep("none")
     if g == GATE_PROBING:
-        st = (
-            record.state
-            if record.state is not None and record.state.revision == revision
-            else CanaryState(revision, "decode", canary_pod(name, spec), PROBING, record.baseline_revision)
-        )
-        return CanaryStep("probe", st)
+        if record.state is not None and record.state.revision == revision:
+            return CanaryStep("probe", record.state)
+        pod = canary_pod(name, spec, "decode", live)
+        if pod is None:
+            return CanaryStep("wait", reason="the decode workload's replica count is not known yet")
+        return CanaryStep("probe", CanaryState(revision, "decode", pod, PROBING, record.baseline_revision))
     if changed and canary_enabled(spec):  # prefill alone changed: no canary can be pinned to it
         return CanaryStep(
             "skip",

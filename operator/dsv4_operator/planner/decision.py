@@ -55,7 +55,11 @@ CONTEXT_SMOOTHING = 0.5
 MIN_LATENCY_SAMPLES = 5  # an interval's mean TTFT/ITL counts towards the correction from this many requests
 MAX_PREDICTED_UTILIZATION = 0.95  # a busier engine's queueing tells little about the model
 BASELINE_STEP = 0.1  # the baseline takes at most this share of itself from one interval's demand...
-BASELINE_ALPHA = 0.5  # ...with this weight
+# ...with this weight. A whole step: the compressed day's decode load (diurnal x a mix turning
+# reasoning-heavy) rises up to ~12%/minute, and a baseline that lags it leaves the reserve short
+# when a burst comes (at 0.5 it lagged by half after 12 minutes: bench/results/planner). A burst
+# lifts it too (up to 10% an interval); slowing that down re-opened the lag (tried: 2-5%).
+BASELINE_ALPHA = 1.0
 
 
 @dataclass(frozen=True)
@@ -398,7 +402,11 @@ def _size_role(
         per, text, util = cap.tokens_per_s, cap.describe(), min(u, cap.max_utilization)
         target_s = settings.ttft_target_s
     down_util = util * (1 - settings.hysteresis)
-    burst_util = 1.0 if role == "decode" else cap.max_utilization
+    # The reserve is the worst case, planned at the targets themselves for decode (its ITL at a
+    # batch is what the fit predicts well); for prefill at no more than targetUtilization: its
+    # queue's tail grows steeply near the utilization the TTFT target allows, and a capacity
+    # estimated a little high there (prompt lengths move with the mix) lets the queue run away.
+    burst_util = 1.0 if role == "decode" else util
     return _Sizing(
         demand=demand_now,
         forecast=forecast,

@@ -99,7 +99,12 @@ def pd_not_exchanging(seq: list[EngineSample], window_s: float, covered: bool) -
     if latest.role == "prefill":
         if latest.prefill_inflight or latest.bootstrap_queue:
             return None  # pending hand-offs: the stuck_inflight rule's
-        moved = [_increase(seq, "transfers_completed"), _increase(seq, "transfer_bytes")]
+        # a room decode served from its own cache (--decode-local-prefill) moves no KV by design
+        moved = [
+            _increase(seq, "transfers_completed"),
+            _increase(seq, "transfer_bytes"),
+            _increase(seq, "decode_local"),
+        ]
     else:
         if latest.decode_transfer or latest.decode_prealloc:
             return None  # waiting for KV: the stuck_transfer rule's

@@ -173,7 +173,7 @@ def watch_plan(pods: Iterable[EnginePod], kind: str, workers: Iterable[EnginePod
         if w.group in leaders:  # a worker of a group whose leader is gone goes with it
             members.setdefault(w.group, []).append(w)
     for pod in sorted(leaders.values(), key=lambda p: p.name):
-        info = PodInfo(role=pod.role, ready=pod.ready, uid=pod.uid, restarting=pod.restarting)
+        info = PodInfo(role=pod.role, ready=pod.ready, uid=pod.uid, restarting=pod.restarting, draining=pod.draining)
         if pod.group_size > 1:
             info = unit_info(
                 info,

@@ -68,6 +68,7 @@ class PodInfo:
     ready: bool = True
     uid: str | None = None
     restarting: bool = False  # the kubelet restarts its container (CrashLoopBackOff, recent restart)
+    draining: bool = False  # out of the routers (a scale-down's drain): Ready, but serves nothing new
 
     @property
     def cluster_sees_trouble(self) -> bool:
@@ -259,7 +260,8 @@ def decide(
     role_size: dict[str, int] = {}
     for pod, p in info.items():
         role_size[p.role] = role_size.get(p.role, 0) + 1
-        if not p.ready or pod in active:
+        # a pod the planner drains for a scale-down is out of service too: the budget is shared
+        if not p.ready or p.draining or pod in active:
             unavailable.setdefault(p.role, set()).add(pod)
     for pod, rec in active.items():
         unavailable.setdefault(rec.role, set()).add(pod)

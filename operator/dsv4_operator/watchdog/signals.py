@@ -61,6 +61,7 @@ COUNTER_FIELDS = (
     "requests_completed",
     "loop_iterations",
     "router_sent",
+    "decode_local",
 )
 
 
@@ -104,6 +105,9 @@ class EngineSample:
     aborted: float | None = None
     requests_completed: float | None = None
     loop_iterations: float | None = None
+    # PD rooms decode served from its own prefix cache (--decode-local-prefill): a hand-off by
+    # agreement, with no KV moved
+    decode_local: float | None = None
     # The hand-off queue counts came from the live view (/v1/loads), not from gauges SGLang sets
     # only when it logs a batch (stale on an idle engine).
     live_queues: bool = False
@@ -154,6 +158,7 @@ _BUILTIN_NAMES = _with_bare_counters(
         metric_name("num_aborted_reqs", "_total"): "aborted",
         metric_name("e2e_request_latency_seconds", "_count"): "requests_completed",
         metric_name("scheduler_loop_iterations", "_total"): "loop_iterations",
+        metric_name("num_decode_local_reqs", "_total"): "decode_local",
     }
 )
 

@@ -206,3 +206,42 @@ async def test_the_canary_passes_through_the_real_router_holding_its_own_token(
         assert "CanaryPassed" in seen and "CanaryFailed" not in seen, seen
     finally:
         await fleet.stop()
+
+
+@pytest.mark.slow  # ~20 s
+async def test_an_autoscaled_decode_role_probes_its_highest_live_pod(
+    cluster_with_crd: KubeCluster, kube_client: ClusterClient, operator_factory
+) -> None:
+    """decode's count is not the spec's (`scaling: external`, as with the planner): an autoscaler
+    made it 4 where the spec says 3. The canary is the highest live ordinal, flash-decode-3, and
+    moves first and alone; the spec's count would have picked flash-decode-2 and moved two pods."""
+    await operator_factory([NS])
+    await kube_client.create(
+        deployment(
+            "flash",
+            NS,
+            prefill={"replicas": 2},
+            decode={"replicas": 3, "scaling": "external"},
+            remediation={"enabled": False},
+            rollout={"canary": PROBE},
+        ),
+        PLURAL,
+    )
+    fleet = await FakeFleet(kube_client, NS, "flash").start()
+    try:
+        await eventually(lambda: baseline_recorded(kube_client), timeout=20)
+        await eventually(lambda: len(fleet.roles("decode")) == 3, timeout=20)
+        await kube_client.patch("apps/v1", "statefulsets", NS, "flash-decode", {"spec": {"replicas": 4}})
+        await eventually(lambda: len(fleet.roles("decode")) == 4 and len(fleet.roles("prefill")) == 2, timeout=20)
+        await kube_client.patch(API, PLURAL, NS, "flash", {"spec": {"engine": {"image": "reg/dsv4:2"}}})
+
+        async def rolled() -> bool:
+            return fleet.images_of("decode") == ["reg/dsv4:2"] * 4 and fleet.images_of("prefill") == ["reg/dsv4:2"] * 2
+
+        await eventually(rolled, timeout=40)
+        first = [pod for _, pod, image in fleet.timeline if image == "reg/dsv4:2"]
+        assert first[0] == "flash-decode-3", f"the canary moves first: {first}"
+        cr = await get_cr(kube_client, NS, "flash")
+        assert cr["status"]["canary"]["pod"] == "flash-decode-3" and cr["status"]["canary"]["phase"] == "Passed"
+    finally:
+        await fleet.stop()

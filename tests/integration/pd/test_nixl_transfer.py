@@ -295,3 +295,50 @@ def test_receiver_keeps_working_when_the_writer_restarts():
                 assert prefill.wait_notifs("prefill-r", 1) == [("decode-r", b"abort:%d" % incarnation)]
             finally:
                 prefill.kill() if incarnation == 1 else prefill.stop()
+
+
+def test_a_write_waits_for_its_pages_ready_event_not_the_whole_stream(peer, monkeypatch):
+    """Prefill hands every write of a request the event recorded after the kernels that wrote its
+    pages (transport.pages_ready): each write waits for that, never for the whole stream."""
+
+    class Ready:  # what a torch.cuda.Event offers the agent
+        waits = 0
+
+        def synchronize(self) -> None:
+            self.waits += 1
+
+    def whole_stream(*_a, **_k):
+        raise AssertionError("a write synchronised the whole stream")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", whole_stream)
+    ready = Ready()
+    with KVTransferAgent("ready-src", filled_pool(torch.float32, 5)) as src:
+        src.add_peer(peer.create("ready-dst", SHAPE, "float32"))
+        for page in range(3):  # as prefill's writes into three decode ranks
+            h = src.write_pages("ready-dst", [page], [page], b"", ready=ready)
+            assert wait_terminal(src, h) is TransferState.DONE, src.error(h)
+        assert ready.waits == 3 and src.device_waits == 3
+        h = src.write_pages("ready-dst", [3], [3], b"")  # host memory, no event: nothing to wait for
+        assert wait_terminal(src, h) is TransferState.DONE and src.device_waits == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: bench/gpu_kernels.sh runs it")
+def test_a_write_from_vram_waits_for_the_kernel_that_wrote_its_page():
+    """On CUDA (VRAM -> VRAM, two agents in this process): a page whose writing kernel is still
+    queued behind busy work when the write starts arrives whole, since the write waits for the
+    event `pages_ready` recorded after that kernel, and for nothing else."""
+    from dsv4_engine.pd.transport import pages_ready
+
+    src_pool, dst_pool = torch.zeros(SHAPE, device="cuda"), torch.zeros(SHAPE, device="cuda")
+    with KVTransferAgent("vram-src", src_pool) as src, KVTransferAgent("vram-dst", dst_pool) as dst:
+        src.add_peer(dst.descriptor())
+        busy = torch.randn(2048, 2048, device="cuda")
+        for _ in range(30):  # keeps the stream busy well past the write's start
+            busy = busy @ busy / 2048
+        src_pool[1].fill_(7.0)  # queued after the busy work
+        h = src.write_pages("vram-dst", [1], [1], b"landed", ready=pages_ready(src_pool))
+        deadline = time.monotonic() + DEADLINE_S
+        while src.poll(h) is TransferState.PENDING and time.monotonic() < deadline:
+            dst.poll_notifs()
+        assert src.poll(h) is TransferState.DONE, src.error(h)
+        assert src.device_waits == 1 and bool((dst_pool[1] == 7.0).all())

@@ -53,8 +53,9 @@ def test_a_session_named_by_header_is_its_tenants_through_the_router(tiny_model,
         assert r.choices[0].finish_reason == "length"
         sessions = httpx.get(purl + "/v1/loads").json()["prefix_cache"]["sessions"]
         assert sessions["sessions"] == 1 and sessions["pinned_pages"] == 4
-        # every role publishes KV events: prefill its cache, decode (no cache) an empty one
-        for url, role, held in ((purl, "prefill", 4), (durl, "decode", 0)):
+        # every role publishes KV events: prefill its cache, decode the conversation it holds for
+        # the next round (--decode-local-prefill, on by default): the landed prompt's 4 pages
+        for url, role, held in ((purl, "prefill", 4), (durl, "decode", 4)):
             with httpx.stream("GET", url + "/v1/kv_events", timeout=20) as r:
                 snap = wire.decode(next(line for line in r.iter_lines() if line.strip()))
             assert snap["type"] == "snapshot" and snap["role"] == role and len(snap["tiers"]["device"]) == held

@@ -129,3 +129,24 @@ def test_traffic_percent_is_a_bounded_share() -> None:
     assert parse_spec({**RAW, "rollout": {"canary": {"trafficPercent": 5}}}).rollout.canary.traffic_percent == 5
     with pytest.raises(ValidationError, match="trafficPercent|traffic_percent"):
         parse_spec({**RAW, "rollout": {"canary": {"trafficPercent": 51}}})
+
+
+@pytest.mark.parametrize("live", [5, 1])
+def test_a_planned_decode_role_probes_the_highest_live_pod_not_the_specs(live: int) -> None:
+    """The planner (or an autoscaler) sets decode's count: the canary is the highest ordinal of the
+    pods that run, and the partition moves that pod alone. The spec's count (3) would move pods
+    3 and 4 of five, or no pod of one (the probe then waits for a pod that never comes)."""
+    planned = copy.deepcopy(RAW)
+    planned["decode"] = {"replicas": 3, "scaling": "planner"}
+    base = P.with_baseline(None, planned)
+    raw = copy.deepcopy(planned)
+    raw["engine"]["image"] = "reg/dsv4:2"
+    spec = parse_spec(raw)
+    assert P.next_step(base, "m", spec, raw).action == "wait", "no pod picked before the live count is known"
+    # before the daemon recorded its pod: decode is held, nothing moves
+    built, _ = P.effective("m", spec, raw, annotations(base), HOLD)
+    assert built.decode.partition == HOLD and built.prefill.partition == HOLD
+    step = P.next_step(base, "m", spec, raw, {"decode": live, "prefill": 2})
+    assert step.action == "probe" and step.state.pod == f"m-decode-{live - 1}"
+    built, _ = P.effective("m", spec, raw, annotations(P.with_state(base, step.state)), HOLD)
+    assert built.decode.partition == live - 1 and built.prefill.partition == HOLD

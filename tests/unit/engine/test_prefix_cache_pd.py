@@ -32,6 +32,7 @@ def make(model, role: str, cache: bool = True) -> Engine:
             page_size=8,
             served_model_name="m",
             enable_prefix_cache=cache,
+            decode_local_prefill=0,  # prefill's cache and the whole state shipped (decode's own: pd/)
         )
     )
 

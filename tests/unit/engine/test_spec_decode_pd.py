@@ -49,6 +49,9 @@ def models(tmp_path_factory):
 def make(model, role: str, spec: bool, **extra) -> Engine:
     if spec:
         extra.update(speculative_algorithm="mtp", speculative_num_steps=3)
+    # a decode with no cache drafts past V4's boundaries like the cacheless mono these compare
+    # drafts with (a decode serving rounds itself: test_spec_decode_v4_local_pd.py)
+    extra.setdefault("decode_local_prefill", 0)
     return Engine(
         EngineArgs(
             model=str(model),
@@ -244,24 +247,44 @@ def test_pd_decode_aborts_mid_speculation_return_everything(models, kind):
     all_back(p, d)
 
 
+def nixl_pair(p: Engine, d: Engine) -> tuple[Engine, Engine]:
+    """`pair` over real NIXL agents, as `dsv4 serve` wires them: decode's rank 1 (a child
+    process) registers its own pool and relays its notifications to rank 0 (pd.rank_pools)."""
+    from dsv4_engine.pd.nixl.agent import KVTransferAgent
+
+    fabric = FakeFabric()  # the control channel only
+    settings = PDSettings(bootstrap_timeout=30, transfer_timeout=30, waiting_timeout=30, url=DECODE_URL)
+    pa = KVTransferAgent("prefill-mtp", PoolStates.of_pool(p.pool), default_timeout_s=None)
+    da = KVTransferAgent("decode-mtp", PoolStates.of_pool(d.pool), default_timeout_s=None)
+    p.pd = PrefillController(p, settings, pa, fabric.channel(p.call))
+    d.pd = DecodeController(d, settings, da, fabric.channel(d.call))
+    d.pd.rank_descs = d.tp.gather_rank_pools(da.descriptor())[1:]
+    fabric.serve(BOOTSTRAP_ADDR, p.pd, "prefill")
+    fabric.serve(DECODE_URL, d.pd, "decode")
+    return p, d
+
+
 def test_v4_pd_with_speculation_into_a_tp2_decode_equals_mono(models):
     """Decode at --tp-size 2 (its rank 1 a real child process; one TP group per process, so
-    prefill has one rank here): decode's rank 0 receives the request's state (the MTP ring's slot
-    row included) and copies it to its rank 1, then both ranks draft and verify. Greedy tokens
-    equal mono, and decode drafts what a one-rank mono engine drafts at the same points (rank 1's
-    MTP state arrived: its half of the block's experts computes on it)."""
+    prefill has one rank here): prefill writes the request's state (the MTP ring's slot row
+    included) into each decode rank's own pool over NIXL, then both ranks draft and verify. Greedy
+    tokens equal mono, and decode drafts what a one-rank mono engine drafts at the same points
+    (rank 1's MTP state arrived: its half of the block's experts computes on it)."""
     model = models["v4"]
     reqs = _requests(5, n=4)
     want, _ = mono(model, reqs)
     _, drafts_mono = mono(model, reqs, spec=True, prep=lambda e: record_drafts(e, lambda rid: int(rid[1:])))
     p, d = make(model, "prefill", True), make(model, "decode", True, tp_size=2)
     try:
-        p, d = pair(model, True, True, engines=(p, d))
+        p, d = nixl_pair(p, d)
         drafts_pd = record_drafts(d, lambda rid: int(rid[1:]) - 1)
         assert through_pd(p, d, reqs) == want
-        assert d.tp.failed is None
+        assert d.tp.failed is None and set(d.pd.bytes_by_rank) == {0, 1}
     finally:
         d.tp.close()
+        for e in (p, d):
+            if e.pd is not None:
+                e.pd.transport.close()
     assert all(proc.poll() == 0 for proc in d.tp.procs)
     common = set(drafts_pd) & set(drafts_mono)
     assert len(common) > 5 and all(drafts_pd[k] == drafts_mono[k] for k in common)

@@ -107,3 +107,32 @@ def test_moe_experts_match_reference_with_ragged_experts(device, limit):
     dropped[int(weights[:, 1].argmin()), 1] = 0.0
     skipped = ref.fp4_moe_experts(x, W13, S13, W2, S2, dropped, ids, limit)
     assert not ((skipped.double() - want.double()).abs() <= bound).all()
+
+
+def test_native_fp4_path_is_chosen_by_architecture_and_dtype():
+    """tl.dot_scaled on sm_100's tile family with bf16 activations; the registers decode on
+    sm_90, sm_120, off CUDA (the interpreter has no dot_scaled), in fp32, or when disabled."""
+    from dsv4_kernels.triton_kernels.common import tile_target
+    from dsv4_kernels.triton_kernels.fp4_gemm import fp4_native
+
+    b200 = tile_target(10, 0, 232448)  # datacentre Blackwell: tcgen05
+    assert fp4_native(b200, torch.bfloat16)
+    assert fp4_native(tile_target(10, 3, 232448), torch.bfloat16)  # sm_103 takes sm_100's tiles
+    assert not fp4_native(b200, torch.float32)  # exact fp32 products: not a dot_scaled format
+    assert not fp4_native(b200, torch.bfloat16, disabled=True)  # DSV4_FP4_NATIVE=0
+    for major, minor, shared in ((9, 0, 232448), (12, 0, 101376), (12, 1, 101376), (8, 9, 101376)):
+        assert not fp4_native(tile_target(major, minor, shared), torch.bfloat16), (major, minor)
+    assert not fp4_native(None, torch.bfloat16)  # CPU tensors: the interpreter
+
+
+def test_native_fp4_variants_are_compiled_where_they_run_with_the_fallback_beside_them():
+    from dsv4_kernels.triton_kernels import fp4_gemm
+
+    for arch in (90, 100, 120):
+        names = {v.name: v.constexprs["NATIVE"] for v in fp4_gemm.aot_variants(arch)}
+        native = {n for n, on in names.items() if on}
+        if arch == 100:
+            assert native and all(",bf16" not in n and n.startswith("fp4_gemm[bf16,") for n in native)
+            assert {n.replace(",native", "") for n in native} <= set(names)  # the fall-back too
+        else:
+            assert not native

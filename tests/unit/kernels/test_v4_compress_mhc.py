@@ -77,6 +77,30 @@ def test_hc_pre_matches_reference(device, T, hc, dim):
     torch.testing.assert_close(got[1].sum(-2), torch.ones_like(got[1][:, 0]), atol=1e-3, rtol=0)
 
 
+@pytest.mark.parametrize("T,hc,dim,splits", [(1, 4, 300, 3), (2, 3, 64, 2)])
+def test_hc_pre_split_over_columns_matches_reference(device, T, hc, dim, splits):
+    """Small batches: the hc * dim columns reduced by several programs, partials summed by a
+    second kernel that also writes the collapsed input in column blocks."""
+    x, fn, base, scale = make_hc(device, T, hc, dim, seed=T + dim)
+    want = ref.v4_hc_pre(x, fn, base, scale, 1e-6, 1e-6, 20)
+    got = mk.v4_hc_pre(x, fn, base, scale, 1e-6, 1e-6, 20, num_splits=splits)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
+
+
+def test_hc_pre_splits_fill_the_device_at_small_batch():
+    # V4-Flash at batch 1 (one token block) on 132 SMs: 64 programs of 4 tiles each
+    assert mk.hc_pre_splits(1, 16384, 64, 132) == (64, 256)
+    # batch 64 (16 blocks of 4): 8 splits a block
+    n, length = mk.hc_pre_splits(16, 16384, 64, 132)
+    assert n == 8 and n * length >= 16384
+    # blocks that fill half the device: the fused kernel
+    assert mk.hc_pre_splits(66, 16384, 64, 132) == (1, 16384)
+    for blocks, flat in ((1, 100), (3, 1000), (10, 16384)):
+        n, length = mk.hc_pre_splits(blocks, flat, 64, 132)
+        assert n * length >= flat and (n - 1) * length < flat and length % 64 == 0
+
+
 def test_hc_post_matches_reference(device, tol):
     x, fn, base, scale = make_hc(device, 4, 4, 200)
     post, comb, _ = ref.v4_hc_pre(x, fn, base, scale, 1e-6, 1e-6, 20)

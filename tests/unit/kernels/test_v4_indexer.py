@@ -156,3 +156,39 @@ def test_the_tie_check_refuses_a_real_swap():
     picked = score[want[0].long()]
     assert (picked[:-1] >= picked[1:]).all()  # the float64 scores order the reference's picks
     assert (score.sort(descending=True).values[:4] - picked).abs().max() <= 2 * bound.max()
+
+
+def test_split_scan_and_merge_pick_the_reference_entries(device):
+    """Key tiles interleaved across programs (a short query leaves some splits empty), then
+    merged: the same picks as the reference, and exactly the serial scan's (ties included)."""
+    lens = [1, 2, 1]
+    positions = [170, 61, 62, 2]
+    c = make_case(
+        device, torch.float32, heads=8, dim=32, rate=4, page_size=16, positions=positions, extend_lens=lens, top_k=8
+    )
+    got = tk.v4_indexer_topk(**c, num_splits=3)
+    assert_same_picks(got, ref.v4_indexer_topk(**c), c)
+    assert torch.equal(got, tk.v4_indexer_topk(**c, num_splits=1))
+    assert (got[3] == -1).all()  # no visible entry
+
+
+def test_split_merge_breaks_ties_toward_the_lower_entry(device):
+    """Equal scores in every split: the merge keeps the first top_k entries, as the reference."""
+    c = make_case(
+        device, torch.float32, heads=8, dim=32, rate=4, page_size=16, positions=[127], extend_lens=[1], top_k=8
+    )
+    c["iw"] = torch.zeros_like(c["iw"])
+    got = tk.v4_indexer_topk(**c, num_splits=4)
+    assert torch.equal(got.cpu(), ref.v4_indexer_topk(**c).cpu())
+    assert got[0].tolist() == list(range(8))
+
+
+def test_indexer_splits_fill_the_device_from_shapes():
+    # decode at batch 1 on 132 SMs: 32 programs over the key tiles (capped by MAX_SPLITS)
+    assert tk.indexer_splits(1, 131072, 64, 132) == tk.MAX_SPLITS
+    # batch 32: 2 waves of 132 SMs need ~9 a query
+    assert tk.indexer_splits(32, 131072, 64, 132) == 9
+    # enough queries to fill the device: the serial scan
+    assert tk.indexer_splits(512, 131072, 64, 132) == 1
+    # never more splits than tiles
+    assert tk.indexer_splits(1, 100, 64, 132) == 2

@@ -51,11 +51,9 @@ def test_the_stop_header_is_an_operation_of_its_own():
     assert int(wire.stop_header()[wire.OP]) == wire.OP_STOP != wire.OP_FORWARD
 
 
-def test_a_landed_state_message_names_its_pages_and_slot():
-    header, payload = wire.state_message([4, 9, 2], 3)
-    assert int(header[wire.OP]) == wire.OP_STATE and wire.payload_len(header) == payload.numel()
-    assert wire.unpack_state(payload) == ([4, 9, 2], 3)
-    assert wire.unpack_state(wire.state_message([1], None)[1]) == ([1], None)
+def test_an_operation_without_payload_is_a_header_alone():
+    header = wire.op_header(wire.OP_PD_POOLS)
+    assert int(header[wire.OP]) == wire.OP_PD_POOLS and wire.payload_len(header) == 0
 
 
 def test_a_snapshot_copy_message_names_its_direction_snapshot_and_row():
@@ -119,7 +117,7 @@ def test_speculative_messages_round_trip():
     states announce their dtype and shape."""
     header, _ = wire.pack(batch(True), wire.OP_SPEC_MTP)
     assert int(header[wire.OP]) == wire.OP_SPEC_MTP
-    ops = {wire.OP_FORWARD, wire.OP_STOP, wire.OP_STATE, wire.OP_CAPTURE, wire.OP_GRAPH, wire.OP_SNAPSHOT}
+    ops = {wire.OP_FORWARD, wire.OP_STOP, wire.OP_PD_POOLS, wire.OP_CAPTURE, wire.OP_GRAPH, wire.OP_SNAPSHOT}
     spec_ops = {wire.OP_SPEC_TARGET, wire.OP_SPEC_MTP, wire.OP_RING_SAVE, wire.OP_RING_RESTORE}
     assert len(ops | spec_ops) == 10
     header, payload = wire.ring_message(wire.OP_RING_SAVE, [0, 2], [1, 1, 7, 8])

@@ -83,6 +83,7 @@ def test_serve_locally_is_a_pure_rule():
     assert not serve_locally(100, 91, 8)  # 9 tokens left: prefill's job
     assert not serve_locally(100, 0, 1000)  # nothing held: a new conversation
     assert not serve_locally(100, 99, 0)  # off
+    assert not serve_locally(100, 96, 8, continues=False)  # shares a prefix, continues no conversation
 
 
 def test_rounds_resume_on_decode_with_their_answer_and_equal_mono(pair, engines):
@@ -166,6 +167,33 @@ def test_a_prompt_ending_on_a_boundary_is_kept_when_it_lands(pair, engines):
     assert pair.moved("d", "kv_transfers_completed") == before and dc.end.cached_tokens == 4 * b
     assert dc.tokens == mono(engines, convo, 4)
     pair.assert_clean("p", "d")
+
+
+def test_a_repeated_prompt_or_a_new_conversation_over_a_held_prefix_goes_through_prefill(pair, engines):
+    """Decode serves a round itself only when it continues a conversation decode served (its
+    prompt starts with that request's prompt *and answer*). A prompt sent again, or a new
+    conversation over a prefix decode holds (a shared system prompt), is prefill's: else decode
+    would prefill every new conversation under a cached system prompt (PD undone)."""
+    rng = random.Random(15)
+    convo = [rng.randrange(5, 250) for _ in range(41)]
+    _, _, _, dc = pair.both(prompt=list(convo), max_tokens=12)  # past a boundary: resumable inside it
+    pair.run_until(lambda: dc.ends)
+    answer = dc.tokens
+    other = convo[:32] + [rng.randrange(5, 250) for _ in range(9)]  # held prefix, another conversation
+    for prompt in (convo, other):
+        before = pair.moved("d", "kv_transfers_completed")
+        _, pc, _, dc = pair.both(prompt=list(prompt), max_tokens=12)
+        pair.run_until(lambda: dc.ends and pc.ends)
+        assert pair.moved("d", "kv_transfers_completed") - before == 1, prompt is convo
+        assert dc.tokens == mono(engines, prompt, 12)
+    local = pair.moved("d", "num_decode_local_reqs")
+    nxt = convo + answer + [rng.randrange(5, 250) for _ in range(5)]  # the conversation's next round
+    _, _, _, dc = pair.both(prompt=list(nxt), max_tokens=6)
+    pair.run_until(lambda: dc.ends)
+    assert pair.moved("d", "num_decode_local_reqs") == local + 1
+    assert dc.tokens == mono(engines, nxt, 6)
+    pair.assert_clean("p", "d")
+    engines[1].prefix_cache.check()
 
 
 @pytest.mark.slow

@@ -57,6 +57,8 @@ def engines(tiny_model):
                 kv_pages=KV_PAGES,
                 page_size=16,
                 served_model_name="m",
+                # the transfer path under test: decode serving repeats itself is test_decode_local_continuation's
+                decode_local_prefill=0,
             )
         )
 
@@ -284,11 +286,11 @@ def test_kv_that_lands_before_decode_hears_its_registration_answer_is_not_lost(p
     pair.run_until(lambda: pc.ends, sides="p")  # prefill forwards and writes the KV meanwhile
     assert pc.end.error is None and ds.pd.room in pair.d.pd.registering
     pair.d.pd.poll()  # decode reads the notification before its inbox
-    assert ds.pd.room in pair.d.pd.early and not dc.outputs
+    assert ds.pd.room in pair.d.pd.arrived and not dc.outputs
     pair.run_until(lambda: dc.ends, dt=0.01, limit=1.0, sides="d")  # far inside the 8 s deadline
     assert dc.end.error is None and dc.end.finish_reason == "length"
     assert dc.tokens == mono_tokens(engines)
-    assert pair.moved("d", "num_transfer_timeout_reqs") == 0 and not pair.d.pd.early
+    assert pair.moved("d", "num_transfer_timeout_reqs") == 0 and not pair.d.pd.arrived
     pair.assert_clean("p", "d")
 
 

@@ -36,6 +36,8 @@ def engines(make_model):
                 served_model_name="m",
                 enable_prefix_cache=cache,
                 prefix_cache_snapshots=4,
+                # the transfer path under test: decode serving repeats itself is test_decode_local_continuation's
+                decode_local_prefill=0,
             )
         )
 

@@ -57,6 +57,8 @@ def v4_engines(make_model):
                 max_num_seqs=4,
                 max_num_batched_tokens=64,
                 served_model_name="m",
+                # the transfer path under test: decode serving repeats itself is test_decode_local_continuation's
+                decode_local_prefill=0,
             )
         )
 

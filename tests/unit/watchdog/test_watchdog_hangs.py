@@ -76,6 +76,25 @@ def test_a_pd_pair_that_hands_over_now_and_then_is_not():
     assert not wedged(dec)
 
 
+def test_a_prefill_whose_rooms_decode_serves_from_its_own_cache_is_not_pd_not_exchanging():
+    """--decode-local-prefill (on by default): every later round of a conversation is served by
+    decode from its cache, so prefill receives requests, ends them as `local` rooms and moves no
+    KV. That is a hand-off by agreement, not a pair that exchanges nothing."""
+    samples = [
+        idle(t, role="prefill", prompt_tokens=50.0 + 10 * t, decode_local=2.0 * t, prefill_inflight=0)
+        for t in range(0, 120, 5)
+    ]
+    assert not wedged(run(samples))
+    # read from both views the watchdog scrapes
+    metrics = "dsv4:num_decode_local_reqs_total 7\n"
+    assert build_sample(0.0, "prefill", metrics_text=metrics).decode_local == 7.0
+    loads = {"role": "prefill", "counters": {"num_decode_local_reqs": 3}}
+    assert build_sample(0.0, "prefill", loads=loads).decode_local == 3.0
+    # the rule still fires when neither a transfer nor a local room moves
+    still = [idle(t, role="prefill", prompt_tokens=50.0 + 10 * t, decode_local=4.0) for t in range(0, 120, 5)]
+    assert wedged(run(still))
+
+
 def test_a_decode_receiving_requests_and_generating_nothing_is_pd_not_exchanging():
     got = run([idle(t, role="decode", prompt_tokens=50.0 + 10 * t, transfers_completed=None) for t in range(0, 90, 5)])
     w = wedged(got)

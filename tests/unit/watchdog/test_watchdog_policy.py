@@ -158,6 +158,32 @@ def test_not_ready_pods_count_against_the_budget():
     assert RESTART in [a.kind for a in actions]
 
 
+def test_pods_drained_for_a_scale_down_count_against_the_budget():
+    """The planner drains up to maxUnavailable pods for a scale-down (Ready, out of the routers):
+    the watchdog does not take another pod of the role out on top of them."""
+    p = pods(p0="prefill", p1="prefill")
+    p["p1"] = PodInfo("prefill", ready=True, uid="p1-1", draining=True)
+    actions, _ = decide({"p0": WEDGED}, p, PolicyState(), 0.0, SETTINGS)
+    assert kinds(actions) == [(REPORT, "p0"), (HELD, "p0")]
+    assert not PodInfo("prefill", draining=True).cluster_sees_trouble, "a drain is no trouble to remediate"
+
+
+def test_the_watch_plan_carries_the_draining_label():
+    from dsv4_operator.watchdog.pods import EnginePod, watch_plan
+
+    pod = EnginePod(
+        name="x-prefill-1",
+        uid="u",
+        role="prefill",
+        ip="10.0.0.1",
+        port=8000,
+        ready=True,
+        terminating=False,
+        draining=True,
+    )
+    assert watch_plan([pod], "builtin").pods["x-prefill-1"].draining
+
+
 def test_max_unavailable_two_and_percentages():
     settings = RemediationSettings(max_unavailable={"prefill": 2, "decode": "50%"})
     p = pods(p0="prefill", p1="prefill", p2="prefill", d0="decode", d1="decode", d2="decode", d3="decode")

@@ -90,6 +90,7 @@ def test_a_claude_code_style_request_as_chat():
         "tool_choice": "required",
         "parallel_tool_calls": False,
         "chat_template_kwargs": {"thinking": True},
+        "reasoning_effort": "low",  # a budget of 200 tokens
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -181,6 +182,13 @@ def test_thinking_disabled_and_a_results_only_turn():
         ({"speed": "fast"}, "speed"),
         ({"thinking": {"type": "between_tools"}}, "between_tools"),
         ({"thinking": {"type": "adaptive", "display": "omitted"}}, "omitted"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 10, "display": "omitted"}}, "omitted"),
+        ({"tools": [{"name": "b", "input_schema": SCHEMA, "defer_loading": True}]}, "tools[0].defer_loading"),
+        (
+            {"tools": [{"name": "b", "input_schema": SCHEMA, "allowed_callers": ["code_execution_20250825"]}]},
+            "allowed_callers",
+        ),
+        ({"tools": [{"name": "b", "input_schema": SCHEMA, "input_examples": [{"cmd": "ls"}]}]}, "input_examples"),
         ({"output_config": {"format": {"type": "regex"}}}, "output_config.format"),
         ({"output_config": {"task_budget": 5}}, "task_budget"),
         ({"system": [{"type": "image"}]}, "system"),
@@ -399,3 +407,36 @@ def test_the_doors_answer_messages_in_anthropic_shape():
         )
         got, body = asyncio.run(call(door, "/v1/responses"))
         assert got == status and "message" in body["error"]
+
+
+def test_count_tokens_translates_the_prompt_as_the_request_does():
+    from dsv4_wire.agent_apis.edge import count_tokens_chat
+
+    tools = [{"name": "bash", "input_schema": SCHEMA}]
+    prompt = {"model": "m", "system": "s", "messages": USER, "tools": tools, "thinking": {"type": "adaptive"}}
+    real = messages_call({**prompt, "max_tokens": 9, "temperature": 0.5, "stream": True}).chat
+    counted = count_tokens_chat(prompt)  # no max_tokens needed
+    assert counted == {
+        k: v for k, v in real.items() if k not in ("max_tokens", "temperature", "stream", "stream_options")
+    }
+    assert count_tokens_chat({**prompt, "max_tokens": 9, "stop_sequences": ["x"]}) == counted
+    with pytest.raises(APIError) as e:
+        count_tokens_chat({"model": "m", "messages": [{"role": "user", "content": [{"type": "document"}]}]})
+    assert e.value.status == 400 and "document" in e.value.message
+
+
+@pytest.mark.parametrize(
+    "budget, effort", [(1, "low"), (2047, "low"), (2048, "medium"), (8192, "high"), (31999, "high"), (32768, "max")]
+)
+def test_a_thinking_budget_is_an_effort_tier(budget, effort):
+    chat = messages_to_chat(
+        {"max_tokens": 10**6, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": budget}}
+    ).chat
+    assert chat["chat_template_kwargs"] == {"thinking": True} and chat["reasoning_effort"] == effort
+    given = {"type": "enabled", "budget_tokens": budget}
+    chat = messages_to_chat(
+        {"max_tokens": 10**6, "messages": USER, "thinking": given, "output_config": {"effort": "max"}}
+    ).chat
+    assert chat["reasoning_effort"] == "max"  # the effort asked for wins over the budget's
+    chat = messages_to_chat({"max_tokens": 10, "messages": USER, "thinking": {"type": "adaptive"}}).chat
+    assert "reasoning_effort" not in chat  # the checkpoint's default tier

@@ -131,6 +131,12 @@ def test_history_comes_first_and_instructions_are_not_carried():
         ("max_tool_calls", 2),
         ("moderation", {"input": True}),
         ("service_tier", "flex"),
+        ("reasoning", {"mode": "pro"}),
+        ("reasoning", {"context": "all_turns"}),
+        ("tools", [{"type": "function", "name": "f", "defer_loading": True}]),
+        ("tools", [{"type": "function", "name": "f", "async": True}]),
+        ("tools", [{"type": "function", "name": "f", "output_schema": {"type": "object"}}]),
+        ("tools", [{"type": "function", "name": "f", "allowed_callers": ["code_interpreter"]}]),
     ],
 )
 def test_what_cannot_be_honoured_is_a_400_naming_it(field, value):
@@ -143,6 +149,8 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(field, value):
 
 def test_neutral_values_of_those_fields_pass():
     chat_of({"input": "hi", "background": False, "include": [], "truncation": "disabled", "store": False, "user": "u"})
+    chat_of({"input": "hi", "reasoning": {"context": "auto", "mode": "standard"}})
+    chat_of({"input": "hi", "tools": [{"type": "function", "name": "f", "defer_loading": False, "async": False}]})
 
 
 def chat_answer(finish="tool_calls", reasoning="why", content="text", calls=(("c1", "f", '{"a": 1}'),)):

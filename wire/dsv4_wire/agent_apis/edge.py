@@ -136,6 +136,16 @@ def messages_call(raw: Union[bytes, dict]) -> AgentCall:
     return AgentCall(MESSAGES, req.chat, req.stream)
 
 
+def count_tokens_chat(raw: Union[bytes, dict]) -> dict:
+    """The chat body whose prompt a `/v1/messages/count_tokens` request counts: the same
+    translation as `/v1/messages`, so the count is the real request's prompt."""
+    return messages_to_chat(_json(raw), counting=True).chat
+
+
+def counted(tokens: int) -> bytes:
+    return json.dumps({"input_tokens": tokens}).encode()
+
+
 def stored(store: ResponseStore, rid: str, owner: str = "", delete: bool = False) -> tuple[int, bytes]:
     """GET (or DELETE) /v1/responses/{rid}, for the caller's API key name `owner`."""
     found = store.get(rid, owner)

@@ -4,7 +4,7 @@ What Claude Code sends is served: `system` (text or text blocks), `messages` (us
 and system ones mid-conversation, rendered where they stand as the model's format does) with
 `text`, `tool_use`, `tool_result` and `thinking` blocks, `tools` with `input_schema`,
 `tool_choice` (`auto`, `any`, `tool`, `none`, `disable_parallel_tool_use`), `thinking`
-(enabled, adaptive or disabled), `max_tokens` (required, as Anthropic has it), `stop_sequences`,
+(enabled, its budget as an effort tier; adaptive or disabled), `max_tokens` (required, as Anthropic has it), `stop_sequences`,
 `temperature`, `top_p`, `top_k`, `stream`, `metadata`, `output_config` (`effort`, a JSON-schema
 `format`), `context_management` that keeps all thinking. `cache_control` marks (on blocks,
 tools, or the request) are accepted: every prompt prefix is cached anyway; `user_profile_id`
@@ -31,6 +31,21 @@ NEUTRAL = {
     "inference_geo": (None,),
     "speed": (None, "standard"),
 }
+# Tool fields with no meaning here: a tool found by search (defer_loading), one called from
+# code (allowed_callers), examples the model's format has no place for (input_examples).
+# eager_input_streaming is a latency hint: calls are streamed whole once complete either way.
+TOOL_NEUTRAL = {"defer_loading": (None, False), "allowed_callers": (None, ["direct"]), "input_examples": (None, [])}
+# What a count_tokens body leaves out: it counts the prompt, and these change no prompt token.
+GENERATION_FIELDS = (
+    "max_tokens",
+    "stop_sequences",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stream",
+    "metadata",
+    "service_tier",
+)
 
 
 @dataclass
@@ -128,9 +143,14 @@ def _tools(tools: Any) -> list[dict]:
             )
         if not isinstance(t.get("name"), str) or not isinstance(t.get("input_schema"), dict):
             raise _bad(f"tools[{i}]: a tool needs name and input_schema", "tools")
+        for field, neutral in TOOL_NEUTRAL.items():
+            if t.get(field) not in neutral:
+                raise _bad(f"tools[{i}].{field} is not supported by this server", f"tools.{field}")
         fn = {"name": t["name"], "parameters": t["input_schema"]}
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
+        if t.get("strict") is not None:
+            fn["strict"] = t["strict"]
         out.append({"type": "function", "function": fn})
     return out
 
@@ -151,13 +171,23 @@ def _tool_choice(choice: Any, chat: dict) -> None:
         chat["parallel_tool_calls"] = False
 
 
+# thinking.budget_tokens onto the chat path's efforts (each checkpoint folds them onto its own
+# tiers): a budget asks for a depth of thinking, as an effort does. Below 2048 tokens low, below
+# 8192 medium, below 32768 high, else max. No budget is enforced beyond max_tokens.
+BUDGET_EFFORTS = ((2048, "low"), (8192, "medium"), (32768, "high"))
+
+
+def budget_effort(budget: int) -> str:
+    return next((effort for bound, effort in BUDGET_EFFORTS if budget < bound), "max")
+
+
 def _thinking(thinking: Any, max_tokens: int) -> bool:
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind == "disabled":
         return False
+    if kind in ("adaptive", "enabled") and thinking.get("display") not in (None, "summarized"):
+        raise _bad('thinking.display "omitted" is not supported: the thinking comes whole', "thinking.display")
     if kind == "adaptive":
-        if thinking.get("display") not in (None, "summarized"):
-            raise _bad('thinking.display "omitted" is not supported: the thinking comes whole', "thinking.display")
         return True
     if kind == "enabled":
         budget = thinking.get("budget_tokens")
@@ -199,12 +229,17 @@ def _output_config(config: Any, chat: dict) -> None:
         chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
-def messages_to_chat(body: Any) -> MessagesRequest:
+def messages_to_chat(body: Any, counting: bool = False) -> MessagesRequest:
+    """`counting`: a count_tokens body (the prompt's fields only: no max_tokens is needed, and
+    the generation fields, which change no prompt token, are not read)."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
     for name, allowed in NEUTRAL.items():
         if body.get(name) not in allowed:
             raise _bad(f"{name} is not supported by this server", name)
+    if counting:
+        body = {k: v for k, v in body.items() if k not in GENERATION_FIELDS}
+        body["max_tokens"] = 1 << 30  # no bound on a thinking budget either
     max_tokens = body.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise _bad("max_tokens is required: a positive integer", "max_tokens")
@@ -245,12 +280,16 @@ def messages_to_chat(body: Any) -> MessagesRequest:
         _tool_choice(body["tool_choice"], chat)
     if body.get("thinking") is not None:
         chat["chat_template_kwargs"] = {"thinking": _thinking(body["thinking"], max_tokens)}
+        if body["thinking"].get("type") == "enabled":  # output_config.effort, when given, wins
+            chat["reasoning_effort"] = budget_effort(body["thinking"]["budget_tokens"])
     if body.get("context_management") is not None:
         _context_management(body["context_management"])
     if body.get("output_config") is not None:
         _output_config(body["output_config"], chat)
     if body.get("service_tier") not in (None, "auto", "standard_only"):
         raise _bad(f"service_tier {body['service_tier']!r} is not supported", "service_tier")
+    if counting:
+        del chat["max_tokens"]
     stream = body.get("stream") is True
     if stream:
         chat["stream"] = True

@@ -31,8 +31,27 @@ NEUTRAL = {
     "access_programs": (None,),
     "background_options": (None,),
 }
+# Function-tool fields with no meaning here: a tool found by search, one run asynchronously or
+# called from code, a description of its output (the model's format has no place for one).
+TOOL_NEUTRAL = {
+    "defer_loading": (None, False),
+    "async": (None, False),
+    "allowed_callers": (None,),
+    "output_schema": (None,),
+}
+# reasoning fields: which turns' reasoning is kept is the model format's rule; one mode
+REASONING_NEUTRAL = {"context": (None, "auto"), "mode": (None, "standard")}
 # sampling extras the chat route serves (vLLM's), passed through as they are
-CHAT_EXTRAS = ("top_k", "seed", "stop", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty")
+CHAT_EXTRAS = (
+    "top_k",
+    "seed",
+    "stop",
+    "min_tokens",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+)
 
 
 @dataclass
@@ -75,6 +94,9 @@ def _tools(tools: Any) -> list[dict]:
             raise _bad(f"tools[{i}]: tool type {kind!r} is not supported (only function tools)", "tools")
         if not isinstance(t.get("name"), str):
             raise _bad(f"tools[{i}]: a function tool needs a name", "tools")
+        for field, neutral in TOOL_NEUTRAL.items():
+            if t.get(field) not in neutral:
+                raise _bad(f"tools[{i}].{field} is not supported by this server", f"tools.{field}")
         fn = {"name": t["name"]}
         for k in ("description", "parameters", "strict"):
             if t.get(k) is not None:
@@ -231,6 +253,9 @@ def responses_to_chat(body: Any, history: Optional[list] = None) -> ResponsesReq
         for k in ("summary", "generate_summary"):
             if reasoning.get(k) is not None:
                 raise _bad(f"reasoning.{k} is not supported: the reasoning comes whole, as reasoning_text")
+        for k, neutral in REASONING_NEUTRAL.items():
+            if reasoning.get(k) not in neutral:
+                raise _bad(f"reasoning.{k} {reasoning[k]!r} is not supported by this server", f"reasoning.{k}")
         if reasoning.get("effort") is not None:
             chat["reasoning_effort"] = reasoning["effort"]
     if body.get("text") is not None:

@@ -285,6 +285,7 @@ class KVTransferAgent:
         self._unreleased: list[Any] = []  # NIXL handles whose release must be retried
         self._ids = itertools.count(1)
         self._closed = False
+        self.device_waits = 0  # waits for the pages' writers before a copy (event or whole stream)
 
         self._agent = nixl_compat.create_agent(name)
         self._registration = self._agent.register_memory(tensors)
@@ -413,6 +414,7 @@ class KVTransferAgent:
         src_slot: Optional[int] = None,
         dst_slot: Optional[int] = None,
         timeout_s: Optional[float] = None,
+        ready: Optional[Any] = None,
     ) -> int:
         """Start a WRITE of local pages src_pages[i] into the peer's pages dst_pages[i], in every
         paged region, and of local row src_slot into the peer's row dst_slot in every slot
@@ -422,8 +424,9 @@ class KVTransferAgent:
         Raises ValueError for an unknown peer or bad pages, before anything starts. A transfer
         that cannot start (peer gone) returns a handle that is already FAILED. `timeout_s`
         (default: the agent's) bounds how long it may stay PENDING.
-        On CUDA the current stream is synchronised first, so kernels that wrote the pages
-        are finished before NIXL reads them.
+        The kernels that wrote the pages must be finished before NIXL reads them: `ready` (an
+        event recorded after them, `transport.pages_ready`) is waited for when given; else, on
+        CUDA, the whole current stream. Each wait counts in `device_waits`.
         """
         if not isinstance(notif, (bytes, bytearray)):
             raise ValueError(f"notif must be bytes, got {type(notif).__name__}")
@@ -436,8 +439,12 @@ class KVTransferAgent:
             check_slot_mapping(src_slot, dst_slot, self.num_slots, target.desc.num_slots)
             by_state = transfer_bytes(self._regions, len(src), src_slot is not None)
             first = next(iter(self._states.values()))
-            if first.is_cuda:
+            if ready is not None:
+                ready.synchronize()
+                self.device_waits += 1
+            elif first.is_cuda:
                 torch.cuda.current_stream(first.device).synchronize()
+                self.device_waits += 1
             timeout = self._default_timeout_s if timeout_s is None else timeout_s
             now = time.monotonic()
             handle = next(self._ids)
