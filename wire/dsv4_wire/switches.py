@@ -60,6 +60,12 @@ SWITCHES: dict[str, Switch] = {
             "a folder of prebuilt native kernels (dsv4 kernels build); loaded when root- or self-owned "
             "and writable by no one else, before the per-user cache",
         ),
+        _s(
+            "DSV4_FP4_NATIVE",
+            str,
+            "1",
+            "0: fp4 GEMMs keep the decode path (dequantize, then a bf16 GEMM) where tl.dot_scaled would run",
+        ),
         _s("DSV4_NO_HUGE_PAGES", bool, False, "1: the KV pools are not advised onto transparent huge pages"),
         # engine
         _s(
@@ -98,6 +104,7 @@ SWITCHES: dict[str, Switch] = {
         # cli and local deployments
         _s("DSV4_CACHE", str, "", "where `dsv4 up` caches built models (default: ~/.cache/dsv4)"),
         _s("DSV4_BENCH_DIR", str, "", "the bench package `dsv4 bench` runs (default: the checkout's)"),
+        _s("DSV4_FRAMEWORKS_PYTHON", str, "", "the Python the frameworks bench runs agent frameworks with"),
     )
 }
 

@@ -16,7 +16,8 @@ SOURCES = [REPO / f for f in ("wire", "kernels", "engine", "router", "operator",
 TABLE = REPO / "wire" / "dsv4_wire" / "switches.py"
 NAME = re.compile(r"\bDSV4_[A-Z0-9_]*[A-Z0-9]\b")
 # a read by a literal name: os.environ.get("DSV4_..."), os.environ["DSV4_..."], os.getenv("DSV4_...")
-LITERAL_READ = re.compile(r"""(environ\.get\(|environ\[|getenv\()\s*["']DSV4_""")
+# (setting or deleting one, as a bench does for a child, is no read)
+LITERAL_READ = re.compile(r"""(environ\.get\(|(?<!del os\.)environ\[|getenv\()\s*["']DSV4_\w+["']\)?(?!\]?\s*=[^=])""")
 
 
 def _sources() -> list[Path]:
