@@ -52,7 +52,14 @@ RUN apt-get update \
  && mkdir -p /models \
  && chown dsv4:dsv4 /models
 COPY --from=build /opt/dsv4 /opt/dsv4
+# The CPU backend's native kernels, built once here for named ISA levels (amd64: x86-64-v4, -v3
+# and -v2; arm64: armv8-a; NATIVE_ISA=LEVEL for one), root's and read-only to the engine user,
+# which loads its CPU's level from DSV4_NATIVE_DIR: no pod rebuilds them.
+ARG NATIVE_ISA=""
+RUN /opt/dsv4/bin/python -m dsv4_kernels.build_native /opt/dsv4/native ${NATIVE_ISA:+--isa "$NATIVE_ISA"} \
+ && chmod -R go-w /opt/dsv4/native
 ENV PATH=/opt/dsv4/bin:$PATH \
+    DSV4_NATIVE_DIR=/opt/dsv4/native \
     PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
     HOME=/home/dsv4

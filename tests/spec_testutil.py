@@ -16,7 +16,7 @@ from dsv4_engine.sequence import Sequence
 
 def spec_engine(model, spec: bool, steps: int = 3, kv_pages: int = 64, **kw) -> Engine:
     """A CPU engine over `model`, speculating `steps` drafts when `spec`."""
-    args = dict(model=str(model), device="cpu", kernel_backend="torch", kv_pages=kv_pages, page_size=8, max_num_seqs=8)
+    args = dict(model=str(model), device="cpu", kernel_backend="cpu", kv_pages=kv_pages, page_size=8, max_num_seqs=8)
     args.update(kw)
     if spec:
         args.update(speculative_algorithm="mtp", speculative_num_steps=steps)

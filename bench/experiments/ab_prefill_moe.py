@@ -74,7 +74,7 @@ def _old_moe(self, L, x):
 
     cfg, ops = self.cfg, self.ops
     logits = F.linear(x.float(), L["gate"])
-    native = self.native_route and cpu_moe_route.supports(logits, L["bias"])
+    native = cpu_moe_route.available() and cpu_moe_route.supports(logits, L["bias"])
     weights, ids = (cpu_moe_route.moe_route if native else ops.moe_route)(
         logits,
         L["bias"],

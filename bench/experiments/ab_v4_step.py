@@ -25,10 +25,19 @@ import torch
 from bench.suites import decode_breakdown as bd  # noqa: E402
 
 
-def _native_mhc(model, on: bool) -> None:
-    from dsv4_kernels import cpu_mhc
+def _torch_form(*ops: str):
+    """A change whose "before" runs these ops of the model's kernel backend in their torch form
+    (dsv4_kernels.ops_torch.TorchOps) instead of the backend's own (the CPU's C kernels)."""
+    from dsv4_kernels.ops_torch import TorchOps
 
-    model.native_hc = on and cpu_mhc.available()
+    def change(model, on: bool) -> None:
+        for op in ops:
+            if on:
+                model.ops.__dict__.pop(op, None)
+            else:
+                setattr(model.ops, op, getattr(TorchOps, op).__get__(model.ops))
+
+    return change
 
 
 def _step_indices(model, on: bool) -> None:
@@ -36,9 +45,9 @@ def _step_indices(model, on: bool) -> None:
 
 
 def _rope_in_place(model, on: bool) -> None:
-    from dsv4_engine.models import v4_layers
+    from dsv4_kernels import v4_torch
 
-    v4_layers.ROPE_IN_PLACE = on
+    v4_torch.ROPE_IN_PLACE = on
 
 
 def _native_moe(model, on: bool) -> None:
@@ -48,45 +57,25 @@ def _native_moe(model, on: bool) -> None:
     cpu_moe.MAX_TOKENS = _native_moe.on if on else 0
 
 
-def _native_hc_post(model, on: bool) -> None:
-    from dsv4_kernels import cpu_mhc
-
-    model.native_hc_post = on and cpu_mhc.available() and model.dtype == torch.float32
-
-
 def _native_attn(model, on: bool) -> None:
-    from dsv4_kernels import cpu_v4_attention
-
-    wide = model.cfg.num_attention_heads * model.cfg.head_dim > model.NATIVE_ATTN_MAX_WIDTH
-    model.native_attn = on and cpu_v4_attention.available() and model.dtype == torch.float32 and not wide
+    width = model.cfg.num_attention_heads * model.cfg.head_dim
+    model.attend_in_one_call = on and model.kops is None and model.ops.v4_native_attention(width, model.dtype)
 
 
 def _take_rows(model, on: bool) -> None:
     model.take_rows = on
 
 
-def _native_pool(model, on: bool) -> None:
-    from dsv4_kernels import cpu_v4_compress
-
-    model.native_pool = on and cpu_v4_compress.available() and model.dtype == torch.float32
-
-
-def _native_rms_rope(model, on: bool) -> None:
-    from dsv4_kernels import cpu_v4_attention
-
-    model.native_rms_rope = on and cpu_v4_attention.available() and model.dtype == torch.float32
-
-
 CHANGES = {
-    "native_mhc": _native_mhc,
+    "native_mhc": _torch_form("v4_hc_pre_tail"),
     "step_indices": _step_indices,
     "rope_in_place": _rope_in_place,
     "native_moe": _native_moe,
-    "native_hc_post": _native_hc_post,
+    "native_hc_post": _torch_form("v4_hc_mix"),
     "native_attn": _native_attn,
     "take_rows": _take_rows,
-    "native_pool": _native_pool,
-    "native_rms_rope": _native_rms_rope,
+    "native_pool": _torch_form("v4_pool_windows"),
+    "native_rms_rope": _torch_form("v4_rms_rope"),
 }
 
 

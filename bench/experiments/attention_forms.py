@@ -29,6 +29,7 @@ from bench.harness.report import grouped_bars, pyplot, write_json  # noqa: E402
 from dsv4_engine.models.deepseek_v3 import DeepseekV3, expanded_is_cheaper  # noqa: E402
 from dsv4_engine.models.forward_batch import ForwardBatch  # noqa: E402
 from dsv4_kernels import reference  # noqa: E402
+from dsv4_kernels.ops_torch import TorchOps  # noqa: E402
 
 H, NOPE, ROPE, V, C = 8, 64, 64, 64, 512
 PAGE = 16
@@ -80,9 +81,8 @@ class _Attn(DeepseekV3):
     """Just the attention forms of DeepseekV3 over given weights (no checkpoint)."""
 
     def __init__(self, cfg):  # the widths only: no weights are loaded
-        self.cfg, self.ops, self.scale = cfg, reference, (NOPE + ROPE) ** -0.5
-        # the torch forms being compared (no native passes: L holds only w_uk / w_uv)
-        self.native_mla = self.native_absorb = self.native_linear = False
+        # the torch forms being compared (the reference backend: no native passes)
+        self.cfg, self.ops, self.scale = cfg, TorchOps(), (NOPE + ROPE) ** -0.5
 
 
 def extend_row(requests: int, new: int, context: int, repeats: int, g: torch.Generator) -> dict:

@@ -39,7 +39,7 @@ def main() -> None:
     p.add_argument("--label", default="")
     p.add_argument("--out")
     a = p.parse_args()
-    engine = Engine(EngineArgs(model=a.model, device="cpu", kernel_backend="torch", kv_pages=256, page_size=16))
+    engine = Engine(EngineArgs(model=a.model, device="cpu", kernel_backend="cpu", kv_pages=256, page_size=16))
     engine.detokenize = False  # as in `dsv4 serve`'s core: text is the HTTP process's
     outs: list = []
     seqs = []

@@ -59,7 +59,7 @@ def _engine(model: Path, a):
             model=str(model),
             role="mono",
             device="cpu",
-            kernel_backend="torch",
+            kernel_backend="cpu",
             kv_memory_gb=1.0,
             max_num_seqs=a.streams + 2,
             max_num_batched_tokens=a.step_tokens,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Optional
 import httpx
 
 from bench.harness.checkpoints import RESULTS, ensure_model
+from dsv4_wire import switches
 from bench.harness.procs import Server
 from bench.harness.commands import free_port_block
 from bench.harness.report import grouped_bars, machine, now_iso, pyplot, write_json
@@ -50,7 +50,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--max-tokens", type=int, default=400, help="answer budget per round (instructor's nested V4 call: ~250)"
     )
-    p.add_argument("--python", default=os.environ.get("DSV4_FRAMEWORKS_PYTHON") or sys.executable)
+    p.add_argument("--python", default=switches.read("DSV4_FRAMEWORKS_PYTHON") or sys.executable)
     p.add_argument("--mono", action="store_true", help="dsv4 up --mono (one engine behind the router) instead of PD")
     p.add_argument("--marker-bias", type=float, default=4.0, help="logit bias toward the call-opening tokens")
     p.add_argument("--timeout", type=float, default=600, help="seconds per framework loop")

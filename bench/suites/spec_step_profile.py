@@ -43,7 +43,7 @@ def profile(model: str, spec_steps: int, max_tokens: int, prompt: list[int]) -> 
         flags = dict(speculative_algorithm="mtp", speculative_num_steps=k) if k else {}
         e = Engine(
             EngineArgs(
-                model=model, device="cpu", kernel_backend="torch", kv_pages=256, enable_prefix_cache=False, **flags
+                model=model, device="cpu", kernel_backend="cpu", kv_pages=256, enable_prefix_cache=False, **flags
             )
         )
         if k:

@@ -32,10 +32,10 @@ def rank_bytes(model: Path, tp: int, device: str) -> list[int]:
     from dsv4_engine.parallel.sharded import resident_weight_bytes
 
     if tp == 1:
-        return [resident_weight_bytes(ModelRunner(str(model), device=device, kernel_backend="torch").model)]
+        return [resident_weight_bytes(ModelRunner(str(model), device=device, kernel_backend="cpu").model)]
     return [
         resident_weight_bytes(
-            ModelRunner(str(model), device=device, kernel_backend="torch", tp=TPRank(Shard(r, tp), None, None)).model
+            ModelRunner(str(model), device=device, kernel_backend="cpu", tp=TPRank(Shard(r, tp), None, None)).model
         )
         for r in range(tp)
     ]

@@ -9,6 +9,8 @@ editable install), in the current directory, or at DSV4_BENCH_DIR (a checkout's 
 
 from __future__ import annotations
 
+from dsv4_wire import switches
+
 import os
 import subprocess
 import sys
@@ -105,8 +107,8 @@ SUITES = {
 def checkout() -> Path:
     """The source checkout holding the `bench` package."""
     candidates = (
-        [Path(os.environ["DSV4_BENCH_DIR"]).resolve().parent]
-        if os.environ.get("DSV4_BENCH_DIR")
+        [Path(switches.read("DSV4_BENCH_DIR")).resolve().parent]
+        if switches.read("DSV4_BENCH_DIR")
         else [Path(__file__).resolve().parents[2], Path.cwd()]
     )
     root = next((c for c in candidates if (c / "bench" / "suites" / "serve_bench.py").is_file()), None)

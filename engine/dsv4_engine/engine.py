@@ -12,6 +12,8 @@ requests of that batch, and nothing ends the loop.
 
 from __future__ import annotations
 
+from dsv4_wire import switches
+
 import logging
 import os
 import queue
@@ -149,7 +151,7 @@ def backend_refusal(kernel_backend: Optional[str], device: Optional[str]) -> Opt
     if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return (
             f"--kernel-backend triton needs a CUDA device, not {dev.type} (or TRITON_INTERPRET=1 for "
-            f"Triton's slow CPU interpreter); use --kernel-backend torch on a CPU"
+            f"Triton's slow CPU interpreter); use --kernel-backend cpu on a CPU"
         )
     return None
 
@@ -360,6 +362,8 @@ class Engine:
         self.metrics.set("kv_pages_total", num_pages)
         self.metrics.set("tp_size", args.tp_size)
         self.metrics.set("nnodes", args.nnodes)
+        if self.runner.native_build_failures:  # said once at WARNING by dsv4_kernels.native
+            self.metrics.inc("native_build_failures", self.runner.native_build_failures)
         for name, nbytes in self.pool.bytes_per_token().items():
             self.metrics.set_state("kv_state_bytes_per_token", name, nbytes)
         for name, nbytes in self.pool.bytes_per_request().items():
@@ -387,7 +391,7 @@ class Engine:
         # False: outputs carry token ids only, and stop strings are judged by whoever turns them
         # into text (the HTTP process; it ends the request with `finish(seq, "stop")`).
         self.detokenize = True
-        phases = os.environ.get("DSV4_STEP_PHASES", "")
+        phases = switches.read("DSV4_STEP_PHASES")
         if phases not in ("", "0"):
             # "cpu": the loop thread's CPU time per phase, not the wall (its own cost on a loaded machine)
             PHASES.enable(True, self.runner.device, cpu_clock=phases == "cpu")
@@ -934,6 +938,8 @@ class Engine:
             "kv_slots_free": self.pool.slots.num_free if self.pool.slots is not None else None,
             "kv_slots_total": self.pool.num_slots,
             "kv_page_size": self.pool.page_size,
+            # which implementation each op runs and why (e.g. "cpu: native", "cpu: reference (...)")
+            "kernels": {"backend": self.runner.kernel_backend, "ops": self.runner.kernel_ops},
             # Pages the prefix cache holds; the idle ones (no request uses them) are also counted
             # in kv_pages_free: they are given up as soon as an allocation needs room.
             "kv_pages_cached": self.prefix_cache.num_cached if self.prefix_cache is not None else 0,

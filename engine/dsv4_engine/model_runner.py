@@ -37,11 +37,18 @@ def default_dtype(device: torch.device) -> str:
 
 
 def default_kernel_backend(device: torch.device) -> str:
-    return "triton" if device.type == "cuda" else "torch"
+    return "triton" if device.type == "cuda" else "cpu"
+
+
+def kernel_summary(backend: str, implementations: dict[str, str]) -> str:
+    from dsv4_kernels.ops_torch import summary
+
+    return summary(backend, implementations)
 
 
 def get_ops(backend: str):
-    from dsv4_kernels import get_ops as kernels_get_ops
+    """The kernel API object of `backend`, built once per engine (dsv4_kernels.api.get_ops)."""
+    from dsv4_kernels.api import get_ops as kernels_get_ops
 
     return kernels_get_ops(backend)
 
@@ -90,6 +97,12 @@ class ModelRunner:
                 self.device,
                 tp,
             )
+        # Which implementation each op runs, and why (the start-up log, /v1/loads `kernels`)
+        ops = self.model.ops
+        self.kernel_ops: dict[str, str] = ops.implementations()
+        self.native_build_failures = ops.build_failures()
+        self.kernel_summary = kernel_summary(self.kernel_backend, self.kernel_ops)
+        log.info("kernels %s", self.kernel_summary)
         # The model this process computes with; `self.model` may be wrapped (rank 0 of a TP group
         # broadcasts each eager step first), but a captured step runs this one on every rank.
         self.local_model = self.model

@@ -18,6 +18,8 @@ to <file> at shutdown (see bench/suites/serve_bench.py --profile-core).
 
 from __future__ import annotations
 
+from dsv4_wire import switches
+
 import logging
 import os
 import signal
@@ -453,7 +455,7 @@ def main(argv: list[str]) -> None:
                 engine.prefix_cache.host.on_spill = lambda h: engine.kv_journal.stored("disk", h)
                 disk.on_evict = lambda h: engine.kv_journal.evicted("disk", h)
     core = CoreServer(engine, conn)
-    profile = os.environ.get("DSV4_CORE_PROFILE")
+    profile = switches.read("DSV4_CORE_PROFILE")
     if profile:
         engine.run = _profiled(engine.run, profile)
     engine.start()
@@ -467,6 +469,7 @@ def main(argv: list[str]) -> None:
                 "num_pages": engine.pool.num_pages,
                 "page_size": engine.pool.page_size,
                 "kernel_backend": engine.runner.kernel_backend,
+                "kernel_summary": engine.runner.kernel_summary,
             }
         )
     )

@@ -113,7 +113,7 @@ def _serve_http(client: EngineClient, args: ServerArgs) -> None:
     print(
         f"dsv4 serve: {args.role} engine for {args.served_model_name} on http://{args.host}:{args.port}{extra} "
         f"({client.info['num_pages']} KV pages of {client.info['page_size']} tokens, max_model_len {client.max_model_len}, "
-        f"kernels {client.info['kernel_backend']}; engine core pid {client.pid})",
+        f"kernels {client.info.get('kernel_summary') or client.info['kernel_backend']}; engine core pid {client.pid})",
         flush=True,
     )
 

@@ -21,12 +21,12 @@ gradient wanted); DSV4_NO_NATIVE_LINEAR=1 turns it off alone."""
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Optional
 
 import torch
 
 from dsv4_kernels import native
+from dsv4_wire import switches
 from dsv4_kernels.native import F32, I64, P
 
 # Tokens per call up to which the native loop beats the grouped GEMMs (decode steps); 0 turns
@@ -149,7 +149,7 @@ def applies_linear(x: torch.Tensor, w: torch.Tensor) -> bool:
         and (x.stride(1) == 1 or x.shape[1] == 1)
         and w.is_contiguous()
         and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-        and os.environ.get("DSV4_NO_NATIVE_LINEAR", "") in ("", "0")
+        and not switches.on("DSV4_NO_NATIVE_LINEAR")
         and available()
     )
 

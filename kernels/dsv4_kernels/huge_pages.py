@@ -14,8 +14,9 @@ DSV4_NO_HUGE_PAGES=1 turns it off. Measured: bench/results/decode_breakdown/READ
 
 from __future__ import annotations
 
+from dsv4_wire import switches
+
 import ctypes
-import os
 import sys
 from typing import Iterable, Optional
 
@@ -27,7 +28,7 @@ _libc: Optional[ctypes.CDLL] = None
 
 
 def enabled() -> bool:
-    return sys.platform.startswith("linux") and os.environ.get("DSV4_NO_HUGE_PAGES", "") in ("", "0")
+    return sys.platform.startswith("linux") and not switches.on("DSV4_NO_HUGE_PAGES")
 
 
 def advise(t: torch.Tensor, collapse: bool = True) -> int:

@@ -16,11 +16,6 @@ import torch.nn.functional as F
 import dsv4_kernels.cpu_grouped_moe as cpu_grouped_moe  # not via the package, whose get_ops imports reference
 from dsv4_kernels.grouped_moe import grouped_experts
 
-# Models may attend prefill/extend in MLA's per-head (expanded) form with plain torch ops
-# where it is cheaper: on this backend nothing is lost by leaving the kernel API (its extend
-# loops over requests anyway). The Triton backend keeps its fused absorbed-form kernel.
-EXPANDED_PREFILL = True
-
 # Upper bound on fp32 elements of gathered keys/scores held at once; bounds memory on long
 # contexts without changing results.
 _MAX_GATHER_ELEMS = 1 << 25

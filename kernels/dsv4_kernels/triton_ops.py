@@ -37,7 +37,3 @@ __all__ += [
     "v4_moe_route",
     "v4_moe_experts",
 ]
-
-# The V4 model routes its attention, indexer, compressor, mHC and MoE through the calls above
-# when its backend says so (the torch backend keeps the model's own batched torch path).
-V4_KERNEL_PATH = True

@@ -77,7 +77,7 @@ def _plain(model) -> list[tuple[list[int], str, str]]:
     from dsv4_engine.sequence import Sequence
 
     torch.set_num_threads(1)
-    engine = Engine(EngineArgs(model=str(model), device="cpu", kernel_backend="torch", kv_pages=64))
+    engine = Engine(EngineArgs(model=str(model), device="cpu", kernel_backend="cpu", kv_pages=64))
     out: dict = {}
     done = threading.Event()
 

@@ -63,6 +63,8 @@ COUNTERS = {
     "prompt_tokens": "Prompt tokens processed",
     "generation_tokens": "Tokens generated",
     "num_aborted_reqs": "Requests aborted (client gone, admin, peer)",
+    "native_build_failures": "Native CPU kernels whose build failed at start-up (their ops run the torch "
+    "reference; /v1/loads `kernels` says why)",
     "num_decode_local_reqs": "PD requests decode served from its own prefix cache (--decode-local-prefill): "
     "nothing prefilled on prefill, nothing transferred",
     "num_queue_full_reqs": "Requests refused at admission with a 429: --max-queued-requests were waiting",

@@ -75,8 +75,9 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "kernel_backend",
         str,
         None,
-        "torch | triton (default: triton on CUDA, else torch).",
-        choices=("torch", "triton"),
+        "cpu | torch | triton: the kernels every op runs (default: triton on CUDA, else cpu, the C "
+        "kernels where they apply and the torch reference where not; torch: the reference alone).",
+        choices=("cpu", "torch", "triton"),
     ),
     _O("device", str, None, "cpu | cuda | cuda:N (default: cuda when present)."),
     _O("seed", int, 0, "Default sampling seed."),

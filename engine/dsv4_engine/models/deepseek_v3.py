@@ -5,8 +5,8 @@ only the compressed latent and the rope key per token, the query's no-position p
 through W_UK into latent space, and the value is the latent itself, lifted back through W_UV
 after attention. One attention path serves prefill, chunked prefill and decode.
 
-The hot operations (attention, MoE routing and experts, RMSNorm, rotary embedding) go through
-`ops`, a module from dsv4_kernels with the same functions for the torch and triton backends.
+Every op (attention, MoE routing and experts, RMSNorm, rotary embedding, the dense projections)
+goes through `ops`, the engine's kernel backend (dsv4_kernels.api.get_ops: torch, cpu or triton).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from dsv4_engine.models.forward_batch import ForwardBatch
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.quant import dense, log_resident, moe_experts_for, place
 from dsv4_engine.step_phases import PHASES
-from dsv4_kernels import cpu_grouped_moe, cpu_mla, cpu_mla_absorb, cpu_moe, cpu_moe_route, cpu_rmsnorm, cpu_rope
 
 
 def yarn_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -127,27 +126,6 @@ class DeepseekV3:
         self.dtype = dtype
         self.device = device
         self.scale = softmax_scale(cfg)
-        # Decode attention as one native call on the CPU's torch backend (dsv4_kernels.cpu_mla):
-        # the latent rows read in place from the pages instead of a gathered copy and two bmms.
-        self.native_mla = device.type == "cpu" and getattr(ops, "EXPANDED_PREFILL", False) and cpu_mla.available()
-        # and the per-head projections around it (W_UK into the query, W_UV out of the latent):
-        # a native pass each instead of bmm + transpose + cat / reshape (dsv4_kernels.cpu_mla_absorb)
-        self.native_absorb = (
-            device.type == "cpu" and getattr(ops, "EXPANDED_PREFILL", False) and cpu_mla_absorb.available()
-        )
-        # RMSNorm (+ residual) as one native call on the same backend (dsv4_kernels.cpu_rmsnorm):
-        # 17 calls a step over a few rows each, where the torch form's ~10 ops a call dominate.
-        self.native_norm = device.type == "cpu" and getattr(ops, "EXPANDED_PREFILL", False) and cpu_rmsnorm.available()
-        # and the ropes (8 a step; bit for bit the torch form's: dsv4_kernels.cpu_rope)
-        self.native_rope = device.type == "cpu" and getattr(ops, "EXPANDED_PREFILL", False) and cpu_rope.available()
-        # and the router's expert choice (the same ids as torch's, ties fall back: cpu_moe_route)
-        self.native_route = (
-            device.type == "cpu" and getattr(ops, "EXPANDED_PREFILL", False) and cpu_moe_route.available()
-        )
-        # and the dense projections of a decode step (q/kv/o, the router gate, the lm_head) as the
-        # MoE loop's small-M linear: the weights streamed once at close to memory speed, where
-        # MKL's small-M GEMM reads them cold at a third of it (dsv4_kernels.cpu_moe.linear)
-        self.native_linear = device.type == "cpu" and getattr(ops, "EXPANDED_PREFILL", False) and cpu_moe.available()
         inv_freq, attn_factor = yarn_inv_freq(cfg)
         max_pos = max(cfg.max_position_embeddings, 1)
         freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
@@ -164,7 +142,7 @@ class DeepseekV3:
             # fp8/fp4 weights stay quantized on CUDA (F.linear dispatches on them), dense elsewhere
             if name not in w:
                 raise KeyError(f"checkpoint lacks tensor {name}")
-            return place(w[name], dev, dtype)
+            return place(w[name], dev, dtype, self.ops)
 
         self.moe_experts = moe_experts_for(self.ops)
         self.embed = dense(take("model.embed_tokens.weight"), dt)
@@ -207,13 +185,7 @@ class DeepseekV3:
         kv_b = dense(take(p + "self_attn.kv_b_proj.weight"), dt).view(H, nope + v, cfg.kv_lora_rank)
         L["w_uk"] = kv_b[:, :nope].contiguous()  # [H, nope, C]: q_nope -> latent space
         L["w_uv"] = kv_b[:, nope:].contiguous()  # [H, v, C]: latent -> value per head
-        if self.native_absorb:
-            # [H, C, v] for the native pass (its axpy form); a second copy of W_UV (half of
-            # kv_b), as the per-head prefill lifts through w_uv viewed [H * v, C]
-            L["w_uvt"] = L["w_uv"].transpose(1, 2).contiguous()
-            packed = cpu_mla_absorb.pack_w_uk(L["w_uk"])  # W_UK read in order (one more copy of it)
-            if packed is not None:
-                L["w_uk_packed"] = packed
+        L.update(self.ops.mla_absorb_weights(L["w_uk"], L["w_uv"]))  # the backend's own layouts of them
         if cfg.is_moe_layer(i):
             L["gate"] = take(p + "mlp.gate.weight", torch.float32)
             L["bias"] = take(p + "mlp.gate.e_score_correction_bias", torch.float32)
@@ -247,27 +219,16 @@ class DeepseekV3:
     def _rmsnorm(
         self, x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.native_norm and cpu_rmsnorm.supports(x, weight, residual):
-            return cpu_rmsnorm.rmsnorm(x, weight, self.cfg.rms_norm_eps, residual)
         return self.ops.rmsnorm(x, weight, self.cfg.rms_norm_eps, residual)
 
     def _rope_(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if self.native_rope and cpu_rope.supports(x, positions, self.cos, self.sin):
-            return cpu_rope.rope_interleaved_(x, positions, self.cos, self.sin)
         return self.ops.rope_interleaved_(x, positions, self.cos, self.sin)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.native_linear and cpu_moe.applies_linear(x, w):  # a decode step's few tokens
-            return cpu_moe.linear(x, w)
-        return F.linear(x, w)
+        return self.ops.linear(x, w)
 
     def _mlp(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        if cpu_moe.applies(x, w13, w2):  # a decode step's few tokens on the CPU: one native call
-            return cpu_moe.mlp(x, w13, w2)
-        if cpu_grouped_moe.supports(x, w13, w2):  # prefill widths on the CPU: one-pass SwiGLU, reused scratch
-            return cpu_grouped_moe.mlp(x, w13, w2)
-        gate, up = F.linear(x, w13).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, w2)
+        return self.ops.mlp(x, w13, w2)
 
     def _attention(
         self,
@@ -296,7 +257,7 @@ class DeepseekV3:
         # see themselves and each other through the same paged read as the prefix.
         pages, offs = slots
         kv_layer[pages, offs] = torch.cat([latent, k_rope.squeeze(1)], dim=-1).to(kv_layer.dtype)
-        if not fb.all_decode and getattr(ops, "EXPANDED_PREFILL", False) and fb.extend_lens_host is not None:
+        if not fb.all_decode and ops.expanded_prefill and fb.extend_lens_host is not None:
             expand = [
                 expanded_is_cheaper(e, n, cfg) if e else False for e, n in zip(fb.extend_lens_host, fb.seq_lens_host)
             ]
@@ -313,24 +274,16 @@ class DeepseekV3:
         """Attention in latent space (W_UK folded into the query, W_UV applied after):
         [H, T, v] for q [T, H, nope + R]."""
         cfg, ops = self.cfg, self.ops
-        nope, C = cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        native = self.native_absorb and "w_uvt" in L and cpu_mla_absorb.supports(q, L["w_uk"], L["w_uvt"])
-        if native:
-            q_full = cpu_mla_absorb.absorb_q(q, L["w_uk"], L.get("w_uk_packed"))  # [T, H, C + R]
-        else:
-            q_latent = torch.bmm(q[:, :, :nope].transpose(0, 1), L["w_uk"]).transpose(0, 1)  # [T, H, C]
-            q_full = torch.cat([q_latent, q[:, :, nope:]], dim=-1)
+        C = cfg.kv_lora_rank
+        q_full = ops.mla_absorb_q(q, L["w_uk"], L)  # [T, H, C + R]
         if fb.all_decode:
-            decode = cpu_mla.mla_decode if self.native_mla and cpu_mla.supports(q_full, kv_layer) else ops.mla_decode
-            o = decode(q_full, kv_layer, fb.block_table, fb.seq_lens, self.scale, C)
+            o = ops.mla_decode(q_full, kv_layer, fb.block_table, fb.seq_lens, self.scale, C)
         else:
             bound = max(fb.extend_lens_host) if fb.extend_lens_host else None  # host int: no device read
             o = ops.mla_extend(
                 q_full, kv_layer, fb.block_table, fb.seq_lens, fb.extend_lens, self.scale, C, max_extend_len=bound
             )
-        if native and o.dtype == torch.float32 and o.stride(2) == 1:
-            return cpu_mla_absorb.apply_uv(o, L["w_uvt"]).transpose(0, 1)  # [H, T, v]
-        return torch.bmm(o.to(q.dtype).transpose(0, 1), L["w_uv"].transpose(1, 2))  # [H, T, v]
+        return ops.mla_lift_v(o, q.dtype, L["w_uv"], L)  # [H, T, v]
 
     def _attend_mixed_forms(
         self, L: dict, q: torch.Tensor, fb: ForwardBatch, kv_layer: torch.Tensor, expand: list[bool]
@@ -470,8 +423,7 @@ class DeepseekV3:
     def _moe(self, L: dict, x: torch.Tensor) -> torch.Tensor:
         cfg, ops = self.cfg, self.ops
         logits = self._linear(x.float(), L["gate"])
-        native = self.native_route and cpu_moe_route.supports(logits, L["bias"])
-        weights, ids = (cpu_moe_route.moe_route if native else ops.moe_route)(
+        weights, ids = ops.moe_route(
             logits,
             L["bias"],
             cfg.n_group,
@@ -482,26 +434,8 @@ class DeepseekV3:
         )
         if self.tp is not None:
             weights, ids = self.tp.local_experts(weights, ids)
-        shared = (L["s_w13"], L["s_w2"]) if "s_w13" in L else (None, None)
-        if cpu_moe.applies(x, L["w13"], L["w2"], *shared):
-            # a decode step's few tokens on the CPU: routed and shared experts in one native call
-            # that reads each used expert's weights once (dsv4_kernels.cpu_moe)
-            return self._reduce(
-                cpu_moe.experts(x, L["w13"], L["w2"], weights, ids, shared if shared[0] is not None else None)
-            )
-        if (
-            "s_w13" in L
-            and getattr(ops, "EXPANDED_PREFILL", False)
-            and cpu_grouped_moe.supports(x, L["w13"], L["w2"], L["s_w13"], L["s_w2"])
-        ):
-            # the torch backend on the CPU: the shared expert's output joins the routed top-k sum's
-            # pass (same order as the add below: routed sum, then shared)
-            s = cpu_grouped_moe.mlp(x, L["s_w13"], L["s_w2"], out_scratch="shared_out")
-            return self._reduce(ops.moe_experts(x, L["w13"], L["w2"], weights, ids, add=s))
-        out = self.moe_experts(x, L["w13"], L["w2"], weights, ids)
-        if "s_w13" in L:
-            out = out + self._mlp(x, L["s_w13"], L["s_w2"])
-        return self._reduce(out)
+        shared = (L["s_w13"], L["s_w2"]) if "s_w13" in L else None
+        return self._reduce(ops.moe_block(x, L["w13"], L["w2"], weights, ids, shared, self.moe_experts))
 
     def decoder_layer(
         self,

@@ -51,11 +51,9 @@ from dsv4_engine.models import v4_verify
 from dsv4_engine.models.v4_compressor import V4Compressors
 from dsv4_engine.models.v4_torch_attention import V4TorchAttention
 from dsv4_engine.models.state import StateSpec
-from dsv4_engine.models.v4_layers import apply_rope, rms, rope_table, sinkhorn_, unweighted_rms
 from dsv4_engine.quant import dense, is_quantized, log_resident, moe_experts_for, one_format, place
 from dsv4_engine.step_phases import PHASES
-from dsv4_kernels import cpu_mhc, cpu_moe, cpu_v4_attention, cpu_v4_compress
-from dsv4_kernels.grouped_moe import grouped_experts
+from dsv4_kernels.api import get_ops
 
 
 class DeepseekV4(V4Compressors, V4TorchAttention):
@@ -72,7 +70,6 @@ class DeepseekV4(V4Compressors, V4TorchAttention):
     # nothing back and keeps its shapes: it may be captured in a CUDA graph
     # (tests/unit/engine/test_cuda_graphs.py). The torch path is not (its MoE reads expert ids).
     CUDA_GRAPH_SAFE = True
-    NATIVE_ATTN_MAX_WIDTH = 4096  # see native_attn
 
     @classmethod
     def state_specs(cls, cfg: DeepseekV4Config) -> list[StateSpec]:
@@ -111,41 +108,24 @@ class DeepseekV4(V4Compressors, V4TorchAttention):
         self.cfg = cfg
         self.tp = tp  # one rank of --tp-size N: this rank's experts only (dsv4_engine.parallel)
         self._step_index: dict = {}  # see _index
-        self.ops = ops
+        self.ops = ops if ops is not None else get_ops("cpu")
         # The kernel path (attention, indexer, compressor pooling, mHC, MoE routing and experts
         # through dsv4_kernels' V4 API) runs when the backend asks for it, as the Triton one does;
         # the torch backend keeps the batched torch path below, the same math tuned for the CPU
         # (dsv4_kernels.reference_v4 is its kernel-shaped twin: the kernels' oracle).
-        self.kops = ops if getattr(ops, "V4_KERNEL_PATH", False) else None
+        self.kops = self.ops if self.ops.v4_kernel_path else None
         # The torch path writes prefix-cache snapshots at boundaries inside a chunk
         # (`_save_snapshots`); on the kernel path the scheduler ends a chunk there instead.
         self.snapshots_in_forward = self.kops is None
         self.dtype = dtype
         self.device = torch.device(device)
         self.reuse_step_indices = True  # see _memo
-        # mHC after its mixing linear as one native call on the CPU (dsv4_kernels.cpu_mhc)
-        self.native_hc = self.kops is None and self.device.type == "cpu" and cpu_mhc.available()
-        self.native_hc_post = self.native_hc and dtype == torch.float32  # the mixing back, as one call too
-        # attention over the ring and the entries in place, one native call a layer, where the
-        # torch form's ~25 ops cost more than its GEMMs: a decode layer at heads x head_dim 256
-        # (v4-tiny, 32 requests) 0.42 -> 0.12 ms; at 32,768 (V4-Flash) MKL's GEMMs still win
-        # (4.2 against 5.1 ms at 8 requests), so wide models keep them
-        self.native_attn = (
-            self.kops is None
-            and self.device.type == "cpu"
-            and dtype == torch.float32
-            and cfg.num_attention_heads * cfg.head_dim <= self.NATIVE_ATTN_MAX_WIDTH
-            and cpu_v4_attention.available()
+        # V4's window attention as one backend call where the backend has one for this width
+        # (the CPU's C kernel: cheaper than the torch form's ~25 ops up to a few thousand wide)
+        self.attend_in_one_call = self.kops is None and self.ops.v4_native_attention(
+            cfg.num_attention_heads * cfg.head_dim, dtype
         )
         self.take_rows = True  # see _take
-        # the attention's rms norms and ropes as one native call each (fp32 CPU path)
-        self.native_rms_rope = (
-            self.kops is None and self.device.type == "cpu" and dtype == torch.float32 and cpu_v4_attention.available()
-        )
-        # the compressors' pooling (closing windows) as one native call (fp32 CPU path)
-        self.native_pool = (
-            self.kops is None and self.device.type == "cpu" and dtype == torch.float32 and cpu_v4_compress.available()
-        )
         self.inv_freq = {
             "main": cfg.rope_main.inv_freq().to(self.device),
             "compress": cfg.rope_compress.inv_freq().to(self.device),
@@ -166,7 +146,7 @@ class DeepseekV4(V4Compressors, V4TorchAttention):
             # fp8/fp4 weights stay quantized on CUDA (F.linear dispatches on them), dense elsewhere
             if name not in w:
                 raise KeyError(f"checkpoint lacks tensor {name}")
-            return place(w[name], dev, dtype)
+            return place(w[name], dev, dtype, self.ops)
 
         f32 = torch.float32  # mHC, norms, sinks, position biases stay fp32, as in the release
         self.moe_experts = moe_experts_for(self.ops, cfg.swiglu_limit)  # used when experts stay quantized
@@ -264,32 +244,17 @@ class DeepseekV4(V4Compressors, V4TorchAttention):
         fn, base, scale = params
         if self.kops is not None:
             return self.kops.v4_hc_pre(x, fn, base, scale, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
-        hc = cfg.hc_mult
         flat = x.reshape(x.shape[0], -1).float()
         # rms by a norm: one reduction, no squared copy of the streams
         ms = torch.linalg.vector_norm(flat, dim=-1, keepdim=True).square_().div_(flat.shape[-1])
         mixes = F.linear(flat * ms.add_(cfg.rms_norm_eps).rsqrt_(), fn)
-        if self.native_hc:
-            return cpu_mhc.hc_pre_tail(mixes, base, scale, x, cfg.hc_eps, cfg.hc_sinkhorn_iters)
-        pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
-        pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
-        pre = torch.sigmoid(pre_w * scale[0] + pre_b) + cfg.hc_eps
-        post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-        z = comb_w.view(-1, hc, hc) * scale[2] + comb_b.view(hc, hc)
-        comb = z.sub_(z.amax(dim=-1, keepdim=True)).exp_()  # softmax over hc: torch's kernel is slow at width 4
-        comb.div_(comb.sum(dim=-1, keepdim=True)).add_(cfg.hc_eps)
-        sinkhorn_(comb, cfg.hc_sinkhorn_iters, cfg.hc_eps)
-        collapsed = torch.bmm(pre.unsqueeze(1), x.float()).squeeze(1).to(x.dtype)  # sum_j pre[j] * x[j], in fp32
-        return post, comb, collapsed
+        return self.ops.v4_hc_pre_tail(mixes, base, scale, x, cfg.hc_eps, cfg.hc_sinkhorn_iters)
 
     def _hc_mix(self, x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         # comb is applied transposed: stream k gets sum_j comb[j, k] * x[j]
         if self.kops is not None:
             return self.kops.v4_hc_post(x, out, post, comb)
-        if self.native_hc_post and x.dtype == torch.float32 and out.dtype == torch.float32:
-            return cpu_mhc.hc_post(x, out, post, comb)
-        dt = x.dtype
-        return torch.baddbmm(post.to(dt).unsqueeze(-1) * out.unsqueeze(-2), comb.to(dt).transpose(-1, -2), x)
+        return self.ops.v4_hc_mix(x, out, post, comb)
 
     # ---- MoE -----------------------------------------------------------------------------------
 
@@ -301,9 +266,6 @@ class DeepseekV4(V4Compressors, V4TorchAttention):
     def _moe(self, L: dict, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         logits = F.linear(x, L["gate"])
-        # a decode step's few tokens on the CPU: routed and shared experts in one native call
-        native = self.kops is None and cpu_moe.applies(x, L["w13"], L["w2"], L["s_w13"], L["s_w2"])
-        shared = None if native else F.linear(self._swiglu(F.linear(x, L["s_w13"])), L["s_w2"])
         if self.kops is not None:
             wts, ids = self.kops.v4_moe_route(
                 logits,
@@ -324,20 +286,18 @@ class DeepseekV4(V4Compressors, V4TorchAttention):
             wts = wts / (wts.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
         if self.tp is not None:  # one rank of --tp-size N: only its experts' share of the sum
             wts, ids = self.tp.local_experts(wts, ids)
-        if is_quantized(L["w13"]):  # fp8/fp4 experts: the grouped block-scaled kernels, no host reads
-            out = self.moe_experts(x, L["w13"], L["w2"], wts, ids)
-        elif self.kops is not None:
-            out = self.kops.v4_moe_experts(x, L["w13"], L["w2"], wts, ids, cfg.swiglu_limit)
-        elif native:  # the shared expert joins once (rank 0 under tensor parallelism)
-            s = (L["s_w13"], L["s_w2"]) if self.tp is None or self.tp.rank == 0 else None
-            out = cpu_moe.experts(x, L["w13"], L["w2"], wts, ids, s, cfg.swiglu_limit)
-            return out if self.tp is None else self.tp.all_reduce(out)
-        else:
-            # pairs grouped by expert, one matmul pair each, no index_add (ids < 0: another rank's)
-            out = grouped_experts(x, L["w13"], L["w2"], wts, ids, self._swiglu, x.dtype)
-        if self.tp is None:
-            return out + shared
-        return self.tp.all_reduce(out + shared if self.tp.rank == 0 else out)  # the shared expert joins once
+        # the shared expert joins once (rank 0 under tensor parallelism)
+        shared = (L["s_w13"], L["s_w2"]) if self.tp is None or self.tp.rank == 0 else None
+        if is_quantized(L["w13"]) or self.kops is not None:
+            if is_quantized(L["w13"]):  # fp8/fp4 experts: the grouped block-scaled kernels, no host reads
+                out = self.moe_experts(x, L["w13"], L["w2"], wts, ids)
+            else:
+                out = self.kops.v4_moe_experts(x, L["w13"], L["w2"], wts, ids, cfg.swiglu_limit)
+            if shared is not None:
+                out = out + F.linear(self._swiglu(F.linear(x, shared[0])), shared[1])
+        else:  # pairs grouped by expert (ids < 0: another rank's), or the backend's one call
+            out = self.ops.v4_moe_block(x, L["w13"], L["w2"], wts, ids, shared, cfg.swiglu_limit)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     # ---- compressors ---------------------------------------------------------------------------
 
@@ -407,13 +367,9 @@ class DeepseekV4(V4Compressors, V4TorchAttention):
         kind = L["type"]
         table = rope["main" if kind == SLIDING else "compress"]
         parts = F.linear(h, L["w_in"]).split(L["w_in_split"], dim=-1)
-        native = self.native_rms_rope and h.dtype == torch.float32  # norms + rope: one call each
-        if native:
-            qr = cpu_v4_attention.rms_rope(parts[0][:, None], L["q_norm"], eps, None).view(T, -1)
-            kv = cpu_v4_attention.rms_rope(parts[1][:, None], L["kv_norm"], eps, table[0]).view(T, -1)
-        else:
-            qr = rms(parts[0], L["q_norm"], eps)
-            kv = apply_rope(rms(parts[1], L["kv_norm"], eps), table, inplace=True)  # [T, hd]: key == value
+        ops = self.ops  # norms + rope: one backend call each
+        qr = ops.v4_rms_rope(parts[0][:, None], L["q_norm"], eps, None).view(T, -1)
+        kv = ops.v4_rms_rope(parts[1][:, None], L["kv_norm"], eps, table).view(T, -1)  # [T, hd]: key == value
         proj = {}
         if kind in (CSA, HCA):
             proj["comp"] = (parts[2], parts[3])
@@ -422,16 +378,10 @@ class DeepseekV4(V4Compressors, V4TorchAttention):
             proj["iw"] = parts[6].float() * cfg.index_n_heads**-0.5
             q, iq = F.linear(qr, L["w_qb"]).split(L["w_qb_split"], dim=-1)
             iq = iq.reshape(T, cfg.index_n_heads, cfg.index_head_dim)
-            if native:
-                proj["iq"] = cpu_v4_attention.rms_rope(iq, None, eps, rope["compress"][0], norm=False)
-            else:
-                proj["iq"] = apply_rope(iq, rope["compress"])
+            proj["iq"] = ops.v4_rms_rope(iq, None, eps, rope["compress"], norm=False)
         else:
             q = F.linear(qr, L["wq_b"])
-        if native:
-            q = cpu_v4_attention.rms_rope(q.view(T, H, hd), None, eps, table[0])
-        else:
-            q = apply_rope(unweighted_rms(q.reshape(T, H, hd), eps), table, inplace=True)
+        q = ops.v4_rms_rope(q.reshape(T, H, hd), None, eps, table)
         if isinstance(spans, v4_verify.FixedRows):  # a verify step at a fixed shape (a CUDA graph's)
             out = v4_verify.attend(self, i, L, q, kv, proj, fb, states, spans.n)
         elif self.kops is not None:
@@ -440,10 +390,7 @@ class DeepseekV4(V4Compressors, V4TorchAttention):
             out = self._attend_decode(i, L, q, kv, proj, fb, states, spans)
         else:
             out = self._attend_varlen(i, L, q, kv, proj, fb, states, spans)
-        if native and out.is_contiguous():
-            out = cpu_v4_attention.rms_rope(out, None, eps, table[0], norm=False, conj=True, out=out)
-        else:
-            out = apply_rope(out, table, conj=True, inplace=True)
+        out = ops.v4_rms_rope(out, None, eps, table, norm=False, conj=True, inplace=True)
         G = cfg.o_groups
         grouped = out.reshape(T, G, -1).transpose(0, 1)  # [G, T, H*hd/G]
         wa = L["wo_a"].view(G, -1, grouped.shape[-1]).transpose(1, 2)  # [G, in, o_lora]
@@ -552,29 +499,29 @@ class DeepseekV4(V4Compressors, V4TorchAttention):
         static = self.kops is not None and fb.all_decode and fb.seq_lens_host is None
         spans = None if static else request_spans(fb)
         self._step_index = {}
-        rope = {name: rope_table(fb.positions, inv) for name, inv in self.inv_freq.items()}
+        rope = {name: self.ops.rope_table(fb.positions, inv) for name, inv in self.inv_freq.items()}
         x = F.embedding(fb.input_ids, self.embed)
         x = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, hc, D] residual streams
         PHASES.lap("embed")
         for i, L in enumerate(self.layers):
             post, comb, collapsed = self._hc(x, L["hc_attn"])
-            h = rms(collapsed, L["attn_norm"], cfg.rms_norm_eps)
+            h = self.ops.rms(collapsed, L["attn_norm"], cfg.rms_norm_eps)
             PHASES.lap("norms")
             a = self._attention(i, L, h, fb, states, spans, rope)
             PHASES.lap("attention")
             x = self._hc_mix(x, a, post, comb)
             post, comb, collapsed = self._hc(x, L["hc_ffn"])
-            h = rms(collapsed, L["ffn_norm"], cfg.rms_norm_eps)
+            h = self.ops.rms(collapsed, L["ffn_norm"], cfg.rms_norm_eps)
             PHASES.lap("norms")
             m = self._moe(L, h, fb.input_ids)
             PHASES.lap("moe")
             x = self._hc_mix(x, m, post, comb)
         x = x[fb.logits_indices]
         fn, base, scale = self.hc_head
-        flat = unweighted_rms(x.flatten(1).float(), cfg.rms_norm_eps)
+        flat = self.ops.unweighted_rms(x.flatten(1).float(), cfg.rms_norm_eps)
         pre = torch.sigmoid(F.linear(flat, fn) * scale + base) + cfg.hc_eps
         h = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
-        h = rms(h, self.norm, cfg.rms_norm_eps)
+        h = self.ops.rms(h, self.norm, cfg.rms_norm_eps)
         logits = F.linear(h, self.head).float()
         PHASES.lap("lm_head")
         return logits

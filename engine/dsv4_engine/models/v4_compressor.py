@@ -12,8 +12,6 @@ import torch
 
 from dsv4_engine.models.deepseek_v4_config import CSA
 from dsv4_engine.models.forward_batch import V4Batch
-from dsv4_engine.models.v4_layers import rms, rope_at
-from dsv4_kernels import cpu_v4_compress
 
 
 class V4Compressors:
@@ -21,13 +19,13 @@ class V4Compressors:
         self, win: torch.Tensor, prev: Optional[torch.Tensor], w_ids: torch.Tensor, params, rate: int
     ) -> torch.Tensor:
         """`_pool_windows` over stage rows win, prev [N, rate, 2 * width] ([kv | gate]): one
-        native call on the fp32 CPU path (dsv4_kernels.cpu_v4_compress)."""
+        call where the kernel backend has one (the CPU's C kernel on fp32)."""
         width = win.shape[-1] // 2
-        if self.native_pool and win.dtype == torch.float32:
-            _, _, ape, norm_w = params
-            return cpu_v4_compress.pool_windows(
-                win, prev, w_ids, ape, norm_w, self.cfg.rms_norm_eps, self.inv_freq["compress"], rate
-            ).to(win.dtype)
+        pooled = self.ops.v4_pool_windows(
+            win, prev, w_ids, params, rate, self.cfg.rms_norm_eps, self.inv_freq["compress"]
+        )
+        if pooled is not None:
+            return pooled
         pk, pg = (None, None) if prev is None else (prev[..., :width], prev[..., width:])
         return self._pool_windows(win[..., :width], win[..., width:], pk, pg, w_ids, params, rate)
 
@@ -49,7 +47,7 @@ class V4Compressors:
             entries = self.kops.v4_compress_pool(
                 win_kv, win_gate, prev_kv, prev_gate, ape, norm_w, w_ids, self.cfg.rms_norm_eps
             )
-            return rope_at(entries, w_ids * rate, self.inv_freq["compress"])
+            return self.ops.rope_at(entries, w_ids * rate, self.inv_freq["compress"])
         win_gate = win_gate + ape
         if prev_kv is not None:
             hd = win_kv.shape[-1] // 2
@@ -61,8 +59,8 @@ class V4Compressors:
         else:
             new_kv, new_gate = win_kv, win_gate
         pooled = (new_kv * new_gate.softmax(dim=1, dtype=torch.float32).to(new_kv.dtype)).sum(dim=1)
-        entries = rms(pooled, norm_w, self.cfg.rms_norm_eps)
-        return rope_at(entries, w_ids * rate, self.inv_freq["compress"])
+        entries = self.ops.rms(pooled, norm_w, self.cfg.rms_norm_eps)
+        return self.ops.rope_at(entries, w_ids * rate, self.inv_freq["compress"])
 
     def _close_decode(
         self,

@@ -1,8 +1,8 @@
 """DeepSeek-V4's attention in torch, a mixin of `DeepseekV4`: the path without the Triton
 kernels (CPU, and the oracle for the kernels): extend/prefill chunks attended in groups of
 requests over window + compressed entries (`_attend_varlen`, `_attend_group`), the CSA top-k
-(`_select`), and the decode step's batched form (`_attend_decode`); the native CPU calls
-(dsv4_kernels.cpu_v4_attention) replace parts of it where they apply."""
+(`_select`), and the decode step's batched form (`_attend_decode`); where the kernel backend
+attends in one call (`attend_in_one_call`: the CPU's C kernel), it replaces parts of it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from dsv4_engine.models.deepseek_v4_config import CSA, HCA
 from dsv4_engine.models.forward_batch import V4Batch
-from dsv4_kernels import cpu_v4_attention
 
 
 class V4TorchAttention:
@@ -128,7 +127,7 @@ class V4TorchAttention:
         R = min(W, max(s[2] for s in spans))
         # a window much narrower than the chunk: each query's own W keys in one native call,
         # where the padded tile would score (and mask) R + Lmax keys per query
-        native = self.native_attn and ext_kv.dtype == torch.float32 and 4 * W <= R + Lmax
+        native = self.attend_in_one_call and ext_kv.dtype == torch.float32 and 4 * W <= R + Lmax
         if not native:
             kpos = kbase[:, None] + torch.arange(W - R, W + Lmax, device=dev)
             kp, qp = kpos[:, None, :], qpos[:, :, None]
@@ -153,7 +152,7 @@ class V4TorchAttention:
                     keys = torch.cat([keys, entries.to(kv.dtype)], 1)
                     allowed = torch.cat([allowed, visible], 2)
         if native:
-            cpu_v4_attention.extend(q, ext_kv, row, n, start, W, L["sink"], cfg.head_dim**-0.5, out, entries, visible)
+            self.ops.v4_attend_extend(q, ext_kv, row, n, start, W, L["sink"], cfg.head_dim**-0.5, out, entries, visible)
         else:
             o = self._softmax_attend(L, q[tok], keys, allowed)  # [B, Lmax, H, hd]
             out[torch.where(valid, tok, out.shape[0] - 1)] = o  # padding lands on the scratch row
@@ -190,7 +189,7 @@ class V4TorchAttention:
 
         entry_store = {CSA: self.CSA_KV, HCA: self.HCA_KV}.get(kind)
         native = (
-            self.native_attn
+            self.attend_in_one_call
             and ring_store.dtype == q.dtype == torch.float32
             and (entry_store is None or states[entry_store].dtype == torch.float32)
         )
@@ -229,7 +228,7 @@ class V4TorchAttention:
                     allowed = torch.cat([allowed, visible], 1)
         if native:
             store, visible, rate = entries_at or (None, None, 0)
-            out = cpu_v4_attention.decode(
+            out = self.ops.v4_attend_decode(
                 q,
                 kv,
                 ring_store[:, i],

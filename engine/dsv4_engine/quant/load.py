@@ -134,11 +134,14 @@ def keep_quantized(device: torch.device) -> bool:
     return torch.device(device).type == "cuda"
 
 
-def place(t: Any, device: torch.device, dtype: Optional[torch.dtype]) -> Any:
-    """A checkpoint tensor on its device: QuantWeights stay quantized on CUDA, become dense elsewhere."""
+def place(t: Any, device: torch.device, dtype: Optional[torch.dtype], kernels: Any = None) -> Any:
+    """A checkpoint tensor on its device: QuantWeights stay quantized on CUDA (run by the kernel
+    backend `kernels`), become dense elsewhere."""
     if isinstance(t, QuantWeight):
         if keep_quantized(device):
-            return t.to(device).contiguous()
+            q = t.to(device).contiguous()
+            q.kernels = kernels
+            return q
         return t.dequantize(dtype or torch.float32).to(device).contiguous()
     if t.dtype in _FP8_DTYPES | _OTHER_FP8 or t.dtype == getattr(torch, "float4_e2m1fn_x2", None):
         # a quantized tensor that reached a model without its scales (not through load_weights):

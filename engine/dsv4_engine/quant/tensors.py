@@ -4,7 +4,8 @@
 the two formats): fp8 keeps the checkpoint's 128x128 block scales as they are (resident bytes =
 checkpoint bytes), fp4 one scale per row and 32 values. Model code keeps calling `F.linear(x, w)`:
 the object takes part in torch's `__torch_function__` protocol and turns that call into the
-block-scaled kernel (Triton on CUDA, the torch reference elsewhere). Row concatenation
+block-scaled kernel of the engine's kernel backend (`kernels`, set when the weight is placed:
+Triton's on the triton backend, the torch reference on the others). Row concatenation
 (`torch.cat`), stacking experts (`torch.stack`), indexing an expert and chunking rows work too;
 where rows of different blocks would share a scale row (a part whose row count is not a multiple
 of 128), the scales are first repeated per row (+4/128 bytes per value for that weight only).
@@ -30,6 +31,7 @@ class QuantWeight:
     data: torch.Tensor  # FP4: data uint8 [..., N, K/2], scale uint8 e8m0 [..., N, K/32]
     scale: torch.Tensor
     k: int  # logical input width K
+    kernels: Any = None  # the kernel backend whose fp8/fp4 GEMMs run it (None: the torch reference)
 
     @property
     def group(self) -> int:
@@ -58,7 +60,11 @@ class QuantWeight:
             return self
         n = self.data.shape[-2]
         return QuantWeight(
-            self.kind, self.data, self.scale.repeat_interleave(rb, dim=-2)[..., :n, :].contiguous(), self.k
+            self.kind,
+            self.data,
+            self.scale.repeat_interleave(rb, dim=-2)[..., :n, :].contiguous(),
+            self.k,
+            self.kernels,
         )
 
     @property
@@ -71,10 +77,10 @@ class QuantWeight:
         return dequantize_fp4(self.data, self.scale, FP4_GROUP, dtype)
 
     def to(self, device=None, **_: Any) -> "QuantWeight":
-        return QuantWeight(self.kind, self.data.to(device), self.scale.to(device), self.k)
+        return QuantWeight(self.kind, self.data.to(device), self.scale.to(device), self.k, self.kernels)
 
     def contiguous(self) -> "QuantWeight":
-        return QuantWeight(self.kind, self.data.contiguous(), self.scale.contiguous(), self.k)
+        return QuantWeight(self.kind, self.data.contiguous(), self.scale.contiguous(), self.k, self.kernels)
 
     def __getitem__(self, idx) -> "QuantWeight":
         """Leading-dimension indexing (an expert of a stack, a range of rows of a matrix)."""
@@ -82,7 +88,7 @@ class QuantWeight:
         data, scale = w.data[idx], w.scale[idx]
         if data.dim() < 2 or data.shape[-1] != self.data.shape[-1]:
             raise IndexError("a QuantWeight can be indexed by experts or rows only")
-        return QuantWeight(self.kind, data, scale, self.k)
+        return QuantWeight(self.kind, data, scale, self.k, self.kernels)
 
     def chunk(self, chunks: int, dim: int = 0) -> tuple["QuantWeight", ...]:
         if dim not in (-2, self.data.dim() - 2):
@@ -90,7 +96,8 @@ class QuantWeight:
         n, rb = self.data.shape[-2], self.row_block
         w = self if n % chunks == 0 and (n // chunks) % rb == 0 else self.per_row()
         return tuple(
-            QuantWeight(self.kind, d, s, self.k) for d, s in zip(w.data.chunk(chunks, -2), w.scale.chunk(chunks, -2))
+            QuantWeight(self.kind, d, s, self.k, self.kernels)
+            for d, s in zip(w.data.chunk(chunks, -2), w.scale.chunk(chunks, -2))
         )
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,15 +106,8 @@ class QuantWeight:
             raise ValueError("F.linear needs a 2-D weight; index the expert first")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.is_cuda:
-            if self.kind == FP8:
-                from dsv4_kernels.triton_kernels.fp8_gemm import fp8_linear as run
-            else:
-                from dsv4_kernels.triton_kernels.fp4_gemm import fp4_linear as run
-        else:
-            from dsv4_kernels import reference_quant as ref
-
-            run = ref.fp8_linear if self.kind == FP8 else ref.fp4_linear
+        ops = self.kernels or _reference()
+        run = ops.fp8_linear if self.kind == FP8 else ops.fp4_linear
         y = run(x2, self.data, self.scale)
         return y.reshape(*lead, y.shape[-1])
 
@@ -136,7 +136,11 @@ class QuantWeight:
             if not aligned:  # rows of different blocks would share a scale row: scales per row
                 parts = [p.per_row() for p in parts]
             return QuantWeight(
-                parts[0].kind, func([p.data for p in parts], dim), func([p.scale for p in parts], dim), parts[0].k
+                parts[0].kind,
+                func([p.data for p in parts], dim),
+                func([p.scale for p in parts], dim),
+                parts[0].k,
+                parts[0].kernels,
             )
         raise TypeError(
             f"{getattr(func, '__name__', func)} is not defined on a quantized ({types}) weight: only F.linear, "
@@ -164,24 +168,27 @@ def is_quantized(t) -> bool:
     return isinstance(t, QuantWeight)
 
 
+_REFERENCE: list = []  # the torch backend, made on first use
+
+
+def _reference():
+    if not _REFERENCE:
+        from dsv4_kernels.api import get_ops
+
+        _REFERENCE.append(get_ops("torch"))
+    return _REFERENCE[0]
+
+
 def moe_experts_for(ops, swiglu_limit=None):
-    """The routed-experts call a model makes: the block-scaled expert kernels when the stacked
-    weights are QuantWeights (CUDA), else the backend's own `ops.moe_experts`."""
+    """The routed-experts call a model makes: the backend's block-scaled expert kernels when the
+    stacked weights are QuantWeights (CUDA), else the backend's own `ops.moe_experts`."""
 
     def moe_experts(x, w13, w2, topk_weights, topk_ids):
         if not isinstance(w13, QuantWeight):
             return ops.moe_experts(x, w13, w2, topk_weights, topk_ids)
         if w13.kind != w2.kind:
             raise TypeError("gate/up and down experts must share one format")
-        if x.is_cuda:
-            if w13.kind == FP8:
-                from dsv4_kernels.triton_kernels.fp8_gemm import fp8_moe_experts as run
-            else:
-                from dsv4_kernels.triton_kernels.fp4_gemm import fp4_moe_experts as run
-        else:
-            from dsv4_kernels import reference_quant as ref
-
-            run = ref.fp8_moe_experts if w13.kind == FP8 else ref.fp4_moe_experts
+        run = ops.fp8_moe_experts if w13.kind == FP8 else ops.fp4_moe_experts
         return run(x, w13.data, w13.scale, w2.data, w2.scale, topk_weights, topk_ids, swiglu_limit)
 
     return moe_experts

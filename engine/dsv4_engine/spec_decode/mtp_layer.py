@@ -95,7 +95,7 @@ class MTPLayer:
         def take(name: str, dtype: torch.dtype = dt):
             if name not in w:
                 raise KeyError(f"checkpoint lacks tensor {name} (its MTP layer)")
-            return place(w[name], dev, dtype)
+            return place(w[name], dev, dtype, model.ops)
 
         self.L = model.build_layer(w, self.layer, take)
         self.enorm = take(p + "enorm.weight")

@@ -40,7 +40,7 @@ from dsv4_engine.models.deepseek_v4_weights import to_release_layout
 from dsv4_engine.models.forward_batch import request_spans
 from dsv4_engine.models.state import StateSpec
 from dsv4_engine.models.v4_verify import FixedRows
-from dsv4_engine.models.v4_layers import rms, rope_table, unweighted_rms
+from dsv4_kernels.v4_torch import rms, rope_table, unweighted_rms
 from dsv4_engine.parallel.sharded import rank_slicer
 from dsv4_engine.quant import dense, place
 from dsv4_engine.spec_decode.mtp_layer import load_layer_weights
@@ -145,7 +145,7 @@ class V4MTPLayer:
         def take(name: str, dtype: Optional[torch.dtype] = dt):
             if p + name not in w:
                 raise ValueError(f"checkpoint lacks tensor mtp.{index}.{name} (its MTP block)")
-            return place(w[p + name], dev, dtype)
+            return place(w[p + name], dev, dtype, model.ops)
 
         E = cfg.n_routed_experts
         L = {

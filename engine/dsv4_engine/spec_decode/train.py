@@ -292,7 +292,7 @@ class V3Kit:
         from dsv4_engine.weights import load_weights
 
         self.dir, self.cfg = d, ModelConfig.from_dir(d)
-        self.model = DeepseekV3(self.cfg, load_weights(d), get_ops("torch"), torch.float32, torch.device("cpu"))
+        self.model = DeepseekV3(self.cfg, load_weights(d), get_ops("cpu"), torch.float32, torch.device("cpu"))
         self.num_mtp = int(self.cfg.extra.get("num_nextn_predict_layers") or 0)
 
     def base(self, weights: dict) -> TrainableV3:
@@ -356,7 +356,7 @@ def _greedy_continuations(model_dir: Path, prompts: list[list[int]], new_tokens:
         EngineArgs(
             model=str(model_dir),
             device="cpu",
-            kernel_backend="torch",
+            kernel_backend="cpu",
             kv_pages=1024,
             max_num_seqs=64,
             enable_prefix_cache=False,

@@ -13,12 +13,12 @@ the tiles.
 from __future__ import annotations
 
 import itertools
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+from dsv4_wire import switches
 
 from .common import KernelVariant, check_launchable, cuda_arch, on_interpreter
 from .fp8_gemm import gemm_blocks
@@ -179,7 +179,7 @@ def fp4_native(arch: int | None, dtype: torch.dtype, disabled: bool = False) -> 
 
 
 def _native(a: torch.Tensor) -> bool:
-    return fp4_native(cuda_arch(a.device), a.dtype, os.environ.get("DSV4_FP4_NATIVE", "1") == "0")
+    return fp4_native(cuda_arch(a.device), a.dtype, switches.read("DSV4_FP4_NATIVE") == "0")
 
 
 def _launch(

@@ -20,6 +20,8 @@ the admin token with every admin call it makes itself.
 
 from __future__ import annotations
 
+from dsv4_wire import switches
+
 import asyncio
 import json
 import os
@@ -63,7 +65,7 @@ PD_SECRET_FILE = "pd-secret"
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("DSV4_CACHE") or os.path.join(
+    base = switches.read("DSV4_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache")), "dsv4"
     )
     return Path(base)

@@ -199,7 +199,7 @@ def test_num_layers_writes_a_deeper_model_the_engine_runs(tmp_path):
         layers = {int(k.split(".")[2]) for k in f.keys() if k.startswith("model.layers.")}
     assert layers == set(range(7))  # 6 main layers + the MTP block as model.layers.6
     cfg = ModelConfig.from_dir(out)
-    model = DeepseekV3(cfg, load_weights(out), get_ops("torch"), torch.float32, torch.device("cpu"))
+    model = DeepseekV3(cfg, load_weights(out), get_ops("cpu"), torch.float32, torch.device("cpu"))
     assert cfg.num_hidden_layers == 6 and len(model.layers) == 6
     hidden, logits = _hidden_and_logits(model, list(range(5, 21)))
     assert torch.isfinite(logits).all() and logits.shape[0] == 16

@@ -31,7 +31,7 @@ def test_which_errors_mean_the_device_is_gone():
 
 
 def _engine(model) -> Engine:
-    return Engine(EngineArgs(model=str(model), device="cpu", kernel_backend="torch", kv_pages=32, page_size=8))
+    return Engine(EngineArgs(model=str(model), device="cpu", kernel_backend="cpu", kv_pages=32, page_size=8))
 
 
 def _submit(e: Engine, rid: str, outs: list) -> Sequence:
@@ -87,7 +87,7 @@ def test_the_serving_process_exits_on_a_dead_device(tiny_model):
         from dsv4_engine.engine_args import EngineArgs
         from dsv4_engine.sampling_params import SamplingParams
         from dsv4_engine.sequence import Sequence
-        e = Engine(EngineArgs(model={str(tiny_model)!r}, device="cpu", kernel_backend="torch", kv_pages=32, page_size=8))
+        e = Engine(EngineArgs(model={str(tiny_model)!r}, device="cpu", kernel_backend="cpu", kv_pages=32, page_size=8))
         e.exit_on_device_failure = True
         def dead(*a, **k):
             raise torch.AcceleratorError("CUDA error: unspecified launch failure")

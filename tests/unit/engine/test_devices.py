@@ -32,7 +32,7 @@ def test_the_engine_thread_asks_for_the_engines_device_before_any_step(tiny_mode
     ran a step had asked for the runner's device before its first one."""
     import dsv4_engine.engine as engine_mod
 
-    engine = Engine(EngineArgs(model=str(tiny_model), device="cpu", kernel_backend="torch", kv_pages=32, page_size=8))
+    engine = Engine(EngineArgs(model=str(tiny_model), device="cpu", kernel_backend="cpu", kv_pages=32, page_size=8))
     asked: dict[str, list[torch.device]] = {}
     stepped: dict[str, int] = {}
     monkeypatch.setattr(
@@ -72,5 +72,5 @@ def test_bfloat16_is_the_default_on_cuda_and_float32_on_cpu(tiny_model):
     assert default_dtype(torch.device("cuda", 1)) == "bfloat16"
     assert default_dtype(torch.device("cpu")) == "float32"
     assert Args(model="m").dtype is None  # chosen by the core, which knows the device
-    assert ModelRunner(tiny_model, device="cpu", kernel_backend="torch").dtype == torch.float32
-    assert ModelRunner(tiny_model, "bfloat16", device="cpu", kernel_backend="torch").dtype == torch.bfloat16
+    assert ModelRunner(tiny_model, device="cpu", kernel_backend="cpu").dtype == torch.float32
+    assert ModelRunner(tiny_model, "bfloat16", device="cpu", kernel_backend="cpu").dtype == torch.bfloat16

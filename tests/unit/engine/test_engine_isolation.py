@@ -20,7 +20,7 @@ from dsv4_engine.sequence import Sequence
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    return Engine(EngineArgs(model=str(tiny_model), device="cpu", kernel_backend="torch", kv_pages=64, page_size=8))
+    return Engine(EngineArgs(model=str(tiny_model), device="cpu", kernel_backend="cpu", kv_pages=64, page_size=8))
 
 
 def run(engine: Engine, seqs: list[Sequence], steps: int = 400) -> dict:

@@ -86,7 +86,7 @@ def run_engine(
     model_dir, arrivals: dict[int, list[tuple[str, list[int]]]], **kw
 ) -> tuple[dict[str, list[int]], Engine, list]:
     """Drive an engine step by step (no thread); requests join at the steps given."""
-    engine = Engine(EngineArgs(model=str(model_dir), device="cpu", kernel_backend="torch", **kw))
+    engine = Engine(EngineArgs(model=str(model_dir), device="cpu", kernel_backend="cpu", **kw))
     outs: dict[str, list[int]] = {}
     done: set[str] = set()
 

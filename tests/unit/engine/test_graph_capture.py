@@ -131,7 +131,7 @@ def test_the_engine_captures_at_start_up_before_any_request(tiny_model, monkeypa
     monkeypatch.setattr(ModelRunner, "capture_graphs", lambda self, pool, agree=None: captured.append(pool) or True)
     e = Engine(
         EngineArgs(
-            model=str(tiny_model), device="cpu", kernel_backend="torch", kv_pages=16, page_size=8, cuda_graph_max_bs=8
+            model=str(tiny_model), device="cpu", kernel_backend="cpu", kv_pages=16, page_size=8, cuda_graph_max_bs=8
         )
     )
     assert captured == [e.pool] and not e.seqs
@@ -148,7 +148,7 @@ def test_at_tp2_all_ranks_keep_their_graphs_or_none(tiny_model, monkeypatch, cap
             EngineArgs(
                 model=str(tiny_model),
                 device="cpu",
-                kernel_backend="torch",
+                kernel_backend="cpu",
                 kv_pages=16,
                 page_size=8,
                 cuda_graph_max_bs=8,

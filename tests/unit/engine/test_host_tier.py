@@ -49,7 +49,7 @@ def test_evicted_pages_come_back_from_host_and_outputs_do_not_change(tiny_model,
     # on CUDA: the host pool is pinned and every copy non_blocking on the step's stream
     args = dict(model=str(tiny_model), device=device, kv_pages=14, page_size=PAGE, max_num_seqs=2)
     if device == "cpu":
-        args["kernel_backend"] = "torch"
+        args["kernel_backend"] = "cpu"
     plain = Engine(EngineArgs(**args))
     want, plain_hits = rounds(plain)
     tiered = Engine(EngineArgs(**args, host_cache_gb=0.01))
@@ -81,7 +81,7 @@ def test_v4_resumes_from_host_pages_and_snapshots_with_equal_outputs(make_model)
     deepest boundary holding both; outputs equal an engine without any cache."""
     v4 = make_model("v4-tiny")
     common = dict(
-        model=str(v4), device="cpu", kernel_backend="torch", page_size=4, max_num_seqs=2, max_num_batched_tokens=64
+        model=str(v4), device="cpu", kernel_backend="cpu", page_size=4, max_num_seqs=2, max_num_batched_tokens=64
     )
     want, _ = rounds(Engine(EngineArgs(**common, kv_pages=64, enable_prefix_cache=False)), v4_prompts())
     plain = Engine(EngineArgs(**common, kv_pages=40, prefix_cache_snapshots=8))

@@ -104,7 +104,7 @@ def test_an_engine_with_no_memory_flags_sizes_its_pool_from_the_device(make_mode
     v4 = make_model("v4-tiny")
     free = 64 << 20
     monkeypatch.setattr(engine_mod, "device_memory", lambda device: DeviceMemory(free, 80 * GIB))
-    e = Engine(EngineArgs(model=str(v4), device="cpu", kernel_backend="torch", max_num_seqs=4, page_size=16))
+    e = Engine(EngineArgs(model=str(v4), device="cpu", kernel_backend="cpu", max_num_seqs=4, page_size=16))
     specs, dt = e.runner.state_specs, e.runner.dtype
     budget = int(free * 0.9)  # no graphs on CPU: no reserve
     row, pg = slot_row_nbytes(specs, dt), page_nbytes(specs, 16, dt)
@@ -129,7 +129,7 @@ def test_a_checkpoint_too_big_for_the_device_is_refused_before_any_weight_is_rea
         f.truncate(160 * 10**9)
     monkeypatch.setattr(kv_sizing, "device_memory", lambda device: DeviceMemory(79 * GIB, 80 * GIB))
     with pytest.raises(ValueError, match="needs at least 149.0 GiB of weights per device at --tp-size 1"):
-        Engine(EngineArgs(model=str(model), device="cpu", kernel_backend="torch"))
+        Engine(EngineArgs(model=str(model), device="cpu", kernel_backend="cpu"))
     assert os.path.getsize(model / "model-00001-of-00001.safetensors") == 160 * 10**9
 
 

@@ -59,7 +59,7 @@ def test_trainable_forward_equals_the_engines(tiny_mtp):
     from dsv4_engine.weights import load_weights
 
     cfg = ModelConfig.from_dir(tiny_mtp)
-    model = DeepseekV3(cfg, load_weights(tiny_mtp), get_ops("torch"), torch.float32, torch.device("cpu"))
+    model = DeepseekV3(cfg, load_weights(tiny_mtp), get_ops("cpu"), torch.float32, torch.device("cpu"))
     seq = list(range(5, 45))
     hidden, _ = _hidden_and_logits(model, seq)
     with torch.no_grad():
@@ -90,7 +90,7 @@ def test_trainable_main_model_equals_the_engines(tiny_mtp):
     from dsv4_engine.weights import load_weights
 
     cfg = ModelConfig.from_dir(tiny_mtp)
-    model = DeepseekV3(cfg, load_weights(tiny_mtp), get_ops("torch"), torch.float32, torch.device("cpu"))
+    model = DeepseekV3(cfg, load_weights(tiny_mtp), get_ops("cpu"), torch.float32, torch.device("cpu"))
     seqs = corpus_prompts(tiny_mtp, 2, 24, seed=0)
     assert len(seqs) == 2 and all(len(s) == 24 for s in seqs) and seqs[0] != seqs[1]
     with torch.no_grad():

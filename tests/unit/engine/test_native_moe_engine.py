@@ -17,9 +17,7 @@ pytestmark = [
 
 
 def _greedy(model_dir, prompts, n):
-    engine = Engine(
-        EngineArgs(model=str(model_dir), device="cpu", kernel_backend="torch", dtype="float32", kv_pages=64)
-    )
+    engine = Engine(EngineArgs(model=str(model_dir), device="cpu", kernel_backend="cpu", dtype="float32", kv_pages=64))
     seqs = [
         Sequence(f"r{i}", p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
         for i, p in enumerate(prompts)

@@ -17,7 +17,7 @@ def test_pages_return_after_random_requests_and_aborts(tiny_model):
         EngineArgs(
             model=str(tiny_model),
             device="cpu",
-            kernel_backend="torch",
+            kernel_backend="cpu",
             kv_pages=40,
             page_size=8,
             max_num_seqs=16,

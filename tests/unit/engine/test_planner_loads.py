@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def test_queued_prompt_tokens_running_context_and_step_totals(make_model):
     engine = Engine(
-        EngineArgs(model=str(make_model("tiny")), device="cpu", kernel_backend="torch", kv_pages=64, max_num_seqs=2)
+        EngineArgs(model=str(make_model("tiny")), device="cpu", kernel_backend="cpu", kv_pages=64, max_num_seqs=2)
     )
     prompts = [[5 + i] * (8 + 4 * i) for i in range(3)]  # 8, 12 and 16 tokens
     seqs = [

@@ -160,7 +160,7 @@ def test_which_engines_build_a_cache(tiny_model, make_model):
         EngineArgs(
             model=str(make_model("v4-tiny")),
             device="cpu",
-            kernel_backend="torch",
+            kernel_backend="cpu",
             kv_pages=16,
             max_num_seqs=2,
             prefix_cache_snapshots=0,
@@ -224,7 +224,7 @@ def engine_for(model, cache: bool, **kw) -> Engine:
     args = dict(
         model=str(model),
         device="cpu",
-        kernel_backend="torch",
+        kernel_backend="cpu",
         page_size=4,
         kv_pages=64,
         max_num_seqs=8,

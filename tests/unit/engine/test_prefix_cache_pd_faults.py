@@ -32,7 +32,7 @@ class Cluster:
                 model=str(model),
                 role=role,
                 device="cpu",
-                kernel_backend="torch",
+                kernel_backend="cpu",
                 kv_pages=PAGES,
                 page_size=16,
                 served_model_name="m",

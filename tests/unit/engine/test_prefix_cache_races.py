@@ -47,7 +47,7 @@ def engine_for(model, cache: bool) -> Engine:
         EngineArgs(
             model=str(model),
             device="cpu",
-            kernel_backend="torch",
+            kernel_backend="cpu",
             page_size=PS,
             kv_pages=160,
             max_num_seqs=8,

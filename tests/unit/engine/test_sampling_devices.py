@@ -45,7 +45,7 @@ class RecordingGenerator:
     ],
 )
 def test_generators_are_made_on_the_runner_device(tiny_model, monkeypatch, params):
-    engine = Engine(EngineArgs(model=str(tiny_model), device="cpu", kernel_backend="torch", kv_pages=16))
+    engine = Engine(EngineArgs(model=str(tiny_model), device="cpu", kernel_backend="cpu", kv_pages=16))
     engine.runner.device = torch.device("cuda", 0)  # what the logits' device would be on a GPU
     RecordingGenerator.made = []
     monkeypatch.setattr(torch, "Generator", RecordingGenerator)
@@ -70,7 +70,7 @@ def test_sampler_fails_only_the_row_whose_generator_is_elsewhere():
 
 def test_every_generator_matches_the_logits_device_in_a_real_step(tiny_model):
     """The devices the sampler sees in a real engine step are equal (CPU here, CUDA on a GPU)."""
-    engine = Engine(EngineArgs(model=str(tiny_model), device="cpu", kernel_backend="torch", kv_pages=16))
+    engine = Engine(EngineArgs(model=str(tiny_model), device="cpu", kernel_backend="cpu", kv_pages=16))
     seqs = [Sequence(f"r{i}", [5 + i, 6, 7], SamplingParams(max_tokens=1, temperature=0.8, seed=i)) for i in range(3)]
     for s in seqs:
         engine._add(s)

@@ -57,7 +57,7 @@ def make(model, role: str, spec: bool, **extra) -> Engine:
             model=str(model),
             role=role,
             device="cpu",
-            kernel_backend="torch",
+            kernel_backend="cpu",
             kv_pages=PAGES,
             page_size=8,
             served_model_name="m",

@@ -37,7 +37,7 @@ def engine_for(model, cache: bool, spec: bool, **kw) -> Engine:
     args = dict(
         model=str(model),
         device="cpu",
-        kernel_backend="torch",
+        kernel_backend="cpu",
         page_size=4,
         kv_pages=160,
         max_num_seqs=4,

@@ -31,7 +31,7 @@ def mono_engine(model, spec: bool) -> Engine:
         EngineArgs(
             model=str(model),
             device="cpu",
-            kernel_backend="torch",
+            kernel_backend="cpu",
             kv_pages=64,
             page_size=8,
             max_num_seqs=8,

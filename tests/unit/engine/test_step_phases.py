@@ -52,7 +52,7 @@ def test_engine_steps_report_model_phases_and_tokens_do_not_change(make_model, m
         else:
             monkeypatch.delenv("DSV4_STEP_PHASES", raising=False)
         PHASES.enable(False)
-        engine = Engine(EngineArgs(model=str(model), device="cpu", kernel_backend="torch", kv_pages=64, max_num_seqs=4))
+        engine = Engine(EngineArgs(model=str(model), device="cpu", kernel_backend="cpu", kv_pages=64, max_num_seqs=4))
         seqs = [
             Sequence(f"r{i}", [5 + i, 6, 7, 8, 9], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
             for i in range(3)

@@ -100,7 +100,7 @@ def text(engine: Engine, outs: list) -> str:
 
 
 def _engine(path, **kw) -> Engine:
-    args = dict(model=str(path), device="cpu", kernel_backend="torch", kv_pages=512, page_size=8)
+    args = dict(model=str(path), device="cpu", kernel_backend="cpu", kv_pages=512, page_size=8)
     return Engine(EngineArgs(**{**args, **kw}))
 
 

@@ -14,7 +14,7 @@ def model(mla512_model):
     from dsv4_engine.engine_args import EngineArgs
 
     engine = Engine(
-        EngineArgs(model=str(mla512_model), device="cpu", kernel_backend="torch", dtype="float32", kv_pages=64)
+        EngineArgs(model=str(mla512_model), device="cpu", kernel_backend="cpu", dtype="float32", kv_pages=64)
     )
     return engine.runner.local_model
 

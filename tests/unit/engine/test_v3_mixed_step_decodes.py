@@ -15,10 +15,8 @@ def _run(model_dir, native_mixed: bool, monkeypatch) -> tuple[list[list[int]], i
     from dsv4_engine.sequence import Sequence
 
     monkeypatch.setattr(V3, "MIXED_DECODE_NATIVE", native_mixed)
-    engine = Engine(
-        EngineArgs(model=str(model_dir), device="cpu", kernel_backend="torch", dtype="float32", kv_pages=64)
-    )
-    assert engine.runner.local_model.native_mla
+    engine = Engine(EngineArgs(model=str(model_dir), device="cpu", kernel_backend="cpu", dtype="float32", kv_pages=64))
+    assert engine.runner.local_model.ops.implementations()["mla_decode"] == "cpu: native"
     calls = []
     kernel = cpu_mla.mla_decode
     monkeypatch.setattr(cpu_mla, "mla_decode", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))

@@ -55,7 +55,7 @@ def prompt(n: int, seed: int) -> list[int]:
 def run_engine(v4_dir, arrivals: dict[int, list[tuple[str, list[int]]]], **kw):
     """Drive an engine step by step; requests join at the steps given. Returns each request's
     tokens and the logits each of them was sampled from, and the engine."""
-    engine = Engine(EngineArgs(model=str(v4_dir), device="cpu", kernel_backend="torch", **kw))
+    engine = Engine(EngineArgs(model=str(v4_dir), device="cpu", kernel_backend="cpu", **kw))
     toks: dict[str, list[int]] = {}
     logits: dict[str, list[torch.Tensor]] = {}
     done: set[str] = set()
@@ -174,7 +174,7 @@ def test_state_sizing_reserves_slot_rows_first(v4_dir):
         EngineArgs(
             model=str(v4_dir),
             device="cpu",
-            kernel_backend="torch",
+            kernel_backend="cpu",
             kv_memory_gb=gb,
             page_size=16,
             max_num_seqs=64,
@@ -202,4 +202,4 @@ def test_page_size_refusals_and_every_role_takes_v4(v4_dir):
     )  # PD moves slot rows
     assert "--page-size 6" in state_refusal(specs, "decode", 6)
     with pytest.raises(ValueError, match="--page-size 6"):
-        Engine(EngineArgs(model=str(v4_dir), device="cpu", kernel_backend="torch", kv_pages=8, page_size=6))
+        Engine(EngineArgs(model=str(v4_dir), device="cpu", kernel_backend="cpu", kv_pages=8, page_size=6))

@@ -73,7 +73,7 @@ def tight_decode(make_model):
                 model=str(model),
                 role=role,
                 device="cpu",
-                kernel_backend="torch",
+                kernel_backend="cpu",
                 kv_pages=pages,
                 page_size=4,
                 max_num_seqs=seqs,
@@ -170,7 +170,7 @@ def test_limits_that_cannot_serve_are_refused_at_start(make_model, limits, flag)
             EngineArgs(
                 model=str(make_model("v4-tiny")),
                 device="cpu",
-                kernel_backend="torch",
+                kernel_backend="cpu",
                 kv_pages=8,
                 page_size=4,
                 **limits,

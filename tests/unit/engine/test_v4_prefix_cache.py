@@ -35,7 +35,7 @@ def v4_engine(model, cache: bool, **kw) -> Engine:
     args = dict(
         model=str(model),
         device="cpu",
-        kernel_backend="torch",
+        kernel_backend="cpu",
         page_size=4,
         kv_pages=96,
         max_num_seqs=6,

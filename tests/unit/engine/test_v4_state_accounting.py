@@ -24,7 +24,7 @@ def test_pages_and_slot_rows_return_after_random_requests_and_aborts(make_model)
         EngineArgs(
             model=str(make_model("v4-tiny")),
             device="cpu",
-            kernel_backend="torch",
+            kernel_backend="cpu",
             kv_pages=30,
             page_size=4,
             max_num_seqs=6,

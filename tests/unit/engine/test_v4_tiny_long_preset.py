@@ -32,7 +32,7 @@ def test_an_engine_on_the_long_preset_serves_past_1024_positions(make_model, one
     from dsv4_engine.sampling_params import SamplingParams
     from dsv4_engine.sequence import Sequence
 
-    eng = Engine(EngineArgs(model=str(make_model("v4-tiny-long")), device="cpu", kernel_backend="torch", kv_pages=90))
+    eng = Engine(EngineArgs(model=str(make_model("v4-tiny-long")), device="cpu", kernel_backend="cpu", kv_pages=90))
     assert eng.max_model_len == 90 * 16  # the pool, not the model, is the limit now
     outs = []
     eng.submit(

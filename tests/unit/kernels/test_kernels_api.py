@@ -1,4 +1,4 @@
-"""The two backends expose one API: same function names, same positional signatures."""
+"""The three backends expose one API: same op names, same positional signatures."""
 
 from __future__ import annotations
 
@@ -8,19 +8,19 @@ import sys
 
 import pytest
 
-import dsv4_kernels
-from dsv4_kernels import reference
+from dsv4_kernels import api, reference
 
 API = ["mla_decode", "mla_extend", "moe_route", "moe_experts", "rmsnorm", "rope_interleaved_"]
 
 
-def test_get_ops_picks_the_backend_module():
+def test_get_ops_picks_the_backend():
     from dsv4_kernels import triton_ops
 
-    assert dsv4_kernels.get_ops("torch") is reference
-    assert dsv4_kernels.get_ops("triton") is triton_ops
+    assert api.get_ops("torch").rmsnorm is reference.rmsnorm
+    assert api.get_ops("triton").mla_decode is triton_ops.mla_decode
+    assert api.get_ops("cpu").name == "cpu"
     with pytest.raises(ValueError, match="torch"):
-        dsv4_kernels.get_ops("cuda")
+        api.get_ops("cuda")
 
 
 @pytest.mark.parametrize("name", API)
@@ -38,7 +38,7 @@ def test_backends_share_each_signature(name):
 
 def test_torch_backend_does_not_import_triton():
     """A CPU engine on the torch backend never pays for importing triton."""
-    code = "import sys, dsv4_kernels; dsv4_kernels.get_ops('torch'); print('triton' in sys.modules)"
+    code = "import sys; from dsv4_kernels.api import get_ops; get_ops('torch'); get_ops('cpu'); print('triton' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 

@@ -145,11 +145,13 @@ def _greedy(model_dir, native: bool, monkeypatch) -> list[list[int]]:
     from dsv4_engine.sampling_params import SamplingParams
     from dsv4_engine.sequence import Sequence
 
-    engine = Engine(
-        EngineArgs(model=str(model_dir), device="cpu", kernel_backend="torch", dtype="float32", kv_pages=64)
-    )
-    assert engine.runner.local_model.native_mla  # the CPU torch backend picks the native decode
-    engine.runner.local_model.native_mla = native
+    engine = Engine(EngineArgs(model=str(model_dir), device="cpu", kernel_backend="cpu", dtype="float32", kv_pages=64))
+    ops = engine.runner.local_model.ops
+    assert ops.implementations()["mla_decode"] == "cpu: native"  # the CPU backend picks the native decode
+    if not native:  # the backend's decode op in its torch form
+        from dsv4_kernels.ops_torch import TorchOps
+
+        ops.mla_decode = TorchOps.mla_decode
     calls = []
     kernel = cpu_mla.mla_decode
     monkeypatch.setattr(cpu_mla, "mla_decode", lambda *a: calls.append(1) or kernel(*a))

@@ -80,7 +80,7 @@ def test_engine_routes_natively_with_the_same_greedy_tokens(make_model, monkeypa
 
     def greedy():
         engine = Engine(
-            EngineArgs(model=str(model_dir), device="cpu", kernel_backend="torch", dtype="float32", kv_pages=64)
+            EngineArgs(model=str(model_dir), device="cpu", kernel_backend="cpu", dtype="float32", kv_pages=64)
         )
         seqs = [
             Sequence(f"r{i}", p, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))

@@ -73,7 +73,7 @@ def test_engine_greedy_tokens_native_rope_on_and_off(make_model, monkeypatch):
 
     def greedy():
         engine = Engine(
-            EngineArgs(model=str(model_dir), device="cpu", kernel_backend="torch", dtype="float32", kv_pages=64)
+            EngineArgs(model=str(model_dir), device="cpu", kernel_backend="cpu", dtype="float32", kv_pages=64)
         )
         seqs = [
             Sequence(f"r{i}", p, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))

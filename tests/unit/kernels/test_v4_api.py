@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 
-from dsv4_kernels import get_ops, reference_v4
+from dsv4_kernels.api import get_ops, reference_v4
 
 V4_API = list(reference_v4.__all__)
 

@@ -162,11 +162,11 @@ def test_one_forward_mixing_chunks_and_decode_tokens(v4_dir):
     from dsv4_engine.models.deepseek_v4_config import DeepseekV4Config
     from dsv4_engine.models.deepseek_v4_weights import load_v4_weights
     from dsv4_engine.models.forward_batch import V4Batch
-    from dsv4_kernels import get_ops
+    from dsv4_kernels.api import get_ops
 
     cfg = DeepseekV4Config.from_dir(v4_dir)
     weights = load_v4_weights(v4_dir)
-    fast, plain = DeepseekV4(cfg, weights, get_ops("triton")), DeepseekV4(cfg, weights, get_ops("torch"))
+    fast, plain = DeepseekV4(cfg, weights, get_ops("triton")), DeepseekV4(cfg, weights, get_ops("cpu"))
     assert fast.kops is not None and plain.kops is None
     page = 4
     states = allocate_states(DeepseekV4.state_specs(cfg), 32, page, 4, torch.float32)

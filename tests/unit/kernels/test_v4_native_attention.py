@@ -94,7 +94,7 @@ def test_native_extend_matches_torch(entries):
 def test_native_rms_rope_matches_torch(weighted, norm, conj):
     """The attention's norm + rope pass against v4_layers' torch forms, on a strided slice of a
     projection's output as the model passes it."""
-    from dsv4_engine.models.v4_layers import apply_rope, rms, rope_table, unweighted_rms
+    from dsv4_kernels.v4_torch import apply_rope, rms, rope_table, unweighted_rms
 
     g = torch.Generator().manual_seed(int(weighted) + 2 * int(norm))
     T, n, D, half = 9, 3, 64, 8

@@ -6,12 +6,14 @@ import torch
 
 from dsv4_engine.models.deepseek_v4 import DeepseekV4
 from dsv4_kernels import cpu_v4_compress
+from dsv4_kernels.api import get_ops
 
 
 class _Form:
-    """Just what _pool_windows reads of the model: the config's eps, no kernel ops."""
+    """Just what _pool_windows reads of the model: the config's eps, the torch backend."""
 
     kops = None
+    ops = get_ops("torch")
 
     def __init__(self, eps: float):
         self.cfg = type("Cfg", (), {"rms_norm_eps": eps})()

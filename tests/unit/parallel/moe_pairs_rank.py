@@ -60,12 +60,12 @@ def main() -> None:
     from dsv4_engine.model_runner import ModelRunner
 
     if size == 1:
-        runner = ModelRunner(model_dir, device="cpu", kernel_backend="torch")
+        runner = ModelRunner(model_dir, device="cpu", kernel_backend="cpu")
     else:
         from dsv4_engine.parallel.group import join
         from dsv4_engine.parallel.plan import Shard
 
-        runner = ModelRunner(model_dir, device="cpu", kernel_backend="torch", tp=join(Shard(r, size), port, "cpu"))
+        runner = ModelRunner(model_dir, device="cpu", kernel_backend="cpu", tp=join(Shard(r, size), port, "cpu"))
     logits, computed, routed = prefill_and_count(runner)
     torch.save({"logits": logits, "computed": computed, "routed": routed}, out)
     if size > 1:

@@ -98,7 +98,7 @@ def engine(model_dir, tp_size: int) -> Engine:
         EngineArgs(
             model=str(model_dir),
             device="cpu",
-            kernel_backend="torch",
+            kernel_backend="cpu",
             kv_pages=10,
             page_size=8,
             max_num_batched_tokens=16,
@@ -128,9 +128,9 @@ def test_tp2_greedy_tokens_equal_tp1(make_model, preset):
 
 def test_each_rank_holds_half_the_experts_and_split_layers_plus_the_replicated_rest(make_model):
     model = make_model("tiny")
-    full = ModelRunner(str(model), device="cpu", kernel_backend="torch").model
+    full = ModelRunner(str(model), device="cpu", kernel_backend="cpu").model
     ranks = [
-        ModelRunner(str(model), device="cpu", kernel_backend="torch", tp=TPRank(Shard(r, 2), None, None)).model
+        ModelRunner(str(model), device="cpu", kernel_backend="cpu", tp=TPRank(Shard(r, 2), None, None)).model
         for r in range(2)
     ]
     cfg = full.cfg
@@ -155,9 +155,9 @@ def test_each_rank_holds_half_the_experts_and_split_layers_plus_the_replicated_r
 
 def test_v4_ranks_split_the_routed_experts_and_replicate_the_rest(make_model):
     model = make_model("v4-tiny")
-    full = ModelRunner(str(model), device="cpu", kernel_backend="torch").model
+    full = ModelRunner(str(model), device="cpu", kernel_backend="cpu").model
     ranks = [
-        ModelRunner(str(model), device="cpu", kernel_backend="torch", tp=TPRank(Shard(r, 2), None, None)).model
+        ModelRunner(str(model), device="cpu", kernel_backend="cpu", tp=TPRank(Shard(r, 2), None, None)).model
         for r in range(2)
     ]
 
@@ -217,7 +217,7 @@ def test_v4_prefix_reuse_at_tp2_equals_tp1_without_a_cache(make_model):
             EngineArgs(
                 model=str(model),
                 device="cpu",
-                kernel_backend="torch",
+                kernel_backend="cpu",
                 kv_pages=12,
                 page_size=8,
                 max_num_batched_tokens=16,
@@ -229,7 +229,7 @@ def test_v4_prefix_reuse_at_tp2_equals_tp1_without_a_cache(make_model):
         EngineArgs(
             model=str(model),
             device="cpu",
-            kernel_backend="torch",
+            kernel_backend="cpu",
             kv_pages=12,
             page_size=8,
             max_num_batched_tokens=16,

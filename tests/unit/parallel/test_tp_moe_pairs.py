@@ -47,7 +47,7 @@ def test_each_rank_computes_only_its_experts_pairs(tiny_model, tmp_path):
     """tiny: 8 routed experts, 4 a rank. (V4's routed experts take the same ShardComm ids and
     skip -1 the same way; its tp 2 == tp 1 test is in test_tp_engine.py.)"""
     model = tiny_model
-    logits, computed, routed = rank_module().prefill_and_count(ModelRunner(model, device="cpu", kernel_backend="torch"))
+    logits, computed, routed = rank_module().prefill_and_count(ModelRunner(model, device="cpu", kernel_backend="cpu"))
     whole = {"logits": logits, "computed": computed, "routed": routed}
     ranks = run_ranks(model, 2, tmp_path)
     routed = whole["routed"]

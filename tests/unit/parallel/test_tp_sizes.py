@@ -115,7 +115,7 @@ def _engine(model_dir, tp_size: int):
         EngineArgs(
             model=str(model_dir),
             device="cpu",
-            kernel_backend="torch",
+            kernel_backend="cpu",
             kv_pages=10,
             page_size=8,
             max_num_batched_tokens=16,

@@ -41,7 +41,7 @@ def make_engine(model, tp_size: int, spec: bool) -> Engine:
     args = dict(
         model=str(model),
         device="cpu",
-        kernel_backend="torch",
+        kernel_backend="cpu",
         kv_pages=24,
         page_size=8,
         max_num_batched_tokens=24,
@@ -145,7 +145,7 @@ def test_each_rank_holds_its_share_of_the_mtp_block(mtp_models, preset):
     model = mtp_models(preset)
 
     def block(tp):
-        runner = ModelRunner(str(model), device="cpu", kernel_backend="torch", tp=tp)
+        runner = ModelRunner(str(model), device="cpu", kernel_backend="cpu", tp=tp)
         return make_speculator(runner, str(model), 2).mtp.L
 
     full = block(None)

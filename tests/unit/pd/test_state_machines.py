@@ -53,7 +53,7 @@ def engines(tiny_model):
                 model=str(tiny_model),
                 role=role,
                 device="cpu",
-                kernel_backend="torch",
+                kernel_backend="cpu",
                 kv_pages=KV_PAGES,
                 page_size=16,
                 served_model_name="m",

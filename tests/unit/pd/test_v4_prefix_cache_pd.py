@@ -28,7 +28,7 @@ def engines(make_model):
                 model=str(model),
                 role=role,
                 device="cpu",
-                kernel_backend="torch",
+                kernel_backend="cpu",
                 kv_pages=40,
                 page_size=8,
                 max_num_seqs=4,

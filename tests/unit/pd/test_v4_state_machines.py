@@ -51,7 +51,7 @@ def v4_engines(make_model):
                 model=str(model),
                 role=role,
                 device="cpu",
-                kernel_backend="torch",
+                kernel_backend="cpu",
                 kv_pages=40,
                 page_size=8,
                 max_num_seqs=4,

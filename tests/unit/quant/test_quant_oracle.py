@@ -50,7 +50,7 @@ def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 
 
 def engine_greedy(model_dir, ps: list[list[int]], n: int = NEW_TOKENS) -> dict[int, list[int]]:
-    engine = Engine(EngineArgs(model=str(model_dir), device="cpu", kernel_backend="torch", kv_pages=128, page_size=16))
+    engine = Engine(EngineArgs(model=str(model_dir), device="cpu", kernel_backend="cpu", kv_pages=128, page_size=16))
     outs: dict[int, list[int]] = {i: [] for i in range(len(ps))}
     done: set[int] = set()
 

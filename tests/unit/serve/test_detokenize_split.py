@@ -16,7 +16,7 @@ from dsv4_serve.detokenize import OutputProcessor
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    return Engine(EngineArgs(model=str(tiny_model), device="cpu", kernel_backend="torch", kv_pages=128, page_size=8))
+    return Engine(EngineArgs(model=str(tiny_model), device="cpu", kernel_backend="cpu", kv_pages=128, page_size=8))
 
 
 def client_view(engine: Engine, params: SamplingParams, detokenize: bool) -> list[tuple]:

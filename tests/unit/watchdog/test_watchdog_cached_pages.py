@@ -17,9 +17,7 @@ from dsv4_operator.watchdog.signals import build_sample
 
 def test_an_idle_engine_full_of_cached_pages_is_healthy(tiny_model):
     engine = Engine(
-        EngineArgs(
-            model=str(tiny_model), role="prefill", device="cpu", kernel_backend="torch", kv_pages=12, page_size=4
-        )
+        EngineArgs(model=str(tiny_model), role="prefill", device="cpu", kernel_backend="cpu", kv_pages=12, page_size=4)
     )
     ends = []
     for i in range(3):
@@ -42,7 +40,7 @@ def test_an_idle_v4_engine_holding_pages_and_snapshots_is_healthy(make_model):
             model=str(make_model("v4-tiny")),
             role="prefill",
             device="cpu",
-            kernel_backend="torch",
+            kernel_backend="cpu",
             kv_pages=12,
             page_size=4,
             max_num_seqs=2,
