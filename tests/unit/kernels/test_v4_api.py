@@ -6,7 +6,8 @@ import inspect
 
 import pytest
 
-from dsv4_kernels.api import get_ops, reference_v4
+from dsv4_kernels import reference_v4
+from dsv4_kernels.api import get_ops
 
 V4_API = list(reference_v4.__all__)
 
