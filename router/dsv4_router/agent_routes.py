@@ -57,7 +57,7 @@ def add_agent_routes(app: FastAPI, router: Router) -> None:
             return Response(status_code=499)
         answer = await router.handle(Paths.CHAT_COMPLETIONS, http, call.chat)
         if isinstance(answer, RelayResponse):
-            answer.body_iterator = call.events(answer.body_iterator)  # closing it closes the relay
+            answer.translate(call.events)  # closing it closes the relay
             return answer
         if answer.status_code == 499:
             return answer

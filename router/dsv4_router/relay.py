@@ -110,6 +110,13 @@ class RelayResponse(StreamingResponse):
         self._closed = False
         self.outlet = outlet or Outlet()
 
+    def translate(self, wrap: Callable[[AsyncIterator[bytes]], AsyncIterator[bytes]]) -> None:
+        """Put a translation (the agent APIs' events) between the relay and the client: every
+        event then passes through it, none straight from the engine's connection (the relay's
+        outlet is left without the client's send, so it is never ready)."""
+        self.body_iterator = wrap(self.body_iterator)
+        self.outlet = Outlet()
+
     async def stream_response(self, send: Send) -> None:
         out = self.outlet
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
