@@ -262,6 +262,18 @@ class StreamResponse:
         self._conn.pool._done(self._conn, reuse=False)
 
 
+def _send(conn: _Conn, data: bytes) -> bool:
+    """Write a request; False when the transport closed first (the peer reset the connection
+    right after accepting it, as a dying engine's socket does: uvloop raises on such a write)."""
+    if conn.transport is None or conn.transport.is_closing():
+        return False
+    try:
+        conn.transport.write(data)
+    except RuntimeError:
+        return False
+    return True
+
+
 class StreamClient:
     def __init__(
         self,
@@ -308,7 +320,13 @@ class StreamClient:
                 conn, reused = await self._conn(key)
                 resp = StreamResponse(conn, self.read_timeout)
                 conn.resp = resp
-                conn.transport.write(request)
+                if not _send(conn, request):  # closed before a byte went: the engine is going away
+                    conn.resp = None
+                    if conn.transport is not None:
+                        conn.transport.close()
+                    if reused and attempt == 0:
+                        continue
+                    raise httpx.ConnectError(f"the connection to {key[0]}:{key[1]} closed before the request went")
                 # the head's own future, failed by a timer: no asyncio.wait (sets, callbacks) per request
                 timer = resp._loop.call_later(self.read_timeout, resp._no_head)
                 try:
