@@ -19,7 +19,9 @@ from test_v4_pd import tokens, wait_idle
 
 def test_v4_conversation_with_the_cache_equals_without_in_mono_and_pd(make_model, tmp_path):
     model = make_model("v4-tiny")
-    cluster = PDCluster(model, tmp_path)
+    # Prefill's cache through PD: decode serves no round itself here (with --decode-local-prefill,
+    # on by default, PD caches what mono does: tests/integration/test_kv_continuity_http.py).
+    cluster = PDCluster(model, tmp_path, decode_args=("--decode-local-prefill", 0))
     try:
         with serving(
             [
