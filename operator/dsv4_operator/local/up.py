@@ -24,6 +24,7 @@ from dsv4_wire import switches
 
 import asyncio
 import json
+import shutil
 import os
 import secrets
 import signal
@@ -278,11 +279,17 @@ class LocalExecutor:
             logs=eng.tail(),
             spec_diff="(local deployment: no spec history)",
         )
+        # Written beside, then renamed into place: whoever sees the folder sees all of it.
         folder = self.up.evidence_dir / cm["metadata"]["name"]
-        folder.mkdir(parents=True, exist_ok=True)
+        partial = self.up.evidence_dir / f".{folder.name}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
         for name, content in cm["data"].items():
-            write_atomic(folder / name, content)
-        write_atomic(folder / "configmap.json", json.dumps(cm, indent=1))
+            write_atomic(partial / name, content)
+        write_atomic(partial / "configmap.json", json.dumps(cm, indent=1))
+        if folder.exists():  # the same pod captured twice within a stamp: the later one wins
+            shutil.rmtree(folder, ignore_errors=True)
+        partial.rename(folder)
         return folder
 
     async def close(self) -> None:
