@@ -24,9 +24,9 @@ from dsv4_wire import switches
 
 import asyncio
 import json
-import shutil
 import os
 import secrets
+import shutil
 import signal
 import stat
 import time
