@@ -2,7 +2,7 @@
 interleaved in one engine (in process, 1 torch thread, CPU time): `decodes` requests are
 decoding when `prefills` fresh prompts arrive; the timed step is the one that prefills them
 next to the decodes. Issue 33: at c32 such steps were ~45% of a run's wall. Changes (the
-module flag of dsv4_engine.models.deepseek_v3 each switches):
+module flag of dsv4_engine.layers.mla each switches):
 
     mixed_decode       MIXED_DECODE_NATIVE: the step's decodes go to the native decode kernel
     prefill_attention  EXPANDED_BATCHED: the per-head form's lift in one GEMM a weight for all
@@ -45,7 +45,7 @@ def _add(engine, n: int, seed: int, max_tokens: int) -> list:
 
 
 def measure(model: Path, decodes: int, prefills: int, rounds: int, change: str = "mixed_decode") -> dict:
-    from dsv4_engine.models import deepseek_v3 as V3
+    from dsv4_engine.layers import mla as V3
 
     flag = CHANGES[change]
 

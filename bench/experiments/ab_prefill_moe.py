@@ -69,42 +69,48 @@ def _old_mlp(self, x, w13, w2):
     return F.linear(F.silu(gate) * up, w2)
 
 
-def _old_moe(self, L, x):
+def _old_moe(self, x, input_ids=None):
+    """The MoE layer (a dsv4_engine.layers.moe.DeepseekMoE) as it ran before."""
     from dsv4_kernels import cpu_moe, cpu_moe_route
 
-    cfg, ops = self.cfg, self.ops
-    logits = F.linear(x.float(), L["gate"])
-    native = cpu_moe_route.available() and cpu_moe_route.supports(logits, L["bias"])
+    r, ops = self.router, self.ops
+    logits = F.linear(x.float(), r.gate)
+    native = cpu_moe_route.available() and cpu_moe_route.supports(logits, r.bias)
     weights, ids = (cpu_moe_route.moe_route if native else ops.moe_route)(
-        logits,
-        L["bias"],
-        cfg.n_group,
-        cfg.topk_group,
-        cfg.num_experts_per_tok,
-        cfg.norm_topk_prob,
-        cfg.routed_scaling_factor,
+        logits, r.bias, r.n_group, r.topk_group, r.top_k, r.norm_topk_prob, r.scaling
     )
     if self.tp is not None:
         weights, ids = self.tp.local_experts(weights, ids)
-    shared = (L["s_w13"], L["s_w2"]) if "s_w13" in L else (None, None)
-    if cpu_moe.applies(x, L["w13"], L["w2"], *shared):
-        return self._reduce(
-            cpu_moe.experts(x, L["w13"], L["w2"], weights, ids, shared if shared[0] is not None else None)
-        )
-    out = _old_grouped(x, L["w13"], L["w2"], weights, ids)
-    if "s_w13" in L:
-        out = out + _old_mlp(self, x, L["s_w13"], L["s_w2"])
-    return self._reduce(out)
+    shared = self.shared or (None, None)
+    if cpu_moe.applies(x, self.w13, self.w2, *shared):
+        out = cpu_moe.experts(x, self.w13, self.w2, weights, ids, self.shared)
+    else:
+        out = _old_grouped(x, self.w13, self.w2, weights, ids)
+        if self.shared is not None:
+            out = out + _old_mlp(None, x, *self.shared)
+    return out if self.tp is None else self.tp.all_reduce(out)
+
+
+def _old_dense(self, x):
+    """The dense MLP layer (a dsv4_engine.layers.mlp.GatedMLP) as it ran before."""
+    out = _old_mlp(None, x, self.w13, self.w2)
+    return out if self.reduce is None else self.reduce(out)
 
 
 class _Side:
-    """Swaps the model class's _mlp / _moe for the before forms while `before` is on."""
+    """Swaps the MLP and MoE layers' forwards for the before forms while `before` is on."""
 
-    def __init__(self, cls):
-        self.cls, self.new = cls, (cls._mlp, cls._moe)
+    def __init__(self):
+        from dsv4_engine.layers.mlp import GatedMLP
+        from dsv4_engine.layers.moe import DeepseekMoE
+
+        self.classes = (GatedMLP, DeepseekMoE)
+        self.new = (GatedMLP.__call__, DeepseekMoE.__call__)
 
     def set(self, name: str) -> None:
-        self.cls._mlp, self.cls._moe = (_old_mlp, _old_moe) if name == "before" else self.new
+        forms = (_old_dense, _old_moe) if name == "before" else self.new
+        for cls, form in zip(self.classes, forms):
+            cls.__call__ = form
 
 
 def _best(fn, reps: int) -> float:
@@ -118,15 +124,18 @@ def _best(fn, reps: int) -> float:
 
 def layers(engine, side: _Side, widths: list[int], reps: int) -> dict:
     model = engine.runner.local_model
-    moe_L = next(L for L in model.layers if "gate" in L)
-    dense_L = next((L for L in model.layers if "d_w13" in L), None)
+    from dsv4_engine.layers.mlp import GatedMLP
+    from dsv4_engine.layers.moe import DeepseekMoE
+
+    moe_L = next(L.mlp for L in model.layers if isinstance(L.mlp, DeepseekMoE))
+    dense_L = next((L.mlp for L in model.layers if isinstance(L.mlp, GatedMLP)), None)
     out: dict = {}
     for T in widths:
         g = torch.Generator().manual_seed(T)
         x = torch.randn(T, model.cfg.hidden_size, generator=g)
-        calls = {"moe": lambda: model._moe(moe_L, x)}
+        calls = {"moe": lambda: moe_L(x)}
         if dense_L is not None:
-            calls["dense_mlp"] = lambda: model._mlp(x, dense_L["d_w13"], dense_L["d_w2"])
+            calls["dense_mlp"] = lambda: dense_L(x)
         for what, fn in calls.items():
             ms: dict = {"before": float("inf"), "after": float("inf")}
             res = {}
@@ -204,10 +213,8 @@ def main() -> None:
     p.add_argument("--out")
     a = p.parse_args()
     torch.set_num_threads(1)
-    from dsv4_engine.models import deepseek_v3 as V3
-
     engine = bd._engine(Path(a.model), a.decodes + a.prefills, 384, 8)
-    side = _Side(V3.DeepseekV3)
+    side = _Side()
     r = {
         "model": a.model,
         "torch_threads": 1,

@@ -26,7 +26,7 @@ import torch
 
 from bench.harness.report import grouped_bars, pyplot, write_json  # noqa: E402
 
-from dsv4_engine.models.deepseek_v3 import DeepseekV3, expanded_is_cheaper  # noqa: E402
+from dsv4_engine.layers.mla import MLA, expanded_is_cheaper  # noqa: E402
 from dsv4_engine.models.forward_batch import ForwardBatch  # noqa: E402
 from dsv4_kernels import reference  # noqa: E402
 from dsv4_kernels.ops_torch import TorchOps  # noqa: E402
@@ -77,22 +77,16 @@ def decode_row(batch: int, context: int, repeats: int, g: torch.Generator) -> di
     }
 
 
-class _Attn(DeepseekV3):
-    """Just the attention forms of DeepseekV3 over given weights (no checkpoint)."""
-
-    def __init__(self, cfg):  # the widths only: no weights are loaded
-        # the torch forms being compared (the reference backend: no native passes)
-        self.cfg, self.ops, self.scale = cfg, TorchOps(), (NOPE + ROPE) ** -0.5
-
-
 def extend_row(requests: int, new: int, context: int, repeats: int, g: torch.Generator) -> dict:
     cfg = SimpleNamespace(
         kv_lora_rank=C, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V, num_attention_heads=H
     )
-    attn = _Attn(cfg)
     lens = [context] * requests
     pool, table = paged_pool(lens, g)
-    L = {"w_uk": torch.randn(H, NOPE, C, generator=g) * 0.05, "w_uv": torch.randn(H, V, C, generator=g) * 0.05}
+    w_uk, w_uv = torch.randn(H, NOPE, C, generator=g) * 0.05, torch.randn(H, V, C, generator=g) * 0.05
+    # just the attention forms over given weights, on the reference backend (no native passes);
+    # the projections around them are not used here
+    attn = MLA(cfg, None, None, None, None, None, w_uk, w_uv, {}, None, None, (NOPE + ROPE) ** -0.5, TorchOps())
     q = torch.randn(requests * new, H, NOPE + ROPE, generator=g)
     fb = ForwardBatch(
         input_ids=torch.zeros(requests * new, dtype=torch.long),
@@ -110,10 +104,10 @@ def extend_row(requests: int, new: int, context: int, repeats: int, g: torch.Gen
     expand = [expanded_is_cheaper(new, n, cfg) for n in lens]
 
     def absorbed():
-        return attn._attend_absorbed(L, q, fb, pool).transpose(0, 1)
+        return attn.attend_absorbed(q, fb, pool).transpose(0, 1)
 
     def chosen():
-        return attn._attend_mixed_forms(L, q, fb, pool, expand) if any(expand) else absorbed()
+        return attn.attend_mixed_forms(q, fb, pool, expand) if any(expand) else absorbed()
 
     diff = (absorbed() - chosen()).abs().max().item()
     t_abs = best(absorbed, repeats)

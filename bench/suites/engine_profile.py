@@ -75,6 +75,7 @@ class Timers:
 
 def instrument(engine) -> Timers:
     from dsv4_engine import engine as engine_mod
+    from dsv4_engine.layers import mla, mlp, moe
     from dsv4_engine.models import deepseek_v3 as model_mod
     from dsv4_engine import model_runner
 
@@ -85,9 +86,9 @@ def instrument(engine) -> Timers:
     t.wrap(engine.scheduler.__class__, "schedule", "scheduler.schedule")
     t.wrap(model_runner.ModelRunner, "build_batch", "runner.build_batch (python -> tensors)")
     t.wrap(model_mod.DeepseekV3, "forward", "model.forward")
-    t.wrap(model_mod.DeepseekV3, "_attention", "model._attention (all of MLA)")
-    t.wrap(model_mod.DeepseekV3, "_moe", "model._moe (gate + routed + shared)")
-    t.wrap(model_mod.DeepseekV3, "_mlp", "model._mlp (dense layer + shared experts)")
+    t.wrap(mla.MLA, "__call__", "MLA (all of the attention)")
+    t.wrap(moe.DeepseekMoE, "__call__", "DeepseekMoE (gate + routed + shared)")
+    t.wrap(mlp.GatedMLP, "__call__", "GatedMLP (dense layers)")
     t.wrap(model_runner, "sample", "sampling.sample")
     for name in ("mla_decode", "mla_extend", "moe_route", "moe_experts", "rmsnorm", "rope_interleaved_"):
         t.wrap(ops, name, f"ops.{name}")

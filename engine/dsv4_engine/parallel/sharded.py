@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
@@ -9,6 +10,7 @@ import torch
 
 from dsv4_engine.parallel.loader import load_shard
 from dsv4_engine.parallel.plan import Shard, Slicer, block, plan_for
+from dsv4_engine.quant.load import NOT_WEIGHTS
 
 
 class ShardComm:
@@ -77,6 +79,10 @@ def model_tensors(model) -> list[torch.Tensor]:
         elif isinstance(obj, (list, tuple)):
             for v in obj:
                 walk(v, depth + 1)
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # a layer (dsv4_engine.layers)
+            for f in dataclasses.fields(obj):
+                if f.name not in NOT_WEIGHTS:
+                    walk(getattr(obj, f.name), depth + 1)
         elif hasattr(obj, "__dict__") and not isinstance(obj, type) and depth < 3:
             for k, v in vars(obj).items():
                 if k not in ("cos", "sin", "ops", "tp", "cfg"):

@@ -11,6 +11,7 @@ fp32, 2 in bf16, instead of 1 or 0.5).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
@@ -154,6 +155,11 @@ def place(t: Any, device: torch.device, dtype: Optional[torch.dtype], kernels: A
     return (t.to(dtype) if dtype is not None else t).contiguous()
 
 
+# Fields of a layer that hold no weights: the backend, the rank's comm, the config, and the rope's
+# tables (made from the config, not read from the checkpoint).
+NOT_WEIGHTS = frozenset({"ops", "kops", "tp", "cfg", "cos", "sin", "rope", "experts", "reduce", "kernels"})
+
+
 def _leaves(obj: Any) -> Iterable[Any]:
     if isinstance(obj, dict):
         for v in obj.values():
@@ -163,6 +169,10 @@ def _leaves(obj: Any) -> Iterable[Any]:
             yield from _leaves(v)
     elif isinstance(obj, (torch.Tensor, QuantWeight)):
         yield obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # a layer (dsv4_engine.layers)
+        for f in dataclasses.fields(obj):
+            if f.name not in NOT_WEIGHTS:
+                yield from _leaves(getattr(obj, f.name))
 
 
 def resident_bytes(*objs: Any) -> dict[str, int]:

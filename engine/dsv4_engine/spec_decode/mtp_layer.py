@@ -78,7 +78,7 @@ class V3Target:
         return self.model.hidden_states(fb, states)
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
-        return F.linear(rows, self.model.lm_head).float()
+        return F.linear(rows, self.model.lm_head.weight).float()
 
 
 class MTPLayer:
@@ -102,7 +102,7 @@ class MTPLayer:
         self.hnorm = take(p + "hnorm.weight")
         self.eh_proj = take(p + "eh_proj.weight")
         self.head_norm = take(p + "shared_head.norm.weight")
-        self.head = take(p + "shared_head.head.weight") if p + "shared_head.head.weight" in w else model.lm_head
+        self.head = take(p + "shared_head.head.weight") if p + "shared_head.head.weight" in w else model.lm_head.weight
         self.embed = dense(take(p + "embed_tokens.weight"), dt) if p + "embed_tokens.weight" in w else model.embed
 
     @torch.inference_mode()
@@ -127,14 +127,14 @@ class MTPLayer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block up to its output, at every token: (x, residual) [T, hidden], their sum the
         output hidden state. What a captured draft step runs (dsv4_engine.spec_decode.graphs)."""
-        m, ops, eps = self.model, self.model.ops, self.model.cfg.rms_norm_eps
+        ops, eps = self.model.ops, self.model.cfg.rms_norm_eps
         e, _ = ops.rmsnorm(F.embedding(fb.input_ids, self.embed), self.enorm, eps)
         h, _ = ops.rmsnorm(prev_hidden.to(e.dtype), self.hnorm, eps)
         x = F.linear(torch.cat([e, h], dim=-1), self.eh_proj)
         kv = states[STATE]
         page_size = kv.shape[2]
         slots = (fb.slot_mapping // page_size, fb.slot_mapping % page_size)
-        return m.decoder_layer(self.L, x, None, fb, kv[:, 0], slots)
+        return self.L(x, None, fb, kv[:, 0], slots)
 
     @torch.inference_mode()
     def logits(self, out: torch.Tensor) -> torch.Tensor:

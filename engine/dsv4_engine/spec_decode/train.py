@@ -77,12 +77,12 @@ def decoder_layer(cfg, w: dict, p: str, x: torch.Tensor, model) -> torch.Tensor:
     q = q.view(B, T, H, nope + R).transpose(1, 2)  # [B, H, T, nope+R]
     ckv = F.linear(h, w[p + "self_attn.kv_a_proj_with_mqa.weight"])
     latent = _rms(ckv[..., :C], w[p + "self_attn.kv_a_layernorm.weight"], eps)
-    cos, sin = model.cos[:T].float(), model.sin[:T].float()
+    cos, sin = model.rope.cos[:T].float(), model.rope.sin[:T].float()
     k_rope = _rope(ckv[..., C:], cos, sin).unsqueeze(1)  # [B, 1, T, R]
     q = torch.cat([q[..., :nope], _rope(q[..., nope:], cos, sin)], -1)
     kv = F.linear(latent, w[p + "self_attn.kv_b_proj.weight"]).view(B, T, H, nope + v).transpose(1, 2)
     k = torch.cat([kv[..., :nope], k_rope.expand(B, H, T, R)], -1)
-    o = F.scaled_dot_product_attention(q, k, kv[..., nope:], is_causal=True, scale=model.scale)
+    o = F.scaled_dot_product_attention(q, k, kv[..., nope:], is_causal=True, scale=model.layers[0].attn.scale)
     x = F.linear(o.transpose(1, 2).reshape(B, T, H * v), w[p + "self_attn.o_proj.weight"]) + x
     h = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
     return _moe(cfg, w, p, h.reshape(B * T, -1), model).view(B, T, -1) + x
@@ -143,7 +143,7 @@ class TrainableMTP:
         e = _rms(F.embedding(next_ids, m.embed.float()), w[p + "enorm.weight"], eps)
         x = F.linear(torch.cat([e, _rms(hidden, w[p + "hnorm.weight"], eps)], -1), w[p + "eh_proj.weight"])
         x = decoder_layer(cfg, w, p, x, m)
-        return F.linear(_rms(x, w[p + "shared_head.norm.weight"], eps), m.lm_head.float()), x
+        return F.linear(_rms(x, w[p + "shared_head.norm.weight"], eps), m.lm_head.weight.float()), x
 
 
 class TrainableV3:
@@ -401,7 +401,7 @@ def _hidden_and_logits(model, seq: list[int]) -> tuple[torch.Tensor, torch.Tenso
     }
     fb = ForwardBatch(**t, all_decode=False, page_size=page, seq_lens_host=[len(seq)], extend_lens_host=[len(seq)])
     h = model.hidden_states(fb, states)
-    return h.float(), F.linear(h, model.lm_head).float()
+    return h.float(), F.linear(h, model.lm_head.weight).float()
 
 
 @one_torch_thread

@@ -56,7 +56,9 @@ def _batch(seq_lens: list[int], ext_lens: list[int], page_size: int, n_pages: in
 def test_batched_expanded_form_matches_the_per_request_form(
     model, monkeypatch, seq_lens, ext_lens, q_dtype, pool_dtype
 ):
-    from dsv4_engine.models import deepseek_v3 as V3
+    import dataclasses
+
+    from dsv4_engine.layers import mla as V3
 
     cfg = model.cfg
     g = torch.Generator().manual_seed(sum(seq_lens))
@@ -64,13 +66,14 @@ def test_batched_expanded_form_matches_the_per_request_form(
     fb = _batch(seq_lens, ext_lens, page_size, n_pages, g)
     kv_layer = torch.randn(n_pages, page_size, cfg.kv_cache_dim, generator=g).to(pool_dtype)
     q = torch.randn(sum(ext_lens), cfg.num_attention_heads, cfg.qk_head_dim, generator=g).to(q_dtype)
-    L = {k: model.layers[1][k].to(q_dtype) for k in ("w_uk", "w_uv")}
+    attn = model.layers[1].attn
+    attn = dataclasses.replace(attn, w_uk=attn.w_uk.to(q_dtype), w_uv=attn.w_uv.to(q_dtype))
     expand = [V3.expanded_is_cheaper(e, s, cfg) for s, e in zip(seq_lens, ext_lens)]
     assert any(expand)
     monkeypatch.setattr(V3, "EXPANDED_BLOCK", 48)  # several blocks a prompt, a partial last one
     outs = {}
     for batched in (False, True):
         monkeypatch.setattr(V3, "EXPANDED_BATCHED", batched)
-        outs[batched] = model._attend_mixed_forms(L, q, fb, kv_layer, expand)
+        outs[batched] = attn.attend_mixed_forms(q, fb, kv_layer, expand)
     tol = 1e-5 if q_dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[True], outs[False], rtol=tol, atol=tol)

@@ -10,7 +10,7 @@ from dsv4_kernels import cpu_mla
 def _run(model_dir, native_mixed: bool, monkeypatch) -> tuple[list[list[int]], int]:
     from dsv4_engine.engine import Engine
     from dsv4_engine.engine_args import EngineArgs
-    from dsv4_engine.models import deepseek_v3 as V3
+    from dsv4_engine.layers import mla as V3
     from dsv4_engine.sampling_params import SamplingParams
     from dsv4_engine.sequence import Sequence
 

@@ -11,6 +11,7 @@ import torch
 
 from dsv4_engine.engine import Engine
 from dsv4_engine.engine_args import EngineArgs
+from dsv4_engine.layers.moe import DeepseekMoE
 from dsv4_engine.model_runner import ModelRunner
 from dsv4_engine.parallel.group import TPRank
 from dsv4_engine.parallel.plan import Shard
@@ -136,8 +137,20 @@ def test_each_rank_holds_half_the_experts_and_split_layers_plus_the_replicated_r
     cfg = full.cfg
     moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
 
+    def parts(L) -> dict:
+        """The layer's weights by what they are (typed layers: dsv4_engine.layers)."""
+        a, m = L.attn, L.mlp
+        out = {"q_b": a.q_b.weight, "w_uk": a.w_uk, "w_uv": a.w_uv, "o": a.o.weight, **a.absorb}
+        if isinstance(m, DeepseekMoE):
+            out |= {"w13": m.w13, "w2": m.w2, "gate": m.router.gate}
+            if m.shared is not None:
+                out |= {"s_w13": m.shared[0], "s_w2": m.shared[1]}
+        else:
+            out |= {"d_w13": m.w13, "d_w2": m.w2}
+        return out
+
     def nbytes(model, keys) -> int:
-        return sum(L[k].numel() * L[k].element_size() for L in model.layers for k in keys if k in L)
+        return sum(t.numel() * t.element_size() for L in model.layers for k, t in parts(L).items() if k in keys)
 
     experts = ("w13", "w2")
     split = ("q_b", "w_uk", "w_uk_packed", "w_uv", "w_uvt", "o", "d_w13", "d_w2", "s_w13", "s_w2")
@@ -149,7 +162,8 @@ def test_each_rank_holds_half_the_experts_and_split_layers_plus_the_replicated_r
         assert nbytes(r, split) * 2 == nbytes(full, split)
         replicated = resident_weight_bytes(full) - nbytes(full, experts) - nbytes(full, split)
         assert resident_weight_bytes(r) == replicated + nbytes(full, experts) // 2 + nbytes(full, split) // 2
-        assert all(torch.equal(a["gate"], b["gate"]) for a, b in zip(r.layers, full.layers) if "gate" in a)
+        pairs = [(parts(a), parts(b)) for a, b in zip(r.layers, full.layers)]
+        assert all(torch.equal(a["gate"], b["gate"]) for a, b in pairs if "gate" in a)
     assert moe
 
 

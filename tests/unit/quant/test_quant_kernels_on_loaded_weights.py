@@ -37,15 +37,15 @@ def test_fp8_kernels_on_a_loaded_v3_checkpoint(tmp_path, monkeypatch):
     from dsv4_kernels.triton_kernels.fp8_gemm import fp8_linear, fp8_moe_experts
 
     model = kept_model(tmp_path, "tiny", "fp8", monkeypatch)
-    L = model.layers[1]
-    assert L["w13"].row_block == 128  # gate|up of 128 rows each: block scales kept compact
+    moe = model.layers[1].mlp
+    w13, w2 = moe.w13, moe.w2
+    assert w13.row_block == 128  # gate|up of 128 rows each: block scales kept compact
     x = torch.randn(3, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    for name in ("q_a", "kv_a", "s_w13"):
-        w = L[name]
+    for w in (model.layers[1].attn.q_a.weight, model.layers[1].attn.kv_a.weight, moe.shared[0]):
         torch.testing.assert_close(fp8_linear(*on(x, w.data, w.scale)).cpu(), torch.nn.functional.linear(x, w), **TOL)
     wts, ids = routing(3, model.cfg.n_routed_experts, model.cfg.num_experts_per_tok, 1)
-    expected = moe_experts_for(model.ops)(x, L["w13"], L["w2"], wts, ids)  # CPU: the reference
-    got = fp8_moe_experts(*on(x, L["w13"].data, L["w13"].scale, L["w2"].data, L["w2"].scale, wts, ids)).cpu()
+    expected = moe_experts_for(model.ops)(x, w13, w2, wts, ids)  # CPU: the reference
+    got = fp8_moe_experts(*on(x, w13.data, w13.scale, w2.data, w2.scale, wts, ids)).cpu()
     torch.testing.assert_close(got, expected, **TOL)
 
 

@@ -103,8 +103,10 @@ def test_cuda_form_keeps_weights_quantized_and_tracks_the_dense_model(v3_fp8, mo
     monkeypatch.setattr("dsv4_engine.quant.load.keep_quantized", lambda device: True)
     kept = ModelRunner(q, "float32", "cpu", "torch")
     L = kept.model.layers[1]
-    assert all(isinstance(L[k], QuantWeight) for k in ("q_a", "q_b", "kv_a", "o", "w13", "w2", "s_w13", "s_w2"))
-    assert not isinstance(L["gate"], QuantWeight)  # the router ships in float
+    a, m = L.attn, L.mlp
+    kept_quantized = [a.q_a.weight, a.q_b.weight, a.kv_a.weight, a.o.weight, m.w13, m.w2, *m.shared]
+    assert all(isinstance(w, QuantWeight) for w in kept_quantized)
+    assert not isinstance(m.router.gate, QuantWeight)  # the router ships in float
     rb, db = kept.model.resident_bytes, dense.model.resident_bytes
     assert rb["fp8"] > 0 and db["fp8"] == 0
     # fp8 weights take ~1/4 of their fp32 bytes (+1/32 for per-row scales); kv_b, the embedding,
