@@ -168,7 +168,7 @@ class V4MoE:
     router: ScoreRouter | HashRouter
     w13: Weight
     w2: Weight
-    shared: Optional[tuple[Weight, Weight]]  # None on ranks other than 0 (rank 0 adds it once)
+    shared: tuple[Weight, Weight]  # replicated; joins the sum on rank 0 only
     swiglu_limit: float
     experts: Callable  # the block-scaled kernels for quantized experts
     ops: Any
@@ -188,8 +188,6 @@ class V4MoE:
         w13, w2 = stack_experts(take, (), prefix + "experts", cfg.n_routed_experts, "w1", "w3", "w2")
         s = prefix + "shared_experts."
         shared = (torch.cat([take(s + "w1.weight"), take(s + "w3.weight")], 0), take(s + "w2.weight"))
-        if tp is not None and tp.rank != 0:
-            shared = None
         return cls(router, w13, w2, shared, cfg.swiglu_limit, experts, ops, kops, tp)
 
     def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -201,13 +199,14 @@ class V4MoE:
         wts, ids = self.router(x, input_ids)
         if self.tp is not None:  # one rank of --tp-size N: only its experts' share of the sum
             wts, ids = self.tp.local_experts(wts, ids)
+        shared = self.shared if self.tp is None or self.tp.rank == 0 else None
         if is_quantized(self.w13) or self.kops is not None:
             if is_quantized(self.w13):  # fp8/fp4 experts: the grouped block-scaled kernels, no host reads
                 out = self.experts(x, self.w13, self.w2, wts, ids)
             else:
                 out = self.kops.v4_moe_experts(x, self.w13, self.w2, wts, ids, self.swiglu_limit)
-            if self.shared is not None:
-                out = out + F.linear(self._swiglu(F.linear(x, self.shared[0])), self.shared[1])
+            if shared is not None:
+                out = out + F.linear(self._swiglu(F.linear(x, shared[0])), shared[1])
         else:  # pairs grouped by expert (ids < 0: another rank's), or the backend's one call
-            out = self.ops.v4_moe_block(x, self.w13, self.w2, wts, ids, self.shared, self.swiglu_limit)
+            out = self.ops.v4_moe_block(x, self.w13, self.w2, wts, ids, shared, self.swiglu_limit)
         return out if self.tp is None else self.tp.all_reduce(out)

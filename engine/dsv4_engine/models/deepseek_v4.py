@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4_engine.devices import upload
+from dsv4_engine.layers.moe import V4MoE
 from dsv4_engine.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from dsv4_engine.models.deepseek_v4_weights import load_v4_weights, to_release_layout
 from dsv4_engine.models.forward_batch import ForwardBatch, V4Batch, request_spans
@@ -51,7 +52,7 @@ from dsv4_engine.models import v4_verify
 from dsv4_engine.models.v4_compressor import V4Compressors
 from dsv4_engine.models.v4_torch_attention import V4TorchAttention
 from dsv4_engine.models.state import StateSpec
-from dsv4_engine.quant import dense, is_quantized, log_resident, moe_experts_for, one_format, place
+from dsv4_engine.quant import dense, log_resident, moe_experts_for, one_format, place
 from dsv4_engine.step_phases import PHASES
 from dsv4_kernels.api import get_ops
 
@@ -155,7 +156,6 @@ class DeepseekV4(V4Compressors, V4TorchAttention):
         self.norm = take("norm.weight", f32)
         self.hc_head = (take("hc_head_fn", f32), take("hc_head_base", f32), take("hc_head_scale", f32))
         self.layers: list[dict] = []
-        E = cfg.n_routed_experts
         for i in range(cfg.num_hidden_layers):
             p, a, f = f"layers.{i}.", f"layers.{i}.attn.", f"layers.{i}.ffn."
             L: dict = {
@@ -191,18 +191,7 @@ class DeepseekV4(V4Compressors, V4TorchAttention):
                 )
                 L["idx_wq_b"] = take(a + "indexer.wq_b.weight")
                 L["idx_w"] = take(a + "indexer.weights_proj.weight")
-            L["gate"] = take(f + "gate.weight")
-            if cfg.mlp_layer_types[i] == "hash_moe":
-                L["tid2eid"] = take(f + "gate.tid2eid", None).long()
-            else:
-                L["bias"] = take(f + "gate.bias", f32)
-            ex = f + "experts."
-            L["w13"] = torch.stack(
-                [torch.cat([take(ex + f"{e}.w1.weight"), take(ex + f"{e}.w3.weight")], 0) for e in range(E)]
-            )
-            L["w2"] = torch.stack([take(f + f"experts.{e}.w2.weight") for e in range(E)])
-            L["s_w13"] = torch.cat([take(f + "shared_experts.w1.weight"), take(f + "shared_experts.w3.weight")], 0)
-            L["s_w2"] = take(f + "shared_experts.w2.weight")
+            L["moe"] = self.moe_layer(take, f, hashed=cfg.mlp_layer_types[i] == "hash_moe")
             self._fuse_projections(L)
             self.layers.append(L)
         self.resident_bytes = log_resident(
@@ -258,46 +247,12 @@ class DeepseekV4(V4Compressors, V4TorchAttention):
 
     # ---- MoE -----------------------------------------------------------------------------------
 
-    def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        lim = self.cfg.swiglu_limit
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate.clamp(max=lim)) * up.clamp(min=-lim, max=lim)
+    def moe_layer(self, take, prefix: str, hashed: bool) -> V4MoE:
+        """The MoE block of a layer (or of an MTP block) from its `{prefix}gate/experts/shared_experts`."""
+        return V4MoE.build(take, prefix, self.cfg, hashed, self.ops, self.kops, self.tp, self.moe_experts)
 
     def _moe(self, L: dict, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
-        logits = F.linear(x, L["gate"])
-        if self.kops is not None:
-            wts, ids = self.kops.v4_moe_route(
-                logits,
-                L.get("bias"),
-                L.get("tid2eid"),
-                input_ids,
-                cfg.num_experts_per_tok,
-                cfg.routed_scaling_factor,
-                cfg.scoring_func,
-            )
-        else:
-            scores = F.softplus(logits).sqrt() if cfg.scoring_func == "sqrtsoftplus" else torch.sigmoid(logits)
-            if "tid2eid" in L:
-                ids = L["tid2eid"][input_ids]
-            else:
-                ids = torch.topk(scores + L["bias"], cfg.num_experts_per_tok, dim=-1, sorted=False).indices
-            wts = scores.gather(1, ids)
-            wts = wts / (wts.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
-        if self.tp is not None:  # one rank of --tp-size N: only its experts' share of the sum
-            wts, ids = self.tp.local_experts(wts, ids)
-        # the shared expert joins once (rank 0 under tensor parallelism)
-        shared = (L["s_w13"], L["s_w2"]) if self.tp is None or self.tp.rank == 0 else None
-        if is_quantized(L["w13"]) or self.kops is not None:
-            if is_quantized(L["w13"]):  # fp8/fp4 experts: the grouped block-scaled kernels, no host reads
-                out = self.moe_experts(x, L["w13"], L["w2"], wts, ids)
-            else:
-                out = self.kops.v4_moe_experts(x, L["w13"], L["w2"], wts, ids, cfg.swiglu_limit)
-            if shared is not None:
-                out = out + F.linear(self._swiglu(F.linear(x, shared[0])), shared[1])
-        else:  # pairs grouped by expert (ids < 0: another rank's), or the backend's one call
-            out = self.ops.v4_moe_block(x, L["w13"], L["w2"], wts, ids, shared, cfg.swiglu_limit)
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return L["moe"](x, input_ids)
 
     # ---- compressors ---------------------------------------------------------------------------
 

@@ -147,7 +147,6 @@ class V4MTPLayer:
                 raise ValueError(f"checkpoint lacks tensor mtp.{index}.{name} (its MTP block)")
             return place(w[p + name], dev, dtype, model.ops)
 
-        E = cfg.n_routed_experts
         L = {
             "type": SLIDING,
             "attn_norm": take("attn_norm.weight", f32),
@@ -162,17 +161,7 @@ class V4MTPLayer:
             "wo_a": dense(take("attn.wo_a.weight"), dt),
             "wo_b": take("attn.wo_b.weight"),
             "sink": take("attn.attn_sink", f32),
-            "gate": take("ffn.gate.weight"),
-            "bias": take("ffn.gate.bias", f32),
-            "w13": torch.stack(
-                [
-                    torch.cat([take(f"ffn.experts.{e}.w1.weight"), take(f"ffn.experts.{e}.w3.weight")], 0)
-                    for e in range(E)
-                ]
-            ),
-            "w2": torch.stack([take(f"ffn.experts.{e}.w2.weight") for e in range(E)]),
-            "s_w13": torch.cat([take("ffn.shared_experts.w1.weight"), take("ffn.shared_experts.w3.weight")], 0),
-            "s_w2": take("ffn.shared_experts.w2.weight"),
+            "moe": model.moe_layer(take, "ffn.", hashed=False),
         }
         DeepseekV4._fuse_projections(L)
         self.L = L

@@ -176,7 +176,7 @@ def test_v4_ranks_split_the_routed_experts_and_replicate_the_rest(make_model):
     ]
 
     def nbytes(model, keys) -> int:
-        return sum(L[k].numel() * L[k].element_size() for L in model.layers for k in keys if k in L)
+        return sum(getattr(L["moe"], k).numel() * getattr(L["moe"], k).element_size() for L in model.layers for k in keys)
 
     experts = ("w13", "w2")
     for r in ranks:
@@ -185,7 +185,7 @@ def test_v4_ranks_split_the_routed_experts_and_replicate_the_rest(make_model):
         assert resident_weight_bytes(r) == replicated + nbytes(full, experts) // 2
     # Rank 1's experts are the full model's second half, under local ids.
     E = full.cfg.n_routed_experts
-    assert torch.equal(ranks[1].layers[0]["w13"], full.layers[0]["w13"][E // 2 :])
+    assert torch.equal(ranks[1].layers[0]["moe"].w13, full.layers[0]["moe"].w13[E // 2 :])
 
 
 @pytest.mark.parametrize("preset,quant", [("mla512", "fp8"), ("v4-tiny", "fp4-experts")])

@@ -150,8 +150,22 @@ def test_each_rank_holds_its_share_of_the_mtp_block(mtp_models, preset):
 
     full = block(None)
     ranks = [block(TPRank(Shard(r, 2), None, None)) for r in range(2)]
+
+    def parts(L) -> dict:
+        """The block's weights by what they are: V3's typed decoder layer, V4's layer dict."""
+        if isinstance(L, dict):
+            m = L["moe"]
+            return {**L, "w13": m.w13, "w2": m.w2, "gate": m.router.gate, "bias": m.router.bias, "s_w13": m.shared[0]}
+        a, m = L.attn, L.mlp
+        return {
+            "q_b": a.q_b.weight, "w_uk": a.w_uk, "w_uv": a.w_uv, "o": a.o.weight, "kv_a": a.kv_a.weight, **a.absorb,
+            "w13": m.w13, "w2": m.w2, "gate": m.router.gate, "bias": m.router.bias,
+            "s_w13": m.shared[0], "s_w2": m.shared[1],
+        }  # fmt: skip
+
+    full = parts(full)
     E = full["w13"].shape[0]
-    for r, L in enumerate(ranks):
+    for r, L in enumerate(parts(L) for L in ranks):
         assert torch.equal(L["w13"], full["w13"][r * E // 2 : (r + 1) * E // 2])
         assert torch.equal(L["w2"], full["w2"][r * E // 2 : (r + 1) * E // 2])
         split = ("q_b", "w_uk", "w_uv", "w_uvt", "o", "s_w13", "s_w2") if preset == "tiny" else ()

@@ -54,8 +54,8 @@ def test_fp4_kernels_on_a_loaded_v4_checkpoint(tmp_path, monkeypatch):
     from dsv4_kernels.triton_kernels.fp4_gemm import fp4_linear, fp4_moe_experts
 
     model = kept_model(tmp_path, "v4-tiny", "fp4-experts", monkeypatch)
-    L = model.layers[2]
-    w13, w2 = L["w13"], L["w2"]
+    moe = model.layers[2]["moe"]
+    w13, w2 = moe.w13, moe.w2
     assert (w13.kind, w2.kind) == ("fp4", "fp4")
     x = torch.randn(3, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(
@@ -71,7 +71,7 @@ def test_fp4_kernels_on_a_loaded_v4_checkpoint(tmp_path, monkeypatch):
     for t in range(3):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
-            h = model._swiglu(torch.nn.functional.linear(x[t : t + 1], w13[e]))
+            h = moe._swiglu(torch.nn.functional.linear(x[t : t + 1], w13[e]))
             out[t] += (torch.nn.functional.linear(h, w2[e]) * wts[t, j])[0]
     torch.testing.assert_close(expected, out, atol=1e-5, rtol=1e-5)
     mislabelled = QuantWeight("fp8", w2.data, w2.scale, w2.k)

@@ -197,9 +197,10 @@ def test_v4_cuda_form_keeps_experts_quantized(v4_quant, monkeypatch):
     kept = ModelRunner(q, "float32", "cpu", "torch")
     L = kept.model.layers[2]
     fp4 = quant == "fp4-experts"
-    assert (L["w13"].kind, L["w2"].kind) == (("fp4", "fp4") if fp4 else ("fp8", "fp8"))
+    w13, w2 = L["moe"].w13, L["moe"].w2
+    assert (w13.kind, w2.kind) == (("fp4", "fp4") if fp4 else ("fp8", "fp8"))
     if fp4:
-        assert L["w13"].data.dtype == torch.uint8 and L["w13"].data.shape[-1] * 2 == L["w13"].shape[-1]
+        assert w13.data.dtype == torch.uint8 and w13.data.shape[-1] * 2 == w13.shape[-1]
     # a sliding layer's fused input projection (wq_a | wkv) stays fp8; where the layer also fuses
     # its bf16 compressor into that matmul, the fused weight is dense (one format per matmul)
     L0 = kept.model.layers[0]
