@@ -1,13 +1,12 @@
 """Routed experts as a grouped computation over the (token, k) pairs sorted by expert: the
-torch backend's MoE (V3 and V4 references) and the V4 model's own torch path share it."""
+torch backend's MoE (V3 and V4 references) and the V4 model's own torch path share it. Pure torch;
+the CPU backend hands in its native passes (`passes`: dsv4_kernels.cpu_grouped_moe)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
-
-import dsv4_kernels.cpu_grouped_moe as cpu_grouped_moe  # not via the package, whose get_ops imports reference
 
 
 def grouped_experts(
@@ -19,6 +18,7 @@ def grouped_experts(
     act,
     dtype: torch.dtype = torch.float32,
     add: Optional[torch.Tensor] = None,
+    passes: Any = None,
 ) -> torch.Tensor:
     """Routed experts over the (token, k) pairs sorted by expert, in `dtype`: one gather of the
     pairs' rows, one matmul pair per expert that received tokens (written into slices of one
@@ -32,9 +32,10 @@ def grouped_experts(
     another rank's expert under tensor parallelism) add nothing and cost nothing. `add` [T,
     hidden] (the shared expert's output) is added after the sum, as `out + add` would.
 
-    fp32 on the CPU the gather runs as a native copy, and with top-k <= 4 the weighting + sum +
-    add as one native pass (dsv4_kernels.cpu_grouped_moe) in torch's order (torch sums up to
-    4 rows in order from 0; more in an order of its own), so the result is the same bits.
+    With `passes` (the CPU backend's dsv4_kernels.cpu_grouped_moe), fp32 on the CPU the gather
+    runs as a native copy, and with top-k <= 4 the weighting + sum + add as one native pass in
+    torch's order (torch sums up to 4 rows in order from 0; more in an order of its own), so the
+    result is the same bits.
     """
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -44,8 +45,9 @@ def grouped_experts(
     order = torch.argsort(flat_ids, stable=True)  # pairs by expert; within one, in (token, k) order
     counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()
     live = num_tokens * top_k - counts[num_experts]
-    native = dtype == torch.float32 and x.stride(1) == 1 and cpu_grouped_moe.supports(x, w13, w2, topk_weights)
-    native = native and (add is None or cpu_grouped_moe.supports(add))
+    cpu_grouped_moe = passes
+    native = passes is not None and dtype == torch.float32 and x.stride(1) == 1
+    native = native and cpu_grouped_moe.supports(x, w13, w2, topk_weights) and (add is None or passes.supports(add))
     rows = order[:live] // top_k
     if native:  # intermediates in reused scratch (cpu_grouped_moe: fresh pages cost more than the copies)
         xs = cpu_grouped_moe.gather_rows(x, rows, cpu_grouped_moe.scratch("moe_xs", live, hidden))

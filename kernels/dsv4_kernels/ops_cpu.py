@@ -24,7 +24,9 @@ from dsv4_kernels import (
     cpu_v4_compress,
     native,
 )
+from dsv4_kernels.grouped_moe import grouped_experts
 from dsv4_kernels.ops_torch import OP_GROUPS, TorchOps
+from dsv4_kernels.reference import silu_mul
 
 # Which native library serves each op group, by its module and csrc name (None: the reference
 # always runs on this backend).
@@ -52,8 +54,18 @@ _LIBRARIES = {
 V4_ATTN_MAX_WIDTH = 4096
 
 
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """grouped_experts' activation: fp32 on the CPU one native pass into a scratch buffer that the
+    next call reuses (the down GEMMs consume it at once), else the reference's."""
+    if cpu_grouped_moe.supports(gate_up) and gate_up.stride(1) == 1:
+        n, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        return cpu_grouped_moe.swiglu(gate_up, cpu_grouped_moe.scratch("moe_h", n, inter))
+    return silu_mul(gate_up)
+
+
 class CpuOps(TorchOps):
     name = "cpu"
+    grouped_passes = cpu_grouped_moe
 
     def __init__(self) -> None:
         # each library's build is tried once, here: a per-call check reads a bool
@@ -81,6 +93,13 @@ class CpuOps(TorchOps):
         if cpu_grouped_moe.supports(x, w13, w2):  # prefill widths: one-pass SwiGLU, reused scratch
             return cpu_grouped_moe.mlp(x, w13, w2)
         return super().mlp(x, w13, w2)
+
+    def moe_experts(self, x, w13, w2, topk_weights, topk_ids, add=None):
+        """The reference's grouped experts with the native gather, SwiGLU and combine passes."""
+        run = (x, w13, w2, topk_weights, topk_ids, _silu_mul)
+        if add is not None and x.dtype != torch.float32:
+            return grouped_experts(*run, passes=cpu_grouped_moe).to(x.dtype) + add
+        return grouped_experts(*run, add=add, passes=cpu_grouped_moe).to(x.dtype)
 
     def moe_block(self, x, w13, w2, weights, ids, shared, experts: Callable):
         if cpu_moe.applies(x, w13, w2, *(shared or (None, None))):

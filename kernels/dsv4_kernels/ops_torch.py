@@ -34,6 +34,8 @@ class TorchOps:
     # V4 runs the kernel-shaped path (attention, indexer, pooling, mHC, MoE as kernel calls)
     # rather than the model's batched torch path
     v4_kernel_path = False
+    # the native passes grouped_experts may use (the CPU backend's; the reference has none)
+    grouped_passes = None
 
     # ---- the kernel ops (dsv4_kernels.reference / reference_v4 / reference_quant) ----------
     mla_decode = staticmethod(reference.mla_decode)
@@ -172,7 +174,7 @@ class TorchOps:
             gate, up = gate_up.chunk(2, dim=-1)
             return F.silu(gate.clamp(max=swiglu_limit)) * up.clamp(min=-swiglu_limit, max=swiglu_limit)
 
-        out = grouped_experts(x, w13, w2, weights, ids, swiglu, x.dtype)
+        out = grouped_experts(x, w13, w2, weights, ids, swiglu, x.dtype, passes=self.grouped_passes)
         return out if shared is None else out + F.linear(swiglu(F.linear(x, shared[0])), shared[1])
 
     def v4_native_attention(self, width: int, dtype: torch.dtype) -> bool:

@@ -13,7 +13,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-import dsv4_kernels.cpu_grouped_moe as cpu_grouped_moe  # not via the package, whose get_ops imports reference
 from dsv4_kernels.grouped_moe import grouped_experts
 
 # Upper bound on fp32 elements of gathered keys/scores held at once; bounds memory on long
@@ -268,12 +267,8 @@ def route_weights(
     return weights * routed_scaling_factor, topk_ids.to(torch.int32)
 
 
-def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """grouped_experts' activation: silu(gate) * up. fp32 on the CPU it is one native pass into a
-    scratch buffer that the next call reuses (the down GEMMs consume it at once)."""
-    if cpu_grouped_moe.supports(gate_up) and gate_up.stride(1) == 1:
-        n, inter = gate_up.shape[0], gate_up.shape[1] // 2
-        return cpu_grouped_moe.swiglu(gate_up, cpu_grouped_moe.scratch("moe_h", n, inter))
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """grouped_experts' activation: silu(gate) * up of gate_up [P, 2I] -> [P, I]."""
     inter = gate_up.shape[1] // 2
     return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
 
@@ -295,8 +290,8 @@ def moe_experts(
     as `out + add` would, in the same pass where it can be.
     """
     if add is not None and x.dtype != torch.float32:
-        return grouped_experts(x, w13, w2, topk_weights, topk_ids, _silu_mul).to(x.dtype) + add
-    return grouped_experts(x, w13, w2, topk_weights, topk_ids, _silu_mul, add=add).to(x.dtype)
+        return grouped_experts(x, w13, w2, topk_weights, topk_ids, silu_mul).to(x.dtype) + add
+    return grouped_experts(x, w13, w2, topk_weights, topk_ids, silu_mul, add=add).to(x.dtype)
 
 
 def rmsnorm(

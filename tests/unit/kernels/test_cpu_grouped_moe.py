@@ -99,9 +99,11 @@ def test_grouped_experts_native_matches_torch_form(k):
     w = torch.rand(T, k, generator=g)
     add = torch.randn(T, D, generator=g)
     ref = _torch_grouped(x, w13, w2, w, ids)
-    out = grouped_experts(x, w13, w2, w, ids, _torch_silu_mul)
+    out = grouped_experts(x, w13, w2, w, ids, _torch_silu_mul, passes=C)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    assert torch.equal(grouped_experts(x, w13, w2, w, ids, _torch_silu_mul, add=add), out + add)
+    assert torch.equal(grouped_experts(x, w13, w2, w, ids, _torch_silu_mul, add=add, passes=C), out + add)
+    # the pure torch form (no passes: the reference's) sums in the same order
+    assert torch.equal(grouped_experts(x, w13, w2, w, ids, _torch_silu_mul), out)
     assert torch.equal(out[9], torch.zeros(D))
 
 
