@@ -35,6 +35,7 @@ from dsv4_operator.manifests import (
     auth_secret_name,
 )
 from dsv4_operator.spec import KIND, DSV4DeploymentSpec
+from dsv4_wire import switches
 
 log = logging.getLogger("dsv4.operator.auth")
 
@@ -63,14 +64,14 @@ def operator_key(environ: Mapping[str, str] = os.environ) -> bytes:
     for this process only: Secrets it creates keep their values, but a later operator derives
     other ones (harmless, since existing Secrets are read, never re-derived)."""
     global _process_key
-    path = environ.get(OPERATOR_KEY_FILE_ENV)
+    path = switches.read(OPERATOR_KEY_FILE_ENV, environ)
     if path:
         with open(path, "rb") as f:
             key = f.read().strip()
         if key:
             return key
-    if environ.get(OPERATOR_KEY_ENV):
-        return environ[OPERATOR_KEY_ENV].encode()
+    if switches.read(OPERATOR_KEY_ENV, environ):
+        return switches.read(OPERATOR_KEY_ENV, environ).encode()
     if _process_key is None:
         log.warning(
             "No operator key (%s / %s): deriving deployments' tokens from a key of this process only",

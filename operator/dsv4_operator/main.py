@@ -39,6 +39,7 @@ from dsv4_operator.watchdog.pods import engine_pod_watch_selector
 from dsv4_operator.telemetry import HealthState, OperatorMetrics, start_health_server
 from dsv4_operator.watchdog.corroboration import Fleet, RestartRateLimit
 from dsv4_operator.watchdog.policy import STATE_ANNOTATION
+from dsv4_wire import switches
 
 Flag = Union[asyncio.Event, threading.Event, None]
 ANNOTATION_PREFIX = "serving.dsv4.dev"
@@ -119,7 +120,7 @@ async def serve_operator(
 
     logging.getLogger("dsv4.operator").warning(scope_line(namespaces))
     watcher = asyncio.create_task(watch_ready())
-    fleet = fleet or Fleet(restarts=RestartRateLimit.parse(os.environ.get(RESTART_RATE_LIMIT_ENV)))
+    fleet = fleet or Fleet(restarts=RestartRateLimit.parse(switches.read(RESTART_RATE_LIMIT_ENV) or None))
     memo = kopf.Memo(metrics=metrics, kubeconfig=kubeconfig, api=None, fleet=fleet)
     elector: Optional[LeaderElector] = None
     lease_api: Optional[KubeApi] = None

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from dsv4_operator.spec import DSV4DeploymentSpec
+from dsv4_wire import switches
 
 POLICY_ENV = "DSV4_TENANT_POLICY"
 
@@ -48,7 +49,7 @@ class TenantPolicy:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "TenantPolicy":
-        raw = env.get(POLICY_ENV)
+        raw = switches.read(POLICY_ENV, env)
         if not raw:
             return cls()
         try:

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from dsv4_wire import switches
 from dsv4_wire.auth import PD_SECRET_ENV
 
 log = logging.getLogger("dsv4.nodes")
@@ -45,7 +46,7 @@ SECRET_ENV = PD_SECRET_ENV  # the group's nodes share the deployment's PD secret
 
 
 def group_secret() -> Optional[str]:
-    return os.environ.get(SECRET_ENV) or None
+    return switches.read(SECRET_ENV) or None
 
 
 def config_fingerprint(model_dir: str) -> str:

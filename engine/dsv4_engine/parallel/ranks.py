@@ -20,6 +20,8 @@ import tempfile
 import time
 from typing import Optional
 
+from dsv4_wire import switches
+
 SPEC_ENV = "DSV4_TP_SPEC"  # a worker's rank, world, rendezvous and engine arguments (JSON)
 # The longest one step may wait on the other ranks (generous: a first step may JIT-compile kernels).
 TIMEOUT_ENV = "DSV4_TP_TIMEOUT_S"
@@ -28,27 +30,26 @@ NODE_TIMEOUT_ENV = "DSV4_NODE_TIMEOUT_S"
 HEARTBEAT_S = 1.0  # how often a rank touches its heartbeat file (a stopped process cannot)
 
 
-def _seconds(environ, name: str, default: str) -> float:
-    raw = environ.get(name, default)
-    try:
-        value = float(raw)
+def _seconds(environ, name: str) -> float:
+    try:  # the table's default when unset; set but empty is a mistake, as any other non-number
+        value = float("nan") if environ.get(name) == "" else switches.read(name, environ)
     except ValueError:
         value = float("nan")
     if not (0 < value < float("inf")):
-        raise ValueError(f"{name} must be a number of seconds > 0, not {raw!r}")
+        raise ValueError(f"{name} must be a number of seconds > 0, not {environ.get(name)!r}")
     return value
 
 
 def step_timeout_s(environ=os.environ) -> float:
     """DSV4_TP_TIMEOUT_S (default 300), checked: a typo must not surface as a bare float() error
     from the engine's start, nor 0 fail every step."""
-    return _seconds(environ, TIMEOUT_ENV, "300")
+    return _seconds(environ, TIMEOUT_ENV)
 
 
 def node_timeout_s(environ=os.environ) -> float:
     """DSV4_NODE_TIMEOUT_S (default 30): a node silent on the node channel this long is lost (a
     host frozen or cut off sends no FIN; a killed process's connection closes at once)."""
-    return _seconds(environ, NODE_TIMEOUT_ENV, "30")
+    return _seconds(environ, NODE_TIMEOUT_ENV)
 
 
 class LocalRanks:

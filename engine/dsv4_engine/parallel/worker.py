@@ -33,6 +33,7 @@ from dsv4_engine.parallel.group import (
 from dsv4_engine.parallel.layout import NodeLayout
 from dsv4_engine.parallel.plan import Shard
 from dsv4_engine.parallel.ranks import HEARTBEAT_S, SPEC_ENV
+from dsv4_wire import switches
 
 log = logging.getLogger("dsv4.tp")
 
@@ -154,7 +155,7 @@ def serve_rank(spec: dict) -> None:
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    spec = json.loads(os.environ[SPEC_ENV])
+    spec = json.loads(switches.read(SPEC_ENV))
     if spec.get("stacks_file"):  # before the heartbeat: whoever sees a beat may ask for stacks
         faulthandler.register(signal.SIGUSR1, file=open(spec["stacks_file"], "a"), all_threads=True)
     threading.Thread(target=_watch_parent, args=(spec,), daemon=True).start()
