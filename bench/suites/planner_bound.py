@@ -136,7 +136,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         for name, (spec, trace) in traces.items():
             planner = Planner(settings, START, exact_burst_free(spec) if exact else None)
             r = simulate(planner, trace, timing, spec, args.ttft, args.itl, startup_s=startup)
-            per[name] = summary(r) | {"missed_minutes": [m["minute"] for m in r["minutes"] if not m["sla_met"]]}
+            missed = [
+                {k: m[k] for k in ("minute", "share_met", "ttft_p90", "itl_p90")}
+                for m in r["minutes"]
+                if not m["sla_met"]
+            ]
+            per[name] = summary(r) | {"missed_minutes": missed}
         total = [r["replica_minutes"]["total"] for r in per.values()]
         row = {
             "variant": variant,
