@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from dsv4_engine.batch_buffers import HostBatch, host_batch
+from dsv4_engine.devices import use_device
 from dsv4_engine.cuda_graphs import Agree, DecodeGraphs, StaticDecodeInputs, alone, bucket_for, graph_buckets
 from dsv4_engine.models.forward_batch import ForwardBatch
 
@@ -324,6 +325,7 @@ def capture_here(spec, pool, agree: Agree = alone) -> Optional[SpecGraphs]:
         if agree is not alone:
             agree(f"CUDA graphs off on this rank: {runner.graphs_off}")
         return None
+    use_device(runner.device)  # captures on this thread's current device
     graphs = SpecGraphs(spec, pool.page_size, pool.num_pages, runner.cuda_graph_max_bs, capture=True)
     failure = graphs.capture_all(pool, agree)
     if failure is not None:
