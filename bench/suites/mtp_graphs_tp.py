@@ -5,7 +5,10 @@ A speculating engine (v4-tiny with its MTP layer, float32, --speculative-num-ste
 --tp-size 2 captures the speculator's verify, draft (and V4 catch-up) graphs on both ranks at
 start-up (NCCL all-reduces inside them); greedy tokens for a batch of prompts must equal the same
 engine's with graphs off (--cuda-graph-max-bs 0: every step eager), token for token, and rank 0
-must have replayed every set (rank 1 replays each of those with it, or the step would hang).
+must have replayed every set (rank 1 replays each of those with it, or the step would hang). The
+graphs-on run's drafts are steered (right for the first prompt, every other one right for the
+second, wrong for the rest) so that verify accepts and rejects, and accepted drafts make
+catch-ups of several positions; greedy tokens do not depend on the drafts.
 
     python -m bench.suites.mtp_graphs_tp [--preset v4-tiny] [--graphs 8] [--out bench/results/mtp_graphs_tp.json]
 """
@@ -18,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -37,8 +41,31 @@ def counting(graphs) -> dict:
     return used
 
 
+def steer(engine: Engine, reference: list[list[int]]) -> None:
+    """Set each step's drafts from the reference answers: all right for request m0, every other
+    one for m1, none for the rest."""
+    spec, original, vocab = engine.spec, engine.spec.lookahead, engine.cfg.vocab_size
+
+    def lookahead(seq) -> int:
+        n = original(seq)
+        i = int(seq.rid[1:])
+        want = reference[i][len(seq.output_ids) :]
+        for j in range(n):
+            right = want[j] if j < len(want) else 0
+            spec.drafts[seq].tokens[j] = right if i == 0 or (i == 1 and j % 2 == 0) else (right + 1) % vocab
+        return n
+
+    spec.lookahead = engine.scheduler.lookahead = lookahead
+
+
 def greedy(
-    model: str, graphs: int, prompts: list[list[int]], new: int, device: str = "cuda", timeout: float = 240
+    model: str,
+    graphs: int,
+    prompts: list[list[int]],
+    new: int,
+    device: str = "cuda",
+    reference: Optional[list[list[int]]] = None,
+    timeout: float = 240,
 ) -> tuple[list, dict]:
     t0 = time.perf_counter()
     engine = Engine(
@@ -56,6 +83,8 @@ def greedy(
     )
     out: dict = {"start_s": round(time.perf_counter() - t0, 2), "graphs": engine.loads()["cuda_graphs"]}
     used = counting(engine.spec.graphs) if engine.spec.graphs is not None else {}
+    if reference is not None:
+        steer(engine, reference)
     seqs = [
         Sequence(f"m{i}", p, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
         for i, p in enumerate(prompts)
@@ -71,6 +100,8 @@ def greedy(
         out["replays"] = used
         out["errors"] = [s.error for s in seqs if s.error]
         out["tp_failed"] = engine.tp.failed
+        t = engine.metrics.totals
+        out["drafts"] = [int(t.get(f"spec_decode_num_{k}_tokens", 0)) for k in ("draft", "accepted")]
     finally:
         engine.stop()
         engine.tp.close()
@@ -96,7 +127,7 @@ def main() -> None:
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     prompts = [torch.randint(2, vocab, (n,), generator=g).tolist() for n in (5, 16, 40)]
     off, off_info = greedy(model, 0, prompts, 32, a.device)
-    on, on_info = greedy(model, a.graphs, prompts, 32, a.device)
+    on, on_info = greedy(model, a.graphs, prompts, 32, a.device, reference=off)
     pairs = [(x, y) for a_, b_ in zip(off, on) for x, y in zip(a_, b_)]
     share = sum(x == y for x, y in pairs) / max(1, len(pairs))
     replays = on_info.get("replays", {})
@@ -111,6 +142,7 @@ def main() -> None:
     counts = ", ".join(f"{name.replace('speculative ', '')} {n}" for name, n in replays.items()) or "none"
     detail = (
         f"equal share {share:.3f} over {len(pairs)} tokens (graphs on vs off at tp 2), replays {counts}, "
+        f"drafts accepted {on_info.get('drafts', [0, 0])[1]}/{on_info.get('drafts', [0, 0])[0]}, "
         f"graphs {on_info['graphs']['batch_sizes'] or on_info['graphs']['eager_reason']}"
     )
     print(f"CHECK mtp_graphs_tp2: {'PASS' if ok else 'FAIL'} {detail}", flush=True)
