@@ -48,8 +48,8 @@ import numpy as np
 import torch
 
 from dsv4_engine.batch_buffers import HostBatch, host_batch
-from dsv4_engine.devices import use_device
 from dsv4_engine.cuda_graphs import Agree, DecodeGraphs, StaticDecodeInputs, alone, bucket_for, graph_buckets
+from dsv4_engine.devices import use_device
 from dsv4_engine.models.forward_batch import ForwardBatch
 
 log = logging.getLogger("dsv4.engine")
