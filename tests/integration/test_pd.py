@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from bench.harness.commands import Proc, free_port
+from bench.harness.commands import Proc, free_port, stop_all
 
 BOOTSTRAP_TIMEOUT, TRANSFER_TIMEOUT, WAITING_TIMEOUT = 4.0, 3.0, 5.0
 SLACK = 6.0  # scheduling noise on two busy cores, plus one retry's prefill
@@ -98,8 +98,7 @@ class PDCluster:
     r_url = property(lambda self: f"http://127.0.0.1:{self.r_port}")
 
     def stop(self) -> None:
-        for p in self.procs:
-            p.stop()
+        stop_all(self.procs)
 
 
 @pytest.fixture(scope="module", params=["tiny", "mla512"])
