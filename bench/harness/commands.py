@@ -141,3 +141,21 @@ def serving(args: list, log_path: Path, env: dict | None = None):
         yield url
     finally:
         proc.stop()
+
+
+@contextlib.contextmanager
+def serving_all(runs: list[tuple[list, Path]], env: dict | None = None):
+    """Several `dsv4 serve` at once, [(ARGS, log path), ...]: their loading overlaps, where
+    `serving` one after the other waits for each in turn. Yields their URLs, in order, once every
+    one is ready."""
+    procs, urls = [], []
+    try:
+        for args, log_path in runs:
+            port = free_port()
+            procs.append(Proc(["serve", *args, "--port", port], log_path, env))
+            urls.append(f"http://127.0.0.1:{port}")
+        for proc, url in zip(procs, urls):
+            proc.wait_ready(url)
+        yield urls
+    finally:
+        stop_all(procs)
