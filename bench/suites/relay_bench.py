@@ -163,6 +163,8 @@ async def _one_stream(port: int, body: bytes, until: float, t_from: float, stats
             head = await reader.readuntil(b"\r\n\r\n")
             if not head.startswith(b"HTTP/1.1 200"):
                 stats["errors"] += 1
+                status = head.split(b"\r\n", 1)[0].decode("latin-1")
+                stats["statuses"][status] = stats["statuses"].get(status, 0) + 1
                 await asyncio.sleep(0.1)
                 if b"content-length" in head.lower():
                     n = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
@@ -209,7 +211,7 @@ async def _load_main(port: int, streams: int, warmup: float, duration: float, to
             "max_tokens": tokens,
         }
     ).encode()
-    stats = {"tokens": 0, "requests": 0, "errors": 0, "gaps": array("d"), "ttfts": array("d")}
+    stats = {"tokens": 0, "requests": 0, "errors": 0, "statuses": {}, "gaps": array("d"), "ttfts": array("d")}
     t0 = time.monotonic()
     t_from, until = t0 + warmup, t0 + warmup + duration
     tasks = []

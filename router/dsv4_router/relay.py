@@ -22,7 +22,9 @@ from typing import AsyncIterator, Callable, Optional
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from dsv4_router.hangup import SCOPE_KEY as HANGUP
 from dsv4_wire import APIError
+from dsv4_wire.slow_clients import SEND_AFTER_BODY
 
 
 def sse(obj) -> bytes:
@@ -134,6 +136,9 @@ class RelayResponse(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        hang = scope.get(HANGUP)
+        if hang is not None:  # the fast lane's request: its watch cancels this task (hangup.py)
+            return await self._watched(scope.get(SEND_AFTER_BODY, send), hang)
         stream = asyncio.ensure_future(self.stream_response(send))
         gone = asyncio.ensure_future(self.listen_for_disconnect(receive))
         try:
@@ -150,6 +155,19 @@ class RelayResponse(StreamingResponse):
             and not isinstance(stream.exception(), OSError)
         ):
             raise stream.exception()  # a bug, not a client gone: let the server log it
+
+    async def _watched(self, send: Send, hang) -> None:
+        """The stream in this task; a hang-up cancels it (no task and no wait of its own)."""
+        try:
+            await self.stream_response(send)
+            hang.ended = True
+        except asyncio.CancelledError:
+            if not hang.caught():
+                raise
+        except OSError:
+            pass  # the client is gone
+        finally:
+            await self.close()
 
     async def close(self) -> None:
         if self._closed:
