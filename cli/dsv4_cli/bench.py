@@ -74,6 +74,11 @@ SUITES = {
         "PD (router + prefill + decode over NIXL) vs one mono engine: tok/s, TTFT, KV-transfer share "
         "(pd.json + pd.png).",
     ),
+    "relay": (
+        "relay_bench",
+        "The router relaying a stub engine's SSE against the Rust sglang-router, router on one core: tokens/s, "
+        "inter-token gap p99, router CPU per relayed token (relay/relay.json + .png).",
+    ),
     "checksum": (
         "checksum_cost",
         "What --transfer-checksum costs PD at 32 streams, on vs off taking turns (checksum/checksum.json + .png).",

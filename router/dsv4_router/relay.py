@@ -100,6 +100,9 @@ class Outlet:
         return True
 
 
+_HEADERS = StreamingResponse((), media_type="text/event-stream").raw_headers  # what it would build each time
+
+
 class RelayResponse(StreamingResponse):
     def __init__(
         self,
@@ -107,7 +110,12 @@ class RelayResponse(StreamingResponse):
         on_close: Callable[[], "asyncio.Future | None"],
         outlet: Optional[Outlet] = None,
     ):
-        super().__init__(content, media_type="text/event-stream")
+        # StreamingResponse's own __init__, less its checks and header building (one per request)
+        self.body_iterator = content
+        self.status_code = 200
+        self.media_type = "text/event-stream"
+        self.background = None
+        self.raw_headers = list(_HEADERS)
         self._on_close = on_close
         self._closed = False
         self.outlet = outlet or Outlet()
