@@ -12,8 +12,9 @@ engine's SSE streams, measured as a user would.
 - Side by side, in one run: for each stream count, each router `--repeats` times, interleaved;
   the best run of each (most tokens/s) is reported.
 
-    python -m bench.suites.relay_bench [--streams 256,1024] [--repeats 3] [--duration 15]
-        [--sglang-router .venv-sglang-router/bin/python] [--out bench/results/relay]
+    dsv4 bench relay [--streams 256,1024] [--repeats 3] [--duration 15] [--routers sglang,dsv4-base,dsv4]
+        [--sglang-router .venv-sglang-router/bin/python] [--out bench/results/relay] [--tag=-NAME]
+    (or python -m bench.suites.relay_bench ...)
 
 sglang-router 0.3.2 installs from PyPI as a wheel into its own venv:
     python3 -m venv .venv-sglang-router && .venv-sglang-router/bin/pip install sglang-router==0.3.2
