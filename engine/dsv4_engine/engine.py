@@ -34,8 +34,10 @@ from dsv4_engine.kv_cache import (
     SnapshotPool,
     check_page_size,
     default_page_size,
+    page_nbytes,
     snapshot_boundary,
 )
+from dsv4_engine.kv_quant import pool_kv_dtype
 from dsv4_engine.kv_sizing import (
     KVBudget,
     PoolSize,
@@ -227,9 +229,17 @@ class Engine:
                 args.kernel_backend,
                 graph_max_bs,
                 tp=self.tp.rank,
+                kv_cache_dtype=args.kv_cache_dtype,
             )
         else:
-            self.runner = ModelRunner(args.model, args.dtype, args.device, args.kernel_backend, graph_max_bs)
+            self.runner = ModelRunner(
+                args.model,
+                args.dtype,
+                args.device,
+                args.kernel_backend,
+                graph_max_bs,
+                kv_cache_dtype=args.kv_cache_dtype,
+            )
         self.cfg = self.runner.cfg
         self.tokenizer = Tokenizer.from_dir(args.model)
         specs = self.runner.state_specs
@@ -266,13 +276,16 @@ class Engine:
         num_pages, num_snapshots = self.pool_size.num_pages, self.pool_size.num_snapshots
         if cache_slots and num_snapshots == 0 and self.prefix_cache_off is None:
             self.prefix_cache_off = "no room for a slot-row snapshot in a quarter of the KV pool"
+        self.kv_cache_dtype = pool_kv_dtype(specs)
         log.info(
-            "KV pool: %d pages of %d tokens, %d slot rows, %d prefix-cache snapshots (%s)",
+            "KV pool: %d pages of %d tokens, %d slot rows, %d prefix-cache snapshots (%s); KV %s, %.0f bytes/token",
             num_pages,
             page_size,
             args.max_num_seqs,
             num_snapshots,
             self.pool_size.budget.source,
+            self.kv_cache_dtype,
+            page_nbytes(specs, page_size, self.runner.dtype) / page_size,
         )
         self.pool = KVPool(specs, num_pages, page_size, self.runner.dtype, self.runner.device, args.max_num_seqs)
         if self.runner.device.type == "cpu":  # every step streams the weights: 2 MB pages
@@ -963,7 +976,7 @@ class Engine:
             "speculative": self.spec.loads(self.metrics) if self.spec is not None else None,
             # Decode CUDA graphs: on (batch sizes) or why decodes run eagerly; how the pool was sized.
             "cuda_graphs": self.runner.graphs_status(getattr(self.spec, "graphs", None)),
-            "kv_sizing": self.pool_size.describe(),
+            "kv_sizing": {**self.pool_size.describe(), "kv_cache_dtype": self.kv_cache_dtype},
             "draining": self.draining,
             "seconds_since_last_iteration": round(time.monotonic() - self.last_iteration, 3),
             # The planner's live load (docs/operations.md, "The planner"): prompt tokens waiting to
