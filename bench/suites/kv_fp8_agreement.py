@@ -107,8 +107,12 @@ def compare(
             "max_logit_error": err,
             "logit_scale": scale,
         }
+    first = sorted(float((ref_logits[r][0] - logits[r][0]).abs().max()) for r in ref_tokens)
     n = len(per)
     return {
+        # the first sampled step (after the prompt's prefill): the same inputs on every prompt
+        "first_step_logit_error_median": first[n // 2],
+        "first_step_logit_error_max": first[-1],
         "prompts": n,
         "equal_share": sum(p["equal"] for p in per.values()) / n,
         "agreed_token_share": sum(p["agreed_tokens"] for p in per.values()) / sum(p["tokens"] for p in per.values()),
@@ -180,7 +184,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     write_json(report, a.out / f"kv_fp8_{a.preset}_{a.dtype}.json")
     print(
         f"{a.preset} {a.dtype}: greedy equal on {result['equal_share']:.0%} of {result['prompts']} prompts, "
-        f"{result['agreed_token_share']:.1%} of tokens before a divergence; max logit error "
+        f"{result['agreed_token_share']:.1%} of tokens before a divergence; first-step logit error median "
+        f"{result['first_step_logit_error_median']:.4f}, max {result['first_step_logit_error_max']:.4f}; max logit error "
         f"{result['max_logit_error']:.4f} (logits up to {result['max_logit_abs']:.1f}); bytes/token "
         f"{result['bytes_per_token']['auto']:.0f} -> {result['bytes_per_token']['fp8_e4m3']:.0f} "
         f"({result['bytes_ratio']:.3f}x)"

@@ -62,6 +62,25 @@ def with_kv_cache_dtype(specs: Iterable, kv_cache_dtype: Optional[str]) -> list:
     return out
 
 
+def kv_dtype_refusal(kv_dtype: str, slot_state_kernels: bool, speculative: Optional[str]) -> Optional[str]:
+    """Why FP8 KV cannot serve this engine, in one line, or None. Not yet: DeepSeek-V4 on the
+    Triton kernel path (its attention, indexer and compressor kernels read the states in the
+    model's dtype) and speculative decoding (its draft layers' KV is not quantized, and its
+    ring rollbacks are not checked against packed rows)."""
+    if kv_dtype == AUTO:
+        return None
+    if slot_state_kernels:
+        return (
+            f"--kv-cache-dtype {kv_dtype} with DeepSeek-V4 runs on the torch path only for now "
+            "(--kernel-backend torch or cpu); or use --kv-cache-dtype auto"
+        )
+    if speculative is not None:
+        return (
+            f"--kv-cache-dtype {kv_dtype} with --speculative-algorithm is not supported yet; use --kv-cache-dtype auto"
+        )
+    return None
+
+
 def pool_kv_dtype(specs: Iterable) -> str:
     """What /v1/loads and the log call the pool's KV storage."""
     return FP8_E4M3 if any(getattr(s, "kv_dtype", AUTO) == FP8_E4M3 for s in specs) else AUTO
@@ -116,6 +135,7 @@ def readable_pages(kv_layer: torch.Tensor, fb, dtype: torch.dtype, ops=None):
     if lens:
         table = table[:, : max(1, -(-max(lens) // kv_layer.shape[1]))]
     b, p = table.shape
-    dense = dequantize(kv_layer[table.reshape(-1).long().clamp_(min=0)], dtype)
+    # slots past a request's last page may hold any id (never read): clamped into the pool
+    dense = dequantize(kv_layer[table.reshape(-1).long().clamp_(0, kv_layer.shape[0] - 1)], dtype)
     renumbered = torch.arange(b * p, dtype=table.dtype, device=table.device).view(b, p)
     return dense, dataclasses.replace(fb, block_table=renumbered)
