@@ -27,7 +27,13 @@ from bench.harness.report import machine, now_iso, write_json
 
 
 def run_greedy(
-    model_dir: Path, kv_cache_dtype: str, prompts: list[list[int]], new_tokens: int, dtype: str, backend: str
+    model_dir: Path,
+    kv_cache_dtype: str,
+    prompts: list[list[int]],
+    new_tokens: int,
+    dtype: str,
+    backend: str,
+    device: str = "cpu",
 ) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]], dict]:
     """Greedy tokens and each sampling step's logits per request (all submitted at once, run to
     the end by stepping the engine here: no thread), and the engine's /v1/loads figures."""
@@ -39,7 +45,7 @@ def run_greedy(
     engine = Engine(
         EngineArgs(
             model=str(model_dir),
-            device="cpu",
+            device=device,
             dtype=dtype,
             kernel_backend=backend,
             kv_cache_dtype=kv_cache_dtype,
@@ -110,6 +116,7 @@ def compare(
     first = sorted(float((ref_logits[r][0] - logits[r][0]).abs().max()) for r in ref_tokens)
     n = len(per)
     return {
+        "first_token_equal_share": sum(p["agreed_tokens"] > 0 for p in per.values()) / n,
         # the first sampled step (after the prompt's prefill): the same inputs on every prompt
         "first_step_logit_error_median": first[n // 2],
         "first_step_logit_error_max": first[-1],
@@ -128,16 +135,18 @@ def make_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
     return [torch.randint(2, vocab, (m,), generator=g).tolist() for m in lengths]
 
 
-def measure(model_dir: Path, n_prompts: int, new_tokens: int, dtype: str, backend: str, seed: int = 0) -> dict:
+def measure(
+    model_dir: Path, n_prompts: int, new_tokens: int, dtype: str, backend: str, seed: int = 0, device: str = "cpu"
+) -> dict:
     import json
 
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(vocab, n_prompts, seed)
-    ref_t, ref_l, ref_loads = run_greedy(model_dir, "auto", prompts, new_tokens, dtype, backend)
-    fp8_t, fp8_l, fp8_loads = run_greedy(model_dir, "fp8_e4m3", prompts, new_tokens, dtype, backend)
+    ref_t, ref_l, ref_loads = run_greedy(model_dir, "auto", prompts, new_tokens, dtype, backend, device)
+    fp8_t, fp8_l, fp8_loads = run_greedy(model_dir, "fp8_e4m3", prompts, new_tokens, dtype, backend, device)
     result = compare(ref_t, ref_l, fp8_t, fp8_l)
     if dtype == "bfloat16":  # the yardstick: how far bf16 compute itself is from fp32 on these prompts
-        f32_t, f32_l, _ = run_greedy(model_dir, "auto", prompts, new_tokens, "float32", backend)
+        f32_t, f32_l, _ = run_greedy(model_dir, "auto", prompts, new_tokens, "float32", backend, device)
         result["yardstick_bf16_vs_fp32"] = {
             k: v for k, v in compare(f32_t, f32_l, ref_t, ref_l).items() if k != "per_prompt"
         }
@@ -159,7 +168,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    p.add_argument("--kernel-backend", default="cpu", choices=("cpu", "torch"))
+    p.add_argument("--kernel-backend", default="cpu", choices=("cpu", "torch", "triton"))
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (with --kernel-backend triton: the FP8 decode kernel)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS / "kv_fp8")
     return p.parse_args(argv)
@@ -168,7 +178,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> dict:
     a = parse_args(argv)
     model = ensure_model(None, a.preset, 0)
-    result = measure(model, a.prompts, a.new_tokens, a.dtype, a.kernel_backend, a.seed)
+    result = measure(model, a.prompts, a.new_tokens, a.dtype, a.kernel_backend, a.seed, a.device)
     report = {
         "suite": "kv_fp8_agreement",
         "when": now_iso(),
@@ -176,12 +186,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "preset": a.preset,
         "dtype": a.dtype,
         "kernel_backend": a.kernel_backend,
+        "device": a.device,
         "new_tokens": a.new_tokens,
         **{k: v for k, v in result.items() if k != "per_prompt"},
         "per_prompt": result["per_prompt"],
     }
     a.out.mkdir(parents=True, exist_ok=True)
-    write_json(report, a.out / f"kv_fp8_{a.preset}_{a.dtype}.json")
+    suffix = "" if a.device == "cpu" else "_" + a.device.replace(":", "")
+    write_json(report, a.out / f"kv_fp8_{a.preset}_{a.dtype}{suffix}.json")
     print(
         f"{a.preset} {a.dtype}: greedy equal on {result['equal_share']:.0%} of {result['prompts']} prompts, "
         f"{result['agreed_token_share']:.1%} of tokens before a divergence; first-step logit error median "
