@@ -50,9 +50,7 @@ class KVCost:
         return math.ceil(context / self.page_size) * self.page_bytes + self.request_bytes
 
 
-def kv_cost(
-    specs: Iterable, dtype: torch.dtype, kv_cache_dtype: str = "auto", page_size: Optional[int] = None
-) -> KVCost:
+def kv_cost(specs: Iterable, dtype: torch.dtype, kv_cache_dtype: str, page_size: Optional[int] = None) -> KVCost:
     """The cost of the model's states (as `Model.state_specs(cfg)` declares them) in a pool of
     `dtype` with the attention KV stored as `kv_cache_dtype`; the engine's default page size."""
     specs = with_kv_cache_dtype(specs, kv_cache_dtype)
