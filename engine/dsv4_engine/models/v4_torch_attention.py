@@ -121,9 +121,8 @@ class V4TorchAttention:
         ring_store = states[self.SWA_KV]
         kbase = start - W  # the ring holds positions start - W .. start - 1
         ring = ring_store[slots[:, None], i, (kbase[:, None] + torch.arange(W, device=dev)) % W]
-        ext_kv = torch.cat(
-            [kv_quant.decode(ring, kv.dtype), self._take(kv, tok)], 1
-        )  # fp8kv: decode  # [B, W + Lmax, hd] in position order
+        # [B, W + Lmax, hd] in position order (fp8kv: the ring decoded)
+        ext_kv = torch.cat([kv_quant.decode(ring, kv.dtype), self._take(kv, tok)], 1)
         self._save_snapshots(fb, group, spans, self.SWA_KV, i, ext_kv)
         # only the last R ring positions can be seen (R < W when every chunk of the group starts
         # early: a fresh prompt attends to none of the ring)
