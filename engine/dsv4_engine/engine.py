@@ -34,8 +34,10 @@ from dsv4_engine.kv_cache import (
     SnapshotPool,
     check_page_size,
     default_page_size,
+    page_nbytes,
     snapshot_boundary,
 )
+from dsv4_engine.kv_quant import kv_dtype_refusal, pool_kv_dtype
 from dsv4_engine.kv_sizing import (
     KVBudget,
     PoolSize,
@@ -227,12 +229,25 @@ class Engine:
                 args.kernel_backend,
                 graph_max_bs,
                 tp=self.tp.rank,
+                kv_cache_dtype=args.kv_cache_dtype,
             )
         else:
-            self.runner = ModelRunner(args.model, args.dtype, args.device, args.kernel_backend, graph_max_bs)
+            self.runner = ModelRunner(
+                args.model,
+                args.dtype,
+                args.device,
+                args.kernel_backend,
+                graph_max_bs,
+                kv_cache_dtype=args.kv_cache_dtype,
+            )
         self.cfg = self.runner.cfg
         self.tokenizer = Tokenizer.from_dir(args.model)
         specs = self.runner.state_specs
+        refusal = kv_dtype_refusal(
+            pool_kv_dtype(specs), getattr(self.runner.local_model, "kops", None) is not None, args.speculative_algorithm
+        )
+        if refusal:  # fp8kv: what FP8 KV does not cover yet
+            raise ValueError(refusal)
         self.spec = None  # the MTP speculator when --speculative-algorithm is set (dsv4_engine.spec_decode)
         if args.speculative_algorithm is not None:
             from dsv4_engine.spec_decode.build import build_speculator
@@ -266,13 +281,16 @@ class Engine:
         num_pages, num_snapshots = self.pool_size.num_pages, self.pool_size.num_snapshots
         if cache_slots and num_snapshots == 0 and self.prefix_cache_off is None:
             self.prefix_cache_off = "no room for a slot-row snapshot in a quarter of the KV pool"
+        self.kv_cache_dtype = pool_kv_dtype(specs)
         log.info(
-            "KV pool: %d pages of %d tokens, %d slot rows, %d prefix-cache snapshots (%s)",
+            "KV pool: %d pages of %d tokens, %d slot rows, %d prefix-cache snapshots (%s); KV %s, %.0f bytes/token",
             num_pages,
             page_size,
             args.max_num_seqs,
             num_snapshots,
             self.pool_size.budget.source,
+            self.kv_cache_dtype,
+            page_nbytes(specs, page_size, self.runner.dtype) / page_size,
         )
         self.pool = KVPool(specs, num_pages, page_size, self.runner.dtype, self.runner.device, args.max_num_seqs)
         if self.runner.device.type == "cpu":  # every step streams the weights: 2 MB pages
@@ -968,7 +986,7 @@ class Engine:
             "speculative": self.spec.loads(self.metrics) if self.spec is not None else None,
             # Decode CUDA graphs: on (batch sizes) or why decodes run eagerly; how the pool was sized.
             "cuda_graphs": self.runner.graphs_status(getattr(self.spec, "graphs", None)),
-            "kv_sizing": self.pool_size.describe(),
+            "kv_sizing": {**self.pool_size.describe(), "kv_cache_dtype": self.kv_cache_dtype},
             "draining": self.draining,
             "seconds_since_last_iteration": round(time.monotonic() - self.last_iteration, 3),
             # The planner's live load (docs/operations.md, "The planner"): prompt tokens waiting to

@@ -51,6 +51,15 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "Tokens per KV page (default: 16, or the model's longest compression window when "
         "longer, e.g. 128 for DeepSeek-V4-Flash, so compressed states fill their pages).",
     ),
+    _O(
+        "kv_cache_dtype",
+        str,
+        "auto",
+        "auto | fp8_e4m3 (fp8 is e4m3, as vLLM's): store the attention KV (V3's latent, V4's compressed "
+        "entries, indexer keys and window) in FP8 with a float32 scale per entry, about half the bytes per "
+        "token of bf16; auto: the model's dtype. PD peers must agree.",
+        choices=("auto", "fp8_e4m3", "fp8"),
+    ),
     _O("max_num_seqs", int, 64, "Most requests running at once."),
     _O(
         "max_queued_requests",

@@ -99,7 +99,9 @@ def serve_rank(spec: dict) -> None:
         ea.get("tp_size") or shard.size, ea.get("nnodes") or 1, ea.get("node_rank") or 0, ea.get("dist_init_addr")
     )
     rank = join(shard, spec.get("init") or spec["port"], device, layout)
-    runner = ModelRunner(ea["model"], ea.get("dtype"), device, ea.get("kernel_backend"), tp=rank)
+    runner = ModelRunner(
+        ea["model"], ea.get("dtype"), device, ea.get("kernel_backend"), tp=rank, kv_cache_dtype=ea.get("kv_cache_dtype")
+    )
     specs, speculator = runner.state_specs, None
     if ea.get("speculative_algorithm") is not None:  # as rank 0's Engine: its MTP shard and state
         from dsv4_engine.spec_decode.build import make_speculator
