@@ -23,6 +23,9 @@ SNAPSHOT_COPIES = ("save", "restore")  # payload [kind index, snapshot, slot row
 # its input hidden states: `hidden_meta` on the control group, the tensor on the compute group);
 # OP_RING_SAVE / OP_RING_RESTORE, V4's ring rollback around them (`ring_message`).
 OP_SPEC_TARGET, OP_SPEC_MTP, OP_RING_SAVE, OP_RING_RESTORE = 7, 8, 9, 10
+# OP_EPLB: a rebalance of the routed experts between two steps (dsv4_engine.parallel.eplb_apply:
+# placement_message): every rank hosts its slots of the new placement before the next forward.
+OP_EPLB = 11
 HIDDEN_DTYPES = ("float32", "bfloat16", "float16")
 HIDDEN_META_LEN = 6  # [dtype index, ndim, dims padded with 0]
 
