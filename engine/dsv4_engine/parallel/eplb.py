@@ -11,8 +11,9 @@ Pure, torch-free functions of recorded loads (tokens routed to each logical expe
 - `place_layer` / `plan`: one layer's / every MoE layer's physical slot -> logical expert table,
   the slots in rank order (rank r owns the r-th block), which is what the model's hook and the
   weight loader read (`dsv4_engine.parallel.eplb_apply`).
-A token whose top-k names a replicated expert goes to copy (token index mod copies): deterministic,
-and every copy holds the same weights, so the output does not depend on the placement.
+Within a step, the n-th choice (in token order) of a replicated expert goes to its copy n mod
+copies: deterministic, within one token of even, and every copy holds the same weights, so the
+output does not depend on the placement.
 """
 
 from __future__ import annotations

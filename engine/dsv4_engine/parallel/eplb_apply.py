@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 
 from dsv4_engine.expert_loads import LOADS_FORMAT, ExpertLoads
@@ -32,12 +33,17 @@ log = logging.getLogger("dsv4.eplb")
 
 class LayerRoute:
     """One MoE layer's logical -> physical map: `slot_of[e, j]` is copy j of expert e (j <
-    copies[e]; later columns repeat copy 0). Fixed shapes ([E, R + 1]): rewritten in place."""
+    copies[e]; later columns repeat copy 0). Within a step, the n-th choice (in token order) of a
+    replicated expert goes to copy n mod copies: its tokens split over the copies to within one.
+    `column[e]` numbers the replicated experts (the others share the last column), so counting
+    the n is a cumulative sum over [choices, R + 1], not over every expert. Fixed shapes:
+    rewritten in place (captured graphs keep reading the same tensors)."""
 
     def __init__(self, loads: ExpertLoads, row: int, n_experts: int, redundant: int, device):
         self.loads, self.row = loads, row
         self.slot_of = torch.zeros(n_experts, redundant + 1, dtype=torch.int64, device=device)
         self.copies = torch.ones(n_experts, dtype=torch.int64, device=device)
+        self.column = torch.full((n_experts,), redundant, dtype=torch.int64, device=device)
         self.identity = True
 
     def set_slots(self, slots: tuple[int, ...]) -> None:
@@ -49,14 +55,22 @@ class LayerRoute:
         rows = [t + [t[0]] * (width - len(t)) for t in table]
         self.slot_of.copy_(torch.tensor(rows, dtype=torch.int64))
         self.copies.copy_(torch.tensor([len(t) for t in table], dtype=torch.int64))
+        replicated = [e for e, t in enumerate(table) if len(t) > 1]
+        column = [width - 1] * n  # the shared column of the experts with one copy
+        for c, e in enumerate(replicated):
+            column[e] = c
+        self.column.copy_(torch.tensor(column, dtype=torch.int64))
         self.identity = list(slots) == list(range(n))
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.identity:  # one copy each, in expert order: physical = logical
             self.loads.record(self.row, ids, ids)
             return ids
-        token = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1)
-        slots = self.slot_of[ids, token % self.copies[ids]].to(ids.dtype)
+        flat = ids.reshape(-1).long()
+        col = self.column[flat]
+        seen = F.one_hot(col, self.slot_of.shape[1]).cumsum(0)  # [choices, R + 1]
+        nth = seen.gather(1, col.unsqueeze(1)).squeeze(1) - 1
+        slots = self.slot_of[flat, nth % self.copies[flat]].view_as(ids).to(ids.dtype)
         self.loads.record(self.row, ids, slots)
         return slots
 

@@ -1,0 +1,79 @@
+"""EPLB on a built DeepSeek-V3 model (moe32 weights, in memory): the MoE hook maps logical
+experts to physical copies without changing the layer's output, counts the loads, and the
+counters reach Prometheus (dsv4_engine.parallel.eplb_apply, dsv4_engine.expert_loads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4_engine.checkpoint import PRESETS, init_weights
+from dsv4_engine.config import ModelConfig
+from dsv4_engine.metrics import EngineMetrics
+from dsv4_engine.models.deepseek_v3 import DeepseekV3
+from dsv4_engine.parallel import eplb
+from dsv4_engine.parallel.eplb_apply import attach_eplb, loads_from_table, placement_message, unpack_placement
+from dsv4_kernels.api import get_ops
+
+
+@pytest.fixture(scope="module")
+def built():
+    config = PRESETS["moe32"]
+    weights = init_weights(config, seed=0)
+    cfg = ModelConfig.from_dict(config)
+    return cfg, weights
+
+
+def model_of(built):
+    cfg, weights = built
+    return DeepseekV3(cfg, dict(weights), get_ops("torch"), torch.float32, torch.device("cpu"))
+
+
+def test_replicas_leave_every_moe_layer_output_unchanged_and_spread_tokens_over_copies(built):
+    plain, placed = model_of(built), model_of(built)
+    attach_eplb(plain, "unused")  # counters only: identity routes
+    # at tp 1 every expert is local: placing reads no checkpoint ("unused")
+    placer = attach_eplb(placed, "unused", redundant=1)
+    hot = {i: [100.0 if e == 5 else 1.0 for e in range(32)] for i, _ in placer.layers}
+    placer.apply(placer.plan(hot))  # a rebalance: the copy moves to expert 5
+    x = torch.randn(64, built[0].hidden_size, generator=torch.Generator().manual_seed(0))
+    moe_plain = [L for L in plain.layers if "gate" in L]
+    for L, (i, P) in zip(moe_plain, placer.layers):
+        assert P["w13"].shape[0] == 33  # 32 experts + the hot one's copy
+        assert placer.placement.layers[i].count(5) == 2
+        torch.testing.assert_close(placed._moe(P, x), plain._moe(L, x), rtol=0, atol=1e-6)
+    first = placer.layers[0][0]
+    table = placer.table()
+    row = table["layers"][str(first)]
+    assert sum(row["experts"]) == 64 * built[0].num_experts_per_tok
+    n5 = row["experts"][5]
+    assert n5 > 1
+    slots = placer.loads.physical[0].tolist()
+    copies = [s for s, e in enumerate(placer.placement.layers[first]) if e == 5]
+    # a replicated expert's tokens alternate over its copies (token index mod 2)
+    assert sorted(slots[s] for s in copies) == sorted([(n5 + 1) // 2, n5 // 2]), (n5, [slots[s] for s in copies])
+    assert loads_from_table(table)[first] == [float(n) for n in row["experts"]]
+
+
+def test_counters_reach_prometheus_as_deltas(built):
+    model = model_of(built)
+    placer = attach_eplb(model, "unused")
+    metrics = EngineMetrics("mono", "m")
+    metrics.before_render.append(placer.loads.publish)
+    L = placer.layers[0][1]
+    x = torch.randn(8, built[0].hidden_size)
+    model._moe(L, x)
+    first = metrics.render().decode()
+    model._moe(L, x)
+    text = metrics.render().decode()
+    layer = placer.layers[0][0]
+    routed = [ln for ln in text.splitlines() if ln.startswith(f'dsv4:moe_layer_routed_tokens_total{{layer="{layer}"')]
+    assert routed and float(routed[0].split()[-1]) == 2 * 8 * built[0].num_experts_per_tok
+    assert f'dsv4:moe_expert_tokens_total{{expert="0",layer="{layer}"' in text
+    assert "dsv4:moe_rank_load_imbalance" in first
+
+
+def test_a_placement_crosses_the_step_channel_whole():
+    p = eplb.plan({1: [float(e) for e in range(8)], 3: [1.0] * 8}, 2, 2)
+    header, payload = placement_message(p)
+    assert unpack_placement(payload) == p
