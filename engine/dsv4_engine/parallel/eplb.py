@@ -11,8 +11,8 @@ Pure, torch-free functions of recorded loads (tokens routed to each logical expe
 - `place_layer` / `plan`: one layer's / every MoE layer's physical slot -> logical expert table,
   the slots in rank order (rank r owns the r-th block), which is what the model's hook and the
   weight loader read (`dsv4_engine.parallel.eplb_apply`).
-Within a step, the n-th choice (in token order) of a replicated expert goes to its copy n mod
-copies: deterministic, within one token of even, and every copy holds the same weights, so the
+Within a step, the n-th choice (in token order) of a replicated expert goes to its copy (n + s)
+mod copies, s the sum of the step's expert ids: deterministic, within one token of even, and every copy holds the same weights, so the
 output does not depend on the placement.
 """
 
@@ -58,7 +58,9 @@ def pack(loads: Sequence[float], copies: Sequence[int], caps: Sequence[int]) -> 
     physical experts under each rank's slot count `caps`."""
     if sum(copies) != sum(caps):
         raise ValueError(f"{sum(copies)} physical experts do not fill {sum(caps)} slots")
-    items = sorted(((loads[e] / copies[e], e) for e in range(len(loads)) for _ in range(copies[e])), key=lambda x: (-x[0], x[1]))
+    items = sorted(
+        ((loads[e] / copies[e], e) for e in range(len(loads)) for _ in range(copies[e])), key=lambda x: (-x[0], x[1])
+    )
     held: list[list[int]] = [[] for _ in caps]
     total = [0.0] * len(caps)
     for load, e in items:

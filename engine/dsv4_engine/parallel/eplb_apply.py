@@ -34,7 +34,8 @@ log = logging.getLogger("dsv4.eplb")
 class LayerRoute:
     """One MoE layer's logical -> physical map: `slot_of[e, j]` is copy j of expert e (j <
     copies[e]; later columns repeat copy 0). Within a step, the n-th choice (in token order) of a
-    replicated expert goes to copy n mod copies: its tokens split over the copies to within one.
+    replicated expert goes to copy (n + s) mod copies, s the sum of the step's expert ids: its
+    tokens split over the copies to within one in each step, and the odd one out rotates.
     `column[e]` numbers the replicated experts (the others share the last column), so counting
     the n is a cumulative sum over [choices, R + 1], not over every expert. Fixed shapes:
     rewritten in place (captured graphs keep reading the same tensors)."""
@@ -69,7 +70,10 @@ class LayerRoute:
         flat = ids.reshape(-1).long()
         col = self.column[flat]
         seen = F.one_hot(col, self.slot_of.shape[1]).cumsum(0)  # [choices, R + 1]
-        nth = seen.gather(1, col.unsqueeze(1)).squeeze(1) - 1
+        # + the sum of the step's ids: which copy takes a step's odd one out varies from step to
+        # step (decode steps of a few tokens would otherwise all favour copy 0); the same on
+        # every rank, and stateless, so no rank can drift from another
+        nth = seen.gather(1, col.unsqueeze(1)).squeeze(1) - 1 + flat.sum()
         slots = self.slot_of[flat, nth % self.copies[flat]].view_as(ids).to(ids.dtype)
         self.loads.record(self.row, ids, slots)
         return slots
