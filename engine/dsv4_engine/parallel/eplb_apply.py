@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 
 from dsv4_engine.expert_loads import LOADS_FORMAT, ExpertLoads
@@ -45,6 +44,7 @@ class LayerRoute:
         self.slot_of = torch.zeros(n_experts, redundant + 1, dtype=torch.int64, device=device)
         self.copies = torch.ones(n_experts, dtype=torch.int64, device=device)
         self.column = torch.full((n_experts,), redundant, dtype=torch.int64, device=device)
+        self.columns = torch.arange(redundant + 1, dtype=torch.int64, device=device)
         self.identity = True
 
     def set_slots(self, slots: tuple[int, ...]) -> None:
@@ -69,7 +69,9 @@ class LayerRoute:
             return ids
         flat = ids.reshape(-1).long()
         col = self.column[flat]
-        seen = F.one_hot(col, self.slot_of.shape[1]).cumsum(0)  # [choices, R + 1]
+        # [choices, R + 1] one-hot by comparison: F.one_hot checks its range on the host (a sync
+        # that a CUDA graph capture refuses)
+        seen = (col.unsqueeze(1) == self.columns).long().cumsum(0)
         # + the sum of the step's ids: which copy takes a step's odd one out varies from step to
         # step (decode steps of a few tokens would otherwise all favour copy 0); the same on
         # every rank, and stateless, so no rank can drift from another

@@ -77,3 +77,41 @@ def test_a_placement_crosses_the_step_channel_whole():
     p = eplb.plan({1: [float(e) for e in range(8)], 3: [1.0] * 8}, 2, 2)
     header, payload = placement_message(p)
     assert unpack_placement(payload) == p
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bench/gpu_kernels.sh runs it)")
+def test_the_route_replays_from_a_cuda_graph_as_it_runs_eagerly():
+    """No host read in the hook: a decode graph captures it, and a replay over new ids maps and
+    counts them as the eager call does."""
+    from dsv4_engine.expert_loads import ExpertLoads
+    from dsv4_engine.parallel.eplb_apply import LayerRoute
+
+    dev = torch.device("cuda")
+    slots = eplb.place_layer([50.0, 1.0, 1.0, 30.0, 1.0, 1.0, 1.0, 1.0], 2, 2)
+
+    def route_on(device):
+        loads = ExpertLoads([1], 8, 10, [0] * 5 + [1] * 5, device)
+        r = LayerRoute(loads, 0, 8, 2, device)
+        r.set_slots(slots)
+        return r, loads
+
+    eager, eager_loads = route_on(dev)
+    graphed, graphed_loads = route_on(dev)
+    ids = torch.zeros(16, 2, dtype=torch.int32, device=dev)
+    out = graphed(ids)  # warm-up outside the capture
+    graphed_loads.logical.zero_()
+    graphed_loads.physical.zero_()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph):
+            out = graphed(ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    new = torch.randint(0, 8, (16, 2), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    new[:, 0] = 0  # the hot expert in every token
+    ids.copy_(new.to(dev))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager(new.to(dev)))
+    assert torch.equal(graphed_loads.physical, eager_loads.physical)
