@@ -309,6 +309,15 @@ def _refusal(args) -> Optional[str]:
     except UnsupportedQuantization as e:
         return f"{args.model}: {e}"
     refusal = serving_refusal(args.model, args.role, args.page_size, args.tp_size)
+    if refusal is None and args.ep_redundant_experts:
+        import json
+        from pathlib import Path
+
+        from dsv4_engine.parallel.eplb import ep_checkpoint_refusal
+
+        refusal = ep_checkpoint_refusal(
+            json.loads((Path(args.model) / "config.json").read_text()), args.ep_redundant_experts
+        )
     if refusal is None:  # weights that cannot fit the device: said before they are read
         from dsv4_engine.start_fit import memory_refusal
 

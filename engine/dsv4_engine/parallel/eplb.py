@@ -161,3 +161,19 @@ def ep_flags_refusal(redundant: int, loads_file: Optional[str], tp_size: int, sp
     if loads_file is not None and not redundant:
         return "--ep-loads-file places the --ep-redundant-experts copies: give --ep-redundant-experts R > 0"
     return None
+
+
+def ep_checkpoint_refusal(config: dict, redundant: int) -> Optional[str]:
+    """Why --ep-redundant-experts cannot place this checkpoint's experts (its config.json), or None."""
+    if not redundant:
+        return None
+    if config.get("model_type") not in ("deepseek_v3", "deepseek_v2"):
+        return (
+            f"--ep-redundant-experts places DeepSeek-V3-style experts; model_type {config.get('model_type')!r} "
+            "is not supported yet"
+        )
+    if not config.get("n_routed_experts"):
+        return "--ep-redundant-experts needs a model with routed experts"
+    if config.get("quantization_config"):
+        return "--ep-redundant-experts does not support quantized checkpoints yet (copies are read as dense tensors)"
+    return None

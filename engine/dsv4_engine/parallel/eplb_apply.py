@@ -154,6 +154,7 @@ class ExpertPlacer:
             self.routes[i] = L["eplb"] = LayerRoute(self.loads, row, self.n_experts, redundant, device)
         self.placement: Optional[eplb.Placement] = None
         self._base: Optional[list[list[int]]] = None  # logical counts at the last rebalance
+        self.planned_from: dict[int, list[float]] = {}  # the loads the last placement was planned from
         self._experts: Optional[CheckpointExperts] = None
 
     def apply(self, placement: eplb.Placement) -> None:
@@ -222,7 +223,8 @@ class ExpertPlacer:
         missing = [i for i, _ in self.layers if i not in loads]
         if missing:
             raise ValueError(f"the loads name no MoE layer {missing[0]} (layers {sorted(loads)})")
-        return eplb.plan({i: loads[i] for i, _ in self.layers}, self.redundant, self.ranks)
+        self.planned_from = {i: loads[i] for i, _ in self.layers}
+        return eplb.plan(self.planned_from, self.redundant, self.ranks)
 
 
 # ---- the step channel ---------------------------------------------------------------------------
@@ -265,8 +267,7 @@ def rebalance(placer: ExpertPlacer, group=None, loads: Optional[dict[int, list[f
             placer.apply(placement)
     else:
         placer.apply(placement)
-    used = loads or {i: [float(n) for n in row] for i, row in zip(placer.loads.layers, placer._base or [])}
-    out = eplb.report(used, placement) if used else {}
+    out = eplb.report(placer.planned_from, placement)
     log.info("experts rebalanced: worst rank max/mean %s", out.get("worst"))
     return {"placement": placement.to_json(), "report": out}
 
@@ -276,6 +277,8 @@ def attach_eplb(model, model_dir, redundant: int = 0, loads_file: Optional[str] 
     and with `redundant` > 0 place the experts: from the loads in `loads_file`, else evenly
     (every expert the same load: the first R experts get the copies) until a rebalance."""
     if not moe_layers(model):
+        if redundant:  # the engine core refuses it earlier (eplb.ep_checkpoint_refusal), in one line
+            raise ValueError("--ep-redundant-experts: this model has no learned-routing MoE layers to place")
         return None
     tp = getattr(model, "tp", None)
     placer = ExpertPlacer(model, model_dir, redundant, tp.rank if tp else 0, tp.size if tp else 1)

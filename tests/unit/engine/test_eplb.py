@@ -73,6 +73,16 @@ def test_refusals():
     assert eplb.ep_flags_refusal(2, None, 2, speculative=False) is None
 
 
+def test_checkpoints_whose_experts_cannot_be_placed_are_refused():
+    from dsv4_engine.checkpoint import PRESETS
+
+    assert eplb.ep_checkpoint_refusal(PRESETS["moe32"], 2) is None
+    assert eplb.ep_checkpoint_refusal(PRESETS["moe32"], 0) is None
+    assert "model_type" in eplb.ep_checkpoint_refusal(PRESETS["v4-tiny"], 1)
+    fp8 = {**PRESETS["moe32"], "quantization_config": {"quant_method": "fp8"}}
+    assert "quantized" in eplb.ep_checkpoint_refusal(fp8, 1)
+
+
 def test_plan_report_and_json_round_trip():
     loads = {1: skewed(32, 3), 2: skewed(32, 4)}
     p = eplb.plan(loads, 4, 4)
