@@ -9,6 +9,8 @@ a CUDA graph counts its padding rows too (the graph's fixed batch): approximate 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from dsv4_wire.metrics import EXPERT_SERIES_MAX
@@ -21,16 +23,35 @@ class ExpertLoads:
         self.layers = list(layers)  # decoder layer index of each row
         self.n_experts = n_experts
         self.slot_ranks = list(slot_ranks)  # rank hosting each physical slot (the same in every layer)
-        self.logical = torch.zeros(len(layers), n_experts, dtype=torch.int64, device=device)
-        self.physical = torch.zeros(len(layers), n_slots, dtype=torch.int64, device=device)
+        # Steps routed with one copy per expert in expert order (no placement) count once, in
+        # `plain`: there slot e is expert e. Placed steps count both views.
+        self.plain = torch.zeros(len(layers), n_experts, dtype=torch.int64, device=device)
+        self.placed_logical = torch.zeros(len(layers), n_experts, dtype=torch.int64, device=device)
+        self.placed_physical = torch.zeros(len(layers), n_slots, dtype=torch.int64, device=device)
         self._published: dict = {}  # series key -> value already added to its Prometheus counter
 
-    def record(self, row: int, ids: torch.Tensor, slots: torch.Tensor) -> None:
-        """One layer's routing of one step: ids (logical) and slots (physical), both [T, k]."""
+    def record(self, row: int, ids: torch.Tensor, slots: Optional[torch.Tensor] = None) -> None:
+        """One layer's routing of one step: ids (logical) and slots (physical), both [T, k];
+        slots None: the plain mapping (slot = expert)."""
         flat = ids.reshape(-1)
-        self.logical[row].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
-        phys = slots.reshape(-1)
-        self.physical[row].index_add_(0, phys, torch.ones_like(phys, dtype=torch.int64))
+        ones = torch.ones_like(flat, dtype=torch.int64)
+        if slots is None:
+            self.plain[row].index_add_(0, flat, ones)
+            return
+        self.placed_logical[row].index_add_(0, flat, ones)
+        self.placed_physical[row].index_add_(0, slots.reshape(-1), ones)
+
+    @property
+    def logical(self) -> torch.Tensor:
+        """[layers, experts]: tokens routed to each logical expert."""
+        return self.plain + self.placed_logical
+
+    @property
+    def physical(self) -> torch.Tensor:
+        """[layers, slots]: tokens each physical slot computed."""
+        out = self.placed_physical.clone()
+        out[:, : self.n_experts] += self.plain
+        return out
 
     def host(self) -> tuple[list[list[int]], list[list[int]]]:
         return self.logical.cpu().tolist(), self.physical.cpu().tolist()

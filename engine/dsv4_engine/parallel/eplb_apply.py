@@ -65,7 +65,7 @@ class LayerRoute:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.identity:  # one copy each, in expert order: physical = logical
-            self.loads.record(self.row, ids, ids)
+            self.loads.record(self.row, ids)
             return ids
         flat = ids.reshape(-1).long()
         col = self.column[flat]

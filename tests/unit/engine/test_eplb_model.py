@@ -99,8 +99,8 @@ def test_the_route_replays_from_a_cuda_graph_as_it_runs_eagerly():
     graphed, graphed_loads = route_on(dev)
     ids = torch.zeros(16, 2, dtype=torch.int32, device=dev)
     out = graphed(ids)  # warm-up outside the capture
-    graphed_loads.logical.zero_()
-    graphed_loads.physical.zero_()
+    for t in (graphed_loads.plain, graphed_loads.placed_logical, graphed_loads.placed_physical):
+        t.zero_()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
