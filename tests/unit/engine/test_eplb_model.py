@@ -115,3 +115,22 @@ def test_the_route_replays_from_a_cuda_graph_as_it_runs_eagerly():
     torch.cuda.synchronize()
     assert torch.equal(out, eager(new.to(dev)))
     assert torch.equal(graphed_loads.physical, eager_loads.physical)
+
+
+def test_the_route_reads_nothing_back_to_the_host():
+    """No host read and no value-shaped op in the hook, with and without copies (the host-sync
+    probe that guards the whole forward, tests/unit/engine/test_host_syncs.py)."""
+    from host_sync_probe import count_host_syncs
+
+    from dsv4_engine.expert_loads import ExpertLoads
+    from dsv4_engine.parallel.eplb_apply import LayerRoute
+
+    loads = ExpertLoads([1], 8, 10, [0] * 5 + [1] * 5, "cpu")
+    route = LayerRoute(loads, 0, 8, 2, "cpu")
+    ids = torch.randint(0, 8, (16, 2), dtype=torch.int32)
+    with count_host_syncs() as hits:
+        route(ids)  # plain: slot = expert
+    route.set_slots(eplb.place_layer([50.0, 1.0, 1.0, 30.0, 1.0, 1.0, 1.0, 1.0], 2, 2))
+    with count_host_syncs() as more:
+        route(ids)
+    assert hits == [] and more == [], hits + more
