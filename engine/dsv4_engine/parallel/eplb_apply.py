@@ -223,6 +223,11 @@ class ExpertPlacer:
         missing = [i for i, _ in self.layers if i not in loads]
         if missing:
             raise ValueError(f"the loads name no MoE layer {missing[0]} (layers {sorted(loads)})")
+        wrong = [i for i, _ in self.layers if len(loads[i]) != self.n_experts]
+        if wrong:
+            raise ValueError(
+                f"the loads of layer {wrong[0]} name {len(loads[wrong[0]])} experts; this model has {self.n_experts}"
+            )
         self.planned_from = {i: loads[i] for i, _ in self.layers}
         return eplb.plan(self.planned_from, self.redundant, self.ranks)
 

@@ -61,6 +61,15 @@ def test_replicas_leave_every_moe_layer_output_unchanged_and_spread_tokens_over_
     assert loads_from_table(table)[first] == [float(n) for n in row["experts"]]
 
 
+def test_loads_of_another_model_are_refused(built):
+    placer = attach_eplb(model_of(built), "unused", redundant=1)
+    layers = [i for i, _ in placer.layers]
+    with pytest.raises(ValueError, match="16 experts"):
+        placer.plan({i: [1.0] * 16 for i in layers})
+    with pytest.raises(ValueError, match="no MoE layer"):
+        placer.plan({layers[0]: [1.0] * 32})
+
+
 def test_counters_reach_prometheus_as_deltas(built):
     model = model_of(built)
     placer = attach_eplb(model, "unused")
