@@ -1,7 +1,7 @@
 """MoE expert load counters: tokens routed to each logical expert, and computed by each physical
 slot (an expert's copy under --ep-redundant-experts), per MoE layer, since the engine started.
 
-Counted on the device inside the forward (an index_add per layer: no host read, capturable), read
+Counted on the device inside the forward (an accumulating index_put_ per layer: no host read, capturable), read
 only when asked: `/metrics` (`publish`, before each render), `GET /admin/expert_loads` and
 /v1/loads (`table`), and the balancer (dsv4_engine.parallel.eplb_apply). A decode step replayed from
 a CUDA graph counts its padding rows too (the graph's fixed batch): approximate on that path.
@@ -29,17 +29,21 @@ class ExpertLoads:
         self.placed_logical = torch.zeros(len(layers), n_experts, dtype=torch.int64, device=device)
         self.placed_physical = torch.zeros(len(layers), n_slots, dtype=torch.int64, device=device)
         self._published: dict = {}  # series key -> value already added to its Prometheus counter
+        # Made once: each layer's rows as views, and the 1 every choice adds (an accumulating
+        # index_put_ of a scalar: one dispatch a count, which the decode graph's budget counts).
+        self._plain_rows = list(self.plain.unbind(0))
+        self._placed_rows = list(zip(self.placed_logical.unbind(0), self.placed_physical.unbind(0)))
+        self._one = torch.ones((), dtype=torch.int64, device=device)
 
     def record(self, row: int, ids: torch.Tensor, slots: Optional[torch.Tensor] = None) -> None:
         """One layer's routing of one step: ids (logical) and slots (physical), both [T, k];
         slots None: the plain mapping (slot = expert)."""
-        flat = ids.reshape(-1)
-        ones = torch.ones_like(flat, dtype=torch.int64)
         if slots is None:
-            self.plain[row].index_add_(0, flat, ones)
+            self._plain_rows[row].index_put_((ids,), self._one, accumulate=True)
             return
-        self.placed_logical[row].index_add_(0, flat, ones)
-        self.placed_physical[row].index_add_(0, slots.reshape(-1), ones)
+        logical, physical = self._placed_rows[row]
+        logical.index_put_((ids,), self._one, accumulate=True)
+        physical.index_put_((slots,), self._one, accumulate=True)
 
     @property
     def logical(self) -> torch.Tensor:
