@@ -103,6 +103,11 @@ SUITES = {
         "block split vs one redundant expert per rank (planned for 2/4/8 ranks, measured at --tp-size 2), greedy "
         "output unchanged, a live rebalance mid-run (eplb/eplb.json + .png).",
     ),
+    "planner-bound": (
+        "planner_bound",
+        "What stands between the planner and its cost goal: the planner handed the exact burst-free load, "
+        "a shorter cool-down, no start-up, on the planner-seeds traces (planner/planner_bound.json + .png).",
+    ),
     "spec": (
         "spec_decode_bench",
         "MTP speculative decoding vs plain decoding: acceptance length, tok/s and ITL (spec_decode.json + .png).",
