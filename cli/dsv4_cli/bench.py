@@ -102,6 +102,12 @@ SUITES = {
         "The planner on the fixed trace and on random-burst traces, one per seed, vs the best static split "
         "per trace and for every trace, and the HPA-like rule (planner/planner_seeds.json + .png).",
     ),
+    "eplb": (
+        "eplb_bench",
+        "Expert load balancing: loads recorded from skewed prompts on moe32, max/mean load per rank under the "
+        "block split vs one redundant expert per rank (planned for 2/4/8 ranks, measured at --tp-size 2), greedy "
+        "output unchanged, a live rebalance mid-run (eplb/eplb.json + .png).",
+    ),
     "planner-bound": (
         "planner_bound",
         "What stands between the planner and its cost goal: the planner handed the exact burst-free load, "

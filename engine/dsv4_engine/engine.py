@@ -112,6 +112,7 @@ def args_refusal(args: EngineArgs) -> Optional[str]:
     from dsv4_engine.parallel.layout import layout_refusal
 
     from dsv4_engine.kv_sizing import fraction_refusal
+    from dsv4_engine.parallel.eplb import ep_flags_refusal
 
     return (
         limits_refusal(args.max_num_seqs, args.max_num_batched_tokens)
@@ -120,6 +121,9 @@ def args_refusal(args: EngineArgs) -> Optional[str]:
         or layout_refusal(args.tp_size, args.nnodes, args.node_rank, args.dist_init_addr)
         or node_role_refusal(args)
         or session_refusal(args.session_ttl, args.session_pin_share)
+        or ep_flags_refusal(
+            args.ep_redundant_experts, args.ep_loads_file, args.tp_size, args.speculative_algorithm is not None
+        )
     )
 
 
@@ -230,6 +234,8 @@ class Engine:
                 graph_max_bs,
                 tp=self.tp.rank,
                 kv_cache_dtype=args.kv_cache_dtype,
+                ep_redundant_experts=args.ep_redundant_experts,
+                ep_loads_file=args.ep_loads_file,
             )
         else:
             self.runner = ModelRunner(
@@ -239,6 +245,8 @@ class Engine:
                 args.kernel_backend,
                 graph_max_bs,
                 kv_cache_dtype=args.kv_cache_dtype,
+                ep_redundant_experts=args.ep_redundant_experts,
+                ep_loads_file=args.ep_loads_file,
             )
         self.cfg = self.runner.cfg
         self.tokenizer = Tokenizer.from_dir(args.model)
@@ -387,6 +395,8 @@ class Engine:
         self.metrics.set("nnodes", args.nnodes)
         if self.runner.native_build_failures:  # said once at WARNING by dsv4_kernels.native
             self.metrics.inc("native_build_failures", self.runner.native_build_failures)
+        if self.runner.eplb is not None:  # expert loads, read at scrape time
+            self.metrics.before_render.append(self.runner.eplb.loads.publish)
         for name, nbytes in self.pool.bytes_per_token().items():
             self.metrics.set_state("kv_state_bytes_per_token", name, nbytes)
         for name, nbytes in self.pool.bytes_per_request().items():
@@ -984,6 +994,8 @@ class Engine:
             "kv_state_bytes_per_token": self.pool.bytes_per_token(),
             "kv_state_bytes_per_request": self.pool.bytes_per_request(),
             "speculative": self.spec.loads(self.metrics) if self.spec is not None else None,
+            # MoE expert loads per layer (max/mean over experts and over ranks) and the EPLB placement
+            "expert_loads": self.runner.eplb.summary() if self.runner.eplb is not None else None,
             # Decode CUDA graphs: on (batch sizes) or why decodes run eagerly; how the pool was sized.
             "cuda_graphs": self.runner.graphs_status(getattr(self.spec, "graphs", None)),
             "kv_sizing": {**self.pool_size.describe(), "kv_cache_dtype": self.kv_cache_dtype},

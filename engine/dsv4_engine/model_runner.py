@@ -72,6 +72,8 @@ class ModelRunner:
         cuda_graph_max_bs: int = 0,
         tp=None,
         kv_cache_dtype: Optional[str] = None,
+        ep_redundant_experts: int = 0,
+        ep_loads_file: Optional[str] = None,
     ):
         entry = entry_for_dir(model_dir)
         self.model_type = entry.model_type
@@ -100,6 +102,10 @@ class ModelRunner:
                 self.device,
                 tp,
             )
+        # Expert load counters, and the experts' placement with --ep-redundant-experts (EPLB)
+        from dsv4_engine.parallel.eplb_apply import attach_eplb
+
+        self.eplb = attach_eplb(self.model, model_dir, ep_redundant_experts, ep_loads_file)
         # Which implementation each op runs, and why (the start-up log, /v1/loads `kernels`)
         ops = self.model.ops
         self.kernel_ops: dict[str, str] = ops.implementations()

@@ -191,6 +191,22 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     ),
     _O("node_rank", int, 0, "This host's place among --nnodes (0: the node that serves).", min=0),
     _O(
+        "ep_redundant_experts",
+        int,
+        0,
+        "EPLB: R extra copies of the hottest routed experts (DeepSeek-V3-style MoE, unquantized), at most one per "
+        "rank (R <= --tp-size), placed by load over the ranks; tokens of a replicated expert spread over its "
+        "copies. Placed from --ep-loads-file, else evenly until POST /admin/eplb/rebalance (docs/eplb.md).",
+        min=0,
+    ),
+    _O(
+        "ep_loads_file",
+        str,
+        None,
+        "EPLB: expert loads recorded from a run (the JSON of GET /admin/expert_loads) to place the "
+        "--ep-redundant-experts copies from at start.",
+    ),
+    _O(
         "dist_init_addr",
         str,
         None,

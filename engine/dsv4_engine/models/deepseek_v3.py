@@ -434,6 +434,11 @@ class DeepseekV3:
             cfg.norm_topk_prob,
             cfg.routed_scaling_factor,
         )
+        # EPLB hook (dsv4_engine.parallel.eplb_apply.LayerRoute): counts this layer's expert loads
+        # and maps logical expert ids to physical slots (a replicated expert's copies)
+        route = L.get("eplb")
+        if route is not None:
+            ids = route(ids)
         if self.tp is not None:
             weights, ids = self.tp.local_experts(weights, ids)
         shared = (L["s_w13"], L["s_w2"]) if "s_w13" in L else None
