@@ -194,6 +194,8 @@ class Cluster:
                 self._engine("prefill" if i == 0 else f"prefill{i}", "prefill", ["--bootstrap-port", free_port()])
             for i in range(decodes):
                 self._engine(f"{'mono' if mono else 'decode'}{i}", "mono" if mono else "decode", list(decode_args))
+            for name, p in self.procs.items():
+                p.wait_ready(self.urls[name], timeout=180)
             self.r_url = f"http://127.0.0.1:{free_port()}"
             role_args = []
             for name, u in self.urls.items():
@@ -207,25 +209,17 @@ class Cluster:
                 *("--port", self.r_url.rsplit(":", 1)[1], "--health-interval", 0.5),
                 *router_args,
             ]
-            self.router = self._router()  # it loads while the engines do
-            for name, p in self.procs.items():
-                p.wait_ready(self.urls[name], timeout=180)
-            self._wait_router()
+            self.start_router()
         except BaseException:
             self.stop()
             raise
 
-    def _router(self) -> Proc:
-        return Proc(self._router_cmd, self.tmp / f"router-{time.monotonic_ns()}.log", env=self.env)
-
     def start_router(self) -> None:
-        """The router again, on its port: a restart after it was killed."""
-        self.router.popen.wait(30)
-        self.router.stop()
-        self.router = self._router()
-        self._wait_router()
-
-    def _wait_router(self) -> None:
+        """The router (again, on its port: a restart after it was killed)."""
+        if self.router is not None:
+            self.router.popen.wait(30)
+            self.router.stop()
+        self.router = Proc(self._router_cmd, self.tmp / f"router-{time.monotonic_ns()}.log", env=self.env)
         self.router.wait_ready(self.r_url, timeout=60)
         self.router.wait_workers_healthy(self.r_url, len(self.procs), timeout=60)
 
