@@ -26,6 +26,7 @@ class Paths:
     ADMIN_FAULTS = "/admin/faults"  # only with --enable-fault-injection
     DEBUG_STACKS = "/debug/stacks"
     ADMIN_WORKERS = "/admin/workers"  # router
+    ADMIN_HOLD = "/admin/hold"  # router: a planned change holds new requests (POST {"seconds", "reason"}, DELETE)
     # engine to engine (behind the PD secret when one is set)
     PD_ABORT = "/pd/abort"
     BOOTSTRAP_REGISTER = "/bootstrap/register"
