@@ -95,6 +95,7 @@ class Router:
         self.hold = PlannedHold()  # a planned change's lease (hold.py, POST /admin/hold)
         self.metrics.inflight.set_function(lambda: self.admission.inflight)
         self.metrics.queued.set_function(lambda: self.admission.queued)
+        self.metrics.planned_hold.set_function(lambda: self.hold.left(time.monotonic()))
         self.up: Optional[Upstreams] = None
         self.tracing = Tracing(args.otlp_traces_endpoint, "dsv4-router")
         self._tasks: list[asyncio.Task] = []

@@ -46,6 +46,7 @@ GAUGE_FIELDS = (
     "rank_beat_age_seconds",
     "http_waiting",
     "router_held",
+    "router_hold_left",
 )
 
 # Monotonic counters; a value lower than the previous scrape's means the engine restarted.
@@ -94,6 +95,8 @@ class EngineSample:
     # A router (kind ROUTER): requests inside it (admitted + queued), and requests sent to engines.
     router_held: float | None = None
     router_sent: float | None = None
+    # seconds left of a planned change's hold (router hold.py): requests held then are no wedge
+    router_hold_left: float | None = None
     # counters
     transfers_completed: float | None = None
     transfer_bytes: float | None = None
@@ -190,6 +193,7 @@ _ROUTER_NAMES = {
     "dsv4_router:inflight_requests": "router_held",
     "dsv4_router:queued_requests": "router_held",
     "dsv4_router:worker_requests_total": "router_sent",
+    "dsv4_router:planned_hold_seconds": "router_hold_left",
 }
 
 _NAMES = {BUILTIN: _BUILTIN_NAMES, SGLANG: _SGLANG_NAMES, ROUTER: _ROUTER_NAMES}
