@@ -8,61 +8,25 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
-import httpx
 
 import pytest
 
 from bench.harness.commands import Proc, free_port
 from bench.harness.kmock_cluster import ClusterClient, eventually
-from watchdog_harness import NS, PLURAL, PodFarm, WatchdogCluster, deployment, events, get_cr
+from watchdog_harness import (
+    PLURAL,
+    PodFarm,
+    WatchdogCluster,
+    deployment,
+    events,
+    get_cr,
+    replicaset,
+    router_pod,
+    wait_metrics,
+)
 
 pytestmark = pytest.mark.slow  # ~15 s: two router processes, two detection windows with scrape timeouts
-
-
-async def replicaset(client: ClusterClient) -> dict:
-    """The ReplicaSet the router Deployment's controller would make (the emulator has no controllers)."""
-    labels = {"app.kubernetes.io/name": "dsv4", "app.kubernetes.io/instance": "edge", "serving.dsv4.dev/role": "router"}
-    body = {
-        "apiVersion": "apps/v1",
-        "kind": "ReplicaSet",
-        "metadata": {"name": "edge-router-5d9f", "namespace": NS, "labels": labels},
-        "spec": {
-            "replicas": 2,
-            "selector": {"matchLabels": labels},
-            "template": {"metadata": {"labels": labels}, "spec": {"containers": [{"name": "router", "image": "r"}]}},
-        },
-    }
-    return await client.create(body, "replicasets")
-
-
-async def router_pod(client: ClusterClient, name: str, port: int, rs: dict) -> dict:
-    """A router pod as its Deployment's ReplicaSet makes it, Running and Ready at 127.0.0.1:port."""
-    meta = {
-        "name": name,
-        "namespace": NS,
-        "labels": {
-            "app.kubernetes.io/name": "dsv4",
-            "app.kubernetes.io/instance": "edge",
-            "serving.dsv4.dev/role": "router",
-        },
-        "ownerReferences": [
-            {
-                "apiVersion": "apps/v1",
-                "kind": "ReplicaSet",
-                "name": "edge-router-5d9f",
-                "uid": rs["metadata"]["uid"],
-                "controller": True,
-            }
-        ],
-    }
-    containers = [{"name": "router", "image": "reg/dsv4:1", "ports": [{"name": "http", "containerPort": port}]}]
-    await client.create(
-        {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": {"containers": containers}}, "pods"
-    )
-    status = {"phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}
-    return await client.patch("v1", "pods", NS, name, {"status": status}, subresource="status")
 
 
 async def test_a_frozen_router_pod_is_restarted_beside_a_ready_one_and_the_last_one_reported(
@@ -81,7 +45,7 @@ async def test_a_frozen_router_pod_is_restarted_beside_a_ready_one_and_the_last_
             await farm.add(pod, role, (await engines(role)).port)
         rs = await replicaset(kube_client)
         for i, p in enumerate(ports):
-            await asyncio.to_thread(_wait_metrics, f"http://127.0.0.1:{p}", routers[i])
+            await asyncio.to_thread(wait_metrics, f"http://127.0.0.1:{p}", routers[i])
             await router_pod(kube_client, f"edge-router-5d9f-{i}", p, rs)
 
         async def seen(states: dict) -> bool:
@@ -124,22 +88,8 @@ async def test_a_frozen_router_pod_is_restarted_beside_a_ready_one_and_the_last_
             r.stop()
 
 
-def _wait_metrics(url: str, router: Proc) -> None:
-    """Serving (its /ready says no engine is: none is behind it, and none need be for this test)."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/metrics", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert router.popen.poll() is None, router.log()
-        time.sleep(0.2)
-    raise TimeoutError(router.log())
-
-
 async def _evicted(cluster: WatchdogCluster, pod: str) -> bool:
-    return any(name == pod for name, _ in cluster.evictions) and cluster.objects_of("v1/pods", NS) is not None
+    return any(name == pod for name, _ in cluster.evictions)
 
 
 async def _said(cluster: WatchdogCluster, pod: str) -> bool:
