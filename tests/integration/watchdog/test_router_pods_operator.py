@@ -59,7 +59,11 @@ async def test_a_frozen_router_pod_is_restarted_beside_a_ready_one_and_the_last_
 
         os.kill(routers[0].popen.pid, signal.SIGSTOP)
         await eventually(lambda: _evicted(kube_cluster, "edge-router-5d9f-0"), timeout=20)
-        [said] = [e for e in events(kube_cluster, "edge", "WedgeDetected") if _about(e, "edge-router-5d9f-0")]
+        # kopf posts Events in the background: the eviction may be seen first
+        [said] = await eventually(
+            lambda: [e for e in events(kube_cluster, "edge", "WedgeDetected") if _about(e, "edge-router-5d9f-0")],
+            timeout=5,
+        )
         assert "unresponsive" in said["message"] and "silent_seconds" in said["message"], said
         await eventually(lambda: events(kube_cluster, "edge", "RouterRestarted"), timeout=5)
 
