@@ -96,6 +96,8 @@ class Router:
         self.metrics.inflight.set_function(lambda: self.admission.inflight)
         self.metrics.queued.set_function(lambda: self.admission.queued)
         self.metrics.planned_hold.set_function(lambda: self.hold.left(time.monotonic()))
+        self.waiting_for_engine = 0  # requests waiting for a healthy engine (pair): held, not stuck here
+        self.metrics.engine_wait.set_function(lambda: self.waiting_for_engine)
         self.up: Optional[Upstreams] = None
         self.tracing = Tracing(args.otlp_traces_endpoint, "dsv4-router")
         self._tasks: list[asyncio.Task] = []
@@ -379,12 +381,12 @@ class Router:
                                 now - held_since, a.engine_wait_timeout, self.hold.left(now), a.request_timeout
                             )
                         ):
-                            await asyncio.sleep(0.25)
+                            await self._wait_for_engine()
                             continue
                         return self.error(e, {"Retry-After": "2"})
                     if budget <= 0.25 or a.migration_limit == 0:
                         return self._gave_up(st, last, timed_out=a.migration_limit > 0)
-                    await asyncio.sleep(0.25)  # nothing healthy now: wait, within the bound, for one to come back
+                    await self._wait_for_engine()  # nothing healthy now: wait, within the bound, for one to come back
                     continue
                 tried.update({d.url} | ({p.url} if p else set()))
                 if reason is not None:
@@ -432,6 +434,15 @@ class Router:
         finally:
             if t_break is not None:
                 st.placing_s += time.monotonic() - t_break
+
+    async def _wait_for_engine(self) -> None:
+        """A pause of a request that finds no healthy engine (pair), counted in
+        dsv4_router:engine_wait_requests: the watchdog tells it from a router that is stuck."""
+        self.waiting_for_engine += 1
+        try:
+            await asyncio.sleep(0.25)
+        finally:
+            self.waiting_for_engine -= 1
 
     def _gave_up(self, st: Resume, last: Optional[Retry], timed_out: bool) -> Response:
         if last is not None and last.content and not st.started and not timed_out:

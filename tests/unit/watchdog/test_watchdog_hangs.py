@@ -136,6 +136,13 @@ def test_requests_held_through_a_planned_change_are_no_router_wedge():
     # the hold lapsed, the router still holds and sends nothing: a wedge once the window has passed
     assert wedged(run([holding(t, 0.0) for t in range(0, 70, 5)]))
 
+    def waiting(t: float, n: int) -> EngineSample:  # held because no engine (pair) is healthy
+        text = f"dsv4_router:inflight_requests 12\ndsv4_router:engine_wait_requests {n}\n"
+        return build_sample(t, "router", ROUTER, metrics_text=text + sent)
+
+    assert not wedged(run([waiting(t, 12) for t in range(0, 120, 5)]))  # the engines' outage, not the router's
+    assert wedged(run([waiting(t, 3) for t in range(0, 70, 5)]))  # nine stuck in the router itself
+
 
 def test_the_engines_http_waiting_gauge_is_read_from_metrics_and_loads():
     text = 'dsv4:num_http_waiting_reqs{model_name="m",role="mono"} 4\n'
