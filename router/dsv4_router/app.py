@@ -26,6 +26,7 @@ from starlette.requests import ClientDisconnect
 from dsv4_router.agent_routes import add_agent_routes
 from dsv4_router.cache_placement import Tokenize
 from dsv4_router.router_args import RouterArgs
+from dsv4_router.hold import MAX_HOLD_S, parse_hold
 from dsv4_router.router import Router
 from dsv4_router.body import parse_body, read_limited
 from dsv4_router.fastlane import FastLane
@@ -213,6 +214,32 @@ def build_app(router: Router) -> FastLane:
         if not isinstance(url, str) or not router.pool.remove(url):
             return router.error(APIError(f"no such worker: {url}", 404, "not_found_error"))
         return {"removed": url}
+
+    @app.get(Paths.ADMIN_HOLD)
+    async def get_hold(http: Request):
+        return guard(http) or router.hold.view(time.monotonic())
+
+    @app.post(Paths.ADMIN_HOLD)
+    async def set_hold(http: Request):
+        """A planned change (a roll, a reconfigure) holds new requests that find no healthy pair for
+        up to `seconds` (a lease: renew it, or DELETE it when done), not --engine-wait-timeout."""
+        if (err := guard(http)) is not None:
+            return err
+        body = await admin_body(http)
+        if isinstance(body, JSONResponse):
+            return body
+        parsed = parse_hold(body)
+        if parsed is None:
+            return router.error(APIError(f'give {{"seconds": 0..{MAX_HOLD_S:g}, "reason": "..."}}'))
+        router.hold.set(*parsed, time.monotonic())
+        return router.hold.view(time.monotonic())
+
+    @app.delete(Paths.ADMIN_HOLD)
+    async def clear_hold(http: Request):
+        if (err := guard(http)) is not None:
+            return err
+        router.hold.clear()
+        return router.hold.view(time.monotonic())
 
     return FastLane(
         app,

@@ -38,6 +38,9 @@ TRUNCATED = "stream_cut"  # the stream ended without finishing
 REFUSED = "engine_refused"  # a 5xx answer, or a prefill leg that failed, before any output
 UNREACHABLE = "unreachable"  # the engine could not be connected to at all
 STALLED = "engine_frozen"  # silent far past its pace, and its /ready unanswered (stall.py)
+DRAINING = "engine_draining"  # the engine answered that it is shutting down: it never ran the request
+# Re-sends that cost only time: the engine never had the request (not counted by --migration-limit).
+NEVER_RAN = frozenset({UNREACHABLE, DRAINING})
 
 
 def retryable(err: dict) -> bool:

@@ -111,6 +111,16 @@ class RouterMetrics:
         self.queued = Gauge(
             "dsv4_router:queued_requests", "Requests waiting for an admission slot", registry=self.registry
         )
+        self.engine_wait = Gauge(
+            "dsv4_router:engine_wait_requests",
+            "Requests waiting for a healthy engine (pair): none is ready now",
+            registry=self.registry,
+        )
+        self.planned_hold = Gauge(
+            "dsv4_router:planned_hold_seconds",
+            "Seconds left of a planned change's hold (POST /admin/hold): new requests wait for an engine",
+            registry=self.registry,
+        )
         self.rejected = Counter(
             "dsv4_router:rejected", "Requests refused with 429 (router at its limit)", registry=self.registry
         )
