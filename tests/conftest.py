@@ -15,7 +15,7 @@ if "TRITON_INTERPRET" not in os.environ:
 
 import pytest
 
-from bench.harness.commands import Proc, free_port  # noqa: F401  (re-exported for tests)
+from bench.harness.commands import Proc, free_port, stop_all  # noqa: F401  (re-exported for tests)
 
 
 @pytest.fixture(scope="session")
@@ -59,8 +59,7 @@ def spawn(tmp_path):
         return p
 
     yield _spawn
-    for p in procs:
-        p.stop()
+    stop_all(procs)
 
 
 @pytest.fixture(scope="module")

@@ -58,6 +58,7 @@ class Proc:
         self.args = args
         self.log_path = log_path
         self._log = open(log_path, "wb")
+        self._terminated = False
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "dsv4_cli", *map(str, args)],
             stdout=self._log,
@@ -101,15 +102,32 @@ class Proc:
             time.sleep(0.2)
         raise TimeoutError(f"{url}: fewer than {count} healthy workers after {timeout}s: {workers}\n{self.log()}")
 
+    def terminate(self) -> None:
+        """SIGTERM, once (a second one tells an engine to hurry its drain), without waiting."""
+        if self.popen.poll() is None and not self._terminated:
+            self.popen.terminate()
+            self._terminated = True
+
     def stop(self) -> None:
         if self.popen.poll() is None:
-            self.popen.terminate()
+            self.terminate()
             try:
                 self.popen.wait(10)
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait(5)
         self._log.close()
+
+
+def stop_all(procs) -> None:
+    """Stop several processes together: SIGTERM to each, then wait for each. An idle engine takes
+    over a second from SIGTERM to exit, mostly waiting: one after another, a cluster's teardown
+    added those seconds up."""
+    procs = [p for p in procs if p is not None]
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.stop()
 
 
 @contextlib.contextmanager
@@ -123,3 +141,21 @@ def serving(args: list, log_path: Path, env: dict | None = None):
         yield url
     finally:
         proc.stop()
+
+
+@contextlib.contextmanager
+def serving_all(runs: list[tuple[list, Path]], env: dict | None = None):
+    """Several `dsv4 serve` at once, [(ARGS, log path), ...]: their loading overlaps, where
+    `serving` one after the other waits for each in turn. Yields their URLs, in order, once every
+    one is ready."""
+    procs, urls = [], []
+    try:
+        for args, log_path in runs:
+            port = free_port()
+            procs.append(Proc(["serve", *args, "--port", port], log_path, env))
+            urls.append(f"http://127.0.0.1:{port}")
+        for proc, url in zip(procs, urls):
+            proc.wait_ready(url)
+        yield urls
+    finally:
+        stop_all(procs)

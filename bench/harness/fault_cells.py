@@ -305,3 +305,54 @@ def tokenizer_overload(c: Cluster, cell: "Cell", want: list, b: list[dict]) -> N
     if len(results) != CHAT_FLOOD or bad:
         cell.client_errors += len(bad) + CHAT_FLOOD - len(results)
         cell.why.append(f"flood answers: {json.dumps(bad[:5])} ({len(results)} of {CHAT_FLOOD} returned)")
+
+
+# -- a planned roll of the only prefill and the only decode ------------------------------------------
+
+
+def planned_roll(model: Path, tmp: Path, cell: "Cell") -> None:
+    """`dsv4 up` with one prefill and one decode while `dsv4 up --reconfigure` canaries and rolls
+    both (a harmless flag, kept): a planned change of a role with one engine costs latency, not
+    errors (surge: the new engine is routed to before the old one drains). Rounds of streams run
+    back to back for the whole reconfigure; each must equal the undisturbed round."""
+    import subprocess
+    import sys
+
+    b = [body_for(i, 48) for i in range(6)]
+    (tmp / "up").mkdir(parents=True, exist_ok=True)
+    up = LocalUp(model, tmp / "up", "--no-watchdog")
+    try:
+        want = streams(up.url, b, deadline_s=90)
+        if not all(w.ok for w in want):
+            raise RuntimeError(f"the undisturbed run failed: {[w.error for w in want if not w.ok][:3]}")
+        before = {k: p["port"] for k, p in up.processes().items()}
+        out: dict = {}
+
+        def reconfigure() -> None:
+            out["done"] = subprocess.run(
+                [sys.executable, "-m", "dsv4_cli", "up", "--port", str(up.port), "--reconfigure"]
+                + ["--probe-duration", "3", "--probe-concurrency", "1", "--engine-arg=--kv-pages=512"]
+                + ["--engine-arg=--page-size=16", "--engine-arg=--max-num-seqs=32"],
+                capture_output=True,
+                text=True,
+                timeout=400,
+                env={**os.environ, "DSV4_CACHE": str(tmp / "up" / "cache")},
+            )
+
+        t = threading.Thread(target=reconfigure)
+        t.start()
+        got: list = []
+        while t.is_alive() or not got:
+            got += streams(up.url, b, deadline_s=120)
+        t.join()
+        _judge(cell, got, want * (len(got) // len(b)))
+        done = out["done"]
+        result = json.loads(done.stdout or "{}")
+        if done.returncode != 0 or not result.get("kept"):
+            cell.why.append(f"the harmless change was not kept: {done.stdout[-300:]} {done.stderr[-300:]}")
+        after = {k: p["port"] for k, p in up.processes().items()}
+        if any(after.get(k) == before[k] for k in ("prefill-0", "decode-0")):
+            cell.why.append(f"an engine was not replaced by a surge: {before} -> {after}")
+        wait_idle([up.engine_url(k) for k in ("prefill-0", "decode-0")], timeout=40, headers=up.admin)
+    finally:
+        up.stop()

@@ -55,6 +55,7 @@ FAULTS = (
     "tokenizer_overload",
     "router_sigkill",
     "up_sigkill",
+    "planned_roll",
 )
 EXPECT = {
     "decode_sigkill": "0 client errors; every stream equal to the undisturbed run (migrated)",
@@ -68,9 +69,10 @@ EXPECT = {
     "tokenizer_overload": "48 long chats at once: plain streams whole, longest gap +2 s at most; chats 200 or 429",
     "router_sigkill": "no peer: open streams end within 5 s, never hang; engines free every page; retries whole",
     "up_sigkill": "no peer: none of its processes outlives it; restarted on its port it answers whole",
+    "planned_roll": "dsv4 up --reconfigure rolls the only prefill and decode: 0 client errors, every round whole",
 }
 PD_ONLY = ("transfer_fails", "transfer_corrupted", "notification_lost")
-ONE_MODE = {"up_sigkill": "pd"}  # its own `dsv4 up`, not the mode's cluster: run once
+ONE_MODE = {"up_sigkill": "pd", "planned_roll": "pd"}  # its own `dsv4 up`, not the mode's cluster: run once
 # Decode's wait for a hand-off's KV keeps its default (60 s): it is what catches a lost
 # notification, but it also runs while prefill queues for pages, so a short one (6 s was tried)
 # turned the full-pool cell's waits into client errors (504, then the router's 502).
@@ -183,6 +185,8 @@ def run_cell(c: Cluster, cell: Cell, want: list, tmp: Optional[Path] = None) -> 
         cells.router_sigkill(c, cell, want, b)
     elif cell.fault == "up_sigkill":
         cells.up_sigkill(c.model, tmp or c.tmp, cell)
+    elif cell.fault == "planned_roll":
+        cells.planned_roll(c.model, tmp or c.tmp, cell)
     elif cell.fault == "client_churn":
         cells.client_churn(c, cell, want, b)
     elif cell.fault == "kv_pool_full":

@@ -21,7 +21,7 @@ from typing import Optional
 import aiohttp
 import httpx
 
-from bench.harness.commands import Proc, free_port  # noqa: E402
+from bench.harness.commands import Proc, free_port, stop_all  # noqa: E402
 
 ENGINE_ARGS = ["--kv-pages", 512, "--page-size", 16, "--max-num-seqs", 64, "--served-model-name", "m"]
 
@@ -263,9 +263,7 @@ class Cluster:
         return httpx.get(f"{self.r_url}/metrics", timeout=5).text
 
     def stop(self) -> None:
-        for p in [self.router, *self.procs.values()]:
-            if p is not None:
-                p.stop()
+        stop_all([self.router, *self.procs.values()])
 
     def logs(self) -> str:
         return "\n".join(

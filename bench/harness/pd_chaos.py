@@ -23,7 +23,7 @@ from typing import Optional
 import aiohttp
 import httpx
 
-from bench.harness.commands import Proc, free_port  # noqa: E402
+from bench.harness.commands import Proc, free_port, stop_all  # noqa: E402
 
 # ---- one request -----------------------------------------------------------------------------
 
@@ -279,9 +279,7 @@ class PDStack:
         self.decode.wait_ready(self.d_url, timeout=timeout)
 
     def stop(self) -> None:
-        for p in (self.router, self.decode, self.prefill):
-            if p is not None:
-                p.stop()
+        stop_all([self.router, self.decode, self.prefill])
 
     def logs(self) -> str:
         return "\n".join(

@@ -80,7 +80,7 @@ def model_init(
     out_dir: Path = typer.Argument(..., help="Folder to write the checkpoint into."),
     preset: str = typer.Option(
         "tiny",
-        help="Model preset: tiny | mla512 (DeepSeek-V3) | v4-tiny | v4-tiny-long (16,384 positions) | v4-flash-shape (DeepSeek-V4, release layout).",
+        help="Model preset: tiny | mla512 | moe32 (DeepSeek-V3; moe32: 32 routed experts, for EPLB) | v4-tiny | v4-tiny-long (16,384 positions) | v4-flash-shape (DeepSeek-V4, release layout).",
     ),
     seed: int = typer.Option(0, help="Seed; the same seed writes the same checkpoint."),
     quant: Optional[str] = typer.Option(
@@ -364,6 +364,15 @@ def up(
         envvar=PD_SECRET_ENV,
         help="Secret of engine-to-engine PD calls (default: generated and kept, mode 0600, in the state folder).",
     ),
+    surge: Optional[bool] = typer.Option(
+        None,
+        "--surge/--no-surge",
+        help="Planned restarts (--reconfigure, its canary and revert) start the new engine on new ports and route "
+        "to it before the old one drains and stops, so a role with one engine never has none. Default: on unless "
+        "a GPU is present (a second engine would take memory the running one sized its KV pool against); off, or "
+        "where it cannot (an engine of several --nnodes processes), the engine restarts in place and the router "
+        "holds new requests until it is back.",
+    ),
     reconfigure: bool = typer.Option(
         False,
         "--reconfigure",
@@ -421,6 +430,7 @@ def up(
     if scrape_interval <= 0:
         _fail("--scrape-interval must be positive")
     from dsv4_operator.local.up import UpArgs, detection_window as window_for, engine_deadlines, run_up
+    from dsv4_operator.local.surge import gpu_present, surge_by_default
 
     try:  # refuse a window shorter than the engines' deadlines before building anything
         window_for(detection_window, None if no_deadlines else engine_deadlines(engine_arg), scrape_interval)
@@ -443,6 +453,7 @@ def up(
             evidence_dir=evidence_dir,
             engine_args=list(engine_arg),
             nnodes=nnodes,
+            surge=surge if surge is not None else surge_by_default(gpu_present()),
             admin_token=admin_token,
             pd_secret=pd_secret,
         )

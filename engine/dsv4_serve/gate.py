@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from dsv4_wire import APIError, Paths, admin_refusal
+from dsv4_wire.errors import SHUTTING_DOWN
 from dsv4_wire.paths import ANTHROPIC_PATHS
 from dsv4_wire.auth import token_matches
 from dsv4_wire.agent_apis.messages_output import error_body
@@ -96,7 +97,7 @@ class Gate:
             return await send_error(
                 send,
                 APIError(
-                    "the server is shutting down; retry on another replica", 503, "server_error", code="shutting_down"
+                    "the server is shutting down; retry on another replica", 503, "server_error", code=SHUTTING_DOWN
                 ),
                 ((b"connection", b"close"),),
                 scope["path"],

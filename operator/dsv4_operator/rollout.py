@@ -40,10 +40,12 @@ from dsv4_operator.manifests import (
     child_name,
     contains,
     engine_statefulset,
+    multi_node,
     selector_labels,
     workload_kind,
 )
 from dsv4_operator.pinning import pinned_revision
+from dsv4_operator.rollout_hold import hold_reason, renew_hold
 from dsv4_operator.watchdog.pods import engine_pod
 from dsv4_operator.workload_form import lws_served
 from dsv4_operator.watchdog.evidence import DEPLOYMENT_LABEL, EVIDENCE_LABEL
@@ -139,6 +141,10 @@ class CanaryRun:
         spec, raw, annotations = self.current()
         if spec is None or (self.body.get("metadata") or {}).get("deletionTimestamp"):
             return
+        try:
+            await self.hold_routers(spec)
+        except (ApiError, httpx.HTTPError) as e:  # the routers hold by themselves a while; the canary goes on
+            self.logger.warning(f"Router hold not renewed: {e}")
         if pinned_revision(annotations, int(self.body["metadata"].get("generation") or 0)):
             return  # a rollback pin rules the children: no canary under it
         record = plan.CanaryRecord.from_annotations(annotations)
@@ -154,6 +160,27 @@ class CanaryRun:
         elif step.action == "probe":
             assert record is not None and step.state is not None
             await self.probe(spec, raw, record, step.state)
+
+    async def hold_routers(self, spec: S.DSV4DeploymentSpec) -> None:
+        """While a one-replica role rolls, the routers hold new requests (rollout_hold.py)."""
+        if spec.engine.kind == "sglang" or any(multi_node(spec, r) for r in ("prefill", "decode")):
+            return  # sgl-router has no hold; a multi-node role is not one StatefulSet
+        reason = hold_reason(
+            {
+                role: await self.api.get("apps/v1", "StatefulSet", self.namespace, child_name(self.name, role))
+                for role in ("prefill", "decode")
+            }
+        )
+        if reason is None:
+            return
+        sel = ",".join(f"{k}={v}" for k, v in selector_labels(self.name, "router").items())
+        listed = await self.api.request(
+            "GET", resource_path("v1", "pods", self.namespace), query=[("labelSelector", sel)]
+        )
+        routers = router_urls(list((listed or {}).get("items") or []), spec.router.port, self.name)
+        if routers:
+            tokens = await deployment_tokens(self.api, self.namespace, self.name) or {}
+            await renew_hold(routers, tokens.get(ROUTER_ADMIN_TOKEN_KEY), reason, self.logger)
 
     async def live_replicas(self, spec: S.DSV4DeploymentSpec) -> dict[str, int]:
         """The replicas of the engine roles whose count the planner or an autoscaler sets, read from

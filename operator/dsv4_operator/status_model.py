@@ -66,6 +66,13 @@ class DSV4DeploymentStatus(_Model):
         "leader's), role, ready, nodes (ready/size) and pods (name, node rank, ready).",
         json_schema_extra={"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
     )
+    routers: Optional[dict[str, Any]] = Field(
+        None,
+        description="The router pods as the watchdog last saw them: each pod's verdict (state, reason, and the "
+        "evidence: details) and lastRestart, the last wedged router it restarted (only while another replica was "
+        "ready and answering; else a wedge is reported only).",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
     last_remediation: Optional[RemediationRecord] = None
     remediations_total: Optional[int] = Field(None, ge=0)
     canary: Optional[dict[str, Any]] = Field(

@@ -26,6 +26,7 @@ from starlette.requests import ClientDisconnect
 from dsv4_router.agent_routes import add_agent_routes
 from dsv4_router.cache_placement import Tokenize
 from dsv4_router.router_args import RouterArgs
+from dsv4_router.hold import MAX_HOLD_S, parse_hold
 from dsv4_router.router import Router
 from dsv4_router.body import parse_body, read_limited
 from dsv4_router.fastlane import FastLane
@@ -48,7 +49,9 @@ def _http_url(url: object) -> bool:
     return parsed.scheme in ("http", "https") and bool(parsed.host)
 
 
-def build_app(router: Router) -> FastAPI:
+def build_app(router: Router) -> FastLane:
+    """The router's ASGI app: the generation POSTs' fast lane in front of the FastAPI app."""
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         await router.start()
@@ -66,14 +69,16 @@ def build_app(router: Router) -> FastAPI:
             APIError(f"internal router error (reference {ref}: see the router's log)", 500, "server_error")
         )
 
-    app.add_middleware(FastLane, handle=router.handle, on_error=_internal_error)  # innermost: see fastlane.py
-    app.add_middleware(
-        TenantGate,
+    # who calls first (the key), then the key's limits and cache salt; the generation POSTs pass
+    # the same gates (the same limits, metrics and keys) in front of the app (fastlane.py)
+    tenancy = dict(
         limiter=KeyLimiter(router.args.key_limits),
         metrics=TenantMetrics(router.metrics.registry),
         salt_from_key=salt_per_key(bool(router.args.api_keys), router.args.shared_prefix_cache),
     )
-    app.add_middleware(ApiKeyGate, ring=KeyRing(router.args.api_keys))  # outermost: who calls, first
+    ring = KeyRing(router.args.api_keys)
+    app.add_middleware(TenantGate, **tenancy)
+    app.add_middleware(ApiKeyGate, ring=ring)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(http: Request, e: StarletteHTTPException):
@@ -210,7 +215,38 @@ def build_app(router: Router) -> FastAPI:
             return router.error(APIError(f"no such worker: {url}", 404, "not_found_error"))
         return {"removed": url}
 
-    return app
+    @app.get(Paths.ADMIN_HOLD)
+    async def get_hold(http: Request):
+        return guard(http) or router.hold.view(time.monotonic())
+
+    @app.post(Paths.ADMIN_HOLD)
+    async def set_hold(http: Request):
+        """A planned change (a roll, a reconfigure) holds new requests that find no healthy pair for
+        up to `seconds` (a lease: renew it, or DELETE it when done), not --engine-wait-timeout."""
+        if (err := guard(http)) is not None:
+            return err
+        body = await admin_body(http)
+        if isinstance(body, JSONResponse):
+            return body
+        parsed = parse_hold(body)
+        if parsed is None:
+            return router.error(APIError(f'give {{"seconds": 0..{MAX_HOLD_S:g}, "reason": "..."}}'))
+        router.hold.set(*parsed, time.monotonic())
+        return router.hold.view(time.monotonic())
+
+    @app.delete(Paths.ADMIN_HOLD)
+    async def clear_hold(http: Request):
+        if (err := guard(http)) is not None:
+            return err
+        router.hold.clear()
+        return router.hold.view(time.monotonic())
+
+    return FastLane(
+        app,
+        handle=router.handle,
+        on_error=_internal_error,
+        gates=lambda lane: ApiKeyGate(TenantGate(lane, **tenancy), ring=ring),
+    )
 
 
 def run_router(args: RouterArgs, tokenize: Optional[Tokenize] = None) -> None:

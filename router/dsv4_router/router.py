@@ -18,6 +18,7 @@ This module places and relays requests (`Router`); the workers, their pool and h
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import random
@@ -38,7 +39,19 @@ from dsv4_router.body import body_limit, parse_body, read_limited
 from dsv4_router.cache_index import CacheIndex
 from dsv4_router.cache_placement import CachePlacement, Tokenize, prompt_ids
 from dsv4_router.cache_subscriber import CacheSubscriber
-from dsv4_router.migration import BROKEN, REFUSED, STALLED, TRUNCATED, UNREACHABLE, Resume, allowed_resends
+from dsv4_router.hangup import SCOPE_KEY as HANGUP, Hangup
+from dsv4_router.hold import PlannedHold, draining_refusal, may_keep_waiting
+from dsv4_router.migration import (
+    BROKEN,
+    DRAINING,
+    NEVER_RAN,
+    REFUSED,
+    STALLED,
+    TRUNCATED,
+    UNREACHABLE,
+    Resume,
+    allowed_resends,
+)
 from dsv4_router.relay import Outlet, RelayResponse, error_events, first_event_error, split_events, sse
 from dsv4_router.sessions import session_into_body
 from dsv4_router.stall import StallWatch
@@ -81,8 +94,12 @@ class Router:
         self.metrics = RouterMetrics()
         self.keys = ConversationKeys()  # prefix-affinity keys, remembering short plain prompts
         self.admission = Admission(args.max_inflight, args.max_queue, args.queue_timeout)
+        self.hold = PlannedHold()  # a planned change's lease (hold.py, POST /admin/hold)
         self.metrics.inflight.set_function(lambda: self.admission.inflight)
         self.metrics.queued.set_function(lambda: self.admission.queued)
+        self.metrics.planned_hold.set_function(lambda: self.hold.left(time.monotonic()))
+        self.waiting_for_engine = 0  # requests waiting for a healthy engine (pair): held, not stuck here
+        self.metrics.engine_wait.set_function(lambda: self.waiting_for_engine)
         self.up: Optional[Upstreams] = None
         self.tracing = Tracing(args.otlp_traces_endpoint, "dsv4-router")
         self._tasks: list[asyncio.Task] = []
@@ -109,6 +126,9 @@ class Router:
             self.subscriber.start()
             self._tasks.append(asyncio.create_task(self._follow_loop()))
         await self.health.check_all()
+        # Everything loaded so far lives as long as the process: out of the collector's sight,
+        # a full collection (which the per-request garbage triggers) no longer walks it.
+        gc.freeze()
         self._tasks.append(asyncio.create_task(self.health.loop()))
         self._tasks.append(asyncio.create_task(self.stalls.loop()))
         if self.args.discover_namespace:
@@ -187,7 +207,7 @@ class Router:
     async def handle(self, path: str, http: Request, body: Optional[dict] = None) -> Response:
         """`body`: the request's, already read (an agent API's, translated to chat: agent_routes.py;
         counted under the path the client called)."""
-        self.metrics.requests.labels(http.url.path if body is not None else path).inc()
+        self.metrics.requests_of(http.url.path if body is not None else path).inc()
         pin = http.headers.get(PIN_HEADER)
         if pin is not None:  # only an admin may aim a request at one engine (a canary)
             refusal = admin_refusal(http.headers, self.args.admin_token, http.client.host if http.client else None)
@@ -226,6 +246,8 @@ class Router:
         # A client that hangs up (queued or not) cancels the work: closing the upstream
         # connections is what makes the engines abort (and, through them, the PD peer).
         slot = Slot(self.admission)
+        if http.scope.get(HANGUP, False) is None:  # the fast lane's: one watch, the work inline
+            return await self._watched(http, slot, self._admitted(path, body, slot, trace_in, pin))
         work = asyncio.ensure_future(self._admitted(path, body, slot, trace_in, pin))
         gone = asyncio.ensure_future(self._wait_disconnect(http))
         try:
@@ -240,6 +262,25 @@ class Router:
             return Response(status_code=499)
         try:
             result = work.result()
+        except BaseException:
+            slot.release()
+            raise
+        if not isinstance(result, RelayResponse):
+            slot.release()  # a stream keeps its slot until it ends
+        return result
+
+    @staticmethod
+    async def _watched(http: Request, slot: Slot, work) -> Response:
+        """Run `work` in this task, watched for a hang-up (hangup.py); a stream keeps its slot
+        and the watch until it ends (relay.RelayResponse)."""
+        hang = http.scope[HANGUP] = Hangup(http.receive)
+        try:
+            result = await work
+        except asyncio.CancelledError:
+            slot.release()
+            if hang.caught():
+                return Response(status_code=499)
+            raise
         except BaseException:
             slot.release()
             raise
@@ -343,9 +384,11 @@ class Router:
             while True:
                 if reason is not None:
                     t_break = t_break or time.monotonic()
-                    budget = a.migration_timeout - st.placing_s - (time.monotonic() - t_break)
+                    now = time.monotonic()
+                    # a planned change's hold (hold.py) stretches the bound while it lasts
+                    budget = max(a.migration_timeout - st.placing_s - (now - t_break), self.hold.left(now))
                     if (
-                        reason != UNREACHABLE and st.resends >= allowed_resends(a.migration_limit, st.started)
+                        reason not in NEVER_RAN and st.resends >= allowed_resends(a.migration_limit, st.started)
                     ) or budget <= 0:
                         return self._gave_up(st, last, budget <= 0)
                 try:
@@ -353,16 +396,23 @@ class Router:
                 except APIError as e:
                     if reason is None:
                         # None healthy now (a restart, the roll of a one-replica role): hold the
-                        # request, within --engine-wait-timeout, for one to come back, rather than
-                        # a 503 (never a pinned one: the probe wants its answer)
-                        held_since = held_since or time.monotonic()
-                        if e.status == 503 and st.pin is None and time.monotonic() - held_since < a.engine_wait_timeout:
-                            await asyncio.sleep(0.25)
+                        # request, within --engine-wait-timeout (or a planned hold, hold.py), for
+                        # one to come back, rather than a 503 (never a pinned one: the probe wants its answer)
+                        now = time.monotonic()
+                        held_since = held_since or now
+                        if (
+                            e.status == 503
+                            and st.pin is None
+                            and may_keep_waiting(
+                                now - held_since, a.engine_wait_timeout, self.hold.left(now), a.request_timeout
+                            )
+                        ):
+                            await self._wait_for_engine()
                             continue
                         return self.error(e, {"Retry-After": "2"})
                     if budget <= 0.25 or a.migration_limit == 0:
                         return self._gave_up(st, last, timed_out=a.migration_limit > 0)
-                    await asyncio.sleep(0.25)  # nothing healthy now: wait, within the bound, for one to come back
+                    await self._wait_for_engine()  # nothing healthy now: wait, within the bound, for one to come back
                     continue
                 tried.update({d.url} | ({p.url} if p else set()))
                 if reason is not None:
@@ -370,7 +420,7 @@ class Router:
                         st.span, "migration", reason=reason, tokens_carried=len(st.tokens), attempt=st.attempts
                     )
                     st.reasons.append(f"{reason} after {len(st.tokens)} token(s)")
-                    st.resends += reason != UNREACHABLE  # an engine that was never reached costs only time
+                    st.resends += reason not in NEVER_RAN  # an engine that never had it costs only time
                     self.metrics.migrations.labels(reason).inc()
                     if not st.started:
                         self.metrics.retries.inc()
@@ -402,7 +452,7 @@ class Router:
                     return result
                 tracing.end(span, error=f"failed: {result.reason} ({result.status})")
                 last = result
-                if result.reason == UNREACHABLE:
+                if result.reason in NEVER_RAN:
                     tried.discard(d.url)  # out of rotation now; welcome back once /ready passes
                 reason = result.reason
         except asyncio.TimeoutError:
@@ -410,6 +460,15 @@ class Router:
         finally:
             if t_break is not None:
                 st.placing_s += time.monotonic() - t_break
+
+    async def _wait_for_engine(self) -> None:
+        """A pause of a request that finds no healthy engine (pair), counted in
+        dsv4_router:engine_wait_requests: the watchdog tells it from a router that is stuck."""
+        self.waiting_for_engine += 1
+        try:
+            await asyncio.sleep(0.25)
+        finally:
+            self.waiting_for_engine -= 1
 
     def _gave_up(self, st: Resume, last: Optional[Retry], timed_out: bool) -> Response:
         if last is not None and last.content and not st.started and not timed_out:
@@ -450,12 +509,26 @@ class Router:
             leg = {k: v for k, v in body.items() if k != "stream_options"}  # stream_options needs stream
             prefill = asyncio.create_task(self._prefill(path, dict(leg, stream=False), p, span, trace_in))
         d.inflight += 1
-        self.metrics.worker_requests.labels(d.url, d.role).inc()
+        self.metrics.worker_requests_of(d.url, d.role).inc()
         opening = asyncio.create_task(self._open_decode(path, body, d, self.tracing.headers(span, trace_in)))
         frozen = asyncio.get_running_loop().create_future()  # set by the stall watch: an engine froze
-        watched = self.stalls.watch((p, d) if p is not None else (d,), lambda w: frozen.done() or frozen.set_result(w))
+
+        def froze(w: Worker) -> None:
+            if not frozen.done():
+                frozen.set_result(w)
+                if prefill is None:
+                    opening.cancel()  # one engine: what waits on it needs no asyncio.wait (below)
+
+        watched = self.stalls.watch((p, d) if p is not None else (d,), froze)
         handed_off = False
         try:
+            if prefill is None:
+                try:
+                    await opening
+                except asyncio.CancelledError:
+                    if frozen.done() and not asyncio.current_task().cancelling():
+                        return Retry(502, b"", STALLED)  # silent, and its /ready unanswered: another
+                    raise
             waits = {opening, frozen} | ({prefill} if prefill is not None else set())
             while not opening.done():
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -476,7 +549,10 @@ class Router:
                             if 400 <= status < 500:  # the client's request (or a full engine: 429)
                                 self.metrics.errors.labels(str(status)).inc()
                                 return Response(content, status, _retry_after(status), media_type="application/json")
-                            return Retry(status or 502, content, REFUSED)
+                            if draining_refusal(status, content):  # shutting down: out now, not counted
+                                self.health.mark_failed(p, "draining: it refused a request (shutting down)")
+                                return Retry(status, content, DRAINING)
+                            return Retry(status or 502, content, UNREACHABLE if status == 0 else REFUSED)
             opened = await opening
             if not isinstance(opened, tuple):
                 return opened
@@ -521,6 +597,9 @@ class Router:
                         _retry_after(resp.status_code),
                         media_type="application/json",
                     )
+                if draining_refusal(resp.status_code, content):  # shutting down: out now, not counted
+                    self.health.mark_failed(d, "draining: it refused a request (shutting down)")
+                    return Retry(resp.status_code, content, DRAINING)
                 return Retry(resp.status_code, content, REFUSED)
             if not body.get("stream"):
                 return resp, None, b""
@@ -549,7 +628,7 @@ class Router:
     ) -> tuple[int, bytes]:
         """The prefill leg; (0, b"") when the prefill engine could not be reached."""
         p.inflight += 1
-        self.metrics.worker_requests.labels(p.url, p.role).inc()
+        self.metrics.worker_requests_of(p.url, p.role).inc()
         span = self.tracing.start("router.prefill_leg", parent=parent, attributes={"dsv4.prefill": p.url})
         error = None
         try:

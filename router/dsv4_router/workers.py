@@ -13,6 +13,7 @@ Kubernetes discovery, pods labelled serving.dsv4.dev/draining=true leave it too.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 from dataclasses import dataclass
@@ -110,6 +111,16 @@ class RouterMetrics:
         self.queued = Gauge(
             "dsv4_router:queued_requests", "Requests waiting for an admission slot", registry=self.registry
         )
+        self.engine_wait = Gauge(
+            "dsv4_router:engine_wait_requests",
+            "Requests waiting for a healthy engine (pair): none is ready now",
+            registry=self.registry,
+        )
+        self.planned_hold = Gauge(
+            "dsv4_router:planned_hold_seconds",
+            "Seconds left of a planned change's hold (POST /admin/hold): new requests wait for an engine",
+            registry=self.registry,
+        )
         self.rejected = Counter(
             "dsv4_router:rejected", "Requests refused with 429 (router at its limit)", registry=self.registry
         )
@@ -119,6 +130,10 @@ class RouterMetrics:
             ["reason"],
             registry=self.registry,
         )
+        # per request: the labelled children are looked up once per label values, not built
+        # again each time (prometheus_client's labels() locks and hashes on every call)
+        self.requests_of = functools.lru_cache(maxsize=256)(self.requests.labels)
+        self.worker_requests_of = functools.lru_cache(maxsize=4096)(self.worker_requests.labels)
 
 
 class WorkerPool:

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from bench.harness.commands import Proc, free_port
+from bench.harness.commands import Proc, free_port, stop_all
 
 PROMPT = "the quick brown fox jumps over the lazy dog and then it runs far away into the woods"
 CHAT = [{"role": "user", "content": "tell me a story about a fox and a dog in the woods"}]
@@ -56,8 +56,7 @@ def urls(tiny_model, tmp_path_factory):
             proc.wait_ready(url)
         yield u
     finally:
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)
 
 
 def client(url: str) -> openai.OpenAI:

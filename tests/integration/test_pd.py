@@ -15,14 +15,14 @@ import time
 import httpx
 import pytest
 
-from bench.harness.commands import Proc, free_port
+from bench.harness.commands import Proc, free_port, stop_all
 
 BOOTSTRAP_TIMEOUT, TRANSFER_TIMEOUT, WAITING_TIMEOUT = 4.0, 3.0, 5.0
 SLACK = 6.0  # scheduling noise on two busy cores, plus one retry's prefill
 
 
 class PDCluster:
-    def __init__(self, model, tmp, *, prefill_args=(), decode_args=()):
+    def __init__(self, model, tmp, *, prefill_args=(), decode_args=(), mono_args=()):
         self.model, self.tmp = model, tmp
         self.procs: list[Proc] = []
         self.p_port, self.b_port, self.d_port, self.m_port, self.r_port = (free_port() for _ in range(5))
@@ -39,7 +39,7 @@ class PDCluster:
             ],
         )
         self.decode = self._start("decode", ["--port", self.d_port, "--waiting-timeout", WAITING_TIMEOUT, *decode_args])
-        self.mono = self._start("mono", ["--port", self.m_port])
+        self.mono = self._start("mono", ["--port", self.m_port, *mono_args])
         self.router = Proc(
             [
                 "router",
@@ -98,8 +98,7 @@ class PDCluster:
     r_url = property(lambda self: f"http://127.0.0.1:{self.r_port}")
 
     def stop(self) -> None:
-        for p in self.procs:
-            p.stop()
+        stop_all(self.procs)
 
 
 @pytest.fixture(scope="module", params=["tiny", "mla512"])

@@ -11,7 +11,7 @@ import re
 
 import httpx
 
-from bench.harness.commands import Proc, free_port
+from bench.harness.commands import Proc, free_port, stop_all
 from dsv4_wire.metrics import metric_name
 
 
@@ -101,6 +101,4 @@ def test_short_plain_conversations_keep_their_engine_and_survive_membership_chan
                 r = c.post("/v1/completions", json={"model": "m", "prompt": convo, "max_tokens": 2, "temperature": 0})
                 assert r.status_code == 200, r.text
     finally:
-        router.stop()
-        for e in engines:
-            e.stop()
+        stop_all([router, *engines])

@@ -9,7 +9,7 @@ import re
 
 import httpx
 
-from bench.harness.commands import serving
+from bench.harness.commands import serving_all
 from dsv4_wire import EngineFlags
 from dsv4_wire.metrics import metric_name
 
@@ -40,7 +40,17 @@ def complete(c: httpx.Client, prompt: list[int]) -> list[int]:
 
 def test_metrics_move_and_outputs_match_a_server_without_the_cache(tiny_model, tmp_path):
     common = ["--model", tiny_model, "--kv-pages", 64, "--page-size", 16, "--served-model-name", "m"]
-    with serving(common, tmp_path / "on.log") as url, httpx.Client(base_url=url, timeout=120) as c:
+    with serving_all(
+        [(common, tmp_path / "on.log"), ([*common, EngineFlags.DISABLE_PREFIX_CACHE], tmp_path / "off.log")]
+    ) as (
+        on_url,
+        off_url,
+    ):
+        on_server_then_off_server(on_url, off_url)
+
+
+def on_server_then_off_server(on_url: str, off_url: str) -> None:
+    with httpx.Client(base_url=on_url, timeout=120) as c:
         before = c.get("/metrics").text
         assert counter(before, "prefix_cache_hit_tokens") == 0
         first = complete(c, PROMPT)
@@ -67,10 +77,7 @@ def test_metrics_move_and_outputs_match_a_server_without_the_cache(tiny_model, t
         )
         last = [ln for ln in r.text.splitlines() if ln.startswith("data: {")][-1]
         assert json.loads(last[6:])["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
-    with (
-        serving([*common, EngineFlags.DISABLE_PREFIX_CACHE], tmp_path / "off.log") as url,
-        httpx.Client(base_url=url, timeout=120) as c,
-    ):
+    with httpx.Client(base_url=off_url, timeout=120) as c:
         assert complete(c, PROMPT) == first
         assert complete(c, PROMPT + [3, 4, 5]) == second
         assert counter(c.get("/metrics").text, "prefix_cache_query_tokens") == 0

@@ -7,7 +7,7 @@ import re
 
 import httpx
 
-from bench.harness.commands import Proc, free_port
+from bench.harness.commands import Proc, free_port, stop_all
 from dsv4_wire.metrics import metric_name
 
 
@@ -57,6 +57,4 @@ def test_rounds_of_a_conversation_stay_on_one_engine_and_hit_its_cache(tiny_mode
         assert sorted(q > 0 for q in queried) == [False, True], queried  # one engine took every round
         assert max(hits) > 0.5 * max(queried), (hits, queried)
     finally:
-        router.stop()
-        for e in engines:
-            e.stop()
+        stop_all([router, *engines])

@@ -13,7 +13,7 @@ import time
 
 import httpx
 
-from bench.harness.commands import serving
+from bench.harness.commands import serving_all
 from dsv4_wire import EngineFlags
 from dsv4_wire.metrics import metric_name
 
@@ -108,10 +108,14 @@ def test_tiny_pool_shared_prefixes_and_hang_ups_match_a_server_without_the_cache
         "--served-model-name",
         "m",
     ]
-    with serving(common, tmp_path / "on.log") as url:
-        on = asyncio.run(workload(url))
-    with serving([*common, EngineFlags.DISABLE_PREFIX_CACHE], tmp_path / "off.log") as url:
-        off = asyncio.run(workload(url))
+    with serving_all(
+        [(common, tmp_path / "on.log"), ([*common, EngineFlags.DISABLE_PREFIX_CACHE], tmp_path / "off.log")]
+    ) as (
+        on_url,
+        off_url,
+    ):
+        on = asyncio.run(workload(on_url))
+        off = asyncio.run(workload(off_url))
     for name in ("identical", "family_at_once", "family_in_turn", "fully_cached", "mixed", "seeded", "chat"):
         assert on[name] == off[name], name
     assert len({tuple(x) for x in on["identical"]}) == 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from bench.harness.commands import Proc, free_port, serving
+from bench.harness.commands import Proc, free_port, serving, stop_all
 
 EOS = 1  # the tiny checkpoint's eos_token_id
 PROMPT = "the quick brown fox"
@@ -173,8 +173,7 @@ def pd(tiny_model, tmp_path_factory, server):
             proc.wait_ready(url)
         yield f"http://127.0.0.1:{r_port}"
     finally:
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)
 
 
 def _first_three_not_eos(toks):

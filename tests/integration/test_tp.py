@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.harness.commands import Proc, free_port, serving
+from bench.harness.commands import Proc, free_port, serving_all
 
 BODY = {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
 # From a rank's death to the process gone: the watchdog's poll (0.2 s) + FAIL_GRACE_S (2 s),
@@ -60,9 +60,13 @@ ARGS = ["--kv-pages", 128, "--served-model-name", "tiny", "--device", "cpu"]
 
 
 def test_tp2_serves_the_same_text_as_tp1(tiny_model, tmp_path):
-    with serving(["--model", tiny_model, *ARGS], tmp_path / "tp1.log") as url:
-        ref = completion(url)
-    with serving(["--model", tiny_model, *ARGS, "--tp-size", 2], tmp_path / "tp2.log") as url:
+    with serving_all(
+        [
+            (["--model", tiny_model, *ARGS], tmp_path / "tp1.log"),
+            (["--model", tiny_model, *ARGS, "--tp-size", 2], tmp_path / "tp2.log"),
+        ]
+    ) as (tp1, url):
+        ref = completion(tp1)
         assert completion(url) == ref and completion(url, stream=True) == ref
         loads = httpx.get(f"{url}/v1/loads").json()
         assert loads["tp_size"] == 2 and loads["kv_pages_total"] == 128

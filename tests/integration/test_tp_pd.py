@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from bench.harness.commands import Proc, free_port
+from bench.harness.commands import Proc, free_port, stop_all
 
 
 class Pair:
@@ -71,8 +71,7 @@ class Pair:
             proc.wait_ready(url, timeout=180)
 
     def stop(self) -> None:
-        for p in self.procs:
-            p.stop()
+        stop_all(self.procs)
 
 
 def loads(url: str) -> dict:
@@ -176,10 +175,7 @@ def deployments(mla512_model, tmp_path_factory):
         urls["2->2"] = (f"http://127.0.0.1:{r}", pairs["2->1"].p_url, pairs["1->2"].d_url)
         yield urls, f"http://127.0.0.1:{m}"
     finally:
-        router.stop()
-        for pair in pairs.values():
-            pair.stop()
-        mono.stop()
+        stop_all([router, mono, *(p for pair in pairs.values() for p in pair.procs)])
 
 
 @pytest.mark.parametrize("shape", ["2->2", "2->1", "1->2"])

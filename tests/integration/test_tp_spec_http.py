@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from bench.harness.commands import Proc, free_port
+from bench.harness.commands import Proc, free_port, stop_all
 
 pytestmark = pytest.mark.slow  # six engine processes and a router on two cores: about a minute
 
@@ -78,5 +78,4 @@ def test_tp2_speculation_over_http_mono_and_pd_equals_one_rank_plain(tiny_mtp, t
         assert loads["speculative"]["mean_acceptance_length"] is not None  # it verified drafts
         assert httpx.get(f"{url['d']}/v1/loads").json()["speculative"]["mean_acceptance_length"] is not None
     finally:
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)

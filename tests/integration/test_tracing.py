@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from bench.harness.commands import Proc, free_port
+from bench.harness.commands import Proc, free_port, stop_all
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
@@ -102,8 +102,7 @@ def traced(tiny_model, tmp_path_factory):
             proc.wait_ready(url)
         yield col, r_url
     finally:
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)
         col.server.shutdown()
 
 

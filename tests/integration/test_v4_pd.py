@@ -279,8 +279,25 @@ def test_v4_flash_shape_pd_equals_mono(make_model, tmp_path):
         c.stop()
 
 
+# What every summary of `dsv4 bench` carries (tests/unit/cli/test_bench_smoke.py checks the same).
+BENCH_SUMMARY_FIELDS = {
+    "requests",
+    "errors",
+    "completion_tokens",
+    "wall_s",
+    "output_tok_s",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "runs_tok_s",
+    "load_average",
+}
+
+
 def test_bench_pd_quick_on_v4_reports_bytes_by_state_and_checksum_cost(v4_dir, tmp_path):
-    """`dsv4 bench pd --quick` on a V4 checkpoint with --transfer-checksum: a smoke run, not a figure."""
+    """`dsv4 bench pd --quick` on a V4 checkpoint with --transfer-checksum: a smoke run, not a figure.
+    The default run's only `bench pd` smoke (the tiny-model one, test_bench_smoke.py's
+    test_bench_pd_quick, is behind `slow`): the report's shape is checked here too."""
     r = subprocess.run(
         [
             sys.executable,
@@ -302,9 +319,18 @@ def test_bench_pd_quick_on_v4_reports_bytes_by_state_and_checksum_cost(v4_dir, t
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "pd.json").read_text())
     assert report["settings"]["transfer_checksum"] is True and report["model"]["model_type"] == "deepseek_v4"
-    pd = report["pd"]["c2"]
-    assert pd["errors"] == 0 and report["mono"]["c2"]["errors"] == 0
+    assert (tmp_path / "pd.png").stat().st_size > 10_000
+    assert set(report) >= {"mono", "pd", "comparison", "targets", "workloads", "machine"}
+    pd, mono = report["pd"]["c2"], report["mono"]["c2"]
+    assert BENCH_SUMMARY_FIELDS <= set(pd) and BENCH_SUMMARY_FIELDS <= set(mono)
+    assert pd["errors"] == 0 and mono["errors"] == 0
     t = pd["transfer"]
+    # Every request of the measured run moved its KV once, and both engines saw it.
+    assert t["prefill"]["transfers"] == t["decode"]["transfers"] == pd["requests"]
+    assert t["bytes"] > 0 and t["prefill"]["latency_mean_ms"] > 0
+    assert t["prefill"]["engine_ttft_mean_ms"] > 0 and t["decode"]["engine_ttft_mean_ms"] > 0
+    assert isinstance(report["comparison"]["c2"]["handoff_share_of_ttft"], float)
+    assert [x["name"].split(":")[0] for x in report["targets"]] == ["c2"]
     per_req, per_tok = t["bytes_per_transfer_by_state"], t["bytes_per_prompt_token_by_state"]
     slot_row = report["model"]["state_bytes_per_request"]
     assert {name: per_req[name] for name in slot_row} == slot_row  # one slot row per request

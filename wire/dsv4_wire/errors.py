@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+# The code of an engine's 503 while it drains (new generation requests refused): the router takes
+# that engine out of rotation at once and sends the request elsewhere, uncounted.
+SHUTTING_DOWN = "shutting_down"
+
 
 class APIError(Exception):
     """An error the client caused or must hear about, rendered as an OpenAI-style body."""

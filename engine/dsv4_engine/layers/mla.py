@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.nn.functional as F
 
+from dsv4_engine import kv_quant
 from dsv4_engine.devices import upload
 from dsv4_engine.layers.linear import Linear
 from dsv4_engine.layers.norm import RMSNorm
@@ -142,7 +143,8 @@ class MLA:
         # Write this step's latent + rope key into the pages before attending, so new tokens
         # see themselves and each other through the same paged read as the prefix.
         pages, offs = slots
-        kv_layer[pages, offs] = torch.cat([latent, k_rope.squeeze(1)], dim=-1).to(kv_layer.dtype)
+        kv_quant.store_(kv_layer, (pages, offs), torch.cat([latent, k_rope.squeeze(1)], dim=-1))  # fp8kv: quantized
+        kv_layer, fb = kv_quant.readable_pages(kv_layer, fb, q.dtype, ops)  # fp8kv: FP8 pages read as q's dtype
         if not fb.all_decode and ops.expanded_prefill and fb.extend_lens_host is not None:
             expand = [
                 expanded_is_cheaper(e, n, cfg) if e else False for e, n in zip(fb.extend_lens_host, fb.seq_lens_host)

@@ -128,6 +128,9 @@ class DeepseekMoE:
     experts: Callable
     ops: Any
     tp: Any = None
+    # EPLB hook (dsv4_engine.parallel.eplb_apply.LayerRoute): counts this layer's expert loads and
+    # maps logical expert ids to physical slots (a replicated expert's copies)
+    eplb: Optional[Callable] = None
 
     @classmethod
     def build(cls, take, names, prefix: str, cfg, ops, tp, experts: Callable) -> "DeepseekMoE":
@@ -155,6 +158,8 @@ class DeepseekMoE:
 
     def __call__(self, x: torch.Tensor, input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         weights, ids = self.router(x)
+        if self.eplb is not None:
+            ids = self.eplb(ids)
         if self.tp is not None:
             weights, ids = self.tp.local_experts(weights, ids)
         out = self.ops.moe_block(x, self.w13, self.w2, weights, ids, self.shared, self.experts)

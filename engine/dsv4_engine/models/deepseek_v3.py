@@ -65,7 +65,7 @@ class DeepseekV3:
     @classmethod
     def state_specs(cls, cfg: ModelConfig) -> list[StateSpec]:
         """Per request: the MLA latent and the rope key of every token in every layer."""
-        return [StateSpec(cls.LATENT_KV, cfg.num_hidden_layers, (cfg.kv_cache_dim,))]
+        return [StateSpec(cls.LATENT_KV, cfg.num_hidden_layers, (cfg.kv_cache_dim,), quantizable=True)]
 
     def __init__(
         self, cfg: ModelConfig, weights: dict[str, torch.Tensor], ops, dtype: torch.dtype, device: torch.device, tp=None

@@ -43,6 +43,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from dsv4_engine import kv_quant
 from dsv4_engine.devices import upload
 from dsv4_engine.layers.moe import V4MoE
 from dsv4_engine.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
@@ -76,19 +77,22 @@ class DeepseekV4(V4Compressors, V4TorchAttention):
     def state_specs(cls, cfg: DeepseekV4Config) -> list[StateSpec]:
         hd, ihd = cfg.head_dim, cfg.index_head_dim
         n_csa, n_hca = len(cfg.layers_of(CSA)), len(cfg.layers_of(HCA))
-        specs = [StateSpec(cls.SWA_KV, cfg.num_hidden_layers, (hd,), kind="slot", slots=cfg.sliding_window)]
+        # quantizable: attention KV read and written through dsv4_engine.kv_quant (--kv-cache-dtype)
+        specs = [
+            StateSpec(cls.SWA_KV, cfg.num_hidden_layers, (hd,), kind="slot", slots=cfg.sliding_window, quantizable=True)
+        ]
         if n_csa:
             r = cfg.csa_rate
             specs += [
-                StateSpec(cls.CSA_KV, n_csa, (hd,), tokens_per_entry=r),
-                StateSpec(cls.CSA_INDEX_K, n_csa, (ihd,), tokens_per_entry=r),
+                StateSpec(cls.CSA_KV, n_csa, (hd,), tokens_per_entry=r, quantizable=True),
+                StateSpec(cls.CSA_INDEX_K, n_csa, (ihd,), tokens_per_entry=r, quantizable=True),
                 StateSpec(cls.CSA_STAGE, n_csa, (4 * hd,), kind="slot", slots=2 * r),
                 StateSpec(cls.CSA_INDEX_STAGE, n_csa, (4 * ihd,), kind="slot", slots=2 * r),
             ]
         if n_hca:
             r = cfg.hca_rate
             specs += [
-                StateSpec(cls.HCA_KV, n_hca, (hd,), tokens_per_entry=r),
+                StateSpec(cls.HCA_KV, n_hca, (hd,), tokens_per_entry=r, quantizable=True),
                 StateSpec(cls.HCA_STAGE, n_hca, (2 * hd,), kind="slot", slots=r),
             ]
         return specs
@@ -262,7 +266,8 @@ class DeepseekV4(V4Compressors, V4TorchAttention):
         """Entries w [C] of every request of block_table [B, pages] from a layer's paged store
         [num_pages, epp, dim]: [B, C, dim] (entries a request has not closed are masked by the caller)."""
         page, off = self._locate(w, rate, page_size, store.shape[1])
-        return store[block_table[:, page].long(), off[None].expand(block_table.shape[0], -1)]
+        got = store[block_table[:, page].long(), off[None].expand(block_table.shape[0], -1)]
+        return kv_quant.decode(got, self.dtype)  # fp8kv: FP8 entries read as the model's dtype
 
     def _index(self, key: tuple, values, device: torch.device) -> torch.Tensor:
         """An index tensor of this step built from host ints (the batch's lengths), uploaded once
@@ -370,7 +375,7 @@ class DeepseekV4(V4Compressors, V4TorchAttention):
             for req, b, sid in snaps:
                 if req == g:
                     start = spans[k][2]
-                    store[sid, layer, (b - S + keep) % S] = ext[k, b - start : b - start + S].to(store.dtype)
+                    store[sid, layer, (b - S + keep) % S] = kv_quant.encode(ext[k, b - start : b - start + S], store)
 
     def _csa_topk(self, proj: dict, states: dict, j: int, fb, rate: int) -> torch.Tensor:
         """The kernel path's CSA top-k: the lightning indexer over a layer's indexer keys."""
@@ -425,7 +430,7 @@ class DeepseekV4(V4Compressors, V4TorchAttention):
         tail = (fb.block_table, comp_kv, comp_idx, L["sink"], cfg.head_dim**-0.5, rate, fb.page_size)
         if decode:
             out = ops.v4_attention_decode(*args, fb.positions, *tail)
-            ring_store[slots, i, fb.positions % W] = kv.to(ring_store.dtype)
+            kv_quant.store_(ring_store, (slots, i, fb.positions % W), kv)  # fp8kv
             return out
         out = ops.v4_attention_extend(*args, fb.positions, fb.extend_lens, *tail)
         key = tuple(spans)  # each request's last W tokens go to its ring
@@ -435,7 +440,7 @@ class DeepseekV4(V4Compressors, V4TorchAttention):
         req = self._index(
             ("ring_req", key), lambda: [b for b, (_, n, _) in enumerate(spans) for _ in range(min(n, W))], dev
         )
-        ring_store[slots[req], i, fb.positions[keep] % W] = kv[keep].to(ring_store.dtype)
+        kv_quant.store_(ring_store, (slots[req], i, fb.positions[keep] % W), kv[keep])  # fp8kv
         return out
 
     # ---- the step ------------------------------------------------------------------------------

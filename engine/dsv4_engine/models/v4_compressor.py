@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from dsv4_engine import kv_quant
 from dsv4_engine.models.deepseek_v4_config import CSA
 from dsv4_engine.models.forward_batch import V4Batch
 
@@ -100,7 +101,7 @@ class V4Compressors:
 
         win = stage[srow, j, cur]  # [N, rate, 2 * width]: [kv | gate] rows
         entries = self._pool(win, stage[srow, j, prev] if overlap else None, w, params, rate)
-        entries = entries.to(store.dtype)
+        entries = kv_quant.encode(entries, store)  # fp8kv: quantized when the store is FP8
         store[at] = entries if closes is None else torch.where(closes[:, None], entries, store[at])
 
     def _compressors(self, kind: str) -> list[tuple[str, str, str, bool]]:
@@ -159,7 +160,7 @@ class V4Compressors:
                 entries = self._pool(win, prev, w_ids, L[key], rate)
                 store = states[store_name][:, j]
                 page, off = self._locate(w_ids, rate, fb.page_size, store.shape[1])
-                store[pages[rows, page].long(), off] = entries.to(store.dtype)
+                kv_quant.store_(store, (pages[rows, page].long(), off), entries)  # fp8kv
             keep = torch.arange(S, device=dev)
             st[slots[:, None], j, (end[:, None] - S + keep) % S] = ext[b_ix, n[:, None] + keep].to(st.dtype)
 

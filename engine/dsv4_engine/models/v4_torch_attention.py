@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsv4_engine import kv_quant
 from dsv4_engine.models.deepseek_v4_config import CSA, HCA
 from dsv4_engine.models.forward_batch import V4Batch
 
@@ -120,7 +121,8 @@ class V4TorchAttention:
         ring_store = states[self.SWA_KV]
         kbase = start - W  # the ring holds positions start - W .. start - 1
         ring = ring_store[slots[:, None], i, (kbase[:, None] + torch.arange(W, device=dev)) % W]
-        ext_kv = torch.cat([ring.to(kv.dtype), self._take(kv, tok)], 1)  # [B, W + Lmax, hd] in position order
+        # [B, W + Lmax, hd] in position order (fp8kv: the ring decoded)
+        ext_kv = torch.cat([kv_quant.decode(ring, kv.dtype), self._take(kv, tok)], 1)
         self._save_snapshots(fb, group, spans, self.SWA_KV, i, ext_kv)
         # only the last R ring positions can be seen (R < W when every chunk of the group starts
         # early: a fresh prompt attends to none of the ring)
@@ -160,8 +162,8 @@ class V4TorchAttention:
         # new ring is ext_kv's p - kbase; positions before the chunk rewrite what they held
         end = start + n
         keep = torch.arange(W, device=dev)
-        ring_store[slots[:, None], i, (end[:, None] - W + keep) % W] = ext_kv[b_ix, n[:, None] + keep].to(
-            ring_store.dtype
+        ring_store[slots[:, None], i, (end[:, None] - W + keep) % W] = kv_quant.encode(  # fp8kv
+            ext_kv[b_ix, n[:, None] + keep], ring_store
         )
 
     def _attend_decode(
@@ -195,7 +197,7 @@ class V4TorchAttention:
         )
         if not native:
             allowed = self._memo(("decode_window",), window)  # [B, W+1], the same in every layer
-            keys = torch.cat([ring_store[slots, i].to(kv.dtype), kv[:, None]], 1)  # [B, W+1, hd]
+            keys = torch.cat([kv_quant.decode(ring_store[slots, i], kv.dtype), kv[:, None]], 1)  # [B, W+1, hd]
         entries_at = None  # the native call's (store, visible)
         if kind in (CSA, HCA):
             rate = cfg.compress_rates[kind]
@@ -210,9 +212,8 @@ class V4TorchAttention:
                     return w[None] < ((t + 1) // rate)[:, None], at  # visible [B, C], gather index
 
                 def gather(store: torch.Tensor) -> torch.Tensor:  # [B, C, dim] of a layer's paged store
-                    return store[
-                        self._memo(("decode_entries", rate, store.shape[1]), lambda: entry_indices(store.shape[1]))[1]
-                    ]
+                    at = self._memo(("decode_entries", rate, store.shape[1]), lambda: entry_indices(store.shape[1]))[1]
+                    return kv_quant.decode(store[at], kv.dtype)  # fp8kv: FP8 entries read as kv's dtype
 
                 store = states[entry_store][:, j]
                 visible = self._memo(("decode_entries", rate, store.shape[1]), lambda: entry_indices(store.shape[1]))[0]
@@ -244,5 +245,5 @@ class V4TorchAttention:
             )
         else:
             out = self._softmax_attend(L, q.unsqueeze(1), keys, allowed.unsqueeze(1)).squeeze(1)
-        ring_store[slots, i, t % W] = kv.to(ring_store.dtype)
+        kv_quant.store_(ring_store, (slots, i, t % W), kv)  # fp8kv
         return out

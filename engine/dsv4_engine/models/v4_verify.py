@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4_engine import kv_quant
 from dsv4_engine.models.deepseek_v4_config import CSA, HCA
 
 
@@ -77,7 +78,7 @@ def attend(m, i: int, L: dict, q: torch.Tensor, kv: torch.Tensor, proj: dict, fb
 def write_masked(ring: torch.Tensor, slots, layer: int, at: torch.Tensor, values: torch.Tensor, real) -> None:
     """ring[slots[b], layer, at[b, c]] = values[b, c] where real[b, c]; elsewhere what it held."""
     rows = slots[:, None].expand(at.shape)
-    ring[rows, layer, at] = torch.where(real[..., None], values.to(ring.dtype), ring[rows, layer, at])
+    ring[rows, layer, at] = torch.where(real[..., None], kv_quant.encode(values, ring), ring[rows, layer, at])
 
 
 def closing_windows(
@@ -129,7 +130,7 @@ def close_windows(m, L, proj, fb, states, j: int, rate: int, n: int, start, end,
         store = states[store_name][:, j]
         page, off = m._locate(w, rate, fb.page_size, store.shape[1])
         at = (fb.block_table[req, page].long(), off)
-        store[at] = torch.where(closes[:, None], entries.to(store.dtype), store[at])
+        store[at] = torch.where(closes[:, None], kv_quant.encode(entries, store), store[at])  # fp8kv
         # the real tokens' projections at their positions (the ring then holds the S before end)
         write_masked(st, slots, j, (start[:, None] + torch.arange(n, device=dev)) % S, chunk, real)
 
@@ -170,7 +171,7 @@ def _attend_torch(m, i, L, q, kv, proj, fb, states, j, rate, n, start, slots, po
     ring_store = states[m.SWA_KV]
     kbase = start - W
     ring = ring_store[slots[:, None], i, (kbase[:, None] + torch.arange(W, device=dev)) % W]
-    keys = torch.cat([ring.to(kv.dtype), kv.view(B, n, -1)], 1)  # [B, W + n, hd] in position order
+    keys = torch.cat([kv_quant.decode(ring, kv.dtype), kv.view(B, n, -1)], 1)  # [B, W + n, hd] in position order
     kp = (kbase[:, None] + torch.arange(W + n, device=dev))[:, None, :]
     qp = pos[:, :, None]
     allowed = (kp <= qp) & (kp > qp - W) & (kp >= 0)  # [B, n, W + n]

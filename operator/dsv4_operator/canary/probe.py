@@ -127,7 +127,9 @@ async def watch_engine(
 async def kv_pages(
     client: httpx.AsyncClient, engine_url: str, idle_within: float = 0.0
 ) -> tuple[Optional[float], Optional[float]]:
-    """(free, total) KV pages, read once the engine is idle (or `idle_within` seconds have passed)."""
+    """(free, total) KV pages, read once the engine is idle; free is None when it did not idle
+    within `idle_within` seconds (the only replica of a role keeps its live traffic while it is
+    the canary: pages its clients hold are no leak, so the leak check is left out)."""
     deadline = time.monotonic() + idle_within
     loads: dict = {}
     while True:
@@ -136,8 +138,10 @@ async def kv_pages(
         except (httpx.HTTPError, ValueError):
             loads = {}
         busy = sum(v for v in (loads.get("queues") or {}).values() if isinstance(v, (int, float)))
-        if (loads and busy == 0) or time.monotonic() >= deadline:
+        if loads and busy == 0:
             return loads.get("kv_pages_free"), loads.get("kv_pages_total")
+        if time.monotonic() >= deadline:
+            return None, loads.get("kv_pages_total")
         await asyncio.sleep(0.2)
 
 

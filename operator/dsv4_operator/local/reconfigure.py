@@ -33,12 +33,14 @@ from dsv4_operator.canary.conversation import ConversationShape
 from dsv4_operator.canary.probe import ProbeSettings, run_probe
 from dsv4_operator.canary.verdict import CanaryThresholds, judge
 from dsv4_operator.local.state_files import write_atomic
+from dsv4_operator.local.surge import set_hold, surge_restart
 
 
 if TYPE_CHECKING:
     from dsv4_operator.local.supervisor import EngineProc
 
 
+READY_TIMEOUT_S = 180.0  # an engine's start, restarted with new flags
 REQUEST_FILE = "reconfigure-request.json"
 RESULT_FILE = "reconfigure-result.json"
 
@@ -108,7 +110,7 @@ class LocalRollout:
         r = await self.http.request(method, self.up.router_url + Paths.ADMIN_WORKERS, json=body)
         r.raise_for_status()
 
-    async def _wait_ready(self, eng: "EngineProc", timeout: float = 180.0) -> None:
+    async def _wait_ready(self, eng: "EngineProc", timeout: float = READY_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -143,19 +145,36 @@ class LocalRollout:
 
     async def _restart(
         self, eng: "EngineProc", engine_args: list[str], *, out_of_rotation: bool, drain_s: float = 10.0
-    ) -> None:
-        """Restart one engine with `engine_args`: out of the rotation first (its running requests
-        finish within a bound, the rest migrate when it stops), back in once ready unless
-        `out_of_rotation` (a canary stays out until its verdict)."""
+    ) -> "EngineProc":
+        """Restart one engine with `engine_args`; the engine that serves afterwards. A surge where
+        it can (surge.py: the new process is ready and routed to before the old one drains), else
+        in place: out of the rotation first when another engine of its role can serve (its running
+        requests finish within a bound, the rest migrate when it stops), or, when it is the only
+        one, behind the router's hold (new requests wait for it, not a 503). Back in the rotation
+        once ready unless `out_of_rotation` (a canary stays out until its verdict)."""
         role = eng.role
         alone = sum(e.role == role for e in self.up.engines.values()) == 1
+        if self.up.args.surge:
+            new = await surge_restart(
+                self.up, eng, engine_args, self.http, canary=out_of_rotation and role != "prefill" and not alone
+            )
+            if new is not None:
+                return new
         if role != "prefill" and not alone:
             await self._router("POST", {"url": eng.url, "role": role, "canary": True})
             await self._idle(eng, timeout=drain_s)
-        await self.up.restart_engine(eng, engine_args)  # every node of its group, with --nnodes
-        await self._wait_ready(eng)
+        hold = alone
+        if hold:
+            await set_hold(self.up, self.http, f"restart of {eng.key}, the only {role} engine")
+        try:
+            await self.up.restart_engine(eng, engine_args)  # every node of its group, with --nnodes
+            await self._wait_ready(eng)
+        finally:
+            if hold:
+                await set_hold(self.up, self.http, None)
         if role != "prefill" and not alone and not out_of_rotation:
             await self._router("POST", {"url": eng.url, "role": role, "canary": False})
+        return eng
 
     async def _probe(self, eng: "EngineProc"):
         return await run_probe(
@@ -189,7 +208,7 @@ class LocalRollout:
             t = lap("stable_probe", t)
             self.event("CanaryStarted", key, f"restarting with {new}")
             try:
-                await self._restart(eng, new, out_of_rotation=True)
+                eng = await self._restart(eng, new, out_of_rotation=True)
                 t = lap("canary_restart", t)
                 figures, signals = await self._probe(eng)
                 t = lap("canary_probe", t)
@@ -215,7 +234,7 @@ class LocalRollout:
             else:
                 self.event("CanaryFailed", key, verdict.summary())
                 result["evidence"] = str(self._evidence(eng, verdict.to_dict()))
-                await self._restart(eng, old, out_of_rotation=False, drain_s=0.0)
+                eng = await self._restart(eng, old, out_of_rotation=False, drain_s=0.0)
                 t = lap("revert", t)
                 self.event("CanaryReverted", key, f"back on {old}")
                 result["kept"] = False

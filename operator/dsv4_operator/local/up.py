@@ -48,6 +48,7 @@ from dsv4_operator.local.groups import make_groups, rebuild
 from dsv4_operator.remediation.actions import dispatch, step_for
 from dsv4_operator.local.state_files import write_atomic
 from dsv4_operator.local.supervisor import CrashBackoff, EngineProc, Supervisor
+from dsv4_operator.local.surge import hold_while_restarting
 from dsv4_operator.watchdog.detector import Detector, Verdict, verdict_to_dict
 from dsv4_operator.watchdog.evidence import build_evidence_configmap
 from dsv4_operator.watchdog.groups import unit_info
@@ -185,6 +186,7 @@ class UpArgs:
     admin_token: Optional[str] = None  # None: generated and kept in the state folder
     pd_secret: Optional[str] = None  # None: generated and kept in the state folder
     crash_backoff: CrashBackoff = CrashBackoff()
+    surge: bool = True  # planned restarts start the new engine first (local/surge.py); the CLI's default: no GPU
 
     def window(self) -> float:
         deadlines = engine_deadlines(self.engine_args) if self.deadlines else None
@@ -233,6 +235,7 @@ class LocalExecutor:
         eng = self.up.engines[action.pod]
         note = None
         if action.uid is None or eng.uid == action.uid:
+            await hold_while_restarting(self.up, self.http, eng)  # the only one of its role: the router holds
             await self.up.restart_engine(eng)
         else:  # the supervisor replaced it already (it crashed): leave the new process alone
             note = f"already replaced (process {eng.uid}, not {action.uid})"

@@ -30,6 +30,7 @@ from dsv4_operator import spec as S
 from dsv4_operator.kube import ApiError, KubeApi, PatchAborted, resource_path
 from dsv4_operator.pinning import pin_value, pinned_revision, revision_spec
 from dsv4_operator.remediation.executor import DeploymentContext, EventSink, KubernetesExecutor
+from dsv4_operator.remediation.router_pods import RouterPodsWatch
 from dsv4_operator.watchdog.pods import (
     EnginePod,
     engine_pod,
@@ -55,6 +56,7 @@ from dsv4_operator.telemetry import OperatorMetrics
 from dsv4_operator.watchdog.corroboration import Fleet
 from dsv4_operator.watchdog.detector import Detector, Wedged
 from dsv4_operator.watchdog.policy import STATE_ANNOTATION, PolicyState
+from dsv4_operator.watchdog.signals import SGLANG
 from dsv4_operator.watchdog.revisions import (
     ROLLBACK_AUTO,
     ROLLBACK_OFF,
@@ -131,6 +133,7 @@ class DeploymentWatchdog:
         )
         self.ctx = DeploymentContext(self.namespace, self.name, meta["uid"])
         self.executor = KubernetesExecutor(api, self.ctx, events, metrics, admin_token=admin_token)
+        self.routers = RouterPodsWatch(api, self.namespace, self.name, events)  # the router pods too
         self.loop: Optional[WatchdogLoop] = None
         self._detector_params: Optional[tuple[float, float]] = None
         self.uids: dict[str, Optional[str]] = {}
@@ -172,6 +175,7 @@ class DeploymentWatchdog:
         if self.loop is not None:
             await self.loop.close()
         await self.executor.close()
+        await self.routers.close()
         try:
             self.metrics.wedged_pods.remove(self.namespace, self.name)
         except KeyError:
@@ -251,6 +255,18 @@ class DeploymentWatchdog:
             blind=self._blindness(result, now),
         )
         fields: dict[str, Any] = {"wedgedPods": count, **group_status(pods, plan.members)}
+        try:  # our router only: sgl-router (engine.kind sglang) has no dsv4_router metrics to judge by
+            if spec.engine.kind != SGLANG:
+                fields["routers"] = await self.routers.round(
+                    spec.router.port,
+                    spec.detection_window(),
+                    scrape_timeout(rem),
+                    rem.cooldown_seconds,
+                    rem.dry_run,
+                    now,
+                )
+        except ApiError as e:  # the engines' round stands; the routers are looked at next round
+            self.logger.warning(f"Router pods not watched this round: {e}")
         if rollback_record is not None or last is not None:
             fields["lastRemediation"] = rollback_record or last
         await self._write_status(condition, fields, restarts)

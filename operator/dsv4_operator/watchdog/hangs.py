@@ -130,7 +130,13 @@ def router_stalled(seq: list[EngineSample], window_s: float) -> Optional[tuple[s
     latest = seq[-1]
     if latest.role != "router" or latest.router_held is None or latest.router_sent is None:
         return None
-    stalled = _held_for(seq, lambda s: bool(s.router_held), lambda a, b: _grew(a, b, "router_sent"))
+    if latest.router_hold_left:  # a planned change (a roll) holds them on purpose until an engine is back
+        return None
+    # requests waiting for a healthy engine are the engines' outage (the supervisor's or the
+    # watchdog's to mend), not the router's wedge
+    stalled = _held_for(
+        seq, lambda s: (s.router_held or 0) > (s.router_engine_wait or 0), lambda a, b: _grew(a, b, "router_sent")
+    )
     if stalled < window_s:
         return None
     return ROUTER_STALLED, {

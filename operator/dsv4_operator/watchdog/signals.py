@@ -46,6 +46,8 @@ GAUGE_FIELDS = (
     "rank_beat_age_seconds",
     "http_waiting",
     "router_held",
+    "router_hold_left",
+    "router_engine_wait",
 )
 
 # Monotonic counters; a value lower than the previous scrape's means the engine restarted.
@@ -94,6 +96,10 @@ class EngineSample:
     # A router (kind ROUTER): requests inside it (admitted + queued), and requests sent to engines.
     router_held: float | None = None
     router_sent: float | None = None
+    # seconds left of a planned change's hold (router hold.py): requests held then are no wedge
+    router_hold_left: float | None = None
+    # requests the router holds because no engine (pair) is healthy: waiting on the engines, not stuck in it
+    router_engine_wait: float | None = None
     # counters
     transfers_completed: float | None = None
     transfer_bytes: float | None = None
@@ -190,6 +196,8 @@ _ROUTER_NAMES = {
     "dsv4_router:inflight_requests": "router_held",
     "dsv4_router:queued_requests": "router_held",
     "dsv4_router:worker_requests_total": "router_sent",
+    "dsv4_router:planned_hold_seconds": "router_hold_left",
+    "dsv4_router:engine_wait_requests": "router_engine_wait",
 }
 
 _NAMES = {BUILTIN: _BUILTIN_NAMES, SGLANG: _SGLANG_NAMES, ROUTER: _ROUTER_NAMES}

@@ -37,7 +37,9 @@ def test_whole_matrix(tiny_model, tmp_path):
 
 
 @pytest.mark.slow  # the cells with no peer, and the ones that fixed a component, on their own
-@pytest.mark.parametrize("fault", ["router_sigkill", "up_sigkill", "tokenizer_overload", "kv_pool_full"])
+@pytest.mark.parametrize(
+    "fault", ["router_sigkill", "up_sigkill", "tokenizer_overload", "kv_pool_full", "planned_roll"]
+)
 def test_cell_alone(tiny_model, tmp_path, fault):
     cells = fm.run_matrix(tiny_model, tmp_path, ("pd",), (fault,))
     assert not _failed(cells), _failed(cells)

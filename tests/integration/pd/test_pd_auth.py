@@ -9,7 +9,7 @@ import threading
 import httpx
 import pytest
 
-from bench.harness.commands import Proc, free_port
+from bench.harness.commands import Proc, free_port, stop_all
 from dsv4_wire import Paths, authorization_header
 
 SECRET, ADMIN = "pd-secret-for-tests", "admin-token-for-tests"
@@ -50,8 +50,7 @@ def pair(tiny_model, tmp_path_factory):
         procs[1].wait_ready(urls["decode"])
         yield urls
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 def _internal_calls(urls):

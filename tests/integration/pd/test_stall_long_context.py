@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from bench.harness.commands import Proc, free_port
+from bench.harness.commands import Proc, free_port, stop_all
 
 THRESHOLD = 60
 
@@ -52,8 +52,7 @@ def pd(tiny_model, tmp_path_factory):
             proc.wait_ready(url)
         yield urls
     finally:
-        for proc in procs:
-            proc.stop()
+        stop_all(procs)
 
 
 def _complete(url, n_prompt, timeout, max_tokens=8):

@@ -13,7 +13,7 @@ import time
 import httpx
 import openai
 
-from bench.harness.commands import Proc, free_port
+from bench.harness.commands import Proc, free_port, stop_all
 from dsv4_wire import kv_events as wire
 
 SECRET = "s3cret-for-events"
@@ -95,7 +95,4 @@ def test_a_real_router_places_prompts_where_real_engines_say_their_pages_are(tin
                 # served where the pages were: every full page of the seeded prompt reused
                 assert r.usage.prompt_tokens_details.cached_tokens == 4 * PAGE, (i, k, r.usage)
     finally:
-        if router is not None:
-            router.stop()
-        for e in engines:
-            e.stop()
+        stop_all([router, *engines])

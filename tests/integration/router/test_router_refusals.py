@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from bench.harness.commands import free_port
+from bench.harness.commands import free_port, stop_all
 
 TOKEN = "s3cret-admin"
 CLIENT_TIMEOUT = 2.0
@@ -65,8 +65,7 @@ def routers(tiny_model, tmp_path_factory):
             "token": f"http://127.0.0.1:{t_port}",
         }
     finally:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
 
 
 def assert_openai_error(r: httpx.Response, status: int) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 import openai
 
-from bench.harness.commands import Proc, free_port
+from bench.harness.commands import Proc, free_port, stop_all
 from dsv4_wire import kv_events as wire
 
 PAGE = 16
@@ -72,6 +72,4 @@ def test_a_session_named_by_header_is_its_tenants_through_the_router(tiny_model,
         assert httpx.get(purl + "/v1/loads").json()["prefix_cache"]["sessions"]["sessions"] == 0
         assert delete("key-a").status_code == 404
     finally:
-        for p in (router, prefill, decode):
-            if p is not None:
-                p.stop()
+        stop_all([router, prefill, decode])

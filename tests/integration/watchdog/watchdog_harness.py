@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+
+import httpx
 from typing import Any, Callable, Optional
 
 import aiohttp.web
@@ -461,3 +463,68 @@ def operator_calls(cluster: KubeCluster, verb: str, resource: str) -> list:
         for c in cluster.recorder.calls
         if c.verb == verb and c.resource == resource and not c.agent.startswith(("dsv4-tests", "kmock/"))
     ]
+
+
+# ---- Router pods (their Deployment's ReplicaSet, stood in for) ----------------------------------
+
+
+async def replicaset(client: ClusterClient, deployment_name: str = "edge") -> dict:
+    """The ReplicaSet the router Deployment's controller would make (the emulator has no controllers)."""
+    labels = {
+        "app.kubernetes.io/name": "dsv4",
+        "app.kubernetes.io/instance": deployment_name,
+        "serving.dsv4.dev/role": "router",
+    }
+    body = {
+        "apiVersion": "apps/v1",
+        "kind": "ReplicaSet",
+        "metadata": {"name": f"{deployment_name}-router-5d9f", "namespace": NS, "labels": labels},
+        "spec": {
+            "replicas": 2,
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": {"containers": [{"name": "router", "image": "r"}]}},
+        },
+    }
+    return await client.create(body, "replicasets")
+
+
+async def router_pod(client: ClusterClient, name: str, port: int, rs: dict, deployment_name: str = "edge") -> dict:
+    """A router pod as its Deployment's ReplicaSet makes it, Running and Ready at 127.0.0.1:port."""
+    meta = {
+        "name": name,
+        "namespace": NS,
+        "labels": {
+            "app.kubernetes.io/name": "dsv4",
+            "app.kubernetes.io/instance": deployment_name,
+            "serving.dsv4.dev/role": "router",
+        },
+        "ownerReferences": [
+            {
+                "apiVersion": "apps/v1",
+                "kind": "ReplicaSet",
+                "name": rs["metadata"]["name"],
+                "uid": rs["metadata"]["uid"],
+                "controller": True,
+            }
+        ],
+    }
+    containers = [{"name": "router", "image": "reg/dsv4:1", "ports": [{"name": "http", "containerPort": port}]}]
+    await client.create(
+        {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": {"containers": containers}}, "pods"
+    )
+    status = {"phase": "Running", "podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}
+    return await client.patch("v1", "pods", NS, name, {"status": status}, subresource="status")
+
+
+def wait_metrics(url: str, router: Any) -> None:
+    """Serving (its /ready says no engine is: none is behind it, and none need be for this test)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/metrics", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert router.popen.poll() is None, router.log()
+        time.sleep(0.2)
+    raise TimeoutError(router.log())

@@ -172,6 +172,9 @@ def test_bench_serve_quick(tiny_model, tmp_path):
     assert "dsv4-engine" in prof["thread_cpu_s"]
 
 
+# ~9 s on CI: the default run has `bench pd --quick` as test_v4_pd.py's
+# test_bench_pd_quick_on_v4_reports_bytes_by_state_and_checksum_cost, which checks all of this too
+@pytest.mark.slow
 def test_bench_pd_quick(tiny_model, tmp_path):
     bench("pd", "--quick", "--model", str(tiny_model), "--out", str(tmp_path))
     report = json.loads((tmp_path / "pd.json").read_text())

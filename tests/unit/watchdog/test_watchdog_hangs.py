@@ -119,6 +119,31 @@ def test_a_router_holding_requests_and_sending_none_is_router_stalled():
     assert not wedged(run([router(t, 0, 400) for t in range(0, 200, 5)]))
 
 
+def test_requests_held_through_a_planned_change_are_no_router_wedge():
+    """A roll of a one-replica role holds new requests at the router (POST /admin/hold) until the
+    engine is back: held, none sent, for longer than the window, and not the router's fault."""
+
+    sent = 'dsv4_router:worker_requests_total{worker="x",role="decode"} 400\n'
+
+    def holding(t: float, left: float) -> EngineSample:
+        text = f"dsv4_router:inflight_requests 12\ndsv4_router:planned_hold_seconds {left}\n"
+        return build_sample(t, "router", ROUTER, metrics_text=text + sent)
+
+    assert (
+        build_sample(0, "router", ROUTER, metrics_text="dsv4_router:planned_hold_seconds 30\n").router_hold_left == 30
+    )
+    assert not wedged(run([holding(t, 200.0 - t) for t in range(0, 120, 5)]))
+    # the hold lapsed, the router still holds and sends nothing: a wedge once the window has passed
+    assert wedged(run([holding(t, 0.0) for t in range(0, 70, 5)]))
+
+    def waiting(t: float, n: int) -> EngineSample:  # held because no engine (pair) is healthy
+        text = f"dsv4_router:inflight_requests 12\ndsv4_router:engine_wait_requests {n}\n"
+        return build_sample(t, "router", ROUTER, metrics_text=text + sent)
+
+    assert not wedged(run([waiting(t, 12) for t in range(0, 120, 5)]))  # the engines' outage, not the router's
+    assert wedged(run([waiting(t, 3) for t in range(0, 70, 5)]))  # nine stuck in the router itself
+
+
 def test_the_engines_http_waiting_gauge_is_read_from_metrics_and_loads():
     text = 'dsv4:num_http_waiting_reqs{model_name="m",role="mono"} 4\n'
     assert build_sample(0, "mono", metrics_text=text).http_waiting == 4
