@@ -77,9 +77,9 @@ def model_tensors(model) -> list[torch.Tensor]:
         elif isinstance(obj, (list, tuple)):
             for v in obj:
                 walk(v, depth + 1)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, type) and depth < 3:
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type) and depth < 5:  # model, layers, sublayers
             for k, v in vars(obj).items():
-                if k not in ("cos", "sin", "ops", "tp", "cfg"):
+                if k not in ("cos", "sin", "ops", "tp", "cfg", "backend"):
                     walk(v, depth + 1)
 
     walk(model)
