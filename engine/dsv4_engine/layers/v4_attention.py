@@ -35,7 +35,6 @@ from dsv4_engine.layers.v4_step import (
     locate,
     save_snapshots,
 )
-from dsv4_engine.models.deepseek_v4_config import CSA, HCA, SLIDING
 from dsv4_engine.quant import dense, one_format
 
 Take = Callable[..., torch.Tensor]  # take(name under the layer's attn., dtype) -> a placed tensor
@@ -47,44 +46,44 @@ class V4Attention:
     # long prompt is one group of its own).
     GROUP_ELEMENTS = 1 << 25
 
-    def __init__(self, take: Take, kind: str, layer: int, j: Optional[int], backend: V4Backend, tp=None):
-        """layer: this layer's row in the window ring; j: its index among layers of its kind
-        (their compressed states), None for a sliding layer."""
-        cfg, f32 = backend.cfg, torch.float32
-        self.kind, self.layer, self.j, self.backend, self.tp = kind, layer, j, backend, tp
+    def __init__(self, take: Take, rate: int, indexed: bool, layer: int, j: Optional[int], backend: V4Backend, tp=None):
+        """rate: tokens a compressed entry (0: a sliding-window layer); indexed: the lightning
+        indexer picks the entries (CSA), else every entry is seen (HCA); layer: this layer's row in
+        the window ring; j: its index among layers of its kind (their compressed states)."""
+        f32 = torch.float32
+        self.rate, self.layer, self.j, self.backend, self.tp = rate, layer, j, backend, tp
         self.q_norm, self.kv_norm = take("q_norm.weight", f32), take("kv_norm.weight", f32)
         self.wo_a = dense(take("wo_a.weight"), backend.dtype)  # used per group (bmm), not by F.linear
         self.wo_b = take("wo_b.weight")
         self.sink = take("attn_sink", f32)
         self.compressor = self.indexer = None
-        self.rate = cfg.compress_rates[kind] if kind in (CSA, HCA) else 0
         # One matmul for everything a layer projects from its input (and one from the q LoRA):
         # the weights are concatenated once and the per-name tensors are views into it, so
         # nothing is held twice. At small widths this halves the op count of a step.
         names = {"wq_a": take("wq_a.weight"), "wkv": take("wkv.weight")}
         if self.rate:
             names["comp_wkv"], names["comp_wgate"] = take("compressor.wkv.weight"), take("compressor.wgate.weight")
-        if kind == CSA:
+        if indexed:
             names["icomp_wkv"] = take("indexer.compressor.wkv.weight")
             names["icomp_wgate"] = take("indexer.compressor.wgate.weight")
             names["idx_w"] = take("indexer.weights_proj.weight")
         self.w_in, self.w_in_split, v = self._fuse(names)
         self.wq_a, self.wkv = v["wq_a"], v["wkv"]
         if self.rate:
-            stage, store = (CSA_STAGE, CSA_KV) if kind == CSA else (HCA_STAGE, HCA_KV)
+            stage, store = (CSA_STAGE, CSA_KV) if indexed else (HCA_STAGE, HCA_KV)
             self.compressor = V4Compressor(
                 v["comp_wkv"],
                 v["comp_wgate"],
                 take("compressor.ape", f32),
                 take("compressor.norm.weight", f32),
                 self.rate,
-                kind == CSA,
+                indexed,  # CSA's compressor overlaps windows, HCA's does not
                 stage,
                 store,
                 "comp",
                 backend,
             )
-        if kind == CSA:
+        if indexed:
             icomp = V4Compressor(
                 v["icomp_wkv"],
                 v["icomp_wgate"],
@@ -145,7 +144,7 @@ class V4Attention:
         """(q [T, H, hd], kv [T, hd], the compressors' and indexer's projections, the rope table)."""
         cfg, ops = self.backend.cfg, self.backend.ops
         T, eps = h.shape[0], cfg.rms_norm_eps
-        table = rope["main" if self.kind == SLIDING else "compress"]
+        table = rope["compress" if self.rate else "main"]
         parts = F.linear(h, self.w_in).split(self.w_in_split, dim=-1)
         qr = ops.v4_rms_rope(parts[0][:, None], self.q_norm, eps, None).view(T, -1)
         kv = ops.v4_rms_rope(parts[1][:, None], self.kv_norm, eps, table).view(T, -1)  # [T, hd]: key == value

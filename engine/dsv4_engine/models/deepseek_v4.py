@@ -217,7 +217,15 @@ class DeepseekV4:
         return V4Layer(
             hc_attn=HyperConnection(*(take(f"hc_attn_{k}", f32) for k in ("fn", "base", "scale")), self.backend),
             attn_norm=take("attn_norm.weight", f32),
-            attn=V4Attention(lambda n, d=self.dtype: take("attn." + n, d), kind, ring_layer, j, self.backend, attn_tp),
+            attn=V4Attention(
+                lambda n, d=self.dtype: take("attn." + n, d),
+                cfg.compress_rates[kind] if kind in (CSA, HCA) else 0,
+                kind == CSA,
+                ring_layer,
+                j,
+                self.backend,
+                attn_tp,
+            ),
             hc_ffn=HyperConnection(*(take(f"hc_ffn_{k}", f32) for k in ("fn", "base", "scale")), self.backend),
             ffn_norm=take("ffn_norm.weight", f32),
             ffn=ffn,

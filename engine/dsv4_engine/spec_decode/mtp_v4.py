@@ -79,7 +79,7 @@ def run_layers(m: DeepseekV4, layers: list[V4Layer], x: torch.Tensor, fb, states
         spans = None if static else request_spans(fb)
     step = m.new_step()
     # only the tables these layers read (the MTP block, a sliding layer: the main rope alone)
-    rope = m.rope(fb.positions, {"main" if L.attn.kind == SLIDING else "compress" for L in layers})
+    rope = m.rope(fb.positions, {"compress" if L.attn.rate else "main" for L in layers})
     for L in layers:
         x = m.run_layer(L, x, fb, states, spans, rope, step)
     return x

@@ -55,7 +55,7 @@ def test_fp4_kernels_on_a_loaded_v4_checkpoint(tmp_path, monkeypatch):
 
     model = kept_model(tmp_path, "v4-tiny", "fp4-experts", monkeypatch)
     L = model.layers[2]
-    w13, w2 = L["w13"], L["w2"]
+    w13, w2 = L.ffn["w13"], L.ffn["w2"]
     assert (w13.kind, w2.kind) == ("fp4", "fp4")
     x = torch.randn(3, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(
