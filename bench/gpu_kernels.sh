@@ -4,6 +4,7 @@
 #   PARTS=kernels bash bench/gpu_kernels.sh [OUT_DIR]   # ~9 min at most
 #   PARTS=engine  bash bench/gpu_kernels.sh [OUT_DIR]   # ~9 min at most
 #   PARTS=engine-v3,multi bash bench/gpu_kernels.sh     # the V3 (mla512) smoke; cuda:1 and --tp-size 2 with 2+ GPUs
+#   PARTS=multi-mtp bash bench/gpu_kernels.sh           # MTP graphs at --tp-size 2 (2+ GPUs, ~4 min at most)
 #
 # OUT_DIR defaults to $OUT when set (the device runner's), else bench/results.
 #
@@ -26,7 +27,8 @@
 # Writes OUT_DIR/kernel_tests.xml + .log, kernels_bench_v4.json, kernels_bench.json,
 # kernel_paths.json + .log (kernels);
 # engine_gpu_tests.xml + .log, engine_gpu_checks.json + .log, engine_gpu_smoke_v4.json (engine);
-# engine_gpu_smoke.json, engine_gpu_smoke_cuda1.json, engine_gpu_smoke_tp2.json (engine-v3, multi).
+# engine_gpu_smoke.json, engine_gpu_smoke_cuda1.json, engine_gpu_smoke_tp2.json (engine-v3, multi);
+# mtp_graphs_tp.json + .log (multi-mtp: `CHECK mtp_graphs_tp2: PASS|FAIL ...`).
 # Needs python3 with a CUDA torch, triton, pytest (transformers for the HF comparisons); the
 # project need not be pip-installed: the checkout and its source folders go on PYTHONPATH.
 # Exit status: non-zero if tests, checks or bench failed.
@@ -115,6 +117,16 @@ timeout 300 "$py" -m bench.suites.engine_gpu_smoke --preset mla512 --tp 2 --grap
 rc=$?; [ "$rc" -ne 0 ] && { echo "TP 2 engine smoke with graphs failed (exit $rc)"; status=1; }
 else
 echo "one GPU: the cuda:1 and --tp-size 2 smokes need two"
+fi
+fi
+if has multi-mtp; then
+gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
+if [ "${gpus:-1}" -ge 2 ]; then
+# MTP at --tp-size 2: verify/draft/catch-up graphs captured on both ranks; greedy == graphs off.
+timeout 300 "$py" -m bench.suites.mtp_graphs_tp --out "$out/mtp_graphs_tp.json" 2>&1 | tee "$out/mtp_graphs_tp.log" | grep -h "^CHECK "
+rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "MTP graphs at TP 2 failed (exit $rc; see mtp_graphs_tp.log)"; status=1; }
+else
+echo "CHECK mtp_graphs_tp2: SKIP one GPU (--tp-size 2 needs two)"
 fi
 fi
 echo "gpu_kernels.sh: $((SECONDS - start)) s, results in $out"

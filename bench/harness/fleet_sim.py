@@ -10,7 +10,7 @@ engines report, the router between them, and the SLA per minute.
 - Every step's time is the calibrated model times a log-normal noise (sigma 0.1).
 - A router: a new prompt goes to the ready prefill engine with the fewest queued tokens, a
   prefilled request to the ready decode engine with the fewest streams; draining engines take
-  nothing new. A replica asked for starts serving 2-5 minutes later (uniform), and costs from
+  nothing new. A replica asked for starts serving 2-5 minutes later (uniform; `startup_s`), and costs from
   the moment it is asked for. A replica removed is drained first (the product's preStop drain:
   up to `drain_timeout`), what it still runs then migrates: a decode stream continues on another
   decode engine after a re-prefill of its context, a queued prompt goes to another prefill.
@@ -254,8 +254,16 @@ STEP_KEYS = ("steps", "seconds", "requests", "tokens", "request_context", "token
 class Fleet:
     """Engines of both roles, the router, and the bookkeeping of cost and SLA."""
 
-    def __init__(self, timing: Timing, ttft_target: float, itl_target: float, drain_timeout: float, seed: int):
-        self.timing = timing
+    def __init__(
+        self,
+        timing: Timing,
+        ttft_target: float,
+        itl_target: float,
+        drain_timeout: float,
+        seed: int,
+        startup_s: tuple[float, float] = (120.0, 300.0),
+    ):
+        self.timing, self.startup_s = timing, startup_s
         self.ttft_target, self.itl_target, self.drain_timeout = ttft_target, itl_target, drain_timeout
         self.rng = random.Random(seed)
         self.engines: dict[str, list[Engine]] = {"prefill": [], "decode": []}
@@ -273,7 +281,7 @@ class Fleet:
 
     def add(self, role: str, now: float, startup: Optional[float] = None) -> Engine:
         ordinal = max((e.ordinal for e in self.live(role)), default=-1) + 1
-        delay = self.rng.uniform(120.0, 300.0) if startup is None else startup
+        delay = self.rng.uniform(*self.startup_s) if startup is None else startup
         e = Engine(role, ordinal, now, now + delay, self.timing, random.Random(self.rng.random()))
         self.engines[role].append(e)
         return e

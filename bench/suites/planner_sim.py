@@ -125,8 +125,10 @@ class Planner(Policy):
 
     name = "planner"
 
-    def __init__(self, settings: Settings, initial: dict):
-        self.settings, self.initial = settings, initial
+    def __init__(self, settings: Settings, initial: dict, burst_free: Optional[Callable[[float], dict]] = None):
+        # burst_free: each role's load without bursts at a time, when the planner is handed it
+        # (planner_bound.py: the bound of a perfect burst filter); None: the planner estimates it
+        self.settings, self.initial, self.burst_free = settings, initial, burst_free
         self.interval = settings.interval_s
         self.state = PlannerState()
         self.before: dict[str, Reading] = {}
@@ -158,7 +160,7 @@ class Planner(Policy):
                 engines=tuple(loads),
                 ready=sum(1 for e in live if e.ready(now)),
             )
-        decision = decide(obs, self.state, self.settings, now)
+        decision = decide(obs, self.state, self.settings, now, self.burst_free(now) if self.burst_free else None)
         self.state = decision.state
         for role, d in decision.roles.items():
             if d.action == SCALE_UP:
@@ -174,12 +176,19 @@ class Planner(Policy):
 
 
 def simulate(
-    policy: Policy, trace: list[Request], timing: Timing, spec: TraceSpec, ttft: float, itl: float, seed: int = 7
+    policy: Policy,
+    trace: list[Request],
+    timing: Timing,
+    spec: TraceSpec,
+    ttft: float,
+    itl: float,
+    seed: int = 7,
+    startup_s: tuple[float, float] = (120.0, 300.0),
 ) -> dict:
     import copy
 
     trace = copy.deepcopy(trace)
-    fleet = Fleet(timing, ttft, itl, drain_timeout=120.0, seed=seed)
+    fleet = Fleet(timing, ttft, itl, drain_timeout=120.0, seed=seed, startup_s=startup_s)
     policy.start(fleet)
     end = spec.minutes * 60.0
     arrivals = [r.arrival for r in trace]

@@ -97,6 +97,11 @@ SUITES = {
         "The planner on the fixed trace and on random-burst traces, one per seed, vs the best static split "
         "per trace and for every trace, and the HPA-like rule (planner/planner_seeds.json + .png).",
     ),
+    "planner-bound": (
+        "planner_bound",
+        "What stands between the planner and its cost goal: the planner handed the exact burst-free load, "
+        "a shorter cool-down, no start-up, on the planner-seeds traces (planner/planner_bound.json + .png).",
+    ),
     "spec": (
         "spec_decode_bench",
         "MTP speculative decoding vs plain decoding: acceptance length, tok/s and ITL (spec_decode.json + .png).",

@@ -298,7 +298,12 @@ class Engine:
             if self.spec is not None:  # its verify and draft steps instead: it never runs a plain decode
                 from dsv4_engine.spec_decode.graphs import capture_spec_graphs
 
-                capture_spec_graphs(self.spec, self.pool)
+                if self.tp is None:
+                    capture_spec_graphs(self.spec, self.pool)
+                else:  # the same sets on every rank, together
+                    from dsv4_engine.parallel.spec import capture_on_every_rank
+
+                    capture_on_every_rank(self.spec, self.pool, self.tp)
             elif self.tp is None:
                 self.runner.capture_graphs(self.pool)
             elif not self.tp.capture_graphs(

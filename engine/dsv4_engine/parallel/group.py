@@ -250,18 +250,19 @@ class TPGroup:
         dist.broadcast(header, 0, group=self.rank.control)
         dist.broadcast(payload, 0, group=self.rank.control)
 
-    def capture_graphs(self, max_bs: int, capture: Callable[[Callable], bool]) -> bool:
+    def capture_graphs(self, max_bs: int, capture: Callable[[Callable], bool], what: str = "decode") -> bool:
         """Every rank captures its decode graphs now, together: the warm-up forwards run the
         all-reduces, so the ranks do them in the same order, and after each batch size all say
         how it went (`agree_failure`), so a failure on any rank ends capture on all of them at
         that size. Then all keep them or all drop them (a rank without graphs could not replay
-        rank 0's captured steps). `capture(agree)` captures rank 0's."""
+        rank 0's captured steps). `capture(agree)` captures rank 0's; a speculating group's
+        ranks capture the speculator's steps instead (`what`: "speculative", parallel.spec)."""
         with self.step("capturing CUDA graphs on every rank", timed=False):
             dist.broadcast(wire.capture_header(max_bs), 0, group=self.rank.control)
             ok = capture(lambda failure: agree_failure(failure, self.rank))
             agreed = all_ranks_agree(ok, self.rank)
         if ok and not agreed:
-            log.warning("CUDA graphs off: another rank could not capture its decode graphs (its log says why)")
+            log.warning("CUDA graphs off: another rank could not capture its %s graphs (its log says why)", what)
         return agreed
 
     @contextlib.contextmanager

@@ -20,6 +20,9 @@ import tempfile
 import time
 from typing import Optional
 
+# What each rank process runs (after the interpreter). Tests put a script of theirs here that
+# sets the rank up as they need (e.g. graph capture on a CPU rank) and then runs the worker.
+WORKER = ("-m", "dsv4_engine.parallel.worker")
 SPEC_ENV = "DSV4_TP_SPEC"  # a worker's rank, world, rendezvous and engine arguments (JSON)
 # The longest one step may wait on the other ranks (generous: a first step may JIT-compile kernels).
 TIMEOUT_ENV = "DSV4_TP_TIMEOUT_S"
@@ -86,7 +89,7 @@ class LocalRanks:
                 "stacks_file": self.stacks_files[r],
             }
             env = {**os.environ, SPEC_ENV: json.dumps(spec)}
-            self.procs[r] = subprocess.Popen([sys.executable, "-m", "dsv4_engine.parallel.worker"], env=env)
+            self.procs[r] = subprocess.Popen([sys.executable, *WORKER], env=env)
 
     def pids(self) -> dict[int, int]:
         return {r: p.pid for r, p in self.procs.items()}

@@ -14,6 +14,13 @@ other ranks first, in the order rank 0 runs them:
 The other ranks compute no logits and verify nothing (the head is replicated: rank 0's is enough).
 Pages and slot rows are rank 0's books; every rank's pool mirrors its shape, MTP state included,
 and every rank writes the same positions of it.
+
+With --cuda-graph-max-bs every rank captures the speculator's graph sets at start-up, together
+(`capture_on_every_rank`: OP_CAPTURE, then an agreement after every bucket of every set, so a
+failure anywhere ends capture everywhere with one line), and all keep them or none. A step that
+fits them then reaches the other ranks as its host arrays (`wire.pack_host`, no read of the
+device), plus the hidden states a draft or catch-up reads, and every rank replays its own graph
+(`BroadcastSpecGraphs`); steps that do not fit go as the eager forwards above.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dsv4_engine.parallel import wire
+from dsv4_engine.spec_decode.graphs import capture_here
 from dsv4_engine.spec_decode.mtp_v4 import RingRollback
 
 
@@ -105,6 +113,52 @@ def mirrored_rollback(group, slot_names):
     return MirroredRollback
 
 
+class BroadcastSpecGraphs:
+    """Rank 0's captured speculative steps (spec_decode.graphs.SpecGraphs): each replay reaches
+    the other ranks first, as its host arrays and, for a draft or catch-up, the hidden states it
+    reads; every rank then replays its own graph of the same bucket (their all-reduces inside)."""
+
+    def __init__(self, graphs, group):
+        self.graphs, self.group = graphs, group
+
+    def hidden(self, hb, pool) -> torch.Tensor:
+        with self.group.step("a captured speculative verify on rank 0"):
+            _send(self.group, *wire.pack_host(hb, wire.OP_SPEC_VERIFY_GRAPH))
+            return self.graphs.hidden(hb, pool)
+
+    def draft_hidden(self, hb, prev: torch.Tensor, pool) -> torch.Tensor:
+        with self.group.step("a captured speculative draft on rank 0"):
+            _send(self.group, *wire.pack_host(hb, wire.OP_SPEC_DRAFT_GRAPH))
+            send_hidden(self.group, prev)
+            return self.graphs.draft_hidden(hb, prev, pool)
+
+    def catch_up_hidden(self, hb, prev: torch.Tensor, pool) -> torch.Tensor:
+        with self.group.step("a captured speculative catch-up on rank 0"):
+            _send(self.group, *wire.pack_host(hb, wire.OP_SPEC_CATCH_UP_GRAPH))
+            send_hidden(self.group, prev)
+            return self.graphs.catch_up_hidden(hb, prev, pool)
+
+    def __getattr__(self, name):
+        return getattr(self.graphs, name)
+
+
+def capture_on_every_rank(spec, pool, group) -> bool:
+    """Rank 0, at start-up with --cuda-graph-max-bs: every rank captures the speculator's graph
+    sets together (the other ranks' `SpecRank.capture`), agreeing after each bucket; all keep
+    them or none. Rank 0's then announce each replay (`BroadcastSpecGraphs`)."""
+    held = []
+
+    def capture(agree) -> bool:
+        held.append(capture_here(spec, pool, agree))
+        return held[-1] is not None
+
+    if group.capture_graphs(spec.runner.cuda_graph_max_bs, capture, "speculative"):
+        spec.graphs = BroadcastSpecGraphs(held[0], group)
+        return True
+    spec.runner.drop_graphs("another rank could not capture its speculative graphs")
+    return False
+
+
 def broadcast_speculator(spec, group, pool) -> None:
     """Make rank 0's speculator send each forward and ring rollback to the other ranks."""
     spec.target = BroadcastTarget(spec.target, group)
@@ -123,6 +177,19 @@ class SpecRank:
         self.spec, self.pool, self.rank = spec, pool, rank
         self.order = sorted(pool.slot_states)
         self.saved: dict[tuple[int, ...], RingRollback] = {}  # by rings: a later save replaces
+        self.graphs = None  # the captured speculative steps, when every rank captured them
+
+    def capture(self, max_bs: int, agree) -> bool:
+        """OP_CAPTURE to a speculating rank: its graph sets, with rank 0 and the others (the same
+        buckets: rank 0's --cuda-graph-max-bs), or a no at the first bucket when it cannot."""
+        self.spec.runner.enable_graphs(max_bs)
+        self.graphs = capture_here(self.spec, self.pool, agree)
+        return self.graphs is not None
+
+    def _graphs(self):
+        if self.graphs is None:
+            raise RuntimeError("rank 0 replayed a speculative graph this rank did not capture")
+        return self.graphs
 
     def handle(self, op: int, header: torch.Tensor, payload: torch.Tensor) -> None:
         dev, states = self.spec.runner.device, self.pool.all_states
@@ -131,6 +198,14 @@ class SpecRank:
         elif op == wire.OP_SPEC_MTP:
             fb = wire.unpack(header, payload, dev)
             self.spec.mtp.forward(fb, states, receive_hidden(self.rank, dev))
+        elif op == wire.OP_SPEC_VERIFY_GRAPH:
+            self._graphs().hidden(wire.unpack_host(header, payload), self.pool)
+        elif op == wire.OP_SPEC_DRAFT_GRAPH:
+            hb = wire.unpack_host(header, payload)
+            self._graphs().draft_hidden(hb, receive_hidden(self.rank, dev), self.pool)
+        elif op == wire.OP_SPEC_CATCH_UP_GRAPH:
+            hb = wire.unpack_host(header, payload)
+            self._graphs().catch_up_hidden(hb, receive_hidden(self.rank, dev), self.pool)
         elif op == wire.OP_RING_SAVE:
             names, ints = wire.unpack_ring(payload)
             n = len(ints) // 2

@@ -23,6 +23,10 @@ SNAPSHOT_COPIES = ("save", "restore")  # payload [kind index, snapshot, slot row
 # its input hidden states: `hidden_meta` on the control group, the tensor on the compute group);
 # OP_RING_SAVE / OP_RING_RESTORE, V4's ring rollback around them (`ring_message`).
 OP_SPEC_TARGET, OP_SPEC_MTP, OP_RING_SAVE, OP_RING_RESTORE = 7, 8, 9, 10
+# The speculator's captured steps (spec_decode.graphs.SpecGraphs), replayed by every rank: a step's
+# host arrays (`pack_host`), then, for the draft and catch-up sets, the hidden states they read
+# (as OP_SPEC_MTP sends them). Rank 0 sends OP_CAPTURE to a speculating group to capture these.
+OP_SPEC_VERIFY_GRAPH, OP_SPEC_DRAFT_GRAPH, OP_SPEC_CATCH_UP_GRAPH = 11, 12, 13
 HIDDEN_DTYPES = ("float32", "bfloat16", "float16")
 HIDDEN_META_LEN = 6  # [dtype index, ndim, dims padded with 0]
 
@@ -151,9 +155,10 @@ def capture_header(max_bs: int) -> torch.Tensor:
     return h
 
 
-def pack_host(hb) -> tuple[torch.Tensor, torch.Tensor]:
-    """(header, payload) of a captured decode step from its host arrays (a HostBatch): the same
-    layout as `pack`, built without touching the device (no per-step sync for the header)."""
+def pack_host(hb, op: int = OP_GRAPH) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header, payload) of a captured step from its host arrays (a HostBatch): the same layout
+    as `pack`, built without touching the device (no per-step sync for the header). `op`: a
+    plain decode step (OP_GRAPH) or one of the speculator's (OP_SPEC_*_GRAPH)."""
     import numpy as np
 
     B, P = hb.block_table.shape
@@ -168,7 +173,7 @@ def pack_host(hb) -> tuple[torch.Tensor, torch.Tensor]:
     ] + ([] if hb.slot_ids is None else [hb.slot_ids])
     payload = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
     header = torch.tensor(
-        [OP_GRAPH, hb.input_ids.shape[0], B, P, 1, int(hb.slot_ids is not None), -1, payload.numel()], dtype=torch.int64
+        [op, hb.input_ids.shape[0], B, P, 1, int(hb.slot_ids is not None), -1, payload.numel()], dtype=torch.int64
     )
     return header, payload
 

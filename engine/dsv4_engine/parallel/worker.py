@@ -36,6 +36,17 @@ from dsv4_engine.parallel.ranks import HEARTBEAT_S, SPEC_ENV
 
 log = logging.getLogger("dsv4.tp")
 
+# What a speculating rank runs (parallel.spec.SpecRank): eager forwards, ring rollbacks, replays.
+SPEC_OPS = (
+    wire.OP_SPEC_TARGET,
+    wire.OP_SPEC_MTP,
+    wire.OP_RING_SAVE,
+    wire.OP_RING_RESTORE,
+    wire.OP_SPEC_VERIFY_GRAPH,
+    wire.OP_SPEC_DRAFT_GRAPH,
+    wire.OP_SPEC_CATCH_UP_GRAPH,
+)
+
 
 def _forget_files(spec: dict) -> None:
     """Rank 0 is gone and cannot remove this rank's heartbeat / reason files: this rank does."""
@@ -124,8 +135,13 @@ def serve_rank(spec: dict) -> None:
                 relay.close()
             return
         if op == wire.OP_CAPTURE:  # at start-up, with every other rank: all keep graphs or none
+            agree = lambda f: agree_failure(f, rank)  # noqa: E731
+            if spec_rank is not None:  # a speculating group captures the speculator's steps instead
+                if not all_ranks_agree(spec_rank.capture(int(header[wire.REQS]), agree), rank):
+                    spec_rank.graphs = None
+                continue
             runner.enable_graphs(int(header[wire.REQS]))
-            if not all_ranks_agree(runner.capture_graphs(pool, lambda f: agree_failure(f, rank)), rank):
+            if not all_ranks_agree(runner.capture_graphs(pool, agree), rank):
                 runner.drop_graphs()
             continue
         if op == wire.OP_PD_POOLS:  # PD decode: this rank's pool receives its share from prefill itself
@@ -137,7 +153,7 @@ def serve_rank(spec: dict) -> None:
         dist.broadcast(payload, 0, group=rank.control)
         if op == wire.OP_FORWARD:
             runner.model.forward(wire.unpack(header, payload, runner.device), pool.all_states)
-        elif op in (wire.OP_SPEC_TARGET, wire.OP_SPEC_MTP, wire.OP_RING_SAVE, wire.OP_RING_RESTORE):
+        elif op in SPEC_OPS:
             if spec_rank is None:
                 raise RuntimeError("rank 0 sent a speculative step, but this rank runs without speculation")
             spec_rank.handle(op, header, payload)

@@ -29,8 +29,14 @@ Its chained draft steps (k-1 of them a step, one row a request, the MTP block's 
 ring as a slot state) are captured over the same buckets, `prev` holding the block's [hc, hidden]
 residual streams.
 
+At --tp-size > 1 every rank captures the same sets over the same buckets, together, agreeing
+after every bucket (`capture_here` with the group's `agree`, as the plain decode graphs), and
+rank 0 announces each replay to the others (dsv4_engine.parallel.spec.BroadcastSpecGraphs): the
+forwards captured here are the local, unbroadcast ones, whose all-reduces the graphs hold.
+
 Capture safety is checked on CPU by tests/unit/engine/test_spec_graphs.py and
-test_spec_graphs_v4_verify.py, as test_cuda_graphs.py checks the plain decode step.
+test_spec_graphs_v4_verify.py, as test_cuda_graphs.py checks the plain decode step; the
+replay at tp 2 by tests/unit/parallel/test_tp_spec_graphs.py.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ import numpy as np
 import torch
 
 from dsv4_engine.batch_buffers import HostBatch, host_batch
-from dsv4_engine.cuda_graphs import DecodeGraphs, StaticDecodeInputs, bucket_for, graph_buckets
+from dsv4_engine.cuda_graphs import Agree, DecodeGraphs, StaticDecodeInputs, alone, bucket_for, graph_buckets
+from dsv4_engine.devices import use_device
 from dsv4_engine.models.forward_batch import ForwardBatch
 
 log = logging.getLogger("dsv4.engine")
@@ -167,8 +174,8 @@ class ExtendGraphs(DecodeGraphs):
 
 
 def supported(spec) -> bool:
-    """The speculator's steps are capturable: DeepSeek-V3 or V4, one rank."""
-    return spec.runner.model_type in ("deepseek_v3", "deepseek_v4") and spec.runner.group is None
+    """The speculator's steps are capturable: DeepSeek-V3 or V4, at any --tp-size."""
+    return spec.runner.model_type in ("deepseek_v3", "deepseek_v4")
 
 
 class SpecGraphs:
@@ -188,7 +195,10 @@ class SpecGraphs:
         dev = runner.device
         streams = () if v3 else (cfg.hc_mult,)  # V4's MTP block reads [hc, hidden] residual streams
         self.prev = torch.zeros(buckets[-1], *streams, cfg.hidden_size, dtype=runner.dtype, device=dev)
-        target, mtp = spec.target.model, spec.mtp
+        # This process's own forwards: at tp > 1 rank 0's spec.target / spec.mtp send each eager
+        # forward to the other ranks first, but a captured step runs the local ones on every rank.
+        local_target, mtp = spec.local_target, spec.local_mtp
+        target = local_target.model
         slots = runner.has_slot_states
 
         def fb_of(t: dict[str, torch.Tensor]) -> ForwardBatch:
@@ -205,7 +215,7 @@ class SpecGraphs:
 
         def run_verify_v4(t: dict[str, torch.Tensor], bs: int) -> torch.Tensor:
             fb = ForwardBatch.of_tensors(t, page_size, all_decode=False, slots=True)
-            return spec.target.hidden(fb, self.states, fixed=spec.k + 1)
+            return local_target.hidden(fb, self.states, fixed=spec.k + 1)
 
         def run_catch_up(t: dict[str, torch.Tensor], bs: int) -> torch.Tensor:
             fb = ForwardBatch.of_tensors(t, page_size, all_decode=False, slots=True)
@@ -251,7 +261,7 @@ class SpecGraphs:
         """The target's hidden states [T, hidden] at hb's rows (V4: streams [T, hc, hidden]; a
         view of the graph's output: valid until the next verify replay)."""
         self.states = pool.all_states
-        return self.verify.step(widened(hb, self.width))
+        return self.verify.step(hb)  # the used width only (StaticDecodeInputs.load)
 
     def draft_hidden(self, hb: HostBatch, prev: torch.Tensor, pool) -> torch.Tensor:
         """The MTP block's output hidden states [T, hidden] (V4: streams [T, hc, hidden]) at hb's
@@ -262,7 +272,7 @@ class SpecGraphs:
         bs = bucket_for(n, self.buckets)
         self.prev[:n].copy_(prev)
         self.prev[n:bs].copy_(prev[:1].expand(bs - n, *prev.shape[1:]))  # padding rows repeat row 0
-        return self.draft.step(widened(hb, self.width))
+        return self.draft.step(hb)
 
     def takes_catch_up(self, hb: HostBatch) -> bool:
         """A V4 catch-up of 1..k+1 positions a request the catch-up graph can run."""
@@ -279,15 +289,17 @@ class SpecGraphs:
         bs = bucket_for(b, g.buckets)
         src = pad_extend(hb, bs, g.n, rows=True)
         self.prev_ext[: bs * g.n].copy_(prev[torch.as_tensor(src, device=prev.device)])
-        return g.step(widened(hb, self.width))
+        return g.step(hb)
 
-    def capture_all(self, pool) -> Optional[str]:
-        """Capture every bucket of both, all or none; None, or why not in one line. Call on a
-        fresh pool: the warm-ups write page 0 (and row 0 of prev), zeroed again after."""
+    def capture_all(self, pool, agree: Agree = alone) -> Optional[str]:
+        """Capture every bucket of every set, all or none; None, or why not in one line. Call on
+        a fresh pool: the warm-ups write page 0 (and row 0 of prev), zeroed again after. `agree`:
+        the group's verdict after each bucket (every rank stops at the same one, and then skips
+        the remaining sets alike, since all hold the same failure line)."""
         self.states = pool.all_states
         failure = None
         for g in self.sets:
-            failure = failure or g.capture_all()
+            failure = failure or g.capture_all(agree)
         with torch.no_grad():
             for t in pool.all_states.values():
                 t.zero_()
@@ -301,25 +313,36 @@ class SpecGraphs:
         return failure
 
 
-def capture_spec_graphs(spec, pool) -> bool:
-    """At start-up with --cuda-graph-max-bs: capture the speculator's verify and draft steps
-    (instead of the plain decode step, which a speculating engine never runs). False, with one
-    line saying why, when they run eagerly."""
+def capture_here(spec, pool, agree: Agree = alone) -> Optional[SpecGraphs]:
+    """This rank's capture of the speculator's steps, over the runner's --cuda-graph-max-bs
+    (at tp > 1 every rank calls it together, `agree` the group's verdict after each bucket):
+    the captured graphs, or None with the reason in `runner.graphs_off` and the log. A rank that
+    cannot capture at all still votes, no, at the first bucket, so the others stop there too."""
     runner = spec.runner
-    if not runner.cuda_graph_max_bs:
-        return False  # CPU, the torch backend or a model that is not capture-safe: said at start
-    if not supported(spec):
-        log.info("speculative decoding: its steps run eagerly (captured for DeepSeek-V3 and V4 on one rank)")
-        runner.graphs_off = "speculative steps are captured on one rank only"
-        return False
+    if not runner.cuda_graph_max_bs or not supported(spec):
+        if runner.graphs_off is None:
+            runner.graphs_off = f"speculative steps of {runner.model_type} are not captured"
+        if agree is not alone:
+            agree(f"CUDA graphs off on this rank: {runner.graphs_off}")
+        return None
+    use_device(runner.device)  # captures on this thread's current device
     graphs = SpecGraphs(spec, pool.page_size, pool.num_pages, runner.cuda_graph_max_bs, capture=True)
-    failure = graphs.capture_all(pool)
+    failure = graphs.capture_all(pool, agree)
     if failure is not None:
         log.warning("CUDA graphs off: %s", failure)
         runner.graphs_off = failure
-        return False
+        return None
     if not graphs.captured:  # not a CUDA device after all: nothing to replay
         runner.graphs_off = "nothing captured on this device"
-        return False
-    spec.graphs = graphs
-    return True
+        return None
+    return graphs
+
+
+def capture_spec_graphs(spec, pool) -> bool:
+    """At start-up with --cuda-graph-max-bs, at --tp-size 1: capture the speculator's verify and
+    draft steps (instead of the plain decode step, which a speculating engine never runs). False,
+    with one line saying why, when they run eagerly (tp > 1: parallel.spec.capture_on_every_rank)."""
+    if not spec.runner.cuda_graph_max_bs:
+        return False  # CPU, the torch backend or a model that is not capture-safe: said at start
+    spec.graphs = capture_here(spec, pool)
+    return spec.graphs is not None

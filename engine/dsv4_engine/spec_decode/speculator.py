@@ -75,6 +75,9 @@ class MTPSpeculator:
             self.target, self.mtp, self.mtp_ring = V4Target(self.model), V4MTPLayer(self.model, model_dir), STATE
         else:
             self.target, self.mtp, self.mtp_ring = V3Target(self.model), MTPLayer(self.model, model_dir), None
+        # The forwards this process computes with: at --tp-size > 1 rank 0 wraps self.target and
+        # self.mtp to reach the other ranks first (parallel.spec), a captured step runs these.
+        self.local_target, self.local_mtp = self.target, self.mtp
         self.k = num_steps
         self.explode = runner.model_type == "deepseek_v3"  # see _batch
         self.drafts: "weakref.WeakKeyDictionary[object, Draft]" = weakref.WeakKeyDictionary()

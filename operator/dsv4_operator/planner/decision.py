@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping, Optional
 
+from dsv4_operator.planner.baseline import next_baseline
 from dsv4_operator.planner.forecast import Holt
 from dsv4_operator.planner.model import (
     DecodeCapacity,
@@ -54,12 +55,6 @@ KV_SHARE = 0.95  # the share of a replica's KV cache the planner plans to fill
 CONTEXT_SMOOTHING = 0.5
 MIN_LATENCY_SAMPLES = 5  # an interval's mean TTFT/ITL counts towards the correction from this many requests
 MAX_PREDICTED_UTILIZATION = 0.95  # a busier engine's queueing tells little about the model
-BASELINE_STEP = 0.1  # the baseline takes at most this share of itself from one interval's demand...
-# ...with this weight. A whole step: the compressed day's decode load (diurnal x a mix turning
-# reasoning-heavy) rises up to ~12%/minute, and a baseline that lags it leaves the reserve short
-# when a burst comes (at 0.5 it lagged by half after 12 minutes: bench/results/planner). A burst
-# lifts it too (up to 10% an interval); slowing that down re-opened the lag (tried: 2-5%).
-BASELINE_ALPHA = 1.0
 
 
 @dataclass(frozen=True)
@@ -333,21 +328,8 @@ class _Sizing:
 
 
 def baseline(rs: RoleState) -> float:
-    """The role's load without a burst in it (kept in the state by `_next_baseline`)."""
+    """The role's load without a burst in it (baseline.py, or as the caller knows it)."""
     return rs.base.last or 0.0
-
-
-def _next_baseline(rs: RoleState, value: float) -> float:
-    """The baseline after an interval whose demand was `value`: a smoothing whose every step is
-    clipped to BASELINE_STEP of the baseline. A steady rise (a day's) is followed, a burst lifts
-    it by at most that step per interval, and the noise of one interval moves it as little up as
-    down. Never above the smoothed level (a drop is followed at once)."""
-    previous = rs.base.last
-    level = rs.demand.level or value
-    if not previous:
-        return min(level, value) if value else level
-    step = max(-BASELINE_STEP * previous, min(BASELINE_STEP * previous, value - previous))
-    return max(0.0, min(level, previous + BASELINE_ALPHA * step))
 
 
 def _size_role(
@@ -452,7 +434,7 @@ def _demand(role: str, obs: RoleObservation, rs: RoleState) -> tuple[float, Opti
 
 
 def decide_role(
-    obs: RoleObservation, state: PlannerState, settings: Settings, now: float
+    obs: RoleObservation, state: PlannerState, settings: Settings, now: float, burst_free: Optional[float] = None
 ) -> tuple[Optional[RoleDecision], RoleState, RoleModel]:
     role = obs.role
     rs = state.role(role)
@@ -477,7 +459,8 @@ def decide_role(
     fresh = any(e.seconds > 0 for e in obs.engines)
     if fresh:
         rs = replace(rs, demand=rs.demand.observe(demand_now))
-        rs = replace(rs, base=rs.base.observe(_next_baseline(rs, demand_now)))
+        known = burst_free if burst_free is not None else next_baseline(rs.base.last, rs.demand.level, demand_now)
+        rs = replace(rs, base=rs.base.observe(known))
     # Start-ups: a scale-up is ready when that many pods are; the time it took is remembered.
     if rs.asked_up is not None and obs.ready >= rs.asked_up[1]:
         rs = replace(rs, startup_measured_s=now - rs.asked_up[0], asked_up=None)
@@ -582,9 +565,15 @@ def decide_role(
 
 
 def decide(
-    observations: Mapping[str, RoleObservation], state: PlannerState, settings: Settings, now: float
+    observations: Mapping[str, RoleObservation],
+    state: PlannerState,
+    settings: Settings,
+    now: float,
+    burst_free: Optional[Mapping[str, float]] = None,
 ) -> Decision:
-    """One round of the planner for every role observed (see the module's docstring)."""
+    """One round of the planner for every role observed (see the module's docstring).
+    `burst_free`: each role's load without bursts where the caller knows it exactly (the planner's
+    benchmark does, from its trace: the bound of a perfect burst filter); otherwise estimated."""
     roles: dict[str, RoleDecision] = {}
     role_states = dict(state.roles)
     models = state.models
@@ -592,7 +581,8 @@ def decide(
         obs = observations.get(role)
         if obs is None:
             continue
-        decided, rs, model = decide_role(obs, PlannerState(models, role_states), settings, now)
+        known = (burst_free or {}).get(role)
+        decided, rs, model = decide_role(obs, PlannerState(models, role_states), settings, now, known)
         role_states[role] = replace(rs, last_reason=decided.reason if decided else rs.last_reason)
         models = models.with_role(role, model)
         if decided is not None:

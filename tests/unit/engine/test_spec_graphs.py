@@ -250,7 +250,7 @@ def test_a_speculating_engine_captures_its_steps_instead_of_the_plain_decode(tin
     monkeypatch.setattr(ModelRunner, "graphs_supported", lambda self: True)
     monkeypatch.setattr(ModelRunner, "capture_graphs", lambda self, pool: pytest.fail("captured the plain decode"))
     seen = []
-    monkeypatch.setattr(SpecGraphs, "capture_all", lambda self, pool: seen.append(pool))
+    monkeypatch.setattr(SpecGraphs, "capture_all", lambda self, pool, agree: seen.append(pool))
     monkeypatch.setattr(SpecGraphs, "captured", property(lambda self: True))
     reqs = _requests(6, n=3)
     plain = _run(_engine(tiny_mtp, False, cuda_graph_max_bs=0), reqs)  # graphs are on by default

@@ -268,3 +268,27 @@ def test_the_baseline_follows_a_day_rising_8_percent_an_interval() -> None:
         load *= 1.08
         state = decide({"decode": obs(8, load)}, state, replace(SETTINGS, burst_factor=3.0), t).state
     assert baseline(state.role("decode")) >= 0.9 * load, (baseline(state.role("decode")), load)
+
+
+def test_a_known_burst_free_load_sizes_the_reserve() -> None:
+    """decide() takes each role's load without bursts where the caller knows it (the planner's
+    benchmark bounds a perfect burst filter so): the reserve is burstFactor x that load, whatever
+    the demand did, and a burst in the demand lifts nothing."""
+    settings = replace(SETTINGS, burst_factor=3.0)
+    known = 0.5 * CAPACITY
+    state, t, n = PlannerState(), 0.0, 1
+    for i in range(12):  # a burst of 2.5x the known load from the 6th interval on
+        t += INTERVAL
+        load = known * (2.5 if i >= 6 else 1.0)
+        d = decide({"decode": obs(n, load)}, state, settings, t, burst_free={"decode": known})
+        state, dec = d.state, d.roles["decode"]
+        n = dec.target if dec.action in (SCALE_UP, SCALE_DOWN) else n
+        assert dec.numbers["reserve"] == pytest.approx(3.0 * known, rel=0.01), (i, dec.numbers["reserve"])
+    assert n == math.ceil(3.0 * known / dec.numbers["capacity_per_replica"] - 1e-9)
+    # without it, the same burst lifts the baseline (by up to 10% an interval) and the reserve with it
+    state, t = PlannerState(), 0.0
+    for i in range(12):
+        t += INTERVAL
+        d = decide({"decode": obs(n, known * (2.5 if i >= 6 else 1.0))}, state, settings, t)
+        state = d.state
+    assert d.roles["decode"].numbers["reserve"] > 1.3 * 3.0 * known

@@ -104,6 +104,12 @@ def test_a_captured_decode_step_round_trips_from_host_arrays(slots):
         if a is not None:
             assert a.dtype == b.dtype and np.array_equal(a, b), f
     assert back.block_table.shape == (2, 5)
+    # A speculator's replayed step (a V4 verify: requests of several tokens) keeps its operation.
+    hb = host_batch([3, 7], [2, 3], [[2], [3, 4]], [[9, 1], [11, 5, 6]], [1, 0], 8)
+    header, payload = wire.pack_host(hb, wire.OP_SPEC_VERIFY_GRAPH)
+    back = wire.unpack_host(header, payload)
+    assert int(header[wire.OP]) == wire.OP_SPEC_VERIFY_GRAPH
+    assert np.array_equal(back.input_ids, hb.input_ids) and np.array_equal(back.extend_lens, [2, 3])
 
 
 def test_the_capture_header_names_the_largest_bucket():
@@ -119,7 +125,8 @@ def test_speculative_messages_round_trip():
     assert int(header[wire.OP]) == wire.OP_SPEC_MTP
     ops = {wire.OP_FORWARD, wire.OP_STOP, wire.OP_PD_POOLS, wire.OP_CAPTURE, wire.OP_GRAPH, wire.OP_SNAPSHOT}
     spec_ops = {wire.OP_SPEC_TARGET, wire.OP_SPEC_MTP, wire.OP_RING_SAVE, wire.OP_RING_RESTORE}
-    assert len(ops | spec_ops) == 10
+    graph_ops = {wire.OP_SPEC_VERIFY_GRAPH, wire.OP_SPEC_DRAFT_GRAPH, wire.OP_SPEC_CATCH_UP_GRAPH}
+    assert len(ops | spec_ops | graph_ops) == 13
     header, payload = wire.ring_message(wire.OP_RING_SAVE, [0, 2], [1, 1, 7, 8])
     assert int(header[wire.OP]) == wire.OP_RING_SAVE and wire.payload_len(header) == payload.numel()
     assert wire.unpack_ring(payload) == ([0, 2], [1, 1, 7, 8])
