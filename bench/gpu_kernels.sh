@@ -4,6 +4,7 @@
 #   PARTS=kernels bash bench/gpu_kernels.sh [OUT_DIR]   # ~9 min at most
 #   PARTS=engine  bash bench/gpu_kernels.sh [OUT_DIR]   # ~9 min at most
 #   PARTS=engine-v3,multi bash bench/gpu_kernels.sh     # the V3 (mla512) smoke; cuda:1 and --tp-size 2 with 2+ GPUs
+#   PARTS=fp8kv bash bench/gpu_kernels.sh               # FP8 KV: the decode kernel and greedy agreement (~3 min)
 #   PARTS=multi-mtp bash bench/gpu_kernels.sh           # MTP graphs at --tp-size 2 (2+ GPUs, ~4 min at most)
 #
 # OUT_DIR defaults to $OUT when set (the device runner's), else bench/results.
@@ -73,9 +74,10 @@ done
 fi
 if has engine; then
 # Budget: the time-outs add to 580 s.
-# Capture safety, host syncs and graph replay of the engine's decode, compiled (~1 min).
+# Capture safety, host syncs and graph replay of the engine's decode, compiled (~1 min); the EPLB
+# hook (expert ids -> replica slots, load counters) replayed from a CUDA graph.
 timeout 110 "$py" -m pytest -q -p no:cacheprovider tests/unit/engine/test_cuda_graphs.py tests/unit/engine/test_host_syncs.py \
-    tests/unit/engine/test_sampling_devices.py --junitxml "$out/engine_gpu_tests.xml" 2>&1 | tee "$out/engine_gpu_tests.log"
+    tests/unit/engine/test_sampling_devices.py tests/unit/engine/test_eplb_model.py --junitxml "$out/engine_gpu_tests.xml" 2>&1 | tee "$out/engine_gpu_tests.log"
 rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "engine GPU tests failed (exit $rc)"; status=1; }
 # PD over VRAM: a NIXL write waits for the event after the kernel that wrote its page, not the stream.
 timeout 40 "$py" -m pytest -q -p no:cacheprovider \
@@ -105,6 +107,17 @@ timeout 120 "$py" -m pytest -q -p no:cacheprovider tests/unit/engine/test_disk_t
 rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "disk tier tests failed (exit $rc)"; status=1; }
 timeout 60 "$py" -m bench.suites.kv_tiers_bench --copy-cost-only --out "$out/kv_tiers_copy"
 rc=$?; [ "$rc" -ne 0 ] && { echo "host tier copy cost failed (exit $rc)"; status=1; }
+fi
+if has fp8kv; then
+# --kv-cache-dtype fp8_e4m3 (issue 46), ~3 min: the Triton MLA decode reading e4m3 rows and their
+# scales, compiled, against the reference; then greedy agreement and logit error of FP8 KV against
+# bf16 KV on the mla512 preset through the engine on CUDA (decode in the kernel, graphs on).
+timeout 90 "$py" -m pytest -q -p no:cacheprovider tests/unit/kernels/test_kernels_mla_decode_fp8.py 2>&1 \
+    | tee "$out/kv_fp8_kernel_tests.log"
+rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "FP8 KV kernel tests failed (exit $rc)"; status=1; }
+timeout 240 "$py" -m bench.suites.kv_fp8_agreement --preset mla512 --device cuda --kernel-backend triton \
+    --prompts 16 --new-tokens 32 --out "$out"
+rc=$?; [ "$rc" -ne 0 ] && { echo "FP8 KV agreement failed (exit $rc)"; status=1; }
 fi
 if has multi; then
 gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')

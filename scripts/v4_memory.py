@@ -2,7 +2,8 @@
 docs/deploy-v4-flash.md.
 
     python scripts/v4_memory.py                  # V4-Flash (transformers' DeepseekV4Config defaults)
-    python scripts/v4_memory.py --config config.json --tp 4 8 --gpu-gb 96 141 180
+    python scripts/v4_memory.py --config config.json --tp 4 8
+    python scripts/v4_memory.py --capacity 96 8  # KV tokens and 32K-token agents: TP8 vs DP8, bf16 vs FP8
 
 What each rank holds follows the engine's tensor-parallel plan for V4 (docs/tensor-parallel.md):
 attention, the shared expert, embeddings, head and norms replicated, routed experts split E/N,
@@ -158,13 +159,60 @@ def render(config: dict, tps: list[int], gpus: list[tuple[str, float]], reserve_
 GPUS = [("RTX PRO 6000", 96.0), ("H200", 141.0), ("B200", 180.0)]
 
 
+def render_capacity(config: dict, gpu_gb: float, gpus: int, reserve_gb: float) -> str:
+    """Issue 46's capacity table: KV tokens per GPU and concurrent 32K-token agents on `gpus`
+    GPUs of `gpu_gb`, TP vs DP attention, bf16 vs FP8 KV (dsv4_engine.capacity)."""
+    import torch
+
+    from dsv4_engine.capacity import capacity, kv_cost
+    from dsv4_engine.models.deepseek_v4 import DeepseekV4
+    from dsv4_engine.models.deepseek_v4_config import DeepseekV4Config
+
+    s = sizes(config)
+    specs = DeepseekV4.state_specs(DeepseekV4Config.from_dict(config))
+    rows = []
+    costs = {}
+    for kv_dtype in ("auto", "fp8_e4m3"):
+        costs[kv_dtype] = cost = kv_cost(specs, torch.bfloat16, kv_dtype)
+        for layout in ("tp", "dp"):
+            c = capacity(cost, kv_dtype, gpu_gb * GB, s.replicated, s.routed, gpus, layout, reserve_gb * GB, CONTEXT)
+            rows.append((layout, kv_dtype, c))
+    name = {"auto": "bf16", "fp8_e4m3": "FP8 e4m3"}
+    lines = [
+        f"{gpus} GPUs of {gpu_gb:g} GB, {reserve_gb:g} GB a GPU reserved; weights {rows[0][2].weights_per_gpu / GB:.1f} GB "
+        f"a GPU (attention replicated, experts split {gpus} ways). KV per token (pages of "
+        f"{costs['auto'].page_size} tokens, every layer): bf16 {costs['auto'].bytes_per_token:,.0f} B, FP8 "
+        f"{costs['fp8_e4m3'].bytes_per_token:,.0f} B; per running request (windows, compressor staging): bf16 "
+        f"{costs['auto'].request_bytes / 2**20:.1f} MiB, FP8 {costs['fp8_e4m3'].request_bytes / 2**20:.1f} MiB.",
+        "",
+        f"| attention | KV dtype | KV per GPU | KV tokens per GPU | KV tokens on the box | concurrent {CONTEXT // 1024}K-token agents |",
+        "|---|---|---|---|---|---|",
+    ]
+    for layout, kv_dtype, c in rows:
+        lines.append(
+            f"| {layout.upper()}{gpus} | {name[kv_dtype]} | {c.kv_bytes_per_gpu / GB:.1f} GB | "
+            f"{c.kv_tokens_per_gpu:,} | {c.kv_tokens_box:,} | {c.agents:,} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, help="a V4 config.json (default: V4-Flash's shapes)")
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--reserve-gb", type=float, default=6.0)
+    parser.add_argument(
+        "--capacity",
+        nargs=2,
+        type=float,
+        metavar=("GPU_GB", "GPUS"),
+        help="print the capacity table instead (TP vs DP attention, bf16 vs FP8 KV), e.g. --capacity 96 8",
+    )
     args = parser.parse_args(argv)
     config = json.loads(args.config.read_text()) if args.config else flash_config()
+    if args.capacity:
+        sys.stdout.write(render_capacity(config, args.capacity[0], int(args.capacity[1]), args.reserve_gb))
+        return 0
     sys.stdout.write(render(config, args.tp, GPUS, args.reserve_gb))
     return 0
 

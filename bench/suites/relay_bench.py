@@ -12,8 +12,9 @@ engine's SSE streams, measured as a user would.
 - Side by side, in one run: for each stream count, each router `--repeats` times, interleaved;
   the best run of each (most tokens/s) is reported.
 
-    python -m bench.suites.relay_bench [--streams 256,1024] [--repeats 3] [--duration 15]
-        [--sglang-router .venv-sglang-router/bin/python] [--out bench/results/relay]
+    dsv4 bench relay [--streams 256,1024] [--repeats 3] [--duration 15] [--routers sglang,dsv4-base,dsv4]
+        [--sglang-router .venv-sglang-router/bin/python] [--out bench/results/relay] [--tag=-NAME]
+    (or python -m bench.suites.relay_bench ...)
 
 sglang-router 0.3.2 installs from PyPI as a wheel into its own venv:
     python3 -m venv .venv-sglang-router && .venv-sglang-router/bin/pip install sglang-router==0.3.2
@@ -163,6 +164,8 @@ async def _one_stream(port: int, body: bytes, until: float, t_from: float, stats
             head = await reader.readuntil(b"\r\n\r\n")
             if not head.startswith(b"HTTP/1.1 200"):
                 stats["errors"] += 1
+                status = head.split(b"\r\n", 1)[0].decode("latin-1")
+                stats["statuses"][status] = stats["statuses"].get(status, 0) + 1
                 await asyncio.sleep(0.1)
                 if b"content-length" in head.lower():
                     n = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
@@ -209,7 +212,7 @@ async def _load_main(port: int, streams: int, warmup: float, duration: float, to
             "max_tokens": tokens,
         }
     ).encode()
-    stats = {"tokens": 0, "requests": 0, "errors": 0, "gaps": array("d"), "ttfts": array("d")}
+    stats = {"tokens": 0, "requests": 0, "errors": 0, "statuses": {}, "gaps": array("d"), "ttfts": array("d")}
     t0 = time.monotonic()
     t_from, until = t0 + warmup, t0 + warmup + duration
     tasks = []

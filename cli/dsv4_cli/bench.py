@@ -74,6 +74,11 @@ SUITES = {
         "PD (router + prefill + decode over NIXL) vs one mono engine: tok/s, TTFT, KV-transfer share "
         "(pd.json + pd.png).",
     ),
+    "relay": (
+        "relay_bench",
+        "The router relaying a stub engine's SSE against the Rust sglang-router, router on one core: tokens/s, "
+        "inter-token gap p99, router CPU per relayed token (relay/relay.json + .png).",
+    ),
     "checksum": (
         "checksum_cost",
         "What --transfer-checksum costs PD at 32 streams, on vs off taking turns (checksum/checksum.json + .png).",
@@ -96,6 +101,12 @@ SUITES = {
         "planner_seeds",
         "The planner on the fixed trace and on random-burst traces, one per seed, vs the best static split "
         "per trace and for every trace, and the HPA-like rule (planner/planner_seeds.json + .png).",
+    ),
+    "eplb": (
+        "eplb_bench",
+        "Expert load balancing: loads recorded from skewed prompts on moe32, max/mean load per rank under the "
+        "block split vs one redundant expert per rank (planned for 2/4/8 ranks, measured at --tp-size 2), greedy "
+        "output unchanged, a live rebalance mid-run (eplb/eplb.json + .png).",
     ),
     "planner-bound": (
         "planner_bound",

@@ -77,6 +77,28 @@ PRESETS: dict[str, dict] = {
         "max_position_embeddings": 2048,
         "rope_scaling": None,
     },
+    # Enough routed experts for expert-parallel load balancing (EPLB, docs/eplb.md): 32 experts,
+    # top-4 of 4 groups, learned (sigmoid + bias) routing in 3 MoE layers; small dims otherwise.
+    "moe32": {
+        **_COMMON,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "n_routed_experts": 32,
+        "num_experts_per_tok": 4,
+        "n_group": 4,
+        "topk_group": 2,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 64,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "max_position_embeddings": 2048,
+        "rope_scaling": None,
+    },
     # The real MLA latent width (kv_lora_rank 512 + rope 64 = 576 cached values per token and
     # layer) and YaRN rope scaling as DeepSeek-V3 writes it; the rest stays small (~18M parameters).
     "mla512": {

@@ -34,8 +34,10 @@ from dsv4_engine.kv_cache import (
     SnapshotPool,
     check_page_size,
     default_page_size,
+    page_nbytes,
     snapshot_boundary,
 )
+from dsv4_engine.kv_quant import kv_dtype_refusal, pool_kv_dtype
 from dsv4_engine.kv_sizing import (
     KVBudget,
     PoolSize,
@@ -110,6 +112,7 @@ def args_refusal(args: EngineArgs) -> Optional[str]:
     from dsv4_engine.parallel.layout import layout_refusal
 
     from dsv4_engine.kv_sizing import fraction_refusal
+    from dsv4_engine.parallel.eplb import ep_flags_refusal
 
     return (
         limits_refusal(args.max_num_seqs, args.max_num_batched_tokens)
@@ -118,6 +121,9 @@ def args_refusal(args: EngineArgs) -> Optional[str]:
         or layout_refusal(args.tp_size, args.nnodes, args.node_rank, args.dist_init_addr)
         or node_role_refusal(args)
         or session_refusal(args.session_ttl, args.session_pin_share)
+        or ep_flags_refusal(
+            args.ep_redundant_experts, args.ep_loads_file, args.tp_size, args.speculative_algorithm is not None
+        )
     )
 
 
@@ -227,12 +233,29 @@ class Engine:
                 args.kernel_backend,
                 graph_max_bs,
                 tp=self.tp.rank,
+                kv_cache_dtype=args.kv_cache_dtype,
+                ep_redundant_experts=args.ep_redundant_experts,
+                ep_loads_file=args.ep_loads_file,
             )
         else:
-            self.runner = ModelRunner(args.model, args.dtype, args.device, args.kernel_backend, graph_max_bs)
+            self.runner = ModelRunner(
+                args.model,
+                args.dtype,
+                args.device,
+                args.kernel_backend,
+                graph_max_bs,
+                kv_cache_dtype=args.kv_cache_dtype,
+                ep_redundant_experts=args.ep_redundant_experts,
+                ep_loads_file=args.ep_loads_file,
+            )
         self.cfg = self.runner.cfg
         self.tokenizer = Tokenizer.from_dir(args.model)
         specs = self.runner.state_specs
+        refusal = kv_dtype_refusal(
+            pool_kv_dtype(specs), getattr(self.runner.local_model, "kops", None) is not None, args.speculative_algorithm
+        )
+        if refusal:  # fp8kv: what FP8 KV does not cover yet
+            raise ValueError(refusal)
         self.spec = None  # the MTP speculator when --speculative-algorithm is set (dsv4_engine.spec_decode)
         if args.speculative_algorithm is not None:
             from dsv4_engine.spec_decode.build import build_speculator
@@ -266,13 +289,16 @@ class Engine:
         num_pages, num_snapshots = self.pool_size.num_pages, self.pool_size.num_snapshots
         if cache_slots and num_snapshots == 0 and self.prefix_cache_off is None:
             self.prefix_cache_off = "no room for a slot-row snapshot in a quarter of the KV pool"
+        self.kv_cache_dtype = pool_kv_dtype(specs)
         log.info(
-            "KV pool: %d pages of %d tokens, %d slot rows, %d prefix-cache snapshots (%s)",
+            "KV pool: %d pages of %d tokens, %d slot rows, %d prefix-cache snapshots (%s); KV %s, %.0f bytes/token",
             num_pages,
             page_size,
             args.max_num_seqs,
             num_snapshots,
             self.pool_size.budget.source,
+            self.kv_cache_dtype,
+            page_nbytes(specs, page_size, self.runner.dtype) / page_size,
         )
         self.pool = KVPool(specs, num_pages, page_size, self.runner.dtype, self.runner.device, args.max_num_seqs)
         if self.runner.device.type == "cpu":  # every step streams the weights: 2 MB pages
@@ -369,6 +395,8 @@ class Engine:
         self.metrics.set("nnodes", args.nnodes)
         if self.runner.native_build_failures:  # said once at WARNING by dsv4_kernels.native
             self.metrics.inc("native_build_failures", self.runner.native_build_failures)
+        if self.runner.eplb is not None:  # expert loads, read at scrape time
+            self.metrics.before_render.append(self.runner.eplb.loads.publish)
         for name, nbytes in self.pool.bytes_per_token().items():
             self.metrics.set_state("kv_state_bytes_per_token", name, nbytes)
         for name, nbytes in self.pool.bytes_per_request().items():
@@ -966,9 +994,11 @@ class Engine:
             "kv_state_bytes_per_token": self.pool.bytes_per_token(),
             "kv_state_bytes_per_request": self.pool.bytes_per_request(),
             "speculative": self.spec.loads(self.metrics) if self.spec is not None else None,
+            # MoE expert loads per layer (max/mean over experts and over ranks) and the EPLB placement
+            "expert_loads": self.runner.eplb.summary() if self.runner.eplb is not None else None,
             # Decode CUDA graphs: on (batch sizes) or why decodes run eagerly; how the pool was sized.
             "cuda_graphs": self.runner.graphs_status(getattr(self.spec, "graphs", None)),
-            "kv_sizing": self.pool_size.describe(),
+            "kv_sizing": {**self.pool_size.describe(), "kv_cache_dtype": self.kv_cache_dtype},
             "draining": self.draining,
             "seconds_since_last_iteration": round(time.monotonic() - self.last_iteration, 3),
             # The planner's live load (docs/operations.md, "The planner"): prompt tokens waiting to

@@ -102,7 +102,9 @@ class KVPool:
         self.page_size = page_size
         self.num_pages = num_pages
         self.states: dict[str, torch.Tensor] = {
-            spec.name: torch.zeros(num_pages, *spec.page_shape(page_size), dtype=dtype, device=device)
+            spec.name: torch.zeros(
+                num_pages, *spec.page_shape(page_size), dtype=spec.storage_dtype(dtype), device=device
+            )
             for spec in specs
             if spec.paged
         }
@@ -110,7 +112,7 @@ class KVPool:
         slot_specs = [spec for spec in specs if not spec.paged]
         self.num_slots = max_num_seqs if slot_specs else 0
         self.slot_states: dict[str, torch.Tensor] = {
-            spec.name: torch.zeros(self.num_slots, *spec.slot_shape(), dtype=dtype, device=device)
+            spec.name: torch.zeros(self.num_slots, *spec.slot_shape(), dtype=spec.storage_dtype(dtype), device=device)
             for spec in slot_specs
         }
         # None when the model keeps nothing per request outside its pages (DeepSeek-V3).

@@ -9,8 +9,13 @@ from dsv4_wire.metrics import (
     COUNT_BUCKETS,
     COUNT_HISTOGRAMS,
     COUNTERS,
+    EXPERT_COUNTERS,
+    EXPERT_LABEL,
     GAUGES,
     HISTOGRAMS,
+    LAYER_COUNTERS,
+    LAYER_GAUGES,
+    LAYER_LABEL,
     PREFIX,
     STATE_GAUGES,
     STATE_LABEL,
@@ -61,6 +66,20 @@ class EngineMetrics:
         for k, d in TIER_COUNTERS.items():
             c = Counter(f"{PREFIX}{k}", d, [*labels, TIER_LABEL], registry=self.registry)
             self.tier_counters[k] = {t: c.labels(**self.labels, **{TIER_LABEL: t}) for t in TIERS}
+        # MoE expert loads (dsv4_engine.expert_loads publishes them before each render).
+        self.layer_gauges = {
+            k: Gauge(f"{PREFIX}{k}", d, [*labels, LAYER_LABEL], registry=self.registry) for k, d in LAYER_GAUGES.items()
+        }
+        self.layer_counters = {
+            k: Counter(f"{PREFIX}{k}", d, [*labels, LAYER_LABEL], registry=self.registry)
+            for k, d in LAYER_COUNTERS.items()
+        }
+        self.expert_counters = {
+            k: Counter(f"{PREFIX}{k}", d, [*labels, LAYER_LABEL, EXPERT_LABEL], registry=self.registry)
+            for k, d in EXPERT_COUNTERS.items()
+        }
+        # Called before every render: sources read at scrape time, not every step.
+        self.before_render: list = []
         # Plain mirrors of the counters so /v1/loads can report them without parsing.
         self.totals = {k: 0.0 for k in COUNTERS}
         # The engine sets every gauge once per step and most do not move between steps: what was
@@ -102,4 +121,6 @@ class EngineMetrics:
         self.histograms[name].observe(value)
 
     def render(self) -> bytes:
+        for publish in self.before_render:
+            publish(self)
         return generate_latest(self.registry)

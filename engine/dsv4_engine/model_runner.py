@@ -13,6 +13,7 @@ from dsv4_engine.batch_buffers import BatchBuffers, HostBatch, host_batch
 from dsv4_engine.cuda_graphs import Agree, DecodeGraphs, alone
 from dsv4_engine.devices import resolve, use_device
 from dsv4_engine.kv_cache import KVPool
+from dsv4_engine.kv_quant import with_kv_cache_dtype
 from dsv4_engine.models import entry_for_dir
 from dsv4_engine.models.forward_batch import ForwardBatch
 from dsv4_engine.models.state import StateSpec
@@ -70,12 +71,16 @@ class ModelRunner:
         kernel_backend: Optional[str] = None,
         cuda_graph_max_bs: int = 0,
         tp=None,
+        kv_cache_dtype: Optional[str] = None,
+        ep_redundant_experts: int = 0,
+        ep_loads_file: Optional[str] = None,
     ):
         entry = entry_for_dir(model_dir)
         self.model_type = entry.model_type
         self.cfg = entry.config_class().from_dir(model_dir)
         model_cls = entry.model_class()
-        self.state_specs: list[StateSpec] = model_cls.state_specs(self.cfg)
+        # the model's states, its attention KV stored as --kv-cache-dtype says (dsv4_engine.kv_quant)
+        self.state_specs: list[StateSpec] = with_kv_cache_dtype(model_cls.state_specs(self.cfg), kv_cache_dtype)
         self.device = resolve(torch.device(device) if device else default_device())
         use_device(self.device)  # the thread that builds the model may launch (weight prep, capture)
         self.dtype = DTYPES[dtype or default_dtype(self.device)]
@@ -97,6 +102,10 @@ class ModelRunner:
                 self.device,
                 tp,
             )
+        # Expert load counters, and the experts' placement with --ep-redundant-experts (EPLB)
+        from dsv4_engine.parallel.eplb_apply import attach_eplb
+
+        self.eplb = attach_eplb(self.model, model_dir, ep_redundant_experts, ep_loads_file)
         # Which implementation each op runs, and why (the start-up log, /v1/loads `kernels`)
         ops = self.model.ops
         self.kernel_ops: dict[str, str] = ops.implementations()

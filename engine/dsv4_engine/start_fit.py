@@ -12,6 +12,7 @@ from dsv4_engine import kv_sizing
 from dsv4_engine.cuda_graphs import resolve_graph_max_bs
 from dsv4_engine.kv_cache import default_page_size
 from dsv4_engine.model_runner import DTYPES, default_device, default_dtype
+from dsv4_engine.kv_quant import with_kv_cache_dtype
 from dsv4_engine.models import entry_for_dir
 from dsv4_engine.parallel.group import rank_device
 
@@ -25,7 +26,7 @@ def memory_refusal(args) -> Optional[str]:
         return None
     entry = entry_for_dir(args.model)
     cfg = entry.config_class().from_dir(args.model)
-    specs = entry.model_class().state_specs(cfg)
+    specs = with_kv_cache_dtype(entry.model_class().state_specs(cfg), args.kv_cache_dtype)
     dtype = DTYPES[args.dtype or default_dtype(device)]
     page_size = args.page_size or default_page_size(specs)
     min_kv = args.max_num_seqs * kv_sizing.slot_row_nbytes(specs, dtype) + kv_sizing.page_nbytes(

@@ -25,6 +25,7 @@ from dsv4_serve.agent_routes import add_agent_routes
 from dsv4_serve.engine_client import CORE_ANSWER_TIMEOUT, EngineClient, EngineGone
 from dsv4_serve.gate import Gate, Lifecycle
 from dsv4_serve.kv_events_route import add_kv_events_route
+from dsv4_serve.eplb_routes import add_eplb_routes
 from dsv4_serve.sessions import add_session_routes
 from dsv4_serve.server_args import ServerArgs
 from dsv4_serve.serving import OpenAIServing, internal_error
@@ -183,6 +184,7 @@ def build_app(
 
     add_kv_events_route(app, client, args, serving.model_name, lifecycle)
     add_session_routes(app, client, args)
+    add_eplb_routes(app, client, args)
 
     @app.post(Paths.ADMIN_DRAIN)
     async def drain(http: Request):

@@ -237,6 +237,37 @@ class CoreServer:
     def _faults_snapshot(self, _arg: Any) -> Any:
         return self.engine.pd.faults.snapshot()
 
+    def _expert_loads(self, _arg: Any) -> Optional[dict]:
+        placer = self.engine.runner.eplb
+        return placer.table() if placer is not None else None
+
+    def _eplb_rebalance(self, arg: Any) -> Any:
+        """Rebalance the experts between two steps (the engine thread), from the loads table given
+        or the live counters; (report, None) or (None, why it cannot)."""
+        import concurrent.futures
+
+        from dsv4_engine.parallel.eplb_apply import loads_from_table, rebalance
+
+        placer = self.engine.runner.eplb
+        if placer is None:
+            return None, "this model has no learned-routing MoE layers to balance"
+        try:
+            loads = loads_from_table(arg) if arg else None
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            return None, f"loads: {e}"
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                done.set_result((rebalance(placer, self.engine.tp, loads), None))
+            except ValueError as e:
+                done.set_result((None, str(e)))
+            except BaseException as e:  # a failed group fails the engine; the caller hears why
+                done.set_exception(e)
+
+        self.engine.call(run)
+        return done.result(timeout=120)
+
     def _shutdown(self) -> None:
         self.engine.stop()
         if self.engine.pd is not None:
@@ -258,6 +289,8 @@ RPCS: dict[str, Callable[[CoreServer, Any], Any]] = {
     "faults_arm": CoreServer._faults_arm,
     "faults_clear": CoreServer._faults_clear,
     "faults_snapshot": CoreServer._faults_snapshot,
+    "expert_loads": CoreServer._expert_loads,
+    "eplb_rebalance": CoreServer._eplb_rebalance,
 }
 
 
@@ -276,6 +309,15 @@ def _refusal(args) -> Optional[str]:
     except UnsupportedQuantization as e:
         return f"{args.model}: {e}"
     refusal = serving_refusal(args.model, args.role, args.page_size, args.tp_size)
+    if refusal is None and args.ep_redundant_experts:
+        import json
+        from pathlib import Path
+
+        from dsv4_engine.parallel.eplb import ep_checkpoint_refusal
+
+        refusal = ep_checkpoint_refusal(
+            json.loads((Path(args.model) / "config.json").read_text()), args.ep_redundant_experts
+        )
     if refusal is None:  # weights that cannot fit the device: said before they are read
         from dsv4_engine.start_fit import memory_refusal
 

@@ -15,6 +15,8 @@ class TritonOps(TorchOps):
     # every step on the kernels: no host reads of lengths (CUDA graphs capture a decode step)
     expanded_prefill = False
     v4_kernel_path = True
+    # mla_decode reads packed FP8 KV rows itself (--kv-cache-dtype fp8_e4m3): no decoded copy
+    mla_decode_reads_fp8 = True
 
     mla_decode = staticmethod(triton_ops.mla_decode)
     mla_extend = staticmethod(triton_ops.mla_extend)

@@ -48,7 +48,9 @@ def _http_url(url: object) -> bool:
     return parsed.scheme in ("http", "https") and bool(parsed.host)
 
 
-def build_app(router: Router) -> FastAPI:
+def build_app(router: Router) -> FastLane:
+    """The router's ASGI app: the generation POSTs' fast lane in front of the FastAPI app."""
+
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         await router.start()
@@ -66,14 +68,16 @@ def build_app(router: Router) -> FastAPI:
             APIError(f"internal router error (reference {ref}: see the router's log)", 500, "server_error")
         )
 
-    app.add_middleware(FastLane, handle=router.handle, on_error=_internal_error)  # innermost: see fastlane.py
-    app.add_middleware(
-        TenantGate,
+    # who calls first (the key), then the key's limits and cache salt; the generation POSTs pass
+    # the same gates (the same limits, metrics and keys) in front of the app (fastlane.py)
+    tenancy = dict(
         limiter=KeyLimiter(router.args.key_limits),
         metrics=TenantMetrics(router.metrics.registry),
         salt_from_key=salt_per_key(bool(router.args.api_keys), router.args.shared_prefix_cache),
     )
-    app.add_middleware(ApiKeyGate, ring=KeyRing(router.args.api_keys))  # outermost: who calls, first
+    ring = KeyRing(router.args.api_keys)
+    app.add_middleware(TenantGate, **tenancy)
+    app.add_middleware(ApiKeyGate, ring=ring)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(http: Request, e: StarletteHTTPException):
@@ -210,7 +214,12 @@ def build_app(router: Router) -> FastAPI:
             return router.error(APIError(f"no such worker: {url}", 404, "not_found_error"))
         return {"removed": url}
 
-    return app
+    return FastLane(
+        app,
+        handle=router.handle,
+        on_error=_internal_error,
+        gates=lambda lane: ApiKeyGate(TenantGate(lane, **tenancy), ring=ring),
+    )
 
 
 def run_router(args: RouterArgs, tokenize: Optional[Tokenize] = None) -> None:

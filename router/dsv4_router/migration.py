@@ -275,6 +275,7 @@ class Resume:
     _PLAIN = b'{"index": 0, "finish_reason": null, '
     _IDS = b', "token_ids": ['
     _ENDS = (b"}]}", b'}], "usage": null}')
+    _ENDS_SSE = (b"}]}\n\n", b'}], "usage": null}\n\n')
 
     def plain_event(self, chunk: bytes) -> Optional[bytes]:
         """The client's bytes when `chunk` is exactly one plain delta event of this request's
@@ -283,7 +284,31 @@ class Resume:
         head = self.head
         if head is None or not chunk.startswith(head) or chunk.find(b"\n\n") != len(chunk) - 2:
             return None
-        return self._fast(chunk[:-2])
+        # _fast's reading, on the chunk as it came (every relayed token passes here: no copies)
+        rest = len(head)
+        if not chunk.startswith(self._PLAIN, rest):
+            return None
+        at = chunk.rfind(self._IDS, rest)
+        if at < 0:
+            return None
+        close = chunk.find(b"]", at)
+        end = chunk[close + 1 :]
+        if close < 0 or end not in self._ENDS_SSE:
+            return None
+        raw = chunk[at + len(self._IDS) : close]
+        try:
+            if b"," not in raw:  # one token: most events
+                if raw.strip():
+                    t = int(raw)
+                    self.tokens.append(t)
+                    self.choice_tokens.setdefault(0, []).append(t)
+            else:
+                ids = [int(t) for t in raw.split(b",")]
+                self.tokens.extend(ids)
+                self.choice_tokens.setdefault(0, []).extend(ids)
+        except ValueError:
+            return None
+        return chunk if self.client_wants_ids else chunk[:at] + end
 
     def _fast(self, event: bytes) -> Optional[bytes]:
         """The client's bytes for a plain delta event of this request's current engine (the

@@ -22,7 +22,9 @@ from typing import AsyncIterator, Callable, Optional
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from dsv4_router.hangup import SCOPE_KEY as HANGUP
 from dsv4_wire import APIError
+from dsv4_wire.slow_clients import SEND_AFTER_BODY
 
 
 def sse(obj) -> bytes:
@@ -98,6 +100,9 @@ class Outlet:
         return True
 
 
+_HEADERS = StreamingResponse((), media_type="text/event-stream").raw_headers  # what it would build each time
+
+
 class RelayResponse(StreamingResponse):
     def __init__(
         self,
@@ -105,7 +110,12 @@ class RelayResponse(StreamingResponse):
         on_close: Callable[[], "asyncio.Future | None"],
         outlet: Optional[Outlet] = None,
     ):
-        super().__init__(content, media_type="text/event-stream")
+        # StreamingResponse's own __init__, less its checks and header building (one per request)
+        self.body_iterator = content
+        self.status_code = 200
+        self.media_type = "text/event-stream"
+        self.background = None
+        self.raw_headers = list(_HEADERS)
         self._on_close = on_close
         self._closed = False
         self.outlet = outlet or Outlet()
@@ -134,6 +144,9 @@ class RelayResponse(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        hang = scope.get(HANGUP)
+        if hang is not None:  # the fast lane's request: its watch cancels this task (hangup.py)
+            return await self._watched(scope.get(SEND_AFTER_BODY, send), hang)
         stream = asyncio.ensure_future(self.stream_response(send))
         gone = asyncio.ensure_future(self.listen_for_disconnect(receive))
         try:
@@ -150,6 +163,19 @@ class RelayResponse(StreamingResponse):
             and not isinstance(stream.exception(), OSError)
         ):
             raise stream.exception()  # a bug, not a client gone: let the server log it
+
+    async def _watched(self, send: Send, hang) -> None:
+        """The stream in this task; a hang-up cancels it (no task and no wait of its own)."""
+        try:
+            await self.stream_response(send)
+            hang.ended = True
+        except asyncio.CancelledError:
+            if not hang.caught():
+                raise
+        except OSError:
+            pass  # the client is gone
+        finally:
+            await self.close()
 
     async def close(self) -> None:
         if self._closed:

@@ -8,8 +8,8 @@ id's prefix, and only from a short, log-safe alphabet (else the request is a 400
 
 from __future__ import annotations
 
+import os
 import re
-import uuid
 from typing import Optional
 
 from dsv4_wire import APIError
@@ -21,7 +21,7 @@ _SAFE = re.compile(r"[A-Za-z0-9._:-]+")
 def request_id(client_rid: object, chat: bool, unique: Optional[str] = None) -> str:
     """Pure (given `unique`): the id of one request. APIError (400) for a client `rid` that is
     not a string of 1..64 characters from A-Z a-z 0-9 . _ : -."""
-    unique = unique or uuid.uuid4().hex
+    unique = unique or os.urandom(16).hex()  # as random as uuid4's, without building a UUID per request
     if client_rid is None:
         return f"{'chatcmpl' if chat else 'cmpl'}-{unique}"
     if not isinstance(client_rid, str) or len(client_rid) > MAX_CLIENT_RID_CHARS or not _SAFE.fullmatch(client_rid):

@@ -18,6 +18,7 @@ This module places and relays requests (`Router`); the workers, their pool and h
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import random
@@ -38,6 +39,7 @@ from dsv4_router.body import body_limit, parse_body, read_limited
 from dsv4_router.cache_index import CacheIndex
 from dsv4_router.cache_placement import CachePlacement, Tokenize, prompt_ids
 from dsv4_router.cache_subscriber import CacheSubscriber
+from dsv4_router.hangup import SCOPE_KEY as HANGUP, Hangup
 from dsv4_router.migration import BROKEN, REFUSED, STALLED, TRUNCATED, UNREACHABLE, Resume, allowed_resends
 from dsv4_router.relay import Outlet, RelayResponse, error_events, first_event_error, split_events, sse
 from dsv4_router.sessions import session_into_body
@@ -109,6 +111,9 @@ class Router:
             self.subscriber.start()
             self._tasks.append(asyncio.create_task(self._follow_loop()))
         await self.health.check_all()
+        # Everything loaded so far lives as long as the process: out of the collector's sight,
+        # a full collection (which the per-request garbage triggers) no longer walks it.
+        gc.freeze()
         self._tasks.append(asyncio.create_task(self.health.loop()))
         self._tasks.append(asyncio.create_task(self.stalls.loop()))
         if self.args.discover_namespace:
@@ -187,7 +192,7 @@ class Router:
     async def handle(self, path: str, http: Request, body: Optional[dict] = None) -> Response:
         """`body`: the request's, already read (an agent API's, translated to chat: agent_routes.py;
         counted under the path the client called)."""
-        self.metrics.requests.labels(http.url.path if body is not None else path).inc()
+        self.metrics.requests_of(http.url.path if body is not None else path).inc()
         pin = http.headers.get(PIN_HEADER)
         if pin is not None:  # only an admin may aim a request at one engine (a canary)
             refusal = admin_refusal(http.headers, self.args.admin_token, http.client.host if http.client else None)
@@ -226,6 +231,8 @@ class Router:
         # A client that hangs up (queued or not) cancels the work: closing the upstream
         # connections is what makes the engines abort (and, through them, the PD peer).
         slot = Slot(self.admission)
+        if http.scope.get(HANGUP, False) is None:  # the fast lane's: one watch, the work inline
+            return await self._watched(http, slot, self._admitted(path, body, slot, trace_in, pin))
         work = asyncio.ensure_future(self._admitted(path, body, slot, trace_in, pin))
         gone = asyncio.ensure_future(self._wait_disconnect(http))
         try:
@@ -240,6 +247,25 @@ class Router:
             return Response(status_code=499)
         try:
             result = work.result()
+        except BaseException:
+            slot.release()
+            raise
+        if not isinstance(result, RelayResponse):
+            slot.release()  # a stream keeps its slot until it ends
+        return result
+
+    @staticmethod
+    async def _watched(http: Request, slot: Slot, work) -> Response:
+        """Run `work` in this task, watched for a hang-up (hangup.py); a stream keeps its slot
+        and the watch until it ends (relay.RelayResponse)."""
+        hang = http.scope[HANGUP] = Hangup(http.receive)
+        try:
+            result = await work
+        except asyncio.CancelledError:
+            slot.release()
+            if hang.caught():
+                return Response(status_code=499)
+            raise
         except BaseException:
             slot.release()
             raise
@@ -450,12 +476,26 @@ class Router:
             leg = {k: v for k, v in body.items() if k != "stream_options"}  # stream_options needs stream
             prefill = asyncio.create_task(self._prefill(path, dict(leg, stream=False), p, span, trace_in))
         d.inflight += 1
-        self.metrics.worker_requests.labels(d.url, d.role).inc()
+        self.metrics.worker_requests_of(d.url, d.role).inc()
         opening = asyncio.create_task(self._open_decode(path, body, d, self.tracing.headers(span, trace_in)))
         frozen = asyncio.get_running_loop().create_future()  # set by the stall watch: an engine froze
-        watched = self.stalls.watch((p, d) if p is not None else (d,), lambda w: frozen.done() or frozen.set_result(w))
+
+        def froze(w: Worker) -> None:
+            if not frozen.done():
+                frozen.set_result(w)
+                if prefill is None:
+                    opening.cancel()  # one engine: what waits on it needs no asyncio.wait (below)
+
+        watched = self.stalls.watch((p, d) if p is not None else (d,), froze)
         handed_off = False
         try:
+            if prefill is None:
+                try:
+                    await opening
+                except asyncio.CancelledError:
+                    if frozen.done() and not asyncio.current_task().cancelling():
+                        return Retry(502, b"", STALLED)  # silent, and its /ready unanswered: another
+                    raise
             waits = {opening, frozen} | ({prefill} if prefill is not None else set())
             while not opening.done():
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -549,7 +589,7 @@ class Router:
     ) -> tuple[int, bytes]:
         """The prefill leg; (0, b"") when the prefill engine could not be reached."""
         p.inflight += 1
-        self.metrics.worker_requests.labels(p.url, p.role).inc()
+        self.metrics.worker_requests_of(p.url, p.role).inc()
         span = self.tracing.start("router.prefill_leg", parent=parent, attributes={"dsv4.prefill": p.url})
         error = None
         try:

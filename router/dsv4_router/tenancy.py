@@ -9,6 +9,7 @@ name or a short hash of it (``key-<12 hex>``), never the key. Requests without k
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -136,6 +137,9 @@ class TenantMetrics:
         self.inflight = Gauge(
             "dsv4_router:key_inflight_requests", "Generation requests in flight per API key", ["key"], registry=registry
         )
+        # the children per label values, looked up once (labels() locks and hashes every call)
+        self.requests_of = functools.lru_cache(maxsize=4096)(self.requests.labels)
+        self.inflight_of = functools.lru_cache(maxsize=4096)(self.inflight.labels)
 
 
 class TenantGate:
@@ -166,24 +170,24 @@ class TenantGate:
             refused = self.limiter.over(name, self.clock())
             if refused is not None:
                 why, wait = refused
-                self.metrics.requests.labels(name, why).inc()
+                self.metrics.requests_of(name, why).inc()
                 return await _too_many(send, why, wait, scope["path"])
 
             def admit(sequences: int) -> Optional[APIError]:
                 refused = self.limiter.admit(name, self.clock(), sequences)
                 if refused is not None:
-                    self.metrics.requests.labels(name, refused[0]).inc()
+                    self.metrics.requests_of(name, refused[0]).inc()
                     return key_limit_error(*refused)
-                self.metrics.requests.labels(name, "admitted").inc()
+                self.metrics.requests_of(name, "admitted").inc()
                 held[0] = sequences
                 return None
 
             scope[ADMIT_SCOPE_KEY] = admit
         else:
-            self.metrics.requests.labels(name, "admitted").inc()
+            self.metrics.requests_of(name, "admitted").inc()
         if self.salt_from_key and key is not None:
             scope[SALT_SCOPE_KEY] = lambda client, k=key: derived_salt(k, client)
-        gauge = self.metrics.inflight.labels(name)
+        gauge = self.metrics.inflight_of(name)
         gauge.inc()
         try:
             await self.app(scope, receive, send)  # returns once the response (a stream too) is sent

@@ -13,6 +13,7 @@ Kubernetes discovery, pods labelled serving.dsv4.dev/draining=true leave it too.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 from dataclasses import dataclass
@@ -119,6 +120,10 @@ class RouterMetrics:
             ["reason"],
             registry=self.registry,
         )
+        # per request: the labelled children are looked up once per label values, not built
+        # again each time (prometheus_client's labels() locks and hashes on every call)
+        self.requests_of = functools.lru_cache(maxsize=256)(self.requests.labels)
+        self.worker_requests_of = functools.lru_cache(maxsize=4096)(self.worker_requests.labels)
 
 
 class WorkerPool:

@@ -22,7 +22,7 @@ SLACK = 6.0  # scheduling noise on two busy cores, plus one retry's prefill
 
 
 class PDCluster:
-    def __init__(self, model, tmp, *, prefill_args=(), decode_args=()):
+    def __init__(self, model, tmp, *, prefill_args=(), decode_args=(), mono_args=()):
         self.model, self.tmp = model, tmp
         self.procs: list[Proc] = []
         self.p_port, self.b_port, self.d_port, self.m_port, self.r_port = (free_port() for _ in range(5))
@@ -39,7 +39,7 @@ class PDCluster:
             ],
         )
         self.decode = self._start("decode", ["--port", self.d_port, "--waiting-timeout", WAITING_TIMEOUT, *decode_args])
-        self.mono = self._start("mono", ["--port", self.m_port])
+        self.mono = self._start("mono", ["--port", self.m_port, *mono_args])
         self.router = Proc(
             [
                 "router",

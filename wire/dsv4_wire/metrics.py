@@ -53,6 +53,26 @@ TIER_COUNTERS = {
     "prefix_cache_tier_hit_tokens": "Tokens of admitted requests whose KV came from each tier of the prefix cache",
 }
 TIER_LABEL = "tier"
+# MoE expert loads (EPLB, docs/eplb.md), read from the engine's counters at scrape time. Labelled
+# by `layer` (the decoder layer's index); the per-expert counter also by `expert` (the logical
+# expert id): layers x experts series, so it is served only while that is at most
+# EXPERT_SERIES_MAX (the tiny presets; DeepSeek-V3's 58 x 256 is not) -- the full table is always
+# in `GET /admin/expert_loads` and /v1/loads `expert_loads`.
+LAYER_GAUGES = {
+    "moe_expert_load_imbalance": "Max over mean of the tokens routed to each logical expert of a MoE layer, since start",
+    "moe_rank_load_imbalance": "Max over mean of the expert tokens each rank computed for a MoE layer, since start "
+    "(with --ep-redundant-experts: after spreading over the copies)",
+}
+LAYER_COUNTERS = {
+    "moe_layer_routed_tokens": "Token-to-expert choices (tokens x top-k) made by a MoE layer",
+}
+EXPERT_COUNTERS = {
+    "moe_expert_tokens": "Tokens routed to each logical expert of a MoE layer (served while layers x experts "
+    "<= 4096; else see GET /admin/expert_loads)",
+}
+LAYER_LABEL = "layer"
+EXPERT_LABEL = "expert"
+EXPERT_SERIES_MAX = 4096
 COUNTERS = {
     "num_bootstrap_failed_reqs": "Requests failed during the PD bootstrap",
     "num_transfer_failed_reqs": "Requests whose KV transfer failed",
@@ -100,6 +120,9 @@ def metric_name(key: str, suffix: str = "") -> str:
         and key not in COUNT_HISTOGRAMS
         and key not in TIER_GAUGES
         and key not in TIER_COUNTERS
+        and key not in LAYER_GAUGES
+        and key not in LAYER_COUNTERS
+        and key not in EXPERT_COUNTERS
     ):
         raise KeyError(f"no dsv4 metric {key!r}")
     return f"{PREFIX}{key}{suffix}"

@@ -25,6 +25,8 @@ class Paths:
     ADMIN_ABORT = "/admin/abort"
     ADMIN_FAULTS = "/admin/faults"  # only with --enable-fault-injection
     DEBUG_STACKS = "/debug/stacks"
+    ADMIN_EXPERT_LOADS = "/admin/expert_loads"  # GET: every MoE layer's expert load counters (EPLB)
+    ADMIN_EPLB_REBALANCE = "/admin/eplb/rebalance"  # POST: place the experts again, between two steps
     ADMIN_WORKERS = "/admin/workers"  # router
     # engine to engine (behind the PD secret when one is set)
     PD_ABORT = "/pd/abort"

@@ -51,6 +51,15 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         "Tokens per KV page (default: 16, or the model's longest compression window when "
         "longer, e.g. 128 for DeepSeek-V4-Flash, so compressed states fill their pages).",
     ),
+    _O(
+        "kv_cache_dtype",
+        str,
+        "auto",
+        "auto | fp8_e4m3 (fp8 is e4m3, as vLLM's): store the attention KV (V3's latent, V4's compressed "
+        "entries, indexer keys and window) in FP8 with a float32 scale per entry, about half the bytes per "
+        "token of bf16; auto: the model's dtype. PD peers must agree.",
+        choices=("auto", "fp8_e4m3", "fp8"),
+    ),
     _O("max_num_seqs", int, 64, "Most requests running at once."),
     _O(
         "max_queued_requests",
@@ -181,6 +190,22 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         min=1,
     ),
     _O("node_rank", int, 0, "This host's place among --nnodes (0: the node that serves).", min=0),
+    _O(
+        "ep_redundant_experts",
+        int,
+        0,
+        "EPLB: R extra copies of the hottest routed experts (DeepSeek-V3-style MoE, unquantized), at most one per "
+        "rank (R <= --tp-size), placed by load over the ranks; tokens of a replicated expert spread over its "
+        "copies. Placed from --ep-loads-file, else evenly until POST /admin/eplb/rebalance (docs/eplb.md).",
+        min=0,
+    ),
+    _O(
+        "ep_loads_file",
+        str,
+        None,
+        "EPLB: expert loads recorded from a run (the JSON of GET /admin/expert_loads) to place the "
+        "--ep-redundant-experts copies from at start.",
+    ),
     _O(
         "dist_init_addr",
         str,

@@ -51,6 +51,12 @@ def header_deadline_protocol(seconds: float) -> type:
     return HeaderDeadline
 
 
+# Once the whole body is in, the guard below can no longer fire: the server's own `send` is left
+# here for an app that sends many messages (the router's relayed streams: one per token) to call
+# without the guard's extra layer.
+SEND_AFTER_BODY = "dsv4.send_after_body"
+
+
 class BodyDeadline:
     """ASGI middleware (outside the app, so that no exception handler turns it into a 500): a
     request body that has not fully arrived `seconds` after the headers ends the request; the
@@ -79,6 +85,7 @@ class BodyDeadline:
                 return {"type": "http.disconnect"}
             if msg["type"] != "http.request" or not msg.get("more_body", False):
                 body_done = True
+                scope[SEND_AFTER_BODY] = send
             return msg
 
         async def guarded_send(message):

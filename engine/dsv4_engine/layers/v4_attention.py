@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from dsv4_engine import kv_quant
 from dsv4_engine.layers import v4_verify
 from dsv4_engine.layers.v4_compressor import V4Compressor
 from dsv4_engine.layers.v4_indexer import V4Indexer
@@ -223,7 +224,7 @@ class V4Attention:
         tail = (fb.block_table, comp_kv, comp_idx, self.sink, cfg.head_dim**-0.5, rate, fb.page_size)
         if decode:
             out = ops.v4_attention_decode(*args, fb.positions, *tail)
-            ring_store[slots, i, fb.positions % W] = kv.to(ring_store.dtype)
+            kv_quant.store_(ring_store, (slots, i, fb.positions % W), kv)  # fp8kv
             return out
         out = ops.v4_attention_extend(*args, fb.positions, fb.extend_lens, *tail)
         key = tuple(spans)  # each request's last W tokens go to its ring
@@ -233,7 +234,7 @@ class V4Attention:
         req = step.index(
             ("ring_req", key), lambda: [b for b, (_, n, _) in enumerate(spans) for _ in range(min(n, W))], dev
         )
-        ring_store[slots[req], i, fb.positions[keep] % W] = kv[keep].to(ring_store.dtype)
+        kv_quant.store_(ring_store, (slots[req], i, fb.positions[keep] % W), kv[keep])  # fp8kv
         return out
 
     # ---- the torch path ------------------------------------------------------------------------
@@ -286,7 +287,7 @@ class V4Attention:
         masked by position, then its visible compressed entries."""
         cfg = self.backend.cfg
         W, i, j, rate = cfg.sliding_window, self.layer, self.j, self.rate
-        dev = q.device
+        dev, dt = q.device, self.backend.dtype
         B = len(group)
         row, n, start = step.span_tensors(spans, dev)
         Lmax = max(s[1] for s in spans)
@@ -302,7 +303,8 @@ class V4Attention:
         ring_store = states[SWA_KV]
         kbase = start - W  # the ring holds positions start - W .. start - 1
         ring = ring_store[slots[:, None], i, (kbase[:, None] + torch.arange(W, device=dev)) % W]
-        ext_kv = torch.cat([ring.to(kv.dtype), step.take(kv, tok)], 1)  # [B, W + Lmax, hd] in position order
+        # [B, W + Lmax, hd] in position order (fp8kv: the ring decoded)
+        ext_kv = torch.cat([kv_quant.decode(ring, kv.dtype), step.take(kv, tok)], 1)
         save_snapshots(fb, group, spans, SWA_KV, i, ext_kv)
         # only the last R ring positions can be seen (R < W when every chunk of the group starts
         # early: a fresh prompt attends to none of the ring)
@@ -323,10 +325,10 @@ class V4Attention:
                 w = torch.arange(C, device=dev)
                 visible = w < ((qpos + 1) // rate)[:, :, None]  # [B, Lmax, C]: t sees w iff w < (t+1)//rate
                 if self.indexer is not None:
-                    ikeys = gather_entries(states[CSA_INDEX_K][:, j], pages, w, rate, fb.page_size)
+                    ikeys = gather_entries(states[CSA_INDEX_K][:, j], pages, w, rate, fb.page_size, dt)
                     iq, iw = step.take(proj["iq"], tok), step.take(proj["iw"], tok)
                     visible = self.indexer.select(iq, iw, ikeys, visible)
-                entries = gather_entries(states[self.entry_store][:, j], pages, w, rate, fb.page_size)
+                entries = gather_entries(states[self.entry_store][:, j], pages, w, rate, fb.page_size, dt)
                 if not native:
                     keys = torch.cat([keys, entries.to(kv.dtype)], 1)
                     allowed = torch.cat([allowed, visible], 2)
@@ -340,8 +342,8 @@ class V4Attention:
         # new ring is ext_kv's p - kbase; positions before the chunk rewrite what they held
         end = start + n
         keep = torch.arange(W, device=dev)
-        ring_store[slots[:, None], i, (end[:, None] - W + keep) % W] = ext_kv[b_ix, n[:, None] + keep].to(
-            ring_store.dtype
+        ring_store[slots[:, None], i, (end[:, None] - W + keep) % W] = kv_quant.encode(  # fp8kv
+            ext_kv[b_ix, n[:, None] + keep], ring_store
         )
 
     def attend_decode(self, q, kv, proj, fb, states, spans, step: V4Step) -> torch.Tensor:
@@ -364,7 +366,7 @@ class V4Attention:
         )
         if not native:
             allowed = step.memo(("decode_window",), window)  # [B, W+1], the same in every layer
-            keys = torch.cat([ring_store[slots, i].to(kv.dtype), kv[:, None]], 1)  # [B, W+1, hd]
+            keys = torch.cat([kv_quant.decode(ring_store[slots, i], kv.dtype), kv[:, None]], 1)  # [B, W+1, hd]
         entries_at = None  # the native call's (store, visible)
         if rate:
             self.stage_decode(proj, fb, states, spans, step)
@@ -384,19 +386,19 @@ class V4Attention:
                 visible = indices(store.shape[1])[0]
                 if self.indexer is not None:
                     ikeys = states[CSA_INDEX_K][:, j]
-                    ikeys = ikeys[indices(ikeys.shape[1])[1]]  # [B, C, ihd]
+                    ikeys = kv_quant.decode(ikeys[indices(ikeys.shape[1])[1]], kv.dtype)  # [B, C, ihd]
                     sel = self.indexer.select(proj["iq"][:, None], proj["iw"][:, None], ikeys, visible[:, None])
                     visible = sel.squeeze(1)
                 if native:
                     entries_at = (store, visible, rate)
                 else:
-                    keys = torch.cat([keys, store[indices(store.shape[1])[1]].to(kv.dtype)], 1)
+                    keys = torch.cat([keys, kv_quant.decode(store[indices(store.shape[1])[1]], kv.dtype)], 1)
                     allowed = torch.cat([allowed, visible], 1)
         if native:
             store, visible, r = entries_at or (None, None, 0)
             return self._native_decode(q, kv, ring_store, slots, t, store, fb, visible, r)
         out = self.softmax_attend(q.unsqueeze(1), keys, allowed.unsqueeze(1)).squeeze(1)
-        ring_store[slots, i, t % W] = kv.to(ring_store.dtype)
+        kv_quant.store_(ring_store, (slots, i, t % W), kv)  # fp8kv
         return out
 
     def _native_decode(self, q, kv, ring_store, slots, t, store, fb, visible, rate) -> torch.Tensor:

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from dsv4_engine import kv_quant
 from dsv4_engine.layers.v4_step import V4Backend, V4Step, locate, save_snapshots
 
 
@@ -112,7 +113,7 @@ class V4Compressor:
         else:
             w, srow, cur, prev, at = indices()
         win = stage[srow, j, cur]  # [N, rate, 2 * width]: [kv | gate] rows
-        entries = self.pool(win, stage[srow, j, prev] if self.overlap else None, w).to(store.dtype)
+        entries = kv_quant.encode(self.pool(win, stage[srow, j, prev] if self.overlap else None, w), store)  # fp8kv
         store[at] = entries if closes is None else torch.where(closes[:, None], entries, store[at])
 
     def stage_decode(self, proj: dict, fb, states: dict, j: int, step: V4Step, closing: Optional[torch.Tensor]) -> None:
@@ -168,6 +169,6 @@ class V4Compressor:
             entries = self.pool(win, prev, w_ids)
             store = states[self.store][:, j]
             page, off = locate(w_ids, rate, fb.page_size, store.shape[1])
-            store[pages[cb, page].long(), off] = entries.to(store.dtype)
+            kv_quant.store_(store, (pages[cb, page].long(), off), entries)  # fp8kv
         keep = torch.arange(S, device=dev)
         st[slots[:, None], j, (end[:, None] - S + keep) % S] = ext[b_ix, n[:, None] + keep].to(st.dtype)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from dsv4_engine import kv_quant
 from dsv4_engine.devices import upload
 from dsv4_engine.quant import QuantWeight
 
@@ -87,12 +88,14 @@ def locate(w: torch.Tensor, rate: int, page_size: int, epp: int) -> tuple[torch.
 
 
 def gather_entries(
-    store: torch.Tensor, block_table: torch.Tensor, w: torch.Tensor, rate: int, page_size: int
+    store: torch.Tensor, block_table: torch.Tensor, w: torch.Tensor, rate: int, page_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """Entries w [C] of every request of block_table [B, pages] from a layer's paged store
-    [num_pages, epp, dim]: [B, C, dim] (entries a request has not closed are masked by the caller)."""
+    [num_pages, epp, dim]: [B, C, dim] as `dtype` (entries a request has not closed are masked by
+    the caller)."""
     page, off = locate(w, rate, page_size, store.shape[1])
-    return store[block_table[:, page].long(), off[None].expand(block_table.shape[0], -1)]
+    got = store[block_table[:, page].long(), off[None].expand(block_table.shape[0], -1)]
+    return kv_quant.decode(got, dtype)  # fp8kv: FP8 entries read as the model's dtype
 
 
 def save_snapshots(
@@ -113,7 +116,7 @@ def save_snapshots(
         for req, b, sid in snaps:
             if req == g:
                 start = spans[k][2]
-                store[sid, layer, (b - S + keep) % S] = ext[k, b - start : b - start + S].to(store.dtype)
+                store[sid, layer, (b - S + keep) % S] = kv_quant.encode(ext[k, b - start : b - start + S], store)
 
 
 def held_tensors(obj: Any, depth: int = 0) -> list:

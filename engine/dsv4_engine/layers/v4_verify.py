@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4_engine import kv_quant
 from dsv4_engine.layers.v4_step import CSA_INDEX_K, SWA_KV, gather_entries, locate
 
 
@@ -75,7 +76,7 @@ def attend(attn, q: torch.Tensor, kv: torch.Tensor, proj: dict, fb, states: dict
 def write_masked(ring: torch.Tensor, slots, layer: int, at: torch.Tensor, values: torch.Tensor, real) -> None:
     """ring[slots[b], layer, at[b, c]] = values[b, c] where real[b, c]; elsewhere what it held."""
     rows = slots[:, None].expand(at.shape)
-    ring[rows, layer, at] = torch.where(real[..., None], values.to(ring.dtype), ring[rows, layer, at])
+    ring[rows, layer, at] = torch.where(real[..., None], kv_quant.encode(values, ring), ring[rows, layer, at])
 
 
 def closing_windows(
@@ -125,7 +126,7 @@ def close_windows(attn, proj, fb, states, n: int, start, end, slots, real, step)
         store = states[comp.store][:, j]
         page, off = locate(w, rate, fb.page_size, store.shape[1])
         at = (fb.block_table[req, page].long(), off)
-        store[at] = torch.where(closes[:, None], entries.to(store.dtype), store[at])
+        store[at] = torch.where(closes[:, None], kv_quant.encode(entries, store), store[at])  # fp8kv
         # the real tokens' projections at their positions (the ring then holds the S before end)
         write_masked(st, slots, j, (start[:, None] + torch.arange(n, device=dev)) % S, chunk, real)
 
@@ -164,7 +165,7 @@ def _attend_torch(attn, q, kv, proj, fb, states, n, start, slots, pos):
     B = T // n
     kbase = start - W
     ring = states[SWA_KV][slots[:, None], attn.layer, (kbase[:, None] + torch.arange(W, device=dev)) % W]
-    keys = torch.cat([ring.to(kv.dtype), kv.view(B, n, -1)], 1)  # [B, W + n, hd] in position order
+    keys = torch.cat([kv_quant.decode(ring, kv.dtype), kv.view(B, n, -1)], 1)  # [B, W + n, hd] in position order
     kp = (kbase[:, None] + torch.arange(W + n, device=dev))[:, None, :]
     qp = pos[:, :, None]
     allowed = (kp <= qp) & (kp > qp - W) & (kp >= 0)  # [B, n, W + n]
@@ -173,10 +174,12 @@ def _attend_torch(attn, q, kv, proj, fb, states, n, start, slots, pos):
         w = torch.arange(C, device=dev)
         visible = w < ((pos + 1) // rate)[:, :, None]  # [B, n, C]: t sees w iff w < (t + 1) // rate
         if attn.indexer is not None:
-            ikeys = gather_entries(states[CSA_INDEX_K][:, j], fb.block_table, w, rate, fb.page_size)
+            ikeys = gather_entries(states[CSA_INDEX_K][:, j], fb.block_table, w, rate, fb.page_size, attn.backend.dtype)
             iq = proj["iq"].reshape(B, n, *proj["iq"].shape[1:])
             visible = attn.indexer.select(iq, proj["iw"].reshape(B, n, -1), ikeys, visible)
-        entries = gather_entries(states[attn.entry_store][:, j], fb.block_table, w, rate, fb.page_size)
+        entries = gather_entries(
+            states[attn.entry_store][:, j], fb.block_table, w, rate, fb.page_size, attn.backend.dtype
+        )
         keys = torch.cat([keys, entries.to(kv.dtype)], 1)
         allowed = torch.cat([allowed, visible], 2)
     return attn.softmax_attend(q.view(B, n, H, hd), keys, allowed).reshape(T, H, hd)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4_engine.config import ModelConfig
+from dsv4_engine import kv_quant
 from dsv4_engine.devices import upload
 from dsv4_engine.models.forward_batch import ForwardBatch
 from dsv4_engine.models.state import StateSpec
@@ -113,7 +114,7 @@ class DeepseekV3:
     @classmethod
     def state_specs(cls, cfg: ModelConfig) -> list[StateSpec]:
         """Per request: the MLA latent and the rope key of every token in every layer."""
-        return [StateSpec(cls.LATENT_KV, cfg.num_hidden_layers, (cfg.kv_cache_dim,))]
+        return [StateSpec(cls.LATENT_KV, cfg.num_hidden_layers, (cfg.kv_cache_dim,), quantizable=True)]
 
     def __init__(
         self, cfg: ModelConfig, weights: dict[str, torch.Tensor], ops, dtype: torch.dtype, device: torch.device, tp=None
@@ -256,7 +257,8 @@ class DeepseekV3:
         # Write this step's latent + rope key into the pages before attending, so new tokens
         # see themselves and each other through the same paged read as the prefix.
         pages, offs = slots
-        kv_layer[pages, offs] = torch.cat([latent, k_rope.squeeze(1)], dim=-1).to(kv_layer.dtype)
+        kv_quant.store_(kv_layer, (pages, offs), torch.cat([latent, k_rope.squeeze(1)], dim=-1))  # fp8kv: quantized
+        kv_layer, fb = kv_quant.readable_pages(kv_layer, fb, q.dtype, ops)  # fp8kv: FP8 pages read as q's dtype
         if not fb.all_decode and ops.expanded_prefill and fb.extend_lens_host is not None:
             expand = [
                 expanded_is_cheaper(e, n, cfg) if e else False for e, n in zip(fb.extend_lens_host, fb.seq_lens_host)
@@ -432,6 +434,11 @@ class DeepseekV3:
             cfg.norm_topk_prob,
             cfg.routed_scaling_factor,
         )
+        # EPLB hook (dsv4_engine.parallel.eplb_apply.LayerRoute): counts this layer's expert loads
+        # and maps logical expert ids to physical slots (a replicated expert's copies)
+        route = L.get("eplb")
+        if route is not None:
+            ids = route(ids)
         if self.tp is not None:
             weights, ids = self.tp.local_experts(weights, ids)
         shared = (L["s_w13"], L["s_w2"]) if "s_w13" in L else None

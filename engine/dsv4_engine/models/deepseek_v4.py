@@ -90,19 +90,22 @@ class DeepseekV4:
     def state_specs(cls, cfg: DeepseekV4Config) -> list[StateSpec]:
         hd, ihd = cfg.head_dim, cfg.index_head_dim
         n_csa, n_hca = len(cfg.layers_of(CSA)), len(cfg.layers_of(HCA))
-        specs = [StateSpec(cls.SWA_KV, cfg.num_hidden_layers, (hd,), kind="slot", slots=cfg.sliding_window)]
+        # quantizable: attention KV read and written through dsv4_engine.kv_quant (--kv-cache-dtype)
+        specs = [
+            StateSpec(cls.SWA_KV, cfg.num_hidden_layers, (hd,), kind="slot", slots=cfg.sliding_window, quantizable=True)
+        ]
         if n_csa:
             r = cfg.csa_rate
             specs += [
-                StateSpec(cls.CSA_KV, n_csa, (hd,), tokens_per_entry=r),
-                StateSpec(cls.CSA_INDEX_K, n_csa, (ihd,), tokens_per_entry=r),
+                StateSpec(cls.CSA_KV, n_csa, (hd,), tokens_per_entry=r, quantizable=True),
+                StateSpec(cls.CSA_INDEX_K, n_csa, (ihd,), tokens_per_entry=r, quantizable=True),
                 StateSpec(cls.CSA_STAGE, n_csa, (4 * hd,), kind="slot", slots=2 * r),
                 StateSpec(cls.CSA_INDEX_STAGE, n_csa, (4 * ihd,), kind="slot", slots=2 * r),
             ]
         if n_hca:
             r = cfg.hca_rate
             specs += [
-                StateSpec(cls.HCA_KV, n_hca, (hd,), tokens_per_entry=r),
+                StateSpec(cls.HCA_KV, n_hca, (hd,), tokens_per_entry=r, quantizable=True),
                 StateSpec(cls.HCA_STAGE, n_hca, (2 * hd,), kind="slot", slots=r),
             ]
         return specs

@@ -33,6 +33,23 @@ class StateSpec:
     kind: str = "paged"
     tokens_per_entry: int = 1
     slots: int = 0  # kind "slot" only
+    # Attention KV the model reads and writes through dsv4_engine.kv_quant: it may be stored in
+    # FP8 (--kv-cache-dtype). `kv_dtype` "fp8_e4m3": each entry is D e4m3 bytes + a float32
+    # scale, in a uint8 tensor (kv_quant's format); "auto": the model's dtype.
+    quantizable: bool = False
+    kv_dtype: str = "auto"
+
+    @property
+    def packed(self) -> bool:
+        return self.kv_dtype != "auto"
+
+    def storage_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of this state's tensor in a pool whose model computes in `dtype`."""
+        return torch.uint8 if self.packed else dtype
+
+    def stored_entry_shape(self) -> tuple[int, ...]:
+        """An entry's shape in storage: packed FP8 entries carry their 4-byte scale."""
+        return (*self.entry_shape[:-1], self.entry_shape[-1] + 4) if self.packed else self.entry_shape
 
     @property
     def paged(self) -> bool:
@@ -42,7 +59,7 @@ class StateSpec:
         """Shape of one request's row of a slot state: [num_layers, slots, *entry_shape]."""
         if self.kind != "slot":
             raise ValueError(f"state {self.name} is {self.kind}, not slot")
-        return (self.num_layers, self.slots, *self.entry_shape)
+        return (self.num_layers, self.slots, *self.stored_entry_shape())
 
     def request_nbytes(self, dtype: torch.dtype) -> int:
         """Bytes a slot state costs per running request (0 for a paged state: that is per token)."""
@@ -51,7 +68,7 @@ class StateSpec:
         n = 1
         for d in self.slot_shape():
             n *= d
-        return n * torch.empty((), dtype=dtype).element_size()
+        return n * torch.empty((), dtype=self.storage_dtype(dtype)).element_size()
 
     def entries_per_page(self, page_size: int) -> int:
         tpe = self.tokens_per_entry
@@ -70,13 +87,13 @@ class StateSpec:
 
     def page_shape(self, page_size: int) -> tuple[int, ...]:
         """Shape of one page of this state: [num_layers, entries, *entry_shape]."""
-        return (self.num_layers, self.entries_per_page(page_size), *self.entry_shape)
+        return (self.num_layers, self.entries_per_page(page_size), *self.stored_entry_shape())
 
     def page_nbytes(self, page_size: int, dtype: torch.dtype) -> int:
         n = 1
         for d in self.page_shape(page_size):
             n *= d
-        return n * torch.empty((), dtype=dtype).element_size()
+        return n * torch.empty((), dtype=self.storage_dtype(dtype)).element_size()
 
     def bytes_per_token(self, dtype: torch.dtype) -> float:
         if self.kind == "slot":

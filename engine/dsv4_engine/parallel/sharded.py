@@ -15,11 +15,12 @@ class ShardComm:
     """What a sharded model's forward calls (`model.tp`): the sum over ranks, and the mapping
     of the router's global expert choices onto this rank's block of experts."""
 
-    def __init__(self, rank, experts: tuple[int, int]):
+    def __init__(self, rank, experts: tuple[int, int], n_experts: int = 0):
         self.rank = rank.shard.rank
         self.size = rank.shard.size
         self._rank = rank
-        self.experts = experts
+        self.experts = experts  # [lo, hi) of the ids this rank computes (EPLB: physical slots)
+        self.n_experts = n_experts  # the checkpoint's routed experts (logical)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self._rank.all_reduce(x)
@@ -42,7 +43,7 @@ def build_sharded(
     if refusal:
         raise ValueError(refusal)
     weights = load_shard(model_dir, plan.slicer(cfg, rank.shard))
-    comm = ShardComm(rank, block(cfg.n_routed_experts, rank.shard))
+    comm = ShardComm(rank, block(cfg.n_routed_experts, rank.shard), cfg.n_routed_experts)
     return model_cls(plan.local_config(cfg, rank.shard), weights, ops, dtype, device, tp=comm)
 
 

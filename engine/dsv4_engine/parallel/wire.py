@@ -27,6 +27,9 @@ OP_SPEC_TARGET, OP_SPEC_MTP, OP_RING_SAVE, OP_RING_RESTORE = 7, 8, 9, 10
 # host arrays (`pack_host`), then, for the draft and catch-up sets, the hidden states they read
 # (as OP_SPEC_MTP sends them). Rank 0 sends OP_CAPTURE to a speculating group to capture these.
 OP_SPEC_VERIFY_GRAPH, OP_SPEC_DRAFT_GRAPH, OP_SPEC_CATCH_UP_GRAPH = 11, 12, 13
+# OP_EPLB: a rebalance of the routed experts between two steps (dsv4_engine.parallel.eplb_apply:
+# placement_message): every rank hosts its slots of the new placement before the next forward.
+OP_EPLB = 14
 HIDDEN_DTYPES = ("float32", "bfloat16", "float16")
 HIDDEN_META_LEN = 6  # [dtype index, ndim, dims padded with 0]
 

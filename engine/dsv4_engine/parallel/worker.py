@@ -99,7 +99,16 @@ def serve_rank(spec: dict) -> None:
         ea.get("tp_size") or shard.size, ea.get("nnodes") or 1, ea.get("node_rank") or 0, ea.get("dist_init_addr")
     )
     rank = join(shard, spec.get("init") or spec["port"], device, layout)
-    runner = ModelRunner(ea["model"], ea.get("dtype"), device, ea.get("kernel_backend"), tp=rank)
+    runner = ModelRunner(
+        ea["model"],
+        ea.get("dtype"),
+        device,
+        ea.get("kernel_backend"),
+        tp=rank,
+        kv_cache_dtype=ea.get("kv_cache_dtype"),
+        ep_redundant_experts=ea.get("ep_redundant_experts") or 0,
+        ep_loads_file=ea.get("ep_loads_file"),
+    )
     specs, speculator = runner.state_specs, None
     if ea.get("speculative_algorithm") is not None:  # as rank 0's Engine: its MTP shard and state
         from dsv4_engine.spec_decode.build import make_speculator
@@ -160,6 +169,10 @@ def serve_rank(spec: dict) -> None:
         elif op == wire.OP_GRAPH:
             runner._states = pool.all_states
             runner.graphs.step(wire.unpack_host(header, payload))
+        elif op == wire.OP_EPLB:  # a rebalance between steps: this rank's new experts (parallel.eplb_apply)
+            from dsv4_engine.parallel.eplb_apply import unpack_placement
+
+            runner.eplb.apply(unpack_placement(payload))
         elif op == wire.OP_SNAPSHOT:
             if not snapshots:
                 raise RuntimeError("rank 0 copied a prefix-cache snapshot, but announced none")

@@ -165,7 +165,8 @@ class PoolStates:
 def _region(name: str, t: torch.Tensor, kind: str, tpe: int) -> Region:
     return Region(
         name,
-        str(t.dtype).removeprefix("torch."),
+        # a uint8 state is FP8 KV with its scales (dsv4_engine.kv_quant): named so in a refusal
+        "fp8_e4m3" if t.dtype == torch.uint8 else str(t.dtype).removeprefix("torch."),
         tuple(int(x) for x in t.shape[1:]),
         t[0].numel() * t.element_size(),
         kind,
@@ -227,6 +228,11 @@ def layout_mismatch(mine: Sequence[Region], theirs: Sequence[Region]) -> Optiona
     for a, b in zip(mine, theirs):
         what = f"{a.kind} region {a.name}"
         if a.dtype != b.dtype:
+            if "fp8_e4m3" in (a.dtype, b.dtype):
+                return (
+                    f"{what}: KV cache dtype {a.dtype} != {b.dtype} "
+                    "(prefill and decode must run with the same --kv-cache-dtype)"
+                )
             return f"{what}: dtype {a.dtype} != {b.dtype}"
         if a.tokens_per_entry != b.tokens_per_entry:
             return f"{what}: compress rate {a.tokens_per_entry} != {b.tokens_per_entry} tokens per entry"

@@ -62,6 +62,7 @@ def mla_decode_split_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_R: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     pid_h = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -96,8 +97,17 @@ def mla_decode_split_kernel(
         n_mask = offs_n < end
         page = tl.load(table + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
         rows = kv_ptr + page * stride_kv_page + (offs_n % PAGE_SIZE) * stride_kv_slot
-        k_lat = tl.load(rows[:, None] + offs_v[None, :], mask=n_mask[:, None] & v_mask[None, :], other=0.0)
-        k_rope = tl.load(rows[:, None] + V_DIM + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+        if KV_FP8:
+            # --kv-cache-dtype fp8_e4m3 (dsv4_engine.kv_quant): a row is V_DIM + ROPE_DIM e4m3
+            # bytes then its float32 scale; load the bytes, view them as e4m3, scale in fp32
+            k_lat = tl.load(rows[:, None] + offs_v[None, :], mask=n_mask[:, None] & v_mask[None, :], other=0)
+            k_rope = tl.load(rows[:, None] + V_DIM + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0)
+            kv_scale = tl.load((rows + V_DIM + ROPE_DIM).to(tl.pointer_type(tl.float32)), mask=n_mask, other=0.0)
+            k_lat = (k_lat.to(tl.float8e4nv, bitcast=True).to(tl.float32) * kv_scale[:, None]).to(q_lat.dtype)
+            k_rope = (k_rope.to(tl.float8e4nv, bitcast=True).to(tl.float32) * kv_scale[:, None]).to(q_rope.dtype)
+        else:
+            k_lat = tl.load(rows[:, None] + offs_v[None, :], mask=n_mask[:, None] & v_mask[None, :], other=0.0)
+            k_rope = tl.load(rows[:, None] + V_DIM + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
         if UPCAST:
             k_lat = k_lat.to(tl.float32)
             k_rope = k_rope.to(tl.float32)
@@ -222,7 +232,10 @@ def mla_decode(
     page_size = kv_cache.shape[1]
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("mla_decode needs the last dim of q and kv_cache contiguous")
-    if q.dtype != kv_cache.dtype:
+    kv_fp8 = kv_cache.dtype == torch.uint8  # packed FP8 entries with their scales (dsv4_engine.kv_quant)
+    if kv_fp8 and kv_cache.shape[-1] != dim + 4:
+        raise ValueError(f"mla_decode: FP8 kv_cache rows are {kv_cache.shape[-1]} bytes, not {dim} + 4")
+    if q.dtype != kv_cache.dtype and not kv_fp8:
         raise ValueError(f"mla_decode: q is {q.dtype} but kv_cache is {kv_cache.dtype}")
     out = torch.empty(batch, heads, v_dim, dtype=q.dtype, device=q.device)
     if batch == 0:
@@ -274,6 +287,7 @@ def mla_decode(
         BLOCK_V=next_pow2(v_dim),
         BLOCK_R=max(16, next_pow2(dim - v_dim)),
         UPCAST=on_interpreter(q),
+        KV_FP8=kv_fp8,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

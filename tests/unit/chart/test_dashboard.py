@@ -38,6 +38,10 @@ def engine_series() -> dict[str, set[str]]:
         out[f"dsv4:{name}"] = {f"dsv4:{name}"}
     for name in engine_metrics.COUNTERS:
         out[f"dsv4:{name}"] = {f"dsv4:{name}_total"}
+    for name in engine_metrics.LAYER_GAUGES:  # MoE expert loads (docs/eplb.md)
+        out[f"dsv4:{name}"] = {f"dsv4:{name}"}
+    for name in (*engine_metrics.LAYER_COUNTERS, *engine_metrics.EXPERT_COUNTERS):
+        out[f"dsv4:{name}"] = {f"dsv4:{name}_total"}
     for name in (*engine_metrics.HISTOGRAMS, *engine_metrics.COUNT_HISTOGRAMS):
         out[f"dsv4:{name}"] = {f"dsv4:{name}_{s}" for s in ("bucket", "sum", "count")}
     return out

@@ -25,6 +25,15 @@ def test_the_doc_quotes_the_current_table() -> None:
     )
 
 
+def test_the_doc_quotes_the_current_capacity_table() -> None:
+    text = DOC.read_text()
+    quoted = text.split("<!-- scripts/v4_memory.py --capacity 96 8 -->\n", 1)[1]
+    quoted = quoted.split("<!-- /scripts/v4_memory.py --capacity -->", 1)[0]
+    assert quoted == v4_memory.render_capacity(v4_memory.flash_config(), 96.0, 8, 6.0), (
+        "run: python scripts/v4_memory.py --capacity 96 8 and paste its output into docs/deploy-v4-flash.md"
+    )
+
+
 def test_the_arithmetic_follows_the_shapes() -> None:
     s = v4_memory.sizes(v4_memory.flash_config())
     # 43 layers x 256 experts x 3 projections of 2048 x 4096, half a byte a value plus a scale per 32.

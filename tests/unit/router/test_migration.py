@@ -249,12 +249,17 @@ def test_plain_deltas_are_relayed_as_bytes_identical_to_the_json_path(wants_ids,
     ]
     fast = Resume("r", {}, stream=True, client_wants_ids=wants_ids)
     slow = Resume("r", {}, stream=True, client_wants_ids=wants_ids)
-    outs = []
+    direct = Resume("r", {}, stream=True, client_wants_ids=wants_ids)  # the read callback's path
+    outs, taken = [], 0
     for e in stream:
         outs.append(fast.filter(e))
         slow.head = None  # never the bytes path
         assert slow.filter(e) == outs[-1]
-    assert fast.head is not None and fast.tokens == slow.tokens == [5, 6, 7, 8, 9]
+        plain = direct.plain_event(e)
+        taken += plain is not None
+        assert (plain if plain is not None else direct.filter(e)[0]) == outs[-1][0]
+    assert fast.head is not None and fast.tokens == slow.tokens == direct.tokens == [5, 6, 7, 8, 9]
+    assert direct.choice_tokens == {0: [5, 6, 7, 8, 9]} and taken == 4  # the plain deltas
     assert outs[-1][1] == "done" and fast.finished
 
 

@@ -1,0 +1,209 @@
+"""`dsv4 bench kv-fp8`: what `--kv-cache-dtype fp8_e4m3` changes in the output (issue 46).
+
+The same checkpoint, prompts and greedy decoding on two engines, one storing the attention KV in
+the model's dtype (`auto`) and one in FP8 e4m3 with a scale per entry. Per prompt: whether the
+greedy tokens are equal, how many lead tokens agree, and the largest logit difference over the
+steps both engines ran on the same tokens (the prompt, then the agreed prefix of the output, so
+a divergence does not count the different contexts after it). Also the bytes per token of each
+pool (from the engine's own figures). Writes OUT/kv_fp8_<preset>.json.
+
+    python -m bench.suites.kv_fp8_agreement [--preset mla512] [--prompts 16] [--new-tokens 32] [--dtype bfloat16]
+
+With --dtype bfloat16 (the default: the comparison is FP8 KV against bf16 KV) it also runs the
+model in float32 and reports how far bf16 itself is from it on the same prompts, as a yardstick
+for the FP8 figures (random tiny checkpoints have near-tied logits: small errors flip tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from bench.harness.checkpoints import RESULTS, ensure_model
+from bench.harness.report import machine, now_iso, write_json
+
+
+def run_greedy(
+    model_dir: Path,
+    kv_cache_dtype: str,
+    prompts: list[list[int]],
+    new_tokens: int,
+    dtype: str,
+    backend: str,
+    device: str = "cpu",
+) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]], dict]:
+    """Greedy tokens and each sampling step's logits per request (all submitted at once, run to
+    the end by stepping the engine here: no thread), and the engine's /v1/loads figures."""
+    from dsv4_engine.engine import Engine
+    from dsv4_engine.engine_args import EngineArgs
+    from dsv4_engine.sampling_params import SamplingParams
+    from dsv4_engine.sequence import Sequence
+
+    engine = Engine(
+        EngineArgs(
+            model=str(model_dir),
+            device=device,
+            dtype=dtype,
+            kernel_backend=backend,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_pages=max(64, len(prompts) * 8),
+            enable_prefix_cache=False,
+        )
+    )
+    logits: dict[str, list[torch.Tensor]] = {}
+    forward = engine.runner.forward
+
+    def recording(batch, pool):
+        out = forward(batch, pool)
+        for i, b in enumerate(batch):
+            if b.samples:
+                logits.setdefault(b.seq.rid, []).append(out[i].float().clone())
+        return out
+
+    engine.runner.forward = recording
+    outs: dict[str, list[int]] = {}
+    done: set[str] = set()
+    for k, prompt in enumerate(prompts):
+        rid = f"p{k}"
+
+        def sink(out, rid=rid):
+            outs.setdefault(rid, []).extend(out.token_ids)
+            if out.finished:
+                done.add(rid)
+
+        params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+        engine.submit(Sequence(rid, prompt, params, sink=sink))
+    steps = 0
+    while len(done) < len(prompts):
+        engine.step()
+        steps += 1
+        if steps > 100 * (new_tokens + 1) * len(prompts):
+            raise RuntimeError("the engine made no progress")
+    loads = engine.loads()
+    return (
+        outs,
+        logits,
+        {"kv_state_bytes_per_token": loads["kv_state_bytes_per_token"], "kv_sizing": loads["kv_sizing"]},
+    )
+
+
+def compare(
+    ref_tokens: dict[str, list[int]],
+    ref_logits: dict[str, list[torch.Tensor]],
+    tokens: dict[str, list[int]],
+    logits: dict[str, list[torch.Tensor]],
+) -> dict:
+    """Greedy agreement and logit error of `tokens/logits` against the reference, per request
+    and over all: logits compared on the steps whose inputs were equal (up to and including
+    the first differing token's step)."""
+    per = {}
+    for rid, ref in ref_tokens.items():
+        got = tokens[rid]
+        lead = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+        steps = min(lead + 1, len(ref_logits[rid]), len(logits[rid]))
+        err = max((float((a - b).abs().max()) for a, b in zip(ref_logits[rid][:steps], logits[rid][:steps])), default=0)
+        scale = max(float(t.abs().max()) for t in ref_logits[rid][:steps])
+        per[rid] = {
+            "equal": got == ref,
+            "agreed_tokens": lead,
+            "tokens": len(ref),
+            "max_logit_error": err,
+            "logit_scale": scale,
+        }
+    first = sorted(float((ref_logits[r][0] - logits[r][0]).abs().max()) for r in ref_tokens)
+    n = len(per)
+    return {
+        "first_token_equal_share": sum(p["agreed_tokens"] > 0 for p in per.values()) / n,
+        # the first sampled step (after the prompt's prefill): the same inputs on every prompt
+        "first_step_logit_error_median": first[n // 2],
+        "first_step_logit_error_max": first[-1],
+        "prompts": n,
+        "equal_share": sum(p["equal"] for p in per.values()) / n,
+        "agreed_token_share": sum(p["agreed_tokens"] for p in per.values()) / sum(p["tokens"] for p in per.values()),
+        "max_logit_error": max(p["max_logit_error"] for p in per.values()),
+        "max_logit_abs": max(p["logit_scale"] for p in per.values()),
+        "per_prompt": per,
+    }
+
+
+def make_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(8, 96, (n,), generator=g).tolist()
+    return [torch.randint(2, vocab, (m,), generator=g).tolist() for m in lengths]
+
+
+def measure(
+    model_dir: Path, n_prompts: int, new_tokens: int, dtype: str, backend: str, seed: int = 0, device: str = "cpu"
+) -> dict:
+    import json
+
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    prompts = make_prompts(vocab, n_prompts, seed)
+    ref_t, ref_l, ref_loads = run_greedy(model_dir, "auto", prompts, new_tokens, dtype, backend, device)
+    fp8_t, fp8_l, fp8_loads = run_greedy(model_dir, "fp8_e4m3", prompts, new_tokens, dtype, backend, device)
+    result = compare(ref_t, ref_l, fp8_t, fp8_l)
+    if dtype == "bfloat16":  # the yardstick: how far bf16 compute itself is from fp32 on these prompts
+        f32_t, f32_l, _ = run_greedy(model_dir, "auto", prompts, new_tokens, "float32", backend, device)
+        result["yardstick_bf16_vs_fp32"] = {
+            k: v for k, v in compare(f32_t, f32_l, ref_t, ref_l).items() if k != "per_prompt"
+        }
+    per_token = {
+        k: sum(v["kv_state_bytes_per_token"].values()) for k, v in (("auto", ref_loads), ("fp8_e4m3", fp8_loads))
+    }
+    result["bytes_per_token"] = per_token
+    result["bytes_ratio"] = per_token["fp8_e4m3"] / per_token["auto"]
+    result["by_state"] = {
+        "auto": ref_loads["kv_state_bytes_per_token"],
+        "fp8_e4m3": fp8_loads["kv_state_bytes_per_token"],
+    }
+    return result
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="mla512")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument("--kernel-backend", default="cpu", choices=("cpu", "torch", "triton"))
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (with --kernel-backend triton: the FP8 decode kernel)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS / "kv_fp8")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    a = parse_args(argv)
+    model = ensure_model(None, a.preset, 0)
+    result = measure(model, a.prompts, a.new_tokens, a.dtype, a.kernel_backend, a.seed, a.device)
+    report = {
+        "suite": "kv_fp8_agreement",
+        "when": now_iso(),
+        "machine": machine(),
+        "preset": a.preset,
+        "dtype": a.dtype,
+        "kernel_backend": a.kernel_backend,
+        "device": a.device,
+        "new_tokens": a.new_tokens,
+        **{k: v for k, v in result.items() if k != "per_prompt"},
+        "per_prompt": result["per_prompt"],
+    }
+    a.out.mkdir(parents=True, exist_ok=True)
+    suffix = "" if a.device == "cpu" else "_" + a.device.replace(":", "")
+    write_json(report, a.out / f"kv_fp8_{a.preset}_{a.dtype}{suffix}.json")
+    print(
+        f"{a.preset} {a.dtype}: greedy equal on {result['equal_share']:.0%} of {result['prompts']} prompts, "
+        f"{result['agreed_token_share']:.1%} of tokens before a divergence; first-step logit error median "
+        f"{result['first_step_logit_error_median']:.4f}, max {result['first_step_logit_error_max']:.4f}; max logit error "
+        f"{result['max_logit_error']:.4f} (logits up to {result['max_logit_abs']:.1f}); bytes/token "
+        f"{result['bytes_per_token']['auto']:.0f} -> {result['bytes_per_token']['fp8_e4m3']:.0f} "
+        f"({result['bytes_ratio']:.3f}x)"
+    )
+    return report
+
+
+if __name__ == "__main__":
+    main()
