@@ -107,6 +107,9 @@ class DeepseekV4Config:
     eos_token_id: Any = 1
     tie_word_embeddings: bool = False
     torch_dtype: str = "float32"
+    # One rank's config under --tp-size N (parallel/plan.py): over how many ranks the attention's
+    # query heads and output groups are split (their partial sums then meet in an all-reduce).
+    attention_tp_size: int = 1
     extra: dict = field(default_factory=dict, repr=False)
 
     @property

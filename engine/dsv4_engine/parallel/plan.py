@@ -12,9 +12,11 @@ DeepSeek-V3 over N ranks:
   replicated head needs no gather before sampling).
 Every partial result (o_proj, MLP, experts) is summed by one all-reduce per sub-layer.
 
-DeepSeek-V4: attention (and everything but the routed experts) replicated, routed experts split
-as above; the shared expert runs on rank 0 only and joins the routed sum. This follows
-transformers' TP/EP plan for deepseek_v4; see docs/tensor-parallel.md for why not data-parallel attention.
+DeepSeek-V4: attention split by query heads and output groups (wq_b rows, sinks; wo_a rows, wo_b
+columns; one all-reduce after the output projection) where the groups divide evenly and the
+quantization blocks allow (`v4_splits_attention`); its single KV head, compressors and indexer
+replicated. Routed experts split as above; the shared expert runs on rank 0 only and joins the
+routed sum. See docs/tensor-parallel.md for why not data-parallel attention.
 """
 
 from __future__ import annotations
@@ -191,19 +193,69 @@ def v4_refusal(cfg, size: int) -> Optional[str]:
     return None
 
 
+def v4_splits_attention(cfg, size: int) -> bool:
+    """Whether V4's attention is split by heads over `size` ranks: when the output projection's
+    groups divide evenly (a group's heads stay on one rank) and every split width stays on the
+    checkpoint's quantization blocks; else every rank runs all heads, as before the split."""
+    if size == 1 or cfg.o_groups % size:
+        return False
+    qb = quant_block(cfg)
+    widths = ((cfg.num_attention_heads // size) * cfg.head_dim, (cfg.o_groups // size) * cfg.o_lora_rank)
+    return not qb or all(w % qb[0] == 0 and w % qb[1] == 0 for w in widths)
+
+
 def v4_local_config(cfg, shard: Shard):
     lo, hi = block(cfg.n_routed_experts, shard)
-    return replace(cfg, n_routed_experts=hi - lo)
+    if not v4_splits_attention(cfg, shard.size):
+        return replace(cfg, n_routed_experts=hi - lo)
+    return replace(
+        cfg,
+        n_routed_experts=hi - lo,
+        num_attention_heads=cfg.num_attention_heads // shard.size,
+        o_groups=cfg.o_groups // shard.size,
+        attention_tp_size=shard.size,
+    )
 
 
 def v4_slicer(cfg, shard: Shard) -> Slicer:
+    """Routed experts by block; with the attention split (`v4_splits_attention`), this rank's
+    query heads (wq_b rows, sinks) and output groups (wo_a rows, wo_b columns), with their
+    block scales. Names in any layout (matched on their release names)."""
+    from dsv4_engine.models.deepseek_v4_weights import release_name  # the model's naming, read lazily
+
     e0, e1 = block(cfg.n_routed_experts, shard)
+    split = v4_splits_attention(cfg, shard.size)
+    heads = even(cfg.num_attention_heads, shard, "num_attention_heads") if split else (0, 0)
+    groups = even(cfg.o_groups, shard, "o_groups") if split else (0, 0)
+    hd, ol = cfg.head_dim, cfg.o_lora_rank
+    qb = quant_block(cfg) or (1, 1)
+
+    def part(release: str) -> Optional[tuple[int, int, int, bool]]:
+        """(dim, lo, hi, is a block scale) of this rank's part of a release-named tensor, or None."""
+        base, scale = (release[: -len(".scale")] + ".weight", True) if release.endswith(".scale") else (release, False)
+        if not split or ".attn." not in base or ".indexer." in base or ".compressor." in base:
+            return None
+        if base.endswith(".attn.wq_b.weight"):
+            return 0, heads[0] * hd, heads[1] * hd, scale
+        if base.endswith(".attn.wo_a.weight"):
+            return 0, groups[0] * ol, groups[1] * ol, scale
+        if base.endswith(".attn.wo_b.weight"):
+            return 1, groups[0] * ol, groups[1] * ol, scale
+        if base.endswith(".attn.attn_sink"):
+            return 0, heads[0], heads[1], False
+        return None
 
     def slicer(name: str, shape: tuple[int, ...]) -> Slice:
         ex = expert_slice(name, shape, e0, e1)
         if ex is not False:
             return ex  # type: ignore[return-value]
-        return name, ()
+        got = part(release_name(name))
+        if got is None:
+            return name, ()
+        dim, lo, hi, scale = got
+        if scale:
+            lo, hi = lo // qb[dim], hi // qb[dim]
+        return name, (slice(lo, hi),) if dim == 0 else (slice(None), slice(lo, hi))
 
     return slicer
 

@@ -84,9 +84,9 @@ def model_tensors(model) -> list[torch.Tensor]:
             for f in dataclasses.fields(obj):
                 if f.name not in NOT_WEIGHTS:
                     walk(getattr(obj, f.name), depth + 1)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, type) and depth < 3:
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type) and depth < 5:  # model, layers, sublayers
             for k, v in vars(obj).items():
-                if k not in ("cos", "sin", "ops", "tp", "cfg"):
+                if k not in ("cos", "sin", "ops", "tp", "cfg", "backend"):
                     walk(v, depth + 1)
 
     walk(model)

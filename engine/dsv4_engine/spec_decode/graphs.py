@@ -18,7 +18,7 @@ drafting stay on the host after the replays; prefill chunks and steps longer tha
 bucket run eagerly.
 
 DeepSeek-V4 runs a request's verify rows whole (its rings are read before a step's writes): an
-extend, captured at a fixed shape (`ExtendGraphs`, the forward in dsv4_engine.models.v4_verify):
+extend, captured at a fixed shape (`ExtendGraphs`, the forward in dsv4_engine.layers.v4_verify):
 over the plain decode buckets counted in requests, each request k + 1 rows, its real tokens
 (1..k+1: fewer drafts near max_tokens or a prefix-cache boundary) then padding tokens after them,
 whose writes the model masks (`pad_extend`); the replay's rows of real tokens come back in the

@@ -35,14 +35,14 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from dsv4_engine.models.deepseek_v4 import SLIDING, DeepseekV4
+from dsv4_engine.layers.hyper_connections import HyperHead
+from dsv4_engine.layers.v4_verify import FixedRows
+from dsv4_engine.models.deepseek_v4 import SLIDING, DeepseekV4, V4Layer
 from dsv4_engine.models.deepseek_v4_weights import to_release_layout
 from dsv4_engine.models.forward_batch import request_spans
 from dsv4_engine.models.state import StateSpec
-from dsv4_engine.models.v4_verify import FixedRows
-from dsv4_kernels.v4_torch import rms, rope_table, unweighted_rms
 from dsv4_engine.parallel.sharded import rank_slicer
-from dsv4_engine.quant import dense, place
+from dsv4_engine.quant import place
 from dsv4_engine.spec_decode.mtp_layer import load_layer_weights
 
 STATE = "mtp_swa_kv"
@@ -66,13 +66,10 @@ def load_v4_mtp_weights(model_dir: str | Path, n: int, layer: int, slicer=None) 
 # ---- the target's side: streams for every position, the head on chosen rows -------------------
 
 
-def run_layers(
-    m: DeepseekV4, layers: list[tuple[int, dict]], x: torch.Tensor, fb, states: dict, fixed: Optional[int] = None
-) -> torch.Tensor:
-    """x [T, hc, D] through `layers` ((state layer index, weights) pairs) as DeepseekV4.forward
-    runs its own; returns the streams after the last one. fixed=n: every request has n new
-    tokens and nothing is read from the host (a captured verify step: models.v4_verify)."""
-    eps = m.cfg.rms_norm_eps
+def run_layers(m: DeepseekV4, layers: list[V4Layer], x: torch.Tensor, fb, states: dict, fixed: Optional[int] = None):
+    """x [T, hc, D] through `layers` as DeepseekV4.forward runs its own; returns the streams after
+    the last one. fixed=n: every request has n new tokens and nothing is read from the host (a
+    captured verify step: layers/v4_verify.py)."""
     # A decode step without host lengths is a captured one (spec_decode.graphs): as the model's
     # own forward, no span is read from the device; the kernel path closes windows masked.
     static = m.kops is not None and fb.all_decode and fb.seq_lens_host is None
@@ -80,27 +77,12 @@ def run_layers(
         spans = FixedRows(fixed)
     else:
         spans = None if static else request_spans(fb)
-    m._step_index = {}
+    step = m.new_step()
     # only the tables these layers read (the MTP block, a sliding layer: the main rope alone)
-    needed = {"main" if L["type"] == SLIDING else "compress" for _, L in layers}
-    rope = {name: rope_table(fb.positions, inv) for name, inv in m.inv_freq.items() if name in needed}
-    for i, L in layers:
-        post, comb, collapsed = m._hc(x, L["hc_attn"])
-        a = m._attention(i, L, rms(collapsed, L["attn_norm"], eps), fb, states, spans, rope)
-        x = m._hc_mix(x, a, post, comb)
-        post, comb, collapsed = m._hc(x, L["hc_ffn"])
-        x = m._hc_mix(x, m._moe(L, rms(collapsed, L["ffn_norm"], eps), fb.input_ids), post, comb)
+    rope = m.rope(fb.positions, {"compress" if L.attn.rate else "main" for L in layers})
+    for L in layers:
+        x = m.run_layer(L, x, fb, states, spans, rope, step)
     return x
-
-
-def head_logits(m: DeepseekV4, x: torch.Tensor, hc_head, norm: torch.Tensor) -> torch.Tensor:
-    """fp32 logits of streams x [N, hc, D]: the mHC head's weighted sum, norm, shared head."""
-    eps, hc_eps = m.cfg.rms_norm_eps, m.cfg.hc_eps
-    fn, base, scale = hc_head
-    flat = unweighted_rms(x.flatten(1).float(), eps)
-    pre = torch.sigmoid(F.linear(flat, fn) * scale + base) + hc_eps
-    h = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
-    return F.linear(rms(h, norm, eps), m.head).float()
 
 
 class V4Target:
@@ -115,10 +97,10 @@ class V4Target:
         fixed shape, its windows found on the device (what spec_decode.graphs captures)."""
         m = self.model
         x = F.embedding(fb.input_ids, m.embed).unsqueeze(1).expand(-1, m.cfg.hc_mult, -1).contiguous()
-        return run_layers(m, list(enumerate(m.layers)), x, fb, states, fixed)
+        return run_layers(m, m.layers, x, fb, states, fixed)
 
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
-        return head_logits(self.model, rows, self.model.hc_head, self.model.norm)
+        return self.model.logits(rows)
 
 
 class V4MTPLayer:
@@ -147,27 +129,10 @@ class V4MTPLayer:
                 raise ValueError(f"checkpoint lacks tensor mtp.{index}.{name} (its MTP block)")
             return place(w[p + name], dev, dtype, model.ops)
 
-        L = {
-            "type": SLIDING,
-            "attn_norm": take("attn_norm.weight", f32),
-            "ffn_norm": take("ffn_norm.weight", f32),
-            "hc_attn": tuple(take(f"hc_attn_{k}", f32) for k in ("fn", "base", "scale")),
-            "hc_ffn": tuple(take(f"hc_ffn_{k}", f32) for k in ("fn", "base", "scale")),
-            "wq_a": take("attn.wq_a.weight"),
-            "q_norm": take("attn.q_norm.weight", f32),
-            "wq_b": take("attn.wq_b.weight"),
-            "wkv": take("attn.wkv.weight"),
-            "kv_norm": take("attn.kv_norm.weight", f32),
-            "wo_a": dense(take("attn.wo_a.weight"), dt),
-            "wo_b": take("attn.wo_b.weight"),
-            "sink": take("attn.attn_sink", f32),
-            "moe": model.moe_layer(take, "ffn.", hashed=False),
-        }
-        DeepseekV4._fuse_projections(L)
-        self.L = L
+        self.L = model.build_layer(take, self.layer, 0, None, kind=SLIDING)  # its ring: a state of one layer
         self.e_proj, self.h_proj = take("e_proj.weight"), take("h_proj.weight")
         self.enorm, self.hnorm, self.norm = (take(n + ".weight", f32) for n in ("enorm", "hnorm", "norm"))
-        self.hc_head = tuple(take(f"hc_head_{k}", f32) for k in ("fn", "base", "scale"))
+        self.hc_head = HyperHead(*(take(f"hc_head_{k}", f32) for k in ("fn", "base", "scale")), model.backend)
 
     @torch.inference_mode()
     def forward(
@@ -186,15 +151,15 @@ class V4MTPLayer:
         """The block's output streams [T, hc, D] at every token: what a captured draft step runs
         (fixed=n: a catch-up of n rows a request at a fixed shape, as the target's verify)."""
         m, eps = self.model, self.model.cfg.rms_norm_eps
-        e = rms(F.embedding(fb.input_ids, m.embed), self.enorm, eps)
-        h = rms(prev.to(e.dtype), self.hnorm, eps)
+        e = m.ops.rms(F.embedding(fb.input_ids, m.embed), self.enorm, eps)
+        h = m.ops.rms(prev.to(e.dtype), self.hnorm, eps)
         x = (F.linear(e, self.e_proj).unsqueeze(1) + F.linear(h, self.h_proj)).contiguous()
-        return run_layers(m, [(0, self.L)], x, fb, {**states, DeepseekV4.SWA_KV: states[STATE]}, fixed)
+        return run_layers(m, [self.L], x, fb, {**states, DeepseekV4.SWA_KV: states[STATE]}, fixed)
 
     @torch.inference_mode()
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """fp32 logits of output streams [N, hc, D]."""
-        return head_logits(self.model, out, self.hc_head, self.norm)
+        return self.model.logits(out, self.hc_head, self.norm)
 
 
 class RingRollback:

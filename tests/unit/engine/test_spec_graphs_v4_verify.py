@@ -1,4 +1,4 @@
-"""DeepSeek-V4's verify step at a fixed shape (dsv4_engine.models.v4_verify), the one its CUDA
+"""DeepSeek-V4's verify step at a fixed shape (dsv4_engine.layers.v4_verify), the one its CUDA
 graph captures (spec_decode.graphs.ExtendGraphs): every request k + 1 rows, windows, rings and
 top-k found on the device. Checked on CPU as test_spec_graphs.py checks the other steps:
 
@@ -22,7 +22,7 @@ from dsv4_engine.batch_buffers import host_batch
 from dsv4_engine.cuda_graphs import bucket_for
 from dsv4_engine.kv_cache import KVPool
 from dsv4_engine.model_runner import ModelRunner
-from dsv4_engine.models.v4_verify import closing_windows
+from dsv4_engine.layers.v4_verify import closing_windows
 from dsv4_engine.spec_decode.graphs import SpecGraphs, pad_extend, real_rows, widened
 from dsv4_engine.spec_decode.mtp_v4 import v4_mtp_state_spec
 from dsv4_engine.spec_decode.speculator import MTPSpeculator

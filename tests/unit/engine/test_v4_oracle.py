@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dsv4_engine.checkpoint import init_checkpoint
+from dsv4_engine.layers.v4_attention import V4Attention
 from dsv4_engine.models.deepseek_v4 import DeepseekV4, allocate_states
 from dsv4_engine.models.deepseek_v4_config import DeepseekV4Config
 from dsv4_engine.models.deepseek_v4_weights import load_v4_weights
@@ -181,13 +182,13 @@ def test_requests_of_different_lengths_and_phases_share_batches(tiny, monkeypatc
     rng = random.Random(0)
     drv = Driver(ours, max_requests=3, num_pages=64, page_size=4)
     decode_batches = []  # the batched all-decode path must have run with several requests
-    batched = ours._attend_decode
+    batched = V4Attention.attend_decode
 
-    def spy(i, L, q, *rest):
+    def spy(attn, q, *rest):
         decode_batches.append(q.shape[0])
-        return batched(i, L, q, *rest)
+        return batched(attn, q, *rest)
 
-    monkeypatch.setattr(ours, "_attend_decode", spy)
+    monkeypatch.setattr(V4Attention, "attend_decode", spy)
     pending = list(prompts)
     got: dict[int, torch.Tensor] = {}
     preempted = False

@@ -1,22 +1,13 @@
 """The native V4 compressor pooling (dsv4_kernels.cpu_v4_compress) against the model's torch form
-(DeepseekV4._pool_windows), for the overlapping CSA compressor and the plain HCA one."""
+(V4Compressor.pool_split), for the overlapping CSA compressor and the plain HCA one."""
 
 import pytest
 import torch
 
-from dsv4_engine.models.deepseek_v4 import DeepseekV4
+from dsv4_engine.layers.v4_compressor import V4Compressor
+from dsv4_engine.layers.v4_step import V4Backend
 from dsv4_kernels import cpu_v4_compress
 from dsv4_kernels.api import get_ops
-
-
-class _Form:
-    """Just what _pool_windows reads of the model: the config's eps, the torch backend."""
-
-    kops = None
-    ops = get_ops("torch")
-
-    def __init__(self, eps: float):
-        self.cfg = type("Cfg", (), {"rms_norm_eps": eps})()
 
 
 @pytest.mark.skipif(not cpu_v4_compress.available(), reason="no C compiler on this machine")
@@ -32,10 +23,8 @@ def test_native_pool_matches_torch(overlap):
     norm_w = torch.rand(hd, generator=g) + 0.5
     inv_freq = 1.0 / (160000 ** (torch.arange(half_rd) / half_rd))
     got = cpu_v4_compress.pool_windows(win, prev, w_ids, ape, norm_w, 1e-6, inv_freq, rate)
-    form = _Form(1e-6)
-    form.inv_freq = {"compress": inv_freq}
+    backend = V4Backend(type("Cfg", (), {"rms_norm_eps": 1e-6})(), get_ops("torch"), inv_freq={"compress": inv_freq})
+    form = V4Compressor(None, None, ape, norm_w, rate, overlap, "stage", "store", "comp", backend)
     pk, pg = (None, None) if prev is None else (prev[..., :width], prev[..., width:])
-    want = DeepseekV4._pool_windows(
-        form, win[..., :width], win[..., width:], pk, pg, w_ids, (None, None, ape, norm_w), rate
-    )
+    want = form.pool_split(win[..., :width], win[..., width:], pk, pg, w_ids)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

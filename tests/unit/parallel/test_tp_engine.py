@@ -167,7 +167,7 @@ def test_each_rank_holds_half_the_experts_and_split_layers_plus_the_replicated_r
     assert moe
 
 
-def test_v4_ranks_split_the_routed_experts_and_replicate_the_rest(make_model):
+def test_v4_ranks_split_the_routed_experts_and_the_attention_heads_and_replicate_the_rest(make_model):
     model = make_model("v4-tiny")
     full = ModelRunner(str(model), device="cpu", kernel_backend="cpu").model
     ranks = [
@@ -176,18 +176,22 @@ def test_v4_ranks_split_the_routed_experts_and_replicate_the_rest(make_model):
     ]
 
     def nbytes(model, keys) -> int:
-        return sum(
-            getattr(L["moe"], k).numel() * getattr(L["moe"], k).element_size() for L in model.layers for k in keys
-        )
+        return sum(getattr(L.ffn, k).numel() * getattr(L.ffn, k).element_size() for L in model.layers for k in keys)
+
+    def head_bytes(model) -> int:  # query heads and output groups (tensor parallel since issue 49)
+        parts = [getattr(L.attn, k) for L in model.layers for k in ("wq_b", "wo_a", "wo_b", "sink")]
+        return sum(t.numel() * t.element_size() for t in parts)
 
     experts = ("w13", "w2")
     for r in ranks:
         assert nbytes(r, experts) * 2 == nbytes(full, experts) > 0
-        replicated = resident_weight_bytes(full) - nbytes(full, experts)
-        assert resident_weight_bytes(r) == replicated + nbytes(full, experts) // 2
-    # Rank 1's experts are the full model's second half, under local ids.
+        assert head_bytes(r) * 2 == head_bytes(full) > 0
+        replicated = resident_weight_bytes(full) - nbytes(full, experts) - head_bytes(full)
+        assert resident_weight_bytes(r) == replicated + nbytes(full, experts) // 2 + head_bytes(full) // 2
+    # Rank 1's experts are the full model's second half, under local ids; its heads the second half.
     E = full.cfg.n_routed_experts
-    assert torch.equal(ranks[1].layers[0]["moe"].w13, full.layers[0]["moe"].w13[E // 2 :])
+    assert torch.equal(ranks[1].layers[0].ffn.w13, full.layers[0].ffn.w13[E // 2 :])
+    assert torch.equal(ranks[1].layers[0].attn.sink, full.layers[0].attn.sink[2:])
 
 
 @pytest.mark.parametrize("preset,quant", [("mla512", "fp8"), ("v4-tiny", "fp4-experts")])

@@ -136,7 +136,8 @@ def test_tp2_speculation_equals_tp1_plain_decoding(mtp_models, preset):
 @pytest.mark.parametrize("preset", ["tiny", "v4-tiny"])
 def test_each_rank_holds_its_share_of_the_mtp_block(mtp_models, preset):
     """The MTP block is split like a target layer: V3's heads, shared experts and routed experts,
-    V4's routed experts; the two ranks' routed experts are the one-rank block's, under local ids."""
+    V4's query heads, output groups and routed experts; the two ranks' routed experts are the
+    one-rank block's, under local ids."""
     from dsv4_engine.model_runner import ModelRunner
     from dsv4_engine.parallel.group import TPRank
     from dsv4_engine.parallel.plan import Shard
@@ -152,10 +153,18 @@ def test_each_rank_holds_its_share_of_the_mtp_block(mtp_models, preset):
     ranks = [block(TPRank(Shard(r, 2), None, None)) for r in range(2)]
 
     def parts(L) -> dict:
-        """The block's weights by what they are: V3's typed decoder layer, V4's layer dict."""
-        if isinstance(L, dict):
-            m = L["moe"]
-            return {**L, "w13": m.w13, "w2": m.w2, "gate": m.router.gate, "bias": m.router.bias, "s_w13": m.shared[0]}
+        """The block's weights by what they are: V3's typed decoder layer, V4's typed layer."""
+        if hasattr(L, "ffn"):
+            m = L.ffn
+            named = {k: getattr(L.attn, k) for k in ("wkv", "wq_b", "wo_a", "wo_b", "sink")}
+            return {
+                **named,
+                "w13": m.w13,
+                "w2": m.w2,
+                "gate": m.router.gate,
+                "bias": m.router.bias,
+                "s_w13": m.shared[0],
+            }
         a, m = L.attn, L.mlp
         return {
             "q_b": a.q_b.weight, "w_uk": a.w_uk, "w_uv": a.w_uv, "o": a.o.weight, "kv_a": a.kv_a.weight, **a.absorb,
@@ -169,7 +178,8 @@ def test_each_rank_holds_its_share_of_the_mtp_block(mtp_models, preset):
         assert torch.equal(L["w13"], full["w13"][r * E // 2 : (r + 1) * E // 2])
         assert torch.equal(L["w2"], full["w2"][r * E // 2 : (r + 1) * E // 2])
         split = ("q_b", "w_uk", "w_uv", "w_uvt", "o", "s_w13", "s_w2") if preset == "tiny" else ()
+        split += ("wq_b", "wo_a", "wo_b", "sink") if preset == "v4-tiny" else ()
         for k in split:
             assert L[k].numel() * 2 == full[k].numel(), k
-        for k in ("gate", "bias") + (("wkv", "wq_b", "s_w13") if preset == "v4-tiny" else ("kv_a",)):
+        for k in ("gate", "bias") + (("wkv", "s_w13") if preset == "v4-tiny" else ("kv_a",)):
             assert torch.equal(L[k], full[k]), k

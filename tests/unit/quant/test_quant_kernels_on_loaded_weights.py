@@ -54,7 +54,7 @@ def test_fp4_kernels_on_a_loaded_v4_checkpoint(tmp_path, monkeypatch):
     from dsv4_kernels.triton_kernels.fp4_gemm import fp4_linear, fp4_moe_experts
 
     model = kept_model(tmp_path, "v4-tiny", "fp4-experts", monkeypatch)
-    moe = model.layers[2]["moe"]
+    moe = model.layers[2].ffn
     w13, w2 = moe.w13, moe.w2
     assert (w13.kind, w2.kind) == ("fp4", "fp4")
     x = torch.randn(3, model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))

@@ -197,15 +197,15 @@ def test_v4_cuda_form_keeps_experts_quantized(v4_quant, monkeypatch):
     kept = ModelRunner(q, "float32", "cpu", "torch")
     L = kept.model.layers[2]
     fp4 = quant == "fp4-experts"
-    w13, w2 = L["moe"].w13, L["moe"].w2
+    w13, w2 = L.ffn.w13, L.ffn.w2
     assert (w13.kind, w2.kind) == (("fp4", "fp4") if fp4 else ("fp8", "fp8"))
     if fp4:
         assert w13.data.dtype == torch.uint8 and w13.data.shape[-1] * 2 == w13.shape[-1]
     # a sliding layer's fused input projection (wq_a | wkv) stays fp8; where the layer also fuses
     # its bf16 compressor into that matmul, the fused weight is dense (one format per matmul)
     L0 = kept.model.layers[0]
-    assert L0["type"] == "sliding_attention" and L0["w_in"].kind == "fp8" and L0["wq_a"].kind == "fp8"
-    assert isinstance(L["w_in"], torch.Tensor) and L["wo_b"].kind == "fp8"
+    assert L0.attn.rate == 0 and L0.attn.w_in.kind == "fp8" and L0.attn.wq_a.kind == "fp8"  # sliding
+    assert isinstance(L.attn.w_in, torch.Tensor) and L.attn.wo_b.kind == "fp8"
     rb = kept.model.resident_bytes
     assert rb["fp8"] > 0 and (rb["fp4"] > 0) == fp4
     assert sum(rb.values()) < 0.6 * sum(dense.model.resident_bytes.values())

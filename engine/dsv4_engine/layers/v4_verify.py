@@ -27,7 +27,7 @@ the ring and stage entries; a compressed entry a rejected position closed is inv
 real token closes its window again and rewrites it): this step writes exactly what the eager one
 writes. Padding requests of a graph bucket repeat request 0 whole, so they write what it writes.
 
-The model routes a layer here when its `spans` is a `FixedRows` (`DeepseekV4._attention`);
+The attention layer routes a step here when its `spans` is a `FixedRows` (`V4Attention.forward`);
 spec_decode/graphs.py captures it; tests/unit/engine/test_spec_graphs_v4_verify.py checks it
 against the eager extend and for capture safety.
 """
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4_engine import kv_quant
-from dsv4_engine.models.deepseek_v4_config import CSA, HCA
+from dsv4_engine.layers.v4_step import CSA_INDEX_K, SWA_KV, gather_entries, locate
 
 
 @dataclass(frozen=True)
@@ -49,12 +49,12 @@ class FixedRows:
     n: int
 
 
-def attend(m, i: int, L: dict, q: torch.Tensor, kv: torch.Tensor, proj: dict, fb, states: dict, n: int):
-    """Layer i's attention for T = B * n queries q [T, H, hd] with their kv [T, hd]: windows
-    close first (their entries are visible to the run's later tokens), then attention, then the
-    window ring takes each request's last tokens. Returns [T, H, hd]."""
-    cfg = m.cfg
-    W, kind, j = cfg.sliding_window, L["type"], m.type_index.get(i)
+def attend(attn, q: torch.Tensor, kv: torch.Tensor, proj: dict, fb, states: dict, n: int, step):
+    """An attention layer's step for T = B * n queries q [T, H, hd] with their kv [T, hd]:
+    windows close first (their entries are visible to the run's later tokens), then attention,
+    then the window ring takes each request's last tokens. Returns [T, H, hd]."""
+    cfg = attn.backend.cfg
+    W = cfg.sliding_window
     T = q.shape[0]
     B = T // n
     if n > W:
@@ -62,16 +62,14 @@ def attend(m, i: int, L: dict, q: torch.Tensor, kv: torch.Tensor, proj: dict, fb
     slots = fb.slot_ids.long()
     pos = fb.positions.view(B, n)
     start, end = pos[:, 0], fb.seq_lens.long()
-    real = m._memo(("fixed_real", n), lambda: pos < end[:, None])  # [B, n]: not a padding token
-    rate = cfg.compress_rates[kind] if kind in (CSA, HCA) else 0
-    if rate:
-        close_windows(m, L, proj, fb, states, j, rate, n, start, end, slots, real)
-    ring_store = states[m.SWA_KV]
-    if m.kops is not None:
-        out = _attend_kernels(m, i, L, q, kv, proj, fb, states, j, rate)
+    real = step.memo(("fixed_real", n), lambda: pos < end[:, None])  # [B, n]: not a padding token
+    if attn.rate:
+        close_windows(attn, proj, fb, states, n, start, end, slots, real, step)
+    if attn.backend.kops is not None:
+        out = _attend_kernels(attn, q, kv, proj, fb, states)
     else:
-        out = _attend_torch(m, i, L, q, kv, proj, fb, states, j, rate, n, start, slots, pos)
-    write_masked(ring_store, slots, i, pos % W, kv.view(B, n, -1), real)  # after the reads above
+        out = _attend_torch(attn, q, kv, proj, fb, states, n, start, slots, pos)
+    write_masked(states[SWA_KV], slots, attn.layer, pos % W, kv.view(B, n, -1), real)  # after the reads above
     return out
 
 
@@ -95,20 +93,20 @@ def closing_windows(
     return w.reshape(-1), closes.reshape(-1), req
 
 
-def close_windows(m, L, proj, fb, states, j: int, rate: int, n: int, start, end, slots, real) -> None:
-    """Feed the step's runs to the layer's compressor(s), as the eager `_close_windows` does,
-    with every request's candidates pooled and written masked. A window may have started in an
+def close_windows(attn, proj, fb, states, n: int, start, end, slots, real, step) -> None:
+    """Feed the step's runs to the layer's compressor(s), as the eager `close_chunks` does, with
+    every request's candidates pooled and written masked. A window may have started in an
     earlier step: its first tokens are read back from the stage ring (the S positions before the
     run), as is CSA's previous window."""
-    B = start.shape[0]
+    B, j, rate = start.shape[0], attn.j, attn.rate
     dev = start.device
-    w, closes, req = m._memo(("fixed_close", rate, n), lambda: closing_windows(start, end, n, rate))
-    for name, key, store_name, overlap in m._compressors(L["type"]):
-        st = states[name]  # [rows, layers, S, 2 * width]: [kv | gate] projections
+    w, closes, req = step.memo(("fixed_close", rate, n), lambda: closing_windows(start, end, n, rate))
+    for comp in attn.compressors:
+        st = states[comp.stage]  # [rows, layers, S, 2 * width]: [kv | gate] projections
         S, width = st.shape[2], st.shape[3] // 2
         if n > S:
             raise ValueError(f"a fixed verify step of {n} tokens a request does not fit a stage ring ({S})")
-        chunk = torch.cat(proj[key], dim=-1).view(B, n, -1)
+        chunk = torch.cat(proj[comp.key], dim=-1).view(B, n, -1)
         ebase = start - S
         keep = torch.arange(S, device=dev)
         held = st[slots[:, None], j, (ebase[:, None] + keep) % S]
@@ -117,60 +115,56 @@ def close_windows(m, L, proj, fb, states, j: int, rate: int, n: int, start, end,
         # not close may point outside: clamped, its entry is dropped below
         offs = (w * rate - ebase[req])[:, None] + torch.arange(rate, device=dev)
         win = ext[req[:, None], offs.clamp(0, S + n - 1)]
-        prev = ext[req[:, None], (offs - rate).clamp(0, S + n - 1)] if overlap else None  # window 0's masked
-        entries = m._pool_windows(
+        prev = ext[req[:, None], (offs - rate).clamp(0, S + n - 1)] if comp.overlap else None  # window 0's masked
+        entries = comp.pool_split(
             win[..., :width],
             win[..., width:],
             None if prev is None else prev[..., :width],
             None if prev is None else prev[..., width:],
             w,
-            L[key],
-            rate,
         )
-        store = states[store_name][:, j]
-        page, off = m._locate(w, rate, fb.page_size, store.shape[1])
+        store = states[comp.store][:, j]
+        page, off = locate(w, rate, fb.page_size, store.shape[1])
         at = (fb.block_table[req, page].long(), off)
         store[at] = torch.where(closes[:, None], kv_quant.encode(entries, store), store[at])  # fp8kv
         # the real tokens' projections at their positions (the ring then holds the S before end)
         write_masked(st, slots, j, (start[:, None] + torch.arange(n, device=dev)) % S, chunk, real)
 
 
-def _attend_kernels(m, i, L, q, kv, proj, fb, states, j, rate):
+def _attend_kernels(attn, q, kv, proj, fb, states):
     """The kernel path's extend attention: its launches are sized by the row count, and it reads
     positions and lengths (fb.extend_lens, n for every request) from the device."""
-    cfg, ops = m.cfg, m.kops
+    cfg, j, rate = attn.backend.cfg, attn.j, attn.rate
     comp_kv = comp_idx = None
     if rate:
-        comp_kv = states[m.CSA_KV if L["type"] == CSA else m.HCA_KV][:, j]
-        if L["type"] == CSA:
-            comp_idx = m._csa_topk(proj, states, j, fb, rate)
-    return ops.v4_attention_extend(
+        comp_kv = states[attn.entry_store][:, j]
+        if attn.indexer is not None:
+            comp_idx = attn.indexer.topk_kernels(proj, states, j, fb, rate)
+    return attn.backend.kops.v4_attention_extend(
         q,
         kv,
-        states[m.SWA_KV][:, i],
+        states[SWA_KV][:, attn.layer],
         fb.slot_ids,
         fb.positions,
         fb.extend_lens,
         fb.block_table,
         comp_kv,
         comp_idx,
-        L["sink"],
+        attn.sink,
         cfg.head_dim**-0.5,
         rate,
         fb.page_size,
     )
 
 
-def _attend_torch(m, i, L, q, kv, proj, fb, states, j, rate, n, start, slots, pos):
+def _attend_torch(attn, q, kv, proj, fb, states, n, start, slots, pos):
     """Each request's queries over [its ring's W positions before the run | the run | every
-    compressed entry its block table can hold], masked by position (as `_attend_group`)."""
-    cfg = m.cfg
-    W, dev = cfg.sliding_window, q.device
+    compressed entry its block table can hold], masked by position (as `attend_group`)."""
+    W, dev, j, rate = attn.backend.cfg.sliding_window, q.device, attn.j, attn.rate
     T, H, hd = q.shape
     B = T // n
-    ring_store = states[m.SWA_KV]
     kbase = start - W
-    ring = ring_store[slots[:, None], i, (kbase[:, None] + torch.arange(W, device=dev)) % W]
+    ring = states[SWA_KV][slots[:, None], attn.layer, (kbase[:, None] + torch.arange(W, device=dev)) % W]
     keys = torch.cat([kv_quant.decode(ring, kv.dtype), kv.view(B, n, -1)], 1)  # [B, W + n, hd] in position order
     kp = (kbase[:, None] + torch.arange(W + n, device=dev))[:, None, :]
     qp = pos[:, :, None]
@@ -179,12 +173,13 @@ def _attend_torch(m, i, L, q, kv, proj, fb, states, j, rate, n, start, slots, po
         C = fb.block_table.shape[1] * fb.page_size // rate
         w = torch.arange(C, device=dev)
         visible = w < ((pos + 1) // rate)[:, :, None]  # [B, n, C]: t sees w iff w < (t + 1) // rate
-        if L["type"] == CSA:
-            ikeys = m._gather_entries(states[m.CSA_INDEX_K][:, j], fb.block_table, w, rate, fb.page_size)
+        if attn.indexer is not None:
+            ikeys = gather_entries(states[CSA_INDEX_K][:, j], fb.block_table, w, rate, fb.page_size, attn.backend.dtype)
             iq = proj["iq"].reshape(B, n, *proj["iq"].shape[1:])
-            visible = m._select(L, iq, proj["iw"].reshape(B, n, -1), ikeys, visible)
-        store = states[m.CSA_KV if L["type"] == CSA else m.HCA_KV][:, j]
-        entries = m._gather_entries(store, fb.block_table, w, rate, fb.page_size)
+            visible = attn.indexer.select(iq, proj["iw"].reshape(B, n, -1), ikeys, visible)
+        entries = gather_entries(
+            states[attn.entry_store][:, j], fb.block_table, w, rate, fb.page_size, attn.backend.dtype
+        )
         keys = torch.cat([keys, entries.to(kv.dtype)], 1)
         allowed = torch.cat([allowed, visible], 2)
-    return m._softmax_attend(L, q.view(B, n, H, hd), keys, allowed).reshape(T, H, hd)
+    return attn.softmax_attend(q.view(B, n, H, hd), keys, allowed).reshape(T, H, hd)
