@@ -23,6 +23,9 @@ SNAPSHOT_COPIES = ("save", "restore")  # payload [kind index, snapshot, slot row
 # its input hidden states: `hidden_meta` on the control group, the tensor on the compute group);
 # OP_RING_SAVE / OP_RING_RESTORE, V4's ring rollback around them (`ring_message`).
 OP_SPEC_TARGET, OP_SPEC_MTP, OP_RING_SAVE, OP_RING_RESTORE = 7, 8, 9, 10
+# OP_DP_FORWARD: a step under data-parallel attention, every rank's share of the batch in one
+# payload (dsv4_engine.parallel.dp_attention.pack_shares).
+OP_DP_FORWARD = 11
 HIDDEN_DTYPES = ("float32", "bfloat16", "float16")
 HIDDEN_META_LEN = 6  # [dtype index, ndim, dims padded with 0]
 
