@@ -176,7 +176,9 @@ def test_v4_ranks_split_the_routed_experts_and_replicate_the_rest(make_model):
     ]
 
     def nbytes(model, keys) -> int:
-        return sum(getattr(L["moe"], k).numel() * getattr(L["moe"], k).element_size() for L in model.layers for k in keys)
+        return sum(
+            getattr(L["moe"], k).numel() * getattr(L["moe"], k).element_size() for L in model.layers for k in keys
+        )
 
     experts = ("w13", "w2")
     for r in ranks:
