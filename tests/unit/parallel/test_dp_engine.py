@@ -155,8 +155,9 @@ def test_dp2_greedy_tokens_equal_tp1_with_an_idle_rank_and_an_abort(make_model):
 
 
 @pytest.mark.slow
-def test_dp2_chunked_prefill_with_preemption_on_each_rank_equals_tp1(make_model):
-    model = make_model("tiny")
+@pytest.mark.parametrize("preset", ["tiny", "mla512"])
+def test_dp2_chunked_prefill_with_preemption_on_each_rank_equals_tp1(make_model, preset):
+    model = make_model(preset)
     ref = chunked(engine(model, 1, kv_pages=20))
     e = engine(model, 2, 2, kv_pages=8)
     try:
