@@ -166,3 +166,15 @@ def test_dp2_chunked_prefill_with_preemption_on_each_rank_equals_tp1(make_model,
         e.tp.close()
     assert got["preemptions"] > 0, "8 pages a rank should have forced a preemption"
     assert got["tokens"] == ref["tokens"] and got["reasons"] == ref["reasons"]
+
+
+@pytest.mark.slow
+def test_dp4_with_three_idle_ranks_at_first_equals_tp1(make_model):
+    model = make_model("tiny")
+    ref = staggered(engine(model, 1, kv_pages=20))
+    e = engine(model, 4, 4)
+    try:
+        got = bounded(lambda: staggered(e))
+    finally:
+        e.tp.close()
+    assert got["tokens"] == ref["tokens"] and got["reasons"] == ref["reasons"]
