@@ -974,7 +974,7 @@ class Engine:
             **({"nodes": self.tp.describe()} if self.tp is not None and self.args.nnodes > 1 else {}),
             "queues": queues,
             "kv_pages_free": self.pool.allocator.num_free,
-            "kv_pages_total": self.pool.num_pages,
+            "kv_pages_total": self.pool.allocator.total,  # --dp-size N: every rank's pool
             "kv_slots_free": self.pool.slots.num_free if self.pool.slots is not None else None,
             "kv_slots_total": self.pool.num_slots,
             "kv_page_size": self.pool.page_size,

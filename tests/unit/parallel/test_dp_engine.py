@@ -132,6 +132,7 @@ def test_dp2_greedy_tokens_equal_tp1_with_an_idle_rank_and_an_abort(make_model):
     try:
         loads = e.loads()
         assert loads["dp_size"] == 2 and [r["kv_pages_total"] for r in loads["dp_ranks"]] == [10, 10]
+        assert loads["kv_pages_total"] == loads["kv_pages_free"] == 20  # the router's view: both pools
         running: list[list[int]] = []
 
         def watch(step):
