@@ -162,6 +162,16 @@ def backend_refusal(kernel_backend: Optional[str], device: Optional[str]) -> Opt
     return None
 
 
+def dp_refusal_for(args: EngineArgs) -> Optional[str]:
+    """--dp-size's refusal (dsv4_engine.parallel.dp_attention) for these flags and checkpoint."""
+    if args.dp_size <= 1:
+        return None
+    from dsv4_engine.models import entry_for_dir
+    from dsv4_engine.parallel.dp_attention import dp_refusal
+
+    return dp_refusal(args, entry_for_dir(args.model).model_type)
+
+
 def serving_refusal(model_dir: str, role: str, page_size: Optional[int], tp_size: int = 1) -> Optional[str]:
     """`state_refusal` (and the --tp-size checks) for a checkpoint folder, before any weight is
     read (for the CLI, and before an engine spawns its other ranks)."""
@@ -224,8 +234,12 @@ class Engine:
             refusal = serving_refusal(args.model, args.role, args.page_size, args.tp_size)
             if refusal:  # before any rank is spawned
                 raise ValueError(refusal)
+            refusal = dp_refusal_for(args)
+            if refusal:
+                raise ValueError(refusal)
             layout = NodeLayout(args.tp_size, args.nnodes, args.node_rank, args.dist_init_addr)
             self.tp = TPGroup(args.tp_size, asdict(args), args.device, layout)
+            self.tp.rank.data_parallel = args.dp_size > 1
             self.runner = ModelRunner(
                 args.model,
                 args.dtype,
@@ -238,6 +252,8 @@ class Engine:
                 ep_loads_file=args.ep_loads_file,
             )
         else:
+            if args.dp_size > 1:
+                raise ValueError(f"--dp-size {args.dp_size} needs --tp-size {args.dp_size}")
             self.runner = ModelRunner(
                 args.model,
                 args.dtype,
@@ -269,6 +285,8 @@ class Engine:
         self.prefix_cache_off = prefix_cache_refusal(
             specs, args.role, args.enable_prefix_cache, args.prefix_cache_snapshots, args.decode_local_prefill
         )
+        if args.dp_size > 1:
+            self.prefix_cache_off = "not yet at --dp-size > 1"
         # Slot rows for max_num_seqs requests (and the cache's snapshots of them) come first; the
         # rest of the memory becomes pages (dsv4_engine.kv_sizing).
         cache_slots = any(not s.paged for s in specs) and self.prefix_cache_off is None
@@ -306,7 +324,16 @@ class Engine:
             from dsv4_kernels import huge_pages
 
             huge_pages.advise_all(model_tensors(self.runner.model))
-        if self.tp is not None:  # the other ranks mirror the pool; each step reaches them first
+        if self.tp is not None and args.dp_size > 1:  # each rank a pool of its own requests' pages
+            from dsv4_engine.parallel.dp_attention import DPForward
+            from dsv4_engine.parallel.dp_pages import DPPageAllocator
+
+            self.tp.announce_pool(num_pages, page_size, args.max_num_seqs, num_snapshots)
+            self.pool.allocator = DPPageAllocator(args.dp_size, num_pages)
+            self.runner.model = DPForward(self.runner.model, self.tp, num_pages, page_size)
+            self.tp.on_failure.append(lambda reason: self.abort(reason=reason, all_=True))
+            self.runner.group = self.tp
+        elif self.tp is not None:  # the other ranks mirror the pool; each step reaches them first
             from dsv4_engine.parallel.group import BroadcastForward
 
             self.tp.announce_pool(num_pages, page_size, args.max_num_seqs, num_snapshots)
@@ -390,7 +417,7 @@ class Engine:
             args.max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings, pool_tokens
         )
         self.metrics = EngineMetrics(args.role, args.served_model_name)
-        self.metrics.set("kv_pages_total", num_pages)
+        self.metrics.set("kv_pages_total", num_pages * args.dp_size)  # --dp-size N: a pool per rank
         self.metrics.set("tp_size", args.tp_size)
         self.metrics.set("nnodes", args.nnodes)
         if self.runner.native_build_failures:  # said once at WARNING by dsv4_kernels.native
@@ -953,6 +980,18 @@ class Engine:
         )
         return waiting + chunked
 
+    def dp_loads(self) -> list[dict]:
+        """--dp-size N: each rank's running requests and the pages they hold in its pool."""
+        books = self.pool.allocator
+        running = [0] * books.dp_size
+        for seq in list(self.scheduler.running):
+            if seq.pages:
+                running[books.rank_of(seq.pages[0])] += 1
+        return [
+            {"rank": r, "running": running[r], "kv_pages_held": held, "kv_pages_total": books.pages_per_rank}
+            for r, held in enumerate(books.held_per_rank())
+        ]
+
     def loads(self) -> dict:
         """Live view for /v1/loads (read from another thread: plain reads of ints are safe)."""
         queues = {"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running)}
@@ -964,10 +1003,11 @@ class Engine:
             "role": self.args.role,
             "model": self.args.served_model_name,
             "tp_size": self.args.tp_size,
+            **({"dp_size": self.args.dp_size, "dp_ranks": self.dp_loads()} if self.args.dp_size > 1 else {}),
             **({"nodes": self.tp.describe()} if self.tp is not None and self.args.nnodes > 1 else {}),
             "queues": queues,
             "kv_pages_free": self.pool.allocator.num_free,
-            "kv_pages_total": self.pool.num_pages,
+            "kv_pages_total": self.pool.allocator.total,  # --dp-size N: every rank's pool
             "kv_slots_free": self.pool.slots.num_free if self.pool.slots is not None else None,
             "kv_slots_total": self.pool.num_slots,
             "kv_page_size": self.pool.page_size,

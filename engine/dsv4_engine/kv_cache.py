@@ -191,6 +191,15 @@ class PageAllocator:
                 self._refs[p] = 1
             return pages
 
+    def allocate_beside(self, held: list[int], n: int) -> list[int] | None:
+        """n more pages for a request holding `held` (one pool: anywhere; a data-parallel
+        engine's books keep a request's pages on its rank: parallel.dp_pages)."""
+        return self.allocate(n)
+
+    def same_pool(self, a: list[int], b: list[int]) -> bool:
+        """Whether freeing pages `a` makes room for a request holding `b` (one pool: always)."""
+        return True
+
     def share(self, pages: list[int]) -> None:
         """One more reference on each page (held ones, or idle cached ones taken back)."""
         with self._lock:

@@ -152,7 +152,7 @@ class Scheduler:
         need = self._pages_needed(seq, upto_tokens)
         if need == 0:
             return True
-        pages = self.allocator.allocate(need)
+        pages = self.allocator.allocate_beside(seq.pages, need)
         if pages is None:
             return False
         seq.pages.extend(pages)
@@ -193,7 +193,14 @@ class Scheduler:
                 continue
             while not self._grow(seq, seq.num_computed + n):
                 victim = next(
-                    (s for s in reversed(self.running) if s is not seq and all(b.seq is not s for b in batch)), None
+                    (
+                        s
+                        for s in reversed(self.running)
+                        if s is not seq
+                        and all(b.seq is not s for b in batch)
+                        and self.allocator.same_pool(s.pages, seq.pages)
+                    ),
+                    None,
                 )
                 if victim is None:
                     self._preempt(seq)

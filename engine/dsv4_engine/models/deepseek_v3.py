@@ -99,13 +99,15 @@ class DeepseekV3:
         num_hidden_layers: dsv4_engine.spec_decode)."""
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         p = f"model.layers.{i}."
+        # --dp-size N: attention and dense MLPs are whole on each rank (no sum over ranks)
+        split = None if getattr(self.tp, "replicated_attention", False) else self.tp
         if cfg.is_moe_layer(i):
             mlp = DeepseekMoE.build(take, w, p + "mlp.", cfg, ops, self.tp, self.moe_experts)
         else:
-            mlp = GatedMLP.build(take, p + "mlp.", ops, self.tp)
+            mlp = GatedMLP.build(take, p + "mlp.", ops, split)
         return DecoderLayer(
             RMSNorm(take(p + "input_layernorm.weight"), eps, ops),
-            MLA.build(take, p, cfg, self.dtype, self.rope, ops, self.tp),
+            MLA.build(take, p, cfg, self.dtype, self.rope, ops, split),
             RMSNorm(take(p + "post_attention_layernorm.weight"), eps, ops),
             mlp,
         )

@@ -94,6 +94,7 @@ class TPRank:
     shard: Shard
     compute: object  # process group of the forward's all-reduces
     control: object  # process group of the batch broadcasts
+    data_parallel: bool = False  # --dp-size N: attention per rank over its own requests (parallel.dp_attention)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the ranks (gloo sums float32 only exactly as we want: upcast others)."""

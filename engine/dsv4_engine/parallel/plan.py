@@ -184,6 +184,45 @@ def v3_slicer(cfg, shard: Shard) -> Slicer:
     return slicer
 
 
+# ---- DeepSeek-V3 with data-parallel attention (--dp-size N) -------------------------------------
+
+_DENSE_MLP = re.compile(r"\.mlp\.(gate|up|down)_proj\.(weight|weight_scale_inv|scale)$")
+
+
+def dp_v3_refusal(cfg, size: int) -> Optional[str]:
+    """Attention and dense layers are whole on every rank: only the MoE's widths must split."""
+    has_moe = _layer_kinds(cfg)[1]
+    shared = cfg.moe_intermediate_size * (cfg.n_shared_experts or 0) if has_moe else 0
+    if shared % size:
+        return f"--dp-size {size} does not divide the shared experts' width ({shared})"
+    if cfg.n_routed_experts and cfg.n_routed_experts < size:
+        return f"--dp-size {size} is more than the routed experts ({cfg.n_routed_experts})"
+    qb = quant_block(cfg)
+    if qb and (shared // size) % qb[0]:
+        return f"--dp-size {size} leaves {shared // size} shared experts' width a rank, off the {qb[0]}-wide blocks"
+    return None
+
+
+def dp_v3_local_config(cfg, shard: Shard):
+    """Every head and the whole dense MLP (each rank attends over its own requests); its experts."""
+    lo, hi = block(cfg.n_routed_experts, shard)
+    return replace(cfg, n_routed_experts=hi - lo)
+
+
+def dp_v3_slicer(cfg, shard: Shard) -> Slicer:
+    """As V3's TP slicer for the MoE (routed experts in blocks, shared experts split), attention
+    and dense MLPs replicated."""
+    whole_heads = replace(cfg, num_attention_heads=shard.size)  # the heads are not split: any count
+    moe = v3_slicer(whole_heads, shard)
+
+    def slicer(name: str, shape: tuple[int, ...]) -> Slice:
+        if ".self_attn." in name or _DENSE_MLP.search(name):
+            return name, ()
+        return moe(name, shape)
+
+    return slicer
+
+
 # ---- DeepSeek-V4 ------------------------------------------------------------------------------
 
 
@@ -272,6 +311,19 @@ PLANS = {
     "deepseek_v2": Plan(v3_refusal, v3_local_config, v3_slicer),
     "deepseek_v4": Plan(v4_refusal, v4_local_config, v4_slicer),
 }
+
+
+# --dp-size N: data-parallel attention (DeepSeek-V3 only, so far).
+DP_PLANS = {
+    "deepseek_v3": Plan(dp_v3_refusal, dp_v3_local_config, dp_v3_slicer),
+    "deepseek_v2": Plan(dp_v3_refusal, dp_v3_local_config, dp_v3_slicer),
+}
+
+
+def dp_plan_for(model_type: str) -> Plan:
+    if model_type not in DP_PLANS:
+        raise ValueError(f"--dp-size > 1 is not yet supported for model_type {model_type!r} (DeepSeek-V3 only)")
+    return DP_PLANS[model_type]
 
 
 def plan_for(model_type: str) -> Plan:

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from dsv4_engine.parallel.loader import load_shard
-from dsv4_engine.parallel.plan import Shard, Slicer, block, plan_for
+from dsv4_engine.parallel.plan import Shard, Slicer, block, dp_plan_for, plan_for
 from dsv4_engine.quant.load import NOT_WEIGHTS
 
 
@@ -37,15 +37,24 @@ class ShardComm:
         return weights * mine, torch.where(mine, ids - lo, torch.full_like(ids, -1))
 
 
+class DPComm(ShardComm):
+    """`model.tp` under --dp-size N: attention and dense layers are whole on every rank (built
+    without a sum over ranks: `replicated_attention`); the MoE's sum is as ShardComm's, over
+    the tokens of every rank gathered before it (dsv4_engine.parallel.dp_attention)."""
+
+    replicated_attention = True
+
+
 def build_sharded(
     model_cls, model_type: str, cfg, model_dir: str | Path, ops, dtype: torch.dtype, device: torch.device, rank
 ):
-    plan = plan_for(model_type)
+    dp = getattr(rank, "data_parallel", False)
+    plan = dp_plan_for(model_type) if dp else plan_for(model_type)
     refusal = plan.refusal(cfg, rank.shard.size)
     if refusal:
         raise ValueError(refusal)
     weights = load_shard(model_dir, plan.slicer(cfg, rank.shard))
-    comm = ShardComm(rank, block(cfg.n_routed_experts, rank.shard), cfg.n_routed_experts)
+    comm = (DPComm if dp else ShardComm)(rank, block(cfg.n_routed_experts, rank.shard), cfg.n_routed_experts)
     return model_cls(plan.local_config(cfg, rank.shard), weights, ops, dtype, device, tp=comm)
 
 

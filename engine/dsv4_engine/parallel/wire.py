@@ -30,6 +30,9 @@ OP_SPEC_VERIFY_GRAPH, OP_SPEC_DRAFT_GRAPH, OP_SPEC_CATCH_UP_GRAPH = 11, 12, 13
 # OP_EPLB: a rebalance of the routed experts between two steps (dsv4_engine.parallel.eplb_apply:
 # placement_message): every rank hosts its slots of the new placement before the next forward.
 OP_EPLB = 14
+# OP_DP_FORWARD: a step under data-parallel attention, every rank's share of the batch in one
+# payload (dsv4_engine.parallel.dp_attention.pack_shares).
+OP_DP_FORWARD = 15
 HIDDEN_DTYPES = ("float32", "bfloat16", "float16")
 HIDDEN_META_LEN = 6  # [dtype index, ndim, dims padded with 0]
 

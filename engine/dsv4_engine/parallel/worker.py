@@ -100,6 +100,7 @@ def serve_rank(spec: dict) -> None:
         ea.get("tp_size") or shard.size, ea.get("nnodes") or 1, ea.get("node_rank") or 0, ea.get("dist_init_addr")
     )
     rank = join(shard, spec.get("init") or spec["port"], device, layout)
+    rank.data_parallel = (ea.get("dp_size") or 1) > 1  # its own requests' attention, the MoE over all
     runner = ModelRunner(
         ea["model"],
         ea.get("dtype"),
@@ -163,6 +164,10 @@ def serve_rank(spec: dict) -> None:
         dist.broadcast(payload, 0, group=rank.control)
         if op == wire.OP_FORWARD:
             runner.model.forward(wire.unpack(header, payload, runner.device), pool.all_states)
+        elif op == wire.OP_DP_FORWARD:
+            from dsv4_engine.parallel.dp_attention import serve_share
+
+            serve_share(runner.model, header, payload, pool.all_states)
         elif op in SPEC_OPS:
             if spec_rank is None:
                 raise RuntimeError("rank 0 sent a speculative step, but this rank runs without speculation")

@@ -1,0 +1,76 @@
+"""The page books of a data-parallel-attention engine (`--dp-size N`): one page pool per rank.
+
+Rank r's KV tensors hold only the pages of the requests it serves, so each rank's pool is a
+whole pool (not a mirror of rank 0's). Rank 0 keeps every rank's books in one id space: global
+page id g lives on rank g // pages_per_rank as local page g % pages_per_rank. A request's pages
+all come from one rank's pool, chosen when it takes its first page (the rank with the most free
+pages: load by KV, then the lower rank), so the rank of a request is the rank of its pages and
+the step's batch splits by them (`dp_batch`).
+"""
+
+from __future__ import annotations
+
+from dsv4_engine.kv_cache import PageAllocator
+
+
+class DPPageAllocator:
+    """N PageAllocators behind the one interface the scheduler uses (allocate, share, free, the
+    counts); no prefix cache (not yet at --dp-size > 1: `cache` stays None)."""
+
+    def __init__(self, dp_size: int, pages_per_rank: int):
+        self.dp_size = dp_size
+        self.pages_per_rank = pages_per_rank
+        self.total = dp_size * pages_per_rank
+        self.ranks = [PageAllocator(pages_per_rank) for _ in range(dp_size)]
+        self.cache = None
+
+    def rank_of(self, page: int) -> int:
+        return page // self.pages_per_rank
+
+    @property
+    def num_free(self) -> int:
+        return sum(a.num_free for a in self.ranks)
+
+    @property
+    def num_unused(self) -> int:
+        return sum(a.num_unused for a in self.ranks)
+
+    def refcount(self, page: int) -> int:
+        r, local = divmod(page, self.pages_per_rank)
+        return self.ranks[r].refcount(local)
+
+    def least_loaded(self) -> int:
+        """The rank a new request goes to: the most free pages, then the lower rank."""
+        return max(range(self.dp_size), key=lambda r: (self.ranks[r].num_free, -r))
+
+    def allocate(self, n: int, rank: int = 0) -> list[int] | None:
+        got = self.ranks[rank].allocate(n)
+        return None if got is None else [rank * self.pages_per_rank + p for p in got]
+
+    def allocate_beside(self, held: list[int], n: int) -> list[int] | None:
+        """n more pages for a request that holds `held`: on its rank, or (none held yet) on the
+        least loaded one."""
+        return self.allocate(n, self.rank_of(held[0]) if held else self.least_loaded())
+
+    def same_pool(self, a: list[int], b: list[int]) -> bool:
+        """Whether freeing pages `a` makes room for a request holding `b` (preemption's victim)."""
+        return not a or not b or self.rank_of(a[0]) == self.rank_of(b[0])
+
+    def _by_rank(self, pages: list[int]) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for p in pages:
+            r, local = divmod(p, self.pages_per_rank)
+            out.setdefault(r, []).append(local)
+        return out
+
+    def share(self, pages: list[int]) -> None:
+        for r, local in self._by_rank(pages).items():
+            self.ranks[r].share(local)
+
+    def free(self, pages: list[int]) -> None:
+        for r, local in self._by_rank(pages).items():
+            self.ranks[r].free(local)
+
+    def held_per_rank(self) -> list[int]:
+        """Pages each rank's requests hold now."""
+        return [self.pages_per_rank - a.num_unused for a in self.ranks]
