@@ -314,22 +314,24 @@ def mla_decode(
 
 def aot_variants(arch: int) -> list[KernelVariant]:
     """The real latent width (512 + 64) in bf16 at 16 and 128 heads and in fp32, and the tiny
-    test model's (64 + 16)."""
+    test model's (64 + 16); the real width once more over an FP8 KV cache (--kv-cache-dtype
+    fp8_e4m3: e4m3 rows and their scale, read as bytes)."""
     variants = []
-    for dtype, v_dim, rope_dim, heads in (
-        ("bf16", 512, 64, 16),
-        ("bf16", 512, 64, 128),
-        ("bf16", 64, 16, 4),
-        ("fp32", 512, 64, 16),
+    for dtype, v_dim, rope_dim, heads, fp8 in (
+        ("bf16", 512, 64, 16, False),
+        ("bf16", 512, 64, 128, False),
+        ("bf16", 64, 16, 4, False),
+        ("fp32", 512, 64, 16, False),
+        ("bf16", 512, 64, 16, True),
     ):
         cfg = decode_config(v_dim, heads, arch, 4 if dtype == "fp32" else 2)
         variants.append(
             KernelVariant(
-                name=f"mla_decode_split[{dtype},d{v_dim + rope_dim},h{heads}]",
+                name=f"mla_decode_split[{dtype},d{v_dim + rope_dim},h{heads}{',kv_fp8' if fp8 else ''}]",
                 kernel=mla_decode_split_kernel,
                 types={
                     "q_ptr": f"*{dtype}",
-                    "kv_ptr": f"*{dtype}",
+                    "kv_ptr": "*u8" if fp8 else f"*{dtype}",
                     "block_table_ptr": "*i32",
                     "seq_lens_ptr": "*i32",
                     "part_out_ptr": "*fp32",
@@ -362,6 +364,7 @@ def aot_variants(arch: int) -> list[KernelVariant]:
                     BLOCK_V=next_pow2(v_dim),
                     BLOCK_R=max(16, next_pow2(rope_dim)),
                     UPCAST=False,
+                    KV_FP8=fp8,
                 ),
                 num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages,

@@ -33,8 +33,8 @@ async def wedge_watchdog(
     def post(type_: str, reason: str, message: str) -> None:
         kopf.event(body, type=type_, reason=reason, message=message)
 
-    def pods(namespace: str, instance: str) -> list:
-        return list(dsv4_pods.get((namespace, instance), []))
+    def pods(namespace: str, instance: str, *group: str) -> list:  # group: () engines, (ROUTER_PODS,) routers
+        return list(dsv4_pods.get((namespace, instance, *group), []))
 
     admin_token, attempt, warned = None, 0, False
     while admin_token is None and not stopped:

@@ -32,6 +32,7 @@ from dsv4_operator.pinning import pin_value, pinned_revision, revision_spec
 from dsv4_operator.remediation.executor import DeploymentContext, EventSink, KubernetesExecutor
 from dsv4_operator.remediation.router_pods import RouterPodsWatch
 from dsv4_operator.watchdog.pods import (
+    ROUTER_PODS,
     EnginePod,
     engine_pod,
     group_status,
@@ -133,7 +134,9 @@ class DeploymentWatchdog:
         )
         self.ctx = DeploymentContext(self.namespace, self.name, meta["uid"])
         self.executor = KubernetesExecutor(api, self.ctx, events, metrics, admin_token=admin_token)
-        self.routers = RouterPodsWatch(api, self.namespace, self.name, events)  # the router pods too
+        # the router pods too, from the same pod index as the engines' where there is one
+        router_source = None if pods is None else (lambda: pods(self.namespace, self.name, ROUTER_PODS))
+        self.routers = RouterPodsWatch(api, self.namespace, self.name, events, source=router_source)
         self.loop: Optional[WatchdogLoop] = None
         self._detector_params: Optional[tuple[float, float]] = None
         self.uids: dict[str, Optional[str]] = {}

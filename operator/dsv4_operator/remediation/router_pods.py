@@ -1,5 +1,5 @@
 """The watchdog's round over a deployment's router pods (issue 45): the I/O around
-watchdog.routers (which decides). Each round: list the router pods, scrape each one's /metrics
+watchdog.routers (which decides). Each round: the router pods (kopf's pod index, else a LIST), scrape each one's /metrics
 (signals kind ROUTER), judge with the engines' detector, and for a wedge newly seen: a Warning
 Event with the verdict's evidence, then a restart (the Eviction API, which honours a
 PodDisruptionBudget, with the pod's UID as precondition; its ReplicaSet makes a new pod) only
@@ -24,8 +24,16 @@ from dsv4_operator.watchdog.signals import ROUTER
 
 
 class RouterPodsWatch:
-    def __init__(self, api: Callable[[], KubeApi], namespace: str, name: str, events: EventSink) -> None:
+    def __init__(
+        self,
+        api: Callable[[], KubeApi],
+        namespace: str,
+        name: str,
+        events: EventSink,
+        source: Optional[Callable[[], list]] = None,
+    ) -> None:
         self.api, self.namespace, self.name, self.events = api, namespace, name, events
+        self.source = source  # kopf's pod index (one watch for the operator); None: a LIST per round
         self.detector: Optional[Detector] = None
         self.said: dict[str, str] = {}  # pod/uid -> the wedge reason already reported
         self.last_restart: Optional[dict[str, Any]] = None
@@ -36,6 +44,8 @@ class RouterPodsWatch:
         await self.http.aclose()
 
     async def pods(self, port: int) -> list[RouterPod]:
+        if self.source is not None:
+            return router_pods(list(self.source()), self.name, port)
         sel = ",".join(f"{k}={v}" for k, v in selector_labels(self.name, "router").items())
         doc = await self.api().request(
             "GET", resource_path("v1", "pods", self.namespace), query=[("labelSelector", sel)]

@@ -50,13 +50,22 @@ class EnginePod:
         return f"http://{host}:{self.port}"
 
 
-def engine_pod_index_key(namespace: str, labels: Mapping[str, str]) -> Optional[tuple[str, str]]:
-    """The watchdog's pod index: (namespace, instance) -> that deployment's engine pods, kept
-    current by one pod watch for the operator instead of a LIST per scrape per deployment."""
+ROUTER_PODS = "router"  # the index's third key part for a deployment's router pods
+
+
+def engine_pod_index_key(namespace: str, labels: Mapping[str, str]) -> Optional[tuple[str, ...]]:
+    """The watchdog's pod index: (namespace, instance) -> that deployment's engine pods, and
+    (namespace, instance, ROUTER_PODS) -> its router pods, kept current by one pod watch for the
+    operator instead of a LIST per scrape per deployment."""
     instance = labels.get(LABEL_INSTANCE)
-    if not instance or labels.get(LABEL_ROLE) not in ENGINE_ROLES:
+    if not instance:
         return None
-    return namespace, instance
+    role = labels.get(LABEL_ROLE)
+    if role in ENGINE_ROLES:
+        return namespace, instance
+    if role == ROUTER_PODS:
+        return namespace, instance, ROUTER_PODS
+    return None
 
 
 def pod_snapshot(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -69,8 +78,8 @@ def pod_snapshot(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def engine_pod_watch_selector() -> str:
-    """The label selector of the operator's one pod watch (engine pods of every deployment)."""
-    return f"{LABEL_NAME}={APP},{LABEL_ROLE} in ({','.join(ENGINE_ROLES)})"
+    """The label selector of the operator's one pod watch (engine and router pods of every deployment)."""
+    return f"{LABEL_NAME}={APP},{LABEL_ROLE} in ({','.join((*ENGINE_ROLES, ROUTER_PODS))})"
 
 
 def pod_selector(instance: str) -> str:

@@ -91,13 +91,19 @@ def test_refusals_say_which_dimension_does_not_split():
     assert "not supported" in tp_refusal("llama", cfg, 2)
 
 
-def test_v4_keeps_everything_but_other_ranks_experts():
+def test_v4_splits_experts_and_attention_heads_and_keeps_the_rest():
     from dsv4_engine.parallel.plan import v4_local_config, v4_slicer
     from dsv4_engine.models.deepseek_v4_config import DeepseekV4Config
 
     cfg = DeepseekV4Config.from_dict(PRESETS["v4-tiny"])
     s0, s1 = v4_slicer(cfg, Shard(0, 2)), v4_slicer(cfg, Shard(1, 2))
-    assert s0("layers.0.attn.wq_b.weight", (4, 4)) == ("layers.0.attn.wq_b.weight", ())
+    # query heads and output groups split (issue 49); the one KV head, compressors, indexer whole
+    half_q = cfg.num_attention_heads // 2 * cfg.head_dim
+    assert s0("layers.0.attn.wq_b.weight", (4, 4)) == ("layers.0.attn.wq_b.weight", (slice(0, half_q),))
+    assert s1("layers.0.attn.wq_b.weight", (4, 4)) == ("layers.0.attn.wq_b.weight", (slice(half_q, 2 * half_q),))
+    assert s1("layers.0.attn.wkv.weight", (4, 4)) == ("layers.0.attn.wkv.weight", ())
+    assert s1("layers.0.attn.indexer.wq_b.weight", (4, 4)) == ("layers.0.attn.indexer.wq_b.weight", ())
+    assert v4_local_config(cfg, Shard(1, 2)).num_attention_heads == cfg.num_attention_heads // 2
     assert s0("layers.0.ffn.shared_experts.w1.weight", (4, 4)) == ("layers.0.ffn.shared_experts.w1.weight", ())
     assert s0("layers.0.ffn.experts.3.w1.weight", (4, 4)) is None
     assert s1("layers.0.ffn.experts.3.w1.weight", (4, 4)) == ("layers.0.ffn.experts.1.w1.weight", ())

@@ -63,3 +63,19 @@ def test_router_pods_are_those_of_the_deployments_router_replicaset():
         ("flash-router-abc-1", "http://10.0.0.1:8080", True),
         ("flash-router-abc-2", None, False),
     ]
+
+
+def test_one_pod_watch_indexes_engines_and_routers_apart():
+    """The operator's one pod watch feeds both rounds: engine pods under (namespace, instance),
+    router pods under (namespace, instance, "router"); a round never LISTs pods itself."""
+    from dsv4_operator.watchdog.pods import ROUTER_PODS, engine_pod_index_key, engine_pod_watch_selector
+
+    def labels(role: str) -> dict:
+        return {"app.kubernetes.io/name": "dsv4", "app.kubernetes.io/instance": "flash", "serving.dsv4.dev/role": role}
+
+    assert engine_pod_index_key("serving", labels("prefill")) == ("serving", "flash")
+    assert engine_pod_index_key("serving", labels("decode")) == ("serving", "flash")
+    assert engine_pod_index_key("serving", labels("router")) == ("serving", "flash", ROUTER_PODS)
+    assert engine_pod_index_key("serving", labels("something-else")) is None
+    assert engine_pod_index_key("serving", {"serving.dsv4.dev/role": "router"}) is None  # no instance
+    assert "router" in engine_pod_watch_selector() and "prefill" in engine_pod_watch_selector()
