@@ -47,7 +47,9 @@ def dp_refusal(args, model_type: str) -> Optional[str]:
     if args.host_cache_gb > 0 or args.disk_cache_dir:
         return "--dp-size > 1 is not yet supported with --host-cache-gb / --disk-cache-dir (the prefix cache is off)"
     if args.ep_redundant_experts or args.ep_loads_file:
-        return "--dp-size > 1 is not yet supported with --ep-redundant-experts / --ep-loads-file (EPLB places TP's blocks)"
+        return (
+            "--dp-size > 1 is not yet supported with --ep-redundant-experts / --ep-loads-file (EPLB places TP's blocks)"
+        )
     if args.kv_cache_dtype not in (None, "auto"):
         return f"--dp-size > 1 is not yet supported with --kv-cache-dtype {args.kv_cache_dtype}"
     return None
