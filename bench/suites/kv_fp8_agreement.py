@@ -194,6 +194,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     a.out.mkdir(parents=True, exist_ok=True)
     suffix = "" if a.device == "cpu" else "_" + a.device.replace(":", "")
     write_json(report, a.out / f"kv_fp8_{a.preset}_{a.dtype}{suffix}.json")
+    plot_folder(a.out)
     print(
         f"{a.preset} {a.dtype}: greedy equal on {result['equal_share']:.0%} of {result['prompts']} prompts, "
         f"{result['agreed_token_share']:.1%} of tokens before a divergence; first-step logit error median "
@@ -203,6 +204,44 @@ def main(argv: Optional[list[str]] = None) -> dict:
         f"({result['bytes_ratio']:.3f}x)"
     )
     return report
+
+
+def plot_folder(out: Path) -> None:
+    """kv_fp8.png from every bf16 run in `out`: FP8 KV's first-step logit error beside bf16
+    compute's own error against fp32 on the same prompts, and the KV bytes per token."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [json.loads(f.read_text()) for f in sorted(out.glob("kv_fp8_*_bfloat16.json"))]
+    runs = [r for r in runs if "yardstick_bf16_vs_fp32" in r]
+    if not runs:
+        return
+    names = [r["preset"] for r in runs]
+    xs = range(len(runs))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.bar([x - 0.2 for x in xs], [r["first_step_logit_error_median"] for r in runs], 0.4, label="FP8 KV vs bf16 KV")
+    ax1.bar(
+        [x + 0.2 for x in xs],
+        [r["yardstick_bf16_vs_fp32"]["first_step_logit_error_median"] for r in runs],
+        0.4,
+        label="bf16 vs fp32 compute (yardstick)",
+    )
+    ax1.set_title("first-step logit error, median over prompts")
+    ax2.bar([x - 0.2 for x in xs], [r["bytes_per_token"]["auto"] for r in runs], 0.4, label="bf16 KV")
+    ax2.bar([x + 0.2 for x in xs], [r["bytes_per_token"]["fp8_e4m3"] for r in runs], 0.4, label="FP8 KV (+ scales)")
+    ax2.set_title("attention KV bytes per token")
+    for ax in (ax1, ax2):
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(names)
+        ax.legend(fontsize=8)
+    fig.suptitle("--kv-cache-dtype fp8_e4m3 on CPU (random tiny checkpoints; bench/suites/kv_fp8_agreement.py)")
+    fig.tight_layout()
+    fig.savefig(out / "kv_fp8.png", dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
