@@ -14,6 +14,7 @@ import pytest
 
 from bench.harness.commands import Proc, free_port
 from dsv4_operator.local.router_watch import RouterWatch
+from watchdog_harness import wait_metrics
 
 
 @pytest.mark.slow  # ~7 s: each scrape of the frozen router waits out its 2 s timeout
@@ -22,7 +23,7 @@ def test_a_frozen_router_is_reported_once_with_evidence(tmp_path):
     url = f"http://127.0.0.1:{port}"
     router = Proc(["router", "--mono", "http://127.0.0.1:9", "--port", port], tmp_path / "router.log")
     try:
-        _wait_metrics(url, router)
+        wait_metrics(url, router)
 
         async def watch() -> list:
             said = []
@@ -49,16 +50,3 @@ def test_a_frozen_router_is_reported_once_with_evidence(tmp_path):
         except ProcessLookupError:
             pass
         router.stop()
-
-
-def _wait_metrics(url: str, router: Proc) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/metrics", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert router.popen.poll() is None, router.log()
-        time.sleep(0.2)
-    raise TimeoutError(router.log())

@@ -135,7 +135,7 @@ def test_operator_settings() -> None:
     assert s.peering.standalone is True and s.scanning.disabled is True
     ours = "app.kubernetes.io/name=dsv4,app.kubernetes.io/managed-by=dsv4-operator"
     assert list(s.watching.label_selectors.values()) == [ours] * 2 + [ours] * 6 + [
-        "app.kubernetes.io/name=dsv4,serving.dsv4.dev/role in (prefill,decode)"
+        "app.kubernetes.io/name=dsv4,serving.dsv4.dev/role in (prefill,decode,router)"
     ]  # the watchdog's pod watch
 
 
