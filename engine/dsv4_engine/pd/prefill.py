@@ -64,6 +64,7 @@ class PrefillController(PDController):
         self.decode_heartbeats: dict[str, float] = {}  # decode boot id -> last time we heard from it
         self.bytes_by_state: dict[str, int] = {}  # moved by completed transfers, per state region
         self.bytes_by_rank: dict[int, int] = {}  # moved by completed transfers, per decode rank
+        self.bytes_by_src_rank: dict[int, int] = {}  # --dp-size N: read from each of our ranks' pools
         self.checksum_seconds = 0.0  # time spent summing what was sent (--transfer-checksum's cost)
         # --dp-size N: a request's pages live in the pool of the rank that computed them (pd.dp_sender)
         self.dp = getattr(getattr(self.engine, "args", None), "dp_size", 1) > 1
@@ -241,6 +242,7 @@ class PrefillController(PDController):
         src_slot = seq.slot if pd.dst_slot is not None else None
         # at --dp-size N the pages live in one rank's pool, which writes them (pd.dp_sender)
         src_rank, local = locate(seq.pages[:n], self.engine.pool.allocator.pages_per_rank) if self.dp else (None, [])
+        pd.prefill_dp_rank = src_rank
         checksums = None
         if pd.checksum and src_rank in (None, 0):
             t0 = time.perf_counter()
@@ -297,8 +299,12 @@ class PrefillController(PDController):
                 m.inc("kv_transfers_completed")
                 for rank, h in enumerate(pd.handles):
                     info = self.transport.info(h)
+                    rank = rank if pd.decode_dp_rank is None else pd.decode_dp_rank  # a DP decode: its one rank
                     m.inc("kv_transfer_bytes", info.nbytes)
                     self.bytes_by_rank[rank] = self.bytes_by_rank.get(rank, 0) + info.nbytes
+                    if pd.prefill_dp_rank is not None:
+                        src = pd.prefill_dp_rank
+                        self.bytes_by_src_rank[src] = self.bytes_by_src_rank.get(src, 0) + info.nbytes
                     for name, nbytes in info.nbytes_by_state.items():
                         self.bytes_by_state[name] = self.bytes_by_state.get(name, 0) + nbytes
                 m.observe("kv_transfer_latency_seconds", now - pd.transfer_started)
@@ -398,6 +404,15 @@ class PrefillController(PDController):
                 "boot_id": self.boot_id,
                 "kv_transfer_bytes_by_state": dict(self.bytes_by_state),
                 "kv_transfer_bytes_by_rank": {str(r): n for r, n in sorted(self.bytes_by_rank.items())},
+                **(
+                    {
+                        "kv_transfer_bytes_by_prefill_rank": {
+                            str(r): n for r, n in sorted(self.bytes_by_src_rank.items())
+                        }
+                    }
+                    if self.dp
+                    else {}
+                ),
                 "transfer_checksum_seconds": round(self.checksum_seconds, 6),
             },
         )

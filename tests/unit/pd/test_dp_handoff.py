@@ -101,3 +101,16 @@ def test_rank_1s_pages_are_written_by_rank_1_from_its_own_pool_with_its_checksum
         hf = t.write_pages(peer, [P], [1], b"")
         until(lambda: t.poll(hf) is not TransferState.PENDING, sender, ad, notes)
         assert t.poll(hf) is TransferState.FAILED and "rank could not start" in t.error(hf)
+
+
+def test_pd_roles_start_at_dp_size_n_and_a_checksumming_dp_decode_is_refused_by_name():
+    from dsv4_engine.parallel.dp_attention import dp_refusal
+    from dsv4_serve.server_args import ServerArgs
+
+    def refusal(**kw):
+        return dp_refusal(ServerArgs(model="m", tp_size=2, dp_size=2, cuda_graph_max_bs=0, **kw), "deepseek_v3")
+
+    assert refusal(role="prefill") is None and refusal(role="decode") is None
+    assert refusal(role="prefill", transfer_checksum=True) is None  # rank p sums what it sends
+    line = refusal(role="decode", transfer_checksum=True)
+    assert line is not None and "--transfer-checksum" in line and "--dp-size" in line

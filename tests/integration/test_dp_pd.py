@@ -1,0 +1,174 @@
+"""PD and migration with data-parallel attention (`--tp-size 2 --dp-size 2`) on either side,
+behind the real router over real NIXL between real processes (DeepSeek-V3, tiny preset, gloo):
+greedy tokens equal a monolithic tp-1 engine's for a single prefill into a DP decode, a DP prefill
+into a single decode, and DP into DP. A DP decode places each request on a rank by load and the
+KV lands in that rank's pool alone (`/v1/loads`: per-rank bytes, requests on both ranks); a DP
+prefill's rank that computed a request writes it (pd.dp_sender). A request migrated into a DP
+engine (the router's continuation: the answer so far as `continuation_token_ids`) goes on as the
+undisturbed request, and one migrated out of it onto a tp-1 engine too."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from bench.harness.commands import Proc, free_port, stop_all
+
+pytestmark = pytest.mark.slow
+
+SECRET = "dp-pd-secret"
+AUTH = {"Authorization": f"Bearer {SECRET}"}
+DP = ["--tp-size", 2, "--dp-size", 2]
+
+
+def loads(url: str) -> dict:
+    return httpx.get(f"{url}/v1/loads", timeout=5).json()
+
+
+def bytes_by_rank(url: str) -> dict[str, int]:
+    return dict(loads(url).get("kv_transfer_bytes_by_rank", {}))
+
+
+def complete(url: str, prompt: list[int], max_tokens: int, headers=None, **extra) -> list[int]:
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+            **extra,
+        },
+        headers=headers,
+        timeout=240,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def wait_idle(*urls: str, timeout: float = 20.0) -> None:
+    """Every page back (on every rank's pool), every queue empty."""
+    deadline = time.monotonic() + timeout
+    for url in urls:
+        while True:
+            ld = loads(url)
+            if sum(ld["queues"].values()) == 0 and ld["kv_pages_free"] == ld["kv_pages_total"]:
+                break
+            assert time.monotonic() < deadline, f"{url} still holds pages: {ld}"
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dp-pd")
+    common = ["serve", "--model", tiny_model, "--kv-pages", 64, "--page-size", 16, "--served-model-name", "m"]
+    common += ["--device", "cpu"]
+    procs: list[Proc] = []
+    urls: dict[str, str] = {}
+
+    def engine(name: str, *args) -> None:
+        port = free_port()
+        urls[name] = f"http://127.0.0.1:{port}"
+        procs.append(Proc([*common, *args, "--port", port], tmp / f"{name}.log", env={"DSV4_PD_SECRET": SECRET}))
+
+    engine("mono")
+    engine("mono_dp", *DP)
+    for name, dp in (("p1", []), ("p_dp", DP)):
+        # 16-token steps: a long prompt holds its rank's pages over many steps (chunked prefill)
+        engine(name, "--role", "prefill", "--bootstrap-port", free_port(), "--max-num-batched-tokens", 16, *dp)
+    engine("d1", "--role", "decode")
+    engine("d_dp", "--role", "decode", *DP)
+    routers = {"1->dp": ("p1", "d_dp"), "dp->1": ("p_dp", "d1"), "dp->dp": ("p_dp", "d_dp")}
+    try:
+        for name, proc in zip(list(urls), procs):
+            proc.wait_ready(urls[name], timeout=300)
+        for shape, (p, d) in routers.items():
+            port = free_port()
+            args = ["router", "--prefill", urls[p], "--decode", urls[d], "--port", port, "--health-interval", "0.5"]
+            procs.append(Proc(args, tmp / f"router-{shape.replace('>', '')}.log", env={"DSV4_PD_SECRET": SECRET}))
+            urls[shape] = f"http://127.0.0.1:{port}"
+            procs[-1].wait_ready(urls[shape], timeout=60)
+        yield urls
+    finally:
+        stop_all(procs)
+
+
+@pytest.mark.parametrize("shape", ["1->dp", "dp->1", "dp->dp"])
+def test_pd_with_data_parallel_attention_on_either_side_equals_mono(cluster, shape):
+    prefill, decode = {"1->dp": ("p1", "d_dp"), "dp->1": ("p_dp", "d1"), "dp->dp": ("p_dp", "d_dp")}[shape]
+    before = (
+        bytes_by_rank(cluster[prefill]),
+        bytes_by_rank(cluster[decode]),
+        dict(loads(cluster[prefill]).get("kv_transfer_bytes_by_prefill_rank", {})),
+    )
+    rng = random.Random(11)
+    prompts = [[rng.randrange(2, 500) for _ in range(rng.randint(3, 40))] for _ in range(4)]
+    prompts[0] = [rng.randrange(2, 500) for _ in range(300)]  # 19 prefill steps of 16 tokens
+    results: dict[int, list[int]] = {}
+
+    def one(i):
+        time.sleep(0.05 * i)  # staggered: later requests join a running decode batch, on either rank
+        results[i] = complete(cluster[shape], prompts[i], 12 + i)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    threads[0].start()
+    if prefill == "p_dp":  # the rest arrive while the long prompt holds rank 0's pages: placed on rank 1
+        deadline = time.monotonic() + 60
+        while not any(r["running"] for r in loads(cluster[prefill])["dp_ranks"]):
+            assert time.monotonic() < deadline and threads[0].is_alive(), "the long prompt never ran on prefill"
+            time.sleep(0.005)
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for i, p in enumerate(prompts):
+        assert results[i] == complete(cluster["mono"], p, 12 + i), (shape, i)
+    sent = {r: n - before[0].get(r, 0) for r, n in bytes_by_rank(cluster[prefill]).items()}
+    landed = {r: n - before[1].get(r, 0) for r, n in bytes_by_rank(cluster[decode]).items()}
+    sent, landed = {r: n for r, n in sent.items() if n}, {r: n for r, n in landed.items() if n}
+    assert sum(sent.values()) == sum(landed.values()) > 0, (sent, landed)  # each request's KV moved once
+    if decode == "d_dp":  # the KV of each request landed in one rank's pool, both ranks used
+        assert sent == landed and set(landed) == {"0", "1"}, (sent, landed)
+    else:
+        assert set(landed) == {"0"}, landed
+    if prefill == "p_dp":  # each request's pages were read on the rank that computed them: both ranks
+        read = loads(cluster[prefill])["kv_transfer_bytes_by_prefill_rank"]
+        read = {r: n - before[2].get(r, 0) for r, n in read.items() if n - before[2].get(r, 0)}
+        assert set(read) == {"0", "1"} and sum(read.values()) == sum(sent.values()), (read, sent)
+    wait_idle(cluster[prefill], cluster[decode])
+
+
+def test_requests_migrated_into_and_out_of_a_dp_engine_go_on_as_the_undisturbed_ones(cluster):
+    """The engine's half of migration: the router resends a request with the answer so far. Two
+    continuations at once into the DP engine, so one is placed on each rank (answers long enough
+    that /v1/loads, read every few ms, sees both running)."""
+    N = 40
+    rng = random.Random(3)
+    prompts = {cut: [rng.randrange(2, 500) for _ in range(23)] for cut in (1, 5)}
+    whole = {cut: complete(cluster["mono"], p, N) for cut, p in prompts.items()}
+    into: dict[int, list[int]] = {}
+
+    def resend(cut):  # a tp-1 engine answered `cut` tokens, then failed
+        into[cut] = complete(cluster["mono_dp"], prompts[cut], N, AUTH, continuation_token_ids=whole[cut][:cut])
+
+    threads = [threading.Thread(target=resend, args=(cut,)) for cut in prompts]
+    for t in threads:
+        t.start()
+    busy: set[int] = set()
+    while any(t.is_alive() for t in threads):
+        busy |= {r["rank"] for r in loads(cluster["mono_dp"])["dp_ranks"] if r["running"]}
+        time.sleep(0.01)
+    assert busy == {0, 1}, busy
+    for cut in prompts:
+        assert whole[cut][:cut] + into[cut] == whole[cut], cut
+        # out of it: the DP engine answered `cut` tokens, then failed; a tp-1 engine goes on
+        dp_whole = complete(cluster["mono_dp"], prompts[cut], N)
+        assert dp_whole == whole[cut]
+        out = complete(cluster["mono"], prompts[cut], N, AUTH, continuation_token_ids=dp_whole[:cut])
+        assert dp_whole[:cut] + out == whole[cut], cut
+    wait_idle(cluster["mono_dp"])
