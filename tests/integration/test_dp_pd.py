@@ -79,8 +79,9 @@ def cluster(tiny_model, tmp_path_factory):
     engine("mono")
     engine("mono_dp", *DP)
     for name, dp in (("p1", []), ("p_dp", DP)):
-        # 16-token steps: a long prompt holds its rank's pages over many steps (chunked prefill)
-        engine(name, "--role", "prefill", "--bootstrap-port", free_port(), "--max-num-batched-tokens", 16, *dp)
+        # a stalled transfer holds its rank's pages until a 4 s deadline (placement test below)
+        faults = ["--enable-fault-injection", "--transfer-timeout", 4] if dp else []
+        engine(name, "--role", "prefill", "--bootstrap-port", free_port(), *faults, *dp)
     engine("d1", "--role", "decode")
     engine("d_dp", "--role", "decode", *DP)
     routers = {"1->dp": ("p1", "d_dp"), "dp->1": ("p_dp", "d1"), "dp->dp": ("p_dp", "d_dp")}
@@ -108,7 +109,7 @@ def test_pd_with_data_parallel_attention_on_either_side_equals_mono(cluster, sha
     )
     rng = random.Random(11)
     prompts = [[rng.randrange(2, 500) for _ in range(rng.randint(3, 40))] for _ in range(4)]
-    prompts[0] = [rng.randrange(2, 500) for _ in range(300)]  # 19 prefill steps of 16 tokens
+    prompts[0] = [rng.randrange(2, 500) for _ in range(300)]
     results: dict[int, list[int]] = {}
 
     def one(i):
@@ -116,11 +117,18 @@ def test_pd_with_data_parallel_attention_on_either_side_equals_mono(cluster, sha
         results[i] = complete(cluster[shape], prompts[i], 12 + i)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    if prefill == "p_dp":
+        # A prefill's pages are held only until they are sent: to see both of its ranks read, the
+        # first request's transfer stalls, holding its 19 pages on rank 0 until the 4 s deadline
+        # (then it fails on both sides and the router sends it again); the rest are placed on rank 1.
+        timeouts = loads(cluster[prefill])["counters"]["num_transfer_timeout_reqs"]
+        r = httpx.post(f"{cluster[prefill]}/admin/faults", json={"fault": "stall_transfer", "count": 1}, timeout=5)
+        assert r.status_code == 200, r.text
     threads[0].start()
-    if prefill == "p_dp":  # the rest arrive while the long prompt holds rank 0's pages: placed on rank 1
+    if prefill == "p_dp":
         deadline = time.monotonic() + 60
-        while not any(r["running"] for r in loads(cluster[prefill])["dp_ranks"]):
-            assert time.monotonic() < deadline and threads[0].is_alive(), "the long prompt never ran on prefill"
+        while not loads(cluster[prefill])["queues"]["inflight"]:
+            assert time.monotonic() < deadline and threads[0].is_alive(), "the first request never reached transfer"
             time.sleep(0.005)
     for t in threads[1:]:
         t.start()
@@ -140,6 +148,7 @@ def test_pd_with_data_parallel_attention_on_either_side_equals_mono(cluster, sha
         read = loads(cluster[prefill])["kv_transfer_bytes_by_prefill_rank"]
         read = {r: n - before[2].get(r, 0) for r, n in read.items() if n - before[2].get(r, 0)}
         assert set(read) == {"0", "1"} and sum(read.values()) == sum(sent.values()), (read, sent)
+        assert loads(cluster[prefill])["counters"]["num_transfer_timeout_reqs"] == timeouts + 1
     wait_idle(cluster[prefill], cluster[decode])
 
 
