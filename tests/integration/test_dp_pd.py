@@ -153,31 +153,49 @@ def test_pd_with_data_parallel_attention_on_either_side_equals_mono(cluster, sha
 
 
 def test_requests_migrated_into_and_out_of_a_dp_engine_go_on_as_the_undisturbed_ones(cluster):
-    """The engine's half of migration: the router resends a request with the answer so far. Two
-    continuations at once into the DP engine, so one is placed on each rank (answers long enough
-    that /v1/loads, read every few ms, sees both running)."""
+    """The engine's half of migration: the router resends a request with the answer so far. A long
+    stream holds rank 0's pages meanwhile, so each continuation into the DP engine is placed on
+    rank 1 (the rank with the most free pages), where its KV is computed from the resent ids."""
     N = 40
+    url = cluster["mono_dp"]
     rng = random.Random(3)
     prompts = {cut: [rng.randrange(2, 500) for _ in range(23)] for cut in (1, 5)}
     whole = {cut: complete(cluster["mono"], p, N) for cut, p in prompts.items()}
-    into: dict[int, list[int]] = {}
+    stop = threading.Event()
 
-    def resend(cut):  # a tp-1 engine answered `cut` tokens, then failed
-        into[cut] = complete(cluster["mono_dp"], prompts[cut], N, AUTH, continuation_token_ids=whole[cut][:cut])
+    def hold_rank_0():  # streams until told to stop, then drops the connection (an abort)
+        body = {"prompt": [7] * 30, "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=240) as r:
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    return
 
-    threads = [threading.Thread(target=resend, args=(cut,)) for cut in prompts]
-    for t in threads:
-        t.start()
-    busy: set[int] = set()
-    while any(t.is_alive() for t in threads):
-        busy |= {r["rank"] for r in loads(cluster["mono_dp"])["dp_ranks"] if r["running"]}
-        time.sleep(0.01)
-    assert busy == {0, 1}, busy
-    for cut in prompts:
-        assert whole[cut][:cut] + into[cut] == whole[cut], cut
-        # out of it: the DP engine answered `cut` tokens, then failed; a tp-1 engine goes on
-        dp_whole = complete(cluster["mono_dp"], prompts[cut], N)
+    holder = threading.Thread(target=hold_rank_0)
+    holder.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not loads(url)["dp_ranks"][0]["running"]:
+            assert time.monotonic() < deadline and holder.is_alive(), "the long stream never ran on rank 0"
+            time.sleep(0.01)
+        for cut in prompts:  # a tp-1 engine answered `cut` tokens, then failed
+            got: list[int] = []
+            resend = threading.Thread(
+                target=lambda: got.extend(complete(url, prompts[cut], N, AUTH, continuation_token_ids=whole[cut][:cut]))
+            )
+            resend.start()
+            on_rank_1 = False
+            while resend.is_alive():
+                on_rank_1 |= loads(url)["dp_ranks"][1]["running"] > 0
+                time.sleep(0.01)
+            assert holder.is_alive(), "the long stream ended early: rank 0 was free"
+            assert on_rank_1, "the continuation was not seen on rank 1"
+            assert whole[cut][:cut] + got == whole[cut], cut
+    finally:
+        stop.set()
+        holder.join(240)
+    for cut in prompts:  # out of it: the DP engine answered `cut` tokens, then failed; a tp-1 engine goes on
+        dp_whole = complete(url, prompts[cut], N)
         assert dp_whole == whole[cut]
         out = complete(cluster["mono"], prompts[cut], N, AUTH, continuation_token_ids=dp_whole[:cut])
         assert dp_whole[:cut] + out == whole[cut], cut
-    wait_idle(cluster["mono_dp"])
+    wait_idle(url)
