@@ -1,11 +1,12 @@
 """PD and migration with data-parallel attention (`--tp-size 2 --dp-size 2`) on either side,
 behind the real router over real NIXL between real processes (DeepSeek-V3, tiny preset, gloo):
 greedy tokens equal a monolithic tp-1 engine's for a single prefill into a DP decode, a DP prefill
-into a single decode, and DP into DP. A DP decode places each request on a rank by load and the
-KV lands in that rank's pool alone (`/v1/loads`: per-rank bytes, requests on both ranks); a DP
-prefill's rank that computed a request writes it (pd.dp_sender). A request migrated into a DP
-engine (the router's continuation: the answer so far as `continuation_token_ids`) goes on as the
-undisturbed request, and one migrated out of it onto a tp-1 engine too."""
+into a single decode, DP into DP, and DP to and from a TP (`--tp-size 2`) peer. A DP decode places
+each request on a rank by load and the KV lands in that rank's pool alone (`/v1/loads`: per-rank
+bytes, both ranks used); a DP prefill's rank that computed a request writes it (pd.dp_sender). A
+request migrated into a DP engine (the router's continuation: the answer so far as
+`continuation_token_ids`) goes on as the undisturbed request, and one migrated out of it onto a
+tp-1 engine too."""
 
 from __future__ import annotations
 
@@ -23,6 +24,14 @@ pytestmark = pytest.mark.slow
 SECRET = "dp-pd-secret"
 AUTH = {"Authorization": f"Bearer {SECRET}"}
 DP = ["--tp-size", 2, "--dp-size", 2]
+# router -> (its prefill, its decode): 1 a tp-1 engine, dp --tp-size 2 --dp-size 2, tp --tp-size 2
+SHAPES = {
+    "1->dp": ("p1", "d_dp"),
+    "dp->1": ("p_dp", "d1"),
+    "dp->dp": ("p_dp", "d_dp"),
+    "tp->dp": ("p_tp", "d_dp"),
+    "dp->tp": ("p_dp", "d_tp"),
+}
 
 
 def loads(url: str) -> dict:
@@ -78,13 +87,14 @@ def cluster(tiny_model, tmp_path_factory):
 
     engine("mono")
     engine("mono_dp", *DP)
-    for name, dp in (("p1", []), ("p_dp", DP)):
+    for name, dp in (("p1", []), ("p_dp", DP), ("p_tp", ["--tp-size", 2])):
         # a stalled transfer holds its rank's pages until a 4 s deadline (placement test below)
         faults = ["--enable-fault-injection", "--transfer-timeout", 4] if dp else []
         engine(name, "--role", "prefill", "--bootstrap-port", free_port(), *faults, *dp)
     engine("d1", "--role", "decode")
     engine("d_dp", "--role", "decode", *DP)
-    routers = {"1->dp": ("p1", "d_dp"), "dp->1": ("p_dp", "d1"), "dp->dp": ("p_dp", "d_dp")}
+    engine("d_tp", "--role", "decode", "--tp-size", 2)
+    routers = SHAPES
     try:
         for name, proc in zip(list(urls), procs):
             proc.wait_ready(urls[name], timeout=300)
@@ -99,9 +109,9 @@ def cluster(tiny_model, tmp_path_factory):
         stop_all(procs)
 
 
-@pytest.mark.parametrize("shape", ["1->dp", "dp->1", "dp->dp"])
+@pytest.mark.parametrize("shape", list(SHAPES))
 def test_pd_with_data_parallel_attention_on_either_side_equals_mono(cluster, shape):
-    prefill, decode = {"1->dp": ("p1", "d_dp"), "dp->1": ("p_dp", "d1"), "dp->dp": ("p_dp", "d_dp")}[shape]
+    prefill, decode = SHAPES[shape]
     before = (
         bytes_by_rank(cluster[prefill]),
         bytes_by_rank(cluster[decode]),
@@ -142,6 +152,8 @@ def test_pd_with_data_parallel_attention_on_either_side_equals_mono(cluster, sha
     assert sum(sent.values()) == sum(landed.values()) > 0, (sent, landed)  # each request's KV moved once
     if decode == "d_dp":  # the KV of each request landed in one rank's pool, both ranks used
         assert sent == landed and set(landed) == {"0", "1"}, (sent, landed)
+    elif decode == "d_tp":  # each TP rank's pool received the whole KV of every request
+        assert sent == landed and set(landed) == {"0", "1"} and len(set(landed.values())) == 1, (sent, landed)
     else:
         assert set(landed) == {"0"}, landed
     if prefill == "p_dp":  # each request's pages were read on the rank that computed them: both ranks
