@@ -130,7 +130,7 @@ class RankSender:
             except Exception as e:  # the agent closed under us (the process is going down)
                 log.warning("rank sender stopped: %s", e)
                 return
-            if not got and not self.writes:
+            if not got:  # (a pending write is polled again after the nap: no core spun on it)
                 time.sleep(IDLE_S)
 
     def close(self, timeout: Optional[float] = 1.0) -> None:
@@ -154,7 +154,6 @@ class DPSendTransport:
         self._local: dict[int, int] = {}  # our handle -> rank 0's agent's handle
         self._remote: dict[int, tuple[int, TransferInfo]] = {}  # our handle -> (rank, info)
         self._held: list[tuple[str, bytes]] = []  # notifications read while pumping statuses
-        self.rank_of: dict[int, int] = {}  # our handle -> the rank that reads the pages
 
     @property
     def name(self) -> str:
@@ -182,7 +181,6 @@ class DPSendTransport:
     ) -> int:
         rank, local = locate(list(src_pages), self.pages_per_rank)
         handle = next(self._ids)
-        self.rank_of[handle] = rank
         if rank == 0:
             kw = {} if ready is None else {"ready": ready}
             self._local[handle] = self.agent.write_pages(
@@ -246,7 +244,6 @@ class DPSendTransport:
         return replace(self._remote[handle][1])
 
     def release(self, handle: int) -> None:
-        self.rank_of.pop(handle, None)
         if handle in self._local:
             self.agent.release(self._local.pop(handle))
             return
