@@ -1,0 +1,52 @@
+"""EPLB on a built DeepSeek-V4 model (v4-moe32 weights, in memory): the V4 MoE hook counts the
+loads of the learned and the hash-routed layers alike, and with a copy of each layer's hottest
+expert every layer's output stays as it was (dsv4_engine.parallel.eplb_apply, docs/eplb.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4_engine.checkpoint import PRESETS, init_v4_weights
+from dsv4_engine.models.deepseek_v4 import DeepseekV4
+from dsv4_engine.models.deepseek_v4_config import DeepseekV4Config
+from dsv4_engine.parallel.eplb_apply import attach_eplb, loads_from_table, moe_layers
+
+
+@pytest.fixture(scope="module")
+def built():
+    config = PRESETS["v4-moe32"]
+    return DeepseekV4Config.from_dict(config), init_v4_weights(config, seed=0)
+
+
+def model_of(built):
+    cfg, weights = built
+    return DeepseekV4(cfg, dict(weights))
+
+
+def test_v4_moe_layers_are_counted_and_a_copy_leaves_every_layer_output_unchanged(built):
+    cfg = built[0]
+    plain, placed = model_of(built), model_of(built)
+    counter = attach_eplb(plain, "unused")  # counters only (tp 1: placing reads no checkpoint)
+    placer = attach_eplb(placed, "unused", redundant=1)
+    assert [i for i, _ in placer.layers] == [0, 1, 2, 3]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, cfg.hidden_size, generator=g)
+    ids = torch.randint(0, cfg.vocab_size, (32,), generator=g)
+    reference = [m(x, ids) for _, m in moe_layers(plain)]
+    table = counter.table()
+    assert [table["layers"][str(i)]["routing"] for i in range(4)] == ["hash", "learned", "learned", "learned"]
+    loads = loads_from_table(table)
+    assert all(sum(v) == 32 * cfg.num_experts_per_tok for v in loads.values())
+    placer.apply(placer.plan(loads))
+    for ref, (i, P) in zip(reference, placer.layers):
+        hot = max(range(32), key=lambda e: (loads[i][e], -e))
+        assert P.w13.shape[0] == 33 and placer.placement.layers[i].count(hot) == 2
+        torch.testing.assert_close(P(x, ids), ref, rtol=0, atol=1e-5)
+    # the copies share their expert's tokens to within one, in a hash-routed layer too
+    for row, (i, _) in enumerate(placer.layers):
+        hot = max(range(32), key=lambda e: (loads[i][e], -e))
+        per_slot = placer.loads.physical[row].tolist()
+        copies = [per_slot[s] for s, e in enumerate(placer.placement.layers[i]) if e == hot]
+        n = int(loads[i][hot])
+        assert sorted(copies) == sorted([(n + 1) // 2, n // 2]), (i, n, copies)
