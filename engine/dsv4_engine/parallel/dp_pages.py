@@ -14,21 +14,26 @@ from __future__ import annotations
 from dsv4_engine.kv_cache import PageAllocator
 
 
-# A page of cached prefix a rank holds for a request counts as this many of its free pages when
-# the rank is chosen: reusing it saves the page's memory and its prefill, so a rank holding the
-# prefix wins unless another rank has markedly more room.
-REUSE_WEIGHT = 2
+# How much busier (fewer free pages) than the least busy rank a rank holding a request's prefix
+# may be and still get it, as a share of one rank's pool: within it, reusing the prefix (its
+# prefill and its pages) is worth more than evening out the load; past it, load decides.
+BALANCE_SLACK = 0.25
 
 
-def choose_rank(matched: list[int], free: list[int], need: int = 0) -> int:
+def choose_rank(matched: list[int], free: list[int], need: int = 0, slack: int = 0) -> int:
     """The rank a request runs on. `matched[r]`: pages of its prefix rank r's cache holds;
     `free[r]`: pages rank r can hand out (idle cached ones included); `need`: pages the whole
-    request takes. Among the ranks that can hold what the request still needs (all of them when
-    none can), the highest score `free + REUSE_WEIGHT * matched`, then the lower rank. With no
-    match anywhere: the rank with the most free pages (load by KV)."""
+    request takes; `slack`: pages of free room a rank may lack against the freest rank and still
+    win by its prefix. Among the ranks that can hold what the request still needs (all of them
+    when none can): the longest match within the slack (then more free pages, then the lower
+    rank); with none, the most free pages (load by KV), then the lower rank."""
     ranks = range(len(free))
     fits = [r for r in ranks if free[r] >= need - matched[r]] or list(ranks)
-    return max(fits, key=lambda r: (free[r] + REUSE_WEIGHT * matched[r], -r))
+    most = max(free[r] for r in fits)
+    near = [r for r in fits if matched[r] and most - free[r] <= slack]
+    if near:
+        return max(near, key=lambda r: (matched[r], free[r], -r))
+    return max(fits, key=lambda r: (free[r], -r))
 
 
 class DPPageAllocator:

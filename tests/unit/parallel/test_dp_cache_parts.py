@@ -25,17 +25,20 @@ def test_no_match_anywhere_is_load_by_kv_then_the_lower_rank():
     assert books.least_loaded() == choose_rank([0, 0], books.free_per_rank()) == 1
 
 
-def test_a_cached_prefix_outweighs_a_little_load_not_a_lot():
-    assert choose_rank([3, 0], [10, 12]) == 0  # 10 + 2*3 = 16 > 12: reuse the prefix
-    assert choose_rank([3, 0], [10, 20]) == 1  # 16 < 20: the other rank has far more room
-    assert choose_rank([2, 3], [10, 10]) == 1  # the longer match
-    assert choose_rank([2, 2], [10, 10]) == 0  # a tie: the lower rank
+def test_the_longest_cached_prefix_wins_within_the_slack_then_load_decides():
+    assert choose_rank([3, 0], [10, 12], slack=4) == 0  # 2 pages busier: reuse the prefix
+    assert choose_rank([3, 0], [10, 20], slack=4) == 1  # 10 pages busier: load
+    assert choose_rank([3, 1], [10, 20], slack=4) == 1  # ... and the shorter match within the slack
+    assert choose_rank([2, 3], [10, 10], slack=4) == 1  # the longer match
+    assert choose_rank([2, 3], [12, 10], slack=4) == 1  # ... though a little busier
+    assert choose_rank([2, 2], [10, 11], slack=4) == 1  # equal matches: more free pages
+    assert choose_rank([2, 2], [10, 10], slack=4) == 0  # a tie: the lower rank
 
 
 def test_a_rank_that_cannot_hold_the_rest_of_the_request_is_passed_over():
-    assert choose_rank([4, 0], [2, 8], need=8) == 1  # rank 0 would need 4 more pages, has 2
-    assert choose_rank([4, 0], [4, 8], need=8) == 0
-    assert choose_rank([1, 0], [1, 2], need=9) == 0  # none fits: the best score anyway
+    assert choose_rank([4, 0], [2, 8], need=8, slack=8) == 1  # rank 0 would need 4 more pages, has 2
+    assert choose_rank([4, 0], [4, 8], need=8, slack=8) == 0
+    assert choose_rank([1, 0], [1, 2], need=9, slack=8) == 0  # none fits: the prefix anyway
 
 
 def seq(rid: str, tokens: list[int]) -> Sequence:
