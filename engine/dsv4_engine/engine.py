@@ -285,8 +285,10 @@ class Engine:
         self.prefix_cache_off = prefix_cache_refusal(
             specs, args.role, args.enable_prefix_cache, args.prefix_cache_snapshots, args.decode_local_prefill
         )
-        if args.dp_size > 1 and self.prefix_cache_off is None and any(not s.paged for s in specs):
-            self.prefix_cache_off = "not yet for a model with slot states at --dp-size > 1 (snapshots per rank)"
+        if args.dp_size > 1 and self.prefix_cache_off is None:
+            from dsv4_engine.parallel.dp_cache import dp_cache_refusal
+
+            self.prefix_cache_off = dp_cache_refusal(specs, args.role)
         # Slot rows for max_num_seqs requests (and the cache's snapshots of them) come first; the
         # rest of the memory becomes pages (dsv4_engine.kv_sizing).
         cache_slots = any(not s.paged for s in specs) and self.prefix_cache_off is None

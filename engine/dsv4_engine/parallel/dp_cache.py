@@ -22,6 +22,16 @@ from dsv4_engine.prefix_cache import PrefixCache
 from dsv4_engine.sequence import Sequence
 
 
+def dp_cache_refusal(specs: list, role: str) -> Optional[str]:
+    """Why a --dp-size > 1 engine runs without a prefix cache per rank, in one line, or None.
+    (A PD decode's --decode-local-prefill defaults on: it is turned off, said in /v1/loads.)"""
+    if any(not s.paged for s in specs):
+        return "not yet for a model with slot states at --dp-size > 1 (a snapshot per rank)"
+    if role == "decode":
+        return "--decode-local-prefill is not yet supported at --dp-size > 1 (its lookup spans one rank's cache)"
+    return None
+
+
 class _LocalKeeper:
     """What rank r's PageAllocator asks of its cache (local page ids), answered by a cache that
     speaks global ids."""

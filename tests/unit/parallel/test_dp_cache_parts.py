@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from dsv4_engine.kv_journal import KVJournal
 from dsv4_engine.metrics import EngineMetrics
-from dsv4_engine.parallel.dp_cache import CountedJournal, DPPrefixCache
+from dsv4_engine.models.state import StateSpec
+from dsv4_engine.parallel.dp_cache import CountedJournal, DPPrefixCache, dp_cache_refusal
 from dsv4_engine.parallel.dp_loads import RankMetrics, rank_loads
 from dsv4_engine.parallel.dp_pages import DPPageAllocator, choose_rank
 from dsv4_engine.sampling_params import SamplingParams
@@ -102,3 +103,11 @@ def test_a_hash_held_by_two_ranks_is_evicted_for_the_router_only_when_both_let_g
     assert h.hex() in journal.held["device"]
     counted.evicted("device", h)
     assert h.hex() not in journal.held["device"]
+
+
+def test_what_the_cache_per_rank_does_not_cover_yet_is_said_by_name():
+    paged = StateSpec("latent", 2, (8,))
+    ring = StateSpec("window", 2, (8,), kind="slot", slots=4)
+    assert dp_cache_refusal([paged], "mono") is None and dp_cache_refusal([paged], "prefill") is None
+    assert "slot states" in dp_cache_refusal([paged, ring], "mono")
+    assert "--decode-local-prefill" in dp_cache_refusal([paged], "decode")
