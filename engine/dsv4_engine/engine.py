@@ -414,6 +414,8 @@ class Engine:
             self.pool.slots,
             self.prefix_cache,
         )
+        if args.dp_size > 1 and self.prefix_cache is not None:  # the rank choice weighs each rank's running requests
+            self.prefix_cache.running = lambda: self.scheduler.running
         self._cache_counted = (0, 0)  # prefix cache (query, hit) tokens already added to the counters
         self._host_hits_counted = 0  # of the hits, host-tier tokens already added
         if self.spec is not None:

@@ -15,9 +15,9 @@ so the router's contract is unchanged (it routes to engines; the engine picks th
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
-from dsv4_engine.parallel.dp_pages import BALANCE_SLACK, DPPageAllocator, choose_rank
+from dsv4_engine.parallel.dp_pages import DPPageAllocator, choose_rank
 from dsv4_engine.prefix_cache import PrefixCache
 from dsv4_engine.sequence import Sequence
 
@@ -120,7 +120,7 @@ class DPPrefixCache:
         self.books = books
         self.page_size = page_size
         self.ranks = [PrefixCache(RankPages(books, r), page_size) for r in range(books.dp_size)]
-        self.slack = int(BALANCE_SLACK * books.pages_per_rank)
+        self.running: Callable[[], list] = list  # the scheduler's running requests (the engine sets it)
         self.placed = [0] * books.dp_size  # admissions each rank took with a cached prefix
         self._last_rank = 0  # the rank of the last attach: `count` follows it
         self._journal = None
@@ -172,7 +172,7 @@ class DPPrefixCache:
         takes its cached prefix there (a rank with no match: nothing now, its first pages decide)."""
         matched = [c.match(seq) for c in self.ranks]
         need = -(-seq.num_tokens // self.page_size)
-        r = choose_rank(matched, self.books.free_per_rank(), need, self.slack)
+        r = choose_rank(matched, self.books.free_per_rank(), need, self.books.running_per_rank(self.running()))
         self._last_rank = r
         if matched[r]:
             self.placed[r] += 1

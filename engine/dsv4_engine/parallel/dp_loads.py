@@ -14,10 +14,7 @@ from dsv4_engine.parallel.dp_pages import DPPageAllocator
 
 def rank_loads(books: DPPageAllocator, running: list, cache=None) -> list[dict]:
     """Per rank: running requests, the pages they hold, what it can hand out, its cache."""
-    per_rank = [0] * books.dp_size
-    for seq in running:
-        if seq.pages:
-            per_rank[books.rank_of(seq.pages[0])] += 1
+    per_rank = books.running_per_rank(running)
     held = books.held_per_rank()
     out = []
     for r, alloc in enumerate(books.ranks):

@@ -14,25 +14,28 @@ from __future__ import annotations
 from dsv4_engine.kv_cache import PageAllocator
 
 
-# How much busier (fewer free pages) than the least busy rank a rank holding a request's prefix
-# may be and still get it, as a share of one rank's pool: within it, reusing the prefix (its
-# prefill and its pages) is worth more than evening out the load; past it, load decides.
+# How many more running requests than the least busy rank a rank holding a request's prefix may
+# have and still get it, as a share of the mean running requests per rank (at least 1): within it,
+# reusing the prefix (its prefill and its pages) is worth more than evening out the step's work;
+# past it, load decides.
 BALANCE_SLACK = 0.25
 
 
-def choose_rank(matched: list[int], free: list[int], need: int = 0, slack: int = 0) -> int:
+def choose_rank(matched: list[int], free: list[int], need: int = 0, running: list[int] | None = None) -> int:
     """The rank a request runs on. `matched[r]`: pages of its prefix rank r's cache holds;
     `free[r]`: pages rank r can hand out (idle cached ones included); `need`: pages the whole
-    request takes; `slack`: pages of free room a rank may lack against the freest rank and still
-    win by its prefix. Among the ranks that can hold what the request still needs (all of them
-    when none can): the longest match within the slack (then more free pages, then the lower
-    rank); with none, the most free pages (load by KV), then the lower rank."""
+    request takes; `running[r]`: requests running on rank r. Among the ranks that can hold what
+    the request still needs (all of them when none can): the longest match on a rank within the
+    slack of the least busy (then fewer running requests, more free pages, the lower rank); with
+    none, the most free pages (load by KV), then the lower rank."""
     ranks = range(len(free))
+    running = running or [0] * len(free)
     fits = [r for r in ranks if free[r] >= need - matched[r]] or list(ranks)
-    most = max(free[r] for r in fits)
-    near = [r for r in fits if matched[r] and most - free[r] <= slack]
+    least = min(running[r] for r in fits)
+    slack = max(1, int(BALANCE_SLACK * sum(running) / len(running)))
+    near = [r for r in fits if matched[r] and running[r] - least <= slack]
     if near:
-        return max(near, key=lambda r: (matched[r], free[r], -r))
+        return max(near, key=lambda r: (matched[r], -running[r], free[r], -r))
     return max(fits, key=lambda r: (free[r], -r))
 
 
@@ -98,6 +101,14 @@ class DPPageAllocator:
     def held_per_rank(self) -> list[int]:
         """Pages each rank's requests or cache hold now."""
         return [self.pages_per_rank - a.num_unused for a in self.ranks]
+
+    def running_per_rank(self, running: list) -> list[int]:
+        """Requests of `running` (the scheduler's) on each rank (a request holding no page: none)."""
+        out = [0] * self.dp_size
+        for seq in running:
+            if seq.pages:
+                out[self.rank_of(seq.pages[0])] += 1
+        return out
 
     def free_per_rank(self) -> list[int]:
         """Pages each rank can hand out now (idle cached ones included)."""

@@ -27,19 +27,21 @@ def test_no_match_anywhere_is_load_by_kv_then_the_lower_rank():
 
 
 def test_the_longest_cached_prefix_wins_within_the_slack_then_load_decides():
-    assert choose_rank([3, 0], [10, 12], slack=4) == 0  # 2 pages busier: reuse the prefix
-    assert choose_rank([3, 0], [10, 20], slack=4) == 1  # 10 pages busier: load
-    assert choose_rank([3, 1], [10, 20], slack=4) == 1  # ... and the shorter match within the slack
-    assert choose_rank([2, 3], [10, 10], slack=4) == 1  # the longer match
-    assert choose_rank([2, 3], [12, 10], slack=4) == 1  # ... though a little busier
-    assert choose_rank([2, 2], [10, 11], slack=4) == 1  # equal matches: more free pages
-    assert choose_rank([2, 2], [10, 10], slack=4) == 0  # a tie: the lower rank
+    assert choose_rank([3, 0], [10, 12], running=[1, 0]) == 0  # one request busier: reuse the prefix
+    assert choose_rank([3, 0], [10, 12], running=[2, 0]) == 1  # two busier: past the slack (1)
+    assert choose_rank([3, 0], [10, 12], running=[10, 8]) == 0  # slack 0.25 x mean 9 -> 2: within
+    assert choose_rank([3, 0], [10, 12], running=[10, 6]) == 1  # 4 busier than a slack of 2
+    assert choose_rank([3, 1], [10, 20], running=[2, 0]) == 1  # the shorter match within the slack
+    assert choose_rank([2, 3], [10, 10], running=[0, 1]) == 1  # the longer match, though busier
+    assert choose_rank([2, 2], [10, 10], running=[1, 0]) == 1  # equal matches: fewer running
+    assert choose_rank([2, 2], [10, 11]) == 1  # ... then more free pages
+    assert choose_rank([2, 2], [10, 10]) == 0  # a tie: the lower rank
 
 
 def test_a_rank_that_cannot_hold_the_rest_of_the_request_is_passed_over():
-    assert choose_rank([4, 0], [2, 8], need=8, slack=8) == 1  # rank 0 would need 4 more pages, has 2
-    assert choose_rank([4, 0], [4, 8], need=8, slack=8) == 0
-    assert choose_rank([1, 0], [1, 2], need=9, slack=8) == 0  # none fits: the prefix anyway
+    assert choose_rank([4, 0], [2, 8], need=8) == 1  # rank 0 would need 4 more pages, has 2
+    assert choose_rank([4, 0], [4, 8], need=8) == 0
+    assert choose_rank([1, 0], [1, 2], need=9) == 0  # none fits: the prefix anyway
 
 
 def seq(rid: str, tokens: list[int]) -> Sequence:
@@ -52,6 +54,7 @@ def test_requests_land_on_the_rank_that_holds_their_prefix_and_hits_count_there(
     journal = KVJournal("test")
     cache.journal = journal
     sched = Scheduler(books, PAGE, max_num_seqs=8, max_num_batched_tokens=64, prefix_cache=cache)
+    cache.running = lambda: sched.running  # as the engine wires it
     a, b = list(range(100, 113)), list(range(200, 213))  # two conversations' first rounds, 3 pages each
     sa, sb = seq("a", a), seq("b", b)
     sched.add(sa)
