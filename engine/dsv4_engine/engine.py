@@ -428,12 +428,12 @@ class Engine:
         self.metrics = EngineMetrics(args.role, args.served_model_name)
         self.metrics.set("kv_pages_total", num_pages * args.dp_size)  # --dp-size N: a pool per rank
         self.metrics.set("tp_size", args.tp_size)
+        self.metrics.set("nnodes", args.nnodes)
         self.rank_metrics = None  # --dp-size N: the per-rank series (parallel.dp_loads)
         if args.dp_size > 1:
             from dsv4_engine.parallel.dp_loads import RankMetrics
 
             self.rank_metrics = RankMetrics()
-        self.metrics.set("nnodes", args.nnodes)
         if self.runner.native_build_failures:  # said once at WARNING by dsv4_kernels.native
             self.metrics.inc("native_build_failures", self.runner.native_build_failures)
         if self.runner.eplb is not None:  # expert loads, read at scrape time
