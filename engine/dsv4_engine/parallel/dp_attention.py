@@ -36,9 +36,8 @@ def dp_refusal(args, model_type: str) -> Optional[str]:
         return f"--dp-size {args.dp_size} needs --tp-size {args.dp_size} (each rank is one attention replica)"
     if model_type not in ("deepseek_v3", "deepseek_v2"):
         return f"--dp-size > 1 is not yet supported for model_type {model_type!r} (DeepSeek-V3 only)"
-    if args.role == "decode" and getattr(
-        args, "transfer_checksum", False
-    ):  # (a server option)  # pd.dp_handoff: rank 0 cannot read rank r's pool
+    # pd.dp_handoff: rank 0 cannot read rank r's pool to verify what landed (a server option)
+    if args.role == "decode" and getattr(args, "transfer_checksum", False):
         return "--dp-size > 1 is not yet supported with --transfer-checksum on a decode"
     if args.speculative_algorithm is not None:
         return "--dp-size > 1 is not yet supported with --speculative-algorithm"
