@@ -34,8 +34,8 @@ def dp_refusal(args, model_type: str) -> Optional[str]:
         return None
     if args.dp_size != args.tp_size:
         return f"--dp-size {args.dp_size} needs --tp-size {args.dp_size} (each rank is one attention replica)"
-    if model_type not in ("deepseek_v3", "deepseek_v2"):
-        return f"--dp-size > 1 is not yet supported for model_type {model_type!r} (DeepSeek-V3 only)"
+    if model_type not in ("deepseek_v3", "deepseek_v2", "deepseek_v4"):
+        return f"--dp-size > 1 is not supported for model_type {model_type!r} (DeepSeek-V3 and V4 only)"
     if args.role != "mono":
         return f"--dp-size > 1 is not yet supported with PD (--role {args.role})"
     if args.speculative_algorithm is not None:
@@ -101,8 +101,31 @@ def _wire_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.is_cuda or x.dtype == torch.float32 else torch.float32  # gloo: float32
 
 
-def moe_over_ranks(moe: DeepseekMoE, h: torch.Tensor, tokens: list[int], comm) -> torch.Tensor:
-    """The MoE over every rank's rows; this rank's rows of the output. `h`: its rows [T, D]."""
+def step_token_ids(header: torch.Tensor, payload: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Every rank's token ids of the step in rank order (the rows the MoE gathers): V4's hash-routed
+    layers pick experts by token id. Read from the step's message, which every rank holds."""
+    n = int(header[wire.REQS])
+    reqs = payload[n : 2 * n].tolist()
+    at, ids = 2 * n, []
+    for r in range(n):
+        if reqs[r] == 0:
+            continue
+        h = payload[at : at + wire.HEADER_LEN]
+        ids.append(payload[at + wire.HEADER_LEN : at + wire.HEADER_LEN + int(h[wire.TOKENS])])
+        at += wire.HEADER_LEN + wire.payload_len(h)
+    return torch.cat(ids).to(device)
+
+
+def routes_by_token(model) -> bool:
+    """Whether the model's MoE needs every gathered row's token id (V4: hash routing)."""
+    return hasattr(model, "forward_over_ranks")
+
+
+def moe_over_ranks(
+    moe, h: torch.Tensor, tokens: list[int], comm, token_ids: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """The MoE over every rank's rows; this rank's rows of the output. `h`: its rows [T, D];
+    `token_ids`: every rank's token ids in rank order, for a MoE that routes by them (V4's)."""
     me, group = comm.rank, comm._rank.compute
     width = max(tokens)
     pad = torch.zeros(width, h.shape[1], dtype=_wire_dtype(h), device=h.device)
@@ -110,16 +133,22 @@ def moe_over_ranks(moe: DeepseekMoE, h: torch.Tensor, tokens: list[int], comm) -
     parts = [torch.empty_like(pad) for _ in tokens]
     dist.all_gather(parts, pad, group=group)
     everyone = torch.cat([p[:n] for p, n in zip(parts, tokens)]).to(h.dtype)
-    out = moe(everyone)  # this rank's experts' share, summed over the ranks inside
+    # this rank's experts' share, summed over the ranks inside
+    out = moe(everyone) if token_ids is None else moe(everyone, token_ids)
     start = sum(tokens[:me])
     return out[start : start + tokens[me]]
 
 
 @torch.inference_mode()
-def dp_forward(model, fb: Optional[ForwardBatch], states: dict, tokens: list[int]) -> Optional[torch.Tensor]:
-    """One step of DeepSeek-V3 on this rank: fp32 logits of its requests [B_r, vocab], or None
-    when it has none (it still takes part in every layer's MoE)."""
+def dp_forward(
+    model, fb: Optional[ForwardBatch], states: dict, tokens: list[int], token_ids: Optional[torch.Tensor] = None
+) -> Optional[torch.Tensor]:
+    """One step on this rank: fp32 logits of its requests [B_r, vocab], or None when it has none
+    (it still takes part in every layer's MoE). DeepSeek-V4 runs its own layer order
+    (`forward_over_ranks`), its MoE over every rank's rows and token ids."""
     comm = model.tp
+    if routes_by_token(model):
+        return model.forward_over_ranks(fb, states, lambda moe, h: moe_over_ranks(moe, h, tokens, comm, token_ids))
     mine = tokens[comm.rank]
     hidden = model.cfg.hidden_size
     x = residual = None
@@ -163,7 +192,8 @@ def gather_logits(logits: Optional[torch.Tensor], reqs: list[int], vocab: int, c
 def serve_share(model, header: torch.Tensor, payload: torch.Tensor, states: dict) -> None:
     """A rank other than 0: its share of the step rank 0 sent."""
     fb, tokens, reqs = unpack_share(header, payload, model.tp.rank, model.device)
-    logits = dp_forward(model, fb, states, tokens)
+    ids = step_token_ids(header, payload, model.device) if routes_by_token(model) else None
+    logits = dp_forward(model, fb, states, tokens, ids)
     gather_logits(logits, reqs, model.cfg.vocab_size, model.tp, model.device)
 
 
@@ -185,7 +215,8 @@ class DPForward:
             dist.broadcast(header, 0, group=self.group.rank.control)
             dist.broadcast(payload, 0, group=self.group.rank.control)
             fb0, tokens, reqs = unpack_share(header, payload, 0, self.model.device)
-            logits = dp_forward(self.model, fb0, states, tokens)
+            ids = step_token_ids(header, payload, self.model.device) if routes_by_token(self.model) else None
+            logits = dp_forward(self.model, fb0, states, tokens, ids)
             parts = gather_logits(logits, reqs, self.model.cfg.vocab_size, self.model.tp, self.model.device)
             return merge_logits(parts, ranks)
 
