@@ -1,6 +1,6 @@
 """Data-parallel attention (`--dp-size N` with `--tp-size N`): one step on every rank.
 
-Each rank runs embeddings, norms, MLA attention, the dense MLPs and the LM head over its own
+Each rank runs embeddings, norms, attention, the dense MLPs and the LM head over its own
 requests' token rows only, against its own page pool (`dp_pages`). Before each MoE layer the
 ranks all-gather their rows (padded to the step's largest share; a rank with no rows sends only
 padding), run the MoE expert-parallel over every gathered token (each rank its experts and its
@@ -8,7 +8,9 @@ slice of the shared experts, the partial sums added by one all-reduce, as under 
 keeps its own rows of the sum. Every rank enters every collective of every layer whatever its
 share, so a step where one rank prefills and another idles cannot deadlock. The logits of each
 rank's requests come back to rank 0 (one gather), which samples as at one rank: the sampler's
-state (seeds, penalties, grammars) stays in one place.
+state (seeds, penalties, grammars) stays in one place. DeepSeek-V4 runs the same step through
+its own layers (`DeepseekV4.forward_over_ranks`: mHC, attention, compressors, indexer and its
+states per rank); its MoE also takes every gathered row's token id (hash routing).
 
 Rank 0 sends each step as one header and one int64 payload: every rank's token and request
 counts, then each non-empty share packed as `wire.pack` packs a batch.
