@@ -5,6 +5,7 @@ message (V4's hash-routed layers pick experts by them)."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors import safe_open
@@ -15,6 +16,7 @@ from dsv4_engine.models.forward_batch import ForwardBatch
 from dsv4_engine.parallel.dp_attention import pack_shares, step_token_ids, unpack_share
 from dsv4_engine.parallel.dp_batch import request_ranks, split_batch
 from dsv4_engine.parallel.plan import Shard, dp_plan_for, dp_v4_local_config, dp_v4_slicer
+from dsv4_engine.parallel.sharded import DPComm, ShardComm, rank_slicer
 
 
 def tensor_names(model_dir: Path) -> list[str]:
@@ -70,3 +72,14 @@ def test_shares_carry_their_slot_rows_and_every_rank_reads_all_token_ids():
     assert r1.page_size == 4
     ids = step_token_ids(header, payload, cpu)
     assert tokens == [1, 5, 0] and ids.tolist() == [20, 10, 11, 12, 30, 31]  # rank order, as the MoE gathers
+
+
+def test_weights_read_besides_the_model_follow_the_dp_plan(make_model):
+    """The MTP block's weights are cut by `rank_slicer`: under --dp-size its attention stays whole,
+    as the target's does (TP's plan would split v4-tiny's query heads over 2 ranks)."""
+    model_dir = make_model("v4-tiny")
+    wq_b = next(n for n in tensor_names(model_dir) if n.endswith("attn.wq_b.weight"))
+    rank = SimpleNamespace(shard=Shard(1, 2))
+    dp = rank_slicer(SimpleNamespace(tp=DPComm(rank, (2, 4), 4)), model_dir)
+    tp = rank_slicer(SimpleNamespace(tp=ShardComm(rank, (2, 4), 4)), model_dir)
+    assert dp(wq_b, ()) == (wq_b, ()) and tp(wq_b, ()) != (wq_b, ())
