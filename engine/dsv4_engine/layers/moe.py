@@ -200,18 +200,23 @@ class V4MoE:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate.clamp(max=lim)) * up.clamp(min=-lim, max=lim)
 
-    def __call__(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert alone: under --dp-size N each rank adds it to its own rows (it is
+        whole on every rank), not rank 0 to every rank's."""
+        return F.linear(self._swiglu(F.linear(x, self.shared[0])), self.shared[1])
+
+    def __call__(self, x: torch.Tensor, input_ids: torch.Tensor, with_shared: bool = True) -> torch.Tensor:
         wts, ids = self.router(x, input_ids)
         if self.tp is not None:  # one rank of --tp-size N: only its experts' share of the sum
             wts, ids = self.tp.local_experts(wts, ids)
-        shared = self.shared if self.tp is None or self.tp.rank == 0 else None
+        shared = self.shared if with_shared and (self.tp is None or self.tp.rank == 0) else None
         if is_quantized(self.w13) or self.kops is not None:
             if is_quantized(self.w13):  # fp8/fp4 experts: the grouped block-scaled kernels, no host reads
                 out = self.experts(x, self.w13, self.w2, wts, ids)
             else:
                 out = self.kops.v4_moe_experts(x, self.w13, self.w2, wts, ids, self.swiglu_limit)
             if shared is not None:
-                out = out + F.linear(self._swiglu(F.linear(x, shared[0])), shared[1])
+                out = out + self.shared_expert(x)
         else:  # pairs grouped by expert (ids < 0: another rank's), or the backend's one call
             out = self.ops.v4_moe_block(x, self.w13, self.w2, wts, ids, shared, self.swiglu_limit)
         return out if self.tp is None else self.tp.all_reduce(out)

@@ -123,11 +123,8 @@ def routes_by_token(model) -> bool:
     return hasattr(model, "forward_over_ranks")
 
 
-def moe_over_ranks(
-    moe, h: torch.Tensor, tokens: list[int], comm, token_ids: Optional[torch.Tensor] = None
-) -> torch.Tensor:
-    """The MoE over every rank's rows; this rank's rows of the output. `h`: its rows [T, D];
-    `token_ids`: every rank's token ids in rank order, for a MoE that routes by them (V4's)."""
+def moe_over_ranks(moe: DeepseekMoE, h: torch.Tensor, tokens: list[int], comm) -> torch.Tensor:
+    """The MoE over every rank's rows; this rank's rows of the output. `h`: its rows [T, D]."""
     me, group = comm.rank, comm._rank.compute
     width = max(tokens)
     pad = torch.zeros(width, h.shape[1], dtype=_wire_dtype(h), device=h.device)
@@ -135,8 +132,7 @@ def moe_over_ranks(
     parts = [torch.empty_like(pad) for _ in tokens]
     dist.all_gather(parts, pad, group=group)
     everyone = torch.cat([p[:n] for p, n in zip(parts, tokens)]).to(h.dtype)
-    # this rank's experts' share, summed over the ranks inside
-    out = moe(everyone) if token_ids is None else moe(everyone, token_ids)
+    out = moe(everyone)  # this rank's experts' share, summed over the ranks inside
     start = sum(tokens[:me])
     return out[start : start + tokens[me]]
 
@@ -150,7 +146,14 @@ def dp_forward(
     (`forward_over_ranks`), its MoE over every rank's rows and token ids."""
     comm = model.tp
     if routes_by_token(model):
-        return model.forward_over_ranks(fb, states, lambda moe, h: moe_over_ranks(moe, h, tokens, comm, token_ids))
+
+        def v4_moe(moe, h: torch.Tensor) -> torch.Tensor:
+            # routed experts over every rank's rows and token ids; the shared expert, whole on
+            # every rank, over this rank's rows only (rank 0 alone would do every rank's)
+            routed = moe_over_ranks(lambda x: moe(x, token_ids, with_shared=False), h, tokens, comm)
+            return routed + moe.shared_expert(h)
+
+        return model.forward_over_ranks(fb, states, v4_moe)
     mine = tokens[comm.rank]
     hidden = model.cfg.hidden_size
     x = residual = None
