@@ -9,7 +9,8 @@ Tensor / expert parallelism (dsv4_engine.parallel): each rank holds a block of t
 under local ids; the router stays replicated and speaks global ids, `tp.local_experts` maps them
 (another rank's choice becomes -1, which every expert implementation skips), and the ranks' partial
 sums are added by one all-reduce. V3's shared experts are split like a dense MLP (every rank adds
-its part); V4's are replicated and join the sum on rank 0 only."""
+its part); V4's are replicated and join the sum on rank 0 only (under --dp-size N each rank adds
+them to its own rows: `V4MoE.shared_expert`)."""
 
 from __future__ import annotations
 

@@ -11,12 +11,14 @@ import torch
 from safetensors import safe_open
 
 from dsv4_engine.checkpoint import PRESETS
+from dsv4_engine.models.deepseek_v4 import DeepseekV4
 from dsv4_engine.models.deepseek_v4_config import DeepseekV4Config
 from dsv4_engine.models.forward_batch import ForwardBatch
 from dsv4_engine.parallel.dp_attention import pack_shares, step_token_ids, unpack_share
 from dsv4_engine.parallel.dp_batch import request_ranks, split_batch
 from dsv4_engine.parallel.plan import Shard, dp_plan_for, dp_v4_local_config, dp_v4_slicer
 from dsv4_engine.parallel.sharded import DPComm, ShardComm, rank_slicer
+from dsv4_kernels.api import get_ops
 
 
 def tensor_names(model_dir: Path) -> list[str]:
@@ -83,3 +85,18 @@ def test_weights_read_besides_the_model_follow_the_dp_plan(make_model):
     dp = rank_slicer(SimpleNamespace(tp=DPComm(rank, (2, 4), 4)), model_dir)
     tp = rank_slicer(SimpleNamespace(tp=ShardComm(rank, (2, 4), 4)), model_dir)
     assert dp(wq_b, ()) == (wq_b, ()) and tp(wq_b, ()) != (wq_b, ())
+
+
+def test_the_routed_sum_and_the_shared_expert_add_up_to_v4s_moe(make_model):
+    """Under --dp-size each rank adds the shared expert to its own rows after the gathered routed
+    sum: the two parts are the whole MoE, hash-routed layer and learned-routing layer alike."""
+    model_dir = make_model("v4-tiny")
+    cfg = DeepseekV4Config.from_dir(model_dir)
+    model = DeepseekV4(cfg, DeepseekV4.load_weights(model_dir), get_ops("cpu"))
+    torch.manual_seed(0)
+    x, ids = torch.randn(6, cfg.hidden_size), torch.randint(3, cfg.vocab_size, (6,))
+    for layer in (model.layers[0], model.layers[-1]):
+        moe = layer.ffn
+        parts = moe(x, ids, with_shared=False) + moe.shared_expert(x)
+        assert torch.allclose(parts, moe(x, ids), atol=1e-5, rtol=1e-4)
+        assert not torch.allclose(moe(x, ids, with_shared=False), moe(x, ids), atol=1e-3)
