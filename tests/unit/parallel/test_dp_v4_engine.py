@@ -56,7 +56,13 @@ def test_v4_dp2_greedy_tokens_equal_tp1_with_an_idle_rank_and_an_abort(make_mode
     try:
         loads = e.loads()
         assert loads["dp_size"] == 2 and [r["kv_pages_total"] for r in loads["dp_ranks"]] == [12, 12]
-        got = bounded(lambda: staggered(e, watch=lambda s: held.append(held_pages(e))))
+        running: list[list[int]] = []
+
+        def watch(step):
+            held.append(held_pages(e))
+            running.append([r["running"] for r in e.loads()["dp_ranks"]])
+
+        got = bounded(lambda: staggered(e, watch=watch))
     finally:
         e.tp.close()
     assert got["tokens"] == ref["tokens"] and got["reasons"] == ref["reasons"]
@@ -66,6 +72,7 @@ def test_v4_dp2_greedy_tokens_equal_tp1_with_an_idle_rank_and_an_abort(make_mode
     peak_dp, peak_tp = max(max(h) for h in held), max(h[0] for h in ref_held)
     assert peak_dp <= 0.65 * peak_tp, (held, ref_held)
     assert held[0] in ([2, 0], [0, 2]), "the first request alone: one rank holds its pages, the other none"
+    assert max(map(min, running)) == 2, running  # later, two requests on each rank (/v1/loads)
     assert all(p.poll() == 0 for p in e.tp.procs), "the other rank stops cleanly when told"
     print(f"v4-tiny peak pages held by one rank: dp 2 {peak_dp}, tp (mirrored) {peak_tp}; per step {held}")
 
