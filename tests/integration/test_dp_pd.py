@@ -166,8 +166,8 @@ def test_pd_with_data_parallel_attention_on_either_side_equals_mono(cluster, sha
 
 def test_requests_migrated_into_and_out_of_a_dp_engine_go_on_as_the_undisturbed_ones(cluster):
     """The engine's half of migration: the router resends a request with the answer so far. A long
-    stream holds rank 0's pages meanwhile, so each continuation into the DP engine is placed on
-    rank 1 (the rank with the most free pages), where its KV is computed from the resent ids."""
+    stream holds one rank's pages meanwhile, so each continuation into the DP engine is placed on
+    the other rank (the one with the most free pages), where its KV is computed from the resent ids."""
     N = 40
     url = cluster["mono_dp"]
     rng = random.Random(3)
@@ -175,32 +175,35 @@ def test_requests_migrated_into_and_out_of_a_dp_engine_go_on_as_the_undisturbed_
     whole = {cut: complete(cluster["mono"], p, N) for cut, p in prompts.items()}
     stop = threading.Event()
 
-    def hold_rank_0():  # streams until told to stop, then drops the connection (an abort)
+    def hold_a_rank():  # streams until told to stop, then drops the connection (an abort)
         body = {"prompt": [7] * 30, "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=240) as r:
             for _ in r.iter_lines():
                 if stop.is_set():
                     return
 
-    holder = threading.Thread(target=hold_rank_0)
+    holder = threading.Thread(target=hold_a_rank)
     holder.start()
     try:
         deadline = time.monotonic() + 60
-        while not loads(url)["dp_ranks"][0]["running"]:
-            assert time.monotonic() < deadline and holder.is_alive(), "the long stream never ran on rank 0"
+        held = []
+        while not held:
+            held = [r["rank"] for r in loads(url)["dp_ranks"] if r["running"]]
+            assert time.monotonic() < deadline and holder.is_alive(), "the long stream never ran"
             time.sleep(0.01)
+        other = 1 - held[0]
         for cut in prompts:  # a tp-1 engine answered `cut` tokens, then failed
             got: list[int] = []
             resend = threading.Thread(
                 target=lambda: got.extend(complete(url, prompts[cut], N, AUTH, continuation_token_ids=whole[cut][:cut]))
             )
             resend.start()
-            on_rank_1 = False
+            seen_there = False
             while resend.is_alive():
-                on_rank_1 |= loads(url)["dp_ranks"][1]["running"] > 0
+                seen_there |= loads(url)["dp_ranks"][other]["running"] > 0
                 time.sleep(0.01)
-            assert holder.is_alive(), "the long stream ended early: rank 0 was free"
-            assert on_rank_1, "the continuation was not seen on rank 1"
+            assert holder.is_alive(), "the long stream ended early: its rank was free"
+            assert seen_there, f"the continuation was not seen on rank {other}"
             assert whole[cut][:cut] + got == whole[cut], cut
     finally:
         stop.set()
@@ -211,3 +214,47 @@ def test_requests_migrated_into_and_out_of_a_dp_engine_go_on_as_the_undisturbed_
         out = complete(cluster["mono"], prompts[cut], N, AUTH, continuation_token_ids=dp_whole[:cut])
         assert dp_whole[:cut] + out == whole[cut], cut
     wait_idle(url)
+
+
+def test_v4_pd_from_a_dp_prefill_into_a_dp_decode_equals_mono(make_model, tmp_path):
+    """DeepSeek-V4 keeps a slot row per request (window ring, compressor stages) besides pages:
+    the DP prefill's rank that ran the request writes both from its pool, into the pool of the
+    rank the DP decode placed it on (the row id is the same on every rank)."""
+    model = make_model("v4-tiny")
+    common = ["serve", "--model", model, "--kv-pages", 64, "--page-size", 16, "--served-model-name", "m"]
+    common += ["--device", "cpu"]
+    m, p, b, d, r = (free_port() for _ in range(5))
+    url = {x: f"http://127.0.0.1:{port}" for x, port in (("mono", m), ("p", p), ("d", d), ("r", r))}
+    procs = [
+        Proc([*common, "--port", m], tmp_path / "mono.log"),
+        Proc([*common, "--role", "prefill", "--port", p, "--bootstrap-port", b, *DP], tmp_path / "p.log"),
+        Proc([*common, "--role", "decode", "--port", d, *DP], tmp_path / "d.log"),
+    ]
+    try:
+        for name, proc in zip(("mono", "p", "d"), procs):
+            proc.wait_ready(url[name], timeout=300)
+        procs.append(Proc(["router", "--prefill", url["p"], "--decode", url["d"], "--port", r], tmp_path / "r.log"))
+        procs[-1].wait_ready(url["r"], timeout=60)
+        rng = random.Random(7)
+        prompts = [[rng.randrange(2, 500) for _ in range(n)] for n in (41, 5, 23)]  # past windows, several pages
+        results: dict[int, list[int]] = {}
+
+        def one(i):
+            time.sleep(0.05 * i)  # staggered: the first holds a decode rank's pages, later ones go to the other
+            results[i] = complete(url["r"], prompts[i], 16)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        for i, prompt in enumerate(prompts):
+            assert results[i] == complete(url["mono"], prompt, 16), i
+        landed = bytes_by_rank(url["d"])
+        assert set(landed) == {"0", "1"} and landed == bytes_by_rank(url["p"]), landed
+        wait_idle(url["p"], url["d"])
+        for u in (url["p"], url["d"]):
+            ld = loads(u)
+            assert ld["kv_slots_free"] == ld["kv_slots_total"], ld  # every slot row back too
+    finally:
+        stop_all(procs)
