@@ -262,6 +262,12 @@ def _serve(**given) -> None:
 app.command("serve")(command(serve_options(*SERVE_SCOPES), _serve))
 
 
+def _serve_params(argv: list[str]) -> dict:
+    """`dsv4 serve` arguments parsed as that command parses them (nothing run): for checks made
+    before `dsv4 up` starts its engines."""
+    return typer.main.get_command(app).commands["serve"].make_context("serve", argv, resilient_parsing=True).params
+
+
 def _router(**given) -> None:
     """Run the PD router: OpenAI API front, pairs prefill + decode per request."""
     values = field_values(router_options(*ROUTER_SCOPES), given)
@@ -419,7 +425,7 @@ def up(
             probe_request_timeout,
         )
         return
-    from dsv4_cli.up_parallel import dp_up_refusal, engine_roles, parallel_flags, parallel_sizes
+    from dsv4_cli.up_parallel import dp_up_refusal, engine_roles, parallel_flags, parallel_sizes, serve_argv
 
     try:
         tp_size, dp_size = parallel_sizes(tp_size, dp_size)
@@ -438,9 +444,8 @@ def up(
             if refusal:
                 _fail(f"{model}: {refusal}")
     if dp_size > 1:  # what the engines would refuse at start is refused here, once, not in a restart loop
-        refusal = dp_up_refusal(
-            model if model is not None else _default_model(), engine_roles(mono), engine_arg, tp_size, dp_size
-        )
+        argv = serve_argv(model if model is not None else _default_model(), engine_arg, tp_size, dp_size)
+        refusal = dp_up_refusal(engine_roles(mono), _serve_params(argv))
         if refusal:
             _fail(refusal)
     engine_arg = [*engine_arg, *parallel_flags(tp_size, dp_size)]

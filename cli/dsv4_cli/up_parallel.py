@@ -11,7 +11,7 @@ role, where each role's pods are sized on their own). A flag combination the eng
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from dsv4_wire import EngineFlags
 
@@ -39,22 +39,21 @@ def engine_roles(mono: bool) -> list[str]:
     return ["mono"] if mono else ["prefill", "decode"]
 
 
-def dp_up_refusal(model: Path, roles: Sequence[str], engine_args: Sequence[str], tp: int, dp: int) -> Optional[str]:
-    """The engine's own refusal of `--dp-size dp` for the first role that has one, with the extra
-    engine arguments parsed as `dsv4 serve` parses them; None when every role can start."""
-    if dp <= 1:
-        return None
-    import typer
+def serve_argv(model: Path, engine_args: Sequence[str], tp: int, dp: int) -> list[str]:
+    """The `dsv4 serve` arguments every engine of `dsv4 up` shares (the role aside)."""
+    return [EngineFlags.MODEL, str(model), *engine_args, *parallel_flags(tp, dp)]
 
-    from dsv4_cli.main import app
+
+def dp_up_refusal(roles: Sequence[str], given: Mapping[str, Any]) -> Optional[str]:
+    """The engine's own refusal of its --dp-size for the first role that has one; `given`: those
+    arguments parsed as `dsv4 serve` parses them. None when every role can start."""
+    if (given.get("dp_size") or 1) <= 1:
+        return None
     from dsv4_cli.options import field_values
     from dsv4_engine.engine import dp_refusal_for
     from dsv4_engine.engine_args import EngineArgs
     from dsv4_wire.serve_options import options as serve_options
 
-    serve = typer.main.get_command(app).commands["serve"]
-    argv = [EngineFlags.MODEL, str(model), *engine_args, *parallel_flags(tp, dp)]
-    given = serve.make_context("serve", argv, resilient_parsing=True).params
     values = field_values(serve_options("engine"), given)
     for role in roles:
         line = dp_refusal_for(EngineArgs(**{**values, "role": role}))

@@ -8,7 +8,12 @@ import sys
 
 import pytest
 
-from dsv4_cli.up_parallel import dp_up_refusal, parallel_flags, parallel_sizes
+from dsv4_cli.main import _serve_params
+from dsv4_cli.up_parallel import dp_up_refusal as _refusal, parallel_flags, parallel_sizes, serve_argv
+
+
+def dp_up_refusal(model, roles, engine_args, tp, dp):
+    return _refusal(roles, _serve_params(serve_argv(model, engine_args, tp, dp)))
 
 
 def test_dp_size_implies_its_tp_size_and_a_different_one_is_refused():
