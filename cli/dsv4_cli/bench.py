@@ -108,6 +108,11 @@ SUITES = {
         "block split vs one redundant expert per rank (planned for 2/4/8 ranks, measured at --tp-size 2), greedy "
         "output unchanged, a live rebalance mid-run (eplb/eplb.json + .png).",
     ),
+    "dp_attention": (
+        "dp_attention_bench",
+        "TP vs DP attention at fixed memory per rank: KV tokens and requests the pools hold (the engine's own "
+        "/v1/loads) and tokens/s at a batch that fills them, with dp/tp ratios (dp_attention/dp_attention.json + .png).",
+    ),
     "planner-bound": (
         "planner_bound",
         "What stands between the planner and its cost goal: the planner handed the exact burst-free load, "
