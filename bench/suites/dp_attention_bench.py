@@ -14,7 +14,8 @@ KV budget (`--kv-memory-gb`) and the capacity is what the engine itself reports 
 `kv_pages_total`, `kv_sizing`, `dp_ranks`): KV tokens, and requests of prompt + new tokens held
 at once (whole pages, each request on one rank). Throughput: each layout at the batch that fills
 its own pools, `--new-tokens` greedy tokens a request, tokens per second of wall time from submit
-to the last token, best of `--runs`. On CPU the N ranks share the machine's cores and the MoE's
+to the last token, best of `--runs` (DP's rounds alternate its full batch and TP's batch).
+On CPU the N ranks share the machine's cores and the MoE's
 gather per layer is gloo's: the throughput ratio says what the bigger batch buys here, not a GPU's.
 """
 
@@ -83,56 +84,71 @@ def capacity(loads: dict, request_tokens: int) -> dict:
     }
 
 
-def generate(engine, batch: int, prompt_len: int, new_tokens: int, runs: int) -> dict:
-    """Best tokens/s over `runs` of `batch` requests submitted at once; preemptions seen."""
+def generate_once(engine, batch: int, prompt_len: int, new_tokens: int, tag: str) -> tuple[float, int]:
+    """(tokens/s, preemptions) of `batch` requests submitted at once, to the last token."""
     from dsv4_engine.sampling_params import SamplingParams
     from dsv4_engine.sequence import Sequence
 
-    rng = random.Random(0)
-    best: Optional[float] = None
-    preemptions = 0
-    for run in range(runs):
-        done: set[str] = set()
-        seqs = []
-        t0 = time.perf_counter()
-        for i in range(batch):
-            prompt = [rng.randrange(3, engine.cfg.vocab_size) for _ in range(prompt_len)]
-            params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-            seqs.append(Sequence(f"r{run}-{i}", prompt, params, sink=lambda o: o.finished and done.add(o.rid)))
-            engine.submit(seqs[-1])
-        while len(done) < batch:
-            engine.step()
-        tok_s = batch * new_tokens / (time.perf_counter() - t0)
-        best = tok_s if best is None else max(best, tok_s)
-        preemptions += sum(s.num_preemptions for s in seqs)
-    return {"batch": batch, "best_tok_s": round(best or 0.0, 1), "preemptions": preemptions}
+    rng = random.Random(0)  # the same prompts on every side and every round
+    done: set[str] = set()
+    seqs = []
+    t0 = time.perf_counter()
+    for i in range(batch):
+        prompt = [rng.randrange(3, engine.cfg.vocab_size) for _ in range(prompt_len)]
+        params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+        seqs.append(Sequence(f"{tag}-{i}", prompt, params, sink=lambda o: o.finished and done.add(o.rid)))
+        engine.submit(seqs[-1])
+    while len(done) < batch:
+        engine.step()
+    return batch * new_tokens / (time.perf_counter() - t0), sum(s.num_preemptions for s in seqs)
 
 
-def run_layout(model: Path, size: int, dp: int, rank_memory: int, a, also_at: Optional[int] = None) -> dict:
-    """One layout: its capacity, its throughput at the batch that fills it, and (`also_at`) at
-    another batch (TP's), which separates the layout's cost per step from what capacity buys."""
-    weights = rank_weight_bytes(model, size, dp > 1)
-    kv_bytes = rank_memory - weights
+def compare(model: Path, size: int, rank_memory: int, a) -> dict[str, dict]:
+    """TP, then DP (one process holds one group at a time): each engine's capacity from its own
+    report, then `--runs` rounds of its sides, best of them; DP's rounds alternate its full
+    batch and TP's batch, so that the machine's load drifts over both alike."""
+    rows: dict[str, dict] = {}
     request_tokens = a.prompt + a.new_tokens
-    engine = engine_for(model, size, dp, kv_bytes, a.max_batch)  # V3's KV is all paged: slot rows cost no KV
-    try:
-        cap = capacity(engine.loads(), request_tokens)
-        batch = min(cap["requests_held"], a.max_batch)
-        gen = generate(engine, batch, a.prompt, a.new_tokens, a.runs)
-        if also_at is not None:
-            gen["at_tp_batch"] = generate(engine, min(also_at, batch), a.prompt, a.new_tokens, a.runs)
-    finally:
-        if engine.tp is not None:
-            engine.tp.close()
-    return {
-        "layout": "dp" if dp > 1 else "tp",
-        "ranks": size,
-        "rank_memory_mib": report.mib(rank_memory),
-        "rank_weight_mib": report.mib(weights),
-        "rank_kv_budget_mib": report.mib(kv_bytes),
-        **cap,
-        **gen,
-    }
+    for layout, dp in (("tp", 1), ("dp", size)):
+        weights = rank_weight_bytes(model, size, dp > 1)
+        kv_bytes = rank_memory - weights
+        engine = engine_for(model, size, dp, kv_bytes, a.max_batch)  # V3's KV is all paged: no slot rows
+        try:
+            cap = capacity(engine.loads(), request_tokens)
+            batch = min(cap["requests_held"], a.max_batch)
+            sides = {layout: batch}
+            if layout == "dp":
+                sides["at_tp_batch"] = min(rows["tp"]["batch"], batch)
+            seen: dict[str, list[float]] = {k: [] for k in sides}
+            preempted = dict.fromkeys(sides, 0)
+            for run in range(a.runs):
+                for name, n in sides.items():
+                    tok_s, pre = generate_once(engine, n, a.prompt, a.new_tokens, f"{name}{run}")
+                    seen[name].append(round(tok_s, 1))
+                    preempted[name] += pre
+        finally:
+            if engine.tp is not None:
+                engine.tp.close()
+        rows[layout] = {
+            "layout": layout,
+            "ranks": size,
+            "rank_memory_mib": report.mib(rank_memory),
+            "rank_weight_mib": report.mib(weights),
+            "rank_kv_budget_mib": report.mib(kv_bytes),
+            **cap,
+            "batch": batch,
+            "best_tok_s": max(seen[layout]),
+            "runs_tok_s": seen[layout],
+            "preemptions": preempted[layout],
+        }
+        if "at_tp_batch" in sides:
+            rows[layout]["at_tp_batch"] = {
+                "batch": sides["at_tp_batch"],
+                "best_tok_s": max(seen["at_tp_batch"]),
+                "runs_tok_s": seen["at_tp_batch"],
+                "preemptions": preempted["at_tp_batch"],
+            }
+    return rows
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -155,17 +171,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     for preset in a.presets.split(","):
         model = ensure_model(None, preset, 0)
         rank_memory = int(rank_weight_bytes(model, a.size, False) / a.weights_share)
-        pair = {}
-        for dp in (1, a.size):
-            tp_batch = pair["tp"]["batch"] if "tp" in pair else None
-            row = {"preset": preset, **run_layout(model, a.size, dp, rank_memory, a, also_at=tp_batch)}
-            rows.append(row)
-            pair[row["layout"]] = row
+        pair = compare(model, a.size, rank_memory, a)
+        for row in pair.values():
+            rows.append({"preset": preset, **row})
             print(
                 f"{preset:8s} {row['layout']} {a.size}: rank {row['rank_memory_mib']} MiB = weights "
                 f"{row['rank_weight_mib']} + KV {row['rank_kv_budget_mib']}; holds {row['kv_tokens']} KV tokens, "
                 f"{row['requests_held']} requests; batch {row['batch']}: {row['best_tok_s']} tok/s "
-                f"({row['preemptions']} preemptions)",
+                f"(runs {row['runs_tok_s']}, {row['preemptions']} preemptions)",
                 flush=True,
             )
         ratios[preset] = {
