@@ -49,6 +49,7 @@ def test_the_engines_own_refusal_is_given_per_role_with_the_extra_engine_args(ma
         assert up_line == (None if engine_line is None else f"{roles[0]} engines: {engine_line}")
 
 
+@pytest.mark.slow  # a CLI process (~1 s); the rule itself is the default run's test above
 def test_dsv4_up_refuses_a_dp_layout_in_one_line_before_starting_anything(tiny_model):
     r = subprocess.run(
         [sys.executable, "-m", "dsv4_cli", "up", "--model", str(tiny_model), "--mono", "--dp-size", "2"]
