@@ -21,11 +21,12 @@ def engine_ranks(r: RoleSpec) -> int:
     return max(1, r.gpus_per_pod) * r.nodes_per_replica
 
 
-def layout_flags(kind: str, r: RoleSpec) -> list[str]:
-    """The engine flags of dpAttention and redundantExperts (after --tp-size, which manifests writes)."""
+def layout_flags(kind: str, r: RoleSpec, tp: int) -> list[str]:
+    """The engine flags of dpAttention and redundantExperts, beside the `--tp-size tp` the
+    manifests write (--dp-size is always that same size)."""
     out: list[str] = []
-    if r.dp_attention:
-        dp = [EngineFlags.DP_SIZE, str(engine_ranks(r))]
+    if r.dp_attention and tp > 1:  # below 2 ranks it is refused (layout_reasons), not rendered
+        dp = [EngineFlags.DP_SIZE, str(tp)]
         out += dp if kind == "builtin" else [SGLANG_DP_ATTENTION, *dp]
     if r.redundant_experts and kind == "builtin":
         out += [EngineFlags.EP_REDUNDANT_EXPERTS, str(r.redundant_experts)]

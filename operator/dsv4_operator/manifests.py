@@ -281,7 +281,7 @@ def engine_command(spec: DSV4DeploymentSpec, role: str, node: Optional[tuple[str
             cmd += [F.DTYPE, "bfloat16"]
         if tp > 1:  # one engine spans every GPU of its pod (of its group's pods)
             cmd += [F.TP_SIZE, str(tp)]
-        cmd += layout_flags(e.kind, r)  # dpAttention, redundantExperts
+        cmd += layout_flags(e.kind, r, tp)  # dpAttention, redundantExperts
         if e.kv_memory_fraction is not None:
             cmd += [F.KV_MEMORY_FRACTION, f"{e.kv_memory_fraction:g}"]
         if e.cuda_graph_max_bs is not None:
@@ -310,7 +310,7 @@ def engine_command(spec: DSV4DeploymentSpec, role: str, node: Optional[tuple[str
             cmd += ["--disaggregation-bootstrap-port", str(t.bootstrap_port)]
         if tp > 1:
             cmd += ["--tp-size", str(tp)]
-        cmd += layout_flags(e.kind, r)
+        cmd += layout_flags(e.kind, r, tp)
         cmd += group  # SGLang's own flags of the same names
     # User arguments last: for repeated flags the last one wins.
     return cmd + list(e.args) + list(r.args)

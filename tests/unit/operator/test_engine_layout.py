@@ -87,7 +87,9 @@ def test_engine_ranks_follow_the_tp_size_the_manifests_write():
         s = spec(decode={"gpusPerPod": gpus, "nodesPerReplica": nodes})
         cmd = M.engine_command(s, "decode", node=("0", "leader") if nodes > 1 else None)
         assert engine_ranks(s.decode) == ranks == int(flag(cmd, "--tp-size") or 1)
-    assert layout_flags("builtin", spec().decode) == []
+    assert layout_flags("builtin", spec().decode, 4) == []
+    one_gpu = spec(decode={"dpAttention": True, "gpusPerPod": 1})  # reported (above), never rendered half-way
+    assert layout_flags("builtin", one_gpu.decode, 1) == [] and "--dp-size" not in M.engine_command(one_gpu, "decode")
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
