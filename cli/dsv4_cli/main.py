@@ -445,6 +445,7 @@ def up(
                 _fail(f"{model}: {refusal}")
     if dp_size > 1:  # what the engines would refuse at start is refused here, once, not in a restart loop
         argv = serve_argv(model if model is not None else _default_model(), engine_arg, tp_size, dp_size)
+        argv += [EngineFlags.NNODES, str(nnodes)] if nnodes > 1 else []
         refusal = dp_up_refusal(engine_roles(mono), _serve_params(argv))
         if refusal:
             _fail(refusal)
