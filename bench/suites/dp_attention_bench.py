@@ -67,7 +67,7 @@ def engine_for(model: Path, size: int, dp: int, kv_bytes: int, max_seqs: int):
             max_num_batched_tokens=4096,
             tp_size=size,
             dp_size=dp,
-            enable_prefix_cache=False,  # off at --dp-size > 1 (not yet): the same footing for both
+            enable_prefix_cache=False,  # random prompts share nothing: every page is a request's own
         )
     )
 
