@@ -3,6 +3,7 @@ that `dsv4 --help` stays fast and a command only pays for what it uses."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -265,7 +266,12 @@ app.command("serve")(command(serve_options(*SERVE_SCOPES), _serve))
 def _serve_params(argv: list[str]) -> dict:
     """`dsv4 serve` arguments parsed as that command parses them (nothing run): for checks made
     before `dsv4 up` starts its engines."""
-    return typer.main.get_command(app).commands["serve"].make_context("serve", argv, resilient_parsing=True).params
+    return _serve_command().make_context("serve", argv, resilient_parsing=True).params
+
+
+@functools.lru_cache(maxsize=1)
+def _serve_command():
+    return typer.main.get_command(app).commands["serve"]
 
 
 def _router(**given) -> None:
