@@ -50,8 +50,6 @@ def dp_refusal(args, model_type: str) -> Optional[str]:
         return (
             "--dp-size > 1 is not yet supported with --ep-redundant-experts / --ep-loads-file (EPLB places TP's blocks)"
         )
-    if args.kv_cache_dtype not in (None, "auto"):
-        return f"--dp-size > 1 is not yet supported with --kv-cache-dtype {args.kv_cache_dtype}"
     return None
 
 
