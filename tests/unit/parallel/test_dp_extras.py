@@ -5,12 +5,16 @@ arrivals and the abort of test_dp_engine (one rank idles in the first steps)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_dp_engine import bounded, one_thread, staggered  # noqa: F401 (fixture)
 
 from dsv4_engine.engine import Engine
 from dsv4_engine.engine_args import EngineArgs
+from dsv4_engine.parallel import eplb
+from dsv4_engine.parallel.eplb_apply import rebalance
 
 
 def engine(model_dir, tp: int, dp: int = 1, kv_pages: int = 10, **kw) -> Engine:
@@ -45,3 +49,36 @@ def test_dp2_with_fp8_kv_equals_tp1_with_fp8_kv(make_model):
     ref = staggered(ref_engine)
     got = run_dp(model, kv_cache_dtype="fp8_e4m3")
     assert got["tokens"] == ref["tokens"] and got["reasons"] == ref["reasons"]
+
+
+@pytest.mark.slow
+def test_dp2_with_eplb_places_replicas_from_recorded_loads_and_keeps_the_output(make_model, tmp_path):
+    """moe32 (32 routed experts, learned routing): loads recorded by a `--tp-size 1` run place one
+    redundant expert per rank; the output is unchanged, by that placement and by a rebalance from
+    the live loads mid-run; every token is counted once (each rank routes the gathered tokens)."""
+    model = make_model("moe32")
+    ref_engine = engine(model, 1, kv_pages=20)
+    ref = staggered(ref_engine)
+    recorded = ref_engine.runner.eplb.table()
+    loads_file = tmp_path / "loads.json"
+    loads_file.write_text(json.dumps(recorded))
+    e = engine(model, 2, 2, ep_redundant_experts=2, ep_loads_file=str(loads_file))
+    placer = e.runner.eplb
+    reports = [eplb.report(placer.planned_from, placer.placement)]
+
+    def watch(step):
+        if step == 6:  # between two steps, as POST /admin/eplb/rebalance does
+            reports.append(rebalance(placer, e.tp)["report"])
+
+    try:
+        got = bounded(lambda: staggered(e, watch=watch))
+        counted = placer.table()
+    finally:
+        e.tp.close()
+    assert got["tokens"] == ref["tokens"] and got["reasons"] == ref["reasons"]
+    assert placer.placement.ranks == 2 and placer.placement.redundant == 2
+    for i, row in recorded["layers"].items():
+        assert counted["layers"][i]["experts"] == row["experts"], f"layer {i}: each token counted once"
+    for rep in reports:
+        assert rep["worst"]["eplb"] <= 1.10 < rep["worst"]["block"], rep
+    print("max/mean load per rank (worst layer): " + "; ".join(f"block {r['worst']['block']}, eplb {r['worst']['eplb']}" for r in reports))

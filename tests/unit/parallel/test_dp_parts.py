@@ -123,7 +123,6 @@ def args(**kw) -> EngineArgs:
         ({"cuda_graph_max_bs": 8}, "deepseek_v3", "CUDA graphs"),
         ({"host_cache_gb": 1.0}, "deepseek_v3", "--host-cache-gb"),
         ({"disk_cache_dir": "/tmp/kv"}, "deepseek_v3", "--disk-cache-dir"),
-        ({"ep_redundant_experts": 2}, "deepseek_v3", "--ep-redundant-experts"),
     ],
 )
 def test_what_dp_attention_does_not_do_yet_is_refused_by_name(kw, model_type, flag):
