@@ -81,4 +81,7 @@ def test_dp2_with_eplb_places_replicas_from_recorded_loads_and_keeps_the_output(
         assert counted["layers"][i]["experts"] == row["experts"], f"layer {i}: each token counted once"
     for rep in reports:
         assert rep["worst"]["eplb"] <= 1.10 < rep["worst"]["block"], rep
-    print("max/mean load per rank (worst layer): " + "; ".join(f"block {r['worst']['block']}, eplb {r['worst']['eplb']}" for r in reports))
+    print(
+        "max/mean load per rank (worst layer): "
+        + "; ".join(f"block {r['worst']['block']}, eplb {r['worst']['eplb']}" for r in reports)
+    )
