@@ -331,6 +331,10 @@ class Engine:
             self.tp.announce_pool(num_pages, page_size, args.max_num_seqs, num_snapshots)
             self.pool.allocator = DPPageAllocator(args.dp_size, num_pages)
             self.runner.model = DPForward(self.runner.model, self.tp, num_pages, page_size)
+            if self.spec is not None:  # its target and MTP forwards run data-parallel too
+                from dsv4_engine.parallel.dp_spec import dp_speculator
+
+                dp_speculator(self.spec, self.tp, num_pages, page_size)
             self.tp.on_failure.append(lambda reason: self.abort(reason=reason, all_=True))
             self.runner.group = self.tp
         elif self.tp is not None:  # the other ranks mirror the pool; each step reaches them first

@@ -38,8 +38,8 @@ def dp_refusal(args, model_type: str) -> Optional[str]:
         return f"--dp-size > 1 is not yet supported for model_type {model_type!r} (DeepSeek-V3 only)"
     if args.role != "mono":
         return f"--dp-size > 1 is not yet supported with PD (--role {args.role})"
-    if args.speculative_algorithm is not None:
-        return "--dp-size > 1 is not yet supported with --speculative-algorithm"
+    if args.speculative_algorithm is not None and model_type == "deepseek_v4":
+        return "--dp-size > 1 with --speculative-algorithm runs DeepSeek-V3's MTP only (not yet V4's)"
     if args.cuda_graph_max_bs:
         return "--dp-size > 1 is not yet supported with CUDA graphs (pass --cuda-graph-max-bs 0)"
     if args.nnodes > 1:

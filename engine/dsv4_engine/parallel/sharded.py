@@ -67,7 +67,8 @@ def rank_slicer(model, model_dir: str | Path) -> Optional[Slicer]:
     from dsv4_engine.models import entry_for_dir
 
     entry = entry_for_dir(model_dir)  # the plan splits the checkpoint's full config, not the rank's
-    return plan_for(entry.model_type).slicer(entry.config_class().from_dir(model_dir), Shard(tp.rank, tp.size))
+    plan = dp_plan_for if getattr(tp, "replicated_attention", False) else plan_for  # --dp-size N
+    return plan(entry.model_type).slicer(entry.config_class().from_dir(model_dir), Shard(tp.rank, tp.size))
 
 
 def model_tensors(model) -> list[torch.Tensor]:

@@ -168,6 +168,12 @@ def serve_rank(spec: dict) -> None:
             from dsv4_engine.parallel.dp_attention import serve_share
 
             serve_share(runner.model, header, payload, pool.all_states)
+        elif op in (wire.OP_DP_SPEC_TARGET, wire.OP_DP_SPEC_MTP):
+            from dsv4_engine.parallel.dp_spec import serve_spec_share
+
+            if speculator is None:
+                raise RuntimeError("rank 0 sent a speculative step, but this rank runs without speculation")
+            serve_spec_share(op, speculator, header, payload, pool.all_states, rank)
         elif op in SPEC_OPS:
             if spec_rank is None:
                 raise RuntimeError("rank 0 sent a speculative step, but this rank runs without speculation")

@@ -10,10 +10,12 @@ import json
 import pytest
 import torch
 from test_dp_engine import bounded, one_thread, staggered  # noqa: F401 (fixture)
+from test_tp_spec_decode import ABORT, drive, mtp_models, requests  # noqa: F401 (fixture)
 
 from dsv4_engine.engine import Engine
 from dsv4_engine.engine_args import EngineArgs
 from dsv4_engine.parallel import eplb
+from dsv4_engine.parallel.dp_spec import rank_major_rows
 from dsv4_engine.parallel.eplb_apply import rebalance
 
 
@@ -29,6 +31,25 @@ def engine(model_dir, tp: int, dp: int = 1, kv_pages: int = 10, **kw) -> Engine:
             tp_size=tp,
             dp_size=dp,
             enable_prefix_cache=False,
+            **kw,
+        )
+    )
+
+
+def spec_engine(model_dir, tp: int, spec: bool) -> Engine:
+    """As test_tp_spec_decode's engines, at --dp-size tp."""
+    kw = dict(speculative_algorithm="mtp", speculative_num_steps=3) if spec else {}
+    return Engine(
+        EngineArgs(
+            model=str(model_dir),
+            device="cpu",
+            kernel_backend="cpu",
+            kv_pages=24,
+            page_size=8,
+            max_num_batched_tokens=24,
+            enable_prefix_cache=False,
+            tp_size=tp,
+            dp_size=tp,
             **kw,
         )
     )
@@ -85,3 +106,35 @@ def test_dp2_with_eplb_places_replicas_from_recorded_loads_and_keeps_the_output(
         "max/mean load per rank (worst layer): "
         + "; ".join(f"block {r['worst']['block']}, eplb {r['worst']['eplb']}" for r in reports)
     )
+
+
+@pytest.mark.slow
+def test_dp2_speculation_equals_tp1_plain_decoding_and_drafts_as_one_rank(mtp_models):
+    """MTP under DP: rank 0 verifies, both ranks run the target and the MTP block over their own
+    requests (each rank's MTP KV in its own pool), the MoE over both. Drafts steered right, wrong
+    or half right, an abort mid-way (test_tp_spec_decode.drive); the drafter's own drafts equal a
+    one-rank speculating engine's."""
+    torch.manual_seed(0)
+    model = mtp_models("tiny")
+    reqs = requests(1)
+    plain, _ = drive(spec_engine(model, 1, False), reqs)
+    ref, ref_drafts = drive(spec_engine(model, 1, True), reqs, plain)
+    e = spec_engine(model, 2, True)
+    try:
+        got, got_drafts = bounded(lambda: drive(e, reqs, plain))
+        assert e.tp.failed is None
+        t = e.metrics.totals
+        assert 0 < t["spec_decode_num_accepted_tokens"] < t["spec_decode_num_draft_tokens"]
+        assert e.pool.allocator.held_per_rank() == [0, 0]  # every page back, on both ranks
+    finally:
+        e.tp.close()
+    toks, reason = got.pop(ABORT[0])
+    assert reason == "abort" and 0 < len(toks) < len(plain[ABORT[0]][0]) and toks == plain[ABORT[0]][0][: len(toks)]
+    assert got == {rid: (v[0], "length") for rid, v in plain.items() if rid != ABORT[0]}
+    assert got_drafts == ref_drafts and len(got_drafts) > 10
+    assert ref.pop(ABORT[0])[0] == toks and ref == got
+
+
+def test_rank_major_rows_order_the_rows_as_the_shares_concatenate():
+    # r0 (3 rows) on rank 1, r1 (1) on rank 0, r2 (2) on rank 1; rank 2 has none
+    assert rank_major_rows([3, 1, 2], [1, 0, 1], 3).tolist() == [3, 0, 1, 2, 4, 5]
