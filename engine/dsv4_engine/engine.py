@@ -227,6 +227,8 @@ class Engine:
         self.args = args
         self.tp = None  # rank 0's handle on the other ranks when tp_size > 1
         graph_max_bs = resolve_graph_max_bs(args.cuda_graph_max_bs, args.max_num_seqs)
+        if args.dp_size > 1 and args.speculative_algorithm is not None:
+            graph_max_bs = 0  # not yet: the speculator's captured steps under --dp-size (dp_refusal)
         if args.tp_size > 1:
             from dsv4_engine.parallel.group import TPGroup, rank_device
             from dsv4_engine.parallel.layout import NodeLayout
@@ -336,7 +338,11 @@ class Engine:
 
                 dp_speculator(self.spec, self.tp, num_pages, page_size)
             self.tp.on_failure.append(lambda reason: self.abort(reason=reason, all_=True))
-            self.runner.group = self.tp
+            if self.runner.cuda_graph_max_bs:  # each rank captures its own steps (parallel.dp_graphs)
+                from dsv4_engine.parallel.dp_graphs import RankZeroDPGraphs, dp_decode_graphs
+
+                graphs = dp_decode_graphs(self.runner, self.pool)
+                self.runner.graphs = RankZeroDPGraphs(graphs, self.tp, num_pages)
         elif self.tp is not None:  # the other ranks mirror the pool; each step reaches them first
             from dsv4_engine.parallel.group import BroadcastForward
 

@@ -37,6 +37,9 @@ OP_DP_FORWARD = 15
 # forward / one MTP forward, every rank's share in one payload as OP_DP_FORWARD's (the MTP's input
 # hidden states follow, rank-major); each rank's output rows are gathered back to rank 0.
 OP_DP_SPEC_TARGET, OP_DP_SPEC_MTP = 21, 22
+# OP_DP_GRAPH: a captured decode step under data-parallel attention, the shares as OP_DP_FORWARD's
+# (dsv4_engine.parallel.dp_graphs): every rank replays the bucket of the largest share.
+OP_DP_GRAPH = 23
 HIDDEN_DTYPES = ("float32", "bfloat16", "float16")
 HIDDEN_META_LEN = 6  # [dtype index, ndim, dims padded with 0]
 

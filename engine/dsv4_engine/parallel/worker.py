@@ -152,6 +152,10 @@ def serve_rank(spec: dict) -> None:
                     spec_rank.graphs = None
                 continue
             runner.enable_graphs(int(header[wire.REQS]))
+            if rank.data_parallel and runner.cuda_graph_max_bs:  # its own requests' steps (parallel.dp_graphs)
+                from dsv4_engine.parallel.dp_graphs import dp_decode_graphs
+
+                runner.graphs = dp_decode_graphs(runner, pool)
             if not all_ranks_agree(runner.capture_graphs(pool, agree), rank):
                 runner.drop_graphs()
             continue
@@ -168,6 +172,10 @@ def serve_rank(spec: dict) -> None:
             from dsv4_engine.parallel.dp_attention import serve_share
 
             serve_share(runner.model, header, payload, pool.all_states)
+        elif op == wire.OP_DP_GRAPH:
+            from dsv4_engine.parallel.dp_graphs import serve_graph_share
+
+            serve_graph_share(runner.graphs, header, payload)
         elif op in (wire.OP_DP_SPEC_TARGET, wire.OP_DP_SPEC_MTP):
             from dsv4_engine.parallel.dp_spec import serve_spec_share
 

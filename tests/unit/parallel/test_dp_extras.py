@@ -11,12 +11,16 @@ import pytest
 import torch
 from test_dp_engine import bounded, one_thread, staggered  # noqa: F401 (fixture)
 from test_tp_spec_decode import ABORT, drive, mtp_models, requests  # noqa: F401 (fixture)
+from test_tp_spec_graphs import cpu_graphs, events  # noqa: F401 (fixture)
 
 from dsv4_engine.engine import Engine
 from dsv4_engine.engine_args import EngineArgs
 from dsv4_engine.parallel import eplb
 from dsv4_engine.parallel.dp_spec import rank_major_rows
 from dsv4_engine.parallel.eplb_apply import rebalance
+
+
+GRAPH_MAX_BS = 2  # buckets 1, 2 requests a rank
 
 
 def engine(model_dir, tp: int, dp: int = 1, kv_pages: int = 10, **kw) -> Engine:
@@ -138,3 +142,34 @@ def test_dp2_speculation_equals_tp1_plain_decoding_and_drafts_as_one_rank(mtp_mo
 def test_rank_major_rows_order_the_rows_as_the_shares_concatenate():
     # r0 (3 rows) on rank 1, r1 (1) on rank 0, r2 (2) on rank 1; rank 2 has none
     assert rank_major_rows([3, 1, 2], [1, 0, 1], 3).tolist() == [3, 0, 1, 2, 4, 5]
+
+
+@pytest.mark.slow
+def test_dp2_with_each_rank_replaying_its_own_graphs_equals_tp1(make_model, cpu_graphs):
+    """CUDA graphs stood in on the CPU (cpu_graphs.py) on both ranks: each captures its own
+    data-parallel decode step per bucket at start-up; a decode step replays on every rank with
+    requests the bucket of the largest share (a rank with fewer pads to it; one with none runs
+    only the MoE's collectives). Greedy tokens equal --tp-size 1 without graphs."""
+    log0, log1, _ = cpu_graphs
+    model = make_model("tiny")
+    ref = staggered(engine(model, 1, kv_pages=20, cuda_graph_max_bs=0))
+    e = engine(model, 2, 2, cuda_graph_max_bs=GRAPH_MAX_BS)
+    shares: list[list[int]] = []
+    try:
+        status = e.loads()["cuda_graphs"]
+        assert status["enabled"] and status["batch_sizes"] == [1, 2], status
+        got = bounded(
+            lambda: staggered(e, watch=lambda s: shares.append([r["running"] for r in e.loads()["dp_ranks"]]))
+        )
+    finally:
+        e.tp.close()
+    assert all(p.poll() == 0 for p in e.tp.procs)
+    assert got["tokens"] == ref["tokens"] and got["reasons"] == ref["reasons"]
+    name = "data-parallel decode"
+    assert events(log0, "capture") == events(log1, "capture") == [f"capture {name} {b}" for b in (2, 1)]
+    replays = events(log0, "replay"), events(log1, "replay")
+    assert all(replays), "both ranks replayed their own graphs"
+    assert [1, 2] in shares or [2, 1] in shares, shares  # a step whose shares differ: both replay bucket 2
+    assert f"replay {name} 2" in replays[0] and f"replay {name} 2" in replays[1], replays
+    assert replays[0].count(f"replay {name} 1") > replays[1].count(f"replay {name} 1"), "rank 1 idles at first"
+    print(f"shares per step {shares}; rank 0 replays {len(replays[0])}, rank 1 {len(replays[1])}")
