@@ -339,10 +339,15 @@ class Engine:
                 dp_speculator(self.spec, self.tp, num_pages, page_size)
             self.tp.on_failure.append(lambda reason: self.abort(reason=reason, all_=True))
             if self.runner.cuda_graph_max_bs:  # each rank captures its own steps (parallel.dp_graphs)
-                from dsv4_engine.parallel.dp_graphs import RankZeroDPGraphs, dp_decode_graphs
+                from dsv4_engine.parallel.dp_graphs import RankZeroDPGraphs, dp_decode_graphs, dp_graphs_refusal
 
-                graphs = dp_decode_graphs(self.runner, self.pool)
-                self.runner.graphs = RankZeroDPGraphs(graphs, self.tp, num_pages)
+                why = dp_graphs_refusal(self.runner.model_type)
+                if why is not None:
+                    log.info("CUDA graphs off: %s", why)
+                    self.runner.drop_graphs(why)
+                else:
+                    graphs = dp_decode_graphs(self.runner, self.pool)
+                    self.runner.graphs = RankZeroDPGraphs(graphs, self.tp, num_pages)
         elif self.tp is not None:  # the other ranks mirror the pool; each step reaches them first
             from dsv4_engine.parallel.group import BroadcastForward
 

@@ -31,6 +31,13 @@ from dsv4_engine.parallel.dp_attention import dp_forward, gather_logits, moe_ove
 from dsv4_engine.parallel.dp_batch import merge_logits, request_ranks, split_batch
 
 
+def dp_graphs_refusal(model_type: str) -> Optional[str]:
+    """Why this model's data-parallel decode steps are not captured (None: they are)."""
+    if model_type in ("deepseek_v3", "deepseek_v2"):
+        return None
+    return f"not yet captured per rank under --dp-size for model_type {model_type!r} (decodes run eagerly)"
+
+
 def host_of(fb: ForwardBatch) -> HostBatch:
     """A share (CPU tensors) as the host arrays a graph's static buffers load."""
     return HostBatch(

@@ -16,6 +16,7 @@ from test_tp_spec_graphs import cpu_graphs, events  # noqa: F401 (fixture)
 from dsv4_engine.engine import Engine
 from dsv4_engine.engine_args import EngineArgs
 from dsv4_engine.parallel import eplb
+from dsv4_engine.parallel.dp_graphs import dp_graphs_refusal
 from dsv4_engine.parallel.dp_spec import rank_major_rows
 from dsv4_engine.parallel.eplb_apply import rebalance
 
@@ -173,3 +174,8 @@ def test_dp2_with_each_rank_replaying_its_own_graphs_equals_tp1(make_model, cpu_
     assert f"replay {name} 2" in replays[0] and f"replay {name} 2" in replays[1], replays
     assert replays[0].count(f"replay {name} 1") > replays[1].count(f"replay {name} 1"), "rank 1 idles at first"
     print(f"shares per step {shares}; rank 0 replays {len(replays[0])}, rank 1 {len(replays[1])}")
+
+
+def test_per_rank_graphs_are_captured_for_v3_style_models_only():
+    assert dp_graphs_refusal("deepseek_v3") is None
+    assert "--dp-size" in dp_graphs_refusal("deepseek_v4")
