@@ -227,8 +227,6 @@ class Engine:
         self.args = args
         self.tp = None  # rank 0's handle on the other ranks when tp_size > 1
         graph_max_bs = resolve_graph_max_bs(args.cuda_graph_max_bs, args.max_num_seqs)
-        if args.dp_size > 1 and args.speculative_algorithm is not None:
-            graph_max_bs = 0  # not yet: the speculator's captured steps under --dp-size (dp_refusal)
         if args.tp_size > 1:
             from dsv4_engine.parallel.group import TPGroup, rank_device
             from dsv4_engine.parallel.layout import NodeLayout
@@ -338,7 +336,7 @@ class Engine:
 
                 dp_speculator(self.spec, self.tp, num_pages, page_size)
             self.tp.on_failure.append(lambda reason: self.abort(reason=reason, all_=True))
-            if self.runner.cuda_graph_max_bs:  # each rank captures its own steps (parallel.dp_graphs)
+            if self.runner.cuda_graph_max_bs and self.spec is None:  # each rank its own steps (parallel.dp_graphs)
                 from dsv4_engine.parallel.dp_graphs import RankZeroDPGraphs, dp_decode_graphs, dp_graphs_refusal
 
                 why = dp_graphs_refusal(self.runner.model_type)
@@ -368,6 +366,10 @@ class Engine:
 
                 if self.tp is None:
                     capture_spec_graphs(self.spec, self.pool)
+                elif args.dp_size > 1:  # each rank its own requests' steps, together (parallel.dp_spec_graphs)
+                    from dsv4_engine.parallel.dp_spec_graphs import capture_dp_spec
+
+                    capture_dp_spec(self.spec, self.pool, self.tp, num_pages)
                 else:  # the same sets on every rank, together
                     from dsv4_engine.parallel.spec import capture_on_every_rank
 

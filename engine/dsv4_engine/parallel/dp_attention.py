@@ -40,10 +40,6 @@ def dp_refusal(args, model_type: str) -> Optional[str]:
         return f"--dp-size > 1 is not yet supported with PD (--role {args.role})"
     if args.speculative_algorithm is not None and model_type == "deepseek_v4":
         return "--dp-size > 1 with --speculative-algorithm runs DeepSeek-V3's MTP only (not yet V4's)"
-    if args.cuda_graph_max_bs and args.speculative_algorithm is not None:
-        return (
-            "--dp-size > 1 with --speculative-algorithm runs without CUDA graphs for now (pass --cuda-graph-max-bs 0)"
-        )
     if args.nnodes > 1:
         return "--dp-size > 1 is not yet supported with --nnodes > 1"
     if args.host_cache_gb > 0 or args.disk_cache_dir:

@@ -90,21 +90,33 @@ class DPDecodeGraphs(DecodeGraphs):
         if share is None:
             idle_moe(self.model, bs)
             return None
-        n = share.seq_lens.numel()
-        self.inputs.load(pad_decode(host_of(share), bs))
-        if self.graphs:
-            self.graphs[bs].replay()
-            return self.outputs[bs][:n]
-        return self.run_forward(self.inputs.view(bs), bs)[:n]
+        return replay_at(self, host_of(share), bs)
+
+
+def replay_at(g: DecodeGraphs, hb: HostBatch, bs: int) -> torch.Tensor:
+    """g's output rows of a decode-shaped batch replayed at bucket bs (not its own bucket: the
+    step's largest share's); the same padded step run eagerly where nothing was captured."""
+    n = hb.seq_lens.shape[0]
+    g.inputs.load(pad_decode(hb, bs))
+    if g.graphs:
+        g.graphs[bs].replay()
+        return g.outputs[bs][:n]
+    return g.run_forward(g.inputs.view(bs), bs)[:n]
 
 
 @torch.inference_mode()
 def idle_moe(model, bs: int) -> None:
     """A rank without requests in a captured step: each MoE layer's gather and sum over bs zero
     rows of its own (what the busy ranks' graphs expect of it)."""
+    idle_layers(model, model.layers, bs)
+
+
+@torch.inference_mode()
+def idle_layers(model, layers, bs: int) -> None:
+    """Each MoE layer of `layers`: this rank's part of the gather and sum, with zero rows."""
     comm = model.tp
     h = torch.zeros(0, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
-    for layer in model.layers:
+    for layer in layers:
         if isinstance(layer.mlp, DeepseekMoE):
             moe_over_ranks(layer.mlp, h, [bs] * comm.size, comm)
 

@@ -119,7 +119,7 @@ def gather_rows(rows: Optional[torch.Tensor], tokens: list[int], hidden: int, co
     return torch.cat([p[:n] for p, n in zip(parts, tokens)]).to(like.dtype)
 
 
-def _my_rows(prev: torch.Tensor, tokens: list[int], rank: int) -> torch.Tensor:
+def my_rows(prev: torch.Tensor, tokens: list[int], rank: int) -> torch.Tensor:
     start = sum(tokens[:rank])
     return prev[start : start + tokens[rank]]
 
@@ -133,7 +133,7 @@ def serve_spec_share(op: int, spec, header: torch.Tensor, payload: torch.Tensor,
         out = target_hidden(model, fb, states, tokens)
     else:
         prev = receive_hidden(rank, model.device)
-        out = mtp_hidden(spec.local_mtp, fb, states, _my_rows(prev, tokens, model.tp.rank), tokens)
+        out = mtp_hidden(spec.local_mtp, fb, states, my_rows(prev, tokens, model.tp.rank), tokens)
     gather_rows(out, tokens, model.cfg.hidden_size, model.tp, like)
 
 
@@ -177,7 +177,7 @@ class DPSpeculation:
             fb0, tokens, order = self._shares(fb, wire.OP_DP_SPEC_MTP)
             ranked = prev[order.to(prev.device)]
             send_hidden(self.group, ranked)
-            mine = mtp_hidden(self.spec.local_mtp, fb0, states, _my_rows(ranked, tokens, 0), tokens)
+            mine = mtp_hidden(self.spec.local_mtp, fb0, states, my_rows(ranked, tokens, 0), tokens)
             out = gather_rows(mine, tokens, model.cfg.hidden_size, model.tp, ranked)
             return self._in_batch_order(out, order)
 

@@ -176,6 +176,12 @@ def serve_rank(spec: dict) -> None:
             from dsv4_engine.parallel.dp_graphs import serve_graph_share
 
             serve_graph_share(runner.graphs, header, payload)
+        elif op in (wire.OP_DP_SPEC_VERIFY_GRAPH, wire.OP_DP_SPEC_DRAFT_GRAPH):
+            from dsv4_engine.parallel.dp_spec_graphs import serve_spec_graph
+
+            if spec_rank is None or spec_rank.graphs is None:
+                raise RuntimeError("rank 0 replayed a speculative graph this rank did not capture")
+            serve_spec_graph(spec_rank.graphs, op, header, payload, rank)
         elif op in (wire.OP_DP_SPEC_TARGET, wire.OP_DP_SPEC_MTP):
             from dsv4_engine.parallel.dp_spec import serve_spec_share
 

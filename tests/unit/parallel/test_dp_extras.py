@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_dp_engine import bounded, one_thread, staggered  # noqa: F401 (fixture)
 from test_tp_spec_decode import ABORT, drive, mtp_models, requests  # noqa: F401 (fixture)
+from cpu_graphs import read_log
 from test_tp_spec_graphs import cpu_graphs, events  # noqa: F401 (fixture)
 
 from dsv4_engine.engine import Engine
@@ -41,7 +42,7 @@ def engine(model_dir, tp: int, dp: int = 1, kv_pages: int = 10, **kw) -> Engine:
     )
 
 
-def spec_engine(model_dir, tp: int, spec: bool) -> Engine:
+def spec_engine(model_dir, tp: int, spec: bool, graphs: int = 0) -> Engine:
     """As test_tp_spec_decode's engines, at --dp-size tp."""
     kw = dict(speculative_algorithm="mtp", speculative_num_steps=3) if spec else {}
     return Engine(
@@ -55,6 +56,7 @@ def spec_engine(model_dir, tp: int, spec: bool) -> Engine:
             enable_prefix_cache=False,
             tp_size=tp,
             dp_size=tp,
+            cuda_graph_max_bs=graphs,
             **kw,
         )
     )
@@ -179,3 +181,37 @@ def test_dp2_with_each_rank_replaying_its_own_graphs_equals_tp1(make_model, cpu_
 def test_per_rank_graphs_are_captured_for_v3_style_models_only():
     assert dp_graphs_refusal("deepseek_v3") is None
     assert "--dp-size" in dp_graphs_refusal("deepseek_v4")
+
+
+@pytest.mark.slow
+def test_dp2_speculation_with_each_rank_replaying_its_own_graphs_equals_tp1(mtp_models, cpu_graphs):
+    """MTP and graphs (stood in on the CPU) under DP: both ranks capture the verify and draft
+    sets over their own pools; captured steps replay on each rank with rows the bucket of the
+    step's largest share. Tokens equal tp 1 plain; drafts equal a one-rank speculating engine's."""
+    torch.manual_seed(0)
+    log0, log1, _ = cpu_graphs
+    model = mtp_models("tiny")
+    reqs = requests(1)
+    plain, _ = drive(spec_engine(model, 1, False, graphs=0), reqs)
+    ref, ref_drafts = drive(spec_engine(model, 1, True, graphs=0), reqs, plain)
+    since = len(read_log(log0))
+    e = spec_engine(model, 2, True, graphs=GRAPH_MAX_BS)
+    try:
+        status = e.loads()["cuda_graphs"]
+        assert status["enabled"] and status["eager_reason"] is None, status
+        got, got_drafts = bounded(lambda: drive(e, reqs, plain))
+        assert e.tp.failed is None
+    finally:
+        e.tp.close()
+    assert all(p.poll() == 0 for p in e.tp.procs)
+    captured = events(log0, "capture", since)
+    sets = {"speculative verify", "speculative draft"}
+    assert {x.rsplit(" ", 1)[0].removeprefix("capture ") for x in captured} == sets
+    assert captured == events(log1, "capture")
+    replays = events(log0, "replay", since), events(log1, "replay")
+    for r in replays:
+        assert {x.rsplit(" ", 1)[0].removeprefix("replay ") for x in r} == sets, replays
+    assert got == ref and got_drafts == ref_drafts and len(got_drafts) > 10
+    toks, reason = got.pop(ABORT[0])
+    assert reason == "abort" and toks == plain[ABORT[0]][0][: len(toks)]
+    assert got == {rid: (v[0], "length") for rid, v in plain.items() if rid != ABORT[0]}

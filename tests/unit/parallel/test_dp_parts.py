@@ -119,7 +119,6 @@ def args(**kw) -> EngineArgs:
         ({"tp_size": 4}, "deepseek_v3", "--tp-size 2"),
         ({}, "deepseek_v4", "DeepSeek-V3 only"),
         ({"role": "decode"}, "deepseek_v3", "PD"),
-        ({"cuda_graph_max_bs": 8, "speculative_algorithm": "mtp"}, "deepseek_v3", "CUDA graphs"),
         ({"host_cache_gb": 1.0}, "deepseek_v3", "--host-cache-gb"),
         ({"disk_cache_dir": "/tmp/kv"}, "deepseek_v3", "--disk-cache-dir"),
     ],
