@@ -144,6 +144,7 @@ def capture_dp_spec(spec, pool, group, pages_per_rank: int) -> bool:
     agreement after every bucket), all keep them or none."""
     from dsv4_engine.spec_decode.graphs import capture_here
 
+    spec.graphs_class = DPSpecGraphs  # what capture_here builds (the other ranks: worker.py)
     held = []
 
     def capture(agree) -> bool:

@@ -116,6 +116,10 @@ def serve_rank(spec: dict) -> None:
         from dsv4_engine.spec_decode.build import make_speculator
 
         speculator = make_speculator(runner, ea["model"], ea["speculative_num_steps"])
+        if rank.data_parallel:  # its captured steps: its own requests' (parallel.dp_spec_graphs)
+            from dsv4_engine.parallel.dp_spec_graphs import DPSpecGraphs
+
+            speculator.graphs_class = DPSpecGraphs
         specs = specs + speculator.state_specs
     tightest_memory(device_memory(runner.device), rank)  # rank 0 sizes the pool on the tightest rank
     sizes = torch.zeros(4, dtype=torch.int64)

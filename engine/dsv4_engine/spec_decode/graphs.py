@@ -326,9 +326,8 @@ def capture_here(spec, pool, agree: Agree = alone) -> Optional[SpecGraphs]:
             agree(f"CUDA graphs off on this rank: {runner.graphs_off}")
         return None
     use_device(runner.device)  # captures on this thread's current device
-    graphs_class = SpecGraphs
-    if getattr(getattr(spec.model, "tp", None), "replicated_attention", False):  # --dp-size N: per rank
-        from dsv4_engine.parallel.dp_spec_graphs import DPSpecGraphs as graphs_class
+    # --dp-size N: the data-parallel sets (parallel.dp_spec_graphs), set where the speculator is made
+    graphs_class = getattr(spec, "graphs_class", SpecGraphs)
     graphs = graphs_class(spec, pool.page_size, pool.num_pages, runner.cuda_graph_max_bs, capture=True)
     failure = graphs.capture_all(pool, agree)
     if failure is not None:
