@@ -28,6 +28,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from dsv4_kernels.reference_quant import unpack_kv_rows
+
 AUTO = "auto"
 FP8_E4M3 = "fp8_e4m3"
 # Accepted spellings (vLLM's `fp8` is e4m3); values are what the pool stores.
@@ -100,10 +102,8 @@ def quantize(values: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[..., D + 4] packed -> [..., D] in `dtype`."""
-    d = packed.shape[-1] - SCALE_BYTES
-    scale = packed[..., d:].contiguous().view(torch.float32)
-    return (packed[..., :d].contiguous().view(FP8).float() * scale).to(dtype)
+    """[..., D + 4] packed -> [..., D] in `dtype` (the kernels' references read it the same way)."""
+    return unpack_kv_rows(packed, dtype)
 
 
 def encode(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
