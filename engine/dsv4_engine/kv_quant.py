@@ -18,7 +18,8 @@ Models mark which states are attention KV (`StateSpec.quantizable`); `with_kv_ca
 turns those into packed states; the model's read and write sites call `store_`, `encode` and
 `decode` (plain casts when the state is not packed), and whole-layer paged readers go through
 `readable_pages` (the batch's pages decoded into a compact copy) unless the kernel reads FP8
-itself (the Triton MLA decode).
+itself (the Triton MLA decode). DeepSeek-V4's Triton kernels (attention over the ring and the
+compressed entries, the indexer over its keys) always read the packed rows in place.
 """
 
 from __future__ import annotations
@@ -62,25 +63,6 @@ def with_kv_cache_dtype(specs: Iterable, kv_cache_dtype: Optional[str]) -> list:
             spec = dataclasses.replace(spec, kv_dtype=FP8_E4M3)
         out.append(spec)
     return out
-
-
-def kv_dtype_refusal(kv_dtype: str, slot_state_kernels: bool, speculative: Optional[str]) -> Optional[str]:
-    """Why FP8 KV cannot serve this engine, in one line, or None. Not yet: DeepSeek-V4 on the
-    Triton kernel path (its attention, indexer and compressor kernels read the states in the
-    model's dtype) and speculative decoding (its draft layers' KV is not quantized, and its
-    ring rollbacks are not checked against packed rows)."""
-    if kv_dtype == AUTO:
-        return None
-    if slot_state_kernels:
-        return (
-            f"--kv-cache-dtype {kv_dtype} with DeepSeek-V4 runs on the torch path only for now "
-            "(--kernel-backend torch or cpu); or use --kv-cache-dtype auto"
-        )
-    if speculative is not None:
-        return (
-            f"--kv-cache-dtype {kv_dtype} with --speculative-algorithm is not supported yet; use --kv-cache-dtype auto"
-        )
-    return None
 
 
 def pool_kv_dtype(specs: Iterable) -> str:
