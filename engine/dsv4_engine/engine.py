@@ -37,7 +37,7 @@ from dsv4_engine.kv_cache import (
     page_nbytes,
     snapshot_boundary,
 )
-from dsv4_engine.kv_quant import kv_dtype_refusal, pool_kv_dtype
+from dsv4_engine.kv_quant import pool_kv_dtype
 from dsv4_engine.kv_sizing import (
     KVBudget,
     PoolSize,
@@ -267,11 +267,6 @@ class Engine:
         self.cfg = self.runner.cfg
         self.tokenizer = Tokenizer.from_dir(args.model)
         specs = self.runner.state_specs
-        refusal = kv_dtype_refusal(
-            pool_kv_dtype(specs), getattr(self.runner.local_model, "kops", None) is not None, args.speculative_algorithm
-        )
-        if refusal:  # fp8kv: what FP8 KV does not cover yet
-            raise ValueError(refusal)
         self.spec = None  # the MTP speculator when --speculative-algorithm is set (dsv4_engine.spec_decode)
         if args.speculative_algorithm is not None:
             from dsv4_engine.spec_decode.build import build_speculator

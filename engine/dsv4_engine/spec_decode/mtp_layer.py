@@ -39,7 +39,7 @@ def num_mtp_layers(model_dir: str | Path) -> int:
 
 def mtp_state_spec(cfg) -> StateSpec:
     """The MTP block's latent KV: one layer, the same entry as the main layers'."""
-    return StateSpec(STATE, 1, (cfg.kv_cache_dim,))
+    return StateSpec(STATE, 1, (cfg.kv_cache_dim,), quantizable=True)  # fp8kv: as the model's latent
 
 
 def load_layer_weights(model_dir: str | Path, prefix: str, slicer=None) -> dict[str, Any]:

@@ -42,7 +42,7 @@ def engine(model_dir, tp: int, dp: int = 1, kv_pages: int = 10, **kw) -> Engine:
     )
 
 
-def spec_engine(model_dir, tp: int, spec: bool, graphs: int = 0) -> Engine:
+def spec_engine(model_dir, tp: int, spec: bool, graphs: int = 0, kv: str = "auto") -> Engine:
     """As test_tp_spec_decode's engines, at --dp-size tp."""
     kw = dict(speculative_algorithm="mtp", speculative_num_steps=3) if spec else {}
     return Engine(
@@ -57,6 +57,7 @@ def spec_engine(model_dir, tp: int, spec: bool, graphs: int = 0) -> Engine:
             tp_size=tp,
             dp_size=tp,
             cuda_graph_max_bs=graphs,
+            kv_cache_dtype=kv,
             **kw,
         )
     )
@@ -117,7 +118,8 @@ def test_dp2_with_eplb_places_replicas_from_recorded_loads_and_keeps_the_output(
 
 
 @pytest.mark.slow
-def test_dp2_speculation_equals_tp1_plain_decoding_and_drafts_as_one_rank(mtp_models):
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_dp2_speculation_equals_tp1_plain_decoding_and_drafts_as_one_rank(mtp_models, kv):
     """MTP under DP: rank 0 verifies, both ranks run the target and the MTP block over their own
     requests (each rank's MTP KV in its own pool), the MoE over both. Drafts steered right, wrong
     or half right, an abort mid-way (test_tp_spec_decode.drive); the drafter's own drafts equal a
@@ -125,9 +127,9 @@ def test_dp2_speculation_equals_tp1_plain_decoding_and_drafts_as_one_rank(mtp_mo
     torch.manual_seed(0)
     model = mtp_models("tiny")
     reqs = requests(1)
-    plain, _ = drive(spec_engine(model, 1, False), reqs)
-    ref, ref_drafts = drive(spec_engine(model, 1, True), reqs, plain)
-    e = spec_engine(model, 2, True)
+    plain, _ = drive(spec_engine(model, 1, False, kv=kv), reqs)
+    ref, ref_drafts = drive(spec_engine(model, 1, True, kv=kv), reqs, plain)
+    e = spec_engine(model, 2, True, kv=kv)
     try:
         got, got_drafts = bounded(lambda: drive(e, reqs, plain))
         assert e.tp.failed is None
