@@ -3,7 +3,7 @@
 #
 #   PARTS=kernels bash bench/gpu_kernels.sh [OUT_DIR]   # ~9 min at most
 #   PARTS=engine  bash bench/gpu_kernels.sh [OUT_DIR]   # ~9 min at most
-#   PARTS=engine-v3,multi bash bench/gpu_kernels.sh     # the V3 (mla512) smoke; cuda:1 and --tp-size 2 with 2+ GPUs
+#   PARTS=engine-v3,multi bash bench/gpu_kernels.sh     # the V3 (mla512) smoke; cuda:1, --tp-size 2, --dp-size 2 with 2+ GPUs
 #   PARTS=fp8kv bash bench/gpu_kernels.sh               # FP8 KV: V3/V4 kernels, greedy agreement, V4 + MTP (~8 min)
 #   PARTS=multi-mtp bash bench/gpu_kernels.sh           # MTP graphs at --tp-size 2 (2+ GPUs, ~4 min at most)
 #
@@ -138,8 +138,12 @@ rc=$?; [ "$rc" -ne 0 ] && { echo "engine smoke on cuda:1 failed (exit $rc)"; sta
 # Two ranks (NCCL), decode graphs captured on both at start-up, agreeing after every batch size.
 timeout 300 "$py" -m bench.suites.engine_gpu_smoke --preset mla512 --tp 2 --graphs 16 --out "$out/engine_gpu_smoke_tp2.json"
 rc=$?; [ "$rc" -ne 0 ] && { echo "TP 2 engine smoke with graphs failed (exit $rc)"; status=1; }
+# Data-parallel attention (NCCL): each rank captures its own decode graphs, replays the bucket of
+# the step's largest share (an idle rank joins the MoE collectives); greedy with graphs == without.
+timeout 300 "$py" -m bench.suites.engine_gpu_smoke --preset mla512 --tp 2 --dp 2 --graphs 16 --out "$out/engine_gpu_smoke_dp2.json"
+rc=$?; [ "$rc" -ne 0 ] && { echo "DP 2 engine smoke with per-rank graphs failed (exit $rc)"; status=1; }
 else
-echo "one GPU: the cuda:1 and --tp-size 2 smokes need two"
+echo "one GPU: the cuda:1, --tp-size 2 and --dp-size 2 smokes need two"
 fi
 fi
 if has multi-mtp; then

@@ -40,10 +40,8 @@ def dp_refusal(args, model_type: str) -> Optional[str]:
         return f"--dp-size > 1 is not supported for model_type {model_type!r} (DeepSeek-V3 and V4 only)"
     if args.role != "mono":
         return f"--dp-size > 1 is not yet supported with PD (--role {args.role})"
-    if args.speculative_algorithm is not None:
-        return "--dp-size > 1 is not yet supported with --speculative-algorithm"
-    if args.cuda_graph_max_bs:
-        return "--dp-size > 1 is not yet supported with CUDA graphs (pass --cuda-graph-max-bs 0)"
+    if args.speculative_algorithm is not None and model_type == "deepseek_v4":
+        return "--dp-size > 1 with --speculative-algorithm runs DeepSeek-V3's MTP only (not yet V4's)"
     if args.nnodes > 1:
         return "--dp-size > 1 is not yet supported with --nnodes > 1"
     if args.host_cache_gb > 0 or args.disk_cache_dir:
@@ -51,12 +49,6 @@ def dp_refusal(args, model_type: str) -> Optional[str]:
             "--dp-size > 1 is not yet supported with --host-cache-gb / --disk-cache-dir "
             "(the device prefix cache is per rank; a rank's pages live in its own process)"
         )
-    if args.ep_redundant_experts or args.ep_loads_file:
-        return (
-            "--dp-size > 1 is not yet supported with --ep-redundant-experts / --ep-loads-file (EPLB places TP's blocks)"
-        )
-    if args.kv_cache_dtype not in (None, "auto"):
-        return f"--dp-size > 1 is not yet supported with --kv-cache-dtype {args.kv_cache_dtype}"
     return None
 
 
