@@ -94,7 +94,7 @@ def unpack_share(
 # ---- the forward ---------------------------------------------------------------------------------
 
 
-def _wire_dtype(x: torch.Tensor) -> torch.dtype:
+def wire_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.is_cuda or x.dtype == torch.float32 else torch.float32  # gloo: float32
 
 
@@ -122,7 +122,7 @@ def moe_over_ranks(moe: DeepseekMoE, h: torch.Tensor, tokens: list[int], comm) -
     """The MoE over every rank's rows; this rank's rows of the output. `h`: its rows [T, D]."""
     me, group = comm.rank, comm._rank.compute
     width = max(tokens)
-    pad = torch.zeros(width, h.shape[1], dtype=_wire_dtype(h), device=h.device)
+    pad = torch.zeros(width, h.shape[1], dtype=wire_dtype(h), device=h.device)
     pad[: h.shape[0]] = h
     parts = [torch.empty_like(pad) for _ in tokens]
     dist.all_gather(parts, pad, group=group)

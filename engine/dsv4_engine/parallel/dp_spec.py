@@ -23,7 +23,7 @@ import torch.distributed as dist
 from dsv4_engine.layers.moe import DeepseekMoE
 from dsv4_engine.models.forward_batch import ForwardBatch
 from dsv4_engine.parallel import wire
-from dsv4_engine.parallel.dp_attention import _wire_dtype, moe_over_ranks, pack_shares, unpack_share
+from dsv4_engine.parallel.dp_attention import wire_dtype, moe_over_ranks, pack_shares, unpack_share
 from dsv4_engine.parallel.dp_batch import request_ranks, split_batch
 from dsv4_engine.parallel.spec import receive_hidden, send_hidden
 
@@ -107,7 +107,7 @@ def mtp_hidden(mtp, fb: Optional[ForwardBatch], states: dict, prev: torch.Tensor
 
 def gather_rows(rows: Optional[torch.Tensor], tokens: list[int], hidden: int, comm, like: torch.Tensor):
     """Every rank's rows on rank 0, rank-major [sum(tokens), hidden] (None elsewhere)."""
-    pad = torch.zeros(max(tokens), hidden, dtype=_wire_dtype(like), device=like.device)
+    pad = torch.zeros(max(tokens), hidden, dtype=wire_dtype(like), device=like.device)
     if rows is not None:
         pad[: rows.shape[0]] = rows
     group = comm._rank.compute
