@@ -41,10 +41,10 @@ def dp_refusal(args, model_type: str) -> Optional[str]:
     # pd.dp_handoff: rank 0 cannot read rank r's pool to verify what landed (a server option)
     if args.role == "decode" and getattr(args, "transfer_checksum", False):
         return "--dp-size > 1 is not yet supported with --transfer-checksum on a decode"
-    if args.speculative_algorithm is not None:
-        return "--dp-size > 1 is not yet supported with --speculative-algorithm"
-    if args.cuda_graph_max_bs:
-        return "--dp-size > 1 is not yet supported with CUDA graphs (pass --cuda-graph-max-bs 0)"
+    if args.role != "mono" and args.speculative_algorithm is not None:  # (each built, not yet together)
+        return f"--dp-size > 1 is not yet supported with PD (--role {args.role}) and --speculative-algorithm together"
+    if args.speculative_algorithm is not None and model_type == "deepseek_v4":
+        return "--dp-size > 1 with --speculative-algorithm runs DeepSeek-V3's MTP only (not yet V4's)"
     if args.nnodes > 1:
         return "--dp-size > 1 is not yet supported with --nnodes > 1"
     if args.host_cache_gb > 0 or args.disk_cache_dir:
@@ -52,12 +52,6 @@ def dp_refusal(args, model_type: str) -> Optional[str]:
             "--dp-size > 1 is not yet supported with --host-cache-gb / --disk-cache-dir "
             "(the device prefix cache is per rank; a rank's pages live in its own process)"
         )
-    if args.ep_redundant_experts or args.ep_loads_file:
-        return (
-            "--dp-size > 1 is not yet supported with --ep-redundant-experts / --ep-loads-file (EPLB places TP's blocks)"
-        )
-    if args.kv_cache_dtype not in (None, "auto"):
-        return f"--dp-size > 1 is not yet supported with --kv-cache-dtype {args.kv_cache_dtype}"
     return None
 
 
@@ -103,7 +97,7 @@ def unpack_share(
 # ---- the forward ---------------------------------------------------------------------------------
 
 
-def _wire_dtype(x: torch.Tensor) -> torch.dtype:
+def wire_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.is_cuda or x.dtype == torch.float32 else torch.float32  # gloo: float32
 
 
@@ -131,7 +125,7 @@ def moe_over_ranks(moe: DeepseekMoE, h: torch.Tensor, tokens: list[int], comm) -
     """The MoE over every rank's rows; this rank's rows of the output. `h`: its rows [T, D]."""
     me, group = comm.rank, comm._rank.compute
     width = max(tokens)
-    pad = torch.zeros(width, h.shape[1], dtype=_wire_dtype(h), device=h.device)
+    pad = torch.zeros(width, h.shape[1], dtype=wire_dtype(h), device=h.device)
     pad[: h.shape[0]] = h
     parts = [torch.empty_like(pad) for _ in tokens]
     dist.all_gather(parts, pad, group=group)

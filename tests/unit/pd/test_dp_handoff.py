@@ -114,3 +114,5 @@ def test_pd_roles_start_at_dp_size_n_and_a_checksumming_dp_decode_is_refused_by_
     assert refusal(role="prefill", transfer_checksum=True) is None  # rank p sums what it sends
     line = refusal(role="decode", transfer_checksum=True)
     assert line is not None and "--transfer-checksum" in line and "--dp-size" in line
+    line = refusal(role="prefill", speculative_algorithm="mtp")  # each built at --dp-size, not yet together
+    assert line is not None and "PD" in line and "--speculative-algorithm" in line
