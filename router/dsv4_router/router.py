@@ -786,14 +786,13 @@ def _direct(st: Resume, outlet: Outlet, watched) -> Callable[[bytes], bool]:
     """The engine connection's sink for a relayed stream: a chunk that is one plain token event
     is written to the client at once; anything else is left to the relay loop."""
 
+    plain, pass_on, now = st.plain_event, outlet.pass_on, time.monotonic
+
     def sink(chunk: bytes) -> bool:
-        if not outlet.ready():
+        if not pass_on(chunk, plain):
             return False
-        out = st.plain_event(chunk)
-        if out is None:
-            return False
-        watched.event(time.monotonic())
-        return outlet.write(out)
+        watched.event(now())
+        return True
 
     return sink
 
