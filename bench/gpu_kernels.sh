@@ -77,7 +77,7 @@ if has engine; then
 # Capture safety, host syncs and graph replay of the engine's decode, compiled (~1 min); the EPLB
 # hook (expert ids -> replica slots, load counters) replayed from a CUDA graph.
 timeout 110 "$py" -m pytest -q -p no:cacheprovider tests/unit/engine/test_cuda_graphs.py tests/unit/engine/test_host_syncs.py \
-    tests/unit/engine/test_sampling_devices.py tests/unit/engine/test_eplb_model.py --junitxml "$out/engine_gpu_tests.xml" 2>&1 | tee "$out/engine_gpu_tests.log"
+    tests/unit/engine/test_sampling_devices.py tests/unit/engine/test_eplb_model.py tests/unit/engine/test_eplb_v4.py --junitxml "$out/engine_gpu_tests.xml" 2>&1 | tee "$out/engine_gpu_tests.log"
 rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "engine GPU tests failed (exit $rc)"; status=1; }
 # PD over VRAM: a NIXL write waits for the event after the kernel that wrote its page, not the stream.
 timeout 40 "$py" -m pytest -q -p no:cacheprovider \

@@ -106,7 +106,8 @@ SUITES = {
         "eplb_bench",
         "Expert load balancing: loads recorded from skewed prompts on moe32, max/mean load per rank under the "
         "block split vs one redundant expert per rank (planned for 2/4/8 ranks, measured at --tp-size 2), greedy "
-        "output unchanged, a live rebalance mid-run (eplb/eplb.json + .png).",
+        "output unchanged, a live rebalance mid-run (eplb/eplb.json + .png; --preset v4-moe32: DeepSeek-V4, "
+        "eplb-v4/).",
     ),
     "planner-bound": (
         "planner_bound",

@@ -80,7 +80,7 @@ def model_init(
     out_dir: Path = typer.Argument(..., help="Folder to write the checkpoint into."),
     preset: str = typer.Option(
         "tiny",
-        help="Model preset: tiny | mla512 | moe32 (DeepSeek-V3; moe32: 32 routed experts, for EPLB) | v4-tiny | v4-tiny-long (16,384 positions) | v4-flash-shape (DeepSeek-V4, release layout).",
+        help="Model preset: tiny | mla512 | moe32 (DeepSeek-V3; moe32: 32 routed experts, for EPLB) | v4-tiny | v4-tiny-long (16,384 positions) | v4-moe32 (32 routed experts, for EPLB) | v4-flash-shape (DeepSeek-V4, release layout).",
     ),
     seed: int = typer.Option(0, help="Seed; the same seed writes the same checkpoint."),
     quant: Optional[str] = typer.Option(

@@ -206,6 +206,14 @@ V4_PRESETS: dict[str, dict] = {
 # tokens over several rounds; v4-tiny stops at 1,024 positions): the same weights' shapes, so the
 # same fast steps, only max_position_embeddings differs.
 V4_PRESETS["v4-tiny-long"] = {**V4_PRESETS["v4-tiny"], "max_position_embeddings": 16384}
+# v4-tiny with enough routed experts for expert load balancing (EPLB, docs/eplb.md): 32 experts,
+# top-4, one hash-routed layer and three learned (sqrt-softplus + bias) ones.
+V4_PRESETS["v4-moe32"] = {
+    **V4_PRESETS["v4-tiny"],
+    "n_routed_experts": 32,
+    "num_experts_per_tok": 4,
+    "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
+}
 V4_PRESETS |= {
     # V4-Flash's per-layer widths (hidden 4096, 64 heads of 512 with 64 rope channels, q LoRA 1024,
     # 8 output groups of 1024, indexer 64 x 128 top-512, window 128, CSA 4 / HCA 128) with one

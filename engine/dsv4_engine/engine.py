@@ -285,8 +285,10 @@ class Engine:
         self.prefix_cache_off = prefix_cache_refusal(
             specs, args.role, args.enable_prefix_cache, args.prefix_cache_snapshots, args.decode_local_prefill
         )
-        if args.dp_size > 1:
-            self.prefix_cache_off = "not yet at --dp-size > 1"
+        if args.dp_size > 1 and self.prefix_cache_off is None:
+            from dsv4_engine.parallel.dp_cache import dp_cache_refusal
+
+            self.prefix_cache_off = dp_cache_refusal(specs, args.role)
         # Slot rows for max_num_seqs requests (and the cache's snapshots of them) come first; the
         # rest of the memory becomes pages (dsv4_engine.kv_sizing).
         cache_slots = any(not s.paged for s in specs) and self.prefix_cache_off is None
@@ -364,7 +366,12 @@ class Engine:
             ):
                 self.runner.drop_graphs()
         self.prefix_cache: Optional[PrefixCache] = None
-        if self.prefix_cache_off is None:
+        if self.prefix_cache_off is None and args.dp_size > 1:  # a cache per rank (parallel.dp_cache)
+            from dsv4_engine.parallel.dp_cache import DPPrefixCache
+
+            self.prefix_cache = DPPrefixCache(self.pool.allocator, page_size)
+            self.prefix_cache.pins = SessionPins(num_pages * args.dp_size, args.session_ttl, args.session_pin_share)
+        elif self.prefix_cache_off is None:
             snaps = SnapshotPool(self.pool.slot_states, num_snapshots) if num_snapshots else None
             boundary = snapshot_boundary(specs, page_size) if snaps is not None else None
             # At --tp-size > 1 a snapshot is copied after a step and each copy repeated on the
@@ -407,6 +414,8 @@ class Engine:
             self.pool.slots,
             self.prefix_cache,
         )
+        if args.dp_size > 1 and self.prefix_cache is not None:  # the rank choice weighs each rank's running requests
+            self.prefix_cache.running = lambda: self.scheduler.running
         self._cache_counted = (0, 0)  # prefix cache (query, hit) tokens already added to the counters
         self._host_hits_counted = 0  # of the hits, host-tier tokens already added
         if self.spec is not None:
@@ -420,6 +429,11 @@ class Engine:
         self.metrics.set("kv_pages_total", num_pages * args.dp_size)  # --dp-size N: a pool per rank
         self.metrics.set("tp_size", args.tp_size)
         self.metrics.set("nnodes", args.nnodes)
+        self.rank_metrics = None  # --dp-size N: the per-rank series (parallel.dp_loads)
+        if args.dp_size > 1:
+            from dsv4_engine.parallel.dp_loads import RankMetrics
+
+            self.rank_metrics = RankMetrics()
         if self.runner.native_build_failures:  # said once at WARNING by dsv4_kernels.native
             self.metrics.inc("native_build_failures", self.runner.native_build_failures)
         if self.runner.eplb is not None:  # expert loads, read at scrape time
@@ -950,6 +964,8 @@ class Engine:
                 m.set("kv_pages_pinned", c.pins.num_pinned)
                 m.set("sessions_active", len(c.pins.sessions))
             self._cache_counted = (c.query_tokens, c.hit_tokens)
+        if self.rank_metrics is not None:
+            self.rank_metrics.publish(m, self.dp_loads())
         if self.pd is not None:
             self.pd.update_gauges(m)
 
@@ -981,16 +997,10 @@ class Engine:
         return waiting + chunked
 
     def dp_loads(self) -> list[dict]:
-        """--dp-size N: each rank's running requests and the pages they hold in its pool."""
-        books = self.pool.allocator
-        running = [0] * books.dp_size
-        for seq in list(self.scheduler.running):
-            if seq.pages:
-                running[books.rank_of(seq.pages[0])] += 1
-        return [
-            {"rank": r, "running": running[r], "kv_pages_held": held, "kv_pages_total": books.pages_per_rank}
-            for r, held in enumerate(books.held_per_rank())
-        ]
+        """--dp-size N: each rank's running requests, pages and prefix cache (parallel.dp_loads)."""
+        from dsv4_engine.parallel.dp_loads import rank_loads
+
+        return rank_loads(self.pool.allocator, list(self.scheduler.running), self.prefix_cache)
 
     def loads(self) -> dict:
         """Live view for /v1/loads (read from another thread: plain reads of ints are safe)."""

@@ -19,8 +19,18 @@ LOADS_FORMAT = "dsv4.expert_loads.v1"  # the table's (and a --ep-loads-file's) f
 
 
 class ExpertLoads:
-    def __init__(self, layers: list[int], n_experts: int, n_slots: int, slot_ranks: list[int], device):
+    def __init__(
+        self,
+        layers: list[int],
+        n_experts: int,
+        n_slots: int,
+        slot_ranks: list[int],
+        device,
+        routing: Optional[list[str]] = None,
+    ):
         self.layers = list(layers)  # decoder layer index of each row
+        # each row's router: "learned", or "hash" (V4's first layers: experts fixed by the token id)
+        self.routing = list(routing) if routing is not None else ["learned"] * len(self.layers)
         self.n_experts = n_experts
         self.slot_ranks = list(slot_ranks)  # rank hosting each physical slot (the same in every layer)
         # Steps routed with one copy per expert in expert order (no placement) count once, in
@@ -70,7 +80,7 @@ class ExpertLoads:
             per_rank = [0] * ranks
             for slot, n in enumerate(physical[row]):
                 per_rank[self.slot_ranks[slot]] += n
-            out[str(layer)] = {"experts": logical[row], "ranks": per_rank}
+            out[str(layer)] = {"experts": logical[row], "ranks": per_rank, "routing": self.routing[row]}
         return {"format": LOADS_FORMAT, "n_experts": self.n_experts, "layers": out}
 
     def summary(self) -> dict:
@@ -78,6 +88,7 @@ class ExpertLoads:
         t = self.table()["layers"]
         return {
             layer: {
+                "routing": row["routing"],
                 "routed": sum(row["experts"]),
                 "expert_max_over_mean": round(_max_over_mean(row["experts"]), 4),
                 "rank_max_over_mean": round(_max_over_mean(row["ranks"]), 4),

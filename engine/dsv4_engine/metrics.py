@@ -17,6 +17,9 @@ from dsv4_wire.metrics import (
     LAYER_GAUGES,
     LAYER_LABEL,
     PREFIX,
+    RANK_COUNTERS,
+    RANK_GAUGES,
+    RANK_LABEL,
     STATE_GAUGES,
     STATE_LABEL,
     TIER_COUNTERS,
@@ -66,6 +69,14 @@ class EngineMetrics:
         for k, d in TIER_COUNTERS.items():
             c = Counter(f"{PREFIX}{k}", d, [*labels, TIER_LABEL], registry=self.registry)
             self.tier_counters[k] = {t: c.labels(**self.labels, **{TIER_LABEL: t}) for t in TIERS}
+        # --dp-size N: one child per attention rank, made when the engine first sets it.
+        self.rank_gauges = {
+            k: Gauge(f"{PREFIX}{k}", d, [*labels, RANK_LABEL], registry=self.registry) for k, d in RANK_GAUGES.items()
+        }
+        self.rank_counters = {
+            k: Counter(f"{PREFIX}{k}", d, [*labels, RANK_LABEL], registry=self.registry)
+            for k, d in RANK_COUNTERS.items()
+        }
         # MoE expert loads (dsv4_engine.expert_loads publishes them before each render).
         self.layer_gauges = {
             k: Gauge(f"{PREFIX}{k}", d, [*labels, LAYER_LABEL], registry=self.registry) for k, d in LAYER_GAUGES.items()
@@ -116,6 +127,16 @@ class EngineMetrics:
     def inc_tier(self, name: str, tier: str, amount: float) -> None:
         """A per-tier counter (TIER_COUNTERS)."""
         self.tier_counters[name][tier].inc(amount)
+
+    def set_rank(self, name: str, rank: int, value: float) -> None:
+        """A per-rank gauge (RANK_GAUGES, --dp-size N)."""
+        if self._last.get((name, rank)) != value:
+            self.rank_gauges[name].labels(**self.labels, **{RANK_LABEL: str(rank)}).set(value)
+            self._last[(name, rank)] = value
+
+    def inc_rank(self, name: str, rank: int, amount: float) -> None:
+        """A per-rank counter (RANK_COUNTERS, --dp-size N)."""
+        self.rank_counters[name].labels(**self.labels, **{RANK_LABEL: str(rank)}).inc(amount)
 
     def observe(self, name: str, value: float) -> None:
         self.histograms[name].observe(value)

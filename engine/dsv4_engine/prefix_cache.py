@@ -325,11 +325,10 @@ class PrefixCache:
         else:
             self.snapshots.demote(prev.snapshot)
 
-    def attach(self, seq: Sequence) -> int:
-        """Give a request that holds nothing the pages of its longest cached prefix (full pages,
-        never its last token), one reference each; returns the tokens it may skip."""
-        assert not seq.pages and seq.num_computed == 0, "attach a request that holds no pages"
-        usable = (seq.num_tokens - 1) // self.boundary * self.boundary // self.page_size  # whole boundaries
+    def _walk(self, seq: Sequence) -> tuple[list["_Node"], int]:
+        """The cached chain of the request's prefix (whole boundaries, never its last token), and
+        how many pages it could use at most."""
+        usable = (seq.num_tokens - 1) // self.boundary * self.boundary // self.page_size
         node, chain = self.root, []
         for i in range(usable):
             child = node.children.get(self._page_tokens(seq, i))
@@ -337,6 +336,20 @@ class PrefixCache:
                 break
             chain.append(child)
             node = child
+        return chain, usable
+
+    def match(self, seq: Sequence) -> int:
+        """Pages of its prefix `attach` would give the request now (a look, nothing taken; no host tier)."""
+        chain, _ = self._walk(seq)
+        while chain and not self._resumable(chain[-1]):
+            chain.pop()
+        return len(chain)
+
+    def attach(self, seq: Sequence) -> int:
+        """Give a request that holds nothing the pages of its longest cached prefix (full pages,
+        never its last token), one reference each; returns the tokens it may skip."""
+        assert not seq.pages and seq.num_computed == 0, "attach a request that holds no pages"
+        chain, usable = self._walk(seq)
         seq.cache_branch = len(chain) * self.page_size // self.boundary * self.boundary
         walked = len(chain)
         while chain and not self._resumable(chain[-1]):

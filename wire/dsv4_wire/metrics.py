@@ -53,6 +53,19 @@ TIER_COUNTERS = {
     "prefix_cache_tier_hit_tokens": "Tokens of admitted requests whose KV came from each tier of the prefix cache",
 }
 TIER_LABEL = "tier"
+# Data-parallel attention (--dp-size N): one series per attention rank, labelled `dp_rank`. The
+# waiting queue is the engine's (num_queue_reqs): a request takes its rank when it is admitted.
+RANK_GAUGES = {
+    "dp_rank_running_reqs": "--dp-size N: requests running on each attention rank",
+    "dp_rank_kv_pages_used": "--dp-size N: KV pages of each rank's pool its running requests hold",
+    "dp_rank_kv_pages_free": "--dp-size N: KV pages each rank can hand out (its idle cached pages included)",
+    "dp_rank_prefix_cache_pages": "--dp-size N: KV pages each rank's prefix cache holds",
+}
+RANK_COUNTERS = {
+    "dp_rank_prefix_cache_hit_tokens": "--dp-size N: tokens of admitted requests whose KV each rank's prefix cache "
+    "supplied",
+}
+RANK_LABEL = "dp_rank"
 # MoE expert loads (EPLB, docs/eplb.md), read from the engine's counters at scrape time. Labelled
 # by `layer` (the decoder layer's index); the per-expert counter also by `expert` (the logical
 # expert id): layers x experts series, so it is served only while that is at most
@@ -120,6 +133,8 @@ def metric_name(key: str, suffix: str = "") -> str:
         and key not in COUNT_HISTOGRAMS
         and key not in TIER_GAUGES
         and key not in TIER_COUNTERS
+        and key not in RANK_GAUGES
+        and key not in RANK_COUNTERS
         and key not in LAYER_GAUGES
         and key not in LAYER_COUNTERS
         and key not in EXPERT_COUNTERS

@@ -187,7 +187,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
         1,
         "Data-parallel attention (SGLang's --enable-dp-attention), equal to --tp-size: each rank attends over its "
         "own requests and holds only their KV pages; the MoE runs expert-parallel over every rank's tokens. "
-        "DeepSeek-V3 only, not yet with PD, MTP, CUDA graphs or the prefix cache (docs/tensor-parallel.md).",
+        "DeepSeek-V3 only, not yet with PD, MTP or CUDA graphs; a prefix cache per rank (docs/tensor-parallel.md).",
         min=1,
     ),
     _O(

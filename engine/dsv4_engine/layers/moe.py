@@ -179,6 +179,7 @@ class V4MoE:
     ops: Any
     kops: Any = None  # the backend's kernel path (v4_kernel_path), or None for the torch path
     tp: Any = None
+    eplb: Optional[Callable] = None  # EPLB hook, as DeepseekMoE's (learned and hash-routed layers alike)
 
     @classmethod
     def build(cls, take, prefix: str, cfg, hashed: bool, ops, kops, tp, experts: Callable) -> "V4MoE":
@@ -202,6 +203,8 @@ class V4MoE:
 
     def __call__(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         wts, ids = self.router(x, input_ids)
+        if self.eplb is not None:
+            ids = self.eplb(ids)
         if self.tp is not None:  # one rank of --tp-size N: only its experts' share of the sum
             wts, ids = self.tp.local_experts(wts, ids)
         shared = self.shared if self.tp is None or self.tp.rank == 0 else None

@@ -45,7 +45,10 @@ def dp_refusal(args, model_type: str) -> Optional[str]:
     if args.nnodes > 1:
         return "--dp-size > 1 is not yet supported with --nnodes > 1"
     if args.host_cache_gb > 0 or args.disk_cache_dir:
-        return "--dp-size > 1 is not yet supported with --host-cache-gb / --disk-cache-dir (the prefix cache is off)"
+        return (
+            "--dp-size > 1 is not yet supported with --host-cache-gb / --disk-cache-dir "
+            "(the device prefix cache is per rank; a rank's pages live in its own process)"
+        )
     if args.ep_redundant_experts or args.ep_loads_file:
         return (
             "--dp-size > 1 is not yet supported with --ep-redundant-experts / --ep-loads-file (EPLB places TP's blocks)"

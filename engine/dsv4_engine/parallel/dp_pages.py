@@ -4,8 +4,9 @@ Rank r's KV tensors hold only the pages of the requests it serves, so each rank'
 whole pool (not a mirror of rank 0's). Rank 0 keeps every rank's books in one id space: global
 page id g lives on rank g // pages_per_rank as local page g % pages_per_rank. A request's pages
 all come from one rank's pool, chosen when it takes its first page (the rank with the most free
-pages: load by KV, then the lower rank), so the rank of a request is the rank of its pages and
-the step's batch splits by them (`dp_batch`).
+pages: load by KV, then the lower rank; with the prefix cache, `choose_rank` from its cached
+prefix on each rank too), so the rank of a request is the rank of its pages and the step's
+batch splits by them (`dp_batch`).
 """
 
 from __future__ import annotations
@@ -13,9 +14,35 @@ from __future__ import annotations
 from dsv4_engine.kv_cache import PageAllocator
 
 
+# How many more running requests than the least busy rank a rank holding a request's prefix may
+# have and still get it, as a share of the mean running requests per rank (at least 1): within it,
+# reusing the prefix (its prefill and its pages) is worth more than evening out the step's work;
+# past it, load decides.
+BALANCE_SLACK = 0.25
+
+
+def choose_rank(matched: list[int], free: list[int], need: int = 0, running: list[int] | None = None) -> int:
+    """The rank a request runs on. `matched[r]`: pages of its prefix rank r's cache holds;
+    `free[r]`: pages rank r can hand out (idle cached ones included); `need`: pages the whole
+    request takes; `running[r]`: requests running on rank r. Among the ranks that can hold what
+    the request still needs (all of them when none can): the longest match on a rank within the
+    slack of the least busy (then fewer running requests, more free pages, the lower rank); with
+    none, the most free pages (load by KV), then the lower rank."""
+    ranks = range(len(free))
+    running = running or [0] * len(free)
+    fits = [r for r in ranks if free[r] >= need - matched[r]] or list(ranks)
+    least = min(running[r] for r in fits)
+    slack = max(1, int(BALANCE_SLACK * sum(running) / len(running)))
+    near = [r for r in fits if matched[r] and running[r] - least <= slack]
+    if near:
+        return max(near, key=lambda r: (matched[r], -running[r], free[r], -r))
+    return max(fits, key=lambda r: (free[r], -r))
+
+
 class DPPageAllocator:
     """N PageAllocators behind the one interface the scheduler uses (allocate, share, free, the
-    counts); no prefix cache (not yet at --dp-size > 1: `cache` stays None)."""
+    counts). With the prefix cache each rank's allocator has a cache of its own
+    (`dp_cache.DPPrefixCache` sets them); `cache` here stays None."""
 
     def __init__(self, dp_size: int, pages_per_rank: int):
         self.dp_size = dp_size
@@ -41,7 +68,7 @@ class DPPageAllocator:
 
     def least_loaded(self) -> int:
         """The rank a new request goes to: the most free pages, then the lower rank."""
-        return max(range(self.dp_size), key=lambda r: (self.ranks[r].num_free, -r))
+        return choose_rank([0] * self.dp_size, [a.num_free for a in self.ranks])
 
     def allocate(self, n: int, rank: int = 0) -> list[int] | None:
         got = self.ranks[rank].allocate(n)
@@ -72,5 +99,17 @@ class DPPageAllocator:
             self.ranks[r].free(local)
 
     def held_per_rank(self) -> list[int]:
-        """Pages each rank's requests hold now."""
+        """Pages each rank's requests or cache hold now."""
         return [self.pages_per_rank - a.num_unused for a in self.ranks]
+
+    def running_per_rank(self, running: list) -> list[int]:
+        """Requests of `running` (the scheduler's) on each rank (a request holding no page: none)."""
+        out = [0] * self.dp_size
+        for seq in running:
+            if seq.pages:
+                out[self.rank_of(seq.pages[0])] += 1
+        return out
+
+    def free_per_rank(self) -> list[int]:
+        """Pages each rank can hand out now (idle cached ones included)."""
+        return [a.num_free for a in self.ranks]

@@ -167,9 +167,9 @@ def ep_checkpoint_refusal(config: dict, redundant: int) -> Optional[str]:
     """Why --ep-redundant-experts cannot place this checkpoint's experts (its config.json), or None."""
     if not redundant:
         return None
-    if config.get("model_type") not in ("deepseek_v3", "deepseek_v2"):
+    if config.get("model_type") not in ("deepseek_v3", "deepseek_v2", "deepseek_v4"):
         return (
-            f"--ep-redundant-experts places DeepSeek-V3-style experts; model_type {config.get('model_type')!r} "
+            f"--ep-redundant-experts places DeepSeek-V3 and V4 experts; model_type {config.get('model_type')!r} "
             "is not supported yet"
         )
     if not config.get("n_routed_experts"):

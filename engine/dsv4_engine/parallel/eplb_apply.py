@@ -82,11 +82,24 @@ class LayerRoute:
 
 
 def moe_layers(model) -> list[tuple[int, Any]]:
-    """(decoder layer index, its MoE block: dsv4_engine.layers.moe.DeepseekMoE) of a V3-style model."""
-    from dsv4_engine.layers.moe import DeepseekMoE
+    """(decoder layer index, its MoE block) of the model's main layers: DeepSeek-V3's
+    `DeepseekMoE` (`layer.mlp`) or DeepSeek-V4's `V4MoE` (`layer.ffn`, learned and hash-routed
+    alike; an MTP block's layer is not among them)."""
+    from dsv4_engine.layers.moe import DeepseekMoE, V4MoE
 
-    layers = getattr(model, "layers", [])
-    return [(i, L.mlp) for i, L in enumerate(layers) if isinstance(getattr(L, "mlp", None), DeepseekMoE)]
+    out = []
+    for i, L in enumerate(getattr(model, "layers", [])):
+        block = getattr(L, "mlp", None) or getattr(L, "ffn", None)
+        if isinstance(block, (DeepseekMoE, V4MoE)):
+            out.append((i, block))
+    return out
+
+
+def routing_of(block) -> str:
+    """ "hash" for V4's hash-routed layers (experts fixed by the token id), else "learned"."""
+    from dsv4_engine.layers.moe import HashRouter
+
+    return "hash" if isinstance(getattr(block, "router", None), HashRouter) else "learned"
 
 
 def loads_from_table(table: dict) -> dict[int, list[float]]:
@@ -122,10 +135,14 @@ class CheckpointExperts:
             return f.get_slice(key)[index] if index is not None else f.get_tensor(key)
 
     def expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13 [2I, H], w2 [H, I]) of logical expert e of decoder layer `layer`."""
+        """(w13 [2I, H], w2 [H, I]) of logical expert e of decoder layer `layer`: fused
+        (transformers' layout, V3 or V4), V3's per-expert names or V4's release names."""
         p = f"model.layers.{layer}.mlp.experts"
         if f"{p}.gate_up_proj" in self.where:
             return self._get(f"{p}.gate_up_proj", e), self._get(f"{p}.down_proj", e)
+        v4 = f"layers.{layer}.ffn.experts.{e}."
+        if v4 + "w1.weight" in self.where:  # V4 release: w1 gate, w3 up, w2 down
+            return torch.cat([self._get(v4 + "w1.weight"), self._get(v4 + "w3.weight")], 0), self._get(v4 + "w2.weight")
         w13 = torch.cat([self._get(f"{p}.{e}.gate_proj.weight"), self._get(f"{p}.{e}.up_proj.weight")], 0)
         return w13, self._get(f"{p}.{e}.down_proj.weight")
 
@@ -151,7 +168,8 @@ class ExpertPlacer:
         n_slots = self.n_experts + redundant
         slot_ranks = [r for r, n in enumerate(eplb.slot_counts(self.n_experts, redundant, ranks)) for _ in range(n)]
         device = model.device
-        self.loads = ExpertLoads([i for i, _ in self.layers], self.n_experts, n_slots, slot_ranks, device)
+        routing = [routing_of(L) for _, L in self.layers]
+        self.loads = ExpertLoads([i for i, _ in self.layers], self.n_experts, n_slots, slot_ranks, device, routing)
         self.routes = {}
         for row, (i, L) in enumerate(self.layers):
             self.routes[i] = L.eplb = LayerRoute(self.loads, row, self.n_experts, redundant, device)
@@ -281,12 +299,12 @@ def rebalance(placer: ExpertPlacer, group=None, loads: Optional[dict[int, list[f
 
 
 def attach_eplb(model, model_dir, redundant: int = 0, loads_file: Optional[str] = None) -> Optional[ExpertPlacer]:
-    """Count the expert loads of a V3-style model (None for a model without such MoE layers),
+    """Count the expert loads of a V3 or V4 model's MoE layers (None for a model without any),
     and with `redundant` > 0 place the experts: from the loads in `loads_file`, else evenly
     (every expert the same load: the first R experts get the copies) until a rebalance."""
     if not moe_layers(model):
         if redundant:  # the engine core refuses it earlier (eplb.ep_checkpoint_refusal), in one line
-            raise ValueError("--ep-redundant-experts: this model has no learned-routing MoE layers to place")
+            raise ValueError("--ep-redundant-experts: this model has no routed-expert MoE layers to place")
         return None
     tp = getattr(model, "tp", None)
     placer = ExpertPlacer(model, model_dir, redundant, tp.rank if tp else 0, tp.size if tp else 1)

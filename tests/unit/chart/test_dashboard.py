@@ -38,6 +38,10 @@ def engine_series() -> dict[str, set[str]]:
         out[f"dsv4:{name}"] = {f"dsv4:{name}"}
     for name in engine_metrics.COUNTERS:
         out[f"dsv4:{name}"] = {f"dsv4:{name}_total"}
+    for name in engine_metrics.RANK_GAUGES:  # --dp-size N, per attention rank
+        out[f"dsv4:{name}"] = {f"dsv4:{name}"}
+    for name in engine_metrics.RANK_COUNTERS:
+        out[f"dsv4:{name}"] = {f"dsv4:{name}_total"}
     for name in engine_metrics.LAYER_GAUGES:  # MoE expert loads (docs/eplb.md)
         out[f"dsv4:{name}"] = {f"dsv4:{name}"}
     for name in (*engine_metrics.LAYER_COUNTERS, *engine_metrics.EXPERT_COUNTERS):

@@ -78,7 +78,8 @@ def test_checkpoints_whose_experts_cannot_be_placed_are_refused():
 
     assert eplb.ep_checkpoint_refusal(PRESETS["moe32"], 2) is None
     assert eplb.ep_checkpoint_refusal(PRESETS["moe32"], 0) is None
-    assert "model_type" in eplb.ep_checkpoint_refusal(PRESETS["v4-tiny"], 1)
+    assert eplb.ep_checkpoint_refusal(PRESETS["v4-moe32"], 2) is None  # V4: learned and hash-routed layers
+    assert "model_type" in eplb.ep_checkpoint_refusal({**PRESETS["moe32"], "model_type": "llama"}, 1)
     fp8 = {**PRESETS["moe32"], "quantization_config": {"quant_method": "fp8"}}
     assert "quantized" in eplb.ep_checkpoint_refusal(fp8, 1)
 

@@ -98,7 +98,7 @@ def engine(model_dir, tp: int, dp: int = 1, kv_pages: int = 10) -> Engine:
             max_num_batched_tokens=16,
             tp_size=tp,
             dp_size=dp,
-            enable_prefix_cache=False,  # as at --dp-size > 1 (not yet): the same pages held, step by step
+            enable_prefix_cache=False,  # no cache (test_dp_cache_engine has one): the same pages held, step by step
         )
     )
 
