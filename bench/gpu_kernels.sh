@@ -3,8 +3,8 @@
 #
 #   PARTS=kernels bash bench/gpu_kernels.sh [OUT_DIR]   # ~9 min at most
 #   PARTS=engine  bash bench/gpu_kernels.sh [OUT_DIR]   # ~9 min at most
-#   PARTS=engine-v3,multi bash bench/gpu_kernels.sh     # the V3 (mla512) smoke; cuda:1 and --tp-size 2 with 2+ GPUs
-#   PARTS=fp8kv bash bench/gpu_kernels.sh               # FP8 KV: the decode kernel and greedy agreement (~3 min)
+#   PARTS=engine-v3,multi bash bench/gpu_kernels.sh     # the V3 (mla512) smoke; cuda:1, --tp-size 2, --dp-size 2 with 2+ GPUs
+#   PARTS=fp8kv bash bench/gpu_kernels.sh               # FP8 KV: V3/V4 kernels, greedy agreement, V4 + MTP (~8 min)
 #   PARTS=multi-mtp bash bench/gpu_kernels.sh           # MTP graphs at --tp-size 2 (2+ GPUs, ~4 min at most)
 #
 # OUT_DIR defaults to $OUT when set (the device runner's), else bench/results.
@@ -112,12 +112,22 @@ if has fp8kv; then
 # --kv-cache-dtype fp8_e4m3 (issue 46), ~3 min: the Triton MLA decode reading e4m3 rows and their
 # scales, compiled, against the reference; then greedy agreement and logit error of FP8 KV against
 # bf16 KV on the mla512 preset through the engine on CUDA (decode in the kernel, graphs on).
-timeout 90 "$py" -m pytest -q -p no:cacheprovider tests/unit/kernels/test_kernels_mla_decode_fp8.py 2>&1 \
-    | tee "$out/kv_fp8_kernel_tests.log"
+# DeepSeek-V4's attention (ring + compressed entries) and indexer reading e4m3 rows, compiled,
+# at V4-Flash's head_dim 512 too (-m "": the interpreter's slow shapes are quick on a GPU).
+timeout 90 "$py" -m pytest -q -p no:cacheprovider -m "" tests/unit/kernels/test_kernels_mla_decode_fp8.py \
+    tests/unit/kernels/test_v4_fp8_kv.py 2>&1 | tee "$out/kv_fp8_kernel_tests.log"
 rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && { echo "FP8 KV kernel tests failed (exit $rc)"; status=1; }
 timeout 240 "$py" -m bench.suites.kv_fp8_agreement --preset mla512 --device cuda --kernel-backend triton \
     --prompts 16 --new-tokens 32 --out "$out"
 rc=$?; [ "$rc" -ne 0 ] && { echo "FP8 KV agreement failed (exit $rc)"; status=1; }
+# V4 on its Triton kernel path (window ring, CSA/HCA entries and indexer keys in FP8), then MTP
+# over FP8 KV (V4: draft block's ring packed too): greedy agreement against bf16 KV.
+timeout 120 "$py" -m bench.suites.kv_fp8_agreement --preset v4-tiny --device cuda --kernel-backend triton \
+    --prompts 16 --new-tokens 32 --out "$out"
+rc=$?; [ "$rc" -ne 0 ] && { echo "V4 FP8 KV agreement failed (exit $rc)"; status=1; }
+timeout 120 "$py" -m bench.suites.kv_fp8_agreement --preset v4-tiny --device cuda --kernel-backend triton \
+    --mtp-steps 3 --prompts 16 --new-tokens 32 --out "$out"
+rc=$?; [ "$rc" -ne 0 ] && { echo "V4 FP8 KV with MTP agreement failed (exit $rc)"; status=1; }
 fi
 if has multi; then
 gpus=$("$py" -c 'import torch; print(torch.cuda.device_count())')
@@ -128,8 +138,12 @@ rc=$?; [ "$rc" -ne 0 ] && { echo "engine smoke on cuda:1 failed (exit $rc)"; sta
 # Two ranks (NCCL), decode graphs captured on both at start-up, agreeing after every batch size.
 timeout 300 "$py" -m bench.suites.engine_gpu_smoke --preset mla512 --tp 2 --graphs 16 --out "$out/engine_gpu_smoke_tp2.json"
 rc=$?; [ "$rc" -ne 0 ] && { echo "TP 2 engine smoke with graphs failed (exit $rc)"; status=1; }
+# Data-parallel attention (NCCL): each rank captures its own decode graphs, replays the bucket of
+# the step's largest share (an idle rank joins the MoE collectives); greedy with graphs == without.
+timeout 300 "$py" -m bench.suites.engine_gpu_smoke --preset mla512 --tp 2 --dp 2 --graphs 16 --out "$out/engine_gpu_smoke_dp2.json"
+rc=$?; [ "$rc" -ne 0 ] && { echo "DP 2 engine smoke with per-rank graphs failed (exit $rc)"; status=1; }
 else
-echo "one GPU: the cuda:1 and --tp-size 2 smokes need two"
+echo "one GPU: the cuda:1, --tp-size 2 and --dp-size 2 smokes need two"
 fi
 fi
 if has multi-mtp; then

@@ -12,7 +12,8 @@ CUDA graphs off and on. Checks and measures, and writes one JSON:
 
 With no --model it writes a preset (--preset, default mla512; bench/gpu_kernels.sh runs v4-tiny too)
 to a temporary folder. --device cuda:1 runs it off GPU 0 (every thread must choose its device);
---tp 2 spans two GPUs, graphs captured on both ranks. CPU: --device cpu --quick
+--tp 2 spans two GPUs, graphs captured on both ranks (with --dp 2: data-parallel attention, each
+rank its own graphs of its own requests' steps). CPU: --device cpu --quick
 runs the same code without graphs (what the smoke test does).
 """
 
@@ -65,6 +66,7 @@ def run(
     new: int,
     prompt_len: int,
     tp: int = 1,
+    dp: int = 1,
 ) -> dict:
     t0 = time.perf_counter()
     engine = Engine(
@@ -79,6 +81,7 @@ def run(
             max_num_seqs=max(batches) + 4,
             max_num_batched_tokens=max(4096, prompt_len * 4),
             tp_size=tp,
+            dp_size=dp,
         )
     )
     vocab = engine.cfg.vocab_size
@@ -88,6 +91,7 @@ def run(
         "graphs": graphs,
         "graphs_active": engine.runner.cuda_graph_max_bs,
         "tp": tp,
+        "dp": dp,
         "device": str(engine.runner.device),
         "start_s": round(time.perf_counter() - t0, 2),
     }
@@ -131,6 +135,7 @@ def main() -> None:
     p.add_argument("--backend", default="triton")
     p.add_argument("--graphs", type=int, default=32, help="--cuda-graph-max-bs of the 'on' run")
     p.add_argument("--tp", type=int, default=1, help="--tp-size (one GPU a rank, from --device's index)")
+    p.add_argument("--dp", type=int, default=1, help="--dp-size (data-parallel attention; with --tp equal to it)")
     p.add_argument("--quick", action="store_true", help="batch 1 and 2, 4 new tokens (CPU smoke)")
     p.add_argument("--out", type=Path, default=Path("bench/results/engine_gpu_smoke.json"))
     a = p.parse_args()
@@ -146,10 +151,11 @@ def main() -> None:
         "dtype": a.dtype,
         "backend": a.backend,
         "tp": a.tp,
+        "dp": a.dp,
         "runs": [],
     }
     for graphs in graph_sides:
-        result["runs"].append(run(model, a.device, a.dtype, a.backend, graphs, batches, new, prompt_len, a.tp))
+        result["runs"].append(run(model, a.device, a.dtype, a.backend, graphs, batches, new, prompt_len, a.tp, a.dp))
     runs = result["runs"]
     if len(runs) == 2:
         x, y = runs[0]["greedy_tokens"], runs[1]["greedy_tokens"]

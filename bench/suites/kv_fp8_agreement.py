@@ -8,6 +8,7 @@ a divergence does not count the different contexts after it). Also the bytes per
 pool (from the engine's own figures). Writes OUT/kv_fp8_<preset>.json.
 
     python -m bench.suites.kv_fp8_agreement [--preset mla512] [--prompts 16] [--new-tokens 32] [--dtype bfloat16]
+    python -m bench.suites.kv_fp8_agreement --preset v4-tiny --mtp-steps 3   # both engines speculating (MTP)
 
 With --dtype bfloat16 (the default: the comparison is FP8 KV against bf16 KV) it also runs the
 model in float32 and reports how far bf16 itself is from it on the same prompts, as a yardstick
@@ -34,9 +35,11 @@ def run_greedy(
     dtype: str,
     backend: str,
     device: str = "cpu",
+    mtp_steps: int = 0,
 ) -> tuple[dict[str, list[int]], dict[str, list[torch.Tensor]], dict]:
     """Greedy tokens and each sampling step's logits per request (all submitted at once, run to
-    the end by stepping the engine here: no thread), and the engine's /v1/loads figures."""
+    the end by stepping the engine here: no thread), and the engine's /v1/loads figures. With
+    `mtp_steps`, the engine speculates that many MTP drafts a step and only tokens are recorded."""
     from dsv4_engine.engine import Engine
     from dsv4_engine.engine_args import EngineArgs
     from dsv4_engine.sampling_params import SamplingParams
@@ -51,6 +54,7 @@ def run_greedy(
             kv_cache_dtype=kv_cache_dtype,
             kv_pages=max(64, len(prompts) * 8),
             enable_prefix_cache=False,
+            **(dict(speculative_algorithm="mtp", speculative_num_steps=mtp_steps) if mtp_steps else {}),
         )
     )
     logits: dict[str, list[torch.Tensor]] = {}
@@ -63,7 +67,8 @@ def run_greedy(
                 logits.setdefault(b.seq.rid, []).append(out[i].float().clone())
         return out
 
-    engine.runner.forward = recording
+    if not mtp_steps:  # a verify step's rows are not one per request: tokens only
+        engine.runner.forward = recording
     outs: dict[str, list[int]] = {}
     done: set[str] = set()
     for k, prompt in enumerate(prompts):
@@ -129,6 +134,40 @@ def compare(
     }
 
 
+def token_agreement(ref_tokens: dict[str, list[int]], tokens: dict[str, list[int]]) -> dict:
+    """Greedy agreement of `tokens` with the reference: prompts equal, tokens before a divergence."""
+    lead = {
+        r: next((i for i, (a, b) in enumerate(zip(ref, tokens[r])) if a != b), min(len(ref), len(tokens[r])))
+        for r, ref in ref_tokens.items()
+    }
+    return {
+        "prompts": len(ref_tokens),
+        "equal_share": sum(tokens[r] == ref for r, ref in ref_tokens.items()) / len(ref_tokens),
+        "agreed_token_share": sum(lead.values()) / sum(len(ref) for ref in ref_tokens.values()),
+    }
+
+
+def measure_mtp(
+    model_dir: Path, n_prompts: int, new_tokens: int, dtype: str, backend: str, steps: int, seed: int, device: str
+) -> dict:
+    """FP8 KV under MTP speculation: its greedy tokens against bf16 (auto) KV under MTP, and
+    against FP8 KV without speculation (equal by construction in fp32: every key is read as
+    stored, whichever step wrote it; tests/unit/engine/test_spec_decode_fp8_kv.py)."""
+    import json
+
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    prompts = make_prompts(vocab, n_prompts, seed)
+    auto_mtp = run_greedy(model_dir, "auto", prompts, new_tokens, dtype, backend, device, steps)[0]
+    fp8_mtp = run_greedy(model_dir, "fp8_e4m3", prompts, new_tokens, dtype, backend, device, steps)[0]
+    fp8_plain = run_greedy(model_dir, "fp8_e4m3", prompts, new_tokens, dtype, backend, device)[0]
+    return {
+        "mtp_steps": steps,
+        "fp8_mtp_vs_auto_mtp": token_agreement(auto_mtp, fp8_mtp),
+        "fp8_mtp_vs_fp8_plain": token_agreement(fp8_plain, fp8_mtp),
+        "prompts": len(prompts),
+    }
+
+
 def make_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(8, 96, (n,), generator=g).tolist()
@@ -172,11 +211,37 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu, or cuda (with --kernel-backend triton: the FP8 decode kernel)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS / "kv_fp8")
+    p.add_argument(
+        "--mtp-steps", type=int, default=0, help="> 0: both engines speculate this many MTP drafts (tokens compared)"
+    )
     return p.parse_args(argv)
+
+
+def main_mtp(a: argparse.Namespace) -> dict:
+    from dsv4_engine.checkpoint import init_checkpoint
+
+    model = RESULTS / "models" / f"{a.preset}-seed0-mtp"
+    if not (model / "config.json").is_file():
+        init_checkpoint(model, preset=a.preset, seed=0, mtp=True)
+    result = measure_mtp(model, a.prompts, a.new_tokens, a.dtype, a.kernel_backend, a.mtp_steps, a.seed, a.device)
+    report = {"suite": "kv_fp8_agreement", "when": now_iso(), "machine": machine(), "preset": a.preset}
+    report.update(dtype=a.dtype, kernel_backend=a.kernel_backend, device=a.device, new_tokens=a.new_tokens, **result)
+    a.out.mkdir(parents=True, exist_ok=True)
+    suffix = "" if a.device == "cpu" else "_" + a.device.replace(":", "")
+    write_json(report, a.out / f"kv_fp8_{a.preset}_{a.dtype}_mtp{a.mtp_steps}{suffix}.json")
+    vs_auto, vs_plain = result["fp8_mtp_vs_auto_mtp"], result["fp8_mtp_vs_fp8_plain"]
+    print(
+        f"{a.preset} {a.dtype} MTP {a.mtp_steps}: FP8 vs bf16 KV greedy equal on {vs_auto['equal_share']:.0%} of "
+        f"{result['prompts']} prompts ({vs_auto['agreed_token_share']:.1%} of tokens before a divergence); "
+        f"FP8 with vs without MTP equal on {vs_plain['equal_share']:.0%} ({vs_plain['agreed_token_share']:.1%})"
+    )
+    return report
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
     a = parse_args(argv)
+    if a.mtp_steps:
+        return main_mtp(a)
     model = ensure_model(None, a.preset, 0)
     result = measure(model, a.prompts, a.new_tokens, a.dtype, a.kernel_backend, a.seed, a.device)
     report = {

@@ -109,6 +109,11 @@ SUITES = {
         "output unchanged, a live rebalance mid-run (eplb/eplb.json + .png; --preset v4-moe32: DeepSeek-V4, "
         "eplb-v4/).",
     ),
+    "dp_attention": (
+        "dp_attention_bench",
+        "TP vs DP attention at fixed memory per rank: KV tokens and requests the pools hold (the engine's own "
+        "/v1/loads) and tokens/s at a batch that fills them, with dp/tp ratios (dp_attention/dp_attention.json + .png).",
+    ),
     "planner-bound": (
         "planner_bound",
         "What stands between the planner and its cost goal: the planner handed the exact burst-free load, "

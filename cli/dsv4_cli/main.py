@@ -3,6 +3,7 @@ that `dsv4 --help` stays fast and a command only pays for what it uses."""
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -262,6 +263,17 @@ def _serve(**given) -> None:
 app.command("serve")(command(serve_options(*SERVE_SCOPES), _serve))
 
 
+def _serve_params(argv: list[str]) -> dict:
+    """`dsv4 serve` arguments parsed as that command parses them (nothing run): for checks made
+    before `dsv4 up` starts its engines."""
+    return _serve_command().make_context("serve", argv, resilient_parsing=True).params
+
+
+@functools.lru_cache(maxsize=1)
+def _serve_command():
+    return typer.main.get_command(app).commands["serve"]
+
+
 def _router(**given) -> None:
     """Run the PD router: OpenAI API front, pairs prefill + decode per request."""
     values = field_values(router_options(*ROUTER_SCOPES), given)
@@ -344,6 +356,14 @@ def up(
     evidence_dir: Optional[Path] = typer.Option(None, help="Where evidence of wedges is written."),
     engine_arg: List[str] = typer.Option([], help="Extra argument passed to every engine (repeat)."),
     tp_size: int = typer.Option(1, EngineFlags.TP_SIZE, min=1, help="Ranks each engine spans (dsv4 serve --tp-size)."),
+    dp_size: int = typer.Option(
+        1,
+        EngineFlags.DP_SIZE,
+        min=1,
+        help="Data-parallel attention in every engine (dsv4 serve --tp-size N --dp-size N; implies --tp-size N): "
+        "each rank attends over its own requests and holds only their KV. One layout for every role, as "
+        "--tp-size (docs/tensor-parallel.md).",
+    ),
     nnodes: int = typer.Option(
         1,
         EngineFlags.NNODES,
@@ -411,6 +431,12 @@ def up(
             probe_request_timeout,
         )
         return
+    from dsv4_cli.up_parallel import dp_up_refusal, engine_roles, parallel_flags, parallel_sizes, serve_argv
+
+    try:
+        tp_size, dp_size = parallel_sizes(tp_size, dp_size)
+    except ValueError as e:
+        _fail(str(e))
     if nnodes > 1 and tp_size == 1:
         tp_size = nnodes  # one rank per node
     if tp_size % nnodes:
@@ -423,8 +449,13 @@ def up(
             refusal = serving_refusal(str(model), "mono" if mono else "prefill", None, tp_size)
             if refusal:
                 _fail(f"{model}: {refusal}")
-    if tp_size > 1:
-        engine_arg = [*engine_arg, EngineFlags.TP_SIZE, str(tp_size)]
+    if dp_size > 1:  # what the engines would refuse at start is refused here, once, not in a restart loop
+        argv = serve_argv(model if model is not None else _default_model(), engine_arg, tp_size, dp_size)
+        argv += [EngineFlags.NNODES, str(nnodes)] if nnodes > 1 else []
+        refusal = dp_up_refusal(engine_roles(mono), _serve_params(argv))
+        if refusal:
+            _fail(refusal)
+    engine_arg = [*engine_arg, *parallel_flags(tp_size, dp_size)]
     if prefill < 1 or decode < 1:
         _fail("--prefill and --decode must be at least 1")
     if scrape_interval <= 0:

@@ -37,7 +37,7 @@ from dsv4_engine.kv_cache import (
     page_nbytes,
     snapshot_boundary,
 )
-from dsv4_engine.kv_quant import kv_dtype_refusal, pool_kv_dtype
+from dsv4_engine.kv_quant import pool_kv_dtype
 from dsv4_engine.kv_sizing import (
     KVBudget,
     PoolSize,
@@ -267,11 +267,6 @@ class Engine:
         self.cfg = self.runner.cfg
         self.tokenizer = Tokenizer.from_dir(args.model)
         specs = self.runner.state_specs
-        refusal = kv_dtype_refusal(
-            pool_kv_dtype(specs), getattr(self.runner.local_model, "kops", None) is not None, args.speculative_algorithm
-        )
-        if refusal:  # fp8kv: what FP8 KV does not cover yet
-            raise ValueError(refusal)
         self.spec = None  # the MTP speculator when --speculative-algorithm is set (dsv4_engine.spec_decode)
         if args.speculative_algorithm is not None:
             from dsv4_engine.spec_decode.build import build_speculator
@@ -333,8 +328,21 @@ class Engine:
             self.tp.announce_pool(num_pages, page_size, args.max_num_seqs, num_snapshots)
             self.pool.allocator = DPPageAllocator(args.dp_size, num_pages)
             self.runner.model = DPForward(self.runner.model, self.tp, num_pages, page_size)
+            if self.spec is not None:  # its target and MTP forwards run data-parallel too
+                from dsv4_engine.parallel.dp_spec import dp_speculator
+
+                dp_speculator(self.spec, self.tp, num_pages, page_size)
             self.tp.on_failure.append(lambda reason: self.abort(reason=reason, all_=True))
-            self.runner.group = self.tp
+            if self.runner.cuda_graph_max_bs and self.spec is None:  # each rank its own steps (parallel.dp_graphs)
+                from dsv4_engine.parallel.dp_graphs import RankZeroDPGraphs, dp_decode_graphs, dp_graphs_refusal
+
+                why = dp_graphs_refusal(self.runner.model_type)
+                if why is not None:
+                    log.info("CUDA graphs off: %s", why)
+                    self.runner.drop_graphs(why)
+                else:
+                    graphs = dp_decode_graphs(self.runner, self.pool)
+                    self.runner.graphs = RankZeroDPGraphs(graphs, self.tp, num_pages)
         elif self.tp is not None:  # the other ranks mirror the pool; each step reaches them first
             from dsv4_engine.parallel.group import BroadcastForward
 
@@ -355,6 +363,10 @@ class Engine:
 
                 if self.tp is None:
                     capture_spec_graphs(self.spec, self.pool)
+                elif args.dp_size > 1:  # each rank its own requests' steps, together (parallel.dp_spec_graphs)
+                    from dsv4_engine.parallel.dp_spec_graphs import capture_dp_spec
+
+                    capture_dp_spec(self.spec, self.pool, self.tp, num_pages)
                 else:  # the same sets on every rank, together
                     from dsv4_engine.parallel.spec import capture_on_every_rank
 

@@ -18,7 +18,8 @@ Models mark which states are attention KV (`StateSpec.quantizable`); `with_kv_ca
 turns those into packed states; the model's read and write sites call `store_`, `encode` and
 `decode` (plain casts when the state is not packed), and whole-layer paged readers go through
 `readable_pages` (the batch's pages decoded into a compact copy) unless the kernel reads FP8
-itself (the Triton MLA decode).
+itself (the Triton MLA decode). DeepSeek-V4's Triton kernels (attention over the ring and the
+compressed entries, the indexer over its keys) always read the packed rows in place.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import dataclasses
 from typing import Iterable, Optional
 
 import torch
+
+from dsv4_kernels.reference_quant import unpack_kv_rows
 
 AUTO = "auto"
 FP8_E4M3 = "fp8_e4m3"
@@ -62,25 +65,6 @@ def with_kv_cache_dtype(specs: Iterable, kv_cache_dtype: Optional[str]) -> list:
     return out
 
 
-def kv_dtype_refusal(kv_dtype: str, slot_state_kernels: bool, speculative: Optional[str]) -> Optional[str]:
-    """Why FP8 KV cannot serve this engine, in one line, or None. Not yet: DeepSeek-V4 on the
-    Triton kernel path (its attention, indexer and compressor kernels read the states in the
-    model's dtype) and speculative decoding (its draft layers' KV is not quantized, and its
-    ring rollbacks are not checked against packed rows)."""
-    if kv_dtype == AUTO:
-        return None
-    if slot_state_kernels:
-        return (
-            f"--kv-cache-dtype {kv_dtype} with DeepSeek-V4 runs on the torch path only for now "
-            "(--kernel-backend torch or cpu); or use --kv-cache-dtype auto"
-        )
-    if speculative is not None:
-        return (
-            f"--kv-cache-dtype {kv_dtype} with --speculative-algorithm is not supported yet; use --kv-cache-dtype auto"
-        )
-    return None
-
-
 def pool_kv_dtype(specs: Iterable) -> str:
     """What /v1/loads and the log call the pool's KV storage."""
     return FP8_E4M3 if any(getattr(s, "kv_dtype", AUTO) == FP8_E4M3 for s in specs) else AUTO
@@ -100,10 +84,8 @@ def quantize(values: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[..., D + 4] packed -> [..., D] in `dtype`."""
-    d = packed.shape[-1] - SCALE_BYTES
-    scale = packed[..., d:].contiguous().view(torch.float32)
-    return (packed[..., :d].contiguous().view(FP8).float() * scale).to(dtype)
+    """[..., D + 4] packed -> [..., D] in `dtype` (the kernels' references read it the same way)."""
+    return unpack_kv_rows(packed, dtype)
 
 
 def encode(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -265,7 +265,7 @@ class ModelRunner:
         self._states = pool.all_states
         hb = self.host_batch(batch, pool.page_size)  # the used width only (StaticDecodeInputs.load)
         PHASES.lap("batch_build")
-        if self.group is None:
+        if self.group is None:  # one rank, or --dp-size N (whose graphs send each step themselves)
             out = graphs.step(hb)
             PHASES.lap("graph_replay")
             return out

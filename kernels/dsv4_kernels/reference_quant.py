@@ -27,6 +27,17 @@ FP4_GROUP = 32
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code & 7 -> magnitude; bit 3 is the sign
 
 
+def unpack_kv_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """KV rows as `dtype` values: packed FP8 rows (--kv-cache-dtype fp8_e4m3, uint8 [..., D + 4]:
+    D e4m3 bytes, then the row's float32 scale; dsv4_engine.kv_quant writes them) are converted,
+    any other rows cast."""
+    if rows.dtype != torch.uint8:
+        return rows.to(dtype)
+    d = rows.shape[-1] - 4
+    scale = rows[..., d:].contiguous().view(torch.float32)
+    return (rows[..., :d].contiguous().view(torch.float8_e4m3fn).float() * scale).to(dtype)
+
+
 def e8m0_to_float(s: torch.Tensor) -> torch.Tensor:
     """Power-of-two scales as fp32, from exponent bytes (uint8) or float8_e8m0fnu."""
     if s.dtype == torch.uint8:

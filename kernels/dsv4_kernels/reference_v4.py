@@ -17,6 +17,9 @@ Shared conventions
 - CSA picks entries by the indexer (``comp_idx`` [T, top_k] int32, -1 = none); HCA (comp_idx
   None) sees every visible entry.
 - Ties in the indexer's top-k go to the lower entry number (a stable sort), in both backends.
+- --kv-cache-dtype fp8_e4m3: the ring, the entries and the indexer keys may be packed FP8 rows
+  (uint8, dim + 4 bytes: e4m3 values then a float32 scale, reference_quant.unpack_kv_rows);
+  every read converts them, as the kernels do in their tile loops. ``kv`` stays in q's dtype.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4_kernels.grouped_moe import grouped_experts
+from dsv4_kernels.reference_quant import unpack_kv_rows
 
 __all__ = [
     "v4_attention_decode",
@@ -99,7 +103,7 @@ def v4_attention_extend(
         qpos = positions[sl]
         start = int(qpos[0])
         ring_rows, ring_pos = _ring_keys(ring, slot_ids[b : b + 1], qpos[:1])
-        keys = torch.cat([ring_rows[0].to(kv.dtype), kv[sl]], 0)
+        keys = torch.cat([unpack_kv_rows(ring_rows[0], kv.dtype), kv[sl]], 0)
         kpos = torch.cat([ring_pos[0], qpos])
         allowed = (kpos[None] <= qpos[:, None]) & (kpos[None] > qpos[:, None] - W) & (kpos[None] >= 0)
         allowed = allowed.expand(n, -1)
@@ -114,7 +118,7 @@ def v4_attention_extend(
                 w = torch.arange(count, device=q.device)
                 entries = _entry_rows(comp_kv, block_table[b], w, rate, page_size).unsqueeze(0).expand(n, -1, -1)
                 ok = w[None] < ((qpos + 1) // rate)[:, None]
-            keys = torch.cat([keys, entries.to(kv.dtype)], 1)
+            keys = torch.cat([keys, unpack_kv_rows(entries, kv.dtype)], 1)
             allowed = torch.cat([allowed, ok], 1)
         out[sl] = _attend(q[sl], keys, allowed, sink, sm_scale)
         row += n
@@ -140,7 +144,7 @@ def v4_attention_decode(
     W = ring.shape[1]
     t = positions
     ring_rows, ring_pos = _ring_keys(ring, slot_ids, t)
-    keys = torch.cat([ring_rows.to(kv.dtype), kv[:, None]], 1)  # [B, W+1, hd]
+    keys = torch.cat([unpack_kv_rows(ring_rows, kv.dtype), kv[:, None]], 1)  # [B, W+1, hd]
     kpos = torch.cat([ring_pos, t[:, None]], 1)
     allowed = (kpos > t[:, None] - W) & (kpos >= 0)
     if comp_kv is not None:
@@ -153,7 +157,7 @@ def v4_attention_decode(
             w = torch.arange(C, device=q.device)[None].expand(len(t), -1)
             ok = w < counts[:, None]
             entries = _entry_rows(comp_kv, block_table, torch.where(ok, w, 0), rate, page_size)
-        keys = torch.cat([keys, entries.to(kv.dtype)], 1)
+        keys = torch.cat([keys, unpack_kv_rows(entries, kv.dtype)], 1)
         allowed = torch.cat([allowed, ok], 1)
     return _attend(q, keys, allowed, sink, sm_scale)
 
@@ -188,7 +192,7 @@ def v4_indexer_topk(
         if count == 0:
             continue
         w = torch.arange(count, device=iq.device)
-        keys = _entry_rows(index_k, block_table[b], w, rate, page_size).float()  # [C, d]
+        keys = unpack_kv_rows(_entry_rows(index_k, block_table[b], w, rate, page_size), torch.float32)  # [C, d]
         score = torch.matmul(iq[sl].float(), keys.t())  # [n, IH, C]
         score = (F.relu(score) * scale * iw[sl].float().unsqueeze(-1)).sum(dim=-2)  # [n, C]
         visible = w[None] < ((qpos + 1) // rate)[:, None]

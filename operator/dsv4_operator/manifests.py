@@ -19,6 +19,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from dsv4_operator import groups as G
 from dsv4_operator import spec as S
+from dsv4_operator.engine_layout import layout_flags, layout_reasons
 from dsv4_operator.quantity import QUANTITY_FIELDS, QUANTITY_MAPS, same_quantity
 from dsv4_operator.spec import DSV4DeploymentSpec, EnvVar, RoleSpec
 from dsv4_wire import (  # noqa: F401  (re-exported: the operator's modules read them from here)
@@ -118,6 +119,7 @@ def unbuildable_reasons(name: str, spec: DSV4DeploymentSpec) -> list[str]:
             reasons.append(S.MSG_EMPTY_KEY_NEEDS_EXISTS)
         if t.toleration_seconds is not None and t.effect != "NoExecute":
             reasons.append(S.MSG_SECONDS_NEED_NO_EXECUTE)
+    reasons += layout_reasons(spec)
     return list(dict.fromkeys(reasons))
 
 
@@ -279,6 +281,7 @@ def engine_command(spec: DSV4DeploymentSpec, role: str, node: Optional[tuple[str
             cmd += [F.DTYPE, "bfloat16"]
         if tp > 1:  # one engine spans every GPU of its pod (of its group's pods)
             cmd += [F.TP_SIZE, str(tp)]
+        cmd += layout_flags(e.kind, r, tp)  # dpAttention, redundantExperts
         if e.kv_memory_fraction is not None:
             cmd += [F.KV_MEMORY_FRACTION, f"{e.kv_memory_fraction:g}"]
         if e.cuda_graph_max_bs is not None:
@@ -307,6 +310,7 @@ def engine_command(spec: DSV4DeploymentSpec, role: str, node: Optional[tuple[str
             cmd += ["--disaggregation-bootstrap-port", str(t.bootstrap_port)]
         if tp > 1:
             cmd += ["--tp-size", str(tp)]
+        cmd += layout_flags(e.kind, r, tp)
         cmd += group  # SGLang's own flags of the same names
     # User arguments last: for repeated flags the last one wins.
     return cmd + list(e.args) + list(r.args)

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from dsv4_operator import layout_rules as L
 from dsv4_operator.planner.settings import MSG_PLANNER_MIN_MAX, PlannerRoleSpec, PlannerSpec  # noqa: F401  (part of the schema)
 
 GROUP = "serving.dsv4.dev"
@@ -255,6 +256,8 @@ class GroupTopology(_Model):
 
 
 class RoleSpec(_Model):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": L.ROLE_RULES})
+
     replicas: int = Field(1, ge=0)
     scaling: Literal["operator", "external", "planner"] = Field(
         "operator",
@@ -268,6 +271,8 @@ class RoleSpec(_Model):
     group_topology: GroupTopology = Field(
         default_factory=GroupTopology, json_schema_extra={"default": {}}, description=GROUP_TOPOLOGY_DOC
     )
+    dp_attention: Optional[bool] = Field(None, description=L.DP_ATTENTION_DOC)
+    redundant_experts: Optional[int] = Field(None, ge=0, le=4096, description=L.REDUNDANT_EXPERTS_DOC)
     resources: Resources = _nested(Resources)
     node_selector: dict[QualifiedName, LabelValue] = Field(
         DEFAULT_NODE_SELECTOR,
@@ -497,6 +502,7 @@ class DSV4DeploymentSpec(_Model):
                 MSG_GROUP_PORT_CLASH,
                 ".engine.port",
             ),
+            L.SGLANG_REDUNDANT_RULE,
         )
     )
 

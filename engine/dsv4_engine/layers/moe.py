@@ -9,7 +9,8 @@ Tensor / expert parallelism (dsv4_engine.parallel): each rank holds a block of t
 under local ids; the router stays replicated and speaks global ids, `tp.local_experts` maps them
 (another rank's choice becomes -1, which every expert implementation skips), and the ranks' partial
 sums are added by one all-reduce. V3's shared experts are split like a dense MLP (every rank adds
-its part); V4's are replicated and join the sum on rank 0 only."""
+its part); V4's are replicated and join the sum on rank 0 only (under --dp-size N each rank adds
+them to its own rows: `V4MoE.shared_expert`)."""
 
 from __future__ import annotations
 
@@ -201,20 +202,25 @@ class V4MoE:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate.clamp(max=lim)) * up.clamp(min=-lim, max=lim)
 
-    def __call__(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert alone: under --dp-size N each rank adds it to its own rows (it is
+        whole on every rank), not rank 0 to every rank's."""
+        return F.linear(self._swiglu(F.linear(x, self.shared[0])), self.shared[1])
+
+    def __call__(self, x: torch.Tensor, input_ids: torch.Tensor, with_shared: bool = True) -> torch.Tensor:
         wts, ids = self.router(x, input_ids)
         if self.eplb is not None:
             ids = self.eplb(ids)
         if self.tp is not None:  # one rank of --tp-size N: only its experts' share of the sum
             wts, ids = self.tp.local_experts(wts, ids)
-        shared = self.shared if self.tp is None or self.tp.rank == 0 else None
+        shared = self.shared if with_shared and (self.tp is None or self.tp.rank == 0) else None
         if is_quantized(self.w13) or self.kops is not None:
             if is_quantized(self.w13):  # fp8/fp4 experts: the grouped block-scaled kernels, no host reads
                 out = self.experts(x, self.w13, self.w2, wts, ids)
             else:
                 out = self.kops.v4_moe_experts(x, self.w13, self.w2, wts, ids, self.swiglu_limit)
             if shared is not None:
-                out = out + F.linear(self._swiglu(F.linear(x, shared[0])), shared[1])
+                out = out + self.shared_expert(x)
         else:  # pairs grouped by expert (ids < 0: another rank's), or the backend's one call
             out = self.ops.v4_moe_block(x, self.w13, self.w2, wts, ids, shared, self.swiglu_limit)
         return out if self.tp is None else self.tp.all_reduce(out)

@@ -131,6 +131,10 @@ class V4Attention:
         """h [T, D] -> [T, D]. spans: (first row, new tokens, first position) per request; None: a
         captured decode step (kernel path); a `v4_verify.FixedRows`: a verify step at a fixed shape."""
         q, kv, proj, table = self.project(h, rope)
+        if kv_quant.is_packed(states[SWA_KV]):
+            # fp8kv: a chunk's own keys are read as they are stored (as V3 reads its latent back
+            # from its pages), so prefill, decode and an MTP verify of the same tokens agree
+            kv = kv_quant.decode(kv_quant.quantize(kv), kv.dtype)
         if isinstance(spans, v4_verify.FixedRows):
             out = v4_verify.attend(self, q, kv, proj, fb, states, spans.n, step)
         elif self.backend.kops is not None:

@@ -236,19 +236,46 @@ class DeepseekV4:
                 "DeepSeek-V4 needs a batch with slot_ids and page_size (its ring and compressor states are "
                 "per-request slot rows); the engine's batch builder sets both for a model with slot states"
             )
-        cfg = self.cfg
         # A decode step without host lengths is a captured one (cuda_graphs): nothing in it may
         # depend on values, so it runs the kernel path's masked window closing instead.
         static = self.kops is not None and fb.all_decode and fb.seq_lens_host is None
         spans = None if static else request_spans(fb)
         step = self.new_step()
         rope = self.rope(fb.positions)
-        x = F.embedding(fb.input_ids, self.embed)
-        x = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # [T, hc, D] residual streams
-        PHASES.lap("embed")
+        x = self.embed_streams(fb.input_ids)
         for L in self.layers:
             x = self.run_layer(L, x, fb, states, spans, rope, step)
         return self.logits(x[fb.logits_indices])
+
+    @torch.inference_mode()
+    def forward_over_ranks(
+        self, fb: Optional[ForwardBatch], states: dict[str, torch.Tensor], moe
+    ) -> Optional[torch.Tensor]:
+        """One step of one rank under data-parallel attention (dsv4_engine.parallel.dp_attention):
+        its own requests' rows through embeddings, mHC, norms, attention, compressors and indexer
+        against its own states; each layer's MoE through `moe(layer.ffn, h)`, which runs it over
+        every rank's rows and returns this rank's. A rank with no request this step (fb None)
+        still calls `moe` in every layer, with no rows. Its requests' fp32 logits, or None."""
+        x = spans = rope = step = None
+        if fb is not None:
+            spans, step, rope = request_spans(fb), self.new_step(), self.rope(fb.positions)
+            x = self.embed_streams(fb.input_ids)
+        for L in self.layers:
+            if fb is None:
+                moe(L.ffn, torch.zeros(0, self.cfg.hidden_size, dtype=self.dtype, device=self.device))
+                continue
+            x, h, post, comb = self.attend(L, x, fb, states, spans, rope, step)
+            m = moe(L.ffn, h)
+            PHASES.lap("moe")
+            x = L.hc_ffn.expand(x, m, post, comb)
+        return None if fb is None else self.logits(x[fb.logits_indices])
+
+    def embed_streams(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings as the hc_mult residual streams [T, hc, D]."""
+        x = F.embedding(input_ids, self.embed)
+        x = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        PHASES.lap("embed")
+        return x
 
     def new_step(self) -> V4Step:
         """What one step computes once for all of its layers."""
@@ -259,6 +286,14 @@ class DeepseekV4:
 
     def run_layer(self, L: V4Layer, x: torch.Tensor, fb, states: dict, spans, rope: dict, step: V4Step) -> torch.Tensor:
         """Streams x [T, hc, D] through one layer: mHC, norm, attention, mHC, norm, MoE, mHC."""
+        x, h, post, comb = self.attend(L, x, fb, states, spans, rope, step)
+        m = L.ffn(h, fb.input_ids)
+        PHASES.lap("moe")
+        return L.hc_ffn.expand(x, m, post, comb)
+
+    def attend(self, L: V4Layer, x: torch.Tensor, fb, states: dict, spans, rope: dict, step: V4Step):
+        """One layer up to its MoE: (the streams after attention, the MoE's input [T, D], and the
+        post / comb weights the MoE's output is mixed back with)."""
         eps = self.cfg.rms_norm_eps
         post, comb, collapsed = L.hc_attn.collapse(x)
         h = self.ops.rms(collapsed, L.attn_norm, eps)
@@ -269,9 +304,7 @@ class DeepseekV4:
         post, comb, collapsed = L.hc_ffn.collapse(x)
         h = self.ops.rms(collapsed, L.ffn_norm, eps)
         PHASES.lap("norms")
-        m = L.ffn(h, fb.input_ids)
-        PHASES.lap("moe")
-        return L.hc_ffn.expand(x, m, post, comb)
+        return x, h, post, comb
 
     def logits(self, x: torch.Tensor, hc_head: Optional[HyperHead] = None, norm: Optional[torch.Tensor] = None):
         """fp32 logits of streams x [N, hc, D]: the mHC head, the final norm, the output head

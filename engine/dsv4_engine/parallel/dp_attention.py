@@ -1,6 +1,6 @@
 """Data-parallel attention (`--dp-size N` with `--tp-size N`): one step on every rank.
 
-Each rank runs embeddings, norms, MLA attention, the dense MLPs and the LM head over its own
+Each rank runs embeddings, norms, attention, the dense MLPs and the LM head over its own
 requests' token rows only, against its own page pool (`dp_pages`). Before each MoE layer the
 ranks all-gather their rows (padded to the step's largest share; a rank with no rows sends only
 padding), run the MoE expert-parallel over every gathered token (each rank its experts and its
@@ -8,7 +8,9 @@ slice of the shared experts, the partial sums added by one all-reduce, as under 
 keeps its own rows of the sum. Every rank enters every collective of every layer whatever its
 share, so a step where one rank prefills and another idles cannot deadlock. The logits of each
 rank's requests come back to rank 0 (one gather), which samples as at one rank: the sampler's
-state (seeds, penalties, grammars) stays in one place.
+state (seeds, penalties, grammars) stays in one place. DeepSeek-V4 runs the same step through
+its own layers (`DeepseekV4.forward_over_ranks`: mHC, attention, compressors, indexer and its
+states per rank); its MoE also takes every gathered row's token id (hash routing).
 
 Rank 0 sends each step as one header and one int64 payload: every rank's token and request
 counts, then each non-empty share packed as `wire.pack` packs a batch.
@@ -34,14 +36,12 @@ def dp_refusal(args, model_type: str) -> Optional[str]:
         return None
     if args.dp_size != args.tp_size:
         return f"--dp-size {args.dp_size} needs --tp-size {args.dp_size} (each rank is one attention replica)"
-    if model_type not in ("deepseek_v3", "deepseek_v2"):
-        return f"--dp-size > 1 is not yet supported for model_type {model_type!r} (DeepSeek-V3 only)"
+    if model_type not in ("deepseek_v3", "deepseek_v2", "deepseek_v4"):
+        return f"--dp-size > 1 is not supported for model_type {model_type!r} (DeepSeek-V3 and V4 only)"
     if args.role != "mono":
         return f"--dp-size > 1 is not yet supported with PD (--role {args.role})"
-    if args.speculative_algorithm is not None:
-        return "--dp-size > 1 is not yet supported with --speculative-algorithm"
-    if args.cuda_graph_max_bs:
-        return "--dp-size > 1 is not yet supported with CUDA graphs (pass --cuda-graph-max-bs 0)"
+    if args.speculative_algorithm is not None and model_type == "deepseek_v4":
+        return "--dp-size > 1 with --speculative-algorithm runs DeepSeek-V3's MTP only (not yet V4's)"
     if args.nnodes > 1:
         return "--dp-size > 1 is not yet supported with --nnodes > 1"
     if args.host_cache_gb > 0 or args.disk_cache_dir:
@@ -49,12 +49,6 @@ def dp_refusal(args, model_type: str) -> Optional[str]:
             "--dp-size > 1 is not yet supported with --host-cache-gb / --disk-cache-dir "
             "(the device prefix cache is per rank; a rank's pages live in its own process)"
         )
-    if args.ep_redundant_experts or args.ep_loads_file:
-        return (
-            "--dp-size > 1 is not yet supported with --ep-redundant-experts / --ep-loads-file (EPLB places TP's blocks)"
-        )
-    if args.kv_cache_dtype not in (None, "auto"):
-        return f"--dp-size > 1 is not yet supported with --kv-cache-dtype {args.kv_cache_dtype}"
     return None
 
 
@@ -100,15 +94,35 @@ def unpack_share(
 # ---- the forward ---------------------------------------------------------------------------------
 
 
-def _wire_dtype(x: torch.Tensor) -> torch.dtype:
+def wire_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype if x.is_cuda or x.dtype == torch.float32 else torch.float32  # gloo: float32
+
+
+def step_token_ids(header: torch.Tensor, payload: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Every rank's token ids of the step in rank order (the rows the MoE gathers): V4's hash-routed
+    layers pick experts by token id. Read from the step's message, which every rank holds."""
+    n = int(header[wire.REQS])
+    reqs = payload[n : 2 * n].tolist()
+    at, ids = 2 * n, []
+    for r in range(n):
+        if reqs[r] == 0:
+            continue
+        h = payload[at : at + wire.HEADER_LEN]
+        ids.append(payload[at + wire.HEADER_LEN : at + wire.HEADER_LEN + int(h[wire.TOKENS])])
+        at += wire.HEADER_LEN + wire.payload_len(h)
+    return torch.cat(ids).to(device)
+
+
+def routes_by_token(model) -> bool:
+    """Whether the model's MoE needs every gathered row's token id (V4: hash routing)."""
+    return hasattr(model, "forward_over_ranks")
 
 
 def moe_over_ranks(moe: DeepseekMoE, h: torch.Tensor, tokens: list[int], comm) -> torch.Tensor:
     """The MoE over every rank's rows; this rank's rows of the output. `h`: its rows [T, D]."""
     me, group = comm.rank, comm._rank.compute
     width = max(tokens)
-    pad = torch.zeros(width, h.shape[1], dtype=_wire_dtype(h), device=h.device)
+    pad = torch.zeros(width, h.shape[1], dtype=wire_dtype(h), device=h.device)
     pad[: h.shape[0]] = h
     parts = [torch.empty_like(pad) for _ in tokens]
     dist.all_gather(parts, pad, group=group)
@@ -119,10 +133,22 @@ def moe_over_ranks(moe: DeepseekMoE, h: torch.Tensor, tokens: list[int], comm) -
 
 
 @torch.inference_mode()
-def dp_forward(model, fb: Optional[ForwardBatch], states: dict, tokens: list[int]) -> Optional[torch.Tensor]:
-    """One step of DeepSeek-V3 on this rank: fp32 logits of its requests [B_r, vocab], or None
-    when it has none (it still takes part in every layer's MoE)."""
+def dp_forward(
+    model, fb: Optional[ForwardBatch], states: dict, tokens: list[int], token_ids: Optional[torch.Tensor] = None
+) -> Optional[torch.Tensor]:
+    """One step on this rank: fp32 logits of its requests [B_r, vocab], or None when it has none
+    (it still takes part in every layer's MoE). DeepSeek-V4 runs its own layer order
+    (`forward_over_ranks`), its MoE over every rank's rows and token ids."""
     comm = model.tp
+    if routes_by_token(model):
+
+        def v4_moe(moe, h: torch.Tensor) -> torch.Tensor:
+            # routed experts over every rank's rows and token ids; the shared expert, whole on
+            # every rank, over this rank's rows only (rank 0 alone would do every rank's)
+            routed = moe_over_ranks(lambda x: moe(x, token_ids, with_shared=False), h, tokens, comm)
+            return routed + moe.shared_expert(h)
+
+        return model.forward_over_ranks(fb, states, v4_moe)
     mine = tokens[comm.rank]
     hidden = model.cfg.hidden_size
     x = residual = None
@@ -166,7 +192,8 @@ def gather_logits(logits: Optional[torch.Tensor], reqs: list[int], vocab: int, c
 def serve_share(model, header: torch.Tensor, payload: torch.Tensor, states: dict) -> None:
     """A rank other than 0: its share of the step rank 0 sent."""
     fb, tokens, reqs = unpack_share(header, payload, model.tp.rank, model.device)
-    logits = dp_forward(model, fb, states, tokens)
+    ids = step_token_ids(header, payload, model.device) if routes_by_token(model) else None
+    logits = dp_forward(model, fb, states, tokens, ids)
     gather_logits(logits, reqs, model.cfg.vocab_size, model.tp, model.device)
 
 
@@ -188,7 +215,8 @@ class DPForward:
             dist.broadcast(header, 0, group=self.group.rank.control)
             dist.broadcast(payload, 0, group=self.group.rank.control)
             fb0, tokens, reqs = unpack_share(header, payload, 0, self.model.device)
-            logits = dp_forward(self.model, fb0, states, tokens)
+            ids = step_token_ids(header, payload, self.model.device) if routes_by_token(self.model) else None
+            logits = dp_forward(self.model, fb0, states, tokens, ids)
             parts = gather_logits(logits, reqs, self.model.cfg.vocab_size, self.model.tp, self.model.device)
             return merge_logits(parts, ranks)
 

@@ -30,6 +30,7 @@ def split_batch(
         starts.append(starts[-1] + n)
     ids, pos, slots = fb.input_ids.cpu(), fb.positions.cpu(), fb.slot_mapping.cpu()
     table, seq_lens, logits_at = fb.block_table.cpu(), fb.seq_lens.cpu(), fb.logits_indices.cpu()
+    slot_ids = None if fb.slot_ids is None else fb.slot_ids.cpu()  # V4's slot rows: every rank has them all
     out: list[Optional[ForwardBatch]] = []
     for r in range(dp_size):
         reqs = [i for i, ri in enumerate(ranks) if ri == r]
@@ -60,6 +61,7 @@ def split_batch(
                 page_size=fb.page_size,
                 seq_lens_host=sub_lens.tolist(),
                 extend_lens_host=sub_ext,
+                slot_ids=None if slot_ids is None else slot_ids[reqs],
             )
         )
     return out

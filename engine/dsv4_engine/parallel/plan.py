@@ -16,7 +16,8 @@ DeepSeek-V4: attention split by query heads and output groups (wq_b rows, sinks;
 columns; one all-reduce after the output projection) where the groups divide evenly and the
 quantization blocks allow (`v4_splits_attention`); its single KV head, compressors and indexer
 replicated. Routed experts split as above; the shared expert runs on rank 0 only and joins the
-routed sum. See docs/tensor-parallel.md for why not data-parallel attention.
+routed sum. See docs/tensor-parallel.md for data-parallel attention (`--dp-size N`, below), where
+attention, norms, compressors, indexer and mHC stay whole on each rank and only the MoE splits.
 """
 
 from __future__ import annotations
@@ -299,6 +300,35 @@ def v4_slicer(cfg, shard: Shard) -> Slicer:
     return slicer
 
 
+# ---- DeepSeek-V4 with data-parallel attention (--dp-size N) -------------------------------------
+
+
+def dp_v4_refusal(cfg, size: int) -> Optional[str]:
+    """Attention, compressors, indexer and mHC are whole on every rank: only the routed experts split."""
+    if cfg.n_routed_experts < size:
+        return f"--dp-size {size} is more than the routed experts ({cfg.n_routed_experts})"
+    return None
+
+
+def dp_v4_local_config(cfg, shard: Shard):
+    """Every query head and output group (attention_tp_size stays 1: no sum over ranks after the
+    output projection); its block of the routed experts."""
+    lo, hi = block(cfg.n_routed_experts, shard)
+    return replace(cfg, n_routed_experts=hi - lo)
+
+
+def dp_v4_slicer(cfg, shard: Shard) -> Slicer:
+    """Routed experts by block (hash-routed layers too: their table speaks global ids, as the
+    router's scores do); everything else, the shared expert included, whole."""
+    e0, e1 = block(cfg.n_routed_experts, shard)
+
+    def slicer(name: str, shape: tuple[int, ...]) -> Slice:
+        ex = expert_slice(name, shape, e0, e1)
+        return (name, ()) if ex is False else ex  # type: ignore[return-value]
+
+    return slicer
+
+
 @dataclass(frozen=True)
 class Plan:
     refusal: Callable
@@ -313,16 +343,17 @@ PLANS = {
 }
 
 
-# --dp-size N: data-parallel attention (DeepSeek-V3 only, so far).
+# --dp-size N: data-parallel attention.
 DP_PLANS = {
     "deepseek_v3": Plan(dp_v3_refusal, dp_v3_local_config, dp_v3_slicer),
     "deepseek_v2": Plan(dp_v3_refusal, dp_v3_local_config, dp_v3_slicer),
+    "deepseek_v4": Plan(dp_v4_refusal, dp_v4_local_config, dp_v4_slicer),
 }
 
 
 def dp_plan_for(model_type: str) -> Plan:
     if model_type not in DP_PLANS:
-        raise ValueError(f"--dp-size > 1 is not yet supported for model_type {model_type!r} (DeepSeek-V3 only)")
+        raise ValueError(f"--dp-size > 1 is not supported for model_type {model_type!r}")
     return DP_PLANS[model_type]
 
 

@@ -60,14 +60,16 @@ def build_sharded(
 
 def rank_slicer(model, model_dir: str | Path) -> Optional[Slicer]:
     """The slicer of the rank whose model `model` is (None at --tp-size 1), for weights read
-    besides the model's own: the MTP layer's are split as the target's layers are."""
+    besides the model's own: the MTP layer's are split as the target's layers are (under
+    --dp-size N by the data-parallel plan: attention whole, as the target's)."""
     tp = getattr(model, "tp", None)
     if tp is None:
         return None
     from dsv4_engine.models import entry_for_dir
 
     entry = entry_for_dir(model_dir)  # the plan splits the checkpoint's full config, not the rank's
-    return plan_for(entry.model_type).slicer(entry.config_class().from_dir(model_dir), Shard(tp.rank, tp.size))
+    plan = (dp_plan_for if getattr(tp, "replicated_attention", False) else plan_for)(entry.model_type)
+    return plan.slicer(entry.config_class().from_dir(model_dir), Shard(tp.rank, tp.size))
 
 
 def model_tensors(model) -> list[torch.Tensor]:

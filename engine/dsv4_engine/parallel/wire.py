@@ -33,6 +33,17 @@ OP_EPLB = 14
 # OP_DP_FORWARD: a step under data-parallel attention, every rank's share of the batch in one
 # payload (dsv4_engine.parallel.dp_attention.pack_shares).
 OP_DP_FORWARD = 15
+# Speculative decoding under data-parallel attention (dsv4_engine.parallel.dp_spec): the target's
+# forward / one MTP forward, every rank's share in one payload as OP_DP_FORWARD's (the MTP's input
+# hidden states follow, rank-major); each rank's output rows are gathered back to rank 0.
+OP_DP_SPEC_TARGET, OP_DP_SPEC_MTP = 21, 22
+# OP_DP_GRAPH: a captured decode step under data-parallel attention, the shares as OP_DP_FORWARD's
+# (dsv4_engine.parallel.dp_graphs): every rank replays the bucket of the largest share.
+OP_DP_GRAPH = 23
+# OP_DP_SPEC_VERIFY_GRAPH / OP_DP_SPEC_DRAFT_GRAPH: the speculator's captured steps under
+# data-parallel attention, shares as OP_DP_FORWARD's (the draft's input rows follow, rank-major:
+# dsv4_engine.parallel.dp_spec_graphs).
+OP_DP_SPEC_VERIFY_GRAPH, OP_DP_SPEC_DRAFT_GRAPH = 24, 25
 HIDDEN_DTYPES = ("float32", "bfloat16", "float16")
 HIDDEN_META_LEN = 6  # [dtype index, ndim, dims padded with 0]
 

@@ -116,6 +116,10 @@ def serve_rank(spec: dict) -> None:
         from dsv4_engine.spec_decode.build import make_speculator
 
         speculator = make_speculator(runner, ea["model"], ea["speculative_num_steps"])
+        if rank.data_parallel:  # its captured steps: its own requests' (parallel.dp_spec_graphs)
+            from dsv4_engine.parallel.dp_spec_graphs import DPSpecGraphs
+
+            speculator.graphs_class = DPSpecGraphs
         specs = specs + speculator.state_specs
     tightest_memory(device_memory(runner.device), rank)  # rank 0 sizes the pool on the tightest rank
     sizes = torch.zeros(4, dtype=torch.int64)
@@ -152,6 +156,10 @@ def serve_rank(spec: dict) -> None:
                     spec_rank.graphs = None
                 continue
             runner.enable_graphs(int(header[wire.REQS]))
+            if rank.data_parallel and runner.cuda_graph_max_bs:  # its own requests' steps (parallel.dp_graphs)
+                from dsv4_engine.parallel.dp_graphs import dp_decode_graphs
+
+                runner.graphs = dp_decode_graphs(runner, pool)
             if not all_ranks_agree(runner.capture_graphs(pool, agree), rank):
                 runner.drop_graphs()
             continue
@@ -168,6 +176,22 @@ def serve_rank(spec: dict) -> None:
             from dsv4_engine.parallel.dp_attention import serve_share
 
             serve_share(runner.model, header, payload, pool.all_states)
+        elif op == wire.OP_DP_GRAPH:
+            from dsv4_engine.parallel.dp_graphs import serve_graph_share
+
+            serve_graph_share(runner.graphs, header, payload)
+        elif op in (wire.OP_DP_SPEC_VERIFY_GRAPH, wire.OP_DP_SPEC_DRAFT_GRAPH):
+            from dsv4_engine.parallel.dp_spec_graphs import serve_spec_graph
+
+            if spec_rank is None or spec_rank.graphs is None:
+                raise RuntimeError("rank 0 replayed a speculative graph this rank did not capture")
+            serve_spec_graph(spec_rank.graphs, op, header, payload, rank)
+        elif op in (wire.OP_DP_SPEC_TARGET, wire.OP_DP_SPEC_MTP):
+            from dsv4_engine.parallel.dp_spec import serve_spec_share
+
+            if speculator is None:
+                raise RuntimeError("rank 0 sent a speculative step, but this rank runs without speculation")
+            serve_spec_share(op, speculator, header, payload, pool.all_states, rank)
         elif op in SPEC_OPS:
             if spec_rank is None:
                 raise RuntimeError("rank 0 sent a speculative step, but this rank runs without speculation")

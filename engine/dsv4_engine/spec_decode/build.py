@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from dsv4_engine.kv_quant import pool_kv_dtype, with_kv_cache_dtype
 from dsv4_engine.spec_decode.mtp_layer import mtp_state_spec, num_mtp_layers
 from dsv4_engine.spec_decode.options import engine_refusal, normalize_algorithm
 from dsv4_engine.spec_decode.speculator import MTPSpeculator
@@ -50,7 +51,10 @@ def make_speculator(runner, model_dir: str, num_steps: int) -> MTPSpeculator:
     if runner.model_type == "deepseek_v4":
         from dsv4_engine.spec_decode.mtp_v4 import v4_mtp_state_spec
 
-        spec.state_specs = [v4_mtp_state_spec(runner.cfg)]
+        specs = [v4_mtp_state_spec(runner.cfg)]
     else:
-        spec.state_specs = [mtp_state_spec(runner.cfg)]
+        specs = [mtp_state_spec(runner.cfg)]
+    # fp8kv: the MTP block's KV is stored as the model's is (its attention reads and writes it
+    # through kv_quant, and V4's catch-up copies its ring rows into the main window ring)
+    spec.state_specs = with_kv_cache_dtype(specs, pool_kv_dtype(runner.state_specs))
     return spec

@@ -326,7 +326,9 @@ def capture_here(spec, pool, agree: Agree = alone) -> Optional[SpecGraphs]:
             agree(f"CUDA graphs off on this rank: {runner.graphs_off}")
         return None
     use_device(runner.device)  # captures on this thread's current device
-    graphs = SpecGraphs(spec, pool.page_size, pool.num_pages, runner.cuda_graph_max_bs, capture=True)
+    # --dp-size N: the data-parallel sets (parallel.dp_spec_graphs), set where the speculator is made
+    graphs_class = getattr(spec, "graphs_class", SpecGraphs)
+    graphs = graphs_class(spec, pool.page_size, pool.num_pages, runner.cuda_graph_max_bs, capture=True)
     failure = graphs.capture_all(pool, agree)
     if failure is not None:
         log.warning("CUDA graphs off: %s", failure)

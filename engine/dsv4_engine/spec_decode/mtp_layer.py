@@ -39,7 +39,7 @@ def num_mtp_layers(model_dir: str | Path) -> int:
 
 def mtp_state_spec(cfg) -> StateSpec:
     """The MTP block's latent KV: one layer, the same entry as the main layers'."""
-    return StateSpec(STATE, 1, (cfg.kv_cache_dim,))
+    return StateSpec(STATE, 1, (cfg.kv_cache_dim,), quantizable=True)  # fp8kv: as the model's latent
 
 
 def load_layer_weights(model_dir: str | Path, prefix: str, slicer=None) -> dict[str, Any]:
@@ -127,14 +127,18 @@ class MTPLayer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block up to its output, at every token: (x, residual) [T, hidden], their sum the
         output hidden state. What a captured draft step runs (dsv4_engine.spec_decode.graphs)."""
-        ops, eps = self.model.ops, self.model.cfg.rms_norm_eps
-        e, _ = ops.rmsnorm(F.embedding(fb.input_ids, self.embed), self.enorm, eps)
-        h, _ = ops.rmsnorm(prev_hidden.to(e.dtype), self.hnorm, eps)
-        x = F.linear(torch.cat([e, h], dim=-1), self.eh_proj)
         kv = states[STATE]
         page_size = kv.shape[2]
         slots = (fb.slot_mapping // page_size, fb.slot_mapping % page_size)
-        return self.L(x, None, fb, kv[:, 0], slots)
+        return self.L(self.inputs(fb, prev_hidden), None, fb, kv[:, 0], slots)
+
+    def inputs(self, fb: ForwardBatch, prev_hidden: torch.Tensor) -> torch.Tensor:
+        """What the block's decoder layer reads [T, hidden]: the next tokens' embeddings and the
+        previous hidden states, each normed, concatenated and projected."""
+        ops, eps = self.model.ops, self.model.cfg.rms_norm_eps
+        e, _ = ops.rmsnorm(F.embedding(fb.input_ids, self.embed), self.enorm, eps)
+        h, _ = ops.rmsnorm(prev_hidden.to(e.dtype), self.hnorm, eps)
+        return F.linear(torch.cat([e, h], dim=-1), self.eh_proj)
 
     @torch.inference_mode()
     def logits(self, out: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,7 @@ STATE = "mtp_swa_kv"
 
 
 def v4_mtp_state_spec(cfg) -> StateSpec:
-    return StateSpec(STATE, 1, (cfg.head_dim,), kind="slot", slots=cfg.sliding_window)
+    return StateSpec(STATE, 1, (cfg.head_dim,), kind="slot", slots=cfg.sliding_window, quantizable=True)
 
 
 def load_v4_mtp_weights(model_dir: str | Path, n: int, layer: int, slicer=None) -> dict:

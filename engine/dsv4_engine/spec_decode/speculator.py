@@ -427,7 +427,7 @@ class MTPSpeculator:
         # The chain's k-1 decode steps write positions next_pos .. next_pos + want - 2.
         need = -(-(next_pos + want - 1) // pool.page_size) - len(seq.pages)
         if need > 0:
-            pages = pool.allocator.allocate(need)
+            pages = pool.allocator.allocate_beside(seq.pages, need)  # --dp-size N: on its rank
             if pages is None:
                 have = len(seq.pages) * pool.page_size - next_pos + 1
                 return max(0, min(want, have))

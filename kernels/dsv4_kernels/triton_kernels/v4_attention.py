@@ -88,6 +88,7 @@ def v4_attn_kernel(
     SPARSE: tl.constexpr,
     SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     # Tokens on axis 0: axes 1 and 2 of a CUDA grid stop at 65,535, axis 0 does not, so extend
     # steps of any length launch. (Decoding over (token, head block) in one axis cost 8 bytes
@@ -140,7 +141,10 @@ def v4_attn_kernel(
         in_win = n < n_win
         ring_row = ring_base + (wp % window).to(tl.int64) * stride_ring_w
         own_row = kv_ptr + (t - (p - wp)).to(tl.int64) * stride_kv_t
-        rows = tl.where(wp < s, ring_row, own_row)
+        if KV_FP8:
+            rows = ring_row  # packed rows (the ring's, the entries' below); own rows load apart
+        else:
+            rows = tl.where(wp < s, ring_row, own_row)
         valid = live
         if HAS_COMP:
             k = n - n_win
@@ -155,7 +159,19 @@ def v4_attn_kernel(
             page = tl.load(table + (w * rate) // page_size, mask=in_comp, other=0).to(tl.int64)
             comp_row = comp_ptr + page * stride_comp_page + (w % entries_per_page).to(tl.int64) * stride_comp_e
             rows = tl.where(in_win, rows, comp_row)
-        keys = tl.load(rows[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
+        if KV_FP8:
+            # --kv-cache-dtype fp8_e4m3 (dsv4_engine.kv_quant): a ring row or entry is HEAD_DIM
+            # e4m3 bytes then its float32 scale, loaded as bytes, viewed as e4m3, scaled in fp32;
+            # the chunk's own keys (not stored yet) come in q's dtype from kv
+            own = valid & (n < n_win) & (wp >= s)
+            packed = valid & ((n >= n_win) | (wp < s))
+            raw = tl.load(rows[:, None] + offs_d[None, :], mask=packed[:, None] & d_mask[None, :], other=0)
+            row_scale = tl.load((rows + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=packed, other=0.0)
+            mine = tl.load(own_row[:, None] + offs_d[None, :], mask=own[:, None] & d_mask[None, :], other=0.0)
+            keys = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * row_scale[:, None] + mine.to(tl.float32)
+            keys = keys.to(q.dtype)
+        else:
+            keys = tl.load(rows[:, None] + offs_d[None, :], mask=valid[:, None] & d_mask[None, :], other=0.0)
         if UPCAST:
             keys = keys.to(tl.float32)
         sc = tl.dot(q, tl.trans(keys), input_precision="ieee")
@@ -245,7 +261,16 @@ class AttnConfig:
     programs_per_sm: int = 2  # expected occupancy, for sizing the split count
 
 
-def attn_config(head_dim: int, heads: int, arch: int | None, elem_size: int = 2) -> AttnConfig:
+# --kv-cache-dtype fp8_e4m3: the packed tile, its fp32 conversion and the chunk's own rows
+# take registers. From the AOT reports at head_dim 512: 32 or 64 heads a program spill on
+# sm_100/sm_120 (and extend on sm_90), 16 heads x 32 keys on 8 warps fits every target (a
+# token's head tiles read the same keys, mostly from L2); fp32 (exactness mode) fits with one
+# stage only (two: 1-3 KiB spill).
+FP8_BF16 = AttnConfig(block_h=16, block_n=32, num_warps=8, programs_per_sm=2)
+FP8_FP32 = AttnConfig(block_h=16, block_n=16, num_warps=8, num_stages=1, programs_per_sm=2)
+
+
+def attn_config(head_dim: int, heads: int, arch: int | None, elem_size: int = 2, kv_fp8: bool = False) -> AttnConfig:
     """Tiles sized from the AOT register / shared-memory reports (scripts/compile_kernels.py).
 
     64 heads a program (8 warps, wgmma / tcgen05) reads each key tile once for all of
@@ -255,6 +280,8 @@ def attn_config(head_dim: int, heads: int, arch: int | None, elem_size: int = 2)
     16-row tiles on 8 warps. Narrow heads (tests, v4-tiny) take wide key tiles."""
     if next_pow2(head_dim) < 256:
         return AttnConfig(block_h=16, block_n=32, num_warps=4, programs_per_sm=4)
+    if kv_fp8:
+        return FP8_FP32 if elem_size > 2 else FP8_BF16
     if elem_size > 2:
         return AttnConfig(block_h=16, block_n=16, num_warps=8, programs_per_sm=2)
     if heads > 32 and not small_shared(arch):
@@ -264,8 +291,9 @@ def attn_config(head_dim: int, heads: int, arch: int | None, elem_size: int = 2)
     return AttnConfig(block_h=16, block_n=32, num_warps=8, programs_per_sm=2)  # 4 warps spill on sm_120
 
 
-def _occupancy_key(q, cfg, comp_kv, comp_idx) -> tuple:
-    return ("v4_attn", cfg, q.dtype, q.shape[-1], comp_kv is not None, comp_idx is not None, q.device)
+def _occupancy_key(q, cfg, ring, comp_kv, comp_idx) -> tuple:
+    fp8 = ring.dtype == torch.uint8
+    return ("v4_attn", cfg, q.dtype, fp8, q.shape[-1], comp_kv is not None, comp_idx is not None, q.device)
 
 
 def attn_grid(tokens: int, head_blocks: int, num_splits: int) -> tuple[int, int, int]:
@@ -277,12 +305,24 @@ def merge_grid(tokens: int, heads: int) -> tuple[int, int]:
     return check_grid((tokens, heads))
 
 
-def _check(q, kv, ring, comp_kv):
+def _check(q, kv, ring, comp_kv) -> bool:
+    """Whether the ring and entries are packed FP8 rows (uint8, head_dim + 4 bytes:
+    dsv4_engine.kv_quant's format); ValueError on mismatched dtypes or widths."""
     if any(x is not None and x.stride(-1) != 1 for x in (q, kv, ring, comp_kv)):
         raise ValueError("v4 attention needs the last dim of q, kv, ring and comp_kv contiguous")
-    for name, x in (("kv", kv), ("ring", ring), ("comp_kv", comp_kv)):
-        if x is not None and x.dtype != q.dtype:
+    if kv.dtype != q.dtype:
+        raise ValueError(f"v4 attention: q is {q.dtype} but kv is {kv.dtype}")
+    fp8 = ring.dtype == torch.uint8
+    for name, x in (("ring", ring), ("comp_kv", comp_kv)):
+        if x is None:
+            continue
+        if fp8 and (x.dtype != torch.uint8 or x.shape[-1] != q.shape[-1] + 4):
+            raise ValueError(
+                f"v4 attention: FP8 {name} rows must be uint8 of {q.shape[-1]} + 4 bytes, not {x.dtype} x {x.shape[-1]}"
+            )
+        if not fp8 and x.dtype != q.dtype:
             raise ValueError(f"v4 attention: q is {q.dtype} but {name} is {x.dtype}")
+    return fp8
 
 
 def _launch(
@@ -368,10 +408,11 @@ def _launch(
         SPARSE=sparse,
         SPLIT=split,
         UPCAST=on_interpreter(q),
+        KV_FP8=ring.dtype == torch.uint8,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    note_occupancy(_occupancy_key(q, cfg, comp_kv, comp_idx), compiled, q.device, cfg.num_warps)
+    note_occupancy(_occupancy_key(q, cfg, ring, comp_kv, comp_idx), compiled, q.device, cfg.num_warps)
     if split:
         v4_attn_merge_kernel[merge_grid(T, H)](
             part_out,
@@ -400,13 +441,15 @@ HEAD_TILE_STEPS = {
 }
 
 
-def decode_config(head_dim: int, heads: int, arch: int | None, elem_size: int, tokens: int, sms: int) -> AttnConfig:
+def decode_config(
+    head_dim: int, heads: int, arch: int | None, elem_size: int, tokens: int, sms: int, kv_fp8: bool = False
+) -> AttnConfig:
     """attn_config, with smaller head tiles while the grid would leave over half the SMs idle:
     the programs of one token's head tiles read the same keys (resident together in a decode's
     single wave, so mostly from L2), while a split of the key list costs HBM traffic: every split writes and the merge
     reads a [heads, hd] fp32 partial, as large as ~100 of the keys it saves at 64 heads (MQA:
     every head shares every key). Batch 64 x 64 heads on 132 SMs: 32 heads a program, no split."""
-    cfg = attn_config(head_dim, heads, arch, elem_size)
+    cfg = attn_config(head_dim, heads, arch, elem_size, kv_fp8)
     while cfg.block_h in HEAD_TILE_STEPS and elem_size <= 2 and 2 * tokens * triton.cdiv(heads, cfg.block_h) < sms:
         cfg = HEAD_TILE_STEPS[cfg.block_h]
     return cfg
@@ -452,9 +495,9 @@ def v4_attention_decode(
     config: AttnConfig | None = None,
 ) -> torch.Tensor:
     check_launchable(v4_attn_kernel, q)
-    _check(q, kv, ring, comp_kv)
+    fp8 = _check(q, kv, ring, comp_kv)
     B, H, hd = q.shape
-    cfg = config or decode_config(hd, H, cuda_arch(q.device), q.element_size(), B, sm_count(q.device))
+    cfg = config or decode_config(hd, H, cuda_arch(q.device), q.element_size(), B, sm_count(q.device), fp8)
     if num_splits is None:
         num_splits = default_num_splits(
             B,
@@ -462,7 +505,7 @@ def v4_attention_decode(
             _max_keys(ring, block_table, comp_kv, comp_idx, rate, page_size),
             cfg,
             q.device,
-            programs_per_sm(_occupancy_key(q, cfg, comp_kv, comp_idx), cfg.programs_per_sm),
+            programs_per_sm(_occupancy_key(q, cfg, ring, comp_kv, comp_idx), cfg.programs_per_sm),
         )
     ar = torch.arange(B, dtype=torch.int32, device=q.device)
     return _launch(
@@ -504,9 +547,9 @@ def v4_attention_extend(
     config: AttnConfig | None = None,
 ) -> torch.Tensor:
     check_launchable(v4_attn_kernel, q)
-    _check(q, kv, ring, comp_kv)
+    fp8 = _check(q, kv, ring, comp_kv)
     T, H, hd = q.shape
-    cfg = config or attn_config(hd, H, cuda_arch(q.device), q.element_size())
+    cfg = config or attn_config(hd, H, cuda_arch(q.device), q.element_size(), fp8)
     token_req, req_row0 = varlen_index(extend_lens.to(q.device), T)
     return _launch(
         q,
@@ -619,6 +662,7 @@ def aot_variants(arch: int) -> list[KernelVariant]:
                     SPARSE=sparse,
                     SPLIT=split,
                     UPCAST=False,
+                    KV_FP8=False,
                 ),
                 num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages,
@@ -634,6 +678,20 @@ def aot_variants(arch: int) -> list[KernelVariant]:
                 constexprs={**base.constexprs, "BLOCK_H": step.block_h, "BLOCK_N": step.block_n},
                 num_warps=step.num_warps,
                 num_stages=step.num_stages,
+            )
+        )
+    # --kv-cache-dtype fp8_e4m3: ring and entries as e4m3 rows + scales (its own tiles)
+    for dtype, label, at in (("bf16", "csa,decode", 0), ("bf16", "csa,extend", 2), ("fp32", "csa,decode", 5)):
+        base = variants[at]
+        cfg = attn_config(512, 64, arch, 4 if dtype == "fp32" else 2, kv_fp8=True)
+        variants.append(
+            KernelVariant(
+                name=f"v4_attn[{dtype},fp8kv,d512,h64,{label}]",
+                kernel=v4_attn_kernel,
+                types={**base.types, "ring_ptr": "*u8", "comp_ptr": "*u8"},
+                constexprs={**base.constexprs, "KV_FP8": True, "BLOCK_H": cfg.block_h, "BLOCK_N": cfg.block_n},
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
             )
         )
     variants.append(

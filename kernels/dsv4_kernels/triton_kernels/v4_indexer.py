@@ -54,6 +54,7 @@ def _scan_keys(
     BLOCK_N: tl.constexpr,
     K_PAD: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Query t's best K_PAD encoded candidates among its visible entries in the BLOCK_N tiles
     starting at n_begin, n_begin + n_step, ..."""
@@ -85,7 +86,14 @@ def _scan_keys(
         ok = n < count
         page = tl.load(table + (n * rate) // page_size, mask=ok, other=0).to(tl.int64)
         rows = ik_ptr + page * stride_k_page + (n % entries_per_page).to(tl.int64) * stride_k_e
-        k = tl.load(rows[:, None] + offs_d[None, :], mask=ok[:, None] & d_mask[None, :], other=0.0)
+        if KV_FP8:
+            # --kv-cache-dtype fp8_e4m3 (dsv4_engine.kv_quant): HEAD_DIM e4m3 bytes, then the
+            # key's float32 scale; converted in the tile, scored in q's dtype
+            k = tl.load(rows[:, None] + offs_d[None, :], mask=ok[:, None] & d_mask[None, :], other=0)
+            k_scale = tl.load((rows + HEAD_DIM).to(tl.pointer_type(tl.float32)), mask=ok, other=0.0)
+            k = (k.to(tl.float8e4nv, bitcast=True).to(tl.float32) * k_scale[:, None]).to(q.dtype)
+        else:
+            k = tl.load(rows[:, None] + offs_d[None, :], mask=ok[:, None] & d_mask[None, :], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(k, tl.trans(q), input_precision="ieee")  # [BLOCK_N, heads]
@@ -142,6 +150,7 @@ def v4_indexer_topk_kernel(
     BLOCK_N: tl.constexpr,
     K_PAD: tl.constexpr,
     UPCAST: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     """Program (t, s) scans query t's tiles s, s + num_splits, s + 2 * num_splits, ... (interleaved,
     so every split has work whatever the query's context, which the launch cannot know) and
@@ -151,7 +160,7 @@ def v4_indexer_topk_kernel(
     best = _scan_keys(
         iq_ptr, iw_ptr, ik_ptr, block_table_ptr, positions_ptr, token_req_ptr, t, s * BLOCK_N,
         num_splits * BLOCK_N, scale, rate, page_size, entries_per_page, stride_q_t, stride_q_h, stride_w_t,
-        stride_k_page, stride_k_e, stride_bt_b, NUM_HEADS, HEAD_DIM, BLOCK_IH, BLOCK_D, BLOCK_N, K_PAD, UPCAST,
+        stride_k_page, stride_k_e, stride_bt_b, NUM_HEADS, HEAD_DIM, BLOCK_IH, BLOCK_D, BLOCK_N, K_PAD, UPCAST, KV_FP8,
     )  # fmt: skip
     kk = tl.arange(0, K_PAD)
     tl.store(part_ptr + t.to(tl.int64) * stride_p_t + s * K_PAD + kk, best)
@@ -227,7 +236,10 @@ def v4_indexer_topk(
         return out
     if iq.stride(-1) != 1 or index_k.stride(-1) != 1:
         raise ValueError("v4_indexer_topk needs the last dim of iq and index_k contiguous")
-    if iq.dtype != index_k.dtype:
+    kv_fp8 = index_k.dtype == torch.uint8  # packed FP8 keys with their scales (dsv4_engine.kv_quant)
+    if kv_fp8 and index_k.shape[-1] != d + 4:
+        raise ValueError(f"v4_indexer_topk: FP8 index_k rows are {index_k.shape[-1]} bytes, not {d} + 4")
+    if iq.dtype != index_k.dtype and not kv_fp8:
         raise ValueError(f"v4_indexer_topk: iq is {iq.dtype} but index_k is {index_k.dtype}")
     token_req, _ = varlen_index(extend_lens.to(iq.device), T)
     k_pad, block_n, num_warps = indexer_tiles(top_k, iq.element_size(), cuda_arch(iq.device))
@@ -267,6 +279,7 @@ def v4_indexer_topk(
         BLOCK_N=block_n,
         K_PAD=k_pad,
         UPCAST=on_interpreter(iq),
+        KV_FP8=kv_fp8,
         num_warps=num_warps,
         num_stages=2,
     )
@@ -310,6 +323,7 @@ def aot_variants(arch: int) -> list[KernelVariant]:
             BLOCK_N=block_n,
             K_PAD=k_pad,
             UPCAST=False,
+            KV_FP8=False,
         )
         label = f"{dtype},h{ih},d{d},k{top_k}"
         variants.append(
@@ -322,6 +336,17 @@ def aot_variants(arch: int) -> list[KernelVariant]:
                 num_stages=2,
             )
         )
+        if dtype == "bf16" and top_k == 512:  # --kv-cache-dtype fp8_e4m3: e4m3 keys and their scales
+            variants.append(
+                KernelVariant(
+                    name=f"v4_indexer_topk[{dtype},fp8kv,h{ih},d{d},k{top_k}]",
+                    kernel=v4_indexer_topk_kernel,
+                    types={**types, "ik_ptr": "*u8", "part_ptr": "*i64", "num_splits": "i32", "stride_p_t": "i32"},
+                    constexprs={**constexprs, "KV_FP8": True},
+                    num_warps=num_warps,
+                    num_stages=2,
+                )
+            )
         if dtype == "fp32":
             continue  # the merge folds int64 candidates: no activation dtype, one compile per K
         variants.append(

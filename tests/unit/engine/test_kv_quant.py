@@ -82,10 +82,3 @@ def test_a_peer_with_another_kv_dtype_is_refused_naming_the_flag():
     why = layout_mismatch(regions_of(pools["fp8_e4m3"].states), regions_of(pools["auto"].states))
     assert why is not None and "fp8_e4m3 != bfloat16" in why and "--kv-cache-dtype" in why
     assert layout_mismatch(regions_of(pools["fp8_e4m3"].states), regions_of(pools["fp8_e4m3"].states)) is None
-
-
-def test_what_fp8_kv_does_not_cover_yet_is_refused_in_one_line():
-    assert kv_quant.kv_dtype_refusal("auto", True, "mtp") is None
-    assert kv_quant.kv_dtype_refusal("fp8_e4m3", False, None) is None
-    assert "--kernel-backend torch" in kv_quant.kv_dtype_refusal("fp8_e4m3", True, None)
-    assert "--speculative-algorithm" in kv_quant.kv_dtype_refusal("fp8_e4m3", False, "mtp")

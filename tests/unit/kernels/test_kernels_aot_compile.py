@@ -67,7 +67,8 @@ def test_kernels_compile_for_hopper_and_blackwell_within_limits(arch):
                 "v4_indexer_topk[",
             )
         ):
-            assert report["pipelined"], report
+            # fp32 over FP8 KV (exactness mode) fits its registers with one stage only
+            assert report["pipelined"] or report["kernel"].startswith("v4_attn[fp32,fp8kv"), report
             assert (report["mma"] != "-") == ("bf16" in report["kernel"]), report
         # The quantized-weight GEMMs take tensor cores (fp8 x fp8, or decoded fp4 in bf16); fp4
         # against fp32 activations asks for exact fp32 products (FMA units), like the fp32 GEMMs.

@@ -40,7 +40,7 @@ PROMPTS = {"a": prompt(17, 41), "b": prompt(9, 43)}
 ARRIVALS = {0: ["a"], 1: ["b"]}
 
 
-def run(v4_dir, backend: str, kernel_ops=None, prompts=None, arrivals=None, new_tokens=NEW_TOKENS):
+def run(v4_dir, backend: str, kernel_ops=None, prompts=None, arrivals=None, new_tokens=NEW_TOKENS, kv_cache_dtype=None):
     """Greedy tokens and the logits each was sampled from, per request; the engine."""
     prompts, arrivals = prompts or PROMPTS, arrivals or ARRIVALS
     engine = Engine(
@@ -52,6 +52,7 @@ def run(v4_dir, backend: str, kernel_ops=None, prompts=None, arrivals=None, new_
             page_size=4,
             max_num_batched_tokens=7,
             max_num_seqs=4,
+            kv_cache_dtype=kv_cache_dtype,
         )
     )
     if kernel_ops is not None:
@@ -202,3 +203,17 @@ def test_one_forward_mixing_chunks_and_decode_tokens(v4_dir):
             done[rid] += n
             if done[rid] >= len(toks[rid]):
                 toks[rid].append(int(lg.argmax()))
+
+
+@pytest.mark.slow
+def test_triton_backend_reads_fp8_kv_as_the_torch_backend_does(v4_dir):
+    """--kv-cache-dtype fp8_e4m3 on the kernel path: the Triton attention and indexer read the
+    ring, entries and indexer keys as packed e4m3 rows + scales, in place; the torch backend
+    decodes the same rows. Greedy tokens equal, logits within fp32's bound: both read every key
+    as stored (a chunk's own keys included), so no value lands on another e4m3 step."""
+    got = run(v4_dir, "triton", kv_cache_dtype="fp8_e4m3")
+    want = run(v4_dir, "torch", kv_cache_dtype="fp8_e4m3")
+    assert got[2].runner.model.kops is not None and got[2].kv_cache_dtype == "fp8_e4m3"
+    for rid in PROMPTS:
+        assert got[0][rid] == want[0][rid], rid
+        assert float((got[1][rid] - want[1][rid]).abs().max()) < TOL, rid

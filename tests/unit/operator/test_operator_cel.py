@@ -93,6 +93,17 @@ REFUSED: dict[str, tuple[dict, str]] = {
     "planner_default_max_below_min": (with_spec(planner={"prefill": {"minReplicas": 9}}), "minReplicas"),
     "planner_scaling_unknown": (with_spec(prefill={"scaling": "hpa"}), "planner"),
     "planner_utilization_zero": (with_spec(planner={"targetUtilization": 0}), "minimum"),
+    "dp_attention_one_gpu": (with_spec(decode={"dpAttention": True, "gpusPerPod": 1}), "dpAttention needs 2 GPUs"),
+    "dp_attention_no_gpu": (with_spec(prefill={"dpAttention": True, "gpusPerPod": 0}), "dpAttention needs 2 GPUs"),
+    "redundant_experts_past_the_gpus": (with_spec(decode={"redundantExperts": 5}), "at most one per GPU"),
+    "redundant_experts_past_a_group": (
+        with_spec(prefill={"redundantExperts": 3, "gpusPerPod": 1, "nodesPerReplica": 2}),
+        "at most one per GPU",
+    ),
+    "sglang_redundant_experts": (
+        with_spec(engine={"kind": "sglang", "image": "i"}, decode={"redundantExperts": 1}),
+        "builtin's flag",
+    ),
 }
 
 ACCEPTED: dict[str, dict] = {
@@ -110,6 +121,12 @@ ACCEPTED: dict[str, dict] = {
     "selector_prefixed": with_spec(
         decode={"nodeSelector": {"node.kubernetes.io/instance-type": "p5.48xlarge", "empty": ""}}
     ),
+    "dp_attention_and_eplb": with_spec(decode={"dpAttention": True, "redundantExperts": 4}),
+    "dp_attention_off_on_one_gpu": with_spec(prefill={"dpAttention": False, "gpusPerPod": 1}),
+    "dp_attention_over_a_group_of_one_gpu_pods": with_spec(
+        prefill={"dpAttention": True, "gpusPerPod": 1, "nodesPerReplica": 2, "redundantExperts": 2}
+    ),
+    "sglang_dp_attention": with_spec(engine={"kind": "sglang", "image": "i"}, decode={"dpAttention": True}),
     "planner_defaults": with_spec(prefill={"scaling": "planner"}, decode={"scaling": "planner"}),
     "planner_settings": with_spec(
         decode={"scaling": "planner", "replicas": 2},

@@ -1,0 +1,168 @@
+"""Captured decode steps under data-parallel attention (`--dp-size N` with `--cuda-graph-max-bs`).
+
+Each rank captures its own graphs, one per bucket of requests, of the data-parallel decode step
+(dp_attention.dp_forward) over its own static buffers and its own pool. A graph's collectives
+need the same shapes on every rank, so in a captured step every rank's share counts as the
+step's largest share: rank 0 picks the bucket of the largest share and every rank pads its rows
+to it (repeating its first row, as cuda_graphs.pad_decode does), so each MoE layer gathers
+bucket rows from every rank whatever each holds. A rank with no request this step has no row
+to repeat (padding would write a live page); it runs only its part of the collectives, eagerly,
+with zero rows of the same width. The logits of each rank's real rows then come back to rank 0
+as in an eager step (one gather, outside the graph).
+
+Rank 0 sends a captured step as OP_DP_GRAPH: the step's shares as OP_DP_FORWARD packs them. A
+step whose largest share is past the largest bucket runs eagerly (DPForward).
+`--cuda-graph-max-bs` is per rank here: a step may hold up to N times as many requests.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from dsv4_engine.batch_buffers import HostBatch
+from dsv4_engine.cuda_graphs import DecodeGraphs, bucket_for, pad_decode
+from dsv4_engine.layers.moe import DeepseekMoE
+from dsv4_engine.models.forward_batch import ForwardBatch
+from dsv4_engine.parallel import wire
+from dsv4_engine.parallel.dp_attention import dp_forward, gather_logits, moe_over_ranks, pack_shares, unpack_share
+from dsv4_engine.parallel.dp_batch import merge_logits, request_ranks, split_batch
+
+
+def dp_graphs_refusal(model_type: str) -> Optional[str]:
+    """Why this model's data-parallel decode steps are not captured (None: they are)."""
+    if model_type in ("deepseek_v3", "deepseek_v2"):
+        return None
+    return f"not yet captured per rank under --dp-size for model_type {model_type!r} (decodes run eagerly)"
+
+
+def host_of(fb: ForwardBatch) -> HostBatch:
+    """A share (CPU tensors) as the host arrays a graph's static buffers load."""
+    return HostBatch(
+        input_ids=fb.input_ids.numpy(),
+        positions=fb.positions.numpy(),
+        slot_mapping=fb.slot_mapping.numpy(),
+        block_table=fb.block_table.numpy(),
+        seq_lens=fb.seq_lens.numpy(),
+        extend_lens=fb.extend_lens.numpy(),
+        logits_indices=fb.logits_indices.numpy(),
+        slot_ids=None,
+    )
+
+
+def forward_of(hb: HostBatch, page_size: int) -> ForwardBatch:
+    """Rank 0's step (host arrays) as a CPU ForwardBatch, to cut into shares."""
+    fields = [k for k in HostBatch.__dataclass_fields__ if k != "slot_ids"]  # V3: no slot rows
+    t = {k: torch.from_numpy(np.ascontiguousarray(getattr(hb, k))) for k in fields}
+    return ForwardBatch.of_tensors(t, page_size, all_decode=True, slots=False)
+
+
+def step_bucket(reqs: list[int], buckets: list[int]) -> Optional[int]:
+    """The bucket every rank replays this step: the largest share's (None: past the largest)."""
+    return bucket_for(max(reqs), buckets)
+
+
+class DPDecodeGraphs(DecodeGraphs):
+    """One rank's captured data-parallel decode steps: bucket b's graph runs b rows of this rank
+    and gathers b rows from every rank in each MoE layer."""
+
+    def __init__(self, model, states: dict, max_bs: int, width: int, page_size: int, device, capture: bool):
+        self.model, self.states, self.page_size = model, states, page_size
+        self.ranks = model.tp.size
+
+        def run_forward(t: dict[str, torch.Tensor], bs: int) -> torch.Tensor:
+            fb = ForwardBatch.of_tensors(t, page_size, all_decode=True, slots=False)
+            return dp_forward(model, fb, self.states, [bs] * self.ranks)
+
+        super().__init__(run_forward, max_bs, width, device, capture)
+        self.name = "data-parallel decode"
+
+    def fits(self, n: int, max_pages: int) -> bool:
+        """Whether a step may be captured: its pages fit the table; its largest share is checked
+        in `step` (each rank's share is at most the step's n, and up to N buckets' worth in all)."""
+        return n <= self.buckets[-1] * self.ranks and max_pages <= self.width
+
+    def replay_share(self, share: Optional[ForwardBatch], bs: int) -> Optional[torch.Tensor]:
+        """This rank's logits of the step at bucket bs (None when it has no request: then only
+        its part of each MoE layer's collectives, eagerly)."""
+        if share is None:
+            idle_moe(self.model, bs)
+            return None
+        return replay_at(self, host_of(share), bs)
+
+
+def replay_at(g: DecodeGraphs, hb: HostBatch, bs: int) -> torch.Tensor:
+    """g's output rows of a decode-shaped batch replayed at bucket bs (not its own bucket: the
+    step's largest share's); the same padded step run eagerly where nothing was captured."""
+    n = hb.seq_lens.shape[0]
+    g.inputs.load(pad_decode(hb, bs))
+    if g.graphs:
+        g.graphs[bs].replay()
+        return g.outputs[bs][:n]
+    return g.run_forward(g.inputs.view(bs), bs)[:n]
+
+
+@torch.inference_mode()
+def idle_moe(model, bs: int) -> None:
+    """A rank without requests in a captured step: each MoE layer's gather and sum over bs zero
+    rows of its own (what the busy ranks' graphs expect of it)."""
+    idle_layers(model, model.layers, bs)
+
+
+@torch.inference_mode()
+def idle_layers(model, layers, bs: int) -> None:
+    """Each MoE layer of `layers`: this rank's part of the gather and sum, with zero rows."""
+    comm = model.tp
+    h = torch.zeros(0, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
+    for layer in layers:
+        if isinstance(layer.mlp, DeepseekMoE):
+            moe_over_ranks(layer.mlp, h, [bs] * comm.size, comm)
+
+
+def dp_decode_graphs(runner, pool) -> DPDecodeGraphs:
+    """This rank's (empty) graph set, sized as the runner's plain decode graphs would be."""
+    width = max(1, min(pool.num_pages, -(-runner.cfg.max_position_embeddings // pool.page_size)))
+    return DPDecodeGraphs(
+        runner.local_model, pool.all_states, runner.cuda_graph_max_bs, width, pool.page_size, runner.device, True
+    )
+
+
+def serve_graph_share(graphs: DPDecodeGraphs, header: torch.Tensor, payload: torch.Tensor) -> None:
+    """A rank other than 0: its share of a captured step rank 0 sent."""
+    model = graphs.model
+    share, _, reqs = unpack_share(header, payload, model.tp.rank, torch.device("cpu"))
+    logits = graphs.replay_share(share, step_bucket(reqs, graphs.buckets))
+    gather_logits(logits, reqs, model.cfg.vocab_size, model.tp, model.device)
+
+
+class RankZeroDPGraphs:
+    """Rank 0's captured steps (what `ModelRunner._graph_forward` steps): the step cut into
+    shares and sent, its own share replayed, the logits gathered back in batch order; a step
+    whose largest share has no bucket comes back None (the runner then runs it eagerly)."""
+
+    def __init__(self, graphs: DPDecodeGraphs, group, pages_per_rank: int):
+        self.graphs, self.group = graphs, group
+        self.pages_per_rank = pages_per_rank
+
+    def step(self, hb: HostBatch) -> Optional[torch.Tensor]:
+        g = self.graphs
+        fb = forward_of(hb, g.page_size)
+        ranks = request_ranks(fb, self.pages_per_rank)
+        shares = split_batch(fb, ranks, self.group.size, self.pages_per_rank, g.page_size)
+        reqs = [0 if s is None else s.seq_lens.numel() for s in shares]
+        bs = step_bucket(reqs, g.buckets)
+        if bs is None:
+            return None
+        with self.group.step("a captured data-parallel decode step on rank 0"):
+            header, payload = pack_shares(shares)
+            header[wire.OP] = wire.OP_DP_GRAPH
+            torch.distributed.broadcast(header, 0, group=self.group.rank.control)
+            torch.distributed.broadcast(payload, 0, group=self.group.rank.control)
+            logits = g.replay_share(shares[0], bs)
+            parts = gather_logits(logits, reqs, g.model.cfg.vocab_size, g.model.tp, g.model.device)
+            return merge_logits(parts, ranks)
+
+    def __getattr__(self, name):
+        return getattr(self.graphs, name)
