@@ -24,6 +24,7 @@ What this module holds is pure: the per-request record and the event filter. The
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -68,6 +69,13 @@ def choice_count(body: dict) -> int:
     n = body.get("n")
     n = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
     return n * prompt_count(body)
+
+
+# A plain delta event after its head (Resume.plain_event): one choice, no finish, the token ids
+# last (group 1, their list group 2), then the ends of the event; no line break before its end.
+_PLAIN_EVENT = re.compile(
+    rb'\{"index": 0, "finish_reason": null, [^\n]*(, "token_ids": \[([^\]\n]*)\])(?:\}\]\}|\}\], "usage": null\})\n\n'
+)
 
 
 @dataclass
@@ -278,40 +286,36 @@ class Resume:
     _PLAIN = b'{"index": 0, "finish_reason": null, '
     _IDS = b', "token_ids": ['
     _ENDS = (b"}]}", b'}], "usage": null}')
-    _ENDS_SSE = (b"}]}\n\n", b'}], "usage": null}\n\n')
 
     def plain_event(self, chunk: bytes) -> Optional[bytes]:
         """The client's bytes when `chunk` is exactly one plain delta event of this request's
         current engine (what `filter` gives for it, tokens recorded), else None with nothing
         recorded: the chunk then goes through `filter`."""
         head = self.head
-        if head is None or not chunk.startswith(head) or chunk.find(b"\n\n") != len(chunk) - 2:
+        if head is None or not chunk.startswith(head):
             return None
-        # _fast's reading, on the chunk as it came (every relayed token passes here: no copies)
-        rest = len(head)
-        if not chunk.startswith(self._PLAIN, rest):
+        # _fast's reading in one match on the chunk as it came (every relayed token passes here)
+        m = _PLAIN_EVENT.fullmatch(chunk, len(head))
+        if m is None:
             return None
-        at = chunk.rfind(self._IDS, rest)
-        if at < 0:
-            return None
-        close = chunk.find(b"]", at)
-        end = chunk[close + 1 :]
-        if close < 0 or end not in self._ENDS_SSE:
-            return None
-        raw = chunk[at + len(self._IDS) : close]
+        raw = m.group(2)
         try:
-            if b"," not in raw:  # one token: most events
-                if raw.strip():
-                    t = int(raw)
-                    self.tokens.append(t)
-                    self.choice_tokens.setdefault(0, []).append(t)
-            else:
-                ids = [int(t) for t in raw.split(b",")]
-                self.tokens.extend(ids)
-                self.choice_tokens.setdefault(0, []).extend(ids)
+            ids = (int(raw),) if b"," not in raw else [int(t) for t in raw.split(b",")]
         except ValueError:
-            return None
-        return chunk if self.client_wants_ids else chunk[:at] + end
+            if raw.strip():
+                return None
+            ids = ()
+        if ids:
+            self.tokens.extend(ids)
+            mine = self.choice_tokens.get(0)
+            if mine is None:
+                self.choice_tokens[0] = list(ids)
+            else:
+                mine.extend(ids)
+        if self.client_wants_ids:
+            return chunk
+        at, close = m.span(1)
+        return chunk[:at] + chunk[close:]
 
     def _fast(self, event: bytes) -> Optional[bytes]:
         """The client's bytes for a plain delta event of this request's current engine (the

@@ -10,7 +10,11 @@ read callback, without waking the relaying task: at fleet rates a relayed token 
 event, and the wake-up, the generator step and the layers of awaited `send`s per event were most
 of the router's CPU per token (bench/suites/relay_bench.py). The ASGI `send` chain completes
 without suspending unless the client's socket is backed up; when it does suspend, the write
-finishes in a task and everything after it takes the ordinary path, in order.
+finishes in a task and everything after it takes the ordinary path, in order. Under uvicorn's
+httptools server the outlet frames the chunk and writes it to the connection itself (`raw_body`),
+which is what that server's `send` does for a body message once the head is out, less the
+message, the coroutine and its checks per token; anything else (a backed-up or gone client, the
+end of the answer) still goes through `send`.
 """
 
 from __future__ import annotations
@@ -21,6 +25,11 @@ from typing import AsyncIterator, Callable, Optional
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
+
+try:
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+except ImportError:  # no httptools: uvicorn's h11 server, every event through `send`
+    RequestResponseCycle = None
 
 from dsv4_router.hangup import SCOPE_KEY as HANGUP
 from dsv4_wire import APIError
@@ -68,11 +77,33 @@ async def _finish(coro, waiting_on) -> None:
             return
 
 
+def raw_body(send: Send) -> Optional[Callable[[bytes], bool]]:
+    """For the `send` of uvicorn's httptools server, once a chunked answer's head is out: a
+    function that writes a body chunk to the connection as that `send` would (True), or leaves
+    it to `send` (False) when the client is backed up or gone or the answer is over. Else None."""
+    cycle = getattr(send, "__self__", None)
+    if RequestResponseCycle is None or type(cycle) is not RequestResponseCycle:
+        return None
+    if cycle.chunked_encoding is not True or cycle.scope.get("method") == "HEAD":
+        return None
+    transport, flow = cycle.transport, cycle.flow
+
+    def write(data: bytes) -> bool:
+        if flow.write_paused or cycle.disconnected or cycle.response_complete:
+            return False
+        if data:
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        return True
+
+    return write
+
+
 class Outlet:
     """Writes to the client outside the relaying task, when nothing it yielded is still unsent."""
 
     def __init__(self) -> None:
         self.send: Optional[Send] = None  # set once the answer's head is sent
+        self.raw: Optional[Callable[[bytes], bool]] = None  # `send`'s write, without it (raw_body)
         self.queued = False  # the stream loop holds an event from the relay not yet sent
         self.behind: Optional[asyncio.Future] = None  # a write that had to wait for the socket
 
@@ -81,12 +112,22 @@ class Outlet:
 
     def write(self, data: bytes) -> bool:
         """Send `data` now; False (nothing sent) when it must go the ordinary way."""
+        return self.pass_on(data, _same)
+
+    def pass_on(self, chunk: bytes, convert: Callable[[bytes], Optional[bytes]]) -> bool:
+        """Send `convert(chunk)` now, when it may go now and `convert` gives bytes (not None);
+        `convert` runs only then (it may record what it passed). False: nothing sent."""
         if self.send is None or self.queued:
             return False
         if self.behind is not None:
             if not self.behind.done():
                 return False
             self.behind = None
+        data = convert(chunk)
+        if data is None:
+            return False
+        if self.raw is not None and self.raw(data):
+            return True
         coro = self.send({"type": "http.response.body", "body": data, "more_body": True})
         try:
             waiting_on = coro.send(None)
@@ -98,6 +139,10 @@ class Outlet:
             return True
         self.behind = asyncio.ensure_future(_finish(coro, waiting_on))
         return True
+
+
+def _same(data: bytes) -> bytes:
+    return data
 
 
 _HEADERS = StreamingResponse((), media_type="text/event-stream").raw_headers  # what it would build each time
@@ -131,6 +176,7 @@ class RelayResponse(StreamingResponse):
         out = self.outlet
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         out.send = send
+        out.raw = raw_body(send)
         async for chunk in self.body_iterator:
             out.queued = True
             if out.behind is not None:
@@ -181,7 +227,7 @@ class RelayResponse(StreamingResponse):
         if self._closed:
             return
         self._closed = True
-        self.outlet.send = None  # nothing more goes to the client from outside the stream loop
+        self.outlet.send = self.outlet.raw = None  # nothing more goes to the client from outside the stream loop
         try:
             await self.body_iterator.aclose()  # runs the relay's finally if it is parked at a yield
         finally:

@@ -294,3 +294,21 @@ def test_the_bytes_path_leaves_a_moved_request_to_the_json_path():
     st.attempts = 2  # the next engine answers under its own id and time: rewritten to the client's
     out, _ = st.filter(engine_event("r-m1", 9, {"content": "b"}, [2]))
     assert events(out)[0]["id"] == "r" and events(out)[0]["created"] == 7 and st.tokens == [1, 2]
+
+
+def test_only_a_chunk_that_is_exactly_one_plain_delta_takes_the_bytes_path():
+    st = Resume("r", {}, stream=True)
+    st.filter(engine_event("r", 7, {"content": "a"}, [1]))  # the first event: sets the head
+    one = engine_event("r", 7, {"content": "b"}, [2])
+    for chunk in (
+        one + one,  # two events: the loop's
+        one[:-1],  # half an event
+        engine_event("r", 7, {"content": "c"}, [3], finish="stop"),  # a finish
+        engine_event("s", 7, {"content": "d"}, [4]),  # another engine's id
+        one.replace(b"[2]", b"[x]"),  # ids that are no ids
+    ):
+        assert st.plain_event(chunk) is None
+    assert st.tokens == [1] and st.choice_tokens == {0: [1]}  # nothing recorded on the way
+    assert st.plain_event(one) is not None and st.tokens == [1, 2]
+    assert st.plain_event(engine_event("r", 7, {"content": "e"}, [])) is not None  # no ids: none recorded
+    assert st.tokens == [1, 2] and st.choice_tokens == {0: [1, 2]}

@@ -115,3 +115,53 @@ async def test_writes_behind_a_backed_up_client_keep_their_order() -> None:
     assert sent == [b"1", b"2", b"4"]
     out.queued = True  # the stream loop holds an event of its own: it goes first
     assert not out.ready() and not out.write(b"5")
+
+
+class _Wire:
+    """A client connection's transport: records what the server writes."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, b: bytes) -> None:
+        self.data += b
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def _uvicorn_cycle(wire: _Wire):
+    import logging
+
+    from uvicorn.protocols.http.flow_control import FlowControl
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+    log = logging.getLogger("test")
+    scope = {"type": "http", "method": "POST"}
+    return RequestResponseCycle(scope, wire, FlowControl(wire), log, log, False, [], asyncio.Event(), False, True, id)
+
+
+@pytest.mark.asyncio
+async def test_the_raw_write_puts_on_the_wire_what_uvicorns_send_would() -> None:
+    from dsv4_router.relay import raw_body
+
+    start = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+    events = [b"data: 1\n\n", b"", b'data: {"x": 2}\n\n']
+    by_send, by_raw = _Wire(), _Wire()
+    plain, raw = _uvicorn_cycle(by_send), _uvicorn_cycle(by_raw)
+    assert raw_body(raw.send) is None  # no head yet: framing unknown
+    for cycle in (plain, raw):
+        await cycle.send(start)
+    write = raw_body(raw.send)
+    for e in events:
+        await plain.send({"type": "http.response.body", "body": e, "more_body": True})
+        assert write(e)
+    assert bytes(by_raw.data) == bytes(by_send.data)
+    # a backed-up or gone client, or an answer that is over: left to `send` (it waits or drops)
+    raw.flow.write_paused = True
+    assert not write(b"data: 3\n\n")
+    raw.flow.write_paused = False
+    raw.disconnected = True
+    assert not write(b"data: 3\n\n")
+    assert bytes(by_raw.data) == bytes(by_send.data)
+    assert raw_body(lambda message: None) is None  # another server's send: always `send`
