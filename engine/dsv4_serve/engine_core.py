@@ -309,6 +309,10 @@ def _refusal(args) -> Optional[str]:
     except UnsupportedQuantization as e:
         return f"{args.model}: {e}"
     refusal = serving_refusal(args.model, args.role, args.page_size, args.tp_size)
+    if refusal is None and args.dp_size > 1:  # with the server's options too (--transfer-checksum)
+        from dsv4_engine.engine import dp_refusal_for
+
+        refusal = dp_refusal_for(args)
     if refusal is None and args.ep_redundant_experts:
         import json
         from pathlib import Path

@@ -38,8 +38,11 @@ def dp_refusal(args, model_type: str) -> Optional[str]:
         return f"--dp-size {args.dp_size} needs --tp-size {args.dp_size} (each rank is one attention replica)"
     if model_type not in ("deepseek_v3", "deepseek_v2", "deepseek_v4"):
         return f"--dp-size > 1 is not supported for model_type {model_type!r} (DeepSeek-V3 and V4 only)"
-    if args.role != "mono":
-        return f"--dp-size > 1 is not yet supported with PD (--role {args.role})"
+    # pd.dp_handoff: rank 0 cannot read rank r's pool to verify what landed (a server option)
+    if args.role == "decode" and getattr(args, "transfer_checksum", False):
+        return "--dp-size > 1 is not yet supported with --transfer-checksum on a decode"
+    if args.role != "mono" and args.speculative_algorithm is not None:  # (each built, not yet together)
+        return f"--dp-size > 1 is not yet supported with PD (--role {args.role}) and --speculative-algorithm together"
     if args.speculative_algorithm is not None and model_type == "deepseek_v4":
         return "--dp-size > 1 with --speculative-algorithm runs DeepSeek-V3's MTP only (not yet V4's)"
     if args.nnodes > 1:

@@ -79,6 +79,11 @@ class DPPageAllocator:
         least loaded one."""
         return self.allocate(n, self.rank_of(held[0]) if held else self.least_loaded())
 
+    def allocate_to_receive(self, n: int) -> list[int] | None:
+        """PD decode: n pages for a request whose KV a prefill will write, all on the rank chosen
+        by load now, before it registers (the registration names that rank's pool alone)."""
+        return self.allocate_beside([], n)
+
     def same_pool(self, a: list[int], b: list[int]) -> bool:
         """Whether freeing pages `a` makes room for a request holding `b` (preemption's victim)."""
         return not a or not b or self.rank_of(a[0]) == self.rank_of(b[0])

@@ -141,7 +141,7 @@ def serve_rank(spec: dict) -> None:
         else {}
     )
     header = torch.zeros(wire.HEADER_LEN, dtype=torch.int64)
-    relay = None  # PD decode: this rank's own KV transport and its notification relay to rank 0
+    relay = None  # PD: this rank's own KV transport (a decode's relay to rank 0, a DP prefill's sender)
     while True:
         dist.broadcast(header, 0, group=rank.control)
         op = int(header[wire.OP])
@@ -163,10 +163,13 @@ def serve_rank(spec: dict) -> None:
             if not all_ranks_agree(runner.capture_graphs(pool, agree), rank):
                 runner.drop_graphs()
             continue
-        if op == wire.OP_PD_POOLS:  # PD decode: this rank's pool receives its share from prefill itself
-            from dsv4_engine.pd.rank_pools import RankRelay
+        if op == wire.OP_PD_POOLS:  # PD: this rank's pool behind its own KV transport
+            if ea.get("role") == "prefill":  # --dp-size N: it writes its requests' pages (pd.dp_sender)
+                from dsv4_engine.pd.dp_sender import RankSender as Agent
+            else:  # decode: it receives its share (TP) or its requests (DP) from prefill itself
+                from dsv4_engine.pd.rank_pools import RankRelay as Agent
 
-            relay = RankRelay.start(pool, shard.rank, lambda desc: gather_descriptors(desc, rank))
+            relay = Agent.start(pool, shard.rank, lambda desc: gather_descriptors(desc, rank))
             continue
         payload = torch.empty(wire.payload_len(header), dtype=torch.int64)
         dist.broadcast(payload, 0, group=rank.control)

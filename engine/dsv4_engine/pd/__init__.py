@@ -50,19 +50,30 @@ def attach_role(engine, args) -> None:
     states = PoolStates.of_pool(engine.pool)  # paged regions and slot rows alike
     agent = KVTransferAgent(f"{args.role}-{BOOT_ID}", states, default_timeout_s=None)
     channel = HttpChannel(engine.call, headers=authorization_header(getattr(args, "pd_secret", None)))
-    # A decode over several ranks: each rank's pool gets its own agent, named in every registration
+    # Several ranks: each rank's pool gets its own agent. A TP decode names them in every
+    # registration (pd.rank_pools); at --dp-size N a decode names the one its request lands in and a
+    # prefill has the rank holding a request's pages write them (pd.dp_handoff, pd.dp_sender).
+    data_parallel = engine.tp is not None and args.dp_size > 1
     decode_tp = engine.tp is not None and args.role == "decode"
-    rank_descs = engine.tp.gather_rank_pools(agent.descriptor())[1:] if decode_tp else []
+    descs = engine.tp.gather_rank_pools(agent.descriptor()) if decode_tp or data_parallel else []
+    transport = agent
+    if data_parallel and args.role == "prefill":
+        from dsv4_engine.pd.dp_sender import DPSendTransport
+
+        transport = DPSendTransport(agent, descs[1:], engine.pool.allocator.pages_per_rank)
     engine.pd = Controller(
         engine,
         PDSettings.from_args(args),
-        FaultyTransport(agent, faults, states=states),
+        # corrupt_transfer flips a byte of rank 0's pool: not of another rank's (refused at DP)
+        FaultyTransport(transport, faults, states=None if data_parallel else states),
         FaultyChannel(channel, faults),
         deadlines=Deadlines(args.deadlines, faults),
         faults=faults,
     )
-    if decode_tp:
-        engine.pd.rank_descs = rank_descs
+    if data_parallel and decode_tp:
+        engine.pd.dp_descs = descs
+    elif decode_tp:
+        engine.pd.rank_descs = descs[1:]
 
 
 __all__ = ["BOOT_ID", "FaultInjector", "PDRequestInfo", "PDSettings", "attach_role", "bootstrap_target"]

@@ -23,7 +23,8 @@ waiting until its deadline: 1-8 in 200 under ~200 concurrent PD requests).
 
 A decode over several TP ranks names every rank's own pool in the registration; prefill writes
 each rank's share there and the request lands once every rank's notification is in
-(`pd.rank_pools`).
+(`pd.rank_pools`). A decode with data-parallel attention picks one rank by load and names that
+rank's pool alone; the request lands with that rank's notification (`pd.dp_handoff`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Optional
 from dsv4_engine.pd.checksum import checksum_mismatch, region_checksums
 from dsv4_engine.pd.common import HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, PDController
 from dsv4_engine.pd.continuation import cached_prefix_tokens, serve_locally
+from dsv4_engine.pd.dp_handoff import awaited_ranks, dp_rank_refusal, locate
 from dsv4_engine.pd.messages import RegisterRoom, TransferNote
 from dsv4_engine.pd.rank_pools import missing_ranks, rank_refusal
 from dsv4_engine.pd.request_info import PDState
@@ -66,6 +68,9 @@ class DecodeController(PDController):
         # at --tp-size > 1 the other ranks' transport descriptors (pd.rank_pools): prefill writes
         # each rank's share into that rank's own pool, and a request lands once every rank's has
         self.rank_descs: list[dict] = []
+        # at --dp-size N every rank's transport descriptor, rank 0's first (pd.dp_handoff): a
+        # request's KV lands in the pool of the one rank it was placed on
+        self.dp_descs: list[dict] = []
         self.bytes_by_rank: dict[int, int] = {}  # state bytes that landed in each rank's pool
         self.prefills: dict[str, PrefillPeer] = {}  # bootstrap address -> peer, while rooms wait on it
         self.checksum_seconds = 0.0  # time spent verifying what landed (--transfer-checksum's cost)
@@ -131,7 +136,7 @@ class DecodeController(PDController):
                 )
         for seq in list(self.transfer.values()):
             if seq.pd.expired(now):
-                missing = missing_ranks(self.arrived.get(seq.pd.room, {}), self.num_ranks)
+                missing = missing_ranks(self.arrived.get(seq.pd.room, {}), self._awaited(seq))
                 ranks = f" (rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))})"
                 self._fail(
                     seq,
@@ -152,7 +157,8 @@ class DecodeController(PDController):
         while self.prealloc:
             seq = self.prealloc[0]
             need = -(-seq.num_tokens // pool.page_size)  # prompt (+ a continuation's tokens)
-            pages = pool.allocator.allocate(need)
+            books = pool.allocator
+            pages = books.allocate_to_receive(need) if self.dp_descs else books.allocate(need)
             if pages is None:
                 return  # FCFS: wait for pages; the bootstrap deadline bounds the wait
             slot = None
@@ -164,16 +170,22 @@ class DecodeController(PDController):
             self.prealloc.popleft()
             seq.pages, seq.slot = pages, slot
             self.registering[seq.pd.room] = seq
+            desc, dst_pages, dp_rank = self.transport.descriptor(), pages, None
+            if self.dp_descs:  # the pool of the rank it was placed on, in that pool's page ids
+                dp_rank, dst_pages = locate(pages, books.pages_per_rank)
+                desc = self.dp_descs[dp_rank]
+                seq.pd.mark(f"placed_on_rank_{dp_rank}", self.clock())
             msg = RegisterRoom(
                 room=seq.pd.room,
                 rid=seq.rid,
-                desc=self.transport.descriptor(),
-                dst_pages=pages,
+                desc=desc,
+                dst_pages=dst_pages,
                 decode_url=self.settings.url,
                 decode_boot=self.boot_id,
                 dst_slot=slot,
                 checksum=self.settings.transfer_checksum,
                 rank_descs=self.rank_descs,
+                decode_dp_rank=dp_rank,
                 # chat answers spliced as their generated ids (dsv4_serve.chat.answer_memo): prefill,
                 # which tokenized the text, computes these ids instead, so both sides hold one prompt
                 prompt_ids=seq.prompt_ids if seq.plain_prompt_ids not in (None, seq.prompt_ids) else None,
@@ -186,7 +198,7 @@ class DecodeController(PDController):
         if err is None and not isinstance(res, dict):
             err = f"registration answer is not a JSON object: {res!r:.80}"
         if err is None:
-            err = rank_refusal(res, self.num_ranks)
+            err = dp_rank_refusal(res) if self.dp_descs else rank_refusal(res, self.num_ranks)
         if err is not None:
             # Prefill may have taken the registration (our call timed out, its answer was lost):
             # tell it, or it could write into pages we are about to hand to another request.
@@ -224,16 +236,24 @@ class DecodeController(PDController):
 
     @property
     def num_ranks(self) -> int:
-        return 1 + len(self.rank_descs)
+        return len(self.dp_descs) or 1 + len(self.rank_descs)
+
+    def _dp_rank(self, seq: Sequence) -> Optional[int]:
+        """At --dp-size N the rank whose pool holds the request's pages; None under TP."""
+        return locate(seq.pages, self.engine.pool.allocator.pages_per_rank)[0] if self.dp_descs else None
+
+    def _awaited(self, seq: Sequence) -> list[int]:
+        return awaited_ranks(self._dp_rank(seq), self.num_ranks)
 
     def _land_when_complete(self, room: int) -> None:
         arrived = self.arrived.get(room, {})
-        if room not in self.transfer or missing_ranks(arrived, self.num_ranks):
+        seq = self.transfer.get(room)
+        if seq is None or missing_ranks(arrived, self._awaited(seq)):
             return
-        seq = self.transfer.pop(room)
+        del self.transfer[room]
         del self.arrived[room]
         if not seq.finished:
-            self._land(seq, arrived[0])
+            self._land(seq, arrived[self._awaited(seq)[0]])
 
     def _land(self, seq: Sequence, note: TransferNote) -> None:
         """The request's state and first token are here (in every rank's pool): it decodes from now on."""
@@ -246,10 +266,11 @@ class DecodeController(PDController):
         m.inc("kv_transfers_completed")
         pool = self.engine.pool
         row = sum(pool.bytes_per_request().values()) if seq.slot is not None else 0
-        share = len(seq.pages) * pool.page_nbytes + row  # every rank's pool received the whole state
-        for r in range(self.num_ranks):
+        share = len(seq.pages) * pool.page_nbytes + row  # each awaited rank's pool received the whole state
+        ranks = self._awaited(seq)
+        for r in ranks:
             self.bytes_by_rank[r] = self.bytes_by_rank.get(r, 0) + share
-        m.inc("kv_transfer_bytes", share * self.num_ranks)
+        m.inc("kv_transfer_bytes", share * len(ranks))
         m.observe("kv_transfer_latency_seconds", self.clock() - seq.pd.transfer_started)
         seq.pd.state = PDState.SUCCESS
         seq.pd.mark("kv_landed", self.clock())
@@ -269,8 +290,13 @@ class DecodeController(PDController):
             if self.settings.transfer_checksum:
                 return "prefill sent no transfer checksums (--transfer-checksum is on here): cannot verify the KV"
             return None
+        pages = seq.pages
+        if self.dp_descs:  # rank 0 reads its own pool only (--transfer-checksum is refused at --dp-size > 1)
+            rank, pages = locate(seq.pages, self.engine.pool.allocator.pages_per_rank)
+            if rank != 0:
+                return None
         t0 = time.perf_counter()
-        landed = region_checksums(self.states, seq.pages, seq.slot)
+        landed = region_checksums(self.states, pages, seq.slot)
         self.checksum_seconds += time.perf_counter() - t0
         return checksum_mismatch(sent, landed)
 

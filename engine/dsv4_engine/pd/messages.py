@@ -72,6 +72,9 @@ class RegisterRoom:
     # a decode over several ranks: the transport descriptors of its ranks 1.., each with its own
     # pool (the same page ids and slot row as `desc`'s); prefill writes each rank's share into it
     rank_descs: list[dict] = field(default_factory=list)
+    # a decode with data-parallel attention (--dp-size N): the rank whose pool `desc` is and
+    # `dst_pages` (local to that pool) are; prefill names it in its notification (pd.dp_handoff)
+    decode_dp_rank: Optional[int] = None
 
     def wire(self) -> dict:
         return asdict(self)
@@ -106,16 +109,18 @@ class RegisterRoom:
             local=body.get("local", False) is True,
             prompt_ids=_ids(body.get("prompt_ids")),
             rank_descs=list(rank_descs),
+            decode_dp_rank=None if body.get("decode_dp_rank") is None else _int(body, "decode_dp_rank", 0),
         )
 
 
 WRITES_EVERY_RANK = "writes_every_rank"  # in prefill's answer to a registration: it honours rank_descs
+NAMES_DP_RANK = "names_dp_rank"  # ... and it names decode_dp_rank in its notification (pd.dp_handoff)
 
 
 def registration_answer(boot_id: str) -> dict:
-    """Prefill -> decode, the answer to RegisterRoom: its process identity, and that it writes
-    into every decode rank the registration names."""
-    return {"ok": True, "boot_id": boot_id, WRITES_EVERY_RANK: True}
+    """Prefill -> decode, the answer to RegisterRoom: its process identity, that it writes into
+    every decode rank the registration names, and that its notification names a DP decode's rank."""
+    return {"ok": True, "boot_id": boot_id, WRITES_EVERY_RANK: True, NAMES_DP_RANK: True}
 
 
 @dataclass(frozen=True)
@@ -146,6 +151,7 @@ class TransferNote:
     logprobs: Optional[dict] = None  # the first token's logprobs entry, when asked
     checksums: Optional[dict] = None  # region -> checksum (--transfer-checksum)
     rank: int = 0  # the decode rank whose share landed (a decode over several ranks hears one per rank)
+    prefill_dp_rank: Optional[int] = None  # a prefill with data-parallel attention: the rank whose pool was read
 
     def encode(self) -> bytes:
         return json.dumps({k: v for k, v in asdict(self).items() if v is not None and (k != "rank" or v)}).encode()
@@ -171,4 +177,5 @@ class TransferNote:
             logprobs=logprobs if isinstance(logprobs, dict) else None,
             checksums=checksums,
             rank=_int(body, "rank", 0) if "rank" in body else 0,
+            prefill_dp_rank=_int(body, "prefill_dp_rank", 0) if body.get("prefill_dp_rank") is not None else None,
         )

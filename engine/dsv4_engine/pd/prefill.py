@@ -4,7 +4,8 @@ A request waits in the bootstrap queue until its decode peer registers the pages
 model with slot states, the slot row) it reserved, is prefilled like any other request, then
 sits in the inflight queue while every state region is written over the transport: its pages
 into the decode's pages, its slot row into the decode's row (into every rank's pool of a decode
-over several ranks, one transfer each; `pd.rank_pools`). With checksums on (our
+over several ranks, one transfer each; `pd.rank_pools`; at --dp-size N the rank that computed the
+pages writes them, `pd.dp_sender`). With checksums on (our
 --transfer-checksum, or the decode's registration asks) the notification carries a checksum
 of each region as sent. Every one of those states has a deadline, a
 failed or timed-out transfer frees the pages and tells decode, and a decode that stops answering
@@ -22,6 +23,7 @@ from typing import Optional
 from dsv4_engine.pd.common import HEARTBEAT_INTERVAL_S, HEARTBEAT_MISSES, PDController
 from dsv4_engine.pd.request_info import PDState
 from dsv4_engine.pd.checksum import region_checksums
+from dsv4_engine.pd.dp_handoff import locate
 from dsv4_engine.pd.messages import RegisterRoom, TransferNote
 from dsv4_engine.pd.transport import TransferState, pages_ready, ready_arg, slot_args
 from dsv4_engine.sequence import Sequence
@@ -47,6 +49,7 @@ class Registration:
     local: bool = False  # the decode serves the room itself (pd.continuation): nothing to compute
     prompt_ids: Optional[list[int]] = None  # the decode's prompt when it differs (chat answer memo)
     rank_descs: list[dict] = field(default_factory=list)  # a decode over several ranks: its ranks 1..
+    decode_dp_rank: Optional[int] = None  # a DP decode: the rank `desc` and `dst_pages` are (pd.dp_handoff)
 
 
 class PrefillController(PDController):
@@ -61,7 +64,10 @@ class PrefillController(PDController):
         self.decode_heartbeats: dict[str, float] = {}  # decode boot id -> last time we heard from it
         self.bytes_by_state: dict[str, int] = {}  # moved by completed transfers, per state region
         self.bytes_by_rank: dict[int, int] = {}  # moved by completed transfers, per decode rank
+        self.bytes_by_src_rank: dict[int, int] = {}  # --dp-size N: read from each of our ranks' pools
         self.checksum_seconds = 0.0  # time spent summing what was sent (--transfer-checksum's cost)
+        # --dp-size N: a request's pages live in the pool of the rank that computed them (pd.dp_sender)
+        self.dp = getattr(getattr(self.engine, "args", None), "dp_size", 1) > 1
 
     # ---- called from the bootstrap HTTP thread ---------------------------------------------------
 
@@ -80,6 +86,7 @@ class PrefillController(PDController):
             local=msg.local,
             prompt_ids=msg.prompt_ids,
             rank_descs=msg.rank_descs,
+            decode_dp_rank=msg.decode_dp_rank,
         )
         self.heartbeat(reg.decode_boot)
         self.registrations.put(reg)
@@ -207,6 +214,7 @@ class PrefillController(PDController):
         seq.pd.dst_pages = reg.dst_pages[:need]
         seq.pd.dst_slot = reg.dst_slot if self.engine.pool.slots is not None else None
         seq.pd.checksum = reg.checksum or self.settings.transfer_checksum
+        seq.pd.decode_dp_rank = reg.decode_dp_rank
         seq.pd.enter(PDState.WAITING_FOR_INPUT, None, self.clock())  # now an ordinary prefill in the scheduler
         self.engine.scheduler.add(seq)
 
@@ -232,11 +240,16 @@ class PrefillController(PDController):
         logprobs = getattr(seq, "output_logprobs", None)
         n = len(pd.dst_pages)
         src_slot = seq.slot if pd.dst_slot is not None else None
+        # at --dp-size N the pages live in one rank's pool, which writes them (pd.dp_sender)
+        src_rank, local = locate(seq.pages[:n], self.engine.pool.allocator.pages_per_rank) if self.dp else (None, [])
+        pd.prefill_dp_rank = src_rank
         checksums = None
-        if pd.checksum:
+        if pd.checksum and src_rank in (None, 0):
             t0 = time.perf_counter()
-            checksums = region_checksums(self.states, seq.pages[:n], src_slot)
+            checksums = region_checksums(self.states, local if self.dp else seq.pages[:n], src_slot)
             self.checksum_seconds += time.perf_counter() - t0
+        # another rank's pool is summed by that rank, which puts the sums into the notification
+        by_rank = {"checksum": pd.checksum and src_rank != 0} if self.dp else {}
         # The kernels that wrote these pages are queued by now: the transport waits for them alone,
         # once for every rank's write, not for whatever the stream holds later (None on CPU).
         ready = pages_ready(self.engine.pool.tensor)
@@ -249,7 +262,8 @@ class PrefillController(PDController):
                     seq.num_cached_tokens,
                     logprobs[-1] if logprobs else None,
                     checksums,
-                    rank,
+                    rank if pd.decode_dp_rank is None else pd.decode_dp_rank,
+                    src_rank,
                 )
                 pd.handles.append(
                     self.transport.write_pages(
@@ -259,6 +273,7 @@ class PrefillController(PDController):
                         note.encode(),
                         **slot_args(src_slot, pd.dst_slot),
                         **ready_arg(ready),
+                        **by_rank,
                     )
                 )
             pd.handle = pd.handles[0]
@@ -284,8 +299,12 @@ class PrefillController(PDController):
                 m.inc("kv_transfers_completed")
                 for rank, h in enumerate(pd.handles):
                     info = self.transport.info(h)
+                    rank = rank if pd.decode_dp_rank is None else pd.decode_dp_rank  # a DP decode: its one rank
                     m.inc("kv_transfer_bytes", info.nbytes)
                     self.bytes_by_rank[rank] = self.bytes_by_rank.get(rank, 0) + info.nbytes
+                    if pd.prefill_dp_rank is not None:
+                        src = pd.prefill_dp_rank
+                        self.bytes_by_src_rank[src] = self.bytes_by_src_rank.get(src, 0) + info.nbytes
                     for name, nbytes in info.nbytes_by_state.items():
                         self.bytes_by_state[name] = self.bytes_by_state.get(name, 0) + nbytes
                 m.observe("kv_transfer_latency_seconds", now - pd.transfer_started)
@@ -385,6 +404,15 @@ class PrefillController(PDController):
                 "boot_id": self.boot_id,
                 "kv_transfer_bytes_by_state": dict(self.bytes_by_state),
                 "kv_transfer_bytes_by_rank": {str(r): n for r, n in sorted(self.bytes_by_rank.items())},
+                **(
+                    {
+                        "kv_transfer_bytes_by_prefill_rank": {
+                            str(r): n for r, n in sorted(self.bytes_by_src_rank.items())
+                        }
+                    }
+                    if self.dp
+                    else {}
+                ),
                 "transfer_checksum_seconds": round(self.checksum_seconds, 6),
             },
         )

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional, Union
 
 from dsv4_engine.pd.messages import WRITES_EVERY_RANK
 
@@ -43,9 +43,10 @@ def rank_refusal(answer: Mapping[str, Any], num_ranks: int) -> Optional[str]:
     return None
 
 
-def missing_ranks(arrived: Mapping[int, Any], num_ranks: int) -> list[int]:
-    """The decode ranks whose share of a request has not landed yet (their notification)."""
-    return [r for r in range(num_ranks) if r not in arrived]
+def missing_ranks(arrived: Mapping[int, Any], ranks: Union[int, Iterable[int]]) -> list[int]:
+    """The decode ranks (`ranks` of them, or those listed) whose share of a request has not
+    landed yet (their notification)."""
+    return [r for r in (range(ranks) if isinstance(ranks, int) else ranks) if r not in arrived]
 
 
 class RankRelay:

@@ -39,6 +39,8 @@ class PDRequestInfo:
     # straight into that rank's pool (`pd.rank_pools`)
     rank_peers: list[str] = field(default_factory=list)
     handles: list[int] = field(default_factory=list)
+    decode_dp_rank: Optional[int] = None  # prefill: a DP decode's rank whose pool the pages land in
+    prefill_dp_rank: Optional[int] = None  # prefill at --dp-size N: the rank whose pool the pages are read from
     transfer_started: Optional[float] = None
     # (event, clock time): every state entered and the hand-off's milestones, for the watchdog's
     # evidence (`timeline_view`); a few entries per request, appended on the engine thread

@@ -118,7 +118,6 @@ def args(**kw) -> EngineArgs:
     [
         ({"tp_size": 4}, "deepseek_v3", "--tp-size 2"),
         ({}, "llama", "model_type 'llama'"),
-        ({"role": "decode"}, "deepseek_v3", "PD"),
         ({"host_cache_gb": 1.0}, "deepseek_v3", "--host-cache-gb"),
         ({"disk_cache_dir": "/tmp/kv"}, "deepseek_v3", "--disk-cache-dir"),
     ],
