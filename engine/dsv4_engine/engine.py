@@ -388,6 +388,8 @@ class Engine:
                 )
                 boundary = snapshot_boundary(specs, page_size)
             self.prefix_cache = DPPrefixCache(self.pool.allocator, page_size, pools, boundary)
+            if self.spec is not None and boundary is not None:
+                self.spec.cache_boundary = boundary  # drafts stop at boundaries (decode snapshots)
             self.prefix_cache.pins = SessionPins(num_pages * args.dp_size, args.session_ttl, args.session_pin_share)
         elif self.prefix_cache_off is None:
             snaps = SnapshotPool(self.pool.slot_states, num_snapshots) if num_snapshots else None
