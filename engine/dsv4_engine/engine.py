@@ -379,9 +379,17 @@ class Engine:
                 self.runner.drop_graphs()
         self.prefix_cache: Optional[PrefixCache] = None
         if self.prefix_cache_off is None and args.dp_size > 1:  # a cache per rank (parallel.dp_cache)
-            from dsv4_engine.parallel.dp_cache import DPPrefixCache
+            from dsv4_engine.parallel.dp_cache import DPPrefixCache, rank_snapshot_pools
 
-            self.prefix_cache = DPPrefixCache(self.pool.allocator, page_size)
+            pools = boundary = None
+            if num_snapshots:  # V4: as many snapshots per rank as pages, each copied on its rank
+                pools = rank_snapshot_pools(
+                    self.pool.slot_states, num_snapshots, args.dp_size, self.tp.send_snapshot_copy
+                )
+                boundary = snapshot_boundary(specs, page_size)
+            self.prefix_cache = DPPrefixCache(self.pool.allocator, page_size, pools, boundary)
+            if self.spec is not None and boundary is not None:
+                self.spec.cache_boundary = boundary  # drafts stop at boundaries (decode snapshots)
             self.prefix_cache.pins = SessionPins(num_pages * args.dp_size, args.session_ttl, args.session_pin_share)
         elif self.prefix_cache_off is None:
             snaps = SnapshotPool(self.pool.slot_states, num_snapshots) if num_snapshots else None

@@ -1,7 +1,7 @@
 """`dsv4 serve --tp-size 2 --dp-size 2` on DeepSeek-V4 (v4-tiny) as a real process, with the
 official openai client: four concurrent greedy completions (prompts past the window and the
 compression boundaries) read the same text as `--tp-size 1`, streamed or not, and /v1/loads names
-both ranks' pools."""
+both ranks' pools; the repeated prompts resume from the ranks' prefix caches (V4 snapshots)."""
 
 from __future__ import annotations
 
@@ -43,4 +43,8 @@ def test_v4_dp2_serves_the_same_text_as_tp1(make_model, tmp_path):
         assert texts(dp2) == ref and texts(dp2, stream=True) == ref
         loads = httpx.get(f"{dp2}/v1/loads").json()
         assert loads["dp_size"] == 2 and [r["kv_pages_total"] for r in loads["dp_ranks"]] == [32, 32]
+        # the streamed pass repeats the prompts: resumed from each rank's own snapshots
+        cache = loads["prefix_cache"]
+        assert cache["enabled"] and cache["hit_tokens"] > 0, cache
+        assert sum(r["snapshots_restored"] for r in cache["ranks"]) > 0, cache["ranks"]
     assert all(ref)

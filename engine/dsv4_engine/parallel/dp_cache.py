@@ -11,12 +11,22 @@ request's rank is the rank of its first page).
 KV events (/v1/kv_events, the router's index) stay per engine: a page hash is "stored" when the
 first rank caches it and "evicted" when the last rank holding it lets it go (`CountedJournal`),
 so the router's contract is unchanged (it routes to engines; the engine picks the rank).
+
+DeepSeek-V4 (slot states: window ring, compressor stages) resumes only at a boundary whose node
+holds a snapshot of the slot row (`prefix_cache`). Each rank's tree has its own `SnapshotPool`
+(its own LRU; --prefix-cache-snapshots counts per rank, as --kv-pages does): snapshot `s` of
+rank r is `r * n + s` among the engine's snapshot ids. Rank 0 keeps every pool's books; each copy goes over the control channel
+(`wire.OP_SNAPSHOT`) and only the rank that runs the request (the rank of its pages) makes it,
+into the snapshot rows it holds (`own_snapshot_row`) from the request's slot row.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional
 
+import torch
+
+from dsv4_engine.kv_cache import SnapshotPool
 from dsv4_engine.parallel.dp_pages import DPPageAllocator, choose_rank
 from dsv4_engine.prefix_cache import PrefixCache
 from dsv4_engine.sequence import Sequence
@@ -25,11 +35,45 @@ from dsv4_engine.sequence import Sequence
 def dp_cache_refusal(specs: list, role: str) -> Optional[str]:
     """Why a --dp-size > 1 engine runs without a prefix cache per rank, in one line, or None.
     (A PD decode's --decode-local-prefill defaults on: it is turned off, said in /v1/loads.)"""
-    if any(not s.paged for s in specs):
-        return "not yet for a model with slot states at --dp-size > 1 (a snapshot per rank)"
     if role == "decode":
         return "--decode-local-prefill is not yet supported at --dp-size > 1 (its lookup spans one rank's cache)"
     return None
+
+
+def own_snapshot_row(snap: int, rank: int, per_rank: int) -> Optional[int]:
+    """Where rank `rank` keeps the engine's snapshot `snap` among its own `per_rank` rows; None
+    when the snapshot is another rank's (that rank makes the copy, this one skips it)."""
+    owner, row = divmod(snap, per_rank)
+    return row if owner == rank else None
+
+
+def rank_snapshot_pools(slot_states: dict, per_rank: int, dp_size: int, send) -> list[SnapshotPool]:
+    """One SnapshotPool per rank, all kept on rank 0. Rank 0's own copies its slot rows in place.
+    Another rank's holds the books only (its rows and slot rows on the meta device: shapes for
+    the byte counts, no memory, copies that do nothing) and `send`s each copy (the engine's
+    snapshot id, the slot row) to that rank, which makes it."""
+    pools = [SnapshotPool(slot_states, per_rank)]
+    shapes = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in slot_states.items()}
+    for r in range(1, dp_size):
+        pool = SnapshotPool(shapes, per_rank)
+        pool.mirror = lambda kind, snap, row, base=r * per_rank: send(kind, base + snap, row)
+        pools.append(pool)
+    return pools
+
+
+class RankSnapshots:
+    """What the engine and the scheduler read of the snapshots of every rank's cache, summed."""
+
+    def __init__(self, pools: list[SnapshotPool]):
+        self.pools = pools
+
+    @property
+    def num_used(self) -> int:
+        return sum(p.num_used for p in self.pools)
+
+    @property
+    def total(self) -> int:
+        return sum(p.total for p in self.pools)
 
 
 class _LocalKeeper:
@@ -112,14 +156,23 @@ class CountedJournal:
 class DPPrefixCache:
     """N ranks' prefix caches as one (what the scheduler and the engine ask of a PrefixCache)."""
 
-    snapshots = None  # slot-state models are not cached per rank yet (the engine says why)
-    in_forward = False
+    in_forward = False  # snapshots are copied from the row after a step (the ranks' forwards write none)
     host = None  # --host-cache-gb is refused with --dp-size (dp_attention.dp_refusal)
 
-    def __init__(self, books: DPPageAllocator, page_size: int):
+    def __init__(
+        self,
+        books: DPPageAllocator,
+        page_size: int,
+        snapshots: Optional[list[SnapshotPool]] = None,
+        boundary: Optional[int] = None,
+    ):
         self.books = books
         self.page_size = page_size
-        self.ranks = [PrefixCache(RankPages(books, r), page_size) for r in range(books.dp_size)]
+        pools = snapshots or [None] * books.dp_size
+        self.ranks = [PrefixCache(RankPages(books, r), page_size, pools[r], boundary) for r in range(books.dp_size)]
+        # models with slot states: each rank's snapshots (rank_snapshot_pools), read as one
+        self.snapshots = RankSnapshots(snapshots) if snapshots else None
+        self.boundary = self.ranks[0].boundary
         self.running: Callable[[], list] = list  # the scheduler's running requests (the engine sets it)
         self.placed = [0] * books.dp_size  # admissions each rank took with a cached prefix
         self._last_rank = 0  # the rank of the last attach: `count` follows it
@@ -189,16 +242,18 @@ class DPPrefixCache:
         self.ranks[self._rank_of(seq)].forget(seq)
 
     def snapshot_stop(self, seq: Sequence) -> Optional[int]:
-        return None
+        return self.ranks[self._rank_of(seq)].snapshot_stop(seq)
 
     def snapshot_points(self, seq: Sequence, n: int) -> list[int]:
-        return []
+        return []  # in_forward is off: a chunk ends at each boundary instead
 
     def link_snapshots(self, seq: Sequence, taken: list) -> None:
-        pass
+        if taken:
+            raise RuntimeError("a data-parallel step wrote snapshots in its forward (none were asked for)")
 
     def snapshot_due(self, seq: Sequence) -> None:
-        pass
+        if seq.pages:
+            self.ranks[self._rank_of(seq)].snapshot_due(seq)
 
     # ---- what the engine reads --------------------------------------------------------------
 
@@ -229,7 +284,11 @@ class DPPrefixCache:
         }
 
     def bytes_by_state(self, page_bytes: dict[str, int]) -> dict[str, int]:
-        return {name: n * self.num_cached for name, n in page_bytes.items()}
+        out: dict[str, int] = {}
+        for c in self.ranks:
+            for name, n in c.bytes_by_state(page_bytes).items():
+                out[name] = out.get(name, 0) + n
+        return out
 
     def check(self) -> None:
         for c in self.ranks:

@@ -132,6 +132,7 @@ def serve_rank(spec: dict) -> None:
 
         spec_rank = SpecRank(speculator, pool, rank)
     # The prefix cache's snapshots of slot rows (V4): rank 0 keeps the books, this rank the copies.
+    # (--dp-size N: its own requests' only; rank r's are the engine's ids r*n.. (r+1)*n-1.)
     snapshots = (
         {
             name: torch.zeros(num_snapshots, *t.shape[1:], dtype=t.dtype, device=t.device)
@@ -209,7 +210,13 @@ def serve_rank(spec: dict) -> None:
         elif op == wire.OP_SNAPSHOT:
             if not snapshots:
                 raise RuntimeError("rank 0 copied a prefix-cache snapshot, but announced none")
-            copy_snapshot(snapshots, pool.slot_states, *wire.unpack_snapshot(payload))
+            kind, snap, row = wire.unpack_snapshot(payload)
+            if rank.data_parallel:  # another rank's request: that rank copies it
+                from dsv4_engine.parallel.dp_cache import own_snapshot_row
+
+                snap = own_snapshot_row(snap, shard.rank, num_snapshots)
+            if snap is not None:
+                copy_snapshot(snapshots, pool.slot_states, kind, snap, row)
         else:
             raise RuntimeError(f"unknown operation {op} from rank 0")
 

@@ -5,10 +5,19 @@ series on /metrics."""
 
 from __future__ import annotations
 
+import torch
+
+from dsv4_engine.kv_cache import SlotAllocator, copy_snapshot
 from dsv4_engine.kv_journal import KVJournal
 from dsv4_engine.metrics import EngineMetrics
 from dsv4_engine.models.state import StateSpec
-from dsv4_engine.parallel.dp_cache import CountedJournal, DPPrefixCache, dp_cache_refusal
+from dsv4_engine.parallel.dp_cache import (
+    CountedJournal,
+    DPPrefixCache,
+    dp_cache_refusal,
+    own_snapshot_row,
+    rank_snapshot_pools,
+)
 from dsv4_engine.parallel.dp_loads import RankMetrics, rank_loads
 from dsv4_engine.parallel.dp_pages import DPPageAllocator, choose_rank
 from dsv4_engine.sampling_params import SamplingParams
@@ -112,5 +121,55 @@ def test_what_the_cache_per_rank_does_not_cover_yet_is_said_by_name():
     paged = StateSpec("latent", 2, (8,))
     ring = StateSpec("window", 2, (8,), kind="slot", slots=4)
     assert dp_cache_refusal([paged], "mono") is None and dp_cache_refusal([paged], "prefill") is None
-    assert "slot states" in dp_cache_refusal([paged, ring], "mono")
+    assert dp_cache_refusal([paged, ring], "mono") is None  # V4: snapshots per rank
     assert "--decode-local-prefill" in dp_cache_refusal([paged], "decode")
+
+
+def test_slot_row_snapshots_are_taken_and_restored_on_the_rank_that_runs_the_request():
+    """V4 at --dp-size 2: rank 0 keeps both ranks' snapshot books; rank 0's copies are made in its
+    own rows, rank 1's travel (as wire.OP_SNAPSHOT does) to rank 1, which alone makes them."""
+    rows = {"ring": torch.zeros(4, 3)}  # the slot rows: every rank has all of them
+    rank1 = {"ring": torch.zeros(4, 3)}
+    rank1_snaps = {"ring": torch.zeros(2, 3)}  # rank 1's own 2 snapshots
+    sent = []
+
+    def send(kind, snap, row):  # what rank 1's worker does with rank 0's message
+        sent.append((kind, snap, row))
+        mine = own_snapshot_row(snap, 1, 2)
+        if mine is not None:
+            copy_snapshot(rank1_snaps, rank1, kind, mine, row)
+
+    assert own_snapshot_row(2, 0, 2) is None and own_snapshot_row(1, 0, 2) == 1 and own_snapshot_row(3, 1, 2) == 1
+    books = DPPageAllocator(2, 16)
+    cache = DPPrefixCache(books, PAGE, rank_snapshot_pools(rows, 2, 2, send), PAGE)
+    sched = Scheduler(books, PAGE, 8, 64, slots=SlotAllocator(4), prefix_cache=cache)
+    cache.running = lambda: sched.running
+    a, b = list(range(100, 110)), list(range(200, 210))  # 10 tokens: snapshots at 4 and 8
+    sa, sb = seq("a", a), seq("b", b)
+    sched.add(sa)
+    sched.add(sb)
+    for _ in range(3):  # chunks end at each boundary: 4, 8, then the rest
+        for x in sched.schedule():
+            s = x.seq
+            (rows if books.rank_of(s.pages[0]) == 0 else rank1)["ring"][s.slot] = s.num_computed + x.num_new
+            s.num_computed += x.num_new
+            sched.computed(s, x)
+    assert (books.rank_of(sa.pages[0]), books.rank_of(sb.pages[0])) == (0, 1)
+    assert sent and all(2 <= snap < 4 for _, snap, _ in sent), "only rank 1's snapshots travel"
+    for s in (sa, sb):
+        sched.remove(s)
+        sched.release(s)
+    assert [c.snapshots.num_used for c in cache.ranks] == [1, 1], "one per request: the last boundary's"
+    rows["ring"].zero_()
+    rank1["ring"].zero_()
+    a2, b2 = seq("a2", a + [1, 2]), seq("b2", b + [1, 2])
+    sched.add(a2)
+    sched.add(b2)
+    sched.schedule()
+    assert a2.num_cached_tokens == b2.num_cached_tokens == 8
+    assert books.rank_of(a2.pages[0]) == 0 and books.rank_of(b2.pages[0]) == 1
+    assert rows["ring"][a2.slot].tolist() == [8.0] * 3, "rank 0 restored a's row at 8 in place"
+    assert rank1["ring"][b2.slot].tolist() == [8.0] * 3, "rank 1 restored b's row at 8 itself"
+    assert rows["ring"][b2.slot].tolist() == [0.0] * 3, "rank 0 makes no copy of rank 1's"
+    assert cache.snapshots.num_used == 2 and cache.stats()["ranks"][1]["snapshots_restored"] == 1
+    cache.check()
