@@ -23,7 +23,7 @@ from dsv4_engine.models.forward_batch import ForwardBatch
 from dsv4_engine.parallel import wire
 from dsv4_engine.parallel.dp_attention import pack_shares, unpack_share
 from dsv4_engine.parallel.dp_batch import request_ranks, split_batch
-from dsv4_engine.parallel.dp_graphs import forward_of, host_of, idle_layers, replay_at
+from dsv4_engine.parallel.dp_graphs import dp_graphs_refusal, forward_of, host_of, idle_layers, replay_at
 from dsv4_engine.parallel.dp_spec import my_rows, gather_rows, mtp_hidden, rank_major_rows, target_hidden
 from dsv4_engine.parallel.spec import receive_hidden, send_hidden
 from dsv4_engine.spec_decode.graphs import SpecGraphs
@@ -144,6 +144,10 @@ def capture_dp_spec(spec, pool, group, pages_per_rank: int) -> bool:
     agreement after every bucket), all keep them or none."""
     from dsv4_engine.spec_decode.graphs import capture_here
 
+    why = dp_graphs_refusal(spec.runner.model_type)  # V4's speculative steps: not yet captured per rank
+    if why is not None:
+        spec.runner.drop_graphs(why)
+        return False
     spec.graphs_class = DPSpecGraphs  # what capture_here builds (the other ranks: worker.py)
     held = []
 
