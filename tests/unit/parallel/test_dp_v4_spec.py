@@ -12,6 +12,7 @@ import torch
 from test_dp_engine import bounded, one_thread  # noqa: F401 (fixture)
 from test_dp_extras import spec_engine
 from test_tp_spec_decode import ABORT, drive, mtp_models, requests  # noqa: F401 (fixture)
+from test_tp_spec_graphs import cpu_graphs  # noqa: F401 (fixture)
 
 from dsv4_engine.parallel import wire
 
@@ -48,3 +49,28 @@ def test_v4_dp2_speculation_equals_tp1_speculation_with_drafts_on_both_ranks(mtp
     assert got == {rid: (v[0], "length") for rid, v in plain.items() if rid != ABORT[0]}
     assert got_drafts == ref_drafts and len(got_drafts) > 10
     assert ref.pop(ABORT[0])[0] == toks and ref == got
+
+
+@pytest.mark.slow
+def test_v4_dp2_speculation_with_graphs_asked_runs_eagerly_and_says_why(mtp_models, cpu_graphs):
+    """V4's speculative steps are not captured per rank yet: asked for graphs (stood in on the
+    CPU), neither rank captures, /v1/loads names the reason, and the output is tp 1's."""
+    from cpu_graphs import read_log
+
+    torch.manual_seed(0)
+    log0, log1, _ = cpu_graphs
+    model = mtp_models("v4-tiny")
+    reqs = requests(1)
+    plain, _ = drive(spec_engine(model, 1, False), reqs)
+    ref, ref_drafts = drive(spec_engine(model, 1, True), reqs, plain)
+    since = len(read_log(log0))
+    e = spec_engine(model, 2, True, graphs=2)
+    try:
+        status = e.loads()["cuda_graphs"]
+        assert not status["enabled"] and "--dp-size" in status["eager_reason"], status
+        got, got_drafts = bounded(lambda: drive(e, reqs, plain))
+        assert e.tp.failed is None
+    finally:
+        e.tp.close()
+    assert read_log(log0)[since:] == [] and read_log(log1) == []  # nothing captured or replayed
+    assert got == ref and got_drafts == ref_drafts
