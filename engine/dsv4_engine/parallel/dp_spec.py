@@ -127,7 +127,9 @@ def v4_streams(m, layers: list, x: Optional[torch.Tensor], fb: Optional[ForwardB
     (fb None) still enters every MoE. The streams after the last layer, or None."""
     spans = step = rope = None
     if fb is not None:
-        spans, step = request_spans(fb), m.new_step()
+        # a captured decode (no host lengths, dp_graphs): its windows found on the device, as V4's own
+        static = m.kops is not None and fb.all_decode and fb.seq_lens_host is None
+        spans, step = None if static else request_spans(fb), m.new_step()
         rope = m.rope(fb.positions, {"compress" if L.attn.rate else "main" for L in layers})
     for L in layers:
         if fb is None:
