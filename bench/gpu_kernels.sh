@@ -142,6 +142,10 @@ rc=$?; [ "$rc" -ne 0 ] && { echo "TP 2 engine smoke with graphs failed (exit $rc
 # the step's largest share (an idle rank joins the MoE collectives); greedy with graphs == without.
 timeout 300 "$py" -m bench.suites.engine_gpu_smoke --preset mla512 --tp 2 --dp 2 --graphs 16 --out "$out/engine_gpu_smoke_dp2.json"
 rc=$?; [ "$rc" -ne 0 ] && { echo "DP 2 engine smoke with per-rank graphs failed (exit $rc)"; status=1; }
+# The same for DeepSeek-V4 (its slot rows in each rank's shares, windows found on the device in
+# the captured step, every rank's token ids for hash routing in a static buffer; not yet run on a GPU).
+timeout 240 "$py" -m bench.suites.engine_gpu_smoke --preset v4-tiny --tp 2 --dp 2 --graphs 16 --out "$out/engine_gpu_smoke_v4_dp2.json"
+rc=$?; [ "$rc" -ne 0 ] && { echo "V4 DP 2 engine smoke with per-rank graphs failed (exit $rc)"; status=1; }
 else
 echo "one GPU: the cuda:1, --tp-size 2 and --dp-size 2 smokes need two"
 fi

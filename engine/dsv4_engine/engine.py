@@ -331,7 +331,7 @@ class Engine:
             if self.spec is not None:  # its target and MTP forwards run data-parallel too
                 from dsv4_engine.parallel.dp_spec import dp_speculator
 
-                dp_speculator(self.spec, self.tp, num_pages, page_size)
+                dp_speculator(self.spec, self.tp, num_pages, page_size, self.pool.slot_states)
             self.tp.on_failure.append(lambda reason: self.abort(reason=reason, all_=True))
             if self.runner.cuda_graph_max_bs and self.spec is None:  # each rank its own steps (parallel.dp_graphs)
                 from dsv4_engine.parallel.dp_graphs import RankZeroDPGraphs, dp_decode_graphs, dp_graphs_refusal

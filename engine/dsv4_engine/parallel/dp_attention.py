@@ -43,8 +43,6 @@ def dp_refusal(args, model_type: str) -> Optional[str]:
         return "--dp-size > 1 is not yet supported with --transfer-checksum on a decode"
     if args.role != "mono" and args.speculative_algorithm is not None:  # (each built, not yet together)
         return f"--dp-size > 1 is not yet supported with PD (--role {args.role}) and --speculative-algorithm together"
-    if args.speculative_algorithm is not None and model_type == "deepseek_v4":
-        return "--dp-size > 1 with --speculative-algorithm runs DeepSeek-V3's MTP only (not yet V4's)"
     if args.nnodes > 1:
         return "--dp-size > 1 is not yet supported with --nnodes > 1"
     if args.host_cache_gb > 0 or args.disk_cache_dir:
@@ -135,6 +133,18 @@ def moe_over_ranks(moe: DeepseekMoE, h: torch.Tensor, tokens: list[int], comm) -
     return out[start : start + tokens[me]]
 
 
+def v4_moe_over_ranks(tokens: list[int], comm, token_ids: torch.Tensor):
+    """V4's MoE of one step, as forward_over_ranks calls it: moe(layer.ffn, this rank's rows)."""
+
+    def run(moe, h: torch.Tensor) -> torch.Tensor:
+        # routed experts over every rank's rows and token ids; the shared expert, whole on
+        # every rank, over this rank's rows only (rank 0 alone would do every rank's)
+        routed = moe_over_ranks(lambda x: moe(x, token_ids, with_shared=False), h, tokens, comm)
+        return routed + moe.shared_expert(h)
+
+    return run
+
+
 @torch.inference_mode()
 def dp_forward(
     model, fb: Optional[ForwardBatch], states: dict, tokens: list[int], token_ids: Optional[torch.Tensor] = None
@@ -144,14 +154,7 @@ def dp_forward(
     (`forward_over_ranks`), its MoE over every rank's rows and token ids."""
     comm = model.tp
     if routes_by_token(model):
-
-        def v4_moe(moe, h: torch.Tensor) -> torch.Tensor:
-            # routed experts over every rank's rows and token ids; the shared expert, whole on
-            # every rank, over this rank's rows only (rank 0 alone would do every rank's)
-            routed = moe_over_ranks(lambda x: moe(x, token_ids, with_shared=False), h, tokens, comm)
-            return routed + moe.shared_expert(h)
-
-        return model.forward_over_ranks(fb, states, v4_moe)
+        return model.forward_over_ranks(fb, states, v4_moe_over_ranks(tokens, comm, token_ids))
     mine = tokens[comm.rank]
     hidden = model.cfg.hidden_size
     x = residual = None

@@ -11,6 +11,14 @@ row: each rank's rows are gathered to rank 0 and put back in batch order.
 - one MTP forward (OP_DP_SPEC_MTP): its input hidden states first go out in rank-major order
   (each rank takes its own rows), its output hidden states come back; rank 0 applies the head.
 Heads are whole on every rank here, so only rank 0 computes logits.
+
+DeepSeek-V4 (`v4_target_streams`, `v4_mtp_streams`): the same two forwards over its residual
+streams [T, hc, D] (what its speculator reads), each rank's layers as `forward_over_ranks` runs
+them (mHC, attention, compressors and indexer against its own rings and slot rows; the MTP block's
+sliding layer on its own ring), each MoE over every rank's rows with their token ids (hash
+routing), the shared expert over the rank's own rows. Rejected drafts' ring entries are put back
+on every rank (`parallel.spec.mirrored_rollback`): a request's slot row is the same on every
+rank, and only its rank's copy is ever read.
 """
 
 from __future__ import annotations
@@ -21,11 +29,19 @@ import torch
 import torch.distributed as dist
 
 from dsv4_engine.layers.moe import DeepseekMoE
-from dsv4_engine.models.forward_batch import ForwardBatch
+from dsv4_engine.models.forward_batch import ForwardBatch, request_spans
 from dsv4_engine.parallel import wire
-from dsv4_engine.parallel.dp_attention import wire_dtype, moe_over_ranks, pack_shares, unpack_share
+from dsv4_engine.parallel.dp_attention import (
+    moe_over_ranks,
+    pack_shares,
+    routes_by_token,
+    step_token_ids,
+    unpack_share,
+    v4_moe_over_ranks,
+    wire_dtype,
+)
 from dsv4_engine.parallel.dp_batch import request_ranks, split_batch
-from dsv4_engine.parallel.spec import receive_hidden, send_hidden
+from dsv4_engine.parallel.spec import mirrored_rollback, receive_hidden, send_hidden
 
 # ---- pure: where each rank's rows sit in the batch -----------------------------------------------
 
@@ -105,9 +121,52 @@ def mtp_hidden(mtp, fb: Optional[ForwardBatch], states: dict, prev: torch.Tensor
     return x + residual if mine else None
 
 
-def gather_rows(rows: Optional[torch.Tensor], tokens: list[int], hidden: int, comm, like: torch.Tensor):
-    """Every rank's rows on rank 0, rank-major [sum(tokens), hidden] (None elsewhere)."""
-    pad = torch.zeros(max(tokens), hidden, dtype=wire_dtype(like), device=like.device)
+def v4_streams(m, layers: list, x: Optional[torch.Tensor], fb: Optional[ForwardBatch], states: dict, moe):
+    """Streams x [T_r, hc, D] of this rank's rows through `layers` (a V4 model's, or its MTP
+    block's), each MoE through `moe(layer.ffn, h)` over every rank's rows; a rank without rows
+    (fb None) still enters every MoE. The streams after the last layer, or None."""
+    spans = step = rope = None
+    if fb is not None:
+        # a captured decode (no host lengths, dp_graphs): its windows found on the device, as V4's own
+        static = m.kops is not None and fb.all_decode and fb.seq_lens_host is None
+        spans, step = None if static else request_spans(fb), m.new_step()
+        rope = m.rope(fb.positions, {"compress" if L.attn.rate else "main" for L in layers})
+    for L in layers:
+        if fb is None:
+            moe(L.ffn, torch.zeros(0, m.cfg.hidden_size, dtype=m.dtype, device=m.device))
+            continue
+        x, h, post, comb = m.attend(L, x, fb, states, spans, rope, step)
+        x = L.hc_ffn.expand(x, moe(L.ffn, h), post, comb)
+    return x
+
+
+@torch.inference_mode()
+def v4_target_streams(model, fb: Optional[ForwardBatch], states: dict, tokens: list[int], token_ids):
+    """V4's target: the streams [T_r, hc, D] after its last layer at this rank's rows (None: no rows)."""
+    x = None if fb is None else model.embed_streams(fb.input_ids)
+    return v4_streams(model, model.layers, x, fb, states, v4_moe_over_ranks(tokens, model.tp, token_ids))
+
+
+@torch.inference_mode()
+def v4_mtp_streams(mtp, fb: Optional[ForwardBatch], states: dict, prev, tokens: list[int], token_ids):
+    """V4's MTP block: its output streams at this rank's rows (None: no rows); prev: the streams
+    this rank's rows follow."""
+    model = mtp.model
+    x = None if fb is None else mtp.inputs(fb, prev)
+    moe = v4_moe_over_ranks(tokens, model.tp, token_ids)
+    return v4_streams(model, [mtp.L], x, fb, mtp.layer_states(states), moe)
+
+
+def row_shape(model) -> tuple[int, ...]:
+    """One row of what the speculator reads: a hidden state (V3), or V4's hc streams."""
+    return (model.cfg.hc_mult, model.cfg.hidden_size) if routes_by_token(model) else (model.cfg.hidden_size,)
+
+
+def gather_rows(rows: Optional[torch.Tensor], tokens: list[int], hidden, comm, like: torch.Tensor):
+    """Every rank's rows on rank 0, rank-major [sum(tokens), *hidden] (None elsewhere); hidden:
+    a row's width, or its shape."""
+    shape = (hidden,) if isinstance(hidden, int) else tuple(hidden)
+    pad = torch.zeros(max(tokens), *shape, dtype=wire_dtype(like), device=like.device)
     if rows is not None:
         pad[: rows.shape[0]] = rows
     group = comm._rank.compute
@@ -124,17 +183,27 @@ def my_rows(prev: torch.Tensor, tokens: list[int], rank: int) -> torch.Tensor:
     return prev[start : start + tokens[rank]]
 
 
+def run_share(op: int, spec, fb, states: dict, tokens: list[int], ids, prev=None):
+    """This rank's part of a speculative forward (V3 or V4): its rows' output, or None."""
+    model, me = spec.model, spec.model.tp.rank
+    v4 = routes_by_token(model)
+    if op == wire.OP_DP_SPEC_TARGET:
+        return v4_target_streams(model, fb, states, tokens, ids) if v4 else target_hidden(model, fb, states, tokens)
+    mine = my_rows(prev, tokens, me)
+    if v4:
+        return v4_mtp_streams(spec.local_mtp, fb, states, mine, tokens, ids)
+    return mtp_hidden(spec.local_mtp, fb, states, mine, tokens)
+
+
 def serve_spec_share(op: int, spec, header: torch.Tensor, payload: torch.Tensor, states: dict, rank) -> None:
     """A rank other than 0: its share of a speculative forward rank 0 sent."""
     model = spec.model
     fb, tokens, _ = unpack_share(header, payload, model.tp.rank, model.device)
-    like = torch.empty(0, dtype=model.dtype, device=model.device)
-    if op == wire.OP_DP_SPEC_TARGET:
-        out = target_hidden(model, fb, states, tokens)
-    else:
-        prev = receive_hidden(rank, model.device)
-        out = mtp_hidden(spec.local_mtp, fb, states, my_rows(prev, tokens, model.tp.rank), tokens)
-    gather_rows(out, tokens, model.cfg.hidden_size, model.tp, like)
+    ids = step_token_ids(header, payload, model.device) if routes_by_token(model) else None
+    prev = receive_hidden(rank, model.device) if op == wire.OP_DP_SPEC_MTP else None
+    out = run_share(op, spec, fb, states, tokens, ids, prev)
+    like = torch.empty(0, dtype=model.dtype if prev is None else prev.dtype, device=model.device)
+    gather_rows(out, tokens, row_shape(model), model.tp, like)
 
 
 # ---- rank 0 --------------------------------------------------------------------------------------
@@ -155,8 +224,10 @@ class DPSpeculation:
         header[wire.OP] = op
         dist.broadcast(header, 0, group=self.group.rank.control)
         dist.broadcast(payload, 0, group=self.group.rank.control)
-        fb0, tokens, _ = unpack_share(header, payload, 0, self.spec.model.device)
-        return fb0, tokens, rank_major_rows(fb.extend_lens.tolist(), ranks, self.group.size)
+        model = self.spec.model
+        fb0, tokens, _ = unpack_share(header, payload, 0, model.device)
+        ids = step_token_ids(header, payload, model.device) if routes_by_token(model) else None
+        return fb0, tokens, ids, rank_major_rows(fb.extend_lens.tolist(), ranks, self.group.size)
 
     def _in_batch_order(self, rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(rows)
@@ -166,19 +237,19 @@ class DPSpeculation:
     def target_hidden(self, fb: ForwardBatch, states: dict) -> torch.Tensor:
         model = self.spec.model
         with self.group.step("a data-parallel speculative target step on rank 0"):
-            fb0, tokens, order = self._shares(fb, wire.OP_DP_SPEC_TARGET)
-            mine = target_hidden(model, fb0, states, tokens)
+            fb0, tokens, ids, order = self._shares(fb, wire.OP_DP_SPEC_TARGET)
+            mine = run_share(wire.OP_DP_SPEC_TARGET, self.spec, fb0, states, tokens, ids)
             like = torch.empty(0, dtype=model.dtype, device=model.device)
-            return self._in_batch_order(gather_rows(mine, tokens, model.cfg.hidden_size, model.tp, like), order)
+            return self._in_batch_order(gather_rows(mine, tokens, row_shape(model), model.tp, like), order)
 
     def mtp_hidden(self, fb: ForwardBatch, states: dict, prev: torch.Tensor) -> torch.Tensor:
         model = self.spec.model
         with self.group.step("a data-parallel speculative MTP step on rank 0"):
-            fb0, tokens, order = self._shares(fb, wire.OP_DP_SPEC_MTP)
+            fb0, tokens, ids, order = self._shares(fb, wire.OP_DP_SPEC_MTP)
             ranked = prev[order.to(prev.device)]
             send_hidden(self.group, ranked)
-            mine = mtp_hidden(self.spec.local_mtp, fb0, states, my_rows(ranked, tokens, 0), tokens)
-            out = gather_rows(mine, tokens, model.cfg.hidden_size, model.tp, ranked)
+            mine = run_share(wire.OP_DP_SPEC_MTP, self.spec, fb0, states, tokens, ids, ranked)
+            out = gather_rows(mine, tokens, row_shape(model), model.tp, ranked)
             return self._in_batch_order(out, order)
 
 
@@ -208,8 +279,11 @@ class DPMTP:
         return getattr(self.mtp, name)
 
 
-def dp_speculator(spec, group, pages_per_rank: int, page_size: int) -> None:
-    """Make rank 0's speculator run its forwards data-parallel over the group."""
+def dp_speculator(spec, group, pages_per_rank: int, page_size: int, slot_states: Optional[dict] = None) -> None:
+    """Make rank 0's speculator run its forwards data-parallel over the group; with slot states
+    (V4's rings), put back rejected drafts' ring entries on every rank."""
     dp = DPSpeculation(spec, group, pages_per_rank, page_size)
     spec.target = DPTarget(spec.target, dp)
     spec.mtp = DPMTP(spec.mtp, dp)
+    if slot_states:
+        spec.rollback = mirrored_rollback(group, slot_states)

@@ -13,6 +13,8 @@ first. Rank 0 sends a verify as OP_DP_SPEC_VERIFY_GRAPH and a draft as OP_DP_SPE
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -139,11 +141,22 @@ class RankZeroDPSpecGraphs:
         return getattr(self.graphs, name)
 
 
+def dp_spec_graphs_refusal(model_type: str) -> Optional[str]:
+    """Why this model's speculative steps are not captured per rank under --dp-size (None: they are)."""
+    if model_type in ("deepseek_v3", "deepseek_v2"):
+        return None
+    return f"speculative steps not yet captured per rank under --dp-size for model_type {model_type!r} (run eagerly)"
+
+
 def capture_dp_spec(spec, pool, group, pages_per_rank: int) -> bool:
     """Rank 0, at start-up: every rank captures its speculative sets together (OP_CAPTURE, the
     agreement after every bucket), all keep them or none."""
     from dsv4_engine.spec_decode.graphs import capture_here
 
+    why = dp_spec_graphs_refusal(spec.runner.model_type)
+    if why is not None:
+        spec.runner.drop_graphs(why)
+        return False
     spec.graphs_class = DPSpecGraphs  # what capture_here builds (the other ranks: worker.py)
     held = []
 

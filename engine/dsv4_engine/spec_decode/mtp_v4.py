@@ -150,11 +150,20 @@ class V4MTPLayer:
     ) -> torch.Tensor:
         """The block's output streams [T, hc, D] at every token: what a captured draft step runs
         (fixed=n: a catch-up of n rows a request at a fixed shape, as the target's verify)."""
+        return run_layers(self.model, [self.L], self.inputs(fb, prev), fb, self.layer_states(states), fixed)
+
+    def inputs(self, fb, prev: torch.Tensor) -> torch.Tensor:
+        """What the block's layer reads [T, hc, D]: the next tokens' embeddings and the streams
+        they follow, each normed and projected, added on every stream."""
         m, eps = self.model, self.model.cfg.rms_norm_eps
         e = m.ops.rms(F.embedding(fb.input_ids, m.embed), self.enorm, eps)
         h = m.ops.rms(prev.to(e.dtype), self.hnorm, eps)
-        x = (F.linear(e, self.e_proj).unsqueeze(1) + F.linear(h, self.h_proj)).contiguous()
-        return run_layers(m, [self.L], x, fb, {**states, DeepseekV4.SWA_KV: states[STATE]}, fixed)
+        return (F.linear(e, self.e_proj).unsqueeze(1) + F.linear(h, self.h_proj)).contiguous()
+
+    @staticmethod
+    def layer_states(states: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The states its sliding layer reads: its own ring as the window ring."""
+        return {**states, DeepseekV4.SWA_KV: states[STATE]}
 
     @torch.inference_mode()
     def logits(self, out: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from test_tp_spec_graphs import cpu_graphs, events  # noqa: F401 (fixture)
 from dsv4_engine.engine import Engine
 from dsv4_engine.engine_args import EngineArgs
 from dsv4_engine.parallel import eplb
-from dsv4_engine.parallel.dp_graphs import dp_graphs_refusal
+from dsv4_engine.parallel.dp_graphs import dp_graphs_refusal, padded_step_ids
 from dsv4_engine.parallel.dp_spec import rank_major_rows
 from dsv4_engine.parallel.eplb_apply import rebalance
 
@@ -151,13 +151,15 @@ def test_rank_major_rows_order_the_rows_as_the_shares_concatenate():
 
 
 @pytest.mark.slow
-def test_dp2_with_each_rank_replaying_its_own_graphs_equals_tp1(make_model, cpu_graphs):
+@pytest.mark.parametrize("preset", ["tiny", "v4-tiny"])
+def test_dp2_with_each_rank_replaying_its_own_graphs_equals_tp1(make_model, cpu_graphs, preset):
     """CUDA graphs stood in on the CPU (cpu_graphs.py) on both ranks: each captures its own
     data-parallel decode step per bucket at start-up; a decode step replays on every rank with
     requests the bucket of the largest share (a rank with fewer pads to it; one with none runs
-    only the MoE's collectives). Greedy tokens equal --tp-size 1 without graphs."""
+    only the MoE's collectives; V4: every rank's token ids padded as the rows). Greedy tokens
+    equal --tp-size 1 without graphs."""
     log0, log1, _ = cpu_graphs
-    model = make_model("tiny")
+    model = make_model(preset)
     ref = staggered(engine(model, 1, kv_pages=20, cuda_graph_max_bs=0))
     e = engine(model, 2, 2, cuda_graph_max_bs=GRAPH_MAX_BS)
     shares: list[list[int]] = []
@@ -181,9 +183,15 @@ def test_dp2_with_each_rank_replaying_its_own_graphs_equals_tp1(make_model, cpu_
     print(f"shares per step {shares}; rank 0 replays {len(replays[0])}, rank 1 {len(replays[1])}")
 
 
-def test_per_rank_graphs_are_captured_for_v3_style_models_only():
-    assert dp_graphs_refusal("deepseek_v3") is None
-    assert "--dp-size" in dp_graphs_refusal("deepseek_v4")
+def test_per_rank_graphs_are_captured_for_v3_and_v4():
+    assert dp_graphs_refusal("deepseek_v3") is None and dp_graphs_refusal("deepseek_v4") is None
+    assert "--dp-size" in dp_graphs_refusal("llama")
+
+
+def test_a_v4_graph_step_reads_every_ranks_token_ids_padded_as_its_rows():
+    # rank 0: two rows, rank 1 idle, rank 2 one row; bucket 3
+    ids = padded_step_ids([torch.tensor([5, 6]), None, torch.tensor([9])], 3)
+    assert ids.tolist() == [5, 6, 5, 0, 0, 0, 9, 9, 9]
 
 
 @pytest.mark.slow

@@ -128,9 +128,9 @@ def test_what_dp_attention_does_not_do_yet_is_refused_by_name(kw, model_type, fl
     assert dp_refusal(args(), "deepseek_v3") is None and dp_refusal(args(), "deepseek_v4") is None
 
 
-def test_dp_speculation_runs_v3s_mtp_and_refuses_v4s():
+def test_dp_speculation_runs_v3s_and_v4s_mtp():
     assert dp_refusal(args(speculative_algorithm="mtp"), "deepseek_v3") is None
-    assert dp_refusal(args(speculative_algorithm="mtp"), "deepseek_v4") is not None  # V4 itself, or its MTP
+    assert dp_refusal(args(speculative_algorithm="mtp"), "deepseek_v4") is None  # parallel/dp_spec.py's V4 path
 
 
 def test_dp_size_without_tp_size_is_refused_before_any_rank_starts(make_model):
