@@ -17,7 +17,7 @@ from dsv4_engine.engine_args import EngineArgs
 pytestmark = pytest.mark.slow
 
 
-def make_engine(model_dir, tp: int, dp: int = 1) -> Engine:
+def make_engine(model_dir, tp: int, dp: int = 1, **kw) -> Engine:
     return Engine(
         EngineArgs(
             model=str(model_dir),
@@ -29,6 +29,7 @@ def make_engine(model_dir, tp: int, dp: int = 1) -> Engine:
             max_num_batched_tokens=32,
             tp_size=tp,
             dp_size=dp,
+            **kw,
         )
     )
 

@@ -8,30 +8,17 @@ from __future__ import annotations
 
 import pytest
 from test_dp_cache_engine import PAGE, bounded, conversations, one_thread  # noqa: F401  (fixture)
+from test_dp_v4_cache_engine import make_engine as cache_engine
 from test_tp_spec_decode import mtp_models  # noqa: F401  (fixture)
 
 from dsv4_engine.engine import Engine
-from dsv4_engine.engine_args import EngineArgs
 
 pytestmark = pytest.mark.slow
 
 
 def make_engine(model_dir, tp: int, spec: bool) -> Engine:
     kw = dict(speculative_algorithm="mtp", speculative_num_steps=3) if spec else {}
-    return Engine(
-        EngineArgs(
-            model=str(model_dir),
-            device="cpu",
-            kernel_backend="cpu",
-            kv_pages=32,
-            page_size=PAGE,
-            max_num_seqs=8,
-            max_num_batched_tokens=32,
-            tp_size=tp,
-            dp_size=tp,
-            **kw,
-        )
-    )
+    return cache_engine(model_dir, tp, tp, **kw)
 
 
 def test_v4_dp2_with_mtp_and_a_prefix_cache_per_rank_equals_tp1(mtp_models):
