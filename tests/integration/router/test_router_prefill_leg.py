@@ -42,6 +42,12 @@ class Scripted:
         @app.post("/v1/completions")
         async def completions(http: Request):
             self.prefill_bodies.append(await http.json())
+            # the router sends both legs at once; answer once the decode leg is in (bounded), so
+            # what the decode leg carried is on the record before the refusal cancels it
+            for _ in range(100):
+                if self.decode_bodies:
+                    break
+                await asyncio.sleep(0.05)
             return JSONResponse(
                 {"error": {"message": f"scripted {self.status}", "type": "x", "param": None, "code": self.status}},
                 status_code=self.status,
