@@ -71,7 +71,9 @@ def test_v4_dp2_pool_holds_half_the_slot_rows_and_each_request_its_row_on_its_ra
         # rank 0's own pool (rank 1 builds its pool from the same announced sizes)
         assert e.pool.num_slots == 4 and ref.pool.num_slots == 8
         assert slot_bytes(e) * 2 == ref_bytes, (slot_bytes(e), ref_bytes)
-        assert e.loads()["kv_slots_total"] == 8  # every rank's rows
+        loads = e.loads()
+        assert loads["kv_slots_total"] == 8  # every rank's rows
+        assert [(r["kv_slots_free"], r["kv_slots_total"]) for r in loads["dp_ranks"]] == [(4, 4), (4, 4)]
         arrivals = {0: [(f"r{i}", p) for i, p in enumerate(prompts(e.cfg.vocab_size, [9, 14, 11, 20], seed=3))]}
         got = bounded(lambda: drive(e, arrivals, watch=watch))
     finally:
