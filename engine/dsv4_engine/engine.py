@@ -287,6 +287,12 @@ class Engine:
         # Slot rows for max_num_seqs requests (and the cache's snapshots of them) come first; the
         # rest of the memory becomes pages (dsv4_engine.kv_sizing).
         cache_slots = any(not s.paged for s in specs) and self.prefix_cache_off is None
+        # --dp-size N: each rank's pool holds the slot rows of its own share of the requests only
+        slot_rows = args.max_num_seqs
+        if self.tp is not None and args.dp_size > 1:
+            from dsv4_engine.parallel.dp_pages import slot_rows_per_rank
+
+            slot_rows = slot_rows_per_rank(args.max_num_seqs, args.dp_size)
         snapshots = args.prefix_cache_snapshots if cache_slots else 0
         memory = device_memory(self.runner.device)  # after this rank's weights
         if self.tp is not None:  # and the other ranks': the tightest one sizes every rank's pool
@@ -298,9 +304,7 @@ class Engine:
             reserve = graph_reserve_bytes(self.runner.cuda_graph_max_bs, self.cfg.vocab_size, self.spec is not None)
             budget = kv_budget(args.kv_memory_gb, args.kv_memory_fraction, memory, reserve)
             default = default_snapshots(args.max_num_seqs) if cache_slots else 0
-            self.pool_size = size_pool(
-                specs, page_size, self.runner.dtype, budget, args.max_num_seqs, snapshots, default
-            )
+            self.pool_size = size_pool(specs, page_size, self.runner.dtype, budget, slot_rows, snapshots, default)
         num_pages, num_snapshots = self.pool_size.num_pages, self.pool_size.num_snapshots
         if cache_slots and num_snapshots == 0 and self.prefix_cache_off is None:
             self.prefix_cache_off = "no room for a slot-row snapshot in a quarter of the KV pool"
@@ -309,13 +313,13 @@ class Engine:
             "KV pool: %d pages of %d tokens, %d slot rows, %d prefix-cache snapshots (%s); KV %s, %.0f bytes/token",
             num_pages,
             page_size,
-            args.max_num_seqs,
+            slot_rows,
             num_snapshots,
             self.pool_size.budget.source,
             self.kv_cache_dtype,
             page_nbytes(specs, page_size, self.runner.dtype) / page_size,
         )
-        self.pool = KVPool(specs, num_pages, page_size, self.runner.dtype, self.runner.device, args.max_num_seqs)
+        self.pool = KVPool(specs, num_pages, page_size, self.runner.dtype, self.runner.device, slot_rows)
         if self.runner.device.type == "cpu":  # every step streams the weights: 2 MB pages
             from dsv4_engine.parallel.sharded import model_tensors
             from dsv4_kernels import huge_pages
@@ -323,11 +327,14 @@ class Engine:
             huge_pages.advise_all(model_tensors(self.runner.model))
         if self.tp is not None and args.dp_size > 1:  # each rank a pool of its own requests' pages
             from dsv4_engine.parallel.dp_attention import DPForward
-            from dsv4_engine.parallel.dp_pages import DPPageAllocator
+            from dsv4_engine.parallel.dp_pages import DPPageAllocator, DPSlotAllocator
 
-            self.tp.announce_pool(num_pages, page_size, args.max_num_seqs, num_snapshots)
+            self.tp.announce_pool(num_pages, page_size, slot_rows, num_snapshots)
             self.pool.allocator = DPPageAllocator(args.dp_size, num_pages)
-            self.runner.model = DPForward(self.runner.model, self.tp, num_pages, page_size)
+            if self.pool.slots is not None:  # rank r's rows: ids r*slot_rows.. (a row on its pages' rank)
+                self.pool.slots = DPSlotAllocator(args.dp_size, slot_rows, num_pages)
+                self.pool.allocator.slots = self.pool.slots
+            self.runner.model = DPForward(self.runner.model, self.tp, num_pages, page_size, self.pool.num_slots)
             if self.spec is not None:  # its target and MTP forwards run data-parallel too
                 from dsv4_engine.parallel.dp_spec import dp_speculator
 
@@ -342,7 +349,7 @@ class Engine:
                     self.runner.drop_graphs(why)
                 else:
                     graphs = dp_decode_graphs(self.runner, self.pool)
-                    self.runner.graphs = RankZeroDPGraphs(graphs, self.tp, num_pages)
+                    self.runner.graphs = RankZeroDPGraphs(graphs, self.tp, num_pages, self.pool.num_slots)
         elif self.tp is not None:  # the other ranks mirror the pool; each step reaches them first
             from dsv4_engine.parallel.group import BroadcastForward
 
@@ -1039,7 +1046,7 @@ class Engine:
             "kv_pages_free": self.pool.allocator.num_free,
             "kv_pages_total": self.pool.allocator.total,  # --dp-size N: every rank's pool
             "kv_slots_free": self.pool.slots.num_free if self.pool.slots is not None else None,
-            "kv_slots_total": self.pool.num_slots,
+            "kv_slots_total": self.pool.slots.total if self.pool.slots is not None else 0,  # every rank's
             "kv_page_size": self.pool.page_size,
             # which implementation each op runs and why (e.g. "cpu: native", "cpu: reference (...)")
             "kernels": {"backend": self.runner.kernel_backend, "ops": self.runner.kernel_ops},

@@ -248,6 +248,8 @@ class SlotAllocator:
     """A free list of slot rows (one per running request). Same contract as pages: every row
     handed out comes back exactly once."""
 
+    follows_pages = False  # a row is taken at admission (parallel.dp_pages.DPSlotAllocator: after the pages)
+
     def __init__(self, num_slots: int):
         self.total = num_slots
         self._free = list(range(num_slots - 1, -1, -1))

@@ -215,13 +215,17 @@ class Scheduler:
             if self._held(seq):
                 i += 1
                 continue
-            if self.slots is not None and seq.slot is None:
+            if self.slots is not None and seq.slot is None and not self.slots.follows_pages:
                 seq.slot = self.slots.allocate()
                 if seq.slot is None:
                     break  # every row is held (only when something else holds rows beyond max_num_seqs)
             hit = self.cache.attach(seq) if self.cache is not None and not seq.pages and seq.num_computed == 0 else None
             n = self._chunk(seq, budget)
-            if not self._grow(seq, seq.num_computed + n):
+            grown = self._grow(seq, seq.num_computed + n)
+            if grown and self.slots is not None and seq.slot is None:  # --dp-size: a row on its pages' rank
+                seq.slot = self.slots.allocate_beside(seq.pages)
+                grown = seq.slot is not None
+            if not grown:
                 self.release(seq)  # nothing computed yet: its row (and any pages) go back
                 if hit is not None:
                     seq.num_computed = 0  # the reused prefix went back with its pages

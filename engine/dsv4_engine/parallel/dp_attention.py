@@ -207,8 +207,9 @@ class DPForward:
     """Rank 0's model under --dp-size N: each step is cut into the ranks' shares, sent, run on
     every rank, and its logits gathered back in batch order."""
 
-    def __init__(self, model, group, pages_per_rank: int, page_size: int):
+    def __init__(self, model, group, pages_per_rank: int, page_size: int, slots_per_rank: int = 0):
         self.model = model
+        self.slots_per_rank = slots_per_rank  # slot rows of each rank's pool (V4; dp_pages)
         self.group = group
         self.pages_per_rank = pages_per_rank
         self.page_size = page_size
@@ -216,7 +217,7 @@ class DPForward:
     def forward(self, fb: ForwardBatch, states: dict) -> torch.Tensor:
         with self.group.step("a data-parallel step on rank 0"):
             ranks = request_ranks(fb, self.pages_per_rank)
-            shares = split_batch(fb, ranks, self.group.size, self.pages_per_rank, self.page_size)
+            shares = split_batch(fb, ranks, self.group.size, self.pages_per_rank, self.page_size, self.slots_per_rank)
             header, payload = pack_shares(shares)
             dist.broadcast(header, 0, group=self.group.rank.control)
             dist.broadcast(payload, 0, group=self.group.rank.control)

@@ -2,7 +2,7 @@
 
 Rank 0 schedules every request; a request's pages all live on one rank (`dp_pages`), so the
 rank of request i is the rank of its first page. Rank r's share holds its requests' tokens in
-batch order, their page ids and KV slots made local to its own pool, and each request's logits
+batch order, their page ids, KV slots and slot rows made local to its own pool, and each request's logits
 row renumbered inside the share. `merge_logits` puts the ranks' logits back in batch order.
 """
 
@@ -21,16 +21,17 @@ def request_ranks(fb: ForwardBatch, pages_per_rank: int) -> list[int]:
 
 
 def split_batch(
-    fb: ForwardBatch, ranks: list[int], dp_size: int, pages_per_rank: int, page_size: int
+    fb: ForwardBatch, ranks: list[int], dp_size: int, pages_per_rank: int, page_size: int, slots_per_rank: int = 0
 ) -> list[Optional[ForwardBatch]]:
-    """Each rank's share of the batch (None: the rank has no request this step), on the CPU."""
+    """Each rank's share of the batch (None: the rank has no request this step), on the CPU.
+    `slots_per_rank`: slot rows of each rank's pool (V4), whose global ids the shares make local."""
     ext = fb.extend_lens.to(torch.int64).cpu().tolist()
     starts = [0]
     for n in ext[:-1]:
         starts.append(starts[-1] + n)
     ids, pos, slots = fb.input_ids.cpu(), fb.positions.cpu(), fb.slot_mapping.cpu()
     table, seq_lens, logits_at = fb.block_table.cpu(), fb.seq_lens.cpu(), fb.logits_indices.cpu()
-    slot_ids = None if fb.slot_ids is None else fb.slot_ids.cpu()  # V4's slot rows: every rank has them all
+    slot_ids = None if fb.slot_ids is None else fb.slot_ids.cpu()  # V4's slot rows: rank r's from r * slots_per_rank
     out: list[Optional[ForwardBatch]] = []
     for r in range(dp_size):
         reqs = [i for i, ri in enumerate(ranks) if ri == r]
@@ -61,7 +62,7 @@ def split_batch(
                 page_size=fb.page_size,
                 seq_lens_host=sub_lens.tolist(),
                 extend_lens_host=sub_ext,
-                slot_ids=None if slot_ids is None else slot_ids[reqs],
+                slot_ids=None if slot_ids is None else slot_ids[reqs] - r * slots_per_rank,
             )
         )
     return out

@@ -53,7 +53,11 @@ def rank_snapshot_pools(slot_states: dict, per_rank: int, dp_size: int, send) ->
     the byte counts, no memory, copies that do nothing) and `send`s each copy (the engine's
     snapshot id, the slot row) to that rank, which makes it."""
     pools = [SnapshotPool(slot_states, per_rank)]
-    shapes = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in slot_states.items()}
+    # every rank's rows (global ids) on the meta device: rank r's copies index them, then send them
+    shapes = {
+        name: torch.empty(dp_size * t.shape[0], *t.shape[1:], dtype=t.dtype, device="meta")
+        for name, t in slot_states.items()
+    }
     for r in range(1, dp_size):
         pool = SnapshotPool(shapes, per_rank)
         pool.mirror = lambda kind, snap, row, base=r * per_rank: send(kind, base + snap, row)
@@ -225,11 +229,27 @@ class DPPrefixCache:
         takes its cached prefix there (a rank with no match: nothing now, its first pages decide)."""
         matched = [c.match(seq) for c in self.ranks]
         need = -(-seq.num_tokens // self.page_size)
-        r = choose_rank(matched, self.books.free_per_rank(), need, self.books.running_per_rank(self.running()))
+        r = choose_rank(
+            matched,
+            self.books.free_per_rank(),
+            need,
+            self.books.running_per_rank(self.running()),
+            self.books.rows_free(),
+        )
         self._last_rank = r
         if matched[r]:
             self.placed[r] += 1
-        return self.ranks[r].attach(seq)
+        slots = self.books.slots
+        took = slots is not None and seq.slot is None and matched[r] > 0
+        if took:  # its row on that rank, where its cached prefix's snapshot is restored
+            seq.slot = slots.allocate_on(r)
+            if seq.slot is None:
+                return 0  # no row there (choose_rank skips such a rank unless all are full): it waits
+        hit = self.ranks[r].attach(seq)
+        if took and not seq.pages:  # nothing taken: its first pages place it, and its row follows them
+            slots.free(seq.slot)
+            seq.slot = None
+        return hit
 
     def count(self, query: int, hit: int) -> None:
         self.ranks[self._last_rank].count(query, hit)

@@ -205,15 +205,15 @@ class RankZeroDPGraphs:
     shares and sent, its own share replayed, the logits gathered back in batch order; a step
     whose largest share has no bucket comes back None (the runner then runs it eagerly)."""
 
-    def __init__(self, graphs: DPDecodeGraphs, group, pages_per_rank: int):
+    def __init__(self, graphs: DPDecodeGraphs, group, pages_per_rank: int, slots_per_rank: int = 0):
         self.graphs, self.group = graphs, group
-        self.pages_per_rank = pages_per_rank
+        self.pages_per_rank, self.slots_per_rank = pages_per_rank, slots_per_rank
 
     def step(self, hb: HostBatch) -> Optional[torch.Tensor]:
         g = self.graphs
         fb = forward_of(hb, g.page_size)
         ranks = request_ranks(fb, self.pages_per_rank)
-        shares = split_batch(fb, ranks, self.group.size, self.pages_per_rank, g.page_size)
+        shares = split_batch(fb, ranks, self.group.size, self.pages_per_rank, g.page_size, self.slots_per_rank)
         reqs = [0 if s is None else s.seq_lens.numel() for s in shares]
         bs = step_bucket(reqs, g.buckets)
         if bs is None:

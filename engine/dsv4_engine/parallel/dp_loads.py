@@ -2,7 +2,7 @@
 `dp_rank`-labelled series of dsv4_wire.metrics.RANK_GAUGES / RANK_COUNTERS).
 
 Requests wait in the engine's one queue and take a rank when admitted (`dp_cache.choose_rank`),
-so only running requests, pages and the prefix cache are per rank.
+so only running requests, pages, slot rows (V4) and the prefix cache are per rank.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ def rank_loads(books: DPPageAllocator, running: list, cache=None) -> list[dict]:
             "kv_pages_free": alloc.num_free,
             "kv_pages_total": books.pages_per_rank,
         }
+        if books.slots is not None:  # V4's per-request rows on this rank
+            row.update(kv_slots_free=books.slots.ranks[r].num_free, kv_slots_total=books.slots.per_rank)
         if cache is not None:
             c = cache.ranks[r]
             row.update(

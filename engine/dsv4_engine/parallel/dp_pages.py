@@ -7,11 +7,17 @@ all come from one rank's pool, chosen when it takes its first page (the rank wit
 pages: load by KV, then the lower rank; with the prefix cache, `choose_rank` from its cached
 prefix on each rank too), so the rank of a request is the rank of its pages and the step's
 batch splits by them (`dp_batch`).
+
+A model with slot rows (DeepSeek-V4's window ring and compressor stages, a fixed cost per
+request) has them per rank too: each rank's pool holds `slot_rows_per_rank` rows, and rank 0's
+`DPSlotAllocator` numbers them as pages are numbered (global row g: rank g // per_rank, local row
+g % per_rank). A request takes its row on the rank of its pages, so placement skips a rank whose
+rows are all held.
 """
 
 from __future__ import annotations
 
-from dsv4_engine.kv_cache import PageAllocator
+from dsv4_engine.kv_cache import PageAllocator, SlotAllocator
 
 
 # How many more running requests than the least busy rank a rank holding a request's prefix may
@@ -21,16 +27,30 @@ from dsv4_engine.kv_cache import PageAllocator
 BALANCE_SLACK = 0.25
 
 
-def choose_rank(matched: list[int], free: list[int], need: int = 0, running: list[int] | None = None) -> int:
+def slot_rows_per_rank(max_num_seqs: int, dp_size: int) -> int:
+    """Slot rows each rank's pool holds: an even share of --max-num-seqs, rounded up (the ranks
+    together run at most max_num_seqs requests; a rank whose rows are all held takes no more)."""
+    return -(-max_num_seqs // dp_size)
+
+
+def choose_rank(
+    matched: list[int],
+    free: list[int],
+    need: int = 0,
+    running: list[int] | None = None,
+    rows: list[int] | None = None,
+) -> int:
     """The rank a request runs on. `matched[r]`: pages of its prefix rank r's cache holds;
     `free[r]`: pages rank r can hand out (idle cached ones included); `need`: pages the whole
-    request takes; `running[r]`: requests running on rank r. Among the ranks that can hold what
-    the request still needs (all of them when none can): the longest match on a rank within the
+    request takes; `running[r]`: requests running on rank r; `rows[r]`: free slot rows of rank r
+    (a model with slot rows). Among the ranks that can hold what the request still needs (all of
+    them when none can; a rank with no free slot row never): the longest match on a rank within the
     slack of the least busy (then fewer running requests, more free pages, the lower rank); with
     none, the most free pages (load by KV), then the lower rank."""
     ranks = range(len(free))
     running = running or [0] * len(free)
-    fits = [r for r in ranks if free[r] >= need - matched[r]] or list(ranks)
+    open_ = [r for r in ranks if rows is None or rows[r] > 0] or list(ranks)
+    fits = [r for r in open_ if free[r] >= need - matched[r]] or open_
     least = min(running[r] for r in fits)
     slack = max(1, int(BALANCE_SLACK * sum(running) / len(running)))
     near = [r for r in fits if matched[r] and running[r] - least <= slack]
@@ -50,6 +70,7 @@ class DPPageAllocator:
         self.total = dp_size * pages_per_rank
         self.ranks = [PageAllocator(pages_per_rank) for _ in range(dp_size)]
         self.cache = None
+        self.slots: DPSlotAllocator | None = None  # a model with slot rows (the engine sets it)
 
     def rank_of(self, page: int) -> int:
         return page // self.pages_per_rank
@@ -68,7 +89,11 @@ class DPPageAllocator:
 
     def least_loaded(self) -> int:
         """The rank a new request goes to: the most free pages, then the lower rank."""
-        return choose_rank([0] * self.dp_size, [a.num_free for a in self.ranks])
+        return choose_rank([0] * self.dp_size, [a.num_free for a in self.ranks], rows=self.rows_free())
+
+    def rows_free(self) -> list[int] | None:
+        """Free slot rows of each rank (None: the model has none)."""
+        return None if self.slots is None else self.slots.free_per_rank()
 
     def allocate(self, n: int, rank: int = 0) -> list[int] | None:
         got = self.ranks[rank].allocate(n)
@@ -118,3 +143,38 @@ class DPPageAllocator:
     def free_per_rank(self) -> list[int]:
         """Pages each rank can hand out now (idle cached ones included)."""
         return [a.num_free for a in self.ranks]
+
+
+class DPSlotAllocator:
+    """N SlotAllocators, one per rank's pool, in one id space (global row g: rank g // per_rank).
+    The scheduler takes a request's row once its pages placed it (`allocate_beside`)."""
+
+    follows_pages = True  # the scheduler allocates the row after the pages, on their rank
+
+    def __init__(self, dp_size: int, per_rank: int, pages_per_rank: int):
+        self.per_rank = per_rank
+        self.pages_per_rank = pages_per_rank
+        self.total = dp_size * per_rank
+        self.ranks = [SlotAllocator(per_rank) for _ in range(dp_size)]
+
+    @property
+    def num_free(self) -> int:
+        return sum(a.num_free for a in self.ranks)
+
+    def free_per_rank(self) -> list[int]:
+        return [a.num_free for a in self.ranks]
+
+    def rank_of(self, slot: int) -> int:
+        return slot // self.per_rank
+
+    def allocate_on(self, rank: int) -> int | None:
+        got = self.ranks[rank].allocate()
+        return None if got is None else rank * self.per_rank + got
+
+    def allocate_beside(self, pages: list[int]) -> int | None:
+        """A row on the rank of `pages` (a request's, at least one)."""
+        return self.allocate_on(pages[0] // self.pages_per_rank)
+
+    def free(self, slot: int) -> None:
+        r, local = divmod(slot, self.per_rank)
+        self.ranks[r].free(local)

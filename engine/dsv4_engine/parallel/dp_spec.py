@@ -213,13 +213,14 @@ class DPSpeculation:
     """Rank 0's side: sends a speculative forward's shares, runs its own, and returns the
     hidden states of every row in batch order."""
 
-    def __init__(self, spec, group, pages_per_rank: int, page_size: int):
+    def __init__(self, spec, group, pages_per_rank: int, page_size: int, slots_per_rank: int = 0):
         self.spec, self.group = spec, group
         self.pages_per_rank, self.page_size = pages_per_rank, page_size
+        self.slots_per_rank = slots_per_rank
 
     def _shares(self, fb: ForwardBatch, op: int):
         ranks = request_ranks(fb, self.pages_per_rank)
-        shares = split_batch(fb, ranks, self.group.size, self.pages_per_rank, self.page_size)
+        shares = split_batch(fb, ranks, self.group.size, self.pages_per_rank, self.page_size, self.slots_per_rank)
         header, payload = pack_shares(shares)
         header[wire.OP] = op
         dist.broadcast(header, 0, group=self.group.rank.control)
@@ -282,8 +283,9 @@ class DPMTP:
 def dp_speculator(spec, group, pages_per_rank: int, page_size: int, slot_states: Optional[dict] = None) -> None:
     """Make rank 0's speculator run its forwards data-parallel over the group; with slot states
     (V4's rings), put back rejected drafts' ring entries on every rank."""
-    dp = DPSpeculation(spec, group, pages_per_rank, page_size)
+    rows = next(iter(slot_states.values())).shape[0] if slot_states else 0  # each rank's slot rows
+    dp = DPSpeculation(spec, group, pages_per_rank, page_size, rows)
     spec.target = DPTarget(spec.target, dp)
     spec.mtp = DPMTP(spec.mtp, dp)
     if slot_states:
-        spec.rollback = mirrored_rollback(group, slot_states)
+        spec.rollback = mirrored_rollback(group, slot_states, rows)

@@ -83,8 +83,9 @@ class RankZeroDPSpecGraphs:
     `draft_hidden`): each cut into shares and sent, its own share replayed, the hidden rows
     gathered back in batch order."""
 
-    def __init__(self, graphs: DPSpecGraphs, group, pages_per_rank: int):
+    def __init__(self, graphs: DPSpecGraphs, group, pages_per_rank: int, slots_per_rank: int = 0):
         self.graphs, self.group, self.pages_per_rank = graphs, group, pages_per_rank
+        self.slots_per_rank = slots_per_rank
 
     def _rows_per_rank(self, hb: HostBatch) -> np.ndarray:
         ranks = hb.block_table[:, 0].astype(np.int64) // self.pages_per_rank
@@ -100,7 +101,7 @@ class RankZeroDPSpecGraphs:
         g = self.graphs
         fb = forward_of(hb, g.page_size)
         ranks = request_ranks(fb, self.pages_per_rank)
-        shares = split_batch(fb, ranks, self.group.size, self.pages_per_rank, g.page_size)
+        shares = split_batch(fb, ranks, self.group.size, self.pages_per_rank, g.page_size, self.slots_per_rank)
         header, payload = pack_shares(shares)
         header[wire.OP] = op
         dist.broadcast(header, 0, group=self.group.rank.control)
@@ -165,7 +166,7 @@ def capture_dp_spec(spec, pool, group, pages_per_rank: int) -> bool:
         return held[-1] is not None
 
     if group.capture_graphs(spec.runner.cuda_graph_max_bs, capture, "speculative"):
-        spec.graphs = RankZeroDPSpecGraphs(held[0], group, pages_per_rank)
+        spec.graphs = RankZeroDPSpecGraphs(held[0], group, pages_per_rank, pool.num_slots)
         return True
     spec.runner.drop_graphs("another rank could not capture its speculative graphs")
     return False

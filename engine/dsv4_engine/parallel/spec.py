@@ -94,16 +94,31 @@ class BroadcastMTP:
         return getattr(self.mtp, name)
 
 
-def mirrored_rollback(group, slot_names):
-    """A RingRollback class whose save and put-back every other rank repeats on its own rings."""
+class OwnRowsRollback(RingRollback):
+    """A RingRollback of the entries whose slot rows are rank `rank`'s, at its local rows: under
+    --dp-size each rank's pool holds only rows rank * per_rank.. (parallel.dp_pages); per_rank 0
+    (tensor parallelism): every entry, every rank holding every row."""
+
+    def __init__(self, rings: dict, rows: list[int], positions: list[int], rank: int = 0, per_rank: int = 0):
+        self._mine = [k for k, row in enumerate(rows) if not per_rank or row // per_rank == rank]
+        base = rank * per_rank
+        super().__init__(rings, [rows[k] - base for k in self._mine], [positions[k] for k in self._mine])
+
+    def restore(self, keep_below: Optional[list[int]] = None) -> None:
+        super().restore(None if keep_below is None else [keep_below[k] for k in self._mine])
+
+
+def mirrored_rollback(group, slot_names, per_rank: int = 0):
+    """A RingRollback class whose save and put-back every other rank repeats on its own rings
+    (per_rank > 0, --dp-size: each rank on its own rows only)."""
     order = sorted(slot_names)
 
-    class MirroredRollback(RingRollback):
+    class MirroredRollback(OwnRowsRollback):
         def __init__(self, rings: dict, rows: list[int], positions: list[int]):
             self._names = [order.index(n) for n in rings]
             with group.step("saving ring entries on every rank"):
                 _send(group, *wire.ring_message(wire.OP_RING_SAVE, self._names, [*rows, *positions]))
-                super().__init__(rings, rows, positions)
+                super().__init__(rings, rows, positions, 0, per_rank)
 
         def restore(self, keep_below: Optional[list[int]] = None) -> None:
             with group.step("putting back ring entries on every rank"):
@@ -176,7 +191,7 @@ class SpecRank:
     def __init__(self, spec, pool, rank):
         self.spec, self.pool, self.rank = spec, pool, rank
         self.order = sorted(pool.slot_states)
-        self.saved: dict[tuple[int, ...], RingRollback] = {}  # by rings: a later save replaces
+        self.saved: dict[tuple[int, ...], OwnRowsRollback] = {}  # by rings: a later save replaces
         self.graphs = None  # the captured speculative steps, when every rank captured them
 
     def capture(self, max_bs: int, agree) -> bool:
@@ -210,7 +225,8 @@ class SpecRank:
             names, ints = wire.unpack_ring(payload)
             n = len(ints) // 2
             rings = {self.order[i]: self.pool.slot_states[self.order[i]] for i in names}
-            self.saved[tuple(names)] = RingRollback(rings, ints[:n], ints[n:])
+            per_rank = self.pool.num_slots if self.rank.data_parallel else 0
+            self.saved[tuple(names)] = OwnRowsRollback(rings, ints[:n], ints[n:], self.rank.shard.rank, per_rank)
         elif op == wire.OP_RING_RESTORE:
             names, keep_below = wire.unpack_ring(payload)
             undo = self.saved.pop(tuple(names), None)

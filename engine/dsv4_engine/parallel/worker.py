@@ -132,7 +132,8 @@ def serve_rank(spec: dict) -> None:
 
         spec_rank = SpecRank(speculator, pool, rank)
     # The prefix cache's snapshots of slot rows (V4): rank 0 keeps the books, this rank the copies.
-    # (--dp-size N: its own requests' only; rank r's are the engine's ids r*n.. (r+1)*n-1.)
+    # (--dp-size N: its own requests' only; rank r's are the engine's ids r*n.. (r+1)*n-1, as are
+    # its slot rows among the engine's: parallel.dp_pages.DPSlotAllocator.)
     snapshots = (
         {
             name: torch.zeros(num_snapshots, *t.shape[1:], dtype=t.dtype, device=t.device)
@@ -215,6 +216,7 @@ def serve_rank(spec: dict) -> None:
                 from dsv4_engine.parallel.dp_cache import own_snapshot_row
 
                 snap = own_snapshot_row(snap, shard.rank, num_snapshots)
+                row -= shard.rank * pool.num_slots  # the request's row among this rank's own
             if snap is not None:
                 copy_snapshot(snapshots, pool.slot_states, kind, snap, row)
         else:

@@ -163,7 +163,7 @@ class DecodeController(PDController):
                 return  # FCFS: wait for pages; the bootstrap deadline bounds the wait
             slot = None
             if pool.slots is not None:
-                slot = pool.slots.allocate()
+                slot = pool.slots.allocate_beside(pages) if pool.slots.follows_pages else pool.slots.allocate()
                 if slot is None:
                     pool.allocator.free(pages)
                     return  # every slot row is taken: wait like for pages
@@ -174,6 +174,8 @@ class DecodeController(PDController):
             if self.dp_descs:  # the pool of the rank it was placed on, in that pool's page ids
                 dp_rank, dst_pages = locate(pages, books.pages_per_rank)
                 desc = self.dp_descs[dp_rank]
+                if slot is not None:  # its row among that rank's (parallel.dp_pages.DPSlotAllocator)
+                    slot -= dp_rank * pool.num_slots
                 seq.pd.mark(f"placed_on_rank_{dp_rank}", self.clock())
             msg = RegisterRoom(
                 room=seq.pd.room,

@@ -57,6 +57,7 @@ class RankSender:
         self.states = states  # this rank's PoolStates (checksums of what it sends)
         self.rank0 = agent.add_peer(rank0_desc)
         self.writes: dict[int, int] = {}  # rank 0's id -> this agent's handle
+        self.slot_base = 0  # the engine's id of this rank's slot row 0 (parallel.dp_pages.DPSlotAllocator)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         if thread:
@@ -72,7 +73,9 @@ class RankSender:
         states = PoolStates.of_pool(pool)
         agent = KVTransferAgent(f"prefill-{BOOT_ID}-rank{rank}", states, default_timeout_s=None)
         descs = gather(agent.descriptor())
-        return cls(agent, descs[0], states)
+        sender = cls(agent, descs[0], states)
+        sender.slot_base = rank * pool.num_slots
+        return sender
 
     def serve_once(self) -> int:
         """Take rank 0's commands, report the writes that ended; how many commands came."""
@@ -98,13 +101,16 @@ class RankSender:
 
     def _write(self, body: dict) -> None:
         wid = body["id"]
+        src_slot = body.get("src_slot")
+        if src_slot is not None:  # the engine's slot row id: this rank's own row
+            src_slot -= self.slot_base
         try:
             peer = self.agent.add_peer(body["desc"])
             notif = base64.b64decode(body["notif"])
             if body.get("checksum"):
-                notif = self._with_checksums(notif, body["src"], body.get("src_slot"))
+                notif = self._with_checksums(notif, body["src"], src_slot)
             self.writes[wid] = self.agent.write_pages(
-                peer, body["src"], body["dst"], notif, **slot_args(body.get("src_slot"), body.get("dst_slot"))
+                peer, body["src"], body["dst"], notif, **slot_args(src_slot, body.get("dst_slot"))
             )
         except Exception as e:  # a write that cannot start ends FAILED on rank 0 too
             self._report(wid, TransferState.FAILED, f"rank could not start the write: {e}", 0, {})
