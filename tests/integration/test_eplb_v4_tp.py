@@ -8,32 +8,14 @@ layer is hash-routed."""
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from test_eplb_tp import ARGS, all_texts
 
 from bench.harness.commands import serving
 
 pytestmark = pytest.mark.slow
-
-ARGS = ["--kv-pages", 256, "--served-model-name", "m", "--device", "cpu"]
-PROMPTS = ["yes no ok yes yes no", "ok ok no yes ok no ok", "the quick brown fox", "no no no yes ok ok yes"]
-
-
-def complete(url: str, prompt: str) -> str:
-    body = {"model": "m", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
-
-
-def all_texts(url: str, during=None) -> list[str]:
-    with ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(complete, url, p) for p in PROMPTS * 2]
-        if during is not None:
-            during()
-        return [f.result() for f in futures]
 
 
 def test_v4_replicas_at_tp2_keep_the_greedy_text_and_a_live_rebalance_drops_nothing(make_model, tmp_path):
